@@ -1,0 +1,26 @@
+# Two commands do all set-up on a fresh machine: `make demo` and `make test`.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.specrun-installed
+JOBS := $(shell nproc 2>/dev/null || echo 2)
+
+.PHONY: demo test install clean
+
+install: $(STAMP)
+
+# llama-cpp-python builds from source (about 6 minutes on 2 cores); pip caches the wheel.
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	CMAKE_BUILD_PARALLEL_LEVEL=$(JOBS) $(PY) -m pip install --quiet -e '.[llama,mlx,dev]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/specrun demo
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,73 @@
+"""A table-driven fake backend: tabulated next-token distributions, no weights.
+
+Used by the tests to prove losslessness statistically: the logits for any context
+come from a plain Python function, so exact joint distributions are computable.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from specrun.backends.base import VocabInfo
+
+LogitTable = Callable[[tuple[int, ...]], np.ndarray]
+
+
+class FakeBackend:
+    """A model whose next-token logits are ``table(context)``; the cache is a token list."""
+
+    name = "fake"
+
+    def __init__(
+        self,
+        table: LogitTable,
+        vocab_size: int,
+        *,
+        n_ctx: int = 4096,
+        bos_id: int | None = None,
+        eos_ids: Sequence[int] = (),
+    ) -> None:
+        self.table = table
+        self.vocab = VocabInfo(vocab_size, bos_id, frozenset(eos_ids), add_bos=bos_id is not None)
+        self.n_ctx = n_ctx
+        self.cache: list[int] = []
+        self.forward_calls = 0
+        self.forwarded_tokens = 0
+
+    @property
+    def n_past(self) -> int:
+        return len(self.cache)
+
+    def tokenize(self, text: str, add_bos: bool = True) -> list[int]:
+        ids = [b % self.vocab.size for b in text.encode()]
+        return ([self.vocab.bos_id] if add_bos and self.vocab.bos_id is not None else []) + ids
+
+    def token_bytes(self, token: int) -> bytes:
+        return b"" if token in self.vocab.eos_ids or token == self.vocab.bos_id else bytes([token % 256])
+
+    def token_text(self, token: int) -> str:
+        return f"<{token}>"
+
+    def chat_template(self) -> str | None:
+        return None
+
+    def forward(self, tokens: Sequence[int], logit_rows: Sequence[int]) -> np.ndarray:
+        if self.n_past + len(tokens) > self.n_ctx:
+            raise ValueError("fake backend context overflow")
+        start = len(self.cache)
+        self.cache.extend(int(t) for t in tokens)
+        self.forward_calls += 1
+        self.forwarded_tokens += len(tokens)
+        rows = [np.asarray(self.table(tuple(self.cache[: start + r + 1])), dtype=np.float32) for r in logit_rows]
+        return np.stack(rows) if rows else np.zeros((0, self.vocab.size), np.float32)
+
+    def forward_argmax(self, tokens: Sequence[int], logit_rows: Sequence[int]) -> np.ndarray:
+        return self.forward(tokens, logit_rows).argmax(axis=-1)
+
+    def rewind(self, n_keep: int) -> None:
+        del self.cache[n_keep:]
+
+    def close(self) -> None:
+        self.cache.clear()

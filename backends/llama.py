@@ -1,0 +1,258 @@
+"""llama.cpp backend over llama-cpp-python's low-level ctypes API.
+
+Why not ``llama_cpp.Llama``: it keeps its own token bookkeeping and, for
+speculation, asks for logits at every position (logits_all); here a verify batch
+requests logits only for the rows being verified, and rewinds go straight to the
+KV memory (``llama_memory_seq_rm``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+from specrun.backends.base import VocabInfo
+from specrun.errors import BackendUnavailableError, ContextFullError, ModelFileError
+
+GGUF_MAGIC = b"GGUF"
+_SEQ = 0  # the one sequence id this backend uses
+
+
+def _import_llama_cpp():
+    try:
+        import llama_cpp
+    except ImportError as exc:  # pragma: no cover - depends on the install
+        raise BackendUnavailableError(
+            "the llama.cpp backend is not installed",
+            "install it with: pip install 'specrun[llama]'",
+        ) from exc
+    return llama_cpp
+
+
+_log_callback = None  # kept alive for as long as llama.cpp may call it
+
+
+def _silence_logs(llama_cpp) -> None:
+    """Route llama.cpp's own logging to nowhere unless SPECRUN_DEBUG is set."""
+    global _log_callback
+    if _log_callback is not None or os.environ.get("SPECRUN_DEBUG") == "1":
+        return
+
+    @llama_cpp.llama_log_callback
+    def _drop(level, text, user_data):  # noqa: ARG001 - ctypes signature
+        return None
+
+    _log_callback = _drop
+    llama_cpp.llama_log_set(_log_callback, ctypes.c_void_p(0))
+
+
+def check_gguf_file(path: Path) -> None:
+    """Raise a ModelFileError naming the problem if ``path`` is not a readable GGUF file."""
+    if not path.exists():
+        raise ModelFileError(f"model file not found: {path}", "check the path or run `specrun models list`")
+    if path.is_dir():
+        raise ModelFileError(f"{path} is a directory, not a GGUF file", "pass the .gguf file inside it")
+    try:
+        with path.open("rb") as handle:
+            magic = handle.read(4)
+    except OSError as exc:
+        raise ModelFileError(f"cannot read model file {path}: {exc.strerror}", "check its permissions") from exc
+    if magic != GGUF_MAGIC:
+        raise ModelFileError(
+            f"{path} is not a GGUF file (it starts with {magic!r})",
+            "pass a .gguf model, or download it again if it is truncated",
+        )
+
+
+class LlamaCppBackend:
+    """One GGUF model and one llama.cpp context (KV cache) for a single sequence."""
+
+    name = "llama"
+
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        *,
+        n_ctx: int = 4096,
+        n_threads: int | None = None,
+        gpu_layers: int | None = None,
+        n_batch: int = 512,
+    ) -> None:
+        llama_cpp = _import_llama_cpp()
+        self._lib = llama_cpp
+        self.path = Path(path)
+        check_gguf_file(self.path)
+        _silence_logs(llama_cpp)
+        llama_cpp.llama_backend_init()
+
+        model_params = llama_cpp.llama_model_default_params()
+        if gpu_layers is None:
+            gpu_layers = -1 if llama_cpp.llama_supports_gpu_offload() else 0
+        model_params.n_gpu_layers = gpu_layers
+        self._model = llama_cpp.llama_model_load_from_file(str(self.path).encode(), model_params)
+        if not self._model:
+            raise ModelFileError(
+                f"llama.cpp could not load {self.path} (corrupt, truncated or an unsupported architecture)",
+                "download the file again or check that this llama-cpp-python version supports the model",
+            )
+        self._vocab_p = llama_cpp.llama_model_get_vocab(self._model)
+
+        n_ctx_train = llama_cpp.llama_model_n_ctx_train(self._model)
+        self.n_ctx = min(n_ctx, n_ctx_train) if n_ctx_train > 0 else n_ctx
+        self.n_batch = n_batch
+        threads = n_threads or max(1, os.cpu_count() or 1)
+        ctx_params = llama_cpp.llama_context_default_params()
+        ctx_params.n_ctx = self.n_ctx
+        ctx_params.n_batch = n_batch
+        ctx_params.n_ubatch = n_batch
+        ctx_params.n_seq_max = 1
+        ctx_params.n_threads = threads
+        ctx_params.n_threads_batch = threads
+        ctx_params.no_perf = True
+        self._ctx = llama_cpp.llama_init_from_model(self._model, ctx_params)
+        if not self._ctx:
+            llama_cpp.llama_model_free(self._model)
+            raise ModelFileError(
+                f"llama.cpp could not create a context of {self.n_ctx} tokens for {self.path}",
+                "lower --ctx or free memory",
+            )
+        self._memory = llama_cpp.llama_get_memory(self._ctx)
+        self._batch = llama_cpp.llama_batch_init(n_batch, 0, 1)
+        self._n_past = 0
+        self.n_vocab = llama_cpp.llama_vocab_n_tokens(self._vocab_p)
+        self.vocab = self._read_vocab_info()
+        self._pieces: dict[int, bytes] = {}
+
+    # ---- vocabulary ---------------------------------------------------------------
+    def _read_vocab_info(self) -> VocabInfo:
+        lib, vocab = self._lib, self._vocab_p
+        bos = lib.llama_vocab_bos(vocab)
+        eos_ids = frozenset(t for t in range(self.n_vocab) if lib.llama_vocab_is_eog(vocab, t))
+        return VocabInfo(
+            size=self.n_vocab,
+            bos_id=bos if bos >= 0 else None,
+            eos_ids=eos_ids,
+            add_bos=bool(lib.llama_vocab_get_add_bos(vocab)),
+        )
+
+    def tokenize(self, text: str, add_bos: bool = True) -> list[int]:
+        data = text.encode("utf-8")
+        capacity = len(data) + 8
+        buffer = (self._lib.llama_token * capacity)()
+        count = self._lib.llama_tokenize(self._vocab_p, data, len(data), buffer, capacity, add_bos, False)
+        if count < 0:  # the buffer was too small: -count is the size needed
+            capacity = -count
+            buffer = (self._lib.llama_token * capacity)()
+            count = self._lib.llama_tokenize(self._vocab_p, data, len(data), buffer, capacity, add_bos, False)
+        return list(buffer[:count])
+
+    def token_bytes(self, token: int) -> bytes:
+        piece = self._pieces.get(token)
+        if piece is None:
+            buffer = ctypes.create_string_buffer(64)
+            size = self._lib.llama_token_to_piece(self._vocab_p, token, buffer, 64, 0, False)
+            if size < 0:
+                buffer = ctypes.create_string_buffer(-size)
+                size = self._lib.llama_token_to_piece(self._vocab_p, token, buffer, -size, 0, False)
+            piece = buffer.raw[:size]
+            self._pieces[token] = piece
+        return piece
+
+    def token_text(self, token: int) -> str:
+        return self._lib.llama_vocab_get_text(self._vocab_p, token).decode("utf-8", errors="replace")
+
+    def chat_template(self) -> str | None:
+        template = self._lib.llama_model_chat_template(self._model, None)
+        return template.decode("utf-8") if template else None
+
+    def metadata(self, key: str) -> str | None:
+        buffer = ctypes.create_string_buffer(4096)
+        size = self._lib.llama_model_meta_val_str(self._model, key.encode(), buffer, 4096)
+        return buffer.value.decode("utf-8", errors="replace") if size >= 0 else None
+
+    # ---- the KV cache ---------------------------------------------------------------
+    @property
+    def n_past(self) -> int:
+        return self._n_past
+
+    def forward(self, tokens: Sequence[int], logit_rows: Sequence[int]) -> np.ndarray:
+        rows = list(logit_rows)
+        self._decode(tokens, rows)
+        out = np.empty((len(rows), self.n_vocab), dtype=np.float32)  # (n_rows, V)
+        for i, row in enumerate(rows):
+            out[i] = self._logits_view(row)
+        return out
+
+    def forward_argmax(self, tokens: Sequence[int], logit_rows: Sequence[int]) -> np.ndarray:
+        rows = list(logit_rows)
+        self._decode(tokens, rows)
+        return np.array([int(self._logits_view(row).argmax()) for row in rows], dtype=np.int64)
+
+    def _logits_view(self, row: int) -> np.ndarray:
+        """The (V,) logits of batch row ``row`` of the last decode, without a copy."""
+        pointer = self._lib.llama_get_logits_ith(self._ctx, self._last_chunk_row(row))
+        return np.ctypeslib.as_array(pointer, shape=(self.n_vocab,))
+
+    def _last_chunk_row(self, row: int) -> int:
+        return row - self._last_chunk_start
+
+    def _decode(self, tokens: Sequence[int], rows: list[int]) -> None:
+        """Feed ``tokens`` in n_batch chunks; only the last chunk may carry logit rows."""
+        if self._n_past + len(tokens) > self.n_ctx:
+            raise ContextFullError(
+                f"the context of {self.n_ctx} tokens is full", "shorten the prompt or raise --ctx"
+            )
+        wanted = set(rows)
+        start = 0
+        while start < len(tokens):
+            chunk = tokens[start : start + self.n_batch]
+            if start + len(chunk) < len(tokens) and any(start <= r < start + len(chunk) for r in wanted):
+                raise ValueError("logit rows must fall in the last n_batch tokens of a forward")
+            self._fill_batch(chunk, start, wanted)
+            status = self._lib.llama_decode(self._ctx, self._batch)
+            if status != 0:
+                raise ContextFullError(
+                    f"llama.cpp decode failed with status {status} at {self._n_past} cached tokens",
+                    "shorten the prompt or raise --ctx",
+                )
+            self._n_past += len(chunk)
+            self._last_chunk_start = start
+            start += len(chunk)
+
+    def _fill_batch(self, chunk: Sequence[int], offset: int, wanted: set[int]) -> None:
+        batch = self._batch
+        batch.n_tokens = len(chunk)
+        for i, token in enumerate(chunk):
+            batch.token[i] = token
+            batch.pos[i] = self._n_past + i
+            batch.n_seq_id[i] = 1
+            batch.seq_id[i][0] = _SEQ
+            batch.logits[i] = (offset + i) in wanted
+
+    def rewind(self, n_keep: int) -> None:
+        if n_keep >= self._n_past:
+            return
+        if not self._lib.llama_memory_seq_rm(self._memory, _SEQ, n_keep, -1):
+            raise ModelFileError(
+                f"{self.path.name} has a cache that cannot be rewound (recurrent or sliding-window state)",
+                "use --method none with this model",
+            )
+        self._n_past = n_keep
+
+    def close(self) -> None:
+        lib = self._lib
+        if getattr(self, "_ctx", None):
+            lib.llama_batch_free(self._batch)
+            lib.llama_free(self._ctx)
+            lib.llama_model_free(self._model)
+            self._ctx = None
+
+    def __del__(self) -> None:  # pragma: no cover - interpreter shutdown order varies
+        try:
+            self.close()
+        except Exception:
+            pass

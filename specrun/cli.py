@@ -1,0 +1,159 @@
+"""The command line: parse, validate, call one library function, render its result.
+
+Data goes to stdout; progress, warnings and statistics go to stderr.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+import traceback
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from specrun.errors import SpecrunError, UsageError
+
+app = typer.Typer(
+    name="specrun",
+    help="Lossless speculative decoding for local LLMs (llama.cpp and MLX).",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+METHODS = ("none", "draft")
+MAX_NEW_TOKENS = 1_000_000
+MAX_DRAFT_LEN = 64
+
+
+@contextlib.contextmanager
+def cli_errors():
+    """Errors in one place: a one-line message with the fix, exit 1 (usage: 2)."""
+    try:
+        yield
+    except SpecrunError as exc:
+        if os.environ.get("SPECRUN_DEBUG") == "1":
+            traceback.print_exc()
+        typer.echo(f"error: {exc.one_line()}", err=True)
+        raise typer.Exit(exc.exit_code) from None
+    except KeyboardInterrupt:
+        typer.echo("interrupted", err=True)
+        raise typer.Exit(130) from None
+    except (typer.Exit, typer.Abort):
+        raise
+    except Exception as exc:  # an unexpected failure: still one line unless debugging
+        if os.environ.get("SPECRUN_DEBUG") == "1":
+            traceback.print_exc()
+        typer.echo(
+            f"error: internal error: {type(exc).__name__}: {exc}; rerun with SPECRUN_DEBUG=1 for a traceback",
+            err=True,
+        )
+        raise typer.Exit(1) from None
+
+
+def read_prompt(prompt: str | None) -> str:
+    """The prompt argument, or the whole of a piped stdin when it is '-' or absent."""
+    if prompt is not None and prompt != "-":
+        return prompt
+    if prompt is None and sys.stdin.isatty():
+        raise UsageError("no prompt given", "pass PROMPT as an argument or pipe it on stdin")
+    return sys.stdin.read()
+
+
+def check_range(name: str, value: int | float | None, low: float, high: float) -> None:
+    if value is not None and not (low <= value <= high):
+        raise UsageError(f"{name} must be between {low:g} and {high:g}, got {value}", f"pass a valid {name}")
+
+
+# Shared options, declared once.
+TargetOpt = Annotated[Optional[str], typer.Option("--target", "-t", help="Target model: alias or .gguf path.")]
+DraftOpt = Annotated[Optional[str], typer.Option("--draft", "-d", help="Draft model: alias or .gguf path.")]
+BackendOpt = Annotated[str, typer.Option("--backend", help="auto, llama or mlx.")]
+MethodOpt = Annotated[str, typer.Option("--method", "-m", help="none (plain decoding) or draft.")]
+MaxTokensOpt = Annotated[int, typer.Option("--max-tokens", "-n", help="New tokens to generate.")]
+TempOpt = Annotated[float, typer.Option("--temp", help="Temperature; 0 is greedy.")]
+TopKOpt = Annotated[int, typer.Option("--top-k", help="Top-k (0: off).")]
+TopPOpt = Annotated[float, typer.Option("--top-p", help="Top-p (1: off).")]
+MinPOpt = Annotated[float, typer.Option("--min-p", help="Min-p (0: off).")]
+SeedOpt = Annotated[Optional[int], typer.Option("--seed", help="Random seed for sampling.")]
+DraftLenOpt = Annotated[int, typer.Option("--draft-len", "-k", help="Tokens drafted per verify step.")]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object instead of text.")]
+CtxOpt = Annotated[int, typer.Option("--ctx", help="Context size in tokens.")]
+ThreadsOpt = Annotated[Optional[int], typer.Option("--threads", help="CPU threads (default: all cores).")]
+GpuLayersOpt = Annotated[Optional[int], typer.Option("--gpu-layers", help="Layers on the GPU (default: all).")]
+RegistryOpt = Annotated[Optional[Path], typer.Option("--registry", help="Extra models.toml.")]
+
+
+@app.command()
+def generate(
+    prompt: Annotated[Optional[str], typer.Argument(help="Prompt text, or - to read stdin.")] = None,
+    target: TargetOpt = None,
+    draft: DraftOpt = None,
+    backend: BackendOpt = "auto",
+    method: MethodOpt = "draft",
+    max_tokens: MaxTokensOpt = 128,
+    temp: TempOpt = 0.0,
+    top_k: TopKOpt = 0,
+    top_p: TopPOpt = 1.0,
+    min_p: MinPOpt = 0.0,
+    seed: SeedOpt = None,
+    draft_len: DraftLenOpt = 4,
+    json_output: JsonOpt = False,
+    ctx: CtxOpt = 4096,
+    threads: ThreadsOpt = None,
+    gpu_layers: GpuLayersOpt = None,
+    registry: RegistryOpt = None,
+) -> None:
+    """Generate a continuation of PROMPT: text to stdout, statistics to stderr."""
+    with cli_errors():
+        from specrun.generation import GenerateRequest, generate_text
+        from specrun.loading import DEFAULT_DRAFT, DEFAULT_TARGET, LoadOptions
+        from specrun.sampling import SamplingSettings
+
+        if method not in METHODS:
+            raise UsageError(f"unknown method {method!r}", f"use one of: {', '.join(METHODS)}")
+        check_range("--max-tokens", max_tokens, 1, MAX_NEW_TOKENS)
+        check_range("--draft-len", draft_len, 0, MAX_DRAFT_LEN)
+        check_range("--ctx", ctx, 16, 1 << 20)
+        check_range("--threads", threads, 1, 1024)
+        sampling = SamplingSettings(temp, top_k, top_p, min_p, seed)
+        problems = sampling.validate()
+        if problems:
+            raise UsageError(problems[0], "see `specrun generate --help`")
+        text = read_prompt(prompt)
+        request = GenerateRequest(
+            prompt=text,
+            target=target or DEFAULT_TARGET,
+            draft=(draft or DEFAULT_DRAFT) if method == "draft" else None,
+            method=method,
+            max_new_tokens=max_tokens,
+            draft_len=draft_len,
+            sampling=sampling,
+            load=LoadOptions(backend=backend, n_ctx=ctx, threads=threads, gpu_layers=gpu_layers, registry=registry),
+        )
+        if json_output:
+            result = generate_text(request)
+            typer.echo(json.dumps({"text": result.text, "finish_reason": result.finish_reason,
+                                   "stats": result.stats.to_dict()}))
+            return
+        result = generate_text(request, on_text=_write_stdout)
+        sys.stdout.write("\n" if result.text and not result.text.endswith("\n") else "")
+        sys.stdout.flush()
+        typer.echo(result.stats.summary(), err=True)
+
+
+def _write_stdout(text: str) -> None:
+    sys.stdout.write(text)
+    sys.stdout.flush()
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,221 @@
+"""The speculative loop: draft → verify → accept → rewind, over any backend.
+
+Three layers (mlx-lm's generate_step / stream_generate / generate shape):
+``SpeculativeEngine.steps`` yields one ``Step`` per target verify pass,
+``stream`` turns steps into typed events with text and running statistics,
+``run`` returns the finished ``GenerationResult``. The engine never prints.
+"""
+
+from __future__ import annotations
+
+import codecs
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from time import perf_counter
+
+import numpy as np
+
+from specrun.backends.base import Backend
+from specrun.drafters.base import EMPTY_PROPOSAL, Drafter
+from specrun.errors import ContextFullError, UsageError
+from specrun.kv import KVSequence
+from specrun.sampling import SamplingSettings, probabilities
+from specrun.stats import Stats
+from specrun.verify import Verdict, verify_greedy, verify_sampled
+
+
+@dataclass(frozen=True)
+class GenerationParams:
+    """What to generate. ``draft_len`` 0 (or no drafter) is plain decoding."""
+
+    max_new_tokens: int = 128
+    draft_len: int = 4
+    sampling: SamplingSettings = field(default_factory=SamplingSettings)
+    stop_at_eos: bool = True
+
+
+@dataclass(frozen=True)
+class Step:
+    """One verify pass: the tokens it emitted; the first ``n_accepted`` came from the drafter."""
+
+    tokens: tuple[int, ...]
+    n_drafted: int
+    n_accepted: int
+    draft_seconds: float
+    verify_seconds: float
+
+    @property
+    def from_draft(self) -> tuple[bool, ...]:
+        return tuple(i < self.n_accepted for i in range(len(self.tokens)))
+
+
+@dataclass(frozen=True)
+class TextChunk:
+    """Event: text produced by one verify pass, with which tokens the drafter got right."""
+
+    text: str
+    token_ids: tuple[int, ...]
+    from_draft: tuple[bool, ...]
+    stats: Stats
+
+
+@dataclass
+class GenerationResult:
+    text: str
+    token_ids: list[int]
+    stats: Stats
+    finish_reason: str  # "length", "eos" or "context"
+
+
+@dataclass(frozen=True)
+class Finished:
+    """Event: the last one of a stream."""
+
+    result: GenerationResult
+
+
+class SpeculativeEngine:
+    """A target backend and an optional drafter, with the target's cache kept across calls.
+
+    Invariant between verify passes: the target's cache holds the context minus its
+    last token, which is fed together with the drafts so one pass yields k + 1
+    distributions. After a finished run both caches hold exactly prompt + output.
+    """
+
+    def __init__(self, target: Backend, drafter: Drafter | None = None, method: str | None = None) -> None:
+        self.target = KVSequence(target)
+        self.drafter = drafter
+        self.method = method or (drafter.name if drafter else "none")
+
+    # ---- layer 1: verify passes -------------------------------------------------
+    def steps(self, prompt: Sequence[int], params: GenerationParams, stats: Stats) -> Iterator[Step]:
+        """Yield one Step per target pass until max_new_tokens, EOS or a full context."""
+        n_ctx = self.target.backend.n_ctx
+        if not prompt:
+            raise UsageError("the prompt is empty", "give a prompt as an argument or on stdin")
+        if len(prompt) >= n_ctx:
+            raise ContextFullError(
+                f"the prompt has {len(prompt)} tokens but the context holds {n_ctx}",
+                "shorten the prompt or raise --ctx",
+            )
+        sampling = params.sampling
+        rng = np.random.default_rng(sampling.seed)
+        eos_ids = self.target.backend.vocab.eos_ids if params.stop_at_eos else frozenset()
+        context = list(prompt)
+        stats.prompt_tokens = len(prompt)
+
+        started = perf_counter()
+        self._prefill(context)
+        stats.prefill_seconds = perf_counter() - started
+
+        started = perf_counter()
+        try:
+            while (produced := len(context) - len(prompt)) < params.max_new_tokens and len(context) < n_ctx:
+                remaining = params.max_new_tokens - produced
+                draft_len = min(params.draft_len, remaining - 1, n_ctx - len(context) - 1)
+                t_draft = perf_counter()
+                proposal = (
+                    self.drafter.propose(context, draft_len, sampling, rng)
+                    if self.drafter is not None and draft_len > 0
+                    else EMPTY_PROPOSAL
+                )
+                t_verify = perf_counter()
+                verdict = self._verify(context[-1], proposal.tokens, proposal.p_draft, sampling, rng)
+                # Keep the fed last token and the accepted drafts; drop the rejected tail.
+                self.target.rewind(len(context) + verdict.n_accepted)
+                emitted = [*proposal.tokens[: verdict.n_accepted], verdict.next_token]
+                hit_eos = next((i for i, t in enumerate(emitted) if t in eos_ids), None)
+                if hit_eos is not None:
+                    emitted = emitted[: hit_eos + 1]
+                emitted = emitted[:remaining]
+                context.extend(emitted)
+                step = Step(
+                    tuple(emitted),
+                    len(proposal.tokens),
+                    verdict.n_accepted,
+                    t_verify - t_draft,
+                    perf_counter() - t_verify,
+                )
+                stats.generation_seconds = perf_counter() - started
+                yield step
+                if hit_eos is not None:
+                    break
+        finally:
+            # Rewind is explicit, also on interruption: the cache never holds rejected drafts.
+            self.target.rewind_to_prefix_of(context, limit=len(context) - 1)
+            stats.generation_seconds = perf_counter() - started
+        self.last_context = context
+
+    def _prefill(self, context: list[int]) -> None:
+        """Bring the target's cache to context[:-1], reusing whatever prefix it already holds."""
+        keep = self.target.rewind_to_prefix_of(context, limit=len(context) - 1)
+        if keep < len(context) - 1:
+            self.target.feed(context[keep:-1])
+
+    def _verify(
+        self,
+        last_token: int,
+        draft_tokens: tuple[int, ...],
+        p_draft: tuple[np.ndarray | None, ...],
+        sampling: SamplingSettings,
+        rng: np.random.Generator,
+    ) -> Verdict:
+        """One target pass over [last_token, *drafts]: k + 1 distributions, then the acceptance rule."""
+        fed = [last_token, *draft_tokens]
+        rows = range(len(fed))
+        if sampling.greedy:
+            target_argmax = self.target.feed_argmax(fed, rows)  # (k+1,)
+            return verify_greedy(draft_tokens, target_argmax)
+        logits = self.target.feed(fed, rows)  # (k+1, V)
+        p_target = probabilities(logits, sampling)
+        return verify_sampled(draft_tokens, p_target, p_draft, rng)
+
+    # ---- layer 2: events --------------------------------------------------------
+    def stream(
+        self, prompt: Sequence[int], params: GenerationParams, *, complete_cache: bool = True
+    ) -> Iterator[TextChunk | Finished]:
+        """Yield a TextChunk per verify pass, then Finished with the result and statistics.
+
+        complete_cache: after the last token, feed it to both models so their caches
+        hold exactly prompt + output (what a next chat turn reuses).
+        """
+        backend = self.target.backend
+        stats = Stats(method=self.method, draft_len=params.draft_len if self.drafter else 0)
+        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        output: list[int] = []
+        pieces: list[str] = []
+        for step in self.steps(prompt, params, stats):
+            stats.record_step(step.n_drafted, step.n_accepted, len(step.tokens), step.draft_seconds, step.verify_seconds)
+            output.extend(step.tokens)
+            text = decoder.decode(b"".join(backend.token_bytes(t) for t in step.tokens))
+            pieces.append(text)
+            yield TextChunk(text, step.tokens, step.from_draft, stats)
+        tail = decoder.decode(b"", final=True)
+        if tail:
+            pieces.append(tail)
+            yield TextChunk(tail, (), (), stats)
+        if complete_cache:
+            self.complete_caches()
+        yield Finished(GenerationResult("".join(pieces), output, stats, self._finish_reason(prompt, output, params)))
+
+    def complete_caches(self) -> None:
+        """Feed the pending last token so both caches hold exactly the full context."""
+        context = self.last_context
+        self.target.sync(context)
+        if self.drafter is not None:
+            self.drafter.finish(context)
+
+    def _finish_reason(self, prompt: Sequence[int], output: list[int], params: GenerationParams) -> str:
+        if output and params.stop_at_eos and output[-1] in self.target.backend.vocab.eos_ids:
+            return "eos"
+        if len(output) >= params.max_new_tokens:
+            return "length"
+        return "context"
+
+    # ---- layer 3: the finished result -------------------------------------------
+    def run(self, prompt: Sequence[int], params: GenerationParams, *, complete_cache: bool = True) -> GenerationResult:
+        """Generate to the end and return text, token ids and statistics."""
+        for event in self.stream(prompt, params, complete_cache=complete_cache):
+            if isinstance(event, Finished):
+                return event.result
+        raise AssertionError("stream ended without Finished")

@@ -1,0 +1,47 @@
+"""One error family: every user-facing failure is a SpecrunError with a fix.
+
+The CLI maps these to a one-line message and an exit code; tracebacks are shown
+only with SPECRUN_DEBUG=1.
+"""
+
+from __future__ import annotations
+
+
+class SpecrunError(Exception):
+    """A failure the user can act on. ``fix`` says how."""
+
+    exit_code = 1
+
+    def __init__(self, problem: str, fix: str = "") -> None:
+        super().__init__(problem)
+        self.problem = problem
+        self.fix = fix
+
+    def one_line(self) -> str:
+        return f"{self.problem}; {self.fix}" if self.fix else self.problem
+
+
+class UsageError(SpecrunError):
+    """Bad command-line usage (exit 2)."""
+
+    exit_code = 2
+
+
+class ModelFileError(SpecrunError):
+    """A model file that is missing, unreadable or not a model."""
+
+
+class IncompatibleModelsError(SpecrunError):
+    """A drafter whose vocabulary differs from the target's."""
+
+
+class ContextFullError(SpecrunError):
+    """The prompt (or conversation) does not fit the model's context."""
+
+
+class BackendUnavailableError(SpecrunError):
+    """The requested backend is not installed or cannot run here."""
+
+
+class RegistryError(SpecrunError):
+    """An unknown alias or a malformed models.toml."""

@@ -1,0 +1,76 @@
+"""A backend's KV cache seen as a token list, so rewinds are explicit and checkable."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from specrun.backends.base import Backend
+
+
+def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the longest common prefix of two token lists.
+
+    Slice comparisons run in C; the mismatch is found by bisection, so the cost is
+    O(n log n) element comparisons at C speed rather than a Python loop over n.
+    """
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    lo, hi = 0, n  # a[:lo] == b[:lo], a[:hi] != b[:hi]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[lo:mid] == b[lo:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+class KVSequence:
+    """A backend plus the exact tokens its KV cache holds."""
+
+    def __init__(self, backend: Backend) -> None:
+        self.backend = backend
+        self.tokens: list[int] = []
+        if backend.n_past:
+            backend.rewind(0)  # we cannot know what an adopted cache holds: start empty
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def feed(self, tokens: Sequence[int], logit_rows: Sequence[int] = ()) -> np.ndarray:
+        """Append tokens; logits (len(logit_rows), vocab) for the rows asked for."""
+        logits = self.backend.forward(tokens, logit_rows)
+        self.tokens.extend(tokens)
+        return logits
+
+    def feed_argmax(self, tokens: Sequence[int], logit_rows: Sequence[int]) -> np.ndarray:
+        """Append tokens; the argmax ids (len(logit_rows),) at the rows asked for."""
+        ids = self.backend.forward_argmax(tokens, logit_rows)
+        self.tokens.extend(tokens)
+        return ids
+
+    def rewind(self, n_keep: int) -> None:
+        """Keep the first ``n_keep`` cached tokens and drop the rest, in the backend too."""
+        if n_keep < len(self.tokens):
+            self.backend.rewind(n_keep)
+            del self.tokens[n_keep:]
+
+    def rewind_to_prefix_of(self, context: Sequence[int], limit: int | None = None) -> int:
+        """Rewind to the longest cached prefix of ``context`` (at most ``limit`` tokens)."""
+        keep = common_prefix_len(self.tokens, context)
+        if limit is not None:
+            keep = min(keep, limit)
+        self.rewind(keep)
+        return keep
+
+    def sync(self, context: Sequence[int]) -> None:
+        """Make the cache hold exactly ``context``, reusing the longest cached prefix."""
+        keep = self.rewind_to_prefix_of(context)
+        if keep < len(context):
+            self.feed(context[keep:])
+
+    def reset(self) -> None:
+        self.rewind(0)

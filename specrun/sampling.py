@@ -1,0 +1,91 @@
+"""Sampling settings and the one function that turns logits into a distribution.
+
+The same function is applied to the target's and the drafter's logits, so both
+distributions mean "the model under the user's settings" (DESIGN.md).
+Order: temperature, then top-k, top-p, min-p, then renormalise.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class SamplingSettings:
+    """The user's sampling settings. temperature == 0 means greedy (argmax)."""
+
+    temperature: float = 0.0
+    top_k: int = 0  # 0: off
+    top_p: float = 1.0  # 1.0: off
+    min_p: float = 0.0  # 0.0: off
+    seed: int | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def validate(self) -> list[str]:
+        """Problems with these settings, as option-named messages (empty if fine)."""
+        problems = []
+        if not (0.0 <= self.temperature <= 100.0):
+            problems.append(f"--temp must be between 0 and 100, got {self.temperature}")
+        if self.top_k < 0:
+            problems.append(f"--top-k must be 0 (off) or positive, got {self.top_k}")
+        if not (0.0 < self.top_p <= 1.0):
+            problems.append(f"--top-p must be in (0, 1], got {self.top_p}")
+        if not (0.0 <= self.min_p < 1.0):
+            problems.append(f"--min-p must be in [0, 1), got {self.min_p}")
+        if self.seed is not None and self.seed < 0:
+            problems.append(f"--seed must be non-negative, got {self.seed}")
+        return problems
+
+
+def probabilities(logits: np.ndarray, settings: SamplingSettings) -> np.ndarray:
+    """Row-wise next-token distributions under ``settings``.
+
+    logits: (n, vocab) or (vocab,). Returns float64 of the same shape, rows sum to 1.
+    Greedy settings give a one-hot row at the argmax.
+    """
+    logits = np.asarray(logits, dtype=np.float64)
+    squeeze = logits.ndim == 1
+    rows = logits[None, :] if squeeze else logits  # (n, V)
+    if settings.greedy:
+        out = np.zeros_like(rows)
+        out[np.arange(len(rows)), rows.argmax(axis=-1)] = 1.0
+        return out[0] if squeeze else out
+
+    scaled = rows / settings.temperature  # (n, V)
+    vocab = scaled.shape[-1]
+    if 0 < settings.top_k < vocab:
+        kth = np.partition(scaled, vocab - settings.top_k, axis=-1)[:, vocab - settings.top_k]
+        scaled = np.where(scaled >= kth[:, None], scaled, -np.inf)
+    probs = np.exp(scaled - scaled.max(axis=-1, keepdims=True))
+    probs /= probs.sum(axis=-1, keepdims=True)
+    if settings.top_p < 1.0:
+        probs = _top_p(probs, settings.top_p)
+    if settings.min_p > 0.0:
+        floor = settings.min_p * probs.max(axis=-1, keepdims=True)
+        probs = np.where(probs >= floor, probs, 0.0)
+        probs /= probs.sum(axis=-1, keepdims=True)
+    return probs[0] if squeeze else probs
+
+
+def _top_p(probs: np.ndarray, top_p: float) -> np.ndarray:
+    """Keep the smallest set of most likely tokens whose mass reaches top_p."""
+    order = np.argsort(-probs, axis=-1, kind="stable")  # (n, V)
+    sorted_probs = np.take_along_axis(probs, order, axis=-1)
+    mass_before = np.cumsum(sorted_probs, axis=-1) - sorted_probs
+    keep_sorted = mass_before < top_p  # the token that crosses top_p is kept
+    keep = np.zeros_like(keep_sorted)
+    np.put_along_axis(keep, order, keep_sorted, axis=-1)
+    kept = np.where(keep, probs, 0.0)
+    return kept / kept.sum(axis=-1, keepdims=True)
+
+
+def sample(probs: np.ndarray, rng: np.random.Generator) -> int:
+    """Draw one token id from a (vocab,) distribution."""
+    cdf = np.cumsum(probs)
+    index = int(np.searchsorted(cdf, rng.random() * cdf[-1], side="right"))
+    return min(index, len(probs) - 1)

@@ -1,0 +1,77 @@
+"""Running statistics of one generation: what speculation did and what it cost."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Stats:
+    """Counts and timings; derived figures are properties so they never go stale."""
+
+    method: str = "none"
+    draft_len: int = 0
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+    steps: int = 0  # target verify passes
+    drafted: int = 0
+    accepted: int = 0
+    accepted_hist: list[int] = field(default_factory=list)  # [n] = steps that accepted n drafts
+    prefill_seconds: float = 0.0
+    draft_seconds: float = 0.0
+    verify_seconds: float = 0.0
+    generation_seconds: float = 0.0  # from the end of prefill to the last token
+
+    def record_step(self, drafted: int, accepted: int, emitted: int, draft_s: float, verify_s: float) -> None:
+        self.steps += 1
+        self.drafted += drafted
+        self.accepted += accepted
+        self.new_tokens += emitted
+        self.draft_seconds += draft_s
+        self.verify_seconds += verify_s
+        if len(self.accepted_hist) <= accepted:
+            self.accepted_hist.extend([0] * (accepted + 1 - len(self.accepted_hist)))
+        self.accepted_hist[accepted] += 1
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted draft tokens / drafted tokens (0 when nothing was drafted)."""
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def mean_tokens_per_step(self) -> float:
+        """Tokens produced per target verify pass, counting the target's own token."""
+        return self.new_tokens / self.steps if self.steps else 0.0
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.new_tokens / self.generation_seconds if self.generation_seconds > 0 else 0.0
+
+    def to_dict(self) -> dict:
+        return {
+            "method": self.method,
+            "draft_len": self.draft_len,
+            "prompt_tokens": self.prompt_tokens,
+            "new_tokens": self.new_tokens,
+            "steps": self.steps,
+            "drafted": self.drafted,
+            "accepted": self.accepted,
+            "acceptance_rate": round(self.acceptance_rate, 6),
+            "mean_tokens_per_step": round(self.mean_tokens_per_step, 6),
+            "accepted_hist": list(self.accepted_hist),
+            "tokens_per_second": round(self.tokens_per_second, 3),
+            "prefill_seconds": round(self.prefill_seconds, 6),
+            "draft_seconds": round(self.draft_seconds, 6),
+            "verify_seconds": round(self.verify_seconds, 6),
+            "generation_seconds": round(self.generation_seconds, 6),
+        }
+
+    def summary(self) -> str:
+        """One line for stderr."""
+        line = f"{self.new_tokens} tokens, {self.tokens_per_second:.1f} tok/s, method {self.method}"
+        if self.drafted:
+            line += (
+                f", draft_len {self.draft_len}, accepted {self.accepted}/{self.drafted}"
+                f" ({100 * self.acceptance_rate:.1f}%), {self.mean_tokens_per_step:.2f} tokens/step"
+            )
+        return line

@@ -1,0 +1,182 @@
+"""Engine behaviour on fake backends: greedy equality, rewinds, statistics, limits."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from fake_models import hashed_logits
+from specrun.backends.fake import FakeBackend
+from specrun.drafters.draft_model import DraftModelDrafter
+from specrun.engine import Finished, GenerationParams, SpeculativeEngine, TextChunk
+from specrun.errors import ContextFullError, UsageError
+from specrun.kv import common_prefix_len
+from specrun.sampling import SamplingSettings
+
+VOCAB = 50
+
+
+def fake(salt: int, **kwargs) -> FakeBackend:
+    return FakeBackend(hashed_logits(VOCAB, salt=salt, spread=2.0), VOCAB, **kwargs)
+
+
+def mostly_agreeing(salt_target: int, salt_noise: int, noise: float):
+    """A draft table: the target's logits plus noise, so it agrees often but not always."""
+    target_table = hashed_logits(VOCAB, salt_target, spread=2.0)
+    noise_table = hashed_logits(VOCAB, salt_noise, spread=noise)
+    return lambda context: target_table(context) + noise_table(context)
+
+
+def plain_run(target: FakeBackend, prompt, n: int) -> list[int]:
+    return SpeculativeEngine(target).run(prompt, GenerationParams(max_new_tokens=n, draft_len=0)).token_ids
+
+
+@pytest.mark.parametrize("draft_len", [1, 3, 4, 8])
+def test_greedy_speculation_equals_plain_decoding(draft_len):
+    prompt = [1, 2, 3]
+    expected = plain_run(fake(1), prompt, 200)
+    draft = FakeBackend(mostly_agreeing(1, 7, noise=1.5), VOCAB)
+    result = SpeculativeEngine(fake(1), DraftModelDrafter(draft)).run(
+        prompt, GenerationParams(max_new_tokens=200, draft_len=draft_len)
+    )
+    assert result.token_ids == expected
+    assert 0.0 < result.stats.acceptance_rate < 1.0  # the test exercises both accepts and rejections
+
+
+def test_draft_equal_to_target_accepts_everything():
+    """The 'every draft accepted' case: the drafter never fed its last draft; it must catch up."""
+    target, draft = fake(3), fake(3)
+    result = SpeculativeEngine(target, DraftModelDrafter(draft)).run(
+        [5], GenerationParams(max_new_tokens=101, draft_len=4)
+    )
+    assert result.token_ids == plain_run(fake(3), [5], 101)
+    assert result.stats.acceptance_rate == 1.0
+    # 20 steps accept all 4 drafts (+1 bonus each); the 101st token comes from a plain step.
+    assert result.stats.accepted_hist == [1, 0, 0, 0, 20]
+    assert result.stats.mean_tokens_per_step == pytest.approx(101 / 21)
+
+
+def test_caches_hold_exactly_prompt_plus_output_after_a_long_run():
+    prompt = [1, 2, 3, 4]
+    target = fake(5)
+    draft = FakeBackend(mostly_agreeing(5, 9, noise=2.0), VOCAB)
+    engine = SpeculativeEngine(target, DraftModelDrafter(draft))
+    result = engine.run(prompt, GenerationParams(max_new_tokens=1200, draft_len=5))
+    full = prompt + result.token_ids
+    forwarded_before = target.forwarded_tokens
+    assert len(result.token_ids) == 1200
+    assert target.cache == full
+    assert draft.cache == full
+    # Continuing with plain decoding from the kept cache equals a fresh plain run.
+    continued = engine.run(full, GenerationParams(max_new_tokens=40, draft_len=0))
+    # Nothing re-prefilled: 40 one-token passes plus feeding the final token to complete the cache.
+    assert target.forwarded_tokens - forwarded_before == 41
+    assert continued.token_ids == plain_run(fake(5), full, 40)
+
+
+def test_interrupted_stream_leaves_no_rejected_drafts_in_the_cache():
+    prompt = [1, 2]
+    target = fake(11)
+    draft = FakeBackend(mostly_agreeing(11, 4, noise=3.0), VOCAB)
+    engine = SpeculativeEngine(target, DraftModelDrafter(draft))
+    stream = engine.stream(prompt, GenerationParams(max_new_tokens=500, draft_len=6))
+    emitted: list[int] = []
+    for event in stream:
+        emitted.extend(event.token_ids)
+        if len(emitted) > 37:
+            break
+    stream.close()  # what Ctrl-C does to a generator in flight
+    context = prompt + emitted
+    assert target.cache == context[: len(target.cache)]
+    assert len(target.cache) == len(context) - 1
+    # The next turn reuses the cache and equals a fresh run.
+    again = engine.run(context, GenerationParams(max_new_tokens=30, draft_len=6))
+    assert again.token_ids == plain_run(fake(11), context, 30)
+
+
+def test_stops_at_eos_and_truncates_at_max_tokens():
+    table = hashed_logits(VOCAB, salt=2, spread=2.0)
+
+    def with_eos(context):
+        logits = table(context).copy()
+        if len(context) == 9:
+            logits[0] = 100.0  # token 0 is EOS at the 9th position
+        return logits
+
+    target = FakeBackend(with_eos, VOCAB, eos_ids=[0])
+    draft = FakeBackend(with_eos, VOCAB, eos_ids=[0])
+    result = SpeculativeEngine(target, DraftModelDrafter(draft)).run([3, 4], GenerationParams(50, 4))
+    assert result.finish_reason == "eos"
+    assert result.token_ids[-1] == 0 and len(result.token_ids) == 8
+
+    result = SpeculativeEngine(fake(2), DraftModelDrafter(fake(2))).run([3, 4], GenerationParams(10, 4))
+    assert result.finish_reason == "length" and len(result.token_ids) == 10
+
+
+def test_context_limits():
+    with pytest.raises(ContextFullError, match="prompt has 20 tokens"):
+        SpeculativeEngine(fake(1, n_ctx=20)).run(list(range(20)), GenerationParams(5, 0))
+    with pytest.raises(UsageError):
+        SpeculativeEngine(fake(1)).run([], GenerationParams(5, 0))
+    # A generation that reaches the end of the context stops there, cleanly.
+    target, draft = fake(1, n_ctx=30), fake(1, n_ctx=30)
+    result = SpeculativeEngine(target, DraftModelDrafter(draft)).run(list(range(10)), GenerationParams(100, 4))
+    assert result.finish_reason == "context"
+    assert len(result.token_ids) == 20
+    assert target.cache == list(range(10)) + result.token_ids
+
+
+def test_stream_events_mark_drafted_tokens_and_carry_statistics():
+    target, draft = fake(8), FakeBackend(mostly_agreeing(8, 3, noise=1.0), VOCAB)
+    events = list(SpeculativeEngine(target, DraftModelDrafter(draft)).stream([1], GenerationParams(60, 3)))
+    chunks = [e for e in events if isinstance(e, TextChunk)]
+    finished = events[-1]
+    assert isinstance(finished, Finished)
+    stats = finished.result.stats
+    assert sum(len(c.token_ids) for c in chunks) == stats.new_tokens == 60
+    assert sum(sum(c.from_draft) for c in chunks) == stats.accepted
+    assert sum(stats.accepted_hist) == stats.steps
+    assert sum(n * count for n, count in enumerate(stats.accepted_hist)) == stats.accepted
+    assert stats.mean_tokens_per_step == pytest.approx(60 / stats.steps)
+    assert stats.generation_seconds >= stats.draft_seconds + stats.verify_seconds * 0.99
+
+
+def test_target_sees_logit_requests_only_for_verified_rows():
+    target = fake(4)
+    calls = []
+    original = target.forward
+
+    def spy(tokens, rows):
+        calls.append((len(tokens), list(rows)))
+        return original(tokens, rows)
+
+    target.forward = spy
+    target.forward_argmax = lambda tokens, rows: spy(tokens, rows).argmax(axis=-1)
+    SpeculativeEngine(target, DraftModelDrafter(fake(4))).run(list(range(30)), GenerationParams(20, 4))
+    prefill = calls[0]
+    assert prefill == (29, [])  # the prompt minus its last token, no logits at all
+    *verify_passes, completion = calls[1:]
+    for n_tokens, rows in verify_passes:
+        assert rows == list(range(n_tokens)) and n_tokens <= 5
+    assert completion == (1, [])  # the last token fed so the cache holds prompt + output
+
+
+def test_sampled_generation_is_reproducible_with_a_seed():
+    params = GenerationParams(40, 3, SamplingSettings(temperature=0.8, seed=42))
+    runs = [
+        SpeculativeEngine(fake(6), DraftModelDrafter(FakeBackend(mostly_agreeing(6, 2, 1.0), VOCAB)))
+        .run([1, 2], params)
+        .token_ids
+        for _ in range(2)
+    ]
+    assert runs[0] == runs[1]
+
+
+def test_common_prefix_len():
+    assert common_prefix_len([1, 2, 3], [1, 2, 3, 4]) == 3
+    assert common_prefix_len([], [1]) == 0
+    assert common_prefix_len([1, 2, 3], [1, 9, 3]) == 1
+    long_a = list(range(10_000))
+    long_b = long_a[:7_777] + [-1] + long_a[7_778:]
+    assert common_prefix_len(long_a, long_b) == 7_777
+    assert common_prefix_len(np.arange(5).tolist(), [0, 1, 2, 3, 4]) == 5
