@@ -20,6 +20,7 @@ from specrun.errors import BackendUnavailableError, ContextFullError, ModelFileE
 
 GGUF_MAGIC = b"GGUF"
 _SEQ = 0  # the one sequence id this backend uses
+DEFAULT_CTX = 4096
 
 
 def _import_llama_cpp():
@@ -77,7 +78,7 @@ class LlamaCppBackend:
         self,
         path: str | os.PathLike,
         *,
-        n_ctx: int = 4096,
+        n_ctx: int | None = None,
         n_threads: int | None = None,
         gpu_layers: int | None = None,
         n_batch: int = 512,
@@ -101,8 +102,10 @@ class LlamaCppBackend:
             )
         self._vocab_p = llama_cpp.llama_model_get_vocab(self._model)
 
-        n_ctx_train = llama_cpp.llama_model_n_ctx_train(self._model)
-        self.n_ctx = min(n_ctx, n_ctx_train) if n_ctx_train > 0 else n_ctx
+        if n_ctx is None:  # default: the training context, capped to keep the KV cache modest
+            n_ctx_train = llama_cpp.llama_model_n_ctx_train(self._model)
+            n_ctx = min(DEFAULT_CTX, n_ctx_train) if n_ctx_train > 0 else DEFAULT_CTX
+        self.n_ctx = n_ctx
         self.n_batch = n_batch
         threads = n_threads or max(1, os.cpu_count() or 1)
         ctx_params = llama_cpp.llama_context_default_params()

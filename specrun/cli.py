@@ -82,7 +82,7 @@ MinPOpt = Annotated[float, typer.Option("--min-p", help="Min-p (0: off).")]
 SeedOpt = Annotated[Optional[int], typer.Option("--seed", help="Random seed for sampling.")]
 DraftLenOpt = Annotated[int, typer.Option("--draft-len", "-k", help="Tokens drafted per verify step.")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object instead of text.")]
-CtxOpt = Annotated[int, typer.Option("--ctx", help="Context size in tokens.")]
+CtxOpt = Annotated[Optional[int], typer.Option("--ctx", help="Context size in tokens (default: the model's, at most 4096).")]
 ThreadsOpt = Annotated[Optional[int], typer.Option("--threads", help="CPU threads (default: all cores).")]
 GpuLayersOpt = Annotated[Optional[int], typer.Option("--gpu-layers", help="Layers on the GPU (default: all).")]
 RegistryOpt = Annotated[Optional[Path], typer.Option("--registry", help="Extra models.toml.")]
@@ -103,7 +103,7 @@ def generate(
     seed: SeedOpt = None,
     draft_len: DraftLenOpt = 4,
     json_output: JsonOpt = False,
-    ctx: CtxOpt = 4096,
+    ctx: CtxOpt = None,
     threads: ThreadsOpt = None,
     gpu_layers: GpuLayersOpt = None,
     registry: RegistryOpt = None,

@@ -40,20 +40,30 @@ class KVSequence:
     def __len__(self) -> int:
         return len(self.tokens)
 
+    def _check_in_step(self) -> None:
+        if self.backend.n_past != len(self.tokens):
+            raise RuntimeError(
+                f"{self.backend.name} cache holds {self.backend.n_past} tokens but this sequence "
+                f"tracks {len(self.tokens)}: two sequences are driving one backend"
+            )
+
     def feed(self, tokens: Sequence[int], logit_rows: Sequence[int] = ()) -> np.ndarray:
         """Append tokens; logits (len(logit_rows), vocab) for the rows asked for."""
+        self._check_in_step()
         logits = self.backend.forward(tokens, logit_rows)
         self.tokens.extend(tokens)
         return logits
 
     def feed_argmax(self, tokens: Sequence[int], logit_rows: Sequence[int]) -> np.ndarray:
         """Append tokens; the argmax ids (len(logit_rows),) at the rows asked for."""
+        self._check_in_step()
         ids = self.backend.forward_argmax(tokens, logit_rows)
         self.tokens.extend(tokens)
         return ids
 
     def rewind(self, n_keep: int) -> None:
         """Keep the first ``n_keep`` cached tokens and drop the rest, in the backend too."""
+        self._check_in_step()
         if n_keep < len(self.tokens):
             self.backend.rewind(n_keep)
             del self.tokens[n_keep:]

@@ -18,7 +18,7 @@ DEFAULT_DRAFT = "demo-draft"
 @dataclass(frozen=True)
 class LoadOptions:
     backend: str = "auto"
-    n_ctx: int = 4096
+    n_ctx: int | None = None  # None: the model's training context, at most 4096
     threads: int | None = None
     gpu_layers: int | None = None
     registry: Path | None = None

@@ -180,3 +180,13 @@ def test_common_prefix_len():
     long_b = long_a[:7_777] + [-1] + long_a[7_778:]
     assert common_prefix_len(long_a, long_b) == 7_777
     assert common_prefix_len(np.arange(5).tolist(), [0, 1, 2, 3, 4]) == 5
+
+
+def test_two_sequences_on_one_backend_are_caught():
+    target = fake(1)
+    first = SpeculativeEngine(target)
+    first.run([1, 2, 3], GenerationParams(5, 0))
+    second = SpeculativeEngine(target)  # adopts the backend: its unknown cache is dropped
+    second.run([4, 5], GenerationParams(5, 0))
+    with pytest.raises(RuntimeError, match="two sequences are driving one backend"):
+        first.run([1, 2, 3, 9], GenerationParams(5, 0))
