@@ -30,6 +30,14 @@ MAX_NEW_TOKENS = 1_000_000
 MAX_DRAFT_LEN = 64
 
 
+@app.callback()
+def _root() -> None:
+    """Lossless speculative decoding for local LLMs (llama.cpp and MLX).
+
+    With no --target/--draft, every command uses the demo pair that ships with specrun.
+    """
+
+
 @contextlib.contextmanager
 def cli_errors():
     """Errors in one place: a one-line message with the fix, exit 1 (usage: 2)."""

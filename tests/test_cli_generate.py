@@ -1,0 +1,167 @@
+"""`specrun generate`: output streams, JSON, and one-line errors with the right exit codes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from specrun.cli import app
+
+pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed")
+
+runner = CliRunner()
+
+
+def invoke(*args: str, input: str | None = None, env: dict | None = None):
+    return runner.invoke(app, list(args), input=input, env=env)
+
+
+@pytest.fixture(scope="module")
+def pair(tiny_llama):
+    return ["-t", str(tiny_llama.gguf_path), "-d", str(tiny_llama.gguf_path)]
+
+
+def test_prompt_argument_text_to_stdout_stats_to_stderr(pair):
+    result = invoke("generate", "def main():", *pair, "-n", "12")
+    assert result.exit_code == 0, result.output
+    assert result.stdout.strip()
+    assert "12 tokens" in result.stderr and "tok/s" in result.stderr
+    assert "tokens" not in result.stdout
+
+
+def test_piped_prompt_equals_argument_prompt(pair):
+    piped = invoke("generate", *pair, "-n", "16", input="import os\n")
+    dashed = invoke("generate", "-", *pair, "-n", "16", input="import os\n")
+    argument = invoke("generate", "import os\n", *pair, "-n", "16")
+    assert piped.exit_code == dashed.exit_code == argument.exit_code == 0
+    assert piped.stdout == dashed.stdout == argument.stdout
+
+
+def test_json_output_has_text_and_stats(pair):
+    result = invoke("generate", "x = 1\n", *pair, "-n", "20", "--json", "--draft-len", "3")
+    assert result.exit_code == 0, result.output
+    payload = json.loads(result.stdout)
+    stats = payload["stats"]
+    for key in ("new_tokens", "drafted", "accepted", "acceptance_rate", "mean_tokens_per_step",
+                "tokens_per_second", "method", "draft_len"):
+        assert key in stats
+    assert stats["new_tokens"] == 20 and stats["method"] == "draft" and stats["draft_len"] == 3
+    assert stats["acceptance_rate"] == 1.0  # draft == target
+    assert isinstance(payload["text"], str)
+
+
+def test_method_none_matches_method_draft_greedy(pair):
+    plain = invoke("generate", "class A:\n", *pair, "-n", "24", "--method", "none", "--json")
+    spec = invoke("generate", "class A:\n", *pair, "-n", "24", "--method", "draft", "--json")
+    assert json.loads(plain.stdout)["text"] == json.loads(spec.stdout)["text"]
+    assert json.loads(plain.stdout)["stats"]["drafted"] == 0
+
+
+def assert_one_line_error(result, exit_code: int, *fragments: str):
+    assert result.exit_code == exit_code, result.output
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("error: ")
+    for fragment in fragments:
+        assert fragment in lines[0]
+    assert "Traceback" not in result.output
+    assert result.stdout == ""
+
+
+def test_missing_model_file(tmp_path, tiny_llama):
+    result = invoke("generate", "hi", "-t", str(tmp_path / "nope.gguf"), "-d", str(tiny_llama.gguf_path))
+    assert_one_line_error(result, 1, "model file not found", "nope.gguf")
+
+
+def test_corrupt_model_file(tmp_path, tiny_llama):
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"this is not a model")
+    result = invoke("generate", "hi", "-t", str(bad), "-d", str(tiny_llama.gguf_path))
+    assert_one_line_error(result, 1, "not a GGUF file")
+    truncated = tmp_path / "truncated.gguf"
+    truncated.write_bytes(tiny_llama.gguf_path.read_bytes()[:5000])
+    result = invoke("generate", "hi", "-t", str(truncated), "-d", str(tiny_llama.gguf_path))
+    assert_one_line_error(result, 1, "could not load", "download the file again")
+
+
+def test_unreadable_model_file(tmp_path, tiny_llama):
+    if os.geteuid() == 0:
+        pytest.skip("root can read any file")
+    locked = tmp_path / "locked.gguf"
+    locked.write_bytes(tiny_llama.gguf_path.read_bytes())
+    locked.chmod(0)
+    assert_one_line_error(invoke("generate", "hi", "-t", str(locked)), 1, "cannot read")
+
+
+def test_incompatible_draft(tiny_llama, tmp_path):
+    from model_factory import random_weights, tiny_config, tiny_tokenizer_json
+    from specrun.modelkit.gguf_io import write_gguf
+
+    config = tiny_config("llama")
+    config = type(config)(**{**config.__dict__, "vocab_size": 300})
+    other = write_gguf(tmp_path / "other.gguf", config, random_weights(config, 1), tiny_tokenizer_json(300), None)
+    result = invoke("generate", "hi", "-t", str(tiny_llama.gguf_path), "-d", str(other))
+    assert_one_line_error(result, 1, "cannot speculate", "vocabulary size 512 vs 300", "same model family")
+
+
+def test_prompt_longer_than_the_context(pair):
+    result = invoke("generate", "word " * 200, *pair, "--ctx", "64")
+    assert_one_line_error(result, 1, "the prompt has", "context holds 64", "--ctx")
+
+
+def test_unknown_alias():
+    result = invoke("generate", "hi", "-t", "no-such-model")
+    assert_one_line_error(result, 1, "unknown model 'no-such-model'", "specrun models list")
+
+
+@pytest.mark.parametrize(
+    ("args", "fragment"),
+    [
+        (["-n", "-5"], "--max-tokens must be between"),
+        (["-n", "99999999999"], "--max-tokens must be between"),
+        (["--draft-len", "1000"], "--draft-len must be between"),
+        (["--draft-len", "-1"], "--draft-len must be between"),
+        (["--temp", "-1"], "--temp must be between"),
+        (["--top-p", "0"], "--top-p must be in"),
+        (["--min-p", "1.5"], "--min-p must be in"),
+        (["--top-k", "-3"], "--top-k must be"),
+        (["--ctx", "0"], "--ctx must be between"),
+        (["--method", "magic"], "unknown method 'magic'"),
+        (["--backend", "tpu"], "unknown backend 'tpu'"),
+    ],
+)
+def test_usage_errors_exit_2(pair, args, fragment):
+    assert_one_line_error(invoke("generate", "hi", *pair, *args), 2, fragment)
+
+
+def test_debug_shows_a_traceback(tmp_path):
+    result = invoke("generate", "hi", "-t", str(tmp_path / "x.gguf"), env={"SPECRUN_DEBUG": "1"})
+    assert result.exit_code == 1
+    assert "Traceback" in result.stderr
+
+
+def test_help_loads_neither_backend():
+    code = (
+        "import sys\n"
+        "from typer.testing import CliRunner\n"
+        "from specrun.cli import app\n"
+        "assert CliRunner().invoke(app, ['--help']).exit_code == 0\n"
+        "assert CliRunner().invoke(app, ['generate', '--help']).exit_code == 0\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('llama_cpp', 'mlx', 'mlx_lm')))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def test_console_script_reads_a_pipe(tiny_llama):
+    exe = Path(sys.executable).with_name("specrun")
+    args = [str(exe), "generate", "-t", str(tiny_llama.gguf_path), "-d", str(tiny_llama.gguf_path), "-n", "8"]
+    out = subprocess.run(args, input="def f():\n", capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() and "8 tokens" in out.stderr
