@@ -25,7 +25,6 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 
-METHODS = ("none", "draft")
 MAX_NEW_TOKENS = 1_000_000
 MAX_DRAFT_LEN = 64
 
@@ -81,7 +80,7 @@ def check_range(name: str, value: int | float | None, low: float, high: float) -
 TargetOpt = Annotated[Optional[str], typer.Option("--target", "-t", help="Target model: alias or .gguf path.")]
 DraftOpt = Annotated[Optional[str], typer.Option("--draft", "-d", help="Draft model: alias or .gguf path.")]
 BackendOpt = Annotated[str, typer.Option("--backend", help="auto, llama or mlx.")]
-MethodOpt = Annotated[str, typer.Option("--method", "-m", help="none (plain decoding) or draft.")]
+MethodOpt = Annotated[str, typer.Option("--method", "-m", help="none (plain decoding), draft, … (see docs).")]
 MaxTokensOpt = Annotated[int, typer.Option("--max-tokens", "-n", help="New tokens to generate.")]
 TempOpt = Annotated[float, typer.Option("--temp", help="Temperature; 0 is greedy.")]
 TopKOpt = Annotated[int, typer.Option("--top-k", help="Top-k (0: off).")]
@@ -120,10 +119,10 @@ def generate(
     with cli_errors():
         from specrun.generation import GenerateRequest, generate_text
         from specrun.loading import DEFAULT_DRAFT, DEFAULT_TARGET, LoadOptions
+        from specrun.methods import check_method, needs_draft_model
         from specrun.sampling import SamplingSettings
 
-        if method not in METHODS:
-            raise UsageError(f"unknown method {method!r}", f"use one of: {', '.join(METHODS)}")
+        check_method(method)
         check_range("--max-tokens", max_tokens, 1, MAX_NEW_TOKENS)
         check_range("--draft-len", draft_len, 0, MAX_DRAFT_LEN)
         check_range("--ctx", ctx, 16, 1 << 20)
@@ -136,7 +135,7 @@ def generate(
         request = GenerateRequest(
             prompt=text,
             target=target or DEFAULT_TARGET,
-            draft=(draft or DEFAULT_DRAFT) if method == "draft" else None,
+            draft=(draft or DEFAULT_DRAFT) if needs_draft_model(method) else None,
             method=method,
             max_new_tokens=max_tokens,
             draft_len=draft_len,

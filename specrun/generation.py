@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from specrun.drafters.draft_model import DraftModelDrafter
 from specrun.engine import Finished, GenerationParams, GenerationResult, SpeculativeEngine, TextChunk
 from specrun.loading import LoadOptions, open_pair
+from specrun.methods import DrafterOptions, build_drafter, needs_draft_model
 from specrun.sampling import SamplingSettings
 
 
@@ -21,13 +21,15 @@ class GenerateRequest:
     draft_len: int = 4
     sampling: SamplingSettings = field(default_factory=SamplingSettings)
     load: LoadOptions = field(default_factory=LoadOptions)
+    drafter_options: DrafterOptions = field(default_factory=DrafterOptions)
 
 
 def generate_text(request: GenerateRequest, on_text: Callable[[str], None] | None = None) -> GenerationResult:
     """Load the pair, generate, and return the result; ``on_text`` receives text as it streams."""
-    target, draft = open_pair(request.target, request.draft if request.method == "draft" else None, request.load)
+    draft_spec = request.draft if needs_draft_model(request.method) else None
+    target, draft = open_pair(request.target, draft_spec, request.load)
     try:
-        drafter = DraftModelDrafter(draft) if draft is not None else None
+        drafter = build_drafter(request.method, draft, request.drafter_options)
         engine = SpeculativeEngine(target, drafter, method=request.method)
         prompt_ids = target.tokenize(request.prompt, add_bos=target.vocab.add_bos)
         params = GenerationParams(request.max_new_tokens, request.draft_len, request.sampling)
