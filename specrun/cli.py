@@ -16,6 +16,7 @@ from typing import Annotated, Optional
 import typer
 
 from specrun.errors import SpecrunError, UsageError
+from specrun.methods import check_method
 
 app = typer.Typer(
     name="specrun",
@@ -119,7 +120,7 @@ def generate(
     with cli_errors():
         from specrun.generation import GenerateRequest, generate_text
         from specrun.loading import DEFAULT_DRAFT, DEFAULT_TARGET, LoadOptions
-        from specrun.methods import check_method, needs_draft_model
+        from specrun.methods import needs_draft_model
         from specrun.sampling import SamplingSettings
 
         check_method(method)
@@ -151,6 +152,30 @@ def generate(
         sys.stdout.write("\n" if result.text and not result.text.endswith("\n") else "")
         sys.stdout.flush()
         typer.echo(result.stats.summary(), err=True)
+
+
+@app.command()
+def demo(
+    target: Annotated[str, typer.Option("--target", "-t", help="Target (default: the bench-scale demo target).")] = "demo-target-xl",
+    draft: Annotated[str, typer.Option("--draft", "-d", help="Draft model.")] = "demo-draft",
+    methods: Annotated[str, typer.Option("--methods", help="Comma-separated methods; the first is the baseline.")] = "none,draft",
+    prompts: Annotated[int, typer.Option("--prompts", help="How many built-in prompts.")] = 6,
+    max_tokens: MaxTokensOpt = 96,
+    draft_len: DraftLenOpt = 4,
+    backend: BackendOpt = "auto",
+    threads: ThreadsOpt = None,
+) -> None:
+    """Plain vs speculative decoding on the shipped demo pair, side by side: is it faster, identical, and why."""
+    with cli_errors():
+        from specrun.demo_report import run_demo
+
+        method_list = [m.strip() for m in methods.split(",") if m.strip()]
+        for method in method_list:
+            check_method(method)
+        check_range("--prompts", prompts, 1, 100)
+        check_range("--max-tokens", max_tokens, 1, 4096)
+        check_range("--draft-len", draft_len, 0, MAX_DRAFT_LEN)
+        run_demo(target, draft, method_list, prompts, max_tokens, draft_len, backend, threads)
 
 
 def _write_stdout(text: str) -> None:

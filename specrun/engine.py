@@ -18,7 +18,7 @@ import numpy as np
 from specrun.backends.base import Backend
 from specrun.drafters.base import EMPTY_PROPOSAL, Drafter
 from specrun.errors import ContextFullError, UsageError
-from specrun.kv import KVSequence
+from specrun.kv import sequence_for
 from specrun.sampling import SamplingSettings, probabilities
 from specrun.stats import Stats
 from specrun.verify import Verdict, verify_greedy, verify_sampled
@@ -83,7 +83,7 @@ class SpeculativeEngine:
     """
 
     def __init__(self, target: Backend, drafter: Drafter | None = None, method: str | None = None) -> None:
-        self.target = KVSequence(target)
+        self.target = sequence_for(target)
         self.drafter = drafter
         self.method = method or (drafter.name if drafter else "none")
 

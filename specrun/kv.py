@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 
 import numpy as np
@@ -84,3 +85,14 @@ class KVSequence:
 
     def reset(self) -> None:
         self.rewind(0)
+
+
+_SEQUENCES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def sequence_for(backend: Backend) -> KVSequence:
+    """The one KVSequence of ``backend``: every engine and drafter driving it shares this view."""
+    sequence = _SEQUENCES.get(backend)
+    if sequence is None:
+        sequence = _SEQUENCES[backend] = KVSequence(backend)
+    return sequence

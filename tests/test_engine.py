@@ -10,7 +10,7 @@ from specrun.backends.fake import FakeBackend
 from specrun.drafters.draft_model import DraftModelDrafter
 from specrun.engine import Finished, GenerationParams, SpeculativeEngine, TextChunk
 from specrun.errors import ContextFullError, UsageError
-from specrun.kv import common_prefix_len
+from specrun.kv import KVSequence, common_prefix_len
 from specrun.sampling import SamplingSettings
 
 VOCAB = 50
@@ -182,11 +182,22 @@ def test_common_prefix_len():
     assert common_prefix_len(np.arange(5).tolist(), [0, 1, 2, 3, 4]) == 5
 
 
-def test_two_sequences_on_one_backend_are_caught():
+def test_engines_sharing_a_backend_share_its_cache_view():
+    target, draft = fake(1), fake(1)
+    plain = SpeculativeEngine(target)
+    spec = SpeculativeEngine(target, DraftModelDrafter(draft))
+    other_drafter = DraftModelDrafter(draft)
+    assert plain.target is spec.target and other_drafter.sequence is spec.drafter.sequence
+    first = plain.run([1, 2, 3], GenerationParams(20, 0)).token_ids
+    assert spec.run([1, 2, 3], GenerationParams(20, 4)).token_ids == first
+    assert plain.run([1, 2, 3], GenerationParams(20, 0)).token_ids == first
+
+
+def test_a_second_sequence_on_one_backend_is_caught():
     target = fake(1)
-    first = SpeculativeEngine(target)
-    first.run([1, 2, 3], GenerationParams(5, 0))
-    second = SpeculativeEngine(target)  # adopts the backend: its unknown cache is dropped
-    second.run([4, 5], GenerationParams(5, 0))
+    first = KVSequence(target)
+    first.feed([1, 2, 3])
+    second = KVSequence(target)  # adopts the backend: its unknown cache is dropped
+    second.feed([4, 5])
     with pytest.raises(RuntimeError, match="two sequences are driving one backend"):
-        first.run([1, 2, 3, 9], GenerationParams(5, 0))
+        first.rewind(1)

@@ -8,7 +8,7 @@ import numpy as np
 
 from specrun.backends.base import Backend
 from specrun.drafters.base import EMPTY_PROPOSAL, Proposal
-from specrun.kv import KVSequence
+from specrun.kv import sequence_for
 from specrun.sampling import SamplingSettings, probabilities, sample
 
 
@@ -25,7 +25,7 @@ class DraftModelDrafter:
 
     def __init__(self, backend: Backend) -> None:
         self.backend = backend
-        self.sequence = KVSequence(backend)
+        self.sequence = sequence_for(backend)
 
     def propose(
         self,

@@ -1,0 +1,1 @@
+"""The demo pair shipped with specrun (F16 GGUF files)."""

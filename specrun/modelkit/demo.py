@@ -1,0 +1,115 @@
+"""The demo pair that ships inside specrun, and the variants derived from it on first use.
+
+Shipped (specrun/demo/): ``demo-target.f16.gguf`` and ``demo-draft.f16.gguf`` — the one
+source of truth. Derived into the cache directory the first time they are asked for:
+the Q8_0 target, the bench-scale ``demo-target-xl`` (the target widened with zero
+weights: same outputs, the cost of a ~180M model) and MLX folders of each.
+Each derived file is named after a hash of its source and written atomically.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
+from importlib import resources
+from pathlib import Path
+
+from specrun.errors import ModelFileError, RegistryError
+
+DEMO_MODELS = ("demo-target", "demo-draft", "demo-target-xl")
+XL_WIDEN_FACTOR = 4  # hidden 384 -> 1536, MLP 1024 -> 4096, heads 6 -> 24
+GGUF_DTYPE = {"demo-target": "Q8_0", "demo-draft": "F16", "demo-target-xl": "Q8_0"}
+
+
+def cache_dir() -> Path:
+    """Where derived models live: $SPECRUN_CACHE, else $XDG_CACHE_HOME/specrun, else ~/.cache/specrun."""
+    explicit = os.environ.get("SPECRUN_CACHE")
+    if explicit:
+        return Path(explicit)
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "specrun"
+
+
+def shipped_gguf(name: str) -> Path:
+    """The F16 GGUF inside the package that ``name`` derives from."""
+    base = "demo-target" if name.startswith("demo-target") else "demo-draft"
+    path = Path(str(resources.files("specrun.demo").joinpath(f"{base}.f16.gguf")))
+    if not path.exists():
+        raise ModelFileError(f"the demo model {base} is missing from this install ({path})", "reinstall specrun")
+    return path
+
+
+def demo_gguf(name: str) -> Path:
+    """The GGUF file of a demo model, deriving it on first use."""
+    _check_name(name)
+    source = shipped_gguf(name)
+    dtype = GGUF_DTYPE[name]
+    if name == "demo-draft" and dtype == "F16":
+        return source
+    target = _derived_path(source, f"{name}.{dtype.lower()}.gguf")
+    return _derive_once(target, lambda tmp: _write_gguf_variant(source, tmp, name, dtype))
+
+
+def demo_mlx_dir(name: str) -> Path:
+    """An MLX-loadable folder (config.json, model.safetensors, tokenizer files) of a demo model."""
+    _check_name(name)
+    source = shipped_gguf(name)
+    target = _derived_path(source, f"{name}-mlx")
+    return _derive_once(target, lambda tmp: _write_mlx_variant(source, tmp, name))
+
+
+def _check_name(name: str) -> None:
+    if name not in DEMO_MODELS:
+        raise RegistryError(f"unknown builtin model {name!r}", f"use one of: {', '.join(DEMO_MODELS)}")
+
+
+def _derived_path(source: Path, filename: str) -> Path:
+    digest = hashlib.sha256()
+    with source.open("rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return cache_dir() / "derived" / digest.hexdigest()[:16] / filename
+
+
+def _derive_once(target: Path, write: Callable[[Path], None]) -> Path:
+    """Run ``write`` into a temporary path beside ``target`` and move it into place."""
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    scratch = Path(tempfile.mkdtemp(prefix=".deriving-", dir=target.parent))
+    try:
+        tmp = scratch / target.name
+        write(tmp)
+        os.replace(tmp, target)  # atomic: nothing half-written is ever visible
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return target
+
+
+def _load(source: Path, name: str):
+    from specrun.modelkit.gguf_io import read_gguf
+    from specrun.modelkit.widen import widen
+
+    config, weights, tokenizer_json, chat_template = read_gguf(source)
+    if name == "demo-target-xl":
+        config, weights = widen(
+            config, weights, config.hidden_size * XL_WIDEN_FACTOR, config.intermediate_size * XL_WIDEN_FACTOR
+        )
+    return config, weights, tokenizer_json, chat_template
+
+
+def _write_gguf_variant(source: Path, path: Path, name: str, dtype: str) -> None:
+    from specrun.modelkit.gguf_io import write_gguf
+
+    config, weights, tokenizer_json, chat_template = _load(source, name)
+    write_gguf(path, config, weights, tokenizer_json, chat_template, dtype=dtype)
+
+
+def _write_mlx_variant(source: Path, path: Path, name: str) -> None:
+    from specrun.modelkit.hf_io import write_hf_folder
+
+    config, weights, tokenizer_json, chat_template = _load(source, name)
+    write_hf_folder(path, config, weights, tokenizer_json, chat_template, dtype="float16")

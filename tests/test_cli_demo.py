@@ -1,0 +1,44 @@
+"""`specrun demo` and the side-by-side comparison behind it."""
+
+from __future__ import annotations
+
+import pytest
+from typer.testing import CliRunner
+
+from specrun.cli import app
+
+pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed")
+
+
+def test_demo_compares_methods_and_checks_outputs(tiny_llama):
+    path = str(tiny_llama.gguf_path)
+    result = CliRunner().invoke(app, ["demo", "-t", path, "-d", path, "--prompts", "2", "-n", "16"])
+    assert result.exit_code == 0, result.output
+    table = result.stdout
+    for column in ("tok/s", "speed-up", "accepted", "tokens/step", "same output"):
+        assert column in table
+    draft_row = next(line for line in table.splitlines() if "draft" in line and "%" in line)
+    assert "100%" in draft_row  # draft == target accepts everything
+    assert "NO" not in table
+
+
+def test_demo_rejects_an_unknown_method(tiny_llama):
+    path = str(tiny_llama.gguf_path)
+    result = CliRunner().invoke(app, ["demo", "-t", path, "-d", path, "--methods", "none,warp"])
+    assert result.exit_code == 2
+    assert "unknown method 'warp'" in result.stderr
+
+
+def test_mismatch_is_located_and_measured(tiny_llama):
+    from specrun.backends.llama import LlamaCppBackend
+    from specrun.compare import find_mismatch
+    from specrun.engine import GenerationParams, SpeculativeEngine
+
+    target = LlamaCppBackend(tiny_llama.gguf_path, n_threads=2)
+    prompt = target.tokenize("def f(x):\n")
+    baseline = SpeculativeEngine(target).run(prompt, GenerationParams(12, 0)).token_ids
+    wrong = baseline[:5] + [(baseline[5] + 1) % 512] + baseline[6:]
+    mismatch = find_mismatch(target, 0, prompt, baseline, wrong)
+    assert mismatch.position == 5
+    assert mismatch.top2_gap >= 0.0
+    target.close()
