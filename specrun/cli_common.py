@@ -1,0 +1,75 @@
+"""What every command shares: option declarations, validation and the one error handler."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import traceback
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from specrun.errors import SpecrunError, UsageError
+
+MAX_NEW_TOKENS = 1_000_000
+MAX_DRAFT_LEN = 64
+
+
+@contextlib.contextmanager
+def cli_errors():
+    """Errors in one place: a one-line message with the fix, exit 1 (usage: 2)."""
+    try:
+        yield
+    except SpecrunError as exc:
+        if os.environ.get("SPECRUN_DEBUG") == "1":
+            traceback.print_exc()
+        typer.echo(f"error: {exc.one_line()}", err=True)
+        raise typer.Exit(exc.exit_code) from None
+    except KeyboardInterrupt:
+        typer.echo("interrupted", err=True)
+        raise typer.Exit(130) from None
+    except (typer.Exit, typer.Abort):
+        raise
+    except Exception as exc:  # an unexpected failure: still one line unless debugging
+        if os.environ.get("SPECRUN_DEBUG") == "1":
+            traceback.print_exc()
+        typer.echo(
+            f"error: internal error: {type(exc).__name__}: {exc}; rerun with SPECRUN_DEBUG=1 for a traceback",
+            err=True,
+        )
+        raise typer.Exit(1) from None
+
+
+def read_prompt(prompt: str | None) -> str:
+    """The prompt argument, or the whole of a piped stdin when it is '-' or absent."""
+    if prompt is not None and prompt != "-":
+        return prompt
+    if prompt is None and sys.stdin.isatty():
+        raise UsageError("no prompt given", "pass PROMPT as an argument or pipe it on stdin")
+    return sys.stdin.read()
+
+
+def check_range(name: str, value: int | float | None, low: float, high: float) -> None:
+    if value is not None and not (low <= value <= high):
+        raise UsageError(f"{name} must be between {low:g} and {high:g}, got {value}", f"pass a valid {name}")
+
+
+# Shared options, declared once.
+TargetOpt = Annotated[Optional[str], typer.Option("--target", "-t", help="Target model: alias or .gguf path.")]
+DraftOpt = Annotated[Optional[str], typer.Option("--draft", "-d", help="Draft model: alias or .gguf path.")]
+BackendOpt = Annotated[str, typer.Option("--backend", help="auto, llama or mlx.")]
+MethodOpt = Annotated[str, typer.Option("--method", "-m", help="none (plain decoding), draft, … (see docs).")]
+MaxTokensOpt = Annotated[int, typer.Option("--max-tokens", "-n", help="New tokens to generate.")]
+TempOpt = Annotated[float, typer.Option("--temp", help="Temperature; 0 is greedy.")]
+TopKOpt = Annotated[int, typer.Option("--top-k", help="Top-k (0: off).")]
+TopPOpt = Annotated[float, typer.Option("--top-p", help="Top-p (1: off).")]
+MinPOpt = Annotated[float, typer.Option("--min-p", help="Min-p (0: off).")]
+SeedOpt = Annotated[Optional[int], typer.Option("--seed", help="Random seed for sampling.")]
+DraftLenOpt = Annotated[int, typer.Option("--draft-len", "-k", help="Tokens drafted per verify step.")]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object instead of text.")]
+CtxOpt = Annotated[Optional[int], typer.Option("--ctx", help="Context size in tokens (default: the model's, at most 4096).")]
+ThreadsOpt = Annotated[Optional[int], typer.Option("--threads", help="CPU threads (default: all cores).")]
+GpuLayersOpt = Annotated[Optional[int], typer.Option("--gpu-layers", help="Layers on the GPU (default: all).")]
+RegistryOpt = Annotated[Optional[Path], typer.Option("--registry", help="Extra models.toml.")]
