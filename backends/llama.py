@@ -237,14 +237,14 @@ class LlamaCppBackend:
             batch.logits[i] = (offset + i) in wanted
 
     def rewind(self, n_keep: int) -> None:
-        if n_keep >= self._n_past:
-            return
+        # Always clear from n_keep on, even past n_past: an interrupted decode may have
+        # left cells that n_past does not count.
         if not self._lib.llama_memory_seq_rm(self._memory, _SEQ, n_keep, -1):
             raise ModelFileError(
                 f"{self.path.name} has a cache that cannot be rewound (recurrent or sliding-window state)",
                 "use --method none with this model",
             )
-        self._n_past = n_keep
+        self._n_past = min(self._n_past, n_keep)
 
     def close(self) -> None:
         lib = self._lib

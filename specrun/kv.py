@@ -50,17 +50,28 @@ class KVSequence:
 
     def feed(self, tokens: Sequence[int], logit_rows: Sequence[int] = ()) -> np.ndarray:
         """Append tokens; logits (len(logit_rows), vocab) for the rows asked for."""
-        self._check_in_step()
-        logits = self.backend.forward(tokens, logit_rows)
-        self.tokens.extend(tokens)
-        return logits
+        return self._append(self.backend.forward, tokens, logit_rows)
 
     def feed_argmax(self, tokens: Sequence[int], logit_rows: Sequence[int]) -> np.ndarray:
         """Append tokens; the argmax ids (len(logit_rows),) at the rows asked for."""
+        return self._append(self.backend.forward_argmax, tokens, logit_rows)
+
+    def _append(self, forward, tokens: Sequence[int], logit_rows: Sequence[int]) -> np.ndarray:
         self._check_in_step()
-        ids = self.backend.forward_argmax(tokens, logit_rows)
-        self.tokens.extend(tokens)
-        return ids
+        try:
+            out = forward(tokens, logit_rows)
+            self.tokens.extend(tokens)
+        except BaseException:
+            # Ctrl-C or a failed decode can land between the backend and this list.
+            self.repair()
+            raise
+        return out
+
+    def repair(self) -> None:
+        """Bring list and backend back in step after an interruption: keep what both agree on."""
+        keep = min(len(self.tokens), self.backend.n_past)
+        self.backend.rewind(keep)
+        del self.tokens[keep:]
 
     def rewind(self, n_keep: int) -> None:
         """Keep the first ``n_keep`` cached tokens and drop the rest, in the backend too."""

@@ -201,3 +201,22 @@ def test_a_second_sequence_on_one_backend_is_caught():
     second.feed([4, 5])
     with pytest.raises(RuntimeError, match="two sequences are driving one backend"):
         first.rewind(1)
+
+
+def test_an_interrupted_forward_leaves_the_sequence_in_step():
+    target = fake(1)
+    sequence = KVSequence(target)
+    sequence.feed([1, 2, 3])
+    original = target.forward
+
+    def interrupted(tokens, rows):
+        original(tokens, rows)  # the backend has appended …
+        raise KeyboardInterrupt  # … but Ctrl-C arrives before the sequence records it
+
+    target.forward = interrupted
+    with pytest.raises(KeyboardInterrupt):
+        sequence.feed([4, 5])
+    target.forward = original
+    assert sequence.tokens == [1, 2, 3] and target.cache == [1, 2, 3]
+    sequence.feed([6])
+    assert target.cache == [1, 2, 3, 6]
