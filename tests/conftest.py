@@ -1,0 +1,39 @@
+"""Shared fixtures: tiny random-weight models in every file format, built once per session."""
+
+from __future__ import annotations
+
+import os
+
+# OpenBLAS threads spin against each other (and any background job) on the small
+# matrices these tests multiply: one thread made the NumPy oracle ~50x faster here.
+# Must be set before NumPy is first imported.
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
+import pytest  # noqa: E402
+
+from model_factory import ARCHS, TinyModel, build_tiny_model  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, TinyModel]:
+    """Every tiny model by architecture name, written under one session temp folder."""
+    root = tmp_path_factory.mktemp("tiny_models")
+    return {arch: build_tiny_model(arch, root / arch) for arch in ARCHS}
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tiny_models: dict[str, TinyModel]) -> TinyModel:
+    """Llama: multi-head attention, untied lm_head, adjacent-pair RoPE in GGUF."""
+    return tiny_models["llama"]
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2(tiny_models: dict[str, TinyModel]) -> TinyModel:
+    """Qwen2: grouped-query attention, q/k/v biases, tied embeddings."""
+    return tiny_models["qwen2"]
+
+
+@pytest.fixture(scope="session", params=ARCHS)
+def random_model(request: pytest.FixtureRequest, tiny_models: dict[str, TinyModel]) -> TinyModel:
+    """Each tiny model in turn: tests using it run once per architecture."""
+    return tiny_models[request.param]

@@ -1,0 +1,132 @@
+"""Tiny random-weight models in every format specrun loads, built in a second or two.
+
+Weights are seeded and rounded to float16 once, so the F16 GGUF, the F32 GGUF and
+the float32 HF folder all hold exactly the same numbers and any disagreement
+between backends comes from arithmetic, not from storage.
+"""
+
+from __future__ import annotations
+
+import functools
+import sysconfig
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from specrun.modelkit.config import ModelConfig, weight_shapes
+from specrun.modelkit.gguf_io import write_gguf
+from specrun.modelkit.hf_io import write_hf_folder
+from specrun.modelkit.tokenizer import DEMO_CHAT_TEMPLATE, train_byte_bpe
+
+VOCAB_SIZE = 512
+ARCHS = ("llama", "qwen2")
+
+_LOGIT_SPREAD = 4.0  # std of the logits for a unit-RMS final hidden state
+_SUBLAYER_GAIN = 1.5  # attention and MLP outputs comparable to the residual stream
+
+_STDLIB_SOURCES = ("textwrap.py", "shlex.py", "fnmatch.py", "bisect.py", "colorsys.py")
+_SOURCE_CHARS_PER_FILE = 6000
+_UNICODE_LINES = (
+    "Grüße aus München! Ça va très bien, merci. ¿Dónde está la biblioteca?",
+    "日本語のテキストも少し入れておきます。東京は大きな都市です。",
+    "中文文本：今天天气很好，我们去公园散步吧。",
+    "한국어 문장도 하나 있습니다. 감사합니다!",
+    "Emoji: 🙂 🚀 🐍 ✨ 👍🏽 🇯🇵 — and a zero-width joiner 👩‍💻.",
+    "Ελληνικά: Καλημέρα κόσμε. Русский: Привет, мир! עברית: שלום",
+    "math: ∑ x² ≤ ∞, α → β, 3.14159 ≈ π, 1e-5, 0x1F, 1_000_000",
+)
+
+
+@dataclass(frozen=True)
+class TinyModel:
+    """One random model written in every format: F16 and F32 GGUF, float32 HF folder."""
+
+    config: ModelConfig
+    weights: dict[str, np.ndarray]
+    tokenizer_json: str
+    gguf_path: Path
+    gguf_f32_path: Path
+    hf_dir: Path
+    chat_template: str = DEMO_CHAT_TEMPLATE
+
+
+def training_texts() -> list[str]:
+    """A fixed few-KB corpus: stdlib Python source plus unicode/emoji lines."""
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    texts = [(stdlib / name).read_text(encoding="utf-8")[:_SOURCE_CHARS_PER_FILE] for name in _STDLIB_SOURCES]
+    return texts + ["\n".join(_UNICODE_LINES)] * 3
+
+
+@functools.cache
+def tiny_tokenizer_json(vocab_size: int = VOCAB_SIZE) -> str:
+    """The shared test tokenizer, trained once per process."""
+    return train_byte_bpe(training_texts(), vocab_size)
+
+
+def tiny_config(arch: str) -> ModelConfig:
+    """llama: multi-head attention, untied head.
+
+    qwen2: grouped-query attention (2 query heads per kv head), biases, tied embeddings.
+    """
+    if arch == "llama":
+        return ModelConfig(
+            arch="llama", vocab_size=VOCAB_SIZE, hidden_size=128, intermediate_size=256,
+            num_layers=2, num_heads=4, num_kv_heads=4, rope_theta=10000.0,
+            rms_norm_eps=1e-5, context_length=512, tie_embeddings=False,
+        )
+    if arch == "qwen2":
+        return ModelConfig(
+            arch="qwen2", vocab_size=VOCAB_SIZE, hidden_size=128, intermediate_size=320,
+            num_layers=2, num_heads=4, num_kv_heads=2, rope_theta=1000000.0,
+            rms_norm_eps=1e-6, context_length=512, tie_embeddings=True,
+        )
+    raise ValueError(f"no tiny config for {arch!r}")
+
+
+def random_weights(config: ModelConfig, seed: int = 0) -> dict[str, np.ndarray]:
+    """Seeded weights scaled so activations stay O(1) and logits spread by a few units.
+
+    Every value is float16-representable (see the module docstring).
+    """
+    rng = np.random.default_rng(seed)
+    weights = {}
+    for name, shape in weight_shapes(config).items():
+        weights[name] = _random_tensor(rng, name, shape, config)
+    return {name: value.astype(np.float16).astype(np.float32) for name, value in weights.items()}
+
+
+def _random_tensor(
+    rng: np.random.Generator, name: str, shape: tuple[int, ...], config: ModelConfig
+) -> np.ndarray:
+    if name.endswith("norm.weight"):
+        return 1.0 + 0.1 * rng.standard_normal(shape)
+    if name.endswith(".bias"):
+        return 0.1 * rng.standard_normal(shape)
+    if name == "model.embed_tokens.weight":
+        std = _LOGIT_SPREAD / np.sqrt(config.hidden_size) if config.tie_embeddings else 1.0
+        return std * rng.standard_normal(shape)
+    if name == "lm_head.weight":
+        return _LOGIT_SPREAD / np.sqrt(config.hidden_size) * rng.standard_normal(shape)
+    fan_in = shape[1]
+    return _SUBLAYER_GAIN / np.sqrt(fan_in) * rng.standard_normal(shape)
+
+
+def build_tiny_model(arch: str, folder: Path, seed: int = 0) -> TinyModel:
+    """Write the tiny ``arch`` model into ``folder`` as F16 GGUF, F32 GGUF and an HF folder."""
+    folder.mkdir(parents=True, exist_ok=True)
+    config = tiny_config(arch)
+    weights = random_weights(config, seed)
+    tokenizer_json = tiny_tokenizer_json(config.vocab_size)
+    parts = (config, weights, tokenizer_json, DEMO_CHAT_TEMPLATE)
+    gguf_path = write_gguf(folder / f"{arch}-f16.gguf", *parts, dtype="F16")
+    gguf_f32_path = write_gguf(folder / f"{arch}-f32.gguf", *parts, dtype="F32")
+    hf_dir = write_hf_folder(folder / f"{arch}-hf", *parts, dtype="float32")
+    return TinyModel(
+        config=config,
+        weights=weights,
+        tokenizer_json=tokenizer_json,
+        gguf_path=gguf_path,
+        gguf_f32_path=gguf_f32_path,
+        hf_dir=hf_dir,
+    )
