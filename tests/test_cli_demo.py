@@ -34,7 +34,7 @@ def test_mismatch_is_located_and_measured(tiny_llama):
     from specrun.compare import find_mismatch
     from specrun.engine import GenerationParams, SpeculativeEngine
 
-    target = LlamaCppBackend(tiny_llama.gguf_path, n_threads=2)
+    target = LlamaCppBackend(tiny_llama.gguf_path)
     prompt = target.tokenize("def f(x):\n")
     baseline = SpeculativeEngine(target).run(prompt, GenerationParams(12, 0)).token_ids
     wrong = baseline[:5] + [(baseline[5] + 1) % 512] + baseline[6:]
