@@ -136,6 +136,7 @@ class LlamaCppBackend:
         self.n_vocab = llama_cpp.llama_vocab_n_tokens(self._vocab_p)
         self.vocab = self._read_vocab_info()
         self._pieces: dict[int, bytes] = {}
+        self._row_types: dict[int, type] = {}  # ctypes array types for logits views, by row count
 
     # ---- vocabulary ---------------------------------------------------------------
     def _read_vocab_info(self) -> VocabInfo:
@@ -190,39 +191,46 @@ class LlamaCppBackend:
         return self._n_past
 
     def forward(self, tokens: Sequence[int], logit_rows: Sequence[int]) -> np.ndarray:
-        rows = list(logit_rows)
-        self._decode(tokens, rows)
-        out = np.empty((len(rows), self.n_vocab), dtype=np.float32)  # (n_rows, V)
-        for i, row in enumerate(rows):
-            out[i] = self._logits_view(row)
-        return out
+        rows = self._decode(tokens, logit_rows)
+        return self._output_logits(rows).copy()  # (n_rows, V): the context reuses its buffer
 
     def forward_argmax(self, tokens: Sequence[int], logit_rows: Sequence[int]) -> np.ndarray:
+        rows = self._decode(tokens, logit_rows)
+        return self._output_logits(rows).argmax(axis=-1)
+
+    def _output_logits(self, rows: list[int]) -> np.ndarray:
+        """A view of the last decode's logits, one row per requested row, in the order asked.
+
+        llama.cpp stores the outputs of the flagged batch entries contiguously in batch
+        order; the view is built from the raw address, which is far cheaper per call than
+        np.ctypeslib.as_array.
+        """
+        if not rows:
+            return np.zeros((0, self.n_vocab), dtype=np.float32)
+        address = ctypes.cast(self._lib.llama_get_logits(self._ctx), ctypes.c_void_p).value
+        array_type = self._row_types.get(len(rows))
+        if array_type is None:
+            array_type = self._row_types[len(rows)] = ctypes.c_float * (len(rows) * self.n_vocab)
+        outputs = np.frombuffer(array_type.from_address(address), dtype=np.float32)
+        outputs = outputs.reshape(len(rows), self.n_vocab)  # (n_rows, V), in batch order
+        if all(a < b for a, b in zip(rows, rows[1:])):
+            return outputs
+        return outputs[np.argsort(np.argsort(rows))]  # back to the order asked for
+
+    def _decode(self, tokens: Sequence[int], logit_rows: Sequence[int]) -> list[int]:
+        """Feed ``tokens`` in n_batch chunks; returns the requested rows relative to the last chunk."""
         rows = list(logit_rows)
-        self._decode(tokens, rows)
-        return np.array([int(self._logits_view(row).argmax()) for row in rows], dtype=np.int64)
-
-    def _logits_view(self, row: int) -> np.ndarray:
-        """The (V,) logits of batch row ``row`` of the last decode, without a copy."""
-        pointer = self._lib.llama_get_logits_ith(self._ctx, self._last_chunk_row(row))
-        return np.ctypeslib.as_array(pointer, shape=(self.n_vocab,))
-
-    def _last_chunk_row(self, row: int) -> int:
-        return row - self._last_chunk_start
-
-    def _decode(self, tokens: Sequence[int], rows: list[int]) -> None:
-        """Feed ``tokens`` in n_batch chunks; only the last chunk may carry logit rows."""
         if self._n_past + len(tokens) > self.n_ctx:
             raise ContextFullError(
                 f"the context of {self.n_ctx} tokens is full", "shorten the prompt or raise --ctx"
             )
-        wanted = set(rows)
-        start = 0
-        while start < len(tokens):
+        last_start = max(0, (len(tokens) - 1) // self.n_batch * self.n_batch)
+        if rows and min(rows) < last_start:
+            raise ValueError("logit rows must fall in the last n_batch tokens of a forward")
+        wanted = {row - last_start for row in rows}
+        for start in range(0, len(tokens), self.n_batch):
             chunk = tokens[start : start + self.n_batch]
-            if start + len(chunk) < len(tokens) and any(start <= r < start + len(chunk) for r in wanted):
-                raise ValueError("logit rows must fall in the last n_batch tokens of a forward")
-            self._fill_batch(chunk, start, wanted)
+            self._fill_batch(chunk, wanted if start == last_start else ())
             status = self._lib.llama_decode(self._ctx, self._batch)
             if status != 0:
                 raise ContextFullError(
@@ -230,10 +238,9 @@ class LlamaCppBackend:
                     "shorten the prompt or raise --ctx",
                 )
             self._n_past += len(chunk)
-            self._last_chunk_start = start
-            start += len(chunk)
+        return rows
 
-    def _fill_batch(self, chunk: Sequence[int], offset: int, wanted: set[int]) -> None:
+    def _fill_batch(self, chunk: Sequence[int], wanted) -> None:
         batch = self._batch
         batch.n_tokens = len(chunk)
         for i, token in enumerate(chunk):
@@ -241,7 +248,7 @@ class LlamaCppBackend:
             batch.pos[i] = self._n_past + i
             batch.n_seq_id[i] = 1
             batch.seq_id[i][0] = _SEQ
-            batch.logits[i] = (offset + i) in wanted
+            batch.logits[i] = i in wanted
 
     def rewind(self, n_keep: int) -> None:
         # Always clear from n_keep on, even past n_past: an interrupted decode may have

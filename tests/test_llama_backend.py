@@ -1,0 +1,57 @@
+"""LlamaCppBackend details: logits row order, chunked prefill, cache bookkeeping."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed")
+
+from specrun.backends.llama import LlamaCppBackend  # noqa: E402
+
+
+@pytest.fixture()
+def model(tiny_llama):
+    backend = LlamaCppBackend(tiny_llama.gguf_path, n_ctx=2048, n_batch=64)
+    yield backend
+    backend.close()
+
+
+def test_rows_come_back_in_the_order_asked(model):
+    ids = model.tokenize("def add(a, b):\n    return a + b\n")
+    ascending = model.forward(ids, [2, 4, 7])
+    model.rewind(0)
+    shuffled = model.forward(ids, [7, 2, 4])
+    np.testing.assert_array_equal(shuffled, ascending[[2, 0, 1]])
+    model.rewind(0)
+    np.testing.assert_array_equal(model.forward_argmax(ids, [7, 2, 4]), ascending[[2, 0, 1]].argmax(-1))
+
+
+def test_a_prompt_longer_than_a_batch_is_fed_in_chunks(model):
+    ids = (model.tokenize("for i in range(10):\n    total += i\n") * 20)[:150]  # > 2 batches of 64
+    long_logits = model.forward(ids, [149])[0]
+    assert model.n_past == 150
+    model.rewind(0)
+    for start in range(0, 149, 50):
+        model.forward(ids[start : min(start + 50, 149)], [])
+    step_logits = model.forward(ids[149:], [0])[0]
+    np.testing.assert_allclose(long_logits, step_logits, atol=2e-2)
+    model.rewind(0)
+    with pytest.raises(ValueError, match="last n_batch tokens"):
+        model.forward(ids, [3])
+
+
+def test_returned_logits_do_not_change_after_the_next_forward(model):
+    first = model.forward(model.tokenize("import os"), [0])
+    kept = first.copy()
+    model.forward([5, 6, 7], [2])
+    np.testing.assert_array_equal(first, kept)
+
+
+def test_rewind_past_the_end_is_harmless_and_exact(model):
+    ids = model.tokenize("class A:\n    pass\n")
+    model.forward(ids, [])
+    model.rewind(len(ids) + 10)
+    assert model.n_past == len(ids)
+    model.rewind(3)
+    assert model.n_past == 3
