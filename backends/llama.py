@@ -77,7 +77,12 @@ def check_gguf_file(path: Path) -> None:
 
 
 class LlamaCppBackend:
-    """One GGUF model and one llama.cpp context (KV cache) for a single sequence."""
+    """One GGUF model and one llama.cpp context (KV cache) for a single sequence.
+
+    flash_attn: None keeps llama.cpp's automatic choice. It changes rounding: with it
+    on, greedy outputs can differ from llama-cpp-python's ``Llama`` (which turns it
+    off) at numerical near-ties.
+    """
 
     name = "llama"
 
@@ -89,6 +94,7 @@ class LlamaCppBackend:
         n_threads: int | None = None,
         gpu_layers: int | None = None,
         n_batch: int = 512,
+        flash_attn: bool | None = None,
     ) -> None:
         llama_cpp = _import_llama_cpp()
         self._lib = llama_cpp
@@ -123,6 +129,10 @@ class LlamaCppBackend:
         ctx_params.n_threads = threads
         ctx_params.n_threads_batch = threads
         ctx_params.no_perf = True
+        if flash_attn is not None:  # None keeps llama.cpp's auto choice
+            ctx_params.flash_attn_type = (
+                llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash_attn else llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
+            )
         self._ctx = llama_cpp.llama_init_from_model(self._model, ctx_params)
         if not self._ctx:
             llama_cpp.llama_model_free(self._model)

@@ -3,7 +3,8 @@
 Two comparisons, each interleaved per prompt (A B A B …) in one run:
 1. specrun ``--method none`` vs llama-cpp-python's own ``Llama.generate`` at
    temperature 0 on the same target: end-to-end time per prompt (prefill + decode)
-   for both, since Llama.generate does not separate them; greedy outputs compared.
+   for both, since Llama.generate does not separate them; greedy outputs compared
+   (flash attention off on both sides, Llama's default, so rounding is identical).
 2. specrun ``--method draft`` (and any other --methods) vs ``none``: generation time only
    (prefill excluded), with acceptance and tokens per verify step.
 
@@ -46,7 +47,8 @@ def bench_against_llama_generate(target_path: Path, prompts: list[list[int]], n_
     from llama_cpp import Llama
 
     llm = Llama(str(target_path), n_ctx=2048, n_threads=threads, n_threads_batch=threads, verbose=False)
-    ours = LlamaCppBackend(target_path, n_ctx=2048, n_threads=threads)
+    # Llama turns flash attention off; so do we here, so that outputs can be compared exactly.
+    ours = LlamaCppBackend(target_path, n_ctx=2048, n_threads=threads, flash_attn=False)
     engine = SpeculativeEngine(ours)
     params = GenerationParams(n_new, 0, stop_at_eos=False)
     time_llama_generate(llm, prompts[0], 8)  # warm-up

@@ -19,7 +19,7 @@ from specrun.backends.base import Backend
 from specrun.drafters.base import EMPTY_PROPOSAL, Drafter
 from specrun.errors import ContextFullError, UsageError
 from specrun.kv import sequence_for
-from specrun.sampling import SamplingSettings, probabilities
+from specrun.sampling import SamplingSettings, probabilities, sample
 from specrun.stats import Stats
 from specrun.verify import Verdict, verify_greedy, verify_sampled
 
@@ -77,9 +77,10 @@ class Finished:
 class SpeculativeEngine:
     """A target backend and an optional drafter, with the target's cache kept across calls.
 
-    Invariant between verify passes: the target's cache holds the context minus its
-    last token, which is fed together with the drafts so one pass yields k + 1
-    distributions. After a finished run both caches hold exactly prompt + output.
+    The prefill pass yields the first token. From then on, between verify passes, the
+    target's cache holds the context minus its last token, which is fed together with
+    the drafts so one pass yields k + 1 distributions. After a finished run both caches
+    hold exactly prompt + output.
     """
 
     def __init__(self, target: Backend, drafter: Drafter | None = None, method: str | None = None) -> None:
@@ -105,24 +106,32 @@ class SpeculativeEngine:
         stats.prompt_tokens = len(prompt)
 
         started = perf_counter()
-        self._prefill(context)
+        prompt_logits = self._prefill(context)  # (V,): the distribution after the prompt
         stats.prefill_seconds = perf_counter() - started
 
         started = perf_counter()
         try:
             while (produced := len(context) - len(prompt)) < params.max_new_tokens and len(context) < n_ctx:
                 remaining = params.max_new_tokens - produced
-                draft_len = min(params.draft_len, remaining - 1, n_ctx - len(context) - 1)
                 t_draft = perf_counter()
-                proposal = (
-                    self.drafter.propose(context, draft_len, sampling, rng)
-                    if self.drafter is not None and draft_len > 0
-                    else EMPTY_PROPOSAL
-                )
-                t_verify = perf_counter()
-                verdict = self._verify(context[-1], proposal.tokens, proposal.p_draft, sampling, rng)
-                # Keep the fed last token and the accepted drafts; drop the rejected tail.
-                self.target.rewind(len(context) + verdict.n_accepted)
+                if prompt_logits is not None:
+                    # The first token comes from the prefill pass itself, as in llama.cpp: the
+                    # same batch shape, so plain decoding matches other tools token for token.
+                    proposal = EMPTY_PROPOSAL
+                    t_verify = perf_counter()
+                    verdict = Verdict(0, self._pick(prompt_logits, sampling, rng))
+                    prompt_logits = None
+                else:
+                    draft_len = min(params.draft_len, remaining - 1, n_ctx - len(context) - 1)
+                    proposal = (
+                        self.drafter.propose(context, draft_len, sampling, rng)
+                        if self.drafter is not None and draft_len > 0
+                        else EMPTY_PROPOSAL
+                    )
+                    t_verify = perf_counter()
+                    verdict = self._verify(context[-1], proposal.tokens, proposal.p_draft, sampling, rng)
+                    # Keep the fed last token and the accepted drafts; drop the rejected tail.
+                    self.target.rewind(len(context) + verdict.n_accepted)
                 emitted = [*proposal.tokens[: verdict.n_accepted], verdict.next_token]
                 hit_eos = next((i for i, t in enumerate(emitted) if t in eos_ids), None)
                 if hit_eos is not None:
@@ -146,11 +155,21 @@ class SpeculativeEngine:
             stats.generation_seconds = perf_counter() - started
         self.last_context = context
 
-    def _prefill(self, context: list[int]) -> None:
-        """Bring the target's cache to context[:-1], reusing whatever prefix it already holds."""
+    def _prefill(self, context: list[int]) -> np.ndarray:
+        """Feed the prompt (reusing any cached prefix); return the logits after its last token.
+
+        At least the last prompt token is fed, even when the cache already holds it all,
+        because its logits are needed.
+        """
         keep = self.target.rewind_to_prefix_of(context, limit=len(context) - 1)
-        if keep < len(context) - 1:
-            self.target.feed(context[keep:-1])
+        return self.target.feed(context[keep:], [len(context) - keep - 1])[0]
+
+    @staticmethod
+    def _pick(logits: np.ndarray, sampling: SamplingSettings, rng: np.random.Generator) -> int:
+        """One token from a (V,) row of logits under the user's settings."""
+        if sampling.greedy:
+            return int(logits.argmax())
+        return sample(probabilities(logits, sampling), rng)
 
     def _verify(
         self,

@@ -154,7 +154,7 @@ def test_target_sees_logit_requests_only_for_verified_rows():
     target.forward_argmax = lambda tokens, rows: spy(tokens, rows).argmax(axis=-1)
     SpeculativeEngine(target, DraftModelDrafter(fake(4))).run(list(range(30)), GenerationParams(20, 4))
     prefill = calls[0]
-    assert prefill == (29, [])  # the prompt minus its last token, no logits at all
+    assert prefill == (30, [29])  # the prompt, with logits only for its last token
     *verify_passes, completion = calls[1:]
     for n_tokens, rows in verify_passes:
         assert rows == list(range(n_tokens)) and n_tokens <= 5
