@@ -146,7 +146,11 @@ class LlamaCppBackend:
         self.n_vocab = llama_cpp.llama_vocab_n_tokens(self._vocab_p)
         self.vocab = self._read_vocab_info()
         self._pieces: dict[int, bytes] = {}
-        self._row_types: dict[int, type] = {}  # ctypes array types for logits views, by row count
+        self._logits_views: dict[tuple[int, int], np.ndarray] = {}  # by (buffer address, rows)
+        # llama_get_logits with an integer result: no ctypes pointer object per call.
+        self._logits_address = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p)(
+            ("llama_get_logits", llama_cpp.llama_cpp._lib)
+        )
 
     # ---- vocabulary ---------------------------------------------------------------
     def _read_vocab_info(self) -> VocabInfo:
@@ -212,43 +216,48 @@ class LlamaCppBackend:
         """A view of the last decode's logits, one row per requested row, in the order asked.
 
         llama.cpp stores the outputs of the flagged batch entries contiguously in batch
-        order; the view is built from the raw address, which is far cheaper per call than
-        np.ctypeslib.as_array.
+        order. Views are cached by buffer address, which changes only when llama.cpp
+        reallocates its output buffer.
         """
         if not rows:
             return np.zeros((0, self.n_vocab), dtype=np.float32)
-        address = ctypes.cast(self._lib.llama_get_logits(self._ctx), ctypes.c_void_p).value
-        array_type = self._row_types.get(len(rows))
-        if array_type is None:
-            array_type = self._row_types[len(rows)] = ctypes.c_float * (len(rows) * self.n_vocab)
-        outputs = np.frombuffer(array_type.from_address(address), dtype=np.float32)
-        outputs = outputs.reshape(len(rows), self.n_vocab)  # (n_rows, V), in batch order
+        key = (self._logits_address(self._ctx), len(rows))
+        outputs = self._logits_views.get(key)
+        if outputs is None:  # the buffer moved or grew: build (and keep) a view of it
+            buffer = (ctypes.c_float * (len(rows) * self.n_vocab)).from_address(key[0])
+            outputs = np.frombuffer(buffer, dtype=np.float32).reshape(len(rows), self.n_vocab)
+            self._logits_views[key] = outputs  # (n_rows, V), in batch order
         if all(a < b for a, b in zip(rows, rows[1:])):
             return outputs
         return outputs[np.argsort(np.argsort(rows))]  # back to the order asked for
 
     def _decode(self, tokens: Sequence[int], logit_rows: Sequence[int]) -> list[int]:
-        """Feed ``tokens`` in n_batch chunks; returns the requested rows relative to the last chunk."""
+        """Feed ``tokens`` in n_batch chunks (logit rows only in the last); returns the rows."""
         rows = list(logit_rows)
         if self._n_past + len(tokens) > self.n_ctx:
             raise ContextFullError(
                 f"the context of {self.n_ctx} tokens is full", "shorten the prompt or raise --ctx"
             )
-        last_start = max(0, (len(tokens) - 1) // self.n_batch * self.n_batch)
+        if len(tokens) <= self.n_batch:  # the common case: one chunk, no bookkeeping
+            self._decode_chunk(tokens, set(rows))
+            return rows
+        last_start = (len(tokens) - 1) // self.n_batch * self.n_batch
         if rows and min(rows) < last_start:
             raise ValueError("logit rows must fall in the last n_batch tokens of a forward")
         wanted = {row - last_start for row in rows}
         for start in range(0, len(tokens), self.n_batch):
-            chunk = tokens[start : start + self.n_batch]
-            self._fill_batch(chunk, wanted if start == last_start else ())
-            status = self._lib.llama_decode(self._ctx, self._batch)
-            if status != 0:
-                raise ContextFullError(
-                    f"llama.cpp decode failed with status {status} at {self._n_past} cached tokens",
-                    "shorten the prompt or raise --ctx",
-                )
-            self._n_past += len(chunk)
+            self._decode_chunk(tokens[start : start + self.n_batch], wanted if start == last_start else ())
         return rows
+
+    def _decode_chunk(self, chunk: Sequence[int], wanted) -> None:
+        self._fill_batch(chunk, wanted)
+        status = self._lib.llama_decode(self._ctx, self._batch)
+        if status != 0:
+            raise ContextFullError(
+                f"llama.cpp decode failed with status {status} at {self._n_past} cached tokens",
+                "shorten the prompt or raise --ctx",
+            )
+        self._n_past += len(chunk)
 
     def _fill_batch(self, chunk: Sequence[int], wanted) -> None:
         batch = self._batch

@@ -46,7 +46,7 @@ class Step:
 
     @property
     def from_draft(self) -> tuple[bool, ...]:
-        return tuple(i < self.n_accepted for i in range(len(self.tokens)))
+        return (True,) * self.n_accepted + (False,) * (len(self.tokens) - self.n_accepted)
 
 
 @dataclass(frozen=True)
