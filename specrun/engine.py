@@ -9,12 +9,13 @@ Three layers (mlx-lm's generate_step / stream_generate / generate shape):
 from __future__ import annotations
 
 import codecs
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from time import perf_counter
 
 import numpy as np
 
+from specrun.adaptive import DraftLengthController
 from specrun.backends.base import Backend
 from specrun.drafters.base import EMPTY_PROPOSAL, Drafter
 from specrun.errors import ContextFullError, UsageError
@@ -26,12 +27,17 @@ from specrun.verify import Verdict, verify_greedy, verify_sampled
 
 @dataclass(frozen=True)
 class GenerationParams:
-    """What to generate. ``draft_len`` 0 (or no drafter) is plain decoding."""
+    """What to generate. ``draft_len`` 0 (or no drafter) is plain decoding.
+
+    adaptive: choose the draft length each step (at most ``draft_len``) from measured
+    acceptance and costs, and stop speculating while plain decoding is faster.
+    """
 
     max_new_tokens: int = 128
     draft_len: int = 4
     sampling: SamplingSettings = field(default_factory=SamplingSettings)
     stop_at_eos: bool = True
+    adaptive: bool = False
 
 
 @dataclass(frozen=True)
@@ -83,10 +89,18 @@ class SpeculativeEngine:
     hold exactly prompt + output.
     """
 
-    def __init__(self, target: Backend, drafter: Drafter | None = None, method: str | None = None) -> None:
+    def __init__(
+        self,
+        target: Backend,
+        drafter: Drafter | None = None,
+        method: str | None = None,
+        clock: Callable[[], float] = perf_counter,
+    ) -> None:
         self.target = sequence_for(target)
         self.drafter = drafter
         self.method = method or (drafter.name if drafter else "none")
+        self.clock = clock  # injectable so tests can give fake models exact costs
+        self.controller: DraftLengthController | None = None  # kept across runs: costs carry over
 
     # ---- layer 1: verify passes -------------------------------------------------
     def steps(self, prompt: Sequence[int], params: GenerationParams, stats: Stats) -> Iterator[Step]:
@@ -104,34 +118,41 @@ class SpeculativeEngine:
         eos_ids = self.target.backend.vocab.eos_ids if params.stop_at_eos else frozenset()
         context = list(prompt)
         stats.prompt_tokens = len(prompt)
+        controller = self._controller(params)
 
-        started = perf_counter()
+        started = self.clock()
         prompt_logits = self._prefill(context)  # (V,): the distribution after the prompt
-        stats.prefill_seconds = perf_counter() - started
+        stats.prefill_seconds = self.clock() - started
 
-        started = perf_counter()
+        started = self.clock()
         try:
             while (produced := len(context) - len(prompt)) < params.max_new_tokens and len(context) < n_ctx:
                 remaining = params.max_new_tokens - produced
-                t_draft = perf_counter()
+                t_draft = self.clock()
                 if prompt_logits is not None:
                     # The first token comes from the prefill pass itself, as in llama.cpp: the
                     # same batch shape, so plain decoding matches other tools token for token.
                     proposal = EMPTY_PROPOSAL
-                    t_verify = perf_counter()
+                    t_verify = self.clock()
                     verdict = Verdict(0, self._pick(prompt_logits, sampling, rng))
                     prompt_logits = None
                 else:
                     draft_len = min(params.draft_len, remaining - 1, n_ctx - len(context) - 1)
+                    if controller is not None:
+                        draft_len = controller.choose(draft_len)
                     proposal = (
                         self.drafter.propose(context, draft_len, sampling, rng)
                         if self.drafter is not None and draft_len > 0
                         else EMPTY_PROPOSAL
                     )
-                    t_verify = perf_counter()
+                    t_verify = self.clock()
                     verdict = self._verify(context[-1], proposal.tokens, proposal.p_draft, sampling, rng)
                     # Keep the fed last token and the accepted drafts; drop the rejected tail.
                     self.target.rewind(len(context) + verdict.n_accepted)
+                    if controller is not None:
+                        controller.observe(
+                            len(proposal.tokens), verdict.n_accepted, t_verify - t_draft, self.clock() - t_verify
+                        )
                 emitted = [*proposal.tokens[: verdict.n_accepted], verdict.next_token]
                 hit_eos = next((i for i, t in enumerate(emitted) if t in eos_ids), None)
                 if hit_eos is not None:
@@ -143,17 +164,24 @@ class SpeculativeEngine:
                     len(proposal.tokens),
                     verdict.n_accepted,
                     t_verify - t_draft,
-                    perf_counter() - t_verify,
+                    self.clock() - t_verify,
                 )
-                stats.generation_seconds = perf_counter() - started
+                stats.generation_seconds = self.clock() - started
                 yield step
                 if hit_eos is not None:
                     break
         finally:
             # Rewind is explicit, also on interruption: the cache never holds rejected drafts.
             self.target.rewind_to_prefix_of(context, limit=len(context) - 1)
-            stats.generation_seconds = perf_counter() - started
+            stats.generation_seconds = self.clock() - started
         self.last_context = context
+
+    def _controller(self, params: GenerationParams) -> DraftLengthController | None:
+        if not params.adaptive or self.drafter is None:
+            return None
+        if self.controller is None or self.controller.max_draft_len != params.draft_len:
+            self.controller = DraftLengthController(max_draft_len=params.draft_len)
+        return self.controller
 
     def _prefill(self, context: list[int]) -> np.ndarray:
         """Feed the prompt (reusing any cached prefix); return the logits after its last token.

@@ -1,0 +1,143 @@
+"""Online control of the draft length: measure acceptance and costs, pick the fastest k.
+
+Expected tokens from one verify step with draft length k, where a_i is the chance that
+draft i is accepted given drafts 1..i-1 were (DESIGN.md):
+
+    E[tokens](k) = 1 + sum_{i<=k} prod_{j<=i} a_j
+    E[time](k)   = k * T_draft + T_target(k + 1)
+
+Each step the controller picks the k in 0..max_draft_len with the highest
+E[tokens]/E[time]; k = 0 is plain decoding. Estimates decay so they follow the text.
+When plain decoding wins, speculation is switched off and probed again after a
+growing number of steps, so a drafter that starts to match is noticed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class DraftLengthController:
+    """Chooses the draft length each step from decayed acceptance and cost estimates."""
+
+    max_draft_len: int = 8
+    decay: float = 0.95  # weight kept by old observations per step
+    prior_accept: float = 0.6  # acceptance assumed before any evidence…
+    prior_weight: float = 2.0  # …worth this many observations
+    probe_len: int = 2
+    first_probe_gap: int = 8
+    max_probe_gap: int = 128
+    tried: list[float] = field(init=False)
+    accepted: list[float] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.tried = [0.0] * (self.max_draft_len + 1)  # index i: draft position i (1-based)
+        self.accepted = [0.0] * (self.max_draft_len + 1)
+        self.draft_token_seconds: float | None = None
+        self.verify_seconds: dict[int, float] = {}  # tokens fed -> decayed mean seconds
+        self.probe_gap = self.first_probe_gap
+        self.steps_since_probe = 0
+        self.speculating = True
+
+    # ---- estimates ----------------------------------------------------------------
+    def acceptance(self, position: int) -> float:
+        """P(draft ``position`` accepted | all before it accepted), smoothed towards the prior."""
+        weight = self.tried[position] + self.prior_weight
+        if weight == 0.0:
+            return self.prior_accept
+        return (self.accepted[position] + self.prior_accept * self.prior_weight) / weight
+
+    def expected_tokens(self, draft_len: int) -> float:
+        total, chain = 1.0, 1.0
+        for position in range(1, draft_len + 1):
+            chain *= self.acceptance(position)
+            total += chain
+        return total
+
+    def target_seconds(self, n_tokens: int) -> float | None:
+        """T_target(n): measured where seen, else a line through what was seen."""
+        if n_tokens in self.verify_seconds:
+            return self.verify_seconds[n_tokens]
+        if not self.verify_seconds:
+            return None
+        points = sorted(self.verify_seconds.items())
+        if len(points) == 1:
+            (n0, t0), = points
+            # One point: assume a memory-bound pass, where each extra token adds ~10%.
+            return t0 * (1.0 + 0.1 * (n_tokens - n0) / max(n0, 1))
+        mean_n = sum(n for n, _ in points) / len(points)
+        mean_t = sum(t for _, t in points) / len(points)
+        spread = sum((n - mean_n) ** 2 for n, _ in points)
+        slope = sum((n - mean_n) * (t - mean_t) for n, t in points) / spread
+        return max(mean_t + max(slope, 0.0) * (n_tokens - mean_n), 1e-9)
+
+    def expected_rate(self, draft_len: int) -> float | None:
+        """Tokens per second expected at this draft length (None before any timing)."""
+        verify = self.target_seconds(draft_len + 1)
+        if verify is None or (draft_len and self.draft_token_seconds is None):
+            return None
+        seconds = verify + draft_len * (self.draft_token_seconds or 0.0)
+        return self.expected_tokens(draft_len) / seconds
+
+    # ---- decisions ----------------------------------------------------------------
+    def choose(self, limit: int) -> int:
+        """The draft length for the next step, at most ``limit``."""
+        limit = min(limit, self.max_draft_len)
+        if limit <= 0:
+            return 0
+        if not self.speculating:
+            self.steps_since_probe += 1
+            if self.steps_since_probe < self.probe_gap:
+                return 0
+            self.steps_since_probe = 0
+            return min(self.probe_len, limit)  # a probe: refresh the estimates
+        rates = {k: self.expected_rate(k) for k in range(limit + 1)}
+        if any(rate is None for rate in rates.values()):
+            return self._explore(limit)
+        return max(rates, key=lambda k: (rates[k], -k))
+
+    def _explore(self, limit: int) -> int:
+        """Before costs are known: measure plain and a few draft lengths once each."""
+        for k in (0, min(4, limit), 1, limit):
+            if k + 1 not in self.verify_seconds or (k and self.draft_token_seconds is None):
+                return k
+        return min(4, limit)
+
+    def observe(self, drafted: int, accepted: int, draft_seconds: float, verify_seconds: float) -> None:
+        """Learn from one verify step: ``drafted`` proposed, ``accepted`` taken."""
+        if drafted:
+            # Old evidence ages only as new evidence arrives: while speculation is off,
+            # what was learned stays, so a probe is weighed against it, not against the prior.
+            for position in range(1, self.max_draft_len + 1):
+                self.tried[position] *= self.decay
+                self.accepted[position] *= self.decay
+        for position in range(1, min(drafted, self.max_draft_len) + 1):
+            if position <= accepted + 1:
+                self.tried[position] += 1.0
+            if position <= accepted:
+                self.accepted[position] += 1.0
+        fed = drafted + 1
+        self.verify_seconds[fed] = _blend(self.verify_seconds.get(fed), verify_seconds, 0.3)
+        if drafted:
+            self.draft_token_seconds = _blend(self.draft_token_seconds, draft_seconds / drafted, 0.3)
+            self._update_gate()
+
+    def _update_gate(self) -> None:
+        """Stop speculating when plain decoding is expected to be faster; back off probes."""
+        plain = self.expected_rate(0)
+        best = max((self.expected_rate(k) or 0.0) for k in range(1, self.max_draft_len + 1))
+        if plain is None:
+            return
+        if best > plain:
+            self.speculating = True
+            self.probe_gap = self.first_probe_gap
+        else:
+            if not self.speculating:
+                self.probe_gap = min(self.probe_gap * 2, self.max_probe_gap)
+            self.speculating = False
+            self.steps_since_probe = 0
+
+
+def _blend(old: float | None, new: float, weight: float) -> float:
+    return new if old is None else (1.0 - weight) * old + weight * new

@@ -1,0 +1,126 @@
+"""The draft-length controller on fake models with set costs and set acceptance."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from fake_models import hashed_logits
+from specrun.adaptive import DraftLengthController
+from specrun.backends.fake import FakeBackend
+from specrun.drafters.draft_model import DraftModelDrafter
+from specrun.engine import GenerationParams, SpeculativeEngine
+
+VOCAB = 64
+
+
+class SimClock:
+    """Simulated seconds: fake backends advance it by their set costs."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class CostedFake(FakeBackend):
+    """A fake whose forward pass costs ``base + per_token * n`` simulated seconds."""
+
+    def __init__(self, table, clock: SimClock, base: float, per_token: float) -> None:
+        super().__init__(table, VOCAB, n_ctx=100_000)
+        self.clock, self.base, self.per_token = clock, base, per_token
+
+    def forward(self, tokens, logit_rows):
+        self.clock.now += self.base + self.per_token * len(tokens)
+        return super().forward(tokens, logit_rows)
+
+
+def agreeing_draft(target_table, alpha: float):
+    """Greedy agreement with the target exactly ``alpha`` of the time, decided per context."""
+
+    def table(context):
+        logits = target_table(context).copy()
+        coin = np.random.default_rng(abs(hash(("agree", context))) % 2**32).random()
+        if coin >= alpha:  # disagree: make the target's runner-up the draft's top choice
+            order = np.argsort(logits)
+            logits[order[-2]] = logits[order[-1]] + 1.0
+        return logits
+
+    return table
+
+
+def expected_rate(alpha: float, k: int, t_draft: float, t_target) -> float:
+    tokens = k + 1.0 if alpha == 1.0 else (1 - alpha ** (k + 1)) / (1 - alpha)
+    return tokens / (k * t_draft + t_target(k + 1))
+
+
+def run_adaptive(alpha: float, draft_cost: float, target_base: float, target_per_token: float, n: int = 3000):
+    clock = SimClock()
+    table = hashed_logits(VOCAB, salt=5, spread=3.0)
+    target = CostedFake(table, clock, target_base, target_per_token)
+    draft = CostedFake(agreeing_draft(table, alpha), clock, draft_cost, 0.0)
+    engine = SpeculativeEngine(target, DraftModelDrafter(draft), clock=clock)
+    result = engine.run([1, 2, 3], GenerationParams(n, draft_len=8, adaptive=True), complete_cache=False)
+    return result.stats.new_tokens / result.stats.generation_seconds, result
+
+
+@pytest.mark.parametrize(
+    ("alpha", "draft_cost", "target_base", "target_per_token"),
+    [
+        (0.8, 0.10, 1.0, 0.05),  # a cheap, good draft on a memory-bound target: long drafts
+        (0.6, 0.25, 1.0, 0.10),  # middling: a short draft length wins
+        (0.9, 0.05, 1.0, 0.02),  # excellent draft: the longest draft lengths
+        (0.5, 0.05, 1.0, 0.40),  # compute-bound target: each extra verified token is costly
+    ],
+)
+def test_controller_reaches_the_analytic_best_throughput(alpha, draft_cost, target_base, target_per_token):
+    def t_target(n):
+        return target_base + target_per_token * n
+
+    best = max(expected_rate(alpha, k, draft_cost, t_target) for k in range(0, 9))
+    measured, _ = run_adaptive(alpha, draft_cost, target_base, target_per_token)
+    assert measured >= 0.9 * best, (measured, best)
+
+
+def test_a_draft_that_never_matches_costs_almost_nothing():
+    plain_rate = 1.0 / (1.0 + 0.05)
+    measured, result = run_adaptive(0.0, draft_cost=0.3, target_base=1.0, target_per_token=0.05)
+    assert measured >= 0.95 * plain_rate, (measured, plain_rate)
+    assert result.stats.drafted < 0.05 * result.stats.new_tokens  # only occasional probes
+
+
+def test_speculation_switches_back_on_when_the_draft_starts_matching():
+    controller = DraftLengthController(max_draft_len=4)
+    for _ in range(30):  # a useless draft: speculation off
+        controller.observe(2, 0, 0.5, 1.2)
+        controller.observe(0, 0, 0.0, 1.0)
+    assert not controller.speculating
+    ks = [controller.choose(4) for _ in range(controller.probe_gap)]
+    assert ks[-1] > 0 and all(k == 0 for k in ks[:-1])  # waits, then probes
+    for _ in range(10):  # the draft now matches everything
+        controller.observe(2, 2, 0.02, 1.1)
+    assert controller.speculating and controller.choose(4) > 0
+
+
+def test_acceptance_estimates_follow_position_and_decay():
+    controller = DraftLengthController(max_draft_len=4, decay=0.5, prior_weight=0.0)
+    controller.observe(4, 1, 0.1, 1.0)  # position 1 accepted, position 2 rejected, 3-4 unseen
+    assert controller.acceptance(1) == 1.0 and controller.acceptance(2) == 0.0
+    assert controller.tried[3] == 0.0
+    controller.observe(4, 4, 0.1, 1.0)
+    assert controller.acceptance(2) == pytest.approx(1.0 / 1.5)  # old rejection weighs half
+
+
+def test_adaptive_greedy_output_is_unchanged():
+    table = hashed_logits(VOCAB, salt=9, spread=3.0)
+    clock = SimClock()
+    plain = SpeculativeEngine(CostedFake(table, clock, 1.0, 0.0)).run([4], GenerationParams(300, 0)).token_ids
+    _, result = run_adaptive(0.7, 0.1, 1.0, 0.05, n=300)
+    assert len(result.token_ids) == 300
+    target = CostedFake(table, SimClock(), 1.0, 0.0)
+    draft = CostedFake(agreeing_draft(table, 0.7), SimClock(), 0.1, 0.0)
+    adaptive = SpeculativeEngine(target, DraftModelDrafter(draft)).run(
+        [4], GenerationParams(300, 8, adaptive=True)
+    )
+    assert adaptive.token_ids == plain
