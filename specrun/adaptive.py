@@ -17,6 +17,36 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
+class TargetCosts:
+    """T_target(n): decayed mean seconds of a verify pass over n tokens, shared by every drafter."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[int, float] = {}  # tokens fed -> decayed mean seconds
+
+    def observe(self, n_tokens: int, seconds: float) -> None:
+        self.seconds[n_tokens] = _blend(self.seconds.get(n_tokens), seconds, 0.3)
+
+    def known(self, n_tokens: int) -> bool:
+        return n_tokens in self.seconds
+
+    def __call__(self, n_tokens: int) -> float | None:
+        """Measured where seen, else a line through what was seen (None before any pass)."""
+        if n_tokens in self.seconds:
+            return self.seconds[n_tokens]
+        if not self.seconds:
+            return None
+        points = sorted(self.seconds.items())
+        if len(points) == 1:
+            (n0, t0), = points
+            # One point: assume a memory-bound pass, where each extra token adds ~10%.
+            return t0 * (1.0 + 0.1 * (n_tokens - n0) / max(n0, 1))
+        mean_n = sum(n for n, _ in points) / len(points)
+        mean_t = sum(t for _, t in points) / len(points)
+        spread = sum((n - mean_n) ** 2 for n, _ in points)
+        slope = sum((n - mean_n) * (t - mean_t) for n, t in points) / spread
+        return max(mean_t + max(slope, 0.0) * (n_tokens - mean_n), 1e-9)
+
+
 @dataclass
 class DraftLengthController:
     """Chooses the draft length each step from decayed acceptance and cost estimates."""
@@ -28,6 +58,7 @@ class DraftLengthController:
     probe_len: int = 2
     first_probe_gap: int = 8
     max_probe_gap: int = 128
+    target_costs: TargetCosts = field(default_factory=TargetCosts)  # shared between drafters
     tried: list[float] = field(init=False)
     accepted: list[float] = field(init=False)
 
@@ -35,7 +66,6 @@ class DraftLengthController:
         self.tried = [0.0] * (self.max_draft_len + 1)  # index i: draft position i (1-based)
         self.accepted = [0.0] * (self.max_draft_len + 1)
         self.draft_token_seconds: float | None = None
-        self.verify_seconds: dict[int, float] = {}  # tokens fed -> decayed mean seconds
         self.probe_gap = self.first_probe_gap
         self.steps_since_probe = 0
         self.speculating = True
@@ -55,26 +85,9 @@ class DraftLengthController:
             total += chain
         return total
 
-    def target_seconds(self, n_tokens: int) -> float | None:
-        """T_target(n): measured where seen, else a line through what was seen."""
-        if n_tokens in self.verify_seconds:
-            return self.verify_seconds[n_tokens]
-        if not self.verify_seconds:
-            return None
-        points = sorted(self.verify_seconds.items())
-        if len(points) == 1:
-            (n0, t0), = points
-            # One point: assume a memory-bound pass, where each extra token adds ~10%.
-            return t0 * (1.0 + 0.1 * (n_tokens - n0) / max(n0, 1))
-        mean_n = sum(n for n, _ in points) / len(points)
-        mean_t = sum(t for _, t in points) / len(points)
-        spread = sum((n - mean_n) ** 2 for n, _ in points)
-        slope = sum((n - mean_n) * (t - mean_t) for n, t in points) / spread
-        return max(mean_t + max(slope, 0.0) * (n_tokens - mean_n), 1e-9)
-
     def expected_rate(self, draft_len: int) -> float | None:
         """Tokens per second expected at this draft length (None before any timing)."""
-        verify = self.target_seconds(draft_len + 1)
+        verify = self.target_costs(draft_len + 1)
         if verify is None or (draft_len and self.draft_token_seconds is None):
             return None
         seconds = verify + draft_len * (self.draft_token_seconds or 0.0)
@@ -100,7 +113,7 @@ class DraftLengthController:
     def _explore(self, limit: int) -> int:
         """Before costs are known: measure plain and a few draft lengths once each."""
         for k in (0, min(4, limit), 1, limit):
-            if k + 1 not in self.verify_seconds or (k and self.draft_token_seconds is None):
+            if not self.target_costs.known(k + 1) or (k and self.draft_token_seconds is None):
                 return k
         return min(4, limit)
 
@@ -117,8 +130,7 @@ class DraftLengthController:
                 self.tried[position] += 1.0
             if position <= accepted:
                 self.accepted[position] += 1.0
-        fed = drafted + 1
-        self.verify_seconds[fed] = _blend(self.verify_seconds.get(fed), verify_seconds, 0.3)
+        self.target_costs.observe(drafted + 1, verify_seconds)
         if drafted:
             self.draft_token_seconds = _blend(self.draft_token_seconds, draft_seconds / drafted, 0.3)
             self._update_gate()

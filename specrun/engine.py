@@ -15,7 +15,7 @@ from time import perf_counter
 
 import numpy as np
 
-from specrun.adaptive import DraftLengthController
+from specrun.adaptive import DraftLengthController, TargetCosts
 from specrun.backends.base import Backend
 from specrun.drafters.base import EMPTY_PROPOSAL, Drafter
 from specrun.errors import ContextFullError, UsageError
@@ -100,7 +100,9 @@ class SpeculativeEngine:
         self.drafter = drafter
         self.method = method or (drafter.name if drafter else "none")
         self.clock = clock  # injectable so tests can give fake models exact costs
-        self.controller: DraftLengthController | None = None  # kept across runs: costs carry over
+        # Adaptive draft lengths, one controller per proposal source; kept across runs.
+        self.target_costs = TargetCosts()
+        self.controllers: dict[str, DraftLengthController] = {}
 
     # ---- layer 1: verify passes -------------------------------------------------
     def steps(self, prompt: Sequence[int], params: GenerationParams, stats: Stats) -> Iterator[Step]:
@@ -118,7 +120,8 @@ class SpeculativeEngine:
         eos_ids = self.target.backend.vocab.eos_ids if params.stop_at_eos else frozenset()
         context = list(prompt)
         stats.prompt_tokens = len(prompt)
-        controller = self._controller(params)
+        adaptive = params.adaptive and self.drafter is not None
+        policy_sources = self._install_length_policies(params.draft_len if adaptive else None)
 
         started = self.clock()
         prompt_logits = self._prefill(context)  # (V,): the distribution after the prompt
@@ -138,21 +141,21 @@ class SpeculativeEngine:
                     prompt_logits = None
                 else:
                     draft_len = min(params.draft_len, remaining - 1, n_ctx - len(context) - 1)
-                    if controller is not None:
-                        draft_len = controller.choose(draft_len)
                     proposal = (
                         self.drafter.propose(context, draft_len, sampling, rng)
                         if self.drafter is not None and draft_len > 0
                         else EMPTY_PROPOSAL
                     )
+                    if adaptive and proposal.tokens and proposal.source not in policy_sources:
+                        # A cheap drafter's tokens cost nothing to drop: keep the worthwhile prefix.
+                        keep = self._controller_for(proposal.source, params.draft_len).choose(len(proposal))
+                        proposal = proposal.prefix(keep)
                     t_verify = self.clock()
                     verdict = self._verify(context[-1], proposal.tokens, proposal.p_draft, sampling, rng)
                     # Keep the fed last token and the accepted drafts; drop the rejected tail.
                     self.target.rewind(len(context) + verdict.n_accepted)
-                    if controller is not None:
-                        controller.observe(
-                            len(proposal.tokens), verdict.n_accepted, t_verify - t_draft, self.clock() - t_verify
-                        )
+                    if adaptive:
+                        self._observe(proposal, verdict, t_verify - t_draft, self.clock() - t_verify, params)
                 emitted = [*proposal.tokens[: verdict.n_accepted], verdict.next_token]
                 hit_eos = next((i for i, t in enumerate(emitted) if t in eos_ids), None)
                 if hit_eos is not None:
@@ -176,12 +179,32 @@ class SpeculativeEngine:
             stats.generation_seconds = self.clock() - started
         self.last_context = context
 
-    def _controller(self, params: GenerationParams) -> DraftLengthController | None:
-        if not params.adaptive or self.drafter is None:
-            return None
-        if self.controller is None or self.controller.max_draft_len != params.draft_len:
-            self.controller = DraftLengthController(max_draft_len=params.draft_len)
-        return self.controller
+    def _controller_for(self, source: str, max_draft_len: int) -> DraftLengthController:
+        controller = self.controllers.get(source)
+        if controller is None or controller.max_draft_len != max_draft_len:
+            controller = DraftLengthController(max_draft_len=max_draft_len, target_costs=self.target_costs)
+            self.controllers[source] = controller
+        return controller
+
+    def _install_length_policies(self, max_draft_len: int | None) -> set[str]:
+        """Give every drafter that pays per drafted token (a draft model) its controller's
+        choice before it drafts; None removes the policies (fixed draft length)."""
+        members = getattr(self.drafter, "drafters", (self.drafter,)) if self.drafter else ()
+        sources = set()
+        for member in members:
+            if hasattr(member, "length_policy"):
+                member.length_policy = (
+                    None if max_draft_len is None else self._controller_for(member.name, max_draft_len).choose
+                )
+                sources.add(member.name)
+        return sources
+
+    def _observe(self, proposal, verdict: Verdict, draft_s: float, verify_s: float, params) -> None:
+        if proposal.tokens:
+            controller = self._controller_for(proposal.source, params.draft_len)
+            controller.observe(len(proposal.tokens), verdict.n_accepted, draft_s, verify_s)
+        else:
+            self.target_costs.observe(1, verify_s)  # a plain pass: what speculating must beat
 
     def _prefill(self, context: list[int]) -> np.ndarray:
         """Feed the prompt (reusing any cached prefix); return the logits after its last token.

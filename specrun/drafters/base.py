@@ -35,6 +35,12 @@ class Proposal:
     def __len__(self) -> int:
         return len(self.tokens)
 
+    def prefix(self, length: int) -> "Proposal":
+        """The first ``length`` drafted tokens (a chain's prefix is still a chain)."""
+        if length >= len(self.tokens):
+            return self
+        return Proposal(self.tokens[:length], self.p_draft[:length], self.source, self.parents[:length])
+
     @property
     def is_chain(self) -> bool:
         return self.parents == tuple(range(-1, len(self.tokens) - 1))

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -26,6 +26,8 @@ class DraftModelDrafter:
     def __init__(self, backend: Backend) -> None:
         self.backend = backend
         self.sequence = sequence_for(backend)
+        # Set by an adaptive engine: maps the longest allowed draft to the one worth drafting.
+        self.length_policy: Callable[[int], int] | None = None
 
     def propose(
         self,
@@ -34,10 +36,9 @@ class DraftModelDrafter:
         sampling: SamplingSettings,
         rng: np.random.Generator,
     ) -> Proposal:
-        if draft_len <= 0:
-            return EMPTY_PROPOSAL
-        room = self.backend.n_ctx - len(context)
-        draft_len = min(draft_len, room)
+        draft_len = min(draft_len, self.backend.n_ctx - len(context))
+        if self.length_policy is not None and draft_len > 0:
+            draft_len = self.length_policy(draft_len)
         if draft_len <= 0:
             return EMPTY_PROPOSAL
         # Keep at least the last context token unfed so its logits come out of this pass.
