@@ -1,4 +1,10 @@
-"""Speculation methods by name: what ``--method`` accepts and the drafter each builds."""
+"""Speculation methods by name: what ``--method`` accepts and the drafter each builds.
+
+A method is ``none`` (plain decoding) or drafters joined by ``+``, cheapest first:
+``lookup`` (prompt lookup), ``ngram`` (the learning n-gram pool), ``draft`` (a
+draft model). Chains ask the draft model only when the cheap drafters have too
+little to propose (ChainDrafter).
+"""
 
 from __future__ import annotations
 
@@ -7,21 +13,40 @@ from pathlib import Path
 
 from specrun.backends.base import Backend
 from specrun.drafters.base import Drafter
+from specrun.drafters.chain import ChainDrafter
 from specrun.drafters.draft_model import DraftModelDrafter
+from specrun.drafters.lookup import PromptLookupDrafter
+from specrun.drafters.ngram import NgramPoolDrafter
 from specrun.errors import UsageError
 
-METHODS = ("none", "draft")
+METHODS = (
+    "none",
+    "draft",
+    "lookup",
+    "ngram",
+    "lookup+draft",
+    "ngram+draft",
+    "lookup+ngram+draft",
+    "lookup+ngram",
+)
 
 
 @dataclass(frozen=True)
 class DrafterOptions:
-    """Settings of the draft-free drafters (used by lookup and ngram methods)."""
+    """Settings of the draft-free drafters (used by methods with ``ngram``).
+
+    ngram_cache: file the n-gram pool is loaded from (if it exists) and saved to
+    when the drafter is closed. vocabulary: the target's
+    ``specrun.drafters.ngram.vocabulary_fingerprint``, stored in the cache and
+    checked when it is loaded, so a cache built for another model family is refused.
+    """
 
     ngram_cache: Path | None = None
+    vocabulary: str = ""
 
 
 def needs_draft_model(method: str) -> bool:
-    return method == "draft" or method.endswith("+draft")
+    return "draft" in method.split("+")
 
 
 def check_method(method: str) -> None:
@@ -30,10 +55,25 @@ def check_method(method: str) -> None:
 
 
 def build_drafter(method: str, draft: Backend | None, options: DrafterOptions | None = None) -> Drafter | None:
-    """The drafter for ``method``; ``draft`` is the loaded draft model when the method needs one."""
+    """The drafter for ``method``; ``draft`` is the loaded draft model when the method needs one.
+
+    Raises NgramCacheError when ``options.ngram_cache`` exists but cannot be used.
+    Call the drafter's ``close()`` when done: that is when the n-gram pool is saved.
+    """
     check_method(method)
     if method == "none":
         return None
-    if draft is None:
+    if needs_draft_model(method) and draft is None:
         raise UsageError(f"method {method!r} needs a draft model", "pass --draft MODEL")
+    members = [_build_one(part, draft, options or DrafterOptions()) for part in method.split("+")]
+    return members[0] if len(members) == 1 else ChainDrafter(members)
+
+
+def _build_one(part: str, draft: Backend | None, options: DrafterOptions) -> Drafter:
+    if part == "lookup":
+        return PromptLookupDrafter()
+    if part == "ngram":
+        if options.ngram_cache is None:
+            return NgramPoolDrafter(vocabulary=options.vocabulary)
+        return NgramPoolDrafter.open(options.ngram_cache, vocabulary=options.vocabulary)
     return DraftModelDrafter(draft)

@@ -1,0 +1,62 @@
+"""Chained drafters: cheap ones first, the draft model only when they have too little."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+
+import numpy as np
+
+from specrun.drafters.base import EMPTY_PROPOSAL, Drafter, Proposal
+from specrun.sampling import SamplingSettings
+
+# A one-token guess from a cheap drafter is worth less than a full draft-model
+# chain: with a draft model behind them, cheap drafters must offer at least two.
+DEFAULT_MIN_TOKENS = 2
+
+
+class ChainDrafter:
+    """Asks its drafters in order and takes the first proposal of at least ``min_tokens``.
+
+    Put the cheap drafters (prompt lookup, n-gram pool) first and the draft model
+    last: the draft model runs only on steps where the cheap ones offer fewer than
+    ``min_tokens`` tokens (or fewer than ``draft_len``, if that is smaller). When no
+    drafter offers enough, the longest proposal made is used. ``asked`` counts the
+    calls of each member by name. ``finish`` and ``close`` go to every member, so
+    a draft model skipped for many steps still ends with its cache holding exactly
+    the context (it also catches up by itself on its next ``propose``).
+    """
+
+    def __init__(self, drafters: Sequence[Drafter], min_tokens: int = DEFAULT_MIN_TOKENS) -> None:
+        if not drafters:
+            raise ValueError("a chain needs at least one drafter")
+        self.drafters = tuple(drafters)
+        self.min_tokens = min_tokens
+        self.name = "+".join(drafter.name for drafter in self.drafters)
+        self.asked: Counter[str] = Counter()
+
+    def propose(
+        self,
+        context: Sequence[int],
+        draft_len: int,
+        sampling: SamplingSettings,
+        rng: np.random.Generator,
+    ) -> Proposal:
+        enough = min(self.min_tokens, draft_len)
+        best = EMPTY_PROPOSAL
+        for drafter in self.drafters:
+            self.asked[drafter.name] += 1
+            proposal = drafter.propose(context, draft_len, sampling, rng)
+            if len(proposal) >= enough:
+                return proposal
+            if len(proposal) > len(best):
+                best = proposal
+        return best
+
+    def finish(self, context: Sequence[int]) -> None:
+        for drafter in self.drafters:
+            drafter.finish(context)
+
+    def close(self) -> None:
+        for drafter in self.drafters:
+            drafter.close()

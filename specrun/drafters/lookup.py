@@ -1,0 +1,181 @@
+"""Prompt lookup: propose what followed the most recent earlier occurrence of the context's tail.
+
+The index maps every n-gram of the context (n from ``min_ngram`` to ``max_ngram``)
+to the position right after its most recent occurrence. It is updated as tokens
+arrive: a step costs O(new tokens × orders + draft_len), whatever the context's
+length (llama-cpp-python's prompt lookup rescans the whole context every step).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from specrun.drafters.base import EMPTY_PROPOSAL, Proposal
+from specrun.kv import common_prefix_len
+from specrun.sampling import SamplingSettings
+
+DEFAULT_MAX_NGRAM = 4
+# One shared token is mostly coincidence in natural text, and a wrong draft still
+# widens the target's verify pass: ask for two.
+DEFAULT_MIN_NGRAM = 2
+
+
+class ContextMirror:
+    """A drafter's own copy of the context it has read, kept in step without rescans.
+
+    The engine hands one list to every call of a generation and only appends to
+    it. When ``context`` is the list seen last time and still ends, at the copy's
+    length, with the copy's last token, only the appended tail is new: one
+    comparison. Any other sequence (a new prompt, the next chat turn, a rewound
+    or caller-made copy) is compared once in full to find where it departs from
+    the copy: O(n) per generation, never per step. In-place edits of the same
+    list other than appends are not looked for; the engine makes none.
+    """
+
+    def __init__(self) -> None:
+        self.tokens: list[int] = []
+        self.ops = 0  # token comparisons made to find the shared prefix
+        self._source: Sequence[int] | None = None
+
+    def shared_prefix(self, context: Sequence[int]) -> int:
+        """How many leading tokens of ``context`` the copy already holds."""
+        held = len(self.tokens)
+        if context is self._source and len(context) >= held and (held == 0 or context[held - 1] == self.tokens[-1]):
+            self.ops += 1
+            return held
+        self.ops += min(held, len(context))
+        return common_prefix_len(self.tokens, context)
+
+    def truncate(self, n_keep: int) -> None:
+        del self.tokens[n_keep:]
+
+    def follow(self, context: Sequence[int]) -> None:
+        """Remember ``context`` as the sequence the copy now mirrors (its fast path)."""
+        self._source = context
+
+    def reset(self) -> None:
+        self.tokens.clear()
+        self._source = None
+
+
+class PromptLookupDrafter:
+    """Matches the last n tokens (longest n first) against prompt + output.
+
+    Of several earlier occurrences the most recent wins: the text being edited or
+    repeated is usually the nearest, and keeping one position per n-gram keeps
+    updates O(1). After a match the drafter copies up to ``draft_len`` tokens from
+    there; a copy that runs into the end of the context continues from its own
+    copied tokens (LZ77-style), so a repeating pattern such as 1 2 1 2 1 yields a
+    full-length proposal 2 1 2 1.
+
+    ``ops`` counts elementary index operations (prefix comparisons, n-gram
+    registrations and lookups, copied tokens) so tests can check the per-step
+    cost without timing anything.
+    """
+
+    name = "lookup"
+
+    def __init__(self, max_ngram: int = DEFAULT_MAX_NGRAM, min_ngram: int = DEFAULT_MIN_NGRAM) -> None:
+        if not 1 <= min_ngram <= max_ngram:
+            raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram} and {max_ngram}")
+        self.orders = tuple(range(max_ngram, min_ngram - 1, -1))  # longest first
+        self.mirror = ContextMirror()
+        # n-gram -> position of the token that followed its most recent occurrence
+        self._latest: dict[tuple[int, ...], int] = {}
+        # _replaced[j][c]: what _latest held for the orders[j]-gram ending before c
+        # until position c was read (-1: nothing). Undoing a rewind replays it backwards.
+        self._replaced: list[list[int]] = [[] for _ in self.orders]
+        self._index_ops = 0
+
+    @property
+    def ops(self) -> int:
+        return self.mirror.ops + self._index_ops
+
+    def propose(
+        self,
+        context: Sequence[int],
+        draft_len: int,
+        sampling: SamplingSettings,
+        rng: np.random.Generator,
+    ) -> Proposal:
+        """One-hot proposal copied from the most recent match; empty when nothing matches."""
+        self._read(context)
+        if draft_len <= 0:
+            return EMPTY_PROPOSAL
+        start = self._match()
+        if start is None:
+            return EMPTY_PROPOSAL
+        return Proposal(self._copy_from(start, draft_len), source=self.name)
+
+    def finish(self, context: Sequence[int]) -> None:
+        self._read(context)
+
+    def close(self) -> None:
+        self.mirror.reset()
+        self._latest.clear()
+        self._replaced = [[] for _ in self.orders]
+
+    def _read(self, context: Sequence[int]) -> None:
+        """Index what ``context`` adds to what was read before; forget what it no longer holds."""
+        keep = self.mirror.shared_prefix(context)
+        self._forget_from(keep)
+        for token in context[keep:]:
+            self._read_token(int(token))
+        self.mirror.follow(context)
+
+    def _read_token(self, token: int) -> None:
+        """Append ``token`` at position c: every n-gram ending just before c now has c as its continuation."""
+        tokens = self.mirror.tokens
+        position = len(tokens)
+        for n, replaced in zip(self.orders, self._replaced):
+            if n <= position:
+                key = tuple(tokens[position - n : position])
+                replaced.append(self._latest.get(key, -1))
+                self._latest[key] = position
+                self._index_ops += 1
+            else:
+                replaced.append(-1)
+        tokens.append(token)
+
+    def _forget_from(self, n_keep: int) -> None:
+        """Undo the registrations of positions n_keep and later, newest first, then drop them."""
+        tokens = self.mirror.tokens
+        for position in range(len(tokens) - 1, n_keep - 1, -1):
+            for n, replaced in zip(self.orders, self._replaced):
+                if n > position:
+                    continue
+                key = tuple(tokens[position - n : position])
+                previous = replaced[position]
+                if previous < 0:
+                    del self._latest[key]
+                else:
+                    self._latest[key] = previous
+                self._index_ops += 1
+        for replaced in self._replaced:
+            del replaced[n_keep:]
+        self.mirror.truncate(n_keep)
+
+    def _match(self) -> int | None:
+        """Start of the continuation of the longest tail n-gram seen before, if any."""
+        tokens = self.mirror.tokens
+        for n in self.orders:
+            if n >= len(tokens):
+                continue  # an n-gram needs an earlier occurrence with a token after it
+            self._index_ops += 1
+            start = self._latest.get(tuple(tokens[-n:]))
+            if start is not None:
+                return start
+        return None
+
+    def _copy_from(self, start: int, draft_len: int) -> tuple[int, ...]:
+        """tokens[start:start + draft_len], continuing into the copy itself past the end."""
+        tokens = self.mirror.tokens
+        draft: list[int] = []
+        for j in range(draft_len):
+            source = start + j
+            # source - len(tokens) < j because start < len(tokens): that draft token exists.
+            draft.append(tokens[source] if source < len(tokens) else draft[source - len(tokens)])
+        self._index_ops += draft_len
+        return tuple(draft)

@@ -1,0 +1,348 @@
+"""An n-gram pool that learns from everything read and generated, optionally kept on disk.
+
+For every context of 1 to ``max_order`` tokens the pool counts which tokens
+followed it, across prompts, outputs and chat turns (the drafter object outlives
+engine runs). It proposes a greedy chain: the most frequent follower of the
+longest known context, backing off to shorter contexts while a follower is not
+yet trustworthy.
+
+Memory is bounded twice: at most ``max_contexts`` contexts, the least recently
+used evicted first (learning from or proposing with a context uses it), and at
+most ``max_followers`` followers per context, kept with the Space-Saving rule
+(Metwally et al. 2005: a newcomer replaces the least frequent follower and
+inherits its count + 1), so frequent followers survive and counts never shrink.
+
+On disk (``save``/``load``): a 60-byte header, then a UTF-8 JSON payload.
+
+    magic   16 bytes  b"SPECRUN NGRAM\\0\\0\\0"
+    version u32 LE    FORMAT_VERSION
+    length  u64 LE    payload bytes
+    sha256  32 bytes  of the payload
+    payload JSON      {"max_order": n, "vocabulary": fingerprint,
+                       "contexts": [[[context ids…], [token, count, token, count, …]], …]}
+
+Contexts are listed least recently used first. A file that is truncated, corrupt,
+foreign, from a newer format or built for another vocabulary raises
+NgramCacheError naming the file; nothing is loaded from it. Writes go to a
+temporary file in the same folder, then ``os.replace``: a reader never sees half a
+file, and of two writers the last one wins.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import struct
+import tempfile
+from collections import OrderedDict
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+from specrun.backends.base import Backend
+from specrun.drafters.base import EMPTY_PROPOSAL, Proposal
+from specrun.drafters.lookup import ContextMirror
+from specrun.errors import SpecrunError
+from specrun.sampling import SamplingSettings
+
+MAGIC = b"SPECRUN NGRAM\0\0\0"
+FORMAT_VERSION = 1
+HEADER = struct.Struct("<16sIQ32s")  # magic, version, payload length, sha256(payload)
+
+DEFAULT_MAX_ORDER = 3
+# About 400 bytes of Python objects per context (measured on random text): ~40 MB at the cap.
+DEFAULT_MAX_CONTEXTS = 100_000
+DEFAULT_MAX_FOLLOWERS = 8
+DEFAULT_MIN_SHARE = 0.5
+# A follower of a single token must have been seen twice (one sighting is mostly
+# coincidence); after two or more tokens of context, once is enough.
+DEFAULT_UNIGRAM_MIN_COUNT = 2
+
+CACHE_FIX = "delete it or pass another --ngram-cache"
+
+Followers = dict[int, int]  # token -> count
+
+
+class NgramCacheError(SpecrunError):
+    """An n-gram cache file that cannot be used (or written); the message names the file."""
+
+
+def vocabulary_fingerprint(backend: Backend) -> str:
+    """A short hash of a backend's vocabulary: ids, token texts, BOS and EOS.
+
+    An n-gram cache holds token ids, which mean something only for the vocabulary
+    that produced them; the fingerprint is stored in the file and checked on load.
+    """
+    vocab = backend.vocab
+    digest = hashlib.sha256(f"{vocab.size}|{vocab.bos_id}|{sorted(vocab.eos_ids)}".encode())
+    for token in range(vocab.size):
+        digest.update(backend.token_text(token).encode("utf-8", errors="surrogatepass") + b"\0")
+    return digest.hexdigest()[:32]
+
+
+class NgramPoolDrafter:
+    """Proposes the most likely continuation under counts learned from all text seen.
+
+    ``cache_path``: when set, ``close()`` saves the pool there (only if it learned
+    something); ``open`` builds a pool and loads that file if it exists.
+    ``vocabulary``: the target's ``vocabulary_fingerprint``; a cache file built for
+    another one is refused. ``ops`` counts pool operations (lookups and updates)
+    so tests can check that a step's cost does not grow with the context.
+    """
+
+    name = "ngram"
+
+    def __init__(
+        self,
+        *,
+        max_order: int = DEFAULT_MAX_ORDER,
+        max_contexts: int = DEFAULT_MAX_CONTEXTS,
+        max_followers: int = DEFAULT_MAX_FOLLOWERS,
+        min_share: float = DEFAULT_MIN_SHARE,
+        unigram_min_count: int = DEFAULT_UNIGRAM_MIN_COUNT,
+        vocabulary: str = "",
+        cache_path: Path | None = None,
+    ) -> None:
+        if max_order < 1 or max_contexts < 1 or max_followers < 1:
+            raise ValueError("max_order, max_contexts and max_followers must be positive")
+        self.max_order = max_order
+        self.max_contexts = max_contexts
+        self.max_followers = max_followers
+        self.min_share = min_share
+        self.unigram_min_count = unigram_min_count
+        self.vocabulary = vocabulary
+        self.cache_path = Path(cache_path) if cache_path is not None else None
+        self.mirror = ContextMirror()
+        self.evictions = 0
+        self._pool: OrderedDict[tuple[int, ...], Followers] = OrderedDict()  # least recently used first
+        self._pool_ops = 0
+        self._dirty = False
+
+    @classmethod
+    def open(cls, cache_path: Path, **settings) -> NgramPoolDrafter:
+        """A pool that is saved to ``cache_path`` on close, loaded from it first if it exists."""
+        pool = cls(cache_path=cache_path, **settings)
+        if pool.cache_path.exists():
+            pool.load(pool.cache_path)
+        return pool
+
+    @property
+    def ops(self) -> int:
+        return self.mirror.ops + self._pool_ops
+
+    def __len__(self) -> int:
+        """Number of contexts held (at most ``max_contexts``)."""
+        return len(self._pool)
+
+    def followers(self, context: Sequence[int]) -> Followers:
+        """A copy of the follower counts of ``context`` (empty if unknown); does not count as a use."""
+        return dict(self._pool.get(tuple(context), {}))
+
+    # ---- the Drafter interface --------------------------------------------------
+    def propose(
+        self,
+        context: Sequence[int],
+        draft_len: int,
+        sampling: SamplingSettings,
+        rng: np.random.Generator,
+    ) -> Proposal:
+        """Learn what ``context`` adds, then chain the most likely followers (one-hot)."""
+        self._read(context)
+        if draft_len <= 0:
+            return EMPTY_PROPOSAL
+        tail = self.mirror.tokens[-self.max_order :]
+        draft: list[int] = []
+        while len(draft) < draft_len:
+            token = self._most_likely_next(tail)
+            if token is None:
+                break
+            draft.append(token)
+            tail = [*tail, token][-self.max_order :]
+        return Proposal(tuple(draft), source=self.name) if draft else EMPTY_PROPOSAL
+
+    def finish(self, context: Sequence[int]) -> None:
+        """Learn the rest of the generation (the last step's tokens were never proposed from)."""
+        self._read(context)
+
+    def close(self) -> None:
+        """Save to ``cache_path`` if set and anything was learned."""
+        if self.cache_path is not None and self._dirty:
+            self.save(self.cache_path)
+        self.mirror.reset()
+
+    # ---- learning and proposing -------------------------------------------------
+    def _read(self, context: Sequence[int]) -> None:
+        """Learn from the tokens of ``context`` not read before (the pool keeps what it learned)."""
+        keep = self.mirror.shared_prefix(context)
+        self.mirror.truncate(keep)
+        for token in context[keep:]:
+            self._learn_next(int(token))
+        self.mirror.follow(context)
+
+    def _learn_next(self, token: int) -> None:
+        """Count ``token`` as the follower of each of the 1..max_order tokens before it."""
+        tokens = self.mirror.tokens
+        position = len(tokens)
+        for n in range(1, min(self.max_order, position) + 1):
+            self._count(tuple(tokens[position - n : position]), token)
+        tokens.append(token)
+
+    def _count(self, key: tuple[int, ...], token: int) -> None:
+        self._pool_ops += 1
+        self._dirty = True
+        followers = self._pool.get(key)
+        if followers is None:
+            followers = self._pool[key] = {}
+            if len(self._pool) > self.max_contexts:
+                self._pool.popitem(last=False)
+                self.evictions += 1
+        else:
+            self._pool.move_to_end(key)
+        _add_follower(followers, token, self.max_followers)
+
+    def _most_likely_next(self, tail: Sequence[int]) -> int | None:
+        """The trusted most frequent follower of the longest known suffix of ``tail``."""
+        for n in range(min(self.max_order, len(tail)), 0, -1):
+            self._pool_ops += 1
+            key = tuple(tail[-n:])
+            followers = self._pool.get(key)
+            if followers is None:
+                continue
+            self._pool.move_to_end(key)
+            token, count = max(followers.items(), key=lambda item: item[1])
+            min_count = self.unigram_min_count if n == 1 else 1
+            if count >= min_count and count >= self.min_share * sum(followers.values()):
+                return token
+        return None
+
+    # ---- persistence ------------------------------------------------------------
+    def save(self, path: Path | None = None) -> Path:
+        """Write the pool atomically to ``path`` (default: ``cache_path``); return the path."""
+        target = Path(path) if path is not None else self.cache_path
+        if target is None:
+            raise ValueError("save() needs a path when the pool has no cache_path")
+        payload = json.dumps(
+            {
+                "max_order": self.max_order,
+                "vocabulary": self.vocabulary,
+                "contexts": [[list(key), _flatten(followers)] for key, followers in self._pool.items()],
+            },
+            separators=(",", ":"),
+        ).encode("utf-8")
+        header = HEADER.pack(MAGIC, FORMAT_VERSION, len(payload), hashlib.sha256(payload).digest())
+        try:
+            _write_atomically(target, header + payload)
+        except OSError as exc:
+            raise NgramCacheError(
+                f"cannot write the n-gram cache {target}: {exc.strerror or exc}",
+                "check the folder exists and is writable, or pass another --ngram-cache",
+            ) from exc
+        self._dirty = False
+        return target
+
+    def load(self, path: Path) -> None:
+        """Replace the pool's contents with the file's; refuse anything not written for this vocabulary."""
+        path = Path(path)
+        contents = _read_cache_file(path)
+        if contents["vocabulary"] != self.vocabulary:
+            raise NgramCacheError(
+                f"the n-gram cache {path} was built for another vocabulary (another model family)", CACHE_FIX
+            )
+        self._pool.clear()
+        # Keep the most recently used contexts that fit, in their LRU order.
+        for key, followers in contents["contexts"][-self.max_contexts :]:
+            if len(key) <= self.max_order:
+                self._pool[key] = _strongest(followers, self.max_followers)
+        self._dirty = False
+
+
+def _add_follower(followers: Followers, token: int, max_followers: int) -> None:
+    """Count one sighting of ``token``; when full, it replaces the weakest follower (Space-Saving)."""
+    if token in followers:
+        followers[token] += 1
+    elif len(followers) < max_followers:
+        followers[token] = 1
+    else:
+        weakest = min(followers, key=followers.__getitem__)
+        followers[token] = followers.pop(weakest) + 1
+
+
+def _flatten(followers: Followers) -> list[int]:
+    return [value for item in followers.items() for value in item]
+
+
+def _strongest(followers: Followers, max_followers: int) -> Followers:
+    if len(followers) <= max_followers:
+        return followers
+    kept = sorted(followers.items(), key=lambda item: item[1], reverse=True)[:max_followers]
+    return dict(kept)
+
+
+def _write_atomically(path: Path, data: bytes) -> None:
+    """Write to a temporary file beside ``path``, flush it to disk, then rename it over ``path``."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(handle, "wb") as stream:
+            stream.write(data)
+            stream.flush()
+            os.fsync(stream.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        Path(temporary).unlink(missing_ok=True)
+        raise
+
+
+def _read_cache_file(path: Path) -> dict:
+    """The validated contents of a cache file: vocabulary and [(context, followers)]."""
+
+    def refuse(reason: str, fix: str = CACHE_FIX) -> NgramCacheError:
+        return NgramCacheError(f"cannot use the n-gram cache {path}: {reason}", fix)
+
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise refuse(f"it cannot be read ({exc.strerror or exc})") from exc
+    if data[: len(MAGIC)] != MAGIC[: len(data)]:
+        raise refuse("it is not a specrun n-gram cache")
+    if len(data) < HEADER.size:
+        raise refuse(f"it is truncated ({len(data)} bytes)")
+    _, version, length, checksum = HEADER.unpack_from(data)
+    if version > FORMAT_VERSION:
+        raise refuse(
+            f"it has format version {version}, newer than this specrun reads ({FORMAT_VERSION})",
+            f"upgrade specrun, or {CACHE_FIX}",
+        )
+    if version != FORMAT_VERSION:
+        raise refuse(f"it has unknown format version {version}")
+    payload = data[HEADER.size :]
+    if len(payload) < length:
+        raise refuse(f"it is truncated ({len(payload)} of {length} payload bytes)")
+    if len(payload) > length or hashlib.sha256(payload).digest() != checksum:
+        raise refuse("it is corrupt (checksum mismatch)")
+    try:
+        return _parse_payload(json.loads(payload.decode("utf-8")))
+    except (UnicodeDecodeError, ValueError, TypeError, KeyError) as exc:
+        raise refuse(f"it is corrupt ({exc})") from exc
+
+
+def _parse_payload(document: dict) -> dict:
+    """Check every field's type and range; raise ValueError/TypeError/KeyError on anything else."""
+    vocabulary = document["vocabulary"]
+    if not isinstance(vocabulary, str):
+        raise TypeError("vocabulary is not a string")
+    contexts = []
+    for key, flat in document["contexts"]:
+        if not key or not _all_ids(key) or len(flat) % 2 or not flat or not _all_ids(flat):
+            raise ValueError("malformed context entry")
+        followers = dict(zip(flat[0::2], flat[1::2]))
+        if min(followers.values()) < 1:
+            raise ValueError("a follower count is not positive")
+        contexts.append((tuple(key), followers))
+    return {"vocabulary": vocabulary, "contexts": contexts}
+
+
+def _all_ids(values: list) -> bool:
+    return isinstance(values, list) and all(type(value) is int and value >= 0 for value in values)
