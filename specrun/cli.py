@@ -34,6 +34,7 @@ from specrun.cli_common import (
     cli_errors,
     read_prompt,
 )
+from specrun.cli_models import models_app
 from specrun.errors import UsageError
 from specrun.methods import check_method
 
@@ -141,6 +142,7 @@ def _write_stdout(text: str) -> None:
 
 
 # Sub-command groups from their own modules are registered here, one line each.
+app.add_typer(models_app, name="models")
 
 
 def main() -> None:

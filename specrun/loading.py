@@ -25,11 +25,14 @@ class LoadOptions:
 
 
 def resolve_gguf(spec: str, entries: dict[str, ModelEntry]) -> Path:
-    """A .gguf path, or the GGUF file behind a registry alias."""
-    path = Path(spec).expanduser()
-    if spec.endswith(".gguf") or path.exists():
-        return path
-    entry = lookup(spec, entries)
+    """The GGUF file to load for ``spec``: a .gguf path, an alias, or a Hub id (owner/name/FILE.gguf).
+
+    Hub files are downloaded into the Hugging Face cache on first use (the first part
+    of a split GGUF is returned, with the others beside it).
+    """
+    from specrun.registry import entry_for
+
+    entry = entry_for(spec, entries)
     if entry.builtin:
         from specrun.modelkit.demo import demo_gguf
 
@@ -41,30 +44,98 @@ def resolve_gguf(spec: str, entries: dict[str, ModelEntry]) -> Path:
 
         return cached_gguf(entry)
     raise RegistryError(
-        f"alias {spec!r} has no GGUF source ({entry.origin})", "use --backend mlx, or add gguf_repo/gguf_file"
+        f"{spec!r} has no GGUF file ({entry.origin})",
+        "use --backend mlx, or name a GGUF: a .gguf path, an alias with gguf_file, or owner/name/FILE.gguf",
+    )
+
+
+def resolve_mlx(spec: str, entries: dict[str, ModelEntry]) -> str:
+    """The MLX folder to load for ``spec`` (a path, an alias, or owner/name), downloading a Hub repo."""
+    from specrun.registry import entry_for
+
+    path = Path(spec).expanduser()
+    if path.exists() or (spec not in entries and spec.startswith(("/", ".", "~"))):
+        return str(path)  # MlxBackend names what is wrong with a missing or non-MLX path
+    entry = entry_for(spec, entries)
+    if entry.builtin:
+        from specrun.modelkit.demo import demo_mlx_dir
+
+        return str(demo_mlx_dir(entry.builtin))
+    if entry.mlx_path:
+        return str(Path(entry.mlx_path).expanduser())
+    if entry.mlx_repo:
+        from specrun.hub import cached_mlx
+
+        return str(cached_mlx(entry))
+    raise RegistryError(
+        f"{spec!r} has no MLX source ({entry.origin})", "use --backend llama, or add mlx_repo/mlx_path to its alias"
     )
 
 
 def open_backend(spec: str, options: LoadOptions, entries: dict[str, ModelEntry] | None = None) -> Backend:
     """Load one model on the chosen backend."""
     entries = entries if entries is not None else load_registry(options.registry)
-    backend = choose_backend(options.backend)
-    if backend == "llama":
-        from specrun.backends.llama import LlamaCppBackend
+    backend = choose_backend(options.backend, spec, entries)
+    if backend == "mlx":
+        from specrun.backends.mlx import MlxBackend
 
-        return LlamaCppBackend(
-            resolve_gguf(spec, entries),
-            n_ctx=options.n_ctx,
-            n_threads=options.threads,
-            gpu_layers=options.gpu_layers,
-        )
-    raise UsageError(f"backend {backend!r} is not available yet", "use --backend llama")
+        return MlxBackend(resolve_mlx(spec, entries), n_ctx=options.n_ctx)
+    from specrun.backends.llama import LlamaCppBackend
+
+    return LlamaCppBackend(
+        resolve_gguf(spec, entries),
+        n_ctx=options.n_ctx,
+        n_threads=options.threads,
+        gpu_layers=options.gpu_layers,
+    )
 
 
-def choose_backend(requested: str) -> str:
+def choose_backend(requested: str, spec: str | None = None, entries: dict[str, ModelEntry] | None = None) -> str:
+    """'llama' or 'mlx' for ``spec``; an explicit choice must be installed.
+
+    auto: MLX when the model has an MLX source and either this is Apple Silicon
+    or the model has no GGUF source; llama.cpp otherwise. An uninstalled backend
+    is skipped by auto and refused when asked for by name.
+    """
+    import importlib.util
+    import platform
+
+    from specrun.errors import BackendUnavailableError
+
+    modules = {"llama": "llama_cpp", "mlx": "mlx_lm"}
     if requested not in BACKENDS:
         raise UsageError(f"unknown backend {requested!r}", f"use one of: {', '.join(BACKENDS)}")
-    return "llama" if requested == "auto" else requested
+    installed = {name for name, module in modules.items() if importlib.util.find_spec(module) is not None}
+    if requested != "auto":
+        if requested not in installed:
+            raise BackendUnavailableError(
+                f"the {requested} backend is not installed", f"install it with: pip install 'specrun[{requested}]'"
+            )
+        return requested
+    has_mlx, has_gguf = _model_sources(spec, entries or {}) if spec is not None else (False, True)
+    apple_silicon = platform.system() == "Darwin" and platform.machine() == "arm64"
+    order = ("mlx", "llama") if has_mlx and (apple_silicon or not has_gguf) else ("llama", "mlx")
+    sources = {"mlx": has_mlx, "llama": has_gguf}
+    usable = [name for name in order if name in installed and sources[name]]
+    if not usable:
+        raise BackendUnavailableError(
+            f"the {order[0]} backend this model needs is not installed",
+            f"install it with: pip install 'specrun[{order[0]}]'",
+        )
+    return usable[0]
+
+
+def _model_sources(spec: str, entries: dict[str, ModelEntry]) -> tuple[bool, bool]:
+    """(has an MLX source, has a GGUF source), without downloading or deriving anything."""
+    from specrun.registry import entry_for
+
+    try:
+        entry = entry_for(spec, entries)
+    except RegistryError:
+        return False, True  # unknown: the llama.cpp path reports it
+    has_mlx = bool(entry.builtin or entry.mlx_path or entry.mlx_repo)
+    has_gguf = bool(entry.builtin or entry.gguf_path or entry.gguf_repo)
+    return has_mlx, has_gguf
 
 
 def open_pair(

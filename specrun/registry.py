@@ -2,12 +2,16 @@
 
 The shipped registry is models.toml at the repository root (installed inside the
 package); a user registry in the XDG config directory and ``--registry FILE``
-override it, entry by entry.
+override it, entry by entry. Wherever an alias is accepted, a local path (a .gguf
+file or an MLX folder) and a Hugging Face id (``owner/name`` for an MLX repo,
+``owner/name/FILE.gguf`` for one GGUF file) work too: :func:`entry_for` turns
+each into a :class:`ModelEntry`.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import tomllib
 from dataclasses import dataclass, field
 from importlib import resources
@@ -15,12 +19,14 @@ from pathlib import Path
 
 from specrun.errors import RegistryError
 
-ENTRY_KEYS = {
+NUMBER = (int, float)
+ENTRY_KEYS: dict[str, type | tuple[type, ...]] = {
     "description": str,
     "family": str,
     "params": str,
     "quant": str,
     "context": int,
+    "size_gb": NUMBER,
     "builtin": str,
     "gguf_repo": str,
     "gguf_file": str,
@@ -31,6 +37,15 @@ ENTRY_KEYS = {
     "verified": bool,
 }
 SOURCE_KEYS = ("builtin", "gguf_repo", "gguf_path", "mlx_repo", "mlx_path")
+LOCAL_ORIGIN = "a local path"  # the origin of entries made from what a user typed
+HUB_ID_ORIGIN = "a Hugging Face id"
+
+_REPO_PART = r"[A-Za-z0-9][\w.-]*"
+HUB_REPO_ID = re.compile(rf"(?P<repo>{_REPO_PART}/{_REPO_PART})")
+HUB_GGUF_ID = re.compile(rf"(?P<repo>{_REPO_PART}/{_REPO_PART})/(?P<file>[^\s]+\.gguf)")
+_TABLE_HEADER = re.compile(r"""^\s*\[\s*models\s*\.\s*(?:"([^"]+)"|'([^']+)'|([\w.-]+))\s*\]""")
+_KEY_LINE = re.compile(r"""^\s*(?:"([^"]+)"|([\w-]+))\s*=""")
+_ERROR_LINE = re.compile(r"at line (\d+)")
 
 
 @dataclass(frozen=True)
@@ -38,20 +53,21 @@ class ModelEntry:
     """One alias: where its GGUF and/or MLX weights come from, and what it pairs with."""
 
     alias: str
-    origin: str  # the registry file it came from
+    origin: str  # the registry file it came from, or how a path or Hub id was read
     description: str = ""
-    family: str = ""
+    family: str = ""  # the tokenizer family: drafts must share it
     params: str = ""
     quant: str = ""
     context: int = 0
+    size_gb: float = 0.0  # download size of the GGUF (all parts), or of the MLX repo without one
     builtin: str = ""
     gguf_repo: str = ""
-    gguf_file: str = ""
+    gguf_file: str = ""  # the first part when the GGUF is split (NAME-00001-of-0000N.gguf)
     gguf_path: str = ""
     mlx_repo: str = ""
     mlx_path: str = ""
     drafts: tuple[str, ...] = field(default=())
-    verified: bool = True
+    verified: bool = True  # repo ids and file names checked against public listings
 
 
 def shipped_registry_path() -> Path:
@@ -72,38 +88,89 @@ def parse_registry(path: Path) -> dict[str, ModelEntry]:
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
-        raise RegistryError(f"{path} is not valid TOML: {exc}", "fix the syntax at that line") from exc
+        raise _toml_error(path, text, exc) from None
     unknown_tables = set(data) - {"models"}
     if unknown_tables:
         raise RegistryError(
             f"{path}: unknown top-level key {sorted(unknown_tables)[0]!r}", "put entries under [models.ALIAS]"
         )
-    entries = {}
-    for alias, raw in data.get("models", {}).items():
-        if not isinstance(raw, dict):
-            raise RegistryError(f"{path}: models.{alias} must be a table", "write it as [models.{alias}]")
-        for key, value in raw.items():
-            expected = ENTRY_KEYS.get(key)
-            if expected is None:
-                raise RegistryError(
-                    f"{path}: alias {alias!r} has unknown key {key!r}",
-                    f"use one of: {', '.join(sorted(ENTRY_KEYS))}",
-                )
-            if not isinstance(value, expected):
-                raise RegistryError(
-                    f"{path}: alias {alias!r} key {key!r} must be a {expected.__name__}", "fix its value"
-                )
-        if not any(raw.get(key) for key in SOURCE_KEYS):
-            raise RegistryError(
-                f"{path}: alias {alias!r} is missing a source",
-                f"add one of: {', '.join(SOURCE_KEYS)}",
-            )
-        if raw.get("gguf_repo") and not raw.get("gguf_file"):
-            raise RegistryError(f"{path}: alias {alias!r} has gguf_repo but no gguf_file", "add gguf_file")
-        fields = dict(raw)
-        fields["drafts"] = tuple(fields.get("drafts", ()))
-        entries[alias] = ModelEntry(alias=alias, origin=str(path), **fields)
-    return entries
+    models = data.get("models", {})
+    if not isinstance(models, dict):
+        raise RegistryError(f"{path}: key 'models' must hold tables", "write entries as [models.ALIAS]")
+    return {alias: _parse_entry(path, alias, raw) for alias, raw in models.items()}
+
+
+def _parse_entry(path: Path, alias: str, raw: object) -> ModelEntry:
+    if not isinstance(raw, dict):
+        raise RegistryError(f"{path}: models.{alias} must be a table", f"write it as [models.{alias}]")
+    for key, value in raw.items():
+        _check_value(path, alias, key, value)
+    if not any(raw.get(key) for key in SOURCE_KEYS):
+        raise RegistryError(
+            f"{path}: alias {alias!r} is missing a source", f"add one of: {', '.join(SOURCE_KEYS)}"
+        )
+    if raw.get("gguf_repo") and not raw.get("gguf_file"):
+        raise RegistryError(f"{path}: alias {alias!r} has key 'gguf_repo' but no 'gguf_file'", "add gguf_file")
+    fields = dict(raw)
+    fields["drafts"] = tuple(fields.get("drafts", ()))
+    return ModelEntry(alias=alias, origin=str(path), **fields)
+
+
+def _check_value(path: Path, alias: str, key: str, value: object) -> None:
+    if isinstance(value, dict):  # [models.a.b] nests table "b" inside alias "a"
+        raise RegistryError(
+            f"{path}: alias {alias!r} has a sub-table {key!r}", f'quote an alias with a dot: [models."{alias}.{key}"]'
+        )
+    expected = ENTRY_KEYS.get(key)
+    if expected is None:
+        raise RegistryError(
+            f"{path}: alias {alias!r} has unknown key {key!r}", f"use one of: {', '.join(sorted(ENTRY_KEYS))}"
+        )
+    # TOML booleans are Python ints: true must not pass for a context length.
+    wrong_bool = isinstance(value, bool) and expected is not bool
+    if wrong_bool or not isinstance(value, expected):
+        raise RegistryError(
+            f"{path}: alias {alias!r} key {key!r} must be {_type_name(expected)}, not {value!r}", "fix its value"
+        )
+    if key == "drafts" and not all(isinstance(item, str) for item in value):
+        raise RegistryError(f"{path}: alias {alias!r} key 'drafts' must list aliases as strings", "fix its value")
+
+
+def _type_name(expected: type | tuple[type, ...]) -> str:
+    names = {str: "a string", int: "an integer", bool: "true or false", list: "a list", NUMBER: "a number"}
+    return names[expected]
+
+
+def _toml_error(path: Path, text: str, exc: tomllib.TOMLDecodeError) -> RegistryError:
+    """A TOML syntax error, located: the line, and the alias and key written there."""
+    duplicate = re.search(r"Cannot declare \('models', '([^']+)'\) twice", str(exc))
+    if duplicate:
+        return RegistryError(
+            f"{path}: alias {duplicate[1]!r} is defined twice ({exc})", "merge the two tables or rename one alias"
+        )
+    match = _ERROR_LINE.search(str(exc))
+    line_number = int(match[1]) if match else 0
+    alias, key = _place(text, line_number)
+    where = f" in alias {alias!r}" if alias else ""
+    where += f" at key {key!r}" if key else ""
+    return RegistryError(f"{path} is not valid TOML{where}: {exc}", "fix the syntax at that line")
+
+
+def _place(text: str, line_number: int) -> tuple[str | None, str | None]:
+    """(alias, key) written at 1-based ``line_number``: the enclosing [models.ALIAS] and the key on that line."""
+    lines = text.splitlines()
+    if not 0 < line_number <= len(lines):
+        return None, None
+    alias = None
+    for line in lines[:line_number]:
+        header = _TABLE_HEADER.match(line)
+        if header:
+            alias = next(group for group in header.groups() if group)
+        elif line.lstrip().startswith("["):
+            alias = None
+    key_match = _KEY_LINE.match(lines[line_number - 1])
+    key = next((group for group in key_match.groups() if group), None) if key_match else None
+    return alias, key
 
 
 def load_registry(extra: Path | None = None) -> dict[str, ModelEntry]:
@@ -116,6 +183,7 @@ def load_registry(extra: Path | None = None) -> dict[str, ModelEntry]:
 
 
 def lookup(alias: str, entries: dict[str, ModelEntry]) -> ModelEntry:
+    """The entry for a registry alias (only): unknown aliases raise RegistryError."""
     try:
         return entries[alias]
     except KeyError:
@@ -123,3 +191,28 @@ def lookup(alias: str, entries: dict[str, ModelEntry]) -> ModelEntry:
             f"unknown model {alias!r}: not a file and not an alias in models.toml",
             "run `specrun models list` to see aliases, or pass a path to a .gguf file",
         ) from None
+
+
+def entry_for(spec: str, entries: dict[str, ModelEntry]) -> ModelEntry:
+    """The entry behind what a user typed: an existing path, an alias, or a Hugging Face id.
+
+    An existing file is a GGUF, an existing folder an MLX model. ``owner/name/FILE.gguf``
+    is one GGUF file on the Hub, ``owner/name`` an MLX repo. Any other spec ending in
+    .gguf is taken as a (missing) local file, so the error names that file.
+    """
+    path = Path(spec).expanduser()
+    if path.exists():
+        source = {"mlx_path": str(path)} if path.is_dir() else {"gguf_path": str(path)}
+        return ModelEntry(alias=spec, origin=LOCAL_ORIGIN, **source)
+    if spec in entries:
+        return entries[spec]
+    hub_file = HUB_GGUF_ID.fullmatch(spec)
+    if hub_file:
+        return ModelEntry(
+            alias=spec, origin=HUB_ID_ORIGIN, gguf_repo=hub_file["repo"], gguf_file=hub_file["file"]
+        )
+    if spec.endswith(".gguf"):
+        return ModelEntry(alias=spec, origin=LOCAL_ORIGIN, gguf_path=str(path))
+    if HUB_REPO_ID.fullmatch(spec):
+        return ModelEntry(alias=spec, origin=HUB_ID_ORIGIN, mlx_repo=spec)
+    return lookup(spec, entries)
