@@ -23,6 +23,7 @@ from specrun.cli_common import (
     MaxTokensOpt,
     MethodOpt,
     MinPOpt,
+    NgramCacheOpt,
     RegistryOpt,
     SeedOpt,
     TargetOpt,
@@ -73,12 +74,13 @@ def generate(
     threads: ThreadsOpt = None,
     gpu_layers: GpuLayersOpt = None,
     registry: RegistryOpt = None,
+    ngram_cache: NgramCacheOpt = None,
 ) -> None:
     """Generate a continuation of PROMPT: text to stdout, statistics to stderr."""
     with cli_errors():
         from specrun.generation import GenerateRequest, generate_text
         from specrun.loading import DEFAULT_DRAFT, DEFAULT_TARGET, LoadOptions
-        from specrun.methods import needs_draft_model
+        from specrun.methods import DrafterOptions, needs_draft_model
         from specrun.sampling import SamplingSettings
 
         check_method(method)
@@ -100,6 +102,7 @@ def generate(
             draft_len=draft_len,
             sampling=sampling,
             load=LoadOptions(backend=backend, n_ctx=ctx, threads=threads, gpu_layers=gpu_layers, registry=registry),
+            drafter_options=DrafterOptions(ngram_cache=ngram_cache),
         )
         if json_output:
             result = generate_text(request)

@@ -60,7 +60,14 @@ def check_range(name: str, value: int | float | None, low: float, high: float) -
 TargetOpt = Annotated[Optional[str], typer.Option("--target", "-t", help="Target model: alias or .gguf path.")]
 DraftOpt = Annotated[Optional[str], typer.Option("--draft", "-d", help="Draft model: alias or .gguf path.")]
 BackendOpt = Annotated[str, typer.Option("--backend", help="auto, llama or mlx.")]
-MethodOpt = Annotated[str, typer.Option("--method", "-m", help="none (plain decoding), draft, … (see docs).")]
+MethodOpt = Annotated[
+    str,
+    typer.Option(
+        "--method",
+        "-m",
+        help="auto (adaptive lookup+ngram+draft), none (plain decoding), draft, lookup, ngram, or a chain like lookup+draft.",
+    ),
+]
 MaxTokensOpt = Annotated[int, typer.Option("--max-tokens", "-n", help="New tokens to generate.")]
 TempOpt = Annotated[float, typer.Option("--temp", help="Temperature; 0 is greedy.")]
 TopKOpt = Annotated[int, typer.Option("--top-k", help="Top-k (0: off).")]
@@ -72,4 +79,7 @@ JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object ins
 CtxOpt = Annotated[Optional[int], typer.Option("--ctx", help="Context size in tokens (default: the model's, at most 4096).")]
 ThreadsOpt = Annotated[Optional[int], typer.Option("--threads", help="CPU threads (default: all cores).")]
 GpuLayersOpt = Annotated[Optional[int], typer.Option("--gpu-layers", help="Layers on the GPU (default: all).")]
+NgramCacheOpt = Annotated[
+    Optional[Path], typer.Option("--ngram-cache", help="File the n-gram pool is loaded from and saved to.")
+]
 RegistryOpt = Annotated[Optional[Path], typer.Option("--registry", help="Extra models.toml.")]

@@ -19,7 +19,10 @@ from specrun.drafters.lookup import PromptLookupDrafter
 from specrun.drafters.ngram import NgramPoolDrafter
 from specrun.errors import UsageError
 
+AUTO_CHAIN = "lookup+ngram+draft"
+
 METHODS = (
+    "auto",
     "none",
     "draft",
     "lookup",
@@ -45,8 +48,17 @@ class DrafterOptions:
     vocabulary: str = ""
 
 
+def resolve_method(method: str) -> str:
+    """``auto`` is the full chain; the engine then adapts draft lengths and gates speculation."""
+    return AUTO_CHAIN if method == "auto" else method
+
+
+def is_adaptive(method: str) -> bool:
+    return method == "auto"
+
+
 def needs_draft_model(method: str) -> bool:
-    return "draft" in method.split("+")
+    return "draft" in resolve_method(method).split("+")
 
 
 def check_method(method: str) -> None:
@@ -65,7 +77,7 @@ def build_drafter(method: str, draft: Backend | None, options: DrafterOptions | 
         return None
     if needs_draft_model(method) and draft is None:
         raise UsageError(f"method {method!r} needs a draft model", "pass --draft MODEL")
-    members = [_build_one(part, draft, options or DrafterOptions()) for part in method.split("+")]
+    members = [_build_one(part, draft, options or DrafterOptions()) for part in resolve_method(method).split("+")]
     return members[0] if len(members) == 1 else ChainDrafter(members)
 
 

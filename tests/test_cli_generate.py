@@ -13,9 +13,8 @@ from typer.testing import CliRunner
 
 from specrun.cli import app
 
-pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed")
-
 runner = CliRunner()
+BACKEND_MODULES = {"llama": "llama_cpp", "mlx": "mlx_lm"}
 
 
 def invoke(*args: str, input: str | None = None, env: dict | None = None):
@@ -23,28 +22,42 @@ def invoke(*args: str, input: str | None = None, env: dict | None = None):
 
 
 @pytest.fixture(scope="module")
-def pair(tiny_llama):
+def llama_installed():
+    pytest.importorskip("llama_cpp", reason="the llama backend (llama-cpp-python) is not installed")
+
+
+@pytest.fixture(scope="module")
+def pair(tiny_llama, llama_installed):
     return ["-t", str(tiny_llama.gguf_path), "-d", str(tiny_llama.gguf_path)]
 
 
-def test_prompt_argument_text_to_stdout_stats_to_stderr(pair):
-    result = invoke("generate", "def main():", *pair, "-n", "12")
+@pytest.fixture(params=["llama", "mlx"])
+def backend_pair(request, tiny_llama):
+    """Target and draft = the tiny llama on each backend: its GGUF for llama, its HF folder for mlx."""
+    kind = request.param
+    pytest.importorskip(BACKEND_MODULES[kind], reason=f"the {kind} backend is not installed")
+    source = str(tiny_llama.gguf_path if kind == "llama" else tiny_llama.hf_dir)
+    return ["-t", source, "-d", source, "--backend", kind]
+
+
+def test_prompt_argument_text_to_stdout_stats_to_stderr(backend_pair):
+    result = invoke("generate", "def main():", *backend_pair, "-n", "12")
     assert result.exit_code == 0, result.output
     assert result.stdout.strip()
     assert "12 tokens" in result.stderr and "tok/s" in result.stderr
     assert "tokens" not in result.stdout
 
 
-def test_piped_prompt_equals_argument_prompt(pair):
-    piped = invoke("generate", *pair, "-n", "16", input="import os\n")
-    dashed = invoke("generate", "-", *pair, "-n", "16", input="import os\n")
-    argument = invoke("generate", "import os\n", *pair, "-n", "16")
+def test_piped_prompt_equals_argument_prompt(backend_pair):
+    piped = invoke("generate", *backend_pair, "-n", "16", input="import os\n")
+    dashed = invoke("generate", "-", *backend_pair, "-n", "16", input="import os\n")
+    argument = invoke("generate", "import os\n", *backend_pair, "-n", "16")
     assert piped.exit_code == dashed.exit_code == argument.exit_code == 0
     assert piped.stdout == dashed.stdout == argument.stdout
 
 
-def test_json_output_has_text_and_stats(pair):
-    result = invoke("generate", "x = 1\n", *pair, "-n", "20", "--json", "--draft-len", "3")
+def test_json_output_has_text_and_stats(backend_pair):
+    result = invoke("generate", "x = 1\n", *backend_pair, "-n", "20", "--json", "--draft-len", "3")
     assert result.exit_code == 0, result.output
     payload = json.loads(result.stdout)
     stats = payload["stats"]
@@ -56,9 +69,9 @@ def test_json_output_has_text_and_stats(pair):
     assert isinstance(payload["text"], str)
 
 
-def test_method_none_matches_method_draft_greedy(pair):
-    plain = invoke("generate", "class A:\n", *pair, "-n", "24", "--method", "none", "--json")
-    spec = invoke("generate", "class A:\n", *pair, "-n", "24", "--method", "draft", "--json")
+def test_method_none_matches_method_draft_greedy(backend_pair):
+    plain = invoke("generate", "class A:\n", *backend_pair, "-n", "24", "--method", "none", "--json")
+    spec = invoke("generate", "class A:\n", *backend_pair, "-n", "24", "--method", "draft", "--json")
     assert json.loads(plain.stdout)["text"] == json.loads(spec.stdout)["text"]
     assert json.loads(plain.stdout)["stats"]["drafted"] == 0
 
@@ -74,12 +87,12 @@ def assert_one_line_error(result, exit_code: int, *fragments: str):
     assert result.stdout == ""
 
 
-def test_missing_model_file(tmp_path, tiny_llama):
+def test_missing_model_file(tmp_path, tiny_llama, llama_installed):
     result = invoke("generate", "hi", "-t", str(tmp_path / "nope.gguf"), "-d", str(tiny_llama.gguf_path))
     assert_one_line_error(result, 1, "model file not found", "nope.gguf")
 
 
-def test_corrupt_model_file(tmp_path, tiny_llama):
+def test_corrupt_model_file(tmp_path, tiny_llama, llama_installed):
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(b"this is not a model")
     result = invoke("generate", "hi", "-t", str(bad), "-d", str(tiny_llama.gguf_path))
@@ -90,7 +103,7 @@ def test_corrupt_model_file(tmp_path, tiny_llama):
     assert_one_line_error(result, 1, "could not load", "download the file again")
 
 
-def test_unreadable_model_file(tmp_path, tiny_llama):
+def test_unreadable_model_file(tmp_path, tiny_llama, llama_installed):
     if os.geteuid() == 0:
         pytest.skip("root can read any file")
     locked = tmp_path / "locked.gguf"
@@ -99,7 +112,7 @@ def test_unreadable_model_file(tmp_path, tiny_llama):
     assert_one_line_error(invoke("generate", "hi", "-t", str(locked)), 1, "cannot read")
 
 
-def test_incompatible_draft(tiny_llama, tmp_path):
+def test_incompatible_draft(tiny_llama, tmp_path, llama_installed):
     from model_factory import random_weights, tiny_config, tiny_tokenizer_json
     from specrun.modelkit.gguf_io import write_gguf
 
@@ -115,7 +128,7 @@ def test_prompt_longer_than_the_context(pair):
     assert_one_line_error(result, 1, "the prompt has", "context holds 64", "--ctx")
 
 
-def test_unknown_alias():
+def test_unknown_alias(llama_installed):
     result = invoke("generate", "hi", "-t", "no-such-model")
     assert_one_line_error(result, 1, "unknown model 'no-such-model'", "specrun models list")
 
@@ -140,10 +153,31 @@ def test_usage_errors_exit_2(pair, args, fragment):
     assert_one_line_error(invoke("generate", "hi", *pair, *args), 2, fragment)
 
 
-def test_debug_shows_a_traceback(tmp_path):
+def test_debug_shows_a_traceback(tmp_path, llama_installed):
     result = invoke("generate", "hi", "-t", str(tmp_path / "x.gguf"), env={"SPECRUN_DEBUG": "1"})
     assert result.exit_code == 1
     assert "Traceback" in result.stderr
+
+
+def test_mlx_backend_errors_are_one_line(tmp_path, tiny_llama):
+    pytest.importorskip("mlx_lm", reason="the mlx backend is not installed")
+    source = str(tiny_llama.hf_dir)
+    missing = invoke("generate", "hi", "-t", str(tmp_path / "nope"), "-d", source, "--backend", "mlx")
+    assert_one_line_error(missing, 1, "model folder not found", "nope")
+    gguf = invoke("generate", "hi", "-t", str(tiny_llama.gguf_path), "-d", source, "--backend", "mlx")
+    assert_one_line_error(gguf, 1, "is a file, not an MLX model folder", "use --backend llama")
+    too_long = invoke("generate", "word " * 200, "-t", source, "-d", source, "--backend", "mlx", "--ctx", "64")
+    assert_one_line_error(too_long, 1, "the prompt has", "context holds 64", "--ctx")
+
+
+def test_auto_backend_opens_an_mlx_folder(tiny_llama):
+    """A folder with config.json is an MLX source only, so auto picks MLX on any platform."""
+    pytest.importorskip("mlx_lm", reason="the mlx backend is not installed")
+    source = str(tiny_llama.hf_dir)
+    auto = invoke("generate", "x = 1\n", "-t", source, "-d", source, "-n", "10", "--json")
+    explicit = invoke("generate", "x = 1\n", "-t", source, "-d", source, "-n", "10", "--json", "--backend", "mlx")
+    assert auto.exit_code == explicit.exit_code == 0, auto.output
+    assert json.loads(auto.stdout)["text"] == json.loads(explicit.stdout)["text"]
 
 
 def test_help_loads_neither_backend():
@@ -159,9 +193,30 @@ def test_help_loads_neither_backend():
     assert out.stdout.strip() == "[]"
 
 
-def test_console_script_reads_a_pipe(tiny_llama):
+def test_console_script_reads_a_pipe(tiny_llama, llama_installed):
     exe = Path(sys.executable).with_name("specrun")
     args = [str(exe), "generate", "-t", str(tiny_llama.gguf_path), "-d", str(tiny_llama.gguf_path), "-n", "8"]
     out = subprocess.run(args, input="def f():\n", capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() and "8 tokens" in out.stderr
+
+
+@pytest.mark.parametrize("method", ["auto", "lookup", "ngram", "lookup+draft", "lookup+ngram+draft"])
+def test_every_method_gives_the_plain_greedy_text(pair, method):
+    plain = invoke("generate", "def f(x):\n    return x\n" * 3, *pair, "-n", "24", "--method", "none", "--json")
+    other = invoke("generate", "def f(x):\n    return x\n" * 3, *pair, "-n", "24", "--method", method, "--json")
+    assert other.exit_code == 0, other.output
+    assert json.loads(other.stdout)["text"] == json.loads(plain.stdout)["text"]
+    assert json.loads(other.stdout)["stats"]["method"] == method
+
+
+def test_ngram_cache_is_saved_and_reused(pair, tmp_path):
+    cache = tmp_path / "pool.ngram"
+    first = invoke("generate", "import os\nimport sys\n" * 4, *pair, "-n", "16", "-m", "ngram", "--ngram-cache", str(cache))
+    assert first.exit_code == 0, first.output
+    assert cache.exists() and cache.stat().st_size > 60
+    second = invoke("generate", "import os\n", *pair, "-n", "8", "-m", "ngram", "--ngram-cache", str(cache))
+    assert second.exit_code == 0, second.output
+    cache.write_bytes(b"garbage")
+    broken = invoke("generate", "import os\n", *pair, "-n", "8", "-m", "ngram", "--ngram-cache", str(cache))
+    assert_one_line_error(broken, 1, str(cache))
