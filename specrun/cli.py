@@ -36,6 +36,7 @@ from specrun.cli_common import (
     read_prompt,
 )
 from specrun.cli_models import models_app
+from specrun.cli_tune import tune
 from specrun.errors import UsageError
 from specrun.methods import check_method
 
@@ -68,7 +69,7 @@ def generate(
     top_p: TopPOpt = 1.0,
     min_p: MinPOpt = 0.0,
     seed: SeedOpt = None,
-    draft_len: DraftLenOpt = 4,
+    draft_len: DraftLenOpt = None,
     json_output: JsonOpt = False,
     ctx: CtxOpt = None,
     threads: ThreadsOpt = None,
@@ -146,6 +147,7 @@ def _write_stdout(text: str) -> None:
 
 # Sub-command groups from their own modules are registered here, one line each.
 app.add_typer(models_app, name="models")
+app.command("tune")(tune)
 
 
 def main() -> None:

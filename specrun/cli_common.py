@@ -74,7 +74,10 @@ TopKOpt = Annotated[int, typer.Option("--top-k", help="Top-k (0: off).")]
 TopPOpt = Annotated[float, typer.Option("--top-p", help="Top-p (1: off).")]
 MinPOpt = Annotated[float, typer.Option("--min-p", help="Min-p (0: off).")]
 SeedOpt = Annotated[Optional[int], typer.Option("--seed", help="Random seed for sampling.")]
-DraftLenOpt = Annotated[int, typer.Option("--draft-len", "-k", help="Tokens drafted per verify step.")]
+DraftLenOpt = Annotated[
+    Optional[int],
+    typer.Option("--draft-len", "-k", help="Tokens drafted per step (default: tuned, else 4; the maximum for auto)."),
+]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object instead of text.")]
 CtxOpt = Annotated[Optional[int], typer.Option("--ctx", help="Context size in tokens (default: the model's, at most 4096).")]
 ThreadsOpt = Annotated[Optional[int], typer.Option("--threads", help="CPU threads (default: all cores).")]

@@ -18,10 +18,31 @@ class GenerateRequest:
     draft: str | None
     method: str = "draft"
     max_new_tokens: int = 128
-    draft_len: int = 4
+    draft_len: int | None = None  # None: the tuned length for this pair and machine, else 4
     sampling: SamplingSettings = field(default_factory=SamplingSettings)
     load: LoadOptions = field(default_factory=LoadOptions)
     drafter_options: DrafterOptions = field(default_factory=DrafterOptions)
+
+
+DEFAULT_DRAFT_LEN = 4
+ADAPTIVE_MAX_DRAFT_LEN = 8
+
+
+def _tuned(target, draft, threads):
+    """Settings saved by `specrun tune` for this pair on this machine, if any."""
+    if draft is None:
+        return None
+    from specrun import tuning
+
+    return tuning.load(tuning.pair_key(target, draft, threads))
+
+
+def _draft_len(request: GenerateRequest, tuned) -> int:
+    if request.draft_len is not None:
+        return request.draft_len
+    if is_adaptive(request.method):
+        return ADAPTIVE_MAX_DRAFT_LEN  # the longest draft the controller may choose
+    return tuned.best_draft_len if tuned is not None else DEFAULT_DRAFT_LEN
 
 
 def generate_text(request: GenerateRequest, on_text: Callable[[str], None] | None = None) -> GenerationResult:
@@ -38,9 +59,15 @@ def generate_text(request: GenerateRequest, on_text: Callable[[str], None] | Non
         drafter = build_drafter(request.method, draft, options)
         engine = SpeculativeEngine(target, drafter, method=request.method)
         prompt_ids = target.tokenize(request.prompt, add_bos=target.vocab.add_bos)
+        tuned = _tuned(target, draft, request.load.threads)
         params = GenerationParams(
-            request.max_new_tokens, request.draft_len, request.sampling, adaptive=is_adaptive(request.method)
+            request.max_new_tokens,
+            _draft_len(request, tuned),
+            request.sampling,
+            adaptive=is_adaptive(request.method),
         )
+        if tuned is not None and params.adaptive:
+            engine.target_costs.seconds.update(tuned.target_costs)  # no need to explore costs
         for event in engine.stream(prompt_ids, params, complete_cache=False):
             if isinstance(event, TextChunk) and on_text is not None and event.text:
                 on_text(event.text)

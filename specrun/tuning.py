@@ -1,0 +1,159 @@
+"""`specrun tune`: measure this machine and pair once, remember the best settings.
+
+The calibration runs plain decoding and fixed draft lengths side by side (interleaved
+per prompt), and records the tokens/s of each, the target's verify cost T(n) and the
+per-position acceptance. The result is saved in the user config, keyed by the two
+model files and this machine; later runs use the best draft length when none is given,
+and ``--method auto`` starts from the measured costs instead of exploring.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import statistics
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from specrun.backends.base import Backend
+from specrun.engine import GenerationParams, SpeculativeEngine
+from specrun.errors import SpecrunError
+from specrun.methods import build_drafter
+
+TUNE_VERSION = 1
+DRAFT_LENGTHS = (1, 2, 3, 4, 6, 8)
+
+
+@dataclass
+class TuneResult:
+    """What calibration measured, and the settings it chose."""
+
+    key: str
+    target: str
+    draft: str
+    machine: str
+    best_draft_len: int  # 0: plain decoding is fastest here
+    speedup: float  # best over plain decoding
+    tokens_per_second: dict[str, float] = field(default_factory=dict)  # "none", "draft k=4", …
+    target_costs: dict[int, float] = field(default_factory=dict)  # tokens fed -> seconds
+    acceptance: float = 0.0
+
+
+def config_path() -> Path:
+    base = os.environ.get("XDG_CONFIG_HOME") or str(Path.home() / ".config")
+    return Path(base) / "specrun" / "tuned.json"
+
+
+def machine_id() -> str:
+    return f"{platform.node()}|{platform.machine()}|{os.cpu_count()} cpus|{platform.processor() or '?'}"
+
+
+def model_id(backend: Backend) -> str:
+    """The model file by name and size: a re-downloaded or re-quantized file tunes anew."""
+    path = getattr(backend, "path", None)
+    return f"{Path(path).name}:{Path(path).stat().st_size}" if path else backend.name
+
+
+def pair_key(target: Backend, draft: Backend, threads: int | None) -> str:
+    raw = f"{model_id(target)}|{model_id(draft)}|{machine_id()}|threads={threads}"
+    return hashlib.sha256(raw.encode()).hexdigest()[:16]
+
+
+def calibrate(
+    target: Backend,
+    draft: Backend,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    key: str,
+    on_progress=None,
+) -> TuneResult:
+    """Plain decoding vs each fixed draft length, interleaved per prompt."""
+    configs = {"none": 0, **{f"draft k={k}": k for k in DRAFT_LENGTHS}}
+    engines = {
+        name: SpeculativeEngine(target, build_drafter("draft", draft) if k else None, method=name)
+        for name, k in configs.items()
+    }
+    rates: dict[str, list[float]] = {name: [] for name in configs}
+    accepted = drafted = 0
+    for index, prompt in enumerate(prompts):
+        for name, k in configs.items():
+            result = engines[name].run(prompt, GenerationParams(max_new_tokens, k), complete_cache=False)
+            rates[name].append(result.stats.tokens_per_second)
+            accepted += result.stats.accepted
+            drafted += result.stats.drafted
+        if on_progress is not None:
+            on_progress(index + 1, len(prompts))
+    medians = {name: statistics.median(values) for name, values in rates.items()}
+    best_name = max(medians, key=medians.get)
+    costs = _verify_costs(target, prompts[0])
+    return TuneResult(
+        key=key,
+        target=model_id(target),
+        draft=model_id(draft),
+        machine=machine_id(),
+        best_draft_len=configs[best_name],
+        speedup=medians[best_name] / medians["none"],
+        tokens_per_second=medians,
+        target_costs=costs,
+        acceptance=accepted / drafted if drafted else 0.0,
+    )
+
+
+def _verify_costs(target: Backend, prompt: list[int], repeats: int = 7) -> dict[int, float]:
+    """Median seconds of a target pass over n tokens, n = 1..9."""
+    from time import perf_counter
+
+    from specrun.kv import sequence_for
+
+    sequence = sequence_for(target)
+    sequence.reset()
+    sequence.feed(prompt)
+    costs = {}
+    for n in range(1, 10):
+        samples = []
+        for _ in range(repeats):
+            started = perf_counter()
+            sequence.feed_argmax(prompt[:n], range(n))
+            samples.append(perf_counter() - started)
+            sequence.rewind(len(prompt))
+        costs[n] = statistics.median(samples)
+    sequence.reset()
+    return costs
+
+
+def save(result: TuneResult, path: Path | None = None) -> Path:
+    """Store a result (other pairs' results are kept); written atomically."""
+    path = path or config_path()
+    stored = _read_all(path)
+    stored[result.key] = asdict(result)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"version": TUNE_VERSION, "pairs": stored}, indent=2))
+    os.replace(tmp, path)
+    return path
+
+
+def load(key: str, path: Path | None = None) -> TuneResult | None:
+    raw = _read_all(path or config_path()).get(key)
+    if raw is None:
+        return None
+    raw["target_costs"] = {int(n): s for n, s in raw.get("target_costs", {}).items()}
+    return TuneResult(**raw)
+
+
+def load_all(path: Path | None = None) -> list[TuneResult]:
+    return [r for key in _read_all(path or config_path()) if (r := load(key, path)) is not None]
+
+
+def _read_all(path: Path) -> dict:
+    if not path.exists():
+        return {}
+    try:
+        document = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise SpecrunError(f"cannot read tuned settings {path}: {exc}", "delete it and run `specrun tune` again") from exc
+    if not isinstance(document, dict) or document.get("version") != TUNE_VERSION:
+        raise SpecrunError(f"{path} is not a specrun tune file of version {TUNE_VERSION}", "delete it and run `specrun tune` again")
+    return document.get("pairs", {})
