@@ -103,6 +103,14 @@ class SpeculativeEngine:
         # Adaptive draft lengths, one controller per proposal source; kept across runs.
         self.target_costs = TargetCosts()
         self.controllers: dict[str, DraftLengthController] = {}
+        for member in self._drafter_members():
+            if hasattr(member, "target_vocab_size"):  # draft logits must cover the target's ids
+                member.target_vocab_size = target.vocab.size
+
+    def _drafter_members(self) -> tuple:
+        if self.drafter is None:
+            return ()
+        return tuple(getattr(self.drafter, "drafters", (self.drafter,)))
 
     # ---- layer 1: verify passes -------------------------------------------------
     def steps(self, prompt: Sequence[int], params: GenerationParams, stats: Stats) -> Iterator[Step]:
@@ -189,9 +197,8 @@ class SpeculativeEngine:
     def _install_length_policies(self, max_draft_len: int | None) -> set[str]:
         """Give every drafter that pays per drafted token (a draft model) its controller's
         choice before it drafts; None removes the policies (fixed draft length)."""
-        members = getattr(self.drafter, "drafters", (self.drafter,)) if self.drafter else ()
         sources = set()
-        for member in members:
+        for member in self._drafter_members():
             if hasattr(member, "length_policy"):
                 member.length_policy = (
                     None if max_draft_len is None else self._controller_for(member.name, max_draft_len).choose

@@ -220,3 +220,42 @@ def test_an_interrupted_forward_leaves_the_sequence_in_step():
     assert sequence.tokens == [1, 2, 3] and target.cache == [1, 2, 3]
     sequence.feed([6])
     assert target.cache == [1, 2, 3, 6]
+
+
+class PaddedFake(FakeBackend):
+    """A fake whose ids from ``real`` on are embedding padding, like Qwen2.5's GGUFs."""
+
+    def __init__(self, table, size: int, real: int) -> None:
+        super().__init__(table, size)
+        self.real = real
+
+    def token_text(self, token: int) -> str:
+        return f"[PAD{token}]" if token >= self.real else f"<{token}>"
+
+
+@pytest.mark.parametrize(("target_size", "draft_size"), [(52, 50), (50, 52)])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_vocabularies_that_differ_only_by_padding_speculate(target_size, draft_size, temperature):
+    from specrun.compat import check_compatible
+
+    def table_for(size, salt):
+        base = hashed_logits(VOCAB, salt=salt, spread=2.0)
+        return lambda context: np.concatenate([base(context), np.full(size - VOCAB, 50.0 if size > VOCAB else 0.0)])
+
+    # The padding rows get huge logits in the draft: they must never be proposed.
+    target = PaddedFake(table_for(target_size, 1), target_size, real=VOCAB)
+    draft = PaddedFake(table_for(draft_size, 1), draft_size, real=VOCAB)
+    check_compatible(target, draft, "t", "d")
+    params = GenerationParams(60, 4, SamplingSettings(temperature=temperature, seed=3))
+    result = SpeculativeEngine(target, DraftModelDrafter(draft)).run([1, 2], params)
+    assert all(token < target_size for token in result.token_ids)
+    if temperature == 0.0 and draft_size > target_size:
+        assert result.token_ids == plain_run(fake(1), [1, 2], 60)
+
+
+def test_a_real_size_difference_is_still_refused():
+    from specrun.compat import check_compatible
+    from specrun.errors import IncompatibleModelsError
+
+    with pytest.raises(IncompatibleModelsError, match="vocabulary size 50 vs 52"):
+        check_compatible(fake(1), FakeBackend(hashed_logits(52, 1), 52), "t", "d")

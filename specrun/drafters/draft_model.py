@@ -28,6 +28,8 @@ class DraftModelDrafter:
         self.sequence = sequence_for(backend)
         # Set by an adaptive engine: maps the longest allowed draft to the one worth drafting.
         self.length_policy: Callable[[int], int] | None = None
+        # Set by the engine: the target's vocabulary size, when padding makes it differ.
+        self.target_vocab_size = backend.vocab.size
 
     def propose(
         self,
@@ -47,17 +49,26 @@ class DraftModelDrafter:
         tokens: list[int] = []
         rows: list[np.ndarray | None] = []
         for _ in range(draft_len):
-            if sampling.greedy:
+            if sampling.greedy and self.target_vocab_size == self.backend.vocab.size:
                 # Greedy verification needs no draft distribution: argmax stays in the backend.
                 token = int(self.sequence.feed_argmax(pending, [len(pending) - 1])[0])
+            elif sampling.greedy:
+                token = int(self._target_sized(self.sequence.feed(pending, [len(pending) - 1])[0]).argmax())
             else:
-                logits = self.sequence.feed(pending, [len(pending) - 1])[0]  # (V,)
+                logits = self._target_sized(self.sequence.feed(pending, [len(pending) - 1])[0])  # (V_target,)
                 p_draft = probabilities(logits, sampling)
                 token = sample(p_draft, rng)
                 rows.append(p_draft)
             tokens.append(token)
             pending = [token]
         return Proposal(tuple(tokens), tuple(rows), source=self.name)
+
+    def _target_sized(self, logits: np.ndarray) -> np.ndarray:
+        """Draft logits over the target's ids: padding ids beyond either vocabulary never win."""
+        size = self.target_vocab_size
+        if len(logits) >= size:
+            return logits[:size]
+        return np.concatenate([logits, np.full(size - len(logits), -np.inf, dtype=logits.dtype)])
 
     def finish(self, context: Sequence[int]) -> None:
         self.sequence.sync(context)
