@@ -39,6 +39,10 @@ class ContextFullError(SpecrunError):
     """The prompt (or conversation) does not fit the model's context."""
 
 
+class ChatTemplateError(SpecrunError):
+    """A model's chat template that is unsafe, invalid, or refuses the conversation."""
+
+
 class BackendUnavailableError(SpecrunError):
     """The requested backend is not installed or cannot run here."""
 

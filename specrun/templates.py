@@ -1,0 +1,169 @@
+"""Chat templates from model metadata, rendered in a sandbox.
+
+A chat template is Jinja source shipped inside the model (GGUF
+``tokenizer.chat_template``, or the tokenizer's ``chat_template``): code written by
+whoever published the model. It runs only in Jinja's ``ImmutableSandboxedEnvironment``,
+with the variables and helpers Hugging Face's ``apply_chat_template`` provides
+(``messages``, ``add_generation_prompt``, ``bos_token``, ``eos_token``,
+``raise_exception``, ``strftime_now``, loop controls, a ``tojson`` that does not
+escape HTML). A template that reaches for Python internals (``__class__``,
+``__globals__``, ``mro``…) is refused before or while it runs, never executed further.
+
+A model without a template gets ``FALLBACK_TEMPLATE``, a plain transcript::
+
+    System: You are terse.
+
+    User: Hello
+
+    Assistant:
+
+one ``Role: content`` paragraph per message, and ``Assistant:`` as the cue for the
+answer. An answer follows its cue exactly as generated (usually from a leading
+space), so a rendered answer always extends the prompt it answered and the next
+turn reuses every cached token. The model's BOS token is added by the tokenizer.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from datetime import datetime
+from typing import Any
+
+from jinja2 import TemplateError, nodes
+from jinja2.exceptions import SecurityError
+from jinja2.sandbox import ImmutableSandboxedEnvironment, is_internal_attribute
+
+from specrun.backends.base import Backend
+from specrun.errors import ChatTemplateError
+
+FALLBACK_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if message['role'] == 'assistant' %}Assistant:{% else %}{{ message['role'] | capitalize }}: {% endif %}"
+    "{{ message['content'] }}\n\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}Assistant:{% endif %}"
+)
+
+_REFUSAL_FIX = "use another model, or report the template to its publisher"
+
+
+class _UnsafeAccess(SecurityError):
+    """The template read an attribute the sandbox forbids."""
+
+    def __init__(self, obj: Any, attribute: str) -> None:
+        super().__init__(f"{type(obj).__name__}.{attribute}")
+        self.internal = attribute.startswith("_") or is_internal_attribute(obj, attribute)
+        self.where = f"{type(obj).__name__}.{attribute}"
+
+
+class _TemplateRaised(Exception):
+    """The template called ``raise_exception``: it refuses the conversation."""
+
+
+class _ChatSandbox(ImmutableSandboxedEnvironment):
+    """The immutable sandbox, but a forbidden attribute fails at once instead of rendering empty."""
+
+    def unsafe_undefined(self, obj: Any, attribute: str):
+        raise _UnsafeAccess(obj, attribute)
+
+
+def _raise_exception(message: str) -> None:
+    raise _TemplateRaised(message)
+
+
+def _strftime_now(format: str) -> str:
+    return datetime.now().strftime(format)
+
+
+def _tojson(value: Any, indent: int | None = None, separators=None, sort_keys: bool = False,
+            ensure_ascii: bool = False) -> str:
+    """JSON as the template author expects it: no HTML escaping (unlike Jinja's own filter)."""
+    return json.dumps(value, indent=indent, separators=separators, sort_keys=sort_keys, ensure_ascii=ensure_ascii)
+
+
+def _environment() -> _ChatSandbox:
+    # trim_blocks and lstrip_blocks as in transformers, so renderings match Hugging Face's.
+    env = _ChatSandbox(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    return env
+
+
+def _internals_named(source_ast: nodes.Template) -> list[str]:
+    """Dunder attributes the template names outright (``x.__class__``, ``x['__globals__']``)."""
+    names = []
+    for node in source_ast.find_all((nodes.Getattr, nodes.Getitem)):
+        name = node.attr if isinstance(node, nodes.Getattr) else getattr(node.arg, "value", None)
+        if isinstance(name, str) and name.startswith("__"):
+            names.append(name)
+    return names
+
+
+def _refusal(what: str) -> ChatTemplateError:
+    return ChatTemplateError(
+        f"the model's chat template tried to access Python internals ({what}); refusing to run it", _REFUSAL_FIX
+    )
+
+
+class ChatTemplate:
+    """A compiled, sandboxed chat template (the model's, or ``FALLBACK_TEMPLATE``)."""
+
+    def __init__(self, source: str | None, bos_token: str = "", eos_token: str = "") -> None:
+        self.is_fallback = not source
+        self.source = source or FALLBACK_TEMPLATE
+        self.bos_token = bos_token
+        self.eos_token = eos_token
+        env = _environment()
+        try:
+            parsed = env.parse(self.source)
+        except TemplateError as exc:
+            raise ChatTemplateError(
+                f"the model's chat template is not valid Jinja: {exc}", "use a model with a working chat template"
+            ) from None
+        internals = _internals_named(parsed)
+        if internals:
+            raise _refusal(", ".join(sorted(set(internals))))
+        self._template = env.from_string(parsed)
+
+    @classmethod
+    def for_backend(cls, backend: Backend) -> ChatTemplate:
+        """The backend's template with its BOS/EOS texts.
+
+        ``eos_token`` is the lowest-numbered end-of-generation token: the backend
+        interface lists every EOG id but does not single out the GGUF's eos id.
+        """
+        vocab = backend.vocab
+        bos = backend.token_text(vocab.bos_id) if vocab.bos_id is not None else ""
+        eos = backend.token_text(min(vocab.eos_ids)) if vocab.eos_ids else ""
+        return cls(backend.chat_template(), bos, eos)
+
+    def render(self, messages: Sequence[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        """The conversation as the model's prompt text; ChatTemplateError if the template fails or is unsafe."""
+        try:
+            return self._template.render(
+                messages=list(messages),
+                add_generation_prompt=add_generation_prompt,
+                bos_token=self.bos_token,
+                eos_token=self.eos_token,
+            )
+        except _UnsafeAccess as exc:
+            if exc.internal:
+                raise _refusal(exc.where) from None
+            raise ChatTemplateError(
+                f"the model's chat template tried to modify its input ({exc.where}), which the sandbox forbids",
+                _REFUSAL_FIX,
+            ) from None
+        except SecurityError as exc:
+            raise ChatTemplateError(f"the model's chat template did something unsafe: {exc}", _REFUSAL_FIX) from None
+        except _TemplateRaised as exc:
+            raise ChatTemplateError(
+                f"the model's chat template refused the conversation: {exc}",
+                "change the conversation (/system, /reset) to what the model's template accepts",
+            ) from None
+        except Exception as exc:  # a template bug: undefined names, type errors in its expressions
+            raise ChatTemplateError(
+                f"the model's chat template failed: {type(exc).__name__}: {exc}",
+                "use a model with a working chat template",
+            ) from None
