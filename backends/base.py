@@ -35,7 +35,10 @@ class Backend(Protocol):
     @property
     def n_past(self) -> int: ...
 
-    def tokenize(self, text: str, add_bos: bool = True) -> list[int]: ...
+    def tokenize(self, text: str, add_bos: bool = True, special: bool = False) -> list[int]:
+        """Token ids of ``text``; ``special`` turns special-token text (``<|im_start|>``) into
+        those tokens, as a rendered chat template needs."""
+        ...
 
     def token_bytes(self, token: int) -> bytes:
         """The bytes a token contributes to output text (b"" for control tokens)."""

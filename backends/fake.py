@@ -40,7 +40,7 @@ class FakeBackend:
     def n_past(self) -> int:
         return len(self.cache)
 
-    def tokenize(self, text: str, add_bos: bool = True) -> list[int]:
+    def tokenize(self, text: str, add_bos: bool = True, special: bool = False) -> list[int]:
         ids = [b % self.vocab.size for b in text.encode()]
         return ([self.vocab.bos_id] if add_bos and self.vocab.bos_id is not None else []) + ids
 

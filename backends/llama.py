@@ -164,15 +164,15 @@ class LlamaCppBackend:
             add_bos=bool(lib.llama_vocab_get_add_bos(vocab)),
         )
 
-    def tokenize(self, text: str, add_bos: bool = True) -> list[int]:
+    def tokenize(self, text: str, add_bos: bool = True, special: bool = False) -> list[int]:
         data = text.encode("utf-8")
         capacity = len(data) + 8
         buffer = (self._lib.llama_token * capacity)()
-        count = self._lib.llama_tokenize(self._vocab_p, data, len(data), buffer, capacity, add_bos, False)
+        count = self._lib.llama_tokenize(self._vocab_p, data, len(data), buffer, capacity, add_bos, special)
         if count < 0:  # the buffer was too small: -count is the size needed
             capacity = -count
             buffer = (self._lib.llama_token * capacity)()
-            count = self._lib.llama_tokenize(self._vocab_p, data, len(data), buffer, capacity, add_bos, False)
+            count = self._lib.llama_tokenize(self._vocab_p, data, len(data), buffer, capacity, add_bos, special)
         return list(buffer[:count])
 
     def token_bytes(self, token: int) -> bytes:

@@ -190,7 +190,8 @@ class ChatSession:
         text = self.template.render(self._with_system(messages), add_generation_prompt=True)
         seen = self.transcript
         if seen.token_ids and text.startswith(seen.text):
-            return text, seen.token_ids + self.target.tokenize(text[len(seen.text):], add_bos=False)
+            added = text[len(seen.text):]
+            return text, seen.token_ids + self.target.tokenize(added, add_bos=False, special=True)
         return text, self._tokenize_from_start(text)
 
     def _tokenize_from_start(self, text: str) -> list[int]:
@@ -198,7 +199,8 @@ class ChatSession:
         bos_text = self.template.bos_token
         if self.target.vocab.add_bos and bos_text and text.startswith(bos_text):
             text = text[len(bos_text):]  # the template wrote the BOS the tokenizer adds
-        return self.target.tokenize(text, add_bos=self.target.vocab.add_bos)
+        # special=True: the template's own markers (<|im_start|>, [INST]) become their tokens.
+        return self.target.tokenize(text, add_bos=self.target.vocab.add_bos, special=True)
 
     def _check_fits(self, prompt_ids: list[int]) -> None:
         n_ctx = self.target.n_ctx

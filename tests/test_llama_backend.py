@@ -55,3 +55,9 @@ def test_rewind_past_the_end_is_harmless_and_exact(model):
     assert model.n_past == len(ids)
     model.rewind(3)
     assert model.n_past == 3
+
+
+def test_special_token_text_becomes_the_special_token_only_when_asked(model):
+    assert model.tokenize("<|eos|>", add_bos=False, special=True) == [2]
+    plain = model.tokenize("<|eos|>", add_bos=False, special=False)
+    assert 2 not in plain and len(plain) > 1
