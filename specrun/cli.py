@@ -81,7 +81,7 @@ def generate(
     """Generate a continuation of PROMPT: text to stdout, statistics to stderr."""
     with cli_errors():
         from specrun.generation import GenerateRequest, generate_text
-        from specrun.loading import DEFAULT_DRAFT, DEFAULT_TARGET, LoadOptions
+        from specrun.loading import LoadOptions, choose_pair
         from specrun.methods import DrafterOptions, needs_draft_model
         from specrun.sampling import SamplingSettings
 
@@ -95,10 +95,11 @@ def generate(
         if problems:
             raise UsageError(problems[0], "see `specrun generate --help`")
         text = read_prompt(prompt)
+        target, draft = choose_pair(target, draft, registry)
         request = GenerateRequest(
             prompt=text,
-            target=target or DEFAULT_TARGET,
-            draft=(draft or DEFAULT_DRAFT) if needs_draft_model(method) else None,
+            target=target,
+            draft=draft if needs_draft_model(method) else None,
             method=method,
             max_new_tokens=max_tokens,
             draft_len=draft_len,

@@ -101,7 +101,7 @@ def chat_command(
     """Chat with the target model: a REPL on a terminal; on a pipe, stdin is the message and stdout the answer."""
     with cli_errors():
         from specrun.chat import open_chat
-        from specrun.loading import DEFAULT_DRAFT, DEFAULT_TARGET, LoadOptions
+        from specrun.loading import LoadOptions, choose_pair
         from specrun.methods import check_method
 
         check_method(method)
@@ -116,7 +116,8 @@ def chat_command(
             show_accept = sys.stdout.isatty() and not json_output
         view = AnswerView(show_accept, json_output)
         options = LoadOptions(backend=backend, n_ctx=ctx, threads=threads, gpu_layers=gpu_layers, registry=registry)
-        with open_chat(target or DEFAULT_TARGET, draft or DEFAULT_DRAFT, method, options,
+        target, draft = choose_pair(target, draft, registry)
+        with open_chat(target, draft, method, options,
                        system_prompt=system) as session:
             if messages is None:
                 ChatRepl(session, params, view).run()

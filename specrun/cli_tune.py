@@ -49,13 +49,15 @@ def tune(
 
 def run_tune(target, draft, backend, n_prompts, max_tokens, threads, registry):
     from specrun import tuning
-    from specrun.loading import DEFAULT_DRAFT, DEFAULT_TARGET, LoadOptions, open_pair
+    from specrun.errors import UsageError
+    from specrun.loading import LoadOptions, choose_pair, open_pair
     from specrun.prompts import CODE_PROMPTS
 
+    target, draft = choose_pair(target, draft, registry)
+    if draft is None:
+        raise UsageError(f"no draft model for {target}", "pass --draft MODEL")
     target_backend, draft_backend = open_pair(
-        target or DEFAULT_TARGET,
-        draft or DEFAULT_DRAFT,
-        LoadOptions(backend=backend, threads=threads, registry=registry),
+        target, draft, LoadOptions(backend=backend, threads=threads, registry=registry)
     )
     try:
         prompts = [target_backend.tokenize(text) for text in CODE_PROMPTS[:n_prompts]]

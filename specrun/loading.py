@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -138,6 +139,20 @@ def _model_sources(spec: str, entries: dict[str, ModelEntry]) -> tuple[bool, boo
     return has_mlx, has_gguf
 
 
+def suggested_draft(target_spec: str, registry: Path | None = None) -> str | None:
+    """The first draft models.toml suggests for this target, if it is an alias with one."""
+    entry = load_registry(registry).get(target_spec)
+    return entry.drafts[0] if entry is not None and entry.drafts else None
+
+
+def choose_pair(target: str | None, draft: str | None, registry: Path | None = None) -> tuple[str, str | None]:
+    """The models to use: the demo pair when no target is named; for a named target
+    without --draft, the draft its registry entry suggests (None when there is none)."""
+    if target is None:
+        return DEFAULT_TARGET, draft or DEFAULT_DRAFT
+    return target, draft or suggested_draft(target, registry)
+
+
 def open_pair(
     target_spec: str, draft_spec: str | None, options: LoadOptions
 ) -> tuple[Backend, Backend | None]:
@@ -147,7 +162,8 @@ def open_pair(
     if draft_spec is None:
         return target, None
     try:
-        draft = open_backend(draft_spec, options, entries)
+        # One context size for both: a draft capped at a smaller one would overflow in long chats.
+        draft = open_backend(draft_spec, dataclasses.replace(options, n_ctx=target.n_ctx), entries)
         check_compatible(target, draft, target_spec, draft_spec)
     except BaseException:
         target.close()

@@ -48,9 +48,12 @@ class DrafterOptions:
     vocabulary: str = ""
 
 
-def resolve_method(method: str) -> str:
-    """``auto`` is the full chain; the engine then adapts draft lengths and gates speculation."""
-    return AUTO_CHAIN if method == "auto" else method
+def resolve_method(method: str, has_draft: bool = True) -> str:
+    """``auto`` is the full chain (without a draft model when there is none); the engine
+    then adapts draft lengths and gates speculation."""
+    if method == "auto":
+        return AUTO_CHAIN if has_draft else "lookup+ngram"
+    return method
 
 
 def is_adaptive(method: str) -> bool:
@@ -75,9 +78,10 @@ def build_drafter(method: str, draft: Backend | None, options: DrafterOptions | 
     check_method(method)
     if method == "none":
         return None
-    if needs_draft_model(method) and draft is None:
+    if needs_draft_model(method) and draft is None and method != "auto":
         raise UsageError(f"method {method!r} needs a draft model", "pass --draft MODEL")
-    members = [_build_one(part, draft, options or DrafterOptions()) for part in resolve_method(method).split("+")]
+    parts = resolve_method(method, has_draft=draft is not None).split("+")
+    members = [_build_one(part, draft, options or DrafterOptions()) for part in parts]
     return members[0] if len(members) == 1 else ChainDrafter(members)
 
 
