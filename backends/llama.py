@@ -79,9 +79,9 @@ def check_gguf_file(path: Path) -> None:
 class LlamaCppBackend:
     """One GGUF model and one llama.cpp context (KV cache) for a single sequence.
 
-    flash_attn: None keeps llama.cpp's automatic choice. It changes rounding: with it
-    on, greedy outputs can differ from llama-cpp-python's ``Llama`` (which turns it
-    off) at numerical near-ties.
+    flash_attn: None means off on CPU and llama.cpp's automatic choice with GPU layers.
+    On CPU it makes logits depend on the batch shape (measured: top-2 flips at gaps
+    of 0.0018), so verified tokens could differ from plain decoding's.
     """
 
     name = "llama"
@@ -129,7 +129,11 @@ class LlamaCppBackend:
         ctx_params.n_threads = threads
         ctx_params.n_threads_batch = threads
         ctx_params.no_perf = True
-        if flash_attn is not None:  # None keeps llama.cpp's auto choice
+        if flash_attn is None:
+            # On CPU, flash attention makes logits depend on the batch shape by more than
+            # 1e-3, so verified and plain tokens could differ; off, they matched exactly.
+            flash_attn = None if gpu_layers else False
+        if flash_attn is not None:  # None keeps llama.cpp's automatic choice (GPU)
             ctx_params.flash_attn_type = (
                 llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash_attn else llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
             )
