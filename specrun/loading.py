@@ -9,7 +9,7 @@ from pathlib import Path
 from specrun.backends.base import Backend
 from specrun.compat import check_compatible
 from specrun.errors import RegistryError, UsageError
-from specrun.registry import ModelEntry, load_registry, lookup
+from specrun.registry import ModelEntry, load_registry
 
 BACKENDS = ("auto", "llama", "mlx")
 DEFAULT_TARGET = "demo-target"
@@ -162,8 +162,10 @@ def open_pair(
     if draft_spec is None:
         return target, None
     try:
-        # One context size for both: a draft capped at a smaller one would overflow in long chats.
-        draft = open_backend(draft_spec, dataclasses.replace(options, n_ctx=target.n_ctx), entries)
+        # One context size for both (a draft capped smaller would overflow in long chats),
+        # and the target's backend, so that auto cannot split a pair across two runtimes.
+        backend = options.backend if options.backend != "auto" else target.name
+        draft = open_backend(draft_spec, dataclasses.replace(options, n_ctx=target.n_ctx, backend=backend), entries)
         check_compatible(target, draft, target_spec, draft_spec)
     except BaseException:
         target.close()

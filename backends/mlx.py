@@ -1,0 +1,427 @@
+"""MLX backend over mlx-lm: one model, its tokenizer and one prompt cache.
+
+The model runs through mlx-lm's own module and cache objects (``make_prompt_cache``),
+so every architecture mlx-lm supports works here. Three choices differ from
+mlx-lm's generate loop:
+
+- Logits leave the device only for the rows the engine asks for; tokens before the
+  first requested row are fed in chunks whose logits are never evaluated (MLX is
+  lazy, so the unused lm_head products are never computed), and greedy argmax is
+  taken on the device so only ids cross to NumPy. ``forward_greedy`` chains several
+  greedy steps on the device with a single host sync, as mlx-lm's drafting does.
+- Rewinds are exact. Caches that can drop their tail (``KVCache``) are trimmed.
+  Caches that cannot (``RotatingKVCache`` for sliding-window layers, recurrent
+  ``ArraysCache`` state) are restored from a checkpoint taken before each forward,
+  and the tokens between the checkpoint and the rewind point are fed again: such
+  models speculate losslessly, at the price of re-feeding accepted tokens.
+- Vocabulary facts and token bytes come from the Hugging Face tokenizer, so text
+  is rebuilt byte-exactly from ids (byte-level BPE and SentencePiece alike).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from specrun.backends.base import VocabInfo
+from specrun.errors import BackendUnavailableError, ContextFullError, ModelFileError
+
+DEFAULT_CTX = 4096
+PREFILL_CHUNK = 512  # tokens per forward when no logits are wanted (bounds activation memory)
+MAX_CHECKPOINTS = 64  # checkpoints kept for non-trimmable caches: enough for one draft of up to 63 tokens
+REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+# What mlx_lm.load reads, minus model code (*.py): specrun never runs code from a model repo.
+MLX_ALLOW_PATTERNS = ["*.json", "model*.safetensors", "tokenizer.model", "*.tiktoken", "*.txt", "*.jinja"]
+# Caches whose trim() is always exact; any other cache type is checkpointed.
+ALWAYS_TRIMMABLE = ("KVCache", "QuantizedKVCache", "ConcatenateKVCache")
+
+
+def _import_mlx():
+    """mlx.core, mlx_lm's loader and its cache module, or a one-line install hint."""
+    try:
+        import mlx.core as mx
+        from mlx_lm import utils as lm_utils
+        from mlx_lm.models import cache as lm_cache
+    except ImportError as exc:  # pragma: no cover - depends on the install
+        raise BackendUnavailableError(
+            "the MLX backend is not installed",
+            "install it with: pip install 'specrun[mlx]'",
+        ) from exc
+    return mx, lm_utils, lm_cache
+
+
+# ---- finding and checking the model folder -----------------------------------------
+def check_mlx_folder(path: Path) -> None:
+    """Raise a ModelFileError naming the problem if ``path`` is not a loadable model folder."""
+    if not path.exists():
+        raise ModelFileError(f"model folder not found: {path}", "check the path or run `specrun models list`")
+    if not path.is_dir():
+        fix = "use --backend llama for GGUF files" if path.suffix == ".gguf" else "pass the model folder instead"
+        raise ModelFileError(f"{path} is a file, not an MLX model folder", fix)
+    if not (path / "config.json").is_file():
+        raise ModelFileError(
+            f"{path} has no config.json, so it is not an MLX model folder",
+            "pass a folder converted with mlx_lm.convert, or an mlx-community repo id",
+        )
+    if not any(path.glob("model*.safetensors")):
+        raise ModelFileError(
+            f"{path} has no model*.safetensors weights", "download the model again or convert it with mlx_lm.convert"
+        )
+
+
+def resolve_model_folder(path_or_repo: str | os.PathLike) -> Path:
+    """A local folder as is; a Hugging Face repo id downloaded into huggingface_hub's cache."""
+    spec = str(path_or_repo)
+    path = Path(spec).expanduser()
+    if path.exists() or not REPO_ID.match(spec):
+        check_mlx_folder(path)
+        return path
+    folder = _download(spec)
+    check_mlx_folder(folder)
+    return folder
+
+
+def _download(repo_id: str) -> Path:
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(repo_id, allow_patterns=MLX_ALLOW_PATTERNS))
+    except Exception as exc:  # huggingface_hub raises many types; all mean "not available"
+        raise ModelFileError(
+            f"{repo_id} is neither a local folder nor a downloadable Hugging Face repo ({type(exc).__name__})",
+            "check the path or repo id, and the network if it is a repo",
+        ) from exc
+
+
+def _load(folder: Path):
+    """mlx_lm.load with its failures turned into one-line ModelFileErrors."""
+    _, lm_utils, _ = _import_mlx()
+    try:
+        return lm_utils.load(str(folder), return_config=True)
+    except RuntimeError as exc:  # mx.load on a corrupt or truncated safetensors file
+        raise ModelFileError(
+            f"mlx could not read the weights in {folder} (corrupt or truncated safetensors)",
+            "download the model again",
+        ) from exc
+    except json.JSONDecodeError as exc:
+        raise ModelFileError(f"{folder} has an unreadable JSON file: {exc}", "download the model again") from exc
+    except (ValueError, KeyError, FileNotFoundError) as exc:
+        raise ModelFileError(
+            f"mlx-lm could not load {folder}: {exc}",
+            "check that this mlx-lm version supports the model, or download it again",
+        ) from exc
+
+
+# ---- token bytes ---------------------------------------------------------------------
+def byte_level_decoder() -> dict[str, int]:
+    """GPT-2's byte-level alphabet inverted: the printable character standing for each byte.
+
+    Printable Latin-1 bytes stand for themselves; the other 68 bytes are shifted,
+    in order, to U+0100 onwards.
+    """
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    char_for_byte = {byte: chr(byte) for byte in printable}
+    shifted = 0
+    for byte in range(256):
+        if byte not in char_for_byte:
+            char_for_byte[byte] = chr(256 + shifted)
+            shifted += 1
+    return {char: byte for byte, char in char_for_byte.items()}
+
+
+SPM_SPACE = "\u2581"  # SentencePiece's word-boundary mark
+SPM_BYTE = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
+
+
+def decoder_kind(hf_tokenizer) -> str:
+    """'byte_level', 'sentencepiece' or 'other', from the fast tokenizer's decoder."""
+    decoder = hf_tokenizer.backend_tokenizer.decoder
+    description = json.loads(decoder.__getstate__()) if decoder is not None else {}
+    types = {description.get("type")} | {part.get("type") for part in description.get("decoders", [])}
+    if "ByteLevel" in types:
+        return "byte_level"
+    if "ByteFallback" in types or "Metaspace" in types:
+        return "sentencepiece"
+    if any(
+        part.get("type") == "Replace" and part.get("pattern", {}).get("String") == SPM_SPACE
+        for part in description.get("decoders", [])
+    ):
+        return "sentencepiece"
+    return "other"
+
+
+class TokenBytes:
+    """Exact bytes per token id; control tokens give b""."""
+
+    def __init__(self, hf_tokenizer) -> None:
+        self._hf = hf_tokenizer
+        self._kind = decoder_kind(hf_tokenizer)
+        self._byte_of = byte_level_decoder()
+        added = hf_tokenizer.added_tokens_decoder  # {id: AddedToken}
+        self._control = {i for i, token in added.items() if token.special} | set(hf_tokenizer.all_special_ids)
+        self._plain_added = {i: token.content for i, token in added.items() if not token.special}
+        self._cache: dict[int, bytes] = {}
+
+    def __call__(self, token: int) -> bytes:
+        piece = self._cache.get(token)
+        if piece is None:
+            piece = self._cache[token] = self._compute(token)
+        return piece
+
+    def _compute(self, token: int) -> bytes:
+        if token in self._control:
+            return b""
+        if token in self._plain_added:  # added tokens hold raw text, not the byte alphabet
+            return self._plain_added[token].encode("utf-8")
+        text = self._hf.convert_ids_to_tokens(token)
+        if text is None:  # an id past the tokenizer (padded embedding rows)
+            return b""
+        if self._kind == "byte_level":  # each character stands for one byte; anything else is literal text
+            return b"".join(bytes([self._byte_of[ch]]) if ch in self._byte_of else ch.encode("utf-8") for ch in text)
+        if self._kind == "sentencepiece":
+            match = SPM_BYTE.match(text)
+            return bytes([int(match.group(1), 16)]) if match else text.replace(SPM_SPACE, " ").encode("utf-8")
+        return self._hf.decode([token], skip_special_tokens=False).encode("utf-8")
+
+
+# ---- checkpoints for caches that cannot be trimmed ---------------------------------
+@dataclass(frozen=True)
+class Checkpoint:
+    """The cache state before a forward at ``n_past`` tokens; None for layers that trim exactly."""
+
+    n_past: int
+    layer_states: tuple[Any, ...]
+
+
+class MlxBackend:
+    """One mlx-lm model and one prompt cache for a single sequence."""
+
+    name = "mlx"
+
+    def __init__(self, path_or_repo: str | os.PathLike, n_ctx: int | None = None) -> None:
+        """Load a local MLX folder or a Hugging Face repo id (downloaded into huggingface_hub's cache)."""
+        folder = resolve_model_folder(path_or_repo)
+        model, tokenizer, config = _load(folder)
+        self.path = folder
+        self._setup(model, tokenizer, config, n_ctx)
+
+    @classmethod
+    def from_loaded(cls, model, tokenizer, config: dict | None = None, n_ctx: int | None = None) -> MlxBackend:
+        """Wrap an already loaded mlx-lm model and TokenizerWrapper (weights are shared, not copied)."""
+        backend = cls.__new__(cls)
+        backend.path = Path("<loaded model>")
+        backend._setup(model, tokenizer, config or {}, n_ctx)
+        return backend
+
+    def _setup(self, model, tokenizer, config: dict, n_ctx: int | None) -> None:
+        self._mx, _, self._lm_cache = _import_mlx()
+        self.model = model
+        self.tokenizer = tokenizer
+        self._hf = getattr(tokenizer, "_tokenizer", tokenizer)  # the Hugging Face tokenizer inside the wrapper
+        trained = int(config.get("max_position_embeddings") or 0)
+        self.n_ctx = n_ctx or (min(DEFAULT_CTX, trained) if trained > 0 else DEFAULT_CTX)
+        self.vocab = self._read_vocab_info()
+        self._token_bytes = TokenBytes(self._hf)
+        self._tokens: list[int] = []  # what the cache holds, for replays after a checkpoint restore
+        self._new_cache()
+
+    # ---- vocabulary ---------------------------------------------------------------
+    def _read_vocab_info(self) -> VocabInfo:
+        hf = self._hf
+        bos = hf.bos_token_id
+        with_specials = hf.encode("a", add_special_tokens=True)
+        without = hf.encode("a", add_special_tokens=False)
+        add_bos = bos is not None and with_specials[:1] == [bos] and without[:1] != [bos]
+        eos_ids = set(getattr(self.tokenizer, "eos_token_ids", ()) or ())
+        if hf.eos_token_id is not None:
+            eos_ids.add(hf.eos_token_id)
+        return VocabInfo(size=len(hf), bos_id=bos, eos_ids=frozenset(eos_ids), add_bos=add_bos)
+
+    def tokenize(self, text: str, add_bos: bool = True, special: bool = False) -> list[int]:
+        """Token ids of ``text``; special-token text becomes those tokens only with ``special``."""
+        return list(self._hf.encode(text, add_special_tokens=add_bos, split_special_tokens=not special))
+
+    def token_bytes(self, token: int) -> bytes:
+        return self._token_bytes(token)
+
+    def token_text(self, token: int) -> str:
+        return self._hf.convert_ids_to_tokens(token) or ""
+
+    def chat_template(self) -> str | None:
+        template = getattr(self._hf, "chat_template", None)
+        if isinstance(template, dict):  # several named templates: the default one is for chat
+            template = template.get("default")
+        return template or None
+
+    # ---- the cache ------------------------------------------------------------------
+    @property
+    def n_past(self) -> int:
+        return len(self._tokens)
+
+    @property
+    def needs_checkpoints(self) -> bool:
+        """True when some layer's cache cannot always be trimmed (sliding window, recurrent state)."""
+        return self._needs_checkpoints
+
+    def _new_cache(self) -> None:
+        self._cache = self._lm_cache.make_prompt_cache(self.model)
+        self._needs_checkpoints = any(type(layer).__name__ not in ALWAYS_TRIMMABLE for layer in self._cache)
+        self._checkpoints: deque[Checkpoint] = deque(maxlen=MAX_CHECKPOINTS)
+        self._tokens.clear()
+
+    def forward(self, tokens: Sequence[int], logit_rows: Sequence[int]) -> np.ndarray:
+        mx = self._mx
+        logits = self._forward_rows(tokens, list(logit_rows), lambda picked: picked.astype(mx.float32))
+        return np.zeros((0, self.vocab.size), np.float32) if logits is None else np.array(logits)  # (R, V)
+
+    def forward_argmax(self, tokens: Sequence[int], logit_rows: Sequence[int]) -> np.ndarray:
+        mx = self._mx
+        ids = self._forward_rows(tokens, list(logit_rows), lambda picked: mx.argmax(picked, axis=-1))
+        return np.zeros((0,), np.int64) if ids is None else np.array(ids).astype(np.int64)  # (R,): only ids cross
+
+    def forward_greedy(self, tokens: Sequence[int], n_new: int) -> np.ndarray:
+        """Feed ``tokens``, then extend them greedily by ``n_new`` ids (n_new,) with one host sync.
+
+        Each id is fed back as a device array, so the n_new forwards queue up without
+        waiting on Python (mlx-lm drafts the same way). The cache ends exactly as
+        n_new successive ``forward_argmax`` calls leave it: ``tokens`` plus the first
+        n_new - 1 ids. Caches that need checkpoints take that slower path instead.
+        """
+        tokens = [int(t) for t in tokens]
+        if not tokens or n_new < 1:
+            raise ValueError("forward_greedy needs at least one token and n_new >= 1")
+        if self.needs_checkpoints:
+            return self._greedy_one_by_one(tokens, n_new)
+        self._check_room(len(tokens) + n_new - 1)
+        mx = self._mx
+        self._feed_unread(tokens[:-1])
+        step_input = mx.array(tokens[-1:])  # (1,)
+        ids = []
+        for _ in range(n_new):
+            logits = self.model(step_input[None], cache=self._cache)  # (1, 1, V)
+            step_input = mx.argmax(self._fit_vocab(logits[0]), axis=-1)  # (1,), left on the device
+            mx.async_eval(step_input)
+            ids.append(step_input)
+        out = np.array(mx.concatenate(ids)).astype(np.int64)  # (n_new,)
+        self._tokens.extend([tokens[-1], *out[:-1].tolist()])
+        return out
+
+    def _greedy_one_by_one(self, tokens: list[int], n_new: int) -> np.ndarray:
+        ids = [int(self.forward_argmax(tokens, [len(tokens) - 1])[0])]
+        while len(ids) < n_new:
+            ids.append(int(self.forward_argmax(ids[-1:], [0])[0]))
+        return np.array(ids, dtype=np.int64)
+
+    def _check_room(self, n_tokens: int) -> None:
+        if self.n_past + n_tokens > self.n_ctx:
+            raise ContextFullError(f"the context of {self.n_ctx} tokens is full", "shorten the prompt or raise --ctx")
+
+    def _forward_rows(self, tokens: Sequence[int], rows: list[int], reduce):
+        """Feed ``tokens``; ``reduce`` of the (R, V) logits at ``rows``, evaluated on the device.
+
+        Tokens before the first row and after the last are fed in chunks whose
+        logits are never evaluated; the span holding the rows goes in one pass.
+        Returns None when no rows are asked for.
+        """
+        tokens = [int(t) for t in tokens]
+        self._check_room(len(tokens))
+        if any(not 0 <= row < len(tokens) for row in rows):
+            raise ValueError(f"logit rows {rows} fall outside the {len(tokens)} tokens fed")
+        if tokens and self.needs_checkpoints:
+            self._checkpoint()
+        if not rows:
+            self._feed_unread(tokens)
+            return None
+        first, last = min(rows), max(rows)
+        self._feed_unread(tokens[:first])
+        logits = self._step(tokens[first : last + 1])  # (1, span, V)
+        picked = self._fit_vocab(logits[0, self._mx.array([row - first for row in rows])])  # (R, V)
+        result = reduce(picked)
+        self._mx.eval(result, self._cache_state())
+        self._feed_unread(tokens[last + 1 :])
+        return result
+
+    def _step(self, tokens: list[int]):
+        """Run the model over ``tokens`` at the cache's position; lazy (1, T, V) logits."""
+        logits = self.model(self._mx.array(tokens)[None], cache=self._cache)
+        self._tokens.extend(tokens)
+        return logits
+
+    def _feed_unread(self, tokens: list[int]) -> None:
+        """Feed tokens whose logits nobody reads, evaluating only the cache."""
+        for start in range(0, len(tokens), PREFILL_CHUNK):
+            self._step(tokens[start : start + PREFILL_CHUNK])
+            self._mx.eval(self._cache_state())
+
+    def _cache_state(self) -> list:
+        return [layer.state for layer in self._cache]
+
+    def _fit_vocab(self, logits):
+        """(R, V_model) → (R, V_tokenizer): drop padded embedding rows, or mask ids the model lacks."""
+        width, size = logits.shape[-1], self.vocab.size
+        if width > size:
+            return logits[:, :size]
+        if width < size:
+            mx = self._mx
+            return mx.concatenate([logits, mx.full((logits.shape[0], size - width), -mx.inf, logits.dtype)], axis=1)
+        return logits
+
+    # ---- rewinds --------------------------------------------------------------------
+    def rewind(self, n_keep: int) -> None:
+        if n_keep >= self.n_past:
+            return
+        if self.needs_checkpoints:
+            self._restore(n_keep)
+            return
+        for layer in self._cache:  # every layer holds n_past tokens, so each drops exactly this many
+            layer.trim(self.n_past - n_keep)
+        del self._tokens[n_keep:]
+
+    def _checkpoint(self) -> None:
+        """Remember the state of every layer that trim() cannot roll back."""
+        copy = self._copy_arrays
+        states = tuple(
+            None if type(layer).__name__ in ALWAYS_TRIMMABLE else copy(layer.state) for layer in self._cache
+        )
+        self._checkpoints.append(Checkpoint(self.n_past, states))
+
+    def _restore(self, n_keep: int) -> None:
+        """Go back to the newest checkpoint at or before ``n_keep``, then feed the tokens after it again."""
+        while self._checkpoints and self._checkpoints[-1].n_past > n_keep:
+            self._checkpoints.pop()
+        kept_tokens = self._tokens[:n_keep]
+        if not self._checkpoints:  # older than every checkpoint: rebuild from the start
+            self._new_cache()
+            replay_from = 0
+        else:
+            checkpoint = self._checkpoints.pop()  # the replay below checkpoints this position again
+            for layer, state in zip(self._cache, checkpoint.layer_states):
+                if state is None:
+                    layer.trim(self.n_past - checkpoint.n_past)
+                else:
+                    layer.state = state  # the checkpoint is consumed, so its copies can go live
+            replay_from = checkpoint.n_past
+            del self._tokens[replay_from:]
+        if n_keep > replay_from:
+            self._forward_rows(kept_tokens[replay_from:], [], reduce=None)
+
+    def _copy_arrays(self, state):
+        """A copy of a cache state whose arrays later in-place cache updates cannot change."""
+        if isinstance(state, (list, tuple)):
+            return type(state)(self._copy_arrays(item) for item in state)
+        if isinstance(state, self._mx.array):
+            return self._mx.array(state)
+        return state
+
+    def close(self) -> None:
+        self._cache = []
+        self._checkpoints.clear()
+        self._tokens.clear()
