@@ -11,6 +11,7 @@ from typing import Annotated, Optional
 
 import typer
 
+from specrun.cli_bench import bench
 from specrun.cli_chat import chat_command
 from specrun.cli_common import (
     MAX_DRAFT_LEN,
@@ -148,6 +149,7 @@ def _write_stdout(text: str) -> None:
 
 
 # Sub-command groups from their own modules are registered here, one line each.
+app.command("bench")(bench)
 app.command("chat")(chat_command)
 app.add_typer(models_app, name="models")
 app.command("tune")(tune)

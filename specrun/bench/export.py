@@ -1,0 +1,122 @@
+"""The bench as one JSON document: configuration, machine, every raw run and every figure.
+
+Schema ``specrun.bench/1`` (keys in order):
+
+- schema, started_at (ISO 8601 UTC), wall_seconds
+- config: target, draft, methods, variants [{name, method, draft_len}], draft_lens,
+  sweep, max_new_tokens, temperature, top_k, top_p, min_p, seed, repeat, chat, suite,
+  n_ctx, baseline, timing
+- machine: cpu, cores, gpu, os, backend, threads, versions {specrun, llama-cpp-python,
+  mlx, mlx-lm, numpy, python}
+- prompts: [{index, id, category, prompt_tokens}]; skipped: [{id, category, reason}]
+- runs: [{prompt_index, variant, repeat, finish_reason, same_as_baseline, stats}]: every run, with
+  specrun's Stats.to_dict() (counts, accepted_hist, timings); same_as_baseline is null
+  when sampling
+- per_prompt, per_category ({category: [figures]}), overall (every prompt): figures
+  rows {variant, method, draft_len, prompts, tokens, seconds, tokens_per_second,
+  median_tokens_per_second, speedup, acceptance_rate, mean_tokens_per_step,
+  draft_share, verify_share, mismatches, near_ties}; per_prompt rows add prompt_index
+- accepted_hist: {variant: [steps that accepted n drafted tokens, n = 0, 1, …]}
+- sweep: {method: [{draft_len, speedup}]} for every fixed-length method (not ``auto``)
+- mismatches: [{variant, prompt_index, prompt_id, position, top2_gap, near_tie}]
+"""
+
+from __future__ import annotations
+
+from specrun.bench.figures import ALL_PROMPTS, by_category, mismatch_rows, per_prompt, sweep_curve
+from specrun.bench.runner import BenchResult
+
+SCHEMA = "specrun.bench/1"
+
+
+def bench_to_dict(result: BenchResult) -> dict:
+    """Everything the bench measured, JSON-ready."""
+    categories = {name: [f.to_dict() for f in rows] for name, rows in by_category(result).items()}
+    overall = categories.pop(ALL_PROMPTS)
+    return {
+        "schema": SCHEMA,
+        "started_at": result.started_at,
+        "wall_seconds": round(result.wall_seconds, 3),
+        "config": _config(result),
+        "machine": result.machine,
+        "prompts": [
+            {"index": i, "id": p.prompt_id, "category": p.category, "prompt_tokens": n}
+            for i, (p, n) in enumerate(zip(result.prompts, result.prompt_tokens))
+        ],
+        "skipped": [
+            {"id": s.prompt.prompt_id, "category": s.prompt.category, "reason": s.reason} for s in result.skipped
+        ],
+        "runs": _runs(result),
+        "per_prompt": _per_prompt(result),
+        "per_category": categories,
+        "overall": overall,
+        "accepted_hist": {name: f.accepted_hist for name, f in result.comparison.figures.items()},
+        "sweep": {
+            method: [{"draft_len": k, "speedup": speedup} for k, speedup in points]
+            for method, points in sweep_curve(result).items()
+        },
+        "mismatches": [
+            {
+                "variant": variant,
+                "prompt_index": m.prompt_index,
+                "prompt_id": result.prompts[m.prompt_index].prompt_id,
+                "position": m.position,
+                "top2_gap": m.top2_gap,
+                "near_tie": m.near_tie,
+            }
+            for variant, m in mismatch_rows(result)
+        ],
+    }
+
+
+def _config(result: BenchResult) -> dict:
+    config = result.config
+    sampling = config.sampling
+    return {
+        "target": config.target,
+        "draft": config.draft,
+        "methods": list(config.methods),
+        "variants": [
+            {"name": v.name, "method": v.method, "draft_len": v.draft_len} for v in result.comparison.variants.values()
+        ],
+        "draft_lens": list(config.draft_lens),
+        "sweep": config.sweep,
+        "max_new_tokens": config.max_new_tokens,
+        "temperature": sampling.temperature,
+        "top_k": sampling.top_k,
+        "top_p": sampling.top_p,
+        "min_p": sampling.min_p,
+        "seed": sampling.seed,
+        "repeat": config.repeat,
+        "chat": config.chat,
+        "suite": config.suite,
+        "n_ctx": result.n_ctx,
+        "baseline": result.comparison.baseline,
+        "timing": "generation only (prefill excluded); methods interleaved per prompt",
+    }
+
+
+def _runs(result: BenchResult) -> list[dict]:
+    comparison = result.comparison
+    baseline = comparison.figures[comparison.baseline]
+    rows = []
+    for name, figures in comparison.figures.items():
+        for index, runs in figures.by_prompt.items():
+            reference = baseline.by_prompt[index][0].token_ids
+            for repeat, run in enumerate(runs):
+                same = run.token_ids == reference if comparison.outputs_compared else None
+                rows.append(
+                    {
+                        "prompt_index": index,
+                        "variant": name,
+                        "repeat": repeat,
+                        "finish_reason": run.finish_reason,
+                        "same_as_baseline": same,
+                        "stats": run.stats.to_dict(),
+                    }
+                )
+    return sorted(rows, key=lambda row: (row["prompt_index"], row["repeat"]))
+
+
+def _per_prompt(result: BenchResult) -> list[dict]:
+    return [{"prompt_index": index, **figures.to_dict()} for index, figures in per_prompt(result)]

@@ -1,0 +1,200 @@
+"""Load the pair once, run every method on every prompt interleaved, keep every raw figure.
+
+Timing is generation only (prefill excluded), as specrun's Stats measure it. The
+baseline is plain decoding (``none``) through the same engine, so speed-ups compare
+like with like.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from typing import Protocol
+
+from specrun.backends.base import Backend
+from specrun.bench.machine import machine_info
+from specrun.bench.suite import BenchPrompt
+from specrun.compare import Comparison, Variant, compare_variants
+from specrun.engine import GenerationParams, GenerationResult
+from specrun.errors import UsageError
+from specrun.generation import ADAPTIVE_MAX_DRAFT_LEN, DEFAULT_DRAFT_LEN
+from specrun.loading import LoadOptions, open_pair
+from specrun.methods import is_adaptive, needs_draft_model
+from specrun.sampling import SamplingSettings
+
+BASELINE = "none"
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """Everything that decides what a bench measures.
+
+    methods: the baseline ``none`` first. draft_lens: one draft length, or several for
+    a sweep (every fixed-length method runs at each). adaptive_draft_len: the longest
+    draft an adaptive method (``auto``) may choose; it is not swept. chat: wrap each
+    prompt as a user message in the target's chat template. suite: ``builtin`` or the
+    JSONL path.
+    """
+
+    target: str
+    draft: str | None
+    methods: tuple[str, ...]
+    draft_lens: tuple[int, ...] = (DEFAULT_DRAFT_LEN,)
+    adaptive_draft_len: int = ADAPTIVE_MAX_DRAFT_LEN
+    max_new_tokens: int = 128
+    sampling: SamplingSettings = field(default_factory=SamplingSettings)
+    repeat: int = 1
+    chat: bool = False
+    suite: str = "builtin"
+    load: LoadOptions = field(default_factory=LoadOptions)
+
+    @property
+    def sweep(self) -> bool:
+        return len(self.draft_lens) > 1
+
+    def variants(self) -> list[Variant]:
+        """The compared lines: the baseline, then each method at each draft length."""
+        lines = [Variant(BASELINE, BASELINE, 0)]
+        for method in self.methods:
+            if method == BASELINE:
+                continue
+            if is_adaptive(method):
+                lines.append(Variant(method, method, self.adaptive_draft_len))
+                continue
+            for draft_len in self.draft_lens:
+                name = f"{method} k={draft_len}" if self.sweep else method
+                lines.append(Variant(name, method, draft_len))
+        return lines
+
+
+@dataclass(frozen=True)
+class SkippedPrompt:
+    prompt: BenchPrompt
+    reason: str
+
+
+@dataclass
+class BenchResult:
+    """A finished bench: ``prompts[i]`` is prompt index i of ``comparison``."""
+
+    config: BenchConfig
+    prompts: list[BenchPrompt]
+    prompt_tokens: list[int]
+    skipped: list[SkippedPrompt]
+    comparison: Comparison
+    machine: dict
+    n_ctx: int
+    started_at: str
+    wall_seconds: float
+
+    def category_indices(self) -> dict[str, list[int]]:
+        """Prompt indices by category, categories in order of first appearance."""
+        indices: dict[str, list[int]] = {}
+        for index, prompt in enumerate(self.prompts):
+            indices.setdefault(prompt.category, []).append(index)
+        return indices
+
+
+class Progress(Protocol):
+    """What the front end is told while a bench runs."""
+
+    def start(self, total_runs: int) -> None: ...
+
+    def advance(self, prompt: BenchPrompt, variant: str) -> None: ...
+
+
+def run_bench(config: BenchConfig, prompts: Sequence[BenchPrompt], progress: Progress | None = None) -> BenchResult:
+    """Load the pair, run the bench and close the models again."""
+    if not prompts:
+        raise UsageError("no prompts to run", "check --categories and --per-category")
+    started_at = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    wall_start = time.perf_counter()
+    uses_draft = any(needs_draft_model(m) for m in config.methods)
+    target, draft = open_pair(config.target, config.draft if uses_draft else None, config.load)
+    try:
+        tokenized = [tokenize_prompt(target, p, config.chat) for p in prompts]
+        kept, skipped = _fit_context(prompts, tokenized, target.n_ctx, config.max_new_tokens)
+        if not kept:
+            raise UsageError(
+                f"no prompt fits the context of {target.n_ctx} tokens with {config.max_new_tokens} new tokens",
+                "raise --ctx or lower -n",
+            )
+        variants = config.variants()
+        if progress is not None:
+            progress.start(len(kept) * len(variants) * config.repeat)
+        comparison = compare_variants(
+            target,
+            draft,
+            [ids for _, ids in kept],
+            variants,
+            GenerationParams(config.max_new_tokens, config.draft_lens[0], config.sampling),
+            repeat=config.repeat,
+            on_result=_reporter(progress, [p for p, _ in kept]),
+        )
+        machine = machine_info(_backend_name(target), _threads(target, config.load))
+        n_ctx = target.n_ctx
+    finally:
+        target.close()
+        if draft is not None:
+            draft.close()
+    return BenchResult(
+        config,
+        [p for p, _ in kept],
+        [len(ids) for _, ids in kept],
+        skipped,
+        comparison,
+        machine,
+        n_ctx,
+        started_at,
+        time.perf_counter() - wall_start,
+    )
+
+
+def tokenize_prompt(target: Backend, prompt: BenchPrompt, chat: bool) -> list[int]:
+    """The prompt's token ids: its raw text, or one user message in the target's chat template."""
+    text = prompt.text
+    if chat:
+        from specrun.templates import ChatTemplate
+
+        text = ChatTemplate.for_backend(target).render([{"role": "user", "content": text}])
+    return target.tokenize(text, add_bos=target.vocab.add_bos)
+
+
+def _fit_context(
+    prompts: Sequence[BenchPrompt], tokenized: list[list[int]], n_ctx: int, max_new_tokens: int
+) -> tuple[list[tuple[BenchPrompt, list[int]]], list[SkippedPrompt]]:
+    """Split prompts into those with room for every new token and those skipped (with why)."""
+    kept, skipped = [], []
+    for prompt, ids in zip(prompts, tokenized):
+        if len(ids) + max_new_tokens > n_ctx:
+            reason = f"{len(ids)} prompt tokens + {max_new_tokens} new tokens exceed the context of {n_ctx}"
+            skipped.append(SkippedPrompt(prompt, reason))
+        else:
+            kept.append((prompt, ids))
+    return kept, skipped
+
+
+def _reporter(progress: Progress | None, prompts: list[BenchPrompt]):
+    def on_result(index: int, variant: str, result: GenerationResult) -> None:
+        if progress is not None:
+            progress.advance(prompts[index], variant)
+
+    return on_result
+
+
+def _backend_name(target: Backend) -> str:
+    """'llama' or 'mlx', from the module the backend class lives in."""
+    return type(target).__module__.rsplit(".", 1)[-1]
+
+
+def _threads(target: Backend, load: LoadOptions) -> int | None:
+    """CPU threads the backend was given (None where the backend does not take a count)."""
+    if load.threads:
+        return load.threads
+    if _backend_name(target) == "llama":
+        from specrun.backends.llama import default_threads
+
+        return default_threads()
+    return None

@@ -1,0 +1,79 @@
+"""The bench on a terminal: one Rich table per category, then all prompts together."""
+
+from __future__ import annotations
+
+from rich import box
+from rich.table import Table
+
+from specrun.bench.figures import ALL_PROMPTS, Figures, by_category, count_of, same_output_label
+from specrun.bench.runner import BenchResult
+from specrun.compare import NEAR_TIE
+
+COLUMNS = ("method", "tok/s", "speed-up", "accepted", "tokens/step", "draft/verify", "same output")
+
+
+def category_tables(result: BenchResult) -> list[Table]:
+    """A table per category, the last one over every prompt with the geometric-mean speed-up."""
+    return [_table(result, category, rows) for category, rows in by_category(result).items()]
+
+
+def _table(result: BenchResult, category: str, rows: list[Figures]) -> Table:
+    prompts = count_of(rows[0].prompts if rows else 0, "prompt")
+    title = f"all {prompts}: geometric-mean speed-up" if category == ALL_PROMPTS else f"{category} ({prompts})"
+    table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True)
+    cells = [row_cells(result, figures) for figures in rows]
+    for i, column in enumerate(COLUMNS):
+        # A narrow terminal shortens the headers and the verdicts, never a method's name or a figure.
+        widest = max((len(row[i]) for row in cells), default=0)
+        table.add_column(
+            column,
+            justify="left" if column in ("method", "same output") else "right",
+            min_width=None if column == "same output" else widest,
+            no_wrap=True,
+        )
+    for figures, row in zip(rows, cells):
+        table.add_row(*row, style=_style(figures))
+    return table
+
+
+def row_cells(result: BenchResult, figures: Figures) -> tuple[str, ...]:
+    """One variant's figures as the text of the COLUMNS."""
+    comparison = result.comparison
+    is_baseline = figures.variant == comparison.baseline
+    drafted = figures.method != comparison.baseline
+    return (
+        figures.variant,
+        f"{figures.tokens_per_second:.1f}",
+        f"{figures.speedup:.2f}×",
+        f"{100 * figures.acceptance_rate:.0f}%" if drafted else "–",
+        f"{figures.mean_tokens_per_step:.2f}",
+        f"{100 * figures.draft_share:.0f}%/{100 * figures.verify_share:.0f}%",
+        same_output_label(figures, comparison.outputs_compared, is_baseline),
+    )
+
+
+def _style(figures: Figures) -> str | None:
+    return "bold red" if figures.mismatches else None
+
+
+def footnotes(result: BenchResult) -> list[str]:
+    """What the tables' figures mean, and anything the reader must know about them."""
+    config = result.config
+    repeats = f"median of {config.repeat} repeats" if config.repeat > 1 else "one run"
+    notes = [
+        f"{config.target} + {config.draft or 'no draft model'}, {config.max_new_tokens} new tokens, "
+        f"temperature {config.sampling.temperature:g}; generation time only (prefill excluded); methods "
+        f"interleaved per prompt; speed-up per prompt = {repeats} vs the baseline, geometric mean over prompts",
+        "draft/verify: share of generation time spent drafting and in the target's verify passes",
+    ]
+    overall = by_category(result)[ALL_PROMPTS]
+    if any(f.near_ties for f in overall):
+        notes.append(
+            f"* greedy outputs may differ where the target's top two logits tie within {NEAR_TIE:g}: "
+            "batched verification rounds differently from one-token decoding"
+        )
+    if any(f.mismatches for f in overall):
+        notes.append("NO: an output differs from plain decoding where the target had a clear choice: a real bug")
+    for skipped in result.skipped:
+        notes.append(f"skipped {skipped.prompt.prompt_id} ({skipped.prompt.category}): {skipped.reason}")
+    return notes
