@@ -74,7 +74,7 @@ def open_model(kind: str, source: Path, n_ctx: int = 2048) -> Backend:
     if kind == "llama":
         from specrun.backends.llama import LlamaCppBackend
 
-        return LlamaCppBackend(source, n_ctx=n_ctx, n_threads=2)
+        return LlamaCppBackend(source, n_ctx=n_ctx)  # threads: SPECRUN_THREADS (1 in tests)
     from specrun.backends.mlx import MlxBackend
 
     return MlxBackend(source, n_ctx=n_ctx)
