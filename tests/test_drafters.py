@@ -24,7 +24,7 @@ from specrun.drafters.ngram import HEADER, MAGIC, NgramCacheError, NgramPoolDraf
 from specrun.engine import GenerationParams, SpeculativeEngine
 from specrun.errors import UsageError
 from specrun.loading import LoadOptions, open_backend
-from specrun.methods import METHODS, DrafterOptions, build_drafter, needs_draft_model
+from specrun.methods import METHODS, DrafterOptions, build_drafter, is_adaptive, needs_draft_model
 from specrun.modelkit.gguf_io import write_gguf
 from specrun.modelkit.hf_io import write_hf_folder
 from specrun.modelkit.tokenizer import DEMO_CHAT_TEMPLATE
@@ -354,14 +354,19 @@ def test_every_method_builds_its_drafter():
     draft = FakeBackend(hashed_logits(VOCAB, 1), VOCAB)
     assert build_drafter("none", None) is None
     for method in SPECULATIVE_METHODS:
+        if method == "auto":
+            continue
         drafter = build_drafter(method, draft if needs_draft_model(method) else None)
         assert drafter.name == method
         assert isinstance(drafter, ChainDrafter) == ("+" in method)
+    # auto is the full chain, or the draft-free part of it when there is no draft model.
+    assert build_drafter("auto", draft).name == "lookup+ngram+draft"
+    assert build_drafter("auto", None).name == "lookup+ngram"
     with pytest.raises(UsageError, match="needs a draft model"):
         build_drafter("lookup+draft", None)
     with pytest.raises(UsageError, match="unknown method"):
         build_drafter("draft+lookup", draft)
-    with_draft = ["draft", "lookup+draft", "ngram+draft", "lookup+ngram+draft"]
+    with_draft = ["auto", "draft", "lookup+draft", "ngram+draft", "lookup+ngram+draft"]
     assert [method for method in METHODS if needs_draft_model(method)] == with_draft
 
 
@@ -556,6 +561,7 @@ REAL_CASES = [
     ("lookup+draft", "looping"),
     ("ngram+draft", "random"),
     ("lookup+ngram+draft", "looping"),
+    ("auto", "looping"),  # adaptive draft lengths over the full chain
 ]
 
 
@@ -577,7 +583,9 @@ def test_greedy_output_is_identical_for_every_method_on_real_backends(
     accepted = 0
     for ids, plain in plain_outputs:
         for _ in range(2 if "ngram" in method else 1):
-            result = engine.run(ids, GenerationParams(REAL_NEW, draft_len=4))
+            adaptive = is_adaptive(method)
+            params = GenerationParams(REAL_NEW, draft_len=8 if adaptive else 4, adaptive=adaptive)
+            result = engine.run(ids, params)
             assert_same_or_near_tie(backend_kind, target_source, ids, plain, result.token_ids)
             accepted += result.stats.accepted
     assert accepted > 0
