@@ -19,7 +19,7 @@ import numpy as np
 from specrun.backends.base import Backend
 from specrun.engine import GenerationParams, GenerationResult, SpeculativeEngine
 from specrun.kv import sequence_for
-from specrun.methods import DrafterOptions, build_drafter
+from specrun.methods import DrafterOptions, build_drafter, is_adaptive
 
 NEAR_TIE = 1e-3  # a top-2 logit gap below this is a numerical near-tie (DESIGN.md)
 WARMUP_TOKENS = 8
@@ -171,7 +171,8 @@ def compare_variants(
 ) -> Comparison:
     """Run every variant ``repeat`` times on every prompt, interleaved; the first variant is the baseline.
 
-    ``params`` gives everything but the draft length, which each variant sets.
+    ``params`` gives everything but the draft length, which each variant sets; an
+    adaptive method (``auto``) treats it as the longest draft it may choose.
     ``on_result(prompt_index, variant_name, result)`` is called after each run.
     """
     drafters = []
@@ -179,7 +180,10 @@ def compare_variants(
         for variant in variants:
             drafters.append(build_drafter(variant.method, draft, drafter_options))
         engines = {v.name: SpeculativeEngine(target, d, method=v.method) for v, d in zip(variants, drafters)}
-        variant_params = {v.name: dataclasses.replace(params, draft_len=v.draft_len) for v in variants}
+        variant_params = {
+            v.name: dataclasses.replace(params, draft_len=v.draft_len, adaptive=params.adaptive or is_adaptive(v.method))
+            for v in variants
+        }
         _warm_up(engines, variant_params, prompts[0])
         figures = {v.name: MethodFigures(v.name) for v in variants}
         for index, prompt in enumerate(prompts):
