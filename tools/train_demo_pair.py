@@ -51,7 +51,7 @@ from specrun.modelkit.tokenizer import BOS_ID, DEMO_CHAT_TEMPLATE, EOS_ID, train
 
 HELD_OUT_DIRS = ("test", "idlelib")
 SKIPPED_DIRS = ("site-packages", "dist-packages", "__pycache__")
-PHASE_SHARES = {"target": 0.60, "draft_plain": 0.15, "draft": 0.25}
+PHASE_SHARES = {"target": 0.70, "draft_plain": 0.08, "draft": 0.22}
 EVAL_RESERVE_SHARE = 0.04
 MIN_BUDGET_SECONDS = 30.0
 MIN_PHASE_SECONDS = 5.0
