@@ -23,6 +23,7 @@ two user messages in a row, which many templates refuse.
 from __future__ import annotations
 
 import codecs
+import dataclasses
 import functools
 import itertools
 from collections.abc import Callable, Iterator, Sequence
@@ -32,6 +33,7 @@ from specrun.backends.base import Backend
 from specrun.compat import check_compatible
 from specrun.engine import Finished, GenerationParams, GenerationResult, SpeculativeEngine, TextChunk
 from specrun.errors import ContextFullError, UsageError
+from specrun.generation import load_tuned, resolve_draft_len, resolve_min_prob
 from specrun.kv import common_prefix_len, sequence_for
 from specrun.loading import LoadOptions, open_backend, open_pair
 from specrun.methods import DrafterOptions, build_drafter, check_method, needs_draft_model
@@ -114,6 +116,8 @@ class ChatSession:
 
     load_draft: called the first time ``set_method`` needs a draft model that was not
     loaded at the start (the chat began with a method that needs none).
+    draft_len, draft_min_prob: the user's choices; None takes what ``specrun tune`` saved
+    for this pair and machine (``tuned``), else the defaults (generation.resolve_*).
     """
 
     def __init__(
@@ -125,6 +129,9 @@ class ChatSession:
         system_prompt: str | None = None,
         drafter_options: DrafterOptions | None = None,
         load_draft: Callable[[], Backend] | None = None,
+        draft_len: int | None = None,
+        draft_min_prob: float | None = None,
+        tuned=None,
     ) -> None:
         self.target = target
         self.draft = draft
@@ -132,8 +139,12 @@ class ChatSession:
         self.system_prompt = system_prompt
         self.transcript = Transcript()
         self.answers: list[Stats] = []
-        self._drafter_options = drafter_options or DrafterOptions()
         self._load_draft = load_draft
+        self._draft_len = draft_len
+        self._tuned = tuned
+        self._drafter_options = dataclasses.replace(
+            drafter_options or DrafterOptions(), draft_min_prob=resolve_min_prob(draft_min_prob, tuned)
+        )
         self.engine = SpeculativeEngine(target, build_drafter(method, draft, self._drafter_options), method)
 
     # ---- the conversation ---------------------------------------------------------
@@ -149,6 +160,7 @@ class ChatSession:
         reused = min(common_prefix_len(self.engine.target.tokens, prompt_ids), len(prompt_ids) - 1)
         decoder = _SpanDecoder(self.target)
         result: GenerationResult | None = None
+        params = dataclasses.replace(params, draft_len=self.draft_len)
         stream = self.engine.stream(prompt_ids, params)
         try:
             for event in stream:
@@ -244,6 +256,11 @@ class ChatSession:
     def method(self) -> str:
         return self.engine.method
 
+    @property
+    def draft_len(self) -> int:
+        """The draft length the next answer uses (for auto: the longest it may choose)."""
+        return resolve_draft_len(self.method, self._draft_len, self._tuned)
+
     def set_method(self, method: str) -> None:
         """Switch the speculation method between answers, loading the draft model if it is needed now."""
         check_method(method)
@@ -290,7 +307,14 @@ class ChatSession:
 
 
 def open_chat(
-    target_spec: str, draft_spec: str | None, method: str, options: LoadOptions, *, system_prompt: str | None = None
+    target_spec: str,
+    draft_spec: str | None,
+    method: str,
+    options: LoadOptions,
+    *,
+    system_prompt: str | None = None,
+    draft_len: int | None = None,
+    draft_min_prob: float | None = None,
 ) -> ChatSession:
     """Load the pair for ``method`` (the draft model only if it needs one) and start a session.
 
@@ -299,11 +323,13 @@ def open_chat(
     """
     check_method(method)
     target, draft = open_pair(target_spec, draft_spec if needs_draft_model(method) else None, options)
+    tuned = load_tuned(target, draft, options.threads)
     load_draft = None
     if draft is None and draft_spec is not None:
         load_draft = functools.partial(_open_compatible_draft, target, target_spec, draft_spec, options)
     try:
-        return ChatSession(target, draft, method, system_prompt=system_prompt, load_draft=load_draft)
+        return ChatSession(target, draft, method, system_prompt=system_prompt, load_draft=load_draft,
+                           draft_len=draft_len, draft_min_prob=draft_min_prob, tuned=tuned)
     except BaseException:
         target.close()
         if draft is not None:

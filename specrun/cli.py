@@ -15,10 +15,10 @@ from specrun.cli_bench import bench
 from specrun.cli_chat import chat_command
 from specrun.cli_common import (
     MAX_DRAFT_LEN,
-    MAX_NEW_TOKENS,
     BackendOpt,
     CtxOpt,
     DraftLenOpt,
+    DraftMinProbOpt,
     DraftOpt,
     GpuLayersOpt,
     JsonOpt,
@@ -33,13 +33,14 @@ from specrun.cli_common import (
     ThreadsOpt,
     TopKOpt,
     TopPOpt,
+    check_generation_options,
     check_range,
+    checked_sampling,
     cli_errors,
     read_prompt,
 )
 from specrun.cli_models import models_app
 from specrun.cli_tune import tune
-from specrun.errors import UsageError
 from specrun.methods import check_method
 
 app = typer.Typer(
@@ -64,7 +65,7 @@ def generate(
     target: TargetOpt = None,
     draft: DraftOpt = None,
     backend: BackendOpt = "auto",
-    method: MethodOpt = "draft",
+    method: MethodOpt = "auto",
     max_tokens: MaxTokensOpt = 128,
     temp: TempOpt = 0.0,
     top_k: TopKOpt = 0,
@@ -72,6 +73,7 @@ def generate(
     min_p: MinPOpt = 0.0,
     seed: SeedOpt = None,
     draft_len: DraftLenOpt = None,
+    draft_min_prob: DraftMinProbOpt = None,
     json_output: JsonOpt = False,
     ctx: CtxOpt = None,
     threads: ThreadsOpt = None,
@@ -84,17 +86,10 @@ def generate(
         from specrun.generation import GenerateRequest, generate_text
         from specrun.loading import LoadOptions, choose_pair
         from specrun.methods import DrafterOptions, needs_draft_model
-        from specrun.sampling import SamplingSettings
 
         check_method(method)
-        check_range("--max-tokens", max_tokens, 1, MAX_NEW_TOKENS)
-        check_range("--draft-len", draft_len, 0, MAX_DRAFT_LEN)
-        check_range("--ctx", ctx, 16, 1 << 20)
-        check_range("--threads", threads, 1, 1024)
-        sampling = SamplingSettings(temp, top_k, top_p, min_p, seed)
-        problems = sampling.validate()
-        if problems:
-            raise UsageError(problems[0], "see `specrun generate --help`")
+        check_generation_options(max_tokens, draft_len, draft_min_prob, ctx, threads)
+        sampling = checked_sampling("generate", temp, top_k, top_p, min_p, seed)
         text = read_prompt(prompt)
         target, draft = choose_pair(target, draft, registry)
         request = GenerateRequest(
@@ -104,6 +99,7 @@ def generate(
             method=method,
             max_new_tokens=max_tokens,
             draft_len=draft_len,
+            draft_min_prob=draft_min_prob,
             sampling=sampling,
             load=LoadOptions(backend=backend, n_ctx=ctx, threads=threads, gpu_layers=gpu_layers, registry=registry),
             drafter_options=DrafterOptions(ngram_cache=ngram_cache),

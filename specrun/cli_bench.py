@@ -21,6 +21,7 @@ from specrun.cli_common import (
     TempOpt,
     ThreadsOpt,
     check_range,
+    checked_sampling,
     cli_errors,
 )
 from specrun.errors import UsageError
@@ -41,6 +42,9 @@ PerCategoryOpt = Annotated[Optional[int], typer.Option("--per-category", help="A
 BenchDraftLenOpt = Annotated[
     Optional[int], typer.Option("--draft-len", "-k", help="Tokens drafted per verify step (default 4).")
 ]
+BenchMinProbOpt = Annotated[
+    float, typer.Option("--draft-min-prob", help="The draft model's confidence stop (default 0: none).")
+]
 SweepOpt = Annotated[Optional[str], typer.Option("--sweep-draft-len", help="Draft lengths to sweep: 1..8 or 2,4,6.")]
 RepeatOpt = Annotated[int, typer.Option("--repeat", help="Runs per prompt and method; medians are compared.")]
 ChatOpt = Annotated[bool, typer.Option("--chat", help="Wrap each prompt in the target's chat template.")]
@@ -59,6 +63,7 @@ def bench(
     max_tokens: MaxTokensOpt = 128,
     draft_len: BenchDraftLenOpt = None,
     sweep_draft_len: SweepOpt = None,
+    draft_min_prob: BenchMinProbOpt = 0.0,
     temp: TempOpt = 0.0,
     seed: SeedOpt = None,
     repeat: RepeatOpt = 1,
@@ -88,7 +93,8 @@ def bench(
         check_range("--per-category", per_category, 1, 1_000_000)
         check_range("--ctx", ctx, 16, 1 << 20)
         check_range("--threads", threads, 1, 1024)
-        sampling = checked_sampling(temp, seed)
+        check_range("--draft-min-prob", draft_min_prob, 0.0, 1.0)
+        sampling = checked_sampling("bench", temp, 0, 1.0, 0.0, seed)
         target = target or DEFAULT_TARGET
         draft = draft or suggested_draft(target, registry)
         method_list = parse_methods(methods, has_draft=draft is not None)
@@ -106,6 +112,7 @@ def bench(
             methods=method_list,
             draft_lens=draft_lens,
             adaptive_draft_len=draft_len or ADAPTIVE_MAX_DRAFT_LEN,
+            draft_min_prob=draft_min_prob,
             max_new_tokens=max_tokens,
             sampling=sampling,
             repeat=repeat,
@@ -114,17 +121,6 @@ def bench(
             load=LoadOptions(backend=backend, n_ctx=ctx, threads=threads, gpu_layers=gpu_layers, registry=registry),
         )
         run_and_show(config, bench_prompts, json_out, report_out)
-
-
-def checked_sampling(temp: float, seed: int | None):
-    """Sampling settings for the bench (temperature and seed), or a usage error naming the option."""
-    from specrun.sampling import SamplingSettings
-
-    sampling = SamplingSettings(temperature=temp, seed=seed)
-    problems = sampling.validate()
-    if problems:
-        raise UsageError(problems[0], "see `specrun bench --help`")
-    return sampling
 
 
 def suggested_draft(target: str, registry: Path | None) -> str | None:

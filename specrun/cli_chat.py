@@ -22,11 +22,10 @@ from rich.console import Console
 from rich.text import Text
 
 from specrun.cli_common import (
-    MAX_DRAFT_LEN,
-    MAX_NEW_TOKENS,
     BackendOpt,
     CtxOpt,
     DraftLenOpt,
+    DraftMinProbOpt,
     DraftOpt,
     GpuLayersOpt,
     MaxTokensOpt,
@@ -39,7 +38,8 @@ from specrun.cli_common import (
     ThreadsOpt,
     TopKOpt,
     TopPOpt,
-    check_range,
+    check_generation_options,
+    checked_sampling,
     cli_errors,
 )
 from specrun.errors import SpecrunError, UsageError
@@ -81,14 +81,15 @@ def chat_command(
     target: TargetOpt = None,
     draft: DraftOpt = None,
     backend: BackendOpt = "auto",
-    method: MethodOpt = "draft",
+    method: MethodOpt = "auto",
     max_tokens: MaxTokensOpt = 512,
     temp: TempOpt = 0.0,
     top_k: TopKOpt = 0,
     top_p: TopPOpt = 1.0,
     min_p: MinPOpt = 0.0,
     seed: SeedOpt = None,
-    draft_len: DraftLenOpt = 4,
+    draft_len: DraftLenOpt = None,
+    draft_min_prob: DraftMinProbOpt = None,
     system: SystemOpt = None,
     each_line: EachLineOpt = False,
     show_accept: ShowAcceptOpt = None,
@@ -101,13 +102,14 @@ def chat_command(
     """Chat with the target model: a REPL on a terminal; on a pipe, stdin is the message and stdout the answer."""
     with cli_errors():
         from specrun.chat import open_chat
+        from specrun.engine import GenerationParams
         from specrun.loading import LoadOptions, choose_pair
         from specrun.methods import check_method
 
         check_method(method)
-        params = _generation_params(max_tokens, draft_len, temp, top_k, top_p, min_p, seed)
-        check_range("--ctx", ctx, 16, 1 << 20)
-        check_range("--threads", threads, 1, 1024)
+        check_generation_options(max_tokens, draft_len, draft_min_prob, ctx, threads)
+        # The session fills in the draft length: the user's, else auto's longest, else the tuned one.
+        params = GenerationParams(max_tokens, 0, checked_sampling("chat", temp, top_k, top_p, min_p, seed))
         interactive = sys.stdin.isatty()
         if each_line and interactive:
             raise UsageError("--each-line reads messages from a pipe", "pipe the messages in, one per line")
@@ -117,26 +119,12 @@ def chat_command(
         view = AnswerView(show_accept, json_output)
         options = LoadOptions(backend=backend, n_ctx=ctx, threads=threads, gpu_layers=gpu_layers, registry=registry)
         target, draft = choose_pair(target, draft, registry)
-        with open_chat(target, draft, method, options,
-                       system_prompt=system) as session:
+        with open_chat(target, draft, method, options, system_prompt=system,
+                       draft_len=draft_len, draft_min_prob=draft_min_prob) as session:
             if messages is None:
                 ChatRepl(session, params, view).run()
             else:
                 answer_each(session, messages, params, view, new_conversation_each=each_line)
-
-
-def _generation_params(max_tokens, draft_len, temp, top_k, top_p, min_p, seed):
-    """The options as GenerationParams, after the same checks as ``generate``."""
-    from specrun.engine import GenerationParams
-    from specrun.sampling import SamplingSettings
-
-    check_range("--max-tokens", max_tokens, 1, MAX_NEW_TOKENS)
-    check_range("--draft-len", draft_len, 0, MAX_DRAFT_LEN)
-    sampling = SamplingSettings(temp, top_k, top_p, min_p, seed)
-    problems = sampling.validate()
-    if problems:
-        raise UsageError(problems[0], "see `specrun chat --help`")
-    return GenerationParams(max_tokens, draft_len, sampling)
 
 
 def _piped_messages(text: str, each_line: bool) -> list[str]:
@@ -265,7 +253,7 @@ class ChatRepl:
 
     def _banner(self) -> None:
         session = self.session
-        draft = "" if session.method == "none" else f", draft_len {self.params.draft_len}"
+        draft = "" if session.method == "none" else f", draft_len {session.draft_len}"
         marking = f"; text the drafter got right is {DRAFTED_STYLE}" if self.view.show_accept else ""
         self.view.info(
             f"specrun chat on {session.target.name}: method {session.method}{draft}{marking}. "

@@ -56,6 +56,28 @@ def check_range(name: str, value: int | float | None, low: float, high: float) -
         raise UsageError(f"{name} must be between {low:g} and {high:g}, got {value}", f"pass a valid {name}")
 
 
+def checked_sampling(command: str, temp: float, top_k: int, top_p: float, min_p: float, seed: int | None):
+    """The sampling options as SamplingSettings, or a usage error naming the first bad one."""
+    from specrun.sampling import SamplingSettings
+
+    sampling = SamplingSettings(temp, top_k, top_p, min_p, seed)
+    problems = sampling.validate()
+    if problems:
+        raise UsageError(problems[0], f"see `specrun {command} --help`")
+    return sampling
+
+
+def check_generation_options(
+    max_tokens: int, draft_len: int | None, draft_min_prob: float | None, ctx: int | None, threads: int | None
+) -> None:
+    """The range checks ``generate`` and ``chat`` share."""
+    check_range("--max-tokens", max_tokens, 1, MAX_NEW_TOKENS)
+    check_range("--draft-len", draft_len, 0, MAX_DRAFT_LEN)
+    check_range("--draft-min-prob", draft_min_prob, 0.0, 1.0)
+    check_range("--ctx", ctx, 16, 1 << 20)
+    check_range("--threads", threads, 1, 1024)
+
+
 # Shared options, declared once.
 TargetOpt = Annotated[Optional[str], typer.Option("--target", "-t", help="Target model: alias or .gguf path.")]
 DraftOpt = Annotated[Optional[str], typer.Option("--draft", "-d", help="Draft model: alias or .gguf path.")]
@@ -65,7 +87,7 @@ MethodOpt = Annotated[
     typer.Option(
         "--method",
         "-m",
-        help="auto (adaptive lookup+ngram+draft), none (plain decoding), draft, lookup, ngram, or a chain like lookup+draft.",
+        help="auto (the default: adaptive lookup+ngram+draft), none (plain decoding), draft, lookup, ngram, or a chain like lookup+draft.",
     ),
 ]
 MaxTokensOpt = Annotated[int, typer.Option("--max-tokens", "-n", help="New tokens to generate.")]
@@ -77,6 +99,13 @@ SeedOpt = Annotated[Optional[int], typer.Option("--seed", help="Random seed for 
 DraftLenOpt = Annotated[
     Optional[int],
     typer.Option("--draft-len", "-k", help="Tokens drafted per step (default: tuned, else 4; the maximum for auto)."),
+]
+DraftMinProbOpt = Annotated[
+    Optional[float],
+    typer.Option(
+        "--draft-min-prob",
+        help="Stop drafting before a token the draft model gives less than this probability (default: tuned, else 0).",
+    ),
 ]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object instead of text.")]
 CtxOpt = Annotated[Optional[int], typer.Option("--ctx", help="Context size in tokens (default: the model's, at most 4096).")]

@@ -31,7 +31,7 @@ def tune(
     registry: RegistryOpt = None,
     show: Annotated[bool, typer.Option("--show", help="Print the saved settings and exit.")] = False,
 ) -> None:
-    """Measure plain decoding and each draft length on this machine; later runs use the best."""
+    """Measure plain decoding, each draft length and confidence stops on this machine; later runs use the best."""
     with cli_errors():
         from specrun import tuning
 
@@ -69,7 +69,9 @@ def run_tune(target, draft, backend, n_prompts, max_tokens, threads, registry):
             prompts,
             max_tokens,
             key,
-            on_progress=lambda done, total: err.print(f"calibrated {done}/{total} prompts"),
+            on_progress=lambda round_number, done, total: err.print(
+                f"round {round_number}: calibrated {done}/{total} prompts"
+            ),
         )
     finally:
         target_backend.close()
@@ -78,7 +80,8 @@ def run_tune(target, draft, backend, n_prompts, max_tokens, threads, registry):
 
 def render(results) -> Table:
     table = Table(title="tuned settings (specrun tune)")
-    for column in ("target", "draft", "best draft length", "speed-up", "acceptance", "tok/s by setting"):
+    for column in ("target", "draft", "best draft length", "confidence stop", "speed-up", "acceptance",
+                   "tok/s by setting"):
         table.add_column(column)
     for result in results:
         rates = ", ".join(f"{name} {rate:.0f}" for name, rate in result.tokens_per_second.items())
@@ -86,6 +89,7 @@ def render(results) -> Table:
             result.target,
             result.draft,
             str(result.best_draft_len) if result.best_draft_len else "0 (plain is fastest)",
+            f"p < {result.best_min_prob:g}" if result.best_min_prob else "none",
             f"{result.speedup:.2f}×",
             f"{100 * result.acceptance:.0f}%",
             rates,

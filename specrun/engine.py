@@ -20,6 +20,7 @@ from specrun.backends.base import Backend
 from specrun.drafters.base import EMPTY_PROPOSAL, Drafter
 from specrun.errors import ContextFullError, UsageError
 from specrun.kv import sequence_for
+from specrun.methods import is_adaptive
 from specrun.sampling import SamplingSettings, probabilities, sample
 from specrun.stats import Stats
 from specrun.verify import Verdict, verify_greedy, verify_sampled
@@ -128,7 +129,7 @@ class SpeculativeEngine:
         eos_ids = self.target.backend.vocab.eos_ids if params.stop_at_eos else frozenset()
         context = list(prompt)
         stats.prompt_tokens = len(prompt)
-        adaptive = params.adaptive and self.drafter is not None
+        adaptive = (params.adaptive or is_adaptive(self.method)) and self.drafter is not None
         policy_sources = self._install_length_policies(params.draft_len if adaptive else None)
 
         started = self.clock()
@@ -257,7 +258,8 @@ class SpeculativeEngine:
         hold exactly prompt + output (what a next chat turn reuses).
         """
         backend = self.target.backend
-        stats = Stats(method=self.method, draft_len=params.draft_len if self.drafter else 0)
+        min_prob = max((getattr(m, "min_prob", 0.0) for m in self._drafter_members()), default=0.0)
+        stats = Stats(method=self.method, draft_len=params.draft_len if self.drafter else 0, draft_min_prob=min_prob)
         decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         output: list[int] = []
         pieces: list[str] = []

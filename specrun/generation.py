@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -16,9 +17,10 @@ class GenerateRequest:
     prompt: str
     target: str
     draft: str | None
-    method: str = "draft"
+    method: str = "auto"
     max_new_tokens: int = 128
     draft_len: int | None = None  # None: the tuned length for this pair and machine, else 4
+    draft_min_prob: float | None = None  # None: the tuned confidence stop, else none
     sampling: SamplingSettings = field(default_factory=SamplingSettings)
     load: LoadOptions = field(default_factory=LoadOptions)
     drafter_options: DrafterOptions = field(default_factory=DrafterOptions)
@@ -28,7 +30,10 @@ DEFAULT_DRAFT_LEN = 4
 ADAPTIVE_MAX_DRAFT_LEN = 8
 
 
-def _tuned(target, draft, threads):
+DEFAULT_DRAFT_MIN_PROB = 0.0
+
+
+def load_tuned(target, draft, threads):
     """Settings saved by `specrun tune` for this pair on this machine, if any."""
     if draft is None:
         return None
@@ -37,12 +42,20 @@ def _tuned(target, draft, threads):
     return tuning.load(tuning.pair_key(target, draft, threads))
 
 
-def _draft_len(request: GenerateRequest, tuned) -> int:
-    if request.draft_len is not None:
-        return request.draft_len
-    if is_adaptive(request.method):
+def resolve_draft_len(method: str, requested: int | None, tuned) -> int:
+    """The user's draft length; else the longest auto may choose; else the tuned one; else 4."""
+    if requested is not None:
+        return requested
+    if is_adaptive(method):
         return ADAPTIVE_MAX_DRAFT_LEN  # the longest draft the controller may choose
     return tuned.best_draft_len if tuned is not None else DEFAULT_DRAFT_LEN
+
+
+def resolve_min_prob(requested: float | None, tuned) -> float:
+    """The user's confidence stop; else the tuned one; else none."""
+    if requested is not None:
+        return requested
+    return tuned.best_min_prob if tuned is not None else DEFAULT_DRAFT_MIN_PROB
 
 
 def generate_text(request: GenerateRequest, on_text: Callable[[str], None] | None = None) -> GenerationResult:
@@ -51,18 +64,20 @@ def generate_text(request: GenerateRequest, on_text: Callable[[str], None] | Non
     target, draft = open_pair(request.target, draft_spec, request.load)
     drafter = None
     try:
-        options = request.drafter_options
+        tuned = load_tuned(target, draft, request.load.threads)
+        options = dataclasses.replace(
+            request.drafter_options, draft_min_prob=resolve_min_prob(request.draft_min_prob, tuned)
+        )
         if options.ngram_cache is not None and not options.vocabulary:
             from specrun.drafters.ngram import vocabulary_fingerprint
 
-            options = DrafterOptions(options.ngram_cache, vocabulary_fingerprint(target))
+            options = dataclasses.replace(options, vocabulary=vocabulary_fingerprint(target))
         drafter = build_drafter(request.method, draft, options)
         engine = SpeculativeEngine(target, drafter, method=request.method)
         prompt_ids = target.tokenize(request.prompt, add_bos=target.vocab.add_bos)
-        tuned = _tuned(target, draft, request.load.threads)
         params = GenerationParams(
             request.max_new_tokens,
-            _draft_len(request, tuned),
+            resolve_draft_len(request.method, request.draft_len, tuned),
             request.sampling,
             adaptive=is_adaptive(request.method),
         )

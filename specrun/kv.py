@@ -56,6 +56,22 @@ class KVSequence:
         """Append tokens; the argmax ids (len(logit_rows),) at the rows asked for."""
         return self._append(self.backend.forward_argmax, tokens, logit_rows)
 
+    def feed_greedy(self, tokens: Sequence[int], n_new: int) -> np.ndarray:
+        """Append tokens and extend them greedily: ``n_new`` argmax ids (n_new,) from one call.
+
+        Needs a backend with ``forward_greedy``. The cache ends as ``n_new`` successive
+        ``feed_argmax`` calls leave it: ``tokens`` plus all but the last new id.
+        """
+        self._check_in_step()
+        try:
+            ids = self.backend.forward_greedy(tokens, n_new)
+            self.tokens.extend(tokens)
+            self.tokens.extend(int(t) for t in ids[:-1])
+        except BaseException:
+            self.repair()
+            raise
+        return ids
+
     def _append(self, forward, tokens: Sequence[int], logit_rows: Sequence[int]) -> np.ndarray:
         self._check_in_step()
         try:

@@ -36,7 +36,7 @@ METHODS = (
 
 @dataclass(frozen=True)
 class DrafterOptions:
-    """Settings of the draft-free drafters (used by methods with ``ngram``).
+    """Settings of the drafters.
 
     ngram_cache: file the n-gram pool is loaded from (if it exists) and saved to
     when the drafter is closed. vocabulary: the target's
@@ -46,6 +46,7 @@ class DrafterOptions:
 
     ngram_cache: Path | None = None
     vocabulary: str = ""
+    draft_min_prob: float = 0.0  # the draft model's confidence stop (DraftModelDrafter.min_prob)
 
 
 def resolve_method(method: str, has_draft: bool = True) -> str:
@@ -92,4 +93,4 @@ def _build_one(part: str, draft: Backend | None, options: DrafterOptions) -> Dra
         if options.ngram_cache is None:
             return NgramPoolDrafter(vocabulary=options.vocabulary)
         return NgramPoolDrafter.open(options.ngram_cache, vocabulary=options.vocabulary)
-    return DraftModelDrafter(draft)
+    return DraftModelDrafter(draft, min_prob=options.draft_min_prob)

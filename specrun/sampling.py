@@ -42,6 +42,15 @@ class SamplingSettings:
         return problems
 
 
+def top_probability(logits: np.ndarray) -> float:
+    """The largest probability of softmax(logits) at temperature 1: the model's confidence."""
+    logits = np.asarray(logits, dtype=np.float64)  # (V,)
+    finite = logits[np.isfinite(logits)]
+    if finite.size == 0:
+        return 0.0
+    return float(1.0 / np.exp(finite - finite.max()).sum())
+
+
 def probabilities(logits: np.ndarray, settings: SamplingSettings) -> np.ndarray:
     """Row-wise next-token distributions under ``settings``.
 

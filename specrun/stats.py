@@ -11,6 +11,7 @@ class Stats:
 
     method: str = "none"
     draft_len: int = 0
+    draft_min_prob: float = 0.0  # the draft model's confidence stop (0: none)
     prompt_tokens: int = 0
     new_tokens: int = 0
     steps: int = 0  # target verify passes
@@ -51,6 +52,7 @@ class Stats:
         return {
             "method": self.method,
             "draft_len": self.draft_len,
+            "draft_min_prob": self.draft_min_prob,
             "prompt_tokens": self.prompt_tokens,
             "new_tokens": self.new_tokens,
             "steps": self.steps,
@@ -71,7 +73,9 @@ class Stats:
         line = f"{self.new_tokens} tokens, {self.tokens_per_second:.1f} tok/s, method {self.method}"
         if self.drafted:
             line += (
-                f", draft_len {self.draft_len}, accepted {self.accepted}/{self.drafted}"
+                f", draft_len {self.draft_len}"
+                + (f", stop below p {self.draft_min_prob:g}" if self.draft_min_prob else "")
+                + f", accepted {self.accepted}/{self.drafted}"
                 f" ({100 * self.acceptance_rate:.1f}%), {self.mean_tokens_per_step:.2f} tokens/step"
             )
         return line

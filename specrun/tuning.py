@@ -1,7 +1,9 @@
 """`specrun tune`: measure this machine and pair once, remember the best settings.
 
 The calibration runs plain decoding and fixed draft lengths side by side (interleaved
-per prompt), and records the tokens/s of each, the target's verify cost T(n) and the
+per prompt); a second round tries confidence stops (drafting ends before a token the
+draft is less sure of than a threshold) at the best length and at the longest, again
+side by side with plain decoding. It records the tokens/s of each, the target's verify cost T(n) and the
 per-position acceptance. The result is saved in the user config, keyed by the two
 model files and this machine; later runs use the best draft length when none is given,
 and ``--method auto`` starts from the measured costs instead of exploring.
@@ -20,10 +22,11 @@ from pathlib import Path
 from specrun.backends.base import Backend
 from specrun.engine import GenerationParams, SpeculativeEngine
 from specrun.errors import SpecrunError
-from specrun.methods import build_drafter
+from specrun.methods import DrafterOptions, build_drafter
 
 TUNE_VERSION = 1
 DRAFT_LENGTHS = (1, 2, 3, 4, 6, 8)
+MIN_PROBS = (0.0, 0.3, 0.5, 0.7)  # confidence stops tried in the second round
 
 
 @dataclass
@@ -39,6 +42,7 @@ class TuneResult:
     tokens_per_second: dict[str, float] = field(default_factory=dict)  # "none", "draft k=4", …
     target_costs: dict[int, float] = field(default_factory=dict)  # tokens fed -> seconds
     acceptance: float = 0.0
+    best_min_prob: float = 0.0  # the draft's confidence stop (0: none)
 
 
 def config_path() -> Path:
@@ -69,36 +73,62 @@ def calibrate(
     key: str,
     on_progress=None,
 ) -> TuneResult:
-    """Plain decoding vs each fixed draft length, interleaved per prompt."""
-    configs = {"none": 0, **{f"draft k={k}": k for k in DRAFT_LENGTHS}}
-    engines = {
-        name: SpeculativeEngine(target, build_drafter("draft", draft) if k else None, method=name)
-        for name, k in configs.items()
-    }
-    rates: dict[str, list[float]] = {name: [] for name in configs}
-    accepted = drafted = 0
-    for index, prompt in enumerate(prompts):
-        for name, k in configs.items():
-            result = engines[name].run(prompt, GenerationParams(max_new_tokens, k), complete_cache=False)
-            rates[name].append(result.stats.tokens_per_second)
-            accepted += result.stats.accepted
-            drafted += result.stats.drafted
-        if on_progress is not None:
-            on_progress(index + 1, len(prompts))
-    medians = {name: statistics.median(values) for name, values in rates.items()}
-    best_name = max(medians, key=medians.get)
+    """Round 1: plain decoding vs each fixed draft length. Round 2: confidence stops."""
+    lengths = {"none": (0, 0.0), **{f"draft k={k}": (k, 0.0) for k in DRAFT_LENGTHS}}
+    first, accepted, drafted = _interleaved(target, draft, prompts, max_new_tokens, lengths, on_progress, 1)
+    best_k = lengths[max(first, key=first.get)][0]
+    medians = first
+    if best_k:
+        stops = {"none": (0, 0.0)}
+        for k in dict.fromkeys((best_k, max(DRAFT_LENGTHS))):
+            stops.update({_label(k, p): (k, p) for p in MIN_PROBS})
+        second, _, _ = _interleaved(target, draft, prompts, max_new_tokens, stops, on_progress, 2)
+        # Round 2 repeats plain decoding and the best length, so its ratios are side by side.
+        medians = {**first, **{f"{name} (round 2)" if name in first else name: v for name, v in second.items()}}
+        best = max(second, key=second.get)
+        best_k, best_min_prob = stops[best]
+        speedup = second[best] / second["none"]
+    else:
+        best_min_prob = 0.0
+        speedup = 1.0
     costs = _verify_costs(target, prompts[0])
     return TuneResult(
         key=key,
         target=model_id(target),
         draft=model_id(draft),
         machine=machine_id(),
-        best_draft_len=configs[best_name],
-        speedup=medians[best_name] / medians["none"],
+        best_draft_len=best_k,
+        speedup=speedup,
         tokens_per_second=medians,
         target_costs=costs,
         acceptance=accepted / drafted if drafted else 0.0,
+        best_min_prob=best_min_prob,
     )
+
+
+def _label(draft_len: int, min_prob: float) -> str:
+    return f"draft k={draft_len}" + (f" p>={min_prob:g}" if min_prob else "")
+
+
+def _interleaved(target, draft, prompts, max_new_tokens, configs, on_progress, round_number):
+    """Median tokens/s of each (draft length, confidence stop) config, run interleaved per prompt."""
+    engines = {
+        name: SpeculativeEngine(
+            target, build_drafter("draft", draft, DrafterOptions(draft_min_prob=p)) if k else None, method=name
+        )
+        for name, (k, p) in configs.items()
+    }
+    rates: dict[str, list[float]] = {name: [] for name in configs}
+    accepted = drafted = 0
+    for index, prompt in enumerate(prompts):
+        for name, (k, _) in configs.items():
+            result = engines[name].run(prompt, GenerationParams(max_new_tokens, k), complete_cache=False)
+            rates[name].append(result.stats.tokens_per_second)
+            accepted += result.stats.accepted
+            drafted += result.stats.drafted
+        if on_progress is not None:
+            on_progress(round_number, index + 1, len(prompts))
+    return {name: statistics.median(values) for name, values in rates.items()}, accepted, drafted
 
 
 def _verify_costs(target: Backend, prompt: list[int], repeats: int = 7) -> dict[int, float]:

@@ -87,6 +87,7 @@ def test_bad_prompt_files_exit_1_with_one_line(tmp_path, content, message):
         (["--sweep-draft-len", "0..3"], "from 1 to"),
         (["--methods", "none,auto", "--sweep-draft-len", "1..3"], "needs a method with a fixed draft length"),
         (["--draft-len", "0"], "--draft-len must be between"),
+        (["--draft-min-prob", "-0.1"], "--draft-min-prob must be between"),
         (["--repeat", "0"], "--repeat must be between"),
         (["-n", "0"], "--max-tokens must be between"),
         (["--temp", "-1"], "--temp must be between"),
@@ -143,8 +144,8 @@ FIGURES_KEYS = {
     "mean_tokens_per_step": float, "draft_share": float, "verify_share": float, "mismatches": int, "near_ties": int,
 }
 STATS_KEYS = {
-    "method": str, "draft_len": int, "prompt_tokens": int, "new_tokens": int, "steps": int, "drafted": int,
-    "accepted": int, "acceptance_rate": float, "mean_tokens_per_step": float, "accepted_hist": list,
+    "method": str, "draft_len": int, "draft_min_prob": float, "prompt_tokens": int, "new_tokens": int,
+    "steps": int, "drafted": int, "accepted": int, "acceptance_rate": float, "mean_tokens_per_step": float, "accepted_hist": list,
     "tokens_per_second": float, "prefill_seconds": float, "draft_seconds": float, "verify_seconds": float,
     "generation_seconds": float,
 }
@@ -166,6 +167,7 @@ def test_json_holds_every_figure_and_the_machine(bench_outputs):
     assert doc["schema"] == "specrun.bench/1"
     config = doc["config"]
     assert config["methods"] == ["none", "draft", "lookup"] and config["draft_lens"] == [1, 2] and config["sweep"]
+    assert config["draft_min_prob"] == 0.0
     assert [v["name"] for v in config["variants"]] == ["none", "draft k=1", "draft k=2", "lookup k=1", "lookup k=2"]
     assert config["repeat"] == 2 and config["max_new_tokens"] == 8 and config["baseline"] == "none"
 

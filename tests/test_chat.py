@@ -297,3 +297,16 @@ def test_message_longer_than_the_context_is_one_line_error(pair_args):
     result = invoke(*pair_args, "--ctx", "64", input="word " * 200)
     assert result.exit_code == 1, result.output
     assert result.stderr.count("\n") == 1 and "context holds 64" in result.stderr
+
+
+def test_draft_settings_default_to_auto_and_follow_the_options(pair_args):
+    default = invoke(*pair_args, "-n", "12", "--json", input="hello\n")
+    assert default.exit_code == 0, default.output
+    stats = json.loads(default.stdout)["stats"]
+    assert (stats["method"], stats["draft_len"], stats["draft_min_prob"]) == ("auto", 8, 0.0)  # 8: auto's longest
+    chosen = invoke(*pair_args, "-n", "12", "--json", "-m", "draft", "-k", "3", "--draft-min-prob", "0.4",
+                    input="hello\n")
+    stats = json.loads(chosen.stdout)["stats"]
+    assert (stats["method"], stats["draft_len"], stats["draft_min_prob"]) == ("draft", 3, 0.4)
+    bad = invoke(*pair_args, "--draft-min-prob", "2", input="hello\n")
+    assert bad.exit_code == 2 and bad.stderr.count("\n") == 1 and "--draft-min-prob must be between" in bad.stderr

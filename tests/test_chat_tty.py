@@ -66,7 +66,7 @@ def exits_cleanly(child) -> None:
 def test_answers_stream_with_drafts_marked_and_every_command_works(tiny_llama, tmp_path):
     child = spawn(tiny_llama, tmp_path, "-n", "24")
     shown, stats = ask(child, "hello there")
-    assert stats.group(1, 2, 4) == ("24", "draft", "0")
+    assert stats.group(1, 2, 4) == ("24", "auto", "0")  # auto: the default method
     assert DRAFTED in shown and plain(shown).strip()
 
     command(child, "/stats", "last answer: 24 tokens")
@@ -77,6 +77,8 @@ def test_answers_stream_with_drafts_marked_and_every_command_works(tiny_llama, t
     shown, stats = ask(child, "hello there")
     assert stats.group(2) == "none" and DRAFTED not in shown
     command(child, "/method draft", "method draft")
+    shown, stats = ask(child, "hello there")
+    assert stats.group(2) == "draft" and DRAFTED in shown
     command(child, "/reset", "new conversation")
     shown, stats = ask(child, "hello there")
     assert stats.group(4) == "0"  # a new conversation starts from empty caches

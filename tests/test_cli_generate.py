@@ -64,7 +64,7 @@ def test_json_output_has_text_and_stats(backend_pair):
     for key in ("new_tokens", "drafted", "accepted", "acceptance_rate", "mean_tokens_per_step",
                 "tokens_per_second", "method", "draft_len"):
         assert key in stats
-    assert stats["new_tokens"] == 20 and stats["method"] == "draft" and stats["draft_len"] == 3
+    assert stats["new_tokens"] == 20 and stats["method"] == "auto" and stats["draft_len"] == 3  # auto: the default
     assert stats["acceptance_rate"] == 1.0  # draft == target
     assert isinstance(payload["text"], str)
 
@@ -140,6 +140,7 @@ def test_unknown_alias(llama_installed):
         (["-n", "99999999999"], "--max-tokens must be between"),
         (["--draft-len", "1000"], "--draft-len must be between"),
         (["--draft-len", "-1"], "--draft-len must be between"),
+        (["--draft-min-prob", "1.5"], "--draft-min-prob must be between"),
         (["--temp", "-1"], "--temp must be between"),
         (["--top-p", "0"], "--top-p must be in"),
         (["--min-p", "1.5"], "--min-p must be in"),

@@ -80,6 +80,7 @@ def _config(result: BenchResult) -> dict:
             {"name": v.name, "method": v.method, "draft_len": v.draft_len} for v in result.comparison.variants.values()
         ],
         "draft_lens": list(config.draft_lens),
+        "draft_min_prob": config.draft_min_prob,
         "sweep": config.sweep,
         "max_new_tokens": config.max_new_tokens,
         "temperature": sampling.temperature,

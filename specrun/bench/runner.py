@@ -21,7 +21,7 @@ from specrun.engine import GenerationParams, GenerationResult
 from specrun.errors import UsageError
 from specrun.generation import ADAPTIVE_MAX_DRAFT_LEN, DEFAULT_DRAFT_LEN
 from specrun.loading import LoadOptions, open_pair
-from specrun.methods import is_adaptive, needs_draft_model
+from specrun.methods import DrafterOptions, is_adaptive, needs_draft_model
 from specrun.sampling import SamplingSettings
 
 BASELINE = "none"
@@ -43,6 +43,7 @@ class BenchConfig:
     methods: tuple[str, ...]
     draft_lens: tuple[int, ...] = (DEFAULT_DRAFT_LEN,)
     adaptive_draft_len: int = ADAPTIVE_MAX_DRAFT_LEN
+    draft_min_prob: float = 0.0  # the draft model's confidence stop, for every method with a draft
     max_new_tokens: int = 128
     sampling: SamplingSettings = field(default_factory=SamplingSettings)
     repeat: int = 1
@@ -132,6 +133,7 @@ def run_bench(config: BenchConfig, prompts: Sequence[BenchPrompt], progress: Pro
             GenerationParams(config.max_new_tokens, config.draft_lens[0], config.sampling),
             repeat=config.repeat,
             on_result=_reporter(progress, [p for p, _ in kept]),
+            drafter_options=DrafterOptions(draft_min_prob=config.draft_min_prob),
         )
         machine = machine_info(_backend_name(target), _threads(target, config.load))
         n_ctx = target.n_ctx

@@ -9,7 +9,7 @@ import numpy as np
 from specrun.backends.base import Backend
 from specrun.drafters.base import EMPTY_PROPOSAL, Proposal
 from specrun.kv import sequence_for
-from specrun.sampling import SamplingSettings, probabilities, sample
+from specrun.sampling import SamplingSettings, probabilities, sample, top_probability
 
 
 class DraftModelDrafter:
@@ -19,12 +19,18 @@ class DraftModelDrafter:
     target's correction, and after a full accept both its own last draft (which
     it proposed but never fed) and the bonus token. ``propose`` handles both by
     rewinding to the longest cached prefix of the context and feeding the rest.
+
+    ``min_prob`` is a confidence stop: drafting ends before a token whose draft
+    probability (the top probability of the draft's distribution) is below it, since
+    such a token is likely rejected and costs a draft pass and a verify position.
+    0 drafts the full length. Stopping early never changes the output, only speed.
     """
 
     name = "draft"
 
-    def __init__(self, backend: Backend) -> None:
+    def __init__(self, backend: Backend, min_prob: float = 0.0) -> None:
         self.backend = backend
+        self.min_prob = min_prob
         self.sequence = sequence_for(backend)
         # Set by an adaptive engine: maps the longest allowed draft to the one worth drafting.
         self.length_policy: Callable[[int], int] | None = None
@@ -46,22 +52,38 @@ class DraftModelDrafter:
         # Keep at least the last context token unfed so its logits come out of this pass.
         keep = self.sequence.rewind_to_prefix_of(context, limit=len(context) - 1)
         pending = list(context[keep:])  # always includes the last context token
+        exact_vocab = self.target_vocab_size == self.backend.vocab.size
+        if sampling.greedy and exact_vocab and self.min_prob <= 0.0:
+            # Greedy verification needs no draft distribution: argmax stays in the backend.
+            return Proposal(self._greedy_ids(pending, draft_len), source=self.name)
         tokens: list[int] = []
         rows: list[np.ndarray | None] = []
         for _ in range(draft_len):
-            if sampling.greedy and self.target_vocab_size == self.backend.vocab.size:
-                # Greedy verification needs no draft distribution: argmax stays in the backend.
-                token = int(self.sequence.feed_argmax(pending, [len(pending) - 1])[0])
-            elif sampling.greedy:
-                token = int(self._target_sized(self.sequence.feed(pending, [len(pending) - 1])[0]).argmax())
+            logits = self._target_sized(self.sequence.feed(pending, [len(pending) - 1])[0])  # (V_target,)
+            if sampling.greedy:
+                token = int(logits.argmax())
+                if self.min_prob > 0.0 and top_probability(logits) < self.min_prob:
+                    break
             else:
-                logits = self._target_sized(self.sequence.feed(pending, [len(pending) - 1])[0])  # (V_target,)
                 p_draft = probabilities(logits, sampling)
+                if p_draft.max() < self.min_prob:
+                    break
                 token = sample(p_draft, rng)
                 rows.append(p_draft)
             tokens.append(token)
             pending = [token]
         return Proposal(tuple(tokens), tuple(rows), source=self.name)
+
+    def _greedy_ids(self, pending: list[int], draft_len: int) -> tuple[int, ...]:
+        """``draft_len`` greedy ids, chained on the device where the backend can (one sync)."""
+        if getattr(self.backend, "forward_greedy", None) is not None:
+            return tuple(int(t) for t in self.sequence.feed_greedy(pending, draft_len))
+        tokens = []
+        for _ in range(draft_len):
+            token = int(self.sequence.feed_argmax(pending, [len(pending) - 1])[0])
+            tokens.append(token)
+            pending = [token]
+        return tuple(tokens)
 
     def _target_sized(self, logits: np.ndarray) -> np.ndarray:
         """Draft logits over the target's ids: padding ids beyond either vocabulary never win."""
