@@ -28,9 +28,11 @@ import functools
 import itertools
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from specrun.backends.base import Backend
 from specrun.compat import check_compatible
+from specrun.drafters.ngram import vocabulary_fingerprint
 from specrun.engine import Finished, GenerationParams, GenerationResult, SpeculativeEngine, TextChunk
 from specrun.errors import ContextFullError, UsageError
 from specrun.generation import load_tuned, resolve_draft_len, resolve_min_prob
@@ -294,6 +296,8 @@ class ChatSession:
     # ---- lifetime -------------------------------------------------------------------
     def close(self) -> None:
         if self.engine.drafter is not None:
+            if self.engine.last_context:
+                self.engine.drafter.finish(self.engine.last_context)  # the n-gram pool learns the last answer
             self.engine.drafter.close()
         self.target.close()
         if self.draft is not None:
@@ -315,11 +319,13 @@ def open_chat(
     system_prompt: str | None = None,
     draft_len: int | None = None,
     draft_min_prob: float | None = None,
+    ngram_cache: Path | None = None,
 ) -> ChatSession:
     """Load the pair for ``method`` (the draft model only if it needs one) and start a session.
 
     With a ``draft_spec`` the method does not need yet, the draft is loaded on the
-    first ``/method`` that does.
+    first ``/method`` that does. ``ngram_cache``: the n-gram pool's file, loaded now and
+    saved when the session closes (or switches method).
     """
     check_method(method)
     target, draft = open_pair(target_spec, draft_spec if needs_draft_model(method) else None, options)
@@ -328,8 +334,12 @@ def open_chat(
     if draft is None and draft_spec is not None:
         load_draft = functools.partial(_open_compatible_draft, target, target_spec, draft_spec, options)
     try:
+        drafter_options = None
+        if ngram_cache is not None:
+            drafter_options = DrafterOptions(ngram_cache, vocabulary_fingerprint(target))
         return ChatSession(target, draft, method, system_prompt=system_prompt, load_draft=load_draft,
-                           draft_len=draft_len, draft_min_prob=draft_min_prob, tuned=tuned)
+                           draft_len=draft_len, draft_min_prob=draft_min_prob, tuned=tuned,
+                           drafter_options=drafter_options)
     except BaseException:
         target.close()
         if draft is not None:

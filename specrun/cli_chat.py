@@ -31,6 +31,7 @@ from specrun.cli_common import (
     MaxTokensOpt,
     MethodOpt,
     MinPOpt,
+    NgramCacheOpt,
     RegistryOpt,
     SeedOpt,
     TargetOpt,
@@ -98,6 +99,7 @@ def chat_command(
     threads: ThreadsOpt = None,
     gpu_layers: GpuLayersOpt = None,
     registry: RegistryOpt = None,
+    ngram_cache: NgramCacheOpt = None,
 ) -> None:
     """Chat with the target model: a REPL on a terminal; on a pipe, stdin is the message and stdout the answer."""
     with cli_errors():
@@ -120,7 +122,7 @@ def chat_command(
         options = LoadOptions(backend=backend, n_ctx=ctx, threads=threads, gpu_layers=gpu_layers, registry=registry)
         target, draft = choose_pair(target, draft, registry)
         with open_chat(target, draft, method, options, system_prompt=system,
-                       draft_len=draft_len, draft_min_prob=draft_min_prob) as session:
+                       draft_len=draft_len, draft_min_prob=draft_min_prob, ngram_cache=ngram_cache) as session:
             if messages is None:
                 ChatRepl(session, params, view).run()
             else:

@@ -101,6 +101,7 @@ class SpeculativeEngine:
         self.drafter = drafter
         self.method = method or (drafter.name if drafter else "none")
         self.clock = clock  # injectable so tests can give fake models exact costs
+        self.last_context: list[int] = []  # prompt + output of the latest run
         # Adaptive draft lengths, one controller per proposal source; kept across runs.
         self.target_costs = TargetCosts()
         self.controllers: dict[str, DraftLengthController] = {}

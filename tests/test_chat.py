@@ -310,3 +310,22 @@ def test_draft_settings_default_to_auto_and_follow_the_options(pair_args):
     assert (stats["method"], stats["draft_len"], stats["draft_min_prob"]) == ("draft", 3, 0.4)
     bad = invoke(*pair_args, "--draft-min-prob", "2", input="hello\n")
     assert bad.exit_code == 2 and bad.stderr.count("\n") == 1 and "--draft-min-prob must be between" in bad.stderr
+
+
+def test_ngram_cache_persists_what_a_chat_read_and_answered(pair_args, loaded_pair, tmp_path):
+    from specrun.drafters.ngram import NgramPoolDrafter, vocabulary_fingerprint
+
+    vocabulary = vocabulary_fingerprint(loaded_pair[0])
+
+    cache = tmp_path / "pool.bin"
+    first = invoke(*pair_args, "-n", "16", "-m", "ngram", "--ngram-cache", str(cache), "--json", input="alpha beta\n")
+    assert first.exit_code == 0, first.output
+    assert cache.exists()
+    pool = NgramPoolDrafter.open(cache, vocabulary=vocabulary)  # saved for this model's vocabulary
+    answer = json.loads(first.stdout)["text"]
+    assert len(pool) > 0  # learned from the message and the answer
+    # A second chat loads the pool and adds to it.
+    second = invoke(*pair_args, "-n", "16", "-m", "ngram", "--ngram-cache", str(cache), "--json",
+                    input=answer + "\n")
+    assert second.exit_code == 0, second.output
+    assert len(NgramPoolDrafter.open(cache, vocabulary=vocabulary)) > len(pool)
