@@ -1,0 +1,78 @@
+"""Read `specrun bench --json` output and print the per-category checks of issues 5 and 9.
+
+Issue 9: ``auto`` within 3% of the best fixed draft length (every fixed-length variant
+of the sweep) on every category, and at least 0.97x ``none`` on every category.
+Issue 5: ``lookup`` >= 1.5x ``none`` where prompts restate their context, >= 0.97x
+where it finds nothing, and ``lookup+draft`` at least the better of ``lookup`` and
+``draft`` on a mixed set.
+
+    specrun bench --methods none,draft,lookup+ngram+draft,auto --sweep-draft-len 1..8 \\
+        --repeat 2 --json docs/figures/bench_auto_sweep.json
+    .venv/bin/python benchmarks/bench_checks.py docs/figures/bench_auto_sweep.json
+
+Speed-ups are the bench's own: per prompt the ratio of medians over repeats, per
+category their geometric mean, every variant interleaved with ``none`` per prompt.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+def rows_by_variant(rows: list[dict]) -> dict[str, dict]:
+    return {row["variant"]: row for row in rows}
+
+
+def auto_table(doc: dict) -> list[str]:
+    lines = ["| category | auto vs none | best fixed | its speed-up | auto vs best fixed |", "|---|---|---|---|---|"]
+    groups = {**doc["per_category"], "all prompts": doc["overall"]}
+    for category, rows in groups.items():
+        variants = rows_by_variant(rows)
+        if "auto" not in variants:
+            return []
+        fixed = [r for r in rows if r["method"] not in ("none", "auto")]
+        best = max(fixed, key=lambda r: r["speedup"])
+        auto = variants["auto"]["speedup"]
+        lines.append(
+            f"| {category} | {auto:.2f}x | {best['variant']} | {best['speedup']:.2f}x | {auto / best['speedup']:.3f} |"
+        )
+    return lines
+
+
+def method_table(doc: dict, methods: list[str]) -> list[str]:
+    lines = ["| category | " + " | ".join(methods) + " |", "|---" * (len(methods) + 1) + "|"]
+    groups = {**doc["per_category"], "all prompts": doc["overall"]}
+    for category, rows in groups.items():
+        variants = rows_by_variant(rows)
+        cells = [f"{variants[m]['speedup']:.2f}x ({100 * variants[m]['acceptance_rate']:.0f}%)"
+                 if m in variants else "-" for m in methods]
+        lines.append(f"| {category} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("bench_json", type=Path)
+    args = parser.parse_args(argv)
+    doc = json.loads(args.bench_json.read_text())
+    variants = [v["name"] for v in doc["config"]["variants"] if v["name"] != "none"]
+    config = doc["config"]
+    print(f"{config['target']} + {config['draft']}, {len(doc['prompts'])} prompts x {config['max_new_tokens']} "
+          f"tokens, repeat {config['repeat']}, {doc['machine']['threads']} thread(s), "
+          f"wall {doc['wall_seconds']:.0f} s")
+    print("\nspeed-up over none (acceptance):")
+    print("\n".join(method_table(doc, variants)))
+    table = auto_table(doc)
+    if table:
+        print("\nauto against the best fixed variant:")
+        print("\n".join(table))
+    mismatches = [m for m in doc["mismatches"] if not m["near_tie"]]
+    print(f"\noutputs differing from none beyond a near-tie: {len(mismatches)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
