@@ -21,30 +21,46 @@ class TargetCosts:
     """T_target(n): decayed mean seconds of a verify pass over n tokens, shared by every drafter."""
 
     def __init__(self) -> None:
-        self.seconds: dict[int, float] = {}  # tokens fed -> decayed mean seconds
+        self.seconds: dict[int, float] = {}  # tokens fed -> decayed mean seconds; write through observe/preload
+        self._table: list[float | None] | None = None  # __call__ for n = 0..len-1, rebuilt after a change
 
     def observe(self, n_tokens: int, seconds: float) -> None:
         self.seconds[n_tokens] = _blend(self.seconds.get(n_tokens), seconds, 0.3)
+        self._table = None
+
+    def preload(self, seconds: dict[int, float]) -> None:
+        """Start from costs measured earlier (``specrun tune``) instead of exploring."""
+        self.seconds.update(seconds)
+        self._table = None
 
     def known(self, n_tokens: int) -> bool:
         return n_tokens in self.seconds
 
+    def table(self, max_tokens: int) -> list[float | None]:
+        """``self(n)`` for n = 0..max_tokens, computed once per change (the controller asks every step)."""
+        if self._table is None or len(self._table) <= max_tokens:
+            self._table = self._estimates(max_tokens)
+        return self._table
+
     def __call__(self, n_tokens: int) -> float | None:
         """Measured where seen, else a line through what was seen (None before any pass)."""
-        if n_tokens in self.seconds:
-            return self.seconds[n_tokens]
+        return self.table(n_tokens)[n_tokens]
+
+    def _estimates(self, max_tokens: int) -> list[float | None]:
         if not self.seconds:
-            return None
-        points = sorted(self.seconds.items())
+            return [None] * (max_tokens + 1)
+        points = list(self.seconds.items())
         if len(points) == 1:
             (n0, t0), = points
             # One point: assume a memory-bound pass, where each extra token adds ~10%.
-            return t0 * (1.0 + 0.1 * (n_tokens - n0) / max(n0, 1))
-        mean_n = sum(n for n, _ in points) / len(points)
-        mean_t = sum(t for _, t in points) / len(points)
-        spread = sum((n - mean_n) ** 2 for n, _ in points)
-        slope = sum((n - mean_n) * (t - mean_t) for n, t in points) / spread
-        return max(mean_t + max(slope, 0.0) * (n_tokens - mean_n), 1e-9)
+            line = [t0 * (1.0 + 0.1 * (n - n0) / max(n0, 1)) for n in range(max_tokens + 1)]
+        else:
+            mean_n = sum(n for n, _ in points) / len(points)
+            mean_t = sum(t for _, t in points) / len(points)
+            spread = sum((n - mean_n) ** 2 for n, _ in points)
+            slope = max(sum((n - mean_n) * (t - mean_t) for n, t in points) / spread, 0.0)
+            line = [max(mean_t + slope * (n - mean_n), 1e-9) for n in range(max_tokens + 1)]
+        return [self.seconds.get(n, estimate) for n, estimate in enumerate(line)]
 
 
 @dataclass
@@ -87,11 +103,24 @@ class DraftLengthController:
 
     def expected_rate(self, draft_len: int) -> float | None:
         """Tokens per second expected at this draft length (None before any timing)."""
-        verify = self.target_costs(draft_len + 1)
-        if verify is None or (draft_len and self.draft_token_seconds is None):
-            return None
-        seconds = verify + draft_len * (self.draft_token_seconds or 0.0)
-        return self.expected_tokens(draft_len) / seconds
+        return self.expected_rates(draft_len)[draft_len]
+
+    def expected_rates(self, limit: int) -> list[float | None]:
+        """``expected_rate(k)`` for k = 0..limit in one pass (this runs every verify step)."""
+        draft_seconds = self.draft_token_seconds
+        costs = self.target_costs.table(limit + 1)
+        rates: list[float | None] = []
+        tokens, chain = 1.0, 1.0
+        for k in range(limit + 1):
+            if k:
+                chain *= self.acceptance(k)
+                tokens += chain
+            verify = costs[k + 1]
+            if verify is None or (k and draft_seconds is None):
+                rates.append(None)
+            else:
+                rates.append(tokens / (verify + k * (draft_seconds or 0.0)))
+        return rates
 
     # ---- decisions ----------------------------------------------------------------
     def choose(self, limit: int) -> int:
@@ -105,10 +134,10 @@ class DraftLengthController:
                 return 0
             self.steps_since_probe = 0
             return min(self.probe_len, limit)  # a probe: refresh the estimates
-        rates = {k: self.expected_rate(k) for k in range(limit + 1)}
-        if any(rate is None for rate in rates.values()):
+        rates = self.expected_rates(limit)
+        if None in rates:
             return self._explore(limit)
-        return max(rates, key=lambda k: (rates[k], -k))
+        return max(range(limit + 1), key=lambda k: (rates[k], -k))
 
     def _explore(self, limit: int) -> int:
         """Before costs are known: measure plain and a few draft lengths once each."""
@@ -137,10 +166,11 @@ class DraftLengthController:
 
     def _update_gate(self) -> None:
         """Stop speculating when plain decoding is expected to be faster; back off probes."""
-        plain = self.expected_rate(0)
-        best = max((self.expected_rate(k) or 0.0) for k in range(1, self.max_draft_len + 1))
+        rates = self.expected_rates(self.max_draft_len)
+        plain = rates[0]
         if plain is None:
             return
+        best = max((rate or 0.0) for rate in rates[1:])
         if best > plain:
             self.speculating = True
             self.probe_gap = self.first_probe_gap

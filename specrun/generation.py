@@ -82,7 +82,7 @@ def generate_text(request: GenerateRequest, on_text: Callable[[str], None] | Non
             adaptive=is_adaptive(request.method),
         )
         if tuned is not None and params.adaptive:
-            engine.target_costs.seconds.update(tuned.target_costs)  # no need to explore costs
+            engine.target_costs.preload(tuned.target_costs)  # no need to explore costs
         for event in engine.stream(prompt_ids, params, complete_cache=False):
             if isinstance(event, TextChunk) and on_text is not None and event.text:
                 on_text(event.text)
