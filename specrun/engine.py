@@ -9,6 +9,7 @@ Three layers (mlx-lm's generate_step / stream_generate / generate shape):
 from __future__ import annotations
 
 import codecs
+import functools
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from time import perf_counter
@@ -25,6 +26,9 @@ from specrun.sampling import SamplingSettings, probabilities, sample
 from specrun.stats import Stats
 from specrun.verify import Verdict, verify_greedy, verify_sampled
 
+# An adaptive chain that passes over a cheap drafter for the draft model still takes its
+# proposal once in this many declines, so the cheap drafter's estimates stay current.
+CHEAP_PROBE_GAP = 16
 
 @dataclass(frozen=True)
 class GenerationParams:
@@ -102,6 +106,7 @@ class SpeculativeEngine:
         self.method = method or (drafter.name if drafter else "none")
         self.clock = clock  # injectable so tests can give fake models exact costs
         self.last_context: list[int] = []  # prompt + output of the latest run
+        self._cheap_declines: dict[str, int] = {}  # by source: cheap proposals passed over for the draft model
         # Adaptive draft lengths, one controller per proposal source; kept across runs.
         self.target_costs = TargetCosts()
         self.controllers: dict[str, DraftLengthController] = {}
@@ -198,7 +203,8 @@ class SpeculativeEngine:
 
     def _install_length_policies(self, max_draft_len: int | None) -> set[str]:
         """Give every drafter that pays per drafted token (a draft model) its controller's
-        choice before it drafts; None removes the policies (fixed draft length)."""
+        choice before it drafts, and a chain the choice between its members; None removes
+        the policies (fixed draft length)."""
         sources = set()
         for member in self._drafter_members():
             if hasattr(member, "length_policy"):
@@ -206,7 +212,34 @@ class SpeculativeEngine:
                     None if max_draft_len is None else self._controller_for(member.name, max_draft_len).choose
                 )
                 sources.add(member.name)
+        if hasattr(self.drafter, "worth_taking"):
+            self.drafter.worth_taking = (
+                None if max_draft_len is None or not sources
+                else functools.partial(self._cheap_worth_taking, max_draft_len=max_draft_len, paid=sources)
+            )
         return sources
+
+    def _cheap_worth_taking(self, proposal, max_draft_len: int, paid: set[str]) -> bool:
+        """Does this cheap proposal promise more tokens per second than asking the draft model?
+
+        Both sides from measured figures: the cheap source's acceptance by position and
+        the target's verify costs, against the best rate the draft model's controller
+        expects. Unmeasured sides are explored; a declined source is still taken now and
+        then (every CHEAP_PROBE_GAP declines) so its estimates do not go stale.
+        """
+        cheap = self._controller_for(proposal.source, max_draft_len)
+        cheap_rates = cheap.expected_rates(min(len(proposal), max_draft_len))
+        paid_rates = [
+            self._controller_for(source, max_draft_len).expected_rates(max_draft_len) for source in paid
+        ]
+        if None in cheap_rates:
+            return True
+        if any(None in rates for rates in paid_rates):
+            return False  # the draft model has not been timed yet: try it
+        if max(cheap_rates) >= max(max(rates[1:]) for rates in paid_rates):
+            return True
+        declined = self._cheap_declines[proposal.source] = self._cheap_declines.get(proposal.source, 0) + 1
+        return declined % CHEAP_PROBE_GAP == 0
 
     def _observe(self, proposal, verdict: Verdict, draft_s: float, verify_s: float, params) -> None:
         if proposal.tokens:

@@ -10,6 +10,8 @@ import pytest
 from fake_models import hashed_logits
 from specrun.adaptive import DraftLengthController
 from specrun.backends.fake import FakeBackend
+from specrun.drafters.base import Proposal
+from specrun.drafters.chain import ChainDrafter
 from specrun.drafters.draft_model import DraftModelDrafter
 from specrun.engine import GenerationParams, SpeculativeEngine
 
@@ -127,3 +129,69 @@ def test_adaptive_greedy_output_is_unchanged():
         [4], GenerationParams(300, 8, adaptive=True)
     )
     assert adaptive.token_ids == plain
+
+
+# ---- choosing between a chain's members -------------------------------------------------
+class CheapDrafter:
+    """A free drafter (like lookup or the n-gram pool) whose proposals come from ``next_tokens``."""
+
+    def __init__(self, name: str, next_tokens, clock: SimClock, seconds_per_call: float = 0.001) -> None:
+        self.name, self.next_tokens, self.clock, self.cost = name, next_tokens, clock, seconds_per_call
+
+    def propose(self, context, draft_len, sampling, rng):
+        self.clock.now += self.cost
+        return Proposal(tuple(self.next_tokens(tuple(context), draft_len)), source=self.name)
+
+    def finish(self, context):
+        pass
+
+    def close(self):
+        pass
+
+
+def greedy_continuation(table):
+    def next_tokens(context, n):
+        out = []
+        for _ in range(n):
+            token = int(np.argmax(table(context)))
+            out.append(token)
+            context = context + (token,)
+        return out
+
+    return next_tokens
+
+
+def always_wrong(table):
+    """Proposes the target's runner-up every time: always rejected."""
+    return lambda context, n: [int(np.argsort(table(context))[-2])] * n
+
+
+def chain_rate(cheap_kind: str, alpha: float, draft_cost: float, n: int = 400):
+    table = hashed_logits(VOCAB, salt=11, spread=3.0)
+    clock = SimClock()
+    target = CostedFake(table, clock, 1.0, 0.05)
+    draft = CostedFake(agreeing_draft(table, alpha), clock, draft_cost, 0.0)
+    make = greedy_continuation if cheap_kind == "perfect" else always_wrong
+    drafters = {
+        "chain": ChainDrafter([CheapDrafter("cheap", make(table), clock), DraftModelDrafter(draft)]),
+        "cheap": CheapDrafter("cheap", make(table), clock),
+        "draft": DraftModelDrafter(CostedFake(agreeing_draft(table, alpha), clock, draft_cost, 0.0)),
+    }
+    rates = {}
+    for name, drafter in drafters.items():
+        engine = SpeculativeEngine(CostedFake(table, clock, 1.0, 0.05), drafter, clock=clock)
+        result = engine.run([1, 2, 3], GenerationParams(n, draft_len=8, adaptive=True), complete_cache=False)
+        rates[name] = result.stats.new_tokens / result.stats.generation_seconds
+    return rates, drafters["chain"]
+
+
+def test_an_adaptive_chain_passes_over_a_cheap_drafter_that_is_always_wrong():
+    rates, chain = chain_rate("wrong", alpha=0.8, draft_cost=0.1)
+    assert rates["chain"] >= 0.9 * rates["draft"], rates
+    assert chain.asked["draft"] > 0.8 * chain.asked["cheap"]  # the draft model drafted nearly every step
+
+
+def test_an_adaptive_chain_keeps_a_cheap_drafter_that_is_right():
+    rates, chain = chain_rate("perfect", alpha=0.6, draft_cost=0.3)
+    assert rates["chain"] >= 0.9 * rates["cheap"], rates
+    assert chain.asked["draft"] < 0.2 * chain.asked["cheap"]  # the draft model was rarely asked

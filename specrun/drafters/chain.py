@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -22,7 +22,11 @@ class ChainDrafter:
     last: the draft model runs only on steps where the cheap ones offer fewer than
     ``min_tokens`` tokens (or fewer than ``draft_len``, if that is smaller). When no
     drafter offers enough, the longest proposal made is used. ``asked`` counts the
-    calls of each member by name. ``finish`` and ``close`` go to every member, so
+    calls of each member by name.
+
+    ``worth_taking``, set by an adaptive engine, replaces the ``min_tokens`` rule for
+    every member but the last: it sees a cheap proposal and says whether it beats
+    asking the members after it (measured acceptance and costs, not a fixed length). ``finish`` and ``close`` go to every member, so
     a draft model skipped for many steps still ends with its cache holding exactly
     the context (it also catches up by itself on its next ``propose``).
     """
@@ -34,6 +38,7 @@ class ChainDrafter:
         self.min_tokens = min_tokens
         self.name = "+".join(drafter.name for drafter in self.drafters)
         self.asked: Counter[str] = Counter()
+        self.worth_taking: Callable[[Proposal], bool] | None = None
 
     def propose(
         self,
@@ -44,10 +49,14 @@ class ChainDrafter:
     ) -> Proposal:
         enough = min(self.min_tokens, draft_len)
         best = EMPTY_PROPOSAL
-        for drafter in self.drafters:
+        last = len(self.drafters) - 1
+        for index, drafter in enumerate(self.drafters):
             self.asked[drafter.name] += 1
             proposal = drafter.propose(context, draft_len, sampling, rng)
-            if len(proposal) >= enough:
+            if self.worth_taking is not None and index < last:
+                if proposal.tokens and self.worth_taking(proposal):
+                    return proposal
+            elif len(proposal) >= enough:
                 return proposal
             if len(proposal) > len(best):
                 best = proposal
