@@ -119,7 +119,7 @@ def generate(
 def demo(
     target: Annotated[str, typer.Option("--target", "-t", help="Target (default: the bench-scale demo target).")] = "demo-target-xl",
     draft: Annotated[str, typer.Option("--draft", "-d", help="Draft model.")] = "demo-draft",
-    methods: Annotated[str, typer.Option("--methods", help="Comma-separated methods; the first is the baseline.")] = "none,draft",
+    methods: Annotated[str, typer.Option("--methods", help="Comma-separated methods; the first is the baseline.")] = "none,draft,auto",
     prompts: Annotated[int, typer.Option("--prompts", help="How many built-in prompts.")] = 6,
     max_tokens: MaxTokensOpt = 96,
     draft_len: DraftLenOpt = 4,

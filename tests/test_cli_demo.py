@@ -19,6 +19,7 @@ def test_demo_compares_methods_and_checks_outputs(tiny_llama):
         assert column in table
     draft_row = next(line for line in table.splitlines() if "draft" in line and "%" in line)
     assert "100%" in draft_row  # draft == target accepts everything
+    assert any(line.lstrip("│ ").startswith("auto") for line in table.splitlines())  # the default method shown too
     assert "NO" not in table
 
 
