@@ -272,7 +272,7 @@ class ChatSession:
             self.draft = self._load_draft()
         drafter = build_drafter(method, self.draft, self._drafter_options)
         previous = self.engine.drafter
-        self.engine.drafter, self.engine.method = drafter, method
+        self.engine.set_drafter(drafter, method)
         if previous is not None:
             previous.close()
 

@@ -189,6 +189,7 @@ def compare_variants(
         for index, prompt in enumerate(prompts):
             for _ in range(repeat):
                 for name, engine in engines.items():
+                    _forget_learned(engine)
                     result = engine.run(prompt, variant_params[name], complete_cache=False)
                     figures[name].by_prompt.setdefault(index, []).append(result)
                     if on_result is not None:
@@ -204,6 +205,15 @@ def compare_variants(
             if drafter is not None:
                 drafter.close()
     return Comparison(baseline, figures, mismatches, params.sampling.greedy, {v.name: v for v in variants})
+
+
+def _forget_learned(engine: SpeculativeEngine) -> None:
+    """Every run starts as `specrun generate` does: an n-gram pool learned on earlier prompts
+    (or earlier repeats of this one) would flatter it. A pool with a cache file is kept."""
+    members = getattr(engine.drafter, "drafters", (engine.drafter,))
+    for member in members:
+        if hasattr(member, "forget") and getattr(member, "cache_path", None) is None:
+            member.forget()
 
 
 def _warm_up(engines: dict[str, SpeculativeEngine], params: dict[str, GenerationParams], prompt: list[int]) -> None:

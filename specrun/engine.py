@@ -102,17 +102,21 @@ class SpeculativeEngine:
         clock: Callable[[], float] = perf_counter,
     ) -> None:
         self.target = sequence_for(target)
-        self.drafter = drafter
-        self.method = method or (drafter.name if drafter else "none")
         self.clock = clock  # injectable so tests can give fake models exact costs
         self.last_context: list[int] = []  # prompt + output of the latest run
         self._cheap_declines: dict[str, int] = {}  # by source: cheap proposals passed over for the draft model
         # Adaptive draft lengths, one controller per proposal source; kept across runs.
         self.target_costs = TargetCosts()
         self.controllers: dict[str, DraftLengthController] = {}
+        self.set_drafter(drafter, method)
+
+    def set_drafter(self, drafter: Drafter | None, method: str | None = None) -> None:
+        """Speculate with ``drafter`` from the next run on (chat's /method); the caller closes the old one."""
+        self.drafter = drafter
+        self.method = method or (drafter.name if drafter else "none")
         for member in self._drafter_members():
             if hasattr(member, "target_vocab_size"):  # draft logits must cover the target's ids
-                member.target_vocab_size = target.vocab.size
+                member.target_vocab_size = self.target.backend.vocab.size
 
     def _drafter_members(self) -> tuple:
         if self.drafter is None:

@@ -175,3 +175,13 @@ def test_auto_adapts_even_when_the_params_do_not_say_so():
     fixed = SpeculativeEngine(target, build_drafter("lookup+ngram+draft", draft), method="lookup+ngram+draft")
     fixed.run((1, 2, 3), GenerationParams(30, draft_len=8))
     assert not fixed.controllers
+
+
+def test_a_drafter_set_later_learns_the_targets_vocabulary_size():
+    """Chat's /method swaps drafters: a padded draft vocabulary must still be sized to the target's."""
+    target = FakeBackend(confidence_table(12, {}), 12)
+    engine = SpeculativeEngine(target)
+    drafter = DraftModelDrafter(FakeBackend(confidence_table(10, {}), 10))
+    engine.set_drafter(build_drafter("lookup", None), "lookup")
+    engine.set_drafter(drafter, "draft")
+    assert drafter.target_vocab_size == 12 and engine.method == "draft"

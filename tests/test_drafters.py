@@ -593,3 +593,16 @@ def test_greedy_output_is_identical_for_every_method_on_real_backends(
     for backend in (target, draft):
         if backend is not None:
             backend.close()
+
+
+def test_comparisons_start_every_run_with_an_empty_pool():
+    """Benchmarks measure what `specrun generate` gets: a pool learned on an earlier run flatters."""
+    from specrun.compare import Variant, compare_variants
+
+    target = FakeBackend(hashed_logits(VOCAB, salt=6, spread=3.0), VOCAB)  # output the prompt cannot predict
+    variants = [Variant("none", "none", 0), Variant("ngram", "ngram", 4)]
+    comparison = compare_variants(target, None, [[1, 2, 3], [1, 2, 3]], variants,
+                                  GenerationParams(60, draft_len=4), repeat=2)
+    runs = [run for index in (0, 1) for run in comparison.figures["ngram"].by_prompt[index]]
+    assert runs[0].stats.accepted < 30  # a pool that had seen this output would predict most of it
+    assert len({(r.stats.drafted, r.stats.accepted, tuple(r.token_ids)) for r in runs}) == 1  # no run learned from another

@@ -166,6 +166,12 @@ class NgramPoolDrafter:
         """Learn the rest of the generation (the last step's tokens were never proposed from)."""
         self._read(context)
 
+    def forget(self) -> None:
+        """Start over with an empty pool, as a fresh run without a cache file would (benchmarks)."""
+        self._pool.clear()
+        self.mirror.reset()
+        self._dirty = False
+
     def close(self) -> None:
         """Save to ``cache_path`` if set and anything was learned."""
         if self.cache_path is not None and self._dirty:
