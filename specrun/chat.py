@@ -248,10 +248,14 @@ class ChatSession:
         self.transcript = Transcript(messages, ids, text)
 
     def _repair_caches(self) -> None:
-        """After an interruption: every sequence back in step with its backend (engine rewinds did the rest)."""
+        """After an interruption: every sequence back in step with its backend (engine rewinds did
+        the rest), and no drafter index left half-updated."""
         sequence_for(self.target).repair()
         if self.draft is not None:
             sequence_for(self.draft).repair()
+        recover = getattr(self.engine.drafter, "recover", None)
+        if recover is not None:
+            recover()
 
     # ---- speculation ----------------------------------------------------------------
     @property

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import json
 
+import numpy as np
 import pytest
 from typer.testing import CliRunner
 
@@ -12,14 +13,18 @@ from specrun.chat import AnswerDone, AnswerText, ChatSession, ContextFullNotice,
 from specrun.cli import app
 from specrun.engine import GenerationParams
 from specrun.errors import ChatTemplateError, ContextFullError
+from specrun.kv import sequence_for
 from specrun.loading import LoadOptions, open_pair
 from specrun.modelkit.gguf_io import write_gguf
+from specrun.sampling import SamplingSettings
 from specrun.templates import FALLBACK_TEMPLATE, ChatTemplate
 
 pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed")
 
 PARAMS = GenerationParams(max_new_tokens=24, draft_len=4)
 OPTIONS = LoadOptions(threads=1)
+GREEDY = SamplingSettings()
+RNG = np.random.default_rng(0)
 runner = CliRunner()
 
 
@@ -329,3 +334,46 @@ def test_ngram_cache_persists_what_a_chat_read_and_answered(pair_args, loaded_pa
                     input=answer + "\n")
     assert second.exit_code == 0, second.output
     assert len(NgramPoolDrafter.open(cache, vocabulary=vocabulary)) > len(pool)
+
+
+@pytest.mark.parametrize("method", ["lookup", "ngram", "auto"])
+def test_ctrl_c_inside_a_drafter_update_leaves_the_next_turn_working(loaded_pair, monkeypatch, method):
+    """Ctrl-C lands anywhere, also halfway through a drafter's index update (found with auto in a terminal)."""
+    import specrun.drafters.ngram as ngram_module
+    from specrun.drafters.lookup import PromptLookupDrafter
+
+    calls = {"n": 0}
+    real_read_token, real_add_follower = PromptLookupDrafter._read_token, ngram_module._add_follower
+
+    def read_token_halfway(self, token):
+        calls["n"] += 1
+        if calls["n"] == 60:  # the first order registered, the others not, the token not appended
+            self._replaced[0].append(-1)
+            raise KeyboardInterrupt
+        return real_read_token(self, token)
+
+    def add_follower_interrupted(followers, token, max_followers):
+        calls["n"] += 1
+        if (calls["n"] >= 60 and not followers) or calls["n"] == 80:  # best: a context being created
+            raise KeyboardInterrupt
+        return real_add_follower(followers, token, max_followers)
+
+    session = new_session(loaded_pair, method)
+    history = copy.deepcopy(session.transcript)
+    monkeypatch.setattr(PromptLookupDrafter, "_read_token", read_token_halfway)
+    monkeypatch.setattr(ngram_module, "_add_follower", add_follower_interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        list(session.ask("tell me more and more", GenerationParams(max_new_tokens=200, draft_len=4)))
+    monkeypatch.undo()
+    assert calls["n"] >= 60
+    for member in getattr(session.engine.drafter, "drafters", (session.engine.drafter,)):
+        if isinstance(member, PromptLookupDrafter):  # one undo record per order and token read
+            assert all(len(records) == len(member.mirror.tokens) for records in member._replaced)
+            assert all(0 <= position < len(member.mirror.tokens) for position in member._latest.values())
+        elif isinstance(member, ngram_module.NgramPoolDrafter):  # no context without a follower
+            assert all(member._pool.values())
+
+    after = answer(session, "and then?")
+    fresh = new_session(loaded_pair, method)
+    fresh.transcript = history
+    assert answer(fresh, "and then?").text == after.text

@@ -66,6 +66,13 @@ class ChainDrafter:
         for drafter in self.drafters:
             drafter.finish(context)
 
+    def recover(self) -> None:
+        """After an interruption: every member that keeps an index repairs it."""
+        for drafter in self.drafters:
+            recover = getattr(drafter, "recover", None)
+            if recover is not None:
+                recover()
+
     def close(self) -> None:
         for drafter in self.drafters:
             drafter.close()

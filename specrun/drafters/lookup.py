@@ -117,6 +117,13 @@ class PromptLookupDrafter:
         self._latest.clear()
         self._replaced = [[] for _ in self.orders]
 
+    def recover(self) -> None:
+        """After an interruption (Ctrl-C can land inside an index update): start the index over.
+
+        The next proposal reads the whole context again, once.
+        """
+        self.close()
+
     def _read(self, context: Sequence[int]) -> None:
         """Index what ``context`` adds to what was read before; forget what it no longer holds."""
         keep = self.mirror.shared_prefix(context)

@@ -200,12 +200,13 @@ class NgramPoolDrafter:
         self._dirty = True
         followers = self._pool.get(key)
         if followers is None:
-            followers = self._pool[key] = {}
+            # Complete before it enters the pool: a Ctrl-C here must not leave an empty entry.
+            self._pool[key] = {token: 1}
             if len(self._pool) > self.max_contexts:
                 self._pool.popitem(last=False)
                 self.evictions += 1
-        else:
-            self._pool.move_to_end(key)
+            return
+        self._pool.move_to_end(key)
         _add_follower(followers, token, self.max_followers)
 
     def _most_likely_next(self, tail: Sequence[int]) -> int | None:
@@ -214,7 +215,7 @@ class NgramPoolDrafter:
             self._pool_ops += 1
             key = tuple(tail[-n:])
             followers = self._pool.get(key)
-            if followers is None:
+            if not followers:
                 continue
             self._pool.move_to_end(key)
             token, count = max(followers.items(), key=lambda item: item[1])
