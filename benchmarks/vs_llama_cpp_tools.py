@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 
 from specrun.backends.llama import LlamaCppBackend
+from specrun.compare import forget_learned
 from specrun.engine import GenerationParams, SpeculativeEngine
 from specrun.loading import resolve_gguf
 from specrun.methods import build_drafter, is_adaptive
@@ -84,6 +85,7 @@ def main(argv: list[str] | None = None) -> int:
         for method in methods:
             params = GenerationParams(args.n, 8 if is_adaptive(method) else args.k, stop_at_eos=False,
                                       adaptive=is_adaptive(method))
+            forget_learned(engines[method])  # a fresh n-gram pool per run, as llama-lookup starts with
             result = engines[method].run(prompt, params, complete_cache=False)
             rates[f"specrun {method}"].append(result.stats.tokens_per_second)
             if result.stats.drafted:

@@ -189,7 +189,7 @@ def compare_variants(
         for index, prompt in enumerate(prompts):
             for _ in range(repeat):
                 for name, engine in engines.items():
-                    _forget_learned(engine)
+                    forget_learned(engine)
                     result = engine.run(prompt, variant_params[name], complete_cache=False)
                     figures[name].by_prompt.setdefault(index, []).append(result)
                     if on_result is not None:
@@ -207,7 +207,7 @@ def compare_variants(
     return Comparison(baseline, figures, mismatches, params.sampling.greedy, {v.name: v for v in variants})
 
 
-def _forget_learned(engine: SpeculativeEngine) -> None:
+def forget_learned(engine: SpeculativeEngine) -> None:
     """Every run starts as `specrun generate` does: an n-gram pool learned on earlier prompts
     (or earlier repeats of this one) would flatter it. A pool with a cache file is kept."""
     members = getattr(engine.drafter, "drafters", (engine.drafter,))
