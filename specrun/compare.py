@@ -208,8 +208,10 @@ def compare_variants(
 
 
 def forget_learned(engine: SpeculativeEngine) -> None:
-    """Every run starts as `specrun generate` does: an n-gram pool learned on earlier prompts
-    (or earlier repeats of this one) would flatter it. A pool with a cache file is kept."""
+    """Every run starts as a tuned `specrun generate` does: an n-gram pool or acceptance
+    estimates learned on earlier prompts (or earlier repeats of this one) would flatter it.
+    Kept: the target's verify costs (tune saves those) and a pool with a cache file."""
+    engine.forget_acceptance()
     members = getattr(engine.drafter, "drafters", (engine.drafter,))
     for member in members:
         if hasattr(member, "forget") and getattr(member, "cache_path", None) is None:

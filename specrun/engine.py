@@ -110,6 +110,12 @@ class SpeculativeEngine:
         self.controllers: dict[str, DraftLengthController] = {}
         self.set_drafter(drafter, method)
 
+    def forget_acceptance(self) -> None:
+        """Drop what the controllers learned about acceptance and draft costs; keep the target's
+        verify costs (what `specrun tune` would give a fresh run)."""
+        self.controllers.clear()
+        self._cheap_declines.clear()
+
     def set_drafter(self, drafter: Drafter | None, method: str | None = None) -> None:
         """Speculate with ``drafter`` from the next run on (chat's /method); the caller closes the old one."""
         self.drafter = drafter

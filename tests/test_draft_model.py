@@ -185,3 +185,14 @@ def test_a_drafter_set_later_learns_the_targets_vocabulary_size():
     engine.set_drafter(build_drafter("lookup", None), "lookup")
     engine.set_drafter(drafter, "draft")
     assert drafter.target_vocab_size == 12 and engine.method == "draft"
+
+
+def test_forgetting_acceptance_keeps_the_targets_costs():
+    """Benchmarks start each run as a tuned fresh process would: verify costs known, acceptance not."""
+    target, draft = make_pair(20, spread_target=3.0)
+    engine = SpeculativeEngine(target, build_drafter("auto", draft), method="auto")
+    engine.run((1, 2, 3), GenerationParams(30, draft_len=8))
+    costs = dict(engine.target_costs.seconds)
+    assert engine.controllers and costs
+    engine.forget_acceptance()
+    assert not engine.controllers and engine.target_costs.seconds == costs
