@@ -458,13 +458,17 @@ class CheckpointStore:
         (self.dir / f"{name}.config.json").write_text(model.config.to_json(), encoding="utf-8")
 
     def load(self, name: str) -> LlamaLM:
+        return self.load_with_tokens(name)[0]
+
+    def load_with_tokens(self, name: str) -> tuple[LlamaLM, int]:
+        """The model and the number of training tokens it has seen."""
         path = self.dir / f"{name}.pt"
         if not path.exists():
             raise TrainerError(f"no checkpoint {path}; run training first")
         payload = torch.load(path, map_location="cpu", weights_only=True)
         model = LlamaLM(ModelConfig.from_json(payload["config"]))
         model.load_state_dict(payload["state_dict"])
-        return model.eval()
+        return model.eval(), int(payload["tokens_seen"])
 
     def load_tokenizer(self) -> str:
         if not self.tokenizer_path.exists():
@@ -539,6 +543,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-steps", type=int, default=None, help="stop each phase after this many steps")
     parser.add_argument("--export-only", action="store_true", help="export from the checkpoints in --out and exit")
+    parser.add_argument("--continue-target", type=Path, default=None,
+                        help="start the target from this earlier run's checkpoint (same corpus and tokenizer) "
+                             "and train it further; the drafts are trained anew")
     parser.add_argument("--bench-steps", type=int, default=0,
                         help="time this many training steps of each model on random tokens and exit")
     args = parser.parse_args(argv)
@@ -617,11 +624,23 @@ def train(args: argparse.Namespace) -> None:
         return TrainSettings(args.seq_len, args.batch_size, lr, max_steps=args.max_steps)
 
     phases, models = {}, {}
-    models["target"] = LlamaLM(target_config(vocab_size))
+    tokens_before = 0
+    if args.continue_target is not None:
+        earlier = CheckpointStore(args.continue_target)
+        if earlier.load_tokenizer() != tokenizer_json:
+            raise TrainerError(f"{args.continue_target} was trained with another tokenizer (another corpus?)")
+        models["target"], tokens_before = earlier.load_with_tokens("target")
+        log(f"[target] continuing from {args.continue_target} after {tokens_before} tokens")
+    else:
+        models["target"] = LlamaLM(target_config(vocab_size))
     phases["target"] = train_phase("target", models["target"], train_stream, settings(args.target_lr),
                                    shares["target"], args.seed, store)
     target_loss, target_argmax = evaluate(models["target"], windows)
     phases["target"].extra = {"val_loss": target_loss}
+    if tokens_before:  # the checkpoint and the report count every token the target has seen
+        phases["target"].tokens_seen += tokens_before
+        phases["target"].extra.update(continued_from=str(args.continue_target), tokens_before=tokens_before)
+        store.save("target", models["target"], phases["target"])
     log(f"[target] held-out loss {target_loss:.4f}")
 
     for name, teacher in (("draft_plain", None), ("draft", models["target"])):
