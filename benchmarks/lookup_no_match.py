@@ -1,0 +1,84 @@
+"""What prompt lookup costs when it finds nothing (issue 5: at least 0.97x plain decoding).
+
+The demo model loops on most prompts, so real prompts always give lookup something to
+copy. To measure the no-match path itself, this runs, interleaved per prompt:
+
+1. ``none``          plain decoding through the engine;
+2. ``lookup``        the real drafter;
+3. ``lookup-miss``   the real drafter doing all of its work every step (reading new
+   tokens into its index, trying every n-gram order against it) but whose every match is
+   discarded, so it proposes nothing, exactly as on a prompt where nothing repeats.
+
+    .venv/bin/python benchmarks/lookup_no_match.py --target demo-target --prompts 20 -n 128 --threads 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+from specrun.backends.llama import LlamaCppBackend
+from specrun.drafters.lookup import PromptLookupDrafter
+from specrun.engine import GenerationParams, SpeculativeEngine
+from specrun.loading import resolve_gguf
+from specrun.prompts import heldout_code_prompts
+from specrun.registry import load_registry
+
+
+class MissingLookup(PromptLookupDrafter):
+    """Prompt lookup that does every step's work and then finds nothing."""
+
+    name = "lookup-miss"
+
+    def _match(self):
+        super()._match()  # the same index probes as a real step
+        return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--target", default="demo-target")
+    parser.add_argument("--prompts", type=int, default=20)
+    parser.add_argument("-n", type=int, default=128)
+    parser.add_argument("-k", type=int, default=4)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args(argv)
+    target = LlamaCppBackend(resolve_gguf(args.target, load_registry()), n_ctx=2048, n_threads=args.threads)
+    engines = {
+        "none": SpeculativeEngine(target),
+        "lookup": SpeculativeEngine(target, PromptLookupDrafter()),
+        "lookup-miss": SpeculativeEngine(target, MissingLookup()),
+    }
+    params = GenerationParams(args.n, args.k, stop_at_eos=False)
+    rates: dict[str, list[float]] = {name: [] for name in engines}
+    drafted: dict[str, int] = {name: 0 for name in engines}
+    prompts = [target.tokenize(text) for text in heldout_code_prompts(args.prompts)]
+    for engine in engines.values():  # warm-up
+        engine.run(prompts[0][: len(prompts[0]) // 2], GenerationParams(16, args.k), complete_cache=False)
+    for index, prompt in enumerate(prompts):
+        order = list(engines) if index % 2 == 0 else list(reversed(engines))
+        for name in order:
+            result = engines[name].run(prompt, params, complete_cache=False)
+            rates[name].append(result.stats.tokens_per_second)
+            drafted[name] += result.stats.drafted
+    report = {"target": args.target, "threads": args.threads, "prompts": args.prompts, "n": args.n, "lines": {}}
+    print(f"{args.target}, {args.prompts} prompts × {args.n} tokens, {args.threads} thread(s), greedy")
+    print(f"{'line':>12} {'median tok/s':>13} {'vs none (median of per-prompt ratios)':>38} {'drafted':>8}")
+    for name, values in rates.items():
+        ratios = [value / base for value, base in zip(values, rates["none"])]
+        ratio = statistics.median(ratios)
+        report["lines"][name] = {"median_tps": statistics.median(values), "ratio_vs_none": ratio,
+                                 "drafted": drafted[name], "per_prompt": values}
+        print(f"{name:>12} {statistics.median(values):13.1f} {ratio:37.3f}× {drafted[name]:8d}")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(report, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
