@@ -21,6 +21,7 @@ from specrun.cli_common import (
     DraftMinProbOpt,
     DraftOpt,
     GpuLayersOpt,
+    KvTypeOpt,
     JsonOpt,
     MaxTokensOpt,
     MethodOpt,
@@ -34,6 +35,7 @@ from specrun.cli_common import (
     TopKOpt,
     TopPOpt,
     check_generation_options,
+    check_kv_type,
     check_range,
     checked_sampling,
     cli_errors,
@@ -78,6 +80,7 @@ def generate(
     ctx: CtxOpt = None,
     threads: ThreadsOpt = None,
     gpu_layers: GpuLayersOpt = None,
+    kv_type: KvTypeOpt = "f16",
     registry: RegistryOpt = None,
     ngram_cache: NgramCacheOpt = None,
 ) -> None:
@@ -89,6 +92,7 @@ def generate(
 
         check_method(method)
         check_generation_options(max_tokens, draft_len, draft_min_prob, ctx, threads)
+        check_kv_type(kv_type)
         sampling = checked_sampling("generate", temp, top_k, top_p, min_p, seed)
         text = read_prompt(prompt)
         target, draft = choose_pair(target, draft, registry)
@@ -101,7 +105,8 @@ def generate(
             draft_len=draft_len,
             draft_min_prob=draft_min_prob,
             sampling=sampling,
-            load=LoadOptions(backend=backend, n_ctx=ctx, threads=threads, gpu_layers=gpu_layers, registry=registry),
+            load=LoadOptions(backend=backend, n_ctx=ctx, threads=threads, gpu_layers=gpu_layers,
+                             registry=registry, kv_type=kv_type),
             drafter_options=DrafterOptions(ngram_cache=ngram_cache),
         )
         if json_output:

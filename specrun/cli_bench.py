@@ -14,12 +14,14 @@ from specrun.cli_common import (
     CtxOpt,
     DraftOpt,
     GpuLayersOpt,
+    KvTypeOpt,
     MaxTokensOpt,
     RegistryOpt,
     SeedOpt,
     TargetOpt,
     TempOpt,
     ThreadsOpt,
+    check_kv_type,
     check_range,
     checked_sampling,
     cli_errors,
@@ -74,6 +76,7 @@ def bench(
     ctx: CtxOpt = None,
     threads: ThreadsOpt = None,
     gpu_layers: GpuLayersOpt = None,
+    kv_type: KvTypeOpt = "f16",
     registry: RegistryOpt = None,
 ) -> None:
     """Which speculation method is fastest on this machine? Tables to stdout, progress to stderr.
@@ -94,6 +97,7 @@ def bench(
         check_range("--ctx", ctx, 16, 1 << 20)
         check_range("--threads", threads, 1, 1024)
         check_range("--draft-min-prob", draft_min_prob, 0.0, 1.0)
+        check_kv_type(kv_type)
         sampling = checked_sampling("bench", temp, 0, 1.0, 0.0, seed)
         target = target or DEFAULT_TARGET
         draft = draft or suggested_draft(target, registry)
@@ -118,7 +122,8 @@ def bench(
             repeat=repeat,
             chat=chat,
             suite=suite_name,
-            load=LoadOptions(backend=backend, n_ctx=ctx, threads=threads, gpu_layers=gpu_layers, registry=registry),
+            load=LoadOptions(backend=backend, n_ctx=ctx, threads=threads, gpu_layers=gpu_layers,
+                             registry=registry, kv_type=kv_type),
         )
         run_and_show(config, bench_prompts, json_out, report_out)
 

@@ -28,6 +28,7 @@ from specrun.cli_common import (
     DraftMinProbOpt,
     DraftOpt,
     GpuLayersOpt,
+    KvTypeOpt,
     MaxTokensOpt,
     MethodOpt,
     MinPOpt,
@@ -40,6 +41,7 @@ from specrun.cli_common import (
     TopKOpt,
     TopPOpt,
     check_generation_options,
+    check_kv_type,
     checked_sampling,
     cli_errors,
 )
@@ -98,6 +100,7 @@ def chat_command(
     ctx: CtxOpt = None,
     threads: ThreadsOpt = None,
     gpu_layers: GpuLayersOpt = None,
+    kv_type: KvTypeOpt = "f16",
     registry: RegistryOpt = None,
     ngram_cache: NgramCacheOpt = None,
 ) -> None:
@@ -110,6 +113,7 @@ def chat_command(
 
         check_method(method)
         check_generation_options(max_tokens, draft_len, draft_min_prob, ctx, threads)
+        check_kv_type(kv_type)
         # The session fills in the draft length: the user's, else auto's longest, else the tuned one.
         params = GenerationParams(max_tokens, 0, checked_sampling("chat", temp, top_k, top_p, min_p, seed))
         interactive = sys.stdin.isatty()
@@ -119,7 +123,8 @@ def chat_command(
         if show_accept is None:
             show_accept = sys.stdout.isatty() and not json_output
         view = AnswerView(show_accept, json_output)
-        options = LoadOptions(backend=backend, n_ctx=ctx, threads=threads, gpu_layers=gpu_layers, registry=registry)
+        options = LoadOptions(backend=backend, n_ctx=ctx, threads=threads, gpu_layers=gpu_layers,
+                              registry=registry, kv_type=kv_type)
         target, draft = choose_pair(target, draft, registry)
         with open_chat(target, draft, method, options, system_prompt=system,
                        draft_len=draft_len, draft_min_prob=draft_min_prob, ngram_cache=ngram_cache) as session:

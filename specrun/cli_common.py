@@ -67,6 +67,11 @@ def checked_sampling(command: str, temp: float, top_k: int, top_p: float, min_p:
     return sampling
 
 
+def check_kv_type(kv_type: str) -> None:
+    if kv_type not in ("f16", "f32"):
+        raise UsageError(f"unknown KV cache type {kv_type!r}", "use --kv-type f16 or --kv-type f32")
+
+
 def check_generation_options(
     max_tokens: int, draft_len: int | None, draft_min_prob: float | None, ctx: int | None, threads: int | None
 ) -> None:
@@ -111,6 +116,13 @@ JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object ins
 CtxOpt = Annotated[Optional[int], typer.Option("--ctx", help="Context size in tokens (default: the model's, at most 4096).")]
 ThreadsOpt = Annotated[Optional[int], typer.Option("--threads", help="CPU threads (default: all cores).")]
 GpuLayersOpt = Annotated[Optional[int], typer.Option("--gpu-layers", help="Layers on the GPU (default: all).")]
+KvTypeOpt = Annotated[
+    str,
+    typer.Option(
+        "--kv-type",
+        help="llama.cpp KV cache type: f16 (default) or f32 (twice the memory; greedy output bit-identical to plain).",
+    ),
+]
 NgramCacheOpt = Annotated[
     Optional[Path], typer.Option("--ngram-cache", help="File the n-gram pool is loaded from and saved to.")
 ]

@@ -23,6 +23,7 @@ class LoadOptions:
     threads: int | None = None
     gpu_layers: int | None = None
     registry: Path | None = None
+    kv_type: str = "f16"  # llama.cpp's KV cache: f16 (its default) or f32 (bit-exact greedy speculation)
 
 
 def resolve_gguf(spec: str, entries: dict[str, ModelEntry]) -> Path:
@@ -80,6 +81,11 @@ def open_backend(spec: str, options: LoadOptions, entries: dict[str, ModelEntry]
     if backend == "mlx":
         from specrun.backends.mlx import MlxBackend
 
+        if options.kv_type != "f16":
+            raise UsageError(
+                f"--kv-type {options.kv_type} applies to the llama.cpp backend only",
+                "drop --kv-type, or pass --backend llama",
+            )
         return MlxBackend(resolve_mlx(spec, entries), n_ctx=options.n_ctx)
     from specrun.backends.llama import LlamaCppBackend
 
@@ -88,6 +94,7 @@ def open_backend(spec: str, options: LoadOptions, entries: dict[str, ModelEntry]
         n_ctx=options.n_ctx,
         n_threads=options.threads,
         gpu_layers=options.gpu_layers,
+        kv_type=options.kv_type,
     )
 
 

@@ -141,6 +141,7 @@ def test_unknown_alias(llama_installed):
         (["--draft-len", "1000"], "--draft-len must be between"),
         (["--draft-len", "-1"], "--draft-len must be between"),
         (["--draft-min-prob", "1.5"], "--draft-min-prob must be between"),
+        (["--kv-type", "q4"], "unknown KV cache type 'q4'"),
         (["--temp", "-1"], "--temp must be between"),
         (["--top-p", "0"], "--top-p must be in"),
         (["--min-p", "1.5"], "--min-p must be in"),
@@ -169,6 +170,18 @@ def test_mlx_backend_errors_are_one_line(tmp_path, tiny_llama):
     assert_one_line_error(gguf, 1, "is a file, not an MLX model folder", "use --backend llama")
     too_long = invoke("generate", "word " * 200, "-t", source, "-d", source, "--backend", "mlx", "--ctx", "64")
     assert_one_line_error(too_long, 1, "the prompt has", "context holds 64", "--ctx")
+    kv = invoke("generate", "hi", "-t", source, "-d", source, "--backend", "mlx", "--kv-type", "f32")
+    assert_one_line_error(kv, 2, "--kv-type f32 applies to the llama.cpp backend only", "--backend llama")
+
+
+def test_kv_type_f32_reaches_llama_cpp(tiny_llama):
+    path = str(tiny_llama.gguf_path)
+    result = invoke("generate", "x = 1\n", "-t", path, "-d", path, "-n", "12", "--json", "--kv-type", "f32",
+                    "--backend", "llama", "-m", "draft")
+    assert result.exit_code == 0, result.output
+    plain = invoke("generate", "x = 1\n", "-t", path, "-n", "12", "--json", "--kv-type", "f32", "--backend", "llama",
+                   "-m", "none")
+    assert json.loads(result.stdout)["text"] == json.loads(plain.stdout)["text"]
 
 
 def test_auto_backend_opens_an_mlx_folder(tiny_llama):
