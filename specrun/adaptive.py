@@ -69,7 +69,7 @@ class DraftLengthController:
 
     max_draft_len: int = 8
     decay: float = 0.95  # weight kept by old observations per step
-    prior_accept: float = 0.6  # acceptance assumed before any evidence…
+    prior_accept: float = 0.9  # acceptance assumed before any evidence (optimistic: steps correct it)…
     prior_weight: float = 2.0  # …worth this many observations
     probe_len: int = 2
     first_probe_gap: int = 8
