@@ -17,13 +17,13 @@ Prompts: held-out Python from the standard library's idlelib/ (never seen in tra
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import statistics
 import sys
 import time
 from pathlib import Path
 
+from _report import write_report
 from specrun.backends.llama import LlamaCppBackend
 from specrun.compare import compare_methods
 from specrun.engine import GenerationParams, SpeculativeEngine
@@ -134,9 +134,7 @@ def main(argv: list[str] | None = None) -> int:
             f"({reference['median_ours_tps']:.1f} vs {reference['median_ref_tps']:.1f} tok/s), "
             f"identical outputs {reference['identical_outputs']}/{reference['prompts']}"
         )
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=2))
+    write_report(args.json, report)
     return 0
 
 

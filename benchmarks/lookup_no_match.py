@@ -15,11 +15,11 @@ copy. To measure the no-match path itself, this runs, interleaved per prompt:
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 from pathlib import Path
 
+from _report import write_report
 from specrun.backends.llama import LlamaCppBackend
 from specrun.drafters.lookup import PromptLookupDrafter
 from specrun.engine import GenerationParams, SpeculativeEngine
@@ -74,9 +74,7 @@ def main(argv: list[str] | None = None) -> int:
         report["lines"][name] = {"median_tps": statistics.median(values), "ratio_vs_none": ratio,
                                  "drafted": drafted[name], "per_prompt": values}
         print(f"{name:>12} {statistics.median(values):13.1f} {ratio:37.3f}× {drafted[name]:8d}")
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=2))
+    write_report(args.json, report)
     return 0
 
 

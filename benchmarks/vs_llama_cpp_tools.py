@@ -12,13 +12,13 @@ excluded: llama-completion's "eval time", llama-speculative-simple's and llama-l
 from __future__ import annotations
 
 import argparse
-import json
 import re
 import statistics
 import subprocess
 import sys
 from pathlib import Path
 
+from _report import write_report
 from specrun.backends.llama import LlamaCppBackend
 from specrun.compare import forget_learned
 from specrun.engine import GenerationParams, SpeculativeEngine
@@ -104,9 +104,7 @@ def main(argv: list[str] | None = None) -> int:
         report["lines"][name] = {"median_tps": median, "per_prompt": values, "accept_pct": accepts[name]}
         print(f"{name:>26} {median:13.1f} {median / base_tool:19.2f}× {median / own_plain:12.2f}× "
               f"{median / best_tool:22.2f}× {accept:>9}")
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=2))
+    write_report(args.json, report)
     return 0
 
 

@@ -1,0 +1,14 @@
+"""What the benchmark scripts share: writing their report."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+def write_report(path: Path | None, report: dict) -> None:
+    """Write ``report`` as indented JSON to ``path`` (creating its folder); nothing when None."""
+    if path is None:
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=2))
