@@ -369,7 +369,8 @@ def test_ctrl_c_inside_a_drafter_update_leaves_the_next_turn_working(loaded_pair
     for member in getattr(session.engine.drafter, "drafters", (session.engine.drafter,)):
         if isinstance(member, PromptLookupDrafter):  # one undo record per order and token read
             assert all(len(records) == len(member.mirror.tokens) for records in member._replaced)
-            assert all(0 <= position < len(member.mirror.tokens) for position in member._latest.values())
+            assert all(0 <= position < len(member.mirror.tokens)
+                       for table in member._latest for position in table.values())
         elif isinstance(member, ngram_module.NgramPoolDrafter):  # no context without a follower
             assert all(member._pool.values())
 

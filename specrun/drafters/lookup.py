@@ -20,6 +20,16 @@ DEFAULT_MAX_NGRAM = 4
 # One shared token is mostly coincidence in natural text, and a wrong draft still
 # widens the target's verify pass: ask for two.
 DEFAULT_MIN_NGRAM = 2
+# An n-gram is one int: its token ids side by side in this many bits each (token ids are
+# below 2**32 in every vocabulary), built incrementally; no tuple per order per token.
+TOKEN_BITS = 32
+
+
+def _pack(tokens: Sequence[int]) -> int:
+    key = 0
+    for token in tokens:
+        key = (key << TOKEN_BITS) | int(token)
+    return key
 
 
 class ContextMirror:
@@ -82,11 +92,16 @@ class PromptLookupDrafter:
             raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram} and {max_ngram}")
         self.orders = tuple(range(max_ngram, min_ngram - 1, -1))  # longest first
         self.mirror = ContextMirror()
-        # n-gram -> position of the token that followed its most recent occurrence
-        self._latest: dict[tuple[int, ...], int] = {}
-        # _replaced[j][c]: what _latest held for the orders[j]-gram ending before c
+        # _latest[j]: orders[j]-gram (packed, see _pack) -> position of the token that
+        # followed its most recent occurrence. One table per order, so keys never collide.
+        self._latest: list[dict[int, int]] = [{} for _ in self.orders]
+        # _replaced[j][c]: what _latest[j] held for the orders[j]-gram ending before c
         # until position c was read (-1: nothing). Undoing a rewind replays it backwards.
         self._replaced: list[list[int]] = [[] for _ in self.orders]
+        # _tails[j]: the packed last orders[j] tokens read (meaningful once that many were read):
+        # the key registered for the next token, and the key a proposal looks up.
+        self._tails = [0] * len(self.orders)
+        self._masks = tuple((1 << (TOKEN_BITS * n)) - 1 for n in self.orders)
         self._index_ops = 0
 
     @property
@@ -114,8 +129,9 @@ class PromptLookupDrafter:
 
     def close(self) -> None:
         self.mirror.reset()
-        self._latest.clear()
+        self._latest = [{} for _ in self.orders]
         self._replaced = [[] for _ in self.orders]
+        self._tails = [0] * len(self.orders)
 
     def recover(self) -> None:
         """After an interruption (Ctrl-C can land inside an index update): start the index over.
@@ -136,42 +152,48 @@ class PromptLookupDrafter:
         """Append ``token`` at position c: every n-gram ending just before c now has c as its continuation."""
         tokens = self.mirror.tokens
         position = len(tokens)
-        for n, replaced in zip(self.orders, self._replaced):
+        tails = self._tails
+        for j, n in enumerate(self.orders):
             if n <= position:
-                key = tuple(tokens[position - n : position])
-                replaced.append(self._latest.get(key, -1))
-                self._latest[key] = position
+                latest, key = self._latest[j], tails[j]
+                self._replaced[j].append(latest.get(key, -1))
+                latest[key] = position
                 self._index_ops += 1
             else:
-                replaced.append(-1)
+                self._replaced[j].append(-1)
         tokens.append(token)
+        for j, mask in enumerate(self._masks):
+            tails[j] = ((tails[j] << TOKEN_BITS) | token) & mask
 
     def _forget_from(self, n_keep: int) -> None:
         """Undo the registrations of positions n_keep and later, newest first, then drop them."""
         tokens = self.mirror.tokens
+        if n_keep >= len(tokens):
+            return
         for position in range(len(tokens) - 1, n_keep - 1, -1):
-            for n, replaced in zip(self.orders, self._replaced):
+            for j, n in enumerate(self.orders):
                 if n > position:
                     continue
-                key = tuple(tokens[position - n : position])
-                previous = replaced[position]
+                latest, key = self._latest[j], _pack(tokens[position - n : position])
+                previous = self._replaced[j][position]
                 if previous < 0:
-                    del self._latest[key]
+                    del latest[key]
                 else:
-                    self._latest[key] = previous
+                    latest[key] = previous
                 self._index_ops += 1
         for replaced in self._replaced:
             del replaced[n_keep:]
         self.mirror.truncate(n_keep)
+        self._tails = [_pack(tokens[-n:]) for n in self.orders]  # shorter while fewer were read
 
     def _match(self) -> int | None:
         """Start of the continuation of the longest tail n-gram seen before, if any."""
-        tokens = self.mirror.tokens
-        for n in self.orders:
-            if n >= len(tokens):
+        length = len(self.mirror.tokens)
+        for j, n in enumerate(self.orders):
+            if n >= length:
                 continue  # an n-gram needs an earlier occurrence with a token after it
             self._index_ops += 1
-            start = self._latest.get(tuple(tokens[-n:]))
+            start = self._latest[j].get(self._tails[j])
             if start is not None:
                 return start
         return None
