@@ -256,6 +256,8 @@ class LlamaCppBackend:
             raise ContextFullError(
                 f"the context of {self.n_ctx} tokens is full", "shorten the prompt or raise --ctx"
             )
+        if not tokens:  # llama_decode refuses an empty batch
+            return rows
         if len(tokens) <= self.n_batch:  # the common case: one chunk, no bookkeeping
             self._decode_chunk(tokens, set(rows))
             return rows

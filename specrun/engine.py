@@ -88,7 +88,9 @@ class Finished:
 class SpeculativeEngine:
     """A target backend and an optional drafter, with the target's cache kept across calls.
 
-    The prefill pass yields the first token. From then on, between verify passes, the
+    Plain decoding takes the first token from the prefill pass; with a drafter the
+    prefill stops one token short and the first verify pass feeds that token with the
+    first drafts. From then on, between verify passes, the
     target's cache holds the context minus its last token, which is fed together with
     the drafts so one pass yields k + 1 distributions. After a finished run both caches
     hold exactly prompt + output.
@@ -149,7 +151,9 @@ class SpeculativeEngine:
         policy_sources = self._install_length_policies(params.draft_len if adaptive else None)
 
         started = self.clock()
-        prompt_logits = self._prefill(context)  # (V,): the distribution after the prompt
+        # (V,): the distribution after the prompt, for plain decoding; with a drafter the
+        # first verify pass yields it, together with the first drafts.
+        prompt_logits = self._prefill(context, with_logits=self.drafter is None)
         stats.prefill_seconds = self.clock() - started
 
         started = self.clock()
@@ -158,8 +162,8 @@ class SpeculativeEngine:
                 remaining = params.max_new_tokens - produced
                 t_draft = self.clock()
                 if prompt_logits is not None:
-                    # The first token comes from the prefill pass itself, as in llama.cpp: the
-                    # same batch shape, so plain decoding matches other tools token for token.
+                    # Plain decoding: the first token comes from the prefill pass itself, as in
+                    # llama.cpp: the same batch shape, so it matches other tools token for token.
                     proposal = EMPTY_PROPOSAL
                     t_verify = self.clock()
                     verdict = Verdict(0, self._pick(prompt_logits, sampling, rng))
@@ -258,13 +262,19 @@ class SpeculativeEngine:
         else:
             self.target_costs.observe(1, verify_s)  # a plain pass: what speculating must beat
 
-    def _prefill(self, context: list[int]) -> np.ndarray:
-        """Feed the prompt (reusing any cached prefix); return the logits after its last token.
+    def _prefill(self, context: list[int], with_logits: bool) -> np.ndarray | None:
+        """Feed the prompt, reusing any cached prefix.
 
-        At least the last prompt token is fed, even when the cache already holds it all,
-        because its logits are needed.
+        with_logits: feed it all and return the logits after its last token (V,). Without,
+        feed all but the last token, which the first verify pass feeds with the first
+        drafts: the first token then costs no pass of its own (a pass saved per generation,
+        ~3% of a 128-token answer at 3.5 tokens per pass).
         """
         keep = self.target.rewind_to_prefix_of(context, limit=len(context) - 1)
+        if not with_logits:
+            if keep < len(context) - 1:
+                self.target.feed(context[keep:-1])
+            return None
         return self.target.feed(context[keep:], [len(context) - keep - 1])[0]
 
     @staticmethod

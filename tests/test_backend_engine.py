@@ -212,6 +212,8 @@ def test_logits_are_returned_only_for_requested_rows(backend_kind, tiny_llama):
     argmax = model.forward_argmax(ids, [4, 2])
     np.testing.assert_array_equal(argmax, out[[1, 0]].argmax(axis=-1))
     assert model.n_past == len(ids)
+    assert model.forward([], []).shape == (0, tiny_llama.config.vocab_size)  # feeding nothing is a no-op
+    assert model.n_past == len(ids)
     model.close()
 
 

@@ -141,8 +141,8 @@ def test_stream_events_mark_drafted_tokens_and_carry_statistics():
     assert stats.generation_seconds >= stats.draft_seconds + stats.verify_seconds * 0.99
 
 
-def test_target_sees_logit_requests_only_for_verified_rows():
-    target = fake(4)
+def spied_forward_calls(target: FakeBackend) -> list[tuple[int, list[int]]]:
+    """Record (tokens fed, logit rows asked for) of every forward the target runs."""
     calls = []
     original = target.forward
 
@@ -152,13 +152,37 @@ def test_target_sees_logit_requests_only_for_verified_rows():
 
     target.forward = spy
     target.forward_argmax = lambda tokens, rows: spy(tokens, rows).argmax(axis=-1)
+    return calls
+
+
+def test_target_sees_logit_requests_only_for_verified_rows():
+    target = fake(4)
+    calls = spied_forward_calls(target)
     SpeculativeEngine(target, DraftModelDrafter(fake(4))).run(list(range(30)), GenerationParams(20, 4))
     prefill = calls[0]
-    assert prefill == (30, [29])  # the prompt, with logits only for its last token
+    assert prefill == (29, [])  # all but the last prompt token, with no logits at all
     *verify_passes, completion = calls[1:]
+    assert verify_passes[0] == (5, [0, 1, 2, 3, 4])  # the last prompt token and the first 4 drafts
     for n_tokens, rows in verify_passes:
         assert rows == list(range(n_tokens)) and n_tokens <= 5
     assert completion == (1, [])  # the last token fed so the cache holds prompt + output
+
+
+def test_plain_decoding_takes_its_first_token_from_the_prefill_pass():
+    """As llama.cpp does: the same batch as a plain run of llama-cpp-python, token for token."""
+    target = fake(4)
+    calls = spied_forward_calls(target)
+    SpeculativeEngine(target).run(list(range(30)), GenerationParams(3, 4))
+    assert calls == [(30, [29]), (1, [0]), (1, [0]), (1, [])]
+
+
+def test_with_a_perfect_draft_the_first_pass_already_yields_k_plus_1_tokens():
+    target = fake(5)
+    calls = spied_forward_calls(target)
+    result = SpeculativeEngine(target, DraftModelDrafter(fake(5))).run([7, 8, 9], GenerationParams(10, 4))
+    assert result.token_ids == plain_run(fake(5), [7, 8, 9], 10)
+    assert result.stats.steps == 2  # 5 + 5 tokens: no pass spent on the first token alone
+    assert [n for n, _ in calls] == [2, 5, 5, 1]
 
 
 def test_sampled_generation_is_reproducible_with_a_seed():
