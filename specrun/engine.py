@@ -90,10 +90,10 @@ class SpeculativeEngine:
 
     Plain decoding takes the first token from the prefill pass; with a drafter the
     prefill stops one token short and the first verify pass feeds that token with the
-    first drafts. From then on, between verify passes, the
-    target's cache holds the context minus its last token, which is fed together with
-    the drafts so one pass yields k + 1 distributions. After a finished run both caches
-    hold exactly prompt + output.
+    first drafts. From then on, between verify passes, the target's cache holds the
+    context minus its last token, which is fed together with the drafts so one pass
+    yields k + 1 distributions. After a finished run both caches hold exactly prompt +
+    output.
     """
 
     def __init__(

@@ -228,10 +228,16 @@ class Corpus:
     root: Path
 
 
-def collect_corpus(max_files: int | None) -> Corpus:
-    """Read the standard library's .py files; ``test/`` and ``idlelib/`` become validation."""
+def collect_corpus(max_files: int | None, test_train_share: float = 0.0) -> Corpus:
+    """Read the standard library's .py files; ``test/`` and ``idlelib/`` become validation.
+
+    With ``test_train_share`` > 0, that share of ``test/``'s files (every n-th by sorted path,
+    so the split is the same on every machine with this Python) moves to training; the rest of
+    ``test/`` and all of ``idlelib/`` stay held out.
+    """
     root = Path(sysconfig.get_paths()["stdlib"])
     train, val = [], []
+    test_files_seen = 0
     for path in sorted(root.rglob("*.py")):
         parts = path.relative_to(root).parts
         if any(part in SKIPPED_DIRS for part in parts):
@@ -240,8 +246,13 @@ def collect_corpus(max_files: int | None) -> Corpus:
             text = path.read_text(encoding="utf-8")
         except (UnicodeDecodeError, OSError):
             continue
-        if text.strip():
-            (val if parts[0] in HELD_OUT_DIRS else train).append(text)
+        if not text.strip():
+            continue
+        held_out = parts[0] in HELD_OUT_DIRS
+        if held_out and parts[0] == "test" and test_train_share > 0.0:
+            test_files_seen += 1
+            held_out = int(test_files_seen * test_train_share) == int((test_files_seen - 1) * test_train_share)
+        (val if held_out else train).append(text)
     if max_files is not None:
         train, val = train[:max_files], val[: max(2, max_files // 5)]
     if not train or not val:
@@ -546,6 +557,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--continue-target", type=Path, default=None,
                         help="start the target from this earlier run's checkpoint (same corpus and tokenizer) "
                              "and train it further; the drafts are trained anew")
+    parser.add_argument("--test-train-share", type=float, default=0.0,
+                        help="train also on this share of test/'s files (every n-th by sorted path); "
+                             "the rest of test/ and idlelib/ stay held out")
     parser.add_argument("--bench-steps", type=int, default=0,
                         help="time this many training steps of each model on random tokens and exit")
     args = parser.parse_args(argv)
@@ -559,6 +573,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             raise TrainerError(f"--{flag.replace('_', '-')} must be positive")
     if args.max_files is not None and args.max_files <= 0:
         raise TrainerError("--max-files must be positive")
+    if not 0.0 <= args.test_train_share < 1.0:
+        raise TrainerError("--test-train-share must be at least 0 and below 1")
     if not 0.0 <= args.kd_weight <= 1.0:
         raise TrainerError("--kd-weight must be between 0 and 1")
     return args
@@ -599,9 +615,12 @@ def train(args: argparse.Namespace) -> None:
     store = CheckpointStore(args.out)
     torch.manual_seed(args.seed)
 
-    corpus = collect_corpus(args.max_files)
+    corpus = collect_corpus(args.max_files, args.test_train_share)
     log(f"corpus {corpus.root}: {len(corpus.train_texts)} training files, {len(corpus.val_texts)} held-out files")
-    tokenizer_json = train_byte_bpe(corpus.train_texts, args.vocab_size)
+    if args.continue_target is not None:  # the continued target keeps the tokenizer it was trained with
+        tokenizer_json = CheckpointStore(args.continue_target).load_tokenizer()
+    else:
+        tokenizer_json = train_byte_bpe(corpus.train_texts, args.vocab_size)
     store.save_tokenizer(tokenizer_json)
     vocab_size = len(json.loads(tokenizer_json)["model"]["vocab"])
     train_stream = encode_documents(tokenizer_json, corpus.train_texts)
@@ -627,8 +646,6 @@ def train(args: argparse.Namespace) -> None:
     tokens_before = 0
     if args.continue_target is not None:
         earlier = CheckpointStore(args.continue_target)
-        if earlier.load_tokenizer() != tokenizer_json:
-            raise TrainerError(f"{args.continue_target} was trained with another tokenizer (another corpus?)")
         models["target"], tokens_before = earlier.load_with_tokens("target")
         log(f"[target] continuing from {args.continue_target} after {tokens_before} tokens")
     else:
@@ -673,6 +690,7 @@ def build_report(args, corpus, vocab_size, train_stream, val_stream, windows, ph
         "cpu": cpu_description(),
         "corpus": {"stdlib": str(corpus.root), "train_files": len(corpus.train_texts),
                    "held_out_files": len(corpus.val_texts), "held_out_dirs": list(HELD_OUT_DIRS),
+                   "test_train_share": args.test_train_share,
                    "train_tokens": len(train_stream), "held_out_tokens": len(val_stream),
                    "eval_tokens": windows[:, 1:].numel()},
         "vocab_size": vocab_size,
