@@ -125,6 +125,8 @@ class SpeculativeEngine:
         for member in self._drafter_members():
             if hasattr(member, "target_vocab_size"):  # draft logits must cover the target's ids
                 member.target_vocab_size = self.target.backend.vocab.size
+            if hasattr(member, "clock"):  # the drafter times its catch-up on the engine's clock
+                member.clock = self.clock
 
     def _drafter_members(self) -> tuple:
         if self.drafter is None:
@@ -184,7 +186,8 @@ class SpeculativeEngine:
                     # Keep the fed last token and the accepted drafts; drop the rejected tail.
                     self.target.rewind(len(context) + verdict.n_accepted)
                     if adaptive:
-                        self._observe(proposal, verdict, t_verify - t_draft, self.clock() - t_verify, params)
+                        draft_seconds = t_verify - t_draft - proposal.catch_up_seconds
+                        self._observe(proposal, verdict, draft_seconds, self.clock() - t_verify, params)
                 emitted = [*proposal.tokens[: verdict.n_accepted], verdict.next_token]
                 hit_eos = next((i for i, t in enumerate(emitted) if t in eos_ids), None)
                 if hit_eos is not None:

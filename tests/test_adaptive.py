@@ -95,6 +95,24 @@ def test_a_draft_that_never_matches_costs_almost_nothing():
     assert result.stats.drafted < 0.05 * result.stats.new_tokens  # only occasional probes
 
 
+def test_a_draft_models_catch_up_on_the_prompt_is_not_charged_as_drafting():
+    """Found on the demo pair: the first step's prompt prefill, charged per drafted token,
+    made the draft look 15x dearer than it is and gated it off for the whole answer."""
+    clock = SimClock()
+    table = hashed_logits(VOCAB, salt=5, spread=3.0)
+    target = CostedFake(table, clock, 1.0, 0.05)
+    draft = CostedFake(agreeing_draft(table, 0.8), clock, 0.1, 0.01)
+    engine = SpeculativeEngine(target, DraftModelDrafter(draft), clock=clock)
+    prompt = list(range(3, 60))  # 57 tokens: 56 read before drafting, at 0.1 + 0.56 seconds
+    result = engine.run(prompt, GenerationParams(12, draft_len=4, adaptive=True), complete_cache=False)
+    controller = engine.controllers["draft"]
+    assert result.stats.drafted > 0
+    # drafting itself: each pass reads one token (two after a full accept); the prompt's
+    # 0.66 seconds charged per drafted token would make this 0.21 or more
+    assert controller.draft_token_seconds == pytest.approx(0.1 + 0.01, rel=0.05)
+    assert controller.speculating
+
+
 def test_speculation_switches_back_on_when_the_draft_starts_matching():
     controller = DraftLengthController(max_draft_len=4)
     for _ in range(30):  # a useless draft: speculation off

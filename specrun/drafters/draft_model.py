@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from time import perf_counter
 
 import numpy as np
 
@@ -10,6 +11,11 @@ from specrun.backends.base import Backend
 from specrun.drafters.base import EMPTY_PROPOSAL, Proposal
 from specrun.kv import sequence_for
 from specrun.sampling import SamplingSettings, probabilities, sample, top_probability
+
+
+# Between its own steps a draft model reads one token (the target's correction) or two
+# (its last draft and the bonus token); more is catching up on context it did not draft.
+CATCH_UP_TOKENS = 2
 
 
 class DraftModelDrafter:
@@ -36,6 +42,7 @@ class DraftModelDrafter:
         self.length_policy: Callable[[int], int] | None = None
         # Set by the engine: the target's vocabulary size, when padding makes it differ.
         self.target_vocab_size = backend.vocab.size
+        self.clock: Callable[[], float] = perf_counter  # set by the engine: its own clock
 
     def propose(
         self,
@@ -52,10 +59,18 @@ class DraftModelDrafter:
         # Keep at least the last context token unfed so its logits come out of this pass.
         keep = self.sequence.rewind_to_prefix_of(context, limit=len(context) - 1)
         pending = list(context[keep:])  # always includes the last context token
+        catch_up = 0.0
+        if len(pending) > CATCH_UP_TOKENS:
+            # The prompt, or what other drafters proposed and the target accepted: read it
+            # first, timed apart, so the adaptive controller's cost per drafted token stays true.
+            started = self.clock()
+            self.sequence.feed(pending[:-1])
+            pending = pending[-1:]
+            catch_up = self.clock() - started
         exact_vocab = self.target_vocab_size == self.backend.vocab.size
         if sampling.greedy and exact_vocab and self.min_prob <= 0.0:
             # Greedy verification needs no draft distribution: argmax stays in the backend.
-            return Proposal(self._greedy_ids(pending, draft_len), source=self.name)
+            return Proposal(self._greedy_ids(pending, draft_len), source=self.name, catch_up_seconds=catch_up)
         tokens: list[int] = []
         rows: list[np.ndarray | None] = []
         for _ in range(draft_len):
@@ -72,7 +87,7 @@ class DraftModelDrafter:
                 rows.append(p_draft)
             tokens.append(token)
             pending = [token]
-        return Proposal(tuple(tokens), tuple(rows), source=self.name)
+        return Proposal(tuple(tokens), tuple(rows), source=self.name, catch_up_seconds=catch_up)
 
     def _greedy_ids(self, pending: list[int], draft_len: int) -> tuple[int, ...]:
         """``draft_len`` greedy ids, chained on the device where the backend can (one sync)."""
