@@ -18,19 +18,41 @@ from dataclasses import dataclass, field
 
 
 class TargetCosts:
-    """T_target(n): decayed mean seconds of a verify pass over n tokens, shared by every drafter."""
+    """T_target(n): seconds of a verify pass over n tokens, shared by every drafter.
+
+    Each n keeps a decayed mean of its passes. A single slow pass (another process
+    took the CPU) must not brand a draft length as dear for good: a length the
+    controller stops choosing is never timed again. So a pass far slower than the
+    mean counts as only SPIKE_CAP times it (a lasting slowdown still gets through,
+    a few passes later), and the estimates are smoothed:
+    each mean is shrunk towards a line fitted through all of them (weighted by how
+    often each n was timed), unseen n take the line, and the table is made
+    non-decreasing in n (a longer pass never costs less), by pooling adjacent
+    violators with their weights.
+    """
+
+    LINE_WEIGHT = 1.0  # the fitted line counts as this many passes at every n
+    SPIKE_CAP = 1.25  # once timed twice, one pass moves the mean as if at most this much slower
+    MAX_COUNT = 8.0  # passes remembered per n: old ones fade as new ones come
 
     def __init__(self) -> None:
         self.seconds: dict[int, float] = {}  # tokens fed -> decayed mean seconds; write through observe/preload
+        self.counts: dict[int, float] = {}  # tokens fed -> passes behind that mean (at most MAX_COUNT)
         self._table: list[float | None] | None = None  # __call__ for n = 0..len-1, rebuilt after a change
 
     def observe(self, n_tokens: int, seconds: float) -> None:
-        self.seconds[n_tokens] = _blend(self.seconds.get(n_tokens), seconds, 0.3)
+        old = self.seconds.get(n_tokens)
+        if old is not None and self.counts.get(n_tokens, 0.0) >= 2.0:
+            seconds = min(seconds, old * self.SPIKE_CAP)
+        self.seconds[n_tokens] = _blend(old, seconds, 0.3)
+        self.counts[n_tokens] = min(self.counts.get(n_tokens, 0.0) + 1.0, self.MAX_COUNT)
         self._table = None
 
     def preload(self, seconds: dict[int, float]) -> None:
         """Start from costs measured earlier (``specrun tune``) instead of exploring."""
         self.seconds.update(seconds)
+        for n in seconds:
+            self.counts[n] = max(self.counts.get(n, 0.0), 1.0)
         self._table = None
 
     def known(self, n_tokens: int) -> bool:
@@ -49,18 +71,46 @@ class TargetCosts:
     def _estimates(self, max_tokens: int) -> list[float | None]:
         if not self.seconds:
             return [None] * (max_tokens + 1)
-        points = list(self.seconds.items())
+        line = self._line(max(max_tokens, max(self.seconds)))
+        values, weights = [], []
+        for n in range(max_tokens + 1):
+            count = self.counts.get(n, 0.0) if n in self.seconds else 0.0
+            mean = self.seconds.get(n, line[n])
+            values.append((count * mean + self.LINE_WEIGHT * line[n]) / (count + self.LINE_WEIGHT))
+            weights.append(count + self.LINE_WEIGHT)
+        return _non_decreasing(values, weights)
+
+    def _line(self, max_tokens: int) -> list[float]:
+        """A line through the measured means, weighted by their counts; n = 0..max_tokens."""
+        points = [(n, t, self.counts.get(n, 1.0)) for n, t in self.seconds.items()]
         if len(points) == 1:
-            (n0, t0), = points
+            (n0, t0, _), = points
             # One point: assume a memory-bound pass, where each extra token adds ~10%.
-            line = [t0 * (1.0 + 0.1 * (n - n0) / max(n0, 1)) for n in range(max_tokens + 1)]
-        else:
-            mean_n = sum(n for n, _ in points) / len(points)
-            mean_t = sum(t for _, t in points) / len(points)
-            spread = sum((n - mean_n) ** 2 for n, _ in points)
-            slope = max(sum((n - mean_n) * (t - mean_t) for n, t in points) / spread, 0.0)
-            line = [max(mean_t + slope * (n - mean_n), 1e-9) for n in range(max_tokens + 1)]
-        return [self.seconds.get(n, estimate) for n, estimate in enumerate(line)]
+            return [t0 * (1.0 + 0.1 * (n - n0) / max(n0, 1)) for n in range(max_tokens + 1)]
+        total = sum(w for _, _, w in points)
+        mean_n = sum(w * n for n, _, w in points) / total
+        mean_t = sum(w * t for _, t, w in points) / total
+        spread = sum(w * (n - mean_n) ** 2 for n, _, w in points)
+        slope = max(sum(w * (n - mean_n) * (t - mean_t) for n, t, w in points) / spread, 0.0)
+        return [max(mean_t + slope * (n - mean_n), 1e-9) for n in range(max_tokens + 1)]
+
+
+def _non_decreasing(values: list[float], weights: list[float]) -> list[float]:
+    """The weighted least-squares non-decreasing fit of ``values`` (pool adjacent violators)."""
+    blocks: list[list[float]] = []  # [mean, weight, length]
+    for value, weight in zip(values, weights):
+        blocks.append([value, weight, 1])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            mean, weight, length = blocks.pop()
+            previous = blocks[-1]
+            total = previous[1] + weight
+            previous[0] = (previous[0] * previous[1] + mean * weight) / total
+            previous[1] = total
+            previous[2] += length
+    fitted: list[float] = []
+    for mean, _, length in blocks:
+        fitted.extend([mean] * int(length))
+    return fitted
 
 
 @dataclass

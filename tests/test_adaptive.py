@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from fake_models import hashed_logits
-from specrun.adaptive import DraftLengthController
+from specrun.adaptive import DraftLengthController, TargetCosts
 from specrun.backends.fake import FakeBackend
 from specrun.drafters.base import Proposal
 from specrun.drafters.chain import ChainDrafter
@@ -111,6 +111,31 @@ def test_a_draft_models_catch_up_on_the_prompt_is_not_charged_as_drafting():
     # 0.66 seconds charged per drafted token would make this 0.21 or more
     assert controller.draft_token_seconds == pytest.approx(0.1 + 0.01, rel=0.05)
     assert controller.speculating
+
+
+def test_target_costs_are_non_decreasing_and_shrug_off_a_single_slow_pass():
+    costs = TargetCosts()
+    for _ in range(4):
+        for n in range(1, 10):
+            costs.observe(n, 1.0 + 0.1 * n)
+    costs.observe(6, 5.0)  # another process took the CPU during one pass
+    table = costs.table(9)
+    assert all(a <= b for a, b in zip(table, table[1:]))
+    assert table[6] < 1.0 + 0.1 * 8  # below the 7- and 8-token passes: k = 5 stays in play
+    assert table[1] == pytest.approx(1.1, rel=0.01) and table[9] == pytest.approx(1.9, rel=0.05)
+    for _ in range(20):  # a lasting slowdown does get through, a few percent per pass
+        costs.observe(6, 5.0)
+    assert costs(6) > 4.5
+
+
+def test_target_costs_from_random_passes_are_always_non_decreasing():
+    rng = np.random.default_rng(3)
+    for _ in range(50):
+        costs = TargetCosts()
+        for _ in range(int(rng.integers(1, 30))):
+            costs.observe(int(rng.integers(1, 10)), float(rng.uniform(0.5, 3.0)))
+        table = costs.table(9)
+        assert all(a <= b + 1e-12 for a, b in zip(table, table[1:])) and min(table) > 0
 
 
 def test_speculation_switches_back_on_when_the_draft_starts_matching():
