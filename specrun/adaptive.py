@@ -138,16 +138,30 @@ class DraftLengthController:
 
     # ---- estimates ----------------------------------------------------------------
     def acceptance(self, position: int) -> float:
-        """P(draft ``position`` accepted | all before it accepted), smoothed towards the prior."""
-        weight = self.tried[position] + self.prior_weight
-        if weight == 0.0:
-            return self.prior_accept
-        return (self.accepted[position] + self.prior_accept * self.prior_weight) / weight
+        """P(draft ``position`` accepted | all before it accepted), smoothed towards a prior."""
+        return self.acceptances(position)[position]
+
+    def acceptances(self, limit: int) -> list[float]:
+        """``acceptance(i)`` for i = 1..limit (index 0 unused).
+
+        Position 1 is smoothed towards ``prior_accept``, each later position towards the
+        estimate of the one before it: positions never drafted yet inherit what was
+        learned short of them (a lookup that is always right at 1..4 is presumed right at
+        5..8 too, a weak draft presumed weak), instead of sitting at the prior for good
+        because the controller never drafts that far.
+        """
+        estimates = [1.0]
+        prior = self.prior_accept
+        for position in range(1, limit + 1):
+            weight = self.tried[position] + self.prior_weight
+            prior = prior if weight == 0.0 else (self.accepted[position] + prior * self.prior_weight) / weight
+            estimates.append(prior)
+        return estimates
 
     def expected_tokens(self, draft_len: int) -> float:
         total, chain = 1.0, 1.0
-        for position in range(1, draft_len + 1):
-            chain *= self.acceptance(position)
+        for accept in self.acceptances(draft_len)[1:]:
+            chain *= accept
             total += chain
         return total
 
@@ -159,11 +173,12 @@ class DraftLengthController:
         """``expected_rate(k)`` for k = 0..limit in one pass (this runs every verify step)."""
         draft_seconds = self.draft_token_seconds
         costs = self.target_costs.table(limit + 1)
+        accept = self.acceptances(limit)
         rates: list[float | None] = []
         tokens, chain = 1.0, 1.0
         for k in range(limit + 1):
             if k:
-                chain *= self.acceptance(k)
+                chain *= accept[k]
                 tokens += chain
             verify = costs[k + 1]
             if verify is None or (k and draft_seconds is None):

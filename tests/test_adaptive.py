@@ -160,6 +160,17 @@ def test_acceptance_estimates_follow_position_and_decay():
     assert controller.acceptance(2) == pytest.approx(1.0 / 1.5)  # old rejection weighs half
 
 
+def test_positions_never_drafted_inherit_what_was_learned_short_of_them():
+    good, weak = DraftLengthController(max_draft_len=8), DraftLengthController(max_draft_len=8)
+    for _ in range(20):
+        good.observe(4, 4, 0.01, 1.0)  # always right, never asked beyond 4
+        weak.observe(4, 0, 0.01, 1.0)  # always wrong at once
+    assert good.tried[5] == 0.0 and good.acceptance(8) > 0.95 > good.prior_accept
+    assert weak.acceptance(5) < 0.2
+    # so the controller dares the longer draft the evidence supports
+    assert good.choose(8) == 8
+
+
 def test_adaptive_greedy_output_is_unchanged():
     table = hashed_logits(VOCAB, salt=9, spread=3.0)
     clock = SimClock()
