@@ -228,6 +228,20 @@ class Corpus:
     root: Path
 
 
+def held_out_folder_texts(folder: str) -> list[str]:
+    """Every non-empty .py file under one held-out folder of the standard library."""
+    root = Path(sysconfig.get_paths()["stdlib"]) / folder
+    texts = []
+    for path in sorted(root.rglob("*.py")):
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (UnicodeDecodeError, OSError):
+            continue
+        if text.strip():
+            texts.append(text)
+    return texts
+
+
 def collect_corpus(max_files: int | None, test_train_share: float = 0.0) -> Corpus:
     """Read the standard library's .py files; ``test/`` and ``idlelib/`` become validation.
 
@@ -487,6 +501,34 @@ class CheckpointStore:
         return self.tokenizer_path.read_text(encoding="utf-8")
 
 
+def evaluate_runs(args: argparse.Namespace) -> None:
+    """Held-out loss and greedy agreement of several runs' models, on the same windows."""
+    stores = [CheckpointStore(run) for run in args.evaluate]
+    tokenizer_json = stores[0].load_tokenizer()
+    for store in stores[1:]:
+        if store.load_tokenizer() != tokenizer_json:
+            raise TrainerError(f"{store.out_dir} has another tokenizer than {stores[0].out_dir}: losses would not compare")
+    held_out = {
+        "idlelib/": held_out_folder_texts("idlelib"),
+        f"held out at --test-train-share {args.test_train_share:g}": collect_corpus(None, args.test_train_share).val_texts,
+    }
+    report: dict = {"windows": args.val_sequences, "seq_len": args.seq_len, "sets": {}}
+    for label, texts in held_out.items():
+        windows = validation_windows(encode_documents(tokenizer_json, texts), args.val_sequences, args.seq_len)
+        rows = report["sets"][label] = {}
+        for store in stores:
+            target_loss, target_argmax = evaluate(store.load("target"), windows)
+            row = rows[str(store.out_dir)] = {"target": target_loss}
+            for name in ("draft_plain", "draft"):
+                loss, argmax = evaluate(store.load(name), windows)
+                row[name] = loss
+                row[f"{name}_agreement"] = (argmax == target_argmax).float().mean().item()
+            log(f"{label:>40} {store.out_dir}: target {target_loss:.4f}, plain draft {row['draft_plain']:.4f} "
+                f"(agreement {row['draft_plain_agreement']:.3f}), distilled draft {row['draft']:.4f} "
+                f"(agreement {row['draft_agreement']:.3f})")
+    print(json.dumps(report, indent=1))
+
+
 def export_pair(store: CheckpointStore) -> dict[str, int]:
     """Write GGUF (F16, Q8_0) and HF folders of the target and distilled draft; return file sizes."""
     try:
@@ -560,10 +602,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--test-train-share", type=float, default=0.0,
                         help="train also on this share of test/'s files (every n-th by sorted path); "
                              "the rest of test/ and idlelib/ stay held out")
+    parser.add_argument("--evaluate", type=Path, nargs="+", default=None, metavar="RUN",
+                        help="evaluate these runs' checkpoints (same tokenizer) on idlelib/ (held out in "
+                             "every split) and on this split's held-out files, and exit")
     parser.add_argument("--bench-steps", type=int, default=0,
                         help="time this many training steps of each model on random tokens and exit")
     args = parser.parse_args(argv)
-    if args.export_only:
+    if args.export_only or args.evaluate:
         return args
     if not args.budget_minutes * 60 >= MIN_BUDGET_SECONDS and not args.bench_steps:
         raise TrainerError(f"--budget-minutes {args.budget_minutes:g} is too small: need at least "
@@ -720,6 +765,8 @@ def main(argv: list[str] | None = None) -> int:
         args = parse_args(argv)
         if args.export_only:
             export_pair(CheckpointStore(args.out))
+        elif args.evaluate:
+            evaluate_runs(args)
         elif args.bench_steps:
             bench(args)
         else:
