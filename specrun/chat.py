@@ -120,6 +120,7 @@ class ChatSession:
     loaded at the start (the chat began with a method that needs none).
     draft_len, draft_min_prob: the user's choices; None takes what ``specrun tune`` saved
     for this pair and machine (``tuned``), else the defaults (generation.resolve_*).
+    find_tuned: gives the tuned settings for a draft model loaded later by ``load_draft``.
     """
 
     def __init__(
@@ -134,6 +135,7 @@ class ChatSession:
         draft_len: int | None = None,
         draft_min_prob: float | None = None,
         tuned=None,
+        find_tuned: Callable[[Backend], object] | None = None,
     ) -> None:
         self.target = target
         self.draft = draft
@@ -143,11 +145,23 @@ class ChatSession:
         self.answers: list[Stats] = []
         self._load_draft = load_draft
         self._draft_len = draft_len
+        self._draft_min_prob = draft_min_prob
+        self._find_tuned = find_tuned
+        self._drafter_options = drafter_options or DrafterOptions()
+        self._tuned = None
+        self.engine = SpeculativeEngine(target, None, method)
+        self._use_tuned(tuned)
+        self.engine.set_drafter(build_drafter(method, draft, self._drafter_options), method)
+
+    def _use_tuned(self, tuned) -> None:
+        """Take what `specrun tune` saved: draft length and confidence stop (where the user
+        chose none) for drafters built from now on, and the target's measured costs."""
         self._tuned = tuned
         self._drafter_options = dataclasses.replace(
-            drafter_options or DrafterOptions(), draft_min_prob=resolve_min_prob(draft_min_prob, tuned)
+            self._drafter_options, draft_min_prob=resolve_min_prob(self._draft_min_prob, tuned)
         )
-        self.engine = SpeculativeEngine(target, build_drafter(method, draft, self._drafter_options), method)
+        if tuned is not None:
+            self.engine.target_costs.preload(tuned.target_costs)  # auto need not explore them
 
     # ---- the conversation ---------------------------------------------------------
     def ask(self, text: str, params: GenerationParams) -> Iterator[ChatEvent]:
@@ -274,6 +288,8 @@ class ChatSession:
             if self._load_draft is None:
                 raise UsageError(f"method {method!r} needs a draft model", "start specrun chat with --draft MODEL")
             self.draft = self._load_draft()
+            if self._tuned is None and self._find_tuned is not None:
+                self._use_tuned(self._find_tuned(self.draft))
         drafter = build_drafter(method, self.draft, self._drafter_options)
         previous = self.engine.drafter
         self.engine.set_drafter(drafter, method)
@@ -343,7 +359,8 @@ def open_chat(
             drafter_options = DrafterOptions(ngram_cache, vocabulary_fingerprint(target))
         return ChatSession(target, draft, method, system_prompt=system_prompt, load_draft=load_draft,
                            draft_len=draft_len, draft_min_prob=draft_min_prob, tuned=tuned,
-                           drafter_options=drafter_options)
+                           drafter_options=drafter_options,
+                           find_tuned=lambda loaded: load_tuned(target, loaded, options.threads))
     except BaseException:
         target.close()
         if draft is not None:

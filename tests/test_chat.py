@@ -199,6 +199,27 @@ def test_method_switch_loads_the_draft_when_first_needed_and_stays_lossless(tiny
     assert plain.stats.drafted == 0 and drafted.stats.drafted > 0
 
 
+def test_a_draft_loaded_by_method_brings_its_tuned_settings(tiny_llama, tmp_path, monkeypatch):
+    from specrun import tuning
+
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
+    path = str(tiny_llama.gguf_path)
+    target, draft = open_pair(path, path, OPTIONS)
+    key = tuning.pair_key(target, draft, OPTIONS.threads)
+    target.close()
+    draft.close()
+    costs = {n: 0.001 * (1 + n) for n in range(1, 10)}
+    tuning.save(tuning.TuneResult(key, path, path, tuning.machine_id(), best_draft_len=3, speedup=1.2,
+                                  target_costs=costs, best_min_prob=0.7))
+    with open_chat(path, path, "none", OPTIONS) as session:
+        assert session.draft is None and session.draft_len == 4  # nothing tuned for the target alone
+        session.set_method("draft")
+        assert session.draft_len == 3
+        assert session.engine.drafter.min_prob == 0.7
+        assert session.engine.target_costs.seconds == costs
+        assert answer(session, "hello there").stats.draft_len == 3
+
+
 # ---- templates ------------------------------------------------------------------------
 EVIL_TEMPLATES = [
     "{{ messages.__class__.__mro__[1].__subclasses__() }}",
