@@ -176,6 +176,18 @@ def test_plain_decoding_takes_its_first_token_from_the_prefill_pass():
     assert calls == [(30, [29]), (1, [0]), (1, [0]), (1, [])]
 
 
+def test_a_drafter_with_nothing_for_the_first_token_leaves_it_to_the_prefill_pass():
+    """No pass is spent on the first token alone: a lookup that finds nothing in the prompt
+    costs what plain decoding costs."""
+    from specrun.drafters.lookup import PromptLookupDrafter
+
+    target = fake(4)
+    calls = spied_forward_calls(target)
+    result = SpeculativeEngine(target, PromptLookupDrafter()).run(list(range(30)), GenerationParams(3, 4))
+    assert calls[0] == (30, [29])  # the whole prompt, logits for the first token
+    assert result.token_ids == plain_run(fake(4), list(range(30)), 3)
+
+
 def test_with_a_perfect_draft_the_first_pass_already_yields_k_plus_1_tokens():
     target = fake(5)
     calls = spied_forward_calls(target)
