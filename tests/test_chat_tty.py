@@ -104,7 +104,12 @@ def test_multi_line_messages(tiny_llama, tmp_path):
 
 
 def test_ctrl_c_stops_the_answer_and_the_next_turn_equals_a_fresh_run(tiny_llama, tmp_path):
-    args = ("-n", "4000", "--ctx", "256")  # answers run until the context is full
+    # Answers run until the context is full, and must stream long enough for Ctrl-C to land
+    # inside one: with draft == target, auto verifies 9 tokens a pass and a 256-token context
+    # was full before the interrupt arrived (a race the test lost now and then). One draft
+    # token a pass and a 512-token context keep the answer going ~10x longer; a longer
+    # context lets the random model end on EOS first.
+    args = ("-n", "8000", "--ctx", "512", "-m", "draft", "-k", "1")
     child = spawn(tiny_llama, tmp_path, *args)
     child.sendline("tell me a long story")
     child.expect_exact("tell me a long story\r\n")
@@ -113,7 +118,7 @@ def test_ctrl_c_stops_the_answer_and_the_next_turn_equals_a_fresh_run(tiny_llama
     child.expect_exact("interrupted: the answer and its question are dropped")
     child.expect_exact("> ")
     after_interrupt, stats = ask(child, "what happened next")
-    assert "the context of 256 tokens is full" in after_interrupt
+    assert "the context of 512 tokens is full" in after_interrupt
     child.sendeof()
     exits_cleanly(child)
 
