@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import sys
 from pathlib import Path
 
@@ -24,13 +25,21 @@ STATS = re.compile(r"(\d+) tokens, [\d.]+ tok/s, method ([a-z+]+)[^\r\n]*; promp
 DRAFTED = "\x1b[32m"  # the green of text the drafter got right
 
 
+def terminal_signals() -> None:
+    """Ctrl-C as a terminal's shell hands it to a foreground job. A test run launched in the
+    background (`cmd &` from a script) inherits SIGINT ignored, and exec keeps that, so the
+    REPL would never see the interrupt the test sends."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
+
 def spawn(model, tmp_path, *args: str):
     """The REPL on a terminal, waiting at its first prompt."""
     path = str(model.gguf_path)
     env = {**os.environ, "TERM": "xterm", "SPECRUN_CACHE": str(tmp_path), "SPECRUN_THREADS": "1"}
     env.pop("NO_COLOR", None)
     child = pexpect.spawn(str(SPECRUN), ["chat", "-t", path, "-d", path, *args], env=env, encoding="utf-8",
-                          timeout=TIMEOUT, dimensions=(24, 200))
+                          timeout=TIMEOUT, dimensions=(24, 200), preexec_fn=terminal_signals)
     child.expect_exact("Ctrl-D exits.")
     child.expect_exact("> ")
     return child
@@ -105,10 +114,10 @@ def test_multi_line_messages(tiny_llama, tmp_path):
 
 def test_ctrl_c_stops_the_answer_and_the_next_turn_equals_a_fresh_run(tiny_llama, tmp_path):
     # Answers run until the context is full, and must stream long enough for Ctrl-C to land
-    # inside one: with draft == target, auto verifies 9 tokens a pass and a 256-token context
-    # was full before the interrupt arrived (a race the test lost now and then). One draft
-    # token a pass and a 512-token context keep the answer going ~10x longer; a longer
-    # context lets the random model end on EOS first.
+    # inside one. With draft == target, auto verifies up to 9 tokens a pass and fills a
+    # 256-token context in a few tens of milliseconds; one draft token a pass and a 512-token
+    # context give the interrupt ~10x more time (a longer context lets the random model end
+    # on EOS first).
     args = ("-n", "8000", "--ctx", "512", "-m", "draft", "-k", "1")
     child = spawn(tiny_llama, tmp_path, *args)
     child.sendline("tell me a long story")
