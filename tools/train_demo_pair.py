@@ -38,6 +38,7 @@ import platform
 import sys
 import sysconfig
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -228,18 +229,24 @@ class Corpus:
     root: Path
 
 
-def held_out_folder_texts(folder: str) -> list[str]:
-    """Every non-empty .py file under one held-out folder of the standard library."""
-    root = Path(sysconfig.get_paths()["stdlib"]) / folder
-    texts = []
+def stdlib_sources() -> Iterator[tuple[tuple[str, ...], str]]:
+    """(path parts under the stdlib, text) of every readable, non-empty .py file, sorted by path."""
+    root = Path(sysconfig.get_paths()["stdlib"])
     for path in sorted(root.rglob("*.py")):
+        parts = path.relative_to(root).parts
+        if any(part in SKIPPED_DIRS for part in parts):
+            continue
         try:
             text = path.read_text(encoding="utf-8")
         except (UnicodeDecodeError, OSError):
             continue
         if text.strip():
-            texts.append(text)
-    return texts
+            yield parts, text
+
+
+def held_out_folder_texts(folder: str) -> list[str]:
+    """Every non-empty .py file under one held-out folder of the standard library."""
+    return [text for parts, text in stdlib_sources() if parts[0] == folder]
 
 
 def collect_corpus(max_files: int | None, test_train_share: float = 0.0) -> Corpus:
@@ -252,16 +259,7 @@ def collect_corpus(max_files: int | None, test_train_share: float = 0.0) -> Corp
     root = Path(sysconfig.get_paths()["stdlib"])
     train, val = [], []
     test_files_seen = 0
-    for path in sorted(root.rglob("*.py")):
-        parts = path.relative_to(root).parts
-        if any(part in SKIPPED_DIRS for part in parts):
-            continue
-        try:
-            text = path.read_text(encoding="utf-8")
-        except (UnicodeDecodeError, OSError):
-            continue
-        if not text.strip():
-            continue
+    for parts, text in stdlib_sources():
         held_out = parts[0] in HELD_OUT_DIRS
         if held_out and parts[0] == "test" and test_train_share > 0.0:
             test_files_seen += 1
