@@ -74,7 +74,7 @@ class TargetCosts:
         line = self._line(max(max_tokens, max(self.seconds)))
         values, weights = [], []
         for n in range(max_tokens + 1):
-            count = self.counts.get(n, 0.0) if n in self.seconds else 0.0
+            count = self.counts.get(n, 0.0)  # 0 where n was never timed
             mean = self.seconds.get(n, line[n])
             values.append((count * mean + self.LINE_WEIGHT * line[n]) / (count + self.LINE_WEIGHT))
             weights.append(count + self.LINE_WEIGHT)
@@ -82,7 +82,7 @@ class TargetCosts:
 
     def _line(self, max_tokens: int) -> list[float]:
         """A line through the measured means, weighted by their counts; n = 0..max_tokens."""
-        points = [(n, t, self.counts.get(n, 1.0)) for n, t in self.seconds.items()]
+        points = [(n, t, self.counts[n]) for n, t in self.seconds.items()]
         if len(points) == 1:
             (n0, t0, _), = points
             # One point: assume a memory-bound pass, where each extra token adds ~10%.

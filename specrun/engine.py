@@ -179,10 +179,9 @@ class SpeculativeEngine:
                     verdict = Verdict(0, self._pick(prompt_logits, sampling, rng))
                     prompt_logits = None
                 else:
-                    if pending.tokens:
-                        proposal = pending
-                    else:
-                        proposal = self._propose(context, remaining, params, sampling, rng, adaptive, policy_sources)
+                    proposal = pending if pending.tokens else self._propose(
+                        context, remaining, params, sampling, rng, adaptive, policy_sources
+                    )
                     pending = EMPTY_PROPOSAL
                     t_verify = self.clock()
                     verdict = self._verify(context[-1], proposal.tokens, proposal.p_draft, sampling, rng)
@@ -290,8 +289,7 @@ class SpeculativeEngine:
         """
         keep = self.target.rewind_to_prefix_of(context, limit=len(context) - 1)
         if not with_logits:
-            if keep < len(context) - 1:
-                self.target.feed(context[keep:-1])
+            self.target.feed(context[keep:-1])  # possibly nothing: every backend takes that
             return None
         return self.target.feed(context[keep:], [len(context) - keep - 1])[0]
 
