@@ -115,13 +115,20 @@ def _non_decreasing(values: list[float], weights: list[float]) -> list[float]:
 
 @dataclass
 class DraftLengthController:
-    """Chooses the draft length each step from decayed acceptance and cost estimates."""
+    """Chooses the draft length each step from decayed acceptance and cost estimates.
+
+    ``fixed``: the length is always ``max_draft_len`` (a fixed chain's draft model), and
+    the controller only gates it: off while plain decoding is measured faster, probed again.
+    """
+
+    PLAIN_TRIES = 4  # steps a fixed length gives up, at most, to time a plain pass
 
     max_draft_len: int = 8
     decay: float = 0.95  # weight kept by old observations per step
     prior_accept: float = 0.9  # acceptance assumed before any evidence (optimistic: steps correct it)…
     prior_weight: float = 2.0  # …worth this many observations
     probe_len: int = 2
+    fixed: bool = False  # always max_draft_len, or 0 while plain decoding is faster (a fixed chain's gate)
     first_probe_gap: int = 8
     max_probe_gap: int = 128
     target_costs: TargetCosts = field(default_factory=TargetCosts)  # shared between drafters
@@ -135,6 +142,7 @@ class DraftLengthController:
         self.probe_gap = self.first_probe_gap
         self.steps_since_probe = 0
         self.speculating = True
+        self.plain_tries = 0  # steps a fixed controller gave up to time a plain pass
 
     # ---- estimates ----------------------------------------------------------------
     def acceptance(self, position: int) -> float:
@@ -198,7 +206,9 @@ class DraftLengthController:
             if self.steps_since_probe < self.probe_gap:
                 return 0
             self.steps_since_probe = 0
-            return min(self.probe_len, limit)  # a probe: refresh the estimates
+            return limit if self.fixed else min(self.probe_len, limit)  # a probe: refresh the estimates
+        if self.fixed:
+            return self._explore_fixed(limit)
         rates = self.expected_rates(limit)
         if None in rates:
             return self._explore(limit)
@@ -210,6 +220,15 @@ class DraftLengthController:
             if not self.target_costs.known(k + 1) or (k and self.draft_token_seconds is None):
                 return k
         return min(4, limit)
+
+    def _explore_fixed(self, limit: int) -> int:
+        """A fixed length speculates until measured slower than plain decoding: a plain pass
+        is timed first (a few tries, since the step may go to another drafter's proposal or
+        to the prefill instead), so the gate weighs a measured cost, not an extrapolated one."""
+        if not self.target_costs.known(1) and self.plain_tries < self.PLAIN_TRIES:
+            self.plain_tries += 1
+            return 0
+        return limit
 
     def observe(self, drafted: int, accepted: int, draft_seconds: float, verify_seconds: float) -> None:
         """Learn from one verify step: ``drafted`` proposed, ``accepted`` taken."""
@@ -235,7 +254,7 @@ class DraftLengthController:
         plain = rates[0]
         if plain is None:
             return
-        best = max((rate or 0.0) for rate in rates[1:])
+        best = (rates[-1] or 0.0) if self.fixed else max((rate or 0.0) for rate in rates[1:])
         if best > plain:
             self.speculating = True
             self.probe_gap = self.first_probe_gap

@@ -300,17 +300,7 @@ class ChatSession:
         """Every answer's statistics added up."""
         total = Stats(method=self.method, draft_len=self.answers[-1].draft_len if self.answers else 0)
         for stats in self.answers:
-            total.prompt_tokens += stats.prompt_tokens
-            total.new_tokens += stats.new_tokens
-            total.steps += stats.steps
-            total.drafted += stats.drafted
-            total.accepted += stats.accepted
-            total.prefill_seconds += stats.prefill_seconds
-            total.draft_seconds += stats.draft_seconds
-            total.verify_seconds += stats.verify_seconds
-            total.generation_seconds += stats.generation_seconds
-            total.accepted_hist = [a + b for a, b in itertools.zip_longest(total.accepted_hist, stats.accepted_hist,
-                                                                             fillvalue=0)]
+            total.add(stats)
         return total
 
     # ---- lifetime -------------------------------------------------------------------

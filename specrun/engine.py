@@ -54,6 +54,7 @@ class Step:
     n_accepted: int
     draft_seconds: float
     verify_seconds: float
+    source: str = ""  # the drafter that proposed the drafts ("" for none)
 
     @property
     def from_draft(self) -> tuple[bool, ...]:
@@ -150,7 +151,8 @@ class SpeculativeEngine:
         context = list(prompt)
         stats.prompt_tokens = len(prompt)
         adaptive = (params.adaptive or is_adaptive(self.method)) and self.drafter is not None
-        policy_sources = self._install_length_policies(params.draft_len if adaptive else None)
+        policy_sources = self._install_length_policies(params.draft_len, adaptive)
+        measured = adaptive or bool(policy_sources)  # steps feed the controllers
 
         # Drafts for the first token, made before the prefill: when there are some, the
         # prefill stops one token short and the first verify pass feeds that token with
@@ -187,9 +189,9 @@ class SpeculativeEngine:
                     verdict = self._verify(context[-1], proposal.tokens, proposal.p_draft, sampling, rng)
                     # Keep the fed last token and the accepted drafts; drop the rejected tail.
                     self.target.rewind(len(context) + verdict.n_accepted)
-                    if adaptive:
+                    if measured:
                         draft_seconds = t_verify - t_draft - proposal.catch_up_seconds
-                        self._observe(proposal, verdict, draft_seconds, self.clock() - t_verify, params)
+                        self._observe(proposal, verdict, draft_seconds, self.clock() - t_verify, params, adaptive)
                 emitted = [*proposal.tokens[: verdict.n_accepted], verdict.next_token]
                 hit_eos = next((i for i, t in enumerate(emitted) if t in eos_ids), None)
                 if hit_eos is not None:
@@ -202,6 +204,7 @@ class SpeculativeEngine:
                     verdict.n_accepted,
                     t_verify - t_draft,
                     self.clock() - t_verify,
+                    proposal.source,
                 )
                 stats.generation_seconds = self.clock() - started
                 yield step
@@ -225,28 +228,36 @@ class SpeculativeEngine:
             proposal = proposal.prefix(keep)
         return proposal
 
-    def _controller_for(self, source: str, max_draft_len: int) -> DraftLengthController:
+    def _controller_for(self, source: str, max_draft_len: int, fixed: bool = False) -> DraftLengthController:
         controller = self.controllers.get(source)
-        if controller is None or controller.max_draft_len != max_draft_len:
-            controller = DraftLengthController(max_draft_len=max_draft_len, target_costs=self.target_costs)
+        if controller is None or (controller.max_draft_len, controller.fixed) != (max_draft_len, fixed):
+            controller = DraftLengthController(max_draft_len=max_draft_len, fixed=fixed, target_costs=self.target_costs)
             self.controllers[source] = controller
         return controller
 
-    def _install_length_policies(self, max_draft_len: int | None) -> set[str]:
-        """Give every drafter that pays per drafted token (a draft model) its controller's
-        choice before it drafts, and a chain the choice between its members; None removes
-        the policies (fixed draft length)."""
+    def _install_length_policies(self, draft_len: int, adaptive: bool) -> set[str]:
+        """Give every drafter that pays per drafted token (a draft model) a policy for its length.
+
+        Adaptive: its controller's choice before it drafts, and a chain the choice between
+        its members. Fixed, inside a chain behind cheap drafters: the fixed length while it
+        is measured to beat plain decoding, else nothing (probed again later), so a chain is
+        never slower for a draft model that does not pay. Alone at a fixed length, a draft
+        model drafts as told. Returns the sources with a policy (empty: nothing measured).
+        """
+        members = self._drafter_members()
+        gate_fixed = not adaptive and len(members) > 1
         sources = set()
-        for member in self._drafter_members():
+        for member in members:
             if hasattr(member, "length_policy"):
-                member.length_policy = (
-                    None if max_draft_len is None else self._controller_for(member.name, max_draft_len).choose
-                )
-                sources.add(member.name)
+                policy = None
+                if adaptive or gate_fixed:
+                    policy = self._controller_for(member.name, draft_len, fixed=not adaptive).choose
+                    sources.add(member.name)
+                member.length_policy = policy
         if hasattr(self.drafter, "worth_taking"):
             self.drafter.worth_taking = (
-                None if max_draft_len is None or not sources
-                else functools.partial(self._cheap_worth_taking, max_draft_len=max_draft_len, paid=sources)
+                functools.partial(self._cheap_worth_taking, max_draft_len=draft_len, paid=sources)
+                if adaptive and sources else None
             )
         return sources
 
@@ -272,9 +283,9 @@ class SpeculativeEngine:
         declined = self._cheap_declines[proposal.source] = self._cheap_declines.get(proposal.source, 0) + 1
         return declined % CHEAP_PROBE_GAP == 0
 
-    def _observe(self, proposal, verdict: Verdict, draft_s: float, verify_s: float, params) -> None:
+    def _observe(self, proposal, verdict: Verdict, draft_s: float, verify_s: float, params, adaptive: bool) -> None:
         if proposal.tokens:
-            controller = self._controller_for(proposal.source, params.draft_len)
+            controller = self._controller_for(proposal.source, params.draft_len, fixed=not adaptive)
             controller.observe(len(proposal.tokens), verdict.n_accepted, draft_s, verify_s)
         else:
             self.target_costs.observe(1, verify_s)  # a plain pass: what speculating must beat
@@ -334,7 +345,9 @@ class SpeculativeEngine:
         output: list[int] = []
         pieces: list[str] = []
         for step in self.steps(prompt, params, stats):
-            stats.record_step(step.n_drafted, step.n_accepted, len(step.tokens), step.draft_seconds, step.verify_seconds)
+            stats.record_step(
+                step.n_drafted, step.n_accepted, len(step.tokens), step.draft_seconds, step.verify_seconds, step.source
+            )
             output.extend(step.tokens)
             text = decoder.decode(b"".join(backend.token_bytes(t) for t in step.tokens))
             pieces.append(text)

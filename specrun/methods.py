@@ -3,7 +3,7 @@
 A method is ``none`` (plain decoding) or drafters joined by ``+``, cheapest first:
 ``lookup`` (prompt lookup), ``ngram`` (the learning n-gram pool), ``draft`` (a
 draft model). Chains ask the draft model only when the cheap drafters have too
-little to propose (ChainDrafter).
+little to propose, and only while it is measured to pay (ChainDrafter).
 """
 
 from __future__ import annotations

@@ -2,7 +2,23 @@
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
+
+PLAIN = "none"  # the source of a step that verified no drafts
+
+
+@dataclass
+class SourceCounts:
+    """What one proposal source (lookup, ngram, draft, or none) did: its steps and drafts."""
+
+    steps: int = 0
+    drafted: int = 0
+    accepted: int = 0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
 
 
 @dataclass
@@ -22,8 +38,15 @@ class Stats:
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
     generation_seconds: float = 0.0  # from the end of prefill to the last token
+    by_source: dict[str, SourceCounts] = field(default_factory=dict)  # which drafter proposed each step
 
-    def record_step(self, drafted: int, accepted: int, emitted: int, draft_s: float, verify_s: float) -> None:
+    def record_step(
+        self, drafted: int, accepted: int, emitted: int, draft_s: float, verify_s: float, source: str = PLAIN
+    ) -> None:
+        counts = self.by_source.setdefault(source if drafted else PLAIN, SourceCounts())
+        counts.steps += 1
+        counts.drafted += drafted
+        counts.accepted += accepted
         self.steps += 1
         self.drafted += drafted
         self.accepted += accepted
@@ -33,6 +56,19 @@ class Stats:
         if len(self.accepted_hist) <= accepted:
             self.accepted_hist.extend([0] * (accepted + 1 - len(self.accepted_hist)))
         self.accepted_hist[accepted] += 1
+
+    def add(self, other: Stats) -> None:
+        """Add another generation's counts and timings (a chat's answers summed up)."""
+        for name in ("prompt_tokens", "new_tokens", "steps", "drafted", "accepted", "prefill_seconds",
+                     "draft_seconds", "verify_seconds", "generation_seconds"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        self.accepted_hist = [a + b for a, b in itertools.zip_longest(self.accepted_hist, other.accepted_hist,
+                                                                       fillvalue=0)]
+        for source, counts in other.by_source.items():
+            mine = self.by_source.setdefault(source, SourceCounts())
+            mine.steps += counts.steps
+            mine.drafted += counts.drafted
+            mine.accepted += counts.accepted
 
     @property
     def acceptance_rate(self) -> float:
@@ -61,6 +97,10 @@ class Stats:
             "acceptance_rate": round(self.acceptance_rate, 6),
             "mean_tokens_per_step": round(self.mean_tokens_per_step, 6),
             "accepted_hist": list(self.accepted_hist),
+            "by_source": {
+                source: {"steps": c.steps, "drafted": c.drafted, "accepted": c.accepted}
+                for source, c in self.by_source.items()
+            },
             "tokens_per_second": round(self.tokens_per_second, 3),
             "prefill_seconds": round(self.prefill_seconds, 6),
             "draft_seconds": round(self.draft_seconds, 6),
@@ -77,5 +117,10 @@ class Stats:
                 + (f", stop below p {self.draft_min_prob:g}" if self.draft_min_prob else "")
                 + f", accepted {self.accepted}/{self.drafted}"
                 f" ({100 * self.acceptance_rate:.1f}%), {self.mean_tokens_per_step:.2f} tokens/step"
+            )
+        if len(self.by_source) > 1:  # a chain or auto: which drafter drafted, and how well
+            line += "; steps by drafter: " + ", ".join(
+                f"{source} {c.steps}" + (f" ({100 * c.acceptance_rate:.0f}% accepted)" if c.drafted else "")
+                for source, c in sorted(self.by_source.items(), key=lambda item: -item[1].steps)
             )
         return line

@@ -249,3 +249,56 @@ def test_an_adaptive_chain_keeps_a_cheap_drafter_that_is_right():
     rates, chain = chain_rate("perfect", alpha=0.6, draft_cost=0.3)
     assert rates["chain"] >= 0.9 * rates["cheap"], rates
     assert chain.asked["draft"] < 0.2 * chain.asked["cheap"]  # the draft model was rarely asked
+
+
+# ---- a fixed chain's gate on its draft model --------------------------------------------
+def sometimes_right(table, share: float):
+    """Proposes the target's greedy continuation in ``share`` of the contexts, nothing in the rest."""
+    right = greedy_continuation(table)
+
+    def next_tokens(context, n):
+        coin = np.random.default_rng(zlib.crc32(repr(("lookup", context)).encode())).random()
+        return right(context, n) if coin < share else []
+
+    return next_tokens
+
+
+def fixed_chain_rates(alpha: float, draft_cost: float, n: int = 600, k: int = 4):
+    """Tokens/s of a fixed-length chain (cheap drafter, then a draft model) and of its members alone."""
+    table = hashed_logits(VOCAB, salt=13, spread=3.0)
+    clock = SimClock()
+
+    def cheap():
+        return CheapDrafter("cheap", sometimes_right(table, 0.3), clock)
+
+    def draft_model():
+        return DraftModelDrafter(CostedFake(agreeing_draft(table, alpha), clock, draft_cost, 0.0))
+
+    drafters = {"chain": ChainDrafter([cheap(), draft_model()]), "cheap": cheap(), "draft": draft_model()}
+    rates, results = {}, {}
+    for name, drafter in drafters.items():
+        engine = SpeculativeEngine(CostedFake(table, clock, 1.0, 0.05), drafter, clock=clock)
+        results[name] = engine.run([1, 2, 3], GenerationParams(n, draft_len=k), complete_cache=False)
+        rates[name] = results[name].stats.new_tokens / results[name].stats.generation_seconds
+    assert results["chain"].token_ids == results["cheap"].token_ids == results["draft"].token_ids
+    return rates, results["chain"].stats
+
+
+def test_a_fixed_chain_stops_asking_a_draft_model_that_does_not_pay():
+    """Found on Spec-Bench: lookup+draft ran 0.91x lookup alone, asking a losing draft model
+    whenever lookup had too little; now the draft model is gated like auto's, length fixed."""
+    rates, stats = fixed_chain_rates(alpha=0.2, draft_cost=0.3)
+    assert rates["draft"] < 0.9 * rates["cheap"]  # the draft model alone is a loss here…
+    assert rates["chain"] >= 0.95 * rates["cheap"], rates  # …and the chain hardly pays for it
+    draft, plain = stats.by_source["draft"], stats.by_source["none"]
+    assert 0 < draft.steps < 0.1 * plain.steps  # probes only: the steps lookup leaves go plain
+    assert draft.drafted == 4 * draft.steps  # when asked, it drafts the fixed length
+
+
+def test_a_fixed_chain_keeps_asking_a_draft_model_that_pays():
+    rates, stats = fixed_chain_rates(alpha=0.8, draft_cost=0.05)
+    assert rates["chain"] >= max(rates["cheap"], rates["draft"]), rates
+    # every step lookup leaves goes to the draft model, but the first (from the prefill) and
+    # the plain pass that times the target
+    assert stats.by_source["none"].steps <= 2
+    assert stats.by_source["draft"].steps > stats.by_source["cheap"].steps

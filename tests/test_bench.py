@@ -146,7 +146,7 @@ FIGURES_KEYS = {
 STATS_KEYS = {
     "method": str, "draft_len": int, "draft_min_prob": float, "prompt_tokens": int, "new_tokens": int,
     "steps": int, "drafted": int, "accepted": int, "acceptance_rate": float, "mean_tokens_per_step": float, "accepted_hist": list,
-    "tokens_per_second": float, "prefill_seconds": float, "draft_seconds": float, "verify_seconds": float,
+    "by_source": dict, "tokens_per_second": float, "prefill_seconds": float, "draft_seconds": float, "verify_seconds": float,
     "generation_seconds": float,
 }
 
@@ -183,6 +183,7 @@ def test_json_holds_every_figure_and_the_machine(bench_outputs):
         assert set(run) == {"prompt_index", "variant", "repeat", "finish_reason", "same_as_baseline", "stats"}
         assert run["same_as_baseline"] is True
         assert_keys(run["stats"], STATS_KEYS)
+        assert sum(source["steps"] for source in run["stats"]["by_source"].values()) == run["stats"]["steps"]
     assert len(doc["per_prompt"]) == 2 * 5
     for row in doc["per_prompt"]:
         assert_keys({k: v for k, v in row.items() if k != "prompt_index"}, FIGURES_KEYS)

@@ -174,7 +174,10 @@ def test_auto_adapts_even_when_the_params_do_not_say_so():
     assert engine.controllers, "auto ran without its draft-length controllers"
     fixed = SpeculativeEngine(target, build_drafter("lookup+ngram+draft", draft), method="lookup+ngram+draft")
     fixed.run((1, 2, 3), GenerationParams(30, draft_len=8))
-    assert not fixed.controllers
+    # a fixed chain only gates its draft model: every controller it has keeps the length fixed
+    assert fixed.controllers["draft"].fixed
+    assert all(controller.fixed for controller in fixed.controllers.values())
+    assert not any(controller.fixed for controller in engine.controllers.values())
 
 
 def test_a_drafter_set_later_learns_the_targets_vocabulary_size():

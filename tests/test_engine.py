@@ -12,6 +12,7 @@ from specrun.engine import Finished, GenerationParams, SpeculativeEngine, TextCh
 from specrun.errors import ContextFullError, UsageError
 from specrun.kv import KVSequence, common_prefix_len
 from specrun.sampling import SamplingSettings
+from specrun.stats import Stats
 
 VOCAB = 50
 
@@ -139,6 +140,31 @@ def test_stream_events_mark_drafted_tokens_and_carry_statistics():
     assert sum(n * count for n, count in enumerate(stats.accepted_hist)) == stats.accepted
     assert stats.mean_tokens_per_step == pytest.approx(60 / stats.steps)
     assert stats.generation_seconds >= stats.draft_seconds + stats.verify_seconds * 0.99
+    # every step is put down to the drafter that proposed it, or to none
+    assert sum(c.steps for c in stats.by_source.values()) == stats.steps
+    assert stats.by_source["draft"].accepted == stats.accepted
+    assert stats.to_dict()["by_source"]["draft"]["drafted"] == stats.drafted
+
+
+def test_statistics_of_a_chain_say_which_drafter_drafted():
+    from specrun.drafters.chain import ChainDrafter
+    from specrun.drafters.lookup import PromptLookupDrafter
+
+    target, draft = fake(8), FakeBackend(mostly_agreeing(8, 3, noise=1.0), VOCAB)
+    prompt = [1, 2, 3, 4, 5, 6, 7, 8] * 3  # lookup finds this repeated
+    chain = ChainDrafter([PromptLookupDrafter(), DraftModelDrafter(draft)])
+    first = SpeculativeEngine(target, chain, method="lookup+draft").run(prompt, GenerationParams(40, 4))
+    stats = first.stats
+    assert {"lookup", "draft"} <= set(stats.by_source)
+    assert sum(c.drafted for c in stats.by_source.values()) == stats.drafted
+    assert "steps by drafter: " in stats.summary() and "lookup " in stats.summary()
+    total = Stats()
+    total.add(stats)
+    total.add(stats)
+    assert total.by_source["lookup"].steps == 2 * stats.by_source["lookup"].steps
+    assert (total.steps, total.new_tokens, total.accepted_hist) == (
+        2 * stats.steps, 80, [2 * n for n in stats.accepted_hist]
+    )
 
 
 def spied_forward_calls(target: FakeBackend) -> list[tuple[int, list[int]]]:

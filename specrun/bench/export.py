@@ -10,7 +10,8 @@ Schema ``specrun.bench/1`` (keys in order):
   mlx, mlx-lm, numpy, python}
 - prompts: [{index, id, category, prompt_tokens}]; skipped: [{id, category, reason}]
 - runs: [{prompt_index, variant, repeat, finish_reason, same_as_baseline, stats}]: every run, with
-  specrun's Stats.to_dict() (counts, accepted_hist, timings); same_as_baseline is null
+  specrun's Stats.to_dict() (counts, accepted_hist, by_source {drafter: {steps, drafted,
+  accepted}}, timings); same_as_baseline is null
   when sampling
 - per_prompt, per_category ({category: [figures]}), overall (every prompt): figures
   rows {variant, method, draft_len, prompts, tokens, seconds, tokens_per_second,

@@ -24,9 +24,15 @@ class ChainDrafter:
     drafter offers enough, the longest proposal made is used. ``asked`` counts the
     calls of each member by name.
 
+    At a fixed draft length the engine gates the draft model (its ``length_policy``):
+    it drafts the full length while its measured speed beats plain decoding's and
+    proposes nothing otherwise, probed again after a growing gap, so a chain is never
+    slowed down by a draft model that does not pay on this text and machine.
+
     ``worth_taking``, set by an adaptive engine, replaces the ``min_tokens`` rule for
     every member but the last: it sees a cheap proposal and says whether it beats
-    asking the members after it (measured acceptance and costs, not a fixed length). ``finish`` and ``close`` go to every member, so
+    asking the members after it (measured acceptance and costs, not a fixed length).
+    ``finish`` and ``close`` go to every member, so
     a draft model skipped for many steps still ends with its cache holding exactly
     the context (it also catches up by itself on its next ``propose``).
     """
