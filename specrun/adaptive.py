@@ -4,7 +4,7 @@ Expected tokens from one verify step with draft length k, where a_i is the chanc
 draft i is accepted given drafts 1..i-1 were (DESIGN.md):
 
     E[tokens](k) = 1 + sum_{i<=k} prod_{j<=i} a_j
-    E[time](k)   = k * T_draft + T_target(k + 1)
+    E[time](k)   = T_draft(k) + T_target(k + 1)
 
 Each step the controller picks the k in 0..max_draft_len with the highest
 E[tokens]/E[time]; k = 0 is plain decoding. Estimates decay so they follow the text.
@@ -14,6 +14,7 @@ growing number of steps, so a drafter that starts to match is noticed.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 
@@ -85,14 +86,34 @@ class TargetCosts:
         points = [(n, t, self.counts[n]) for n, t in self.seconds.items()]
         if len(points) == 1:
             (n0, t0, _), = points
-            # One point: assume a memory-bound pass, where each extra token adds ~10%.
-            return [t0 * (1.0 + 0.1 * (n - n0) / max(n0, 1)) for n in range(max_tokens + 1)]
+            return self._one_point_line(n0, t0, max_tokens)
         total = sum(w for _, _, w in points)
         mean_n = sum(w * n for n, _, w in points) / total
         mean_t = sum(w * t for _, t, w in points) / total
         spread = sum(w * (n - mean_n) ** 2 for n, _, w in points)
         slope = max(sum(w * (n - mean_n) * (t - mean_t) for n, t, w in points) / spread, 0.0)
         return [max(mean_t + slope * (n - mean_n), 1e-9) for n in range(max_tokens + 1)]
+
+
+    @staticmethod
+    def _one_point_line(n0: int, t0: float, max_tokens: int) -> list[float]:
+        """Before a second length is timed: assume a memory-bound pass, each extra token ~10% more."""
+        return [t0 * (1.0 + 0.1 * (n - n0) / max(n0, 1)) for n in range(max_tokens + 1)]
+
+
+class DraftCosts(TargetCosts):
+    """T_draft(k): seconds a drafter takes to propose k tokens, smoothed like the target's.
+
+    A draft model pays a fixed cost per call (rewinding, reading the target's correction,
+    the host sync) besides one forward per token, so per-token cost is not constant: measured
+    at k = 1 and charged per token it overstates what a longer draft adds (by ~70% on the
+    demo pair), which pinned auto at short drafts. A line through the lengths timed gives
+    both parts; before a second length is timed, the cost is taken as proportional to k.
+    """
+
+    @staticmethod
+    def _one_point_line(n0: int, t0: float, max_tokens: int) -> list[float]:
+        return [t0 * n / n0 for n in range(max_tokens + 1)]
 
 
 def _non_decreasing(values: list[float], weights: list[float]) -> list[float]:
@@ -138,7 +159,7 @@ class DraftLengthController:
     def __post_init__(self) -> None:
         self.tried = [0.0] * (self.max_draft_len + 1)  # index i: draft position i (1-based)
         self.accepted = [0.0] * (self.max_draft_len + 1)
-        self.draft_token_seconds: float | None = None
+        self.draft_costs = DraftCosts()  # T_draft(k), this drafter's own
         self.probe_gap = self.first_probe_gap
         self.steps_since_probe = 0
         self.speculating = True
@@ -179,7 +200,7 @@ class DraftLengthController:
 
     def expected_rates(self, limit: int) -> list[float | None]:
         """``expected_rate(k)`` for k = 0..limit in one pass (this runs every verify step)."""
-        draft_seconds = self.draft_token_seconds
+        draft_costs = self.draft_costs.table(limit)
         costs = self.target_costs.table(limit + 1)
         accept = self.acceptances(limit)
         rates: list[float | None] = []
@@ -188,11 +209,11 @@ class DraftLengthController:
             if k:
                 chain *= accept[k]
                 tokens += chain
-            verify = costs[k + 1]
-            if verify is None or (k and draft_seconds is None):
+            verify, draft = costs[k + 1], (draft_costs[k] if k else 0.0)
+            if verify is None or draft is None:
                 rates.append(None)
             else:
-                rates.append(tokens / (verify + k * (draft_seconds or 0.0)))
+                rates.append(tokens / (verify + draft))
         return rates
 
     # ---- decisions ----------------------------------------------------------------
@@ -217,7 +238,7 @@ class DraftLengthController:
     def _explore(self, limit: int) -> int:
         """Before costs are known: measure plain and a few draft lengths once each."""
         for k in (0, min(4, limit), 1, limit):
-            if not self.target_costs.known(k + 1) or (k and self.draft_token_seconds is None):
+            if not self.target_costs.known(k + 1) or (k and not self.draft_costs.seconds):
                 return k
         return min(4, limit)
 
@@ -232,24 +253,45 @@ class DraftLengthController:
 
     def observe(self, drafted: int, accepted: int, draft_seconds: float, verify_seconds: float) -> None:
         """Learn from one verify step: ``drafted`` proposed, ``accepted`` taken."""
+        self._learn_acceptance(drafted, accepted)
+        self.observe_costs(drafted, draft_seconds, verify_seconds)
+
+    def observe_acceptance(self, drafted: int, accepted: int) -> None:
+        """Of ``drafted`` tokens in a row, the first ``accepted`` were (or would have been) right.
+
+        For a cheap drafter the engine scores whole proposals against the output that
+        followed, also the tokens it cut off or never verified: free evidence on positions
+        the chosen length never reaches, and while speculation is off, without probes.
+        """
         if drafted:
-            # Old evidence ages only as new evidence arrives: while speculation is off,
-            # what was learned stays, so a probe is weighed against it, not against the prior.
-            for position in range(1, self.max_draft_len + 1):
-                self.tried[position] *= self.decay
-                self.accepted[position] *= self.decay
+            self._learn_acceptance(drafted, accepted)
+            self._update_gate(probed=False)
+
+    def observe_costs(self, drafted: int, draft_seconds: float, verify_seconds: float) -> None:
+        """One verify pass over ``drafted`` + 1 tokens, after ``draft_seconds`` of drafting."""
+        self.target_costs.observe(drafted + 1, verify_seconds)
+        if drafted:
+            self.draft_costs.observe(drafted, draft_seconds)
+            self._update_gate(probed=True)
+
+    def _learn_acceptance(self, drafted: int, accepted: int) -> None:
+        if not drafted:
+            return
+        # Old evidence ages only as new evidence arrives: while speculation is off,
+        # what was learned stays, so a probe is weighed against it, not against the prior.
+        for position in range(1, self.max_draft_len + 1):
+            self.tried[position] *= self.decay
+            self.accepted[position] *= self.decay
         for position in range(1, min(drafted, self.max_draft_len) + 1):
             if position <= accepted + 1:
                 self.tried[position] += 1.0
             if position <= accepted:
                 self.accepted[position] += 1.0
-        self.target_costs.observe(drafted + 1, verify_seconds)
-        if drafted:
-            self.draft_token_seconds = _blend(self.draft_token_seconds, draft_seconds / drafted, 0.3)
-            self._update_gate()
 
-    def _update_gate(self) -> None:
-        """Stop speculating when plain decoding is expected to be faster; back off probes."""
+    def _update_gate(self, probed: bool) -> None:
+        """Stop speculating when plain decoding is expected to be faster; switch back on when
+        not. ``probed``: the evidence came from drafting while off, which, when it still
+        loses, doubles the gap before the next probe."""
         rates = self.expected_rates(self.max_draft_len)
         plain = rates[0]
         if plain is None:
@@ -259,10 +301,49 @@ class DraftLengthController:
             self.speculating = True
             self.probe_gap = self.first_probe_gap
         else:
-            if not self.speculating:
+            if not self.speculating and probed:
                 self.probe_gap = min(self.probe_gap * 2, self.max_probe_gap)
+            if self.speculating:
+                self.steps_since_probe = 0
             self.speculating = False
-            self.steps_since_probe = 0
+
+
+class ProposalScores:
+    """Scores cheap drafters' whole proposals against the output that follows them.
+
+    A prompt-lookup or n-gram proposal costs nothing to make, so its tokens past the
+    length verified (or all of them, when it was passed over or speculation was off)
+    can still be checked as generation goes on: token i is counted right when the output
+    at that position is the proposed token. At temperature 0 that is exactly whether the
+    target would have accepted it; above 0 it happens with probability p_target(token),
+    which is the chance a one-hot draft is accepted, so the estimates stay unbiased.
+    """
+
+    def __init__(self) -> None:
+        self._pending: list[tuple[DraftLengthController, int, tuple[int, ...]]] = []
+
+    def add(self, controller: DraftLengthController, start: int, tokens: tuple[int, ...]) -> None:
+        """A proposal for the tokens from context position ``start`` on."""
+        if tokens:
+            self._pending.append((controller, start, tokens))
+
+    def score(self, context: Sequence[int]) -> None:
+        """Settle every proposal whose fate the context now decides (a miss, or all matched)."""
+        still = []
+        for controller, start, tokens in self._pending:
+            known = min(len(tokens), len(context) - start)
+            right = 0
+            while right < known and context[start + right] == tokens[right]:
+                right += 1
+            if right < known or right == len(tokens):
+                controller.observe_acceptance(len(tokens), right)
+            else:
+                still.append((controller, start, tokens))
+        self._pending = still
+
+    def clear(self) -> None:
+        """Drop unsettled proposals (the generation ended before their end)."""
+        self._pending.clear()
 
 
 def _blend(old: float | None, new: float, weight: float) -> float:

@@ -16,7 +16,7 @@ from time import perf_counter
 
 import numpy as np
 
-from specrun.adaptive import DraftLengthController, TargetCosts
+from specrun.adaptive import DraftLengthController, ProposalScores, TargetCosts
 from specrun.backends.base import Backend
 from specrun.drafters.base import EMPTY_PROPOSAL, Drafter, Proposal
 from specrun.errors import ContextFullError, UsageError
@@ -26,9 +26,6 @@ from specrun.sampling import SamplingSettings, probabilities, sample
 from specrun.stats import Stats
 from specrun.verify import Verdict, verify_greedy, verify_sampled
 
-# An adaptive chain that passes over a cheap drafter for the draft model still takes its
-# proposal once in this many declines, so the cheap drafter's estimates stay current.
-CHEAP_PROBE_GAP = 16
 
 @dataclass(frozen=True)
 class GenerationParams:
@@ -107,7 +104,7 @@ class SpeculativeEngine:
         self.target = sequence_for(target)
         self.clock = clock  # injectable so tests can give fake models exact costs
         self.last_context: list[int] = []  # prompt + output of the latest run
-        self._cheap_declines: dict[str, int] = {}  # by source: cheap proposals passed over for the draft model
+        self._scores = ProposalScores()  # cheap proposals awaiting the output that settles them
         # Adaptive draft lengths, one controller per proposal source; kept across runs.
         self.target_costs = TargetCosts()
         self.controllers: dict[str, DraftLengthController] = {}
@@ -117,7 +114,7 @@ class SpeculativeEngine:
         """Drop what the controllers learned about acceptance and draft costs; keep the target's
         verify costs (what `specrun tune` would give a fresh run)."""
         self.controllers.clear()
-        self._cheap_declines.clear()
+        self._scores.clear()
 
     def set_drafter(self, drafter: Drafter | None, method: str | None = None) -> None:
         """Speculate with ``drafter`` from the next run on (chat's /method); the caller closes the old one."""
@@ -153,6 +150,7 @@ class SpeculativeEngine:
         adaptive = (params.adaptive or is_adaptive(self.method)) and self.drafter is not None
         policy_sources = self._install_length_policies(params.draft_len, adaptive)
         measured = adaptive or bool(policy_sources)  # steps feed the controllers
+        self._scores.clear()
 
         # Drafts for the first token, made before the prefill: when there are some, the
         # prefill stops one token short and the first verify pass feeds that token with
@@ -191,13 +189,16 @@ class SpeculativeEngine:
                     self.target.rewind(len(context) + verdict.n_accepted)
                     if measured:
                         draft_seconds = t_verify - t_draft - proposal.catch_up_seconds
-                        self._observe(proposal, verdict, draft_seconds, self.clock() - t_verify, params, adaptive)
+                        self._observe(
+                            proposal, verdict, draft_seconds, self.clock() - t_verify, params, adaptive, policy_sources
+                        )
                 emitted = [*proposal.tokens[: verdict.n_accepted], verdict.next_token]
                 hit_eos = next((i for i, t in enumerate(emitted) if t in eos_ids), None)
                 if hit_eos is not None:
                     emitted = emitted[: hit_eos + 1]
                 emitted = emitted[:remaining]
                 context.extend(emitted)
+                self._scores.score(context)
                 step = Step(
                     tuple(emitted),
                     len(proposal.tokens),
@@ -222,7 +223,12 @@ class SpeculativeEngine:
         if self.drafter is None or draft_len <= 0:
             return EMPTY_PROPOSAL
         proposal = self.drafter.propose(context, draft_len, sampling, rng)
-        if adaptive and proposal.tokens and proposal.source not in policy_sources:
+        if not adaptive:
+            return proposal
+        for made in (*getattr(self.drafter, "passed_over", ()), proposal):
+            if made.tokens and made.source not in policy_sources:  # a cheap drafter's: score it whole
+                self._scores.add(self._controller_for(made.source, params.draft_len), len(context), made.tokens)
+        if proposal.tokens and proposal.source not in policy_sources:
             # A cheap drafter's tokens cost nothing to drop: keep the worthwhile prefix.
             keep = self._controller_for(proposal.source, params.draft_len).choose(len(proposal))
             proposal = proposal.prefix(keep)
@@ -266,8 +272,8 @@ class SpeculativeEngine:
 
         Both sides from measured figures: the cheap source's acceptance by position and
         the target's verify costs, against the best rate the draft model's controller
-        expects. Unmeasured sides are explored; a declined source is still taken now and
-        then (every CHEAP_PROBE_GAP declines) so its estimates do not go stale.
+        expects. Unmeasured sides are explored. A declined proposal is still scored
+        against the output (ProposalScores), so the cheap source's estimates stay current.
         """
         cheap = self._controller_for(proposal.source, max_draft_len)
         cheap_rates = cheap.expected_rates(min(len(proposal), max_draft_len))
@@ -278,15 +284,17 @@ class SpeculativeEngine:
             return True
         if any(None in rates for rates in paid_rates):
             return False  # the draft model has not been timed yet: try it
-        if max(cheap_rates) >= max(max(rates[1:]) for rates in paid_rates):
-            return True
-        declined = self._cheap_declines[proposal.source] = self._cheap_declines.get(proposal.source, 0) + 1
-        return declined % CHEAP_PROBE_GAP == 0
+        return max(cheap_rates) >= max(max(rates[1:]) for rates in paid_rates)
 
-    def _observe(self, proposal, verdict: Verdict, draft_s: float, verify_s: float, params, adaptive: bool) -> None:
+    def _observe(
+        self, proposal, verdict: Verdict, draft_s: float, verify_s: float, params, adaptive: bool, paid: set[str]
+    ) -> None:
         if proposal.tokens:
             controller = self._controller_for(proposal.source, params.draft_len, fixed=not adaptive)
-            controller.observe(len(proposal.tokens), verdict.n_accepted, draft_s, verify_s)
+            if adaptive and proposal.source not in paid:  # its acceptance comes from ProposalScores
+                controller.observe_costs(len(proposal.tokens), draft_s, verify_s)
+            else:
+                controller.observe(len(proposal.tokens), verdict.n_accepted, draft_s, verify_s)
         else:
             self.target_costs.observe(1, verify_s)  # a plain pass: what speculating must beat
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from fake_models import hashed_logits
-from specrun.adaptive import DraftLengthController, TargetCosts
+from specrun.adaptive import DraftCosts, DraftLengthController, TargetCosts
 from specrun.backends.fake import FakeBackend
 from specrun.drafters.base import Proposal
 from specrun.drafters.chain import ChainDrafter
@@ -109,7 +109,7 @@ def test_a_draft_models_catch_up_on_the_prompt_is_not_charged_as_drafting():
     assert result.stats.drafted > 0
     # drafting itself: each pass reads one token (two after a full accept); the prompt's
     # 0.66 seconds charged per drafted token would make this 0.21 or more
-    assert controller.draft_token_seconds == pytest.approx(0.1 + 0.01, rel=0.05)
+    assert controller.draft_costs(1) == pytest.approx(0.1 + 0.01, rel=0.05)
     assert controller.speculating
 
 
@@ -126,6 +126,50 @@ def test_target_costs_are_non_decreasing_and_shrug_off_a_single_slow_pass():
     for _ in range(20):  # a lasting slowdown does get through, a few percent per pass
         costs.observe(6, 5.0)
     assert costs(6) > 4.5
+
+
+def test_draft_costs_keep_the_fixed_cost_per_call_apart_from_the_cost_per_token():
+    """Found on the demo pair: one draft call costs ~0.45 ms besides ~0.75 ms per token, so
+    charging the k = 1 cost per token made each longer draft look 70% dearer than it is."""
+    costs = DraftCosts()
+    costs.observe(1, 1.2)
+    assert costs(4) == pytest.approx(4.8)  # one length timed: proportional to k
+    for _ in range(6):
+        for k in (1, 2, 3):
+            costs.observe(k, 0.45 + 0.75 * k)
+    assert costs(1) == pytest.approx(1.2, rel=0.02)
+    assert costs(6) == pytest.approx(0.45 + 0.75 * 6, rel=0.05)  # the line, not 6 × 1.2
+
+
+def test_a_draft_with_a_cost_per_call_is_drafted_long_enough():
+    """With a fixed cost per draft call, the controller must not stop at k = 1 out of a
+    per-token cost measured there: here k = 1 pays 0.5 + 0.05 per call, and k = 4 wins."""
+    clock = SimClock()
+    table = hashed_logits(VOCAB, salt=5, spread=3.0)
+    target = CostedFake(table, clock, 1.0, 0.05)
+
+    draft = CostedFake(agreeing_draft(table, 0.8), clock, 0.05, 0.0)
+    drafter = DraftModelDrafter(draft)
+    real_propose = drafter.propose
+
+    def propose_with_call_cost(context, draft_len, sampling, rng):
+        proposal = real_propose(context, draft_len, sampling, rng)
+        if proposal.tokens:
+            clock.now += 0.5  # the fixed part of a draft call
+        return proposal
+
+    drafter.propose = propose_with_call_cost
+    engine = SpeculativeEngine(target, drafter, clock=clock)
+    result = engine.run([1, 2, 3], GenerationParams(2000, draft_len=8, adaptive=True), complete_cache=False)
+
+    def rate(k):
+        tokens = (1 - 0.8 ** (k + 1)) / (1 - 0.8)
+        return tokens / ((0.5 + 0.05 * k if k else 0.0) + 1.0 + 0.05 * (k + 1))
+
+    best = max(rate(k) for k in range(9))
+    assert max(range(9), key=rate) >= 4
+    measured = result.stats.new_tokens / result.stats.generation_seconds
+    assert measured >= 0.9 * best, (measured, best)
 
 
 def test_target_costs_from_random_passes_are_always_non_decreasing():

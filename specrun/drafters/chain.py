@@ -32,6 +32,8 @@ class ChainDrafter:
     ``worth_taking``, set by an adaptive engine, replaces the ``min_tokens`` rule for
     every member but the last: it sees a cheap proposal and says whether it beats
     asking the members after it (measured acceptance and costs, not a fixed length).
+    ``passed_over`` keeps the proposals of the latest call that were made but not
+    returned, so the engine can still score them against the output that follows.
     ``finish`` and ``close`` go to every member, so
     a draft model skipped for many steps still ends with its cache holding exactly
     the context (it also catches up by itself on its next ``propose``).
@@ -45,6 +47,7 @@ class ChainDrafter:
         self.name = "+".join(drafter.name for drafter in self.drafters)
         self.asked: Counter[str] = Counter()
         self.worth_taking: Callable[[Proposal], bool] | None = None
+        self.passed_over: list[Proposal] = []  # the latest call's proposals that were not returned
 
     def propose(
         self,
@@ -56,6 +59,7 @@ class ChainDrafter:
         enough = min(self.min_tokens, draft_len)
         best = EMPTY_PROPOSAL
         last = len(self.drafters) - 1
+        self.passed_over = []
         for index, drafter in enumerate(self.drafters):
             self.asked[drafter.name] += 1
             proposal = drafter.propose(context, draft_len, sampling, rng)
@@ -64,8 +68,11 @@ class ChainDrafter:
                     return proposal
             elif len(proposal) >= enough:
                 return proposal
+            if proposal.tokens:
+                self.passed_over.append(proposal)
             if len(proposal) > len(best):
                 best = proposal
+        self.passed_over = [proposal for proposal in self.passed_over if proposal is not best]
         return best
 
     def finish(self, context: Sequence[int]) -> None:
