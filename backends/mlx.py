@@ -8,7 +8,10 @@ mlx-lm's generate loop:
   first requested row are fed in chunks whose logits are never evaluated (MLX is
   lazy, so the unused lm_head products are never computed), and greedy argmax is
   taken on the device so only ids cross to NumPy. ``forward_greedy`` chains several
-  greedy steps on the device with a single host sync, as mlx-lm's drafting does.
+  greedy steps on the device with a single host sync, as mlx-lm's drafting does;
+  ``forward_greedy_deferred`` skips even that sync, and a target's
+  ``forward_argmax_after`` queues its verify pass on the draft's ids still on the
+  device, so one sync serves draft and verify (mlx-lm's loop runs the same way).
 - Rewinds are exact. Caches that can drop their tail (``KVCache``) are trimmed.
   Caches that cannot (``RotatingKVCache`` for sliding-window layers, recurrent
   ``ArraysCache`` state) are restored from a checkpoint taken before each forward,
@@ -36,6 +39,9 @@ from specrun.errors import BackendUnavailableError, ContextFullError, ModelFileE
 
 DEFAULT_CTX = 4096
 PREFILL_CHUNK = 512  # tokens per forward when no logits are wanted (bounds activation memory)
+# Tokens forward_greedy feeds with its first pass; longer inputs (a prompt) go unread first,
+# since every row of a pass pays for its lm_head product.
+GREEDY_JOIN_TOKENS = 2
 MAX_CHECKPOINTS = 64  # checkpoints kept for non-trimmable caches: enough for one draft of up to 63 tokens
 REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 # What mlx_lm.load reads, minus model code (*.py): specrun never runs code from a model repo.
@@ -192,6 +198,40 @@ class TokenBytes:
         return self._hf.decode([token], skip_special_tokens=False).encode("utf-8")
 
 
+# ---- greedy ids left on the device --------------------------------------------------
+class DeferredIds:
+    """Greedy ids (n,) still on the device, so a verify pass can be built on them unsynced.
+
+    mlx-lm's speculative loop queues the draft's passes and the target's verify as one
+    graph and syncs once; a host sync between them costs ~3% of a step on the demo pair.
+    ``resolve`` evaluates the ids (if nothing has yet), copies them to NumPy once and
+    runs the hooks that record them as fed (the backend's token list, a KVSequence's).
+    """
+
+    def __init__(self, array, hooks) -> None:
+        self.array = array  # (n,) uint32, lazy
+        self._hooks = list(hooks)
+        self._ids: np.ndarray | None = None
+
+    def __len__(self) -> int:
+        return int(self.array.shape[0])
+
+    def add_hook(self, hook) -> None:
+        """Run ``hook(ids)`` when the ids resolve (now, if they have)."""
+        if self._ids is None:
+            self._hooks.append(hook)
+        else:
+            hook(self._ids)
+
+    def resolve(self) -> np.ndarray:
+        if self._ids is None:
+            self._ids = np.array(self.array).astype(np.int64)
+            hooks, self._hooks = self._hooks, []
+            for hook in hooks:
+                hook(self._ids)
+        return self._ids
+
+
 # ---- checkpoints for caches that cannot be trimmed ---------------------------------
 @dataclass(frozen=True)
 class Checkpoint:
@@ -231,6 +271,7 @@ class MlxBackend:
         self.vocab = self._read_vocab_info()
         self._token_bytes = TokenBytes(self._hf)
         self._tokens: list[int] = []  # what the cache holds, for replays after a checkpoint restore
+        self._deferred: DeferredIds | None = None  # greedy ids queued but not yet in _tokens
         self._new_cache()
 
     # ---- vocabulary ---------------------------------------------------------------
@@ -264,7 +305,14 @@ class MlxBackend:
     # ---- the cache ------------------------------------------------------------------
     @property
     def n_past(self) -> int:
+        self._settle()
         return len(self._tokens)
+
+    def _settle(self) -> None:
+        """Resolve queued greedy ids before anything else reads or moves the cache."""
+        if self._deferred is not None:
+            deferred, self._deferred = self._deferred, None
+            deferred.resolve()
 
     @property
     def needs_checkpoints(self) -> bool:
@@ -272,6 +320,7 @@ class MlxBackend:
         return self._needs_checkpoints
 
     def _new_cache(self) -> None:
+        self._deferred = None
         self._cache = self._lm_cache.make_prompt_cache(self.model)
         self._needs_checkpoints = any(type(layer).__name__ not in ALWAYS_TRIMMABLE for layer in self._cache)
         self._checkpoints: deque[Checkpoint] = deque(maxlen=MAX_CHECKPOINTS)
@@ -291,28 +340,66 @@ class MlxBackend:
         """Feed ``tokens``, then extend them greedily by ``n_new`` ids (n_new,) with one host sync.
 
         Each id is fed back as a device array, so the n_new forwards queue up without
-        waiting on Python (mlx-lm drafts the same way). The cache ends exactly as
-        n_new successive ``forward_argmax`` calls leave it: ``tokens`` plus the first
+        waiting on Python (mlx-lm drafts the same way). Up to GREEDY_JOIN_TOKENS
+        tokens (a drafter's catch-up: its last draft and the bonus token) go in with
+        the first greedy pass rather than in a pass of their own: the extra logits rows
+        cost less than a separate forward and its host sync. The cache ends as n_new
+        successive ``forward_argmax`` calls leave it: ``tokens`` plus the first
         n_new - 1 ids. Caches that need checkpoints take that slower path instead.
         """
+        if self.needs_checkpoints:
+            tokens = [int(t) for t in tokens]
+            if not tokens or n_new < 1:
+                raise ValueError("forward_greedy needs at least one token and n_new >= 1")
+            return self._greedy_one_by_one(tokens, n_new)
+        return self.forward_greedy_deferred(tokens, n_new).resolve()
+
+    @property
+    def can_defer(self) -> bool:
+        """Whether ``forward_greedy_deferred`` works here (not for caches that need checkpoints)."""
+        return not self.needs_checkpoints
+
+    def forward_greedy_deferred(self, tokens: Sequence[int], n_new: int) -> DeferredIds:
+        """``forward_greedy`` without its host sync: the ids stay on the device until resolved,
+        by a target's ``forward_argmax_after`` or by the next use of this backend."""
         tokens = [int(t) for t in tokens]
         if not tokens or n_new < 1:
             raise ValueError("forward_greedy needs at least one token and n_new >= 1")
         if self.needs_checkpoints:
-            return self._greedy_one_by_one(tokens, n_new)
+            raise ValueError("a cache that needs checkpoints cannot defer its greedy ids")
         self._check_room(len(tokens) + n_new - 1)
         mx = self._mx
-        self._feed_unread(tokens[:-1])
-        step_input = mx.array(tokens[-1:])  # (1,)
+        joined = len(tokens) if len(tokens) <= GREEDY_JOIN_TOKENS else 1
+        self._feed_unread(tokens[:-joined])
+        step_input = mx.array(tokens[-joined:])  # (J,), then (1,)
         ids = []
         for _ in range(n_new):
-            logits = self.model(step_input[None], cache=self._cache)  # (1, 1, V)
-            step_input = mx.argmax(self._fit_vocab(logits[0]), axis=-1)  # (1,), left on the device
+            logits = self.model(step_input[None], cache=self._cache)  # (1, J or 1, V)
+            step_input = mx.argmax(self._fit_vocab(logits[0, -1:]), axis=-1)  # (1,), left on the device
             mx.async_eval(step_input)
             ids.append(step_input)
-        out = np.array(mx.concatenate(ids)).astype(np.int64)  # (n_new,)
-        self._tokens.extend([tokens[-1], *out[:-1].tolist()])
-        return out
+        self._tokens.extend(tokens[-joined:])
+        deferred = DeferredIds(mx.concatenate(ids), [lambda out: self._tokens.extend(out[:-1].tolist())])
+        self._deferred = deferred
+        return deferred
+
+    def forward_argmax_after(self, tokens: Sequence[int], deferred: DeferredIds) -> tuple[np.ndarray, np.ndarray]:
+        """Feed ``tokens`` and then a draft's deferred ids in one pass: the argmax at every fed
+        row (len(tokens) + n,) and the ids (n,), from one host sync for both models."""
+        tokens = [int(t) for t in tokens]
+        self._check_room(len(tokens) + len(deferred))
+        if self.needs_checkpoints:  # replays after a restore need the ids on the host first
+            ids = deferred.resolve()
+            fed = [*tokens, *ids.tolist()]
+            return self.forward_argmax(fed, range(len(fed))), ids
+        mx = self._mx
+        fed = mx.concatenate([mx.array(tokens, dtype=deferred.array.dtype), deferred.array])  # (T + n,)
+        logits = self.model(fed[None], cache=self._cache)  # (1, T + n, V)
+        argmax = mx.argmax(self._fit_vocab(logits[0]), axis=-1)  # (T + n,)
+        mx.eval(argmax, deferred.array)
+        ids = deferred.resolve()
+        self._tokens.extend([*tokens, *ids.tolist()])
+        return np.array(argmax).astype(np.int64), ids
 
     def _greedy_one_by_one(self, tokens: list[int], n_new: int) -> np.ndarray:
         ids = [int(self.forward_argmax(tokens, [len(tokens) - 1])[0])]
@@ -422,6 +509,7 @@ class MlxBackend:
         return state
 
     def close(self) -> None:
+        self._deferred = None
         self._cache = []
         self._checkpoints.clear()
         self._tokens.clear()

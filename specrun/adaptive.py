@@ -256,17 +256,18 @@ class DraftLengthController:
         self._learn_acceptance(drafted, accepted)
         self.observe_costs(drafted, draft_seconds, verify_seconds)
 
-    def observe_acceptance(self, drafted: int, accepted: int) -> None:
+    def observe_acceptance(self, drafted: int, accepted: int, first_position: int = 1) -> None:
         """Of ``drafted`` tokens in a row, the first ``accepted`` were (or would have been) right.
 
         For a cheap drafter the engine scores whole proposals against the output that
         followed, also the tokens it cut off or never verified: free evidence on positions
         the chosen length never reaches, and while speculation is off, without probes.
+        ``first_position`` > 1 adds the later positions of a proposal whose first ones
+        were recorded already (while the output had not yet reached the rest).
         """
-        if drafted:
-            self._learn_acceptance(drafted, accepted)
+        if drafted >= first_position:
+            self._learn_acceptance(drafted, accepted, first_position)
             self._update_gate(probed=False)
-
     def observe_costs(self, drafted: int, draft_seconds: float, verify_seconds: float) -> None:
         """One verify pass over ``drafted`` + 1 tokens, after ``draft_seconds`` of drafting."""
         self.target_costs.observe(drafted + 1, verify_seconds)
@@ -274,15 +275,16 @@ class DraftLengthController:
             self.draft_costs.observe(drafted, draft_seconds)
             self._update_gate(probed=True)
 
-    def _learn_acceptance(self, drafted: int, accepted: int) -> None:
+    def _learn_acceptance(self, drafted: int, accepted: int, first_position: int = 1) -> None:
         if not drafted:
             return
-        # Old evidence ages only as new evidence arrives: while speculation is off,
-        # what was learned stays, so a probe is weighed against it, not against the prior.
-        for position in range(1, self.max_draft_len + 1):
-            self.tried[position] *= self.decay
-            self.accepted[position] *= self.decay
-        for position in range(1, min(drafted, self.max_draft_len) + 1):
+        if first_position == 1:  # a new proposal (not the rest of one already counted)
+            # Old evidence ages only as new evidence arrives: while speculation is off,
+            # what was learned stays, so a probe is weighed against it, not against the prior.
+            for position in range(1, self.max_draft_len + 1):
+                self.tried[position] *= self.decay
+                self.accepted[position] *= self.decay
+        for position in range(first_position, min(drafted, self.max_draft_len) + 1):
             if position <= accepted + 1:
                 self.tried[position] += 1.0
             if position <= accepted:
@@ -320,25 +322,30 @@ class ProposalScores:
     """
 
     def __init__(self) -> None:
-        self._pending: list[tuple[DraftLengthController, int, tuple[int, ...]]] = []
+        # (controller, start, tokens, positions already recorded)
+        self._pending: list[tuple[DraftLengthController, int, tuple[int, ...], int]] = []
 
     def add(self, controller: DraftLengthController, start: int, tokens: tuple[int, ...]) -> None:
         """A proposal for the tokens from context position ``start`` on."""
         if tokens:
-            self._pending.append((controller, start, tokens))
+            self._pending.append((controller, start, tokens, 0))
 
     def score(self, context: Sequence[int]) -> None:
-        """Settle every proposal whose fate the context now decides (a miss, or all matched)."""
+        """Record what the context now decides: a miss or a full match settles a proposal;
+        a match so far is recorded up to where the output reaches, the rest later, so the
+        controller learns from a step at once and not only once the output covers the proposal."""
         still = []
-        for controller, start, tokens in self._pending:
+        for controller, start, tokens, recorded in self._pending:
             known = min(len(tokens), len(context) - start)
             right = 0
             while right < known and context[start + right] == tokens[right]:
                 right += 1
             if right < known or right == len(tokens):
-                controller.observe_acceptance(len(tokens), right)
-            else:
-                still.append((controller, start, tokens))
+                controller.observe_acceptance(len(tokens), right, first_position=recorded + 1)
+                continue
+            if known > recorded:
+                controller.observe_acceptance(known, known, first_position=recorded + 1)
+            still.append((controller, start, tokens, max(known, recorded)))
         self._pending = still
 
     def clear(self) -> None:

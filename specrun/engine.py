@@ -150,7 +150,16 @@ class SpeculativeEngine:
         adaptive = (params.adaptive or is_adaptive(self.method)) and self.drafter is not None
         policy_sources = self._install_length_policies(params.draft_len, adaptive)
         measured = adaptive or bool(policy_sources)  # steps feed the controllers
+        fused = not measured and self._can_fuse(sampling)
         self._scores.clear()
+
+        # The drafters read the prompt first, timed as prefill like the target's: a draft
+        # model's prompt pass is prompt processing, not the cost of drafting tokens.
+        started = self.clock()
+        drafter_prefill = getattr(self.drafter, "prefill", None)
+        if drafter_prefill is not None and params.max_new_tokens > 1 and params.draft_len > 0:
+            drafter_prefill(context)
+        stats.prefill_seconds = self.clock() - started
 
         # Drafts for the first token, made before the prefill: when there are some, the
         # prefill stops one token short and the first verify pass feeds that token with
@@ -163,7 +172,7 @@ class SpeculativeEngine:
         started = self.clock()
         # (V,): the distribution after the prompt, unless the first verify pass yields it.
         prompt_logits = self._prefill(context, with_logits=not pending.tokens)
-        stats.prefill_seconds = self.clock() - started
+        stats.prefill_seconds += self.clock() - started
 
         started = self.clock() - carried_draft_seconds  # drafting is generation time
         try:
@@ -179,12 +188,15 @@ class SpeculativeEngine:
                     verdict = Verdict(0, self._pick(prompt_logits, sampling, rng))
                     prompt_logits = None
                 else:
-                    proposal = pending if pending.tokens else self._propose(
-                        context, remaining, params, sampling, rng, adaptive, policy_sources
-                    )
-                    pending = EMPTY_PROPOSAL
-                    t_verify = self.clock()
-                    verdict = self._verify(context[-1], proposal.tokens, proposal.p_draft, sampling, rng)
+                    if fused and not pending.tokens:
+                        proposal, verdict, t_verify = self._fused_greedy_step(context, remaining, params)
+                    else:
+                        proposal = pending if pending.tokens else self._propose(
+                            context, remaining, params, sampling, rng, adaptive, policy_sources
+                        )
+                        pending = EMPTY_PROPOSAL
+                        t_verify = self.clock()
+                        verdict = self._verify(context[-1], proposal.tokens, proposal.p_draft, sampling, rng)
                     # Keep the fed last token and the accepted drafts; drop the rejected tail.
                     self.target.rewind(len(context) + verdict.n_accepted)
                     if measured:
@@ -217,9 +229,35 @@ class SpeculativeEngine:
             stats.generation_seconds = self.clock() - started
         self.last_context = context
 
+    def _draft_len(self, context, remaining: int, params) -> int:
+        """The longest draft worth making: within the answer's length and the context."""
+        return min(params.draft_len, remaining - 1, self.target.backend.n_ctx - len(context) - 1)
+
+    def _can_fuse(self, sampling: SamplingSettings) -> bool:
+        """Can draft and verify run as one device graph (greedy, a lone draft model and a
+        target that both keep ids on the device: MLX)?"""
+        drafter = self.drafter
+        return (
+            hasattr(drafter, "propose_deferred")
+            and drafter.can_defer(sampling)
+            and hasattr(self.target.backend, "forward_argmax_after")
+        )
+
+    def _fused_greedy_step(self, context, remaining: int, params) -> tuple[Proposal, Verdict, float]:
+        """Draft and verify with one host sync: the target's pass is queued on the draft's ids
+        while they are still being computed. Returns the proposal, the verdict and when the
+        drafts were queued (the verify time then includes finishing the draft's passes)."""
+        deferred = self.drafter.propose_deferred(context, self._draft_len(context, remaining, params))
+        t_queued = self.clock()
+        if deferred is None:
+            return EMPTY_PROPOSAL, self._verify(context[-1], (), (), params.sampling, None), t_queued
+        target_argmax, ids = self.target.feed_argmax_after([context[-1]], deferred)  # (k+1,), (k,)
+        drafts = tuple(int(t) for t in ids)
+        return Proposal(drafts, source=self.drafter.name), verify_greedy(drafts, target_argmax), t_queued
+
     def _propose(self, context, remaining: int, params, sampling, rng, adaptive: bool, policy_sources) -> Proposal:
         """The drafter's proposal for the next verify pass, cut to what is worth verifying."""
-        draft_len = min(params.draft_len, remaining - 1, self.target.backend.n_ctx - len(context) - 1)
+        draft_len = self._draft_len(context, remaining, params)
         if self.drafter is None or draft_len <= 0:
             return EMPTY_PROPOSAL
         proposal = self.drafter.propose(context, draft_len, sampling, rng)

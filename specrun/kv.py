@@ -72,6 +72,33 @@ class KVSequence:
             raise
         return ids
 
+    def feed_greedy_deferred(self, tokens: Sequence[int], n_new: int):
+        """``feed_greedy`` whose ids stay on the device (a backend's DeferredIds): they are
+        recorded here when they resolve, in the target's ``feed_argmax_after`` or on the
+        backend's next use."""
+        self._check_in_step()
+        try:
+            deferred = self.backend.forward_greedy_deferred(tokens, n_new)
+        except BaseException:
+            self.repair()
+            raise
+        self.tokens.extend(tokens)
+        deferred.add_hook(lambda ids: self.tokens.extend(int(t) for t in ids[:-1]))
+        return deferred
+
+    def feed_argmax_after(self, tokens: Sequence[int], deferred) -> tuple[np.ndarray, np.ndarray]:
+        """Append ``tokens`` and then another backend's deferred ids in one pass: the argmax
+        at every row fed (len(tokens) + n,) and the ids (n,), with one host sync for both."""
+        self._check_in_step()
+        try:
+            argmax, ids = self.backend.forward_argmax_after(tokens, deferred)
+            self.tokens.extend(tokens)
+            self.tokens.extend(int(t) for t in ids)
+        except BaseException:
+            self.repair()
+            raise
+        return argmax, ids
+
     def _append(self, forward, tokens: Sequence[int], logit_rows: Sequence[int]) -> np.ndarray:
         self._check_in_step()
         try:

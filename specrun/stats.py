@@ -34,7 +34,7 @@ class Stats:
     drafted: int = 0
     accepted: int = 0
     accepted_hist: list[int] = field(default_factory=list)  # [n] = steps that accepted n drafts
-    prefill_seconds: float = 0.0
+    prefill_seconds: float = 0.0  # reading the prompt: the target's pass and the drafters' (a draft model's too)
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
     generation_seconds: float = 0.0  # from the end of prefill to the last token

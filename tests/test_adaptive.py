@@ -346,3 +346,25 @@ def test_a_fixed_chain_keeps_asking_a_draft_model_that_pays():
     # the plain pass that times the target
     assert stats.by_source["none"].steps <= 2
     assert stats.by_source["draft"].steps > stats.by_source["cheap"].steps
+
+
+# ---- scoring cheap proposals against the output ------------------------------------------
+def test_a_cheap_proposal_is_scored_as_far_as_the_output_reaches_then_the_rest():
+    from specrun.adaptive import ProposalScores
+
+    controller = DraftLengthController(max_draft_len=6, decay=0.5)
+    scores = ProposalScores()
+    context = [1, 2, 3]
+    scores.add(controller, len(context), (10, 11, 12, 13))
+    context += [10, 11]  # a step accepted one draft and the bonus token matched the second
+    scores.score(context)
+    assert controller.tried[1:5] == [1.0, 1.0, 0.0, 0.0] and controller.accepted[1:5] == [1.0, 1.0, 0.0, 0.0]
+    context += [12, 99]  # the third was right, the fourth not
+    scores.score(context)
+    # the rest of the same proposal: no second decay of what the first part recorded
+    assert controller.tried[1:6] == [1.0, 1.0, 1.0, 1.0, 0.0]
+    assert controller.accepted[1:6] == [1.0, 1.0, 1.0, 0.0, 0.0]
+    scores.add(controller, len(context), (5, 6))
+    context += [7]  # a miss at once: settled, and the older evidence decays once
+    scores.score(context)
+    assert controller.tried[1:3] == [1.5, 0.5] and controller.accepted[1:3] == [0.5, 0.5]

@@ -450,6 +450,63 @@ def test_mlx_forward_greedy_equals_successive_argmax(tiny_llama, uncuttable_mode
     stepwise.close()
 
 
+def test_mlx_forward_greedy_reads_a_drafters_two_pending_tokens_with_its_first_pass(tiny_llama):
+    """After a full accept a draft model reads its last draft and the bonus token: both go in
+    with the first greedy pass (one pass fewer than feeding them apart), ids and cache unchanged."""
+    joined, apart = open_model("mlx", tiny_llama.hf_dir), open_model("mlx", tiny_llama.hf_dir)
+    ids = joined.tokenize(PROMPTS[2])
+    joined.forward(ids, [])
+    apart.forward(ids, [])
+    got = joined.forward_greedy([7, 9], 4)  # (4,)
+    apart.forward([7], [])
+    expected = [int(apart.forward_argmax([9], [0])[0])]
+    while len(expected) < 4:
+        expected.append(int(apart.forward_argmax(expected[-1:], [0])[0]))
+    assert got.tolist() == expected
+    assert joined.n_past == apart.n_past == len(ids) + 2 + 3
+    np.testing.assert_array_equal(joined.forward(expected[-1:], [0]), apart.forward(expected[-1:], [0]))
+    joined.close()
+    apart.close()
+
+
+def test_mlx_draft_and_verify_run_as_one_graph_and_stay_lossless(tiny_llama, perturbed_llama):
+    """Greedy, fixed draft length, MLX on both sides: the verify pass is built on the draft's
+    ids still on the device (one host sync a step, as in mlx-lm), with the same output."""
+    target, draft = open_model("mlx", tiny_llama.hf_dir), open_model("mlx", perturbed_llama["mlx"])
+    fused_calls = []
+    real = target.forward_argmax_after
+    target.forward_argmax_after = lambda tokens, deferred: fused_calls.append(len(deferred)) or real(tokens, deferred)
+    engine = SpeculativeEngine(target, DraftModelDrafter(draft))
+    for text in PROMPTS[:6]:
+        prompt_ids = target.tokenize(text)
+        plain = engine.run(prompt_ids, GenerationParams(60, 0, stop_at_eos=False)).token_ids
+        spec = engine.run(prompt_ids, GenerationParams(60, draft_len=4, stop_at_eos=False))
+        assert_greedy_equal_or_near_tie("mlx", tiny_llama.hf_dir, prompt_ids, plain, spec.token_ids)
+        full = prompt_ids + spec.token_ids
+        assert target.n_past == draft.n_past == len(full)
+        assert engine.target.tokens == engine.drafter.sequence.tokens == full
+    assert fused_calls and set(fused_calls) <= {1, 2, 3, 4}
+    assert 0.05 < spec.stats.acceptance_rate < 1.0
+    target.close()
+    draft.close()
+
+
+def test_mlx_deferred_ids_settle_when_the_draft_model_is_next_used(tiny_llama):
+    """Ids left on the device (say an interrupt came before the target read them) are
+    recorded by the backend's next use, so its cache and token list stay in step."""
+    from specrun.kv import KVSequence
+
+    model = open_model("mlx", tiny_llama.hf_dir)
+    sequence = KVSequence(model)
+    ids = model.tokenize(PROMPTS[1])
+    deferred = sequence.feed_greedy_deferred(ids, 3)
+    assert model.n_past == len(ids) + 2  # reading n_past resolved them
+    assert sequence.tokens == ids + deferred.resolve()[:-1].tolist()
+    sequence.rewind(len(ids))
+    assert model.n_past == len(sequence) == len(ids)
+    model.close()
+
+
 # ---- choosing a backend ---------------------------------------------------------------
 @pytest.fixture
 def on_platform(monkeypatch):

@@ -75,6 +75,12 @@ class ChainDrafter:
         self.passed_over = [proposal for proposal in self.passed_over if proposal is not best]
         return best
 
+    def prefill(self, context: Sequence[int]) -> None:
+        for drafter in self.drafters:
+            prefill = getattr(drafter, "prefill", None)
+            if prefill is not None:
+                prefill(context)
+
     def finish(self, context: Sequence[int]) -> None:
         for drafter in self.drafters:
             drafter.finish(context)

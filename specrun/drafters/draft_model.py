@@ -56,17 +56,7 @@ class DraftModelDrafter:
             draft_len = self.length_policy(draft_len)
         if draft_len <= 0:
             return EMPTY_PROPOSAL
-        # Keep at least the last context token unfed so its logits come out of this pass.
-        keep = self.sequence.rewind_to_prefix_of(context, limit=len(context) - 1)
-        pending = list(context[keep:])  # always includes the last context token
-        catch_up = 0.0
-        if len(pending) > CATCH_UP_TOKENS:
-            # The prompt, or what other drafters proposed and the target accepted: read it
-            # first, timed apart, so the adaptive controller's cost per drafted token stays true.
-            started = self.clock()
-            self.sequence.feed(pending[:-1])
-            pending = pending[-1:]
-            catch_up = self.clock() - started
+        pending, catch_up = self._catch_up(context)
         exact_vocab = self.target_vocab_size == self.backend.vocab.size
         if sampling.greedy and exact_vocab and self.min_prob <= 0.0:
             # Greedy verification needs no draft distribution: argmax stays in the backend.
@@ -89,6 +79,43 @@ class DraftModelDrafter:
             pending = [token]
         return Proposal(tuple(tokens), tuple(rows), source=self.name, catch_up_seconds=catch_up)
 
+    def _catch_up(self, context: Sequence[int]) -> tuple[list[int], float]:
+        """Bring the cache to the context but for what this call feeds: (those tokens, seconds
+        spent reading context the draft did not draft)."""
+        # Keep at least the last context token unfed so its logits come out of this pass.
+        keep = self.sequence.rewind_to_prefix_of(context, limit=len(context) - 1)
+        pending = list(context[keep:])  # always includes the last context token
+        if len(pending) <= CATCH_UP_TOKENS:
+            return pending, 0.0
+        # The prompt, or what other drafters proposed and the target accepted: read it
+        # first, timed apart, so the adaptive controller's cost per drafted token stays true.
+        started = self.clock()
+        self.sequence.feed(pending[:-1])
+        return pending[-1:], self.clock() - started
+
+    def can_defer(self, sampling: SamplingSettings) -> bool:
+        """Can ``propose_deferred`` draft for these settings: greedy, the full length, no
+        confidence stop, the target's vocabulary, on a backend that keeps ids on the device."""
+        return (
+            sampling.greedy
+            and self.min_prob <= 0.0
+            and self.length_policy is None
+            and self.target_vocab_size == self.backend.vocab.size
+            and getattr(self.backend, "can_defer", False)
+        )
+
+    def propose_deferred(self, context: Sequence[int], draft_len: int):
+        """Greedy drafts left on the device (the backend's DeferredIds), or None for none.
+
+        The target builds its verify pass on them before anything syncs (mlx-lm's loop
+        does the same); only for ``can_defer`` settings.
+        """
+        draft_len = min(draft_len, self.backend.n_ctx - len(context))
+        if draft_len <= 0:
+            return None
+        pending, _ = self._catch_up(context)
+        return self.sequence.feed_greedy_deferred(pending, draft_len)
+
     def _greedy_ids(self, pending: list[int], draft_len: int) -> tuple[int, ...]:
         """``draft_len`` greedy ids, chained on the device where the backend can (one sync)."""
         if getattr(self.backend, "forward_greedy", None) is not None:
@@ -106,6 +133,12 @@ class DraftModelDrafter:
         if len(logits) >= size:
             return logits[:size]
         return np.concatenate([logits, np.full(size - len(logits), -np.inf, dtype=logits.dtype)])
+
+    def prefill(self, context: Sequence[int]) -> None:
+        """Read the prompt before generation starts (the engine times it as prefill, as it does
+        the target's): all of it but the last token, which the first draft pass feeds."""
+        keep = self.sequence.rewind_to_prefix_of(context, limit=len(context) - 1)
+        self.sequence.feed(context[keep:-1])
 
     def finish(self, context: Sequence[int]) -> None:
         self.sequence.sync(context)

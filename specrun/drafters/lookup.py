@@ -127,6 +127,8 @@ class PromptLookupDrafter:
     def finish(self, context: Sequence[int]) -> None:
         self._read(context)
 
+    prefill = finish  # the prompt is indexed before generation, timed as prefill
+
     def close(self) -> None:
         self.mirror.reset()
         self._latest = [{} for _ in self.orders]

@@ -166,6 +166,8 @@ class NgramPoolDrafter:
         """Learn the rest of the generation (the last step's tokens were never proposed from)."""
         self._read(context)
 
+    prefill = finish  # the prompt is learned before generation, timed as prefill
+
     def forget(self) -> None:
         """Start over with an empty pool, as a fresh run without a cache file would (benchmarks)."""
         self._pool.clear()
