@@ -123,8 +123,6 @@ class SpeculativeEngine:
         for member in self._drafter_members():
             if hasattr(member, "target_vocab_size"):  # draft logits must cover the target's ids
                 member.target_vocab_size = self.target.backend.vocab.size
-            if hasattr(member, "clock"):  # the drafter times its catch-up on the engine's clock
-                member.clock = self.clock
 
     def _drafter_members(self) -> tuple:
         if self.drafter is None:
@@ -200,7 +198,7 @@ class SpeculativeEngine:
                     # Keep the fed last token and the accepted drafts; drop the rejected tail.
                     self.target.rewind(len(context) + verdict.n_accepted)
                     if measured:
-                        draft_seconds = t_verify - t_draft - proposal.catch_up_seconds
+                        draft_seconds = t_verify - t_draft  # a draft model's catch-up included: switching costs
                         self._observe(
                             proposal, verdict, draft_seconds, self.clock() - t_verify, params, adaptive, policy_sources
                         )

@@ -95,9 +95,10 @@ def test_a_draft_that_never_matches_costs_almost_nothing():
     assert result.stats.drafted < 0.05 * result.stats.new_tokens  # only occasional probes
 
 
-def test_a_draft_models_catch_up_on_the_prompt_is_not_charged_as_drafting():
+def test_a_draft_model_reads_the_prompt_as_prefill_not_as_drafting():
     """Found on the demo pair: the first step's prompt prefill, charged per drafted token,
-    made the draft look 15x dearer than it is and gated it off for the whole answer."""
+    made the draft look 15x dearer than it is and gated it off for the whole answer. The
+    prompt is now read before generation, timed as prefill."""
     clock = SimClock()
     table = hashed_logits(VOCAB, salt=5, spread=3.0)
     target = CostedFake(table, clock, 1.0, 0.05)
@@ -107,10 +108,12 @@ def test_a_draft_models_catch_up_on_the_prompt_is_not_charged_as_drafting():
     result = engine.run(prompt, GenerationParams(12, draft_len=4, adaptive=True), complete_cache=False)
     controller = engine.controllers["draft"]
     assert result.stats.drafted > 0
-    # drafting itself: each pass reads one token (two after a full accept); the prompt's
-    # 0.66 seconds charged per drafted token would make this 0.21 or more
-    assert controller.draft_costs(1) == pytest.approx(0.1 + 0.01, rel=0.05)
+    # drafting itself: a forward per drafted token (0.11), plus the few tokens a pass reads
+    # besides (the bonus token, a correction) at 0.01 each; the prompt's 0.66 seconds
+    # charged to drafting would make this 0.21 or more
+    assert 0.11 <= controller.draft_costs(1) <= 0.14
     assert controller.speculating
+    assert result.stats.prefill_seconds >= 0.1 + 0.56  # the draft's prompt pass (and the target's)
 
 
 def test_target_costs_are_non_decreasing_and_shrug_off_a_single_slow_pass():

@@ -19,16 +19,12 @@ class Proposal:
     proposal is deterministic (prompt lookup, n-gram: one-hot at the token).
     parents: index of each token's parent in ``tokens`` (-1: the current last
     token). A chain is parents = (-1, 0, 1, …); trees reuse the same shape.
-    catch_up_seconds: of the time spent proposing, what went to reading context the
-    drafter had not seen (a draft model's prompt, or tokens other drafters proposed):
-    not a cost of drafting these tokens, so adaptive control leaves it out.
     """
 
     tokens: tuple[int, ...] = ()
     p_draft: tuple[np.ndarray | None, ...] = ()
     source: str = ""
     parents: tuple[int, ...] = field(default=())
-    catch_up_seconds: float = field(default=0.0, compare=False)  # a measurement, not content
 
     def __post_init__(self) -> None:
         if not self.parents:
@@ -44,7 +40,7 @@ class Proposal:
         if length >= len(self.tokens):
             return self
         return Proposal(
-            self.tokens[:length], self.p_draft[:length], self.source, self.parents[:length], self.catch_up_seconds
+            self.tokens[:length], self.p_draft[:length], self.source, self.parents[:length]
         )
 
     @property

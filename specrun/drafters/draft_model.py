@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from time import perf_counter
 
 import numpy as np
 
@@ -42,7 +41,6 @@ class DraftModelDrafter:
         self.length_policy: Callable[[int], int] | None = None
         # Set by the engine: the target's vocabulary size, when padding makes it differ.
         self.target_vocab_size = backend.vocab.size
-        self.clock: Callable[[], float] = perf_counter  # set by the engine: its own clock
 
     def propose(
         self,
@@ -56,11 +54,11 @@ class DraftModelDrafter:
             draft_len = self.length_policy(draft_len)
         if draft_len <= 0:
             return EMPTY_PROPOSAL
-        pending, catch_up = self._catch_up(context)
+        pending = self._catch_up(context)
         exact_vocab = self.target_vocab_size == self.backend.vocab.size
         if sampling.greedy and exact_vocab and self.min_prob <= 0.0:
             # Greedy verification needs no draft distribution: argmax stays in the backend.
-            return Proposal(self._greedy_ids(pending, draft_len), source=self.name, catch_up_seconds=catch_up)
+            return Proposal(self._greedy_ids(pending, draft_len), source=self.name)
         tokens: list[int] = []
         rows: list[np.ndarray | None] = []
         for _ in range(draft_len):
@@ -77,21 +75,24 @@ class DraftModelDrafter:
                 rows.append(p_draft)
             tokens.append(token)
             pending = [token]
-        return Proposal(tuple(tokens), tuple(rows), source=self.name, catch_up_seconds=catch_up)
+        return Proposal(tuple(tokens), tuple(rows), source=self.name)
 
-    def _catch_up(self, context: Sequence[int]) -> tuple[list[int], float]:
-        """Bring the cache to the context but for what this call feeds: (those tokens, seconds
-        spent reading context the draft did not draft)."""
+    def _catch_up(self, context: Sequence[int]) -> list[int]:
+        """Bring the cache to the context but for the tokens this call feeds with its first pass.
+
+        Those are the last context token, or after a full accept the last draft and the
+        bonus token. Anything more (what other drafters proposed and the target accepted
+        while this model was not asked) is read first in one batch. Its time counts as
+        drafting: it is what switching to the draft model costs at that point (the prompt
+        itself is read in ``prefill``, timed as prefill).
+        """
         # Keep at least the last context token unfed so its logits come out of this pass.
         keep = self.sequence.rewind_to_prefix_of(context, limit=len(context) - 1)
         pending = list(context[keep:])  # always includes the last context token
         if len(pending) <= CATCH_UP_TOKENS:
-            return pending, 0.0
-        # The prompt, or what other drafters proposed and the target accepted: read it
-        # first, timed apart, so the adaptive controller's cost per drafted token stays true.
-        started = self.clock()
+            return pending
         self.sequence.feed(pending[:-1])
-        return pending[-1:], self.clock() - started
+        return pending[-1:]
 
     def can_defer(self, sampling: SamplingSettings) -> bool:
         """Can ``propose_deferred`` draft for these settings: greedy, the full length, no
@@ -113,7 +114,7 @@ class DraftModelDrafter:
         draft_len = min(draft_len, self.backend.n_ctx - len(context))
         if draft_len <= 0:
             return None
-        pending, _ = self._catch_up(context)
+        pending = self._catch_up(context)
         return self.sequence.feed_greedy_deferred(pending, draft_len)
 
     def _greedy_ids(self, pending: list[int], draft_len: int) -> tuple[int, ...]:
