@@ -339,7 +339,7 @@ def test_a_fixed_chain_stops_asking_a_draft_model_that_does_not_pay():
     assert rates["chain"] >= 0.95 * rates["cheap"], rates  # …and the chain hardly pays for it
     draft, plain = stats.by_source["draft"], stats.by_source["none"]
     assert 0 < draft.steps < 0.1 * plain.steps  # probes only: the steps lookup leaves go plain
-    assert draft.drafted == 4 * draft.steps  # when asked, it drafts the fixed length
+    assert draft.drafted == 2 * draft.steps  # first tries and probes draft probe_len, not the full 4
 
 
 def test_a_fixed_chain_keeps_asking_a_draft_model_that_pays():
@@ -349,6 +349,23 @@ def test_a_fixed_chain_keeps_asking_a_draft_model_that_pays():
     # the plain pass that times the target
     assert stats.by_source["none"].steps <= 2
     assert stats.by_source["draft"].steps > stats.by_source["cheap"].steps
+    draft = stats.by_source["draft"]
+    assert draft.drafted >= 4 * draft.steps - 2 * 2  # the fixed length, but for two short first tries
+
+
+def test_a_fixed_length_gate_tries_and_probes_short_and_drafts_in_full_once_it_pays():
+    costs = TargetCosts()
+    costs.preload({1: 1.0, 3: 1.4, 5: 2.0})
+    gate = DraftLengthController(max_draft_len=4, fixed=True, target_costs=costs)
+    assert gate.choose(4) == 2  # no evidence yet: a short first try
+    for _ in range(2):
+        gate.observe(2, 2, 0.1, 1.4)
+    assert gate.speculating and gate.choose(4) == 4
+    for _ in range(6):
+        gate.observe(4, 0, 0.2, 2.0)  # it stops paying: off, then probed short
+    assert not gate.speculating
+    choices = [gate.choose(4) for _ in range(gate.probe_gap)]
+    assert choices[:-1] == [0] * (gate.probe_gap - 1) and choices[-1] == 2
 
 
 # ---- scoring cheap proposals against the output ------------------------------------------
