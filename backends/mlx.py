@@ -232,6 +232,14 @@ class DeferredIds:
         return self._ids
 
 
+def _greedy_input(tokens: Sequence[int], n_new: int) -> list[int]:
+    """The tokens a greedy extension starts from, as ints; at least one, and n_new >= 1."""
+    tokens = [int(t) for t in tokens]
+    if not tokens or n_new < 1:
+        raise ValueError("forward_greedy needs at least one token and n_new >= 1")
+    return tokens
+
+
 # ---- checkpoints for caches that cannot be trimmed ---------------------------------
 @dataclass(frozen=True)
 class Checkpoint:
@@ -348,10 +356,7 @@ class MlxBackend:
         n_new - 1 ids. Caches that need checkpoints take that slower path instead.
         """
         if self.needs_checkpoints:
-            tokens = [int(t) for t in tokens]
-            if not tokens or n_new < 1:
-                raise ValueError("forward_greedy needs at least one token and n_new >= 1")
-            return self._greedy_one_by_one(tokens, n_new)
+            return self._greedy_one_by_one(_greedy_input(tokens, n_new), n_new)
         return self.forward_greedy_deferred(tokens, n_new).resolve()
 
     @property
@@ -362,9 +367,7 @@ class MlxBackend:
     def forward_greedy_deferred(self, tokens: Sequence[int], n_new: int) -> DeferredIds:
         """``forward_greedy`` without its host sync: the ids stay on the device until resolved,
         by a target's ``forward_argmax_after`` or by the next use of this backend."""
-        tokens = [int(t) for t in tokens]
-        if not tokens or n_new < 1:
-            raise ValueError("forward_greedy needs at least one token and n_new >= 1")
+        tokens = _greedy_input(tokens, n_new)
         if self.needs_checkpoints:
             raise ValueError("a cache that needs checkpoints cannot defer its greedy ids")
         self._check_room(len(tokens) + n_new - 1)

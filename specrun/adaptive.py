@@ -94,7 +94,6 @@ class TargetCosts:
         slope = max(sum(w * (n - mean_n) * (t - mean_t) for n, t, w in points) / spread, 0.0)
         return [max(mean_t + slope * (n - mean_n), 1e-9) for n in range(max_tokens + 1)]
 
-
     @staticmethod
     def _one_point_line(n0: int, t0: float, max_tokens: int) -> list[float]:
         """Before a second length is timed: assume a memory-bound pass, each extra token ~10% more."""
@@ -273,6 +272,7 @@ class DraftLengthController:
         if drafted >= first_position:
             self._learn_acceptance(drafted, accepted, first_position)
             self._update_gate(probed=False)
+
     def observe_costs(self, drafted: int, draft_seconds: float, verify_seconds: float) -> None:
         """One verify pass over ``drafted`` + 1 tokens, after ``draft_seconds`` of drafting."""
         self.target_costs.observe(drafted + 1, verify_seconds)

@@ -187,7 +187,7 @@ class SpeculativeEngine:
                     prompt_logits = None
                 else:
                     if fused and not pending.tokens:
-                        proposal, verdict, t_verify = self._fused_greedy_step(context, remaining, params)
+                        proposal, verdict, t_verify = self._fused_greedy_step(context, remaining, params, rng)
                     else:
                         proposal = pending if pending.tokens else self._propose(
                             context, remaining, params, sampling, rng, adaptive, policy_sources
@@ -241,14 +241,14 @@ class SpeculativeEngine:
             and hasattr(self.target.backend, "forward_argmax_after")
         )
 
-    def _fused_greedy_step(self, context, remaining: int, params) -> tuple[Proposal, Verdict, float]:
+    def _fused_greedy_step(self, context, remaining: int, params, rng) -> tuple[Proposal, Verdict, float]:
         """Draft and verify with one host sync: the target's pass is queued on the draft's ids
         while they are still being computed. Returns the proposal, the verdict and when the
         drafts were queued (the verify time then includes finishing the draft's passes)."""
         deferred = self.drafter.propose_deferred(context, self._draft_len(context, remaining, params))
         t_queued = self.clock()
         if deferred is None:
-            return EMPTY_PROPOSAL, self._verify(context[-1], (), (), params.sampling, None), t_queued
+            return EMPTY_PROPOSAL, self._verify(context[-1], (), (), params.sampling, rng), t_queued
         target_argmax, ids = self.target.feed_argmax_after([context[-1]], deferred)  # (k+1,), (k,)
         drafts = tuple(int(t) for t in ids)
         return Proposal(drafts, source=self.drafter.name), verify_greedy(drafts, target_argmax), t_queued

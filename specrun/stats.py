@@ -16,6 +16,11 @@ class SourceCounts:
     drafted: int = 0
     accepted: int = 0
 
+    def add(self, steps: int, drafted: int, accepted: int) -> None:
+        self.steps += steps
+        self.drafted += drafted
+        self.accepted += accepted
+
     @property
     def acceptance_rate(self) -> float:
         return self.accepted / self.drafted if self.drafted else 0.0
@@ -43,10 +48,7 @@ class Stats:
     def record_step(
         self, drafted: int, accepted: int, emitted: int, draft_s: float, verify_s: float, source: str = PLAIN
     ) -> None:
-        counts = self.by_source.setdefault(source if drafted else PLAIN, SourceCounts())
-        counts.steps += 1
-        counts.drafted += drafted
-        counts.accepted += accepted
+        self.by_source.setdefault(source if drafted else PLAIN, SourceCounts()).add(1, drafted, accepted)
         self.steps += 1
         self.drafted += drafted
         self.accepted += accepted
@@ -65,10 +67,7 @@ class Stats:
         self.accepted_hist = [a + b for a, b in itertools.zip_longest(self.accepted_hist, other.accepted_hist,
                                                                        fillvalue=0)]
         for source, counts in other.by_source.items():
-            mine = self.by_source.setdefault(source, SourceCounts())
-            mine.steps += counts.steps
-            mine.drafted += counts.drafted
-            mine.accepted += counts.accepted
+            self.by_source.setdefault(source, SourceCounts()).add(counts.steps, counts.drafted, counts.accepted)
 
     @property
     def acceptance_rate(self) -> float:
