@@ -39,6 +39,7 @@ class TargetCosts:
     def __init__(self) -> None:
         self.seconds: dict[int, float] = {}  # tokens fed -> decayed mean seconds; write through observe/preload
         self.counts: dict[int, float] = {}  # tokens fed -> passes behind that mean (at most MAX_COUNT)
+        self.version = 0  # bumped by every change: what the controllers' memoised rates are keyed on
         self._table: list[float | None] | None = None  # __call__ for n = 0..len-1, rebuilt after a change
 
     def observe(self, n_tokens: int, seconds: float) -> None:
@@ -47,6 +48,7 @@ class TargetCosts:
             seconds = min(seconds, old * self.SPIKE_CAP)
         self.seconds[n_tokens] = _blend(old, seconds, 0.3)
         self.counts[n_tokens] = min(self.counts.get(n_tokens, 0.0) + 1.0, self.MAX_COUNT)
+        self.version += 1
         self._table = None
 
     def preload(self, seconds: dict[int, float]) -> None:
@@ -54,6 +56,7 @@ class TargetCosts:
         self.seconds.update(seconds)
         for n in seconds:
             self.counts[n] = max(self.counts.get(n, 0.0), 1.0)
+        self.version += 1
         self._table = None
 
     def known(self, n_tokens: int) -> bool:
@@ -72,27 +75,37 @@ class TargetCosts:
     def _estimates(self, max_tokens: int) -> list[float | None]:
         if not self.seconds:
             return [None] * (max_tokens + 1)
-        line = self._line(max(max_tokens, max(self.seconds)))
+        seconds, counts, line_weight = self.seconds, self.counts, self.LINE_WEIGHT
         values, weights = [], []
-        for n in range(max_tokens + 1):
-            count = self.counts.get(n, 0.0)  # 0 where n was never timed
-            mean = self.seconds.get(n, line[n])
-            values.append((count * mean + self.LINE_WEIGHT * line[n]) / (count + self.LINE_WEIGHT))
-            weights.append(count + self.LINE_WEIGHT)
+        for n, on_line in enumerate(self._line(max_tokens)):
+            count = counts.get(n)
+            if count is None:  # never timed: the line alone
+                values.append(on_line)
+                weights.append(line_weight)
+            else:
+                values.append((count * seconds[n] + line_weight * on_line) / (count + line_weight))
+                weights.append(count + line_weight)
         return _non_decreasing(values, weights)
 
     def _line(self, max_tokens: int) -> list[float]:
         """A line through the measured means, weighted by their counts; n = 0..max_tokens."""
-        points = [(n, t, self.counts[n]) for n, t in self.seconds.items()]
-        if len(points) == 1:
-            (n0, t0, _), = points
+        if len(self.seconds) == 1:
+            ((n0, t0),) = self.seconds.items()
             return self._one_point_line(n0, t0, max_tokens)
-        total = sum(w for _, _, w in points)
-        mean_n = sum(w * n for n, _, w in points) / total
-        mean_t = sum(w * t for _, t, w in points) / total
-        spread = sum(w * (n - mean_n) ** 2 for n, _, w in points)
-        slope = max(sum(w * (n - mean_n) * (t - mean_t) for n, t, w in points) / spread, 0.0)
-        return [max(mean_t + slope * (n - mean_n), 1e-9) for n in range(max_tokens + 1)]
+        total = sum_n = sum_t = sum_nn = sum_nt = 0.0  # weighted sums, one pass (runs every step)
+        counts = self.counts
+        for n, t in self.seconds.items():
+            w = counts[n]
+            total += w
+            sum_n += w * n
+            sum_t += w * t
+            sum_nn += w * n * n
+            sum_nt += w * n * t
+        mean_n, mean_t = sum_n / total, sum_t / total
+        spread = sum_nn - total * mean_n * mean_n
+        slope = max((sum_nt - total * mean_n * mean_t) / spread, 0.0) if spread > 0 else 0.0
+        intercept = mean_t - slope * mean_n
+        return [max(intercept + slope * n, 1e-9) for n in range(max_tokens + 1)]
 
     @staticmethod
     def _one_point_line(n0: int, t0: float, max_tokens: int) -> list[float]:
@@ -117,6 +130,8 @@ class DraftCosts(TargetCosts):
 
 def _non_decreasing(values: list[float], weights: list[float]) -> list[float]:
     """The weighted least-squares non-decreasing fit of ``values`` (pool adjacent violators)."""
+    if all(a <= b for a, b in zip(values, values[1:])):
+        return values  # the usual case: nothing to pool
     blocks: list[list[float]] = []  # [mean, weight, length]
     for value, weight in zip(values, weights):
         blocks.append([value, weight, 1])
@@ -164,8 +179,19 @@ class DraftLengthController:
         self.draft_costs = DraftCosts()  # T_draft(k), this drafter's own
         self.probe_gap = self.first_probe_gap
         self.steps_since_probe = 0
-        self.speculating = True
+        self._speculating = True
+        self._gate_stale = False  # evidence arrived since the gate was last decided…
+        self._gate_probed = False  # …and some of it came from drafting while off
         self.plain_tries = 0  # steps a fixed controller gave up to time a plain pass
+        self._acceptance_version = 0  # bumped with every acceptance learned: keys the memoised rates
+        self._rates_key: tuple[int, int, int] | None = None
+        self._rates: list[float | None] = []
+
+    @property
+    def speculating(self) -> bool:
+        """Is drafting on (else plain decoding, probed again after ``probe_gap`` steps)?"""
+        self._settle_gate()
+        return self._speculating
 
     # ---- estimates ----------------------------------------------------------------
     def acceptance(self, position: int) -> float:
@@ -201,7 +227,19 @@ class DraftLengthController:
         return self.expected_rates(draft_len)[draft_len]
 
     def expected_rates(self, limit: int) -> list[float | None]:
-        """``expected_rate(k)`` for k = 0..limit in one pass (this runs every verify step)."""
+        """``expected_rate(k)`` for k = 0..limit (at most max_draft_len).
+
+        This runs several times a verify step (choosing, gating, weighing a cheap proposal
+        against the draft model), so the rates for every k are computed once per change of
+        the estimates behind them, and sliced.
+        """
+        key = (self.target_costs.version, self.draft_costs.version, self._acceptance_version)
+        if key != self._rates_key:
+            self._rates = self._compute_rates(self.max_draft_len)
+            self._rates_key = key
+        return self._rates[: limit + 1]
+
+    def _compute_rates(self, limit: int) -> list[float | None]:
         draft_costs = self.draft_costs.table(limit)
         costs = self.target_costs.table(limit + 1)
         accept = self.acceptances(limit)
@@ -283,6 +321,7 @@ class DraftLengthController:
     def _learn_acceptance(self, drafted: int, accepted: int, first_position: int = 1) -> None:
         if not drafted:
             return
+        self._acceptance_version += 1
         if first_position == 1:  # a new proposal (not the rest of one already counted)
             # Old evidence ages only as new evidence arrives: while speculation is off,
             # what was learned stays, so a probe is weighed against it, not against the prior.
@@ -296,23 +335,32 @@ class DraftLengthController:
                 self.accepted[position] += 1.0
 
     def _update_gate(self, probed: bool) -> None:
+        """New evidence: the gate is decided again when next consulted (once per step, not
+        once per observation). ``probed``: the evidence came from drafting while off."""
+        self._gate_stale = True
+        self._gate_probed = self._gate_probed or probed
+
+    def _settle_gate(self) -> None:
         """Stop speculating when plain decoding is expected to be faster; switch back on when
-        not. ``probed``: the evidence came from drafting while off, which, when it still
-        loses, doubles the gap before the next probe."""
+        not. Evidence from a probe that still loses doubles the gap before the next probe."""
+        if not self._gate_stale:
+            return
+        probed = self._gate_probed
+        self._gate_stale = self._gate_probed = False
         rates = self.expected_rates(self.max_draft_len)
         plain = rates[0]
         if plain is None:
             return
         best = (rates[-1] or 0.0) if self.fixed else max((rate or 0.0) for rate in rates[1:])
         if best > plain:
-            self.speculating = True
+            self._speculating = True
             self.probe_gap = self.first_probe_gap
         else:
-            if not self.speculating and probed:
+            if not self._speculating and probed:
                 self.probe_gap = min(self.probe_gap * 2, self.max_probe_gap)
-            if self.speculating:
+            if self._speculating:
                 self.steps_since_probe = 0
-            self.speculating = False
+            self._speculating = False
 
 
 class ProposalScores:

@@ -325,14 +325,17 @@ class SpeculativeEngine:
     def _observe(
         self, proposal, verdict: Verdict, draft_s: float, verify_s: float, params, adaptive: bool, paid: set[str]
     ) -> None:
-        if proposal.tokens:
+        if not proposal.tokens:
+            self.target_costs.observe(1, verify_s)  # a plain pass: what speculating must beat
+        elif not adaptive and proposal.source not in paid:
+            # A fixed chain's cheap drafter is not gated: its pass only times T_target(n).
+            self.target_costs.observe(len(proposal.tokens) + 1, verify_s)
+        else:
             controller = self._controller_for(proposal.source, params.draft_len, fixed=not adaptive)
             if adaptive and proposal.source not in paid:  # its acceptance comes from ProposalScores
                 controller.observe_costs(len(proposal.tokens), draft_s, verify_s)
             else:
                 controller.observe(len(proposal.tokens), verdict.n_accepted, draft_s, verify_s)
-        else:
-            self.target_costs.observe(1, verify_s)  # a plain pass: what speculating must beat
 
     def _prefill(self, context: list[int], with_logits: bool) -> np.ndarray | None:
         """Feed the prompt, reusing any cached prefix.

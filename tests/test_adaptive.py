@@ -353,6 +353,43 @@ def test_a_fixed_chain_keeps_asking_a_draft_model_that_pays():
     assert draft.drafted >= 4 * draft.steps - 2 * 2  # the fixed length, but for two short first tries
 
 
+def test_a_fixed_chain_times_its_cheap_drafter_s_passes_without_a_controller_for_it():
+    """Found by profiling: a fixed chain kept a gate for lookup that nothing consulted, at
+    ~0.15 ms a step (its cost tables rebuilt on every pass). Its passes still time T(n)."""
+    table = hashed_logits(VOCAB, salt=13, spread=3.0)
+    clock = SimClock()
+    chain = ChainDrafter([
+        CheapDrafter("cheap", sometimes_right(table, 0.5), clock),
+        DraftModelDrafter(CostedFake(agreeing_draft(table, 0.5), clock, 0.3, 0.0)),
+    ])
+    engine = SpeculativeEngine(CostedFake(table, clock, 1.0, 0.05), chain, clock=clock)
+    result = engine.run([1, 2, 3], GenerationParams(200, draft_len=4), complete_cache=False)
+    assert result.stats.by_source["cheap"].steps > 0
+    assert set(engine.controllers) == {"draft"}
+    assert engine.target_costs(5) == pytest.approx(1.25)  # 1 + 0.05 per token, 5 tokens fed
+
+
+def test_memoised_rates_follow_every_new_estimate():
+    """The rates are computed once per change of what they rest on: acceptance, the
+    target's costs (shared, changed by any drafter's pass) or this drafter's costs."""
+    costs = TargetCosts()
+    costs.preload({1: 1.0, 5: 1.4})
+    controller = DraftLengthController(max_draft_len=4, target_costs=costs)
+    controller.observe(4, 4, 0.4, 1.4)
+
+    def fresh():
+        return DraftLengthController._compute_rates(controller, controller.max_draft_len)
+
+    assert controller.expected_rates(4) == fresh()
+    assert controller.expected_rates(2) == fresh()[:3]
+    costs.observe(5, 3.0)  # another drafter's pass
+    assert controller.expected_rates(4) == fresh()
+    controller.observe_acceptance(4, 0)
+    assert controller.expected_rates(4) == fresh()
+    controller.draft_costs.observe(4, 2.0)
+    assert controller.expected_rates(4) == fresh()
+
+
 def test_a_fixed_length_gate_tries_and_probes_short_and_drafts_in_full_once_it_pays():
     costs = TargetCosts()
     costs.preload({1: 1.0, 3: 1.4, 5: 2.0})
