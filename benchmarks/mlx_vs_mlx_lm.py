@@ -9,7 +9,10 @@ prompt so none always runs first):
 3. ``mlx_lm_plain`` — ``mlx_lm.stream_generate`` with no draft
 
 Greedy first: tokens/s (median per prompt, and totals), acceptance, and whether the
-outputs are token-identical to mlx-lm's plain decoding. Then, at ``--temp`` (0.7 by
+outputs are token-identical to mlx-lm's plain decoding. ``--repeat N`` runs the greedy
+comparison N times (odd repeats take the prompts in reverse) and pools them: on a CPU one
+prompt's specrun/mlx-lm ratio swings by up to ±30% from run to run for identical work, more
+than the difference looked for, so each prompt's ratio is taken between its medians. Then, at ``--temp`` (0.7 by
 default; 0 skips it), the two speculative runners sampled: specrun accepts by
 rejection sampling (per-token acceptance Σ min(p_target, p_draft)); mlx-lm samples
 the target and compares it with the draft's sample (Σ p_target·p_draft). mlx-lm's
@@ -22,7 +25,7 @@ the clock runs from the first call to the last token, detokenization included.
 Model loading and prefill are excluded.
 
     .venv/bin/python benchmarks/mlx_vs_mlx_lm.py --target demo-target-xl --draft demo-draft \\
-        --prompts 20 -n 128 -k 4 --temp 0.7 --json docs/figures/mlx_vs_mlx_lm.json
+        --prompts 20 -n 128 -k 4 --temp 0.7 --repeat 3 --json docs/figures/mlx_vs_mlx_lm.json
 
 --target/--draft take MLX folders, Hugging Face repo ids or registry aliases.
 --prompt-set spec-bench uses first turns of ../shared/data/spec_bench/question.jsonl
@@ -175,24 +178,36 @@ def mlx_lm_drafted(from_draft: list[bool], draft_len: int, max_tokens: int) -> i
 
 
 # ---- the comparison ----------------------------------------------------------------------
-def interleaved(prompts: list[list[int]], runners: dict[str, Callable[[list[int]], Run]]) -> dict[str, list[Run]]:
-    """Every runner on every prompt, the order rotating per prompt."""
+def interleaved(
+    prompts: list[list[int]], runners: dict[str, Callable[[list[int]], Run]], repeat: int = 1
+) -> dict[str, list[list[Run]]]:
+    """Every runner on every prompt, ``repeat`` times: runs[name][i] holds prompt i's runs.
+
+    The order rotates per prompt, and odd repeats take the prompts in reverse, so no runner
+    or prompt always comes first or last.
+    """
     names = list(runners)
-    runs: dict[str, list[Run]] = {name: [] for name in names}
-    for i, prompt in enumerate(prompts):
-        order = names[i % len(names) :] + names[: i % len(names)]
-        for name in order:
-            runs[name].append(runners[name](prompt))
+    runs: dict[str, list[list[Run]]] = {name: [[] for _ in prompts] for name in names}
+    for r in range(repeat):
+        indices = range(len(prompts)) if r % 2 == 0 else reversed(range(len(prompts)))
+        for i in indices:
+            order = names[(i + r) % len(names) :] + names[: (i + r) % len(names)]
+            for name in order:
+                runs[name][i].append(runners[name](prompts[i]))
     return runs
 
 
-def summarize(runs: list[Run]) -> dict:
-    tokens = sum(len(run.tokens) for run in runs)
-    seconds = sum(run.seconds for run in runs)
-    drafted = sum(run.drafted for run in runs)
-    accepted = sum(run.accepted for run in runs)
+def summarize(runs: list[list[Run]]) -> dict:
+    """Totals over every run; the median over prompts of each prompt's median tokens/s."""
+    flat = [run for per_prompt in runs for run in per_prompt]
+    tokens = sum(len(run.tokens) for run in flat)
+    seconds = sum(run.seconds for run in flat)
+    drafted = sum(run.drafted for run in flat)
+    accepted = sum(run.accepted for run in flat)
     return {
-        "median_tokens_per_second": statistics.median(run.tokens_per_second for run in runs),
+        "median_tokens_per_second": statistics.median(
+            statistics.median(run.tokens_per_second for run in per_prompt) for per_prompt in runs
+        ),
         "tokens": tokens,
         "seconds": seconds,
         "tokens_per_second": tokens / seconds,
@@ -202,7 +217,33 @@ def summarize(runs: list[Run]) -> dict:
     }
 
 
-def greedy_section(pair: Pair, prompts: list[list[int]], n_new: int, draft_len: int) -> dict:
+def ratios(ours: list[list[Run]], theirs: list[list[Run]]) -> dict:
+    """specrun against mlx-lm: per repeat (median of per-prompt ratios, total-time ratio), and
+    pooled (median over prompts of the ratio of per-prompt medians; totals over all runs).
+    One prompt's ratio swings by up to ±30% between repeats on a CPU, so pool them."""
+    repeats = len(ours[0])
+
+    def rate(runs: list[Run]) -> float:
+        return sum(len(run.tokens) for run in runs) / sum(run.seconds for run in runs)
+
+    per_repeat = []
+    for r in range(repeats):
+        mine, other = [p[r] for p in ours], [p[r] for p in theirs]
+        per_repeat.append({
+            "median_ratio": statistics.median(a.tokens_per_second / b.tokens_per_second for a, b in zip(mine, other)),
+            "total_ratio": rate(mine) / rate(other),
+        })
+    pooled = [
+        statistics.median(run.tokens_per_second for run in a) / statistics.median(run.tokens_per_second for run in b)
+        for a, b in zip(ours, theirs)
+    ]
+    flat_ours = [run for p in ours for run in p]
+    flat_theirs = [run for p in theirs for run in p]
+    return {"median_ratio": statistics.median(pooled), "total_ratio": rate(flat_ours) / rate(flat_theirs),
+            "per_repeat": per_repeat}
+
+
+def greedy_section(pair: Pair, prompts: list[list[int]], n_new: int, draft_len: int, repeat: int) -> dict:
     warm_up(pair, prompts[0], draft_len, 0.0)
     params = GenerationParams(n_new, draft_len)
     runs = interleaved(
@@ -212,16 +253,14 @@ def greedy_section(pair: Pair, prompts: list[list[int]], n_new: int, draft_len: 
             "mlx_lm_spec": lambda prompt: run_mlx_lm(pair, prompt, n_new, 0.0, draft_len),
             "mlx_lm_plain": lambda prompt: run_mlx_lm(pair, prompt, n_new, 0.0, 0),
         },
+        repeat,
     )
     report = {name: summarize(runs[name]) for name in RUNNERS}
-    reference = runs["mlx_lm_plain"]
+    reference = [run for per_prompt in runs["mlx_lm_plain"] for run in per_prompt]
     for name in ("specrun", "mlx_lm_spec"):
-        report[name]["identical_to_plain"] = sum(a.tokens == b.tokens for a, b in zip(runs[name], reference))
-    ratios = [a.tokens_per_second / b.tokens_per_second for a, b in zip(runs["specrun"], runs["mlx_lm_spec"])]
-    report["specrun_vs_mlx_lm_spec"] = {
-        "median_ratio": statistics.median(ratios),
-        "total_ratio": report["specrun"]["tokens_per_second"] / report["mlx_lm_spec"]["tokens_per_second"],
-    }
+        mine = [run for per_prompt in runs[name] for run in per_prompt]
+        report[name]["identical_to_plain"] = sum(a.tokens == b.tokens for a, b in zip(mine, reference))
+    report["specrun_vs_mlx_lm_spec"] = ratios(runs["specrun"], runs["mlx_lm_spec"])
     return report
 
 
@@ -282,6 +321,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("-n", type=int, default=128, help="new tokens per prompt")
     parser.add_argument("-k", type=int, default=4, help="draft length")
     parser.add_argument("--temp", type=float, default=0.7, help="temperature of the sampled comparison (0: skip it)")
+    parser.add_argument("--repeat", type=int, default=1, help="greedy runs per prompt and runner (pooled)")
     parser.add_argument("--json", type=Path, help="write the report here")
     args = parser.parse_args(argv)
 
@@ -296,13 +336,16 @@ def main(argv: list[str] | None = None) -> int:
         "draft_len": args.k,
         "timing": "generation only: load and prefill excluded",
         "machine": machine(),
-        "greedy": greedy_section(pair, prompts, args.n, args.k),
+        "repeat": args.repeat,
+        "greedy": greedy_section(pair, prompts, args.n, args.k, args.repeat),
     }
     shape = f"k={args.k}, {len(prompts)} prompts × {args.n} tokens"
     print(f"{args.target} + {args.draft}, {shape} on {mx.default_device()}")
-    print_table("greedy (identical: prompts token-identical to mlx_lm_plain)", report["greedy"], RUNNERS)
+    print_table("greedy (identical: runs token-identical to mlx_lm_plain's)", report["greedy"], RUNNERS)
     ratio = report["greedy"]["specrun_vs_mlx_lm_spec"]
-    print(f"specrun / mlx_lm_spec: {ratio['median_ratio']:.2f}x median per prompt, {ratio['total_ratio']:.2f}x total")
+    for r, reading in enumerate(ratio["per_repeat"], 1):
+        print(f"  repeat {r}: {reading['median_ratio']:.3f}x median per prompt, {reading['total_ratio']:.3f}x total")
+    print(f"specrun / mlx_lm_spec: {ratio['median_ratio']:.3f}x median per prompt, {ratio['total_ratio']:.3f}x total")
     if args.temp > 0:
         report["temperature"] = args.temp
         report["sampled"] = sampled_section(pair, prompts, args.n, args.k, args.temp)
