@@ -50,6 +50,7 @@ import mlx_lm
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import make_sampler
 
+from _report import SPEC_BENCH
 from specrun.backends.mlx import MlxBackend
 from specrun.compat import check_compatible
 from specrun.drafters.draft_model import DraftModelDrafter
@@ -60,7 +61,6 @@ from specrun.prompts import heldout_code_prompts
 from specrun.registry import load_registry
 from specrun.sampling import SamplingSettings
 
-SPEC_BENCH = Path(__file__).resolve().parents[2] / "shared" / "data" / "spec_bench" / "question.jsonl"
 RUNNERS = ("specrun", "mlx_lm_spec", "mlx_lm_plain")
 
 

@@ -23,18 +23,17 @@ import sys
 import time
 from pathlib import Path
 
-from _report import write_report
+from _report import SPEC_BENCH, write_report
 from specrun.backends.llama import LlamaCppBackend
 from specrun.bench.runner import tokenize_prompt
 from specrun.bench.suite import load_jsonl, select
 from specrun.compare import forget_learned
 from specrun.engine import GenerationParams, SpeculativeEngine
+from specrun.generation import ADAPTIVE_MAX_DRAFT_LEN
 from specrun.loading import LoadOptions, open_pair
 from specrun.methods import build_drafter, is_adaptive
 from specrun.stats import Stats
 
-SPEC_BENCH = Path(__file__).resolve().parents[2] / "shared" / "data" / "spec_bench" / "question.jsonl"
-ADAPTIVE_MAX_DRAFT_LEN = 8
 
 
 class DecodeClock:

@@ -138,8 +138,7 @@ class DraftModelDrafter:
     def prefill(self, context: Sequence[int]) -> None:
         """Read the prompt before generation starts (the engine times it as prefill, as it does
         the target's): all of it but the last token, which the first draft pass feeds."""
-        keep = self.sequence.rewind_to_prefix_of(context, limit=len(context) - 1)
-        self.sequence.feed(context[keep:-1])
+        self.sequence.sync(context[:-1])
 
     def finish(self, context: Sequence[int]) -> None:
         self.sequence.sync(context)
