@@ -19,7 +19,9 @@ Schema ``specrun.bench/1`` (keys in order):
   draft_share, verify_share, mismatches, near_ties}; per_prompt rows add prompt_index
 - accepted_hist: {variant: [steps that accepted n drafted tokens, n = 0, 1, …]}
 - sweep: {method: [{draft_len, speedup}]} for every fixed-length method (not ``auto``)
-- mismatches: [{variant, prompt_index, prompt_id, position, top2_gap, near_tie}]
+- mismatches: [{variant, prompt_index, prompt_id, position, top2_gap, batch_rounding, near_tie,
+  within_rounding}]: batch_rounding is how far a batched pass moved the logits there;
+  within_rounding (the gap below twice that, or a near-tie) is what the tables count as near-ties
 """
 
 from __future__ import annotations
@@ -63,7 +65,9 @@ def bench_to_dict(result: BenchResult) -> dict:
                 "prompt_id": result.prompts[m.prompt_index].prompt_id,
                 "position": m.position,
                 "top2_gap": m.top2_gap,
+                "batch_rounding": m.batch_rounding,
                 "near_tie": m.near_tie,
+                "within_rounding": m.within_rounding,
             }
             for variant, m in mismatch_rows(result)
         ],

@@ -35,7 +35,7 @@ class Figures:
     draft_share: float
     verify_share: float
     mismatches: int  # outputs that differ from the baseline's with a clear top-2 gap
-    near_ties: int  # outputs that differ only where the target's top two nearly tie
+    near_ties: int  # outputs that differ only where the target's top two tie within batch rounding
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -61,8 +61,8 @@ def figures_for(comparison: Comparison, variant: str, prompt_indices: Sequence[i
         mean_tokens_per_step=figures.mean_tokens_per_step,
         draft_share=figures.draft_share,
         verify_share=figures.verify_share,
-        mismatches=sum(not m.near_tie for m in differing),
-        near_ties=sum(m.near_tie for m in differing),
+        mismatches=sum(not m.within_rounding for m in differing),
+        near_ties=sum(m.within_rounding for m in differing),
     )
 
 

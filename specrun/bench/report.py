@@ -171,15 +171,23 @@ def _mismatch_section(result: BenchResult) -> list[str]:
         return []
     items = "".join(
         f"<tr><td>{escape(variant)}</td><td>{escape(result.prompts[m.prompt_index].prompt_id)}</td>"
-        f"<td>{m.position}</td><td>{m.top2_gap:.4g}</td><td class=\"text\">"
-        f"{'near-tie' if m.near_tie else 'REAL MISMATCH'}</td></tr>"
+        f"<td>{m.position}</td><td>{m.top2_gap:.4g}</td><td>{m.batch_rounding:.4g}</td><td class=\"text\">"
+        f"{_verdict(m)}</td></tr>"
         for variant, m in rows
     )
     return [
         "<h2>Outputs that differ from plain decoding</h2>",
         "<table><tr><th>method</th><th>prompt</th><th>first differing token</th><th>target's top-2 gap</th>"
-        f"<th>verdict</th></tr>{items}</table>",
+        f"<th>batch rounding there</th><th>verdict</th></tr>{items}</table>",
     ]
+
+
+def _verdict(mismatch) -> str:
+    if mismatch.near_tie:
+        return "near-tie"
+    if mismatch.within_rounding:
+        return "within batch rounding"
+    return "REAL MISMATCH"
 
 
 def _machine_table(machine: dict) -> str:

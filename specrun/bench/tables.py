@@ -69,8 +69,9 @@ def footnotes(result: BenchResult) -> list[str]:
     overall = by_category(result)[ALL_PROMPTS]
     if any(f.near_ties for f in overall):
         notes.append(
-            f"* greedy outputs may differ where the target's top two logits tie within {NEAR_TIE:g}: "
-            "batched verification rounds differently from one-token decoding"
+            f"* greedy outputs may differ where the target's top two logits tie within {NEAR_TIE:g}, or within "
+            "what reading the same context in a batch was measured to move them by there: batched verification "
+            "rounds differently from one-token decoding (on llama.cpp an F32 KV cache, --kv-type f32, narrows it)"
         )
     if any(f.mismatches for f in overall):
         notes.append("NO: an output differs from plain decoding where the target had a clear choice: a real bug")
