@@ -148,6 +148,19 @@ def _non_decreasing(values: list[float], weights: list[float]) -> list[float]:
     return fitted
 
 
+@dataclass(frozen=True)
+class DraftProfile:
+    """What `specrun tune` measured of a draft model on this machine for its controller to
+    start from: ``costs``, seconds a step spent drafting k tokens.
+
+    Costs only: they belong to the machine and the pair. Acceptance belongs to the text;
+    seeded from tune's code prompts it made a fixed chain's gate try a draft model that
+    does not pay on Spec-Bench more often, not less (docs/perf.md, session 6).
+    """
+
+    costs: dict[int, float] = field(default_factory=dict)
+
+
 @dataclass
 class DraftLengthController:
     """Chooses the draft length each step from decayed acceptance and cost estimates.
@@ -192,6 +205,12 @@ class DraftLengthController:
         """Is drafting on (else plain decoding, probed again after ``probe_gap`` steps)?"""
         self._settle_gate()
         return self._speculating
+
+    def seed(self, profile: DraftProfile) -> None:
+        """Start from the draft costs `specrun tune` measured (one timing per length): no
+        draft lengths spent exploring them, and a cost line from the first step."""
+        if profile.costs:
+            self.draft_costs.preload(profile.costs)
 
     # ---- estimates ----------------------------------------------------------------
     def acceptance(self, position: int) -> float:

@@ -155,13 +155,16 @@ class ChatSession:
 
     def _use_tuned(self, tuned) -> None:
         """Take what `specrun tune` saved: draft length and confidence stop (where the user
-        chose none) for drafters built from now on, and the target's measured costs."""
+        chose none) for drafters built from now on, and the measured costs and acceptance
+        the controllers start from."""
         self._tuned = tuned
         self._drafter_options = dataclasses.replace(
             self._drafter_options, draft_min_prob=resolve_min_prob(self._draft_min_prob, tuned)
         )
         if tuned is not None:
-            self.engine.target_costs.preload(tuned.target_costs)  # auto need not explore them
+            from specrun import tuning
+
+            tuning.apply(self.engine, tuned)  # auto and a chain's gate need not explore them
 
     # ---- the conversation ---------------------------------------------------------
     def ask(self, text: str, params: GenerationParams) -> Iterator[ChatEvent]:

@@ -52,6 +52,9 @@ RepeatOpt = Annotated[int, typer.Option("--repeat", help="Runs per prompt and me
 ChatOpt = Annotated[bool, typer.Option("--chat", help="Wrap each prompt in the target's chat template.")]
 JsonOutOpt = Annotated[Optional[Path], typer.Option("--json", help="Write every figure to this file (- for stdout).")]
 ReportOpt = Annotated[Optional[Path], typer.Option("--report", help="Write a self-contained HTML report here.")]
+UntunedOpt = Annotated[
+    bool, typer.Option("--untuned", help="Ignore what `specrun tune` saved: controllers start from their priors.")
+]
 
 
 def bench(
@@ -72,6 +75,7 @@ def bench(
     chat: ChatOpt = False,
     json_out: JsonOutOpt = None,
     report_out: ReportOpt = None,
+    untuned: UntunedOpt = False,
     backend: BackendOpt = "auto",
     ctx: CtxOpt = None,
     threads: ThreadsOpt = None,
@@ -122,6 +126,7 @@ def bench(
             repeat=repeat,
             chat=chat,
             suite=suite_name,
+            use_tuned=not untuned,
             load=LoadOptions(backend=backend, n_ctx=ctx, threads=threads, gpu_layers=gpu_layers,
                              registry=registry, kv_type=kv_type),
         )

@@ -182,18 +182,25 @@ def compare_variants(
     repeat: int = 1,
     on_result: Callable[[int, str, GenerationResult], None] | None = None,
     drafter_options: DrafterOptions | None = None,
+    tuned=None,
 ) -> Comparison:
     """Run every variant ``repeat`` times on every prompt, interleaved; the first variant is the baseline.
 
     ``params`` gives everything but the draft length, which each variant sets; an
     adaptive method (``auto``) treats it as the longest draft it may choose.
     ``on_result(prompt_index, variant_name, result)`` is called after each run.
+    ``tuned``: a `specrun tune` result every engine's controllers start from.
     """
     drafters = []
     try:
         for variant in variants:
             drafters.append(build_drafter(variant.method, draft, drafter_options))
         engines = {v.name: SpeculativeEngine(target, d, method=v.method) for v, d in zip(variants, drafters)}
+        if tuned is not None:
+            from specrun import tuning
+
+            for engine in engines.values():
+                tuning.apply(engine, tuned)
         variant_params = {
             v.name: dataclasses.replace(params, draft_len=v.draft_len, adaptive=params.adaptive or is_adaptive(v.method))
             for v in variants
@@ -224,7 +231,8 @@ def compare_variants(
 def forget_learned(engine: SpeculativeEngine) -> None:
     """Every run starts as a tuned `specrun generate` does: an n-gram pool or acceptance
     estimates learned on earlier prompts (or earlier repeats of this one) would flatter it.
-    Kept: the target's verify costs (tune saves those) and a pool with a cache file."""
+    Kept: the target's verify costs and the tuned profiles (tune saves those) and a pool
+    with a cache file."""
     engine.forget_acceptance()
     members = getattr(engine.drafter, "drafters", (engine.drafter,))
     for member in members:

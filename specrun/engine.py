@@ -16,7 +16,7 @@ from time import perf_counter
 
 import numpy as np
 
-from specrun.adaptive import DraftLengthController, ProposalScores, TargetCosts
+from specrun.adaptive import DraftLengthController, DraftProfile, ProposalScores, TargetCosts
 from specrun.backends.base import Backend
 from specrun.drafters.base import EMPTY_PROPOSAL, Drafter, Proposal
 from specrun.errors import ContextFullError, UsageError
@@ -108,11 +108,20 @@ class SpeculativeEngine:
         # Adaptive draft lengths, one controller per proposal source; kept across runs.
         self.target_costs = TargetCosts()
         self.controllers: dict[str, DraftLengthController] = {}
+        self.profiles: dict[str, DraftProfile] = {}  # tuned starting points, by drafter name
         self.set_drafter(drafter, method)
+
+    def use_tuned(self, target_costs: dict[int, float], profiles: dict[str, DraftProfile]) -> None:
+        """Start from what `specrun tune` measured: the target's verify costs, and for a
+        drafter named in ``profiles`` its draft costs (every controller made for it from now
+        on starts there, also after ``forget_acceptance``)."""
+        self.target_costs.preload(target_costs)
+        self.profiles = dict(profiles)
+        self.controllers.clear()
 
     def forget_acceptance(self) -> None:
         """Drop what the controllers learned about acceptance and draft costs; keep the target's
-        verify costs (what `specrun tune` would give a fresh run)."""
+        verify costs and the tuned profiles (what `specrun tune` gives a fresh run)."""
         self.controllers.clear()
         self._scores.clear()
 
@@ -274,6 +283,9 @@ class SpeculativeEngine:
         controller = self.controllers.get(source)
         if controller is None or (controller.max_draft_len, controller.fixed) != (max_draft_len, fixed):
             controller = DraftLengthController(max_draft_len=max_draft_len, fixed=fixed, target_costs=self.target_costs)
+            profile = self.profiles.get(source)
+            if profile is not None:
+                controller.seed(profile)
             self.controllers[source] = controller
         return controller
 

@@ -81,8 +81,10 @@ def generate_text(request: GenerateRequest, on_text: Callable[[str], None] | Non
             request.sampling,
             adaptive=is_adaptive(request.method),
         )
-        if tuned is not None and params.adaptive:
-            engine.target_costs.preload(tuned.target_costs)  # no need to explore costs
+        if tuned is not None:
+            from specrun import tuning
+
+            tuning.apply(engine, tuned)  # the controllers start from measured costs and acceptance
         for event in engine.stream(prompt_ids, params, complete_cache=False):
             if isinstance(event, TextChunk) and on_text is not None and event.text:
                 on_text(event.text)

@@ -6,7 +6,8 @@ draft is less sure of than a threshold) at the best length and at the longest, a
 side by side with plain decoding. It records the tokens/s of each, the target's verify cost T(n) and the
 per-position acceptance. The result is saved in the user config, keyed by the two
 model files and this machine; later runs use the best draft length when none is given,
-and ``--method auto`` starts from the measured costs instead of exploring.
+and their controllers (``--method auto``, a fixed chain's gate) start from the measured
+target and draft costs instead of exploring them.
 """
 
 from __future__ import annotations
@@ -19,12 +20,16 @@ import statistics
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from specrun.adaptive import DraftProfile
 from specrun.backends.base import Backend
+from specrun.drafters.draft_model import DraftModelDrafter
 from specrun.engine import GenerationParams, SpeculativeEngine
 from specrun.errors import SpecrunError
 from specrun.methods import DrafterOptions, build_drafter
+from specrun.stats import Stats
 
-TUNE_VERSION = 1
+TUNE_VERSION = 2
+READABLE_VERSIONS = (1, 2)  # version 1 lacks the draft costs: its runs start from the target's costs only
 DRAFT_LENGTHS = (1, 2, 3, 4, 6, 8)
 MIN_PROBS = (0.0, 0.3, 0.5, 0.7)  # confidence stops tried in the second round
 
@@ -43,6 +48,15 @@ class TuneResult:
     target_costs: dict[int, float] = field(default_factory=dict)  # tokens fed -> seconds
     acceptance: float = 0.0
     best_min_prob: float = 0.0  # the draft's confidence stop (0: none)
+    draft_costs: dict[int, float] = field(default_factory=dict)  # draft length k -> seconds a step drafted
+
+    def draft_profile(self) -> DraftProfile:
+        return DraftProfile(dict(self.draft_costs))
+
+
+def apply(engine: SpeculativeEngine, tuned: TuneResult) -> None:
+    """Let ``engine``'s controllers start from the tuned measurements (generate, chat, bench)."""
+    engine.use_tuned(tuned.target_costs, {DraftModelDrafter.name: tuned.draft_profile()})
 
 
 def config_path() -> Path:
@@ -75,14 +89,14 @@ def calibrate(
 ) -> TuneResult:
     """Round 1: plain decoding vs each fixed draft length. Round 2: confidence stops."""
     lengths = {"none": (0, 0.0), **{f"draft k={k}": (k, 0.0) for k in DRAFT_LENGTHS}}
-    first, accepted, drafted = _interleaved(target, draft, prompts, max_new_tokens, lengths, on_progress, 1)
+    first, totals = _interleaved(target, draft, prompts, max_new_tokens, lengths, on_progress, 1)
     best_k = lengths[max(first, key=first.get)][0]
     medians = first
     if best_k:
         stops = {"none": (0, 0.0)}
         for k in dict.fromkeys((best_k, max(DRAFT_LENGTHS))):
             stops.update({_label(k, p): (k, p) for p in MIN_PROBS})
-        second, _, _ = _interleaved(target, draft, prompts, max_new_tokens, stops, on_progress, 2)
+        second, _ = _interleaved(target, draft, prompts, max_new_tokens, stops, on_progress, 2)
         # Round 2 repeats plain decoding and the best length, so its ratios are side by side.
         medians = {**first, **{f"{name} (round 2)" if name in first else name: v for name, v in second.items()}}
         best = max(second, key=second.get)
@@ -92,6 +106,9 @@ def calibrate(
         best_min_prob = 0.0
         speedup = 1.0
     costs = _verify_costs(target, prompts[0])
+    drafting = [stats for name, stats in totals.items() if lengths[name][0]]
+    accepted = sum(stats.accepted for stats in drafting)
+    drafted = sum(stats.drafted for stats in drafting)
     return TuneResult(
         key=key,
         target=model_id(target),
@@ -103,7 +120,14 @@ def calibrate(
         target_costs=costs,
         acceptance=accepted / drafted if drafted else 0.0,
         best_min_prob=best_min_prob,
+        draft_costs={lengths[name][0]: cost for name, stats in totals.items() if (cost := _draft_cost(stats))},
     )
+
+
+def _draft_cost(stats: Stats) -> float | None:
+    """Seconds a step spent drafting, over the steps that drafted (None if none did)."""
+    steps = sum(c.steps for source, c in stats.by_source.items() if c.drafted)
+    return stats.draft_seconds / steps if steps else None
 
 
 def _label(draft_len: int, min_prob: float) -> str:
@@ -111,7 +135,8 @@ def _label(draft_len: int, min_prob: float) -> str:
 
 
 def _interleaved(target, draft, prompts, max_new_tokens, configs, on_progress, round_number):
-    """Median tokens/s of each (draft length, confidence stop) config, run interleaved per prompt."""
+    """Median tokens/s of each (draft length, confidence stop) config, run interleaved per
+    prompt, and each config's statistics summed over the prompts."""
     engines = {
         name: SpeculativeEngine(
             target, build_drafter("draft", draft, DrafterOptions(draft_min_prob=p)) if k else None, method=name
@@ -119,16 +144,15 @@ def _interleaved(target, draft, prompts, max_new_tokens, configs, on_progress, r
         for name, (k, p) in configs.items()
     }
     rates: dict[str, list[float]] = {name: [] for name in configs}
-    accepted = drafted = 0
+    totals = {name: Stats() for name in configs}
     for index, prompt in enumerate(prompts):
         for name, (k, _) in configs.items():
             result = engines[name].run(prompt, GenerationParams(max_new_tokens, k), complete_cache=False)
             rates[name].append(result.stats.tokens_per_second)
-            accepted += result.stats.accepted
-            drafted += result.stats.drafted
+            totals[name].add(result.stats)
         if on_progress is not None:
             on_progress(round_number, index + 1, len(prompts))
-    return {name: statistics.median(values) for name, values in rates.items()}, accepted, drafted
+    return {name: statistics.median(values) for name, values in rates.items()}, totals
 
 
 def _verify_costs(target: Backend, prompt: list[int], repeats: int = 7) -> dict[int, float]:
@@ -170,6 +194,7 @@ def load(key: str, path: Path | None = None) -> TuneResult | None:
     if raw is None:
         return None
     raw["target_costs"] = {int(n): s for n, s in raw.get("target_costs", {}).items()}
+    raw["draft_costs"] = {int(k): s for k, s in raw.get("draft_costs", {}).items()}
     return TuneResult(**raw)
 
 
@@ -184,6 +209,6 @@ def _read_all(path: Path) -> dict:
         document = json.loads(path.read_text())
     except (OSError, ValueError) as exc:
         raise SpecrunError(f"cannot read tuned settings {path}: {exc}", "delete it and run `specrun tune` again") from exc
-    if not isinstance(document, dict) or document.get("version") != TUNE_VERSION:
+    if not isinstance(document, dict) or document.get("version") not in READABLE_VERSIONS:
         raise SpecrunError(f"{path} is not a specrun tune file of version {TUNE_VERSION}", "delete it and run `specrun tune` again")
     return document.get("pairs", {})

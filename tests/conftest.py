@@ -17,6 +17,16 @@ import pytest  # noqa: E402
 from model_factory import ARCHS, TinyModel, build_tiny_model  # noqa: E402
 
 
+@pytest.fixture(scope="session", autouse=True)
+def isolated_user_config(tmp_path_factory: pytest.TempPathFactory):
+    """No test reads the user's own config: a `specrun tune` run on this machine would
+    change where the controllers start. Tests that need a config set their own."""
+    patch = pytest.MonkeyPatch()
+    patch.setenv("XDG_CONFIG_HOME", str(tmp_path_factory.mktemp("user_config")))
+    yield
+    patch.undo()
+
+
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, TinyModel]:
     """Every tiny model by architecture name, written under one session temp folder."""

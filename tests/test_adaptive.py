@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from fake_models import hashed_logits
-from specrun.adaptive import DraftCosts, DraftLengthController, TargetCosts
+from specrun.adaptive import DraftCosts, DraftLengthController, DraftProfile, TargetCosts
 from specrun.backends.fake import FakeBackend
 from specrun.drafters.base import Proposal
 from specrun.drafters.chain import ChainDrafter
@@ -403,6 +403,33 @@ def test_a_fixed_length_gate_tries_and_probes_short_and_drafts_in_full_once_it_p
     assert not gate.speculating
     choices = [gate.choose(4) for _ in range(gate.probe_gap)]
     assert choices[:-1] == [0] * (gate.probe_gap - 1) and choices[-1] == 2
+
+
+# ---- starting from `specrun tune`'s measurements -------------------------------------------
+def test_a_tuned_controller_chooses_from_measured_costs_at_once():
+    """Untuned, auto spends its first steps timing plain decoding and draft lengths 4, 1
+    and the longest; with tune's target and draft costs it chooses the best k at once."""
+    costs = TargetCosts()
+    costs.preload({n: 1.0 + 0.05 * n for n in range(1, 10)})
+    untuned = DraftLengthController(max_draft_len=8, target_costs=costs)
+    tuned = DraftLengthController(max_draft_len=8, target_costs=costs)
+    tuned.seed(DraftProfile({1: 0.1, 4: 0.4, 8: 0.8}))
+    assert untuned.choose(8) == 4  # exploring: no draft length timed yet
+    rates = tuned.expected_rates(8)
+    assert None not in rates and tuned.choose(8) == max(range(9), key=lambda k: (rates[k], -k))
+    assert tuned.draft_costs(2) == pytest.approx(0.2)  # the tuned cost line, between its lengths
+
+
+def test_a_tuned_engine_seeds_every_new_controller_of_that_drafter():
+    table = hashed_logits(VOCAB, salt=5, spread=3.0)
+    clock = SimClock()
+    engine = SpeculativeEngine(CostedFake(table, clock, 1.0, 0.05), DraftModelDrafter(
+        CostedFake(agreeing_draft(table, 0.7), clock, 0.1, 0.0)), clock=clock)
+    engine.use_tuned({n: 1.0 + 0.05 * n for n in range(1, 10)}, {"draft": DraftProfile({1: 0.1, 8: 0.8})})
+    for _ in range(2):  # as the bench does before every prompt: the profile stays
+        engine.forget_acceptance()
+        engine.run([1, 2, 3], GenerationParams(8, draft_len=8, adaptive=True), complete_cache=False)
+        assert engine.controllers["draft"].draft_costs.counts[8] >= 1.0  # tuned, whether or not k = 8 was drafted
 
 
 # ---- scoring cheap proposals against the output ------------------------------------------

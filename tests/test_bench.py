@@ -168,6 +168,7 @@ def test_json_holds_every_figure_and_the_machine(bench_outputs):
     config = doc["config"]
     assert config["methods"] == ["none", "draft", "lookup"] and config["draft_lens"] == [1, 2] and config["sweep"]
     assert config["draft_min_prob"] == 0.0
+    assert config["tuned"] is None  # no `specrun tune` settings in the tests' own config
     assert [v["name"] for v in config["variants"]] == ["none", "draft k=1", "draft k=2", "lookup k=1", "lookup k=2"]
     assert config["repeat"] == 2 and config["max_new_tokens"] == 8 and config["baseline"] == "none"
 

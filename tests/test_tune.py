@@ -7,7 +7,9 @@ import json
 import pytest
 from typer.testing import CliRunner
 
+from specrun.adaptive import DraftProfile
 from specrun.cli import app
+from specrun.stats import Stats
 
 pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed")
 
@@ -37,6 +39,11 @@ def test_tune_saves_and_generate_uses_the_best_settings(config_home, tiny_llama)
     else:
         assert entry["best_min_prob"] == 0.0 and entry["speedup"] == 1.0
     assert sorted(int(n) for n in entry["target_costs"]) == list(range(1, 10))
+    # The draft model's costs, which later runs' controllers start from: a cost per drafted
+    # length, growing with it.
+    costs = {int(k): seconds for k, seconds in entry["draft_costs"].items()}
+    assert set(costs) == {1, 2, 3, 4, 6, 8} and all(seconds > 0 for seconds in costs.values())
+    assert costs[8] > costs[1]
 
     shown = runner.invoke(app, ["tune", "--show"])
     assert shown.exit_code == 0
@@ -52,6 +59,16 @@ def test_tune_saves_and_generate_uses_the_best_settings(config_home, tiny_llama)
     assert (explicit["draft_len"], explicit["draft_min_prob"]) == (5, 0.0)
     auto = json.loads(runner.invoke(app, [*base[:-2], "-m", "auto"]).stdout)["stats"]
     assert (auto["method"], auto["draft_len"], auto["draft_min_prob"]) == ("auto", 8, 0.7)  # 8: auto's longest
+
+    # The bench starts its controllers where generate does, and says so; --untuned does not.
+    bench = ["bench", "-t", path, "-d", path, "--methods", "none,lookup+draft", "--categories", "chat",
+             "--per-category", "1", "-n", "8", "--json", "-"]
+    tuned_run = runner.invoke(app, bench)
+    assert tuned_run.exit_code == 0, tuned_run.output
+    assert json.loads(tuned_run.stdout)["config"]["tuned"] == entry["key"]
+    assert f"`specrun tune`'s measurements for this pair ({entry['key']})" in tuned_run.stderr
+    untuned_run = runner.invoke(app, [*bench, "--untuned"])
+    assert json.loads(untuned_run.stdout)["config"]["tuned"] is None
 
 
 def test_a_corrupt_tune_file_is_one_line(config_home, tiny_llama):
@@ -78,7 +95,11 @@ def test_calibration_picks_the_fastest_length_then_the_fastest_stop(monkeypatch,
 
     def measured(target, draft, prompts, max_new_tokens, configs, on_progress, round_number):
         seen[round_number] = configs
-        return {name: rounds[round_number][name] for name in configs}, 3, 4
+        totals = {name: Stats() for name in configs}
+        for name, (k, _) in configs.items():
+            if k:
+                totals[name].record_step(k, k - 1, k, 0.001 * k, 0.01)  # one step drafting k, one lost
+        return {name: rounds[round_number][name] for name in configs}, totals
 
     monkeypatch.setattr(tuning, "_interleaved", measured)
     monkeypatch.setattr(tuning, "_verify_costs", lambda target, prompt: {1: 0.001})
@@ -90,4 +111,21 @@ def test_calibration_picks_the_fastest_length_then_the_fastest_stop(monkeypatch,
     assert seen[2]["draft k=8 p>=0.5"] == (8, 0.5) and seen[2]["draft k=2"] == (2, 0.0)
     assert (result.best_draft_len, result.best_min_prob) == (8, 0.5)
     assert result.speedup == pytest.approx(150.0 / 95.0)  # against round 2's own plain decoding
-    assert result.tokens_per_second["none (round 2)"] == 95.0 and result.acceptance == 0.75
+    assert result.tokens_per_second["none (round 2)"] == 95.0
+    assert result.acceptance == pytest.approx((0 + 1 + 2 + 3 + 5 + 7) / (1 + 2 + 3 + 4 + 6 + 8))
+    assert result.draft_costs == pytest.approx({k: 0.001 * k for k in (1, 2, 3, 4, 6, 8)})
+
+
+def test_a_version_1_tune_file_still_loads_and_starts_only_the_target_costs(config_home):
+    """Files from before draft costs were saved keep working: no draft costs, no seeding."""
+    from specrun import tuning
+
+    path = config_home / "specrun" / "tuned.json"
+    path.parent.mkdir()
+    entry = {"key": "k1", "target": "t.gguf:1", "draft": "d.gguf:1", "machine": "m", "best_draft_len": 3,
+             "speedup": 1.2, "tokens_per_second": {"none": 1.0}, "target_costs": {"1": 0.002},
+             "acceptance": 0.5, "best_min_prob": 0.0}
+    path.write_text(json.dumps({"version": 1, "pairs": {"k1": entry}}))
+    loaded = tuning.load("k1")
+    assert loaded.target_costs == {1: 0.002} and loaded.draft_profile() == DraftProfile({})
+    assert CliRunner().invoke(app, ["tune", "--show"]).exit_code == 0

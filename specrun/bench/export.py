@@ -5,7 +5,7 @@ Schema ``specrun.bench/1`` (keys in order):
 - schema, started_at (ISO 8601 UTC), wall_seconds
 - config: target, draft, methods, variants [{name, method, draft_len}], draft_lens,
   sweep, max_new_tokens, temperature, top_k, top_p, min_p, seed, repeat, chat, suite,
-  n_ctx, baseline, timing
+  n_ctx, baseline, timing, tuned (the `specrun tune` key the controllers started from, or null)
 - machine: cpu, cores, gpu, os, backend, threads, versions {specrun, llama-cpp-python,
   mlx, mlx-lm, numpy, python}
 - prompts: [{index, id, category, prompt_tokens}]; skipped: [{id, category, reason}]
@@ -99,6 +99,7 @@ def _config(result: BenchResult) -> dict:
         "n_ctx": result.n_ctx,
         "baseline": result.comparison.baseline,
         "timing": "generation only (prefill excluded); methods interleaved per prompt",
+        "tuned": result.tuned,
     }
 
 

@@ -19,7 +19,7 @@ from specrun.bench.suite import BenchPrompt
 from specrun.compare import Comparison, Variant, compare_variants
 from specrun.engine import GenerationParams, GenerationResult
 from specrun.errors import UsageError
-from specrun.generation import ADAPTIVE_MAX_DRAFT_LEN, DEFAULT_DRAFT_LEN
+from specrun.generation import ADAPTIVE_MAX_DRAFT_LEN, DEFAULT_DRAFT_LEN, load_tuned
 from specrun.loading import LoadOptions, open_pair
 from specrun.methods import DrafterOptions, is_adaptive, needs_draft_model
 from specrun.sampling import SamplingSettings
@@ -35,7 +35,8 @@ class BenchConfig:
     a sweep (every fixed-length method runs at each). adaptive_draft_len: the longest
     draft an adaptive method (``auto``) may choose; it is not swept. chat: wrap each
     prompt as a user message in the target's chat template. suite: ``builtin`` or the
-    JSONL path.
+    JSONL path. use_tuned: controllers start from what `specrun tune` saved for the pair
+    on this machine, as `specrun generate` does (False: from their priors).
     """
 
     target: str
@@ -50,6 +51,7 @@ class BenchConfig:
     chat: bool = False
     suite: str = "builtin"
     load: LoadOptions = field(default_factory=LoadOptions)
+    use_tuned: bool = True
 
     @property
     def sweep(self) -> bool:
@@ -89,6 +91,7 @@ class BenchResult:
     n_ctx: int
     started_at: str
     wall_seconds: float
+    tuned: str | None = None  # the `specrun tune` key the controllers started from, if any
 
     def category_indices(self) -> dict[str, list[int]]:
         """Prompt indices by category, categories in order of first appearance."""
@@ -122,6 +125,7 @@ def run_bench(config: BenchConfig, prompts: Sequence[BenchPrompt], progress: Pro
                 f"no prompt fits the context of {target.n_ctx} tokens with {config.max_new_tokens} new tokens",
                 "raise --ctx or lower -n",
             )
+        tuned = load_tuned(target, draft, config.load.threads) if config.use_tuned else None
         variants = config.variants()
         if progress is not None:
             progress.start(len(kept) * len(variants) * config.repeat)
@@ -134,6 +138,7 @@ def run_bench(config: BenchConfig, prompts: Sequence[BenchPrompt], progress: Pro
             repeat=config.repeat,
             on_result=_reporter(progress, [p for p, _ in kept]),
             drafter_options=DrafterOptions(draft_min_prob=config.draft_min_prob),
+            tuned=tuned,
         )
         machine = machine_info(_backend_name(target), _threads(target, config.load))
         n_ctx = target.n_ctx
@@ -151,6 +156,7 @@ def run_bench(config: BenchConfig, prompts: Sequence[BenchPrompt], progress: Pro
         n_ctx,
         started_at,
         time.perf_counter() - wall_start,
+        tuned.key if tuned is not None else None,
     )
 
 

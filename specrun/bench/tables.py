@@ -8,6 +8,7 @@ from rich.table import Table
 from specrun.bench.figures import ALL_PROMPTS, Figures, by_category, count_of, same_output_label
 from specrun.bench.runner import BenchResult
 from specrun.compare import NEAR_TIE
+from specrun.methods import needs_draft_model
 
 COLUMNS = ("method", "tok/s", "speed-up", "accepted", "tokens/step", "draft/verify", "same output")
 
@@ -75,6 +76,11 @@ def footnotes(result: BenchResult) -> list[str]:
         )
     if any(f.mismatches for f in overall):
         notes.append("NO: an output differs from plain decoding where the target had a clear choice: a real bug")
+    if result.tuned is not None:
+        notes.append(f"controllers started from `specrun tune`'s measurements for this pair ({result.tuned}); "
+                     "--untuned starts them from their priors")
+    elif result.config.use_tuned and any(needs_draft_model(m) for m in result.config.methods):
+        notes.append("no `specrun tune` settings for this pair on this machine: controllers started from their priors")
     for skipped in result.skipped:
         notes.append(f"skipped {skipped.prompt.prompt_id} ({skipped.prompt.category}): {skipped.reason}")
     return notes
