@@ -231,8 +231,8 @@ def compare_variants(
 def forget_learned(engine: SpeculativeEngine) -> None:
     """Every run starts as a tuned `specrun generate` does: an n-gram pool or acceptance
     estimates learned on earlier prompts (or earlier repeats of this one) would flatter it.
-    Kept: the target's verify costs and the tuned profiles (tune saves those) and a pool
-    with a cache file."""
+    Kept: the target's and the drafters' costs (tune saves those) and a pool with a cache
+    file."""
     engine.forget_acceptance()
     members = getattr(engine.drafter, "drafters", (engine.drafter,))
     for member in members:

@@ -16,7 +16,7 @@ from time import perf_counter
 
 import numpy as np
 
-from specrun.adaptive import DraftLengthController, DraftProfile, ProposalScores, TargetCosts
+from specrun.adaptive import DraftCosts, DraftLengthController, ProposalScores, TargetCosts
 from specrun.backends.base import Backend
 from specrun.drafters.base import EMPTY_PROPOSAL, Drafter, Proposal
 from specrun.errors import ContextFullError, UsageError
@@ -105,23 +105,26 @@ class SpeculativeEngine:
         self.clock = clock  # injectable so tests can give fake models exact costs
         self.last_context: list[int] = []  # prompt + output of the latest run
         self._scores = ProposalScores()  # cheap proposals awaiting the output that settles them
-        # Adaptive draft lengths, one controller per proposal source; kept across runs.
+        # Adaptive draft lengths, one controller per proposal source; kept across runs. Costs
+        # belong to the machine, so they outlive the controllers: the target's verify costs
+        # and each drafter's drafting costs, by drafter name.
         self.target_costs = TargetCosts()
+        self.draft_costs: dict[str, DraftCosts] = {}
         self.controllers: dict[str, DraftLengthController] = {}
-        self.profiles: dict[str, DraftProfile] = {}  # tuned starting points, by drafter name
         self.set_drafter(drafter, method)
 
-    def use_tuned(self, target_costs: dict[int, float], profiles: dict[str, DraftProfile]) -> None:
-        """Start from what `specrun tune` measured: the target's verify costs, and for a
-        drafter named in ``profiles`` its draft costs (every controller made for it from now
-        on starts there, also after ``forget_acceptance``)."""
+    def use_tuned(self, target_costs: dict[int, float], draft_costs: dict[str, dict[int, float]]) -> None:
+        """Start from what `specrun tune` measured: the target's verify costs and, by drafter
+        name, seconds to draft k tokens."""
         self.target_costs.preload(target_costs)
-        self.profiles = dict(profiles)
-        self.controllers.clear()
+        for source, seconds in draft_costs.items():
+            self.draft_costs.setdefault(source, DraftCosts()).preload(seconds)
 
     def forget_acceptance(self) -> None:
-        """Drop what the controllers learned about acceptance and draft costs; keep the target's
-        verify costs and the tuned profiles (what `specrun tune` gives a fresh run)."""
+        """Drop what the controllers learned about acceptance (it belongs to the text); keep
+        the target's and the drafters' costs (the machine's, which `specrun tune` gives a
+        fresh run). Dropping draft costs too made auto explore draft lengths 4, 1 and 8 on
+        every bench prompt again."""
         self.controllers.clear()
         self._scores.clear()
 
@@ -282,10 +285,12 @@ class SpeculativeEngine:
     def _controller_for(self, source: str, max_draft_len: int, fixed: bool = False) -> DraftLengthController:
         controller = self.controllers.get(source)
         if controller is None or (controller.max_draft_len, controller.fixed) != (max_draft_len, fixed):
-            controller = DraftLengthController(max_draft_len=max_draft_len, fixed=fixed, target_costs=self.target_costs)
-            profile = self.profiles.get(source)
-            if profile is not None:
-                controller.seed(profile)
+            controller = DraftLengthController(
+                max_draft_len=max_draft_len,
+                fixed=fixed,
+                target_costs=self.target_costs,
+                draft_costs=self.draft_costs.setdefault(source, DraftCosts()),
+            )
             self.controllers[source] = controller
         return controller
 
@@ -305,7 +310,9 @@ class SpeculativeEngine:
             if hasattr(member, "length_policy"):
                 policy = None
                 if adaptive or gate_fixed:
-                    policy = self._controller_for(member.name, draft_len, fixed=not adaptive).choose
+                    controller = self._controller_for(member.name, draft_len, fixed=not adaptive)
+                    controller.ramp_up = True  # paid per drafted token: lengths grow with evidence
+                    policy = controller.choose
                     sources.add(member.name)
                 member.length_policy = policy
         if hasattr(self.drafter, "worth_taking"):

@@ -20,7 +20,6 @@ import statistics
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from specrun.adaptive import DraftProfile
 from specrun.backends.base import Backend
 from specrun.drafters.draft_model import DraftModelDrafter
 from specrun.engine import GenerationParams, SpeculativeEngine
@@ -50,13 +49,10 @@ class TuneResult:
     best_min_prob: float = 0.0  # the draft's confidence stop (0: none)
     draft_costs: dict[int, float] = field(default_factory=dict)  # draft length k -> seconds a step drafted
 
-    def draft_profile(self) -> DraftProfile:
-        return DraftProfile(dict(self.draft_costs))
-
 
 def apply(engine: SpeculativeEngine, tuned: TuneResult) -> None:
     """Let ``engine``'s controllers start from the tuned measurements (generate, chat, bench)."""
-    engine.use_tuned(tuned.target_costs, {DraftModelDrafter.name: tuned.draft_profile()})
+    engine.use_tuned(tuned.target_costs, {DraftModelDrafter.name: tuned.draft_costs})
 
 
 def config_path() -> Path:

@@ -8,12 +8,13 @@ import numpy as np
 import pytest
 
 from fake_models import hashed_logits
-from specrun.adaptive import DraftCosts, DraftLengthController, DraftProfile, TargetCosts
+from specrun.adaptive import DraftCosts, DraftLengthController, TargetCosts
 from specrun.backends.fake import FakeBackend
 from specrun.drafters.base import Proposal
 from specrun.drafters.chain import ChainDrafter
 from specrun.drafters.draft_model import DraftModelDrafter
 from specrun.engine import GenerationParams, SpeculativeEngine
+from specrun.stats import Stats
 
 VOCAB = 64
 
@@ -405,31 +406,63 @@ def test_a_fixed_length_gate_tries_and_probes_short_and_drafts_in_full_once_it_p
     assert choices[:-1] == [0] * (gate.probe_gap - 1) and choices[-1] == 2
 
 
-# ---- starting from `specrun tune`'s measurements -------------------------------------------
-def test_a_tuned_controller_chooses_from_measured_costs_at_once():
-    """Untuned, auto spends its first steps timing plain decoding and draft lengths 4, 1
-    and the longest; with tune's target and draft costs it chooses the best k at once."""
+# ---- costs are the machine's: tuned, and kept across runs -----------------------------------
+def test_a_controller_with_known_draft_costs_chooses_at_once():
+    """Without draft costs auto spends its first steps timing draft lengths 4, 1 and the
+    longest; with them (tuned, or kept from an earlier run) it chooses the best k at once."""
     costs = TargetCosts()
     costs.preload({n: 1.0 + 0.05 * n for n in range(1, 10)})
     untuned = DraftLengthController(max_draft_len=8, target_costs=costs)
-    tuned = DraftLengthController(max_draft_len=8, target_costs=costs)
-    tuned.seed(DraftProfile({1: 0.1, 4: 0.4, 8: 0.8}))
+    draft_costs = DraftCosts()
+    draft_costs.preload({1: 0.1, 4: 0.4, 8: 0.8})
+    tuned = DraftLengthController(max_draft_len=8, target_costs=costs, draft_costs=draft_costs)
     assert untuned.choose(8) == 4  # exploring: no draft length timed yet
     rates = tuned.expected_rates(8)
     assert None not in rates and tuned.choose(8) == max(range(9), key=lambda k: (rates[k], -k))
-    assert tuned.draft_costs(2) == pytest.approx(0.2)  # the tuned cost line, between its lengths
+    assert tuned.draft_costs(2) == pytest.approx(0.2)  # the cost line, between the lengths timed
 
 
-def test_a_tuned_engine_seeds_every_new_controller_of_that_drafter():
+def test_a_draft_model_s_length_grows_with_the_evidence_not_the_prior():
+    """With costs known the optimistic prior alone picks the longest draft: measured, ~2
+    blind drafts of 7-8 tokens per bench prompt from a draft model right on ~45% of them.
+    A ramping controller drafts probe_len first, then twice the deepest position tried."""
+    costs = TargetCosts()
+    costs.preload({n: 1.0 + 0.05 * n for n in range(1, 10)})
+    draft_costs = DraftCosts()
+    draft_costs.preload({1: 0.05, 8: 0.4})
+    controller = DraftLengthController(max_draft_len=8, target_costs=costs, draft_costs=draft_costs, ramp_up=True)
+    free = DraftLengthController(max_draft_len=8, target_costs=costs, draft_costs=draft_costs)
+    assert free.choose(8) == 8  # the prior's choice
+    lengths = []
+    for _ in range(4):
+        k = controller.choose(8)
+        lengths.append(k)
+        controller.observe(k, k, 0.05 * k, 1.0 + 0.05 * (k + 1))  # every draft right
+    assert lengths == [2, 4, 8, 8]
+
+
+def test_an_engine_keeps_its_drafters_costs_when_it_forgets_acceptance():
+    """The bench forgets acceptance before every prompt (it belongs to the text); the costs
+    stay, as the target's do: dropping them made auto explore draft lengths on every prompt."""
     table = hashed_logits(VOCAB, salt=5, spread=3.0)
     clock = SimClock()
     engine = SpeculativeEngine(CostedFake(table, clock, 1.0, 0.05), DraftModelDrafter(
         CostedFake(agreeing_draft(table, 0.7), clock, 0.1, 0.0)), clock=clock)
-    engine.use_tuned({n: 1.0 + 0.05 * n for n in range(1, 10)}, {"draft": DraftProfile({1: 0.1, 8: 0.8})})
-    for _ in range(2):  # as the bench does before every prompt: the profile stays
-        engine.forget_acceptance()
-        engine.run([1, 2, 3], GenerationParams(8, draft_len=8, adaptive=True), complete_cache=False)
-        assert engine.controllers["draft"].draft_costs.counts[8] >= 1.0  # tuned, whether or not k = 8 was drafted
+    engine.use_tuned({n: 1.0 + 0.05 * n for n in range(1, 10)}, {"draft": {1: 0.1, 8: 0.8}})
+    params = GenerationParams(40, draft_len=8, adaptive=True)
+    engine.run([1, 2, 3], params, complete_cache=False)
+    learned = dict(engine.draft_costs["draft"].seconds)
+    assert set(learned) > {1, 8}  # tuned lengths, and those drafted since
+    engine.forget_acceptance()
+    assert engine.controllers == {} and engine.draft_costs["draft"].seconds == learned
+    # A fresh controller on those costs chooses from rates, not by exploring; so does the run.
+    fresh = DraftLengthController(max_draft_len=8, target_costs=engine.target_costs,
+                                  draft_costs=engine.draft_costs["draft"], ramp_up=True)
+    assert None not in fresh.expected_rates(8)
+    expected = fresh.choose(8)
+    steps = list(engine.steps([4, 5, 6], params, Stats()))
+    assert engine.controllers["draft"].draft_costs is engine.draft_costs["draft"]
+    assert steps[0].n_drafted == expected
 
 
 # ---- scoring cheap proposals against the output ------------------------------------------

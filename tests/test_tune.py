@@ -7,7 +7,6 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from specrun.adaptive import DraftProfile
 from specrun.cli import app
 from specrun.stats import Stats
 
@@ -127,5 +126,5 @@ def test_a_version_1_tune_file_still_loads_and_starts_only_the_target_costs(conf
              "acceptance": 0.5, "best_min_prob": 0.0}
     path.write_text(json.dumps({"version": 1, "pairs": {"k1": entry}}))
     loaded = tuning.load("k1")
-    assert loaded.target_costs == {1: 0.002} and loaded.draft_profile() == DraftProfile({})
+    assert loaded.target_costs == {1: 0.002} and loaded.draft_costs == {}
     assert CliRunner().invoke(app, ["tune", "--show"]).exit_code == 0
