@@ -590,3 +590,35 @@ def test_resolve_mlx_finds_folders_aliases_and_repo_ids(tiny_llama, tmp_path, mo
         resolve_mlx("gguf-only", entries)
     with pytest.raises(RegistryError, match="unknown model 'nothing'"):
         resolve_mlx("nothing", entries)
+
+
+# ---- the demo pair on MLX -----------------------------------------------------------------
+def test_the_demo_pair_on_mlx_is_lossless_for_every_method_and_rewinds_exactly():
+    """The shipped pair through mlx-lm: every speculative method (and draft = target) gives
+    plain decoding's tokens, and both caches end holding exactly prompt + output."""
+    require_backend("mlx")
+    from specrun.backends.mlx import MlxBackend
+    from specrun.methods import build_drafter
+    from specrun.modelkit.demo import demo_mlx_dir
+    from specrun.prompts import heldout_code_prompts
+
+    target_dir = demo_mlx_dir("demo-target")
+    target, draft = MlxBackend(target_dir, n_ctx=1024), MlxBackend(demo_mlx_dir("demo-draft"), n_ctx=1024)
+    same = MlxBackend(target_dir, n_ctx=1024)  # draft = target
+    for text in heldout_code_prompts(2, lines=6):
+        ids = target.tokenize(text)
+        plain = SpeculativeEngine(target).run(ids, GenerationParams(32, 0)).token_ids
+        runs = [(m, draft, k) for m, k in (("draft", 4), ("lookup", 4), ("lookup+draft", 3), ("auto", 8))]
+        for method, draft_model, draft_len in [*runs, ("draft", same, 5)]:
+            engine = SpeculativeEngine(target, build_drafter(method, draft_model), method=method)
+            result = engine.run(ids, GenerationParams(32, draft_len, adaptive=method == "auto"))
+            assert_greedy_equal_or_near_tie("mlx", target_dir, ids, plain, result.token_ids)
+            full = ids + result.token_ids
+            assert target.n_past == len(full) and engine.target.tokens == full, method
+            if draft_model is same:
+                assert result.stats.acceptance_rate == 1.0
+            for member in getattr(engine.drafter, "drafters", (engine.drafter,)):
+                if hasattr(member, "sequence"):  # a draft model's cache
+                    assert member.sequence.tokens == full, method
+    for backend in (target, draft, same):
+        backend.close()
