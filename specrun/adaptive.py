@@ -168,6 +168,7 @@ class DraftLengthController:
     probe_len: int = 2
     fixed: bool = False  # always max_draft_len, or 0 while plain decoding is faster (a fixed chain's gate)
     ramp_up: bool = False  # lengths grow with the evidence (a drafter paid per token: a draft model)
+    sunk_draft_cost: bool = False  # the proposal is made before this controller cuts it (a cheap drafter)
     first_probe_gap: int = 8
     max_probe_gap: int = 128
     target_costs: TargetCosts = field(default_factory=TargetCosts)  # shared between drafters
@@ -241,7 +242,9 @@ class DraftLengthController:
         return self._rates[: limit + 1]
 
     def _compute_rates(self, limit: int) -> list[float | None]:
-        draft_costs = self.draft_costs.table(limit)
+        # A cheap drafter proposes every step whatever is kept of it: its time is spent before
+        # the choice, for every k alike (0 included), so it weighs on none of them.
+        draft_costs = [0.0] * (limit + 1) if self.sunk_draft_cost else self.draft_costs.table(limit)
         costs = self.target_costs.table(limit + 1)
         accept = self.acceptances(limit)
         rates: list[float | None] = []
@@ -333,7 +336,8 @@ class DraftLengthController:
         """One verify pass over ``drafted`` + 1 tokens, after ``draft_seconds`` of drafting."""
         self.target_costs.observe(drafted + 1, verify_seconds)
         if drafted:
-            self.draft_costs.observe(drafted, draft_seconds)
+            if not self.sunk_draft_cost:
+                self.draft_costs.observe(drafted, draft_seconds)
             self._update_gate(probed=True)
 
     def _learn_acceptance(self, drafted: int, accepted: int, first_position: int = 1) -> None:

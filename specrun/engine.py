@@ -136,6 +136,11 @@ class SpeculativeEngine:
             if hasattr(member, "target_vocab_size"):  # draft logits must cover the target's ids
                 member.target_vocab_size = self.target.backend.vocab.size
 
+    def _paid_sources(self) -> set[str]:
+        """Drafters that spend per drafted token (a draft model: it drafts only the length
+        chosen), as against cheap ones whose whole proposal is made before it is cut."""
+        return {member.name for member in self._drafter_members() if hasattr(member, "length_policy")}
+
     def _drafter_members(self) -> tuple:
         if self.drafter is None:
             return ()
@@ -290,6 +295,7 @@ class SpeculativeEngine:
                 fixed=fixed,
                 target_costs=self.target_costs,
                 draft_costs=self.draft_costs.setdefault(source, DraftCosts()),
+                sunk_draft_cost=source not in self._paid_sources(),
             )
             self.controllers[source] = controller
         return controller

@@ -287,6 +287,29 @@ def chain_rate(cheap_kind: str, alpha: float, draft_cost: float, n: int = 400):
     return rates, drafters["chain"]
 
 
+def test_a_cheap_drafter_s_own_time_is_sunk_and_does_not_cut_its_proposals():
+    """A cheap drafter proposes every step whatever is kept, so its time weighs on no
+    choice. Counted against speculating only (as before), a slow but always-right drafter
+    was judged slower than plain decoding and its free tokens thrown away."""
+    table = hashed_logits(VOCAB, salt=11, spread=3.0)
+
+    def run(sunk: bool):
+        clock = SimClock()
+        slow_right = CheapDrafter("cheap", greedy_continuation(table), clock, seconds_per_call=10.0)
+        engine = SpeculativeEngine(CostedFake(table, clock, 1.0, 0.05), ChainDrafter([slow_right]), clock=clock)
+        if not sunk:
+            engine._paid_sources = lambda: {"cheap"}  # the old accounting
+        result = engine.run([1, 2, 3], GenerationParams(200, draft_len=8, adaptive=True), complete_cache=False)
+        assert engine.controllers["cheap"].sunk_draft_cost == sunk
+        return result
+
+    sunk, counted = run(True), run(False)
+    assert sunk.token_ids == counted.token_ids
+    assert sunk.stats.accepted > 0.8 * sunk.stats.new_tokens  # its proposals kept, and right
+    assert counted.stats.accepted < 0.2 * counted.stats.new_tokens  # thrown away: ~10 s a step for 1 token
+    assert sunk.stats.generation_seconds < 0.3 * counted.stats.generation_seconds
+
+
 def test_an_adaptive_chain_passes_over_a_cheap_drafter_that_is_always_wrong():
     rates, chain = chain_rate("wrong", alpha=0.8, draft_cost=0.1)
     assert rates["chain"] >= 0.9 * rates["draft"], rates
