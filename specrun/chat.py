@@ -155,8 +155,8 @@ class ChatSession:
 
     def _use_tuned(self, tuned) -> None:
         """Take what `specrun tune` saved: draft length and confidence stop (where the user
-        chose none) for drafters built from now on, and the measured costs and acceptance
-        the controllers start from."""
+        chose none) for drafters built from now on, and the measured costs the controllers
+        start from."""
         self._tuned = tuned
         self._drafter_options = dataclasses.replace(
             self._drafter_options, draft_min_prob=resolve_min_prob(self._draft_min_prob, tuned)

@@ -22,6 +22,11 @@ from specrun.kv import sequence_for
 from specrun.methods import DrafterOptions, build_drafter, is_adaptive
 
 NEAR_TIE = 1e-3  # a top-2 logit gap below this is a numerical near-tie (DESIGN.md)
+NEAR_TIE_NOTE = (
+    f"* greedy outputs may differ where the target's top two logits tie within {NEAR_TIE:g}, or within "
+    "what reading the same context in a batch was measured to move them by there: batched verification "
+    "rounds differently from one-token decoding"
+)
 WARMUP_TOKENS = 8
 
 

@@ -7,7 +7,7 @@ import sys
 from rich.console import Console
 from rich.table import Table
 
-from specrun.compare import NEAR_TIE, Comparison, Mismatch, compare_methods
+from specrun.compare import NEAR_TIE_NOTE, Comparison, Mismatch, compare_methods
 from specrun.engine import GenerationParams
 from specrun.loading import LoadOptions, open_pair
 from specrun.methods import needs_draft_model
@@ -53,11 +53,7 @@ def run_demo(
             draft_backend.close()
     out.print(render_table(comparison, target, draft, draft_len))
     if any(comparison.mismatches.values()):
-        err.print(
-            f"* greedy outputs may differ where the target's top two logits tie within {NEAR_TIE:g}, or within "
-            "what reading the same context in a batch was measured to move them by there: batched verification "
-            "rounds differently from one-token decoding"
-        )
+        err.print(NEAR_TIE_NOTE)
     return comparison
 
 

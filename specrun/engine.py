@@ -290,12 +290,16 @@ class SpeculativeEngine:
     def _controller_for(self, source: str, max_draft_len: int, fixed: bool = False) -> DraftLengthController:
         controller = self.controllers.get(source)
         if controller is None or (controller.max_draft_len, controller.fixed) != (max_draft_len, fixed):
+            paid = source in self._paid_sources()
             controller = DraftLengthController(
                 max_draft_len=max_draft_len,
                 fixed=fixed,
                 target_costs=self.target_costs,
                 draft_costs=self.draft_costs.setdefault(source, DraftCosts()),
-                sunk_draft_cost=source not in self._paid_sources(),
+                # Paid per drafted token (a draft model): its lengths grow with the evidence.
+                # Else (a cheap drafter) the proposal is made before it is cut: its time is sunk.
+                ramp_up=paid,
+                sunk_draft_cost=not paid,
             )
             self.controllers[source] = controller
         return controller
@@ -316,9 +320,7 @@ class SpeculativeEngine:
             if hasattr(member, "length_policy"):
                 policy = None
                 if adaptive or gate_fixed:
-                    controller = self._controller_for(member.name, draft_len, fixed=not adaptive)
-                    controller.ramp_up = True  # paid per drafted token: lengths grow with evidence
-                    policy = controller.choose
+                    policy = self._controller_for(member.name, draft_len, fixed=not adaptive).choose
                     sources.add(member.name)
                 member.length_policy = policy
         if hasattr(self.drafter, "worth_taking"):

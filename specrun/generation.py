@@ -84,7 +84,7 @@ def generate_text(request: GenerateRequest, on_text: Callable[[str], None] | Non
         if tuned is not None:
             from specrun import tuning
 
-            tuning.apply(engine, tuned)  # the controllers start from measured costs and acceptance
+            tuning.apply(engine, tuned)  # the controllers start from measured costs
         for event in engine.stream(prompt_ids, params, complete_cache=False):
             if isinstance(event, TextChunk) and on_text is not None and event.text:
                 on_text(event.text)

@@ -3,8 +3,8 @@
 The calibration runs plain decoding and fixed draft lengths side by side (interleaved
 per prompt); a second round tries confidence stops (drafting ends before a token the
 draft is less sure of than a threshold) at the best length and at the longest, again
-side by side with plain decoding. It records the tokens/s of each, the target's verify cost T(n) and the
-per-position acceptance. The result is saved in the user config, keyed by the two
+side by side with plain decoding. It records the tokens/s of each, the target's verify cost T(n), the
+draft model's drafting cost per length and its overall acceptance. The result is saved in the user config, keyed by the two
 model files and this machine; later runs use the best draft length when none is given,
 and their controllers (``--method auto``, a fixed chain's gate) start from the measured
 target and draft costs instead of exploring them.
@@ -122,7 +122,7 @@ def calibrate(
 
 def _draft_cost(stats: Stats) -> float | None:
     """Seconds a step spent drafting, over the steps that drafted (None if none did)."""
-    steps = sum(c.steps for source, c in stats.by_source.items() if c.drafted)
+    steps = sum(counts.steps for counts in stats.by_source.values() if counts.drafted)
     return stats.draft_seconds / steps if steps else None
 
 

@@ -7,7 +7,7 @@ from rich.table import Table
 
 from specrun.bench.figures import ALL_PROMPTS, Figures, by_category, count_of, same_output_label
 from specrun.bench.runner import BenchResult
-from specrun.compare import NEAR_TIE
+from specrun.compare import NEAR_TIE_NOTE
 from specrun.methods import needs_draft_model
 
 COLUMNS = ("method", "tok/s", "speed-up", "accepted", "tokens/step", "draft/verify", "same output")
@@ -69,11 +69,7 @@ def footnotes(result: BenchResult) -> list[str]:
     ]
     overall = by_category(result)[ALL_PROMPTS]
     if any(f.near_ties for f in overall):
-        notes.append(
-            f"* greedy outputs may differ where the target's top two logits tie within {NEAR_TIE:g}, or within "
-            "what reading the same context in a batch was measured to move them by there: batched verification "
-            "rounds differently from one-token decoding (on llama.cpp an F32 KV cache, --kv-type f32, narrows it)"
-        )
+        notes.append(f"{NEAR_TIE_NOTE} (on llama.cpp an F32 KV cache, --kv-type f32, narrows it)")
     if any(f.mismatches for f in overall):
         notes.append("NO: an output differs from plain decoding where the target had a clear choice: a real bug")
     if result.tuned is not None:
