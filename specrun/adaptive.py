@@ -35,19 +35,28 @@ class TargetCosts:
     LINE_WEIGHT = 1.0  # the fitted line counts as this many passes at every n
     SPIKE_CAP = 1.25  # once timed twice, one pass moves the mean as if at most this much slower
     MAX_COUNT = 8.0  # passes remembered per n: old ones fade as new ones come
+    # A mean that moved less than this (relative) since the table was built leaves the table
+    # as it is: each pass moves a mean by ~3% (timing noise), which the decayed mean itself
+    # carries, and rebuilding the table and every controller's rates after each pass cost
+    # ~1% of a tiny-regime step.
+    STALE_TOLERANCE = 0.03
 
     def __init__(self) -> None:
         self.seconds: dict[int, float] = {}  # tokens fed -> decayed mean seconds; write through observe/preload
         self.counts: dict[int, float] = {}  # tokens fed -> passes behind that mean (at most MAX_COUNT)
-        self.version = 0  # bumped by every change: what the controllers' memoised rates are keyed on
+        self.version = 0  # bumped when the table changes: what the controllers' memoised rates are keyed on
         self._table: list[float | None] | None = None  # __call__ for n = 0..len-1, rebuilt after a change
+        self._built_from: dict[int, float] = {}  # the means the table was built from
 
     def observe(self, n_tokens: int, seconds: float) -> None:
         old = self.seconds.get(n_tokens)
         if old is not None and self.counts.get(n_tokens, 0.0) >= 2.0:
             seconds = min(seconds, old * self.SPIKE_CAP)
-        self.seconds[n_tokens] = _blend(old, seconds, 0.3)
+        mean = self.seconds[n_tokens] = _blend(old, seconds, 0.3)
         self.counts[n_tokens] = min(self.counts.get(n_tokens, 0.0) + 1.0, self.MAX_COUNT)
+        built = self._built_from.get(n_tokens)
+        if built is not None and abs(mean - built) <= self.STALE_TOLERANCE * built:
+            return  # the table stands: it is off by less than the mean's own noise
         self.version += 1
         self._table = None
 
@@ -66,6 +75,7 @@ class TargetCosts:
         """``self(n)`` for n = 0..max_tokens, computed once per change (the controller asks every step)."""
         if self._table is None or len(self._table) <= max_tokens:
             self._table = self._estimates(max_tokens)
+            self._built_from = dict(self.seconds)
         return self._table
 
     def __call__(self, n_tokens: int) -> float | None:

@@ -310,6 +310,7 @@ def test_a_cheap_drafter_s_own_time_is_sunk_and_does_not_cut_its_proposals():
     assert sunk.stats.generation_seconds < 0.3 * counted.stats.generation_seconds
 
 
+
 def test_an_adaptive_chain_passes_over_a_cheap_drafter_that_is_always_wrong():
     rates, chain = chain_rate("wrong", alpha=0.8, draft_cost=0.1)
     assert rates["chain"] >= 0.9 * rates["draft"], rates
@@ -413,6 +414,27 @@ def test_memoised_rates_follow_every_new_estimate():
     controller.draft_costs.observe(4, 2.0)
     assert controller.expected_rates(4) == fresh()
 
+
+
+def test_the_cost_table_is_rebuilt_once_a_mean_has_moved_past_the_tolerance():
+    """Each pass moves a decayed mean by a few percent of noise; rebuilding the table (and every
+    controller's rates) after each one cost ~1% of a tiny-regime step. The table stands while
+    every mean is within STALE_TOLERANCE of what it was built from, drift included."""
+    costs = TargetCosts()
+    for _ in range(3):
+        costs.observe(1, 1.0)
+    costs.observe(3, 2.0)
+    assert costs(1) == pytest.approx(1.0)
+    version = costs.version
+    costs.observe(1, 1.05)  # the mean moves 1.5%: within the tolerance
+    assert costs.version == version and costs(1) == pytest.approx(1.0)
+    costs.observe(1, 1.05)  # 2.6% from the mean the table was built on: still within
+    assert costs.version == version
+    costs.observe(1, 1.1)  # the drift passes 3%: rebuilt from the current means
+    assert costs.version > version and costs(1) == pytest.approx(costs.seconds[1], rel=0.01)
+    version = costs.version
+    costs.observe(2, 1.5)  # a length never timed changes the table at once
+    assert costs.version > version and costs(2) > costs(1)
 
 def test_a_fixed_length_gate_tries_and_probes_short_and_drafts_in_full_once_it_pays():
     costs = TargetCosts()
