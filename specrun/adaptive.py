@@ -177,7 +177,7 @@ class DraftLengthController:
     prior_weight: float = 2.0  # …worth this many observations
     probe_len: int = 2
     fixed: bool = False  # always max_draft_len, or 0 while plain decoding is faster (a fixed chain's gate)
-    ramp_up: bool = False  # lengths grow with the evidence (a drafter paid per token: a draft model)
+    ramp_up: bool = False  # lengths grow with the evidence, not the prior (the engine's controllers)
     sunk_draft_cost: bool = False  # the proposal is made before this controller cuts it (a cheap drafter)
     first_probe_gap: int = 8
     max_probe_gap: int = 128
@@ -296,9 +296,10 @@ class DraftLengthController:
         tried at least once (decayed), at least ``probe_len``. With costs known from the start
         (tuned, or kept from an earlier prompt) the optimistic prior alone would choose the
         longest draft at once: measured, that drew ~2 blind drafts of 7-8 tokens per bench
-        prompt from a draft model right on ~45% of them. A draft that keeps being right
-        doubles its length each step (2, 4, 8). Cheap drafters need no ramp: their whole
-        proposals are scored for free (ProposalScores)."""
+        prompt from a draft model right on ~45% of them, and a blind 7-token n-gram guess,
+        right on none, about once a prompt. A draft that keeps being right doubles its length
+        each step (2, 4, 8); a cheap drafter's whole proposals are scored for free
+        (ProposalScores), so its evidence runs ahead of the lengths it was verified at."""
         depth = 0
         for position in range(1, self.max_draft_len + 1):
             if self.tried[position] < 1.0:

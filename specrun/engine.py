@@ -290,16 +290,14 @@ class SpeculativeEngine:
     def _controller_for(self, source: str, max_draft_len: int, fixed: bool = False) -> DraftLengthController:
         controller = self.controllers.get(source)
         if controller is None or (controller.max_draft_len, controller.fixed) != (max_draft_len, fixed):
-            paid = source in self._paid_sources()
             controller = DraftLengthController(
                 max_draft_len=max_draft_len,
                 fixed=fixed,
                 target_costs=self.target_costs,
                 draft_costs=self.draft_costs.setdefault(source, DraftCosts()),
-                # Paid per drafted token (a draft model): its lengths grow with the evidence.
-                # Else (a cheap drafter) the proposal is made before it is cut: its time is sunk.
-                ramp_up=paid,
-                sunk_draft_cost=not paid,
+                ramp_up=True,  # lengths grow with the evidence, not the prior
+                # A cheap drafter's proposal is made before it is cut: its time is sunk.
+                sunk_draft_cost=source not in self._paid_sources(),
             )
             self.controllers[source] = controller
         return controller

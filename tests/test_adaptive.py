@@ -311,6 +311,26 @@ def test_a_cheap_drafter_s_own_time_is_sunk_and_does_not_cut_its_proposals():
 
 
 
+@pytest.mark.parametrize("kind", ["right", "wrong"])
+def test_a_cheap_drafter_s_lengths_grow_with_the_evidence_not_the_prior(kind):
+    """With the target's costs known (tuned, or kept from an earlier prompt), the optimistic
+    prior alone had auto verify a cheap drafter's first proposal in full: measured on the
+    bench, an n-gram guess of 7 tokens, right on none of them, about once a prompt. Its first
+    proposal is verified at probe_len; a drafter that is right (scored whole, for free) then
+    reaches the full length within a step or two, and one that is wrong never gets past it."""
+    table = hashed_logits(VOCAB, salt=11, spread=3.0)
+    clock = SimClock()
+    make = greedy_continuation if kind == "right" else always_wrong
+    engine = SpeculativeEngine(CostedFake(table, clock, 1.0, 0.05),
+                               ChainDrafter([CheapDrafter("cheap", make(table), clock)]), clock=clock)
+    engine.use_tuned({n: 1.0 + 0.05 * n for n in range(1, 10)}, {})
+    lengths = [step.n_drafted for step in engine.steps([1, 2, 3], GenerationParams(60, draft_len=8, adaptive=True), Stats())]
+    assert lengths[0] == engine.controllers["cheap"].probe_len == 2
+    if kind == "right":
+        assert lengths[1] > 2 and lengths[2:6] == [8] * 4
+    else:
+        assert max(lengths) <= 2
+
 def test_an_adaptive_chain_passes_over_a_cheap_drafter_that_is_always_wrong():
     rates, chain = chain_rate("wrong", alpha=0.8, draft_cost=0.1)
     assert rates["chain"] >= 0.9 * rates["draft"], rates
