@@ -16,7 +16,9 @@ category their geometric mean, every variant interleaved with ``none`` per promp
 "Best fixed" picked after the fact is the luckiest of 16 noisy lines, biased upwards
 by its noise. With --repeat 2 or more a cross-validated line is printed too: the best
 fixed variant is chosen on one half of the repeats (even-numbered, or odd) and measured on
-the other (both ways round), and auto is measured on that same half.
+the other (both ways round), and auto is measured on that same half. With --repeat 3 or
+more, auto against the best fixed line gets a 90% interval from the timing noise alone
+(each prompt's repeats resampled): how far a category's figure can be trusted.
 """
 
 from __future__ import annotations
@@ -28,13 +30,16 @@ import statistics
 import sys
 from pathlib import Path
 
+import numpy as np
+
 
 def rows_by_variant(rows: list[dict]) -> dict[str, dict]:
     return {row["variant"]: row for row in rows}
 
 
 def auto_table(doc: dict) -> list[str]:
-    lines = ["| category | auto vs none | best fixed | its speed-up | auto vs best fixed |", "|---|---|---|---|---|"]
+    lines = ["| category | auto vs none | best fixed | its speed-up | auto vs best fixed | 90% interval over repeats |",
+             "|---|---|---|---|---|---|"]
     groups = {**doc["per_category"], "all prompts": doc["overall"]}
     for category, rows in groups.items():
         variants = rows_by_variant(rows)
@@ -43,8 +48,13 @@ def auto_table(doc: dict) -> list[str]:
         fixed = [r for r in rows if r["method"] not in ("none", "auto")]
         best = max(fixed, key=lambda r: r["speedup"])
         auto = variants["auto"]["speedup"]
+        interval = "-"
+        if doc["config"]["repeat"] >= 3:
+            low, high = interval_over_repeats(doc, category, "auto", best["variant"])
+            interval = f"{low:.3f} - {high:.3f}"
         lines.append(
-            f"| {category} | {auto:.2f}x | {best['variant']} | {best['speedup']:.2f}x | {auto / best['speedup']:.3f} |"
+            f"| {category} | {auto:.2f}x | {best['variant']} | {best['speedup']:.2f}x | {auto / best['speedup']:.3f} "
+            f"| {interval} |"
         )
     return lines
 
@@ -60,6 +70,30 @@ def repeat_speedups(doc: dict) -> dict[tuple[str, str, int], float]:
         for group in (category[index], "all prompts"):
             logs.setdefault((group, variant, repeat), []).append(math.log(value / base))
     return {key: math.exp(statistics.fmean(values)) for key, values in logs.items()}
+
+
+def repeat_rates(doc: dict, variant: str, group: str) -> np.ndarray:
+    """(prompts, repeats): tokens/s of ``variant`` on the prompts of ``group`` (a category, or
+    "all prompts"), one column per repeat."""
+    category = {p["index"]: p["category"] for p in doc["prompts"]}
+    rate = {(r["prompt_index"], r["variant"], r["repeat"]): r["stats"]["tokens_per_second"] for r in doc["runs"]}
+    indexes = sorted(i for i in category if group in (category[i], "all prompts"))
+    return np.array([[rate[(i, variant, r)] for r in range(doc["config"]["repeat"])] for i in indexes])
+
+
+def interval_over_repeats(doc: dict, group: str, a: str, b: str, samples: int = 2000) -> tuple[float, float]:
+    """A 90% interval for the bench's speed-up of ``a`` over ``b`` on ``group``, from its timing
+    noise: each prompt's repeats are resampled with replacement (the same repeats for both
+    variants, which ran interleaved) and the statistic computed as the bench does: per prompt
+    the ratio of medians over repeats (none's median cancels), per group the geometric mean."""
+    rates_a, rates_b = repeat_rates(doc, a, group), repeat_rates(doc, b, group)
+    prompts, repeats = rates_a.shape
+    picks = np.random.default_rng(0).integers(0, repeats, size=(samples, prompts, repeats))
+    rows = np.arange(prompts)[None, :, None]
+    log_ratio = np.log(np.median(rates_a[rows, picks], axis=2) / np.median(rates_b[rows, picks], axis=2))
+    statistic = np.exp(log_ratio.mean(axis=1))  # (samples,)
+    low, high = np.quantile(statistic, [0.05, 0.95])
+    return float(low), float(high)
 
 
 def cross_validated_table(doc: dict) -> list[str]:
