@@ -16,7 +16,14 @@ from time import perf_counter
 
 import numpy as np
 
-from specrun.adaptive import DraftCosts, DraftLengthController, ProposalScores, TargetCosts
+from specrun.adaptive import (
+    CHEAP_PROBE_LEN,
+    PAID_PROBE_LEN,
+    DraftCosts,
+    DraftLengthController,
+    ProposalScores,
+    TargetCosts,
+)
 from specrun.backends.base import Backend
 from specrun.drafters.base import EMPTY_PROPOSAL, Drafter, Proposal
 from specrun.errors import ContextFullError, UsageError
@@ -290,14 +297,17 @@ class SpeculativeEngine:
     def _controller_for(self, source: str, max_draft_len: int, fixed: bool = False) -> DraftLengthController:
         controller = self.controllers.get(source)
         if controller is None or (controller.max_draft_len, controller.fixed) != (max_draft_len, fixed):
+            paid = source in self._paid_sources()
             controller = DraftLengthController(
                 max_draft_len=max_draft_len,
                 fixed=fixed,
                 target_costs=self.target_costs,
                 draft_costs=self.draft_costs.setdefault(source, DraftCosts()),
                 ramp_up=True,  # lengths grow with the evidence, not the prior
-                # A cheap drafter's proposal is made before it is cut: its time is sunk.
-                sunk_draft_cost=source not in self._paid_sources(),
+                # A cheap drafter's proposal is made before it is cut: its time is sunk, and
+                # a wrong first try costs only verify positions (T(n) is nearly flat to n = 5).
+                sunk_draft_cost=not paid,
+                probe_len=PAID_PROBE_LEN if paid else CHEAP_PROBE_LEN,
             )
             self.controllers[source] = controller
         return controller

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from fake_models import hashed_logits
-from specrun.adaptive import DraftCosts, DraftLengthController, TargetCosts
+from specrun.adaptive import CHEAP_PROBE_LEN, PAID_PROBE_LEN, DraftCosts, DraftLengthController, TargetCosts
 from specrun.backends.fake import FakeBackend
 from specrun.drafters.base import Proposal
 from specrun.drafters.chain import ChainDrafter
@@ -311,13 +311,14 @@ def test_a_cheap_drafter_s_own_time_is_sunk_and_does_not_cut_its_proposals():
 
 
 
+
 @pytest.mark.parametrize("kind", ["right", "wrong"])
 def test_a_cheap_drafter_s_lengths_grow_with_the_evidence_not_the_prior(kind):
     """With the target's costs known (tuned, or kept from an earlier prompt), the optimistic
     prior alone had auto verify a cheap drafter's first proposal in full: measured on the
     bench, an n-gram guess of 7 tokens, right on none of them, about once a prompt. Its first
-    proposal is verified at probe_len; a drafter that is right (scored whole, for free) then
-    reaches the full length within a step or two, and one that is wrong never gets past it."""
+    proposal is verified at CHEAP_PROBE_LEN; a drafter that is right (scored whole, for free)
+    then reaches the full length at the next step, and one that is wrong never gets past it."""
     table = hashed_logits(VOCAB, salt=11, spread=3.0)
     clock = SimClock()
     make = greedy_continuation if kind == "right" else always_wrong
@@ -325,11 +326,22 @@ def test_a_cheap_drafter_s_lengths_grow_with_the_evidence_not_the_prior(kind):
                                ChainDrafter([CheapDrafter("cheap", make(table), clock)]), clock=clock)
     engine.use_tuned({n: 1.0 + 0.05 * n for n in range(1, 10)}, {})
     lengths = [step.n_drafted for step in engine.steps([1, 2, 3], GenerationParams(60, draft_len=8, adaptive=True), Stats())]
-    assert lengths[0] == engine.controllers["cheap"].probe_len == 2
+    assert lengths[0] == engine.controllers["cheap"].probe_len == CHEAP_PROBE_LEN < 8
     if kind == "right":
-        assert lengths[1] > 2 and lengths[2:6] == [8] * 4
+        assert lengths[1:5] == [8] * 4
     else:
-        assert max(lengths) <= 2
+        assert max(lengths) <= CHEAP_PROBE_LEN
+
+
+def test_a_draft_model_s_first_tries_are_shorter_than_a_cheap_drafter_s():
+    """A draft model pays per token drafted; a cheap drafter's proposal is already made."""
+    table = hashed_logits(VOCAB, salt=11, spread=3.0)
+    clock = SimClock()
+    chain = ChainDrafter([CheapDrafter("cheap", greedy_continuation(table), clock),
+                          DraftModelDrafter(CostedFake(agreeing_draft(table, 0.7), clock, 0.1, 0.0))])
+    engine = SpeculativeEngine(CostedFake(table, clock, 1.0, 0.05), chain, clock=clock)
+    engine.run([1, 2, 3], GenerationParams(10, draft_len=8, adaptive=True), complete_cache=False)
+    assert engine.controllers["cheap"].probe_len == CHEAP_PROBE_LEN > engine.controllers["draft"].probe_len == PAID_PROBE_LEN
 
 def test_an_adaptive_chain_passes_over_a_cheap_drafter_that_is_always_wrong():
     rates, chain = chain_rate("wrong", alpha=0.8, draft_cost=0.1)
