@@ -43,11 +43,18 @@ class TargetCosts:
     LINE_WEIGHT = 1.0  # the fitted line counts as this many passes at every n
     SPIKE_CAP = 1.25  # once timed twice, one pass moves the mean as if at most this much slower
     MAX_COUNT = 8.0  # passes remembered per n: old ones fade as new ones come
+    # Each pass at one n ages the others' counts: a mean left unvisited (a length the
+    # controller stopped choosing, often because a slow pass made it look dear) yields to
+    # the line through the lengths in use, so it is tried again if the line says it pays,
+    # instead of standing for good. Kept across prompts, stale means had auto go plain
+    # where lookup was right on every token (83 plain steps against 10 in one A/B arm).
+    AGE = 0.98
     # A mean that moved less than this (relative) since the table was built leaves the table
     # as it is: each pass moves a mean by ~3% (timing noise), which the decayed mean itself
     # carries, and rebuilding the table and every controller's rates after each pass cost
     # ~1% of a tiny-regime step.
     STALE_TOLERANCE = 0.03
+    REBUILD_EVERY = 16  # passes after which the table is rebuilt anyway (the counts have aged)
 
     def __init__(self) -> None:
         self.seconds: dict[int, float] = {}  # tokens fed -> decayed mean seconds; write through observe/preload
@@ -55,15 +62,24 @@ class TargetCosts:
         self.version = 0  # bumped when the table changes: what the controllers' memoised rates are keyed on
         self._table: list[float | None] | None = None  # __call__ for n = 0..len-1, rebuilt after a change
         self._built_from: dict[int, float] = {}  # the means the table was built from
+        self._passes_since_build = 0
 
     def observe(self, n_tokens: int, seconds: float) -> None:
         old = self.seconds.get(n_tokens)
         if old is not None and self.counts.get(n_tokens, 0.0) >= 2.0:
             seconds = min(seconds, old * self.SPIKE_CAP)
         mean = self.seconds[n_tokens] = _blend(old, seconds, 0.3)
-        self.counts[n_tokens] = min(self.counts.get(n_tokens, 0.0) + 1.0, self.MAX_COUNT)
+        counts = self.counts
+        for n in counts:
+            counts[n] *= self.AGE
+        counts[n_tokens] = min(counts.get(n_tokens, 0.0) / self.AGE + 1.0, self.MAX_COUNT)
         built = self._built_from.get(n_tokens)
-        if built is not None and abs(mean - built) <= self.STALE_TOLERANCE * built:
+        self._passes_since_build += 1
+        if (
+            built is not None
+            and abs(mean - built) <= self.STALE_TOLERANCE * built
+            and self._passes_since_build < self.REBUILD_EVERY
+        ):
             return  # the table stands: it is off by less than the mean's own noise
         self.version += 1
         self._table = None
@@ -84,6 +100,7 @@ class TargetCosts:
         if self._table is None or len(self._table) <= max_tokens:
             self._table = self._estimates(max_tokens)
             self._built_from = dict(self.seconds)
+            self._passes_since_build = 0
         return self._table
 
     def __call__(self, n_tokens: int) -> float | None:

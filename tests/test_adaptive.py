@@ -312,6 +312,22 @@ def test_a_cheap_drafter_s_own_time_is_sunk_and_does_not_cut_its_proposals():
 
 
 
+def test_a_mean_left_unvisited_yields_to_the_line_through_the_lengths_in_use():
+    """A length timed slow and then never chosen again must not stand for good: passes at
+    other lengths age its count, so its estimate returns towards the line through them."""
+    costs = TargetCosts()
+    for _ in range(8):
+        for n in (1, 3, 5):
+            costs.observe(n, 1.0 + 0.1 * n)
+        costs.observe(4, 3.0)  # slow passes (another process had the CPU), then never again
+    stale = costs(4)
+    assert stale > 2.0
+    for _ in range(100):
+        for n in (1, 3, 5):
+            costs.observe(n, 1.0 + 0.1 * n)
+    assert costs(4) < 1.05 * 1.4 + 0.1 < stale  # near the line (1.4 at n = 4)
+    assert costs(3) == pytest.approx(1.3, rel=0.02)  # lengths in use keep their own means
+
 @pytest.mark.parametrize("kind", ["right", "wrong"])
 def test_a_cheap_drafter_s_lengths_grow_with_the_evidence_not_the_prior(kind):
     """With the target's costs known (tuned, or kept from an earlier prompt), the optimistic
