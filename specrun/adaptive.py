@@ -35,7 +35,7 @@ class TargetCosts:
     mean counts as only SPIKE_CAP times it (a lasting slowdown still gets through,
     a few passes later), and the estimates are smoothed:
     each mean is shrunk towards a line fitted through all of them (weighted by how
-    often each n was timed), unseen n take the line, and the table is made
+    often, and how lately, each n was timed), unseen n take the line, and the table is made
     non-decreasing in n (a longer pass never costs less), by pooling adjacent
     violators with their weights.
     """

@@ -304,8 +304,8 @@ class SpeculativeEngine:
                 target_costs=self.target_costs,
                 draft_costs=self.draft_costs.setdefault(source, DraftCosts()),
                 ramp_up=True,  # lengths grow with the evidence, not the prior
-                # A cheap drafter's proposal is made before it is cut: its time is sunk, and
-                # a wrong first try costs only verify positions (T(n) is nearly flat to n = 5).
+                # A cheap drafter's proposal is made before it is cut: its time is sunk, and a
+                # wrong first try costs only verify positions (CHEAP_PROBE_LEN: why 4 of them).
                 sunk_draft_cost=not paid,
                 probe_len=PAID_PROBE_LEN if paid else CHEAP_PROBE_LEN,
             )
