@@ -59,11 +59,17 @@ def auto_table(doc: dict) -> list[str]:
     return lines
 
 
+def run_rates(doc: dict) -> tuple[dict[int, str], dict[tuple[int, str, int], float]]:
+    """Each prompt's category, and tokens/s by (prompt, variant, repeat)."""
+    category = {p["index"]: p["category"] for p in doc["prompts"]}
+    rate = {(r["prompt_index"], r["variant"], r["repeat"]): r["stats"]["tokens_per_second"] for r in doc["runs"]}
+    return category, rate
+
+
 def repeat_speedups(doc: dict) -> dict[tuple[str, str, int], float]:
     """(category, variant, repeat) -> geometric mean over the category's prompts of
     tokens/s relative to none's run of the same prompt and repeat."""
-    category = {p["index"]: p["category"] for p in doc["prompts"]}
-    rate = {(r["prompt_index"], r["variant"], r["repeat"]): r["stats"]["tokens_per_second"] for r in doc["runs"]}
+    category, rate = run_rates(doc)
     logs: dict[tuple[str, str, int], list[float]] = {}
     for (index, variant, repeat), value in rate.items():
         base = rate[(index, "none", repeat)]
@@ -75,8 +81,7 @@ def repeat_speedups(doc: dict) -> dict[tuple[str, str, int], float]:
 def repeat_rates(doc: dict, variant: str, group: str) -> np.ndarray:
     """(prompts, repeats): tokens/s of ``variant`` on the prompts of ``group`` (a category, or
     "all prompts"), one column per repeat."""
-    category = {p["index"]: p["category"] for p in doc["prompts"]}
-    rate = {(r["prompt_index"], r["variant"], r["repeat"]): r["stats"]["tokens_per_second"] for r in doc["runs"]}
+    category, rate = run_rates(doc)
     indexes = sorted(i for i in category if group in (category[i], "all prompts"))
     return np.array([[rate[(i, variant, r)] for r in range(doc["config"]["repeat"])] for i in indexes])
 

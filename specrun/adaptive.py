@@ -71,8 +71,9 @@ class TargetCosts:
         mean = self.seconds[n_tokens] = _blend(old, seconds, 0.3)
         counts = self.counts
         for n in counts:
-            counts[n] *= self.AGE
-        counts[n_tokens] = min(counts.get(n_tokens, 0.0) / self.AGE + 1.0, self.MAX_COUNT)
+            if n != n_tokens:
+                counts[n] *= self.AGE
+        counts[n_tokens] = min(counts.get(n_tokens, 0.0) + 1.0, self.MAX_COUNT)
         built = self._built_from.get(n_tokens)
         self._passes_since_build += 1
         if (

@@ -162,9 +162,7 @@ class ChatSession:
             self._drafter_options, draft_min_prob=resolve_min_prob(self._draft_min_prob, tuned)
         )
         if tuned is not None:
-            from specrun import tuning
-
-            tuning.apply(self.engine, tuned)  # auto and a chain's gate need not explore them
+            tuned.apply(self.engine)  # auto and a chain's gate need not explore them
 
     # ---- the conversation ---------------------------------------------------------
     def ask(self, text: str, params: GenerationParams) -> Iterator[ChatEvent]:

@@ -202,10 +202,8 @@ def compare_variants(
             drafters.append(build_drafter(variant.method, draft, drafter_options))
         engines = {v.name: SpeculativeEngine(target, d, method=v.method) for v, d in zip(variants, drafters)}
         if tuned is not None:
-            from specrun import tuning
-
             for engine in engines.values():
-                tuning.apply(engine, tuned)
+                tuned.apply(engine)
         variant_params = {
             v.name: dataclasses.replace(params, draft_len=v.draft_len, adaptive=params.adaptive or is_adaptive(v.method))
             for v in variants

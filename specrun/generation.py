@@ -82,9 +82,7 @@ def generate_text(request: GenerateRequest, on_text: Callable[[str], None] | Non
             adaptive=is_adaptive(request.method),
         )
         if tuned is not None:
-            from specrun import tuning
-
-            tuning.apply(engine, tuned)  # the controllers start from measured costs
+            tuned.apply(engine)  # the controllers start from measured costs
         for event in engine.stream(prompt_ids, params, complete_cache=False):
             if isinstance(event, TextChunk) and on_text is not None and event.text:
                 on_text(event.text)

@@ -49,10 +49,9 @@ class TuneResult:
     best_min_prob: float = 0.0  # the draft's confidence stop (0: none)
     draft_costs: dict[int, float] = field(default_factory=dict)  # draft length k -> seconds a step drafted
 
-
-def apply(engine: SpeculativeEngine, tuned: TuneResult) -> None:
-    """Let ``engine``'s controllers start from the tuned measurements (generate, chat, bench)."""
-    engine.use_tuned(tuned.target_costs, {DraftModelDrafter.name: tuned.draft_costs})
+    def apply(self, engine: SpeculativeEngine) -> None:
+        """Let ``engine``'s controllers start from these measurements (generate, chat, bench)."""
+        engine.use_tuned(self.target_costs, {DraftModelDrafter.name: self.draft_costs})
 
 
 def config_path() -> Path:
