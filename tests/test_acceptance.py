@@ -19,7 +19,7 @@ from specrun.verify import Verdict, acceptance_probability, verify_greedy, verif
 
 VOCAB = 5
 PROMPT = (0, 3)
-N_TOKENS = 4  # the first verify pass drafts from the prompt itself; a second pass ends the run
+N_TOKENS = 4  # the first token from the prefill, then the first verify pass drafts from it
 RUNS = 50_000  # the main harness; variants use fewer runs to keep the suite fast
 VARIANT_RUNS = 20_000
 NEGATIVE_RUNS = 5_000
@@ -50,7 +50,7 @@ def sample_first_tokens(engine: SpeculativeEngine, sampling: SamplingSettings, d
     """Run the engine ``runs`` times with seeds 0..runs-1.
 
     Returns counts of the first N_TOKENS sequences, and for each run whether the first
-    draft (drafted right after the prompt) was accepted.
+    draft (drafted right after the first token) was accepted.
     """
     counts: Counter = Counter()
     first_drafted: list[bool] = []
@@ -69,14 +69,17 @@ def sample_first_tokens(engine: SpeculativeEngine, sampling: SamplingSettings, d
         steps = list(engine.steps(PROMPT, params, Stats()))
         context = engine.last_context
         counts[tuple(context[len(PROMPT) : len(PROMPT) + N_TOKENS])] += 1
-        assert steps[0].n_drafted > 0  # the first pass verifies drafts made from the prompt
-        first_drafted.append(steps[0].n_accepted >= 1)
+        assert steps[0].n_drafted == 0  # the first token comes from the prefill pass
+        assert steps[1].n_drafted > 0  # the first verify pass drafts right after it
+        first_drafted.append(steps[1].n_accepted >= 1)
     return counts, first_drafted
 
 
 def expected_first_acceptance(target_table, accept_probability, sampling: SamplingSettings) -> float:
-    """Acceptance at the first drafted position: the one right after the prompt."""
-    return float(accept_probability(PROMPT))
+    """Acceptance at the first drafted position: the one after the prompt and the first
+    token, which the target samples from the prefill's distribution."""
+    first = probabilities(target_table(PROMPT), sampling)
+    return float(sum(first[token] * accept_probability((*PROMPT, token)) for token in range(VOCAB)))
 
 
 def measured_rate(first_drafted: list[bool]) -> float:

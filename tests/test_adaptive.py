@@ -342,9 +342,10 @@ def test_a_cheap_drafter_s_lengths_grow_with_the_evidence_not_the_prior(kind):
                                ChainDrafter([CheapDrafter("cheap", make(table), clock)]), clock=clock)
     engine.use_tuned({n: 1.0 + 0.05 * n for n in range(1, 10)}, {})
     lengths = [step.n_drafted for step in engine.steps([1, 2, 3], GenerationParams(60, draft_len=8, adaptive=True), Stats())]
-    assert lengths[0] == engine.controllers["cheap"].probe_len == CHEAP_PROBE_LEN < 8
+    assert lengths[0] == 0  # the first token comes from the prefill
+    assert lengths[1] == engine.controllers["cheap"].probe_len == CHEAP_PROBE_LEN < 8
     if kind == "right":
-        assert lengths[1:5] == [8] * 4
+        assert lengths[2:6] == [8] * 4
     else:
         assert max(lengths) <= CHEAP_PROBE_LEN
 
@@ -555,7 +556,8 @@ def test_an_engine_keeps_its_drafters_costs_when_it_forgets_acceptance():
     expected = fresh.choose(8)
     steps = list(engine.steps([4, 5, 6], params, Stats()))
     assert engine.controllers["draft"].draft_costs is engine.draft_costs["draft"]
-    assert steps[0].n_drafted == expected
+    assert steps[0].n_drafted == 0  # the first token comes from the prefill
+    assert steps[1].n_drafted == expected
 
 
 # ---- scoring cheap proposals against the output ------------------------------------------

@@ -151,9 +151,9 @@ def test_mlx_drafts_chain_on_the_device_and_stay_lossless(tiny_llama):
 
     target = open_backend(str(tiny_llama.hf_dir), LoadOptions(backend="mlx"))
     draft = open_backend(str(tiny_llama.hf_dir), LoadOptions(backend="mlx"))
-    calls = []
-    real = draft.forward_greedy
-    draft.forward_greedy = lambda tokens, n_new: calls.append(n_new) or real(tokens, n_new)
+    calls = []  # every greedy draft goes through the deferred call (forward_greedy too)
+    real = draft.forward_greedy_deferred
+    draft.forward_greedy_deferred = lambda tokens, n_new: calls.append(n_new) or real(tokens, n_new)
     prompt = target.tokenize("def add(a, b):")
     plain = SpeculativeEngine(target).run(prompt, GenerationParams(40, draft_len=0, stop_at_eos=False))
     spec = SpeculativeEngine(target, DraftModelDrafter(draft)).run(

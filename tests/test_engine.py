@@ -150,12 +150,24 @@ def test_statistics_of_a_chain_say_which_drafter_drafted():
     from specrun.drafters.chain import ChainDrafter
     from specrun.drafters.lookup import PromptLookupDrafter
 
-    target, draft = fake(8), FakeBackend(mostly_agreeing(8, 3, noise=1.0), VOCAB)
+    random_text = hashed_logits(VOCAB, salt=8, spread=2.0)
+
+    def cycle_then_random(context):
+        """The prompt's cycle 1..8 goes on for 8 tokens (lookup copies it), then random text."""
+        if len(context) >= 32:
+            return random_text(context)
+        logits = np.zeros(VOCAB, dtype=np.float32)
+        logits[context[-1] % 8 + 1] = 5.0
+        return logits
+
+    target = FakeBackend(cycle_then_random, VOCAB)
+    draft = FakeBackend(lambda context: cycle_then_random(context) + random_text((3, *context)), VOCAB)
     prompt = [1, 2, 3, 4, 5, 6, 7, 8] * 3  # lookup finds this repeated
     chain = ChainDrafter([PromptLookupDrafter(), DraftModelDrafter(draft)])
     first = SpeculativeEngine(target, chain, method="lookup+draft").run(prompt, GenerationParams(40, 4))
     stats = first.stats
-    assert {"lookup", "draft"} <= set(stats.by_source)
+    # none: the first token (from the prefill) and the plain steps while the draft is gated off
+    assert {"lookup", "draft", "none"} <= set(stats.by_source)
     assert sum(c.drafted for c in stats.by_source.values()) == stats.drafted
     assert "steps by drafter: " in stats.summary() and "lookup " in stats.summary()
     total = Stats()
@@ -186,9 +198,9 @@ def test_target_sees_logit_requests_only_for_verified_rows():
     calls = spied_forward_calls(target)
     SpeculativeEngine(target, DraftModelDrafter(fake(4))).run(list(range(30)), GenerationParams(20, 4))
     prefill = calls[0]
-    assert prefill == (29, [])  # all but the last prompt token, with no logits at all
+    assert prefill == (30, [29])  # the whole prompt, logits only for the first token
     *verify_passes, completion = calls[1:]
-    assert verify_passes[0] == (5, [0, 1, 2, 3, 4])  # the last prompt token and the first 4 drafts
+    assert verify_passes[0] == (5, [0, 1, 2, 3, 4])  # the first token and the first 4 drafts
     for n_tokens, rows in verify_passes:
         assert rows == list(range(n_tokens)) and n_tokens <= 5
     assert completion == (1, [])  # the last token fed so the cache holds prompt + output
@@ -202,25 +214,27 @@ def test_plain_decoding_takes_its_first_token_from_the_prefill_pass():
     assert calls == [(30, [29]), (1, [0]), (1, [0]), (1, [])]
 
 
-def test_a_drafter_with_nothing_for_the_first_token_leaves_it_to_the_prefill_pass():
-    """No pass is spent on the first token alone: a lookup that finds nothing in the prompt
-    costs what plain decoding costs."""
+def test_a_drafter_with_nothing_to_propose_costs_what_plain_decoding_costs():
+    """A lookup that finds nothing in the prompt runs exactly plain decoding's passes."""
     from specrun.drafters.lookup import PromptLookupDrafter
 
     target = fake(4)
     calls = spied_forward_calls(target)
     result = SpeculativeEngine(target, PromptLookupDrafter()).run(list(range(30)), GenerationParams(3, 4))
-    assert calls[0] == (30, [29])  # the whole prompt, logits for the first token
+    assert calls == [(30, [29]), (1, [0]), (1, [0]), (1, [])]  # as plain decoding's
     assert result.token_ids == plain_run(fake(4), list(range(30)), 3)
 
 
-def test_with_a_perfect_draft_the_first_pass_already_yields_k_plus_1_tokens():
+def test_with_a_perfect_draft_the_first_token_comes_from_the_prefill_then_k_plus_1_a_pass():
+    """The prompt's last token rides in the prefill's batch and yields the first token;
+    drafting starts from it, so 11 tokens take the prefill and two verify passes (feeding
+    the last prompt token with drafts for the first token instead would yield 10)."""
     target = fake(5)
     calls = spied_forward_calls(target)
-    result = SpeculativeEngine(target, DraftModelDrafter(fake(5))).run([7, 8, 9], GenerationParams(10, 4))
-    assert result.token_ids == plain_run(fake(5), [7, 8, 9], 10)
-    assert result.stats.steps == 2  # 5 + 5 tokens: no pass spent on the first token alone
-    assert [n for n, _ in calls] == [2, 5, 5, 1]
+    result = SpeculativeEngine(target, DraftModelDrafter(fake(5))).run([7, 8, 9], GenerationParams(11, 4))
+    assert result.token_ids == plain_run(fake(5), [7, 8, 9], 11)
+    assert result.stats.steps == 3  # 1 (the prefill's) + 5 + 5 tokens
+    assert [n for n, _ in calls] == [3, 5, 5, 1]
 
 
 def test_sampled_generation_is_reproducible_with_a_seed():
