@@ -201,6 +201,7 @@ class DraftLengthController:
     decay: float = 0.95  # weight kept by old observations per step
     prior_accept: float = 0.9  # acceptance assumed before any evidence (optimistic: steps correct it)…
     prior_weight: float = 2.0  # …worth this many observations
+    prior_measured: bool = False  # prior_accept was measured on this pair (`specrun tune`), not assumed
     probe_len: int = PAID_PROBE_LEN
     fixed: bool = False  # always max_draft_len, or 0 while plain decoding is faster (a fixed chain's gate)
     ramp_up: bool = False  # lengths grow with the evidence, not the prior (the engine's controllers)
@@ -218,7 +219,8 @@ class DraftLengthController:
         self.probe_gap = self.first_probe_gap
         self.steps_since_probe = 0
         self._speculating = True
-        self._gate_stale = False  # evidence arrived since the gate was last decided…
+        # evidence arrived since the gate was last decided (a measured prior is evidence)…
+        self._gate_stale = self.prior_measured
         self._gate_probed = False  # …and some of it came from drafting while off
         self.plain_tries = 0  # steps a fixed controller gave up to time a plain pass
         self._acceptance_version = 0  # bumped with every acceptance learned: keys the memoised rates
@@ -347,7 +349,7 @@ class DraftLengthController:
         if not self.target_costs.known(1) and self.plain_tries < self.PLAIN_TRIES:
             self.plain_tries += 1
             return 0
-        if self.tried[1] < self.FIRST_TRIES:  # first tries, like probes, are short
+        if self.tried[1] < self.FIRST_TRIES and not self.prior_measured:  # short, like probes
             return min(self.probe_len, limit)
         return limit
 

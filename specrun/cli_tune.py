@@ -91,7 +91,8 @@ def render(results) -> Table:
             str(result.best_draft_len) if result.best_draft_len else "0 (plain is fastest)",
             f"p < {result.best_min_prob:g}" if result.best_min_prob else "none",
             f"{result.speedup:.2f}×",
-            f"{100 * result.acceptance:.0f}%",
+            f"{100 * result.acceptance:.0f}%"
+            + (f" (first token {100 * result.first_acceptance:.0f}%)" if result.first_acceptance else ""),
             rates,
         )
     return table

@@ -118,19 +118,28 @@ class SpeculativeEngine:
         self.target_costs = TargetCosts()
         self.draft_costs: dict[str, DraftCosts] = {}
         self.controllers: dict[str, DraftLengthController] = {}
+        self.prior_accepts: dict[str, float] = {}  # by drafter name: measured first-token acceptance
         self.set_drafter(drafter, method)
 
-    def use_tuned(self, target_costs: dict[int, float], draft_costs: dict[str, dict[int, float]]) -> None:
+    def use_tuned(
+        self,
+        target_costs: dict[int, float],
+        draft_costs: dict[str, dict[int, float]],
+        prior_accepts: dict[str, float] | None = None,
+    ) -> None:
         """Start from what `specrun tune` measured: the target's verify costs and, by drafter
-        name, seconds to draft k tokens."""
+        name, seconds to draft k tokens and how often its first token is accepted (its
+        controllers' prior, in place of the optimistic DraftLengthController.prior_accept)."""
         self.target_costs.preload(target_costs)
         for source, seconds in draft_costs.items():
             self.draft_costs.setdefault(source, DraftCosts()).preload(seconds)
+        self.prior_accepts.update(prior_accepts or {})
+        self.controllers.clear()  # rebuilt on the new priors
 
     def forget_acceptance(self) -> None:
         """Drop what the controllers learned about acceptance (it belongs to the text); keep
         the target's and the drafters' costs (the machine's, which `specrun tune` gives a
-        fresh run). Dropping draft costs too made auto explore draft lengths 4, 1 and 8 on
+        fresh run) and the tuned priors. Dropping draft costs too made auto explore draft lengths 4, 1 and 8 on
         every bench prompt again."""
         self.controllers.clear()
         self._scores.clear()
@@ -300,6 +309,8 @@ class SpeculativeEngine:
                 # wrong first try costs only verify positions (CHEAP_PROBE_LEN: why 4 of them).
                 sunk_draft_cost=not paid,
                 probe_len=PAID_PROBE_LEN if paid else CHEAP_PROBE_LEN,
+                **({"prior_accept": self.prior_accepts[source], "prior_measured": True}
+                   if source in self.prior_accepts else {}),
             )
             self.controllers[source] = controller
         return controller

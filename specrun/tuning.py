@@ -48,10 +48,20 @@ class TuneResult:
     acceptance: float = 0.0
     best_min_prob: float = 0.0  # the draft's confidence stop (0: none)
     draft_costs: dict[int, float] = field(default_factory=dict)  # draft length k -> seconds a step drafted
+    # The chance the draft model's first token is accepted, over round 1's drafting steps
+    # (0: not measured, files from before it was saved).
+    first_acceptance: float = 0.0
 
     def apply(self, engine: SpeculativeEngine) -> None:
-        """Let ``engine``'s controllers start from these measurements (generate, chat, bench)."""
-        engine.use_tuned(self.target_costs, {DraftModelDrafter.name: self.draft_costs})
+        """Let ``engine``'s controllers start from these measurements (generate, chat, bench):
+        the target's and the draft model's costs, and the draft model's measured acceptance
+        in place of the optimistic prior its controller would otherwise start from."""
+        name = DraftModelDrafter.name
+        engine.use_tuned(
+            self.target_costs,
+            {name: self.draft_costs},
+            {name: self.first_acceptance} if self.first_acceptance > 0.0 else {},
+        )
 
 
 def config_path() -> Path:
@@ -116,7 +126,15 @@ def calibrate(
         acceptance=accepted / drafted if drafted else 0.0,
         best_min_prob=best_min_prob,
         draft_costs={lengths[name][0]: cost for name, stats in totals.items() if (cost := _draft_cost(stats))},
+        first_acceptance=_first_acceptance(drafting),
     )
+
+
+def _first_acceptance(drafting: list[Stats]) -> float:
+    """Of the steps that drafted, the share whose first draft was accepted (0 if none drafted)."""
+    steps = sum(counts.steps for stats in drafting for counts in stats.by_source.values() if counts.drafted)
+    first_right = sum(sum(stats.accepted_hist[1:]) for stats in drafting)
+    return first_right / steps if steps else 0.0
 
 
 def _draft_cost(stats: Stats) -> float | None:

@@ -580,3 +580,31 @@ def test_a_cheap_proposal_is_scored_as_far_as_the_output_reaches_then_the_rest()
     context += [7]  # a miss at once: settled, and the older evidence decays once
     scores.score(context)
     assert controller.tried[1:3] == [1.5, 0.5] and controller.accepted[1:3] == [0.5, 0.5]
+
+
+@pytest.mark.parametrize("method", ["auto", "lookup+draft"])
+def test_a_tuned_acceptance_replaces_the_optimistic_prior_and_outlives_forgetting(method):
+    """`specrun tune` measures how often the draft model's first token is accepted; runs
+    start the draft model's controller from it instead of the 0.9 prior, with no first tries:
+    a draft model measured not to pay is not tried on every prompt's first steps just because
+    this prompt has told nothing yet (auto, and a fixed chain's gate, alike)."""
+    from specrun.drafters.lookup import PromptLookupDrafter
+
+    table = hashed_logits(VOCAB, salt=5, spread=3.0)
+
+    def draft_steps(prior_accepts):
+        clock = SimClock()
+        draft = DraftModelDrafter(CostedFake(agreeing_draft(table, 0.1), clock, 0.5, 0.0))
+        drafter = draft if method == "auto" else ChainDrafter([PromptLookupDrafter(), draft])
+        engine = SpeculativeEngine(CostedFake(table, clock, 1.0, 0.05), drafter, method=method, clock=clock)
+        engine.use_tuned({n: 1.0 + 0.05 * n for n in range(1, 10)}, {"draft": {1: 0.5, 2: 1.0, 4: 2.0}},
+                         prior_accepts)
+        engine.forget_acceptance()  # as the bench does before every prompt: the prior stays
+        params = GenerationParams(6, draft_len=4, adaptive=method == "auto")
+        steps = list(engine.steps([1, 2, 3], params, Stats()))
+        return engine.controllers["draft"].prior_accept, [step.n_drafted for step in steps if step.source == "draft"]
+
+    prior, drafted = draft_steps({})
+    assert prior == DraftLengthController.prior_accept and drafted  # tried at once
+    prior, drafted = draft_steps({"draft": 0.1})
+    assert prior == 0.1 and drafted == []  # plain decoding until a probe says otherwise

@@ -29,7 +29,7 @@ def test_tune_saves_and_generate_uses_the_best_settings(config_home, tiny_llama)
     (entry,) = saved["pairs"].values()
     rates = entry["tokens_per_second"]
     assert {"none", *(f"draft k={k}" for k in (1, 2, 3, 4, 6, 8))} <= set(rates)
-    assert entry["acceptance"] == 1.0  # draft == target
+    assert entry["acceptance"] == 1.0 and entry["first_acceptance"] == 1.0  # draft == target
     # Whether speculation pays with a draft as costly as the target is for the clock to say;
     # round 2 (confidence stops, beside plain decoding again) runs only when it did.
     if entry["best_draft_len"]:
@@ -113,6 +113,8 @@ def test_calibration_picks_the_fastest_length_then_the_fastest_stop(monkeypatch,
     assert result.tokens_per_second["none (round 2)"] == 95.0
     assert result.acceptance == pytest.approx((0 + 1 + 2 + 3 + 5 + 7) / (1 + 2 + 3 + 4 + 6 + 8))
     assert result.draft_costs == pytest.approx({k: 0.001 * k for k in (1, 2, 3, 4, 6, 8)})
+    # first token accepted on the steps of k = 2..8, not on k = 1's (it accepted k - 1 = 0)
+    assert result.first_acceptance == pytest.approx(5 / 6)
 
 
 def test_a_version_1_tune_file_still_loads_and_starts_only_the_target_costs(config_home):
@@ -127,4 +129,5 @@ def test_a_version_1_tune_file_still_loads_and_starts_only_the_target_costs(conf
     path.write_text(json.dumps({"version": 1, "pairs": {"k1": entry}}))
     loaded = tuning.load("k1")
     assert loaded.target_costs == {1: 0.002} and loaded.draft_costs == {}
+    assert loaded.first_acceptance == 0.0  # not measured then: runs keep the default prior
     assert CliRunner().invoke(app, ["tune", "--show"]).exit_code == 0
