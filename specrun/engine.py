@@ -139,8 +139,8 @@ class SpeculativeEngine:
     def forget_acceptance(self) -> None:
         """Drop what the controllers learned about acceptance (it belongs to the text); keep
         the target's and the drafters' costs (the machine's, which `specrun tune` gives a
-        fresh run) and the tuned priors. Dropping draft costs too made auto explore draft lengths 4, 1 and 8 on
-        every bench prompt again."""
+        fresh run) and the tuned priors. Dropping draft costs too made auto explore draft
+        lengths 4, 1 and 8 on every bench prompt again."""
         self.controllers.clear()
         self._scores.clear()
 
@@ -309,8 +309,8 @@ class SpeculativeEngine:
                 # wrong first try costs only verify positions (CHEAP_PROBE_LEN: why 4 of them).
                 sunk_draft_cost=not paid,
                 probe_len=PAID_PROBE_LEN if paid else CHEAP_PROBE_LEN,
-                **({"prior_accept": self.prior_accepts[source], "prior_measured": True}
-                   if source in self.prior_accepts else {}),
+                prior_accept=self.prior_accepts.get(source, DraftLengthController.prior_accept),
+                prior_measured=source in self.prior_accepts,
             )
             self.controllers[source] = controller
         return controller

@@ -3,11 +3,13 @@
 The calibration runs plain decoding and fixed draft lengths side by side (interleaved
 per prompt); a second round tries confidence stops (drafting ends before a token the
 draft is less sure of than a threshold) at the best length and at the longest, again
-side by side with plain decoding. It records the tokens/s of each, the target's verify cost T(n), the
-draft model's drafting cost per length and its overall acceptance. The result is saved in the user config, keyed by the two
-model files and this machine; later runs use the best draft length when none is given,
-and their controllers (``--method auto``, a fixed chain's gate) start from the measured
-target and draft costs instead of exploring them.
+side by side with plain decoding. It records the tokens/s of each, the target's verify
+cost T(n), the draft model's drafting cost per length, its overall acceptance and how
+often its first token is accepted. The result is saved in the user config, keyed by the
+two model files and this machine; later runs use the best draft length when none is
+given, and their controllers (``--method auto``, a fixed chain's gate) start from the
+measured target and draft costs instead of exploring them, and from the measured
+first-token acceptance instead of an optimistic prior.
 """
 
 from __future__ import annotations
