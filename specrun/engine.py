@@ -97,8 +97,7 @@ class SpeculativeEngine:
     token costs a batched pass next to nothing, and drafting starts from a known token.
     From then on, between verify passes, the target's cache holds the context minus its
     last token, which is fed together with the drafts so one pass yields k + 1
-    distributions. After a finished run both caches hold exactly prompt +
-    output.
+    distributions. After a finished run both caches hold exactly prompt + output.
     """
 
     def __init__(

@@ -132,16 +132,21 @@ def calibrate(
     )
 
 
+def _drafting_steps(stats: Stats) -> int:
+    """Steps that drafted something (not the prefill's first token, not plain steps)."""
+    return sum(counts.steps for counts in stats.by_source.values() if counts.drafted)
+
+
 def _first_acceptance(drafting: list[Stats]) -> float:
     """Of the steps that drafted, the share whose first draft was accepted (0 if none drafted)."""
-    steps = sum(counts.steps for stats in drafting for counts in stats.by_source.values() if counts.drafted)
+    steps = sum(_drafting_steps(stats) for stats in drafting)
     first_right = sum(sum(stats.accepted_hist[1:]) for stats in drafting)
     return first_right / steps if steps else 0.0
 
 
 def _draft_cost(stats: Stats) -> float | None:
     """Seconds a step spent drafting, over the steps that drafted (None if none did)."""
-    steps = sum(counts.steps for counts in stats.by_source.values() if counts.drafted)
+    steps = _drafting_steps(stats)
     return stats.draft_seconds / steps if steps else None
 
 
