@@ -22,6 +22,7 @@ from _report import write_report
 from specrun.backends.llama import LlamaCppBackend
 from specrun.compare import forget_learned
 from specrun.engine import GenerationParams, SpeculativeEngine
+from specrun.generation import ADAPTIVE_MAX_DRAFT_LEN
 from specrun.loading import resolve_gguf
 from specrun.methods import build_drafter, is_adaptive
 from specrun.prompts import heldout_code_prompts
@@ -83,8 +84,9 @@ def main(argv: list[str] | None = None) -> int:
                 accepts[name].append(accept)
         prompt = target.tokenize(text)
         for method in methods:
-            params = GenerationParams(args.n, 8 if is_adaptive(method) else args.k, stop_at_eos=False,
-                                      adaptive=is_adaptive(method))
+            adaptive = is_adaptive(method)
+            draft_len = ADAPTIVE_MAX_DRAFT_LEN if adaptive else args.k
+            params = GenerationParams(args.n, draft_len, stop_at_eos=False, adaptive=adaptive)
             forget_learned(engines[method])  # a fresh n-gram pool per run, as llama-lookup starts with
             result = engines[method].run(prompt, params, complete_cache=False)
             rates[f"specrun {method}"].append(result.stats.tokens_per_second)

@@ -330,7 +330,7 @@ def test_draft_settings_default_to_auto_and_follow_the_options(pair_args):
     default = invoke(*pair_args, "-n", "12", "--json", input="hello\n")
     assert default.exit_code == 0, default.output
     stats = json.loads(default.stdout)["stats"]
-    assert (stats["method"], stats["draft_len"], stats["draft_min_prob"]) == ("auto", 8, 0.0)  # 8: auto's longest
+    assert (stats["method"], stats["draft_len"], stats["draft_min_prob"]) == ("auto", 16, 0.0)  # 16: auto's longest
     chosen = invoke(*pair_args, "-n", "12", "--json", "-m", "draft", "-k", "3", "--draft-min-prob", "0.4",
                     input="hello\n")
     stats = json.loads(chosen.stdout)["stats"]

@@ -57,7 +57,7 @@ def test_tune_saves_and_generate_uses_the_best_settings(config_home, tiny_llama)
     explicit = json.loads(runner.invoke(app, [*base, "-k", "5", "--draft-min-prob", "0"]).stdout)["stats"]
     assert (explicit["draft_len"], explicit["draft_min_prob"]) == (5, 0.0)
     auto = json.loads(runner.invoke(app, [*base[:-2], "-m", "auto"]).stdout)["stats"]
-    assert (auto["method"], auto["draft_len"], auto["draft_min_prob"]) == ("auto", 8, 0.7)  # 8: auto's longest
+    assert (auto["method"], auto["draft_len"], auto["draft_min_prob"]) == ("auto", 16, 0.7)  # 16: auto's longest
 
     # The bench starts its controllers where generate does, and says so; --untuned does not.
     bench = ["bench", "-t", path, "-d", path, "--methods", "none,lookup+draft", "--categories", "chat",
