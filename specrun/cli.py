@@ -127,7 +127,7 @@ def demo(
     methods: Annotated[str, typer.Option("--methods", help="Comma-separated methods; the first is the baseline.")] = "none,draft,auto",
     prompts: Annotated[int, typer.Option("--prompts", help="How many built-in prompts.")] = 6,
     max_tokens: MaxTokensOpt = 96,
-    draft_len: DraftLenOpt = 4,
+    draft_len: DraftLenOpt = None,
     backend: BackendOpt = "auto",
     threads: ThreadsOpt = None,
 ) -> None:

@@ -7,10 +7,11 @@ import sys
 from rich.console import Console
 from rich.table import Table
 
-from specrun.compare import NEAR_TIE_NOTE, Comparison, Mismatch, compare_methods
+from specrun.compare import NEAR_TIE_NOTE, Comparison, Mismatch, Variant, compare_variants
 from specrun.engine import GenerationParams
+from specrun.generation import ADAPTIVE_MAX_DRAFT_LEN, DEFAULT_DRAFT_LEN, resolve_draft_len
 from specrun.loading import LoadOptions, open_pair
-from specrun.methods import needs_draft_model
+from specrun.methods import is_adaptive, needs_draft_model
 from specrun.prompts import CODE_PROMPTS
 
 
@@ -20,11 +21,14 @@ def run_demo(
     methods: list[str],
     n_prompts: int,
     max_tokens: int,
-    draft_len: int,
+    draft_len: int | None,
     backend: str,
     threads: int | None,
 ) -> Comparison:
-    """Load the pair, compare the methods on built-in prompts, print the table to stdout."""
+    """Load the pair, compare the methods on built-in prompts, print the table to stdout.
+
+    ``draft_len`` None: each method's default, as `specrun generate` has it (4 for a fixed
+    length, 16 as auto's longest)."""
     err = Console(stderr=True)
     out = Console(file=sys.stdout, soft_wrap=True)
     err.print(f"loading {target} + {draft} (the first run derives cached model files)…")
@@ -37,13 +41,14 @@ def run_demo(
             target_backend.tokenize(text, add_bos=target_backend.vocab.add_bos)
             for text in CODE_PROMPTS[:n_prompts]
         ]
-        params = GenerationParams(max_new_tokens=max_tokens, draft_len=draft_len)
+        variants = [Variant(method, method, resolve_draft_len(method, draft_len, None)) for method in methods]
+        params = GenerationParams(max_new_tokens=max_tokens)
         err.print(f"{len(prompts)} prompts × {len(methods)} methods, {max_tokens} tokens each, greedy, interleaved")
-        comparison = compare_methods(
+        comparison = compare_variants(
             target_backend,
             draft_backend,
             prompts,
-            methods,
+            variants,
             params,
             on_result=lambda i, m, r: err.print(f"  prompt {i + 1} {m:>18}: {r.stats.tokens_per_second:7.1f} tok/s"),
         )
@@ -51,14 +56,22 @@ def run_demo(
         target_backend.close()
         if draft_backend is not None:
             draft_backend.close()
-    out.print(render_table(comparison, target, draft, draft_len))
+    out.print(render_table(comparison, target, draft, _lengths_label(methods, draft_len)))
     if any(comparison.mismatches.values()):
         err.print(NEAR_TIE_NOTE)
     return comparison
 
 
-def render_table(comparison: Comparison, target: str, draft: str, draft_len: int) -> Table:
-    table = Table(title=f"{target} + {draft}, draft length {draft_len} (generation time only, prefill excluded)")
+def _lengths_label(methods: list[str], draft_len: int | None) -> str:
+    """The table title's draft lengths: "draft length 4", or "… (auto up to 16)"."""
+    if draft_len is not None:
+        return f"draft length {draft_len}" + (" (auto's longest)" if any(map(is_adaptive, methods)) else "")
+    fixed = f"draft length {DEFAULT_DRAFT_LEN}"
+    return fixed + (f", auto up to {ADAPTIVE_MAX_DRAFT_LEN}" if any(map(is_adaptive, methods)) else "")
+
+
+def render_table(comparison: Comparison, target: str, draft: str, lengths: str) -> Table:
+    table = Table(title=f"{target} + {draft}, {lengths} (generation time only, prefill excluded)")
     for column in ("method", "tok/s", "speed-up", "accepted", "tokens/step", "same output"):
         table.add_column(column, justify="left" if column == "method" else "right")
     for method, figures in comparison.figures.items():
