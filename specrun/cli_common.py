@@ -103,7 +103,11 @@ MinPOpt = Annotated[float, typer.Option("--min-p", help="Min-p (0: off).")]
 SeedOpt = Annotated[Optional[int], typer.Option("--seed", help="Random seed for sampling.")]
 DraftLenOpt = Annotated[
     Optional[int],
-    typer.Option("--draft-len", "-k", help="Tokens drafted per step (default: tuned, else 4); for auto, the longest it may choose (default 16)."),
+    typer.Option(
+        "--draft-len",
+        "-k",
+        help="Tokens drafted per step (default: tuned, else 4); for auto, the longest it may choose (default 16).",
+    ),
 ]
 DraftMinProbOpt = Annotated[
     Optional[float],

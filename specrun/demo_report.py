@@ -63,7 +63,7 @@ def run_demo(
 
 
 def _lengths_label(methods: list[str], draft_len: int | None) -> str:
-    """The table title's draft lengths: "draft length 4", or "… (auto up to 16)"."""
+    """The table title's draft lengths: "draft length 4, auto up to 16" by default."""
     if draft_len is not None:
         return f"draft length {draft_len}" + (" (auto's longest)" if any(map(is_adaptive, methods)) else "")
     fixed = f"draft length {DEFAULT_DRAFT_LEN}"
