@@ -30,8 +30,8 @@ DEFAULT_DRAFT_LEN = 4
 # The longest draft auto may choose. Its controller picks the length from measured acceptance
 # and costs, so the cap only matters where long drafts pay: a copy that lookup gets right on
 # every token. There 16 against 8 measured +10% on the built-in chat and qa prompts (A/B,
-# 3 repeats, tiny regime; docs/perf.md), and it costs a verify pass next to nothing more where
-# passes are memory-bound. Elsewhere the controller stays short.
+# 3 repeats, tiny regime; docs/perf.md); where passes are memory-bound (a GPU, not measured
+# here) 16 tokens should cost little more than 1. Elsewhere the controller stays short.
 ADAPTIVE_MAX_DRAFT_LEN = 16
 
 
