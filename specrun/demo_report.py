@@ -9,7 +9,7 @@ from rich.table import Table
 
 from specrun.compare import NEAR_TIE_NOTE, Comparison, Mismatch, Variant, compare_variants
 from specrun.engine import GenerationParams
-from specrun.generation import ADAPTIVE_MAX_DRAFT_LEN, DEFAULT_DRAFT_LEN, resolve_draft_len
+from specrun.generation import resolve_draft_len
 from specrun.loading import LoadOptions, open_pair
 from specrun.methods import is_adaptive, needs_draft_model
 from specrun.prompts import CODE_PROMPTS
@@ -56,18 +56,22 @@ def run_demo(
         target_backend.close()
         if draft_backend is not None:
             draft_backend.close()
-    out.print(render_table(comparison, target, draft, _lengths_label(methods, draft_len)))
+    out.print(render_table(comparison, target, draft, _lengths_label(variants)))
     if any(comparison.mismatches.values()):
         err.print(NEAR_TIE_NOTE)
     return comparison
 
 
-def _lengths_label(methods: list[str], draft_len: int | None) -> str:
-    """The table title's draft lengths: "draft length 4, auto up to 16" by default."""
-    if draft_len is not None:
-        return f"draft length {draft_len}" + (" (auto's longest)" if any(map(is_adaptive, methods)) else "")
-    fixed = f"draft length {DEFAULT_DRAFT_LEN}"
-    return fixed + (f", auto up to {ADAPTIVE_MAX_DRAFT_LEN}" if any(map(is_adaptive, methods)) else "")
+def _lengths_label(variants: list[Variant]) -> str:
+    """The title's draft lengths, read off the variants that ran: "draft length 4, auto up to
+    16" by default, "draft length 3 (auto's longest)" when one -k set both."""
+    fixed = {variant.draft_len for variant in variants if not is_adaptive(variant.method)}
+    longest = {variant.draft_len for variant in variants if is_adaptive(variant.method)}
+    if not longest:
+        return ", ".join(f"draft length {k}" for k in sorted(fixed))
+    if fixed == longest:
+        return f"draft length {min(fixed)} (auto's longest)"
+    return ", ".join([*(f"draft length {k}" for k in sorted(fixed)), f"auto up to {max(longest)}"])
 
 
 def render_table(comparison: Comparison, target: str, draft: str, lengths: str) -> Table:
