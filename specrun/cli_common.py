@@ -106,7 +106,7 @@ DraftLenOpt = Annotated[
     typer.Option(
         "--draft-len",
         "-k",
-        help="Tokens drafted per step (default: tuned, else 4); for auto, the longest it may choose (default 16).",
+        help="Tokens drafted per step (default 4; for draft alone, tuned); for auto, the longest it may choose (default 16).",
     ),
 ]
 DraftMinProbOpt = Annotated[

@@ -6,6 +6,7 @@ import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from specrun.drafters.draft_model import DraftModelDrafter
 from specrun.engine import Finished, GenerationParams, GenerationResult, SpeculativeEngine, TextChunk
 from specrun.loading import LoadOptions, open_pair
 from specrun.methods import DrafterOptions, build_drafter, is_adaptive, needs_draft_model
@@ -48,12 +49,21 @@ def load_tuned(target, draft, threads):
 
 
 def resolve_draft_len(method: str, requested: int | None, tuned) -> int:
-    """The user's draft length; else the longest auto may choose; else the tuned one; else 4."""
+    """The user's draft length; else the longest auto may choose; else, for the draft model
+    alone, the tuned one; else 4.
+
+    `specrun tune` times the draft model drafting alone, so its best length is the draft
+    model's: a chain's cheap drafters copy many tokens a step (lookup is right on 4 or more
+    where it matches), and capping them at the draft model's best (often 1 on a CPU) would
+    throw that away. In a fixed chain the draft model drafts the chain's length, gated.
+    """
     if requested is not None:
         return requested
     if is_adaptive(method):
         return ADAPTIVE_MAX_DRAFT_LEN  # the longest draft the controller may choose
-    return tuned.best_draft_len if tuned is not None else DEFAULT_DRAFT_LEN
+    if tuned is not None and method == DraftModelDrafter.name:
+        return tuned.best_draft_len
+    return DEFAULT_DRAFT_LEN
 
 
 def resolve_min_prob(requested: float | None, tuned) -> float:

@@ -218,6 +218,8 @@ def test_a_draft_loaded_by_method_brings_its_tuned_settings(tiny_llama, tmp_path
         assert session.engine.drafter.min_prob == 0.7
         assert session.engine.target_costs.seconds == costs
         assert answer(session, "hello there").stats.draft_len == 3
+        session.set_method("lookup+draft")  # the tuned length is the draft model's alone
+        assert session.draft_len == 4
 
 
 # ---- templates ------------------------------------------------------------------------

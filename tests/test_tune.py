@@ -58,6 +58,10 @@ def test_tune_saves_and_generate_uses_the_best_settings(config_home, tiny_llama)
     assert (explicit["draft_len"], explicit["draft_min_prob"]) == (5, 0.0)
     auto = json.loads(runner.invoke(app, [*base[:-2], "-m", "auto"]).stdout)["stats"]
     assert (auto["method"], auto["draft_len"], auto["draft_min_prob"]) == ("auto", 16, 0.7)  # 16: auto's longest
+    # The tuned length is the draft model's alone: a chain keeps its cheap drafters' default
+    # length (lookup copies 4 tokens a step where it matches, not the draft model's best).
+    chain = json.loads(runner.invoke(app, [*base[:-2], "-m", "lookup+draft"]).stdout)["stats"]
+    assert (chain["method"], chain["draft_len"], chain["draft_min_prob"]) == ("lookup+draft", 4, 0.7)
 
     # The bench starts its controllers where generate does, and says so; --untuned does not.
     bench = ["bench", "-t", path, "-d", path, "--methods", "none,lookup+draft", "--categories", "chat",
