@@ -6,8 +6,10 @@ import sys
 from typing import Annotated
 
 import typer
-from rich.console import Console
+from rich import box
+from rich.console import Console, Group
 from rich.table import Table
+from rich.text import Text
 
 from specrun.cli_common import (
     BackendOpt,
@@ -78,21 +80,29 @@ def run_tune(target, draft, backend, n_prompts, max_tokens, threads, registry):
         draft_backend.close()
 
 
-def render(results) -> Table:
-    table = Table(title="tuned settings (specrun tune)")
-    for column in ("target", "draft", "best draft length", "confidence stop", "speed-up", "acceptance",
-                   "tok/s by setting"):
-        table.add_column(column)
+def render(results) -> Group:
+    from specrun.tuning import baseline_of
+
+    """Each tuned pair: its chosen settings on a few lines, then every setting's rate in a
+    narrow table of its own (one long cell of rates wrapped into an unreadable column at 80)."""
+    blocks: list = [Text("tuned settings (specrun tune)", style="bold")]
     for result in results:
-        rates = ", ".join(f"{name} {rate:.0f}" for name, rate in result.tokens_per_second.items())
-        table.add_row(
-            result.target,
-            result.draft,
-            str(result.best_draft_len) if result.best_draft_len else "0 (plain is fastest)",
-            f"p < {result.best_min_prob:g}" if result.best_min_prob else "none",
-            f"{result.speedup:.2f}×",
-            f"{100 * result.acceptance:.0f}%"
-            + (f" (first token {100 * result.first_acceptance:.0f}%)" if result.first_acceptance else ""),
-            rates,
+        best = str(result.best_draft_len) if result.best_draft_len else "0 (plain is fastest)"
+        stop = f"p < {result.best_min_prob:g}" if result.best_min_prob else "none"
+        acceptance = f"{100 * result.acceptance:.0f}%" + (
+            f" (first token {100 * result.first_acceptance:.0f}%)" if result.first_acceptance else ""
         )
-    return table
+        blocks.append(Text(f"\n{result.target}  +  {result.draft}", style="bold"))
+        blocks.append(Text(f"  machine {result.machine}"))
+        blocks.append(Text(f"  best draft length {best}, confidence stop {stop}, speed-up {result.speedup:.2f}×"))
+        blocks.append(Text(f"  draft tokens accepted {acceptance}"))
+        table = Table(box=box.SIMPLE_HEAD, padding=(0, 1))
+        table.add_column("setting")
+        table.add_column("tok/s", justify="right")
+        table.add_column("vs none", justify="right")
+        for name, rate in result.tokens_per_second.items():
+            plain = result.tokens_per_second.get(baseline_of(name))
+            table.add_row(name, f"{rate:.0f}", f"{rate / plain:.2f}×" if plain else "–")
+        blocks.append(table)
+    return Group(*blocks)
+

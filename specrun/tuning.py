@@ -33,6 +33,8 @@ TUNE_VERSION = 2
 READABLE_VERSIONS = (1, 2)  # version 1 lacks the draft costs: its runs start from the target's costs only
 DRAFT_LENGTHS = (1, 2, 3, 4, 6, 8)
 MIN_PROBS = (0.0, 0.3, 0.5, 0.7)  # confidence stops tried in the second round
+SECOND_ROUND = "(round 2)"  # marks a setting timed again in round 2 (beside round 2's plain decoding)
+STOP_MARK = " p>="  # a confidence stop in a setting's name: "draft k=8 p>=0.5"
 
 
 @dataclass
@@ -105,7 +107,7 @@ def calibrate(
             stops.update({_label(k, p): (k, p) for p in MIN_PROBS})
         second, _ = _interleaved(target, draft, prompts, max_new_tokens, stops, on_progress, 2)
         # Round 2 repeats plain decoding and the best length, so its ratios are side by side.
-        medians = {**first, **{f"{name} (round 2)" if name in first else name: v for name, v in second.items()}}
+        medians = {**first, **{f"{name} {SECOND_ROUND}" if name in first else name: v for name, v in second.items()}}
         best = max(second, key=second.get)
         best_k, best_min_prob = stops[best]
         speedup = second[best] / second["none"]
@@ -150,8 +152,14 @@ def _draft_cost(stats: Stats) -> float | None:
     return stats.draft_seconds / steps if steps else None
 
 
+def baseline_of(setting: str) -> str:
+    """The plain decoding a ``tokens_per_second`` entry was timed beside (its own round's)."""
+    second_round = setting.endswith(f" {SECOND_ROUND}") or STOP_MARK in setting
+    return f"none {SECOND_ROUND}" if second_round else "none"
+
+
 def _label(draft_len: int, min_prob: float) -> str:
-    return f"draft k={draft_len}" + (f" p>={min_prob:g}" if min_prob else "")
+    return f"draft k={draft_len}" + (f"{STOP_MARK}{min_prob:g}" if min_prob else "")
 
 
 def _interleaved(target, draft, prompts, max_new_tokens, configs, on_progress, round_number):

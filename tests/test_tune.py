@@ -74,6 +74,33 @@ def test_tune_saves_and_generate_uses_the_best_settings(config_home, tiny_llama)
     assert json.loads(untuned_run.stdout)["config"]["tuned"] is None
 
 
+def test_tune_table_shows_each_setting_beside_its_rounds_plain_decoding_in_80_columns():
+    from rich.console import Console
+
+    from specrun.cli_tune import render
+    from specrun.tuning import TuneResult
+
+    rates = {"none": 200.0, "draft k=1": 250.0, "draft k=8": 150.0,
+             "none (round 2)": 210.0, "draft k=1 (round 2)": 252.0, "draft k=8 p>=0.5": 189.0}
+    result = TuneResult("k", "target-model.q4_k_m.gguf:4920000000", "draft-model.q4_k_m.gguf:700000000",
+                        "host|x86_64|2 cpus|?", best_draft_len=1, speedup=1.2, tokens_per_second=rates,
+                        acceptance=0.4, first_acceptance=0.66)
+    console = Console(width=80, record=True, color_system=None)
+    console.print(render([result]))
+    lines = console.export_text().splitlines()
+    assert max(map(len, lines)) <= 80
+    # One line per setting: its rate and its ratio to the plain decoding of its own round
+    # (round 2 and the confidence stops are timed beside round 2's), not one wrapped cell.
+    expected = {"none": "1.00×", "draft k=1": "1.25×", "draft k=8": "0.75×",
+                "none (round 2)": "1.00×", "draft k=1 (round 2)": "1.20×", "draft k=8 p>=0.5": "0.90×"}
+    for name, ratio in expected.items():
+        assert [*name.split(), f"{rates[name]:.0f}", ratio] in [line.split() for line in lines], name
+    text = "\n".join(lines)
+    assert "best draft length 1, confidence stop none, speed-up 1.20×" in text
+    assert "draft tokens accepted 40% (first token 66%)" in text
+    assert "target-model.q4_k_m.gguf:4920000000  +  draft-model.q4_k_m.gguf:700000000" in text
+
+
 def test_a_corrupt_tune_file_is_one_line(config_home, tiny_llama):
     (config_home / "specrun").mkdir()
     (config_home / "specrun" / "tuned.json").write_text("{not json")
