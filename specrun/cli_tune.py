@@ -81,10 +81,10 @@ def run_tune(target, draft, backend, n_prompts, max_tokens, threads, registry):
 
 
 def render(results) -> Group:
-    from specrun.tuning import baseline_of
-
     """Each tuned pair: its chosen settings on a few lines, then every setting's rate in a
     narrow table of its own (one long cell of rates wrapped into an unreadable column at 80)."""
+    from specrun.tuning import baseline_of
+
     blocks: list = [Text("tuned settings (specrun tune)", style="bold")]
     for result in results:
         best = str(result.best_draft_len) if result.best_draft_len else "0 (plain is fastest)"
@@ -105,4 +105,3 @@ def render(results) -> Group:
             table.add_row(name, f"{rate:.0f}", f"{rate / plain:.2f}×" if plain else "–")
         blocks.append(table)
     return Group(*blocks)
-

@@ -6,10 +6,10 @@ draft is less sure of than a threshold) at the best length and at the longest, a
 side by side with plain decoding. It records the tokens/s of each, the target's verify
 cost T(n), the draft model's drafting cost per length, its overall acceptance and how
 often its first token is accepted. The result is saved in the user config, keyed by the
-two model files and this machine; later runs use the best draft length when none is
-given, and their controllers (``--method auto``, a fixed chain's gate) start from the
-measured target and draft costs instead of exploring them, and from the measured
-first-token acceptance instead of an optimistic prior.
+two model files and this machine; a later ``--method draft`` run uses the best draft
+length when none is given (a chain keeps its own), and controllers (``--method auto``, a
+fixed chain's gate) start from the measured target and draft costs instead of exploring
+them, and from the measured first-token acceptance instead of an optimistic prior.
 """
 
 from __future__ import annotations
@@ -107,7 +107,7 @@ def calibrate(
             stops.update({_label(k, p): (k, p) for p in MIN_PROBS})
         second, _ = _interleaved(target, draft, prompts, max_new_tokens, stops, on_progress, 2)
         # Round 2 repeats plain decoding and the best length, so its ratios are side by side.
-        medians = {**first, **{f"{name} {SECOND_ROUND}" if name in first else name: v for name, v in second.items()}}
+        medians = {**first, **{_second_round(name) if name in first else name: v for name, v in second.items()}}
         best = max(second, key=second.get)
         best_k, best_min_prob = stops[best]
         speedup = second[best] / second["none"]
@@ -154,8 +154,13 @@ def _draft_cost(stats: Stats) -> float | None:
 
 def baseline_of(setting: str) -> str:
     """The plain decoding a ``tokens_per_second`` entry was timed beside (its own round's)."""
-    second_round = setting.endswith(f" {SECOND_ROUND}") or STOP_MARK in setting
-    return f"none {SECOND_ROUND}" if second_round else "none"
+    second_round = setting.endswith(_second_round("")) or STOP_MARK in setting
+    return _second_round("none") if second_round else "none"
+
+
+def _second_round(setting: str) -> str:
+    """The name of a setting timed again in round 2."""
+    return f"{setting} {SECOND_ROUND}"
 
 
 def _label(draft_len: int, min_prob: float) -> str:
