@@ -42,10 +42,12 @@ PromptsFileOpt = Annotated[
 CategoriesOpt = Annotated[Optional[str], typer.Option("--categories", help="Comma-separated categories to run.")]
 PerCategoryOpt = Annotated[Optional[int], typer.Option("--per-category", help="At most this many prompts each.")]
 BenchDraftLenOpt = Annotated[
-    Optional[int], typer.Option("--draft-len", "-k", help="Tokens drafted per verify step (default 4).")
+    Optional[int],
+    typer.Option("--draft-len", "-k", help="Tokens drafted per verify step (default: generate's, 4 or the tuned one)."),
 ]
 BenchMinProbOpt = Annotated[
-    float, typer.Option("--draft-min-prob", help="The draft model's confidence stop (default 0: none).")
+    Optional[float],
+    typer.Option("--draft-min-prob", help="The draft model's confidence stop (default: the tuned one, else none)."),
 ]
 SweepOpt = Annotated[Optional[str], typer.Option("--sweep-draft-len", help="Draft lengths to sweep: 1..8 or 2,4,6.")]
 RepeatOpt = Annotated[int, typer.Option("--repeat", help="Runs per prompt and method; medians are compared.")]
@@ -68,7 +70,7 @@ def bench(
     max_tokens: MaxTokensOpt = 128,
     draft_len: BenchDraftLenOpt = None,
     sweep_draft_len: SweepOpt = None,
-    draft_min_prob: BenchMinProbOpt = 0.0,
+    draft_min_prob: BenchMinProbOpt = None,
     temp: TempOpt = 0.0,
     seed: SeedOpt = None,
     repeat: RepeatOpt = 1,
@@ -166,12 +168,11 @@ def parse_methods(methods: str | None, has_draft: bool) -> tuple[str, ...]:
 
 
 def parse_draft_lens(draft_len: int | None, sweep: str | None) -> tuple[int, ...]:
-    """One draft length (default: generate's), or the swept lengths from ``A..B`` or ``A,B,C``."""
-    from specrun.generation import DEFAULT_DRAFT_LEN
-
+    """One draft length, or the swept lengths from ``A..B`` or ``A,B,C``; none given: () (each
+    method at the length `specrun generate` gives it)."""
     if sweep is None:
         check_range("--draft-len", draft_len, 1, MAX_DRAFT_LEN)
-        return (draft_len or DEFAULT_DRAFT_LEN,)
+        return (draft_len,) if draft_len is not None else ()
     if draft_len is not None:
         raise UsageError("--draft-len and --sweep-draft-len exclude each other", "pass one of them")
     text = sweep.replace(" ", "")

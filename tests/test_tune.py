@@ -63,15 +63,27 @@ def test_tune_saves_and_generate_uses_the_best_settings(config_home, tiny_llama)
     chain = json.loads(runner.invoke(app, [*base[:-2], "-m", "lookup+draft"]).stdout)["stats"]
     assert (chain["method"], chain["draft_len"], chain["draft_min_prob"]) == ("lookup+draft", 4, 0.7)
 
-    # The bench starts its controllers where generate does, and says so; --untuned does not.
-    bench = ["bench", "-t", path, "-d", path, "--methods", "none,lookup+draft", "--categories", "chat",
+    # The bench starts its controllers where generate does, runs each method at the length and
+    # stop generate gives it, and says so; --untuned does not, nor do -k and --draft-min-prob.
+    bench = ["bench", "-t", path, "-d", path, "--methods", "none,draft,lookup+draft", "--categories", "chat",
              "--per-category", "1", "-n", "8", "--json", "-"]
     tuned_run = runner.invoke(app, bench)
     assert tuned_run.exit_code == 0, tuned_run.output
-    assert json.loads(tuned_run.stdout)["config"]["tuned"] == entry["key"]
+    config = json.loads(tuned_run.stdout)["config"]
+    assert config["tuned"] == entry["key"]
+    assert [(v["name"], v["draft_len"]) for v in config["variants"]] == [("none", 0), ("draft", 3), ("lookup+draft", 4)]
+    assert config["draft_lens"] == [] and config["draft_min_prob"] == 0.7
     assert f"`specrun tune`'s measurements for this pair ({entry['key']})" in tuned_run.stderr
+    assert "draft at k=3, draft model stops below p=0.7" in tuned_run.stderr
     untuned_run = runner.invoke(app, [*bench, "--untuned"])
-    assert json.loads(untuned_run.stdout)["config"]["tuned"] is None
+    config = json.loads(untuned_run.stdout)["config"]
+    assert config["tuned"] is None and config["draft_min_prob"] == 0.0
+    assert [v["draft_len"] for v in config["variants"]] == [0, 4, 4]
+    explicit_run = runner.invoke(app, [*bench, "-k", "5", "--draft-min-prob", "0"])
+    config = json.loads(explicit_run.stdout)["config"]
+    assert config["tuned"] == entry["key"] and config["draft_min_prob"] == 0.0
+    assert [v["draft_len"] for v in config["variants"]] == [0, 5, 5] and config["draft_lens"] == [5]
+    assert "as `specrun generate` runs them" not in explicit_run.stderr
 
 
 def test_tune_table_shows_each_setting_beside_its_rounds_plain_decoding_in_80_columns():

@@ -3,8 +3,8 @@
 Schema ``specrun.bench/1`` (keys in order):
 
 - schema, started_at (ISO 8601 UTC), wall_seconds
-- config: target, draft, methods, variants [{name, method, draft_len}], draft_lens,
-  sweep, max_new_tokens, temperature, top_k, top_p, min_p, seed, repeat, chat, suite,
+- config: target, draft, methods, variants [{name, method, draft_len}], draft_lens (as
+  asked: empty when each method ran at generate's length), draft_min_prob (as run), sweep, max_new_tokens, temperature, top_k, top_p, min_p, seed, repeat, chat, suite,
   n_ctx, baseline, timing, tuned (the `specrun tune` key the controllers started from, or null)
 - machine: cpu, cores, gpu, os, backend, threads, versions {specrun, llama-cpp-python,
   mlx, mlx-lm, numpy, python}
@@ -85,7 +85,7 @@ def _config(result: BenchResult) -> dict:
             {"name": v.name, "method": v.method, "draft_len": v.draft_len} for v in result.comparison.variants.values()
         ],
         "draft_lens": list(config.draft_lens),
-        "draft_min_prob": config.draft_min_prob,
+        "draft_min_prob": result.draft_min_prob,
         "sweep": config.sweep,
         "max_new_tokens": config.max_new_tokens,
         "temperature": sampling.temperature,

@@ -105,7 +105,9 @@ def sweep_chart(result: BenchResult) -> str:
     """Overall speed-up against draft length, one line per fixed-length method."""
     curves = sweep_curve(result)
     colours = method_colors(result)
-    lengths = sorted({k for points in curves.values() for k, _ in points}) or [result.config.draft_lens[0]]
+    lengths = sorted({k for points in curves.values() for k, _ in points}) or sorted(
+        {v.draft_len for v in result.comparison.variants.values()}
+    )
     series = [
         Series(method, [dict(points).get(k, float("nan")) for k in lengths], colours[method])
         for method, points in curves.items()

@@ -19,7 +19,13 @@ from specrun.bench.suite import BenchPrompt
 from specrun.compare import Comparison, Variant, compare_variants
 from specrun.engine import GenerationParams, GenerationResult
 from specrun.errors import UsageError
-from specrun.generation import ADAPTIVE_MAX_DRAFT_LEN, DEFAULT_DRAFT_LEN, load_tuned
+from specrun.generation import (
+    ADAPTIVE_MAX_DRAFT_LEN,
+    DEFAULT_DRAFT_LEN,
+    load_tuned,
+    resolve_draft_len,
+    resolve_min_prob,
+)
 from specrun.loading import LoadOptions, open_pair
 from specrun.methods import DrafterOptions, is_adaptive, needs_draft_model
 from specrun.sampling import SamplingSettings
@@ -32,19 +38,22 @@ class BenchConfig:
     """Everything that decides what a bench measures.
 
     methods: the baseline ``none`` first. draft_lens: one draft length, or several for
-    a sweep (every fixed-length method runs at each). adaptive_draft_len: the longest
-    draft an adaptive method (``auto``) may choose; it is not swept. chat: wrap each
-    prompt as a user message in the target's chat template. suite: ``builtin`` or the
-    JSONL path. use_tuned: controllers start from what `specrun tune` saved for the pair
-    on this machine, as `specrun generate` does (False: from their priors).
+    a sweep (every fixed-length method runs at each); empty: each method at the length
+    `specrun generate` gives it (tune's best for the draft model alone, else 4).
+    draft_min_prob: the draft model's confidence stop; None: generate's (tune's, else
+    none). adaptive_draft_len: the longest draft an adaptive method (``auto``) may
+    choose; it is not swept. chat: wrap each prompt as a user message in the target's
+    chat template. suite: ``builtin`` or the JSONL path. use_tuned: controllers start from
+    what `specrun tune` saved for the pair on this machine, as `specrun generate` does
+    (False: from their priors).
     """
 
     target: str
     draft: str | None
     methods: tuple[str, ...]
-    draft_lens: tuple[int, ...] = (DEFAULT_DRAFT_LEN,)
+    draft_lens: tuple[int, ...] = ()
     adaptive_draft_len: int = ADAPTIVE_MAX_DRAFT_LEN
-    draft_min_prob: float = 0.0  # the draft model's confidence stop, for every method with a draft
+    draft_min_prob: float | None = None  # the draft model's confidence stop, for every method with a draft
     max_new_tokens: int = 128
     sampling: SamplingSettings = field(default_factory=SamplingSettings)
     repeat: int = 1
@@ -57,8 +66,11 @@ class BenchConfig:
     def sweep(self) -> bool:
         return len(self.draft_lens) > 1
 
-    def variants(self) -> list[Variant]:
-        """The compared lines: the baseline, then each method at each draft length."""
+    def variants(self, tuned=None) -> list[Variant]:
+        """The compared lines: the baseline, then each method at each draft length.
+
+        ``tuned``: the `specrun tune` result that sets the lengths when ``draft_lens`` is empty.
+        """
         lines = [Variant(BASELINE, BASELINE, 0)]
         for method in self.methods:
             if method == BASELINE:
@@ -66,7 +78,7 @@ class BenchConfig:
             if is_adaptive(method):
                 lines.append(Variant(method, method, self.adaptive_draft_len))
                 continue
-            for draft_len in self.draft_lens:
+            for draft_len in self.draft_lens or (resolve_draft_len(method, None, tuned),):
                 name = f"{method} k={draft_len}" if self.sweep else method
                 lines.append(Variant(name, method, draft_len))
         return lines
@@ -92,6 +104,7 @@ class BenchResult:
     started_at: str
     wall_seconds: float
     tuned: str | None = None  # the `specrun tune` key the controllers started from, if any
+    draft_min_prob: float = 0.0  # the confidence stop the draft model ran with (config's, or tune's)
 
     def category_indices(self) -> dict[str, list[int]]:
         """Prompt indices by category, categories in order of first appearance."""
@@ -126,7 +139,8 @@ def run_bench(config: BenchConfig, prompts: Sequence[BenchPrompt], progress: Pro
                 "raise --ctx or lower -n",
             )
         tuned = load_tuned(target, draft, config.load.threads) if config.use_tuned else None
-        variants = config.variants()
+        variants = config.variants(tuned)
+        min_prob = resolve_min_prob(config.draft_min_prob, tuned)
         if progress is not None:
             progress.start(len(kept) * len(variants) * config.repeat)
         comparison = compare_variants(
@@ -134,10 +148,10 @@ def run_bench(config: BenchConfig, prompts: Sequence[BenchPrompt], progress: Pro
             draft,
             [ids for _, ids in kept],
             variants,
-            GenerationParams(config.max_new_tokens, config.draft_lens[0], config.sampling),
+            GenerationParams(config.max_new_tokens, DEFAULT_DRAFT_LEN, config.sampling),  # each variant sets its own
             repeat=config.repeat,
             on_result=_reporter(progress, [p for p, _ in kept]),
-            drafter_options=DrafterOptions(draft_min_prob=config.draft_min_prob),
+            drafter_options=DrafterOptions(draft_min_prob=min_prob),
             tuned=tuned,
         )
         machine = machine_info(_backend_name(target), _threads(target, config.load))
@@ -157,6 +171,7 @@ def run_bench(config: BenchConfig, prompts: Sequence[BenchPrompt], progress: Pro
         started_at,
         time.perf_counter() - wall_start,
         tuned.key if tuned is not None else None,
+        min_prob,
     )
 
 

@@ -8,6 +8,7 @@ from rich.table import Table
 from specrun.bench.figures import ALL_PROMPTS, Figures, by_category, count_of, same_output_label
 from specrun.bench.runner import BenchResult
 from specrun.compare import NEAR_TIE_NOTE
+from specrun.drafters.draft_model import DraftModelDrafter
 from specrun.methods import needs_draft_model
 
 COLUMNS = ("method", "tok/s", "speed-up", "accepted", "tokens/step", "draft/verify", "same output")
@@ -57,6 +58,21 @@ def _style(figures: Figures) -> str | None:
     return "bold red" if figures.mismatches else None
 
 
+def _tuned_settings(result: BenchResult) -> str:
+    """What tune chose for this bench's lines, where the user did not: the draft model's
+    length (``draft`` alone) and its confidence stop (every line with a draft model)."""
+    config = result.config
+    parts = []
+    if not config.draft_lens:
+        for variant in result.comparison.variants.values():
+            if variant.method == DraftModelDrafter.name:
+                parts.append(f"{variant.name} at k={variant.draft_len}" if variant.draft_len else
+                             f"{variant.name} as plain decoding (k=0: tune measured drafting slower)")
+    if config.draft_min_prob is None and result.draft_min_prob > 0.0:
+        parts.append(f"draft model stops below p={result.draft_min_prob:g}")
+    return ", ".join(parts)
+
+
 def footnotes(result: BenchResult) -> list[str]:
     """What the tables' figures mean, and anything the reader must know about them."""
     config = result.config
@@ -75,6 +91,10 @@ def footnotes(result: BenchResult) -> list[str]:
     if result.tuned is not None:
         notes.append(f"controllers started from `specrun tune`'s measurements for this pair ({result.tuned}); "
                      "--untuned starts them from their priors")
+        tuned_lines = _tuned_settings(result)
+        if tuned_lines:
+            notes.append(f"as `specrun generate` runs them, with tune's settings: {tuned_lines}; -k and "
+                         "--draft-min-prob set them")
     elif result.config.use_tuned and any(needs_draft_model(m) for m in result.config.methods):
         notes.append("no `specrun tune` settings for this pair on this machine: controllers started from their priors")
     for skipped in result.skipped:
