@@ -55,6 +55,7 @@ class TargetCosts:
     # ~1% of a tiny-regime step.
     STALE_TOLERANCE = 0.03
     REBUILD_EVERY = 16  # passes after which the table is rebuilt anyway (the counts have aged)
+    SWITCH_WEIGHT = 0.2  # blend weight of one pass in the switch-back estimates
 
     def __init__(self) -> None:
         self.seconds: dict[int, float] = {}  # tokens fed -> decayed mean seconds; write through observe/preload
@@ -63,6 +64,44 @@ class TargetCosts:
         self._table: list[float | None] | None = None  # __call__ for n = 0..len-1, rebuilt after a change
         self._built_from: dict[int, float] = {}  # the means the table was built from
         self._passes_since_build = 0
+        # Switching back (note_pass): what a plain pass costs more right after a speculative
+        # one, and how often a speculative pass is followed by a plain one.
+        self.switch_seconds = 0.0
+        self.switch_back = 0.0
+        self._charge_built = 0.0  # the switch_charge the controllers' rates last saw
+
+    @property
+    def switch_charge(self) -> float:
+        """Seconds a speculative step is charged for the plain pass it is likely to cause."""
+        return self.switch_seconds * self.switch_back
+
+    def note_pass(self, n_tokens: int, seconds: float, previous: int | None) -> bool:
+        """Learn what changing the batch shape costs; True where the pass should also be
+        observed as T(n_tokens).
+
+        llama.cpp rebuilds its compute graph whenever the batch shape changes (measured on
+        the demo target: +0.47 ms on a 0.9 ms plain pass). A plain pass right after a
+        speculative one pays that rebuild for the speculation before it: counted into T(1),
+        it made plain decoding look dearer the more auto speculated. Such a pass goes into the
+        switch-back cost instead, which speculative steps are charged for, weighted by how often
+        one is followed by a plain pass. ``previous``: the tokens of the pass before (None: the
+        prompt's prefill came before, a switch that no choice caused).
+        """
+        if previous is None:
+            return n_tokens > 1 or 1 not in self.seconds
+        if previous > 1:
+            self.switch_back = _blend(self.switch_back, 1.0 if n_tokens == 1 else 0.0, self.SWITCH_WEIGHT)
+        plain = self.seconds.get(1)
+        if n_tokens == 1 and previous > 1 and plain is not None:
+            excess = min(max(seconds - plain, 0.0), plain * self.SPIKE_CAP)  # a slow pass, not a rebuild
+            self.switch_seconds = _blend(self.switch_seconds, excess, self.SWITCH_WEIGHT)
+            counted = False
+        else:
+            counted = True
+        if abs(self.switch_charge - self._charge_built) > self.STALE_TOLERANCE * (plain or float("inf")):
+            self._charge_built = self.switch_charge
+            self.version += 1  # the controllers' rates must see the new charge
+        return counted
 
     def observe(self, n_tokens: int, seconds: float) -> None:
         old = self.seconds.get(n_tokens)
@@ -284,6 +323,7 @@ class DraftLengthController:
         # the choice, for every k alike (0 included), so it weighs on none of them.
         draft_costs = [0.0] * (limit + 1) if self.sunk_draft_cost else self.draft_costs.table(limit)
         costs = self.target_costs.table(limit + 1)
+        switch = self.target_costs.switch_charge  # the plain pass a speculative step may cause
         accept = self.acceptances(limit)
         rates: list[float | None] = []
         tokens, chain = 1.0, 1.0
@@ -295,7 +335,7 @@ class DraftLengthController:
             if verify is None or draft is None:
                 rates.append(None)
             else:
-                rates.append(tokens / (verify + draft))
+                rates.append(tokens / (verify + draft + (switch if k else 0.0)))
         return rates
 
     # ---- decisions ----------------------------------------------------------------
@@ -422,6 +462,86 @@ class DraftLengthController:
             if self._speculating:
                 self.steps_since_probe = 0
             self._speculating = False
+
+
+class SpeculationGate:
+    """Is speculating, every cost counted, faster than plain decoding on this text? (auto)
+
+    The controllers weigh each proposal by its expected rate: acceptance, verify passes and
+    a draft model's drafting. What speculating realises also carries costs no single choice
+    is charged for: asking the cheap drafters on every step (their time is sunk for the
+    step, 0.07 ms of a 0.9 ms plain pass on the demo target), the chain's weighing, and
+    llama.cpp's graph rebuilds as batch shapes change. Where speculation wins by little these
+    ate the win: auto ran 0.89x plain decoding on the built-in code-completion prompts on a
+    CPU where a 2-token pass costs twice a 1-token one. So the engine measures both: the tokens
+    and seconds of its recent speculating steps (decayed) against a plain step's seconds. When
+    speculating is measured slower, it decodes plainly without asking any drafter, and tries
+    again after a gap that doubles each time the retry loses too.
+
+    A text is judged only after MIN_STEPS steps: an answer's first steps often come before
+    the text it copies (a rewrite's first sentence), and judged after 8 the gate was off when
+    the copy began (rewriting 1.65x against 1.86x none). A retry is judged after RETRY_STEPS.
+    """
+
+    MIN_STEPS = 24  # speculating steps of a text measured before it is first judged
+    RETRY_STEPS = 8  # …and of a retry after a plain stretch
+    DECAY = 0.96  # weight kept by older steps at each new one (a window of ~25 steps)
+    FIRST_GAP = 32  # plain steps before speculating is tried again…
+    MAX_GAP = 1024  # …doubling up to this
+    # Judged only while this share of recent steps was engaged (record): where the controllers
+    # have switched speculation off themselves and nothing is spent proposing, their probes
+    # must go on (a draft model unlucky on its first tries was otherwise never tried again).
+    MIN_ENGAGED = 0.25
+    MARGIN = 0.02  # speculating must lose by more than this: a step's own bookkeeping is not a loss
+
+    def __init__(self) -> None:
+        self.gap = self.FIRST_GAP
+        self.reset()
+
+    def reset(self) -> None:
+        """A new text: speculate first, judged on its own steps (the gap is kept: where
+        speculating keeps losing, retries stay rare)."""
+        self.speculating = True
+        self._retry = False  # this stretch of speculating follows a plain one
+        self._tokens = self._seconds = self._engaged = 0.0
+        self._steps = self._plain_steps = 0
+        self.plain_seconds: float | None = None  # a plain step's seconds, measured while off (decayed)
+
+    def record(self, tokens: int, seconds: float, engaged: bool, plain_pass: float | None) -> None:
+        """One step: ``tokens`` emitted in ``seconds``, all of its work counted. ``engaged``: it
+        verified a proposal or spent time proposing (not a controller's plain step, which costs
+        what plain decoding does). ``plain_pass``: the target's measured one-token pass, plain
+        decoding's cost until a plain step has been timed here."""
+        if not self.speculating:
+            self.plain_seconds = _blend(self.plain_seconds, seconds, 0.2)
+            self._plain_steps += 1
+            if self._plain_steps >= self.gap:  # try again
+                self.speculating, self._retry = True, True
+                self._tokens = self._seconds = self._engaged = 0.0
+                self._steps = 0
+            return
+        self._tokens = self._tokens * self.DECAY + tokens
+        self._seconds = self._seconds * self.DECAY + seconds
+        self._engaged = self._engaged * self.DECAY + engaged
+        self._steps += 1
+        plain = self.plain_seconds or plain_pass
+        if self._steps < (self.RETRY_STEPS if self._retry else self.MIN_STEPS) or not plain:
+            return
+        if self._engaged < self.MIN_ENGAGED * _decayed_count(self.DECAY, self._steps):
+            return  # the controllers have mostly stopped speculating: their own probes go on
+        if self._tokens * plain * (1.0 + self.MARGIN) >= self._seconds:  # about plain decoding's rate or more
+            if self._retry:
+                self._retry, self.gap = False, self.FIRST_GAP  # it pays again: retry soon if it stops
+            return
+        if self._retry:
+            self.gap = min(self.gap * 2, self.MAX_GAP)
+        self.speculating = False
+        self._plain_steps = 0
+
+
+def _decayed_count(decay: float, steps: int) -> float:
+    """The weight of ``steps`` steps each counted 1, decayed by ``decay`` per step since."""
+    return (1.0 - decay**steps) / (1.0 - decay)
 
 
 class ProposalScores:

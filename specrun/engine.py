@@ -22,6 +22,7 @@ from specrun.adaptive import (
     DraftCosts,
     DraftLengthController,
     ProposalScores,
+    SpeculationGate,
     TargetCosts,
 )
 from specrun.backends.base import Backend
@@ -32,6 +33,12 @@ from specrun.methods import is_adaptive
 from specrun.sampling import SamplingSettings, probabilities, sample
 from specrun.stats import Stats
 from specrun.verify import Verdict, verify_greedy, verify_sampled
+
+
+# A step that spent more than this share of a plain pass proposing counts as speculating's
+# for auto's SpeculationGate, even when nothing was verified (a cheap drafter that keeps
+# looking and finding nothing, or proposals the controllers declined).
+PROPOSING_SHARE = 0.02
 
 
 @dataclass(frozen=True)
@@ -111,6 +118,8 @@ class SpeculativeEngine:
         self.clock = clock  # injectable so tests can give fake models exact costs
         self.last_context: list[int] = []  # prompt + output of the latest run
         self._scores = ProposalScores()  # cheap proposals awaiting the output that settles them
+        self._previous_pass: int | None = None  # tokens fed to the target's latest pass (None: the prefill)
+        self.gate = SpeculationGate()  # auto: speculate only while it is measured faster than plain
         # Adaptive draft lengths, one controller per proposal source; kept across runs. Costs
         # belong to the machine, so they outlive the controllers: the target's verify costs
         # and each drafter's drafting costs, by drafter name.
@@ -142,6 +151,7 @@ class SpeculativeEngine:
         lengths 4, 1 and 8 on every bench prompt again."""
         self.controllers.clear()
         self._scores.clear()
+        self.gate = SpeculationGate()
 
     def set_drafter(self, drafter: Drafter | None, method: str | None = None) -> None:
         """Speculate with ``drafter`` from the next run on (chat's /method); the caller closes the old one."""
@@ -182,6 +192,10 @@ class SpeculativeEngine:
         measured = adaptive or bool(policy_sources)  # steps feed the controllers
         fused = not measured and self._can_fuse(sampling)
         self._scores.clear()
+        self._previous_pass = None
+        gate = self.gate if adaptive else None
+        if gate is not None:
+            gate.reset()
 
         # The drafters read the prompt first, timed as prefill like the target's: a draft
         # model's prompt pass is prompt processing, not the cost of drafting tokens.
@@ -205,6 +219,7 @@ class SpeculativeEngine:
             while (produced := len(context) - len(prompt)) < params.max_new_tokens and len(context) < n_ctx:
                 remaining = params.max_new_tokens - produced
                 t_draft = self.clock()
+                from_pass = prompt_logits is None
                 if prompt_logits is not None:
                     # The first token from the prefill pass, as llama.cpp takes it: the same
                     # batch shape, so plain decoding matches other tools token for token.
@@ -213,7 +228,11 @@ class SpeculativeEngine:
                     verdict = Verdict(0, self._pick(prompt_logits, sampling, rng))
                     prompt_logits = None
                 else:
-                    if fused:
+                    if gate is not None and not gate.speculating:  # plain decoding, no drafter asked
+                        proposal = EMPTY_PROPOSAL
+                        t_verify = self.clock()
+                        verdict = self._verify(context[-1], (), (), sampling, rng)
+                    elif fused:
                         proposal, verdict, t_verify = self._fused_greedy_step(context, remaining, params, rng)
                     else:
                         proposal = self._propose(context, remaining, params, sampling, rng, adaptive, policy_sources)
@@ -233,6 +252,11 @@ class SpeculativeEngine:
                 emitted = emitted[:remaining]
                 context.extend(emitted)
                 self._scores.score(context)
+                if gate is not None and from_pass:  # the prefill's token says nothing of speculating
+                    plain = self.target_costs(1)
+                    proposing = t_verify - t_draft  # asking the drafters (about none where nothing is asked)
+                    engaged = bool(proposal.tokens) or (plain is not None and proposing > PROPOSING_SHARE * plain)
+                    gate.record(len(emitted), self.clock() - t_draft, engaged, plain)
                 step = Step(
                     tuple(emitted),
                     len(proposal.tokens),
@@ -362,6 +386,10 @@ class SpeculativeEngine:
     def _observe(
         self, proposal, verdict: Verdict, draft_s: float, verify_s: float, params, adaptive: bool, paid: set[str]
     ) -> None:
+        n_fed = len(proposal.tokens) + 1
+        previous, self._previous_pass = self._previous_pass, n_fed
+        if not self.target_costs.note_pass(n_fed, verify_s, previous):
+            return  # a plain pass that paid for the speculative one before it: timed as switching back
         if not proposal.tokens:
             self.target_costs.observe(1, verify_s)  # a plain pass: what speculating must beat
         elif not adaptive and proposal.source not in paid:
