@@ -13,7 +13,6 @@ from specrun.chat import AnswerDone, AnswerText, ChatSession, ContextFullNotice,
 from specrun.cli import app
 from specrun.engine import GenerationParams
 from specrun.errors import ChatTemplateError, ContextFullError
-from specrun.kv import sequence_for
 from specrun.loading import LoadOptions, open_pair
 from specrun.modelkit.gguf_io import write_gguf
 from specrun.sampling import SamplingSettings
