@@ -501,11 +501,16 @@ class SpeculationGate:
     def reset(self) -> None:
         """A new text: speculate first, judged on its own steps (the gap is kept: where
         speculating keeps losing, retries stay rare)."""
-        self.speculating = True
         self._retry = False  # this stretch of speculating follows a plain one
-        self._tokens = self._seconds = self._engaged = 0.0
-        self._steps = self._plain_steps = 0
+        self._plain_steps = 0
         self.plain_seconds: float | None = None  # a plain step's seconds, measured while off (decayed)
+        self._speculate()
+
+    def _speculate(self) -> None:
+        """Start a stretch of speculating, judged on its own steps."""
+        self.speculating = True
+        self._tokens = self._seconds = self._engaged = 0.0
+        self._steps = 0
 
     def record(self, tokens: int, seconds: float, engaged: bool, plain_pass: float | None) -> None:
         """One step: ``tokens`` emitted in ``seconds``, all of its work counted. ``engaged``: it
@@ -516,9 +521,8 @@ class SpeculationGate:
             self.plain_seconds = _blend(self.plain_seconds, seconds, 0.2)
             self._plain_steps += 1
             if self._plain_steps >= self.gap:  # try again
-                self.speculating, self._retry = True, True
-                self._tokens = self._seconds = self._engaged = 0.0
-                self._steps = 0
+                self._retry = True
+                self._speculate()
             return
         self._tokens = self._tokens * self.DECAY + tokens
         self._seconds = self._seconds * self.DECAY + seconds

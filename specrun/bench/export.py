@@ -4,7 +4,8 @@ Schema ``specrun.bench/1`` (keys in order):
 
 - schema, started_at (ISO 8601 UTC), wall_seconds
 - config: target, draft, methods, variants [{name, method, draft_len}], draft_lens (as
-  asked: empty when each method ran at generate's length), draft_min_prob (as run), sweep, max_new_tokens, temperature, top_k, top_p, min_p, seed, repeat, chat, suite,
+  asked: empty when each method ran at generate's length), draft_min_prob (as run), sweep,
+  max_new_tokens, temperature, top_k, top_p, min_p, seed, repeat, chat, suite,
   n_ctx, baseline, timing, tuned (the `specrun tune` key the controllers started from, or null)
 - machine: cpu, cores, gpu, os, backend, threads, versions {specrun, llama-cpp-python,
   mlx, mlx-lm, numpy, python}
