@@ -23,11 +23,14 @@ is what the no-match path costs: ``implied ratio`` = (1 - share) / (1 - share of
 (meaningful only for lines that verify no drafts: lookup-miss and none-again).
 
     .venv/bin/python benchmarks/lookup_no_match.py --target demo-target --prompts 20 -n 128 --threads 2
+
+Without -k lookup runs as `specrun generate` runs it: its length chosen each step, gated.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import sys
 from pathlib import Path
@@ -36,6 +39,7 @@ from _report import write_report
 from specrun.backends.llama import LlamaCppBackend
 from specrun.drafters.lookup import PromptLookupDrafter
 from specrun.engine import GenerationParams, SpeculativeEngine
+from specrun.generation import ADAPTIVE_MAX_DRAFT_LEN
 from specrun.loading import resolve_gguf
 from specrun.prompts import heldout_code_prompts
 from specrun.registry import load_registry
@@ -56,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--target", default="demo-target")
     parser.add_argument("--prompts", type=int, default=20)
     parser.add_argument("-n", type=int, default=128)
-    parser.add_argument("-k", type=int, default=4)
+    parser.add_argument("-k", type=int, help="a fixed draft length (default: as generate runs lookup, adaptive)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
@@ -67,14 +71,15 @@ def main(argv: list[str] | None = None) -> int:
         "lookup-miss": SpeculativeEngine(target, MissingLookup()),
         "none-again": SpeculativeEngine(target),
     }
-    params = GenerationParams(args.n, args.k, stop_at_eos=False)
+    draft_len = args.k or ADAPTIVE_MAX_DRAFT_LEN
+    params = GenerationParams(args.n, draft_len, stop_at_eos=False, adaptive=args.k is None)
     rates: dict[str, list[float]] = {name: [] for name in engines}
     drafted: dict[str, int] = {name: 0 for name in engines}
     before_verify: dict[str, float] = {name: 0.0 for name in engines}  # seconds from step start to verify
     generating: dict[str, float] = {name: 0.0 for name in engines}
     prompts = [target.tokenize(text) for text in heldout_code_prompts(args.prompts)]
     for engine in engines.values():  # warm-up
-        engine.run(prompts[0][: len(prompts[0]) // 2], GenerationParams(16, args.k), complete_cache=False)
+        engine.run(prompts[0][: len(prompts[0]) // 2], dataclasses.replace(params, max_new_tokens=16), complete_cache=False)
     for index, prompt in enumerate(prompts):
         names = list(engines)
         order = names[index % len(names):] + names[: index % len(names)]
@@ -84,8 +89,10 @@ def main(argv: list[str] | None = None) -> int:
             drafted[name] += result.stats.drafted
             before_verify[name] += result.stats.draft_seconds
             generating[name] += result.stats.generation_seconds
-    report = {"target": args.target, "threads": args.threads, "prompts": args.prompts, "n": args.n, "lines": {}}
-    print(f"{args.target}, {args.prompts} prompts × {args.n} tokens, {args.threads} thread(s), greedy")
+    length = f"k={args.k}" if args.k else f"adaptive up to {draft_len}"
+    report = {"target": args.target, "threads": args.threads, "prompts": args.prompts, "n": args.n, "k": args.k,
+              "lines": {}}
+    print(f"{args.target}, {args.prompts} prompts × {args.n} tokens, {length}, {args.threads} thread(s), greedy")
     print(f"{'line':>12} {'median tok/s':>13} {'vs none: median of per-prompt ratios':>37} "
           f"{'quartiles':>14} {'total-time ratio':>17} {'drafted':>8} {'pre-verify share':>17} {'implied ratio':>14}")
     share = {name: before_verify[name] / generating[name] for name in engines}

@@ -35,7 +35,7 @@ from specrun.compat import check_compatible
 from specrun.drafters.ngram import vocabulary_fingerprint
 from specrun.engine import Finished, GenerationParams, GenerationResult, SpeculativeEngine, TextChunk
 from specrun.errors import ContextFullError, UsageError
-from specrun.generation import load_tuned, resolve_draft_len, resolve_min_prob
+from specrun.generation import adapts_length, load_tuned, resolve_draft_len, resolve_min_prob
 from specrun.kv import common_prefix_len, sequence_for
 from specrun.loading import LoadOptions, open_backend, open_pair
 from specrun.methods import DrafterOptions, build_drafter, check_method, needs_draft_model
@@ -177,7 +177,9 @@ class ChatSession:
         reused = min(common_prefix_len(self.engine.target.tokens, prompt_ids), len(prompt_ids) - 1)
         decoder = _SpanDecoder(self.target)
         result: GenerationResult | None = None
-        params = dataclasses.replace(params, draft_len=self.draft_len)
+        params = dataclasses.replace(
+            params, draft_len=self.draft_len, adaptive=adapts_length(self.method, self._draft_len)
+        )
         stream = self.engine.stream(prompt_ids, params)
         try:
             for event in stream:
@@ -279,7 +281,7 @@ class ChatSession:
 
     @property
     def draft_len(self) -> int:
-        """The draft length the next answer uses (for auto: the longest it may choose)."""
+        """The draft length the next answer uses (adaptive: the longest it may choose)."""
         return resolve_draft_len(self.method, self._draft_len, self._tuned)
 
     def set_method(self, method: str) -> None:
@@ -299,7 +301,8 @@ class ChatSession:
 
     def total_stats(self) -> Stats:
         """Every answer's statistics added up."""
-        total = Stats(method=self.method, draft_len=self.answers[-1].draft_len if self.answers else 0)
+        last = self.answers[-1] if self.answers else Stats()
+        total = Stats(method=self.method, draft_len=last.draft_len, adaptive=last.adaptive)
         for stats in self.answers:
             total.add(stats)
         return total

@@ -106,7 +106,7 @@ DraftLenOpt = Annotated[
     typer.Option(
         "--draft-len",
         "-k",
-        help="Tokens drafted per step (default 4; for draft alone, tuned); for auto, the longest it may choose (default 16).",
+        help="Fix the tokens drafted per step (default: chosen each step, up to 16; draft alone: tuned, else 4); for auto, the longest it may choose.",
     ),
 ]
 DraftMinProbOpt = Annotated[

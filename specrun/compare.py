@@ -32,11 +32,19 @@ WARMUP_TOKENS = 8
 
 @dataclass(frozen=True)
 class Variant:
-    """One compared line: ``method`` drafting ``draft_len`` tokens per step, shown as ``name``."""
+    """One compared line: ``method`` drafting ``draft_len`` tokens per step, shown as ``name``.
+
+    adaptive: the length is chosen as it goes, ``draft_len`` the longest (auto always is).
+    """
 
     name: str
     method: str
     draft_len: int
+    adaptive: bool = False
+
+    @property
+    def adapts(self) -> bool:
+        return self.adaptive or is_adaptive(self.method)
 
 
 @dataclass
@@ -192,7 +200,7 @@ def compare_variants(
     """Run every variant ``repeat`` times on every prompt, interleaved; the first variant is the baseline.
 
     ``params`` gives everything but the draft length, which each variant sets; an
-    adaptive method (``auto``) treats it as the longest draft it may choose.
+    adaptive variant (``auto``, or one marked adaptive) treats it as the longest draft it may choose.
     ``on_result(prompt_index, variant_name, result)`` is called after each run.
     ``tuned``: a `specrun tune` result every engine's controllers start from.
     """
@@ -205,7 +213,7 @@ def compare_variants(
             for engine in engines.values():
                 tuned.apply(engine)
         variant_params = {
-            v.name: dataclasses.replace(params, draft_len=v.draft_len, adaptive=params.adaptive or is_adaptive(v.method))
+            v.name: dataclasses.replace(params, draft_len=v.draft_len, adaptive=params.adaptive or v.adapts)
             for v in variants
         }
         _warm_up(engines, variant_params, prompts[0])

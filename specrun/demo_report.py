@@ -9,9 +9,9 @@ from rich.table import Table
 
 from specrun.compare import NEAR_TIE_NOTE, Comparison, Mismatch, Variant, compare_variants
 from specrun.engine import GenerationParams
-from specrun.generation import resolve_draft_len
+from specrun.generation import adapts_length, resolve_draft_len
 from specrun.loading import LoadOptions, open_pair
-from specrun.methods import is_adaptive, needs_draft_model
+from specrun.methods import needs_draft_model
 from specrun.prompts import CODE_PROMPTS
 
 
@@ -27,8 +27,8 @@ def run_demo(
 ) -> Comparison:
     """Load the pair, compare the methods on built-in prompts, print the table to stdout.
 
-    ``draft_len`` None: each method's default, as `specrun generate` has it (4 for a fixed
-    length, 16 as auto's longest)."""
+    ``draft_len`` None: each method's default, as `specrun generate` has it (adaptive up to
+    16; the draft model alone 4)."""
     err = Console(stderr=True)
     out = Console(file=sys.stdout, soft_wrap=True)
     err.print(f"loading {target} + {draft} (the first run derives cached model files)…")
@@ -41,7 +41,10 @@ def run_demo(
             target_backend.tokenize(text, add_bos=target_backend.vocab.add_bos)
             for text in CODE_PROMPTS[:n_prompts]
         ]
-        variants = [Variant(method, method, resolve_draft_len(method, draft_len, None)) for method in methods]
+        variants = [
+            Variant(method, method, resolve_draft_len(method, draft_len, None), adapts_length(method, draft_len))
+            for method in methods
+        ]
         params = GenerationParams(max_new_tokens=max_tokens)
         err.print(f"{len(prompts)} prompts × {len(methods)} methods, {max_tokens} tokens each, greedy, interleaved")
         comparison = compare_variants(
@@ -63,15 +66,15 @@ def run_demo(
 
 
 def _lengths_label(variants: list[Variant]) -> str:
-    """The title's draft lengths, read off the variants that ran: "draft length 4, auto up to
-    16" by default, "draft length 3 (auto's longest)" when one -k set both."""
-    fixed = {variant.draft_len for variant in variants if not is_adaptive(variant.method)}
-    longest = {variant.draft_len for variant in variants if is_adaptive(variant.method)}
+    """The title's draft lengths, read off the variants that ran: "draft length 4, adaptive up
+    to 16" by default, "draft length 3 (adaptive: the longest)" when one -k set both."""
+    fixed = {variant.draft_len for variant in variants if not variant.adapts and variant.method != "none"}
+    longest = {variant.draft_len for variant in variants if variant.adapts}
     if not longest:
         return ", ".join(f"draft length {k}" for k in sorted(fixed))
     if fixed == longest:
-        return f"draft length {min(fixed)} (auto's longest)"
-    return ", ".join([*(f"draft length {k}" for k in sorted(fixed)), f"auto up to {max(longest)}"])
+        return f"draft length {min(fixed)} (adaptive: the longest)"
+    return ", ".join([*(f"draft length {k}" for k in sorted(fixed)), f"adaptive up to {max(longest)}"])
 
 
 def render_table(comparison: Comparison, target: str, draft: str, lengths: str) -> Table:

@@ -445,7 +445,12 @@ class SpeculativeEngine:
         """
         backend = self.target.backend
         min_prob = max((getattr(m, "min_prob", 0.0) for m in self._drafter_members()), default=0.0)
-        stats = Stats(method=self.method, draft_len=params.draft_len if self.drafter else 0, draft_min_prob=min_prob)
+        stats = Stats(
+            method=self.method,
+            draft_len=params.draft_len if self.drafter else 0,
+            adaptive=self.drafter is not None and (params.adaptive or is_adaptive(self.method)),
+            draft_min_prob=min_prob,
+        )
         decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         output: list[int] = []
         pieces: list[str] = []

@@ -48,18 +48,32 @@ def load_tuned(target, draft, threads):
     return tuning.load(tuning.pair_key(target, draft, threads))
 
 
+def adapts_length(method: str, requested: int | None) -> bool:
+    """Does ``method`` choose its draft length as it goes (gated on plain decoding, as auto)?
+
+    auto always (``-k`` is then its longest draft). Prompt lookup, the n-gram pool and
+    chains too, unless ``-k`` fixes their length: a cheap drafter's tokens cost nothing to
+    cut, and one length for every step either stops a long copy early or verifies long
+    wrong guesses (Spec-Bench, demo pair: lookup 1.90x adaptive against 1.47x at 4;
+    docs/perf.md, session 12). The draft model alone drafts tune's best length, a fixed
+    one: on MLX a fixed length lets draft and verify run as one graph with one sync.
+    """
+    if method == "none":
+        return False
+    return is_adaptive(method) or (requested is None and method != DraftModelDrafter.name)
+
+
 def resolve_draft_len(method: str, requested: int | None, tuned) -> int:
-    """The user's draft length; else the longest auto may choose; else, for the draft model
-    alone, the tuned one; else 4.
+    """The user's draft length (for an adaptive run, its longest); else, adaptive, the longest
+    the controller may choose; else, for the draft model alone, the tuned one; else 4.
 
     `specrun tune` times the draft model drafting alone, so its best length is the draft
-    model's: a chain's cheap drafters copy many tokens a step (lookup is right on 4 or more
-    where it matches), and capping them at the draft model's best (often 1 on a CPU) would
-    throw that away. In a fixed chain the draft model drafts the chain's length, gated.
+    model's, never a cap on a chain's cheap drafters (lookup is right on 4 or more where
+    it matches; the draft model's best is often 1 on a CPU).
     """
     if requested is not None:
         return requested
-    if is_adaptive(method):
+    if adapts_length(method, requested):
         return ADAPTIVE_MAX_DRAFT_LEN  # the longest draft the controller may choose
     if tuned is not None and method == DraftModelDrafter.name:
         return tuned.best_draft_len
@@ -94,7 +108,7 @@ def generate_text(request: GenerateRequest, on_text: Callable[[str], None] | Non
             request.max_new_tokens,
             resolve_draft_len(request.method, request.draft_len, tuned),
             request.sampling,
-            adaptive=is_adaptive(request.method),
+            adaptive=adapts_length(request.method, request.draft_len),
         )
         if tuned is not None:
             tuned.apply(engine)  # the controllers start from measured costs

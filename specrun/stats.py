@@ -32,6 +32,7 @@ class Stats:
 
     method: str = "none"
     draft_len: int = 0
+    adaptive: bool = False  # the length chosen each step, draft_len the longest
     draft_min_prob: float = 0.0  # the draft model's confidence stop (0: none)
     prompt_tokens: int = 0
     new_tokens: int = 0
@@ -87,6 +88,7 @@ class Stats:
         return {
             "method": self.method,
             "draft_len": self.draft_len,
+            "adaptive": self.adaptive,
             "draft_min_prob": self.draft_min_prob,
             "prompt_tokens": self.prompt_tokens,
             "new_tokens": self.new_tokens,
@@ -112,7 +114,7 @@ class Stats:
         line = f"{self.new_tokens} tokens, {self.tokens_per_second:.1f} tok/s, method {self.method}"
         if self.drafted:
             line += (
-                f", draft_len {self.draft_len}"
+                (f", draft_len adaptive up to {self.draft_len}" if self.adaptive else f", draft_len {self.draft_len}")
                 + (f", stop below p {self.draft_min_prob:g}" if self.draft_min_prob else "")
                 + f", accepted {self.accepted}/{self.drafted}"
                 f" ({100 * self.acceptance_rate:.1f}%), {self.mean_tokens_per_step:.2f} tokens/step"

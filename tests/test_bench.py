@@ -144,7 +144,7 @@ FIGURES_KEYS = {
     "mean_tokens_per_step": float, "draft_share": float, "verify_share": float, "mismatches": int, "near_ties": int,
 }
 STATS_KEYS = {
-    "method": str, "draft_len": int, "draft_min_prob": float, "prompt_tokens": int, "new_tokens": int,
+    "method": str, "draft_len": int, "adaptive": bool, "draft_min_prob": float, "prompt_tokens": int, "new_tokens": int,
     "steps": int, "drafted": int, "accepted": int, "acceptance_rate": float, "mean_tokens_per_step": float, "accepted_hist": list,
     "by_source": dict, "tokens_per_second": float, "prefill_seconds": float, "draft_seconds": float, "verify_seconds": float,
     "generation_seconds": float,
@@ -155,7 +155,7 @@ def assert_keys(record: dict, expected: dict[str, type]) -> None:
     assert set(record) == set(expected), set(record) ^ set(expected)
     for key, kind in expected.items():
         allowed = (int, float) if kind is float else kind  # JSON writes 1.0 as 1.0 but 0 may come back an int
-        assert isinstance(record[key], allowed) and not isinstance(record[key], bool), (key, record[key])
+        assert isinstance(record[key], allowed) and isinstance(record[key], bool) == (kind is bool), (key, record[key])
 
 
 def test_json_holds_every_figure_and_the_machine(bench_outputs):

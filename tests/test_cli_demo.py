@@ -31,12 +31,12 @@ def test_demo_gives_each_method_its_default_length_as_generate_does(tiny_llama, 
     defaults = run_demo(path, path, ["none", "draft", "auto"], 1, 8, None, "llama", 1)
     lengths = {method: figures.by_prompt[0][0].stats.draft_len for method, figures in defaults.figures.items()}
     assert lengths == {"none": 0, "draft": DEFAULT_DRAFT_LEN, "auto": ADAPTIVE_MAX_DRAFT_LEN}
-    assert f"draft length {DEFAULT_DRAFT_LEN}, auto up to {ADAPTIVE_MAX_DRAFT_LEN}" in capsys.readouterr().out
+    assert f"draft length {DEFAULT_DRAFT_LEN}, adaptive up to {ADAPTIVE_MAX_DRAFT_LEN}" in capsys.readouterr().out
     chosen = run_demo(path, path, ["none", "draft", "auto"], 1, 8, 3, "llama", 1)
     assert {method: figures.by_prompt[0][0].stats.draft_len for method, figures in chosen.figures.items()} == {
         "none": 0, "draft": 3, "auto": 3,
     }
-    assert "draft length 3 (auto's longest)" in capsys.readouterr().out
+    assert "draft length 3 (adaptive: the longest)" in capsys.readouterr().out
 
 
 def test_demo_rejects_an_unknown_method(tiny_llama):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import itertools
 import os
 import struct
 from collections import Counter
@@ -23,6 +24,7 @@ from specrun.drafters.lookup import PromptLookupDrafter
 from specrun.drafters.ngram import HEADER, MAGIC, NgramCacheError, NgramPoolDrafter, vocabulary_fingerprint
 from specrun.engine import GenerationParams, SpeculativeEngine
 from specrun.errors import UsageError
+from specrun.generation import adapts_length
 from specrun.loading import LoadOptions, open_backend
 from specrun.methods import METHODS, DrafterOptions, build_drafter, is_adaptive, needs_draft_model
 from specrun.modelkit.gguf_io import write_gguf
@@ -573,7 +575,9 @@ def test_real_backend_cases_cover_every_method():
 def test_greedy_output_is_identical_for_every_method_on_real_backends(
     method, target_kind, backend_kind, real_targets, tiny_llama, tiny_qwen2
 ):
-    """Every prompt with one drafter, twice when it holds an n-gram pool (a chat asking again)."""
+    """Every prompt with one drafter, twice when it holds an n-gram pool (a chat asking again),
+    as `specrun generate` runs the method (adaptive but for the draft model alone) and, where
+    that differs, at a fixed length of 4 (-k 4)."""
     target_source, plain_outputs = real_targets[target_kind]
     target = open_real(backend_kind, target_source)
     draft_model = tiny_llama if target_kind == "random" else tiny_qwen2
@@ -581,11 +585,12 @@ def test_greedy_output_is_identical_for_every_method_on_real_backends(
     drafter = build_drafter(method, draft)
     engine = SpeculativeEngine(target, drafter)
     accepted = 0
+    modes = {adapts_length(method, None), is_adaptive(method)}
     for ids, plain in plain_outputs:
-        for _ in range(2 if "ngram" in method else 1):
-            adaptive = is_adaptive(method)
+        for adaptive, _ in itertools.product(sorted(modes), range(2 if "ngram" in method else 1)):
             params = GenerationParams(REAL_NEW, draft_len=8 if adaptive else 4, adaptive=adaptive)
             result = engine.run(ids, params)
+            assert result.stats.adaptive == adaptive
             assert_same_or_near_tie(backend_kind, target_source, ids, plain, result.token_ids)
             accepted += result.stats.accepted
     assert accepted > 0

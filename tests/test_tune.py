@@ -53,15 +53,18 @@ def test_tune_saves_and_generate_uses_the_best_settings(config_home, tiny_llama)
     tuned_file.write_text(json.dumps(saved))
     base = ["generate", "def f():", "-t", path, "-d", path, "-n", "8", "--json", "-m", "draft"]
     stats = json.loads(runner.invoke(app, base).stdout)["stats"]
-    assert (stats["draft_len"], stats["draft_min_prob"]) == (3, 0.7)
+    assert (stats["draft_len"], stats["adaptive"], stats["draft_min_prob"]) == (3, False, 0.7)
     explicit = json.loads(runner.invoke(app, [*base, "-k", "5", "--draft-min-prob", "0"]).stdout)["stats"]
-    assert (explicit["draft_len"], explicit["draft_min_prob"]) == (5, 0.0)
+    assert (explicit["draft_len"], explicit["adaptive"], explicit["draft_min_prob"]) == (5, False, 0.0)
     auto = json.loads(runner.invoke(app, [*base[:-2], "-m", "auto"]).stdout)["stats"]
-    assert (auto["method"], auto["draft_len"], auto["draft_min_prob"]) == ("auto", 16, 0.7)  # 16: auto's longest
-    # The tuned length is the draft model's alone: a chain keeps its cheap drafters' default
-    # length (lookup copies 4 tokens a step where it matches, not the draft model's best).
+    assert (auto["method"], auto["draft_len"], auto["adaptive"], auto["draft_min_prob"]) == ("auto", 16, True, 0.7)
+    # The tuned length is the draft model's alone: a chain chooses its length as it goes, up
+    # to auto's longest (lookup copies many tokens a step where it matches), unless -k fixes it.
     chain = json.loads(runner.invoke(app, [*base[:-2], "-m", "lookup+draft"]).stdout)["stats"]
-    assert (chain["method"], chain["draft_len"], chain["draft_min_prob"]) == ("lookup+draft", 4, 0.7)
+    assert (chain["method"], chain["draft_len"], chain["adaptive"], chain["draft_min_prob"]) == (
+        "lookup+draft", 16, True, 0.7)
+    fixed = json.loads(runner.invoke(app, [*base[:-2], "-m", "lookup+draft", "-k", "4"]).stdout)["stats"]
+    assert (fixed["draft_len"], fixed["adaptive"]) == (4, False)
 
     # The bench starts its controllers where generate does, runs each method at the length and
     # stop generate gives it, and says so; --untuned does not, nor do -k and --draft-min-prob.
@@ -71,18 +74,21 @@ def test_tune_saves_and_generate_uses_the_best_settings(config_home, tiny_llama)
     assert tuned_run.exit_code == 0, tuned_run.output
     config = json.loads(tuned_run.stdout)["config"]
     assert config["tuned"] == entry["key"]
-    assert [(v["name"], v["draft_len"]) for v in config["variants"]] == [("none", 0), ("draft", 3), ("lookup+draft", 4)]
+    assert [(v["name"], v["draft_len"], v["adaptive"]) for v in config["variants"]] == [
+        ("none", 0, False), ("draft", 3, False), ("lookup+draft", 16, True)]
     assert config["draft_lens"] == [] and config["draft_min_prob"] == 0.7
     assert f"`specrun tune`'s measurements for this pair ({entry['key']})" in tuned_run.stderr
     assert "draft at k=3, draft model stops below p=0.7" in tuned_run.stderr
+    assert "up to 16, and speculation gated on plain decoding's speed): lookup+draft;" in " ".join(tuned_run.stderr.split())
     untuned_run = runner.invoke(app, [*bench, "--untuned"])
     config = json.loads(untuned_run.stdout)["config"]
     assert config["tuned"] is None and config["draft_min_prob"] == 0.0
-    assert [v["draft_len"] for v in config["variants"]] == [0, 4, 4]
+    assert [v["draft_len"] for v in config["variants"]] == [0, 4, 16]
     explicit_run = runner.invoke(app, [*bench, "-k", "5", "--draft-min-prob", "0"])
     config = json.loads(explicit_run.stdout)["config"]
     assert config["tuned"] == entry["key"] and config["draft_min_prob"] == 0.0
-    assert [v["draft_len"] for v in config["variants"]] == [0, 5, 5] and config["draft_lens"] == [5]
+    assert [(v["draft_len"], v["adaptive"]) for v in config["variants"]] == [(0, False), (5, False), (5, False)]
+    assert config["draft_lens"] == [5]
     assert "as `specrun generate` runs them" not in explicit_run.stderr
 
 

@@ -3,8 +3,9 @@
 Schema ``specrun.bench/1`` (keys in order):
 
 - schema, started_at (ISO 8601 UTC), wall_seconds
-- config: target, draft, methods, variants [{name, method, draft_len}], draft_lens (as
-  asked: empty when each method ran at generate's length), draft_min_prob (as run), sweep,
+- config: target, draft, methods, variants [{name, method, draft_len, adaptive}] (adaptive:
+  the length chosen as it went, draft_len its longest), draft_lens (as asked: empty when
+  each method ran as generate runs it), draft_min_prob (as run), sweep,
   max_new_tokens, temperature, top_k, top_p, min_p, seed, repeat, chat, suite,
   n_ctx, baseline, timing, tuned (the `specrun tune` key the controllers started from, or null)
 - machine: cpu, cores, gpu, os, backend, threads, versions {specrun, llama-cpp-python,
@@ -19,7 +20,7 @@ Schema ``specrun.bench/1`` (keys in order):
   median_tokens_per_second, speedup, acceptance_rate, mean_tokens_per_step,
   draft_share, verify_share, mismatches, near_ties}; per_prompt rows add prompt_index
 - accepted_hist: {variant: [steps that accepted n drafted tokens, n = 0, 1, …]}
-- sweep: {method: [{draft_len, speedup}]} for every fixed-length method (not ``auto``)
+- sweep: {method: [{draft_len, speedup}]} for every fixed-length method (not adaptive lines)
 - mismatches: [{variant, prompt_index, prompt_id, position, top2_gap, batch_rounding, near_tie,
   within_rounding}]: batch_rounding is how far a batched pass moved the logits there;
   within_rounding (the gap below twice that, or a near-tie) is what the tables count as near-ties
@@ -83,7 +84,8 @@ def _config(result: BenchResult) -> dict:
         "draft": config.draft,
         "methods": list(config.methods),
         "variants": [
-            {"name": v.name, "method": v.method, "draft_len": v.draft_len} for v in result.comparison.variants.values()
+            {"name": v.name, "method": v.method, "draft_len": v.draft_len, "adaptive": v.adapts}
+            for v in result.comparison.variants.values()
         ],
         "draft_lens": list(config.draft_lens),
         "draft_min_prob": result.draft_min_prob,

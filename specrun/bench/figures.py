@@ -12,7 +12,6 @@ from dataclasses import asdict, dataclass
 
 from specrun.bench.runner import BenchResult
 from specrun.compare import Comparison, Mismatch
-from specrun.methods import is_adaptive
 
 ALL_PROMPTS = "all prompts"  # the overall group, after the categories
 
@@ -93,7 +92,7 @@ def sweep_curve(result: BenchResult) -> dict[str, list[tuple[int, float]]]:
     everything = range(len(result.prompts))
     curves: dict[str, list[tuple[int, float]]] = {}
     for name, spec in result.comparison.variants.items():
-        if name != result.comparison.baseline and not is_adaptive(spec.method):
+        if name != result.comparison.baseline and not spec.adapts:
             speedup = result.comparison.geomean_speedup(name, everything)
             curves.setdefault(spec.method, []).append((spec.draft_len, speedup))
     return {method: sorted(points) for method, points in curves.items()}

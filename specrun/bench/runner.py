@@ -21,6 +21,7 @@ from specrun.engine import GenerationParams, GenerationResult
 from specrun.errors import UsageError
 from specrun.generation import (
     ADAPTIVE_MAX_DRAFT_LEN,
+    adapts_length,
     DEFAULT_DRAFT_LEN,
     load_tuned,
     resolve_draft_len,
@@ -38,11 +39,12 @@ class BenchConfig:
     """Everything that decides what a bench measures.
 
     methods: the baseline ``none`` first. draft_lens: one draft length, or several for
-    a sweep (every fixed-length method runs at each); empty: each method at the length
-    `specrun generate` gives it (tune's best for the draft model alone, else 4).
+    a sweep (every method but auto then runs at each, fixed); empty: each method as
+    `specrun generate` runs it (adaptive up to ``adaptive_draft_len``; the draft model
+    alone at tune's best length, else 4).
     draft_min_prob: the draft model's confidence stop; None: generate's (tune's, else
-    none). adaptive_draft_len: the longest draft an adaptive method (``auto``) may
-    choose; it is not swept. chat: wrap each prompt as a user message in the target's
+    none). adaptive_draft_len: the longest draft an adaptive line may choose; it is not
+    swept. chat: wrap each prompt as a user message in the target's
     chat template. suite: ``builtin`` or the JSONL path. use_tuned: controllers start from
     what `specrun tune` saved for the pair on this machine, as `specrun generate` does
     (False: from their priors).
@@ -75,8 +77,8 @@ class BenchConfig:
         for method in self.methods:
             if method == BASELINE:
                 continue
-            if is_adaptive(method):
-                lines.append(Variant(method, method, self.adaptive_draft_len))
+            if is_adaptive(method) or (not self.draft_lens and adapts_length(method, None)):
+                lines.append(Variant(method, method, self.adaptive_draft_len, adaptive=True))
                 continue
             for draft_len in self.draft_lens or (resolve_draft_len(method, None, tuned),):
                 name = f"{method} k={draft_len}" if self.sweep else method

@@ -83,6 +83,11 @@ def footnotes(result: BenchResult) -> list[str]:
         f"interleaved per prompt; speed-up per prompt = {repeats} vs the baseline, geometric mean over prompts",
         "draft/verify: share of generation time spent drafting and in the target's verify passes",
     ]
+    adaptive = [v for name, v in result.comparison.variants.items() if v.adapts]
+    if adaptive:
+        names = ", ".join(v.name for v in adaptive)
+        notes.append(f"adaptive (draft length chosen each step, up to {max(v.draft_len for v in adaptive)}, and "
+                     f"speculation gated on plain decoding's speed): {names}; -k fixes the others' length")
     overall = by_category(result)[ALL_PROMPTS]
     if any(f.near_ties for f in overall):
         notes.append(f"{NEAR_TIE_NOTE} (on llama.cpp an F32 KV cache, --kv-type f32, narrows it)")
