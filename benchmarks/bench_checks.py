@@ -37,8 +37,16 @@ def rows_by_variant(rows: list[dict]) -> dict[str, dict]:
     return {row["variant"]: row for row in rows}
 
 
+def others_label(doc: dict) -> str:
+    """What auto is compared with: fixed lengths (a sweep, or -k), or other lines that may
+    choose their own lengths (lookup and chains without -k; JSON from session 12 on)."""
+    adaptive = [v for v in doc["config"]["variants"] if v.get("adaptive") and v["name"] not in ("none", "auto")]
+    return "best other line" if adaptive else "best fixed"
+
+
 def auto_table(doc: dict) -> list[str]:
-    lines = ["| category | auto vs none | best fixed | its speed-up | auto vs best fixed | 90% interval over repeats |",
+    best_of = others_label(doc)
+    lines = [f"| category | auto vs none | {best_of} | its speed-up | auto vs {best_of} | 90% interval over repeats |",
              "|---|---|---|---|---|---|"]
     groups = {**doc["per_category"], "all prompts": doc["overall"]}
     for category, rows in groups.items():
@@ -155,11 +163,12 @@ def main(argv: list[str] | None = None) -> int:
     print("\n".join(method_table(doc, variants)))
     table = auto_table(doc)
     if table:
-        print("\nauto against the best fixed variant:")
+        print(f"\nauto against the {others_label(doc)} (adaptive lines: "
+              f"{', '.join(v['name'] for v in config['variants'] if v.get('adaptive')) or 'auto alone'}):")
         print("\n".join(table))
     cross = cross_validated_table(doc)
     if cross:
-        print("\nauto against the best fixed variant chosen on the other half of the repeats:")
+        print(f"\nauto against the {others_label(doc)} chosen on the other half of the repeats:")
         print("\n".join(cross))
     # within_rounding: what the bench's tables count as near-ties (older files: near_tie only)
     mismatches = [m for m in doc["mismatches"] if not m.get("within_rounding", m["near_tie"])]

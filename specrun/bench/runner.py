@@ -21,8 +21,8 @@ from specrun.engine import GenerationParams, GenerationResult
 from specrun.errors import UsageError
 from specrun.generation import (
     ADAPTIVE_MAX_DRAFT_LEN,
-    adapts_length,
     DEFAULT_DRAFT_LEN,
+    adapts_length,
     load_tuned,
     resolve_draft_len,
     resolve_min_prob,
