@@ -318,6 +318,12 @@ class SpeculativeEngine:
             proposal = proposal.prefix(keep)
         return proposal
 
+    def _assumed_prior(self, source: str) -> float:
+        """The acceptance a drafter's controller presumes before evidence: the drafter's own
+        ``prior_accept`` where it declares one (the n-gram pool), else the controllers' default."""
+        member = next((m for m in self._drafter_members() if m.name == source), None)
+        return getattr(member, "prior_accept", DraftLengthController.prior_accept)
+
     def _controller_for(self, source: str, max_draft_len: int, fixed: bool = False) -> DraftLengthController:
         controller = self.controllers.get(source)
         if controller is None or (controller.max_draft_len, controller.fixed) != (max_draft_len, fixed):
@@ -332,7 +338,7 @@ class SpeculativeEngine:
                 # wrong first try costs only verify positions (CHEAP_PROBE_LEN: why 4 of them).
                 sunk_draft_cost=not paid,
                 probe_len=PAID_PROBE_LEN if paid else CHEAP_PROBE_LEN,
-                prior_accept=self.prior_accepts.get(source, DraftLengthController.prior_accept),
+                prior_accept=self.prior_accepts.get(source, self._assumed_prior(source)),
                 prior_measured=source in self.prior_accepts,
             )
             self.controllers[source] = controller

@@ -358,6 +358,43 @@ def test_a_cheap_drafter_s_lengths_grow_with_the_evidence_not_the_prior(kind):
         assert max(lengths) <= CHEAP_PROBE_LEN
 
 
+def paid_lengths(kind: str, prior: float | None) -> list[int]:
+    """Tokens verified per step for a cheap drafter (``prior``: its own presumed acceptance)
+    on a target where a second token costs 40% of a pass, with the costs known (tuned)."""
+    table = hashed_logits(VOCAB, salt=11, spread=3.0)
+    clock = SimClock()
+    cheap = CheapDrafter("cheap", (greedy_continuation if kind == "right" else always_wrong)(table), clock)
+    if prior is not None:
+        cheap.prior_accept = prior
+    engine = SpeculativeEngine(CostedFake(table, clock, 0.6, 0.4), ChainDrafter([cheap]), clock=clock)
+    engine.use_tuned({n: 0.6 + 0.4 * n for n in range(1, 10)}, {})
+    steps = engine.steps([1, 2, 3], GenerationParams(60, draft_len=8, adaptive=True), Stats())
+    lengths = [step.n_drafted for step in steps]
+    assert engine.controllers["cheap"].prior_accept == (prior or DraftLengthController.prior_accept)
+    return lengths
+
+
+@pytest.mark.parametrize("kind", ["right", "wrong"])
+def test_a_drafter_that_presumes_little_is_scored_for_free_before_its_first_paid_try(kind):
+    """The n-gram pool declares a low prior acceptance: in a fresh run its first tries were
+    right on 12% of their tokens (Spec-Bench). Its first proposals are not verified but
+    scored against the output: one that is right earns its tries from the scores alone; one
+    that is always wrong is verified only by the controller's spaced probes, far fewer tokens
+    than at the optimistic default, which verifies its first proposal."""
+    from specrun.drafters.ngram import NgramPoolDrafter
+
+    assert NgramPoolDrafter.prior_accept < 0.5 < DraftLengthController.prior_accept
+    lengths = paid_lengths(kind, NgramPoolDrafter.prior_accept)
+    assert lengths[:2] == [0, 0]  # the prefill's token, then its first proposal: scored, not verified
+    if kind == "right":
+        assert max(lengths) == 8 and sum(length > 0 for length in lengths) > len(lengths) // 3
+    else:
+        assert lengths[:9] == [0] * 9
+        optimistic = paid_lengths(kind, None)
+        assert optimistic[1] == CHEAP_PROBE_LEN
+        assert sum(lengths) < sum(optimistic)
+
+
 def test_a_draft_model_s_first_tries_are_shorter_than_a_cheap_drafter_s():
     """A draft model pays per token drafted; a cheap drafter's proposal is already made."""
     table = hashed_logits(VOCAB, salt=11, spread=3.0)
