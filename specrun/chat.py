@@ -282,7 +282,7 @@ class ChatSession:
     @property
     def draft_len(self) -> int:
         """The draft length the next answer uses (adaptive: the longest it may choose)."""
-        return resolve_draft_len(self.method, self._draft_len, self._tuned)
+        return resolve_draft_len(self.method, self._draft_len)
 
     def set_method(self, method: str) -> None:
         """Switch the speculation method between answers, loading the draft model if it is needed now."""

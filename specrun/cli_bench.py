@@ -43,7 +43,7 @@ CategoriesOpt = Annotated[Optional[str], typer.Option("--categories", help="Comm
 PerCategoryOpt = Annotated[Optional[int], typer.Option("--per-category", help="At most this many prompts each.")]
 BenchDraftLenOpt = Annotated[
     Optional[int],
-    typer.Option("--draft-len", "-k", help="Fix the tokens drafted per verify step (default: as generate, chosen each step; draft alone tuned)."),
+    typer.Option("--draft-len", "-k", help="Fix the tokens drafted per verify step (default: as generate, chosen each step)."),
 ]
 BenchMinProbOpt = Annotated[
     Optional[float],

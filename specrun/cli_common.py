@@ -106,7 +106,7 @@ DraftLenOpt = Annotated[
     typer.Option(
         "--draft-len",
         "-k",
-        help="Fix the tokens drafted per step (default: chosen each step, up to 16; draft alone: tuned, else 4); for auto, the longest it may choose.",
+        help="Fix the tokens drafted per step (default: chosen each step, up to 16); for auto, the longest it may choose.",
     ),
 ]
 DraftMinProbOpt = Annotated[

@@ -33,7 +33,7 @@ def tune(
     registry: RegistryOpt = None,
     show: Annotated[bool, typer.Option("--show", help="Print the saved settings and exit.")] = False,
 ) -> None:
-    """Measure plain decoding, each draft length and confidence stops on this machine; later runs use the best."""
+    """Measure plain decoding, each draft length and confidence stops on this machine; later runs start from them."""
     with cli_errors():
         from specrun import tuning
 
@@ -94,7 +94,7 @@ def render(results) -> Group:
         )
         blocks.append(Text(f"\n{result.target}  +  {result.draft}", style="bold"))
         blocks.append(Text(f"  machine {result.machine}"))
-        blocks.append(Text(f"  best draft length {best}, confidence stop {stop}, speed-up {result.speedup:.2f}×"))
+        blocks.append(Text(f"  best fixed draft length (-k) {best}, confidence stop {stop}, speed-up {result.speedup:.2f}×"))
         blocks.append(Text(f"  draft tokens accepted {acceptance}"))
         table = Table(box=box.SIMPLE_HEAD, padding=(0, 1))
         table.add_column("setting")

@@ -42,7 +42,7 @@ def run_demo(
             for text in CODE_PROMPTS[:n_prompts]
         ]
         variants = [
-            Variant(method, method, resolve_draft_len(method, draft_len, None), adapts_length(method, draft_len))
+            Variant(method, method, resolve_draft_len(method, draft_len), adapts_length(method, draft_len))
             for method in methods
         ]
         params = GenerationParams(max_new_tokens=max_tokens)

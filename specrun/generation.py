@@ -6,7 +6,6 @@ import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from specrun.drafters.draft_model import DraftModelDrafter
 from specrun.engine import Finished, GenerationParams, GenerationResult, SpeculativeEngine, TextChunk
 from specrun.loading import LoadOptions, open_pair
 from specrun.methods import DrafterOptions, build_drafter, is_adaptive, needs_draft_model
@@ -20,7 +19,7 @@ class GenerateRequest:
     draft: str | None
     method: str = "auto"
     max_new_tokens: int = 128
-    draft_len: int | None = None  # None: the tuned length for this pair and machine, else 4
+    draft_len: int | None = None  # None: chosen each step (adaptive), up to 16
     draft_min_prob: float | None = None  # None: the tuned confidence stop, else none
     sampling: SamplingSettings = field(default_factory=SamplingSettings)
     load: LoadOptions = field(default_factory=LoadOptions)
@@ -51,33 +50,23 @@ def load_tuned(target, draft, threads):
 def adapts_length(method: str, requested: int | None) -> bool:
     """Does ``method`` choose its draft length as it goes (gated on plain decoding, as auto)?
 
-    auto always (``-k`` is then its longest draft). Prompt lookup, the n-gram pool and
-    chains too, unless ``-k`` fixes their length: a cheap drafter's tokens cost nothing to
-    cut, and one length for every step either stops a long copy early or verifies long
-    wrong guesses (Spec-Bench, demo pair: lookup 1.90x adaptive against 1.47x at 4;
-    docs/perf.md, session 12). The draft model alone drafts tune's best length, a fixed
-    one: on MLX a fixed length lets draft and verify run as one graph with one sync.
+    auto always (``-k`` is then its longest draft); every other speculative method unless
+    ``-k`` fixes its length. One length for every step either stops a long copy early or
+    verifies long wrong guesses, and a draft model that does not pay on this machine
+    drafts anyway (Spec-Bench, demo pair: lookup 1.90x adaptive against 1.47x at 4; the
+    draft model alone 1.00x against 0.79x at 2; docs/perf.md, session 12). `specrun tune`
+    seeds the controllers with its measured costs and acceptance; its best fixed length
+    is for ``-k``.
     """
-    if method == "none":
-        return False
-    return is_adaptive(method) or (requested is None and method != DraftModelDrafter.name)
+    return method != "none" and (is_adaptive(method) or requested is None)
 
 
-def resolve_draft_len(method: str, requested: int | None, tuned) -> int:
-    """The user's draft length (for an adaptive run, its longest); else, adaptive, the longest
-    the controller may choose; else, for the draft model alone, the tuned one; else 4.
-
-    `specrun tune` times the draft model drafting alone, so its best length is the draft
-    model's, never a cap on a chain's cheap drafters (lookup is right on 4 or more where
-    it matches; the draft model's best is often 1 on a CPU).
-    """
+def resolve_draft_len(method: str, requested: int | None) -> int:
+    """The user's draft length (for an adaptive run, its longest); else, adaptive, the
+    longest the controller may choose; else (plain decoding, which drafts nothing) 4."""
     if requested is not None:
         return requested
-    if adapts_length(method, requested):
-        return ADAPTIVE_MAX_DRAFT_LEN  # the longest draft the controller may choose
-    if tuned is not None and method == DraftModelDrafter.name:
-        return tuned.best_draft_len
-    return DEFAULT_DRAFT_LEN
+    return ADAPTIVE_MAX_DRAFT_LEN if adapts_length(method, requested) else DEFAULT_DRAFT_LEN
 
 
 def resolve_min_prob(requested: float | None, tuned) -> float:
@@ -106,7 +95,7 @@ def generate_text(request: GenerateRequest, on_text: Callable[[str], None] | Non
         prompt_ids = target.tokenize(request.prompt, add_bos=target.vocab.add_bos)
         params = GenerationParams(
             request.max_new_tokens,
-            resolve_draft_len(request.method, request.draft_len, tuned),
+            resolve_draft_len(request.method, request.draft_len),
             request.sampling,
             adaptive=adapts_length(request.method, request.draft_len),
         )

@@ -213,12 +213,13 @@ def test_a_draft_loaded_by_method_brings_its_tuned_settings(tiny_llama, tmp_path
                                   target_costs=costs, best_min_prob=0.7))
     with open_chat(path, path, "none", OPTIONS) as session:
         assert session.draft is None and session.draft_len == 4  # nothing tuned for the target alone
-        session.set_method("draft")
-        assert session.draft_len == 3
+        session.set_method("draft")  # tune's stop and costs; the length adapts (-k fixes it)
+        assert session.draft_len == ADAPTIVE_MAX_DRAFT_LEN
         assert session.engine.drafter.min_prob == 0.7
         assert session.engine.target_costs.seconds == costs
-        assert answer(session, "hello there").stats.draft_len == 3
-        session.set_method("lookup+draft")  # the tuned length is the draft model's alone: a chain adapts
+        stats = answer(session, "hello there").stats
+        assert (stats.draft_len, stats.adaptive) == (ADAPTIVE_MAX_DRAFT_LEN, True)
+        session.set_method("lookup+draft")
         assert session.draft_len == ADAPTIVE_MAX_DRAFT_LEN
 
 

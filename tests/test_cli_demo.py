@@ -12,7 +12,8 @@ pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed")
 
 def test_demo_compares_methods_and_checks_outputs(tiny_llama):
     path = str(tiny_llama.gguf_path)
-    result = CliRunner().invoke(app, ["demo", "-t", path, "-d", path, "--prompts", "2", "-n", "16"])
+    # -k 4: a draft model as dear as the target never pays, so without -k it is not drafted
+    result = CliRunner().invoke(app, ["demo", "-t", path, "-d", path, "--prompts", "2", "-n", "16", "-k", "4"])
     assert result.exit_code == 0, result.output
     table = result.stdout
     for column in ("tok/s", "speed-up", "accepted", "tokens/step", "same output"):
@@ -25,18 +26,21 @@ def test_demo_compares_methods_and_checks_outputs(tiny_llama):
 
 def test_demo_gives_each_method_its_default_length_as_generate_does(tiny_llama, capsys):
     from specrun.demo_report import run_demo
-    from specrun.generation import ADAPTIVE_MAX_DRAFT_LEN, DEFAULT_DRAFT_LEN
+    from specrun.generation import ADAPTIVE_MAX_DRAFT_LEN
 
     path = str(tiny_llama.gguf_path)
     defaults = run_demo(path, path, ["none", "draft", "auto"], 1, 8, None, "llama", 1)
     lengths = {method: figures.by_prompt[0][0].stats.draft_len for method, figures in defaults.figures.items()}
-    assert lengths == {"none": 0, "draft": DEFAULT_DRAFT_LEN, "auto": ADAPTIVE_MAX_DRAFT_LEN}
-    assert f"draft length {DEFAULT_DRAFT_LEN}, adaptive up to {ADAPTIVE_MAX_DRAFT_LEN}" in capsys.readouterr().out
+    assert lengths == {"none": 0, "draft": ADAPTIVE_MAX_DRAFT_LEN, "auto": ADAPTIVE_MAX_DRAFT_LEN}
+    assert f"adaptive up to {ADAPTIVE_MAX_DRAFT_LEN}" in capsys.readouterr().out
+    adapted = {method: figures.by_prompt[0][0].stats.adaptive for method, figures in defaults.figures.items()}
+    assert adapted == {"none": False, "draft": True, "auto": True}
     chosen = run_demo(path, path, ["none", "draft", "auto"], 1, 8, 3, "llama", 1)
     assert {method: figures.by_prompt[0][0].stats.draft_len for method, figures in chosen.figures.items()} == {
         "none": 0, "draft": 3, "auto": 3,
     }
     assert "draft length 3 (adaptive: the longest)" in capsys.readouterr().out
+    assert [figures.by_prompt[0][0].stats.adaptive for figures in chosen.figures.values()] == [False, False, True]
 
 
 def test_demo_rejects_an_unknown_method(tiny_llama):

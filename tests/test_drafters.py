@@ -576,8 +576,8 @@ def test_greedy_output_is_identical_for_every_method_on_real_backends(
     method, target_kind, backend_kind, real_targets, tiny_llama, tiny_qwen2
 ):
     """Every prompt with one drafter, twice when it holds an n-gram pool (a chat asking again),
-    as `specrun generate` runs the method (adaptive but for the draft model alone) and, where
-    that differs, at a fixed length of 4 (-k 4)."""
+    as `specrun generate` runs the method (adaptive) and, but for auto, at a fixed length of 4
+    (-k 4)."""
     target_source, plain_outputs = real_targets[target_kind]
     target = open_real(backend_kind, target_source)
     draft_model = tiny_llama if target_kind == "random" else tiny_qwen2

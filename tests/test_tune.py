@@ -48,18 +48,18 @@ def test_tune_saves_and_generate_uses_the_best_settings(config_home, tiny_llama)
     assert shown.exit_code == 0
     assert "tuned settings" in shown.stdout and f"{entry['speedup']:.2f}×" in shown.stdout
 
-    # Later runs take the saved settings unless told otherwise.
+    # Later runs take the saved settings unless told otherwise: the confidence stop, and the
+    # costs and acceptance their controllers start from. Lengths adapt; -k fixes them.
     entry.update(best_draft_len=3, best_min_prob=0.7)
     tuned_file.write_text(json.dumps(saved))
     base = ["generate", "def f():", "-t", path, "-d", path, "-n", "8", "--json", "-m", "draft"]
     stats = json.loads(runner.invoke(app, base).stdout)["stats"]
-    assert (stats["draft_len"], stats["adaptive"], stats["draft_min_prob"]) == (3, False, 0.7)
+    assert (stats["draft_len"], stats["adaptive"], stats["draft_min_prob"]) == (16, True, 0.7)
     explicit = json.loads(runner.invoke(app, [*base, "-k", "5", "--draft-min-prob", "0"]).stdout)["stats"]
     assert (explicit["draft_len"], explicit["adaptive"], explicit["draft_min_prob"]) == (5, False, 0.0)
     auto = json.loads(runner.invoke(app, [*base[:-2], "-m", "auto"]).stdout)["stats"]
     assert (auto["method"], auto["draft_len"], auto["adaptive"], auto["draft_min_prob"]) == ("auto", 16, True, 0.7)
-    # The tuned length is the draft model's alone: a chain chooses its length as it goes, up
-    # to auto's longest (lookup copies many tokens a step where it matches), unless -k fixes it.
+    # A chain too chooses its length as it goes, up to auto's longest, unless -k fixes it.
     chain = json.loads(runner.invoke(app, [*base[:-2], "-m", "lookup+draft"]).stdout)["stats"]
     assert (chain["method"], chain["draft_len"], chain["adaptive"], chain["draft_min_prob"]) == (
         "lookup+draft", 16, True, 0.7)
@@ -75,15 +75,16 @@ def test_tune_saves_and_generate_uses_the_best_settings(config_home, tiny_llama)
     config = json.loads(tuned_run.stdout)["config"]
     assert config["tuned"] == entry["key"]
     assert [(v["name"], v["draft_len"], v["adaptive"]) for v in config["variants"]] == [
-        ("none", 0, False), ("draft", 3, False), ("lookup+draft", 16, True)]
+        ("none", 0, False), ("draft", 16, True), ("lookup+draft", 16, True)]
     assert config["draft_lens"] == [] and config["draft_min_prob"] == 0.7
     assert f"`specrun tune`'s measurements for this pair ({entry['key']})" in tuned_run.stderr
-    assert "draft at k=3, draft model stops below p=0.7" in tuned_run.stderr
-    assert "up to 16, and speculation gated on plain decoding's speed): lookup+draft;" in " ".join(tuned_run.stderr.split())
+    footnotes = " ".join(tuned_run.stderr.split())
+    assert "with tune's settings: draft model stops below p=0.7;" in footnotes
+    assert "up to 16, and speculation gated on plain decoding's speed): draft, lookup+draft;" in footnotes
     untuned_run = runner.invoke(app, [*bench, "--untuned"])
     config = json.loads(untuned_run.stdout)["config"]
     assert config["tuned"] is None and config["draft_min_prob"] == 0.0
-    assert [v["draft_len"] for v in config["variants"]] == [0, 4, 16]
+    assert [v["draft_len"] for v in config["variants"]] == [0, 16, 16]
     explicit_run = runner.invoke(app, [*bench, "-k", "5", "--draft-min-prob", "0"])
     config = json.loads(explicit_run.stdout)["config"]
     assert config["tuned"] == entry["key"] and config["draft_min_prob"] == 0.0
@@ -114,7 +115,7 @@ def test_tune_table_shows_each_setting_beside_its_rounds_plain_decoding_in_80_co
     for name, ratio in expected.items():
         assert [*name.split(), f"{rates[name]:.0f}", ratio] in [line.split() for line in lines], name
     text = "\n".join(lines)
-    assert "best draft length 1, confidence stop none, speed-up 1.20×" in text
+    assert "best fixed draft length (-k) 1, confidence stop none, speed-up 1.20×" in text
     assert "draft tokens accepted 40% (first token 66%)" in text
     assert "target-model.q4_k_m.gguf:4920000000  +  draft-model.q4_k_m.gguf:700000000" in text
 

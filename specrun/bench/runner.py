@@ -24,7 +24,6 @@ from specrun.generation import (
     DEFAULT_DRAFT_LEN,
     adapts_length,
     load_tuned,
-    resolve_draft_len,
     resolve_min_prob,
 )
 from specrun.loading import LoadOptions, open_pair
@@ -68,11 +67,9 @@ class BenchConfig:
     def sweep(self) -> bool:
         return len(self.draft_lens) > 1
 
-    def variants(self, tuned=None) -> list[Variant]:
-        """The compared lines: the baseline, then each method at each draft length.
-
-        ``tuned``: the `specrun tune` result that sets the lengths when ``draft_lens`` is empty.
-        """
+    def variants(self) -> list[Variant]:
+        """The compared lines: the baseline, then each method at each draft length given,
+        or (none given) adaptive as `specrun generate` runs it; auto always adaptive."""
         lines = [Variant(BASELINE, BASELINE, 0)]
         for method in self.methods:
             if method == BASELINE:
@@ -80,7 +77,7 @@ class BenchConfig:
             if is_adaptive(method) or (not self.draft_lens and adapts_length(method, None)):
                 lines.append(Variant(method, method, self.adaptive_draft_len, adaptive=True))
                 continue
-            for draft_len in self.draft_lens or (resolve_draft_len(method, None, tuned),):
+            for draft_len in self.draft_lens:
                 name = f"{method} k={draft_len}" if self.sweep else method
                 lines.append(Variant(name, method, draft_len))
         return lines
@@ -141,7 +138,7 @@ def run_bench(config: BenchConfig, prompts: Sequence[BenchPrompt], progress: Pro
                 "raise --ctx or lower -n",
             )
         tuned = load_tuned(target, draft, config.load.threads) if config.use_tuned else None
-        variants = config.variants(tuned)
+        variants = config.variants()
         min_prob = resolve_min_prob(config.draft_min_prob, tuned)
         if progress is not None:
             progress.start(len(kept) * len(variants) * config.repeat)

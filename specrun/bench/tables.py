@@ -8,7 +8,6 @@ from rich.table import Table
 from specrun.bench.figures import ALL_PROMPTS, Figures, by_category, count_of, same_output_label
 from specrun.bench.runner import BenchResult
 from specrun.compare import NEAR_TIE_NOTE
-from specrun.drafters.draft_model import DraftModelDrafter
 from specrun.methods import needs_draft_model
 
 COLUMNS = ("method", "tok/s", "speed-up", "accepted", "tokens/step", "draft/verify", "same output")
@@ -60,17 +59,11 @@ def _style(figures: Figures) -> str | None:
 
 def _tuned_settings(result: BenchResult) -> str:
     """What tune chose for this bench's lines, where the user did not: the draft model's
-    length (``draft`` alone) and its confidence stop (every line with a draft model)."""
-    config = result.config
-    parts = []
-    if not config.draft_lens:
-        for variant in result.comparison.variants.values():
-            if variant.method == DraftModelDrafter.name:
-                parts.append(f"{variant.name} at k={variant.draft_len}" if variant.draft_len else
-                             f"{variant.name} as plain decoding (k=0: tune measured drafting slower)")
-    if config.draft_min_prob is None and result.draft_min_prob > 0.0:
-        parts.append(f"draft model stops below p={result.draft_min_prob:g}")
-    return ", ".join(parts)
+    confidence stop (every line with a draft model). Lengths adapt (tune's costs and
+    acceptance seed the controllers) unless -k fixes them."""
+    if result.config.draft_min_prob is None and result.draft_min_prob > 0.0:
+        return f"draft model stops below p={result.draft_min_prob:g}"
+    return ""
 
 
 def footnotes(result: BenchResult) -> list[str]:
