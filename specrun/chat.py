@@ -118,8 +118,9 @@ class ChatSession:
 
     load_draft: called the first time ``set_method`` needs a draft model that was not
     loaded at the start (the chat began with a method that needs none).
-    draft_len, draft_min_prob: the user's choices; None takes what ``specrun tune`` saved
-    for this pair and machine (``tuned``), else the defaults (generation.resolve_*).
+    draft_len, draft_min_prob: the user's choices. draft_len None: lengths adapt, up to 16;
+    draft_min_prob None: what ``specrun tune`` saved for this pair and machine (``tuned``),
+    else none (generation.resolve_*).
     find_tuned: gives the tuned settings for a draft model loaded later by ``load_draft``.
     """
 
@@ -154,9 +155,9 @@ class ChatSession:
         self.engine.set_drafter(build_drafter(method, draft, self._drafter_options), method)
 
     def _use_tuned(self, tuned) -> None:
-        """Take what `specrun tune` saved: draft length and confidence stop (where the user
-        chose none) for drafters built from now on, and the measured costs the controllers
-        start from."""
+        """Take what `specrun tune` saved: the confidence stop (where the user chose none) for
+        drafters built from now on, and the measured costs and acceptance the controllers
+        start from (lengths adapt unless -k fixes them)."""
         self._tuned = tuned
         self._drafter_options = dataclasses.replace(
             self._drafter_options, draft_min_prob=resolve_min_prob(self._draft_min_prob, tuned)
