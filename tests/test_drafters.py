@@ -463,16 +463,23 @@ def test_lookup_first_chain_asks_the_draft_model_only_when_lookup_has_nothing():
     assert draft_backend.cache == REPEATING_PROMPT + result.token_ids  # skipped steps caught up by finish
 
 
-def test_lookup_sampling_at_temperature_one_is_lossless():
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_lookup_sampling_at_temperature_one_is_lossless(adaptive):
+    """At a fixed length, and adaptive as `specrun generate` runs lookup: the length is chosen
+    from earlier steps only, so the output's distribution is the target's."""
     from test_acceptance import chi_square_p
 
     vocab, prompt, n_tokens, runs = 5, (1, 2, 3, 1, 2), 3, 6000
     table = hashed_logits(vocab, salt=1, spread=1.2)
     engine = SpeculativeEngine(FakeBackend(table, vocab), PromptLookupDrafter(max_ngram=2, min_ngram=1))
+    if adaptive:  # verify passes measured cheap, so the controller drafts from the first step
+        engine.use_tuned({n: 1.0 + 0.01 * n for n in range(1, 10)}, {})
+        engine.clock = iter(itertools.count(0.0, 1e-3)).__next__  # every timed interval 1 ms
     counts: Counter = Counter()
     accepted = drafted = 0
     for seed in range(runs):
-        params = GenerationParams(n_tokens, draft_len=2, sampling=SamplingSettings(temperature=1.0, seed=seed))
+        sampling = SamplingSettings(temperature=1.0, seed=seed)
+        params = GenerationParams(n_tokens, draft_len=2, sampling=sampling, adaptive=adaptive)
         for step in engine.steps(prompt, params, Stats()):
             accepted, drafted = accepted + step.n_accepted, drafted + step.n_drafted
         counts[tuple(engine.last_context[len(prompt) :])] += 1
