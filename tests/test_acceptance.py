@@ -10,6 +10,7 @@ from scipy import stats as scipy_stats
 
 import specrun.engine
 from fake_models import exact_joint, make_pair
+from specrun.backends.fake import FakeBackend
 from specrun.drafters.base import Proposal
 from specrun.drafters.draft_model import DraftModelDrafter
 from specrun.engine import GenerationParams, SpeculativeEngine
@@ -189,3 +190,38 @@ def test_identical_draft_is_always_accepted_when_sampling():
     for _ in range(500):
         tokens = [sample(p, rng), sample(p, rng)]
         assert verify_sampled(tokens, p_target, [p, p], rng).n_accepted == 2
+
+
+class _Timed(FakeBackend):
+    """A fake whose pass costs ``base + per_token * n`` seconds on a simulated clock."""
+
+    def __init__(self, fake: FakeBackend, clock: list[float], base: float, per_token: float) -> None:
+        super().__init__(fake.table, VOCAB)
+        self.clock, self.base, self.per_token = clock, base, per_token
+
+    def forward(self, tokens, logit_rows):
+        self.clock[0] += self.base + self.per_token * len(tokens)
+        return super().forward(tokens, logit_rows)
+
+
+def test_adaptive_draft_lengths_keep_sampling_lossless():
+    """As `specrun generate` runs a draft model without -k: each step's length and the gate's
+    plain stretches are chosen from earlier steps only (acceptance learned over the runs
+    before), never from the step's own samples, so the output's distribution is the target's."""
+    runs = VARIANT_RUNS
+    clock = [0.0]
+    target, draft = make_pair(VOCAB)
+    target, draft = _Timed(target, clock, 1.0, 0.02), _Timed(draft, clock, 0.02, 0.02)
+    engine = SpeculativeEngine(target, DraftModelDrafter(draft), clock=lambda: clock[0])
+    sampling = SamplingSettings(temperature=1.0)
+    counts: Counter = Counter()
+    lengths: Counter = Counter()
+    for seed in range(runs):
+        params = GenerationParams(N_TOKENS, draft_len=8, sampling=SamplingSettings(temperature=1.0, seed=seed),
+                                  adaptive=True)
+        steps = list(engine.steps(PROMPT, params, Stats()))
+        counts[tuple(engine.last_context[len(PROMPT) : len(PROMPT) + N_TOKENS])] += 1
+        lengths.update(step.n_drafted for step in steps[1:])
+    assert len([k for k in lengths if k > 0]) >= 2, lengths  # the controller drafted more than one length
+    joint = exact_joint(target.table, PROMPT, N_TOKENS, VOCAB, sampling)
+    assert chi_square_p(counts, joint, runs) > 0.001
