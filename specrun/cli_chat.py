@@ -114,7 +114,7 @@ def chat_command(
         check_method(method)
         check_generation_options(max_tokens, draft_len, draft_min_prob, ctx, threads)
         check_kv_type(kv_type)
-        # The session fills in the draft length: the user's, else the adaptive longest, else the tuned one.
+        # The session fills in the draft length: the user's, else the longest an adaptive run may choose.
         params = GenerationParams(max_tokens, 0, checked_sampling("chat", temp, top_k, top_p, min_p, seed))
         interactive = sys.stdin.isatty()
         if each_line and interactive:

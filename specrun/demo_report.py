@@ -27,8 +27,7 @@ def run_demo(
 ) -> Comparison:
     """Load the pair, compare the methods on built-in prompts, print the table to stdout.
 
-    ``draft_len`` None: each method's default, as `specrun generate` has it (adaptive up to
-    16; the draft model alone 4)."""
+    ``draft_len`` None: each method as `specrun generate` runs it (adaptive, up to 16)."""
     err = Console(stderr=True)
     out = Console(file=sys.stdout, soft_wrap=True)
     err.print(f"loading {target} + {draft} (the first run derives cached model files)…")
@@ -66,8 +65,8 @@ def run_demo(
 
 
 def _lengths_label(variants: list[Variant]) -> str:
-    """The title's draft lengths, read off the variants that ran: "draft length 4, adaptive up
-    to 16" by default, "draft length 3 (adaptive: the longest)" when one -k set both."""
+    """The title's draft lengths, read off the variants that ran: "adaptive up to 16" by
+    default, "draft length 3 (adaptive: the longest)" when one -k set both."""
     fixed = {variant.draft_len for variant in variants if not variant.adapts and variant.method != "none"}
     longest = {variant.draft_len for variant in variants if variant.adapts}
     if not longest:

@@ -39,8 +39,7 @@ class BenchConfig:
 
     methods: the baseline ``none`` first. draft_lens: one draft length, or several for
     a sweep (every method but auto then runs at each, fixed); empty: each method as
-    `specrun generate` runs it (adaptive up to ``adaptive_draft_len``; the draft model
-    alone at tune's best length, else 4).
+    `specrun generate` runs it (adaptive, up to ``adaptive_draft_len``).
     draft_min_prob: the draft model's confidence stop; None: generate's (tune's, else
     none). adaptive_draft_len: the longest draft an adaptive line may choose; it is not
     swept. chat: wrap each prompt as a user message in the target's

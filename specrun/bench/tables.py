@@ -76,7 +76,7 @@ def footnotes(result: BenchResult) -> list[str]:
         f"interleaved per prompt; speed-up per prompt = {repeats} vs the baseline, geometric mean over prompts",
         "draft/verify: share of generation time spent drafting and in the target's verify passes",
     ]
-    adaptive = [v for name, v in result.comparison.variants.items() if v.adapts]
+    adaptive = [v for v in result.comparison.variants.values() if v.adapts]
     if adaptive:
         names = ", ".join(v.name for v in adaptive)
         notes.append(f"adaptive (draft length chosen each step, up to {max(v.draft_len for v in adaptive)}, and "
