@@ -187,7 +187,7 @@ class SpeculativeEngine:
         eos_ids = self.target.backend.vocab.eos_ids if params.stop_at_eos else frozenset()
         context = list(prompt)
         stats.prompt_tokens = len(prompt)
-        adaptive = (params.adaptive or is_adaptive(self.method)) and self.drafter is not None
+        adaptive = self._adapts(params)
         policy_sources = self._install_length_policies(params.draft_len, adaptive)
         measured = adaptive or bool(policy_sources)  # steps feed the controllers
         fused = not measured and self._can_fuse(sampling)
@@ -274,6 +274,10 @@ class SpeculativeEngine:
             self.target.rewind_to_prefix_of(context, limit=len(context) - 1)
             stats.generation_seconds = self.clock() - started
         self.last_context = context
+
+    def _adapts(self, params: GenerationParams) -> bool:
+        """Does this run choose its draft lengths as it goes (auto, or params.adaptive)?"""
+        return self.drafter is not None and (params.adaptive or is_adaptive(self.method))
 
     def _draft_len(self, context, remaining: int, params) -> int:
         """The longest draft worth making: within the answer's length and the context."""
@@ -454,7 +458,7 @@ class SpeculativeEngine:
         stats = Stats(
             method=self.method,
             draft_len=params.draft_len if self.drafter else 0,
-            adaptive=self.drafter is not None and (params.adaptive or is_adaptive(self.method)),
+            adaptive=self._adapts(params),
             draft_min_prob=min_prob,
         )
         decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")

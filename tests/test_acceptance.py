@@ -10,7 +10,6 @@ from scipy import stats as scipy_stats
 
 import specrun.engine
 from fake_models import exact_joint, make_pair
-from specrun.backends.fake import FakeBackend
 from specrun.drafters.base import Proposal
 from specrun.drafters.draft_model import DraftModelDrafter
 from specrun.engine import GenerationParams, SpeculativeEngine
@@ -192,27 +191,18 @@ def test_identical_draft_is_always_accepted_when_sampling():
         assert verify_sampled(tokens, p_target, [p, p], rng).n_accepted == 2
 
 
-class _Timed(FakeBackend):
-    """A fake whose pass costs ``base + per_token * n`` seconds on a simulated clock."""
-
-    def __init__(self, fake: FakeBackend, clock: list[float], base: float, per_token: float) -> None:
-        super().__init__(fake.table, VOCAB)
-        self.clock, self.base, self.per_token = clock, base, per_token
-
-    def forward(self, tokens, logit_rows):
-        self.clock[0] += self.base + self.per_token * len(tokens)
-        return super().forward(tokens, logit_rows)
-
-
 def test_adaptive_draft_lengths_keep_sampling_lossless():
     """As `specrun generate` runs a draft model without -k: each step's length and the gate's
     plain stretches are chosen from earlier steps only (acceptance learned over the runs
     before), never from the step's own samples, so the output's distribution is the target's."""
+    from test_adaptive import CostedFake, SimClock
+
     runs = VARIANT_RUNS
-    clock = [0.0]
+    clock = SimClock()
     target, draft = make_pair(VOCAB)
-    target, draft = _Timed(target, clock, 1.0, 0.02), _Timed(draft, clock, 0.02, 0.02)
-    engine = SpeculativeEngine(target, DraftModelDrafter(draft), clock=lambda: clock[0])
+    target = CostedFake(target.table, clock, 1.0, 0.02, vocab_size=VOCAB)
+    draft = CostedFake(draft.table, clock, 0.02, 0.02, vocab_size=VOCAB)
+    engine = SpeculativeEngine(target, DraftModelDrafter(draft), clock=clock)
     sampling = SamplingSettings(temperature=1.0)
     counts: Counter = Counter()
     lengths: Counter = Counter()

@@ -91,8 +91,8 @@ def footnotes(result: BenchResult) -> list[str]:
                      "--untuned starts them from their priors")
         tuned_lines = _tuned_settings(result)
         if tuned_lines:
-            notes.append(f"as `specrun generate` runs them, with tune's settings: {tuned_lines}; -k and "
-                         "--draft-min-prob set them")
+            notes.append(f"as `specrun generate` runs them, with tune's settings: {tuned_lines}; "
+                         "--draft-min-prob sets it")
     elif result.config.use_tuned and any(needs_draft_model(m) for m in result.config.methods):
         notes.append("no `specrun tune` settings for this pair on this machine: controllers started from their priors")
     for skipped in result.skipped:
