@@ -382,11 +382,14 @@ class SpeculativeEngine:
         expects. Unmeasured sides are explored. A declined proposal is still scored
         against the output (ProposalScores), so the cheap source's estimates stay current.
         """
+        paid_controllers = [self._controller_for(source, max_draft_len) for source in paid]
+        if not any(controller.speculating for controller in paid_controllers):
+            # Switched off, the draft model would propose nothing: the cheap proposal is all
+            # there is (and weighing it cost ~25 us a step, 2% of a tiny-regime step).
+            return True
         cheap = self._controller_for(proposal.source, max_draft_len)
         cheap_rates = cheap.expected_rates(min(len(proposal), max_draft_len))
-        paid_rates = [
-            self._controller_for(source, max_draft_len).expected_rates(max_draft_len) for source in paid
-        ]
+        paid_rates = [controller.expected_rates(max_draft_len) for controller in paid_controllers]
         if None in cheap_rates:
             return True
         if any(None in rates for rates in paid_rates):
