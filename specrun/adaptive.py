@@ -410,11 +410,10 @@ class DraftLengthController:
         return max(self.probe_len, 2 * depth)
 
     def _explore(self, limit: int) -> int:
-        """Before costs are known: measure plain and a few draft lengths once each."""
-        for k in (0, min(4, limit), 1, limit):
-            if not self.target_costs.known(k + 1) or (k and not self.draft_costs.seconds):
-                return k
-        return min(4, limit)
+        """Before costs are known: time a plain pass, then a draft of ``probe_len`` (2 for a
+        draft model: its first try in a fresh run drafted 4 and lost ~5 ms, 8 plain steps
+        of a tiny target, on text where it was mostly wrong). Later lengths come from the line."""
+        return min(self.probe_len, limit) if self.target_costs.known(1) else 0
 
     def _explore_fixed(self, limit: int) -> int:
         """A fixed length speculates until measured slower than plain decoding: a plain pass
@@ -484,7 +483,7 @@ class DraftLengthController:
         self._gate_stale = self._gate_probed = False
         rates = self.expected_rates(self.max_draft_len)
         plain = rates[0]
-        if plain is None:
+        if plain is None or None in rates:  # a cost not timed yet: explored before it is judged
             return
         best = (rates[-1] or 0.0) if self.fixed else max((rate or 0.0) for rate in rates[1:])
         if best > plain:

@@ -160,6 +160,8 @@ class SpeculativeEngine:
         for member in self._drafter_members():
             if hasattr(member, "target_vocab_size"):  # draft logits must cover the target's ids
                 member.target_vocab_size = self.target.backend.vocab.size
+            if hasattr(member, "catch_up_seconds"):  # times its catch-up on the engine's clock
+                member.clock = self.clock
 
     def _paid_sources(self) -> set[str]:
         """Drafters that spend per drafted token (a draft model: it drafts only the length
@@ -241,7 +243,7 @@ class SpeculativeEngine:
                     # Keep the fed last token and the accepted drafts; drop the rejected tail.
                     self.target.rewind(len(context) + verdict.n_accepted)
                     if measured:
-                        draft_seconds = t_verify - t_draft  # a draft model's catch-up included: switching costs
+                        draft_seconds = t_verify - t_draft  # a draft model's catch-up included (_observe takes it out)
                         self._observe(
                             proposal, verdict, draft_seconds, self.clock() - t_verify, params, adaptive, policy_sources
                         )
@@ -413,7 +415,16 @@ class SpeculativeEngine:
             if adaptive and proposal.source not in paid:  # its acceptance comes from ProposalScores
                 controller.observe_costs(len(proposal.tokens), draft_s, verify_s)
             else:
-                controller.observe(len(proposal.tokens), verdict.n_accepted, draft_s, verify_s)
+                # T_draft(k) is what drafting k tokens costs. A draft model skipped for a while
+                # first reads what it missed, whatever k: charged to k, that made one draft call
+                # look dearer by the catch-up (a fresh run's first draft follows two plain
+                # steps). The gate still sees the whole step's time.
+                drafting = draft_s - self._catch_up_seconds(proposal.source)
+                controller.observe(len(proposal.tokens), verdict.n_accepted, drafting, verify_s)
+
+    def _catch_up_seconds(self, source: str) -> float:
+        member = next((m for m in self._drafter_members() if m.name == source), None)
+        return getattr(member, "catch_up_seconds", 0.0)
 
     def _prefill(self, context: list[int]) -> np.ndarray:
         """Feed the prompt, reusing any cached prefix, and return the logits after its last

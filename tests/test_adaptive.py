@@ -21,6 +21,7 @@ from specrun.drafters.base import Proposal
 from specrun.drafters.chain import ChainDrafter
 from specrun.drafters.draft_model import DraftModelDrafter
 from specrun.engine import GenerationParams, SpeculativeEngine
+from specrun.sampling import SamplingSettings
 from specrun.stats import Stats
 
 VOCAB = 64
@@ -547,15 +548,15 @@ def test_a_fixed_length_gate_tries_and_probes_short_and_drafts_in_full_once_it_p
 
 # ---- costs are the machine's: tuned, and kept across runs -----------------------------------
 def test_a_controller_with_known_draft_costs_chooses_at_once():
-    """Without draft costs auto spends its first steps timing draft lengths 4, 1 and the
-    longest; with them (tuned, or kept from an earlier run) it chooses the best k at once."""
+    """Without draft costs auto's first draft times a short one (probe_len); with them
+    (tuned, or kept from an earlier run) it chooses the best k at once."""
     costs = TargetCosts()
     costs.preload({n: 1.0 + 0.05 * n for n in range(1, 10)})
     untuned = DraftLengthController(max_draft_len=8, target_costs=costs)
     draft_costs = DraftCosts()
     draft_costs.preload({1: 0.1, 4: 0.4, 8: 0.8})
     tuned = DraftLengthController(max_draft_len=8, target_costs=costs, draft_costs=draft_costs)
-    assert untuned.choose(8) == 4  # exploring: no draft length timed yet
+    assert untuned.choose(8) == PAID_PROBE_LEN  # exploring: no draft length timed yet
     rates = tuned.expected_rates(8)
     assert None not in rates and tuned.choose(8) == max(range(9), key=lambda k: (rates[k], -k))
     assert tuned.draft_costs(2) == pytest.approx(0.2)  # the cost line, between the lengths timed
@@ -773,3 +774,23 @@ def test_a_fresh_run_on_a_cpu_like_target_times_plain_decoding_as_it_is(alpha):
     plain_rate = 1.0 / 0.5
     measured = result.stats.new_tokens / result.stats.generation_seconds
     assert measured >= 0.9 * plain_rate, (measured, result.stats.by_source)  # before the fix: 0.56 and 0.70
+
+
+def test_a_draft_models_catch_up_is_timed_apart_from_its_drafting():
+    """A draft model skipped while a cheap drafter's tokens were accepted first reads what it
+    missed. That cost comes whatever k is asked; charged to T_draft(k), it made a fresh run's
+    first draft (after the two plain passes that time the target) look three times dearer."""
+    clock = SimClock()
+    table = hashed_logits(VOCAB, salt=5, spread=3.0)
+    drafter = DraftModelDrafter(CostedFake(agreeing_draft(table, 0.8), clock, 0.1, 0.01))
+    SpeculativeEngine(CostedFake(table, clock, 1.0, 0.05), drafter, clock=clock)
+    assert drafter.clock is clock  # the engine's clock, so the two times compare
+    context = list(range(3, 40))
+    drafter.prefill(context)
+    longer = context + list(range(5, 15))  # ten tokens it never drafted
+    started = clock.now
+    assert len(drafter.propose(longer, 2, SamplingSettings(), np.random.default_rng(0))) == 2
+    assert drafter.catch_up_seconds == pytest.approx(0.1 + 0.01 * 10)  # one batched pass over them
+    assert clock.now - started == pytest.approx(0.2 + 2 * 0.11)  # then two drafting passes
+    drafter.propose(longer + [7, 8], 2, SamplingSettings(), np.random.default_rng(0))
+    assert drafter.catch_up_seconds == 0.0  # in step: nothing to catch up

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from time import perf_counter
 
 import numpy as np
 
@@ -41,6 +42,11 @@ class DraftModelDrafter:
         self.length_policy: Callable[[int], int] | None = None
         # Set by the engine: the target's vocabulary size, when padding makes it differ.
         self.target_vocab_size = backend.vocab.size
+        self.clock: Callable[[], float] = perf_counter  # set by the engine to its own clock
+        # Of the latest call, the seconds spent reading context this model did not draft
+        # (what other drafters proposed and the target accepted): a cost of switching to it,
+        # not of the draft length it was asked for.
+        self.catch_up_seconds = 0.0
 
     def propose(
         self,
@@ -50,6 +56,7 @@ class DraftModelDrafter:
         rng: np.random.Generator,
     ) -> Proposal:
         draft_len = min(draft_len, self.backend.n_ctx - len(context))
+        self.catch_up_seconds = 0.0
         if self.length_policy is not None and draft_len > 0:
             draft_len = self.length_policy(draft_len)
         if draft_len <= 0:
@@ -91,7 +98,9 @@ class DraftModelDrafter:
         pending = list(context[keep:])  # always includes the last context token
         if len(pending) <= CATCH_UP_TOKENS:
             return pending
+        started = self.clock()
         self.sequence.feed(pending[:-1])
+        self.catch_up_seconds = self.clock() - started
         return pending[-1:]
 
     def can_defer(self, sampling: SamplingSettings) -> bool:
@@ -112,6 +121,7 @@ class DraftModelDrafter:
         does the same); only for ``can_defer`` settings.
         """
         draft_len = min(draft_len, self.backend.n_ctx - len(context))
+        self.catch_up_seconds = 0.0
         if draft_len <= 0:
             return None
         pending = self._catch_up(context)
