@@ -147,8 +147,8 @@ class SpeculativeEngine:
     def forget_acceptance(self) -> None:
         """Drop what the controllers learned about acceptance (it belongs to the text); keep
         the target's and the drafters' costs (the machine's, which `specrun tune` gives a
-        fresh run) and the tuned priors. Dropping draft costs too made auto explore draft
-        lengths 4, 1 and 8 on every bench prompt again."""
+        fresh run) and the tuned priors. Dropping draft costs too made auto time its draft
+        lengths again on every bench prompt (session 6: lengths 4, 1 and 8)."""
         self.controllers.clear()
         self._scores.clear()
         self.gate = SpeculationGate()
