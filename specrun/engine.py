@@ -160,7 +160,7 @@ class SpeculativeEngine:
         for member in self._drafter_members():
             if hasattr(member, "target_vocab_size"):  # draft logits must cover the target's ids
                 member.target_vocab_size = self.target.backend.vocab.size
-            if hasattr(member, "catch_up_seconds"):  # times its catch-up on the engine's clock
+            if hasattr(member, "catch_up_seconds"):  # a draft model times its catch-up on the engine's clock
                 member.clock = self.clock
 
     def _paid_sources(self) -> set[str]:
@@ -327,8 +327,11 @@ class SpeculativeEngine:
     def _assumed_prior(self, source: str) -> float:
         """The acceptance a drafter's controller presumes before evidence: the drafter's own
         ``prior_accept`` where it declares one (the n-gram pool), else the controllers' default."""
-        member = next((m for m in self._drafter_members() if m.name == source), None)
-        return getattr(member, "prior_accept", DraftLengthController.prior_accept)
+        return getattr(self._member(source), "prior_accept", DraftLengthController.prior_accept)
+
+    def _member(self, source: str):
+        """The drafter (or chain member) whose proposals carry ``source``, if any."""
+        return next((m for m in self._drafter_members() if m.name == source), None)
 
     def _controller_for(self, source: str, max_draft_len: int, fixed: bool = False) -> DraftLengthController:
         controller = self.controllers.get(source)
@@ -419,12 +422,8 @@ class SpeculativeEngine:
                 # first reads what it missed, whatever k: charged to k, that made one draft call
                 # look dearer by the catch-up (a fresh run's first draft follows two plain
                 # steps). The gate still sees the whole step's time.
-                drafting = draft_s - self._catch_up_seconds(proposal.source)
+                drafting = draft_s - getattr(self._member(proposal.source), "catch_up_seconds", 0.0)
                 controller.observe(len(proposal.tokens), verdict.n_accepted, drafting, verify_s)
-
-    def _catch_up_seconds(self, source: str) -> float:
-        member = next((m for m in self._drafter_members() if m.name == source), None)
-        return getattr(member, "catch_up_seconds", 0.0)
 
     def _prefill(self, context: list[int]) -> np.ndarray:
         """Feed the prompt, reusing any cached prefix, and return the logits after its last

@@ -727,7 +727,7 @@ def test_a_plain_pass_after_a_speculative_one_is_timed_as_switching_back_not_as_
     costs = TargetCosts()
     assert not costs.note_pass(1, 1.6, None)  # the first plain pass after the prefill pays a rebuild
     assert costs.note_pass(4, 2.0, None)  # a speculative one is timed: it carries its acceptance
-    assert 1 not in costs.seconds and costs.switch_seconds == 0.0
+    assert costs.switch_seconds == 0.0 and costs.switch_back == 0.0  # nor a switch back that a choice caused
     assert costs.note_pass(1, 1.0, 1)  # plain after plain: a plain pass
     costs.observe(1, 1.0)
     assert costs.note_pass(5, 2.0, 1)  # a speculative pass is timed as T(5), its switch included
