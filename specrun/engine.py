@@ -198,6 +198,8 @@ class SpeculativeEngine:
         gate = self.gate if adaptive else None
         if gate is not None:
             gate.reset()
+        if measured:  # plain decoding timed on a far shorter or longer context first times it again
+            self.target_costs.start_text(len(context))
 
         # The drafters read the prompt first, timed as prefill like the target's: a draft
         # model's prompt pass is prompt processing, not the cost of drafting tokens.
@@ -222,6 +224,7 @@ class SpeculativeEngine:
                 remaining = params.max_new_tokens - produced
                 t_draft = self.clock()
                 from_pass = prompt_logits is None
+                retiming = False
                 if prompt_logits is not None:
                     # The first token from the prefill pass, as llama.cpp takes it: the same
                     # batch shape, so plain decoding matches other tools token for token.
@@ -230,7 +233,8 @@ class SpeculativeEngine:
                     verdict = Verdict(0, self._pick(prompt_logits, sampling, rng))
                     prompt_logits = None
                 else:
-                    if gate is not None and not gate.speculating:  # plain decoding, no drafter asked
+                    retiming = measured and self.target_costs.retiming  # timing plain decoding afresh
+                    if retiming or (gate is not None and not gate.speculating):  # plain, no drafter asked
                         proposal = EMPTY_PROPOSAL
                         t_verify = self.clock()
                         verdict = self._verify(context[-1], (), (), sampling, rng)
@@ -245,7 +249,14 @@ class SpeculativeEngine:
                     if measured:
                         draft_seconds = t_verify - t_draft  # a draft model's catch-up included (_observe takes it out)
                         self._observe(
-                            proposal, verdict, draft_seconds, self.clock() - t_verify, params, adaptive, policy_sources
+                            proposal,
+                            verdict,
+                            draft_seconds,
+                            self.clock() - t_verify,
+                            params,
+                            adaptive,
+                            policy_sources,
+                            len(context),
                         )
                 emitted = [*proposal.tokens[: verdict.n_accepted], verdict.next_token]
                 hit_eos = next((i for i, t in enumerate(emitted) if t in eos_ids), None)
@@ -254,7 +265,8 @@ class SpeculativeEngine:
                 emitted = emitted[:remaining]
                 context.extend(emitted)
                 self._scores.score(context)
-                if gate is not None and from_pass:  # the prefill's token says nothing of speculating
+                # The prefill's token says nothing of speculating, nor does a pass timing T(1).
+                if gate is not None and from_pass and not retiming:
                     plain = self.target_costs(1)
                     proposing = t_verify - t_draft  # asking the drafters (about none where nothing is asked)
                     engaged = bool(proposal.tokens) or (plain is not None and proposing > PROPOSING_SHARE * plain)
@@ -402,14 +414,22 @@ class SpeculativeEngine:
         return max(cheap_rates) >= max(max(rates[1:]) for rates in paid_rates)
 
     def _observe(
-        self, proposal, verdict: Verdict, draft_s: float, verify_s: float, params, adaptive: bool, paid: set[str]
+        self,
+        proposal,
+        verdict: Verdict,
+        draft_s: float,
+        verify_s: float,
+        params,
+        adaptive: bool,
+        paid: set[str],
+        context_len: int,
     ) -> None:
         n_fed = len(proposal.tokens) + 1
         previous, self._previous_pass = self._previous_pass, n_fed
         if not self.target_costs.note_pass(n_fed, verify_s, previous):
             return  # a plain pass that paid for the speculative one before it: timed as switching back
         if not proposal.tokens:
-            self.target_costs.observe(1, verify_s)  # a plain pass: what speculating must beat
+            self.target_costs.observe(1, verify_s, context_len)  # a plain pass: what speculating must beat
         elif not adaptive and proposal.source not in paid:
             # A fixed chain's cheap drafter is not gated: its pass only times T_target(n).
             self.target_costs.observe(len(proposal.tokens) + 1, verify_s)

@@ -21,6 +21,7 @@ from specrun.drafters.base import Proposal
 from specrun.drafters.chain import ChainDrafter
 from specrun.drafters.draft_model import DraftModelDrafter
 from specrun.engine import GenerationParams, SpeculativeEngine
+from specrun.methods import build_drafter
 from specrun.sampling import SamplingSettings
 from specrun.stats import Stats
 
@@ -794,3 +795,46 @@ def test_a_draft_models_catch_up_is_timed_apart_from_its_drafting():
     assert clock.now - started == pytest.approx(0.2 + 2 * 0.11)  # then two drafting passes
     drafter.propose(longer + [7, 8], 2, SamplingSettings(), np.random.default_rng(0))
     assert drafter.catch_up_seconds == 0.0  # in step: nothing to catch up
+
+
+class ContextCostFake(CpuLikeFake):
+    """A CPU-like target whose passes cost more the longer the context: attention reads the
+    whole cache, so every pass is slower by ``1 + n_past / scale`` (measured on the demo
+    target with llama.cpp: a plain pass 1.0 ms at 50 tokens of context, 1.9–2.5 ms at 1500)."""
+
+    def __init__(self, *args, scale: float, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.scale = scale
+
+    def forward(self, tokens, logit_rows):
+        started = self.clock.now
+        logits = super().forward(tokens, logit_rows)
+        self.clock.now = started + (self.clock.now - started) * (1.0 + self.n_past / self.scale)
+        return logits
+
+
+@pytest.mark.parametrize("method", ["auto", "lookup+draft"])
+def test_plain_decoding_is_timed_again_when_the_context_is_far_from_where_it_was_timed(method):
+    """Found on Spec-Bench qa (lookup+draft and auto at 0.55–0.76x plain decoding): a plain pass
+    timed on a long prompt's context stood for plain decoding on a short prompt, where a pass
+    costs a third as much. Speculating at 40% acceptance looked cheap beside it, and no plain
+    step came to correct it: the next text's draft passes were all timed afresh, T(1) never."""
+    clock = SimClock()
+    table = hashed_logits(VOCAB, salt=5, spread=3.0)
+    target = ContextCostFake(table, clock, plain=0.5, base=1.0, per_token=0.1, rebuild=0.4, scale=500.0)
+    draft = CostedFake(agreeing_draft(table, 0.6), clock, 0.05, 0.0)
+    engine = SpeculativeEngine(target, build_drafter(method, draft), method=method, clock=clock)
+    params = GenerationParams(200, draft_len=4)
+    long_prompt = [1 + i % (VOCAB - 2) for i in range(1500)]
+    engine.run(long_prompt, params, complete_cache=False)
+    assert engine.target_costs(1) == pytest.approx(0.5 * (1 + 1700 / 500), rel=0.2)  # timed at ~1700 tokens
+    engine.forget_acceptance()  # a new text (bench, a new chat)
+    result = engine.run(list(range(1, 21)), params, complete_cache=False)
+    assert engine.target_costs(1) < 0.5 * (1 + 250 / 500)  # timed again at this context
+    measured = result.stats.new_tokens / result.stats.generation_seconds
+    # Against the same method started afresh on the short text (its cheap drafter, at a fixed
+    # length in the chain, is not gated: both pay it alike).
+    fresh = SpeculativeEngine(target, build_drafter(method, draft), method=method, clock=clock)
+    alone = fresh.run(list(range(1, 21)), params, complete_cache=False)
+    rate_alone = alone.stats.new_tokens / alone.stats.generation_seconds
+    assert measured >= 0.95 * rate_alone, (measured, rate_alone, result.stats.by_source)  # before: 0.75x plain
