@@ -125,7 +125,7 @@ class SpeculativeEngine:
         # and each drafter's drafting costs, by drafter name.
         self.target_costs = TargetCosts()
         self.draft_costs: dict[str, DraftCosts] = {}
-        self.controllers: dict[str, DraftLengthController] = {}
+        self.controllers: dict[str, DraftLengthController] = {}  # by source, or "source:kind"
         self.prior_accepts: dict[str, float] = {}  # by drafter name: measured first-token acceptance
         self.set_drafter(drafter, method)
 
@@ -329,26 +329,42 @@ class SpeculativeEngine:
             return proposal
         for made in (*getattr(self.drafter, "passed_over", ()), proposal):
             if made.tokens and made.source not in policy_sources:  # a cheap drafter's: score it whole
-                self._scores.add(self._controller_for(made.source, params.draft_len), len(context), made.tokens)
+                controller = self._controller_for(made.source, params.draft_len, kind=made.kind)
+                self._scores.add(controller, len(context), made.tokens)
         if proposal.tokens and proposal.source not in policy_sources:
             # A cheap drafter's tokens cost nothing to drop: keep the worthwhile prefix.
-            keep = self._controller_for(proposal.source, params.draft_len).choose(len(proposal))
+            keep = self._controller_for(proposal.source, params.draft_len, kind=proposal.kind).choose(len(proposal))
             proposal = proposal.prefix(keep)
         return proposal
 
-    def _assumed_prior(self, source: str) -> float:
-        """The acceptance a drafter's controller presumes before evidence: the drafter's own
-        ``prior_accept`` where it declares one (the n-gram pool), else the controllers' default."""
-        return getattr(self._member(source), "prior_accept", DraftLengthController.prior_accept)
+    def _prior(self, source: str, kind: str) -> tuple[float, bool]:
+        """The acceptance a controller presumes before evidence, and whether it was measured.
+
+        The drafter's prior for the proposal's kind where it declares one (prompt lookup, by
+        the length of the n-gram matched); else what `specrun tune` measured for the drafter;
+        else the drafter's own ``prior_accept`` (the n-gram pool); else the controllers' default.
+        """
+        member = self._member(source)
+        declared = getattr(member, "kind_priors", {}).get(kind)
+        if declared is not None:
+            return declared, False
+        if source in self.prior_accepts:
+            return self.prior_accepts[source], True
+        return getattr(member, "prior_accept", DraftLengthController.prior_accept), False
 
     def _member(self, source: str):
         """The drafter (or chain member) whose proposals carry ``source``, if any."""
         return next((m for m in self._drafter_members() if m.name == source), None)
 
-    def _controller_for(self, source: str, max_draft_len: int, fixed: bool = False) -> DraftLengthController:
-        controller = self.controllers.get(source)
+    def _controller_for(
+        self, source: str, max_draft_len: int, fixed: bool = False, kind: str = ""
+    ) -> DraftLengthController:
+        """The controller of a source's proposals of one kind (Proposal.kind), made on first use."""
+        key = f"{source}:{kind}" if kind else source
+        controller = self.controllers.get(key)
         if controller is None or (controller.max_draft_len, controller.fixed) != (max_draft_len, fixed):
             paid = source in self._paid_sources()
+            prior, measured = self._prior(source, kind)
             controller = DraftLengthController(
                 max_draft_len=max_draft_len,
                 fixed=fixed,
@@ -359,10 +375,10 @@ class SpeculativeEngine:
                 # wrong first try costs only verify positions (CHEAP_PROBE_LEN: why 4 of them).
                 sunk_draft_cost=not paid,
                 probe_len=PAID_PROBE_LEN if paid else CHEAP_PROBE_LEN,
-                prior_accept=self.prior_accepts.get(source, self._assumed_prior(source)),
-                prior_measured=source in self.prior_accepts,
+                prior_accept=prior,
+                prior_measured=measured,
             )
-            self.controllers[source] = controller
+            self.controllers[key] = controller
         return controller
 
     def _install_length_policies(self, draft_len: int, adaptive: bool) -> set[str]:
@@ -404,7 +420,7 @@ class SpeculativeEngine:
             # Switched off, the draft model would propose nothing: the cheap proposal is all
             # there is (and weighing it cost ~25 us a step, 2% of a tiny-regime step).
             return True
-        cheap = self._controller_for(proposal.source, max_draft_len)
+        cheap = self._controller_for(proposal.source, max_draft_len, kind=proposal.kind)
         cheap_rates = cheap.expected_rates(min(len(proposal), max_draft_len))
         paid_rates = [controller.expected_rates(max_draft_len) for controller in paid_controllers]
         if None in cheap_rates:
@@ -434,7 +450,7 @@ class SpeculativeEngine:
             # A fixed chain's cheap drafter is not gated: its pass only times T_target(n).
             self.target_costs.observe(len(proposal.tokens) + 1, verify_s)
         else:
-            controller = self._controller_for(proposal.source, params.draft_len, fixed=not adaptive)
+            controller = self._controller_for(proposal.source, params.draft_len, fixed=not adaptive, kind=proposal.kind)
             if adaptive and proposal.source not in paid:  # its acceptance comes from ProposalScores
                 controller.observe_costs(len(proposal.tokens), draft_s, verify_s)
             else:

@@ -60,6 +60,17 @@ def test_lookup_longest_match_beats_a_more_recent_shorter_one():
     assert lookup_tokens([1, 2, 3, 10, 2, 3, 11, 1, 2, 3], draft_len=1, max_ngram=2) == (11,)
 
 
+def test_lookup_tells_the_length_of_the_n_gram_it_matched_as_the_proposal_s_kind():
+    def kind(context, **settings) -> str:
+        return PromptLookupDrafter(**settings).propose(list(context), 2, GREEDY, RNG).kind
+
+    assert kind([1, 2, 3, 10, 2, 3, 11, 1, 2, 3]) == "n3"
+    assert kind([1, 2, 3, 10, 2, 3, 11, 1, 2, 3], max_ngram=2) == "n2"
+    assert kind([5, 6, 7, 8, 9, 5, 6, 7, 8]) == "n4"
+    assert kind([4, 8, 1, 4], min_ngram=1) == "n1"
+    assert PromptLookupDrafter().propose([1, 2, 3, 1, 2], 3, GREEDY, RNG).prefix(1).kind == "n2"  # kept when cut
+
+
 def test_lookup_min_ngram_one_matches_single_tokens():
     assert lookup_tokens([4, 8, 1, 4], min_ngram=1) == (8, 1, 4, 8)
     assert lookup_tokens([4, 8, 1, 4], min_ngram=2) == ()

@@ -19,12 +19,16 @@ class Proposal:
     proposal is deterministic (prompt lookup, n-gram: one-hot at the token).
     parents: index of each token's parent in ``tokens`` (-1: the current last
     token). A chain is parents = (-1, 0, 1, …); trees reuse the same shape.
+    kind: what the drafter knows of this proposal's odds, where they differ by far
+    (prompt lookup: ``"n2"`` for a match on the last 2 tokens); an adaptive engine
+    estimates acceptance for each kind of a source apart. "" for one kind.
     """
 
     tokens: tuple[int, ...] = ()
     p_draft: tuple[np.ndarray | None, ...] = ()
     source: str = ""
     parents: tuple[int, ...] = field(default=())
+    kind: str = ""
 
     def __post_init__(self) -> None:
         if not self.parents:
@@ -40,7 +44,7 @@ class Proposal:
         if length >= len(self.tokens):
             return self
         return Proposal(
-            self.tokens[:length], self.p_draft[:length], self.source, self.parents[:length]
+            self.tokens[:length], self.p_draft[:length], self.source, self.parents[:length], self.kind
         )
 
     @property
