@@ -332,6 +332,14 @@ class DraftLengthController:
         self._rates_key: tuple[int, int, int] | None = None
         self._rates: list[float | None] = []
 
+    def start_off(self, probe_gap: int) -> None:
+        """Begin switched off, probed first after ``probe_gap`` steps (what an earlier text
+        left it at), instead of on and trying the prior."""
+        self._speculating = False
+        self._gate_stale = False
+        self.probe_gap = min(probe_gap, self.max_probe_gap)
+        self.steps_since_probe = 0
+
     @property
     def speculating(self) -> bool:
         """Is drafting on (else plain decoding, probed again after ``probe_gap`` steps)?"""
