@@ -154,8 +154,8 @@ class SpeculativeEngine:
         # probed after the gap it had reached: its first try in every text, and its probes
         # every 8 steps, cost a verify pass and draft passes each (~3 ms against a 1 ms plain
         # step on the demo pair), which it seldom won back where lookup had done the copying.
-        # A/B on Spec-Bench (59 prompts x 3): auto 1.862x against 1.796x, lookup+draft 1.862x
-        # against 1.829x. Alone, a draft model starts every text on: kept off, it gave up
+        # A/B on Spec-Bench (59 prompts x 3): auto 2.170x against 2.102x, lookup+draft 2.167x
+        # against 2.134x. Alone, a draft model starts every text on: kept off, it gave up
         # qa's 1.77x on the built-in suite (0.98x), where it is right on almost every token.
         chained = len(self._drafter_members()) > 1
         self._carried_gaps = {
