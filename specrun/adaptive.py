@@ -88,17 +88,16 @@ class TargetCosts:
         self.plain_context: int | None = None  # the context's length when T(1) was last timed
         self.retiming = False  # T(1) is to be timed again before it is trusted (start_text)
 
-    def start_text(self, context_len: int) -> bool:
-        """A new text begins at ``context_len`` tokens: True (and ``retiming``) where T(1) was
-        timed at a context too far from it to stand for plain decoding here. The next plain
-        pass timed then replaces T(1) instead of moving its mean."""
+    def start_text(self, context_len: int) -> None:
+        """A new text begins at ``context_len`` tokens: ``retiming`` where T(1) was timed at a
+        context too far from it to stand for plain decoding here. The next plain pass timed
+        then replaces T(1) instead of moving its mean."""
         timed_at = self.plain_context
         self.retiming = (
             timed_at is not None
             and 1 in self.seconds
             and abs(context_len - timed_at) > max(self.RETIME_MIN_TOKENS, self.RETIME_SHARE * max(context_len, timed_at))
         )
-        return self.retiming
 
     @property
     def switch_charge(self) -> float:

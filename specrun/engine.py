@@ -157,11 +157,11 @@ class SpeculativeEngine:
         # A/B on Spec-Bench (59 prompts x 3): auto 2.170x against 2.102x, lookup+draft 2.167x
         # against 2.134x. Alone, a draft model starts every text on: kept off, it gave up
         # qa's 1.77x on the built-in suite (0.98x), where it is right on almost every token.
-        chained = len(self._drafter_members()) > 1
+        paid = self._paid_sources() if len(self._drafter_members()) > 1 else set()
         self._carried_gaps = {
             source: controller.probe_gap
             for source, controller in self.controllers.items()
-            if chained and source in self._paid_sources() and not controller.speculating
+            if source in paid and not controller.speculating
         }
         self.controllers.clear()
         self._scores.clear()
