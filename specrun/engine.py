@@ -58,7 +58,12 @@ class GenerationParams:
 
 @dataclass(frozen=True)
 class Step:
-    """One verify pass: the tokens it emitted; the first ``n_accepted`` came from the drafter."""
+    """One verify pass: the tokens it emitted; the first ``n_accepted`` came from the drafter.
+
+    draft_seconds: from the step's start to the pass (asking the drafters, cutting the
+    proposal); verify_seconds: the pass and the rewind after it. The step's bookkeeping
+    after the pass (the controllers, the gate) is in neither.
+    """
 
     tokens: tuple[int, ...]
     n_drafted: int
@@ -247,6 +252,7 @@ class SpeculativeEngine:
                     t_verify = self.clock()
                     verdict = Verdict(0, self._pick(prompt_logits, sampling, rng))
                     prompt_logits = None
+                    t_passed = self.clock()
                 else:
                     retiming = measured and self.target_costs.retiming  # timing plain decoding afresh
                     if retiming or (gate is not None and not gate.speculating):  # plain, no drafter asked
@@ -261,13 +267,16 @@ class SpeculativeEngine:
                         verdict = self._verify(context[-1], proposal.tokens, proposal.p_draft, sampling, rng)
                     # Keep the fed last token and the accepted drafts; drop the rejected tail.
                     self.target.rewind(len(context) + verdict.n_accepted)
+                    # The pass ends here: what follows is the engine's bookkeeping, neither
+                    # drafting nor verifying (Stats counts it in neither, so it shows as the rest).
+                    t_passed = self.clock()
                     if measured:
                         draft_seconds = t_verify - t_draft  # a draft model's catch-up included (_observe takes it out)
                         self._observe(
                             proposal,
                             verdict,
                             draft_seconds,
-                            self.clock() - t_verify,
+                            t_passed - t_verify,
                             params,
                             adaptive,
                             policy_sources,
@@ -291,7 +300,7 @@ class SpeculativeEngine:
                     len(proposal.tokens),
                     verdict.n_accepted,
                     t_verify - t_draft,
-                    self.clock() - t_verify,
+                    t_passed - t_verify,
                     proposal.source,
                 )
                 stats.generation_seconds = self.clock() - started

@@ -225,6 +225,35 @@ def test_a_drafter_with_nothing_to_propose_costs_what_plain_decoding_costs():
     assert result.token_ids == plain_run(fake(4), list(range(30)), 3)
 
 
+def test_a_step_s_bookkeeping_after_the_pass_is_timed_as_neither_drafting_nor_verifying():
+    """Stats.verify_seconds is the target's passes: the controllers' and the gate's work after
+    each pass shows as the rest of the generation time (what a no-match benchmark reads)."""
+    from specrun.drafters.lookup import PromptLookupDrafter
+
+    class FindsNothing(PromptLookupDrafter):
+        def _match(self):
+            return None
+
+    now = [0.0]
+
+    class TimedFake(FakeBackend):
+        def forward(self, tokens, logit_rows):
+            now[0] += 1.0  # a pass: one simulated second
+            return super().forward(tokens, logit_rows)
+
+    class SlowBookkeeping(SpeculativeEngine):
+        def _observe(self, *args):
+            now[0] += 0.25  # after every pass but the prefill's
+            super()._observe(*args)
+
+    engine = SlowBookkeeping(TimedFake(hashed_logits(VOCAB, 4, 2.0), VOCAB), FindsNothing(), clock=lambda: now[0])
+    stats = engine.run(list(range(30)), GenerationParams(12, 4, adaptive=True)).stats
+    assert stats.drafted == 0 and stats.steps == 12  # nothing found: plain passes only
+    assert stats.verify_seconds == pytest.approx(11.0)  # the first token comes from the prefill
+    assert stats.draft_seconds == pytest.approx(0.0)
+    assert stats.generation_seconds - stats.draft_seconds - stats.verify_seconds == pytest.approx(11 * 0.25)
+
+
 def test_with_a_perfect_draft_the_first_token_comes_from_the_prefill_then_k_plus_1_a_pass():
     """The prompt's last token rides in the prefill's batch and yields the first token;
     drafting starts from it, so 11 tokens take the prefill and two verify passes (feeding
