@@ -116,6 +116,8 @@ class TargetCosts:
         one is followed by a plain pass. ``previous``: the tokens of the pass before (None: the
         prompt's prefill came before, a switch that no choice caused).
         """
+        if n_tokens == 1 and previous == 1:
+            return True  # plain after plain (most steps of a text with nothing to draft): no switch
         if previous is None:
             # Right after the prompt's pass: a plain pass pays the rebuild from the prompt's
             # batch shape (1.66 ms measured against 0.56 ms on the demo target). Timed as T(1)
@@ -186,6 +188,14 @@ class TargetCosts:
             self._built_from = dict(self.seconds)
             self._passes_since_build = 0
         return self._table
+
+    @property
+    def plain(self) -> float | None:
+        """T(1), plain decoding's pass, as measured: read on every step (SpeculationGate),
+        where building the table after each noisy pass cost more than the rest of a plain
+        step's bookkeeping. The table's value where T(1) was never timed."""
+        seconds = self.seconds.get(1)
+        return seconds if seconds is not None else self(1)
 
     def __call__(self, n_tokens: int) -> float | None:
         """Measured where seen, else a line through what was seen (None before any pass)."""

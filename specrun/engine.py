@@ -291,7 +291,7 @@ class SpeculativeEngine:
                 self._scores.score(context)
                 # The prefill's token says nothing of speculating, nor does a pass timing T(1).
                 if gate is not None and from_pass and not retiming:
-                    plain = self.target_costs(1)
+                    plain = self.target_costs.plain
                     proposing = t_verify - t_draft  # asking the drafters (about none where nothing is asked)
                     engaged = bool(proposal.tokens) or (plain is not None and proposing > PROPOSING_SHARE * plain)
                     gate.record(len(emitted), self.clock() - t_draft, engaged, plain)

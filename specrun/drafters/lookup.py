@@ -154,9 +154,12 @@ class PromptLookupDrafter:
     def _read(self, context: Sequence[int]) -> None:
         """Index what ``context`` adds to what was read before; forget what it no longer holds."""
         keep = self.mirror.shared_prefix(context)
-        self._forget_from(keep)
-        for token in context[keep:]:
-            self._read_token(int(token))
+        if keep == len(self.mirror.tokens) == len(context) - 1:  # a step's one new token: no slice
+            self._read_token(int(context[keep]))
+        else:
+            self._forget_from(keep)
+            for token in context[keep:]:
+                self._read_token(int(token))
         self.mirror.follow(context)
 
     def _read_token(self, token: int) -> None:
