@@ -21,6 +21,7 @@ from specrun.adaptive import (
     PAID_PROBE_LEN,
     DraftCosts,
     DraftLengthController,
+    IdleBackoff,
     ProposalScores,
     SpeculationGate,
     TargetCosts,
@@ -218,6 +219,9 @@ class SpeculativeEngine:
         gate = self.gate if adaptive else None
         if gate is not None:
             gate.reset()
+        # Cheap drafters alone (no draft model, whose controller schedules its own probes by
+        # its asks) are asked less often while they find nothing.
+        idle = IdleBackoff() if adaptive and not policy_sources else None
         if measured:  # plain decoding timed on a far shorter or longer context first times it again
             self.target_costs.start_text(len(context))
 
@@ -255,14 +259,20 @@ class SpeculativeEngine:
                     t_passed = self.clock()
                 else:
                     retiming = measured and self.target_costs.retiming  # timing plain decoding afresh
-                    if retiming or (gate is not None and not gate.speculating):  # plain, no drafter asked
+                    if (
+                        retiming
+                        or (gate is not None and not gate.speculating)
+                        or (idle is not None and not idle.ask())
+                    ):  # plain, no drafter asked
                         proposal = EMPTY_PROPOSAL
                         t_verify = self.clock()
                         verdict = self._verify(context[-1], (), (), sampling, rng)
                     elif fused:
                         proposal, verdict, t_verify = self._fused_greedy_step(context, remaining, params, rng)
                     else:
-                        proposal = self._propose(context, remaining, params, sampling, rng, adaptive, policy_sources)
+                        proposal, found = self._propose(context, remaining, params, sampling, rng, adaptive, policy_sources)
+                        if idle is not None:
+                            idle.found(found)
                         t_verify = self.clock()
                         verdict = self._verify(context[-1], proposal.tokens, proposal.p_draft, sampling, rng)
                     # Keep the fed last token and the accepted drafts; drop the rejected tail.
@@ -343,15 +353,20 @@ class SpeculativeEngine:
         drafts = tuple(int(t) for t in ids)
         return Proposal(drafts, source=self.drafter.name), verify_greedy(drafts, target_argmax), t_queued
 
-    def _propose(self, context, remaining: int, params, sampling, rng, adaptive: bool, policy_sources) -> Proposal:
-        """The drafter's proposal for the next verify pass, cut to what is worth verifying."""
+    def _propose(
+        self, context, remaining: int, params, sampling, rng, adaptive: bool, policy_sources
+    ) -> tuple[Proposal, bool]:
+        """The drafter's proposal for the next verify pass, cut to what is worth verifying, and
+        whether the drafters found anything (a proposal cut to nothing included)."""
         draft_len = self._draft_len(context, remaining, params)
         if self.drafter is None or draft_len <= 0:
-            return EMPTY_PROPOSAL
+            return EMPTY_PROPOSAL, False
         proposal = self.drafter.propose(context, draft_len, sampling, rng)
-        if not adaptive:
-            return proposal
-        for made in (*getattr(self.drafter, "passed_over", ()), proposal):
+        passed_over = getattr(self.drafter, "passed_over", ())
+        found = bool(proposal.tokens) or any(made.tokens for made in passed_over)
+        if not adaptive or not found:
+            return proposal, found
+        for made in (*passed_over, proposal):
             if made.tokens and made.source not in policy_sources:  # a cheap drafter's: score it whole
                 controller = self._controller_for(made.source, params.draft_len, kind=made.kind)
                 self._scores.add(controller, len(context), made.tokens)
@@ -359,7 +374,7 @@ class SpeculativeEngine:
             # A cheap drafter's tokens cost nothing to drop: keep the worthwhile prefix.
             keep = self._controller_for(proposal.source, params.draft_len, kind=proposal.kind).choose(len(proposal))
             proposal = proposal.prefix(keep)
-        return proposal
+        return proposal, found
 
     def _prior(self, source: str, kind: str) -> tuple[float, bool]:
         """The acceptance a controller presumes before evidence, and whether it was measured.

@@ -13,6 +13,7 @@ from specrun.adaptive import (
     PAID_PROBE_LEN,
     DraftCosts,
     DraftLengthController,
+    IdleBackoff,
     SpeculationGate,
     TargetCosts,
 )
@@ -923,3 +924,54 @@ def test_a_chain_s_draft_model_left_off_by_one_text_starts_the_next_off():
     alone = first_draft_steps(chained=False)
     assert None not in alone and max(alone) <= 4  # alone, it starts every text on
 
+
+# ---- a cheap drafter that keeps finding nothing ----------------------------------------------
+def test_a_drafter_that_keeps_finding_nothing_is_asked_less_often_and_at_once_again_when_it_finds():
+    idle = IdleBackoff()
+    asked = []
+    for step in range(40):
+        asks = idle.ask()
+        asked.append(asks)
+        if asks:
+            idle.found(False)
+    first = IdleBackoff.AFTER
+    assert all(asked[:first])  # every step while it may just be a slow start
+    assert asked[first : first + 2] == [False, True]  # then every other step...
+    positions = [step for step, asks in enumerate(asked) if asks]
+    gaps = [b - a for a, b in zip(positions, positions[1:])]
+    assert max(gaps) == IdleBackoff.MAX_SKIP == gaps[-1]  # ...then every MAX_SKIP-th
+    idle.found(True)
+    assert all(idle.ask() for _ in range(10))  # found something: asked on every step again
+    for _ in range(IdleBackoff.AFTER - 1):
+        idle.found(False)
+    assert idle.ask()  # the count of empty asks starts over
+
+
+def test_an_idle_lookup_still_finds_a_repeat_of_tokens_read_while_it_was_not_asked():
+    """An answer that repeats nothing for 60 tokens, then restates its second half: the lookup,
+    asked on fewer and fewer of those steps, read every token at its next ask, and copies."""
+    from specrun.drafters.lookup import PromptLookupDrafter
+
+    sequence = list(range(2, 62))  # 60 distinct tokens, then from the 30th on again
+
+    def table(context):
+        produced = len(context) - 1
+        logits = np.zeros(VOCAB)
+        logits[sequence[produced] if produced < 60 else sequence[30 + (produced - 60) % 30]] = 1.0
+        return logits
+
+    class CountingLookup(PromptLookupDrafter):
+        calls = 0
+
+        def propose(self, *args):
+            self.calls += 1
+            return super().propose(*args)
+
+    clock = SimClock()
+    lookup = CountingLookup()
+    engine = SpeculativeEngine(CostedFake(table, clock, 1.0, 0.05), lookup, clock=clock)
+    result = engine.run([1], GenerationParams(120, draft_len=8, adaptive=True))
+    assert result.token_ids == sequence + sequence[30:] * 2
+    calls_before_the_repeat = lookup.calls - result.stats.by_source["lookup"].steps
+    assert calls_before_the_repeat < 0.5 * 60  # resting while it found nothing
+    assert result.stats.accepted > 40 and result.stats.steps < 80  # then copying, tokens a pass
