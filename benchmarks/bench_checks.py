@@ -32,6 +32,8 @@ from pathlib import Path
 
 import numpy as np
 
+from _report import geometric_mean_interval
+
 
 def rows_by_variant(rows: list[dict]) -> dict[str, dict]:
     return {row["variant"]: row for row in rows}
@@ -138,6 +140,32 @@ def cross_validated_table(doc: dict) -> list[str]:
     return lines
 
 
+def chain_table(doc: dict, chain: str = "lookup+draft", parts: tuple[str, ...] = ("lookup", "draft")) -> list[str]:
+    """Issue 5: a chain against the better of its parts, per prompt (each prompt's better part
+    is picked after the fact, which favours the parts). Per prompt the ratio of medians over
+    repeats; per category the geometric mean, and a 90% interval from resampling the prompts."""
+    variants = [v["name"] for v in doc["config"]["variants"]]
+    if chain not in variants or any(part not in variants for part in parts):
+        return []
+    category, rate = run_rates(doc)
+    repeats = range(doc["config"]["repeat"])
+    logs: dict[str, list[float]] = {}
+    for index in sorted(category):
+        def median(variant: str, index: int = index) -> float:
+            return statistics.median(rate[(index, variant, r)] for r in repeats)
+
+        ratio = median(chain) / max(median(part) for part in parts)
+        for group in (category[index], "all prompts"):
+            logs.setdefault(group, []).append(math.log(ratio))
+    lines = [f"| category | {chain} / better of {' and '.join(parts)}, geometric mean | 90% interval over prompts |",
+             "|---|---|---|"]
+    logs["all prompts"] = logs.pop("all prompts")  # last, as in the other tables
+    for group, values in logs.items():
+        mean, low, high = geometric_mean_interval(np.exp(values))
+        lines.append(f"| {group} | {mean:.3f} | {low:.3f} - {high:.3f} |")
+    return lines
+
+
 def method_table(doc: dict, methods: list[str]) -> list[str]:
     lines = ["| category | " + " | ".join(methods) + " |", "|---" * (len(methods) + 1) + "|"]
     groups = {**doc["per_category"], "all prompts": doc["overall"]}
@@ -166,6 +194,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\nauto against the {others_label(doc)} (adaptive lines: "
               f"{', '.join(v['name'] for v in config['variants'] if v.get('adaptive')) or 'auto alone'}):")
         print("\n".join(table))
+    chain = chain_table(doc)
+    if chain:
+        print("\nlookup+draft against the better of lookup and draft, per prompt:")
+        print("\n".join(chain))
     cross = cross_validated_table(doc)
     if cross:
         print(f"\nauto against the {others_label(doc)} chosen on the other half of the repeats:")

@@ -37,7 +37,7 @@ import statistics
 import sys
 from pathlib import Path
 
-from _report import write_report
+from _report import geometric_mean_interval, write_report
 from specrun.backends.llama import LlamaCppBackend
 from specrun.drafters.lookup import PromptLookupDrafter
 from specrun.engine import GenerationParams, SpeculativeEngine
@@ -111,8 +111,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name:>12} {statistics.median(values):13.1f} {ratio:36.3f}× {low:6.3f}-{high:.3f}× "
               f"{overall:16.3f}× {drafted[name]:8d} {100 * share[name]:18.2f}% "
               f"{report['lines'][name]['implied_ratio']:13.3f}×")
+    print("geometric mean of per-prompt ratios vs none, 90% bootstrap interval over prompts:")
+    for name in ("lookup-miss", "none-again"):
+        ratios = [value / base for value, base in zip(rates[name], rates["none"])]
+        mean, low, high = geometric_mean_interval(ratios)
+        report["lines"][name]["geomean_ratio"] = [mean, low, high]
+        print(f"{name:>12} {mean:.3f}× ({low:.3f}-{high:.3f})")
     write_report(args.json, report)
     return 0
+
 
 
 if __name__ == "__main__":
