@@ -219,9 +219,7 @@ class SpeculativeEngine:
         gate = self.gate if adaptive else None
         if gate is not None:
             gate.reset()
-        # Cheap drafters alone (no draft model, whose controller schedules its own probes by
-        # its asks) are asked less often while they find nothing.
-        idle = IdleBackoff() if adaptive and not policy_sources else None
+        idle = IdleBackoff() if adaptive else None  # drafters that keep finding nothing are asked less
         if measured:  # plain decoding timed on a far shorter or longer context first times it again
             self.target_costs.start_text(len(context))
 
@@ -262,7 +260,7 @@ class SpeculativeEngine:
                     if (
                         retiming
                         or (gate is not None and not gate.speculating)
-                        or (idle is not None and not idle.ask())
+                        or (idle is not None and not idle.ask() and self._paid_pass(params.draft_len, policy_sources))
                     ):  # plain, no drafter asked
                         proposal = EMPTY_PROPOSAL
                         t_verify = self.clock()
@@ -357,13 +355,14 @@ class SpeculativeEngine:
         self, context, remaining: int, params, sampling, rng, adaptive: bool, policy_sources
     ) -> tuple[Proposal, bool]:
         """The drafter's proposal for the next verify pass, cut to what is worth verifying, and
-        whether the drafters found anything (a proposal cut to nothing included)."""
+        whether the cheap drafters found anything (a proposal cut to nothing or passed over
+        included; a draft model's say nothing of them: IdleBackoff)."""
         draft_len = self._draft_len(context, remaining, params)
         if self.drafter is None or draft_len <= 0:
             return EMPTY_PROPOSAL, False
         proposal = self.drafter.propose(context, draft_len, sampling, rng)
         passed_over = getattr(self.drafter, "passed_over", ())
-        found = bool(proposal.tokens) or any(made.tokens for made in passed_over)
+        found = any(made.tokens and made.source not in policy_sources for made in (*passed_over, proposal))
         if not adaptive or not found:
             return proposal, found
         for made in (*passed_over, proposal):
@@ -375,6 +374,16 @@ class SpeculativeEngine:
             keep = self._controller_for(proposal.source, params.draft_len, kind=proposal.kind).choose(len(proposal))
             proposal = proposal.prefix(keep)
         return proposal, found
+
+    def _paid_pass(self, max_draft_len: int, paid: set[str]) -> bool:
+        """May the drafters go unasked on this step, as far as the draft models are concerned
+        (not while one is on or due for a probe)? If so, the step counts towards their probes."""
+        controllers = [self._controller_for(source, max_draft_len) for source in paid]
+        if not all(controller.may_pass() for controller in controllers):
+            return False
+        for controller in controllers:
+            controller.pass_step()
+        return True
 
     def _prior(self, source: str, kind: str) -> tuple[float, bool]:
         """The acceptance a controller presumes before evidence, and whether it was measured.

@@ -975,3 +975,39 @@ def test_an_idle_lookup_still_finds_a_repeat_of_tokens_read_while_it_was_not_ask
     calls_before_the_repeat = lookup.calls - result.stats.by_source["lookup"].steps
     assert calls_before_the_repeat < 0.5 * 60  # resting while it found nothing
     assert result.stats.accepted > 40 and result.stats.steps < 80  # then copying, tokens a pass
+
+
+class NeverIdle(IdleBackoff):
+    """The engine as it was before IdleBackoff: every step asks."""
+
+    def ask(self) -> bool:
+        return True
+
+
+def test_behind_a_draft_model_that_is_off_the_chain_rests_and_the_draft_model_is_probed_on_time(monkeypatch):
+    """lookup+draft on a text where lookup finds nothing and the draft model is always wrong:
+    the draft model's controller switches it off and probes it at growing gaps. Resting steps
+    count towards those gaps, so the probes come as often as when every step asks."""
+    import specrun.engine
+
+    table = hashed_logits(VOCAB, salt=11, spread=3.0)
+
+    def run(backoff):
+        monkeypatch.setattr(specrun.engine, "IdleBackoff", backoff)
+        clock = SimClock()
+        cheap = CheapDrafter("cheap", lambda context, n: [], clock)
+        asked = []
+        cheap.propose = lambda *args, propose=cheap.propose: asked.append(1) or propose(*args)
+        draft = DraftModelDrafter(CostedFake(agreeing_draft(table, 0.0), clock, 0.05, 0.0))
+        engine = SpeculativeEngine(CostedFake(table, clock, 1.0, 0.05), ChainDrafter([cheap, draft]), clock=clock)
+        engine.gate = AlwaysSpeculate()  # the controllers' doing alone, not the gate's
+        result = engine.run([1, 2, 3], GenerationParams(400, draft_len=8, adaptive=True), complete_cache=False)
+        return result, len(asked)
+
+    resting, resting_asks = run(IdleBackoff)
+    asking, every_step_asks = run(NeverIdle)
+    assert resting.token_ids == asking.token_ids
+    probes = resting.stats.by_source["draft"].steps
+    assert probes >= asking.stats.by_source["draft"].steps - 1 and probes >= 3  # probed as often
+    assert every_step_asks >= asking.stats.steps - 2  # every step but the prefill's and the last
+    assert resting_asks < 0.4 * every_step_asks  # against asked little in between
