@@ -1011,3 +1011,18 @@ def test_behind_a_draft_model_that_is_off_the_chain_rests_and_the_draft_model_is
     assert probes >= asking.stats.by_source["draft"].steps - 1 and probes >= 3  # probed as often
     assert every_step_asks >= asking.stats.steps - 2  # every step but the prefill's and the last
     assert resting_asks < 0.4 * every_step_asks  # against asked little in between
+
+
+def test_a_lone_draft_model_is_asked_on_every_step_even_while_it_is_off():
+    """IdleBackoff is for cheap drafters: a lone draft model switched off is asked (and its
+    controller probes it) as before."""
+    table = hashed_logits(VOCAB, salt=11, spread=3.0)
+    clock = SimClock()
+    draft = DraftModelDrafter(CostedFake(agreeing_draft(table, 0.0), clock, 0.05, 0.0))
+    asked = []
+    draft.propose = lambda *args, propose=draft.propose: asked.append(1) or propose(*args)
+    engine = SpeculativeEngine(CostedFake(table, clock, 1.0, 0.05), draft, clock=clock)
+    engine.gate = AlwaysSpeculate()
+    result = engine.run([1, 2, 3], GenerationParams(200, draft_len=8, adaptive=True), complete_cache=False)
+    assert result.stats.by_source["none"].steps > 150  # off for most of the run
+    assert len(asked) >= result.stats.steps - 2  # yet asked on every step but the prefill's and the last
