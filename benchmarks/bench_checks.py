@@ -149,19 +149,17 @@ def chain_table(doc: dict, chain: str = "lookup+draft", parts: tuple[str, ...] =
         return []
     category, rate = run_rates(doc)
     repeats = range(doc["config"]["repeat"])
-    logs: dict[str, list[float]] = {}
+    ratios: dict[str, list[float]] = {}
     for index in sorted(category):
-        def median(variant: str, index: int = index) -> float:
-            return statistics.median(rate[(index, variant, r)] for r in repeats)
-
-        ratio = median(chain) / max(median(part) for part in parts)
+        medians = {v: statistics.median(rate[(index, v, r)] for r in repeats) for v in (chain, *parts)}
+        ratio = medians[chain] / max(medians[part] for part in parts)
         for group in (category[index], "all prompts"):
-            logs.setdefault(group, []).append(math.log(ratio))
+            ratios.setdefault(group, []).append(ratio)
     lines = [f"| category | {chain} / better of {' and '.join(parts)}, geometric mean | 90% interval over prompts |",
              "|---|---|---|"]
-    logs["all prompts"] = logs.pop("all prompts")  # last, as in the other tables
-    for group, values in logs.items():
-        mean, low, high = geometric_mean_interval(np.exp(values))
+    ratios["all prompts"] = ratios.pop("all prompts")  # last, as in the other tables
+    for group, values in ratios.items():
+        mean, low, high = geometric_mean_interval(values)
         lines.append(f"| {group} | {mean:.3f} | {low:.3f} - {high:.3f} |")
     return lines
 

@@ -366,29 +366,32 @@ class SpeculativeEngine:
         if self.drafter is None or draft_len <= 0:
             return EMPTY_PROPOSAL, False
         proposal = self.drafter.propose(context, draft_len, sampling, rng)
-        passed_over = getattr(self.drafter, "passed_over", ())
-        found = any(made.tokens and made.source not in policy_sources for made in (*passed_over, proposal))
-        if not adaptive or not found:
-            return proposal, found
-        for made in (*passed_over, proposal):
-            if made.tokens and made.source not in policy_sources:  # a cheap drafter's: score it whole
-                controller = self._controller_for(made.source, params.draft_len, kind=made.kind)
-                self._scores.add(controller, len(context), made.tokens)
+        made = (*getattr(self.drafter, "passed_over", ()), proposal)
+        cheap = [each for each in made if each.tokens and each.source not in policy_sources]
+        if not adaptive or not cheap:
+            return proposal, bool(cheap)
+        for each in cheap:  # a cheap drafter's proposal: scored whole against the output
+            controller = self._controller_for(each.source, params.draft_len, kind=each.kind)
+            self._scores.add(controller, len(context), each.tokens)
         if proposal.tokens and proposal.source not in policy_sources:
             # A cheap drafter's tokens cost nothing to drop: keep the worthwhile prefix.
             keep = self._controller_for(proposal.source, params.draft_len, kind=proposal.kind).choose(len(proposal))
             proposal = proposal.prefix(keep)
-        return proposal, found
+        return proposal, True
 
     def _paid_pass(self, max_draft_len: int, paid: set[str]) -> bool:
         """May the drafters go unasked on this step, as far as the draft models are concerned
         (not while one is on or due for a probe)? If so, the step counts towards their probes."""
-        controllers = [self._controller_for(source, max_draft_len) for source in paid]
+        controllers = self._paid_controllers(max_draft_len, paid)
         if not all(controller.may_pass() for controller in controllers):
             return False
         for controller in controllers:
             controller.pass_step()
         return True
+
+    def _paid_controllers(self, max_draft_len: int, paid: set[str]) -> list[DraftLengthController]:
+        """The controllers of the drafters that pay per drafted token (their length policies)."""
+        return [self._controller_for(source, max_draft_len) for source in paid]
 
     def _prior(self, source: str, kind: str) -> tuple[float, bool]:
         """The acceptance a controller presumes before evidence, and whether it was measured.
@@ -471,7 +474,7 @@ class SpeculativeEngine:
         expects. Unmeasured sides are explored. A declined proposal is still scored
         against the output (ProposalScores), so the cheap source's estimates stay current.
         """
-        paid_controllers = [self._controller_for(source, max_draft_len) for source in paid]
+        paid_controllers = self._paid_controllers(max_draft_len, paid)
         if not any(controller.speculating for controller in paid_controllers):
             # Switched off, the draft model would propose nothing: the cheap proposal is all
             # there is (and weighing it cost ~25 us a step, 2% of a tiny-regime step).
