@@ -81,12 +81,15 @@ def write_gguf(
     tokenizer_json: str,
     chat_template: str | None = None,
     dtype: str = "F16",
+    tokenizer_pre: str = "gpt-2",
 ) -> Path:
     """Write a llama.cpp GGUF file for ``config`` and HF-layout ``weights``.
 
     ``dtype`` (F32, F16 or Q8_0) applies to the matrices; norm weights and biases
     are always F32, and Q8_0 falls back to F16 for rows not a multiple of 32 long.
-    The tokenizer must be byte-level BPE (see :mod:`specrun.modelkit.tokenizer`).
+    The tokenizer must be byte-level BPE (see :mod:`specrun.modelkit.tokenizer`);
+    ``tokenizer_pre`` names the pre-tokenizer llama.cpp applies (``tokenizer.ggml.pre``),
+    which only ``gpt-2`` makes match ``tokenizer_json``.
     """
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
@@ -104,7 +107,7 @@ def write_gguf(
     path = Path(path)
     writer = gguf.GGUFWriter(path, config.arch)
     _add_hparams(writer, config, dtype)
-    _add_tokenizer(writer, config, vocab, chat_template)
+    _add_tokenizer(writer, config, vocab, chat_template, tokenizer_pre)
     for hf_name in weight_names(config):
         data, raw_dtype = _encode_tensor(_to_gguf_layout(config, hf_name, weights[hf_name]), dtype)
         writer.add_tensor(gguf_tensor_name(hf_name), data, raw_dtype=raw_dtype)
@@ -122,33 +125,48 @@ def read_gguf(path: str | Path) -> tuple[ModelConfig, dict[str, np.ndarray], str
     dequantized to float32 in HF naming and layout.
     """
     reader = gguf.GGUFReader(str(path))
-    fields = {name: _field_value(field) for name, field in reader.fields.items()}
+    fields = read_fields(reader)
     tensors = {tensor.name: tensor for tensor in reader.tensors}
     if fields.get(gguf.Keys.Tokenizer.MODEL) != "gpt2":
         raise ValueError(f"{path}: only byte-level BPE vocabularies (tokenizer.ggml.model gpt2) can be read")
-    vocab = _read_vocab(fields)
-    config = _read_config(fields, vocab, tie_embeddings="output.weight" not in tensors)
+    vocab = read_vocab(fields)
+    config = read_config(fields, vocab, tie_embeddings="output.weight" not in tensors)
     weights = {}
     for hf_name in weight_names(config):
         tensor = tensors[gguf_tensor_name(hf_name)]
         data = gguf.quants.dequantize(np.asarray(tensor.data), tensor.tensor_type).astype(np.float32)
-        weights[hf_name] = _from_gguf_layout(config, hf_name, data)
+        weights[hf_name] = from_gguf_layout(config, hf_name, data)
     return config, weights, build_tokenizer_json(vocab), fields.get(gguf.Keys.Tokenizer.CHAT_TEMPLATE)
 
 
-def _read_vocab(fields: dict) -> ByteBpeVocab:
+def read_fields(reader: gguf.GGUFReader) -> dict:
+    """Every metadata field of an open GGUF as a plain Python value, by key."""
+    return {name: _field_value(field) for name, field in reader.fields.items()}
+
+
+def read_vocab(fields: dict, add_bos_default: bool = False) -> ByteBpeVocab:
+    """The byte-level BPE vocabulary of a GGUF's metadata (``tokenizer.ggml.model`` gpt2).
+
+    ``add_bos_default`` is what llama.cpp assumes when the file does not say.
+    """
     keys = gguf.Keys.Tokenizer
     token_types = fields[keys.TOKEN_TYPE]
+
+    def ids_of(kind: gguf.TokenType) -> frozenset[int]:
+        return frozenset(i for i, token_type in enumerate(token_types) if token_type == kind)
+
     return ByteBpeVocab(
         tokens=tuple(fields[keys.LIST]),
         merges=tuple(fields.get(keys.MERGES, ())),
-        special_ids=frozenset(i for i, kind in enumerate(token_types) if kind == gguf.TokenType.CONTROL),
-        add_bos=bool(fields.get(keys.ADD_BOS, False)),
+        special_ids=ids_of(gguf.TokenType.CONTROL),
+        add_bos=bool(fields.get(keys.ADD_BOS, add_bos_default)),
         bos_token_id=fields.get(keys.BOS_ID),
+        user_defined_ids=ids_of(gguf.TokenType.USER_DEFINED),
     )
 
 
-def _read_config(fields: dict, vocab: ByteBpeVocab, tie_embeddings: bool) -> ModelConfig:
+def read_config(fields: dict, vocab: ByteBpeVocab, tie_embeddings: bool) -> ModelConfig:
+    """The model description in a GGUF's metadata (``fields`` as :func:`read_fields` gives them)."""
     keys = gguf.Keys
     arch = fields[keys.General.ARCHITECTURE]
 
@@ -211,13 +229,14 @@ def _add_hparams(writer: gguf.GGUFWriter, config: ModelConfig, dtype: str) -> No
 
 
 def _add_tokenizer(
-    writer: gguf.GGUFWriter, config: ModelConfig, vocab: ByteBpeVocab, chat_template: str | None
+    writer: gguf.GGUFWriter, config: ModelConfig, vocab: ByteBpeVocab, chat_template: str | None, pre: str
 ) -> None:
     writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("gpt-2")
+    writer.add_tokenizer_pre(pre)
     writer.add_token_list(list(vocab.tokens))
-    control, normal = gguf.TokenType.CONTROL, gguf.TokenType.NORMAL
-    writer.add_token_types([control if i in vocab.special_ids else normal for i in range(len(vocab.tokens))])
+    kinds = dict.fromkeys(vocab.user_defined_ids, gguf.TokenType.USER_DEFINED)
+    kinds.update(dict.fromkeys(vocab.special_ids, gguf.TokenType.CONTROL))
+    writer.add_token_types([kinds.get(i, gguf.TokenType.NORMAL) for i in range(len(vocab.tokens))])
     writer.add_token_merges(list(vocab.merges))
     writer.add_bos_token_id(config.bos_token_id)
     writer.add_eos_token_id(config.eos_token_id)
@@ -243,7 +262,11 @@ def _to_gguf_layout(config: ModelConfig, hf_name: str, weight: np.ndarray) -> np
     return to_interleaved_rope(weight, n_heads) if n_heads else weight
 
 
-def _from_gguf_layout(config: ModelConfig, hf_name: str, weight: np.ndarray) -> np.ndarray:
+def from_gguf_layout(config: ModelConfig, hf_name: str, weight: np.ndarray) -> np.ndarray:
+    """HF row order for a tensor read from a GGUF: undoes llama's q/k reordering.
+
+    Only whole rows move, so ``weight`` may also be packed quantized rows.
+    """
     n_heads = _rope_heads(config, hf_name)
     return from_interleaved_rope(weight, n_heads) if n_heads else weight
 

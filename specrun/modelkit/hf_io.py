@@ -9,7 +9,7 @@ import numpy as np
 
 from .config import ModelConfig, weight_names
 from .gguf_io import pad_token_id
-from .tokenizer import parse_tokenizer_json
+from .tokenizer import ByteBpeVocab, parse_tokenizer_json
 
 DTYPES = ("float32", "float16")
 
@@ -45,7 +45,13 @@ def hf_config_dict(config: ModelConfig, dtype: str = "float16") -> dict:
 def tokenizer_config_dict(config: ModelConfig, tokenizer_json: str, chat_template: str | None) -> dict:
     """The ``tokenizer_config.json`` contents: special tokens, template and fast-tokenizer class."""
     vocab = parse_tokenizer_json(tokenizer_json)
-    pad_id = pad_token_id(vocab, config)
+    return vocab_tokenizer_config(config, vocab, pad_token_id(vocab, config), chat_template)
+
+
+def vocab_tokenizer_config(
+    config: ModelConfig, vocab: ByteBpeVocab, pad_id: int | None, chat_template: str | None
+) -> dict:
+    """:func:`tokenizer_config_dict` for a vocabulary already parsed, with its padding id."""
     settings = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": vocab.tokens[config.bos_token_id],
@@ -75,19 +81,33 @@ def write_hf_folder(
 
     ``dtype`` is ``float16`` or ``float32`` for every tensor. Returns the folder.
     """
-    from safetensors.numpy import save_file
-
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
+    tensors = {name: np.ascontiguousarray(weights[name], dtype=dtype) for name in weight_names(config)}
+    return write_model_files(
+        path,
+        tensors,
+        hf_config_dict(config, dtype),
+        tokenizer_json,
+        tokenizer_config_dict(config, tokenizer_json, chat_template),
+    )
+
+
+def write_model_files(
+    path: str | Path, tensors: dict[str, np.ndarray], config_json: dict, tokenizer_json: str, tokenizer_config: dict
+) -> Path:
+    """Write ``tensors`` (as stored, any dtype) and the three JSON files of a model folder; returns it."""
+    from safetensors.numpy import save_file
+
     folder = Path(path)
     folder.mkdir(parents=True, exist_ok=True)
-    tensors = {name: np.ascontiguousarray(weights[name], dtype=dtype) for name in weight_names(config)}
     save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
-    _write_json(folder / "config.json", hf_config_dict(config, dtype))
+    write_json(folder / "config.json", config_json)
     (folder / "tokenizer.json").write_text(tokenizer_json, encoding="utf-8")
-    _write_json(folder / "tokenizer_config.json", tokenizer_config_dict(config, tokenizer_json, chat_template))
+    write_json(folder / "tokenizer_config.json", tokenizer_config)
     return folder
 
 
-def _write_json(path: Path, content: dict) -> None:
+def write_json(path: Path, content: dict) -> None:
+    """``content`` as indented UTF-8 JSON, as Hugging Face writes its config files."""
     path.write_text(json.dumps(content, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")

@@ -18,6 +18,9 @@ EOS_TOKEN = "<|eos|>"
 SPECIAL_TOKENS = (PAD_TOKEN, BOS_TOKEN, EOS_TOKEN)  # ids 0, 1, 2
 PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
 
+GPT2_PRE_TOKENIZER = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True}
+"""GPT-2's regex split and byte-to-unicode mapping in one step (``tokenizer.json`` form)."""
+
 DEMO_CHAT_TEMPLATE = (
     "{% for message in messages %}"
     "{{ message['role'] }}: {{ message['content'] }}\n"
@@ -82,7 +85,9 @@ class ByteBpeVocab:
     """The parts of a byte-level BPE tokenizer that a GGUF file stores.
 
     ``tokens[i]`` is the byte-level text of token id ``i``; ``merges`` are
-    ``"left right"`` strings in rank order; ``special_ids`` are the control tokens.
+    ``"left right"`` strings in rank order; ``special_ids`` are the control tokens;
+    ``user_defined_ids`` are added tokens that are not control tokens (llama.cpp
+    matches them in any text, as Hugging Face does non-special added tokens).
     """
 
     tokens: tuple[str, ...]
@@ -90,6 +95,7 @@ class ByteBpeVocab:
     special_ids: frozenset[int]
     add_bos: bool
     bos_token_id: int | None
+    user_defined_ids: frozenset[int] = frozenset()
 
 
 def parse_tokenizer_json(tokenizer_json: str) -> ByteBpeVocab:
@@ -103,11 +109,10 @@ def parse_tokenizer_json(tokenizer_json: str) -> ByteBpeVocab:
     if model.get("type") != "BPE" or not _is_byte_level(spec.get("pre_tokenizer")):
         raise ValueError("only byte-level BPE tokenizers (GPT-2 pre-tokenizer) are supported")
     by_id: dict[int, str] = {token_id: token for token, token_id in model["vocab"].items()}
-    special_ids = set()
+    special_ids, user_defined_ids = set(), set()
     for added in spec.get("added_tokens") or []:
         by_id[added["id"]] = added["content"]
-        if added.get("special"):
-            special_ids.add(added["id"])
+        (special_ids if added.get("special") else user_defined_ids).add(added["id"])
     missing = sorted(set(range(max(by_id) + 1)) - set(by_id))
     if missing:
         raise ValueError(f"tokenizer vocabulary has holes at ids {missing[:5]}")
@@ -120,14 +125,19 @@ def parse_tokenizer_json(tokenizer_json: str) -> ByteBpeVocab:
         special_ids=frozenset(special_ids),
         add_bos=bos_token_id is not None,
         bos_token_id=bos_token_id,
+        user_defined_ids=frozenset(user_defined_ids),
     )
 
 
-def build_tokenizer_json(vocab: ByteBpeVocab) -> str:
+def build_tokenizer_json(
+    vocab: ByteBpeVocab, pre_tokenizer: dict | None = None, ignore_merges: bool = False
+) -> str:
     """Write a ``tokenizer.json`` equivalent to ``vocab`` (the inverse of :func:`parse_tokenizer_json`).
 
-    Needs no ``tokenizers`` install: the JSON is written directly in the format
-    ``tokenizers.Tokenizer.from_str`` reads.
+    ``pre_tokenizer`` is a ``tokenizer.json`` pre-tokenizer (default: GPT-2's byte-level
+    regex); ``ignore_merges`` makes a word that is itself a token one token, as Llama 3's
+    tokenizer does. Needs no ``tokenizers`` install: the JSON is written directly in the
+    format ``tokenizers.Tokenizer.from_str`` reads.
     """
     added_tokens = [
         {
@@ -137,9 +147,9 @@ def build_tokenizer_json(vocab: ByteBpeVocab) -> str:
             "lstrip": False,
             "rstrip": False,
             "normalized": False,
-            "special": True,
+            "special": token_id in vocab.special_ids,
         }
-        for token_id in sorted(vocab.special_ids)
+        for token_id in sorted(vocab.special_ids | vocab.user_defined_ids)
     ]
     spec = {
         "version": "1.0",
@@ -147,9 +157,7 @@ def build_tokenizer_json(vocab: ByteBpeVocab) -> str:
         "padding": None,
         "added_tokens": added_tokens,
         "normalizer": None,
-        "pre_tokenizer": {
-            "type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True,
-        },
+        "pre_tokenizer": pre_tokenizer or GPT2_PRE_TOKENIZER,
         "post_processor": _bos_template(vocab) if vocab.add_bos else None,
         "decoder": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True},
         "model": {
@@ -160,7 +168,7 @@ def build_tokenizer_json(vocab: ByteBpeVocab) -> str:
             "end_of_word_suffix": None,
             "fuse_unk": False,
             "byte_fallback": False,
-            "ignore_merges": False,
+            "ignore_merges": ignore_merges,
             "vocab": {token: token_id for token_id, token in enumerate(vocab.tokens)},
             "merges": [merge.split(" ") for merge in vocab.merges],
         },
