@@ -1,6 +1,6 @@
 """``specrun models``: the registry (models.toml) and the Hugging Face cache.
 
-list, info, pull, rm and check. Every MODEL argument is an alias, a local path or a
+list, info, pull, rm, check and convert. Every MODEL argument is an alias, a local path or a
 Hugging Face id (``owner/name/FILE.gguf`` for a GGUF, ``owner/name`` for an MLX repo).
 Data goes to stdout (``--json`` prints only JSON); progress and reports to stderr.
 """
@@ -10,7 +10,8 @@ from __future__ import annotations
 import contextlib
 import json
 import sys
-from typing import Annotated
+from pathlib import Path
+from typing import Annotated, Optional
 
 import typer
 from rich.console import Console
@@ -118,6 +119,39 @@ def check(
             _print_verdict(target_entry.alias, draft_entry.alias, verdict)
         if not verdict.compatible:
             raise typer.Exit(1)
+
+
+@models_app.command()
+def convert(
+    model_file: Annotated[Path, typer.Argument(help="The .gguf file (llama or qwen2 architecture).")],
+    to: Annotated[str, typer.Option("--to", help="The format to write: mlx.")],
+    out: Annotated[
+        Optional[Path], typer.Option("--out", help="The folder to write (default: <stem>-mlx beside the file).")
+    ] = None,
+    dtype: Annotated[
+        str, typer.Option("--dtype", help="float16, or q4: MLX 4-bit in groups of 32 (Q4_1 weights kept exactly).")
+    ] = "float16",
+) -> None:
+    """Convert a GGUF file into an MLX model folder (mlx-lm cannot load GGUF); print the folder's path."""
+    from specrun.backends.llama import check_gguf_file
+    from specrun.modelkit.demo import derive_once
+    from specrun.modelkit.gguf_convert import MLX_DTYPES, convert_gguf_to_mlx
+
+    with cli_errors():
+        if to != "mlx":
+            raise UsageError(f"cannot convert to {to!r}", "use --to mlx")
+        if dtype not in MLX_DTYPES:
+            raise UsageError(f"unknown --dtype {dtype!r}", f"use one of: {', '.join(MLX_DTYPES)}")
+        check_gguf_file(model_file)
+        dest = out or model_file.with_name(f"{model_file.stem}-mlx")
+        if dest.exists() and not (dest.is_dir() and not any(dest.iterdir())):
+            raise UsageError(f"{dest} already exists", "remove it or pass another --out")
+        if dest.exists():
+            dest.rmdir()  # an empty folder: the finished one takes its place
+        typer.echo(f"converting {model_file} to MLX ({dtype})", err=True)
+        # Written beside dest and renamed at the end: a failure leaves no half-written folder.
+        derive_once(dest, lambda scratch: convert_gguf_to_mlx(model_file, scratch, mlx_dtype=dtype))
+        typer.echo(str(dest))
 
 
 def _kind_for(backend: str, spec: str, entry: ModelEntry, entries: dict[str, ModelEntry]) -> str:

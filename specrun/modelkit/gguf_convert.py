@@ -1,0 +1,272 @@
+"""Convert a llama-family GGUF file into a model folder that mlx-lm loads (mlx-lm cannot read GGUF).
+
+Weights are written as float16, or as MLX affine quantized groups of 32 (``q4``). A
+GGML Q4_1 block (32 values, ``x = d * q + m``) is exactly an MLX 4-bit group
+(``w = scale * q + bias``), so Q4_1 tensors are repacked without loss; Q4_0 and Q8_0
+blocks are likewise exact (Q8_0 as MLX 8-bit, which keeps the embedding llama.cpp's
+Q4_1 files store as Q8_0 as exact as it is there). Any other type is dequantized and
+quantized afresh to 4 bits.
+
+The tokenizer is rebuilt from the GGUF vocabulary as a ``tokenizer.json`` whose
+pre-tokenizer is the one llama.cpp selects by ``tokenizer.ggml.pre``, so both backends
+split text into the same tokens. One exception outside the folder's control:
+transformers 5 builds the tokenizer of every ``qwen2`` folder with Qwen2's own regex
+and NFC normalization, whatever tokenizer.json says; that matches llama.cpp for qwen2
+GGUFs with the ``qwen2`` pre-tokenizer (real Qwen2 files) on NFC text.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import gguf
+import numpy as np
+
+from specrun.errors import ModelFileError
+
+from .config import ARCHITECTURES, ModelConfig, weight_names
+from .gguf_io import from_gguf_layout, gguf_tensor_name, read_config, read_fields, read_vocab
+from .hf_io import hf_config_dict, vocab_tokenizer_config, write_json, write_model_files
+from .tokenizer import GPT2_PRE_TOKENIZER, ByteBpeVocab, build_tokenizer_json
+
+MLX_DTYPES = ("float16", "q4")
+# Control tokens llama.cpp ends generation on by their text whatever the metadata says
+# (llama-vocab.cpp): listed as EOS in the folder too, so MLX stops where llama.cpp stops.
+_EOG_TEXTS = frozenset(
+    ("<|endoftext|>", "<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<end_of_turn>", "<|end_of_text|>", "<EOT>")
+)
+GROUP_SIZE = 32  # GGML's Q4_0/Q4_1/Q8_0 block length, and MLX's group size here
+
+
+@dataclass(frozen=True)
+class PreTokenizer:
+    """How llama.cpp splits text before BPE for one ``tokenizer.ggml.pre``, in ``tokenizer.json`` form."""
+
+    spec: dict
+    ignore_merges: bool = False  # a word that is itself a token stays one token (Llama 3)
+    add_bos_default: bool = False  # llama.cpp's add_bos when the file does not say
+
+
+def _split_then_bytes(pattern: str) -> dict:
+    """A regex split (matches kept as pieces, as llama.cpp does) followed by the byte mapping."""
+    return {
+        "type": "Sequence",
+        "pretokenizers": [
+            {"type": "Split", "pattern": {"Regex": pattern}, "behavior": "Isolated", "invert": False},
+            {**GPT2_PRE_TOKENIZER, "use_regex": False},
+        ],
+    }
+
+
+# The regexes of llama.cpp's llama-vocab.cpp (llm_tokenizer_bpe), in the case-spelled-out
+# form llama.cpp uses: Hugging Face's (?i:'s) would also match the long s "ſ".
+_QWEN2_REGEX = (
+    r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_LLAMA3_REGEX = _QWEN2_REGEX.replace(r"|\p{N}|", r"|\p{N}{1,3}|")
+_GPT2 = PreTokenizer(GPT2_PRE_TOKENIZER)
+_DIGITS_THEN_GPT2 = PreTokenizer(
+    {"type": "Sequence", "pretokenizers": [{"type": "Digits", "individual_digits": True}, GPT2_PRE_TOKENIZER]}
+)
+_QWEN2 = PreTokenizer(_split_then_bytes(_QWEN2_REGEX))
+_LLAMA3 = PreTokenizer(_split_then_bytes(_LLAMA3_REGEX), ignore_merges=True, add_bos_default=True)
+PRE_TOKENIZERS = {
+    "gpt-2": _GPT2,
+    "smollm": _DIGITS_THEN_GPT2,  # each digit alone, then GPT-2's regex
+    "starcoder": _DIGITS_THEN_GPT2,
+    "refact": _DIGITS_THEN_GPT2,
+    "qwen2": _QWEN2,
+    "deepseek-r1-qwen": _QWEN2,
+    "llama-bpe": _LLAMA3,
+    "llama3": _LLAMA3,
+    "llama-v3": _LLAMA3,
+}
+
+
+def convert_gguf_to_mlx(source: Path, out: Path, *, mlx_dtype: str = "float16") -> None:
+    """Write an mlx-lm model folder at ``out`` (which must not exist) from the GGUF ``source``.
+
+    ``mlx_dtype``: ``float16``, or ``q4`` (MLX affine 4-bit, group size 32; exact for
+    Q4_1 tensors). The folder holds config.json, model.safetensors, tokenizer.json,
+    tokenizer_config.json (with the chat template) and generation_config.json.
+    Raises :class:`ModelFileError` for a file that is not a GGUF or describes an
+    architecture or tokenizer this converter does not handle.
+    """
+    from specrun.backends.llama import check_gguf_file
+
+    if mlx_dtype not in MLX_DTYPES:
+        raise ValueError(f"mlx_dtype must be one of {MLX_DTYPES}, got {mlx_dtype!r}")
+    source = Path(source)
+    check_gguf_file(source)
+    try:
+        reader = gguf.GGUFReader(str(source))
+    except (OSError, ValueError) as exc:
+        raise ModelFileError(f"cannot read {source} as GGUF: {exc}", "download or convert the file again") from exc
+    fields = read_fields(reader)
+    tensors = {tensor.name: tensor for tensor in reader.tensors}
+    _check_supported(source, fields, tensors)
+    pre = PRE_TOKENIZERS[fields[gguf.Keys.Tokenizer.PRE]]
+    vocab = read_vocab(fields, add_bos_default=pre.add_bos_default)
+    config = read_config(fields, vocab, tie_embeddings="output.weight" not in tensors)
+
+    weights: dict[str, np.ndarray] = {}
+    per_layer_bits: dict[str, dict] = {}
+    for hf_name in weight_names(config):
+        tensor = tensors.get(gguf_tensor_name(hf_name))
+        if tensor is None:
+            raise ModelFileError(f"{source} lacks the tensor {gguf_tensor_name(hf_name)}", "convert the model again")
+        converted, bits = _mlx_tensors(config, hf_name, tensor, mlx_dtype)
+        weights.update(converted)
+        if bits not in (None, 4):
+            per_layer_bits[hf_name.removesuffix(".weight")] = {"group_size": GROUP_SIZE, "bits": bits}
+
+    keys = gguf.Keys.Tokenizer
+    eos_ids = _eos_ids(fields, vocab)
+    config_json = hf_config_dict(config, "float16")
+    if eos_ids:
+        config_json["eos_token_id"] = eos_ids[0] if len(eos_ids) == 1 else eos_ids
+    if mlx_dtype == "q4":
+        quantization = {"group_size": GROUP_SIZE, "bits": 4, "mode": "affine", **per_layer_bits}
+        config_json["quantization"] = config_json["quantization_config"] = quantization
+    tokenizer_json = build_tokenizer_json(vocab, pre.spec, pre.ignore_merges)
+    chat_template = fields.get(keys.CHAT_TEMPLATE)
+    tokenizer_config = vocab_tokenizer_config(config, vocab, fields.get(keys.PAD_ID), chat_template)
+    write_model_files(out, weights, config_json, tokenizer_json, tokenizer_config)
+    generation = {"bos_token_id": config.bos_token_id, "eos_token_id": config_json["eos_token_id"]}
+    write_json(Path(out) / "generation_config.json", generation)
+
+
+def _eos_ids(fields: dict, vocab: ByteBpeVocab) -> list[int]:
+    """The ids that end generation: the declared EOS/EOT/EOM first, then llama.cpp's by-text ones."""
+    keys = gguf.Keys.Tokenizer
+    declared = [fields[key] for key in (keys.EOS_ID, keys.EOT_ID, keys.EOM_ID) if key in fields]
+    by_text = [i for i in sorted(vocab.special_ids) if vocab.tokens[i] in _EOG_TEXTS]
+    return list(dict.fromkeys(declared + by_text))
+
+
+def _check_supported(source: Path, fields: dict, tensors: dict) -> None:
+    """One ModelFileError naming what the file uses that the conversion cannot express."""
+    arch = fields.get(gguf.Keys.General.ARCHITECTURE)
+    if arch not in ARCHITECTURES:
+        raise ModelFileError(
+            f"{source}: architecture {arch!r} cannot be converted to MLX",
+            f"supported architectures: {', '.join(ARCHITECTURES)}",
+        )
+    tokenizer_model = fields.get(gguf.Keys.Tokenizer.MODEL)
+    if tokenizer_model != "gpt2":
+        raise ModelFileError(
+            f"{source}: tokenizer type {tokenizer_model!r} cannot be converted to MLX",
+            "supported: byte-level BPE (tokenizer.ggml.model gpt2)",
+        )
+    pre = fields.get(gguf.Keys.Tokenizer.PRE)
+    if pre not in PRE_TOKENIZERS:
+        raise ModelFileError(
+            f"{source}: pre-tokenizer {pre!r} cannot be converted to MLX",
+            f"supported tokenizer.ggml.pre: {', '.join(PRE_TOKENIZERS)}",
+        )
+    heads = fields.get(gguf.Keys.Attention.HEAD_COUNT.format(arch=arch))
+    head_dim = fields.get(gguf.Keys.LLM.EMBEDDING_LENGTH.format(arch=arch), 0) // (heads or 1)
+    unsupported = {
+        "RoPE scaling": fields.get(gguf.Keys.Rope.SCALING_TYPE.format(arch=arch), "none") != "none"
+        or "rope_freqs.weight" in tensors,
+        "mixture of experts": bool(fields.get(gguf.Keys.LLM.EXPERT_COUNT.format(arch=arch))),
+        "a head size other than embedding / heads": fields.get(
+            gguf.Keys.Attention.KEY_LENGTH.format(arch=arch), head_dim
+        ) != head_dim,
+        "partial RoPE": fields.get(gguf.Keys.Rope.DIMENSION_COUNT.format(arch=arch), head_dim) != head_dim,
+    }
+    found = [feature for feature, present in unsupported.items() if present]
+    if found:
+        raise ModelFileError(
+            f"{source}: this {arch} model uses {found[0]}, which the MLX conversion does not handle",
+            f"supported: plain {', '.join(ARCHITECTURES)} models (full RoPE, no scaling, no experts)",
+        )
+
+
+def _mlx_tensors(
+    config: ModelConfig, hf_name: str, tensor: gguf.ReaderTensor, mlx_dtype: str
+) -> tuple[dict[str, np.ndarray], int | None]:
+    """The MLX tensors for one GGUF tensor, and the bits it was quantized to (None: float16)."""
+    data = np.asarray(tensor.data)
+    if mlx_dtype == "q4" and data.ndim == 2:
+        groups = _exact_groups(data, tensor.tensor_type) or _quantize_groups(_dequantize(tensor), bits=4)
+        if groups is not None:
+            values, scales, biases, bits = groups
+            if hf_name == "model.embed_tokens.weight":
+                # The embedding's dtype becomes the activations' dtype, and MLX's CPU
+                # quantized matmul is ~30x slower on float16 activations than on float32
+                # (measured on Linux); float16 scales widen to float32 exactly.
+                scales, biases = scales.astype(np.float32), biases.astype(np.float32)
+            module = hf_name.removesuffix(".weight")
+            packed = {hf_name: _pack(values, bits), f"{module}.scales": scales, f"{module}.biases": biases}
+            return {name: from_gguf_layout(config, hf_name, array) for name, array in packed.items()}, bits
+    return {hf_name: from_gguf_layout(config, hf_name, _dequantize(tensor)).astype(np.float16)}, None
+
+
+def _dequantize(tensor: gguf.ReaderTensor) -> np.ndarray:
+    return gguf.quants.dequantize(np.asarray(tensor.data), tensor.tensor_type).astype(np.float32)
+
+
+Groups = tuple[np.ndarray, np.ndarray, np.ndarray, int]
+"""(values (rows, cols) uint8, scales (rows, cols / 32) float16, biases likewise, bits):
+weight = scales * values + biases, group by group along each row."""
+
+
+def _exact_groups(data: np.ndarray, qtype: gguf.GGMLQuantizationType) -> Groups | None:
+    """The GGML blocks of ``data`` (rows, bytes) as MLX affine groups, where that is exact."""
+    rows = data.shape[0]
+    if qtype == gguf.GGMLQuantizationType.Q4_1:
+        blocks = data.reshape(rows, -1, 20)  # (rows, groups, d: f16 | m: f16 | 16 bytes of nibbles)
+        return _nibbles(blocks[..., 4:]), _f16(blocks[..., 0:2]), _f16(blocks[..., 2:4]), 4
+    if qtype == gguf.GGMLQuantizationType.Q4_0:
+        blocks = data.reshape(rows, -1, 18)  # (rows, groups, d: f16 | 16 bytes of nibbles); x = d * (q - 8)
+        scales = _f16(blocks[..., 0:2])
+        groups = _nibbles(blocks[..., 2:]), scales, scales * np.float16(-8), 4
+    elif qtype == gguf.GGMLQuantizationType.Q8_0:
+        blocks = data.reshape(rows, -1, 34)  # (rows, groups, d: f16 | 32 int8); x = d * q = d * (q + 128) - 128 d
+        scales = _f16(blocks[..., 0:2])
+        values = (blocks[..., 2:].view(np.int8).astype(np.int16) + 128).astype(np.uint8).reshape(rows, -1)
+        groups = values, scales, scales * np.float16(-128), 8
+    else:
+        return None
+    # A power-of-two multiple of a float16 is exact unless it overflows (|d| > 511 for Q8_0).
+    return groups if np.isfinite(groups[2]).all() else None
+
+
+def _f16(pairs: np.ndarray) -> np.ndarray:
+    """(rows, groups, 2) bytes -> (rows, groups) float16."""
+    return np.ascontiguousarray(pairs).view(np.float16)[..., 0]
+
+
+def _nibbles(packed: np.ndarray) -> np.ndarray:
+    """(rows, groups, 16) bytes of a GGML 4-bit block -> (rows, groups * 32) values: the low
+    nibbles are elements 0-15 of the block, the high nibbles elements 16-31."""
+    rows = packed.shape[0]
+    return np.concatenate([packed & 0x0F, packed >> 4], axis=-1).reshape(rows, -1)
+
+
+def _quantize_groups(weight: np.ndarray, bits: int) -> Groups | None:
+    """Min-max affine quantization of (rows, cols) float32 in groups of 32 (None: cols do not divide)."""
+    rows, cols = weight.shape
+    if cols % GROUP_SIZE:
+        return None
+    groups = weight.reshape(rows, -1, GROUP_SIZE)  # (rows, groups, 32)
+    levels = (1 << bits) - 1
+    low, high = groups.min(axis=-1), groups.max(axis=-1)
+    scales = ((high - low) / levels).astype(np.float16)
+    biases = low.astype(np.float16)
+    # Round against the float16 scale and bias actually stored, not the float32 ones.
+    step = np.where(scales == 0, 1, scales).astype(np.float32)[..., None]
+    values = np.rint((groups - biases.astype(np.float32)[..., None]) / step)
+    return np.clip(values, 0, levels).astype(np.uint8).reshape(rows, cols), scales, biases, bits
+
+
+def _pack(values: np.ndarray, bits: int) -> np.ndarray:
+    """(rows, cols) values -> (rows, cols * bits / 32) uint32, MLX's layout: element j of
+    each word in bits [j * bits, (j + 1) * bits)."""
+    per_word = 32 // bits
+    words = values.reshape(values.shape[0], -1, per_word).astype(np.uint32)
+    shifts = np.arange(per_word, dtype=np.uint32) * np.uint32(bits)
+    return np.bitwise_or.reduce(words << shifts, axis=-1)
