@@ -44,6 +44,11 @@ class Backend(Protocol):
         """The bytes a token contributes to output text (b"" for control tokens)."""
         ...
 
+    def control_texts(self) -> frozenset[str]:
+        """The texts that ``tokenize(..., special=True)`` turns into control tokens
+        (``<|im_start|>``, ``</s>``): never to be read that way from a user's text."""
+        ...
+
     def token_text(self, token: int) -> str:
         """The token's vocabulary entry, for comparing vocabularies."""
         ...

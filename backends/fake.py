@@ -50,6 +50,9 @@ class FakeBackend:
     def token_text(self, token: int) -> str:
         return f"<{token}>"
 
+    def control_texts(self) -> frozenset[str]:
+        return frozenset()  # tokenize reads every byte as text
+
     def chat_template(self) -> str | None:
         return None
 

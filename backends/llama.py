@@ -76,6 +76,33 @@ def check_gguf_file(path: Path) -> None:
         )
 
 
+# llama.cpp's file types (llama.h: LLAMA_FTYPE_MOSTLY_F16 = 1, LLAMA_FTYPE_MOSTLY_Q8_0 = 7)
+QUANTIZE_FTYPES = {"F16": 1, "Q8_0": 7}
+
+
+def quantize_gguf(source: Path, dest: Path, dtype: str) -> None:
+    """Write ``source`` as ``dest`` in ``dtype`` (F16 or Q8_0) with llama.cpp's own quantizer.
+
+    Requantizing (a Q4_1 file to F16, say) is allowed: the weights are what the file
+    holds, dequantized, so the copy computes the same function up to the new rounding.
+    """
+    if dtype not in QUANTIZE_FTYPES:
+        raise ValueError(f"dtype must be one of {sorted(QUANTIZE_FTYPES)}, got {dtype!r}")
+    llama_cpp = _import_llama_cpp()
+    check_gguf_file(Path(source))
+    _silence_logs(llama_cpp)
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = QUANTIZE_FTYPES[dtype]
+    params.allow_requantize = True
+    params.nthread = default_threads()
+    status = llama_cpp.llama_model_quantize(str(source).encode(), str(dest).encode(), ctypes.byref(params))
+    if status != 0:
+        raise ModelFileError(
+            f"llama.cpp could not write {Path(source).name} as {dtype} (status {status})",
+            "check the file and the free disk space",
+        )
+
+
 # ggml element types of the KV cache (ggml.h: GGML_TYPE_F32 = 0, GGML_TYPE_F16 = 1)
 KV_TYPES = {"f16": 1, "f32": 0}
 
@@ -83,14 +110,15 @@ KV_TYPES = {"f16": 1, "f32": 0}
 class LlamaCppBackend:
     """One GGUF model and one llama.cpp context (KV cache) for a single sequence.
 
-    flash_attn: None means off on CPU and llama.cpp's automatic choice with GPU layers.
-    On CPU it makes logits depend on the batch shape (measured: top-2 flips at gaps
-    of 0.0018), so verified tokens could differ from plain decoding's.
+    flash_attn: None keeps llama.cpp's automatic choice (on, where the device supports
+    it: as fast as llama.cpp's own tools); False turns it off. On a CPU flash attention
+    makes logits depend on the batch shape (measured: top-2 flips at gaps of 0.0018),
+    so verified tokens can differ from plain decoding's at near-ties.
     kv_type: the KV cache's element type, "f16" (llama.cpp's default) or "f32". Keys and
     values written by a multi-token verify pass round differently in F16 than those
     written one token at a time (measured: a greedy flip at a top-2 gap of 0.0043 with
-    a Q8_0 model); F32 makes greedy speculation bit-identical to plain decoding at twice
-    the cache memory.
+    a Q8_0 model). Flash attention off and F32 make greedy speculation bit-identical to
+    plain decoding (``--exact``) at twice the cache memory.
     """
 
     name = "llama"
@@ -143,14 +171,11 @@ class LlamaCppBackend:
         ctx_params.no_perf = True
         ctx_params.type_k = ctx_params.type_v = KV_TYPES[kv_type]
         self.kv_type = kv_type
-        if flash_attn is None:
-            # On CPU, flash attention makes logits depend on the batch shape by more than
-            # 1e-3, so verified and plain tokens could differ; off, they matched exactly.
-            flash_attn = None if gpu_layers else False
-        if flash_attn is not None:  # None keeps llama.cpp's automatic choice (GPU)
+        if flash_attn is not None:  # None keeps llama.cpp's automatic choice, its default
             ctx_params.flash_attn_type = (
                 llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash_attn else llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
             )
+        self.flash_attn = flash_attn
         self._ctx = llama_cpp.llama_init_from_model(self._model, ctx_params)
         if not self._ctx:
             llama_cpp.llama_model_free(self._model)
@@ -164,6 +189,7 @@ class LlamaCppBackend:
         self.n_vocab = llama_cpp.llama_vocab_n_tokens(self._vocab_p)
         self.vocab = self._read_vocab_info()
         self._pieces: dict[int, bytes] = {}
+        self._control_texts: frozenset[str] | None = None
         self._logits_views: dict[tuple[int, int], np.ndarray] = {}  # by (buffer address, rows)
         # llama_get_logits with an integer result: no ctypes pointer object per call.
         self._logits_address = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p)(
@@ -207,6 +233,17 @@ class LlamaCppBackend:
 
     def token_text(self, token: int) -> str:
         return self._lib.llama_vocab_get_text(self._vocab_p, token).decode("utf-8", errors="replace")
+
+    def control_texts(self) -> frozenset[str]:
+        if self._control_texts is None:
+            # llama.cpp's tokenizer reads these as tokens only with parse_special (user-defined
+            # tokens it reads either way: they are text by the vocabulary's own definition).
+            lib, vocab = self._lib, self._vocab_p
+            special = lib.LLAMA_TOKEN_ATTR_CONTROL | lib.LLAMA_TOKEN_ATTR_UNKNOWN
+            self._control_texts = frozenset(
+                self.token_text(t) for t in range(self.n_vocab) if lib.llama_vocab_get_attr(vocab, t) & special
+            )
+        return self._control_texts
 
     def chat_template(self) -> str | None:
         template = self._lib.llama_model_chat_template(self._model, None)

@@ -175,6 +175,8 @@ class TokenBytes:
         self._control = {i for i, token in added.items() if token.special} | set(hf_tokenizer.all_special_ids)
         self._plain_added = {i: token.content for i, token in added.items() if not token.special}
         self._cache: dict[int, bytes] = {}
+        # what encode(split_special_tokens=False) reads as control tokens
+        self.control_texts = frozenset(token.content for token in added.values() if token.special)
 
     def __call__(self, token: int) -> bytes:
         piece = self._cache.get(token)
@@ -303,6 +305,9 @@ class MlxBackend:
 
     def token_text(self, token: int) -> str:
         return self._hf.convert_ids_to_tokens(token) or ""
+
+    def control_texts(self) -> frozenset[str]:
+        return self._token_bytes.control_texts
 
     def chat_template(self) -> str | None:
         template = getattr(self._hf, "chat_template", None)

@@ -40,7 +40,7 @@ from specrun.kv import common_prefix_len, sequence_for
 from specrun.loading import LoadOptions, open_backend, open_pair
 from specrun.methods import DrafterOptions, build_drafter, check_method, needs_draft_model
 from specrun.stats import Stats
-from specrun.templates import ChatTemplate
+from specrun.templates import ChatTemplate, message_spans, tokenize_rendered
 
 
 @dataclass(frozen=True)
@@ -219,20 +219,15 @@ class ChatSession:
 
     def _prompt(self, messages: list[dict[str, str]]) -> tuple[str, list[int]]:
         """The rendered prompt for ``messages`` and its token ids, extending the transcript's when possible."""
-        text = self.template.render(self._with_system(messages), add_generation_prompt=True)
+        conversation = self._with_system(messages)
+        text = self.template.render(conversation, add_generation_prompt=True)
+        # The template's markers (<|im_start|>) become their tokens; what was typed stays text.
+        spans = message_spans(text, conversation)
         seen = self.transcript
         if seen.token_ids and text.startswith(seen.text):
-            added = text[len(seen.text):]
-            return text, seen.token_ids + self.target.tokenize(added, add_bos=False, special=True)
-        return text, self._tokenize_from_start(text)
-
-    def _tokenize_from_start(self, text: str) -> list[int]:
-        """Token ids of a whole rendered conversation, with exactly one BOS where the model wants one."""
-        bos_text = self.template.bos_token
-        if self.target.vocab.add_bos and bos_text and text.startswith(bos_text):
-            text = text[len(bos_text):]  # the template wrote the BOS the tokenizer adds
-        # special=True: the template's own markers (<|im_start|>, [INST]) become their tokens.
-        return self.target.tokenize(text, add_bos=self.target.vocab.add_bos, special=True)
+            added = tokenize_rendered(self.target, self.template, text, spans, start=len(seen.text))
+            return text, seen.token_ids + added
+        return text, tokenize_rendered(self.target, self.template, text, spans)
 
     def _check_fits(self, prompt_ids: list[int]) -> None:
         n_ctx = self.target.n_ctx

@@ -16,10 +16,12 @@ from specrun.cli_chat import chat_command
 from specrun.cli_common import (
     MAX_DRAFT_LEN,
     BackendOpt,
+    ChatOpt,
     CtxOpt,
     DraftLenOpt,
     DraftMinProbOpt,
     DraftOpt,
+    ExactOpt,
     GpuLayersOpt,
     KvTypeOpt,
     JsonOpt,
@@ -80,11 +82,14 @@ def generate(
     ctx: CtxOpt = None,
     threads: ThreadsOpt = None,
     gpu_layers: GpuLayersOpt = None,
-    kv_type: KvTypeOpt = "f16",
+    kv_type: KvTypeOpt = None,
+    exact: ExactOpt = False,
     registry: RegistryOpt = None,
     ngram_cache: NgramCacheOpt = None,
+    chat: ChatOpt = None,
 ) -> None:
-    """Generate a continuation of PROMPT: text to stdout, statistics to stderr."""
+    """Answer PROMPT as a chat message (with --raw, or for a completion model, continue it):
+    text to stdout, statistics to stderr."""
     with cli_errors():
         from specrun.generation import GenerateRequest, generate_text
         from specrun.loading import LoadOptions, choose_pair
@@ -92,7 +97,7 @@ def generate(
 
         check_method(method)
         check_generation_options(max_tokens, draft_len, draft_min_prob, ctx, threads)
-        check_kv_type(kv_type)
+        check_kv_type(kv_type, exact)
         sampling = checked_sampling("generate", temp, top_k, top_p, min_p, seed)
         text = read_prompt(prompt)
         target, draft = choose_pair(target, draft, registry)
@@ -106,8 +111,9 @@ def generate(
             draft_min_prob=draft_min_prob,
             sampling=sampling,
             load=LoadOptions(backend=backend, n_ctx=ctx, threads=threads, gpu_layers=gpu_layers,
-                             registry=registry, kv_type=kv_type),
+                             registry=registry, kv_type=kv_type, exact=exact),
             drafter_options=DrafterOptions(ngram_cache=ngram_cache),
+            chat=chat,
         )
         if json_output:
             result = generate_text(request)

@@ -11,8 +11,10 @@ from specrun.cli_common import (
     MAX_DRAFT_LEN,
     MAX_NEW_TOKENS,
     BackendOpt,
+    ChatOpt,
     CtxOpt,
     DraftOpt,
+    ExactOpt,
     GpuLayersOpt,
     KvTypeOpt,
     MaxTokensOpt,
@@ -51,7 +53,6 @@ BenchMinProbOpt = Annotated[
 ]
 SweepOpt = Annotated[Optional[str], typer.Option("--sweep-draft-len", help="Draft lengths to sweep: 1..8 or 2,4,6.")]
 RepeatOpt = Annotated[int, typer.Option("--repeat", help="Runs per prompt and method; medians are compared.")]
-ChatOpt = Annotated[bool, typer.Option("--chat", help="Wrap each prompt in the target's chat template.")]
 JsonOutOpt = Annotated[Optional[Path], typer.Option("--json", help="Write every figure to this file (- for stdout).")]
 ReportOpt = Annotated[Optional[Path], typer.Option("--report", help="Write a self-contained HTML report here.")]
 UntunedOpt = Annotated[
@@ -74,7 +75,7 @@ def bench(
     temp: TempOpt = 0.0,
     seed: SeedOpt = None,
     repeat: RepeatOpt = 1,
-    chat: ChatOpt = False,
+    chat: ChatOpt = None,
     json_out: JsonOutOpt = None,
     report_out: ReportOpt = None,
     untuned: UntunedOpt = False,
@@ -82,7 +83,8 @@ def bench(
     ctx: CtxOpt = None,
     threads: ThreadsOpt = None,
     gpu_layers: GpuLayersOpt = None,
-    kv_type: KvTypeOpt = "f16",
+    kv_type: KvTypeOpt = None,
+    exact: ExactOpt = False,
     registry: RegistryOpt = None,
 ) -> None:
     """Which speculation method is fastest on this machine? Tables to stdout, progress to stderr.
@@ -103,7 +105,7 @@ def bench(
         check_range("--ctx", ctx, 16, 1 << 20)
         check_range("--threads", threads, 1, 1024)
         check_range("--draft-min-prob", draft_min_prob, 0.0, 1.0)
-        check_kv_type(kv_type)
+        check_kv_type(kv_type, exact)
         sampling = checked_sampling("bench", temp, 0, 1.0, 0.0, seed)
         target = target or DEFAULT_TARGET
         draft = draft or suggested_draft(target, registry)
@@ -130,7 +132,7 @@ def bench(
             suite=suite_name,
             use_tuned=not untuned,
             load=LoadOptions(backend=backend, n_ctx=ctx, threads=threads, gpu_layers=gpu_layers,
-                             registry=registry, kv_type=kv_type),
+                             registry=registry, kv_type=kv_type, exact=exact),
         )
         run_and_show(config, bench_prompts, json_out, report_out)
 

@@ -27,6 +27,7 @@ from specrun.cli_common import (
     DraftLenOpt,
     DraftMinProbOpt,
     DraftOpt,
+    ExactOpt,
     GpuLayersOpt,
     KvTypeOpt,
     MaxTokensOpt,
@@ -100,7 +101,8 @@ def chat_command(
     ctx: CtxOpt = None,
     threads: ThreadsOpt = None,
     gpu_layers: GpuLayersOpt = None,
-    kv_type: KvTypeOpt = "f16",
+    kv_type: KvTypeOpt = None,
+    exact: ExactOpt = False,
     registry: RegistryOpt = None,
     ngram_cache: NgramCacheOpt = None,
 ) -> None:
@@ -113,7 +115,7 @@ def chat_command(
 
         check_method(method)
         check_generation_options(max_tokens, draft_len, draft_min_prob, ctx, threads)
-        check_kv_type(kv_type)
+        check_kv_type(kv_type, exact)
         # The session fills in the draft length: the user's, else the longest an adaptive run may choose.
         params = GenerationParams(max_tokens, 0, checked_sampling("chat", temp, top_k, top_p, min_p, seed))
         interactive = sys.stdin.isatty()
@@ -124,7 +126,7 @@ def chat_command(
             show_accept = sys.stdout.isatty() and not json_output
         view = AnswerView(show_accept, json_output)
         options = LoadOptions(backend=backend, n_ctx=ctx, threads=threads, gpu_layers=gpu_layers,
-                              registry=registry, kv_type=kv_type)
+                              registry=registry, kv_type=kv_type, exact=exact)
         target, draft = choose_pair(target, draft, registry)
         with open_chat(target, draft, method, options, system_prompt=system,
                        draft_len=draft_len, draft_min_prob=draft_min_prob, ngram_cache=ngram_cache) as session:

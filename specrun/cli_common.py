@@ -67,9 +67,14 @@ def checked_sampling(command: str, temp: float, top_k: int, top_p: float, min_p:
     return sampling
 
 
-def check_kv_type(kv_type: str) -> None:
-    if kv_type not in ("f16", "f32"):
+def check_kv_type(kv_type: str | None, exact: bool = False) -> None:
+    if kv_type is not None and kv_type not in ("f16", "f32"):
         raise UsageError(f"unknown KV cache type {kv_type!r}", "use --kv-type f16 or --kv-type f32")
+    if exact and kv_type == "f16":
+        raise UsageError(
+            "--exact contradicts --kv-type f16: bit-identical output needs an F32 KV cache",
+            "drop --kv-type f16 (or drop --exact)",
+        )
 
 
 def check_generation_options(
@@ -121,13 +126,27 @@ CtxOpt = Annotated[Optional[int], typer.Option("--ctx", help="Context size in to
 ThreadsOpt = Annotated[Optional[int], typer.Option("--threads", help="CPU threads (default: all cores).")]
 GpuLayersOpt = Annotated[Optional[int], typer.Option("--gpu-layers", help="Layers on the GPU (default: all).")]
 KvTypeOpt = Annotated[
-    str,
+    Optional[str],
+    typer.Option("--kv-type", help="llama.cpp KV cache type: f16 (default; f32 with --exact) or f32 (twice the memory)."),
+]
+ExactOpt = Annotated[
+    bool,
     typer.Option(
-        "--kv-type",
-        help="llama.cpp KV cache type: f16 (default) or f32 (twice the memory; greedy output bit-identical to plain).",
+        "--exact",
+        help="Greedy output bit-identical to plain decoding: on llama.cpp flash attention off and an F32 KV "
+        "cache, measured 9-14% slower on memory-bound models on a CPU (README). Without it outputs can differ "
+        "only where the top two logits nearly tie.",
     ),
 ]
 NgramCacheOpt = Annotated[
     Optional[Path], typer.Option("--ngram-cache", help="File the n-gram pool is loaded from and saved to.")
+]
+ChatOpt = Annotated[
+    Optional[bool],
+    typer.Option(
+        "--chat/--raw",
+        help="Send the prompt as a user message in the model's chat template, or as is "
+        "(default: --chat when the model has a template and is not a completion model such as the demo pair).",
+    ),
 ]
 RegistryOpt = Annotated[Optional[Path], typer.Option("--registry", help="Extra models.toml.")]

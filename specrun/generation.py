@@ -7,7 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from specrun.engine import Finished, GenerationParams, GenerationResult, SpeculativeEngine, TextChunk
-from specrun.loading import LoadOptions, open_pair
+from specrun.loading import LoadOptions, open_pair, prompts_as_chat
 from specrun.methods import DrafterOptions, build_drafter, is_adaptive, needs_draft_model
 from specrun.sampling import SamplingSettings
 
@@ -24,6 +24,7 @@ class GenerateRequest:
     sampling: SamplingSettings = field(default_factory=SamplingSettings)
     load: LoadOptions = field(default_factory=LoadOptions)
     drafter_options: DrafterOptions = field(default_factory=DrafterOptions)
+    chat: bool | None = None  # the prompt as a user message in the chat template; None: see prompts_as_chat
 
 
 DEFAULT_DRAFT_LEN = 4
@@ -76,6 +77,16 @@ def resolve_min_prob(requested: float | None, tuned) -> float:
     return tuned.best_min_prob if tuned is not None else DEFAULT_DRAFT_MIN_PROB
 
 
+def prompt_token_ids(target, prompt: str, chat: bool) -> list[int]:
+    """The prompt as one user message in the target's chat template, as ``mlx_lm.generate``
+    and ``llama-cli`` send it, or (``chat`` false) as is."""
+    if not chat:
+        return target.tokenize(prompt, add_bos=target.vocab.add_bos)
+    from specrun.templates import render_user_prompt
+
+    return render_user_prompt(target, prompt)[1]
+
+
 def generate_text(request: GenerateRequest, on_text: Callable[[str], None] | None = None) -> GenerationResult:
     """Load the pair, generate, and return the result; ``on_text`` receives text as it streams."""
     draft_spec = request.draft if needs_draft_model(request.method) else None
@@ -92,7 +103,8 @@ def generate_text(request: GenerateRequest, on_text: Callable[[str], None] | Non
             options = dataclasses.replace(options, vocabulary=vocabulary_fingerprint(target))
         drafter = build_drafter(request.method, draft, options)
         engine = SpeculativeEngine(target, drafter, method=request.method)
-        prompt_ids = target.tokenize(request.prompt, add_bos=target.vocab.add_bos)
+        chat = prompts_as_chat(request.target, request.load.registry, target, request.chat)
+        prompt_ids = prompt_token_ids(target, request.prompt, chat)
         params = GenerationParams(
             request.max_new_tokens,
             resolve_draft_len(request.method, request.draft_len),

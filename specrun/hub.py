@@ -82,9 +82,9 @@ def pull(entry: ModelEntry, kind: str, progress: bool = False) -> Path:
     if local:
         return Path(local).expanduser()
     if entry.builtin:
-        from specrun.modelkit.demo import demo_gguf, demo_mlx_dir
+        from specrun.modelkit.builtin import builtin_gguf, builtin_mlx_dir
 
-        return demo_gguf(entry.builtin) if kind == "gguf" else demo_mlx_dir(entry.builtin)
+        return builtin_gguf(entry.builtin) if kind == "gguf" else builtin_mlx_dir(entry.builtin)
     other = "mlx" if kind == "gguf" else "llama"
     raise RegistryError(f"{entry.alias} has no {kind.upper()} source ({entry.origin})", f"try --backend {other}")
 

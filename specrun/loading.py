@@ -23,7 +23,12 @@ class LoadOptions:
     threads: int | None = None
     gpu_layers: int | None = None
     registry: Path | None = None
-    kv_type: str = "f16"  # llama.cpp's KV cache: f16 (its default) or f32 (bit-exact greedy speculation)
+    kv_type: str | None = None  # llama.cpp's KV cache: f16 or f32; None: f16 (its default), f32 when exact
+    exact: bool = False  # the settings under which greedy speculation is bit-identical to plain decoding
+
+    @property
+    def llama_kv_type(self) -> str:
+        return self.kv_type or ("f32" if self.exact else "f16")
 
 
 def resolve_gguf(spec: str, entries: dict[str, ModelEntry]) -> Path:
@@ -36,9 +41,9 @@ def resolve_gguf(spec: str, entries: dict[str, ModelEntry]) -> Path:
 
     entry = entry_for(spec, entries)
     if entry.builtin:
-        from specrun.modelkit.demo import demo_gguf
+        from specrun.modelkit.builtin import builtin_gguf
 
-        return demo_gguf(entry.builtin)
+        return builtin_gguf(entry.builtin)
     if entry.gguf_path:
         return Path(entry.gguf_path).expanduser()
     if entry.gguf_repo:
@@ -60,9 +65,9 @@ def resolve_mlx(spec: str, entries: dict[str, ModelEntry]) -> str:
         return str(path)  # MlxBackend names what is wrong with a missing or non-MLX path
     entry = entry_for(spec, entries)
     if entry.builtin:
-        from specrun.modelkit.demo import demo_mlx_dir
+        from specrun.modelkit.builtin import builtin_mlx_dir
 
-        return str(demo_mlx_dir(entry.builtin))
+        return str(builtin_mlx_dir(entry.builtin))
     if entry.mlx_path:
         return str(Path(entry.mlx_path).expanduser())
     if entry.mlx_repo:
@@ -74,6 +79,19 @@ def resolve_mlx(spec: str, entries: dict[str, ModelEntry]) -> str:
     )
 
 
+def prompts_as_chat(spec: str, registry: Path | None, target: Backend, chat: bool | None) -> bool:
+    """Does a one-shot prompt go to ``target`` as a user message in its chat template?
+    ``chat`` when the user said; else yes when the model has a template, unless the
+    registry marks it as a completion model (the demo pair: Python source, not chat)."""
+    if chat is not None:
+        return chat
+    from specrun.registry import entry_for
+
+    entries = load_registry(registry)
+    completion = spec in entries and entry_for(spec, entries).completion
+    return not completion and target.chat_template() is not None
+
+
 def open_backend(spec: str, options: LoadOptions, entries: dict[str, ModelEntry] | None = None) -> Backend:
     """Load one model on the chosen backend."""
     entries = entries if entries is not None else load_registry(options.registry)
@@ -81,7 +99,7 @@ def open_backend(spec: str, options: LoadOptions, entries: dict[str, ModelEntry]
     if backend == "mlx":
         from specrun.backends.mlx import MlxBackend
 
-        if options.kv_type != "f16":
+        if options.kv_type == "f32":
             raise UsageError(
                 f"--kv-type {options.kv_type} applies to the llama.cpp backend only",
                 "drop --kv-type, or pass --backend llama",
@@ -94,7 +112,8 @@ def open_backend(spec: str, options: LoadOptions, entries: dict[str, ModelEntry]
         n_ctx=options.n_ctx,
         n_threads=options.threads,
         gpu_layers=options.gpu_layers,
-        kv_type=options.kv_type,
+        kv_type=options.llama_kv_type,
+        flash_attn=False if options.exact else None,  # None: llama.cpp's automatic choice
     )
 
 

@@ -35,6 +35,7 @@ ENTRY_KEYS: dict[str, type | tuple[type, ...]] = {
     "mlx_path": str,
     "drafts": list,
     "verified": bool,
+    "completion": bool,
 }
 SOURCE_KEYS = ("builtin", "gguf_repo", "gguf_path", "mlx_repo", "mlx_path")
 LOCAL_ORIGIN = "a local path"  # the origin of entries made from what a user typed
@@ -68,6 +69,7 @@ class ModelEntry:
     mlx_path: str = ""
     drafts: tuple[str, ...] = field(default=())
     verified: bool = True  # repo ids and file names checked against public listings
+    completion: bool = False  # a model for text completion: prompts go to it as typed, not in its chat template
 
 
 def shipped_registry_path() -> Path:

@@ -167,3 +167,88 @@ class ChatTemplate:
                 f"the model's chat template failed: {type(exc).__name__}: {exc}",
                 "use a model with a working chat template",
             ) from None
+
+
+def message_spans(text: str, messages: Sequence[dict[str, str]], start: int = 0) -> list[tuple[int, int]]:
+    """Where each message's content stands in ``text`` (a rendering of ``messages``), in order.
+
+    Found by searching for each content after the previous one; a template that rewrote
+    a content (stripped it, say) is matched on the stripped text, and one it dropped or
+    transformed otherwise has no span.
+    """
+    spans = []
+    for message in messages:
+        content = message.get("content") or ""
+        for candidate in (content, content.strip()):
+            at = text.find(candidate, start) if candidate else -1
+            if at >= 0:
+                spans.append((at, at + len(candidate)))
+                start = at + len(candidate)
+                break
+    return spans
+
+
+def render_user_prompt(backend: Backend, user_text: str) -> tuple[str, list[int]]:
+    """One user message in ``backend``'s chat template (its default system prompt, if the
+    template has one, included), as text and token ids: what ``generate`` and ``bench`` send."""
+    template = ChatTemplate.for_backend(backend)
+    messages = [{"role": "user", "content": user_text}]
+    text = template.render(messages, add_generation_prompt=True)
+    return text, tokenize_rendered(backend, template, text, message_spans(text, messages))
+
+
+def tokenize_rendered(backend: Backend, template: ChatTemplate, text: str,
+                      spans: Sequence[tuple[int, int]], start: int = 0) -> list[int]:
+    """Token ids of ``text[start:]``, a rendered conversation (``spans`` as
+    :func:`message_spans` finds them in ``text``). From the start: exactly one BOS where
+    the model wants one, whether or not the template wrote it."""
+    add_bos = start == 0 and backend.vocab.add_bos
+    if add_bos and template.bos_token and text.startswith(template.bos_token):
+        start = len(template.bos_token)  # the template wrote the BOS the tokenizer adds
+    shifted = [(max(a, start) - start, b - start) for a, b in spans if b > start]
+    return tokenize_chat(backend, text[start:], shifted, add_bos=add_bos)
+
+
+def tokenize_chat(backend: Backend, text: str, spans: Sequence[tuple[int, int]], add_bos: bool) -> list[int]:
+    """Token ids of a rendered conversation: the template's own markers become control
+    tokens; text inside ``spans`` (what the user typed, what the model answered) never does.
+
+    Without control-token text inside a span this is exactly ``tokenize(text,
+    special=True)``. Otherwise the text is split at the template's own markers only, and
+    the pieces between them, spans included, are tokenized as plain text: what a user
+    types that looks like ``<|im_end|>`` stays those characters.
+    """
+    controls = backend.control_texts()
+    if not any(control in text[a:b] for a, b in spans for control in controls):
+        return backend.tokenize(text, add_bos=add_bos, special=True)
+    ids: list[int] = []
+    piece_start = 0
+    for at, control in _template_markers(text, spans, controls):
+        if at > piece_start or (add_bos and not ids):
+            ids += backend.tokenize(text[piece_start:at], add_bos=add_bos and not ids, special=False)
+        ids += backend.tokenize(control, add_bos=False, special=True)
+        piece_start = at + len(control)
+    if piece_start < len(text):
+        ids += backend.tokenize(text[piece_start:], add_bos=add_bos and not ids, special=False)
+    return ids
+
+
+def _template_markers(text: str, spans: Sequence[tuple[int, int]], controls: frozenset[str]):
+    """(position, control text) of every control-token text outside ``spans``, left to right,
+    the longest at a position first, as a tokenizer reads them."""
+    inside = [False] * len(text)
+    for a, b in spans:
+        inside[a:b] = [True] * (b - a)
+    found = []
+    for control in controls:
+        at = text.find(control)
+        while at >= 0:
+            if not any(inside[at : at + len(control)]):
+                found.append((at, -len(control), control))
+            at = text.find(control, at + 1)
+    found.sort()
+    end = 0
+    for at, _, control in found:
+        if at >= end:  # not overlapping a marker already taken
+            yield at, control
+            end = at + len(control)

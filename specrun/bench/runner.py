@@ -7,6 +7,8 @@ like with like.
 
 from __future__ import annotations
 
+import dataclasses
+
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -26,7 +28,7 @@ from specrun.generation import (
     load_tuned,
     resolve_min_prob,
 )
-from specrun.loading import LoadOptions, open_pair
+from specrun.loading import LoadOptions, open_pair, prompts_as_chat
 from specrun.methods import DrafterOptions, is_adaptive, needs_draft_model
 from specrun.sampling import SamplingSettings
 
@@ -43,7 +45,7 @@ class BenchConfig:
     draft_min_prob: the draft model's confidence stop; None: generate's (tune's, else
     none). adaptive_draft_len: the longest draft an adaptive line may choose; it is not
     swept. chat: wrap each prompt as a user message in the target's
-    chat template. suite: ``builtin`` or the JSONL path. use_tuned: controllers start from
+    chat template (None: as `specrun generate` decides, see ``prompts_as_chat``). suite: ``builtin`` or the JSONL path. use_tuned: controllers start from
     what `specrun tune` saved for the pair on this machine, as `specrun generate` does
     (False: from their priors).
     """
@@ -57,7 +59,7 @@ class BenchConfig:
     max_new_tokens: int = 128
     sampling: SamplingSettings = field(default_factory=SamplingSettings)
     repeat: int = 1
-    chat: bool = False
+    chat: bool | None = None
     suite: str = "builtin"
     load: LoadOptions = field(default_factory=LoadOptions)
     use_tuned: bool = True
@@ -129,6 +131,8 @@ def run_bench(config: BenchConfig, prompts: Sequence[BenchPrompt], progress: Pro
     uses_draft = any(needs_draft_model(m) for m in config.methods)
     target, draft = open_pair(config.target, config.draft if uses_draft else None, config.load)
     try:
+        chat = prompts_as_chat(config.target, config.load.registry, target, config.chat)
+        config = dataclasses.replace(config, chat=chat)  # the result records what was done
         tokenized = [tokenize_prompt(target, p, config.chat) for p in prompts]
         kept, skipped = _fit_context(prompts, tokenized, target.n_ctx, config.max_new_tokens)
         if not kept:
@@ -175,12 +179,11 @@ def run_bench(config: BenchConfig, prompts: Sequence[BenchPrompt], progress: Pro
 
 def tokenize_prompt(target: Backend, prompt: BenchPrompt, chat: bool) -> list[int]:
     """The prompt's token ids: its raw text, or one user message in the target's chat template."""
-    text = prompt.text
     if chat:
-        from specrun.templates import ChatTemplate
+        from specrun.templates import render_user_prompt
 
-        text = ChatTemplate.for_backend(target).render([{"role": "user", "content": text}])
-    return target.tokenize(text, add_bos=target.vocab.add_bos)
+        return render_user_prompt(target, prompt.text)[1]
+    return target.tokenize(prompt.text, add_bos=target.vocab.add_bos)
 
 
 def _fit_context(

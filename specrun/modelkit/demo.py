@@ -49,16 +49,16 @@ def demo_gguf(name: str) -> Path:
     dtype = GGUF_DTYPE[name]
     if name == "demo-draft" and dtype == "F16":
         return source
-    target = _derived_path(source, f"{name}.{dtype.lower()}.gguf")
-    return _derive_once(target, lambda tmp: _write_gguf_variant(source, tmp, name, dtype))
+    target = derived_path(source, f"{name}.{dtype.lower()}.gguf")
+    return derive_once(target, lambda tmp: _write_gguf_variant(source, tmp, name, dtype))
 
 
 def demo_mlx_dir(name: str) -> Path:
     """An MLX-loadable folder (config.json, model.safetensors, tokenizer files) of a demo model."""
     _check_name(name)
     source = shipped_gguf(name)
-    target = _derived_path(source, f"{name}-mlx")
-    return _derive_once(target, lambda tmp: _write_mlx_variant(source, tmp, name))
+    target = derived_path(source, f"{name}-mlx")
+    return derive_once(target, lambda tmp: _write_mlx_variant(source, tmp, name))
 
 
 def _check_name(name: str) -> None:
@@ -66,7 +66,7 @@ def _check_name(name: str) -> None:
         raise RegistryError(f"unknown builtin model {name!r}", f"use one of: {', '.join(DEMO_MODELS)}")
 
 
-def _derived_path(source: Path, filename: str) -> Path:
+def derived_path(source: Path, filename: str) -> Path:
     digest = hashlib.sha256()
     with source.open("rb") as handle:
         for block in iter(lambda: handle.read(1 << 20), b""):
@@ -74,7 +74,7 @@ def _derived_path(source: Path, filename: str) -> Path:
     return cache_dir() / "derived" / digest.hexdigest()[:16] / filename
 
 
-def _derive_once(target: Path, write: Callable[[Path], None]) -> Path:
+def derive_once(target: Path, write: Callable[[Path], None]) -> Path:
     """Run ``write`` into a temporary path beside ``target`` and move it into place."""
     if target.exists():
         return target
