@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-import itertools
-from collections.abc import Sequence
 from functools import lru_cache
 
 import numpy as np
 
 from specrun.backends.fake import FakeBackend
-from specrun.sampling import SamplingSettings, probabilities
+
+COPYING_VOCAB = 50
+REPEATING_PROMPT = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12] * 2 + [1, 2, 3]
 
 
 def hashed_logits(vocab_size: int, salt: int, spread: float = 1.5):
@@ -29,14 +29,25 @@ def make_pair(vocab_size: int = 5, spread_target: float = 1.2, spread_draft: flo
     return target, draft
 
 
-def exact_joint(table, prompt: Sequence[int], n_tokens: int, vocab_size: int, sampling: SamplingSettings):
-    """Exact probability of every n_tokens continuation under the target's own sampling."""
-    joint = {}
-    for seq in itertools.product(range(vocab_size), repeat=n_tokens):
-        prob = 1.0
-        context = tuple(prompt)
-        for token in seq:
-            prob *= probabilities(table(context), sampling)[token]
-            context = context + (token,)
-        joint[seq] = prob
-    return joint
+def copying_logits(salt: int, copy_bonus: float = 6.0, vocab_size: int = COPYING_VOCAB):
+    """A target that mostly repeats what followed the last token's previous occurrence."""
+    noise = hashed_logits(vocab_size, salt, spread=1.5)
+
+    @lru_cache(maxsize=None)
+    def table(context: tuple[int, ...]) -> np.ndarray:
+        logits = noise(context).copy()
+        last = context[-1]
+        for i in range(len(context) - 2, -1, -1):
+            if context[i] == last:
+                logits[context[i + 1]] += copy_bonus
+                break
+        return logits
+
+    return table
+
+
+def noisy_copy(salt: int, vocab_size: int = COPYING_VOCAB):
+    """A draft model: the copying target plus noise, so it agrees often but not always."""
+    target = copying_logits(salt, vocab_size=vocab_size)
+    extra = hashed_logits(vocab_size, salt + 100, spread=1.5)
+    return lambda context: target(context) + extra(context)

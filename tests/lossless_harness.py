@@ -1,0 +1,470 @@
+"""The statistical harness every losslessness test runs through; the mutation check reuses it.
+
+The target's distribution along each output comes from a reference computed apart from the
+engine: the oracle (tests/oracle.py) on a fake's logit table, or on a real backend the output
+replayed one token at a time through a second copy of the target. Against it:
+
+- chi-square of many seeded short outputs against their exact joint distribution (fake
+  backends, where it is enumerable), and no sequence of probability 0 may appear;
+- the acceptance count. Given everything before it, a draft at a verified position is
+  accepted with probability min(1, p_target(x) / p_draft(x)) (p_target(x) for a one-hot
+  proposal). Summed over every position verified, accepted minus that expectation has mean
+  0 and a known variance whatever the drafter, the draft lengths or the adaptive choices,
+  so a z-score catches over- and under-acceptance the chi-square is too weak to see;
+- for long outputs, where no joint is enumerable, every token's randomised probability
+  integral transform u = F(t - 1) + v * p(t), v uniform: exactly when each token was drawn
+  from the target's distribution the u are independent and uniform on [0, 1).
+
+Thresholds (the tests use fixed seeds, so a passing test passes deterministically; these say
+how likely a fresh choice of seeds is to fail correct code): chi-square p < ALPHA = 1e-3,
+|z| > MAX_Z = 4 (two-sided 6e-5), PIT chi-square p < ALPHA.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+from scipy import stats as scipy_stats
+
+import specrun.engine
+from oracle import distribution, exact_joint
+from specrun.engine import GenerationParams, SpeculativeEngine
+from specrun.methods import METHODS, DrafterOptions, build_drafter, is_adaptive, needs_draft_model, resolve_method
+from specrun.sampling import SamplingSettings
+from specrun.stats import Stats
+
+ALPHA = 1e-3
+MAX_Z = 4.0
+PIT_BINS = 20
+
+
+def chi_square_p(counts: Counter, joint: dict, runs: int) -> float:
+    """p-value of observed continuation counts against the exact joint distribution.
+
+    Cells with expected count below 5 are pooled into one. Sequences of probability 0
+    must not have been produced (checked by ``impossible``, not here).
+    """
+    cells = sorted(joint, key=joint.get)
+    observed, expected = [], []
+    pooled_obs = pooled_exp = 0.0
+    for seq in cells:
+        if joint[seq] * runs < 5:
+            pooled_obs += counts.get(seq, 0)
+            pooled_exp += joint[seq] * runs
+        else:
+            observed.append(counts.get(seq, 0))
+            expected.append(joint[seq] * runs)
+    if pooled_exp > 0:
+        observed.append(pooled_obs)
+        expected.append(pooled_exp)
+    expected = np.array(expected) * (sum(observed) / sum(expected))
+    return float(scipy_stats.chisquare(observed, expected).pvalue)
+
+
+def impossible(counts: Counter, joint: dict) -> list[tuple[int, ...]]:
+    """Produced sequences the target could never produce."""
+    return [seq for seq, n in counts.items() if n and joint.get(seq, 0.0) == 0.0]
+
+
+@dataclass
+class Verified:
+    """What the sampled verify passes did, accumulated over runs."""
+
+    tested: int = 0  # draft positions verified
+    accepted: int = 0
+    expected: float = 0.0  # sum of each verified position's acceptance probability
+    variance: float = 0.0
+    deepest: int = 0  # deepest draft position verified (1-based)
+    after_full_accept: int = 0  # passes with drafts right after a pass that accepted all of its
+    first_lengths: Counter = field(default_factory=Counter)  # drafts in each run's first verify pass
+    pit: list[float] = field(default_factory=list)  # randomised PIT of every output token
+
+    @property
+    def z(self) -> float:
+        return (self.accepted - self.expected) / math.sqrt(self.variance) if self.variance > 0 else 0.0
+
+    def pit_p(self) -> float:
+        """Chi-square p-value of the PIT values against the uniform distribution."""
+        bins = np.minimum((np.array(self.pit) * PIT_BINS).astype(int), PIT_BINS - 1)
+        return float(scipy_stats.chisquare(np.bincount(bins, minlength=PIT_BINS)).pvalue)
+
+    def add_run(self, passes: list[Pass], output: Sequence[int], rows: Sequence[Sequence[float]], rng) -> None:
+        """One run's verify passes and output; rows[m]: the target's distribution (from the
+        reference, not the engine) after the prompt and the first m output tokens."""
+        full_accept = False
+        for index, each in enumerate(passes):
+            n_drafted = len(each.drafts)
+            if index == 0:
+                self.first_lengths[n_drafted] += 1
+            if n_drafted and full_accept:
+                self.after_full_accept += 1
+            full_accept = n_drafted > 0 and each.n_accepted == n_drafted
+            for i in range(min(each.n_accepted + 1, n_drafted)):  # the positions verified
+                p_token = rows[each.offset + i][each.drafts[i]]
+                q_token = each.q_drafts[i]
+                accept = p_token if q_token is None else min(1.0, p_token / q_token)
+                self.tested += 1
+                self.accepted += i < each.n_accepted
+                self.expected += accept
+                self.variance += accept * (1.0 - accept)
+                self.deepest = max(self.deepest, i + 1)
+        for row, token in zip(rows, output):
+            self.pit.append(sum(row[:token]) + rng.random() * row[token])
+
+
+@dataclass(frozen=True)
+class Pass:
+    """One sampled verify pass: drafts at output offset ``offset``, p_draft of each (None:
+    one-hot), and how many were accepted."""
+
+    offset: int
+    drafts: tuple[int, ...]
+    q_drafts: tuple[float | None, ...]
+    n_accepted: int
+
+
+class VerifyRecorder:
+    """While active, records every sampled verify pass of ``engine`` (into ``passes``).
+
+    Wraps whatever ``specrun.engine.verify_sampled`` is installed, so the mutation check
+    puts a wrong one there first.
+    """
+
+    def __init__(self, engine: SpeculativeEngine, prompt: Sequence[int]) -> None:
+        self.sequence = engine.target  # its tokens: the context, then the drafts fed
+        self.prompt_len = len(prompt)
+        self.passes: list[Pass] = []
+
+    def __enter__(self) -> VerifyRecorder:
+        self._inner = specrun.engine.verify_sampled
+        specrun.engine.verify_sampled = self._verify
+        return self
+
+    def __exit__(self, *exc) -> None:
+        specrun.engine.verify_sampled = self._inner
+
+    def _verify(self, draft_tokens, p_target, p_draft, rng):
+        verdict = self._inner(draft_tokens, p_target, p_draft, rng)
+        offset = len(self.sequence.tokens) - len(draft_tokens) - self.prompt_len
+        drafts = tuple(int(token) for token in draft_tokens)
+        q_drafts = tuple(None if row is None else float(row[token]) for row, token in zip(p_draft, drafts))
+        self.passes.append(Pass(offset, drafts, q_drafts, verdict.n_accepted))
+        return verdict
+
+
+Reference = Callable[[Sequence[int], Sequence[int]], list[list[float]]]
+
+
+def oracle_reference(table, sampling: SamplingSettings) -> Reference:
+    """The target's distributions along an output, from a fake's logit table and the oracle."""
+
+    def rows(prompt: Sequence[int], output: Sequence[int]) -> list[list[float]]:
+        context = tuple(prompt)
+        return [distribution(table(context + tuple(output[:m])), sampling) for m in range(len(output))]
+
+    return rows
+
+
+@dataclass
+class Sampled:
+    """Seeded runs of one engine: counts of each output, and what was verified."""
+
+    runs: int
+    counts: Counter
+    verified: Verified
+    drafted: int
+    accepted: int
+
+
+def sample_runs(
+    engine: SpeculativeEngine,
+    prompt: Sequence[int],
+    n_tokens: int,
+    sampling: SamplingSettings,
+    runs: int,
+    draft_len: int,
+    reference: Reference,
+    adaptive: bool = False,
+    first_seed: int = 0,
+) -> Sampled:
+    """``runs`` generations of ``n_tokens`` tokens, seeds first_seed, first_seed + 1, …;
+    ``reference(prompt, output)`` gives the target's distributions along each output."""
+    counts: Counter = Counter()
+    verified = Verified()
+    pit_rng = np.random.default_rng(12345)
+    drafted = accepted = 0
+    for seed in range(first_seed, first_seed + runs):
+        params = GenerationParams(
+            max_new_tokens=n_tokens,
+            draft_len=draft_len,
+            sampling=SamplingSettings(sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p, seed),
+            stop_at_eos=False,
+            adaptive=adaptive,
+        )
+        with VerifyRecorder(engine, prompt) as recorder:
+            for step in engine.steps(prompt, params, Stats()):
+                drafted += step.n_drafted
+                accepted += step.n_accepted
+        output = tuple(engine.last_context[len(prompt):])
+        counts[output] += 1
+        verified.add_run(recorder.passes, output, reference(prompt, output), pit_rng)
+    return Sampled(runs, counts, verified, drafted, accepted)
+
+
+def lossless_problems(sampled: Sampled, joint: dict | None) -> list[str]:
+    """Every way ``sampled`` contradicts the target's own sampling (empty: consistent).
+
+    joint: the exact joint distribution of the window (None: no chi-square, PIT instead).
+    """
+    problems = []
+    if joint is not None:
+        never = impossible(sampled.counts, joint)
+        if never:
+            problems.append(f"{len(never)} sequences of probability 0 produced, e.g. {never[0]}")
+        p_value = chi_square_p(sampled.counts, joint, sampled.runs)
+        if p_value < ALPHA:
+            problems.append(f"chi-square against the exact joint: p = {p_value:.3g}")
+    else:
+        pit_p = sampled.verified.pit_p()
+        if pit_p < ALPHA:
+            problems.append(f"probability integral transform not uniform: p = {pit_p:.3g}")
+    z = sampled.verified.z
+    if abs(z) > MAX_Z:
+        seen = sampled.verified
+        problems.append(f"acceptance: {seen.accepted} of {seen.tested} accepted, {seen.expected:.0f} expected (z = {z:.1f})")
+    return problems
+
+
+# ---- the sampled scenarios on fake backends: the losslessness tests and the mutation check ----
+VOCAB = 3
+PROMPT = (0, 1, 2, 0, 1, 2, 0, 1)  # repeats itself, so prompt lookup and the n-gram pool find matches
+# The prefill's token, then a pass drafting 4 (draft positions 1-4) and, after a full accept,
+# a pass drafting 1 more: the draft model must have read its last draft and the bonus token.
+WINDOW = 8
+DRAFT_LEN = 4  # a fixed length (-k 4)
+ADAPTIVE_MAX_DRAFT_LEN = 16  # as the CLI runs every method without -k
+RUNS = 2000  # per scenario: every mutant in test_mutations.py is caught with a wide margin
+SETTINGS = {
+    "temp 1": SamplingSettings(temperature=1.0),
+    "top-k": SamplingSettings(temperature=0.8, top_k=2),
+    "top-p": SamplingSettings(temperature=0.8, top_p=0.8),
+    "min-p": SamplingSettings(temperature=1.0, min_p=0.3),
+    "every option": SamplingSettings(temperature=0.9, top_k=2, top_p=0.9, min_p=0.15),
+}
+
+
+def _target_table():
+    from fake_models import hashed_logits
+
+    return hashed_logits(VOCAB, salt=1, spread=1.2)
+
+
+def _sharper(table):
+    """The target's logits times 1.3: a draft more confident than the target, as small drafts
+    often are. Most drafts are accepted, with p_target(x) / p_draft(x) just below 1 where one
+    is not: where a few percent of over-acceptance shows most (acceptance z ~ 10 at RUNS)."""
+    return lambda context: 1.3 * table(context)
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """A method on the fake pair, sampled under ``setting`` (a SETTINGS key)."""
+
+    method: str
+    setting: str = "temp 1"
+    adaptive: bool = False  # choose draft lengths as `specrun generate` does without -k
+    sharper_draft: bool = False  # the draft is _sharper(target), not an unrelated model
+    draft_min_prob: float = 0.0  # the draft model's confidence stop (DraftModelDrafter.min_prob)
+
+    @property
+    def draft_len(self) -> int:
+        return ADAPTIVE_MAX_DRAFT_LEN if self.adaptive or is_adaptive(self.method) else DRAFT_LEN
+
+
+def _method_scenarios() -> dict[str, Scenario]:
+    scenarios = {method: Scenario(method) for method in METHODS}
+    for method in METHODS:
+        # auto is the full chain, adaptive: that one is there already.
+        if method != "none" and not is_adaptive(method) and method != resolve_method("auto"):
+            scenarios[f"{method} adaptive"] = Scenario(method, adaptive=True)
+    return scenarios
+
+
+# Every method (and each adaptive as the CLI runs it), then the sampling options through a
+# draft model and plain decoding, then a draft close to the target. A method added to
+# specrun.methods.METHODS joins this table, and the tests over it, by itself.
+SCENARIOS = {
+    **_method_scenarios(),
+    **{f"draft {name}": Scenario("draft", name) for name in SETTINGS if name != "temp 1"},
+    "none every option": Scenario("none", "every option"),
+    "sharper draft": Scenario("draft", sharper_draft=True),
+    "draft confidence stop": Scenario("draft", draft_min_prob=0.45),
+}
+
+
+def fake_engine(scenario: Scenario) -> SpeculativeEngine:
+    """The scenario's method on the fake pair. Forward passes cost simulated seconds (a target
+    pass 1 s plus 0.02 s a token, a draft token 0.02 s) so adaptive runs are deterministic
+    and find speculating worth it."""
+    from test_adaptive import CostedFake, SimClock
+
+    clock = SimClock()
+    table = _target_table()
+    draft_table = _sharper(table) if scenario.sharper_draft else _draft_table()
+    target = CostedFake(table, clock, 1.0, 0.02, vocab_size=VOCAB)
+    draft = CostedFake(draft_table, clock, 0.02, 0.0, vocab_size=VOCAB)
+    uses_draft = needs_draft_model(scenario.method) or scenario.method == "auto"
+    options = DrafterOptions(draft_min_prob=scenario.draft_min_prob)
+    drafter = build_drafter(scenario.method, draft if uses_draft else None, options)
+    return SpeculativeEngine(target, drafter, method=scenario.method, clock=clock)
+
+
+def _draft_table():
+    from fake_models import hashed_logits
+
+    return hashed_logits(VOCAB, salt=2, spread=1.2)
+
+
+def run_scenario(name: str, runs: int = RUNS, first_seed: int = 0) -> tuple[Sampled, list[str]]:
+    """``runs`` seeded windows of a scenario, and everything in them that contradicts losslessness."""
+    scenario = SCENARIOS[name]
+    engine = fake_engine(scenario)
+    sampling = SETTINGS[scenario.setting]
+    table = engine.target.backend.table
+    reference = oracle_reference(table, sampling)
+    sampled = sample_runs(
+        engine, PROMPT, WINDOW, sampling, runs, scenario.draft_len, reference, scenario.adaptive, first_seed
+    )
+    joint = exact_joint(table, PROMPT, WINDOW, sampling)
+    return sampled, lossless_problems(sampled, joint)
+
+
+# ---- greedy: every method against plain decoding on a target that copies itself ----------------
+GREEDY_NEW = 150
+
+
+def greedy_scenario(method: str, adaptive: bool = False) -> tuple[list[str], int, int]:
+    """``method`` greedy on a fake target that mostly repeats itself (so lookup and the n-gram
+    pool draft) with a noisy copy as draft model, against plain decoding: the outputs that differ
+    (a fake backend has no near-ties to excuse), and the drafts made and accepted. The engine is
+    kept from one prompt to the next, as a chat keeps it."""
+    from fake_models import COPYING_VOCAB, REPEATING_PROMPT, copying_logits, noisy_copy
+    from specrun.backends.fake import FakeBackend
+
+    table = copying_logits(salt=4)
+    draft = FakeBackend(noisy_copy(4), COPYING_VOCAB) if needs_draft_model(method) or method == "auto" else None
+    engine = SpeculativeEngine(FakeBackend(table, COPYING_VOCAB), build_drafter(method, draft), method=method)
+    plain = SpeculativeEngine(FakeBackend(table, COPYING_VOCAB))
+    params = GenerationParams(GREEDY_NEW, draft_len=ADAPTIVE_MAX_DRAFT_LEN if adaptive else DRAFT_LEN,
+                              stop_at_eos=False, adaptive=adaptive)
+    problems, drafted, accepted = [], 0, 0
+    prompts = [REPEATING_PROMPT, REPEATING_PROMPT[::-1] + [20, 21, 22, 1, 2], [7, 8, 9, 7, 8]]
+    for prompt in prompts:
+        result = engine.run(prompt, params)
+        expected = plain.run(prompt, GenerationParams(GREEDY_NEW, draft_len=0, stop_at_eos=False)).token_ids
+        if result.token_ids != expected:
+            first = next(i for i, (a, b) in enumerate(zip(result.token_ids, expected)) if a != b)
+            problems.append(f"prompt {prompt[:5]}…: token {first} differs from plain decoding")
+        drafted += result.stats.drafted
+        accepted += result.stats.accepted
+    if engine.drafter is not None:
+        engine.drafter.close()
+    return problems, drafted, accepted
+
+
+# ---- real backends: a second copy of the target as the reference ------------------------------
+# A top-2 logit gap below this is a numerical near-tie: batched and one-token kernels (and
+# llama.cpp's F16 KV cache, flash attention on or off) round differently (DESIGN.md).
+NEAR_TIE = 1e-3
+# At most this share of the prompts of a greedy test may diverge anywhere, near-ties included.
+MAX_DIVERGING_SHARE = 0.2
+
+
+def replay_logits(backend, prompt: Sequence[int], output: Sequence[int]) -> list[np.ndarray]:
+    """The target's logits (V,) after the prompt and each prefix of ``output``, on plain
+    decoding's path: the prompt in one pass, then one token at a time."""
+    from specrun.kv import sequence_for
+
+    sequence = sequence_for(backend)
+    sequence.rewind(0)
+    logits = [sequence.feed(list(prompt), [len(prompt) - 1])[0]]
+    for token in output[:-1]:
+        logits.append(sequence.feed([int(token)], [0])[0])
+    return logits
+
+
+def replay_reference(backend, sampling: SamplingSettings) -> Reference:
+    """The target's distributions along an output: replayed on ``backend`` (a second copy of
+    the target, which the engine never drives) and put through the oracle."""
+
+    def rows(prompt: Sequence[int], output: Sequence[int]) -> list[list[float]]:
+        return [distribution(row, sampling) for row in replay_logits(backend, prompt, output)]
+
+    return rows
+
+
+def greedy_divergences(backend, prompt: Sequence[int], output: Sequence[int]) -> list[tuple[int, float]]:
+    """Every position where a greedy ``output`` is not plain decoding's argmax in its own
+    context, as (position, top-2 gap), each checked: the token emitted there must be the
+    runner-up, at a gap below NEAR_TIE. ``backend``: a second copy of the target."""
+    divergences = []
+    for position, (logits, token) in enumerate(zip(replay_logits(backend, prompt, output), output)):
+        order = np.argsort(logits)
+        best, runner_up = int(order[-1]), int(order[-2])
+        if token == best:
+            continue
+        gap = float(logits[best] - logits[runner_up])
+        assert token == runner_up, f"token {position}: {token} emitted, neither the argmax {best} nor the runner-up"
+        assert gap < NEAR_TIE, f"token {position}: the runner-up emitted at a top-2 gap of {gap:.4g}"
+        divergences.append((position, gap))
+    return divergences
+
+
+def assert_few_prompts_diverge(diverging: int, prompts: int) -> None:
+    assert diverging <= MAX_DIVERGING_SHARE * prompts, f"{diverging} of {prompts} prompts diverged at near-ties"
+
+
+REAL_PROMPT = "import os\nimport sys\n\nimport os\nimport sys\n\n"  # repeats, so prompt lookup drafts too
+REAL_RUNS = 12
+REAL_TOKENS = 100  # long enough for adaptive lengths to grow to 16 (they start at 2 or 4)
+
+
+def real_scenario(target, draft, reference, method: str, sampling: SamplingSettings, adaptive: bool,
+                  runs: int = REAL_RUNS) -> tuple[Sampled, list[str]]:
+    """``method`` sampled on real backends (``draft`` should disagree with the target), checked
+    by PIT and acceptance against ``reference``, a second copy of the target. Adaptive runs go
+    as the CLI runs them (lengths up to 16) on simulated time, a target pass costing as on a
+    memory-bound machine (1 s plus 0.01 s a token) and a draft token 0.05 s, so speculating
+    pays, and the lengths chosen, and with fixed seeds the whole test, are reproducible."""
+    clock = _SimulatedTime()
+    clock.charge(target, 1.0, 0.01)
+    clock.charge(draft, 0.05, 0.0)
+    engine = SpeculativeEngine(target, build_drafter(method, draft), method=method, clock=clock)
+    draft_len = ADAPTIVE_MAX_DRAFT_LEN if adaptive or is_adaptive(method) else DRAFT_LEN
+    prompt = target.tokenize(REAL_PROMPT)
+    sampled = sample_runs(engine, prompt, REAL_TOKENS, sampling, runs, draft_len,
+                          replay_reference(reference, sampling), adaptive)
+    return sampled, lossless_problems(sampled, None)
+
+
+class _SimulatedTime:
+    """A clock that advances only by what charged backends' forward passes cost."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def charge(self, backend, per_pass: float, per_token: float) -> None:
+        forward = backend.forward
+
+        def charged(tokens, logit_rows):
+            self.now += per_pass + per_token * len(tokens)
+            return forward(tokens, logit_rows)
+
+        backend.forward = charged
