@@ -1,0 +1,159 @@
+"""The real model, side by side with llama.cpp (issue 26): SmolLM2-135M-Instruct F16 as target,
+its shipped Q4_1 file as draft, on chat-formatted Spec-Bench questions.
+
+Each prompt runs every line in turn (A B C … A B C …), each in a fresh process as a new
+user starts one: specrun's methods (``specrun generate --json``, untuned: an empty config
+folder unless --tuned), llama-cpp-python's own ``Llama.generate`` loop (plain), and, with
+--llama-bin-dir, llama.cpp's ``llama-completion`` (plain), ``llama-lookup`` and
+``llama-speculative-simple`` with the same draft. specrun gets the raw question and applies
+the chat template itself; the others get the question rendered with the model's template.
+Speeds are generation only (model load and prompt processing excluded; _llama_tools.py says
+how each line is timed); 128 new tokens, greedy, 2 threads.
+
+Reported per line: the geometric mean over prompts of the per-prompt speed ratio to
+llama-completion (to specrun none without the binaries), per category too, the worst
+prompt, acceptance (accepted / drafted tokens) and how many texts equal specrun none's.
+Raw figures go to runs/ as JSON.
+
+    .venv/bin/python benchmarks/real_model.py --llama-bin-dir /path/to/llama.cpp/build/bin
+    .venv/bin/python benchmarks/real_model.py --per-category 1 --methods none,lookup,auto   # a quick look
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from pathlib import Path
+
+from _llama_tools import (
+    Line,
+    check_bin_dir,
+    completion_line,
+    geometric_mean,
+    interleave,
+    line_summary,
+    llama_generate_line,
+    lookup_line,
+    machine_note,
+    prepare,
+    prompt_token_mismatches,
+    ratios,
+    runs_report,
+    save_report,
+    spec_bench,
+    specrun_line,
+    speculative_line,
+    untuned_env,
+)
+from _report import SPEC_BENCH
+from specrun.methods import needs_draft_model
+from specrun.modelkit.smollm2 import smollm2_gguf
+
+METHODS = "none,lookup,ngram,draft,lookup+draft,auto"
+
+
+def build_lines(args: argparse.Namespace, target: Path, draft: Path, n_ctx: int, env: dict) -> list[Line]:
+    lines = []
+    if args.llama_bin_dir:
+        tools = ("llama-completion", "llama-lookup", "llama-speculative-simple")
+        check_bin_dir(args.llama_bin_dir, tools)
+        lines += [
+            completion_line(args.llama_bin_dir, target, args.n, args.threads, n_ctx),
+            lookup_line(args.llama_bin_dir, target, args.n, args.threads, n_ctx, args.lookup_draft_max),
+            speculative_line(args.llama_bin_dir, target, draft, args.n, args.threads, n_ctx, args.spec_draft_max),
+        ]
+    lines.append(llama_generate_line(target, args.n, args.threads, n_ctx))
+    for method in args.methods.split(","):
+        method_draft = draft if needs_draft_model(method) else None
+        lines.append(specrun_line(method, target, method_draft, args.n, args.threads, env))
+    return lines
+
+
+def print_tables(lines: list[Line], baseline: Line, reference: Line | None, categories: dict[str, str]) -> dict:
+    summaries = {line.name: line_summary(line, baseline, reference) for line in lines}
+    print(f"\n| line | vs {baseline.name} | 90% interval | worst prompt | median tok/s | total tok/s "
+          f"| accepted | text = specrun none |")
+    print("|---|---|---|---|---|---|---|---|")
+    for line in lines:
+        s = summaries[line.name]
+        ratio = f"{s['ratio']:.3f}×" if "ratio" in s else "–"
+        interval = f"{s['ratio_low']:.3f}–{s['ratio_high']:.3f}" if "ratio" in s else "–"
+        worst = f"{s['worst_ratio']:.2f}× ({s['worst_prompt']})" if "ratio" in s else "–"
+        accepted = f"{100 * s['acceptance']:.1f}%" if "acceptance" in s else "–"
+        same = f"{s['same_text']}/{s['compared_texts']}" if "compared_texts" in s else "–"
+        print(f"| {line.name} | {ratio} | {interval} | {worst} | {s.get('median_tps', 0):.1f} | "
+              f"{s.get('total_tps', 0):.1f} | {accepted} | {same} |")
+
+    names = list(dict.fromkeys(categories.values()))
+    print(f"\nPer category, geometric mean of per-prompt ratios to {baseline.name}:\n")
+    print("| line | " + " | ".join(names) + " |")
+    print("|---|" + "---|" * len(names))
+    per_category: dict[str, dict[str, float]] = {}
+    for line in lines:
+        cells = []
+        for category in names:
+            ids = [pid for pid, c in categories.items() if c == category]
+            mean = geometric_mean(list(ratios(line, baseline, ids).values()))
+            per_category.setdefault(line.name, {})[category] = mean
+            cells.append(f"{mean:.2f}")
+        print(f"| {line.name} | " + " | ".join(cells) + " |")
+    for name, summary in summaries.items():
+        summary["per_category"] = per_category[name]
+    return summaries
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--questions", type=Path, default=SPEC_BENCH, help="Spec-Bench question.jsonl")
+    parser.add_argument("--per-category", type=int, default=8, help="questions per category (default 8)")
+    parser.add_argument("--categories", help="comma-separated categories (default: all)")
+    parser.add_argument("--methods", default=METHODS, help=f"specrun methods (default {METHODS})")
+    parser.add_argument("--llama-bin-dir", type=Path,
+                        help="folder with llama-completion, llama-lookup and llama-speculative-simple")
+    parser.add_argument("-n", type=int, default=128, help="new tokens (default 128)")
+    parser.add_argument("--threads", type=int, default=2, help="threads for every line (default 2)")
+    parser.add_argument("--lookup-draft-max", type=int, default=8, help="llama-lookup's --spec-draft-n-max (default 8)")
+    parser.add_argument("--spec-draft-max", type=int, default=4,
+                        help="llama-speculative-simple's --spec-draft-n-max (default 4)")
+    parser.add_argument("--tuned", action="store_true", help="let specrun read the user's tune file (default: untuned)")
+    parser.add_argument("--json", type=Path, help="raw figures (default runs/real_model-TIME.json)")
+    args = parser.parse_args(argv)
+
+    target, draft = smollm2_gguf("smollm2-135m-f16"), smollm2_gguf("smollm2-135m")  # derives the F16 copy once
+    wanted = args.categories.split(",") if args.categories else None
+    prompts, n_ctx = prepare(target, spec_bench(args.questions, args.per_category, wanted), chat=True)
+    with tempfile.TemporaryDirectory(prefix="specrun-new-user-") as config_home:
+        env = untuned_env(Path(config_home)) if not args.tuned else None
+        lines = build_lines(args, target, draft, n_ctx, env)
+        load_before = machine_note()
+        print(f"{len(prompts)} prompts × {len(lines)} lines, {load_before}", file=sys.stderr)
+        interleave(lines, prompts)
+    load_after = machine_note()
+
+    by_name = {line.name: line for line in lines}
+    baseline = by_name.get("llama-completion") or by_name.get("specrun none") or lines[0]
+    reference = by_name.get("specrun none")
+    print(f"\nSmolLM2-135M-Instruct F16 ({target.name}) + Q4_1 draft; {len(prompts)} Spec-Bench prompts "
+          f"({args.per_category} per category), {args.n} tokens, greedy, {args.threads} threads, "
+          f"fresh process per run; {load_before} before, {load_after} after")
+    summaries = print_tables(lines, baseline, reference, {p.prompt_id: p.category for p in prompts})
+    mismatches = prompt_token_mismatches(lines)
+    if mismatches:
+        print(f"\nPrompt token counts differ on {len(mismatches)} prompts (first: {mismatches[0]})")
+    for name, summary in summaries.items():
+        if summary.get("differing_prompts"):
+            print(f"{name}: text differs from specrun none on {', '.join(summary['differing_prompts'])}")
+
+    report = {
+        "target": str(target), "draft": str(draft), "n": args.n, "threads": args.threads, "n_ctx": n_ctx,
+        "baseline": baseline.name, "untuned": not args.tuned, "load_before": load_before, "load_after": load_after,
+        "prompts": [{"id": p.prompt_id, "category": p.category} for p in prompts],
+        "summary": summaries, "prompt_token_mismatches": mismatches, "runs": runs_report(lines),
+    }
+    save_report(report, args.json, "real_model")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
