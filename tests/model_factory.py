@@ -130,3 +130,19 @@ def build_tiny_model(arch: str, folder: Path, seed: int = 0) -> TinyModel:
         gguf_f32_path=gguf_f32_path,
         hf_dir=hf_dir,
     )
+
+
+def perturbed_copy(model: TinyModel, folder: Path, scale: float = 0.08, seed: int = 7) -> dict[str, Path]:
+    """A draft that agrees with ``model`` often but not always: its weights plus noise of
+    ``scale`` times each tensor's spread, as {"llama": F16 GGUF, "mlx": float32 HF folder}."""
+    rng = np.random.default_rng(seed)
+    weights = {
+        name: (w + scale * w.std() * rng.standard_normal(w.shape)).astype(np.float16).astype(np.float32)
+        for name, w in model.weights.items()
+    }
+    folder.mkdir(parents=True, exist_ok=True)
+    parts = (model.config, weights, model.tokenizer_json, model.chat_template)
+    return {
+        "llama": write_gguf(folder / "perturbed.gguf", *parts, dtype="F16"),
+        "mlx": write_hf_folder(folder / "perturbed-hf", *parts, dtype="float32"),
+    }
