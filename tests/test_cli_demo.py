@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 from typer.testing import CliRunner
 
@@ -61,7 +62,13 @@ def test_mismatch_is_located_and_measured(tiny_llama):
     wrong = baseline[:5] + [(baseline[5] + 1) % 512] + baseline[6:]
     mismatch = find_mismatch(target, 0, prompt, baseline, wrong)
     assert mismatch.position == 5
-    assert mismatch.top2_gap >= 0.0
+    # The gap measured along plain decoding's path: the prompt in one pass, then one token at a time.
+    target.rewind(0)
+    logits = target.forward(prompt, [len(prompt) - 1])[0]
+    for token in baseline[:5]:
+        logits = target.forward([token], [0])[0]
+    top2 = np.sort(logits)[-2:]
+    assert mismatch.top2_gap == pytest.approx(float(top2[1] - top2[0]), abs=1e-6)
     assert 0.0 <= mismatch.batch_rounding < 0.05  # the same context read in a batch: rounding, no more
     target.close()
 

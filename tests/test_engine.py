@@ -267,14 +267,17 @@ def test_with_a_perfect_draft_the_first_token_comes_from_the_prefill_then_k_plus
 
 
 def test_sampled_generation_is_reproducible_with_a_seed():
-    params = GenerationParams(40, 3, SamplingSettings(temperature=0.8, seed=42))
-    runs = [
-        SpeculativeEngine(fake(6), DraftModelDrafter(FakeBackend(mostly_agreeing(6, 2, 1.0), VOCAB)))
-        .run([1, 2], params)
-        .token_ids
-        for _ in range(2)
-    ]
-    assert runs[0] == runs[1]
+    """The same seed gives the same tokens, another seed others, and neither is the greedy
+    output (a seed test that would pass with the temperature ignored proves nothing)."""
+
+    def tokens(temperature: float, seed: int | None) -> list[int]:
+        params = GenerationParams(40, 3, SamplingSettings(temperature=temperature, seed=seed))
+        drafter = DraftModelDrafter(FakeBackend(mostly_agreeing(6, 2, 1.0), VOCAB))
+        return SpeculativeEngine(fake(6), drafter).run([1, 2], params).token_ids
+
+    assert tokens(0.8, 42) == tokens(0.8, 42)
+    assert tokens(0.8, 42) != tokens(0.8, 43)
+    assert tokens(0.8, 42) != tokens(0.0, None) == plain_run(fake(6), [1, 2], 40)
 
 
 def test_common_prefix_len():
