@@ -67,3 +67,33 @@ def smollm2() -> dict[str, Path]:
         if os.environ.get("CI") == "true":
             raise
         pytest.skip(exc.one_line())
+
+
+# ---- CI: a skip is a failure ---------------------------------------------------------------
+# With CI=true a missing backend, dataset or browser fails the run instead of skipping
+# silently; only a test marked ci_may_skip (a skip that says nothing is missing) may skip.
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers", "ci_may_skip(reason): a skip CI accepts, because nothing CI should have is missing"
+    )
+
+
+def _skip_as_failure(report) -> None:
+    reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+    report.outcome = "failed"
+    report.longrepr = f"skipped in CI (CI=true): {reason}"
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call):
+    report = (yield).get_result()
+    if os.environ.get("CI") == "true" and report.skipped and not hasattr(report, "wasxfail"):
+        if item.get_closest_marker("ci_may_skip") is None:
+            _skip_as_failure(report)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_make_collect_report(collector: pytest.Collector):
+    report = (yield).get_result()
+    if os.environ.get("CI") == "true" and report.skipped:  # a module-level importorskip
+        _skip_as_failure(report)
