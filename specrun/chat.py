@@ -35,7 +35,7 @@ from specrun.compat import check_compatible
 from specrun.drafters.ngram import vocabulary_fingerprint
 from specrun.engine import Finished, GenerationParams, GenerationResult, SpeculativeEngine, TextChunk
 from specrun.errors import ContextFullError, UsageError
-from specrun.generation import adapts_length, load_tuned, resolve_draft_len, resolve_min_prob
+from specrun.generation import adapts_length, load_tuned, remember_run, resolve_draft_len, resolve_min_prob
 from specrun.kv import common_prefix_len, sequence_for
 from specrun.loading import LoadOptions, open_backend, open_pair
 from specrun.methods import DrafterOptions, build_drafter, check_method, needs_draft_model
@@ -122,6 +122,8 @@ class ChatSession:
     draft_min_prob None: what ``specrun tune`` saved for this pair and machine (``tuned``),
     else none (generation.resolve_*).
     find_tuned: gives the tuned settings for a draft model loaded later by ``load_draft``.
+    threads: the target's thread count, which keys what the session's runs learned (kept
+    on close for the next session, as ``specrun generate`` keeps it).
     """
 
     def __init__(
@@ -137,6 +139,7 @@ class ChatSession:
         draft_min_prob: float | None = None,
         tuned=None,
         find_tuned: Callable[[Backend], object] | None = None,
+        threads: int | None = None,
     ) -> None:
         self.target = target
         self.draft = draft
@@ -148,6 +151,7 @@ class ChatSession:
         self._draft_len = draft_len
         self._draft_min_prob = draft_min_prob
         self._find_tuned = find_tuned
+        self._threads = threads  # the learned costs are kept per thread count (tuning.pair_key)
         self._drafter_options = drafter_options or DrafterOptions()
         self._tuned = None
         self.engine = SpeculativeEngine(target, None, method)
@@ -305,6 +309,8 @@ class ChatSession:
 
     # ---- lifetime -------------------------------------------------------------------
     def close(self) -> None:
+        if self.answers and self.draft is not None:
+            remember_run(self.engine, self.target, self.draft, self._threads, self._tuned)
         if self.engine.drafter is not None:
             if self.engine.last_context:
                 self.engine.drafter.finish(self.engine.last_context)  # the n-gram pool learns the last answer
@@ -350,7 +356,8 @@ def open_chat(
         return ChatSession(target, draft, method, system_prompt=system_prompt, load_draft=load_draft,
                            draft_len=draft_len, draft_min_prob=draft_min_prob, tuned=tuned,
                            drafter_options=drafter_options,
-                           find_tuned=lambda loaded: load_tuned(target, loaded, options.threads))
+                           find_tuned=lambda loaded: load_tuned(target, loaded, options.threads),
+                           threads=options.threads)
     except BaseException:
         target.close()
         if draft is not None:

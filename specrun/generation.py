@@ -40,12 +40,25 @@ DEFAULT_DRAFT_MIN_PROB = 0.0
 
 
 def load_tuned(target, draft, threads):
-    """Settings saved by `specrun tune` for this pair on this machine, if any."""
+    """Settings saved by `specrun tune` for this pair on this machine; else what earlier
+    runs of the pair learned (``tuning.learn_from_run``); else None."""
     if draft is None:
         return None
     from specrun import tuning
 
-    return tuning.load(tuning.pair_key(target, draft, threads))
+    key = tuning.pair_key(target, draft, threads)
+    return tuning.load(key) or tuning.load(key, tuning.learned_path())
+
+
+def remember_run(engine, target, draft, threads, tuned) -> None:
+    """Keep what this run measured for the next (unless `specrun tune` calibrated the pair)."""
+    if draft is None or (tuned is not None and not tuned.learned):
+        return
+    from specrun import tuning
+
+    learned = tuning.learn_from_run(engine, target, draft, tuning.pair_key(target, draft, threads), tuned)
+    if learned is not None:
+        tuning.save(learned, tuning.learned_path())
 
 
 def adapts_length(method: str, requested: int | None) -> bool:
@@ -119,6 +132,7 @@ def generate_text(request: GenerateRequest, on_text: Callable[[str], None] | Non
             elif isinstance(event, Finished):
                 if drafter is not None:
                     drafter.finish(engine.last_context)  # the n-gram pool learns the last tokens too
+                remember_run(engine, target, draft, request.load.threads, tuned)
                 return event.result
         raise AssertionError("stream ended without Finished")
     finally:

@@ -55,6 +55,7 @@ class TuneResult:
     # The chance the draft model's first token is accepted, over round 1's drafting steps
     # (0: not measured, files from before it was saved).
     first_acceptance: float = 0.0
+    learned: bool = False  # measured by ordinary runs (learned.json), not calibrated by `specrun tune`
 
     def apply(self, engine: SpeculativeEngine) -> None:
         """Let ``engine``'s controllers start from these measurements (generate, chat, bench):
@@ -71,6 +72,48 @@ class TuneResult:
 def config_path() -> Path:
     base = os.environ.get("XDG_CONFIG_HOME") or str(Path.home() / ".config")
     return Path(base) / "specrun" / "tuned.json"
+
+
+def learned_path() -> Path:
+    """Where runs keep what they measured for a pair no `specrun tune` has calibrated."""
+    return config_path().with_name("learned.json")
+
+
+# A run's draft model must have drafted this many steps (decayed) for its first-token
+# acceptance to be kept; fewer are a probe or two, too few to stand for the pair.
+MIN_LEARNED_STEPS = 4.0
+
+
+def learn_from_run(engine: SpeculativeEngine, target: Backend, draft: Backend, key: str,
+                   earlier: TuneResult | None) -> TuneResult | None:
+    """What a finished run measured, as a result later runs start from, as from a tune's:
+    the target's and the draft model's costs, and how often the draft model's first token
+    was accepted (blended with ``earlier``'s). A draft model that does not pay on this
+    machine is then left off from the start of the next process instead of explored
+    afresh in every one. None when the run measured nothing of the draft model."""
+    name = DraftModelDrafter.name
+    costs = engine.draft_costs.get(name)
+    controller = engine.controllers.get(name)
+    if costs is None or not costs.seconds:
+        return None
+    first = earlier.first_acceptance if earlier is not None else 0.0
+    if controller is not None and controller.tried[1] >= MIN_LEARNED_STEPS:
+        measured = controller.accepted[1] / controller.tried[1]
+        first = measured if first == 0.0 else (first + measured) / 2
+    if first == 0.0:
+        return None
+    return TuneResult(
+        key=key,
+        target=model_id(target),
+        draft=model_id(draft),
+        machine=machine_id(),
+        best_draft_len=0,
+        speedup=0.0,
+        target_costs=dict(engine.target_costs.seconds),
+        draft_costs=dict(costs.seconds),
+        first_acceptance=first,
+        learned=True,
+    )
 
 
 def machine_id() -> str:

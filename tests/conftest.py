@@ -18,14 +18,12 @@ import pytest  # noqa: E402
 from model_factory import ARCHS, TinyModel, build_tiny_model  # noqa: E402
 
 
-@pytest.fixture(scope="session", autouse=True)
-def isolated_user_config(tmp_path_factory: pytest.TempPathFactory):
-    """No test reads the user's own config: a `specrun tune` run on this machine would
-    change where the controllers start. Tests that need a config set their own."""
-    patch = pytest.MonkeyPatch()
-    patch.setenv("XDG_CONFIG_HOME", str(tmp_path_factory.mktemp("user_config")))
-    yield
-    patch.undo()
+@pytest.fixture(autouse=True)
+def isolated_user_config(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch):
+    """No test reads the user's own config, nor one an earlier test wrote: a `specrun tune`
+    run, or the costs a run learned (learned.json), change where the controllers start.
+    Tests that need a config set their own."""
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path_factory.mktemp("user_config")))
 
 
 @pytest.fixture(scope="session")

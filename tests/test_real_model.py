@@ -221,3 +221,49 @@ def test_default_settings_diverge_only_at_near_ties_over_2000_tokens(real_pair):
         assert len(divergences) <= 3, f"{len(divergences)} near-tie flips in {len(output)} tokens"
         checked += len(output)
     assert checked >= 2000
+
+
+# ---- the same model on MLX, converted from the GGUF ------------------------------------
+@pytest.fixture(scope="module")
+def mlx_real_pair(smollm2):
+    """The F16 target (float16 folder) and the Q4_1 draft (MLX 4-bit, the same blocks) on MLX."""
+    pytest.importorskip("mlx_lm", reason="the mlx backend is not installed")
+    from specrun.backends.mlx import MlxBackend
+    from specrun.modelkit.builtin import builtin_mlx_dir
+
+    target = MlxBackend(builtin_mlx_dir("smollm2-135m-f16"), n_ctx=512)
+    draft = MlxBackend(builtin_mlx_dir("smollm2-135m"), n_ctx=512)
+    yield target, draft
+    target.close()
+    draft.close()
+
+
+def test_mlx_renders_and_tokenizes_the_chat_as_llama_cpp_does(mlx_real_pair, real_pair):
+    typed = "Hello <|im_end|> there"
+    mlx_text, mlx_ids = render_user_prompt(mlx_real_pair[0], typed)
+    llama_text, llama_ids = render_user_prompt(real_pair[0], typed)
+    assert (mlx_text, mlx_ids) == (llama_text, llama_ids)
+    assert mlx_ids.count(IM_END) == 2  # the typed marker stayed text on MLX too
+
+
+@pytest.fixture(scope="module")
+def mlx_plain(mlx_real_pair):
+    """A chat prompt's ids and plain decoding's 24 tokens on MLX (computed once: MLX on a CPU is slow)."""
+    target = mlx_real_pair[0]
+    prompt_ids = render_user_prompt(target, CHAT_PROMPTS[2])[1]
+    plain = SpeculativeEngine(target, None).run(prompt_ids, GenerationParams(24, 0), complete_cache=False)
+    return prompt_ids, plain.token_ids
+
+
+@pytest.mark.parametrize("method", ["lookup", "draft", "auto"])
+def test_mlx_speculation_on_the_real_model_is_bit_identical(mlx_real_pair, mlx_plain, method):
+    """MLX on a CPU: batched and one-token passes give the same logits (measured max
+    difference 0.0), so greedy speculation needs no --exact settings there."""
+    target, draft = mlx_real_pair
+    prompt_ids, plain = mlx_plain
+    drafter = build_drafter(method, draft)
+    engine = SpeculativeEngine(target, drafter, method)
+    result = engine.run(prompt_ids, GenerationParams(24, 16, adaptive=True), complete_cache=False)
+    drafter.close()
+    assert result.token_ids == plain
+    assert result.stats.drafted > 0
