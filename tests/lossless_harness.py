@@ -11,6 +11,7 @@ replayed one token at a time through a second copy of the target. Against it:
   proposal). Summed over every position verified, accepted minus that expectation has mean
   0 and a known variance whatever the drafter, the draft lengths or the adaptive choices,
   so a z-score catches over- and under-acceptance the chi-square is too weak to see;
+- no rejected draft emitted again where the residual has no mass on it;
 - for long outputs, where no joint is enumerable, every token's randomised probability
   integral transform u = F(t - 1) + v * p(t), v uniform: exactly when each token was drawn
   from the target's distribution the u are independent and uniform on [0, 1).
@@ -81,6 +82,9 @@ class Verified:
     deepest: int = 0  # deepest draft position verified (1-based)
     after_full_accept: int = 0  # passes with drafts right after a pass that accepted all of its
     first_lengths: Counter = field(default_factory=Counter)  # drafts in each run's first verify pass
+    # Rejected drafts emitted again where the residual max(0, p_target - p_draft) clearly
+    # has no mass on them (p_target(x) < 0.9 p_draft(x); one-hot: p_draft(x) = 1): impossible.
+    reemitted: int = 0
     pit: list[float] = field(default_factory=list)  # randomised PIT of every output token
 
     @property
@@ -112,6 +116,11 @@ class Verified:
                 self.expected += accept
                 self.variance += accept * (1.0 - accept)
                 self.deepest = max(self.deepest, i + 1)
+            if each.n_accepted < n_drafted:
+                rejected = each.drafts[each.n_accepted]
+                q_rejected = each.q_drafts[each.n_accepted]
+                no_residual = rows[each.offset + each.n_accepted][rejected] < 0.9 * (1.0 if q_rejected is None else q_rejected)
+                self.reemitted += no_residual and output[each.offset + each.n_accepted] == rejected
         for row, token in zip(rows, output):
             self.pit.append(sum(row[:token]) + rng.random() * row[token])
 
@@ -232,6 +241,8 @@ def lossless_problems(sampled: Sampled, joint: dict | None) -> list[str]:
         pit_p = sampled.verified.pit_p()
         if pit_p < ALPHA:
             problems.append(f"probability integral transform not uniform: p = {pit_p:.3g}")
+    if sampled.verified.reemitted:
+        problems.append(f"{sampled.verified.reemitted} rejected drafts emitted where the residual excludes them")
     z = sampled.verified.z
     if abs(z) > MAX_Z:
         seen = sampled.verified

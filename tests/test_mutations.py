@@ -18,7 +18,8 @@ import pytest
 
 import specrun.drafters.draft_model
 import specrun.engine
-from lossless_harness import greedy_scenario, run_scenario
+from lossless_harness import greedy_scenario, real_scenario, run_scenario
+from model_factory import perturbed_copy
 from specrun.sampling import SamplingSettings, probabilities, sample
 from specrun.verify import Verdict
 
@@ -87,7 +88,9 @@ SAMPLED_VERIFIERS = {
     ),
     "min(1, q/p)": _verifier(lambda i, token, p_t, p_d, u: u < min(1.0, (1.0 if p_d is None else p_d[token]) / p_t[token])),
     "residual (q - p)+": _verifier(_correct_accept, residual=lambda p_t, p_d, token: _q_minus_p(p_t, p_d, token)),
-    "residual keeps the rejected token": _verifier(_correct_accept, residual=lambda p_t, p_d, token: p_t),
+    "resample from the target (the residual keeps the rejected token)": _verifier(
+        _correct_accept, residual=lambda p_t, p_d, token: p_t
+    ),
     "bonus token from the wrong row": _verifier(_correct_accept, bonus_row=lambda k: k - 1),
     "one uniform reused": one_uniform_reused,
     "wrong from draft position 3 on": _verifier(lambda i, token, p_t, p_d, u: i >= 2 or _correct_accept(i, token, p_t, p_d, u)),
@@ -136,7 +139,7 @@ def greedy_bonus_from_the_wrong_row(draft_tokens, target_argmax):
 class Mutant:
     name: str
     install: Callable[[pytest.MonkeyPatch], None]
-    scenario: str  # the losslessness scenario that must catch it
+    scenarios: tuple[str, ...]  # the losslessness scenarios that must each catch it
 
 
 def _install_verifier(verifier) -> Callable[[pytest.MonkeyPatch], None]:
@@ -156,33 +159,69 @@ def _install_greedy(verifier) -> Callable[[pytest.MonkeyPatch], None]:
     return lambda patch: patch.setattr(specrun.engine, "verify_greedy", verifier)
 
 
-ONE_HOT = {"never reject a one-hot proposal", "residual keeps the rejected token"}
-MUTANTS = [
-    *(Mutant(name, _install_verifier(verifier), "lookup" if name in ONE_HOT else "draft")
-      for name, verifier in SAMPLED_VERIFIERS.items()),
-    Mutant("top-p off by one", _install_sampler(top_p_off_by_one), "draft top-p"),
-    Mutant("min-p ignored", _install_sampler(min_p_ignored), "draft min-p"),
-    Mutant("greedy: accepts every draft", _install_greedy(greedy_accepts_every_draft), "greedy draft"),
-    Mutant("greedy: bonus token from the wrong row", _install_greedy(greedy_bonus_from_the_wrong_row), "greedy draft"),
-]
-
-# Every mutant goes to the scenario where it shows: rules for one-hot proposals to prompt
-# lookup, over-acceptance to a draft close to the target (acceptance z ~ 10; against an
+# Every mutant goes to the scenarios where it shows: rules for one-hot proposals to prompt
+# lookup, over-acceptance to a draft close to the target (acceptance z ~ 9; against an
 # unrelated draft it is ~ 3 at these runs), sampler bugs to the option they break.
+SCENARIOS_OF = {
+    "never reject a one-hot proposal": ("lookup",),
+    "resample from the target (the residual keeps the rejected token)": ("draft", "lookup"),
+    "over-accepting by 3%": ("sharper draft",),
+}
 MUTANTS = [
-    *(Mutant(name, _install_verifier(verifier), scenario) for name, verifier, scenario in (
-        (name, verifier, "lookup" if name in ONE_HOT else "sharper draft" if "over" in name else "draft")
-        for name, verifier in SAMPLED_VERIFIERS.items()
-    )),
-    *MUTANTS[len(SAMPLED_VERIFIERS):],
+    *(Mutant(name, _install_verifier(verifier), SCENARIOS_OF.get(name, ("draft",)))
+      for name, verifier in SAMPLED_VERIFIERS.items()),
+    Mutant("top-p off by one", _install_sampler(top_p_off_by_one), ("draft top-p",)),
+    Mutant("min-p ignored", _install_sampler(min_p_ignored), ("draft min-p",)),
+    Mutant("greedy: accepts every draft", _install_greedy(greedy_accepts_every_draft), ("greedy draft",)),
+    Mutant("greedy: bonus token from the wrong row", _install_greedy(greedy_bonus_from_the_wrong_row),
+           ("greedy draft",)),
 ]
 
 
 @pytest.mark.parametrize("mutant", MUTANTS, ids=[mutant.name for mutant in MUTANTS])
 def test_every_mutant_is_caught(mutant, monkeypatch):
     mutant.install(monkeypatch)
-    if mutant.scenario.startswith("greedy "):
-        problems, _, _ = greedy_scenario(mutant.scenario.removeprefix("greedy "))
-    else:
-        _, problems = run_scenario(mutant.scenario)
-    assert problems, f"the mutant {mutant.name!r} passed the {mutant.scenario!r} losslessness scenario"
+    for scenario in mutant.scenarios:
+        if scenario.startswith("greedy "):
+            problems, _, _ = greedy_scenario(scenario.removeprefix("greedy "))
+        else:
+            _, problems = run_scenario(scenario)
+        assert problems, f"the mutant {mutant.name!r} passed the {scenario!r} losslessness scenario"
+
+
+# ---- the real-backend test against the mutants the issue found it let through --------------
+
+
+def accept_with_probability_097(draft_tokens, p_target, p_draft, rng):
+    """Accepts each draft with probability 0.97 whatever p_target and p_draft say."""
+    for i, token in enumerate(draft_tokens):
+        if rng.random() >= 0.97:
+            return Verdict(i, sample(_residual(p_target[i], p_draft[i], int(token)), rng))
+    return Verdict(len(draft_tokens), sample(p_target[len(draft_tokens)], rng))
+
+
+REAL_MUTANTS = {
+    "accept everything": accept_everything,
+    "resample from the target": SAMPLED_VERIFIERS["resample from the target (the residual keeps the rejected token)"],
+    "accept with probability 0.97": accept_with_probability_097,
+}
+
+
+@pytest.fixture(scope="module")
+def llama_pair(tiny_llama, tmp_path_factory):
+    pytest.importorskip("llama_cpp", reason="the llama backend is not installed")
+    return tiny_llama.gguf_path, perturbed_copy(tiny_llama, tmp_path_factory.mktemp("perturbed"))["llama"]
+
+
+@pytest.mark.parametrize("name", list(REAL_MUTANTS))
+def test_the_real_backend_sampled_test_catches_a_wrong_verifier(name, llama_pair, monkeypatch):
+    """test_backend_engine's sampled test (lossless_harness.real_scenario, draft -k 4) on llama.cpp."""
+    from specrun.backends.llama import LlamaCppBackend
+
+    monkeypatch.setattr(specrun.engine, "verify_sampled", REAL_MUTANTS[name])
+    target_path, draft_path = llama_pair
+    target, reference, draft = LlamaCppBackend(target_path), LlamaCppBackend(target_path), LlamaCppBackend(draft_path)
+    _, problems = real_scenario(target, draft, reference, "draft", SamplingSettings(temperature=1.0), adaptive=False)
+    for backend in (target, reference, draft):
+        backend.close()
+    assert problems, f"the mutant {name!r} passed the real-backend sampled test"
