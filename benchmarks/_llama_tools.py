@@ -258,8 +258,11 @@ def check_bin_dir(bin_dir: Path, tools: Sequence[str]) -> None:
 
 
 # ---- the interleaved run and its summary -------------------------------------------------------
-def interleave(lines: Sequence[Line], prompts: Sequence[Prompt], label: str = "") -> None:
-    """Run every line on each prompt in turn (A B C … A B C …), filling ``line.runs``."""
+def interleave(lines: Sequence[Line], prompts: Sequence[Prompt], label: str = "") -> bool:
+    """Run every line on each prompt in turn (A B C … A B C …), filling ``line.runs``.
+
+    Ctrl-C (SIGINT) stops early and keeps the prompts that every line completed: then the
+    answer is False."""
     for index, prompt in enumerate(prompts):
         for line in lines:
             try:
@@ -267,9 +270,15 @@ def interleave(lines: Sequence[Line], prompts: Sequence[Prompt], label: str = ""
             except (RunFailed, subprocess.TimeoutExpired, json.JSONDecodeError, KeyError) as exc:
                 print(f"  {line.name} on {prompt.prompt_id} failed: {exc}", file=sys.stderr)
                 line.runs[prompt.prompt_id] = None
+            except KeyboardInterrupt:
+                for each in lines:  # a prompt that some lines missed is left out
+                    each.runs.pop(prompt.prompt_id, None)
+                print(f"{label}interrupted: {index} of {len(prompts)} prompts complete", file=sys.stderr)
+                return False
         rates = ", ".join(f"{line.name} {run.tokens_per_second:.1f}" for line in lines
                           if (run := line.runs[prompt.prompt_id]) is not None)
         print(f"{label}{index + 1}/{len(prompts)} {prompt.prompt_id}: {rates} tok/s", file=sys.stderr)
+    return True
 
 
 def ratios(line: Line, baseline: Line, prompt_ids: Sequence[str] | None = None) -> dict[str, float]:

@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
                 completion = completion_line(args.llama_bin_dir, path, args.n, args.threads, n_ctx)
                 lines.insert(0, completion)
             load = machine_note()
-            interleave(lines, prompts, label=f"{model} ")
+            complete = interleave(lines, prompts, label=f"{model} ")
             vs_generate = line_summary(ours, generate, reference=generate)
             vs_completion = line_summary(ours, completion) if completion else {}
             rows.append((model, ours, generate, completion, vs_completion, vs_generate))
@@ -104,6 +104,8 @@ def main(argv: list[str] | None = None) -> int:
                 "llama_generate_vs_llama_completion": line_summary(generate, completion) if completion else {},
                 "prompt_token_mismatches": prompt_token_mismatches(lines), "runs": runs_report(lines),
             }
+            if not complete:  # Ctrl-C: report what was measured
+                break
 
     print(f"\nspecrun --method none vs llama.cpp's plain decoding: {args.prompts} prompts per model, "
           f"{args.n} tokens, greedy, {args.threads} threads, fresh process per run, interleaved; "

@@ -134,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     by_name = {line.name: line for line in lines}
     baseline = by_name.get("llama-completion") or by_name.get("specrun none") or lines[0]
     reference = by_name.get("specrun none")
-    print(f"\nSmolLM2-135M-Instruct F16 ({target.name}) + Q4_1 draft; {len(prompts)} Spec-Bench prompts "
+    print(f"\nSmolLM2-135M-Instruct F16 ({target.name}) + Q4_1 draft; {len(baseline.runs)} of {len(prompts)} Spec-Bench prompts run "
           f"({args.per_category} per category), {args.n} tokens, greedy, {args.threads} threads, "
           f"fresh process per run; {load_before} before, {load_after} after")
     summaries = print_tables(lines, baseline, reference, {p.prompt_id: p.category for p in prompts})
