@@ -134,6 +134,7 @@ class SpeculativeEngine:
         self.controllers: dict[str, DraftLengthController] = {}  # by source, or "source:kind"
         self.prior_accepts: dict[str, float] = {}  # by drafter name: measured first-token acceptance
         self._carried_gaps: dict[str, int] = {}  # a chain's paid drafters left off by the last text (forget_acceptance)
+        self._start_off: dict[str, int] = {}  # drafters earlier processes left off (use_tuned): for the first text
         self.set_drafter(drafter, method)
 
     def use_tuned(
@@ -141,14 +142,18 @@ class SpeculativeEngine:
         target_costs: dict[int, float],
         draft_costs: dict[str, dict[int, float]],
         prior_accepts: dict[str, float] | None = None,
+        start_off: dict[str, int] | None = None,
     ) -> None:
-        """Start from what `specrun tune` measured: the target's verify costs and, by drafter
-        name, seconds to draft k tokens and how often its first token is accepted (its
-        controllers' prior, in place of the optimistic DraftLengthController.prior_accept)."""
+        """Start from what `specrun tune` (or earlier runs) measured: the target's verify costs
+        and, by drafter name, seconds to draft k tokens and how often its first token is
+        accepted (its controllers' prior, in place of the optimistic
+        DraftLengthController.prior_accept). ``start_off``: drafters that earlier runs left
+        switched off, and the probe gap they had reached: the first text starts them off."""
         self.target_costs.preload(target_costs)
         for source, seconds in draft_costs.items():
             self.draft_costs.setdefault(source, DraftCosts()).preload(seconds)
         self.prior_accepts.update(prior_accepts or {})
+        self._start_off = dict(start_off or {})
         self.controllers.clear()  # rebuilt on the new priors
 
     def forget_acceptance(self) -> None:
@@ -435,6 +440,8 @@ class SpeculativeEngine:
                 prior_measured=measured,
             )
             carried = self._carried_gaps.pop(key, None)
+            if carried is None:
+                carried = self._start_off.pop(key, None)
             if carried is not None:
                 controller.start_off(carried)
             self.controllers[key] = controller

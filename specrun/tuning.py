@@ -56,6 +56,9 @@ class TuneResult:
     # (0: not measured, files from before it was saved).
     first_acceptance: float = 0.0
     learned: bool = False  # measured by ordinary runs (learned.json), not calibrated by `specrun tune`
+    # The draft model ended the last run switched off, to be probed after this many steps
+    # (0: it ended on): the next process starts it off instead of exploring it again.
+    draft_off_gap: int = 0
 
     def apply(self, engine: SpeculativeEngine) -> None:
         """Let ``engine``'s controllers start from these measurements (generate, chat, bench):
@@ -66,6 +69,7 @@ class TuneResult:
             self.target_costs,
             {name: self.draft_costs},
             {name: self.first_acceptance} if self.first_acceptance > 0.0 else {},
+            {name: self.draft_off_gap} if self.draft_off_gap else {},
         )
 
 
@@ -87,10 +91,11 @@ MIN_LEARNED_STEPS = 4.0
 def learn_from_run(engine: SpeculativeEngine, target: Backend, draft: Backend, key: str,
                    earlier: TuneResult | None) -> TuneResult | None:
     """What a finished run measured, as a result later runs start from, as from a tune's:
-    the target's and the draft model's costs, and how often the draft model's first token
-    was accepted (blended with ``earlier``'s). A draft model that does not pay on this
-    machine is then left off from the start of the next process instead of explored
-    afresh in every one. None when the run measured nothing of the draft model."""
+    the target's and the draft model's costs, how often the draft model's first token was
+    accepted (blended with ``earlier``'s), and whether it ended switched off. A draft model
+    that does not pay on this machine then starts the next process off, probed after the
+    gap it had reached, instead of explored afresh in every one. None when the run measured
+    nothing of the draft model."""
     name = DraftModelDrafter.name
     costs = engine.draft_costs.get(name)
     controller = engine.controllers.get(name)
@@ -100,8 +105,10 @@ def learn_from_run(engine: SpeculativeEngine, target: Backend, draft: Backend, k
     if controller is not None and controller.tried[1] >= MIN_LEARNED_STEPS:
         measured = controller.accepted[1] / controller.tried[1]
         first = measured if first == 0.0 else (first + measured) / 2
-    if first == 0.0:
-        return None
+    if controller is not None:
+        off_gap = 0 if controller.speculating else controller.probe_gap
+    else:  # the run never asked it (it started off and was never probed): as it was
+        off_gap = earlier.draft_off_gap if earlier is not None else 0
     return TuneResult(
         key=key,
         target=model_id(target),
@@ -113,6 +120,7 @@ def learn_from_run(engine: SpeculativeEngine, target: Backend, draft: Backend, k
         draft_costs=dict(costs.seconds),
         first_acceptance=first,
         learned=True,
+        draft_off_gap=off_gap,
     )
 
 

@@ -27,26 +27,26 @@ PLAIN_RATE = 1 / (1.0 + 0.12)  # tokens per simulated second of the target's one
 
 
 def costly_pair():
-    """A draft right on 80% of tokens but costing 0.7 of a target pass (the Q4_1 draft of an
-    F16 target on a CPU): it never pays."""
+    """A draft right on 80% of tokens but costing 0.8 of a one-token target pass (the Q4_1
+    draft of an F16 target on a CPU): it never pays."""
     clock = SimClock()
     table = hashed_logits(VOCAB, salt=9, spread=3.0)
     target = CostedFake(table, clock, 1.0, 0.12)
-    draft = CostedFake(agreeing_draft(table, 0.8), clock, 0.7, 0.0)
+    draft = CostedFake(agreeing_draft(table, 0.8), clock, 0.9, 0.0)
     return target, draft, clock
 
 
-def test_a_draft_that_does_not_pay_is_explored_in_the_first_process_only():
+def test_a_draft_that_does_not_pay_is_explored_by_the_first_processes_only():
     target, draft, clock = costly_pair()
-    first_steps, _ = run_text(target, draft, clock, load_tuned(target, draft, None))
+    runs = [run_text(target, draft, clock, load_tuned(target, draft, None)) for _ in range(4)]
     learned = load_tuned(target, draft, None)
     assert learned is not None and learned.learned and 0.5 < learned.first_acceptance <= 1.0
+    assert learned.draft_off_gap > 8  # it ended off, its probes spaced out
     assert tuning.learned_path().exists() and not tuning.config_path().exists()
-    later = [run_text(target, draft, clock, load_tuned(target, draft, None)) for _ in range(3)]
-    assert first_steps >= 3  # the first process explored the draft model
-    for steps, rate in later:
-        assert steps <= first_steps // 2  # later ones leave it off, probing now and then
-        assert rate >= 0.97 * PLAIN_RATE
+    steps = [drafted for drafted, _ in runs]
+    assert steps[0] >= 10  # the first process explored the draft model
+    assert steps == sorted(steps, reverse=True) and steps[-1] <= 2  # later ones leave it off
+    assert runs[-1][1] >= 0.99 * PLAIN_RATE  # and no longer pay for it
 
 
 def test_without_learning_every_process_explores_again(monkeypatch):
