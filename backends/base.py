@@ -55,6 +55,12 @@ class Backend(Protocol):
 
     def chat_template(self) -> str | None: ...
 
+    def native_loop(self):
+        """The backend library's own plain decoding loop on the same model (an object with
+        ``name``, ``tokens_per_second(prompt_ids, max_new_tokens)`` and ``close()``), to
+        report specrun against; None where none is compared."""
+        ...
+
     def forward(self, tokens: Sequence[int], logit_rows: Sequence[int]) -> np.ndarray:
         """Append ``tokens`` to the cache; return float32 logits (len(logit_rows), vocab)."""
         ...

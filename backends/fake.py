@@ -53,6 +53,9 @@ class FakeBackend:
     def control_texts(self) -> frozenset[str]:
         return frozenset()  # tokenize reads every byte as text
 
+    def native_loop(self) -> None:
+        return None
+
     def chat_template(self) -> str | None:
         return None
 

@@ -160,7 +160,7 @@ class LlamaCppBackend:
             n_ctx = min(DEFAULT_CTX, n_ctx_train) if n_ctx_train > 0 else DEFAULT_CTX
         self.n_ctx = n_ctx
         self.n_batch = n_batch
-        threads = n_threads or default_threads()
+        threads = self.n_threads = n_threads or default_threads()
         ctx_params = llama_cpp.llama_context_default_params()
         ctx_params.n_ctx = self.n_ctx
         ctx_params.n_batch = n_batch
@@ -336,6 +336,10 @@ class LlamaCppBackend:
             )
         self._n_past = min(self._n_past, n_keep)
 
+    def native_loop(self) -> NativeLoop:
+        """llama-cpp-python's own plain loop on this file (a second copy of the model)."""
+        return NativeLoop(self.path, self.n_ctx, self.n_threads)
+
     def close(self) -> None:
         lib = self._lib
         if getattr(self, "_ctx", None):
@@ -349,3 +353,38 @@ class LlamaCppBackend:
             self.close()
         except Exception:
             pass
+
+
+class NativeLoop:
+    """llama-cpp-python's own plain decoding (``Llama.generate`` with its defaults, greedy) on
+    a model file: the fastest plain loop a llama-cpp-python user has, which specrun's own
+    plain decoding and speed-ups are also reported against (``demo``, ``bench --native``).
+    It loads a second copy of the model."""
+
+    name = "Llama.generate"
+
+    def __init__(self, path: Path, n_ctx: int, n_threads: int) -> None:
+        llama_cpp = _import_llama_cpp()
+        self._lib = llama_cpp
+        self._llm = llama_cpp.Llama(str(path), n_ctx=n_ctx, n_threads=n_threads, n_threads_batch=n_threads,
+                                    verbose=False)
+        self._vocab = llama_cpp.llama_model_get_vocab(self._llm.model)
+
+    def tokens_per_second(self, prompt_ids: Sequence[int], max_new_tokens: int) -> float:
+        """Greedy decoding after ``prompt_ids``; timed from the first token (the prompt pass
+        makes it) to the last, as specrun's generation is."""
+        import time
+
+        count, first, last = 0, 0.0, 0.0
+        for token in self._llm.generate(list(prompt_ids), temp=0.0, top_k=1, top_p=1.0, min_p=0.0,
+                                        repeat_penalty=1.0, reset=True):
+            last = time.perf_counter()
+            count += 1
+            if count == 1:
+                first = last
+            if self._lib.llama_vocab_is_eog(self._vocab, token) or count == max_new_tokens:
+                break
+        return (count - 1) / (last - first) if count > 1 and last > first else 0.0
+
+    def close(self) -> None:
+        self._llm.close()

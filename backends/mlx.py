@@ -309,6 +309,10 @@ class MlxBackend:
     def control_texts(self) -> frozenset[str]:
         return self._token_bytes.control_texts
 
+    def native_loop(self) -> None:
+        """No native plain loop is compared on MLX yet (mlx_lm.generate's stream would be it)."""
+        return None
+
     def chat_template(self) -> str | None:
         template = getattr(self._hf, "chat_template", None)
         if isinstance(template, dict):  # several named templates: the default one is for chat

@@ -55,6 +55,14 @@ SweepOpt = Annotated[Optional[str], typer.Option("--sweep-draft-len", help="Draf
 RepeatOpt = Annotated[int, typer.Option("--repeat", help="Runs per prompt and method; medians are compared.")]
 JsonOutOpt = Annotated[Optional[Path], typer.Option("--json", help="Write every figure to this file (- for stdout).")]
 ReportOpt = Annotated[Optional[Path], typer.Option("--report", help="Write a self-contained HTML report here.")]
+NativeOpt = Annotated[
+    bool,
+    typer.Option(
+        "--native",
+        help="Also time the backend's own plain loop (llama-cpp-python's Llama.generate) on every prompt, "
+        "interleaved, and report every method against it (loads the target twice).",
+    ),
+]
 UntunedOpt = Annotated[
     bool, typer.Option("--untuned", help="Ignore what `specrun tune` saved: controllers start from their priors.")
 ]
@@ -79,6 +87,7 @@ def bench(
     json_out: JsonOutOpt = None,
     report_out: ReportOpt = None,
     untuned: UntunedOpt = False,
+    native: NativeOpt = False,
     backend: BackendOpt = "auto",
     ctx: CtxOpt = None,
     threads: ThreadsOpt = None,
@@ -131,6 +140,7 @@ def bench(
             chat=chat,
             suite=suite_name,
             use_tuned=not untuned,
+            native=native,
             load=LoadOptions(backend=backend, n_ctx=ctx, threads=threads, gpu_layers=gpu_layers,
                              registry=registry, kv_type=kv_type, exact=exact),
         )
@@ -246,6 +256,10 @@ def run_and_show(config, prompts, json_out: Path | None, report_out: Path | None
         result = run_bench(config, prompts, progress)
     for table in category_tables(result):
         out.print(table)
+    if result.comparison.native:
+        from specrun.compare import native_line
+
+        out.print(native_line(result.comparison), highlight=False)
     for note in footnotes(result):
         err.print(note, style="dim", highlight=False)
     if json_out is not None:

@@ -152,6 +152,18 @@ class Comparison:
     mismatches: dict[str, list[Mismatch]]  # greedy outputs that differ from the baseline's, one per prompt
     outputs_compared: bool = True  # False when sampling: outputs legitimately differ
     variants: dict[str, Variant] = field(default_factory=dict)
+    # The backend's own plain loop, run beside the variants: its name and tokens/s per prompt.
+    native_name: str | None = None
+    native: dict[int, list[float]] = field(default_factory=dict)
+
+    def native_speedup(self, method: str) -> float:
+        """Geometric mean over prompts of ``method``'s median tokens/s over the native loop's."""
+        ratios = [
+            self.figures[method].prompt_tokens_per_second(i) / statistics.median(rates)
+            for i, rates in self.native.items()
+            if i in self.figures[method].by_prompt and statistics.median(rates) > 0
+        ]
+        return math.exp(sum(math.log(r) for r in ratios) / len(ratios)) if ratios and min(ratios) > 0 else 0.0
 
     def speedup(self, method: str) -> float:
         """Ratio of total tokens/s over every prompt."""
@@ -196,6 +208,7 @@ def compare_variants(
     on_result: Callable[[int, str, GenerationResult], None] | None = None,
     drafter_options: DrafterOptions | None = None,
     tuned=None,
+    native=None,
 ) -> Comparison:
     """Run every variant ``repeat`` times on every prompt, interleaved; the first variant is the baseline.
 
@@ -203,6 +216,8 @@ def compare_variants(
     adaptive variant (``auto``, or one marked adaptive) treats it as the longest draft it may choose.
     ``on_result(prompt_index, variant_name, result)`` is called after each run.
     ``tuned``: a `specrun tune` result every engine's controllers start from.
+    ``native``: the backend's own plain loop (``Backend.native_loop``), run after the
+    variants on every prompt and repeat.
     """
     drafters = []
     try:
@@ -218,6 +233,7 @@ def compare_variants(
         }
         _warm_up(engines, variant_params, prompts[0])
         figures = {v.name: MethodFigures(v.name) for v in variants}
+        native_rates: dict[int, list[float]] = {}
         for index, prompt in enumerate(prompts):
             for _ in range(repeat):
                 for name, engine in engines.items():
@@ -226,6 +242,8 @@ def compare_variants(
                     figures[name].by_prompt.setdefault(index, []).append(result)
                     if on_result is not None:
                         on_result(index, name, result)
+                if native is not None:
+                    native_rates.setdefault(index, []).append(native.tokens_per_second(prompt, params.max_new_tokens))
         baseline = variants[0].name
         mismatches = (
             {name: _mismatches(target, prompts, figures[baseline], figures[name]) for name in engines}
@@ -236,7 +254,15 @@ def compare_variants(
         for drafter in drafters:
             if drafter is not None:
                 drafter.close()
-    return Comparison(baseline, figures, mismatches, params.sampling.greedy, {v.name: v for v in variants})
+    return Comparison(baseline, figures, mismatches, params.sampling.greedy, {v.name: v for v in variants},
+                      native.name if native is not None else None, native_rates)
+
+
+def native_line(comparison: Comparison) -> str:
+    """Every line against the backend's own plain loop too: a speed-up over specrun's plain
+    decoding is only worth what that plain decoding is worth."""
+    ratios = ", ".join(f"{name} {comparison.native_speedup(name):.2f}x" for name in comparison.figures)
+    return f"against {comparison.native_name} (the backend's own plain loop, interleaved): {ratios}"
 
 
 def forget_learned(engine: SpeculativeEngine) -> None:

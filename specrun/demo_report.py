@@ -7,7 +7,7 @@ import sys
 from rich.console import Console
 from rich.table import Table
 
-from specrun.compare import NEAR_TIE_NOTE, Comparison, Mismatch, Variant, compare_variants
+from specrun.compare import NEAR_TIE_NOTE, Comparison, Mismatch, Variant, compare_variants, native_line
 from specrun.engine import GenerationParams
 from specrun.generation import adapts_length, resolve_draft_len
 from specrun.loading import LoadOptions, open_pair
@@ -35,11 +35,13 @@ def run_demo(
     target_backend, draft_backend = open_pair(
         target, draft if use_draft else None, LoadOptions(backend=backend, threads=threads)
     )
+    native = None
     try:
         prompts = [
             target_backend.tokenize(text, add_bos=target_backend.vocab.add_bos)
             for text in CODE_PROMPTS[:n_prompts]
         ]
+        native = target_backend.native_loop()
         variants = [
             Variant(method, method, resolve_draft_len(method, draft_len), adapts_length(method, draft_len))
             for method in methods
@@ -53,12 +55,17 @@ def run_demo(
             variants,
             params,
             on_result=lambda i, m, r: err.print(f"  prompt {i + 1} {m:>18}: {r.stats.tokens_per_second:7.1f} tok/s"),
+            native=native,
         )
     finally:
+        if native is not None:
+            native.close()
         target_backend.close()
         if draft_backend is not None:
             draft_backend.close()
     out.print(render_table(comparison, target, draft, _lengths_label(variants)))
+    if comparison.native:
+        out.print(native_line(comparison))
     if any(comparison.mismatches.values()):
         err.print(NEAR_TIE_NOTE)
     return comparison

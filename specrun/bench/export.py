@@ -105,6 +105,18 @@ def _config(result: BenchResult) -> dict:
         "baseline": result.comparison.baseline,
         "timing": "generation only (prefill excluded); methods interleaved per prompt",
         "tuned": result.tuned,
+        "native": _native(result.comparison),
+    }
+
+
+def _native(comparison) -> dict | None:
+    """The backend's own plain loop beside the methods (bench --native), or None."""
+    if not comparison.native:
+        return None
+    return {
+        "name": comparison.native_name,
+        "tokens_per_second_by_prompt": {str(i): rates for i, rates in comparison.native.items()},
+        "speedup_geomean": {name: comparison.native_speedup(name) for name in comparison.figures},
     }
 
 

@@ -63,6 +63,7 @@ class BenchConfig:
     suite: str = "builtin"
     load: LoadOptions = field(default_factory=LoadOptions)
     use_tuned: bool = True
+    native: bool = False  # also run the backend's own plain loop beside the methods (a second model copy)
 
     @property
     def sweep(self) -> bool:
@@ -145,6 +146,7 @@ def run_bench(config: BenchConfig, prompts: Sequence[BenchPrompt], progress: Pro
         min_prob = resolve_min_prob(config.draft_min_prob, tuned)
         if progress is not None:
             progress.start(len(kept) * len(variants) * config.repeat)
+        native = target.native_loop() if config.native else None
         comparison = compare_variants(
             target,
             draft,
@@ -155,7 +157,10 @@ def run_bench(config: BenchConfig, prompts: Sequence[BenchPrompt], progress: Pro
             on_result=_reporter(progress, [p for p, _ in kept]),
             drafter_options=DrafterOptions(draft_min_prob=min_prob),
             tuned=tuned,
+            native=native,
         )
+        if native is not None:
+            native.close()
         machine = machine_info(_backend_name(target), _threads(target, config.load))
         n_ctx = target.n_ctx
     finally:
