@@ -440,7 +440,7 @@ class SpeculativeEngine:
                 prior_measured=measured,
             )
             carried = self._carried_gaps.pop(key, None)
-            if carried is None:
+            if carried is None and not fixed:  # a length the user fixed (-k) drafts until this run says otherwise
                 carried = self._start_off.pop(key, None)
             if carried is not None:
                 controller.start_off(carried)

@@ -232,7 +232,7 @@ def test_console_script_reads_a_pipe(tiny_llama, llama_installed):
 
 
 @pytest.mark.parametrize("method", ["auto", "draft", "lookup", "ngram", "lookup+draft", "lookup+ngram+draft"])
-def test_every_method_gives_the_plain_greedy_text(pair, method):
+def test_every_method_gives_the_plain_greedy_text(pair, method, tmp_path):
     """As the CLI runs them (adaptive lengths: on this CPU a draft model as dear as the target
     soon stops drafting) and at -k 4, where drafts are made on every step they can be and the
     perturbed draft's are also rejected. Lookup and the n-gram pool draft from the prompt and
@@ -240,7 +240,9 @@ def test_every_method_gives_the_plain_greedy_text(pair, method):
     prompt = "def f(x):\n    return x\n" * 3
     plain = invoke("generate", prompt, *pair, "-n", "48", "--method", "none", "--json")
     for length in ([], ["-k", "4"]):
-        other = invoke("generate", prompt, *pair, "-n", "48", "--method", method, *length, "--json")
+        # each run as a new user's: not started from the costs the run before learned (learned.json)
+        fresh = {"XDG_CONFIG_HOME": str(tmp_path / f"config{len(length)}")}
+        other = invoke("generate", prompt, *pair, "-n", "48", "--method", method, *length, "--json", env=fresh)
         assert other.exit_code == 0, other.output
         assert json.loads(other.stdout)["text"] == json.loads(plain.stdout)["text"]
         assert json.loads(other.stdout)["stats"]["method"] == method

@@ -67,3 +67,15 @@ def test_a_tuned_pair_is_not_overwritten_by_what_runs_learn():
     run_text(target, draft, clock, load_tuned(target, draft, None))
     assert load_tuned(target, draft, None) == tuned
     assert not tuning.learned_path().exists()
+
+
+def test_a_learned_start_off_applies_to_adaptive_lengths_only():
+    """-k fixes the length: the user asked for drafting, and only this run's evidence gates it."""
+    target, draft, clock = costly_pair()
+    drafted = {}
+    for adaptive in (True, False):
+        engine = SpeculativeEngine(target, DraftModelDrafter(draft), clock=clock)
+        engine.use_tuned({}, {}, {}, {DraftModelDrafter.name: 64})
+        params = GenerationParams(40, draft_len=2, adaptive=adaptive)
+        drafted[adaptive] = engine.run([1, 2, 3], params, complete_cache=False).stats.drafted
+    assert drafted[True] == 0 and drafted[False] > 0
