@@ -255,7 +255,7 @@ def mlx_plain(mlx_real_pair):
     return prompt_ids, plain.token_ids
 
 
-@pytest.mark.parametrize("method", ["lookup", "draft", "auto"])
+@pytest.mark.parametrize("method", METHODS[1:])
 def test_mlx_speculation_on_the_real_model_is_bit_identical(mlx_real_pair, mlx_plain, method):
     """MLX on a CPU: batched and one-token passes give the same logits (measured max
     difference 0.0), so greedy speculation needs no --exact settings there."""
