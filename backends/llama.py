@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -373,8 +374,6 @@ class NativeLoop:
     def tokens_per_second(self, prompt_ids: Sequence[int], max_new_tokens: int) -> float:
         """Greedy decoding after ``prompt_ids``; timed from the first token (the prompt pass
         makes it) to the last, as specrun's generation is."""
-        import time
-
         count, first, last = 0, 0.0, 0.0
         for token in self._llm.generate(list(prompt_ids), temp=0.0, top_k=1, top_p=1.0, min_p=0.0,
                                         repeat_penalty=1.0, reset=True):

@@ -169,14 +169,14 @@ class ChatTemplate:
             ) from None
 
 
-def message_spans(text: str, messages: Sequence[dict[str, str]], start: int = 0) -> list[tuple[int, int]]:
+def message_spans(text: str, messages: Sequence[dict[str, str]]) -> list[tuple[int, int]]:
     """Where each message's content stands in ``text`` (a rendering of ``messages``), in order.
 
     Found by searching for each content after the previous one; a template that rewrote
     a content (stripped it, say) is matched on the stripped text, and one it dropped or
     transformed otherwise has no span.
     """
-    spans = []
+    spans, start = [], 0
     for message in messages:
         content = message.get("content") or ""
         for candidate in (content, content.strip()):

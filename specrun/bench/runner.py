@@ -8,7 +8,6 @@ like with like.
 from __future__ import annotations
 
 import dataclasses
-
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -44,10 +43,10 @@ class BenchConfig:
     `specrun generate` runs it (adaptive, up to ``adaptive_draft_len``).
     draft_min_prob: the draft model's confidence stop; None: generate's (tune's, else
     none). adaptive_draft_len: the longest draft an adaptive line may choose; it is not
-    swept. chat: wrap each prompt as a user message in the target's
-    chat template (None: as `specrun generate` decides, see ``prompts_as_chat``). suite: ``builtin`` or the JSONL path. use_tuned: controllers start from
-    what `specrun tune` saved for the pair on this machine, as `specrun generate` does
-    (False: from their priors).
+    swept. chat: wrap each prompt as a user message in the target's chat template (None:
+    as `specrun generate` decides, see ``prompts_as_chat``). suite: ``builtin`` or the
+    JSONL path. use_tuned: controllers start from what `specrun tune` saved for the pair
+    on this machine, as `specrun generate` does (False: from their priors).
     """
 
     target: str
@@ -147,20 +146,22 @@ def run_bench(config: BenchConfig, prompts: Sequence[BenchPrompt], progress: Pro
         if progress is not None:
             progress.start(len(kept) * len(variants) * config.repeat)
         native = target.native_loop() if config.native else None
-        comparison = compare_variants(
-            target,
-            draft,
-            [ids for _, ids in kept],
-            variants,
-            GenerationParams(config.max_new_tokens, DEFAULT_DRAFT_LEN, config.sampling),  # each variant sets its own
-            repeat=config.repeat,
-            on_result=_reporter(progress, [p for p, _ in kept]),
-            drafter_options=DrafterOptions(draft_min_prob=min_prob),
-            tuned=tuned,
-            native=native,
-        )
-        if native is not None:
-            native.close()
+        try:
+            comparison = compare_variants(
+                target,
+                draft,
+                [ids for _, ids in kept],
+                variants,
+                GenerationParams(config.max_new_tokens, DEFAULT_DRAFT_LEN, config.sampling),  # each variant sets its own
+                repeat=config.repeat,
+                on_result=_reporter(progress, [p for p, _ in kept]),
+                drafter_options=DrafterOptions(draft_min_prob=min_prob),
+                tuned=tuned,
+                native=native,
+            )
+        finally:
+            if native is not None:
+                native.close()  # a second copy of the model: freed before anything else runs
         machine = machine_info(_backend_name(target), _threads(target, config.load))
         n_ctx = target.n_ctx
     finally:
