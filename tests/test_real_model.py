@@ -210,7 +210,7 @@ def test_default_settings_diverge_only_at_near_ties_over_2000_tokens(real_pair):
     target, draft = real_pair
     engine = SpeculativeEngine(target, build_drafter("auto", draft), "auto")
     params = GenerationParams(700, 16, adaptive=True, stop_at_eos=False)  # prompt + 700 fit n_ctx 1024
-    checked = 0
+    checked, flips = 0, []
     for prompt in ("Write a long story about a lighthouse keeper and a storm.",
                    "Explain in detail how a bicycle works, part by part.",
                    "List the planets of the solar system and describe each one."):
@@ -218,9 +218,12 @@ def test_default_settings_diverge_only_at_near_ties_over_2000_tokens(real_pair):
         output = engine.run(prompt_ids, params, complete_cache=False).token_ids
         divergences = plain_argmax_gaps(target, prompt_ids, output)
         assert all(gap < NEAR_TIE for _, gap in divergences), divergences
-        assert len(divergences) <= 3, f"{len(divergences)} near-tie flips in {len(output)} tokens"
+        flips += divergences
         checked += len(output)
     assert checked >= 2000
+    # How many near ties flip depends on the CPU's kernels (2 of 2100 here, 5 on CI's machine,
+    # all at gaps below 0.006), so "rare" is a rate: at most 1 token in 200.
+    assert len(flips) <= checked // 200, f"{len(flips)} near-tie flips in {checked} tokens: {flips}"
 
 
 # ---- the same model on MLX, converted from the GGUF ------------------------------------
