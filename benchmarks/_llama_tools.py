@@ -103,7 +103,7 @@ def prepare(model: Path, prompts: Sequence[BenchPrompt], chat: bool) -> tuple[li
     (specrun, told nothing, applies it itself); without, as typed (specrun gets --raw). Also the
     context size specrun gives ``model`` by default (the other lines get the same)."""
     from specrun.backends.llama import LlamaCppBackend
-    from specrun.templates import ChatTemplate
+    from specrun.sessions.templates import ChatTemplate
 
     backend = LlamaCppBackend(model, n_threads=1)
     try:

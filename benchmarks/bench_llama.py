@@ -25,11 +25,11 @@ from pathlib import Path
 
 from _report import write_report
 from specrun.backends.llama import LlamaCppBackend
-from specrun.compare import compare_methods
-from specrun.engine import GenerationParams, SpeculativeEngine
-from specrun.loading import resolve_gguf
-from specrun.prompts import heldout_code_prompts
-from specrun.registry import load_registry
+from specrun.sessions.compare import compare_methods
+from specrun.engine.loop import GenerationParams, SpeculativeEngine
+from specrun.registry.loading import resolve_gguf
+from specrun.sessions.prompts import heldout_code_prompts
+from specrun.registry.catalog import load_registry
 
 
 def time_llama_generate(llm, prompt_ids: list[int], n_new: int) -> tuple[list[int], float]:

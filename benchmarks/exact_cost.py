@@ -14,9 +14,9 @@ from __future__ import annotations
 import argparse
 import statistics
 
-from specrun.engine import GenerationParams, SpeculativeEngine
-from specrun.loading import LoadOptions, open_backend, prompts_as_chat
-from specrun.templates import render_user_prompt
+from specrun.engine.loop import GenerationParams, SpeculativeEngine
+from specrun.registry.loading import LoadOptions, open_backend, prompts_as_chat
+from specrun.sessions.templates import render_user_prompt
 
 PROMPTS = (
     "Write a short poem about the sea.",

@@ -52,13 +52,13 @@ from mlx_lm.sample_utils import make_sampler
 
 from _report import SPEC_BENCH
 from specrun.backends.mlx import MlxBackend
-from specrun.compat import check_compatible
+from specrun.registry.compat import check_compatible
 from specrun.drafters.draft_model import DraftModelDrafter
-from specrun.engine import GenerationParams, SpeculativeEngine
-from specrun.kv import sequence_for
-from specrun.loading import resolve_mlx
-from specrun.prompts import heldout_code_prompts
-from specrun.registry import load_registry
+from specrun.engine.loop import GenerationParams, SpeculativeEngine
+from specrun.backends.kv import sequence_for
+from specrun.registry.loading import resolve_mlx
+from specrun.sessions.prompts import heldout_code_prompts
+from specrun.registry.catalog import load_registry
 from specrun.sampling import SamplingSettings
 
 RUNNERS = ("specrun", "mlx_lm_spec", "mlx_lm_plain")

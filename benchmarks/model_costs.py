@@ -16,8 +16,8 @@ import sys
 import time
 
 from specrun.backends.llama import LlamaCppBackend
-from specrun.loading import resolve_gguf
-from specrun.registry import load_registry
+from specrun.registry.loading import resolve_gguf
+from specrun.registry.catalog import load_registry
 
 SIZES = (1, 2, 3, 5, 9)
 

@@ -40,8 +40,8 @@ from _llama_tools import (
 )
 from _report import SPEC_BENCH
 from specrun.bench.suite import BUILTIN_SUITE, select
-from specrun.loading import resolve_gguf
-from specrun.registry import entry_for, load_registry
+from specrun.registry.loading import resolve_gguf
+from specrun.registry.catalog import entry_for, load_registry
 
 MODELS = "demo-target,demo-target-xl,smollm2-135m-f16"
 CODE_CATEGORIES = ("code-completion", "code-editing")

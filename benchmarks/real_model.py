@@ -47,7 +47,7 @@ from _llama_tools import (
     untuned_env,
 )
 from _report import SPEC_BENCH
-from specrun.methods import needs_draft_model
+from specrun.drafters.methods import needs_draft_model
 from specrun.modelkit.smollm2 import smollm2_gguf
 
 METHODS = "none,lookup,ngram,draft,lookup+draft,auto"

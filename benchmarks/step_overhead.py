@@ -27,12 +27,12 @@ from _report import SPEC_BENCH, write_report
 from specrun.backends.llama import LlamaCppBackend
 from specrun.bench.runner import tokenize_prompt
 from specrun.bench.suite import load_jsonl, select
-from specrun.compare import forget_learned
-from specrun.engine import GenerationParams, SpeculativeEngine
-from specrun.generation import ADAPTIVE_MAX_DRAFT_LEN
-from specrun.loading import LoadOptions, open_pair
-from specrun.methods import build_drafter, is_adaptive
-from specrun.stats import Stats
+from specrun.sessions.compare import forget_learned
+from specrun.engine.loop import GenerationParams, SpeculativeEngine
+from specrun.sessions.generation import ADAPTIVE_MAX_DRAFT_LEN
+from specrun.registry.loading import LoadOptions, open_pair
+from specrun.drafters.methods import build_drafter, is_adaptive
+from specrun.engine.stats import Stats
 
 
 

@@ -20,13 +20,13 @@ from pathlib import Path
 
 from _report import write_report
 from specrun.backends.llama import LlamaCppBackend
-from specrun.compare import forget_learned
-from specrun.engine import GenerationParams, SpeculativeEngine
-from specrun.generation import ADAPTIVE_MAX_DRAFT_LEN
-from specrun.loading import resolve_gguf
-from specrun.methods import build_drafter, is_adaptive
-from specrun.prompts import heldout_code_prompts
-from specrun.registry import load_registry
+from specrun.sessions.compare import forget_learned
+from specrun.engine.loop import GenerationParams, SpeculativeEngine
+from specrun.sessions.generation import ADAPTIVE_MAX_DRAFT_LEN
+from specrun.registry.loading import resolve_gguf
+from specrun.drafters.methods import build_drafter, is_adaptive
+from specrun.sessions.prompts import heldout_code_prompts
+from specrun.registry.catalog import load_registry
 
 EVAL_RE = re.compile(r"(?<!prompt )eval time =\s*[\d.]+ ms /\s*\d+ runs.*?([\d.]+) tokens per second")
 DECODED_RE = re.compile(r"decoded\s+\d+ tokens in\s+[\d.]+ seconds, speed:\s+([\d.]+) t/s")

@@ -31,12 +31,12 @@ from dataclasses import dataclass, field
 import numpy as np
 from scipy import stats as scipy_stats
 
-import specrun.engine
+import specrun.engine.loop
 from oracle import distribution, exact_joint
-from specrun.engine import GenerationParams, SpeculativeEngine
-from specrun.methods import METHODS, DrafterOptions, build_drafter, is_adaptive, needs_draft_model, resolve_method
+from specrun.engine.loop import GenerationParams, SpeculativeEngine
+from specrun.drafters.methods import METHODS, DrafterOptions, build_drafter, is_adaptive, needs_draft_model, resolve_method
 from specrun.sampling import SamplingSettings
-from specrun.stats import Stats
+from specrun.engine.stats import Stats
 
 ALPHA = 1e-3
 MAX_Z = 4.0
@@ -139,7 +139,7 @@ class Pass:
 class VerifyRecorder:
     """While active, records every sampled verify pass of ``engine`` (into ``passes``).
 
-    Wraps whatever ``specrun.engine.verify_sampled`` is installed, so the mutation check
+    Wraps whatever ``specrun.engine.loop.verify_sampled`` is installed, so the mutation check
     puts a wrong one there first.
     """
 
@@ -149,12 +149,12 @@ class VerifyRecorder:
         self.passes: list[Pass] = []
 
     def __enter__(self) -> VerifyRecorder:
-        self._inner = specrun.engine.verify_sampled
-        specrun.engine.verify_sampled = self._verify
+        self._inner = specrun.engine.loop.verify_sampled
+        specrun.engine.loop.verify_sampled = self._verify
         return self
 
     def __exit__(self, *exc) -> None:
-        specrun.engine.verify_sampled = self._inner
+        specrun.engine.loop.verify_sampled = self._inner
 
     def _verify(self, draft_tokens, p_target, p_draft, rng):
         verdict = self._inner(draft_tokens, p_target, p_draft, rng)
@@ -307,7 +307,7 @@ def _method_scenarios() -> dict[str, Scenario]:
 
 # Every method (and each adaptive as the CLI runs it), then the sampling options through a
 # draft model and plain decoding, then a draft close to the target. A method added to
-# specrun.methods.METHODS joins this table, and the tests over it, by itself.
+# specrun.drafters.methods.METHODS joins this table, and the tests over it, by itself.
 SCENARIOS = {
     **_method_scenarios(),
     **{f"draft {name}": Scenario("draft", name) for name in SETTINGS if name != "temp 1"},
@@ -398,7 +398,7 @@ MAX_DIVERGING_SHARE = 0.2
 def replay_logits(backend, prompt: Sequence[int], output: Sequence[int]) -> list[np.ndarray]:
     """The target's logits (V,) after the prompt and each prefix of ``output``, on plain
     decoding's path: the prompt in one pass, then one token at a time."""
-    from specrun.kv import sequence_for
+    from specrun.backends.kv import sequence_for
 
     sequence = sequence_for(backend)
     sequence.rewind(0)

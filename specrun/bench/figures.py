@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
 from specrun.bench.runner import BenchResult
-from specrun.compare import Comparison, Mismatch
+from specrun.sessions.compare import Comparison, Mismatch
 
 ALL_PROMPTS = "all prompts"  # the overall group, after the categories
 

@@ -17,18 +17,18 @@ from typing import Protocol
 from specrun.backends.base import Backend
 from specrun.bench.machine import machine_info
 from specrun.bench.suite import BenchPrompt
-from specrun.compare import Comparison, Variant, compare_variants
-from specrun.engine import GenerationParams, GenerationResult
+from specrun.sessions.compare import Comparison, Variant, compare_variants
+from specrun.engine.loop import GenerationParams, GenerationResult
 from specrun.errors import UsageError
-from specrun.generation import (
+from specrun.sessions.generation import (
     ADAPTIVE_MAX_DRAFT_LEN,
     DEFAULT_DRAFT_LEN,
     adapts_length,
     load_tuned,
     resolve_min_prob,
 )
-from specrun.loading import LoadOptions, open_pair, prompts_as_chat
-from specrun.methods import DrafterOptions, is_adaptive, needs_draft_model
+from specrun.registry.loading import LoadOptions, open_pair, prompts_as_chat
+from specrun.drafters.methods import DrafterOptions, is_adaptive, needs_draft_model
 from specrun.sampling import SamplingSettings
 
 BASELINE = "none"
@@ -186,7 +186,7 @@ def run_bench(config: BenchConfig, prompts: Sequence[BenchPrompt], progress: Pro
 def tokenize_prompt(target: Backend, prompt: BenchPrompt, chat: bool) -> list[int]:
     """The prompt's token ids: its raw text, or one user message in the target's chat template."""
     if chat:
-        from specrun.templates import render_user_prompt
+        from specrun.sessions.templates import render_user_prompt
 
         return render_user_prompt(target, prompt.text)[1]
     return target.tokenize(prompt.text, add_bos=target.vocab.add_bos)

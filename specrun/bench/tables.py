@@ -7,8 +7,8 @@ from rich.table import Table
 
 from specrun.bench.figures import ALL_PROMPTS, Figures, by_category, count_of, same_output_label
 from specrun.bench.runner import BenchResult
-from specrun.compare import NEAR_TIE_NOTE
-from specrun.methods import needs_draft_model
+from specrun.sessions.compare import NEAR_TIE_NOTE
+from specrun.drafters.methods import needs_draft_model
 
 COLUMNS = ("method", "tok/s", "speed-up", "accepted", "tokens/step", "draft/verify", "same output")
 

@@ -9,7 +9,7 @@ import numpy as np
 
 from specrun.backends.base import Backend
 from specrun.drafters.base import EMPTY_PROPOSAL, Proposal
-from specrun.kv import sequence_for
+from specrun.backends.kv import sequence_for
 from specrun.sampling import SamplingSettings, probabilities, sample, top_probability
 
 

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from specrun.drafters.base import EMPTY_PROPOSAL, Proposal
-from specrun.kv import common_prefix_len
+from specrun.backends.kv import common_prefix_len
 from specrun.sampling import SamplingSettings
 
 DEFAULT_MAX_NGRAM = 4

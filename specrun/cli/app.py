@@ -1,0 +1,170 @@
+"""The command line: parse, validate, call one library function, render its result.
+
+Data goes to stdout; progress, warnings and statistics go to stderr.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Annotated, Optional
+
+import typer
+
+from specrun.cli.bench import bench
+from specrun.cli.chat import chat_command
+from specrun.cli.common import (
+    MAX_DRAFT_LEN,
+    BackendOpt,
+    ChatOpt,
+    CtxOpt,
+    DraftLenOpt,
+    DraftMinProbOpt,
+    DraftOpt,
+    ExactOpt,
+    GpuLayersOpt,
+    KvTypeOpt,
+    JsonOpt,
+    MaxTokensOpt,
+    MethodOpt,
+    MinPOpt,
+    NgramCacheOpt,
+    RegistryOpt,
+    SeedOpt,
+    TargetOpt,
+    TempOpt,
+    ThreadsOpt,
+    TopKOpt,
+    TopPOpt,
+    check_generation_options,
+    check_kv_type,
+    check_range,
+    checked_sampling,
+    cli_errors,
+    read_prompt,
+)
+from specrun.cli.models import models_app
+from specrun.cli.tune import tune
+from specrun.drafters.methods import check_method
+
+app = typer.Typer(
+    name="specrun",
+    help="Lossless speculative decoding for local LLMs (llama.cpp and MLX).",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+@app.callback()
+def _root() -> None:
+    """Lossless speculative decoding for local LLMs (llama.cpp and MLX).
+
+    With no --target/--draft, every command uses the demo pair that ships with specrun.
+    """
+
+
+@app.command()
+def generate(
+    prompt: Annotated[Optional[str], typer.Argument(help="Prompt text, or - to read stdin.")] = None,
+    target: TargetOpt = None,
+    draft: DraftOpt = None,
+    backend: BackendOpt = "auto",
+    method: MethodOpt = "auto",
+    max_tokens: MaxTokensOpt = 128,
+    temp: TempOpt = 0.0,
+    top_k: TopKOpt = 0,
+    top_p: TopPOpt = 1.0,
+    min_p: MinPOpt = 0.0,
+    seed: SeedOpt = None,
+    draft_len: DraftLenOpt = None,
+    draft_min_prob: DraftMinProbOpt = None,
+    json_output: JsonOpt = False,
+    ctx: CtxOpt = None,
+    threads: ThreadsOpt = None,
+    gpu_layers: GpuLayersOpt = None,
+    kv_type: KvTypeOpt = None,
+    exact: ExactOpt = False,
+    registry: RegistryOpt = None,
+    ngram_cache: NgramCacheOpt = None,
+    chat: ChatOpt = None,
+) -> None:
+    """Answer PROMPT as a chat message (with --raw, or for a completion model, continue it):
+    text to stdout, statistics to stderr."""
+    with cli_errors():
+        from specrun.sessions.generation import GenerateRequest, generate_text
+        from specrun.registry.loading import LoadOptions, choose_pair
+        from specrun.drafters.methods import DrafterOptions, needs_draft_model
+
+        check_method(method)
+        check_generation_options(max_tokens, draft_len, draft_min_prob, ctx, threads)
+        check_kv_type(kv_type, exact)
+        sampling = checked_sampling("generate", temp, top_k, top_p, min_p, seed)
+        text = read_prompt(prompt)
+        target, draft = choose_pair(target, draft, registry)
+        request = GenerateRequest(
+            prompt=text,
+            target=target,
+            draft=draft if needs_draft_model(method) else None,
+            method=method,
+            max_new_tokens=max_tokens,
+            draft_len=draft_len,
+            draft_min_prob=draft_min_prob,
+            sampling=sampling,
+            load=LoadOptions(backend=backend, n_ctx=ctx, threads=threads, gpu_layers=gpu_layers,
+                             registry=registry, kv_type=kv_type, exact=exact),
+            drafter_options=DrafterOptions(ngram_cache=ngram_cache),
+            chat=chat,
+        )
+        if json_output:
+            result = generate_text(request)
+            typer.echo(json.dumps({"text": result.text, "finish_reason": result.finish_reason,
+                                   "stats": result.stats.to_dict()}))
+            return
+        result = generate_text(request, on_text=_write_stdout)
+        sys.stdout.write("\n" if result.text and not result.text.endswith("\n") else "")
+        sys.stdout.flush()
+        typer.echo(result.stats.summary(), err=True)
+
+
+@app.command()
+def demo(
+    target: Annotated[str, typer.Option("--target", "-t", help="Target (default: the bench-scale demo target).")] = "demo-target-xl",
+    draft: Annotated[str, typer.Option("--draft", "-d", help="Draft model.")] = "demo-draft",
+    methods: Annotated[str, typer.Option("--methods", help="Comma-separated methods; the first is the baseline.")] = "none,draft,auto",
+    prompts: Annotated[int, typer.Option("--prompts", help="How many built-in prompts.")] = 6,
+    max_tokens: MaxTokensOpt = 96,
+    draft_len: DraftLenOpt = None,
+    backend: BackendOpt = "auto",
+    threads: ThreadsOpt = None,
+) -> None:
+    """Plain vs speculative decoding on the shipped demo pair, side by side: is it faster, identical, and why."""
+    with cli_errors():
+        from specrun.sessions.demo_report import run_demo
+
+        method_list = [m.strip() for m in methods.split(",") if m.strip()]
+        for method in method_list:
+            check_method(method)
+        check_range("--prompts", prompts, 1, 100)
+        check_range("--max-tokens", max_tokens, 1, 4096)
+        check_range("--draft-len", draft_len, 0, MAX_DRAFT_LEN)
+        run_demo(target, draft, method_list, prompts, max_tokens, draft_len, backend, threads)
+
+
+def _write_stdout(text: str) -> None:
+    sys.stdout.write(text)
+    sys.stdout.flush()
+
+
+# Sub-command groups from their own modules are registered here, one line each.
+app.command("bench")(bench)
+app.command("chat")(chat_command)
+app.add_typer(models_app, name="models")
+app.command("tune")(tune)
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,305 @@
+"""`specrun bench`: every method on a prompt suite, interleaved, with tables, JSON and an HTML report."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from specrun.cli.common import (
+    MAX_DRAFT_LEN,
+    MAX_NEW_TOKENS,
+    BackendOpt,
+    ChatOpt,
+    CtxOpt,
+    DraftOpt,
+    ExactOpt,
+    GpuLayersOpt,
+    KvTypeOpt,
+    MaxTokensOpt,
+    RegistryOpt,
+    SeedOpt,
+    TargetOpt,
+    TempOpt,
+    ThreadsOpt,
+    check_kv_type,
+    check_range,
+    checked_sampling,
+    cli_errors,
+)
+from specrun.errors import UsageError
+
+MAX_REPEAT = 100
+PIPE_WIDTH = 120
+BUILTIN = "builtin"
+
+MethodsOpt = Annotated[
+    Optional[str], typer.Option("--methods", help="Comma-separated methods (default: every one the pair can run).")
+]
+SuiteOpt = Annotated[Optional[str], typer.Option("--suite", help="Prompt suite: builtin (the default).")]
+PromptsFileOpt = Annotated[
+    Optional[Path], typer.Option("--prompts", help="Spec-Bench-style JSONL (question_id, category, turns).")
+]
+CategoriesOpt = Annotated[Optional[str], typer.Option("--categories", help="Comma-separated categories to run.")]
+PerCategoryOpt = Annotated[Optional[int], typer.Option("--per-category", help="At most this many prompts each.")]
+BenchDraftLenOpt = Annotated[
+    Optional[int],
+    typer.Option("--draft-len", "-k", help="Fix the tokens drafted per verify step (default: as generate, chosen each step)."),
+]
+BenchMinProbOpt = Annotated[
+    Optional[float],
+    typer.Option("--draft-min-prob", help="The draft model's confidence stop (default: the tuned one, else none)."),
+]
+SweepOpt = Annotated[Optional[str], typer.Option("--sweep-draft-len", help="Draft lengths to sweep: 1..8 or 2,4,6.")]
+RepeatOpt = Annotated[int, typer.Option("--repeat", help="Runs per prompt and method; medians are compared.")]
+JsonOutOpt = Annotated[Optional[Path], typer.Option("--json", help="Write every figure to this file (- for stdout).")]
+ReportOpt = Annotated[Optional[Path], typer.Option("--report", help="Write a self-contained HTML report here.")]
+NativeOpt = Annotated[
+    bool,
+    typer.Option(
+        "--native",
+        help="Also time the backend's own plain loop (llama-cpp-python's Llama.generate) on every prompt, "
+        "interleaved, and report every method against it (loads the target twice).",
+    ),
+]
+UntunedOpt = Annotated[
+    bool, typer.Option("--untuned", help="Ignore what `specrun tune` saved: controllers start from their priors.")
+]
+
+
+def bench(
+    target: TargetOpt = None,
+    draft: DraftOpt = None,
+    methods: MethodsOpt = None,
+    suite: SuiteOpt = None,
+    prompts_file: PromptsFileOpt = None,
+    categories: CategoriesOpt = None,
+    per_category: PerCategoryOpt = None,
+    max_tokens: MaxTokensOpt = 128,
+    draft_len: BenchDraftLenOpt = None,
+    sweep_draft_len: SweepOpt = None,
+    draft_min_prob: BenchMinProbOpt = None,
+    temp: TempOpt = 0.0,
+    seed: SeedOpt = None,
+    repeat: RepeatOpt = 1,
+    chat: ChatOpt = None,
+    json_out: JsonOutOpt = None,
+    report_out: ReportOpt = None,
+    untuned: UntunedOpt = False,
+    native: NativeOpt = False,
+    backend: BackendOpt = "auto",
+    ctx: CtxOpt = None,
+    threads: ThreadsOpt = None,
+    gpu_layers: GpuLayersOpt = None,
+    kv_type: KvTypeOpt = None,
+    exact: ExactOpt = False,
+    registry: RegistryOpt = None,
+) -> None:
+    """Which speculation method is fastest on this machine? Tables to stdout, progress to stderr.
+
+    Every method runs on every prompt, interleaved with plain decoding (none) through the
+    same engine; greedy outputs are checked against plain decoding's. Built-in categories:
+    code-completion, code-editing, chat, summarisation, qa, rewriting.
+    """
+    with cli_errors():
+        from specrun.bench.runner import BenchConfig
+        from specrun.sessions.generation import ADAPTIVE_MAX_DRAFT_LEN
+        from specrun.registry.loading import DEFAULT_TARGET, LoadOptions
+        from specrun.drafters.methods import is_adaptive
+
+        check_range("--max-tokens", max_tokens, 1, MAX_NEW_TOKENS)
+        check_range("--repeat", repeat, 1, MAX_REPEAT)
+        check_range("--per-category", per_category, 1, 1_000_000)
+        check_range("--ctx", ctx, 16, 1 << 20)
+        check_range("--threads", threads, 1, 1024)
+        check_range("--draft-min-prob", draft_min_prob, 0.0, 1.0)
+        check_kv_type(kv_type, exact)
+        sampling = checked_sampling("bench", temp, 0, 1.0, 0.0, seed)
+        target = target or DEFAULT_TARGET
+        draft = draft or suggested_draft(target, registry)
+        method_list = parse_methods(methods, has_draft=draft is not None)
+        draft_lens = parse_draft_lens(draft_len, sweep_draft_len)
+        if len(draft_lens) > 1 and not any(m != "none" and not is_adaptive(m) for m in method_list):
+            raise UsageError(
+                "--sweep-draft-len needs a method with a fixed draft length", "add one with --methods, e.g. none,draft"
+            )
+        check_writable(json_out, "--json")
+        check_writable(report_out, "--report")
+        bench_prompts, suite_name = choose_prompts(suite, prompts_file, categories, per_category)
+        config = BenchConfig(
+            target=target,
+            draft=draft,
+            methods=method_list,
+            draft_lens=draft_lens,
+            adaptive_draft_len=draft_len or ADAPTIVE_MAX_DRAFT_LEN,
+            draft_min_prob=draft_min_prob,
+            max_new_tokens=max_tokens,
+            sampling=sampling,
+            repeat=repeat,
+            chat=chat,
+            suite=suite_name,
+            use_tuned=not untuned,
+            native=native,
+            load=LoadOptions(backend=backend, n_ctx=ctx, threads=threads, gpu_layers=gpu_layers,
+                             registry=registry, kv_type=kv_type, exact=exact),
+        )
+        run_and_show(config, bench_prompts, json_out, report_out)
+
+
+def suggested_draft(target: str, registry: Path | None) -> str | None:
+    """The registry's first suggested draft for ``target`` (None for a path or an alias without one)."""
+    from specrun.registry.catalog import load_registry
+
+    entry = load_registry(registry).get(target)
+    return entry.drafts[0] if entry is not None and entry.drafts else None
+
+
+def parse_methods(methods: str | None, has_draft: bool) -> tuple[str, ...]:
+    """The methods to run, baseline ``none`` first (added when missing).
+
+    Default: every known method the pair can run. A method that needs a draft model
+    when there is none is a usage error.
+    """
+    from specrun.drafters.methods import METHODS, check_method, needs_draft_model, resolve_method
+
+    def runnable(method: str) -> bool:
+        return has_draft or not needs_draft_model(resolve_method(method, has_draft))
+
+    if methods is None:
+        chosen = [m for m in METHODS if runnable(m)]
+    else:
+        chosen = list(dict.fromkeys(m.strip() for m in methods.split(",") if m.strip()))
+        if not chosen:
+            raise UsageError("--methods is empty", f"use some of: {', '.join(METHODS)}")
+        for method in chosen:
+            check_method(method)
+            if not runnable(method):
+                raise UsageError(f"method {method!r} needs a draft model", "pass --draft MODEL")
+    return ("none", *(m for m in chosen if m != "none"))
+
+
+def parse_draft_lens(draft_len: int | None, sweep: str | None) -> tuple[int, ...]:
+    """One draft length, or the swept lengths from ``A..B`` or ``A,B,C``; none given: () (each
+    method at the length `specrun generate` gives it)."""
+    if sweep is None:
+        check_range("--draft-len", draft_len, 1, MAX_DRAFT_LEN)
+        return (draft_len,) if draft_len is not None else ()
+    if draft_len is not None:
+        raise UsageError("--draft-len and --sweep-draft-len exclude each other", "pass one of them")
+    text = sweep.replace(" ", "")
+    try:
+        if ".." in text:
+            first, last = (int(part) for part in text.split(".."))
+            lengths = tuple(range(first, last + 1))
+        else:
+            lengths = tuple(sorted({int(part) for part in text.split(",")}))
+    except ValueError:
+        raise UsageError(f"--sweep-draft-len {sweep!r} is not A..B or A,B,C", "e.g. --sweep-draft-len 1..8") from None
+    if not lengths or min(lengths) < 1 or max(lengths) > MAX_DRAFT_LEN:
+        raise UsageError(
+            f"--sweep-draft-len {sweep!r} must list draft lengths from 1 to {MAX_DRAFT_LEN}",
+            "e.g. --sweep-draft-len 1..8",
+        )
+    return lengths
+
+
+def check_writable(path: Path | None, option: str) -> None:
+    """Refuse an output path whose folder does not exist before spending minutes on the bench."""
+    if path is None or str(path) == "-":
+        return
+    if path.is_dir():
+        raise UsageError(f"{option} {path} is a folder", f"give a file name for {option}")
+    if not path.parent.is_dir():
+        raise UsageError(f"{option}: the folder {path.parent} does not exist", "create it or pick another path")
+
+
+def choose_prompts(suite: str | None, prompts_file: Path | None, categories: str | None, per_category: int | None):
+    """The prompts to run and the suite's name: the built-in suite or a JSONL file, filtered."""
+    from specrun.bench.suite import BUILTIN_SUITE, load_jsonl, select
+
+    if suite is not None and prompts_file is not None:
+        raise UsageError("--suite and --prompts exclude each other", "pass one of them")
+    if suite not in (None, BUILTIN):
+        raise UsageError(f"unknown suite {suite!r}", f"use --suite {BUILTIN} or --prompts FILE.jsonl")
+    prompts = load_jsonl(prompts_file) if prompts_file is not None else list(BUILTIN_SUITE)
+    wanted = [c.strip() for c in categories.split(",") if c.strip()] if categories is not None else None
+    if categories is not None and not wanted:
+        raise UsageError("--categories is empty", "name at least one category")
+    return select(prompts, wanted, per_category), str(prompts_file) if prompts_file is not None else BUILTIN
+
+
+def run_and_show(config, prompts, json_out: Path | None, report_out: Path | None) -> None:
+    """Run the bench with a progress bar on a terminal; print tables; write the JSON and report."""
+    import json
+    import sys
+
+    from rich.console import Console
+
+    from specrun.bench.export import bench_to_dict
+    from specrun.bench.figures import count_of
+    from specrun.bench.report import write_html_report
+    from specrun.bench.runner import run_bench
+    from specrun.bench.tables import category_tables, footnotes
+
+    # A pipe gets Rich's 80 columns by default, too few for the tables.
+    err = Console(stderr=True, width=None if sys.stderr.isatty() else PIPE_WIDTH)
+    json_to_stdout = json_out is not None and str(json_out) == "-"
+    out = err if json_to_stdout else Console(file=sys.stdout, width=None if sys.stdout.isatty() else PIPE_WIDTH)
+    lines = "methods × draft lengths" if config.sweep else "methods"
+    err.print(
+        f"{config.target} + {config.draft or 'no draft model'}: {count_of(len(prompts), 'prompt')} × "
+        f"{len(config.variants())} {lines} × {count_of(config.repeat, 'run')}, {config.max_new_tokens} tokens each",
+        highlight=False,
+    )
+    with _ProgressBar(err) as progress:
+        result = run_bench(config, prompts, progress)
+    for table in category_tables(result):
+        out.print(table)
+    if result.comparison.native:
+        from specrun.sessions.compare import native_line
+
+        out.print(native_line(result.comparison), highlight=False)
+    for note in footnotes(result):
+        err.print(note, style="dim", highlight=False)
+    if json_out is not None:
+        document = json.dumps(bench_to_dict(result), indent=2)
+        if json_to_stdout:
+            sys.stdout.write(document + "\n")
+        else:
+            json_out.write_text(document + "\n", encoding="utf-8")
+            err.print(f"wrote {json_out}")
+    if report_out is not None:
+        write_html_report(result, report_out)
+        err.print(f"wrote {report_out}")
+
+
+class _ProgressBar:
+    """A Rich progress bar on stderr when it is a terminal; silent otherwise."""
+
+    def __init__(self, console) -> None:
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        self.enabled = console.is_terminal
+        self.bar = Progress(
+            TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+            console=console, transient=True,
+        )
+        self.task = None
+
+    def __enter__(self) -> _ProgressBar:
+        if self.enabled:
+            self.bar.start()
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        if self.enabled:
+            self.bar.stop()
+
+    def start(self, total_runs: int) -> None:
+        if self.enabled:
+            self.task = self.bar.add_task("warming up", total=total_runs)
+
+    def advance(self, prompt, variant: str) -> None:
+        if self.enabled and self.task is not None:
+            self.bar.update(self.task, advance=1, description=f"{prompt.category}: {variant}")

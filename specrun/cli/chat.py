@@ -1,0 +1,398 @@
+"""``specrun chat``: a REPL on a terminal, a filter on a pipe.
+
+On a terminal: type a message, read the streamed answer (text the drafter got right
+is marked), then a statistics line on stderr. A line ending in ``\\`` continues on
+the next line; a message may also be a block that opens with ``\"\"\"`` and ends at a
+line ending in ``\"\"\"``. Ctrl-C stops an answer (it is dropped, with its question);
+Ctrl-C or Ctrl-D at the prompt exits. Slash commands: see ``HELP``.
+
+On a pipe: all of stdin is one message (``--each-line``: every non-empty line is a
+message in its own conversation); answers go to stdout, statistics to stderr.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+from rich.text import Text
+
+from specrun.cli.common import (
+    BackendOpt,
+    CtxOpt,
+    DraftLenOpt,
+    DraftMinProbOpt,
+    DraftOpt,
+    ExactOpt,
+    GpuLayersOpt,
+    KvTypeOpt,
+    MaxTokensOpt,
+    MethodOpt,
+    MinPOpt,
+    NgramCacheOpt,
+    RegistryOpt,
+    SeedOpt,
+    TargetOpt,
+    TempOpt,
+    ThreadsOpt,
+    TopKOpt,
+    TopPOpt,
+    check_generation_options,
+    check_kv_type,
+    checked_sampling,
+    cli_errors,
+)
+from specrun.errors import SpecrunError, UsageError
+
+HELP = """\
+/stats          statistics of the last answer and of the whole chat
+/reset          start a new conversation (the system prompt stays)
+/system TEXT    set the system prompt (/system alone shows it, /system - removes it)
+/method NAME    switch the speculation method (/method alone lists them)
+/help           this list
+/exit           leave (so do Ctrl-D and Ctrl-C at the prompt)
+A line ending in \\ continues on the next line; \"\"\" opens a block that ends at a line ending in \"\"\".
+Ctrl-C during an answer stops it; the answer and its question are dropped from the conversation.
+Start a message with // to send a line that begins with /."""
+
+DRAFTED_STYLE = "green"
+# Model output shown on a terminal must not drive it: control characters become visible symbols.
+_CONTROL_SYMBOLS = {
+    **{code: 0x2400 + code for code in range(32) if chr(code) not in "\t\n"},
+    0x7F: 0x2421,
+    **{code: 0xFFFD for code in range(0x80, 0xA0)},
+}
+PROMPT = "> "
+CONTINUE_PROMPT = "... "
+BLOCK_QUOTE = '"""'
+HISTORY_LENGTH = 1000
+
+EachLineOpt = Annotated[
+    bool, typer.Option("--each-line", help="Piped input: every line is a message in its own conversation.")
+]
+ShowAcceptOpt = Annotated[
+    Optional[bool],
+    typer.Option("--show-accept/--no-show-accept", help="Mark text the drafter got right (default: on a terminal)."),
+]
+SystemOpt = Annotated[Optional[str], typer.Option("--system", "-s", help="System prompt.")]
+
+
+def chat_command(
+    target: TargetOpt = None,
+    draft: DraftOpt = None,
+    backend: BackendOpt = "auto",
+    method: MethodOpt = "auto",
+    max_tokens: MaxTokensOpt = 512,
+    temp: TempOpt = 0.0,
+    top_k: TopKOpt = 0,
+    top_p: TopPOpt = 1.0,
+    min_p: MinPOpt = 0.0,
+    seed: SeedOpt = None,
+    draft_len: DraftLenOpt = None,
+    draft_min_prob: DraftMinProbOpt = None,
+    system: SystemOpt = None,
+    each_line: EachLineOpt = False,
+    show_accept: ShowAcceptOpt = None,
+    json_output: Annotated[bool, typer.Option("--json", help="Print one JSON object per answer.")] = False,
+    ctx: CtxOpt = None,
+    threads: ThreadsOpt = None,
+    gpu_layers: GpuLayersOpt = None,
+    kv_type: KvTypeOpt = None,
+    exact: ExactOpt = False,
+    registry: RegistryOpt = None,
+    ngram_cache: NgramCacheOpt = None,
+) -> None:
+    """Chat with the target model: a REPL on a terminal; on a pipe, stdin is the message and stdout the answer."""
+    with cli_errors():
+        from specrun.sessions.chat import open_chat
+        from specrun.engine.loop import GenerationParams
+        from specrun.registry.loading import LoadOptions, choose_pair
+        from specrun.drafters.methods import check_method
+
+        check_method(method)
+        check_generation_options(max_tokens, draft_len, draft_min_prob, ctx, threads)
+        check_kv_type(kv_type, exact)
+        # The session fills in the draft length: the user's, else the longest an adaptive run may choose.
+        params = GenerationParams(max_tokens, 0, checked_sampling("chat", temp, top_k, top_p, min_p, seed))
+        interactive = sys.stdin.isatty()
+        if each_line and interactive:
+            raise UsageError("--each-line reads messages from a pipe", "pipe the messages in, one per line")
+        messages = None if interactive else _piped_messages(sys.stdin.read(), each_line)
+        if show_accept is None:
+            show_accept = sys.stdout.isatty() and not json_output
+        view = AnswerView(show_accept, json_output)
+        options = LoadOptions(backend=backend, n_ctx=ctx, threads=threads, gpu_layers=gpu_layers,
+                              registry=registry, kv_type=kv_type, exact=exact)
+        target, draft = choose_pair(target, draft, registry)
+        with open_chat(target, draft, method, options, system_prompt=system,
+                       draft_len=draft_len, draft_min_prob=draft_min_prob, ngram_cache=ngram_cache) as session:
+            if messages is None:
+                ChatRepl(session, params, view).run()
+            else:
+                answer_each(session, messages, params, view, new_conversation_each=each_line)
+
+
+def _piped_messages(text: str, each_line: bool) -> list[str]:
+    """The messages a pipe holds: all of it, or each non-empty line."""
+    messages = [line.strip() for line in text.splitlines()] if each_line else [text.strip("\r\n")]
+    messages = [message for message in messages if message.strip()]
+    if not messages:
+        raise UsageError("stdin holds no message", "pipe some text in, or run specrun chat in a terminal")
+    return messages
+
+
+class AnswerView:
+    """Renders chat events: answer text to stdout (or one JSON object per answer), the rest to stderr."""
+
+    def __init__(self, show_accept: bool, json_output: bool) -> None:
+        self.show_accept = show_accept
+        self.json_output = json_output
+        self.for_display = show_accept or sys.stdout.isatty()
+        # Marked text goes through Rich (styled even on a pipe when asked for); plain text is written as is.
+        self.out = _console(force_terminal=True) if show_accept else None
+        self.err = _console(stderr=True)
+        self._ends_with_newline = True
+
+    def show(self, event) -> None:
+        """One event from ``ChatSession.ask``."""
+        from specrun.sessions.chat import AnswerDone, AnswerText, ContextFullNotice
+
+        if isinstance(event, AnswerText) and not self.json_output:
+            text = event.text.translate(_CONTROL_SYMBOLS) if self.for_display else event.text
+            self._write(text, DRAFTED_STYLE if event.from_draft and self.show_accept else None)
+        elif isinstance(event, ContextFullNotice):
+            self.end_line()
+            self.err.print(f"notice: {event.message}", style="yellow")
+        elif isinstance(event, AnswerDone):
+            if self.json_output:
+                self._write(json.dumps(event.to_dict()) + "\n", None)
+            self.end_line()
+            self.err.print(stats_line(event), style="dim")
+
+    def _write(self, text: str, style: str | None) -> None:
+        if not text:
+            return
+        rendered = text
+        if self.out is not None:
+            # Rendered into a capture, not Rich's own buffer: a Ctrl-C landing mid-print must not
+            # leave text there that the next answer's first print would flush.
+            with self.out.capture() as captured:
+                self.out.print(Text(text, style=style or ""), end="")
+            rendered = captured.get()
+        self._ends_with_newline = text.endswith("\n")  # set first: a Ctrl-C may land in the write
+        sys.stdout.write(rendered)
+        sys.stdout.flush()
+
+    def end_line(self) -> None:
+        """Finish the answer's last line, so what follows starts on its own."""
+        if not self._ends_with_newline:
+            self._write("\n", None)
+
+    def interrupted(self) -> None:
+        sys.stdout.flush()  # what the interrupted answer wrote shows before the notice, not in the next answer
+        self.end_line()
+        self.err.print("interrupted: the answer and its question are dropped from the conversation", style="yellow")
+
+    def error(self, exc: SpecrunError) -> None:
+        self.end_line()
+        self.err.print(f"error: {exc.one_line()}", style="red")
+
+    def info(self, text: str) -> None:
+        self.err.print(text)
+
+
+def _console(**options) -> Console:
+    """A Rich console that prints text verbatim: no markup, emoji codes, highlighting or wrapping."""
+    return Console(highlight=False, markup=False, emoji=False, soft_wrap=True, **options)
+
+
+def stats_line(done) -> str:
+    """The one line after each answer: speed, acceptance, and how much of the prompt came from the cache."""
+    return f"{done.stats.summary()}; prompt {done.prompt_tokens} tokens, {done.reused_tokens} from the cache"
+
+
+def answer_each(session, messages: list[str], params, view: AnswerView, *, new_conversation_each: bool) -> None:
+    """Answer piped messages in order; with ``new_conversation_each`` every one starts afresh."""
+    for message in messages:
+        if new_conversation_each:
+            session.reset()
+        for event in session.ask(message, params):
+            view.show(event)
+
+
+class ChatRepl:
+    """The interactive loop: read a message or a slash command, stream the answer, repeat."""
+
+    def __init__(self, session, params, view: AnswerView) -> None:
+        self.session = session
+        self.params = params
+        self.view = view
+        self.commands = {
+            "/stats": self._stats,
+            "/reset": self._reset,
+            "/system": self._system,
+            "/method": self._method,
+            "/help": self._help,
+        }
+
+    def run(self) -> None:
+        """Until /exit, Ctrl-D or Ctrl-C at the prompt."""
+        history = _open_history()
+        self._banner()
+        try:
+            while True:
+                try:
+                    message = read_message()
+                except (EOFError, KeyboardInterrupt):
+                    self.view.info("")
+                    return
+                if message is None or not message.strip():
+                    continue
+                if message.startswith("/") and not message.startswith("//"):
+                    if self._command(message):
+                        return
+                    continue
+                self._answer(message.removeprefix("/") if message.startswith("//") else message)
+        finally:
+            _save_history(history)
+
+    def _banner(self) -> None:
+        session = self.session
+        draft = "" if session.method == "none" else f", draft_len {session.draft_len}"
+        marking = f"; text the drafter got right is {DRAFTED_STYLE}" if self.view.show_accept else ""
+        self.view.info(
+            f"specrun chat on {session.target.name}: method {session.method}{draft}{marking}. "
+            "/help lists commands; Ctrl-D exits."
+        )
+
+    def _answer(self, message: str) -> None:
+        events = self.session.ask(message, self.params)
+        try:
+            for event in events:
+                self.view.show(event)
+        except KeyboardInterrupt:
+            events.close()
+            self.view.interrupted()
+        except SpecrunError as exc:
+            self.view.error(exc)
+
+    def _command(self, line: str) -> bool:
+        """Run a slash command; True when it asks to leave."""
+        name, _, argument = line.partition(" ")
+        if name in ("/exit", "/quit"):
+            return True
+        handler = self.commands.get(name)
+        if handler is None:
+            self.view.info(f"unknown command {name}; /help lists the commands")
+            return False
+        try:
+            handler(argument.strip())
+        except SpecrunError as exc:
+            self.view.error(exc)
+        return False
+
+    def _stats(self, _argument: str) -> None:
+        session = self.session
+        if not session.answers:
+            self.view.info("no answers yet")
+            return
+        last = session.answers[-1]
+        self.view.info(f"last answer: {last.summary()}")
+        self.view.info(
+            f"  prompt {last.prompt_tokens} tokens, prefill {last.prefill_seconds:.3f} s, "
+            f"{last.steps} verify steps (by drafts accepted, 0 1 2 …: {last.accepted_hist})"
+        )
+        count = len(session.answers)
+        self.view.info(f"whole chat, {count} answer{'s' if count != 1 else ''}: {session.total_stats().summary()}")
+
+    def _reset(self, _argument: str) -> None:
+        self.session.reset()
+        self.view.info("new conversation")
+
+    def _system(self, argument: str) -> None:
+        if not argument:
+            self.view.info(f"system prompt: {self.session.system_prompt or '(none)'}")
+            return
+        self.session.set_system_prompt(None if argument == "-" else argument)
+        self.view.info("system prompt removed" if argument == "-" else "system prompt set")
+
+    def _method(self, argument: str) -> None:
+        from specrun.drafters.methods import METHODS
+
+        if argument:
+            self.session.set_method(argument)
+        self.view.info(f"method {self.session.method} (available: {', '.join(METHODS)})")
+
+    def _help(self, _argument: str) -> None:
+        self.view.info(HELP)
+
+
+def read_message() -> str | None:
+    """One message from the terminal; None when a multi-line message was cancelled with Ctrl-C.
+
+    EOFError or KeyboardInterrupt at the first prompt mean: leave.
+    """
+    line = _input(PROMPT)
+    try:
+        if line.lstrip().startswith(BLOCK_QUOTE):
+            return _read_block(line.lstrip()[len(BLOCK_QUOTE):])
+        lines = []
+        while line.endswith("\\"):
+            lines.append(line[:-1])
+            line = _input(CONTINUE_PROMPT)
+        return "\n".join([*lines, line])
+    except (KeyboardInterrupt, EOFError):
+        print(file=sys.stderr)
+        return None
+
+
+def _input(prompt: str) -> str:
+    """input() with readline; the prompt goes to stderr when stdout is redirected, keeping the file answers-only."""
+    if sys.stdout.isatty():
+        return input(prompt)
+    sys.stderr.write(prompt)
+    sys.stderr.flush()
+    return input()
+
+
+def _read_block(first: str) -> str:
+    """The rest of a \"\"\" block whose first line (after the quotes) is ``first``."""
+    lines = [first]
+    while not lines[-1].rstrip().endswith(BLOCK_QUOTE):
+        lines.append(_input(CONTINUE_PROMPT))
+    lines[-1] = lines[-1].rstrip()[: -len(BLOCK_QUOTE)]
+    return "\n".join(lines).strip("\n")
+
+
+def _history_path() -> Path:
+    from specrun.modelkit.demo import cache_dir
+
+    return cache_dir() / "chat_history"
+
+
+def _open_history():
+    """readline with the saved input history, or None where readline is missing."""
+    try:
+        import readline
+    except ImportError:
+        return None
+    readline.set_history_length(HISTORY_LENGTH)
+    try:
+        readline.read_history_file(_history_path())
+    except OSError:
+        pass  # no history yet
+    return readline
+
+
+def _save_history(readline) -> None:
+    if readline is None:
+        return
+    try:
+        _history_path().parent.mkdir(parents=True, exist_ok=True)
+        readline.write_history_file(_history_path())
+    except OSError:
+        pass  # history is a convenience: a read-only cache folder must not break the chat

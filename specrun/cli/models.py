@@ -1,0 +1,240 @@
+"""``specrun models``: the registry (models.toml) and the Hugging Face cache.
+
+list, info, pull, rm, check and convert. Every MODEL argument is an alias, a local path or a
+Hugging Face id (``owner/name/FILE.gguf`` for a GGUF, ``owner/name`` for an MLX repo).
+Data goes to stdout (``--json`` prints only JSON); progress and reports to stderr.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from specrun.cli.common import BackendOpt, DraftOpt, JsonOpt, RegistryOpt, TargetOpt, cli_errors
+from specrun.errors import SpecrunError, UsageError
+from specrun.registry.hub import (
+    SOURCE_KINDS,
+    CacheStatus,
+    PairCheck,
+    cache_status,
+    check_pair,
+    gguf_parts,
+    pull,
+    remove_cached,
+)
+from specrun.registry.loading import BACKENDS, DEFAULT_TARGET, choose_backend
+from specrun.registry.catalog import ModelEntry, entry_for, load_registry
+
+models_app = typer.Typer(
+    help="The model registry (models.toml) and downloads from the Hugging Face Hub.",
+    no_args_is_help=True,
+)
+
+ModelArg = Annotated[str, typer.Argument(help="Alias, local path, owner/name/FILE.gguf or owner/name (MLX).")]
+
+
+@models_app.command("list")
+def list_models(json_output: JsonOpt = False, registry: RegistryOpt = None) -> None:
+    """Every alias: its sources, download size, and what is already cached."""
+    with cli_errors():
+        rows = [_summary(entry, cache_status(entry)) for entry in load_registry(registry).values()]
+        if json_output:
+            typer.echo(json.dumps(rows))
+            return
+        _stdout_console().print(_models_table(rows))
+        if any(not row["verified"] for row in rows):
+            typer.echo("* repository or file names not checked against the Hub", err=True)
+
+
+@models_app.command()
+def info(model: ModelArg, json_output: JsonOpt = False, registry: RegistryOpt = None) -> None:
+    """Everything the registry knows about MODEL, and where its cached files are."""
+    with cli_errors():
+        entry = entry_for(model, load_registry(registry))
+        details = _summary(entry, cache_status(entry))
+        details["gguf_files"] = gguf_parts(entry.gguf_file) if entry.gguf_file else []
+        if json_output:
+            typer.echo(json.dumps(details))
+            return
+        for key, value in details.items():
+            if value not in ("", [], None, 0):
+                typer.echo(f"{key:>12}: {', '.join(value) if isinstance(value, list) else value}")
+
+
+@models_app.command("pull")
+def pull_model(model: ModelArg, backend: BackendOpt = "auto", registry: RegistryOpt = None) -> None:
+    """Download MODEL into the Hugging Face cache (what --backend would load); print its local path."""
+    with cli_errors():
+        entries = load_registry(registry)
+        entry = entry_for(model, entries)
+        kind = _kind_for(backend, model, entry, entries)
+        path = pull(entry, kind, progress=sys.stderr.isatty())
+        typer.echo(str(path))
+        typer.echo(f"{entry.alias}: {kind.upper()} ready", err=True)
+
+
+@models_app.command("rm")
+def remove_model(model: ModelArg, backend: BackendOpt = "auto", registry: RegistryOpt = None) -> None:
+    """Delete MODEL's files from the Hugging Face cache (--backend llama: only the GGUF, mlx: only MLX)."""
+    with cli_errors():
+        entry = entry_for(model, load_registry(registry))
+        kinds = {"auto": SOURCE_KINDS, "llama": ("gguf",), "mlx": ("mlx",)}.get(backend)
+        if kinds is None:
+            raise UsageError(f"unknown backend {backend!r}", "use one of: auto, llama, mlx")
+        removed = remove_cached(entry, kinds)
+        for label, size in removed:
+            typer.echo(f"removed {label} ({_gigabytes(size)})", err=True)
+        if not removed:
+            typer.echo(f"nothing of {entry.alias} is in the cache", err=True)
+
+
+@models_app.command()
+def check(
+    target: TargetOpt = None, draft: DraftOpt = None, json_output: JsonOpt = False, registry: RegistryOpt = None
+) -> None:
+    """Can DRAFT speculate for TARGET? Compares vocabularies from GGUF metadata or tokenizer files, not weights.
+
+    Exits 0 when compatible, 1 when not. With no --draft, checks the target's first
+    suggested draft; with neither, the demo pair.
+    """
+    with cli_errors():
+        entries = load_registry(registry)
+        target_entry = entry_for(target or DEFAULT_TARGET, entries)
+        draft_spec = draft or next(iter(target_entry.drafts), None)
+        if draft_spec is None:
+            raise UsageError(f"{target_entry.alias} suggests no draft", "name one with --draft")
+        draft_entry = entry_for(draft_spec, entries)
+        verdict = check_pair(target_entry, draft_entry)
+        if json_output:
+            typer.echo(json.dumps({"target": target_entry.alias, "draft": draft_entry.alias,
+                                   "compatible": verdict.compatible, **vars(verdict)}))
+        else:
+            _print_verdict(target_entry.alias, draft_entry.alias, verdict)
+        if not verdict.compatible:
+            raise typer.Exit(1)
+
+
+@models_app.command()
+def convert(
+    model_file: Annotated[Path, typer.Argument(help="The .gguf file (llama or qwen2 architecture).")],
+    to: Annotated[str, typer.Option("--to", help="The format to write: mlx.")],
+    out: Annotated[
+        Optional[Path], typer.Option("--out", help="The folder to write (default: <stem>-mlx beside the file).")
+    ] = None,
+    dtype: Annotated[
+        str, typer.Option("--dtype", help="float16, or q4: MLX 4-bit in groups of 32 (Q4_1 weights kept exactly).")
+    ] = "float16",
+) -> None:
+    """Convert a GGUF file into an MLX model folder (mlx-lm cannot load GGUF); print the folder's path."""
+    from specrun.backends.llama import check_gguf_file
+    from specrun.modelkit.demo import derive_once
+    from specrun.modelkit.gguf_convert import MLX_DTYPES, convert_gguf_to_mlx
+
+    with cli_errors():
+        if to != "mlx":
+            raise UsageError(f"cannot convert to {to!r}", "use --to mlx")
+        if dtype not in MLX_DTYPES:
+            raise UsageError(f"unknown --dtype {dtype!r}", f"use one of: {', '.join(MLX_DTYPES)}")
+        check_gguf_file(model_file)
+        dest = out or model_file.with_name(f"{model_file.stem}-mlx")
+        if dest.exists() and not (dest.is_dir() and not any(dest.iterdir())):
+            raise UsageError(f"{dest} already exists", "remove it or pass another --out")
+        if dest.exists():
+            dest.rmdir()  # an empty folder: the finished one takes its place
+        typer.echo(f"converting {model_file} to MLX ({dtype})", err=True)
+        # Written beside dest and renamed at the end: a failure leaves no half-written folder.
+        derive_once(dest, lambda scratch: convert_gguf_to_mlx(model_file, scratch, mlx_dtype=dtype))
+        typer.echo(str(dest))
+
+
+def _kind_for(backend: str, spec: str, entry: ModelEntry, entries: dict[str, ModelEntry]) -> str:
+    """'gguf' or 'mlx': what ``--backend`` loads; for auto, what `specrun chat` would pick here."""
+    if backend not in BACKENDS:
+        raise UsageError(f"unknown backend {backend!r}", f"use one of: {', '.join(BACKENDS)}")
+    if backend == "auto":
+        with contextlib.suppress(SpecrunError):  # no backend installed: still fetch what exists
+            backend = choose_backend("auto", spec, entries)
+    if backend == "auto":
+        backend = "llama" if entry.gguf_repo or not entry.mlx_repo else "mlx"
+    return "gguf" if backend == "llama" else "mlx"
+
+
+def _summary(entry: ModelEntry, status: CacheStatus) -> dict:
+    """One entry and its cache status as plain data (the JSON of `list` and `info`)."""
+    return {
+        "alias": entry.alias,
+        "description": entry.description,
+        "family": entry.family,
+        "params": entry.params,
+        "quant": entry.quant,
+        "context": entry.context,
+        "size_gb": entry.size_gb,
+        "builtin": entry.builtin,
+        "gguf_repo": entry.gguf_repo,
+        "gguf_file": entry.gguf_file,
+        "gguf_path": entry.gguf_path,
+        "mlx_repo": entry.mlx_repo,
+        "mlx_path": entry.mlx_path,
+        "drafts": list(entry.drafts),
+        "verified": entry.verified,
+        "origin": entry.origin,
+        "cached": [kind for kind in ("gguf", "mlx") if getattr(status, kind)],
+        "cached_gb": round(status.bytes_on_disk / 1e9, 3),
+    }
+
+
+def _models_table(rows: list[dict]) -> Table:
+    table = Table("alias", "params", "quant", "sources", "size", "cached", box=None, pad_edge=False)
+    for row in rows:
+        table.add_row(
+            row["alias"] + ("" if row["verified"] else "*"),
+            row["params"],
+            row["quant"],
+            _sources(row),
+            f"{row['size_gb']:g} GB" if row["size_gb"] else "",
+            _cached(row),
+        )
+    return table
+
+
+def _sources(row: dict) -> str:
+    if row["builtin"]:
+        return "built in"
+    names = [("GGUF", row["gguf_repo"] or row["gguf_path"]), ("MLX", row["mlx_repo"] or row["mlx_path"])]
+    return " + ".join(kind for kind, where in names if where)
+
+
+def _cached(row: dict) -> str:
+    if row["builtin"]:
+        return "built in"
+    if row["gguf_path"] or row["mlx_path"]:
+        return "local"
+    return " + ".join(kind.upper() for kind in row["cached"]) or "-"
+
+
+def _print_verdict(target: str, draft: str, verdict: PairCheck) -> None:
+    if verdict.compatible:
+        typer.echo(f"compatible: {draft} can draft for {target}")
+    else:
+        typer.echo(f"incompatible: {draft} cannot draft for {target}")
+        for problem in verdict.problems:
+            typer.echo(f"  - {problem}")
+    for note in verdict.notes:
+        typer.echo(f"  note: {note}")
+    typer.echo(f"  target: {verdict.target_source}\n  draft:  {verdict.draft_source}")
+
+
+def _stdout_console() -> Console:
+    """Rich on stdout; wide enough when piped that rows are not cut."""
+    return Console(width=None if sys.stdout.isatty() else 200)
+
+
+def _gigabytes(size: int) -> str:
+    return f"{size / 1e9:.2f} GB"

@@ -1,0 +1,1 @@
+"""The speculation policy: which drafters, how many tokens, or a plain step; learned from measured costs."""

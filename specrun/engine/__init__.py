@@ -1,0 +1,1 @@
+"""The loop (plan, draft, verify, accept, keep), its events and its statistics."""

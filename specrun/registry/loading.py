@@ -1,0 +1,199 @@
+"""From model names on the command line to loaded, compatible backends."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+
+from specrun.backends.base import Backend
+from specrun.registry.compat import check_compatible
+from specrun.errors import RegistryError, UsageError
+from specrun.registry.catalog import ModelEntry, load_registry
+
+BACKENDS = ("auto", "llama", "mlx")
+DEFAULT_TARGET = "demo-target"
+DEFAULT_DRAFT = "demo-draft"
+
+
+@dataclass(frozen=True)
+class LoadOptions:
+    backend: str = "auto"
+    n_ctx: int | None = None  # None: the model's training context, at most 4096
+    threads: int | None = None
+    gpu_layers: int | None = None
+    registry: Path | None = None
+    kv_type: str | None = None  # llama.cpp's KV cache: f16 or f32; None: f16 (its default), f32 when exact
+    exact: bool = False  # the settings under which greedy speculation is bit-identical to plain decoding
+
+    @property
+    def llama_kv_type(self) -> str:
+        return self.kv_type or ("f32" if self.exact else "f16")
+
+
+def resolve_gguf(spec: str, entries: dict[str, ModelEntry]) -> Path:
+    """The GGUF file to load for ``spec``: a .gguf path, an alias, or a Hub id (owner/name/FILE.gguf).
+
+    Hub files are downloaded into the Hugging Face cache on first use (the first part
+    of a split GGUF is returned, with the others beside it).
+    """
+    from specrun.registry.catalog import entry_for
+
+    entry = entry_for(spec, entries)
+    if entry.builtin:
+        from specrun.modelkit.builtin import builtin_gguf
+
+        return builtin_gguf(entry.builtin)
+    if entry.gguf_path:
+        return Path(entry.gguf_path).expanduser()
+    if entry.gguf_repo:
+        from specrun.registry.hub import cached_gguf
+
+        return cached_gguf(entry)
+    raise RegistryError(
+        f"{spec!r} has no GGUF file ({entry.origin})",
+        "use --backend mlx, or name a GGUF: a .gguf path, an alias with gguf_file, or owner/name/FILE.gguf",
+    )
+
+
+def resolve_mlx(spec: str, entries: dict[str, ModelEntry]) -> str:
+    """The MLX folder to load for ``spec`` (a path, an alias, or owner/name), downloading a Hub repo."""
+    from specrun.registry.catalog import entry_for
+
+    path = Path(spec).expanduser()
+    if path.exists() or (spec not in entries and spec.startswith(("/", ".", "~"))):
+        return str(path)  # MlxBackend names what is wrong with a missing or non-MLX path
+    entry = entry_for(spec, entries)
+    if entry.builtin:
+        from specrun.modelkit.builtin import builtin_mlx_dir
+
+        return str(builtin_mlx_dir(entry.builtin))
+    if entry.mlx_path:
+        return str(Path(entry.mlx_path).expanduser())
+    if entry.mlx_repo:
+        from specrun.registry.hub import cached_mlx
+
+        return str(cached_mlx(entry))
+    raise RegistryError(
+        f"{spec!r} has no MLX source ({entry.origin})", "use --backend llama, or add mlx_repo/mlx_path to its alias"
+    )
+
+
+def prompts_as_chat(spec: str, registry: Path | None, target: Backend, chat: bool | None) -> bool:
+    """Does a one-shot prompt go to ``target`` as a user message in its chat template?
+    ``chat`` when the user said; else yes when the model has a template, unless the
+    registry marks it as a completion model (the demo pair: Python source, not chat)."""
+    if chat is not None:
+        return chat
+    from specrun.registry.catalog import entry_for
+
+    entries = load_registry(registry)
+    completion = spec in entries and entry_for(spec, entries).completion
+    return not completion and target.chat_template() is not None
+
+
+def open_backend(spec: str, options: LoadOptions, entries: dict[str, ModelEntry] | None = None) -> Backend:
+    """Load one model on the chosen backend."""
+    entries = entries if entries is not None else load_registry(options.registry)
+    backend = choose_backend(options.backend, spec, entries)
+    if backend == "mlx":
+        from specrun.backends.mlx import MlxBackend
+
+        if options.kv_type == "f32":
+            raise UsageError(
+                f"--kv-type {options.kv_type} applies to the llama.cpp backend only",
+                "drop --kv-type, or pass --backend llama",
+            )
+        return MlxBackend(resolve_mlx(spec, entries), n_ctx=options.n_ctx)
+    from specrun.backends.llama import LlamaCppBackend
+
+    return LlamaCppBackend(
+        resolve_gguf(spec, entries),
+        n_ctx=options.n_ctx,
+        n_threads=options.threads,
+        gpu_layers=options.gpu_layers,
+        kv_type=options.llama_kv_type,
+        flash_attn=False if options.exact else None,  # None: llama.cpp's automatic choice
+    )
+
+
+def choose_backend(requested: str, spec: str | None = None, entries: dict[str, ModelEntry] | None = None) -> str:
+    """'llama' or 'mlx' for ``spec``; an explicit choice must be installed.
+
+    auto: MLX when the model has an MLX source and either this is Apple Silicon
+    or the model has no GGUF source; llama.cpp otherwise. An uninstalled backend
+    is skipped by auto and refused when asked for by name.
+    """
+    import importlib.util
+    import platform
+
+    from specrun.errors import BackendUnavailableError
+
+    modules = {"llama": "llama_cpp", "mlx": "mlx_lm"}
+    if requested not in BACKENDS:
+        raise UsageError(f"unknown backend {requested!r}", f"use one of: {', '.join(BACKENDS)}")
+    installed = {name for name, module in modules.items() if importlib.util.find_spec(module) is not None}
+    if requested != "auto":
+        if requested not in installed:
+            raise BackendUnavailableError(
+                f"the {requested} backend is not installed", f"install it with: pip install 'specrun[{requested}]'"
+            )
+        return requested
+    has_mlx, has_gguf = _model_sources(spec, entries or {}) if spec is not None else (False, True)
+    apple_silicon = platform.system() == "Darwin" and platform.machine() == "arm64"
+    order = ("mlx", "llama") if has_mlx and (apple_silicon or not has_gguf) else ("llama", "mlx")
+    sources = {"mlx": has_mlx, "llama": has_gguf}
+    usable = [name for name in order if name in installed and sources[name]]
+    if not usable:
+        raise BackendUnavailableError(
+            f"the {order[0]} backend this model needs is not installed",
+            f"install it with: pip install 'specrun[{order[0]}]'",
+        )
+    return usable[0]
+
+
+def _model_sources(spec: str, entries: dict[str, ModelEntry]) -> tuple[bool, bool]:
+    """(has an MLX source, has a GGUF source), without downloading or deriving anything."""
+    from specrun.registry.catalog import entry_for
+
+    try:
+        entry = entry_for(spec, entries)
+    except RegistryError:
+        return False, True  # unknown: the llama.cpp path reports it
+    has_mlx = bool(entry.builtin or entry.mlx_path or entry.mlx_repo)
+    has_gguf = bool(entry.builtin or entry.gguf_path or entry.gguf_repo)
+    return has_mlx, has_gguf
+
+
+def suggested_draft(target_spec: str, registry: Path | None = None) -> str | None:
+    """The first draft models.toml suggests for this target, if it is an alias with one."""
+    entry = load_registry(registry).get(target_spec)
+    return entry.drafts[0] if entry is not None and entry.drafts else None
+
+
+def choose_pair(target: str | None, draft: str | None, registry: Path | None = None) -> tuple[str, str | None]:
+    """The models to use: the demo pair when no target is named; for a named target
+    without --draft, the draft its registry entry suggests (None when there is none)."""
+    if target is None:
+        return DEFAULT_TARGET, draft or DEFAULT_DRAFT
+    return target, draft or suggested_draft(target, registry)
+
+
+def open_pair(
+    target_spec: str, draft_spec: str | None, options: LoadOptions
+) -> tuple[Backend, Backend | None]:
+    """Load the target and (if given) the draft, refusing a draft with another vocabulary."""
+    entries = load_registry(options.registry)
+    target = open_backend(target_spec, options, entries)
+    if draft_spec is None:
+        return target, None
+    try:
+        # One context size for both (a draft capped smaller would overflow in long chats),
+        # and the target's backend, so that auto cannot split a pair across two runtimes.
+        backend = options.backend if options.backend != "auto" else target.name
+        draft = open_backend(draft_spec, dataclasses.replace(options, n_ctx=target.n_ctx, backend=backend), entries)
+        check_compatible(target, draft, target_spec, draft_spec)
+    except BaseException:
+        target.close()
+        raise
+    return target, draft

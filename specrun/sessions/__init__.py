@@ -1,0 +1,1 @@
+"""Generation, chat, templates and tuning runs: what the front ends call."""

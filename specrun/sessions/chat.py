@@ -1,0 +1,375 @@
+"""A multi-turn conversation over one loaded target (and drafter): the library behind ``specrun chat``.
+
+``ChatSession.ask`` renders the conversation with the model's chat template,
+tokenizes it, streams the answer through the speculative engine and yields events;
+it never prints.
+
+KV reuse. The session keeps a ``Transcript``: the token ids the target has actually
+seen (the last prompt plus the tokens it generated) and the text they spell. The
+next turn's prompt is those ids plus the tokenized text the template adds after
+them (the end of the answer, the new user message, the assistant cue), so the
+engine's longest-common-prefix reuse prefills only the new tokens. When the template
+rewrites earlier text (a changed system prompt, a template that trims or drops
+parts of old answers), the whole conversation is tokenized afresh instead; the
+engine then reuses whatever prefix still matches.
+
+Interruptions. An answer that does not finish (Ctrl-C, a closed generator, an
+error) is dropped together with its question: the transcript stays as it was
+before ``ask``, and the caches are left consistent, so the next turn gives what a
+fresh session fed the same transcript gives. Keeping the question alone would leave
+two user messages in a row, which many templates refuse.
+"""
+
+from __future__ import annotations
+
+import codecs
+import dataclasses
+import functools
+import itertools
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from specrun.backends.base import Backend
+from specrun.registry.compat import check_compatible
+from specrun.drafters.ngram import vocabulary_fingerprint
+from specrun.engine.loop import Finished, GenerationParams, GenerationResult, SpeculativeEngine, TextChunk
+from specrun.errors import ContextFullError, UsageError
+from specrun.sessions.generation import adapts_length, load_tuned, remember_run, resolve_draft_len, resolve_min_prob
+from specrun.backends.kv import common_prefix_len, sequence_for
+from specrun.registry.loading import LoadOptions, open_backend, open_pair
+from specrun.drafters.methods import DrafterOptions, build_drafter, check_method, needs_draft_model
+from specrun.engine.stats import Stats
+from specrun.sessions.templates import ChatTemplate, message_spans, tokenize_rendered
+
+
+@dataclass(frozen=True)
+class AnswerText:
+    """Event: a run of answer text, all from accepted drafts or all from the target itself."""
+
+    text: str
+    from_draft: bool
+
+
+@dataclass(frozen=True)
+class ContextFullNotice:
+    """Event: the context filled up, so the answer stops here (it is kept, cut short)."""
+
+    message: str
+
+
+@dataclass(frozen=True)
+class AnswerDone:
+    """Event: the last of an answer. ``reused_tokens`` prompt tokens came from the cache."""
+
+    text: str
+    finish_reason: str  # "eos", "length" or "context"
+    stats: Stats
+    prompt_tokens: int
+    reused_tokens: int
+
+    def to_dict(self) -> dict:
+        return {
+            "text": self.text,
+            "finish_reason": self.finish_reason,
+            "prompt_tokens": self.prompt_tokens,
+            "reused_tokens": self.reused_tokens,
+            "stats": self.stats.to_dict(),
+        }
+
+
+ChatEvent = AnswerText | ContextFullNotice | AnswerDone
+
+
+@dataclass
+class Transcript:
+    """The conversation, and the exact tokens the target saw for it.
+
+    ``token_ids`` spell ``text``, which is a prefix of the template's rendering of
+    ``messages``. Empty ids mean: tokenize the whole conversation next time.
+    """
+
+    messages: list[dict[str, str]] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+
+
+class _SpanDecoder:
+    """Answer tokens to text, split where runs of accepted drafts begin and end."""
+
+    def __init__(self, backend: Backend) -> None:
+        self.backend = backend
+        self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def spans(self, chunk: TextChunk) -> Iterator[AnswerText]:
+        for from_draft, run in itertools.groupby(zip(chunk.token_ids, chunk.from_draft), key=lambda pair: pair[1]):
+            text = self.decoder.decode(b"".join(self.backend.token_bytes(token) for token, _ in run))
+            if text:
+                yield AnswerText(text, from_draft)
+
+    def flush(self) -> Iterator[AnswerText]:
+        tail = self.decoder.decode(b"", final=True)
+        if tail:
+            yield AnswerText(tail, False)
+
+
+class ChatSession:
+    """A conversation with one target and an optional drafter; use as a context manager.
+
+    load_draft: called the first time ``set_method`` needs a draft model that was not
+    loaded at the start (the chat began with a method that needs none).
+    draft_len, draft_min_prob: the user's choices. draft_len None: lengths adapt, up to 16;
+    draft_min_prob None: what ``specrun tune`` saved for this pair and machine (``tuned``),
+    else none (generation.resolve_*).
+    find_tuned: gives the tuned settings for a draft model loaded later by ``load_draft``.
+    threads: the target's thread count, which keys what the session's runs learned (kept
+    on close for the next session, as ``specrun generate`` keeps it).
+    """
+
+    def __init__(
+        self,
+        target: Backend,
+        draft: Backend | None = None,
+        method: str = "draft",
+        *,
+        system_prompt: str | None = None,
+        drafter_options: DrafterOptions | None = None,
+        load_draft: Callable[[], Backend] | None = None,
+        draft_len: int | None = None,
+        draft_min_prob: float | None = None,
+        tuned=None,
+        find_tuned: Callable[[Backend], object] | None = None,
+        threads: int | None = None,
+    ) -> None:
+        self.target = target
+        self.draft = draft
+        self.template = ChatTemplate.for_backend(target)
+        self.system_prompt = system_prompt
+        self.transcript = Transcript()
+        self.answers: list[Stats] = []
+        self._load_draft = load_draft
+        self._draft_len = draft_len
+        self._draft_min_prob = draft_min_prob
+        self._find_tuned = find_tuned
+        self._threads = threads  # the learned costs are kept per thread count (tuning.pair_key)
+        self._drafter_options = drafter_options or DrafterOptions()
+        self._tuned = None
+        self.engine = SpeculativeEngine(target, None, method)
+        self._use_tuned(tuned)
+        self.engine.set_drafter(build_drafter(method, draft, self._drafter_options), method)
+
+    def _use_tuned(self, tuned) -> None:
+        """Take what `specrun tune` saved: the confidence stop (where the user chose none) for
+        drafters built from now on, and the measured costs and acceptance the controllers
+        start from (lengths adapt unless -k fixes them)."""
+        self._tuned = tuned
+        self._drafter_options = dataclasses.replace(
+            self._drafter_options, draft_min_prob=resolve_min_prob(self._draft_min_prob, tuned)
+        )
+        if tuned is not None:
+            tuned.apply(self.engine)  # auto and a chain's gate need not explore them
+
+    # ---- the conversation ---------------------------------------------------------
+    def ask(self, text: str, params: GenerationParams) -> Iterator[ChatEvent]:
+        """Answer ``text`` as the next user turn: AnswerText events, maybe a ContextFullNotice, AnswerDone.
+
+        Raises ContextFullError (before generating) when the conversation no longer
+        fits, ChatTemplateError when the template refuses it.
+        """
+        messages = [*self.transcript.messages, {"role": "user", "content": text}]
+        prompt_text, prompt_ids = self._prompt(messages)
+        self._check_fits(prompt_ids)
+        reused = min(common_prefix_len(self.engine.target.tokens, prompt_ids), len(prompt_ids) - 1)
+        decoder = _SpanDecoder(self.target)
+        result: GenerationResult | None = None
+        params = dataclasses.replace(
+            params, draft_len=self.draft_len, adaptive=adapts_length(self.method, self._draft_len)
+        )
+        stream = self.engine.stream(prompt_ids, params)
+        try:
+            for event in stream:
+                if isinstance(event, TextChunk):
+                    yield from decoder.spans(event)
+                elif isinstance(event, Finished):
+                    result = event.result
+        except BaseException:
+            stream.close()  # the engine rewinds in its finally (a no-op if the error came from inside it)
+            self._repair_caches()
+            raise
+        yield from decoder.flush()
+        if result.finish_reason == "context":
+            yield ContextFullNotice(
+                f"the context of {self.target.n_ctx} tokens is full, so the answer stops here; "
+                "/reset starts a new conversation (or raise --ctx)"
+            )
+        self._record(messages, prompt_text, prompt_ids, result)
+        self.answers.append(result.stats)
+        yield AnswerDone(result.text, result.finish_reason, result.stats, len(prompt_ids), reused)
+
+    def reset(self) -> None:
+        """Forget the conversation (the system prompt stays) and empty both caches."""
+        self.transcript = Transcript()
+        sequence_for(self.target).reset()
+        if self.draft is not None:
+            sequence_for(self.draft).reset()
+
+    def set_system_prompt(self, text: str | None) -> None:
+        """Use ``text`` from the next answer on; the conversation so far is kept."""
+        self.system_prompt = text or None
+
+    def _with_system(self, messages: Sequence[dict[str, str]]) -> list[dict[str, str]]:
+        system = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
+        return [*system, *messages]
+
+    def _prompt(self, messages: list[dict[str, str]]) -> tuple[str, list[int]]:
+        """The rendered prompt for ``messages`` and its token ids, extending the transcript's when possible."""
+        conversation = self._with_system(messages)
+        text = self.template.render(conversation, add_generation_prompt=True)
+        # The template's markers (<|im_start|>) become their tokens; what was typed stays text.
+        spans = message_spans(text, conversation)
+        seen = self.transcript
+        if seen.token_ids and text.startswith(seen.text):
+            added = tokenize_rendered(self.target, self.template, text, spans, start=len(seen.text))
+            return text, seen.token_ids + added
+        return text, tokenize_rendered(self.target, self.template, text, spans)
+
+    def _check_fits(self, prompt_ids: list[int]) -> None:
+        n_ctx = self.target.n_ctx
+        if len(prompt_ids) < n_ctx:
+            return
+        if self.transcript.messages:
+            raise ContextFullError(
+                f"the conversation has {len(prompt_ids)} tokens but the context holds {n_ctx}",
+                "type /reset to start a new conversation, or raise --ctx",
+            )
+        raise ContextFullError(
+            f"the message needs {len(prompt_ids)} tokens but the context holds {n_ctx}",
+            "shorten it or raise --ctx",
+        )
+
+    def _record(self, messages: list[dict[str, str]], prompt_text: str, prompt_ids: list[int],
+                result: GenerationResult) -> None:
+        """Append the answer to the transcript, keeping the ids the target generated where the template agrees."""
+        messages = [*messages, {"role": "assistant", "content": result.text}]
+        rendered = self.template.render(self._with_system(messages), add_generation_prompt=False)
+        ids = prompt_ids + result.token_ids
+        text = prompt_text + result.text
+        if result.finish_reason == "eos":
+            eos_text = self.target.token_text(ids[-1])
+            if rendered.startswith(text + eos_text):
+                text += eos_text  # the template ends the turn with this very token
+            else:
+                ids.pop()  # the template ends turns otherwise: its own text follows
+        if not rendered.startswith(text):
+            ids, text = [], ""
+        self.transcript = Transcript(messages, ids, text)
+
+    def _repair_caches(self) -> None:
+        """After an interruption: every sequence back in step with its backend (engine rewinds did
+        the rest), and no drafter index left half-updated."""
+        sequence_for(self.target).repair()
+        if self.draft is not None:
+            sequence_for(self.draft).repair()
+        recover = getattr(self.engine.drafter, "recover", None)
+        if recover is not None:
+            recover()
+
+    # ---- speculation ----------------------------------------------------------------
+    @property
+    def method(self) -> str:
+        return self.engine.method
+
+    @property
+    def draft_len(self) -> int:
+        """The draft length the next answer uses (adaptive: the longest it may choose)."""
+        return resolve_draft_len(self.method, self._draft_len)
+
+    def set_method(self, method: str) -> None:
+        """Switch the speculation method between answers, loading the draft model if it is needed now."""
+        check_method(method)
+        if needs_draft_model(method) and self.draft is None:
+            if self._load_draft is None:
+                raise UsageError(f"method {method!r} needs a draft model", "start specrun chat with --draft MODEL")
+            self.draft = self._load_draft()
+            if self._tuned is None and self._find_tuned is not None:
+                self._use_tuned(self._find_tuned(self.draft))
+        drafter = build_drafter(method, self.draft, self._drafter_options)
+        previous = self.engine.drafter
+        self.engine.set_drafter(drafter, method)
+        if previous is not None:
+            previous.close()
+
+    def total_stats(self) -> Stats:
+        """Every answer's statistics added up."""
+        last = self.answers[-1] if self.answers else Stats()
+        total = Stats(method=self.method, draft_len=last.draft_len, adaptive=last.adaptive)
+        for stats in self.answers:
+            total.add(stats)
+        return total
+
+    # ---- lifetime -------------------------------------------------------------------
+    def close(self) -> None:
+        if self.answers and self.draft is not None:
+            remember_run(self.engine, self.target, self.draft, self._threads, self._tuned)
+        if self.engine.drafter is not None:
+            if self.engine.last_context:
+                self.engine.drafter.finish(self.engine.last_context)  # the n-gram pool learns the last answer
+            self.engine.drafter.close()
+        self.target.close()
+        if self.draft is not None:
+            self.draft.close()
+
+    def __enter__(self) -> ChatSession:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+
+def open_chat(
+    target_spec: str,
+    draft_spec: str | None,
+    method: str,
+    options: LoadOptions,
+    *,
+    system_prompt: str | None = None,
+    draft_len: int | None = None,
+    draft_min_prob: float | None = None,
+    ngram_cache: Path | None = None,
+) -> ChatSession:
+    """Load the pair for ``method`` (the draft model only if it needs one) and start a session.
+
+    With a ``draft_spec`` the method does not need yet, the draft is loaded on the
+    first ``/method`` that does. ``ngram_cache``: the n-gram pool's file, loaded now and
+    saved when the session closes (or switches method).
+    """
+    check_method(method)
+    target, draft = open_pair(target_spec, draft_spec if needs_draft_model(method) else None, options)
+    tuned = load_tuned(target, draft, options.threads)
+    load_draft = None
+    if draft is None and draft_spec is not None:
+        load_draft = functools.partial(_open_compatible_draft, target, target_spec, draft_spec, options)
+    try:
+        drafter_options = None
+        if ngram_cache is not None:
+            drafter_options = DrafterOptions(ngram_cache, vocabulary_fingerprint(target))
+        return ChatSession(target, draft, method, system_prompt=system_prompt, load_draft=load_draft,
+                           draft_len=draft_len, draft_min_prob=draft_min_prob, tuned=tuned,
+                           drafter_options=drafter_options,
+                           find_tuned=lambda loaded: load_tuned(target, loaded, options.threads),
+                           threads=options.threads)
+    except BaseException:
+        target.close()
+        if draft is not None:
+            draft.close()
+        raise
+
+
+def _open_compatible_draft(target: Backend, target_spec: str, draft_spec: str, options: LoadOptions) -> Backend:
+    draft = open_backend(draft_spec, options)
+    try:
+        check_compatible(target, draft, target_spec, draft_spec)
+    except BaseException:
+        draft.close()
+        raise
+    return draft

@@ -1,0 +1,111 @@
+"""`specrun demo`: the shipped pair, plain vs speculative, shown side by side."""
+
+from __future__ import annotations
+
+import sys
+
+from rich.console import Console
+from rich.table import Table
+
+from specrun.sessions.compare import NEAR_TIE_NOTE, Comparison, Mismatch, Variant, compare_variants, native_line
+from specrun.engine.loop import GenerationParams
+from specrun.sessions.generation import adapts_length, resolve_draft_len
+from specrun.registry.loading import LoadOptions, open_pair
+from specrun.drafters.methods import needs_draft_model
+from specrun.sessions.prompts import CODE_PROMPTS
+
+
+def run_demo(
+    target: str,
+    draft: str,
+    methods: list[str],
+    n_prompts: int,
+    max_tokens: int,
+    draft_len: int | None,
+    backend: str,
+    threads: int | None,
+) -> Comparison:
+    """Load the pair, compare the methods on built-in prompts, print the table to stdout.
+
+    ``draft_len`` None: each method as `specrun generate` runs it (adaptive, up to 16)."""
+    err = Console(stderr=True)
+    out = Console(file=sys.stdout, soft_wrap=True)
+    err.print(f"loading {target} + {draft} (the first run derives cached model files)…")
+    use_draft = any(needs_draft_model(m) for m in methods)
+    target_backend, draft_backend = open_pair(
+        target, draft if use_draft else None, LoadOptions(backend=backend, threads=threads)
+    )
+    native = None
+    try:
+        prompts = [
+            target_backend.tokenize(text, add_bos=target_backend.vocab.add_bos)
+            for text in CODE_PROMPTS[:n_prompts]
+        ]
+        native = target_backend.native_loop()
+        variants = [
+            Variant(method, method, resolve_draft_len(method, draft_len), adapts_length(method, draft_len))
+            for method in methods
+        ]
+        params = GenerationParams(max_new_tokens=max_tokens)
+        err.print(f"{len(prompts)} prompts × {len(methods)} methods, {max_tokens} tokens each, greedy, interleaved")
+        comparison = compare_variants(
+            target_backend,
+            draft_backend,
+            prompts,
+            variants,
+            params,
+            on_result=lambda i, m, r: err.print(f"  prompt {i + 1} {m:>18}: {r.stats.tokens_per_second:7.1f} tok/s"),
+            native=native,
+        )
+    finally:
+        if native is not None:
+            native.close()
+        target_backend.close()
+        if draft_backend is not None:
+            draft_backend.close()
+    out.print(render_table(comparison, target, draft, _lengths_label(variants)))
+    if comparison.native:
+        out.print(native_line(comparison))
+    if any(comparison.mismatches.values()):
+        err.print(NEAR_TIE_NOTE)
+    return comparison
+
+
+def _lengths_label(variants: list[Variant]) -> str:
+    """The title's draft lengths, read off the variants that ran: "adaptive up to 16" by
+    default, "draft length 3 (adaptive: the longest)" when one -k set both."""
+    fixed = {variant.draft_len for variant in variants if not variant.adapts and variant.method != "none"}
+    longest = {variant.draft_len for variant in variants if variant.adapts}
+    if not longest:
+        return ", ".join(f"draft length {k}" for k in sorted(fixed))
+    if fixed == longest:
+        return f"draft length {min(fixed)} (adaptive: the longest)"
+    return ", ".join([*(f"draft length {k}" for k in sorted(fixed)), f"adaptive up to {max(longest)}"])
+
+
+def render_table(comparison: Comparison, target: str, draft: str, lengths: str) -> Table:
+    table = Table(title=f"{target} + {draft}, {lengths} (generation time only, prefill excluded)")
+    for column in ("method", "tok/s", "speed-up", "accepted", "tokens/step", "same output"):
+        table.add_column(column, justify="left" if column == "method" else "right")
+    for method, figures in comparison.figures.items():
+        drafted = method != comparison.baseline and figures.acceptance_rate > 0
+        mismatched = comparison.mismatches[method]
+        table.add_row(
+            method,
+            f"{figures.tokens_per_second:.1f}",
+            f"{comparison.speedup(method):.2f}×",
+            f"{100 * figures.acceptance_rate:.0f}%" if drafted else "–",
+            f"{figures.mean_tokens_per_step:.2f}",
+            "baseline" if method == comparison.baseline else sameness(mismatched),
+        )
+    return table
+
+
+def sameness(mismatches: list[Mismatch]) -> str:
+    """'yes', or how many outputs differ and whether only at measured numerical near-ties."""
+    if not mismatches:
+        return "yes"
+    real = [m for m in mismatches if not m.within_rounding]
+    if real:
+        return f"NO ({len(real)} prompts)"
+    return f"yes*: {len(mismatches)} near-tie"

@@ -1,0 +1,143 @@
+"""One-shot generation: the library function behind ``specrun generate``."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from specrun.engine.loop import Finished, GenerationParams, GenerationResult, SpeculativeEngine, TextChunk
+from specrun.registry.loading import LoadOptions, open_pair, prompts_as_chat
+from specrun.drafters.methods import DrafterOptions, build_drafter, is_adaptive, needs_draft_model
+from specrun.sampling import SamplingSettings
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    prompt: str
+    target: str
+    draft: str | None
+    method: str = "auto"
+    max_new_tokens: int = 128
+    draft_len: int | None = None  # None: chosen each step (adaptive), up to 16
+    draft_min_prob: float | None = None  # None: the tuned confidence stop, else none
+    sampling: SamplingSettings = field(default_factory=SamplingSettings)
+    load: LoadOptions = field(default_factory=LoadOptions)
+    drafter_options: DrafterOptions = field(default_factory=DrafterOptions)
+    chat: bool | None = None  # the prompt as a user message in the chat template; None: see prompts_as_chat
+
+
+DEFAULT_DRAFT_LEN = 4
+# The longest draft auto may choose. Its controller picks the length from measured acceptance
+# and costs, so the cap only matters where long drafts pay: a copy that lookup gets right on
+# every token. There 16 against 8 measured +10% on the built-in chat and qa prompts (A/B,
+# 3 repeats, tiny regime; docs/perf.md); where passes are memory-bound (a GPU, not measured
+# here) 16 tokens should cost little more than 1. Elsewhere the controller stays short.
+ADAPTIVE_MAX_DRAFT_LEN = 16
+
+
+DEFAULT_DRAFT_MIN_PROB = 0.0
+
+
+def load_tuned(target, draft, threads):
+    """Settings saved by `specrun tune` for this pair on this machine; else what earlier
+    runs of the pair learned (``tuning.learn_from_run``); else None."""
+    if draft is None:
+        return None
+    from specrun.sessions import tuning
+
+    key = tuning.pair_key(target, draft, threads)
+    return tuning.load(key) or tuning.load(key, tuning.learned_path())
+
+
+def remember_run(engine, target, draft, threads, tuned) -> None:
+    """Keep what this run measured for the next (unless `specrun tune` calibrated the pair)."""
+    if draft is None or (tuned is not None and not tuned.learned):
+        return
+    from specrun.sessions import tuning
+
+    learned = tuning.learn_from_run(engine, target, draft, tuning.pair_key(target, draft, threads), tuned)
+    if learned is not None:
+        tuning.save(learned, tuning.learned_path())
+
+
+def adapts_length(method: str, requested: int | None) -> bool:
+    """Does ``method`` choose its draft length as it goes (gated on plain decoding, as auto)?
+
+    auto always (``-k`` is then its longest draft); every other speculative method unless
+    ``-k`` fixes its length. One length for every step either stops a long copy early or
+    verifies long wrong guesses, and a draft model that does not pay on this machine
+    drafts anyway (Spec-Bench, demo pair: lookup 1.90x adaptive against 1.47x at 4; the
+    draft model alone 1.00x against 0.79x at 2; docs/perf.md, session 12). `specrun tune`
+    seeds the controllers with its measured costs and acceptance; its best fixed length
+    is for ``-k``.
+    """
+    return method != "none" and (is_adaptive(method) or requested is None)
+
+
+def resolve_draft_len(method: str, requested: int | None) -> int:
+    """The user's draft length (for an adaptive run, its longest); else, adaptive, the
+    longest the controller may choose; else (plain decoding, which drafts nothing) 4."""
+    if requested is not None:
+        return requested
+    return ADAPTIVE_MAX_DRAFT_LEN if adapts_length(method, requested) else DEFAULT_DRAFT_LEN
+
+
+def resolve_min_prob(requested: float | None, tuned) -> float:
+    """The user's confidence stop; else the tuned one; else none."""
+    if requested is not None:
+        return requested
+    return tuned.best_min_prob if tuned is not None else DEFAULT_DRAFT_MIN_PROB
+
+
+def prompt_token_ids(target, prompt: str, chat: bool) -> list[int]:
+    """The prompt as one user message in the target's chat template, as ``mlx_lm.generate``
+    and ``llama-cli`` send it, or (``chat`` false) as is."""
+    if not chat:
+        return target.tokenize(prompt, add_bos=target.vocab.add_bos)
+    from specrun.sessions.templates import render_user_prompt
+
+    return render_user_prompt(target, prompt)[1]
+
+
+def generate_text(request: GenerateRequest, on_text: Callable[[str], None] | None = None) -> GenerationResult:
+    """Load the pair, generate, and return the result; ``on_text`` receives text as it streams."""
+    draft_spec = request.draft if needs_draft_model(request.method) else None
+    target, draft = open_pair(request.target, draft_spec, request.load)
+    drafter = None
+    try:
+        tuned = load_tuned(target, draft, request.load.threads)
+        options = dataclasses.replace(
+            request.drafter_options, draft_min_prob=resolve_min_prob(request.draft_min_prob, tuned)
+        )
+        if options.ngram_cache is not None and not options.vocabulary:
+            from specrun.drafters.ngram import vocabulary_fingerprint
+
+            options = dataclasses.replace(options, vocabulary=vocabulary_fingerprint(target))
+        drafter = build_drafter(request.method, draft, options)
+        engine = SpeculativeEngine(target, drafter, method=request.method)
+        chat = prompts_as_chat(request.target, request.load.registry, target, request.chat)
+        prompt_ids = prompt_token_ids(target, request.prompt, chat)
+        params = GenerationParams(
+            request.max_new_tokens,
+            resolve_draft_len(request.method, request.draft_len),
+            request.sampling,
+            adaptive=adapts_length(request.method, request.draft_len),
+        )
+        if tuned is not None:
+            tuned.apply(engine)  # the controllers start from measured costs
+        for event in engine.stream(prompt_ids, params, complete_cache=False):
+            if isinstance(event, TextChunk) and on_text is not None and event.text:
+                on_text(event.text)
+            elif isinstance(event, Finished):
+                if drafter is not None:
+                    drafter.finish(engine.last_context)  # the n-gram pool learns the last tokens too
+                remember_run(engine, target, draft, request.load.threads, tuned)
+                return event.result
+        raise AssertionError("stream ended without Finished")
+    finally:
+        if drafter is not None:
+            drafter.close()  # saves the n-gram pool when it has a cache file
+        target.close()
+        if draft is not None:
+            draft.close()

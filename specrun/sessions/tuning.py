@@ -1,0 +1,298 @@
+"""`specrun tune`: measure this machine and pair once, remember the best settings.
+
+The calibration runs plain decoding and fixed draft lengths side by side (interleaved
+per prompt); a second round tries confidence stops (drafting ends before a token the
+draft is less sure of than a threshold) at the best length and at the longest, again
+side by side with plain decoding. It records the tokens/s of each, the target's verify
+cost T(n), the draft model's drafting cost per length, its overall acceptance and how
+often its first token is accepted. The result is saved in the user config, keyed by the
+two model files and this machine; a later ``--method draft`` run uses the best draft
+length when none is given (a chain keeps its own), and controllers (``--method auto``, a
+fixed chain's gate) start from the measured target and draft costs instead of exploring
+them, and from the measured first-token acceptance instead of an optimistic prior.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import statistics
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from specrun.backends.base import Backend
+from specrun.drafters.draft_model import DraftModelDrafter
+from specrun.engine.loop import GenerationParams, SpeculativeEngine
+from specrun.errors import SpecrunError
+from specrun.drafters.methods import DrafterOptions, build_drafter
+from specrun.engine.stats import Stats
+
+TUNE_VERSION = 2
+READABLE_VERSIONS = (1, 2)  # version 1 lacks the draft costs: its runs start from the target's costs only
+DRAFT_LENGTHS = (1, 2, 3, 4, 6, 8)
+MIN_PROBS = (0.0, 0.3, 0.5, 0.7)  # confidence stops tried in the second round
+SECOND_ROUND = "(round 2)"  # marks a setting timed again in round 2 (beside round 2's plain decoding)
+STOP_MARK = " p>="  # a confidence stop in a setting's name: "draft k=8 p>=0.5"
+
+
+@dataclass
+class TuneResult:
+    """What calibration measured, and the settings it chose."""
+
+    key: str
+    target: str
+    draft: str
+    machine: str
+    best_draft_len: int  # 0: plain decoding is fastest here
+    speedup: float  # best over plain decoding
+    tokens_per_second: dict[str, float] = field(default_factory=dict)  # "none", "draft k=4", …
+    target_costs: dict[int, float] = field(default_factory=dict)  # tokens fed -> seconds
+    acceptance: float = 0.0
+    best_min_prob: float = 0.0  # the draft's confidence stop (0: none)
+    draft_costs: dict[int, float] = field(default_factory=dict)  # draft length k -> seconds a step drafted
+    # The chance the draft model's first token is accepted, over round 1's drafting steps
+    # (0: not measured, files from before it was saved).
+    first_acceptance: float = 0.0
+    learned: bool = False  # measured by ordinary runs (learned.json), not calibrated by `specrun tune`
+    # The draft model ended the last run switched off, to be probed after this many steps
+    # (0: it ended on): the next process starts it off instead of exploring it again.
+    draft_off_gap: int = 0
+
+    def apply(self, engine: SpeculativeEngine) -> None:
+        """Let ``engine``'s controllers start from these measurements (generate, chat, bench):
+        the target's and the draft model's costs, and the draft model's measured acceptance
+        in place of the optimistic prior its controller would otherwise start from."""
+        name = DraftModelDrafter.name
+        engine.use_tuned(
+            self.target_costs,
+            {name: self.draft_costs},
+            {name: self.first_acceptance} if self.first_acceptance > 0.0 else {},
+            {name: self.draft_off_gap} if self.draft_off_gap else {},
+        )
+
+
+def config_path() -> Path:
+    base = os.environ.get("XDG_CONFIG_HOME") or str(Path.home() / ".config")
+    return Path(base) / "specrun" / "tuned.json"
+
+
+def learned_path() -> Path:
+    """Where runs keep what they measured for a pair no `specrun tune` has calibrated."""
+    return config_path().with_name("learned.json")
+
+
+# A run's draft model must have drafted this many steps (decayed) for its first-token
+# acceptance to be kept; fewer are a probe or two, too few to stand for the pair.
+MIN_LEARNED_STEPS = 4.0
+
+
+def learn_from_run(engine: SpeculativeEngine, target: Backend, draft: Backend, key: str,
+                   earlier: TuneResult | None) -> TuneResult | None:
+    """What a finished run measured, as a result later runs start from, as from a tune's:
+    the target's and the draft model's costs, how often the draft model's first token was
+    accepted (blended with ``earlier``'s), and whether it ended switched off. A draft model
+    that does not pay on this machine then starts the next process off, probed after the
+    gap it had reached, instead of explored afresh in every one. None when the run measured
+    nothing of the draft model."""
+    name = DraftModelDrafter.name
+    costs = engine.draft_costs.get(name)
+    controller = engine.controllers.get(name)
+    if costs is None or not costs.seconds:
+        return None
+    first = earlier.first_acceptance if earlier is not None else 0.0
+    if controller is not None and controller.tried[1] >= MIN_LEARNED_STEPS:
+        measured = controller.accepted[1] / controller.tried[1]
+        first = measured if first == 0.0 else (first + measured) / 2
+    if controller is not None:
+        off_gap = 0 if controller.speculating else controller.probe_gap
+    else:  # the run never asked it (it started off and was never probed): as it was
+        off_gap = earlier.draft_off_gap if earlier is not None else 0
+    return TuneResult(
+        key=key,
+        target=model_id(target),
+        draft=model_id(draft),
+        machine=machine_id(),
+        best_draft_len=0,
+        speedup=0.0,
+        target_costs=dict(engine.target_costs.seconds),
+        draft_costs=dict(costs.seconds),
+        first_acceptance=first,
+        learned=True,
+        draft_off_gap=off_gap,
+    )
+
+
+def machine_id() -> str:
+    return f"{platform.node()}|{platform.machine()}|{os.cpu_count()} cpus|{platform.processor() or '?'}"
+
+
+def model_id(backend: Backend) -> str:
+    """The model file by name and size: a re-downloaded or re-quantized file tunes anew."""
+    path = getattr(backend, "path", None)
+    return f"{Path(path).name}:{Path(path).stat().st_size}" if path else backend.name
+
+
+def pair_key(target: Backend, draft: Backend, threads: int | None) -> str:
+    raw = f"{model_id(target)}|{model_id(draft)}|{machine_id()}|threads={threads}"
+    return hashlib.sha256(raw.encode()).hexdigest()[:16]
+
+
+def calibrate(
+    target: Backend,
+    draft: Backend,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    key: str,
+    on_progress=None,
+) -> TuneResult:
+    """Round 1: plain decoding vs each fixed draft length. Round 2: confidence stops."""
+    lengths = {"none": (0, 0.0), **{f"draft k={k}": (k, 0.0) for k in DRAFT_LENGTHS}}
+    first, totals = _interleaved(target, draft, prompts, max_new_tokens, lengths, on_progress, 1)
+    best_k = lengths[max(first, key=first.get)][0]
+    medians = first
+    if best_k:
+        stops = {"none": (0, 0.0)}
+        for k in dict.fromkeys((best_k, max(DRAFT_LENGTHS))):
+            stops.update({_label(k, p): (k, p) for p in MIN_PROBS})
+        second, _ = _interleaved(target, draft, prompts, max_new_tokens, stops, on_progress, 2)
+        # Round 2 repeats plain decoding and the best length, so its ratios are side by side.
+        medians = {**first, **{_second_round(name) if name in first else name: v for name, v in second.items()}}
+        best = max(second, key=second.get)
+        best_k, best_min_prob = stops[best]
+        speedup = second[best] / second["none"]
+    else:
+        best_min_prob = 0.0
+        speedup = 1.0
+    costs = _verify_costs(target, prompts[0])
+    drafting = [stats for name, stats in totals.items() if lengths[name][0]]
+    accepted = sum(stats.accepted for stats in drafting)
+    drafted = sum(stats.drafted for stats in drafting)
+    return TuneResult(
+        key=key,
+        target=model_id(target),
+        draft=model_id(draft),
+        machine=machine_id(),
+        best_draft_len=best_k,
+        speedup=speedup,
+        tokens_per_second=medians,
+        target_costs=costs,
+        acceptance=accepted / drafted if drafted else 0.0,
+        best_min_prob=best_min_prob,
+        draft_costs={lengths[name][0]: cost for name, stats in totals.items() if (cost := _draft_cost(stats))},
+        first_acceptance=_first_acceptance(drafting),
+    )
+
+
+def _drafting_steps(stats: Stats) -> int:
+    """Steps that drafted something (not the prefill's first token, not plain steps)."""
+    return sum(counts.steps for counts in stats.by_source.values() if counts.drafted)
+
+
+def _first_acceptance(drafting: list[Stats]) -> float:
+    """Of the steps that drafted, the share whose first draft was accepted (0 if none drafted)."""
+    steps = sum(_drafting_steps(stats) for stats in drafting)
+    first_right = sum(sum(stats.accepted_hist[1:]) for stats in drafting)
+    return first_right / steps if steps else 0.0
+
+
+def _draft_cost(stats: Stats) -> float | None:
+    """Seconds a step spent drafting, over the steps that drafted (None if none did)."""
+    steps = _drafting_steps(stats)
+    return stats.draft_seconds / steps if steps else None
+
+
+def baseline_of(setting: str) -> str:
+    """The plain decoding a ``tokens_per_second`` entry was timed beside (its own round's)."""
+    second_round = setting.endswith(_second_round("")) or STOP_MARK in setting
+    return _second_round("none") if second_round else "none"
+
+
+def _second_round(setting: str) -> str:
+    """The name of a setting timed again in round 2."""
+    return f"{setting} {SECOND_ROUND}"
+
+
+def _label(draft_len: int, min_prob: float) -> str:
+    return f"draft k={draft_len}" + (f"{STOP_MARK}{min_prob:g}" if min_prob else "")
+
+
+def _interleaved(target, draft, prompts, max_new_tokens, configs, on_progress, round_number):
+    """Median tokens/s of each (draft length, confidence stop) config, run interleaved per
+    prompt, and each config's statistics summed over the prompts."""
+    engines = {
+        name: SpeculativeEngine(
+            target, build_drafter("draft", draft, DrafterOptions(draft_min_prob=p)) if k else None, method=name
+        )
+        for name, (k, p) in configs.items()
+    }
+    rates: dict[str, list[float]] = {name: [] for name in configs}
+    totals = {name: Stats() for name in configs}
+    for index, prompt in enumerate(prompts):
+        for name, (k, _) in configs.items():
+            result = engines[name].run(prompt, GenerationParams(max_new_tokens, k), complete_cache=False)
+            rates[name].append(result.stats.tokens_per_second)
+            totals[name].add(result.stats)
+        if on_progress is not None:
+            on_progress(round_number, index + 1, len(prompts))
+    return {name: statistics.median(values) for name, values in rates.items()}, totals
+
+
+def _verify_costs(target: Backend, prompt: list[int], repeats: int = 7) -> dict[int, float]:
+    """Median seconds of a target pass over n tokens, n = 1..9."""
+    from time import perf_counter
+
+    from specrun.backends.kv import sequence_for
+
+    sequence = sequence_for(target)
+    sequence.reset()
+    sequence.feed(prompt)
+    costs = {}
+    for n in range(1, 10):
+        samples = []
+        for _ in range(repeats):
+            started = perf_counter()
+            sequence.feed_argmax(prompt[:n], range(n))
+            samples.append(perf_counter() - started)
+            sequence.rewind(len(prompt))
+        costs[n] = statistics.median(samples)
+    sequence.reset()
+    return costs
+
+
+def save(result: TuneResult, path: Path | None = None) -> Path:
+    """Store a result (other pairs' results are kept); written atomically."""
+    path = path or config_path()
+    stored = _read_all(path)
+    stored[result.key] = asdict(result)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"version": TUNE_VERSION, "pairs": stored}, indent=2))
+    os.replace(tmp, path)
+    return path
+
+
+def load(key: str, path: Path | None = None) -> TuneResult | None:
+    raw = _read_all(path or config_path()).get(key)
+    if raw is None:
+        return None
+    raw["target_costs"] = {int(n): s for n, s in raw.get("target_costs", {}).items()}
+    raw["draft_costs"] = {int(k): s for k, s in raw.get("draft_costs", {}).items()}
+    return TuneResult(**raw)
+
+
+def load_all(path: Path | None = None) -> list[TuneResult]:
+    return [r for key in _read_all(path or config_path()) if (r := load(key, path)) is not None]
+
+
+def _read_all(path: Path) -> dict:
+    if not path.exists():
+        return {}
+    try:
+        document = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise SpecrunError(f"cannot read tuned settings {path}: {exc}", "delete it and run `specrun tune` again") from exc
+    if not isinstance(document, dict) or document.get("version") not in READABLE_VERSIONS:
+        raise SpecrunError(f"{path} is not a specrun tune file of version {TUNE_VERSION}", "delete it and run `specrun tune` again")
+    return document.get("pairs", {})

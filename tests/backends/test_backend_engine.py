@@ -1,0 +1,666 @@
+"""The engine on real backends (llama.cpp and MLX): greedy losslessness, exact rewinds, vocabularies.
+
+Every test that takes ``backend_kind`` runs once per backend and is skipped, with
+the reason, where that backend is not installed. The tiny models are opened by
+kind: the F16 GGUF for llama.cpp, the float32 Hugging Face folder for MLX.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from lossless_harness import assert_few_prompts_diverge, greedy_divergences, real_scenario
+from model_factory import TinyModel, perturbed_copy, random_weights, tiny_config, tiny_tokenizer_json
+from specrun.backends.base import Backend
+from specrun.registry.compat import check_compatible
+from specrun.drafters.draft_model import DraftModelDrafter
+from specrun.engine.loop import GenerationParams, SpeculativeEngine
+from specrun.errors import BackendUnavailableError, IncompatibleModelsError, ModelFileError, UsageError
+from specrun.modelkit.gguf_io import write_gguf
+from specrun.modelkit.hf_io import write_hf_folder
+from specrun.modelkit.tokenizer import DEMO_CHAT_TEMPLATE
+from specrun.sampling import SamplingSettings
+
+BACKEND_MODULES = {"llama": "llama_cpp", "mlx": "mlx_lm"}
+PROMPTS = [
+    "def fibonacci(n):\n",
+    "import os\nimport sys\n\n",
+    "class Stack:\n    def __init__(self):\n",
+    "for i in range(10):\n    print(i)\n",
+    "Hello, world! ",
+    "The quick brown fox",
+    "    return x + 1\n",
+    "# Compute the mean\n",
+    "x = [1, 2, 3]\n",
+    "if __name__ == '__main__':\n",
+    "Grüße aus München",
+    "日本語のテキスト",
+    "try:\n    pass\nexcept Exception as exc:\n",
+    "{'a': 1, 'b': 2}",
+    "while True:\n",
+    "\n\n\n",
+    "SELECT * FROM users WHERE",
+    "Emoji 🙂 🚀",
+    "def __repr__(self):\n        return",
+    "0123456789",
+    "lambda x: x * 2",
+    "with open(path) as handle:\n",
+]
+N_NEW = 40
+
+
+def require_backend(kind: str) -> None:
+    pytest.importorskip(BACKEND_MODULES[kind], reason=f"the {kind} backend is not installed")
+
+
+@pytest.fixture(params=["llama", "mlx"])
+def backend_kind(request: pytest.FixtureRequest) -> str:
+    """Each backend in turn, skipped with a reason when it is not installed."""
+    require_backend(request.param)
+    return request.param
+
+
+def source_of(model: TinyModel, kind: str) -> Path:
+    """The file a backend opens for a tiny model: GGUF for llama.cpp, the HF folder for MLX."""
+    return model.gguf_path if kind == "llama" else model.hf_dir
+
+
+def open_model(kind: str, source: Path, n_ctx: int = 2048) -> Backend:
+    if kind == "llama":
+        from specrun.backends.llama import LlamaCppBackend
+
+        return LlamaCppBackend(source, n_ctx=n_ctx)  # threads: SPECRUN_THREADS (1 in tests)
+    from specrun.backends.mlx import MlxBackend
+
+    return MlxBackend(source, n_ctx=n_ctx)
+
+
+def write_model(folder: Path, config, weights, tokenizer_json: str, chat_template: str | None) -> dict[str, Path]:
+    """One model in both formats: {"llama": F16 GGUF, "mlx": float32 HF folder}."""
+    folder.mkdir(parents=True, exist_ok=True)
+    return {
+        "llama": write_gguf(folder / "model.gguf", config, weights, tokenizer_json, chat_template, dtype="F16"),
+        "mlx": write_hf_folder(folder / "hf", config, weights, tokenizer_json, chat_template, dtype="float32"),
+    }
+
+
+@pytest.fixture(scope="module")
+def perturbed_llama(tiny_llama: TinyModel, tmp_path_factory) -> dict[str, Path]:
+    """A draft that agrees with the llama target often but not always: its weights plus noise."""
+    return perturbed_copy(tiny_llama, tmp_path_factory.mktemp("perturbed"))
+
+
+@pytest.fixture(scope="module")
+def other_vocab_model(tmp_path_factory) -> dict[str, Path]:
+    """A model whose tokenizer has a different vocabulary."""
+    config = tiny_config("llama")
+    config = type(config)(**{**config.__dict__, "vocab_size": 300})
+    folder = tmp_path_factory.mktemp("othervocab")
+    return write_model(folder, config, random_weights(config, 3), tiny_tokenizer_json(300), None)
+
+
+def diverges_at_near_ties_only(
+    kind: str, target_source: Path, prompt_ids: list[int], plain: list[int], spec: list[int]
+) -> bool:
+    """Token-identical (False), or diverging (True) only where plain decoding in the output's
+    own context has a near-tie and the output took the runner-up: every divergence along it
+    is examined (lossless_harness.greedy_divergences)."""
+    if spec == plain:
+        return False
+    fresh = open_model(kind, target_source)
+    divergences = greedy_divergences(fresh, prompt_ids, spec)
+    fresh.close()
+    assert divergences, f"{kind}: the output differs from plain decoding's yet is the argmax everywhere"
+    return True
+
+
+def greedy_acceptance_over_prompts(kind: str, target: Backend, draft: Backend, target_source: Path) -> float:
+    """Plain vs speculative greedy decoding on every prompt; the acceptance rate of the speculative runs."""
+    engine = SpeculativeEngine(target, DraftModelDrafter(draft))  # draft_len 0 is plain decoding
+    accepted = drafted = diverging = 0
+    for i, text in enumerate(PROMPTS):
+        prompt_ids = target.tokenize(text)
+        plain = engine.run(prompt_ids, GenerationParams(N_NEW, 0), complete_cache=False).token_ids
+        result = engine.run(prompt_ids, GenerationParams(N_NEW, draft_len=1 + i % 6), complete_cache=False)
+        diverging += diverges_at_near_ties_only(kind, target_source, prompt_ids, plain, result.token_ids)
+        accepted += result.stats.accepted
+        drafted += result.stats.drafted
+    assert_few_prompts_diverge(diverging, len(PROMPTS))
+    return accepted / drafted
+
+
+# ---- losslessness and rewinds, on both backends ------------------------------------
+@pytest.mark.parametrize("draft_kind", ["same", "perturbed", "other_arch"])
+def test_greedy_speculation_is_token_identical(backend_kind, draft_kind, tiny_llama, tiny_qwen2, perturbed_llama):
+    target_source = source_of(tiny_llama, backend_kind)
+    draft_source = {
+        "same": target_source,
+        "perturbed": perturbed_llama[backend_kind],
+        "other_arch": source_of(tiny_qwen2, backend_kind),
+    }[draft_kind]
+    target, draft = open_model(backend_kind, target_source), open_model(backend_kind, draft_source)
+    rate = greedy_acceptance_over_prompts(backend_kind, target, draft, target_source)
+    if draft_kind == "same":
+        assert rate == 1.0
+    elif draft_kind == "perturbed":
+        assert 0.05 < rate < 0.98  # both accepts and rejections happened
+    target.close()
+    draft.close()
+
+
+def test_caches_hold_prompt_plus_output_after_1000_speculative_tokens(backend_kind, tiny_llama, perturbed_llama):
+    target_source = source_of(tiny_llama, backend_kind)
+    target, draft = open_model(backend_kind, target_source), open_model(backend_kind, perturbed_llama[backend_kind])
+    engine = SpeculativeEngine(target, DraftModelDrafter(draft))
+    prompt_ids = target.tokenize(PROMPTS[0])
+    result = engine.run(prompt_ids, GenerationParams(1100, draft_len=5, stop_at_eos=False))
+    full = prompt_ids + result.token_ids
+    assert len(result.token_ids) == 1100 and result.stats.accepted > 100
+    assert target.n_past == len(full) and engine.target.tokens == full
+    assert draft.n_past == len(full) and engine.drafter.sequence.tokens == full
+    continued = engine.run(full, GenerationParams(32, draft_len=0)).token_ids
+    fresh_target = open_model(backend_kind, target_source)
+    fresh = SpeculativeEngine(fresh_target).run(full, GenerationParams(32, draft_len=0)).token_ids
+    assert continued == fresh
+    for backend in (target, draft, fresh_target):
+        backend.close()
+
+
+def test_sampled_speculation_with_draft_equal_to_target_accepts_almost_everything(backend_kind, tiny_llama):
+    """Draft = target under sampling: p_target = p_draft, so min(1, p/q) = 1 up to batched rounding."""
+    source = source_of(tiny_llama, backend_kind)
+    target, draft = open_model(backend_kind, source), open_model(backend_kind, source)
+    engine = SpeculativeEngine(target, DraftModelDrafter(draft))
+    sampling = SamplingSettings(temperature=0.8, seed=3)
+    result = engine.run(target.tokenize(PROMPTS[2]), GenerationParams(120, draft_len=4, sampling=sampling))
+    assert len(result.token_ids) == 120 or result.finish_reason == "eos"
+    assert result.stats.drafted > 50 and result.stats.accepted / result.stats.drafted > 0.95
+    target.close()
+    draft.close()
+
+
+# Temperature 1, and every option at once (each cuts tokens the draft may still propose).
+REAL_SAMPLINGS = {
+    "temp 1": SamplingSettings(temperature=1.0),
+    "every option": SamplingSettings(temperature=0.8, top_k=40, top_p=0.9, min_p=0.05),
+}
+# MLX runs the two that cover the most at a third of the cases (its passes cost ~5x llama.cpp's
+# on these tiny models); sampling itself is NumPy on the logits, whatever the backend.
+REAL_SAMPLED_CASES = [
+    ("draft", False, "temp 1", ("llama",)),  # -k 4
+    ("draft", True, "temp 1", ("llama",)),  # as the CLI runs it: adaptive, lengths up to 16
+    ("draft", False, "every option", ("llama", "mlx")),
+    ("lookup+draft", True, "temp 1", ("llama",)),
+    ("auto", True, "temp 1", ("llama", "mlx")),
+]
+
+
+@pytest.mark.parametrize(
+    ("kind", "method", "adaptive", "sampling"),
+    [(kind, method, adaptive, sampling) for method, adaptive, sampling, kinds in REAL_SAMPLED_CASES for kind in kinds],
+)
+def test_sampled_speculation_with_a_disagreeing_draft_is_lossless(
+    kind, method, adaptive, sampling, tiny_llama, perturbed_llama
+):
+    """The perturbed draft, so drafts are rejected too. Every output token's PIT against a
+    second copy of the target replaying the output one token at a time, and the acceptance
+    count against its expectation (lossless_harness; thresholds there)."""
+    require_backend(kind)
+    backend_kind = kind
+    target_source = source_of(tiny_llama, backend_kind)
+    target, reference = open_model(backend_kind, target_source), open_model(backend_kind, target_source)
+    draft = open_model(backend_kind, perturbed_llama[backend_kind])
+    sampled, problems = real_scenario(target, draft, reference, method, REAL_SAMPLINGS[sampling], adaptive)
+    assert problems == []
+    seen = sampled.verified
+    assert seen.deepest >= 4 and seen.after_full_accept > 0, seen
+    assert 0.1 < seen.accepted / seen.tested < 0.95, (seen.accepted, seen.tested)
+    for backend in (target, draft, reference):
+        backend.close()
+
+
+def test_batched_logits_match_one_token_at_a_time(backend_kind, tiny_qwen2):
+    model = open_model(backend_kind, source_of(tiny_qwen2, backend_kind))
+    ids = model.tokenize("def add(a, b):\n    return a + b\n")
+    batched = model.forward(ids, range(len(ids)))  # (n, V)
+    model.rewind(0)
+    single = np.stack([model.forward([t], [0])[0] for t in ids])
+    np.testing.assert_allclose(batched, single, atol=2e-2, rtol=0)
+    model.rewind(3)
+    again = model.forward(ids[3:], [len(ids) - 4])[0]
+    np.testing.assert_allclose(again, batched[-1], atol=2e-2, rtol=0)
+    model.close()
+
+
+def test_logits_are_returned_only_for_requested_rows(backend_kind, tiny_llama):
+    model = open_model(backend_kind, source_of(tiny_llama, backend_kind))
+    ids = model.tokenize("abc def ghi")
+    out = model.forward(ids, [2, 4])
+    assert out.shape == (2, tiny_llama.config.vocab_size) and out.dtype == np.float32
+    assert model.forward([5, 6, 7], []).shape == (0, tiny_llama.config.vocab_size)
+    model.rewind(0)
+    argmax = model.forward_argmax(ids, [4, 2])
+    np.testing.assert_array_equal(argmax, out[[1, 0]].argmax(axis=-1))
+    assert model.n_past == len(ids)
+    assert model.forward([], []).shape == (0, tiny_llama.config.vocab_size)  # feeding nothing is a no-op
+    assert model.n_past == len(ids)
+    model.close()
+
+
+def test_token_bytes_rebuild_the_text_exactly(backend_kind, tiny_llama):
+    model = open_model(backend_kind, source_of(tiny_llama, backend_kind))
+    for text in PROMPTS:
+        ids = model.tokenize(text, add_bos=False)
+        assert b"".join(model.token_bytes(t) for t in ids) == text.encode("utf-8")
+    specials = (model.vocab.bos_id, *model.vocab.eos_ids)
+    assert all(model.token_bytes(t) == b"" for t in specials)
+    assert model.chat_template() == DEMO_CHAT_TEMPLATE
+    model.close()
+
+
+def test_vocabularies_are_compared(backend_kind, tiny_llama, tiny_qwen2, other_vocab_model):
+    llama, qwen2, other = (
+        open_model(backend_kind, path)
+        for path in (
+            source_of(tiny_llama, backend_kind),
+            source_of(tiny_qwen2, backend_kind),
+            other_vocab_model[backend_kind],
+        )
+    )
+    check_compatible(llama, qwen2, "llama", "qwen2")  # same tokenizer, different architecture
+    with pytest.raises(IncompatibleModelsError, match=r"vocabulary size 512 vs 300"):
+        check_compatible(llama, other, "llama", "other")
+    for backend in (llama, qwen2, other):
+        backend.close()
+
+
+# ---- bad model files ----------------------------------------------------------------
+def _bad_llama_input(tmp_path: Path, content: bytes | None, tiny_llama: TinyModel) -> Path:
+    path = tmp_path / "bad.gguf"
+    if content is not None:
+        path.write_bytes(content)
+    return path
+
+
+def _bad_mlx_input(tmp_path: Path, case: str, tiny_llama: TinyModel) -> Path:
+    """A broken copy of the tiny llama's MLX folder."""
+    if case == "missing":
+        return tmp_path / "nope"
+    if case == "gguf_file":
+        return tiny_llama.gguf_path
+    folder = tmp_path / "broken"
+    shutil.copytree(tiny_llama.hf_dir, folder)
+    weights = folder / "model.safetensors"
+    if case == "no_config":
+        (folder / "config.json").unlink()
+    elif case == "no_weights":
+        weights.unlink()
+    elif case == "truncated_weights":
+        weights.write_bytes(weights.read_bytes()[:5000])
+    elif case == "unknown_arch":
+        config = json.loads((folder / "config.json").read_text())
+        (folder / "config.json").write_text(json.dumps({**config, "model_type": "no_such_arch"}))
+    return folder
+
+
+BAD_INPUTS = [
+    ("llama", None, "not found"),
+    ("llama", b"", "not a GGUF file"),
+    ("llama", b"GGUF" + b"\x00" * 64, "could not load"),
+    ("mlx", "missing", "model folder not found"),
+    ("mlx", "gguf_file", "is a file, not an MLX model folder"),
+    ("mlx", "no_config", "has no config.json"),
+    ("mlx", "no_weights", "has no model\\*.safetensors weights"),
+    ("mlx", "truncated_weights", "corrupt or truncated safetensors"),
+    ("mlx", "unknown_arch", "no_such_arch"),
+]
+
+
+@pytest.mark.parametrize(("kind", "case", "message"), BAD_INPUTS)
+def test_bad_model_files_are_refused(tmp_path, tiny_llama, kind, case, message):
+    require_backend(kind)
+    make_input = _bad_llama_input if kind == "llama" else _bad_mlx_input
+    path = make_input(tmp_path, case, tiny_llama)
+    with pytest.raises(ModelFileError, match=message) as caught:
+        open_model(kind, path)
+    assert "\n" not in caught.value.one_line()
+
+
+# ---- MLX only: the two backends agree, and caches that cannot be trimmed ----------------
+def test_mlx_and_llama_agree_on_vocabulary_and_logits(tiny_models):
+    require_backend("llama")
+    require_backend("mlx")
+    for model in tiny_models.values():
+        llama, mlx = open_model("llama", model.gguf_f32_path), open_model("mlx", model.hf_dir)
+        assert mlx.vocab == llama.vocab
+        assert all(mlx.token_text(t) == llama.token_text(t) for t in range(mlx.vocab.size))
+        assert all(mlx.token_bytes(t) == llama.token_bytes(t) for t in range(mlx.vocab.size))
+        if model.config.arch == "llama":
+            # transformers 5 swaps in Qwen2's own pre-tokenizer regex for any qwen2 model, so the
+            # tiny qwen2 folder splits "\n    " differently from its GGUF (GPT-2 regex).
+            for text in PROMPTS:
+                assert mlx.tokenize(text) == llama.tokenize(text), text
+        ids = llama.tokenize("".join(PROMPTS[:6]))
+        logits_llama = llama.forward(ids, range(len(ids)))  # (n, V)
+        logits_mlx = mlx.forward(ids, range(len(ids)))  # (n, V)
+        # llama.cpp keeps its KV cache in F16, so the two agree to about 1e-2, not to float32 rounding.
+        np.testing.assert_allclose(logits_mlx, logits_llama, atol=5e-2, rtol=0)
+        top2 = np.sort(logits_llama, axis=-1)[:, -2:]
+        clear = top2[:, 1] - top2[:, 0] > 0.1
+        np.testing.assert_array_equal(logits_mlx.argmax(-1)[clear], logits_llama.argmax(-1)[clear])
+        llama.close()
+        mlx.close()
+
+
+def test_mlx_drops_padded_embedding_rows(tiny_llama, tmp_path):
+    """Embeddings padded past the tokenizer (Qwen2.5: 151936 rows, 151665 tokens): logits cover the tokenizer only."""
+    require_backend("mlx")
+    config = type(tiny_llama.config)(**{**tiny_llama.config.__dict__, "vocab_size": 520})
+    padding = np.zeros((8, config.hidden_size), np.float32)
+    weights = dict(tiny_llama.weights)
+    for name in ("model.embed_tokens.weight", "lm_head.weight"):
+        weights[name] = np.concatenate([weights[name], padding])  # (520, hidden)
+    folder = write_hf_folder(tmp_path / "padded", config, weights, tiny_llama.tokenizer_json, dtype="float32")
+    padded = open_model("mlx", folder)
+    plain = open_model("mlx", tiny_llama.hf_dir)
+    ids = plain.tokenize(PROMPTS[0])
+    assert padded.vocab.size == 512
+    np.testing.assert_array_equal(padded.forward(ids, [0, len(ids) - 1]), plain.forward(ids, [0, len(ids) - 1]))
+    padded.close()
+    plain.close()
+
+
+def test_mlx_token_bytes_of_a_sentencepiece_vocabulary():
+    """▁ is a space, <0xNN> is one raw byte, control tokens give nothing."""
+    require_backend("mlx")
+    from tokenizers import Tokenizer, decoders, models, normalizers
+    from transformers import PreTrainedTokenizerFast
+
+    from specrun.backends.mlx import TokenBytes
+
+    pieces = ["<unk>", "<s>", "</s>", "<0x0A>", "<0xC3>", "<0xA9>", "\u2581Hello", "\u2581w", "orld"]
+    vocab = {piece: i for i, piece in enumerate(pieces)}
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True))
+    backend.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
+    backend.decoder = decoders.Sequence(
+        [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
+    hf = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    token_bytes = TokenBytes(hf)
+    assert [token_bytes(i) for i in range(9)] == [b"", b"", b"", b"\n", b"\xc3", b"\xa9", b" Hello", b" w", b"orld"]
+
+
+@pytest.fixture(scope="module")
+def uncuttable_models(tiny_llama: TinyModel, tmp_path_factory) -> dict[str, Path]:
+    """MLX folders whose caches cannot simply be trimmed.
+
+    sliding: the tiny llama with a 24-token sliding window on its first layer
+    (mlx-lm gives that layer a RotatingKVCache); mamba: a tiny random Mamba whose
+    cache is recurrent state (ArraysCache).
+    """
+    require_backend("mlx")
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_lm.models import mamba
+
+    root = tmp_path_factory.mktemp("uncuttable")
+    sliding = root / "sliding"
+    shutil.copytree(tiny_llama.hf_dir, sliding)
+    config = json.loads((sliding / "config.json").read_text())
+    config.update(layer_types=["sliding_attention", "full_attention"], sliding_window=24)
+    (sliding / "config.json").write_text(json.dumps(config))
+
+    recurrent = root / "mamba"
+    recurrent.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tiny_llama.hf_dir / name, recurrent / name)
+    args = dict(
+        model_type="mamba", vocab_size=512, hidden_size=64, intermediate_size=128, state_size=8,
+        num_hidden_layers=2, conv_kernel=4, use_bias=False, use_conv_bias=True, time_step_rank=4,
+    )
+    mx.random.seed(0)
+    weights = dict(tree_flatten(mamba.Model(mamba.ModelArgs(**args)).parameters()))
+    for name, value in weights.items():
+        # mlx's default init makes the mixers negligible, so the model just repeats its input:
+        # projections at std 2/sqrt(fan_in) give varied greedy output.
+        if name.endswith(("in_proj.weight", "x_proj.weight", "out_proj.weight")):
+            weights[name] = 2.0 / value.shape[-1] ** 0.5 * mx.random.normal(value.shape)
+    mx.save_safetensors(str(recurrent / "model.safetensors"), weights)
+    (recurrent / "config.json").write_text(json.dumps({**args, "bos_token_id": 1, "eos_token_id": 2}))
+    return {"sliding": sliding, "mamba": recurrent}
+
+
+@pytest.mark.parametrize("arch", ["sliding", "mamba"])
+def test_mlx_caches_that_cannot_be_trimmed_rewind_through_checkpoints(uncuttable_models, arch):
+    source = uncuttable_models[arch]
+    model = open_model("mlx", source)
+    assert model.needs_checkpoints
+    ids = model.tokenize(PROMPTS[3] * 3)  # longer than the 24-token window
+    full = model.forward(ids, range(len(ids)))  # (n, V)
+    for n_keep in (len(ids) - 2, 30, 5, 0):
+        model.rewind(n_keep)
+        assert model.n_past == n_keep
+        if n_keep:
+            np.testing.assert_allclose(model.forward(ids[n_keep:], [0])[0], full[n_keep], atol=1e-4, rtol=0)
+            model.rewind(n_keep)
+    model.close()
+
+
+@pytest.mark.parametrize("arch", ["sliding", "mamba"])
+def test_mlx_greedy_speculation_is_lossless_on_untrimmable_caches(uncuttable_models, arch):
+    source = uncuttable_models[arch]
+    target, draft = open_model("mlx", source), open_model("mlx", source)
+    engine = SpeculativeEngine(target, DraftModelDrafter(draft))
+    diverging = 0
+    for text in PROMPTS[:4]:
+        prompt_ids = target.tokenize(text)
+        plain = engine.run(prompt_ids, GenerationParams(80, 0, stop_at_eos=False), complete_cache=False)
+        assert len(set(plain.token_ids)) > 20  # varied output, so a wrong restore would show
+        spec = engine.run(prompt_ids, GenerationParams(80, draft_len=5, stop_at_eos=False))
+        diverging += diverges_at_near_ties_only("mlx", source, prompt_ids, plain.token_ids, spec.token_ids)
+        assert spec.stats.accepted / spec.stats.drafted > 0.9
+        assert target.n_past == draft.n_past == len(prompt_ids) + 80
+    assert_few_prompts_diverge(diverging, 4)
+    target.close()
+    draft.close()
+
+
+@pytest.mark.parametrize("arch", ["llama", "sliding"])
+def test_mlx_forward_greedy_equals_successive_argmax(tiny_llama, uncuttable_models, arch):
+    """Greedy ids chained on the device: the same ids and the same cache as one forward_argmax per id."""
+    source = tiny_llama.hf_dir if arch == "llama" else uncuttable_models[arch]
+    chained, stepwise = open_model("mlx", source), open_model("mlx", source)
+    ids = chained.tokenize(PROMPTS[0])
+    got = chained.forward_greedy(ids, 6)  # (6,)
+    expected = [int(stepwise.forward_argmax(ids, [len(ids) - 1])[0])]
+    while len(expected) < 6:
+        expected.append(int(stepwise.forward_argmax(expected[-1:], [0])[0]))
+    assert got.tolist() == expected
+    assert chained.n_past == stepwise.n_past == len(ids) + 5
+    np.testing.assert_array_equal(chained.forward(expected[-1:], [0]), stepwise.forward(expected[-1:], [0]))
+    chained.close()
+    stepwise.close()
+
+
+def test_mlx_forward_greedy_reads_a_drafters_two_pending_tokens_with_its_first_pass(tiny_llama):
+    """After a full accept a draft model reads its last draft and the bonus token: both go in
+    with the first greedy pass (one pass fewer than feeding them apart), ids and cache unchanged."""
+    joined, apart = open_model("mlx", tiny_llama.hf_dir), open_model("mlx", tiny_llama.hf_dir)
+    ids = joined.tokenize(PROMPTS[2])
+    joined.forward(ids, [])
+    apart.forward(ids, [])
+    got = joined.forward_greedy([7, 9], 4)  # (4,)
+    apart.forward([7], [])
+    expected = [int(apart.forward_argmax([9], [0])[0])]
+    while len(expected) < 4:
+        expected.append(int(apart.forward_argmax(expected[-1:], [0])[0]))
+    assert got.tolist() == expected
+    assert joined.n_past == apart.n_past == len(ids) + 2 + 3
+    np.testing.assert_array_equal(joined.forward(expected[-1:], [0]), apart.forward(expected[-1:], [0]))
+    joined.close()
+    apart.close()
+
+
+def test_mlx_draft_and_verify_run_as_one_graph_and_stay_lossless(tiny_llama, perturbed_llama):
+    """Greedy, fixed draft length, MLX on both sides: the verify pass is built on the draft's
+    ids still on the device (one host sync a step, as in mlx-lm), with the same output."""
+    target, draft = open_model("mlx", tiny_llama.hf_dir), open_model("mlx", perturbed_llama["mlx"])
+    fused_calls = []
+    real = target.forward_argmax_after
+    target.forward_argmax_after = lambda tokens, deferred: fused_calls.append(len(deferred)) or real(tokens, deferred)
+    engine = SpeculativeEngine(target, DraftModelDrafter(draft))
+    diverging = 0
+    for text in PROMPTS[:6]:
+        prompt_ids = target.tokenize(text)
+        plain = engine.run(prompt_ids, GenerationParams(60, 0, stop_at_eos=False)).token_ids
+        spec = engine.run(prompt_ids, GenerationParams(60, draft_len=4, stop_at_eos=False))
+        diverging += diverges_at_near_ties_only("mlx", tiny_llama.hf_dir, prompt_ids, plain, spec.token_ids)
+        full = prompt_ids + spec.token_ids
+        assert target.n_past == draft.n_past == len(full)
+        assert engine.target.tokens == engine.drafter.sequence.tokens == full
+    assert_few_prompts_diverge(diverging, 6)
+    assert fused_calls and set(fused_calls) <= {1, 2, 3, 4}
+    assert 0.05 < spec.stats.acceptance_rate < 1.0
+    target.close()
+    draft.close()
+
+
+def test_mlx_deferred_ids_settle_when_the_draft_model_is_next_used(tiny_llama):
+    """Ids left on the device (say an interrupt came before the target read them) are
+    recorded by the backend's next use, so its cache and token list stay in step."""
+    from specrun.backends.kv import KVSequence
+
+    model = open_model("mlx", tiny_llama.hf_dir)
+    sequence = KVSequence(model)
+    ids = model.tokenize(PROMPTS[1])
+    deferred = sequence.feed_greedy_deferred(ids, 3)
+    assert model.n_past == len(ids) + 2  # reading n_past resolved them
+    assert sequence.tokens == ids + deferred.resolve()[:-1].tolist()
+    sequence.rewind(len(ids))
+    assert model.n_past == len(sequence) == len(ids)
+    model.close()
+
+
+# ---- choosing a backend ---------------------------------------------------------------
+@pytest.fixture
+def on_platform(monkeypatch):
+    """Pretend to run on (system, machine) with the given backends installed."""
+
+    def pretend(system: str, machine: str, installed: tuple[str, ...] = ("llama_cpp", "mlx_lm")) -> None:
+        import importlib.util
+        import platform
+
+        real_find_spec = importlib.util.find_spec
+
+        def find_spec(name, *args):
+            hidden = name in BACKEND_MODULES.values() and name not in installed
+            return None if hidden else real_find_spec(name, *args)
+
+        monkeypatch.setattr(platform, "system", lambda: system)
+        monkeypatch.setattr(platform, "machine", lambda: machine)
+        monkeypatch.setattr(importlib.util, "find_spec", find_spec)
+
+    return pretend
+
+
+def test_auto_prefers_mlx_on_apple_silicon_when_the_model_has_an_mlx_source(on_platform, tiny_llama):
+    from specrun.registry.loading import choose_backend
+    from specrun.registry.catalog import load_registry
+
+    entries = load_registry()
+    on_platform("Darwin", "arm64")
+    assert choose_backend("auto", str(tiny_llama.hf_dir), entries) == "mlx"
+    assert choose_backend("auto", "demo-target", entries) == "mlx"
+    assert choose_backend("auto", "mlx-community/Qwen2.5-0.5B-Instruct-4bit", entries) == "mlx"
+    assert choose_backend("auto", str(tiny_llama.gguf_path), entries) == "llama"
+    on_platform("Linux", "x86_64")
+    assert choose_backend("auto", "demo-target", entries) == "llama"
+    assert choose_backend("auto", str(tiny_llama.gguf_path), entries) == "llama"
+    assert choose_backend("auto", str(tiny_llama.hf_dir), entries) == "mlx"  # its only source
+    on_platform("Darwin", "arm64", installed=("llama_cpp",))
+    assert choose_backend("auto", "demo-target", entries) == "llama"
+
+
+def test_a_missing_backend_is_named_with_its_pip_extra(on_platform, tiny_llama):
+    from specrun.registry.loading import choose_backend
+
+    on_platform("Linux", "x86_64", installed=("llama_cpp",))
+    with pytest.raises(BackendUnavailableError) as missing_mlx:
+        choose_backend("mlx")
+    expected = "the mlx backend is not installed; install it with: pip install 'specrun[mlx]'"
+    assert missing_mlx.value.one_line() == expected
+    with pytest.raises(BackendUnavailableError, match=r"the mlx backend this model needs") as needed:
+        choose_backend("auto", str(tiny_llama.hf_dir), {})
+    assert "pip install 'specrun[mlx]'" in needed.value.one_line()
+    on_platform("Darwin", "arm64", installed=("mlx_lm",))
+    with pytest.raises(BackendUnavailableError) as missing_llama:
+        choose_backend("llama")
+    assert "pip install 'specrun[llama]'" in missing_llama.value.one_line()
+    with pytest.raises(UsageError, match="unknown backend 'tpu'"):
+        choose_backend("tpu")
+
+
+def test_resolve_mlx_finds_folders_aliases_and_repo_ids(tiny_llama, tmp_path, monkeypatch):
+    import specrun.registry.hub
+    from specrun.errors import RegistryError
+    from specrun.registry.loading import resolve_mlx
+    from specrun.registry.catalog import parse_registry
+
+    monkeypatch.setattr(specrun.registry.hub, "cached_mlx", lambda entry: Path("/hub-cache") / entry.mlx_repo)
+
+    registry = tmp_path / "models.toml"
+    registry.write_text(
+        f'[models.local]\nmlx_path = "{tiny_llama.hf_dir}"\n'
+        '[models.hub]\nmlx_repo = "mlx-community/Some-Model-4bit"\n'
+        '[models.gguf-only]\ngguf_path = "/x/model.gguf"\n'
+    )
+    entries = parse_registry(registry)
+    assert resolve_mlx(str(tiny_llama.hf_dir), entries) == str(tiny_llama.hf_dir)
+    assert resolve_mlx("local", entries) == str(tiny_llama.hf_dir)
+    assert resolve_mlx("hub", entries) == "/hub-cache/mlx-community/Some-Model-4bit"
+    assert resolve_mlx("owner/repo", entries) == "/hub-cache/owner/repo"
+    assert resolve_mlx(str(tmp_path / "gone"), entries) == str(tmp_path / "gone")  # MlxBackend names it
+    with pytest.raises(RegistryError, match="'gguf-only' has no MLX source"):
+        resolve_mlx("gguf-only", entries)
+    with pytest.raises(RegistryError, match="unknown model 'nothing'"):
+        resolve_mlx("nothing", entries)
+
+
+# ---- the demo pair on MLX -----------------------------------------------------------------
+def test_the_demo_pair_on_mlx_is_lossless_for_every_method_and_rewinds_exactly():
+    """The shipped pair through mlx-lm: every speculative method (and draft = target) gives
+    plain decoding's tokens, and both caches end holding exactly prompt + output."""
+    require_backend("mlx")
+    from specrun.backends.mlx import MlxBackend
+    from specrun.drafters.methods import build_drafter
+    from specrun.modelkit.demo import demo_mlx_dir
+    from specrun.sessions.prompts import heldout_code_prompts
+
+    target_dir = demo_mlx_dir("demo-target")
+    target, draft = MlxBackend(target_dir, n_ctx=1024), MlxBackend(demo_mlx_dir("demo-draft"), n_ctx=1024)
+    same = MlxBackend(target_dir, n_ctx=1024)  # draft = target
+    diverging = checked = 0
+    for text in heldout_code_prompts(2, lines=6):
+        ids = target.tokenize(text)
+        plain = SpeculativeEngine(target).run(ids, GenerationParams(32, 0)).token_ids
+        runs = [(m, draft, k) for m, k in (("draft", 4), ("lookup", 4), ("lookup+draft", 3), ("auto", 8))]
+        for method, draft_model, draft_len in [*runs, ("draft", same, 5)]:
+            engine = SpeculativeEngine(target, build_drafter(method, draft_model), method=method)
+            result = engine.run(ids, GenerationParams(32, draft_len, adaptive=method == "auto"))
+            diverging += diverges_at_near_ties_only("mlx", target_dir, ids, plain, result.token_ids)
+            checked += 1
+            full = ids + result.token_ids
+            assert target.n_past == len(full) and engine.target.tokens == full, method
+            if draft_model is same:
+                assert result.stats.acceptance_rate == 1.0
+            for member in getattr(engine.drafter, "drafters", (engine.drafter,)):
+                if hasattr(member, "sequence"):  # a draft model's cache
+                    assert member.sequence.tokens == full, method
+    assert_few_prompts_diverge(diverging, checked)
+    for backend in (target, draft, same):
+        backend.close()

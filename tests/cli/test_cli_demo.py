@@ -1,0 +1,83 @@
+"""`specrun demo` and the side-by-side comparison behind it."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from specrun.cli.app import app
+
+pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed")
+
+
+def test_demo_compares_methods_and_checks_outputs(tiny_llama):
+    path = str(tiny_llama.gguf_path)
+    # -k 4: a draft model as dear as the target never pays, so without -k it is not drafted
+    result = CliRunner().invoke(app, ["demo", "-t", path, "-d", path, "--prompts", "2", "-n", "16", "-k", "4"])
+    assert result.exit_code == 0, result.output
+    table = result.stdout
+    for column in ("tok/s", "speed-up", "accepted", "tokens/step", "same output"):
+        assert column in table
+    draft_row = next(line for line in table.splitlines() if "draft" in line and "%" in line)
+    assert "100%" in draft_row  # draft == target accepts everything
+    assert any(line.lstrip("│ ").startswith("auto") for line in table.splitlines())  # the default method shown too
+    assert "NO" not in table
+
+
+def test_demo_gives_each_method_its_default_length_as_generate_does(tiny_llama, capsys):
+    from specrun.sessions.demo_report import run_demo
+    from specrun.sessions.generation import ADAPTIVE_MAX_DRAFT_LEN
+
+    path = str(tiny_llama.gguf_path)
+    defaults = run_demo(path, path, ["none", "draft", "auto"], 1, 8, None, "llama", 1)
+    lengths = {method: figures.by_prompt[0][0].stats.draft_len for method, figures in defaults.figures.items()}
+    assert lengths == {"none": 0, "draft": ADAPTIVE_MAX_DRAFT_LEN, "auto": ADAPTIVE_MAX_DRAFT_LEN}
+    assert f"adaptive up to {ADAPTIVE_MAX_DRAFT_LEN}" in capsys.readouterr().out
+    adapted = {method: figures.by_prompt[0][0].stats.adaptive for method, figures in defaults.figures.items()}
+    assert adapted == {"none": False, "draft": True, "auto": True}
+    chosen = run_demo(path, path, ["none", "draft", "auto"], 1, 8, 3, "llama", 1)
+    assert {method: figures.by_prompt[0][0].stats.draft_len for method, figures in chosen.figures.items()} == {
+        "none": 0, "draft": 3, "auto": 3,
+    }
+    assert "draft length 3 (adaptive: the longest)" in capsys.readouterr().out
+    assert [figures.by_prompt[0][0].stats.adaptive for figures in chosen.figures.values()] == [False, False, True]
+
+
+def test_demo_rejects_an_unknown_method(tiny_llama):
+    path = str(tiny_llama.gguf_path)
+    result = CliRunner().invoke(app, ["demo", "-t", path, "-d", path, "--methods", "none,warp"])
+    assert result.exit_code == 2
+    assert "unknown method 'warp'" in result.stderr
+
+
+def test_mismatch_is_located_and_measured(tiny_llama):
+    from specrun.backends.llama import LlamaCppBackend
+    from specrun.sessions.compare import find_mismatch
+    from specrun.engine.loop import GenerationParams, SpeculativeEngine
+
+    target = LlamaCppBackend(tiny_llama.gguf_path)
+    prompt = target.tokenize("def f(x):\n")
+    baseline = SpeculativeEngine(target).run(prompt, GenerationParams(12, 0)).token_ids
+    wrong = baseline[:5] + [(baseline[5] + 1) % 512] + baseline[6:]
+    mismatch = find_mismatch(target, 0, prompt, baseline, wrong)
+    assert mismatch.position == 5
+    # The gap measured along plain decoding's path: the prompt in one pass, then one token at a time.
+    target.rewind(0)
+    logits = target.forward(prompt, [len(prompt) - 1])[0]
+    for token in baseline[:5]:
+        logits = target.forward([token], [0])[0]
+    top2 = np.sort(logits)[-2:]
+    assert mismatch.top2_gap == pytest.approx(float(top2[1] - top2[0]), abs=1e-6)
+    assert 0.0 <= mismatch.batch_rounding < 0.05  # the same context read in a batch: rounding, no more
+    target.close()
+
+
+def test_a_divergence_is_excused_only_within_the_rounding_measured_there():
+    from specrun.sessions.compare import Mismatch
+
+    assert Mismatch(0, 3, 5e-4).near_tie  # a near-tie of any kernel
+    measured = Mismatch(0, 3, 0.018, batch_rounding=0.026)  # Spec-Bench, F16 KV: the top two swap batched
+    assert measured.within_rounding and not measured.near_tie
+    assert not Mismatch(0, 3, 0.06, batch_rounding=0.026).within_rounding  # beyond what rounding moves
+    assert not Mismatch(0, 3, 0.9).within_rounding

@@ -1,0 +1,32 @@
+"""``--exact``: the settings under which greedy speculation is bit-identical, and what contradicts them."""
+
+from __future__ import annotations
+
+import pytest
+from typer.testing import CliRunner
+
+from specrun.cli.app import app
+from specrun.registry.loading import LoadOptions
+
+runner = CliRunner()
+
+
+@pytest.mark.parametrize("command", ["generate", "chat", "bench"])
+def test_exact_with_an_f16_cache_is_a_usage_error_naming_both(command):
+    args = [command, "--exact", "--kv-type", "f16"] + (["hello"] if command == "generate" else [])
+    result = runner.invoke(app, args, input="hi\n")
+    assert result.exit_code == 2
+    line = result.output.strip().splitlines()[-1]
+    assert line.startswith("error:") and "--exact" in line and "--kv-type f16" in line
+
+
+def test_exact_picks_an_f32_cache_unless_told_and_defaults_keep_llama_cpps():
+    assert LoadOptions().llama_kv_type == "f16"
+    assert LoadOptions(exact=True).llama_kv_type == "f32"
+    assert LoadOptions(kv_type="f32").llama_kv_type == "f32"
+
+
+def test_help_states_what_exact_costs():
+    result = runner.invoke(app, ["generate", "--help"], terminal_width=200)
+    text = " ".join(result.output.replace("│", " ").split())
+    assert "--exact" in text and "flash attention off and an F32 KV cache" in text and "slower" in text

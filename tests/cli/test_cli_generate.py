@@ -1,0 +1,288 @@
+"""`specrun generate`: output streams, JSON, and one-line errors with the right exit codes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from model_factory import perturbed_copy
+from specrun.cli.app import app
+
+runner = CliRunner()
+BACKEND_MODULES = {"llama": "llama_cpp", "mlx": "mlx_lm"}
+
+
+def invoke(*args: str, input: str | None = None, env: dict | None = None):
+    return runner.invoke(app, list(args), input=input, env=env)
+
+
+@pytest.fixture(scope="module")
+def llama_installed():
+    pytest.importorskip("llama_cpp", reason="the llama backend (llama-cpp-python) is not installed")
+
+
+@pytest.fixture(scope="module")
+def perturbed(tiny_llama, tmp_path_factory):
+    """A draft that disagrees with the tiny llama now and then, so drafts are also rejected."""
+    return perturbed_copy(tiny_llama, tmp_path_factory.mktemp("perturbed"))
+
+
+@pytest.fixture(scope="module")
+def pair(tiny_llama, perturbed, llama_installed):
+    return ["-t", str(tiny_llama.gguf_path), "-d", str(perturbed["llama"])]
+
+
+@pytest.fixture(params=["llama", "mlx"])
+def backend_pair(request, tiny_llama, perturbed):
+    """The tiny llama and its perturbed draft on each backend: GGUF for llama, HF folders for mlx."""
+    kind = request.param
+    pytest.importorskip(BACKEND_MODULES[kind], reason=f"the {kind} backend is not installed")
+    source = str(tiny_llama.gguf_path if kind == "llama" else tiny_llama.hf_dir)
+    return ["-t", source, "-d", str(perturbed[kind]), "--backend", kind]
+
+
+def assert_drafts_were_rejected(stats: dict, some_accepted: bool = True) -> None:
+    """Speculation happened on the real path, drafts were rejected and (unless the drafter
+    cannot guess this random model's output) some accepted."""
+    assert stats["accepted"] < stats["drafted"], stats
+    assert stats["accepted"] > 0 or not some_accepted, stats
+
+
+def test_prompt_argument_text_to_stdout_stats_to_stderr(backend_pair):
+    result = invoke("generate", "def main():", *backend_pair, "-n", "12")
+    assert result.exit_code == 0, result.output
+    assert result.stdout.strip()
+    assert "12 tokens" in result.stderr and "tok/s" in result.stderr
+    assert "tokens" not in result.stdout
+
+
+def test_piped_prompt_equals_argument_prompt(backend_pair):
+    piped = invoke("generate", *backend_pair, "-n", "16", input="import os\n")
+    dashed = invoke("generate", "-", *backend_pair, "-n", "16", input="import os\n")
+    argument = invoke("generate", "import os\n", *backend_pair, "-n", "16")
+    assert piped.exit_code == dashed.exit_code == argument.exit_code == 0
+    assert piped.stdout == dashed.stdout == argument.stdout
+
+
+def test_json_output_has_text_and_stats(backend_pair):
+    result = invoke("generate", "x = 1\n", *backend_pair, "-n", "20", "--json", "--draft-len", "3")
+    assert result.exit_code == 0, result.output
+    payload = json.loads(result.stdout)
+    stats = payload["stats"]
+    for key in ("new_tokens", "drafted", "accepted", "acceptance_rate", "mean_tokens_per_step",
+                "tokens_per_second", "method", "draft_len"):
+        assert key in stats
+    assert stats["new_tokens"] == 20 and stats["method"] == "auto" and stats["draft_len"] == 3  # auto: the default
+    assert stats["drafted"] > 0 and stats["acceptance_rate"] == pytest.approx(stats["accepted"] / stats["drafted"])
+    assert isinstance(payload["text"], str)
+
+
+def test_method_none_matches_method_draft_greedy(backend_pair):
+    plain = invoke("generate", "class A:\n", *backend_pair, "-n", "40", "--method", "none", "--json")
+    spec = invoke("generate", "class A:\n", *backend_pair, "-n", "40", "--method", "draft", "-k", "4", "--json")
+    assert json.loads(plain.stdout)["text"] == json.loads(spec.stdout)["text"]
+    assert json.loads(plain.stdout)["stats"]["drafted"] == 0
+    assert_drafts_were_rejected(json.loads(spec.stdout)["stats"])
+
+
+def assert_one_line_error(result, exit_code: int, *fragments: str):
+    assert result.exit_code == exit_code, result.output
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("error: ")
+    for fragment in fragments:
+        assert fragment in lines[0]
+    assert "Traceback" not in result.output
+    assert result.stdout == ""
+
+
+def test_missing_model_file(tmp_path, tiny_llama, llama_installed):
+    result = invoke("generate", "hi", "-t", str(tmp_path / "nope.gguf"), "-d", str(tiny_llama.gguf_path))
+    assert_one_line_error(result, 1, "model file not found", "nope.gguf")
+
+
+def test_corrupt_model_file(tmp_path, tiny_llama, llama_installed):
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"this is not a model")
+    result = invoke("generate", "hi", "-t", str(bad), "-d", str(tiny_llama.gguf_path))
+    assert_one_line_error(result, 1, "not a GGUF file")
+    truncated = tmp_path / "truncated.gguf"
+    truncated.write_bytes(tiny_llama.gguf_path.read_bytes()[:5000])
+    result = invoke("generate", "hi", "-t", str(truncated), "-d", str(tiny_llama.gguf_path))
+    assert_one_line_error(result, 1, "could not load", "download the file again")
+
+
+@pytest.mark.ci_may_skip("root reads any file: nothing is missing")
+def test_unreadable_model_file(tmp_path, tiny_llama, llama_installed):
+    if os.geteuid() == 0:
+        pytest.skip("root can read any file")
+    locked = tmp_path / "locked.gguf"
+    locked.write_bytes(tiny_llama.gguf_path.read_bytes())
+    locked.chmod(0)
+    assert_one_line_error(invoke("generate", "hi", "-t", str(locked)), 1, "cannot read")
+
+
+def test_incompatible_draft(tiny_llama, tmp_path, llama_installed):
+    from model_factory import random_weights, tiny_config, tiny_tokenizer_json
+    from specrun.modelkit.gguf_io import write_gguf
+
+    config = tiny_config("llama")
+    config = type(config)(**{**config.__dict__, "vocab_size": 300})
+    other = write_gguf(tmp_path / "other.gguf", config, random_weights(config, 1), tiny_tokenizer_json(300), None)
+    result = invoke("generate", "hi", "-t", str(tiny_llama.gguf_path), "-d", str(other))
+    assert_one_line_error(result, 1, "cannot speculate", "vocabulary size 512 vs 300", "same model family")
+
+
+def test_prompt_longer_than_the_context(pair):
+    result = invoke("generate", "word " * 200, *pair, "--ctx", "64")
+    assert_one_line_error(result, 1, "the prompt has", "context holds 64", "--ctx")
+
+
+def test_unknown_alias(llama_installed):
+    result = invoke("generate", "hi", "-t", "no-such-model")
+    assert_one_line_error(result, 1, "unknown model 'no-such-model'", "specrun models list")
+
+
+@pytest.mark.parametrize(
+    ("args", "fragment"),
+    [
+        (["-n", "-5"], "--max-tokens must be between"),
+        (["-n", "99999999999"], "--max-tokens must be between"),
+        (["--draft-len", "1000"], "--draft-len must be between"),
+        (["--draft-len", "-1"], "--draft-len must be between"),
+        (["--draft-min-prob", "1.5"], "--draft-min-prob must be between"),
+        (["--kv-type", "q4"], "unknown KV cache type 'q4'"),
+        (["--temp", "-1"], "--temp must be between"),
+        (["--top-p", "0"], "--top-p must be in"),
+        (["--min-p", "1.5"], "--min-p must be in"),
+        (["--top-k", "-3"], "--top-k must be"),
+        (["--ctx", "0"], "--ctx must be between"),
+        (["--method", "magic"], "unknown method 'magic'"),
+        (["--backend", "tpu"], "unknown backend 'tpu'"),
+    ],
+)
+def test_usage_errors_exit_2(pair, args, fragment):
+    assert_one_line_error(invoke("generate", "hi", *pair, *args), 2, fragment)
+
+
+def test_debug_shows_a_traceback(tmp_path, llama_installed):
+    result = invoke("generate", "hi", "-t", str(tmp_path / "x.gguf"), env={"SPECRUN_DEBUG": "1"})
+    assert result.exit_code == 1
+    assert "Traceback" in result.stderr
+
+
+def test_mlx_backend_errors_are_one_line(tmp_path, tiny_llama):
+    pytest.importorskip("mlx_lm", reason="the mlx backend is not installed")
+    source = str(tiny_llama.hf_dir)
+    missing = invoke("generate", "hi", "-t", str(tmp_path / "nope"), "-d", source, "--backend", "mlx")
+    assert_one_line_error(missing, 1, "model folder not found", "nope")
+    gguf = invoke("generate", "hi", "-t", str(tiny_llama.gguf_path), "-d", source, "--backend", "mlx")
+    assert_one_line_error(gguf, 1, "is a file, not an MLX model folder", "use --backend llama")
+    too_long = invoke("generate", "word " * 200, "-t", source, "-d", source, "--backend", "mlx", "--ctx", "64")
+    assert_one_line_error(too_long, 1, "the prompt has", "context holds 64", "--ctx")
+    kv = invoke("generate", "hi", "-t", source, "-d", source, "--backend", "mlx", "--kv-type", "f32")
+    assert_one_line_error(kv, 2, "--kv-type f32 applies to the llama.cpp backend only", "--backend llama")
+
+
+def test_kv_type_f32_reaches_llama_cpp(tiny_llama):
+    path = str(tiny_llama.gguf_path)
+    result = invoke("generate", "x = 1\n", "-t", path, "-d", path, "-n", "12", "--json", "--kv-type", "f32",
+                    "--backend", "llama", "-m", "draft")
+    assert result.exit_code == 0, result.output
+    plain = invoke("generate", "x = 1\n", "-t", path, "-n", "12", "--json", "--kv-type", "f32", "--backend", "llama",
+                   "-m", "none")
+    assert json.loads(result.stdout)["text"] == json.loads(plain.stdout)["text"]
+
+
+def test_auto_backend_opens_an_mlx_folder(tiny_llama):
+    """A folder with config.json is an MLX source only, so auto picks MLX on any platform."""
+    pytest.importorskip("mlx_lm", reason="the mlx backend is not installed")
+    source = str(tiny_llama.hf_dir)
+    auto = invoke("generate", "x = 1\n", "-t", source, "-d", source, "-n", "10", "--json")
+    explicit = invoke("generate", "x = 1\n", "-t", source, "-d", source, "-n", "10", "--json", "--backend", "mlx")
+    assert auto.exit_code == explicit.exit_code == 0, auto.output
+    assert json.loads(auto.stdout)["text"] == json.loads(explicit.stdout)["text"]
+
+
+def test_help_loads_neither_backend():
+    code = (
+        "import sys\n"
+        "from typer.testing import CliRunner\n"
+        "from specrun.cli.app import app\n"
+        "assert CliRunner().invoke(app, ['--help']).exit_code == 0\n"
+        "assert CliRunner().invoke(app, ['generate', '--help']).exit_code == 0\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('llama_cpp', 'mlx', 'mlx_lm')))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def test_console_script_reads_a_pipe(tiny_llama, llama_installed):
+    exe = Path(sys.executable).with_name("specrun")
+    args = [str(exe), "generate", "-t", str(tiny_llama.gguf_path), "-d", str(tiny_llama.gguf_path), "-n", "8"]
+    out = subprocess.run(args, input="def f():\n", capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() and "8 tokens" in out.stderr
+
+
+@pytest.mark.parametrize("method", ["auto", "draft", "lookup", "ngram", "lookup+draft", "lookup+ngram+draft"])
+def test_every_method_gives_the_plain_greedy_text(pair, method, tmp_path):
+    """As the CLI runs them (adaptive lengths: on this CPU a draft model as dear as the target
+    soon stops drafting) and at -k 4, where drafts are made on every step they can be and the
+    perturbed draft's are also rejected. Lookup and the n-gram pool draft from the prompt and
+    are rejected: the random model never repeats it."""
+    prompt = "def f(x):\n    return x\n" * 3
+    plain = invoke("generate", prompt, *pair, "-n", "48", "--method", "none", "--json")
+    for length in ([], ["-k", "4"]):
+        # each run as a new user's: not started from the costs the run before learned (learned.json)
+        fresh = {"XDG_CONFIG_HOME": str(tmp_path / f"config{len(length)}")}
+        other = invoke("generate", prompt, *pair, "-n", "48", "--method", method, *length, "--json", env=fresh)
+        assert other.exit_code == 0, other.output
+        assert json.loads(other.stdout)["text"] == json.loads(plain.stdout)["text"]
+        assert json.loads(other.stdout)["stats"]["method"] == method
+    stats = json.loads(other.stdout)["stats"]
+    if method == "auto":  # adaptive even with -k; its chain at a fixed length is lookup+ngram+draft's case
+        assert stats["drafted"] > 0, stats
+    else:
+        assert_drafts_were_rejected(stats, some_accepted="draft" in method)
+
+
+def test_sampling_options_reach_the_sampler(pair):
+    """--temp, --top-k, --top-p, --min-p and --seed through the CLI: a seed gives the same text,
+    another seed another; temperature is not ignored; and each option that leaves only the
+    most likely token gives the greedy text (so each option was applied). At -k 4: adaptive
+    lengths follow measured timings, and a different length draws the seed's numbers in
+    another order, so only a fixed length makes a seed reproduce a text."""
+
+    def text(*options: str) -> str:
+        result = invoke("generate", "x = 1\n", *pair, "-n", "32", "-m", "draft", "-k", "4", "--json", *options)
+        assert result.exit_code == 0, result.output
+        return json.loads(result.stdout)["text"]
+
+    greedy = text()
+    sampled = text("--temp", "1.5", "--seed", "7")
+    assert sampled == text("--temp", "1.5", "--seed", "7")
+    assert sampled != text("--temp", "1.5", "--seed", "8")
+    assert sampled != greedy
+    assert text("--temp", "1.5", "--seed", "7", "--top-k", "1") == greedy
+    assert text("--temp", "1.5", "--seed", "7", "--top-p", "0.001") == greedy
+    assert text("--temp", "1.5", "--seed", "7", "--min-p", "0.999") == greedy
+    assert text("--temp", "1.5", "--seed", "7", "--top-k", "40", "--top-p", "0.95", "--min-p", "0.02") != sampled
+
+
+def test_ngram_cache_is_saved_and_reused(pair, tmp_path):
+    cache = tmp_path / "pool.ngram"
+    first = invoke("generate", "import os\nimport sys\n" * 4, *pair, "-n", "16", "-m", "ngram", "--ngram-cache", str(cache))
+    assert first.exit_code == 0, first.output
+    assert cache.exists() and cache.stat().st_size > 60
+    second = invoke("generate", "import os\n", *pair, "-n", "8", "-m", "ngram", "--ngram-cache", str(cache))
+    assert second.exit_code == 0, second.output
+    cache.write_bytes(b"garbage")
+    broken = invoke("generate", "import os\n", *pair, "-n", "8", "-m", "ngram", "--ngram-cache", str(cache))
+    assert_one_line_error(broken, 1, str(cache))

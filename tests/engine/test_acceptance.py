@@ -1,0 +1,137 @@
+"""Losslessness of the acceptance rules and the sampler, on tabulated fake models.
+
+Every method (and each adaptive, as `specrun generate` runs it without -k), the sampling
+options and the draft model's confidence stop run through one harness
+(lossless_harness.py): a window of 8 tokens (draft positions 1-4, and a pass right after a
+full accept), chi-square against the exact joint distribution from an independent oracle
+(oracle.py), and the acceptance count against its exact conditional expectation.
+test_mutations.py runs deliberately wrong verifiers and samplers through the same
+scenarios and checks each one fails them.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from lossless_harness import DRAFT_LEN, SCENARIOS, greedy_scenario, run_scenario
+from oracle import distribution
+from specrun.drafters.methods import METHODS, is_adaptive, resolve_method
+from specrun.sampling import SamplingSettings, probabilities, sample
+from specrun.verify import Verdict, verify_greedy, verify_sampled
+
+# ---- probabilities(): each option against values computed by hand -----------------------------
+LOGITS = [2.0, 1.0, 0.0, -1.0]
+HAND_COMPUTED = [
+    # softmax: (e^2, e, 1, 1/e) / 11.475217
+    (SamplingSettings(temperature=1.0), [0.643914, 0.236883, 0.087144, 0.032059]),
+    # temperature 2: softmax of (1, 0.5, 0, -0.5)
+    (SamplingSettings(temperature=2.0), [0.455054, 0.276004, 0.167405, 0.101536]),
+    # top-k 2: (e^2, e) / (e^2 + e)
+    (SamplingSettings(temperature=1.0, top_k=2), [0.731059, 0.268941, 0.0, 0.0]),
+    # top-p 0.9: mass before the third token 0.880797 < 0.9, kept; before the fourth 0.967941, cut
+    (SamplingSettings(temperature=1.0, top_p=0.9), [0.665241, 0.244728, 0.090031, 0.0]),
+    # top-p 0.6: the first token alone (0.643914) crosses 0.6
+    (SamplingSettings(temperature=1.0, top_p=0.6), [1.0, 0.0, 0.0, 0.0]),
+    # min-p 0.1: floor 0.0643914 cuts the last token (0.032059)
+    (SamplingSettings(temperature=1.0, min_p=0.1), [0.665241, 0.244728, 0.090031, 0.0]),
+    # min-p 0.2: floor 0.128783 cuts the last two
+    (SamplingSettings(temperature=1.0, min_p=0.2), [0.731059, 0.268941, 0.0, 0.0]),
+    # temperature 2, top-k 3 -> (e, e^0.5, 1) / 5.367003 = (0.506480, 0.307196, 0.186324);
+    # top-p 0.8 cuts the third (mass before it 0.813676); min-p 0.5 (floor 0.311230) keeps both
+    (SamplingSettings(temperature=2.0, top_k=3, top_p=0.8, min_p=0.5), [0.622459, 0.377541, 0.0, 0.0]),
+    # min-p 0.65 on that: floor 0.404598 cuts the second
+    (SamplingSettings(temperature=2.0, top_k=3, top_p=0.8, min_p=0.65), [1.0, 0.0, 0.0, 0.0]),
+    # greedy: one-hot at the argmax
+    (SamplingSettings(), [1.0, 0.0, 0.0, 0.0]),
+]
+
+
+@pytest.mark.parametrize(("settings", "expected"), HAND_COMPUTED, ids=lambda value: str(value))
+def test_probabilities_match_hand_computed_values(settings, expected):
+    np.testing.assert_allclose(probabilities(np.array(LOGITS, np.float32), settings), expected, atol=2e-6)
+    rows = probabilities(np.array([LOGITS, LOGITS[::-1]], np.float32), settings)  # (2, V): row by row
+    np.testing.assert_allclose(rows, [expected, expected[::-1]], atol=2e-6)
+    np.testing.assert_allclose(distribution(LOGITS, settings), expected, atol=2e-6)  # the oracle too
+
+
+def test_oracle_and_probabilities_agree_on_random_rows():
+    rng = np.random.default_rng(0)
+    settings = [
+        SamplingSettings(temperature=t, top_k=k, top_p=p, min_p=m)
+        for t in (0.5, 1.0, 1.7) for k in (0, 1, 5) for p in (1.0, 0.9, 0.3) for m in (0.0, 0.05, 0.4)
+    ]
+    for row in rng.normal(0.0, 2.0, (20, 12)).astype(np.float32):
+        for each in settings:
+            np.testing.assert_allclose(probabilities(row, each), distribution(row, each), atol=1e-9)
+
+
+# ---- the acceptance rules on their own --------------------------------------------------------
+def test_verify_greedy_counts_matches_and_bonus():
+    assert verify_greedy([5, 6, 7], [5, 6, 9, 1]) == Verdict(2, 9)
+    assert verify_greedy([5, 6, 7], [5, 6, 7, 1]) == Verdict(3, 1)  # all accepted: bonus token
+    assert verify_greedy([], [4]) == Verdict(0, 4)  # plain decoding
+    assert verify_greedy([3], [4, 0]) == Verdict(0, 4)
+
+
+def test_verify_sampled_one_hot_accepts_with_p_target_and_never_emits_the_rejected_token():
+    rng = np.random.default_rng(0)
+    p_target = np.array([[0.5, 0.5, 0.0], [1 / 3, 1 / 3, 1 / 3]])
+    verdicts = [verify_sampled([0], p_target, [None], rng) for _ in range(4000)]
+    rejected = [verdict for verdict in verdicts if verdict.n_accepted == 0]
+    # Accepted with probability p_target(0) = 0.5: 2000 +- 4 standard deviations (32).
+    assert abs(len(rejected) - 2000) < 4 * math.sqrt(4000 * 0.25)
+    assert {verdict.next_token for verdict in rejected} == {1}  # the residual excludes token 0
+    accepted = [verdict.next_token for verdict in verdicts if verdict.n_accepted == 1]
+    assert set(accepted) == {0, 1, 2}  # the bonus token from the second row
+
+
+def test_identical_draft_is_always_accepted_when_sampling():
+    rng = np.random.default_rng(0)
+    p = np.array([0.2, 0.3, 0.5])
+    p_target = np.stack([p, p, p])
+    for _ in range(500):
+        tokens = [sample(p, rng), sample(p, rng)]
+        assert verify_sampled(tokens, p_target, [p, p], rng).n_accepted == 2
+
+
+# ---- every method, sampled and greedy, through the harness -------------------------------------
+@pytest.mark.parametrize("name", list(SCENARIOS))
+def test_sampling_is_lossless(name):
+    """Chi-square against the oracle's exact joint, acceptance against its expectation, and the
+    window long enough to matter: drafts verified at position 4 or deeper, and passes that
+    drafted right after a full accept."""
+    sampled, problems = run_scenario(name)
+    assert problems == []
+    seen = sampled.verified
+    if SCENARIOS[name].method != "none":
+        assert seen.deepest >= DRAFT_LEN and seen.after_full_accept > 0, seen
+        assert 0 < sampled.accepted < sampled.drafted
+    if SCENARIOS[name].draft_min_prob:  # the confidence stop cut some first passes short, not all
+        assert seen.first_lengths[DRAFT_LEN] > 0 and sum(seen.first_lengths[k] for k in range(DRAFT_LEN)) > 0
+
+
+def test_every_method_has_a_sampled_scenario():
+    """A method added to specrun.drafters.methods joins the scenarios by itself, fixed and adaptive."""
+    assert {scenario.method for scenario in SCENARIOS.values()} == set(METHODS)
+    adaptive = {
+        resolve_method(scenario.method)
+        for scenario in SCENARIOS.values()
+        if scenario.adaptive or is_adaptive(scenario.method)
+    }
+    assert adaptive == {resolve_method(method) for method in METHODS} - {"none"}
+
+
+GREEDY_CASES = [(method, False) for method in METHODS] + [
+    (method, True) for method in METHODS if method != "none" and not is_adaptive(method)
+]
+
+
+@pytest.mark.parametrize(("method", "adaptive"), GREEDY_CASES)
+def test_greedy_output_equals_plain_decoding(method, adaptive):
+    problems, drafted, accepted = greedy_scenario(method, adaptive)
+    assert problems == []
+    if method != "none":
+        assert 0 < accepted < drafted  # both accepts and rejections happened

@@ -1,0 +1,227 @@
+"""The mutation check: deliberately wrong verifiers and samplers must fail the losslessness tests.
+
+Each mutant is installed in the engine for one run of the very scenario the losslessness
+tests run (lossless_harness.sampled_scenario and greedy_problems, the same runs, seeds and
+thresholds), and the test asserts the harness reports a problem: chi-square against the
+oracle's exact joint, the acceptance z-score, a sequence of probability 0, or an output
+that differs from plain greedy decoding. The correct code passing those same scenarios is
+what test_acceptance.py asserts. A mutant that survives fails this module.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+
+import specrun.drafters.draft_model
+import specrun.engine.loop
+from lossless_harness import greedy_scenario, real_scenario, run_scenario
+from model_factory import perturbed_copy
+from specrun.sampling import SamplingSettings, probabilities, sample
+from specrun.verify import Verdict
+
+# ---- wrong acceptance rules (the signature of specrun.verify.verify_sampled) ----------------
+
+
+def _residual(p_target_row: np.ndarray, p_draft_row: np.ndarray | None, token: int) -> np.ndarray:
+    """The correct residual, for mutants that are wrong elsewhere."""
+    if p_draft_row is None:
+        residual = p_target_row.copy()
+        residual[token] = 0.0
+    else:
+        residual = np.maximum(p_target_row - p_draft_row, 0.0)
+    return residual / residual.sum() if residual.sum() > 0 else p_target_row
+
+
+def _accept_probability(p_target_row, p_draft_row, token: int) -> float:
+    p_draft_x = 1.0 if p_draft_row is None else p_draft_row[token]
+    return min(1.0, p_target_row[token] / p_draft_x)
+
+
+def _verifier(accept: Callable, residual: Callable = _residual, bonus_row: Callable = lambda k: k):
+    """A sampled verifier from three parts: the acceptance test accept(i, token, p_target_row,
+    p_draft_row, u), the residual after a rejection, and which row the bonus token comes from."""
+
+    def verify(draft_tokens, p_target, p_draft, rng):
+        for i, token in enumerate(draft_tokens):
+            token = int(token)
+            if not accept(i, token, p_target[i], p_draft[i], rng.random()):
+                return Verdict(i, sample(residual(p_target[i], p_draft[i], token), rng))
+        return Verdict(len(draft_tokens), sample(p_target[bonus_row(len(draft_tokens))], rng))
+
+    return verify
+
+
+def _correct_accept(i, token, p_target_row, p_draft_row, u) -> bool:
+    return u < _accept_probability(p_target_row, p_draft_row, token)
+
+
+def accept_everything(draft_tokens, p_target, p_draft, rng):
+    return Verdict(len(draft_tokens), sample(p_target[len(draft_tokens)], rng))
+
+
+def one_uniform_reused(draft_tokens, p_target, p_draft, rng):
+    """Draws one uniform per verify pass and tests every position against it."""
+    u = rng.random()
+    for i, token in enumerate(draft_tokens):
+        if not u < _accept_probability(p_target[i], p_draft[i], int(token)):
+            return Verdict(i, sample(_residual(p_target[i], p_draft[i], int(token)), rng))
+    return Verdict(len(draft_tokens), sample(p_target[len(draft_tokens)], rng))
+
+
+def _q_minus_p(p_target_row, p_draft_row, token: int) -> np.ndarray:
+    """The residual the wrong way round: norm(max(0, q - p)), q one-hot for a deterministic proposal."""
+    if p_draft_row is None:
+        p_draft_row = np.zeros_like(p_target_row)
+        p_draft_row[token] = 1.0
+    residual = np.maximum(p_draft_row - p_target_row, 0.0)
+    return residual / residual.sum() if residual.sum() > 0 else p_target_row
+
+
+SAMPLED_VERIFIERS = {
+    "accept everything": accept_everything,
+    "never reject a one-hot proposal": _verifier(
+        lambda i, token, p_t, p_d, u: p_d is None or _correct_accept(i, token, p_t, p_d, u)
+    ),
+    "min(1, q/p)": _verifier(lambda i, token, p_t, p_d, u: u < min(1.0, (1.0 if p_d is None else p_d[token]) / p_t[token])),
+    "residual (q - p)+": _verifier(_correct_accept, residual=lambda p_t, p_d, token: _q_minus_p(p_t, p_d, token)),
+    "resample from the target (the residual keeps the rejected token)": _verifier(
+        _correct_accept, residual=lambda p_t, p_d, token: p_t
+    ),
+    "bonus token from the wrong row": _verifier(_correct_accept, bonus_row=lambda k: k - 1),
+    "one uniform reused": one_uniform_reused,
+    "wrong from draft position 3 on": _verifier(lambda i, token, p_t, p_d, u: i >= 2 or _correct_accept(i, token, p_t, p_d, u)),
+    "over-accepting by 3%": _verifier(
+        lambda i, token, p_t, p_d, u: u < min(1.0, 1.03 * _accept_probability(p_t, p_d, token))
+    ),
+}
+
+# ---- wrong samplers (the signature of specrun.sampling.probabilities) -------------------------
+
+
+def top_p_off_by_one(logits, settings):
+    """Drops the token that crosses top_p instead of keeping it."""
+    full = probabilities(logits, SamplingSettings(settings.temperature, settings.top_k, 1.0, 0.0))
+    rows = full[None, :] if full.ndim == 1 else full
+    order = np.argsort(-rows, axis=-1, kind="stable")
+    sorted_probs = np.take_along_axis(rows, order, axis=-1)
+    keep_sorted = np.cumsum(sorted_probs, axis=-1) < settings.top_p
+    keep_sorted[:, 0] = True
+    keep = np.zeros_like(keep_sorted)
+    np.put_along_axis(keep, order, keep_sorted, axis=-1)
+    kept = np.where(keep, rows, 0.0)
+    kept /= kept.sum(axis=-1, keepdims=True)
+    return kept[0] if full.ndim == 1 else kept
+
+
+def min_p_ignored(logits, settings):
+    return probabilities(logits, SamplingSettings(settings.temperature, settings.top_k, settings.top_p, 0.0))
+
+
+# ---- wrong greedy rules (the signature of specrun.verify.verify_greedy) -----------------------
+
+
+def greedy_accepts_every_draft(draft_tokens, target_argmax):
+    return Verdict(len(draft_tokens), int(target_argmax[len(draft_tokens)]))
+
+
+def greedy_bonus_from_the_wrong_row(draft_tokens, target_argmax):
+    for i, token in enumerate(draft_tokens):
+        if token != target_argmax[i]:
+            return Verdict(i, int(target_argmax[i]))
+    return Verdict(len(draft_tokens), int(target_argmax[max(len(draft_tokens) - 1, 0)]))
+
+
+@dataclass(frozen=True)
+class Mutant:
+    name: str
+    install: Callable[[pytest.MonkeyPatch], None]
+    scenarios: tuple[str, ...]  # the losslessness scenarios that must each catch it
+
+
+def _install_verifier(verifier) -> Callable[[pytest.MonkeyPatch], None]:
+    return lambda patch: patch.setattr(specrun.engine.loop, "verify_sampled", verifier)
+
+
+def _install_sampler(sampler) -> Callable[[pytest.MonkeyPatch], None]:
+    def install(patch: pytest.MonkeyPatch) -> None:
+        # Target and draft model alike: both read the user's settings through it.
+        patch.setattr(specrun.engine.loop, "probabilities", sampler)
+        patch.setattr(specrun.drafters.draft_model, "probabilities", sampler)
+
+    return install
+
+
+def _install_greedy(verifier) -> Callable[[pytest.MonkeyPatch], None]:
+    return lambda patch: patch.setattr(specrun.engine.loop, "verify_greedy", verifier)
+
+
+# Every mutant goes to the scenarios where it shows: rules for one-hot proposals to prompt
+# lookup, over-acceptance to a draft close to the target (acceptance z ~ 9; against an
+# unrelated draft it is ~ 3 at these runs), sampler bugs to the option they break.
+SCENARIOS_OF = {
+    "never reject a one-hot proposal": ("lookup",),
+    "resample from the target (the residual keeps the rejected token)": ("draft", "lookup"),
+    "over-accepting by 3%": ("sharper draft",),
+}
+MUTANTS = [
+    *(Mutant(name, _install_verifier(verifier), SCENARIOS_OF.get(name, ("draft",)))
+      for name, verifier in SAMPLED_VERIFIERS.items()),
+    Mutant("top-p off by one", _install_sampler(top_p_off_by_one), ("draft top-p",)),
+    Mutant("min-p ignored", _install_sampler(min_p_ignored), ("draft min-p",)),
+    Mutant("greedy: accepts every draft", _install_greedy(greedy_accepts_every_draft), ("greedy draft",)),
+    Mutant("greedy: bonus token from the wrong row", _install_greedy(greedy_bonus_from_the_wrong_row),
+           ("greedy draft",)),
+]
+
+
+@pytest.mark.parametrize("mutant", MUTANTS, ids=[mutant.name for mutant in MUTANTS])
+def test_every_mutant_is_caught(mutant, monkeypatch):
+    mutant.install(monkeypatch)
+    for scenario in mutant.scenarios:
+        if scenario.startswith("greedy "):
+            problems, _, _ = greedy_scenario(scenario.removeprefix("greedy "))
+        else:
+            _, problems = run_scenario(scenario)
+        assert problems, f"the mutant {mutant.name!r} passed the {scenario!r} losslessness scenario"
+
+
+# ---- the real-backend test against the mutants the issue found it let through --------------
+
+
+def accept_with_probability_097(draft_tokens, p_target, p_draft, rng):
+    """Accepts each draft with probability 0.97 whatever p_target and p_draft say."""
+    for i, token in enumerate(draft_tokens):
+        if rng.random() >= 0.97:
+            return Verdict(i, sample(_residual(p_target[i], p_draft[i], int(token)), rng))
+    return Verdict(len(draft_tokens), sample(p_target[len(draft_tokens)], rng))
+
+
+REAL_MUTANTS = {
+    "accept everything": accept_everything,
+    "resample from the target": SAMPLED_VERIFIERS["resample from the target (the residual keeps the rejected token)"],
+    "accept with probability 0.97": accept_with_probability_097,
+}
+
+
+@pytest.fixture(scope="module")
+def llama_pair(tiny_llama, tmp_path_factory):
+    pytest.importorskip("llama_cpp", reason="the llama backend is not installed")
+    return tiny_llama.gguf_path, perturbed_copy(tiny_llama, tmp_path_factory.mktemp("perturbed"))["llama"]
+
+
+@pytest.mark.parametrize("name", list(REAL_MUTANTS))
+def test_the_real_backend_sampled_test_catches_a_wrong_verifier(name, llama_pair, monkeypatch):
+    """test_backend_engine's sampled test (lossless_harness.real_scenario, draft -k 4) on llama.cpp."""
+    from specrun.backends.llama import LlamaCppBackend
+
+    monkeypatch.setattr(specrun.engine.loop, "verify_sampled", REAL_MUTANTS[name])
+    target_path, draft_path = llama_pair
+    target, reference, draft = LlamaCppBackend(target_path), LlamaCppBackend(target_path), LlamaCppBackend(draft_path)
+    _, problems = real_scenario(target, draft, reference, "draft", SamplingSettings(temperature=1.0), adaptive=False)
+    for backend in (target, reference, draft):
+        backend.close()
+    assert problems, f"the mutant {name!r} passed the real-backend sampled test"

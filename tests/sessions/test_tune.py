@@ -1,0 +1,183 @@
+"""`specrun tune`: calibration is saved per pair and machine, and later runs use it."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from specrun.cli.app import app
+from specrun.engine.stats import Stats
+
+pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed")
+
+
+@pytest.fixture()
+def config_home(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
+    return tmp_path
+
+
+def test_tune_saves_and_generate_uses_the_best_settings(config_home, tiny_llama):
+    path = str(tiny_llama.gguf_path)
+    runner = CliRunner()
+    result = runner.invoke(app, ["tune", "-t", path, "-d", path, "--prompts", "1", "-n", "16"])
+    assert result.exit_code == 0, result.output
+    tuned_file = config_home / "specrun" / "tuned.json"
+    saved = json.loads(tuned_file.read_text())
+    (entry,) = saved["pairs"].values()
+    rates = entry["tokens_per_second"]
+    assert {"none", *(f"draft k={k}" for k in (1, 2, 3, 4, 6, 8))} <= set(rates)
+    assert entry["acceptance"] == 1.0 and entry["first_acceptance"] == 1.0  # draft == target
+    # Whether speculation pays with a draft as costly as the target is for the clock to say;
+    # round 2 (confidence stops, beside plain decoding again) runs only when it did.
+    if entry["best_draft_len"]:
+        assert "none (round 2)" in rates and "draft k=8 p>=0.5" in rates
+        assert entry["best_min_prob"] in (0.0, 0.3, 0.5, 0.7)
+    else:
+        assert entry["best_min_prob"] == 0.0 and entry["speedup"] == 1.0
+    assert sorted(int(n) for n in entry["target_costs"]) == list(range(1, 10))
+    # The draft model's costs, which later runs' controllers start from: a cost per drafted
+    # length, growing with it.
+    costs = {int(k): seconds for k, seconds in entry["draft_costs"].items()}
+    assert set(costs) == {1, 2, 3, 4, 6, 8} and all(seconds > 0 for seconds in costs.values())
+    assert costs[8] > costs[1]
+
+    shown = runner.invoke(app, ["tune", "--show"])
+    assert shown.exit_code == 0
+    assert "tuned settings" in shown.stdout and f"{entry['speedup']:.2f}×" in shown.stdout
+
+    # Later runs take the saved settings unless told otherwise: the confidence stop, and the
+    # costs and acceptance their controllers start from. Lengths adapt; -k fixes them.
+    entry.update(best_draft_len=3, best_min_prob=0.7)
+    tuned_file.write_text(json.dumps(saved))
+    base = ["generate", "def f():", "-t", path, "-d", path, "-n", "8", "--json", "-m", "draft"]
+    stats = json.loads(runner.invoke(app, base).stdout)["stats"]
+    assert (stats["draft_len"], stats["adaptive"], stats["draft_min_prob"]) == (16, True, 0.7)
+    explicit = json.loads(runner.invoke(app, [*base, "-k", "5", "--draft-min-prob", "0"]).stdout)["stats"]
+    assert (explicit["draft_len"], explicit["adaptive"], explicit["draft_min_prob"]) == (5, False, 0.0)
+    auto = json.loads(runner.invoke(app, [*base[:-2], "-m", "auto"]).stdout)["stats"]
+    assert (auto["method"], auto["draft_len"], auto["adaptive"], auto["draft_min_prob"]) == ("auto", 16, True, 0.7)
+    # A chain too chooses its length as it goes, up to auto's longest, unless -k fixes it.
+    chain = json.loads(runner.invoke(app, [*base[:-2], "-m", "lookup+draft"]).stdout)["stats"]
+    assert (chain["method"], chain["draft_len"], chain["adaptive"], chain["draft_min_prob"]) == (
+        "lookup+draft", 16, True, 0.7)
+    fixed = json.loads(runner.invoke(app, [*base[:-2], "-m", "lookup+draft", "-k", "4"]).stdout)["stats"]
+    assert (fixed["draft_len"], fixed["adaptive"]) == (4, False)
+
+    # The bench starts its controllers where generate does, runs each method at the length and
+    # stop generate gives it, and says so; --untuned does not, nor do -k and --draft-min-prob.
+    bench = ["bench", "-t", path, "-d", path, "--methods", "none,draft,lookup+draft", "--categories", "chat",
+             "--per-category", "1", "-n", "8", "--json", "-"]
+    tuned_run = runner.invoke(app, bench)
+    assert tuned_run.exit_code == 0, tuned_run.output
+    config = json.loads(tuned_run.stdout)["config"]
+    assert config["tuned"] == entry["key"]
+    assert [(v["name"], v["draft_len"], v["adaptive"]) for v in config["variants"]] == [
+        ("none", 0, False), ("draft", 16, True), ("lookup+draft", 16, True)]
+    assert config["draft_lens"] == [] and config["draft_min_prob"] == 0.7
+    assert f"`specrun tune`'s measurements for this pair ({entry['key']})" in tuned_run.stderr
+    footnotes = " ".join(tuned_run.stderr.split())
+    assert "with tune's settings: draft model stops below p=0.7;" in footnotes
+    assert "up to 16, and speculation gated on plain decoding's speed): draft, lookup+draft;" in footnotes
+    untuned_run = runner.invoke(app, [*bench, "--untuned"])
+    config = json.loads(untuned_run.stdout)["config"]
+    assert config["tuned"] is None and config["draft_min_prob"] == 0.0
+    assert [v["draft_len"] for v in config["variants"]] == [0, 16, 16]
+    explicit_run = runner.invoke(app, [*bench, "-k", "5", "--draft-min-prob", "0"])
+    config = json.loads(explicit_run.stdout)["config"]
+    assert config["tuned"] == entry["key"] and config["draft_min_prob"] == 0.0
+    assert [(v["draft_len"], v["adaptive"]) for v in config["variants"]] == [(0, False), (5, False), (5, False)]
+    assert config["draft_lens"] == [5]
+    assert "as `specrun generate` runs them" not in explicit_run.stderr
+
+
+def test_tune_table_shows_each_setting_beside_its_rounds_plain_decoding_in_80_columns():
+    from rich.console import Console
+
+    from specrun.cli.tune import render
+    from specrun.sessions.tuning import TuneResult
+
+    rates = {"none": 200.0, "draft k=1": 250.0, "draft k=8": 150.0,
+             "none (round 2)": 210.0, "draft k=1 (round 2)": 252.0, "draft k=8 p>=0.5": 189.0}
+    result = TuneResult("k", "target-model.q4_k_m.gguf:4920000000", "draft-model.q4_k_m.gguf:700000000",
+                        "host|x86_64|2 cpus|?", best_draft_len=1, speedup=1.2, tokens_per_second=rates,
+                        acceptance=0.4, first_acceptance=0.66)
+    console = Console(width=80, record=True, color_system=None)
+    console.print(render([result]))
+    lines = console.export_text().splitlines()
+    assert max(map(len, lines)) <= 80
+    # One line per setting: its rate and its ratio to the plain decoding of its own round
+    # (round 2 and the confidence stops are timed beside round 2's), not one wrapped cell.
+    expected = {"none": "1.00×", "draft k=1": "1.25×", "draft k=8": "0.75×",
+                "none (round 2)": "1.00×", "draft k=1 (round 2)": "1.20×", "draft k=8 p>=0.5": "0.90×"}
+    for name, ratio in expected.items():
+        assert [*name.split(), f"{rates[name]:.0f}", ratio] in [line.split() for line in lines], name
+    text = "\n".join(lines)
+    assert "best fixed draft length (-k) 1, confidence stop none, speed-up 1.20×" in text
+    assert "draft tokens accepted 40% (first token 66%)" in text
+    assert "target-model.q4_k_m.gguf:4920000000  +  draft-model.q4_k_m.gguf:700000000" in text
+
+
+def test_a_corrupt_tune_file_is_one_line(config_home, tiny_llama):
+    (config_home / "specrun").mkdir()
+    (config_home / "specrun" / "tuned.json").write_text("{not json")
+    result = CliRunner().invoke(app, ["tune", "--show"])
+    assert result.exit_code == 1
+    assert "cannot read tuned settings" in result.stderr and "specrun tune" in result.stderr
+
+
+def test_calibration_picks_the_fastest_length_then_the_fastest_stop(monkeypatch, tiny_llama):
+    """The choice itself, with the measured rates set: round 1 picks k, round 2 a stop at k or at 8."""
+    from specrun.sessions import tuning
+    from specrun.registry.loading import LoadOptions, open_pair
+
+    rounds = {
+        1: {"none": 100.0, "draft k=1": 110.0, "draft k=2": 130.0, "draft k=3": 125.0, "draft k=4": 120.0,
+            "draft k=6": 90.0, "draft k=8": 80.0},
+        2: {"none": 95.0, "draft k=2": 128.0, "draft k=2 p>=0.3": 131.0, "draft k=2 p>=0.5": 127.0,
+            "draft k=2 p>=0.7": 120.0, "draft k=8": 78.0, "draft k=8 p>=0.3": 140.0, "draft k=8 p>=0.5": 150.0,
+            "draft k=8 p>=0.7": 145.0},
+    }
+    seen = {}
+
+    def measured(target, draft, prompts, max_new_tokens, configs, on_progress, round_number):
+        seen[round_number] = configs
+        totals = {name: Stats() for name in configs}
+        for name, (k, _) in configs.items():
+            if k:
+                totals[name].record_step(k, k - 1, k, 0.001 * k, 0.01)  # one step drafting k, one lost
+        return {name: rounds[round_number][name] for name in configs}, totals
+
+    monkeypatch.setattr(tuning, "_interleaved", measured)
+    monkeypatch.setattr(tuning, "_verify_costs", lambda target, prompt: {1: 0.001})
+    path = str(tiny_llama.gguf_path)
+    target, draft = open_pair(path, path, LoadOptions(threads=1))
+    result = tuning.calibrate(target, draft, [[1, 2, 3]], 8, "key")
+    target.close()
+    draft.close()
+    assert seen[2]["draft k=8 p>=0.5"] == (8, 0.5) and seen[2]["draft k=2"] == (2, 0.0)
+    assert (result.best_draft_len, result.best_min_prob) == (8, 0.5)
+    assert result.speedup == pytest.approx(150.0 / 95.0)  # against round 2's own plain decoding
+    assert result.tokens_per_second["none (round 2)"] == 95.0
+    assert result.acceptance == pytest.approx((0 + 1 + 2 + 3 + 5 + 7) / (1 + 2 + 3 + 4 + 6 + 8))
+    assert result.draft_costs == pytest.approx({k: 0.001 * k for k in (1, 2, 3, 4, 6, 8)})
+    # first token accepted on the steps of k = 2..8, not on k = 1's (it accepted k - 1 = 0)
+    assert result.first_acceptance == pytest.approx(5 / 6)
+
+
+def test_a_version_1_tune_file_still_loads_and_starts_only_the_target_costs(config_home):
+    """Files from before draft costs were saved keep working: no draft costs, no seeding."""
+    from specrun.sessions import tuning
+
+    path = config_home / "specrun" / "tuned.json"
+    path.parent.mkdir()
+    entry = {"key": "k1", "target": "t.gguf:1", "draft": "d.gguf:1", "machine": "m", "best_draft_len": 3,
+             "speedup": 1.2, "tokens_per_second": {"none": 1.0}, "target_costs": {"1": 0.002},
+             "acceptance": 0.5, "best_min_prob": 0.0}
+    path.write_text(json.dumps({"version": 1, "pairs": {"k1": entry}}))
+    loaded = tuning.load("k1")
+    assert loaded.target_costs == {1: 0.002} and loaded.draft_costs == {}
+    assert loaded.first_acceptance == 0.0  # not measured then: runs keep the default prior
+    assert CliRunner().invoke(app, ["tune", "--show"]).exit_code == 0
