@@ -49,3 +49,7 @@ class BackendUnavailableError(SpecrunError):
 
 class RegistryError(SpecrunError):
     """An unknown alias or a malformed models.toml."""
+
+
+class FileAccessError(SpecrunError):
+    """A file specrun cannot read or write (full disk, no permission, not a regular file, too big)."""

@@ -21,20 +21,20 @@ On disk (``save``/``load``): a 60-byte header, then a UTF-8 JSON payload.
     payload JSON      {"max_order": n, "vocabulary": fingerprint,
                        "contexts": [[[context ids…], [token, count, token, count, …]], …]}
 
-Contexts are listed least recently used first. A file that is truncated, corrupt,
-foreign, from a newer format or built for another vocabulary raises
-NgramCacheError naming the file; nothing is loaded from it. Writes go to a
-temporary file in the same folder, then ``os.replace``: a reader never sees half a
-file, and of two writers the last one wins.
+Contexts are listed least recently used first. The file is untrusted input: one
+that is not a regular file, larger than MAX_CACHE_BYTES, truncated, corrupt, foreign,
+from a newer format, built for another vocabulary, or holding a token id outside the
+vocabulary or a count beyond MAX_COUNT raises NgramCacheError naming the file;
+nothing is loaded from it (an id past the vocabulary crashes MLX and cuts llama.cpp's
+output short). Writes go to a temporary file in the same folder, then ``os.replace``
+(``specrun.fileio``): a reader never sees half a file, and of two writers the last one wins.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import os
 import struct
-import tempfile
 from collections import OrderedDict
 from collections.abc import Sequence
 from pathlib import Path
@@ -45,6 +45,7 @@ from specrun.backends.base import Backend
 from specrun.drafters.base import EMPTY_PROPOSAL, Proposal
 from specrun.drafters.lookup import ContextMirror
 from specrun.errors import SpecrunError
+from specrun.fileio import MiB, read_limited, write_atomically
 from specrun.sampling import SamplingSettings
 
 MAGIC = b"SPECRUN NGRAM\0\0\0"
@@ -61,6 +62,11 @@ DEFAULT_MIN_SHARE = 0.5
 DEFAULT_UNIGRAM_MIN_COUNT = 2
 
 CACHE_FIX = "delete it or pass another --ngram-cache"
+# The largest file read: a full pool (DEFAULT_MAX_CONTEXTS) takes about 20 MB.
+MAX_CACHE_BYTES = 256 * MiB
+# Counts grow by one a sighting; anything near float range is forged (and would overflow
+# the share test in _most_likely_next).
+MAX_COUNT = 1 << 53
 
 Followers = dict[int, int]  # token -> count
 
@@ -70,16 +76,28 @@ class NgramCacheError(SpecrunError):
 
 
 def vocabulary_fingerprint(backend: Backend) -> str:
-    """A short hash of a backend's vocabulary: ids, token texts, BOS and EOS.
+    """The vocabulary's size and a short hash of it (ids, token texts, BOS and EOS): "SIZE:HASH".
 
     An n-gram cache holds token ids, which mean something only for the vocabulary
-    that produced them; the fingerprint is stored in the file and checked on load.
+    that produced them; the fingerprint is stored in the file and checked on load,
+    and its size bounds the ids a loaded file may hold.
     """
     vocab = backend.vocab
     digest = hashlib.sha256(f"{vocab.size}|{vocab.bos_id}|{sorted(vocab.eos_ids)}".encode())
     for token in range(vocab.size):
         digest.update(backend.token_text(token).encode("utf-8", errors="surrogatepass") + b"\0")
-    return digest.hexdigest()[:32]
+    return f"{vocab.size}:{digest.hexdigest()[:32]}"
+
+
+def _vocabulary_size(fingerprint: str) -> int | None:
+    """The size a fingerprint names; None for one that names none (older files, tests' labels)."""
+    size, separator, _ = fingerprint.partition(":")
+    return int(size) if separator and size.isdigit() else None
+
+
+def _same_vocabulary(stored: str, ours: str) -> bool:
+    """Files written before the fingerprint named the size hold only its hash part."""
+    return stored == ours or (_vocabulary_size(ours) is not None and stored == ours.partition(":")[2])
 
 
 class NgramPoolDrafter:
@@ -249,21 +267,15 @@ class NgramPoolDrafter:
             separators=(",", ":"),
         ).encode("utf-8")
         header = HEADER.pack(MAGIC, FORMAT_VERSION, len(payload), hashlib.sha256(payload).digest())
-        try:
-            _write_atomically(target, header + payload)
-        except OSError as exc:
-            raise NgramCacheError(
-                f"cannot write the n-gram cache {target}: {exc.strerror or exc}",
-                "check the folder exists and is writable, or pass another --ngram-cache",
-            ) from exc
+        write_atomically(target, header + payload, "n-gram cache", error=NgramCacheError)
         self._dirty = False
         return target
 
     def load(self, path: Path) -> None:
         """Replace the pool's contents with the file's; refuse anything not written for this vocabulary."""
         path = Path(path)
-        contents = _read_cache_file(path)
-        if contents["vocabulary"] != self.vocabulary:
+        contents = _read_cache_file(path, _vocabulary_size(self.vocabulary))
+        if not _same_vocabulary(contents["vocabulary"], self.vocabulary):
             raise NgramCacheError(
                 f"the n-gram cache {path} was built for another vocabulary (another model family)", CACHE_FIX
             )
@@ -297,31 +309,14 @@ def _strongest(followers: Followers, max_followers: int) -> Followers:
     return dict(kept)
 
 
-def _write_atomically(path: Path, data: bytes) -> None:
-    """Write to a temporary file beside ``path``, flush it to disk, then rename it over ``path``."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(handle, "wb") as stream:
-            stream.write(data)
-            stream.flush()
-            os.fsync(stream.fileno())
-        os.replace(temporary, path)
-    except BaseException:
-        Path(temporary).unlink(missing_ok=True)
-        raise
-
-
-def _read_cache_file(path: Path) -> dict:
-    """The validated contents of a cache file: vocabulary and [(context, followers)]."""
+def _read_cache_file(path: Path, vocab_size: int | None) -> dict:
+    """The validated contents of a cache file: vocabulary and [(context, followers)], every
+    id below ``vocab_size`` (when known)."""
 
     def refuse(reason: str, fix: str = CACHE_FIX) -> NgramCacheError:
         return NgramCacheError(f"cannot use the n-gram cache {path}: {reason}", fix)
 
-    try:
-        data = path.read_bytes()
-    except OSError as exc:
-        raise refuse(f"it cannot be read ({exc.strerror or exc})") from exc
+    data = read_limited(path, MAX_CACHE_BYTES, "n-gram cache", CACHE_FIX, error=NgramCacheError)
     if data[: len(MAGIC)] != MAGIC[: len(data)]:
         raise refuse("it is not a specrun n-gram cache")
     if len(data) < HEADER.size:
@@ -340,26 +335,39 @@ def _read_cache_file(path: Path) -> dict:
     if len(payload) > length or hashlib.sha256(payload).digest() != checksum:
         raise refuse("it is corrupt (checksum mismatch)")
     try:
-        return _parse_payload(json.loads(payload.decode("utf-8")))
-    except (UnicodeDecodeError, ValueError, TypeError, KeyError) as exc:
+        document = json.loads(payload.decode("utf-8"))
+    except RecursionError as exc:
+        raise refuse("it is corrupt (its JSON is nested too deeply)") from exc
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise refuse(f"it is corrupt ({exc})") from exc
+    try:
+        return _parse_payload(document, vocab_size)
+    except (ValueError, TypeError, KeyError) as exc:
         raise refuse(f"it is corrupt ({exc})") from exc
 
 
-def _parse_payload(document: dict) -> dict:
+def _parse_payload(document: dict, vocab_size: int | None) -> dict:
     """Check every field's type and range; raise ValueError/TypeError/KeyError on anything else."""
     vocabulary = document["vocabulary"]
     if not isinstance(vocabulary, str):
         raise TypeError("vocabulary is not a string")
+    id_limit = vocab_size if vocab_size is not None else MAX_COUNT
     contexts = []
     for key, flat in document["contexts"]:
-        if not key or not _all_ids(key) or len(flat) % 2 or not flat or not _all_ids(flat):
+        if not isinstance(key, list) or not isinstance(flat, list) or not key or not flat or len(flat) % 2:
             raise ValueError("malformed context entry")
-        followers = dict(zip(flat[0::2], flat[1::2]))
-        if min(followers.values()) < 1:
-            raise ValueError("a follower count is not positive")
-        contexts.append((tuple(key), followers))
+        _check_ids(key, id_limit)
+        _check_ids(flat[0::2], id_limit)
+        counts = flat[1::2]
+        if not all(type(count) is int and 1 <= count <= MAX_COUNT for count in counts):
+            raise ValueError(f"a follower count is not between 1 and {MAX_COUNT}")
+        contexts.append((tuple(key), dict(zip(flat[0::2], counts))))
     return {"vocabulary": vocabulary, "contexts": contexts}
 
 
-def _all_ids(values: list) -> bool:
-    return isinstance(values, list) and all(type(value) is int and value >= 0 for value in values)
+def _check_ids(values: list, id_limit: int) -> None:
+    for value in values:
+        if type(value) is not int or value < 0:
+            raise ValueError(f"{value!r} is not a token id")
+        if value >= id_limit:
+            raise ValueError(f"token id {value} is outside the vocabulary of {id_limit} tokens")

@@ -1,0 +1,125 @@
+"""Files specrun keeps: written atomically, read with a size limit.
+
+Every file specrun writes (n-gram caches, tuned and learned settings, bench JSON and
+HTML reports) goes to a temporary file in the same folder that is renamed over the
+target, so a full disk or a Ctrl-C never leaves half a file. Every file it reads
+that a user may point it at is refused unless it is a regular file under a size
+limit: a FIFO would block forever and /dev/zero never ends.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import secrets
+import stat
+from pathlib import Path
+
+from specrun.errors import FileAccessError, SpecrunError
+
+MiB = 1 << 20
+_READ_CHUNK = MiB
+
+
+def write_atomically(
+    path: Path, data: bytes | str, what: str = "file", fix: str = "", error: type[SpecrunError] = FileAccessError
+) -> Path:
+    """Write ``data`` to ``path`` through a temporary file beside it, then rename it into place.
+
+    A symlink at ``path`` is kept: its target is replaced. An existing file keeps its
+    permissions; a new one gets the umask's. Raises ``error`` naming ``what`` and the path
+    (and ``fix``, else advice that fits the failure); nothing is left behind.
+    """
+    path = Path(path)
+    if path.is_symlink():
+        path = Path(os.path.realpath(path))
+    payload = data.encode("utf-8") if isinstance(data, str) else data
+    temporary: Path | None = None
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        handle, temporary = _create_beside(path)
+        with os.fdopen(handle, "wb") as stream:
+            stream.write(payload)
+            stream.flush()
+            os.fsync(stream.fileno())
+        if path.exists():
+            os.chmod(temporary, stat.S_IMODE(path.stat().st_mode))
+        os.replace(temporary, path)
+    except OSError as exc:
+        raise error(f"cannot write the {what} {path}: {exc.strerror or exc}", fix or _write_fix(exc)) from exc
+    finally:
+        if temporary is not None and temporary.exists():
+            temporary.unlink(missing_ok=True)
+    return path
+
+
+def _create_beside(path: Path) -> tuple[int, Path]:
+    """A new, empty file in ``path``'s folder (mode 0666 less the umask, as open() would give)."""
+    while True:
+        temporary = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
+        try:
+            return os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), temporary
+        except FileExistsError:
+            continue
+
+
+def _write_fix(exc: OSError) -> str:
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return "free some disk space, or write to another disk"
+    return "check that the folder exists and is writable, or choose another path"
+
+
+def check_writable_folder(path: Path, what: str = "file", fix: str = "") -> None:
+    """Fail now, not after a long run, when ``path`` could not be written: its folder
+    (created if missing) must accept a new file."""
+    path = Path(path)
+    if path.is_symlink():
+        path = Path(os.path.realpath(path))
+    if path.is_dir():
+        raise FileAccessError(f"the {what} {path} is a folder", fix or "name a file, not a folder")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        handle, temporary = _create_beside(path)
+        os.close(handle)
+        temporary.unlink()
+    except OSError as exc:
+        raise FileAccessError(f"cannot write the {what} {path}: {exc.strerror or exc}", fix or _write_fix(exc)) from exc
+
+
+def read_limited(
+    path: Path, limit: int, what: str = "file", fix: str = "", error: type[SpecrunError] = FileAccessError
+) -> bytes:
+    """The bytes of the regular file ``path``, refused (``error``, naming ``what``) when it
+    cannot be opened, is not a regular file (a FIFO, a device, a folder) or holds more than
+    ``limit`` bytes. Never blocks on a FIFO and never reads more than ``limit`` + 1 bytes."""
+    path = Path(path)
+
+    def refuse(reason: str) -> SpecrunError:
+        return error(f"cannot use the {what} {path}: {reason}", fix)
+
+    try:
+        # O_NONBLOCK: opening a FIFO with no writer returns at once (it is refused below).
+        handle = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    except OSError as exc:
+        raise refuse(f"it cannot be read ({exc.strerror or exc})") from exc
+    try:
+        info = os.fstat(handle)
+        if not stat.S_ISREG(info.st_mode):
+            raise refuse("it is not a regular file")
+        if info.st_size > limit:
+            raise refuse(f"it is {info.st_size} bytes, more than the {limit} allowed")
+        chunks: list[bytes] = []
+        size = 0
+        while size <= limit:
+            chunk = os.read(handle, min(_READ_CHUNK, limit + 1 - size))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            size += len(chunk)
+        if size > limit:
+            raise refuse(f"it holds more than the {limit} bytes allowed")
+        return b"".join(chunks)
+    except OSError as exc:
+        raise refuse(f"it cannot be read ({exc.strerror or exc})") from exc
+    finally:
+        os.close(handle)

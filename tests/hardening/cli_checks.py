@@ -1,0 +1,53 @@
+"""What every hardening test checks of a failed command: one line, a fix, the right exit code."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from typer.testing import CliRunner
+
+from specrun.cli.app import app
+from specrun.drafters.ngram import HEADER, MAGIC
+
+runner = CliRunner()
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def invoke(*args: str, input: str | bytes | None = None, env: dict | None = None):
+    return runner.invoke(app, list(args), input=input, env=env)
+
+
+def run_specrun(*args: str, input: bytes | None = None, env: dict | None = None, timeout: float = 120):
+    """specrun in a process of its own (signals, pipes and stdin bytes need a real one)."""
+    full_env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
+    return subprocess.run(
+        [sys.executable, "-m", "specrun", *args], input=input, capture_output=True, env=full_env, timeout=timeout
+    )
+
+
+def error_lines(stderr: str | bytes) -> list[str]:
+    text = stderr.decode("utf-8", "replace") if isinstance(stderr, bytes) else stderr
+    return [line for line in text.splitlines() if line.strip()]
+
+
+def assert_one_line_error(exit_code: int, stderr: str | bytes, expected_code: int, *fragments: str) -> str:
+    """One line on stderr that starts with 'error:', names each fragment and a fix (after ';')."""
+    lines = error_lines(stderr)
+    assert exit_code == expected_code, lines
+    assert len(lines) == 1, lines
+    assert lines[0].startswith("error: ") and "; " in lines[0], lines
+    assert "Traceback" not in lines[0] and "internal error" not in lines[0], lines
+    for fragment in fragments:
+        assert fragment in lines[0], (fragment, lines)
+    return lines[0]
+
+
+def ngram_cache_bytes(document) -> bytes:
+    """A cache file with a valid header and checksum around any JSON document (or raw payload bytes)."""
+    payload = document if isinstance(document, bytes) else json.dumps(document).encode()
+    return HEADER.pack(MAGIC, 1, len(payload), hashlib.sha256(payload).digest()) + payload
