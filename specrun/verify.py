@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from specrun.sampling import sample
+from specrun.tree import TokenTree
 
 
 @dataclass(frozen=True)
@@ -67,18 +68,20 @@ def _accept_one(
 ) -> tuple[bool, np.ndarray]:
     """Accept ``token`` or reject it; on rejection also return the residual to sample from."""
     p_target_x = p_target_row[token]
+    # Accept with probability min(1, p_target(x) / p_draft(x)); one-hot p_draft(x) = 1.
+    if rng.random() * (1.0 if p_draft_row is None else p_draft_row[token]) < p_target_x:
+        return True, p_target_row
+    return False, _residual(token, p_target_row, p_draft_row)
+
+
+def _residual(token: int, p_target_row: np.ndarray, p_draft_row: np.ndarray | None) -> np.ndarray:
+    """norm(max(0, p_target - p_draft)): p_target without ``token`` for a one-hot proposal."""
     if p_draft_row is None:
-        # One-hot proposal: accept with p_target(x); else sample p_target without x.
-        if rng.random() < p_target_x:
-            return True, p_target_row
         residual = p_target_row.copy()
         residual[token] = 0.0
     else:
-        # Accept with probability min(1, p_target(x) / p_draft(x)).
-        if rng.random() * p_draft_row[token] < p_target_x:
-            return True, p_target_row
         residual = np.maximum(p_target_row - p_draft_row, 0.0)
-    return False, _normalised(residual, p_target_row)
+    return _normalised(residual, p_target_row)
 
 
 def _normalised(residual: np.ndarray, fallback: np.ndarray) -> np.ndarray:
@@ -90,3 +93,77 @@ def _normalised(residual: np.ndarray, fallback: np.ndarray) -> np.ndarray:
 def acceptance_probability(p_target: np.ndarray, p_draft: np.ndarray) -> float:
     """Expected per-token acceptance of rejection sampling: sum(min(p_target, p_draft))."""
     return float(np.minimum(p_target, p_draft).sum())
+
+
+# ---- trees -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TreeVerdict:
+    """The outcome of verifying a tree: the accepted ``path`` (node indices from the root
+    down), then ``next_token``. On a chain-shaped tree the path is range(n_accepted)."""
+
+    path: tuple[int, ...]
+    next_token: int
+
+    @property
+    def n_accepted(self) -> int:
+        return len(self.path)
+
+
+def verify_tree_greedy(tree: TokenTree, target_argmax: Sequence[int]) -> TreeVerdict:
+    """Temperature 0 on a tree: follow the children equal to the target's argmax; the deepest
+    such path wins (the first in index order among equally deep ones).
+
+    target_argmax: (1 + n,), row 0 after the root, row 1 + i after node i.
+    """
+    argmax = np.asarray(target_argmax)
+    # reach[i]: accepted nodes below node i on its best path; nodes go children-first backwards.
+    reach = [0] * len(tree)
+    best_child = [-1] * (len(tree) + 1)  # by node + 1; -1: no child accepted
+    for node in range(len(tree) - 1, -2, -1):
+        best = 0
+        for child in tree.children_of(node):
+            if tree.tokens[child] == argmax[node + 1] and 1 + reach[child] > best:
+                best, best_child[node + 1] = 1 + reach[child], child
+        if node >= 0:
+            reach[node] = best
+    path, node = [], best_child[0]
+    while node >= 0:
+        path.append(node)
+        node = best_child[node + 1]
+    return TreeVerdict(tuple(path), int(argmax[path[-1] + 1 if path else 0]))
+
+
+def verify_tree_sampled(
+    tree: TokenTree,
+    p_target: np.ndarray,
+    p_draft: Sequence[np.ndarray | None],
+    rng: np.random.Generator,
+) -> TreeVerdict:
+    """Temperature > 0 on a tree: multi-round rejection sampling over siblings (SpecInfer).
+
+    At each accepted node the children are tried in index order: child x is accepted
+    with probability min(1, p(x) / p_draft(x)), where p starts as the target's row;
+    after a rejection p becomes norm(max(0, p - p_draft)) for the next sibling. When
+    every child is rejected the next token is sampled from what p is left.
+    p_target: (1 + n, vocab), row 0 after the root, row 1 + i after node i.
+    p_draft: n entries: the (vocab,) distribution node i's token was drawn from given
+    its earlier siblings (the same row for siblings drawn independently; that row with
+    the earlier siblings removed, renormalised, for siblings drawn without
+    replacement), or None for a deterministic node (one-hot at its token).
+    The emitted tokens are distributed exactly as the target's own samples; on a
+    chain-shaped tree this draws the same random numbers as ``verify_sampled``.
+    """
+    path: list[int] = []
+    node = -1
+    while True:
+        p_row = p_target[node + 1]  # (vocab,)
+        for child in tree.children_of(node):
+            accepted, p_row = _accept_one(tree.tokens[child], p_row, p_draft[child], rng)
+            if accepted:
+                path.append(child)
+                node = child
+                break
+        else:
+            return TreeVerdict(tuple(path), sample(p_row, rng))
