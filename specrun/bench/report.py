@@ -20,6 +20,7 @@ from specrun.bench.figures import (
 from specrun.bench.runner import BenchResult
 from specrun.bench.svg import Series, bar_chart, colors, line_chart
 from specrun.bench.tables import COLUMNS, footnotes, row_cells
+from specrun.fileio import write_atomically
 
 STYLE = """
 body { font-family: system-ui, -apple-system, "Segoe UI", sans-serif; margin: 2rem auto; max-width: 960px;
@@ -37,8 +38,8 @@ svg .chart-title { font-size: 15px; font-weight: bold; }
 
 
 def write_html_report(result: BenchResult, path: Path) -> None:
-    """Write the report to ``path``."""
-    path.write_text(html_report(result), encoding="utf-8")
+    """Write the report to ``path`` (atomically: a full disk leaves the old file, not half a report)."""
+    write_atomically(path, html_report(result), "report")
 
 
 def html_report(result: BenchResult) -> str:

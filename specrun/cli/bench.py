@@ -29,6 +29,7 @@ from specrun.cli.common import (
     cli_errors,
 )
 from specrun.errors import UsageError
+from specrun.fileio import check_writable_folder, write_atomically
 
 MAX_REPEAT = 100
 PIPE_WIDTH = 120
@@ -205,13 +206,14 @@ def parse_draft_lens(draft_len: int | None, sweep: str | None) -> tuple[int, ...
 
 
 def check_writable(path: Path | None, option: str) -> None:
-    """Refuse an output path whose folder does not exist before spending minutes on the bench."""
+    """Refuse an output path that could not be written before spending minutes on the bench."""
     if path is None or str(path) == "-":
         return
     if path.is_dir():
         raise UsageError(f"{option} {path} is a folder", f"give a file name for {option}")
     if not path.parent.is_dir():
         raise UsageError(f"{option}: the folder {path.parent} does not exist", "create it or pick another path")
+    check_writable_folder(path, f"{option} file")
 
 
 def choose_prompts(suite: str | None, prompts_file: Path | None, categories: str | None, per_category: int | None):
@@ -267,7 +269,7 @@ def run_and_show(config, prompts, json_out: Path | None, report_out: Path | None
         if json_to_stdout:
             sys.stdout.write(document + "\n")
         else:
-            json_out.write_text(document + "\n", encoding="utf-8")
+            write_atomically(json_out, document + "\n", "--json file")
             err.print(f"wrote {json_out}")
     if report_out is not None:
         write_html_report(result, report_out)

@@ -28,6 +28,7 @@ from specrun.engine.loop import GenerationParams, SpeculativeEngine
 from specrun.errors import SpecrunError
 from specrun.drafters.methods import DrafterOptions, build_drafter
 from specrun.engine.stats import Stats
+from specrun.fileio import write_atomically
 
 TUNE_VERSION = 2
 READABLE_VERSIONS = (1, 2)  # version 1 lacks the draft costs: its runs start from the target's costs only
@@ -266,11 +267,7 @@ def save(result: TuneResult, path: Path | None = None) -> Path:
     path = path or config_path()
     stored = _read_all(path)
     stored[result.key] = asdict(result)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"version": TUNE_VERSION, "pairs": stored}, indent=2))
-    os.replace(tmp, path)
-    return path
+    return write_atomically(path, json.dumps({"version": TUNE_VERSION, "pairs": stored}, indent=2), "tuned settings")
 
 
 def load(key: str, path: Path | None = None) -> TuneResult | None:

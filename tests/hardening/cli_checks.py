@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import resource
 import subprocess
 import sys
 from pathlib import Path
@@ -22,11 +23,20 @@ def invoke(*args: str, input: str | bytes | None = None, env: dict | None = None
     return runner.invoke(app, list(args), input=input, env=env)
 
 
-def run_specrun(*args: str, input: bytes | None = None, env: dict | None = None, timeout: float = 120):
-    """specrun in a process of its own (signals, pipes and stdin bytes need a real one)."""
+def run_specrun(
+    *args: str, input: bytes | None = None, env: dict | None = None, timeout: float = 120,
+    max_file_bytes: int | None = None,
+):
+    """specrun in a process of its own (signals, pipes and stdin bytes need a real one).
+    ``max_file_bytes``: writes past this size fail (EFBIG) as they would on a full disk."""
     full_env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
+
+    def limit_file_size():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (max_file_bytes, max_file_bytes))
+
     return subprocess.run(
-        [sys.executable, "-m", "specrun", *args], input=input, capture_output=True, env=full_env, timeout=timeout
+        [sys.executable, "-m", "specrun", *args], input=input, capture_output=True, env=full_env, timeout=timeout,
+        preexec_fn=limit_file_size if max_file_bytes is not None else None,
     )
 
 

@@ -1,0 +1,105 @@
+"""Issue 32, item 4: no half-written file on a full disk, and an error that names the file.
+
+Every file specrun writes goes through specrun.fileio.write_atomically: a temporary file
+in the same folder, renamed over the target only once it is complete.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import stat
+
+import pytest
+
+from cli_checks import assert_one_line_error, run_specrun
+from specrun.drafters.ngram import NgramPoolDrafter
+from specrun.errors import FileAccessError
+from specrun.fileio import write_atomically
+from specrun.sessions import tuning
+
+OLD = "the previous contents\n"
+
+
+@pytest.fixture(scope="module")
+def llama_model(tiny_llama) -> str:
+    pytest.importorskip("llama_cpp", reason="the llama backend (llama-cpp-python) is not installed")
+    return str(tiny_llama.gguf_path)
+
+
+@pytest.mark.parametrize("option, name", [("--json", "bench.json"), ("--report", "bench.html")])
+def test_bench_outputs_on_a_full_disk_keep_the_old_file(llama_model, tmp_path, option, name):
+    out = tmp_path / name
+    out.write_text(OLD)
+    result = run_specrun(
+        "bench", "-t", llama_model, "-d", llama_model, "--methods", "none", "--categories", "chat",
+        "--per-category", "1", "-n", "4", option, str(out), max_file_bytes=1024,
+    )
+    errors = [line for line in result.stderr.decode().splitlines() if line.startswith("error")]
+    assert result.returncode == 1, result.stderr.decode()
+    assert_one_line_error(result.returncode, errors[0], 1, str(out), "File too large")
+    assert "Traceback" not in result.stderr.decode()
+    assert out.read_text() == OLD
+    assert os.listdir(tmp_path) == [name]  # no temporary file left
+
+
+def tune_result(key: str) -> tuning.TuneResult:
+    return tuning.TuneResult(key, "target.gguf", "draft.gguf", "machine", 3, 1.4, {"none": 10.0, "draft k=3": 14.0})
+
+
+@pytest.mark.parametrize("saved", ["tuned.json", "learned.json"])
+def test_tune_on_a_full_disk_leaves_no_temporary_file(tmp_path, monkeypatch, saved):
+    path = tmp_path / saved
+    tuning.save(tune_result("pair-a"), path)
+    before = path.read_bytes()
+
+    def disk_full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", disk_full)
+    with pytest.raises(FileAccessError) as caught:
+        tuning.save(tune_result("pair-b"), path)
+    assert str(path) in caught.value.one_line() and "No space left" in caught.value.one_line()
+    assert "free some disk space" in caught.value.fix
+    assert path.read_bytes() == before
+    assert os.listdir(tmp_path) == [saved]
+
+
+def test_a_symlinked_ngram_cache_is_written_through_and_keeps_its_mode(tmp_path):
+    """Item 11: a symlinked --ngram-cache (kept elsewhere) is written through, not replaced by a file."""
+    real = tmp_path / "store" / "pool.ngram"
+    real.parent.mkdir()
+    pool = NgramPoolDrafter(vocabulary="v")
+    pool.finish([1, 2, 3, 1, 2, 3])
+    pool.save(real)
+    os.chmod(real, 0o640)
+    link = tmp_path / "pool.ngram"
+    link.symlink_to(real)
+    pool.finish([1, 2, 3, 1, 2, 3, 4, 5])
+    pool.save(link)
+    assert link.is_symlink()
+    reloaded = NgramPoolDrafter.open(real, vocabulary="v")
+    assert reloaded.followers([4]) == {5: 1}
+    assert stat.S_IMODE(real.stat().st_mode) == 0o640
+    assert sorted(os.listdir(real.parent)) == ["pool.ngram"]
+
+
+def test_atomic_write_names_the_file_when_the_folder_cannot_be_written(tmp_path):
+    folder = tmp_path / "locked"
+    folder.mkdir()
+    os.chmod(folder, 0o500)
+    try:
+        if os.access(folder, os.W_OK):
+            pytest.skip("running as a user who can write anywhere")
+        with pytest.raises(FileAccessError, match="cannot write the report") as caught:
+            write_atomically(folder / "r.html", "x", "report")
+        assert str(folder / "r.html") in caught.value.one_line() and caught.value.fix
+    finally:
+        os.chmod(folder, 0o700)
+
+
+def test_tuned_file_written_by_save_reads_back(tmp_path):
+    path = tuning.save(tune_result("pair-a"), tmp_path / "tuned.json")
+    assert json.loads(path.read_text())["pairs"]["pair-a"]["best_draft_len"] == 3
+    assert tuning.load("pair-a", path) == tune_result("pair-a")
