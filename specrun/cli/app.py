@@ -44,6 +44,7 @@ from specrun.cli.common import (
     read_prompt,
 )
 from specrun.cli.models import models_app
+from specrun.cli.serve import serve_command
 from specrun.cli.tune import tune
 from specrun.drafters.methods import check_method
 
@@ -159,6 +160,7 @@ def _write_stdout(text: str) -> None:
 app.command("bench")(bench)
 app.command("chat")(chat_command)
 app.add_typer(models_app, name="models")
+app.command("serve")(serve_command)
 app.command("tune")(tune)
 
 

@@ -182,20 +182,15 @@ class ChatSession:
         reused = min(common_prefix_len(self.engine.target.tokens, prompt_ids), len(prompt_ids) - 1)
         decoder = _SpanDecoder(self.target)
         result: GenerationResult | None = None
-        params = dataclasses.replace(
-            params, draft_len=self.draft_len, adaptive=adapts_length(self.method, self._draft_len)
-        )
-        stream = self.engine.stream(prompt_ids, params)
+        stream = self.stream(prompt_ids, params)
         try:
             for event in stream:
                 if isinstance(event, TextChunk):
                     yield from decoder.spans(event)
                 elif isinstance(event, Finished):
                     result = event.result
-        except BaseException:
-            stream.close()  # the engine rewinds in its finally (a no-op if the error came from inside it)
-            self._repair_caches()
-            raise
+        finally:
+            stream.close()  # an interrupted answer: the stream repairs the caches as it closes
         yield from decoder.flush()
         if result.finish_reason == "context":
             yield ContextFullNotice(
@@ -205,6 +200,22 @@ class ChatSession:
         self._record(messages, prompt_text, prompt_ids, result)
         self.answers.append(result.stats)
         yield AnswerDone(result.text, result.finish_reason, result.stats, len(prompt_ids), reused)
+
+    def stream(self, prompt_ids: list[int], params: GenerationParams) -> Iterator[TextChunk | Finished]:
+        """The engine's events for ``prompt_ids`` at the session's draft settings, the
+        transcript untouched (``ask`` and a server's requests). Closed early (Ctrl-C, a stop
+        string, a client gone) or failing, it leaves both caches exact: a prefix of prompt +
+        output, which the next prompt reuses as far as it matches."""
+        params = dataclasses.replace(
+            params, draft_len=self.draft_len, adaptive=adapts_length(self.method, self._draft_len)
+        )
+        stream = self.engine.stream(prompt_ids, params)
+        try:
+            yield from stream
+        except BaseException:
+            stream.close()  # the engine rewinds in its finally (a no-op if the error came from inside it)
+            self._repair_caches()
+            raise
 
     def reset(self) -> None:
         """Forget the conversation (the system prompt stays) and empty both caches."""
@@ -270,9 +281,8 @@ class ChatSession:
         sequence_for(self.target).repair()
         if self.draft is not None:
             sequence_for(self.draft).repair()
-        recover = getattr(self.engine.drafter, "recover", None)
-        if recover is not None:
-            recover()
+        if self.engine.drafter is not None:
+            self.engine.drafter.recover()
 
     # ---- speculation ----------------------------------------------------------------
     @property

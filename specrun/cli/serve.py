@@ -1,0 +1,111 @@
+"""``specrun serve``: the loaded pair behind an OpenAI-compatible HTTP API (sessions/serve.py)."""
+
+from __future__ import annotations
+
+import sys
+from typing import Annotated, Optional
+
+import typer
+
+from specrun.cli.common import (
+    BackendOpt,
+    CtxOpt,
+    DraftLenOpt,
+    DraftMinProbOpt,
+    DraftOpt,
+    ExactOpt,
+    GpuLayersOpt,
+    KvTypeOpt,
+    MethodOpt,
+    MinPOpt,
+    NgramCacheOpt,
+    RegistryOpt,
+    TargetOpt,
+    TempOpt,
+    ThreadsOpt,
+    TopKOpt,
+    TopPOpt,
+    check_generation_options,
+    check_kv_type,
+    check_range,
+    checked_sampling,
+    cli_errors,
+)
+
+HostOpt = Annotated[
+    str, typer.Option("--host", help="Address to listen on; anything but loopback needs --api-key to be safe.")
+]
+PortOpt = Annotated[int, typer.Option("--port", help="TCP port (0: any free port, printed at start).")]
+ApiKeyOpt = Annotated[
+    Optional[str],
+    typer.Option("--api-key", envvar="SPECRUN_API_KEY",
+                 help="Require 'Authorization: Bearer KEY' on /v1 requests (or set SPECRUN_API_KEY)."),
+]
+MaxBodyOpt = Annotated[int, typer.Option("--max-body", help="Largest request body in bytes (larger: 413).")]
+MaxQueueOpt = Annotated[int, typer.Option("--max-queue", help="Requests that may wait (more: 503).")]
+ServedMaxTokensOpt = Annotated[
+    int, typer.Option("--max-tokens", "-n", help="New tokens for a request that sets no max_tokens.")
+]
+
+
+def serve_command(
+    target: TargetOpt = None,
+    draft: DraftOpt = None,
+    backend: BackendOpt = "auto",
+    method: MethodOpt = "auto",
+    host: HostOpt = "127.0.0.1",
+    port: PortOpt = 8080,
+    api_key: ApiKeyOpt = None,
+    max_tokens: ServedMaxTokensOpt = 512,
+    temp: TempOpt = 0.0,
+    top_k: TopKOpt = 0,
+    top_p: TopPOpt = 1.0,
+    min_p: MinPOpt = 0.0,
+    draft_len: DraftLenOpt = None,
+    draft_min_prob: DraftMinProbOpt = None,
+    ctx: CtxOpt = None,
+    threads: ThreadsOpt = None,
+    gpu_layers: GpuLayersOpt = None,
+    kv_type: KvTypeOpt = None,
+    exact: ExactOpt = False,
+    registry: RegistryOpt = None,
+    ngram_cache: NgramCacheOpt = None,
+    max_body: MaxBodyOpt = 4 * 1024 * 1024,
+    max_queue: MaxQueueOpt = 64,
+) -> None:
+    """Serve the pair over an OpenAI-compatible API (/v1/chat/completions, /v1/completions,
+    /v1/models, /health) until Ctrl-C. --temp, --top-k, --top-p, --min-p and -n are the defaults
+    of requests that do not set them."""
+    with cli_errors():
+        from specrun.drafters.methods import check_method, needs_draft_model
+        from specrun.registry.loading import LoadOptions, choose_pair
+        from specrun.sessions.serve import HttpOptions, PairOptions, ServeDefaults, is_loopback, serve
+
+        check_method(method)
+        check_generation_options(max_tokens, draft_len, draft_min_prob, ctx, threads)
+        check_kv_type(kv_type, exact)
+        check_range("--port", port, 0, 65535)
+        check_range("--max-body", max_body, 1024, 1 << 34)
+        check_range("--max-queue", max_queue, 1, 1 << 20)
+        sampling = checked_sampling("serve", temp, top_k, top_p, min_p, None)
+        if not is_loopback(host) and api_key is None:
+            typer.echo(f"warning: --host {host} lets anyone who can reach this machine use the server, which has "
+                       "no authentication; set --api-key (or SPECRUN_API_KEY) to require a key", err=True)
+        target, draft = choose_pair(target, draft, registry)
+        pair = PairOptions(
+            target=target,
+            draft=draft if needs_draft_model(method) else None,
+            method=method,
+            load=LoadOptions(backend=backend, n_ctx=ctx, threads=threads, gpu_layers=gpu_layers,
+                             registry=registry, kv_type=kv_type, exact=exact),
+            draft_len=draft_len,
+            draft_min_prob=draft_min_prob,
+            ngram_cache=ngram_cache,
+        )
+        http = HttpOptions(host=host, port=port, api_key=api_key, max_body_bytes=max_body,
+                           max_queue=max_queue, model_names=(target,))
+        serve(pair, http, ServeDefaults(max_tokens, sampling), log=_log)
+
+
+def _log(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
