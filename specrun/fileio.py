@@ -22,21 +22,23 @@ _READ_CHUNK = MiB
 
 
 def write_atomically(
-    path: Path, data: bytes | str, what: str = "file", fix: str = "", error: type[SpecrunError] = FileAccessError
+    path: Path,
+    data: bytes | str,
+    what: str = "file",
+    instead: str = "choose another path",
+    error: type[SpecrunError] = FileAccessError,
 ) -> Path:
     """Write ``data`` to ``path`` through a temporary file beside it, then rename it into place.
 
     A symlink at ``path`` is kept: its target is replaced. An existing file keeps its
-    permissions; a new one gets the umask's. Raises ``error`` naming ``what`` and the path
-    (and ``fix``, else advice that fits the failure); nothing is left behind.
+    permissions; a new one gets the umask's. Raises ``error`` naming ``what``, the path
+    and a fix that fits the failure (ending in ``instead``); nothing is left behind.
     """
-    path = Path(path)
-    if path.is_symlink():
-        path = Path(os.path.realpath(path))
+    path = _through_symlink(path)
     payload = data.encode("utf-8") if isinstance(data, str) else data
     temporary: Path | None = None
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
+        _make_folder(path, what, instead, error)
         handle, temporary = _create_beside(path)
         with os.fdopen(handle, "wb") as stream:
             stream.write(payload)
@@ -46,11 +48,43 @@ def write_atomically(
             os.chmod(temporary, stat.S_IMODE(path.stat().st_mode))
         os.replace(temporary, path)
     except OSError as exc:
-        raise error(f"cannot write the {what} {path}: {exc.strerror or exc}", fix or _write_fix(exc)) from exc
+        raise _write_error(path, what, instead, error, exc) from exc
     finally:
         if temporary is not None and temporary.exists():
             temporary.unlink(missing_ok=True)
     return path
+
+
+def check_writable_folder(
+    path: Path, what: str = "file", instead: str = "choose another path", error: type[SpecrunError] = FileAccessError
+) -> None:
+    """Fail now, not after a long run, when ``path`` could not be written: it is no folder,
+    and its folder (created if missing) accepts a new file."""
+    path = _through_symlink(path)
+    if path.is_dir():
+        raise error(f"the {what} {path} is a folder", f"name a file, or {instead}")
+    try:
+        _make_folder(path, what, instead, error)
+        handle, temporary = _create_beside(path)
+        os.close(handle)
+        temporary.unlink()
+    except OSError as exc:
+        raise _write_error(path, what, instead, error, exc) from exc
+
+
+def _through_symlink(path: Path) -> Path:
+    path = Path(path)
+    return Path(os.path.realpath(path)) if path.is_symlink() else path
+
+
+def _make_folder(path: Path, what: str, instead: str, error: type[SpecrunError]) -> None:
+    """Create ``path``'s folder, or say which part of it is a file."""
+    for ancestor in path.parents:
+        if ancestor.exists():
+            if not ancestor.is_dir():
+                raise error(f"cannot write the {what} {path}: {ancestor} is not a folder", instead)
+            break
+    path.parent.mkdir(parents=True, exist_ok=True)
 
 
 def _create_beside(path: Path) -> tuple[int, Path]:
@@ -63,27 +97,12 @@ def _create_beside(path: Path) -> tuple[int, Path]:
             continue
 
 
-def _write_fix(exc: OSError) -> str:
-    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-        return "free some disk space, or write to another disk"
-    return "check that the folder exists and is writable, or choose another path"
-
-
-def check_writable_folder(path: Path, what: str = "file", fix: str = "") -> None:
-    """Fail now, not after a long run, when ``path`` could not be written: its folder
-    (created if missing) must accept a new file."""
-    path = Path(path)
-    if path.is_symlink():
-        path = Path(os.path.realpath(path))
-    if path.is_dir():
-        raise FileAccessError(f"the {what} {path} is a folder", fix or "name a file, not a folder")
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        handle, temporary = _create_beside(path)
-        os.close(handle)
-        temporary.unlink()
-    except OSError as exc:
-        raise FileAccessError(f"cannot write the {what} {path}: {exc.strerror or exc}", fix or _write_fix(exc)) from exc
+def _write_error(path: Path, what: str, instead: str, error: type[SpecrunError], exc: OSError) -> SpecrunError:
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+        advice = "free some disk space"
+    else:
+        advice = "check that its folder is writable"
+    return error(f"cannot write the {what} {path}: {exc.strerror or exc}", f"{advice}, or {instead}")
 
 
 def read_limited(

@@ -45,7 +45,7 @@ from specrun.backends.base import Backend
 from specrun.drafters.base import EMPTY_PROPOSAL, Proposal
 from specrun.drafters.lookup import ContextMirror
 from specrun.errors import SpecrunError
-from specrun.fileio import MiB, read_limited, write_atomically
+from specrun.fileio import MiB, check_writable_folder, read_limited, write_atomically
 from specrun.sampling import SamplingSettings
 
 MAGIC = b"SPECRUN NGRAM\0\0\0"
@@ -62,6 +62,7 @@ DEFAULT_MIN_SHARE = 0.5
 DEFAULT_UNIGRAM_MIN_COUNT = 2
 
 CACHE_FIX = "delete it or pass another --ngram-cache"
+OTHER_CACHE = "pass another --ngram-cache"
 # The largest file read: a full pool (DEFAULT_MAX_CONTEXTS) takes about 20 MB.
 MAX_CACHE_BYTES = 256 * MiB
 # Counts grow by one a sighting; anything near float range is forged (and would overflow
@@ -148,10 +149,15 @@ class NgramPoolDrafter:
 
     @classmethod
     def open(cls, cache_path: Path, **settings) -> NgramPoolDrafter:
-        """A pool that is saved to ``cache_path`` on close, loaded from it first if it exists."""
+        """A pool that is saved to ``cache_path`` on close, loaded from it first if it exists.
+
+        Where the file could not be saved, this fails now, before a run whose answer the
+        failed save would otherwise cost.
+        """
         pool = cls(cache_path=cache_path, **settings)
         if pool.cache_path.exists():
             pool.load(pool.cache_path)
+        check_writable_folder(pool.cache_path, "n-gram cache", OTHER_CACHE, NgramCacheError)
         return pool
 
     @property
@@ -267,7 +273,7 @@ class NgramPoolDrafter:
             separators=(",", ":"),
         ).encode("utf-8")
         header = HEADER.pack(MAGIC, FORMAT_VERSION, len(payload), hashlib.sha256(payload).digest())
-        write_atomically(target, header + payload, "n-gram cache", error=NgramCacheError)
+        write_atomically(target, header + payload, "n-gram cache", OTHER_CACHE, NgramCacheError)
         self._dirty = False
         return target
 

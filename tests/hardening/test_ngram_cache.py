@@ -134,3 +134,23 @@ def test_poisoned_cache_is_refused_and_never_written_back(llama_pair, tmp_path):
     assert_one_line_error(result.exit_code, result.stderr, 1, str(cache), "token id 100000")
     assert result.stdout == ""
     assert cache.read_bytes() == poisoned  # not rewritten
+
+
+def test_an_unwritable_cache_is_refused_before_generating(tmp_path):
+    """Item 6: the folder is checked when the pool is opened, not when it is saved after the run
+    (which lost a --json answer). A regular file as the parent folder fails even for root."""
+    blocker = tmp_path / "not-a-folder"
+    blocker.write_text("")
+    cache = blocker / "pool.ngram"
+    with pytest.raises(NgramCacheError, match="cannot write the n-gram cache") as caught:
+        NgramPoolDrafter.open(cache, vocabulary="v")
+    assert str(cache) in caught.value.one_line() and caught.value.fix
+
+
+def test_generate_json_with_an_unwritable_cache_fails_in_one_line(llama_pair, tmp_path):
+    blocker = tmp_path / "not-a-folder"
+    blocker.write_text("")
+    cache = blocker / "pool.ngram"
+    result = invoke("generate", "def f():\n", *llama_pair, "-n", "8", "-m", "ngram", "--json", "--ngram-cache", str(cache))
+    assert_one_line_error(result.exit_code, result.stderr, 1, str(cache), "--ngram-cache")
+    assert result.stdout == ""
