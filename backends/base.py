@@ -8,6 +8,8 @@ from typing import Protocol, runtime_checkable
 
 import numpy as np
 
+from specrun.tree import TokenTree
+
 
 @dataclass(frozen=True)
 class VocabInfo:
@@ -19,6 +21,49 @@ class VocabInfo:
     add_bos: bool
 
 
+@dataclass(frozen=True)
+class TreeSupport:
+    """Whether a backend verifies a token tree in one pass (``forward_tree``), and if not why.
+
+    reason: one line for the user where trees are not available (chains are used instead).
+    max_paths: the most root-to-leaf paths one tree may have (0: no limit).
+    """
+
+    available: bool
+    reason: str = ""
+    max_paths: int = 0
+
+    def check(self, tree: TokenTree) -> None:
+        """Raise ValueError if this backend cannot take ``tree`` in one pass."""
+        if not self.available:
+            raise ValueError(f"this backend cannot verify trees: {self.reason}")
+        if self.max_paths and len(tree.paths) > self.max_paths:
+            raise ValueError(f"the tree has {len(tree.paths)} paths; this backend holds at most {self.max_paths}")
+
+
+CHAINS_ONLY = TreeSupport(False, "the backend verifies chains only")
+
+
+@dataclass(frozen=True)
+class HeldTree:
+    """A tree a backend holds after ``forward_tree``, its nodes following ``n_past`` cached tokens."""
+
+    n_past: int
+    tree: TokenTree
+
+
+def held_tree_for(held: HeldTree | None, n_past: int, path: Sequence[int]) -> TokenTree:
+    """The held tree that ``path`` may be committed from, or a ValueError saying why not.
+
+    Anything that moves the cache between ``forward_tree`` and ``keep_path`` drops the tree.
+    """
+    if held is None or held.n_past != n_past:
+        raise ValueError("keep_path needs the tree of the last forward_tree, with the cache unmoved since")
+    if not held.tree.is_path(path):
+        raise ValueError(f"{list(path)} is not a root-to-node path of the held tree")
+    return held.tree
+
+
 @runtime_checkable
 class Backend(Protocol):
     """One loaded model with a KV cache holding ``n_past`` tokens.
@@ -26,11 +71,18 @@ class Backend(Protocol):
     ``forward`` appends ``tokens`` to the cache at positions n_past … n_past+len-1 and
     returns logits only for the rows asked for (indices into ``tokens``), never for
     the whole context. ``rewind(n_keep)`` drops every cached token from n_keep on.
+
+    Trees (a declared capability, ``tree_support``): ``forward_tree`` appends ``tokens``
+    like ``forward`` and then holds the nodes of a TokenTree provisionally, each at
+    position n_past + depth and attending to the context and its own ancestors only;
+    ``keep_path`` then commits one root-to-node path and drops the other nodes. Until it
+    does, ``n_past`` counts only the committed tokens, and ``rewind`` drops the tree.
     """
 
     name: str
     vocab: VocabInfo
     n_ctx: int
+    tree_support: TreeSupport
 
     @property
     def n_past(self) -> int: ...
@@ -70,5 +122,17 @@ class Backend(Protocol):
         ...
 
     def rewind(self, n_keep: int) -> None: ...
+
+    def forward_tree(self, tokens: Sequence[int], tree: TokenTree, logit_rows: Sequence[int]) -> np.ndarray:
+        """Append ``tokens``, then hold ``tree``'s nodes after them; float32 logits
+        (len(logit_rows), vocab) at rows indexing ``tokens`` followed by the nodes: row
+        len(tokens) - 1 is the root's, row len(tokens) + i node i's. On a chain-shaped tree
+        this returns what ``forward(tokens + tree.tokens, logit_rows)`` would."""
+        ...
+
+    def keep_path(self, path: Sequence[int]) -> None:
+        """Commit the held tree's nodes ``path`` (root-to-node, e.g. a TreeVerdict's path) to the
+        cache after the tokens of ``forward_tree``, and drop every other node."""
+        ...
 
     def close(self) -> None: ...

@@ -10,7 +10,8 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from specrun.backends.base import VocabInfo
+from specrun.backends.base import HeldTree, TreeSupport, VocabInfo, held_tree_for
+from specrun.tree import TokenTree
 
 LogitTable = Callable[[tuple[int, ...]], np.ndarray]
 
@@ -19,6 +20,7 @@ class FakeBackend:
     """A model whose next-token logits are ``table(context)``; the cache is a token list."""
 
     name = "fake"
+    tree_support = TreeSupport(True)  # the reference every real backend's trees are compared with
 
     def __init__(
         self,
@@ -35,6 +37,7 @@ class FakeBackend:
         self.cache: list[int] = []
         self.forward_calls = 0
         self.forwarded_tokens = 0
+        self._held_tree: HeldTree | None = None
 
     @property
     def n_past(self) -> int:
@@ -75,5 +78,29 @@ class FakeBackend:
     def rewind(self, n_keep: int) -> None:
         del self.cache[n_keep:]
 
+    def forward_tree(self, tokens: Sequence[int], tree: TokenTree, logit_rows: Sequence[int]) -> np.ndarray:
+        self.tree_support.check(tree)
+        if self.n_past + len(tokens) + tree.max_depth > self.n_ctx:
+            raise ValueError("fake backend context overflow")
+        self.cache.extend(int(t) for t in tokens)
+        self.forward_calls += 1
+        self.forwarded_tokens += len(tokens) + len(tree)
+        self._held_tree = HeldTree(self.n_past, tree)
+        start = self.n_past - len(tokens)
+        rows = []
+        for row in logit_rows:
+            if row < len(tokens):
+                context = tuple(self.cache[: start + row + 1])
+            else:  # a node sees the context and its own ancestors
+                context = (*self.cache, *(tree.tokens[i] for i in tree.path_to(row - len(tokens))))
+            rows.append(np.asarray(self.table(context), dtype=np.float32))
+        return np.stack(rows) if rows else np.zeros((0, self.vocab.size), np.float32)
+
+    def keep_path(self, path: Sequence[int]) -> None:
+        tree = held_tree_for(self._held_tree, self.n_past, path)
+        self._held_tree = None
+        self.cache.extend(tree.tokens[node] for node in path)
+
     def close(self) -> None:
         self.cache.clear()
+

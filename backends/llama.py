@@ -16,12 +16,16 @@ from pathlib import Path
 
 import numpy as np
 
-from specrun.backends.base import VocabInfo
+from specrun.backends.base import HeldTree, TreeSupport, VocabInfo, held_tree_for
 from specrun.errors import BackendUnavailableError, ContextFullError, ModelFileError
+from specrun.tree import TokenTree
 
 GGUF_MAGIC = b"GGUF"
 _SEQ = 0  # the one sequence id this backend uses
 DEFAULT_CTX = 4096
+# Root-to-leaf paths one tree pass may hold: one sequence id each, after sequence 0 (llama.cpp
+# aborts on very large n_seq_max, and every sequence id costs bookkeeping in each batch).
+MAX_TREE_PATHS = 64
 
 
 def _import_llama_cpp():
@@ -108,6 +112,21 @@ def quantize_gguf(source: Path, dest: Path, dtype: str) -> None:
 KV_TYPES = {"f16": 1, "f32": 0}
 
 
+def _tree_context_params(ctx_params, tree_paths: int) -> int:
+    """Ready the context for trees of up to ``tree_paths`` root-to-leaf paths (0: chains only).
+
+    A tree needs a unified KV cache (llama.cpp refuses tokens of coupled sequences
+    without one) and a sequence id per path besides sequence 0; a chains-only context
+    keeps llama.cpp's single-sequence defaults.
+    """
+    if not 0 <= tree_paths <= MAX_TREE_PATHS:
+        raise ValueError(f"tree_paths must be between 0 and {MAX_TREE_PATHS}, got {tree_paths}")
+    if tree_paths:
+        ctx_params.kv_unified = True
+        ctx_params.n_seq_max = 1 + tree_paths
+    return tree_paths
+
+
 class LlamaCppBackend:
     """One GGUF model and one llama.cpp context (KV cache) for a single sequence.
 
@@ -115,6 +134,8 @@ class LlamaCppBackend:
     it: as fast as llama.cpp's own tools); False turns it off. On a CPU flash attention
     makes logits depend on the batch shape (measured: top-2 flips at gaps of 0.0018),
     so verified tokens can differ from plain decoding's at near-ties.
+    tree_paths: the most root-to-leaf paths a token tree may have (``forward_tree``); 0, the
+    default, creates a chains-only context as before.
     kv_type: the KV cache's element type, "f16" (llama.cpp's default) or "f32". Keys and
     values written by a multi-token verify pass round differently in F16 than those
     written one token at a time (measured: a greedy flip at a top-2 gap of 0.0043 with
@@ -134,6 +155,7 @@ class LlamaCppBackend:
         n_batch: int = 512,
         flash_attn: bool | None = None,
         kv_type: str = "f16",
+        tree_paths: int = 0,
     ) -> None:
         if kv_type not in KV_TYPES:
             raise ValueError(f"kv_type must be one of {sorted(KV_TYPES)}, got {kv_type!r}")
@@ -177,6 +199,7 @@ class LlamaCppBackend:
                 llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash_attn else llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
             )
         self.flash_attn = flash_attn
+        self._tree_paths = _tree_context_params(ctx_params, tree_paths)
         self._ctx = llama_cpp.llama_init_from_model(self._model, ctx_params)
         if not self._ctx:
             llama_cpp.llama_model_free(self._model)
@@ -186,6 +209,9 @@ class LlamaCppBackend:
             )
         self._memory = llama_cpp.llama_get_memory(self._ctx)
         self._batch = llama_cpp.llama_batch_init(n_batch, 0, 1)
+        # a node carries the sequence ids of every path through it
+        self._tree_batch = llama_cpp.llama_batch_init(n_batch, 0, self._tree_paths + 1) if self._tree_paths else None
+        self._held_tree: HeldTree | None = None
         self._n_past = 0
         self.n_vocab = llama_cpp.llama_vocab_n_tokens(self._vocab_p)
         self.vocab = self._read_vocab_info()
@@ -337,6 +363,79 @@ class LlamaCppBackend:
             )
         self._n_past = min(self._n_past, n_keep)
 
+    # ---- token trees -----------------------------------------------------------------
+    @property
+    def tree_support(self) -> TreeSupport:
+        if not self._tree_paths:
+            return TreeSupport(False, "this llama.cpp context was created for chains (tree_paths=0)")
+        return TreeSupport(True, max_paths=self._tree_paths)
+
+    def forward_tree(self, tokens: Sequence[int], tree: TokenTree, logit_rows: Sequence[int]) -> np.ndarray:
+        """One decode for ``tokens`` and the tree: path p is sequence 1 + p, a node carries the
+        ids of every path through it, so the KV mask shows each node the context and its
+        ancestors only (cells of other paths hold other sequence ids)."""
+        self.tree_support.check(tree)
+        tokens = [int(t) for t in tokens]
+        n_fed = len(tokens) + len(tree)
+        if n_fed > self.n_batch:
+            raise ValueError(f"a tree pass feeds {n_fed} tokens; this context's batch holds {self.n_batch}")
+        if self._n_past + n_fed > self.n_ctx:
+            raise ContextFullError(f"the context of {self.n_ctx} tokens is full", "shorten the prompt or raise --ctx")
+        lib, memory = self._lib, self._memory
+        self._drop_tree_cells()
+        n_paths = len(tree.paths)
+        for path in range(n_paths):  # every path sees the context: cells shared, not copied
+            lib.llama_memory_seq_cp(memory, _SEQ, 1 + path, 0, self._n_past)
+        self._fill_tree_batch(tokens, tree, set(logit_rows))
+        status = lib.llama_decode(self._ctx, self._tree_batch)
+        if status != 0:
+            self._drop_tree_cells()
+            lib.llama_memory_seq_rm(memory, _SEQ, self._n_past, -1)
+            raise ContextFullError(
+                f"llama.cpp decode of a {len(tree)}-node tree failed with status {status} at {self._n_past} "
+                "cached tokens",
+                "shorten the prompt or raise --ctx",
+            )
+        self._n_past += len(tokens)
+        self._held_tree = HeldTree(self._n_past, tree)
+        return self._output_logits(list(logit_rows)).copy()  # (n_rows, V)
+
+    def _fill_tree_batch(self, tokens: list[int], tree: TokenTree, wanted: set[int]) -> None:
+        batch, n_paths = self._tree_batch, len(tree.paths)
+        batch.n_tokens = len(tokens) + len(tree)
+        for i, token in enumerate(tokens):  # the committed sequence and every path
+            batch.token[i] = token
+            batch.pos[i] = self._n_past + i
+            batch.n_seq_id[i] = 1 + n_paths
+            for seq in range(1 + n_paths):
+                batch.seq_id[i][seq] = seq
+            batch.logits[i] = i in wanted
+        start = self._n_past + len(tokens)
+        for node in range(len(tree)):
+            i = len(tokens) + node
+            paths = np.flatnonzero(tree.path_mask[:, node]).tolist()
+            batch.token[i] = tree.tokens[node]
+            batch.pos[i] = start + int(tree.depth[node])
+            batch.n_seq_id[i] = len(paths)
+            for slot, path in enumerate(paths):
+                batch.seq_id[i][slot] = 1 + path
+            batch.logits[i] = i in wanted
+
+    def keep_path(self, path: Sequence[int]) -> None:
+        """Give the accepted nodes' cells to sequence 0, then free every path's cells."""
+        tree = held_tree_for(self._held_tree, self._n_past, path)
+        self._held_tree = None
+        if path:  # the cells at these positions of a path through the last node are the path's nodes
+            through = int(np.flatnonzero(tree.path_mask[:, path[-1]])[0])
+            self._lib.llama_memory_seq_cp(self._memory, 1 + through, _SEQ, self._n_past, self._n_past + len(path))
+        self._drop_tree_cells()
+        self._n_past += len(path)
+
+    def _drop_tree_cells(self) -> None:
+        """Remove every path sequence; cells that no sequence holds any more are free again."""
+        for path in range(self._tree_paths):
+            self._lib.llama_memory_seq_rm(self._memory, 1 + path, 0, -1)
+
     def native_loop(self) -> NativeLoop:
         """llama-cpp-python's own plain loop on this file (a second copy of the model)."""
         return NativeLoop(self.path, self.n_ctx, self.n_threads)
@@ -345,6 +444,8 @@ class LlamaCppBackend:
         lib = self._lib
         if getattr(self, "_ctx", None):
             lib.llama_batch_free(self._batch)
+            if self._tree_batch is not None:
+                lib.llama_batch_free(self._tree_batch)
             lib.llama_free(self._ctx)
             lib.llama_model_free(self._model)
             self._ctx = None

@@ -1,0 +1,141 @@
+"""One pass per tree on every backend: tree logits equal sequential decoding's (within kernel
+rounding), and after keep_path the cache continues exactly as sequential decoding's would.
+
+The fake backend is the reference; llama.cpp (F32 GGUF, F32 cache, flash attention off)
+and MLX (float32 folder) open the tiny random models from conftest.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from fake_models import hashed_logits
+from specrun.backends.fake import FakeBackend
+from specrun.tree import TokenTree
+
+BACKENDS = ("fake", "llama", "mlx")
+# Logits of the tiny models spread with a std of about 4: a batched pass may round differently
+# from one-token passes, never by this much.
+TOLERANCE = {"fake": 0.0, "llama": 2e-3, "mlx": 2e-3}
+
+# root ─┬─ 0 ─┬─ 2 ── 5
+#       │     └─ 3
+#       ├─ 1 ──── 4 ── 6 ── 7
+#       └─ 8
+PARENTS = (-1, -1, 0, 0, 1, 2, 4, 6, -1)
+
+
+def open_backend(kind: str, tiny_llama) -> object:
+    if kind == "fake":
+        return FakeBackend(hashed_logits(512, salt=3), 512)
+    if kind == "llama":
+        pytest.importorskip("llama_cpp", reason="the llama backend is not installed")
+        from specrun.backends.llama import LlamaCppBackend
+
+        return LlamaCppBackend(tiny_llama.gguf_f32_path, n_ctx=256, n_batch=64, kv_type="f32", flash_attn=False,
+                               tree_paths=8)
+    pytest.importorskip("mlx_lm", reason="the MLX backend is not installed")
+    from specrun.backends.mlx import MlxBackend
+
+    return MlxBackend(tiny_llama.hf_dir, n_ctx=256)
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request, tiny_llama):
+    opened = open_backend(request.param, tiny_llama)
+    yield opened
+    opened.close()
+
+
+def _prompt(backend) -> list[int]:
+    return [int(t) for t in np.random.default_rng(0).integers(1, backend.vocab.size, size=12)]
+
+
+def _tree(backend, parents=PARENTS) -> TokenTree:
+    tokens = np.random.default_rng(1).integers(1, backend.vocab.size, size=len(parents))
+    return TokenTree(tokens.tolist(), parents)
+
+
+def _sequential_logits(backend, context: list[int]) -> np.ndarray:
+    """The next-token logits after ``context``, fed one token per pass into a fresh cache."""
+    backend.rewind(0)
+    for token in context[:-1]:
+        backend.forward([token], [])
+    return backend.forward(context[-1:], [0])[0]
+
+
+def _assert_close(backend, got: np.ndarray, expected: np.ndarray) -> None:
+    assert got.shape == expected.shape
+    assert np.abs(got - expected).max() <= TOLERANCE[backend.name]
+    assert (got.argmax(axis=-1) == expected.argmax(axis=-1)).all()
+
+
+def test_tree_logits_equal_sequential_decoding(backend):
+    assert backend.tree_support.available, backend.tree_support.reason
+    prompt, tree = _prompt(backend), _tree(backend)
+    backend.forward(prompt[:-2], [])
+    rows = list(range(1, 2 + len(tree)))  # the root (the last prompt token) and every node
+    logits = backend.forward_tree(prompt[-2:], tree, rows)  # (1 + n, V)
+    assert backend.n_past == len(prompt)  # the nodes are held, not committed
+    expected = np.stack(
+        [_sequential_logits(backend, prompt)]
+        + [_sequential_logits(backend, prompt + [tree.tokens[i] for i in tree.path_to(node)]) for node in range(len(tree))]
+    )
+    _assert_close(backend, logits, expected)
+
+
+@pytest.mark.parametrize("path", [(1, 4, 6), (0, 3), (8,), (), (1, 4, 6, 7)])
+def test_the_cache_after_keep_path_continues_like_sequential_decoding(backend, path):
+    prompt, tree = _prompt(backend), _tree(backend)
+    backend.forward(prompt[:-1], [])
+    backend.forward_tree(prompt[-1:], tree, [0])
+    backend.keep_path(path)
+    kept = prompt + [tree.tokens[node] for node in path]
+    assert backend.n_past == len(kept)
+    follow = [7, 9, 11]
+    continued = backend.forward(follow, [0, 1, 2])  # (3, V)
+    assert backend.n_past == len(kept) + len(follow)
+    expected = np.stack([_sequential_logits(backend, kept + follow[: i + 1]) for i in range(len(follow))])
+    _assert_close(backend, continued, expected)
+
+
+def test_trees_in_a_row_each_see_only_what_was_kept(backend):
+    """Two verify steps: the second tree must not see the first tree's dropped nodes."""
+    prompt, tree = _prompt(backend), _tree(backend)
+    backend.forward(prompt[:-1], [])
+    backend.forward_tree(prompt[-1:], tree, [0])
+    backend.keep_path((0, 2))
+    kept = prompt + [tree.tokens[0], tree.tokens[2]]
+    second = TokenTree((5, 6, 7, 8), (-1, 0, -1, 2))
+    logits = backend.forward_tree([3], second, [0, 1, 2, 3, 4])
+    backend.keep_path((2, 3))
+    after = backend.forward([4], [0])
+    base = kept + [3]
+    expected = np.stack(
+        [_sequential_logits(backend, base + [second.tokens[i] for i in second.path_to(node)]) for node in range(-1, 4)]
+        + [_sequential_logits(backend, base + [7, 8, 4])]
+    )
+    _assert_close(backend, np.concatenate([logits, after]), expected)
+
+
+def test_a_chain_shaped_tree_is_a_forward(backend):
+    prompt = _prompt(backend)
+    chain = TokenTree.chain([5, 6, 7, 8])
+    backend.forward(prompt[:-1], [])
+    tree_logits = backend.forward_tree(prompt[-1:], chain, [0, 1, 2, 3, 4])
+    backend.rewind(len(prompt) - 1)
+    chain_logits = backend.forward(prompt[-1:] + [5, 6, 7, 8], [0, 1, 2, 3, 4])
+    _assert_close(backend, tree_logits, chain_logits)
+
+
+def test_keep_path_refuses_a_moved_cache_or_a_wrong_path(backend):
+    prompt, tree = _prompt(backend), _tree(backend)
+    backend.forward(prompt, [])
+    backend.forward_tree([], tree, [])
+    with pytest.raises(ValueError, match="not a root-to-node path"):
+        backend.keep_path((0, 4))
+    backend.forward([3], [])  # the cache moved: the tree is dropped
+    with pytest.raises(ValueError, match="keep_path needs"):
+        backend.keep_path((0,))
+    assert backend.n_past == len(prompt) + 1
