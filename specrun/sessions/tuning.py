@@ -16,10 +16,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import platform
 import statistics
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 from specrun.backends.base import Backend
@@ -28,7 +29,7 @@ from specrun.engine.loop import GenerationParams, SpeculativeEngine
 from specrun.errors import SpecrunError
 from specrun.drafters.methods import DrafterOptions, build_drafter
 from specrun.engine.stats import Stats
-from specrun.fileio import write_atomically
+from specrun.fileio import MiB, read_limited, write_atomically
 
 TUNE_VERSION = 2
 READABLE_VERSIONS = (1, 2)  # version 1 lacks the draft costs: its runs start from the target's costs only
@@ -271,25 +272,98 @@ def save(result: TuneResult, path: Path | None = None) -> Path:
 
 
 def load(key: str, path: Path | None = None) -> TuneResult | None:
-    raw = _read_all(path or config_path()).get(key)
+    """The result stored for ``key``; None when there is none. A file or entry of the wrong
+    shape raises SpecrunError naming the file and the fix."""
+    path = path or config_path()
+    raw = _read_all(path).get(key)
     if raw is None:
         return None
-    raw["target_costs"] = {int(n): s for n, s in raw.get("target_costs", {}).items()}
-    raw["draft_costs"] = {int(k): s for k, s in raw.get("draft_costs", {}).items()}
-    return TuneResult(**raw)
+    try:
+        return _checked_result(raw)
+    except (TypeError, ValueError) as exc:
+        raise SpecrunError(f"{path}: the settings of {key} are malformed ({exc})", _fix(path)) from exc
 
 
 def load_all(path: Path | None = None) -> list[TuneResult]:
     return [r for key in _read_all(path or config_path()) if (r := load(key, path)) is not None]
 
 
+# A tune file holds a few pairs of a few hundred bytes each.
+MAX_TUNED_BYTES = 16 * MiB
+
+
+def _fix(path: Path) -> str:
+    if path.name == learned_path().name:
+        return "delete it (the next runs learn it again)"
+    return "delete it and run `specrun tune` again"
+
+
 def _read_all(path: Path) -> dict:
     if not path.exists():
         return {}
+    data = read_limited(path, MAX_TUNED_BYTES, "tuned settings", _fix(path))
     try:
-        document = json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        raise SpecrunError(f"cannot read tuned settings {path}: {exc}", "delete it and run `specrun tune` again") from exc
+        document = json.loads(data.decode("utf-8"))
+    except (ValueError, RecursionError) as exc:
+        raise SpecrunError(f"cannot read tuned settings {path}: {exc}", _fix(path)) from exc
     if not isinstance(document, dict) or document.get("version") not in READABLE_VERSIONS:
-        raise SpecrunError(f"{path} is not a specrun tune file of version {TUNE_VERSION}", "delete it and run `specrun tune` again")
-    return document.get("pairs", {})
+        raise SpecrunError(f"{path} is not a specrun tune file of version {TUNE_VERSION}", _fix(path))
+    pairs = document.get("pairs", {})
+    if not isinstance(pairs, dict):
+        raise SpecrunError(f"{path}: 'pairs' is not an object", _fix(path))
+    return pairs
+
+
+# Bounds on what a stored entry may hold; anything outside is a damaged or forged file.
+MAX_COST_TOKENS = 1 << 20  # the tokens a measured pass fed (--ctx's limit)
+MAX_DRAFT_OFF_GAP = 1 << 30
+
+
+def _checked_result(raw) -> TuneResult:
+    """A TuneResult from a stored entry, every field checked; TypeError/ValueError otherwise."""
+    if not isinstance(raw, dict):
+        raise TypeError("the entry is not an object")
+    names = {item.name for item in fields(TuneResult)}
+    unknown = sorted(set(raw) - names)
+    if unknown:
+        raise ValueError(f"unknown field {unknown[0]!r}")
+    values = dict(raw)
+    for name in ("key", "target", "draft", "machine"):
+        if name in values and not isinstance(values[name], str):
+            raise TypeError(f"{name} is not a string")
+    for name, high in (("best_draft_len", max(DRAFT_LENGTHS)), ("draft_off_gap", MAX_DRAFT_OFF_GAP)):
+        if name in values:
+            values[name] = _number(name, values[name], 0, high, integer=True)
+    for name, high in (("speedup", math.inf), ("acceptance", 1), ("best_min_prob", 1), ("first_acceptance", 1)):
+        if name in values:
+            values[name] = _number(name, values[name], 0, high)
+    if "learned" in values and not isinstance(values["learned"], bool):
+        raise TypeError("learned is not true or false")
+    if "tokens_per_second" in values:
+        values["tokens_per_second"] = _mapping("tokens_per_second", values["tokens_per_second"], str)
+    for name in ("target_costs", "draft_costs"):
+        if name in values:
+            values[name] = _mapping(name, values[name], int)
+    return TuneResult(**values)  # TypeError names a missing field
+
+
+def _number(name: str, value, low: float, high: float, integer: bool = False):
+    if isinstance(value, bool) or not isinstance(value, int if integer else (int, float)):
+        raise TypeError(f"{name} is not {'an integer' if integer else 'a number'}")
+    if not (low <= value <= high) or (isinstance(value, float) and not math.isfinite(value)):
+        raise ValueError(f"{name} {value!r} is out of range")
+    return value
+
+
+def _mapping(name: str, value, key_type: type) -> dict:
+    """A stored {name: seconds or rate}; keys are token counts (``int``, stored as strings) or names."""
+    if not isinstance(value, dict):
+        raise TypeError(f"{name} is not an object")
+    checked = {}
+    for key, number in value.items():
+        if key_type is int:
+            if not key.isdigit() or not 0 < int(key) <= MAX_COST_TOKENS:
+                raise ValueError(f"{name} has a key {key!r} that is not a token count")
+            key = int(key)
+        checked[key] = _number(f"{name}[{key}]", number, 0, math.inf)
+    return checked
