@@ -44,6 +44,8 @@ from specrun.cli.common import (
     check_generation_options,
     check_kv_type,
     checked_sampling,
+    checked_text,
+    read_stdin_text,
     cli_errors,
 )
 from specrun.errors import SpecrunError, UsageError
@@ -121,14 +123,15 @@ def chat_command(
         interactive = sys.stdin.isatty()
         if each_line and interactive:
             raise UsageError("--each-line reads messages from a pipe", "pipe the messages in, one per line")
-        messages = None if interactive else _piped_messages(sys.stdin.read(), each_line)
+        messages = None if interactive else _piped_messages(read_stdin_text(), each_line)
         if show_accept is None:
             show_accept = sys.stdout.isatty() and not json_output
         view = AnswerView(show_accept, json_output)
         options = LoadOptions(backend=backend, n_ctx=ctx, threads=threads, gpu_layers=gpu_layers,
                               registry=registry, kv_type=kv_type, exact=exact)
         target, draft = choose_pair(target, draft, registry)
-        with open_chat(target, draft, method, options, system_prompt=system,
+        with open_chat(target, draft, method, options,
+                       system_prompt=None if system is None else checked_text(system, "--system"),
                        draft_len=draft_len, draft_min_prob=draft_min_prob, ngram_cache=ngram_cache) as session:
             if messages is None:
                 ChatRepl(session, params, view).run()

@@ -45,10 +45,34 @@ def cli_errors():
 def read_prompt(prompt: str | None) -> str:
     """The prompt argument, or the whole of a piped stdin when it is '-' or absent."""
     if prompt is not None and prompt != "-":
-        return prompt
+        return checked_text(prompt, "the prompt argument")
     if prompt is None and sys.stdin.isatty():
         raise UsageError("no prompt given", "pass PROMPT as an argument or pipe it on stdin")
-    return sys.stdin.read()
+    return read_stdin_text()
+
+
+NOT_UTF8_FIX = "convert it to UTF-8 first, e.g. iconv -f latin1 -t utf-8"
+
+
+def read_stdin_text() -> str:
+    """All of stdin as text; SpecrunError when it is not UTF-8 (whatever the locale says)."""
+    data = sys.stdin.buffer.read()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise SpecrunError(f"stdin is not UTF-8 text (byte 0x{data[exc.start]:02x} at offset {exc.start})",
+                           NOT_UTF8_FIX) from None
+
+
+def checked_text(text: str, where: str) -> str:
+    """``text`` when it is valid Unicode; argv bytes that are not UTF-8 reach Python as lone surrogates."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raw = text[exc.start].encode("utf-8", "surrogateescape")
+        raise SpecrunError(f"{where} is not UTF-8 text (byte 0x{raw[0]:02x} at character {exc.start})",
+                           NOT_UTF8_FIX) from None
+    return text
 
 
 def check_range(name: str, value: int | float | None, low: float, high: float) -> None:
