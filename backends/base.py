@@ -41,9 +41,6 @@ class TreeSupport:
             raise ValueError(f"the tree has {len(tree.paths)} paths; this backend holds at most {self.max_paths}")
 
 
-CHAINS_ONLY = TreeSupport(False, "the backend verifies chains only")
-
-
 @dataclass(frozen=True)
 class HeldTree:
     """A tree a backend holds after ``forward_tree``, its nodes following ``n_past`` cached tokens."""

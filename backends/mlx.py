@@ -28,14 +28,17 @@ import os
 import re
 from collections import deque
 from collections.abc import Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from specrun.backends.base import VocabInfo
+from specrun.backends.base import HeldTree, TreeSupport, VocabInfo, held_tree_for
 from specrun.errors import BackendUnavailableError, ContextFullError, ModelFileError
+from specrun.tree import TokenTree
 
 DEFAULT_CTX = 4096
 PREFILL_CHUNK = 512  # tokens per forward when no logits are wanted (bounds activation memory)
@@ -48,6 +51,9 @@ REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 MLX_ALLOW_PATTERNS = ["*.json", "model*.safetensors", "tokenizer.model", "*.tiktoken", "*.txt", "*.jinja"]
 # Caches whose trim() is always exact; any other cache type is checkpointed.
 ALWAYS_TRIMMABLE = ("KVCache", "QuantizedKVCache", "ConcatenateKVCache")
+# RoPE modules that hand their offset straight to mx.fast.rope, which takes one per batch row:
+# a tree pass gives every node its own position through them.
+ROW_OFFSET_ROPES = ("RoPE", "SuScaledRoPE", "Llama3RoPE", "YarnRoPE", "ProportionalRoPE")
 
 
 def _import_mlx():
@@ -251,6 +257,32 @@ class Checkpoint:
     layer_states: tuple[Any, ...]
 
 
+# ---- token trees: one pass with a tree mask and a position per node ------------------
+def _tree_layout(mx, start: int, n_chain: int, tree: TokenTree):
+    """The mask (L, start + L) and positions (L,) of a pass feeding ``n_chain`` chain tokens
+    and then the tree's nodes after ``start`` cached tokens (L = n_chain + len(tree))."""
+    n_fed = n_chain + len(tree)
+    visible = np.zeros((n_fed, start + n_fed), dtype=bool)
+    visible[:, :start] = True  # the cache
+    visible[:, start : start + n_chain] = np.tri(n_fed, n_chain, dtype=bool)  # causal chain; nodes see it all
+    visible[n_chain:, start + n_chain :] = tree.ancestor_mask  # a node sees itself and its ancestors
+    positions = start + np.concatenate([np.arange(n_chain), n_chain + tree.depth])
+    return mx.array(visible), positions
+
+
+class _RowRope:
+    """A RoPE module applied with one position per row: rows go onto the batch axis, where
+    mx.fast.rope takes one offset each. Replaces an attention's ``rope`` for one pass."""
+
+    def __init__(self, rope, offsets) -> None:
+        self.rope = rope
+        self.offsets = offsets  # (L,)
+
+    def __call__(self, x, offset=0):  # noqa: ARG002 - the cache's scalar offset, replaced by the rows'
+        rows_first = x.transpose(2, 1, 0, 3)  # (1, H, L, D) -> (L, H, 1, D)
+        return self.rope(rows_first, offset=self.offsets).transpose(2, 1, 0, 3)  # (1, H, L, D)
+
+
 class MlxBackend:
     """One mlx-lm model and one prompt cache for a single sequence."""
 
@@ -282,6 +314,8 @@ class MlxBackend:
         self._token_bytes = TokenBytes(self._hf)
         self._tokens: list[int] = []  # what the cache holds, for replays after a checkpoint restore
         self._deferred: DeferredIds | None = None  # greedy ids queued but not yet in _tokens
+        self._held_tree: HeldTree | None = None  # after forward_tree, until keep_path
+        self._held_kv: list = []  # per layer: the held nodes' (keys, values), each (B, H, n, D)
         self._new_cache()
 
     # ---- vocabulary ---------------------------------------------------------------
@@ -519,6 +553,85 @@ class MlxBackend:
         if isinstance(state, self._mx.array):
             return self._mx.array(state)
         return state
+
+    # ---- token trees ------------------------------------------------------------------
+    @cached_property
+    def tree_support(self) -> TreeSupport:
+        """Trees need plain KVCache layers (a tree mask from ``make_mask``, nodes gathered out
+        and back) and RoPE modules that take one offset per batch row."""
+        for layer_cache in self._cache:
+            if type(layer_cache).__name__ != "KVCache":
+                return TreeSupport(False, f"its {type(layer_cache).__name__} cache (sliding-window, quantized or "
+                                          "recurrent state) cannot hold a tree")
+        attentions = [getattr(layer, "self_attn", None) for layer in getattr(self.model, "layers", ())]
+        if not attentions or any(type(getattr(a, "rope", None)).__name__ not in ROW_OFFSET_ROPES for a in attentions):
+            return TreeSupport(False, "its attention does not use a standard RoPE call")
+        return TreeSupport(True)
+
+    def forward_tree(self, tokens: Sequence[int], tree: TokenTree, logit_rows: Sequence[int]) -> np.ndarray:
+        """One pass for the tokens and the tree: ``make_mask`` shows each node the context and
+        its ancestors, RoPE places it at n_past + depth. The nodes' keys and values are then
+        gathered out of the cache and held for ``keep_path``, so the cache itself only ever
+        holds committed tokens."""
+        self.tree_support.check(tree)
+        tokens, rows = [int(t) for t in tokens], list(logit_rows)
+        n_fed = len(tokens) + len(tree)
+        self._check_room(n_fed)
+        if any(not 0 <= row < n_fed for row in rows):
+            raise ValueError(f"logit rows {rows} fall outside the {n_fed} tokens and nodes fed")
+        self._held_tree = None
+        split = min([len(tokens), *rows])  # tokens before the first row asked for go unread
+        self._feed_unread(tokens[:split])
+        chain = tokens[split:]
+        mx, start = self._mx, self.n_past
+        ids = [*chain, *tree.tokens]
+        logits = None
+        if ids:
+            mask, positions = _tree_layout(mx, start, len(chain), tree)
+            with self._tree_pass(mask, positions):
+                logits = self.model(mx.array(ids)[None], cache=self._cache)  # (1, C + n, V)
+        slots = mx.array(np.arange(start + len(chain), start + len(ids)))  # (n,) the nodes' cache slots
+        held = [(layer.keys[..., slots, :], layer.values[..., slots, :]) for layer in self._cache] if tree else []
+        picked = None
+        if rows:
+            picked = self._fit_vocab(logits[0, mx.array([row - split for row in rows])]).astype(mx.float32)  # (R, V)
+        mx.eval(picked, held, self._cache_state())
+        for layer in self._cache:  # the nodes leave the cache: it holds the committed tokens only
+            layer.trim(len(tree))
+        self._tokens.extend(chain)
+        self._held_tree, self._held_kv = HeldTree(self.n_past, tree), held
+        return np.zeros((0, self.vocab.size), np.float32) if picked is None else np.array(picked)
+
+    @contextmanager
+    def _tree_pass(self, mask, positions):
+        """During one model call: every cache's ``make_mask`` returns the tree mask and every
+        attention's RoPE places row i at ``positions[i]``."""
+        offsets = self._mx.array(positions)  # (L,)
+        attentions = [layer.self_attn for layer in self.model.layers]
+        ropes = [attention.rope for attention in attentions]
+        try:
+            for layer_cache in self._cache:
+                layer_cache.make_mask = lambda *args, **kwargs: mask
+            for attention, rope in zip(attentions, ropes):
+                attention.rope = _RowRope(rope, offsets)
+            yield
+        finally:
+            for layer_cache in self._cache:
+                layer_cache.__dict__.pop("make_mask", None)
+            for attention, rope in zip(attentions, ropes):
+                attention.rope = rope  # a Module: mlx's __setattr__ puts it back in the module's dict
+
+    def keep_path(self, path: Sequence[int]) -> None:
+        """Append the accepted nodes' held keys and values, in path order, to every layer's cache."""
+        tree = held_tree_for(self._held_tree, self.n_past, path)
+        held, self._held_tree, self._held_kv = self._held_kv, None, []
+        if not path:
+            return
+        mx, picked = self._mx, self._mx.array(list(path))
+        for layer_cache, (keys, values) in zip(self._cache, held):
+            layer_cache.update_and_fetch(keys[..., picked, :], values[..., picked, :])
+        mx.eval(self._cache_state())
+        self._tokens.extend(tree.tokens[node] for node in path)
 
     def close(self) -> None:
         self._deferred = None

@@ -2,7 +2,8 @@
 rounding), and after keep_path the cache continues exactly as sequential decoding's would.
 
 The fake backend is the reference; llama.cpp (F32 GGUF, F32 cache, flash attention off)
-and MLX (float32 folder) open the tiny random models from conftest.
+and MLX (float32 folder) open each tiny random model from conftest (llama: multi-head
+attention; qwen2: grouped-query attention, biases, tied embeddings).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from fake_models import hashed_logits
 from specrun.backends.fake import FakeBackend
 from specrun.tree import TokenTree
 
-BACKENDS = ("fake", "llama", "mlx")
+BACKENDS = ("fake", "llama-llama", "llama-qwen2", "mlx-llama", "mlx-qwen2")
 # Logits of the tiny models spread with a std of about 4: a batched pass may round differently
 # from one-token passes, never by this much.
 TOLERANCE = {"fake": 0.0, "llama": 2e-3, "mlx": 2e-3}
@@ -26,24 +27,32 @@ TOLERANCE = {"fake": 0.0, "llama": 2e-3, "mlx": 2e-3}
 PARENTS = (-1, -1, 0, 0, 1, 2, 4, 6, -1)
 
 
-def open_backend(kind: str, tiny_llama) -> object:
-    if kind == "fake":
-        return FakeBackend(hashed_logits(512, salt=3), 512)
-    if kind == "llama":
-        pytest.importorskip("llama_cpp", reason="the llama backend is not installed")
-        from specrun.backends.llama import LlamaCppBackend
+def open_llama(model, **options):
+    pytest.importorskip("llama_cpp", reason="the llama backend is not installed")
+    from specrun.backends.llama import LlamaCppBackend
 
-        return LlamaCppBackend(tiny_llama.gguf_f32_path, n_ctx=256, n_batch=64, kv_type="f32", flash_attn=False,
-                               tree_paths=8)
+    return LlamaCppBackend(model.gguf_f32_path, n_ctx=256, n_batch=64, kv_type="f32", flash_attn=False, **options)
+
+
+def open_mlx(model):
     pytest.importorskip("mlx_lm", reason="the MLX backend is not installed")
     from specrun.backends.mlx import MlxBackend
 
-    return MlxBackend(tiny_llama.hf_dir, n_ctx=256)
+    return MlxBackend(model.hf_dir, n_ctx=256)
+
+
+def open_backend(kind: str, tiny_models) -> object:
+    if kind == "fake":
+        return FakeBackend(hashed_logits(512, salt=3), 512)
+    backend_kind, arch = kind.split("-")
+    if backend_kind == "llama":
+        return open_llama(tiny_models[arch], tree_paths=8)
+    return open_mlx(tiny_models[arch])
 
 
 @pytest.fixture(params=BACKENDS)
-def backend(request, tiny_llama):
-    opened = open_backend(request.param, tiny_llama)
+def backend(request, tiny_models):
+    opened = open_backend(request.param, tiny_models)
     yield opened
     opened.close()
 
@@ -135,7 +144,54 @@ def test_keep_path_refuses_a_moved_cache_or_a_wrong_path(backend):
     backend.forward_tree([], tree, [])
     with pytest.raises(ValueError, match="not a root-to-node path"):
         backend.keep_path((0, 4))
-    backend.forward([3], [])  # the cache moved: the tree is dropped
+    continued = backend.forward([3], [0])  # the cache moved: the tree is dropped
     with pytest.raises(ValueError, match="keep_path needs"):
         backend.keep_path((0,))
     assert backend.n_past == len(prompt) + 1
+    _assert_close(backend, continued, _sequential_logits(backend, prompt + [3])[None])
+
+
+# ---- backends that cannot verify trees say why ----------------------------------------------
+
+
+def test_a_llama_context_for_chains_declares_no_trees(tiny_llama):
+    backend = open_llama(tiny_llama)
+    try:
+        assert not backend.tree_support.available
+        assert "tree_paths" in backend.tree_support.reason
+        with pytest.raises(ValueError, match="cannot verify trees"):
+            backend.forward_tree([1], TokenTree.chain([2]), [0])
+        assert backend.n_past == 0
+    finally:
+        backend.close()
+
+
+def test_a_llama_tree_with_more_paths_than_the_context_holds_is_refused(tiny_llama):
+    backend = open_llama(tiny_llama, tree_paths=2)
+    try:
+        assert backend.tree_support.max_paths == 2
+        with pytest.raises(ValueError, match="3 paths"):
+            backend.forward_tree([1], TokenTree((2, 3, 4), (-1, -1, -1)), [0])
+    finally:
+        backend.close()
+    with pytest.raises(ValueError, match="tree_paths must be between"):
+        open_llama(tiny_llama, tree_paths=10_000)
+
+
+@pytest.mark.parametrize("cache_kind", ["RotatingKVCache", "QuantizedKVCache"])
+def test_mlx_caches_that_cannot_hold_a_tree_declare_no_trees(tiny_llama, cache_kind):
+    pytest.importorskip("mlx_lm", reason="the MLX backend is not installed")
+    from mlx_lm import load
+    from mlx_lm.models import cache as lm_cache
+
+    from specrun.backends.mlx import MlxBackend
+
+    model, tokenizer = load(str(tiny_llama.hf_dir))
+    make_layer = {"RotatingKVCache": lambda: lm_cache.RotatingKVCache(max_size=64),
+                  "QuantizedKVCache": lambda: lm_cache.QuantizedKVCache()}[cache_kind]
+    model.make_cache = lambda: [make_layer() for _ in model.layers]
+    backend = MlxBackend.from_loaded(model, tokenizer, n_ctx=256)
+    assert not backend.tree_support.available
+    assert cache_kind in backend.tree_support.reason
+    with pytest.raises(ValueError, match="cannot verify trees"):
+        backend.forward_tree([1], TokenTree.chain([2]), [0])
