@@ -810,25 +810,43 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+class _Terminated(Exception):
+    """SIGTERM, raised once uvicorn has shut down (it re-raises the signals it caught)."""
+
+
+def _raise_terminated(signum, frame) -> None:
+    raise _Terminated()
+
+
 def serve(pair: PairOptions, http: HttpOptions, defaults: ServeDefaults, log: Callable[[str], None]) -> None:
-    """Load the pair, then serve until Ctrl-C (or SIGTERM); ``log`` gets a line when it is
-    listening (with the base URL) and one per answer."""
+    """Load the pair, then serve until Ctrl-C or SIGTERM; ``log`` gets a line when it is
+    listening (with the base URL) and one per answer. Either signal ends it normally: the
+    requests in flight get a few seconds, then the pair is closed (what the runs learned kept)."""
     import dataclasses
+    import signal
 
     import uvicorn
 
-    sock = bind(http.host, http.port)
+    sock = bind(http.host, http.port)  # before loading: a port in use fails at once
     worker = PairWorker(pair, max_queue=http.max_queue, log=log)
+    previous_sigterm = None
+    if threading.current_thread() is threading.main_thread():
+        previous_sigterm = signal.signal(signal.SIGTERM, _raise_terminated)
     try:
         worker.start()
         names = http.model_names or (pair.target,)
         server = OpenAIServer(worker, dataclasses.replace(http, model_names=names), defaults)
         config = uvicorn.Config(server.app(), log_level="warning", access_log=False, lifespan="off",
                                 timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_SECONDS)
+        sock.listen(socket.SOMAXCONN)  # connections from now on wait in the backlog until uvicorn takes them
         host, port = sock.getsockname()[:2]
         shown = f"[{host}]" if ":" in host else host
         log(f"specrun serve: {names[0]} (method {worker.method}) on http://{shown}:{port}/v1; Ctrl-C stops")
         uvicorn.Server(config).run(sockets=[sock])
+    except (KeyboardInterrupt, _Terminated):
+        log("specrun serve: stopped")
     finally:
         sock.close()
         worker.stop()
+        if previous_sigterm is not None:
+            signal.signal(signal.SIGTERM, previous_sigterm)

@@ -1,0 +1,111 @@
+"""Helpers to run the real `specrun serve` in a subprocess on 127.0.0.1 (a free port it picks itself)."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+
+SPECRUN = [sys.executable, "-m", "specrun"]
+START_TIMEOUT_S = 60
+# The demo pair under --exact: greedy speculation bit-identical to plain decoding, so answers
+# cannot depend on which requests came before (the cache's prefix, the controllers' state).
+DEMO_ARGS = ("--exact",)
+
+
+@dataclass
+class Server:
+    """A running server: its base URL (…/v1), the process, and the lines it wrote to stderr."""
+
+    url: str
+    process: subprocess.Popen
+    log: list[str] = field(default_factory=list)
+
+    @property
+    def host_port(self) -> tuple[str, int]:
+        host, port = re.match(r"http://([^:/]+):(\d+)", self.url).groups()
+        return host, int(port)
+
+    def client(self, **options):
+        import openai
+
+        options.setdefault("api_key", "unused")
+        return openai.OpenAI(base_url=self.url, max_retries=0, timeout=60, **options)
+
+    def request(self, method: str, path: str, body: bytes | None = None,
+                headers: dict[str, str] | None = None) -> tuple[int, dict]:
+        """A raw HTTP request (what the openai client would refuse to send): status and JSON body."""
+        host, port = self.host_port
+        connection = http.client.HTTPConnection(host, port, timeout=60)
+        try:
+            connection.request(method, path, body=body, headers=headers or {"Content-Type": "application/json"})
+            response = connection.getresponse()
+            return response.status, json.loads(response.read() or b"null")
+        finally:
+            connection.close()
+
+    def post(self, path: str, payload: dict, **headers: str) -> tuple[int, dict]:
+        return self.request("POST", path, json.dumps(payload).encode(),
+                            {"Content-Type": "application/json", **headers})
+
+    def healthy(self) -> bool:
+        status, body = self.request("GET", "/health")
+        return status == 200 and body["status"] == "ok"
+
+    def wait_for_log(self, pattern: str, timeout: float = 10.0) -> str:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            found = next((line for line in list(self.log) if re.search(pattern, line)), None)
+            if found is not None:
+                return found
+            time.sleep(0.05)
+        raise AssertionError(f"the server never logged {pattern!r}; it logged: {self.log}")
+
+
+def start_server(*args: str, env: dict[str, str] | None = None) -> Server:
+    """`specrun serve ARGS --port 0` started and listening (its stderr kept in ``log``)."""
+    process = subprocess.Popen([*SPECRUN, "serve", "--port", "0", *args], stdin=subprocess.DEVNULL,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                               env={**os.environ, **(env or {})})
+    log: list[str] = []
+    ready = threading.Event()
+
+    def read_stderr() -> None:
+        for line in process.stderr:
+            log.append(line.rstrip("\n"))
+            if "specrun serve:" in line:
+                ready.set()
+        ready.set()  # the process ended
+
+    threading.Thread(target=read_stderr, daemon=True).start()
+    if not ready.wait(START_TIMEOUT_S) or process.poll() is not None:
+        process.kill()
+        raise AssertionError(f"specrun serve did not start: {log}")
+    url = re.search(r"http://\S+/v1", next(line for line in log if "specrun serve:" in line)).group(0)
+    return Server(url, process, log)
+
+
+def stop_server(server: Server) -> int:
+    """Ctrl-C, as a user stops it; the exit code."""
+    server.process.send_signal(signal.SIGINT)
+    try:
+        return server.process.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        server.process.kill()
+        raise AssertionError(f"specrun serve ignored Ctrl-C: {server.log}") from None
+
+
+def specrun_json(*args: str, stdin: str | None = None) -> list[dict]:
+    """The JSON objects a `specrun … --json` command prints, one per line."""
+    done = subprocess.run([*SPECRUN, *args, "--json"], input=stdin, capture_output=True, text=True,
+                          timeout=120, check=False)
+    assert done.returncode == 0, done.stderr
+    return [json.loads(line) for line in done.stdout.splitlines() if line.strip()]
+

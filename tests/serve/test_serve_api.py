@@ -1,0 +1,265 @@
+"""`specrun serve` through the official openai client: the CLI's answers, seeds, stop strings, bad input, auth."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+
+import pytest
+
+from server_harness import DEMO_ARGS, SPECRUN, specrun_json, start_server, stop_server
+
+MODEL = "demo-target"
+MAX_TOKENS = 40
+MESSAGES = ["Hello there", "def fibonacci(n):", "class Stack:"]
+PROMPT = "import os\n\ndef read_config(path):"
+
+
+def chat(client, message: str, **options):
+    return client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": message}],
+                                          max_tokens=MAX_TOKENS, temperature=0, **options)
+
+
+def streamed_chat(client, messages: list[dict], **options) -> tuple[str, list]:
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, stream=True, **options))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    return text, chunks
+
+
+# ---- the same text as the CLI ---------------------------------------------------------------
+def test_chat_completions_equal_specrun_chat(demo_server):
+    expected = specrun_json("chat", "--each-line", "-n", str(MAX_TOKENS), *DEMO_ARGS, stdin="\n".join(MESSAGES))
+    assert len(expected) == len(MESSAGES)
+    client = demo_server.client()
+    for message, answer in zip(MESSAGES, expected):
+        whole = chat(client, message)
+        assert whole.choices[0].message.content == answer["text"]
+        assert whole.choices[0].finish_reason == {"eos": "stop", "length": "length"}[answer["finish_reason"]]
+        assert whole.usage.prompt_tokens == answer["prompt_tokens"]
+        assert whole.usage.completion_tokens == answer["stats"]["new_tokens"]
+        speculation = whole.model_extra["speculation"]
+        assert speculation["method"] == "auto"
+        assert speculation["new_tokens"] == whole.usage.completion_tokens
+        assert 0 <= speculation["accepted"] <= speculation["drafted"]
+
+        text, chunks = streamed_chat(client, [{"role": "user", "content": message}], max_tokens=MAX_TOKENS,
+                                     temperature=0, stream_options={"include_usage": True})
+        assert text == answer["text"]
+        assert chunks[0].choices[0].delta.role == "assistant"
+        finish = [c for c in chunks if c.choices and c.choices[0].finish_reason]
+        assert [c.choices[0].finish_reason for c in finish] == [whole.choices[0].finish_reason]
+        assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+        # Every text chunk says how many tokens it holds and how many of them were drafted.
+        per_chunk = [c.model_extra["speculation"] for c in chunks if c.choices and c.choices[0].delta.content]
+        assert sum(s["tokens"] for s in per_chunk) == whole.usage.completion_tokens
+        assert sum(s["from_draft"] for s in per_chunk) == finish[0].model_extra["speculation"]["accepted"]
+
+
+def test_completions_equal_specrun_generate(demo_server):
+    expected = specrun_json("generate", "-n", str(MAX_TOKENS), *DEMO_ARGS, PROMPT)[0]
+    client = demo_server.client()
+    whole = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0)
+    assert whole.choices[0].text == expected["text"]
+    assert whole.usage.completion_tokens == expected["stats"]["new_tokens"]
+    streamed = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0,
+                                         stream=True)
+    assert "".join(c.choices[0].text for c in streamed) == expected["text"]
+
+
+def test_a_conversation_reuses_the_cached_prefix_without_changing_answers(demo_server):
+    client = demo_server.client()
+    first = chat(client, "def parse(line):")
+    turn = [{"role": "user", "content": "def parse(line):"},
+            {"role": "assistant", "content": first.choices[0].message.content},
+            {"role": "user", "content": "def emit(token):"}]
+    following = client.chat.completions.create(model=MODEL, messages=turn, max_tokens=MAX_TOKENS, temperature=0)
+    assert following.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens
+    chat(client, "something else entirely")  # the cache now holds another prompt
+    again = client.chat.completions.create(model=MODEL, messages=turn, max_tokens=MAX_TOKENS, temperature=0)
+    assert again.usage.prompt_tokens_details.cached_tokens < first.usage.prompt_tokens
+    assert again.choices[0].message.content == following.choices[0].message.content
+
+
+def test_models_and_health(demo_server):
+    assert [model.id for model in demo_server.client().models.list()] == [MODEL]
+    status, body = demo_server.request("GET", "/health")
+    assert status == 200 and body["status"] == "ok" and body["method"] == "auto"
+
+
+# ---- stop strings ---------------------------------------------------------------------------
+def test_stop_strings_cut_before_the_first_match(demo_server):
+    client = demo_server.client()
+    full = chat(client, MESSAGES[1]).choices[0].message.content
+    assert len(full) > 12
+    early, late = full[4:7], full[9:12]  # two stop strings: the earlier match wins
+    cut = full[: min(full.index(early), full.index(late))]
+    whole = chat(client, MESSAGES[1], stop=[late, early])
+    assert whole.choices[0].message.content == cut
+    assert whole.choices[0].finish_reason == "stop"
+    text, chunks = streamed_chat(client, [{"role": "user", "content": MESSAGES[1]}], max_tokens=MAX_TOKENS,
+                                 temperature=0, stop=[late, early])
+    assert text == cut
+    assert chunks[-1].choices[0].finish_reason == "stop"
+    never = chat(client, MESSAGES[1], stop="a stop string the model never writes")
+    assert never.choices[0].message.content == full
+    # A stop string cut mid-answer leaves the caches exact: the next answer is unchanged.
+    assert chat(client, MESSAGES[1]).choices[0].message.content == full
+
+
+# ---- bad input ----------------------------------------------------------------------------
+def _chat_body(**fields) -> dict:
+    return {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], **fields}
+
+
+BAD_REQUESTS = [
+    # (path, body, status, param, code)
+    ("/v1/chat/completions", b"{not json", 400, None, "invalid_json"),
+    ("/v1/chat/completions", b"[1, 2]", 400, None, "invalid_type"),
+    ("/v1/chat/completions", _chat_body(messages="hi"), 400, "messages", "invalid_type"),
+    ("/v1/chat/completions", _chat_body(messages=[]), 400, "messages", "invalid_value"),
+    ("/v1/chat/completions", _chat_body(messages=[{"role": "robot", "content": "x"}]), 400, "messages[0].role",
+     "invalid_value"),
+    ("/v1/chat/completions", _chat_body(messages=[{"role": "user", "content": 5}]), 400, "messages[0].content",
+     "invalid_type"),
+    ("/v1/chat/completions", _chat_body(max_tokens=0), 400, "max_tokens", "invalid_value"),
+    ("/v1/chat/completions", _chat_body(max_tokens=10**9), 400, "max_tokens", "invalid_value"),
+    ("/v1/chat/completions", _chat_body(max_completion_tokens="many"), 400, "max_completion_tokens",
+     "invalid_type"),
+    ("/v1/chat/completions", _chat_body(temperature="hot"), 400, "temperature", "invalid_type"),
+    ("/v1/chat/completions", _chat_body(temperature=7), 400, "temperature", "invalid_value"),
+    ("/v1/chat/completions", _chat_body(top_p=0), 400, "top_p", "invalid_value"),
+    ("/v1/chat/completions", _chat_body(seed=-1), 400, "seed", "invalid_value"),
+    ("/v1/chat/completions", _chat_body(stop=["a", "b", "c", "d", "e"]), 400, "stop", "invalid_value"),
+    ("/v1/chat/completions", _chat_body(stream="yes"), 400, "stream", "invalid_type"),
+    ("/v1/chat/completions", _chat_body(n=2), 400, "n", "unsupported_value"),
+    ("/v1/chat/completions", _chat_body(logprobs=True), 400, "logprobs", "unsupported_value"),
+    ("/v1/chat/completions", _chat_body(colour="blue"), 400, "colour", "unknown_parameter"),
+    ("/v1/chat/completions", _chat_body(model="gpt-4o"), 404, "model", "model_not_found"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}, 400, "model",
+     "missing_required_parameter"),
+    ("/v1/chat/completions", _chat_body(messages=[{"role": "user", "content": "x " * 3000}]), 400, "messages",
+     "context_length_exceeded"),
+    ("/v1/completions", {"model": MODEL, "prompt": ["a", "b"]}, 400, "prompt", "unsupported_value"),
+    ("/v1/completions", {"model": MODEL, "prompt": [1, 10**9]}, 400, "prompt", "invalid_value"),
+    ("/v1/completions", {"model": MODEL, "prompt": ""}, 400, "prompt", "invalid_value"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x " * 3000}, 400, "prompt", "context_length_exceeded"),
+]
+
+
+@pytest.mark.parametrize(("path", "body", "status", "param", "code"), BAD_REQUESTS,
+                         ids=[f"{i}-{row[3]}-{row[4]}" for i, row in enumerate(BAD_REQUESTS)])
+def test_bad_requests_name_the_field(demo_server, path, body, status, param, code):
+    raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+    got_status, got = demo_server.request("POST", path, raw)
+    assert got_status == status, got
+    assert set(got) == {"error"} and {"message", "type", "param", "code"} <= set(got["error"])
+    assert (got["error"]["param"], got["error"]["code"]) == (param, code), got
+    assert got["error"]["message"]
+
+
+def test_the_server_keeps_serving_after_bad_requests(demo_server):
+    for path, body, *_ in BAD_REQUESTS[:4]:
+        demo_server.request("POST", path, body if isinstance(body, bytes) else json.dumps(body).encode())
+    assert demo_server.healthy()
+    assert chat(demo_server.client(), MESSAGES[0]).choices[0].message.content
+
+
+def test_unknown_routes_and_methods_get_error_objects(demo_server):
+    status, body = demo_server.request("GET", "/v1/embeddings")
+    assert status == 404 and body["error"]["code"] == "not_found"
+    status, body = demo_server.request("GET", "/v1/chat/completions")
+    assert status == 405 and body["error"]["message"]
+
+
+def _raw_exchange(server, head: bytes, body_parts: list[bytes]) -> bytes:
+    """Send a request's head and some body, then read what the server answers (never the rest)."""
+    with socket.create_connection(server.host_port, timeout=10) as sock:
+        sock.sendall(head)
+        for part in body_parts:
+            sock.sendall(part)
+        answer = b""
+        while chunk := sock.recv(65536):
+            answer += chunk
+    return answer
+
+
+def test_a_body_over_the_limit_is_refused_before_it_is_read(demo_server):
+    # Content-Length says 100 MB; 1 KB is sent and the server answers without waiting for the rest.
+    head = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+            b"Content-Length: 100000000\r\n\r\n")
+    answer = _raw_exchange(demo_server, head, [b" " * 1024])
+    assert answer.startswith(b"HTTP/1.1 413")
+    assert json.loads(answer.split(b"\r\n\r\n", 1)[1])["error"]["code"] == "request_too_large"
+    # Chunked, with no length given: refused once the chunks pass the limit (64 KiB here).
+    head = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+            b"Transfer-Encoding: chunked\r\n\r\n")
+    chunk = b"%x\r\n%s\r\n" % (16384, b" " * 16384)
+    answer = _raw_exchange(demo_server, head, [chunk] * 5)
+    assert answer.startswith(b"HTTP/1.1 413")
+    assert demo_server.healthy()
+
+
+# ---- seeds and auth: a fixed draft length (seeds repeat a text only there; README) ---------------
+KEY = "test-key-123"
+
+
+@pytest.fixture(scope="module")
+def keyed_server():
+    server = start_server(*DEMO_ARGS, "--method", "draft", "--draft-len", "4", "--api-key", KEY)
+    yield server
+    assert stop_server(server) == 0, server.log
+
+
+def test_requests_without_the_api_key_get_401(keyed_server):
+    import openai
+
+    with pytest.raises(openai.AuthenticationError) as refused:
+        keyed_server.client(api_key="wrong").models.list()
+    assert refused.value.status_code == 401
+    status, body = keyed_server.post("/v1/completions", {"model": MODEL, "prompt": "x"})
+    assert status == 401 and body["error"]["code"] == "invalid_api_key"
+    assert keyed_server.healthy()  # /health is open: a load balancer's probe carries no key
+    assert [model.id for model in keyed_server.client(api_key=KEY).models.list()] == [MODEL]
+
+
+def test_seeded_sampling_repeats_and_matches_specrun_generate(keyed_server):
+    client = keyed_server.client(api_key=KEY)
+    options = dict(model=MODEL, prompt=PROMPT, max_tokens=32, temperature=0.9)
+
+    def sampled(seed: int) -> str:
+        return client.completions.create(seed=seed, **options).choices[0].text
+
+    first = sampled(7)
+    assert sampled(8) != first  # the seed is used
+    assert sampled(7) == first
+    cli = specrun_json("generate", "-n", "32", "--temp", "0.9", "--seed", "7", "--method", "draft",
+                       "--draft-len", "4", *DEMO_ARGS, PROMPT)[0]
+    assert cli["text"] == first
+    messages = [{"role": "user", "content": MESSAGES[2]}]
+    chats = [client.chat.completions.create(model=MODEL, messages=messages, max_tokens=32, temperature=0.9,
+                                            seed=3).choices[0].message.content for _ in range(2)]
+    assert chats[0] == chats[1]
+
+
+# ---- the command line ----------------------------------------------------------------------------
+def test_a_public_host_without_api_key_warns():
+    # A model that does not exist: the server stops before it ever listens.
+    args = [*SPECRUN, "serve", "--host", "0.0.0.0", "--port", "0", "--target", "/nonexistent/model.gguf"]
+    done = subprocess.run(args, capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 1
+    assert "warning: --host 0.0.0.0" in done.stderr and "--api-key" in done.stderr
+    done = subprocess.run([*args, "--api-key", KEY], capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 1
+    assert "warning" not in done.stderr and "error:" in done.stderr
+
+
+def test_a_port_in_use_is_a_one_line_error():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = str(taken.getsockname()[1])
+        done = subprocess.run([*SPECRUN, "serve", "--port", port], capture_output=True, text=True, timeout=60,
+                              check=False)
+    assert done.returncode == 2
+    assert done.stderr.startswith(f"error: cannot listen on 127.0.0.1:{port}") and "--port" in done.stderr
