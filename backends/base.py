@@ -127,6 +127,10 @@ class Backend(Protocol):
         this returns what ``forward(tokens + tree.tokens, logit_rows)`` would."""
         ...
 
+    def forward_tree_argmax(self, tokens: Sequence[int], tree: TokenTree, logit_rows: Sequence[int]) -> np.ndarray:
+        """Like ``forward_tree`` but return only the argmax ids (len(logit_rows),)."""
+        ...
+
     def keep_path(self, path: Sequence[int]) -> None:
         """Commit the held tree's nodes ``path`` (root-to-node, e.g. a TreeVerdict's path) to the
         cache after the tokens of ``forward_tree``, and drop every other node."""

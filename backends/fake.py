@@ -82,6 +82,8 @@ class FakeBackend:
         self.tree_support.check(tree)
         if self.n_past + len(tokens) + tree.max_depth > self.n_ctx:
             raise ValueError("fake backend context overflow")
+        if any(not 0 <= row < len(tokens) + len(tree) for row in logit_rows):
+            raise ValueError(f"logit rows {list(logit_rows)} fall outside the tokens and nodes fed")
         self.cache.extend(int(t) for t in tokens)
         self.forward_calls += 1
         self.forwarded_tokens += len(tokens) + len(tree)
@@ -95,6 +97,9 @@ class FakeBackend:
                 context = (*self.cache, *(tree.tokens[i] for i in tree.path_to(row - len(tokens))))
             rows.append(np.asarray(self.table(context), dtype=np.float32))
         return np.stack(rows) if rows else np.zeros((0, self.vocab.size), np.float32)
+
+    def forward_tree_argmax(self, tokens: Sequence[int], tree: TokenTree, logit_rows: Sequence[int]) -> np.ndarray:
+        return self.forward_tree(tokens, tree, logit_rows).argmax(axis=-1)
 
     def keep_path(self, path: Sequence[int]) -> None:
         tree = held_tree_for(self._held_tree, self.n_past, path)

@@ -374,6 +374,14 @@ class LlamaCppBackend:
         """One decode for ``tokens`` and the tree: path p is sequence 1 + p, a node carries the
         ids of every path through it, so the KV mask shows each node the context and its
         ancestors only (cells of other paths hold other sequence ids)."""
+        rows = self._decode_tree(tokens, tree, list(logit_rows))
+        return self._output_logits(rows).copy()  # (n_rows, V): the context reuses its buffer
+
+    def forward_tree_argmax(self, tokens: Sequence[int], tree: TokenTree, logit_rows: Sequence[int]) -> np.ndarray:
+        rows = self._decode_tree(tokens, tree, list(logit_rows))
+        return self._output_logits(rows).argmax(axis=-1)
+
+    def _decode_tree(self, tokens: Sequence[int], tree: TokenTree, rows: list[int]) -> list[int]:
         self.tree_support.check(tree)
         tokens = [int(t) for t in tokens]
         n_fed = len(tokens) + len(tree)
@@ -381,24 +389,27 @@ class LlamaCppBackend:
             raise ValueError(f"a tree pass feeds {n_fed} tokens; this context's batch holds {self.n_batch}")
         if self._n_past + n_fed > self.n_ctx:
             raise ContextFullError(f"the context of {self.n_ctx} tokens is full", "shorten the prompt or raise --ctx")
+        if any(not 0 <= row < n_fed for row in rows):
+            raise ValueError(f"logit rows {rows} fall outside the {n_fed} tokens and nodes fed")
         lib, memory = self._lib, self._memory
+        self._held_tree = None
         self._drop_tree_cells()
-        n_paths = len(tree.paths)
-        for path in range(n_paths):  # every path sees the context: cells shared, not copied
-            lib.llama_memory_seq_cp(memory, _SEQ, 1 + path, 0, self._n_past)
-        self._fill_tree_batch(tokens, tree, set(logit_rows))
-        status = lib.llama_decode(self._ctx, self._tree_batch)
-        if status != 0:
-            self._drop_tree_cells()
-            lib.llama_memory_seq_rm(memory, _SEQ, self._n_past, -1)
-            raise ContextFullError(
-                f"llama.cpp decode of a {len(tree)}-node tree failed with status {status} at {self._n_past} "
-                "cached tokens",
-                "shorten the prompt or raise --ctx",
-            )
+        if n_fed:  # llama_decode refuses an empty batch
+            for path in range(len(tree.paths)):  # every path sees the context: cells shared, not copied
+                lib.llama_memory_seq_cp(memory, _SEQ, 1 + path, 0, self._n_past)
+            self._fill_tree_batch(tokens, tree, set(rows))
+            status = lib.llama_decode(self._ctx, self._tree_batch)
+            if status != 0:
+                self._drop_tree_cells()
+                lib.llama_memory_seq_rm(memory, _SEQ, self._n_past, -1)
+                raise ContextFullError(
+                    f"llama.cpp decode of a {len(tree)}-node tree failed with status {status} at "
+                    f"{self._n_past} cached tokens",
+                    "shorten the prompt or raise --ctx",
+                )
         self._n_past += len(tokens)
         self._held_tree = HeldTree(self._n_past, tree)
-        return self._output_logits(list(logit_rows)).copy()  # (n_rows, V)
+        return rows
 
     def _fill_tree_batch(self, tokens: list[int], tree: TokenTree, wanted: set[int]) -> None:
         batch, n_paths = self._tree_batch, len(tree.paths)

@@ -573,8 +573,19 @@ class MlxBackend:
         its ancestors, RoPE places it at n_past + depth. The nodes' keys and values are then
         gathered out of the cache and held for ``keep_path``, so the cache itself only ever
         holds committed tokens."""
+        mx = self._mx
+        logits = self._forward_tree(tokens, tree, list(logit_rows), lambda picked: picked.astype(mx.float32))
+        return np.zeros((0, self.vocab.size), np.float32) if logits is None else np.array(logits)  # (R, V)
+
+    def forward_tree_argmax(self, tokens: Sequence[int], tree: TokenTree, logit_rows: Sequence[int]) -> np.ndarray:
+        mx = self._mx
+        ids = self._forward_tree(tokens, tree, list(logit_rows), lambda picked: mx.argmax(picked, axis=-1))
+        return np.zeros((0,), np.int64) if ids is None else np.array(ids).astype(np.int64)  # (R,): only ids cross
+
+    def _forward_tree(self, tokens: Sequence[int], tree: TokenTree, rows: list[int], reduce):
+        """``reduce`` of the (R, V) logits at ``rows``, evaluated; None when no rows are asked for."""
         self.tree_support.check(tree)
-        tokens, rows = [int(t) for t in tokens], list(logit_rows)
+        tokens = [int(t) for t in tokens]
         n_fed = len(tokens) + len(tree)
         self._check_room(n_fed)
         if any(not 0 <= row < n_fed for row in rows):
@@ -585,22 +596,26 @@ class MlxBackend:
         chain = tokens[split:]
         mx, start = self._mx, self.n_past
         ids = [*chain, *tree.tokens]
-        logits = None
-        if ids:
+        if not ids:
+            self._held_tree, self._held_kv = HeldTree(start, tree), []
+            return None
+        try:
             mask, positions = _tree_layout(mx, start, len(chain), tree)
             with self._tree_pass(mask, positions):
                 logits = self.model(mx.array(ids)[None], cache=self._cache)  # (1, C + n, V)
-        slots = mx.array(np.arange(start + len(chain), start + len(ids)))  # (n,) the nodes' cache slots
-        held = [(layer.keys[..., slots, :], layer.values[..., slots, :]) for layer in self._cache] if tree else []
-        picked = None
-        if rows:
-            picked = self._fit_vocab(logits[0, mx.array([row - split for row in rows])]).astype(mx.float32)  # (R, V)
-        mx.eval(picked, held, self._cache_state())
+            slots = mx.array(np.arange(start + len(chain), start + len(ids)))  # (n,) the nodes' cache slots
+            held = [(layer.keys[..., slots, :], layer.values[..., slots, :]) for layer in self._cache] if tree else []
+            result = reduce(self._fit_vocab(logits[0, mx.array([row - split for row in rows])])) if rows else None
+            mx.eval(result, held, self._cache_state())
+        except BaseException:
+            for layer in self._cache:  # Ctrl-C or a failure mid-pass: back to the tokens before it
+                layer.trim(layer.offset - start)
+            raise
         for layer in self._cache:  # the nodes leave the cache: it holds the committed tokens only
             layer.trim(len(tree))
         self._tokens.extend(chain)
         self._held_tree, self._held_kv = HeldTree(self.n_past, tree), held
-        return np.zeros((0, self.vocab.size), np.float32) if picked is None else np.array(picked)
+        return result
 
     @contextmanager
     def _tree_pass(self, mask, positions):

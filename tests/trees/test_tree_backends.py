@@ -138,6 +138,33 @@ def test_a_chain_shaped_tree_is_a_forward(backend):
     _assert_close(backend, tree_logits, chain_logits)
 
 
+def test_tree_argmax_is_the_argmax_of_the_tree_logits(backend):
+    prompt, tree = _prompt(backend), _tree(backend)
+    backend.forward(prompt[:-1], [])
+    rows = [0, 3, 1, 9, 5]  # any order
+    logits = backend.forward_tree(prompt[-1:], tree, rows)
+    backend.rewind(len(prompt) - 1)
+    ids = backend.forward_tree_argmax(prompt[-1:], tree, rows)
+    assert ids.tolist() == logits.argmax(axis=-1).tolist()
+    backend.keep_path((1, 4))
+    assert backend.n_past == len(prompt) + 2
+
+
+def test_empty_trees_and_rows_outside_the_pass(backend):
+    prompt = _prompt(backend)
+    backend.forward(prompt[:-1], [])
+    empty = TokenTree.chain([])
+    logits = backend.forward_tree(prompt[-1:], empty, [0])  # a plain forward of one token
+    backend.keep_path(())
+    assert backend.n_past == len(prompt)
+    _assert_close(backend, logits, _sequential_logits(backend, prompt)[None])
+    assert backend.forward_tree([], empty, []).shape == (0, backend.vocab.size)
+    backend.keep_path(())
+    with pytest.raises(ValueError, match="logit rows"):
+        backend.forward_tree([1], TokenTree.chain([2]), [2])
+    assert backend.n_past == len(prompt)
+
+
 def test_keep_path_refuses_a_moved_cache_or_a_wrong_path(backend):
     prompt, tree = _prompt(backend), _tree(backend)
     backend.forward(prompt, [])
@@ -149,6 +176,37 @@ def test_keep_path_refuses_a_moved_cache_or_a_wrong_path(backend):
         backend.keep_path((0,))
     assert backend.n_past == len(prompt) + 1
     _assert_close(backend, continued, _sequential_logits(backend, prompt + [3])[None])
+
+
+# F16 cache and llama.cpp's own flash-attention choice: a batch rounds differently from one-token
+# passes (measured 8e-3 on the tiny llama), so argmaxes agree wherever the top two are this far apart.
+DEFAULT_PRECISION_TOLERANCE = 0.03
+
+
+def test_llama_trees_at_default_precision_agree_within_rounding(tiny_llama):
+    pytest.importorskip("llama_cpp", reason="the llama backend is not installed")
+    from specrun.backends.llama import LlamaCppBackend
+
+    backend = LlamaCppBackend(tiny_llama.gguf_path, n_ctx=256, n_batch=64, tree_paths=8)
+    try:
+        prompt, tree = _prompt(backend), _tree(backend)
+        backend.forward(prompt[:-1], [])
+        logits = backend.forward_tree(prompt[-1:], tree, range(1 + len(tree)))
+        backend.keep_path((1, 4, 6))
+        after = backend.forward([9], [0])
+        expected = np.stack(
+            [_sequential_logits(backend, prompt + [tree.tokens[i] for i in tree.path_to(node)])
+             for node in range(-1, len(tree))]
+            + [_sequential_logits(backend, prompt + [tree.tokens[i] for i in (1, 4, 6)] + [9])]
+        )
+        got = np.concatenate([logits, after])
+        assert np.abs(got - expected).max() <= DEFAULT_PRECISION_TOLERANCE
+        top_two = np.sort(expected, axis=-1)[:, -2:]
+        clear = top_two[:, 1] - top_two[:, 0] > 2 * DEFAULT_PRECISION_TOLERANCE
+        assert clear.sum() >= len(clear) // 2  # the argmax check below covers most rows
+        assert (got.argmax(axis=-1) == expected.argmax(axis=-1))[clear].all()
+    finally:
+        backend.close()
 
 
 # ---- backends that cannot verify trees say why ----------------------------------------------
