@@ -18,6 +18,7 @@ from specrun.cli.common import (
     GpuLayersOpt,
     KvTypeOpt,
     MaxTokensOpt,
+    PipeConsole,
     RegistryOpt,
     SeedOpt,
     TargetOpt,
@@ -247,7 +248,7 @@ def run_and_show(config, prompts, json_out: Path | None, report_out: Path | None
     # A pipe gets Rich's 80 columns by default, too few for the tables.
     err = Console(stderr=True, width=None if sys.stderr.isatty() else PIPE_WIDTH)
     json_to_stdout = json_out is not None and str(json_out) == "-"
-    out = err if json_to_stdout else Console(file=sys.stdout, width=None if sys.stdout.isatty() else PIPE_WIDTH)
+    out = err if json_to_stdout else PipeConsole(file=sys.stdout, width=None if sys.stdout.isatty() else PIPE_WIDTH)
     lines = "methods × draft lengths" if config.sweep else "methods"
     err.print(
         f"{config.target} + {config.draft or 'no draft model'}: {count_of(len(prompts), 'prompt')} × "

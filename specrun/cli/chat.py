@@ -34,6 +34,7 @@ from specrun.cli.common import (
     MethodOpt,
     MinPOpt,
     NgramCacheOpt,
+    PipeConsole,
     RegistryOpt,
     SeedOpt,
     TargetOpt,
@@ -45,8 +46,8 @@ from specrun.cli.common import (
     check_kv_type,
     checked_sampling,
     checked_text,
-    read_stdin_text,
     cli_errors,
+    read_stdin_text,
 )
 from specrun.errors import SpecrunError, UsageError
 
@@ -210,7 +211,7 @@ class AnswerView:
 
 def _console(**options) -> Console:
     """A Rich console that prints text verbatim: no markup, emoji codes, highlighting or wrapping."""
-    return Console(highlight=False, markup=False, emoji=False, soft_wrap=True, **options)
+    return PipeConsole(highlight=False, markup=False, emoji=False, soft_wrap=True, **options)
 
 
 def stats_line(done) -> str:

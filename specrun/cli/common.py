@@ -10,11 +10,14 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
+from rich.console import Console
 
 from specrun.errors import SpecrunError, UsageError
 
 MAX_NEW_TOKENS = 1_000_000
 MAX_DRAFT_LEN = 64
+# What a shell reports for a command a closed pipe stopped (128 + SIGPIPE): `specrun … | head`.
+BROKEN_PIPE_EXIT = 141
 
 
 @contextlib.contextmanager
@@ -30,6 +33,11 @@ def cli_errors():
     except KeyboardInterrupt:
         typer.echo("interrupted", err=True)
         raise typer.Exit(130) from None
+    except BrokenPipeError:
+        # The reader has gone (`| head`): stop quietly. Python flushes stdout again at exit, so
+        # point it at /dev/null first, or that flush prints "Exception ignored … BrokenPipeError".
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        raise typer.Exit(BROKEN_PIPE_EXIT) from None
     except (typer.Exit, typer.Abort):
         raise
     except Exception as exc:  # an unexpected failure: still one line unless debugging
@@ -40,6 +48,17 @@ def cli_errors():
             err=True,
         )
         raise typer.Exit(1) from None
+
+
+class PipeConsole(Console):
+    """A Rich console whose closed pipe ends the run as any other command's does (cli_errors).
+
+    Rich's own handler exits 1, which a caller cannot tell from a failure.
+    """
+
+    def on_broken_pipe(self) -> None:
+        self.quiet = True
+        raise BrokenPipeError
 
 
 def read_prompt(prompt: str | None) -> str:

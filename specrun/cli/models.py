@@ -14,10 +14,9 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
-from specrun.cli.common import BackendOpt, DraftOpt, JsonOpt, RegistryOpt, TargetOpt, cli_errors
+from specrun.cli.common import BackendOpt, DraftOpt, JsonOpt, PipeConsole, RegistryOpt, TargetOpt, cli_errors
 from specrun.errors import SpecrunError, UsageError
 from specrun.registry.hub import (
     SOURCE_KINDS,
@@ -231,9 +230,9 @@ def _print_verdict(target: str, draft: str, verdict: PairCheck) -> None:
     typer.echo(f"  target: {verdict.target_source}\n  draft:  {verdict.draft_source}")
 
 
-def _stdout_console() -> Console:
+def _stdout_console() -> PipeConsole:
     """Rich on stdout; wide enough when piped that rows are not cut."""
-    return Console(width=None if sys.stdout.isatty() else 200)
+    return PipeConsole(width=None if sys.stdout.isatty() else 200)
 
 
 def _gigabytes(size: int) -> str:

@@ -15,6 +15,7 @@ from specrun.cli.common import (
     BackendOpt,
     DraftOpt,
     MaxTokensOpt,
+    PipeConsole,
     RegistryOpt,
     TargetOpt,
     ThreadsOpt,
@@ -37,7 +38,7 @@ def tune(
     with cli_errors():
         from specrun.sessions import tuning
 
-        out = Console(file=sys.stdout)
+        out = PipeConsole(file=sys.stdout)
         if show:
             out.print(render(tuning.load_all()))
             return
