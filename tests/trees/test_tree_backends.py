@@ -224,6 +224,35 @@ def test_a_llama_context_for_chains_declares_no_trees(tiny_llama):
         backend.close()
 
 
+def test_a_tree_context_decodes_chains_as_a_chains_only_context_does(tiny_llama):
+    with_trees, chains_only = open_llama(tiny_llama, tree_paths=8), open_llama(tiny_llama)
+    try:
+        prompt = _prompt(with_trees)
+        rows = list(range(len(prompt)))
+        _assert_close(with_trees, with_trees.forward(prompt, rows), chains_only.forward(prompt, rows))
+    finally:
+        with_trees.close()
+        chains_only.close()
+
+
+def test_an_interrupted_mlx_tree_pass_leaves_the_cache_as_before(tiny_llama):
+    backend = open_mlx(tiny_llama)
+    prompt, tree = _prompt(backend), _tree(backend)
+    backend.forward(prompt, [])
+
+    def interrupted(logits):
+        raise KeyboardInterrupt  # after the model call has written the nodes into every layer
+
+    backend._fit_vocab = interrupted
+    with pytest.raises(KeyboardInterrupt):
+        backend.forward_tree([5], tree, [0, 1])
+    del backend._fit_vocab
+    assert backend.n_past == len(prompt)
+    with pytest.raises(ValueError, match="keep_path needs"):
+        backend.keep_path(())
+    _assert_close(backend, backend.forward([5], [0]), _sequential_logits(backend, prompt + [5])[None])
+
+
 def test_a_llama_tree_with_more_paths_than_the_context_holds_is_refused(tiny_llama):
     backend = open_llama(tiny_llama, tree_paths=2)
     try:
