@@ -458,10 +458,12 @@ class PairWorker:
         self._ready.set()
         try:
             while (job := self.jobs.get()) is not None:
-                if not job.cancelled.is_set():
-                    self._current = job
-                    self._answer(job)
-                    self._current = None
+                if job.cancelled.is_set():
+                    self.log(f"{job.id}: the client left while queued; dropped")
+                    continue
+                self._current = job
+                self._answer(job)
+                self._current = None
         finally:
             self.session.close()
 

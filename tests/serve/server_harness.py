@@ -66,7 +66,7 @@ class Server:
             if found is not None:
                 return found
             time.sleep(0.05)
-        raise AssertionError(f"the server never logged {pattern!r}; it logged: {self.log}")
+        raise AssertionError(f"the server never logged {pattern!r}; its last lines: {self.log[-5:]}")
 
 
 def start_server(*args: str, env: dict[str, str] | None = None) -> Server:

@@ -1,0 +1,132 @@
+"""`specrun serve` under load: concurrent clients get exactly their sequential answers, and a client
+killed mid-stream neither stalls nor changes anyone else's."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+from server_harness import Server
+
+MODEL = "demo-target"
+CLIENTS = 16
+REQUESTS_PER_CLIENT = 4
+MAX_TOKENS = 16
+LOAD_TIMEOUT_S = 90  # the whole concurrent phase; each request also has the client's own timeout
+SHARED_SYSTEM = "You write short Python functions."
+
+
+def messages_for(client: int, request: int) -> list[dict]:
+    """Each request its own prompt; half the clients share a system prompt, so cached prefixes
+    are reused across clients as well as broken by them."""
+    user = {"role": "user", "content": f"def handler_{client}_{request}(event, retries={request}):"}
+    return [{"role": "system", "content": SHARED_SYSTEM}, user] if client % 2 else [user]
+
+
+def answer(server: Server, messages: list[dict], stream: bool, max_tokens: int = MAX_TOKENS) -> tuple[str, str]:
+    """(text, finish_reason) of one chat completion at temperature 0."""
+    client = server.client()
+    options = dict(model=MODEL, messages=messages, max_tokens=max_tokens, temperature=0)
+    if not stream:
+        choice = client.chat.completions.create(**options).choices[0]
+        return choice.message.content, choice.finish_reason
+    chunks = [c for c in client.chat.completions.create(stream=True, **options) if c.choices]
+    return "".join(c.choices[0].delta.content or "" for c in chunks), chunks[-1].choices[0].finish_reason
+
+
+def test_concurrent_clients_get_their_sequential_answers(demo_server):
+    keys = [(client, request) for client in range(CLIENTS) for request in range(REQUESTS_PER_CLIENT)]
+    sequential = {key: answer(demo_server, messages_for(*key), stream=False) for key in keys}
+    served_before = demo_server.request("GET", "/health")[1]["served"]
+
+    def one_client(client: int) -> dict:
+        # Streamed and whole answers alternate: both must match the sequential (whole) answer.
+        return {(client, request): answer(demo_server, messages_for(client, request), stream=request % 2 == 1)
+                for request in range(REQUESTS_PER_CLIENT)}
+
+    started = time.monotonic()
+    with ThreadPoolExecutor(CLIENTS) as pool:
+        futures = [pool.submit(one_client, client) for client in range(CLIENTS)]
+        concurrent = {}
+        for future in futures:
+            concurrent.update(future.result(timeout=max(1.0, LOAD_TIMEOUT_S - (time.monotonic() - started))))
+
+    assert len(concurrent) == CLIENTS * REQUESTS_PER_CLIENT  # none lost
+    assert all(text for text, _ in concurrent.values())
+    assert concurrent == sequential
+    status, health = demo_server.request("GET", "/health")
+    assert status == 200 and health["status"] == "ok" and health["queued"] == 0
+    assert health["served"] == served_before + CLIENTS * REQUESTS_PER_CLIENT
+
+
+VICTIM = """
+import sys, openai
+client = openai.OpenAI(base_url=sys.argv[1], api_key="unused", max_retries=0)
+stream = client.chat.completions.create(model="demo-target", max_tokens=1500, temperature=0, stream=True,
+                                        messages=[{"role": "user", "content": "class Parser:"}])
+for chunk in stream:
+    if chunk.choices and chunk.choices[0].delta.content:
+        print("streaming", flush=True)
+"""
+
+
+def test_a_client_killed_mid_stream_disturbs_no_one(demo_server):
+    victim_messages = [{"role": "user", "content": "class Parser:"}]
+    others = [messages_for(client, 0) for client in range(4)]
+    expected = [answer(demo_server, messages, stream=False) for messages in others]
+    victim_start = answer(demo_server, victim_messages, stream=False)
+
+    victim = subprocess.Popen([sys.executable, "-c", VICTIM, demo_server.url], stdout=subprocess.PIPE, text=True)
+    try:
+        first = victim.stdout.readline()  # its answer is streaming: the pair is busy with it
+        assert first.strip() == "streaming"
+        with ThreadPoolExecutor(len(others)) as pool:
+            # The others queue behind the victim, which dies while they wait.
+            futures = [pool.submit(answer, demo_server, messages, index % 2 == 1)
+                       for index, messages in enumerate(others)]
+            time.sleep(0.2)
+            victim.kill()
+            results = [future.result(timeout=60) for future in futures]
+    finally:
+        victim.kill()
+        victim.wait()
+    assert results == expected
+    # The server noticed and stopped the victim's generation early (1500 tokens were asked for).
+    demo_server.wait_for_log("the client left")
+    assert demo_server.healthy()
+    # The caches were left exact: the victim's prompt still gets its answer.
+    assert answer(demo_server, victim_messages, stream=True) == victim_start
+
+
+def test_a_client_gone_while_queued_is_dropped_unserved(demo_server):
+    """A whole (not streamed) request whose client leaves while it waits in the queue is never run."""
+    served_before = demo_server.request("GET", "/health")[1]["served"]
+    victim = subprocess.Popen([sys.executable, "-c", VICTIM, demo_server.url], stdout=subprocess.PIPE, text=True)
+    try:
+        assert victim.stdout.readline().strip() == "streaming"
+        waiting = subprocess.Popen([sys.executable, "-c", QUEUED, demo_server.url])
+        deadline = time.monotonic() + 30
+        while demo_server.request("GET", "/health")[1]["queued"] == 0:  # until it waits behind the victim
+            assert time.monotonic() < deadline and waiting.poll() is None
+            time.sleep(0.05)
+        waiting.kill()
+        waiting.wait()
+        time.sleep(0.5)  # the server polls a waiting client's connection every 0.25 s
+        victim.kill()
+    finally:
+        victim.kill()
+        victim.wait()
+    demo_server.wait_for_log("the client left while queued")
+    assert demo_server.healthy()
+    assert demo_server.request("GET", "/health")[1]["served"] == served_before
+
+
+QUEUED = """
+import sys, openai
+client = openai.OpenAI(base_url=sys.argv[1], api_key="unused", max_retries=0)
+client.chat.completions.create(model="demo-target", max_tokens=1500, temperature=0,
+                               messages=[{"role": "user", "content": "class Lexer:"}])
+"""
+
