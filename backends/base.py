@@ -73,7 +73,9 @@ class Backend(Protocol):
     like ``forward`` and then holds the nodes of a TokenTree provisionally, each at
     position n_past + depth and attending to the context and its own ancestors only;
     ``keep_path`` then commits one root-to-node path and drops the other nodes. Until it
-    does, ``n_past`` counts only the committed tokens, and ``rewind`` drops the tree.
+    does, ``n_past`` counts only the committed tokens; a forward or rewind that moves the
+    cache in between drops the tree (``keep_path`` then refuses). Check
+    ``tree_support.available`` first: a backend without trees says why in its ``reason``.
     """
 
     name: str
