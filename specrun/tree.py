@@ -116,6 +116,13 @@ class TokenTree:
             parent = node
         return True
 
+    def logit_rows(self, n_tokens: int) -> range:
+        """The rows to ask ``forward_tree`` for when it feeds ``n_tokens`` tokens before the
+        tree: the root's (the last token fed) and every node's, in the verifier's row order."""
+        if n_tokens < 1:
+            raise ValueError("the root's logits come from the last token fed: feed at least one")
+        return range(n_tokens - 1, n_tokens + len(self))
+
     def prefix(self, n_nodes: int) -> TokenTree:
         """The first ``n_nodes`` nodes: still a tree, since parents precede children."""
         if n_nodes >= len(self):

@@ -66,6 +66,14 @@ def test_every_prefix_is_a_valid_tree(n_nodes):
         assert pruned.is_path(path) and pruned.children_of(path[-1]) == ()
 
 
+def test_logit_rows_are_the_root_and_every_node():
+    tree = TokenTree(TOKENS, PARENTS)
+    assert list(tree.logit_rows(3)) == [2, 3, 4, 5, 6, 7, 8]
+    assert list(TokenTree.chain([]).logit_rows(1)) == [0]
+    with pytest.raises(ValueError, match="at least one"):
+        tree.logit_rows(0)
+
+
 def test_trees_compare_by_tokens_and_parents():
     assert TokenTree(TOKENS, PARENTS) == TokenTree(list(TOKENS), list(PARENTS))
     assert TokenTree(TOKENS, PARENTS) != TokenTree(TOKENS, (-1, -1, 0, 0, 2, 0))

@@ -84,8 +84,7 @@ def test_tree_logits_equal_sequential_decoding(backend):
     assert backend.tree_support.available, backend.tree_support.reason
     prompt, tree = _prompt(backend), _tree(backend)
     backend.forward(prompt[:-2], [])
-    rows = list(range(1, 2 + len(tree)))  # the root (the last prompt token) and every node
-    logits = backend.forward_tree(prompt[-2:], tree, rows)  # (1 + n, V)
+    logits = backend.forward_tree(prompt[-2:], tree, tree.logit_rows(2))  # (1 + n, V): the root and every node
     assert backend.n_past == len(prompt)  # the nodes are held, not committed
     expected = np.stack(
         [_sequential_logits(backend, prompt)]
