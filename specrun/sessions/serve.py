@@ -32,6 +32,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from specrun.backends.kv import common_prefix_len
 from specrun.engine.loop import Finished, GenerationParams, TextChunk
 from specrun.engine.stats import Stats
 from specrun.errors import SpecrunError, UsageError
@@ -58,7 +59,7 @@ _INERT_FIELDS = {
     "tool_choice": (None, "none", "auto"),
     "functions": (None,),
     "function_call": (None, "none", "auto"),
-    "response_format": (None,),
+    "response_format": (None, {"type": "text"}),
     "echo": (False, None),
     "best_of": (1, None),
     "suffix": (None, ""),
@@ -476,8 +477,6 @@ class PairWorker:
         except SpecrunError as exc:  # a chat template that refuses the conversation
             job.emit(Failed(RequestError(exc.one_line(), "messages" if job.request.is_chat else "prompt")))
             return
-        from specrun.backends.kv import common_prefix_len
-
         session = self.session
         reused = min(common_prefix_len(session.engine.target.tokens, prompt_ids), len(prompt_ids) - 1)
         job.emit(Started(len(prompt_ids), reused))
