@@ -342,7 +342,7 @@ _FINISH_REASONS = {"eos": "stop", "length": "length", "context": "length"}
 
 class Job:
     """One request waiting for, or being served by, the worker. Events reach the request's
-    event loop through ``events``; ``cancel`` stops the generation at its next verify pass."""
+    event loop (``next_event``); ``cancel`` stops the generation at its next verify pass."""
 
     def __init__(self, request: CompletionRequest, loop: asyncio.AbstractEventLoop) -> None:
         self.request = request
