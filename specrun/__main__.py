@@ -1,3 +1,3 @@
-from specrun.cli.app import main
+from specrun.cli import main
 
 main()

@@ -165,7 +165,18 @@ app.command("tune")(tune)
 
 
 def main() -> None:
-    app()
+    from specrun.cli.interrupts import INTERRUPTED_EXIT, raise_on_interrupt, say_interrupted_once
+
+    raise_on_interrupt()
+    try:
+        app()
+    except KeyboardInterrupt:  # while Typer builds the command, before its own handler
+        say_interrupted_once()
+        raise SystemExit(INTERRUPTED_EXIT) from None
+    except SystemExit as exc:
+        if exc.code == INTERRUPTED_EXIT:
+            say_interrupted_once()
+        raise
 
 
 if __name__ == "__main__":

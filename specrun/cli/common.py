@@ -12,6 +12,7 @@ from typing import Annotated, Optional
 import typer
 from rich.console import Console
 
+from specrun.cli.interrupts import INTERRUPTED_EXIT, say_interrupted
 from specrun.errors import SpecrunError, UsageError
 
 MAX_NEW_TOKENS = 1_000_000
@@ -31,8 +32,8 @@ def cli_errors():
         typer.echo(f"error: {exc.one_line()}", err=True)
         raise typer.Exit(exc.exit_code) from None
     except KeyboardInterrupt:
-        typer.echo("interrupted", err=True)
-        raise typer.Exit(130) from None
+        say_interrupted()
+        raise typer.Exit(INTERRUPTED_EXIT) from None
     except BrokenPipeError:
         # The reader has gone (`| head`): stop quietly. Python flushes stdout again at exit, so
         # point it at /dev/null first, or that flush prints "Exception ignored … BrokenPipeError".

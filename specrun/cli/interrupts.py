@@ -1,0 +1,76 @@
+"""Ctrl-C at any moment ends specrun with status 130 and no traceback.
+
+Three moments need care beyond ``cli_errors`` (which turns KeyboardInterrupt into one
+line and exit 130 while a command runs):
+
+- while the command's modules import (Typer, Rich, NumPy): nothing is open or written
+  yet, so the process leaves at once;
+- inside a callback from native code, such as llama.cpp's log callback while a model
+  loads: a callback cannot raise, so Python prints "Exception ignored … KeyboardInterrupt"
+  and the run went on to the end. The interrupt is delivered again until it lands in
+  Python code that can raise it;
+- Typer turns a KeyboardInterrupt outside the command (while it parses) into exit 130
+  silently; ``main`` then says "interrupted" as cli_errors does.
+
+This module imports only the standard library: it runs before anything heavy.
+"""
+
+from __future__ import annotations
+
+import _thread
+import os
+import signal
+import sys
+import time
+
+INTERRUPTED_EXIT = 130
+_said = False
+
+
+def exit_at_once_on_interrupt() -> None:
+    """Until ``raise_on_interrupt``: Ctrl-C prints one line and exits 130 immediately."""
+    signal.signal(signal.SIGINT, _exit_interrupted)
+
+
+def raise_on_interrupt() -> None:
+    """Ctrl-C raises KeyboardInterrupt again (for cli_errors), also when it lands in a native callback."""
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    if not getattr(sys.unraisablehook, "redelivers_interrupts", False):
+        sys.unraisablehook = _redelivering(sys.unraisablehook)
+
+
+def say_interrupted() -> None:
+    """The one line an interrupted run ends with (cli_errors)."""
+    global _said
+    _said = True
+    print("interrupted", file=sys.stderr, flush=True)
+
+
+def say_interrupted_once() -> None:
+    """For an interrupt that reached the top some other way (Typer's own exit 130)."""
+    if not _said:
+        say_interrupted()
+
+
+def _exit_interrupted(signum, frame) -> None:
+    os.write(2, b"interrupted\n")
+    os._exit(INTERRUPTED_EXIT)
+
+
+def _interrupt_main_soon() -> None:
+    time.sleep(0.001)  # let the callback return to native code first
+    _thread.interrupt_main()
+
+
+def _redelivering(previous):
+    def hook(unraisable) -> None:
+        if isinstance(unraisable.exc_value, KeyboardInterrupt):
+            # Sent from another thread, so that it is not raised inside this hook; if it lands
+            # in the next native callback, this hook sends it again. No threading.Thread: its
+            # start() waits in Python code, where the interrupt could arrive.
+            _thread.start_new_thread(_interrupt_main_soon, ())
+            return
+        previous(unraisable)
+
+    hook.redelivers_interrupts = True
+    return hook
