@@ -86,6 +86,11 @@ class KVSequence:
         deferred.add_hook(lambda ids: self.tokens.extend(int(t) for t in ids[:-1]))
         return deferred
 
+    @property
+    def can_feed_after(self) -> bool:
+        """Can this model queue a pass on another model's deferred ids (``feed_argmax_after``)?"""
+        return hasattr(self.backend, "forward_argmax_after")
+
     def feed_argmax_after(self, tokens: Sequence[int], deferred) -> tuple[np.ndarray, np.ndarray]:
         """Append ``tokens`` and then another backend's deferred ids in one pass: the argmax
         at every row fed (len(tokens) + n,) and the ids (n,), with one host sync for both."""

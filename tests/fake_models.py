@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import zlib
 from functools import lru_cache
 
 import numpy as np
@@ -9,6 +10,7 @@ import numpy as np
 from specrun.backends.fake import FakeBackend
 
 COPYING_VOCAB = 50
+VOCAB = 64  # the simulated-clock fakes' vocabulary (test_adaptive, test_learned)
 REPEATING_PROMPT = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12] * 2 + [1, 2, 3]
 
 
@@ -51,3 +53,41 @@ def noisy_copy(salt: int, vocab_size: int = COPYING_VOCAB):
     target = copying_logits(salt, vocab_size=vocab_size)
     extra = hashed_logits(vocab_size, salt + 100, spread=1.5)
     return lambda context: target(context) + extra(context)
+
+
+# ---- fakes on a simulated clock: set costs, set acceptance ----------------------------
+class SimClock:
+    """Simulated seconds: fake backends advance it by their set costs."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class CostedFake(FakeBackend):
+    """A fake whose forward pass costs ``base + per_token * n`` simulated seconds."""
+
+    def __init__(self, table, clock: SimClock, base: float, per_token: float, vocab_size: int = VOCAB) -> None:
+        super().__init__(table, vocab_size, n_ctx=100_000)
+        self.clock, self.base, self.per_token = clock, base, per_token
+
+    def forward(self, tokens, logit_rows):
+        self.clock.now += self.base + self.per_token * len(tokens)
+        return super().forward(tokens, logit_rows)
+
+
+def agreeing_draft(target_table, alpha: float):
+    """Greedy agreement with the target exactly ``alpha`` of the time, decided per context."""
+
+    def table(context):
+        logits = target_table(context).copy()
+        # crc32, not hash(): str hashing is salted per process, and the test must not depend on it.
+        coin = np.random.default_rng(zlib.crc32(repr(("agree", context)).encode())).random()
+        if coin >= alpha:  # disagree: make the target's runner-up the draft's top choice
+            order = np.argsort(logits)
+            logits[order[-2]] = logits[order[-1]] + 1.0
+        return logits
+
+    return table

@@ -321,7 +321,7 @@ def fake_engine(scenario: Scenario) -> SpeculativeEngine:
     """The scenario's method on the fake pair. Forward passes cost simulated seconds (a target
     pass 1 s plus 0.02 s a token, a draft token 0.02 s) so adaptive runs are deterministic
     and find speculating worth it."""
-    from test_adaptive import CostedFake, SimClock
+    from fake_models import CostedFake, SimClock
 
     clock = SimClock()
     table = _target_table()

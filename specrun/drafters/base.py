@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import ClassVar, Protocol
 
 import numpy as np
 
@@ -56,9 +56,33 @@ EMPTY_PROPOSAL = Proposal()
 
 
 class Drafter(Protocol):
-    """Proposes up to ``draft_len`` tokens that may follow ``context``."""
+    """Proposes up to ``draft_len`` tokens that may follow ``context``.
+
+    Drafters subclass this to declare what they can do; the defaults say "nothing more".
+    The engine reads these declarations and never probes a drafter for attributes.
+    """
 
     name: str
+    # Drafting time grows with the length asked (a draft model: one pass per token), so the
+    # policy chooses its length before it drafts; a cheap drafter's proposal is made whole
+    # and cut afterwards.
+    pays_per_token: ClassVar[bool] = False
+    # Acceptance the policy presumes before evidence: by Proposal.kind where the drafter
+    # knows its odds differ by kind, else one figure (None: the policy's default).
+    kind_priors: ClassVar[Mapping[str, float]] = {}
+    prior_accept: ClassVar[float | None] = None
+    min_prob: float = 0.0  # a confidence stop on drafting (the draft model's)
+    # A chain takes a member's proposal once it has this many tokens (0: a lone drafter's
+    # proposal is taken whatever its length).
+    min_tokens: int = 0
+    # Of the latest call, seconds spent reading context this drafter did not draft: a cost
+    # of switching to it, not of the length asked (a draft model's catch-up).
+    catch_up_seconds: float = 0.0
+
+    @property
+    def members(self) -> tuple["Drafter", ...]:
+        """The drafters the engine asks in turn: a chain's members, else this drafter."""
+        return (self,)
 
     def propose(
         self,
@@ -68,8 +92,36 @@ class Drafter(Protocol):
         rng: np.random.Generator,
     ) -> Proposal: ...
 
+    def ask(
+        self,
+        member: int,
+        context: Sequence[int],
+        draft_len: int,
+        sampling: SamplingSettings,
+        rng: np.random.Generator,
+    ) -> Proposal:
+        """Member ``member``'s proposal (``members``' index): how the engine asks a chain."""
+        return self.members[member].propose(context, draft_len, sampling, rng)
+
+    def bind(self, target_vocab_size: int, clock: Callable[[], float]) -> None:
+        """The engine's target vocabulary size (draft rows must cover its ids) and clock."""
+
+    def prefill(self, context: Sequence[int]) -> None:
+        """Read the prompt before the first step (timed as prefill, not drafting)."""
+
+    def can_defer(self, sampling: SamplingSettings) -> bool:
+        """Can ``propose_deferred`` draft for these settings (greedy drafts left on the device)?"""
+        return False
+
+    def propose_deferred(self, context: Sequence[int], draft_len: int):
+        """Greedy drafts as the backend's deferred ids, or None: only where ``can_defer``."""
+        raise NotImplementedError(f"{self.name} cannot defer its drafts")
+
     def finish(self, context: Sequence[int]) -> None:
         """Generation ended at ``context``: leave any cache holding exactly it."""
-        ...
 
-    def close(self) -> None: ...
+    def recover(self) -> None:
+        """After an interruption: repair any index left half-updated."""
+
+    def close(self) -> None:
+        """Free what the drafter holds."""

@@ -8,7 +8,7 @@ from time import perf_counter
 import numpy as np
 
 from specrun.backends.base import Backend
-from specrun.drafters.base import EMPTY_PROPOSAL, Proposal
+from specrun.drafters.base import EMPTY_PROPOSAL, Drafter, Proposal
 from specrun.backends.kv import sequence_for
 from specrun.sampling import SamplingSettings, probabilities, sample, top_probability
 
@@ -18,7 +18,7 @@ from specrun.sampling import SamplingSettings, probabilities, sample, top_probab
 CATCH_UP_TOKENS = 2
 
 
-class DraftModelDrafter:
+class DraftModelDrafter(Drafter):
     """Drafts with its own KV cache, kept in step with the target's context.
 
     The draft must also see tokens it did not draft: after a rejection the
@@ -33,20 +33,22 @@ class DraftModelDrafter:
     """
 
     name = "draft"
+    pays_per_token = True
 
     def __init__(self, backend: Backend, min_prob: float = 0.0) -> None:
         self.backend = backend
         self.min_prob = min_prob
         self.sequence = sequence_for(backend)
-        # Set by an adaptive engine: maps the longest allowed draft to the one worth drafting.
-        self.length_policy: Callable[[int], int] | None = None
-        # Set by the engine: the target's vocabulary size, when padding makes it differ.
-        self.target_vocab_size = backend.vocab.size
-        self.clock: Callable[[], float] = perf_counter  # set by the engine to its own clock
+        self.target_vocab_size = backend.vocab.size  # the target's (bind), when padding makes it differ
+        self.clock: Callable[[], float] = perf_counter  # the engine's own clock (bind)
         # Of the latest call, the seconds spent reading context this model did not draft
         # (what other drafters proposed and the target accepted): a cost of switching to it,
         # not of the draft length it was asked for.
         self.catch_up_seconds = 0.0
+
+    def bind(self, target_vocab_size: int, clock: Callable[[], float]) -> None:
+        self.target_vocab_size = target_vocab_size
+        self.clock = clock
 
     def propose(
         self,
@@ -57,8 +59,6 @@ class DraftModelDrafter:
     ) -> Proposal:
         draft_len = min(draft_len, self.backend.n_ctx - len(context))
         self.catch_up_seconds = 0.0
-        if self.length_policy is not None and draft_len > 0:
-            draft_len = self.length_policy(draft_len)
         if draft_len <= 0:
             return EMPTY_PROPOSAL
         pending = self._catch_up(context)
@@ -109,7 +109,6 @@ class DraftModelDrafter:
         return (
             sampling.greedy
             and self.min_prob <= 0.0
-            and self.length_policy is None
             and self.target_vocab_size == self.backend.vocab.size
             and getattr(self.backend, "can_defer", False)
         )

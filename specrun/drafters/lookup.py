@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from specrun.drafters.base import EMPTY_PROPOSAL, Proposal
+from specrun.drafters.base import EMPTY_PROPOSAL, Drafter, Proposal
 from specrun.backends.kv import common_prefix_len
 from specrun.sampling import SamplingSettings
 
@@ -70,7 +70,7 @@ class ContextMirror:
         self._source = None
 
 
-class PromptLookupDrafter:
+class PromptLookupDrafter(Drafter):
     """Matches the last n tokens (longest n first) against prompt + output.
 
     Of several earlier occurrences the most recent wins: the text being edited or

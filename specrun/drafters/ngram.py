@@ -42,7 +42,7 @@ from pathlib import Path
 import numpy as np
 
 from specrun.backends.base import Backend
-from specrun.drafters.base import EMPTY_PROPOSAL, Proposal
+from specrun.drafters.base import EMPTY_PROPOSAL, Drafter, Proposal
 from specrun.drafters.lookup import ContextMirror
 from specrun.errors import SpecrunError
 from specrun.fileio import MiB, check_writable_folder, read_limited, write_atomically
@@ -101,7 +101,7 @@ def _same_vocabulary(stored: str, ours: str) -> bool:
     return stored == ours or (_vocabulary_size(ours) is not None and stored == ours.partition(":")[2])
 
 
-class NgramPoolDrafter:
+class NgramPoolDrafter(Drafter):
     """Proposes the most likely continuation under counts learned from all text seen.
 
     ``cache_path``: when set, ``close()`` saves the pool there (only if it learned

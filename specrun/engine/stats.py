@@ -62,9 +62,15 @@ class Stats:
 
     def add(self, other: Stats) -> None:
         """Add another generation's counts and timings (a chat's answers summed up)."""
-        for name in ("prompt_tokens", "new_tokens", "steps", "drafted", "accepted", "prefill_seconds",
-                     "draft_seconds", "verify_seconds", "generation_seconds"):
-            setattr(self, name, getattr(self, name) + getattr(other, name))
+        self.prompt_tokens += other.prompt_tokens
+        self.new_tokens += other.new_tokens
+        self.steps += other.steps
+        self.drafted += other.drafted
+        self.accepted += other.accepted
+        self.prefill_seconds += other.prefill_seconds
+        self.draft_seconds += other.draft_seconds
+        self.verify_seconds += other.verify_seconds
+        self.generation_seconds += other.generation_seconds
         self.accepted_hist = [a + b for a, b in itertools.zip_longest(self.accepted_hist, other.accepted_hist,
                                                                        fillvalue=0)]
         for source, counts in other.by_source.items():

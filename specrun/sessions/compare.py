@@ -270,7 +270,7 @@ def forget_learned(engine: SpeculativeEngine) -> None:
     estimates learned on earlier prompts (or earlier repeats of this one) would flatter it.
     Kept: the target's and the drafters' costs (tune saves those) and a pool with a cache
     file."""
-    engine.forget_acceptance()
+    engine.policy.forget_acceptance()
     members = getattr(engine.drafter, "drafters", (engine.drafter,))
     for member in members:
         if hasattr(member, "forget") and getattr(member, "cache_path", None) is None:

@@ -67,7 +67,7 @@ class TuneResult:
         the target's and the draft model's costs, and the draft model's measured acceptance
         in place of the optimistic prior its controller would otherwise start from."""
         name = DraftModelDrafter.name
-        engine.use_tuned(
+        engine.policy.use_tuned(
             self.target_costs,
             {name: self.draft_costs},
             {name: self.first_acceptance} if self.first_acceptance > 0.0 else {},
@@ -99,8 +99,8 @@ def learn_from_run(engine: SpeculativeEngine, target: Backend, draft: Backend, k
     gap it had reached, instead of explored afresh in every one. None when the run measured
     nothing of the draft model."""
     name = DraftModelDrafter.name
-    costs = engine.draft_costs.get(name)
-    controller = engine.controllers.get(name)
+    costs = engine.policy.draft_costs.get(name)
+    controller = engine.policy.controllers.get(name)
     if costs is None or not costs.seconds:
         return None
     first = earlier.first_acceptance if earlier is not None else 0.0
@@ -118,7 +118,7 @@ def learn_from_run(engine: SpeculativeEngine, target: Backend, draft: Backend, k
         machine=machine_id(),
         best_draft_len=0,
         speedup=0.0,
-        target_costs=dict(engine.target_costs.seconds),
+        target_costs=dict(engine.policy.target_costs.seconds),
         draft_costs=dict(costs.seconds),
         first_acceptance=first,
         learned=True,

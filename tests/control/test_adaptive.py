@@ -7,7 +7,7 @@ import zlib
 import numpy as np
 import pytest
 
-from fake_models import hashed_logits
+from fake_models import VOCAB, CostedFake, SimClock, agreeing_draft, hashed_logits
 from specrun.control.adaptive import (
     CHEAP_PROBE_LEN,
     PAID_PROBE_LEN,
@@ -18,7 +18,7 @@ from specrun.control.adaptive import (
     TargetCosts,
 )
 from specrun.backends.fake import FakeBackend
-from specrun.drafters.base import Proposal
+from specrun.drafters.base import Drafter, Proposal
 from specrun.drafters.chain import ChainDrafter
 from specrun.drafters.draft_model import DraftModelDrafter
 from specrun.engine.loop import GenerationParams, SpeculativeEngine
@@ -26,44 +26,6 @@ from specrun.drafters.methods import build_drafter
 from specrun.sampling import SamplingSettings
 from specrun.engine.stats import Stats
 
-VOCAB = 64
-
-
-class SimClock:
-    """Simulated seconds: fake backends advance it by their set costs."""
-
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-class CostedFake(FakeBackend):
-    """A fake whose forward pass costs ``base + per_token * n`` simulated seconds."""
-
-    def __init__(self, table, clock: SimClock, base: float, per_token: float, vocab_size: int = VOCAB) -> None:
-        super().__init__(table, vocab_size, n_ctx=100_000)
-        self.clock, self.base, self.per_token = clock, base, per_token
-
-    def forward(self, tokens, logit_rows):
-        self.clock.now += self.base + self.per_token * len(tokens)
-        return super().forward(tokens, logit_rows)
-
-
-def agreeing_draft(target_table, alpha: float):
-    """Greedy agreement with the target exactly ``alpha`` of the time, decided per context."""
-
-    def table(context):
-        logits = target_table(context).copy()
-        # crc32, not hash(): str hashing is salted per process, and the test must not depend on it.
-        coin = np.random.default_rng(zlib.crc32(repr(("agree", context)).encode())).random()
-        if coin >= alpha:  # disagree: make the target's runner-up the draft's top choice
-            order = np.argsort(logits)
-            logits[order[-2]] = logits[order[-1]] + 1.0
-        return logits
-
-    return table
 
 
 def expected_rate(alpha: float, k: int, t_draft: float, t_target) -> float:
@@ -117,7 +79,7 @@ def test_a_draft_model_reads_the_prompt_as_prefill_not_as_drafting():
     engine = SpeculativeEngine(target, DraftModelDrafter(draft), clock=clock)
     prompt = list(range(3, 60))  # 57 tokens: 56 read before drafting, at 0.1 + 0.56 seconds
     result = engine.run(prompt, GenerationParams(12, draft_len=4, adaptive=True), complete_cache=False)
-    controller = engine.controllers["draft"]
+    controller = engine.policy.controllers["draft"]
     assert result.stats.drafted > 0
     # drafting itself: a forward per drafted token (0.11), plus the few tokens a pass reads
     # besides (the bonus token, a correction) at 0.01 each; the prompt's 0.66 seconds
@@ -244,7 +206,7 @@ def test_adaptive_greedy_output_is_unchanged():
 
 
 # ---- choosing between a chain's members -------------------------------------------------
-class CheapDrafter:
+class CheapDrafter(Drafter):
     """A free drafter (like lookup or the n-gram pool) whose proposals come from ``next_tokens``."""
 
     def __init__(self, name: str, next_tokens, clock: SimClock, seconds_per_call: float = 0.001) -> None:
@@ -309,9 +271,9 @@ def test_a_cheap_drafter_s_own_time_is_sunk_and_does_not_cut_its_proposals():
         slow_right = CheapDrafter("cheap", greedy_continuation(table), clock, seconds_per_call=5.0)
         engine = SpeculativeEngine(CostedFake(table, clock, 1.0, 0.05), ChainDrafter([slow_right]), clock=clock)
         if not sunk:
-            engine._paid_sources = lambda: {"cheap"}  # the old accounting
+            engine.policy._counts_draft_time = lambda source: True  # the old accounting
         result = engine.run([1, 2, 3], GenerationParams(200, draft_len=8, adaptive=True), complete_cache=False)
-        assert engine.controllers["cheap"].sunk_draft_cost == sunk
+        assert engine.policy.controllers["cheap"].sunk_draft_cost == sunk
         return result
 
     sunk, counted = run(True), run(False)
@@ -351,10 +313,10 @@ def test_a_cheap_drafter_s_lengths_grow_with_the_evidence_not_the_prior(kind):
     make = greedy_continuation if kind == "right" else always_wrong
     engine = SpeculativeEngine(CostedFake(table, clock, 1.0, 0.05),
                                ChainDrafter([CheapDrafter("cheap", make(table), clock)]), clock=clock)
-    engine.use_tuned({n: 1.0 + 0.05 * n for n in range(1, 10)}, {})
+    engine.policy.use_tuned({n: 1.0 + 0.05 * n for n in range(1, 10)}, {})
     lengths = [step.n_drafted for step in engine.steps([1, 2, 3], GenerationParams(60, draft_len=8, adaptive=True), Stats())]
     assert lengths[0] == 0  # the first token comes from the prefill
-    assert lengths[1] == engine.controllers["cheap"].probe_len == CHEAP_PROBE_LEN < 8
+    assert lengths[1] == engine.policy.controllers["cheap"].probe_len == CHEAP_PROBE_LEN < 8
     if kind == "right":
         assert lengths[2:6] == [8] * 4
     else:
@@ -370,10 +332,10 @@ def paid_lengths(kind: str, prior: float | None) -> list[int]:
     if prior is not None:
         cheap.prior_accept = prior
     engine = SpeculativeEngine(CostedFake(table, clock, 0.6, 0.4), ChainDrafter([cheap]), clock=clock)
-    engine.use_tuned({n: 0.6 + 0.4 * n for n in range(1, 10)}, {})
+    engine.policy.use_tuned({n: 0.6 + 0.4 * n for n in range(1, 10)}, {})
     steps = engine.steps([1, 2, 3], GenerationParams(60, draft_len=8, adaptive=True), Stats())
     lengths = [step.n_drafted for step in steps]
-    assert engine.controllers["cheap"].prior_accept == (prior or DraftLengthController.prior_accept)
+    assert engine.policy.controllers["cheap"].prior_accept == (prior or DraftLengthController.prior_accept)
     return lengths
 
 
@@ -406,7 +368,7 @@ def test_a_draft_model_s_first_tries_are_shorter_than_a_cheap_drafter_s():
                           DraftModelDrafter(CostedFake(agreeing_draft(table, 0.7), clock, 0.1, 0.0))])
     engine = SpeculativeEngine(CostedFake(table, clock, 1.0, 0.05), chain, clock=clock)
     engine.run([1, 2, 3], GenerationParams(10, draft_len=8, adaptive=True), complete_cache=False)
-    assert engine.controllers["cheap"].probe_len == CHEAP_PROBE_LEN > engine.controllers["draft"].probe_len == PAID_PROBE_LEN
+    assert engine.policy.controllers["cheap"].probe_len == CHEAP_PROBE_LEN > engine.policy.controllers["draft"].probe_len == PAID_PROBE_LEN
 
 def test_an_adaptive_chain_passes_over_a_cheap_drafter_that_is_always_wrong():
     rates, chain = chain_rate("wrong", alpha=0.8, draft_cost=0.1)
@@ -487,8 +449,8 @@ def test_a_fixed_chain_times_its_cheap_drafter_s_passes_without_a_controller_for
     engine = SpeculativeEngine(CostedFake(table, clock, 1.0, 0.05), chain, clock=clock)
     result = engine.run([1, 2, 3], GenerationParams(200, draft_len=4), complete_cache=False)
     assert result.stats.by_source["cheap"].steps > 0
-    assert set(engine.controllers) == {"draft"}
-    assert engine.target_costs(5) == pytest.approx(1.25)  # 1 + 0.05 per token, 5 tokens fed
+    assert set(engine.policy.controllers) == {"draft"}
+    assert engine.policy.target_costs(5) == pytest.approx(1.25)  # 1 + 0.05 per token, 5 tokens fed
 
 
 def test_memoised_rates_follow_every_new_estimate():
@@ -605,20 +567,20 @@ def test_an_engine_keeps_its_drafters_costs_when_it_forgets_acceptance():
     clock = SimClock()
     engine = SpeculativeEngine(CostedFake(table, clock, 1.0, 0.05), DraftModelDrafter(
         CostedFake(agreeing_draft(table, 0.7), clock, 0.1, 0.0)), clock=clock)
-    engine.use_tuned({n: 1.0 + 0.05 * n for n in range(1, 10)}, {"draft": {1: 0.1, 8: 0.8}})
+    engine.policy.use_tuned({n: 1.0 + 0.05 * n for n in range(1, 10)}, {"draft": {1: 0.1, 8: 0.8}})
     params = GenerationParams(40, draft_len=8, adaptive=True)
     engine.run([1, 2, 3], params, complete_cache=False)
-    learned = dict(engine.draft_costs["draft"].seconds)
+    learned = dict(engine.policy.draft_costs["draft"].seconds)
     assert set(learned) > {1, 8}  # tuned lengths, and those drafted since
-    engine.forget_acceptance()
-    assert engine.controllers == {} and engine.draft_costs["draft"].seconds == learned
+    engine.policy.forget_acceptance()
+    assert engine.policy.controllers == {} and engine.policy.draft_costs["draft"].seconds == learned
     # A fresh controller on those costs chooses from rates, not by exploring; so does the run.
-    fresh = DraftLengthController(max_draft_len=8, target_costs=engine.target_costs,
-                                  draft_costs=engine.draft_costs["draft"], ramp_up=True)
+    fresh = DraftLengthController(max_draft_len=8, target_costs=engine.policy.target_costs,
+                                  draft_costs=engine.policy.draft_costs["draft"], ramp_up=True)
     assert None not in fresh.expected_rates(8)
     expected = fresh.choose(8)
     steps = list(engine.steps([4, 5, 6], params, Stats()))
-    assert engine.controllers["draft"].draft_costs is engine.draft_costs["draft"]
+    assert engine.policy.controllers["draft"].draft_costs is engine.policy.draft_costs["draft"]
     assert steps[0].n_drafted == 0  # the first token comes from the prefill
     assert steps[1].n_drafted == expected
 
@@ -660,12 +622,12 @@ def test_a_tuned_acceptance_replaces_the_optimistic_prior_and_outlives_forgettin
         draft = DraftModelDrafter(CostedFake(agreeing_draft(table, 0.1), clock, 0.5, 0.0))
         drafter = draft if method == "auto" else ChainDrafter([PromptLookupDrafter(), draft])
         engine = SpeculativeEngine(CostedFake(table, clock, 1.0, 0.05), drafter, method=method, clock=clock)
-        engine.use_tuned({n: 1.0 + 0.05 * n for n in range(1, 10)}, {"draft": {1: 0.5, 2: 1.0, 4: 2.0}},
+        engine.policy.use_tuned({n: 1.0 + 0.05 * n for n in range(1, 10)}, {"draft": {1: 0.5, 2: 1.0, 4: 2.0}},
                          prior_accepts)
-        engine.forget_acceptance()  # as the bench does before every prompt: the prior stays
+        engine.policy.forget_acceptance()  # as the bench does before every prompt: the prior stays
         params = GenerationParams(6, draft_len=4, adaptive=method == "auto")
         steps = list(engine.steps([1, 2, 3], params, Stats()))
-        return engine.controllers["draft"].prior_accept, [step.n_drafted for step in steps if step.source == "draft"]
+        return engine.policy.controllers["draft"].prior_accept, [step.n_drafted for step in steps if step.source == "draft"]
 
     prior, drafted = draft_steps({})
     assert prior == DraftLengthController.prior_accept and drafted  # tried at once
@@ -692,7 +654,7 @@ def test_auto_decodes_plainly_where_asking_a_drafter_costs_more_than_its_tokens_
         slow = CheapDrafter("cheap", greedy_continuation(table), clock, seconds_per_call=10.0)
         engine = SpeculativeEngine(CostedFake(table, clock, 1.0, 0.05), ChainDrafter([slow]), clock=clock)
         if gate is not None:
-            engine.gate = gate
+            engine.policy.gate = gate
         result = engine.run([1, 2, 3], GenerationParams(3000, draft_len=8, adaptive=True), complete_cache=False)
         return result, result.stats.new_tokens / result.stats.generation_seconds
 
@@ -787,7 +749,7 @@ def test_a_fresh_run_on_a_cpu_like_target_times_plain_decoding_as_it_is(alpha):
     draft = CostedFake(agreeing_draft(table, alpha), clock, 0.15, 0.0)
     engine = SpeculativeEngine(target, DraftModelDrafter(draft), clock=clock)
     result = engine.run(list(range(1, 21)), GenerationParams(400, draft_len=16, adaptive=True), complete_cache=False)
-    assert engine.target_costs(1) == pytest.approx(0.5)
+    assert engine.policy.target_costs(1) == pytest.approx(0.5)
     plain_rate = 1.0 / 0.5
     measured = result.stats.new_tokens / result.stats.generation_seconds
     assert measured >= 0.9 * plain_rate, (measured, result.stats.by_source)  # before the fix: 0.56 and 0.70
@@ -843,10 +805,10 @@ def test_plain_decoding_is_timed_again_when_the_context_is_far_from_where_it_was
     params = GenerationParams(200, draft_len=4)
     long_prompt = [1 + i % (VOCAB - 2) for i in range(1500)]
     engine.run(long_prompt, params, complete_cache=False)
-    assert engine.target_costs(1) == pytest.approx(0.5 * (1 + 1700 / 500), rel=0.2)  # timed at ~1700 tokens
-    engine.forget_acceptance()  # a new text (bench, a new chat)
+    assert engine.policy.target_costs(1) == pytest.approx(0.5 * (1 + 1700 / 500), rel=0.2)  # timed at ~1700 tokens
+    engine.policy.forget_acceptance()  # a new text (bench, a new chat)
     result = engine.run(list(range(1, 21)), params, complete_cache=False)
-    assert engine.target_costs(1) < 0.5 * (1 + 250 / 500)  # timed again at this context
+    assert engine.policy.target_costs(1) < 0.5 * (1 + 250 / 500)  # timed again at this context
     measured = result.stats.new_tokens / result.stats.generation_seconds
     # Against the same method started afresh on the short text (its cheap drafter, at a fixed
     # length in the chain, is not gated: both pay it alike).
@@ -888,7 +850,7 @@ def test_a_cheap_drafter_s_kinds_of_proposal_are_weighed_apart_each_from_its_own
     prompt's first proposal, a 2-token match, in 1 of 21 built-in prompts). Pooled, the sure
     kind was held back by the guesses and the guesses verified on the sure kind's record."""
     engine, stats = kinded_run(pooled=False)
-    sure, guess = engine.controllers["cheap:sure"], engine.controllers["cheap:guess"]
+    sure, guess = engine.policy.controllers["cheap:sure"], engine.policy.controllers["cheap:guess"]
     assert (sure.prior_accept, guess.prior_accept) == (DraftLengthController.prior_accept, 0.3)
     assert sure.acceptances(1)[1] > 0.9 and guess.acceptances(1)[1] < 0.1  # scored apart
     _, pooled = kinded_run(pooled=True)
@@ -909,7 +871,7 @@ def first_draft_steps(chained: bool) -> tuple[int | None, int | None]:
     engine = SpeculativeEngine(CostedFake(table, clock, 1.0, 0.05), drafter, clock=clock)
     firsts = []
     for prompt in ([1, 2, 3], [4, 5, 6]):
-        engine.forget_acceptance()  # a new text
+        engine.policy.forget_acceptance()  # a new text
         sources = [step.source for step in engine.steps(prompt, GenerationParams(120, draft_len=8, adaptive=True), Stats())]
         firsts.append(next((i for i, source in enumerate(sources) if source == "draft"), None))
     return firsts[0], firsts[1]
@@ -988,19 +950,19 @@ def test_behind_a_draft_model_that_is_off_the_chain_rests_and_the_draft_model_is
     """lookup+draft on a text where lookup finds nothing and the draft model is always wrong:
     the draft model's controller switches it off and probes it at growing gaps. Resting steps
     count towards those gaps, so the probes come as often as when every step asks."""
-    import specrun.engine.loop
+    import specrun.control.policy
 
     table = hashed_logits(VOCAB, salt=11, spread=3.0)
 
     def run(backoff):
-        monkeypatch.setattr(specrun.engine.loop, "IdleBackoff", backoff)
+        monkeypatch.setattr(specrun.control.policy, "IdleBackoff", backoff)
         clock = SimClock()
         cheap = CheapDrafter("cheap", lambda context, n: [], clock)
         asked = []
         cheap.propose = lambda *args, propose=cheap.propose: asked.append(1) or propose(*args)
         draft = DraftModelDrafter(CostedFake(agreeing_draft(table, 0.0), clock, 0.05, 0.0))
         engine = SpeculativeEngine(CostedFake(table, clock, 1.0, 0.05), ChainDrafter([cheap, draft]), clock=clock)
-        engine.gate = AlwaysSpeculate()  # the controllers' doing alone, not the gate's
+        engine.policy.gate = AlwaysSpeculate()  # the controllers' doing alone, not the gate's
         result = engine.run([1, 2, 3], GenerationParams(400, draft_len=8, adaptive=True), complete_cache=False)
         return result, len(asked)
 
@@ -1022,7 +984,7 @@ def test_a_lone_draft_model_is_asked_on_every_step_even_while_it_is_off():
     asked = []
     draft.propose = lambda *args, propose=draft.propose: asked.append(1) or propose(*args)
     engine = SpeculativeEngine(CostedFake(table, clock, 1.0, 0.05), draft, clock=clock)
-    engine.gate = AlwaysSpeculate()
+    engine.policy.gate = AlwaysSpeculate()
     result = engine.run([1, 2, 3], GenerationParams(200, draft_len=8, adaptive=True), complete_cache=False)
     assert result.stats.by_source["none"].steps > 150  # off for most of the run
     assert len(asked) >= result.stats.steps - 2  # yet asked on every step but the prefill's and the last

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from fake_models import hashed_logits
-from test_adaptive import VOCAB, CostedFake, SimClock, agreeing_draft
+from fake_models import VOCAB, CostedFake, SimClock, agreeing_draft
 
 from specrun.sessions import tuning
 from specrun.drafters.draft_model import DraftModelDrafter
@@ -75,7 +75,7 @@ def test_a_learned_start_off_applies_to_adaptive_lengths_only():
     drafted = {}
     for adaptive in (True, False):
         engine = SpeculativeEngine(target, DraftModelDrafter(draft), clock=clock)
-        engine.use_tuned({}, {}, {}, {DraftModelDrafter.name: 64})
+        engine.policy.use_tuned({}, {}, {}, {DraftModelDrafter.name: 64})
         params = GenerationParams(40, draft_len=2, adaptive=adaptive)
         drafted[adaptive] = engine.run([1, 2, 3], params, complete_cache=False).stats.drafted
     assert drafted[True] == 0 and drafted[False] > 0

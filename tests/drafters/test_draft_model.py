@@ -150,13 +150,13 @@ def test_auto_adapts_even_when_the_params_do_not_say_so():
     target, draft = make_pair(20, spread_target=3.0)
     engine = SpeculativeEngine(target, build_drafter("auto", draft), method="auto")
     engine.run((1, 2, 3), GenerationParams(30, draft_len=8))
-    assert engine.controllers, "auto ran without its draft-length controllers"
+    assert engine.policy.controllers, "auto ran without its draft-length controllers"
     fixed = SpeculativeEngine(target, build_drafter("lookup+ngram+draft", draft), method="lookup+ngram+draft")
     fixed.run((1, 2, 3), GenerationParams(30, draft_len=8))
     # a fixed chain only gates its draft model: every controller it has keeps the length fixed
-    assert fixed.controllers["draft"].fixed
-    assert all(controller.fixed for controller in fixed.controllers.values())
-    assert not any(controller.fixed for controller in engine.controllers.values())
+    assert fixed.policy.controllers["draft"].fixed
+    assert all(controller.fixed for controller in fixed.policy.controllers.values())
+    assert not any(controller.fixed for controller in engine.policy.controllers.values())
 
 
 def test_a_drafter_set_later_learns_the_targets_vocabulary_size():
@@ -174,7 +174,7 @@ def test_forgetting_acceptance_keeps_the_targets_costs():
     target, draft = make_pair(20, spread_target=3.0)
     engine = SpeculativeEngine(target, build_drafter("auto", draft), method="auto")
     engine.run((1, 2, 3), GenerationParams(30, draft_len=8))
-    costs = dict(engine.target_costs.seconds)
-    assert engine.controllers and costs
-    engine.forget_acceptance()
-    assert not engine.controllers and engine.target_costs.seconds == costs
+    costs = dict(engine.policy.target_costs.seconds)
+    assert engine.policy.controllers and costs
+    engine.policy.forget_acceptance()
+    assert not engine.policy.controllers and engine.policy.target_costs.seconds == costs

@@ -15,7 +15,7 @@ from fake_models import REPEATING_PROMPT, copying_logits, hashed_logits, noisy_c
 from lossless_harness import assert_few_prompts_diverge, greedy_divergences
 from specrun.backends.base import Backend
 from specrun.backends.fake import FakeBackend
-from specrun.drafters.base import EMPTY_PROPOSAL, Proposal
+from specrun.drafters.base import EMPTY_PROPOSAL, Drafter, Proposal
 from specrun.drafters.chain import ChainDrafter
 from specrun.drafters.draft_model import DraftModelDrafter
 from specrun.drafters.lookup import PromptLookupDrafter
@@ -307,7 +307,7 @@ def test_vocabulary_fingerprint_tells_vocabularies_apart():
 
 
 # ---- chains ----------------------------------------------------------------------
-class CountingDrafter:
+class CountingDrafter(Drafter):
     """Proposes fixed tokens and counts every call."""
 
     def __init__(self, name: str, tokens=()):
@@ -394,7 +394,7 @@ def plain_tokens(target_table, prompt, n) -> list[int]:
     return SpeculativeEngine(FakeBackend(target_table, VOCAB)).run(prompt, GenerationParams(n, draft_len=0)).token_ids
 
 
-class Recording:
+class Recording(Drafter):
     """Wraps a drafter and records the length of every proposal it makes."""
 
     def __init__(self, drafter):

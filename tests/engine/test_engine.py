@@ -241,12 +241,14 @@ def test_a_step_s_bookkeeping_after_the_pass_is_timed_as_neither_drafting_nor_ve
             now[0] += 1.0  # a pass: one simulated second
             return super().forward(tokens, logit_rows)
 
-    class SlowBookkeeping(SpeculativeEngine):
-        def _observe(self, *args):
-            now[0] += 0.25  # after every pass but the prefill's
-            super()._observe(*args)
+    engine = SpeculativeEngine(TimedFake(hashed_logits(VOCAB, 4, 2.0), VOCAB), FindsNothing(), clock=lambda: now[0])
+    observe = engine.policy.observe
 
-    engine = SlowBookkeeping(TimedFake(hashed_logits(VOCAB, 4, 2.0), VOCAB), FindsNothing(), clock=lambda: now[0])
+    def slow_observe(report):
+        now[0] += 0.25  # after every pass but the prefill's
+        observe(report)
+
+    engine.policy.observe = slow_observe
     stats = engine.run(list(range(30)), GenerationParams(12, 4, adaptive=True)).stats
     assert stats.drafted == 0 and stats.steps == 12  # nothing found: plain passes only
     assert stats.verify_seconds == pytest.approx(11.0)  # the first token comes from the prefill

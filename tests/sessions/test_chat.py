@@ -225,7 +225,7 @@ def test_a_draft_loaded_by_method_brings_its_tuned_settings(tiny_llama, tmp_path
         session.set_method("draft")  # tune's stop and costs; the length adapts (-k fixes it)
         assert session.draft_len == ADAPTIVE_MAX_DRAFT_LEN
         assert session.engine.drafter.min_prob == 0.7
-        assert session.engine.target_costs.seconds == costs
+        assert session.engine.policy.target_costs.seconds == costs
         stats = answer(session, "hello there").stats
         assert (stats.draft_len, stats.adaptive) == (ADAPTIVE_MAX_DRAFT_LEN, True)
         session.set_method("lookup+draft")

@@ -1,0 +1,385 @@
+"""The speculation policy: what the loop does each step, and what it learns from each.
+
+The engine asks its policy once a step (``plan``: a plain step, or which drafters to ask
+with what draft length), asks it again as the drafters answer (``budget`` before a
+drafter that pays per token drafts, ``takes`` after each proposal, ``chosen`` for the
+proposal that goes to the target) and tells it what the step cost and yielded
+(``observe``). Drafters get their budget as an argument and never call back up.
+
+``FixedPolicy`` is ``-k N`` with a lone drafter: nothing measured, every step drafts.
+``AdaptivePolicy`` measures acceptance and pass costs and chooses draft lengths (auto,
+``--adaptive``); it also gates a fixed chain's draft model, which must never make a
+chain slower than its cheap drafters alone. It keeps what it measured across texts:
+the pass costs belong to the machine, acceptance to the text (``forget_acceptance``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from time import perf_counter
+from typing import Protocol
+
+from specrun.control.adaptive import (
+    CHEAP_PROBE_LEN,
+    PAID_PROBE_LEN,
+    DraftCosts,
+    DraftLengthController,
+    IdleBackoff,
+    ProposalScores,
+    SpeculationGate,
+    TargetCosts,
+)
+from specrun.drafters.base import Drafter, Proposal
+
+# A step that spent more than this share of a plain pass proposing counts as speculating's
+# for auto's SpeculationGate, even when nothing was verified (a cheap drafter that keeps
+# looking and finding nothing, or proposals the controllers declined).
+PROPOSING_SHARE = 0.02
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One step's decision. ``draft``: ask the drafters (else a plain step, none asked);
+    ``fused``: the lone draft model and the target run as one device graph (greedy, MLX)."""
+
+    draft: bool = False
+    fused: bool = False
+
+
+PLAIN = Plan()
+
+
+@dataclass(frozen=True)
+class StepReport:
+    """What one verify pass cost and yielded, for the policy to learn from.
+
+    started: the clock when the step began; draft_seconds: asking the drafters and cutting
+    the proposal; verify_seconds: the pass and the rewind after it. context: prompt and
+    output so far, this step's tokens included; context_len: its length before them.
+    """
+
+    plan: Plan
+    proposal: Proposal
+    n_accepted: int
+    started: float
+    draft_seconds: float
+    verify_seconds: float
+    context: Sequence[int]
+    context_len: int
+
+
+class SpeculationPolicy(Protocol):
+    """What the engine asks each step; see the module docstring."""
+
+    measured: bool  # does it learn from steps (else the engine skips ``observe``'s timing)
+
+    def start_text(self, context_len: int) -> None: ...
+
+    def plan(self, context_len: int) -> Plan: ...
+
+    def budget(self, drafter: Drafter, draft_len: int) -> int: ...
+
+    def takes(self, proposal: Proposal, member: int, draft_len: int) -> bool: ...
+
+    def chosen(self, proposal: Proposal, passed_over: Sequence[Proposal], context_len: int) -> Proposal: ...
+
+    def observe(self, report: StepReport) -> None: ...
+
+
+def takes_at_least(proposal: Proposal, drafter: Drafter, draft_len: int) -> bool:
+    """The fixed rule of a chain: a proposal of ``min_tokens`` (at most the length asked)."""
+    return len(proposal) >= min(drafter.min_tokens, draft_len)
+
+
+class FixedPolicy:
+    """``-k N`` with a lone drafter (or a chain without a draft model): every step asks the
+    drafters for ``draft_len`` tokens; nothing is measured, so draft and verify may fuse."""
+
+    measured = False
+
+    def __init__(self, drafter: Drafter, fusable: bool) -> None:
+        self.drafter = drafter
+        self._plan = Plan(draft=True, fused=fusable)
+
+    def start_text(self, context_len: int) -> None:
+        pass
+
+    def plan(self, context_len: int) -> Plan:
+        return self._plan
+
+    def budget(self, drafter: Drafter, draft_len: int) -> int:
+        return draft_len
+
+    def takes(self, proposal: Proposal, member: int, draft_len: int) -> bool:
+        return takes_at_least(proposal, self.drafter, draft_len)
+
+    def chosen(self, proposal: Proposal, passed_over: Sequence[Proposal], context_len: int) -> Proposal:
+        return proposal
+
+    def observe(self, report: StepReport) -> None:
+        pass
+
+
+class AdaptivePolicy:
+    """Draft lengths (and whether to speculate at all) from measured acceptance and costs.
+
+    One ``DraftLengthController`` per proposal source (and kind), sharing the target's
+    pass costs; ``SpeculationGate`` (auto) checks that speculating, every cost counted,
+    beats plain decoding; ``IdleBackoff`` asks cheap drafters less often while they find
+    nothing; ``ProposalScores`` scores cheap proposals against the output for free.
+    ``set_drafter`` and ``configure`` set it up for the engine's drafter and a run's settings.
+    """
+
+    measured = True
+
+    def __init__(self, clock: Callable[[], float] = perf_counter) -> None:
+        self.clock = clock
+        self.target_costs = TargetCosts()
+        self.draft_costs: dict[str, DraftCosts] = {}  # by drafter name
+        self.controllers: dict[str, DraftLengthController] = {}  # by source, or "source:kind"
+        self.prior_accepts: dict[str, float] = {}  # by drafter name: measured first-token acceptance
+        self.gate = SpeculationGate()
+        self._scores = ProposalScores()  # cheap proposals awaiting the output that settles them
+        self._carried_gaps: dict[str, int] = {}  # a chain's paid drafters left off by the last text
+        self._start_off: dict[str, int] = {}  # drafters earlier processes left off: for the first text
+        self._previous_pass: int | None = None  # tokens fed to the latest pass (None: the prefill)
+        self.drafter: Drafter | None = None
+        self.adaptive = True  # else fixed lengths, with a chain's paid drafters gated
+        self.max_draft_len = 0
+        self.paid: set[str] = set()  # drafters whose length this policy chooses before they draft
+        self._idle: IdleBackoff | None = None
+        self._retiming = False  # the latest plan was a plain step timing T(1) afresh
+
+    # ---- what earlier texts and processes measured --------------------------------------
+    def use_tuned(
+        self,
+        target_costs: dict[int, float],
+        draft_costs: dict[str, dict[int, float]],
+        prior_accepts: dict[str, float] | None = None,
+        start_off: dict[str, int] | None = None,
+    ) -> None:
+        """Start from what `specrun tune` (or earlier runs) measured: the target's verify costs
+        and, by drafter name, seconds to draft k tokens and how often its first token is
+        accepted (its controllers' prior, in place of the optimistic
+        DraftLengthController.prior_accept). ``start_off``: drafters that earlier runs left
+        switched off, and the probe gap they had reached: the first text starts them off."""
+        self.target_costs.preload(target_costs)
+        for source, seconds in draft_costs.items():
+            self.draft_costs.setdefault(source, DraftCosts()).preload(seconds)
+        self.prior_accepts.update(prior_accepts or {})
+        self._start_off = dict(start_off or {})
+        self.controllers.clear()  # rebuilt on the new priors
+
+    def forget_acceptance(self) -> None:
+        """Drop what the controllers learned about acceptance (it belongs to the text); keep
+        the target's and the drafters' costs (the machine's, which `specrun tune` gives a
+        fresh run) and the tuned priors. Dropping draft costs too made auto time its draft
+        lengths again on every bench prompt (session 6: lengths 4, 1 and 8)."""
+        # A chain's draft model that ended the text switched off starts the next one off too,
+        # probed after the gap it had reached: its first try in every text, and its probes
+        # every 8 steps, cost a verify pass and draft passes each (~3 ms against a 1 ms plain
+        # step on the demo pair), which it seldom won back where lookup had done the copying.
+        # A/B on Spec-Bench (59 prompts x 3): auto 2.170x against 2.102x, lookup+draft 2.167x
+        # against 2.134x. Alone, a draft model starts every text on: kept off, it gave up
+        # qa's 1.77x on the built-in suite (0.98x), where it is right on almost every token.
+        members = self.drafter.members if self.drafter is not None else ()
+        paid = {m.name for m in members if m.pays_per_token} if len(members) > 1 else set()
+        self._carried_gaps = {
+            source: controller.probe_gap
+            for source, controller in self.controllers.items()
+            if source in paid and not controller.speculating
+        }
+        self.controllers.clear()
+        self._scores.clear()
+        self.gate = SpeculationGate()
+
+    # ---- one text -----------------------------------------------------------------------
+    def set_drafter(self, drafter: Drafter | None) -> None:
+        """Speculate with ``drafter`` from the next text on (what the old one left off is dropped)."""
+        self.drafter = drafter
+        self._carried_gaps = {}
+        self.paid = {member.name for member in drafter.members if member.pays_per_token} if drafter else set()
+
+    def configure(self, max_draft_len: int, adaptive: bool) -> None:
+        """A run's settings: lengths chosen up to ``max_draft_len`` (``adaptive``), or fixed
+        at it with a chain's draft model gated."""
+        self.max_draft_len, self.adaptive = max_draft_len, adaptive
+
+    def start_text(self, context_len: int) -> None:
+        self._scores.clear()
+        self._previous_pass = None
+        if self.adaptive:
+            self.gate.reset()
+        # Cheap drafters that keep finding nothing are asked less often. Not a lone draft model,
+        # which proposes nothing only while its controller has it off and probes on its own
+        # schedule: resting it too read 0.8% and 1.9% slower on Spec-Bench (two A/Bs, within
+        # the noise), so it is asked as before.
+        cheap = any(not member.pays_per_token for member in self.drafter.members)
+        self._idle = IdleBackoff() if self.adaptive and cheap else None
+        # Plain decoding timed on a far shorter or longer context first times it again.
+        self.target_costs.start_text(context_len)
+
+    def plan(self, context_len: int) -> Plan:
+        self._retiming = self.target_costs.retiming
+        if (
+            self._retiming
+            or (self.adaptive and not self.gate.speculating)
+            or (self._idle is not None and not self._idle.ask() and self._paid_may_pass())
+        ):
+            return PLAIN
+        return Plan(draft=True)
+
+    def budget(self, drafter: Drafter, draft_len: int) -> int:
+        """A paid drafter's length, chosen just before it drafts (its controller's probes count
+        the steps it is asked on); a cheap drafter's whole proposal, cut in ``chosen``."""
+        if not drafter.pays_per_token or draft_len <= 0:
+            return draft_len
+        return self._controller_for(drafter.name, fixed=not self.adaptive).choose(draft_len)
+
+    def takes(self, proposal: Proposal, member: int, draft_len: int) -> bool:
+        """Adaptive, with a draft model behind: a cheap proposal is taken when it promises more
+        than asking the draft model; otherwise a chain's ``min_tokens`` rule."""
+        if self.adaptive and self.paid and member < len(self.drafter.members) - 1:
+            return bool(proposal.tokens) and self._cheap_worth_taking(proposal)
+        return takes_at_least(proposal, self.drafter, draft_len)
+
+    def chosen(self, proposal: Proposal, passed_over: Sequence[Proposal], context_len: int) -> Proposal:
+        """The proposal cut to the prefix worth verifying; every cheap proposal made is scored
+        against the output to come (a proposal cut to nothing or passed over included)."""
+        cheap = [each for each in (*passed_over, proposal) if each.tokens and each.source not in self.paid]
+        if self._idle is not None:
+            self._idle.found(bool(cheap))
+        if not self.adaptive or not cheap:
+            return proposal
+        for each in cheap:
+            self._scores.add(self._controller_for(each.source, kind=each.kind), context_len, each.tokens)
+        if proposal.tokens and proposal.source not in self.paid:
+            # A cheap drafter's tokens cost nothing to drop: keep the worthwhile prefix.
+            keep = self._controller_for(proposal.source, kind=proposal.kind).choose(len(proposal))
+            proposal = proposal.prefix(keep)
+        return proposal
+
+    def observe(self, report: StepReport) -> None:
+        self._observe_pass(report)
+        self._scores.score(report.context)
+        if not self.adaptive or self._retiming:  # a pass timing T(1) says nothing of speculating
+            return
+        plain = self.target_costs.plain
+        proposing = report.draft_seconds  # asking the drafters (about none where nothing is asked)
+        engaged = bool(report.proposal.tokens) or (plain is not None and proposing > PROPOSING_SHARE * plain)
+        emitted = len(report.context) - report.context_len
+        self.gate.record(emitted, self.clock() - report.started, engaged, plain)
+
+    # ---- the controllers ----------------------------------------------------------------
+    def _observe_pass(self, report: StepReport) -> None:
+        proposal = report.proposal
+        n_fed = len(proposal.tokens) + 1
+        previous, self._previous_pass = self._previous_pass, n_fed
+        if not self.target_costs.note_pass(n_fed, report.verify_seconds, previous):
+            return  # a plain pass that paid for the speculative one before it: timed as switching back
+        if not proposal.tokens:
+            self.target_costs.observe(1, report.verify_seconds, report.context_len)  # what speculating must beat
+        elif not self.adaptive and proposal.source not in self.paid:
+            # A fixed chain's cheap drafter is not gated: its pass only times T_target(n).
+            self.target_costs.observe(n_fed, report.verify_seconds)
+        else:
+            controller = self._controller_for(proposal.source, fixed=not self.adaptive, kind=proposal.kind)
+            if self.adaptive and proposal.source not in self.paid:  # its acceptance comes from ProposalScores
+                controller.observe_costs(len(proposal.tokens), report.draft_seconds, report.verify_seconds)
+            else:
+                # T_draft(k) is what drafting k tokens costs. A draft model skipped for a while
+                # first reads what it missed, whatever k: charged to k, that made one draft call
+                # look dearer by the catch-up (a fresh run's first draft follows two plain
+                # steps). The gate still sees the whole step's time.
+                drafting = report.draft_seconds - self._member(proposal.source).catch_up_seconds
+                controller.observe(len(proposal.tokens), report.n_accepted, drafting, report.verify_seconds)
+
+    def _paid_may_pass(self) -> bool:
+        """May the drafters go unasked on this step, as far as the draft models are concerned
+        (not while one is on or due for a probe)? If so, the step counts towards their probes."""
+        controllers = self._paid_controllers()
+        if not all(controller.may_pass() for controller in controllers):
+            return False
+        for controller in controllers:
+            controller.pass_step()
+        return True
+
+    def _paid_controllers(self) -> list[DraftLengthController]:
+        return [self._controller_for(source, fixed=not self.adaptive) for source in self.paid]
+
+    def _cheap_worth_taking(self, proposal: Proposal) -> bool:
+        """Does this cheap proposal promise more tokens per second than asking the draft model?
+
+        Both sides from measured figures: the cheap source's acceptance by position and
+        the target's verify costs, against the best rate the draft model's controller
+        expects. Unmeasured sides are explored. A declined proposal is still scored
+        against the output (ProposalScores), so the cheap source's estimates stay current.
+        """
+        paid_controllers = self._paid_controllers()
+        if not any(controller.speculating for controller in paid_controllers):
+            # Switched off, the draft model would propose nothing: the cheap proposal is all
+            # there is (and weighing it cost ~25 us a step, 2% of a tiny-regime step).
+            return True
+        cheap = self._controller_for(proposal.source, kind=proposal.kind)
+        cheap_rates = cheap.expected_rates(min(len(proposal), self.max_draft_len))
+        paid_rates = [controller.expected_rates(self.max_draft_len) for controller in paid_controllers]
+        if None in cheap_rates:
+            return True
+        if any(None in rates for rates in paid_rates):
+            return False  # the draft model has not been timed yet: try it
+        return max(cheap_rates) >= max(max(rates[1:]) for rates in paid_rates)
+
+    def _member(self, source: str) -> Drafter | None:
+        """The drafter (or chain member) whose proposals carry ``source``, if any."""
+        return next((m for m in self.drafter.members if m.name == source), None)
+
+    def _prior(self, source: str, kind: str) -> tuple[float, bool]:
+        """The acceptance a controller presumes before evidence, and whether it was measured.
+
+        The drafter's prior for the proposal's kind where it declares one (prompt lookup, by
+        the length of the n-gram matched); else what `specrun tune` measured for the drafter;
+        else the drafter's own ``prior_accept`` (the n-gram pool); else the controllers' default.
+        """
+        member = self._member(source)
+        declared = member.kind_priors.get(kind) if member is not None else None
+        if declared is not None:
+            return declared, False
+        if source in self.prior_accepts:
+            return self.prior_accepts[source], True
+        if member is not None and member.prior_accept is not None:
+            return member.prior_accept, False
+        return DraftLengthController.prior_accept, False
+
+    def _counts_draft_time(self, source: str) -> bool:
+        """Is a source's drafting time charged to the lengths it drafts (a draft model), or
+        sunk before its proposal is cut (a cheap drafter)?"""
+        return source in self.paid
+
+    def _controller_for(self, source: str, fixed: bool = False, kind: str = "") -> DraftLengthController:
+        """The controller of a source's proposals of one kind (Proposal.kind), made on first use."""
+        key = f"{source}:{kind}" if kind else source
+        controller = self.controllers.get(key)
+        if controller is None or (controller.max_draft_len, controller.fixed) != (self.max_draft_len, fixed):
+            paid = self._counts_draft_time(source)
+            prior, measured = self._prior(source, kind)
+            controller = DraftLengthController(
+                max_draft_len=self.max_draft_len,
+                fixed=fixed,
+                target_costs=self.target_costs,
+                draft_costs=self.draft_costs.setdefault(source, DraftCosts()),
+                ramp_up=True,  # lengths grow with the evidence, not the prior
+                # A cheap drafter's proposal is made before it is cut: its time is sunk, and a
+                # wrong first try costs only verify positions (CHEAP_PROBE_LEN: why 4 of them).
+                sunk_draft_cost=not paid,
+                probe_len=PAID_PROBE_LEN if paid else CHEAP_PROBE_LEN,
+                prior_accept=prior,
+                prior_measured=measured,
+            )
+            carried = self._carried_gaps.pop(key, None)
+            if carried is None and not fixed:  # a length the user fixed (-k) drafts until this run says otherwise
+                carried = self._start_off.pop(key, None)
+            if carried is not None:
+                controller.start_off(carried)
+            self.controllers[key] = controller
+        return controller

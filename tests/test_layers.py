@@ -1,0 +1,83 @@
+"""The layers of DESIGN.md, read from the imports: data flows down, control never flows back up."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+HEAVY = ("mlx", "mlx_lm", "llama_cpp")
+
+
+def modules() -> dict[str, Path]:
+    """Every module of the package by dotted name (backends/ is specrun.backends)."""
+    found = {}
+    for path in sorted((ROOT / "specrun").rglob("*.py")):
+        found[".".join(("specrun", *path.relative_to(ROOT / "specrun").with_suffix("").parts))] = path
+    for path in sorted((ROOT / "backends").rglob("*.py")):
+        found[".".join(("specrun", "backends", *path.relative_to(ROOT / "backends").with_suffix("").parts))] = path
+    return {name.removesuffix(".__init__"): path for name, path in found.items()}
+
+
+def imports(path: Path) -> set[str]:
+    """Every module a file imports, at the top or inside a function."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.add(node.module)
+            names.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return names
+
+
+def layer(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else ""
+
+
+# What each layer must never import (its own layer and those below it are fine).
+FORBIDDEN = {
+    "backends": {"engine", "control", "drafters", "sessions", "cli", "bench", "registry"},
+    "drafters": {"engine", "control", "sessions", "cli", "bench"},
+    "control": {"engine", "sessions", "cli", "bench", "registry"},
+    "verify": {"engine", "control", "drafters", "sessions", "cli", "bench", "registry"},
+    "sampling": {"engine", "control", "drafters", "sessions", "cli", "bench", "registry", "verify"},
+    "engine": {"sessions", "cli", "bench", "registry"},
+    "registry": {"engine", "control", "drafters", "sessions", "cli", "bench"},
+    "sessions": {"cli", "bench"},
+    "bench": {"cli"},
+}
+
+
+@pytest.mark.parametrize("module", sorted(modules()))
+def test_imports_flow_down_the_layers(module):
+    path = modules()[module]
+    below = FORBIDDEN.get(layer(module), set())
+    wrong = sorted(name for name in imports(path) if name.startswith("specrun.") and layer(name) in below)
+    assert not wrong, f"{path.relative_to(ROOT)} ({layer(module)}) imports from a layer above it: {wrong}"
+
+
+@pytest.mark.parametrize("module", sorted(modules()))
+def test_only_backends_import_mlx_or_llama_cpp(module):
+    if layer(module) == "backends":
+        return
+    heavy = sorted(name for name in imports(modules()[module]) if name.split(".")[0] in HEAVY)
+    assert not heavy, f"{modules()[module].relative_to(ROOT)} imports {heavy}; only backends/ may"
+
+
+def test_the_engine_probes_no_drafter_or_backend_for_attributes():
+    """Capabilities are declared (Drafter's defaults, the backends' attributes), not discovered."""
+    for path in sorted((ROOT / "specrun" / "engine").rglob("*.py")):
+        probes = [line for line in path.read_text().splitlines() if re.search(r"\b(hasattr|getattr)\(", line)]
+        assert not probes, f"{path.relative_to(ROOT)}: {probes}"
+
+
+def test_the_check_sees_a_wrong_import(tmp_path):
+    """The parser above finds function-level imports too (what a lazy import looks like)."""
+    module = tmp_path / "m.py"
+    module.write_text("def f():\n    from specrun.engine.loop import SpeculativeEngine\n    import mlx.core\n")
+    assert {"specrun.engine.loop", "mlx.core"} <= imports(module)
