@@ -10,6 +10,7 @@ each into a :class:`ModelEntry`.
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import tomllib
@@ -18,8 +19,11 @@ from importlib import resources
 from pathlib import Path
 
 from specrun.errors import RegistryError
+from specrun.fileio import MiB, read_limited
 
 NUMBER = (int, float)
+# A registry lists models, a few hundred bytes each.
+MAX_REGISTRY_BYTES = 16 * MiB
 ENTRY_KEYS: dict[str, type | tuple[type, ...]] = {
     "description": str,
     "family": str,
@@ -83,14 +87,20 @@ def user_registry_path() -> Path:
 
 def parse_registry(path: Path) -> dict[str, ModelEntry]:
     """Read one registry file; every problem names the file, the alias and the key."""
+    raw = read_limited(path, MAX_REGISTRY_BYTES, "registry", "check the path", error=RegistryError)
     try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as exc:
-        raise RegistryError(f"cannot read registry {path}: {exc.strerror}", "check the path") from exc
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise RegistryError(
+            f"{path} is not UTF-8 text (byte 0x{raw[exc.start]:02x} at offset {exc.start})",
+            "save it as UTF-8 (TOML files must be)",
+        ) from None
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise _toml_error(path, text, exc) from None
+    except RecursionError:
+        raise RegistryError(f"{path} is not valid TOML: it nests too deeply", "fix the syntax") from None
     unknown_tables = set(data) - {"models"}
     if unknown_tables:
         raise RegistryError(
@@ -136,6 +146,11 @@ def _check_value(path: Path, alias: str, key: str, value: object) -> None:
         )
     if key == "drafts" and not all(isinstance(item, str) for item in value):
         raise RegistryError(f"{path}: alias {alias!r} key 'drafts' must list aliases as strings", "fix its value")
+    if key in ("context", "size_gb") and not (0 <= value < math.inf):
+        raise RegistryError(
+            f"{path}: alias {alias!r} key {key!r} must be a positive number or 0 (unknown), not {value!r}",
+            "fix its value",
+        )
 
 
 def _type_name(expected: type | tuple[type, ...]) -> str:
