@@ -314,9 +314,12 @@ def _read_all(path: Path) -> dict:
     return pairs
 
 
-# Bounds on what a stored entry may hold; anything outside is a damaged or forged file.
+# Bounds on what a stored entry may hold; anything outside is a damaged or forged file
+# (a count of 10^400 seconds overflows the controllers' float arithmetic).
 MAX_COST_TOKENS = 1 << 20  # the tokens a measured pass fed (--ctx's limit)
 MAX_DRAFT_OFF_GAP = 1 << 30
+MAX_MEASURE = 1e9  # seconds, rates and speed-ups
+MIN_SECONDS = 1e-9  # a measured pass takes time: a cost of 0 would divide by zero
 
 
 def _checked_result(raw) -> TuneResult:
@@ -334,16 +337,16 @@ def _checked_result(raw) -> TuneResult:
     for name, high in (("best_draft_len", max(DRAFT_LENGTHS)), ("draft_off_gap", MAX_DRAFT_OFF_GAP)):
         if name in values:
             values[name] = _number(name, values[name], 0, high, integer=True)
-    for name, high in (("speedup", math.inf), ("acceptance", 1), ("best_min_prob", 1), ("first_acceptance", 1)):
+    for name, high in (("speedup", MAX_MEASURE), ("acceptance", 1), ("best_min_prob", 1), ("first_acceptance", 1)):
         if name in values:
             values[name] = _number(name, values[name], 0, high)
     if "learned" in values and not isinstance(values["learned"], bool):
         raise TypeError("learned is not true or false")
     if "tokens_per_second" in values:
-        values["tokens_per_second"] = _mapping("tokens_per_second", values["tokens_per_second"], str)
+        values["tokens_per_second"] = _mapping("tokens_per_second", values["tokens_per_second"], str, 0)
     for name in ("target_costs", "draft_costs"):
         if name in values:
-            values[name] = _mapping(name, values[name], int)
+            values[name] = _mapping(name, values[name], int, MIN_SECONDS)
     return TuneResult(**values)  # TypeError names a missing field
 
 
@@ -355,7 +358,7 @@ def _number(name: str, value, low: float, high: float, integer: bool = False):
     return value
 
 
-def _mapping(name: str, value, key_type: type) -> dict:
+def _mapping(name: str, value, key_type: type, low: float) -> dict:
     """A stored {name: seconds or rate}; keys are token counts (``int``, stored as strings) or names."""
     if not isinstance(value, dict):
         raise TypeError(f"{name} is not an object")
@@ -365,5 +368,5 @@ def _mapping(name: str, value, key_type: type) -> dict:
             if not key.isdigit() or not 0 < int(key) <= MAX_COST_TOKENS:
                 raise ValueError(f"{name} has a key {key!r} that is not a token count")
             key = int(key)
-        checked[key] = _number(f"{name}[{key}]", number, 0, math.inf)
+        checked[key] = _number(f"{name}[{key}]", number, low, MAX_MEASURE)
     return checked
