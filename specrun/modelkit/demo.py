@@ -75,7 +75,11 @@ def derived_path(source: Path, filename: str) -> Path:
 
 
 def derive_once(target: Path, write: Callable[[Path], None]) -> Path:
-    """Run ``write`` into a temporary path beside ``target`` and move it into place."""
+    """Run ``write`` into a temporary path beside ``target`` and move it into place.
+
+    Processes deriving the same target at once each write their own; the first to finish
+    moves its copy into place and the others use it (a folder cannot be renamed over a
+    full one: that failed with "Directory not empty")."""
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -83,10 +87,27 @@ def derive_once(target: Path, write: Callable[[Path], None]) -> Path:
     try:
         tmp = scratch / target.name
         write(tmp)
-        os.replace(tmp, target)  # atomic: nothing half-written is ever visible
+        try:
+            os.replace(tmp, target)  # atomic: nothing half-written is ever visible
+        except OSError:
+            if not target.exists():
+                raise  # not a lost race: a real failure
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     return target
+
+
+def forget_derived(path: Path) -> bool:
+    """Delete ``path`` if it is a model derived into the cache (to be derived again); False otherwise."""
+    derived_root = (cache_dir() / "derived").resolve()
+    path = Path(path).resolve()
+    if derived_root not in path.parents or not path.exists():
+        return False
+    if path.is_dir():
+        shutil.rmtree(path)
+    else:
+        path.unlink()
+    return True
 
 
 def _load(source: Path, name: str):

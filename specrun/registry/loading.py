@@ -8,7 +8,7 @@ from pathlib import Path
 
 from specrun.backends.base import Backend
 from specrun.registry.compat import check_compatible
-from specrun.errors import RegistryError, UsageError
+from specrun.errors import ModelFileError, RegistryError, UsageError
 from specrun.registry.catalog import ModelEntry, load_registry
 
 BACKENDS = ("auto", "llama", "mlx")
@@ -93,22 +93,36 @@ def prompts_as_chat(spec: str, registry: Path | None, target: Backend, chat: boo
 
 
 def open_backend(spec: str, options: LoadOptions, entries: dict[str, ModelEntry] | None = None) -> Backend:
-    """Load one model on the chosen backend."""
+    """Load one model on the chosen backend. A model derived on first use (the demo pair)
+    that no longer loads was damaged after it was written: it is derived again, once."""
     entries = entries if entries is not None else load_registry(options.registry)
     backend = choose_backend(options.backend, spec, entries)
+    if backend == "mlx" and options.kv_type == "f32":
+        raise UsageError(
+            f"--kv-type {options.kv_type} applies to the llama.cpp backend only",
+            "drop --kv-type, or pass --backend llama",
+        )
+    resolve = resolve_mlx if backend == "mlx" else resolve_gguf
+    path = resolve(spec, entries)
+    try:
+        return _load(backend, path, options)
+    except ModelFileError:
+        from specrun.modelkit.demo import forget_derived
+
+        if not forget_derived(Path(path)):
+            raise
+    return _load(backend, resolve(spec, entries), options)
+
+
+def _load(backend: str, path: str | Path, options: LoadOptions) -> Backend:
     if backend == "mlx":
         from specrun.backends.mlx import MlxBackend
 
-        if options.kv_type == "f32":
-            raise UsageError(
-                f"--kv-type {options.kv_type} applies to the llama.cpp backend only",
-                "drop --kv-type, or pass --backend llama",
-            )
-        return MlxBackend(resolve_mlx(spec, entries), n_ctx=options.n_ctx)
+        return MlxBackend(path, n_ctx=options.n_ctx)
     from specrun.backends.llama import LlamaCppBackend
 
     return LlamaCppBackend(
-        resolve_gguf(spec, entries),
+        path,
         n_ctx=options.n_ctx,
         n_threads=options.threads,
         gpu_layers=options.gpu_layers,
