@@ -1,0 +1,156 @@
+"""Two commits side by side: every method on every prompt, A and B interleaved per prompt.
+
+Each side is a worker process importing specrun from its own checkout (a git worktree made
+here for the commit given), loading the pair once and keeping one engine per method across
+prompts, as `specrun bench` does (what a text learned is forgotten between prompts, the
+machine's costs are kept). The order A/B is rotated per prompt. Reports, per method and
+suite, the geometric mean over prompts of B's tokens/s over A's, with a 90% bootstrap
+interval, and checks that both sides emit the same tokens.
+
+    .venv/bin/python benchmarks/ab_commits.py --before 99931c8 [--after HEAD] \
+        [--target demo-target --draft demo-draft] [--spec-bench-per-category 5] [-n 128]
+
+Raw per-prompt figures go to runs/ab_<before>_<after>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import zlib
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+RUNS = ROOT / "runs"
+SPEC_BENCH = ROOT.parent / "shared" / "data" / "spec_bench" / "question.jsonl"
+METHODS = ("none", "lookup", "ngram", "draft", "lookup+draft", "lookup+ngram", "auto")
+
+WORKER = r'''
+import json, sys, zlib
+try:
+    from specrun.engine.loop import GenerationParams, SpeculativeEngine
+    from specrun.drafters.methods import build_drafter, is_adaptive
+    from specrun.registry.loading import LoadOptions, open_pair
+except ImportError:  # the layout before issue 27
+    from specrun.engine import GenerationParams, SpeculativeEngine
+    from specrun.methods import build_drafter, is_adaptive
+    from specrun.loading import LoadOptions, open_pair
+target_name, draft_name, methods, n_new, threads = json.loads(sys.argv[1])
+target, draft = open_pair(target_name, draft_name, LoadOptions(threads=threads))
+engines = {m: SpeculativeEngine(target, build_drafter(m, draft), m) for m in methods}
+print("ready", flush=True)
+for line in sys.stdin:
+    text, method = json.loads(line)
+    engine = engines[method]
+    forget = getattr(engine, "policy", engine).forget_acceptance
+    forget()
+    ids = target.tokenize(text, add_bos=target.vocab.add_bos)
+    result = engine.run(ids, GenerationParams(n_new, 16 if is_adaptive(method) else 4, adaptive=method != "none"))
+    s = result.stats
+    print(json.dumps([s.new_tokens / s.generation_seconds, zlib.crc32(repr(result.token_ids).encode())]), flush=True)
+'''
+
+
+def worktree(rev: str) -> Path:
+    sha = subprocess.check_output(["git", "rev-parse", "--short", rev], cwd=ROOT, text=True).strip()
+    path = Path("/tmp") / f"specrun-ab-{sha}"
+    if not path.exists():
+        subprocess.check_call(["git", "worktree", "add", "-f", "--detach", str(path), sha], cwd=ROOT,
+                              stdout=subprocess.DEVNULL)
+    link = path / "specrun" / "backends"  # the package maps specrun.backends to backends/
+    if not link.exists():
+        link.symlink_to(path / "backends")
+    return path
+
+
+class Worker:
+    def __init__(self, tree: Path, args) -> None:
+        spec = json.dumps([args.target, args.draft, list(args.methods), args.max_tokens, args.threads])
+        self.proc = subprocess.Popen([sys.executable, "-c", WORKER, spec], cwd=tree, text=True,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     env={**os.environ, "PYTHONPATH": str(tree)})
+        assert self.proc.stdout.readline().strip() == "ready"
+
+    def run(self, text: str, method: str) -> tuple[float, int]:
+        self.proc.stdin.write(json.dumps([text, method]) + "\n")
+        self.proc.stdin.flush()
+        return tuple(json.loads(self.proc.stdout.readline()))
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait()
+
+
+def prompts(args) -> dict[str, list[str]]:
+    sys.path.insert(0, str(ROOT))
+    from specrun.bench.suite import BUILTIN_SUITE
+
+    suites = {"builtin": [p.text for p in BUILTIN_SUITE]}
+    if args.spec_bench_per_category:
+        by_category: dict[str, list[str]] = {}
+        for line in SPEC_BENCH.read_text().splitlines():
+            row = json.loads(line)
+            texts = by_category.setdefault(row["category"], [])
+            if len(texts) < args.spec_bench_per_category:
+                texts.append(row["turns"][0])
+        suites["spec-bench"] = [t for texts in by_category.values() for t in texts]
+    return suites
+
+
+def geomean_interval(ratios: list[float], rng: np.random.Generator) -> tuple[float, float, float]:
+    logs = np.log(ratios)
+    boots = [np.exp(rng.choice(logs, len(logs)).mean()) for _ in range(2000)]
+    return math.exp(logs.mean()), float(np.percentile(boots, 5)), float(np.percentile(boots, 95))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--before", required=True)
+    parser.add_argument("--after", default="HEAD")
+    parser.add_argument("--target", default="demo-target")
+    parser.add_argument("--draft", default="demo-draft")
+    parser.add_argument("--methods", default=",".join(METHODS))
+    parser.add_argument("-n", "--max-tokens", type=int, default=128)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--spec-bench-per-category", type=int, default=5)
+    args = parser.parse_args()
+    args.methods = tuple(args.methods.split(","))
+    sides = {"A": worktree(args.before), "B": worktree(args.after)}
+    workers = {name: Worker(tree, args) for name, tree in sides.items()}
+    raw, mismatches = [], 0
+    try:
+        for suite, texts in prompts(args).items():
+            for index, text in enumerate(texts):
+                for method in args.methods:
+                    order = ("A", "B") if (index + zlib.crc32(method.encode())) % 2 == 0 else ("B", "A")
+                    got = {side: workers[side].run(text, method) for side in order}
+                    mismatches += got["A"][1] != got["B"][1]
+                    raw.append({"suite": suite, "prompt": index, "method": method,
+                                "A": got["A"][0], "B": got["B"][0], "same_tokens": got["A"][1] == got["B"][1]})
+                print(f"{suite} {index + 1}/{len(texts)}", file=sys.stderr, flush=True)
+    finally:
+        for worker in workers.values():
+            worker.close()
+    RUNS.mkdir(exist_ok=True)
+    out = RUNS / f"ab_{args.before}_{args.after}.json"
+    out.write_text(json.dumps({"args": vars(args) | {"methods": list(args.methods)}, "runs": raw}, indent=1))
+    rng = np.random.default_rng(0)
+    print(f"B ({args.after}) against A ({args.before}): tokens/s ratio, geometric mean over prompts [90% interval]")
+    print(f"{'suite':<11} {'method':<14} {'ratio':>6}  interval")
+    for suite in dict.fromkeys(r["suite"] for r in raw):
+        for method in args.methods:
+            ratios = [r["B"] / r["A"] for r in raw if r["suite"] == suite and r["method"] == method]
+            mean, low, high = geomean_interval(ratios, rng)
+            print(f"{suite:<11} {method:<14} {mean:6.3f}  [{low:.3f}, {high:.3f}]")
+    print(f"outputs differing between A and B: {mismatches} of {len(raw)}; raw: {out.relative_to(ROOT)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
