@@ -8,6 +8,9 @@ with the variables and helpers Hugging Face's ``apply_chat_template`` provides
 ``raise_exception``, ``strftime_now``, loop controls, a ``tojson`` that does not
 escape HTML). A template that reaches for Python internals (``__class__``,
 ``__globals__``, ``mro``…) is refused before or while it runs, never executed further.
+A rendering is also bounded: at most MAX_RENDER_SECONDS, and no string, list or output
+longer than MAX_RENDER_CHARS (checked before a repetition, padding or format width
+allocates it), so a hostile template cannot hang a run or exhaust memory.
 
 A model without a template gets ``FALLBACK_TEMPLATE``, a plain transcript::
 
@@ -26,6 +29,8 @@ turn reuses every cached token. The model's BOS token is added by the tokenizer.
 from __future__ import annotations
 
 import json
+import re
+import time
 from collections.abc import Sequence
 from datetime import datetime
 from typing import Any
@@ -46,6 +51,10 @@ FALLBACK_TEMPLATE = (
 )
 
 _REFUSAL_FIX = "use another model, or report the template to its publisher"
+# Real templates render a conversation in milliseconds, at most a few times its length.
+MAX_RENDER_SECONDS = 5.0
+MAX_RENDER_CHARS = 16_000_000
+_NUMBERS = re.compile(r"\d+")
 
 
 class _UnsafeAccess(SecurityError):
@@ -61,11 +70,78 @@ class _TemplateRaised(Exception):
     """The template called ``raise_exception``: it refuses the conversation."""
 
 
+class _OverLimit(Exception):
+    """The rendering ran too long or built something too large."""
+
+
 class _ChatSandbox(ImmutableSandboxedEnvironment):
-    """The immutable sandbox, but a forbidden attribute fails at once instead of rendering empty."""
+    """The immutable sandbox, but a forbidden attribute fails at once instead of rendering
+    empty, and every attribute, item, call, filter and arithmetic step checks the limits."""
+
+    intercepted_binops = frozenset(["*", "**", "%", "+"])  # also keeps them from constant folding
+
+    deadline = float("inf")
 
     def unsafe_undefined(self, obj: Any, attribute: str):
         raise _UnsafeAccess(obj, attribute)
+
+    def getattr(self, obj: Any, attribute: str) -> Any:
+        if isinstance(obj, str) and attribute in ("format", "format_map"):
+            _check_widths(obj)  # "{:>10000000000}".format(x)
+        return _bounded(self, super().getattr(obj, attribute))
+
+    def getitem(self, obj: Any, argument: Any) -> Any:
+        return _bounded(self, super().getitem(obj, argument))
+
+    def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 (Jinja's signature)
+        return _bounded(__self, super().call(__context, __obj, *args, **kwargs))
+
+    def call_binop(self, context, operator: str, left: Any, right: Any) -> Any:
+        _check_before(operator, left, right)
+        return _bounded(self, super().call_binop(context, operator, left, right))
+
+
+def _bounded(env: _ChatSandbox, value: Any) -> Any:
+    if time.monotonic() > env.deadline:
+        raise _OverLimit(f"it ran for more than {MAX_RENDER_SECONDS:g} s")
+    if isinstance(value, (str, list, tuple, dict)) and len(value) > MAX_RENDER_CHARS:
+        raise _OverLimit(f"it built a value of more than {MAX_RENDER_CHARS} items")
+    return value
+
+
+def _check_before(operator: str, left: Any, right: Any) -> None:
+    """Refuse a repetition, power or format width whose result would be too large to build."""
+    if operator == "*":
+        for sequence, count in ((left, right), (right, left)):
+            if isinstance(sequence, (str, list, tuple)) and isinstance(count, int) and len(sequence) * count > MAX_RENDER_CHARS:
+                raise _OverLimit(f"it repeats a value {count} times")
+    elif operator == "**" and isinstance(right, (int, float)) and isinstance(left, (int, float)):
+        if abs(left) > 1 and right * max(len(str(int(abs(left)))), 1) > 10_000:
+            raise _OverLimit(f"it raises {left} to the power {right}")
+    elif operator == "%" and isinstance(left, str):
+        _check_widths(left)
+
+
+def _check_widths(format_text: str) -> None:
+    if any(int(number) > MAX_RENDER_CHARS for number in _NUMBERS.findall(format_text)):
+        raise _OverLimit("it formats with a width too large to build")
+
+
+def _bounded_filter(env: _ChatSandbox, function):
+    """A filter whose parameters (not the value filtered) may not ask for sizes over the limit."""
+
+    # A filter marked to receive the context, eval context or environment gets it before the value.
+    passed = 2 if hasattr(function, "jinja_pass_arg") else 1
+
+    def bounded(*args, **kwargs):
+        for argument in (*args[passed:], *kwargs.values()):
+            if isinstance(argument, int) and argument > MAX_RENDER_CHARS:
+                raise _OverLimit(f"it passes {argument} to a filter")
+        return _bounded(env, function(*args, **kwargs))
+
+    if passed == 2:
+        bounded.jinja_pass_arg = function.jinja_pass_arg
+    return bounded
 
 
 def _raise_exception(message: str) -> None:
@@ -86,6 +162,7 @@ def _environment() -> _ChatSandbox:
     # trim_blocks and lstrip_blocks as in transformers, so renderings match Hugging Face's.
     env = _ChatSandbox(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
     env.filters["tojson"] = _tojson
+    env.filters = {name: _bounded_filter(env, function) for name, function in env.filters.items()}
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
     return env
@@ -140,14 +217,15 @@ class ChatTemplate:
         return cls(backend.chat_template(), bos, eos)
 
     def render(self, messages: Sequence[dict[str, str]], add_generation_prompt: bool = True) -> str:
-        """The conversation as the model's prompt text; ChatTemplateError if the template fails or is unsafe."""
+        """The conversation as the model's prompt text; ChatTemplateError if the template fails,
+        is unsafe, or runs past its limits."""
+        self._template.environment.deadline = time.monotonic() + MAX_RENDER_SECONDS
         try:
-            return self._template.render(
-                messages=list(messages),
-                add_generation_prompt=add_generation_prompt,
-                bos_token=self.bos_token,
-                eos_token=self.eos_token,
-            )
+            return self._render(messages, add_generation_prompt)
+        except _OverLimit as exc:
+            raise ChatTemplateError(
+                f"the model's chat template was stopped: {exc}, too much for any conversation", _REFUSAL_FIX
+            ) from None
         except _UnsafeAccess as exc:
             if exc.internal:
                 raise _refusal(exc.where) from None
@@ -167,6 +245,23 @@ class ChatTemplate:
                 f"the model's chat template failed: {type(exc).__name__}: {exc}",
                 "use a model with a working chat template",
             ) from None
+
+
+    def _render(self, messages: Sequence[dict[str, str]], add_generation_prompt: bool) -> str:
+        """The rendering, streamed so that its length is checked as it grows."""
+        pieces, length = [], 0
+        for piece in self._template.generate(
+            messages=list(messages),
+            add_generation_prompt=add_generation_prompt,
+            bos_token=self.bos_token,
+            eos_token=self.eos_token,
+        ):
+            length += len(piece)
+            if length > MAX_RENDER_CHARS:
+                raise _OverLimit(f"its output passed {MAX_RENDER_CHARS} characters")
+            _bounded(self._template.environment, piece)
+            pieces.append(piece)
+        return "".join(pieces)
 
 
 def message_spans(text: str, messages: Sequence[dict[str, str]]) -> list[tuple[int, int]]:
