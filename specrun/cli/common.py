@@ -25,6 +25,7 @@ BROKEN_PIPE_EXIT = 141
 def cli_errors():
     """Errors in one place: a one-line message with the fix, exit 1 (usage: 2)."""
     try:
+        check_environment()
         yield
     except SpecrunError as exc:
         if os.environ.get("SPECRUN_DEBUG") == "1":
@@ -60,6 +61,16 @@ class PipeConsole(Console):
     def on_broken_pipe(self) -> None:
         self.quiet = True
         raise BrokenPipeError
+
+
+def check_environment() -> None:
+    """Settings taken from the environment are input too: refuse one that would be ignored."""
+    threads = os.environ.get("SPECRUN_THREADS", "")
+    if threads and not (threads.isdigit() and 1 <= int(threads) <= 1024):
+        raise UsageError(
+            f"SPECRUN_THREADS must be a whole number of threads from 1 to 1024, got {threads!r}",
+            "set it to a thread count, or unset it to use every core",
+        )
 
 
 def read_prompt(prompt: str | None) -> str:

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
-from specrun.errors import RegistryError
+from specrun.errors import ModelFileError, RegistryError
 from specrun.fileio import MiB, read_limited
 
 NUMBER = (int, float)
@@ -218,6 +218,8 @@ def entry_for(spec: str, entries: dict[str, ModelEntry]) -> ModelEntry:
     .gguf is taken as a (missing) local file, so the error names that file.
     """
     path = Path(spec).expanduser()
+    if path.is_dir() and path.suffix.lower() == ".gguf" and not (path / "config.json").exists():
+        raise ModelFileError(f"{path} is a folder, not a GGUF file", "pass the .gguf file inside it")
     if path.exists():
         source = {"mlx_path": str(path)} if path.is_dir() else {"gguf_path": str(path)}
         return ModelEntry(alias=spec, origin=LOCAL_ORIGIN, **source)

@@ -318,29 +318,35 @@ def read_gguf_vocabulary(path: Path) -> FileVocabulary:
     """Tokens, token types and BOS/EOS ids from a GGUF's metadata (the first part of a split one)."""
     import gguf
 
+    # The gguf package parses untrusted bytes: a corrupt file can raise anything
+    # (IndexError, KeyError, UnicodeDecodeError…) from the reader or from a field's contents.
     try:
         reader = gguf.GGUFReader(str(path))
-    except (OSError, ValueError) as exc:
-        raise ModelFileError(f"cannot read GGUF metadata from {path}: {exc}", "check the file") from exc
 
-    def field(key: str):
-        found = reader.fields.get(key)
-        return found.contents() if found is not None else None
+        def field(key: str):
+            found = reader.fields.get(key)
+            return found.contents() if found is not None else None
 
-    keys = gguf.Keys.Tokenizer
-    tokens = tuple(field(keys.LIST) or ())
+        keys = gguf.Keys.Tokenizer
+        tokens = tuple(field(keys.LIST) or ())
+        types = field(keys.TOKEN_TYPE) or ()
+        eos_ids = {field(key) for key in (keys.EOS_ID, keys.EOT_ID, keys.EOM_ID)} - {None}
+        bos_id, add_bos = field(keys.BOS_ID), field(keys.ADD_BOS)
+    except Exception as exc:  # noqa: BLE001 (see above)
+        raise ModelFileError(
+            f"cannot read GGUF metadata from {path} ({type(exc).__name__}: {exc})",
+            "check the file; if it is corrupt or truncated, download it again",
+        ) from exc
     if not tokens:
         raise ModelFileError(f"{path} has no tokenizer in its metadata", "use a GGUF converted with its tokenizer")
-    types = field(keys.TOKEN_TYPE) or ()
-    eos_ids = {field(key) for key in (keys.EOS_ID, keys.EOT_ID, keys.EOM_ID)} - {None}
     return FileVocabulary(
         source=f"GGUF metadata of {path}",
         tokens=tokens,
         vocab=VocabInfo(
             size=len(tokens),
-            bos_id=field(keys.BOS_ID),
+            bos_id=bos_id,
             eos_ids=frozenset(eos_ids),
-            add_bos=bool(field(keys.ADD_BOS)),
+            add_bos=bool(add_bos),
         ),
         padding_ids=frozenset(i for i, kind in enumerate(types) if kind == gguf.TokenType.UNUSED),
     )

@@ -16,6 +16,9 @@ DEFAULT_TARGET = "demo-target"
 DEFAULT_DRAFT = "demo-draft"
 
 
+MAX_GPU_LAYERS = 100_000
+
+
 @dataclass(frozen=True)
 class LoadOptions:
     backend: str = "auto"
@@ -25,6 +28,13 @@ class LoadOptions:
     registry: Path | None = None
     kv_type: str | None = None  # llama.cpp's KV cache: f16 or f32; None: f16 (its default), f32 when exact
     exact: bool = False  # the settings under which greedy speculation is bit-identical to plain decoding
+
+    def __post_init__(self) -> None:
+        if self.gpu_layers is not None and not -1 <= self.gpu_layers <= MAX_GPU_LAYERS:
+            raise UsageError(
+                f"--gpu-layers must be between -1 (all) and {MAX_GPU_LAYERS}, got {self.gpu_layers}",
+                "pass a layer count, -1 for all, or leave it out (all)",
+            )
 
     @property
     def llama_kv_type(self) -> str:

@@ -1,0 +1,62 @@
+"""Issue 32, items 10 and 11: corrupt model files and impossible options name the problem
+and the fix in one line instead of an internal error, a misleading message or silence."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from cli_checks import assert_one_line_error, invoke
+
+CORRUPT_VARIANTS = 12
+
+
+@pytest.fixture(scope="module")
+def model(tiny_llama) -> str:
+    pytest.importorskip("llama_cpp", reason="the llama backend (llama-cpp-python) is not installed")
+    return str(tiny_llama.gguf_path)
+
+
+def test_models_check_on_corrupt_ggufs_fails_in_one_line(model, tmp_path):
+    """Bytes changed inside the metadata (seeded): the gguf reader raised IndexError and the like."""
+    good = open(model, "rb").read()
+    rng = random.Random(32)
+    refused = 0
+    for number in range(CORRUPT_VARIANTS):
+        data = bytearray(good)
+        for _ in range(20):
+            data[rng.randrange(24, 4000)] = rng.randrange(256)
+        path = tmp_path / f"corrupt{number}.gguf"
+        path.write_bytes(bytes(data[: len(data) if number % 3 else 3000]))  # every third one also cut short
+        result = invoke("models", "check", "-t", str(path), "-d", model)
+        if result.exit_code == 0:
+            continue  # the change missed everything the check reads
+        assert_one_line_error(result.exit_code, result.stderr, 1, str(path))
+        refused += 1
+    assert refused >= CORRUPT_VARIANTS // 2
+
+
+def test_a_folder_named_like_a_gguf_file_is_called_a_folder(model, tmp_path):
+    folder = tmp_path / "model.gguf"
+    folder.mkdir()
+    result = invoke("generate", "hi", "-t", str(folder), "-d", model, "-n", "2")
+    assert_one_line_error(result.exit_code, result.stderr, 1, str(folder), "is a folder, not a GGUF file")
+
+
+@pytest.mark.parametrize("layers", ["-5", "-2", "1000001"])
+def test_impossible_gpu_layers_are_a_usage_error(model, layers):
+    result = invoke("generate", "hi", "-t", model, "-d", model, "-n", "2", "--gpu-layers", layers)
+    assert_one_line_error(result.exit_code, result.stderr, 2, "--gpu-layers", layers)
+
+
+@pytest.mark.parametrize("value", ["abc", "0", "-3", "2.5"])
+def test_an_unusable_specrun_threads_is_a_usage_error(model, value):
+    result = invoke("generate", "hi", "-t", model, "-d", model, "-n", "2", env={"SPECRUN_THREADS": value})
+    assert_one_line_error(result.exit_code, result.stderr, 2, "SPECRUN_THREADS", repr(value))
+
+
+def test_gpu_layers_all_and_a_thread_count_still_work(model):
+    result = invoke("generate", "hi", "-t", model, "-d", model, "-n", "2", "--gpu-layers", "-1",
+                    env={"SPECRUN_THREADS": "1"})
+    assert result.exit_code == 0, result.output
