@@ -28,9 +28,11 @@ huggingface_hub and gguf are imported inside the functions that need them, so th
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import re
 import shlex
+import socket
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -105,7 +107,7 @@ def cached_mlx(entry: ModelEntry, progress: bool = False) -> Path:
     from huggingface_hub import snapshot_download
 
     with _hub_errors(entry, "mlx", entry.mlx_repo), _progress_bars(progress):
-        return Path(snapshot_download(entry.mlx_repo, allow_patterns=MLX_FILES))
+        return Path(snapshot_download(entry.mlx_repo, allow_patterns=MLX_FILES, local_files_only=not hub_reachable()))
 
 
 def tokenizer_folder(entry: ModelEntry) -> Path:
@@ -128,11 +130,37 @@ def _fetch(
 
     with _hub_errors(entry, kind, f"{repo}/{filename}"):
         try:
-            return Path(hf_hub_download(repo, filename, revision=revision))
+            return Path(hf_hub_download(repo, filename, revision=revision, local_files_only=not hub_reachable()))
         except RemoteEntryNotFoundError:
             if optional:
                 return None
             raise
+
+
+# How long to wait for the Hub's host to accept a connection before working from the cache.
+HUB_PROBE_SECONDS = 3.0
+
+
+def hub_reachable() -> bool:
+    """Does the Hub (HF_ENDPOINT) accept a connection? Offline, huggingface_hub retries each
+    request with backoff for ~24 s, printing every retry, before it falls back to the cache or
+    fails; one quick probe lets specrun go straight to the cache (or to its one-line error)."""
+    from huggingface_hub import constants
+
+    return not constants.HF_HUB_OFFLINE and _accepts_connections(constants.ENDPOINT)
+
+
+@functools.cache
+def _accepts_connections(url: str) -> bool:
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(url)
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    try:
+        socket.create_connection((parts.hostname, port), timeout=HUB_PROBE_SECONDS).close()
+    except (OSError, UnicodeError, ValueError):
+        return False
+    return True
 
 
 def _snapshot_folder(path: Path, filename: str) -> Path:

@@ -4,10 +4,11 @@ and the fix in one line instead of an internal error, a misleading message or si
 from __future__ import annotations
 
 import random
+import time
 
 import pytest
 
-from cli_checks import assert_one_line_error, invoke
+from cli_checks import assert_one_line_error, invoke, run_specrun
 
 CORRUPT_VARIANTS = 12
 
@@ -60,3 +61,15 @@ def test_gpu_layers_all_and_a_thread_count_still_work(model):
     result = invoke("generate", "hi", "-t", model, "-d", model, "-n", "2", "--gpu-layers", "-1",
                     env={"SPECRUN_THREADS": "1"})
     assert result.exit_code == 0, result.output
+
+
+def test_offline_the_hub_error_comes_at_once(tmp_path):
+    """Item 11: with the Hub unreachable (an endpoint that cannot resolve) and nothing cached, the
+    one-line error comes without huggingface_hub's ~24 s of printed retries."""
+    started = time.monotonic()
+    result = run_specrun(
+        "generate", "hi", "-t", "owner/name/model-Q4.gguf", "--backend", "llama", "-n", "2",
+        env={"HF_ENDPOINT": "https://hub.invalid", "HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": ""},
+    )
+    assert time.monotonic() - started < 15
+    assert_one_line_error(result.returncode, result.stderr, 1, "cannot reach https://hub.invalid", "models pull")
