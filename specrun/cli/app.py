@@ -165,18 +165,27 @@ app.command("tune")(tune)
 
 
 def main() -> None:
+    """The console script: Typer's usage errors in one line, as every other error is."""
     from specrun.cli.interrupts import INTERRUPTED_EXIT, raise_on_interrupt, say_interrupted_once
 
     raise_on_interrupt()
     try:
-        app()
+        status = app(prog_name="specrun", standalone_mode=False)
     except KeyboardInterrupt:  # while Typer builds the command, before its own handler
+        status = INTERRUPTED_EXIT
+    except typer.Abort:
+        typer.echo("error: aborted", err=True)
+        status = 1
+    except typer.TyperException as exc:  # a usage error: an unknown option or command, a bad value
+        status = exc.exit_code
+        message = " ".join(exc.format_message().split())
+        if message:  # empty when Typer has shown the help instead (no arguments)
+            context = getattr(exc, "ctx", None)
+            command = context.command_path if context is not None else "specrun"
+            typer.echo(f"error: {message}; see `{command} --help`", err=True)
+    if status == INTERRUPTED_EXIT:
         say_interrupted_once()
-        raise SystemExit(INTERRUPTED_EXIT) from None
-    except SystemExit as exc:
-        if exc.code == INTERRUPTED_EXIT:
-            say_interrupted_once()
-        raise
+    raise SystemExit(status if isinstance(status, int) else 0)
 
 
 if __name__ == "__main__":
