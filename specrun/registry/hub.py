@@ -342,6 +342,26 @@ class FileVocabulary:
         return self.tokens[token]
 
 
+def training_context(path: Path) -> int | None:
+    """The context length a model was trained with (GGUF ``ARCH.context_length``, or an MLX
+    folder's ``max_position_embeddings``); None when the file does not say or cannot be read."""
+    path = Path(path)
+    try:
+        if path.is_dir():
+            config = json.loads((path / "config.json").read_text(encoding="utf-8"))
+            trained = config.get("max_position_embeddings") if isinstance(config, dict) else None
+        else:
+            import gguf
+
+            fields = gguf.GGUFReader(str(path)).fields
+            architecture = fields["general.architecture"].contents()
+            found = fields.get(f"{architecture}.context_length")
+            trained = found.contents() if found is not None else None
+    except Exception:  # noqa: BLE001 (an unreadable file: loading it names the problem)
+        return None
+    return trained if isinstance(trained, int) and trained > 0 else None
+
+
 def read_gguf_vocabulary(path: Path) -> FileVocabulary:
     """Tokens, token types and BOS/EOS ids from a GGUF's metadata (the first part of a split one)."""
     import gguf

@@ -114,6 +114,7 @@ def open_backend(spec: str, options: LoadOptions, entries: dict[str, ModelEntry]
         )
     resolve = resolve_mlx if backend == "mlx" else resolve_gguf
     path = resolve(spec, entries)
+    _check_context(path, options.n_ctx)
     try:
         return _load(backend, path, options)
     except ModelFileError:
@@ -122,6 +123,20 @@ def open_backend(spec: str, options: LoadOptions, entries: dict[str, ModelEntry]
         if not forget_derived(Path(path)):
             raise
     return _load(backend, resolve(spec, entries), options)
+
+
+def _check_context(path: str | Path, n_ctx: int | None) -> None:
+    """Refuse a --ctx past the model's training context (its output degrades there)."""
+    if n_ctx is None:
+        return
+    from specrun.registry.hub import training_context
+
+    trained = training_context(Path(path))
+    if trained is not None and n_ctx > trained:
+        raise UsageError(
+            f"--ctx {n_ctx} is more than the {trained} tokens {path} was trained with",
+            f"pass --ctx {trained} or less",
+        )
 
 
 def _load(backend: str, path: str | Path, options: LoadOptions) -> Backend:

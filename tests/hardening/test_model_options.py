@@ -73,3 +73,13 @@ def test_offline_the_hub_error_comes_at_once(tmp_path):
     )
     assert time.monotonic() - started < 15
     assert_one_line_error(result.returncode, result.stderr, 1, "cannot reach https://hub.invalid", "models pull")
+
+
+@pytest.mark.parametrize("backend", ["llama", "mlx"])
+def test_a_context_past_the_training_context_is_a_usage_error(tiny_llama, backend):
+    pytest.importorskip("llama_cpp" if backend == "llama" else "mlx_lm")
+    source = str(tiny_llama.gguf_path if backend == "llama" else tiny_llama.hf_dir)
+    result = invoke("generate", "hi", "-t", source, "-m", "none", "--backend", backend, "-n", "2", "--ctx", "100000")
+    assert_one_line_error(result.exit_code, result.stderr, 2, "--ctx 100000", "trained with", "--ctx 512 or less")
+    fits = invoke("generate", "hi", "-t", source, "-m", "none", "--backend", backend, "-n", "2", "--ctx", "512")
+    assert fits.exit_code == 0, fits.output
