@@ -51,5 +51,14 @@ class RegistryError(SpecrunError):
     """An unknown alias or a malformed models.toml."""
 
 
+class AnswerKeptError(SpecrunError):
+    """The answer is complete, but something after it failed (the n-gram cache could not be
+    saved): front ends print ``result`` as usual, then this error."""
+
+    def __init__(self, result: object, error: SpecrunError) -> None:
+        super().__init__(error.problem, error.fix)
+        self.result = result
+
+
 class FileAccessError(SpecrunError):
     """A file specrun cannot read or write (full disk, no permission, not a regular file, too big)."""

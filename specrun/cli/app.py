@@ -47,6 +47,7 @@ from specrun.cli.models import models_app
 from specrun.cli.serve import serve_command
 from specrun.cli.tune import tune
 from specrun.drafters.methods import check_method
+from specrun.errors import AnswerKeptError
 
 app = typer.Typer(
     name="specrun",
@@ -116,15 +117,24 @@ def generate(
             drafter_options=DrafterOptions(ngram_cache=ngram_cache),
             chat=chat,
         )
+        kept = None  # the answer is printed even when the n-gram cache could not be saved after it
         if json_output:
-            result = generate_text(request)
+            try:
+                result = generate_text(request)
+            except AnswerKeptError as exc:
+                result, kept = exc.result, exc
             typer.echo(json.dumps({"text": result.text, "finish_reason": result.finish_reason,
                                    "stats": result.stats.to_dict()}))
-            return
-        result = generate_text(request, on_text=_write_stdout)
-        sys.stdout.write("\n" if result.text and not result.text.endswith("\n") else "")
-        sys.stdout.flush()
-        typer.echo(result.stats.summary(), err=True)
+        else:
+            try:
+                result = generate_text(request, on_text=_write_stdout)
+            except AnswerKeptError as exc:
+                result, kept = exc.result, exc
+            sys.stdout.write("\n" if result.text and not result.text.endswith("\n") else "")
+            sys.stdout.flush()
+            typer.echo(result.stats.summary(), err=True)
+        if kept is not None:
+            raise kept
 
 
 @app.command()

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from specrun.engine.loop import Finished, GenerationParams, GenerationResult, SpeculativeEngine, TextChunk
 from specrun.registry.loading import LoadOptions, open_pair, prompts_as_chat
 from specrun.drafters.methods import DrafterOptions, build_drafter, is_adaptive, needs_draft_model
+from specrun.errors import AnswerKeptError, SpecrunError
 from specrun.sampling import SamplingSettings
 
 
@@ -130,9 +131,14 @@ def generate_text(request: GenerateRequest, on_text: Callable[[str], None] | Non
             if isinstance(event, TextChunk) and on_text is not None and event.text:
                 on_text(event.text)
             elif isinstance(event, Finished):
+                remember_run(engine, target, draft, request.load.threads, tuned)
                 if drafter is not None:
                     drafter.finish(engine.last_context)  # the n-gram pool learns the last tokens too
-                remember_run(engine, target, draft, request.load.threads, tuned)
+                    closing, drafter = drafter, None
+                    try:
+                        closing.close()  # saves the n-gram pool when it has a cache file
+                    except SpecrunError as exc:  # a full disk: the answer still reaches the user
+                        raise AnswerKeptError(event.result, exc) from exc
                 return event.result
         raise AssertionError("stream ended without Finished")
     finally:

@@ -85,21 +85,40 @@ def test_a_symlinked_ngram_cache_is_written_through_and_keeps_its_mode(tmp_path)
     assert sorted(os.listdir(real.parent)) == ["pool.ngram"]
 
 
-def test_atomic_write_names_the_file_when_the_folder_cannot_be_written(tmp_path):
-    folder = tmp_path / "locked"
-    folder.mkdir()
-    os.chmod(folder, 0o500)
-    try:
-        if os.access(folder, os.W_OK):
-            pytest.skip("running as a user who can write anywhere")
-        with pytest.raises(FileAccessError, match="cannot write the report") as caught:
-            write_atomically(folder / "r.html", "x", "report")
-        assert str(folder / "r.html") in caught.value.one_line() and caught.value.fix
-    finally:
-        os.chmod(folder, 0o700)
+def test_atomic_write_names_the_file_when_the_folder_cannot_be_written(tmp_path, monkeypatch):
+    """A folder the user may not write to (simulated: root writes anywhere, so chmod cannot)."""
+    import specrun.fileio
+
+    def refuse(path):
+        raise PermissionError(errno.EACCES, "Permission denied", str(path.parent))
+
+    monkeypatch.setattr(specrun.fileio, "_create_beside", refuse)
+    with pytest.raises(FileAccessError, match="cannot write the report") as caught:
+        write_atomically(tmp_path / "r.html", "x", "report")
+    assert str(tmp_path / "r.html") in caught.value.one_line() and caught.value.fix
+    assert os.listdir(tmp_path) == []
 
 
 def test_tuned_file_written_by_save_reads_back(tmp_path):
     path = tuning.save(tune_result("pair-a"), tmp_path / "tuned.json")
     assert json.loads(path.read_text())["pairs"]["pair-a"]["best_draft_len"] == 3
     assert tuning.load("pair-a", path) == tune_result("pair-a")
+
+
+@pytest.mark.parametrize("json_output", [True, False])
+def test_an_answer_survives_an_ngram_cache_that_cannot_be_saved(llama_model, tmp_path, json_output):
+    """A disk that fills while the n-gram pool is saved after the answer: the answer is printed
+    (as JSON with --json), then one error naming the cache file, exit 1, nothing half-written."""
+    cache = tmp_path / "pool.ngram"
+    result = run_specrun(
+        "generate", "def add(a, b):", "-t", llama_model, "--method", "ngram", "-n", "12", "--raw",
+        "--ngram-cache", str(cache), *(["--json"] if json_output else []), max_file_bytes=64,
+    )
+    errors = [line for line in result.stderr.decode().splitlines() if not line.endswith("method ngram")]
+    assert_one_line_error(result.returncode, "\n".join(errors), 1, str(cache))  # the statistics line aside
+    if json_output:
+        answer = json.loads(result.stdout)
+        assert answer["stats"]["new_tokens"] == 12 and answer["text"]
+    else:
+        assert result.stdout.strip()
+    assert os.listdir(tmp_path) == []  # no cache, no temporary file
