@@ -28,6 +28,7 @@ from specrun.cli.common import (
     MaxTokensOpt,
     MethodOpt,
     MinPOpt,
+    PipeConsole,
     NgramCacheOpt,
     RegistryOpt,
     SeedOpt,
@@ -158,7 +159,7 @@ def demo(
         check_range("--prompts", prompts, 1, 100)
         check_range("--max-tokens", max_tokens, 1, 4096)
         check_range("--draft-len", draft_len, 0, MAX_DRAFT_LEN)
-        run_demo(target, draft, method_list, prompts, max_tokens, draft_len, backend, threads)
+        run_demo(target, draft, method_list, prompts, max_tokens, draft_len, backend, threads, console=PipeConsole)
 
 
 def _write_stdout(text: str) -> None:

@@ -24,12 +24,14 @@ def run_demo(
     draft_len: int | None,
     backend: str,
     threads: int | None,
+    console: type[Console] = Console,
 ) -> Comparison:
     """Load the pair, compare the methods on built-in prompts, print the table to stdout.
 
-    ``draft_len`` None: each method as `specrun generate` runs it (adaptive, up to 16)."""
-    err = Console(stderr=True)
-    out = Console(file=sys.stdout, soft_wrap=True)
+    ``draft_len`` None: each method as `specrun generate` runs it (adaptive, up to 16).
+    ``console``: the Rich console class to print with (the CLI's ends quietly on a closed pipe)."""
+    err = console(stderr=True)
+    out = console(file=sys.stdout, soft_wrap=True)
     err.print(f"loading {target} + {draft} (the first run derives cached model files)…")
     use_draft = any(needs_draft_model(m) for m in methods)
     target_backend, draft_backend = open_pair(

@@ -58,5 +58,10 @@ def test_a_closed_stdout_ends_the_run_quietly(model, command):
                                          input=b"Say something.\n"))
 
 
+def test_demo_into_a_closed_pipe(model):
+    assert_quiet(*run_with_closed_stdout("demo", "-t", model, "-d", model, "--methods", "none,lookup",
+                                         "--prompts", "1", "-n", "8", "--backend", "llama"))
+
+
 def test_models_list_into_a_closed_pipe():
     assert_quiet(*run_with_closed_stdout("models", "list"))
