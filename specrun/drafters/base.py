@@ -67,10 +67,9 @@ class Drafter(Protocol):
     # policy chooses its length before it drafts; a cheap drafter's proposal is made whole
     # and cut afterwards.
     pays_per_token: ClassVar[bool] = False
-    # Acceptance the policy presumes before evidence: by Proposal.kind where the drafter
-    # knows its odds differ by kind, else one figure (None: the policy's default).
+    # Acceptance the policy presumes before evidence, by Proposal.kind where the drafter
+    # knows its odds differ by kind ("" for proposals of one kind); else the policy's default.
     kind_priors: ClassVar[Mapping[str, float]] = {}
-    prior_accept: ClassVar[float | None] = None
     min_prob: float = 0.0  # a confidence stop on drafting (the draft model's)
     # A chain takes a member's proposal once it has this many tokens (0: a lone drafter's
     # proposal is taken whatever its length).

@@ -112,14 +112,6 @@ class NgramPoolDrafter(Drafter):
     """
 
     name = "ngram"
-    # What an adaptive run presumes of its proposals before any evidence (the controllers'
-    # default is an optimistic 0.9). In a fresh run the pool knows only the prompt, which
-    # prompt lookup indexes first at longer orders: the pool's first tries on Spec-Bench
-    # were right on 12% of their tokens (716 drafted). At 0.3 its proposals are scored
-    # against the output for free (temperature 0: exactly) until they earn a paid try.
-    # Measured with auto (docs/perf.md, session 12): its blind n-gram tries gone, but the
-    # gain is within the noise (code-completion +0.6% to +2.8% in three A/Bs).
-    prior_accept = 0.3
 
     def __init__(
         self,

@@ -153,7 +153,7 @@ class SpeculativeEngine:
         stats.prompt_tokens = len(prompt)
         policy = self.policy_for(params)
         if policy is not None and policy.measured:
-            policy.start_text(len(context))
+            policy.start_text()
 
         # The drafters read the prompt first, timed as prefill like the target's: a draft
         # model's prompt pass is prompt processing, not the cost of drafting tokens.
@@ -180,7 +180,7 @@ class SpeculativeEngine:
                     verdict = Verdict(0, self._pick(prompt_logits, sampling, rng))
                     prompt_logits = None
                 else:  # plan → draft → verify
-                    plan = policy.plan(context_len) if policy is not None else PLAIN
+                    plan = policy.plan() if policy is not None else PLAIN
                     draft_len = min(params.draft_len, remaining - 1, n_ctx - context_len - 1)
                     if plan.fused:
                         proposal, verdict, t_verify = self._fused_greedy_step(context, draft_len, sampling, rng)
