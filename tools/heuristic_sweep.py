@@ -37,6 +37,7 @@ def _after_init(cls, **values):
 def _switch_offs():
     from specrun.control import adaptive, policy
     from specrun.drafters.lookup import PromptLookupDrafter
+    from specrun.drafters.ngram import NgramPoolDrafter
 
     costs, controller, gate = adaptive.TargetCosts, adaptive.DraftLengthController, adaptive.SpeculationGate
 
@@ -69,6 +70,7 @@ def _switch_offs():
         "spike cap": lambda: setattr(costs, "SPIKE_CAP", float("inf")),
         "ageing unvisited lengths (AGE)": lambda: setattr(costs, "AGE", 1.0),
         "stale tolerance (table rebuilt on every pass)": lambda: setattr(costs, "STALE_TOLERANCE", 0.0),
+        "retiming T(1) on a new context": lambda: (setattr(costs, "RETIME_SHARE", 1e9), setattr(costs, "RETIME_MIN_TOKENS", 10**9)),
         "switch-back accounting (note_pass)": lambda: setattr(costs, "note_pass", lambda self, n, s, previous: True),
         "non-decreasing fit": lambda: setattr(adaptive, "_non_decreasing", lambda values, weights: values),
         "one-point line (+10% a token)": lambda: setattr(costs, "_one_point_line", staticmethod(lambda n0, t0, m: [t0] * (m + 1))),
@@ -87,12 +89,15 @@ def _switch_offs():
         # the gate, the idle backoff, free scoring
         "speculation gate": lambda: setattr(gate, "record", lambda self, *args: None),
         "gate waits for engaged steps (MIN_ENGAGED)": lambda: setattr(gate, "MIN_ENGAGED", 0.0),
+        "gate margin": lambda: setattr(gate, "MARGIN", 0.0),
+        "proposing time counts as engaged": lambda: setattr(policy, "PROPOSING_SHARE", float("inf")),
         "gate judges a text only after MIN_STEPS": lambda: setattr(gate, "MIN_STEPS", gate.RETRY_STEPS),
         "idle backoff": lambda: setattr(policy, "IdleBackoff", AlwaysAsk),
         "cheap proposals scored for free": lambda: setattr(adaptive.ProposalScores, "add", lambda self, *args: None),
         "weighing a cheap proposal against the draft model": lambda: setattr(policy.AdaptivePolicy, "_cheap_worth_taking", lambda self, proposal: len(proposal) >= 2),
         # priors and memory across texts
         "lookup's priors by n-gram length": lambda: setattr(PromptLookupDrafter, "kind_priors", {}),
+        "the n-gram pool's low prior": lambda: setattr(NgramPoolDrafter, "kind_priors", {}),
         "a chain's draft model stays off into the next text": no_carried_gaps,
         "drafters earlier processes left off start off": lambda: setattr(controller, "start_off", lambda self, gap: None),
     }

@@ -32,6 +32,11 @@ from specrun.control.adaptive import (
 )
 from specrun.drafters.base import Drafter, Proposal
 
+# A step that spent more than this share of a plain pass proposing counts as speculating's
+# for auto's SpeculationGate, even when nothing was verified (a cheap drafter that keeps
+# looking and finding nothing, or proposals the controllers declined).
+PROPOSING_SHARE = 0.02
+
 @dataclass(frozen=True)
 class Plan:
     """One step's decision. ``draft``: ask the drafters (else a plain step, none asked);
@@ -68,7 +73,7 @@ class SpeculationPolicy(Protocol):
 
     measured: bool  # does it learn from steps (else the engine skips ``observe``'s timing)
 
-    def start_text(self) -> None: ...
+    def start_text(self, context_len: int) -> None: ...
 
     def plan(self) -> Plan: ...
 
@@ -96,7 +101,7 @@ class FixedPolicy:
         self.drafter = drafter
         self._plan = Plan(draft=True, fused=fusable)
 
-    def start_text(self) -> None:
+    def start_text(self, context_len: int) -> None:
         pass
 
     def plan(self) -> Plan:
@@ -143,6 +148,7 @@ class AdaptivePolicy:
         self.max_draft_len = 0
         self.paid: set[str] = set()  # drafters whose length this policy chooses before they draft
         self._idle: IdleBackoff | None = None
+        self._retiming = False  # the latest plan was a plain step timing T(1) afresh
 
     # ---- what earlier texts and processes measured --------------------------------------
     def use_tuned(
@@ -199,7 +205,7 @@ class AdaptivePolicy:
         at it with a chain's draft model gated."""
         self.max_draft_len, self.adaptive = max_draft_len, adaptive
 
-    def start_text(self) -> None:
+    def start_text(self, context_len: int) -> None:
         self._scores.clear()
         self._previous_pass = None
         if self.adaptive:
@@ -207,10 +213,15 @@ class AdaptivePolicy:
         # Drafters that keep finding nothing are asked less often (a lone draft model finds
         # nothing only while its controller has it off, and is then asked on its probes).
         self._idle = IdleBackoff() if self.adaptive else None
+        # Plain decoding timed on a far shorter or longer context first times it again.
+        self.target_costs.start_text(context_len)
 
     def plan(self) -> Plan:
-        if (self.adaptive and not self.gate.speculating) or (
-            self._idle is not None and not self._idle.ask() and self._paid_may_pass()
+        self._retiming = self.target_costs.retiming
+        if (
+            self._retiming
+            or (self.adaptive and not self.gate.speculating)
+            or (self._idle is not None and not self._idle.ask() and self._paid_may_pass())
         ):
             return PLAIN
         return Plan(draft=True)
@@ -248,10 +259,13 @@ class AdaptivePolicy:
     def observe(self, report: StepReport) -> None:
         self._observe_pass(report)
         self._scores.score(report.context)
-        if self.adaptive:
-            emitted = len(report.context) - report.context_len
-            engaged = bool(report.proposal.tokens)
-            self.gate.record(emitted, self.clock() - report.started, engaged, self.target_costs.plain)
+        if not self.adaptive or self._retiming:  # a pass timing T(1) says nothing of speculating
+            return
+        plain = self.target_costs.plain
+        proposing = report.draft_seconds  # asking the drafters (about none where nothing is asked)
+        engaged = bool(report.proposal.tokens) or (plain is not None and proposing > PROPOSING_SHARE * plain)
+        emitted = len(report.context) - report.context_len
+        self.gate.record(emitted, self.clock() - report.started, engaged, plain)
 
     # ---- the controllers ----------------------------------------------------------------
     def _observe_pass(self, report: StepReport) -> None:
@@ -261,7 +275,7 @@ class AdaptivePolicy:
         if not self.target_costs.note_pass(n_fed, report.verify_seconds, previous):
             return  # a plain pass that paid for the speculative one before it: timed as switching back
         if not proposal.tokens:
-            self.target_costs.observe(1, report.verify_seconds)  # what speculating must beat
+            self.target_costs.observe(1, report.verify_seconds, report.context_len)  # what speculating must beat
         elif not self.adaptive and proposal.source not in self.paid:
             # A fixed chain's cheap drafter is not gated: its pass only times T_target(n).
             self.target_costs.observe(n_fed, report.verify_seconds)
@@ -320,16 +334,17 @@ class AdaptivePolicy:
         """The acceptance a controller presumes before evidence, and whether it was measured.
 
         The drafter's prior for the proposal's kind where it declares one (prompt lookup, by
-        the length of the n-gram matched; kind "" for a drafter's proposals of one kind); else
-        what `specrun tune` measured for the drafter; else the controllers' default.
+        the length of the n-gram matched); else what `specrun tune` measured for the drafter;
+        else the prior the drafter declares for all its proposals (kind ""; the n-gram pool);
+        else the controllers' default.
         """
         member = self._member(source)
-        declared = member.kind_priors.get(kind) if member is not None else None
-        if declared is not None:
-            return declared, False
+        declared = member.kind_priors if member is not None else {}
+        if kind and kind in declared:
+            return declared[kind], False
         if source in self.prior_accepts:
             return self.prior_accepts[source], True
-        return DraftLengthController.prior_accept, False
+        return declared.get("", DraftLengthController.prior_accept), False
 
     def _counts_draft_time(self, source: str) -> bool:
         """Is a source's drafting time charged to the lengths it drafts (a draft model), or

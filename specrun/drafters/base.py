@@ -68,7 +68,7 @@ class Drafter(Protocol):
     # and cut afterwards.
     pays_per_token: ClassVar[bool] = False
     # Acceptance the policy presumes before evidence, by Proposal.kind where the drafter
-    # knows its odds differ by kind ("" for proposals of one kind); else the policy's default.
+    # knows its odds differ by kind; "" for all its proposals (after what tune measured).
     kind_priors: ClassVar[Mapping[str, float]] = {}
     min_prob: float = 0.0  # a confidence stop on drafting (the draft model's)
     # A chain takes a member's proposal once it has this many tokens (0: a lone drafter's

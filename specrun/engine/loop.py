@@ -153,7 +153,7 @@ class SpeculativeEngine:
         stats.prompt_tokens = len(prompt)
         policy = self.policy_for(params)
         if policy is not None and policy.measured:
-            policy.start_text()
+            policy.start_text(len(context))
 
         # The drafters read the prompt first, timed as prefill like the target's: a draft
         # model's prompt pass is prompt processing, not the cost of drafting tokens.
