@@ -41,7 +41,9 @@ except ImportError:  # the layout before issue 27
     from specrun.engine import GenerationParams, SpeculativeEngine
     from specrun.methods import build_drafter, is_adaptive
     from specrun.loading import LoadOptions, open_pair
-target_name, draft_name, methods, n_new, threads = json.loads(sys.argv[1])
+target_name, draft_name, methods, n_new, threads, patch = json.loads(sys.argv[1])
+if patch:  # an experiment: this side runs the file first (e.g. a rule switched off)
+    exec(open(patch).read())
 target, draft = open_pair(target_name, draft_name, LoadOptions(threads=threads))
 engines = {m: SpeculativeEngine(target, build_drafter(m, draft), m) for m in methods}
 print("ready", flush=True)
@@ -70,8 +72,8 @@ def worktree(rev: str) -> Path:
 
 
 class Worker:
-    def __init__(self, tree: Path, args) -> None:
-        spec = json.dumps([args.target, args.draft, list(args.methods), args.max_tokens, args.threads])
+    def __init__(self, tree: Path, args, patch: str | None = None) -> None:
+        spec = json.dumps([args.target, args.draft, list(args.methods), args.max_tokens, args.threads, patch])
         self.proc = subprocess.Popen([sys.executable, "-c", WORKER, spec], cwd=tree, text=True,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      env={**os.environ, "PYTHONPATH": str(tree)})
@@ -119,10 +121,11 @@ def main() -> int:
     parser.add_argument("-n", "--max-tokens", type=int, default=128)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--spec-bench-per-category", type=int, default=5)
+    parser.add_argument("--patch-after", help="a Python file side B runs before loading (an experiment)")
     args = parser.parse_args()
     args.methods = tuple(args.methods.split(","))
     sides = {"A": worktree(args.before), "B": worktree(args.after)}
-    workers = {name: Worker(tree, args) for name, tree in sides.items()}
+    workers = {name: Worker(tree, args, args.patch_after if name == "B" else None) for name, tree in sides.items()}
     raw, mismatches = [], 0
     try:
         for suite, texts in prompts(args).items():
@@ -138,7 +141,7 @@ def main() -> int:
         for worker in workers.values():
             worker.close()
     RUNS.mkdir(exist_ok=True)
-    out = RUNS / f"ab_{args.before}_{args.after}.json"
+    out = RUNS / f"ab_{args.before}_{args.after}{'_patched' if args.patch_after else ''}.json"
     out.write_text(json.dumps({"args": vars(args) | {"methods": list(args.methods)}, "runs": raw}, indent=1))
     rng = np.random.default_rng(0)
     print(f"B ({args.after}) against A ({args.before}): tokens/s ratio, geometric mean over prompts [90% interval]")
