@@ -57,6 +57,9 @@ DEFAULT_MAX_ORDER = 3
 DEFAULT_MAX_CONTEXTS = 100_000
 DEFAULT_MAX_FOLLOWERS = 8
 DEFAULT_MIN_SHARE = 0.5
+# A runner-up follower with at least this share of a context's counts becomes a sibling of
+# the first guess (``branches``): a wrong first guess then costs one tree node, not the step.
+BRANCH_MIN_SHARE = 0.25
 # A follower of a single token must have been seen twice (one sighting is mostly
 # coincidence); after two or more tokens of context, once is enough.
 DEFAULT_UNIGRAM_MIN_COUNT = 2
@@ -66,7 +69,7 @@ OTHER_CACHE = "pass another --ngram-cache"
 # The largest file read: a full pool (DEFAULT_MAX_CONTEXTS) takes about 20 MB.
 MAX_CACHE_BYTES = 256 * MiB
 # Counts grow by one a sighting; anything near float range is forged (and would overflow
-# the share test in _most_likely_next).
+# the share test in _likely_next).
 MAX_COUNT = 1 << 53
 
 Followers = dict[int, int]  # token -> count
@@ -117,7 +120,8 @@ class NgramPoolDrafter(Drafter):
     # prompt lookup indexes first at longer orders: the pool's first tries on Spec-Bench
     # were right on 12% of their tokens (716 drafted). At 0.3 its proposals are scored
     # against the output for free (temperature 0: exactly) until they earn a paid try.
-    # Removing it read 0.89x on auto in issue 27's A/B (with the rules removed beside it).
+    # Measured with auto (session 12): its blind n-gram tries gone, but the gain is within
+    # the noise (code-completion +0.6% to +2.8% in three A/Bs).
     kind_priors = {"": 0.3}
 
     def __init__(
@@ -128,6 +132,7 @@ class NgramPoolDrafter(Drafter):
         max_followers: int = DEFAULT_MAX_FOLLOWERS,
         min_share: float = DEFAULT_MIN_SHARE,
         unigram_min_count: int = DEFAULT_UNIGRAM_MIN_COUNT,
+        branches: int = 0,
         vocabulary: str = "",
         cache_path: Path | None = None,
     ) -> None:
@@ -138,6 +143,7 @@ class NgramPoolDrafter(Drafter):
         self.max_followers = max_followers
         self.min_share = min_share
         self.unigram_min_count = unigram_min_count
+        self.branches = branches  # runner-up followers proposed as siblings (0: chains only)
         self.vocabulary = vocabulary
         self.cache_path = Path(cache_path) if cache_path is not None else None
         self.mirror = ContextMirror()
@@ -179,19 +185,27 @@ class NgramPoolDrafter(Drafter):
         sampling: SamplingSettings,
         rng: np.random.Generator,
     ) -> Proposal:
-        """Learn what ``context`` adds, then chain the most likely followers (one-hot)."""
+        """Learn what ``context`` adds, then chain the most likely followers (one-hot). With
+        ``branches``, up to that many runner-up followers join as siblings of the chain's
+        tokens, after the chain (a tree whose first nodes are the chain)."""
         self._read(context)
         if draft_len <= 0:
             return EMPTY_PROPOSAL
         tail = self.mirror.tokens[-self.max_order :]
         draft: list[int] = []
+        siblings: list[tuple[int, int]] = []  # (depth, token): a runner-up at the chain's depth
         while len(draft) < draft_len:
-            token = self._most_likely_next(tail)
-            if token is None:
+            ranked = self._likely_next(tail, runner_up=len(siblings) < self.branches)
+            if not ranked:
                 break
-            draft.append(token)
-            tail = [*tail, token][-self.max_order :]
-        return Proposal(tuple(draft), source=self.name) if draft else EMPTY_PROPOSAL
+            if len(ranked) > 1:
+                siblings.append((len(draft), ranked[1]))
+            draft.append(ranked[0])
+            tail = [*tail, ranked[0]][-self.max_order :]
+        if not draft:
+            return EMPTY_PROPOSAL
+        parents = (*range(-1, len(draft) - 1), *(depth - 1 for depth, _ in siblings))
+        return Proposal((*draft, *(token for _, token in siblings)), source=self.name, parents=parents)
 
     def finish(self, context: Sequence[int]) -> None:
         """Learn the rest of the generation (the last step's tokens were never proposed from)."""
@@ -242,8 +256,9 @@ class NgramPoolDrafter(Drafter):
         self._pool.move_to_end(key)
         _add_follower(followers, token, self.max_followers)
 
-    def _most_likely_next(self, tail: Sequence[int]) -> int | None:
-        """The trusted most frequent follower of the longest known suffix of ``tail``."""
+    def _likely_next(self, tail: Sequence[int], runner_up: bool = False) -> list[int]:
+        """The trusted most frequent follower of the longest known suffix of ``tail`` ([] for
+        none); with ``runner_up``, also the next most frequent where it has BRANCH_MIN_SHARE."""
         for n in range(min(self.max_order, len(tail)), 0, -1):
             self._pool_ops += 1
             key = tuple(tail[-n:])
@@ -253,9 +268,16 @@ class NgramPoolDrafter(Drafter):
             self._pool.move_to_end(key)
             token, count = max(followers.items(), key=lambda item: item[1])
             min_count = self.unigram_min_count if n == 1 else 1
-            if count >= min_count and count >= self.min_share * sum(followers.values()):
-                return token
-        return None
+            total = sum(followers.values())
+            if count >= min_count and count >= self.min_share * total:
+                if not runner_up or len(followers) < 2:
+                    return [token]
+                second, second_count = max(
+                    ((t, c) for t, c in followers.items() if t != token), key=lambda item: item[1]
+                )
+                trusted = second_count >= min_count and second_count >= BRANCH_MIN_SHARE * total
+                return [token, second] if trusted else [token]
+        return []
 
     # ---- persistence ------------------------------------------------------------
     def save(self, path: Path | None = None) -> Path:
