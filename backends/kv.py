@@ -8,6 +8,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from specrun.backends.base import Backend
+from specrun.tree import TokenTree
 
 
 def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
@@ -103,6 +104,24 @@ class KVSequence:
             self.repair()
             raise
         return argmax, ids
+
+    def feed_tree(self, tokens: Sequence[int], tree: TokenTree, logit_rows: Sequence[int]) -> np.ndarray:
+        """Append ``tokens``, then hold ``tree``'s nodes after them (``keep_path`` commits one
+        path); logits (len(logit_rows), vocab) at rows indexing ``tokens`` followed by the nodes."""
+        return self._append(lambda fed, rows: self.backend.forward_tree(fed, tree, rows), tokens, logit_rows)
+
+    def feed_tree_argmax(self, tokens: Sequence[int], tree: TokenTree, logit_rows: Sequence[int]) -> np.ndarray:
+        """Like ``feed_tree`` but only the argmax ids (len(logit_rows),)."""
+        return self._append(lambda fed, rows: self.backend.forward_tree_argmax(fed, tree, rows), tokens, logit_rows)
+
+    def keep_path(self, tree: TokenTree, path: Sequence[int]) -> None:
+        """Commit the held tree's nodes ``path`` (root-to-node) to the cache, dropping the rest."""
+        try:
+            self.backend.keep_path(path)
+            self.tokens.extend(tree.tokens[node] for node in path)
+        except BaseException:
+            self.repair()
+            raise
 
     def _append(self, forward, tokens: Sequence[int], logit_rows: Sequence[int]) -> np.ndarray:
         self._check_in_step()

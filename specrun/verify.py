@@ -25,6 +25,11 @@ class Verdict:
     n_accepted: int
     next_token: int
 
+    @property
+    def path(self) -> range:
+        """The accepted drafts as node indices, as a TreeVerdict gives them (a chain's prefix)."""
+        return range(self.n_accepted)
+
 
 def verify_greedy(draft_tokens: Sequence[int], target_argmax: Sequence[int]) -> Verdict:
     """Temperature 0: accept drafts while they equal the target's argmax.

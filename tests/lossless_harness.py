@@ -290,6 +290,7 @@ class Scenario:
     adaptive: bool = False  # choose draft lengths as `specrun generate` does without -k
     sharper_draft: bool = False  # the draft is _sharper(target), not an unrelated model
     draft_min_prob: float = 0.0  # the draft model's confidence stop (DraftModelDrafter.min_prob)
+    branches: int = 0  # runner-up guesses as siblings: token trees (DrafterOptions.branches)
 
     @property
     def draft_len(self) -> int:
@@ -314,6 +315,10 @@ SCENARIOS = {
     "none every option": Scenario("none", "every option"),
     "sharper draft": Scenario("draft", sharper_draft=True),
     "draft confidence stop": Scenario("draft", draft_min_prob=0.45),
+    # Token trees: the n-gram pool's runner-up followers as siblings, verified in one pass.
+    "ngram tree": Scenario("ngram", branches=3),
+    "ngram tree adaptive": Scenario("ngram", adaptive=True, branches=3),
+    "lookup+ngram+draft tree": Scenario("lookup+ngram+draft", branches=3),
 }
 
 
@@ -329,7 +334,7 @@ def fake_engine(scenario: Scenario) -> SpeculativeEngine:
     target = CostedFake(table, clock, 1.0, 0.02, vocab_size=VOCAB)
     draft = CostedFake(draft_table, clock, 0.02, 0.0, vocab_size=VOCAB)
     uses_draft = needs_draft_model(scenario.method) or scenario.method == "auto"
-    options = DrafterOptions(draft_min_prob=scenario.draft_min_prob)
+    options = DrafterOptions(draft_min_prob=scenario.draft_min_prob, branches=scenario.branches)
     drafter = build_drafter(scenario.method, draft if uses_draft else None, options)
     return SpeculativeEngine(target, drafter, method=scenario.method, clock=clock)
 
@@ -358,7 +363,7 @@ def run_scenario(name: str, runs: int = RUNS, first_seed: int = 0) -> tuple[Samp
 GREEDY_NEW = 150
 
 
-def greedy_scenario(method: str, adaptive: bool = False) -> tuple[list[str], int, int]:
+def greedy_scenario(method: str, adaptive: bool = False, branches: int = 0) -> tuple[list[str], int, int]:
     """``method`` greedy on a fake target that mostly repeats itself (so lookup and the n-gram
     pool draft) with a noisy copy as draft model, against plain decoding: the outputs that differ
     (a fake backend has no near-ties to excuse), and the drafts made and accepted. The engine is
@@ -368,7 +373,8 @@ def greedy_scenario(method: str, adaptive: bool = False) -> tuple[list[str], int
 
     table = copying_logits(salt=4)
     draft = FakeBackend(noisy_copy(4), COPYING_VOCAB) if needs_draft_model(method) or method == "auto" else None
-    engine = SpeculativeEngine(FakeBackend(table, COPYING_VOCAB), build_drafter(method, draft), method=method)
+    drafter = build_drafter(method, draft, DrafterOptions(branches=branches))
+    engine = SpeculativeEngine(FakeBackend(table, COPYING_VOCAB), drafter, method=method)
     plain = SpeculativeEngine(FakeBackend(table, COPYING_VOCAB))
     params = GenerationParams(GREEDY_NEW, draft_len=ADAPTIVE_MAX_DRAFT_LEN if adaptive else DRAFT_LEN,
                               stop_at_eos=False, adaptive=adaptive)

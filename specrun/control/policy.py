@@ -249,7 +249,7 @@ class AdaptivePolicy:
         if not self.adaptive or not cheap:
             return proposal
         for each in cheap:
-            self._scores.add(self._controller_for(each.source, kind=each.kind), context_len, each.tokens)
+            self._scores.add(self._controller_for(each.source, kind=each.kind), context_len, each.main_chain.tokens)
         if proposal.tokens and proposal.source not in self.paid:
             # A cheap drafter's tokens cost nothing to drop: keep the worthwhile prefix.
             keep = self._controller_for(proposal.source, kind=proposal.kind).choose(len(proposal))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar, Protocol
@@ -9,16 +10,19 @@ from typing import ClassVar, Protocol
 import numpy as np
 
 from specrun.sampling import SamplingSettings
+from specrun.tree import TokenTree
 
 
 @dataclass(frozen=True)
 class Proposal:
-    """Drafted tokens as a chain, with the drafter's distributions where it has them.
+    """Drafted tokens as a chain or a tree, with the drafter's distributions where it has them.
 
     tokens: (k,) proposed ids. p_draft: k rows, each (vocab,) or None when the
     proposal is deterministic (prompt lookup, n-gram: one-hot at the token).
     parents: index of each token's parent in ``tokens`` (-1: the current last
-    token). A chain is parents = (-1, 0, 1, …); trees reuse the same shape.
+    token); parents precede children. A chain is parents = (-1, 0, 1, …); in a tree,
+    siblings are alternatives for one position, and a branching drafter puts its first
+    guesses (``main_chain``) first, so a prefix of the nodes keeps them.
     kind: what the drafter knows of this proposal's odds, where they differ by far
     (prompt lookup: ``"n2"`` for a match on the last 2 tokens); an adaptive engine
     estimates acceptance for each kind of a source apart. "" for one kind.
@@ -40,7 +44,7 @@ class Proposal:
         return len(self.tokens)
 
     def prefix(self, length: int) -> "Proposal":
-        """The first ``length`` drafted tokens (a chain's prefix is still a chain)."""
+        """The first ``length`` drafted nodes (still a chain, or a tree: parents come first)."""
         if length >= len(self.tokens):
             return self
         return Proposal(
@@ -50,6 +54,20 @@ class Proposal:
     @property
     def is_chain(self) -> bool:
         return self.parents == tuple(range(-1, len(self.tokens) - 1))
+
+    @functools.cached_property
+    def tree(self) -> TokenTree:
+        """The proposal as a TokenTree (built once): a chain is the tree of one path."""
+        return TokenTree(self.tokens, self.parents)
+
+    @property
+    def main_chain(self) -> "Proposal":
+        """The leading nodes that form a chain (the drafter's first guess at every position;
+        branching drafters put it first): what a target without trees verifies."""
+        length = 0
+        while length < len(self.parents) and self.parents[length] == length - 1:
+            length += 1
+        return self.prefix(length)
 
 
 EMPTY_PROPOSAL = Proposal()

@@ -42,11 +42,15 @@ class DrafterOptions:
     when the drafter is closed. vocabulary: the target's
     ``specrun.drafters.ngram.vocabulary_fingerprint``, stored in the cache and
     checked when it is loaded, so a cache built for another model family is refused.
+    branches: runner-up guesses a drafter may add as siblings of its chain (a token tree;
+    0: chains only). The n-gram pool takes them; the engine verifies a tree in one pass
+    where the target can, else the chain alone.
     """
 
     ngram_cache: Path | None = None
     vocabulary: str = ""
     draft_min_prob: float = 0.0  # the draft model's confidence stop (DraftModelDrafter.min_prob)
+    branches: int = 0
 
 
 def resolve_method(method: str, has_draft: bool = True) -> str:
@@ -91,6 +95,6 @@ def _build_one(part: str, draft: Backend | None, options: DrafterOptions) -> Dra
         return PromptLookupDrafter()
     if part == "ngram":
         if options.ngram_cache is None:
-            return NgramPoolDrafter(vocabulary=options.vocabulary)
-        return NgramPoolDrafter.open(options.ngram_cache, vocabulary=options.vocabulary)
+            return NgramPoolDrafter(vocabulary=options.vocabulary, branches=options.branches)
+        return NgramPoolDrafter.open(options.ngram_cache, vocabulary=options.vocabulary, branches=options.branches)
     return DraftModelDrafter(draft, min_prob=options.draft_min_prob)

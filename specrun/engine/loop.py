@@ -23,7 +23,8 @@ from specrun.drafters.methods import is_adaptive
 from specrun.engine.stats import Stats
 from specrun.errors import ContextFullError, UsageError
 from specrun.sampling import SamplingSettings, probabilities, sample
-from specrun.verify import Verdict, verify_greedy, verify_sampled
+from specrun.tree import TokenTree
+from specrun.verify import TreeVerdict, Verdict, verify_greedy, verify_sampled, verify_tree_greedy, verify_tree_sampled
 
 
 @dataclass(frozen=True)
@@ -187,11 +188,11 @@ class SpeculativeEngine:
                     else:
                         proposal = self._draft(policy, plan, context, draft_len, sampling, rng)
                         t_verify = self.clock()
-                        verdict = self._verify(context[-1], proposal.tokens, proposal.p_draft, sampling, rng)
+                        verdict = self._verify(context[-1], proposal, sampling, rng)
                     # Keep the fed last token and the accepted drafts; drop the rejected tail.
                     self.target.rewind(context_len + verdict.n_accepted)
                 t_passed = self.clock()  # what follows is bookkeeping, neither drafting nor verifying
-                emitted = [*proposal.tokens[: verdict.n_accepted], verdict.next_token]
+                emitted = [*(proposal.tokens[node] for node in verdict.path), verdict.next_token]
                 hit_eos = next((i for i, t in enumerate(emitted) if t in eos_ids), None)
                 if hit_eos is not None:
                     emitted = emitted[: hit_eos + 1]
@@ -227,7 +228,15 @@ class SpeculativeEngine:
             if len(proposal) > len(best):
                 best = proposal
         passed_over = [each for each in made if each is not best]
-        return policy.chosen(best, passed_over, len(context))
+        proposal = policy.chosen(best, passed_over, len(context))
+        if not proposal.is_chain and not self._verifies(proposal.tree):
+            proposal = proposal.main_chain  # a target without trees (the session said why) verifies chains
+        return proposal
+
+    def _verifies(self, tree: TokenTree) -> bool:
+        """Can the target verify this tree in one pass?"""
+        support = self.target.backend.tree_support
+        return support.available and not (support.max_paths and len(tree.paths) > support.max_paths)
 
     def _adapts(self, params: GenerationParams) -> bool:
         """Does this run choose its draft lengths as it goes (auto, or params.adaptive)?"""
@@ -240,7 +249,7 @@ class SpeculativeEngine:
         deferred = self.drafter.propose_deferred(context, draft_len)
         t_queued = self.clock()
         if deferred is None:
-            return EMPTY_PROPOSAL, self._verify(context[-1], (), (), sampling, rng), t_queued
+            return EMPTY_PROPOSAL, self._verify(context[-1], EMPTY_PROPOSAL, sampling, rng), t_queued
         target_argmax, ids = self.target.feed_argmax_after([context[-1]], deferred)  # (k+1,), (k,)
         drafts = tuple(int(t) for t in ids)
         return Proposal(drafts, source=self.drafter.name), verify_greedy(drafts, target_argmax), t_queued
@@ -260,22 +269,33 @@ class SpeculativeEngine:
         return sample(probabilities(logits, sampling), rng)
 
     def _verify(
-        self,
-        last_token: int,
-        draft_tokens: tuple[int, ...],
-        p_draft: tuple[np.ndarray | None, ...],
-        sampling: SamplingSettings,
-        rng: np.random.Generator,
-    ) -> Verdict:
-        """One target pass over [last_token, *drafts]: k + 1 distributions, then the acceptance rule."""
-        fed = [last_token, *draft_tokens]
+        self, last_token: int, proposal: Proposal, sampling: SamplingSettings, rng: np.random.Generator
+    ) -> Verdict | TreeVerdict:
+        """One target pass over the last token and the drafts, then the acceptance rule: a chain
+        yields k + 1 distributions; a tree one per node, and the accepted path is kept."""
+        if not proposal.is_chain:
+            return self._verify_tree(last_token, proposal, sampling, rng)
+        fed = [last_token, *proposal.tokens]
         rows = range(len(fed))
         if sampling.greedy:
             target_argmax = self.target.feed_argmax(fed, rows)  # (k+1,)
-            return verify_greedy(draft_tokens, target_argmax)
+            return verify_greedy(proposal.tokens, target_argmax)
         logits = self.target.feed(fed, rows)  # (k+1, V)
         p_target = probabilities(logits, sampling)
-        return verify_sampled(draft_tokens, p_target, p_draft, rng)
+        return verify_sampled(proposal.tokens, p_target, proposal.p_draft, rng)
+
+    def _verify_tree(
+        self, last_token: int, proposal: Proposal, sampling: SamplingSettings, rng: np.random.Generator
+    ) -> TreeVerdict:
+        tree = proposal.tree
+        rows = tree.logit_rows(1)  # the root's row, then one per node
+        if sampling.greedy:
+            verdict = verify_tree_greedy(tree, self.target.feed_tree_argmax([last_token], tree, rows))  # (1+n,)
+        else:
+            p_target = probabilities(self.target.feed_tree([last_token], tree, rows), sampling)  # (1+n, V)
+            verdict = verify_tree_sampled(tree, p_target, proposal.p_draft, rng)
+        self.target.keep_path(tree, verdict.path)
+        return verdict
 
     # ---- layer 2: events --------------------------------------------------------
     def stream(
