@@ -1005,3 +1005,31 @@ def test_prompt_lookup_s_short_matches_are_verified_short_until_they_earn_more(k
     policy.start_text(10)
     proposal = Proposal(tuple(range(8)), source="lookup", kind=kind)
     assert len(policy.chosen(proposal, (), context_len=10)) == length
+
+
+def test_the_gate_counts_a_step_s_bookkeeping_within_its_margin_as_no_loss():
+    """Speculating 1% slower than plain decoding is a step's own bookkeeping, not a loss
+    (SpeculationGate.MARGIN); 5% slower is a loss."""
+    within, beyond = SpeculationGate(), SpeculationGate()
+    for _ in range(SpeculationGate.MIN_STEPS + 8):
+        within.record(tokens=1, seconds=1.01, engaged=True, plain_pass=1.0)
+        beyond.record(tokens=1, seconds=1.05, engaged=True, plain_pass=1.0)
+    assert within.speculating and not beyond.speculating
+
+
+def test_auto_stops_asking_a_drafter_whose_every_proposal_is_declined():
+    """A cheap drafter that always proposes, always wrong, and costs 0.3 s a call against a
+    1.05 s plain pass; it presumes little of itself and the costs are tuned, so its controller
+    verifies none of its tokens: no step verifies anything, yet every step pays the call (the
+    idle backoff rests only drafters that find nothing). The time spent proposing counts the
+    step as speculating's, so the gate sees the loss and decodes plainly."""
+    table = hashed_logits(VOCAB, salt=11, spread=3.0)
+    clock = SimClock()
+    wrong = CheapDrafter("cheap", always_wrong(table), clock, seconds_per_call=0.3)
+    wrong.kind_priors = {"": 0.05}
+    engine = SpeculativeEngine(CostedFake(table, clock, 1.0, 0.05), ChainDrafter([wrong]), clock=clock)
+    engine.policy.use_tuned({n: 1.0 + 0.05 * n for n in range(1, 18)}, {})
+    result = engine.run([1, 2, 3], GenerationParams(1500, draft_len=8, adaptive=True), complete_cache=False)
+    rate = result.stats.new_tokens / result.stats.generation_seconds
+    assert not engine.policy.gate.speculating
+    assert rate >= 0.9 / 1.05, rate  # near plain decoding's rate; asking every step read 0.74
