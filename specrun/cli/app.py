@@ -14,8 +14,10 @@ import typer
 from specrun.cli.bench import bench
 from specrun.cli.chat import chat_command
 from specrun.cli.common import (
+    MAX_BRANCHES,
     MAX_DRAFT_LEN,
     BackendOpt,
+    BranchesOpt,
     ChatOpt,
     CtxOpt,
     DraftLenOpt,
@@ -90,6 +92,7 @@ def generate(
     registry: RegistryOpt = None,
     ngram_cache: NgramCacheOpt = None,
     chat: ChatOpt = None,
+    branches: BranchesOpt = 0,
 ) -> None:
     """Answer PROMPT as a chat message (with --raw, or for a completion model, continue it):
     text to stdout, statistics to stderr."""
@@ -101,6 +104,7 @@ def generate(
         check_method(method)
         check_generation_options(max_tokens, draft_len, draft_min_prob, ctx, threads)
         check_kv_type(kv_type, exact)
+        check_range("--branches", branches, 0, MAX_BRANCHES)
         sampling = checked_sampling("generate", temp, top_k, top_p, min_p, seed)
         text = read_prompt(prompt)
         target, draft = choose_pair(target, draft, registry)
@@ -114,9 +118,11 @@ def generate(
             draft_min_prob=draft_min_prob,
             sampling=sampling,
             load=LoadOptions(backend=backend, n_ctx=ctx, threads=threads, gpu_layers=gpu_layers,
-                             registry=registry, kv_type=kv_type, exact=exact),
-            drafter_options=DrafterOptions(ngram_cache=ngram_cache),
+                             registry=registry, kv_type=kv_type, exact=exact,
+                             tree_paths=branches + 1 if branches else 0),
+            drafter_options=DrafterOptions(ngram_cache=ngram_cache, branches=branches),
             chat=chat,
+            on_note=lambda note: typer.echo(f"note: {note}", err=True),
         )
         kept = None  # the answer is printed even when the n-gram cache could not be saved after it
         if json_output:

@@ -17,6 +17,7 @@ from specrun.errors import SpecrunError, UsageError
 
 MAX_NEW_TOKENS = 1_000_000
 MAX_DRAFT_LEN = 64
+MAX_BRANCHES = 8  # a tree's siblings; llama.cpp holds one sequence per root-to-leaf path
 # What a shell reports for a command a closed pipe stopped (128 + SIGPIPE): `specrun … | head`.
 BROKEN_PIPE_EXIT = 141
 
@@ -179,6 +180,14 @@ DraftMinProbOpt = Annotated[
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object instead of text.")]
 CtxOpt = Annotated[Optional[int], typer.Option("--ctx", help="Context size in tokens (default: the model's, at most 4096).")]
 ThreadsOpt = Annotated[Optional[int], typer.Option("--threads", help="CPU threads (default: all cores).")]
+BranchesOpt = Annotated[
+    int,
+    typer.Option(
+        "--branches",
+        help=f"Token trees: runner-up guesses (0-{MAX_BRANCHES}) the n-gram pool adds beside its chain, all "
+        "verified in one target pass (0: chains). A target that cannot verify trees verifies the chain.",
+    ),
+]
 GpuLayersOpt = Annotated[Optional[int], typer.Option("--gpu-layers", help="Layers on the GPU (default: all).")]
 KvTypeOpt = Annotated[
     Optional[str],

@@ -28,6 +28,7 @@ class LoadOptions:
     registry: Path | None = None
     kv_type: str | None = None  # llama.cpp's KV cache: f16 or f32; None: f16 (its default), f32 when exact
     exact: bool = False  # the settings under which greedy speculation is bit-identical to plain decoding
+    tree_paths: int = 0  # llama.cpp: root-to-leaf paths a tree pass may hold (0: chains only); the target's
 
     def __post_init__(self) -> None:
         if self.gpu_layers is not None and not -1 <= self.gpu_layers <= MAX_GPU_LAYERS:
@@ -153,6 +154,7 @@ def _load(backend: str, path: str | Path, options: LoadOptions) -> Backend:
         gpu_layers=options.gpu_layers,
         kv_type=options.llama_kv_type,
         flash_attn=False if options.exact else None,  # None: llama.cpp's automatic choice
+        tree_paths=options.tree_paths,
     )
 
 
@@ -230,7 +232,8 @@ def open_pair(
         # One context size for both (a draft capped smaller would overflow in long chats),
         # and the target's backend, so that auto cannot split a pair across two runtimes.
         backend = options.backend if options.backend != "auto" else target.name
-        draft = open_backend(draft_spec, dataclasses.replace(options, n_ctx=target.n_ctx, backend=backend), entries)
+        draft_options = dataclasses.replace(options, n_ctx=target.n_ctx, backend=backend, tree_paths=0)  # drafts chains
+        draft = open_backend(draft_spec, draft_options, entries)
         check_compatible(target, draft, target_spec, draft_spec)
     except BaseException:
         target.close()

@@ -26,6 +26,7 @@ class GenerateRequest:
     load: LoadOptions = field(default_factory=LoadOptions)
     drafter_options: DrafterOptions = field(default_factory=DrafterOptions)
     chat: bool | None = None  # the prompt as a user message in the chat template; None: see prompts_as_chat
+    on_note: Callable[[str], None] | None = None  # one-line notes for the user (stderr in the CLI)
 
 
 DEFAULT_DRAFT_LEN = 4
@@ -116,6 +117,8 @@ def generate_text(request: GenerateRequest, on_text: Callable[[str], None] | Non
 
             options = dataclasses.replace(options, vocabulary=vocabulary_fingerprint(target))
         drafter = build_drafter(request.method, draft, options)
+        if options.branches and not target.tree_support.available and request.on_note is not None:
+            request.on_note(f"token trees are off: {target.tree_support.reason}; verifying chains")
         engine = SpeculativeEngine(target, drafter, method=request.method)
         chat = prompts_as_chat(request.target, request.load.registry, target, request.chat)
         prompt_ids = prompt_token_ids(target, request.prompt, chat)
