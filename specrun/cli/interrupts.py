@@ -25,6 +25,7 @@ import time
 
 INTERRUPTED_EXIT = 130
 _said = False
+_main_thread: int | None = None  # where a redelivered interrupt is sent (raise_on_interrupt)
 
 
 def exit_at_once_on_interrupt() -> None:
@@ -34,6 +35,8 @@ def exit_at_once_on_interrupt() -> None:
 
 def raise_on_interrupt() -> None:
     """Ctrl-C raises KeyboardInterrupt again (for cli_errors), also when it lands in a native callback."""
+    global _main_thread
+    _main_thread = _thread.get_ident()
     signal.signal(signal.SIGINT, signal.default_int_handler)
     if not getattr(sys.unraisablehook, "redelivers_interrupts", False):
         sys.unraisablehook = _redelivering(sys.unraisablehook)
@@ -59,7 +62,9 @@ def _exit_interrupted(signum, frame) -> None:
 
 def _interrupt_main_soon() -> None:
     time.sleep(0.001)  # let the callback return to native code first
-    _thread.interrupt_main()
+    # A real signal, not _thread.interrupt_main(): that only sets a flag, which a main thread
+    # blocked in a system call (reading stdin) would see only after the call returned, too late.
+    signal.pthread_kill(_main_thread, signal.SIGINT)
 
 
 def _redelivering(previous):
