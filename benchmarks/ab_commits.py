@@ -17,18 +17,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import subprocess
 import sys
 import zlib
 from pathlib import Path
 
-import numpy as np
+from _report import SPEC_BENCH, geometric_mean_interval
 
 ROOT = Path(__file__).resolve().parents[1]
 RUNS = ROOT / "runs"
-SPEC_BENCH = ROOT.parent / "shared" / "data" / "spec_bench" / "question.jsonl"
 METHODS = ("none", "lookup", "ngram", "draft", "lookup+draft", "lookup+ngram", "auto")
 
 WORKER = r'''
@@ -105,12 +103,6 @@ def prompts(args) -> dict[str, list[str]]:
     return suites
 
 
-def geomean_interval(ratios: list[float], rng: np.random.Generator) -> tuple[float, float, float]:
-    logs = np.log(ratios)
-    boots = [np.exp(rng.choice(logs, len(logs)).mean()) for _ in range(2000)]
-    return math.exp(logs.mean()), float(np.percentile(boots, 5)), float(np.percentile(boots, 95))
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--before", required=True)
@@ -143,13 +135,12 @@ def main() -> int:
     RUNS.mkdir(exist_ok=True)
     out = RUNS / f"ab_{args.before}_{args.after}{'_patched' if args.patch_after else ''}.json"
     out.write_text(json.dumps({"args": vars(args) | {"methods": list(args.methods)}, "runs": raw}, indent=1))
-    rng = np.random.default_rng(0)
     print(f"B ({args.after}) against A ({args.before}): tokens/s ratio, geometric mean over prompts [90% interval]")
     print(f"{'suite':<11} {'method':<14} {'ratio':>6}  interval")
     for suite in dict.fromkeys(r["suite"] for r in raw):
         for method in args.methods:
             ratios = [r["B"] / r["A"] for r in raw if r["suite"] == suite and r["method"] == method]
-            mean, low, high = geomean_interval(ratios, rng)
+            mean, low, high = geometric_mean_interval(ratios)
             print(f"{suite:<11} {method:<14} {mean:6.3f}  [{low:.3f}, {high:.3f}]")
     print(f"outputs differing between A and B: {mismatches} of {len(raw)}; raw: {out.relative_to(ROOT)}")
     return 0

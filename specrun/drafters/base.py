@@ -51,7 +51,7 @@ class Proposal:
             self.tokens[:length], self.p_draft[:length], self.source, self.parents[:length], self.kind
         )
 
-    @property
+    @functools.cached_property
     def is_chain(self) -> bool:
         return self.parents == tuple(range(-1, len(self.tokens) - 1))
 
@@ -60,7 +60,7 @@ class Proposal:
         """The proposal as a TokenTree (built once): a chain is the tree of one path."""
         return TokenTree(self.tokens, self.parents)
 
-    @property
+    @functools.cached_property
     def main_chain(self) -> "Proposal":
         """The leading nodes that form a chain (the drafter's first guess at every position;
         branching drafters put it first): what a target without trees verifies."""
