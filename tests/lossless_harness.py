@@ -8,7 +8,8 @@ replayed one token at a time through a second copy of the target. Against it:
   backends, where it is enumerable), and no sequence of probability 0 may appear;
 - the acceptance count. Given everything before it, a draft at a verified position is
   accepted with probability min(1, p_target(x) / p_draft(x)) (p_target(x) for a one-hot
-  proposal). Summed over every position verified, accepted minus that expectation has mean
+  proposal; a tree's later sibling against the residual its rejected elder siblings left).
+  Summed over every draft verified, accepted minus that expectation has mean
   0 and a known variance whatever the drafter, the draft lengths or the adaptive choices,
   so a z-score catches over- and under-acceptance the chi-square is too weak to see;
 - no rejected draft emitted again where the residual has no mass on it;
@@ -75,15 +76,16 @@ def impossible(counts: Counter, joint: dict) -> list[tuple[int, ...]]:
 class Verified:
     """What the sampled verify passes did, accumulated over runs."""
 
-    tested: int = 0  # draft positions verified
+    tested: int = 0  # drafts verified (a tree's siblings tried each count)
     accepted: int = 0
-    expected: float = 0.0  # sum of each verified position's acceptance probability
+    expected: float = 0.0  # sum of each verified draft's acceptance probability
     variance: float = 0.0
     deepest: int = 0  # deepest draft position verified (1-based)
     after_full_accept: int = 0  # passes with drafts right after a pass that accepted all of its
     first_lengths: Counter = field(default_factory=Counter)  # drafts in each run's first verify pass
-    # Rejected drafts emitted again where the residual max(0, p_target - p_draft) clearly
-    # has no mass on them (p_target(x) < 0.9 p_draft(x); one-hot: p_draft(x) = 1): impossible.
+    siblings_tested: int = 0  # drafts verified after a rejected sibling (the residual's turn)
+    # Rejected drafts emitted again where the residual clearly has no mass on them
+    # (p(x) < 0.9 p_draft(x) when x was rejected; one-hot: p_draft(x) = 1): impossible.
     reemitted: int = 0
     pit: list[float] = field(default_factory=list)  # randomised PIT of every output token
 
@@ -98,49 +100,83 @@ class Verified:
 
     def add_run(self, passes: list[Pass], output: Sequence[int], rows: Sequence[Sequence[float]], rng) -> None:
         """One run's verify passes and output; rows[m]: the target's distribution (from the
-        reference, not the engine) after the prompt and the first m output tokens."""
+        reference, not the engine) after the prompt and the first m output tokens.
+
+        At each depth of a pass the drafts tried there are checked in turn as the correct rule
+        tries them: the first against the target's row, each later sibling against the residual
+        norm(max(0, p - p_draft)) the rejections before it leave (SpecInfer's multi-round rule;
+        a chain has one draft a depth)."""
         full_accept = False
         for index, each in enumerate(passes):
-            n_drafted = len(each.drafts)
             if index == 0:
-                self.first_lengths[n_drafted] += 1
-            if n_drafted and full_accept:
+                self.first_lengths[each.n_drafted] += 1
+            if each.n_drafted and full_accept:
                 self.after_full_accept += 1
-            full_accept = n_drafted > 0 and each.n_accepted == n_drafted
-            for i in range(min(each.n_accepted + 1, n_drafted)):  # the positions verified
-                p_token = rows[each.offset + i][each.drafts[i]]
-                q_token = each.q_drafts[i]
-                accept = p_token if q_token is None else min(1.0, p_token / q_token)
-                self.tested += 1
-                self.accepted += i < each.n_accepted
-                self.expected += accept
-                self.variance += accept * (1.0 - accept)
-                self.deepest = max(self.deepest, i + 1)
-            if each.n_accepted < n_drafted:
-                rejected = each.drafts[each.n_accepted]
-                q_rejected = each.q_drafts[each.n_accepted]
-                no_residual = rows[each.offset + each.n_accepted][rejected] < 0.9 * (1.0 if q_rejected is None else q_rejected)
-                self.reemitted += no_residual and output[each.offset + each.n_accepted] == rejected
+            full_accept = each.full_accept
+            for depth, level in enumerate(each.levels):
+                p_row = [float(p) for p in rows[each.offset + depth]]
+                excluded = set()
+                for j, (token, q_row) in enumerate(zip(level.tokens, level.q_rows)):
+                    q_token = 1.0 if q_row is None else float(q_row[token])
+                    accept = min(1.0, p_row[token] / q_token)
+                    self.tested += 1
+                    self.siblings_tested += j > 0
+                    self.accepted += j == level.accepted
+                    self.expected += accept
+                    self.variance += accept * (1.0 - accept)
+                    self.deepest = max(self.deepest, depth + 1)
+                    if j == level.accepted:
+                        break
+                    if p_row[token] < 0.9 * q_token:
+                        excluded.add(token)
+                    p_row = _residual(p_row, q_row, token)
+                if level.accepted is None:
+                    self.reemitted += output[each.offset + depth] in excluded
         for row, token in zip(rows, output):
             self.pit.append(sum(row[:token]) + rng.random() * row[token])
 
 
+def _residual(p_row: list[float], q_row, token: int) -> list[float]:
+    """norm(max(0, p - q)), q one-hot at ``token`` when None; p itself where nothing is left
+    (as specrun.verify falls back), written apart from it."""
+    if q_row is None:
+        left = list(p_row)
+        left[token] = 0.0
+    else:
+        left = [max(0.0, p - float(q)) for p, q in zip(p_row, q_row)]
+    total = sum(left)
+    return [value / total for value in left] if total > 0.0 else p_row
+
+
+@dataclass(frozen=True)
+class Level:
+    """The drafts a verify pass tried at one depth, in order (a chain: one; a tree: the
+    children of the node accepted above), p_draft of each ((V,) row, None: one-hot), and
+    the index of the one accepted (None: all rejected, the next token drawn there)."""
+
+    tokens: tuple[int, ...]
+    q_rows: tuple
+    accepted: int | None
+
+
 @dataclass(frozen=True)
 class Pass:
-    """One sampled verify pass: drafts at output offset ``offset``, p_draft of each (None:
-    one-hot), and how many were accepted."""
+    """One sampled verify pass at output offset ``offset``: what it tried at each depth,
+    how many drafts it held, and whether its accepted path took every draft down to a
+    leaf (then the next token is the bonus token)."""
 
     offset: int
-    drafts: tuple[int, ...]
-    q_drafts: tuple[float | None, ...]
-    n_accepted: int
+    levels: tuple[Level, ...]
+    n_drafted: int
+    full_accept: bool
 
 
 class VerifyRecorder:
-    """While active, records every sampled verify pass of ``engine`` (into ``passes``).
+    """While active, records every sampled verify pass of ``engine`` (into ``passes``),
+    chains and trees.
 
-    Wraps whatever ``specrun.engine.loop.verify_sampled`` is installed, so the mutation check
-    puts a wrong one there first.
+    Wraps whatever ``specrun.engine.loop.verify_sampled`` and ``verify_tree_sampled`` are
+    installed, so the mutation check puts wrong ones there first.
     """
 
     def __init__(self, engine: SpeculativeEngine, prompt: Sequence[int]) -> None:
@@ -149,19 +185,40 @@ class VerifyRecorder:
         self.passes: list[Pass] = []
 
     def __enter__(self) -> VerifyRecorder:
-        self._inner = specrun.engine.loop.verify_sampled
+        self._chain = specrun.engine.loop.verify_sampled
+        self._tree = specrun.engine.loop.verify_tree_sampled
         specrun.engine.loop.verify_sampled = self._verify
+        specrun.engine.loop.verify_tree_sampled = self._verify_tree
         return self
 
     def __exit__(self, *exc) -> None:
-        specrun.engine.loop.verify_sampled = self._inner
+        specrun.engine.loop.verify_sampled = self._chain
+        specrun.engine.loop.verify_tree_sampled = self._tree
 
     def _verify(self, draft_tokens, p_target, p_draft, rng):
-        verdict = self._inner(draft_tokens, p_target, p_draft, rng)
-        offset = len(self.sequence.tokens) - len(draft_tokens) - self.prompt_len
-        drafts = tuple(int(token) for token in draft_tokens)
-        q_drafts = tuple(None if row is None else float(row[token]) for row, token in zip(p_draft, drafts))
-        self.passes.append(Pass(offset, drafts, q_drafts, verdict.n_accepted))
+        verdict = self._chain(draft_tokens, p_target, p_draft, rng)
+        k, n = len(draft_tokens), verdict.n_accepted
+        offset = len(self.sequence.tokens) - k - self.prompt_len
+        levels = tuple(
+            Level((int(draft_tokens[i]),), (p_draft[i],), 0 if i < n else None) for i in range(min(n + 1, k))
+        )
+        self.passes.append(Pass(offset, levels, k, k > 0 and n == k))
+        return verdict
+
+    def _verify_tree(self, tree, p_target, p_draft, rng):
+        verdict = self._tree(tree, p_target, p_draft, rng)
+        offset = len(self.sequence.tokens) - self.prompt_len  # the nodes are held apart from the tokens
+        levels, node = [], -1
+        for child in (*verdict.path, None):
+            children = tree.children_of(node)
+            if not children:
+                break
+            tried = children if child is None else children[: children.index(child) + 1]
+            accepted = None if child is None else len(tried) - 1
+            levels.append(Level(tuple(tree.tokens[c] for c in tried), tuple(p_draft[c] for c in tried), accepted))
+            node = child
+        full = len(tree) > 0 and not tree.children_of(verdict.path[-1] if verdict.path else -1)
+        self.passes.append(Pass(offset, tuple(levels), len(tree), full))
         return verdict
 
 
@@ -306,6 +363,20 @@ def _method_scenarios() -> dict[str, Scenario]:
     return scenarios
 
 
+TREE_BRANCHES = 3
+
+
+def branches_taken(method: str) -> bool:
+    """Does ``method``'s drafter propose trees when given branches (DrafterOptions.branches)?
+    A drafter that can branches keeps its ``branches``; the others leave it out."""
+    from fake_models import hashed_logits
+    from specrun.backends.fake import FakeBackend
+
+    draft = FakeBackend(hashed_logits(VOCAB, salt=2), VOCAB) if needs_draft_model(method) else None
+    drafter = build_drafter(method, draft, DrafterOptions(branches=TREE_BRANCHES))
+    return drafter is not None and any(getattr(member, "branches", 0) for member in drafter.members)
+
+
 # Every method (and each adaptive as the CLI runs it), then the sampling options through a
 # draft model and plain decoding, then a draft close to the target. A method added to
 # specrun.drafters.methods.METHODS joins this table, and the tests over it, by itself.
@@ -315,10 +386,10 @@ SCENARIOS = {
     "none every option": Scenario("none", "every option"),
     "sharper draft": Scenario("draft", sharper_draft=True),
     "draft confidence stop": Scenario("draft", draft_min_prob=0.45),
-    # Token trees: the n-gram pool's runner-up followers as siblings, verified in one pass.
-    "ngram tree": Scenario("ngram", branches=3),
-    "ngram tree adaptive": Scenario("ngram", adaptive=True, branches=3),
-    "lookup+ngram+draft tree": Scenario("lookup+ngram+draft", branches=3),
+    # Token trees (runner-up guesses as siblings, verified in one pass): every method whose
+    # drafter takes branches, by itself, and the n-gram pool adaptive as well.
+    **{f"{method} tree": Scenario(method, branches=TREE_BRANCHES) for method in METHODS if branches_taken(method)},
+    "ngram tree adaptive": Scenario("ngram", adaptive=True, branches=TREE_BRANCHES),
 }
 
 

@@ -16,7 +16,7 @@ import math
 import numpy as np
 import pytest
 
-from lossless_harness import DRAFT_LEN, SCENARIOS, greedy_scenario, run_scenario
+from lossless_harness import DRAFT_LEN, SCENARIOS, branches_taken, greedy_scenario, run_scenario
 from oracle import distribution
 from specrun.drafters.methods import METHODS, is_adaptive, resolve_method
 from specrun.sampling import SamplingSettings, probabilities, sample
@@ -109,13 +109,21 @@ def test_sampling_is_lossless(name):
     if SCENARIOS[name].method != "none":
         assert seen.deepest >= DRAFT_LEN and seen.after_full_accept > 0, seen
         assert 0 < sampled.accepted < sampled.drafted
+    if SCENARIOS[name].branches:  # siblings tried after a rejection: the residual's turn was checked
+        assert seen.siblings_tested > 0, seen
     if SCENARIOS[name].draft_min_prob:  # the confidence stop cut some first passes short, not all
         assert seen.first_lengths[DRAFT_LEN] > 0 and sum(seen.first_lengths[k] for k in range(DRAFT_LEN)) > 0
 
 
 def test_every_method_has_a_sampled_scenario():
-    """A method added to specrun.drafters.methods joins the scenarios by itself, fixed and adaptive."""
+    """A method added to specrun.drafters.methods joins the scenarios by itself, fixed and
+    adaptive, and with trees where its drafter takes branches; the greedy cases likewise."""
     assert {scenario.method for scenario in SCENARIOS.values()} == set(METHODS)
+    branching = {method for method in METHODS if branches_taken(method)}
+    assert "ngram" in branching  # the n-gram pool branches (specrun/drafters/ngram.py)
+    assert {scenario.method for scenario in SCENARIOS.values() if scenario.branches} == branching
+    assert {method for method, _, branches in GREEDY_CASES if branches} == branching
+    assert {method for method, _, _ in GREEDY_CASES} == set(METHODS)
     adaptive = {
         resolve_method(scenario.method)
         for scenario in SCENARIOS.values()
@@ -124,14 +132,17 @@ def test_every_method_has_a_sampled_scenario():
     assert adaptive == {resolve_method(method) for method in METHODS} - {"none"}
 
 
-GREEDY_CASES = [(method, False) for method in METHODS] + [
-    (method, True) for method in METHODS if method != "none" and not is_adaptive(method)
-]
+# Every method at -k 4, each adaptive as the CLI runs it, and the tree scenarios greedy.
+GREEDY_CASES = (
+    [(method, False, 0) for method in METHODS]
+    + [(method, True, 0) for method in METHODS if method != "none" and not is_adaptive(method)]
+    + [(scenario.method, scenario.adaptive, scenario.branches) for scenario in SCENARIOS.values() if scenario.branches]
+)
 
 
-@pytest.mark.parametrize(("method", "adaptive"), GREEDY_CASES)
-def test_greedy_output_equals_plain_decoding(method, adaptive):
-    problems, drafted, accepted = greedy_scenario(method, adaptive)
+@pytest.mark.parametrize(("method", "adaptive", "branches"), GREEDY_CASES)
+def test_greedy_output_equals_plain_decoding(method, adaptive, branches):
+    problems, drafted, accepted = greedy_scenario(method, adaptive, branches)
     assert problems == []
     if method != "none":
         assert 0 < accepted < drafted  # both accepts and rejections happened

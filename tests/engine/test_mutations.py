@@ -1,7 +1,7 @@
 """The mutation check: deliberately wrong verifiers and samplers must fail the losslessness tests.
 
 Each mutant is installed in the engine for one run of the very scenario the losslessness
-tests run (lossless_harness.sampled_scenario and greedy_problems, the same runs, seeds and
+tests run (lossless_harness.run_scenario and greedy_scenario, the same runs, seeds and
 thresholds), and the test asserts the harness reports a problem: chi-square against the
 oracle's exact joint, the acceptance z-score, a sequence of probability 0, or an output
 that differs from plain greedy decoding. The correct code passing those same scenarios is
@@ -21,7 +21,7 @@ import specrun.engine.loop
 from lossless_harness import greedy_scenario, real_scenario, run_scenario
 from model_factory import perturbed_copy
 from specrun.sampling import SamplingSettings, probabilities, sample
-from specrun.verify import Verdict
+from specrun.verify import TreeVerdict, Verdict
 
 # ---- wrong acceptance rules (the signature of specrun.verify.verify_sampled) ----------------
 
@@ -81,6 +81,14 @@ def _q_minus_p(p_target_row, p_draft_row, token: int) -> np.ndarray:
     return residual / residual.sum() if residual.sum() > 0 else p_target_row
 
 
+def emits_the_rejected_draft(draft_tokens, p_target, p_draft, rng):
+    """Counts a rejection but emits the rejected draft as the next token: never rejects in effect."""
+    for i, token in enumerate(draft_tokens):
+        if not rng.random() < _accept_probability(p_target[i], p_draft[i], int(token)):
+            return Verdict(i, int(token))
+    return Verdict(len(draft_tokens), sample(p_target[len(draft_tokens)], rng))
+
+
 SAMPLED_VERIFIERS = {
     "accept everything": accept_everything,
     "never reject a one-hot proposal": _verifier(
@@ -92,11 +100,44 @@ SAMPLED_VERIFIERS = {
         _correct_accept, residual=lambda p_t, p_d, token: p_t
     ),
     "bonus token from the wrong row": _verifier(_correct_accept, bonus_row=lambda k: k - 1),
+    "never reject: a rejection emits the rejected draft": emits_the_rejected_draft,
     "one uniform reused": one_uniform_reused,
     "wrong from draft position 3 on": _verifier(lambda i, token, p_t, p_d, u: i >= 2 or _correct_accept(i, token, p_t, p_d, u)),
     "over-accepting by 3%": _verifier(
         lambda i, token, p_t, p_d, u: u < min(1.0, 1.03 * _accept_probability(p_t, p_d, token))
     ),
+}
+
+# ---- wrong tree rules (the signature of specrun.verify.verify_tree_sampled) -------------------
+
+
+def _tree_verifier(against_residual: bool, residual_of_all: bool):
+    """Multi-round rejection sampling over siblings, broken one of two ways: a later sibling
+    tested against the target's own row instead of the residual the earlier rejections left
+    (against_residual=False), or the next token drawn from the residual of the last rejected
+    sibling alone (residual_of_all=False)."""
+
+    def verify(tree, p_target, p_draft, rng):
+        path, node = [], -1
+        while True:
+            row = left = p_target[node + 1]
+            for child in tree.children_of(node):
+                token = tree.tokens[child]
+                tested = left if against_residual else row
+                if rng.random() < _accept_probability(tested, p_draft[child], token):
+                    path.append(child)
+                    node = child
+                    break
+                left = _residual(left if residual_of_all else row, p_draft[child], token)
+            else:
+                return TreeVerdict(tuple(path), sample(left, rng))
+
+    return verify
+
+
+TREE_VERIFIERS = {
+    "tree: siblings tested against the target's row, not the residual": _tree_verifier(False, True),
+    "tree: the next token from the last sibling's residual alone": _tree_verifier(True, False),
 }
 
 # ---- wrong samplers (the signature of specrun.sampling.probabilities) -------------------------
@@ -155,6 +196,10 @@ def _install_sampler(sampler) -> Callable[[pytest.MonkeyPatch], None]:
     return install
 
 
+def _install_tree_verifier(verifier) -> Callable[[pytest.MonkeyPatch], None]:
+    return lambda patch: patch.setattr(specrun.engine.loop, "verify_tree_sampled", verifier)
+
+
 def _install_greedy(verifier) -> Callable[[pytest.MonkeyPatch], None]:
     return lambda patch: patch.setattr(specrun.engine.loop, "verify_greedy", verifier)
 
@@ -166,10 +211,13 @@ SCENARIOS_OF = {
     "never reject a one-hot proposal": ("lookup",),
     "resample from the target (the residual keeps the rejected token)": ("draft", "lookup"),
     "over-accepting by 3%": ("sharper draft",),
+    "never reject: a rejection emits the rejected draft": ("draft", "lookup"),
 }
 MUTANTS = [
     *(Mutant(name, _install_verifier(verifier), SCENARIOS_OF.get(name, ("draft",)))
       for name, verifier in SAMPLED_VERIFIERS.items()),
+    *(Mutant(name, _install_tree_verifier(verifier), ("ngram tree", "lookup+ngram+draft tree"))
+      for name, verifier in TREE_VERIFIERS.items()),
     Mutant("top-p off by one", _install_sampler(top_p_off_by_one), ("draft top-p",)),
     Mutant("min-p ignored", _install_sampler(min_p_ignored), ("draft min-p",)),
     Mutant("greedy: accepts every draft", _install_greedy(greedy_accepts_every_draft), ("greedy draft",)),
