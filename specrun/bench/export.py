@@ -21,9 +21,15 @@ Schema ``specrun.bench/1`` (keys in order):
   draft_share, verify_share, mismatches, near_ties}; per_prompt rows add prompt_index
 - accepted_hist: {variant: [steps that accepted n drafted tokens, n = 0, 1, …]}
 - sweep: {method: [{draft_len, speedup}]} for every fixed-length method (not adaptive lines)
-- mismatches: [{variant, prompt_index, prompt_id, position, top2_gap, batch_rounding, near_tie,
-  within_rounding}]: batch_rounding is how far a batched pass moved the logits there;
-  within_rounding (the gap below twice that, or a near-tie) is what the tables count as near-ties
+- mismatches: [{variant, prompt_index, prompt_id, position, plain_token, other_token, plain_text,
+  other_text, token_gap, top2_gap, batch_rounding, near_tie, within_rounding, verdict, defect}]: one per
+  prompt where a variant's output differs from the baseline's, at the first differing token
+  (position, counted in output tokens); plain_/other_token: the two tokens there (null, and text
+  "(end of output)", where an output ended); token_gap: the target's logit for plain's token
+  minus the other's (null where one ended), top2_gap: its top-1 minus its runner-up;
+  batch_rounding: how far a batched pass moved the logits there; within_rounding: the gap below
+  twice that, or a near-tie; verdict "near-tie" or "DEFECT", defect true for a difference
+  rounding does not explain (every difference under --exact): what the tables count as mismatches
 """
 
 from __future__ import annotations
@@ -66,10 +72,17 @@ def bench_to_dict(result: BenchResult) -> dict:
                 "prompt_index": m.prompt_index,
                 "prompt_id": result.prompts[m.prompt_index].prompt_id,
                 "position": m.position,
+                "plain_token": m.plain_token,
+                "other_token": m.other_token,
+                "plain_text": m.plain_text,
+                "other_text": m.other_text,
+                "token_gap": m.token_gap,
                 "top2_gap": m.top2_gap,
                 "batch_rounding": m.batch_rounding,
                 "near_tie": m.near_tie,
                 "within_rounding": m.within_rounding,
+                "verdict": m.verdict(result.exact),
+                "defect": m.is_defect(result.exact),
             }
             for variant, m in mismatch_rows(result)
         ],

@@ -11,7 +11,8 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
 from specrun.bench.runner import BenchResult
-from specrun.sessions.compare import Comparison, Mismatch
+from specrun.sessions.compare import Comparison
+from specrun.sessions.divergence import Mismatch
 
 ALL_PROMPTS = "all prompts"  # the overall group, after the categories
 
@@ -33,15 +34,15 @@ class Figures:
     mean_tokens_per_step: float
     draft_share: float
     verify_share: float
-    mismatches: int  # outputs that differ from the baseline's with a clear top-2 gap
-    near_ties: int  # outputs that differ only where the target's top two tie within batch rounding
+    mismatches: int  # defects: outputs that differ from the baseline's beyond rounding (any, under --exact)
+    near_ties: int  # outputs that differ only where the target's two tokens tie within batch rounding
 
     def to_dict(self) -> dict:
         return asdict(self)
 
 
-def figures_for(comparison: Comparison, variant: str, prompt_indices: Sequence[int]) -> Figures:
-    """Aggregate ``variant`` over the given prompts."""
+def figures_for(comparison: Comparison, variant: str, prompt_indices: Sequence[int], exact: bool = False) -> Figures:
+    """Aggregate ``variant`` over the given prompts; ``exact``: every difference is a defect."""
     figures = comparison.figures[variant].subset(prompt_indices)
     spec = comparison.variants[variant]
     wanted = set(prompt_indices)
@@ -60,8 +61,8 @@ def figures_for(comparison: Comparison, variant: str, prompt_indices: Sequence[i
         mean_tokens_per_step=figures.mean_tokens_per_step,
         draft_share=figures.draft_share,
         verify_share=figures.verify_share,
-        mismatches=sum(not m.within_rounding for m in differing),
-        near_ties=sum(m.within_rounding for m in differing),
+        mismatches=sum(m.is_defect(exact) for m in differing),
+        near_ties=sum(not m.is_defect(exact) for m in differing),
     )
 
 
@@ -70,7 +71,9 @@ def by_category(result: BenchResult) -> dict[str, list[Figures]]:
     groups = result.category_indices()
     groups[ALL_PROMPTS] = list(range(len(result.prompts)))
     return {
-        category: [figures_for(result.comparison, variant, indices) for variant in result.comparison.figures]
+        category: [
+            figures_for(result.comparison, variant, indices, result.exact) for variant in result.comparison.figures
+        ]
         for category, indices in groups.items()
     }
 
@@ -78,7 +81,7 @@ def by_category(result: BenchResult) -> dict[str, list[Figures]]:
 def per_prompt(result: BenchResult) -> list[tuple[int, Figures]]:
     """(prompt index, figures) for every variant on every prompt, prompt by prompt."""
     return [
-        (index, figures_for(result.comparison, variant, [index]))
+        (index, figures_for(result.comparison, variant, [index], result.exact))
         for index in range(len(result.prompts))
         for variant in result.comparison.figures
     ]

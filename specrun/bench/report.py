@@ -173,24 +173,21 @@ def _mismatch_section(result: BenchResult) -> list[str]:
     if not rows:
         return []
     items = "".join(
-        f"<tr><td>{escape(variant)}</td><td>{escape(result.prompts[m.prompt_index].prompt_id)}</td>"
-        f"<td>{m.position}</td><td>{m.top2_gap:.4g}</td><td>{m.batch_rounding:.4g}</td><td class=\"text\">"
-        f"{_verdict(m)}</td></tr>"
+        f'<tr class="{"mismatch" if m.is_defect(result.exact) else ""}"><td>{escape(variant)}</td>'
+        f"<td>{escape(result.prompts[m.prompt_index].prompt_id)}</td><td>{m.position}</td>"
+        f'<td class="text">{escape(repr(m.plain_text))}</td><td class="text">{escape(repr(m.other_text))}</td>'
+        f"<td>{'–' if m.token_gap is None else f'{m.token_gap:.4g}'}</td><td>{m.top2_gap:.4g}</td>"
+        f'<td>{m.batch_rounding:.4g}</td><td class="text">{m.verdict(result.exact)}</td></tr>'
         for variant, m in rows
     )
     return [
         "<h2>Outputs that differ from plain decoding</h2>",
-        "<table><tr><th>method</th><th>prompt</th><th>first differing token</th><th>target's top-2 gap</th>"
+        '<p class="note">Each at its first differing token: a near-tie is a gap rounding explains, a DEFECT one it '
+        f"does not{' (under --exact, any difference)' if result.exact else ''}.</p>",
+        "<table><tr><th>method</th><th>prompt</th><th>first differing token</th><th>plain's token</th>"
+        "<th>method's token</th><th>logit gap between them</th><th>target's top-2 gap</th>"
         f"<th>batch rounding there</th><th>verdict</th></tr>{items}</table>",
     ]
-
-
-def _verdict(mismatch) -> str:
-    if mismatch.near_tie:
-        return "near-tie"
-    if mismatch.within_rounding:
-        return "within batch rounding"
-    return "REAL MISMATCH"
 
 
 def _machine_table(machine: dict) -> str:

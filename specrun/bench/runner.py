@@ -106,6 +106,11 @@ class BenchResult:
     tuned: str | None = None  # the `specrun tune` key the controllers started from, if any
     draft_min_prob: float = 0.0  # the confidence stop the draft model ran with (config's, or tune's)
 
+    @property
+    def exact(self) -> bool:
+        """Run under --exact: output was promised bit-identical, so any difference is a defect."""
+        return self.config.load.exact
+
     def category_indices(self) -> dict[str, list[int]]:
         """Prompt indices by category, categories in order of first appearance."""
         indices: dict[str, list[int]] = {}

@@ -5,9 +5,9 @@ from __future__ import annotations
 from rich import box
 from rich.table import Table
 
-from specrun.bench.figures import ALL_PROMPTS, Figures, by_category, count_of, same_output_label
+from specrun.bench.figures import ALL_PROMPTS, Figures, by_category, count_of, mismatch_rows, same_output_label
 from specrun.bench.runner import BenchResult
-from specrun.sessions.compare import NEAR_TIE_NOTE
+from specrun.sessions.divergence import NEAR_TIE_NOTE, difference_line
 from specrun.drafters.methods import needs_draft_model
 
 COLUMNS = ("method", "tok/s", "speed-up", "accepted", "tokens/step", "draft/verify", "same output")
@@ -53,6 +53,15 @@ def row_cells(result: BenchResult, figures: Figures) -> tuple[str, ...]:
     )
 
 
+def difference_lines(result: BenchResult) -> list[tuple[str, bool]]:
+    """(line, is a defect) for every output that differs from plain decoding, where it first does."""
+    exact = result.exact
+    return [
+        (difference_line(variant, result.prompts[m.prompt_index].prompt_id, m, exact), m.is_defect(exact))
+        for variant, m in mismatch_rows(result)
+    ]
+
+
 def _style(figures: Figures) -> str | None:
     return "bold red" if figures.mismatches else None
 
@@ -85,7 +94,8 @@ def footnotes(result: BenchResult) -> list[str]:
     if any(f.near_ties for f in overall):
         notes.append(f"{NEAR_TIE_NOTE} (on llama.cpp an F32 KV cache, --kv-type f32, narrows it)")
     if any(f.mismatches for f in overall):
-        notes.append("NO: an output differs from plain decoding where the target had a clear choice: a real bug")
+        reason = "under --exact (identical output promised)" if result.exact else "where the target had a clear choice"
+        notes.append(f"NO: an output differs from plain decoding {reason}: a DEFECT, located above")
     if result.tuned is not None:
         notes.append(f"controllers started from `specrun tune`'s measurements for this pair ({result.tuned}); "
                      "--untuned starts them from their priors")

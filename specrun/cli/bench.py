@@ -243,7 +243,7 @@ def run_and_show(config, prompts, json_out: Path | None, report_out: Path | None
     from specrun.bench.figures import count_of
     from specrun.bench.report import write_html_report
     from specrun.bench.runner import run_bench
-    from specrun.bench.tables import category_tables, footnotes
+    from specrun.bench.tables import category_tables, difference_lines, footnotes
 
     # A pipe gets Rich's 80 columns by default, too few for the tables.
     err = Console(stderr=True, width=None if sys.stderr.isatty() else PIPE_WIDTH)
@@ -263,6 +263,8 @@ def run_and_show(config, prompts, json_out: Path | None, report_out: Path | None
         from specrun.sessions.compare import native_line
 
         out.print(native_line(result.comparison), highlight=False)
+    for line, defect in difference_lines(result):
+        out.print(line, style="bold red" if defect else None, highlight=False, markup=False, soft_wrap=True)
     for note in footnotes(result):
         err.print(note, style="dim", highlight=False)
     if json_out is not None:

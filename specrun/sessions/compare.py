@@ -14,19 +14,11 @@ import statistics
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
-import numpy as np
-
 from specrun.backends.base import Backend
 from specrun.engine.loop import GenerationParams, GenerationResult, SpeculativeEngine
-from specrun.backends.kv import sequence_for
 from specrun.drafters.methods import DrafterOptions, build_drafter, is_adaptive
+from specrun.sessions.divergence import Mismatch, find_mismatch
 
-NEAR_TIE = 1e-3  # a top-2 logit gap below this is a numerical near-tie (DESIGN.md)
-NEAR_TIE_NOTE = (
-    f"* greedy outputs may differ where the target's top two logits tie within {NEAR_TIE:g}, or within "
-    "what reading the same context in a batch was measured to move them by there: batched verification "
-    "rounds differently from one-token decoding"
-)
 WARMUP_TOKENS = 8
 
 
@@ -116,33 +108,6 @@ class MethodFigures:
             for accepted, steps in enumerate(counts):
                 hist[accepted] += steps
         return hist
-
-
-@dataclass(frozen=True)
-class Mismatch:
-    """A greedy output that differs from the baseline's, and how close the target's top-2 were there.
-
-    ``batch_rounding``: the largest change of any logit at that position when the same
-    context is read in a batched pass instead of one token at a time, measured there. The
-    gap between the top two can move by up to twice that, so a divergence within it is
-    the target's own batch-dependent rounding (llama.cpp's F16 KV cache: up to ~0.026 on
-    the demo target over long Spec-Bench prompts; with an F32 cache outputs matched).
-    """
-
-    prompt_index: int
-    position: int  # first differing output token
-    top2_gap: float
-    batch_rounding: float = 0.0
-
-    @property
-    def near_tie(self) -> bool:
-        """The top two tie within NEAR_TIE: a divergence any batched kernel may cause."""
-        return self.top2_gap < NEAR_TIE
-
-    @property
-    def within_rounding(self) -> bool:
-        """A near-tie, or a gap that batched reading was measured to move by at least as much."""
-        return self.near_tie or self.top2_gap < 2.0 * self.batch_rounding
 
 
 @dataclass
@@ -295,32 +260,3 @@ def _mismatches(
         if differing is not None:
             found.append(find_mismatch(target, index, prompts[index], baseline_ids, differing))
     return found
-
-
-def find_mismatch(
-    target: Backend, prompt_index: int, prompt: list[int], baseline_ids: list[int], other_ids: list[int]
-) -> Mismatch:
-    """Locate the first differing token and measure the target's top-2 logit gap there.
-
-    The gap is measured along plain decoding's own path (the prompt in one pass, then
-    one token at a time): with an F16 KV cache a single batched pass over the same
-    context rounds differently and can report a gap 100x larger (measured: 2.5e-5
-    one token at a time, 2.1e-3 batched, top two swapped). That batched pass is made
-    too, and how far it moves the logits there is the mismatch's ``batch_rounding``.
-    """
-    position = next(
-        (i for i, (a, b) in enumerate(zip(baseline_ids, other_ids)) if a != b),
-        min(len(baseline_ids), len(other_ids)),
-    )
-    sequence = sequence_for(target)
-    sequence.rewind(0)
-    logits = sequence.feed(prompt, [len(prompt) - 1])[0]  # (V,)
-    for token in baseline_ids[:position]:
-        logits = sequence.feed([token], [0])[0]
-    top2 = np.sort(logits)[-2:]
-    # The same context with the output (and at least the prompt's last token) read in one batch.
-    start = len(prompt) - 1 if position else max(len(prompt) - 2, 0)
-    sequence.rewind(start)
-    fed = [*prompt[start:], *baseline_ids[:position]]
-    batched = sequence.feed(fed, [len(fed) - 1])[0]
-    return Mismatch(prompt_index, position, float(top2[1] - top2[0]), float(np.abs(batched - logits).max()))

@@ -7,7 +7,8 @@ import sys
 from rich.console import Console
 from rich.table import Table
 
-from specrun.sessions.compare import NEAR_TIE_NOTE, Comparison, Mismatch, Variant, compare_variants, native_line
+from specrun.sessions.compare import Comparison, Variant, compare_variants, native_line
+from specrun.sessions.divergence import NEAR_TIE_NOTE, Mismatch, difference_line
 from specrun.engine.loop import GenerationParams
 from specrun.sessions.generation import adapts_length, resolve_draft_len
 from specrun.registry.loading import LoadOptions, open_pair
@@ -25,17 +26,20 @@ def run_demo(
     backend: str,
     threads: int | None,
     console: type[Console] = Console,
+    exact: bool = False,
 ) -> Comparison:
-    """Load the pair, compare the methods on built-in prompts, print the table to stdout.
+    """Load the pair, compare the methods on built-in prompts, print the table to stdout,
+    then a line for every output that differs from plain decoding (where, and near-tie or DEFECT).
 
     ``draft_len`` None: each method as `specrun generate` runs it (adaptive, up to 16).
+    ``exact``: load as --exact does; any difference is then a defect.
     ``console``: the Rich console class to print with (the CLI's ends quietly on a closed pipe)."""
     err = console(stderr=True)
     out = console(file=sys.stdout, soft_wrap=True)
     err.print(f"loading {target} + {draft} (the first run derives cached model files)…")
     use_draft = any(needs_draft_model(m) for m in methods)
     target_backend, draft_backend = open_pair(
-        target, draft if use_draft else None, LoadOptions(backend=backend, threads=threads)
+        target, draft if use_draft else None, LoadOptions(backend=backend, threads=threads, exact=exact)
     )
     native = None
     try:
@@ -65,10 +69,14 @@ def run_demo(
         target_backend.close()
         if draft_backend is not None:
             draft_backend.close()
-    out.print(render_table(comparison, target, draft, _lengths_label(variants)))
+    out.print(render_table(comparison, target, draft, _lengths_label(variants), exact))
     if comparison.native:
         out.print(native_line(comparison))
-    if any(comparison.mismatches.values()):
+    for method, mismatches in comparison.mismatches.items():
+        for m in mismatches:
+            line = difference_line(method, f"prompt {m.prompt_index + 1}", m, exact)
+            out.print(line, style="bold red" if m.is_defect(exact) else None, highlight=False, markup=False)
+    if any(not m.is_defect(exact) for found in comparison.mismatches.values() for m in found):
         err.print(NEAR_TIE_NOTE)
     return comparison
 
@@ -85,7 +93,7 @@ def _lengths_label(variants: list[Variant]) -> str:
     return ", ".join([*(f"draft length {k}" for k in sorted(fixed)), f"adaptive up to {max(longest)}"])
 
 
-def render_table(comparison: Comparison, target: str, draft: str, lengths: str) -> Table:
+def render_table(comparison: Comparison, target: str, draft: str, lengths: str, exact: bool = False) -> Table:
     table = Table(title=f"{target} + {draft}, {lengths} (generation time only, prefill excluded)")
     for column in ("method", "tok/s", "speed-up", "accepted", "tokens/step", "same output"):
         table.add_column(column, justify="left" if column == "method" else "right")
@@ -98,16 +106,16 @@ def render_table(comparison: Comparison, target: str, draft: str, lengths: str) 
             f"{comparison.speedup(method):.2f}×",
             f"{100 * figures.acceptance_rate:.0f}%" if drafted else "–",
             f"{figures.mean_tokens_per_step:.2f}",
-            "baseline" if method == comparison.baseline else sameness(mismatched),
+            "baseline" if method == comparison.baseline else sameness(mismatched, exact),
         )
     return table
 
 
-def sameness(mismatches: list[Mismatch]) -> str:
+def sameness(mismatches: list[Mismatch], exact: bool = False) -> str:
     """'yes', or how many outputs differ and whether only at measured numerical near-ties."""
     if not mismatches:
         return "yes"
-    real = [m for m in mismatches if not m.within_rounding]
+    real = [m for m in mismatches if m.is_defect(exact)]
     if real:
         return f"NO ({len(real)} prompts)"
     return f"yes*: {len(mismatches)} near-tie"
