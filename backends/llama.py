@@ -81,12 +81,14 @@ def check_gguf_file(path: Path) -> None:
         )
 
 
-# llama.cpp's file types (llama.h: LLAMA_FTYPE_MOSTLY_F16 = 1, LLAMA_FTYPE_MOSTLY_Q8_0 = 7)
-QUANTIZE_FTYPES = {"F16": 1, "Q8_0": 7}
+# llama.cpp's file types (llama.h: LLAMA_FTYPE_MOSTLY_F16 = 1, _Q4_0 = 2, _Q8_0 = 7). Q4_0 is
+# the 4-bit type of `--draft self:q4`: its blocks of 32 fit row lengths a K-quant's 256 does not
+# (SmolLM2's 576), and llama.cpp's CPU backend repacks Q4_0 at load time for its fastest kernels.
+QUANTIZE_FTYPES = {"F16": 1, "Q8_0": 7, "Q4_0": 2}
 
 
 def quantize_gguf(source: Path, dest: Path, dtype: str) -> None:
-    """Write ``source`` as ``dest`` in ``dtype`` (F16 or Q8_0) with llama.cpp's own quantizer.
+    """Write ``source`` as ``dest`` in ``dtype`` (F16, Q8_0 or Q4_0) with llama.cpp's own quantizer.
 
     Requantizing (a Q4_1 file to F16, say) is allowed: the weights are what the file
     holds, dequantized, so the copy computes the same function up to the new rounding.

@@ -1,0 +1,135 @@
+"""A draft made from the target itself: ``--draft self:q4`` and ``--draft self:q8``.
+
+specrun writes a quantized copy of the target once, into its cache like the demo variants
+(atomically, beside other copies of the same source), and loads it as the draft model. The
+copy has the target's vocabulary by construction. GGUF targets are quantized by llama.cpp
+(Q4_0, Q8_0), MLX folders by mlx-lm (affine 4 or 8 bits).
+
+The cache key is a fingerprint of the source, not a hash of all of it: its size, its
+modification time and SHA-256 of its first and last MiB (the whole file when it is smaller),
+for each file of an MLX folder. Hashing a 40 GB target in full would cost most of a minute
+on every run; the fingerprint costs a few milliseconds and still changes when the file is
+rewritten (new mtime) or edited to another size, header or tail. A file touched without a
+change is quantized again, the safe direction.
+
+A target stored at or below the precision asked for (a Q4_1 file and ``self:q4``) is refused:
+its copy would read as many bytes per token as the target, so it could never pay as a draft.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+from specrun.errors import UsageError
+from specrun.modelkit.demo import cache_dir, derive_once
+
+SELF_PREFIX = "self:"
+FINGERPRINT_BLOCK = 1 << 20  # bytes hashed at each end of a file
+
+
+@dataclass(frozen=True)
+class SelfKind:
+    """One ``self:`` draft: its weights' bits, and the GGUF type llama.cpp writes for it."""
+
+    name: str
+    bits: int
+    gguf_type: str
+
+
+SELF_KINDS = {kind.name: kind for kind in (SelfKind("q4", 4, "Q4_0"), SelfKind("q8", 8, "Q8_0"))}
+ACCEPTED = ", ".join(SELF_PREFIX + name for name in SELF_KINDS)
+
+
+def is_self_draft(spec: str | None) -> bool:
+    return spec is not None and spec.startswith(SELF_PREFIX)
+
+
+def parse_self_draft(spec: str) -> SelfKind:
+    """The kind ``spec`` names (``self:q4``), or a UsageError naming the accepted kinds."""
+    name = spec.removeprefix(SELF_PREFIX)
+    if name.startswith("layers"):
+        raise UsageError(
+            f"--draft {spec}: drafting with the target's own layers is not available yet",
+            f"use --draft {ACCEPTED.replace(', ', ' or ')} (a quantized copy of the target)",
+        )
+    if name not in SELF_KINDS:
+        raise UsageError(f"unknown self draft {spec!r}", f"use one of: {ACCEPTED}")
+    return SELF_KINDS[name]
+
+
+def self_draft_gguf(source: Path, kind: SelfKind, target_spec: str) -> Path:
+    """The ``kind`` copy of the GGUF ``source`` (the target ``target_spec``), derived on first use."""
+    from specrun.backends.llama import quantize_gguf
+
+    _check_precision(gguf_weight_bits(source), kind, target_spec)
+    path = _copy_path(source, f"{source.stem}.self-{kind.gguf_type.lower()}.gguf")
+    return derive_once(path, lambda tmp: quantize_gguf(source, tmp, kind.gguf_type))
+
+
+def self_draft_mlx_dir(source: Path, kind: SelfKind, target_spec: str) -> Path:
+    """The ``kind`` copy of the MLX folder ``source`` (the target ``target_spec``), derived on first use."""
+    from specrun.backends.mlx import quantize_mlx_folder
+
+    _check_precision(mlx_weight_bits(source), kind, target_spec)
+    path = _copy_path(source, f"{source.name}-self-{kind.name}-mlx")
+    return derive_once(path, lambda tmp: quantize_mlx_folder(source, tmp, kind.bits))
+
+
+def _check_precision(bits: tuple[int, str], kind: SelfKind, target_spec: str) -> None:
+    held, type_name = bits
+    if held > kind.bits:
+        return
+    cheaper = [SELF_PREFIX + other.name for other in SELF_KINDS.values() if other.bits < held]
+    fix = f"use --draft {cheaper[0]}" if cheaper else "pass a target stored in more bits (F16, say), or a draft model"
+    raise UsageError(
+        f"--draft {SELF_PREFIX}{kind.name}: {target_spec} already holds {held}-bit weights ({type_name}), "
+        "so a copy in fewer bits would be no cheaper than the target",
+        f"{fix} (self drafts: {ACCEPTED})",
+    )
+
+
+def gguf_weight_bits(path: Path) -> tuple[int, str]:
+    """The bits of the type holding most of a GGUF's weights, with that type's name
+    (Q4_1: 4, Q8_0: 8, F16: 16): the first number in ggml's name for it."""
+    import gguf
+
+    elements: Counter[str] = Counter()
+    for tensor in gguf.GGUFReader(str(path)).tensors:
+        elements[tensor.tensor_type.name] += int(tensor.n_elements)
+    type_name = elements.most_common(1)[0][0]
+    return int(re.search(r"\d+", type_name).group()), type_name
+
+
+def mlx_weight_bits(folder: Path) -> tuple[int, str]:
+    """The bits of an MLX folder's weights: its quantization's, else its float type's."""
+    config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    quantization = config.get("quantization") or config.get("quantization_config") or {}
+    if "bits" in quantization:
+        return int(quantization["bits"]), f"{quantization['bits']}-bit MLX"
+    dtype = str(config.get("torch_dtype") or config.get("dtype") or "float16")
+    return (32 if dtype == "float32" else 16), dtype
+
+
+def fingerprint(source: Path) -> str:
+    """A short hex key for a file, or for an MLX folder from each of its files (see the module doc)."""
+    digest = hashlib.sha256()
+    files = sorted(p for p in source.iterdir() if p.is_file()) if source.is_dir() else [source]
+    for path in files:
+        stat = path.stat()
+        name = path.name if source.is_dir() else ""  # a file's own name is not its content
+        digest.update(f"{name}\0{stat.st_size}\0{stat.st_mtime_ns}\0".encode())
+        with path.open("rb") as handle:
+            digest.update(handle.read(FINGERPRINT_BLOCK))
+            if stat.st_size > 2 * FINGERPRINT_BLOCK:
+                handle.seek(-FINGERPRINT_BLOCK, 2)
+            digest.update(handle.read(FINGERPRINT_BLOCK))
+    return digest.hexdigest()[:16]
+
+
+def _copy_path(source: Path, filename: str) -> Path:
+    return cache_dir() / "derived" / "self" / fingerprint(source) / filename
