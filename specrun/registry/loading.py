@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -103,17 +104,45 @@ def prompts_as_chat(spec: str, registry: Path | None, target: Backend, chat: boo
     return not completion and target.chat_template() is not None
 
 
-def open_backend(spec: str, options: LoadOptions, entries: dict[str, ModelEntry] | None = None) -> Backend:
-    """Load one model on the chosen backend. A model derived on first use (the demo pair)
-    that no longer loads was damaged after it was written: it is derived again, once."""
+def resolve_self_draft(spec: str, entries: dict[str, ModelEntry], target_spec: str | None, backend: str) -> Path:
+    """The quantized copy of the target that ``spec`` (``self:q4``) names, derived on first use."""
+    from specrun.modelkit.selfdraft import parse_self_draft, self_draft_gguf, self_draft_mlx_dir
+
+    kind = parse_self_draft(spec)
+    if target_spec is None:
+        raise UsageError(f"--draft {spec} is a copy of the target, and no target was named", "pass --target MODEL")
+    if backend == "mlx":
+        return self_draft_mlx_dir(Path(resolve_mlx(target_spec, entries)), kind, target_spec)
+    return self_draft_gguf(resolve_gguf(target_spec, entries), kind, target_spec)
+
+
+def check_draft_spec(spec: str | None) -> None:
+    """Refuse a malformed ``self:`` draft before anything is loaded."""
+    from specrun.modelkit.selfdraft import is_self_draft, parse_self_draft
+
+    if is_self_draft(spec):
+        parse_self_draft(spec)
+
+
+def open_backend(
+    spec: str, options: LoadOptions, entries: dict[str, ModelEntry] | None = None, *, target_spec: str | None = None
+) -> Backend:
+    """Load one model on the chosen backend. A model derived on first use (the demo pair, a
+    ``self:`` draft) that no longer loads was damaged after it was written: it is derived
+    again, once. ``target_spec``: the target a ``self:`` draft is a copy of."""
+    from specrun.modelkit.selfdraft import is_self_draft
+
     entries = entries if entries is not None else load_registry(options.registry)
-    backend = choose_backend(options.backend, spec, entries)
+    self_draft = is_self_draft(spec)
+    backend = choose_backend(options.backend, target_spec if self_draft else spec, entries)
     if backend == "mlx" and options.kv_type == "f32":
         raise UsageError(
             f"--kv-type {options.kv_type} applies to the llama.cpp backend only",
             "drop --kv-type, or pass --backend llama",
         )
     resolve = resolve_mlx if backend == "mlx" else resolve_gguf
+    if self_draft:
+        resolve = functools.partial(resolve_self_draft, target_spec=target_spec, backend=backend)
     path = resolve(spec, entries)
     _check_context(path, options.n_ctx)
     try:
@@ -215,6 +244,7 @@ def suggested_draft(target_spec: str, registry: Path | None = None) -> str | Non
 def choose_pair(target: str | None, draft: str | None, registry: Path | None = None) -> tuple[str, str | None]:
     """The models to use: the demo pair when no target is named; for a named target
     without --draft, the draft its registry entry suggests (None when there is none)."""
+    check_draft_spec(draft)
     if target is None:
         return DEFAULT_TARGET, draft or DEFAULT_DRAFT
     return target, draft or suggested_draft(target, registry)
@@ -223,7 +253,9 @@ def choose_pair(target: str | None, draft: str | None, registry: Path | None = N
 def open_pair(
     target_spec: str, draft_spec: str | None, options: LoadOptions
 ) -> tuple[Backend, Backend | None]:
-    """Load the target and (if given) the draft, refusing a draft with another vocabulary."""
+    """Load the target and (if given) the draft, refusing a draft with another vocabulary.
+    A ``self:`` draft is a quantized copy of the target (modelkit/selfdraft.py)."""
+    check_draft_spec(draft_spec)
     entries = load_registry(options.registry)
     target = open_backend(target_spec, options, entries)
     if draft_spec is None:
@@ -233,7 +265,7 @@ def open_pair(
         # and the target's backend, so that auto cannot split a pair across two runtimes.
         backend = options.backend if options.backend != "auto" else target.name
         draft_options = dataclasses.replace(options, n_ctx=target.n_ctx, backend=backend, tree_paths=0)  # drafts chains
-        draft = open_backend(draft_spec, draft_options, entries)
+        draft = open_backend(draft_spec, draft_options, entries, target_spec=target_spec)
         check_compatible(target, draft, target_spec, draft_spec)
     except BaseException:
         target.close()

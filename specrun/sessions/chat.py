@@ -376,7 +376,7 @@ def open_chat(
 
 
 def _open_compatible_draft(target: Backend, target_spec: str, draft_spec: str, options: LoadOptions) -> Backend:
-    draft = open_backend(draft_spec, options)
+    draft = open_backend(draft_spec, options, target_spec=target_spec)
     try:
         check_compatible(target, draft, target_spec, draft_spec)
     except BaseException:
