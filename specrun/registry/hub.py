@@ -504,7 +504,10 @@ def _local_gguf(entry: ModelEntry) -> Path | None:
     """A GGUF of ``entry`` already on disk, or None."""
     if entry.builtin:
         from specrun.modelkit.demo import shipped_gguf
+        from specrun.modelkit.smollm2 import SMOLLM2_MODELS, shipped_smollm2
 
+        if entry.builtin in SMOLLM2_MODELS:
+            return shipped_smollm2()  # the F16 and Q8_0 copies share its vocabulary
         return shipped_gguf(entry.builtin)  # the derived variants share its vocabulary
     if entry.gguf_path:
         return Path(entry.gguf_path).expanduser()

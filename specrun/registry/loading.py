@@ -124,6 +124,17 @@ def check_draft_spec(spec: str | None) -> None:
         parse_self_draft(spec)
 
 
+def draft_entry_for(draft_spec: str, target_entry: ModelEntry, entries: dict[str, ModelEntry]) -> ModelEntry:
+    """The registry entry a draft's vocabulary is read from: a ``self:`` draft's is its target's."""
+    from specrun.modelkit.selfdraft import is_self_draft, parse_self_draft
+    from specrun.registry.catalog import entry_for
+
+    if is_self_draft(draft_spec):
+        parse_self_draft(draft_spec)
+        return dataclasses.replace(target_entry, alias=draft_spec)
+    return entry_for(draft_spec, entries)
+
+
 def open_backend(
     spec: str, options: LoadOptions, entries: dict[str, ModelEntry] | None = None, *, target_spec: str | None = None
 ) -> Backend:

@@ -259,3 +259,24 @@ def test_bench_runs_the_copy_and_finds_the_same_output():
     assert report["config"]["draft"] == "self:q4"
     assert {run["variant"] for run in report["runs"]} == {"none", "draft", "auto"}
     assert all(run["same_as_baseline"] for run in report["runs"])
+
+
+# ---- models check: a self draft is its target's vocabulary -----------------------------------
+def checked(target: str, draft: str) -> tuple[int, dict]:
+    import json
+
+    result = CliRunner().invoke(app, ["models", "check", "-t", target, "-d", draft, "--json"])
+    return result.exit_code, json.loads(result.stdout)
+
+
+def test_models_check_reads_a_self_draft_as_its_target(smollm2):
+    code, verdict = checked("smollm2-135m-f16", "self:q4")
+    assert (code, verdict["compatible"], verdict["draft"]) == (0, True, "self:q4")
+    assert verdict["draft_source"] == verdict["target_source"] and "SmolLM2" in verdict["target_source"]
+
+
+def test_models_check_reads_each_builtin_s_own_vocabulary(smollm2):
+    """SmolLM2's builtins were read from the demo pair's file, so the demo draft passed as theirs."""
+    code, verdict = checked("smollm2-135m-f16", "demo-draft")
+    assert (code, verdict["compatible"]) == (1, False)
+    assert "vocabulary size 49152 vs 4096" in verdict["problems"]
