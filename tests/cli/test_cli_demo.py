@@ -25,6 +25,25 @@ def test_demo_compares_methods_and_checks_outputs(tiny_llama):
     assert "NO" not in table
 
 
+def test_demo_with_a_disagreeing_draft_rejects_drafts_and_keeps_the_output(tiny_llama, tmp_path):
+    """The perturbed draft: drafts are rejected as well as accepted on the demo's path, and
+    every method's output is still plain decoding's ("yes" in the same-output column)."""
+    from model_factory import perturbed_copy
+
+    draft = str(perturbed_copy(tiny_llama, tmp_path)["llama"])
+    args = ["demo", "-t", str(tiny_llama.gguf_path), "-d", draft, "--prompts", "2", "-n", "16", "-k", "4"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    rows = {cells[0]: cells for cells in (
+        [cell.strip() for cell in line.strip("│ ").split("│")] for line in result.stdout.splitlines() if "│" in line
+    )}
+    assert rows["none"][-1] == "baseline"
+    for method in ("draft", "auto"):
+        assert rows[method][-1] == "yes", rows[method]
+    accepted = rows["draft"][3]  # the accepted column, e.g. "20%"
+    assert 0 < float(accepted.rstrip("%")) < 100, accepted
+
+
 def test_demo_gives_each_method_its_default_length_as_generate_does(tiny_llama, capsys):
     from specrun.sessions.demo_report import run_demo
     from specrun.sessions.generation import ADAPTIVE_MAX_DRAFT_LEN

@@ -13,6 +13,7 @@ from typer.testing import CliRunner
 
 from model_factory import perturbed_copy
 from specrun.cli.app import app
+from specrun.drafters.methods import METHODS
 
 runner = CliRunner()
 BACKEND_MODULES = {"llama": "llama_cpp", "mlx": "mlx_lm"}
@@ -231,7 +232,7 @@ def test_console_script_reads_a_pipe(tiny_llama, llama_installed):
     assert out.stdout.strip() and "8 tokens" in out.stderr
 
 
-@pytest.mark.parametrize("method", ["auto", "draft", "lookup", "ngram", "lookup+draft", "lookup+ngram+draft"])
+@pytest.mark.parametrize("method", [method for method in METHODS if method != "none"])
 def test_every_method_gives_the_plain_greedy_text(pair, method, tmp_path):
     """As the CLI runs them (adaptive lengths: on this CPU a draft model as dear as the target
     soon stops drafting) and at -k 4, where drafts are made on every step they can be and the

@@ -326,6 +326,41 @@ def test_json_prints_one_object_per_answer(loaded_pair, pair_args):
     assert {"prompt_tokens", "reused_tokens"} <= objects[0].keys()
 
 
+def chat_json(pair_args, *options: str, message: str = "hello there\n") -> dict:
+    result = invoke(*pair_args, "-n", "32", "--json", *options, input=message)
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout)
+
+
+def test_chat_on_a_pipe_gives_the_plain_greedy_text_through_rejections(pair_args):
+    """The perturbed draft at -k 4: its drafts accepted and rejected on the real path, and the
+    answer -m none gives. (At -k 4 too, chains and auto seldom ask a draft model that costs
+    as much as the target on this CPU, so only -m draft is sure to see rejections.)"""
+    plain = chat_json(pair_args, "-m", "none")
+    spec = chat_json(pair_args, "-m", "draft", "-k", "4")
+    assert spec["text"] == plain["text"] and plain["stats"]["drafted"] == 0
+    assert 0 < spec["stats"]["accepted"] < spec["stats"]["drafted"], spec["stats"]
+
+
+def test_chat_sampling_options_reach_the_sampler(pair_args):
+    """--temp, --top-k, --top-p, --min-p and --seed through chat: a seed gives the same answer,
+    another seed another, temperature is not ignored, and each option that leaves only the most
+    likely token gives the greedy answer. At -k 4, drafts rejected as well as accepted."""
+
+    def text(*options: str) -> str:
+        answer = chat_json(pair_args, "-m", "draft", "-k", "4", *options)
+        assert 0 < answer["stats"]["accepted"] < answer["stats"]["drafted"], answer["stats"]
+        return answer["text"]
+
+    greedy = text()
+    sampled = text("--temp", "1.5", "--seed", "7")
+    assert sampled == text("--temp", "1.5", "--seed", "7")
+    assert sampled != text("--temp", "1.5", "--seed", "8")
+    assert sampled != greedy
+    for option, value in (("--top-k", "1"), ("--top-p", "0.001"), ("--min-p", "0.999")):
+        assert text("--temp", "1.5", "--seed", "7", option, value) == greedy, option
+
+
 def test_empty_pipe_is_a_usage_error(pair_args):
     result = invoke(*pair_args, input="\n \n")
     assert result.exit_code == 2
