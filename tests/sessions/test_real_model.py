@@ -37,6 +37,7 @@ CHAT_PROMPTS = (
 N_NEW = 64
 METHODS = ("none", "lookup", "ngram", "draft", "lookup+draft", "auto")
 NEAR_TIE = 0.05  # F16 logits; the batched and one-token kernels round differently
+MAX_DIVERGING_PROMPTS = 1  # of the three CHAT_PROMPTS a method answers, greedy
 
 
 @pytest.fixture(scope="module")
@@ -78,21 +79,6 @@ def test_a_chat_turn_keeps_typed_control_text_as_text(real_pair):
     assert ids[: done.prompt_tokens].count(IM_END) == 2
 
 
-def greedy_divergence_gap(target, prompt_ids: list[int], plain: list[int], spec: list[int]) -> float | None:
-    """None when identical; else the target's top-2 logit gap where ``spec`` first left
-    ``plain``, asserting the token it took there was the runner-up."""
-    if spec == plain:
-        return None
-    first = next(i for i, (a, b) in enumerate(zip(plain, spec)) if a != b)
-    sequence = sequence_for(target)  # the engine's view of the cache, kept in step
-    sequence.reset()
-    logits = sequence.feed(prompt_ids + plain[:first], [len(prompt_ids) + first - 1])[0]
-    sequence.reset()
-    runner_up, best = np.argsort(logits)[-2:]
-    assert (best, runner_up) == (plain[first], spec[first]), "speculation emitted a token that is not the runner-up"
-    return float(logits[best] - logits[runner_up])
-
-
 def plain_and_speculative(target, draft, method: str):
     """For each chat prompt: (prompt ids, plain decoding's tokens, ``method``'s result),
     the method adaptive as ``specrun generate`` runs it."""
@@ -113,12 +99,17 @@ def plain_and_speculative(target, draft, method: str):
 
 @pytest.mark.parametrize("method", METHODS)
 def test_every_method_is_greedy_lossless_on_the_real_model(real_pair, method):
+    """Every token of every output examined (plain_argmax_gaps): plain decoding's argmax, or
+    the runner-up at a top-2 gap below NEAR_TIE; and at most one prompt of the three may hold
+    such a near-tie flip at all."""
     target, draft = real_pair
-    drafted = 0
-    for prompt_ids, plain, result in plain_and_speculative(target, draft, method):
-        gap = greedy_divergence_gap(target, prompt_ids, plain, result.token_ids)
-        assert gap is None or gap < NEAR_TIE, f"{method}: greedy divergence at a top-2 gap of {gap:.4g}"
+    drafted, diverging = 0, []
+    for prompt_ids, _, result in plain_and_speculative(target, draft, method):
+        divergences = plain_argmax_gaps(target, prompt_ids, result.token_ids)
+        assert all(gap < NEAR_TIE for _, gap in divergences), f"{method}: greedy divergences {divergences}"
+        diverging += [divergences] if divergences else []
         drafted += result.stats.drafted
+    assert len(diverging) <= MAX_DIVERGING_PROMPTS, f"{method}: {len(diverging)} prompts diverged: {diverging}"
     if method != "none":
         assert drafted > 0  # the method did speculate on the real model
 
