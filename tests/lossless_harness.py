@@ -522,7 +522,7 @@ REAL_TOKENS = 100  # long enough for adaptive lengths to grow to 16 (they start 
 
 
 def real_scenario(target, draft, reference, method: str, sampling: SamplingSettings, adaptive: bool,
-                  runs: int = REAL_RUNS) -> tuple[Sampled, list[str]]:
+                  runs: int = REAL_RUNS, branches: int = 0) -> tuple[Sampled, list[str]]:
     """``method`` sampled on real backends (``draft`` should disagree with the target), checked
     by PIT and acceptance against ``reference``, a second copy of the target. Adaptive runs go
     as the CLI runs them (lengths up to 16) on simulated time, a target pass costing as on a
@@ -531,11 +531,14 @@ def real_scenario(target, draft, reference, method: str, sampling: SamplingSetti
     clock = _SimulatedTime()
     clock.charge(target, 1.0, 0.01)
     clock.charge(draft, 0.05, 0.0)
-    engine = SpeculativeEngine(target, build_drafter(method, draft), method=method, clock=clock)
+    drafter = build_drafter(method, draft, DrafterOptions(branches=branches))
+    engine = SpeculativeEngine(target, drafter, method=method, clock=clock)
     draft_len = ADAPTIVE_MAX_DRAFT_LEN if adaptive or is_adaptive(method) else DRAFT_LEN
     prompt = target.tokenize(REAL_PROMPT)
     sampled = sample_runs(engine, prompt, REAL_TOKENS, sampling, runs, draft_len,
                           replay_reference(reference, sampling), adaptive)
+    if drafter is not None:
+        drafter.close()
     return sampled, lossless_problems(sampled, None)
 
 

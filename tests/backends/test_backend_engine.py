@@ -9,16 +9,26 @@ from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from lossless_harness import assert_few_prompts_diverge, greedy_divergences, real_scenario
+from lossless_harness import (
+    REAL_RUNS,
+    REAL_TOKENS,
+    TREE_BRANCHES,
+    assert_few_prompts_diverge,
+    branches_taken,
+    greedy_divergences,
+    real_scenario,
+)
 from model_factory import TinyModel, perturbed_copy, random_weights, tiny_config, tiny_tokenizer_json
 from specrun.backends.base import Backend
 from specrun.registry.compat import check_compatible
 from specrun.drafters.draft_model import DraftModelDrafter
+from specrun.drafters.methods import METHODS, DrafterOptions, build_drafter, is_adaptive, needs_draft_model
 from specrun.engine.loop import GenerationParams, SpeculativeEngine
 from specrun.errors import BackendUnavailableError, IncompatibleModelsError, ModelFileError, UsageError
 from specrun.modelkit.gguf_io import write_gguf
@@ -184,44 +194,125 @@ def test_sampled_speculation_with_draft_equal_to_target_accepts_almost_everythin
     draft.close()
 
 
-# Temperature 1, and every option at once (each cuts tokens the draft may still propose).
+# Every method, and the n-gram pool's trees, sampled on both backends with the perturbed draft,
+# checked by PIT and acceptance against a second copy of the target (lossless_harness). Methods
+# with a draft model at temperature 1 (and once with every option, each cutting tokens the draft
+# may still propose); the drafters that read the context alone at 0.3, where the random model
+# repeats itself, so their one-hot drafts are accepted as well as rejected, over twice the runs.
 REAL_SAMPLINGS = {
     "temp 1": SamplingSettings(temperature=1.0),
+    "temp 0.3": SamplingSettings(temperature=0.3),
     "every option": SamplingSettings(temperature=0.8, top_k=40, top_p=0.9, min_p=0.05),
 }
-# MLX runs the two that cover the most at a third of the cases (its passes cost ~5x llama.cpp's
-# on these tiny models); sampling itself is NumPy on the logits, whatever the backend.
-REAL_SAMPLED_CASES = [
-    ("draft", False, "temp 1", ("llama",)),  # -k 4
-    ("draft", True, "temp 1", ("llama",)),  # as the CLI runs it: adaptive, lengths up to 16
-    ("draft", False, "every option", ("llama", "mlx")),
-    ("lookup+draft", True, "temp 1", ("llama",)),
-    ("auto", True, "temp 1", ("llama", "mlx")),
-]
 
 
-@pytest.mark.parametrize(
-    ("kind", "method", "adaptive", "sampling"),
-    [(kind, method, adaptive, sampling) for method, adaptive, sampling, kinds in REAL_SAMPLED_CASES for kind in kinds],
-)
-def test_sampled_speculation_with_a_disagreeing_draft_is_lossless(
-    kind, method, adaptive, sampling, tiny_llama, perturbed_llama
-):
-    """The perturbed draft, so drafts are rejected too. Every output token's PIT against a
-    second copy of the target replaying the output one token at a time, and the acceptance
-    count against its expectation (lossless_harness; thresholds there)."""
-    require_backend(kind)
-    backend_kind = kind
+@dataclass(frozen=True)
+class RealCase:
+    method: str
+    sampling: str
+    adaptive: bool = False  # lengths chosen as the CLI chooses them, up to 16 (auto always)
+    branches: int = 0  # the n-gram pool's runner-up guesses as siblings (a tree verified in one pass)
+    # MLX's passes cost ~5x llama.cpp's on these tiny models: the adaptive variants of fixed-length
+    # draft-model cases run on llama.cpp only (auto is MLX's adaptive case; sampling is NumPy).
+    llama_only: bool = False
+
+    @property
+    def runs(self) -> int:
+        return REAL_RUNS if needs_draft_model(self.method) or self.method == "none" else 2 * REAL_RUNS
+
+    @property
+    def id(self) -> str:
+        return "-".join([self.method, self.sampling, *(["adaptive"] * self.adaptive), *(["tree"] * bool(self.branches))])
+
+
+def _real_cases() -> list[RealCase]:
+    def sampling(method: str) -> str:
+        return "temp 1" if needs_draft_model(method) or method == "none" else "temp 0.3"
+
+    cases = [RealCase(method, sampling(method), adaptive=is_adaptive(method)) for method in METHODS]
+    cases += [RealCase(method, sampling(method), branches=TREE_BRANCHES)
+              for method in METHODS if branches_taken(method) and not needs_draft_model(method)]
+    return cases + [RealCase("draft", "every option"), RealCase("draft", "temp 1", adaptive=True, llama_only=True),
+                    RealCase("lookup+draft", "temp 1", adaptive=True, llama_only=True)]
+
+
+REAL_CASES = _real_cases()
+
+
+def on_backends(cases: list[RealCase], name) -> dict:
+    """pytest.mark.parametrize's arguments: each case on each backend it runs on."""
+    pairs = [(kind, case) for case in cases for kind in (("llama",) if case.llama_only else ("llama", "mlx"))]
+    return dict(argnames=("backend_kind", "case"), argvalues=pairs, ids=[f"{kind}-{name(case)}" for kind, case in pairs])
+
+
+def open_target(kind: str, source: Path, branches: int) -> Backend:
+    """The target, on llama.cpp opened for trees of branches + 1 paths as `generate --branches` opens it."""
+    if kind == "llama" and branches:
+        from specrun.backends.llama import LlamaCppBackend
+
+        return LlamaCppBackend(source, n_ctx=2048, tree_paths=branches + 1)
+    return open_model(kind, source)
+
+
+@pytest.mark.parametrize(**on_backends(REAL_CASES, lambda case: case.id))
+def test_sampled_speculation_with_a_disagreeing_draft_is_lossless(backend_kind, case, tiny_llama, perturbed_llama):
+    """Every output token's PIT against a second copy of the target replaying the output one
+    token at a time, and the acceptance count against its expectation (thresholds in
+    lossless_harness); drafts verified 4 deep, and right after a full accept."""
+    require_backend(backend_kind)
     target_source = source_of(tiny_llama, backend_kind)
-    target, reference = open_model(backend_kind, target_source), open_model(backend_kind, target_source)
+    target, reference = open_target(backend_kind, target_source, case.branches), open_model(backend_kind, target_source)
     draft = open_model(backend_kind, perturbed_llama[backend_kind])
-    sampled, problems = real_scenario(target, draft, reference, method, REAL_SAMPLINGS[sampling], adaptive)
-    assert problems == []
-    seen = sampled.verified
-    assert seen.deepest >= 4 and seen.after_full_accept > 0, seen
-    assert 0.1 < seen.accepted / seen.tested < 0.95, (seen.accepted, seen.tested)
+    sampled, problems = real_scenario(target, draft, reference, case.method, REAL_SAMPLINGS[case.sampling],
+                                      case.adaptive, runs=case.runs, branches=case.branches)
     for backend in (target, draft, reference):
         backend.close()
+    assert problems == []
+    seen = sampled.verified
+    if case.method == "none":
+        assert seen.tested == 0 and len(seen.pit) == case.runs * REAL_TOKENS
+        return
+    assert seen.deepest >= 4, seen.deepest
+    assert 0 < seen.accepted < seen.tested, (seen.accepted, seen.tested)
+    if case.method != "lookup":  # from the prompt alone, a full accept is rare at these runs
+        assert seen.after_full_accept > 0
+    if needs_draft_model(case.method):
+        assert 0.1 < seen.accepted / seen.tested < 0.95, (seen.accepted, seen.tested)
+    if case.branches:
+        assert seen.siblings_tested > 0  # trees were verified, a sibling after a rejected one
+
+
+GREEDY_CASES = [case for case in REAL_CASES if case.method != "none" and case.sampling != "every option"]
+
+
+@pytest.mark.parametrize(**on_backends(GREEDY_CASES, lambda case: case.id.replace(case.sampling, "greedy")))
+def test_greedy_speculation_with_a_disagreeing_draft_equals_plain_decoding(backend_kind, case, tiny_llama,
+                                                                           perturbed_llama):
+    """Every method (and tree) greedy: plain decoding's tokens, or a divergence only at
+    near-ties (every one examined), on four prompts; drafts were accepted and rejected.
+    Greedy, the random model seldom repeats itself: on these prompts it does (lookup drafts
+    on all four and has some accepted on two, on both backends)."""
+    require_backend(backend_kind)
+    target_source = source_of(tiny_llama, backend_kind)
+    target = open_target(backend_kind, target_source, case.branches)
+    draft = open_model(backend_kind, perturbed_llama[backend_kind])
+    drafter = build_drafter(case.method, draft, DrafterOptions(branches=case.branches))
+    engine = SpeculativeEngine(target, drafter, method=case.method)
+    accepted = drafted = diverging = 0
+    prompts = (PROMPTS[10], PROMPTS[15], PROMPTS[5], PROMPTS[7])
+    for text in prompts:
+        prompt_ids = target.tokenize(text)
+        plain = engine.run(prompt_ids, GenerationParams(N_NEW, 0), complete_cache=False).token_ids
+        result = engine.run(prompt_ids, GenerationParams(N_NEW, 16 if case.adaptive else 4, adaptive=case.adaptive),
+                            complete_cache=False)
+        diverging += diverges_at_near_ties_only(backend_kind, target_source, prompt_ids, plain, result.token_ids)
+        accepted += result.stats.accepted
+        drafted += result.stats.drafted
+    drafter.close()
+    target.close()
+    draft.close()
+    assert_few_prompts_diverge(diverging, len(prompts))
+    assert 0 < accepted < drafted
 
 
 def test_batched_logits_match_one_token_at_a_time(backend_kind, tiny_qwen2):
