@@ -14,10 +14,10 @@ import typer
 from specrun.cli.bench import bench
 from specrun.cli.chat import chat_command
 from specrun.cli.common import (
-    MAX_BRANCHES,
     MAX_DRAFT_LEN,
     BackendOpt,
     BranchesOpt,
+    ChainOpt,
     ChatOpt,
     CtxOpt,
     DraftLenOpt,
@@ -37,12 +37,14 @@ from specrun.cli.common import (
     TargetOpt,
     TempOpt,
     ThreadsOpt,
+    TreeNodesOpt,
     TopKOpt,
     TopPOpt,
     check_generation_options,
     check_kv_type,
     check_range,
     checked_sampling,
+    checked_trees,
     cli_errors,
     read_prompt,
 )
@@ -92,7 +94,9 @@ def generate(
     registry: RegistryOpt = None,
     ngram_cache: NgramCacheOpt = None,
     chat: ChatOpt = None,
-    branches: BranchesOpt = 0,
+    branches: BranchesOpt = None,
+    tree_nodes: TreeNodesOpt = None,
+    chain_only: ChainOpt = False,
 ) -> None:
     """Answer PROMPT as a chat message (with --raw, or for a completion model, continue it):
     text to stdout, statistics to stderr."""
@@ -104,7 +108,7 @@ def generate(
         check_method(method)
         check_generation_options(max_tokens, draft_len, draft_min_prob, ctx, threads)
         check_kv_type(kv_type, exact)
-        check_range("--branches", branches, 0, MAX_BRANCHES)
+        trees = checked_trees(chain_only, tree_nodes, branches)
         sampling = checked_sampling("generate", temp, top_k, top_p, min_p, seed)
         text = read_prompt(prompt)
         target, draft = choose_pair(target, draft, registry)
@@ -119,9 +123,10 @@ def generate(
             sampling=sampling,
             load=LoadOptions(backend=backend, n_ctx=ctx, threads=threads, gpu_layers=gpu_layers,
                              registry=registry, kv_type=kv_type, exact=exact,
-                             tree_paths=branches + 1 if branches else 0),
-            drafter_options=DrafterOptions(ngram_cache=ngram_cache, branches=branches),
+                             tree_paths=trees.paths),
+            drafter_options=DrafterOptions(ngram_cache=ngram_cache, branches=trees.branches),
             chat=chat,
+            trees=trees,
             on_note=lambda note: typer.echo(f"note: {note}", err=True),
         )
         kept = None  # the answer is printed even when the n-gram cache could not be saved after it
@@ -154,6 +159,7 @@ def demo(
     draft_len: DraftLenOpt = None,
     backend: BackendOpt = "auto",
     threads: ThreadsOpt = None,
+    exact: ExactOpt = False,
 ) -> None:
     """Plain vs speculative decoding on the shipped demo pair, side by side: is it faster, identical, and why."""
     with cli_errors():
@@ -165,7 +171,8 @@ def demo(
         check_range("--prompts", prompts, 1, 100)
         check_range("--max-tokens", max_tokens, 1, 4096)
         check_range("--draft-len", draft_len, 0, MAX_DRAFT_LEN)
-        run_demo(target, draft, method_list, prompts, max_tokens, draft_len, backend, threads, console=PipeConsole)
+        run_demo(target, draft, method_list, prompts, max_tokens, draft_len, backend, threads, console=PipeConsole,
+                 exact=exact)
 
 
 def _write_stdout(text: str) -> None:

@@ -18,6 +18,7 @@ from specrun.errors import SpecrunError, UsageError
 MAX_NEW_TOKENS = 1_000_000
 MAX_DRAFT_LEN = 64
 MAX_BRANCHES = 8  # a tree's siblings; llama.cpp holds one sequence per root-to-leaf path
+MAX_TREE_NODES = 64
 # What a shell reports for a command a closed pipe stopped (128 + SIGPIPE): `specrun … | head`.
 BROKEN_PIPE_EXIT = 141
 
@@ -112,6 +113,18 @@ def check_range(name: str, value: int | float | None, low: float, high: float) -
         raise UsageError(f"{name} must be between {low:g} and {high:g}, got {value}", f"pass a valid {name}")
 
 
+def checked_trees(chain: bool, tree_nodes: int | None, branches: int | None):
+    """The token-tree options as TreeSettings, or a usage error naming the bad or clashing one."""
+    from specrun.sessions.generation import resolve_trees
+
+    if chain and (tree_nodes is not None or branches):
+        clash = "--tree-nodes" if tree_nodes is not None else "--branches"
+        raise UsageError(f"--chain and {clash} contradict each other", "drop one of them")
+    check_range("--tree-nodes", tree_nodes, 1, MAX_TREE_NODES)
+    check_range("--branches", branches, 0, MAX_BRANCHES)
+    return resolve_trees(chain, tree_nodes, branches)
+
+
 def checked_sampling(command: str, temp: float, top_k: int, top_p: float, min_p: float, seed: int | None):
     """The sampling options as SamplingSettings, or a usage error naming the first bad one."""
     from specrun.sampling import SamplingSettings
@@ -181,13 +194,22 @@ JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object ins
 CtxOpt = Annotated[Optional[int], typer.Option("--ctx", help="Context size in tokens (default: the model's, at most 4096).")]
 ThreadsOpt = Annotated[Optional[int], typer.Option("--threads", help="CPU threads (default: all cores).")]
 BranchesOpt = Annotated[
-    int,
+    Optional[int],
     typer.Option(
         "--branches",
-        help=f"Token trees: runner-up guesses (0-{MAX_BRANCHES}) the n-gram pool adds beside its chain, all "
-        "verified in one target pass (0: chains). A target that cannot verify trees verifies the chain.",
+        help=f"Token trees: second guesses (0-{MAX_BRANCHES}) a drafter may add beside its chain, verified in the "
+        "same target pass (default with --tree-nodes: 4). A target that cannot verify trees verifies the chain.",
     ),
 ]
+TreeNodesOpt = Annotated[
+    Optional[int],
+    typer.Option(
+        "--tree-nodes",
+        help=f"Token trees of at most this many drafted tokens a pass (1-{MAX_TREE_NODES}); the policy keeps the "
+        "second guesses worth their cost on this machine. Default: chains.",
+    ),
+]
+ChainOpt = Annotated[bool, typer.Option("--chain", help="Draft chains only, never token trees.")]
 GpuLayersOpt = Annotated[Optional[int], typer.Option("--gpu-layers", help="Layers on the GPU (default: all).")]
 KvTypeOpt = Annotated[
     Optional[str],

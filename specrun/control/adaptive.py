@@ -485,10 +485,13 @@ class DraftLengthController:
             return min(self.probe_len, limit)
         return limit
 
-    def observe(self, drafted: int, accepted: int, draft_seconds: float, verify_seconds: float) -> None:
-        """Learn from one verify step: ``drafted`` proposed, ``accepted`` taken."""
+    def observe(
+        self, drafted: int, accepted: int, draft_seconds: float, verify_seconds: float, verified: int | None = None
+    ) -> None:
+        """Learn from one verify step: ``drafted`` proposed in a row, ``accepted`` taken;
+        ``verified``: the nodes the pass held where the draft was a tree (its chain drafted)."""
         self._learn_acceptance(drafted, accepted)
-        self.observe_costs(drafted, draft_seconds, verify_seconds)
+        self.observe_costs(drafted, draft_seconds, verify_seconds, verified)
 
     def observe_acceptance(self, drafted: int, accepted: int, first_position: int = 1) -> None:
         """Of ``drafted`` tokens in a row, the first ``accepted`` were (or would have been) right.
@@ -503,9 +506,12 @@ class DraftLengthController:
             self._learn_acceptance(drafted, accepted, first_position)
             self._update_gate(probed=False)
 
-    def observe_costs(self, drafted: int, draft_seconds: float, verify_seconds: float) -> None:
-        """One verify pass over ``drafted`` + 1 tokens, after ``draft_seconds`` of drafting."""
-        self.target_costs.observe(drafted + 1, verify_seconds)
+    def observe_costs(
+        self, drafted: int, draft_seconds: float, verify_seconds: float, verified: int | None = None
+    ) -> None:
+        """One verify pass over ``verified`` (default ``drafted``) + 1 tokens, after
+        ``draft_seconds`` of drafting ``drafted``."""
+        self.target_costs.observe((drafted if verified is None else verified) + 1, verify_seconds)
         if drafted:
             if not self.sunk_draft_cost:
                 self.draft_costs.observe(drafted, draft_seconds)

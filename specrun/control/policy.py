@@ -30,6 +30,7 @@ from specrun.control.adaptive import (
     SpeculationGate,
     TargetCosts,
 )
+from specrun.control.trees import BranchRates, TreeScores, node_values, shape_tree
 from specrun.drafters.base import Drafter, Proposal
 
 # A step that spent more than this share of a plain pass proposing counts as speculating's
@@ -60,12 +61,21 @@ class StepReport:
 
     plan: Plan
     proposal: Proposal
-    n_accepted: int
+    path: tuple[int, ...]  # the accepted nodes (a chain's: its first n_accepted)
     started: float
     draft_seconds: float
     verify_seconds: float
     context: Sequence[int]
     context_len: int
+
+    @property
+    def n_accepted(self) -> int:
+        return len(self.path)
+
+    @property
+    def chain_accepted(self) -> int:
+        """Accepted nodes on the proposal's main chain (all of them, for a chain)."""
+        return next((i for i, node in enumerate(self.path) if node != i), len(self.path))
 
 
 class SpeculationPolicy(Protocol):
@@ -140,6 +150,10 @@ class AdaptivePolicy:
         self.prior_accepts: dict[str, float] = {}  # by drafter name: measured first-token acceptance
         self.gate = SpeculationGate()
         self._scores = ProposalScores()  # cheap proposals awaiting the output that settles them
+        self.branch_rates: dict[str, BranchRates] = {}  # by source: how often its second guesses are right
+        self._tree_scores = TreeScores()  # branching proposals awaiting the output
+        self.max_nodes = 0  # the most nodes a verified tree may have (0: chains only)
+        self.max_paths = 0  # …and root-to-leaf paths (0: no cap)
         self._carried_gaps: dict[str, int] = {}  # a chain's paid drafters left off by the last text
         self._start_off: dict[str, int] = {}  # drafters earlier processes left off: for the first text
         self._previous_pass: int | None = None  # tokens fed to the latest pass (None: the prefill)
@@ -191,6 +205,8 @@ class AdaptivePolicy:
         }
         self.controllers.clear()
         self._scores.clear()
+        self._tree_scores.clear()
+        self.branch_rates.clear()
         self.gate = SpeculationGate()
 
     # ---- one text -----------------------------------------------------------------------
@@ -200,13 +216,16 @@ class AdaptivePolicy:
         self._carried_gaps = {}
         self.paid = {member.name for member in drafter.members if member.pays_per_token} if drafter else set()
 
-    def configure(self, max_draft_len: int, adaptive: bool) -> None:
+    def configure(self, max_draft_len: int, adaptive: bool, max_nodes: int = 0, max_paths: int = 0) -> None:
         """A run's settings: lengths chosen up to ``max_draft_len`` (``adaptive``), or fixed
-        at it with a chain's draft model gated."""
+        at it with a chain's draft model gated; trees of up to ``max_nodes`` nodes and
+        ``max_paths`` paths (0 nodes: chains only)."""
         self.max_draft_len, self.adaptive = max_draft_len, adaptive
+        self.max_nodes, self.max_paths = max_nodes, max_paths
 
     def start_text(self, context_len: int) -> None:
         self._scores.clear()
+        self._tree_scores.clear()
         self._previous_pass = None
         if self.adaptive:
             self.gate.reset()
@@ -241,24 +260,47 @@ class AdaptivePolicy:
         return takes_at_least(proposal, self.drafter, draft_len)
 
     def chosen(self, proposal: Proposal, passed_over: Sequence[Proposal], context_len: int) -> Proposal:
-        """The proposal cut to the prefix worth verifying; every cheap proposal made is scored
-        against the output to come (a proposal cut to nothing or passed over included)."""
+        """The proposal cut to the nodes worth verifying; every cheap proposal made is scored
+        against the output to come (a proposal cut to nothing or passed over included), and
+        every branching one's second guesses."""
         cheap = [each for each in (*passed_over, proposal) if each.tokens and each.source not in self.paid]
         if self._idle is not None:
             self._idle.found(bool(cheap))
-        if not self.adaptive or not cheap:
+        if not self.adaptive or not proposal.tokens and not cheap:
             return proposal
         for each in cheap:
             self._scores.add(self._controller_for(each.source, kind=each.kind), context_len, each.main_chain.tokens)
-        if proposal.tokens and proposal.source not in self.paid:
-            # A cheap drafter's tokens cost nothing to drop: keep the worthwhile prefix.
-            keep = self._controller_for(proposal.source, kind=proposal.kind).choose(len(proposal))
-            proposal = proposal.prefix(keep)
-        return proposal
+        for each in (*passed_over, proposal):
+            if self.max_nodes and not each.is_chain:
+                self._tree_scores.add(self._branch_rates(each.source), context_len, each.tree)
+        if not proposal.tokens:
+            return proposal
+        controller = self._controller_for(proposal.source, kind=proposal.kind)
+        if proposal.source in self.paid:  # drafted at the length chosen for it (budget)
+            return self._shaped(proposal, len(proposal.main_chain), controller)
+        # A cheap drafter's tokens cost nothing to drop: keep the worthwhile part.
+        return self._shaped(proposal, controller.choose(len(proposal.main_chain)), controller)
+
+    def _shaped(self, proposal: Proposal, chain_len: int, controller: DraftLengthController) -> Proposal:
+        """``chain_len`` nodes of the main chain, and the second guesses worth verifying with
+        it (control/trees.py); a chain where trees are off."""
+        if proposal.is_chain or not self.max_nodes:
+            return proposal.main_chain.prefix(chain_len)
+        values = node_values(proposal.tree, controller.acceptances(self.max_draft_len), self._branch_rates(proposal.source))
+        drafting = 0.0
+        if proposal.source in self.paid:  # spent whatever is verified: it dilutes the pass's cost
+            drafting = controller.draft_costs.table(chain_len)[chain_len] or 0.0
+        costs = self.target_costs.table(self.max_nodes + 1)
+        fixed = self.target_costs.switch_charge + drafting
+        return shape_tree(proposal, chain_len, values, costs, fixed, self.max_nodes, self.max_paths)
+
+    def _branch_rates(self, source: str) -> BranchRates:
+        return self.branch_rates.setdefault(source, BranchRates())
 
     def observe(self, report: StepReport) -> None:
         self._observe_pass(report)
         self._scores.score(report.context)
+        self._tree_scores.score(report.context)
         if not self.adaptive or self._retiming:  # a pass timing T(1) says nothing of speculating
             return
         plain = self.target_costs.plain
@@ -289,7 +331,9 @@ class AdaptivePolicy:
                 # look dearer by the catch-up (a fresh run's first draft follows two plain
                 # steps). The gate still sees the whole step's time.
                 drafting = report.draft_seconds - self._member(proposal.source).catch_up_seconds
-                controller.observe(len(proposal.tokens), report.n_accepted, drafting, report.verify_seconds)
+                # a tree: acceptance and drafting by its main chain, the pass by all its nodes
+                chain = len(proposal.main_chain)
+                controller.observe(chain, report.chain_accepted, drafting, report.verify_seconds, len(proposal))
 
     def _paid_may_pass(self) -> bool:
         """May the drafters go unasked on this step, as far as the draft models are concerned

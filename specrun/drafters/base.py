@@ -51,6 +51,20 @@ class Proposal:
             self.tokens[:length], self.p_draft[:length], self.source, self.parents[:length], self.kind
         )
 
+    def select(self, nodes: Sequence[int]) -> "Proposal":
+        """The proposal of ``nodes`` alone (ascending, each with its parent among them)."""
+        if len(nodes) == len(self.tokens):
+            return self
+        index = {node: i for i, node in enumerate(nodes)}
+        parents = tuple(-1 if self.parents[node] < 0 else index[self.parents[node]] for node in nodes)
+        return Proposal(
+            tuple(self.tokens[node] for node in nodes),
+            tuple(self.p_draft[node] for node in nodes),
+            self.source,
+            parents,
+            self.kind,
+        )
+
     @functools.cached_property
     def is_chain(self) -> bool:
         return self.parents == tuple(range(-1, len(self.tokens) - 1))

@@ -23,8 +23,13 @@ from specrun.drafters.methods import is_adaptive
 from specrun.engine.stats import Stats
 from specrun.errors import ContextFullError, UsageError
 from specrun.sampling import SamplingSettings, probabilities, sample
-from specrun.tree import TokenTree
 from specrun.verify import TreeVerdict, Verdict, verify_greedy, verify_sampled, verify_tree_greedy, verify_tree_sampled
+
+
+# The most drafted tokens a tree brings to one verify pass unless a run says otherwise: the
+# policy keeps only the second guesses that pay on this machine's pass costs (control/trees.py),
+# so the cap matters where passes are cheap (a GPU).
+DEFAULT_TREE_NODES = 24
 
 
 @dataclass(frozen=True)
@@ -33,6 +38,10 @@ class GenerationParams:
 
     adaptive: choose the draft length each step (at most ``draft_len``) from measured
     acceptance and costs, and stop speculating while plain decoding is faster.
+    tree_nodes: the most nodes a branching proposal may bring to one verify pass (0:
+    chains only; a target that cannot hold the tree verifies the main chain). Drafters
+    branch only when asked to (DrafterOptions.branches). Adaptive, the policy keeps the
+    second guesses worth their place in the pass.
     """
 
     max_new_tokens: int = 128
@@ -40,6 +49,7 @@ class GenerationParams:
     sampling: SamplingSettings = field(default_factory=SamplingSettings)
     stop_at_eos: bool = True
     adaptive: bool = False
+    tree_nodes: int = DEFAULT_TREE_NODES
 
 
 @dataclass(frozen=True)
@@ -131,7 +141,8 @@ class SpeculativeEngine:
             return None
         adaptive = self._adapts(params)
         if adaptive or (len(drafter.members) > 1 and self.policy.paid):
-            self.policy.configure(params.draft_len, adaptive)
+            max_paths = self.target.backend.tree_support.max_paths
+            self.policy.configure(params.draft_len, adaptive, self._tree_nodes(params), max_paths)
             return self.policy
         fusable = drafter.can_defer(params.sampling) and self.target.can_feed_after
         return FixedPolicy(drafter, fusable)
@@ -187,6 +198,8 @@ class SpeculativeEngine:
                         proposal, verdict, t_verify = self._fused_greedy_step(context, draft_len, sampling, rng)
                     else:
                         proposal = self._draft(policy, plan, context, draft_len, sampling, rng)
+                        if not proposal.is_chain:
+                            proposal = self._verifiable(proposal, params)
                         t_verify = self.clock()
                         verdict = self._verify(context[-1], proposal, sampling, rng)
                     # Keep the fed last token and the accepted drafts; drop the rejected tail.
@@ -198,7 +211,7 @@ class SpeculativeEngine:
                     emitted = emitted[: hit_eos + 1]
                 context.extend(emitted[:remaining])
                 if policy is not None and policy.measured and not from_prefill:
-                    policy.observe(StepReport(plan, proposal, verdict.n_accepted, t_draft, t_verify - t_draft,
+                    policy.observe(StepReport(plan, proposal, tuple(verdict.path), t_draft, t_verify - t_draft,
                                               t_passed - t_verify, context, context_len))
                 step = Step(tuple(context[context_len:]), len(proposal), verdict.n_accepted,
                             t_verify - t_draft, t_passed - t_verify, proposal.source)
@@ -228,15 +241,23 @@ class SpeculativeEngine:
             if len(proposal) > len(best):
                 best = proposal
         passed_over = [each for each in made if each is not best]
-        proposal = policy.chosen(best, passed_over, len(context))
-        if not proposal.is_chain and not self._verifies(proposal.tree):
-            proposal = proposal.main_chain  # a target without trees (the session said why) verifies chains
-        return proposal
+        return policy.chosen(best, passed_over, len(context))
 
-    def _verifies(self, tree: TokenTree) -> bool:
-        """Can the target verify this tree in one pass?"""
-        support = self.target.backend.tree_support
-        return support.available and not (support.max_paths and len(tree.paths) > support.max_paths)
+    def _tree_nodes(self, params: GenerationParams) -> int:
+        """The most nodes a tree may have in this run: 0 where the target verifies chains only."""
+        return params.tree_nodes if self.target.backend.tree_support.available else 0
+
+    def _verifiable(self, proposal: Proposal, params: GenerationParams) -> Proposal:
+        """A branching proposal within the run's node cap, or its main chain where the target
+        cannot hold it (the session said why) or trees are off."""
+        nodes = self._tree_nodes(params)
+        if not nodes:
+            return proposal.main_chain
+        proposal = proposal.prefix(nodes)
+        max_paths = self.target.backend.tree_support.max_paths
+        if len(proposal.main_chain) == len(proposal) or (max_paths and len(proposal.tree.paths) > max_paths):
+            return proposal.main_chain
+        return proposal
 
     def _adapts(self, params: GenerationParams) -> bool:
         """Does this run choose its draft lengths as it goes (auto, or params.adaptive)?"""

@@ -6,11 +6,37 @@ import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from specrun.engine.loop import Finished, GenerationParams, GenerationResult, SpeculativeEngine, TextChunk
+from specrun.engine.loop import DEFAULT_TREE_NODES, Finished, GenerationParams, GenerationResult, SpeculativeEngine, TextChunk
 from specrun.registry.loading import LoadOptions, open_pair, prompts_as_chat
 from specrun.drafters.methods import DrafterOptions, build_drafter, is_adaptive, needs_draft_model
 from specrun.errors import AnswerKeptError, SpecrunError
 from specrun.sampling import SamplingSettings
+
+
+# Token trees, once asked for (--tree-nodes or --branches): the second guesses a drafter may add.
+DEFAULT_BRANCHES = 4
+
+
+@dataclass(frozen=True)
+class TreeSettings:
+    """A run's token trees: ``nodes``, the most drafted tokens a verify pass holds (0: chains);
+    ``branches``, the second guesses a drafter may add beside its chain."""
+
+    nodes: int = 0
+    branches: int = 0
+
+    @property
+    def paths(self) -> int:
+        """Root-to-leaf paths a tree may have: the chain's and one per second guess (0: chains)."""
+        return self.branches + 1 if self.nodes and self.branches else 0
+
+
+def resolve_trees(chain: bool, tree_nodes: int | None, branches: int | None) -> TreeSettings:
+    """Chains unless --tree-nodes or --branches asks for trees (measured on this CPU, a pass's
+    every extra token costs most of a plain step, so trees rarely pay: docs/perf.md)."""
+    if chain or (tree_nodes is None and not branches):
+        return TreeSettings()
+    return TreeSettings(tree_nodes or DEFAULT_TREE_NODES, DEFAULT_BRANCHES if branches is None else branches)
 
 
 @dataclass(frozen=True)
@@ -26,6 +52,7 @@ class GenerateRequest:
     load: LoadOptions = field(default_factory=LoadOptions)
     drafter_options: DrafterOptions = field(default_factory=DrafterOptions)
     chat: bool | None = None  # the prompt as a user message in the chat template; None: see prompts_as_chat
+    trees: TreeSettings = field(default_factory=TreeSettings)
     on_note: Callable[[str], None] | None = None  # one-line notes for the user (stderr in the CLI)
 
 
@@ -39,7 +66,6 @@ ADAPTIVE_MAX_DRAFT_LEN = 16
 
 
 DEFAULT_DRAFT_MIN_PROB = 0.0
-
 
 def load_tuned(target, draft, threads):
     """Settings saved by `specrun tune` for this pair on this machine; else what earlier
@@ -117,7 +143,7 @@ def generate_text(request: GenerateRequest, on_text: Callable[[str], None] | Non
 
             options = dataclasses.replace(options, vocabulary=vocabulary_fingerprint(target))
         drafter = build_drafter(request.method, draft, options)
-        if options.branches and not target.tree_support.available and request.on_note is not None:
+        if request.trees.paths and not target.tree_support.available and request.on_note is not None:
             request.on_note(f"token trees are off: {target.tree_support.reason}; verifying chains")
         engine = SpeculativeEngine(target, drafter, method=request.method)
         chat = prompts_as_chat(request.target, request.load.registry, target, request.chat)
@@ -127,6 +153,7 @@ def generate_text(request: GenerateRequest, on_text: Callable[[str], None] | Non
             resolve_draft_len(request.method, request.draft_len),
             request.sampling,
             adaptive=adapts_length(request.method, request.draft_len),
+            tree_nodes=request.trees.nodes,
         )
         if tuned is not None:
             tuned.apply(engine)  # the controllers start from measured costs

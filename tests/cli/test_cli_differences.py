@@ -88,3 +88,20 @@ def test_demo_prints_a_line_only_for_a_differing_output(tiny_llama, monkeypatch)
     lines = [line for line in doctored.stdout.splitlines() if DIFFERS in line]
     assert [line.split(":")[0] for line in lines] == ["lookup on prompt 1", "lookup on prompt 2"]
     assert all(line.endswith(("near-tie", "DEFECT (the target had a clear choice)")) for line in lines)
+
+
+def test_demo_exact_loads_the_pair_as_exact_and_still_locates_a_difference(tiny_llama, monkeypatch):
+    import specrun.registry.loading
+
+    opened = []
+    load = specrun.registry.loading._load
+    monkeypatch.setattr(specrun.registry.loading, "_load",
+                        lambda kind, path, options: opened.append(options) or load(kind, path, options))
+    path = str(tiny_llama.gguf_path)
+    args = ["demo", "-t", path, "-d", path, "--methods", "none,lookup", "--prompts", "1", "-n", "8", "-k", "2"]
+    monkeypatch.setattr("specrun.sessions.compare.SpeculativeEngine", DoctoredEngine)
+    doctored = CliRunner().invoke(app, [*args, "--exact"])
+    assert doctored.exit_code == 0, doctored.output
+    assert opened and all(options.exact for options in opened)
+    lines = [line for line in doctored.stdout.splitlines() if DIFFERS in line]
+    assert len(lines) == 1 and lines[0].endswith("DEFECT (the target had a clear choice)")

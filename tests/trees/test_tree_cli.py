@@ -20,17 +20,23 @@ def generate_json(*args: str) -> dict:
     return json.loads(result.stdout)
 
 
-@pytest.mark.parametrize("backend", ["llama", "mlx"])
-def test_branches_give_the_same_greedy_text_and_reach_the_target(backend, monkeypatch):
-    """--exact: llama.cpp's batched and one-token kernels round alike, so any difference would
-    be a defect. The target is opened able to hold trees (llama.cpp: one sequence per path)."""
-    pytest.importorskip({"llama": "llama_cpp", "mlx": "mlx_lm"}[backend])
+def record_loads(monkeypatch) -> list:
+    """The LoadOptions of every model the CLI opens, in order."""
     import specrun.registry.loading
 
     opened = []
     load = specrun.registry.loading._load
     monkeypatch.setattr(specrun.registry.loading, "_load",
                         lambda kind, path, options: opened.append(options) or load(kind, path, options))
+    return opened
+
+
+@pytest.mark.parametrize("backend", ["llama", "mlx"])
+def test_branches_give_the_same_greedy_text_and_reach_the_target(backend, monkeypatch):
+    """--exact: llama.cpp's batched and one-token kernels round alike, so any difference would
+    be a defect. The target is opened able to hold trees (llama.cpp: one sequence per path)."""
+    pytest.importorskip({"llama": "llama_cpp", "mlx": "mlx_lm"}[backend])
+    opened = record_loads(monkeypatch)
     common = ["--backend", backend, "--method", "lookup+ngram", "--exact"]
     chains = generate_json(*common)
     trees = generate_json(*common, "--branches", "3")
@@ -50,16 +56,48 @@ def test_a_target_without_trees_says_so_in_one_line_and_verifies_chains():
     pytest.importorskip("llama_cpp")
     from specrun.drafters.methods import DrafterOptions
     from specrun.registry.loading import LoadOptions
-    from specrun.sessions.generation import GenerateRequest, generate_text
+    from specrun.sessions.generation import GenerateRequest, TreeSettings, generate_text
 
     notes: list[str] = []
 
     def request(branches: int) -> GenerateRequest:
         return GenerateRequest(PROMPT, "demo-target", None, method="ngram", max_new_tokens=32, chat=False,
                                load=LoadOptions(backend="llama", exact=True),  # no tree_paths
-                               drafter_options=DrafterOptions(branches=branches), on_note=notes.append)
+                               drafter_options=DrafterOptions(branches=branches), on_note=notes.append,
+                               trees=TreeSettings(8, branches))
 
     with_branches = generate_text(request(3))
     assert len(notes) == 1 and notes[0].startswith("token trees are off: ") and "verifying chains" in notes[0]
     assert with_branches.token_ids == generate_text(request(0)).token_ids
     assert len(notes) == 1  # no note without branches
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--tree-nodes", "0"], "--tree-nodes must be between 1 and 64, got 0"),
+    (["--tree-nodes", "65"], "--tree-nodes must be between 1 and 64, got 65"),
+    (["--chain", "--tree-nodes", "8"], "--chain and --tree-nodes contradict each other"),
+    (["--chain", "--branches", "2"], "--chain and --branches contradict each other"),
+])
+def test_tree_options_out_of_range_or_contradicting_are_usage_errors(args, message):
+    result = runner.invoke(app, ["generate", "x", *args])
+    assert result.exit_code == 2
+    assert message in result.output and len(result.output.strip().splitlines()) == 1
+
+
+def test_tree_nodes_alone_turns_trees_on_with_the_default_branches_and_chain_keeps_them_off():
+    from specrun.sessions.generation import DEFAULT_BRANCHES, TreeSettings, resolve_trees
+
+    assert resolve_trees(False, 8, None) == TreeSettings(8, DEFAULT_BRANCHES)
+    assert resolve_trees(False, None, 2).nodes > 0 and resolve_trees(False, None, 2).paths == 3
+    assert resolve_trees(False, None, None) == TreeSettings() == resolve_trees(True, None, None)
+
+
+@pytest.mark.parametrize("backend", ["llama", "mlx"])
+def test_tree_nodes_gives_the_same_greedy_text(backend, monkeypatch):
+    """--tree-nodes alone: the n-gram pool branches (4 second guesses), the target holds 5 paths,
+    the adaptive policy keeps what pays, and the text is the chains' (--exact)."""
+    pytest.importorskip({"llama": "llama_cpp", "mlx": "mlx_lm"}[backend])
+    opened = record_loads(monkeypatch)
+    common = ["--backend", backend, "--method", "auto", "--exact"]
+    assert generate_json(*common, "--tree-nodes", "16")["text"] == generate_json(*common, "--chain")["text"]
+    assert [options.tree_paths for options in opened if options.tree_paths] == [5]
