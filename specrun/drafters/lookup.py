@@ -20,6 +20,8 @@ DEFAULT_MAX_NGRAM = 4
 # One shared token is mostly coincidence in natural text, and a wrong draft still
 # widens the target's verify pass: ask for two.
 DEFAULT_MIN_NGRAM = 2
+# Earlier occurrences of a matched n-gram looked at for branches (token trees), newest first.
+MAX_OCCURRENCES = 16
 # An n-gram is one int: its token ids side by side in this many bits each (token ids are
 # below 2**32 in every vocabulary), built incrementally; no tuple per order per token.
 TOKEN_BITS = 32
@@ -95,9 +97,14 @@ class PromptLookupDrafter(Drafter):
     # plain ones. The priors of an adaptive engine's controllers, by kind (others: 0.9):
     kind_priors = {"n2": 0.5, "n3": 0.7}
 
-    def __init__(self, max_ngram: int = DEFAULT_MAX_NGRAM, min_ngram: int = DEFAULT_MIN_NGRAM) -> None:
+    def __init__(
+        self, max_ngram: int = DEFAULT_MAX_NGRAM, min_ngram: int = DEFAULT_MIN_NGRAM, branches: int = 0
+    ) -> None:
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram} and {max_ngram}")
+        # Token trees: continuations of up to this many earlier occurrences of the matched
+        # n-gram that differ from the latest one join its chain as branches (0: chains only).
+        self.branches = branches
         self.orders = tuple(range(max_ngram, min_ngram - 1, -1))  # longest first
         self.mirror = ContextMirror()
         # _latest[j]: orders[j]-gram (packed, see _pack) -> position of the token that
@@ -131,7 +138,42 @@ class PromptLookupDrafter(Drafter):
         if match is None:
             return EMPTY_PROPOSAL
         start, order = match
-        return Proposal(self._copy_from(start, draft_len), source=self.name, kind=f"n{order}")
+        chain = self._copy_from(start, draft_len)
+        if not self.branches:
+            return Proposal(chain, source=self.name, kind=f"n{order}")
+        tokens, parents = self._branches(chain, start, self.orders.index(order), draft_len)
+        return Proposal(tokens, source=self.name, parents=parents, kind=f"n{order}")
+
+    def _branches(
+        self, chain: tuple[int, ...], start: int, order_index: int, draft_len: int
+    ) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """The latest occurrence's continuation as the chain, then the continuations of earlier
+        occurrences merged in as a trie, newest first, those of the matched n-gram before
+        those of its shorter tails: each that differs somewhere adds one branch from where it
+        parts (at most ``branches``; MAX_OCCURRENCES looked at).
+
+        ``_replaced`` already links every occurrence of an n-gram to the one before it (what
+        the index held before it was registered), so the walk costs no index of its own."""
+        tokens, parents = list(chain), list(range(-1, len(chain) - 1))
+        node_of = {(parent, token): node for node, (parent, token) in enumerate(zip(parents, tokens))}
+        added, looked = 0, 0
+        for j in range(order_index, len(self.orders)):
+            replaced = self._replaced[j]
+            position = self._latest[j].get(self._tails[j], -1) if j > order_index else replaced[start]
+            while position >= 0 and added < self.branches and looked < MAX_OCCURRENCES:
+                looked += 1
+                node, parted = -1, False
+                for token in self._copy_from(position, draft_len):
+                    child = node_of.get((node, token))
+                    if child is None:
+                        tokens.append(token)
+                        parents.append(node)
+                        child = node_of[(node, token)] = len(tokens) - 1
+                        parted = True
+                    node = child
+                added += parted
+                position = replaced[position]
+        return tuple(tokens), tuple(parents)
 
     def finish(self, context: Sequence[int]) -> None:
         self._read(context)

@@ -42,9 +42,10 @@ class DrafterOptions:
     when the drafter is closed. vocabulary: the target's
     ``specrun.drafters.ngram.vocabulary_fingerprint``, stored in the cache and
     checked when it is loaded, so a cache built for another model family is refused.
-    branches: runner-up guesses a drafter may add as siblings of its chain (a token tree;
-    0: chains only). The n-gram pool takes them; the engine verifies a tree in one pass
-    where the target can, else the chain alone.
+    branches: second guesses a drafter may add beside its chain (a token tree; 0: chains
+    only): the n-gram pool's runner-up followers, prompt lookup's continuations of earlier
+    occurrences of its match. The engine verifies a tree in one pass where the target can,
+    else the chain alone.
     """
 
     ngram_cache: Path | None = None
@@ -92,7 +93,7 @@ def build_drafter(method: str, draft: Backend | None, options: DrafterOptions | 
 
 def _build_one(part: str, draft: Backend | None, options: DrafterOptions) -> Drafter:
     if part == "lookup":
-        return PromptLookupDrafter()
+        return PromptLookupDrafter(branches=options.branches)
     if part == "ngram":
         if options.ngram_cache is None:
             return NgramPoolDrafter(vocabulary=options.vocabulary, branches=options.branches)
