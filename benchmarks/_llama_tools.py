@@ -134,11 +134,13 @@ def _run_process(command: list[str], stdin: str | None = None, env: dict | None 
 
 
 # ---- specrun -----------------------------------------------------------------------------
-def specrun_line(method: str, target: Path, draft: Path | None, n: int, threads: int, env: dict) -> Line:
+def specrun_line(method: str, target: Path, draft: Path | None, n: int, threads: int, env: dict,
+                 extra: tuple[str, ...] = (), name: str | None = None) -> Line:
     """``specrun generate --method METHOD --json`` in a fresh process per prompt (the prompt as typed
-    on stdin: specrun applies the chat template to a chat prompt itself)."""
+    on stdin: specrun applies the chat template to a chat prompt itself); ``extra``: more options
+    (``--tree-nodes 16``), under the line's ``name``."""
     command = [sys.executable, "-m", "specrun", "generate", "-", "--json", "--method", method,
-               "--target", str(target), "-n", str(n), "--threads", str(threads)]
+               "--target", str(target), "-n", str(n), "--threads", str(threads), *extra]
     if draft is not None:
         command += ["--draft", str(draft)]
 
@@ -156,7 +158,7 @@ def specrun_line(method: str, target: Path, draft: Path | None, n: int, threads:
             text=result["text"],
         )
 
-    return Line(f"specrun {method}", run)
+    return Line(f"specrun {name or method}", run)
 
 
 def untuned_env(config_home: Path) -> dict:

@@ -17,6 +17,7 @@ Raw figures go to runs/ as JSON.
 
     .venv/bin/python benchmarks/real_model.py --llama-bin-dir /path/to/llama.cpp/build/bin
     .venv/bin/python benchmarks/real_model.py --per-category 1 --methods none,lookup,auto   # a quick look
+    .venv/bin/python benchmarks/real_model.py --methods none,auto --line "auto trees=auto --tree-nodes 16"
 """
 
 from __future__ import annotations
@@ -67,6 +68,11 @@ def build_lines(args: argparse.Namespace, target: Path, draft: Path, n_ctx: int,
     for method in args.methods.split(","):
         method_draft = draft if needs_draft_model(method) else None
         lines.append(specrun_line(method, target, method_draft, args.n, args.threads, env))
+    for spec in args.line:  # "NAME=METHOD OPTION ...": a method with more options, e.g. token trees
+        name, _, command = spec.partition("=")
+        method, *extra = command.split()
+        method_draft = draft if needs_draft_model(method) else None
+        lines.append(specrun_line(method, target, method_draft, args.n, args.threads, env, tuple(extra), name))
     return lines
 
 
@@ -116,6 +122,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lookup-draft-max", type=int, default=8, help="llama-lookup's --spec-draft-n-max (default 8)")
     parser.add_argument("--spec-draft-max", type=int, default=4,
                         help="llama-speculative-simple's --spec-draft-n-max (default 4)")
+    parser.add_argument("--line", action="append", default=[], metavar="NAME=METHOD OPTION ...",
+                        help='one more specrun line, e.g. "auto trees=auto --tree-nodes 16" (repeatable)')
     parser.add_argument("--tuned", action="store_true", help="let specrun read the user's tune file (default: untuned)")
     parser.add_argument("--json", type=Path, help="raw figures (default runs/real_model-TIME.json)")
     args = parser.parse_args(argv)
