@@ -35,9 +35,12 @@ class DraftModelDrafter(Drafter):
     name = "draft"
     pays_per_token = True
 
-    def __init__(self, backend: Backend, min_prob: float = 0.0) -> None:
+    def __init__(self, backend: Backend, min_prob: float = 0.0, branches: int = 0) -> None:
         self.backend = backend
         self.min_prob = min_prob
+        # Token trees: second guesses beside the chain, at the positions where the draft was
+        # least sure of its first (0: chains only; the greedy ids then stay on the device).
+        self.branches = branches
         self.sequence = sequence_for(backend)
         self.target_vocab_size = backend.vocab.size  # the target's (bind), when padding makes it differ
         self.clock: Callable[[], float] = perf_counter  # the engine's own clock (bind)
@@ -63,26 +66,57 @@ class DraftModelDrafter(Drafter):
             return EMPTY_PROPOSAL
         pending = self._catch_up(context)
         exact_vocab = self.target_vocab_size == self.backend.vocab.size
-        if sampling.greedy and exact_vocab and self.min_prob <= 0.0:
+        if sampling.greedy and exact_vocab and self.min_prob <= 0.0 and not self.branches:
             # Greedy verification needs no draft distribution: argmax stays in the backend.
             return Proposal(self._greedy_ids(pending, draft_len), source=self.name)
         tokens: list[int] = []
         rows: list[np.ndarray | None] = []
+        distributions: list[np.ndarray] = []  # the draft's own, for second guesses
         for _ in range(draft_len):
             logits = self._target_sized(self.sequence.feed(pending, [len(pending) - 1])[0])  # (V_target,)
             if sampling.greedy:
                 token = int(logits.argmax())
                 if self.min_prob > 0.0 and top_probability(logits) < self.min_prob:
                     break
+                if self.branches:  # the draft's confidence in its argmax: softmax at temperature 1
+                    shifted = np.exp(logits - logits.max())
+                    distributions.append(shifted / shifted.sum())
             else:
                 p_draft = probabilities(logits, sampling)
                 if p_draft.max() < self.min_prob:
                     break
                 token = sample(p_draft, rng)
                 rows.append(p_draft)
+                distributions.append(p_draft)
             tokens.append(token)
             pending = [token]
-        return Proposal(tuple(tokens), tuple(rows), source=self.name)
+        proposal = Proposal(tuple(tokens), tuple(rows), source=self.name)
+        return self._second_guesses(proposal, distributions, sampling, rng) if self.branches else proposal
+
+    def _second_guesses(
+        self, chain: Proposal, distributions: list[np.ndarray], sampling: SamplingSettings, rng: np.random.Generator
+    ) -> Proposal:
+        """The chain with up to ``branches`` second guesses beside it, at the positions the draft
+        itself expects them most useful: reached (the product of its probabilities of the chain
+        before) and its first guess likeliest wrong (1 - its probability of it). The positions
+        are chosen before any second guess is drawn, so each guess is drawn as its row says:
+        greedy, the draft's runner-up (deterministic); sampled, a draw from the draft's row
+        without the first guess, renormalised (the verifier's rule for siblings drawn without
+        replacement)."""
+        reach, worth = 1.0, []
+        for depth, (token, q) in enumerate(zip(chain.tokens, distributions)):
+            worth.append((reach * (1.0 - float(q[token])), depth))
+            reach *= float(q[token])
+        depths = sorted(depth for value, depth in sorted(worth, reverse=True)[: self.branches] if value > 0.0)
+        tokens, rows, parents = list(chain.tokens), list(chain.p_draft), list(chain.parents)
+        for depth in depths:
+            q = distributions[depth].copy()
+            q[chain.tokens[depth]] = 0.0
+            q /= q.sum()
+            tokens.append(int(q.argmax()) if sampling.greedy else sample(q, rng))
+            rows.append(None if sampling.greedy else q)
+            parents.append(depth - 1)
+        return Proposal(tuple(tokens), tuple(rows), self.name, tuple(parents))
 
     def _catch_up(self, context: Sequence[int]) -> list[int]:
         """Bring the cache to the context but for the tokens this call feeds with its first pass.

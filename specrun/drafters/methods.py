@@ -44,7 +44,7 @@ class DrafterOptions:
     checked when it is loaded, so a cache built for another model family is refused.
     branches: second guesses a drafter may add beside its chain (a token tree; 0: chains
     only): the n-gram pool's runner-up followers, prompt lookup's continuations of earlier
-    occurrences of its match. The engine verifies a tree in one pass where the target can,
+    occurrences of its match, the draft model's runner-ups where it was least sure. The engine verifies a tree in one pass where the target can,
     else the chain alone.
     """
 
@@ -98,4 +98,4 @@ def _build_one(part: str, draft: Backend | None, options: DrafterOptions) -> Dra
         if options.ngram_cache is None:
             return NgramPoolDrafter(vocabulary=options.vocabulary, branches=options.branches)
         return NgramPoolDrafter.open(options.ngram_cache, vocabulary=options.vocabulary, branches=options.branches)
-    return DraftModelDrafter(draft, min_prob=options.draft_min_prob)
+    return DraftModelDrafter(draft, min_prob=options.draft_min_prob, branches=options.branches)
