@@ -143,6 +143,7 @@ class DraftModelDrafter(Drafter):
         return (
             sampling.greedy
             and self.min_prob <= 0.0
+            and not self.branches  # second guesses need the draft's rows
             and self.target_vocab_size == self.backend.vocab.size
             and getattr(self.backend, "can_defer", False)
         )

@@ -92,12 +92,13 @@ def test_tree_nodes_alone_turns_trees_on_with_the_default_branches_and_chain_kee
     assert resolve_trees(False, None, None) == TreeSettings() == resolve_trees(True, None, None)
 
 
+@pytest.mark.parametrize("method", ["auto", "draft"])
 @pytest.mark.parametrize("backend", ["llama", "mlx"])
-def test_tree_nodes_gives_the_same_greedy_text(backend, monkeypatch):
-    """--tree-nodes alone: the n-gram pool branches (4 second guesses), the target holds 5 paths,
-    the adaptive policy keeps what pays, and the text is the chains' (--exact)."""
+def test_tree_nodes_gives_the_same_greedy_text(backend, method, monkeypatch):
+    """--tree-nodes alone: the drafters branch (4 second guesses), the target holds 5 paths, the
+    adaptive policy keeps what pays, and the text is the chains' (--exact)."""
     pytest.importorskip({"llama": "llama_cpp", "mlx": "mlx_lm"}[backend])
     opened = record_loads(monkeypatch)
-    common = ["--backend", backend, "--method", "auto", "--exact"]
+    common = ["--backend", backend, "--method", method, "--exact"]
     assert generate_json(*common, "--tree-nodes", "16")["text"] == generate_json(*common, "--chain")["text"]
     assert [options.tree_paths for options in opened if options.tree_paths] == [5]
