@@ -23,6 +23,8 @@ from rich.text import Text
 
 from specrun.cli.common import (
     BackendOpt,
+    BranchesOpt,
+    ChainOpt,
     CtxOpt,
     DraftLenOpt,
     DraftMinProbOpt,
@@ -38,6 +40,7 @@ from specrun.cli.common import (
     RegistryOpt,
     SeedOpt,
     TargetOpt,
+    TreeNodesOpt,
     TempOpt,
     ThreadsOpt,
     TopKOpt,
@@ -45,6 +48,7 @@ from specrun.cli.common import (
     check_generation_options,
     check_kv_type,
     checked_sampling,
+    checked_trees,
     checked_text,
     cli_errors,
     read_stdin_text,
@@ -108,6 +112,9 @@ def chat_command(
     exact: ExactOpt = False,
     registry: RegistryOpt = None,
     ngram_cache: NgramCacheOpt = None,
+    branches: BranchesOpt = None,
+    tree_nodes: TreeNodesOpt = None,
+    chain_only: ChainOpt = False,
 ) -> None:
     """Chat with the target model: a REPL on a terminal; on a pipe, stdin is the message and stdout the answer."""
     with cli_errors():
@@ -120,7 +127,9 @@ def chat_command(
         check_generation_options(max_tokens, draft_len, draft_min_prob, ctx, threads)
         check_kv_type(kv_type, exact)
         # The session fills in the draft length: the user's, else the longest an adaptive run may choose.
-        params = GenerationParams(max_tokens, 0, checked_sampling("chat", temp, top_k, top_p, min_p, seed))
+        trees = checked_trees(chain_only, tree_nodes, branches)
+        params = GenerationParams(max_tokens, 0, checked_sampling("chat", temp, top_k, top_p, min_p, seed),
+                                  tree_nodes=trees.nodes)
         interactive = sys.stdin.isatty()
         if each_line and interactive:
             raise UsageError("--each-line reads messages from a pipe", "pipe the messages in, one per line")
@@ -129,11 +138,12 @@ def chat_command(
             show_accept = sys.stdout.isatty() and not json_output
         view = AnswerView(show_accept, json_output)
         options = LoadOptions(backend=backend, n_ctx=ctx, threads=threads, gpu_layers=gpu_layers,
-                              registry=registry, kv_type=kv_type, exact=exact)
+                              registry=registry, kv_type=kv_type, exact=exact, tree_paths=trees.paths)
         target, draft = choose_pair(target, draft, registry)
         with open_chat(target, draft, method, options,
                        system_prompt=None if system is None else checked_text(system, "--system"),
-                       draft_len=draft_len, draft_min_prob=draft_min_prob, ngram_cache=ngram_cache) as session:
+                       draft_len=draft_len, draft_min_prob=draft_min_prob, ngram_cache=ngram_cache,
+                       branches=trees.branches) as session:
             if messages is None:
                 ChatRepl(session, params, view).run()
             else:

@@ -346,12 +346,14 @@ def open_chat(
     draft_len: int | None = None,
     draft_min_prob: float | None = None,
     ngram_cache: Path | None = None,
+    branches: int = 0,
 ) -> ChatSession:
     """Load the pair for ``method`` (the draft model only if it needs one) and start a session.
 
     With a ``draft_spec`` the method does not need yet, the draft is loaded on the
     first ``/method`` that does. ``ngram_cache``: the n-gram pool's file, loaded now and
-    saved when the session closes (or switches method).
+    saved when the session closes (or switches method). ``branches``: second guesses a
+    drafter may add (token trees; the target must be opened with tree paths).
     """
     check_method(method)
     target, draft = open_pair(target_spec, draft_spec if needs_draft_model(method) else None, options)
@@ -360,9 +362,9 @@ def open_chat(
     if draft is None and draft_spec is not None:
         load_draft = functools.partial(_open_compatible_draft, target, target_spec, draft_spec, options)
     try:
-        drafter_options = None
+        drafter_options = DrafterOptions(branches=branches)
         if ngram_cache is not None:
-            drafter_options = DrafterOptions(ngram_cache, vocabulary_fingerprint(target))
+            drafter_options = DrafterOptions(ngram_cache, vocabulary_fingerprint(target), branches=branches)
         return ChatSession(target, draft, method, system_prompt=system_prompt, load_draft=load_draft,
                            draft_len=draft_len, draft_min_prob=draft_min_prob, tuned=tuned,
                            drafter_options=drafter_options,

@@ -454,3 +454,15 @@ def test_ctrl_c_inside_a_drafter_update_leaves_the_next_turn_working(loaded_pair
     fresh = new_session(loaded_pair, method)
     fresh.transcript = history
     assert answer(fresh, "and then?").text == after.text
+
+
+def test_chat_with_token_trees_gives_the_chains_answer(pair_args):
+    """--tree-nodes through chat: the perturbed draft adds second guesses beside its chain at -k 4
+    (a fixed length: every node verified), and the answer is -m none's; --chain with
+    --tree-nodes is one usage line."""
+    plain = chat_json(pair_args, "-m", "none")
+    trees = chat_json(pair_args, "-m", "draft", "-k", "4", "--tree-nodes", "8", "--branches", "2")
+    assert trees["text"] == plain["text"]
+    assert 0 < trees["stats"]["accepted"] < trees["stats"]["drafted"], trees["stats"]
+    clash = CliRunner().invoke(app, ["chat", *pair_args, "--chain", "--tree-nodes", "8"], input="hi\n")
+    assert clash.exit_code == 2 and "--chain and --tree-nodes contradict each other" in clash.output
