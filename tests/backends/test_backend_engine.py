@@ -230,8 +230,12 @@ def _real_cases() -> list[RealCase]:
         return "temp 1" if needs_draft_model(method) or method == "none" else "temp 0.3"
 
     cases = [RealCase(method, sampling(method), adaptive=is_adaptive(method)) for method in METHODS]
+    # Prompt lookup alone branches where the output repeats an n-gram that had different
+    # continuations before; the random model's output did in none of 2339 steps (a match in
+    # 49), so its tree case would be its chain case again. Its trees are verified on the fake
+    # backend (lossless_harness) and on the real model (tests/trees/test_tree_real_model.py).
     cases += [RealCase(method, sampling(method), branches=TREE_BRANCHES)
-              for method in METHODS if branches_taken(method) and not needs_draft_model(method)]
+              for method in METHODS if branches_taken(method) and not needs_draft_model(method) and method != "lookup"]
     return cases + [RealCase("draft", "every option"), RealCase("draft", "temp 1", adaptive=True, llama_only=True),
                     RealCase("lookup+draft", "temp 1", adaptive=True, llama_only=True)]
 

@@ -4,6 +4,8 @@ chain pass over the kept tokens does, on llama.cpp (default precision) and MLX."
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -71,3 +73,108 @@ def test_a_tree_pass_on_the_real_model_equals_chain_passes(real_backend):
     _assert_close(logits, _chain_logits(backend, prompt, tree))
     backend.rewind(0)
     _assert_close(after, backend.forward([*kept, 198], [len(kept)]))
+
+
+# ---- generation with trees on the real model -------------------------------------------------
+# Every method whose drafters branch, with second guesses verified in one tree pass, gives plain
+# decoding's greedy tokens bit for bit: on llama.cpp under --exact (one-token and batched passes
+# round alike there), on MLX at its defaults (on a CPU they agree to the bit).
+TREE_METHODS = ("lookup", "ngram", "draft", "lookup+draft", "auto")
+CHAT_PROMPTS = (
+    "Write a Python function that returns the factorial of n, then a second one that returns the n-th "
+    "Fibonacci number, both with docstrings.",
+    "Summarize in two sentences: The city council voted on Tuesday to expand the bike lane network by 40 "
+    "kilometres over the next three years. The plan, which costs 12 million dollars, connects the university "
+    "district with the central station and adds protected lanes on four major roads.",
+)
+N_NEW = 64
+BRANCHES = 4
+TREE_NODES = 16
+
+
+class TreeSpy:
+    """Counts a target's tree passes and the paths kept off the main chain (a second guess won)."""
+
+    def __init__(self, engine) -> None:
+        self.passes = self.sibling_kept = 0
+        sequence = engine.target
+        feed_tree_argmax, keep_path = sequence.feed_tree_argmax, sequence.keep_path
+
+        def counted_feed(*args):
+            self.passes += 1
+            return feed_tree_argmax(*args)
+
+        def counted_keep(tree, path):
+            self.sibling_kept += any(node != i for i, node in enumerate(path))
+            return keep_path(tree, path)
+
+        sequence.feed_tree_argmax, sequence.keep_path = counted_feed, counted_keep
+
+
+def tree_runs(target, draft, method: str, prompts, n_new: int):
+    """(plain decoding's tokens, the tree run's tokens) per prompt, and the spy's counts;
+    fixed length 4 (every node verified) except auto, which adapts as the CLI runs it."""
+    from specrun.drafters.methods import DrafterOptions, build_drafter
+    from specrun.engine.loop import GenerationParams, SpeculativeEngine
+    from specrun.sessions.templates import render_user_prompt
+
+    drafter = build_drafter(method, draft, DrafterOptions(branches=BRANCHES))
+    engine = SpeculativeEngine(target, drafter, method)
+    spy = TreeSpy(engine)
+    adaptive = method == "auto"
+    pairs = []
+    for prompt in prompts:
+        prompt_ids = render_user_prompt(target, prompt)[1]
+        plain = engine.run(prompt_ids, GenerationParams(n_new, 0), complete_cache=False).token_ids
+        params = GenerationParams(n_new, 16 if adaptive else 4, adaptive=adaptive, tree_nodes=TREE_NODES)
+        pairs.append((plain, engine.run(prompt_ids, params, complete_cache=False).token_ids))
+    drafter.close()
+    return pairs, spy
+
+
+@pytest.fixture(scope="module")
+def exact_tree_pair(smollm2):
+    """The real pair under --exact, the target opened for trees as `generate --tree-nodes` opens it."""
+    pytest.importorskip("llama_cpp", reason="the llama backend is not installed")
+    from specrun.registry.loading import LoadOptions, open_backend
+
+    options = LoadOptions(backend="llama", n_ctx=1024, exact=True)
+    target = open_backend(str(smollm2["smollm2-135m-f16"]), dataclasses.replace(options, tree_paths=BRANCHES + 1))
+    draft = open_backend(str(smollm2["smollm2-135m"]), options)
+    assert target.tree_support.available
+    yield target, draft
+    target.close()
+    draft.close()
+
+
+@pytest.mark.parametrize("method", TREE_METHODS)
+def test_tree_generation_on_the_real_model_is_bit_identical_on_llama_cpp(exact_tree_pair, method):
+    pairs, spy = tree_runs(*exact_tree_pair, method, CHAT_PROMPTS, N_NEW)
+    for plain, treed in pairs:
+        assert treed == plain
+    if method != "auto":  # fixed length: every proposal that branches is verified as a tree
+        assert spy.passes > 0, f"{method} verified no tree"
+    if method == "draft":  # the draft model's runner-up was right, at times
+        assert spy.sibling_kept > 0, f"{method} never kept a second guess"
+
+
+@pytest.fixture(scope="module")
+def mlx_tree_pair():
+    pytest.importorskip("mlx_lm", reason="the MLX backend is not installed")
+    from specrun.backends.mlx import MlxBackend
+    from specrun.modelkit.builtin import builtin_mlx_dir
+
+    target = MlxBackend(builtin_mlx_dir("smollm2-135m-f16"), n_ctx=512)
+    draft = MlxBackend(builtin_mlx_dir("smollm2-135m"), n_ctx=512)
+    yield target, draft
+    target.close()
+    draft.close()
+
+
+@pytest.mark.slow
+def test_tree_generation_on_the_real_model_is_bit_identical_on_mlx(mlx_tree_pair):
+    """MLX on a CPU is ~16x slower: one prompt, 24 tokens, lookup+draft (trees from whichever
+    member drafts: lookup's earlier continuations or the draft model's runner-ups)."""
+    pairs, spy = tree_runs(*mlx_tree_pair, "lookup+draft", CHAT_PROMPTS[:1], 24)
+    assert pairs[0][1] == pairs[0][0]
+    assert spy.passes > 0
