@@ -33,10 +33,11 @@ def main() -> None:
     parser.add_argument("-n", type=int, default=128)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--prompts", type=int, default=21)
+    parser.add_argument("--exact", action="store_true", help="load as --exact (flash attention off, F32 KV)")
     parser.add_argument("--json", help="raw figures (default: none)")
     args = parser.parse_args()
 
-    options = LoadOptions(threads=args.threads, tree_paths=args.branches + 1)
+    options = LoadOptions(threads=args.threads, tree_paths=args.branches + 1, exact=args.exact)
     target, draft = open_pair(args.target, args.draft, options)
     engines, params = {}, {}
     for method in args.methods.split(","):
@@ -59,7 +60,7 @@ def main() -> None:
                                "seconds": result.stats.generation_seconds, "wall": time.perf_counter() - started,
                                "text": result.token_ids})
     print(f"{args.target} + {args.draft}, {len(prompts)} built-in prompts, {args.n} tokens, greedy, "
-          f"{args.threads} threads, target opened with {args.branches + 1} tree paths")
+          f"{args.threads} threads, target opened with {args.branches + 1} tree paths{', --exact' * args.exact}")
     print("| line | tokens / pass | tok/s | vs the chain (speed, 90% interval) | same text as the chain |")
     print("|---|---|---|---|---|")
     for name, line in runs.items():
