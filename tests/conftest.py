@@ -67,6 +67,20 @@ def smollm2() -> dict[str, Path]:
         pytest.skip(exc.one_line())
 
 
+@pytest.fixture(scope="module")
+def mlx_real_pair(smollm2):
+    """The F16 target (float16 folder) and the Q4_1 draft (MLX 4-bit, the same blocks) on MLX."""
+    pytest.importorskip("mlx_lm", reason="the mlx backend is not installed")
+    from specrun.backends.mlx import MlxBackend
+    from specrun.modelkit.builtin import builtin_mlx_dir
+
+    target = MlxBackend(builtin_mlx_dir("smollm2-135m-f16"), n_ctx=512)
+    draft = MlxBackend(builtin_mlx_dir("smollm2-135m"), n_ctx=512)
+    yield target, draft
+    target.close()
+    draft.close()
+
+
 # ---- CI: a skip is a failure ---------------------------------------------------------------
 # With CI=true a missing backend, dataset or browser fails the run instead of skipping
 # silently; only a test marked ci_may_skip (a skip that says nothing is missing) may skip.

@@ -218,18 +218,7 @@ def test_default_settings_diverge_only_at_near_ties_over_2000_tokens(real_pair):
 
 
 # ---- the same model on MLX, converted from the GGUF ------------------------------------
-@pytest.fixture(scope="module")
-def mlx_real_pair(smollm2):
-    """The F16 target (float16 folder) and the Q4_1 draft (MLX 4-bit, the same blocks) on MLX."""
-    pytest.importorskip("mlx_lm", reason="the mlx backend is not installed")
-    from specrun.backends.mlx import MlxBackend
-    from specrun.modelkit.builtin import builtin_mlx_dir
-
-    target = MlxBackend(builtin_mlx_dir("smollm2-135m-f16"), n_ctx=512)
-    draft = MlxBackend(builtin_mlx_dir("smollm2-135m"), n_ctx=512)
-    yield target, draft
-    target.close()
-    draft.close()
+# mlx_real_pair: tests/conftest.py
 
 
 def test_mlx_renders_and_tokenizes_the_chat_as_llama_cpp_does(mlx_real_pair, real_pair):

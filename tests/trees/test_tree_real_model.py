@@ -158,23 +158,10 @@ def test_tree_generation_on_the_real_model_is_bit_identical_on_llama_cpp(exact_t
         assert spy.sibling_kept > 0, f"{method} never kept a second guess"
 
 
-@pytest.fixture(scope="module")
-def mlx_tree_pair():
-    pytest.importorskip("mlx_lm", reason="the MLX backend is not installed")
-    from specrun.backends.mlx import MlxBackend
-    from specrun.modelkit.builtin import builtin_mlx_dir
-
-    target = MlxBackend(builtin_mlx_dir("smollm2-135m-f16"), n_ctx=512)
-    draft = MlxBackend(builtin_mlx_dir("smollm2-135m"), n_ctx=512)
-    yield target, draft
-    target.close()
-    draft.close()
-
-
 @pytest.mark.slow
-def test_tree_generation_on_the_real_model_is_bit_identical_on_mlx(mlx_tree_pair):
+def test_tree_generation_on_the_real_model_is_bit_identical_on_mlx(mlx_real_pair):
     """MLX on a CPU is ~16x slower: one prompt, 24 tokens, lookup+draft (trees from whichever
     member drafts: lookup's earlier continuations or the draft model's runner-ups)."""
-    pairs, spy = tree_runs(*mlx_tree_pair, "lookup+draft", CHAT_PROMPTS[:1], 24)
+    pairs, spy = tree_runs(*mlx_real_pair, "lookup+draft", CHAT_PROMPTS[:1], 24)
     assert pairs[0][1] == pairs[0][0]
     assert spy.passes > 0
