@@ -5,12 +5,15 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import ClassVar, Protocol
+from typing import TYPE_CHECKING, ClassVar, Protocol
 
 import numpy as np
 
-from specrun.sampling import SamplingSettings
+from specrun.sampling import SamplingSettings, sample
 from specrun.tree import TokenTree
+
+if TYPE_CHECKING:
+    from specrun.backends.kv import KVSequence
 
 
 @dataclass(frozen=True)
@@ -87,6 +90,36 @@ class Proposal:
 EMPTY_PROPOSAL = Proposal()
 
 
+def second_guesses(
+    chain: Proposal,
+    distributions: Sequence[np.ndarray],
+    branches: int,
+    sampling: SamplingSettings,
+    rng: np.random.Generator,
+) -> Proposal:
+    """``chain`` with up to ``branches`` second guesses beside it, at the positions its drafter
+    expects them most useful: reached (the product of its probabilities of the chain before)
+    and its first guess likeliest wrong (1 - its probability of it). ``distributions[d]`` is
+    the drafter's row (V,) at depth d. The positions are chosen before any second guess is
+    drawn, so each guess is drawn as its row says: greedy, the runner-up (deterministic);
+    sampled, a draw from the row without the first guess, renormalised (the verifier's rule
+    for siblings drawn without replacement)."""
+    reach, worth = 1.0, []
+    for depth, (token, q) in enumerate(zip(chain.tokens, distributions)):
+        worth.append((reach * (1.0 - float(q[token])), depth))
+        reach *= float(q[token])
+    depths = sorted(depth for value, depth in sorted(worth, reverse=True)[:branches] if value > 0.0)
+    tokens, rows, parents = list(chain.tokens), list(chain.p_draft), list(chain.parents)
+    for depth in depths:
+        q = distributions[depth].copy()
+        q[chain.tokens[depth]] = 0.0
+        q /= q.sum()
+        tokens.append(int(q.argmax()) if sampling.greedy else sample(q, rng))
+        rows.append(None if sampling.greedy else q)
+        parents.append(depth - 1)
+    return Proposal(tuple(tokens), tuple(rows), chain.source, tuple(parents), chain.kind)
+
+
 class Drafter(Protocol):
     """Proposes up to ``draft_len`` tokens that may follow ``context``.
 
@@ -134,8 +167,9 @@ class Drafter(Protocol):
         """Member ``member``'s proposal (``members``' index): how the engine asks a chain."""
         return self.members[member].propose(context, draft_len, sampling, rng)
 
-    def bind(self, target_vocab_size: int, clock: Callable[[], float]) -> None:
-        """The engine's target vocabulary size (draft rows must cover its ids) and clock."""
+    def bind(self, target: KVSequence, clock: Callable[[], float]) -> None:
+        """The engine's target, as the cache view it drives (draft rows must cover its
+        vocabulary; heads read its hidden states), and the engine's clock."""
 
     def prefill(self, context: Sequence[int]) -> None:
         """Read the prompt before the first step (timed as prefill, not drafting)."""

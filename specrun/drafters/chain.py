@@ -73,9 +73,9 @@ class ChainDrafter(Drafter):
                 best = proposal
         return best
 
-    def bind(self, target_vocab_size: int, clock) -> None:
+    def bind(self, target, clock) -> None:
         for drafter in self.drafters:
-            drafter.bind(target_vocab_size, clock)
+            drafter.bind(target, clock)
 
     def prefill(self, context: Sequence[int]) -> None:
         for drafter in self.drafters:

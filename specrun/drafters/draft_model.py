@@ -8,8 +8,8 @@ from time import perf_counter
 import numpy as np
 
 from specrun.backends.base import Backend
-from specrun.drafters.base import EMPTY_PROPOSAL, Drafter, Proposal
-from specrun.backends.kv import sequence_for
+from specrun.drafters.base import EMPTY_PROPOSAL, Drafter, Proposal, second_guesses
+from specrun.backends.kv import KVSequence, sequence_for
 from specrun.sampling import SamplingSettings, probabilities, sample, top_probability
 
 
@@ -49,8 +49,8 @@ class DraftModelDrafter(Drafter):
         # not of the draft length it was asked for.
         self.catch_up_seconds = 0.0
 
-    def bind(self, target_vocab_size: int, clock: Callable[[], float]) -> None:
-        self.target_vocab_size = target_vocab_size
+    def bind(self, target: KVSequence, clock: Callable[[], float]) -> None:
+        self.target_vocab_size = target.backend.vocab.size
         self.clock = clock
 
     def propose(
@@ -91,32 +91,7 @@ class DraftModelDrafter(Drafter):
             tokens.append(token)
             pending = [token]
         proposal = Proposal(tuple(tokens), tuple(rows), source=self.name)
-        return self._second_guesses(proposal, distributions, sampling, rng) if self.branches else proposal
-
-    def _second_guesses(
-        self, chain: Proposal, distributions: list[np.ndarray], sampling: SamplingSettings, rng: np.random.Generator
-    ) -> Proposal:
-        """The chain with up to ``branches`` second guesses beside it, at the positions the draft
-        itself expects them most useful: reached (the product of its probabilities of the chain
-        before) and its first guess likeliest wrong (1 - its probability of it). The positions
-        are chosen before any second guess is drawn, so each guess is drawn as its row says:
-        greedy, the draft's runner-up (deterministic); sampled, a draw from the draft's row
-        without the first guess, renormalised (the verifier's rule for siblings drawn without
-        replacement)."""
-        reach, worth = 1.0, []
-        for depth, (token, q) in enumerate(zip(chain.tokens, distributions)):
-            worth.append((reach * (1.0 - float(q[token])), depth))
-            reach *= float(q[token])
-        depths = sorted(depth for value, depth in sorted(worth, reverse=True)[: self.branches] if value > 0.0)
-        tokens, rows, parents = list(chain.tokens), list(chain.p_draft), list(chain.parents)
-        for depth in depths:
-            q = distributions[depth].copy()
-            q[chain.tokens[depth]] = 0.0
-            q /= q.sum()
-            tokens.append(int(q.argmax()) if sampling.greedy else sample(q, rng))
-            rows.append(None if sampling.greedy else q)
-            parents.append(depth - 1)
-        return Proposal(tuple(tokens), tuple(rows), self.name, tuple(parents))
+        return second_guesses(proposal, distributions, self.branches, sampling, rng) if self.branches else proposal
 
     def _catch_up(self, context: Sequence[int]) -> list[int]:
         """Bring the cache to the context but for the tokens this call feeds with its first pass.

@@ -130,7 +130,7 @@ class SpeculativeEngine:
         self.drafter = drafter
         self.method = method or (drafter.name if drafter else "none")
         if drafter is not None:
-            drafter.bind(self.target.backend.vocab.size, self.clock)
+            drafter.bind(self.target, self.clock)
         self.policy.set_drafter(drafter)
 
     def policy_for(self, params: GenerationParams) -> SpeculationPolicy | None:

@@ -41,8 +41,8 @@ class SiblingDrafter(Drafter):
         wrong = (chain[0] + 1) % self.vocab_size
         return Proposal((wrong, *chain), source=self.name, parents=(-1, -1, *range(1, len(chain))))
 
-    def bind(self, target_vocab_size, clock) -> None:
-        self.inner.bind(target_vocab_size, clock)
+    def bind(self, target, clock) -> None:
+        self.inner.bind(target, clock)
 
     def prefill(self, context) -> None:
         self.inner.prefill(context)
