@@ -242,6 +242,18 @@ def test_medusa1_with_more_heads_than_its_config_says_loads_them_all(tmp_path):
     assert load_heads(tmp_path).config.num_heads == 5
 
 
+def test_medusa1_in_bfloat16_with_its_base_models_sizes(tmp_path):
+    """Heads trained in bfloat16, the config carrying the base model's sizes (as Medusa's
+    MedusaModelABC configs do): the sizes agree with the tensors, so they load."""
+    tensors = write_medusa1(tmp_path, dtype=np.float32)
+    write_safetensors_bf16(tensors, tmp_path / "medusa_lm_head.safetensors")
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "hidden_size": HIDDEN, "vocab_size": VOCAB}))
+    heads = load_heads(tmp_path)
+    top_half = (tensors["2.1.weight"].view(np.uint32) & 0xFFFF0000).view(np.float32)
+    np.testing.assert_array_equal(heads.lm_heads[2], top_half)
+
+
 def write_safetensors_bf16(tensors: dict[str, np.ndarray], path: Path) -> None:
     """What torch writes for bfloat16 tensors (numpy has no bfloat16): the float32 bits' top half."""
     header, chunks, offset = {}, [], 0
