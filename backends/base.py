@@ -42,6 +42,20 @@ class TreeSupport:
 
 
 @dataclass(frozen=True)
+class HiddenSupport:
+    """Whether a backend gives the hidden states of its passes (``track_hidden``), and if not why."""
+
+    available: bool
+    size: int = 0  # the hidden size H
+    reason: str = ""  # one line for the user where hidden states are not available
+
+    def check(self) -> None:
+        """Raise ValueError naming why not, if this backend gives no hidden states."""
+        if not self.available:
+            raise ValueError(f"this backend gives no hidden states: {self.reason}")
+
+
+@dataclass(frozen=True)
 class HeldTree:
     """A tree a backend holds after ``forward_tree``, its nodes following ``n_past`` cached tokens."""
 
@@ -61,6 +75,27 @@ def held_tree_for(held: HeldTree | None, n_past: int, path: Sequence[int]) -> To
     return held.tree
 
 
+class HiddenTracking:
+    """``track_hidden`` and ``hidden_rows`` for a backend that records its passes' hidden states
+    while ``_tracking``: ``_hidden`` holds the last pass's (n_fed, H), None where it ran untracked."""
+
+    _tracking = False
+    _hidden: np.ndarray | None = None
+
+    def track_hidden(self, on: bool) -> None:
+        if on:
+            self.hidden_support.check()
+        self._tracking = on
+
+    def hidden_rows(self, rows: Sequence[int]) -> np.ndarray:
+        if self._hidden is None:
+            raise ValueError("the last pass ran with hidden-state tracking off (track_hidden(True) first)")
+        rows = list(rows)
+        if any(not 0 <= row < len(self._hidden) for row in rows):
+            raise ValueError(f"hidden rows {rows} fall outside the {len(self._hidden)} rows the last pass fed")
+        return self._hidden[rows]
+
+
 @runtime_checkable
 class Backend(Protocol):
     """One loaded model with a KV cache holding ``n_past`` tokens.
@@ -76,12 +111,18 @@ class Backend(Protocol):
     does, ``n_past`` counts only the committed tokens; a forward or rewind that moves the
     cache in between drops the tree (``keep_path`` then refuses). Check
     ``tree_support.available`` first: a backend without trees says why in its ``reason``.
+
+    Hidden states (a declared capability, ``hidden_support``): while ``track_hidden(True)``
+    holds, every pass records the hidden state of each row it fed, the output head's input
+    (after the final norm), and ``hidden_rows`` reads them back until the next pass. Off by
+    default, and a pass with it off costs what it always did.
     """
 
     name: str
     vocab: VocabInfo
     n_ctx: int
     tree_support: TreeSupport
+    hidden_support: HiddenSupport
 
     @property
     def n_past(self) -> int: ...
@@ -136,6 +177,19 @@ class Backend(Protocol):
     def keep_path(self, path: Sequence[int]) -> None:
         """Commit the held tree's nodes ``path`` (root-to-node, e.g. a TreeVerdict's path) to the
         cache after the tokens of ``forward_tree``, and drop every other node."""
+        ...
+
+    def track_hidden(self, on: bool) -> None:
+        """Record (or stop recording) the hidden states of every row each pass feeds: forward,
+        forward_argmax, forward_tree and forward_tree_argmax (a greedy extension may refuse
+        with ValueError while on). ValueError if ``hidden_support`` is not available."""
+        ...
+
+    def hidden_rows(self, rows: Sequence[int]) -> np.ndarray:
+        """Float32 hidden states (len(rows), H) of the last pass, ``rows`` indexing the fed
+        tokens followed by the tree's nodes as ``logit_rows`` do (row len(tokens) + i is node
+        i). ValueError if tracking was off during that pass or a row is out of range;
+        ``keep_path`` leaves them readable."""
         ...
 
     def close(self) -> None: ...

@@ -10,14 +10,19 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from specrun.backends.base import HeldTree, TreeSupport, VocabInfo, held_tree_for
+from specrun.backends.base import HeldTree, HiddenSupport, HiddenTracking, TreeSupport, VocabInfo, held_tree_for
 from specrun.tree import TokenTree
 
 LogitTable = Callable[[tuple[int, ...]], np.ndarray]
+HiddenTable = Callable[[tuple[int, ...]], np.ndarray]  # context -> (H,) hidden state of its last token
 
 
-class FakeBackend:
-    """A model whose next-token logits are ``table(context)``; the cache is a token list."""
+class FakeBackend(HiddenTracking):
+    """A model whose next-token logits are ``table(context)``; the cache is a token list.
+
+    hidden_table: the hidden state (hidden_size,) of a context's last token, for
+    ``track_hidden``; without one the fake declares no hidden states.
+    """
 
     name = "fake"
     tree_support = TreeSupport(True)  # the reference every real backend's trees are compared with
@@ -30,8 +35,15 @@ class FakeBackend:
         n_ctx: int = 4096,
         bos_id: int | None = None,
         eos_ids: Sequence[int] = (),
+        hidden_table: HiddenTable | None = None,
+        hidden_size: int = 0,
     ) -> None:
         self.table = table
+        self.hidden_table = hidden_table
+        self.hidden_support = (
+            HiddenSupport(True, hidden_size) if hidden_table is not None
+            else HiddenSupport(False, reason="this fake backend has no hidden table")
+        )
         self.vocab = VocabInfo(vocab_size, bos_id, frozenset(eos_ids), add_bos=bos_id is not None)
         self.n_ctx = n_ctx
         self.cache: list[int] = []
@@ -69,6 +81,7 @@ class FakeBackend:
         self.cache.extend(int(t) for t in tokens)
         self.forward_calls += 1
         self.forwarded_tokens += len(tokens)
+        self._hidden = self._hidden_of(lambda row: tuple(self.cache[: start + row + 1]), len(tokens))
         rows = [np.asarray(self.table(tuple(self.cache[: start + r + 1])), dtype=np.float32) for r in logit_rows]
         return np.stack(rows) if rows else np.zeros((0, self.vocab.size), np.float32)
 
@@ -89,13 +102,14 @@ class FakeBackend:
         self.forwarded_tokens += len(tokens) + len(tree)
         self._held_tree = HeldTree(self.n_past, tree)
         start = self.n_past - len(tokens)
-        rows = []
-        for row in logit_rows:
+
+        def context_of(row: int) -> tuple[int, ...]:
             if row < len(tokens):
-                context = tuple(self.cache[: start + row + 1])
-            else:  # a node sees the context and its own ancestors
-                context = (*self.cache, *(tree.tokens[i] for i in tree.path_to(row - len(tokens))))
-            rows.append(np.asarray(self.table(context), dtype=np.float32))
+                return tuple(self.cache[: start + row + 1])
+            return (*self.cache, *(tree.tokens[i] for i in tree.path_to(row - len(tokens))))  # ancestors only
+
+        self._hidden = self._hidden_of(context_of, len(tokens) + len(tree))
+        rows = [np.asarray(self.table(context_of(row)), dtype=np.float32) for row in logit_rows]
         return np.stack(rows) if rows else np.zeros((0, self.vocab.size), np.float32)
 
     def forward_tree_argmax(self, tokens: Sequence[int], tree: TokenTree, logit_rows: Sequence[int]) -> np.ndarray:
@@ -105,6 +119,14 @@ class FakeBackend:
         tree = held_tree_for(self._held_tree, self.n_past, path)
         self._held_tree = None
         self.cache.extend(tree.tokens[node] for node in path)
+
+    def _hidden_of(self, context_of: Callable[[int], tuple[int, ...]], n_rows: int) -> np.ndarray | None:
+        """While tracking, the hidden states (n_rows, H) of a pass's rows, row i's context
+        ``context_of(i)``; None otherwise."""
+        if not self._tracking:
+            return None
+        states = [self.hidden_table(context_of(row)) for row in range(n_rows)]
+        return np.array(states, np.float32).reshape(n_rows, self.hidden_support.size)
 
     def close(self) -> None:
         self.cache.clear()

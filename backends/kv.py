@@ -30,12 +30,54 @@ def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
     return lo
 
 
+class HiddenStore:
+    """Hidden states (H,) by cache position in a float32 buffer that doubles as it fills.
+
+    Positions [0, length) have been accounted for; ``known`` says which of them hold a
+    state (a position fed while tracking was off holds none: unknown, never stale).
+    """
+
+    def __init__(self, size: int, capacity: int = 256) -> None:
+        self.states = np.zeros((capacity, size), np.float32)  # (capacity, H)
+        self.known = np.zeros(capacity, bool)  # (capacity,)
+        self.length = 0
+
+    def put(self, start: int, rows: np.ndarray) -> None:
+        """Store ``rows`` (n, H) at positions start … start+n-1; any gap before them is unknown."""
+        stop = start + len(rows)
+        if stop > len(self.states):
+            capacity = max(stop, 2 * len(self.states))
+            self.states = np.concatenate([self.states, np.zeros((capacity - len(self.states), self.states.shape[1]),
+                                                                np.float32)])
+            self.known = np.concatenate([self.known, np.zeros(capacity - len(self.known), bool)])
+        self.known[self.length : start] = False
+        self.states[start:stop] = rows
+        self.known[start:stop] = True
+        self.length = stop
+
+    def truncate(self, n_keep: int) -> None:
+        self.length = min(self.length, n_keep)
+
+    def get(self, start: int, stop: int) -> np.ndarray | None:
+        """A copy of the states (stop-start, H) at positions [start, stop), or None if any is unknown."""
+        if stop > self.length or not self.known[start:stop].all():
+            return None
+        return self.states[start:stop].copy()
+
+
 class KVSequence:
-    """A backend plus the exact tokens its KV cache holds."""
+    """A backend plus the exact tokens its KV cache holds.
+
+    With ``track_hidden(True)`` it also keeps the hidden state of every position committed
+    while tracking (``hidden``), for drafters that read the target's states.
+    """
 
     def __init__(self, backend: Backend) -> None:
         self.backend = backend
         self.tokens: list[int] = []
+        self._tracking = False
+        self._hidden: HiddenStore | None = None  # from the first track_hidden(True) on
+        self._tree_rows = 0  # the tokens the last tree pass fed before its nodes
         if backend.n_past:
             backend.rewind(0)  # we cannot know what an adopted cache holds: start empty
 
@@ -63,6 +105,7 @@ class KVSequence:
         Needs a backend with ``forward_greedy``. The cache ends as ``n_new`` successive
         ``feed_argmax`` calls leave it: ``tokens`` plus all but the last new id.
         """
+        self._check_untracked("feed_greedy")
         self._check_in_step()
         try:
             ids = self.backend.forward_greedy(tokens, n_new)
@@ -77,6 +120,7 @@ class KVSequence:
         """``feed_greedy`` whose ids stay on the device (a backend's DeferredIds): they are
         recorded here when they resolve, in the target's ``feed_argmax_after`` or on the
         backend's next use."""
+        self._check_untracked("feed_greedy_deferred")
         self._check_in_step()
         try:
             deferred = self.backend.forward_greedy_deferred(tokens, n_new)
@@ -95,6 +139,7 @@ class KVSequence:
     def feed_argmax_after(self, tokens: Sequence[int], deferred) -> tuple[np.ndarray, np.ndarray]:
         """Append ``tokens`` and then another backend's deferred ids in one pass: the argmax
         at every row fed (len(tokens) + n,) and the ids (n,), with one host sync for both."""
+        self._check_untracked("feed_argmax_after")
         self._check_in_step()
         try:
             argmax, ids = self.backend.forward_argmax_after(tokens, deferred)
@@ -108,17 +153,22 @@ class KVSequence:
     def feed_tree(self, tokens: Sequence[int], tree: TokenTree, logit_rows: Sequence[int]) -> np.ndarray:
         """Append ``tokens``, then hold ``tree``'s nodes after them (``keep_path`` commits one
         path); logits (len(logit_rows), vocab) at rows indexing ``tokens`` followed by the nodes."""
+        self._tree_rows = len(tokens)
         return self._append(lambda fed, rows: self.backend.forward_tree(fed, tree, rows), tokens, logit_rows)
 
     def feed_tree_argmax(self, tokens: Sequence[int], tree: TokenTree, logit_rows: Sequence[int]) -> np.ndarray:
         """Like ``feed_tree`` but only the argmax ids (len(logit_rows),)."""
+        self._tree_rows = len(tokens)
         return self._append(lambda fed, rows: self.backend.forward_tree_argmax(fed, tree, rows), tokens, logit_rows)
 
     def keep_path(self, tree: TokenTree, path: Sequence[int]) -> None:
         """Commit the held tree's nodes ``path`` (root-to-node) to the cache, dropping the rest."""
         try:
             self.backend.keep_path(path)
+            start = len(self.tokens)
             self.tokens.extend(tree.tokens[node] for node in path)
+            if self._tracking:  # node i's row follows the tokens the tree pass fed
+                self._hidden.put(start, self.backend.hidden_rows([self._tree_rows + node for node in path]))
         except BaseException:
             self.repair()
             raise
@@ -127,7 +177,10 @@ class KVSequence:
         self._check_in_step()
         try:
             out = forward(tokens, logit_rows)
+            start = len(self.tokens)
             self.tokens.extend(tokens)
+            if self._tracking:
+                self._hidden.put(start, self.backend.hidden_rows(range(len(tokens))))
         except BaseException:
             # Ctrl-C or a failed decode can land between the backend and this list.
             self.repair()
@@ -139,6 +192,8 @@ class KVSequence:
         keep = min(len(self.tokens), self.backend.n_past)
         self.backend.rewind(keep)
         del self.tokens[keep:]
+        if self._hidden is not None:
+            self._hidden.truncate(keep)
 
     def rewind(self, n_keep: int) -> None:
         """Keep the first ``n_keep`` cached tokens and drop the rest, in the backend too."""
@@ -146,6 +201,8 @@ class KVSequence:
         if n_keep < len(self.tokens):
             self.backend.rewind(n_keep)
             del self.tokens[n_keep:]
+            if self._hidden is not None:
+                self._hidden.truncate(n_keep)
 
     def rewind_to_prefix_of(self, context: Sequence[int], limit: int | None = None) -> int:
         """Rewind to the longest cached prefix of ``context`` (at most ``limit`` tokens)."""
@@ -163,6 +220,29 @@ class KVSequence:
 
     def reset(self) -> None:
         self.rewind(0)
+
+    # ---- hidden states ----------------------------------------------------------------
+    def track_hidden(self, on: bool) -> None:
+        """Keep (or stop keeping) the hidden state of every position fed from now on; the
+        backend records them for its passes meanwhile. ValueError if it cannot, naming why."""
+        support = self.backend.hidden_support
+        if on and not support.available:
+            raise ValueError(f"{self.backend.name} gives no hidden states: {support.reason}")
+        self.backend.track_hidden(on)
+        self._tracking = on
+        if on and self._hidden is None:
+            self._hidden = HiddenStore(support.size)
+
+    def hidden(self, start: int, stop: int) -> np.ndarray | None:
+        """Float32 hidden states (stop-start, H) of the cached positions [start, stop), or None
+        if any of them was fed while tracking was off (or is not cached)."""
+        if self._hidden is None or not 0 <= start <= stop <= len(self.tokens):
+            return None
+        return self._hidden.get(start, stop)
+
+    def _check_untracked(self, method: str) -> None:
+        if self._tracking:
+            raise ValueError(f"{method} cannot keep hidden states: feed or feed_argmax while tracking")
 
 
 _SEQUENCES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()

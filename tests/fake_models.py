@@ -25,6 +25,20 @@ def hashed_logits(vocab_size: int, salt: int, spread: float = 1.5):
     return table
 
 
+def hidden_table(vocab_size: int, hidden_size: int = 8, seed: int = 0):
+    """A hidden-state table for FakeBackend: a fixed random projection (seeded) of the one-hots
+    of a context's last two tokens, so states differ by token and by what precedes it."""
+    projection = np.random.default_rng(seed).normal(0.0, 1.0, (2 * vocab_size, hidden_size)).astype(np.float32)
+
+    def table(context: tuple[int, ...]) -> np.ndarray:
+        state = projection[vocab_size + context[-1]].copy()  # (H,) the last token's
+        if len(context) > 1:
+            state += projection[context[-2]]
+        return state
+
+    return table
+
+
 def make_pair(vocab_size: int = 5, spread_target: float = 1.2, spread_draft: float = 1.2):
     target = FakeBackend(hashed_logits(vocab_size, salt=1, spread=spread_target), vocab_size)
     draft = FakeBackend(hashed_logits(vocab_size, salt=2, spread=spread_draft), vocab_size)
