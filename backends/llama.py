@@ -12,11 +12,12 @@ import ctypes
 import os
 import time
 from collections.abc import Sequence
+from functools import cached_property
 from pathlib import Path
 
 import numpy as np
 
-from specrun.backends.base import HeldTree, TreeSupport, VocabInfo, held_tree_for
+from specrun.backends.base import HeldTree, HiddenSupport, HiddenTracking, TreeSupport, VocabInfo, held_tree_for
 from specrun.errors import BackendUnavailableError, ContextFullError, ModelFileError
 from specrun.tree import TokenTree
 
@@ -129,7 +130,7 @@ def _tree_context_params(ctx_params, tree_paths: int) -> int:
     return tree_paths
 
 
-class LlamaCppBackend:
+class LlamaCppBackend(HiddenTracking):
     """One GGUF model and one llama.cpp context (KV cache) for a single sequence.
 
     flash_attn: None keeps llama.cpp's automatic choice (on, where the device supports
@@ -143,6 +144,10 @@ class LlamaCppBackend:
     written one token at a time (measured: a greedy flip at a top-2 gap of 0.0043 with
     a Q8_0 model). Flash attention off and F32 make greedy speculation bit-identical to
     plain decoding (``--exact``) at twice the cache memory.
+
+    Hidden states (``track_hidden``) are llama.cpp's token embeddings: with embeddings on and
+    no pooling, each output row's ``result_norm``, the output head's input. llama.cpp then
+    outputs every row of a batch, so a tracked pass computes logits for every row too.
     """
 
     name = "llama"
@@ -194,6 +199,7 @@ class LlamaCppBackend:
         ctx_params.n_threads = threads
         ctx_params.n_threads_batch = threads
         ctx_params.no_perf = True
+        ctx_params.pooling_type = llama_cpp.LLAMA_POOLING_TYPE_NONE  # token embeddings are the hidden states
         ctx_params.type_k = ctx_params.type_v = KV_TYPES[kv_type]
         self.kv_type = kv_type
         if flash_attn is not None:  # None keeps llama.cpp's automatic choice, its default
@@ -224,6 +230,10 @@ class LlamaCppBackend:
         self._logits_address = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p)(
             ("llama_get_logits", llama_cpp.llama_cpp._lib)
         )
+        self._embeddings_address = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int32)(
+            ("llama_get_embeddings_ith", llama_cpp.llama_cpp._lib)
+        )
+        self._first_output = 0  # the fed row of the tracked decode's first logits row
 
     # ---- vocabulary ---------------------------------------------------------------
     def _read_vocab_info(self) -> VocabInfo:
@@ -305,15 +315,23 @@ class LlamaCppBackend:
         """
         if not rows:
             return np.zeros((0, self.n_vocab), dtype=np.float32)
-        key = (self._logits_address(self._ctx), len(rows))
-        outputs = self._logits_views.get(key)
-        if outputs is None:  # the buffer moved or grew: build (and keep) a view of it
-            buffer = (ctypes.c_float * (len(rows) * self.n_vocab)).from_address(key[0])
-            outputs = np.frombuffer(buffer, dtype=np.float32).reshape(len(rows), self.n_vocab)
-            self._logits_views[key] = outputs  # (n_rows, V), in batch order
+        if self._hidden is not None:  # a tracked decode output every row from _first_output on
+            outputs = self._logits_buffer(len(self._hidden) - self._first_output)
+            return outputs[[row - self._first_output for row in rows]]
+        outputs = self._logits_buffer(len(rows))
         if all(a < b for a, b in zip(rows, rows[1:])):
             return outputs
         return outputs[np.argsort(np.argsort(rows))]  # back to the order asked for
+
+    def _logits_buffer(self, n_rows: int) -> np.ndarray:
+        """The last decode's logits (n_rows, V) as a view, in batch order."""
+        key = (self._logits_address(self._ctx), n_rows)
+        outputs = self._logits_views.get(key)
+        if outputs is None:  # the buffer moved or grew: build (and keep) a view of it
+            buffer = (ctypes.c_float * (n_rows * self.n_vocab)).from_address(key[0])
+            outputs = np.frombuffer(buffer, dtype=np.float32).reshape(n_rows, self.n_vocab)
+            self._logits_views[key] = outputs
+        return outputs
 
     def _decode(self, tokens: Sequence[int], logit_rows: Sequence[int]) -> list[int]:
         """Feed ``tokens`` in n_batch chunks (logit rows only in the last); returns the rows."""
@@ -322,6 +340,9 @@ class LlamaCppBackend:
             raise ContextFullError(
                 f"the context of {self.n_ctx} tokens is full", "shorten the prompt or raise --ctx"
             )
+        if self._tracking:
+            return self._decode_tracked(tokens, rows)
+        self._hidden = None
         if not tokens:  # llama_decode refuses an empty batch
             return rows
         if len(tokens) <= self.n_batch:  # the common case: one chunk, no bookkeeping
@@ -334,6 +355,33 @@ class LlamaCppBackend:
         for start in range(0, len(tokens), self.n_batch):
             self._decode_chunk(tokens[start : start + self.n_batch], wanted if start == last_start else ())
         return rows
+
+    def _decode_tracked(self, tokens: Sequence[int], rows: list[int]) -> list[int]:
+        """``_decode`` with embeddings on: every row of every chunk is an output (llama.cpp
+        insists), so each chunk's hidden states are copied out before the next overwrites them."""
+        self._hidden = None
+        last_start = (len(tokens) - 1) // self.n_batch * self.n_batch if tokens else 0
+        if rows and min(rows) < last_start:
+            raise ValueError("logit rows must fall in the last n_batch tokens of a forward")
+        states = [self._output_hidden(0)]
+        for start in range(0, len(tokens), self.n_batch):
+            chunk = tokens[start : start + self.n_batch]
+            self._decode_chunk(chunk, range(len(chunk)))
+            states.append(self._output_hidden(len(chunk)))
+        self._hidden, self._first_output = np.concatenate(states), last_start  # (n_fed, H)
+        return rows
+
+    def _output_hidden(self, n_rows: int) -> np.ndarray:
+        """A copy of the last decode's hidden states (n_rows, H): every row was an output, and
+        llama.cpp keeps outputs contiguous in batch order, so row 0's pointer starts them all."""
+        size = self.hidden_support.size
+        if not n_rows:  # nothing was decoded
+            return np.zeros((0, size), np.float32)
+        address = self._embeddings_address(self._ctx, 0)
+        if not address:
+            raise RuntimeError("llama.cpp returned no embeddings for a tracked decode")
+        buffer = (ctypes.c_float * (n_rows * size)).from_address(address)
+        return np.frombuffer(buffer, dtype=np.float32).reshape(n_rows, size).copy()
 
     def _decode_chunk(self, chunk: Sequence[int], wanted) -> None:
         self._fill_batch(chunk, wanted)
@@ -394,12 +442,12 @@ class LlamaCppBackend:
         if any(not 0 <= row < n_fed for row in rows):
             raise ValueError(f"logit rows {rows} fall outside the {n_fed} tokens and nodes fed")
         lib, memory = self._lib, self._memory
-        self._held_tree = None
+        self._held_tree = self._hidden = None
         self._drop_tree_cells()
         if n_fed:  # llama_decode refuses an empty batch
             for path in range(len(tree.paths)):  # every path sees the context: cells shared, not copied
                 lib.llama_memory_seq_cp(memory, _SEQ, 1 + path, 0, self._n_past)
-            self._fill_tree_batch(tokens, tree, set(rows))
+            self._fill_tree_batch(tokens, tree, range(n_fed) if self._tracking else set(rows))
             status = lib.llama_decode(self._ctx, self._tree_batch)
             if status != 0:
                 self._drop_tree_cells()
@@ -409,11 +457,13 @@ class LlamaCppBackend:
                     f"{self._n_past} cached tokens",
                     "shorten the prompt or raise --ctx",
                 )
+        if self._tracking:  # every row was an output
+            self._hidden, self._first_output = self._output_hidden(n_fed), 0  # (n_fed, H)
         self._n_past += len(tokens)
         self._held_tree = HeldTree(self._n_past, tree)
         return rows
 
-    def _fill_tree_batch(self, tokens: list[int], tree: TokenTree, wanted: set[int]) -> None:
+    def _fill_tree_batch(self, tokens: list[int], tree: TokenTree, wanted) -> None:
         batch, n_paths = self._tree_batch, len(tree.paths)
         batch.n_tokens = len(tokens) + len(tree)
         for i, token in enumerate(tokens):  # the committed sequence and every path
@@ -448,6 +498,17 @@ class LlamaCppBackend:
         """Remove every path sequence; cells that no sequence holds any more are free again."""
         for path in range(self._tree_paths):
             self._lib.llama_memory_seq_rm(self._memory, 1 + path, 0, -1)
+
+    # ---- hidden states ----------------------------------------------------------------
+    @cached_property
+    def hidden_support(self) -> HiddenSupport:
+        if self._lib.llama_pooling_type(self._ctx) != self._lib.LLAMA_POOLING_TYPE_NONE:
+            return HiddenSupport(False, reason="this llama.cpp context pools its embeddings")
+        return HiddenSupport(True, self._lib.llama_model_n_embd_out(self._model))
+
+    def track_hidden(self, on: bool) -> None:
+        super().track_hidden(on)
+        self._lib.llama_set_embeddings(self._ctx, on)  # llama.cpp then outputs every row it is fed
 
     def native_loop(self) -> NativeLoop:
         """llama-cpp-python's own plain loop on this file (a second copy of the model)."""

@@ -139,6 +139,15 @@ def read_gguf(path: str | Path) -> tuple[ModelConfig, dict[str, np.ndarray], str
     return config, weights, build_tokenizer_json(vocab), fields.get(gguf.Keys.Tokenizer.CHAT_TEMPLATE)
 
 
+def read_gguf_tensor(path: str | Path, name: str) -> np.ndarray:
+    """One tensor of a GGUF file by its GGUF name (``output.weight``), dequantized to float32 in
+    the file's layout: (rows, columns) for a matrix. KeyError if the file has no such tensor."""
+    for tensor in gguf.GGUFReader(str(path)).tensors:
+        if tensor.name == name:
+            return gguf.quants.dequantize(np.asarray(tensor.data), tensor.tensor_type).astype(np.float32)
+    raise KeyError(f"{path} has no tensor {name!r}")
+
+
 def read_fields(reader: gguf.GGUFReader) -> dict:
     """Every metadata field of an open GGUF as a plain Python value, by key."""
     return {name: _field_value(field) for name, field in reader.fields.items()}
