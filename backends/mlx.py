@@ -38,7 +38,7 @@ from typing import Any
 
 import numpy as np
 
-from specrun.backends.base import HeldTree, TreeSupport, VocabInfo, held_tree_for
+from specrun.backends.base import HeldTree, HiddenSupport, HiddenTracking, TreeSupport, VocabInfo, held_tree_for
 from specrun.errors import BackendUnavailableError, ContextFullError, ModelFileError
 from specrun.tree import TokenTree
 
@@ -333,8 +333,56 @@ class _RowRope:
         return self.rope(rows_first, offset=self.offsets).transpose(2, 1, 0, 3)  # (1, H, L, D)
 
 
-class MlxBackend:
-    """One mlx-lm model and one prompt cache for a single sequence."""
+# ---- hidden states: the model split into body and output head -------------------------
+SPLIT_PROBE = [[0, 1, 2, 3]]  # (1, 4) token ids the split is checked on
+
+
+@dataclass(frozen=True)
+class ModelSplit:
+    """An mlx-lm model as its body and its output head: ``head(body(inputs, cache=c))`` is
+    ``model(inputs, cache=c)``, and the body's (1, T, H) output is the head's input."""
+
+    body: Any
+    head: Any
+    size: int  # H
+
+
+def split_model(mx, lm_cache, model) -> ModelSplit:
+    """mlx-lm's usual layout: ``model.model`` returns the final-normed hidden states and the
+    head is ``lm_head`` or the tied ``embed_tokens.as_linear``, then any final logit
+    soft-capping. Checked on a few tokens against ``model`` itself; ValueError naming the
+    architecture where no candidate reproduces its logits."""
+    arch = getattr(model, "model_type", None) or type(model).__module__.rsplit(".", 1)[-1]
+    body = getattr(model, "model", None)
+    embeddings = getattr(body, "embed_tokens", None)
+    candidates = (getattr(model, "lm_head", None), getattr(embeddings, "as_linear", None))
+    linears = [linear for linear in candidates if linear is not None]
+    if body is None or not linears:
+        raise ValueError(f"mlx-lm's {arch} model has no .model body and output head to split")
+    cap = getattr(model, "final_logit_softcapping", None) or getattr(
+        getattr(model, "args", None), "final_logit_softcapping", None
+    )
+    probe = mx.array(SPLIT_PROBE)
+    expected = model(probe, cache=lm_cache.make_prompt_cache(model))  # (1, 4, V)
+    try:
+        hidden = body(probe, cache=lm_cache.make_prompt_cache(model))  # (1, 4, H)
+    except Exception as exc:  # a body with another call signature
+        raise ValueError(f"mlx-lm's {arch} body cannot be run on its own ({type(exc).__name__})") from exc
+    for linear in linears:
+        head = linear if not cap else (lambda h, linear=linear: mx.tanh(linear(h) / cap) * cap)
+        logits = head(hidden)
+        if logits.shape == expected.shape and mx.allclose(logits, expected, rtol=1e-4, atol=1e-4).item():
+            return ModelSplit(body, head, int(hidden.shape[-1]))
+    raise ValueError(f"mlx-lm's {arch} model does not give its logits as lm_head (or tied embeddings) "
+                     "of its body's output")
+
+
+class MlxBackend(HiddenTracking):
+    """One mlx-lm model and one prompt cache for a single sequence.
+
+    Hidden states (``track_hidden``): a tracked pass runs the model as body and head
+    (``split_model``) and keeps the body's output, the head's input, for every row fed.
+    """
 
     name = "mlx"
 
@@ -366,6 +414,7 @@ class MlxBackend:
         self._deferred: DeferredIds | None = None  # greedy ids queued but not yet in _tokens
         self._held_tree: HeldTree | None = None  # after forward_tree, until keep_path
         self._held_kv: list = []  # per layer: the held nodes' (keys, values), each (B, H, n, D)
+        self._pass_hidden: list | None = None  # during a tracked pass: (T, H) per model call
         self._new_cache()
 
     # ---- vocabulary ---------------------------------------------------------------
@@ -429,12 +478,12 @@ class MlxBackend:
 
     def forward(self, tokens: Sequence[int], logit_rows: Sequence[int]) -> np.ndarray:
         mx = self._mx
-        logits = self._forward_rows(tokens, list(logit_rows), lambda picked: picked.astype(mx.float32))
+        logits = self._pass(self._forward_rows, tokens, list(logit_rows), lambda picked: picked.astype(mx.float32))
         return np.zeros((0, self.vocab.size), np.float32) if logits is None else np.array(logits)  # (R, V)
 
     def forward_argmax(self, tokens: Sequence[int], logit_rows: Sequence[int]) -> np.ndarray:
         mx = self._mx
-        ids = self._forward_rows(tokens, list(logit_rows), lambda picked: mx.argmax(picked, axis=-1))
+        ids = self._pass(self._forward_rows, tokens, list(logit_rows), lambda picked: mx.argmax(picked, axis=-1))
         return np.zeros((0,), np.int64) if ids is None else np.array(ids).astype(np.int64)  # (R,): only ids cross
 
     def forward_greedy(self, tokens: Sequence[int], n_new: int) -> np.ndarray:
@@ -448,6 +497,7 @@ class MlxBackend:
         successive ``forward_argmax`` calls leave it: ``tokens`` plus the first
         n_new - 1 ids. Caches that need checkpoints take that slower path instead.
         """
+        self._check_untracked("forward_greedy")
         if self.needs_checkpoints:
             return self._greedy_one_by_one(_greedy_input(tokens, n_new), n_new)
         return self.forward_greedy_deferred(tokens, n_new).resolve()
@@ -461,6 +511,7 @@ class MlxBackend:
         """``forward_greedy`` without its host sync: the ids stay on the device until resolved,
         by a target's ``forward_argmax_after`` or by the next use of this backend."""
         tokens = _greedy_input(tokens, n_new)
+        self._check_untracked("forward_greedy_deferred")
         if self.needs_checkpoints:
             raise ValueError("a cache that needs checkpoints cannot defer its greedy ids")
         self._check_room(len(tokens) + n_new - 1)
@@ -483,6 +534,7 @@ class MlxBackend:
         """Feed ``tokens`` and then a draft's deferred ids in one pass: the argmax at every fed
         row (len(tokens) + n,) and the ids (n,), from one host sync for both models."""
         tokens = [int(t) for t in tokens]
+        self._check_untracked("forward_argmax_after")
         self._check_room(len(tokens) + len(deferred))
         if self.needs_checkpoints:  # replays after a restore need the ids on the host first
             ids = deferred.resolve()
@@ -534,9 +586,19 @@ class MlxBackend:
 
     def _step(self, tokens: list[int]):
         """Run the model over ``tokens`` at the cache's position; lazy (1, T, V) logits."""
-        logits = self.model(self._mx.array(tokens)[None], cache=self._cache)
+        logits = self._run(self._mx.array(tokens)[None])
         self._tokens.extend(tokens)
         return logits
+
+    def _run(self, inputs):
+        """The model on ``inputs`` (1, T) at the cache: lazy (1, T, V) logits. In a tracked
+        pass it runs as body and head, and the body's (T, H) output joins the pass's."""
+        if self._pass_hidden is None:
+            return self.model(inputs, cache=self._cache)
+        split = self._split
+        hidden = split.body(inputs, cache=self._cache)  # (1, T, H)
+        self._pass_hidden.append(hidden[0])
+        return split.head(hidden)
 
     def _feed_unread(self, tokens: list[int]) -> None:
         """Feed tokens whose logits nobody reads, evaluating only the cache."""
@@ -545,7 +607,10 @@ class MlxBackend:
             self._mx.eval(self._cache_state())
 
     def _cache_state(self) -> list:
-        return [layer.state for layer in self._cache]
+        """What a pass evaluates besides its result: every layer's cache, and in a tracked pass
+        the hidden states so far (evaluated with the graph they share)."""
+        states = [layer.state for layer in self._cache]
+        return states if self._pass_hidden is None else states + self._pass_hidden
 
     def _fit_vocab(self, logits):
         """(R, V_model) → (R, V_tokenizer): drop padded embedding rows, or mask ids the model lacks."""
@@ -624,12 +689,13 @@ class MlxBackend:
         gathered out of the cache and held for ``keep_path``, so the cache itself only ever
         holds committed tokens."""
         mx = self._mx
-        logits = self._forward_tree(tokens, tree, list(logit_rows), lambda picked: picked.astype(mx.float32))
+        logits = self._pass(self._forward_tree, tokens, tree, list(logit_rows),
+                            lambda picked: picked.astype(mx.float32))
         return np.zeros((0, self.vocab.size), np.float32) if logits is None else np.array(logits)  # (R, V)
 
     def forward_tree_argmax(self, tokens: Sequence[int], tree: TokenTree, logit_rows: Sequence[int]) -> np.ndarray:
         mx = self._mx
-        ids = self._forward_tree(tokens, tree, list(logit_rows), lambda picked: mx.argmax(picked, axis=-1))
+        ids = self._pass(self._forward_tree, tokens, tree, list(logit_rows), lambda picked: mx.argmax(picked, axis=-1))
         return np.zeros((0,), np.int64) if ids is None else np.array(ids).astype(np.int64)  # (R,): only ids cross
 
     def _forward_tree(self, tokens: Sequence[int], tree: TokenTree, rows: list[int], reduce):
@@ -652,7 +718,7 @@ class MlxBackend:
         try:
             mask, positions = _tree_layout(mx, start, len(chain), tree)
             with self._tree_pass(mask, positions):
-                logits = self.model(mx.array(ids)[None], cache=self._cache)  # (1, C + n, V)
+                logits = self._run(mx.array(ids)[None])  # (1, C + n, V)
             slots = mx.array(np.arange(start + len(chain), start + len(ids)))  # (n,) the nodes' cache slots
             held = [(layer.keys[..., slots, :], layer.values[..., slots, :]) for layer in self._cache] if tree else []
             result = reduce(self._fit_vocab(logits[0, mx.array([row - split for row in rows])])) if rows else None
@@ -697,6 +763,36 @@ class MlxBackend:
             layer_cache.update_and_fetch(keys[..., picked, :], values[..., picked, :])
         mx.eval(self._cache_state())
         self._tokens.extend(tree.tokens[node] for node in path)
+
+    # ---- hidden states ----------------------------------------------------------------
+    @cached_property
+    def hidden_support(self) -> HiddenSupport:
+        """Available where ``split_model`` finds the body and head (checked on first use)."""
+        try:
+            self._split = split_model(self._mx, self._lm_cache, self.model)
+        except ValueError as exc:
+            return HiddenSupport(False, reason=str(exc))
+        return HiddenSupport(True, self._split.size)
+
+    def _pass(self, run, *args):
+        """``run(*args)`` as one pass: while tracking, the hidden states of every row it feeds
+        (chunks fed unread included) become the last pass's."""
+        self._hidden = None
+        if not self._tracking:
+            return run(*args)
+        self._pass_hidden = []
+        try:
+            result = run(*args)
+            mx = self._mx
+            fed = mx.concatenate(self._pass_hidden) if self._pass_hidden else mx.zeros((0, self._split.size))
+            self._hidden = np.array(fed.astype(mx.float32))  # (n_fed, H)
+        finally:
+            self._pass_hidden = None
+        return result
+
+    def _check_untracked(self, method: str) -> None:
+        if self._tracking:
+            raise ValueError(f"{method} gives no hidden states: use forward_argmax while tracking")
 
     def close(self) -> None:
         self._deferred = None

@@ -1,6 +1,6 @@
 """Hidden states of a pass (``track_hidden``): the output head's input for every row fed, on the
-fake and llama.cpp (tiny random models and SmolLM2 F16), and KVSequence keeping them by cache
-position."""
+fake, llama.cpp and MLX (tiny random models and SmolLM2 F16), and KVSequence keeping them by
+cache position."""
 
 from __future__ import annotations
 
@@ -115,7 +115,7 @@ def test_sequence_refuses_greedy_feeds_while_tracking():
     assert len(sequence) == 0
 
 
-# ---- llama.cpp -------------------------------------------------------------------------------
+# ---- llama.cpp and MLX -----------------------------------------------------------------------
 @dataclass
 class Case:
     """A real backend with hidden states, its output head's weights (V, H), and what its
@@ -141,32 +141,54 @@ def gguf_output_weights(path) -> Callable[[], np.ndarray]:
     return read
 
 
-# Measured here (max error / largest value): head products 3e-7 on float32 weights (tiny F32
-# GGUFs), 2e-4 and 4e-4 on F16 ones (tiny and SmolLM2 GGUFs: llama.cpp rounds the head's input
-# to F16); batched against one-token states 2e-4 to 9e-4 (flash attention and the cache cells a
-# pass lands in change llama.cpp's sums), the tiny models' included.
+def mlx_output_weights(backend) -> Callable[[], np.ndarray]:
+    """The output head (V, H) of an mlx-lm model: ``lm_head``, or the tied embedding."""
+    model = backend.model
+    head = model.lm_head if "lm_head" in model else model.model.embed_tokens
+    return lambda: np.array(head.weight.astype(backend._mx.float32))
+
+
+# Measured here (max error / largest value): head products 3e-7 on float32 weights (tiny F32 GGUF
+# and MLX folders), 2e-4 and 4e-4 on F16 ones (tiny and SmolLM2 GGUFs: llama.cpp rounds the head's
+# input to F16) and 4e-4 on SmolLM2's float16 MLX folder; batched against one-token states 0 on
+# MLX, 2e-4 to 9e-4 on llama.cpp (flash attention and the cache cells a pass lands in change
+# its sums), the tiny models' included.
 CASES = {  # name: (backend, model, head tolerance, batch tolerance), both relative
     "llama-tiny-llama": ("llama", "llama", 1e-5, 2e-3),
     "llama-tiny-qwen2": ("llama", "qwen2", 1e-5, 2e-3),
     "llama-tiny-llama-f16": ("llama", "llama-f16", 1e-3, 2e-3),
+    "mlx-tiny-llama": ("mlx", "llama", 1e-5, 1e-5),
+    "mlx-tiny-qwen2": ("mlx", "qwen2", 1e-5, 1e-5),
     "llama-smollm2": ("llama", "smollm2", 1e-3, 2e-3),
+    "mlx-smollm2": ("mlx", "smollm2", 2e-3, 1e-5),
 }
 
 
-@pytest.fixture(params=list(CASES))
+@pytest.fixture(params=[pytest.param(name, marks=pytest.mark.slow) if name == "mlx-smollm2" else name
+                        for name in CASES])
 def case(request) -> Case:
     kind, model, head_tolerance, batch_tolerance = CASES[request.param]
-    pytest.importorskip("llama_cpp", reason="the llama backend is not installed")
-    from specrun.backends.llama import LlamaCppBackend
-
+    pytest.importorskip({"llama": "llama_cpp", "mlx": "mlx_lm"}[kind], reason=f"the {kind} backend is not installed")
     if model == "smollm2":
-        source = request.getfixturevalue("smollm2")["smollm2-135m-f16"]
+        smollm2 = request.getfixturevalue("smollm2")
+        from specrun.modelkit.builtin import builtin_mlx_dir
+
+        source = smollm2["smollm2-135m-f16"] if kind == "llama" else builtin_mlx_dir("smollm2-135m-f16")
     else:
         tiny = request.getfixturevalue("tiny_models")[model.removesuffix("-f16")]
-        source = tiny.gguf_path if model.endswith("-f16") else tiny.gguf_f32_path
-    backend = LlamaCppBackend(source, n_ctx=512, tree_paths=4)
+        source = tiny.hf_dir if kind == "mlx" else tiny.gguf_path if model.endswith("-f16") else tiny.gguf_f32_path
+    if kind == "llama":
+        from specrun.backends.llama import LlamaCppBackend
+
+        backend = LlamaCppBackend(source, n_ctx=512, tree_paths=4)
+        weights = gguf_output_weights(source)
+    else:
+        from specrun.backends.mlx import MlxBackend
+
+        backend = MlxBackend(source, n_ctx=512)
+        weights = mlx_output_weights(backend)
     assert backend.hidden_support.available, backend.hidden_support.reason
-    yield Case(backend, gguf_output_weights(source), head_tolerance, batch_tolerance)
+    yield Case(backend, weights, head_tolerance, batch_tolerance)
     backend.close()
 
 
@@ -269,4 +291,40 @@ def test_a_llama_pass_longer_than_a_batch_gives_every_rows_state(tiny_llama):
     for start in range(0, 40, 8):  # passes inside one batch
         backend.forward(prompt[start : start + 8], [])
         np.testing.assert_allclose(backend.hidden_rows(range(8)), chunked[start : start + 8], atol=1e-4)
+    backend.close()
+
+
+def test_mlx_refuses_greedy_passes_while_tracking(tiny_llama):
+    pytest.importorskip("mlx_lm", reason="the MLX backend is not installed")
+    from specrun.backends.mlx import MlxBackend
+
+    backend = MlxBackend(tiny_llama.hf_dir, n_ctx=512)
+    backend.track_hidden(True)
+    with pytest.raises(ValueError, match="forward_greedy gives no hidden states"):
+        backend.forward_greedy([1, 2], 3)
+    with pytest.raises(ValueError, match="forward_greedy_deferred gives no hidden states"):
+        backend.forward_greedy_deferred([1, 2], 3)
+    assert backend.n_past == 0
+    backend.track_hidden(False)
+    assert len(backend.forward_greedy([1, 2], 3)) == 3
+    backend.close()
+
+
+def test_an_mlx_model_whose_head_is_not_its_body_then_lm_head_gives_a_reason(tiny_llama):
+    pytest.importorskip("mlx_lm", reason="the MLX backend is not installed")
+    from specrun.backends.mlx import MlxBackend, _load
+
+    model, tokenizer, config = _load(tiny_llama.hf_dir)
+
+    class Scaled(type(model)):  # an architecture that scales its logits after the head
+        def __call__(self, inputs, cache=None, input_embeddings=None):
+            return 2.0 * super().__call__(inputs, cache, input_embeddings)
+
+    model.__class__ = Scaled
+    backend = MlxBackend.from_loaded(model, tokenizer, config, n_ctx=512)
+    assert not backend.hidden_support.available
+    assert backend.hidden_support.reason == ("mlx-lm's llama model does not give its logits as lm_head "
+                                             "(or tied embeddings) of its body's output")
+    with pytest.raises(ValueError, match="mlx gives no hidden states: mlx-lm's llama model"):
+        KVSequence(backend).track_hidden(True)
     backend.close()
