@@ -81,6 +81,28 @@ def mlx_real_pair(smollm2):
     draft.close()
 
 
+@pytest.fixture(scope="session")
+def looping_llama(tiny_llama, tmp_path_factory) -> dict[str, Path]:
+    """tiny_llama with its attention output scaled by 0.05, as {"llama": GGUF, "mlx": HF folder}.
+
+    The next token then depends mostly on the last one, so greedy output falls into
+    cycles that prompt lookup catches, as trained models do on repetitive text (the
+    random tiny models never repeat their prompt). Attention still makes every
+    token depend on the whole cache, so rewinds still matter.
+    """
+    from specrun.modelkit.gguf_io import write_gguf
+    from specrun.modelkit.hf_io import write_hf_folder
+    from specrun.modelkit.tokenizer import DEMO_CHAT_TEMPLATE
+
+    weights = {name: w * 0.05 if ".o_proj." in name else w for name, w in tiny_llama.weights.items()}
+    folder = tmp_path_factory.mktemp("looping")
+    config, tokenizer = tiny_llama.config, tiny_llama.tokenizer_json
+    return {
+        "llama": write_gguf(folder / "looping.gguf", config, weights, tokenizer, DEMO_CHAT_TEMPLATE, dtype="F16"),
+        "mlx": write_hf_folder(folder / "looping-hf", config, weights, tokenizer, DEMO_CHAT_TEMPLATE, dtype="float32"),
+    }
+
+
 # ---- CI: a skip is a failure ---------------------------------------------------------------
 # With CI=true a missing backend, dataset or browser fails the run instead of skipping
 # silently; only a test marked ci_may_skip (a skip that says nothing is missing) may skip.

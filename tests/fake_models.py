@@ -83,8 +83,9 @@ class SimClock:
 class CostedFake(FakeBackend):
     """A fake whose forward pass costs ``base + per_token * n`` simulated seconds."""
 
-    def __init__(self, table, clock: SimClock, base: float, per_token: float, vocab_size: int = VOCAB) -> None:
-        super().__init__(table, vocab_size, n_ctx=100_000)
+    def __init__(self, table, clock: SimClock, base: float, per_token: float, vocab_size: int = VOCAB,
+                 **hidden) -> None:
+        super().__init__(table, vocab_size, n_ctx=100_000, **hidden)  # hidden: FakeBackend's hidden_table, hidden_size
         self.clock, self.base, self.per_token = clock, base, per_token
 
     def forward(self, tokens, logit_rows):

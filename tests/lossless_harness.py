@@ -35,7 +35,9 @@ from scipy import stats as scipy_stats
 import specrun.engine.loop
 from oracle import distribution, exact_joint
 from specrun.engine.loop import GenerationParams, SpeculativeEngine
-from specrun.drafters.methods import METHODS, DrafterOptions, build_drafter, is_adaptive, needs_draft_model, resolve_method
+from specrun.drafters.methods import (
+    METHODS, DrafterOptions, build_drafter, is_adaptive, needs_draft_model, needs_heads, resolve_method
+)
 from specrun.sampling import SamplingSettings
 from specrun.engine.stats import Stats
 
@@ -372,8 +374,11 @@ def branches_taken(method: str) -> bool:
     from fake_models import hashed_logits
     from specrun.backends.fake import FakeBackend
 
+    from heads_factory import oracle_heads
+
     draft = FakeBackend(hashed_logits(VOCAB, salt=2), VOCAB) if needs_draft_model(method) else None
-    drafter = build_drafter(method, draft, DrafterOptions(branches=TREE_BRANCHES))
+    heads = oracle_heads(VOCAB) if needs_heads(method) else None
+    drafter = build_drafter(method, draft, DrafterOptions(branches=TREE_BRANCHES, heads=heads))
     return drafter is not None and any(getattr(member, "branches", 0) for member in drafter.members)
 
 
@@ -396,16 +401,20 @@ SCENARIOS = {
 def fake_engine(scenario: Scenario) -> SpeculativeEngine:
     """The scenario's method on the fake pair. Forward passes cost simulated seconds (a target
     pass 1 s plus 0.02 s a token, a draft token 0.02 s) so adaptive runs are deterministic
-    and find speculating worth it."""
+    and find speculating worth it. Head methods read hidden states that know the target's
+    greedy future, partly (heads_factory.oracle_hidden)."""
     from fake_models import CostedFake, SimClock
+    from heads_factory import oracle_heads, oracle_hidden
 
     clock = SimClock()
     table = _target_table()
     draft_table = _sharper(table) if scenario.sharper_draft else _draft_table()
-    target = CostedFake(table, clock, 1.0, 0.02, vocab_size=VOCAB)
+    heads = oracle_heads(VOCAB) if needs_heads(scenario.method) else None
+    hidden = dict(hidden_table=oracle_hidden(table, VOCAB), hidden_size=heads.config.hidden_size) if heads else {}
+    target = CostedFake(table, clock, 1.0, 0.02, vocab_size=VOCAB, **hidden)
     draft = CostedFake(draft_table, clock, 0.02, 0.0, vocab_size=VOCAB)
     uses_draft = needs_draft_model(scenario.method) or scenario.method == "auto"
-    options = DrafterOptions(draft_min_prob=scenario.draft_min_prob, branches=scenario.branches)
+    options = DrafterOptions(draft_min_prob=scenario.draft_min_prob, branches=scenario.branches, heads=heads)
     drafter = build_drafter(scenario.method, draft if uses_draft else None, options)
     return SpeculativeEngine(target, drafter, method=scenario.method, clock=clock)
 
@@ -440,12 +449,17 @@ def greedy_scenario(method: str, adaptive: bool = False, branches: int = 0) -> t
     (a fake backend has no near-ties to excuse), and the drafts made and accepted. The engine is
     kept from one prompt to the next, as a chat keeps it."""
     from fake_models import COPYING_VOCAB, REPEATING_PROMPT, copying_logits, noisy_copy
+    from heads_factory import oracle_heads, oracle_hidden
     from specrun.backends.fake import FakeBackend
 
     table = copying_logits(salt=4)
     draft = FakeBackend(noisy_copy(4), COPYING_VOCAB) if needs_draft_model(method) or method == "auto" else None
-    drafter = build_drafter(method, draft, DrafterOptions(branches=branches))
-    engine = SpeculativeEngine(FakeBackend(table, COPYING_VOCAB), drafter, method=method)
+    heads = oracle_heads(COPYING_VOCAB) if needs_heads(method) else None
+    hidden = {}
+    if heads is not None:
+        hidden = dict(hidden_table=oracle_hidden(table, COPYING_VOCAB), hidden_size=heads.config.hidden_size)
+    drafter = build_drafter(method, draft, DrafterOptions(branches=branches, heads=heads))
+    engine = SpeculativeEngine(FakeBackend(table, COPYING_VOCAB, **hidden), drafter, method=method)
     plain = SpeculativeEngine(FakeBackend(table, COPYING_VOCAB))
     params = GenerationParams(GREEDY_NEW, draft_len=ADAPTIVE_MAX_DRAFT_LEN if adaptive else DRAFT_LEN,
                               stop_at_eos=False, adaptive=adaptive)
@@ -528,10 +542,11 @@ def real_scenario(target, draft, reference, method: str, sampling: SamplingSetti
     as the CLI runs them (lengths up to 16) on simulated time, a target pass costing as on a
     memory-bound machine (1 s plus 0.01 s a token) and a draft token 0.05 s, so speculating
     pays, and the lengths chosen, and with fixed seeds the whole test, are reproducible."""
+    heads = real_heads(target, method, sampling)
     clock = _SimulatedTime()
     clock.charge(target, 1.0, 0.01)
     clock.charge(draft, 0.05, 0.0)
-    drafter = build_drafter(method, draft, DrafterOptions(branches=branches))
+    drafter = build_drafter(method, draft, DrafterOptions(branches=branches, heads=heads))
     engine = SpeculativeEngine(target, drafter, method=method, clock=clock)
     draft_len = ADAPTIVE_MAX_DRAFT_LEN if adaptive or is_adaptive(method) else DRAFT_LEN
     prompt = target.tokenize(REAL_PROMPT)
@@ -540,6 +555,21 @@ def real_scenario(target, draft, reference, method: str, sampling: SamplingSetti
     if drafter is not None:
         drafter.close()
     return sampled, lossless_problems(sampled, None)
+
+
+def real_heads(target, method: str, sampling: SamplingSettings, tokens: int = 400):
+    """For head methods, probe heads fitted to the target's own output after REAL_PROMPT
+    under ``sampling`` (seeded), so that drafts are accepted at times; else None."""
+    if not needs_heads(method):
+        return None
+    import dataclasses
+
+    from heads_factory import fitted_heads
+
+    prompt = target.tokenize(REAL_PROMPT)
+    params = GenerationParams(tokens, 0, dataclasses.replace(sampling, seed=0), stop_at_eos=False)
+    output = SpeculativeEngine(target, None).run(prompt, params, complete_cache=False).token_ids
+    return fitted_heads(target, [*prompt, *output])
 
 
 class _SimulatedTime:

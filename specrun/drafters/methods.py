@@ -2,7 +2,7 @@
 
 A method is ``none`` (plain decoding) or drafters joined by ``+``, cheapest first:
 ``lookup`` (prompt lookup), ``ngram`` (the learning n-gram pool), ``draft`` (a
-draft model). Chains ask the draft model only when the cheap drafters have too
+draft model), ``medusa`` (heads on the target's own hidden state, from a heads file). Chains ask the draft model only when the cheap drafters have too
 little to propose, and only while it is measured to pay (ChainDrafter).
 """
 
@@ -15,9 +15,11 @@ from specrun.backends.base import Backend
 from specrun.drafters.base import Drafter
 from specrun.drafters.chain import ChainDrafter
 from specrun.drafters.draft_model import DraftModelDrafter
+from specrun.drafters.heads import MedusaDrafter
 from specrun.drafters.lookup import PromptLookupDrafter
 from specrun.drafters.ngram import NgramPoolDrafter
 from specrun.errors import UsageError
+from specrun.modelkit.heads import MedusaHeads
 
 AUTO_CHAIN = "lookup+ngram+draft"
 
@@ -31,6 +33,7 @@ METHODS = (
     "ngram+draft",
     "lookup+ngram+draft",
     "lookup+ngram",
+    "medusa",
 )
 
 
@@ -52,6 +55,7 @@ class DrafterOptions:
     vocabulary: str = ""
     draft_min_prob: float = 0.0  # the draft model's confidence stop (DraftModelDrafter.min_prob)
     branches: int = 0
+    heads: MedusaHeads | None = None  # what the head methods draft with (specrun.modelkit.heads)
 
 
 def resolve_method(method: str, has_draft: bool = True) -> str:
@@ -70,6 +74,10 @@ def needs_draft_model(method: str) -> bool:
     return "draft" in resolve_method(method).split("+")
 
 
+def needs_heads(method: str) -> bool:
+    return "medusa" in resolve_method(method).split("+")
+
+
 def check_method(method: str) -> None:
     if method not in METHODS:
         raise UsageError(f"unknown method {method!r}", f"use one of: {', '.join(METHODS)}")
@@ -86,6 +94,9 @@ def build_drafter(method: str, draft: Backend | None, options: DrafterOptions | 
         return None
     if needs_draft_model(method) and draft is None and method != "auto":
         raise UsageError(f"method {method!r} needs a draft model", "pass --draft MODEL")
+    if needs_heads(method) and (options is None or options.heads is None):
+        raise UsageError(f"method {method!r} needs heads for the target",
+                         "pass --heads FILE, or train them with specrun heads train")
     parts = resolve_method(method, has_draft=draft is not None).split("+")
     members = [_build_one(part, draft, options or DrafterOptions()) for part in parts]
     return members[0] if len(members) == 1 else ChainDrafter(members)
@@ -98,4 +109,6 @@ def _build_one(part: str, draft: Backend | None, options: DrafterOptions) -> Dra
         if options.ngram_cache is None:
             return NgramPoolDrafter(vocabulary=options.vocabulary, branches=options.branches)
         return NgramPoolDrafter.open(options.ngram_cache, vocabulary=options.vocabulary, branches=options.branches)
+    if part == "medusa":
+        return MedusaDrafter(options.heads, branches=options.branches)
     return DraftModelDrafter(draft, min_prob=options.draft_min_prob, branches=options.branches)

@@ -22,13 +22,16 @@ from lossless_harness import (
     assert_few_prompts_diverge,
     branches_taken,
     greedy_divergences,
+    real_heads,
     real_scenario,
 )
 from model_factory import TinyModel, perturbed_copy, random_weights, tiny_config, tiny_tokenizer_json
 from specrun.backends.base import Backend
 from specrun.registry.compat import check_compatible
 from specrun.drafters.draft_model import DraftModelDrafter
-from specrun.drafters.methods import METHODS, DrafterOptions, build_drafter, is_adaptive, needs_draft_model
+from specrun.drafters.methods import (
+    METHODS, DrafterOptions, build_drafter, is_adaptive, needs_draft_model, needs_heads
+)
 from specrun.engine.loop import GenerationParams, SpeculativeEngine
 from specrun.errors import BackendUnavailableError, IncompatibleModelsError, ModelFileError, UsageError
 from specrun.modelkit.gguf_io import write_gguf
@@ -202,6 +205,7 @@ def test_sampled_speculation_with_draft_equal_to_target_accepts_almost_everythin
 REAL_SAMPLINGS = {
     "temp 1": SamplingSettings(temperature=1.0),
     "temp 0.3": SamplingSettings(temperature=0.3),
+    "temp 0.1": SamplingSettings(temperature=0.1),
     "every option": SamplingSettings(temperature=0.8, top_k=40, top_p=0.9, min_p=0.05),
 }
 
@@ -227,6 +231,8 @@ class RealCase:
 
 def _real_cases() -> list[RealCase]:
     def sampling(method: str) -> str:
+        if needs_heads(method):  # near greedy, the looping target's own future is foretold
+            return "temp 0.1"
         return "temp 1" if needs_draft_model(method) or method == "none" else "temp 0.3"
 
     cases = [RealCase(method, sampling(method), adaptive=is_adaptive(method)) for method in METHODS]
@@ -258,13 +264,21 @@ def open_target(kind: str, source: Path, branches: int) -> Backend:
     return open_model(kind, source)
 
 
+def case_target(case: RealCase, kind: str, tiny_llama: TinyModel, looping_llama: dict[str, Path]) -> Path:
+    """The target a case runs on: the random tiny model, or for a head method the looping one
+    (conftest.looping_llama), whose next tokens its hidden states foretell, as a trained
+    model's do (the random model's sampled output is noise no head can learn: 1% accepted)."""
+    return looping_llama[kind] if needs_heads(case.method) else source_of(tiny_llama, kind)
+
+
 @pytest.mark.parametrize(**on_backends(REAL_CASES, lambda case: case.id))
-def test_sampled_speculation_with_a_disagreeing_draft_is_lossless(backend_kind, case, tiny_llama, perturbed_llama):
+def test_sampled_speculation_with_a_disagreeing_draft_is_lossless(backend_kind, case, tiny_llama, perturbed_llama,
+                                                                  looping_llama):
     """Every output token's PIT against a second copy of the target replaying the output one
     token at a time, and the acceptance count against its expectation (thresholds in
     lossless_harness); drafts verified 4 deep, and right after a full accept."""
     require_backend(backend_kind)
-    target_source = source_of(tiny_llama, backend_kind)
+    target_source = case_target(case, backend_kind, tiny_llama, looping_llama)
     target, reference = open_target(backend_kind, target_source, case.branches), open_model(backend_kind, target_source)
     draft = open_model(backend_kind, perturbed_llama[backend_kind])
     sampled, problems = real_scenario(target, draft, reference, case.method, REAL_SAMPLINGS[case.sampling],
@@ -291,16 +305,17 @@ GREEDY_CASES = [case for case in REAL_CASES if case.method != "none" and case.sa
 
 @pytest.mark.parametrize(**on_backends(GREEDY_CASES, lambda case: case.id.replace(case.sampling, "greedy")))
 def test_greedy_speculation_with_a_disagreeing_draft_equals_plain_decoding(backend_kind, case, tiny_llama,
-                                                                           perturbed_llama):
+                                                                           perturbed_llama, looping_llama):
     """Every method (and tree) greedy: plain decoding's tokens, or a divergence only at
     near-ties (every one examined), on four prompts; drafts were accepted and rejected.
     Greedy, the random model seldom repeats itself: on these prompts it does (lookup drafts
     on all four and has some accepted on two, on both backends)."""
     require_backend(backend_kind)
-    target_source = source_of(tiny_llama, backend_kind)
+    target_source = case_target(case, backend_kind, tiny_llama, looping_llama)
     target = open_target(backend_kind, target_source, case.branches)
     draft = open_model(backend_kind, perturbed_llama[backend_kind])
-    drafter = build_drafter(case.method, draft, DrafterOptions(branches=case.branches))
+    heads = real_heads(target, case.method, SamplingSettings())
+    drafter = build_drafter(case.method, draft, DrafterOptions(branches=case.branches, heads=heads))
     engine = SpeculativeEngine(target, drafter, method=case.method)
     accepted = drafted = diverging = 0
     prompts = (PROMPTS[10], PROMPTS[15], PROMPTS[5], PROMPTS[7])

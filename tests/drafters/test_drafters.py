@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from fake_models import REPEATING_PROMPT, copying_logits, hashed_logits, noisy_copy
+from heads_factory import fitted_heads, random_heads
 from lossless_harness import assert_few_prompts_diverge, greedy_divergences
 from specrun.backends.base import Backend
 from specrun.backends.fake import FakeBackend
@@ -24,10 +25,7 @@ from specrun.engine.loop import GenerationParams, SpeculativeEngine
 from specrun.errors import UsageError
 from specrun.sessions.generation import adapts_length
 from specrun.registry.loading import LoadOptions, open_backend
-from specrun.drafters.methods import METHODS, DrafterOptions, build_drafter, is_adaptive, needs_draft_model
-from specrun.modelkit.gguf_io import write_gguf
-from specrun.modelkit.hf_io import write_hf_folder
-from specrun.modelkit.tokenizer import DEMO_CHAT_TEMPLATE
+from specrun.drafters.methods import METHODS, DrafterOptions, build_drafter, is_adaptive, needs_draft_model, needs_heads
 from specrun.sampling import SamplingSettings
 
 GREEDY = SamplingSettings()
@@ -366,7 +364,8 @@ def test_every_method_builds_its_drafter():
     for method in SPECULATIVE_METHODS:
         if method == "auto":
             continue
-        drafter = build_drafter(method, draft if needs_draft_model(method) else None)
+        heads = random_heads(8, VOCAB) if needs_heads(method) else None
+        drafter = build_drafter(method, draft if needs_draft_model(method) else None, DrafterOptions(heads=heads))
         assert drafter.name == method
         assert isinstance(drafter, ChainDrafter) == ("+" in method)
     # auto is the full chain, or the draft-free part of it when there is no draft model.
@@ -376,6 +375,8 @@ def test_every_method_builds_its_drafter():
         build_drafter("lookup+draft", None)
     with pytest.raises(UsageError, match="unknown method"):
         build_drafter("draft+lookup", draft)
+    with pytest.raises(UsageError, match="needs heads"):
+        build_drafter("medusa", None)
     with_draft = ["auto", "draft", "lookup+draft", "ngram+draft", "lookup+ngram+draft"]
     assert [method for method in METHODS if needs_draft_model(method)] == with_draft
 
@@ -453,24 +454,6 @@ def open_real(kind: str, source: Path) -> Backend:
 
 
 @pytest.fixture(scope="module")
-def looping_llama(tiny_llama, tmp_path_factory) -> dict[str, Path]:
-    """tiny_llama with its attention output scaled by 0.05, as {"llama": GGUF, "mlx": HF folder}.
-
-    The next token then depends mostly on the last one, so greedy output falls into
-    cycles that prompt lookup catches, as trained models do on repetitive text (the
-    random tiny models never repeat their prompt). Attention still makes every
-    token depend on the whole cache, so rewinds still matter.
-    """
-    weights = {name: w * 0.05 if ".o_proj." in name else w for name, w in tiny_llama.weights.items()}
-    folder = tmp_path_factory.mktemp("looping")
-    config, tokenizer = tiny_llama.config, tiny_llama.tokenizer_json
-    return {
-        "llama": write_gguf(folder / "looping.gguf", config, weights, tokenizer, DEMO_CHAT_TEMPLATE, dtype="F16"),
-        "mlx": write_hf_folder(folder / "looping-hf", config, weights, tokenizer, DEMO_CHAT_TEMPLATE, dtype="float32"),
-    }
-
-
-@pytest.fixture(scope="module")
 def real_targets(backend_kind, tiny_llama, looping_llama) -> dict[str, tuple[Path, list]]:
     """Per target kind: its source, and per prompt the prompt ids and the plain greedy output."""
     sources = {"random": source_of(tiny_llama, backend_kind), "looping": looping_llama[backend_kind]}
@@ -511,6 +494,7 @@ REAL_CASES = [
     ("ngram+draft", "random"),
     ("lookup+ngram+draft", "looping"),
     ("auto", "looping"),  # adaptive draft lengths over the full chain
+    ("medusa", "looping"),  # heads fitted to the target's own output (tests/heads_factory.py)
 ]
 
 
@@ -529,7 +513,8 @@ def test_greedy_output_is_identical_for_every_method_on_real_backends(
     target = open_real(backend_kind, target_source)
     draft_model = tiny_llama if target_kind == "random" else tiny_qwen2
     draft = open_real(backend_kind, source_of(draft_model, backend_kind)) if needs_draft_model(method) else None
-    drafter = build_drafter(method, draft)
+    heads = fitted_heads(target, [*plain_outputs[0][0], *plain_outputs[0][1]]) if needs_heads(method) else None
+    drafter = build_drafter(method, draft, DrafterOptions(heads=heads))
     engine = SpeculativeEngine(target, drafter)
     accepted = diverging = runs = 0
     modes = {adapts_length(method, None), is_adaptive(method)}

@@ -14,10 +14,11 @@ import sys
 import numpy as np
 import pytest
 
+from heads_factory import fitted_heads
 from specrun.sessions.chat import AnswerDone, ChatSession
 from specrun.engine.loop import GenerationParams, SpeculativeEngine
 from specrun.backends.kv import sequence_for
-from specrun.drafters.methods import build_drafter
+from specrun.drafters.methods import DrafterOptions, build_drafter, needs_heads
 from specrun.sessions.templates import ChatTemplate, render_user_prompt
 
 pytest.importorskip("llama_cpp", reason="the llama backend is not installed")
@@ -35,7 +36,7 @@ CHAT_PROMPTS = (
     "Write a Python function that returns the factorial of n.",
 )
 N_NEW = 64
-METHODS = ("none", "lookup", "ngram", "draft", "lookup+draft", "auto")
+METHODS = ("none", "lookup", "ngram", "draft", "lookup+draft", "auto", "medusa")
 NEAR_TIE = 0.05  # F16 logits; the batched and one-token kernels round differently
 MAX_DIVERGING_PROMPTS = 1  # of the three CHAT_PROMPTS a method answers, greedy
 
@@ -79,6 +80,12 @@ def test_a_chat_turn_keeps_typed_control_text_as_text(real_pair):
     assert ids[: done.prompt_tokens].count(IM_END) == 2
 
 
+def heads_for(target, method: str, prompt_ids: list[int], plain: list[int]):
+    """For a head method, probe heads fitted to the target's own answer (tests/heads_factory.py:
+    what trained heads learn, in one ridge regression); else None."""
+    return fitted_heads(target, [*prompt_ids, *plain]) if needs_heads(method) else None
+
+
 def plain_and_speculative(target, draft, method: str):
     """For each chat prompt: (prompt ids, plain decoding's tokens, ``method``'s result),
     the method adaptive as ``specrun generate`` runs it."""
@@ -88,7 +95,7 @@ def plain_and_speculative(target, draft, method: str):
         engine.set_drafter(None, "none")
         plain = engine.run(prompt_ids, GenerationParams(N_NEW, 0), complete_cache=False).token_ids
         assert len(plain) >= N_NEW or plain[-1] in target.vocab.eos_ids
-        drafter = build_drafter(method, draft)
+        drafter = build_drafter(method, draft, DrafterOptions(heads=heads_for(target, method, prompt_ids, plain)))
         engine.set_drafter(drafter, method)
         params = GenerationParams(N_NEW, 16, adaptive=method != "none")
         result = engine.run(prompt_ids, params, complete_cache=False)
@@ -244,7 +251,7 @@ def test_mlx_speculation_on_the_real_model_is_bit_identical(mlx_real_pair, mlx_p
     difference 0.0), so greedy speculation needs no --exact settings there."""
     target, draft = mlx_real_pair
     prompt_ids, plain = mlx_plain
-    drafter = build_drafter(method, draft)
+    drafter = build_drafter(method, draft, DrafterOptions(heads=heads_for(target, method, prompt_ids, plain)))
     engine = SpeculativeEngine(target, drafter, method)
     result = engine.run(prompt_ids, GenerationParams(24, 16, adaptive=True), complete_cache=False)
     drafter.close()

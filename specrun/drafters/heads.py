@@ -1,0 +1,108 @@
+"""Self-drafting heads: drafts from the target's own hidden state, no second model.
+
+Medusa (specrun.modelkit.heads.MedusaHeads): between verify passes the target's cache holds
+the context but its last token, and the hidden state at the last cached position is what the
+target's own head turned into that token. Head i reads it and guesses the token i + 1 places
+after the context's end; the heads run in NumPy (a few small matrix-vector products), so a
+proposal costs next to nothing beside a target pass.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from time import perf_counter
+
+import numpy as np
+
+from specrun.backends.kv import KVSequence
+from specrun.drafters.base import EMPTY_PROPOSAL, Drafter, Proposal, second_guesses
+from specrun.errors import UsageError
+from specrun.modelkit.heads import MedusaHeads
+from specrun.sampling import SamplingSettings, probabilities, sample
+
+
+class MedusaDrafter(Drafter):
+    """Medusa heads over the target's last hidden state: head i's guess is draft i.
+
+    Greedy, each head's argmax (over its draft vocabulary, mapped to target ids); sampled, a
+    draw from each head's row under the user's settings, reported as the draft distribution
+    so rejection sampling keeps the output the target's. With ``branches`` N, up to N second
+    guesses beside the chain where the heads were least sure (drafters.base.second_guesses).
+    """
+
+    name = "medusa"
+
+    def __init__(self, heads: MedusaHeads, branches: int = 0) -> None:
+        self.heads = heads
+        self.branches = branches
+        self.target: KVSequence | None = None
+        self.clock: Callable[[], float] = perf_counter
+        config = heads.config
+        self._d2t = heads.d2t if heads.d2t is not None else np.arange(config.draft_vocab_size)
+        self._vocab_size = config.vocab_size
+
+    def bind(self, target: KVSequence, clock: Callable[[], float]) -> None:
+        """Read the target's hidden states from now on: turns its tracking on."""
+        support = target.backend.hidden_support
+        config = self.heads.config
+        if not support.available:
+            raise UsageError(f"method 'medusa' needs the target's hidden states: {support.reason}",
+                             "use another method with this target")
+        if support.size != config.hidden_size or target.backend.vocab.size < config.vocab_size:
+            raise UsageError(
+                f"the heads were made for hidden size {config.hidden_size} and {config.vocab_size} tokens, "
+                f"the target has {support.size} and {target.backend.vocab.size}",
+                "train heads for this target with specrun heads train",
+            )
+        self.target, self.clock = target, clock
+        self._vocab_size = target.backend.vocab.size
+        target.track_hidden(True)
+
+    def head_logits(self, hidden: np.ndarray, n_heads: int) -> np.ndarray:
+        """(n_heads, Vd) float32: the first ``n_heads`` heads' logits over the draft vocabulary
+        for one hidden state (H,)."""
+        rows = []
+        for blocks, projection in zip(self.heads.blocks[:n_heads], self.heads.lm_heads[:n_heads]):
+            x = hidden
+            for weight, bias in blocks:
+                z = weight @ x + bias
+                x = x + z / (1.0 + np.exp(-z))  # silu
+            rows.append(projection @ x)
+        return np.stack(rows)
+
+    def propose(
+        self,
+        context: Sequence[int],
+        draft_len: int,
+        sampling: SamplingSettings,
+        rng: np.random.Generator,
+    ) -> Proposal:
+        n_heads = min(draft_len, self.heads.config.num_heads)
+        if n_heads <= 0 or self.target is None or len(context) < 2:
+            return EMPTY_PROPOSAL
+        hidden = self.target.hidden(len(context) - 2, len(context) - 1)
+        if hidden is None:  # fed while tracking was off (a cache from before the heads were in use)
+            return EMPTY_PROPOSAL
+        logits = self.head_logits(hidden[0], n_heads)  # (n, Vd)
+        if sampling.greedy and not self.branches:
+            return Proposal(tuple(int(self._d2t[i]) for i in logits.argmax(axis=-1)), source=self.name)
+        rows = self._target_rows(logits, sampling if not sampling.greedy else SamplingSettings(temperature=1.0))
+        if sampling.greedy:
+            tokens = tuple(int(row.argmax()) for row in rows)
+            chain = Proposal(tokens, source=self.name)
+        else:
+            tokens = tuple(sample(row, rng) for row in rows)
+            chain = Proposal(tokens, tuple(rows), source=self.name)
+        return second_guesses(chain, rows, self.branches, sampling, rng) if self.branches else chain
+
+    def _target_rows(self, logits: np.ndarray, sampling: SamplingSettings) -> list[np.ndarray]:
+        """Each head's distribution under ``sampling`` (n, Vd), spread over the target's ids."""
+        draft = probabilities(logits, sampling)
+        rows = np.zeros((len(draft), self._vocab_size))
+        rows[:, self._d2t] = draft
+        return list(rows)
+
+    def close(self) -> None:
+        if self.target is not None:
+            self.target.track_hidden(False)
+            self.target = None

@@ -1,0 +1,107 @@
+"""Medusa heads for tests: random ones, and linear probes fitted to a model's own output.
+
+Random heads draft something for any hidden state (losslessness must hold whatever they
+guess); a probe fitted by ridge regression to the target's own continuations guesses right
+often enough that drafts get accepted several deep, as trained heads do.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from specrun.modelkit.heads import HeadsConfig, MedusaHeads
+
+
+def _config(hidden_size: int, vocab_size: int, num_heads: int, draft_vocab_size: int) -> HeadsConfig:
+    return HeadsConfig("medusa", num_heads, 1, hidden_size, vocab_size, draft_vocab_size, target_name="test")
+
+
+def random_heads(hidden_size: int, vocab_size: int, num_heads: int = 4, seed: int = 0,
+                 draft_vocab: Sequence[int] | None = None) -> MedusaHeads:
+    """Heads with random blocks and projections (each head its own), over ``draft_vocab``
+    (target ids) or the whole vocabulary."""
+    rng = np.random.default_rng(seed)
+    d2t = None if draft_vocab is None else np.asarray(draft_vocab, dtype=np.int64)
+    rows = vocab_size if d2t is None else len(d2t)
+    blocks = tuple(
+        ((rng.normal(0, 0.3, (hidden_size, hidden_size)).astype(np.float32),
+          rng.normal(0, 0.1, hidden_size).astype(np.float32)),)
+        for _ in range(num_heads)
+    )
+    projections = tuple(rng.normal(0, 1.0, (rows, hidden_size)).astype(np.float32) for _ in range(num_heads))
+    return MedusaHeads(_config(hidden_size, vocab_size, num_heads, rows), blocks, projections, d2t)
+
+
+def probe_heads(hidden: np.ndarray, tokens: Sequence[int], vocab_size: int, num_heads: int = 4,
+                ridge: float = 1e-2) -> MedusaHeads:
+    """Heads fitted to one sequence: ``hidden[p]`` (n, H) is the target's hidden state after
+    ``tokens[p]``; head i is a ridge regression of the one-hot of ``tokens[p + 2 + i]`` on it
+    (identity blocks, so the probe is the whole head), over a draft vocabulary of the tokens
+    the sequence holds (a real model's 50k would not fit)."""
+    n, size = hidden.shape
+    x = hidden.astype(np.float64)
+    d2t = np.unique(np.asarray(tokens, dtype=np.int64))
+    draft_id = {int(token): i for i, token in enumerate(d2t)}
+    zero_block = ((np.zeros((size, size), np.float32), np.zeros(size, np.float32)),)
+    projections = []
+    for i in range(num_heads):
+        fitted = x[: n - 2 - i]  # the positions whose token 2 + i later is known
+        targets = np.zeros((len(fitted), len(d2t)))
+        targets[np.arange(len(fitted)), [draft_id[int(token)] for token in tokens[2 + i : n]]] = 1.0
+        solve = np.linalg.solve(fitted.T @ fitted + ridge * len(fitted) * np.eye(size), fitted.T @ targets)
+        projections.append(solve.T.astype(np.float32))  # (Vd, H)
+    config = _config(size, vocab_size, num_heads, len(d2t))
+    return MedusaHeads(config, (zero_block,) * num_heads, tuple(projections), d2t)
+
+
+def oracle_hidden(table, vocab_size: int, depth: int = 4, wrong: float = 0.3, salt: int = 0):
+    """A fake's hidden states that know the future, as a trained model's partly do: after a
+    context, one-hot blocks of the target's next ``depth + 1`` greedy tokens (``table`` rolled
+    forward), each block replaced by another token with probability ``wrong`` (decided per
+    context and block, reproducibly). Size (depth + 1) * vocab_size; see ``oracle_heads``."""
+    import zlib
+
+    def hidden(context: tuple[int, ...]) -> np.ndarray:
+        state = np.zeros((depth + 1) * vocab_size, np.float32)
+        rolled = tuple(context)
+        for block in range(depth + 1):
+            token = int(np.argmax(table(rolled)))
+            rolled += (token,)
+            coin = np.random.default_rng(zlib.crc32(repr((salt, rolled, block)).encode()))
+            shown = int(coin.integers(vocab_size)) if coin.random() < wrong else token
+            state[block * vocab_size + shown] = 1.0
+        return state
+
+    return hidden
+
+
+def oracle_heads(vocab_size: int, depth: int = 4, sharpness: float = 4.0) -> MedusaHeads:
+    """Heads reading ``oracle_hidden``'s blocks: head i's logits are ``sharpness`` times block
+    i + 1 (the guess for the token 2 + i after the hidden state's position)."""
+    size = (depth + 1) * vocab_size
+    zero_block = ((np.zeros((size, size), np.float32), np.zeros(size, np.float32)),)
+    projections = []
+    for i in range(depth):
+        projection = np.zeros((vocab_size, size), np.float32)
+        projection[np.arange(vocab_size), (i + 1) * vocab_size + np.arange(vocab_size)] = sharpness
+        projections.append(projection)
+    return MedusaHeads(_config(size, vocab_size, depth, vocab_size), (zero_block,) * depth, tuple(projections))
+
+
+def fitted_heads(backend, ids: Sequence[int], num_heads: int = 4) -> MedusaHeads:
+    """Probe heads for a real backend, fitted to its hidden states along ``ids`` (its own
+    output, so the heads guess what it says)."""
+    from specrun.backends.kv import sequence_for
+
+    sequence = sequence_for(backend)
+    sequence.reset()
+    sequence.track_hidden(True)
+    try:
+        sequence.feed(list(ids))
+        hidden = sequence.hidden(0, len(ids))
+    finally:
+        sequence.track_hidden(False)
+        sequence.reset()
+    return probe_heads(hidden, ids, backend.vocab.size, num_heads)
