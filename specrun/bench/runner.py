@@ -24,11 +24,12 @@ from specrun.sessions.generation import (
     ADAPTIVE_MAX_DRAFT_LEN,
     DEFAULT_DRAFT_LEN,
     adapts_length,
+    load_target_heads,
     load_tuned,
     resolve_min_prob,
 )
 from specrun.registry.loading import LoadOptions, open_pair, prompts_as_chat
-from specrun.drafters.methods import DrafterOptions, is_adaptive, needs_draft_model
+from specrun.drafters.methods import DrafterOptions, is_adaptive, needs_draft_model, needs_heads
 from specrun.sampling import SamplingSettings
 
 BASELINE = "none"
@@ -63,6 +64,7 @@ class BenchConfig:
     load: LoadOptions = field(default_factory=LoadOptions)
     use_tuned: bool = True
     native: bool = False  # also run the backend's own plain loop beside the methods (a second model copy)
+    heads: str | None = None  # --heads: the head methods' heads file (None: found by the target's alias)
 
     @property
     def sweep(self) -> bool:
@@ -148,6 +150,9 @@ def run_bench(config: BenchConfig, prompts: Sequence[BenchPrompt], progress: Pro
         tuned = load_tuned(target, draft, config.load.threads) if config.use_tuned else None
         variants = config.variants()
         min_prob = resolve_min_prob(config.draft_min_prob, tuned)
+        heads = None
+        if any(needs_heads(m) for m in config.methods):
+            heads = load_target_heads(config.target, config.heads, target, config.load.registry)
         if progress is not None:
             progress.start(len(kept) * len(variants) * config.repeat)
         native = target.native_loop() if config.native else None
@@ -160,7 +165,7 @@ def run_bench(config: BenchConfig, prompts: Sequence[BenchPrompt], progress: Pro
                 GenerationParams(config.max_new_tokens, DEFAULT_DRAFT_LEN, config.sampling),  # each variant sets its own
                 repeat=config.repeat,
                 on_result=_reporter(progress, [p for p, _ in kept]),
-                drafter_options=DrafterOptions(draft_min_prob=min_prob),
+                drafter_options=DrafterOptions(draft_min_prob=min_prob, heads=heads),
                 tuned=tuned,
                 native=native,
             )

@@ -25,6 +25,7 @@ from specrun.cli.common import (
     DraftOpt,
     ExactOpt,
     GpuLayersOpt,
+    HeadsOpt,
     KvTypeOpt,
     JsonOpt,
     MaxTokensOpt,
@@ -97,6 +98,7 @@ def generate(
     branches: BranchesOpt = None,
     tree_nodes: TreeNodesOpt = None,
     chain_only: ChainOpt = False,
+    heads: HeadsOpt = None,
 ) -> None:
     """Answer PROMPT as a chat message (with --raw, or for a completion model, continue it):
     text to stdout, statistics to stderr."""
@@ -127,6 +129,7 @@ def generate(
             drafter_options=DrafterOptions(ngram_cache=ngram_cache, branches=trees.branches),
             chat=chat,
             trees=trees,
+            heads=heads,
             on_note=lambda note: typer.echo(f"note: {note}", err=True),
         )
         kept = None  # the answer is printed even when the n-gram cache could not be saved after it

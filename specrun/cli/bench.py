@@ -16,6 +16,7 @@ from specrun.cli.common import (
     DraftOpt,
     ExactOpt,
     GpuLayersOpt,
+    HeadsOpt,
     KvTypeOpt,
     MaxTokensOpt,
     PipeConsole,
@@ -97,6 +98,7 @@ def bench(
     kv_type: KvTypeOpt = None,
     exact: ExactOpt = False,
     registry: RegistryOpt = None,
+    heads: HeadsOpt = None,
 ) -> None:
     """Which speculation method is fastest on this machine? Tables to stdout, progress to stderr.
 
@@ -109,6 +111,7 @@ def bench(
         from specrun.sessions.generation import ADAPTIVE_MAX_DRAFT_LEN
         from specrun.registry.loading import DEFAULT_TARGET, LoadOptions
         from specrun.drafters.methods import is_adaptive
+        from specrun.registry.heads import heads_available
 
         check_range("--max-tokens", max_tokens, 1, MAX_NEW_TOKENS)
         check_range("--repeat", repeat, 1, MAX_REPEAT)
@@ -120,7 +123,8 @@ def bench(
         sampling = checked_sampling("bench", temp, 0, 1.0, 0.0, seed)
         target = target or DEFAULT_TARGET
         draft = draft or suggested_draft(target, registry)
-        method_list = parse_methods(methods, has_draft=draft is not None)
+        method_list = parse_methods(methods, has_draft=draft is not None,
+                                    has_heads=heads is not None or heads_available(target, "medusa", registry))
         draft_lens = parse_draft_lens(draft_len, sweep_draft_len)
         if len(draft_lens) > 1 and not any(m != "none" and not is_adaptive(m) for m in method_list):
             raise UsageError(
@@ -143,6 +147,7 @@ def bench(
             suite=suite_name,
             use_tuned=not untuned,
             native=native,
+            heads=heads,
             load=LoadOptions(backend=backend, n_ctx=ctx, threads=threads, gpu_layers=gpu_layers,
                              registry=registry, kv_type=kv_type, exact=exact),
         )
@@ -157,19 +162,22 @@ def suggested_draft(target: str, registry: Path | None) -> str | None:
     return entry.drafts[0] if entry is not None and entry.drafts else None
 
 
-def parse_methods(methods: str | None, has_draft: bool) -> tuple[str, ...]:
+def parse_methods(methods: str | None, has_draft: bool, has_heads: bool = False) -> tuple[str, ...]:
     """The methods to run, baseline ``none`` first (added when missing).
 
-    Default: every known method the pair can run. A method that needs a draft model
-    when there is none is a usage error.
+    Default: every known method the pair can run (head methods where the target has heads).
+    A method that needs a draft model when there is none is a usage error.
     """
-    from specrun.drafters.methods import METHODS, check_method, needs_draft_model, resolve_method
+    from specrun.drafters.methods import METHODS, check_method, needs_draft_model, needs_heads, resolve_method
 
     def runnable(method: str) -> bool:
         return has_draft or not needs_draft_model(resolve_method(method, has_draft))
 
+    def default(method: str) -> bool:
+        return runnable(method) and (has_heads or not needs_heads(method))
+
     if methods is None:
-        chosen = [m for m in METHODS if runnable(m)]
+        chosen = [m for m in METHODS if default(m)]
     else:
         chosen = list(dict.fromkeys(m.strip() for m in methods.split(",") if m.strip()))
         if not chosen:

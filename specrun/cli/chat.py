@@ -31,6 +31,7 @@ from specrun.cli.common import (
     DraftOpt,
     ExactOpt,
     GpuLayersOpt,
+    HeadsOpt,
     KvTypeOpt,
     MaxTokensOpt,
     MethodOpt,
@@ -115,6 +116,7 @@ def chat_command(
     branches: BranchesOpt = None,
     tree_nodes: TreeNodesOpt = None,
     chain_only: ChainOpt = False,
+    heads: HeadsOpt = None,
 ) -> None:
     """Chat with the target model: a REPL on a terminal; on a pipe, stdin is the message and stdout the answer."""
     with cli_errors():
@@ -143,7 +145,7 @@ def chat_command(
         with open_chat(target, draft, method, options,
                        system_prompt=None if system is None else checked_text(system, "--system"),
                        draft_len=draft_len, draft_min_prob=draft_min_prob, ngram_cache=ngram_cache,
-                       branches=trees.branches) as session:
+                       branches=trees.branches, heads=heads) as session:
             if messages is None:
                 ChatRepl(session, params, view).run()
             else:

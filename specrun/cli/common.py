@@ -166,7 +166,8 @@ MethodOpt = Annotated[
     typer.Option(
         "--method",
         "-m",
-        help="auto (the default: adaptive lookup+ngram+draft), none (plain decoding), draft, lookup, ngram, or a chain like lookup+draft.",
+        help="auto (the default: adaptive lookup+ngram+draft), none (plain decoding), draft, lookup, ngram, "
+        "medusa (heads on the target's hidden state, see --heads), or a chain like lookup+draft.",
     ),
 ]
 MaxTokensOpt = Annotated[int, typer.Option("--max-tokens", "-n", help="New tokens to generate.")]
@@ -210,6 +211,14 @@ TreeNodesOpt = Annotated[
     ),
 ]
 ChainOpt = Annotated[bool, typer.Option("--chain", help="Draft chains only, never token trees.")]
+HeadsOpt = Annotated[
+    Optional[str],
+    typer.Option(
+        "--heads",
+        help="Heads file for --method medusa (from specrun heads train, or a Medusa folder). Default: found "
+        "beside the target, in specrun's cache, or shipped with it.",
+    ),
+]
 GpuLayersOpt = Annotated[Optional[int], typer.Option("--gpu-layers", help="Layers on the GPU (default: all).")]
 KvTypeOpt = Annotated[
     Optional[str],

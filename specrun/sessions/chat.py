@@ -35,10 +35,12 @@ from specrun.registry.compat import check_compatible
 from specrun.drafters.ngram import vocabulary_fingerprint
 from specrun.engine.loop import Finished, GenerationParams, GenerationResult, SpeculativeEngine, TextChunk
 from specrun.errors import ContextFullError, UsageError
-from specrun.sessions.generation import adapts_length, load_tuned, remember_run, resolve_draft_len, resolve_min_prob
+from specrun.sessions.generation import (
+    adapts_length, load_target_heads, load_tuned, remember_run, resolve_draft_len, resolve_min_prob
+)
 from specrun.backends.kv import common_prefix_len, sequence_for
 from specrun.registry.loading import LoadOptions, open_backend, open_pair
-from specrun.drafters.methods import DrafterOptions, build_drafter, check_method, needs_draft_model
+from specrun.drafters.methods import DrafterOptions, build_drafter, check_method, needs_draft_model, needs_heads
 from specrun.engine.stats import Stats
 from specrun.sessions.templates import ChatTemplate, message_spans, tokenize_rendered
 
@@ -118,6 +120,7 @@ class ChatSession:
 
     load_draft: called the first time ``set_method`` needs a draft model that was not
     loaded at the start (the chat began with a method that needs none).
+    load_heads: likewise for a head method's heads (specrun.modelkit.heads).
     draft_len, draft_min_prob: the user's choices. draft_len None: lengths adapt, up to 16;
     draft_min_prob None: what ``specrun tune`` saved for this pair and machine (``tuned``),
     else none (generation.resolve_*).
@@ -135,6 +138,7 @@ class ChatSession:
         system_prompt: str | None = None,
         drafter_options: DrafterOptions | None = None,
         load_draft: Callable[[], Backend] | None = None,
+        load_heads: Callable[[], object] | None = None,
         draft_len: int | None = None,
         draft_min_prob: float | None = None,
         tuned=None,
@@ -148,6 +152,7 @@ class ChatSession:
         self.transcript = Transcript()
         self.answers: list[Stats] = []
         self._load_draft = load_draft
+        self._load_heads = load_heads  # a head method's heads, for a /method that needs them
         self._draft_len = draft_len
         self._draft_min_prob = draft_min_prob
         self._find_tuned = find_tuned
@@ -303,11 +308,16 @@ class ChatSession:
             self.draft = self._load_draft()
             if self._tuned is None and self._find_tuned is not None:
                 self._use_tuned(self._find_tuned(self.draft))
+        if needs_heads(method) and self._drafter_options.heads is None:
+            if self._load_heads is None:
+                raise UsageError(f"method {method!r} needs heads for the target",
+                                 "start specrun chat with --heads FILE")
+            self._drafter_options = dataclasses.replace(self._drafter_options, heads=self._load_heads())
         drafter = build_drafter(method, self.draft, self._drafter_options)
         previous = self.engine.drafter
-        self.engine.set_drafter(drafter, method)
-        if previous is not None:
+        if previous is not None:  # first: a head drafter stops the target's hidden states when closed
             previous.close()
+        self.engine.set_drafter(drafter, method)
 
     def total_stats(self) -> Stats:
         """Every answer's statistics added up."""
@@ -347,13 +357,15 @@ def open_chat(
     draft_min_prob: float | None = None,
     ngram_cache: Path | None = None,
     branches: int = 0,
+    heads: str | None = None,
 ) -> ChatSession:
     """Load the pair for ``method`` (the draft model only if it needs one) and start a session.
 
     With a ``draft_spec`` the method does not need yet, the draft is loaded on the
     first ``/method`` that does. ``ngram_cache``: the n-gram pool's file, loaded now and
     saved when the session closes (or switches method). ``branches``: second guesses a
-    drafter may add (token trees; the target must be opened with tree paths).
+    drafter may add (token trees; the target must be opened with tree paths). ``heads``: the
+    heads file of a head method (--heads; None: found by alias), loaded when a method needs it.
     """
     check_method(method)
     target, draft = open_pair(target_spec, draft_spec if needs_draft_model(method) else None, options)
@@ -365,7 +377,11 @@ def open_chat(
         drafter_options = DrafterOptions(branches=branches)
         if ngram_cache is not None:
             drafter_options = DrafterOptions(ngram_cache, vocabulary_fingerprint(target), branches=branches)
+        load_heads = functools.partial(load_target_heads, target_spec, heads, target, options.registry)
+        if needs_heads(method):
+            drafter_options = dataclasses.replace(drafter_options, heads=load_heads())
         return ChatSession(target, draft, method, system_prompt=system_prompt, load_draft=load_draft,
+                           load_heads=load_heads,
                            draft_len=draft_len, draft_min_prob=draft_min_prob, tuned=tuned,
                            drafter_options=drafter_options,
                            find_tuned=lambda loaded: load_tuned(target, loaded, options.threads),

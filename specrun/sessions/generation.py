@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 
 from specrun.engine.loop import DEFAULT_TREE_NODES, Finished, GenerationParams, GenerationResult, SpeculativeEngine, TextChunk
 from specrun.registry.loading import LoadOptions, open_pair, prompts_as_chat
-from specrun.drafters.methods import DrafterOptions, build_drafter, is_adaptive, needs_draft_model
-from specrun.errors import AnswerKeptError, SpecrunError
+from specrun.drafters.methods import DrafterOptions, build_drafter, is_adaptive, needs_draft_model, needs_heads
+from specrun.errors import AnswerKeptError, SpecrunError, UsageError
 from specrun.sampling import SamplingSettings
 
 
@@ -53,6 +53,7 @@ class GenerateRequest:
     drafter_options: DrafterOptions = field(default_factory=DrafterOptions)
     chat: bool | None = None  # the prompt as a user message in the chat template; None: see prompts_as_chat
     trees: TreeSettings = field(default_factory=TreeSettings)
+    heads: str | None = None  # --heads: the heads file a head method drafts with (None: found by alias)
     on_note: Callable[[str], None] | None = None  # one-line notes for the user (stderr in the CLI)
 
 
@@ -118,6 +119,23 @@ def resolve_min_prob(requested: float | None, tuned) -> float:
     return tuned.best_min_prob if tuned is not None else DEFAULT_DRAFT_MIN_PROB
 
 
+def load_target_heads(target_spec: str, explicit: str | None, target, registry=None):
+    """The Medusa heads for ``target`` (an open backend): --heads, else found by alias
+    (registry/heads.py), checked against the target before anything drafts with them."""
+    from specrun.drafters.ngram import vocabulary_fingerprint
+    from specrun.modelkit.heads import MedusaHeads, check_heads_for_target, load_heads
+    from specrun.registry.heads import find_heads
+
+    path = find_heads(target_spec, explicit, "medusa", registry)
+    heads = load_heads(path)
+    if not isinstance(heads, MedusaHeads):
+        raise UsageError(f"{path} holds {heads.config.kind} heads, not Medusa heads",
+                         "pass Medusa heads with --heads (--method eagle is not available yet)")
+    check_heads_for_target(heads, hidden_size=target.hidden_support.size or heads.config.hidden_size,
+                           vocab_size=target.vocab.size, vocabulary=vocabulary_fingerprint(target), path=path)
+    return heads
+
+
 def prompt_token_ids(target, prompt: str, chat: bool) -> list[int]:
     """The prompt as one user message in the target's chat template, as ``mlx_lm.generate``
     and ``llama-cli`` send it, or (``chat`` false) as is."""
@@ -142,6 +160,9 @@ def generate_text(request: GenerateRequest, on_text: Callable[[str], None] | Non
             from specrun.drafters.ngram import vocabulary_fingerprint
 
             options = dataclasses.replace(options, vocabulary=vocabulary_fingerprint(target))
+        if needs_heads(request.method):
+            options = dataclasses.replace(options, heads=load_target_heads(request.target, request.heads, target,
+                                                                         request.load.registry))
         drafter = build_drafter(request.method, draft, options)
         if request.trees.paths and not target.tree_support.available and request.on_note is not None:
             request.on_note(f"token trees are off: {target.tree_support.reason}; verifying chains")

@@ -11,9 +11,11 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+from heads_factory import random_heads
 from model_factory import perturbed_copy
 from specrun.cli.app import app
-from specrun.drafters.methods import METHODS
+from specrun.drafters.methods import METHODS, needs_heads
+from specrun.modelkit.heads import save_heads
 
 runner = CliRunner()
 BACKEND_MODULES = {"llama": "llama_cpp", "mlx": "mlx_lm"}
@@ -233,13 +235,17 @@ def test_console_script_reads_a_pipe(tiny_llama, llama_installed):
 
 
 @pytest.mark.parametrize("method", [method for method in METHODS if method != "none"])
-def test_every_method_gives_the_plain_greedy_text(pair, method, tmp_path):
+def test_every_method_gives_the_plain_greedy_text(pair, method, tmp_path, tiny_llama):
     """As the CLI runs them (adaptive lengths: on this CPU a draft model as dear as the target
     soon stops drafting) and at -k 4, where drafts are made on every step they can be and the
     perturbed draft's are also rejected. Lookup and the n-gram pool draft from the prompt and
     are rejected: the random model never repeats it."""
     prompt = "def f(x):\n    return x\n" * 3
     plain = invoke("generate", prompt, *pair, "-n", "48", "--method", "none", "--json")
+    if needs_heads(method):  # heads for the tiny target, from a file as `specrun heads train` writes it
+        config = tiny_llama.config
+        save_heads(random_heads(config.hidden_size, config.vocab_size), tmp_path / "heads.safetensors")
+        pair = [*pair, "--heads", str(tmp_path / "heads.safetensors")]
     for length in ([], ["-k", "4"]):
         # each run as a new user's: not started from the costs the run before learned (learned.json)
         fresh = {"XDG_CONFIG_HOME": str(tmp_path / f"config{len(length)}")}

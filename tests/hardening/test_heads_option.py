@@ -1,0 +1,95 @@
+"""--method medusa and --heads: where heads are found, and every wrong heads file one line."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from cli_checks import assert_one_line_error, invoke
+from heads_factory import random_heads
+from specrun.modelkit.heads import save_heads
+from specrun.registry.heads import heads_cache_path
+
+
+@pytest.fixture
+def target(tiny_llama):
+    pytest.importorskip("llama_cpp", reason="the llama backend is not installed")
+    return str(tiny_llama.gguf_path)
+
+
+def write_heads(path, hidden_size: int, vocab_size: int):
+    save_heads(random_heads(hidden_size, vocab_size, num_heads=3), path)
+    return path
+
+
+def test_heads_beside_the_model_are_found_and_used(tiny_llama, tmp_path):
+    """<model>.medusa.safetensors next to a model file is picked up without --heads."""
+    pytest.importorskip("llama_cpp", reason="the llama backend is not installed")
+    model = tmp_path / "tiny.gguf"
+    model.write_bytes(tiny_llama.gguf_path.read_bytes())
+    config = tiny_llama.config
+    write_heads(tmp_path / "tiny.medusa.safetensors", config.hidden_size, config.vocab_size)
+    result = invoke("generate", "def f(x):", "-t", str(model), "-m", "medusa", "-n", "12", "-k", "3", "--json")
+    assert result.exit_code == 0, result.output
+    stats = json.loads(result.stdout)["stats"]
+    assert stats["method"] == "medusa" and stats["drafted"] > 0
+
+
+def test_heads_in_specrun_s_cache_are_found_by_alias(tiny_llama, tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECRUN_CACHE", str(tmp_path / "cache"))
+    registry = tmp_path / "models.toml"
+    registry.write_text(f'[models.tiny]\ngguf_path = "{tiny_llama.gguf_path}"\n')
+    path = heads_cache_path("tiny", "medusa")
+    path.parent.mkdir(parents=True)
+    write_heads(path, tiny_llama.config.hidden_size, tiny_llama.config.vocab_size)
+    pytest.importorskip("llama_cpp", reason="the llama backend is not installed")
+    result = invoke("generate", "def f(x):", "-t", "tiny", "--registry", str(registry), "-m", "medusa", "-n", "8",
+                    "--json")
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["stats"]["method"] == "medusa"
+
+
+def test_no_heads_anywhere_is_one_line_naming_where_it_looked_and_how_to_train(target, tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECRUN_CACHE", str(tmp_path / "cache"))
+    result = invoke("generate", "hi", "-t", target, "-m", "medusa", "-n", "4")
+    line = assert_one_line_error(result.exit_code, result.stderr, 2, "no medusa heads", "specrun heads train")
+    assert str(tmp_path / "cache") in line
+
+
+def test_a_missing_heads_path_is_one_line(target, tmp_path):
+    result = invoke("generate", "hi", "-t", target, "-m", "medusa", "--heads", str(tmp_path / "nope.safetensors"))
+    assert_one_line_error(result.exit_code, result.stderr, 2, "nope.safetensors", "no such file")
+
+
+def test_heads_for_another_model_are_refused_naming_both_sides(target, tiny_llama, tmp_path):
+    heads = write_heads(tmp_path / "other.safetensors", 64, tiny_llama.config.vocab_size)
+    result = invoke("generate", "hi", "-t", target, "-m", "medusa", "--heads", str(heads))
+    assert_one_line_error(result.exit_code, result.stderr, 1, "other.safetensors", "64",
+                          str(tiny_llama.config.hidden_size))
+
+
+def test_a_truncated_heads_file_is_one_line(target, tiny_llama, tmp_path):
+    heads = write_heads(tmp_path / "cut.safetensors", tiny_llama.config.hidden_size, tiny_llama.config.vocab_size)
+    heads.write_bytes(heads.read_bytes()[:100])
+    result = invoke("generate", "hi", "-t", target, "-m", "medusa", "--heads", str(heads))
+    assert_one_line_error(result.exit_code, result.stderr, 1, "cut.safetensors")
+
+
+def test_bench_and_chat_take_heads_too(target, tiny_llama, tmp_path):
+    """bench runs medusa beside plain decoding with the same greedy text; chat on a pipe answers
+    with medusa as -m none does; /method medusa in a chat started without it loads the heads."""
+    config = tiny_llama.config
+    heads = str(write_heads(tmp_path / "h.safetensors", config.hidden_size, config.vocab_size))
+    out = tmp_path / "bench.json"
+    result = invoke("bench", "-t", target, "--methods", "none,medusa", "--heads", heads, "--categories",
+                    "code-completion", "--per-category", "1", "-n", "8", "--json", str(out))
+    assert result.exit_code == 0, result.output
+    doc = json.loads(out.read_text())
+    assert doc["mismatches"] == [] and {line["method"] for line in doc["overall"]} == {"none", "medusa"}
+    assert all(run["same_as_baseline"] for run in doc["runs"])
+    answers = [
+        invoke("chat", "-t", target, "-m", method, "--heads", heads, "-n", "12", input="hello there\n").stdout
+        for method in ("none", "medusa")
+    ]
+    assert answers[0] == answers[1] and answers[0].strip()
