@@ -42,11 +42,11 @@ def raise_on_interrupt() -> None:
         sys.unraisablehook = _redelivering(sys.unraisablehook)
 
 
-def say_interrupted() -> None:
-    """The one line an interrupted run ends with (cli_errors)."""
+def say_interrupted(detail: str = "") -> None:
+    """The one line an interrupted run ends with (cli_errors); ``detail``: what was kept, and where."""
     global _said
     _said = True
-    print("interrupted", file=sys.stderr, flush=True)
+    print(f"interrupted: {detail}" if detail else "interrupted", file=sys.stderr, flush=True)
 
 
 def say_interrupted_once() -> None:

@@ -1,0 +1,125 @@
+"""``specrun heads``: self-drafting heads for a target (``train``: Medusa heads, on this machine)."""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich import box
+from rich.console import Console, Group
+from rich.table import Table
+from rich.text import Text
+
+from specrun.cli.common import PipeConsole, RegistryOpt, cli_errors
+from specrun.cli.interrupts import INTERRUPTED_EXIT, say_interrupted
+
+heads_app = typer.Typer(help="Self-drafting heads for a target: train them on this machine.", no_args_is_help=True)
+
+
+@heads_app.command("train")
+def train(
+    target: Annotated[str, typer.Option("--target", "-t", help="Target: alias, MLX folder or Hugging Face repo.")] = "demo-target",
+    kind: Annotated[str, typer.Option("--kind", help="Heads to train: medusa (hydra and eagle: not yet).")] = "medusa",
+    heads_out: Annotated[Optional[Path], typer.Option(
+        "--heads-out", help="Where to write the heads (default: specrun's cache, where --heads finds them).")] = None,
+    num_heads: Annotated[int, typer.Option("--num-heads", help="Heads: tokens guessed beyond the target's own.")] = 4,
+    num_layers: Annotated[int, typer.Option("--num-layers", help="Residual blocks per head.")] = 1,
+    draft_vocab: Annotated[int, typer.Option(
+        "--draft-vocab", help="Tokens the heads can guess: the target's most frequent in the data.")] = 4096,
+    minutes: Annotated[float, typer.Option("--minutes", help="Wall-clock budget, data and training together.")] = 10.0,
+    text: Annotated[Optional[Path], typer.Option(
+        "--text", help="Learn from the text files in this folder (default: the target's own continuations).")] = None,
+    prompts: Annotated[Optional[Path], typer.Option(
+        "--prompts", help="Prompts for the target to continue, one a line (default: built-in ones).")] = None,
+    lr: Annotated[float, typer.Option("--lr", help="AdamW learning rate.")] = 1e-3,
+    seed: Annotated[int, typer.Option("--seed", help="Seed of the data order and the held-out windows.")] = 0,
+    registry: RegistryOpt = None,
+    max_steps: Annotated[Optional[int], typer.Option("--max-steps", hidden=True)] = None,
+) -> None:
+    """Train heads that guess the target's next tokens from its hidden states; a second run with
+    the same options resumes from the checkpoint a stopped one left."""
+    with cli_errors():
+        from specrun.sessions.heads import HeadsTrainRequest, TrainingInterrupted, check_request, train_heads
+
+        request = HeadsTrainRequest(
+            target=target, kind=kind, out=heads_out, num_heads=num_heads, num_layers=num_layers,
+            draft_vocab=draft_vocab, minutes=minutes, text_dir=text, prompts_file=prompts,
+            learning_rate=lr, seed=seed, registry=registry,
+        )
+        check_request(request)
+        err = Console(stderr=True)
+        try:
+            progress = _TrainingProgress(err)
+            with progress.shown():
+                result = train_heads(request, on_progress=progress.update, on_note=progress.note, max_steps=max_steps)
+        except TrainingInterrupted as exc:
+            say_interrupted(exc.where())
+            raise typer.Exit(INTERRUPTED_EXIT) from None
+        PipeConsole(file=sys.stdout).print(render(result))
+        typer.echo(f"wrote {result.path}", err=True)
+
+
+class _TrainingProgress:
+    """Rich bars on a terminal (data, then training: steps, loss, time left); on a pipe, a line
+    at each note and every ~30 s."""
+
+    PIPE_EVERY = 30.0
+
+    def __init__(self, console: Console) -> None:
+        from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+
+        self.console = console
+        self.enabled = console.is_terminal
+        self.bar = Progress(TextColumn("{task.description}"), BarColumn(), TimeRemainingColumn(),
+                            TextColumn("{task.fields[detail]}"), console=console, transient=True)
+        self.tasks: dict[str, int] = {}
+        self.last_line = 0.0
+
+    def shown(self):
+        """The bars on screen while the run lasts (a terminal only)."""
+        return self.bar if self.enabled else contextlib.nullcontext()
+
+    def note(self, text: str) -> None:
+        self.console.print(text, highlight=False, markup=False)
+
+    def update(self, progress) -> None:
+        left = max(0.0, progress.budget - progress.elapsed)
+        if progress.phase == "data":
+            detail = f"{progress.tokens} tokens"
+        else:
+            steps = f"step {progress.step}" + (f"/{progress.max_steps}" if progress.max_steps else "")
+            detail = f"{steps}  loss {progress.loss:.3f}"
+        if not self.enabled:
+            if progress.elapsed - self.last_line >= self.PIPE_EVERY:
+                self.last_line = progress.elapsed
+                self.note(f"{progress.phase}: {detail}, {left / 60:.1f} min left")
+            return
+        task = self.tasks.get(progress.phase)
+        if progress.phase == "train" and "data" in self.tasks:  # gathering is over
+            self.bar.remove_task(self.tasks.pop("data"))
+        if task is None:
+            label = "gathering data" if progress.phase == "data" else "training"
+            task = self.tasks[progress.phase] = self.bar.add_task(label, total=progress.budget, detail="")
+        self.bar.update(task, completed=progress.elapsed, detail=detail)
+
+
+def render(result) -> Group:
+    """The held-out report: each head's accuracy alone and in a chain, and tokens per verify pass."""
+    report = result.report
+    table = Table(box=box.SIMPLE_HEAD, padding=(0, 1))
+    table.add_column("head")
+    table.add_column("guesses", justify="right")
+    table.add_column("top-1", justify="right")
+    table.add_column("in the chain", justify="right")
+    for i, (alone, chained) in enumerate(zip(report.head_accuracy, report.chain_accuracy)):
+        table.add_row(str(i), f"p+{i + 2}", f"{100 * alone:.1f}%", f"{100 * chained:.1f}%")
+    return Group(
+        Text(f"held out: {report.positions} positions, {report.tokens_per_pass:.2f} tokens per verify pass "
+             "with the heads' top-1 chain"),
+        table,
+        Text(f"{result.steps} steps in {result.seconds / 60:.1f} min, loss {result.final_loss:.3f}; "
+             f"data: {result.source}"),
+    )

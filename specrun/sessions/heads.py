@@ -1,0 +1,538 @@
+"""`specrun heads train`: Medusa heads for a target, trained on this machine within a time budget.
+
+The run: gather data (a share of the budget), pick the draft vocabulary, train, report on the
+held-out windows, write the heads. Data are windows of the target's own tokens with its hidden
+state at every position (heads_data.py says where they come from); a head's label at position p
+is the target's own token at p + 2 + i, its greedy next token after p + 1 + i, so what a head is
+scored on is what a verify pass would accept. The draft vocabulary is the target's most frequent
+next tokens in the training windows.
+
+Checkpoints (every ~30 s) go to ``<out>.ckpt/``: the heads through the same writer as the final
+file, the optimizer's state and the data's tokens. A second run with the same settings resumes
+there: the budget counts the seconds already spent, and a larger --minutes trains on. A Ctrl-C
+keeps the last checkpoint (TrainingInterrupted says where); a finished run removes it.
+"""
+
+from __future__ import annotations
+
+import io
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from specrun.errors import SpecrunError, UsageError
+from specrun.fileio import check_writable_folder, write_atomically
+from specrun.modelkit.heads import HEAD_KINDS, HeadsConfig
+from specrun.sessions.heads_data import (
+    builtin_python_prompts,
+    builtin_questions,
+    cut_windows,
+    read_prompts_file,
+    read_text_folder,
+    text_pieces,
+)
+
+TRAINABLE_KINDS = ("medusa",)
+DATA_SHARE = 0.4  # of the budget, at most, for gathering data: generation is the slow part
+CHECKPOINT_SECONDS = 30.0
+HELD_OUT_SHARE = 0.1  # of the windows, kept out of training for the report
+TEXT_WINDOW_TOKENS = 128
+SHORTEST_WINDOW = 8
+TEXT_PIECE_CHARS = 1024  # text is tokenized in pieces of lines: a tokenizer warns about long inputs, and is slow on them
+CONTINUATION_TOKENS = 96  # new tokens per prompt when the target continues it
+MAX_PROMPT_TOKENS = 192  # a longer prompt keeps its last tokens (a chat prompt ends in the assistant's turn)
+GENERATION_BATCH = 32  # prompts continued together (one left-padded batch)
+STATES_BATCH = 8  # text windows per hidden-state pass
+BATCH_POSITIONS = 128  # positions per training step
+BUILTIN_PROMPTS = 2048
+LOSS_WINDOW = 20  # steps the reported loss is averaged over
+
+
+@dataclass(frozen=True)
+class HeadsTrainRequest:
+    """What to train. ``out``: the heads file (None: specrun's cache for the target).
+    ``text_dir`` or ``prompts_file``: the data (neither: built-in prompts)."""
+
+    target: str
+    kind: str = "medusa"
+    out: Path | None = None
+    num_heads: int = 4
+    num_layers: int = 1
+    draft_vocab: int = 4096
+    minutes: float = 10.0
+    text_dir: Path | None = None
+    prompts_file: Path | None = None
+    learning_rate: float = 1e-3
+    seed: int = 0
+    registry: Path | None = None
+
+
+@dataclass(frozen=True)
+class TrainProgress:
+    """Where a run is: gathering data (``phase`` "data", ``tokens`` so far) or training."""
+
+    phase: str
+    elapsed: float  # seconds of the budget spent, earlier runs of a resumed training included
+    budget: float
+    tokens: int = 0
+    step: int = 0
+    loss: float | None = None
+    max_steps: int | None = None
+
+
+@dataclass(frozen=True)
+class HeldOutReport:
+    """How the heads guess the target's own tokens on held-out windows.
+
+    head_accuracy[i]: head i's top-1 accuracy against the target's token at p + 2 + i.
+    chain_accuracy[i]: the same, counted only where heads 0..i-1 were all right (a chain of
+    top-1 guesses reaches head i only then). tokens_per_pass: 1 + the mean number of leading
+    right guesses, the tokens a verify pass of that chain yields.
+    """
+
+    head_accuracy: tuple[float, ...]
+    chain_accuracy: tuple[float, ...]
+    tokens_per_pass: float
+    positions: int
+
+    def to_dict(self) -> dict:
+        return {
+            "head_accuracy": [round(value, 4) for value in self.head_accuracy],
+            "chain_accuracy": [round(value, 4) for value in self.chain_accuracy],
+            "tokens_per_pass": round(self.tokens_per_pass, 4),
+            "positions": self.positions,
+        }
+
+
+@dataclass(frozen=True)
+class HeadsTrainResult:
+    path: Path
+    steps: int
+    seconds: float
+    final_loss: float
+    report: HeldOutReport
+    source: str
+    resumed_at: int | None = None  # the checkpoint's step when the run resumed
+
+
+class TrainingInterrupted(KeyboardInterrupt):
+    """Ctrl-C during training: ``checkpoint`` (None before the first) is kept, at ``step``."""
+
+    def __init__(self, checkpoint: Path | None, step: int) -> None:
+        super().__init__()
+        self.checkpoint = checkpoint
+        self.step = step
+
+    def where(self) -> str:
+        if self.checkpoint is None:
+            return "no checkpoint had been written yet"
+        return f"the checkpoint at step {self.step} is kept in {self.checkpoint}; run the same command to resume"
+
+
+@dataclass
+class _Data:
+    """Windows of target tokens, each with its hidden states (T, H) and the target's next tokens (T,)."""
+
+    tokens: list[list[int]] = field(default_factory=list)
+    states: list[np.ndarray] = field(default_factory=list)
+    following: list[np.ndarray] = field(default_factory=list)
+
+    def add(self, tokens: list[int], states: np.ndarray, following: np.ndarray) -> None:
+        if len(tokens) >= 2:
+            self.tokens.append(list(tokens))
+            self.states.append(states)
+            self.following.append(following)
+
+    @property
+    def token_count(self) -> int:
+        return sum(len(tokens) for tokens in self.tokens)
+
+
+def check_request(request: HeadsTrainRequest) -> None:
+    """Usage errors, before anything is read or loaded."""
+    if request.kind not in HEAD_KINDS:
+        raise UsageError(f"unknown --kind {request.kind!r}", f"use one of: {', '.join(TRAINABLE_KINDS)}")
+    if request.kind not in TRAINABLE_KINDS:
+        raise UsageError(f"training {request.kind} heads is not available yet", "use --kind medusa")
+    if request.text_dir is not None and request.prompts_file is not None:
+        raise UsageError("--text and --prompts are two data sources", "pass one of them")
+    if not request.minutes > 0:
+        raise UsageError(f"--minutes must be more than 0, got {request.minutes:g}", "pass a budget, e.g. --minutes 10")
+    checks = (("--num-heads", request.num_heads, 1, 16), ("--num-layers", request.num_layers, 1, 8),
+              ("--draft-vocab", request.draft_vocab, 2, 1 << 22))
+    for name, value, low, high in checks:
+        if not low <= value <= high:
+            raise UsageError(f"{name} must be between {low} and {high}, got {value}", f"pass a valid {name}")
+    if not 0 < request.learning_rate <= 1:
+        raise UsageError(f"--lr must be more than 0 and at most 1, got {request.learning_rate:g}", "pass e.g. --lr 1e-3")
+
+
+def default_heads_path(target: str, kind: str) -> Path:
+    from specrun.registry.heads import heads_cache_path
+
+    return heads_cache_path(target, kind)
+
+
+def checkpoint_folder(out: Path) -> Path:
+    return Path(out).with_suffix(".ckpt")
+
+
+def train_heads(
+    request: HeadsTrainRequest,
+    on_progress: Callable[[TrainProgress], None] | None = None,
+    on_note: Callable[[str], None] | None = None,
+    *,
+    max_steps: int | None = None,
+    checkpoint_seconds: float = CHECKPOINT_SECONDS,
+) -> HeadsTrainResult:
+    """Train heads as ``request`` says and write them; ``max_steps`` (tests) stops training early."""
+    check_request(request)
+    texts = read_text_folder(request.text_dir) if request.text_dir is not None else None
+    prompts = read_prompts_file(request.prompts_file) if request.prompts_file is not None else None
+    out = Path(request.out).expanduser() if request.out is not None else default_heads_path(request.target, request.kind)
+    check_writable_folder(out, "heads file")
+    from specrun.backends.mlx_heads import HeadsTarget
+    from specrun.registry.catalog import load_registry
+    from specrun.registry.loading import resolve_mlx
+
+    target = HeadsTarget(resolve_mlx(request.target, load_registry(request.registry)))
+    try:
+        run = _Run(request, target, out, on_progress or (lambda progress: None), on_note or (lambda note: None),
+                   max_steps, checkpoint_seconds)
+        return run.train(texts, prompts)
+    finally:
+        target.close()
+
+
+class _Run:
+    """One training run's state: the clock, the data, the trainer and the checkpoints."""
+
+    def __init__(self, request, target, out, on_progress, on_note, max_steps, checkpoint_seconds) -> None:
+        self.request = request
+        self.target = target
+        self.out = out
+        self.checkpoints = checkpoint_folder(out)
+        self.on_progress = on_progress
+        self.on_note = on_note
+        self.max_steps = max_steps
+        self.checkpoint_seconds = checkpoint_seconds
+        self.budget = request.minutes * 60.0
+        self.started = time.monotonic()
+        self.spent_before = 0.0  # seconds of earlier runs of a resumed training
+        self.step = 0
+        self.losses: list[float] = []
+        self.saved_step: int | None = None  # the checkpoint on disk
+
+    def elapsed(self) -> float:
+        return self.spent_before + time.monotonic() - self.started
+
+    def train(self, texts: list[str] | None, prompts: list[str] | None) -> HeadsTrainResult:
+        try:
+            return self._train(texts, prompts)
+        except KeyboardInterrupt:
+            kept = self.checkpoints if self.saved_step is not None else None
+            raise TrainingInterrupted(kept, self.saved_step or 0) from None
+
+    def _train(self, texts, prompts) -> HeadsTrainResult:
+        source = self._source()
+        settings = self._settings(source)
+        resumed = self._resume(settings)
+        if resumed is not None:
+            data, held_out, trainer = resumed
+            self.on_note(f"resuming the checkpoint in {self.checkpoints} at step {self.step}")
+        else:
+            data = self._gather(texts, prompts)
+            held_out = self._hold_out(len(data.tokens))
+            trainer = self._fresh_trainer(data, held_out)
+            self._write_data(data, held_out)
+            self._checkpoint(trainer, settings, source)
+        resumed_at = self.step if resumed is not None else None
+        train_rows = [i for i in range(len(data.tokens)) if not held_out[i]]
+        held_rows = [i for i in range(len(data.tokens)) if held_out[i]]
+        states, labels = self._positions(data, train_rows, trainer.d2t)
+        self._fit(trainer, states, labels, settings, source)
+        report = self._report(trainer, data, held_rows)
+        training = self._record(settings, source, report, len(data.tokens), data.token_count)
+        from specrun.modelkit.heads import save_heads
+
+        save_heads(trainer.heads(training), self.out, training)
+        shutil.rmtree(self.checkpoints, ignore_errors=True)
+        return HeadsTrainResult(
+            path=self.out, steps=self.step, seconds=self.elapsed(), final_loss=self._final_loss(),
+            report=report, source=source, resumed_at=resumed_at,
+        )
+
+    # ---- settings and checkpoints --------------------------------------------------------
+    def _source(self) -> str:
+        request = self.request
+        if request.text_dir is not None:
+            return f"text files in {Path(request.text_dir).expanduser().resolve()}"
+        if request.prompts_file is not None:
+            return f"the target's continuations of the prompts in {Path(request.prompts_file).expanduser().resolve()}"
+        kind = "Python snippets" if self._completion() else "questions"
+        return f"the target's continuations of built-in {kind}"
+
+    def _settings(self, source: str) -> dict:
+        """What a checkpoint must match to be resumed (not the budget: a larger one trains on)."""
+        request = self.request
+        return {
+            "target": str(self.target.folder.resolve()), "kind": request.kind, "num_heads": request.num_heads,
+            "num_layers": request.num_layers, "draft_vocab": request.draft_vocab, "source": source,
+            "learning_rate": request.learning_rate, "seed": request.seed,
+        }
+
+    def _completion(self) -> bool:
+        from specrun.registry.loading import prompts_as_chat
+
+        return not prompts_as_chat(self.request.target, self.request.registry, self.target.backend, None)
+
+    def _record(self, settings: dict, source: str, report: HeldOutReport | None, windows: int, tokens: int) -> dict:
+        record = {
+            "steps": self.step, "seconds": round(self.elapsed(), 1),
+            "final_loss": round(self._final_loss(), 4) if self.losses else None,
+            "data": {"source": source, "windows": windows, "tokens": tokens},
+            "learning_rate": self.request.learning_rate, "seed": self.request.seed, "settings": settings,
+        }
+        if report is not None:
+            record["held_out"] = report.to_dict()
+        return record
+
+    def _final_loss(self) -> float:
+        recent = self.losses[-LOSS_WINDOW:]
+        return float(np.mean(recent)) if recent else float("nan")
+
+    def _checkpoint(self, trainer, settings: dict, source: str) -> None:
+        """The optimizer's state, then the heads and their record (which says the step) last."""
+        from specrun.modelkit.heads import save_heads
+
+        self.checkpoints.mkdir(parents=True, exist_ok=True)
+        trainer.save_optimizer(self.checkpoints / "optimizer.safetensors")
+        record = self._record(settings, source, None, 0, 0)
+        record["losses"] = [round(loss, 5) for loss in self.losses[-LOSS_WINDOW:]]
+        save_heads(trainer.heads(record), self.checkpoints / "heads.safetensors", record)
+        self.saved_step = self.step
+
+    def _write_data(self, data: _Data, held_out: np.ndarray) -> None:
+        self.checkpoints.mkdir(parents=True, exist_ok=True)
+        lengths = np.array([len(tokens) for tokens in data.tokens], np.int64)
+        flat = np.array([token for tokens in data.tokens for token in tokens], np.int64)
+        buffer = io.BytesIO()
+        np.savez(buffer, tokens=flat, lengths=lengths, held_out=held_out)
+        write_atomically(self.checkpoints / "data.npz", buffer.getvalue(), "training data checkpoint")
+
+    def _resume(self, settings: dict):
+        """(data, held_out, trainer) from a checkpoint made with ``settings``; None without one."""
+        heads_path = self.checkpoints / "heads.safetensors"
+        data_path = self.checkpoints / "data.npz"
+        if not (heads_path.exists() and heads_path.with_suffix(".json").exists() and data_path.exists()):
+            return None
+        from specrun.modelkit.heads import load_heads
+
+        try:
+            heads = load_heads(heads_path)
+            record = heads.config.training
+            if record.get("settings") != settings:
+                self.on_note(f"the checkpoint in {self.checkpoints} was made with other settings: starting afresh")
+                return None
+            with np.load(data_path) as stored:
+                flat, lengths, held_out = stored["tokens"], stored["lengths"], stored["held_out"]
+        except (SpecrunError, OSError, ValueError, KeyError) as exc:
+            self.on_note(f"the checkpoint in {self.checkpoints} cannot be read ({exc}): starting afresh")
+            return None
+        from specrun.backends.mlx_heads import HeadsTrainer
+
+        self.step = int(record.get("steps", 0))
+        self.spent_before = float(record.get("seconds", 0.0))
+        self.started = time.monotonic()
+        self.losses = [float(loss) for loss in record.get("losses", [])]
+        self.saved_step = self.step
+        trainer = HeadsTrainer(heads, self.request.learning_rate, self.request.seed)
+        optimizer_path = self.checkpoints / "optimizer.safetensors"
+        if optimizer_path.exists():
+            trainer.load_optimizer(optimizer_path)
+        data = _Data()
+        starts = np.concatenate([[0], np.cumsum(lengths)])
+        windows = [flat[starts[i] : starts[i + 1]].tolist() for i in range(len(lengths))]
+        for batch in _batches(windows, STATES_BATCH):
+            self._add_states(data, batch)
+        return data, held_out.astype(bool), trainer
+
+    # ---- data ------------------------------------------------------------------------------
+    def _gather(self, texts: list[str] | None, prompts: list[str] | None) -> _Data:
+        deadline = self.started + DATA_SHARE * self.budget
+        data = _Data()
+        if texts is not None:
+            self._gather_text(data, texts, deadline)
+        else:
+            self._gather_continuations(data, prompts, deadline)
+        if len(data.tokens) < 2:
+            raise SpecrunError(
+                f"only {len(data.tokens)} window(s) of data were gathered, too few to train and report on",
+                "give the run more --minutes, or more text or prompts",
+            )
+        vocab = self.target.vocab_size
+        self.on_note(f"data: {len(data.tokens)} windows, {data.token_count} tokens; "
+                     f"draft vocabulary {min(self.request.draft_vocab, vocab)} of {vocab} tokens")
+        return data
+
+    def _gather_text(self, data: _Data, texts: list[str], deadline: float) -> None:
+        backend = self.target.backend
+        windows = []
+        for text in texts:
+            pieces = text_pieces(text, TEXT_PIECE_CHARS)
+            tokens = [token for k, piece in enumerate(pieces)
+                      for token in backend.tokenize(piece, add_bos=k == 0 and backend.vocab.add_bos)]
+            windows.extend(cut_windows(tokens, TEXT_WINDOW_TOKENS, SHORTEST_WINDOW))
+        np.random.default_rng(self.request.seed).shuffle(windows)  # a budget that ends early keeps a fair sample
+        for batch in _batches(windows, STATES_BATCH):
+            if time.monotonic() >= deadline and len(data.tokens) >= 2:
+                break
+            self._add_states(data, batch)
+            self._report_data(data)
+
+    def _add_states(self, data: _Data, windows: list[list[int]]) -> None:
+        longest = max(len(window) for window in windows)
+        padded = np.array([window + [0] * (longest - len(window)) for window in windows])  # (B, T)
+        states, following = self.target.states(padded)
+        for row, window in enumerate(windows):
+            data.add(window, states[row, : len(window)], following[row, : len(window)])
+
+    def _gather_continuations(self, data: _Data, prompts: list[str] | None, deadline: float) -> None:
+        completion = self._completion()
+        if prompts is None:
+            seed = self.request.seed
+            prompts = builtin_python_prompts(BUILTIN_PROMPTS, seed) if completion else builtin_questions(BUILTIN_PROMPTS, seed)
+        from specrun.sessions.generation import prompt_token_ids
+
+        backend = self.target.backend
+        token_prompts = [prompt_token_ids(backend, prompt, chat=not completion)[-MAX_PROMPT_TOKENS:] for prompt in prompts]
+        batch_size = GENERATION_BATCH if self.target.can_batch_prompts() else 1
+        for batch in _batches(token_prompts, batch_size):
+            if time.monotonic() >= deadline and len(data.tokens) >= 2:
+                break
+            results = self.target.continue_greedily(batch, CONTINUATION_TOKENS,
+                                                    stop=lambda: time.monotonic() >= deadline)
+            for tokens, states, following in results:
+                data.add(tokens, states, following)
+            self._report_data(data)
+
+    def _report_data(self, data: _Data) -> None:
+        self.on_progress(TrainProgress("data", self.elapsed(), self.budget, tokens=data.token_count,
+                                       max_steps=self.max_steps))
+
+    def _hold_out(self, windows: int) -> np.ndarray:
+        """Which windows the report is made on: 10%, at least one, chosen by the seed."""
+        held = max(1, round(HELD_OUT_SHARE * windows))
+        order = np.random.default_rng(self.request.seed + 1).permutation(windows)
+        held_out = np.zeros(windows, bool)
+        held_out[order[:held]] = True
+        return held_out
+
+    def _fresh_trainer(self, data: _Data, held_out: np.ndarray):
+        """Heads over the training windows' most frequent target tokens, started as Medusa starts them."""
+        from specrun.backends.mlx_heads import HeadsTrainer
+        from specrun.drafters.ngram import vocabulary_fingerprint
+
+        vocab = self.target.vocab_size
+        size = min(self.request.draft_vocab, vocab)
+        counts = np.zeros(vocab, np.int64)
+        for following, held in zip(data.following, held_out):
+            if not held:
+                np.add.at(counts, following[following < vocab], 1)
+        # Most frequent first; ties and unseen tokens by id (a stable sort of the negated counts).
+        d2t = np.argsort(-counts, kind="stable")[:size].astype(np.int64)
+        projection = self.target.output_rows(d2t)
+        config = HeadsConfig(
+            kind=self.request.kind, num_heads=self.request.num_heads, num_layers=self.request.num_layers,
+            hidden_size=self.target.hidden_size, vocab_size=vocab, draft_vocab_size=size,
+            target_name=self.request.target, target_vocabulary=vocabulary_fingerprint(self.target.backend),
+            target_layers=self.target.num_layers,
+        )
+        return HeadsTrainer.fresh(config, projection, None if size == vocab else d2t,
+                                  self.request.learning_rate, self.request.seed)
+
+    def _positions(self, data: _Data, rows: list[int], d2t: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+        """Every position of ``rows``: states (N, H) and each head's label (heads, N) as draft ids,
+        -1 where there is none (past the window, or a token outside the draft vocabulary)."""
+        labels = _target_labels([data.following[i] for i in rows], self.request.num_heads)  # (heads, N)
+        if d2t is not None:
+            t2d = np.full(self.target.vocab_size + 1, -1, np.int64)  # the last entry maps "none" (-1)
+            t2d[d2t] = np.arange(len(d2t))
+            labels = t2d[labels]
+        states = np.concatenate([data.states[i] for i in rows]) if rows else np.zeros((0, self.target.hidden_size))
+        return states, labels
+
+    # ---- training ----------------------------------------------------------------------------
+    def _fit(self, trainer, states: np.ndarray, labels: np.ndarray, settings: dict, source: str) -> None:
+        labelled = np.flatnonzero((labels >= 0).any(axis=0))
+        if len(labelled) == 0:
+            raise SpecrunError("the training windows hold no position a head can learn from",
+                               "give the run more text or prompts")
+        rng = np.random.default_rng(self.request.seed + self.step)
+        order = rng.permutation(labelled)
+        cursor = 0
+        last_checkpoint = time.monotonic()
+        while not self._done():
+            if cursor >= len(order):
+                order, cursor = rng.permutation(labelled), 0
+            batch = order[cursor : cursor + BATCH_POSITIONS]
+            cursor += len(batch)
+            self.losses.append(trainer.step(states[batch], labels[:, batch]))
+            self.step += 1
+            self.on_progress(TrainProgress("train", self.elapsed(), self.budget, step=self.step,
+                                           loss=self._final_loss(), max_steps=self.max_steps))
+            if time.monotonic() - last_checkpoint >= self.checkpoint_seconds:
+                self._checkpoint(trainer, settings, source)
+                last_checkpoint = time.monotonic()
+
+    def _done(self) -> bool:
+        if self.max_steps is not None and self.step >= self.max_steps:
+            return True
+        return self.elapsed() >= self.budget
+
+    # ---- the report ------------------------------------------------------------------------
+    def _report(self, trainer, data: _Data, rows: list[int]) -> HeldOutReport:
+        labels = _target_labels([data.following[i] for i in rows], self.request.num_heads)  # (heads, N)
+        states = np.concatenate([data.states[i] for i in rows])
+        guesses = np.concatenate([trainer.predict(states[start : start + BATCH_POSITIONS * 4])
+                                  for start in range(0, len(states), BATCH_POSITIONS * 4)], axis=1)
+        if trainer.d2t is not None:
+            guesses = trainer.d2t[guesses]
+        return held_out_report(guesses, labels)
+
+
+def held_out_report(guesses: np.ndarray, labels: np.ndarray) -> HeldOutReport:
+    """Accuracies of ``guesses`` (heads, N) against ``labels`` (heads, N; -1: none), both target ids.
+    The chain is measured on the positions where every head has a label."""
+    right = (guesses == labels) & (labels >= 0)
+    head_accuracy = tuple(float(right[i][labels[i] >= 0].mean()) if (labels[i] >= 0).any() else 0.0
+                          for i in range(len(labels)))
+    complete = (labels >= 0).all(axis=0)
+    leading = np.cumprod(right[:, complete], axis=0)  # (heads, M): 1 while every head so far was right
+    reached = np.concatenate([[complete.sum()], leading.sum(axis=1)[:-1]])
+    chain = tuple(float(leading[i].sum() / reached[i]) if reached[i] else 0.0 for i in range(len(labels)))
+    tokens_per_pass = 1.0 + float(leading.sum(axis=0).mean()) if complete.any() else 1.0
+    return HeldOutReport(head_accuracy, chain, tokens_per_pass, int(complete.sum()))
+
+
+def _target_labels(following: list[np.ndarray], num_heads: int) -> np.ndarray:
+    """(heads, N) over the positions of every window: head i's label at p is the target's token
+    after p + 1 + i (-1 past the window's end)."""
+    columns = []
+    for window in following:
+        size = len(window)
+        labels = np.full((num_heads, size), -1, np.int64)
+        for i in range(num_heads):
+            if size > i + 1:
+                labels[i, : size - 1 - i] = window[1 + i :]
+        columns.append(labels)
+    return np.concatenate(columns, axis=1) if columns else np.zeros((num_heads, 0), np.int64)
+
+
+def _batches(items: list, size: int):
+    for start in range(0, len(items), size):
+        yield items[start : start + size]
