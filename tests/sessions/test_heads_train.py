@@ -1,0 +1,223 @@
+"""`specrun heads train` on the tiny random MLX model: a short run writes heads that load back,
+the loss goes down on a repeating text, a stopped run resumes from its checkpoint, Ctrl-C keeps
+it, and every bad input is one line."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from specrun.cli.app import app
+from specrun.modelkit.heads import MedusaHeads, load_heads
+from specrun.sessions.heads import (
+    HeadsTrainRequest,
+    TrainingInterrupted,
+    checkpoint_folder,
+    held_out_report,
+    train_heads,
+)
+
+pytest.importorskip("mlx_lm", reason="the mlx backend is not installed")
+
+REPEATING_TEXT = "the quick brown fox jumps over the lazy dog, and then it runs home again. " * 120
+
+
+@pytest.fixture(scope="module")
+def text_folder(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("texts")
+    (folder / "fox.txt").write_text(REPEATING_TEXT, encoding="utf-8")
+    (folder / "image.bin").write_bytes(bytes(range(256)))  # not text: skipped
+    return folder
+
+
+def request_for(model, out, **changes) -> HeadsTrainRequest:
+    settings = dict(target=str(model.hf_dir), out=out, num_heads=2, draft_vocab=64, minutes=10.0)
+    return HeadsTrainRequest(**{**settings, **changes})
+
+
+def test_a_short_run_writes_heads_that_load_back(tiny_llama, text_folder, tmp_path):
+    out = tmp_path / "medusa.safetensors"
+    result = train_heads(request_for(tiny_llama, out, text_dir=text_folder), max_steps=4)
+    heads = load_heads(out)
+    assert isinstance(heads, MedusaHeads)
+    config = heads.config
+    assert (config.num_heads, config.num_layers, config.draft_vocab_size) == (2, 1, 64)
+    assert (config.hidden_size, config.vocab_size) == (tiny_llama.config.hidden_size, tiny_llama.config.vocab_size)
+    assert heads.d2t is not None and len(set(heads.d2t.tolist())) == 64
+    assert heads.lm_heads[0].shape == (64, tiny_llama.config.hidden_size)
+    training = config.training
+    assert training["steps"] == result.steps == 4
+    assert training["held_out"]["positions"] == result.report.positions > 0
+    assert len(training["held_out"]["head_accuracy"]) == 2
+    assert "text files" in training["data"]["source"]
+    assert not checkpoint_folder(out).exists()  # a finished run leaves no checkpoint
+
+
+def test_the_whole_vocabulary_needs_no_draft_ids(tiny_llama, text_folder, tmp_path):
+    out = tmp_path / "medusa.safetensors"
+    train_heads(request_for(tiny_llama, out, text_dir=text_folder, draft_vocab=4096, num_heads=1), max_steps=1)
+    heads = load_heads(out)
+    assert heads.d2t is None and heads.config.draft_vocab_size == tiny_llama.config.vocab_size
+
+
+def test_the_loss_goes_down_on_a_repeating_text(tiny_llama, text_folder, tmp_path):
+    losses = []
+
+    def record(progress):
+        if progress.phase == "train":
+            losses.append(progress.loss)
+
+    request = request_for(tiny_llama, tmp_path / "medusa.safetensors", text_dir=text_folder, learning_rate=3e-3)
+    result = train_heads(request, on_progress=record, max_steps=40)
+    assert result.final_loss < 0.5 * losses[0], losses
+
+
+def test_a_stopped_run_resumes_from_its_checkpoint(tiny_llama, text_folder, tmp_path):
+    out = tmp_path / "medusa.safetensors"
+    request = request_for(tiny_llama, out, text_dir=text_folder)
+
+    def stop_at_step_5(progress):
+        if progress.phase == "train" and progress.step == 5:
+            raise KeyboardInterrupt
+
+    with pytest.raises(TrainingInterrupted) as stopped:
+        train_heads(request, on_progress=stop_at_step_5, max_steps=8, checkpoint_seconds=0)
+    assert stopped.value.step == 4  # the checkpoint after step 4; step 5 was not saved
+    assert stopped.value.checkpoint == checkpoint_folder(out)
+    assert "step 4" in stopped.value.where() and str(checkpoint_folder(out)) in stopped.value.where()
+    kept = load_heads(checkpoint_folder(out) / "heads.safetensors")
+    assert kept.config.training["steps"] == 4
+    assert not out.exists()
+
+    notes = []
+    result = train_heads(request, on_note=notes.append, max_steps=8)
+    assert result.resumed_at == 4 and result.steps == 8
+    assert any("resuming" in note for note in notes)
+    assert load_heads(out).config.training["steps"] == 8
+
+
+def test_other_settings_start_afresh(tiny_llama, text_folder, tmp_path):
+    out = tmp_path / "medusa.safetensors"
+
+    def stop(progress):
+        if progress.phase == "train" and progress.step == 3:
+            raise KeyboardInterrupt
+
+    with pytest.raises(TrainingInterrupted):
+        train_heads(request_for(tiny_llama, out, text_dir=text_folder), on_progress=stop, max_steps=6,
+                    checkpoint_seconds=0)
+    result = train_heads(request_for(tiny_llama, out, text_dir=text_folder, seed=1), max_steps=2)
+    assert result.resumed_at is None and result.steps == 2
+
+
+def test_interrupted_before_any_checkpoint_keeps_nothing(tiny_llama, text_folder, tmp_path):
+    out = tmp_path / "medusa.safetensors"
+
+    def stop(progress):
+        raise KeyboardInterrupt
+
+    with pytest.raises(TrainingInterrupted) as stopped:
+        train_heads(request_for(tiny_llama, out, text_dir=text_folder), on_progress=stop, max_steps=3)
+    assert stopped.value.checkpoint is None
+    assert "no checkpoint" in stopped.value.where()
+
+
+def test_self_distillation_from_a_prompts_file(tiny_llama, tmp_path):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("def main():\\n    \nclass Point:\n\nimport os\n", encoding="utf-8")
+    out = tmp_path / "medusa.safetensors"
+    result = train_heads(request_for(tiny_llama, out, prompts_file=prompts), max_steps=3)
+    assert "continuations" in result.source and load_heads(out).config.training["data"]["windows"] == 3
+
+
+def test_the_report_counts_a_chain_only_while_every_head_was_right():
+    labels = np.array([[1, 2, 3, 4], [5, 6, 7, -1]])
+    guesses = np.array([[1, 2, 0, 4], [5, 0, 7, 9]])
+    report = held_out_report(guesses, labels)
+    assert report.head_accuracy == (0.75, 2 / 3)
+    # complete positions: 0, 1, 2; head 0 right at 0 and 1; head 1 right at 0 of those
+    assert report.positions == 3
+    assert report.chain_accuracy == (2 / 3, 0.5)
+    assert report.tokens_per_pass == pytest.approx(1 + (2 + 1) / 3)
+
+
+# ---- the command line ----------------------------------------------------------------------
+runner = CliRunner()
+
+
+def invoke(*args: str):
+    return runner.invoke(app, ["heads", "train", *args])
+
+
+def one_line_error(result, exit_code: int) -> str:
+    assert result.exit_code == exit_code, result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    assert "Traceback" not in result.output
+    return lines[0]
+
+
+def test_the_command_trains_and_prints_the_report(tiny_llama, text_folder, tmp_path):
+    out = tmp_path / "heads" / "medusa.safetensors"
+    result = invoke("-t", str(tiny_llama.hf_dir), "--text", str(text_folder), "--heads-out", str(out),
+                    "--num-heads", "2", "--draft-vocab", "32", "--max-steps", "2")
+    assert result.exit_code == 0, result.output
+    assert "tokens per verify pass" in result.stdout and "p+3" in result.stdout
+    assert f"wrote {out}" in result.stderr
+    assert load_heads(out).config.num_heads == 2
+
+
+@pytest.mark.parametrize("kind", ["hydra", "eagle"])
+def test_kinds_not_trainable_yet(kind, tmp_path):
+    line = one_line_error(invoke("--kind", kind, "--heads-out", str(tmp_path / "h.safetensors")), 2)
+    assert "not available yet" in line and "--kind medusa" in line
+
+
+@pytest.mark.parametrize(
+    ("args", "exit_code", "words"),
+    [
+        (["--kind", "lookahead"], 2, "unknown --kind"),
+        (["--minutes", "0"], 2, "--minutes must be more than 0"),
+        (["--minutes", "-3"], 2, "--minutes must be more than 0"),
+        (["--draft-vocab", "1"], 2, "--draft-vocab must be between 2"),
+        (["--num-heads", "0"], 2, "--num-heads must be between 1"),
+        (["--lr", "0"], 2, "--lr must be more than 0"),
+        (["--text", ".", "--prompts", "p.txt"], 2, "pass one of them"),
+        (["--prompts", "/nonexistent/prompts.txt"], 1, "prompts file"),
+    ],
+)
+def test_bad_input_is_one_line(args, exit_code, words, tmp_path):
+    out = tmp_path / "h.safetensors"
+    line = one_line_error(invoke(*args, "--heads-out", str(out)), exit_code)
+    assert words in line
+    assert not out.exists() and not checkpoint_folder(out).exists()
+
+
+def test_an_empty_text_folder_is_one_line(tmp_path):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "blob.bin").write_bytes(b"\xff\xfe\x00binary")
+    line = one_line_error(invoke("--text", str(empty), "--heads-out", str(tmp_path / "h.safetensors")), 1)
+    assert "holds no UTF-8 text files" in line
+
+
+def test_an_empty_prompts_file_is_one_line(tmp_path):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("\n  \n", encoding="utf-8")
+    line = one_line_error(invoke("--prompts", str(prompts), "--heads-out", str(tmp_path / "h.safetensors")), 1)
+    assert "holds no prompts" in line
+
+
+def test_ctrl_c_says_where_the_checkpoint_is(monkeypatch, tmp_path):
+    import specrun.sessions.heads as session
+
+    def interrupted(*args, **kwargs):
+        raise TrainingInterrupted(tmp_path / "medusa.ckpt", 12)
+
+    monkeypatch.setattr(session, "train_heads", interrupted)
+    result = invoke("--heads-out", str(tmp_path / "medusa.safetensors"))
+    assert result.exit_code == 130
+    lines = result.stderr.strip().splitlines()
+    assert lines == [f"interrupted: the checkpoint at step 12 is kept in {tmp_path / 'medusa.ckpt'}; "
+                     "run the same command to resume"]
