@@ -15,6 +15,7 @@ from specrun.cli.common import (
     DraftOpt,
     ExactOpt,
     GpuLayersOpt,
+    HeadsOpt,
     KvTypeOpt,
     MethodOpt,
     MinPOpt,
@@ -70,6 +71,7 @@ def serve_command(
     exact: ExactOpt = False,
     registry: RegistryOpt = None,
     ngram_cache: NgramCacheOpt = None,
+    heads: HeadsOpt = None,
     max_body: MaxBodyOpt = 4 * 1024 * 1024,
     max_queue: MaxQueueOpt = 64,
 ) -> None:
@@ -101,6 +103,7 @@ def serve_command(
             draft_len=draft_len,
             draft_min_prob=draft_min_prob,
             ngram_cache=ngram_cache,
+            heads=heads,
         )
         http = HttpOptions(host=host, port=port, api_key=api_key, max_body_bytes=max_body,
                            max_queue=max_queue, model_names=(target,))

@@ -391,6 +391,7 @@ class PairOptions:
     draft_len: int | None = None
     draft_min_prob: float | None = None
     ngram_cache: Path | None = None
+    heads: str | None = None  # --heads: a head method's heads file (None: found by the target's alias)
 
 
 class PairWorker:
@@ -451,7 +452,8 @@ class PairWorker:
         pair = self.pair
         try:
             self.session = open_chat(pair.target, pair.draft, pair.method, pair.load, draft_len=pair.draft_len,
-                                     draft_min_prob=pair.draft_min_prob, ngram_cache=pair.ngram_cache)
+                                     draft_min_prob=pair.draft_min_prob, ngram_cache=pair.ngram_cache,
+                                     heads=pair.heads)
         except BaseException as exc:
             self._load_error = exc
             self._ready.set()
