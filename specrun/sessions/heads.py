@@ -4,8 +4,8 @@ The run: gather data (a share of the budget), pick the draft vocabulary, train, 
 held-out windows, write the heads. Data are windows of the target's own tokens with its hidden
 state at every position (heads_data.py says where they come from); a head's label at position p
 is the target's own token at p + 2 + i, its greedy next token after p + 1 + i, so what a head is
-scored on is what a verify pass would accept. The draft vocabulary is the target's most frequent
-next tokens in the training windows.
+scored on is what a verify pass would accept; in a continued prompt only the generated tokens are
+labels. The draft vocabulary is the target's most frequent next tokens in the training windows.
 
 Checkpoints (every ~30 s) go to ``<out>.ckpt/``: the heads through the same writer as the final
 file, the optimizer's state and the data's tokens. A second run with the same settings resumes
@@ -42,7 +42,7 @@ CHECKPOINT_SECONDS = 30.0
 HELD_OUT_SHARE = 0.1  # of the windows, kept out of training for the report
 TEXT_WINDOW_TOKENS = 128
 SHORTEST_WINDOW = 8
-TEXT_PIECE_CHARS = 1024  # text is tokenized in pieces of lines: a tokenizer warns about long inputs, and is slow on them
+TEXT_PIECE_CHARS = 256  # text is tokenized in pieces of lines: a tokenizer warns about long inputs, and is slow on them
 CONTINUATION_TOKENS = 96  # new tokens per prompt when the target continues it
 MAX_PROMPT_TOKENS = 192  # a longer prompt keeps its last tokens (a chat prompt ends in the assistant's turn)
 GENERATION_BATCH = 32  # prompts continued together (one left-padded batch)
@@ -135,17 +135,21 @@ class TrainingInterrupted(KeyboardInterrupt):
 
 @dataclass
 class _Data:
-    """Windows of target tokens, each with its hidden states (T, H) and the target's next tokens (T,)."""
+    """Windows of target tokens, each with its hidden states (T, H) and the target's next tokens
+    (T,), -1 before ``label_from``: a prompt's own tokens are no labels, since heads draft what the
+    target generates (and chat prompts share a long template a head would learn instead)."""
 
     tokens: list[list[int]] = field(default_factory=list)
     states: list[np.ndarray] = field(default_factory=list)
     following: list[np.ndarray] = field(default_factory=list)
+    label_from: list[int] = field(default_factory=list)
 
-    def add(self, tokens: list[int], states: np.ndarray, following: np.ndarray) -> None:
-        if len(tokens) >= 2:
+    def add(self, tokens: list[int], states: np.ndarray, following: np.ndarray, label_from: int = 0) -> None:
+        if len(tokens) - label_from >= 2:
             self.tokens.append(list(tokens))
             self.states.append(states)
-            self.following.append(following)
+            self.following.append(np.where(np.arange(len(following)) < label_from, -1, following))
+            self.label_from.append(label_from)
 
     @property
     def token_count(self) -> int:
@@ -321,7 +325,8 @@ class _Run:
         lengths = np.array([len(tokens) for tokens in data.tokens], np.int64)
         flat = np.array([token for tokens in data.tokens for token in tokens], np.int64)
         buffer = io.BytesIO()
-        np.savez(buffer, tokens=flat, lengths=lengths, held_out=held_out)
+        np.savez(buffer, tokens=flat, lengths=lengths, label_from=np.array(data.label_from, np.int64),
+                 held_out=held_out)
         write_atomically(self.checkpoints / "data.npz", buffer.getvalue(), "training data checkpoint")
 
     def _resume(self, settings: dict):
@@ -340,6 +345,7 @@ class _Run:
                 return None
             with np.load(data_path) as stored:
                 flat, lengths, held_out = stored["tokens"], stored["lengths"], stored["held_out"]
+                label_from = stored["label_from"]
         except (SpecrunError, OSError, ValueError, KeyError) as exc:
             self.on_note(f"the checkpoint in {self.checkpoints} cannot be read ({exc}): starting afresh")
             return None
@@ -357,8 +363,8 @@ class _Run:
         data = _Data()
         starts = np.concatenate([[0], np.cumsum(lengths)])
         windows = [flat[starts[i] : starts[i + 1]].tolist() for i in range(len(lengths))]
-        for batch in _batches(windows, STATES_BATCH):
-            self._add_states(data, batch)
+        for batch, firsts in zip(_batches(windows, STATES_BATCH), _batches(label_from.tolist(), STATES_BATCH)):
+            self._add_states(data, batch, firsts)
         return data, held_out.astype(bool), trainer
 
     # ---- data ------------------------------------------------------------------------------
@@ -394,12 +400,13 @@ class _Run:
             self._add_states(data, batch)
             self._report_data(data)
 
-    def _add_states(self, data: _Data, windows: list[list[int]]) -> None:
+    def _add_states(self, data: _Data, windows: list[list[int]], label_from: list[int] | None = None) -> None:
         longest = max(len(window) for window in windows)
         padded = np.array([window + [0] * (longest - len(window)) for window in windows])  # (B, T)
         states, following = self.target.states(padded)
         for row, window in enumerate(windows):
-            data.add(window, states[row, : len(window)], following[row, : len(window)])
+            first = label_from[row] if label_from is not None else 0
+            data.add(window, states[row, : len(window)], following[row, : len(window)], first)
 
     def _gather_continuations(self, data: _Data, prompts: list[str] | None, deadline: float) -> None:
         completion = self._completion()
@@ -416,8 +423,8 @@ class _Run:
                 break
             results = self.target.continue_greedily(batch, CONTINUATION_TOKENS,
                                                     stop=lambda: time.monotonic() >= deadline)
-            for tokens, states, following in results:
-                data.add(tokens, states, following)
+            for prompt, (tokens, states, following) in zip(batch, results):
+                data.add(tokens, states, following, label_from=len(prompt) - 1)
             self._report_data(data)
 
     def _report_data(self, data: _Data) -> None:
@@ -442,7 +449,7 @@ class _Run:
         counts = np.zeros(vocab, np.int64)
         for following, held in zip(data.following, held_out):
             if not held:
-                np.add.at(counts, following[following < vocab], 1)
+                np.add.at(counts, following[following >= 0], 1)
         # Most frequent first; ties and unseen tokens by id (a stable sort of the negated counts).
         d2t = np.argsort(-counts, kind="stable")[:size].astype(np.int64)
         projection = self.target.output_rows(d2t)
@@ -521,7 +528,7 @@ def held_out_report(guesses: np.ndarray, labels: np.ndarray) -> HeldOutReport:
 
 def _target_labels(following: list[np.ndarray], num_heads: int) -> np.ndarray:
     """(heads, N) over the positions of every window: head i's label at p is the target's token
-    after p + 1 + i (-1 past the window's end)."""
+    after p + 1 + i (-1 past the window's end, and where the window says none: a prompt)."""
     columns = []
     for window in following:
         size = len(window)
