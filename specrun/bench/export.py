@@ -112,6 +112,8 @@ def _config(result: BenchResult) -> dict:
         "repeat": config.repeat,
         "chat": config.chat,
         "exact": config.load.exact,
+        "tree_nodes": config.trees.nodes,  # 0: chains only
+        "branches": config.trees.branches,
         "kv_type": config.load.llama_kv_type,
         "suite": config.suite,
         "n_ctx": result.n_ctx,

@@ -23,6 +23,7 @@ from specrun.errors import UsageError
 from specrun.sessions.generation import (
     ADAPTIVE_MAX_DRAFT_LEN,
     DEFAULT_DRAFT_LEN,
+    TreeSettings,
     adapts_length,
     load_target_heads,
     load_tuned,
@@ -65,6 +66,7 @@ class BenchConfig:
     use_tuned: bool = True
     native: bool = False  # also run the backend's own plain loop beside the methods (a second model copy)
     heads: str | None = None  # --heads: the head methods' heads file (None: found by the target's alias)
+    trees: TreeSettings = field(default_factory=TreeSettings)  # token trees (--tree-nodes, --branches); chains
 
     @property
     def sweep(self) -> bool:
@@ -162,10 +164,13 @@ def run_bench(config: BenchConfig, prompts: Sequence[BenchPrompt], progress: Pro
                 draft,
                 [ids for _, ids in kept],
                 variants,
-                GenerationParams(config.max_new_tokens, DEFAULT_DRAFT_LEN, config.sampling),  # each variant sets its own
+                # each variant sets its own draft length
+                GenerationParams(config.max_new_tokens, DEFAULT_DRAFT_LEN, config.sampling, tree_nodes=config.trees.nodes),
                 repeat=config.repeat,
                 on_result=_reporter(progress, [p for p, _ in kept]),
-                drafter_options=DrafterOptions(draft_min_prob=min_prob, heads=heads),
+                drafter_options=DrafterOptions(
+                    draft_min_prob=min_prob, heads=heads, branches=config.trees.branches
+                ),
                 tuned=tuned,
                 native=native,
             )

@@ -11,6 +11,8 @@ from specrun.cli.common import (
     MAX_DRAFT_LEN,
     MAX_NEW_TOKENS,
     BackendOpt,
+    BranchesOpt,
+    ChainOpt,
     ChatOpt,
     CtxOpt,
     DraftOpt,
@@ -25,9 +27,11 @@ from specrun.cli.common import (
     TargetOpt,
     TempOpt,
     ThreadsOpt,
+    TreeNodesOpt,
     check_kv_type,
     check_range,
     checked_sampling,
+    checked_trees,
     cli_errors,
 )
 from specrun.errors import UsageError
@@ -99,6 +103,9 @@ def bench(
     exact: ExactOpt = False,
     registry: RegistryOpt = None,
     heads: HeadsOpt = None,
+    branches: BranchesOpt = None,
+    tree_nodes: TreeNodesOpt = None,
+    chain_only: ChainOpt = False,
 ) -> None:
     """Which speculation method is fastest on this machine? Tables to stdout, progress to stderr.
 
@@ -120,6 +127,7 @@ def bench(
         check_range("--threads", threads, 1, 1024)
         check_range("--draft-min-prob", draft_min_prob, 0.0, 1.0)
         check_kv_type(kv_type, exact)
+        trees = checked_trees(chain_only, tree_nodes, branches)
         sampling = checked_sampling("bench", temp, 0, 1.0, 0.0, seed)
         target = target or DEFAULT_TARGET
         draft = draft or suggested_draft(target, registry)
@@ -148,8 +156,9 @@ def bench(
             use_tuned=not untuned,
             native=native,
             heads=heads,
+            trees=trees,
             load=LoadOptions(backend=backend, n_ctx=ctx, threads=threads, gpu_layers=gpu_layers,
-                             registry=registry, kv_type=kv_type, exact=exact),
+                             registry=registry, kv_type=kv_type, exact=exact, tree_paths=trees.paths),
         )
         run_and_show(config, bench_prompts, json_out, report_out)
 

@@ -102,3 +102,19 @@ def test_tree_nodes_gives_the_same_greedy_text(backend, method, monkeypatch):
     common = ["--backend", backend, "--method", method, "--exact"]
     assert generate_json(*common, "--tree-nodes", "16")["text"] == generate_json(*common, "--chain")["text"]
     assert [options.tree_paths for options in opened if options.tree_paths] == [5]
+
+
+def test_bench_with_trees_gives_every_line_the_baseline_s_text_and_records_them(monkeypatch, tmp_path):
+    """bench --tree-nodes opens the target for trees, has drafters branch, and records it in
+    the JSON; greedy, every line keeps plain decoding's text (--exact: bit for bit)."""
+    pytest.importorskip("llama_cpp", reason="the llama backend is not installed")
+    opened = record_loads(monkeypatch)
+    out = tmp_path / "bench.json"
+    result = runner.invoke(app, ["bench", "--backend", "llama", "--exact", "--methods", "none,draft,lookup",
+                                 "-k", "4", "--tree-nodes", "12", "--branches", "2", "--categories",
+                                 "code-completion", "--per-category", "1", "-n", "24", "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    doc = json.loads(out.read_text())
+    assert (doc["config"]["tree_nodes"], doc["config"]["branches"]) == (12, 2)
+    assert opened[0].tree_paths == 3 and opened[1].tree_paths == 0  # the target's paths; the draft drafts chains
+    assert doc["mismatches"] == [] and all(run["same_as_baseline"] for run in doc["runs"])
