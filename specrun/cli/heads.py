@@ -58,7 +58,7 @@ def train(
         except TrainingInterrupted as exc:
             say_interrupted(exc.where())
             raise typer.Exit(INTERRUPTED_EXIT) from None
-        PipeConsole(file=sys.stdout).print(render(result))
+        PipeConsole(file=sys.stdout).print(render(result), soft_wrap=True)
         typer.echo(f"wrote {result.path}", err=True)
 
 
