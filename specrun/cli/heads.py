@@ -13,7 +13,7 @@ from rich.console import Console, Group
 from rich.table import Table
 from rich.text import Text
 
-from specrun.cli.common import PipeConsole, RegistryOpt, cli_errors
+from specrun.cli.common import BackendOpt, PipeConsole, RegistryOpt, ThreadsOpt, cli_errors
 from specrun.cli.interrupts import INTERRUPTED_EXIT, say_interrupted
 
 heads_app = typer.Typer(help="Self-drafting heads for a target: train them on this machine.", no_args_is_help=True)
@@ -21,7 +21,7 @@ heads_app = typer.Typer(help="Self-drafting heads for a target: train them on th
 
 @heads_app.command("train")
 def train(
-    target: Annotated[str, typer.Option("--target", "-t", help="Target: alias, MLX folder or Hugging Face repo.")] = "demo-target",
+    target: Annotated[str, typer.Option("--target", "-t", help="Target: alias, .gguf file, MLX folder or Hugging Face repo.")] = "demo-target",
     kind: Annotated[str, typer.Option("--kind", help="Heads to train: medusa (hydra and eagle: not yet).")] = "medusa",
     heads_out: Annotated[Optional[Path], typer.Option(
         "--heads-out", help="Where to write the heads (default: specrun's cache, where --heads finds them).")] = None,
@@ -37,6 +37,8 @@ def train(
     lr: Annotated[float, typer.Option("--lr", help="AdamW learning rate.")] = 1e-3,
     seed: Annotated[int, typer.Option("--seed", help="Seed of the data order and the held-out windows.")] = 0,
     registry: RegistryOpt = None,
+    backend: BackendOpt = "auto",
+    threads: ThreadsOpt = None,
     max_steps: Annotated[Optional[int], typer.Option("--max-steps", hidden=True)] = None,
 ) -> None:
     """Train heads that guess the target's next tokens from its hidden states; a second run with
@@ -47,7 +49,7 @@ def train(
         request = HeadsTrainRequest(
             target=target, kind=kind, out=heads_out, num_heads=num_heads, num_layers=num_layers,
             draft_vocab=draft_vocab, minutes=minutes, text_dir=text, prompts_file=prompts,
-            learning_rate=lr, seed=seed, registry=registry,
+            learning_rate=lr, seed=seed, registry=registry, backend=backend, threads=threads,
         )
         check_request(request)
         err = Console(stderr=True)

@@ -69,6 +69,8 @@ class HeadsTrainRequest:
     learning_rate: float = 1e-3
     seed: int = 0
     registry: Path | None = None
+    backend: str = "auto"  # llama: llama.cpp's hidden states, NumPy training; mlx: both in MLX
+    threads: int | None = None  # llama.cpp's threads while gathering data
 
 
 @dataclass(frozen=True)
@@ -199,25 +201,40 @@ def train_heads(
     prompts = read_prompts_file(request.prompts_file) if request.prompts_file is not None else None
     out = Path(request.out).expanduser() if request.out is not None else default_heads_path(request.target, request.kind)
     check_writable_folder(out, "heads file")
-    from specrun.backends.mlx_heads import HeadsTarget
-    from specrun.registry.catalog import load_registry
-    from specrun.registry.loading import resolve_mlx
-
-    target = HeadsTarget(resolve_mlx(request.target, load_registry(request.registry)))
+    target, trainer_class = open_heads_target(request)
     try:
         run = _Run(request, target, out, on_progress or (lambda progress: None), on_note or (lambda note: None),
-                   max_steps, checkpoint_seconds)
+                   max_steps, checkpoint_seconds, trainer_class)
         return run.train(texts, prompts)
     finally:
         target.close()
 
 
+def open_heads_target(request: HeadsTrainRequest):
+    """The target to gather data from and the trainer class, on the backend the target runs on
+    here (``choose_backend``: MLX on Apple Silicon, llama.cpp for a GGUF elsewhere, where MLX's
+    CPU build multiplies matrices ~10x slower than llama.cpp and NumPy; sessions/heads_numpy.py)."""
+    from specrun.registry.catalog import load_registry
+    from specrun.registry.loading import choose_backend, resolve_gguf, resolve_mlx
+
+    entries = load_registry(request.registry)
+    if choose_backend(request.backend, request.target, entries) == "llama":
+        from specrun.sessions.heads_numpy import LlamaHeadsTarget, NumpyHeadsTrainer
+
+        return LlamaHeadsTarget(resolve_gguf(request.target, entries), request.threads), NumpyHeadsTrainer
+    from specrun.backends.mlx_heads import HeadsTarget, HeadsTrainer
+
+    return HeadsTarget(resolve_mlx(request.target, entries)), HeadsTrainer
+
+
 class _Run:
     """One training run's state: the clock, the data, the trainer and the checkpoints."""
 
-    def __init__(self, request, target, out, on_progress, on_note, max_steps, checkpoint_seconds) -> None:
+    def __init__(self, request, target, out, on_progress, on_note, max_steps, checkpoint_seconds,
+                 trainer_class) -> None:
         self.request = request
         self.target = target
+        self.trainer_class = trainer_class  # HeadsTrainer (MLX) or NumpyHeadsTrainer
         self.out = out
         self.checkpoints = checkpoint_folder(out)
         self.on_progress = on_progress
@@ -349,14 +366,12 @@ class _Run:
         except (SpecrunError, OSError, ValueError, KeyError) as exc:
             self.on_note(f"the checkpoint in {self.checkpoints} cannot be read ({exc}): starting afresh")
             return None
-        from specrun.backends.mlx_heads import HeadsTrainer
-
         self.step = int(record.get("steps", 0))
         self.spent_before = float(record.get("seconds", 0.0))
         self.started = time.monotonic()
         self.losses = [float(loss) for loss in record.get("losses", [])]
         self.saved_step = self.step
-        trainer = HeadsTrainer(heads, self.request.learning_rate, self.request.seed)
+        trainer = self.trainer_class(heads, self.request.learning_rate, self.request.seed)
         optimizer_path = self.checkpoints / "optimizer.safetensors"
         if optimizer_path.exists():
             trainer.load_optimizer(optimizer_path)
@@ -441,7 +456,6 @@ class _Run:
 
     def _fresh_trainer(self, data: _Data, held_out: np.ndarray):
         """Heads over the training windows' most frequent target tokens, started as Medusa starts them."""
-        from specrun.backends.mlx_heads import HeadsTrainer
         from specrun.drafters.ngram import vocabulary_fingerprint
 
         vocab = self.target.vocab_size
@@ -459,7 +473,7 @@ class _Run:
             target_name=self.request.target, target_vocabulary=vocabulary_fingerprint(self.target.backend),
             target_layers=self.target.num_layers,
         )
-        return HeadsTrainer.fresh(config, projection, None if size == vocab else d2t,
+        return self.trainer_class.fresh(config, projection, None if size == vocab else d2t,
                                   self.request.learning_rate, self.request.seed)
 
     def _positions(self, data: _Data, rows: list[int], d2t: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:

@@ -1,0 +1,104 @@
+"""`specrun heads train --backend llama`: data through llama.cpp's hidden states, heads trained in
+NumPy. The gradients against finite differences, then the session on the tiny GGUF: heads that
+load back and fit the target, a falling loss, a resumed run, the prompts' continuations."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from heads_factory import random_heads
+from specrun.modelkit.heads import MedusaHeads, check_heads_for_target, load_heads
+from specrun.sessions.heads import HeadsTrainRequest, TrainingInterrupted, train_heads
+from specrun.sessions.heads_numpy import NumpyHeadsTrainer
+
+REPEATING_TEXT = "the quick brown fox jumps over the lazy dog, and then it runs home again. " * 120
+
+
+def weighted_loss(trainer: NumpyHeadsTrainer, x: np.ndarray, labels: np.ndarray) -> float:
+    """The loss ``step`` minimises, computed directly in float64."""
+    total = 0.0
+    for i, head in enumerate(trainer.params):
+        labelled = np.flatnonzero(labels[i] >= 0)
+        logits = trainer._forward([p.astype(np.float64) for p in head], x.astype(np.float64))[0]
+        logits -= logits.max(axis=1, keepdims=True)
+        log_probs = logits - np.log(np.exp(logits).sum(axis=1, keepdims=True))
+        total += 0.8**i * -log_probs[labelled, labels[i][labelled]].sum() / max(len(labelled), 1)
+    return total
+
+
+def test_the_hand_written_gradients_are_the_loss_s():
+    rng = np.random.default_rng(0)
+    heads = random_heads(6, 7, num_heads=2, seed=2)
+    trainer = NumpyHeadsTrainer(heads, 0.0, 0)
+    x = rng.normal(0, 1, (5, 6)).astype(np.float32)
+    labels = np.array([[0, 3, -1, 6, 2], [1, -1, -1, 4, 5]])
+    captured = {}
+    trainer._update = lambda i, grads: captured.setdefault(i, grads)
+    loss = trainer.step(x, labels)
+    assert loss == pytest.approx(weighted_loss(trainer, x, labels), rel=1e-5)
+    for i in range(2):
+        for k, parameter in enumerate(trainer.params[i]):
+            for index in [(0,) * parameter.ndim, tuple(d - 1 for d in parameter.shape)]:
+                old = parameter[index]
+                parameter[index] = old + 1e-3
+                above = weighted_loss(trainer, x, labels)
+                parameter[index] = old - 1e-3
+                below = weighted_loss(trainer, x, labels)
+                parameter[index] = old
+                assert captured[i][k][index] == pytest.approx((above - below) / 2e-3, rel=2e-3, abs=1e-5)
+
+
+@pytest.fixture(scope="module")
+def text_folder(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("texts")
+    (folder / "fox.txt").write_text(REPEATING_TEXT, encoding="utf-8")
+    return folder
+
+
+@pytest.fixture
+def gguf(tiny_llama):
+    pytest.importorskip("llama_cpp", reason="the llama backend is not installed")
+    return str(tiny_llama.gguf_path)
+
+
+def request_for(gguf: str, out, **changes) -> HeadsTrainRequest:
+    settings = dict(target=gguf, out=out, num_heads=2, draft_vocab=64, minutes=10.0, backend="llama", threads=1)
+    return HeadsTrainRequest(**{**settings, **changes})
+
+
+def test_a_short_run_on_llama_cpp_writes_heads_for_the_target(gguf, tiny_llama, text_folder, tmp_path):
+    out = tmp_path / "medusa.safetensors"
+    losses = []
+    result = train_heads(request_for(gguf, out, text_dir=text_folder, learning_rate=3e-3),
+                         on_progress=lambda p: p.phase == "train" and losses.append(p.loss), max_steps=40)
+    heads = load_heads(out)
+    assert isinstance(heads, MedusaHeads) and heads.d2t is not None and len(set(heads.d2t.tolist())) == 64
+    config = tiny_llama.config
+    check_heads_for_target(heads, hidden_size=config.hidden_size, vocab_size=config.vocab_size,
+                           num_layers=config.num_layers, path=out)
+    assert heads.config.target_layers == config.num_layers
+    assert result.final_loss < 0.5 * losses[0], losses
+    assert result.report.positions > 0 and result.report.tokens_per_pass > 1.0
+
+
+def test_a_stopped_llama_run_resumes_with_its_optimizer(gguf, text_folder, tmp_path):
+    out = tmp_path / "medusa.safetensors"
+    request = request_for(gguf, out, text_dir=text_folder)
+
+    def stop_at_step_4(progress):
+        if progress.phase == "train" and progress.step == 4:
+            raise KeyboardInterrupt
+
+    with pytest.raises(TrainingInterrupted):
+        train_heads(request, on_progress=stop_at_step_4, max_steps=6, checkpoint_seconds=0)
+    result = train_heads(request, max_steps=6)
+    assert result.resumed_at == 3 and result.steps == 6
+
+
+def test_continuations_through_llama_cpp_label_only_generated_tokens(gguf, tmp_path):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("def main():\nclass Point:\nimport os\n", encoding="utf-8")
+    out = tmp_path / "medusa.safetensors"
+    result = train_heads(request_for(gguf, out, prompts_file=prompts), max_steps=3)
+    assert result.steps == 3 and load_heads(out).config.training["data"]["tokens"] > 0
