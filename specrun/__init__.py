@@ -1,3 +1,11 @@
 """specrun: lossless speculative decoding for local LLMs (MLX and llama.cpp)."""
 
+import os
+
+# NumPy's OpenBLAS keeps its threads spinning after a matrix product, and llama.cpp's threads
+# spin too: on a CPU the two take turns at the cores. Head drafters multiply in NumPy between
+# target passes; with two OpenBLAS threads, medusa -k 2 on the bench-scale demo target ran at
+# 31-35 tok/s, with one at 112-113 (docs/perf.md). Set before NumPy loads; a user's own wins.
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
 __version__ = "0.1.0"
