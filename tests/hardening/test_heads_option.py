@@ -93,3 +93,25 @@ def test_bench_and_chat_take_heads_too(target, tiny_llama, tmp_path):
         for method in ("none", "medusa")
     ]
     assert answers[0] == answers[1] and answers[0].strip()
+
+
+def test_the_demo_target_s_heads_ship_with_the_package_and_draft_its_text():
+    """`specrun generate --target demo-target --method medusa` works offline on a fresh machine:
+    the heads in specrun/demo are found by the alias, made for the demo target, a few MB, and
+    greedy output is plain decoding's with drafts accepted."""
+    pytest.importorskip("llama_cpp", reason="the llama backend is not installed")
+    from specrun.modelkit.heads import load_heads
+    from specrun.registry.heads import shipped_heads_path
+
+    path = shipped_heads_path("demo-target", "medusa")
+    assert path.stat().st_size < 8 * 2**20
+    heads = load_heads(path)
+    assert (heads.config.target_name, heads.config.hidden_size) == ("demo-target", 384)
+    prompt = "def parse_args(argv):\n"
+    plain = invoke("generate", prompt, "-t", "demo-target", "-m", "none", "-n", "48", "--json")
+    medusa = invoke("generate", prompt, "-t", "demo-target", "-m", "medusa", "-n", "48", "-k", "4", "--exact",
+                    "--json")
+    exact_plain = invoke("generate", prompt, "-t", "demo-target", "-m", "none", "-n", "48", "--exact", "--json")
+    assert plain.exit_code == medusa.exit_code == 0, medusa.output
+    assert json.loads(medusa.stdout)["text"] == json.loads(exact_plain.stdout)["text"]
+    assert json.loads(medusa.stdout)["stats"]["accepted"] > 0
