@@ -31,6 +31,9 @@ class MedusaDrafter(Drafter):
     """
 
     name = "medusa"
+    # Each head drafted is a projection over the draft vocabulary: the time grows with the
+    # length asked, so the policy chooses the length first, weighing its measured cost.
+    pays_per_token = True
 
     def __init__(self, heads: MedusaHeads, branches: int = 0) -> None:
         self.heads = heads
