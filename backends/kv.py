@@ -77,6 +77,7 @@ class KVSequence:
         self.tokens: list[int] = []
         self._tracking = False
         self._hidden: HiddenStore | None = None  # from the first track_hidden(True) on
+        self._hidden_tail: int | None = None  # a longer pass keeps the hidden states of its last this many
         self._tree_rows = 0  # the tokens the last tree pass fed before its nodes
         if backend.n_past:
             backend.rewind(0)  # we cannot know what an adopted cache holds: start empty
@@ -93,11 +94,34 @@ class KVSequence:
 
     def feed(self, tokens: Sequence[int], logit_rows: Sequence[int] = ()) -> np.ndarray:
         """Append tokens; logits (len(logit_rows), vocab) for the rows asked for."""
-        return self._append(self.backend.forward, tokens, logit_rows)
+        return self._feed_tracked(self.backend.forward, tokens, logit_rows)
 
     def feed_argmax(self, tokens: Sequence[int], logit_rows: Sequence[int]) -> np.ndarray:
         """Append tokens; the argmax ids (len(logit_rows),) at the rows asked for."""
-        return self._append(self.backend.forward_argmax, tokens, logit_rows)
+        return self._feed_tracked(self.backend.forward_argmax, tokens, logit_rows)
+
+    def _feed_tracked(self, forward, tokens: Sequence[int], logit_rows: Sequence[int]) -> np.ndarray:
+        """``_append``; while tracking with a tail, a pass longer than the tail (a prompt) feeds
+        its head untracked, then the tail tracked: llama.cpp outputs every row of a tracked pass
+        (a prompt pass cost 18-23% more), and a drafter with a tail never reads the head's."""
+        tail = self._hidden_tail
+        if not self._tracking or tail is None or len(tokens) <= tail:
+            return self._append(forward, tokens, logit_rows)
+        cut = len(tokens) - tail
+        rows = list(logit_rows)
+        self.backend.track_hidden(False)
+        self._tracking = False
+        try:
+            head = self._append(forward, tokens[:cut], [row for row in rows if row < cut])
+        finally:
+            self.backend.track_hidden(True)
+            self._tracking = True
+        rest = self._append(forward, tokens[cut:], [row - cut for row in rows if row >= cut])
+        merged = np.concatenate([head, rest])  # head's rows, then the tail's, each in the order asked
+        order = [i for i, row in enumerate(rows) if row < cut] + [i for i, row in enumerate(rows) if row >= cut]
+        out = np.empty_like(merged)
+        out[order] = merged
+        return out
 
     def feed_greedy(self, tokens: Sequence[int], n_new: int) -> np.ndarray:
         """Append tokens and extend them greedily: ``n_new`` argmax ids (n_new,) from one call.
@@ -222,9 +246,12 @@ class KVSequence:
         self.rewind(0)
 
     # ---- hidden states ----------------------------------------------------------------
-    def track_hidden(self, on: bool) -> None:
+    def track_hidden(self, on: bool, tail: int | None = None) -> None:
         """Keep (or stop keeping) the hidden state of every position fed from now on; the
-        backend records them for its passes meanwhile. ValueError if it cannot, naming why."""
+        backend records them for its passes meanwhile. ValueError if it cannot, naming why.
+        ``tail``: of a pass longer than this, only its last ``tail`` positions are kept (the
+        others read as unknown), for a reader of recent positions only."""
+        self._hidden_tail = tail if on else None
         support = self.backend.hidden_support
         if on and not support.available:
             raise ValueError(f"{self.backend.name} gives no hidden states: {support.reason}")

@@ -21,6 +21,11 @@ from specrun.modelkit.heads import MedusaHeads
 from specrun.sampling import SamplingSettings, probabilities, sample
 
 
+# Medusa reads the state of the last cached position only, which the latest pass fed: a verify
+# pass holds at most 1 + 64 tokens (the longest draft, a tree's nodes), a prompt many more.
+HIDDEN_TAIL = 65
+
+
 class MedusaDrafter(Drafter):
     """Medusa heads over the target's last hidden state: head i's guess is draft i.
 
@@ -59,7 +64,7 @@ class MedusaDrafter(Drafter):
             )
         self.target, self.clock = target, clock
         self._vocab_size = target.backend.vocab.size
-        target.track_hidden(True)
+        target.track_hidden(True, tail=HIDDEN_TAIL)
 
     def head_logits(self, hidden: np.ndarray, n_heads: int) -> np.ndarray:
         """(n_heads, Vd) float32: the first ``n_heads`` heads' logits over the draft vocabulary

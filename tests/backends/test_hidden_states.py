@@ -104,6 +104,23 @@ def test_sequence_keep_path_stores_the_kept_nodes_at_their_positions():
     np.testing.assert_array_equal(sequence.hidden(8, 9), [table((*sequence.tokens[:8], 12))])
 
 
+def test_with_a_tail_a_long_pass_keeps_only_its_last_positions_and_the_same_outputs():
+    """A prompt pass longer than the tail feeds its head untracked: those states read as
+    unknown, the tail's are kept, and the rows asked for come back as one pass gives them."""
+    tokens = [1, 2, 3, 4, 0, 1, 2, 3, 4, 0]
+    rows = [9, 2, 7, 0]  # any order, on both sides of the cut
+    whole, tailed = KVSequence(hidden_fake()), KVSequence(hidden_fake())
+    whole.track_hidden(True)
+    tailed.track_hidden(True, tail=3)
+    expected = whole.feed(tokens, rows)
+    np.testing.assert_array_equal(tailed.feed(tokens, rows), expected)
+    assert tailed.hidden(0, 7) is None and tailed.hidden(6, 10) is None
+    np.testing.assert_array_equal(tailed.hidden(7, 10), whole.hidden(7, 10))
+    np.testing.assert_array_equal(tailed.feed_argmax([2, 3], [1, 0]), whole.feed_argmax([2, 3], [1, 0]))
+    np.testing.assert_array_equal(tailed.hidden(10, 12), whole.hidden(10, 12))  # a short pass keeps all
+    assert tailed.backend.hidden_rows([0, 1]).shape == (2, HIDDEN)  # tracking is back on after a split
+
+
 def test_sequence_refuses_greedy_feeds_while_tracking():
     sequence = KVSequence(hidden_fake())
     sequence.track_hidden(True)
