@@ -159,7 +159,11 @@ def check_generation_options(
 
 # Shared options, declared once.
 TargetOpt = Annotated[Optional[str], typer.Option("--target", "-t", help="Target model: alias or .gguf path.")]
-DraftOpt = Annotated[Optional[str], typer.Option("--draft", "-d", help="Draft model: alias or .gguf path.")]
+DraftOpt = Annotated[
+    Optional[str],
+    typer.Option("--draft", "-d", help="Draft model: alias, .gguf path or MLX folder, or self:q4 / self:q8 (a "
+                 "quantized copy of the target, made once into specrun's cache)."),
+]
 BackendOpt = Annotated[str, typer.Option("--backend", help="auto, llama or mlx.")]
 MethodOpt = Annotated[
     str,
