@@ -105,3 +105,53 @@ def fitted_heads(backend, ids: Sequence[int], num_heads: int = 4) -> MedusaHeads
         sequence.track_hidden(False)
         sequence.reset()
     return probe_heads(hidden, ids, backend.vocab.size, num_heads)
+
+
+def _eagle(config: HeadsConfig, layout, rng: np.random.Generator, d2t=None, **arrays):
+    """EagleHeads of ``config`` and ``layout``: ``arrays`` as given, the others random."""
+    from specrun.modelkit.eagle import PARAMETER_NAMES, EagleHeads, eagle_shapes
+
+    shapes = eagle_shapes(config, layout)
+    for name in PARAMETER_NAMES:
+        if name not in arrays:
+            scale = 1.0 if name.endswith("norm") else 0.5
+            arrays[name] = (float(name.endswith("norm")) + rng.normal(0, scale, shapes[name])).astype(np.float32)
+    return EagleHeads(config, layout, d2t=d2t, **arrays)
+
+
+def random_eagle(hidden_size: int, vocab_size: int, depth: int = 4, seed: int = 0,
+                 draft_vocab: Sequence[int] | None = None, window: int = 128):
+    """An EAGLE layer with every array random, over ``draft_vocab`` or the whole vocabulary."""
+    from specrun.modelkit.eagle import EagleLayout
+
+    d2t = None if draft_vocab is None else np.asarray(draft_vocab, dtype=np.int64)
+    rows = vocab_size if d2t is None else len(d2t)
+    config = HeadsConfig("eagle", depth, 1, hidden_size, vocab_size, rows, target_name="test")
+    layout = EagleLayout(num_attention_heads=2, head_dim=4, intermediate_size=2 * hidden_size, window=window)
+    return _eagle(config, layout, np.random.default_rng(seed), d2t)
+
+
+def oracle_eagle(vocab_size: int, depth: int = 4, sharpness: float = 4.0):
+    """An EAGLE layer reading ``oracle_hidden``'s blocks: it predicts the next position's state as
+    this one's blocks moved up by one (fc shifts them; attention and MLP add nothing), so the
+    projection of block 0 after s steps is block s of the state it started from, the target's
+    token s + 1 after it: the chain it drafts is ``oracle_heads``' guesses."""
+    from specrun.modelkit.eagle import EagleLayout
+
+    size = (depth + 1) * vocab_size
+    config = HeadsConfig("eagle", depth, 1, size, vocab_size, vocab_size, target_name="test")
+    layout = EagleLayout(num_attention_heads=1, head_dim=2, intermediate_size=8)
+    shift = np.zeros((size, 2 * size), np.float32)
+    shift[np.arange(size - vocab_size), vocab_size + np.arange(size - vocab_size)] = 1.0  # out block b = in block b + 1
+    lm_head = np.zeros((vocab_size, size), np.float32)
+    lm_head[np.arange(vocab_size), np.arange(vocab_size)] = sharpness
+    zeros = {name: np.zeros(shape, np.float32) for name, shape in
+             (("o_proj", (size, 2)), ("down_proj", (size, 8)), ("fc_bias", (size,)))}
+    return _eagle(config, layout, np.random.default_rng(0), fc=shift, lm_head=lm_head, **zeros)
+
+
+def oracle_heads_for(method: str, vocab_size: int):
+    """The oracle heads of ``method``'s kind (it must draft with heads)."""
+    from specrun.drafters.methods import heads_kind
+
+    return oracle_eagle(vocab_size) if heads_kind(method) == "eagle" else oracle_heads(vocab_size)

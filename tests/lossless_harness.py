@@ -374,10 +374,10 @@ def branches_taken(method: str) -> bool:
     from fake_models import hashed_logits
     from specrun.backends.fake import FakeBackend
 
-    from heads_factory import oracle_heads
+    from heads_factory import oracle_heads_for
 
     draft = FakeBackend(hashed_logits(VOCAB, salt=2), VOCAB) if needs_draft_model(method) else None
-    heads = oracle_heads(VOCAB) if needs_heads(method) else None
+    heads = oracle_heads_for(method, VOCAB) if needs_heads(method) else None
     drafter = build_drafter(method, draft, DrafterOptions(branches=TREE_BRANCHES, heads=heads))
     return drafter is not None and any(getattr(member, "branches", 0) for member in drafter.members)
 
@@ -404,12 +404,12 @@ def fake_engine(scenario: Scenario) -> SpeculativeEngine:
     and find speculating worth it. Head methods read hidden states that know the target's
     greedy future, partly (heads_factory.oracle_hidden)."""
     from fake_models import CostedFake, SimClock
-    from heads_factory import oracle_heads, oracle_hidden
+    from heads_factory import oracle_heads_for, oracle_hidden
 
     clock = SimClock()
     table = _target_table()
     draft_table = _sharper(table) if scenario.sharper_draft else _draft_table()
-    heads = oracle_heads(VOCAB) if needs_heads(scenario.method) else None
+    heads = oracle_heads_for(scenario.method, VOCAB) if needs_heads(scenario.method) else None
     hidden = dict(hidden_table=oracle_hidden(table, VOCAB), hidden_size=heads.config.hidden_size) if heads else {}
     target = CostedFake(table, clock, 1.0, 0.02, vocab_size=VOCAB, **hidden)
     draft = CostedFake(draft_table, clock, 0.02, 0.0, vocab_size=VOCAB)
@@ -449,12 +449,12 @@ def greedy_scenario(method: str, adaptive: bool = False, branches: int = 0) -> t
     (a fake backend has no near-ties to excuse), and the drafts made and accepted. The engine is
     kept from one prompt to the next, as a chat keeps it."""
     from fake_models import COPYING_VOCAB, REPEATING_PROMPT, copying_logits, noisy_copy
-    from heads_factory import oracle_heads, oracle_hidden
+    from heads_factory import oracle_heads_for, oracle_hidden
     from specrun.backends.fake import FakeBackend
 
     table = copying_logits(salt=4)
     draft = FakeBackend(noisy_copy(4), COPYING_VOCAB) if needs_draft_model(method) or method == "auto" else None
-    heads = oracle_heads(COPYING_VOCAB) if needs_heads(method) else None
+    heads = oracle_heads_for(method, COPYING_VOCAB) if needs_heads(method) else None
     hidden = {}
     if heads is not None:
         hidden = dict(hidden_table=oracle_hidden(table, COPYING_VOCAB), hidden_size=heads.config.hidden_size)

@@ -2,8 +2,9 @@
 
 A method is ``none`` (plain decoding) or drafters joined by ``+``, cheapest first:
 ``lookup`` (prompt lookup), ``ngram`` (the learning n-gram pool), ``draft`` (a
-draft model), ``medusa`` (heads on the target's own hidden state, from a heads file). Chains ask the draft model only when the cheap drafters have too
-little to propose, and only while it is measured to pay (ChainDrafter).
+draft model), ``medusa`` and ``eagle`` (heads on the target's own hidden states, from a heads
+file). Chains ask the draft model only when the cheap drafters have too little to propose, and
+only while it is measured to pay (ChainDrafter).
 """
 
 from __future__ import annotations
@@ -15,10 +16,12 @@ from specrun.backends.base import Backend
 from specrun.drafters.base import Drafter
 from specrun.drafters.chain import ChainDrafter
 from specrun.drafters.draft_model import DraftModelDrafter
+from specrun.drafters.eagle import EagleDrafter
 from specrun.drafters.heads import MedusaDrafter
 from specrun.drafters.lookup import PromptLookupDrafter
 from specrun.drafters.ngram import NgramPoolDrafter
 from specrun.errors import UsageError
+from specrun.modelkit.eagle import EagleHeads
 from specrun.modelkit.heads import MedusaHeads
 
 AUTO_CHAIN = "lookup+ngram+draft"
@@ -34,7 +37,9 @@ METHODS = (
     "lookup+ngram+draft",
     "lookup+ngram",
     "medusa",
+    "eagle",
 )
+HEAD_METHODS = ("medusa", "eagle")  # the methods that draft with heads, named as the heads' kinds
 
 
 @dataclass(frozen=True)
@@ -55,7 +60,7 @@ class DrafterOptions:
     vocabulary: str = ""
     draft_min_prob: float = 0.0  # the draft model's confidence stop (DraftModelDrafter.min_prob)
     branches: int = 0
-    heads: MedusaHeads | None = None  # what the head methods draft with (specrun.modelkit.heads)
+    heads: MedusaHeads | EagleHeads | None = None  # what a head method drafts with: heads of its kind
 
 
 def resolve_method(method: str, has_draft: bool = True) -> str:
@@ -74,8 +79,13 @@ def needs_draft_model(method: str) -> bool:
     return "draft" in resolve_method(method).split("+")
 
 
+def heads_kind(method: str) -> str | None:
+    """The kind of heads ``method`` drafts with ("medusa" or "eagle"), None for none."""
+    return next((part for part in resolve_method(method).split("+") if part in HEAD_METHODS), None)
+
+
 def needs_heads(method: str) -> bool:
-    return "medusa" in resolve_method(method).split("+")
+    return heads_kind(method) is not None
 
 
 def check_method(method: str) -> None:
@@ -97,6 +107,10 @@ def build_drafter(method: str, draft: Backend | None, options: DrafterOptions | 
     if needs_heads(method) and (options is None or options.heads is None):
         raise UsageError(f"method {method!r} needs heads for the target",
                          "pass --heads FILE, or train them with specrun heads train")
+    wanted = MedusaHeads if heads_kind(method) == "medusa" else EagleHeads
+    if needs_heads(method) and not isinstance(options.heads, wanted):
+        raise UsageError(f"method {method!r} drafts with {heads_kind(method)} heads, not {options.heads.config.kind} heads",
+                         f"pass {heads_kind(method)} heads with --heads, or train them with specrun heads train")
     parts = resolve_method(method, has_draft=draft is not None).split("+")
     members = [_build_one(part, draft, options or DrafterOptions()) for part in parts]
     return members[0] if len(members) == 1 else ChainDrafter(members)
@@ -111,4 +125,6 @@ def _build_one(part: str, draft: Backend | None, options: DrafterOptions) -> Dra
         return NgramPoolDrafter.open(options.ngram_cache, vocabulary=options.vocabulary, branches=options.branches)
     if part == "medusa":
         return MedusaDrafter(options.heads, branches=options.branches)
+    if part == "eagle":
+        return EagleDrafter(options.heads, branches=options.branches)
     return DraftModelDrafter(draft, min_prob=options.draft_min_prob, branches=options.branches)

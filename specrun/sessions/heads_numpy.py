@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
 

@@ -1,0 +1,328 @@
+"""EAGLE: drafts made one token at a time by a single layer over the target's own features.
+
+Between verify passes the target's cache holds the context but its last token, and it has kept
+its features (hidden states) for them. The drafter keeps the layer's keys and values for the last
+``window`` positions of the context (each from the target's real feature there and the token
+after it, computed once, as the context grows), runs the layer at the context's second-to-last
+position (real feature, real last token: its predicted feature gives the first draft), then on
+its own predictions (the feature it predicted, the token it drafted), reading the context's
+entries and its own draft's (specrun.modelkit.eagle).
+
+Greedy with ``branches``, it grows EAGLE-2's dynamic tree: at each depth the ``top_k`` likeliest
+nodes (by the product of the drafter's probabilities along their path) are expanded, each by its
+``top_k`` likeliest tokens, and the tree proposed is the main chain (the first guess at every
+depth) and the ``branches`` likeliest other nodes. Sampled, a chain of draws from the layer's
+distributions (reported, so rejection sampling keeps the output the target's) with second
+guesses where its drafter was least sure (drafters.base.second_guesses): a node kept for its
+own drawn value would bias what the verifier accepts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from time import perf_counter
+
+import numpy as np
+
+from specrun.backends.kv import KVSequence, common_prefix_len
+from specrun.drafters.base import EMPTY_PROPOSAL, Drafter, Proposal, second_guesses
+from specrun.errors import UsageError
+from specrun.modelkit.eagle import EagleHeads, fuse, layer, no_entries
+from specrun.sampling import SamplingSettings, probabilities, sample
+
+# A verify pass feeds at most 1 + 64 tokens; a prompt pass keeps the features of its last ``window``.
+VERIFY_ROWS = 65
+TOP_K = 4  # EAGLE-2's: children per expanded node, nodes expanded per depth
+
+
+@dataclass
+class _Entries:
+    """The layer's keys and values (C, nh, hd) of context positions first .. first + C - 1, and the
+    context they were made from. ``floor``: where they began, the target's features before it
+    unknown (the head of a long prompt pass), so entries from there on are all there are."""
+
+    first: int = 0
+    keys: np.ndarray | None = None
+    values: np.ndarray | None = None
+    context: list[int] = field(default_factory=list)
+    floor: int = 0
+
+    @property
+    def end(self) -> int:
+        return self.first + (0 if self.keys is None else len(self.keys))
+
+    def keep_before(self, position: int) -> None:
+        if self.keys is not None and position < self.end:
+            count = max(position - self.first, 0)
+            self.keys, self.values = self.keys[:count], self.values[:count]
+            self.first = min(self.first, position)
+
+    def keep_from(self, position: int) -> None:
+        if self.keys is not None and position > self.first:
+            drop = min(position - self.first, len(self.keys))
+            self.keys, self.values = self.keys[drop:], self.values[drop:]
+            self.first += drop
+
+
+class EagleDrafter(Drafter):
+    """EAGLE heads over the target's features (see the module's docstring)."""
+
+    name = "eagle"
+    # One layer pass per depth drafted (a few rows each): time grows with the length asked.
+    pays_per_token = True
+
+    def __init__(self, heads: EagleHeads, branches: int = 0, top_k: int = TOP_K) -> None:
+        self.heads = heads
+        self.branches = branches
+        self.top_k = top_k
+        self.target: KVSequence | None = None
+        self.clock: Callable[[], float] = perf_counter
+        config = heads.config
+        self._d2t = heads.d2t if heads.d2t is not None else np.arange(config.draft_vocab_size)
+        self._vocab_size = config.vocab_size
+        self._entries = _Entries()
+        self._dtype = heads.fc.dtype
+
+    def bind(self, target: KVSequence, clock: Callable[[], float]) -> None:
+        """Read the target's features from now on: turns its tracking on."""
+        support = target.backend.hidden_support
+        config = self.heads.config
+        if not support.available:
+            raise UsageError(f"method 'eagle' needs the target's hidden states: {support.reason}",
+                             "use another method with this target")
+        if support.size != config.hidden_size or target.backend.vocab.size < config.vocab_size:
+            raise UsageError(
+                f"the heads were made for hidden size {config.hidden_size} and {config.vocab_size} tokens, "
+                f"the target has {support.size} and {target.backend.vocab.size}",
+                "train heads for this target with specrun heads train",
+            )
+        self.target, self.clock = target, clock
+        self._vocab_size = target.backend.vocab.size
+        self._entries = _Entries()
+        target.track_hidden(True, tail=max(VERIFY_ROWS, self.heads.layout.window))
+
+    # ---- the context's entries ---------------------------------------------------------------
+    def _root(self, context: Sequence[int]) -> np.ndarray | None:
+        """The feature (1, H) the layer predicts at the context's second-to-last position, its
+        entries brought up to date on the way; None where the target has no features for it."""
+        window = self.heads.layout.window
+        root = len(context) - 2
+        entries = self._entries
+        # The root's entry is made again each time: its predicted feature is the draft's first.
+        entries.keep_before(min(common_prefix_len(entries.context, context) - 1, root))
+        lowest = max(root + 1 - window, 0)
+        reusable = (entries.keys is not None and lowest <= entries.end
+                    and (entries.first <= lowest or entries.first == entries.floor))
+        start = entries.end if reusable else lowest
+        features = self._features(start, root + 1, context)
+        if features is None:
+            start = self._first_known(start, root + 1, context)
+            if start is None:
+                self._entries = _Entries()
+                return None
+            features = self._features(start, root + 1, context)
+        if not reusable or start > entries.end:  # begin again where the features are
+            entries = self._entries = _Entries(start, no_entries(self.heads, self._dtype),
+                                               no_entries(self.heads, self._dtype), floor=start)
+        entries.keep_from(root + 1 - window)
+        positions = np.arange(start, root + 1)
+        fused = fuse(self.heads, features, self.heads.draft_ids(np.asarray(context[start + 1 : root + 2])))
+        earlier = np.arange(entries.first, entries.end)
+        attend = np.concatenate([
+            positions[:, None] - earlier[None, :] < window,
+            (positions[:, None] >= positions[None, :]) & (positions[:, None] - positions[None, :] < window),
+        ], axis=1)
+        out, keys, values = layer(self.heads, fused, positions, entries.keys, entries.values, attend)
+        entries.keys = np.concatenate([entries.keys, keys])
+        entries.values = np.concatenate([entries.values, values])
+        entries.context = list(context)
+        return out[-1:]
+
+    def _features(self, start: int, stop: int, context: Sequence[int]) -> np.ndarray | None:
+        """The target's features at positions [start, stop) as this context's, or None."""
+        target = self.target
+        if stop > len(target.tokens) or list(target.tokens[start:stop]) != list(context[start:stop]):
+            return None
+        features = target.hidden(start, stop)
+        return None if features is None else features.astype(self._dtype)
+
+    def _first_known(self, start: int, stop: int, context: Sequence[int]) -> int | None:
+        """The lowest position from ``start`` whose features, and all after it to ``stop``, are known."""
+        if self._features(stop - 1, stop, context) is None:
+            return None
+        low, high = start, stop - 1  # high is known
+        while low < high:
+            middle = (low + high) // 2
+            if self._features(middle, stop, context) is None:
+                low = middle + 1
+            else:
+                high = middle
+        return high
+
+    # ---- drafting ------------------------------------------------------------------------------
+    def propose(
+        self,
+        context: Sequence[int],
+        draft_len: int,
+        sampling: SamplingSettings,
+        rng: np.random.Generator,
+    ) -> Proposal:
+        depth = min(draft_len, self.heads.config.num_heads)
+        if depth <= 0 or self.target is None or len(context) < 2:
+            return EMPTY_PROPOSAL
+        root = self._root(context)
+        if root is None:  # fed while tracking was off (a cache from before the heads were in use)
+            return EMPTY_PROPOSAL
+        if sampling.greedy and self.branches:
+            return self._tree(root, len(context) - 2, depth)
+        return self._chain(root, len(context) - 2, depth, sampling, rng)
+
+    def _step(self, features: np.ndarray, drafts: np.ndarray, position: int,
+              own_keys: np.ndarray, own_values: np.ndarray, own_reads: np.ndarray):
+        """The layer at ``position`` for N nodes: their parents' predicted features (N, H) and
+        their draft ids (N,), each reading the context's entries in the window and, of the draft's
+        entries so far (D, nh, hd), those ``own_reads`` (N, D) marks (its ancestors)."""
+        entries = self._entries
+        earlier = np.arange(entries.first, entries.end)
+        count = len(drafts)
+        attend = np.concatenate([
+            np.broadcast_to(position - earlier[None, :] < self.heads.layout.window, (count, len(earlier))),
+            own_reads, np.eye(count, dtype=bool),
+        ], axis=1)
+        fused = fuse(self.heads, features, drafts)
+        return layer(self.heads, fused, np.full(count, position),
+                     np.concatenate([entries.keys, own_keys]), np.concatenate([entries.values, own_values]), attend)
+
+    def _chain(self, feature: np.ndarray, root: int, depth: int, sampling: SamplingSettings,
+               rng: np.random.Generator) -> Proposal:
+        """The chain of first guesses (greedy) or draws (sampled, with their rows)."""
+        keys, values = no_entries(self.heads, self._dtype), no_entries(self.heads, self._dtype)
+        tokens, rows = [], []
+        for step in range(depth):
+            logits = (feature @ self.heads.lm_head.T)[0]  # (Vd,)
+            if sampling.greedy:
+                draft = int(logits.argmax())
+            else:
+                row = self._target_row(logits, sampling)
+                token = sample(row, rng)
+                rows.append(row)
+                draft = int(self.heads.draft_ids(np.array([token]))[0])
+            tokens.append(int(self._d2t[draft]))
+            if step + 1 == depth:
+                break
+            reads = np.ones((1, len(keys)), bool)
+            feature, key, value = self._step(feature, np.array([draft]), root + 1 + step, keys, values, reads)
+            keys, values = np.concatenate([keys, key]), np.concatenate([values, value])
+        if sampling.greedy:
+            return Proposal(tuple(tokens), source=self.name)
+        chain = Proposal(tuple(tokens), tuple(rows), source=self.name)
+        return second_guesses(chain, rows, self.branches, sampling, rng) if self.branches else chain
+
+    def _target_row(self, logits: np.ndarray, sampling: SamplingSettings) -> np.ndarray:
+        """The layer's distribution under ``sampling`` (Vd,), spread over the target's ids."""
+        row = np.zeros(self._vocab_size)
+        row[self._d2t] = probabilities(logits[None, :], sampling)[0]
+        return row
+
+    def _tree(self, feature: np.ndarray, root: int, depth: int) -> Proposal:
+        """EAGLE-2's dynamic tree (greedy): the main chain, then the ``branches`` likeliest other nodes."""
+        tree = _DraftTree()
+        tree.add_children(-1, feature[0] @ self.heads.lm_head.T, self.top_k)
+        keys, values = no_entries(self.heads, self._dtype), no_entries(self.heads, self._dtype)
+        expanded: list[int] = []  # the nodes with entries, in the order of keys
+        features = {-1: feature[0]}
+        for level in range(1, depth):
+            chosen = tree.to_expand(level, self.top_k)
+            parents = np.array([tree.parents[node] for node in chosen])
+            reads = np.array([[tree.is_ancestor(other, node) for other in expanded] for node in chosen], bool)
+            reads = reads.reshape(len(chosen), len(expanded))
+            out, key, value = self._step(np.stack([features[parent] for parent in parents]),
+                                         np.array([tree.drafts[node] for node in chosen]),
+                                         root + level, keys, values, reads)
+            keys, values = np.concatenate([keys, key]), np.concatenate([values, value])
+            expanded.extend(chosen)
+            logits = out @ self.heads.lm_head.T  # (N, Vd)
+            for node, row_feature, row_logits in zip(chosen, out, logits):
+                features[node] = row_feature
+                tree.add_children(node, row_logits, self.top_k)
+        nodes = tree.proposal_order(depth, self.branches)
+        index = {node: i for i, node in enumerate(nodes)}
+        return Proposal(
+            tuple(int(self._d2t[tree.drafts[node]]) for node in nodes),
+            source=self.name,
+            parents=tuple(-1 if tree.parents[node] < 0 else index[tree.parents[node]] for node in nodes),
+        )
+
+    def close(self) -> None:
+        if self.target is not None:
+            self.target.track_hidden(False)
+            self.target = None
+        self._entries = _Entries()
+
+
+@dataclass
+class _DraftTree:
+    """The nodes a dynamic tree has grown: each a draft id, its parent (-1: the root), its depth
+    (1-based), the log of its path's probability, and whether it is its parent's first guess."""
+
+    drafts: list[int] = field(default_factory=list)
+    parents: list[int] = field(default_factory=list)
+    depths: list[int] = field(default_factory=list)
+    scores: list[float] = field(default_factory=list)
+    first: list[bool] = field(default_factory=list)
+
+    def add_children(self, parent: int, logits: np.ndarray, count: int) -> None:
+        shifted = logits - logits.max()
+        log_probs = shifted - np.log(np.exp(shifted).sum())
+        best = np.argsort(-log_probs, kind="stable")[:count]
+        base = 0.0 if parent < 0 else self.scores[parent]
+        depth = 1 if parent < 0 else self.depths[parent] + 1
+        for rank, draft in enumerate(best):
+            self.drafts.append(int(draft))
+            self.parents.append(parent)
+            self.depths.append(depth)
+            self.scores.append(base + float(log_probs[draft]))
+            self.first.append(rank == 0)
+
+    def main_chain(self) -> list[int]:
+        chain, node = [], -1
+        while True:
+            children = [i for i, parent in enumerate(self.parents) if parent == node and self.first[i]]
+            if not children:
+                return chain
+            node = children[0]
+            chain.append(node)
+
+    def to_expand(self, level: int, count: int) -> list[int]:
+        """The ``count`` likeliest nodes at depth ``level``, and the main chain's node there."""
+        at_level = [i for i, depth in enumerate(self.depths) if depth == level]
+        chosen = sorted(at_level, key=lambda node: -self.scores[node])[:count]
+        chain = self.main_chain()
+        if len(chain) >= level and chain[level - 1] not in chosen:
+            chosen.append(chain[level - 1])
+        return sorted(chosen)
+
+    def is_ancestor(self, node: int, of: int) -> bool:
+        parent = self.parents[of]
+        while parent >= 0:
+            if parent == node:
+                return True
+            parent = self.parents[parent]
+        return False
+
+    def proposal_order(self, depth: int, extra: int) -> list[int]:
+        """The main chain (to ``depth``), then up to ``extra`` other nodes likeliest first, each after
+        its parent (a node whose parent is not proposed is left out)."""
+        chain = self.main_chain()[:depth]
+        proposed = set(chain)
+        order = list(chain)
+        others = sorted((node for node in range(len(self.drafts)) if node not in proposed),
+                        key=lambda node: (-self.scores[node], self.depths[node], node))
+        for node in others:
+            if len(order) >= len(chain) + extra:
+                break
+            if self.parents[node] < 0 or self.parents[node] in proposed:
+                order.append(node)
+                proposed.add(node)
+        return order

@@ -1,0 +1,101 @@
+"""The EAGLE layer's math: the trainer's hand-written gradients against finite differences, its
+forward pass against the drafter's (modelkit.eagle.layer), and the chain the report measures
+against drafting one position at a time."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from specrun.modelkit.eagle import PARAMETER_NAMES, EagleLayout, causal_window, chain_guesses, fuse, layer, no_entries
+from specrun.modelkit.heads import HeadsConfig
+from specrun.sessions.heads_eagle import EagleWindow, NumpyEagleTrainer, window_forward, window_loss
+
+SIZE, VOCAB, DRAFT_VOCAB = 8, 12, 7
+
+
+def small_heads(seed: int = 0, window: int = 4, dtype=np.float64):
+    """Random heads of width 8 (two attention heads of 4) over a draft vocabulary of 7 of 12 tokens,
+    every array random (a fresh trainer's zeros would hide gradients)."""
+    config = HeadsConfig("eagle", 3, 1, SIZE, VOCAB, DRAFT_VOCAB, target_name="test")
+    layout = EagleLayout(num_attention_heads=2, head_dim=4, intermediate_size=10, window=window)
+    rng = np.random.default_rng(seed)
+    d2t = np.array([3, 0, 7, 11, 5, 2, 9])
+    trainer = NumpyEagleTrainer.fresh(config, rng.normal(0, 1, (DRAFT_VOCAB, SIZE)),
+                                      rng.normal(0, 1, (DRAFT_VOCAB, SIZE)), d2t, 1e-3, seed, layout)
+    heads = trainer.heads()
+    arrays = {name: rng.normal(0, 0.5, getattr(heads, name).shape).astype(dtype) for name in PARAMETER_NAMES}
+    arrays["attn_norm"] += 1.0
+    arrays["mlp_norm"] += 1.0
+    return dataclasses.replace(heads, **arrays)
+
+
+def small_window(seed: int = 1, length: int = 7) -> EagleWindow:
+    rng = np.random.default_rng(seed)
+    following = rng.integers(0, VOCAB, length)
+    following[:2] = -1  # a prompt's positions: no labels
+    return EagleWindow(rng.normal(0, 1.5, (length, SIZE)), rng.integers(0, VOCAB, length), following)
+
+
+@pytest.mark.parametrize("name", PARAMETER_NAMES)
+def test_every_gradient_matches_finite_differences(name):
+    heads, window = small_heads(), small_window()
+    noise = np.random.default_rng(2).normal(0, 0.1, (len(window.tokens) - 1, SIZE))
+    _, grads = window_loss(heads, window, noise, scale=0.7)
+    array = getattr(heads, name)
+    rng = np.random.default_rng(3)
+    for flat_index in rng.choice(array.size, size=min(6, array.size), replace=False):
+        index = np.unravel_index(flat_index, array.shape)
+        step = 1e-6
+        values = []
+        for sign in (1, -1):
+            changed = array.copy()
+            changed[index] += sign * step
+            values.append(window_loss(dataclasses.replace(heads, **{name: changed}), window, noise, scale=0.7)[0])
+        numeric = (values[0] - values[1]) / (2 * step)
+        assert grads[name][index] == pytest.approx(numeric, rel=1e-4, abs=1e-8), (name, index)
+
+
+def test_a_training_step_lowers_the_loss_it_is_taken_on():
+    heads, window = small_heads(dtype=np.float32), small_window()
+    trainer = NumpyEagleTrainer(heads, learning_rate=1e-2, seed=0)
+    first = trainer.step_windows([window])
+    for _ in range(20):
+        last = trainer.step_windows([window])
+    assert last < 0.8 * first
+
+
+def test_the_drafters_layer_reads_what_the_trainer_scores():
+    """Teacher-forced, modelkit.eagle.layer over the window gives the features the trainer scores."""
+    heads, window = small_heads(), small_window()
+    count = len(window.tokens) - 1
+    fused = fuse(heads, window.features[:count], heads.draft_ids(window.tokens[1:]))
+    out, _, _ = layer(heads, fused, np.arange(count), no_entries(heads, np.float64), no_entries(heads, np.float64),
+                      causal_window(count, heads.layout.window))
+    assert np.allclose(window_forward(heads, window).out, out, rtol=1e-12, atol=1e-12)
+
+
+def test_the_chain_report_drafts_as_one_position_at_a_time_would():
+    """chain_guesses' column p equals drafting from p with the layer step by step: the context's
+    real entries inside the window, then the chain's own."""
+    heads, window = small_heads(window=4), small_window(length=9)
+    depth = 3
+    columns = chain_guesses(heads, window.features, window.tokens, depth)
+    d2t = heads.d2t
+    for p in range(len(window.tokens) - 1):
+        fused = fuse(heads, window.features[: p + 1], heads.draft_ids(window.tokens[1 : p + 2]))
+        out, keys, values = layer(heads, fused, np.arange(p + 1), no_entries(heads, np.float64),
+                                  no_entries(heads, np.float64), causal_window(p + 1, heads.layout.window))
+        feature, position = out[-1:], p
+        guesses = []
+        for _ in range(depth):
+            draft = int((feature @ heads.lm_head.T).argmax())
+            guesses.append(int(d2t[draft]))
+            position += 1
+            step_in = fuse(heads, feature, np.array([draft]))
+            reads = np.array([[position - j < heads.layout.window for j in range(len(keys))] + [True]])
+            feature, key, value = layer(heads, step_in, np.array([position]), keys, values, reads)
+            keys, values = np.concatenate([keys, key]), np.concatenate([values, value])
+        assert list(columns[:, p]) == guesses, p
