@@ -155,3 +155,51 @@ def oracle_heads_for(method: str, vocab_size: int):
     from specrun.drafters.methods import heads_kind
 
     return oracle_eagle(vocab_size) if heads_kind(method) == "eagle" else oracle_heads(vocab_size)
+
+
+def fitted_eagle(backend, ids: Sequence[int], depth: int = 4, ridge: float = 1e-2):
+    """An EAGLE layer for a real backend fitted to its features along ``ids`` (its own output) by
+    ridge regression, attention and MLP adding nothing: fc maps [feature at p ; embedding of the
+    token at p + 1] to the feature at p + 1, and the projection maps fc's output to the token at
+    p + 2, over a draft vocabulary of the tokens ``ids`` holds (random embedding rows)."""
+    from specrun.modelkit.eagle import EagleLayout
+
+    hidden = _features_along(backend, ids).astype(np.float64)  # (n, H)
+    n, size = hidden.shape
+    d2t = np.unique(np.asarray(ids, dtype=np.int64))
+    config = HeadsConfig("eagle", depth, 1, size, backend.vocab.size, len(d2t), target_name="test")
+    layout = EagleLayout(num_attention_heads=1, head_dim=2, intermediate_size=8)
+    rng = np.random.default_rng(0)
+    embed = rng.normal(0, 1, (len(d2t) + 1, size))
+    rows = np.searchsorted(d2t, np.asarray(ids))
+    joined = np.concatenate([hidden[: n - 1], embed[rows[1:]]], axis=1)  # (n - 1, 2H)
+    fc = np.linalg.solve(joined.T @ joined + ridge * len(joined) * np.eye(2 * size), joined.T @ hidden[1:]).T
+    predicted = joined[: n - 2] @ fc.T  # the layer's guess of the feature at p + 1, for p < n - 2
+    targets = np.zeros((n - 2, len(d2t)))
+    targets[np.arange(n - 2), rows[2:]] = 1.0
+    lm_head = np.linalg.solve(predicted.T @ predicted + ridge * len(predicted) * np.eye(size), predicted.T @ targets).T
+    zeros = {name: np.zeros(shape, np.float32) for name, shape in
+             (("o_proj", (size, 2)), ("down_proj", (size, 8)), ("fc_bias", (size,)))}
+    return _eagle(config, layout, rng, d2t, fc=fc.astype(np.float32), lm_head=lm_head.astype(np.float32),
+                  embed=embed.astype(np.float32), **zeros)
+
+
+def _features_along(backend, ids: Sequence[int]) -> np.ndarray:
+    from specrun.backends.kv import sequence_for
+
+    sequence = sequence_for(backend)
+    sequence.reset()
+    sequence.track_hidden(True)
+    try:
+        sequence.feed(list(ids))
+        return sequence.hidden(0, len(ids))
+    finally:
+        sequence.track_hidden(False)
+        sequence.reset()
+
+
+def fitted_heads_for(method: str, backend, ids: Sequence[int]):
+    """Heads of ``method``'s kind fitted to ``backend``'s own output ``ids``."""
+    from specrun.drafters.methods import heads_kind
+
+    return fitted_eagle(backend, ids) if heads_kind(method) == "eagle" else fitted_heads(backend, ids)

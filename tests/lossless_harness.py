@@ -564,12 +564,12 @@ def real_heads(target, method: str, sampling: SamplingSettings, tokens: int = 40
         return None
     import dataclasses
 
-    from heads_factory import fitted_heads
+    from heads_factory import fitted_heads_for
 
     prompt = target.tokenize(REAL_PROMPT)
     params = GenerationParams(tokens, 0, dataclasses.replace(sampling, seed=0), stop_at_eos=False)
     output = SpeculativeEngine(target, None).run(prompt, params, complete_cache=False).token_ids
-    return fitted_heads(target, [*prompt, *output])
+    return fitted_heads_for(method, target, [*prompt, *output])
 
 
 class _SimulatedTime:

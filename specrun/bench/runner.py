@@ -25,12 +25,12 @@ from specrun.sessions.generation import (
     DEFAULT_DRAFT_LEN,
     TreeSettings,
     adapts_length,
-    load_target_heads,
+    load_heads_for_methods,
     load_tuned,
     resolve_min_prob,
 )
 from specrun.registry.loading import LoadOptions, open_pair, prompts_as_chat
-from specrun.drafters.methods import DrafterOptions, is_adaptive, needs_draft_model, needs_heads
+from specrun.drafters.methods import DrafterOptions, is_adaptive, needs_draft_model
 from specrun.sampling import SamplingSettings
 
 BASELINE = "none"
@@ -152,9 +152,7 @@ def run_bench(config: BenchConfig, prompts: Sequence[BenchPrompt], progress: Pro
         tuned = load_tuned(target, draft, config.load.threads) if config.use_tuned else None
         variants = config.variants()
         min_prob = resolve_min_prob(config.draft_min_prob, tuned)
-        heads = None
-        if any(needs_heads(m) for m in config.methods):
-            heads = load_target_heads(config.target, config.heads, target, config.load.registry)
+        heads = load_heads_for_methods(config.target, config.heads, target, config.methods, config.load.registry)
         if progress is not None:
             progress.start(len(kept) * len(variants) * config.repeat)
         native = target.native_loop() if config.native else None

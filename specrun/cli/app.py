@@ -159,7 +159,7 @@ def demo(
     draft: Annotated[str, typer.Option("--draft", "-d", help="Draft model.")] = "demo-draft",
     methods: Annotated[Optional[str], typer.Option(
         "--methods", help="Comma-separated methods; the first is the baseline (default: none,draft,auto, and "
-        "medusa where the target has heads: the demo target's ship with specrun)."
+        "medusa and eagle where the target has heads: the demo target's ship with specrun)."
     )] = None,
     prompts: Annotated[int, typer.Option("--prompts", help="How many built-in prompts.")] = 6,
     max_tokens: MaxTokensOpt = 96,
@@ -170,11 +170,11 @@ def demo(
 ) -> None:
     """Plain vs speculative decoding on the shipped demo pair, side by side: is it faster, identical, and why."""
     with cli_errors():
-        from specrun.registry.heads import heads_available
+        from specrun.registry.heads import head_kinds_available
         from specrun.sessions.demo_report import run_demo
 
         if methods is None:
-            methods = "none,draft,medusa,auto" if heads_available(target, "medusa") else "none,draft,auto"
+            methods = ",".join(["none", "draft", *head_kinds_available(target), "auto"])
         method_list = [m.strip() for m in methods.split(",") if m.strip()]
         for method in method_list:
             check_method(method)

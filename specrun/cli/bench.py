@@ -118,7 +118,7 @@ def bench(
         from specrun.sessions.generation import ADAPTIVE_MAX_DRAFT_LEN
         from specrun.registry.loading import DEFAULT_TARGET, LoadOptions
         from specrun.drafters.methods import is_adaptive
-        from specrun.registry.heads import heads_available
+        from specrun.registry.heads import head_kinds_available
 
         check_range("--max-tokens", max_tokens, 1, MAX_NEW_TOKENS)
         check_range("--repeat", repeat, 1, MAX_REPEAT)
@@ -132,7 +132,7 @@ def bench(
         target = target or DEFAULT_TARGET
         draft = draft or suggested_draft(target, registry)
         method_list = parse_methods(methods, has_draft=draft is not None,
-                                    has_heads=heads is not None or heads_available(target, "medusa", registry))
+                                    head_kinds=head_kinds_available(target, heads, registry))
         draft_lens = parse_draft_lens(draft_len, sweep_draft_len)
         if len(draft_lens) > 1 and not any(m != "none" and not is_adaptive(m) for m in method_list):
             raise UsageError(
@@ -171,19 +171,20 @@ def suggested_draft(target: str, registry: Path | None) -> str | None:
     return entry.drafts[0] if entry is not None and entry.drafts else None
 
 
-def parse_methods(methods: str | None, has_draft: bool, has_heads: bool = False) -> tuple[str, ...]:
+def parse_methods(methods: str | None, has_draft: bool, head_kinds: tuple[str, ...] = ()) -> tuple[str, ...]:
     """The methods to run, baseline ``none`` first (added when missing).
 
-    Default: every known method the pair can run (head methods where the target has heads).
+    Default: every known method the pair can run (head methods where the target has heads of
+    their kind, ``head_kinds``).
     A method that needs a draft model when there is none is a usage error.
     """
-    from specrun.drafters.methods import METHODS, check_method, needs_draft_model, needs_heads, resolve_method
+    from specrun.drafters.methods import METHODS, check_method, heads_kind, needs_draft_model, needs_heads, resolve_method
 
     def runnable(method: str) -> bool:
         return has_draft or not needs_draft_model(resolve_method(method, has_draft))
 
     def default(method: str) -> bool:
-        return runnable(method) and (has_heads or not needs_heads(method))
+        return runnable(method) and (not needs_heads(method) or heads_kind(method) in head_kinds)
 
     if methods is None:
         chosen = [m for m in METHODS if default(m)]

@@ -171,7 +171,7 @@ MethodOpt = Annotated[
         "--method",
         "-m",
         help="auto (the default: adaptive lookup+ngram+draft), none (plain decoding), draft, lookup, ngram, "
-        "medusa (heads on the target's hidden state, see --heads), or a chain like lookup+draft.",
+        "medusa or eagle (heads on the target's hidden states, see --heads), or a chain like lookup+draft.",
     ),
 ]
 MaxTokensOpt = Annotated[int, typer.Option("--max-tokens", "-n", help="New tokens to generate.")]
@@ -219,7 +219,7 @@ HeadsOpt = Annotated[
     Optional[str],
     typer.Option(
         "--heads",
-        help="Heads file for --method medusa (from specrun heads train, or a Medusa folder). Default: found "
+        help="Heads file for --method medusa or eagle (from specrun heads train, or a Medusa folder). Default: found "
         "beside the target, in specrun's cache, or shipped with it.",
     ),
 ]

@@ -60,7 +60,8 @@ class DrafterOptions:
     vocabulary: str = ""
     draft_min_prob: float = 0.0  # the draft model's confidence stop (DraftModelDrafter.min_prob)
     branches: int = 0
-    heads: MedusaHeads | EagleHeads | None = None  # what a head method drafts with: heads of its kind
+    # What head methods draft with: heads of their kind, or several kinds as a tuple (a bench of both).
+    heads: MedusaHeads | EagleHeads | tuple[MedusaHeads | EagleHeads, ...] | None = None
 
 
 def resolve_method(method: str, has_draft: bool = True) -> str:
@@ -84,6 +85,13 @@ def heads_kind(method: str) -> str | None:
     return next((part for part in resolve_method(method).split("+") if part in HEAD_METHODS), None)
 
 
+def heads_of_kind(heads, kind: str):
+    """Of ``heads`` (one heads object, a tuple of them, or None), those of ``kind``; None if none."""
+    wanted = MedusaHeads if kind == "medusa" else EagleHeads
+    candidates = heads if isinstance(heads, tuple) else (heads,)
+    return next((each for each in candidates if isinstance(each, wanted)), None)
+
+
 def needs_heads(method: str) -> bool:
     return heads_kind(method) is not None
 
@@ -104,13 +112,14 @@ def build_drafter(method: str, draft: Backend | None, options: DrafterOptions | 
         return None
     if needs_draft_model(method) and draft is None and method != "auto":
         raise UsageError(f"method {method!r} needs a draft model", "pass --draft MODEL")
-    if needs_heads(method) and (options is None or options.heads is None):
+    kind = heads_kind(method)
+    if kind is not None and (options is None or options.heads is None):
         raise UsageError(f"method {method!r} needs heads for the target",
                          "pass --heads FILE, or train them with specrun heads train")
-    wanted = MedusaHeads if heads_kind(method) == "medusa" else EagleHeads
-    if needs_heads(method) and not isinstance(options.heads, wanted):
-        raise UsageError(f"method {method!r} drafts with {heads_kind(method)} heads, not {options.heads.config.kind} heads",
-                         f"pass {heads_kind(method)} heads with --heads, or train them with specrun heads train")
+    if kind is not None and heads_of_kind(options.heads, kind) is None:
+        given = options.heads if not isinstance(options.heads, tuple) else options.heads[0]
+        raise UsageError(f"method {method!r} drafts with {kind} heads, not {given.config.kind} heads",
+                         f"pass {kind} heads with --heads, or train them with specrun heads train --kind {kind}")
     parts = resolve_method(method, has_draft=draft is not None).split("+")
     members = [_build_one(part, draft, options or DrafterOptions()) for part in parts]
     return members[0] if len(members) == 1 else ChainDrafter(members)
@@ -124,7 +133,7 @@ def _build_one(part: str, draft: Backend | None, options: DrafterOptions) -> Dra
             return NgramPoolDrafter(vocabulary=options.vocabulary, branches=options.branches)
         return NgramPoolDrafter.open(options.ngram_cache, vocabulary=options.vocabulary, branches=options.branches)
     if part == "medusa":
-        return MedusaDrafter(options.heads, branches=options.branches)
+        return MedusaDrafter(heads_of_kind(options.heads, "medusa"), branches=options.branches)
     if part == "eagle":
-        return EagleDrafter(options.heads, branches=options.branches)
+        return EagleDrafter(heads_of_kind(options.heads, "eagle"), branches=options.branches)
     return DraftModelDrafter(draft, min_prob=options.draft_min_prob, branches=options.branches)

@@ -10,7 +10,10 @@ vocabulary. Heads here project over a draft vocabulary (``d2t``: the target id o
 None where it is the target's whole vocabulary), as EAGLE-3 does, since a projection over a 50k
 vocabulary costs as much as a small target's pass on a CPU.
 
-Files. specrun's own heads are ``NAME.safetensors`` (float16 weights, loaded as float32) beside
+EAGLE (specrun.modelkit.eagle): one decoder layer over the feature and the next token's embedding,
+drafting one token at a time from its own predicted features.
+
+Files. specrun's own heads (Medusa or EAGLE) are ``NAME.safetensors`` (float16 weights, loaded as float32) beside
 ``NAME.json`` (what the heads are, the target they were made for, how they were trained, and the
 SHA-256 of the tensors file, so a torn save or a swapped file is caught). Published heads are read
 as their projects write them: a Medusa-1 folder (FasterDecoding/Medusa) and an EAGLE-3 draft folder
@@ -28,11 +31,15 @@ import re
 import stat
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from specrun.errors import ModelFileError
 from specrun.fileio import MiB, read_limited, write_atomically
+
+if TYPE_CHECKING:
+    from specrun.modelkit.eagle import EagleHeads
 
 HEAD_KINDS = ("medusa", "hydra", "eagle")
 
@@ -158,6 +165,12 @@ _SPECRUN_KEYS = frozenset(
     + ("draft_vocab_size", "target", "training", "tensors_sha256")
 )
 _TARGET_KEYS = frozenset(("name", "vocabulary", "num_layers"))
+_LAYOUT_KEYS = frozenset(("num_attention_heads", "head_dim", "intermediate_size", "window", "rope_theta", "rms_norm_eps"))
+# EAGLE heads' tensors in specrun's files, in modelkit.eagle.PARAMETER_NAMES' order.
+EAGLE_TENSORS = tuple(f"eagle.{name}" for name in (
+    "embed", "fc", "fc_bias", "attn_norm", "q_proj", "k_proj", "v_proj", "o_proj",
+    "mlp_norm", "gate_proj", "up_proj", "down_proj", "lm_head",
+))
 
 
 def _refuse(path: Path, problem: str, fix: str = _AGAIN) -> ModelFileError:
@@ -168,7 +181,7 @@ def _refuse(path: Path, problem: str, fix: str = _AGAIN) -> ModelFileError:
 # specrun's own format
 
 
-def save_heads(heads: MedusaHeads, path: Path, metadata: dict | None = None) -> None:
+def save_heads(heads: MedusaHeads | EagleHeads, path: Path, metadata: dict | None = None) -> None:
     """Write ``heads`` to ``path`` (a .safetensors file) and its config to ``path.with_suffix(".json")``.
 
     Weights are stored as float16; a projection every head shares (the same array object) is
@@ -180,22 +193,28 @@ def save_heads(heads: MedusaHeads, path: Path, metadata: dict | None = None) -> 
     """
     from safetensors.numpy import save
 
+    from specrun.modelkit.eagle import EagleHeads
+
     path = Path(path)
     if path.suffix != ".safetensors":
         raise ValueError(f"heads are saved to a .safetensors path, got {path}")
     config = heads.config
-    if config.kind != "medusa" or not len(heads.blocks) == len(heads.lm_heads) == config.num_heads:
-        raise ValueError("save_heads writes medusa heads whose config counts their blocks and projections")
     tensors: dict[str, np.ndarray] = {}
-    for i, blocks in enumerate(heads.blocks):
-        for j, (weight, bias) in enumerate(blocks):
-            tensors[f"heads.{i}.blocks.{j}.weight"] = _half(weight, path)
-            tensors[f"heads.{i}.blocks.{j}.bias"] = _half(bias, path)
-    if all(projection is heads.lm_heads[0] for projection in heads.lm_heads):
-        tensors["lm_head.weight"] = _half(heads.lm_heads[0], path)
+    if isinstance(heads, EagleHeads):
+        for name, array in zip(EAGLE_TENSORS, heads.arrays()):
+            tensors[name] = _half(array, path)
+    elif config.kind == "medusa" and len(heads.blocks) == len(heads.lm_heads) == config.num_heads:
+        for i, blocks in enumerate(heads.blocks):
+            for j, (weight, bias) in enumerate(blocks):
+                tensors[f"heads.{i}.blocks.{j}.weight"] = _half(weight, path)
+                tensors[f"heads.{i}.blocks.{j}.bias"] = _half(bias, path)
+        if all(projection is heads.lm_heads[0] for projection in heads.lm_heads):
+            tensors["lm_head.weight"] = _half(heads.lm_heads[0], path)
+        else:
+            for i, projection in enumerate(heads.lm_heads):
+                tensors[f"heads.{i}.lm_head.weight"] = _half(projection, path)
     else:
-        for i, projection in enumerate(heads.lm_heads):
-            tensors[f"heads.{i}.lm_head.weight"] = _half(projection, path)
+        raise ValueError("save_heads writes eagle heads, or medusa heads whose config counts their blocks and projections")
     if heads.d2t is not None:
         tensors["d2t"] = np.ascontiguousarray(heads.d2t, dtype=np.int64)
     payload = save(tensors, metadata={"format": HEADS_FORMAT})
@@ -216,6 +235,8 @@ def save_heads(heads: MedusaHeads, path: Path, metadata: dict | None = None) -> 
         "training": dict(config.training if metadata is None else metadata),
         "tensors_sha256": hashlib.sha256(payload).hexdigest(),
     }
+    if isinstance(heads, EagleHeads):
+        document["layout"] = heads.layout.to_dict()
     # Serialised before anything is written, so metadata JSON cannot hold fails with no file touched.
     text = json.dumps(document, indent=2, allow_nan=False) + "\n"
     write_atomically(path, payload, "heads file", error=ModelFileError)
@@ -233,16 +254,19 @@ def _half(weights: np.ndarray, path: Path) -> np.ndarray:
     return np.ascontiguousarray(weights.astype(np.float16))
 
 
-def _load_specrun(tensors_path: Path) -> MedusaHeads:
+def _load_specrun(tensors_path: Path) -> MedusaHeads | EagleHeads:
     config_path = tensors_path.with_suffix(".json")
     if not config_path.exists():
         fix = "keep the .json saved with it, or save the heads again"
         raise _refuse(tensors_path, f"has no config beside it ({config_path.name})", fix)
     stored = _TensorsFile(tensors_path)
-    config, checksum = _specrun_config(_read_json(config_path), config_path)
+    settings = _read_json(config_path)
+    config, checksum = _specrun_config(settings, config_path)
     if stored.sha256() != checksum:
         problem = f"does not match {config_path.name} (a torn save, or one of them was changed)"
         raise _refuse(tensors_path, problem, "save the heads again")
+    if config.kind == "eagle":
+        return _load_specrun_eagle(stored, config, _eagle_layout(settings, config_path), config_path)
     shared = "lm_head.weight" in stored.tensors
     projections = ["lm_head.weight"] if shared else [f"heads.{i}.lm_head.weight" for i in range(config.num_heads)]
     _check_hidden_size(stored, projections[0], config.hidden_size, config_path)
@@ -267,12 +291,14 @@ def _specrun_config(settings: dict, path: Path) -> tuple[HeadsConfig, str]:
             f"is of heads format version {settings.get('version')!r}; this specrun reads version {HEADS_VERSION}",
             "upgrade specrun, or save the heads again with this one",
         )
-    unknown, missing = sorted(set(settings) - _SPECRUN_KEYS), sorted(_SPECRUN_KEYS - set(settings))
+    kind = settings.get("kind")
+    if kind not in ("medusa", "eagle"):
+        raise _refuse(path, f"holds heads of kind {kind!r}; specrun's own heads files hold medusa or eagle heads")
+    expected = _SPECRUN_KEYS | {"layout"} if kind == "eagle" else _SPECRUN_KEYS
+    unknown, missing = sorted(set(settings) - expected), sorted(expected - set(settings))
     if unknown or missing:
         problem = f"has unknown keys ({', '.join(unknown)})" if unknown else f"lacks the keys {', '.join(missing)}"
         raise _refuse(path, problem)
-    if settings["kind"] != "medusa":
-        raise _refuse(path, f"holds heads of kind {settings['kind']!r}; specrun's own heads files hold medusa heads")
     target = settings["target"]
     if not isinstance(target, dict) or set(target) != _TARGET_KEYS:
         raise _refuse(path, f"has a malformed target (expected the keys {', '.join(sorted(_TARGET_KEYS))})")
@@ -285,7 +311,7 @@ def _specrun_config(settings: dict, path: Path) -> tuple[HeadsConfig, str]:
         raise _refuse(path, "has a malformed tensors_sha256")
     vocab_size = _count(settings, "vocab_size", path, 1, MAX_VOCAB_SIZE)
     config = HeadsConfig(
-        kind="medusa",
+        kind=kind,
         num_heads=_count(settings, "num_heads", path, 1, MAX_HEADS),
         num_layers=_count(settings, "num_layers", path, 0, MAX_LAYERS),
         hidden_size=_count(settings, "hidden_size", path, 1, MAX_HIDDEN_SIZE),
@@ -297,6 +323,39 @@ def _specrun_config(settings: dict, path: Path) -> tuple[HeadsConfig, str]:
         training=settings["training"],
     )
     return config, checksum
+
+
+def _eagle_layout(settings: dict, path: Path):
+    """The EagleLayout an eagle heads config gives, each count checked."""
+    from specrun.modelkit.eagle import EagleLayout
+
+    layout = settings["layout"]
+    if not isinstance(layout, dict) or set(layout) != _LAYOUT_KEYS:
+        raise _refuse(path, f"has a malformed layout (expected the keys {', '.join(sorted(_LAYOUT_KEYS))})")
+    head_dim = _count(layout, "head_dim", path, 2, MAX_HIDDEN_SIZE)
+    if head_dim % 2:
+        raise _refuse(path, f"says head_dim is {head_dim}, expected an even number (rotary embeddings turn pairs)")
+    return EagleLayout(
+        num_attention_heads=_count(layout, "num_attention_heads", path, 1, MAX_ATTENTION_HEADS),
+        head_dim=head_dim,
+        intermediate_size=_count(layout, "intermediate_size", path, 1, 16 * MAX_HIDDEN_SIZE),
+        window=_count(layout, "window", path, 1, 1 << 20),
+        rope_theta=_positive(layout, "rope_theta", path, 10000.0),
+        rms_norm_eps=_positive(layout, "rms_norm_eps", path, 1e-6),
+    )
+
+
+def _load_specrun_eagle(stored: _TensorsFile, config: HeadsConfig, layout, config_path: Path):
+    from specrun.modelkit.eagle import PARAMETER_NAMES, EagleHeads, eagle_shapes
+
+    if config.num_layers != 1:
+        raise _refuse(config_path, f"says num_layers is {config.num_layers}; specrun's EAGLE heads have one layer")
+    _check_hidden_size(stored, "eagle.fc_bias", config.hidden_size, config_path)
+    stored.refuse_others(list(EAGLE_TENSORS) + (["d2t"] if "d2t" in stored.tensors else []))
+    shapes = eagle_shapes(config, layout)
+    arrays = {name: stored.floats(key, shapes[name]) for name, key in zip(PARAMETER_NAMES, EAGLE_TENSORS)}
+    d2t = _draft_ids(stored, config.draft_vocab_size, config.vocab_size, offsets=False)
+    return EagleHeads(config, layout, d2t=d2t, **arrays)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -471,9 +530,9 @@ def _aux_layer_ids(settings: dict, path: Path) -> tuple[int, ...]:
 # Loading, whatever the format
 
 
-def load_heads(path: Path) -> MedusaHeads | Eagle3Heads:
-    """The heads at ``path``: specrun's own (the .safetensors file, its .json, or a folder holding
-    one such pair), a published Medusa-1 folder (MedusaHeads) or an EAGLE-3 draft folder
+def load_heads(path: Path) -> MedusaHeads | EagleHeads | Eagle3Heads:
+    """The heads at ``path``: specrun's own (MedusaHeads or EagleHeads: the .safetensors file, its
+    .json, or a folder holding one such pair), a published Medusa-1 folder (MedusaHeads) or an EAGLE-3 draft folder
     (Eagle3Heads); a file inside a published folder names the folder.
 
     Raises ModelFileError, one line naming the file and the problem, for a missing, truncated
@@ -497,7 +556,7 @@ def load_heads(path: Path) -> MedusaHeads | Eagle3Heads:
     raise _refuse(path, "is not a heads file", "name a .safetensors heads file, its .json, or a folder of heads")
 
 
-def _load_folder(folder: Path) -> MedusaHeads | Eagle3Heads:
+def _load_folder(folder: Path) -> MedusaHeads | EagleHeads | Eagle3Heads:
     """Published heads by their files, else the one specrun heads pair in the folder (which may be
     the target's own model folder, its config.json and model.safetensors beside the pair)."""
     if (folder / "medusa_lm_head.safetensors").exists():
@@ -537,7 +596,7 @@ def _pickle_refusal(path: Path) -> ModelFileError:
 
 
 def check_heads_for_target(
-    heads: MedusaHeads | Eagle3Heads,
+    heads: MedusaHeads | EagleHeads | Eagle3Heads,
     *,
     hidden_size: int,
     vocab_size: int,

@@ -10,6 +10,7 @@ from specrun.errors import SpecrunError, UsageError
 from specrun.registry.catalog import ModelEntry, load_registry
 
 HEADS_SUFFIX = ".safetensors"
+DRAFTING_KINDS = ("medusa", "eagle")  # the heads specrun drafts with, as their methods are named
 
 
 def heads_cache_path(target_spec: str, kind: str) -> Path:
@@ -70,3 +71,18 @@ def heads_available(target_spec: str, kind: str, registry: Path | None = None) -
         return any(path.exists() for path in heads_candidates(target_spec, kind, load_registry(registry)))
     except SpecrunError:  # an unreadable registry is reported where the target is opened
         return False
+
+
+def head_kinds_available(target_spec: str, explicit: str | None = None, registry: Path | None = None) -> tuple[str, ...]:
+    """The head methods ``target_spec`` can draft with: the kind of the ``explicit`` file (--heads,
+    nothing where specrun cannot draft with it), else every kind found where find_heads looks."""
+    if explicit is None:
+        return tuple(kind for kind in DRAFTING_KINDS if heads_available(target_spec, kind, registry))
+    from specrun.modelkit.eagle import EagleHeads
+    from specrun.modelkit.heads import MedusaHeads, load_heads
+
+    try:
+        heads = load_heads(Path(explicit).expanduser())
+    except SpecrunError:  # reported, with its fix, where the heads are loaded for a method
+        return ()
+    return (heads.config.kind,) if isinstance(heads, (MedusaHeads, EagleHeads)) else ()

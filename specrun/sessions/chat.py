@@ -40,7 +40,15 @@ from specrun.sessions.generation import (
 )
 from specrun.backends.kv import common_prefix_len, sequence_for
 from specrun.registry.loading import LoadOptions, open_backend, open_pair
-from specrun.drafters.methods import DrafterOptions, build_drafter, check_method, needs_draft_model, needs_heads
+from specrun.drafters.methods import (
+    DrafterOptions,
+    build_drafter,
+    check_method,
+    heads_kind,
+    heads_of_kind,
+    needs_draft_model,
+    needs_heads,
+)
 from specrun.engine.stats import Stats
 from specrun.sessions.templates import ChatTemplate, message_spans, tokenize_rendered
 
@@ -308,11 +316,12 @@ class ChatSession:
             self.draft = self._load_draft()
             if self._tuned is None and self._find_tuned is not None:
                 self._use_tuned(self._find_tuned(self.draft))
-        if needs_heads(method) and self._drafter_options.heads is None:
+        kind = heads_kind(method)
+        if kind is not None and heads_of_kind(self._drafter_options.heads, kind) is None:
             if self._load_heads is None:
                 raise UsageError(f"method {method!r} needs heads for the target",
                                  "start specrun chat with --heads FILE")
-            self._drafter_options = dataclasses.replace(self._drafter_options, heads=self._load_heads())
+            self._drafter_options = dataclasses.replace(self._drafter_options, heads=self._load_heads(kind=kind))
         drafter = build_drafter(method, self.draft, self._drafter_options)
         previous = self.engine.drafter
         if previous is not None:  # first: a head drafter stops the target's hidden states when closed
@@ -379,7 +388,7 @@ def open_chat(
             drafter_options = DrafterOptions(ngram_cache, vocabulary_fingerprint(target), branches=branches)
         load_heads = functools.partial(load_target_heads, target_spec, heads, target, options.registry)
         if needs_heads(method):
-            drafter_options = dataclasses.replace(drafter_options, heads=load_heads())
+            drafter_options = dataclasses.replace(drafter_options, heads=load_heads(kind=heads_kind(method)))
         return ChatSession(target, draft, method, system_prompt=system_prompt, load_draft=load_draft,
                            load_heads=load_heads,
                            draft_len=draft_len, draft_min_prob=draft_min_prob, tuned=tuned,

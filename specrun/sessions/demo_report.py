@@ -10,9 +10,9 @@ from rich.table import Table
 from specrun.sessions.compare import Comparison, Variant, compare_variants, native_line
 from specrun.sessions.divergence import NEAR_TIE_NOTE, Mismatch, difference_line
 from specrun.engine.loop import GenerationParams
-from specrun.sessions.generation import adapts_length, load_target_heads, resolve_draft_len
+from specrun.sessions.generation import adapts_length, load_heads_for_methods, resolve_draft_len
 from specrun.registry.loading import LoadOptions, open_pair
-from specrun.drafters.methods import DrafterOptions, needs_draft_model, needs_heads
+from specrun.drafters.methods import DrafterOptions, needs_draft_model
 from specrun.sessions.prompts import CODE_PROMPTS
 
 
@@ -53,9 +53,8 @@ def run_demo(
             for method in methods
         ]
         params = GenerationParams(max_new_tokens=max_tokens)
-        heads = None
-        if any(needs_heads(m) for m in methods):  # the demo target's ship in the package
-            heads = load_target_heads(target, None, target_backend)
+        # The demo target's heads ship in the package.
+        heads = load_heads_for_methods(target, None, target_backend, methods)
         err.print(f"{len(prompts)} prompts × {len(methods)} methods, {max_tokens} tokens each, greedy, interleaved")
         comparison = compare_variants(
             target_backend,

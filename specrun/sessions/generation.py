@@ -8,7 +8,14 @@ from dataclasses import dataclass, field
 
 from specrun.engine.loop import DEFAULT_TREE_NODES, Finished, GenerationParams, GenerationResult, SpeculativeEngine, TextChunk
 from specrun.registry.loading import LoadOptions, open_pair, prompts_as_chat
-from specrun.drafters.methods import DrafterOptions, build_drafter, is_adaptive, needs_draft_model, needs_heads
+from specrun.drafters.methods import (
+    DrafterOptions,
+    build_drafter,
+    heads_kind,
+    is_adaptive,
+    needs_draft_model,
+    needs_heads,
+)
 from specrun.errors import AnswerKeptError, SpecrunError, UsageError
 from specrun.sampling import SamplingSettings
 
@@ -119,21 +126,33 @@ def resolve_min_prob(requested: float | None, tuned) -> float:
     return tuned.best_min_prob if tuned is not None else DEFAULT_DRAFT_MIN_PROB
 
 
-def load_target_heads(target_spec: str, explicit: str | None, target, registry=None):
-    """The Medusa heads for ``target`` (an open backend): --heads, else found by alias
-    (registry/heads.py), checked against the target before anything drafts with them."""
+def load_target_heads(target_spec: str, explicit: str | None, target, registry=None, kind: str = "medusa"):
+    """The ``kind`` heads ("medusa" or "eagle") for ``target`` (an open backend): --heads, else
+    found by alias (registry/heads.py), checked against the target before anything drafts with them."""
     from specrun.drafters.ngram import vocabulary_fingerprint
+    from specrun.modelkit.eagle import EagleHeads
     from specrun.modelkit.heads import MedusaHeads, check_heads_for_target, load_heads
     from specrun.registry.heads import find_heads
 
-    path = find_heads(target_spec, explicit, "medusa", registry)
+    path = find_heads(target_spec, explicit, kind, registry)
     heads = load_heads(path)
-    if not isinstance(heads, MedusaHeads):
-        raise UsageError(f"{path} holds {heads.config.kind} heads, not Medusa heads",
-                         "pass Medusa heads with --heads (--method eagle is not available yet)")
+    wanted = MedusaHeads if kind == "medusa" else EagleHeads
+    if not isinstance(heads, wanted):
+        readable = "EAGLE-3 heads (drafting with them is not available yet)" if heads.config.kind == "eagle" \
+            else f"{heads.config.kind} heads"
+        raise UsageError(f"{path} holds {readable}, not {kind} heads",
+                         f"pass {kind} heads with --heads, or train them with specrun heads train --kind {kind}")
     check_heads_for_target(heads, hidden_size=target.hidden_support.size or heads.config.hidden_size,
                            vocab_size=target.vocab.size, vocabulary=vocabulary_fingerprint(target), path=path)
     return heads
+
+
+def load_heads_for_methods(target_spec: str, explicit: str | None, target, methods, registry=None):
+    """The heads every head method of ``methods`` drafts with (one object for one kind, a tuple
+    for several; None for none). ``explicit`` (--heads) serves the kind its file holds."""
+    kinds = list(dict.fromkeys(kind for kind in map(heads_kind, methods) if kind is not None))
+    loaded = tuple(load_target_heads(target_spec, explicit, target, registry, kind) for kind in kinds)
+    return None if not loaded else loaded[0] if len(loaded) == 1 else loaded
 
 
 def prompt_token_ids(target, prompt: str, chat: bool) -> list[int]:
@@ -161,8 +180,8 @@ def generate_text(request: GenerateRequest, on_text: Callable[[str], None] | Non
 
             options = dataclasses.replace(options, vocabulary=vocabulary_fingerprint(target))
         if needs_heads(request.method):
-            options = dataclasses.replace(options, heads=load_target_heads(request.target, request.heads, target,
-                                                                         request.load.registry))
+            options = dataclasses.replace(options, heads=load_target_heads(
+                request.target, request.heads, target, request.load.registry, heads_kind(request.method)))
         drafter = build_drafter(request.method, draft, options)
         if request.trees.paths and not target.tree_support.available and request.on_note is not None:
             request.on_note(f"token trees are off: {target.tree_support.reason}; verifying chains")

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from fake_models import REPEATING_PROMPT, copying_logits, hashed_logits, noisy_copy
-from heads_factory import fitted_heads, random_heads
+from heads_factory import fitted_heads_for, random_eagle, random_heads
 from lossless_harness import assert_few_prompts_diverge, greedy_divergences
 from specrun.backends.base import Backend
 from specrun.backends.fake import FakeBackend
@@ -364,7 +364,7 @@ def test_every_method_builds_its_drafter():
     for method in SPECULATIVE_METHODS:
         if method == "auto":
             continue
-        heads = random_heads(8, VOCAB) if needs_heads(method) else None
+        heads = (random_heads(8, VOCAB), random_eagle(8, VOCAB)) if needs_heads(method) else None
         drafter = build_drafter(method, draft if needs_draft_model(method) else None, DrafterOptions(heads=heads))
         assert drafter.name == method
         assert isinstance(drafter, ChainDrafter) == ("+" in method)
@@ -375,8 +375,9 @@ def test_every_method_builds_its_drafter():
         build_drafter("lookup+draft", None)
     with pytest.raises(UsageError, match="unknown method"):
         build_drafter("draft+lookup", draft)
-    with pytest.raises(UsageError, match="needs heads"):
-        build_drafter("medusa", None)
+    for method in ("medusa", "eagle"):
+        with pytest.raises(UsageError, match="needs heads"):
+            build_drafter(method, None)
     with_draft = ["auto", "draft", "lookup+draft", "ngram+draft", "lookup+ngram+draft"]
     assert [method for method in METHODS if needs_draft_model(method)] == with_draft
 
@@ -495,6 +496,7 @@ REAL_CASES = [
     ("lookup+ngram+draft", "looping"),
     ("auto", "looping"),  # adaptive draft lengths over the full chain
     ("medusa", "looping"),  # heads fitted to the target's own output (tests/heads_factory.py)
+    ("eagle", "looping"),
 ]
 
 
@@ -513,7 +515,7 @@ def test_greedy_output_is_identical_for_every_method_on_real_backends(
     target = open_real(backend_kind, target_source)
     draft_model = tiny_llama if target_kind == "random" else tiny_qwen2
     draft = open_real(backend_kind, source_of(draft_model, backend_kind)) if needs_draft_model(method) else None
-    heads = fitted_heads(target, [*plain_outputs[0][0], *plain_outputs[0][1]]) if needs_heads(method) else None
+    heads = fitted_heads_for(method, target, [*plain_outputs[0][0], *plain_outputs[0][1]]) if needs_heads(method) else None
     drafter = build_drafter(method, draft, DrafterOptions(heads=heads))
     engine = SpeculativeEngine(target, drafter)
     accepted = diverging = runs = 0

@@ -456,7 +456,8 @@ def test_missing_file(tmp_path):
         ({"colour": "blue"}, ["has unknown keys (colour)"]),
         ({"version": 2}, ["format version 2", "this specrun reads version 1", "upgrade specrun"]),
         ({"format": "gguf"}, ["not a specrun heads config"]),
-        ({"kind": "eagle"}, ["kind 'eagle'"]),
+        ({"kind": "hydra"}, ["kind 'hydra'", "medusa or eagle heads"]),
+        ({"kind": "eagle"}, ["lacks the keys layout"]),
         ({"num_heads": 0}, ["num_heads is 0"]),
         ({"num_heads": -3}, ["num_heads is -3"]),
         ({"num_heads": 10**9}, ["num_heads is 1000000000"]),
@@ -673,3 +674,70 @@ def test_eagle3_heads_need_the_target_layers_they_read(tmp_path):
     with pytest.raises(ModelFileError) as excinfo:
         check_heads_for_target(heads, hidden_size=HIDDEN, vocab_size=VOCAB, num_layers=6, path=tmp_path)
     one_line(excinfo, str(tmp_path), "a layer 6 to read, the target has 6 layers")
+
+
+# ---- specrun's own EAGLE heads ------------------------------------------------------------------
+
+
+def saved_eagle(tmp_path: Path) -> tuple[Path, object]:
+    from heads_factory import random_eagle
+
+    heads = random_eagle(16, VOCAB, depth=5, draft_vocab=list(range(7, 7 + 40)), window=32)
+    path = tmp_path / "eagle.safetensors"
+    save_heads(heads, path, {"steps": 3})
+    return path, heads
+
+
+def test_eagle_heads_round_trip_with_their_layout_and_draft_vocabulary(tmp_path):
+    from specrun.modelkit.eagle import EagleHeads
+
+    path, heads = saved_eagle(tmp_path)
+    loaded = load_heads(path)
+    assert isinstance(loaded, EagleHeads)
+    assert loaded.layout == heads.layout and loaded.config.num_heads == 5 and loaded.config.training == {"steps": 3}
+    assert np.array_equal(loaded.d2t, heads.d2t)
+    for stored, original in zip(loaded.arrays(), heads.arrays()):
+        assert np.array_equal(stored, as_half(original))
+
+
+@pytest.mark.parametrize(
+    ("changes", "fragments"),
+    [
+        ({"layout": {"head_dim": 4}}, ["malformed layout"]),
+        ({"layout": None}, ["malformed layout"]),
+        ({"num_layers": 2}, ["num_layers is 2", "one layer"]),
+        ({"hidden_size": 8}, ["holds tensors of hidden size 16, eagle.json says 8"]),
+    ],
+)
+def test_bad_eagle_config(tmp_path, changes, fragments):
+    path, _ = saved_eagle(tmp_path)
+    rewrite_config(path, **changes)
+    with pytest.raises(ModelFileError) as excinfo:
+        load_heads(path)
+    one_line(excinfo, *fragments)
+
+
+@pytest.mark.parametrize(
+    ("layout_changes", "fragments"),
+    [
+        ({"head_dim": 3}, ["head_dim is 3", "even"]),
+        ({"num_attention_heads": 0}, ["num_attention_heads is 0"]),
+        ({"window": -1}, ["window is -1"]),
+        ({"intermediate_size": 7}, ["holds eagle.gate_proj of shape [32, 16], expected [7, 16]"]),
+        ({"rope_theta": "big"}, ["rope_theta is 'big'"]),
+    ],
+)
+def test_bad_eagle_layout(tmp_path, layout_changes, fragments):
+    path, heads = saved_eagle(tmp_path)
+    rewrite_config(path, layout={**heads.layout.to_dict(), **layout_changes})
+    with pytest.raises(ModelFileError) as excinfo:
+        load_heads(path)
+    one_line(excinfo, *fragments)
+
+
+def test_a_truncated_eagle_file_is_refused(tmp_path):
+    path, _ = saved_eagle(tmp_path)
+    path.write_bytes(path.read_bytes()[:-64])
+    with pytest.raises(ModelFileError) as excinfo:
+        load_heads(path)
+    one_line(excinfo, str(path), "is cut short")

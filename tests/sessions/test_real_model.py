@@ -14,7 +14,7 @@ import sys
 import numpy as np
 import pytest
 
-from heads_factory import fitted_heads
+from heads_factory import fitted_heads_for
 from specrun.sessions.chat import AnswerDone, ChatSession
 from specrun.engine.loop import GenerationParams, SpeculativeEngine
 from specrun.backends.kv import sequence_for
@@ -36,7 +36,7 @@ CHAT_PROMPTS = (
     "Write a Python function that returns the factorial of n.",
 )
 N_NEW = 64
-METHODS = ("none", "lookup", "ngram", "draft", "lookup+draft", "auto", "medusa")
+METHODS = ("none", "lookup", "ngram", "draft", "lookup+draft", "auto", "medusa", "eagle")
 NEAR_TIE = 0.05  # F16 logits; the batched and one-token kernels round differently
 MAX_DIVERGING_PROMPTS = 1  # of the three CHAT_PROMPTS a method answers, greedy
 
@@ -83,7 +83,7 @@ def test_a_chat_turn_keeps_typed_control_text_as_text(real_pair):
 def heads_for(target, method: str, prompt_ids: list[int], plain: list[int]):
     """For a head method, probe heads fitted to the target's own answer (tests/heads_factory.py:
     what trained heads learn, in one ridge regression); else None."""
-    return fitted_heads(target, [*prompt_ids, *plain]) if needs_heads(method) else None
+    return fitted_heads_for(method, target, [*prompt_ids, *plain]) if needs_heads(method) else None
 
 
 def plain_and_speculative(target, draft, method: str):
