@@ -74,6 +74,12 @@ class HeadsTarget:
         ids = mx.array(np.asarray(token_ids, dtype=np.int32))
         return np.array(weights_t[:, ids].T)  # (n, H)
 
+    def input_rows(self, token_ids: np.ndarray) -> np.ndarray:
+        """(len(token_ids), H) float32: the input embedding's rows for ``token_ids`` (dequantized
+        through the embedding itself)."""
+        ids = self._mx.array(np.asarray(token_ids, dtype=np.int32))
+        return np.array(self.model.model.embed_tokens(ids).astype(self._mx.float32))
+
     def states(self, windows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Hidden states (B, T, H) float16 and the target's next token at every position (B, T)
         for token windows (B, T). Windows shorter than T may be padded on the right: a causal

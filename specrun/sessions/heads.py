@@ -1,4 +1,4 @@
-"""`specrun heads train`: Medusa heads for a target, trained on this machine within a time budget.
+"""`specrun heads train`: Medusa or EAGLE heads for a target, trained on this machine within a time budget.
 
 The run: gather data (a share of the budget), pick the draft vocabulary, train, report on the
 held-out windows, write the heads. Data are windows of the target's own tokens with its hidden
@@ -6,6 +6,8 @@ state at every position (heads_data.py says where they come from); a head's labe
 is the target's own token at p + 2 + i, its greedy next token after p + 1 + i, so what a head is
 scored on is what a verify pass would accept; in a continued prompt only the generated tokens are
 labels. The draft vocabulary is the target's most frequent next tokens in the training windows.
+Medusa trains on shuffled positions; EAGLE (sessions/heads_eagle.py) on whole windows, its layer
+reading the positions before each, and is reported on the chains it drafts by itself.
 
 Checkpoints (every ~30 s) go to ``<out>.ckpt/``: the heads through the same writer as the final
 file, the optimizer's state and the data's tokens. A second run with the same settings resumes
@@ -36,7 +38,7 @@ from specrun.sessions.heads_data import (
     text_pieces,
 )
 
-TRAINABLE_KINDS = ("medusa",)
+TRAINABLE_KINDS = ("medusa", "eagle")
 DATA_SHARE = 0.4  # of the budget, at most, for gathering data: generation is the slow part
 CHECKPOINT_SECONDS = 30.0
 HELD_OUT_SHARE = 0.1  # of the windows, kept out of training for the report
@@ -47,7 +49,8 @@ CONTINUATION_TOKENS = 96  # new tokens per prompt when the target continues it
 MAX_PROMPT_TOKENS = 192  # a longer prompt keeps its last tokens (a chat prompt ends in the assistant's turn)
 GENERATION_BATCH = 32  # prompts continued together (one left-padded batch)
 STATES_BATCH = 8  # text windows per hidden-state pass
-BATCH_POSITIONS = 128  # positions per training step
+BATCH_POSITIONS = 128  # positions per training step (Medusa)
+BATCH_WINDOWS = 4  # windows per training step (EAGLE)
 BUILTIN_PROMPTS = 2048
 LOSS_WINDOW = 20  # steps the reported loss is averaged over
 
@@ -163,7 +166,9 @@ def check_request(request: HeadsTrainRequest) -> None:
     if request.kind not in HEAD_KINDS:
         raise UsageError(f"unknown --kind {request.kind!r}", f"use one of: {', '.join(TRAINABLE_KINDS)}")
     if request.kind not in TRAINABLE_KINDS:
-        raise UsageError(f"training {request.kind} heads is not available yet", "use --kind medusa")
+        raise UsageError(f"training {request.kind} heads is not available yet", f"use --kind {' or '.join(TRAINABLE_KINDS)}")
+    if request.kind == "eagle" and request.num_layers != 1:
+        raise UsageError(f"EAGLE heads are one layer, got --num-layers {request.num_layers}", "leave --num-layers out")
     if request.text_dir is not None and request.prompts_file is not None:
         raise UsageError("--text and --prompts are two data sources", "pass one of them")
     if not request.minutes > 0:
@@ -221,10 +226,16 @@ def open_heads_target(request: HeadsTrainRequest):
     if choose_backend(request.backend, request.target, entries) == "llama":
         from specrun.sessions.heads_numpy import LlamaHeadsTarget, NumpyHeadsTrainer
 
-        return LlamaHeadsTarget(resolve_gguf(request.target, entries), request.threads), NumpyHeadsTrainer
-    from specrun.backends.mlx_heads import HeadsTarget, HeadsTrainer
+        target, trainer_class = LlamaHeadsTarget(resolve_gguf(request.target, entries), request.threads), NumpyHeadsTrainer
+    else:
+        from specrun.backends.mlx_heads import HeadsTarget, HeadsTrainer
 
-    return HeadsTarget(resolve_mlx(request.target, entries)), HeadsTrainer
+        target, trainer_class = HeadsTarget(resolve_mlx(request.target, entries)), HeadsTrainer
+    if request.kind == "eagle":  # trained in NumPy whatever gives the states
+        from specrun.sessions.heads_eagle import NumpyEagleTrainer
+
+        trainer_class = NumpyEagleTrainer
+    return target, trainer_class
 
 
 class _Run:
@@ -274,9 +285,13 @@ class _Run:
         resumed_at = self.step if resumed is not None else None
         train_rows = [i for i in range(len(data.tokens)) if not held_out[i]]
         held_rows = [i for i in range(len(data.tokens)) if held_out[i]]
-        states, labels = self._positions(data, train_rows, trainer.d2t)
-        self._fit(trainer, states, labels, settings, source)
-        report = self._report(trainer, data, held_rows)
+        if self.request.kind == "eagle":
+            self._fit_windows(trainer, [_window(data, i) for i in train_rows], settings, source)
+            report = self._report_chains(trainer, [_window(data, i) for i in held_rows])
+        else:
+            states, labels = self._positions(data, train_rows, trainer.d2t)
+            self._fit(trainer, states, labels, settings, source)
+            report = self._report(trainer, data, held_rows)
         training = self._record(settings, source, report, len(data.tokens), data.token_count)
         from specrun.modelkit.heads import save_heads
 
@@ -467,14 +482,17 @@ class _Run:
         # Most frequent first; ties and unseen tokens by id (a stable sort of the negated counts).
         d2t = np.argsort(-counts, kind="stable")[:size].astype(np.int64)
         projection = self.target.output_rows(d2t)
+        kept_d2t = None if size == vocab else d2t
         config = HeadsConfig(
             kind=self.request.kind, num_heads=self.request.num_heads, num_layers=self.request.num_layers,
             hidden_size=self.target.hidden_size, vocab_size=vocab, draft_vocab_size=size,
             target_name=self.request.target, target_vocabulary=vocabulary_fingerprint(self.target.backend),
             target_layers=self.target.num_layers,
         )
-        return self.trainer_class.fresh(config, projection, None if size == vocab else d2t,
-                                  self.request.learning_rate, self.request.seed)
+        if self.request.kind == "eagle":
+            return self.trainer_class.fresh(config, projection, self.target.input_rows(d2t), kept_d2t,
+                                            self.request.learning_rate, self.request.seed)
+        return self.trainer_class.fresh(config, projection, kept_d2t, self.request.learning_rate, self.request.seed)
 
     def _positions(self, data: _Data, rows: list[int], d2t: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
         """Every position of ``rows``: states (N, H) and each head's label (heads, N) as draft ids,
@@ -509,6 +527,38 @@ class _Run:
             if time.monotonic() - last_checkpoint >= self.checkpoint_seconds:
                 self._checkpoint(trainer, settings, source)
                 last_checkpoint = time.monotonic()
+
+    def _fit_windows(self, trainer, windows: list, settings: dict, source: str) -> None:
+        """EAGLE: steps of BATCH_WINDOWS whole windows, shuffled, until the budget is spent."""
+        useful = [window for window in windows if (window.following[1:] >= 0).any()]
+        if not useful:
+            raise SpecrunError("the training windows hold no position a head can learn from",
+                               "give the run more text or prompts")
+        rng = np.random.default_rng(self.request.seed + self.step)
+        order, cursor = rng.permutation(len(useful)), 0
+        last_checkpoint = time.monotonic()
+        while not self._done():
+            if cursor >= len(order):
+                order, cursor = rng.permutation(len(useful)), 0
+            batch = [useful[i] for i in order[cursor : cursor + BATCH_WINDOWS]]
+            cursor += len(batch)
+            self.losses.append(trainer.step_windows(batch))
+            self.step += 1
+            self.on_progress(TrainProgress("train", self.elapsed(), self.budget, step=self.step,
+                                           loss=self._final_loss(), max_steps=self.max_steps))
+            if time.monotonic() - last_checkpoint >= self.checkpoint_seconds:
+                self._checkpoint(trainer, settings, source)
+                last_checkpoint = time.monotonic()
+
+    def _report_chains(self, trainer, windows: list) -> HeldOutReport:
+        """EAGLE: the greedy chain the heads draft from each held-out position, on their own."""
+        depth = self.request.num_heads
+        guesses, labels = [], []
+        for window in windows:
+            chain = trainer.predict_chain(window, depth)  # (depth, T - 1); the last position drafts nothing
+            guesses.append(np.concatenate([chain, np.full((depth, 1), -1)], axis=1))
+            labels.append(_target_labels([window.following], depth))
+        return held_out_report(np.concatenate(guesses, axis=1), np.concatenate(labels, axis=1))
 
     def _done(self) -> bool:
         if self.max_steps is not None and self.step >= self.max_steps:
@@ -552,6 +602,12 @@ def _target_labels(following: list[np.ndarray], num_heads: int) -> np.ndarray:
                 labels[i, : size - 1 - i] = window[1 + i :]
         columns.append(labels)
     return np.concatenate(columns, axis=1) if columns else np.zeros((num_heads, 0), np.int64)
+
+
+def _window(data: _Data, index: int):
+    from specrun.sessions.heads_eagle import EagleWindow
+
+    return EagleWindow(data.states[index], np.asarray(data.tokens[index], np.int64), data.following[index])
 
 
 def _batches(items: list, size: int):

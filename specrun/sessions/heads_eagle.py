@@ -49,18 +49,21 @@ class EagleWindow:
 
 @dataclass
 class _Forward:
-    """A teacher-forced pass over one window and what its backward pass reads."""
+    """A teacher-forced pass over a batch of windows (padded to one length T') and what its
+    backward pass reads; the dense layers' arrays are flat (B * T', ...)."""
 
+    batch: int
+    length: int
     rows: np.ndarray
     joined: np.ndarray
     fused: np.ndarray
     normed1: np.ndarray
     inv1: np.ndarray
     x1: np.ndarray
-    queries: np.ndarray
+    queries: np.ndarray  # (B, nh, T', hd), rotated
     keys: np.ndarray
     values: np.ndarray
-    weights: np.ndarray
+    weights: np.ndarray  # (B, nh, T', T')
     attended: np.ndarray
     normed2: np.ndarray
     inv2: np.ndarray
@@ -70,83 +73,115 @@ class _Forward:
     sig: np.ndarray
     activated: np.ndarray
     mixed: np.ndarray
-    out: np.ndarray
+    out: np.ndarray  # (B * T', H)
 
 
-def window_forward(heads: EagleHeads, window: EagleWindow, noise: np.ndarray | None = None) -> _Forward:
-    """The layer over every position p < T - 1 of ``window``: it reads the feature at p (plus
-    ``noise`` (T - 1, H), None: none) and the token at p + 1; ``out`` (T - 1, H) is its guess of
-    the features at 1..T - 1."""
+def _padded(windows: list[EagleWindow], noise: list[np.ndarray] | None, dtype):
+    """Inputs (B*T', H), next tokens (B*T',), targets (B*T', H) and labels (B*T',) of the windows
+    padded to the longest; a padded position has label -1 and ``valid`` False."""
+    length = max(len(window.tokens) for window in windows) - 1
+    size = windows[0].features.shape[1]
+    inputs = np.zeros((len(windows), length, size), dtype)
+    targets = np.zeros_like(inputs)
+    tokens = np.zeros((len(windows), length), np.int64)
+    labels = np.full((len(windows), length), -1, np.int64)
+    valid = np.zeros((len(windows), length), bool)
+    for row, window in enumerate(windows):
+        count = len(window.tokens) - 1
+        inputs[row, :count] = window.features[:count]
+        if noise is not None:
+            inputs[row, :count] += noise[row]
+        targets[row, :count] = window.features[1:]
+        tokens[row, :count] = window.tokens[1:]
+        labels[row, :count] = window.following[1:]
+        valid[row, :count] = True
+    flat = len(windows) * length
+    return inputs.reshape(flat, size), tokens.reshape(flat), targets.reshape(flat, size), labels.reshape(flat), \
+        valid.reshape(flat), length
+
+
+def batch_forward(heads: EagleHeads, windows: list[EagleWindow], noise: list[np.ndarray] | None = None) -> _Forward:
+    """The layer over every position p < T - 1 of each window: it reads the feature at p (plus its
+    ``noise`` (T - 1, H), None: none) and the token at p + 1; ``out`` is its guess of the features
+    at 1..T - 1 (the windows padded to one length, flat)."""
+    inputs, tokens, _, _, _, length = _padded(windows, noise, heads.fc.dtype)
+    return _forward(heads, inputs, tokens, len(windows), length)
+
+
+def _forward(heads: EagleHeads, inputs: np.ndarray, tokens: np.ndarray, batch: int, length: int) -> _Forward:
     layout = heads.layout
-    count = len(window.tokens) - 1
     eps = layout.rms_norm_eps
-    positions = np.arange(count)
-    features = window.features.astype(heads.fc.dtype)
-    rows = heads.draft_ids(window.tokens[1:])  # (T',)
-    inputs = features[:count] if noise is None else features[:count] + noise
-    joined = np.concatenate([inputs, heads.embed[rows]], axis=-1)  # (T', 2H)
+    positions = np.tile(np.arange(length), batch)
+    rows = heads.draft_ids(tokens)  # (B*T',)
+    joined = np.concatenate([inputs, heads.embed[rows]], axis=-1)  # (B*T', 2H)
     fused = joined @ heads.fc.T + heads.fc_bias
     inv1 = 1.0 / np.sqrt(np.mean(fused * fused, axis=-1, keepdims=True) + eps)
     normed1 = fused * inv1
     x1 = normed1 * heads.attn_norm
-    shape = (count, layout.num_attention_heads, layout.head_dim)
-    queries = rope((x1 @ heads.q_proj.T).reshape(shape), positions, layout.rope_theta)
-    keys = rope((x1 @ heads.k_proj.T).reshape(shape), positions, layout.rope_theta)
-    values = (x1 @ heads.v_proj.T).reshape(shape)
-    scores = np.einsum("nhd,mhd->hnm", queries, keys) / np.sqrt(layout.head_dim)  # (nh, T', T')
-    scores = np.where(causal_window(count, layout.window)[None], scores, -np.inf)
+    flat_shape = (batch * length, layout.num_attention_heads, layout.head_dim)
+
+    def per_head(x: np.ndarray) -> np.ndarray:  # (B*T', nh, hd) -> (B, nh, T', hd)
+        return x.reshape(batch, length, layout.num_attention_heads, layout.head_dim).transpose(0, 2, 1, 3)
+
+    queries = per_head(rope((x1 @ heads.q_proj.T).reshape(flat_shape), positions, layout.rope_theta))
+    keys = per_head(rope((x1 @ heads.k_proj.T).reshape(flat_shape), positions, layout.rope_theta))
+    values = per_head((x1 @ heads.v_proj.T).reshape(flat_shape))
+    # Batched matmuls per (window, head): BLAS, where einsum would not be.
+    scores = queries @ keys.transpose(0, 1, 3, 2) / np.sqrt(layout.head_dim)  # (B, nh, T', T')
+    scores = np.where(causal_window(length, layout.window), scores, -np.inf)
     scores -= scores.max(axis=-1, keepdims=True)
     weights = np.exp(scores)
     weights /= weights.sum(axis=-1, keepdims=True)
-    attended = np.einsum("hnm,mhd->nhd", weights, values).reshape(count, -1)  # (T', nh*hd)
+    attended = (weights @ values).transpose(0, 2, 1, 3).reshape(batch * length, -1)  # (B*T', nh*hd)
     after = fused + attended @ heads.o_proj.T
     inv2 = 1.0 / np.sqrt(np.mean(after * after, axis=-1, keepdims=True) + eps)
     normed2 = after * inv2
     x2 = normed2 * heads.mlp_norm
-    gate, up = x2 @ heads.gate_proj.T, x2 @ heads.up_proj.T  # (T', I)
+    gate, up = x2 @ heads.gate_proj.T, x2 @ heads.up_proj.T  # (B*T', I)
     sig = 0.5 * (1.0 + np.tanh(0.5 * gate))
     activated = gate * sig
     mixed = activated * up
     out = after + mixed @ heads.down_proj.T
-    return _Forward(rows, joined, fused, normed1, inv1, x1, queries, keys, values, weights, attended,
-                    normed2, inv2, x2, gate, up, sig, activated, mixed, out)
+    return _Forward(batch, length, rows, joined, fused, normed1, inv1, x1, queries, keys, values, weights,
+                    attended, normed2, inv2, x2, gate, up, sig, activated, mixed, out)
 
 
-def window_loss(heads: EagleHeads, window: EagleWindow, noise: np.ndarray | None = None,
-                scale: float = 1.0) -> tuple[float, dict[str, np.ndarray]]:
-    """The window's loss times ``scale`` and its gradient for each array of ``heads`` (by name).
-    ``noise`` (T - 1, H): added to the input features (None: none)."""
+def batch_loss(heads: EagleHeads, windows: list[EagleWindow],
+               noise: list[np.ndarray] | None = None) -> tuple[float, dict[str, np.ndarray]]:
+    """The loss over ``windows`` (the regression's mean over their positions, the cross-entropy's
+    over their labelled positions) and its gradient for each array of ``heads`` (by name).
+    ``noise``: per window (T - 1, H), added to the input features (None: none)."""
     layout = heads.layout
-    size, count = heads.config.hidden_size, len(window.tokens) - 1
-    positions = np.arange(count)
-    shape = (count, layout.num_attention_heads, layout.head_dim)
-    scale_qk = 1.0 / np.sqrt(layout.head_dim)
-    f = window_forward(heads, window, noise)
+    size = heads.config.hidden_size
+    inputs, tokens, targets, following, valid, length = _padded(windows, noise, heads.fc.dtype)
+    batch = len(windows)
+    positions = np.tile(np.arange(length), batch)
+    f = _forward(heads, inputs, tokens, batch, length)
     out = f.out
-    logits = out @ heads.lm_head.T  # (T', Vd)
+    logits = out @ heads.lm_head.T  # (B*T', Vd)
 
-    # The losses: regression on every position, cross-entropy where the label is in the draft vocabulary.
-    diff = out - window.features[1:].astype(out.dtype)
-    regression_count = count * size
+    # The losses: regression on every real position, cross-entropy where the label is in the draft vocabulary.
+    diff = np.where(valid[:, None], out - targets, 0.0).astype(out.dtype)
+    regression_count = max(int(valid.sum()), 1) * size
     absolute = np.abs(diff)
     regression = float(np.where(absolute < 1.0, 0.5 * diff * diff, absolute - 0.5).sum()) / regression_count
-    labels = draft_id_map(heads.config, heads.d2t)[np.maximum(window.following[1:], 0)]
-    labelled = (window.following[1:] >= 0) & (labels < heads.config.draft_vocab_size)
+    labels = draft_id_map(heads.config, heads.d2t)[np.maximum(following, 0)]
+    labelled = (following >= 0) & (labels < heads.config.draft_vocab_size)
     label_rows = np.flatnonzero(labelled)
     logits = logits - logits.max(axis=-1, keepdims=True)
     probabilities = np.exp(logits)
     probabilities /= probabilities.sum(axis=-1, keepdims=True)
     ce_count = max(len(label_rows), 1)
     cross_entropy = float(-np.log(probabilities[label_rows, labels[label_rows]] + 1e-30).sum()) / ce_count
-    loss = scale * (REGRESSION_WEIGHT * regression + CE_WEIGHT * cross_entropy)
+    loss = REGRESSION_WEIGHT * regression + CE_WEIGHT * cross_entropy
 
     grads: dict[str, np.ndarray] = {}
     d_logits = probabilities
     d_logits[label_rows, labels[label_rows]] -= 1.0
     d_logits[~labelled] = 0.0
-    d_logits *= scale * CE_WEIGHT / ce_count
+    d_logits *= CE_WEIGHT / ce_count
     grads["lm_head"] = d_logits.T @ out
-    d_out = d_logits @ heads.lm_head + (scale * REGRESSION_WEIGHT / regression_count) * np.clip(diff, -1.0, 1.0)
+    d_out = d_logits @ heads.lm_head + (REGRESSION_WEIGHT / regression_count) * np.clip(diff, -1.0, 1.0)
     grads["down_proj"] = d_out.T @ f.mixed
     d_mixed = d_out @ heads.down_proj
     d_gate = d_mixed * f.up * (f.sig * (1.0 + f.gate * (1.0 - f.sig)))
@@ -156,18 +191,22 @@ def window_loss(heads: EagleHeads, window: EagleWindow, noise: np.ndarray | None
     grads["mlp_norm"] = (d_x2 * f.normed2).sum(axis=0)
     d_after = d_out + _norm_backward(d_x2 * heads.mlp_norm, f.normed2, f.inv2)
     grads["o_proj"] = d_after.T @ f.attended
-    d_attended = (d_after @ heads.o_proj).reshape(shape)
-    d_weights = np.einsum("nhd,mhd->hnm", d_attended, f.values)
-    d_values = np.einsum("hnm,nhd->mhd", f.weights, d_attended)
-    d_scores = f.weights * (d_weights - (d_weights * f.weights).sum(axis=-1, keepdims=True))
-    d_queries = rope(np.einsum("hnm,mhd->nhd", d_scores, f.keys) * scale_qk, positions, layout.rope_theta, inverse=True)
-    d_keys = rope(np.einsum("hnm,nhd->mhd", d_scores, f.queries) * scale_qk, positions, layout.rope_theta, inverse=True)
-    flat = (count, layout.num_attention_heads * layout.head_dim)
-    grads["q_proj"] = d_queries.reshape(flat).T @ f.x1
-    grads["k_proj"] = d_keys.reshape(flat).T @ f.x1
-    grads["v_proj"] = d_values.reshape(flat).T @ f.x1
-    d_x1 = (d_queries.reshape(flat) @ heads.q_proj + d_keys.reshape(flat) @ heads.k_proj
-            + d_values.reshape(flat) @ heads.v_proj)
+    heads_shape = (batch, length, layout.num_attention_heads, layout.head_dim)
+    d_attended = (d_after @ heads.o_proj).reshape(heads_shape).transpose(0, 2, 1, 3)  # (B, nh, T', hd)
+    d_weights = d_attended @ f.values.transpose(0, 1, 3, 2)  # (B, nh, T', T')
+    d_values = f.weights.transpose(0, 1, 3, 2) @ d_attended
+    d_scores = f.weights * (d_weights - (d_weights * f.weights).sum(axis=-1, keepdims=True)) / np.sqrt(layout.head_dim)
+    d_queries, d_keys = d_scores @ f.keys, d_scores.transpose(0, 1, 3, 2) @ f.queries
+
+    def flat(x: np.ndarray) -> np.ndarray:  # (B, nh, T', hd) -> (B*T', nh, hd)
+        return x.transpose(0, 2, 1, 3).reshape(batch * length, layout.num_attention_heads, layout.head_dim)
+
+    width = layout.num_attention_heads * layout.head_dim
+    d_queries = rope(flat(d_queries), positions, layout.rope_theta, inverse=True).reshape(-1, width)
+    d_keys = rope(flat(d_keys), positions, layout.rope_theta, inverse=True).reshape(-1, width)
+    d_values = flat(d_values).reshape(-1, width)
+    grads["q_proj"], grads["k_proj"], grads["v_proj"] = d_queries.T @ f.x1, d_keys.T @ f.x1, d_values.T @ f.x1
+    d_x1 = d_queries @ heads.q_proj + d_keys @ heads.k_proj + d_values @ heads.v_proj
     grads["attn_norm"] = (d_x1 * f.normed1).sum(axis=0)
     d_fused = d_after + _norm_backward(d_x1 * heads.attn_norm, f.normed1, f.inv1)
     grads["fc"] = d_fused.T @ f.joined
@@ -237,22 +276,16 @@ class NumpyEagleTrainer:
         return EagleHeads(self.config, self.layout, d2t=self.d2t, **self.params)
 
     def step_windows(self, windows: list[EagleWindow]) -> float:
-        """One AdamW step on ``windows`` (each weighted by its share of the positions); the loss
-        before the step."""
-        heads = self.current()
-        total_positions = sum(len(window.tokens) - 1 for window in windows)
-        grads = {name: np.zeros_like(array) for name, array in self.params.items()}
-        loss = 0.0
+        """One AdamW step on ``windows`` (one padded batch); the loss before the step."""
+        windows = [window for window in windows if len(window.tokens) >= 2]
+        if not windows:
+            return float("nan")
+        noise = []
         for window in windows:
-            count = len(window.tokens) - 1
-            if count < 1:
-                continue
             rms = float(np.sqrt(np.mean(np.square(window.features, dtype=np.float32))))
-            noise = (self.rng.random((count, self.config.hidden_size), np.float32) - 0.5) * (NOISE * rms)
-            window_value, window_grads = window_loss(heads, window, noise, scale=count / total_positions)
-            loss += window_value
-            for name, grad in window_grads.items():
-                grads[name] += grad
+            shape = (len(window.tokens) - 1, self.config.hidden_size)
+            noise.append((self.rng.random(shape, np.float32) - 0.5) * (NOISE * rms))
+        loss, grads = batch_loss(self.current(), windows, noise)
         self.step_count += 1
         self._update(grads)
         return loss

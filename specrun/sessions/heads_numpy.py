@@ -185,6 +185,13 @@ class LlamaHeadsTarget:
             weights = read_gguf_tensor(self.folder, "token_embd.weight")
         return np.asarray(weights[np.asarray(token_ids)], np.float32)
 
+    def input_rows(self, token_ids: np.ndarray) -> np.ndarray:
+        """(len(token_ids), H) float32: the input embedding's rows (token_embd, dequantized)."""
+        from specrun.modelkit.gguf_io import read_gguf_tensor
+
+        weights = read_gguf_tensor(self.folder, "token_embd.weight")
+        return np.asarray(weights[np.asarray(token_ids)], np.float32)
+
     def states(self, windows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Hidden states (B, T, H) float16 and the target's next token at every position (B, T)."""
         hidden, following = [], []

@@ -11,7 +11,7 @@ import pytest
 
 from specrun.modelkit.eagle import PARAMETER_NAMES, EagleLayout, causal_window, chain_guesses, fuse, layer, no_entries
 from specrun.modelkit.heads import HeadsConfig
-from specrun.sessions.heads_eagle import EagleWindow, NumpyEagleTrainer, window_forward, window_loss
+from specrun.sessions.heads_eagle import EagleWindow, NumpyEagleTrainer, batch_forward, batch_loss
 
 SIZE, VOCAB, DRAFT_VOCAB = 8, 12, 7
 
@@ -41,21 +41,28 @@ def small_window(seed: int = 1, length: int = 7) -> EagleWindow:
 
 @pytest.mark.parametrize("name", PARAMETER_NAMES)
 def test_every_gradient_matches_finite_differences(name):
-    heads, window = small_heads(), small_window()
-    noise = np.random.default_rng(2).normal(0, 0.1, (len(window.tokens) - 1, SIZE))
-    _, grads = window_loss(heads, window, noise, scale=0.7)
+    """Two windows of different lengths in one padded batch: the padding adds nothing."""
+    heads, windows = small_heads(), [small_window(), small_window(seed=4, length=5)]
+    rng = np.random.default_rng(2)
+    noise = [rng.normal(0, 0.1, (len(window.tokens) - 1, SIZE)) for window in windows]
+    _, grads = batch_loss(heads, windows, noise)
     array = getattr(heads, name)
-    rng = np.random.default_rng(3)
-    for flat_index in rng.choice(array.size, size=min(6, array.size), replace=False):
+    for flat_index in np.random.default_rng(3).choice(array.size, size=min(6, array.size), replace=False):
         index = np.unravel_index(flat_index, array.shape)
         step = 1e-6
         values = []
         for sign in (1, -1):
             changed = array.copy()
             changed[index] += sign * step
-            values.append(window_loss(dataclasses.replace(heads, **{name: changed}), window, noise, scale=0.7)[0])
+            values.append(batch_loss(dataclasses.replace(heads, **{name: changed}), windows, noise)[0])
         numeric = (values[0] - values[1]) / (2 * step)
         assert grads[name][index] == pytest.approx(numeric, rel=1e-4, abs=1e-8), (name, index)
+
+
+def test_a_padded_window_predicts_as_it_does_alone():
+    heads, short, long = small_heads(), small_window(seed=4, length=5), small_window()
+    together = batch_forward(heads, [long, short]).out.reshape(2, len(long.tokens) - 1, SIZE)
+    assert np.allclose(together[1, : len(short.tokens) - 1], batch_forward(heads, [short]).out, atol=1e-12)
 
 
 def test_a_training_step_lowers_the_loss_it_is_taken_on():
@@ -74,7 +81,7 @@ def test_the_drafters_layer_reads_what_the_trainer_scores():
     fused = fuse(heads, window.features[:count], heads.draft_ids(window.tokens[1:]))
     out, _, _ = layer(heads, fused, np.arange(count), no_entries(heads, np.float64), no_entries(heads, np.float64),
                       causal_window(count, heads.layout.window))
-    assert np.allclose(window_forward(heads, window).out, out, rtol=1e-12, atol=1e-12)
+    assert np.allclose(batch_forward(heads, [window]).out, out, rtol=1e-12, atol=1e-12)
 
 
 def test_the_chain_report_drafts_as_one_position_at_a_time_would():

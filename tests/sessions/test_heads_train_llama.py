@@ -102,3 +102,36 @@ def test_continuations_through_llama_cpp_label_only_generated_tokens(gguf, tmp_p
     out = tmp_path / "medusa.safetensors"
     result = train_heads(request_for(gguf, out, prompts_file=prompts), max_steps=3)
     assert result.steps == 3 and load_heads(out).config.training["data"]["tokens"] > 0
+
+
+def test_eagle_heads_train_on_llama_cpp_and_draft_for_the_target(gguf, tiny_llama, text_folder, tmp_path):
+    """--kind eagle: whole windows through the NumPy trainer, a falling loss, heads that load back
+    as EAGLE heads for the target, and a report on the chains they draft by themselves."""
+    from specrun.modelkit.eagle import EagleHeads
+
+    out = tmp_path / "eagle.safetensors"
+    losses = []
+    result = train_heads(request_for(gguf, out, kind="eagle", num_heads=3, text_dir=text_folder, learning_rate=3e-3),
+                         on_progress=lambda p: p.phase == "train" and losses.append(p.loss), max_steps=30)
+    heads = load_heads(out)
+    assert isinstance(heads, EagleHeads) and heads.config.num_heads == 3 and len(set(heads.d2t.tolist())) == 64
+    config = tiny_llama.config
+    check_heads_for_target(heads, hidden_size=config.hidden_size, vocab_size=config.vocab_size,
+                           num_layers=config.num_layers, path=out)
+    assert result.final_loss < 0.8 * losses[0], losses
+    assert len(result.report.chain_accuracy) == 3 and result.report.positions > 0
+    assert heads.config.training["held_out"]["tokens_per_pass"] == pytest.approx(result.report.tokens_per_pass, abs=1e-4)
+
+
+def test_a_stopped_eagle_run_resumes_with_its_optimizer(gguf, text_folder, tmp_path):
+    out = tmp_path / "eagle.safetensors"
+    request = request_for(gguf, out, kind="eagle", text_dir=text_folder)
+
+    def stop_at_step_4(progress):
+        if progress.phase == "train" and progress.step == 4:
+            raise KeyboardInterrupt
+
+    with pytest.raises(TrainingInterrupted):
+        train_heads(request, on_progress=stop_at_step_4, max_steps=6, checkpoint_seconds=0)
+    result = train_heads(request, max_steps=6)
+    assert result.resumed_at == 3 and result.steps == 6
