@@ -23,6 +23,7 @@ features for a recent stretch of the context, not all of it.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -119,7 +120,8 @@ def draft_id_map(config: HeadsConfig, d2t: np.ndarray | None) -> np.ndarray:
 
 
 # ---------------------------------------------------------------------------------------------
-# The layer's math (NumPy, in the arrays' own dtype: float32 drafting, float64 in gradient tests)
+# The layer's math (NumPy, in the arrays' own dtype: float32 drafting, float64 in gradient tests;
+# constants are Python floats, since a NumPy float64 scalar would turn float32 arrays float64)
 
 
 def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
@@ -165,7 +167,7 @@ def layer(
     queries, keys, values = _project(heads, fused, positions)
     all_keys = np.concatenate([past_keys, keys])  # (C + N, nh, hd)
     all_values = np.concatenate([past_values, values])
-    scores = np.einsum("nhd,mhd->hnm", queries, all_keys) / np.sqrt(heads.layout.head_dim)  # (nh, N, C + N)
+    scores = np.einsum("nhd,mhd->hnm", queries, all_keys) / math.sqrt(heads.layout.head_dim)  # (nh, N, C + N)
     weights = _softmax(np.where(attend[None], scores, -np.inf))
     attended = np.einsum("hnm,mhd->nhd", weights, all_values)
     return _finish(heads, fused, attended), keys, values
@@ -220,7 +222,7 @@ def _chain_step(heads, fused, positions, real_keys, real_values, context_reads, 
     queries, keys, values = _project(heads, fused, positions)
     own_keys = np.stack([*chain_keys, keys], axis=1)  # (N, s, nh, hd): the chain so far and itself
     own_values = np.stack([*chain_values, values], axis=1)
-    scale = 1.0 / np.sqrt(layout.head_dim)
+    scale = 1.0 / math.sqrt(layout.head_dim)
     # A query at p + s reads real entries less than ``window`` back from it: the oldest drop out.
     steps = own_keys.shape[1]
     reads = context_reads & (np.arange(count)[:, None] - np.arange(count)[None, :] < layout.window - steps)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -127,7 +128,7 @@ def _forward(heads: EagleHeads, inputs: np.ndarray, tokens: np.ndarray, batch: i
     keys = per_head(rope((x1 @ heads.k_proj.T).reshape(flat_shape), positions, layout.rope_theta))
     values = per_head((x1 @ heads.v_proj.T).reshape(flat_shape))
     # Batched matmuls per (window, head): BLAS, where einsum would not be.
-    scores = queries @ keys.transpose(0, 1, 3, 2) / np.sqrt(layout.head_dim)  # (B, nh, T', T')
+    scores = queries @ keys.transpose(0, 1, 3, 2) / math.sqrt(layout.head_dim)  # (B, nh, T', T')
     scores = np.where(causal_window(length, layout.window), scores, -np.inf)
     scores -= scores.max(axis=-1, keepdims=True)
     weights = np.exp(scores)
@@ -195,7 +196,7 @@ def batch_loss(heads: EagleHeads, windows: list[EagleWindow],
     d_attended = (d_after @ heads.o_proj).reshape(heads_shape).transpose(0, 2, 1, 3)  # (B, nh, T', hd)
     d_weights = d_attended @ f.values.transpose(0, 1, 3, 2)  # (B, nh, T', T')
     d_values = f.weights.transpose(0, 1, 3, 2) @ d_attended
-    d_scores = f.weights * (d_weights - (d_weights * f.weights).sum(axis=-1, keepdims=True)) / np.sqrt(layout.head_dim)
+    d_scores = f.weights * (d_weights - (d_weights * f.weights).sum(axis=-1, keepdims=True)) / math.sqrt(layout.head_dim)
     d_queries, d_keys = d_scores @ f.keys, d_scores.transpose(0, 1, 3, 2) @ f.queries
 
     def flat(x: np.ndarray) -> np.ndarray:  # (B, nh, T', hd) -> (B*T', nh, hd)

@@ -1,4 +1,4 @@
-"""--method medusa and --heads: where heads are found, and every wrong heads file one line."""
+"""--method medusa or eagle and --heads: where heads are found, and every wrong heads file one line."""
 
 from __future__ import annotations
 
@@ -95,23 +95,44 @@ def test_bench_and_chat_take_heads_too(target, tiny_llama, tmp_path):
     assert answers[0] == answers[1] and answers[0].strip()
 
 
-def test_the_demo_target_s_heads_ship_with_the_package_and_draft_its_text():
-    """`specrun generate --target demo-target --method medusa` works offline on a fresh machine:
+@pytest.mark.parametrize("kind", ["medusa", "eagle"])
+def test_the_demo_target_s_heads_ship_with_the_package_and_draft_its_text(kind):
+    """`specrun generate --target demo-target --method KIND` works offline on a fresh machine:
     the heads in specrun/demo are found by the alias, made for the demo target, a few MB, and
     greedy output is plain decoding's with drafts accepted."""
     pytest.importorskip("llama_cpp", reason="the llama backend is not installed")
     from specrun.modelkit.heads import load_heads
     from specrun.registry.heads import shipped_heads_path
 
-    path = shipped_heads_path("demo-target", "medusa")
+    path = shipped_heads_path("demo-target", kind)
     assert path.stat().st_size < 8 * 2**20
     heads = load_heads(path)
-    assert (heads.config.target_name, heads.config.hidden_size) == ("demo-target", 384)
+    assert (heads.config.kind, heads.config.target_name, heads.config.hidden_size) == (kind, "demo-target", 384)
     prompt = "def parse_args(argv):\n"
     plain = invoke("generate", prompt, "-t", "demo-target", "-m", "none", "-n", "48", "--json")
-    medusa = invoke("generate", prompt, "-t", "demo-target", "-m", "medusa", "-n", "48", "-k", "4", "--exact",
-                    "--json")
+    drafted = invoke("generate", prompt, "-t", "demo-target", "-m", kind, "-n", "48", "-k", "4", "--exact", "--json")
     exact_plain = invoke("generate", prompt, "-t", "demo-target", "-m", "none", "-n", "48", "--exact", "--json")
-    assert plain.exit_code == medusa.exit_code == 0, medusa.output
-    assert json.loads(medusa.stdout)["text"] == json.loads(exact_plain.stdout)["text"]
-    assert json.loads(medusa.stdout)["stats"]["accepted"] > 0
+    assert plain.exit_code == drafted.exit_code == 0, drafted.output
+    assert json.loads(drafted.stdout)["text"] == json.loads(exact_plain.stdout)["text"]
+    assert json.loads(drafted.stdout)["stats"]["accepted"] > 0
+
+
+def test_heads_of_the_other_kind_are_refused_in_one_line(target, tiny_llama, tmp_path):
+    heads = write_heads(tmp_path / "medusa.safetensors", tiny_llama.config.hidden_size, tiny_llama.config.vocab_size)
+    result = invoke("generate", "hi", "-t", target, "-m", "eagle", "--heads", str(heads))
+    assert_one_line_error(result.exit_code, result.stderr, 2, "medusa.safetensors", "holds medusa heads, not eagle heads",
+                          "--kind eagle")
+
+
+def test_eagle_heads_beside_the_model_are_found_and_draft(tiny_llama, tmp_path):
+    from heads_factory import random_eagle
+
+    pytest.importorskip("llama_cpp", reason="the llama backend is not installed")
+    model = tmp_path / "tiny.gguf"
+    model.write_bytes(tiny_llama.gguf_path.read_bytes())
+    config = tiny_llama.config
+    save_heads(random_eagle(config.hidden_size, config.vocab_size), tmp_path / "tiny.eagle.safetensors")
+    result = invoke("generate", "def f(x):", "-t", str(model), "-m", "eagle", "-n", "12", "-k", "3", "--json")
+    assert result.exit_code == 0, result.output
+    stats = json.loads(result.stdout)["stats"]
+    assert stats["method"] == "eagle" and stats["drafted"] > 0
