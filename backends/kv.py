@@ -251,6 +251,9 @@ class KVSequence:
         backend records them for its passes meanwhile. ValueError if it cannot, naming why.
         ``tail``: of a pass longer than this, only its last ``tail`` positions are kept (the
         others read as unknown), for a reader of recent positions only."""
+        # Two readers of one sequence (a bench of medusa and eagle): the longer tail serves both.
+        if on and self._tracking and tail is not None:
+            tail = None if self._hidden_tail is None else max(tail, self._hidden_tail)
         self._hidden_tail = tail if on else None
         support = self.backend.hidden_support
         if on and not support.available:

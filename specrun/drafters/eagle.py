@@ -40,13 +40,14 @@ TOP_K = 4  # EAGLE-2's: children per expanded node, nodes expanded per depth
 class _Entries:
     """The layer's keys and values (C, nh, hd) of context positions first .. first + C - 1, and the
     context they were made from. ``floor``: where they began, the target's features before it
-    unknown (the head of a long prompt pass), so entries from there on are all there are."""
+    unknown (the head of a long prompt pass), so entries from there on are all there are; -1
+    where earlier features are known."""
 
     first: int = 0
     keys: np.ndarray | None = None
     values: np.ndarray | None = None
     context: list[int] = field(default_factory=list)
-    floor: int = 0
+    floor: int = -1
 
     @property
     def end(self) -> int:
@@ -56,7 +57,8 @@ class _Entries:
         if self.keys is not None and position < self.end:
             count = max(position - self.first, 0)
             self.keys, self.values = self.keys[:count], self.values[:count]
-            self.first = min(self.first, position)
+            if count == 0:  # nothing left: what the floor said of earlier features no longer holds
+                self.first, self.floor = position, -1
 
     def keep_from(self, position: int) -> None:
         if self.keys is not None and position > self.first:
@@ -124,7 +126,8 @@ class EagleDrafter(Drafter):
             features = self._features(start, root + 1, context)
         if not reusable or start > entries.end:  # begin again where the features are
             entries = self._entries = _Entries(start, no_entries(self.heads, self._dtype),
-                                               no_entries(self.heads, self._dtype), floor=start)
+                                               no_entries(self.heads, self._dtype),
+                                               floor=start if start > lowest else -1)
         entries.keep_from(root + 1 - window)
         positions = np.arange(start, root + 1)
         fused = fuse(self.heads, features, self.heads.draft_ids(np.asarray(context[start + 1 : root + 2])))

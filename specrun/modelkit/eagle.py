@@ -94,8 +94,11 @@ class EagleHeads:
         return eagle_shapes(self.config, self.layout)
 
     def draft_ids(self, token_ids: np.ndarray) -> np.ndarray:
-        """The embedding row of each target id: its draft id, or the last row for any other."""
-        return draft_id_map(self.config, self.d2t)[np.asarray(token_ids)]
+        """The embedding row of each target id: its draft id, or the last row for any other (ids
+        past the heads' vocabulary too: a target's padded rows)."""
+        ids = np.asarray(token_ids, dtype=np.int64)
+        rows = draft_id_map(self.config, self.d2t)
+        return np.where(ids < len(rows), rows[np.minimum(ids, len(rows) - 1)], self.config.draft_vocab_size)
 
 
 def eagle_shapes(config: HeadsConfig, layout: EagleLayout) -> dict[str, tuple[int, ...]]:

@@ -74,15 +74,20 @@ def heads_available(target_spec: str, kind: str, registry: Path | None = None) -
 
 
 def head_kinds_available(target_spec: str, explicit: str | None = None, registry: Path | None = None) -> tuple[str, ...]:
-    """The head methods ``target_spec`` can draft with: the kind of the ``explicit`` file (--heads,
-    nothing where specrun cannot draft with it), else every kind found where find_heads looks."""
-    if explicit is None:
-        return tuple(kind for kind in DRAFTING_KINDS if heads_available(target_spec, kind, registry))
+    """The head methods ``target_spec`` can draft with: the kind of the ``explicit`` file (--heads)
+    and every other kind found where find_heads looks."""
+    given = explicit_heads_kind(explicit) if explicit is not None else None
+    return tuple(kind for kind in DRAFTING_KINDS if kind == given or heads_available(target_spec, kind, registry))
+
+
+def explicit_heads_kind(explicit: str) -> str | None:
+    """The kind of heads the file ``explicit`` (--heads) holds, where specrun drafts with it; None
+    otherwise (what is wrong with it is reported where the heads are loaded for a method)."""
     from specrun.modelkit.eagle import EagleHeads
     from specrun.modelkit.heads import MedusaHeads, load_heads
 
     try:
         heads = load_heads(Path(explicit).expanduser())
-    except SpecrunError:  # reported, with its fix, where the heads are loaded for a method
-        return ()
-    return (heads.config.kind,) if isinstance(heads, (MedusaHeads, EagleHeads)) else ()
+    except SpecrunError:
+        return None
+    return heads.config.kind if isinstance(heads, (MedusaHeads, EagleHeads)) else None

@@ -131,14 +131,14 @@ def load_target_heads(target_spec: str, explicit: str | None, target, registry=N
     found by alias (registry/heads.py), checked against the target before anything drafts with them."""
     from specrun.drafters.ngram import vocabulary_fingerprint
     from specrun.modelkit.eagle import EagleHeads
-    from specrun.modelkit.heads import MedusaHeads, check_heads_for_target, load_heads
+    from specrun.modelkit.heads import Eagle3Heads, MedusaHeads, check_heads_for_target, load_heads
     from specrun.registry.heads import find_heads
 
     path = find_heads(target_spec, explicit, kind, registry)
     heads = load_heads(path)
     wanted = MedusaHeads if kind == "medusa" else EagleHeads
     if not isinstance(heads, wanted):
-        readable = "EAGLE-3 heads (drafting with them is not available yet)" if heads.config.kind == "eagle" \
+        readable = "EAGLE-3 heads (drafting with them is not available yet)" if isinstance(heads, Eagle3Heads) \
             else f"{heads.config.kind} heads"
         raise UsageError(f"{path} holds {readable}, not {kind} heads",
                          f"pass {kind} heads with --heads, or train them with specrun heads train --kind {kind}")
@@ -151,7 +151,14 @@ def load_heads_for_methods(target_spec: str, explicit: str | None, target, metho
     """The heads every head method of ``methods`` drafts with (one object for one kind, a tuple
     for several; None for none). ``explicit`` (--heads) serves the kind its file holds."""
     kinds = list(dict.fromkeys(kind for kind in map(heads_kind, methods) if kind is not None))
-    loaded = tuple(load_target_heads(target_spec, explicit, target, registry, kind) for kind in kinds)
+    if explicit is not None and len(kinds) > 1:
+        from specrun.registry.heads import explicit_heads_kind
+
+        given = explicit_heads_kind(explicit)
+        loaded = tuple(load_target_heads(target_spec, explicit if kind == given else None, target, registry, kind)
+                       for kind in kinds)
+    else:
+        loaded = tuple(load_target_heads(target_spec, explicit, target, registry, kind) for kind in kinds)
     return None if not loaded else loaded[0] if len(loaded) == 1 else loaded
 
 

@@ -130,3 +130,18 @@ def test_a_target_without_hidden_states_or_of_another_width_is_refused():
     other = FakeBackend(TABLE, COPYING_VOCAB, hidden_table=lambda context: np.zeros(SIZE + 1), hidden_size=SIZE + 1)
     with pytest.raises(UsageError, match="hidden size 12"):
         drafter.bind(sequence_for(other), lambda: 0.0)
+
+
+def test_two_head_drafters_on_one_target_keep_the_longer_tail():
+    """A bench binds every variant's drafter to the one cache view: Medusa's tail (65) after
+    EAGLE's (its window, 128) must not cut what EAGLE reads."""
+    from heads_factory import oracle_heads
+    from specrun.drafters.heads import MedusaDrafter
+
+    target = FakeBackend(TABLE, COPYING_VOCAB, hidden_table=lambda context: np.zeros(5 * COPYING_VOCAB),
+                         hidden_size=5 * COPYING_VOCAB)
+    sequence = sequence_for(target)
+    EagleDrafter(random_eagle(5 * COPYING_VOCAB, COPYING_VOCAB)).bind(sequence, lambda: 0.0)
+    MedusaDrafter(oracle_heads(COPYING_VOCAB)).bind(sequence, lambda: 0.0)
+    sequence.feed([int(token) for token in np.random.default_rng(0).integers(0, COPYING_VOCAB, 200)])
+    assert sequence.hidden(200 - 128, 200) is not None and sequence.hidden(200 - 129, 200) is None

@@ -136,3 +136,23 @@ def test_eagle_heads_beside_the_model_are_found_and_draft(tiny_llama, tmp_path):
     assert result.exit_code == 0, result.output
     stats = json.loads(result.stdout)["stats"]
     assert stats["method"] == "eagle" and stats["drafted"] > 0
+
+
+def test_a_bench_of_both_head_methods_takes_heads_for_its_kind_and_finds_the_other(tiny_llama, tmp_path):
+    """--heads names EAGLE heads; the Medusa heads beside the model serve --method medusa."""
+    from heads_factory import random_eagle
+
+    pytest.importorskip("llama_cpp", reason="the llama backend is not installed")
+    model = tmp_path / "tiny.gguf"
+    model.write_bytes(tiny_llama.gguf_path.read_bytes())
+    config = tiny_llama.config
+    write_heads(tmp_path / "tiny.medusa.safetensors", config.hidden_size, config.vocab_size)
+    eagle = tmp_path / "mine.safetensors"
+    save_heads(random_eagle(config.hidden_size, config.vocab_size), eagle)
+    out = tmp_path / "bench.json"
+    result = invoke("bench", "-t", str(model), "--methods", "none,medusa,eagle", "--heads", str(eagle),
+                    "--categories", "code-completion", "--per-category", "1", "-n", "8", "--json", str(out))
+    assert result.exit_code == 0, result.output
+    doc = json.loads(out.read_text())
+    assert {line["method"] for line in doc["overall"]} == {"none", "medusa", "eagle"}
+    assert all(run["same_as_baseline"] for run in doc["runs"])
