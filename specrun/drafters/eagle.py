@@ -27,7 +27,7 @@ import numpy as np
 
 from specrun.backends.kv import KVSequence, common_prefix_len
 from specrun.drafters.base import EMPTY_PROPOSAL, Drafter, Proposal, second_guesses
-from specrun.errors import UsageError
+from specrun.drafters.heads import check_heads_target
 from specrun.modelkit.eagle import EagleHeads, fuse, layer, no_entries
 from specrun.sampling import SamplingSettings, probabilities, sample
 
@@ -88,17 +88,7 @@ class EagleDrafter(Drafter):
 
     def bind(self, target: KVSequence, clock: Callable[[], float]) -> None:
         """Read the target's features from now on: turns its tracking on."""
-        support = target.backend.hidden_support
-        config = self.heads.config
-        if not support.available:
-            raise UsageError(f"method 'eagle' needs the target's hidden states: {support.reason}",
-                             "use another method with this target")
-        if support.size != config.hidden_size or target.backend.vocab.size < config.vocab_size:
-            raise UsageError(
-                f"the heads were made for hidden size {config.hidden_size} and {config.vocab_size} tokens, "
-                f"the target has {support.size} and {target.backend.vocab.size}",
-                "train heads for this target with specrun heads train",
-            )
+        check_heads_target(self.name, self.heads.config, target)
         self.target, self.clock = target, clock
         self._vocab_size = target.backend.vocab.size
         self._entries = _Entries()

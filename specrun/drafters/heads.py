@@ -17,13 +17,27 @@ import numpy as np
 from specrun.backends.kv import KVSequence
 from specrun.drafters.base import EMPTY_PROPOSAL, Drafter, Proposal, second_guesses
 from specrun.errors import UsageError
-from specrun.modelkit.heads import MedusaHeads
+from specrun.modelkit.heads import HeadsConfig, MedusaHeads
 from specrun.sampling import SamplingSettings, probabilities, sample
 
 
 # Medusa reads the state of the last cached position only, which the latest pass fed: a verify
 # pass holds at most 1 + 64 tokens (the longest draft, a tree's nodes), a prompt many more.
 HIDDEN_TAIL = 65
+
+
+def check_heads_target(method: str, config: HeadsConfig, target: KVSequence) -> None:
+    """A UsageError when ``target`` gives no hidden states, or not of the heads' size and vocabulary."""
+    support = target.backend.hidden_support
+    if not support.available:
+        raise UsageError(f"method {method!r} needs the target's hidden states: {support.reason}",
+                         "use another method with this target")
+    if support.size != config.hidden_size or target.backend.vocab.size < config.vocab_size:
+        raise UsageError(
+            f"the heads were made for hidden size {config.hidden_size} and {config.vocab_size} tokens, "
+            f"the target has {support.size} and {target.backend.vocab.size}",
+            "train heads for this target with specrun heads train",
+        )
 
 
 class MedusaDrafter(Drafter):
@@ -51,17 +65,7 @@ class MedusaDrafter(Drafter):
 
     def bind(self, target: KVSequence, clock: Callable[[], float]) -> None:
         """Read the target's hidden states from now on: turns its tracking on."""
-        support = target.backend.hidden_support
-        config = self.heads.config
-        if not support.available:
-            raise UsageError(f"method 'medusa' needs the target's hidden states: {support.reason}",
-                             "use another method with this target")
-        if support.size != config.hidden_size or target.backend.vocab.size < config.vocab_size:
-            raise UsageError(
-                f"the heads were made for hidden size {config.hidden_size} and {config.vocab_size} tokens, "
-                f"the target has {support.size} and {target.backend.vocab.size}",
-                "train heads for this target with specrun heads train",
-            )
+        check_heads_target(self.name, self.heads.config, target)
         self.target, self.clock = target, clock
         self._vocab_size = target.backend.vocab.size
         target.track_hidden(True, tail=HIDDEN_TAIL)

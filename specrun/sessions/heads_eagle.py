@@ -12,14 +12,12 @@ applied with AdamW, as sessions/heads_numpy.py does for Medusa.
 from __future__ import annotations
 
 import dataclasses
-import io
 import math
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from specrun.fileio import write_atomically
 from specrun.modelkit.eagle import (
     PARAMETER_NAMES,
     EagleHeads,
@@ -31,7 +29,7 @@ from specrun.modelkit.eagle import (
     rope,
 )
 from specrun.modelkit.heads import HeadsConfig
-from specrun.sessions.heads_numpy import BETAS, EPS, WEIGHT_DECAY
+from specrun.sessions.heads_numpy import BETAS, EPS, WEIGHT_DECAY, write_optimizer_state
 
 CE_WEIGHT = 0.1  # EAGLE's p_w: the feature regression leads, the token loss steers it
 REGRESSION_WEIGHT = 1.0
@@ -322,10 +320,7 @@ class NumpyEagleTrainer:
         """The moments and the step count (.npz), written atomically."""
         arrays = {f"{kind}.{name}": array for kind, moments in (("m", self.first), ("v", self.second))
                   for name, array in moments.items()}
-        arrays["step"] = np.array(self.step_count)
-        buffer = io.BytesIO()
-        np.savez(buffer, **arrays)
-        write_atomically(Path(path), buffer.getvalue(), "optimizer state")
+        write_optimizer_state(path, arrays, self.step_count)
 
     def load_optimizer(self, path: Path) -> None:
         with np.load(path) as saved:

@@ -138,10 +138,7 @@ class NumpyHeadsTrainer:
         """The moments and the step count (.npz), written atomically."""
         arrays = {f"{kind}.{i}.{k}": array for kind, moments in (("m", self.first), ("v", self.second))
                   for i, head in enumerate(moments) for k, array in enumerate(head)}
-        arrays["step"] = np.array(self.step_count)
-        buffer = io.BytesIO()
-        np.savez(buffer, **arrays)
-        write_atomically(Path(path), buffer.getvalue(), "optimizer state")
+        write_optimizer_state(path, arrays, self.step_count)
 
     def load_optimizer(self, path: Path) -> None:
         with np.load(path) as saved:
@@ -150,6 +147,13 @@ class NumpyHeadsTrainer:
                     for k in range(len(head)):
                         head[k] = saved[f"{kind}.{i}.{k}"].astype(np.float32)
             self.step_count = int(saved["step"])
+
+
+def write_optimizer_state(path: Path, moments: dict[str, np.ndarray], step: int) -> None:
+    """An optimizer's named moments and its step count as one .npz, written atomically."""
+    buffer = io.BytesIO()
+    np.savez(buffer, **moments, step=np.array(step))
+    write_atomically(Path(path), buffer.getvalue(), "optimizer state")
 
 
 class LlamaHeadsTarget:
