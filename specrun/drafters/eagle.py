@@ -27,9 +27,9 @@ import numpy as np
 
 from specrun.backends.kv import KVSequence, common_prefix_len
 from specrun.drafters.base import EMPTY_PROPOSAL, Drafter, Proposal, second_guesses
-from specrun.drafters.heads import check_heads_target
+from specrun.drafters.heads import check_heads_target, target_rows
 from specrun.modelkit.eagle import EagleHeads, fuse, layer, no_entries
-from specrun.sampling import SamplingSettings, probabilities, sample
+from specrun.sampling import SamplingSettings, sample
 
 # A verify pass feeds at most 1 + 64 tokens; a prompt pass keeps the features of its last ``window``.
 VERIFY_ROWS = 65
@@ -197,7 +197,7 @@ class EagleDrafter(Drafter):
             if sampling.greedy:
                 draft = int(logits.argmax())
             else:
-                row = self._target_row(logits, sampling)
+                row = target_rows(logits[None, :], sampling, self._d2t, self._vocab_size)[0]
                 token = sample(row, rng)
                 rows.append(row)
                 draft = int(self.heads.draft_ids(np.array([token]))[0])
@@ -211,12 +211,6 @@ class EagleDrafter(Drafter):
             return Proposal(tuple(tokens), source=self.name)
         chain = Proposal(tuple(tokens), tuple(rows), source=self.name)
         return second_guesses(chain, rows, self.branches, sampling, rng) if self.branches else chain
-
-    def _target_row(self, logits: np.ndarray, sampling: SamplingSettings) -> np.ndarray:
-        """The layer's distribution under ``sampling`` (Vd,), spread over the target's ids."""
-        row = np.zeros(self._vocab_size)
-        row[self._d2t] = probabilities(logits[None, :], sampling)[0]
-        return row
 
     def _tree(self, feature: np.ndarray, root: int, depth: int) -> Proposal:
         """EAGLE-2's dynamic tree (greedy): the main chain, then the ``branches`` likeliest other nodes."""

@@ -26,6 +26,14 @@ from specrun.sampling import SamplingSettings, probabilities, sample
 HIDDEN_TAIL = 65
 
 
+def target_rows(logits: np.ndarray, sampling: SamplingSettings, d2t: np.ndarray, vocab_size: int) -> np.ndarray:
+    """(n, vocab_size): the distributions under ``sampling`` of draft-vocabulary ``logits`` (n, Vd),
+    spread over the target's ids (``d2t``: the target id of each draft id), zero elsewhere."""
+    rows = np.zeros((len(logits), vocab_size))
+    rows[:, d2t] = probabilities(logits, sampling)
+    return rows
+
+
 def check_heads_target(method: str, config: HeadsConfig, target: KVSequence) -> None:
     """A UsageError when ``target`` gives no hidden states, or not of the heads' size and vocabulary."""
     support = target.backend.hidden_support
@@ -98,7 +106,8 @@ class MedusaDrafter(Drafter):
         logits = self.head_logits(hidden[0], n_heads)  # (n, Vd)
         if sampling.greedy and not self.branches:
             return Proposal(tuple(int(self._d2t[i]) for i in logits.argmax(axis=-1)), source=self.name)
-        rows = self._target_rows(logits, sampling if not sampling.greedy else SamplingSettings(temperature=1.0))
+        rows = list(target_rows(logits, sampling if not sampling.greedy else SamplingSettings(temperature=1.0),
+                                self._d2t, self._vocab_size))
         if sampling.greedy:
             tokens = tuple(int(row.argmax()) for row in rows)
             chain = Proposal(tokens, source=self.name)
@@ -106,13 +115,6 @@ class MedusaDrafter(Drafter):
             tokens = tuple(sample(row, rng) for row in rows)
             chain = Proposal(tokens, tuple(rows), source=self.name)
         return second_guesses(chain, rows, self.branches, sampling, rng) if self.branches else chain
-
-    def _target_rows(self, logits: np.ndarray, sampling: SamplingSettings) -> list[np.ndarray]:
-        """Each head's distribution under ``sampling`` (n, Vd), spread over the target's ids."""
-        draft = probabilities(logits, sampling)
-        rows = np.zeros((len(draft), self._vocab_size))
-        rows[:, self._d2t] = draft
-        return list(rows)
 
     def close(self) -> None:
         if self.target is not None:

@@ -22,7 +22,7 @@ from specrun.drafters.lookup import PromptLookupDrafter
 from specrun.drafters.ngram import NgramPoolDrafter
 from specrun.errors import UsageError
 from specrun.modelkit.eagle import EagleHeads
-from specrun.modelkit.heads import MedusaHeads
+from specrun.modelkit.heads import DRAFTING_KINDS, MedusaHeads
 
 AUTO_CHAIN = "lookup+ngram+draft"
 
@@ -39,7 +39,6 @@ METHODS = (
     "medusa",
     "eagle",
 )
-HEAD_METHODS = ("medusa", "eagle")  # the methods that draft with heads, named as the heads' kinds
 
 
 @dataclass(frozen=True)
@@ -82,7 +81,7 @@ def needs_draft_model(method: str) -> bool:
 
 def heads_kind(method: str) -> str | None:
     """The kind of heads ``method`` drafts with ("medusa" or "eagle"), None for none."""
-    return next((part for part in resolve_method(method).split("+") if part in HEAD_METHODS), None)
+    return next((part for part in resolve_method(method).split("+") if part in DRAFTING_KINDS), None)
 
 
 def heads_of_kind(heads, kind: str):

@@ -23,6 +23,7 @@ features for a recent stretch of the context, not all of it.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass
 
@@ -97,8 +98,13 @@ class EagleHeads:
         """The embedding row of each target id: its draft id, or the last row for any other (ids
         past the heads' vocabulary too: a target's padded rows)."""
         ids = np.asarray(token_ids, dtype=np.int64)
-        rows = draft_id_map(self.config, self.d2t)
+        rows = self._rows_of_target_ids
         return np.where(ids < len(rows), rows[np.minimum(ids, len(rows) - 1)], self.config.draft_vocab_size)
+
+    @functools.cached_property
+    def _rows_of_target_ids(self) -> np.ndarray:
+        """draft_id_map, built once (a vocabulary-sized array: drafting asks for it every step)."""
+        return draft_id_map(self.config, self.d2t)
 
 
 def eagle_shapes(config: HeadsConfig, layout: EagleLayout) -> dict[str, tuple[int, ...]]:

@@ -42,6 +42,7 @@ if TYPE_CHECKING:
     from specrun.modelkit.eagle import EagleHeads
 
 HEAD_KINDS = ("medusa", "hydra", "eagle")
+DRAFTING_KINDS = ("medusa", "eagle")  # the heads specrun drafts with: its head methods, named alike
 
 
 @dataclass(frozen=True)

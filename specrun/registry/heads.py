@@ -7,10 +7,10 @@ import re
 from pathlib import Path
 
 from specrun.errors import SpecrunError, UsageError
+from specrun.modelkit.heads import DRAFTING_KINDS
 from specrun.registry.catalog import ModelEntry, load_registry
 
 HEADS_SUFFIX = ".safetensors"
-DRAFTING_KINDS = ("medusa", "eagle")  # the heads specrun drafts with, as their methods are named
 
 
 def heads_cache_path(target_spec: str, kind: str) -> Path:

@@ -12,6 +12,7 @@ from specrun.drafters.methods import (
     DrafterOptions,
     build_drafter,
     heads_kind,
+    heads_of_kind,
     is_adaptive,
     needs_draft_model,
     needs_heads,
@@ -130,14 +131,12 @@ def load_target_heads(target_spec: str, explicit: str | None, target, registry=N
     """The ``kind`` heads ("medusa" or "eagle") for ``target`` (an open backend): --heads, else
     found by alias (registry/heads.py), checked against the target before anything drafts with them."""
     from specrun.drafters.ngram import vocabulary_fingerprint
-    from specrun.modelkit.eagle import EagleHeads
-    from specrun.modelkit.heads import Eagle3Heads, MedusaHeads, check_heads_for_target, load_heads
+    from specrun.modelkit.heads import Eagle3Heads, check_heads_for_target, load_heads
     from specrun.registry.heads import find_heads
 
     path = find_heads(target_spec, explicit, kind, registry)
     heads = load_heads(path)
-    wanted = MedusaHeads if kind == "medusa" else EagleHeads
-    if not isinstance(heads, wanted):
+    if heads_of_kind(heads, kind) is None:
         readable = "EAGLE-3 heads (drafting with them is not available yet)" if isinstance(heads, Eagle3Heads) \
             else f"{heads.config.kind} heads"
         raise UsageError(f"{path} holds {readable}, not {kind} heads",

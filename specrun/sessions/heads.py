@@ -290,7 +290,7 @@ class _Run:
             report = self._report_chains(trainer, [_window(data, i) for i in held_rows])
         else:
             states, labels = self._positions(data, train_rows, trainer.d2t)
-            self._fit(trainer, states, labels, settings, source)
+            self._fit_positions(trainer, states, labels, settings, source)
             report = self._report(trainer, data, held_rows)
         training = self._record(settings, source, report, len(data.tokens), data.token_count)
         from specrun.modelkit.heads import save_heads
@@ -506,21 +506,22 @@ class _Run:
         return states, labels
 
     # ---- training ----------------------------------------------------------------------------
-    def _fit(self, trainer, states: np.ndarray, labels: np.ndarray, settings: dict, source: str) -> None:
-        labelled = np.flatnonzero((labels >= 0).any(axis=0))
-        if len(labelled) == 0:
+    def _fit(self, trainer, count: int, batch_size: int, take_step: Callable[[np.ndarray], float],
+             settings: dict, source: str) -> None:
+        """Steps over ``count`` training items, ``batch_size`` at a time in an order shuffled anew
+        each pass, until the budget is spent: ``take_step(indices)`` takes one and returns its loss."""
+        if count == 0:
             raise SpecrunError("the training windows hold no position a head can learn from",
                                "give the run more text or prompts")
         rng = np.random.default_rng(self.request.seed + self.step)
-        order = rng.permutation(labelled)
-        cursor = 0
+        order, cursor = rng.permutation(count), 0
         last_checkpoint = time.monotonic()
         while not self._done():
             if cursor >= len(order):
-                order, cursor = rng.permutation(labelled), 0
-            batch = order[cursor : cursor + BATCH_POSITIONS]
+                order, cursor = rng.permutation(count), 0
+            batch = order[cursor : cursor + batch_size]
             cursor += len(batch)
-            self.losses.append(trainer.step(states[batch], labels[:, batch]))
+            self.losses.append(take_step(batch))
             self.step += 1
             self.on_progress(TrainProgress("train", self.elapsed(), self.budget, step=self.step,
                                            loss=self._final_loss(), max_steps=self.max_steps))
@@ -528,27 +529,17 @@ class _Run:
                 self._checkpoint(trainer, settings, source)
                 last_checkpoint = time.monotonic()
 
+    def _fit_positions(self, trainer, states: np.ndarray, labels: np.ndarray, settings: dict, source: str) -> None:
+        """Medusa: shuffled labelled positions, BATCH_POSITIONS a step."""
+        labelled = np.flatnonzero((labels >= 0).any(axis=0))
+        self._fit(trainer, len(labelled), BATCH_POSITIONS,
+                  lambda batch: trainer.step(states[labelled[batch]], labels[:, labelled[batch]]), settings, source)
+
     def _fit_windows(self, trainer, windows: list, settings: dict, source: str) -> None:
-        """EAGLE: steps of BATCH_WINDOWS whole windows, shuffled, until the budget is spent."""
+        """EAGLE: whole windows with a label, BATCH_WINDOWS a step."""
         useful = [window for window in windows if (window.following[1:] >= 0).any()]
-        if not useful:
-            raise SpecrunError("the training windows hold no position a head can learn from",
-                               "give the run more text or prompts")
-        rng = np.random.default_rng(self.request.seed + self.step)
-        order, cursor = rng.permutation(len(useful)), 0
-        last_checkpoint = time.monotonic()
-        while not self._done():
-            if cursor >= len(order):
-                order, cursor = rng.permutation(len(useful)), 0
-            batch = [useful[i] for i in order[cursor : cursor + BATCH_WINDOWS]]
-            cursor += len(batch)
-            self.losses.append(trainer.step_windows(batch))
-            self.step += 1
-            self.on_progress(TrainProgress("train", self.elapsed(), self.budget, step=self.step,
-                                           loss=self._final_loss(), max_steps=self.max_steps))
-            if time.monotonic() - last_checkpoint >= self.checkpoint_seconds:
-                self._checkpoint(trainer, settings, source)
-                last_checkpoint = time.monotonic()
+        self._fit(trainer, len(useful), BATCH_WINDOWS,
+                  lambda batch: trainer.step_windows([useful[i] for i in batch]), settings, source)
 
     def _report_chains(self, trainer, windows: list) -> HeldOutReport:
         """EAGLE: the greedy chain the heads draft from each held-out position, on their own."""

@@ -23,17 +23,21 @@ def write_heads(path, hidden_size: int, vocab_size: int):
     return path
 
 
-def test_heads_beside_the_model_are_found_and_used(tiny_llama, tmp_path):
-    """<model>.medusa.safetensors next to a model file is picked up without --heads."""
+@pytest.mark.parametrize("kind", ["medusa", "eagle"])
+def test_heads_beside_the_model_are_found_and_used(tiny_llama, tmp_path, kind):
+    """<model>.<kind>.safetensors next to a model file is picked up without --heads."""
+    from heads_factory import random_eagle
+
     pytest.importorskip("llama_cpp", reason="the llama backend is not installed")
     model = tmp_path / "tiny.gguf"
     model.write_bytes(tiny_llama.gguf_path.read_bytes())
     config = tiny_llama.config
-    write_heads(tmp_path / "tiny.medusa.safetensors", config.hidden_size, config.vocab_size)
-    result = invoke("generate", "def f(x):", "-t", str(model), "-m", "medusa", "-n", "12", "-k", "3", "--json")
+    made = random_eagle if kind == "eagle" else random_heads
+    save_heads(made(config.hidden_size, config.vocab_size), tmp_path / f"tiny.{kind}.safetensors")
+    result = invoke("generate", "def f(x):", "-t", str(model), "-m", kind, "-n", "12", "-k", "3", "--json")
     assert result.exit_code == 0, result.output
     stats = json.loads(result.stdout)["stats"]
-    assert stats["method"] == "medusa" and stats["drafted"] > 0
+    assert stats["method"] == kind and stats["drafted"] > 0
 
 
 def test_heads_in_specrun_s_cache_are_found_by_alias(tiny_llama, tmp_path, monkeypatch):
@@ -122,20 +126,6 @@ def test_heads_of_the_other_kind_are_refused_in_one_line(target, tiny_llama, tmp
     result = invoke("generate", "hi", "-t", target, "-m", "eagle", "--heads", str(heads))
     assert_one_line_error(result.exit_code, result.stderr, 2, "medusa.safetensors", "holds medusa heads, not eagle heads",
                           "--kind eagle")
-
-
-def test_eagle_heads_beside_the_model_are_found_and_draft(tiny_llama, tmp_path):
-    from heads_factory import random_eagle
-
-    pytest.importorskip("llama_cpp", reason="the llama backend is not installed")
-    model = tmp_path / "tiny.gguf"
-    model.write_bytes(tiny_llama.gguf_path.read_bytes())
-    config = tiny_llama.config
-    save_heads(random_eagle(config.hidden_size, config.vocab_size), tmp_path / "tiny.eagle.safetensors")
-    result = invoke("generate", "def f(x):", "-t", str(model), "-m", "eagle", "-n", "12", "-k", "3", "--json")
-    assert result.exit_code == 0, result.output
-    stats = json.loads(result.stdout)["stats"]
-    assert stats["method"] == "eagle" and stats["drafted"] > 0
 
 
 def test_a_bench_of_both_head_methods_takes_heads_for_its_kind_and_finds_the_other(tiny_llama, tmp_path):

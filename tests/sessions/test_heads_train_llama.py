@@ -82,9 +82,10 @@ def test_a_short_run_on_llama_cpp_writes_heads_for_the_target(gguf, tiny_llama, 
     assert result.report.positions > 0 and result.report.tokens_per_pass > 1.0
 
 
-def test_a_stopped_llama_run_resumes_with_its_optimizer(gguf, text_folder, tmp_path):
-    out = tmp_path / "medusa.safetensors"
-    request = request_for(gguf, out, text_dir=text_folder)
+@pytest.mark.parametrize("kind", ["medusa", "eagle"])
+def test_a_stopped_llama_run_resumes_with_its_optimizer(gguf, text_folder, tmp_path, kind):
+    out = tmp_path / f"{kind}.safetensors"
+    request = request_for(gguf, out, kind=kind, text_dir=text_folder)
 
     def stop_at_step_4(progress):
         if progress.phase == "train" and progress.step == 4:
@@ -122,16 +123,3 @@ def test_eagle_heads_train_on_llama_cpp_and_draft_for_the_target(gguf, tiny_llam
     assert len(result.report.chain_accuracy) == 3 and result.report.positions > 0
     assert heads.config.training["held_out"]["tokens_per_pass"] == pytest.approx(result.report.tokens_per_pass, abs=1e-4)
 
-
-def test_a_stopped_eagle_run_resumes_with_its_optimizer(gguf, text_folder, tmp_path):
-    out = tmp_path / "eagle.safetensors"
-    request = request_for(gguf, out, kind="eagle", text_dir=text_folder)
-
-    def stop_at_step_4(progress):
-        if progress.phase == "train" and progress.step == 4:
-            raise KeyboardInterrupt
-
-    with pytest.raises(TrainingInterrupted):
-        train_heads(request, on_progress=stop_at_step_4, max_steps=6, checkpoint_seconds=0)
-    result = train_heads(request, max_steps=6)
-    assert result.resumed_at == 3 and result.steps == 6
