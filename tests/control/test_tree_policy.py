@@ -5,7 +5,6 @@ of a plain step (this CPU)."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
 import specrun.engine.loop
