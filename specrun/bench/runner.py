@@ -30,6 +30,7 @@ from specrun.sessions.generation import (
     resolve_min_prob,
 )
 from specrun.registry.loading import LoadOptions, open_pair, prompts_as_chat
+from specrun.drafters.lookahead import LookaheadSizes
 from specrun.drafters.methods import DrafterOptions, is_adaptive, needs_draft_model
 from specrun.sampling import SamplingSettings
 
@@ -67,6 +68,7 @@ class BenchConfig:
     native: bool = False  # also run the backend's own plain loop beside the methods (a second model copy)
     heads: str | None = None  # --heads: the head methods' heads file (None: found by the target's alias)
     trees: TreeSettings = field(default_factory=TreeSettings)  # token trees (--tree-nodes, --branches); chains
+    lookahead: LookaheadSizes | None = None  # --lookahead: the lookahead method's sizes (None: the defaults)
 
     @property
     def sweep(self) -> bool:
@@ -167,7 +169,7 @@ def run_bench(config: BenchConfig, prompts: Sequence[BenchPrompt], progress: Pro
                 repeat=config.repeat,
                 on_result=_reporter(progress, [p for p, _ in kept]),
                 drafter_options=DrafterOptions(
-                    draft_min_prob=min_prob, heads=heads, branches=config.trees.branches
+                    draft_min_prob=min_prob, heads=heads, branches=config.trees.branches, lookahead=config.lookahead
                 ),
                 tuned=tuned,
                 native=native,

@@ -28,6 +28,7 @@ from specrun.cli.common import (
     GpuLayersOpt,
     HeadsOpt,
     KvTypeOpt,
+    LookaheadOpt,
     JsonOpt,
     MaxTokensOpt,
     MethodOpt,
@@ -46,6 +47,7 @@ from specrun.cli.common import (
     check_kv_type,
     check_range,
     checked_sampling,
+    checked_lookahead,
     checked_trees,
     cli_errors,
     read_prompt,
@@ -100,6 +102,7 @@ def generate(
     tree_nodes: TreeNodesOpt = None,
     chain_only: ChainOpt = False,
     heads: HeadsOpt = None,
+    lookahead: LookaheadOpt = None,
 ) -> None:
     """Answer PROMPT as a chat message (with --raw, or for a completion model, continue it):
     text to stdout, statistics to stderr."""
@@ -111,7 +114,8 @@ def generate(
         check_method(method)
         check_generation_options(max_tokens, draft_len, draft_min_prob, ctx, threads)
         check_kv_type(kv_type, exact)
-        trees = checked_trees(chain_only, tree_nodes, branches)
+        lookahead_sizes = checked_lookahead(lookahead, (method,))
+        trees = checked_trees(chain_only, tree_nodes, branches, lookahead_sizes)
         sampling = checked_sampling("generate", temp, top_k, top_p, min_p, seed)
         text = read_prompt(prompt)
         target, draft = choose_pair(target, draft, registry)
@@ -127,7 +131,7 @@ def generate(
             load=LoadOptions(backend=backend, n_ctx=ctx, threads=threads, gpu_layers=gpu_layers,
                              registry=registry, kv_type=kv_type, exact=exact,
                              tree_paths=trees.paths),
-            drafter_options=DrafterOptions(ngram_cache=ngram_cache, branches=trees.branches),
+            drafter_options=DrafterOptions(ngram_cache=ngram_cache, branches=trees.branches, lookahead=lookahead_sizes),
             chat=chat,
             trees=trees,
             heads=heads,

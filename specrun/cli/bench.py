@@ -20,6 +20,7 @@ from specrun.cli.common import (
     GpuLayersOpt,
     HeadsOpt,
     KvTypeOpt,
+    LookaheadOpt,
     MaxTokensOpt,
     PipeConsole,
     RegistryOpt,
@@ -30,6 +31,7 @@ from specrun.cli.common import (
     TreeNodesOpt,
     check_kv_type,
     check_range,
+    checked_lookahead,
     checked_sampling,
     checked_trees,
     cli_errors,
@@ -106,6 +108,7 @@ def bench(
     branches: BranchesOpt = None,
     tree_nodes: TreeNodesOpt = None,
     chain_only: ChainOpt = False,
+    lookahead: LookaheadOpt = None,
 ) -> None:
     """Which speculation method is fastest on this machine? Tables to stdout, progress to stderr.
 
@@ -127,12 +130,13 @@ def bench(
         check_range("--threads", threads, 1, 1024)
         check_range("--draft-min-prob", draft_min_prob, 0.0, 1.0)
         check_kv_type(kv_type, exact)
-        trees = checked_trees(chain_only, tree_nodes, branches)
         sampling = checked_sampling("bench", temp, 0, 1.0, 0.0, seed)
         target = target or DEFAULT_TARGET
         draft = draft or suggested_draft(target, registry)
         method_list = parse_methods(methods, has_draft=draft is not None,
                                     head_kinds=head_kinds_available(target, heads, registry))
+        lookahead_sizes = checked_lookahead(lookahead, method_list)
+        trees = checked_trees(chain_only, tree_nodes, branches, lookahead_sizes)
         draft_lens = parse_draft_lens(draft_len, sweep_draft_len)
         if len(draft_lens) > 1 and not any(m != "none" and not is_adaptive(m) for m in method_list):
             raise UsageError(
@@ -157,6 +161,7 @@ def bench(
             native=native,
             heads=heads,
             trees=trees,
+            lookahead=lookahead_sizes,
             load=LoadOptions(backend=backend, n_ctx=ctx, threads=threads, gpu_layers=gpu_layers,
                              registry=registry, kv_type=kv_type, exact=exact, tree_paths=trees.paths),
         )

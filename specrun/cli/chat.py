@@ -49,6 +49,7 @@ from specrun.cli.common import (
     check_generation_options,
     check_kv_type,
     checked_sampling,
+    checked_lookahead,
     checked_trees,
     checked_text,
     cli_errors,
@@ -129,7 +130,7 @@ def chat_command(
         check_generation_options(max_tokens, draft_len, draft_min_prob, ctx, threads)
         check_kv_type(kv_type, exact)
         # The session fills in the draft length: the user's, else the longest an adaptive run may choose.
-        trees = checked_trees(chain_only, tree_nodes, branches)
+        trees = checked_trees(chain_only, tree_nodes, branches, checked_lookahead(None, (method,)))
         params = GenerationParams(max_tokens, 0, checked_sampling("chat", temp, top_k, top_p, min_p, seed),
                                   tree_nodes=trees.nodes)
         interactive = sys.stdin.isatty()

@@ -6,6 +6,7 @@ import contextlib
 import os
 import sys
 import traceback
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -113,16 +114,47 @@ def check_range(name: str, value: int | float | None, low: float, high: float) -
         raise UsageError(f"{name} must be between {low:g} and {high:g}, got {value}", f"pass a valid {name}")
 
 
-def checked_trees(chain: bool, tree_nodes: int | None, branches: int | None):
-    """The token-tree options as TreeSettings, or a usage error naming the bad or clashing one."""
+def checked_trees(chain: bool, tree_nodes: int | None, branches: int | None, lookahead=None):
+    """The token-tree options as TreeSettings, or a usage error naming the bad or clashing one.
+    ``lookahead``: the LookaheadSizes of a method in the run that drafts with a window (a tree)."""
     from specrun.sessions.generation import resolve_trees
 
     if chain and (tree_nodes is not None or branches):
         clash = "--tree-nodes" if tree_nodes is not None else "--branches"
         raise UsageError(f"--chain and {clash} contradict each other", "drop one of them")
+    if chain and lookahead is not None:
+        raise UsageError("--chain contradicts --method lookahead: its window is verified as a token tree",
+                         "drop --chain, or pick another method")
     check_range("--tree-nodes", tree_nodes, 1, MAX_TREE_NODES)
     check_range("--branches", branches, 0, MAX_BRANCHES)
-    return resolve_trees(chain, tree_nodes, branches)
+    if lookahead is not None and tree_nodes is not None and tree_nodes < lookahead.max_nodes:
+        raise UsageError(f"--tree-nodes {tree_nodes} cannot hold the lookahead window and candidates "
+                         f"({lookahead.max_nodes} nodes)", f"raise --tree-nodes to {lookahead.max_nodes}, or "
+                         "shrink --lookahead")
+    return resolve_trees(chain, tree_nodes, branches, lookahead)
+
+
+def checked_lookahead(text: str | None, methods: Sequence[str]):
+    """The lookahead sizes of a run (``--lookahead WINDOW:NGRAM:CANDIDATES``, else the defaults)
+    when one of ``methods`` drafts with a lookahead window, else None; a usage error for a bad
+    value or one given to methods that do not use it."""
+    from specrun.drafters.lookahead import LookaheadSizes
+    from specrun.drafters.methods import uses_lookahead
+
+    if not any(uses_lookahead(method) for method in methods):
+        if text is not None:
+            raise UsageError("--lookahead sets the lookahead method's window, and no method here uses it",
+                             "drop --lookahead, or pass --method lookahead")
+        return None
+    if text is None:
+        return LookaheadSizes()
+    parts = text.split(":")
+    if len(parts) != 3 or not all(part.strip().isdigit() for part in parts):
+        raise UsageError(f"--lookahead takes WINDOW:NGRAM:CANDIDATES, got {text!r}", "pass e.g. --lookahead 5:4:3")
+    try:
+        return LookaheadSizes(*(int(part) for part in parts))
+    except ValueError as exc:
+        raise UsageError(f"--lookahead {exc}", "pass e.g. --lookahead 5:4:3") from None
 
 
 def checked_sampling(command: str, temp: float, top_k: int, top_p: float, min_p: float, seed: int | None):
@@ -171,7 +203,8 @@ MethodOpt = Annotated[
         "--method",
         "-m",
         help="auto (the default: adaptive lookup+ngram+draft), none (plain decoding), draft, lookup, ngram, "
-        "medusa or eagle (heads on the target's hidden states, see --heads), or a chain like lookup+draft.",
+        "medusa or eagle (heads on the target's hidden states, see --heads), lookahead (Jacobi lookahead "
+        "decoding, see --lookahead), or a chain like lookup+draft.",
     ),
 ]
 MaxTokensOpt = Annotated[int, typer.Option("--max-tokens", "-n", help="New tokens to generate.")]
@@ -212,6 +245,14 @@ TreeNodesOpt = Annotated[
         "--tree-nodes",
         help=f"Token trees of at most this many drafted tokens a pass (1-{MAX_TREE_NODES}); the policy keeps the "
         "second guesses worth their cost on this machine. Default: chains.",
+    ),
+]
+LookaheadOpt = Annotated[
+    Optional[str],
+    typer.Option(
+        "--lookahead",
+        help="For --method lookahead: WINDOW:NGRAM:CANDIDATES, the Jacobi window's columns (2-32), the n-gram "
+        "length (2-8; the window has one level fewer) and the pool's n-grams verified a pass (0-32). Default 5:4:3.",
     ),
 ]
 ChainOpt = Annotated[bool, typer.Option("--chain", help="Draft chains only, never token trees.")]

@@ -275,6 +275,9 @@ class AdaptivePolicy:
                 self._tree_scores.add(self._branch_rates(each.source), context_len, each.tree)
         if not proposal.tokens:
             return proposal
+        member = self._member(proposal.source)
+        if member is not None and member.whole_proposals:  # whole or not at all: the gate decides
+            return proposal
         controller = self._controller_for(proposal.source, kind=proposal.kind)
         if proposal.source in self.paid:  # drafted at the length chosen for it (budget)
             return self._shaped(proposal, len(proposal.main_chain), controller)

@@ -142,6 +142,12 @@ class Drafter(Protocol):
     # Of the latest call, seconds spent reading context this drafter did not draft: a cost
     # of switching to it, not of the length asked (a draft model's catch-up).
     catch_up_seconds: float = 0.0
+    # Does the drafter learn from the target's choice at every verified node, accepted or not
+    # (``observe_pass``)? Lookahead's Jacobi window does. Such a drafter's nodes are worth more
+    # than their own odds of acceptance, so it may also ask for its proposals whole
+    # (``whole_proposals``): an adaptive policy verifies all of one or speculates not at all.
+    reads_pass: ClassVar[bool] = False
+    whole_proposals: ClassVar[bool] = False
 
     @property
     def members(self) -> tuple["Drafter", ...]:
@@ -173,6 +179,11 @@ class Drafter(Protocol):
 
     def prefill(self, context: Sequence[int]) -> None:
         """Read the prompt before the first step (timed as prefill, not drafting)."""
+
+    def observe_pass(self, proposal: Proposal, target_argmax: np.ndarray) -> None:
+        """After a verify pass over ``proposal`` (as verified: the drafter's, or a part of it),
+        the target's greedy choice after the last context token and after each node ((1 + n,)).
+        Called only for drafters that declare ``reads_pass`` (a chain: when a member does)."""
 
     def can_defer(self, sampling: SamplingSettings) -> bool:
         """Can ``propose_deferred`` draft for these settings (greedy drafts left on the device)?"""

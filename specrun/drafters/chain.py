@@ -40,6 +40,7 @@ class ChainDrafter(Drafter):
         self.name = "+".join(drafter.name for drafter in self.drafters)
         self.min_prob = max(drafter.min_prob for drafter in self.drafters)
         self.asked: Counter[str] = Counter()
+        self.reads_pass = any(drafter.reads_pass for drafter in self.drafters)
 
     @property
     def members(self) -> tuple[Drafter, ...]:
@@ -72,6 +73,11 @@ class ChainDrafter(Drafter):
             if len(proposal) > len(best):
                 best = proposal
         return best
+
+    def observe_pass(self, proposal: Proposal, target_argmax: np.ndarray) -> None:
+        for drafter in self.drafters:
+            if drafter.reads_pass and drafter.name == proposal.source:
+                drafter.observe_pass(proposal, target_argmax)
 
     def bind(self, target, clock) -> None:
         for drafter in self.drafters:

@@ -3,8 +3,9 @@
 A method is ``none`` (plain decoding) or drafters joined by ``+``, cheapest first:
 ``lookup`` (prompt lookup), ``ngram`` (the learning n-gram pool), ``draft`` (a
 draft model), ``medusa`` and ``eagle`` (heads on the target's own hidden states, from a heads
-file). Chains ask the draft model only when the cheap drafters have too little to propose, and
-only while it is measured to pay (ChainDrafter).
+file), ``lookahead`` (Jacobi lookahead decoding: a window of guesses verified beside the n-grams
+it found, one tree a pass). Chains ask the draft model only when the cheap drafters have too
+little to propose, and only while it is measured to pay (ChainDrafter).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from specrun.drafters.chain import ChainDrafter
 from specrun.drafters.draft_model import DraftModelDrafter
 from specrun.drafters.eagle import EagleDrafter
 from specrun.drafters.heads import MedusaDrafter
+from specrun.drafters.lookahead import LookaheadDrafter, LookaheadSizes
 from specrun.drafters.lookup import PromptLookupDrafter
 from specrun.drafters.ngram import NgramPoolDrafter
 from specrun.errors import UsageError
@@ -38,6 +40,7 @@ METHODS = (
     "lookup+ngram",
     "medusa",
     "eagle",
+    "lookahead",
 )
 
 
@@ -61,6 +64,7 @@ class DrafterOptions:
     branches: int = 0
     # What head methods draft with: heads of their kind, or several kinds as a tuple (a bench of both).
     heads: MedusaHeads | EagleHeads | tuple[MedusaHeads | EagleHeads, ...] | None = None
+    lookahead: LookaheadSizes | None = None  # the lookahead window and pool (None: the defaults)
 
 
 def resolve_method(method: str, has_draft: bool = True) -> str:
@@ -89,6 +93,11 @@ def heads_of_kind(heads, kind: str):
     wanted = MedusaHeads if kind == "medusa" else EagleHeads
     candidates = heads if isinstance(heads, tuple) else (heads,)
     return next((each for each in candidates if isinstance(each, wanted)), None)
+
+
+def uses_lookahead(method: str) -> bool:
+    """Does ``method`` draft with a lookahead window (a tree every pass, whatever --branches says)?"""
+    return "lookahead" in resolve_method(method).split("+")
 
 
 def needs_heads(method: str) -> bool:
@@ -135,4 +144,6 @@ def _build_one(part: str, draft: Backend | None, options: DrafterOptions) -> Dra
         return MedusaDrafter(heads_of_kind(options.heads, "medusa"), branches=options.branches)
     if part == "eagle":
         return EagleDrafter(heads_of_kind(options.heads, "eagle"), branches=options.branches)
+    if part == "lookahead":
+        return LookaheadDrafter(options.lookahead)
     return DraftModelDrafter(draft, min_prob=options.draft_min_prob, branches=options.branches)

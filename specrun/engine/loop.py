@@ -300,8 +300,10 @@ class SpeculativeEngine:
         rows = range(len(fed))
         if sampling.greedy:
             target_argmax = self.target.feed_argmax(fed, rows)  # (k+1,)
+            self._show_pass(proposal, target_argmax)
             return verify_greedy(proposal.tokens, target_argmax)
         logits = self.target.feed(fed, rows)  # (k+1, V)
+        self._show_pass(proposal, logits)
         p_target = probabilities(logits, sampling)
         return verify_sampled(proposal.tokens, p_target, proposal.p_draft, rng)
 
@@ -311,12 +313,21 @@ class SpeculativeEngine:
         tree = proposal.tree
         rows = tree.logit_rows(1)  # the root's row, then one per node
         if sampling.greedy:
-            verdict = verify_tree_greedy(tree, self.target.feed_tree_argmax([last_token], tree, rows))  # (1+n,)
+            target_argmax = self.target.feed_tree_argmax([last_token], tree, rows)  # (1+n,)
+            self._show_pass(proposal, target_argmax)
+            verdict = verify_tree_greedy(tree, target_argmax)
         else:
-            p_target = probabilities(self.target.feed_tree([last_token], tree, rows), sampling)  # (1+n, V)
-            verdict = verify_tree_sampled(tree, p_target, proposal.p_draft, rng)
+            logits = self.target.feed_tree([last_token], tree, rows)  # (1+n, V)
+            self._show_pass(proposal, logits)
+            verdict = verify_tree_sampled(tree, probabilities(logits, sampling), proposal.p_draft, rng)
         self.target.keep_path(tree, verdict.path)
         return verdict
+
+    def _show_pass(self, proposal: Proposal, rows: np.ndarray) -> None:
+        """Hand a drafter that reads the whole pass (Drafter.reads_pass) the target's choice
+        after the root and each node: ``rows`` is that (1 + n,) argmax, or (1 + n, V) logits."""
+        if proposal.tokens and self.drafter is not None and self.drafter.reads_pass:
+            self.drafter.observe_pass(proposal, rows if rows.ndim == 1 else rows.argmax(axis=-1))
 
     # ---- layer 2: events --------------------------------------------------------
     def stream(

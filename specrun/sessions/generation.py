@@ -17,6 +17,7 @@ from specrun.drafters.methods import (
     needs_draft_model,
     needs_heads,
 )
+from specrun.drafters.lookahead import LookaheadSizes
 from specrun.errors import AnswerKeptError, SpecrunError, UsageError
 from specrun.sampling import SamplingSettings
 
@@ -32,19 +33,34 @@ class TreeSettings:
 
     nodes: int = 0
     branches: int = 0
+    min_paths: int = 0  # paths a lookahead window and its candidates bring, whatever ``branches`` says
 
     @property
     def paths(self) -> int:
-        """Root-to-leaf paths a tree may have: the chain's and one per second guess (0: chains)."""
-        return self.branches + 1 if self.nodes and self.branches else 0
+        """Root-to-leaf paths a tree may have: the chain's and one per second guess, or what a
+        lookahead tree brings if more (0: chains)."""
+        if not self.nodes:
+            return 0
+        return max(self.branches + 1 if self.branches else 0, self.min_paths)
 
 
-def resolve_trees(chain: bool, tree_nodes: int | None, branches: int | None) -> TreeSettings:
+def resolve_trees(
+    chain: bool, tree_nodes: int | None, branches: int | None, lookahead: LookaheadSizes | None = None
+) -> TreeSettings:
     """Chains unless --tree-nodes or --branches asks for trees (measured on this CPU, a pass's
-    every extra token costs most of a plain step, so trees rarely pay: docs/perf.md)."""
-    if chain or (tree_nodes is None and not branches):
+    every extra token costs most of a plain step, so trees rarely pay: docs/perf.md), or a
+    method drafts with a lookahead window (``lookahead``, its sizes): the window is a tree, so
+    the pass holds at least its nodes and paths."""
+    asked = tree_nodes is not None or bool(branches)  # trees the user asked for
+    if chain or not (asked or lookahead is not None):
         return TreeSettings()
-    return TreeSettings(tree_nodes or DEFAULT_TREE_NODES, DEFAULT_BRANCHES if branches is None else branches)
+    asked_trees = TreeSettings()
+    if asked:
+        asked_trees = TreeSettings(tree_nodes or DEFAULT_TREE_NODES, DEFAULT_BRANCHES if branches is None else branches)
+    if lookahead is None:
+        return asked_trees
+    return TreeSettings(max(asked_trees.nodes, lookahead.max_nodes), asked_trees.branches,
+                        lookahead.window + lookahead.candidates)
 
 
 @dataclass(frozen=True)

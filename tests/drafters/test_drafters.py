@@ -23,9 +23,12 @@ from specrun.drafters.lookup import PromptLookupDrafter
 from specrun.drafters.ngram import HEADER, MAGIC, NgramCacheError, NgramPoolDrafter, vocabulary_fingerprint
 from specrun.engine.loop import GenerationParams, SpeculativeEngine
 from specrun.errors import UsageError
-from specrun.sessions.generation import adapts_length
+from specrun.sessions.generation import adapts_length, resolve_trees
 from specrun.registry.loading import LoadOptions, open_backend
-from specrun.drafters.methods import METHODS, DrafterOptions, build_drafter, is_adaptive, needs_draft_model, needs_heads
+from specrun.drafters.lookahead import LookaheadSizes
+from specrun.drafters.methods import (
+    METHODS, DrafterOptions, build_drafter, is_adaptive, needs_draft_model, needs_heads, uses_lookahead
+)
 from specrun.sampling import SamplingSettings
 
 GREEDY = SamplingSettings()
@@ -449,9 +452,9 @@ def source_of(model, kind: str) -> Path:
     return model.gguf_path if kind == "llama" else model.hf_dir
 
 
-def open_real(kind: str, source: Path) -> Backend:
+def open_real(kind: str, source: Path, tree_paths: int = 0) -> Backend:
     # One thread: the tiny models gain nothing from two, and spinning threads stall on a busy machine.
-    return open_backend(str(source), LoadOptions(backend=kind, n_ctx=512, threads=1), entries={})
+    return open_backend(str(source), LoadOptions(backend=kind, n_ctx=512, threads=1, tree_paths=tree_paths), entries={})
 
 
 @pytest.fixture(scope="module")
@@ -497,6 +500,7 @@ REAL_CASES = [
     ("auto", "looping"),  # adaptive draft lengths over the full chain
     ("medusa", "looping"),  # heads fitted to the target's own output (tests/heads_factory.py)
     ("eagle", "looping"),
+    ("lookahead", "random"),  # the window's n-grams of what the random model repeats
 ]
 
 
@@ -512,7 +516,9 @@ def test_greedy_output_is_identical_for_every_method_on_real_backends(
     as `specrun generate` runs the method (adaptive) and, but for auto, at a fixed length of 4
     (-k 4)."""
     target_source, plain_outputs = real_targets[target_kind]
-    target = open_real(backend_kind, target_source)
+    # opened for the trees lookahead's window makes, as `generate --method lookahead` opens it
+    lookahead = LookaheadSizes() if uses_lookahead(method) else None
+    target = open_real(backend_kind, target_source, resolve_trees(False, None, None, lookahead).paths)
     draft_model = tiny_llama if target_kind == "random" else tiny_qwen2
     draft = open_real(backend_kind, source_of(draft_model, backend_kind)) if needs_draft_model(method) else None
     heads = fitted_heads_for(method, target, [*plain_outputs[0][0], *plain_outputs[0][1]]) if needs_heads(method) else None

@@ -1,5 +1,6 @@
 """`specrun generate --branches N`: token trees from the command line, lossless, with a one-line
-note where the target cannot verify trees."""
+note where the target cannot verify trees; `--method lookahead`, whose window is a tree, and its
+`--lookahead` sizes."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import pytest
 from typer.testing import CliRunner
 
 from specrun.cli.app import app
+from specrun.drafters.lookahead import LookaheadSizes
+from specrun.sessions.generation import DEFAULT_BRANCHES, TreeSettings, resolve_trees
 
 runner = CliRunner()
 PROMPT = "def add(a, b):\n    return a + b\n\n\ndef add(a, b):\n"
@@ -118,3 +121,55 @@ def test_bench_with_trees_gives_every_line_the_baseline_s_text_and_records_them(
     assert (doc["config"]["tree_nodes"], doc["config"]["branches"]) == (12, 2)
     assert opened[0].tree_paths == 3 and opened[1].tree_paths == 0  # the target's paths; the draft drafts chains
     assert doc["mismatches"] == [] and all(run["same_as_baseline"] for run in doc["runs"])
+
+
+# ---- lookahead: its window is a tree whatever --branches says -------------------------------
+@pytest.mark.parametrize("backend", ["llama", "mlx"])
+def test_lookahead_gives_plain_decoding_s_text_with_the_target_opened_for_its_tree(backend, monkeypatch):
+    """--exact: any difference would be a defect. The window is a tree whatever --branches says:
+    llama.cpp opens the target with a sequence per path the window and candidates may bring."""
+    pytest.importorskip({"llama": "llama_cpp", "mlx": "mlx_lm"}[backend])
+    import specrun.registry.loading
+
+    opened = []
+    load = specrun.registry.loading._load
+    monkeypatch.setattr(specrun.registry.loading, "_load",
+                        lambda kind, path, options: opened.append(options) or load(kind, path, options))
+    common = ["--backend", backend, "--exact"]
+    plain = generate_json(*common, "--method", "none")
+    lookahead = generate_json(*common, "--method", "lookahead", "--lookahead", "4:3:2", "-k", "8")
+    assert lookahead["text"] == plain["text"]
+    assert lookahead["stats"]["drafted"] > 0
+    assert [options.tree_paths for options in opened] == [0, 4 + 2]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--method", "lookahead", "--lookahead", "1:4:3"], "--lookahead window must be 2 to 32, got 1"),
+    (["--method", "lookahead", "--lookahead", "5:9:3"], "--lookahead ngram must be 2 to 8, got 9"),
+    (["--method", "lookahead", "--lookahead", "5:4:33"], "--lookahead candidates must be 0 to 32, got 33"),
+    (["--method", "lookahead", "--lookahead", "5:4"], "--lookahead takes WINDOW:NGRAM:CANDIDATES, got '5:4'"),
+    (["--method", "lookahead", "--lookahead", "5:-4:3"], "--lookahead takes WINDOW:NGRAM:CANDIDATES"),
+    (["--method", "lookup", "--lookahead", "5:4:3"], "--lookahead sets the lookahead method's window"),
+    (["--method", "lookahead", "--chain"], "--chain contradicts --method lookahead"),
+    (["--method", "lookahead", "--tree-nodes", "8"], "--tree-nodes 8 cannot hold the lookahead window"),
+])
+def test_lookahead_sizes_out_of_range_or_contradicting_are_usage_errors(args, message):
+    result = runner.invoke(app, ["generate", "x", *args])
+    assert result.exit_code == 2
+    assert message in result.output and len(result.output.strip().splitlines()) == 1
+
+
+def test_bench_refuses_lookahead_sizes_without_a_lookahead_method():
+    result = runner.invoke(app, ["bench", "--methods", "none,lookup", "--lookahead", "5:4:3"])
+    assert result.exit_code == 2
+    assert "--lookahead sets the lookahead method's window" in result.output
+
+
+def test_a_lookahead_method_turns_trees_on_for_its_window_alone():
+    sizes = LookaheadSizes(5, 4, 3)
+    assert resolve_trees(False, None, None, sizes) == TreeSettings(sizes.max_nodes, 0, 8)
+    assert resolve_trees(False, None, None, sizes).paths == 8  # window columns + candidates
+    # trees asked for as well: their nodes and branches, and paths enough for both
+    assert resolve_trees(False, 40, None, sizes) == TreeSettings(40, DEFAULT_BRANCHES, 8)
+    assert resolve_trees(False, None, 9, LookaheadSizes(2, 3, 0)).paths == 10
+    assert resolve_trees(True, None, None, sizes) == TreeSettings()

@@ -9,6 +9,8 @@ import dataclasses
 import numpy as np
 import pytest
 
+from specrun.drafters.lookahead import LookaheadSizes
+from specrun.sessions.generation import resolve_trees
 from specrun.tree import TokenTree
 
 # Measured here: tree and chain passes agree bit for bit on both backends; llama.cpp's one-token
@@ -90,6 +92,7 @@ CHAT_PROMPTS = (
 N_NEW = 64
 BRANCHES = 4
 TREE_NODES = 16
+LOOKAHEAD = LookaheadSizes()
 
 
 class TreeSpy:
@@ -111,7 +114,7 @@ class TreeSpy:
         sequence.feed_tree_argmax, sequence.keep_path = counted_feed, counted_keep
 
 
-def tree_runs(target, draft, method: str, prompts, n_new: int):
+def tree_runs(target, draft, method: str, prompts, n_new: int, tree_nodes: int = TREE_NODES):
     """(plain decoding's tokens, the tree run's tokens) per prompt, and the spy's counts;
     fixed length 4 (every node verified) except auto, which adapts as the CLI runs it."""
     from specrun.drafters.methods import DrafterOptions, build_drafter
@@ -126,7 +129,7 @@ def tree_runs(target, draft, method: str, prompts, n_new: int):
     for prompt in prompts:
         prompt_ids = render_user_prompt(target, prompt)[1]
         plain = engine.run(prompt_ids, GenerationParams(n_new, 0), complete_cache=False).token_ids
-        params = GenerationParams(n_new, 16 if adaptive else 4, adaptive=adaptive, tree_nodes=TREE_NODES)
+        params = GenerationParams(n_new, 16 if adaptive else 4, adaptive=adaptive, tree_nodes=tree_nodes)
         pairs.append((plain, engine.run(prompt_ids, params, complete_cache=False).token_ids))
     drafter.close()
     return pairs, spy
@@ -139,7 +142,8 @@ def exact_tree_pair(smollm2):
     from specrun.registry.loading import LoadOptions, open_backend
 
     options = LoadOptions(backend="llama", n_ctx=1024, exact=True)
-    target = open_backend(str(smollm2["smollm2-135m-f16"]), dataclasses.replace(options, tree_paths=BRANCHES + 1))
+    paths = max(BRANCHES + 1, resolve_trees(False, None, None, LOOKAHEAD).paths)  # lookahead's window too
+    target = open_backend(str(smollm2["smollm2-135m-f16"]), dataclasses.replace(options, tree_paths=paths))
     draft = open_backend(str(smollm2["smollm2-135m"]), options)
     assert target.tree_support.available
     yield target, draft
@@ -156,6 +160,15 @@ def test_tree_generation_on_the_real_model_is_bit_identical_on_llama_cpp(exact_t
         assert spy.passes > 0, f"{method} verified no tree"
     if method == "draft":  # the draft model's runner-up was right, at times
         assert spy.sibling_kept > 0, f"{method} never kept a second guess"
+
+
+def test_lookahead_on_the_real_model_is_bit_identical_on_llama_cpp(exact_tree_pair):
+    """Lookahead's window and candidates, one tree a pass (its default sizes: up to 23 nodes, 8
+    paths), -k 4: plain decoding's tokens bit for bit, and whole candidates accepted."""
+    pairs, spy = tree_runs(*exact_tree_pair, "lookahead", CHAT_PROMPTS, N_NEW, LOOKAHEAD.max_nodes)
+    for plain, treed in pairs:
+        assert treed == plain
+    assert spy.passes > 0 and spy.sibling_kept > 0  # a path off the main chain won, at times
 
 
 @pytest.mark.slow
