@@ -11,8 +11,8 @@ with model load and prompt processing excluded, counted from the first generated
   pass: the one-token passes, sampling and the loop around them, as specrun's generation time
   counts them; its "eval time" alone leaves out sampling and the loop, ~2% on the xl target),
   over its "eval time" runs (the tokens after the first).
-- llama-lookup: "decoded N tokens in S seconds", (N - 1) / S (its first token comes from
-  the prompt pass too); llama-speculative-simple: N / S (it feeds the prompt's last token
+- llama-lookup and llama-lookahead: "decoded N tokens in S seconds", (N - 1) / S (the first
+  token comes from the prompt pass there too); llama-speculative-simple: N / S (it feeds the prompt's last token
   with the first draft, inside the timed loop).
 
 Greedy everywhere; every line stops at an end-of-generation token or after n tokens.
@@ -248,6 +248,14 @@ def lookup_line(bin_dir: Path, model: Path, n: int, threads: int, n_ctx: int, dr
     command = [str(bin_dir / "llama-lookup"), "-m", str(model), "--spec-draft-n-max", str(draft_max),
                "-n", str(n), "-t", str(threads), "-c", str(n_ctx), "--temp", "0"]
     return _decoding_tool_line(f"llama-lookup k={draft_max}", command, first_token_timed=False)
+
+
+def lookahead_line(bin_dir: Path, model: Path, n: int, threads: int, n_ctx: int) -> Line:
+    """``llama-lookahead`` (Jacobi lookahead decoding; its sizes are fixed in its source:
+    window 15, n-gram 5, 15 candidates)."""
+    command = [str(bin_dir / "llama-lookahead"), "-m", str(model), "-n", str(n), "-t", str(threads),
+               "-c", str(n_ctx), "--temp", "0"]
+    return _decoding_tool_line("llama-lookahead 15:5:15", command, first_token_timed=False)
 
 
 def speculative_line(bin_dir: Path, model: Path, draft: Path, n: int, threads: int, n_ctx: int, draft_max: int) -> Line:

@@ -18,6 +18,8 @@ Raw figures go to runs/ as JSON.
     .venv/bin/python benchmarks/real_model.py --llama-bin-dir /path/to/llama.cpp/build/bin
     .venv/bin/python benchmarks/real_model.py --per-category 1 --methods none,lookup,auto   # a quick look
     .venv/bin/python benchmarks/real_model.py --methods none,auto --line "auto trees=auto --tree-nodes 16"
+    .venv/bin/python benchmarks/real_model.py --llama-bin-dir BIN --llama-lookahead --methods none,lookahead \
+        --line "lookahead 15:5:15=lookahead --lookahead 15:5:15"
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from _llama_tools import (
     interleave,
     line_summary,
     llama_generate_line,
+    lookahead_line,
     lookup_line,
     machine_note,
     prepare,
@@ -64,6 +67,9 @@ def build_lines(args: argparse.Namespace, target: Path, draft: Path, n_ctx: int,
             lookup_line(args.llama_bin_dir, target, args.n, args.threads, n_ctx, args.lookup_draft_max),
             speculative_line(args.llama_bin_dir, target, draft, args.n, args.threads, n_ctx, args.spec_draft_max),
         ]
+    if args.llama_lookahead:
+        check_bin_dir(args.llama_bin_dir, ("llama-lookahead",))
+        lines.append(lookahead_line(args.llama_bin_dir, target, args.n, args.threads, n_ctx))
     lines.append(llama_generate_line(target, args.n, args.threads, n_ctx))
     for method in args.methods.split(","):
         method_draft = draft if needs_draft_model(method) else None
@@ -117,6 +123,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--methods", default=METHODS, help=f"specrun methods (default {METHODS})")
     parser.add_argument("--llama-bin-dir", type=Path,
                         help="folder with llama-completion, llama-lookup and llama-speculative-simple")
+    parser.add_argument("--llama-lookahead", action="store_true",
+                        help="also llama-lookahead from --llama-bin-dir (build its target there first)")
     parser.add_argument("-n", type=int, default=128, help="new tokens (default 128)")
     parser.add_argument("--threads", type=int, default=2, help="threads for every line (default 2)")
     parser.add_argument("--lookup-draft-max", type=int, default=8, help="llama-lookup's --spec-draft-n-max (default 8)")
@@ -127,6 +135,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tuned", action="store_true", help="let specrun read the user's tune file (default: untuned)")
     parser.add_argument("--json", type=Path, help="raw figures (default runs/real_model-TIME.json)")
     args = parser.parse_args(argv)
+    if args.llama_lookahead and not args.llama_bin_dir:
+        parser.error("--llama-lookahead needs --llama-bin-dir")
 
     target, draft = smollm2_gguf("smollm2-135m-f16"), smollm2_gguf("smollm2-135m")  # derives the F16 copy once
     wanted = args.categories.split(",") if args.categories else None

@@ -34,6 +34,8 @@ Schema ``specrun.bench/1`` (keys in order):
 
 from __future__ import annotations
 
+import dataclasses
+
 from specrun.bench.figures import ALL_PROMPTS, by_category, mismatch_rows, per_prompt, sweep_curve
 from specrun.bench.runner import BenchResult
 
@@ -114,6 +116,8 @@ def _config(result: BenchResult) -> dict:
         "exact": config.load.exact,
         "tree_nodes": config.trees.nodes,  # 0: chains only
         "branches": config.trees.branches,
+        # the lookahead method's WINDOW:NGRAM:CANDIDATES (None: no lookahead line)
+        "lookahead": None if config.lookahead is None else dataclasses.astuple(config.lookahead),
         "kv_type": config.load.llama_kv_type,
         "suite": config.suite,
         "n_ctx": result.n_ctx,

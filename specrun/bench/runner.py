@@ -25,6 +25,7 @@ from specrun.sessions.generation import (
     DEFAULT_DRAFT_LEN,
     TreeSettings,
     adapts_length,
+    check_trees_for,
     load_heads_for_methods,
     load_tuned,
     resolve_min_prob,
@@ -155,6 +156,8 @@ def run_bench(config: BenchConfig, prompts: Sequence[BenchPrompt], progress: Pro
         variants = config.variants()
         min_prob = resolve_min_prob(config.draft_min_prob, tuned)
         heads = load_heads_for_methods(config.target, config.heads, target, config.methods, config.load.registry)
+        for method in config.methods:
+            check_trees_for(method, target, config.lookahead)
         if progress is not None:
             progress.start(len(kept) * len(variants) * config.repeat)
         native = target.native_loop() if config.native else None

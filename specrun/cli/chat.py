@@ -33,6 +33,7 @@ from specrun.cli.common import (
     GpuLayersOpt,
     HeadsOpt,
     KvTypeOpt,
+    LookaheadOpt,
     MaxTokensOpt,
     MethodOpt,
     MinPOpt,
@@ -118,6 +119,7 @@ def chat_command(
     tree_nodes: TreeNodesOpt = None,
     chain_only: ChainOpt = False,
     heads: HeadsOpt = None,
+    lookahead: LookaheadOpt = None,
 ) -> None:
     """Chat with the target model: a REPL on a terminal; on a pipe, stdin is the message and stdout the answer."""
     with cli_errors():
@@ -130,7 +132,8 @@ def chat_command(
         check_generation_options(max_tokens, draft_len, draft_min_prob, ctx, threads)
         check_kv_type(kv_type, exact)
         # The session fills in the draft length: the user's, else the longest an adaptive run may choose.
-        trees = checked_trees(chain_only, tree_nodes, branches, checked_lookahead(None, (method,)))
+        lookahead_sizes = checked_lookahead(lookahead, (method,))
+        trees = checked_trees(chain_only, tree_nodes, branches, lookahead_sizes)
         params = GenerationParams(max_tokens, 0, checked_sampling("chat", temp, top_k, top_p, min_p, seed),
                                   tree_nodes=trees.nodes)
         interactive = sys.stdin.isatty()
@@ -146,7 +149,7 @@ def chat_command(
         with open_chat(target, draft, method, options,
                        system_prompt=None if system is None else checked_text(system, "--system"),
                        draft_len=draft_len, draft_min_prob=draft_min_prob, ngram_cache=ngram_cache,
-                       branches=trees.branches, heads=heads) as session:
+                       branches=trees.branches, heads=heads, lookahead=lookahead_sizes) as session:
             if messages is None:
                 ChatRepl(session, params, view).run()
             else:

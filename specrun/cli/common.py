@@ -129,8 +129,8 @@ def checked_trees(chain: bool, tree_nodes: int | None, branches: int | None, loo
     check_range("--branches", branches, 0, MAX_BRANCHES)
     if lookahead is not None and tree_nodes is not None and tree_nodes < lookahead.max_nodes:
         raise UsageError(f"--tree-nodes {tree_nodes} cannot hold the lookahead window and candidates "
-                         f"({lookahead.max_nodes} nodes)", f"raise --tree-nodes to {lookahead.max_nodes}, or "
-                         "shrink --lookahead")
+                         f"({lookahead.max_nodes} nodes)", "drop --tree-nodes (the window sizes its pass), or shrink "
+                         "--lookahead")
     return resolve_trees(chain, tree_nodes, branches, lookahead)
 
 
@@ -149,7 +149,7 @@ def checked_lookahead(text: str | None, methods: Sequence[str]):
     if text is None:
         return LookaheadSizes()
     parts = text.split(":")
-    if len(parts) != 3 or not all(part.strip().isdigit() for part in parts):
+    if len(parts) != 3 or not all(part.isascii() and part.isdigit() for part in parts):
         raise UsageError(f"--lookahead takes WINDOW:NGRAM:CANDIDATES, got {text!r}", "pass e.g. --lookahead 5:4:3")
     try:
         return LookaheadSizes(*(int(part) for part in parts))

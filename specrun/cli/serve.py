@@ -29,7 +29,9 @@ from specrun.cli.common import (
     check_generation_options,
     check_kv_type,
     check_range,
+    checked_lookahead,
     checked_sampling,
+    checked_trees,
     cli_errors,
 )
 
@@ -90,6 +92,7 @@ def serve_command(
         check_range("--max-body", max_body, 1024, 1 << 34)
         check_range("--max-queue", max_queue, 1, 1 << 20)
         sampling = checked_sampling("serve", temp, top_k, top_p, min_p, None)
+        trees = checked_trees(False, None, None, checked_lookahead(None, (method,)))  # lookahead's window
         if not is_loopback(host) and api_key is None:
             typer.echo(f"warning: --host {host} lets anyone who can reach this machine use the server, which has "
                        "no authentication; set --api-key (or SPECRUN_API_KEY) to require a key", err=True)
@@ -99,7 +102,7 @@ def serve_command(
             draft=draft if needs_draft_model(method) else None,
             method=method,
             load=LoadOptions(backend=backend, n_ctx=ctx, threads=threads, gpu_layers=gpu_layers,
-                             registry=registry, kv_type=kv_type, exact=exact),
+                             registry=registry, kv_type=kv_type, exact=exact, tree_paths=trees.paths),
             draft_len=draft_len,
             draft_min_prob=draft_min_prob,
             ngram_cache=ngram_cache,

@@ -106,6 +106,7 @@ class LookaheadDrafter(Drafter):
         if not context or draft_len <= 0:
             return EMPTY_PROPOSAL
         self._follow(context)
+        self.levels[0][0] = context[-1]  # level 0's column 0 is the last token: its column's n-gram starts there
         tokens: list[int] = []
         parents: list[int] = []
         self._trie = {}
@@ -176,9 +177,13 @@ class LookaheadDrafter(Drafter):
             return
         if any(choice is not None for choice in self._choices):
             refill = self._refill()
-            departing = self._shift([c if c is not None else refill[i] for i, c in enumerate(self._choices)])
-            self._learn(departing)
+            choices = self._choices
+            departing = self._shift([c if c is not None else refill[i] for i, c in enumerate(choices)])
+            self._learn(departing, [column for column, choice in enumerate(choices) if choice is not None])
             emitted -= 1
+        if emitted > len(self.levels):  # plain steps went by (the gate): refills would only copy stale guesses
+            self._restart(context)
+            return
         for _ in range(emitted):
             self._shift(self._refill())
         self._choices = []
@@ -194,12 +199,14 @@ class LookaheadDrafter(Drafter):
         self.levels = [*self.levels[1:], new_last]
         return departing
 
-    def _learn(self, departing: list[int]) -> None:
-        """Each column, read down from the token that left level 0, is an n-gram for the pool."""
+    def _learn(self, departing: list[int], columns: Sequence[int]) -> None:
+        """Each of ``columns`` (those the target chose for), read down from the token that left
+        level 0, is an n-gram for the pool."""
         cap = self.sizes.candidates
         if cap == 0:
             return
-        for column, first in enumerate(departing):
+        for column in columns:
+            first = departing[column]
             continuation = tuple(level[column] for level in self.levels)
             known = self.pool.setdefault(first, [])
             if continuation in known:

@@ -36,9 +36,10 @@ from specrun.drafters.ngram import vocabulary_fingerprint
 from specrun.engine.loop import Finished, GenerationParams, GenerationResult, SpeculativeEngine, TextChunk
 from specrun.errors import ContextFullError, UsageError
 from specrun.sessions.generation import (
-    adapts_length, load_target_heads, load_tuned, remember_run, resolve_draft_len, resolve_min_prob
+    adapts_length, check_trees_for, load_target_heads, load_tuned, remember_run, resolve_draft_len, resolve_min_prob
 )
 from specrun.backends.kv import common_prefix_len, sequence_for
+from specrun.drafters.lookahead import LookaheadSizes
 from specrun.registry.loading import LoadOptions, open_backend, open_pair
 from specrun.drafters.methods import (
     DrafterOptions,
@@ -169,6 +170,7 @@ class ChatSession:
         self._tuned = None
         self.engine = SpeculativeEngine(target, None, method)
         self._use_tuned(tuned)
+        check_trees_for(method, target, self._drafter_options.lookahead)
         self.engine.set_drafter(build_drafter(method, draft, self._drafter_options), method)
 
     def _use_tuned(self, tuned) -> None:
@@ -322,6 +324,7 @@ class ChatSession:
                 raise UsageError(f"method {method!r} needs heads for the target",
                                  "start specrun chat with --heads FILE")
             self._drafter_options = dataclasses.replace(self._drafter_options, heads=self._load_heads(kind=kind))
+        check_trees_for(method, self.target, self._drafter_options.lookahead)
         drafter = build_drafter(method, self.draft, self._drafter_options)
         previous = self.engine.drafter
         if previous is not None:  # first: a head drafter stops the target's hidden states when closed
@@ -367,6 +370,7 @@ def open_chat(
     ngram_cache: Path | None = None,
     branches: int = 0,
     heads: str | None = None,
+    lookahead: LookaheadSizes | None = None,
 ) -> ChatSession:
     """Load the pair for ``method`` (the draft model only if it needs one) and start a session.
 
@@ -383,9 +387,10 @@ def open_chat(
     if draft is None and draft_spec is not None:
         load_draft = functools.partial(_open_compatible_draft, target, target_spec, draft_spec, options)
     try:
-        drafter_options = DrafterOptions(branches=branches)
+        drafter_options = DrafterOptions(branches=branches, lookahead=lookahead)
         if ngram_cache is not None:
-            drafter_options = DrafterOptions(ngram_cache, vocabulary_fingerprint(target), branches=branches)
+            drafter_options = DrafterOptions(ngram_cache, vocabulary_fingerprint(target), branches=branches,
+                                             lookahead=lookahead)
         load_heads = functools.partial(load_target_heads, target_spec, heads, target, options.registry)
         if needs_heads(method):
             drafter_options = dataclasses.replace(drafter_options, heads=load_heads(kind=heads_kind(method)))

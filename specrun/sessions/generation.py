@@ -16,6 +16,7 @@ from specrun.drafters.methods import (
     is_adaptive,
     needs_draft_model,
     needs_heads,
+    uses_lookahead,
 )
 from specrun.drafters.lookahead import LookaheadSizes
 from specrun.errors import AnswerKeptError, SpecrunError, UsageError
@@ -61,6 +62,30 @@ def resolve_trees(
         return asked_trees
     return TreeSettings(max(asked_trees.nodes, lookahead.max_nodes), asked_trees.branches,
                         lookahead.window + lookahead.candidates)
+
+
+def method_trees(method: str, lookahead: LookaheadSizes | None = None) -> TreeSettings:
+    """The trees a target must hold for ``method`` where no option asks for trees: a lookahead
+    window's (``lookahead``, else the default sizes), else none (chains)."""
+    if not uses_lookahead(method):
+        return TreeSettings()
+    return resolve_trees(False, None, None, lookahead or LookaheadSizes())
+
+
+def check_trees_for(method: str, target, lookahead: LookaheadSizes | None = None) -> None:
+    """A UsageError where ``method`` drafts with a lookahead window and ``target`` cannot verify
+    its tree (a model whose cache holds no trees, or a llama.cpp context opened for fewer paths):
+    verified as a chain, its window would learn nothing and every pass would cost more for it."""
+    needed = method_trees(method, lookahead).paths
+    support = target.tree_support
+    if not needed:
+        return
+    if not support.available:
+        raise UsageError(f"method {method!r} verifies a token tree, and this target cannot: {support.reason}",
+                         "pick another --method")
+    if support.max_paths and support.max_paths < needed:
+        raise UsageError(f"method {method!r} verifies a token tree of up to {needed} paths, and this target "
+                         f"was opened for {support.max_paths}", f"start with --method {method}")
 
 
 @dataclass(frozen=True)
@@ -204,6 +229,7 @@ def generate_text(request: GenerateRequest, on_text: Callable[[str], None] | Non
         if needs_heads(request.method):
             options = dataclasses.replace(options, heads=load_target_heads(
                 request.target, request.heads, target, request.load.registry, heads_kind(request.method)))
+        check_trees_for(request.method, target, options.lookahead)
         drafter = build_drafter(request.method, draft, options)
         if request.trees.paths and not target.tree_support.available and request.on_note is not None:
             request.on_note(f"token trees are off: {target.tree_support.reason}; verifying chains")

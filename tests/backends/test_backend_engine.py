@@ -39,7 +39,7 @@ from specrun.modelkit.gguf_io import write_gguf
 from specrun.modelkit.hf_io import write_hf_folder
 from specrun.modelkit.tokenizer import DEMO_CHAT_TEMPLATE
 from specrun.sampling import SamplingSettings
-from specrun.sessions.generation import resolve_trees
+from specrun.sessions.generation import method_trees, resolve_trees
 
 BACKEND_MODULES = {"llama": "llama_cpp", "mlx": "mlx_lm"}
 PROMPTS = [
@@ -260,8 +260,7 @@ def on_backends(cases: list[RealCase], name) -> dict:
 def open_target(kind: str, source: Path, case: RealCase) -> Backend:
     """The target, on llama.cpp opened for the trees the case verifies as `generate` opens it
     (--branches: branches + 1 paths; lookahead: its window's and candidates')."""
-    lookahead = LookaheadSizes() if uses_lookahead(case.method) else None
-    paths = resolve_trees(False, None, case.branches or None, lookahead).paths
+    paths = max(resolve_trees(False, None, case.branches or None).paths, method_trees(case.method).paths)
     if kind == "llama" and paths:
         from specrun.backends.llama import LlamaCppBackend
 

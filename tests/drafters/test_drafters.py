@@ -23,12 +23,9 @@ from specrun.drafters.lookup import PromptLookupDrafter
 from specrun.drafters.ngram import HEADER, MAGIC, NgramCacheError, NgramPoolDrafter, vocabulary_fingerprint
 from specrun.engine.loop import GenerationParams, SpeculativeEngine
 from specrun.errors import UsageError
-from specrun.sessions.generation import adapts_length, resolve_trees
+from specrun.sessions.generation import adapts_length, method_trees
 from specrun.registry.loading import LoadOptions, open_backend
-from specrun.drafters.lookahead import LookaheadSizes
-from specrun.drafters.methods import (
-    METHODS, DrafterOptions, build_drafter, is_adaptive, needs_draft_model, needs_heads, uses_lookahead
-)
+from specrun.drafters.methods import METHODS, DrafterOptions, build_drafter, is_adaptive, needs_draft_model, needs_heads
 from specrun.sampling import SamplingSettings
 
 GREEDY = SamplingSettings()
@@ -517,8 +514,7 @@ def test_greedy_output_is_identical_for_every_method_on_real_backends(
     (-k 4)."""
     target_source, plain_outputs = real_targets[target_kind]
     # opened for the trees lookahead's window makes, as `generate --method lookahead` opens it
-    lookahead = LookaheadSizes() if uses_lookahead(method) else None
-    target = open_real(backend_kind, target_source, resolve_trees(False, None, None, lookahead).paths)
+    target = open_real(backend_kind, target_source, method_trees(method).paths)
     draft_model = tiny_llama if target_kind == "random" else tiny_qwen2
     draft = open_real(backend_kind, source_of(draft_model, backend_kind)) if needs_draft_model(method) else None
     heads = fitted_heads_for(method, target, [*plain_outputs[0][0], *plain_outputs[0][1]]) if needs_heads(method) else None

@@ -98,9 +98,10 @@ def test_a_pass_moves_the_window_up_and_the_target_s_choices_fill_the_last_level
         choices[1 + node] = 60 + column
     drafter.observe_pass(proposal, choices)
     drafter.propose([*context, 50], 16, GREEDY, RNG)  # one token emitted: one Jacobi step
-    assert drafter.levels == [[4, 5, 6], [7, 8, 9], [60, 61, 62]]
-    # each column, down from the token that left level 0, is an n-gram of the pool
-    assert drafter.pool == {1: [(4, 7, 60)], 2: [(5, 8, 61)], 3: [(6, 9, 62)]}
+    assert drafter.levels == [[50, 5, 6], [7, 8, 9], [60, 61, 62]]  # level 0 starts at the new last token
+    # each column, down from the token that left level 0, is an n-gram of the pool; column 0's
+    # starts at the last token (level 0's column 0 is the root)
+    assert drafter.pool == {92: [(4, 7, 60)], 2: [(5, 8, 61)], 3: [(6, 9, 62)]}
 
 
 def test_more_tokens_emitted_move_the_window_on_refilled_from_level_0():
@@ -112,12 +113,12 @@ def test_more_tokens_emitted_move_the_window_on_refilled_from_level_0():
     drafter.observe_pass(proposal, choices)
     drafter.propose([90, 91, 92, 40, 41, 42], 16, GREEDY, RNG)  # three emitted
     # step 1: [[3,4],[5,6],[70,71]]; then twice more with level 0 copied to the last level
-    assert drafter.levels == [[70, 71], [5, 6], [70, 71]]
+    assert drafter.levels == [[42, 71], [5, 6], [70, 71]]
 
 
 def test_cells_the_pass_did_not_hold_are_refilled_from_level_0():
     """The engine may verify part of a proposal (its node cap): cells it left out learn nothing."""
-    drafter = drafter_with_window([[1, 2, 3], [4, 5, 6]], candidates=0)
+    drafter = drafter_with_window([[1, 2, 3], [4, 5, 6]])  # an empty pool: the window alone
     proposal = drafter.propose([90, 91, 92], 16, GREEDY, RNG)
     last = drafter._cell_nodes[-1]
     kept = proposal.prefix(max(last[:2]) + 1)  # the first two columns' last level only
@@ -125,13 +126,21 @@ def test_cells_the_pass_did_not_hold_are_refilled_from_level_0():
     drafter.observe_pass(kept, choices)
     drafter.propose([90, 91, 92, 7], 16, GREEDY, RNG)
     assert drafter.levels[-1] == [100 + 1 + last[0], 100 + 1 + last[1], 6]
+    assert sorted(drafter.pool) == [2, 92]  # the third column's refill is no n-gram
+
+
+def test_after_more_plain_steps_than_levels_the_window_restarts_from_the_context_s_tail():
+    drafter = drafter_with_window([[1, 2], [3, 4]])
+    drafter.propose([90, 91, 92], 16, GREEDY, RNG)
+    drafter.propose([90, 91, 92, 93, 94, 95, 96], 16, GREEDY, RNG)  # four tokens, no pass seen
+    assert drafter.levels == [[96, 94], [95, 96]]  # the tail [93, 94, 95, 96], column 0 the last token
 
 
 def test_a_context_it_did_not_follow_restarts_the_window_from_its_tail():
     drafter = drafter_with_window([[1, 2], [3, 4]])
     drafter.pool[5] = [(6, 7)]
     drafter.propose([9, 8, 7, 6, 5], 16, GREEDY, RNG)
-    assert drafter.levels == [[8, 7], [6, 5]]
+    assert drafter.levels == [[5, 7], [6, 5]]  # column 0 of level 0: the last token
     assert drafter.pool == {5: [(6, 7)]}  # the pool outlives runs
 
 
@@ -140,7 +149,7 @@ def test_the_pool_keeps_the_newest_n_grams_at_its_cap_and_none_twice():
     drafter.prefill([1, 2, 3])
     for levels in ([[5, 5], [6, 6]], [[5, 5], [7, 7]], [[5, 5], [8, 8]]):
         drafter.levels = [list(level) for level in levels]
-        drafter._learn([1, 1])
+        drafter._learn([1, 1], [0, 1])
     assert drafter.pool == {1: [(5, 7), (5, 8)]}
 
 
@@ -208,3 +217,10 @@ def test_engine_hands_the_pass_to_the_drafter_only_when_it_reads_passes():
     engine = SpeculativeEngine(target, Watching())
     engine.run([1, 2, 3], GenerationParams(12, draft_len=4, sampling=SamplingSettings(temperature=1.0, seed=1)))
     assert seen and all(shape == (1 + n,) for n, shape in seen)  # argmax rows, also when sampling
+
+    class NotReading(Watching):
+        reads_pass = False
+
+    seen.clear()
+    SpeculativeEngine(target, NotReading()).run([1, 2, 3], GenerationParams(12, draft_len=4))
+    assert seen == []

@@ -173,3 +173,31 @@ def test_a_lookahead_method_turns_trees_on_for_its_window_alone():
     assert resolve_trees(False, 40, None, sizes) == TreeSettings(40, DEFAULT_BRANCHES, 8)
     assert resolve_trees(False, None, 9, LookaheadSizes(2, 3, 0)).paths == 10
     assert resolve_trees(True, None, None, sizes) == TreeSettings()
+
+
+@pytest.mark.parametrize("tree_paths, message", [
+    (0, "method 'lookahead' verifies a token tree, and this target cannot: "),
+    (2, "method 'lookahead' verifies a token tree of up to 8 paths, and this target was opened for 2"),
+])
+def test_switching_a_chat_to_lookahead_on_a_target_opened_for_fewer_paths_is_refused(tree_paths, message):
+    """Verified as a chain, the window would learn nothing and every pass would cost more."""
+    pytest.importorskip("llama_cpp")
+    from specrun.errors import UsageError
+    from specrun.registry.loading import LoadOptions
+    from specrun.sessions.chat import open_chat
+
+    with open_chat("demo-target", None, "lookup", LoadOptions(backend="llama", tree_paths=tree_paths)) as session:
+        with pytest.raises(UsageError, match="verifies a token tree") as refused:
+            session.set_method("lookahead")
+        assert str(refused.value).startswith(message)
+        assert session.method == "lookup"  # the session goes on as it was
+
+
+def test_bench_runs_lookahead_only_when_named():
+    """Its window opens the target for trees, which would change every other line's pass."""
+    from specrun.cli.bench import parse_methods
+
+    assert "lookahead" not in parse_methods(None, has_draft=True)
+    assert parse_methods("lookahead", has_draft=False) == ("none", "lookahead")
+    result = runner.invoke(app, ["bench", "--chain", "--methods", "none,lookahead"])
+    assert result.exit_code == 2 and "--chain contradicts --method lookahead" in result.output

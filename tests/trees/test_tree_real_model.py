@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from specrun.drafters.lookahead import LookaheadSizes
-from specrun.sessions.generation import resolve_trees
+from specrun.sessions.generation import method_trees
 from specrun.tree import TokenTree
 
 # Measured here: tree and chain passes agree bit for bit on both backends; llama.cpp's one-token
@@ -142,7 +142,7 @@ def exact_tree_pair(smollm2):
     from specrun.registry.loading import LoadOptions, open_backend
 
     options = LoadOptions(backend="llama", n_ctx=1024, exact=True)
-    paths = max(BRANCHES + 1, resolve_trees(False, None, None, LOOKAHEAD).paths)  # lookahead's window too
+    paths = max(BRANCHES + 1, method_trees("lookahead").paths)  # lookahead's window too
     target = open_backend(str(smollm2["smollm2-135m-f16"]), dataclasses.replace(options, tree_paths=paths))
     draft = open_backend(str(smollm2["smollm2-135m"]), options)
     assert target.tree_support.available
