@@ -124,7 +124,8 @@ def prepare(model: Path, prompts: Sequence[BenchPrompt], chat: bool) -> tuple[li
 
 def _run_process(command: list[str], stdin: str | None = None, env: dict | None = None) -> subprocess.CompletedProcess:
     out = subprocess.run(
-        command, input=stdin, capture_output=True, text=True, env=env, timeout=TIMEOUT_S,
+        # errors="replace": a tool may print a token's bytes split mid-character
+        command, input=stdin, capture_output=True, text=True, errors="replace", env=env, timeout=TIMEOUT_S,
         stdin=None if stdin is not None else subprocess.DEVNULL,
     )
     if out.returncode != 0:

@@ -270,6 +270,7 @@ def test_a_cheap_drafter_s_own_time_is_sunk_and_does_not_cut_its_proposals():
         clock = SimClock()
         slow_right = CheapDrafter("cheap", greedy_continuation(table), clock, seconds_per_call=5.0)
         engine = SpeculativeEngine(CostedFake(table, clock, 1.0, 0.05), ChainDrafter([slow_right]), clock=clock)
+        engine.policy.gate = AlwaysSpeculate()  # the accounting alone: the gate would stop the old one's losses
         if not sunk:
             engine.policy._counts_draft_time = lambda source: True  # the old accounting
         result = engine.run([1, 2, 3], GenerationParams(200, draft_len=8, adaptive=True), complete_cache=False)
@@ -1033,3 +1034,22 @@ def test_auto_stops_asking_a_drafter_whose_every_proposal_is_declined():
     rate = result.stats.new_tokens / result.stats.generation_seconds
     assert not engine.policy.gate.speculating
     assert rate >= 0.9 / 1.05, rate  # near plain decoding's rate; asking every step read 0.74
+
+
+def test_the_gate_judges_a_stretch_that_loses_several_plain_steps_a_step_sooner():
+    """Lookahead's wide tree on a CPU: a step costs 5 plain ones for 1.7 tokens. Waiting the
+    MIN_STEPS cost a third of an answer's time; judged on what it lost, it is off after 8 steps,
+    and a retry that loses as much after 3 (its RETRY_STEPS' worth at half plain's rate)."""
+    gate = SpeculationGate()
+    costly = dict(tokens=2, seconds=5.0, engaged=True, plain_pass=1.0)  # 3 plain steps lost a step
+    for _ in range(8):
+        gate.record(**costly)
+    assert gate.speculating  # 24 plain steps lost: the wait's worth at half rate, not beyond it
+    gate.record(**costly)
+    assert not gate.speculating
+    for _ in range(SpeculationGate.FIRST_GAP):
+        gate.record(tokens=1, seconds=1.0, engaged=False, plain_pass=1.0)
+    assert gate.speculating
+    for _ in range(3):
+        gate.record(**costly)
+    assert not gate.speculating and gate.gap == 2 * SpeculationGate.FIRST_GAP
