@@ -794,6 +794,32 @@ class MlxBackend(HiddenTracking):
         if self._tracking:
             raise ValueError(f"{method} gives no hidden states: use forward_argmax while tracking")
 
+    # ---- the target's own layers as its draft (--draft self:layers=N) ------------------
+    @property
+    def n_layers(self) -> int:
+        return len(self.model.layers)
+
+    def layer_draft(self, kept: Sequence[int]) -> MlxBackend:
+        """A backend running only layers ``kept`` of this model, then its final norm and output
+        head, on a cache of its own: the layers are this model's objects (weights shared, not
+        copied). mlx-lm's models run ``model.model.layers`` in order; the view is a shallow copy
+        of the model and its body with that list cut, checked on a few tokens to run at all."""
+        import copy
+
+        body = getattr(self.model, "model", None)
+        if body is None or not isinstance(getattr(body, "layers", None), list):
+            arch = getattr(self.model, "model_type", None) or type(self.model).__module__.rsplit(".", 1)[-1]
+            raise ModelFileError(f"mlx-lm's {arch} model keeps no .model.layers list to draft with a part of",
+                                 "use --draft self:q4 or a draft model")
+        view_body = copy.copy(body)
+        view_body.layers = [body.layers[index] for index in kept]
+        view = copy.copy(self.model)
+        view.model = view_body
+        view(self._mx.array(SPLIT_PROBE), cache=self._lm_cache.make_prompt_cache(view))  # (1, 4, V): it runs
+        draft = MlxBackend.from_loaded(view, self.tokenizer, n_ctx=self.n_ctx)
+        draft.path = self.path
+        return draft
+
     def close(self) -> None:
         self._deferred = None
         self._cache = []

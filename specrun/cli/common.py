@@ -193,8 +193,9 @@ def check_generation_options(
 TargetOpt = Annotated[Optional[str], typer.Option("--target", "-t", help="Target model: alias or .gguf path.")]
 DraftOpt = Annotated[
     Optional[str],
-    typer.Option("--draft", "-d", help="Draft model: alias, .gguf path or MLX folder, or self:q4 / self:q8 (a "
-                 "quantized copy of the target, made once into specrun's cache)."),
+    typer.Option("--draft", "-d", help="Draft model: alias, .gguf path or MLX folder; self:q4 / self:q8 (a "
+                 "quantized copy of the target, made once into specrun's cache); or on MLX self:layers=N (the "
+                 "target's first N layers) or self:layers=0-5,9 (those layers), sharing its weights."),
 ]
 BackendOpt = Annotated[str, typer.Option("--backend", help="auto, llama or mlx.")]
 MethodOpt = Annotated[

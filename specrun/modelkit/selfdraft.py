@@ -1,4 +1,8 @@
-"""A draft made from the target itself: ``--draft self:q4`` and ``--draft self:q8``.
+"""A draft made from the target itself: ``--draft self:q4``, ``self:q8`` and ``self:layers=N``.
+
+``self:layers=`` keeps some of the target's own layers (LayerDraft): nothing is written, the
+MLX backend runs those layers of the loaded target as the draft. The rest of this module is
+the quantized copies:
 
 specrun writes a quantized copy of the target once, into its cache like the demo variants
 (atomically, beside other copies of the same source), and loads it as the draft model. The
@@ -49,17 +53,68 @@ def is_self_draft(spec: str | None) -> bool:
     return spec is not None and spec.startswith(SELF_PREFIX)
 
 
-def parse_self_draft(spec: str) -> SelfKind:
-    """The kind ``spec`` names (``self:q4``), or a UsageError naming the accepted kinds."""
+LAYERS = "layers="
+LAYERS_FIX = "pass --draft self:layers=N (the first N layers) or self:layers=0-5,9 (those layers, from 0)"
+
+
+@dataclass(frozen=True)
+class LayerDraft:
+    """``self:layers=N``, the target's first N layers, or ``self:layers=0-5,9``, the layers
+    named (from 0), with the target's final norm and output head: a draft that shares the
+    target's weights and memory (layer skipping: Draft & Verify, LayerSkip, SWIFT)."""
+
+    spec: str
+    first: int = 0  # N of the first-N form (0: ``named`` instead)
+    named: tuple[int, ...] = ()
+
+    def kept(self, n_layers: int) -> tuple[int, ...]:
+        """The layer indices the draft runs, in order, for a target of ``n_layers`` layers;
+        a UsageError where they are out of range or all of them (no cheaper than the target)."""
+        kept = tuple(range(self.first)) if self.first else self.named
+        if kept[-1] >= n_layers:
+            raise UsageError(f"--draft {self.spec} asks for layers the target does not have (it has {n_layers})",
+                             f"name layers 0 to {n_layers - 1}")
+        if len(kept) == n_layers:
+            raise UsageError(f"--draft {self.spec} keeps all {n_layers} of the target's layers: it would cost what "
+                             "the target does", "keep fewer layers")
+        return kept
+
+
+def parse_self_draft(spec: str) -> SelfKind | LayerDraft:
+    """The kind ``spec`` names (``self:q4``, ``self:layers=8``), or a UsageError naming the accepted kinds."""
     name = spec.removeprefix(SELF_PREFIX)
-    if name.startswith("layers"):
-        raise UsageError(
-            f"--draft {spec}: drafting with the target's own layers is not available yet",
-            f"use --draft {ACCEPTED.replace(', ', ' or ')} (a quantized copy of the target)",
-        )
+    if name.startswith(LAYERS):
+        return _parse_layers(spec, name.removeprefix(LAYERS))
     if name not in SELF_KINDS:
-        raise UsageError(f"unknown self draft {spec!r}", f"use one of: {ACCEPTED}")
+        raise UsageError(f"unknown self draft {spec!r}", f"use one of: {ACCEPTED}, self:layers=N")
     return SELF_KINDS[name]
+
+
+def _parse_layers(spec: str, text: str) -> LayerDraft:
+    def number(part: str) -> int:
+        if not (part.isascii() and part.isdigit()):
+            raise UsageError(f"--draft {spec}: {part!r} is not a layer number", LAYERS_FIX)
+        return int(part)
+
+    if "," not in text and "-" not in text:
+        first = number(text)
+        if first == 0:
+            raise UsageError(f"--draft {spec} keeps no layer", LAYERS_FIX)
+        return LayerDraft(spec, first=first)
+    named: list[int] = []
+    for part in text.split(","):
+        low, dash, high = part.partition("-")
+        start, stop = number(low), number(high) if dash else number(low)
+        if stop < start:
+            raise UsageError(f"--draft {spec}: the range {part!r} runs backwards", LAYERS_FIX)
+        named.extend(range(start, stop + 1))
+    if named != sorted(set(named)):
+        raise UsageError(f"--draft {spec} names layers out of order or twice", LAYERS_FIX)
+    return LayerDraft(spec, named=tuple(named))
+
+
+def is_layer_draft(spec: str | None) -> bool:
+    return is_self_draft(spec) and spec.removeprefix(SELF_PREFIX).startswith(LAYERS)
 
 
 def self_draft_gguf(source: Path, kind: SelfKind, target_spec: str) -> Path:

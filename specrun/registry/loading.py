@@ -106,14 +106,29 @@ def prompts_as_chat(spec: str, registry: Path | None, target: Backend, chat: boo
 
 def resolve_self_draft(spec: str, entries: dict[str, ModelEntry], target_spec: str | None, backend: str) -> Path:
     """The quantized copy of the target that ``spec`` (``self:q4``) names, derived on first use."""
-    from specrun.modelkit.selfdraft import parse_self_draft, self_draft_gguf, self_draft_mlx_dir
+    from specrun.modelkit.selfdraft import LayerDraft, parse_self_draft, self_draft_gguf, self_draft_mlx_dir
 
     kind = parse_self_draft(spec)
+    if isinstance(kind, LayerDraft):  # no file: the loaded target's own layers (open_draft)
+        raise UsageError(f"--draft {spec} is part of the loaded target, not a model of its own",
+                         "pass it as the draft of a target (--target MODEL --draft ...)")
     if target_spec is None:
         raise UsageError(f"--draft {spec} is a copy of the target, and no target was named", "pass --target MODEL")
     if backend == "mlx":
         return self_draft_mlx_dir(Path(resolve_mlx(target_spec, entries)), kind, target_spec)
     return self_draft_gguf(resolve_gguf(target_spec, entries), kind, target_spec)
+
+
+def open_layer_draft(target: Backend, spec: str) -> Backend:
+    """``--draft self:layers=…``: some of the loaded target's own layers as its draft (MLX only:
+    llama.cpp's API runs a model whole)."""
+    from specrun.modelkit.selfdraft import parse_self_draft
+
+    layers = parse_self_draft(spec)
+    if target.name != "mlx":
+        raise UsageError(f"--draft {spec} runs part of the target's layers, which llama.cpp's API cannot do",
+                         "pass --backend mlx with an MLX target, or use --draft self:q4")
+    return target.layer_draft(layers.kept(target.n_layers))
 
 
 def check_draft_spec(spec: str | None) -> None:
@@ -272,13 +287,30 @@ def open_pair(
     if draft_spec is None:
         return target, None
     try:
-        # One context size for both (a draft capped smaller would overflow in long chats),
-        # and the target's backend, so that auto cannot split a pair across two runtimes.
-        backend = options.backend if options.backend != "auto" else target.name
-        draft_options = dataclasses.replace(options, n_ctx=target.n_ctx, backend=backend, tree_paths=0)  # drafts chains
-        draft = open_backend(draft_spec, draft_options, entries, target_spec=target_spec)
-        check_compatible(target, draft, target_spec, draft_spec)
+        return target, open_draft(target, target_spec, draft_spec, options, entries)
     except BaseException:
         target.close()
         raise
-    return target, draft
+
+
+def open_draft(
+    target: Backend, target_spec: str, draft_spec: str, options: LoadOptions,
+    entries: dict[str, ModelEntry] | None = None,
+) -> Backend:
+    """The draft for the loaded ``target``: some of its own layers (``self:layers=``), or a
+    model on the target's backend, refused when its vocabulary is another."""
+    from specrun.modelkit.selfdraft import is_layer_draft
+
+    if is_layer_draft(draft_spec):
+        return open_layer_draft(target, draft_spec)
+    # One context size for both (a draft capped smaller would overflow in long chats),
+    # and the target's backend, so that auto cannot split a pair across two runtimes.
+    backend = options.backend if options.backend != "auto" else target.name
+    draft_options = dataclasses.replace(options, n_ctx=target.n_ctx, backend=backend, tree_paths=0)  # drafts chains
+    draft = open_backend(draft_spec, draft_options, entries, target_spec=target_spec)
+    try:
+        check_compatible(target, draft, target_spec, draft_spec)
+    except BaseException:
+        draft.close()
+        raise
+    return draft

@@ -31,7 +31,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from specrun.backends.base import Backend
-from specrun.registry.compat import check_compatible
 from specrun.drafters.ngram import vocabulary_fingerprint
 from specrun.engine.loop import Finished, GenerationParams, GenerationResult, SpeculativeEngine, TextChunk
 from specrun.errors import ContextFullError, UsageError
@@ -40,7 +39,7 @@ from specrun.sessions.generation import (
 )
 from specrun.backends.kv import common_prefix_len, sequence_for
 from specrun.drafters.lookahead import LookaheadSizes
-from specrun.registry.loading import LoadOptions, open_backend, open_pair
+from specrun.registry.loading import LoadOptions, open_draft, open_pair
 from specrun.drafters.methods import (
     DrafterOptions,
     build_drafter,
@@ -385,7 +384,7 @@ def open_chat(
     tuned = load_tuned(target, draft, options.threads)
     load_draft = None
     if draft is None and draft_spec is not None:
-        load_draft = functools.partial(_open_compatible_draft, target, target_spec, draft_spec, options)
+        load_draft = functools.partial(open_draft, target, target_spec, draft_spec, options)
     try:
         drafter_options = DrafterOptions(branches=branches, lookahead=lookahead)
         if ngram_cache is not None:
@@ -407,11 +406,4 @@ def open_chat(
         raise
 
 
-def _open_compatible_draft(target: Backend, target_spec: str, draft_spec: str, options: LoadOptions) -> Backend:
-    draft = open_backend(draft_spec, options, target_spec=target_spec)
-    try:
-        check_compatible(target, draft, target_spec, draft_spec)
-    except BaseException:
-        draft.close()
-        raise
-    return draft
+

@@ -170,10 +170,10 @@ def test_an_mlx_target_already_at_the_copy_s_bits_is_refused(tmp_path):
 @pytest.mark.parametrize(
     "spec, fragments",
     [
-        ("self:q3", ["unknown self draft 'self:q3'", "self:q4, self:q8"]),
+        ("self:q3", ["unknown self draft 'self:q3'", "self:q4, self:q8, self:layers=N"]),
         ("self:", ["unknown self draft 'self:'", "self:q4, self:q8"]),
         ("self:Q4", ["unknown self draft 'self:Q4'", "self:q4, self:q8"]),
-        ("self:layers=4", ["self:layers=4", "not available yet", "self:q4 or self:q8"]),
+        ("self:layers4", ["unknown self draft 'self:layers4'", "self:layers=N"]),
     ],
 )
 def test_an_unknown_self_kind_is_one_usage_line(spec, fragments):
