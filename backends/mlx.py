@@ -806,18 +806,29 @@ class MlxBackend(HiddenTracking):
         of the model and its body with that list cut, checked on a few tokens to run at all."""
         import copy
 
+        arch = getattr(self.model, "model_type", None) or type(self.model).__module__.rsplit(".", 1)[-1]
+        fix = "use --draft self:q4 or a draft model"
         body = getattr(self.model, "model", None)
         if body is None or not isinstance(getattr(body, "layers", None), list):
-            arch = getattr(self.model, "model_type", None) or type(self.model).__module__.rsplit(".", 1)[-1]
-            raise ModelFileError(f"mlx-lm's {arch} model keeps no .model.layers list to draft with a part of",
-                                 "use --draft self:q4 or a draft model")
+            raise ModelFileError(f"mlx-lm's {arch} model keeps no .model.layers list to draft with a part of", fix)
+        # Bodies that mix attention kinds choose each layer's mask and cache by its place in the
+        # list (gemma3's sliding pattern, llama's fa_idx/swa_idx): a cut list would shift them.
+        kinds = set(getattr(body, "layer_types", None) or ())
+        if len(kinds) > 1 or getattr(body, "swa_idx", None) is not None or hasattr(body, "sliding_window_pattern"):
+            raise ModelFileError(f"mlx-lm's {arch} model mixes sliding-window and full attention by layer position, "
+                                 "so a part of its layers cannot run apart", fix)
         view_body = copy.copy(body)
         view_body.layers = [body.layers[index] for index in kept]
         view = copy.copy(self.model)
         view.model = view_body
-        view(self._mx.array(SPLIT_PROBE), cache=self._lm_cache.make_prompt_cache(view))  # (1, 4, V): it runs
+        try:
+            self._mx.eval(view(self._mx.array(SPLIT_PROBE), cache=self._lm_cache.make_prompt_cache(view)))  # (1, 4, V)
+        except Exception as exc:  # a body that indexes its layers some other way
+            raise ModelFileError(f"mlx-lm's {arch} model cannot run a part of its layers ({type(exc).__name__})",
+                                 fix) from exc
         draft = MlxBackend.from_loaded(view, self.tokenizer, n_ctx=self.n_ctx)
         draft.path = self.path
+        draft.variant = "layers=" + ",".join(map(str, kept))  # its own tuning key (sessions/tuning.model_id)
         return draft
 
     def close(self) -> None:

@@ -596,6 +596,11 @@ class SpeculationGate:
     # must go on (a draft model unlucky on its first tries was otherwise never tried again).
     MIN_ENGAGED = 0.25
     MARGIN = 0.02  # speculating must lose by more than this: a step's own bookkeeping is not a loss
+    # Judged on its loss, a stretch needs this many steps, and one step counts as losing at most
+    # STEP_LOSS plain steps: a first pass that compiles a new shape (MLX) or rebuilds llama.cpp's
+    # graph on a busy machine must not end speculating alone.
+    EARLY_STEPS = 4
+    STEP_LOSS = 4.0
 
     def __init__(self) -> None:
         self.gap = self.FIRST_GAP
@@ -635,9 +640,9 @@ class SpeculationGate:
         plain = self.plain_seconds or plain_pass
         if not plain:
             return
-        self._lost += seconds - tokens * plain
+        self._lost += min(seconds - tokens * plain, self.STEP_LOSS * plain)
         wait = self.RETRY_STEPS if self._retry else self.MIN_STEPS
-        if self._steps < wait and self._lost <= wait * plain:
+        if self._steps < wait and (self._steps < self.EARLY_STEPS or self._lost <= wait * plain):
             return
         if self._engaged < self.MIN_ENGAGED * _decayed_count(self.DECAY, self._steps):
             return  # the controllers have mostly stopped speculating: their own probes go on

@@ -72,8 +72,8 @@ class LayerDraft:
         a UsageError where they are out of range or all of them (no cheaper than the target)."""
         kept = tuple(range(self.first)) if self.first else self.named
         if kept[-1] >= n_layers:
-            raise UsageError(f"--draft {self.spec} asks for layers the target does not have (it has {n_layers})",
-                             f"name layers 0 to {n_layers - 1}")
+            fix = f"pass self:layers=N with N below {n_layers}" if self.first else f"name layers 0 to {n_layers - 1}"
+            raise UsageError(f"--draft {self.spec} asks for layers the target does not have (it has {n_layers})", fix)
         if len(kept) == n_layers:
             raise UsageError(f"--draft {self.spec} keeps all {n_layers} of the target's layers: it would cost what "
                              "the target does", "keep fewer layers")

@@ -131,9 +131,12 @@ def machine_id() -> str:
 
 
 def model_id(backend: Backend) -> str:
-    """The model file by name and size: a re-downloaded or re-quantized file tunes anew."""
+    """The model file by name and size: a re-downloaded or re-quantized file tunes anew; a part
+    of a model (``variant``: a layer draft's layers) tunes apart from the whole."""
     path = getattr(backend, "path", None)
-    return f"{Path(path).name}:{Path(path).stat().st_size}" if path else backend.name
+    variant = getattr(backend, "variant", "")
+    name = f"{Path(path).name}:{Path(path).stat().st_size}" if path else backend.name
+    return f"{name}|{variant}" if variant else name
 
 
 def pair_key(target: Backend, draft: Backend, threads: int | None) -> str:

@@ -133,3 +133,26 @@ def test_sampling_with_a_layer_draft_is_lossless(tiny_llama):
     assert 0 < sampled.verified.accepted < sampled.verified.tested
     for backend in (draft, target, reference):
         backend.close()
+
+
+def test_a_layer_draft_tunes_apart_from_its_target(tiny_llama):
+    from specrun.sessions.tuning import model_id
+
+    target = mlx_target(tiny_llama)
+    first, second = open_layer_draft(target, "self:layers=1"), open_layer_draft(target, "self:layers=1-1")
+    assert len({model_id(target), model_id(first), model_id(second)}) == 3
+
+
+def test_models_that_place_attention_kinds_by_layer_position_are_refused(tiny_llama, monkeypatch):
+    """A cut list would give a layer another's mask or cache (gemma3's sliding pattern, llama's
+    swa_idx); a body that fails the probe is refused in one line as well, never an internal error."""
+    from specrun.errors import ModelFileError
+
+    target = mlx_target(tiny_llama)
+    monkeypatch.setattr(target.model.model, "swa_idx", 1, raising=False)
+    with pytest.raises(ModelFileError, match="mixes sliding-window and full attention"):
+        open_layer_draft(target, "self:layers=1")
+    monkeypatch.setattr(target.model.model, "swa_idx", None)
+    monkeypatch.setattr(target.model.model, "fa_idx", 1, raising=False)  # past a one-layer view's caches
+    with pytest.raises(ModelFileError, match="cannot run a part of its layers"):
+        open_layer_draft(target, "self:layers=1")

@@ -1038,8 +1038,8 @@ def test_auto_stops_asking_a_drafter_whose_every_proposal_is_declined():
 
 def test_the_gate_judges_a_stretch_that_loses_several_plain_steps_a_step_sooner():
     """Lookahead's wide tree on a CPU: a step costs 5 plain ones for 1.7 tokens. Waiting the
-    MIN_STEPS cost a third of an answer's time; judged on what it lost, it is off after 8 steps,
-    and a retry that loses as much after 3 (its RETRY_STEPS' worth at half plain's rate)."""
+    MIN_STEPS cost a third of an answer's time; judged on what it lost, it is off after 9 steps,
+    and a retry that loses as much after EARLY_STEPS (past its RETRY_STEPS' worth at half rate)."""
     gate = SpeculationGate()
     costly = dict(tokens=2, seconds=5.0, engaged=True, plain_pass=1.0)  # 3 plain steps lost a step
     for _ in range(8):
@@ -1050,6 +1050,18 @@ def test_the_gate_judges_a_stretch_that_loses_several_plain_steps_a_step_sooner(
     for _ in range(SpeculationGate.FIRST_GAP):
         gate.record(tokens=1, seconds=1.0, engaged=False, plain_pass=1.0)
     assert gate.speculating
-    for _ in range(3):
+    for _ in range(SpeculationGate.EARLY_STEPS - 1):
         gate.record(**costly)
+    assert gate.speculating  # judged on its loss only after EARLY_STEPS steps
+    gate.record(**costly)
     assert not gate.speculating and gate.gap == 2 * SpeculationGate.FIRST_GAP
+
+
+def test_one_slow_first_step_does_not_end_speculating_that_pays():
+    """A first pass that compiles a new shape (MLX) or waits on a busy machine counts as at most
+    STEP_LOSS plain steps lost: the stretch that pays afterwards goes on."""
+    gate = SpeculationGate()
+    gate.record(tokens=1, seconds=30.0, engaged=True, plain_pass=1.0)  # 29 plain steps lost, counted as 4
+    for _ in range(2 * SpeculationGate.MIN_STEPS):
+        gate.record(tokens=3, seconds=1.5, engaged=True, plain_pass=1.0)  # twice plain's rate
+        assert gate.speculating  # never off, not even for a while
