@@ -52,6 +52,7 @@ from _llama_tools import (
 )
 from _report import SPEC_BENCH
 from specrun.drafters.methods import needs_draft_model
+from specrun.modelkit.selfdraft import SELF_KINDS, self_draft_gguf
 from specrun.modelkit.smollm2 import smollm2_gguf
 
 METHODS = "none,lookup,ngram,draft,lookup+draft,auto"
@@ -133,12 +134,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--line", action="append", default=[], metavar="NAME=METHOD OPTION ...",
                         help='one more specrun line, e.g. "auto trees=auto --tree-nodes 16" (repeatable)')
     parser.add_argument("--tuned", action="store_true", help="let specrun read the user's tune file (default: untuned)")
+    parser.add_argument("--self-q4", action="store_true",
+                        help="draft with the Q4_0 copy --draft self:q4 derives from the F16 target (every draft "
+                        "line, llama-speculative-simple's too), not the shipped Q4_1 file")
     parser.add_argument("--json", type=Path, help="raw figures (default runs/real_model-TIME.json)")
     args = parser.parse_args(argv)
     if args.llama_lookahead and not args.llama_bin_dir:
         parser.error("--llama-lookahead needs --llama-bin-dir")
 
     target, draft = smollm2_gguf("smollm2-135m-f16"), smollm2_gguf("smollm2-135m")  # derives the F16 copy once
+    if args.self_q4:
+        draft = self_draft_gguf(target, SELF_KINDS["q4"], "smollm2-135m-f16")  # derived once, as self:q4 is
     wanted = args.categories.split(",") if args.categories else None
     prompts, n_ctx = prepare(target, spec_bench(args.questions, args.per_category, wanted), chat=True)
     with tempfile.TemporaryDirectory(prefix="specrun-new-user-") as config_home:
@@ -152,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     by_name = {line.name: line for line in lines}
     baseline = by_name.get("llama-completion") or by_name.get("specrun none") or lines[0]
     reference = by_name.get("specrun none")
-    print(f"\nSmolLM2-135M-Instruct F16 ({target.name}) + Q4_1 draft; {len(baseline.runs)} of {len(prompts)} Spec-Bench prompts run "
+    print(f"\nSmolLM2-135M-Instruct F16 ({target.name}) + {draft.name} as draft; {len(baseline.runs)} of {len(prompts)} Spec-Bench prompts run "
           f"({args.per_category} per category), {args.n} tokens, greedy, {args.threads} threads, "
           f"fresh process per run; {load_before} before, {load_after} after")
     summaries = print_tables(lines, baseline, reference, {p.prompt_id: p.category for p in prompts})
