@@ -261,16 +261,16 @@ def test_mlx_speculation_on_the_real_model_is_bit_identical(mlx_real_pair, mlx_p
     assert result.stats.drafted > 0
 
 
-@pytest.mark.parametrize("spec", ["self:layers=20", "self:layers=0-13,18-29"])
-def test_a_layer_draft_of_the_real_model_is_bit_identical_on_mlx(mlx_real_pair, mlx_plain, spec):
-    """The target's own first 20 of 30 layers, or all but 4 middle ones (SWIFT-style skipping),
-    with its head as the draft: plain decoding's tokens, drafts accepted. (Skipping 12 middle
-    layers, this model, not trained for early exit, had none of 82 drafts accepted.)"""
+def test_a_layer_draft_of_the_real_model_is_bit_identical_on_mlx(mlx_real_pair, mlx_plain):
+    """All but 4 middle layers of the target's 30 (SWIFT-style skipping; the first-N form is
+    checked on the tiny models) with its head as the draft: plain decoding's tokens, drafts
+    accepted. (Skipping 12 middle layers, this model, not trained for early exit, had none of
+    82 drafts accepted.) One case: MLX on this CPU runs the real model ~16x slower than llama.cpp."""
     from specrun.registry.loading import open_layer_draft
 
     target = mlx_real_pair[0]
     prompt_ids, plain = mlx_plain
-    draft = open_layer_draft(target, spec)
+    draft = open_layer_draft(target, "self:layers=0-13,18-29")
     drafter = build_drafter("draft", draft)
     result = SpeculativeEngine(target, drafter, "draft").run(prompt_ids, GenerationParams(24, 4), complete_cache=False)
     drafter.close()
