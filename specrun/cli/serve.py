@@ -29,9 +29,7 @@ from specrun.cli.common import (
     check_generation_options,
     check_kv_type,
     check_range,
-    checked_lookahead,
     checked_sampling,
-    checked_trees,
     cli_errors,
 )
 
@@ -83,6 +81,7 @@ def serve_command(
     with cli_errors():
         from specrun.drafters.methods import check_method, needs_draft_model
         from specrun.registry.loading import LoadOptions, choose_pair
+        from specrun.sessions.generation import method_trees
         from specrun.sessions.serve import HttpOptions, PairOptions, ServeDefaults, is_loopback, serve
 
         check_method(method)
@@ -92,7 +91,7 @@ def serve_command(
         check_range("--max-body", max_body, 1024, 1 << 34)
         check_range("--max-queue", max_queue, 1, 1 << 20)
         sampling = checked_sampling("serve", temp, top_k, top_p, min_p, None)
-        trees = checked_trees(False, None, None, checked_lookahead(None, (method,)))  # lookahead's window
+        trees = method_trees(method)  # lookahead's window, or chains
         if not is_loopback(host) and api_key is None:
             typer.echo(f"warning: --host {host} lets anyone who can reach this machine use the server, which has "
                        "no authentication; set --api-key (or SPECRUN_API_KEY) to require a key", err=True)

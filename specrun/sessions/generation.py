@@ -77,9 +77,9 @@ def check_trees_for(method: str, target, lookahead: LookaheadSizes | None = None
     its tree (a model whose cache holds no trees, or a llama.cpp context opened for fewer paths):
     verified as a chain, its window would learn nothing and every pass would cost more for it."""
     needed = method_trees(method, lookahead).paths
-    support = target.tree_support
     if not needed:
         return
+    support = target.tree_support
     if not support.available:
         raise UsageError(f"method {method!r} verifies a token tree, and this target cannot: {support.reason}",
                          "pick another --method")
