@@ -28,7 +28,7 @@ from specrun.registry.hub import (
     pull,
     remove_cached,
 )
-from specrun.registry.loading import BACKENDS, DEFAULT_TARGET, choose_backend, draft_entry_for
+from specrun.registry.loading import BACKENDS, DEFAULT_TARGET, choose_backend, check_layer_draft_pair, draft_entry_for
 from specrun.registry.catalog import ModelEntry, entry_for, load_registry
 
 models_app = typer.Typer(
@@ -111,6 +111,7 @@ def check(
             raise UsageError(f"{target_entry.alias} suggests no draft", "name one with --draft")
         draft_entry = draft_entry_for(draft_spec, target_entry, entries)
         verdict = check_pair(target_entry, draft_entry)
+        verdict = check_layer_draft_pair(verdict, draft_spec, target_entry)
         if json_output:
             typer.echo(json.dumps({"target": target_entry.alias, "draft": draft_entry.alias,
                                    "compatible": verdict.compatible, **vars(verdict)}))

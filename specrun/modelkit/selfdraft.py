@@ -1,8 +1,9 @@
 """A draft made from the target itself: ``--draft self:q4``, ``self:q8`` and ``self:layers=N``.
 
 ``self:layers=`` keeps some of the target's own layers (LayerDraft): nothing is written, the
-MLX backend runs those layers of the loaded target as the draft. The rest of this module is
-the quantized copies:
+MLX backend runs those layers of the loaded target as the draft. Bare ``self:layers`` keeps
+the layers ``specrun tune`` chose for the target on this machine (modelkit/layer_choice.py).
+The rest of this module is the quantized copies:
 
 specrun writes a quantized copy of the target once, into its cache like the demo variants
 (atomically, beside other copies of the same source), and loads it as the draft model. The
@@ -54,7 +55,9 @@ def is_self_draft(spec: str | None) -> bool:
 
 
 LAYERS = "layers="
-LAYERS_FIX = "pass --draft self:layers=N (the first N layers) or self:layers=0-5,9 (those layers, from 0)"
+TUNED_LAYERS = "layers"  # bare: the layers `specrun tune --draft self:layers` chose
+LAYERS_FIX = ("pass --draft self:layers=N (the first N layers), self:layers=0-5,9 (those layers, from 0) "
+              "or self:layers (the tuned ones)")
 
 
 @dataclass(frozen=True)
@@ -65,11 +68,17 @@ class LayerDraft:
 
     spec: str
     first: int = 0  # N of the first-N form (0: ``named`` instead)
-    named: tuple[int, ...] = ()
+    named: tuple[int, ...] = ()  # neither: bare ``self:layers``, the tuned layers
+
+    @property
+    def tuned(self) -> bool:
+        """Bare ``self:layers``: the layers are those tuned for the target (layer_choice.tuned_layers)."""
+        return not self.first and not self.named
 
     def kept(self, n_layers: int) -> tuple[int, ...]:
         """The layer indices the draft runs, in order, for a target of ``n_layers`` layers;
-        a UsageError where they are out of range or all of them (no cheaper than the target)."""
+        a UsageError where they are out of range or all of them (no cheaper than the target).
+        Not for a ``tuned`` draft, whose layers are read from the tuned choices."""
         kept = tuple(range(self.first)) if self.first else self.named
         if kept[-1] >= n_layers:
             fix = f"pass self:layers=N with N below {n_layers}" if self.first else f"name layers 0 to {n_layers - 1}"
@@ -83,10 +92,12 @@ class LayerDraft:
 def parse_self_draft(spec: str) -> SelfKind | LayerDraft:
     """The kind ``spec`` names (``self:q4``, ``self:layers=8``), or a UsageError naming the accepted kinds."""
     name = spec.removeprefix(SELF_PREFIX)
+    if name == TUNED_LAYERS:
+        return LayerDraft(spec)
     if name.startswith(LAYERS):
         return _parse_layers(spec, name.removeprefix(LAYERS))
     if name not in SELF_KINDS:
-        raise UsageError(f"unknown self draft {spec!r}", f"use one of: {ACCEPTED}, self:layers=N")
+        raise UsageError(f"unknown self draft {spec!r}", f"use one of: {ACCEPTED}, self:layers=N, self:layers")
     return SELF_KINDS[name]
 
 
@@ -114,7 +125,12 @@ def _parse_layers(spec: str, text: str) -> LayerDraft:
 
 
 def is_layer_draft(spec: str | None) -> bool:
-    return is_self_draft(spec) and spec.removeprefix(SELF_PREFIX).startswith(LAYERS)
+    name = spec.removeprefix(SELF_PREFIX) if is_self_draft(spec) else ""
+    return name == TUNED_LAYERS or name.startswith(LAYERS)
+
+
+def is_tuned_layer_draft(spec: str | None) -> bool:
+    return is_self_draft(spec) and spec.removeprefix(SELF_PREFIX) == TUNED_LAYERS
 
 
 def self_draft_gguf(source: Path, kind: SelfKind, target_spec: str) -> Path:

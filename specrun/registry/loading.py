@@ -11,6 +11,7 @@ from specrun.backends.base import Backend
 from specrun.registry.compat import check_compatible
 from specrun.errors import ModelFileError, RegistryError, UsageError
 from specrun.registry.catalog import ModelEntry, load_registry
+from specrun.registry.hub import PairCheck
 
 BACKENDS = ("auto", "llama", "mlx")
 DEFAULT_TARGET = "demo-target"
@@ -119,16 +120,44 @@ def resolve_self_draft(spec: str, entries: dict[str, ModelEntry], target_spec: s
     return self_draft_gguf(resolve_gguf(target_spec, entries), kind, target_spec)
 
 
-def open_layer_draft(target: Backend, spec: str) -> Backend:
+def open_layer_draft(target: Backend, spec: str, target_spec: str | None = None) -> Backend:
     """``--draft self:layers=…``: some of the loaded target's own layers as its draft (MLX only:
-    llama.cpp's API runs a model whole)."""
+    llama.cpp's API runs a model whole). Bare ``self:layers``: the layers `specrun tune` chose
+    for this target on this machine (``target_spec`` names the target in the error without them)."""
+    from specrun.modelkit.layer_choice import tuned_layers
     from specrun.modelkit.selfdraft import parse_self_draft
 
     layers = parse_self_draft(spec)
+    check_layer_target(target, spec)
+    if layers.tuned:
+        kept = tuned_layers(Path(target.path), target.n_layers, target_spec or str(target.path))
+    else:
+        kept = layers.kept(target.n_layers)
+    return target.layer_draft(kept)
+
+
+def check_layer_target(target: Backend, spec: str) -> None:
+    """Refuse a layer draft of a target whose backend runs a model whole (llama.cpp)."""
     if target.name != "mlx":
         raise UsageError(f"--draft {spec} runs part of the target's layers, which llama.cpp's API cannot do",
                          "pass --backend mlx with an MLX target, or use --draft self:q4")
-    return target.layer_draft(layers.kept(target.n_layers))
+
+
+def check_layer_draft_pair(verdict: PairCheck, draft_spec: str, target: ModelEntry) -> PairCheck:
+    """``models check``'s ``verdict`` on a layer draft of ``target``: it runs on MLX only, so a
+    target without an MLX source cannot have one (a problem), and one with both runs it only
+    under ``--backend mlx`` where auto would choose llama.cpp (a note)."""
+    from specrun.modelkit.selfdraft import is_layer_draft
+
+    if not is_layer_draft(draft_spec):
+        return verdict
+    if target.builtin or target.mlx_path or target.mlx_repo:
+        note = f"{draft_spec} runs on the MLX backend only: pass --backend mlx where auto would choose llama.cpp"
+        return dataclasses.replace(verdict, notes=[*verdict.notes, note])
+    problem = (f"{draft_spec} runs part of the target's layers, which needs an MLX target (llama.cpp's API runs a "
+               f"model whole), and {target.alias} has no MLX source: name an MLX folder, or an alias with "
+               "mlx_repo or mlx_path")
+    return dataclasses.replace(verdict, problems=[*verdict.problems, problem])
 
 
 def check_draft_spec(spec: str | None) -> None:
@@ -302,7 +331,7 @@ def open_draft(
     from specrun.modelkit.selfdraft import is_layer_draft
 
     if is_layer_draft(draft_spec):
-        return open_layer_draft(target, draft_spec)
+        return open_layer_draft(target, draft_spec, target_spec)
     # One context size for both (a draft capped smaller would overflow in long chats),
     # and the target's backend, so that auto cannot split a pair across two runtimes.
     backend = options.backend if options.backend != "auto" else target.name
