@@ -1,9 +1,10 @@
-"""`specrun tune`: calibrate this machine for a target/draft pair and save the best settings."""
+"""`specrun tune`: calibrate this machine for a target/draft pair and save the best settings;
+with ``--draft self:layers``, search which of the target's layers its layer-skip draft keeps."""
 
 from __future__ import annotations
 
 import sys
-from typing import Annotated
+from typing import Annotated, Optional
 
 import typer
 from rich import box
@@ -33,17 +34,38 @@ def tune(
     threads: ThreadsOpt = None,
     registry: RegistryOpt = None,
     show: Annotated[bool, typer.Option("--show", help="Print the saved settings and exit.")] = False,
+    budget: Annotated[
+        Optional[int],
+        typer.Option("--budget", help="With --draft self:layers: seconds the layer search may take (default 120)."),
+    ] = None,
 ) -> None:
-    """Measure plain decoding, each draft length and confidence stops on this machine; later runs start from them."""
+    """Measure plain decoding, each draft length and confidence stops on this machine; later runs start from them.
+
+    With --draft self:layers (MLX targets): search which of the target's layers its
+    layer-skip draft keeps, within --budget seconds; --draft self:layers then uses them."""
     with cli_errors():
-        from specrun.sessions import tuning
+        from specrun.errors import UsageError
+        from specrun.modelkit.layer_choice import load_choices
+        from specrun.modelkit.selfdraft import is_tuned_layer_draft
+        from specrun.sessions import layer_search, tuning
 
         out = PipeConsole(file=sys.stdout)
         if show:
-            out.print(render(tuning.load_all()))
+            results, choices = tuning.load_all(), load_choices()  # both read before anything is printed
+            out.print(render(results))
+            if choices:
+                out.print(render_layer_choices(choices))
             return
         check_range("--prompts", prompts, 1, 50)
         check_range("--max-tokens", max_tokens, 8, 4096)
+        if is_tuned_layer_draft(draft):
+            check_range("--budget", budget, layer_search.MIN_BUDGET, layer_search.MAX_BUDGET)
+            choice, path = run_layer_search(target, backend, prompts, max_tokens, budget, registry)
+            out.print(render_layer_choices([choice]))
+            typer.echo(f"saved to {path}", err=True)
+            return
+        if budget is not None:
+            raise UsageError("--budget is the layer search's (--draft self:layers)", "drop --budget")
         result = run_tune(target, draft, backend, prompts, max_tokens, threads, registry)
         path = tuning.save(result)
         out.print(render([result]))
@@ -79,6 +101,55 @@ def run_tune(target, draft, backend, n_prompts, max_tokens, threads, registry):
     finally:
         target_backend.close()
         draft_backend.close()
+
+
+def run_layer_search(target, backend, n_prompts, max_tokens, budget, registry):
+    """Search the target's layers for its layer draft; the saved choice and where it was saved."""
+    from specrun.modelkit.layer_choice import save_choice
+    from specrun.registry.loading import DEFAULT_TARGET, LoadOptions, check_layer_target, open_backend
+    from specrun.sessions import layer_search
+    from specrun.sessions.prompts import CODE_PROMPTS
+
+    target = target or DEFAULT_TARGET
+    target_backend = open_backend(target, LoadOptions(backend=backend, registry=registry))
+    err = Console(stderr=True)
+    try:
+        check_layer_target(target_backend, "self:layers")
+        prompts = [target_backend.tokenize(text) for text in CODE_PROMPTS[:n_prompts]]
+        budget = layer_search.DEFAULT_BUDGET if budget is None else budget
+        err.print(f"searching which of {target}'s {target_backend.n_layers} layers its draft keeps "
+                  f"(budget {budget:g} s)")
+        choice, search = layer_search.tune_layers(target_backend, prompts, max_tokens, budget, target,
+                                                  on_progress=err.print)
+    finally:
+        target_backend.close()
+    ending = "down to one layer" if search.finished else "stopped at the budget"
+    err.print(f"searched {search.searched} sets in {search.rounds} rounds ({search.seconds:.0f} s, {ending}); "
+              f"the fewest layers scored: {search.fewest}")
+    return choice, save_choice(choice)
+
+
+def render_layer_choices(choices) -> Group:
+    """Each saved layer choice: the layers, their agreement, modeled and measured speed-ups."""
+    from specrun.modelkit.layer_choice import layer_ranges
+
+    blocks: list = [Text("tuned layer choices (specrun tune --draft self:layers)", style="bold")]
+    for choice in choices:
+        plain, drafted = choice.tokens_per_second.get("none"), choice.tokens_per_second.get(
+            f"draft k={choice.draft_len}")
+        blocks.append(Text(f"\n{choice.target}", style="bold"))
+        blocks.append(Text(f"  machine {choice.machine}"))
+        blocks.append(Text(f"  keeps {len(choice.kept)} of {choice.n_layers} layers: {layer_ranges(choice.kept)}"))
+        blocks.append(Text(f"  agreement {100 * choice.agreement:.0f}% on the calibration text; modeled speed-up "
+                           f"{choice.modeled_speedup:.2f}× at draft length {choice.draft_len} "
+                           "(draft cost = kept/all layers of a target pass)"))
+        rates = f" ({drafted:.1f} against {plain:.1f} tok/s)" if plain and drafted else ""
+        blocks.append(Text(f"  measured against plain decoding: {choice.measured_speedup:.2f}×{rates}"))
+        if choice.measured_speedup < 1.0:
+            blocks.append(Text("  plain decoding is faster here: --draft self:layers with these layers would slow "
+                               "generation down on this machine", style="yellow"))
+        blocks.append(Text(f"  searched {choice.searched} sets in {choice.seconds:.0f} s"))
+    return Group(*blocks)
 
 
 def render(results) -> Group:
