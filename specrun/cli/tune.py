@@ -146,8 +146,8 @@ def render_layer_choices(choices) -> Group:
         rates = f" ({drafted:.1f} against {plain:.1f} tok/s)" if plain and drafted else ""
         blocks.append(Text(f"  measured against plain decoding: {choice.measured_speedup:.2f}×{rates}"))
         if choice.measured_speedup < 1.0:
-            blocks.append(Text("  plain decoding is faster here: --draft self:layers with these layers would slow "
-                               "generation down on this machine", style="yellow"))
+            blocks.append(Text("  plain decoding was faster here: with these layers, --draft self:layers cannot "
+                               "speed generation up on this machine", style="yellow"))
         blocks.append(Text(f"  searched {choice.searched} sets in {choice.seconds:.0f} s"))
     return Group(*blocks)
 
