@@ -92,6 +92,10 @@ class CostedFake(FakeBackend):
         self.clock.now += self.base + self.per_token * len(tokens)
         return super().forward(tokens, logit_rows)
 
+    def forward_tree(self, tokens, tree, logit_rows):
+        self.clock.now += self.base + self.per_token * (len(tokens) + len(tree))
+        return super().forward_tree(tokens, tree, logit_rows)
+
 
 def agreeing_draft(target_table, alpha: float):
     """Greedy agreement with the target exactly ``alpha`` of the time, decided per context."""

@@ -614,6 +614,14 @@ class SpeculationGate:
         self.plain_seconds: float | None = None  # a plain step's seconds, measured while off (decayed)
         self._speculate()
 
+    def start_off(self, gap: int) -> None:
+        """Decode plainly for ``gap`` steps first, then retry (judged as a retry): for a method
+        an earlier process found slower than plain decoding here, or one the measured pass
+        costs say cannot pay (lookahead on a CPU), instead of losing a first stretch to find out."""
+        self.gap = max(1, min(gap, self.MAX_GAP))
+        self.speculating = False
+        self._plain_steps = 0
+
     def _speculate(self) -> None:
         """Start a stretch of speculating, judged on its own steps."""
         self.speculating = True

@@ -156,6 +156,7 @@ class AdaptivePolicy:
         self.max_paths = 0  # …and root-to-leaf paths (0: no cap)
         self._carried_gaps: dict[str, int] = {}  # a chain's paid drafters left off by the last text
         self._start_off: dict[str, int] = {}  # drafters earlier processes left off: for the first text
+        self._gate_off: int | None = None  # plain steps the next text starts with (start_gate_off)
         self._previous_pass: int | None = None  # tokens fed to the latest pass (None: the prefill)
         self.drafter: Drafter | None = None
         self.adaptive = True  # else fixed lengths, with a chain's paid drafters gated
@@ -183,6 +184,25 @@ class AdaptivePolicy:
         self.prior_accepts.update(prior_accepts or {})
         self._start_off = dict(start_off or {})
         self.controllers.clear()  # rebuilt on the new priors
+
+    def start_gate_off(self, gap: int) -> None:
+        """Start the next text decoding plainly for ``gap`` steps, then retry speculating: where
+        an earlier process ended with the gate off for a drafter whose cost is its proposals'
+        fixed size (a lookahead window), or the measured pass costs say it cannot pay."""
+        self._gate_off = gap
+
+    @property
+    def fixed_size_drafter(self) -> bool:
+        """Is the drafter one whose every proposal is verified whole (a lone lookahead window)?
+        Its loss, where it loses, is the machine's price of its pass, not the text's: a text that
+        ended with the gate off starts the next one off too."""
+        return self.drafter is not None and all(member.whole_proposals for member in self.drafter.members)
+
+    @property
+    def gate_off_gap(self) -> int:
+        """The plain steps the gate had to wait when the latest text ended with it off for a
+        fixed-size drafter (0: on, or a drafter whose cost follows the text)."""
+        return self.gate.gap if self.fixed_size_drafter and not self.gate.speculating else 0
 
     def forget_acceptance(self) -> None:
         """Drop what the controllers learned about acceptance (it belongs to the text); keep
@@ -228,7 +248,12 @@ class AdaptivePolicy:
         self._tree_scores.clear()
         self._previous_pass = None
         if self.adaptive:
+            carried, self._gate_off = self._gate_off, None
+            if carried is None and self.gate_off_gap:
+                carried = self.gate_off_gap
             self.gate.reset()
+            if carried is not None:
+                self.gate.start_off(carried)
         # Drafters that keep finding nothing are asked less often (a lone draft model finds
         # nothing only while its controller has it off, and is then asked on its probes).
         self._idle = IdleBackoff() if self.adaptive else None
