@@ -350,6 +350,7 @@ class Scenario:
     sharper_draft: bool = False  # the draft is _sharper(target), not an unrelated model
     draft_min_prob: float = 0.0  # the draft model's confidence stop (DraftModelDrafter.min_prob)
     branches: int = 0  # runner-up guesses as siblings: token trees (DrafterOptions.branches)
+    auto_lookahead: bool = False  # auto drafts with a lookahead window too (where pass costs say it pays)
 
     @property
     def draft_len(self) -> int:
@@ -395,6 +396,8 @@ SCENARIOS = {
     # drafter takes branches, by itself, and the n-gram pool adaptive as well.
     **{f"{method} tree": Scenario(method, branches=TREE_BRANCHES) for method in METHODS if branches_taken(method)},
     "ngram tree adaptive": Scenario("ngram", adaptive=True, branches=TREE_BRANCHES),
+    # auto with a lookahead window beside its drafters (lookup+ngram+lookahead+draft)
+    "auto lookahead": Scenario("auto", auto_lookahead=True),
 }
 
 
@@ -414,7 +417,8 @@ def fake_engine(scenario: Scenario) -> SpeculativeEngine:
     target = CostedFake(table, clock, 1.0, 0.02, vocab_size=VOCAB, **hidden)
     draft = CostedFake(draft_table, clock, 0.02, 0.0, vocab_size=VOCAB)
     uses_draft = needs_draft_model(scenario.method) or scenario.method == "auto"
-    options = DrafterOptions(draft_min_prob=scenario.draft_min_prob, branches=scenario.branches, heads=heads)
+    options = DrafterOptions(draft_min_prob=scenario.draft_min_prob, branches=scenario.branches, heads=heads,
+                             auto_lookahead=scenario.auto_lookahead)
     drafter = build_drafter(scenario.method, draft if uses_draft else None, options)
     return SpeculativeEngine(target, drafter, method=scenario.method, clock=clock)
 

@@ -48,6 +48,7 @@ from specrun.cli.common import (
     check_range,
     checked_sampling,
     checked_lookahead,
+    uses_window,
     checked_trees,
     cli_errors,
     read_prompt,
@@ -115,7 +116,7 @@ def generate(
         check_generation_options(max_tokens, draft_len, draft_min_prob, ctx, threads)
         check_kv_type(kv_type, exact)
         lookahead_sizes = checked_lookahead(lookahead, (method,))
-        trees = checked_trees(chain_only, tree_nodes, branches, lookahead_sizes)
+        trees = checked_trees(chain_only, tree_nodes, branches, lookahead_sizes, window=uses_window((method,)))
         sampling = checked_sampling("generate", temp, top_k, top_p, min_p, seed)
         text = read_prompt(prompt)
         target, draft = choose_pair(target, draft, registry)

@@ -51,6 +51,7 @@ from specrun.cli.common import (
     check_kv_type,
     checked_sampling,
     checked_lookahead,
+    uses_window,
     checked_trees,
     checked_text,
     cli_errors,
@@ -133,7 +134,7 @@ def chat_command(
         check_kv_type(kv_type, exact)
         # The session fills in the draft length: the user's, else the longest an adaptive run may choose.
         lookahead_sizes = checked_lookahead(lookahead, (method,))
-        trees = checked_trees(chain_only, tree_nodes, branches, lookahead_sizes)
+        trees = checked_trees(chain_only, tree_nodes, branches, lookahead_sizes, window=uses_window((method,)))
         params = GenerationParams(max_tokens, 0, checked_sampling("chat", temp, top_k, top_p, min_p, seed),
                                   tree_nodes=trees.nodes)
         interactive = sys.stdin.isatty()

@@ -114,30 +114,43 @@ def check_range(name: str, value: int | float | None, low: float, high: float) -
         raise UsageError(f"{name} must be between {low:g} and {high:g}, got {value}", f"pass a valid {name}")
 
 
-def checked_trees(chain: bool, tree_nodes: int | None, branches: int | None, lookahead=None):
+def checked_trees(chain: bool, tree_nodes: int | None, branches: int | None, lookahead=None, window: bool = False):
     """The token-tree options as TreeSettings, or a usage error naming the bad or clashing one.
-    ``lookahead``: the LookaheadSizes of a method in the run that drafts with a window (a tree)."""
-    from specrun.sessions.generation import resolve_trees
+    ``window``: a method in the run drafts with a lookahead window (a tree) of the sizes
+    ``lookahead`` (--lookahead), or of sizes chosen once the target is loaded (None)."""
+    from specrun.sessions.generation import resolve_trees, window_room
 
     if chain and (tree_nodes is not None or branches):
         clash = "--tree-nodes" if tree_nodes is not None else "--branches"
         raise UsageError(f"--chain and {clash} contradict each other", "drop one of them")
-    if chain and lookahead is not None:
+    if chain and window:
         raise UsageError("--chain contradicts --method lookahead: its window is verified as a token tree",
                          "drop --chain, or pick another method")
     check_range("--tree-nodes", tree_nodes, 1, MAX_TREE_NODES)
     check_range("--branches", branches, 0, MAX_BRANCHES)
-    if lookahead is not None and tree_nodes is not None and tree_nodes < lookahead.max_nodes:
-        raise UsageError(f"--tree-nodes {tree_nodes} cannot hold the lookahead window and candidates "
-                         f"({lookahead.max_nodes} nodes)", "drop --tree-nodes (the window sizes its pass), or shrink "
-                         "--lookahead")
-    return resolve_trees(chain, tree_nodes, branches, lookahead)
+    room = window_room(lookahead, tree_nodes) if window else None
+    if room is not None and tree_nodes is not None and tree_nodes < room.max_nodes:
+        if lookahead is not None:
+            raise UsageError(f"--tree-nodes {tree_nodes} cannot hold the lookahead window and candidates "
+                             f"({room.max_nodes} nodes)", "drop --tree-nodes (the window sizes its pass), or shrink "
+                             "--lookahead")
+        raise UsageError(f"--tree-nodes {tree_nodes} cannot hold the smallest lookahead window ({room.max_nodes} "
+                         "nodes)", f"drop --tree-nodes (the window sizes its pass), or pass at least {room.max_nodes}")
+    return resolve_trees(chain, tree_nodes, branches, room)
+
+
+def uses_window(methods: Sequence[str]) -> bool:
+    """Does a method of ``methods`` draft with a lookahead window (a tree every pass)?"""
+    from specrun.drafters.methods import uses_lookahead
+
+    return any(uses_lookahead(method) for method in methods)
 
 
 def checked_lookahead(text: str | None, methods: Sequence[str]):
-    """The lookahead sizes of a run (``--lookahead WINDOW:NGRAM:CANDIDATES``, else the defaults)
-    when one of ``methods`` drafts with a lookahead window, else None; a usage error for a bad
-    value or one given to methods that do not use it."""
+    """The lookahead sizes given (``--lookahead WINDOW:NGRAM:CANDIDATES``) when one of ``methods``
+    drafts with a lookahead window; None when none was given (they are then chosen from the
+    target's pass costs) or no method uses one; a usage error for a bad value or one given to
+    methods that do not use it."""
     from specrun.drafters.lookahead import LookaheadSizes
     from specrun.drafters.methods import uses_lookahead
 
@@ -147,7 +160,7 @@ def checked_lookahead(text: str | None, methods: Sequence[str]):
                              "drop --lookahead, or pass --method lookahead")
         return None
     if text is None:
-        return LookaheadSizes()
+        return None
     parts = text.split(":")
     if len(parts) != 3 or not all(part.isascii() and part.isdigit() for part in parts):
         raise UsageError(f"--lookahead takes WINDOW:NGRAM:CANDIDATES, got {text!r}", "pass e.g. --lookahead 5:4:3")

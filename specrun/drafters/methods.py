@@ -65,13 +65,18 @@ class DrafterOptions:
     # What head methods draft with: heads of their kind, or several kinds as a tuple (a bench of both).
     heads: MedusaHeads | EagleHeads | tuple[MedusaHeads | EagleHeads, ...] | None = None
     lookahead: LookaheadSizes | None = None  # the lookahead window and pool (None: the defaults)
+    # auto drafts with a lookahead window too (of ``lookahead``'s sizes): where the target's
+    # measured pass costs predict it pays (sessions/lookahead_sizing.py)
+    auto_lookahead: bool = False
 
 
-def resolve_method(method: str, has_draft: bool = True) -> str:
-    """``auto`` is the full chain (without a draft model when there is none); the engine
-    then adapts draft lengths and gates speculation."""
+def resolve_method(method: str, has_draft: bool = True, lookahead: bool = False) -> str:
+    """``auto`` is the full chain (without a draft model when there is none; with a lookahead
+    window after the cheap drafters where ``lookahead``); the engine then adapts draft lengths
+    and gates speculation."""
     if method == "auto":
-        return AUTO_CHAIN if has_draft else "lookup+ngram"
+        window = "+lookahead" if lookahead else ""
+        return f"lookup+ngram{window}+draft" if has_draft else f"lookup+ngram{window}"
     return method
 
 
@@ -128,8 +133,9 @@ def build_drafter(method: str, draft: Backend | None, options: DrafterOptions | 
         given = options.heads if not isinstance(options.heads, tuple) else options.heads[0]
         raise UsageError(f"method {method!r} drafts with {kind} heads, not {given.config.kind} heads",
                          f"pass {kind} heads with --heads, or train them with specrun heads train --kind {kind}")
-    parts = resolve_method(method, has_draft=draft is not None).split("+")
-    members = [_build_one(part, draft, options or DrafterOptions()) for part in parts]
+    options = options or DrafterOptions()
+    parts = resolve_method(method, has_draft=draft is not None, lookahead=options.auto_lookahead).split("+")
+    members = [_build_one(part, draft, options) for part in parts]
     return members[0] if len(members) == 1 else ChainDrafter(members)
 
 

@@ -35,7 +35,8 @@ from specrun.drafters.ngram import vocabulary_fingerprint
 from specrun.engine.loop import Finished, GenerationParams, GenerationResult, SpeculativeEngine, TextChunk
 from specrun.errors import ContextFullError, UsageError
 from specrun.sessions.generation import (
-    adapts_length, check_trees_for, load_target_heads, load_tuned, remember_run, resolve_draft_len, resolve_min_prob
+    adapts_length, check_trees_for, choose_window, load_target_entry, load_target_heads, load_tuned, remember_run,
+    resolve_draft_len, resolve_min_prob,
 )
 from specrun.backends.kv import common_prefix_len, sequence_for
 from specrun.drafters.lookahead import LookaheadSizes
@@ -48,9 +49,13 @@ from specrun.drafters.methods import (
     heads_of_kind,
     needs_draft_model,
     needs_heads,
+    uses_lookahead,
 )
 from specrun.engine.stats import Stats
 from specrun.sessions.templates import ChatTemplate, message_spans, tokenize_rendered
+
+# What a lookahead window's pass-cost probe feeds first where the chat has no system prompt.
+PROBE_TEXT = "You are a helpful assistant. Answer the question below clearly and briefly."
 
 
 @dataclass(frozen=True)
@@ -170,7 +175,20 @@ class ChatSession:
         self.engine = SpeculativeEngine(target, None, method)
         self._use_tuned(tuned)
         check_trees_for(method, target, self._drafter_options.lookahead)
-        self.engine.set_drafter(build_drafter(method, draft, self._drafter_options), method)
+        self.engine.set_drafter(self._drafter_for(method), method)
+
+    def _drafter_for(self, method: str):
+        """The drafter of ``method``; a lookahead window's sizes, where none were given, chosen
+        once from the target's pass costs (earlier runs', else probed on the system prompt)."""
+        if uses_lookahead(method) and self._drafter_options.lookahead is None:
+            from specrun.sessions.lookahead_sizing import covers, fitting
+
+            stored = load_target_entry(self.target, self._threads)
+            costs = stored.target_costs if stored is not None and covers(stored.target_costs) else None
+            probe = self.target.tokenize(self.system_prompt or PROBE_TEXT, add_bos=self.target.vocab.add_bos)
+            choice = choose_window(self.target, costs, fitting(0, self.target.tree_support.max_paths), probe)
+            self._drafter_options = dataclasses.replace(self._drafter_options, lookahead=choice.sizes)
+        return build_drafter(method, self.draft, self._drafter_options)
 
     def _use_tuned(self, tuned) -> None:
         """Take what `specrun tune` saved: the confidence stop (where the user chose none) for
@@ -324,7 +342,7 @@ class ChatSession:
                                  "start specrun chat with --heads FILE")
             self._drafter_options = dataclasses.replace(self._drafter_options, heads=self._load_heads(kind=kind))
         check_trees_for(method, self.target, self._drafter_options.lookahead)
-        drafter = build_drafter(method, self.draft, self._drafter_options)
+        drafter = self._drafter_for(method)
         previous = self.engine.drafter
         if previous is not None:  # first: a head drafter stops the target's hidden states when closed
             previous.close()

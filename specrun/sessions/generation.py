@@ -18,7 +18,8 @@ from specrun.drafters.methods import (
     needs_heads,
     uses_lookahead,
 )
-from specrun.drafters.lookahead import LookaheadSizes
+from specrun.drafters.lookahead import LADDER, LookaheadSizes
+from specrun.control.adaptive import SpeculationGate
 from specrun.errors import AnswerKeptError, SpecrunError, UsageError
 from specrun.sampling import SamplingSettings
 
@@ -64,19 +65,29 @@ def resolve_trees(
                         lookahead.window + lookahead.candidates)
 
 
+def window_room(lookahead: LookaheadSizes | None, tree_nodes: int | None = None) -> LookaheadSizes:
+    """The window a target is opened for: ``lookahead``, the sizes the user gave, else the widest
+    of the sizes lookahead may choose from (the choice is made once the target is loaded: its
+    pass costs decide) that ``tree_nodes`` (--tree-nodes) holds."""
+    if lookahead is not None:
+        return lookahead
+    fitting = [sizes for sizes in LADDER if tree_nodes is None or sizes.max_nodes <= tree_nodes]
+    return fitting[-1] if fitting else LADDER[0]
+
+
 def method_trees(method: str, lookahead: LookaheadSizes | None = None) -> TreeSettings:
     """The trees a target must hold for ``method`` where no option asks for trees: a lookahead
-    window's (``lookahead``, else the default sizes), else none (chains)."""
+    window's (``lookahead``, else room for any size it may choose), else none (chains)."""
     if not uses_lookahead(method):
         return TreeSettings()
-    return resolve_trees(False, None, None, lookahead or LookaheadSizes())
+    return resolve_trees(False, None, None, window_room(lookahead))
 
 
 def check_trees_for(method: str, target, lookahead: LookaheadSizes | None = None) -> None:
     """A UsageError where ``method`` drafts with a lookahead window and ``target`` cannot verify
     its tree (a model whose cache holds no trees, or a llama.cpp context opened for fewer paths):
     verified as a chain, its window would learn nothing and every pass would cost more for it."""
-    needed = method_trees(method, lookahead).paths
+    needed = method_trees(method, lookahead or LADDER[0]).paths
     if not needed:
         return
     support = target.tree_support
@@ -128,15 +139,70 @@ def load_tuned(target, draft, threads):
     return tuning.load(key) or tuning.load(key, tuning.learned_path())
 
 
+def load_target_entry(target, threads):
+    """What earlier runs of ``target`` with no draft model learned on this machine (its pass
+    costs, its gate), or None."""
+    from specrun.sessions import tuning
+
+    return tuning.load(tuning.pair_key(target, None, threads), tuning.learned_path())
+
+
 def remember_run(engine, target, draft, threads, tuned) -> None:
-    """Keep what this run measured for the next (unless `specrun tune` calibrated the pair)."""
-    if draft is None or (tuned is not None and not tuned.learned):
+    """Keep what this run measured for the next (unless `specrun tune` calibrated the pair);
+    a run with no draft model keeps the target's pass costs and its gate, for lookahead."""
+    if engine.drafter is None or (tuned is not None and not tuned.learned):
         return
     from specrun.sessions import tuning
 
     learned = tuning.learn_from_run(engine, target, draft, tuning.pair_key(target, draft, threads), tuned)
-    if learned is not None:
+    if learned is None:
+        return
+    try:
         tuning.save(learned, tuning.learned_path())
+    except SpecrunError:
+        # A full disk or a read-only config folder: what a run learned is a cache of its
+        # measurements (the next run measures again), never worth the answer; nothing is
+        # half-written (write_atomically).
+        pass
+
+
+def choose_window(target, costs: dict[int, float] | None, fits, prompt_ids: list[int]):
+    """Lookahead's sizes (a SizeChoice) from ``costs`` (earlier runs'), else from a probe of the
+    target's passes after the start of ``prompt_ids``."""
+    from specrun.sessions import lookahead_sizing as sizing
+    from specrun.sessions.tuning import time_passes
+
+    if costs is None:
+        probe = prompt_ids[:sizing.PROBE_CONTEXT]
+        costs = sizing.probe_costs(lambda counts: time_passes(target, probe, counts, sizing.PROBE_REPEATS), fits)
+    return sizing.choose(costs, fits)
+
+
+def size_lookahead(method: str, target, options: DrafterOptions, params: GenerationParams, stored,
+                   prompt_ids: list[int]):
+    """``options`` and ``params`` with lookahead's sizes chosen from this machine's pass costs,
+    and the choice (None where nothing was chosen):
+
+    - ``--method lookahead`` (or a chain with it) without ``--lookahead``: the sizes the costs
+      favour, from ``stored`` (an earlier run's ``load_target_entry``) or a probe of a few passes.
+    - ``auto`` where the target verifies trees and the stored costs predict a window pays by
+      ``AUTO_MARGIN``: auto drafts with one too (probing nothing).
+    """
+    from specrun.sessions import lookahead_sizing as sizing
+
+    costs = stored.target_costs if stored is not None and sizing.covers(stored.target_costs) else None
+    support = target.tree_support
+    fits = sizing.fitting(params.tree_nodes, support.max_paths)
+    if uses_lookahead(method) and options.lookahead is None:
+        choice = choose_window(target, costs, fits, prompt_ids)
+        return dataclasses.replace(options, lookahead=choice.sizes), params, choice
+    if not (is_adaptive(method) and support.available and costs is not None):
+        return options, params, None
+    choice = sizing.choose(costs, fits)
+    if choice.predicted < sizing.AUTO_MARGIN:
+        return options, params, None
+    options = dataclasses.replace(options, lookahead=choice.sizes, auto_lookahead=True)
+    return options, dataclasses.replace(params, tree_nodes=max(params.tree_nodes, choice.sizes.max_nodes)), choice
 
 
 def adapts_length(method: str, requested: int | None) -> bool:
@@ -230,10 +296,6 @@ def generate_text(request: GenerateRequest, on_text: Callable[[str], None] | Non
             options = dataclasses.replace(options, heads=load_target_heads(
                 request.target, request.heads, target, request.load.registry, heads_kind(request.method)))
         check_trees_for(request.method, target, options.lookahead)
-        drafter = build_drafter(request.method, draft, options)
-        if request.trees.paths and not target.tree_support.available and request.on_note is not None:
-            request.on_note(f"token trees are off: {target.tree_support.reason}; verifying chains")
-        engine = SpeculativeEngine(target, drafter, method=request.method)
         chat = prompts_as_chat(request.target, request.load.registry, target, request.chat)
         prompt_ids = prompt_token_ids(target, request.prompt, chat)
         params = GenerationParams(
@@ -243,8 +305,25 @@ def generate_text(request: GenerateRequest, on_text: Callable[[str], None] | Non
             adaptive=adapts_length(request.method, request.draft_len),
             tree_nodes=request.trees.nodes,
         )
+        choice = None
+        if draft is None:  # lookahead's sizes (and whether auto drafts with a window) from the pass costs
+            tuned = load_target_entry(target, request.load.threads)
+            options, params, choice = size_lookahead(request.method, target, options, params, tuned, prompt_ids)
+            if choice is not None and request.on_note is not None:
+                request.on_note(choice.describe())
+            if tuned is not None and choice is None:
+                tuned = None  # no window: the target's own entry says nothing this run uses
+        drafter = build_drafter(request.method, draft, options)
+        if request.trees.paths and not target.tree_support.available and request.on_note is not None:
+            request.on_note(f"token trees are off: {target.tree_support.reason}; verifying chains")
+        engine = SpeculativeEngine(target, drafter, method=request.method)
         if tuned is not None:
             tuned.apply(engine)  # the controllers start from measured costs
+        if choice is not None:
+            engine.policy.target_costs.preload(choice.costs)  # a probe's too: remembered for the next run
+        if draft is None and choice is not None and params.adaptive and choice.predicted < 1.0 and \
+                (tuned is None or not tuned.gate_off_gap):
+            engine.policy.start_gate_off(SpeculationGate.FIRST_GAP)  # predicted slower: find out later, not first
         for event in engine.stream(prompt_ids, params, complete_cache=False):
             if isinstance(event, TextChunk) and on_text is not None and event.text:
                 on_text(event.text)

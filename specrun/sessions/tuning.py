@@ -61,6 +61,10 @@ class TuneResult:
     # The draft model ended the last run switched off, to be probed after this many steps
     # (0: it ended on): the next process starts it off instead of exploring it again.
     draft_off_gap: int = 0
+    # A run with no draft model whose gate ended off for a fixed-size drafter (a lookahead
+    # window that does not pay here): the next process starts it off, retried after this many
+    # plain steps (AdaptivePolicy.gate_off_gap; 0: it ended on).
+    gate_off_gap: int = 0
 
     def apply(self, engine: SpeculativeEngine) -> None:
         """Let ``engine``'s controllers start from these measurements (generate, chat, bench):
@@ -73,6 +77,8 @@ class TuneResult:
             {name: self.first_acceptance} if self.first_acceptance > 0.0 else {},
             {name: self.draft_off_gap} if self.draft_off_gap else {},
         )
+        if self.gate_off_gap:
+            engine.policy.start_gate_off(self.gate_off_gap)
 
 
 def config_path() -> Path:
@@ -90,14 +96,16 @@ def learned_path() -> Path:
 MIN_LEARNED_STEPS = 4.0
 
 
-def learn_from_run(engine: SpeculativeEngine, target: Backend, draft: Backend, key: str,
+def learn_from_run(engine: SpeculativeEngine, target: Backend, draft: Backend | None, key: str,
                    earlier: TuneResult | None) -> TuneResult | None:
     """What a finished run measured, as a result later runs start from, as from a tune's:
     the target's and the draft model's costs, how often the draft model's first token was
     accepted (blended with ``earlier``'s), and whether it ended switched off. A draft model
     that does not pay on this machine then starts the next process off, probed after the
     gap it had reached, instead of explored afresh in every one. None when the run measured
-    nothing of the draft model."""
+    nothing of the draft model. With no draft model (``draft`` None): the target's own entry."""
+    if draft is None:
+        return _learn_target(engine, target, key)
     name = DraftModelDrafter.name
     costs = engine.policy.draft_costs.get(name)
     controller = engine.policy.controllers.get(name)
@@ -126,6 +134,27 @@ def learn_from_run(engine: SpeculativeEngine, target: Backend, draft: Backend, k
     )
 
 
+def _learn_target(engine: SpeculativeEngine, target: Backend, key: str) -> TuneResult | None:
+    """What a run with no draft model measured: the target's pass costs (lookahead's sizes are
+    chosen from them) and whether its gate ended off for a fixed-size drafter."""
+    if not engine.policy.target_costs.seconds:
+        return None
+    return TuneResult(
+        key=key,
+        target=model_id(target),
+        draft=NO_DRAFT,
+        machine=machine_id(),
+        best_draft_len=0,
+        speedup=0.0,
+        target_costs=dict(engine.policy.target_costs.seconds),
+        learned=True,
+        gate_off_gap=engine.policy.gate_off_gap,
+    )
+
+
+NO_DRAFT = "none"  # the draft of a target's own entry (runs with no draft model)
+
+
 def machine_id() -> str:
     return f"{platform.node()}|{platform.machine()}|{os.cpu_count()} cpus|{platform.processor() or '?'}"
 
@@ -139,8 +168,9 @@ def model_id(backend: Backend) -> str:
     return f"{name}|{variant}" if variant else name
 
 
-def pair_key(target: Backend, draft: Backend, threads: int | None) -> str:
-    raw = f"{model_id(target)}|{model_id(draft)}|{machine_id()}|threads={threads}"
+def pair_key(target: Backend, draft: Backend | None, threads: int | None) -> str:
+    """The key of a pair's entry; with no draft, of the target's own (runs without a draft model)."""
+    raw = f"{model_id(target)}|{model_id(draft) if draft is not None else NO_DRAFT}|{machine_id()}|threads={threads}"
     return hashlib.sha256(raw.encode()).hexdigest()[:16]
 
 
@@ -246,6 +276,12 @@ def _interleaved(target, draft, prompts, max_new_tokens, configs, on_progress, r
 
 def _verify_costs(target: Backend, prompt: list[int], repeats: int = 7) -> dict[int, float]:
     """Median seconds of a target pass over n tokens, n = 1..9."""
+    return time_passes(target, prompt, range(1, 10), repeats)
+
+
+def time_passes(target: Backend, prompt: list[int], counts, repeats: int = 7) -> dict[int, float]:
+    """Median seconds of a target pass over n tokens after ``prompt``, for each n of ``counts``
+    (the prompt's tokens again, as many as needed: what a pass costs does not depend on them)."""
     from time import perf_counter
 
     from specrun.backends.kv import sequence_for
@@ -254,11 +290,12 @@ def _verify_costs(target: Backend, prompt: list[int], repeats: int = 7) -> dict[
     sequence.reset()
     sequence.feed(prompt)
     costs = {}
-    for n in range(1, 10):
+    for n in counts:
+        tokens = (prompt * (n // max(len(prompt), 1) + 1))[:n]
         samples = []
         for _ in range(repeats):
             started = perf_counter()
-            sequence.feed_argmax(prompt[:n], range(n))
+            sequence.feed_argmax(tokens, range(n))
             samples.append(perf_counter() - started)
             sequence.rewind(len(prompt))
         costs[n] = statistics.median(samples)
@@ -337,7 +374,8 @@ def _checked_result(raw) -> TuneResult:
     for name in ("key", "target", "draft", "machine"):
         if name in values and not isinstance(values[name], str):
             raise TypeError(f"{name} is not a string")
-    for name, high in (("best_draft_len", max(DRAFT_LENGTHS)), ("draft_off_gap", MAX_DRAFT_OFF_GAP)):
+    for name, high in (("best_draft_len", max(DRAFT_LENGTHS)), ("draft_off_gap", MAX_DRAFT_OFF_GAP),
+                       ("gate_off_gap", MAX_DRAFT_OFF_GAP)):
         if name in values:
             values[name] = _number(name, values[name], 0, high, integer=True)
     for name, high in (("speedup", MAX_MEASURE), ("acceptance", 1), ("best_min_prob", 1), ("first_acceptance", 1)):

@@ -151,7 +151,9 @@ def test_lookahead_gives_plain_decoding_s_text_with_the_target_opened_for_its_tr
     (["--method", "lookahead", "--lookahead", "5:-4:3"], "--lookahead takes WINDOW:NGRAM:CANDIDATES"),
     (["--method", "lookup", "--lookahead", "5:4:3"], "--lookahead sets the lookahead method's window"),
     (["--method", "lookahead", "--chain"], "--chain contradicts --method lookahead"),
-    (["--method", "lookahead", "--tree-nodes", "8"], "--tree-nodes 8 cannot hold the lookahead window"),
+    (["--method", "lookahead", "--lookahead", "5:4:3", "--tree-nodes", "8"],
+     "--tree-nodes 8 cannot hold the lookahead window"),
+    (["--method", "lookahead", "--tree-nodes", "8"], "--tree-nodes 8 cannot hold the smallest lookahead window"),
 ])
 def test_lookahead_sizes_out_of_range_or_contradicting_are_usage_errors(args, message):
     result = runner.invoke(app, ["generate", "x", *args])
@@ -177,7 +179,7 @@ def test_a_lookahead_method_turns_trees_on_for_its_window_alone():
 
 @pytest.mark.parametrize("tree_paths, message", [
     (0, "method 'lookahead' verifies a token tree, and this target cannot: "),
-    (2, "method 'lookahead' verifies a token tree of up to 8 paths, and this target was opened for 2"),
+    (2, "method 'lookahead' verifies a token tree of up to 5 paths, and this target was opened for 2"),
 ])
 def test_switching_a_chat_to_lookahead_on_a_target_opened_for_fewer_paths_is_refused(tree_paths, message):
     """Verified as a chain, the window would learn nothing and every pass would cost more."""

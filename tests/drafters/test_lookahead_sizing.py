@@ -1,0 +1,214 @@
+"""Lookahead's sizes chosen from this machine's pass costs, its gate started off where it cannot
+pay, what a run remembers for the next, and auto drafting with a window where the costs say so
+(issue 30, items 3 and 4)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from specrun.backends.fake import FakeBackend
+from specrun.control.policy import AdaptivePolicy
+from specrun.drafters.lookahead import LADDER, TOKENS_PER_PASS, LookaheadDrafter, choose_sizes, predicted_speedup
+from specrun.drafters.lookup import PromptLookupDrafter
+from specrun.drafters.methods import DrafterOptions, build_drafter
+from specrun.engine.loop import GenerationParams, SpeculativeEngine
+from specrun.sessions import lookahead_sizing as sizing
+from specrun.sessions.generation import size_lookahead
+from specrun.sessions.tuning import TuneResult
+
+SMALLEST, WIDEST = LADDER[0], LADDER[-1]
+
+
+def cpu_like(n: int) -> float:
+    """Each token of a pass costs 0.45 of a plain step (docs/perf.md 3(f), SmolLM2 on 2 cores)."""
+    return 1.0 + 0.45 * (n - 1)
+
+
+def gpu_like(n: int) -> float:
+    """A memory-bound pass: 200 tokens cost about what one does."""
+    return 1.0 + 0.002 * (n - 1)
+
+
+def seconds_of(relative, counts, plain: float = 0.01) -> dict[int, float]:
+    return {n: plain * relative(n) for n in counts}
+
+
+# ---- the choice -----------------------------------------------------------------------------
+def test_a_pass_as_dear_as_its_tokens_picks_the_smallest_window_and_predicts_a_loss():
+    sizes, predicted = choose_sizes(cpu_like)
+    assert sizes == SMALLEST
+    assert predicted == pytest.approx(TOKENS_PER_PASS[SMALLEST] / cpu_like(1 + SMALLEST.max_nodes))
+    assert predicted < 1.0
+
+
+def test_a_flat_pass_cost_picks_the_window_that_yields_most():
+    sizes, predicted = choose_sizes(gpu_like)
+    best_yield = max(LADDER, key=lambda each: TOKENS_PER_PASS[each] / gpu_like(1 + each.max_nodes))
+    assert sizes == best_yield and sizes != SMALLEST
+    assert predicted == pytest.approx(predicted_speedup(sizes, gpu_like)) and predicted > 1.0
+
+
+def test_only_sizes_the_opened_target_holds_are_chosen():
+    fits = sizing.fitting(max_nodes=0, max_paths=SMALLEST.paths)
+    assert choose_sizes(gpu_like, fits)[0] == SMALLEST
+    assert [sizes for sizes in LADDER if sizing.fitting(30, 0)(sizes)] == [s for s in LADDER if s.max_nodes <= 30]
+
+
+def test_stored_costs_say_enough_only_with_plain_decoding_and_a_window_wide_pass():
+    assert not sizing.covers(None) and not sizing.covers({})
+    assert not sizing.covers({1: 0.01, 5: 0.02})  # chains' passes only
+    assert not sizing.covers({2: 0.01, 40: 0.02})  # no plain pass
+    assert sizing.covers({1: 0.01, 1 + SMALLEST.max_nodes: 0.02})
+
+
+def test_relative_costs_extend_the_measured_passes_by_a_line():
+    relative = sizing.relative_costs(seconds_of(cpu_like, [1, 2, 5, 10]))
+    assert relative(1) == pytest.approx(1.0)
+    assert relative(10) == pytest.approx(cpu_like(10), rel=0.05)
+    assert relative(60) == pytest.approx(cpu_like(60), rel=0.1)  # extrapolated, not measured
+
+
+@pytest.mark.parametrize("relative, probed", [(cpu_like, 1), (gpu_like, len(LADDER))])
+def test_the_probe_stops_once_no_wider_window_can_pay(relative, probed):
+    """On a CPU one window-wide pass already costs more plain steps than any size yields tokens."""
+    asked: list[list[int]] = []
+
+    def time_passes(counts):
+        asked.append(list(counts))
+        return seconds_of(relative, counts)
+
+    costs = sizing.probe_costs(time_passes, lambda sizes: True)
+    assert asked[0] == [1]
+    assert asked[1:] == [[1 + sizes.max_nodes] for sizes in LADDER[:probed]]
+    assert set(costs) == {1, *(1 + sizes.max_nodes for sizes in LADDER[:probed])}
+
+
+# ---- the gate -------------------------------------------------------------------------------
+def lone_window_policy() -> AdaptivePolicy:
+    policy = AdaptivePolicy()
+    policy.set_drafter(LookaheadDrafter())
+    policy.configure(16, adaptive=True, max_nodes=30)
+    return policy
+
+
+def test_a_gate_started_off_decodes_plainly_for_its_gap_then_retries():
+    policy = lone_window_policy()
+    policy.start_gate_off(5)
+    policy.start_text(10)
+    assert not policy.gate.speculating and policy.gate_off_gap == 5
+    for _ in range(5):
+        policy.gate.record(1, 0.01, False, 0.01)
+    assert policy.gate.speculating  # the retry
+    policy.start_text(10)  # the next text starts speculating: the start-off was for one text
+    assert policy.gate.speculating
+
+
+def test_a_lone_window_left_off_by_one_text_starts_the_next_off_and_a_chain_does_not():
+    policy = lone_window_policy()
+    policy.start_text(10)
+    policy.gate.start_off(64)  # as the gate leaves it after judging the window slower
+    policy.start_text(10)
+    assert not policy.gate.speculating and policy.gate.gap == 64
+    chain = AdaptivePolicy()
+    chain.set_drafter(build_drafter("lookup+ngram", None))
+    chain.configure(16, adaptive=True)
+    chain.start_text(10)
+    chain.gate.start_off(64)
+    assert chain.gate_off_gap == 0  # its loss follows the text: the next text speculates first
+    chain.start_text(10)
+    assert chain.gate.speculating
+
+
+# ---- runs: the choice, what they remember, auto ---------------------------------------------
+runner = CliRunner()
+PROMPT = "def add(a, b):\n    return a + b\n\n\ndef add(a, b):\n"
+
+
+def generate(*args: str):
+    result = runner.invoke(app_(), ["generate", PROMPT, "--raw", "--json", "-n", "32", "--target", "demo-target",
+                                    "--backend", "llama", "--exact", *args])
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout), result.stderr
+
+
+def app_():
+    from specrun.cli.app import app
+
+    return app
+
+
+def learned_entries(config) -> list[dict]:
+    path = config / "specrun" / "learned.json"
+    return list(json.loads(path.read_text())["pairs"].values()) if path.exists() else []
+
+
+def test_lookahead_without_sizes_chooses_them_says_so_and_the_next_run_reads_the_costs(tmp_path, monkeypatch):
+    pytest.importorskip("llama_cpp")
+    import specrun.sessions.tuning as tuning
+
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
+    plain, _ = generate("--method", "none")
+    first, notes = generate("--method", "lookahead")
+    assert first["text"] == plain["text"]
+    assert "note: lookahead " in notes and "chosen from this machine's pass costs, predicted" in notes
+    [entry] = learned_entries(tmp_path)
+    assert entry["draft"] == tuning.NO_DRAFT and sizing.covers({int(n): s for n, s in entry["target_costs"].items()})
+
+    def no_probe(*args, **kwargs):
+        raise AssertionError("the stored costs were enough: no probe")
+
+    monkeypatch.setattr(tuning, "time_passes", no_probe)
+    second, notes = generate("--method", "lookahead")
+    assert second["text"] == plain["text"] and "chosen from this machine's pass costs" in notes
+
+
+def test_a_window_predicted_slower_starts_its_gate_off(monkeypatch):
+    """Predicted below plain decoding's speed, the window is first tried after a plain stretch."""
+    target = FakeBackend(lambda context: __import__("numpy").eye(16, dtype="float32")[(context[-1] + 1) % 16], 16)
+    params = GenerationParams(32, 16, adaptive=True, tree_nodes=WIDEST.max_nodes)
+    stored = TuneResult("k", "t", "none", "m", 0, 0.0, target_costs=seconds_of(cpu_like, [1, 10, 24]), learned=True)
+    options, params, choice = size_lookahead("lookahead", target, DrafterOptions(), params, stored, [1, 2, 3])
+    assert options.lookahead == SMALLEST and choice.predicted < 1.0
+    engine = SpeculativeEngine(target, build_drafter("lookahead", None, options), method="lookahead")
+    engine.policy.start_gate_off(8)
+    result = engine.run([1, 2, 3], params)
+    assert result.stats.by_source["none"].steps >= 8  # plain first
+
+
+@pytest.mark.parametrize("relative, joins", [(gpu_like, True), (cpu_like, False)])
+def test_auto_drafts_with_a_window_only_where_stored_costs_predict_it_pays(relative, joins):
+    target = FakeBackend(lambda context: __import__("numpy").zeros(16, dtype="float32"), 16)
+    stored = TuneResult("k", "t", "none", "m", 0, 0.0,
+                        target_costs=seconds_of(relative, [1, 2, 8, 24, 120]), learned=True)
+    params = GenerationParams(32, 16, adaptive=True, tree_nodes=0)
+    options, params, choice = size_lookahead("auto", target, DrafterOptions(), params, stored, [1, 2, 3])
+    assert options.auto_lookahead is joins
+    members = [member.name for member in build_drafter("auto", None, options).members]
+    assert ("lookahead" in members) is joins
+    if joins:
+        assert choice.predicted >= sizing.AUTO_MARGIN and params.tree_nodes == choice.sizes.max_nodes
+    # with no stored costs auto probes nothing and drafts as before
+    assert size_lookahead("auto", target, DrafterOptions(), params, None, [1, 2, 3])[2] is None
+
+
+def test_auto_with_a_window_is_lossless_and_verifies_windows():
+    """The auto chain with a window on the fake pair: greedy output is plain decoding's, and the
+    window's trees were verified (sampled losslessness: the harness's "auto lookahead")."""
+    from lossless_harness import SCENARIOS, fake_engine
+
+    engine = fake_engine(SCENARIOS["auto lookahead"])
+    assert [member.name for member in engine.drafter.members] == ["lookup", "ngram", "lookahead", "draft"]
+    plain = fake_engine(SCENARIOS["none"]).run([1, 2, 3], GenerationParams(60, 0))
+    result = engine.run([1, 2, 3], GenerationParams(60, 16, adaptive=True))
+    assert result.token_ids == plain.token_ids
+    assert result.stats.by_source["lookahead"].steps > 0
+
+
+def test_auto_asks_the_window_after_the_cheap_drafters_and_before_a_draft_model():
+    """Cheapest first: prompt lookup's copies and the pool's n-grams cost no wider pass."""
+    chain = build_drafter("auto", None, DrafterOptions(lookahead=SMALLEST, auto_lookahead=True))
+    assert isinstance(chain.members[0], PromptLookupDrafter) and chain.members[-1].name == "lookahead"
+    assert chain.members[-1].sizes == SMALLEST
