@@ -191,7 +191,7 @@ def tune_layers(
     target.layer_draft(range(target.n_layers - 1)).close()  # a model that cannot run a part says so now
     calibration = calibrate_text(target, prompts, max_new_tokens)
     costs = _verify_costs(target, prompts[0])
-    report(f"calibration text: {len(prompts)} prompts and the target's continuations, "
+    report(f"calibration text: {len(prompts)} prompt{'s' if len(prompts) > 1 else ''} and the target's continuations, "
            f"{calibration.positions} positions scored per set")
 
     def on_round(number, scored, searched, seconds):
