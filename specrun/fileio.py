@@ -10,6 +10,8 @@ limit: a FIFO would block forever and /dev/zero never ends.
 from __future__ import annotations
 
 import errno
+import json
+import math
 import os
 import secrets
 import stat
@@ -142,3 +144,33 @@ def read_limited(
         raise refuse(f"it cannot be read ({exc.strerror or exc})") from exc
     finally:
         os.close(handle)
+
+
+def read_settings_document(path: Path, max_bytes: int, what: str, kind: str, fix: str, versions,
+                           section: str) -> dict:
+    """The ``section`` object of a versioned settings file specrun writes (tuned.json,
+    learned.json, layers.json; ``kind``: "tune file"); {} where the file does not exist. A file
+    of another version or shape raises SpecrunError naming ``what``, the file and ``fix``."""
+    if not path.exists():
+        return {}
+    data = read_limited(path, max_bytes, what, fix)
+    try:
+        document = json.loads(data.decode("utf-8"))
+    except (ValueError, RecursionError) as exc:
+        raise SpecrunError(f"cannot read {what} {path}: {exc}", fix) from exc
+    if not isinstance(document, dict) or document.get("version") not in versions:
+        raise SpecrunError(f"{path} is not a specrun {kind} of version {max(versions)}", fix)
+    entries = document.get(section, {})
+    if not isinstance(entries, dict):
+        raise SpecrunError(f"{path}: '{section}' is not an object", fix)
+    return entries
+
+
+def checked_number(name: str, value, low: float, high: float, integer: bool = False):
+    """``value`` from a settings file, if a number (an integer where ``integer``) within
+    [low, high] and finite; TypeError or ValueError naming ``name`` otherwise."""
+    if isinstance(value, bool) or not isinstance(value, int if integer else (int, float)):
+        raise TypeError(f"{name} is not {'an integer' if integer else 'a number'}")
+    if not (low <= value <= high) or (isinstance(value, float) and not math.isfinite(value)):
+        raise ValueError(f"{name} {value!r} is out of range")
+    return value

@@ -12,14 +12,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import os
 import platform
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 from specrun.errors import SpecrunError, UsageError
-from specrun.fileio import MiB, read_limited, write_atomically
+from specrun.fileio import MiB, checked_number, read_settings_document, write_atomically
 from specrun.modelkit.selfdraft import LAYERS, SELF_PREFIX, fingerprint
 
 CHOICES_VERSION = 1
@@ -130,19 +129,8 @@ def tuned_layers(folder: Path, n_layers: int, target_spec: str, path: Path | Non
 
 
 def _read_all(path: Path) -> dict:
-    if not path.exists():
-        return {}
-    data = read_limited(path, MAX_CHOICES_BYTES, "tuned layer choices", _fix(path))
-    try:
-        document = json.loads(data.decode("utf-8"))
-    except (ValueError, RecursionError) as exc:
-        raise SpecrunError(f"cannot read the tuned layer choices {path}: {exc}", _fix(path)) from exc
-    if not isinstance(document, dict) or document.get("version") != CHOICES_VERSION:
-        raise SpecrunError(f"{path} is not a specrun layer-choice file of version {CHOICES_VERSION}", _fix(path))
-    choices = document.get("choices")
-    if not isinstance(choices, dict):
-        raise SpecrunError(f"{path}: 'choices' is not an object", _fix(path))
-    return choices
+    return read_settings_document(path, MAX_CHOICES_BYTES, "the tuned layer choices", "layer-choice file", _fix(path),
+                                  (CHOICES_VERSION,), "choices")
 
 
 def _checked(key: str, raw, path: Path) -> LayerChoice:
@@ -167,29 +155,21 @@ def _checked_choice(raw) -> LayerChoice:
     for name in ("target", "fingerprint", "machine"):
         if not isinstance(values[name], str):
             raise TypeError(f"{name} is not a string")
-    n_layers = values["n_layers"] = _number("n_layers", values["n_layers"], 2, MAX_LAYERS, integer=True)
+    n_layers = values["n_layers"] = checked_number("n_layers", values["n_layers"], 2, MAX_LAYERS, integer=True)
     kept = values["kept"]
     if not isinstance(kept, list) or not kept:
         raise TypeError("kept is not a list of layers")
-    values["kept"] = tuple(_number("kept", layer, 0, n_layers - 1, integer=True) for layer in kept)
+    values["kept"] = tuple(checked_number("kept", layer, 0, n_layers - 1, integer=True) for layer in kept)
     if list(values["kept"]) != sorted(set(values["kept"])) or len(kept) == n_layers:
         raise ValueError("kept names layers out of order, twice, or all of them")
-    values["draft_len"] = _number("draft_len", values["draft_len"], 1, MAX_DRAFT_LEN, integer=True)
-    values["searched"] = _number("searched", values["searched"], 0, MAX_MEASURE, integer=True)
-    values["agreement"] = _number("agreement", values["agreement"], 0, 1)
+    values["draft_len"] = checked_number("draft_len", values["draft_len"], 1, MAX_DRAFT_LEN, integer=True)
+    values["searched"] = checked_number("searched", values["searched"], 0, MAX_MEASURE, integer=True)
+    values["agreement"] = checked_number("agreement", values["agreement"], 0, 1)
     for name in ("modeled_speedup", "measured_speedup", "seconds"):
-        values[name] = _number(name, values[name], 0, MAX_MEASURE)
+        values[name] = checked_number(name, values[name], 0, MAX_MEASURE)
     rates = values["tokens_per_second"]
     if not isinstance(rates, dict):
         raise TypeError("tokens_per_second is not an object")
-    values["tokens_per_second"] = {str(name): _number(f"tokens_per_second[{name}]", rate, 0, MAX_MEASURE)
+    values["tokens_per_second"] = {str(name): checked_number(f"tokens_per_second[{name}]", rate, 0, MAX_MEASURE)
                                    for name, rate in rates.items()}
     return LayerChoice(**values)
-
-
-def _number(name: str, value, low: float, high: float, integer: bool = False):
-    if isinstance(value, bool) or not isinstance(value, int if integer else (int, float)):
-        raise TypeError(f"{name} is not {'an integer' if integer else 'a number'}")
-    if not (low <= value <= high) or (isinstance(value, float) and not math.isfinite(value)):
-        raise ValueError(f"{name} {value!r} is out of range")
-    return value

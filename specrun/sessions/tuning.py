@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import os
 import platform
 import statistics
@@ -29,7 +28,7 @@ from specrun.engine.loop import GenerationParams, SpeculativeEngine
 from specrun.errors import SpecrunError
 from specrun.drafters.methods import DrafterOptions, build_drafter
 from specrun.engine.stats import Stats
-from specrun.fileio import MiB, read_limited, write_atomically
+from specrun.fileio import MiB, checked_number, read_settings_document, write_atomically
 
 TUNE_VERSION = 2
 READABLE_VERSIONS = (1, 2)  # version 1 lacks the draft costs: its runs start from the target's costs only
@@ -339,19 +338,8 @@ def _fix(path: Path) -> str:
 
 
 def _read_all(path: Path) -> dict:
-    if not path.exists():
-        return {}
-    data = read_limited(path, MAX_TUNED_BYTES, "tuned settings", _fix(path))
-    try:
-        document = json.loads(data.decode("utf-8"))
-    except (ValueError, RecursionError) as exc:
-        raise SpecrunError(f"cannot read tuned settings {path}: {exc}", _fix(path)) from exc
-    if not isinstance(document, dict) or document.get("version") not in READABLE_VERSIONS:
-        raise SpecrunError(f"{path} is not a specrun tune file of version {TUNE_VERSION}", _fix(path))
-    pairs = document.get("pairs", {})
-    if not isinstance(pairs, dict):
-        raise SpecrunError(f"{path}: 'pairs' is not an object", _fix(path))
-    return pairs
+    return read_settings_document(path, MAX_TUNED_BYTES, "tuned settings", "tune file", _fix(path),
+                                  READABLE_VERSIONS, "pairs")
 
 
 # Bounds on what a stored entry may hold; anything outside is a damaged or forged file
@@ -377,10 +365,10 @@ def _checked_result(raw) -> TuneResult:
     for name, high in (("best_draft_len", max(DRAFT_LENGTHS)), ("draft_off_gap", MAX_DRAFT_OFF_GAP),
                        ("gate_off_gap", MAX_DRAFT_OFF_GAP)):
         if name in values:
-            values[name] = _number(name, values[name], 0, high, integer=True)
+            values[name] = checked_number(name, values[name], 0, high, integer=True)
     for name, high in (("speedup", MAX_MEASURE), ("acceptance", 1), ("best_min_prob", 1), ("first_acceptance", 1)):
         if name in values:
-            values[name] = _number(name, values[name], 0, high)
+            values[name] = checked_number(name, values[name], 0, high)
     if "learned" in values and not isinstance(values["learned"], bool):
         raise TypeError("learned is not true or false")
     if "tokens_per_second" in values:
@@ -389,14 +377,6 @@ def _checked_result(raw) -> TuneResult:
         if name in values:
             values[name] = _mapping(name, values[name], int, MIN_SECONDS)
     return TuneResult(**values)  # TypeError names a missing field
-
-
-def _number(name: str, value, low: float, high: float, integer: bool = False):
-    if isinstance(value, bool) or not isinstance(value, int if integer else (int, float)):
-        raise TypeError(f"{name} is not {'an integer' if integer else 'a number'}")
-    if not (low <= value <= high) or (isinstance(value, float) and not math.isfinite(value)):
-        raise ValueError(f"{name} {value!r} is out of range")
-    return value
 
 
 def _mapping(name: str, value, key_type: type, low: float) -> dict:
@@ -409,5 +389,5 @@ def _mapping(name: str, value, key_type: type, low: float) -> dict:
             if not key.isdigit() or not 0 < int(key) <= MAX_COST_TOKENS:
                 raise ValueError(f"{name} has a key {key!r} that is not a token count")
             key = int(key)
-        checked[key] = _number(f"{name}[{key}]", number, low, MAX_MEASURE)
+        checked[key] = checked_number(f"{name}[{key}]", number, low, MAX_MEASURE)
     return checked
