@@ -1,4 +1,4 @@
-"""Medusa heads for tests: random ones, and linear probes fitted to a model's own output.
+"""Heads for tests (Medusa, Hydra, EAGLE): random ones, oracles, and probes fitted to a model's own output.
 
 Random heads draft something for any hidden state (losslessness must hold whatever they
 guess); a probe fitted by ridge regression to the target's own continuations guesses right
@@ -150,11 +150,49 @@ def oracle_eagle(vocab_size: int, depth: int = 4, sharpness: float = 4.0):
     return _eagle(config, layout, np.random.default_rng(0), fc=shift, lm_head=lm_head, **zeros)
 
 
+def random_hydra(hidden_size: int, vocab_size: int, num_heads: int = 4, seed: int = 0,
+                 draft_vocab: Sequence[int] | None = None, num_layers: int = 1, embedding_size: int = 4):
+    """Hydra heads with every array random, over ``draft_vocab`` or the whole vocabulary."""
+    from specrun.modelkit.hydra import HydraHeads, hydra_shapes
+
+    rng = np.random.default_rng(seed)
+    d2t = None if draft_vocab is None else np.asarray(draft_vocab, dtype=np.int64)
+    rows = vocab_size if d2t is None else len(d2t)
+    config = HeadsConfig("hydra", num_heads, num_layers, hidden_size, vocab_size, rows, target_name="test")
+    arrays = {name: rng.normal(0, 0.5 if name.endswith("weight") else 1.0, shape).astype(np.float32)
+              for name, shape in hydra_shapes(config, embedding_size).items()}
+    return HydraHeads.from_arrays(config, arrays, d2t)
+
+
+def oracle_hydra(vocab_size: int, depth: int = 4, sharpness: float = 4.0, path_weight: float = 0.05):
+    """Hydra heads reading ``oracle_hidden``'s blocks as ``oracle_heads`` do (head i's projection:
+    ``sharpness`` times block i + 1), their first layer adding a little of the drafted path
+    (random embeddings times ``path_weight``), so each node's row depends on its own path."""
+    from specrun.modelkit.hydra import HydraHeads, hydra_shapes
+
+    size = (depth + 1) * vocab_size
+    config = HeadsConfig("hydra", depth, 1, size, vocab_size, vocab_size, target_name="test")
+    rng = np.random.default_rng(0)
+    arrays = {}
+    for name, shape in hydra_shapes(config, 4).items():
+        if name.endswith("in.weight"):
+            arrays[name] = np.concatenate([np.zeros((size, size)), rng.normal(0, path_weight, (size, shape[1] - size))],
+                                          axis=1).astype(np.float32)
+        elif name.endswith("lm_head"):
+            head = int(name.split(".")[0])
+            arrays[name] = np.zeros(shape, np.float32)
+            arrays[name][np.arange(vocab_size), (head + 1) * vocab_size + np.arange(vocab_size)] = sharpness
+        else:
+            arrays[name] = (rng.normal(0, 1, shape) if name == "embed" else np.zeros(shape)).astype(np.float32)
+    return HydraHeads.from_arrays(config, arrays, None)
+
+
 def oracle_heads_for(method: str, vocab_size: int):
     """The oracle heads of ``method``'s kind (it must draft with heads)."""
     from specrun.drafters.methods import heads_kind
 
-    return oracle_eagle(vocab_size) if heads_kind(method) == "eagle" else oracle_heads(vocab_size)
+    made = {"eagle": oracle_eagle, "hydra": oracle_hydra, "medusa": oracle_heads}
+    return made[heads_kind(method)](vocab_size)
 
 
 def fitted_eagle(backend, ids: Sequence[int], depth: int = 4, ridge: float = 1e-2):
@@ -198,8 +236,40 @@ def _features_along(backend, ids: Sequence[int]) -> np.ndarray:
         sequence.reset()
 
 
+def fitted_hydra(backend, ids: Sequence[int], depth: int = 4, ridge: float = 1e-2, embedding_size: int = 8):
+    """Hydra heads for a real backend fitted to its hidden states along ``ids`` (its own output):
+    random embeddings and first layers (their part on h zero), so that each head's x is h plus
+    a random function of the path it reads, and head i's projection a ridge regression of the
+    token at p + 2 + i on that x, over a draft vocabulary of the tokens ``ids`` holds."""
+    from specrun.modelkit.hydra import HydraHeads, head_logits, hydra_shapes
+
+    hidden = _features_along(backend, ids).astype(np.float64)  # (n, H)
+    n, size = hidden.shape
+    d2t = np.unique(np.asarray(ids, dtype=np.int64))
+    config = HeadsConfig("hydra", depth, 1, size, backend.vocab.size, len(d2t), target_name="test")
+    rng = np.random.default_rng(0)
+    arrays = {}
+    for name, shape in hydra_shapes(config, embedding_size).items():
+        if name.endswith("in.weight"):
+            path = rng.normal(0, 0.3 / np.sqrt(shape[1] - size), (size, shape[1] - size))
+            arrays[name] = np.concatenate([np.zeros((size, size)), path], axis=1)
+        else:
+            arrays[name] = rng.normal(0, 1, shape) if name == "embed" else np.zeros(shape)
+    rows = np.searchsorted(d2t, np.asarray(ids))
+    for i in range(depth):
+        count = n - 2 - i  # the positions whose token 2 + i later is known
+        paths = np.stack([rows[1 + j : 1 + j + count] for j in range(i + 1)], axis=1)  # (count, i + 1)
+        arrays[f"{i}.lm_head"] = np.eye(size)  # head_logits then returns the x the projection reads
+        x = head_logits(HydraHeads.from_arrays(config, arrays, d2t), i, hidden[:count], np.zeros(size), paths)
+        targets = np.zeros((count, len(d2t)))
+        targets[np.arange(count), rows[2 + i : n]] = 1.0
+        arrays[f"{i}.lm_head"] = np.linalg.solve(x.T @ x + ridge * count * np.eye(size), x.T @ targets).T
+    return HydraHeads.from_arrays(config, {name: array.astype(np.float32) for name, array in arrays.items()}, d2t)
+
+
 def fitted_heads_for(method: str, backend, ids: Sequence[int]):
     """Heads of ``method``'s kind fitted to ``backend``'s own output ``ids``."""
     from specrun.drafters.methods import heads_kind
 
-    return fitted_eagle(backend, ids) if heads_kind(method) == "eagle" else fitted_heads(backend, ids)
+    made = {"eagle": fitted_eagle, "hydra": fitted_hydra, "medusa": fitted_heads}
+    return made[heads_kind(method)](backend, ids)

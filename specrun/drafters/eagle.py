@@ -21,19 +21,18 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from time import perf_counter
 
 import numpy as np
 
 from specrun.backends.kv import KVSequence, common_prefix_len
-from specrun.drafters.base import EMPTY_PROPOSAL, Drafter, Proposal, second_guesses
-from specrun.drafters.heads import check_heads_target, target_rows
+from specrun.drafters.base import EMPTY_PROPOSAL, Proposal, second_guesses
+from specrun.drafters.dynamic_tree import TOP_K, DraftTree, grow_tree
+from specrun.drafters.heads import HeadsDrafter, target_rows
 from specrun.modelkit.eagle import EagleHeads, fuse, layer, no_entries
 from specrun.sampling import SamplingSettings, sample
 
 # A verify pass feeds at most 1 + 64 tokens; a prompt pass keeps the features of its last ``window``.
 VERIFY_ROWS = 65
-TOP_K = 4  # EAGLE-2's: children per expanded node, nodes expanded per depth
 
 
 @dataclass
@@ -67,32 +66,24 @@ class _Entries:
             self.first += drop
 
 
-class EagleDrafter(Drafter):
+class EagleDrafter(HeadsDrafter):
     """EAGLE heads over the target's features (see the module's docstring)."""
 
     name = "eagle"
-    # One layer pass per depth drafted (a few rows each): time grows with the length asked.
-    pays_per_token = True
+    heads: EagleHeads
 
     def __init__(self, heads: EagleHeads, branches: int = 0, top_k: int = TOP_K) -> None:
-        self.heads = heads
-        self.branches = branches
+        super().__init__(heads, branches)
         self.top_k = top_k
-        self.target: KVSequence | None = None
-        self.clock: Callable[[], float] = perf_counter
-        config = heads.config
-        self._d2t = heads.d2t if heads.d2t is not None else np.arange(config.draft_vocab_size)
-        self._vocab_size = config.vocab_size
+        # The layer reads the target's features ``window`` positions back (a verify pass's rows at least).
+        self.hidden_tail = max(VERIFY_ROWS, heads.layout.window)
         self._entries = _Entries()
         self._dtype = heads.fc.dtype
 
     def bind(self, target: KVSequence, clock: Callable[[], float]) -> None:
         """Read the target's features from now on: turns its tracking on."""
-        check_heads_target(self.name, self.heads.config, target)
-        self.target, self.clock = target, clock
-        self._vocab_size = target.backend.vocab.size
+        super().bind(target, clock)
         self._entries = _Entries()
-        target.track_hidden(True, tail=max(VERIFY_ROWS, self.heads.layout.window))
 
     # ---- the context's entries ---------------------------------------------------------------
     def _root(self, context: Sequence[int]) -> np.ndarray | None:
@@ -214,13 +205,12 @@ class EagleDrafter(Drafter):
 
     def _tree(self, feature: np.ndarray, root: int, depth: int) -> Proposal:
         """EAGLE-2's dynamic tree (greedy): the main chain, then the ``branches`` likeliest other nodes."""
-        tree = _DraftTree()
-        tree.add_children(-1, feature[0] @ self.heads.lm_head.T, self.top_k)
         keys, values = no_entries(self.heads, self._dtype), no_entries(self.heads, self._dtype)
         expanded: list[int] = []  # the nodes with entries, in the order of keys
         features = {-1: feature[0]}
-        for level in range(1, depth):
-            chosen = tree.to_expand(level, self.top_k)
+
+        def expand(tree: DraftTree, chosen: list[int], level: int) -> np.ndarray:
+            nonlocal keys, values
             parents = np.array([tree.parents[node] for node in chosen])
             reads = np.array([[tree.is_ancestor(other, node) for other in expanded] for node in chosen], bool)
             reads = reads.reshape(len(chosen), len(expanded))
@@ -229,87 +219,13 @@ class EagleDrafter(Drafter):
                                          root + level, keys, values, reads)
             keys, values = np.concatenate([keys, key]), np.concatenate([values, value])
             expanded.extend(chosen)
-            logits = out @ self.heads.lm_head.T  # (N, Vd)
-            for node, row_feature, row_logits in zip(chosen, out, logits):
-                features[node] = row_feature
-                tree.add_children(node, row_logits, self.top_k)
-        nodes = tree.proposal_order(depth, self.branches)
-        index = {node: i for i, node in enumerate(nodes)}
-        return Proposal(
-            tuple(int(self._d2t[tree.drafts[node]]) for node in nodes),
-            source=self.name,
-            parents=tuple(-1 if tree.parents[node] < 0 else index[tree.parents[node]] for node in nodes),
-        )
+            features.update(zip(chosen, out))
+            return out @ self.heads.lm_head.T  # (N, Vd)
+
+        return grow_tree(feature[0] @ self.heads.lm_head.T, depth, self.top_k, self.branches, expand,
+                         self._d2t, self.name)
 
     def close(self) -> None:
-        if self.target is not None:
-            self.target.track_hidden(False)
-            self.target = None
+        super().close()
         self._entries = _Entries()
 
-
-@dataclass
-class _DraftTree:
-    """The nodes a dynamic tree has grown: each a draft id, its parent (-1: the root), its depth
-    (1-based), the log of its path's probability, and whether it is its parent's first guess."""
-
-    drafts: list[int] = field(default_factory=list)
-    parents: list[int] = field(default_factory=list)
-    depths: list[int] = field(default_factory=list)
-    scores: list[float] = field(default_factory=list)
-    first: list[bool] = field(default_factory=list)
-
-    def add_children(self, parent: int, logits: np.ndarray, count: int) -> None:
-        shifted = logits - logits.max()
-        log_probs = shifted - np.log(np.exp(shifted).sum())
-        best = np.argsort(-log_probs, kind="stable")[:count]
-        base = 0.0 if parent < 0 else self.scores[parent]
-        depth = 1 if parent < 0 else self.depths[parent] + 1
-        for rank, draft in enumerate(best):
-            self.drafts.append(int(draft))
-            self.parents.append(parent)
-            self.depths.append(depth)
-            self.scores.append(base + float(log_probs[draft]))
-            self.first.append(rank == 0)
-
-    def main_chain(self) -> list[int]:
-        chain, node = [], -1
-        while True:
-            children = [i for i, parent in enumerate(self.parents) if parent == node and self.first[i]]
-            if not children:
-                return chain
-            node = children[0]
-            chain.append(node)
-
-    def to_expand(self, level: int, count: int) -> list[int]:
-        """The ``count`` likeliest nodes at depth ``level``, and the main chain's node there."""
-        at_level = [i for i, depth in enumerate(self.depths) if depth == level]
-        chosen = sorted(at_level, key=lambda node: -self.scores[node])[:count]
-        chain = self.main_chain()
-        if len(chain) >= level and chain[level - 1] not in chosen:
-            chosen.append(chain[level - 1])
-        return sorted(chosen)
-
-    def is_ancestor(self, node: int, of: int) -> bool:
-        parent = self.parents[of]
-        while parent >= 0:
-            if parent == node:
-                return True
-            parent = self.parents[parent]
-        return False
-
-    def proposal_order(self, depth: int, extra: int) -> list[int]:
-        """The main chain (to ``depth``), then up to ``extra`` other nodes likeliest first, each after
-        its parent (a node whose parent is not proposed is left out)."""
-        chain = self.main_chain()[:depth]
-        proposed = set(chain)
-        order = list(chain)
-        others = sorted((node for node in range(len(self.drafts)) if node not in proposed),
-                        key=lambda node: (-self.scores[node], self.depths[node], node))
-        for node in others:
-            if len(order) >= len(chain) + extra:
-                break
-            if self.parents[node] < 0 or self.parents[node] in proposed:
-                order.append(node)
-                proposed.add(node)
-        return order

@@ -48,21 +48,17 @@ def check_heads_target(method: str, config: HeadsConfig, target: KVSequence) -> 
         )
 
 
-class MedusaDrafter(Drafter):
-    """Medusa heads over the target's last hidden state: head i's guess is draft i.
+class HeadsDrafter(Drafter):
+    """What every drafter over the target's own hidden states shares (Medusa, Hydra, EAGLE): its
+    heads, its ``branches``, the target it reads once bound (its hidden states tracked from then
+    until ``close``), and the target id of each draft id."""
 
-    Greedy, each head's argmax (over its draft vocabulary, mapped to target ids); sampled, a
-    draw from each head's row under the user's settings, reported as the draft distribution
-    so rejection sampling keeps the output the target's. With ``branches`` N, up to N second
-    guesses beside the chain where the heads were least sure (drafters.base.second_guesses).
-    """
-
-    name = "medusa"
-    # Each head drafted is a projection over the draft vocabulary: the time grows with the
-    # length asked, so the policy chooses the length first, weighing its measured cost.
+    # Each depth drafted runs a head (a projection over the draft vocabulary at least): the time
+    # grows with the length asked, so the policy chooses the length first, weighing its measured cost.
     pays_per_token = True
+    hidden_tail = HIDDEN_TAIL  # the positions whose hidden states the drafter reads, back from the last
 
-    def __init__(self, heads: MedusaHeads, branches: int = 0) -> None:
+    def __init__(self, heads, branches: int = 0) -> None:
         self.heads = heads
         self.branches = branches
         self.target: KVSequence | None = None
@@ -76,7 +72,36 @@ class MedusaDrafter(Drafter):
         check_heads_target(self.name, self.heads.config, target)
         self.target, self.clock = target, clock
         self._vocab_size = target.backend.vocab.size
-        target.track_hidden(True, tail=HIDDEN_TAIL)
+        target.track_hidden(True, tail=self.hidden_tail)
+
+    def last_state(self, context: Sequence[int], draft_len: int) -> tuple[int, np.ndarray] | None:
+        """How deep to draft (``draft_len``, at most the heads' depth) and the hidden state (H,) at
+        the last cached position, the context's second-to-last; None where nothing can be drafted."""
+        depth = min(draft_len, self.heads.config.num_heads)
+        if depth <= 0 or self.target is None or len(context) < 2:
+            return None
+        hidden = self.target.hidden(len(context) - 2, len(context) - 1)
+        if hidden is None:  # fed while tracking was off (a cache from before the heads were in use)
+            return None
+        return depth, hidden[0]
+
+    def close(self) -> None:
+        if self.target is not None:
+            self.target.track_hidden(False)
+            self.target = None
+
+
+class MedusaDrafter(HeadsDrafter):
+    """Medusa heads over the target's last hidden state: head i's guess is draft i.
+
+    Greedy, each head's argmax (over its draft vocabulary, mapped to target ids); sampled, a
+    draw from each head's row under the user's settings, reported as the draft distribution
+    so rejection sampling keeps the output the target's. With ``branches`` N, up to N second
+    guesses beside the chain where the heads were least sure (drafters.base.second_guesses).
+    """
+
+    name = "medusa"
+    heads: MedusaHeads
 
     def head_logits(self, hidden: np.ndarray, n_heads: int) -> np.ndarray:
         """(n_heads, Vd) float32: the first ``n_heads`` heads' logits over the draft vocabulary
@@ -97,13 +122,11 @@ class MedusaDrafter(Drafter):
         sampling: SamplingSettings,
         rng: np.random.Generator,
     ) -> Proposal:
-        n_heads = min(draft_len, self.heads.config.num_heads)
-        if n_heads <= 0 or self.target is None or len(context) < 2:
+        found = self.last_state(context, draft_len)
+        if found is None:
             return EMPTY_PROPOSAL
-        hidden = self.target.hidden(len(context) - 2, len(context) - 1)
-        if hidden is None:  # fed while tracking was off (a cache from before the heads were in use)
-            return EMPTY_PROPOSAL
-        logits = self.head_logits(hidden[0], n_heads)  # (n, Vd)
+        n_heads, hidden = found
+        logits = self.head_logits(hidden, n_heads)  # (n, Vd)
         if sampling.greedy and not self.branches:
             return Proposal(tuple(int(self._d2t[i]) for i in logits.argmax(axis=-1)), source=self.name)
         rows = list(target_rows(logits, sampling if not sampling.greedy else SamplingSettings(temperature=1.0),
@@ -115,8 +138,3 @@ class MedusaDrafter(Drafter):
             tokens = tuple(sample(row, rng) for row in rows)
             chain = Proposal(tokens, tuple(rows), source=self.name)
         return second_guesses(chain, rows, self.branches, sampling, rng) if self.branches else chain
-
-    def close(self) -> None:
-        if self.target is not None:
-            self.target.track_hidden(False)
-            self.target = None

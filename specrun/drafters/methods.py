@@ -2,8 +2,8 @@
 
 A method is ``none`` (plain decoding) or drafters joined by ``+``, cheapest first:
 ``lookup`` (prompt lookup), ``ngram`` (the learning n-gram pool), ``draft`` (a
-draft model), ``medusa`` and ``eagle`` (heads on the target's own hidden states, from a heads
-file), ``lookahead`` (Jacobi lookahead decoding: a window of guesses verified beside the n-grams
+draft model), ``medusa``, ``hydra`` and ``eagle`` (heads on the target's own hidden states,
+from a heads file), ``lookahead`` (Jacobi lookahead decoding: a window of guesses verified beside the n-grams
 it found, one tree a pass). Chains ask the draft model only when the cheap drafters have too
 little to propose, and only while it is measured to pay (ChainDrafter).
 """
@@ -19,12 +19,14 @@ from specrun.drafters.chain import ChainDrafter
 from specrun.drafters.draft_model import DraftModelDrafter
 from specrun.drafters.eagle import EagleDrafter
 from specrun.drafters.heads import MedusaDrafter
+from specrun.drafters.hydra import HydraDrafter
 from specrun.drafters.lookahead import LookaheadDrafter, LookaheadSizes
 from specrun.drafters.lookup import PromptLookupDrafter
 from specrun.drafters.ngram import NgramPoolDrafter
 from specrun.errors import UsageError
 from specrun.modelkit.eagle import EagleHeads
 from specrun.modelkit.heads import DRAFTING_KINDS, MedusaHeads
+from specrun.modelkit.hydra import HydraHeads
 
 AUTO_CHAIN = "lookup+ngram+draft"
 
@@ -39,6 +41,7 @@ METHODS = (
     "lookup+ngram+draft",
     "lookup+ngram",
     "medusa",
+    "hydra",
     "eagle",
     "lookahead",
 )
@@ -63,7 +66,7 @@ class DrafterOptions:
     draft_min_prob: float = 0.0  # the draft model's confidence stop (DraftModelDrafter.min_prob)
     branches: int = 0
     # What head methods draft with: heads of their kind, or several kinds as a tuple (a bench of both).
-    heads: MedusaHeads | EagleHeads | tuple[MedusaHeads | EagleHeads, ...] | None = None
+    heads: MedusaHeads | HydraHeads | EagleHeads | tuple[MedusaHeads | HydraHeads | EagleHeads, ...] | None = None
     lookahead: LookaheadSizes | None = None  # the lookahead window and pool (None: the defaults)
     # auto drafts with a lookahead window too (of ``lookahead``'s sizes): where the target's
     # measured pass costs predict it pays (sessions/lookahead_sizing.py)
@@ -89,13 +92,13 @@ def needs_draft_model(method: str) -> bool:
 
 
 def heads_kind(method: str) -> str | None:
-    """The kind of heads ``method`` drafts with ("medusa" or "eagle"), None for none."""
+    """The kind of heads ``method`` drafts with ("medusa", "hydra" or "eagle"), None for none."""
     return next((part for part in resolve_method(method).split("+") if part in DRAFTING_KINDS), None)
 
 
 def heads_of_kind(heads, kind: str):
     """Of ``heads`` (one heads object, a tuple of them, or None), those of ``kind``; None if none."""
-    wanted = MedusaHeads if kind == "medusa" else EagleHeads
+    wanted = {"medusa": MedusaHeads, "hydra": HydraHeads, "eagle": EagleHeads}[kind]
     candidates = heads if isinstance(heads, tuple) else (heads,)
     return next((each for each in candidates if isinstance(each, wanted)), None)
 
@@ -148,6 +151,8 @@ def _build_one(part: str, draft: Backend | None, options: DrafterOptions) -> Dra
         return NgramPoolDrafter.open(options.ngram_cache, vocabulary=options.vocabulary, branches=options.branches)
     if part == "medusa":
         return MedusaDrafter(heads_of_kind(options.heads, "medusa"), branches=options.branches)
+    if part == "hydra":
+        return HydraDrafter(heads_of_kind(options.heads, "hydra"), branches=options.branches)
     if part == "eagle":
         return EagleDrafter(heads_of_kind(options.heads, "eagle"), branches=options.branches)
     if part == "lookahead":

@@ -61,8 +61,25 @@ class EagleLayout:
         return dataclasses.asdict(self)
 
 
+class EmbeddingRows:
+    """For heads with an embedding over a draft vocabulary and one shared last row (EagleHeads,
+    HydraHeads: ``config`` and ``d2t``), the row each target id reads."""
+
+    def draft_ids(self, token_ids: np.ndarray) -> np.ndarray:
+        """The embedding row of each target id: its draft id, or the last row for any other (ids
+        past the heads' vocabulary too: a target's padded rows)."""
+        ids = np.asarray(token_ids, dtype=np.int64)
+        rows = self._rows_of_target_ids
+        return np.where(ids < len(rows), rows[np.minimum(ids, len(rows) - 1)], self.config.draft_vocab_size)
+
+    @functools.cached_property
+    def _rows_of_target_ids(self) -> np.ndarray:
+        """draft_id_map, built once (a vocabulary-sized array: drafting asks for it every step)."""
+        return draft_id_map(self.config, self.d2t)
+
+
 @dataclass(frozen=True)
-class EagleHeads:
+class EagleHeads(EmbeddingRows):
     """One EAGLE layer as float arrays (see the module's docstring for what each does).
 
     embed (Vd + 1, H); fc (H, 2H), fc_bias (H,); attn_norm, mlp_norm (H,); q_proj, k_proj,
@@ -94,17 +111,6 @@ class EagleHeads:
     def shapes(self) -> dict[str, tuple[int, ...]]:
         return eagle_shapes(self.config, self.layout)
 
-    def draft_ids(self, token_ids: np.ndarray) -> np.ndarray:
-        """The embedding row of each target id: its draft id, or the last row for any other (ids
-        past the heads' vocabulary too: a target's padded rows)."""
-        ids = np.asarray(token_ids, dtype=np.int64)
-        rows = self._rows_of_target_ids
-        return np.where(ids < len(rows), rows[np.minimum(ids, len(rows) - 1)], self.config.draft_vocab_size)
-
-    @functools.cached_property
-    def _rows_of_target_ids(self) -> np.ndarray:
-        """draft_id_map, built once (a vocabulary-sized array: drafting asks for it every step)."""
-        return draft_id_map(self.config, self.d2t)
 
 
 def eagle_shapes(config: HeadsConfig, layout: EagleLayout) -> dict[str, tuple[int, ...]]:

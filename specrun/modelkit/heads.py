@@ -13,7 +13,10 @@ vocabulary costs as much as a small target's pass on a CPU.
 EAGLE (specrun.modelkit.eagle): one decoder layer over the feature and the next token's embedding,
 drafting one token at a time from its own predicted features.
 
-Files. specrun's own heads (Medusa or EAGLE) are ``NAME.safetensors`` (float16 weights, loaded as float32) beside
+Hydra (specrun.modelkit.hydra): Medusa's heads, each also reading the embeddings of the tokens
+drafted before its own, so drafts depend on the ones before them.
+
+Files. specrun's own heads (Medusa, Hydra or EAGLE) are ``NAME.safetensors`` (float16 weights, loaded as float32) beside
 ``NAME.json`` (what the heads are, the target they were made for, how they were trained, and the
 SHA-256 of the tensors file, so a torn save or a swapped file is caught). Published heads are read
 as their projects write them: a Medusa-1 folder (FasterDecoding/Medusa) and an EAGLE-3 draft folder
@@ -40,18 +43,19 @@ from specrun.fileio import MiB, read_limited, write_atomically
 
 if TYPE_CHECKING:
     from specrun.modelkit.eagle import EagleHeads
+    from specrun.modelkit.hydra import HydraHeads
 
 HEAD_KINDS = ("medusa", "hydra", "eagle")
-DRAFTING_KINDS = ("medusa", "eagle")  # the heads specrun drafts with: its head methods, named alike
+DRAFTING_KINDS = ("medusa", "hydra", "eagle")  # the heads specrun drafts with: its head methods, named alike
 
 
 @dataclass(frozen=True)
 class HeadsConfig:
     """What a heads file says it is and which target it was made for.
 
-    kind: one of HEAD_KINDS. num_heads: positions drafted per target pass (Medusa's heads;
-    EAGLE: the depth it was trained to). num_layers: residual blocks per Medusa head (EAGLE:
-    decoder layers). hidden_size, vocab_size: the target's. draft_vocab_size: rows of the
+    kind: one of HEAD_KINDS. num_heads: positions drafted per target pass (Medusa's and Hydra's
+    heads; EAGLE: the depth it was trained to). num_layers: residual blocks per Medusa head
+    (Hydra: layers per head, its first reading the drafted tokens too; EAGLE: decoder layers). hidden_size, vocab_size: the target's. draft_vocab_size: rows of the
     projection (vocab_size when there is no draft vocabulary). target: what the target was,
     as far as it is known: ``name``, ``vocabulary`` (specrun.drafters.ngram.vocabulary_fingerprint,
     "" when unknown), ``num_layers`` (0 when unknown). training: what the trainer recorded
@@ -167,6 +171,8 @@ _SPECRUN_KEYS = frozenset(
 )
 _TARGET_KEYS = frozenset(("name", "vocabulary", "num_layers"))
 _LAYOUT_KEYS = frozenset(("num_attention_heads", "head_dim", "intermediate_size", "window", "rope_theta", "rms_norm_eps"))
+_HYDRA_LAYOUT_KEYS = frozenset(("embedding_size",))
+_WITH_LAYOUT = ("eagle", "hydra")  # the kinds whose config says more of their shape, in "layout"
 # EAGLE heads' tensors in specrun's files, in modelkit.eagle.PARAMETER_NAMES' order.
 EAGLE_TENSORS = tuple(f"eagle.{name}" for name in (
     "embed", "fc", "fc_bias", "attn_norm", "q_proj", "k_proj", "v_proj", "o_proj",
@@ -182,7 +188,7 @@ def _refuse(path: Path, problem: str, fix: str = _AGAIN) -> ModelFileError:
 # specrun's own format
 
 
-def save_heads(heads: MedusaHeads | EagleHeads, path: Path, metadata: dict | None = None) -> None:
+def save_heads(heads: MedusaHeads | EagleHeads | HydraHeads, path: Path, metadata: dict | None = None) -> None:
     """Write ``heads`` to ``path`` (a .safetensors file) and its config to ``path.with_suffix(".json")``.
 
     Weights are stored as float16; a projection every head shares (the same array object) is
@@ -195,6 +201,7 @@ def save_heads(heads: MedusaHeads | EagleHeads, path: Path, metadata: dict | Non
     from safetensors.numpy import save
 
     from specrun.modelkit.eagle import EagleHeads
+    from specrun.modelkit.hydra import HydraHeads
 
     path = Path(path)
     if path.suffix != ".safetensors":
@@ -204,6 +211,9 @@ def save_heads(heads: MedusaHeads | EagleHeads, path: Path, metadata: dict | Non
     if isinstance(heads, EagleHeads):
         for name, array in zip(EAGLE_TENSORS, heads.arrays()):
             tensors[name] = _half(array, path)
+    elif isinstance(heads, HydraHeads):
+        for name, array in heads.arrays().items():
+            tensors[f"hydra.{name}"] = _half(array, path)
     elif config.kind == "medusa" and len(heads.blocks) == len(heads.lm_heads) == config.num_heads:
         for i, blocks in enumerate(heads.blocks):
             for j, (weight, bias) in enumerate(blocks):
@@ -215,7 +225,8 @@ def save_heads(heads: MedusaHeads | EagleHeads, path: Path, metadata: dict | Non
             for i, projection in enumerate(heads.lm_heads):
                 tensors[f"heads.{i}.lm_head.weight"] = _half(projection, path)
     else:
-        raise ValueError("save_heads writes eagle heads, or medusa heads whose config counts their blocks and projections")
+        raise ValueError("save_heads writes eagle or hydra heads, or medusa heads whose config counts their "
+                         "blocks and projections")
     if heads.d2t is not None:
         tensors["d2t"] = np.ascontiguousarray(heads.d2t, dtype=np.int64)
     payload = save(tensors, metadata={"format": HEADS_FORMAT})
@@ -238,6 +249,8 @@ def save_heads(heads: MedusaHeads | EagleHeads, path: Path, metadata: dict | Non
     }
     if isinstance(heads, EagleHeads):
         document["layout"] = heads.layout.to_dict()
+    elif isinstance(heads, HydraHeads):
+        document["layout"] = {"embedding_size": heads.embedding_size}
     # Serialised before anything is written, so metadata JSON cannot hold fails with no file touched.
     text = json.dumps(document, indent=2, allow_nan=False) + "\n"
     write_atomically(path, payload, "heads file", error=ModelFileError)
@@ -255,7 +268,7 @@ def _half(weights: np.ndarray, path: Path) -> np.ndarray:
     return np.ascontiguousarray(weights.astype(np.float16))
 
 
-def _load_specrun(tensors_path: Path) -> MedusaHeads | EagleHeads:
+def _load_specrun(tensors_path: Path) -> MedusaHeads | EagleHeads | HydraHeads:
     config_path = tensors_path.with_suffix(".json")
     if not config_path.exists():
         fix = "keep the .json saved with it, or save the heads again"
@@ -268,6 +281,8 @@ def _load_specrun(tensors_path: Path) -> MedusaHeads | EagleHeads:
         raise _refuse(tensors_path, problem, "save the heads again")
     if config.kind == "eagle":
         return _load_specrun_eagle(stored, config, _eagle_layout(settings, config_path), config_path)
+    if config.kind == "hydra":
+        return _load_specrun_hydra(stored, config, settings["layout"], config_path)
     shared = "lm_head.weight" in stored.tensors
     projections = ["lm_head.weight"] if shared else [f"heads.{i}.lm_head.weight" for i in range(config.num_heads)]
     _check_hidden_size(stored, projections[0], config.hidden_size, config_path)
@@ -293,9 +308,9 @@ def _specrun_config(settings: dict, path: Path) -> tuple[HeadsConfig, str]:
             "upgrade specrun, or save the heads again with this one",
         )
     kind = settings.get("kind")
-    if kind not in ("medusa", "eagle"):
-        raise _refuse(path, f"holds heads of kind {kind!r}; specrun's own heads files hold medusa or eagle heads")
-    expected = _SPECRUN_KEYS | {"layout"} if kind == "eagle" else _SPECRUN_KEYS
+    if kind not in HEAD_KINDS:
+        raise _refuse(path, f"holds heads of kind {kind!r}; specrun's own heads files hold {', '.join(HEAD_KINDS)} heads")
+    expected = _SPECRUN_KEYS | {"layout"} if kind in _WITH_LAYOUT else _SPECRUN_KEYS
     unknown, missing = sorted(set(settings) - expected), sorted(expected - set(settings))
     if unknown or missing:
         problem = f"has unknown keys ({', '.join(unknown)})" if unknown else f"lacks the keys {', '.join(missing)}"
@@ -357,6 +372,22 @@ def _load_specrun_eagle(stored: _TensorsFile, config: HeadsConfig, layout, confi
     arrays = {name: stored.floats(key, shapes[name]) for name, key in zip(PARAMETER_NAMES, EAGLE_TENSORS)}
     d2t = _draft_ids(stored, config.draft_vocab_size, config.vocab_size, offsets=False)
     return EagleHeads(config, layout, d2t=d2t, **arrays)
+
+
+def _load_specrun_hydra(stored: _TensorsFile, config: HeadsConfig, layout: object, config_path: Path):
+    from specrun.modelkit.hydra import HydraHeads, hydra_shapes
+
+    if not isinstance(layout, dict) or set(layout) != _HYDRA_LAYOUT_KEYS:
+        raise _refuse(config_path, "has a malformed layout (expected the key embedding_size)")
+    embedding_size = _count(layout, "embedding_size", config_path, 1, MAX_HIDDEN_SIZE)
+    if config.num_layers < 1:
+        raise _refuse(config_path, "says num_layers is 0; a Hydra head has at least its first layer")
+    _check_hidden_size(stored, "hydra.0.lm_head", config.hidden_size, config_path)
+    shapes = hydra_shapes(config, embedding_size)
+    stored.refuse_others([f"hydra.{name}" for name in shapes] + (["d2t"] if "d2t" in stored.tensors else []))
+    arrays = {name: stored.floats(f"hydra.{name}", shape) for name, shape in shapes.items()}
+    d2t = _draft_ids(stored, config.draft_vocab_size, config.vocab_size, offsets=False)
+    return HydraHeads.from_arrays(config, arrays, d2t)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -531,8 +562,8 @@ def _aux_layer_ids(settings: dict, path: Path) -> tuple[int, ...]:
 # Loading, whatever the format
 
 
-def load_heads(path: Path) -> MedusaHeads | EagleHeads | Eagle3Heads:
-    """The heads at ``path``: specrun's own (MedusaHeads or EagleHeads: the .safetensors file, its
+def load_heads(path: Path) -> MedusaHeads | EagleHeads | HydraHeads | Eagle3Heads:
+    """The heads at ``path``: specrun's own (MedusaHeads, HydraHeads or EagleHeads: the .safetensors file, its
     .json, or a folder holding one such pair), a published Medusa-1 folder (MedusaHeads) or an EAGLE-3 draft folder
     (Eagle3Heads); a file inside a published folder names the folder.
 
@@ -557,7 +588,7 @@ def load_heads(path: Path) -> MedusaHeads | EagleHeads | Eagle3Heads:
     raise _refuse(path, "is not a heads file", "name a .safetensors heads file, its .json, or a folder of heads")
 
 
-def _load_folder(folder: Path) -> MedusaHeads | EagleHeads | Eagle3Heads:
+def _load_folder(folder: Path) -> MedusaHeads | EagleHeads | HydraHeads | Eagle3Heads:
     """Published heads by their files, else the one specrun heads pair in the folder (which may be
     the target's own model folder, its config.json and model.safetensors beside the pair)."""
     if (folder / "medusa_lm_head.safetensors").exists():
@@ -597,7 +628,7 @@ def _pickle_refusal(path: Path) -> ModelFileError:
 
 
 def check_heads_for_target(
-    heads: MedusaHeads | EagleHeads | Eagle3Heads,
+    heads: MedusaHeads | EagleHeads | HydraHeads | Eagle3Heads,
     *,
     hidden_size: int,
     vocab_size: int,

@@ -85,9 +85,10 @@ def explicit_heads_kind(explicit: str) -> str | None:
     otherwise (what is wrong with it is reported where the heads are loaded for a method)."""
     from specrun.modelkit.eagle import EagleHeads
     from specrun.modelkit.heads import MedusaHeads, load_heads
+    from specrun.modelkit.hydra import HydraHeads
 
     try:
         heads = load_heads(Path(explicit).expanduser())
     except SpecrunError:
         return None
-    return heads.config.kind if isinstance(heads, (MedusaHeads, EagleHeads)) else None
+    return heads.config.kind if isinstance(heads, (MedusaHeads, HydraHeads, EagleHeads)) else None

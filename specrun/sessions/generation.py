@@ -235,7 +235,7 @@ def resolve_min_prob(requested: float | None, tuned) -> float:
 
 
 def load_target_heads(target_spec: str, explicit: str | None, target, registry=None, kind: str = "medusa"):
-    """The ``kind`` heads ("medusa" or "eagle") for ``target`` (an open backend): --heads, else
+    """The ``kind`` heads ("medusa", "hydra" or "eagle") for ``target`` (an open backend): --heads, else
     found by alias (registry/heads.py), checked against the target before anything drafts with them."""
     from specrun.drafters.ngram import vocabulary_fingerprint
     from specrun.modelkit.heads import Eagle3Heads, check_heads_for_target, load_heads

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from heads_factory import random_eagle, random_heads
+from heads_factory import random_eagle, random_heads, random_hydra
 from model_factory import perturbed_copy
 from specrun.cli.app import app
 from specrun.drafters.methods import METHODS, heads_kind, needs_heads
@@ -244,7 +244,7 @@ def test_every_method_gives_the_plain_greedy_text(pair, method, tmp_path, tiny_l
     plain = invoke("generate", prompt, *pair, "-n", "48", "--method", "none", "--json")
     if needs_heads(method):  # heads for the tiny target, from a file as `specrun heads train` writes it
         config = tiny_llama.config
-        made = random_eagle if heads_kind(method) == "eagle" else random_heads
+        made = {"eagle": random_eagle, "hydra": random_hydra, "medusa": random_heads}[heads_kind(method)]
         save_heads(made(config.hidden_size, config.vocab_size), tmp_path / "heads.safetensors")
         pair = [*pair, "--heads", str(tmp_path / "heads.safetensors")]
     for length in ([], ["-k", "4"]):

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from fake_models import REPEATING_PROMPT, copying_logits, hashed_logits, noisy_copy
-from heads_factory import fitted_heads_for, random_eagle, random_heads
+from heads_factory import fitted_heads_for, random_eagle, random_heads, random_hydra
 from lossless_harness import assert_few_prompts_diverge, greedy_divergences
 from specrun.backends.base import Backend
 from specrun.backends.fake import FakeBackend
@@ -364,7 +364,7 @@ def test_every_method_builds_its_drafter():
     for method in SPECULATIVE_METHODS:
         if method == "auto":
             continue
-        heads = (random_heads(8, VOCAB), random_eagle(8, VOCAB)) if needs_heads(method) else None
+        heads = (random_heads(8, VOCAB), random_hydra(8, VOCAB), random_eagle(8, VOCAB)) if needs_heads(method) else None
         drafter = build_drafter(method, draft if needs_draft_model(method) else None, DrafterOptions(heads=heads))
         assert drafter.name == method
         assert isinstance(drafter, ChainDrafter) == ("+" in method)
@@ -375,7 +375,7 @@ def test_every_method_builds_its_drafter():
         build_drafter("lookup+draft", None)
     with pytest.raises(UsageError, match="unknown method"):
         build_drafter("draft+lookup", draft)
-    for method in ("medusa", "eagle"):
+    for method in ("medusa", "hydra", "eagle"):
         with pytest.raises(UsageError, match="needs heads"):
             build_drafter(method, None)
     with_draft = ["auto", "draft", "lookup+draft", "ngram+draft", "lookup+ngram+draft"]
@@ -496,6 +496,7 @@ REAL_CASES = [
     ("lookup+ngram+draft", "looping"),
     ("auto", "looping"),  # adaptive draft lengths over the full chain
     ("medusa", "looping"),  # heads fitted to the target's own output (tests/heads_factory.py)
+    ("hydra", "looping"),
     ("eagle", "looping"),
     ("lookahead", "random"),  # the window's n-grams of what the random model repeats
 ]

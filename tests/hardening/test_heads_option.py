@@ -1,4 +1,4 @@
-"""--method medusa or eagle and --heads: where heads are found, and every wrong heads file one line."""
+"""--method medusa, hydra or eagle and --heads: where heads are found, and every wrong heads file one line."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import json
 import pytest
 
 from cli_checks import assert_one_line_error, invoke
-from heads_factory import random_heads
+from heads_factory import random_eagle, random_heads, random_hydra
 from specrun.modelkit.heads import save_heads
 from specrun.registry.heads import heads_cache_path
 
@@ -18,22 +18,22 @@ def target(tiny_llama):
     return str(tiny_llama.gguf_path)
 
 
+MADE = {"medusa": random_heads, "hydra": random_hydra, "eagle": random_eagle}
+
+
 def write_heads(path, hidden_size: int, vocab_size: int):
     save_heads(random_heads(hidden_size, vocab_size, num_heads=3), path)
     return path
 
 
-@pytest.mark.parametrize("kind", ["medusa", "eagle"])
+@pytest.mark.parametrize("kind", ["medusa", "hydra", "eagle"])
 def test_heads_beside_the_model_are_found_and_used(tiny_llama, tmp_path, kind):
     """<model>.<kind>.safetensors next to a model file is picked up without --heads."""
-    from heads_factory import random_eagle
-
     pytest.importorskip("llama_cpp", reason="the llama backend is not installed")
     model = tmp_path / "tiny.gguf"
     model.write_bytes(tiny_llama.gguf_path.read_bytes())
     config = tiny_llama.config
-    made = random_eagle if kind == "eagle" else random_heads
-    save_heads(made(config.hidden_size, config.vocab_size), tmp_path / f"tiny.{kind}.safetensors")
+    save_heads(MADE[kind](config.hidden_size, config.vocab_size), tmp_path / f"tiny.{kind}.safetensors")
     result = invoke("generate", "def f(x):", "-t", str(model), "-m", kind, "-n", "12", "-k", "3", "--json")
     assert result.exit_code == 0, result.output
     stats = json.loads(result.stdout)["stats"]
@@ -130,8 +130,6 @@ def test_heads_of_the_other_kind_are_refused_in_one_line(target, tiny_llama, tmp
 
 def test_a_bench_of_both_head_methods_takes_heads_for_its_kind_and_finds_the_other(tiny_llama, tmp_path):
     """--heads names EAGLE heads; the Medusa heads beside the model serve --method medusa."""
-    from heads_factory import random_eagle
-
     pytest.importorskip("llama_cpp", reason="the llama backend is not installed")
     model = tmp_path / "tiny.gguf"
     model.write_bytes(tiny_llama.gguf_path.read_bytes())
@@ -146,3 +144,38 @@ def test_a_bench_of_both_head_methods_takes_heads_for_its_kind_and_finds_the_oth
     doc = json.loads(out.read_text())
     assert {line["method"] for line in doc["overall"]} == {"none", "medusa", "eagle"}
     assert all(run["same_as_baseline"] for run in doc["runs"])
+
+
+def test_hydra_heads_in_bench_and_a_chat_s_method_switch(target, tiny_llama, tmp_path):
+    """bench runs hydra beside plain decoding with the same greedy text; /method hydra in a chat
+    started with -m none loads the hydra heads (--heads) and answers as plain decoding does."""
+    from specrun.engine.loop import GenerationParams
+    from specrun.registry.loading import LoadOptions
+    from specrun.sessions.chat import AnswerDone, open_chat
+
+    config = tiny_llama.config
+    heads = tmp_path / "hydra.safetensors"
+    save_heads(random_hydra(config.hidden_size, config.vocab_size), heads)
+    out = tmp_path / "bench.json"
+    result = invoke("bench", "-t", target, "--methods", "none,hydra", "--heads", str(heads), "--categories",
+                    "code-completion", "--per-category", "1", "-n", "8", "-k", "3", "--json", str(out))
+    assert result.exit_code == 0, result.output
+    doc = json.loads(out.read_text())
+    assert doc["mismatches"] == [] and {line["method"] for line in doc["overall"]} == {"none", "hydra"}
+    assert all(run["same_as_baseline"] for run in doc["runs"])
+    with open_chat(target, None, "none", LoadOptions(threads=1), draft_len=3, heads=str(heads)) as session:
+        answers = []
+        for method in ("none", "hydra"):
+            session.reset()
+            session.set_method(method)
+            events = list(session.ask("hello there", GenerationParams(12, 3)))
+            answers.append(next(event for event in events if isinstance(event, AnswerDone)))
+    assert answers[0].stats.drafted == 0 and answers[1].stats.drafted > 0
+    assert answers[1].stats.method == "hydra" and answers[0].text == answers[1].text
+
+
+def test_medusa_heads_for_the_hydra_method_are_refused_in_one_line(target, tiny_llama, tmp_path):
+    heads = write_heads(tmp_path / "medusa.safetensors", tiny_llama.config.hidden_size, tiny_llama.config.vocab_size)
+    result = invoke("generate", "hi", "-t", target, "-m", "hydra", "--heads", str(heads))
+    assert_one_line_error(result.exit_code, result.stderr, 2, "medusa.safetensors", "holds medusa heads, not hydra heads",
+                          "--kind hydra")

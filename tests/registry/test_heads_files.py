@@ -456,7 +456,8 @@ def test_missing_file(tmp_path):
         ({"colour": "blue"}, ["has unknown keys (colour)"]),
         ({"version": 2}, ["format version 2", "this specrun reads version 1", "upgrade specrun"]),
         ({"format": "gguf"}, ["not a specrun heads config"]),
-        ({"kind": "hydra"}, ["kind 'hydra'", "medusa or eagle heads"]),
+        ({"kind": "lookahead"}, ["kind 'lookahead'", "medusa, hydra, eagle heads"]),
+        ({"kind": "hydra"}, ["lacks the keys layout"]),
         ({"kind": "eagle"}, ["lacks the keys layout"]),
         ({"num_heads": 0}, ["num_heads is 0"]),
         ({"num_heads": -3}, ["num_heads is -3"]),
@@ -741,3 +742,63 @@ def test_a_truncated_eagle_file_is_refused(tmp_path):
     with pytest.raises(ModelFileError) as excinfo:
         load_heads(path)
     one_line(excinfo, str(path), "is cut short")
+
+
+# ---------------------------------------------------------------------------------------------
+# Hydra heads in specrun's format
+
+
+def hydra_saved(tmp_path: Path, num_layers: int = 2) -> tuple[Path, object]:
+    from heads_factory import random_hydra
+
+    heads = random_hydra(HIDDEN, VOCAB, num_heads=3, num_layers=num_layers, embedding_size=8,
+                         draft_vocab=np.random.default_rng(0).permutation(VOCAB)[:DRAFT_VOCAB])
+    path = tmp_path / "hydra.safetensors"
+    save_heads(heads, path)
+    return path, heads
+
+
+def test_hydra_heads_round_trip_within_float16_rounding(tmp_path):
+    from specrun.modelkit.hydra import HydraHeads
+
+    path, heads = hydra_saved(tmp_path)
+    loaded = load_heads(path)
+    assert isinstance(loaded, HydraHeads) and loaded.config == heads.config
+    assert loaded.embedding_size == 8 and [w.shape[1] for w, _ in loaded.inputs] == [HIDDEN + 8, HIDDEN + 16, HIDDEN + 24]
+    assert len(loaded.blocks[2]) == 1 and np.array_equal(loaded.d2t, heads.d2t)
+    for name, array in heads.arrays().items():
+        assert loaded.arrays()[name].dtype == np.float32
+        assert np.array_equal(loaded.arrays()[name], as_half(array)), name
+    assert json.loads(path.with_suffix(".json").read_text())["layout"] == {"embedding_size": 8}
+    with pytest.raises(ModelFileError) as excinfo:
+        check_heads_for_target(loaded, hidden_size=HIDDEN + 1, vocab_size=VOCAB, path=path)
+    one_line(excinfo, str(path), f"was made for hidden size {HIDDEN}, the target has {HIDDEN + 1}")
+
+
+def test_a_truncated_hydra_file_is_one_line(tmp_path):
+    path, _ = hydra_saved(tmp_path)
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    with pytest.raises(ModelFileError) as excinfo:
+        load_heads(path)
+    one_line(excinfo, str(path), "cut short")
+
+
+@pytest.mark.parametrize(
+    ("changes", "fragments"),
+    [
+        ({"layout": {"embedding_size": 8, "window": 3}}, ["malformed layout (expected the key embedding_size)"]),
+        ({"layout": {"embedding_size": 0}}, ["embedding_size is 0"]),
+        ({"layout": {"embedding_size": 16}}, ["holds hydra.embed of shape [129, 8], expected [129, 16]"]),
+        ({"num_layers": 0}, ["num_layers is 0; a Hydra head has at least its first layer"]),
+        ({"num_layers": 1}, ["holds a tensor this format does not have (hydra.0.blocks.0.bias and 5 more)"]),
+        ({"num_heads": 4}, ["lacks the tensor hydra.3.in.weight"]),
+        ({"hidden_size": 32}, ["holds tensors of hidden size 64, hydra.json says 32"]),
+    ],
+)
+def test_a_bad_hydra_config_is_one_line(tmp_path, changes, fragments):
+    path, _ = hydra_saved(tmp_path)
+    rewrite_config(path, **changes)
+    with pytest.raises(ModelFileError) as excinfo:
+        load_heads(path)
+    line = one_line(excinfo, *fragments)
+    assert "hydra.json" in line or str(path) in line

@@ -38,7 +38,7 @@ CHAT_PROMPTS = (
 N_NEW = 64
 # lookahead here runs on a target opened for chains (its main chain verified alone) on llama.cpp;
 # its trees on the real model: tests/trees/test_tree_real_model.py
-METHODS = ("none", "lookup", "ngram", "draft", "lookup+draft", "auto", "medusa", "eagle", "lookahead")
+METHODS = ("none", "lookup", "ngram", "draft", "lookup+draft", "auto", "medusa", "hydra", "eagle", "lookahead")
 NEAR_TIE = 0.05  # F16 logits; the batched and one-token kernels round differently
 MAX_DIVERGING_PROMPTS = 1  # of the three CHAT_PROMPTS a method answers, greedy
 
