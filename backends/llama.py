@@ -139,6 +139,9 @@ class LlamaCppBackend(HiddenTracking):
     so verified tokens can differ from plain decoding's at near-ties.
     tree_paths: the most root-to-leaf paths a token tree may have (``forward_tree``); 0, the
     default, creates a chains-only context as before.
+    rpc: llama.cpp RPC servers (``HOST:PORT``) the model's layers are split over, with this
+    machine's GPUs if it has any (backends/llama_rpc.py); every layer is offloaded unless
+    ``gpu_layers`` says otherwise.
     kv_type: the KV cache's element type, "f16" (llama.cpp's default) or "f32". Keys and
     values written by a multi-token verify pass round differently in F16 than those
     written one token at a time (measured: a greedy flip at a top-2 gap of 0.0043 with
@@ -163,6 +166,7 @@ class LlamaCppBackend(HiddenTracking):
         flash_attn: bool | None = None,
         kv_type: str = "f16",
         tree_paths: int = 0,
+        rpc: tuple[str, ...] = (),
     ) -> None:
         if kv_type not in KV_TYPES:
             raise ValueError(f"kv_type must be one of {sorted(KV_TYPES)}, got {kv_type!r}")
@@ -174,8 +178,17 @@ class LlamaCppBackend(HiddenTracking):
         llama_cpp.llama_backend_init()
 
         model_params = llama_cpp.llama_model_default_params()
+        self.rpc = rpc
+        if rpc:  # its pass costs are the servers' and the network's: its own tuning key (sessions/tuning.model_id)
+            self.variant = "rpc=" + ",".join(rpc)
+        self._devices = None  # the target's devices with --rpc, alive as long as the model
+        if rpc:
+            from specrun.backends.llama_rpc import target_devices
+
+            self._devices = target_devices(llama_cpp, rpc)
+            model_params.devices = ctypes.addressof(self._devices)
         if gpu_layers is None:
-            gpu_layers = -1 if llama_cpp.llama_supports_gpu_offload() else 0
+            gpu_layers = -1 if rpc or llama_cpp.llama_supports_gpu_offload() else 0
         model_params.n_gpu_layers = gpu_layers
         self._model = llama_cpp.llama_model_load_from_file(str(self.path).encode(), model_params)
         if not self._model:

@@ -47,6 +47,10 @@ class BackendUnavailableError(SpecrunError):
     """The requested backend is not installed or cannot run here."""
 
 
+class RemoteServerError(SpecrunError):
+    """An RPC server (``--rpc``) that cannot be reached or does not speak llama.cpp's protocol."""
+
+
 class RegistryError(SpecrunError):
     """An unknown alias or a malformed models.toml."""
 

@@ -26,6 +26,7 @@ from specrun.cli.common import (
     DraftOpt,
     ExactOpt,
     GpuLayersOpt,
+    RpcOpt,
     HeadsOpt,
     KvTypeOpt,
     LookaheadOpt,
@@ -47,6 +48,7 @@ from specrun.cli.common import (
     check_kv_type,
     check_range,
     checked_sampling,
+    checked_rpc,
     checked_lookahead,
     uses_window,
     checked_trees,
@@ -54,6 +56,7 @@ from specrun.cli.common import (
     read_prompt,
 )
 from specrun.cli.models import models_app
+from specrun.cli.rpc import rpc_server_command
 from specrun.cli.serve import serve_command
 from specrun.cli.tune import tune
 from specrun.drafters.methods import check_method
@@ -94,6 +97,7 @@ def generate(
     ctx: CtxOpt = None,
     threads: ThreadsOpt = None,
     gpu_layers: GpuLayersOpt = None,
+    rpc: RpcOpt = None,
     kv_type: KvTypeOpt = None,
     exact: ExactOpt = False,
     registry: RegistryOpt = None,
@@ -115,6 +119,7 @@ def generate(
         check_method(method)
         check_generation_options(max_tokens, draft_len, draft_min_prob, ctx, threads)
         check_kv_type(kv_type, exact)
+        rpc_servers = checked_rpc(rpc)
         lookahead_sizes = checked_lookahead(lookahead, (method,))
         trees = checked_trees(chain_only, tree_nodes, branches, lookahead_sizes, window=uses_window((method,)))
         sampling = checked_sampling("generate", temp, top_k, top_p, min_p, seed)
@@ -130,6 +135,7 @@ def generate(
             draft_min_prob=draft_min_prob,
             sampling=sampling,
             load=LoadOptions(backend=backend, n_ctx=ctx, threads=threads, gpu_layers=gpu_layers,
+                             rpc=rpc_servers,
                              registry=registry, kv_type=kv_type, exact=exact,
                              tree_paths=trees.paths),
             drafter_options=DrafterOptions(ngram_cache=ngram_cache, branches=trees.branches, lookahead=lookahead_sizes),
@@ -201,6 +207,7 @@ app.command("chat")(chat_command)
 app.add_typer(heads_app, name="heads")
 app.add_typer(models_app, name="models")
 app.command("serve")(serve_command)
+app.command("rpc-server")(rpc_server_command)
 app.command("tune")(tune)
 
 

@@ -18,6 +18,7 @@ from specrun.cli.common import (
     DraftOpt,
     ExactOpt,
     GpuLayersOpt,
+    RpcOpt,
     HeadsOpt,
     KvTypeOpt,
     LookaheadOpt,
@@ -34,6 +35,7 @@ from specrun.cli.common import (
     checked_lookahead,
     uses_window,
     checked_sampling,
+    checked_rpc,
     checked_trees,
     cli_errors,
 )
@@ -103,6 +105,7 @@ def bench(
     ctx: CtxOpt = None,
     threads: ThreadsOpt = None,
     gpu_layers: GpuLayersOpt = None,
+    rpc: RpcOpt = None,
     kv_type: KvTypeOpt = None,
     exact: ExactOpt = False,
     registry: RegistryOpt = None,
@@ -132,6 +135,7 @@ def bench(
         check_range("--threads", threads, 1, 1024)
         check_range("--draft-min-prob", draft_min_prob, 0.0, 1.0)
         check_kv_type(kv_type, exact)
+        rpc_servers = checked_rpc(rpc)
         sampling = checked_sampling("bench", temp, 0, 1.0, 0.0, seed)
         target = target or DEFAULT_TARGET
         draft = draft or suggested_draft(target, registry)
@@ -165,6 +169,7 @@ def bench(
             trees=trees,
             lookahead=lookahead_sizes,
             load=LoadOptions(backend=backend, n_ctx=ctx, threads=threads, gpu_layers=gpu_layers,
+                             rpc=rpc_servers,
                              registry=registry, kv_type=kv_type, exact=exact, tree_paths=trees.paths),
         )
         run_and_show(config, bench_prompts, json_out, report_out)

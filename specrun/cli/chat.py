@@ -31,6 +31,7 @@ from specrun.cli.common import (
     DraftOpt,
     ExactOpt,
     GpuLayersOpt,
+    RpcOpt,
     HeadsOpt,
     KvTypeOpt,
     LookaheadOpt,
@@ -50,6 +51,7 @@ from specrun.cli.common import (
     check_generation_options,
     check_kv_type,
     checked_sampling,
+    checked_rpc,
     checked_lookahead,
     uses_window,
     checked_trees,
@@ -112,6 +114,7 @@ def chat_command(
     ctx: CtxOpt = None,
     threads: ThreadsOpt = None,
     gpu_layers: GpuLayersOpt = None,
+    rpc: RpcOpt = None,
     kv_type: KvTypeOpt = None,
     exact: ExactOpt = False,
     registry: RegistryOpt = None,
@@ -132,6 +135,7 @@ def chat_command(
         check_method(method)
         check_generation_options(max_tokens, draft_len, draft_min_prob, ctx, threads)
         check_kv_type(kv_type, exact)
+        rpc_servers = checked_rpc(rpc)
         # The session fills in the draft length: the user's, else the longest an adaptive run may choose.
         lookahead_sizes = checked_lookahead(lookahead, (method,))
         trees = checked_trees(chain_only, tree_nodes, branches, lookahead_sizes, window=uses_window((method,)))
@@ -145,6 +149,7 @@ def chat_command(
             show_accept = sys.stdout.isatty() and not json_output
         view = AnswerView(show_accept, json_output)
         options = LoadOptions(backend=backend, n_ctx=ctx, threads=threads, gpu_layers=gpu_layers,
+                              rpc=rpc_servers,
                               registry=registry, kv_type=kv_type, exact=exact, tree_paths=trees.paths)
         target, draft = choose_pair(target, draft, registry)
         with open_chat(target, draft, method, options,

@@ -181,6 +181,15 @@ def checked_sampling(command: str, temp: float, top_k: int, top_p: float, min_p:
     return sampling
 
 
+def checked_rpc(rpc: str | None) -> tuple[str, ...]:
+    """--rpc as a tuple of HOST:PORT endpoints (empty without it)."""
+    if rpc is None:
+        return ()
+    from specrun.backends.llama_rpc import parse_endpoints
+
+    return parse_endpoints(rpc)
+
+
 def check_kv_type(kv_type: str | None, exact: bool = False) -> None:
     if kv_type is not None and kv_type not in ("f16", "f32"):
         raise UsageError(f"unknown KV cache type {kv_type!r}", "use --kv-type f16 or --kv-type f32")
@@ -279,6 +288,14 @@ HeadsOpt = Annotated[
     ),
 ]
 GpuLayersOpt = Annotated[Optional[int], typer.Option("--gpu-layers", help="Layers on the GPU (default: all).")]
+RpcOpt = Annotated[
+    Optional[str],
+    typer.Option(
+        "--rpc",
+        help="HOST:PORT[,HOST:PORT…] of llama.cpp RPC servers (specrun rpc-server) to run the target's layers on; "
+        "the draft and every drafter stay on this machine.",
+    ),
+]
 KvTypeOpt = Annotated[
     Optional[str],
     typer.Option("--kv-type", help="llama.cpp KV cache type: f16 (default; f32 with --exact) or f32 (twice the memory)."),

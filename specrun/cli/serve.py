@@ -15,6 +15,7 @@ from specrun.cli.common import (
     DraftOpt,
     ExactOpt,
     GpuLayersOpt,
+    RpcOpt,
     HeadsOpt,
     KvTypeOpt,
     MethodOpt,
@@ -30,6 +31,7 @@ from specrun.cli.common import (
     check_kv_type,
     check_range,
     checked_sampling,
+    checked_rpc,
     cli_errors,
 )
 
@@ -67,6 +69,7 @@ def serve_command(
     ctx: CtxOpt = None,
     threads: ThreadsOpt = None,
     gpu_layers: GpuLayersOpt = None,
+    rpc: RpcOpt = None,
     kv_type: KvTypeOpt = None,
     exact: ExactOpt = False,
     registry: RegistryOpt = None,
@@ -87,6 +90,7 @@ def serve_command(
         check_method(method)
         check_generation_options(max_tokens, draft_len, draft_min_prob, ctx, threads)
         check_kv_type(kv_type, exact)
+        rpc_servers = checked_rpc(rpc)
         check_range("--port", port, 0, 65535)
         check_range("--max-body", max_body, 1024, 1 << 34)
         check_range("--max-queue", max_queue, 1, 1 << 20)
@@ -101,6 +105,7 @@ def serve_command(
             draft=draft if needs_draft_model(method) else None,
             method=method,
             load=LoadOptions(backend=backend, n_ctx=ctx, threads=threads, gpu_layers=gpu_layers,
+                             rpc=rpc_servers,
                              registry=registry, kv_type=kv_type, exact=exact, tree_paths=trees.paths),
             draft_len=draft_len,
             draft_min_prob=draft_min_prob,

@@ -18,9 +18,11 @@ from specrun.cli.common import (
     MaxTokensOpt,
     PipeConsole,
     RegistryOpt,
+    RpcOpt,
     TargetOpt,
     ThreadsOpt,
     check_range,
+    checked_rpc,
     cli_errors,
 )
 
@@ -32,6 +34,7 @@ def tune(
     prompts: Annotated[int, typer.Option("--prompts", help="Built-in prompts to calibrate on.")] = 4,
     max_tokens: MaxTokensOpt = 64,
     threads: ThreadsOpt = None,
+    rpc: RpcOpt = None,
     registry: RegistryOpt = None,
     show: Annotated[bool, typer.Option("--show", help="Print the saved settings and exit.")] = False,
     budget: Annotated[
@@ -58,7 +61,11 @@ def tune(
             return
         check_range("--prompts", prompts, 1, 50)
         check_range("--max-tokens", max_tokens, 8, 4096)
+        rpc_servers = checked_rpc(rpc)
         if is_tuned_layer_draft(draft):
+            if rpc_servers:
+                raise UsageError("--rpc sends the target to llama.cpp, and the layer search runs on MLX",
+                                 "drop --rpc")
             check_range("--budget", budget, layer_search.MIN_BUDGET, layer_search.MAX_BUDGET)
             choice, path = run_layer_search(target, backend, prompts, max_tokens, budget, registry)
             out.print(render_layer_choices([choice]))
@@ -66,13 +73,13 @@ def tune(
             return
         if budget is not None:
             raise UsageError("--budget is the layer search's (--draft self:layers)", "drop --budget")
-        result = run_tune(target, draft, backend, prompts, max_tokens, threads, registry)
+        result = run_tune(target, draft, backend, prompts, max_tokens, threads, registry, rpc_servers)
         path = tuning.save(result)
         out.print(render([result]))
         typer.echo(f"saved to {path}", err=True)
 
 
-def run_tune(target, draft, backend, n_prompts, max_tokens, threads, registry):
+def run_tune(target, draft, backend, n_prompts, max_tokens, threads, registry, rpc=()):
     from specrun.sessions import tuning
     from specrun.errors import UsageError
     from specrun.registry.loading import LoadOptions, choose_pair, open_pair
@@ -82,7 +89,7 @@ def run_tune(target, draft, backend, n_prompts, max_tokens, threads, registry):
     if draft is None:
         raise UsageError(f"no draft model for {target}", "pass --draft MODEL")
     target_backend, draft_backend = open_pair(
-        target, draft, LoadOptions(backend=backend, threads=threads, registry=registry)
+        target, draft, LoadOptions(backend=backend, threads=threads, registry=registry, rpc=rpc)
     )
     try:
         prompts = [target_backend.tokenize(text) for text in CODE_PROMPTS[:n_prompts]]

@@ -31,6 +31,8 @@ class LoadOptions:
     kv_type: str | None = None  # llama.cpp's KV cache: f16 or f32; None: f16 (its default), f32 when exact
     exact: bool = False  # the settings under which greedy speculation is bit-identical to plain decoding
     tree_paths: int = 0  # llama.cpp: root-to-leaf paths a tree pass may hold (0: chains only); the target's
+    # llama.cpp RPC servers (HOST:PORT) the target's layers run on; drafts stay on this machine
+    rpc: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.gpu_layers is not None and not -1 <= self.gpu_layers <= MAX_GPU_LAYERS:
@@ -38,6 +40,9 @@ class LoadOptions:
                 f"--gpu-layers must be between -1 (all) and {MAX_GPU_LAYERS}, got {self.gpu_layers}",
                 "pass a layer count, -1 for all, or leave it out (all)",
             )
+        if self.rpc and self.gpu_layers == 0:
+            raise UsageError("--gpu-layers 0 keeps every layer on this machine, so --rpc would send none",
+                             "leave --gpu-layers out (all layers go to the servers) or pass a layer count")
 
     @property
     def llama_kv_type(self) -> str:
@@ -189,7 +194,12 @@ def open_backend(
 
     entries = entries if entries is not None else load_registry(options.registry)
     self_draft = is_self_draft(spec)
-    backend = choose_backend(options.backend, target_spec if self_draft else spec, entries)
+    # --rpc is llama.cpp's: auto chooses it for a target sent to RPC servers
+    requested = "llama" if options.rpc and options.backend == "auto" else options.backend
+    backend = choose_backend(requested, target_spec if self_draft else spec, entries)
+    if backend == "mlx" and options.rpc:
+        raise UsageError("--rpc sends the target to llama.cpp RPC servers, which the MLX backend cannot use",
+                         "pass --backend llama (or leave --backend out) with a GGUF target, or drop --rpc")
     if backend == "mlx" and options.kv_type == "f32":
         raise UsageError(
             f"--kv-type {options.kv_type} applies to the llama.cpp backend only",
@@ -239,6 +249,7 @@ def _load(backend: str, path: str | Path, options: LoadOptions) -> Backend:
         kv_type=options.llama_kv_type,
         flash_attn=False if options.exact else None,  # None: llama.cpp's automatic choice
         tree_paths=options.tree_paths,
+        rpc=options.rpc,
     )
 
 
@@ -335,7 +346,8 @@ def open_draft(
     # One context size for both (a draft capped smaller would overflow in long chats),
     # and the target's backend, so that auto cannot split a pair across two runtimes.
     backend = options.backend if options.backend != "auto" else target.name
-    draft_options = dataclasses.replace(options, n_ctx=target.n_ctx, backend=backend, tree_paths=0)  # drafts chains
+    # drafts chains, on this machine
+    draft_options = dataclasses.replace(options, n_ctx=target.n_ctx, backend=backend, tree_paths=0, rpc=())
     draft = open_backend(draft_spec, draft_options, entries, target_spec=target_spec)
     try:
         check_compatible(target, draft, target_spec, draft_spec)
