@@ -32,7 +32,7 @@ from specrun.sessions.generation import (
 )
 from specrun.registry.loading import LoadOptions, open_pair, prompts_as_chat
 from specrun.drafters.lookahead import LookaheadSizes
-from specrun.drafters.methods import DrafterOptions, is_adaptive, needs_draft_model
+from specrun.drafters.methods import DrafterOptions, is_adaptive, needs_draft_model, uses_lookahead
 from specrun.sampling import SamplingSettings
 
 BASELINE = "none"
@@ -69,7 +69,9 @@ class BenchConfig:
     native: bool = False  # also run the backend's own plain loop beside the methods (a second model copy)
     heads: str | None = None  # --heads: the head methods' heads file (None: found by the target's alias)
     trees: TreeSettings = field(default_factory=TreeSettings)  # token trees (--tree-nodes, --branches); chains
-    lookahead: LookaheadSizes | None = None  # --lookahead: the lookahead method's sizes (None: the defaults)
+    # --lookahead: the lookahead method's sizes (None: chosen from the target's pass costs, as generate
+    # does; the result's config records the choice)
+    lookahead: LookaheadSizes | None = None
 
     @property
     def sweep(self) -> bool:
@@ -156,6 +158,8 @@ def run_bench(config: BenchConfig, prompts: Sequence[BenchPrompt], progress: Pro
         variants = config.variants()
         min_prob = resolve_min_prob(config.draft_min_prob, tuned)
         heads = load_heads_for_methods(config.target, config.heads, target, config.methods, config.load.registry)
+        if config.lookahead is None and any(uses_lookahead(method) for method in config.methods):
+            config = dataclasses.replace(config, lookahead=chosen_window(target, config, kept[0][1]))
         for method in config.methods:
             check_trees_for(method, target, config.lookahead)
         if progress is not None:
@@ -199,6 +203,19 @@ def run_bench(config: BenchConfig, prompts: Sequence[BenchPrompt], progress: Pro
         tuned.key if tuned is not None else None,
         min_prob,
     )
+
+
+def chosen_window(target: Backend, config: BenchConfig, prompt_ids: list[int]) -> LookaheadSizes:
+    """Lookahead's sizes as `specrun generate` chooses them for this target: from the pass costs
+    earlier runs stored (unless --untuned), else from a probe of a few passes after the start
+    of ``prompt_ids``; within the tree nodes the target was opened for."""
+    from specrun.sessions.generation import choose_window, load_target_entry
+    from specrun.sessions.lookahead_sizing import covers, fitting
+
+    stored = load_target_entry(target, config.load.threads) if config.use_tuned else None
+    costs = stored.target_costs if stored is not None and covers(stored.target_costs) else None
+    fits = fitting(config.trees.nodes, target.tree_support.max_paths)
+    return choose_window(target, costs, fits, prompt_ids).sizes
 
 
 def tokenize_prompt(target: Backend, prompt: BenchPrompt, chat: bool) -> list[int]:

@@ -291,6 +291,9 @@ def run_and_show(config, prompts, json_out: Path | None, report_out: Path | None
     )
     with _ProgressBar(err) as progress:
         result = run_bench(config, prompts, progress)
+    if config.lookahead is None and result.config.lookahead is not None:
+        err.print(f"note: lookahead window {result.config.lookahead} (chosen from this machine's pass costs; "
+                  "--lookahead sets it)", highlight=False)
     for table in category_tables(result):
         out.print(table)
     if result.comparison.native:

@@ -212,3 +212,25 @@ def test_auto_asks_the_window_after_the_cheap_drafters_and_before_a_draft_model(
     chain = build_drafter("auto", None, DrafterOptions(lookahead=SMALLEST, auto_lookahead=True))
     assert isinstance(chain.members[0], PromptLookupDrafter) and chain.members[-1].name == "lookahead"
     assert chain.members[-1].sizes == SMALLEST
+
+
+@pytest.mark.parametrize("relative", [cpu_like, gpu_like])
+def test_bench_chooses_lookahead_s_sizes_as_generate_does_and_records_them(relative, tmp_path, monkeypatch):
+    """bench --methods ...,lookahead without --lookahead: the sizes the probed costs favour (within
+    what the opened target holds), said in a note and recorded in the JSON; greedy, the window's
+    line keeps plain decoding's text."""
+    pytest.importorskip("llama_cpp")
+    import specrun.sessions.tuning as tuning
+
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
+    monkeypatch.setattr(tuning, "time_passes", lambda target, prompt, counts, repeats: seconds_of(relative, counts))
+    out = tmp_path / "bench.json"
+    result = runner.invoke(app_(), ["bench", "--target", "demo-target", "--backend", "llama", "--exact", "--methods",
+                                    "none,lookahead", "--categories", "code-completion", "--per-category", "1",
+                                    "-n", "16", "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    expected, _ = choose_sizes(relative)
+    assert f"note: lookahead window {expected} (chosen from this machine's pass costs" in result.stderr
+    doc = json.loads(out.read_text())
+    assert tuple(doc["config"]["lookahead"]) == (expected.window, expected.ngram, expected.candidates)
+    assert doc["mismatches"] == [] and all(run["same_as_baseline"] for run in doc["runs"])
