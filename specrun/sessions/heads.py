@@ -1,4 +1,4 @@
-"""`specrun heads train`: Medusa or EAGLE heads for a target, trained on this machine within a time budget.
+"""`specrun heads train`: Medusa, Hydra or EAGLE heads for a target, trained on this machine within a time budget.
 
 The run: gather data (a share of the budget), pick the draft vocabulary, train, report on the
 held-out windows, write the heads. Data are windows of the target's own tokens with its hidden
@@ -6,8 +6,10 @@ state at every position (heads_data.py says where they come from); a head's labe
 is the target's own token at p + 2 + i, its greedy next token after p + 1 + i, so what a head is
 scored on is what a verify pass would accept; in a continued prompt only the generated tokens are
 labels. The draft vocabulary is the target's most frequent next tokens in the training windows.
-Medusa trains on shuffled positions; EAGLE (sessions/heads_eagle.py) on whole windows, its layer
-reading the positions before each, and is reported on the chains it drafts by itself.
+Medusa trains on shuffled positions; Hydra (sessions/heads_hydra.py) too, each position with the
+tokens after it that its heads read, and is reported on the chains it drafts by itself; EAGLE
+(sessions/heads_eagle.py) on whole windows, its layer reading the positions before each, and is
+reported on its own chains too.
 
 Checkpoints (every ~30 s) go to ``<out>.ckpt/``: the heads through the same writer as the final
 file, the optimizer's state and the data's tokens. A second run with the same settings resumes
@@ -38,7 +40,7 @@ from specrun.sessions.heads_data import (
     text_pieces,
 )
 
-TRAINABLE_KINDS = ("medusa", "eagle")
+TRAINABLE_KINDS = ("medusa", "hydra", "eagle")
 DATA_SHARE = 0.4  # of the budget, at most, for gathering data: generation is the slow part
 CHECKPOINT_SECONDS = 30.0
 HELD_OUT_SHARE = 0.1  # of the windows, kept out of training for the report
@@ -49,7 +51,7 @@ CONTINUATION_TOKENS = 96  # new tokens per prompt when the target continues it
 MAX_PROMPT_TOKENS = 192  # a longer prompt keeps its last tokens (a chat prompt ends in the assistant's turn)
 GENERATION_BATCH = 32  # prompts continued together (one left-padded batch)
 STATES_BATCH = 8  # text windows per hidden-state pass
-BATCH_POSITIONS = 128  # positions per training step (Medusa)
+BATCH_POSITIONS = 128  # positions per training step (Medusa, Hydra)
 BATCH_WINDOWS = 4  # windows per training step (EAGLE)
 BUILTIN_PROMPTS = 2048
 LOSS_WINDOW = 20  # steps the reported loss is averaged over
@@ -165,8 +167,6 @@ def check_request(request: HeadsTrainRequest) -> None:
     """Usage errors, before anything is read or loaded."""
     if request.kind not in HEAD_KINDS:
         raise UsageError(f"unknown --kind {request.kind!r}", f"use one of: {', '.join(TRAINABLE_KINDS)}")
-    if request.kind not in TRAINABLE_KINDS:
-        raise UsageError(f"training {request.kind} heads is not available yet", f"use --kind {' or '.join(TRAINABLE_KINDS)}")
     if request.kind == "eagle" and request.num_layers != 1:
         raise UsageError(f"EAGLE heads are one layer, got --num-layers {request.num_layers}", "leave --num-layers out")
     if request.text_dir is not None and request.prompts_file is not None:
@@ -235,6 +235,10 @@ def open_heads_target(request: HeadsTrainRequest):
         from specrun.sessions.heads_eagle import NumpyEagleTrainer
 
         trainer_class = NumpyEagleTrainer
+    elif request.kind == "hydra":
+        from specrun.sessions.heads_hydra import NumpyHydraTrainer
+
+        trainer_class = NumpyHydraTrainer
     return target, trainer_class
 
 
@@ -288,6 +292,10 @@ class _Run:
         if self.request.kind == "eagle":
             self._fit_windows(trainer, [_window(data, i) for i in train_rows], settings, source)
             report = self._report_chains(trainer, [_window(data, i) for i in held_rows])
+        elif self.request.kind == "hydra":
+            states, labels = self._positions(data, train_rows, trainer.d2t)
+            self._fit_positions(trainer, states, labels, settings, source, _next_tokens(data, train_rows, self.request.num_heads))
+            report = self._report_hydra(trainer, data, held_rows)
         else:
             states, labels = self._positions(data, train_rows, trainer.d2t)
             self._fit_positions(trainer, states, labels, settings, source)
@@ -489,7 +497,7 @@ class _Run:
             target_name=self.request.target, target_vocabulary=vocabulary_fingerprint(self.target.backend),
             target_layers=self.target.num_layers,
         )
-        if self.request.kind == "eagle":
+        if self.request.kind in ("eagle", "hydra"):  # with an embedding of their own, started from the target's
             return self.trainer_class.fresh(config, projection, self.target.input_rows(d2t), kept_d2t,
                                             self.request.learning_rate, self.request.seed)
         return self.trainer_class.fresh(config, projection, kept_d2t, self.request.learning_rate, self.request.seed)
@@ -529,11 +537,19 @@ class _Run:
                 self._checkpoint(trainer, settings, source)
                 last_checkpoint = time.monotonic()
 
-    def _fit_positions(self, trainer, states: np.ndarray, labels: np.ndarray, settings: dict, source: str) -> None:
-        """Medusa: shuffled labelled positions, BATCH_POSITIONS a step."""
+    def _fit_positions(self, trainer, states: np.ndarray, labels: np.ndarray, settings: dict, source: str,
+                       next_tokens: np.ndarray | None = None) -> None:
+        """Medusa and Hydra: shuffled labelled positions, BATCH_POSITIONS a step; Hydra's with the
+        tokens after each (``next_tokens`` (N, heads))."""
         labelled = np.flatnonzero((labels >= 0).any(axis=0))
-        self._fit(trainer, len(labelled), BATCH_POSITIONS,
-                  lambda batch: trainer.step(states[labelled[batch]], labels[:, labelled[batch]]), settings, source)
+
+        def take_step(batch: np.ndarray) -> float:
+            rows = labelled[batch]
+            if next_tokens is None:
+                return trainer.step(states[rows], labels[:, rows])
+            return trainer.step(states[rows], labels[:, rows], next_tokens[rows])
+
+        self._fit(trainer, len(labelled), BATCH_POSITIONS, take_step, settings, source)
 
     def _fit_windows(self, trainer, windows: list, settings: dict, source: str) -> None:
         """EAGLE: whole windows with a label, BATCH_WINDOWS a step."""
@@ -557,6 +573,18 @@ class _Run:
         return self.elapsed() >= self.budget
 
     # ---- the report ------------------------------------------------------------------------
+    def _report_hydra(self, trainer, data: _Data, rows: list[int]) -> HeldOutReport:
+        """Hydra: the greedy chain the heads draft from each held-out position, on their own."""
+        depth = self.request.num_heads
+        labels = _target_labels([data.following[i] for i in rows], depth)  # (heads, N)
+        states = np.concatenate([data.states[i] for i in rows])
+        following = _next_tokens(data, rows, 1)[:, 0]  # the token at p + 1 (-1 past a window's end)
+        step = BATCH_POSITIONS * 4
+        guesses = np.concatenate([trainer.predict_chain(states[start : start + step],
+                                                        np.maximum(following[start : start + step], 0), depth)
+                                  for start in range(0, len(states), step)], axis=1)
+        return held_out_report(guesses, labels)
+
     def _report(self, trainer, data: _Data, rows: list[int]) -> HeldOutReport:
         labels = _target_labels([data.following[i] for i in rows], self.request.num_heads)  # (heads, N)
         states = np.concatenate([data.states[i] for i in rows])
@@ -593,6 +621,17 @@ def _target_labels(following: list[np.ndarray], num_heads: int) -> np.ndarray:
                 labels[i, : size - 1 - i] = window[1 + i :]
         columns.append(labels)
     return np.concatenate(columns, axis=1) if columns else np.zeros((num_heads, 0), np.int64)
+
+
+def _next_tokens(data: _Data, rows: list[int], count: int) -> np.ndarray:
+    """(N, count) over the positions of ``rows``' windows: the tokens at p + 1 .. p + count, -1 past
+    a window's end."""
+    columns = []
+    for i in rows:
+        tokens = np.asarray(data.tokens[i], np.int64)
+        padded = np.concatenate([tokens, np.full(count, -1, np.int64)])
+        columns.append(np.stack([padded[1 + j : 1 + j + len(tokens)] for j in range(count)], axis=1))
+    return np.concatenate(columns) if columns else np.zeros((0, count), np.int64)
 
 
 def _window(data: _Data, index: int):

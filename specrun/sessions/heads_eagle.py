@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 
@@ -29,7 +28,7 @@ from specrun.modelkit.eagle import (
     rope,
 )
 from specrun.modelkit.heads import HeadsConfig
-from specrun.sessions.heads_numpy import BETAS, EPS, WEIGHT_DECAY, write_optimizer_state
+from specrun.sessions.heads_numpy import NamedAdamW
 
 CE_WEIGHT = 0.1  # EAGLE's p_w: the feature regression leads, the token loss steers it
 REGRESSION_WEIGHT = 1.0
@@ -221,7 +220,7 @@ def _norm_backward(d_normed: np.ndarray, normed: np.ndarray, inverse_rms: np.nda
     return inverse_rms * (d_normed - normed * np.mean(d_normed * normed, axis=-1, keepdims=True))
 
 
-class NumpyEagleTrainer:
+class NumpyEagleTrainer(NamedAdamW):
     """EAGLE heads as float32 arrays with their AdamW moments."""
 
     def __init__(self, heads: EagleHeads, learning_rate: float, seed: int) -> None:
@@ -230,9 +229,7 @@ class NumpyEagleTrainer:
         self.d2t = heads.d2t
         self.learning_rate = learning_rate
         self.params = {name: np.array(getattr(heads, name), np.float32) for name in PARAMETER_NAMES}
-        self.first = {name: np.zeros_like(array) for name, array in self.params.items()}
-        self.second = {name: np.zeros_like(array) for name, array in self.params.items()}
-        self.step_count = 0
+        self.start_moments()
         self.rng = np.random.default_rng(seed)
 
     @classmethod
@@ -285,46 +282,14 @@ class NumpyEagleTrainer:
             shape = (len(window.tokens) - 1, self.config.hidden_size)
             noise.append((self.rng.random(shape, np.float32) - 0.5) * (NOISE * rms))
         loss, grads = batch_loss(self.current(), windows, noise)
-        self.step_count += 1
-        self._update(grads)
+        self.apply(grads)
         return loss
-
-    def _update(self, grads: dict[str, np.ndarray]) -> None:
-        beta1, beta2 = BETAS
-        t = self.step_count
-        rate = self.learning_rate * np.sqrt(1 - beta2**t) / (1 - beta1**t)
-        for name, p in self.params.items():
-            g, m, v = grads[name], self.first[name], self.second[name]
-            m *= beta1
-            m += (1 - beta1) * g
-            v *= beta2
-            v += (1 - beta2) * g * g
-            if p.ndim > 1:  # no decay on norms and biases
-                p *= 1 - self.learning_rate * WEIGHT_DECAY
-            p -= rate * m / (np.sqrt(v) + EPS)
 
     def predict_chain(self, window: EagleWindow, depth: int) -> np.ndarray:
         """(depth, T - 1) the greedy chain drafted from each position of ``window``, target ids."""
         return chain_guesses(self.current(), window.features.astype(np.float32), window.tokens, depth)
 
-    @property
-    def steps_taken(self) -> int:
-        return self.step_count
-
     def heads(self, training: dict | None = None) -> EagleHeads:
         config = self.config if training is None else dataclasses.replace(self.config, training=training)
         return EagleHeads(config, self.layout, d2t=self.d2t,
                           **{name: array.copy() for name, array in self.params.items()})
-
-    def save_optimizer(self, path: Path) -> None:
-        """The moments and the step count (.npz), written atomically."""
-        arrays = {f"{kind}.{name}": array for kind, moments in (("m", self.first), ("v", self.second))
-                  for name, array in moments.items()}
-        write_optimizer_state(path, arrays, self.step_count)
-
-    def load_optimizer(self, path: Path) -> None:
-        with np.load(path) as saved:
-            for kind, moments in (("m", self.first), ("v", self.second)):
-                for name in moments:
-                    moments[name] = saved[f"{kind}.{name}"].astype(np.float32)
-            self.step_count = int(saved["step"])

@@ -156,6 +156,56 @@ def write_optimizer_state(path: Path, moments: dict[str, np.ndarray], step: int)
     write_atomically(Path(path), buffer.getvalue(), "optimizer state")
 
 
+class NamedAdamW:
+    """AdamW over named float32 arrays (``params``, with ``first`` and ``second`` moments alike,
+    ``learning_rate`` and ``step_count``), and its state saved and loaded: the trainers of EAGLE
+    and Hydra heads (sessions/heads_eagle.py, heads_hydra.py) keep their arrays so."""
+
+    params: dict[str, np.ndarray]
+    first: dict[str, np.ndarray]
+    second: dict[str, np.ndarray]
+    learning_rate: float
+    step_count: int
+
+    def start_moments(self) -> None:
+        self.first = {name: np.zeros_like(array) for name, array in self.params.items()}
+        self.second = {name: np.zeros_like(array) for name, array in self.params.items()}
+        self.step_count = 0
+
+    def apply(self, grads: dict[str, np.ndarray]) -> None:
+        """One step with the gradient of every array (by name); no decay on norms and biases."""
+        self.step_count += 1
+        beta1, beta2 = BETAS
+        t = self.step_count
+        rate = self.learning_rate * np.sqrt(1 - beta2**t) / (1 - beta1**t)
+        for name, p in self.params.items():
+            g, m, v = grads[name], self.first[name], self.second[name]
+            m *= beta1
+            m += (1 - beta1) * g
+            v *= beta2
+            v += (1 - beta2) * g * g
+            if p.ndim > 1:
+                p *= 1 - self.learning_rate * WEIGHT_DECAY
+            p -= rate * m / (np.sqrt(v) + EPS)
+
+    @property
+    def steps_taken(self) -> int:
+        return self.step_count
+
+    def save_optimizer(self, path: Path) -> None:
+        """The moments and the step count (.npz), written atomically."""
+        arrays = {f"{kind}.{name}": array for kind, moments in (("m", self.first), ("v", self.second))
+                  for name, array in moments.items()}
+        write_optimizer_state(path, arrays, self.step_count)
+
+    def load_optimizer(self, path: Path) -> None:
+        with np.load(path) as saved:
+            for kind, moments in (("m", self.first), ("v", self.second)):
+                for name in moments:
+                    moments[name] = saved[f"{kind}.{name}"].astype(np.float32)
+            self.step_count = int(saved["step"])
+
+
 class LlamaHeadsTarget:
     """A GGUF target for head training on llama.cpp: hidden states through the backend's
     declared capability, the output head's rows read from the file (dequantized)."""
