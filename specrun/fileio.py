@@ -13,6 +13,7 @@ import errno
 import json
 import math
 import os
+import platform
 import secrets
 import stat
 from pathlib import Path
@@ -144,6 +145,12 @@ def read_limited(
         raise refuse(f"it cannot be read ({exc.strerror or exc})") from exc
     finally:
         os.close(handle)
+
+
+def machine_id() -> str:
+    """This machine, as the settings files key what was measured on it (tuned.json, learned.json,
+    layers.json): its name, architecture, core count and processor."""
+    return f"{platform.node()}|{platform.machine()}|{os.cpu_count()} cpus|{platform.processor() or '?'}"
 
 
 def read_settings_document(path: Path, max_bytes: int, what: str, kind: str, fix: str, versions,

@@ -13,12 +13,11 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import platform
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 from specrun.errors import SpecrunError, UsageError
-from specrun.fileio import MiB, checked_number, read_settings_document, write_atomically
+from specrun.fileio import MiB, checked_number, machine_id, read_settings_document, write_atomically
 from specrun.modelkit.selfdraft import LAYERS, SELF_PREFIX, fingerprint
 
 CHOICES_VERSION = 1
@@ -71,11 +70,6 @@ def layer_ranges(kept: tuple[int, ...]) -> str:
         if layer is not None:
             start = previous = layer
     return ",".join(parts)
-
-
-def machine_id() -> str:
-    """This machine, as sessions/tuning.machine_id names it (the registry cannot import sessions)."""
-    return f"{platform.node()}|{platform.machine()}|{os.cpu_count()} cpus|{platform.processor() or '?'}"
 
 
 def choice_key(target_fingerprint: str, machine: str) -> str:

@@ -17,7 +17,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import platform
 import statistics
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
@@ -28,7 +27,7 @@ from specrun.engine.loop import GenerationParams, SpeculativeEngine
 from specrun.errors import SpecrunError
 from specrun.drafters.methods import DrafterOptions, build_drafter
 from specrun.engine.stats import Stats
-from specrun.fileio import MiB, checked_number, read_settings_document, write_atomically
+from specrun.fileio import MiB, checked_number, machine_id, read_settings_document, write_atomically
 
 TUNE_VERSION = 2
 READABLE_VERSIONS = (1, 2)  # version 1 lacks the draft costs: its runs start from the target's costs only
@@ -152,10 +151,6 @@ def _learn_target(engine: SpeculativeEngine, target: Backend, key: str) -> TuneR
 
 
 NO_DRAFT = "none"  # the draft of a target's own entry (runs with no draft model)
-
-
-def machine_id() -> str:
-    return f"{platform.node()}|{platform.machine()}|{os.cpu_count()} cpus|{platform.processor() or '?'}"
 
 
 def model_id(backend: Backend) -> str:

@@ -145,12 +145,6 @@ def test_layer_ranges_write_what_self_layers_parses():
     assert parse_self_draft("self:layers=" + layer_ranges(kept)).named == kept
 
 
-def test_the_machine_is_named_as_tuning_names_it():
-    from specrun.sessions.tuning import machine_id
-
-    assert layer_choice.machine_id() == machine_id()
-
-
 def test_a_saved_choice_is_read_back_by_target_and_machine(tmp_path, tiny_llama, tiny_qwen2):
     path = tmp_path / "layers.json"
     mine = a_choice(tiny_llama.hf_dir)
