@@ -144,8 +144,23 @@ def open_layer_draft(target: Backend, spec: str, target_spec: str | None = None)
 def check_layer_target(target: Backend, spec: str) -> None:
     """Refuse a layer draft of a target whose backend runs a model whole (llama.cpp)."""
     if target.name != "mlx":
-        raise UsageError(f"--draft {spec} runs part of the target's layers, which llama.cpp's API cannot do",
-                         "pass --backend mlx with an MLX target, or use --draft self:q4")
+        raise _layer_draft_refused(spec)
+
+
+def _layer_draft_refused(spec: str) -> UsageError:
+    return UsageError(f"--draft {spec} runs part of the target's layers, which llama.cpp's API cannot do",
+                      "pass --backend mlx with an MLX target, or use --draft self:q4")
+
+
+def check_layer_backend(target_spec: str, draft_spec: str | None, options: LoadOptions,
+                        entries: dict[str, ModelEntry]) -> None:
+    """Refuse a layer draft before the target loads where the target would load on llama.cpp."""
+    from specrun.modelkit.selfdraft import is_layer_draft
+
+    if is_layer_draft(draft_spec):
+        requested = "llama" if options.rpc and options.backend == "auto" else options.backend
+        if choose_backend(requested, target_spec, entries) != "mlx":
+            raise _layer_draft_refused(draft_spec)
 
 
 def check_layer_draft_pair(verdict: PairCheck, draft_spec: str, target: ModelEntry) -> PairCheck:
@@ -323,6 +338,7 @@ def open_pair(
     A ``self:`` draft is a quantized copy of the target (modelkit/selfdraft.py)."""
     check_draft_spec(draft_spec)
     entries = load_registry(options.registry)
+    check_layer_backend(target_spec, draft_spec, options, entries)
     target = open_backend(target_spec, options, entries)
     if draft_spec is None:
         return target, None

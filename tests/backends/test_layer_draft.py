@@ -99,8 +99,15 @@ def test_layers_the_target_lacks_or_all_of_them_are_one_usage_line(spec, fragmen
     assert result.exit_code == 2 and len(lines) == 1 and fragment in lines[0], result.stderr
 
 
-def test_a_layer_draft_on_llama_cpp_says_plainly_it_is_unavailable():
+def test_a_layer_draft_on_llama_cpp_says_plainly_it_is_unavailable(monkeypatch):
+    """...before the target loads (a large target would take its time to be refused)."""
     pytest.importorskip("llama_cpp", reason="the llama backend is not installed")
+    from specrun.registry import loading
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the target was loaded before the layer draft was refused")
+
+    monkeypatch.setattr(loading, "open_backend", no_load)
     result = CliRunner().invoke(app, ["generate", "-t", "demo-target", "--draft", "self:layers=2", "--backend",
                                       "llama", "--method", "draft", "-n", "4", "x"])
     lines = [line for line in result.stderr.splitlines() if line.strip()]
