@@ -170,7 +170,8 @@ def demo(
     draft: Annotated[str, typer.Option("--draft", "-d", help="Draft model.")] = "demo-draft",
     methods: Annotated[Optional[str], typer.Option(
         "--methods", help="Comma-separated methods; the first is the baseline (default: none,draft,auto, and "
-        "medusa and eagle where the target has heads: the demo target's ship with specrun)."
+        "medusa, hydra and eagle where the target has heads: the demo target's medusa and eagle heads ship with "
+        "specrun)."
     )] = None,
     prompts: Annotated[int, typer.Option("--prompts", help="How many built-in prompts.")] = 6,
     max_tokens: MaxTokensOpt = 96,

@@ -226,7 +226,7 @@ MethodOpt = Annotated[
         "--method",
         "-m",
         help="auto (the default: adaptive lookup+ngram+draft), none (plain decoding), draft, lookup, ngram, "
-        "medusa or eagle (heads on the target's hidden states, see --heads), lookahead (Jacobi lookahead "
+        "medusa, hydra or eagle (heads on the target's hidden states, see --heads), lookahead (Jacobi lookahead "
         "decoding, see --lookahead), or a chain like lookup+draft.",
     ),
 ]
@@ -283,8 +283,8 @@ HeadsOpt = Annotated[
     Optional[str],
     typer.Option(
         "--heads",
-        help="Heads file for --method medusa or eagle (from specrun heads train, or a Medusa folder). Default: found "
-        "beside the target, in specrun's cache, or shipped with it.",
+        help="Heads file for --method medusa, hydra or eagle (from specrun heads train, or a Medusa folder). Default: "
+        "found beside the target, in specrun's cache, or shipped with it.",
     ),
 ]
 GpuLayersOpt = Annotated[Optional[int], typer.Option("--gpu-layers", help="Layers on the GPU (default: all).")]
