@@ -27,11 +27,15 @@ class TreeSupport:
 
     reason: one line for the user where trees are not available (chains are used instead).
     max_paths: the most root-to-leaf paths one tree may have (0: no limit).
+    reopenable: not available only because the backend was opened for chains; its
+    ``open_for_trees(paths)`` re-creates it, empty, for trees (llama.cpp sizes a context's
+    sequences when it creates it).
     """
 
     available: bool
     reason: str = ""
     max_paths: int = 0
+    reopenable: bool = False
 
     def check(self, tree: TokenTree) -> None:
         """Raise ValueError if this backend cannot take ``tree`` in one pass."""

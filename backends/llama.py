@@ -214,26 +214,23 @@ class LlamaCppBackend(HiddenTracking):
         ctx_params.no_perf = True
         ctx_params.pooling_type = llama_cpp.LLAMA_POOLING_TYPE_NONE  # token embeddings are the hidden states
         ctx_params.type_k = ctx_params.type_v = KV_TYPES[kv_type]
+        # Sliding-window layers (Gemma 3: 512 tokens) get a full-size cache, as llama.cpp's C default
+        # has it but its `common` tools and server do not: a smaller one overwrites cells that fell out
+        # of the window, and a rewind (a rejected draft, a reused prompt) would need them again.
+        ctx_params.swa_full = True
         self.kv_type = kv_type
         if flash_attn is not None:  # None keeps llama.cpp's automatic choice, its default
             ctx_params.flash_attn_type = (
                 llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash_attn else llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
             )
         self.flash_attn = flash_attn
-        self._tree_paths = _tree_context_params(ctx_params, tree_paths)
-        self._ctx = llama_cpp.llama_init_from_model(self._model, ctx_params)
-        if not self._ctx:
+        self._ctx_params = ctx_params  # what a context re-created for trees (open_for_trees) is made with
+        self._ctx = None
+        try:
+            self._open_context(tree_paths)
+        except BaseException:
             llama_cpp.llama_model_free(self._model)
-            raise ModelFileError(
-                f"llama.cpp could not create a context of {self.n_ctx} tokens for {self.path}",
-                "lower --ctx or free memory",
-            )
-        self._memory = llama_cpp.llama_get_memory(self._ctx)
-        self._batch = llama_cpp.llama_batch_init(n_batch, 0, 1)
-        # a node carries the sequence ids of every path through it
-        self._tree_batch = llama_cpp.llama_batch_init(n_batch, 0, self._tree_paths + 1) if self._tree_paths else None
-        self._held_tree: HeldTree | None = None
-        self._n_past = 0
+            raise
         self.n_vocab = llama_cpp.llama_vocab_n_tokens(self._vocab_p)
         self.vocab = self._read_vocab_info()
         self._pieces: dict[int, bytes] = {}
@@ -427,10 +424,49 @@ class LlamaCppBackend(HiddenTracking):
         self._n_past = min(self._n_past, n_keep)
 
     # ---- token trees -----------------------------------------------------------------
+    def _open_context(self, tree_paths: int) -> None:
+        """Create this backend's context, empty, for chains (0) or trees of ``tree_paths`` paths."""
+        lib = self._lib
+        params = type(self._ctx_params).from_buffer_copy(self._ctx_params)
+        paths = _tree_context_params(params, tree_paths)
+        ctx = lib.llama_init_from_model(self._model, params)
+        if not ctx:
+            raise ModelFileError(
+                f"llama.cpp could not create a context of {self.n_ctx} tokens for {self.path}",
+                "lower --ctx or free memory",
+            )
+        self._ctx, self._tree_paths = ctx, paths
+        self._memory = lib.llama_get_memory(ctx)
+        self._batch = lib.llama_batch_init(self.n_batch, 0, 1)
+        # a node carries the sequence ids of every path through it
+        self._tree_batch = lib.llama_batch_init(self.n_batch, 0, paths + 1) if paths else None
+        self._held_tree: HeldTree | None = None
+        self._logits_views = {}
+        self._n_past = 0
+
+    def _free_context(self) -> None:
+        lib = self._lib
+        lib.llama_batch_free(self._batch)
+        if self._tree_batch is not None:
+            lib.llama_batch_free(self._tree_batch)
+        lib.llama_free(self._ctx)
+        self._ctx = None
+
+    def open_for_trees(self, tree_paths: int) -> None:
+        """Re-create the context, empty, with room for trees of ``tree_paths`` paths (a unified KV
+        cache, a sequence per path): llama.cpp sizes a context's sequences when it creates it, and
+        whether a run verifies trees may be known only once the model is loaded (auto's lookahead
+        window, from the target's stored pass costs). Before anything is fed only."""
+        if self._n_past or self._tracking:
+            raise RuntimeError("open_for_trees re-creates the context: call it before anything is fed")
+        if tree_paths != self._tree_paths:
+            self._free_context()
+            self._open_context(tree_paths)
+
     @property
     def tree_support(self) -> TreeSupport:
         if not self._tree_paths:
-            return TreeSupport(False, "this llama.cpp context was created for chains (tree_paths=0)")
+            return TreeSupport(False, "this llama.cpp context was created for chains (tree_paths=0)", reopenable=True)
         return TreeSupport(True, max_paths=self._tree_paths)
 
     def forward_tree(self, tokens: Sequence[int], tree: TokenTree, logit_rows: Sequence[int]) -> np.ndarray:
@@ -528,14 +564,9 @@ class LlamaCppBackend(HiddenTracking):
         return NativeLoop(self.path, self.n_ctx, self.n_threads)
 
     def close(self) -> None:
-        lib = self._lib
         if getattr(self, "_ctx", None):
-            lib.llama_batch_free(self._batch)
-            if self._tree_batch is not None:
-                lib.llama_batch_free(self._tree_batch)
-            lib.llama_free(self._ctx)
-            lib.llama_model_free(self._model)
-            self._ctx = None
+            self._free_context()
+            self._lib.llama_model_free(self._model)
 
     def __del__(self) -> None:  # pragma: no cover - interpreter shutdown order varies
         try:

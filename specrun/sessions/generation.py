@@ -36,6 +36,7 @@ class TreeSettings:
     nodes: int = 0
     branches: int = 0
     min_paths: int = 0  # paths a lookahead window and its candidates bring, whatever ``branches`` says
+    chain: bool = False  # --chain: never trees, not even a window auto would add
 
     @property
     def paths(self) -> int:
@@ -55,7 +56,7 @@ def resolve_trees(
     the pass holds at least its nodes and paths."""
     asked = tree_nodes is not None or bool(branches)  # trees the user asked for
     if chain or not (asked or lookahead is not None):
-        return TreeSettings()
+        return TreeSettings(chain=chain)
     asked_trees = TreeSettings()
     if asked:
         asked_trees = TreeSettings(tree_nodes or DEFAULT_TREE_NODES, DEFAULT_BRANCHES if branches is None else branches)
@@ -179,14 +180,16 @@ def choose_window(target, costs: dict[int, float] | None, fits, prompt_ids: list
 
 
 def size_lookahead(method: str, target, options: DrafterOptions, params: GenerationParams, stored,
-                   prompt_ids: list[int]):
+                   prompt_ids: list[int], chain: bool = False):
     """``options`` and ``params`` with lookahead's sizes chosen from this machine's pass costs,
     and the choice (None where nothing was chosen):
 
     - ``--method lookahead`` (or a chain with it) without ``--lookahead``: the sizes the costs
       favour, from ``stored`` (an earlier run's ``load_target_entry``) or a probe of a few passes.
-    - ``auto`` where the target verifies trees and the stored costs predict a window pays by
-      ``AUTO_MARGIN``: auto drafts with one too (probing nothing).
+    - ``auto`` (unless ``chain``, --chain) where the stored costs predict a window pays by
+      ``AUTO_MARGIN``: auto drafts with one too (probing nothing), on a target that verifies
+      trees or one opened for chains alone (llama.cpp's default context), re-created for the
+      window's paths before anything is fed.
     """
     from specrun.sessions import lookahead_sizing as sizing
 
@@ -196,11 +199,13 @@ def size_lookahead(method: str, target, options: DrafterOptions, params: Generat
     if uses_lookahead(method) and options.lookahead is None:
         choice = choose_window(target, costs, fits, prompt_ids)
         return dataclasses.replace(options, lookahead=choice.sizes), params, choice
-    if not (is_adaptive(method) and support.available and costs is not None):
+    if chain or not (is_adaptive(method) and (support.available or support.reopenable) and costs is not None):
         return options, params, None
     choice = sizing.choose(costs, fits)
     if choice.predicted < sizing.AUTO_MARGIN:
         return options, params, None
+    if not support.available:
+        target.open_for_trees(resolve_trees(False, None, None, choice.sizes).paths)
     options = dataclasses.replace(options, lookahead=choice.sizes, auto_lookahead=True)
     return options, dataclasses.replace(params, tree_nodes=max(params.tree_nodes, choice.sizes.max_nodes)), choice
 
@@ -308,7 +313,8 @@ def generate_text(request: GenerateRequest, on_text: Callable[[str], None] | Non
         choice = None
         if draft is None:  # lookahead's sizes (and whether auto drafts with a window) from the pass costs
             tuned = load_target_entry(target, request.load.threads)
-            options, params, choice = size_lookahead(request.method, target, options, params, tuned, prompt_ids)
+            options, params, choice = size_lookahead(request.method, target, options, params, tuned, prompt_ids,
+                                                     chain=request.trees.chain)
             if choice is not None and request.on_note is not None:
                 request.on_note(choice.describe())
             if tuned is not None and choice is None:

@@ -4,6 +4,7 @@ pay, what a run remembers for the next, and auto drafting with a window where th
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -234,3 +235,27 @@ def test_bench_chooses_lookahead_s_sizes_as_generate_does_and_records_them(relat
     doc = json.loads(out.read_text())
     assert tuple(doc["config"]["lookahead"]) == (expected.window, expected.ngram, expected.candidates)
     assert doc["mismatches"] == [] and all(run["same_as_baseline"] for run in doc["runs"])
+
+
+@pytest.mark.parametrize("chain", [False, True])
+def test_auto_reopens_a_chains_only_llama_context_for_a_window_that_pays(chain, monkeypatch):
+    """llama.cpp sizes a context's sequences when it creates it: a target opened for chains (no
+    tree options) is re-created for the window's paths where stored costs predict it pays, before
+    anything is fed; the window then drafts, and greedy output stays plain decoding's. --chain
+    keeps chains."""
+    pytest.importorskip("llama_cpp")
+    from specrun.registry.loading import LoadOptions
+    from specrun.sessions import generation
+    from specrun.sessions.generation import GenerateRequest, TreeSettings, generate_text
+
+    stored = TuneResult("k", "t", "none", "m", 0, 0.0, target_costs=seconds_of(gpu_like, [1, 2, 8, 24, 120]),
+                        learned=True)
+    monkeypatch.setattr(generation, "load_target_entry", lambda target, threads: stored)
+    monkeypatch.setattr(generation, "remember_run", lambda *args: None)  # the test's costs are not this machine's
+    request = GenerateRequest(PROMPT, "demo-target", None, method="auto", max_new_tokens=48,
+                              load=LoadOptions(backend="llama", exact=True), trees=TreeSettings(chain=chain))
+    plain = generate_text(dataclasses.replace(request, method="none"))
+    result = generate_text(request)
+    assert result.token_ids == plain.token_ids
+    window = result.stats.by_source.get("lookahead")
+    assert (window is not None and window.steps > 0) is not chain

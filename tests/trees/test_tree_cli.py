@@ -92,7 +92,8 @@ def test_tree_nodes_alone_turns_trees_on_with_the_default_branches_and_chain_kee
 
     assert resolve_trees(False, 8, None) == TreeSettings(8, DEFAULT_BRANCHES)
     assert resolve_trees(False, None, 2).nodes > 0 and resolve_trees(False, None, 2).paths == 3
-    assert resolve_trees(False, None, None) == TreeSettings() == resolve_trees(True, None, None)
+    assert resolve_trees(False, None, None) == TreeSettings()
+    assert resolve_trees(True, None, None) == TreeSettings(chain=True)
 
 
 @pytest.mark.parametrize("method", ["auto", "draft"])
@@ -174,7 +175,7 @@ def test_a_lookahead_method_turns_trees_on_for_its_window_alone():
     # trees asked for as well: their nodes and branches, and paths enough for both
     assert resolve_trees(False, 40, None, sizes) == TreeSettings(40, DEFAULT_BRANCHES, 8)
     assert resolve_trees(False, None, 9, LookaheadSizes(2, 3, 0)).paths == 10
-    assert resolve_trees(True, None, None, sizes) == TreeSettings()
+    assert resolve_trees(True, None, None, sizes) == TreeSettings(chain=True)
 
 
 @pytest.mark.parametrize("tree_paths, message", [
