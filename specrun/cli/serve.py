@@ -9,6 +9,8 @@ import typer
 
 from specrun.cli.common import (
     BackendOpt,
+    BranchesOpt,
+    ChainOpt,
     CtxOpt,
     DraftLenOpt,
     DraftMinProbOpt,
@@ -18,6 +20,7 @@ from specrun.cli.common import (
     RpcOpt,
     HeadsOpt,
     KvTypeOpt,
+    LookaheadOpt,
     MethodOpt,
     MinPOpt,
     NgramCacheOpt,
@@ -27,12 +30,16 @@ from specrun.cli.common import (
     ThreadsOpt,
     TopKOpt,
     TopPOpt,
+    TreeNodesOpt,
     check_generation_options,
     check_kv_type,
     check_range,
     checked_sampling,
     checked_rpc,
+    checked_lookahead,
+    checked_trees,
     cli_errors,
+    uses_window,
 )
 
 HostOpt = Annotated[
@@ -75,6 +82,10 @@ def serve_command(
     registry: RegistryOpt = None,
     ngram_cache: NgramCacheOpt = None,
     heads: HeadsOpt = None,
+    branches: BranchesOpt = None,
+    tree_nodes: TreeNodesOpt = None,
+    chain_only: ChainOpt = False,
+    lookahead: LookaheadOpt = None,
     max_body: MaxBodyOpt = 4 * 1024 * 1024,
     max_queue: MaxQueueOpt = 64,
 ) -> None:
@@ -84,7 +95,6 @@ def serve_command(
     with cli_errors():
         from specrun.drafters.methods import check_method, needs_draft_model
         from specrun.registry.loading import LoadOptions, choose_pair
-        from specrun.sessions.generation import method_trees
         from specrun.sessions.serve import HttpOptions, PairOptions, ServeDefaults, is_loopback, serve
 
         check_method(method)
@@ -95,7 +105,8 @@ def serve_command(
         check_range("--max-body", max_body, 1024, 1 << 34)
         check_range("--max-queue", max_queue, 1, 1 << 20)
         sampling = checked_sampling("serve", temp, top_k, top_p, min_p, None)
-        trees = method_trees(method)  # lookahead's window, or chains
+        lookahead_sizes = checked_lookahead(lookahead, (method,))
+        trees = checked_trees(chain_only, tree_nodes, branches, lookahead_sizes, window=uses_window((method,)))
         if not is_loopback(host) and api_key is None:
             typer.echo(f"warning: --host {host} lets anyone who can reach this machine use the server, which has "
                        "no authentication; set --api-key (or SPECRUN_API_KEY) to require a key", err=True)
@@ -111,6 +122,8 @@ def serve_command(
             draft_min_prob=draft_min_prob,
             ngram_cache=ngram_cache,
             heads=heads,
+            trees=trees,
+            lookahead=lookahead_sizes,
         )
         http = HttpOptions(host=host, port=port, api_key=api_key, max_body_bytes=max_body,
                            max_queue=max_queue, model_names=(target,))

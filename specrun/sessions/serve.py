@@ -33,11 +33,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from specrun.backends.kv import common_prefix_len
+from specrun.drafters.lookahead import LookaheadSizes
 from specrun.engine.loop import Finished, GenerationParams, TextChunk
 from specrun.engine.stats import Stats
 from specrun.errors import SpecrunError, UsageError
 from specrun.registry.loading import LoadOptions
 from specrun.sampling import SamplingSettings
+from specrun.sessions.generation import TreeSettings
 
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 DEFAULT_MAX_QUEUE = 64
@@ -392,6 +394,8 @@ class PairOptions:
     draft_min_prob: float | None = None
     ngram_cache: Path | None = None
     heads: str | None = None  # --heads: a head method's heads file (None: found by the target's alias)
+    trees: TreeSettings = field(default_factory=TreeSettings)  # --tree-nodes, --branches (chains by default)
+    lookahead: LookaheadSizes | None = None  # --lookahead (None: chosen from the target's pass costs)
 
 
 class PairWorker:
@@ -453,7 +457,7 @@ class PairWorker:
         try:
             self.session = open_chat(pair.target, pair.draft, pair.method, pair.load, draft_len=pair.draft_len,
                                      draft_min_prob=pair.draft_min_prob, ngram_cache=pair.ngram_cache,
-                                     heads=pair.heads)
+                                     heads=pair.heads, branches=pair.trees.branches, lookahead=pair.lookahead)
         except BaseException as exc:
             self._load_error = exc
             self._ready.set()
@@ -484,7 +488,8 @@ class PairWorker:
         job.emit(Started(len(prompt_ids), reused))
         cut = StopCut(job.request.stop)
         tokens = from_draft = 0
-        stream = session.stream(prompt_ids, GenerationParams(job.request.max_tokens, 0, job.request.sampling))
+        params = GenerationParams(job.request.max_tokens, 0, job.request.sampling, tree_nodes=self.pair.trees.nodes)
+        stream = session.stream(prompt_ids, params)
         try:
             for event in stream:
                 if job.cancelled.is_set():
