@@ -398,6 +398,12 @@ SCENARIOS = {
     "ngram tree adaptive": Scenario("ngram", adaptive=True, branches=TREE_BRANCHES),
     # auto with a lookahead window beside its drafters (lookup+ngram+lookahead+draft)
     "auto lookahead": Scenario("auto", auto_lookahead=True),
+    # The full chain, lengths chosen as the CLI chooses them, on a target that verifies trees:
+    # the cheap proposals the policy passes over for the draft model's are merged with it into
+    # one tree (AdaptivePolicy._merged; in about a third of its passes here, half of them with
+    # nodes shared), the draft's sampled rows beside one-hot cheap siblings. Every chain with a
+    # draft model above merges too where it passes a cheap proposal over (auto: half its passes).
+    "merged chain": Scenario("lookup+ngram+draft", "top-k", adaptive=True),
 }
 
 

@@ -146,3 +146,23 @@ def perturbed_copy(model: TinyModel, folder: Path, scale: float = 0.08, seed: in
         "llama": write_gguf(folder / "perturbed.gguf", *parts, dtype="F16"),
         "mlx": write_hf_folder(folder / "perturbed-hf", *parts, dtype="float32"),
     }
+
+
+def open_exact_copies(model: TinyModel, kind: str, count: int, tree_paths: int = 8) -> list:
+    """``count`` copies of a tiny model on ``kind``: "llama" (F32 weights and cache, flash
+    attention off: exact), the first opened able to hold trees of ``tree_paths`` paths, or "mlx";
+    the test is skipped where that backend is not installed."""
+    import pytest
+
+    if kind == "llama":
+        pytest.importorskip("llama_cpp", reason="the llama backend is not installed")
+        from specrun.backends.llama import LlamaCppBackend
+
+        def open_model(**options):
+            return LlamaCppBackend(model.gguf_f32_path, n_ctx=256, kv_type="f32", flash_attn=False, **options)
+
+        return [open_model(tree_paths=tree_paths), *(open_model() for _ in range(count - 1))]
+    pytest.importorskip("mlx_lm", reason="the MLX backend is not installed")
+    from specrun.backends.mlx import MlxBackend
+
+    return [MlxBackend(model.hf_dir, n_ctx=256) for _ in range(count)]

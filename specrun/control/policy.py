@@ -9,7 +9,9 @@ proposal that goes to the target) and tells it what the step cost and yielded
 ``FixedPolicy`` is ``-k N`` with a lone drafter: nothing measured, every step drafts.
 ``AdaptivePolicy`` measures acceptance and pass costs and chooses draft lengths (auto,
 ``--adaptive``); it also gates a fixed chain's draft model, which must never make a
-chain slower than its cheap drafters alone. It keeps what it measured across texts:
+chain slower than its cheap drafters alone. Where the target verifies trees it merges a
+chain's proposals of one step into one tree (``chosen``), crediting each draft model with
+its own nodes on the accepted path. It keeps what it measured across texts:
 the pass costs belong to the machine, acceptance to the text (``forget_acceptance``).
 """
 
@@ -30,8 +32,9 @@ from specrun.control.adaptive import (
     SpeculationGate,
     TargetCosts,
 )
-from specrun.control.trees import BranchRates, TreeScores, node_values, shape_tree
+from specrun.control.trees import BranchRates, TreeScores, merged_values, node_values, select_merged, shape_tree
 from specrun.drafters.base import Drafter, Proposal
+from specrun.drafters.chain import MergedProposal, merge_proposals
 
 # A step that spent more than this share of a plain pass proposing counts as speculating's
 # for auto's SpeculationGate, even when nothing was verified (a cheap drafter that keeps
@@ -154,6 +157,7 @@ class AdaptivePolicy:
         self._tree_scores = TreeScores()  # branching proposals awaiting the output
         self.max_nodes = 0  # the most nodes a verified tree may have (0: chains only)
         self.max_paths = 0  # …and root-to-leaf paths (0: no cap)
+        self.merge_chains = True  # merge a chain's proposals where trees are on (off: to measure what it brings)
         self._carried_gaps: dict[str, int] = {}  # a chain's paid drafters left off by the last text
         self._start_off: dict[str, int] = {}  # drafters earlier processes left off: for the first text
         self._gate_off: int | None = None  # plain steps the next text starts with (start_gate_off)
@@ -287,18 +291,25 @@ class AdaptivePolicy:
     def chosen(self, proposal: Proposal, passed_over: Sequence[Proposal], context_len: int) -> Proposal:
         """The proposal cut to the nodes worth verifying; every cheap proposal made is scored
         against the output to come (a proposal cut to nothing or passed over included), and
-        every branching one's second guesses."""
+        every branching one's second guesses. Where the target verifies trees, the proposals
+        passed over are merged in rather than dropped (``_merged``)."""
         cheap = [each for each in (*passed_over, proposal) if each.tokens and each.source not in self.paid]
         if self._idle is not None:
             self._idle.found(bool(cheap))
-        if not self.adaptive or not proposal.tokens and not cheap:
-            return proposal
-        for each in cheap:
-            self._scores.add(self._controller_for(each.source, kind=each.kind), context_len, each.main_chain.tokens)
-        for each in (*passed_over, proposal):
-            if self.max_nodes and not each.is_chain:
-                self._tree_scores.add(self._branch_rates(each.source), context_len, each.tree)
-        if not proposal.tokens:
+        if self.adaptive and (proposal.tokens or cheap):
+            for each in cheap:
+                self._scores.add(self._controller_for(each.source, kind=each.kind), context_len, each.main_chain.tokens)
+            for each in (*passed_over, proposal):
+                if self.max_nodes and not each.is_chain:
+                    self._tree_scores.add(self._branch_rates(each.source), context_len, each.tree)
+        shaped = self._cut(proposal)
+        if not self.max_nodes or not passed_over or not self.merge_chains:
+            return shaped
+        return self._merged(shaped, [self._cut(each) for each in passed_over])
+
+    def _cut(self, proposal: Proposal) -> Proposal:
+        """One member's proposal cut to the nodes worth verifying (adaptive; else as made)."""
+        if not self.adaptive or not proposal.tokens:
             return proposal
         member = self._member(proposal.source)
         if member is not None and member.whole_proposals:  # whole or not at all: the gate decides
@@ -308,6 +319,55 @@ class AdaptivePolicy:
             return self._shaped(proposal, len(proposal.main_chain), controller)
         # A cheap drafter's tokens cost nothing to drop: keep the worthwhile part.
         return self._shaped(proposal, controller.choose(len(proposal.main_chain)), controller)
+
+    def _merged(self, chosen: Proposal, others: Sequence[Proposal]) -> Proposal:
+        """A chain's proposals of this step as one token tree (drafters/chain.py, merge_proposals):
+        the one the walk took (``chosen``) and those it passed over, each already cut by its own
+        controller, so that a lookup branch and the draft model's chain are verified in the same
+        pass. Only where the target verifies trees (``max_nodes``), and only proposals the walk
+        made anyway: the draft model is asked exactly as often as without merging.
+
+        The draft model's proposal goes in first, then the cheap ones in the chain's order: its
+        rows stay the distributions its tokens were drawn from, the verifier tries its node
+        before a cheap sibling (its acceptance statistics are what they would be alone), and the
+        merge is exact at any temperature. The draft model's nodes and the chosen proposal's are
+        kept; another proposal's nodes join while each raises the expected tokens a second of
+        the pass (control/trees.py, select_merged; with fixed lengths, all within the caps).
+        Proposals of drafters that read the whole pass (a lookahead window) are never merged.
+        """
+        parts = [each for each in (chosen, *others) if each.tokens and self._mergeable(each.source)]
+        if len(parts) < 2 or not self._mergeable(chosen.source):
+            return chosen
+        order = {member.name: index for index, member in enumerate(self.drafter.members)}
+        parts.sort(key=lambda each: (each.source not in self.paid, order.get(each.source, len(order))))
+        merged = merge_proposals(parts)
+        if len(merged) == len(chosen) and parts[0] is chosen:
+            return chosen  # the others' nodes are all in it already
+        forced_parts = [index for index, part in enumerate(parts) if part is chosen or part.source in self.paid]
+        forced = [False] * len(merged)
+        for index in forced_parts:
+            for node in merged.part_nodes[index]:
+                forced[node] = True
+        values, fixed = None, 0.0
+        if self.adaptive:
+            part_values = [node_values(part.tree, self._controller_for(part.source, kind=part.kind).acceptances(
+                self.max_draft_len), self._branch_rates(part.source)) for part in parts]
+            values = merged_values(merged, part_values)
+            fixed = self.target_costs.switch_charge
+            for part in parts:
+                if part.source in self.paid:  # spent whatever is verified: it dilutes the pass's cost
+                    controller, chain_len = self._controller_for(part.source), len(part.main_chain)
+                    fixed += controller.draft_costs.table(chain_len)[chain_len] or 0.0
+        costs = self.target_costs.table(self.max_nodes + 1)
+        kept = select_merged(merged.tree, forced, values, costs, fixed, self.max_nodes, self.max_paths)
+        result = merged.select(kept)
+        if len(result) == len(chosen) and parts[0] is chosen and all(node >= 0 for node in result.part_nodes[0]):
+            return chosen  # nothing of the others was worth its place
+        return result
+
+    def _mergeable(self, source: str) -> bool:
+        member = self._member(source)
+        return member is not None and not member.reads_pass and not member.whole_proposals
 
     def _shaped(self, proposal: Proposal, chain_len: int, controller: DraftLengthController) -> Proposal:
         """``chain_len`` nodes of the main chain, and the second guesses worth verifying with
@@ -344,7 +404,9 @@ class AdaptivePolicy:
         previous, self._previous_pass = self._previous_pass, n_fed
         if not self.target_costs.note_pass(n_fed, report.verify_seconds, previous):
             return  # a plain pass that paid for the speculative one before it: timed as switching back
-        if not proposal.tokens:
+        if isinstance(proposal, MergedProposal):
+            self._observe_merged(report, proposal)
+        elif not proposal.tokens:
             self.target_costs.observe(1, report.verify_seconds, report.context_len)  # what speculating must beat
         elif not self.adaptive and proposal.source not in self.paid:
             # A fixed chain's cheap drafter is not gated: its pass only times T_target(n).
@@ -362,6 +424,34 @@ class AdaptivePolicy:
                 # a tree: acceptance and drafting by its main chain, the pass by all its nodes
                 chain = len(proposal.main_chain)
                 controller.observe(chain, report.chain_accepted, drafting, report.verify_seconds, len(proposal))
+
+    def _observe_merged(self, report: StepReport, proposal: MergedProposal) -> None:
+        """A merged tree's pass: each draft model among its parts learns from the nodes of its
+        own chain that the accepted path went through (MergedProposal.accepted_by_part), as a
+        chain of that many verified nodes; the pass's cost counts once, for all its nodes. The
+        cheap parts learn their acceptance from the output, as every cheap proposal does
+        (ProposalScores), so a part is credited where its branch holds the accepted path."""
+        credits = proposal.accepted_by_part(report.path)
+        timed = False
+        for index, part in enumerate(proposal.parts):
+            verified = proposal.verified_chain(index)
+            if part.source not in self.paid or not verified:
+                continue
+            controller = self._controller_for(part.source, fixed=not self.adaptive, kind=part.kind)
+            drafting = report.draft_seconds - self._member(part.source).catch_up_seconds
+            if timed:  # one pass: its cost is observed once
+                controller.observe_acceptance(verified, credits[index])
+            else:
+                controller.observe(verified, credits[index], drafting, report.verify_seconds, len(proposal))
+                timed = True
+        if timed:
+            return
+        if not self.adaptive:
+            self.target_costs.observe(len(proposal) + 1, report.verify_seconds)
+            return
+        main = proposal.parts[0]
+        self._controller_for(main.source, kind=main.kind).observe_costs(
+            len(main.main_chain), report.draft_seconds, report.verify_seconds, len(proposal))
 
     def _paid_may_pass(self) -> bool:
         """May the drafters go unasked on this step, as far as the draft models are concerned

@@ -26,6 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from specrun.drafters.base import Proposal
+from specrun.drafters.chain import MergedProposal
 from specrun.tree import TokenTree
 
 
@@ -175,3 +176,67 @@ def shape_tree(
         chosen.add(node)
         tokens, cost, paths = tokens + values[node], more, paths + new_path
     return proposal.select(sorted(chosen))
+
+
+def merged_values(merged: MergedProposal, part_values: Sequence[Sequence[float]]) -> list[float]:
+    """v for every node of a merged tree (drafters/chain.py), from each part's own values
+    (``node_values`` on the part alone). A node's chance given its parent's acceptance is its
+    part's (v over its parent's v), times the chance that no earlier sibling from another
+    part was right: parts are taken as independent, and one token at most is right."""
+    values: list[float] = []
+    given_parent: list[float] = []  # P(node accepted | parent accepted)
+    for node, parent in enumerate(merged.parents):
+        part, part_node = merged.owners[node]
+        own, part_parent = part_values[part], merged.parts[part].parents[part_node]
+        reach = own[part_parent] if part_parent >= 0 else 1.0
+        chance = own[part_node] / reach if reach > 0.0 else 0.0
+        taken = sum(given_parent[sibling] for sibling in merged.tree.children_of(parent)
+                    if sibling < node and merged.owners[sibling][0] != part)
+        given_parent.append(chance * max(0.0, 1.0 - taken))
+        values.append((values[parent] if parent >= 0 else 1.0) * given_parent[node])
+    return values
+
+
+def select_merged(
+    tree: TokenTree,
+    forced: Sequence[bool],
+    values: Sequence[float] | None,
+    pass_costs: Sequence[float | None],
+    fixed_seconds: float,
+    max_nodes: int,
+    max_paths: int,
+) -> list[int]:
+    """The nodes of a merged tree to verify: the ``forced`` ones (what the policy chose of the
+    draft model's proposal and of the one it took), then the others that raise expected tokens
+    per second (``values``; None: all, a fixed chain's), each walk in node order, within
+    ``max_nodes`` nodes and ``max_paths`` root-to-leaf paths (0: no cap), never a node without
+    its parent.
+
+    Node order makes the choice exact under sampling: whether a node is kept depends only on
+    the nodes before it (and on values that follow from the tree's shape, never from a node's
+    own token), so the merged rows stay the distributions its tokens were drawn from.
+    """
+    kept: set[int] = set()
+    paths = 0
+    tokens, n_fed = 1.0, 1
+    for walk_forced in (True, False):
+        for node in range(len(tree)):
+            if forced[node] != walk_forced or node in kept:
+                continue
+            parent = tree.parents[node]
+            if (parent >= 0 and parent not in kept) or len(kept) >= max_nodes:
+                continue
+            # a child of a leaf already kept extends its path; any other node starts a new one
+            new_path = paths == 0 or any(child in kept for child in tree.children_of(parent))
+            if new_path and max_paths and paths >= max_paths:
+                continue
+            value = values[node] if values is not None else 0.0
+            if not walk_forced and values is not None:
+                cost, more = pass_costs[min(n_fed, len(pass_costs) - 1)], pass_costs[min(n_fed + 1, len(pass_costs) - 1)]
+                if cost is None or more is None or (tokens + value) / (more + fixed_seconds) <= tokens / (
+                    cost + fixed_seconds
+                ):
+                    continue
+            kept.add(node)
+            tokens, n_fed, paths = tokens + value, n_fed + 1, paths + new_path
+    return sorted(kept)

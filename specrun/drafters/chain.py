@@ -1,9 +1,11 @@
-"""Chained drafters: cheap ones first, the draft model only when they have too little."""
+"""Chained drafters: cheap ones first, the draft model only when they have too little; where the
+target verifies trees, what they proposed merged into one tree."""
 
 from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -30,6 +32,12 @@ class ChainDrafter(Drafter):
     ``finish`` and ``close`` go to every member, so a draft model skipped for many steps
     still ends with its cache holding exactly the context (it also catches up by itself
     on its next ``propose``).
+
+    Where the target verifies trees, the proposals the walk made and passed over are not
+    dropped: the policy merges them with the one it took into one tree (``merge_proposals``,
+    AdaptivePolicy._merged), so a lookup branch and the draft model's chain are verified in
+    the same pass. Which members are asked does not change; ``--chain`` (no node budget)
+    verifies one member's proposal a pass, as ``propose`` does.
     """
 
     def __init__(self, drafters: Sequence[Drafter], min_tokens: int = DEFAULT_MIN_TOKENS) -> None:
@@ -99,3 +107,97 @@ class ChainDrafter(Drafter):
     def close(self) -> None:
         for drafter in self.drafters:
             drafter.close()
+
+
+@dataclass(frozen=True)
+class MergedProposal(Proposal):
+    """Several members' proposals verified as one token tree (``merge_proposals``).
+
+    parts: the proposals merged, in the order their nodes went in. part_nodes[p][j]: the node
+    that part p's node j became (-1: left out). owners[i]: (part, node in it) that brought node
+    i; a node proposed by several parts is theirs alike, and is owned by the first. ``source``
+    names the parts ("lookup+draft"); credit per member comes from ``accepted_by_part``.
+    """
+
+    parts: tuple[Proposal, ...] = ()
+    part_nodes: tuple[tuple[int, ...], ...] = ()
+    owners: tuple[tuple[int, int], ...] = ()
+
+    def prefix(self, length: int) -> "MergedProposal":
+        return self if length >= len(self.tokens) else self.select(range(length))
+
+    def select(self, nodes: Sequence[int]) -> "MergedProposal":
+        """The merged proposal of ``nodes`` alone (ascending, each with its parent among them)."""
+        if len(nodes) == len(self.tokens):
+            return self
+        index = {node: i for i, node in enumerate(nodes)}
+        kept = Proposal.select(self, nodes)
+        part_nodes = tuple(tuple(index.get(node, -1) for node in mapped) for mapped in self.part_nodes)
+        owners = tuple(self.owners[node] for node in nodes)
+        return MergedProposal(kept.tokens, kept.p_draft, self.source, kept.parents, self.kind,
+                              self.parts, part_nodes, owners)
+
+    def verified_chain(self, part: int) -> int:
+        """How many nodes of part ``part``'s main chain the merged tree holds (a prefix of it)."""
+        mapped, length = self.part_nodes[part], len(self.parts[part].main_chain)
+        return next((depth for depth in range(length) if mapped[depth] < 0), length)
+
+    def accepted_by_part(self, path: Sequence[int]) -> tuple[int, ...]:
+        """For each part, the nodes of its main chain that the accepted ``path`` went through
+        (from the root down): the credit its acceptance statistics get for this pass."""
+        credits = []
+        for part, mapped in enumerate(self.part_nodes):
+            length = min(self.verified_chain(part), len(path))
+            credits.append(next((depth for depth in range(length) if mapped[depth] != path[depth]), length))
+        return tuple(credits)
+
+
+def merge_proposals(parts: Sequence[Proposal]) -> MergedProposal:
+    """One token tree holding every node of ``parts``, in their order: a node whose parent and
+    token an earlier node already has is that node (shared prefixes become one path, and a token
+    two members propose at one place is one node); any other node becomes a new child, after
+    the siblings already there (alternatives for the same position).
+
+    Exact at temperature > 0 as the verifier tries siblings in order (verify_tree_sampled): a
+    node keeps the row of the first part that proposed it (None, one-hot, for a deterministic
+    one); a node drawn from a row (a draft model's) that lands after earlier siblings exists
+    only where its token is none of theirs, so its row becomes that row with their tokens
+    removed, renormalised: the distribution it was drawn from, given that it is there. Put
+    the parts with rows first (the policy puts paid drafters first) and no row changes at all:
+    a deterministic token stays one-hot whatever came before it.
+    """
+    tokens: list[int] = []
+    rows: list[np.ndarray | None] = []
+    parents: list[int] = []
+    owners: list[tuple[int, int]] = []
+    children: dict[int, list[int]] = {-1: []}
+    part_nodes: list[tuple[int, ...]] = []
+    for part_index, part in enumerate(parts):
+        mapped: list[int] = []
+        for node, (token, row, parent) in enumerate(zip(part.tokens, part.p_draft, part.parents)):
+            merged_parent = mapped[parent] if parent >= 0 else -1
+            siblings = children[merged_parent]
+            same = next((child for child in siblings if tokens[child] == token), None)
+            if same is not None:
+                mapped.append(same)
+                continue
+            if row is not None and siblings:
+                row = _without(row, [tokens[child] for child in siblings])
+            mapped.append(len(tokens))
+            siblings.append(len(tokens))
+            children[len(tokens)] = []
+            tokens.append(token)
+            rows.append(row)
+            parents.append(merged_parent)
+            owners.append((part_index, node))
+        part_nodes.append(tuple(mapped))
+    source = "+".join(dict.fromkeys(part.source for part in parts))
+    return MergedProposal(tuple(tokens), tuple(rows), source, tuple(parents), "",
+                          tuple(parts), tuple(part_nodes), tuple(owners))
+
+
+def _without(row: np.ndarray, tokens: Sequence[int]) -> np.ndarray:
+    """``row`` (V,) with ``tokens`` removed and renormalised: a draw from it that is none of them."""
+    row = row.copy()
+    row[list(tokens)] = 0.0
+    return row / row.sum()

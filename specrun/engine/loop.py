@@ -227,7 +227,8 @@ class SpeculativeEngine:
 
     def _draft(self, policy, plan: Plan, context, draft_len: int, sampling, rng) -> Proposal:
         """Ask the planned drafters in turn, each for the length the policy gives it; the first
-        proposal the policy takes, else the longest made, cut by the policy."""
+        proposal the policy takes, else the longest made, cut by the policy (which, where the
+        target verifies trees, merges the proposals passed over into it)."""
         if not plan.draft or draft_len <= 0:
             return EMPTY_PROPOSAL if not plan.draft else policy.chosen(EMPTY_PROPOSAL, (), len(context))
         best, made = EMPTY_PROPOSAL, []

@@ -10,6 +10,7 @@ import pytest
 import specrun.engine.loop
 from fake_models import hashed_logits
 from lossless_harness import SCENARIOS, greedy_scenario, run_scenario
+from model_factory import open_exact_copies
 from specrun.backends.fake import FakeBackend
 from specrun.drafters.base import Drafter, Proposal
 from specrun.drafters.draft_model import DraftModelDrafter
@@ -96,20 +97,7 @@ def test_greedy_trees_on_the_real_backends_equal_plain_decoding(monkeypatch, tin
     """llama.cpp (F32 weights and cache, flash attention off: exact) and MLX on a tiny model:
     the tree passes' output is plain decoding's, token for token."""
     recorder = TreeRecorder(monkeypatch)
-    model = tiny_models["llama"]
-    if kind == "llama":
-        pytest.importorskip("llama_cpp", reason="the llama backend is not installed")
-        from specrun.backends.llama import LlamaCppBackend
-
-        def open_model(**options):
-            return LlamaCppBackend(model.gguf_f32_path, n_ctx=256, kv_type="f32", flash_attn=False, **options)
-
-        target, draft, reference = open_model(tree_paths=8), open_model(), open_model()
-    else:
-        pytest.importorskip("mlx_lm", reason="the MLX backend is not installed")
-        from specrun.backends.mlx import MlxBackend
-
-        target, draft, reference = (MlxBackend(model.hf_dir, n_ctx=256) for _ in range(3))
+    target, draft, reference = open_exact_copies(tiny_models["llama"], kind, 3)
     try:
         assert target.tree_support.available, target.tree_support.reason
         for prompt in ([1, 2, 3, 4, 5], [40, 41, 42]):
