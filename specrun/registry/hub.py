@@ -506,10 +506,13 @@ def _local_gguf(entry: ModelEntry) -> Path | None:
     """A GGUF of ``entry`` already on disk, or None."""
     if entry.builtin:
         from specrun.modelkit.demo import shipped_gguf
+        from specrun.modelkit.gemma3 import GEMMA3_MODELS, gemma3_gguf
         from specrun.modelkit.smollm2 import SMOLLM2_MODELS, shipped_smollm2
 
         if entry.builtin in SMOLLM2_MODELS:
             return shipped_smollm2()  # the F16 and Q8_0 copies share its vocabulary
+        if entry.builtin in GEMMA3_MODELS:
+            return gemma3_gguf("gemma3-270m")  # joined from the package's chunks once; the F16 copy shares it
         return shipped_gguf(entry.builtin)  # the derived variants share its vocabulary
     if entry.gguf_path:
         return Path(entry.gguf_path).expanduser()

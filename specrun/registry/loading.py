@@ -311,7 +311,9 @@ def _model_sources(spec: str, entries: dict[str, ModelEntry]) -> tuple[bool, boo
         entry = entry_for(spec, entries)
     except RegistryError:
         return False, True  # unknown: the llama.cpp path reports it
-    has_mlx = bool(entry.builtin or entry.mlx_path or entry.mlx_repo)
+    from specrun.modelkit.builtin import builtin_has_mlx
+
+    has_mlx = bool((entry.builtin and builtin_has_mlx(entry.builtin)) or entry.mlx_path or entry.mlx_repo)
     has_gguf = bool(entry.builtin or entry.gguf_path or entry.gguf_repo)
     return has_mlx, has_gguf
 

@@ -4,11 +4,10 @@ chain pass over the kept tokens does, on llama.cpp (default precision) and MLX."
 
 from __future__ import annotations
 
-import dataclasses
-
 import numpy as np
 import pytest
 
+from real_pairs import open_exact_pair
 from specrun.drafters.lookahead import LookaheadSizes
 from specrun.sessions.generation import method_trees
 from specrun.tree import TokenTree
@@ -139,13 +138,8 @@ def tree_runs(target, draft, method: str, prompts, n_new: int, tree_nodes: int =
 def exact_tree_pair(smollm2):
     """The real pair under --exact, the target opened for trees as `generate --tree-nodes` opens it."""
     pytest.importorskip("llama_cpp", reason="the llama backend is not installed")
-    from specrun.registry.loading import LoadOptions, open_backend
-
-    options = LoadOptions(backend="llama", n_ctx=1024, exact=True)
     paths = max(BRANCHES + 1, method_trees("lookahead").paths)  # lookahead's window too
-    target = open_backend(str(smollm2["smollm2-135m-f16"]), dataclasses.replace(options, tree_paths=paths))
-    draft = open_backend(str(smollm2["smollm2-135m"]), options)
-    assert target.tree_support.available
+    target, draft = open_exact_pair(smollm2["smollm2-135m-f16"], smollm2["smollm2-135m"], paths)
     yield target, draft
     target.close()
     draft.close()
