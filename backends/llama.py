@@ -230,6 +230,7 @@ class LlamaCppBackend(HiddenTracking):
             self._open_context(tree_paths)
         except BaseException:
             llama_cpp.llama_model_free(self._model)
+            self._model = None
             raise
         self.n_vocab = llama_cpp.llama_vocab_n_tokens(self._vocab_p)
         self.vocab = self._read_vocab_info()
@@ -425,7 +426,8 @@ class LlamaCppBackend(HiddenTracking):
 
     # ---- token trees -----------------------------------------------------------------
     def _open_context(self, tree_paths: int) -> None:
-        """Create this backend's context, empty, for chains (0) or trees of ``tree_paths`` paths."""
+        """Create this backend's context, empty, for chains (0) or trees of ``tree_paths`` paths;
+        the context it had (if any) is freed only once the new one exists."""
         lib = self._lib
         params = type(self._ctx_params).from_buffer_copy(self._ctx_params)
         paths = _tree_context_params(params, tree_paths)
@@ -435,6 +437,8 @@ class LlamaCppBackend(HiddenTracking):
                 f"llama.cpp could not create a context of {self.n_ctx} tokens for {self.path}",
                 "lower --ctx or free memory",
             )
+        if self._ctx:
+            self._free_context()
         self._ctx, self._tree_paths = ctx, paths
         self._memory = lib.llama_get_memory(ctx)
         self._batch = lib.llama_batch_init(self.n_batch, 0, 1)
@@ -460,8 +464,7 @@ class LlamaCppBackend(HiddenTracking):
         if self._n_past or self._tracking:
             raise RuntimeError("open_for_trees re-creates the context: call it before anything is fed")
         if tree_paths != self._tree_paths:
-            self._free_context()
-            self._open_context(tree_paths)
+            self._open_context(tree_paths)  # on failure (memory), the chains context stays as it was
 
     @property
     def tree_support(self) -> TreeSupport:
@@ -566,7 +569,9 @@ class LlamaCppBackend(HiddenTracking):
     def close(self) -> None:
         if getattr(self, "_ctx", None):
             self._free_context()
+        if getattr(self, "_model", None):
             self._lib.llama_model_free(self._model)
+            self._model = None
 
     def __del__(self) -> None:  # pragma: no cover - interpreter shutdown order varies
         try:

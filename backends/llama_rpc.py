@@ -24,6 +24,7 @@ machine with specrun needs no llama.cpp build of its own to lend its devices.
 from __future__ import annotations
 
 import ctypes
+import ipaddress
 import json
 import os
 import re
@@ -185,12 +186,31 @@ def _check_reachable(endpoint: str) -> None:
         ) from None
 
 
+def _check_distinct(endpoints: tuple[str, ...]) -> None:
+    """Two names of one server (127.0.0.1:P and localhost:P) would hang the load: llama.cpp's
+    server answers one client at a time, and its client waits without a timeout."""
+    seen: dict[tuple[str, str], str] = {}
+    for endpoint in endpoints:
+        host, _, port = endpoint.partition(":")
+        try:
+            address = socket.gethostbyname(host)  # IPv4, as llama.cpp's client resolves it
+        except OSError:
+            raise RemoteServerError(f"--rpc host {host!r} is unknown", "check the name, or pass its address") from None
+        if (address, port) in seen:
+            raise UsageError(f"--rpc names one server twice: {seen[address, port]} and {endpoint}",
+                             "name each server once")
+        seen[address, port] = endpoint
+
+
 def target_devices(llama_cpp, endpoints: tuple[str, ...]):
     """A NULL-terminated device array for ``llama_model_params.devices``: every device of the
     servers at ``endpoints`` (probed first), then this machine's GPUs, as llama.cpp orders
     them. Keep the array alive for as long as the model (llama.cpp reads it while loading)."""
+    _check_distinct(endpoints)
     for endpoint in endpoints:
         probe(endpoint)
+    if os.environ.get("SPECRUN_DEBUG") != "1":  # a server lost mid-run aborts: one message, not a gdb dump
+        os.environ.setdefault("GGML_NO_BACKTRACE", "1")
     ggml = _Ggml(llama_cpp)
     devices: list[int] = []
     for endpoint in endpoints:
@@ -205,7 +225,8 @@ def target_devices(llama_cpp, endpoints: tuple[str, ...]):
 def serve(host: str, port: int, threads: int, cache_dir: str | None, started=None) -> None:
     """Lend this machine's devices (its GPUs, else its CPU) to specrun or llama.cpp clients
     until Ctrl-C: llama.cpp's own RPC server, run in a thread so that Ctrl-C reaches Python.
-    ``started`` (a callable) gets the devices' descriptions once the server is about to listen."""
+    ``started`` (a callable) gets the devices' descriptions once the server is about to listen.
+    llama.cpp's server prints its banner and each client to stdout: they go to stderr here."""
     import llama_cpp
 
     _check_port_free(host, port)
@@ -225,6 +246,8 @@ def serve(host: str, port: int, threads: int, cache_dir: str | None, started=Non
              for d in devices]
     if started is not None:
         started(names)
+    sys.stdout.flush()
+    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())  # the C library's stdout: llama.cpp's lines
     thread = threading.Thread(target=start, args=(endpoint, cache, threads, len(devices), array), daemon=True)
     thread.start()
     while thread.is_alive():  # the server never returns while it serves; Ctrl-C ends the wait
@@ -234,11 +257,15 @@ def serve(host: str, port: int, threads: int, cache_dir: str | None, started=Non
 
 
 def _check_port_free(host: str, port: int) -> None:
+    """llama.cpp's server listens on a dotted IPv4 address only; the port must be free."""
     try:
-        with socket.create_server((host, port), reuse_port=False):
+        ipaddress.IPv4Address(host)
+    except ValueError:
+        raise UsageError(f"--host {host!r} is not an IPv4 address (llama.cpp's RPC server takes no names)",
+                         "pass 127.0.0.1, 0.0.0.0 or one of this machine's addresses") from None
+    try:
+        with socket.create_server((host, port)):
             pass
-    except socket.gaierror:
-        raise UsageError(f"--host {host!r} is not an address of this machine", "pass 127.0.0.1 or an address") from None
     except OSError as exc:
         raise RemoteServerError(f"cannot listen on {host}:{port} ({exc.strerror or exc})",
                                 "pass another --port, or stop what uses it") from None

@@ -14,7 +14,9 @@ src="$venv/src"
 sdist="$src/llama_cpp_python-$version.tar.gz"
 
 fetch_sdist() {
-    [ -f "$sdist" ] || "$py" -m pip download --quiet --no-deps --no-binary :all: -d "$src" "llama-cpp-python==$version"
+    # the source of llama-cpp-python alone (its build tools may come as wheels)
+    [ -f "$sdist" ] || "$py" -m pip download --quiet --no-deps --no-binary llama-cpp-python -d "$src" \
+        "llama-cpp-python==$version"
 }
 
 if ! "$py" -c "import llama_cpp, sys; sys.exit(llama_cpp.__version__ != '$version' or not llama_cpp.llama_supports_rpc())" 2>/dev/null; then
@@ -33,7 +35,15 @@ if [ ! -x "$server" ]; then
     fetch_sdist
     work=$(mktemp -d)
     trap 'rm -rf "$work"' EXIT
-    tar xzf "$sdist" -C "$work" --wildcards '*/vendor/llama.cpp/tools/rpc/rpc-server.cpp' '*/vendor/llama.cpp/ggml/include/*'
+    # the server's one source file and ggml's headers (Python's tarfile: BSD tar has no --wildcards)
+    "$py" - "$sdist" "$work" <<'PY'
+import sys, tarfile
+with tarfile.open(sys.argv[1]) as archive:
+    wanted = [m for m in archive.getmembers()
+              if m.name.endswith("vendor/llama.cpp/tools/rpc/rpc-server.cpp") or "/vendor/llama.cpp/ggml/include/" in m.name]
+    safe = {"filter": "data"} if hasattr(tarfile, "data_filter") else {}
+    archive.extractall(sys.argv[2], members=wanted, **safe)
+PY
     root=$(echo "$work"/*/vendor/llama.cpp)
     lib=$("$py" -c "import llama_cpp, pathlib; print(pathlib.Path(llama_cpp.__file__).parent / 'lib')")
     c++ -std=c++17 -O2 "$root/tools/rpc/rpc-server.cpp" -I "$root/ggml/include" -L "$lib" -lggml -lggml-base \

@@ -119,6 +119,8 @@ def _config(result: BenchResult) -> dict:
         # the lookahead method's WINDOW:NGRAM:CANDIDATES (None: no lookahead line)
         "lookahead": None if config.lookahead is None else dataclasses.astuple(config.lookahead),
         "kv_type": config.load.llama_kv_type,
+        "rpc": list(config.load.rpc),  # the RPC servers the target ran on (empty: this machine)
+        "gpu_layers": config.load.gpu_layers,
         "suite": config.suite,
         "n_ctx": result.n_ctx,
         "baseline": result.comparison.baseline,

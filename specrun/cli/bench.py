@@ -136,6 +136,9 @@ def bench(
         check_range("--draft-min-prob", draft_min_prob, 0.0, 1.0)
         check_kv_type(kv_type, exact)
         rpc_servers = checked_rpc(rpc)
+        if native and rpc_servers:
+            raise UsageError("--native runs llama-cpp-python's own loop on a copy of the target here, and --rpc "
+                             "sends the target to other machines", "drop --native or --rpc")
         sampling = checked_sampling("bench", temp, 0, 1.0, 0.0, seed)
         target = target or DEFAULT_TARGET
         draft = draft or suggested_draft(target, registry)

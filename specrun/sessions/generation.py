@@ -205,7 +205,10 @@ def size_lookahead(method: str, target, options: DrafterOptions, params: Generat
     if choice.predicted < sizing.AUTO_MARGIN:
         return options, params, None
     if not support.available:
-        target.open_for_trees(resolve_trees(False, None, None, choice.sizes).paths)
+        try:
+            target.open_for_trees(resolve_trees(False, None, None, choice.sizes).paths)
+        except SpecrunError:  # no memory for the wider cache: auto goes on with chains, as before
+            return options, params, None
     options = dataclasses.replace(options, lookahead=choice.sizes, auto_lookahead=True)
     return options, dataclasses.replace(params, tree_nodes=max(params.tree_nodes, choice.sizes.max_nodes)), choice
 

@@ -171,6 +171,19 @@ def test_an_unreachable_server_is_one_line():
 
 
 @needs_rpc
+def test_two_names_of_one_server_are_refused_before_they_hang_the_load():
+    """llama.cpp's server answers one client at a time and its client never times out."""
+    port = free_port()
+    done = run_specrun("generate", "x", "--rpc", f"127.0.0.1:{port},localhost:{port}")
+    assert_one_line_error(done.returncode, done.stderr, 2, "names one server twice", f"localhost:{port}")
+
+
+def test_bench_native_and_rpc_contradict():
+    done = run_specrun("bench", "--native", "--rpc", "127.0.0.1:50052")
+    assert_one_line_error(done.returncode, done.stderr, 2, "--native", "--rpc")
+
+
+@needs_rpc
 def test_an_unknown_host_is_one_line():
     done = run_specrun("generate", "x", "--rpc", "no-such-host.invalid:50052")
     assert_one_line_error(done.returncode, done.stderr, 1, "--rpc host 'no-such-host.invalid' is unknown")
@@ -242,6 +255,18 @@ def test_two_servers_share_the_target_and_the_draft_stays_here(servers):
 
 
 @needs_rpc
+def test_bench_through_a_server_records_it(servers, tmp_path):
+    server = servers()
+    out = tmp_path / "bench.json"
+    done = run_specrun("bench", "--rpc", server.endpoint, "--threads", "1", "--exact", "--methods", "none,lookup",
+                       "--categories", "code-completion", "--per-category", "1", "-n", "16", "--json", str(out))
+    assert done.returncode == 0, done.stderr
+    document = json.loads(out.read_text())
+    assert document["config"]["rpc"] == [server.endpoint]
+    assert document["mismatches"] == [] and all(run["same_as_baseline"] for run in document["runs"])
+
+
+@needs_rpc
 def test_llama_cpps_own_server_program_serves_a_speculative_run(servers):
     server = servers("llama")
     local, _ = generate("--method", "none")
@@ -269,6 +294,12 @@ def test_rpc_server_on_a_port_in_use_is_one_line():
         port = taken.getsockname()[1]
         done = run_specrun("rpc-server", "--port", str(port))
     assert_one_line_error(done.returncode, done.stderr, 1, f"cannot listen on 127.0.0.1:{port}", "--port")
+
+
+@needs_rpc
+def test_rpc_server_takes_an_ipv4_address_only():
+    done = run_specrun("rpc-server", "--host", "localhost", "--port", str(free_port()))
+    assert_one_line_error(done.returncode, done.stderr, 2, "--host 'localhost' is not an IPv4 address")
 
 
 def test_rpc_server_port_out_of_range_is_a_usage_error():

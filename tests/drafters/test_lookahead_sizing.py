@@ -259,3 +259,33 @@ def test_auto_reopens_a_chains_only_llama_context_for_a_window_that_pays(chain, 
     assert result.token_ids == plain.token_ids
     window = result.stats.by_source.get("lookahead")
     assert (window is not None and window.steps > 0) is not chain
+
+
+def test_a_context_that_cannot_be_re_created_for_trees_keeps_chains(monkeypatch):
+    """No memory for the wider cache: the chains context stays usable, auto goes on without a
+    window, and the model is still freed on close; re-creating after a pass is refused."""
+    pytest.importorskip("llama_cpp")
+    from specrun.backends.llama import LlamaCppBackend
+    from specrun.errors import ModelFileError
+    from specrun.modelkit.builtin import builtin_gguf
+
+    target = LlamaCppBackend(builtin_gguf("demo-target"), n_ctx=256, n_threads=1)
+    lib = target._lib
+    real_init = lib.llama_init_from_model
+    monkeypatch.setattr(lib, "llama_init_from_model", lambda model, params: None)
+    stored = TuneResult("k", "t", "none", "m", 0, 0.0, target_costs=seconds_of(gpu_like, [1, 2, 8, 24, 120]),
+                        learned=True)
+    params = GenerationParams(32, 16, adaptive=True, tree_nodes=0)
+    options, _, choice = size_lookahead("auto", target, DrafterOptions(), params, stored, [1, 2, 3])
+    assert choice is None and not options.auto_lookahead and not target.tree_support.available
+    with pytest.raises(ModelFileError):
+        target.open_for_trees(4)
+    monkeypatch.setattr(lib, "llama_init_from_model", real_init)
+    assert target.forward([1, 2, 3], [2]).shape == (1, target.vocab.size)  # the chains context still works
+    with pytest.raises(RuntimeError, match="before anything is fed"):
+        target.open_for_trees(4)
+    freed, real_free = [], lib.llama_model_free
+    monkeypatch.setattr(lib, "llama_model_free", lambda model: freed.append(model))
+    target.close()
+    assert len(freed) == 1
+    real_free(freed[0])
