@@ -17,7 +17,7 @@ row (the last) for every other token, as specrun's EAGLE heads have it: a token 
 draft vocabulary is never drafted and is read only as the last real token. Why not the target's
 own embedding: llama.cpp hands a drafter no embedding rows, reading them from the GGUF means
 dequantizing a vocabulary-sized table, and at the target's width head i's first layer would read
-(i + 2) H inputs, where with E it reads H + (i + 1) E (a sixth head: 832 against 2688 at H = 384).
+(i + 2) H inputs, where with E it reads H + (i + 1) E (a sixth head: 768 against 2688 at H = 384).
 The part W_i reads from h is the same for every node of a tree (all grow from one h), so a
 drafter computes it once a proposal (``root_terms``); a node then costs (i + 1) E x H for its
 path, the blocks and the projection. The trainer starts the embedding from the target's own
