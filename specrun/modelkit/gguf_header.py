@@ -28,40 +28,21 @@ def header_values(path: Path) -> Iterator[tuple[str, object]]:
     """(key, value) for each metadata key of a little-endian GGUF v2/v3, in file order; arrays are
     skipped and yield None. Raises ValueError on a header that does not parse."""
     with Path(path).open("rb") as handle:
-        magic, version, _, n_keys = struct.unpack("<4sIQQ", _read(handle, 24))
-        if magic != b"GGUF" or version not in (2, 3):
-            raise ValueError(f"not a little-endian GGUF v2/v3 header ({magic!r}, version {version})")
-        for _ in range(n_keys):
-            key = _string(handle)
-            (kind,) = struct.unpack("<I", _read(handle, 4))
-            if kind == _T.ARRAY:
-                item_kind, count = struct.unpack("<IQ", _read(handle, 12))
-                _skip_array(handle, item_kind, count)
-                yield key, None
-            else:
-                yield key, _value(handle, kind)
+        _, _, _, n_keys = _header(handle)
+        yield from _keys(handle, n_keys)
 
 
 def copy_with_string_key(source: Path, dest: Path, key: str, value: str) -> None:
     """Write ``dest``: ``source`` with the string ``key`` added (``source`` must not have it); the
     other keys, the tensor infos and the tensor data are copied as they are, the data realigned."""
     with Path(source).open("rb") as handle:
-        magic, version, n_tensors, n_keys = struct.unpack("<4sIQQ", _read(handle, 24))
-        if magic != b"GGUF" or version not in (2, 3):
-            raise ValueError(f"not a little-endian GGUF v2/v3 header ({magic!r}, version {version})")
+        magic, version, n_tensors, n_keys = _header(handle)
         alignment = 32  # GGUF's default, unless general.alignment says otherwise
-        for _ in range(n_keys):
-            name = _string(handle)
-            (kind,) = struct.unpack("<I", _read(handle, 4))
-            if kind == _T.ARRAY:
-                item_kind, count = struct.unpack("<IQ", _read(handle, 12))
-                _skip_array(handle, item_kind, count)
-            else:
-                found = _value(handle, kind)
-                if name == key:
-                    raise ValueError(f"{source} already has {key}")
-                if name == gguf.Keys.General.ALIGNMENT:
-                    alignment = int(found)
+        for name, found in _keys(handle, n_keys):
+            if name == key:
+                raise ValueError(f"{source} already has {key}")
+            if name == gguf.Keys.General.ALIGNMENT:
+                alignment = int(found)
         keys_end = handle.tell()
         for _ in range(n_tensors):  # name, dimensions, type, offset into the data
             _string(handle)
@@ -80,6 +61,26 @@ def copy_with_string_key(source: Path, dest: Path, key: str, value: str) -> None
             out.write(bytes(-out.tell() % alignment))
             handle.seek(infos_end + (-infos_end % alignment))
             shutil.copyfileobj(handle, out, 1 << 20)
+
+
+def _header(handle) -> tuple[bytes, int, int, int]:
+    """(magic, version, tensor count, key count), checked."""
+    magic, version, n_tensors, n_keys = struct.unpack("<4sIQQ", _read(handle, 24))
+    if magic != b"GGUF" or version not in (2, 3):
+        raise ValueError(f"not a little-endian GGUF v2/v3 header ({magic!r}, version {version})")
+    return magic, version, n_tensors, n_keys
+
+
+def _keys(handle, n_keys: int) -> Iterator[tuple[str, object]]:
+    for _ in range(n_keys):
+        key = _string(handle)
+        (kind,) = struct.unpack("<I", _read(handle, 4))
+        if kind == _T.ARRAY:
+            item_kind, count = struct.unpack("<IQ", _read(handle, 12))
+            _skip_array(handle, item_kind, count)
+            yield key, None
+        else:
+            yield key, _value(handle, kind)
 
 
 def _read(handle, n: int) -> bytes:
