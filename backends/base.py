@@ -79,6 +79,14 @@ def held_tree_for(held: HeldTree | None, n_past: int, path: Sequence[int]) -> To
     return held.tree
 
 
+def near_tie_rows(logits: np.ndarray, margin: float) -> np.ndarray:
+    """For each row of ``logits`` (R, V): does a second token's logit come within ``margin`` of the top?"""
+    if not len(logits):
+        return np.zeros((0,), dtype=bool)
+    top = logits.max(axis=-1, keepdims=True)
+    return (logits >= top - margin).sum(axis=-1) > 1
+
+
 class HiddenTracking:
     """``track_hidden`` and ``hidden_rows`` for a backend that records its passes' hidden states
     while ``_tracking``: ``_hidden`` holds the last pass's (n_fed, H), None where it ran untracked."""
@@ -176,6 +184,12 @@ class Backend(Protocol):
 
     def forward_tree_argmax(self, tokens: Sequence[int], tree: TokenTree, logit_rows: Sequence[int]) -> np.ndarray:
         """Like ``forward_tree`` but return only the argmax ids (len(logit_rows),)."""
+        ...
+
+    def last_pass_ties(self, indices: Sequence[int], margin: float) -> np.ndarray:
+        """For entries ``indices`` of the last argmax pass's result (``forward_argmax``,
+        ``forward_tree_argmax``, ``forward_argmax_after``): did another token's logit come within
+        ``margin`` of the top one's (bool, (len(indices),))? Read before the next pass."""
         ...
 
     def keep_path(self, path: Sequence[int]) -> None:

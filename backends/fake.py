@@ -10,7 +10,9 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from specrun.backends.base import HeldTree, HiddenSupport, HiddenTracking, TreeSupport, VocabInfo, held_tree_for
+from specrun.backends.base import (
+    HeldTree, HiddenSupport, HiddenTracking, TreeSupport, VocabInfo, held_tree_for, near_tie_rows,
+)
 from specrun.tree import TokenTree
 
 LogitTable = Callable[[tuple[int, ...]], np.ndarray]
@@ -86,7 +88,11 @@ class FakeBackend(HiddenTracking):
         return np.stack(rows) if rows else np.zeros((0, self.vocab.size), np.float32)
 
     def forward_argmax(self, tokens: Sequence[int], logit_rows: Sequence[int]) -> np.ndarray:
-        return self.forward(tokens, logit_rows).argmax(axis=-1)
+        self._last_logits = self.forward(tokens, logit_rows)
+        return self._last_logits.argmax(axis=-1)
+
+    def last_pass_ties(self, indices: Sequence[int], margin: float) -> np.ndarray:
+        return near_tie_rows(self._last_logits[list(indices)], margin)
 
     def rewind(self, n_keep: int) -> None:
         del self.cache[n_keep:]
@@ -113,7 +119,8 @@ class FakeBackend(HiddenTracking):
         return np.stack(rows) if rows else np.zeros((0, self.vocab.size), np.float32)
 
     def forward_tree_argmax(self, tokens: Sequence[int], tree: TokenTree, logit_rows: Sequence[int]) -> np.ndarray:
-        return self.forward_tree(tokens, tree, logit_rows).argmax(axis=-1)
+        self._last_logits = self.forward_tree(tokens, tree, logit_rows)
+        return self._last_logits.argmax(axis=-1)
 
     def keep_path(self, path: Sequence[int]) -> None:
         tree = held_tree_for(self._held_tree, self.n_past, path)

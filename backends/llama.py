@@ -17,7 +17,9 @@ from pathlib import Path
 
 import numpy as np
 
-from specrun.backends.base import HeldTree, HiddenSupport, HiddenTracking, TreeSupport, VocabInfo, held_tree_for
+from specrun.backends.base import (
+    HeldTree, HiddenSupport, HiddenTracking, TreeSupport, VocabInfo, held_tree_for, near_tie_rows,
+)
 from specrun.errors import BackendUnavailableError, ContextFullError, ModelFileError
 from specrun.tree import TokenTree
 
@@ -314,8 +316,11 @@ class LlamaCppBackend(HiddenTracking):
         return self._output_logits(rows).copy()  # (n_rows, V): the context reuses its buffer
 
     def forward_argmax(self, tokens: Sequence[int], logit_rows: Sequence[int]) -> np.ndarray:
-        rows = self._decode(tokens, logit_rows)
+        rows = self._argmax_rows = self._decode(tokens, logit_rows)
         return self._output_logits(rows).argmax(axis=-1)
+
+    def last_pass_ties(self, indices: Sequence[int], margin: float) -> np.ndarray:
+        return near_tie_rows(self._output_logits(self._argmax_rows)[list(indices)], margin)
 
     def _output_logits(self, rows: list[int]) -> np.ndarray:
         """A view of the last decode's logits, one row per requested row, in the order asked.
@@ -480,7 +485,7 @@ class LlamaCppBackend(HiddenTracking):
         return self._output_logits(rows).copy()  # (n_rows, V): the context reuses its buffer
 
     def forward_tree_argmax(self, tokens: Sequence[int], tree: TokenTree, logit_rows: Sequence[int]) -> np.ndarray:
-        rows = self._decode_tree(tokens, tree, list(logit_rows))
+        rows = self._argmax_rows = self._decode_tree(tokens, tree, list(logit_rows))
         return self._output_logits(rows).argmax(axis=-1)
 
     def _decode_tree(self, tokens: Sequence[int], tree: TokenTree, rows: list[int]) -> list[int]:

@@ -482,9 +482,22 @@ class MlxBackend(HiddenTracking):
         return np.zeros((0, self.vocab.size), np.float32) if logits is None else np.array(logits)  # (R, V)
 
     def forward_argmax(self, tokens: Sequence[int], logit_rows: Sequence[int]) -> np.ndarray:
-        mx = self._mx
-        ids = self._pass(self._forward_rows, tokens, list(logit_rows), lambda picked: mx.argmax(picked, axis=-1))
+        ids = self._pass(self._forward_rows, tokens, list(logit_rows), self._kept_argmax)
         return np.zeros((0,), np.int64) if ids is None else np.array(ids).astype(np.int64)  # (R,): only ids cross
+
+    def _kept_argmax(self, picked):
+        """The argmax of the rows ``picked`` (R, V), kept on the device for ``last_pass_ties``."""
+        self._last_picked = picked
+        return self._mx.argmax(picked, axis=-1)
+
+    def last_pass_ties(self, indices: Sequence[int], margin: float) -> np.ndarray:
+        """Computed on the device; only one flag a row crosses."""
+        mx = self._mx
+        rows = self._last_picked[mx.array(list(indices))].astype(mx.float32) if len(indices) else None
+        if rows is None:
+            return np.zeros((0,), dtype=bool)
+        top = mx.max(rows, axis=-1, keepdims=True)
+        return np.array(mx.sum(rows >= top - margin, axis=-1) > 1)
 
     def forward_greedy(self, tokens: Sequence[int], n_new: int) -> np.ndarray:
         """Feed ``tokens``, then extend them greedily by ``n_new`` ids (n_new,) with one host sync.
@@ -543,7 +556,7 @@ class MlxBackend(HiddenTracking):
         mx = self._mx
         fed = mx.concatenate([mx.array(tokens, dtype=deferred.array.dtype), deferred.array])  # (T + n,)
         logits = self.model(fed[None], cache=self._cache)  # (1, T + n, V)
-        argmax = mx.argmax(self._fit_vocab(logits[0]), axis=-1)  # (T + n,)
+        argmax = self._kept_argmax(self._fit_vocab(logits[0]))  # (T + n,)
         mx.eval(argmax, deferred.array)
         ids = deferred.resolve()
         self._tokens.extend([*tokens, *ids.tolist()])
@@ -694,8 +707,7 @@ class MlxBackend(HiddenTracking):
         return np.zeros((0, self.vocab.size), np.float32) if logits is None else np.array(logits)  # (R, V)
 
     def forward_tree_argmax(self, tokens: Sequence[int], tree: TokenTree, logit_rows: Sequence[int]) -> np.ndarray:
-        mx = self._mx
-        ids = self._pass(self._forward_tree, tokens, tree, list(logit_rows), lambda picked: mx.argmax(picked, axis=-1))
+        ids = self._pass(self._forward_tree, tokens, tree, list(logit_rows), self._kept_argmax)
         return np.zeros((0,), np.int64) if ids is None else np.array(ids).astype(np.int64)  # (R,): only ids cross
 
     def _forward_tree(self, tokens: Sequence[int], tree: TokenTree, rows: list[int], reduce):

@@ -15,7 +15,7 @@ from time import perf_counter
 
 import numpy as np
 
-from specrun.backends.base import Backend
+from specrun.backends.base import Backend, near_tie_rows
 from specrun.backends.kv import sequence_for
 from specrun.control.policy import PLAIN, AdaptivePolicy, FixedPolicy, Plan, SpeculationPolicy, StepReport
 from specrun.drafters.base import EMPTY_PROPOSAL, Drafter, Proposal
@@ -30,6 +30,11 @@ from specrun.verify import TreeVerdict, Verdict, verify_greedy, verify_sampled, 
 # policy keeps only the second guesses that pay on this machine's pass costs (control/trees.py),
 # so the cap matters where passes are cheap (a GPU).
 DEFAULT_TREE_NODES = 24
+# A greedy choice within this many logits of the runner-up may differ from plain decoding's
+# where a verify pass rounds otherwise: reading the same context in a batch moved logits by up
+# to ~0.026 on the demo target (llama.cpp's F16 KV cache; sessions/divergence.py), and a gap
+# moves by up to twice that.
+TIE_MARGIN = 0.05
 
 
 @dataclass(frozen=True)
@@ -42,6 +47,7 @@ class GenerationParams:
     chains only; a target that cannot hold the tree verifies the main chain). Drafters
     branch only when asked to (DrafterOptions.branches). Adaptive, the policy keeps the
     second guesses worth their place in the pass.
+    tie_margin: see below; TIE_MARGIN is what the sessions pass.
     """
 
     max_new_tokens: int = 128
@@ -50,6 +56,10 @@ class GenerationParams:
     stop_at_eos: bool = True
     adaptive: bool = False
     tree_nodes: int = DEFAULT_TREE_NODES
+    # greedy: count the tokens chosen where another token's logit came within this margin of the
+    # top (Stats.near_ties): where batched passes round differently from one-token ones, plain
+    # decoding may choose otherwise there. 0: not counted (--exact, where kernels round alike).
+    tie_margin: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -180,17 +190,19 @@ class SpeculativeEngine:
         prompt_logits = self._prefill(context)  # (V,): the distribution after the prompt
         stats.prefill_seconds = self.clock() - started
 
+        watch_ties = params.tie_margin > 0 and sampling.greedy
         started = self.clock()
         try:
             while (produced := len(context) - len(prompt)) < params.max_new_tokens and len(context) < n_ctx:
                 remaining = params.max_new_tokens - produced
                 t_draft, context_len = self.clock(), len(context)
                 from_prefill = prompt_logits is not None
+                prompt_row = None
                 if from_prefill:  # the prefill's token, as llama.cpp takes it
                     plan, proposal = PLAIN, EMPTY_PROPOSAL
                     t_verify = self.clock()
                     verdict = Verdict(0, self._pick(prompt_logits, sampling, rng))
-                    prompt_logits = None
+                    prompt_row, prompt_logits = prompt_logits, None
                 else:  # plan → draft → verify
                     plan = policy.plan() if policy is not None else PLAIN
                     draft_len = min(params.draft_len, remaining - 1, n_ctx - context_len - 1)
@@ -210,6 +222,8 @@ class SpeculativeEngine:
                 if hit_eos is not None:
                     emitted = emitted[: hit_eos + 1]
                 context.extend(emitted[:remaining])
+                if watch_ties:
+                    stats.near_ties += self._near_ties(prompt_row, verdict, len(context) - context_len, params)
                 if policy is not None and policy.measured and not from_prefill:
                     policy.observe(StepReport(plan, proposal, tuple(verdict.path), t_draft, t_verify - t_draft,
                                               t_passed - t_verify, context, context_len))
@@ -224,6 +238,14 @@ class SpeculativeEngine:
             self.target.rewind_to_prefix_of(context, limit=len(context) - 1)
             stats.generation_seconds = self.clock() - started
         self.last_context = context
+
+    def _near_ties(self, prompt_row, verdict, n_kept: int, params: GenerationParams) -> int:
+        """How many of a step's ``n_kept`` tokens were chosen at a near-tie: from the prefill's
+        row, else the pass's rows the tokens came from (the root's, then each accepted node's)."""
+        if prompt_row is not None:
+            return int(near_tie_rows(prompt_row[None], params.tie_margin)[0])
+        indices = [0, *(1 + node for node in verdict.path)][:n_kept]
+        return int(self.target.backend.last_pass_ties(indices, params.tie_margin).sum())
 
     def _draft(self, policy, plan: Plan, context, draft_len: int, sampling, rng) -> Proposal:
         """Ask the planned drafters in turn, each for the length the policy gives it; the first

@@ -45,6 +45,8 @@ class Stats:
     verify_seconds: float = 0.0
     generation_seconds: float = 0.0  # from the end of prefill to the last token
     by_source: dict[str, SourceCounts] = field(default_factory=dict)  # which drafter proposed each step
+    # greedy tokens chosen where another's logit came within GenerationParams.tie_margin (0: not counted)
+    near_ties: int = 0
 
     def record_step(
         self, drafted: int, accepted: int, emitted: int, draft_s: float, verify_s: float, source: str = PLAIN
@@ -71,6 +73,7 @@ class Stats:
         self.draft_seconds += other.draft_seconds
         self.verify_seconds += other.verify_seconds
         self.generation_seconds += other.generation_seconds
+        self.near_ties += other.near_ties
         self.accepted_hist = [a + b for a, b in itertools.zip_longest(self.accepted_hist, other.accepted_hist,
                                                                        fillvalue=0)]
         for source, counts in other.by_source.items():
@@ -113,6 +116,7 @@ class Stats:
             "draft_seconds": round(self.draft_seconds, 6),
             "verify_seconds": round(self.verify_seconds, 6),
             "generation_seconds": round(self.generation_seconds, 6),
+            "near_ties": self.near_ties,
         }
 
     def summary(self) -> str:

@@ -6,7 +6,9 @@ import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from specrun.engine.loop import DEFAULT_TREE_NODES, Finished, GenerationParams, GenerationResult, SpeculativeEngine, TextChunk
+from specrun.engine.loop import (
+    DEFAULT_TREE_NODES, TIE_MARGIN, Finished, GenerationParams, GenerationResult, SpeculativeEngine, TextChunk,
+)
 from specrun.registry.loading import LoadOptions, open_pair, prompts_as_chat
 from specrun.drafters.methods import (
     DrafterOptions,
@@ -213,6 +215,15 @@ def size_lookahead(method: str, target, options: DrafterOptions, params: Generat
     return options, dataclasses.replace(params, tree_nodes=max(params.tree_nodes, choice.sizes.max_nodes)), choice
 
 
+def near_tie_note(stats) -> str:
+    """What a greedy run without --exact says when some of its tokens were chosen at a near-tie:
+    verify passes of several tokens round differently from one-token decoding, so plain decoding
+    may choose otherwise there."""
+    n = stats.near_ties
+    return (f"{n} {'token' if n == 1 else 'tokens'} chosen at near-ties (top two logits within {TIE_MARGIN:g}) "
+            "may differ from plain decoding's; --exact makes the output bit-identical")
+
+
 def adapts_length(method: str, requested: int | None) -> bool:
     """Does ``method`` choose its draft length as it goes (gated on plain decoding, as auto)?
 
@@ -312,6 +323,8 @@ def generate_text(request: GenerateRequest, on_text: Callable[[str], None] | Non
             request.sampling,
             adaptive=adapts_length(request.method, request.draft_len),
             tree_nodes=request.trees.nodes,
+            # where kernels round batched passes otherwise (not --exact), count the choices that could flip
+            tie_margin=0.0 if request.load.exact or request.method == "none" else TIE_MARGIN,
         )
         choice = None
         if draft is None:  # lookahead's sizes (and whether auto drafts with a window) from the pass costs
@@ -345,6 +358,8 @@ def generate_text(request: GenerateRequest, on_text: Callable[[str], None] | Non
                         closing.close()  # saves the n-gram pool when it has a cache file
                     except SpecrunError as exc:  # a full disk: the answer still reaches the user
                         raise AnswerKeptError(event.result, exc) from exc
+                if request.on_note is not None and event.result.stats.near_ties and event.result.stats.drafted:
+                    request.on_note(near_tie_note(event.result.stats))
                 return event.result
         raise AssertionError("stream ended without Finished")
     finally:

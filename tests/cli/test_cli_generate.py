@@ -294,3 +294,23 @@ def test_ngram_cache_is_saved_and_reused(pair, tmp_path):
     cache.write_bytes(b"garbage")
     broken = invoke("generate", "import os\n", *pair, "-n", "8", "-m", "ngram", "--ngram-cache", str(cache))
     assert_one_line_error(broken, 1, str(cache))
+
+
+def test_a_greedy_run_says_how_many_tokens_it_chose_at_near_ties(llama_installed):
+    """Without --exact, tokens chosen within TIE_MARGIN of the runner-up are counted (JSON) and
+    named in a note with the fix; --exact (kernels round alike) counts none; plain decoding neither."""
+    from specrun.engine.loop import TIE_MARGIN
+
+    args = ("generate", "def parse(line):", "-n", "64", "--backend", "llama", "--json")
+    default = invoke(*args)
+    assert default.exit_code == 0, default.output
+    stats = json.loads(default.stdout)["stats"]
+    notes = [line for line in default.stderr.splitlines() if "near-ties" in line]
+    assert stats["near_ties"] > 0 and stats["drafted"] > 0  # the demo target's repetitive code has close calls
+    assert notes == [f"note: {stats['near_ties']} token{'s' if stats['near_ties'] > 1 else ''} chosen at "
+                     f"near-ties (top two logits within {TIE_MARGIN:g}) may differ from plain decoding's; "
+                     "--exact makes the output bit-identical"]
+    for quiet in (("--exact",), ("--method", "none")):
+        result = invoke(*args, *quiet)
+        assert result.exit_code == 0 and json.loads(result.stdout)["stats"]["near_ties"] == 0
+        assert "near-ties" not in result.stderr

@@ -369,3 +369,36 @@ def test_a_real_size_difference_is_still_refused():
 
     with pytest.raises(IncompatibleModelsError, match="vocabulary size 50 vs 52"):
         check_compatible(fake(1), FakeBackend(hashed_logits(52, 1), 52), "t", "d")
+
+
+# ---- near-ties: greedy choices that batched rounding could flip ----------------------------
+def tied_every_third(context) -> np.ndarray:
+    """Next token last + 1; its runner-up last + 2 is 0.01 behind after a multiple of 3, else 2.0."""
+    last = context[-1]
+    logits = np.zeros(VOCAB, dtype=np.float32)
+    logits[(last + 1) % VOCAB] = 5.0
+    logits[(last + 2) % VOCAB] = 5.0 - (0.01 if last % 3 == 0 else 2.0)
+    return logits
+
+
+@pytest.mark.parametrize(("margin", "counted"), [(0.05, True), (0.005, False), (0.0, False)])
+@pytest.mark.parametrize("draft_len", [0, 4])
+def test_near_ties_count_the_tokens_chosen_within_the_margin(margin, counted, draft_len):
+    """Every emitted token whose context ends in a multiple of 3 was chosen 0.01 ahead of the
+    runner-up: counted at a margin of 0.05, not at 0.005 or 0 (not watched), whatever the passes."""
+    target = FakeBackend(tied_every_third, VOCAB)
+    drafter = DraftModelDrafter(FakeBackend(tied_every_third, VOCAB)) if draft_len else None
+    prompt = [1, 2]
+    result = SpeculativeEngine(target, drafter).run(prompt, GenerationParams(30, draft_len, tie_margin=margin))
+    contexts = [[*prompt, *result.token_ids][: len(prompt) + i] for i in range(len(result.token_ids))]
+    expected = sum(context[-1] % 3 == 0 for context in contexts)
+    assert expected > 5 and result.stats.near_ties == (expected if counted else 0)
+    if draft_len:
+        assert result.stats.accepted > 0  # tokens came from verify passes of several rows
+
+
+def test_near_ties_are_not_counted_when_sampling():
+    target = FakeBackend(tied_every_third, VOCAB)
+    params = GenerationParams(20, 4, SamplingSettings(temperature=0.7, seed=1), tie_margin=0.05)
+    result = SpeculativeEngine(target, DraftModelDrafter(FakeBackend(tied_every_third, VOCAB))).run([1, 2], params)
+    assert result.stats.near_ties == 0

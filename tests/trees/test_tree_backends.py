@@ -281,3 +281,28 @@ def test_mlx_caches_that_cannot_hold_a_tree_declare_no_trees(tiny_llama, cache_k
     assert cache_kind in backend.tree_support.reason
     with pytest.raises(ValueError, match="cannot verify trees"):
         backend.forward_tree([1], TokenTree.chain([2]), [0])
+
+
+@pytest.mark.parametrize("tree_pass", [False, True])
+def test_last_pass_ties_read_the_rows_of_the_last_argmax_pass(backend, tree_pass):
+    """last_pass_ties flags the rows of the last argmax pass whose top two logits are closer
+    than the margin: the same rows, in the order asked, as the pass's full logits say."""
+    prompt, tree = _prompt(backend), _tree(backend)
+    backend.forward(prompt[:-1], [])
+    if tree_pass:
+        rows = [0, 3, 1, 9, 5]
+        logits = backend.forward_tree(prompt[-1:], tree, rows)
+        backend.rewind(len(prompt) - 1)
+        backend.forward_tree_argmax(prompt[-1:], tree, rows)
+    else:
+        fed, rows = prompt[-1:] + [5, 6, 7, 8], [0, 1, 2, 3, 4]
+        logits = backend.forward(fed, rows)
+        backend.rewind(len(prompt) - 1)
+        backend.forward_argmax(fed, rows)
+    top_two = np.sort(logits, axis=-1)[:, -2:]
+    gaps = top_two[:, 1] - top_two[:, 0]
+    ordered = np.sort(gaps)
+    margin = float(ordered[1] + ordered[2]) / 2  # two rows within it, three beyond
+    indices = [4, 0, 2, 1, 3]
+    assert backend.last_pass_ties(indices, margin).tolist() == (gaps[indices] < margin).tolist()
+    assert backend.last_pass_ties([], margin).tolist() == []
