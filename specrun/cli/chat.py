@@ -128,7 +128,7 @@ def chat_command(
     """Chat with the target model: a REPL on a terminal; on a pipe, stdin is the message and stdout the answer."""
     with cli_errors():
         from specrun.sessions.chat import open_chat
-        from specrun.engine.loop import GenerationParams
+        from specrun.engine.loop import TIE_MARGIN, GenerationParams
         from specrun.registry.loading import LoadOptions, choose_pair
         from specrun.drafters.methods import check_method
 
@@ -140,7 +140,7 @@ def chat_command(
         lookahead_sizes = checked_lookahead(lookahead, (method,))
         trees = checked_trees(chain_only, tree_nodes, branches, lookahead_sizes, window=uses_window((method,)))
         params = GenerationParams(max_tokens, 0, checked_sampling("chat", temp, top_k, top_p, min_p, seed),
-                                  tree_nodes=trees.nodes)
+                                  tree_nodes=trees.nodes, tie_margin=0.0 if exact else TIE_MARGIN)
         interactive = sys.stdin.isatty()
         if each_line and interactive:
             raise UsageError("--each-line reads messages from a pipe", "pipe the messages in, one per line")
@@ -198,6 +198,10 @@ class AnswerView:
                 self._write(json.dumps(event.to_dict()) + "\n", None)
             self.end_line()
             self.err.print(stats_line(event), style="dim")
+            if event.stats.near_ties and event.stats.drafted:
+                from specrun.sessions.generation import near_tie_note
+
+                self.err.print(f"note: {near_tie_note(event.stats)}", style="dim")
 
     def _write(self, text: str, style: str | None) -> None:
         if not text:

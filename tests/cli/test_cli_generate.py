@@ -314,3 +314,13 @@ def test_a_greedy_run_says_how_many_tokens_it_chose_at_near_ties(llama_installed
         result = invoke(*args, *quiet)
         assert result.exit_code == 0 and json.loads(result.stdout)["stats"]["near_ties"] == 0
         assert "near-ties" not in result.stderr
+
+
+def test_a_chat_answer_notes_its_near_ties_too(llama_installed):
+    result = invoke("chat", "-n", "64", "--backend", "llama", "--json", input="def parse(line):")
+    assert result.exit_code == 0, result.output
+    stats = json.loads(result.stdout.splitlines()[0])["stats"]
+    assert stats["near_ties"] > 0 and stats["drafted"] > 0
+    assert sum("chosen at near-ties" in line for line in result.stderr.splitlines()) == 1
+    exact = invoke("chat", "-n", "64", "--backend", "llama", "--json", "--exact", input="def parse(line):")
+    assert json.loads(exact.stdout.splitlines()[0])["stats"]["near_ties"] == 0 and "near-ties" not in exact.stderr
