@@ -16,8 +16,8 @@ from scipy import stats as scipy_stats
 import specrun.drafters.chain
 import specrun.engine.loop
 from fake_models import CostedFake, SimClock, hashed_logits
-from lossless_harness import run_scenario
-from model_factory import open_exact_copies
+from lossless_harness import real_scenario, run_scenario
+from model_factory import open_exact_copies, perturbed_copy
 from specrun.backends.fake import FakeBackend
 from specrun.control.policy import AdaptivePolicy, Plan, StepReport
 from specrun.control.trees import BranchRates, merged_values, node_values, select_merged
@@ -25,6 +25,7 @@ from specrun.drafters.base import Drafter, Proposal
 from specrun.drafters.chain import ChainDrafter, MergedProposal, merge_proposals
 from specrun.drafters.draft_model import DraftModelDrafter
 from specrun.engine.loop import GenerationParams, SpeculativeEngine
+from specrun.sampling import SamplingSettings
 from specrun.tree import TokenTree
 from specrun.verify import verify_tree_sampled
 
@@ -404,3 +405,35 @@ def test_greedy_merged_chains_equal_plain_decoding_on_the_real_backends(monkeypa
     finally:
         for backend in backends:
             backend.close()
+
+
+@pytest.mark.parametrize("kind", ["llama", "mlx"])
+def test_sampled_merged_chains_on_the_real_backends_are_lossless(monkeypatch, tiny_models, tmp_path_factory, kind):
+    """The full chain at temperature 1 with a draft that disagrees at times (the tiny model plus
+    noise), on a target that verifies trees: every output token's PIT against a second copy of
+    the target and the acceptance count against its expectation (lossless_harness), with passes
+    that merged the draft model's proposal and cheap ones among them."""
+    passes = _Passes(monkeypatch)
+    model = tiny_models["llama"]
+    drafts = perturbed_copy(model, tmp_path_factory.mktemp("perturbed"))
+    if kind == "llama":
+        pytest.importorskip("llama_cpp", reason="the llama backend is not installed")
+        from specrun.backends.llama import LlamaCppBackend
+
+        target, reference = (LlamaCppBackend(model.gguf_path, n_ctx=2048, tree_paths=paths) for paths in (8, 0))
+        draft = LlamaCppBackend(drafts["llama"], n_ctx=2048)
+    else:
+        pytest.importorskip("mlx_lm", reason="the MLX backend is not installed")
+        from specrun.backends.mlx import MlxBackend
+
+        target, reference, draft = (MlxBackend(source, n_ctx=2048) for source in (model.hf_dir, model.hf_dir,
+                                                                                   drafts["mlx"]))
+    try:
+        _, problems = real_scenario(target, draft, reference, "lookup+ngram+draft", SamplingSettings(temperature=1.0),
+                                    adaptive=True)
+    finally:
+        for backend in (target, draft, reference):
+            backend.close()
+    assert problems == []
+    assert len(passes.merged) > 10
+    assert any(not proposal.is_chain for proposal, _ in passes.merged)
