@@ -106,7 +106,9 @@ def takes_at_least(proposal: Proposal, drafter: Drafter, draft_len: int) -> bool
 
 class FixedPolicy:
     """``-k N`` with a lone drafter (or a chain without a draft model): every step asks the
-    drafters for ``draft_len`` tokens; nothing is measured, so draft and verify may fuse."""
+    drafters for ``draft_len`` tokens; nothing is measured, so draft and verify may fuse. A
+    chain here verifies one member's proposal a pass: merging (AdaptivePolicy._merged) is for
+    chains whose draft model the adaptive policy gates."""
 
     measured = False
 

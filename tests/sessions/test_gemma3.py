@@ -187,7 +187,7 @@ def test_the_q4_k_m_file_at_default_settings_differs_only_within_batch_rounding(
     """What `specrun generate --target gemma3-270m` runs: the Q4_K_M file, flash attention and an F16
     cache as llama.cpp chooses. There a batched pass moves this model's logits by up to ~1.5 (its
     activations are quantized to 8 bits per pass: a rounding that tips one step moves them; measured
-    even under --exact, docs/perf.md 3(k)), so greedy output may leave plain decoding's, but only
+    even under --exact, docs/perf.md 3(m)), so greedy output may leave plain decoding's, but only
     where the two tokens' gap is within what batching was measured to move there."""
     from specrun.backends.llama import LlamaCppBackend
     from specrun.sessions.divergence import find_mismatch
