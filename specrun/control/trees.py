@@ -212,9 +212,12 @@ def select_merged(
     ``max_nodes`` nodes and ``max_paths`` root-to-leaf paths (0: no cap), never a node without
     its parent.
 
-    Node order makes the choice exact under sampling: whether a node is kept depends only on
-    the nodes before it (and on values that follow from the tree's shape, never from a node's
-    own token), so the merged rows stay the distributions its tokens were drawn from.
+    Exact under sampling: a forced node is kept or not on the nodes before it alone (and on
+    values that follow from the tree's shape, never from its own token), so a drawn node's row
+    stays the distribution it was drawn from given that it is there. The second walk weighs
+    each node against every forced node, later ones included: harmless for a deterministic
+    (one-hot) node, whatever decides it, and the policy forces every part that carries rows
+    (the draft model's) and puts it first.
     """
     kept: set[int] = set()
     paths = 0
