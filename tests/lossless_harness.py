@@ -383,6 +383,10 @@ def branches_taken(method: str) -> bool:
     return drafter is not None and any(getattr(member, "branches", 0) for member in drafter.members)
 
 
+# Chains beyond the named methods (--method takes drafters joined by "+", cheapest first): a head
+# drafter or a lookahead window after the cheap drafters, and before a draft model.
+CHAINS = ("lookup+medusa", "ngram+hydra", "eagle+draft", "lookup+lookahead")
+
 # Every method (and each adaptive as the CLI runs it), then the sampling options through a
 # draft model and plain decoding, then a draft close to the target. A method added to
 # specrun.drafters.methods.METHODS joins this table, and the tests over it, by itself.
@@ -404,6 +408,7 @@ SCENARIOS = {
     # nodes shared), the draft's sampled rows beside one-hot cheap siblings. Every chain with a
     # draft model above merges too where it passes a cheap proposal over (auto: half its passes).
     "merged chain": Scenario("lookup+ngram+draft", "top-k", adaptive=True),
+    **{chain: Scenario(chain) for chain in CHAINS},
 }
 
 

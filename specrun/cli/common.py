@@ -227,7 +227,8 @@ MethodOpt = Annotated[
         "-m",
         help="auto (the default: adaptive lookup+ngram+draft), none (plain decoding), draft, lookup, ngram, "
         "medusa, hydra or eagle (heads on the target's hidden states, see --heads), lookahead (Jacobi lookahead "
-        "decoding, see --lookahead), or a chain like lookup+draft.",
+        "decoding, see --lookahead), or a chain of them joined by + cheapest first (lookup, ngram, lookahead, "
+        "one kind of heads, draft), like lookup+draft or lookup+eagle.",
     ),
 ]
 MaxTokensOpt = Annotated[int, typer.Option("--max-tokens", "-n", help="New tokens to generate.")]

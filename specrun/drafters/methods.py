@@ -46,6 +46,11 @@ METHODS = (
     "lookahead",
 )
 
+# The drafters a chain is made of, in the order a chain asks them: cheapest first. Besides the
+# methods named above, --method takes any of them joined by "+" in this order, with one kind of
+# heads at most: lookup+medusa, lookup+ngram+eagle+draft, lookup+lookahead, …
+PARTS = ("lookup", "ngram", "lookahead", "medusa", "hydra", "eagle", "draft")
+
 
 @dataclass(frozen=True)
 class DrafterOptions:
@@ -113,8 +118,23 @@ def needs_heads(method: str) -> bool:
 
 
 def check_method(method: str) -> None:
-    if method not in METHODS:
-        raise UsageError(f"unknown method {method!r}", f"use one of: {', '.join(METHODS)}")
+    """A named method, or a chain of PARTS joined by "+" in their order with one heads kind."""
+    if method in METHODS:
+        return
+    parts = method.split("+")
+    if len(parts) < 2 or any(part not in PARTS for part in parts):
+        raise UsageError(f"unknown method {method!r}",
+                         f"use one of: {', '.join(METHODS)}; or drafters of {', '.join(PARTS)} joined by +")
+    if len(set(parts)) != len(parts):
+        raise UsageError(f"method {method!r} names a drafter twice", "name each drafter once")
+    kinds = [part for part in parts if part in DRAFTING_KINDS]
+    if len(kinds) > 1:
+        raise UsageError(f"method {method!r} drafts with {kinds[0]} and {kinds[1]} heads; a chain takes one kind",
+                         f"keep one of {', '.join(kinds)}")
+    ordered = "+".join(sorted(parts, key=PARTS.index))
+    if ordered != method:
+        raise UsageError(f"method {method!r} asks a dearer drafter before a cheaper one; chains go cheapest first",
+                         f"use --method {ordered}")
 
 
 def build_drafter(method: str, draft: Backend | None, options: DrafterOptions | None = None) -> Drafter | None:

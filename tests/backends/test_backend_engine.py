@@ -307,7 +307,9 @@ def test_sampled_speculation_with_a_disagreeing_draft_is_lossless(backend_kind, 
         assert seen.siblings_tested > 0  # trees were verified, a sibling after a rejected one
 
 
-GREEDY_CASES = [case for case in REAL_CASES if case.method != "none" and case.sampling != "every option"]
+# Chains with a head drafter (--method takes drafters joined by "+"): greedy here; sampled on the fake pair.
+GREEDY_CASES = [case for case in REAL_CASES if case.method != "none" and case.sampling != "every option"] + [
+    RealCase("lookup+medusa", "temp 0.1", adaptive=True), RealCase("eagle+draft", "temp 0.1")]
 
 
 @pytest.mark.parametrize(**on_backends(GREEDY_CASES, lambda case: case.id.replace(case.sampling, "greedy")))

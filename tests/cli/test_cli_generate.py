@@ -324,3 +324,20 @@ def test_a_chat_answer_notes_its_near_ties_too(llama_installed):
     assert sum("chosen at near-ties" in line for line in result.stderr.splitlines()) == 1
     exact = invoke("chat", "-n", "64", "--backend", "llama", "--json", "--exact", input="def parse(line):")
     assert json.loads(exact.stdout.splitlines()[0])["stats"]["near_ties"] == 0 and "near-ties" not in exact.stderr
+
+
+@pytest.mark.parametrize("method", ["lookup+eagle", "lookup+ngram+medusa+draft"])
+def test_a_chain_with_heads_gives_plain_decoding_s_text(llama_installed, method):
+    """The shipped heads of the demo target draft inside a chain; --exact: bit-identical."""
+    args = ("generate", "def parse(line):", "-n", "48", "--backend", "llama", "--exact", "--json")
+    plain = json.loads(invoke(*args, "-m", "none").stdout)
+    result = invoke(*args, "-m", method)
+    assert result.exit_code == 0, result.output
+    chained = json.loads(result.stdout)
+    assert chained["text"] == plain["text"] and chained["stats"]["method"] == method
+    assert chained["stats"]["drafted"] > 0
+
+
+def test_a_chain_out_of_order_is_a_usage_error_naming_the_order():
+    result = invoke("generate", "x", "-m", "eagle+lookup")
+    assert result.exit_code == 2 and "use --method lookup+eagle" in result.stderr

@@ -550,3 +550,32 @@ def test_comparisons_start_every_run_with_an_empty_pool():
     runs = [run for index in (0, 1) for run in comparison.figures["ngram"].by_prompt[index]]
     assert runs[0].stats.accepted < 30  # a pool that had seen this output would predict most of it
     assert len({(r.stats.drafted, r.stats.accepted, tuple(r.token_ids)) for r in runs}) == 1  # no run learned from another
+
+
+# ---- chains beyond the named methods ---------------------------------------------------------
+@pytest.mark.parametrize("method", ["lookup+medusa", "ngram+hydra", "lookup+ngram+eagle+draft", "lookup+lookahead",
+                                    "lookahead+draft", "lookup+ngram+lookahead+hydra+draft"])
+def test_chains_of_drafters_cheapest_first_are_methods(method):
+    from specrun.drafters.methods import PARTS, check_method, heads_kind
+
+    check_method(method)
+    parts = method.split("+")
+    assert parts == sorted(parts, key=PARTS.index)
+    assert heads_kind(method) in (None, *parts)
+
+
+@pytest.mark.parametrize(("method", "problem", "fix"), [
+    ("medusa+lookup", "asks a dearer drafter before a cheaper one", "use --method lookup+medusa"),
+    ("draft+ngram+lookup", "asks a dearer drafter before a cheaper one", "use --method lookup+ngram+draft"),
+    ("lookup+medusa+eagle", "drafts with medusa and eagle heads", "keep one of medusa, eagle"),
+    ("lookup+lookup", "names a drafter twice", "name each drafter once"),
+    ("lookup+magic", "unknown method", "joined by +"),
+    ("auto+lookup", "unknown method", "joined by +"),
+    ("none+draft", "unknown method", "joined by +"),
+])
+def test_bad_chains_are_usage_errors_naming_the_fix(method, problem, fix):
+    from specrun.drafters.methods import check_method
+
+    with pytest.raises(UsageError) as caught:
+        check_method(method)
+    assert problem in caught.value.problem and fix in caught.value.fix

@@ -16,7 +16,7 @@ import math
 import numpy as np
 import pytest
 
-from lossless_harness import DRAFT_LEN, SCENARIOS, branches_taken, greedy_scenario, run_scenario
+from lossless_harness import CHAINS, DRAFT_LEN, SCENARIOS, branches_taken, greedy_scenario, run_scenario
 from oracle import distribution
 from specrun.drafters.methods import METHODS, is_adaptive, resolve_method
 from specrun.sampling import SamplingSettings, probabilities, sample
@@ -118,12 +118,12 @@ def test_sampling_is_lossless(name):
 def test_every_method_has_a_sampled_scenario():
     """A method added to specrun.drafters.methods joins the scenarios by itself, fixed and
     adaptive, and with trees where its drafter takes branches; the greedy cases likewise."""
-    assert {scenario.method for scenario in SCENARIOS.values()} == set(METHODS)
+    assert {scenario.method for scenario in SCENARIOS.values()} == set(METHODS) | set(CHAINS)
     branching = {method for method in METHODS if branches_taken(method)}
     assert "ngram" in branching  # the n-gram pool branches (specrun/drafters/ngram.py)
     assert {scenario.method for scenario in SCENARIOS.values() if scenario.branches} == branching
     assert {method for method, _, branches in GREEDY_CASES if branches} == branching
-    assert {method for method, _, _ in GREEDY_CASES} == set(METHODS)
+    assert {method for method, _, _ in GREEDY_CASES} == set(METHODS) | set(CHAINS)
     adaptive = {
         resolve_method(scenario.method)
         for scenario in SCENARIOS.values()
@@ -137,6 +137,7 @@ GREEDY_CASES = (
     [(method, False, 0) for method in METHODS]
     + [(method, True, 0) for method in METHODS if method != "none" and not is_adaptive(method)]
     + [(scenario.method, scenario.adaptive, scenario.branches) for scenario in SCENARIOS.values() if scenario.branches]
+    + [(chain, adaptive, 0) for chain in CHAINS for adaptive in (False, True)]
 )
 
 
