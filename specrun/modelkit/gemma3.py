@@ -99,7 +99,9 @@ def gemma3_gguf(name: str) -> Path:
     the chat template added, or its F16 copy."""
     dtype = _check_name(name)
     chunks = shipped_chunks()
-    source = derive_once(cache_dir() / "derived" / UPSTREAM_SHA256[:16] / "gemma3-270m.q4_k_m.gguf",
+    # named for the template too: a changed template is a new file, never a stale cached one
+    template_id = hashlib.sha256(GEMMA3_CHAT_TEMPLATE.encode()).hexdigest()[:8]
+    source = derive_once(cache_dir() / "derived" / UPSTREAM_SHA256[:16] / f"gemma3-270m.q4_k_m.{template_id}.gguf",
                          lambda tmp: _join_with_template(chunks, tmp))
     if dtype == "Q4_K_M":
         return source
