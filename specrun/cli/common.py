@@ -305,9 +305,10 @@ ExactOpt = Annotated[
     bool,
     typer.Option(
         "--exact",
-        help="Greedy output bit-identical to plain decoding: on llama.cpp flash attention off and an F32 KV "
-        "cache, measured 9-14% slower on memory-bound models on a CPU (README). Without it outputs can differ "
-        "only where the top two logits nearly tie.",
+        help="Greedy output bit-identical to plain decoding (F16 and F32 targets; quantized ones can still differ "
+        "where llama.cpp's batched kernels round otherwise, README): on llama.cpp flash attention off and an F32 KV "
+        "cache, measured 9-14% slower on memory-bound models on a CPU. Without it outputs can differ only where "
+        "the top two logits nearly tie.",
     ),
 ]
 NgramCacheOpt = Annotated[

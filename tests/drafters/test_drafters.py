@@ -373,8 +373,10 @@ def test_every_method_builds_its_drafter():
     assert build_drafter("auto", None).name == "lookup+ngram"
     with pytest.raises(UsageError, match="needs a draft model"):
         build_drafter("lookup+draft", None)
-    with pytest.raises(UsageError, match="unknown method"):
+    with pytest.raises(UsageError, match="asks a dearer drafter before a cheaper one"):
         build_drafter("draft+lookup", draft)
+    with pytest.raises(UsageError, match="unknown method"):
+        build_drafter("draft+magic", draft)
     for method in ("medusa", "hydra", "eagle"):
         with pytest.raises(UsageError, match="needs heads"):
             build_drafter(method, None)
