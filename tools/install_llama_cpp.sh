@@ -45,7 +45,8 @@ with tarfile.open(sys.argv[1]) as archive:
     archive.extractall(sys.argv[2], members=wanted, **safe)
 PY
     root=$(echo "$work"/*/vendor/llama.cpp)
-    lib=$("$py" -c "import llama_cpp, pathlib; print(pathlib.Path(llama_cpp.__file__).parent / 'lib')")
+    # found without importing llama_cpp: its own dependencies come with the project's install, after this
+    lib=$("$py" -c "import importlib.util, pathlib; print(pathlib.Path(importlib.util.find_spec('llama_cpp').origin).parent / 'lib')")
     c++ -std=c++17 -O2 "$root/tools/rpc/rpc-server.cpp" -I "$root/ggml/include" -L "$lib" -lggml -lggml-base \
         -Wl,-rpath,"$lib" -o "$server.tmp"
     mv "$server.tmp" "$server"
