@@ -210,10 +210,10 @@ def chosen_window(target: Backend, config: BenchConfig, prompt_ids: list[int]) -
     earlier runs stored (unless --untuned), else from a probe of a few passes after the start
     of ``prompt_ids``; within the tree nodes the target was opened for."""
     from specrun.sessions.generation import choose_window, load_target_entry
-    from specrun.sessions.lookahead_sizing import covers, fitting
+    from specrun.sessions.lookahead_sizing import fitting, stored_costs
 
     stored = load_target_entry(target, config.load.threads) if config.use_tuned else None
-    costs = stored.target_costs if stored is not None and covers(stored.target_costs) else None
+    costs = stored_costs(stored)
     fits = fitting(config.trees.nodes, target.tree_support.max_paths)
     return choose_window(target, costs, fits, prompt_ids).sizes
 

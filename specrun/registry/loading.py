@@ -147,6 +147,11 @@ def check_layer_target(target: Backend, spec: str) -> None:
         raise _layer_draft_refused(spec)
 
 
+def _requested_backend(options: LoadOptions) -> str:
+    """--backend, except that auto means llama.cpp for a target sent to RPC servers (--rpc is llama.cpp's)."""
+    return "llama" if options.rpc and options.backend == "auto" else options.backend
+
+
 def _layer_draft_refused(spec: str) -> UsageError:
     return UsageError(f"--draft {spec} runs part of the target's layers, which llama.cpp's API cannot do",
                       "pass --backend mlx with an MLX target, or use --draft self:q4")
@@ -158,8 +163,7 @@ def check_layer_backend(target_spec: str, draft_spec: str | None, options: LoadO
     from specrun.modelkit.selfdraft import is_layer_draft
 
     if is_layer_draft(draft_spec):
-        requested = "llama" if options.rpc and options.backend == "auto" else options.backend
-        if choose_backend(requested, target_spec, entries) != "mlx":
+        if choose_backend(_requested_backend(options), target_spec, entries) != "mlx":
             raise _layer_draft_refused(draft_spec)
 
 
@@ -209,9 +213,7 @@ def open_backend(
 
     entries = entries if entries is not None else load_registry(options.registry)
     self_draft = is_self_draft(spec)
-    # --rpc is llama.cpp's: auto chooses it for a target sent to RPC servers
-    requested = "llama" if options.rpc and options.backend == "auto" else options.backend
-    backend = choose_backend(requested, target_spec if self_draft else spec, entries)
+    backend = choose_backend(_requested_backend(options), target_spec if self_draft else spec, entries)
     if backend == "mlx" and options.rpc:
         raise UsageError("--rpc sends the target to llama.cpp RPC servers, which the MLX backend cannot use",
                          "pass --backend llama (or leave --backend out) with a GGUF target, or drop --rpc")

@@ -181,10 +181,10 @@ class ChatSession:
         """The drafter of ``method``; a lookahead window's sizes, where none were given, chosen
         once from the target's pass costs (earlier runs', else probed on the system prompt)."""
         if uses_lookahead(method) and self._drafter_options.lookahead is None:
-            from specrun.sessions.lookahead_sizing import covers, fitting
+            from specrun.sessions.lookahead_sizing import fitting, stored_costs
 
             stored = load_target_entry(self.target, self._threads)
-            costs = stored.target_costs if stored is not None and covers(stored.target_costs) else None
+            costs = stored_costs(stored)
             probe = self.target.tokenize(self.system_prompt or PROBE_TEXT, add_bos=self.target.vocab.add_bos)
             choice = choose_window(self.target, costs, fitting(0, self.target.tree_support.max_paths), probe)
             self._drafter_options = dataclasses.replace(self._drafter_options, lookahead=choice.sizes)

@@ -195,7 +195,7 @@ def size_lookahead(method: str, target, options: DrafterOptions, params: Generat
     """
     from specrun.sessions import lookahead_sizing as sizing
 
-    costs = stored.target_costs if stored is not None and sizing.covers(stored.target_costs) else None
+    costs = sizing.stored_costs(stored)
     support = target.tree_support
     fits = sizing.fitting(params.tree_nodes, support.max_paths)
     if uses_lookahead(method) and options.lookahead is None:

@@ -52,6 +52,12 @@ def relative_costs(seconds: dict[int, float]) -> Callable[[int], float]:
     return lambda n: costs(n) / plain
 
 
+def stored_costs(stored) -> dict[int, float] | None:
+    """An earlier run's entry's (tuning.TuneResult or None) target pass costs, where they say
+    enough to choose a size; else None (then a probe measures them)."""
+    return stored.target_costs if stored is not None and covers(stored.target_costs) else None
+
+
 def covers(seconds: dict[int, float] | None) -> bool:
     """Do stored costs say enough to choose: plain decoding's pass and a pass at least as wide
     as the smallest size's?"""
