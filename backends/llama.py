@@ -42,6 +42,26 @@ def _import_llama_cpp():
     return llama_cpp
 
 
+def built_with_amx(llama_cpp) -> bool:
+    """Was this llama.cpp built with its AMX matrix kernels (x86 with AMX under -march=native)?
+
+    They crash on the first matrix product of a quantized model on some Sapphire Rapids
+    machines (SIGSEGV in ggml_backend_amx_mul_mat; llama.cpp issue 20824, unfixed), this
+    project's CI machine among them. tools/install_llama_cpp.sh builds without them; this
+    catches a llama-cpp-python built elsewhere."""
+    return b"AMX_INT8 = 1" in llama_cpp.llama_print_system_info()
+
+
+def model_params_for(llama_cpp):
+    """llama.cpp's default model parameters, with weights kept out of the AMX buffers where
+    the library has AMX kernels (built_with_amx). That also turns off the CPU's repacked
+    weights ("extra buffer types": one switch for both), a cost in speed on such a build only."""
+    params = llama_cpp.llama_model_default_params()
+    if built_with_amx(llama_cpp):
+        params.use_extra_bufts = False
+    return params
+
+
 _log_callback = None  # kept alive for as long as llama.cpp may call it
 
 
@@ -179,7 +199,7 @@ class LlamaCppBackend(HiddenTracking):
         _silence_logs(llama_cpp)
         llama_cpp.llama_backend_init()
 
-        model_params = llama_cpp.llama_model_default_params()
+        model_params = model_params_for(llama_cpp)
         self.rpc = rpc
         if rpc:  # its pass costs are the servers' and the network's: its own tuning key (sessions/tuning.model_id)
             self.variant = "rpc=" + ",".join(rpc)
@@ -567,8 +587,12 @@ class LlamaCppBackend(HiddenTracking):
         super().track_hidden(on)
         self._lib.llama_set_embeddings(self._ctx, on)  # llama.cpp then outputs every row it is fed
 
-    def native_loop(self) -> NativeLoop:
-        """llama-cpp-python's own plain loop on this file (a second copy of the model)."""
+    def native_loop(self) -> NativeLoop | None:
+        """llama-cpp-python's own plain loop on this file (a second copy of the model); None on
+        a build with AMX kernels, where ``Llama`` would load the weights into the AMX buffers
+        that crash (built_with_amx: its model parameters cannot be changed before it loads)."""
+        if built_with_amx(self._lib):
+            return None
         return NativeLoop(self.path, self.n_ctx, self.n_threads)
 
     def close(self) -> None:

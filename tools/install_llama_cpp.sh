@@ -3,6 +3,8 @@
 # built from source with llama.cpp's RPC backend (--rpc), and llama.cpp's own RPC server program
 # (ggml-rpc-server, built from the same source against that library; the tests start it).
 # A CMAKE_ARGS of the user's (e.g. -DGGML_CUDA=on) is kept. Nothing is rebuilt that is already right.
+# On x86-64 the build leaves out llama.cpp's AMX kernels: they crash on the first quantized matrix
+# product on some Sapphire Rapids machines (llama.cpp issue 20824; backends/llama.py built_with_amx).
 # Usage: tools/install_llama_cpp.sh VENV JOBS
 set -euo pipefail
 venv=$1
@@ -19,9 +21,18 @@ fetch_sdist() {
         "llama-cpp-python==$version"
 }
 
-if ! "$py" -c "import llama_cpp, sys; sys.exit(llama_cpp.__version__ != '$version' or not llama_cpp.llama_supports_rpc())" 2>/dev/null; then
+# -march=native turns AMX on where the CPU has it; an explicit -mno-amx-int8 wins over it (GCC
+# and Clang alike), and without __AMX_INT8__ ggml compiles no AMX code.
+no_amx=""
+if [ "$(uname -m)" = x86_64 ] && echo | "${CC:-cc}" -mno-amx-int8 -x c -E - >/dev/null 2>&1; then
+    no_amx="-mno-amx-int8"
+fi
+
+if ! "$py" -c "import llama_cpp, sys; sys.exit(llama_cpp.__version__ != '$version' or not llama_cpp.llama_supports_rpc()
+                or ('$no_amx' and b'AMX_INT8 = 1' in llama_cpp.llama_print_system_info()))" 2>/dev/null; then
     fetch_sdist
     # never a cached wheel: one built without RPC (or for another device) would be reused
+    CFLAGS="${CFLAGS:-} $no_amx" CXXFLAGS="${CXXFLAGS:-} $no_amx" \
     CMAKE_ARGS="${CMAKE_ARGS:-} -DGGML_RPC=ON" CMAKE_BUILD_PARALLEL_LEVEL="$jobs" \
         "$py" -m pip install --quiet --no-cache-dir --force-reinstall --no-deps "$sdist"
     rm -f "$server"  # linked against the library just replaced

@@ -61,3 +61,36 @@ def test_special_token_text_becomes_the_special_token_only_when_asked(model):
     assert model.tokenize("<|eos|>", add_bos=False, special=True) == [2]
     plain = model.tokenize("<|eos|>", add_bos=False, special=False)
     assert 2 not in plain and len(plain) > 1
+
+
+class _Params:
+    use_extra_bufts = True  # llama.cpp's default
+
+
+class _Library:
+    """The two calls model_params_for makes, on a build with or without AMX kernels."""
+
+    def __init__(self, features: bytes) -> None:
+        self.features = features
+
+    def llama_print_system_info(self) -> bytes:
+        return self.features
+
+    def llama_model_default_params(self) -> _Params:
+        return _Params()
+
+
+def test_a_build_with_amx_kernels_keeps_the_weights_out_of_them():
+    from specrun.backends.llama import model_params_for
+
+    amx = _Library(b"CPU : AVX2 = 1 | AVX512 = 1 | AMX_INT8 = 1 | REPACK = 1 | ")
+    plain = _Library(b"CPU : AVX2 = 1 | AVX512 = 1 | REPACK = 1 | ")
+    assert model_params_for(amx).use_extra_bufts is False
+    assert model_params_for(plain).use_extra_bufts is True
+
+
+def test_no_native_loop_is_compared_on_a_build_with_amx_kernels(model, monkeypatch):
+    import specrun.backends.llama as llama_backend
+
+    monkeypatch.setattr(llama_backend, "built_with_amx", lambda library: True)
+    assert model.native_loop() is None
