@@ -23,7 +23,7 @@ demo: $(STAMP)
 	$(VENV)/bin/specrun demo
 
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=15
 
 clean:
 	rm -rf $(VENV) build *.egg-info
