@@ -484,6 +484,7 @@ class PairWorker:
             job.emit(Failed(RequestError(exc.one_line(), "messages" if job.request.is_chat else "prompt")))
             return
         session = self.session
+        session.new_text()  # each request is a text of its own: its acceptance is measured afresh
         reused = min(common_prefix_len(session.engine.target.tokens, prompt_ids), len(prompt_ids) - 1)
         job.emit(Started(len(prompt_ids), reused))
         cut = StopCut(job.request.stop)

@@ -118,6 +118,26 @@ def test_second_turn_prefills_only_new_tokens_and_equals_a_full_prefill(loaded_p
     assert again.text == second.text
 
 
+def test_a_new_text_forgets_acceptance_and_keeps_costs_and_an_idle_draft_models_gap(loaded_pair):
+    """A server's next request or a new conversation: acceptance belongs to the text, pass
+    costs to the machine, and a chain's draft model left off stays off for the gap it had
+    reached instead of being probed as the count runs on (ChatSession.new_text)."""
+    session = new_session(loaded_pair, "lookup+draft", draft_len=None)
+    answer(session, "def fibonacci(n):")
+    policy = session.engine.policy
+    draft = policy.controllers["draft"]
+    draft.start_off(64)
+    draft.steps_since_probe = 63  # its probe is due on the next step
+    costs = dict(policy.target_costs.seconds)
+    session.new_text()
+    assert policy.controllers == {}
+    assert policy.target_costs.seconds == costs
+    done = answer(session, "class Node:")  # 24 tokens: fewer steps than the gap, counted afresh
+    assert "draft" not in done.stats.by_source
+    later = policy.controllers.get("draft")  # None where lookup answered every step
+    assert later is None or (later.probe_gap == 64 and not later.speculating)
+
+
 def test_third_turn_still_extends_the_cache(loaded_pair):
     session = new_session(loaded_pair)
     for message in ("one", "two", "three"):

@@ -1,0 +1,41 @@
+"""Each request to `specrun serve` is a text of its own: the policy measures its acceptance
+afresh and keeps the machine's costs (ChatSession.new_text), as generate does between processes."""
+
+from __future__ import annotations
+
+import asyncio
+
+from specrun.registry.loading import LoadOptions
+from specrun.sampling import SamplingSettings
+from specrun.sessions.serve import CompletionRequest, Done, Failed, Job, PairOptions, PairWorker
+
+
+def test_each_request_starts_a_new_text_on_the_worker():
+    worker = PairWorker(PairOptions("demo-target", "demo-draft", load=LoadOptions(threads=1)))
+    worker.start()
+    try:
+        session = worker.session
+        forget = session.new_text
+        measured_before = []  # acceptance controllers the policy held as each request began
+
+        def new_text() -> None:
+            measured_before.append(len(session.engine.policy.controllers))
+            forget()
+
+        session.new_text = new_text
+
+        async def ask(prompt: tuple[int, ...]):
+            job = Job(CompletionRequest("demo", 24, SamplingSettings(), prompt=prompt), asyncio.get_running_loop())
+            worker.submit(job)
+            while not isinstance(event := await job.next_event(), (Done, Failed)):
+                pass
+            return event, len(session.engine.policy.controllers), dict(session.engine.policy.target_costs.seconds)
+
+        first, held_after_first, costs = asyncio.run(ask((1, 40, 41, 42, 40, 41, 42, 40)))
+        second, _, _ = asyncio.run(ask((1, 50, 51, 52, 50, 51, 52, 50)))
+        assert isinstance(first, Done) and isinstance(second, Done)
+        assert held_after_first > 0 and costs  # the first request measured acceptance and costs
+        assert measured_before == [0, held_after_first]  # …then began the second, forgetting its acceptance
+        assert session.engine.policy.target_costs.seconds.keys() >= costs.keys()  # the costs were kept
+    finally:
+        worker.stop()
