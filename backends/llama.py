@@ -201,8 +201,12 @@ class LlamaCppBackend(HiddenTracking):
 
         model_params = model_params_for(llama_cpp)
         self.rpc = rpc
-        if rpc:  # its pass costs are the servers' and the network's: its own tuning key (sessions/tuning.model_id)
-            self.variant = "rpc=" + ",".join(rpc)
+        # What changes its pass costs gives it its own tuning key (sessions/tuning.model_id): the
+        # servers' and the network's with --rpc, flash attention's kernels where it is chosen.
+        settings = ([f"rpc={','.join(rpc)}"] if rpc else []) + \
+            ([f"flash={'on' if flash_attn else 'off'}"] if flash_attn is not None else [])
+        if settings:
+            self.variant = ";".join(settings)
         self._devices = None  # the target's devices with --rpc, alive as long as the model
         if rpc:
             from specrun.backends.llama_rpc import target_devices

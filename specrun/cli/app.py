@@ -28,6 +28,7 @@ from specrun.cli.common import (
     GpuLayersOpt,
     RpcOpt,
     HeadsOpt,
+    FlashAttnOpt,
     KvTypeOpt,
     LookaheadOpt,
     JsonOpt,
@@ -45,7 +46,9 @@ from specrun.cli.common import (
     TopKOpt,
     TopPOpt,
     check_generation_options,
+    check_flash_attn,
     check_kv_type,
+    flash_attn_setting,
     check_range,
     checked_sampling,
     checked_rpc,
@@ -99,6 +102,7 @@ def generate(
     gpu_layers: GpuLayersOpt = None,
     rpc: RpcOpt = None,
     kv_type: KvTypeOpt = None,
+    flash_attn: FlashAttnOpt = None,
     exact: ExactOpt = False,
     registry: RegistryOpt = None,
     ngram_cache: NgramCacheOpt = None,
@@ -119,6 +123,7 @@ def generate(
         check_method(method)
         check_generation_options(max_tokens, draft_len, draft_min_prob, ctx, threads)
         check_kv_type(kv_type, exact)
+        check_flash_attn(flash_attn, exact)
         rpc_servers = checked_rpc(rpc)
         lookahead_sizes = checked_lookahead(lookahead, (method,))
         trees = checked_trees(chain_only, tree_nodes, branches, lookahead_sizes, window=uses_window((method,)))
@@ -135,8 +140,8 @@ def generate(
             draft_min_prob=draft_min_prob,
             sampling=sampling,
             load=LoadOptions(backend=backend, n_ctx=ctx, threads=threads, gpu_layers=gpu_layers,
-                             rpc=rpc_servers,
-                             registry=registry, kv_type=kv_type, exact=exact,
+                             rpc=rpc_servers, registry=registry, kv_type=kv_type,
+                             flash_attn=flash_attn_setting(flash_attn), exact=exact,
                              tree_paths=trees.paths),
             drafter_options=DrafterOptions(ngram_cache=ngram_cache, branches=trees.branches, lookahead=lookahead_sizes),
             chat=chat,

@@ -20,6 +20,7 @@ from specrun.cli.common import (
     GpuLayersOpt,
     RpcOpt,
     HeadsOpt,
+    FlashAttnOpt,
     KvTypeOpt,
     LookaheadOpt,
     MaxTokensOpt,
@@ -30,7 +31,9 @@ from specrun.cli.common import (
     TempOpt,
     ThreadsOpt,
     TreeNodesOpt,
+    check_flash_attn,
     check_kv_type,
+    flash_attn_setting,
     check_range,
     checked_lookahead,
     uses_window,
@@ -107,6 +110,7 @@ def bench(
     gpu_layers: GpuLayersOpt = None,
     rpc: RpcOpt = None,
     kv_type: KvTypeOpt = None,
+    flash_attn: FlashAttnOpt = None,
     exact: ExactOpt = False,
     registry: RegistryOpt = None,
     heads: HeadsOpt = None,
@@ -135,6 +139,7 @@ def bench(
         check_range("--threads", threads, 1, 1024)
         check_range("--draft-min-prob", draft_min_prob, 0.0, 1.0)
         check_kv_type(kv_type, exact)
+        check_flash_attn(flash_attn, exact)
         rpc_servers = checked_rpc(rpc)
         if native and rpc_servers:
             raise UsageError("--native runs llama-cpp-python's own loop on a copy of the target here, and --rpc "
@@ -172,8 +177,8 @@ def bench(
             trees=trees,
             lookahead=lookahead_sizes,
             load=LoadOptions(backend=backend, n_ctx=ctx, threads=threads, gpu_layers=gpu_layers,
-                             rpc=rpc_servers,
-                             registry=registry, kv_type=kv_type, exact=exact, tree_paths=trees.paths),
+                             rpc=rpc_servers, registry=registry, kv_type=kv_type,
+                             flash_attn=flash_attn_setting(flash_attn), exact=exact, tree_paths=trees.paths),
         )
         run_and_show(config, bench_prompts, json_out, report_out)
 

@@ -33,6 +33,7 @@ from specrun.cli.common import (
     GpuLayersOpt,
     RpcOpt,
     HeadsOpt,
+    FlashAttnOpt,
     KvTypeOpt,
     LookaheadOpt,
     MaxTokensOpt,
@@ -49,7 +50,9 @@ from specrun.cli.common import (
     TopKOpt,
     TopPOpt,
     check_generation_options,
+    check_flash_attn,
     check_kv_type,
+    flash_attn_setting,
     checked_sampling,
     checked_rpc,
     checked_lookahead,
@@ -116,6 +119,7 @@ def chat_command(
     gpu_layers: GpuLayersOpt = None,
     rpc: RpcOpt = None,
     kv_type: KvTypeOpt = None,
+    flash_attn: FlashAttnOpt = None,
     exact: ExactOpt = False,
     registry: RegistryOpt = None,
     ngram_cache: NgramCacheOpt = None,
@@ -135,6 +139,7 @@ def chat_command(
         check_method(method)
         check_generation_options(max_tokens, draft_len, draft_min_prob, ctx, threads)
         check_kv_type(kv_type, exact)
+        check_flash_attn(flash_attn, exact)
         rpc_servers = checked_rpc(rpc)
         # The session fills in the draft length: the user's, else the longest an adaptive run may choose.
         lookahead_sizes = checked_lookahead(lookahead, (method,))
@@ -149,8 +154,8 @@ def chat_command(
             show_accept = sys.stdout.isatty() and not json_output
         view = AnswerView(show_accept, json_output)
         options = LoadOptions(backend=backend, n_ctx=ctx, threads=threads, gpu_layers=gpu_layers,
-                              rpc=rpc_servers,
-                              registry=registry, kv_type=kv_type, exact=exact, tree_paths=trees.paths)
+                              rpc=rpc_servers, registry=registry, kv_type=kv_type,
+                              flash_attn=flash_attn_setting(flash_attn), exact=exact, tree_paths=trees.paths)
         target, draft = choose_pair(target, draft, registry)
         with open_chat(target, draft, method, options,
                        system_prompt=None if system is None else checked_text(system, "--system"),

@@ -200,6 +200,21 @@ def check_kv_type(kv_type: str | None, exact: bool = False) -> None:
         )
 
 
+def check_flash_attn(flash_attn: str | None, exact: bool = False) -> None:
+    if flash_attn is not None and flash_attn not in FLASH_ATTN_CHOICES:
+        raise UsageError(f"unknown flash attention setting {flash_attn!r}", "use --flash-attn auto, on or off")
+    if exact and flash_attn == "on":
+        raise UsageError(
+            "--exact contradicts --flash-attn on: bit-identical output needs flash attention off",
+            "drop --flash-attn on (or drop --exact)",
+        )
+
+
+def flash_attn_setting(flash_attn: str | None) -> str | None:
+    """LoadOptions.flash_attn for --flash-attn: "on", "off", or None for auto (llama.cpp's choice)."""
+    return None if flash_attn in (None, "auto") else flash_attn
+
+
 def check_generation_options(
     max_tokens: int, draft_len: int | None, draft_min_prob: float | None, ctx: int | None, threads: int | None
 ) -> None:
@@ -300,6 +315,16 @@ RpcOpt = Annotated[
 KvTypeOpt = Annotated[
     Optional[str],
     typer.Option("--kv-type", help="llama.cpp KV cache type: f16 (default; f32 with --exact) or f32 (twice the memory)."),
+]
+FLASH_ATTN_CHOICES = ("auto", "on", "off")
+FlashAttnOpt = Annotated[
+    Optional[str],
+    typer.Option(
+        "--flash-attn",
+        help="llama.cpp flash attention: auto (llama.cpp's choice, the default: on for CPUs and most GPUs), on or "
+        "off. Off is faster on some CPUs, most over long prompts (docs/perf.md 3(d): 1.6-2.6x at 1,800 tokens on an "
+        "Intel Xeon), where it also makes verify passes cheaper. --exact turns it off.",
+    ),
 ]
 ExactOpt = Annotated[
     bool,

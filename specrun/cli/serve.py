@@ -19,6 +19,7 @@ from specrun.cli.common import (
     GpuLayersOpt,
     RpcOpt,
     HeadsOpt,
+    FlashAttnOpt,
     KvTypeOpt,
     LookaheadOpt,
     MethodOpt,
@@ -32,7 +33,9 @@ from specrun.cli.common import (
     TopPOpt,
     TreeNodesOpt,
     check_generation_options,
+    check_flash_attn,
     check_kv_type,
+    flash_attn_setting,
     check_range,
     checked_sampling,
     checked_rpc,
@@ -78,6 +81,7 @@ def serve_command(
     gpu_layers: GpuLayersOpt = None,
     rpc: RpcOpt = None,
     kv_type: KvTypeOpt = None,
+    flash_attn: FlashAttnOpt = None,
     exact: ExactOpt = False,
     registry: RegistryOpt = None,
     ngram_cache: NgramCacheOpt = None,
@@ -100,6 +104,7 @@ def serve_command(
         check_method(method)
         check_generation_options(max_tokens, draft_len, draft_min_prob, ctx, threads)
         check_kv_type(kv_type, exact)
+        check_flash_attn(flash_attn, exact)
         rpc_servers = checked_rpc(rpc)
         check_range("--port", port, 0, 65535)
         check_range("--max-body", max_body, 1024, 1 << 34)
@@ -116,8 +121,8 @@ def serve_command(
             draft=draft if needs_draft_model(method) else None,
             method=method,
             load=LoadOptions(backend=backend, n_ctx=ctx, threads=threads, gpu_layers=gpu_layers,
-                             rpc=rpc_servers,
-                             registry=registry, kv_type=kv_type, exact=exact, tree_paths=trees.paths),
+                             rpc=rpc_servers, registry=registry, kv_type=kv_type,
+                             flash_attn=flash_attn_setting(flash_attn), exact=exact, tree_paths=trees.paths),
             draft_len=draft_len,
             draft_min_prob=draft_min_prob,
             ngram_cache=ngram_cache,

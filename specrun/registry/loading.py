@@ -29,6 +29,7 @@ class LoadOptions:
     gpu_layers: int | None = None
     registry: Path | None = None
     kv_type: str | None = None  # llama.cpp's KV cache: f16 or f32; None: f16 (its default), f32 when exact
+    flash_attn: str | None = None  # llama.cpp's flash attention: on or off; None: llama.cpp's choice (off when exact)
     exact: bool = False  # the settings under which greedy speculation is bit-identical to plain decoding
     tree_paths: int = 0  # llama.cpp: root-to-leaf paths a tree pass may hold (0: chains only); the target's
     # llama.cpp RPC servers (HOST:PORT) the target's layers run on; drafts stay on this machine
@@ -47,6 +48,13 @@ class LoadOptions:
     @property
     def llama_kv_type(self) -> str:
         return self.kv_type or ("f32" if self.exact else "f16")
+
+    @property
+    def llama_flash_attn(self) -> bool | None:
+        """On (True), off (False) or llama.cpp's automatic choice (None, on where the device has it)."""
+        if self.exact or self.flash_attn == "off":
+            return False
+        return True if self.flash_attn == "on" else None
 
 
 def resolve_gguf(spec: str, entries: dict[str, ModelEntry]) -> Path:
@@ -222,6 +230,11 @@ def open_backend(
             f"--kv-type {options.kv_type} applies to the llama.cpp backend only",
             "drop --kv-type, or pass --backend llama",
         )
+    if backend == "mlx" and options.flash_attn is not None:
+        raise UsageError(
+            f"--flash-attn {options.flash_attn} applies to the llama.cpp backend only",
+            "drop --flash-attn, or pass --backend llama",
+        )
     resolve = resolve_mlx if backend == "mlx" else resolve_gguf
     if self_draft:
         resolve = functools.partial(resolve_self_draft, target_spec=target_spec, backend=backend)
@@ -264,7 +277,7 @@ def _load(backend: str, path: str | Path, options: LoadOptions) -> Backend:
         n_threads=options.threads,
         gpu_layers=options.gpu_layers,
         kv_type=options.llama_kv_type,
-        flash_attn=False if options.exact else None,  # None: llama.cpp's automatic choice
+        flash_attn=options.llama_flash_attn,
         tree_paths=options.tree_paths,
         rpc=options.rpc,
     )

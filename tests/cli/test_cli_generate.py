@@ -161,6 +161,7 @@ def test_unknown_alias(llama_installed):
         (["--draft-len", "-1"], "--draft-len must be between"),
         (["--draft-min-prob", "1.5"], "--draft-min-prob must be between"),
         (["--kv-type", "q4"], "unknown KV cache type 'q4'"),
+        (["--flash-attn", "maybe"], "unknown flash attention setting 'maybe'"),
         (["--temp", "-1"], "--temp must be between"),
         (["--top-p", "0"], "--top-p must be in"),
         (["--min-p", "1.5"], "--min-p must be in"),
@@ -191,6 +192,8 @@ def test_mlx_backend_errors_are_one_line(tmp_path, tiny_llama):
     assert_one_line_error(too_long, 1, "the prompt has", "context holds 64", "--ctx")
     kv = invoke("generate", "hi", "-t", source, "-d", source, "--backend", "mlx", "--kv-type", "f32")
     assert_one_line_error(kv, 2, "--kv-type f32 applies to the llama.cpp backend only", "--backend llama")
+    flash = invoke("generate", "hi", "-t", source, "-d", source, "--backend", "mlx", "--flash-attn", "off")
+    assert_one_line_error(flash, 2, "--flash-attn off applies to the llama.cpp backend only", "--backend llama")
 
 
 def test_kv_type_f32_reaches_llama_cpp(tiny_llama):
@@ -201,6 +204,29 @@ def test_kv_type_f32_reaches_llama_cpp(tiny_llama):
     plain = invoke("generate", "x = 1\n", "-t", path, "-n", "12", "--json", "--kv-type", "f32", "--backend", "llama",
                    "-m", "none")
     assert json.loads(result.stdout)["text"] == json.loads(plain.stdout)["text"]
+
+
+def test_flash_attention_off_reaches_llama_cpp_and_tunes_apart(tiny_llama, monkeypatch):
+    """--flash-attn off opens the context without flash attention; its pass costs are not the
+    default's, so what runs learn is kept under its own key (sessions/tuning.model_id)."""
+    from specrun.backends.llama import LlamaCppBackend
+    from specrun.sessions.tuning import model_id
+
+    opened = []
+    init = LlamaCppBackend.__init__
+
+    def recording(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        opened.append(self)
+
+    monkeypatch.setattr(LlamaCppBackend, "__init__", recording)
+    path = str(tiny_llama.gguf_path)
+    off = invoke("generate", "x = 1\n", "-t", path, "-n", "12", "--json", "--flash-attn", "off", "-m", "none")
+    default = invoke("generate", "x = 1\n", "-t", path, "-n", "12", "--json", "-m", "none")
+    assert off.exit_code == default.exit_code == 0, off.output
+    flash_off, automatic = opened
+    assert flash_off.flash_attn is False and automatic.flash_attn is None
+    assert model_id(flash_off) == model_id(automatic) + "|flash=off"
 
 
 def test_auto_backend_opens_an_mlx_folder(tiny_llama):
