@@ -29,7 +29,7 @@ if [ "$(uname -m)" = x86_64 ] && echo | "${CC:-cc}" -mno-amx-int8 -x c -E - >/de
 fi
 
 if ! "$py" -c "import llama_cpp, sys; sys.exit(llama_cpp.__version__ != '$version' or not llama_cpp.llama_supports_rpc()
-                or ('$no_amx' and b'AMX_INT8 = 1' in llama_cpp.llama_print_system_info()))" 2>/dev/null; then
+                or (bool('$no_amx') and b'AMX_INT8 = 1' in llama_cpp.llama_print_system_info()))" 2>/dev/null; then
     fetch_sdist
     # never a cached wheel: one built without RPC (or for another device) would be reused
     CFLAGS="${CFLAGS:-} $no_amx" CXXFLAGS="${CXXFLAGS:-} $no_amx" \

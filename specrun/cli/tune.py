@@ -17,13 +17,17 @@ from specrun.cli.common import (
     DraftOpt,
     MaxTokensOpt,
     PipeConsole,
+    ExactOpt,
+    FlashAttnOpt,
     RegistryOpt,
     RpcOpt,
     TargetOpt,
     ThreadsOpt,
+    check_flash_attn,
     check_range,
     checked_rpc,
     cli_errors,
+    flash_attn_setting,
 )
 
 
@@ -35,6 +39,8 @@ def tune(
     max_tokens: MaxTokensOpt = 64,
     threads: ThreadsOpt = None,
     rpc: RpcOpt = None,
+    flash_attn: FlashAttnOpt = None,
+    exact: ExactOpt = False,
     registry: RegistryOpt = None,
     show: Annotated[bool, typer.Option("--show", help="Print the saved settings and exit.")] = False,
     budget: Annotated[
@@ -45,11 +51,13 @@ def tune(
     """Measure plain decoding, each draft length and confidence stops on this machine; later runs start from them.
 
     With --draft self:layers (MLX targets): search which of the target's layers its
-    layer-skip draft keeps, within --budget seconds; --draft self:layers then uses them."""
+    layer-skip draft keeps, within --budget seconds; --draft self:layers then uses them.
+    --flash-attn and --exact tune for runs with those settings (their costs differ)."""
     with cli_errors():
         from specrun.errors import UsageError
         from specrun.modelkit.layer_choice import load_choices
         from specrun.modelkit.selfdraft import is_tuned_layer_draft
+        from specrun.registry.loading import LoadOptions
         from specrun.sessions import layer_search, tuning
 
         out = PipeConsole(file=sys.stdout)
@@ -62,6 +70,7 @@ def tune(
         check_range("--prompts", prompts, 1, 50)
         check_range("--max-tokens", max_tokens, 8, 4096)
         rpc_servers = checked_rpc(rpc)
+        check_flash_attn(flash_attn, exact)
         if is_tuned_layer_draft(draft):
             if rpc_servers:
                 raise UsageError("--rpc sends the target to llama.cpp, and the layer search runs on MLX",
@@ -73,27 +82,27 @@ def tune(
             return
         if budget is not None:
             raise UsageError("--budget is the layer search's (--draft self:layers)", "drop --budget")
-        result = run_tune(target, draft, backend, prompts, max_tokens, threads, registry, rpc_servers)
+        load = LoadOptions(backend=backend, threads=threads, registry=registry, rpc=rpc_servers,
+                           flash_attn=flash_attn_setting(flash_attn), exact=exact)
+        result = run_tune(target, draft, prompts, max_tokens, load)
         path = tuning.save(result)
         out.print(render([result]))
         typer.echo(f"saved to {path}", err=True)
 
 
-def run_tune(target, draft, backend, n_prompts, max_tokens, threads, registry, rpc=()):
+def run_tune(target, draft, n_prompts, max_tokens, load):
     from specrun.sessions import tuning
     from specrun.errors import UsageError
-    from specrun.registry.loading import LoadOptions, choose_pair, open_pair
+    from specrun.registry.loading import choose_pair, open_pair
     from specrun.sessions.prompts import CODE_PROMPTS
 
-    target, draft = choose_pair(target, draft, registry)
+    target, draft = choose_pair(target, draft, load.registry)
     if draft is None:
         raise UsageError(f"no draft model for {target}", "pass --draft MODEL")
-    target_backend, draft_backend = open_pair(
-        target, draft, LoadOptions(backend=backend, threads=threads, registry=registry, rpc=rpc)
-    )
+    target_backend, draft_backend = open_pair(target, draft, load)
     try:
         prompts = [target_backend.tokenize(text) for text in CODE_PROMPTS[:n_prompts]]
-        key = tuning.pair_key(target_backend, draft_backend, threads)
+        key = tuning.pair_key(target_backend, draft_backend, load.threads)
         err = Console(stderr=True)
         return tuning.calibrate(
             target_backend,

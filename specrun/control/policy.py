@@ -224,11 +224,14 @@ class AdaptivePolicy:
         # qa's 1.77x on the built-in suite (0.98x), where it is right on almost every token.
         members = self.drafter.members if self.drafter is not None else ()
         paid = {m.name for m in members if m.pays_per_token} if len(members) > 1 else set()
-        self._carried_gaps = {
+        unused = {source: gap for source, gap in self._carried_gaps.items() if source not in self.controllers}
+        self._carried_gaps = unused | {  # a gap the last text never reached its drafter with stays
             source: controller.probe_gap
             for source, controller in self.controllers.items()
             if source in paid and not controller.speculating
         }
+        if self._gate_off is None and self.gate_off_gap:  # a window left off starts the next text off
+            self._gate_off = self.gate_off_gap
         self.controllers.clear()
         self._scores.clear()
         self._tree_scores.clear()

@@ -263,12 +263,8 @@ class ChatSession:
         next request, a new conversation): the policy forgets the acceptance it measured, which
         belongs to a text, and keeps the machine's pass costs and a gated-off draft model's
         probe gap, as bench does between prompts and learned.json between generate's processes.
-
-        Carried from request to request instead, a server's draft model that does not pay was
-        probed every 128 steps, each probe reading everything it had skipped (~0.4 s of a 3 s
-        answer, SmolLM2 F16 + Q4_1), and an n-gram pool grown on earlier requests drafted long
-        on their acceptance: auto 0.94x `generate` over 8 Spec-Bench questions, 0.99x with this.
-        """
+        Carried over instead, a server probed its idle draft model every 128 steps, each probe
+        reading all it had skipped (docs/perf.md 3(k))."""
         self.engine.policy.forget_acceptance()
 
     def set_system_prompt(self, text: str | None) -> None:

@@ -11,8 +11,11 @@ from specrun.registry.loading import LoadOptions
 runner = CliRunner()
 
 
-@pytest.mark.parametrize("command", ["generate", "chat", "bench", "serve"])
-@pytest.mark.parametrize("contradiction", [("--kv-type", "f16"), ("--flash-attn", "on")])
+@pytest.mark.parametrize(
+    ("command", "contradiction"),
+    [(command, ("--kv-type", "f16")) for command in ("generate", "chat", "bench", "serve")]
+    + [(command, ("--flash-attn", "on")) for command in ("generate", "chat", "bench", "serve", "tune")],
+)
 def test_exact_with_a_setting_that_contradicts_it_is_a_usage_error_naming_both(command, contradiction):
     args = [command, "--exact", *contradiction] + (["hello"] if command == "generate" else [])
     result = runner.invoke(app, args, input="hi\n")

@@ -587,6 +587,26 @@ def test_an_engine_keeps_its_drafters_costs_when_it_forgets_acceptance():
     assert steps[1].n_drafted == expected
 
 
+def test_a_draft_models_carried_gap_outlives_a_text_that_never_asked_it():
+    """A chain's draft model left off carries its probe gap to the next text (forget_acceptance);
+    a text that never reached it (one token, a failed request) hands the gap on, rather than
+    letting the one after probe it from the start."""
+    table = hashed_logits(VOCAB, salt=5, spread=3.0)
+    clock = SimClock()
+    draft = CostedFake(agreeing_draft(table, 0.7), clock, 0.1, 0.0)
+    engine = SpeculativeEngine(CostedFake(table, clock, 1.0, 0.05), build_drafter("lookup+draft", draft),
+                               method="lookup+draft", clock=clock)
+    params = GenerationParams(40, draft_len=8, adaptive=True)
+    engine.run([1, 2, 3], params, complete_cache=False)
+    engine.policy.controllers["draft"].start_off(64)
+    engine.policy.forget_acceptance()
+    engine.run([4, 5, 6], GenerationParams(1, draft_len=8, adaptive=True), complete_cache=False)  # asks no drafter
+    engine.policy.forget_acceptance()
+    result = engine.run([7, 8, 9], params, complete_cache=False)
+    assert "draft" not in result.stats.by_source  # 40 tokens, fewer steps than the gap
+    assert engine.policy.controllers["draft"].probe_gap == 64
+
+
 # ---- scoring cheap proposals against the output ------------------------------------------
 def test_a_cheap_proposal_is_scored_as_far_as_the_output_reaches_then_the_rest():
     from specrun.control.adaptive import ProposalScores

@@ -123,6 +123,17 @@ def test_a_lone_window_left_off_by_one_text_starts_the_next_off_and_a_chain_does
     assert chain.gate.speculating
 
 
+def test_a_lone_window_left_off_stays_off_through_a_new_text():
+    """A server's next request and a new chat forget acceptance (ChatSession.new_text): the
+    window's loss is the machine's price of its pass, so the next text still starts off."""
+    policy = lone_window_policy()
+    policy.start_text(10)
+    policy.gate.start_off(64)
+    policy.forget_acceptance()
+    policy.start_text(10)
+    assert not policy.gate.speculating and policy.gate.gap == 64
+
+
 # ---- runs: the choice, what they remember, auto ---------------------------------------------
 runner = CliRunner()
 PROMPT = "def add(a, b):\n    return a + b\n\n\ndef add(a, b):\n"
