@@ -308,6 +308,9 @@ def run_and_show(config, prompts, json_out: Path | None, report_out: Path | None
         from specrun.sessions.compare import native_line
 
         out.print(native_line(result.comparison), highlight=False)
+    elif config.native:
+        err.print("note: --native compared nothing: the backend has no plain loop of its own to time here "
+                  "(MLX, or a llama.cpp built with AMX kernels, whose Llama class would load them)", highlight=False)
     for line, defect in difference_lines(result):
         out.print(line, style="bold red" if defect else None, highlight=False, markup=False, soft_wrap=True)
     for note in footnotes(result):

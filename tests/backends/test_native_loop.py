@@ -31,3 +31,18 @@ def test_mlx_and_fake_backends_compare_no_native_loop():
     from specrun.backends.fake import FakeBackend
 
     assert FakeBackend(lambda context: None, 8).native_loop() is None
+
+
+def test_bench_native_says_when_it_compared_nothing(tiny_llama, monkeypatch):
+    """A llama.cpp built with AMX kernels has no native loop to time (LlamaCppBackend.native_loop):
+    bench --native says so instead of leaving the line out silently."""
+    from typer.testing import CliRunner
+
+    import specrun.backends.llama as llama_backend
+    from specrun.cli.app import app
+
+    monkeypatch.setattr(llama_backend, "built_with_amx", lambda library: True)
+    result = CliRunner().invoke(app, ["bench", "-t", str(tiny_llama.gguf_path), "--methods", "none,lookup", "-n", "8",
+                                      "--categories", "chat", "--per-category", "1", "--native", "--threads", "1"])
+    assert result.exit_code == 0, result.output
+    assert "--native compared nothing" in result.stderr and "against Llama.generate" not in result.stdout
