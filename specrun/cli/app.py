@@ -46,9 +46,8 @@ from specrun.cli.common import (
     TopKOpt,
     TopPOpt,
     check_generation_options,
-    check_flash_attn,
+    checked_flash_attn,
     check_kv_type,
-    flash_attn_setting,
     check_range,
     checked_sampling,
     checked_rpc,
@@ -123,7 +122,7 @@ def generate(
         check_method(method)
         check_generation_options(max_tokens, draft_len, draft_min_prob, ctx, threads)
         check_kv_type(kv_type, exact)
-        check_flash_attn(flash_attn, exact)
+        flash_attn = checked_flash_attn(flash_attn, exact)
         rpc_servers = checked_rpc(rpc)
         lookahead_sizes = checked_lookahead(lookahead, (method,))
         trees = checked_trees(chain_only, tree_nodes, branches, lookahead_sizes, window=uses_window((method,)))
@@ -141,7 +140,7 @@ def generate(
             sampling=sampling,
             load=LoadOptions(backend=backend, n_ctx=ctx, threads=threads, gpu_layers=gpu_layers,
                              rpc=rpc_servers, registry=registry, kv_type=kv_type,
-                             flash_attn=flash_attn_setting(flash_attn), exact=exact,
+                             flash_attn=flash_attn, exact=exact,
                              tree_paths=trees.paths),
             drafter_options=DrafterOptions(ngram_cache=ngram_cache, branches=trees.branches, lookahead=lookahead_sizes),
             chat=chat,

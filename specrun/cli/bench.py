@@ -31,9 +31,8 @@ from specrun.cli.common import (
     TempOpt,
     ThreadsOpt,
     TreeNodesOpt,
-    check_flash_attn,
+    checked_flash_attn,
     check_kv_type,
-    flash_attn_setting,
     check_range,
     checked_lookahead,
     uses_window,
@@ -139,7 +138,7 @@ def bench(
         check_range("--threads", threads, 1, 1024)
         check_range("--draft-min-prob", draft_min_prob, 0.0, 1.0)
         check_kv_type(kv_type, exact)
-        check_flash_attn(flash_attn, exact)
+        flash_attn = checked_flash_attn(flash_attn, exact)
         rpc_servers = checked_rpc(rpc)
         if native and rpc_servers:
             raise UsageError("--native runs llama-cpp-python's own loop on a copy of the target here, and --rpc "
@@ -178,7 +177,7 @@ def bench(
             lookahead=lookahead_sizes,
             load=LoadOptions(backend=backend, n_ctx=ctx, threads=threads, gpu_layers=gpu_layers,
                              rpc=rpc_servers, registry=registry, kv_type=kv_type,
-                             flash_attn=flash_attn_setting(flash_attn), exact=exact, tree_paths=trees.paths),
+                             flash_attn=flash_attn, exact=exact, tree_paths=trees.paths),
         )
         run_and_show(config, bench_prompts, json_out, report_out)
 

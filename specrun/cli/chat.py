@@ -50,9 +50,8 @@ from specrun.cli.common import (
     TopKOpt,
     TopPOpt,
     check_generation_options,
-    check_flash_attn,
+    checked_flash_attn,
     check_kv_type,
-    flash_attn_setting,
     checked_sampling,
     checked_rpc,
     checked_lookahead,
@@ -139,7 +138,7 @@ def chat_command(
         check_method(method)
         check_generation_options(max_tokens, draft_len, draft_min_prob, ctx, threads)
         check_kv_type(kv_type, exact)
-        check_flash_attn(flash_attn, exact)
+        flash_attn = checked_flash_attn(flash_attn, exact)
         rpc_servers = checked_rpc(rpc)
         # The session fills in the draft length: the user's, else the longest an adaptive run may choose.
         lookahead_sizes = checked_lookahead(lookahead, (method,))
@@ -155,7 +154,7 @@ def chat_command(
         view = AnswerView(show_accept, json_output)
         options = LoadOptions(backend=backend, n_ctx=ctx, threads=threads, gpu_layers=gpu_layers,
                               rpc=rpc_servers, registry=registry, kv_type=kv_type,
-                              flash_attn=flash_attn_setting(flash_attn), exact=exact, tree_paths=trees.paths)
+                              flash_attn=flash_attn, exact=exact, tree_paths=trees.paths)
         target, draft = choose_pair(target, draft, registry)
         with open_chat(target, draft, method, options,
                        system_prompt=None if system is None else checked_text(system, "--system"),

@@ -200,7 +200,8 @@ def check_kv_type(kv_type: str | None, exact: bool = False) -> None:
         )
 
 
-def check_flash_attn(flash_attn: str | None, exact: bool = False) -> None:
+def checked_flash_attn(flash_attn: str | None, exact: bool = False) -> str | None:
+    """LoadOptions.flash_attn for --flash-attn: "on", "off", or None for auto (llama.cpp's choice)."""
     if flash_attn is not None and flash_attn not in FLASH_ATTN_CHOICES:
         raise UsageError(f"unknown flash attention setting {flash_attn!r}", "use --flash-attn auto, on or off")
     if exact and flash_attn == "on":
@@ -208,10 +209,6 @@ def check_flash_attn(flash_attn: str | None, exact: bool = False) -> None:
             "--exact contradicts --flash-attn on: bit-identical output needs flash attention off",
             "drop --flash-attn on (or drop --exact)",
         )
-
-
-def flash_attn_setting(flash_attn: str | None) -> str | None:
-    """LoadOptions.flash_attn for --flash-attn: "on", "off", or None for auto (llama.cpp's choice)."""
     return None if flash_attn in (None, "auto") else flash_attn
 
 

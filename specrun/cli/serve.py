@@ -33,9 +33,8 @@ from specrun.cli.common import (
     TopPOpt,
     TreeNodesOpt,
     check_generation_options,
-    check_flash_attn,
+    checked_flash_attn,
     check_kv_type,
-    flash_attn_setting,
     check_range,
     checked_sampling,
     checked_rpc,
@@ -104,7 +103,7 @@ def serve_command(
         check_method(method)
         check_generation_options(max_tokens, draft_len, draft_min_prob, ctx, threads)
         check_kv_type(kv_type, exact)
-        check_flash_attn(flash_attn, exact)
+        flash_attn = checked_flash_attn(flash_attn, exact)
         rpc_servers = checked_rpc(rpc)
         check_range("--port", port, 0, 65535)
         check_range("--max-body", max_body, 1024, 1 << 34)
@@ -122,7 +121,7 @@ def serve_command(
             method=method,
             load=LoadOptions(backend=backend, n_ctx=ctx, threads=threads, gpu_layers=gpu_layers,
                              rpc=rpc_servers, registry=registry, kv_type=kv_type,
-                             flash_attn=flash_attn_setting(flash_attn), exact=exact, tree_paths=trees.paths),
+                             flash_attn=flash_attn, exact=exact, tree_paths=trees.paths),
             draft_len=draft_len,
             draft_min_prob=draft_min_prob,
             ngram_cache=ngram_cache,

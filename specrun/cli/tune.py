@@ -23,11 +23,10 @@ from specrun.cli.common import (
     RpcOpt,
     TargetOpt,
     ThreadsOpt,
-    check_flash_attn,
+    checked_flash_attn,
     check_range,
     checked_rpc,
     cli_errors,
-    flash_attn_setting,
 )
 
 
@@ -70,7 +69,7 @@ def tune(
         check_range("--prompts", prompts, 1, 50)
         check_range("--max-tokens", max_tokens, 8, 4096)
         rpc_servers = checked_rpc(rpc)
-        check_flash_attn(flash_attn, exact)
+        flash_attn = checked_flash_attn(flash_attn, exact)
         if is_tuned_layer_draft(draft):
             if rpc_servers:
                 raise UsageError("--rpc sends the target to llama.cpp, and the layer search runs on MLX",
@@ -83,7 +82,7 @@ def tune(
         if budget is not None:
             raise UsageError("--budget is the layer search's (--draft self:layers)", "drop --budget")
         load = LoadOptions(backend=backend, threads=threads, registry=registry, rpc=rpc_servers,
-                           flash_attn=flash_attn_setting(flash_attn), exact=exact)
+                           flash_attn=flash_attn, exact=exact)
         result = run_tune(target, draft, prompts, max_tokens, load)
         path = tuning.save(result)
         out.print(render([result]))
