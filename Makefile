@@ -4,6 +4,11 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.specrun-installed
 JOBS := $(shell nproc 2>/dev/null || echo 2)
+# Test workers: one per core, at most 4 (each loads its own models). Every test file runs on one
+# worker (--dist loadfile), so a file's module fixtures (the real model) load once. A worker runs
+# llama.cpp with one thread (tests/conftest.py), so two workers fill two cores without spinning
+# against each other. TEST_JOBS=0 runs the suite in this process.
+TEST_JOBS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); [ $$n -gt 4 ] && n=4; echo $$n)
 
 .PHONY: demo test install clean
 
@@ -23,7 +28,7 @@ demo: $(STAMP)
 	$(VENV)/bin/specrun demo
 
 test: $(STAMP)
-	$(PY) -m pytest -q --durations=15
+	$(PY) -m pytest -q --durations=15 -n $(TEST_JOBS) --dist loadfile
 
 clean:
 	rm -rf $(VENV) build *.egg-info
