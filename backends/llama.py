@@ -62,6 +62,21 @@ def model_params_for(llama_cpp):
     return params
 
 
+def has_local_gpu() -> bool:
+    """Does llama.cpp see a GPU on this machine (discrete or integrated)? Its
+    ``llama_supports_gpu_offload`` also says yes for a CPU-only build with RPC."""
+    from llama_cpp import _ggml  # the library llama-cpp-python itself loaded
+
+    lib = _ggml.libggml
+    count, get, kind = lib.ggml_backend_dev_count, lib.ggml_backend_dev_get, lib.ggml_backend_dev_type
+    count.argtypes, count.restype = [], ctypes.c_size_t
+    get.argtypes, get.restype = [ctypes.c_size_t], ctypes.c_void_p
+    kind.argtypes, kind.restype = [ctypes.c_void_p], ctypes.c_int
+    return any(kind(get(i)) in (_GPU_DEVICE, _IGPU_DEVICE) for i in range(count()))
+
+
+_GPU_DEVICE, _IGPU_DEVICE = 1, 2  # enum ggml_backend_dev_type
+
 _log_callback = None  # kept alive for as long as llama.cpp may call it
 
 
@@ -203,10 +218,6 @@ class LlamaCppBackend(HiddenTracking):
         self.rpc = rpc
         # What changes its pass costs gives it its own tuning key (sessions/tuning.model_id): the
         # servers' and the network's with --rpc, flash attention's kernels where it is chosen.
-        settings = ([f"rpc={','.join(rpc)}"] if rpc else []) + \
-            ([f"flash={'on' if flash_attn else 'off'}"] if flash_attn is not None else [])
-        if settings:
-            self.variant = ";".join(settings)
         self._devices = None  # the target's devices with --rpc, alive as long as the model
         if rpc:
             from specrun.backends.llama_rpc import target_devices
@@ -216,6 +227,7 @@ class LlamaCppBackend(HiddenTracking):
         if gpu_layers is None:
             gpu_layers = -1 if rpc or llama_cpp.llama_supports_gpu_offload() else 0
         model_params.n_gpu_layers = gpu_layers
+        self._gpu_layers = gpu_layers
         self._model = llama_cpp.llama_model_load_from_file(str(self.path).encode(), model_params)
         if not self._model:
             raise ModelFileError(
@@ -250,6 +262,7 @@ class LlamaCppBackend(HiddenTracking):
                 llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash_attn else llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
             )
         self.flash_attn = flash_attn
+        self._set_variant()
         self._ctx_params = ctx_params  # what a context re-created for trees (open_for_trees) is made with
         self._ctx = None
         try:
@@ -271,6 +284,101 @@ class LlamaCppBackend(HiddenTracking):
             ("llama_get_embeddings_ith", llama_cpp.llama_cpp._lib)
         )
         self._first_output = 0  # the fed row of the tracked decode's first logits row
+
+    def _set_variant(self) -> None:
+        """What changes its pass costs gives it its own tuning key (sessions/tuning.model_id): the
+        servers' and the network's with --rpc, flash attention's kernels where it is chosen."""
+        settings = ([f"rpc={','.join(self.rpc)}"] if self.rpc else []) + \
+            ([f"flash={'on' if self.flash_attn else 'off'}"] if self.flash_attn is not None else [])
+        if settings:
+            self.variant = ";".join(settings)
+
+    # ---- flash attention, chosen by measurement (sessions/kernels.py) --------------------
+    @property
+    def runs_on_cpu(self) -> bool:
+        """Every layer on this machine's CPU: no GPU offload, no RPC servers."""
+        return not self.rpc and (self._gpu_layers == 0 or not has_local_gpu())
+
+    def time_flash_attn(self, depth: int, counts: Sequence[int], budget_s: float,
+                        max_rounds: int = 9) -> tuple[int, dict[bool, dict[int, float]]]:
+        """(the depth reached, median seconds of one pass over n tokens after it): every row an output
+        as in a verify pass, for each n of ``counts``, with flash attention on (True) and off
+        (False). Two scratch contexts of this model are fed alike and their passes alternated,
+        so both see the same machine; this backend's own context is untouched. The prefill
+        stops early (both at the same depth) once it has taken a quarter of ``budget_s``, and
+        the rounds once the whole has taken ``budget_s`` (at least two rounds). (0, {}) where
+        llama.cpp cannot create a context with flash attention on for this model."""
+        lib = self._lib
+        if depth < 1 or not counts or min(counts) < 1 or max(counts) > self.n_batch:
+            raise ValueError(f"cannot time passes of {list(counts)} tokens after {depth}")
+        flags = (True, False)
+        contexts: dict[bool, object] = {}
+        batch = lib.llama_batch_init(self.n_batch, 0, 1)
+        try:
+            for flag in flags:
+                params = type(self._ctx_params).from_buffer_copy(self._ctx_params)
+                params.n_ctx = depth + max(counts)
+                params.n_seq_max, params.kv_unified = 1, False
+                params.flash_attn_type = (lib.LLAMA_FLASH_ATTN_TYPE_ENABLED if flag
+                                          else lib.LLAMA_FLASH_ATTN_TYPE_DISABLED)
+                ctx = lib.llama_init_from_model(self._model, params)
+                if not ctx:
+                    return 0, {}
+                contexts[flag] = ctx
+
+            def decode(ctx, tokens: Sequence[int], start: int, outputs: bool) -> None:
+                batch.n_tokens = len(tokens)
+                for i, token in enumerate(tokens):
+                    batch.token[i], batch.pos[i], batch.n_seq_id[i] = token, start + i, 1
+                    batch.seq_id[i][0] = _SEQ
+                    batch.logits[i] = outputs or i == len(tokens) - 1
+                if lib.llama_decode(ctx, batch) != 0:
+                    raise ContextFullError(f"llama.cpp could not decode a timing pass of {len(tokens)} tokens",
+                                           "lower --ctx or free memory")
+
+            # Any ids of the vocabulary will do: what a pass costs does not depend on them.
+            tokens = [(7 * i + 3) % self.n_vocab for i in range(depth + max(counts))]
+            # 16 tokens first (a large model on a small CPU stops there), then 64 at a time
+            started, fed = time.perf_counter(), 0
+            while fed < depth and (fed == 0 or time.perf_counter() - started < budget_s / 4):
+                chunk = min(16 if fed == 0 else 64, self.n_batch, depth - fed)
+                for ctx in contexts.values():
+                    decode(ctx, tokens[fed : fed + chunk], fed, False)
+                fed += chunk
+            samples = {flag: {n: [] for n in counts} for flag in flags}
+            for round_number in range(max_rounds):
+                for n in counts:
+                    for flag in (flags if round_number % 2 == 0 else flags[::-1]):
+                        memory = lib.llama_get_memory(contexts[flag])
+                        began = time.perf_counter()
+                        decode(contexts[flag], tokens[fed : fed + n], fed, True)
+                        samples[flag][n].append(time.perf_counter() - began)
+                        lib.llama_memory_seq_rm(memory, _SEQ, fed, -1)
+                if round_number >= 1 and time.perf_counter() - started > budget_s:
+                    break
+            return fed, {flag: {n: float(np.median(times)) for n, times in by_count.items()}
+                         for flag, by_count in samples.items()}
+        finally:
+            for ctx in contexts.values():
+                lib.llama_free(ctx)
+            lib.llama_batch_free(batch)
+
+    def set_flash_attn(self, on: bool) -> None:
+        """Re-create the context, empty, with flash attention on or off (a choice made by
+        measurement, sessions/kernels.py); the tuning key follows. Before anything is fed only."""
+        if self._n_past or self._tracking:
+            raise RuntimeError("set_flash_attn re-creates the context: call it before anything is fed")
+        lib = self._lib
+        previous = self._ctx_params.flash_attn_type
+        self._ctx_params.flash_attn_type = (lib.LLAMA_FLASH_ATTN_TYPE_ENABLED if on
+                                            else lib.LLAMA_FLASH_ATTN_TYPE_DISABLED)
+        try:
+            self._open_context(self._tree_paths)
+        except BaseException:
+            self._ctx_params.flash_attn_type = previous  # the context it had stays
+            raise
+        self.flash_attn = on
+        self._set_variant()
 
     # ---- vocabulary ---------------------------------------------------------------
     def _read_vocab_info(self) -> VocabInfo:

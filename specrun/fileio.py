@@ -150,7 +150,24 @@ def read_limited(
 def machine_id() -> str:
     """This machine, as the settings files key what was measured on it (tuned.json, learned.json,
     layers.json): its name, architecture, core count and processor."""
-    return f"{platform.node()}|{platform.machine()}|{os.cpu_count()} cpus|{platform.processor() or '?'}"
+    return f"{platform.node()}|{platform.machine()}|{os.cpu_count()} cpus|{processor_name()}"
+
+
+def processor_name() -> str:
+    """The processor's model name: Python's (empty on most Linux machines), else /proc/cpuinfo's,
+    so that two machines of one host name and core count but other CPUs (cloud VMs are all
+    "vm") keep what they measured apart; "?" where neither says."""
+    if platform.processor() and platform.processor() != platform.machine():
+        return platform.processor()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as info:
+            for line in info:
+                key, _, value = line.partition(":")
+                if key.strip() in ("model name", "Processor", "cpu model") and value.strip():
+                    return value.strip()
+    except OSError:
+        pass
+    return platform.processor() or "?"
 
 
 def read_settings_document(path: Path, max_bytes: int, what: str, kind: str, fix: str, versions,
@@ -171,6 +188,19 @@ def read_settings_document(path: Path, max_bytes: int, what: str, kind: str, fix
     if not isinstance(entries, dict):
         raise SpecrunError(f"{path}: '{section}' is not an object", fix)
     return entries
+
+
+def stored_entry(entries: dict, key: str, check, path: Path, what: str, fix: str):
+    """``check(entries[key])``: an entry of a settings file (``read_settings_document``'s section),
+    None where there is none. An entry ``check`` refuses (TypeError, ValueError) raises
+    SpecrunError naming the file, ``what`` of ``key`` and ``fix``."""
+    raw = entries.get(key)
+    if raw is None:
+        return None
+    try:
+        return check(raw)
+    except (TypeError, ValueError) as exc:
+        raise SpecrunError(f"{path}: {what} of {key} are malformed ({exc})", fix) from exc
 
 
 def checked_number(name: str, value, low: float, high: float, integer: bool = False):

@@ -119,6 +119,7 @@ def _config(result: BenchResult) -> dict:
         # the lookahead method's WINDOW:NGRAM:CANDIDATES (None: no lookahead line)
         "lookahead": None if config.lookahead is None else dataclasses.astuple(config.lookahead),
         "kv_type": config.load.llama_kv_type,
+        "flash_attn": result.flash_attn,  # what the target ran with (--flash-attn, or measured: sessions/kernels.py)
         "rpc": list(config.load.rpc),  # the RPC servers the target ran on (empty: this machine)
         "gpu_layers": config.load.gpu_layers,
         "suite": config.suite,

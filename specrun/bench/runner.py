@@ -30,7 +30,8 @@ from specrun.sessions.generation import (
     load_tuned,
     resolve_min_prob,
 )
-from specrun.registry.loading import LoadOptions, open_pair, prompts_as_chat
+from specrun.registry.loading import LoadOptions, prompts_as_chat
+from specrun.sessions.kernels import open_settled_pair
 from specrun.drafters.lookahead import LookaheadSizes
 from specrun.drafters.methods import DrafterOptions, is_adaptive, needs_draft_model, uses_lookahead
 from specrun.sampling import SamplingSettings
@@ -114,6 +115,9 @@ class BenchResult:
     wall_seconds: float
     tuned: str | None = None  # the `specrun tune` key the controllers started from, if any
     draft_min_prob: float = 0.0  # the confidence stop the draft model ran with (config's, or tune's)
+    # the target's flash attention: "on", "off", or "auto" (llama.cpp's choice: GPUs, MLX)
+    flash_attn: str = "auto"
+    notes: tuple[str, ...] = ()  # what the run measured of this machine first (sessions/kernels.py)
 
     @property
     def exact(self) -> bool:
@@ -143,7 +147,8 @@ def run_bench(config: BenchConfig, prompts: Sequence[BenchPrompt], progress: Pro
     started_at = datetime.now(timezone.utc).isoformat(timespec="seconds")
     wall_start = time.perf_counter()
     uses_draft = any(needs_draft_model(m) for m in config.methods)
-    target, draft = open_pair(config.target, config.draft if uses_draft else None, config.load)
+    notes: list[str] = []
+    target, draft = open_settled_pair(config.target, config.draft if uses_draft else None, config.load, notes.append)
     try:
         chat = prompts_as_chat(config.target, config.load.registry, target, config.chat)
         config = dataclasses.replace(config, chat=chat)  # the result records what was done
@@ -186,6 +191,8 @@ def run_bench(config: BenchConfig, prompts: Sequence[BenchPrompt], progress: Pro
                 native.close()  # a second copy of the model: freed before anything else runs
         machine = machine_info(_backend_name(target), _threads(target, config.load))
         n_ctx = target.n_ctx
+        flash = getattr(target, "flash_attn", None)
+        flash_attn = "auto" if flash is None else ("on" if flash else "off")
     finally:
         target.close()
         if draft is not None:
@@ -202,6 +209,8 @@ def run_bench(config: BenchConfig, prompts: Sequence[BenchPrompt], progress: Pro
         time.perf_counter() - wall_start,
         tuned.key if tuned is not None else None,
         min_prob,
+        flash_attn,
+        tuple(notes),
     )
 
 

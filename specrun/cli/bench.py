@@ -298,6 +298,8 @@ def run_and_show(config, prompts, json_out: Path | None, report_out: Path | None
     )
     with _ProgressBar(err) as progress:
         result = run_bench(config, prompts, progress)
+    for note in result.notes:
+        err.print(f"note: {note}", highlight=False)
     if config.lookahead is None and result.config.lookahead is not None:
         err.print(f"note: lookahead window {result.config.lookahead} (chosen from this machine's pass costs; "
                   "--lookahead sets it)", highlight=False)

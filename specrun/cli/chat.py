@@ -159,7 +159,8 @@ def chat_command(
         with open_chat(target, draft, method, options,
                        system_prompt=None if system is None else checked_text(system, "--system"),
                        draft_len=draft_len, draft_min_prob=draft_min_prob, ngram_cache=ngram_cache,
-                       branches=trees.branches, heads=heads, lookahead=lookahead_sizes) as session:
+                       branches=trees.branches, heads=heads, lookahead=lookahead_sizes,
+                       on_note=view.note) as session:
             if messages is None:
                 ChatRepl(session, params, view).run()
             else:
@@ -186,6 +187,11 @@ class AnswerView:
         self.out = _console(force_terminal=True) if show_accept else None
         self.err = _console(stderr=True)
         self._ends_with_newline = True
+        self._notes: list[str] = []  # what loading measured (sessions/kernels.py): after the first answer
+
+    def note(self, text: str) -> None:
+        """A note for after the next answer's statistics (a run that fails says its error alone)."""
+        self._notes.append(text)
 
     def show(self, event) -> None:
         """One event from ``ChatSession.ask``."""
@@ -206,6 +212,9 @@ class AnswerView:
                 from specrun.sessions.generation import near_tie_note
 
                 self.err.print(f"note: {near_tie_note(event.stats)}", style="dim")
+            for note in self._notes:
+                self.err.print(f"note: {note}", style="dim", highlight=False)
+            self._notes.clear()
 
     def _write(self, text: str, style: str | None) -> None:
         if not text:

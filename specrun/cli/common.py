@@ -318,9 +318,11 @@ FlashAttnOpt = Annotated[
     Optional[str],
     typer.Option(
         "--flash-attn",
-        help="llama.cpp flash attention: auto (llama.cpp's choice, the default: on for CPUs and most GPUs), on or "
-        "off. Off is faster on some CPUs, most over long prompts (docs/perf.md 3(d): 1.6-2.6x at 1,800 tokens on an "
-        "Intel Xeon), where it also makes verify passes cheaper. --exact turns it off.",
+        help="llama.cpp flash attention: auto (the default), on or off. Auto on a CPU: whichever measured faster "
+        "for this model, machine and thread count (timed once by the first run, a note says so; kept in "
+        "kernels.json in the config folder); on GPUs llama.cpp's own choice. Which wins depends on the CPU "
+        "(docs/perf.md 3(d): off 1.6-2.6x faster a pass at 1,800 tokens on an Intel Xeon, on faster on an AMD "
+        "EPYC). --exact turns it off.",
     ),
 ]
 ExactOpt = Annotated[

@@ -92,17 +92,19 @@ def tune(
 def run_tune(target, draft, n_prompts, max_tokens, load):
     from specrun.sessions import tuning
     from specrun.errors import UsageError
-    from specrun.registry.loading import choose_pair, open_pair
+    from specrun.registry.loading import choose_pair
+    from specrun.sessions.kernels import open_settled_pair
     from specrun.sessions.prompts import CODE_PROMPTS
 
     target, draft = choose_pair(target, draft, load.registry)
     if draft is None:
         raise UsageError(f"no draft model for {target}", "pass --draft MODEL")
-    target_backend, draft_backend = open_pair(target, draft, load)
+    err = Console(stderr=True)
+    target_backend, draft_backend = open_settled_pair(target, draft, load,
+                                                      lambda note: err.print(f"note: {note}", highlight=False))
     try:
         prompts = [target_backend.tokenize(text) for text in CODE_PROMPTS[:n_prompts]]
         key = tuning.pair_key(target_backend, draft_backend, load.threads)
-        err = Console(stderr=True)
         return tuning.calibrate(
             target_backend,
             draft_backend,

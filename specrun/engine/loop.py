@@ -108,6 +108,17 @@ class Finished:
     result: GenerationResult
 
 
+def check_prompt(prompt: Sequence[int], n_ctx: int) -> None:
+    """A prompt the engine can start from: not empty, and leaving room for a token."""
+    if not prompt:
+        raise UsageError("the prompt is empty", "give a prompt as an argument or on stdin")
+    if len(prompt) >= n_ctx:
+        raise ContextFullError(
+            f"the prompt has {len(prompt)} tokens but the context holds {n_ctx}",
+            "shorten the prompt or raise --ctx",
+        )
+
+
 class SpeculativeEngine:
     """A target backend and an optional drafter, with the target's cache kept across calls.
 
@@ -161,13 +172,7 @@ class SpeculativeEngine:
     def steps(self, prompt: Sequence[int], params: GenerationParams, stats: Stats) -> Iterator[Step]:
         """Yield one Step per target pass until max_new_tokens, EOS or a full context."""
         n_ctx = self.target.backend.n_ctx
-        if not prompt:
-            raise UsageError("the prompt is empty", "give a prompt as an argument or on stdin")
-        if len(prompt) >= n_ctx:
-            raise ContextFullError(
-                f"the prompt has {len(prompt)} tokens but the context holds {n_ctx}",
-                "shorten the prompt or raise --ctx",
-            )
+        check_prompt(prompt, n_ctx)
         sampling = params.sampling
         rng = np.random.default_rng(sampling.seed)
         eos_ids = self.target.backend.vocab.eos_ids if params.stop_at_eos else frozenset()

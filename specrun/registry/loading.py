@@ -29,7 +29,9 @@ class LoadOptions:
     gpu_layers: int | None = None
     registry: Path | None = None
     kv_type: str | None = None  # llama.cpp's KV cache: f16 or f32; None: f16 (its default), f32 when exact
-    flash_attn: str | None = None  # llama.cpp's flash attention: on or off; None: llama.cpp's choice (off when exact)
+    # llama.cpp's flash attention: on or off; None: measured on a CPU (sessions/kernels.py), else llama.cpp's
+    # choice; off when exact
+    flash_attn: str | None = None
     exact: bool = False  # the settings under which greedy speculation is bit-identical to plain decoding
     tree_paths: int = 0  # llama.cpp: root-to-leaf paths a tree pass may hold (0: chains only); the target's
     # llama.cpp RPC servers (HOST:PORT) the target's layers run on; drafts stay on this machine

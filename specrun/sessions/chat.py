@@ -40,7 +40,8 @@ from specrun.sessions.generation import (
 )
 from specrun.backends.kv import common_prefix_len, sequence_for
 from specrun.drafters.lookahead import LookaheadSizes
-from specrun.registry.loading import LoadOptions, open_draft, open_pair
+from specrun.registry.loading import LoadOptions
+from specrun.sessions.kernels import open_settled_draft, open_settled_pair
 from specrun.drafters.methods import (
     DrafterOptions,
     build_drafter,
@@ -399,6 +400,7 @@ def open_chat(
     branches: int = 0,
     heads: str | None = None,
     lookahead: LookaheadSizes | None = None,
+    on_note: Callable[[str], None] | None = None,
 ) -> ChatSession:
     """Load the pair for ``method`` (the draft model only if it needs one) and start a session.
 
@@ -407,13 +409,15 @@ def open_chat(
     saved when the session closes (or switches method). ``branches``: second guesses a
     drafter may add (token trees; the target must be opened with tree paths). ``heads``: the
     heads file of a head method (--heads; None: found by alias), loaded when a method needs it.
+    ``on_note``: told what a first run measured of this machine (sessions/kernels.py).
     """
     check_method(method)
-    target, draft = open_pair(target_spec, draft_spec if needs_draft_model(method) else None, options)
+    target, draft = open_settled_pair(target_spec, draft_spec if needs_draft_model(method) else None, options,
+                                      on_note)
     tuned = load_tuned(target, draft, options.threads)
     load_draft = None
     if draft is None and draft_spec is not None:
-        load_draft = functools.partial(open_draft, target, target_spec, draft_spec, options)
+        load_draft = functools.partial(open_settled_draft, target, target_spec, draft_spec, options, on_note)
     try:
         drafter_options = DrafterOptions(branches=branches, lookahead=lookahead)
         if ngram_cache is not None:

@@ -11,7 +11,8 @@ from specrun.sessions.compare import Comparison, Variant, compare_variants, nati
 from specrun.sessions.divergence import NEAR_TIE_NOTE, Mismatch, difference_line
 from specrun.engine.loop import GenerationParams
 from specrun.sessions.generation import adapts_length, load_heads_for_methods, resolve_draft_len
-from specrun.registry.loading import LoadOptions, open_pair
+from specrun.registry.loading import LoadOptions
+from specrun.sessions.kernels import open_settled_pair
 from specrun.drafters.methods import DrafterOptions, needs_draft_model
 from specrun.sessions.prompts import CODE_PROMPTS
 
@@ -38,8 +39,9 @@ def run_demo(
     out = console(file=sys.stdout, soft_wrap=True)
     err.print(f"loading {target} + {draft} (the first run derives cached model files)…")
     use_draft = any(needs_draft_model(m) for m in methods)
-    target_backend, draft_backend = open_pair(
-        target, draft if use_draft else None, LoadOptions(backend=backend, threads=threads, exact=exact)
+    target_backend, draft_backend = open_settled_pair(
+        target, draft if use_draft else None, LoadOptions(backend=backend, threads=threads, exact=exact),
+        lambda note: err.print(f"note: {note}", highlight=False),
     )
     native = None
     try:

@@ -8,8 +8,10 @@ from dataclasses import dataclass, field
 
 from specrun.engine.loop import (
     DEFAULT_TREE_NODES, TIE_MARGIN, Finished, GenerationParams, GenerationResult, SpeculativeEngine, TextChunk,
+    check_prompt,
 )
 from specrun.registry.loading import LoadOptions, open_pair, prompts_as_chat
+from specrun.sessions.kernels import settle_pair
 from specrun.drafters.methods import (
     DrafterOptions,
     build_drafter,
@@ -303,10 +305,7 @@ def generate_text(request: GenerateRequest, on_text: Callable[[str], None] | Non
     target, draft = open_pair(request.target, draft_spec, request.load)
     drafter = None
     try:
-        tuned = load_tuned(target, draft, request.load.threads)
-        options = dataclasses.replace(
-            request.drafter_options, draft_min_prob=resolve_min_prob(request.draft_min_prob, tuned)
-        )
+        options = request.drafter_options
         if options.ngram_cache is not None and not options.vocabulary:
             from specrun.drafters.ngram import vocabulary_fingerprint
 
@@ -317,6 +316,13 @@ def generate_text(request: GenerateRequest, on_text: Callable[[str], None] | Non
         check_trees_for(request.method, target, options.lookahead)
         chat = prompts_as_chat(request.target, request.load.registry, target, request.chat)
         prompt_ids = prompt_token_ids(target, request.prompt, chat)
+        check_prompt(prompt_ids, target.n_ctx)
+        # The input is good: flash attention by what it costs here (a first run measures it and
+        # notes so after the answer), which also picks the tuning key of the run's stored costs.
+        kernel_notes: list[str] = []
+        settle_pair(target, draft, request.load, kernel_notes.append)
+        tuned = load_tuned(target, draft, request.load.threads)
+        options = dataclasses.replace(options, draft_min_prob=resolve_min_prob(request.draft_min_prob, tuned))
         params = GenerationParams(
             request.max_new_tokens,
             resolve_draft_len(request.method, request.draft_len),
@@ -360,6 +366,8 @@ def generate_text(request: GenerateRequest, on_text: Callable[[str], None] | Non
                         raise AnswerKeptError(event.result, exc) from exc
                 if request.on_note is not None and event.result.stats.near_ties and event.result.stats.drafted:
                     request.on_note(near_tie_note(event.result.stats))
+                for note in kernel_notes if request.on_note is not None else ():
+                    request.on_note(note)
                 return event.result
         raise AssertionError("stream ended without Finished")
     finally:

@@ -24,10 +24,11 @@ from pathlib import Path
 from specrun.backends.base import Backend
 from specrun.drafters.draft_model import DraftModelDrafter
 from specrun.engine.loop import GenerationParams, SpeculativeEngine
-from specrun.errors import SpecrunError
 from specrun.drafters.methods import DrafterOptions, build_drafter
 from specrun.engine.stats import Stats
-from specrun.fileio import MiB, checked_number, machine_id, read_settings_document, write_atomically
+from specrun.fileio import (
+    MiB, checked_number, machine_id, read_settings_document, stored_entry, write_atomically,
+)
 
 TUNE_VERSION = 2
 READABLE_VERSIONS = (1, 2)  # version 1 lacks the draft costs: its runs start from the target's costs only
@@ -309,13 +310,7 @@ def load(key: str, path: Path | None = None) -> TuneResult | None:
     """The result stored for ``key``; None when there is none. A file or entry of the wrong
     shape raises SpecrunError naming the file and the fix."""
     path = path or config_path()
-    raw = _read_all(path).get(key)
-    if raw is None:
-        return None
-    try:
-        return _checked_result(raw)
-    except (TypeError, ValueError) as exc:
-        raise SpecrunError(f"{path}: the settings of {key} are malformed ({exc})", _fix(path)) from exc
+    return stored_entry(_read_all(path), key, _checked_result, path, "the settings", _fix(path))
 
 
 def load_all(path: Path | None = None) -> list[TuneResult]:

@@ -94,3 +94,45 @@ def test_no_native_loop_is_compared_on_a_build_with_amx_kernels(model, monkeypat
 
     monkeypatch.setattr(llama_backend, "built_with_amx", lambda library: True)
     assert model.native_loop() is None
+
+
+# ---- flash attention chosen by measurement (sessions/kernels.py) ---------------------------
+def test_flash_attention_is_timed_on_and_off_without_touching_the_models_own_cache(model):
+    prompt = [1, 5, 9, 14, 3]
+    before = model.forward(prompt, [4])
+    depth, costs = model.time_flash_attn(40, (1, 6), budget_s=0.5)
+    assert depth == 40 and set(costs) == {True, False}
+    assert all(set(by_count) == {1, 6} and all(s > 0 for s in by_count.values()) for by_count in costs.values())
+    assert model.n_past == len(prompt)  # its own context kept the prompt
+    model.rewind(0)
+    np.testing.assert_array_equal(model.forward(prompt, [4]), before)
+
+
+def test_a_slow_prefill_stops_early_at_the_same_depth_for_both(model):
+    depth, costs = model.time_flash_attn(200, (1,), budget_s=0.0)  # every chunk is over budget
+    assert depth == 16 and set(costs) == {True, False}  # the first chunk only
+
+
+def test_timing_refuses_passes_it_cannot_make(model):
+    with pytest.raises(ValueError):
+        model.time_flash_attn(0, (1,), budget_s=0.1)
+    with pytest.raises(ValueError):
+        model.time_flash_attn(10, (model.n_batch + 1,), budget_s=0.1)
+
+
+def test_flash_attention_set_after_loading_reopens_the_context_as_if_loaded_so(tiny_llama, model):
+    from specrun.sessions.tuning import model_id
+
+    assert model.runs_on_cpu and model.flash_attn is None
+    automatic_id = model_id(model)
+    model.set_flash_attn(False)
+    assert model.flash_attn is False and model_id(model) == automatic_id + "|flash=off"
+    loaded_off = LlamaCppBackend(tiny_llama.gguf_path, n_ctx=2048, n_batch=64, flash_attn=False)
+    try:
+        prompt = [1, 5, 9, 14, 3, 22, 7]
+        np.testing.assert_array_equal(model.forward(prompt, range(7)), loaded_off.forward(prompt, range(7)))
+    finally:
+        loaded_off.close()
+    with pytest.raises(RuntimeError):  # the cache holds tokens now
+        model.set_flash_attn(True)
+    assert model.flash_attn is False

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -224,9 +225,30 @@ def test_flash_attention_off_reaches_llama_cpp_and_tunes_apart(tiny_llama, monke
     off = invoke("generate", "x = 1\n", "-t", path, "-n", "12", "--json", "--flash-attn", "off", "-m", "none")
     default = invoke("generate", "x = 1\n", "-t", path, "-n", "12", "--json", "-m", "none")
     assert off.exit_code == default.exit_code == 0, off.output
-    flash_off, automatic = opened
-    assert flash_off.flash_attn is False and automatic.flash_attn is None
-    assert model_id(flash_off) == model_id(automatic) + "|flash=off"
+    flash_off, measured = opened
+    assert flash_off.flash_attn is False and measured.flash_attn in (True, False)  # the default: measured
+    assert model_id(flash_off).endswith("|flash=off")
+    assert model_id(measured).endswith("|flash=" + ("on" if measured.flash_attn else "off"))
+
+
+def test_the_first_run_on_a_cpu_measures_flash_attention_once_and_says_so(tiny_llama):
+    """The default (--flash-attn auto) on a CPU: the first run of a model times passes with flash
+    attention on and off, notes what it chose and keeps the costs (kernels.json); the next run
+    reads them and says nothing; a run that chose reads and writes nothing."""
+    from specrun.sessions.kernels import kernels_path
+
+    path = str(tiny_llama.gguf_path)
+    chosen = invoke("generate", "x = 1\n", "-t", path, "-n", "8", "--flash-attn", "off", "-m", "none")
+    assert chosen.exit_code == 0 and "flash attention" not in chosen.stderr and not kernels_path().exists()
+    first = invoke("generate", "x = 1\n", "-t", path, "-n", "8", "-m", "none")
+    assert first.exit_code == 0, first.output
+    notes = [line for line in first.stderr.splitlines() if line.startswith("note: flash attention")]
+    assert len(notes) == 1 and re.search(r"measured once after \d+ tokens", notes[0]) and "--flash-attn on|off" in notes[0]
+    stored = json.loads(kernels_path().read_text())["flash_attn"]
+    assert [entry["model"].split(":")[0] for entry in stored.values()] == [tiny_llama.gguf_path.name]
+    second = invoke("generate", "x = 1\n", "-t", path, "-n", "8", "-m", "none")
+    assert second.exit_code == 0 and "flash attention" not in second.stderr
+    assert json.loads(kernels_path().read_text())["flash_attn"] == stored
 
 
 def test_auto_backend_opens_an_mlx_folder(tiny_llama):

@@ -16,6 +16,7 @@ from specrun.engine.loop import GenerationParams
 from specrun.errors import ChatTemplateError, ContextFullError
 from specrun.sessions.generation import ADAPTIVE_MAX_DRAFT_LEN
 from specrun.registry.loading import LoadOptions, open_pair
+from specrun.sessions.kernels import open_settled_pair
 from specrun.modelkit.gguf_io import write_gguf
 from specrun.sampling import SamplingSettings
 from specrun.sessions.templates import FALLBACK_TEMPLATE, ChatTemplate
@@ -233,7 +234,7 @@ def test_a_draft_loaded_by_method_brings_its_tuned_settings(tiny_llama, tmp_path
 
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
     path = str(tiny_llama.gguf_path)
-    target, draft = open_pair(path, path, OPTIONS)
+    target, draft = open_settled_pair(path, path, OPTIONS)  # as runs and `specrun tune` open it
     key = tuning.pair_key(target, draft, OPTIONS.threads)
     target.close()
     draft.close()

@@ -1,0 +1,191 @@
+"""Kernel settings chosen by measurement: llama.cpp's flash attention on a CPU.
+
+llama.cpp turns flash attention on wherever the device has it (its "auto"). On a CPU that is
+a gamble: on the AMD EPYC this project was first measured on it made plain decoding 10-15%
+faster; on an Intel Xeon (Sapphire Rapids) it is slower at every context length, 1.6-2.6x a
+pass at 1,800 tokens, most for the batched passes speculation verifies with (docs/perf.md
+3(d)). So where the user leaves ``--flash-attn`` at auto and every layer runs on this
+machine's CPU, the first run of a model times passes of 1 and 6 tokens after 256 with it on
+and off (``LlamaCppBackend.time_flash_attn``: two scratch contexts, passes alternated; well
+under a second for a small model, a few seconds at most for a large one), keeps what it
+measured by model file, machine and thread count (``kernels.json`` beside ``learned.json``),
+and later runs only read it. GPUs and RPC servers keep llama.cpp's own choice.
+
+The setting whose one-token pass and 6-token pass together cost less wins (a plain step and
+a verify pass: what plain decoding and speculation pay); off must be ``MARGIN`` faster to
+overrule llama.cpp's choice. One setting per model, whatever the method: plain decoding and
+speculation then run the same kernels (their outputs differ at near-ties only where speculation
+puts them), and what runs and `specrun tune` store is found under one key.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from specrun.errors import SpecrunError
+from specrun.fileio import (
+    MiB, checked_number, machine_id, read_settings_document, stored_entry, write_atomically,
+)
+from specrun.registry.loading import LoadOptions, open_draft, open_pair
+
+KERNELS_VERSION = 1
+PROBE_DEPTH = 256  # tokens before the timed passes: a short chat's context
+PROBE_COUNTS = (1, 6)  # a plain step; a verify pass of a 5-token draft
+PROBE_BUDGET_S = 2.0
+MARGIN = 0.03
+MAX_KERNELS_BYTES = 4 * MiB
+MAX_SECONDS = 1e6
+MIN_SECONDS = 1e-9
+
+
+@dataclass(frozen=True)
+class FlashCosts:
+    """Seconds of a pass over n tokens (n in PROBE_COUNTS) after ``depth`` tokens, with flash
+    attention on and off, measured side by side on this machine."""
+
+    model: str
+    machine: str
+    threads: int
+    depth: int
+    on: dict[int, float]
+    off: dict[int, float]
+
+    def flash_on(self) -> bool:
+        """The faster setting over a plain step and a verify pass; llama.cpp's own choice, on,
+        unless off is MARGIN faster."""
+        on, off = (sum(costs[n] for n in PROBE_COUNTS) for costs in (self.on, self.off))
+        return not off < on * (1.0 - MARGIN)
+
+    def describe(self) -> str:
+        setting = "on" if self.flash_on() else "off"
+        passes = ", ".join(f"{n}-token pass {self.on[n] * 1e3:.3g} ms on, {self.off[n] * 1e3:.3g} ms off"
+                           for n in PROBE_COUNTS)
+        return (f"flash attention {setting} for {self.model.split(':')[0]} on this CPU, measured once after "
+                f"{self.depth} tokens ({passes}); --flash-attn on|off overrides")
+
+
+def kernels_path() -> Path:
+    base = os.environ.get("XDG_CONFIG_HOME") or str(Path.home() / ".config")
+    return Path(base) / "specrun" / "kernels.json"
+
+
+FIX = "delete it (the next run measures again)"
+
+
+def costs_key(model: str, machine: str, threads: int) -> str:
+    return hashlib.sha256(f"{model}|{machine}|threads={threads}".encode()).hexdigest()[:16]
+
+
+def load_costs(key: str, path: Path | None = None) -> FlashCosts | None:
+    """The costs stored for ``key``; None when there are none. A file or entry of the wrong
+    shape raises SpecrunError naming the file and the fix."""
+    path = path or kernels_path()
+    return stored_entry(_read_all(path), key, _checked, path, "the kernel costs", FIX)
+
+
+def save_costs(key: str, costs: FlashCosts, path: Path | None = None) -> Path:
+    """Store ``costs`` (other models' are kept); written atomically."""
+    path = path or kernels_path()
+    stored = _read_all(path)
+    stored[key] = {"model": costs.model, "machine": costs.machine, "threads": costs.threads,
+                   "depth": costs.depth, "on": costs.on, "off": costs.off}
+    return write_atomically(path, json.dumps({"version": KERNELS_VERSION, "flash_attn": stored}, indent=2),
+                            "kernel costs")
+
+
+def _read_all(path: Path) -> dict:
+    return read_settings_document(path, MAX_KERNELS_BYTES, "kernel costs", "kernel costs file", FIX,
+                                  (KERNELS_VERSION,), "flash_attn")
+
+
+def _checked(raw) -> FlashCosts:
+    if not isinstance(raw, dict):
+        raise TypeError("the entry is not an object")
+    expected = {"model", "machine", "threads", "depth", "on", "off"}
+    if set(raw) != expected:
+        odd = sorted(set(raw) ^ expected)[0]
+        raise ValueError(f"{'unknown' if odd in raw else 'missing'} field {odd!r}")
+    for name in ("model", "machine"):
+        if not isinstance(raw[name], str):
+            raise TypeError(f"{name} is not a string")
+    threads = checked_number("threads", raw["threads"], 1, 1 << 16, integer=True)
+    depth = checked_number("depth", raw["depth"], 1, 1 << 20, integer=True)
+    by_setting = {}
+    for setting in ("on", "off"):
+        value = raw[setting]
+        if not isinstance(value, dict) or sorted(value) != sorted(str(n) for n in PROBE_COUNTS):
+            raise ValueError(f"{setting} does not hold the costs of passes of {list(PROBE_COUNTS)} tokens")
+        by_setting[setting] = {int(n): checked_number(f"{setting}[{n}]", seconds, MIN_SECONDS, MAX_SECONDS)
+                               for n, seconds in value.items()}
+    return FlashCosts(raw["model"], raw["machine"], threads, depth, by_setting["on"], by_setting["off"])
+
+
+def settle_flash_attn(backend, options: LoadOptions) -> str | None:
+    """Turn flash attention on or off for ``backend`` by what it costs here, where the user
+    left it to llama.cpp (module docstring): the stored costs, else a probe stored for the
+    next run. Returns a note saying what was measured, when it measured; None otherwise."""
+    if getattr(backend, "name", None) != "llama" or options.flash_attn is not None or options.exact:
+        return None
+    if backend.flash_attn is not None or not backend.runs_on_cpu:
+        return None
+    from specrun.sessions.tuning import model_id
+
+    model, machine, threads = model_id(backend), machine_id(), backend.n_threads
+    key = costs_key(model, machine, threads)
+    costs = load_costs(key)
+    note = None
+    if costs is None:
+        depth = max(1, min(PROBE_DEPTH, backend.n_ctx - max(PROBE_COUNTS)))
+        depth, measured = backend.time_flash_attn(depth, PROBE_COUNTS, PROBE_BUDGET_S)
+        if not measured:
+            return None  # llama.cpp has no flash attention for this model here: its choice stands
+        costs = FlashCosts(model, machine, threads, depth, measured[True], measured[False])
+        try:
+            save_costs(key, costs)
+        except SpecrunError:
+            pass  # a read-only config folder: the next run measures again (nothing half-written)
+        note = costs.describe()
+    backend.set_flash_attn(costs.flash_on())
+    return note
+
+
+def open_settled_pair(target_spec: str, draft_spec: str | None, options: LoadOptions, on_note=None):
+    """``open_pair``, then flash attention settled for each model (``settle_pair``)."""
+    target, draft = open_pair(target_spec, draft_spec, options)
+    try:
+        settle_pair(target, draft, options, on_note)
+    except BaseException:
+        target.close()
+        if draft is not None:
+            draft.close()
+        raise
+    return target, draft
+
+
+def settle_pair(target, draft, options: LoadOptions, on_note=None) -> None:
+    """``settle_flash_attn`` for the target and a draft model (each measured apart); ``on_note``
+    is told what was measured. Before anything is fed."""
+    for backend in (target, draft):
+        if backend is None:
+            continue
+        note = settle_flash_attn(backend, options)
+        if note is not None and on_note is not None:
+            on_note(note)
+
+
+def open_settled_draft(target, target_spec: str, draft_spec: str, options: LoadOptions, on_note=None):
+    """``open_draft`` (a draft model loaded later, on chat's first /method that needs one), its
+    flash attention settled as ``open_settled_pair`` settles a draft's."""
+    draft = open_draft(target, target_spec, draft_spec, options)
+    try:
+        note = settle_flash_attn(draft, options)
+    except BaseException:
+        draft.close()
+        raise
+    if note is not None and on_note is not None:
+        on_note(note)
+    return draft

@@ -1,0 +1,154 @@
+"""Flash attention chosen by measurement on a CPU (sessions/kernels.py): measured once per
+model, machine and thread count, stored, read back, and never where the user chose."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from specrun.errors import SpecrunError
+from specrun.registry.loading import LoadOptions
+from specrun.sessions import kernels
+from specrun.sessions.kernels import FlashCosts, kernels_path, settle_flash_attn
+
+
+class StubLlama:
+    """What settle_flash_attn asks of a llama.cpp backend, with set pass costs."""
+
+    name = "llama"
+    path = None
+    n_ctx = 4096
+    n_threads = 2
+
+    def __init__(self, on: dict[int, float], off: dict[int, float], runs_on_cpu: bool = True, flash_attn=None):
+        self.costs = {True: on, False: off} if on else {}
+        self.runs_on_cpu = runs_on_cpu
+        self.flash_attn = flash_attn
+        self.timed = 0
+
+    def time_flash_attn(self, depth, counts, budget_s):
+        assert depth == kernels.PROBE_DEPTH and tuple(counts) == kernels.PROBE_COUNTS
+        self.timed += 1
+        return (depth if self.costs else 0), self.costs
+
+    def set_flash_attn(self, on: bool) -> None:
+        self.flash_attn = on
+
+
+SLOW_ON = ({1: 0.010, 6: 0.030}, {1: 0.009, 6: 0.020})  # on loses both passes (this project's Intel CPU)
+
+
+def test_the_setting_faster_over_a_plain_step_and_a_verify_pass_is_chosen():
+    assert FlashCosts("m", "machine", 2, 256, *SLOW_ON).flash_on() is False
+    fast_on = FlashCosts("m", "machine", 2, 256, {1: 0.009, 6: 0.020}, {1: 0.010, 6: 0.030})  # the AMD CPU's way
+    assert fast_on.flash_on() is True
+    # on wins the plain step, loses more on the verify pass: off, one setting for every method
+    mixed = FlashCosts("m", "machine", 2, 256, {1: 0.009, 6: 0.030}, {1: 0.010, 6: 0.020})
+    assert mixed.flash_on() is False
+    even = FlashCosts("m", "machine", 2, 256, {1: 0.0100, 6: 0.0300}, {1: 0.0099, 6: 0.0297})
+    assert even.flash_on() is True  # within MARGIN: llama.cpp's choice stands
+
+
+def test_the_first_run_measures_and_says_so_later_runs_read_what_it_stored():
+    first = StubLlama(*SLOW_ON)
+    note = settle_flash_attn(first, LoadOptions())
+    assert first.timed == 1 and first.flash_attn is False
+    assert note.startswith("flash attention off") and "--flash-attn on|off overrides" in note
+    assert "6-token pass 30 ms on, 20 ms off" in note
+    stored = json.loads(kernels_path().read_text())["flash_attn"]
+    assert len(stored) == 1 and next(iter(stored.values()))["threads"] == 2
+
+    second = StubLlama(*SLOW_ON)
+    assert settle_flash_attn(second, LoadOptions()) is None
+    assert second.timed == 0 and second.flash_attn is False
+    other_threads = StubLlama(*SLOW_ON)
+    other_threads.n_threads = 1
+    settle_flash_attn(other_threads, LoadOptions())
+    assert other_threads.timed == 1  # what a pass costs depends on the threads: measured apart
+
+
+@pytest.mark.parametrize("options", [LoadOptions(flash_attn="on"), LoadOptions(flash_attn="off"),
+                                     LoadOptions(exact=True)])
+def test_the_users_choice_and_exact_are_never_measured_over(options):
+    backend = StubLlama(*SLOW_ON)
+    assert settle_flash_attn(backend, options) is None
+    assert backend.timed == 0 and backend.flash_attn is None and not kernels_path().exists()
+
+
+def test_gpus_mlx_and_models_without_flash_attention_keep_their_own_choice():
+    gpu = StubLlama(*SLOW_ON, runs_on_cpu=False)
+    assert settle_flash_attn(gpu, LoadOptions()) is None and gpu.timed == 0 and gpu.flash_attn is None
+    mlx = StubLlama(*SLOW_ON)
+    mlx.name = "mlx"
+    assert settle_flash_attn(mlx, LoadOptions()) is None and mlx.timed == 0
+    unsupported = StubLlama({}, {})
+    assert settle_flash_attn(unsupported, LoadOptions()) is None
+    assert unsupported.timed == 1 and unsupported.flash_attn is None and not kernels_path().exists()
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes through read-only folders")
+def test_a_read_only_config_folder_costs_a_measurement_per_run_not_the_run(tmp_path, monkeypatch):
+    config = tmp_path / "config"
+    (config / "specrun").mkdir(parents=True)
+    (config / "specrun").chmod(0o500)
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(config))
+    backend = StubLlama(*SLOW_ON)
+    assert settle_flash_attn(backend, LoadOptions()) is not None and backend.flash_attn is False
+    assert not kernels_path().exists()
+
+
+def test_a_config_folder_that_cannot_be_written_costs_a_measurement_per_run_not_the_run(tmp_path, monkeypatch):
+    blocker = tmp_path / "not_a_folder"
+    blocker.write_text("a file where the config folder would be")
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(blocker))
+    backend = StubLlama(*SLOW_ON)
+    assert settle_flash_attn(backend, LoadOptions()) is not None and backend.flash_attn is False
+
+
+@pytest.mark.parametrize("document", [
+    "{not json",
+    json.dumps({"version": 99, "flash_attn": {}}),
+    json.dumps({"version": 1, "flash_attn": []}),
+])
+def test_a_damaged_file_is_one_error_naming_it_and_the_fix(document):
+    kernels_path().parent.mkdir(parents=True, exist_ok=True)
+    kernels_path().write_text(document)
+    with pytest.raises(SpecrunError) as raised:
+        settle_flash_attn(StubLlama(*SLOW_ON), LoadOptions())
+    assert str(kernels_path()) in raised.value.one_line() and "delete it" in raised.value.one_line()
+    assert kernels_path().read_text() == document  # nothing written over it
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("on", {"1": -1.0, "6": 0.02}), ("off", {"1": 0.01}), ("threads", 0), ("depth", "256"),
+    ("off", {"1": float("inf"), "6": 0.02}), ("extra", 1),
+])
+def test_a_forged_entry_is_refused_not_used(field, value):
+    backend = StubLlama(*SLOW_ON)
+    settle_flash_attn(backend, LoadOptions())
+    document = json.loads(kernels_path().read_text())
+    entry = next(iter(document["flash_attn"].values()))
+    entry[field] = value
+    kernels_path().write_text(json.dumps(document))
+    with pytest.raises(SpecrunError) as raised:
+        settle_flash_attn(StubLlama(*SLOW_ON), LoadOptions())
+    assert "malformed" in raised.value.one_line() and "delete it" in raised.value.one_line()
+
+
+def test_machines_of_one_name_and_size_with_other_processors_measure_apart(monkeypatch):
+    """Cloud VMs share host names ("vm") and core counts; what one CPU measured (flash attention's
+    costs, tuned and learned costs) must not be read on another: the processor's name keys them."""
+    import platform
+
+    from specrun import fileio
+
+    monkeypatch.setattr(platform, "processor", lambda: "")  # Python's answer on most Linux machines
+    if not os.path.exists("/proc/cpuinfo"):
+        pytest.skip("no /proc/cpuinfo here")
+    with open("/proc/cpuinfo", encoding="utf-8") as info:
+        names = [line.partition(":")[2].strip() for line in info if line.startswith("model name")]
+    if not names:
+        pytest.skip("/proc/cpuinfo names no model here")
+    assert fileio.machine_id().endswith("|" + names[0])
