@@ -56,22 +56,31 @@ from specrun.modelkit.selfdraft import SELF_KINDS, self_draft_gguf
 from specrun.modelkit.smollm2 import smollm2_gguf
 
 METHODS = "none,lookup,ngram,draft,lookup+draft,auto"
+TOOLS = ("completion", "lookup", "speculative-simple", "generate")  # llama.cpp's lines (generate: Llama.generate)
 
 
 def build_lines(args: argparse.Namespace, target: Path, draft: Path, n_ctx: int, env: dict) -> list[Line]:
     lines = []
+    wanted = set(args.tools.split(","))
+    unknown = wanted - set(TOOLS)
+    if unknown:
+        raise SystemExit(f"error: unknown --tools {sorted(unknown)[0]!r}; choose from {','.join(TOOLS)}")
     if args.llama_bin_dir:
-        tools = ("llama-completion", "llama-lookup", "llama-speculative-simple")
-        check_bin_dir(args.llama_bin_dir, tools)
-        lines += [
-            completion_line(args.llama_bin_dir, target, args.n, args.threads, n_ctx),
-            lookup_line(args.llama_bin_dir, target, args.n, args.threads, n_ctx, args.lookup_draft_max),
-            speculative_line(args.llama_bin_dir, target, draft, args.n, args.threads, n_ctx, args.spec_draft_max),
-        ]
+        binaries = {"completion": "llama-completion", "lookup": "llama-lookup",
+                    "speculative-simple": "llama-speculative-simple"}
+        check_bin_dir(args.llama_bin_dir, tuple(binaries[tool] for tool in TOOLS if tool in wanted and tool in binaries))
+        if "completion" in wanted:
+            lines.append(completion_line(args.llama_bin_dir, target, args.n, args.threads, n_ctx))
+        if "lookup" in wanted:
+            lines.append(lookup_line(args.llama_bin_dir, target, args.n, args.threads, n_ctx, args.lookup_draft_max))
+        if "speculative-simple" in wanted:
+            lines.append(speculative_line(args.llama_bin_dir, target, draft, args.n, args.threads, n_ctx,
+                                          args.spec_draft_max))
     if args.llama_lookahead:
         check_bin_dir(args.llama_bin_dir, ("llama-lookahead",))
         lines.append(lookahead_line(args.llama_bin_dir, target, args.n, args.threads, n_ctx))
-    lines.append(llama_generate_line(target, args.n, args.threads, n_ctx))
+    if "generate" in wanted:
+        lines.append(llama_generate_line(target, args.n, args.threads, n_ctx))
     for method in args.methods.split(","):
         method_draft = draft if needs_draft_model(method) else None
         lines.append(specrun_line(method, target, method_draft, args.n, args.threads, env))
@@ -124,6 +133,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--methods", default=METHODS, help=f"specrun methods (default {METHODS})")
     parser.add_argument("--llama-bin-dir", type=Path,
                         help="folder with llama-completion, llama-lookup and llama-speculative-simple")
+    parser.add_argument("--tools", default=",".join(TOOLS),
+                        help="llama.cpp's lines to run (default all: completion,lookup,speculative-simple with "
+                        "--llama-bin-dir; generate is llama-cpp-python's Llama.generate)")
     parser.add_argument("--llama-lookahead", action="store_true",
                         help="also llama-lookahead from --llama-bin-dir (build its target there first)")
     parser.add_argument("-n", type=int, default=128, help="new tokens (default 128)")
