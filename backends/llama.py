@@ -9,6 +9,7 @@ KV memory (``llama_memory_seq_rm``).
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import time
 from collections.abc import Sequence
@@ -62,9 +63,14 @@ def model_params_for(llama_cpp):
     return params
 
 
+_GPU_DEVICE, _IGPU_DEVICE = 1, 2  # enum ggml_backend_dev_type
+
+
+@functools.cache
 def has_local_gpu() -> bool:
     """Does llama.cpp see a GPU on this machine (discrete or integrated)? Its
-    ``llama_supports_gpu_offload`` also says yes for a CPU-only build with RPC."""
+    ``llama_supports_gpu_offload`` also says yes for a CPU-only build with RPC. (RPC servers'
+    devices are listed only once a server is added, and are not this machine's.)"""
     from llama_cpp import _ggml  # the library llama-cpp-python itself loaded
 
     lib = _ggml.libggml
@@ -73,9 +79,6 @@ def has_local_gpu() -> bool:
     get.argtypes, get.restype = [ctypes.c_size_t], ctypes.c_void_p
     kind.argtypes, kind.restype = [ctypes.c_void_p], ctypes.c_int
     return any(kind(get(i)) in (_GPU_DEVICE, _IGPU_DEVICE) for i in range(count()))
-
-
-_GPU_DEVICE, _IGPU_DEVICE = 1, 2  # enum ggml_backend_dev_type
 
 _log_callback = None  # kept alive for as long as llama.cpp may call it
 
@@ -257,6 +260,7 @@ class LlamaCppBackend(HiddenTracking):
         # of the window, and a rewind (a rejected draft, a reused prompt) would need them again.
         ctx_params.swa_full = True
         self.kv_type = kv_type
+        self.library_version = f"llama-cpp-python {llama_cpp.__version__}"  # what kernels it runs
         if flash_attn is not None:  # None keeps llama.cpp's automatic choice, its default
             ctx_params.flash_attn_type = (
                 llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash_attn else llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
@@ -306,11 +310,15 @@ class LlamaCppBackend(HiddenTracking):
         (False). Two scratch contexts of this model are fed alike and their passes alternated,
         so both see the same machine; this backend's own context is untouched. The prefill
         stops early (both at the same depth) once it has taken a quarter of ``budget_s``, and
-        the rounds once the whole has taken ``budget_s`` (at least two rounds). (0, {}) where
-        llama.cpp cannot create a context with flash attention on for this model."""
+        the rounds once the whole has taken ``budget_s``; at least 16 tokens of prefill and two
+        rounds are always made, so a large model on a small CPU can take longer. (0, {}) where
+        nothing can be timed: a recurrent or hybrid model (its cache cannot drop a pass), or a
+        scratch context llama.cpp cannot create (memory). A failed pass raises ContextFullError."""
         lib = self._lib
         if depth < 1 or not counts or min(counts) < 1 or max(counts) > self.n_batch:
             raise ValueError(f"cannot time passes of {list(counts)} tokens after {depth}")
+        if lib.llama_model_is_recurrent(self._model) or lib.llama_model_is_hybrid(self._model):
+            return 0, {}
         flags = (True, False)
         contexts: dict[bool, object] = {}
         batch = lib.llama_batch_init(self.n_batch, 0, 1)
@@ -334,7 +342,7 @@ class LlamaCppBackend(HiddenTracking):
                     batch.logits[i] = outputs or i == len(tokens) - 1
                 if lib.llama_decode(ctx, batch) != 0:
                     raise ContextFullError(f"llama.cpp could not decode a timing pass of {len(tokens)} tokens",
-                                           "lower --ctx or free memory")
+                                           "free memory, or pass --flash-attn on or off")
 
             # Any ids of the vocabulary will do: what a pass costs does not depend on them.
             tokens = [(7 * i + 3) % self.n_vocab for i in range(depth + max(counts))]
@@ -353,7 +361,8 @@ class LlamaCppBackend(HiddenTracking):
                         began = time.perf_counter()
                         decode(contexts[flag], tokens[fed : fed + n], fed, True)
                         samples[flag][n].append(time.perf_counter() - began)
-                        lib.llama_memory_seq_rm(memory, _SEQ, fed, -1)
+                        if not lib.llama_memory_seq_rm(memory, _SEQ, fed, -1):
+                            return 0, {}  # a cache that cannot drop the pass: nothing more to time
                 if round_number >= 1 and time.perf_counter() - started > budget_s:
                     break
             return fed, {flag: {n: float(np.median(times)) for n, times in by_count.items()}
@@ -372,10 +381,12 @@ class LlamaCppBackend(HiddenTracking):
         previous = self._ctx_params.flash_attn_type
         self._ctx_params.flash_attn_type = (lib.LLAMA_FLASH_ATTN_TYPE_ENABLED if on
                                             else lib.LLAMA_FLASH_ATTN_TYPE_DISABLED)
+        self._free_context()  # it holds nothing yet; two at once would need twice the cache memory
         try:
             self._open_context(self._tree_paths)
         except BaseException:
-            self._ctx_params.flash_attn_type = previous  # the context it had stays
+            self._ctx_params.flash_attn_type = previous
+            self._open_context(self._tree_paths)  # the context it had, which fitted
             raise
         self.flash_attn = on
         self._set_variant()

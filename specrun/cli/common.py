@@ -201,7 +201,8 @@ def check_kv_type(kv_type: str | None, exact: bool = False) -> None:
 
 
 def checked_flash_attn(flash_attn: str | None, exact: bool = False) -> str | None:
-    """LoadOptions.flash_attn for --flash-attn: "on", "off", or None for auto (llama.cpp's choice)."""
+    """LoadOptions.flash_attn for --flash-attn: "on", "off", or None for auto (measured on a CPU:
+    sessions/kernels.py; llama.cpp's choice elsewhere)."""
     if flash_attn is not None and flash_attn not in FLASH_ATTN_CHOICES:
         raise UsageError(f"unknown flash attention setting {flash_attn!r}", "use --flash-attn auto, on or off")
     if exact and flash_attn == "on":
@@ -320,9 +321,9 @@ FlashAttnOpt = Annotated[
         "--flash-attn",
         help="llama.cpp flash attention: auto (the default), on or off. Auto on a CPU: whichever measured faster "
         "for this model, machine and thread count (timed once by the first run, a note says so; kept in "
-        "kernels.json in the config folder); on GPUs llama.cpp's own choice. Which wins depends on the CPU "
-        "(docs/perf.md 3(d): off 1.6-2.6x faster a pass at 1,800 tokens on an Intel Xeon, on faster on an AMD "
-        "EPYC). --exact turns it off.",
+        "kernels.json in the config folder); on GPUs and with --rpc llama.cpp's own choice. Which wins depends "
+        "on the CPU (docs/perf.md 3(d): off 1.6-2.6x faster a pass at 1,800 tokens on an Intel Xeon, on faster "
+        "on an AMD EPYC). --exact turns it off.",
     ),
 ]
 ExactOpt = Annotated[

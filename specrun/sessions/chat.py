@@ -40,8 +40,8 @@ from specrun.sessions.generation import (
 )
 from specrun.backends.kv import common_prefix_len, sequence_for
 from specrun.drafters.lookahead import LookaheadSizes
-from specrun.registry.loading import LoadOptions
-from specrun.sessions.kernels import open_settled_draft, open_settled_pair
+from specrun.registry.loading import LoadOptions, open_pair
+from specrun.sessions.kernels import open_settled_draft, settle_pair
 from specrun.drafters.methods import (
     DrafterOptions,
     build_drafter,
@@ -412,9 +412,7 @@ def open_chat(
     ``on_note``: told what a first run measured of this machine (sessions/kernels.py).
     """
     check_method(method)
-    target, draft = open_settled_pair(target_spec, draft_spec if needs_draft_model(method) else None, options,
-                                      on_note)
-    tuned = load_tuned(target, draft, options.threads)
+    target, draft = open_pair(target_spec, draft_spec if needs_draft_model(method) else None, options)
     load_draft = None
     if draft is None and draft_spec is not None:
         load_draft = functools.partial(open_settled_draft, target, target_spec, draft_spec, options, on_note)
@@ -426,6 +424,10 @@ def open_chat(
         load_heads = functools.partial(load_target_heads, target_spec, heads, target, options.registry)
         if needs_heads(method):
             drafter_options = dataclasses.replace(drafter_options, heads=load_heads(kind=heads_kind(method)))
+        # The heads are good: flash attention by what it costs here (sessions/kernels.py), then the
+        # stored costs found under the key it picks.
+        settle_pair(target, draft, options, on_note)
+        tuned = load_tuned(target, draft, options.threads)
         return ChatSession(target, draft, method, system_prompt=system_prompt, load_draft=load_draft,
                            load_heads=load_heads,
                            draft_len=draft_len, draft_min_prob=draft_min_prob, tuned=tuned,

@@ -366,8 +366,9 @@ def generate_text(request: GenerateRequest, on_text: Callable[[str], None] | Non
                         raise AnswerKeptError(event.result, exc) from exc
                 if request.on_note is not None and event.result.stats.near_ties and event.result.stats.drafted:
                     request.on_note(near_tie_note(event.result.stats))
-                for note in kernel_notes if request.on_note is not None else ():
-                    request.on_note(note)
+                if request.on_note is not None:
+                    for note in kernel_notes:
+                        request.on_note(note)
                 return event.result
         raise AssertionError("stream ended without Finished")
     finally:

@@ -6,10 +6,12 @@ faster; on an Intel Xeon (Sapphire Rapids) it is slower at every context length,
 pass at 1,800 tokens, most for the batched passes speculation verifies with (docs/perf.md
 3(d)). So where the user leaves ``--flash-attn`` at auto and every layer runs on this
 machine's CPU, the first run of a model times passes of 1 and 6 tokens after 256 with it on
-and off (``LlamaCppBackend.time_flash_attn``: two scratch contexts, passes alternated; well
-under a second for a small model, a few seconds at most for a large one), keeps what it
-measured by model file, machine and thread count (``kernels.json`` beside ``learned.json``),
-and later runs only read it. GPUs and RPC servers keep llama.cpp's own choice.
+and off (``LlamaCppBackend.time_flash_attn``: two scratch contexts, passes alternated; about 1.5 s
+for SmolLM2 on 2 cores, longer for a large model on a small CPU), keeps what it
+measured by model file, machine, threads, KV cache type and llama-cpp-python version
+(``kernels.json`` beside ``learned.json``), and later runs only read it. GPUs and RPC servers
+keep llama.cpp's own choice, as do models nothing can be timed on (recurrent ones) and runs
+where the timing fails: measuring never costs a run.
 
 The setting whose one-token pass and 6-token pass together cost less wins (a plain step and
 a verify pass: what plain decoding and speculation pay); off must be ``MARGIN`` faster to
@@ -22,7 +24,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -61,6 +62,7 @@ class FlashCosts:
         return not off < on * (1.0 - MARGIN)
 
     def describe(self) -> str:
+        """The one-line note a measuring run leaves: the choice and the costs behind it."""
         setting = "on" if self.flash_on() else "off"
         passes = ", ".join(f"{n}-token pass {self.on[n] * 1e3:.3g} ms on, {self.off[n] * 1e3:.3g} ms off"
                            for n in PROBE_COUNTS)
@@ -69,15 +71,19 @@ class FlashCosts:
 
 
 def kernels_path() -> Path:
-    base = os.environ.get("XDG_CONFIG_HOME") or str(Path.home() / ".config")
-    return Path(base) / "specrun" / "kernels.json"
+    """Where the measured costs are kept: beside tune's and the runs' own files."""
+    from specrun.sessions.tuning import config_path
+
+    return config_path().with_name("kernels.json")
 
 
 FIX = "delete it (the next run measures again)"
 
 
-def costs_key(model: str, machine: str, threads: int) -> str:
-    return hashlib.sha256(f"{model}|{machine}|threads={threads}".encode()).hexdigest()[:16]
+def costs_key(model: str, machine: str, threads: int, settings: str = "") -> str:
+    """An entry's key: the model file, the machine, the threads and what else changes the kernels
+    (``settings``: the KV cache type, the llama.cpp build)."""
+    return hashlib.sha256(f"{model}|{machine}|threads={threads}|{settings}".encode()).hexdigest()[:16]
 
 
 def load_costs(key: str, path: Path | None = None) -> FlashCosts | None:
@@ -135,21 +141,24 @@ def settle_flash_attn(backend, options: LoadOptions) -> str | None:
     from specrun.sessions.tuning import model_id
 
     model, machine, threads = model_id(backend), machine_id(), backend.n_threads
-    key = costs_key(model, machine, threads)
+    key = costs_key(model, machine, threads, f"kv={backend.kv_type}|{backend.library_version}")
     costs = load_costs(key)
     note = None
-    if costs is None:
-        depth = max(1, min(PROBE_DEPTH, backend.n_ctx - max(PROBE_COUNTS)))
-        depth, measured = backend.time_flash_attn(depth, PROBE_COUNTS, PROBE_BUDGET_S)
-        if not measured:
-            return None  # llama.cpp has no flash attention for this model here: its choice stands
-        costs = FlashCosts(model, machine, threads, depth, measured[True], measured[False])
-        try:
-            save_costs(key, costs)
-        except SpecrunError:
-            pass  # a read-only config folder: the next run measures again (nothing half-written)
-        note = costs.describe()
-    backend.set_flash_attn(costs.flash_on())
+    try:
+        if costs is None:
+            # The scratch contexts are sized for the timing alone: --ctx does not limit the depth.
+            depth, measured = backend.time_flash_attn(PROBE_DEPTH, PROBE_COUNTS, PROBE_BUDGET_S)
+            if not measured:
+                return None  # nothing can be timed on this model here: llama.cpp's choice stands
+            costs = FlashCosts(model, machine, threads, depth, measured[True], measured[False])
+            try:
+                save_costs(key, costs)
+            except SpecrunError:
+                pass  # a read-only config folder: the next run measures again (nothing half-written)
+            note = costs.describe()
+        backend.set_flash_attn(costs.flash_on())
+    except SpecrunError:
+        return None  # a pass or a context that failed (memory): the run goes on with llama.cpp's choice
     return note
 
 

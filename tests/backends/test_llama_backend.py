@@ -113,6 +113,18 @@ def test_a_slow_prefill_stops_early_at_the_same_depth_for_both(model):
     assert depth == 16 and set(costs) == {True, False}  # the first chunk only
 
 
+def test_nothing_is_timed_on_a_cache_that_cannot_drop_a_pass(model, monkeypatch):
+    """A recurrent model's cache refuses to drop the last pass (llama_memory_seq_rm false): the
+    next pass would start where llama.cpp does not expect it, so the timing stops with nothing."""
+    monkeypatch.setattr(model._lib, "llama_memory_seq_rm", lambda *args: False)
+    assert model.time_flash_attn(20, (1, 6), budget_s=0.1) == (0, {})
+
+
+def test_nothing_is_timed_on_a_recurrent_or_hybrid_model(model, monkeypatch):
+    monkeypatch.setattr(model._lib, "llama_model_is_hybrid", lambda handle: True)
+    assert model.time_flash_attn(20, (1, 6), budget_s=0.1) == (0, {})
+
+
 def test_timing_refuses_passes_it_cannot_make(model):
     with pytest.raises(ValueError):
         model.time_flash_attn(0, (1,), budget_s=0.1)
@@ -136,3 +148,31 @@ def test_flash_attention_set_after_loading_reopens_the_context_as_if_loaded_so(t
     with pytest.raises(RuntimeError):  # the cache holds tokens now
         model.set_flash_attn(True)
     assert model.flash_attn is False
+
+
+def test_a_tree_context_keeps_its_paths_when_flash_attention_is_set(tiny_llama):
+    trees = LlamaCppBackend(tiny_llama.gguf_path, n_ctx=512, tree_paths=4)
+    try:
+        trees.set_flash_attn(False)
+        assert trees.tree_support.available and trees.tree_support.max_paths == 4
+    finally:
+        trees.close()
+
+
+def test_a_context_that_cannot_be_reopened_leaves_the_one_it_had(model, monkeypatch):
+    from specrun.errors import ModelFileError
+
+    real_init = model._lib.llama_init_from_model
+    calls = []
+
+    def failing_once(handle, params):
+        calls.append(params.flash_attn_type)
+        return None if len(calls) == 1 else real_init(handle, params)
+
+    monkeypatch.setattr(model._lib, "llama_init_from_model", failing_once)
+    with pytest.raises(ModelFileError):
+        model.set_flash_attn(False)
+    assert model.flash_attn is None and model._ctx  # reopened as it was
+    assert calls[1] == model._ctx_params.flash_attn_type  # with its old setting
+    monkeypatch.undo()
+    assert model.forward_argmax([1, 5, 9], [2]).shape == (1,)

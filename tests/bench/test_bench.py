@@ -171,6 +171,7 @@ def test_json_holds_every_figure_and_the_machine(bench_outputs):
     assert config["tuned"] is None  # no `specrun tune` settings in the tests' own config
     assert [v["name"] for v in config["variants"]] == ["none", "draft k=1", "draft k=2", "lookup k=1", "lookup k=2"]
     assert config["repeat"] == 2 and config["max_new_tokens"] == 8 and config["baseline"] == "none"
+    assert config["flash_attn"] in ("on", "off")  # measured: the suite's llama.cpp runs on a CPU (sessions/kernels.py)
 
     machine = doc["machine"]
     assert set(machine) == {"cpu", "cores", "gpu", "os", "backend", "threads", "versions"}

@@ -207,9 +207,10 @@ def test_kv_type_f32_reaches_llama_cpp(tiny_llama):
     assert json.loads(result.stdout)["text"] == json.loads(plain.stdout)["text"]
 
 
-def test_flash_attention_off_reaches_llama_cpp_and_tunes_apart(tiny_llama, monkeypatch):
-    """--flash-attn off opens the context without flash attention; its pass costs are not the
-    default's, so what runs learn is kept under its own key (sessions/tuning.model_id)."""
+def test_flash_attention_reaches_llama_cpp_and_keys_what_runs_learn(tiny_llama, monkeypatch):
+    """--flash-attn off opens the context without flash attention, and the default's measured
+    setting reaches it too; each setting's pass costs differ, so what runs learn is kept under
+    a key naming it (sessions/tuning.model_id)."""
     from specrun.backends.llama import LlamaCppBackend
     from specrun.sessions.tuning import model_id
 

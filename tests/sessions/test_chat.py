@@ -487,3 +487,17 @@ def test_chat_with_token_trees_gives_the_chains_answer(pair_args):
     assert 0 < trees["stats"]["accepted"] < trees["stats"]["drafted"], trees["stats"]
     clash = CliRunner().invoke(app, ["chat", *pair_args, "--chain", "--tree-nodes", "8"], input="hi\n")
     assert clash.exit_code == 2 and "--chain and --tree-nodes contradict each other" in clash.output
+
+
+def test_what_the_first_chat_measured_is_noted_once_after_the_first_answer(pair_args):
+    """A first run on a CPU measures flash attention (sessions/kernels.py) for the target and the
+    draft: one note each, after the first answer's statistics, not before it, not again."""
+    result = invoke(*pair_args, "-n", "6", "--each-line", input="hello\nagain\n")
+    assert result.exit_code == 0, result.output
+    lines = result.stderr.splitlines()
+    notes = [i for i, line in enumerate(lines) if line.startswith("note: flash attention")]
+    stats = [i for i, line in enumerate(lines) if " tokens, " in line and "tok/s" in line]
+    assert len(notes) == 2 and len(stats) == 2, lines  # the target's and the draft's, once
+    assert stats[0] < notes[0] < notes[1] < stats[1]
+    again = invoke(*pair_args, "-n", "6", input="hello\n")
+    assert again.exit_code == 0 and "flash attention" not in again.stderr

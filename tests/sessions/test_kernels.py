@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from specrun.errors import SpecrunError
+from specrun.errors import ContextFullError, ModelFileError, SpecrunError
 from specrun.registry.loading import LoadOptions
 from specrun.sessions import kernels
 from specrun.sessions.kernels import FlashCosts, kernels_path, settle_flash_attn
@@ -21,6 +21,8 @@ class StubLlama:
     path = None
     n_ctx = 4096
     n_threads = 2
+    kv_type = "f16"
+    library_version = "llama-cpp-python 0.3.36"
 
     def __init__(self, on: dict[int, float], off: dict[int, float], runs_on_cpu: bool = True, flash_attn=None):
         self.costs = {True: on, False: off} if on else {}
@@ -35,6 +37,22 @@ class StubLlama:
 
     def set_flash_attn(self, on: bool) -> None:
         self.flash_attn = on
+
+
+class FailingLlama(StubLlama):
+    """A timing pass or a re-created context that fails (memory)."""
+
+    def __init__(self, fail_in: str) -> None:
+        super().__init__(*SLOW_ON)
+        self.fail_in = fail_in
+
+    def time_flash_attn(self, depth, counts, budget_s):
+        if self.fail_in == "timing":
+            raise ContextFullError("llama.cpp could not decode a timing pass of 6 tokens", "free memory")
+        return super().time_flash_attn(depth, counts, budget_s)
+
+    def set_flash_attn(self, on: bool) -> None:
+        raise ModelFileError("llama.cpp could not create a context of 4096 tokens", "lower --ctx or free memory")
 
 
 SLOW_ON = ({1: 0.010, 6: 0.030}, {1: 0.009, 6: 0.020})  # on loses both passes (this project's Intel CPU)
@@ -152,3 +170,51 @@ def test_machines_of_one_name_and_size_with_other_processors_measure_apart(monke
     if not names:
         pytest.skip("/proc/cpuinfo names no model here")
     assert fileio.machine_id().endswith("|" + names[0])
+
+
+@pytest.mark.parametrize("fail_in", ["timing", "reopening"])
+def test_a_measurement_that_fails_never_costs_the_run(fail_in):
+    """A pass or a context that fails (memory) leaves llama.cpp's own choice: the run goes on."""
+    backend = FailingLlama(fail_in)
+    assert settle_flash_attn(backend, LoadOptions()) is None
+    assert backend.flash_attn is None
+
+
+def test_the_kv_cache_type_and_the_llama_cpp_build_measure_apart():
+    settle_flash_attn(StubLlama(*SLOW_ON), LoadOptions())
+    f32 = StubLlama(*SLOW_ON)
+    f32.kv_type = "f32"
+    newer = StubLlama(*SLOW_ON)
+    newer.library_version = "llama-cpp-python 0.4.0"
+    for backend in (f32, newer):
+        settle_flash_attn(backend, LoadOptions(kv_type=backend.kv_type))
+        assert backend.timed == 1
+    assert len(json.loads(kernels_path().read_text())["flash_attn"]) == 3
+
+
+@pytest.mark.parametrize(("python_says", "cpuinfo", "expected"), [
+    ("Apple M2", None, "Apple M2"),  # Python's own answer where it has one
+    ("", "processor\t: 0\nmodel name\t: AMD EPYC 9R14\n", "AMD EPYC 9R14"),
+    ("", "Processor\t: ARMv7 Processor rev 4 (v7l)\n", "ARMv7 Processor rev 4 (v7l)"),
+    ("", "flags\t: fpu\n", "?"),  # a cpuinfo that names nothing
+    ("", OSError, "?"),  # no /proc/cpuinfo
+])
+def test_the_processor_is_named_from_python_or_cpuinfo(monkeypatch, tmp_path, python_says, cpuinfo, expected):
+    import builtins
+    import io
+    import platform
+
+    from specrun import fileio
+
+    monkeypatch.setattr(platform, "processor", lambda: python_says)
+    real_open = builtins.open
+
+    def fake_open(path, *args, **kwargs):
+        if path != "/proc/cpuinfo":
+            return real_open(path, *args, **kwargs)
+        if cpuinfo is OSError:
+            raise FileNotFoundError(path)
+        return io.StringIO(cpuinfo)
+
+    monkeypatch.setattr(builtins, "open", fake_open)
+    assert fileio.processor_name() == expected
