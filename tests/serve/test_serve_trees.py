@@ -13,11 +13,13 @@ MAX_TOKENS = 40
 
 @pytest.mark.parametrize("options", [("-m", "lookup+draft", "--tree-nodes", "12", "--branches", "2"),
                                      ("-m", "lookahead", "--lookahead", "3:3:2")])
-def test_served_trees_keep_plain_decoding_s_text(options):
-    """--exact: a tree verified by the server gives plain decoding's tokens, as generate does."""
+def test_served_trees_keep_plain_decoding_s_text(options, tmp_path):
+    """--exact: a tree verified by the server gives plain decoding's tokens, as generate does.
+    The server starts from a config of its own: what generate's run learned on a loaded machine
+    (a draft model that did not pay) would let it start with the drafters off."""
     plain = specrun_json("generate", "-n", str(MAX_TOKENS), "--exact", "-m", "none", PROMPT)[0]
     through_generate = specrun_json("generate", "-n", str(MAX_TOKENS), "--exact", *options, PROMPT)[0]
-    server = start_server("--exact", *options)
+    server = start_server("--exact", *options, env={"XDG_CONFIG_HOME": str(tmp_path / "server_config")})
     try:
         status, body = server.post("/v1/completions", {"model": "demo-target", "prompt": PROMPT,
                                                        "max_tokens": MAX_TOKENS, "temperature": 0})
