@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 # OpenBLAS threads spin against each other (and any background job) on the small
@@ -12,6 +15,12 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 # Tiny models gain nothing from a second llama.cpp thread, and spinning threads collapse
 # (0.4 ms -> 180 ms per token measured here) when anything else holds a core.
 os.environ.setdefault("SPECRUN_THREADS", "1")
+# A config folder of the suite's own before any fixture runs: module- and session-scoped fixtures
+# that run specrun (a bench, a chat) start before isolated_user_config, and would otherwise read
+# and write the user's own tuned.json, learned.json and kernels.json.
+_SUITE_CONFIG = tempfile.mkdtemp(prefix="specrun-tests-config-")
+os.environ["XDG_CONFIG_HOME"] = _SUITE_CONFIG
+atexit.register(shutil.rmtree, _SUITE_CONFIG, True)
 
 import pytest  # noqa: E402
 

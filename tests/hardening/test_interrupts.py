@@ -47,9 +47,13 @@ CALLBACK_SCRIPT = textwrap.dedent(
 
 
 def run_script(mode: str) -> subprocess.CompletedProcess:
+    """The script with SIGINT at its default on entry: a suite started in the background by a
+    non-interactive shell (`make test &`) ignores SIGINT, every child inherits that, and Python
+    then installs no KeyboardInterrupt handler at all, so the "plain" case could not happen."""
     return subprocess.run(
         [sys.executable, "-c", CALLBACK_SCRIPT, mode], capture_output=True, text=True, timeout=60,
         env={**os.environ, "PYTHONPATH": str(ROOT)},
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
 
 

@@ -106,17 +106,6 @@ def test_gpus_mlx_and_models_without_flash_attention_keep_their_own_choice():
     assert unsupported.timed == 1 and unsupported.flash_attn is None and not kernels_path().exists()
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root writes through read-only folders")
-def test_a_read_only_config_folder_costs_a_measurement_per_run_not_the_run(tmp_path, monkeypatch):
-    config = tmp_path / "config"
-    (config / "specrun").mkdir(parents=True)
-    (config / "specrun").chmod(0o500)
-    monkeypatch.setenv("XDG_CONFIG_HOME", str(config))
-    backend = StubLlama(*SLOW_ON)
-    assert settle_flash_attn(backend, LoadOptions()) is not None and backend.flash_attn is False
-    assert not kernels_path().exists()
-
-
 def test_a_config_folder_that_cannot_be_written_costs_a_measurement_per_run_not_the_run(tmp_path, monkeypatch):
     blocker = tmp_path / "not_a_folder"
     blocker.write_text("a file where the config folder would be")
