@@ -63,22 +63,13 @@ def model_params_for(llama_cpp):
     return params
 
 
-_GPU_DEVICE, _IGPU_DEVICE = 1, 2  # enum ggml_backend_dev_type
-
-
 @functools.cache
 def has_local_gpu() -> bool:
     """Does llama.cpp see a GPU on this machine (discrete or integrated)? Its
-    ``llama_supports_gpu_offload`` also says yes for a CPU-only build with RPC. (RPC servers'
-    devices are listed only once a server is added, and are not this machine's.)"""
-    from llama_cpp import _ggml  # the library llama-cpp-python itself loaded
+    ``llama_supports_gpu_offload`` also says yes for a CPU-only build with RPC."""
+    from specrun.backends.llama_rpc import _Ggml
 
-    lib = _ggml.libggml
-    count, get, kind = lib.ggml_backend_dev_count, lib.ggml_backend_dev_get, lib.ggml_backend_dev_type
-    count.argtypes, count.restype = [], ctypes.c_size_t
-    get.argtypes, get.restype = [ctypes.c_size_t], ctypes.c_void_p
-    kind.argtypes, kind.restype = [ctypes.c_void_p], ctypes.c_int
-    return any(kind(get(i)) in (_GPU_DEVICE, _IGPU_DEVICE) for i in range(count()))
+    return bool(_Ggml(_import_llama_cpp(), rpc=False).local_accelerators())
 
 _log_callback = None  # kept alive for as long as llama.cpp may call it
 

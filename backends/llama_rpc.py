@@ -82,9 +82,10 @@ def parse_endpoints(text: str) -> tuple[str, ...]:
 
 
 class _Ggml:
-    """The few ggml-backend calls RPC needs, from the ggml library llama-cpp-python loads."""
+    """The few ggml-backend calls RPC needs, from the ggml library llama-cpp-python loads.
+    ``rpc`` False: the device calls only (``local_accelerators``), on any build."""
 
-    def __init__(self, llama_cpp) -> None:
+    def __init__(self, llama_cpp, rpc: bool = True) -> None:
         from llama_cpp import _ggml  # the library llama-cpp-python itself loaded
 
         lib = self.lib = _ggml.libggml
@@ -105,6 +106,8 @@ class _Ggml:
         ):
             function = getattr(lib, name)
             function.argtypes, function.restype = args, result
+        if not rpc:
+            return
         if not llama_cpp.llama_supports_rpc():  # also loads ggml's backends
             raise BackendUnavailableError("this llama-cpp-python was built without llama.cpp's RPC backend",
                                           REBUILD_FIX)

@@ -32,6 +32,7 @@ from specrun.fileio import (
     MiB, checked_number, machine_id, read_settings_document, stored_entry, write_atomically,
 )
 from specrun.registry.loading import LoadOptions, open_draft, open_pair
+from specrun.sessions.tuning import config_path, model_id
 
 KERNELS_VERSION = 1
 PROBE_DEPTH = 256  # tokens before the timed passes: a short chat's context
@@ -72,8 +73,6 @@ class FlashCosts:
 
 def kernels_path() -> Path:
     """Where the measured costs are kept: beside tune's and the runs' own files."""
-    from specrun.sessions.tuning import config_path
-
     return config_path().with_name("kernels.json")
 
 
@@ -138,8 +137,6 @@ def settle_flash_attn(backend, options: LoadOptions) -> str | None:
         return None
     if backend.flash_attn is not None or not backend.runs_on_cpu:
         return None
-    from specrun.sessions.tuning import model_id
-
     model, machine, threads = model_id(backend), machine_id(), backend.n_threads
     key = costs_key(model, machine, threads, f"kv={backend.kv_type}|{backend.library_version}")
     costs = load_costs(key)
