@@ -173,14 +173,19 @@ def test_unknown_routes_and_methods_get_error_objects(demo_server):
 
 
 def _raw_exchange(server, head: bytes, body_parts: list[bytes]) -> bytes:
-    """Send a request's head and some body, then read what the server answers (never the rest)."""
+    """Send a request's head and some body, then read what the server answers (never the rest).
+    The server closes with the body's rest unread, so the kernel may end the connection with a
+    reset once the answer is sent: what arrived before it is the answer."""
     with socket.create_connection(server.host_port, timeout=10) as sock:
-        sock.sendall(head)
-        for part in body_parts:
-            sock.sendall(part)
         answer = b""
-        while chunk := sock.recv(65536):
-            answer += chunk
+        try:
+            sock.sendall(head)
+            for part in body_parts:
+                sock.sendall(part)
+            while chunk := sock.recv(65536):
+                answer += chunk
+        except ConnectionResetError:
+            pass
     return answer
 
 
