@@ -30,6 +30,11 @@ class DraftModelDrafter(Drafter):
     probability (the top probability of the draft's distribution) is below it, since
     such a token is likely rejected and costs a draft pass and a verify position.
     0 drafts the full length. Stopping early never changes the output, only speed.
+
+    Drafting also ends at an end-of-text token: what follows it is verified only if the
+    target accepts the end too, and then generation stops and throws it away. At the end
+    of every answer the draft drafted on past it: on a 17-token answer of the real model,
+    a draft of 8 tokens cost ~100 ms of a ~310 ms plain answer.
     """
 
     name = "draft"
@@ -43,6 +48,7 @@ class DraftModelDrafter(Drafter):
         self.branches = branches
         self.sequence = sequence_for(backend)
         self.target_vocab_size = backend.vocab.size  # the target's (bind), when padding makes it differ
+        self.stop_ids: frozenset[int] = frozenset(backend.vocab.eos_ids)  # the target's (bind)
         self.clock: Callable[[], float] = perf_counter  # the engine's own clock (bind)
         # Of the latest call, the seconds spent reading context this model did not draft
         # (what other drafters proposed and the target accepted): a cost of switching to it,
@@ -51,6 +57,7 @@ class DraftModelDrafter(Drafter):
 
     def bind(self, target: KVSequence, clock: Callable[[], float]) -> None:
         self.target_vocab_size = target.backend.vocab.size
+        self.stop_ids = frozenset(target.backend.vocab.eos_ids)
         self.clock = clock
 
     def propose(
@@ -89,6 +96,8 @@ class DraftModelDrafter(Drafter):
                 rows.append(p_draft)
                 distributions.append(p_draft)
             tokens.append(token)
+            if token in self.stop_ids:
+                break
             pending = [token]
         proposal = Proposal(tuple(tokens), tuple(rows), source=self.name)
         return second_guesses(proposal, distributions, self.branches, sampling, rng) if self.branches else proposal
@@ -139,11 +148,15 @@ class DraftModelDrafter(Drafter):
     def _greedy_ids(self, pending: list[int], draft_len: int) -> tuple[int, ...]:
         """``draft_len`` greedy ids, chained on the device where the backend can (one sync)."""
         if getattr(self.backend, "forward_greedy", None) is not None:
-            return tuple(int(t) for t in self.sequence.feed_greedy(pending, draft_len))
+            ids = [int(t) for t in self.sequence.feed_greedy(pending, draft_len)]
+            end = next((i for i, token in enumerate(ids) if token in self.stop_ids), None)
+            return tuple(ids if end is None else ids[: end + 1])  # drafted on the device: verify no more
         tokens = []
         for _ in range(draft_len):
             token = int(self.sequence.feed_argmax(pending, [len(pending) - 1])[0])
             tokens.append(token)
+            if token in self.stop_ids:
+                break
             pending = [token]
         return tuple(tokens)
 

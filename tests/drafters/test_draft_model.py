@@ -77,6 +77,35 @@ def test_confidence_stops_keep_greedy_output_identical():
     assert spec.stats.draft_min_prob == 0.6 and spec.stats.to_dict()["draft_min_prob"] == 0.6
 
 
+@pytest.mark.parametrize("chaining", [False, True])
+@pytest.mark.parametrize("sampled", [False, True])
+def test_drafting_ends_at_an_end_of_text_token(chaining, sampled):
+    """What follows an end-of-text token is thrown away whenever the target accepts the end:
+    drafting stops there, the end itself proposed (on the device, the chain is cut after it)."""
+    backend_type = ChainingFake if chaining else FakeBackend
+    drafter = DraftModelDrafter(backend_type(confidence_table(10, {}), 10, eos_ids=(5,)))
+    sampling = SamplingSettings(temperature=0.01, seed=0) if sampled else GREEDY
+    assert drafter.propose([0, 1], 8, sampling, np.random.default_rng(0)).tokens == (2, 3, 4, 5)
+    # The target's end-of-text ids are the ones that count (bind).
+    drafter.bind(SpeculativeEngine(FakeBackend(confidence_table(10, {}), 10, eos_ids=(7,))).target, lambda: 0.0)
+    assert drafter.propose([0, 1], 8, sampling, np.random.default_rng(0)).tokens == (2, 3, 4, 5, 6, 7)
+
+
+def test_an_answer_ending_in_a_draft_is_the_plain_answer():
+    target_table = hashed_logits(40, salt=11, spread=2.0)  # the end comes mid-draft (salt 7: at a bonus token)
+    prompt = [1, 2, 3, 4]
+    plain = SpeculativeEngine(FakeBackend(target_table, 40, eos_ids=(9,))).run(prompt, GenerationParams(200, draft_len=0))
+    assert plain.token_ids[-1] == 9 and len(plain.token_ids) < 200  # the plain answer ends itself
+    drafter = DraftModelDrafter(FakeBackend(target_table, 40, eos_ids=(9,)))
+    spec = SpeculativeEngine(FakeBackend(target_table, 40, eos_ids=(9,)), drafter).run(
+        prompt, GenerationParams(200, draft_len=8))
+    assert spec.token_ids == plain.token_ids
+    # Every step emits its accepted drafts and one token of the target's, but the last, whose
+    # accepted end emits no more: no draft went past the end (before: 64 + 9 for 71 tokens).
+    assert spec.stats.drafted == spec.stats.accepted
+    assert spec.stats.accepted + spec.stats.steps == len(spec.token_ids) + 1
+
+
 def test_methods_pass_the_confidence_stop_to_the_draft_model():
     drafter = build_drafter("lookup+draft", FakeBackend(confidence_table(10, {}), 10), DrafterOptions(draft_min_prob=0.3))
     assert drafter.drafters[-1].min_prob == 0.3
