@@ -185,6 +185,9 @@ def render(results) -> Group:
         blocks.append(Text(f"  machine {result.machine}"))
         blocks.append(Text(f"  best fixed draft length (-k) {best}, confidence stop {stop}, speed-up {result.speedup:.2f}×"))
         blocks.append(Text(f"  draft tokens accepted {acceptance}"))
+        if result.acceptance_by_position:
+            curve = " ".join(f"{100 * share:.0f}%" for _, share in sorted(result.acceptance_by_position.items()))
+            blocks.append(Text(f"  accepted by draft position (the ones before it accepted): {curve}"))
         table = Table(box=box.SIMPLE_HEAD, padding=(0, 1))
         table.add_column("setting")
         table.add_column("tok/s", justify="right")

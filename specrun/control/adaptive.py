@@ -316,6 +316,9 @@ class DraftLengthController:
     prior_accept: float = 0.9  # acceptance assumed before any evidence (optimistic: steps correct it)…
     prior_weight: float = 2.0  # …worth this many observations
     prior_measured: bool = False  # prior_accept was measured on this pair (`specrun tune`), not assumed
+    # Measured acceptance by draft position (earlier runs', `specrun tune`'s): each position's
+    # prior where present, in place of the estimate of the position before it.
+    prior_curve: dict[int, float] = field(default_factory=dict)
     probe_len: int = PAID_PROBE_LEN
     fixed: bool = False  # always max_draft_len, or 0 while plain decoding is faster (a fixed chain's gate)
     ramp_up: bool = False  # lengths grow with the evidence, not the prior (the engine's controllers)
@@ -330,6 +333,11 @@ class DraftLengthController:
     def __post_init__(self) -> None:
         self.tried = [0.0] * (self.max_draft_len + 1)  # index i: draft position i (1-based)
         self.accepted = [0.0] * (self.max_draft_len + 1)
+        # The same, undecayed: what the whole run saw, kept for later processes (learn_from_run).
+        # Decayed, a position the controller stopped drafting at fades to the prior, and the
+        # run would pass on the optimism that drafting there disproved.
+        self.seen_tried = [0.0] * (self.max_draft_len + 1)
+        self.seen_accepted = [0.0] * (self.max_draft_len + 1)
         self.probe_gap = self.first_probe_gap
         self.steps_since_probe = 0
         self._speculating = True
@@ -367,13 +375,25 @@ class DraftLengthController:
         estimate of the one before it: positions never drafted yet inherit what was
         learned short of them (a lookup that is always right at 1..4 is presumed right at
         5..8 too, a weak draft presumed weak), instead of sitting at the prior for good
-        because the controller never drafts that far.
+        because the controller never drafts that far. A position ``prior_curve`` holds is
+        smoothed towards its value measured there instead (earlier runs', `specrun tune`'s):
+        from its first token's acceptance alone, every fresh process presumed a draft
+        model's deeper tokens as sure as its first, and paid to learn otherwise.
         """
+        return self._smoothed(self.tried, self.accepted, limit)
+
+    def seen_acceptances(self) -> list[float]:
+        """``acceptances`` over all the evidence this controller saw, undecayed (index 0 unused)."""
+        return self._smoothed(self.seen_tried, self.seen_accepted, self.max_draft_len)
+
+    def _smoothed(self, tried: list[float], accepted: list[float], limit: int) -> list[float]:
         estimates = [1.0]
         prior = self.prior_accept
+        curve = self.prior_curve
         for position in range(1, limit + 1):
-            weight = self.tried[position] + self.prior_weight
-            prior = prior if weight == 0.0 else (self.accepted[position] + prior * self.prior_weight) / weight
+            prior = curve.get(position, prior)
+            weight = tried[position] + self.prior_weight
+            prior = prior if weight == 0.0 else (accepted[position] + prior * self.prior_weight) / weight
             estimates.append(prior)
         return estimates
 
@@ -530,8 +550,10 @@ class DraftLengthController:
         for position in range(first_position, min(drafted, self.max_draft_len) + 1):
             if position <= accepted + 1:
                 self.tried[position] += 1.0
+                self.seen_tried[position] += 1.0
             if position <= accepted:
                 self.accepted[position] += 1.0
+                self.seen_accepted[position] += 1.0
 
     def _update_gate(self, probed: bool) -> None:
         """New evidence: the gate is decided again when next consulted (once per step, not

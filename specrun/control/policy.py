@@ -153,6 +153,7 @@ class AdaptivePolicy:
         self.draft_costs: dict[str, DraftCosts] = {}  # by drafter name
         self.controllers: dict[str, DraftLengthController] = {}  # by source, or "source:kind"
         self.prior_accepts: dict[str, float] = {}  # by drafter name: measured first-token acceptance
+        self.prior_curves: dict[str, dict[int, float]] = {}  # by drafter name: measured acceptance by position
         self.gate = SpeculationGate()
         self._scores = ProposalScores()  # cheap proposals awaiting the output that settles them
         self.branch_rates: dict[str, BranchRates] = {}  # by source: how often its second guesses are right
@@ -178,16 +179,20 @@ class AdaptivePolicy:
         draft_costs: dict[str, dict[int, float]],
         prior_accepts: dict[str, float] | None = None,
         start_off: dict[str, int] | None = None,
+        prior_curves: dict[str, dict[int, float]] | None = None,
     ) -> None:
         """Start from what `specrun tune` (or earlier runs) measured: the target's verify costs
         and, by drafter name, seconds to draft k tokens and how often its first token is
         accepted (its controllers' prior, in place of the optimistic
         DraftLengthController.prior_accept). ``start_off``: drafters that earlier runs left
-        switched off, and the probe gap they had reached: the first text starts them off."""
+        switched off, and the probe gap they had reached: the first text starts them off.
+        ``prior_curves``: by drafter name, the acceptance measured at each draft position
+        (DraftLengthController.prior_curve)."""
         self.target_costs.preload(target_costs)
         for source, seconds in draft_costs.items():
             self.draft_costs.setdefault(source, DraftCosts()).preload(seconds)
         self.prior_accepts.update(prior_accepts or {})
+        self.prior_curves.update(prior_curves or {})
         self._start_off = dict(start_off or {})
         self.controllers.clear()  # rebuilt on the new priors
 
@@ -497,21 +502,26 @@ class AdaptivePolicy:
         """The drafter (or chain member) whose proposals carry ``source``, if any."""
         return next((m for m in self.drafter.members if m.name == source), None)
 
-    def _prior(self, source: str, kind: str) -> tuple[float, bool]:
-        """The acceptance a controller presumes before evidence, and whether it was measured.
+    def _prior(self, source: str, kind: str) -> tuple[float, bool, dict[int, float]]:
+        """The acceptance a controller presumes before evidence, whether it was measured, and
+        the acceptance measured by draft position (empty if none).
 
         The drafter's prior for the proposal's kind where it declares one (prompt lookup, by
-        the length of the n-gram matched); else what `specrun tune` measured for the drafter;
-        else the prior the drafter declares for all its proposals (kind ""; the n-gram pool);
-        else the controllers' default.
+        the length of the n-gram matched); else what `specrun tune` or earlier runs measured
+        for the drafter (its first token's, and its curve by position); else the prior the
+        drafter declares for all its proposals (kind ""; the n-gram pool); else the
+        controllers' default.
         """
         member = self._member(source)
         declared = member.kind_priors if member is not None else {}
         if kind and kind in declared:
-            return declared[kind], False
+            return declared[kind], False, {}
+        curve = self.prior_curves.get(source, {})
         if source in self.prior_accepts:
-            return self.prior_accepts[source], True
-        return declared.get("", DraftLengthController.prior_accept), False
+            return self.prior_accepts[source], True, curve
+        if curve:
+            return curve.get(1, DraftLengthController.prior_accept), True, curve
+        return declared.get("", DraftLengthController.prior_accept), False, {}
 
     def _counts_draft_time(self, source: str) -> bool:
         """Is a source's drafting time charged to the lengths it drafts (a draft model), or
@@ -524,7 +534,7 @@ class AdaptivePolicy:
         controller = self.controllers.get(key)
         if controller is None or (controller.max_draft_len, controller.fixed) != (self.max_draft_len, fixed):
             paid = self._counts_draft_time(source)
-            prior, measured = self._prior(source, kind)
+            prior, measured, curve = self._prior(source, kind)
             controller = DraftLengthController(
                 max_draft_len=self.max_draft_len,
                 fixed=fixed,
@@ -537,6 +547,7 @@ class AdaptivePolicy:
                 probe_len=PAID_PROBE_LEN if paid else CHEAP_PROBE_LEN,
                 prior_accept=prior,
                 prior_measured=measured,
+                prior_curve=curve,
             )
             carried = self._carried_gaps.pop(key, None)
             if carried is None and not fixed:  # a length the user fixed (-k) drafts until this run says otherwise

@@ -40,6 +40,9 @@ class Stats:
     drafted: int = 0
     accepted: int = 0
     accepted_hist: list[int] = field(default_factory=list)  # [n] = steps that accepted n drafts
+    # [i] = steps whose chain drafted a position i verified with every one before it accepted
+    # (acceptance at position i: sum(accepted_hist[i:]) / reached_hist[i]; `specrun tune` keeps it)
+    reached_hist: list[int] = field(default_factory=list)
     prefill_seconds: float = 0.0  # reading the prompt: the target's pass and the drafters' (a draft model's too)
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
@@ -61,6 +64,11 @@ class Stats:
         if len(self.accepted_hist) <= accepted:
             self.accepted_hist.extend([0] * (accepted + 1 - len(self.accepted_hist)))
         self.accepted_hist[accepted] += 1
+        reached = min(drafted, accepted + 1)
+        if len(self.reached_hist) <= reached:
+            self.reached_hist.extend([0] * (reached + 1 - len(self.reached_hist)))
+        for position in range(1, reached + 1):
+            self.reached_hist[position] += 1
 
     def add(self, other: Stats) -> None:
         """Add another generation's counts and timings (a chat's answers summed up)."""
@@ -76,6 +84,8 @@ class Stats:
         self.near_ties += other.near_ties
         self.accepted_hist = [a + b for a, b in itertools.zip_longest(self.accepted_hist, other.accepted_hist,
                                                                        fillvalue=0)]
+        self.reached_hist = [a + b for a, b in itertools.zip_longest(self.reached_hist, other.reached_hist,
+                                                                      fillvalue=0)]
         for source, counts in other.by_source.items():
             self.by_source.setdefault(source, SourceCounts()).add(counts.steps, counts.drafted, counts.accepted)
 

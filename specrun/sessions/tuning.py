@@ -5,11 +5,12 @@ per prompt); a second round tries confidence stops (drafting ends before a token
 draft is less sure of than a threshold) at the best length and at the longest, again
 side by side with plain decoding. It records the tokens/s of each, the target's verify
 cost T(n), the draft model's drafting cost per length, its overall acceptance and how
-often its first token is accepted. The result is saved in the user config, keyed by the
-two model files and this machine; a later ``--method draft`` run uses the best draft
-length when none is given (a chain keeps its own), and controllers (``--method auto``, a
-fixed chain's gate) start from the measured target and draft costs instead of exploring
-them, and from the measured first-token acceptance instead of an optimistic prior.
+often its first token is accepted, and how often each draft position is (given the ones
+before it were). The result is saved in the user config, keyed by the two model files and
+this machine; a later ``--method draft`` run uses the best draft length when none is given
+(a chain keeps its own), and controllers (``--method auto``, a fixed chain's gate) start
+from the measured target and draft costs instead of exploring them, and from the measured
+acceptance by position instead of an optimistic prior.
 """
 
 from __future__ import annotations
@@ -56,6 +57,11 @@ class TuneResult:
     # The chance the draft model's first token is accepted, over round 1's drafting steps
     # (0: not measured, files from before it was saved).
     first_acceptance: float = 0.0
+    # The chance the draft model's token at each draft position is accepted, given the ones
+    # before it were (position -> share; empty: not measured, files from before it was saved).
+    # From the first alone, every process presumed the later ones as sure, and paid to learn
+    # otherwise where they were not.
+    acceptance_by_position: dict[int, float] = field(default_factory=dict)
     learned: bool = False  # measured by ordinary runs (learned.json), not calibrated by `specrun tune`
     # The draft model ended the last run switched off, to be probed after this many steps
     # (0: it ended on): the next process starts it off instead of exploring it again.
@@ -75,6 +81,7 @@ class TuneResult:
             {name: self.draft_costs},
             {name: self.first_acceptance} if self.first_acceptance > 0.0 else {},
             {name: self.draft_off_gap} if self.draft_off_gap else {},
+            {name: dict(self.acceptance_by_position)} if self.acceptance_by_position else {},
         )
         if self.gate_off_gap:
             engine.policy.start_gate_off(self.gate_off_gap)
@@ -93,13 +100,18 @@ def learned_path() -> Path:
 # A run's draft model must have drafted this many steps (decayed) for its first-token
 # acceptance to be kept; fewer are a probe or two, too few to stand for the pair.
 MIN_LEARNED_STEPS = 4.0
+# A draft position's estimate is kept once the run tried it this many times.
+MIN_POSITION_TRIES = 2.0
 
 
 def learn_from_run(engine: SpeculativeEngine, target: Backend, draft: Backend | None, key: str,
                    earlier: TuneResult | None) -> TuneResult | None:
     """What a finished run measured, as a result later runs start from, as from a tune's:
     the target's and the draft model's costs, how often the draft model's first token was
-    accepted (blended with ``earlier``'s), and whether it ended switched off. A draft model
+    accepted (blended with ``earlier``'s), its controller's acceptance estimate at each
+    position it drafted, over the whole run (the estimate starts from ``earlier``'s, so
+    it blends them; positions this run did not reach keep ``earlier``'s), and whether it
+    ended switched off. A draft model
     that does not pay on this machine then starts the next process off, probed after the
     gap it had reached, instead of explored afresh in every one. None when the run measured
     nothing of the draft model. With no draft model (``draft`` None): the target's own entry."""
@@ -114,7 +126,11 @@ def learn_from_run(engine: SpeculativeEngine, target: Backend, draft: Backend | 
     if controller is not None and controller.tried[1] >= MIN_LEARNED_STEPS:
         measured = controller.accepted[1] / controller.tried[1]
         first = measured if first == 0.0 else (first + measured) / 2
+    curve = dict(earlier.acceptance_by_position) if earlier is not None else {}
     if controller is not None:
+        estimates = controller.seen_acceptances()
+        curve.update({position: estimates[position] for position in range(1, controller.max_draft_len + 1)
+                      if controller.seen_tried[position] >= MIN_POSITION_TRIES})
         off_gap = 0 if controller.speculating else controller.probe_gap
     else:  # the run never asked it (it started off and was never probed): as it was
         off_gap = earlier.draft_off_gap if earlier is not None else 0
@@ -128,6 +144,7 @@ def learn_from_run(engine: SpeculativeEngine, target: Backend, draft: Backend | 
         target_costs=dict(engine.policy.target_costs.seconds),
         draft_costs=dict(costs.seconds),
         first_acceptance=first,
+        acceptance_by_position=dict(sorted(curve.items())),
         learned=True,
         draft_off_gap=off_gap,
     )
@@ -212,6 +229,7 @@ def calibrate(
         best_min_prob=best_min_prob,
         draft_costs={lengths[name][0]: cost for name, stats in totals.items() if (cost := _draft_cost(stats))},
         first_acceptance=_first_acceptance(drafting),
+        acceptance_by_position=_acceptance_by_position(drafting),
     )
 
 
@@ -225,6 +243,19 @@ def _first_acceptance(drafting: list[Stats]) -> float:
     steps = sum(_drafting_steps(stats) for stats in drafting)
     first_right = sum(sum(stats.accepted_hist[1:]) for stats in drafting)
     return first_right / steps if steps else 0.0
+
+
+def _acceptance_by_position(drafting: list[Stats]) -> dict[int, float]:
+    """Of the drafting steps that reached each draft position (drafted it, all before it
+    accepted), the share that accepted it too (Stats.reached_hist)."""
+    reached: dict[int, int] = {}
+    right: dict[int, int] = {}
+    for stats in drafting:
+        for position, count in enumerate(stats.reached_hist):
+            if position and count:
+                reached[position] = reached.get(position, 0) + count
+                right[position] = right.get(position, 0) + sum(stats.accepted_hist[position:])
+    return {position: right[position] / count for position, count in sorted(reached.items())}
 
 
 def _draft_cost(stats: Stats) -> float | None:
@@ -366,10 +397,13 @@ def _checked_result(raw) -> TuneResult:
     for name in ("target_costs", "draft_costs"):
         if name in values:
             values[name] = _mapping(name, values[name], int, MIN_SECONDS)
+    if "acceptance_by_position" in values:
+        values["acceptance_by_position"] = _mapping("acceptance_by_position", values["acceptance_by_position"],
+                                                    int, 0, 1)
     return TuneResult(**values)  # TypeError names a missing field
 
 
-def _mapping(name: str, value, key_type: type, low: float) -> dict:
+def _mapping(name: str, value, key_type: type, low: float, high: float = MAX_MEASURE) -> dict:
     """A stored {name: seconds or rate}; keys are token counts (``int``, stored as strings) or names."""
     if not isinstance(value, dict):
         raise TypeError(f"{name} is not an object")
@@ -379,5 +413,5 @@ def _mapping(name: str, value, key_type: type, low: float) -> dict:
             if not key.isdigit() or not 0 < int(key) <= MAX_COST_TOKENS:
                 raise ValueError(f"{name} has a key {key!r} that is not a token count")
             key = int(key)
-        checked[key] = checked_number(f"{name}[{key}]", number, low, MAX_MEASURE)
+        checked[key] = checked_number(f"{name}[{key}]", number, low, high)
     return checked

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from fake_models import hashed_logits
 from fake_models import VOCAB, CostedFake, SimClock, agreeing_draft
 
 from specrun.sessions import tuning
 from specrun.drafters.draft_model import DraftModelDrafter
 from specrun.engine.loop import GenerationParams, SpeculativeEngine
+from specrun.engine.stats import Stats
 from specrun.sessions.generation import load_tuned, remember_run
 
 
@@ -79,3 +82,84 @@ def test_a_learned_start_off_applies_to_adaptive_lengths_only():
         params = GenerationParams(40, draft_len=2, adaptive=adaptive)
         drafted[adaptive] = engine.run([1, 2, 3], params, complete_cache=False).stats.drafted
     assert drafted[True] == 0 and drafted[False] > 0
+
+
+# ---- acceptance by draft position ----------------------------------------------------------
+class SureFirstDrafter(DraftModelDrafter):
+    """A draft model whose first token is always the target's and every later one wrong: the
+    shape of a self-draft, whose first token is right far more often than its deeper ones,
+    drawn to the extreme."""
+
+    def propose(self, context, draft_len, sampling, rng):
+        proposal = super().propose(context, draft_len, sampling, rng)
+        tokens = proposal.tokens[:1] + tuple((token + 1) % VOCAB for token in proposal.tokens[1:])
+        return replace(proposal, tokens=tokens)
+
+
+def sure_first_pair():
+    """The target's one-token pass 1.05 s, a draft pass 0.9 s: drafting one token pays (2 tokens
+    in 2.0 s against 1 in 1.05 s); two or more do not (2 in 2.95 s). Presumed as sure as the
+    first, the later positions would make 8 look best (9 tokens in 8.65 s)."""
+    clock = SimClock()
+    table = hashed_logits(VOCAB, salt=13, spread=3.0)
+    return CostedFake(table, clock, 1.0, 0.05), CostedFake(table, clock, 0.9, 0.0), clock
+
+
+def draft_lengths(target, draft, clock, tuned, tokens=60) -> list[int]:
+    """The draft lengths a fresh process's draft model drafted, step by step."""
+    engine = SpeculativeEngine(target, SureFirstDrafter(draft), clock=clock)
+    if tuned is not None:
+        tuned.apply(engine)
+    steps = engine.steps([1, 2, 3], GenerationParams(tokens, draft_len=16, adaptive=True), Stats())
+    return [step.n_drafted for step in steps if step.source == DraftModelDrafter.name]
+
+
+def test_a_run_keeps_the_draft_models_acceptance_at_each_position():
+    target, draft, clock = sure_first_pair()
+    engine = SpeculativeEngine(target, SureFirstDrafter(draft), clock=clock)
+    engine.run([1, 2, 3], GenerationParams(200, draft_len=16, adaptive=True), complete_cache=False)
+    learned = tuning.learn_from_run(engine, target, draft, "key", None)
+    curve = learned.acceptance_by_position
+    assert learned.first_acceptance > 0.9 and curve[1] > 0.9  # the first token: always right
+    assert curve[2] <= 0.5  # the second: never right (the prior's weight is what keeps it above 0)
+    controller = engine.policy.controllers[DraftModelDrafter.name]
+    assert all(controller.seen_tried[position] >= tuning.MIN_POSITION_TRIES for position in curve)
+    # The positions this run never drafted keep what an earlier run measured there.
+    earlier = replace(learned, acceptance_by_position={**curve, 15: 0.25})
+    assert tuning.learn_from_run(engine, target, draft, "key", earlier).acceptance_by_position[15] == 0.25
+
+
+def test_a_learned_curve_starts_the_next_process_at_the_length_that_pays():
+    """From the first token's acceptance alone, a fresh process presumes every later position as
+    sure, drafts 2 then 4 and pays to find them half right; from the curve, it drafts 1."""
+    target, draft, clock = sure_first_pair()
+    engine = SpeculativeEngine(target, SureFirstDrafter(draft), clock=clock)
+    engine.run([1, 2, 3], GenerationParams(200, draft_len=16, adaptive=True), complete_cache=False)
+    learned = tuning.learn_from_run(engine, target, draft, "key", None)
+
+    with_curve = draft_lengths(target, draft, clock, learned)
+    assert with_curve and set(with_curve) == {1}
+    first_only = draft_lengths(target, draft, clock, replace(learned, acceptance_by_position={}))
+    assert max(first_only) >= 2
+    # The controller's estimates are the curve's before any evidence.
+    fresh = SpeculativeEngine(target, SureFirstDrafter(draft), clock=clock)
+    learned.apply(fresh)
+    fresh.policy.max_draft_len = 16
+    controller = fresh.policy._controller_for(DraftModelDrafter.name)
+    assert controller.prior_measured
+    assert controller.acceptances(2)[1:] == [learned.acceptance_by_position[1], learned.acceptance_by_position[2]]
+
+
+def test_a_curve_alone_is_a_measured_prior():
+    """A curve with no first-token figure (a hand-edited file) still seeds the controller."""
+    from specrun.control.policy import AdaptivePolicy
+
+    target, draft, _ = sure_first_pair()
+    policy = AdaptivePolicy()
+    policy.set_drafter(DraftModelDrafter(draft))
+    policy.use_tuned({}, {}, prior_curves={DraftModelDrafter.name: {1: 0.6, 3: 0.2}})
+    policy.max_draft_len = 4
+    controller = policy._controller_for(DraftModelDrafter.name)
+    assert controller.prior_accept == 0.6 and controller.prior_measured
+    # Position 2, not measured, inherits position 1's estimate; position 3 has its own.
+    assert controller.acceptances(4)[1:] == [0.6, 0.6, 0.2, 0.2]

@@ -32,6 +32,9 @@ def test_a_good_file_loads(tmp_path):
     write(path, entry_with())
     loaded = tuning.load(KEY, path)
     assert loaded.best_draft_len == 3 and loaded.target_costs == {1: 0.01, 4: 0.012}
+    assert loaded.acceptance_by_position == {}  # files from before it was kept
+    write(path, entry_with(acceptance_by_position={"1": 0.97, "2": 0.0}))
+    assert tuning.load(KEY, path).acceptance_by_position == {1: 0.97, 2: 0.0}
 
 
 WRONG_SHAPES = {
@@ -52,6 +55,9 @@ WRONG_SHAPES = {
     "learned is a number": entry_with(learned=3),
     "not finite": '{"version": 2, "pairs": {"pair-a": {"speedup": NaN}}}',
     "version is a list": {"version": [2], "pairs": {}},
+    "acceptance by position above one": entry_with(acceptance_by_position={"1": 0.9, "2": 1.5}),
+    "acceptance by position at position 0": entry_with(acceptance_by_position={"0": 0.9}),
+    "acceptance by position is a list": entry_with(acceptance_by_position=[0.9, 0.8]),
 }
 
 

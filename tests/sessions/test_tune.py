@@ -30,6 +30,7 @@ def test_tune_saves_and_generate_uses_the_best_settings(config_home, tiny_llama)
     rates = entry["tokens_per_second"]
     assert {"none", *(f"draft k={k}" for k in (1, 2, 3, 4, 6, 8))} <= set(rates)
     assert entry["acceptance"] == 1.0 and entry["first_acceptance"] == 1.0  # draft == target
+    assert entry["acceptance_by_position"] == {str(position): 1.0 for position in range(1, 9)}
     # Whether speculation pays with a draft as costly as the target is for the clock to say;
     # round 2 (confidence stops, beside plain decoding again) runs only when it did.
     if entry["best_draft_len"]:
@@ -103,7 +104,7 @@ def test_tune_table_shows_each_setting_beside_its_rounds_plain_decoding_in_80_co
              "none (round 2)": 210.0, "draft k=1 (round 2)": 252.0, "draft k=8 p>=0.5": 189.0}
     result = TuneResult("k", "target-model.q4_k_m.gguf:4920000000", "draft-model.q4_k_m.gguf:700000000",
                         "host|x86_64|2 cpus|?", best_draft_len=1, speedup=1.2, tokens_per_second=rates,
-                        acceptance=0.4, first_acceptance=0.66)
+                        acceptance=0.4, first_acceptance=0.66, acceptance_by_position={1: 0.66, 2: 0.5, 3: 0.25})
     console = Console(width=80, record=True, color_system=None)
     console.print(render([result]))
     lines = console.export_text().splitlines()
@@ -117,6 +118,7 @@ def test_tune_table_shows_each_setting_beside_its_rounds_plain_decoding_in_80_co
     text = "\n".join(lines)
     assert "best fixed draft length (-k) 1, confidence stop none, speed-up 1.20×" in text
     assert "draft tokens accepted 40% (first token 66%)" in text
+    assert "accepted by draft position (the ones before it accepted): 66% 50% 25%" in text
     assert "target-model.q4_k_m.gguf:4920000000  +  draft-model.q4_k_m.gguf:700000000" in text
 
 
@@ -165,6 +167,10 @@ def test_calibration_picks_the_fastest_length_then_the_fastest_stop(monkeypatch,
     assert result.draft_costs == pytest.approx({k: 0.001 * k for k in (1, 2, 3, 4, 6, 8)})
     # first token accepted on the steps of k = 2..8, not on k = 1's (it accepted k - 1 = 0)
     assert result.first_acceptance == pytest.approx(5 / 6)
+    # Each position is reached by the steps of every k >= it (k = 6 and 8 reach 5 and 6, k = 8
+    # alone 7 and 8) and accepted by those whose k is longer still (k accepts k - 1).
+    assert result.acceptance_by_position == pytest.approx(
+        {1: 5 / 6, 2: 4 / 5, 3: 3 / 4, 4: 2 / 3, 5: 2 / 2, 6: 1 / 2, 7: 1 / 1, 8: 0 / 1})
 
 
 def test_a_version_1_tune_file_still_loads_and_starts_only_the_target_costs(config_home):
