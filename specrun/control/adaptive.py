@@ -380,20 +380,13 @@ class DraftLengthController:
         from its first token's acceptance alone, every fresh process presumed a draft
         model's deeper tokens as sure as its first, and paid to learn otherwise.
         """
-        return self._smoothed(self.tried, self.accepted, limit)
-
-    def seen_acceptances(self) -> list[float]:
-        """``acceptances`` over all the evidence this controller saw, undecayed (index 0 unused)."""
-        return self._smoothed(self.seen_tried, self.seen_accepted, self.max_draft_len)
-
-    def _smoothed(self, tried: list[float], accepted: list[float], limit: int) -> list[float]:
         estimates = [1.0]
         prior = self.prior_accept
         curve = self.prior_curve
         for position in range(1, limit + 1):
             prior = curve.get(position, prior)
-            weight = tried[position] + self.prior_weight
-            prior = prior if weight == 0.0 else (accepted[position] + prior * self.prior_weight) / weight
+            weight = self.tried[position] + self.prior_weight
+            prior = prior if weight == 0.0 else (self.accepted[position] + prior * self.prior_weight) / weight
             estimates.append(prior)
         return estimates
 

@@ -100,18 +100,19 @@ def learned_path() -> Path:
 # A run's draft model must have drafted this many steps (decayed) for its first-token
 # acceptance to be kept; fewer are a probe or two, too few to stand for the pair.
 MIN_LEARNED_STEPS = 4.0
-# A draft position's estimate is kept once the run tried it this many times.
+# A draft position's acceptance is kept once the run tried it this many times; it is smoothed
+# towards what earlier runs kept there (else an even chance) with the weight of this many tries.
 MIN_POSITION_TRIES = 2.0
+POSITION_PRIOR_WEIGHT = 2.0
 
 
 def learn_from_run(engine: SpeculativeEngine, target: Backend, draft: Backend | None, key: str,
                    earlier: TuneResult | None) -> TuneResult | None:
     """What a finished run measured, as a result later runs start from, as from a tune's:
     the target's and the draft model's costs, how often the draft model's first token was
-    accepted (blended with ``earlier``'s), its controller's acceptance estimate at each
-    position it drafted, over the whole run (the estimate starts from ``earlier``'s, so
-    it blends them; positions this run did not reach keep ``earlier``'s), and whether it
-    ended switched off. A draft model
+    accepted (blended with ``earlier``'s), its acceptance at each position it drafted over the
+    whole run (_position_acceptance; positions it did not reach keep ``earlier``'s), and
+    whether it ended switched off. A draft model
     that does not pay on this machine then starts the next process off, probed after the
     gap it had reached, instead of explored afresh in every one. None when the run measured
     nothing of the draft model. With no draft model (``draft`` None): the target's own entry."""
@@ -128,9 +129,7 @@ def learn_from_run(engine: SpeculativeEngine, target: Backend, draft: Backend | 
         first = measured if first == 0.0 else (first + measured) / 2
     curve = dict(earlier.acceptance_by_position) if earlier is not None else {}
     if controller is not None:
-        estimates = controller.seen_acceptances()
-        curve.update({position: estimates[position] for position in range(1, controller.max_draft_len + 1)
-                      if controller.seen_tried[position] >= MIN_POSITION_TRIES})
+        curve.update(_position_acceptance(controller, curve))
         off_gap = 0 if controller.speculating else controller.probe_gap
     else:  # the run never asked it (it started off and was never probed): as it was
         off_gap = earlier.draft_off_gap if earlier is not None else 0
@@ -148,6 +147,21 @@ def learn_from_run(engine: SpeculativeEngine, target: Backend, draft: Backend | 
         learned=True,
         draft_off_gap=off_gap,
     )
+
+
+def _position_acceptance(controller, earlier: dict[int, float]) -> dict[int, float]:
+    """The share of its tries each draft position a run tried at least MIN_POSITION_TRIES times
+    got accepted (undecayed: what the whole run saw), smoothed towards ``earlier``'s value there,
+    else towards an even chance. Not the controller's own estimates: each of those leans on
+    the position before it, and a run whose drafts were all accepted kept 0.9999 at position 4
+    after 18 tries, which made the next process bet on 16-token drafts."""
+    weight = POSITION_PRIOR_WEIGHT
+    return {
+        position: (controller.seen_accepted[position] + weight * earlier.get(position, 0.5))
+        / (controller.seen_tried[position] + weight)
+        for position in range(1, controller.max_draft_len + 1)
+        if controller.seen_tried[position] >= MIN_POSITION_TRIES
+    }
 
 
 def _learn_target(engine: SpeculativeEngine, target: Backend, key: str) -> TuneResult | None:
