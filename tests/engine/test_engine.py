@@ -381,20 +381,38 @@ def tied_every_third(context) -> np.ndarray:
     return logits
 
 
+def ties_in(prompt: list[int], output: list[int], first: int = 0) -> int:
+    """How many of ``output``'s tokens from index ``first`` on were chosen at a tied_every_third tie."""
+    contexts = [[*prompt, *output][: len(prompt) + i] for i in range(first, len(output))]
+    return sum(context[-1] % 3 == 0 for context in contexts)
+
+
 @pytest.mark.parametrize(("margin", "counted"), [(0.05, True), (0.005, False), (0.0, False)])
-@pytest.mark.parametrize("draft_len", [0, 4])
-def test_near_ties_count_the_tokens_chosen_within_the_margin(margin, counted, draft_len):
+def test_near_ties_count_the_tokens_chosen_within_the_margin(margin, counted):
     """Every emitted token whose context ends in a multiple of 3 was chosen 0.01 ahead of the
-    runner-up: counted at a margin of 0.05, not at 0.005 or 0 (not watched), whatever the passes."""
+    runner-up: counted at a margin of 0.05, not at 0.005 or 0 (not watched), once verify
+    passes of several rows have written the cache (from the first drafting step on)."""
     target = FakeBackend(tied_every_third, VOCAB)
-    drafter = DraftModelDrafter(FakeBackend(tied_every_third, VOCAB)) if draft_len else None
+    drafter = DraftModelDrafter(FakeBackend(tied_every_third, VOCAB))
     prompt = [1, 2]
-    result = SpeculativeEngine(target, drafter).run(prompt, GenerationParams(30, draft_len, tie_margin=margin))
-    contexts = [[*prompt, *result.token_ids][: len(prompt) + i] for i in range(len(result.token_ids))]
-    expected = sum(context[-1] % 3 == 0 for context in contexts)
+    result = SpeculativeEngine(target, drafter).run(prompt, GenerationParams(30, 4, tie_margin=margin))
+    expected = ties_in(prompt, result.token_ids, first=1)  # the prefill's token is plain decoding's own
     assert expected > 5 and result.stats.near_ties == (expected if counted else 0)
-    if draft_len:
-        assert result.stats.accepted > 0  # tokens came from verify passes of several rows
+    assert result.stats.accepted > 0  # tokens came from verify passes of several rows
+
+
+def test_near_ties_are_watched_from_the_first_pass_of_several_tokens():
+    """Before any pass of several tokens every pass is plain decoding's own, and nothing can part
+    from it: a text decoded plainly counts no near-ties; a text that begins on a cache earlier
+    passes wrote (a chat's next turn) counts them from its prefill on."""
+    params = GenerationParams(30, 0, tie_margin=0.05)
+    engine = SpeculativeEngine(FakeBackend(tied_every_third, VOCAB))
+    prompt = [1, 2]
+    first = engine.run(prompt, params)  # complete_cache: the cache holds prompt and answer
+    assert ties_in(prompt, first.token_ids) > 5 and first.stats.near_ties == 0
+    follow_up = [*prompt, *first.token_ids, 4, 5]
+    second = engine.run(follow_up, params)
+    assert second.stats.near_ties == ties_in(follow_up, second.token_ids) > 5
 
 
 def test_near_ties_are_not_counted_when_sampling():
