@@ -263,6 +263,11 @@ class KVSequence:
         if on and self._hidden is None:
             self._hidden = HiddenStore(support.size)
 
+    @property
+    def tracking(self) -> bool:
+        """Are hidden states kept for the positions fed (``track_hidden``)?"""
+        return self._tracking
+
     def hidden(self, start: int, stop: int) -> np.ndarray | None:
         """Float32 hidden states (stop-start, H) of the cached positions [start, stop), or None
         if any of them was fed while tracking was off (or is not cached)."""

@@ -329,6 +329,8 @@ class DraftLengthController:
     draft_costs: DraftCosts = field(default_factory=DraftCosts)  # T_draft(k), this drafter's own
     tried: list[float] = field(init=False)
     accepted: list[float] = field(init=False)
+    seen_tried: list[float] = field(init=False)
+    seen_accepted: list[float] = field(init=False)
 
     def __post_init__(self) -> None:
         self.tried = [0.0] * (self.max_draft_len + 1)  # index i: draft position i (1-based)

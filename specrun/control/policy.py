@@ -154,6 +154,9 @@ class AdaptivePolicy:
         self.controllers: dict[str, DraftLengthController] = {}  # by source, or "source:kind"
         self.prior_accepts: dict[str, float] = {}  # by drafter name: measured first-token acceptance
         self.prior_curves: dict[str, dict[int, float]] = {}  # by drafter name: measured acceptance by position
+        # By controller key: tries and acceptances by draft position of the texts already forgotten
+        # (forget_acceptance), undecayed, for what a run keeps for the next (seen_counts).
+        self._seen: dict[str, tuple[list[float], list[float]]] = {}
         self.gate = SpeculationGate()
         self._scores = ProposalScores()  # cheap proposals awaiting the output that settles them
         self.branch_rates: dict[str, BranchRates] = {}  # by source: how often its second guesses are right
@@ -194,6 +197,7 @@ class AdaptivePolicy:
         self.prior_accepts.update(prior_accepts or {})
         self.prior_curves.update(prior_curves or {})
         self._start_off = dict(start_off or {})
+        self._seen.clear()  # another pair's
         self.controllers.clear()  # rebuilt on the new priors
 
     def start_gate_off(self, gap: int) -> None:
@@ -237,17 +241,29 @@ class AdaptivePolicy:
         }
         if self._gate_off is None and self.gate_off_gap:  # a window left off starts the next text off
             self._gate_off = self.gate_off_gap
+        for key in self.controllers:
+            self._seen[key] = self.seen_counts(key)
         self.controllers.clear()
         self._scores.clear()
         self._tree_scores.clear()
         self.branch_rates.clear()
         self.gate = SpeculationGate()
 
+    def seen_counts(self, key: str) -> tuple[list[float], list[float]]:
+        """Tries and acceptances by draft position (index 0 unused) of a controller's source and
+        kind over every text since the drafter or the priors were set, undecayed."""
+        tried, accepted = self._seen.get(key, ([], []))
+        controller = self.controllers.get(key)
+        if controller is None:
+            return list(tried), list(accepted)
+        return _summed(tried, controller.seen_tried), _summed(accepted, controller.seen_accepted)
+
     # ---- one text -----------------------------------------------------------------------
     def set_drafter(self, drafter: Drafter | None) -> None:
         """Speculate with ``drafter`` from the next text on (what the old one left off is dropped)."""
         self.drafter = drafter
         self._carried_gaps = {}
+        self._seen.clear()
         self.paid = {member.name for member in drafter.members if member.pays_per_token} if drafter else set()
 
     def configure(self, max_draft_len: int, adaptive: bool, max_nodes: int = 0, max_paths: int = 0) -> None:
@@ -533,6 +549,9 @@ class AdaptivePolicy:
         key = f"{source}:{kind}" if kind else source
         controller = self.controllers.get(key)
         if controller is None or (controller.max_draft_len, controller.fixed) != (self.max_draft_len, fixed):
+            if controller is not None:  # other settings: what it saw stays counted
+                self._seen[key] = self.seen_counts(key)
+                del self.controllers[key]
             paid = self._counts_draft_time(source)
             prior, measured, curve = self._prior(source, kind)
             controller = DraftLengthController(
@@ -556,3 +575,9 @@ class AdaptivePolicy:
                 controller.start_off(carried)
             self.controllers[key] = controller
         return controller
+
+
+def _summed(a: list[float], b: list[float]) -> list[float]:
+    """Two by-position count lists added position by position (the shorter padded with 0)."""
+    longer, shorter = (a, b) if len(a) >= len(b) else (b, a)
+    return [x + (shorter[i] if i < len(shorter) else 0.0) for i, x in enumerate(longer)]

@@ -198,9 +198,10 @@ class SpeculativeEngine:
         watch_ties = params.tie_margin > 0 and sampling.greedy
         # Until a pass of several tokens writes the cache, every pass is plain decoding's own, bit
         # for bit: no choice can part from it, and near-ties are looked for (0.1-0.2 ms a step of
-        # a 49k vocabulary, ~1% of a plain step) only from then on, or from the start where the
-        # text began on a cache earlier passes wrote (a chat's next turn).
-        rounded_apart = reused
+        # a 49k vocabulary, ~1% of a plain step) only from then on; from the start where the text
+        # began on a cache earlier passes wrote (a chat's next turn), or where passes keep hidden
+        # states (head drafters: llama.cpp then outputs every row, the prompt's too).
+        rounded_apart = reused or self.target.tracking
         started = self.clock()
         try:
             while (produced := len(context) - len(prompt)) < params.max_new_tokens and len(context) < n_ctx:

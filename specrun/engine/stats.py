@@ -41,14 +41,16 @@ class Stats:
     accepted: int = 0
     accepted_hist: list[int] = field(default_factory=list)  # [n] = steps that accepted n drafts
     # [i] = steps whose chain drafted a position i verified with every one before it accepted
-    # (acceptance at position i: sum(accepted_hist[i:]) / reached_hist[i]; `specrun tune` keeps it)
+    # (acceptance at position i: sum(accepted_hist[i:]) / reached_hist[i]; `specrun tune` keeps
+    # it). For chains only: a tree's drafted count is its nodes, not its depth.
     reached_hist: list[int] = field(default_factory=list)
     prefill_seconds: float = 0.0  # reading the prompt: the target's pass and the drafters' (a draft model's too)
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
     generation_seconds: float = 0.0  # from the end of prefill to the last token
     by_source: dict[str, SourceCounts] = field(default_factory=dict)  # which drafter proposed each step
-    # greedy tokens chosen where another's logit came within GenerationParams.tie_margin (0: not counted)
+    # greedy tokens chosen where another's logit came within GenerationParams.tie_margin (0: not
+    # counted), from the first pass of several tokens on (before it, passes are plain decoding's)
     near_ties: int = 0
 
     def record_step(

@@ -100,8 +100,10 @@ def learned_path() -> Path:
 # A run's draft model must have drafted this many steps (decayed) for its first-token
 # acceptance to be kept; fewer are a probe or two, too few to stand for the pair.
 MIN_LEARNED_STEPS = 4.0
-# A draft position's acceptance is kept once the run tried it this many times; it is smoothed
-# towards what earlier runs kept there (else an even chance) with the weight of this many tries.
+# A run's (or tune's) acceptance by position is kept where its first position was tried as often
+# as first_acceptance needs (fewer are a probe or two: two rejections would start the next
+# process off), each position tried at least this many times, smoothed towards what earlier runs
+# kept there (else an even chance) with the weight of POSITION_PRIOR_WEIGHT tries.
 MIN_POSITION_TRIES = 2.0
 POSITION_PRIOR_WEIGHT = 2.0
 
@@ -111,10 +113,10 @@ def learn_from_run(engine: SpeculativeEngine, target: Backend, draft: Backend | 
     """What a finished run measured, as a result later runs start from, as from a tune's:
     the target's and the draft model's costs, how often the draft model's first token was
     accepted (blended with ``earlier``'s), its acceptance at each position it drafted over the
-    whole run (_position_acceptance; positions it did not reach keep ``earlier``'s), and
-    whether it ended switched off. A draft model
-    that does not pay on this machine then starts the next process off, probed after the
-    gap it had reached, instead of explored afresh in every one. None when the run measured
+    whole run, every text of a chat or a server (_position_acceptance; positions it did not
+    reach keep ``earlier``'s), and whether it ended switched off. A draft model that does not
+    pay on this machine then starts the next process off, probed after the gap it had
+    reached, instead of explored afresh in every one. None when the run measured
     nothing of the draft model. With no draft model (``draft`` None): the target's own entry."""
     if draft is None:
         return _learn_target(engine, target, key)
@@ -128,8 +130,8 @@ def learn_from_run(engine: SpeculativeEngine, target: Backend, draft: Backend | 
         measured = controller.accepted[1] / controller.tried[1]
         first = measured if first == 0.0 else (first + measured) / 2
     curve = dict(earlier.acceptance_by_position) if earlier is not None else {}
+    curve.update(_position_acceptance(*engine.policy.seen_counts(name), curve))
     if controller is not None:
-        curve.update(_position_acceptance(controller, curve))
         off_gap = 0 if controller.speculating else controller.probe_gap
     else:  # the run never asked it (it started off and was never probed): as it was
         off_gap = earlier.draft_off_gap if earlier is not None else 0
@@ -149,18 +151,21 @@ def learn_from_run(engine: SpeculativeEngine, target: Backend, draft: Backend | 
     )
 
 
-def _position_acceptance(controller, earlier: dict[int, float]) -> dict[int, float]:
-    """The share of its tries each draft position a run tried at least MIN_POSITION_TRIES times
-    got accepted (undecayed: what the whole run saw), smoothed towards ``earlier``'s value there,
-    else towards an even chance. Not the controller's own estimates: each of those leans on
-    the position before it, and a run whose drafts were all accepted kept 0.9999 at position 4
-    after 18 tries, which made the next process bet on 16-token drafts."""
+def _position_acceptance(tried: list[float], accepted: list[float], earlier: dict[int, float]) -> dict[int, float]:
+    """The share of its tries each draft position tried at least MIN_POSITION_TRIES times got
+    accepted (``tried``/``accepted`` by position, index 0 unused), smoothed towards ``earlier``'s
+    value there, else towards an even chance, with the weight of POSITION_PRIOR_WEIGHT tries;
+    nothing where the first position was tried fewer than MIN_LEARNED_STEPS times.
+    Not the controllers' own estimates: each of those leans on the position before it, and a
+    run whose drafts were all accepted kept 0.9999 at position 4 after 18 tries, which made
+    the next process bet on 16-token drafts."""
     weight = POSITION_PRIOR_WEIGHT
+    if len(tried) < 2 or tried[1] < MIN_LEARNED_STEPS:
+        return {}
     return {
-        position: (controller.seen_accepted[position] + weight * earlier.get(position, 0.5))
-        / (controller.seen_tried[position] + weight)
-        for position in range(1, controller.max_draft_len + 1)
-        if controller.seen_tried[position] >= MIN_POSITION_TRIES
+        position: (accepted[position] + weight * earlier.get(position, 0.5)) / (tried[position] + weight)
+        for position in range(1, len(tried))
+        if tried[position] >= MIN_POSITION_TRIES
     }
 
 
@@ -261,15 +266,16 @@ def _first_acceptance(drafting: list[Stats]) -> float:
 
 def _acceptance_by_position(drafting: list[Stats]) -> dict[int, float]:
     """Of the drafting steps that reached each draft position (drafted it, all before it
-    accepted), the share that accepted it too (Stats.reached_hist)."""
-    reached: dict[int, int] = {}
-    right: dict[int, int] = {}
+    accepted), the share that accepted it too (Stats.reached_hist), kept and smoothed as a
+    run's (_position_acceptance): positions only the longest length reached rest on a few steps."""
+    length = max((len(stats.reached_hist) for stats in drafting), default=0)
+    reached, right = [0.0] * length, [0.0] * length
     for stats in drafting:
         for position, count in enumerate(stats.reached_hist):
             if position and count:
-                reached[position] = reached.get(position, 0) + count
-                right[position] = right.get(position, 0) + sum(stats.accepted_hist[position:])
-    return {position: right[position] / count for position, count in sorted(reached.items())}
+                reached[position] += count
+                right[position] += sum(stats.accepted_hist[position:])
+    return _position_acceptance(reached, right, {})
 
 
 def _draft_cost(stats: Stats) -> float | None:

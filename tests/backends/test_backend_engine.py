@@ -12,7 +12,6 @@ import json
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from time import perf_counter
 
 import numpy as np
 import pytest
@@ -327,12 +326,12 @@ def test_greedy_speculation_with_a_disagreeing_draft_equals_plain_decoding(backe
     draft = open_model(backend_kind, perturbed_llama[backend_kind])
     heads = real_heads(target, case.method, SamplingSettings())
     drafter = build_drafter(case.method, draft, DrafterOptions(branches=case.branches, heads=heads))
-    # Adaptive runs are timed on a clock of their own, which advances a millisecond each time it is
-    # read: every pass seems to cost the same, so drafting pays and these runs draft whatever the
-    # machine's load (on a busy machine the real clock once left auto drafting nothing at all).
+    # Runs are timed on a clock of their own, which advances a millisecond each time it is read:
+    # every pass seems to cost the same, so drafting pays and adaptive lengths and a chain's
+    # gated draft model draft whatever the machine's load (on a busy machine the real clock
+    # once left auto drafting nothing at all).
     ticks = itertools.count()
-    clock = (lambda: next(ticks) * 1e-3) if case.adaptive else perf_counter
-    engine = SpeculativeEngine(target, drafter, method=case.method, clock=clock)
+    engine = SpeculativeEngine(target, drafter, method=case.method, clock=lambda: next(ticks) * 1e-3)
     accepted = drafted = diverging = 0
     prompts = (PROMPTS[10], PROMPTS[15], PROMPTS[5], PROMPTS[7])
     for text in prompts:

@@ -85,7 +85,10 @@ def test_drafting_ends_at_an_end_of_text_token(chaining, sampled):
     backend_type = ChainingFake if chaining else FakeBackend
     drafter = DraftModelDrafter(backend_type(confidence_table(10, {}), 10, eos_ids=(5,)))
     sampling = SamplingSettings(temperature=0.01, seed=0) if sampled else GREEDY
-    assert drafter.propose([0, 1], 8, sampling, np.random.default_rng(0)).tokens == (2, 3, 4, 5)
+    proposal = drafter.propose([0, 1], 8, sampling, np.random.default_rng(0))
+    assert proposal.tokens == (2, 3, 4, 5)
+    assert len(proposal.p_draft) == 4  # a row for every token kept: a sampled draft's rows stay with its tokens
+    assert all((row is not None) == sampled for row in proposal.p_draft)
     # The target's end-of-text ids are the ones that count (bind).
     drafter.bind(SpeculativeEngine(FakeBackend(confidence_table(10, {}), 10, eos_ids=(7,))).target, lambda: 0.0)
     assert drafter.propose([0, 1], 8, sampling, np.random.default_rng(0)).tokens == (2, 3, 4, 5, 6, 7)
