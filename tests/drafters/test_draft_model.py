@@ -109,6 +109,21 @@ def test_an_answer_ending_in_a_draft_is_the_plain_answer():
     assert spec.stats.accepted + spec.stats.steps == len(spec.token_ids) + 1
 
 
+@pytest.mark.parametrize("branches", [0, 2])
+def test_drafts_cut_at_an_end_token_stay_lossless_when_generation_goes_on_past_it(branches):
+    """Asked to go on past end tokens (stop_at_eos off), the drafts are merely shorter: the
+    output is still plain decoding's, with second guesses beside the chain too."""
+    target_table = hashed_logits(40, salt=11, spread=2.0)
+    params = dict(stop_at_eos=False, tree_nodes=8 if branches else 0)
+    plain = SpeculativeEngine(FakeBackend(target_table, 40, eos_ids=(9,))).run(
+        [1, 2, 3, 4], GenerationParams(150, draft_len=0, **params))
+    assert 9 in plain.token_ids[:-1]  # the end comes, and generation goes on past it
+    drafter = DraftModelDrafter(FakeBackend(target_table, 40, eos_ids=(9,)), branches=branches)
+    spec = SpeculativeEngine(FakeBackend(target_table, 40, eos_ids=(9,)), drafter).run(
+        [1, 2, 3, 4], GenerationParams(150, draft_len=8, **params))
+    assert spec.token_ids == plain.token_ids and spec.stats.accepted > 0
+
+
 def test_methods_pass_the_confidence_stop_to_the_draft_model():
     drafter = build_drafter("lookup+draft", FakeBackend(confidence_table(10, {}), 10), DrafterOptions(draft_min_prob=0.3))
     assert drafter.drafters[-1].min_prob == 0.3
