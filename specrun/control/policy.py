@@ -17,6 +17,7 @@ the pass costs belong to the machine, acceptance to the text (``forget_acceptanc
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from time import perf_counter
@@ -256,7 +257,8 @@ class AdaptivePolicy:
         controller = self.controllers.get(key)
         if controller is None:
             return list(tried), list(accepted)
-        return _summed(tried, controller.seen_tried), _summed(accepted, controller.seen_accepted)
+        return ([a + b for a, b in itertools.zip_longest(tried, controller.seen_tried, fillvalue=0.0)],
+                [a + b for a, b in itertools.zip_longest(accepted, controller.seen_accepted, fillvalue=0.0)])
 
     # ---- one text -----------------------------------------------------------------------
     def set_drafter(self, drafter: Drafter | None) -> None:
@@ -575,9 +577,3 @@ class AdaptivePolicy:
                 controller.start_off(carried)
             self.controllers[key] = controller
         return controller
-
-
-def _summed(a: list[float], b: list[float]) -> list[float]:
-    """Two by-position count lists added position by position (the shorter padded with 0)."""
-    longer, shorter = (a, b) if len(a) >= len(b) else (b, a)
-    return [x + (shorter[i] if i < len(shorter) else 0.0) for i, x in enumerate(longer)]

@@ -268,14 +268,11 @@ def _acceptance_by_position(drafting: list[Stats]) -> dict[int, float]:
     """Of the drafting steps that reached each draft position (drafted it, all before it
     accepted), the share that accepted it too (Stats.reached_hist), kept and smoothed as a
     run's (_position_acceptance): positions only the longest length reached rest on a few steps."""
-    length = max((len(stats.reached_hist) for stats in drafting), default=0)
-    reached, right = [0.0] * length, [0.0] * length
+    total = Stats()
     for stats in drafting:
-        for position, count in enumerate(stats.reached_hist):
-            if position and count:
-                reached[position] += count
-                right[position] += sum(stats.accepted_hist[position:])
-    return _position_acceptance(reached, right, {})
+        total.add(stats)
+    right = [sum(total.accepted_hist[position:]) for position in range(len(total.reached_hist))]
+    return _position_acceptance(total.reached_hist, right, {})
 
 
 def _draft_cost(stats: Stats) -> float | None:
