@@ -8,7 +8,12 @@ suite, the geometric mean over prompts of B's tokens/s over A's, with a 90% boot
 interval, and checks that both sides emit the same tokens.
 
     .venv/bin/python benchmarks/ab_commits.py --before 99931c8 [--after HEAD] \
-        [--target demo-target --draft demo-draft] [--spec-bench-per-category 5] [-n 128]
+        [--target demo-target --draft demo-draft] [--spec-bench-per-category 5] [-n 128] \
+        [--repeats 1]
+
+--repeats R runs every prompt R times a side (A and B still interleaved, the order rotated per
+run) and takes each prompt's ratio as the geometric mean of its R: the built-in suite's 40-60 ms
+runs need it to resolve a few percent. The interval is still over prompts.
 
 Raw per-prompt figures go to runs/ab_<before>_<after>.json.
 """
@@ -22,6 +27,8 @@ import subprocess
 import sys
 import zlib
 from pathlib import Path
+
+import numpy as np
 
 from _report import SPEC_BENCH, geometric_mean_interval
 
@@ -91,15 +98,20 @@ def prompts(args) -> dict[str, list[str]]:
     sys.path.insert(0, str(ROOT))
     from specrun.bench.suite import BUILTIN_SUITE
 
-    suites = {"builtin": [p.text for p in BUILTIN_SUITE]}
+    suites = {} if args.no_builtin else {"builtin": [p.text for p in BUILTIN_SUITE]}
     if args.spec_bench_per_category:
         by_category: dict[str, list[str]] = {}
         for line in SPEC_BENCH.read_text().splitlines():
             row = json.loads(line)
+            if args.categories and row["category"] not in args.categories:
+                continue
             texts = by_category.setdefault(row["category"], [])
             if len(texts) < args.spec_bench_per_category:
                 texts.append(row["turns"][0])
-        suites["spec-bench"] = [t for texts in by_category.values() for t in texts]
+        if args.mix:  # round robin over the categories: each prompt follows one of another kind
+            suites["spec-bench"] = [t for row in zip(*by_category.values()) for t in row]
+        else:
+            suites["spec-bench"] = [t for texts in by_category.values() for t in texts]
     return suites
 
 
@@ -113,33 +125,46 @@ def main() -> int:
     parser.add_argument("-n", "--max-tokens", type=int, default=128)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--spec-bench-per-category", type=int, default=5)
+    parser.add_argument("--categories", type=lambda v: v.split(","), help="Spec-Bench categories, comma-separated")
+    parser.add_argument("--mix", action="store_true", help="Spec-Bench prompts round robin over the categories")
+    parser.add_argument("--no-builtin", action="store_true", help="Spec-Bench only")
+    parser.add_argument("--repeats", type=int, default=1, help="runs of every prompt a side")
     parser.add_argument("--patch-after", help="a Python file side B runs before loading (an experiment)")
     args = parser.parse_args()
     args.methods = tuple(args.methods.split(","))
+    if args.patch_after:  # the workers run in their own checkouts
+        args.patch_after = str(Path(args.patch_after).resolve())
     sides = {"A": worktree(args.before), "B": worktree(args.after)}
     workers = {name: Worker(tree, args, args.patch_after if name == "B" else None) for name, tree in sides.items()}
     raw, mismatches = [], 0
     try:
         for suite, texts in prompts(args).items():
             for index, text in enumerate(texts):
-                for method in args.methods:
-                    order = ("A", "B") if (index + zlib.crc32(method.encode())) % 2 == 0 else ("B", "A")
-                    got = {side: workers[side].run(text, method) for side in order}
-                    mismatches += got["A"][1] != got["B"][1]
-                    raw.append({"suite": suite, "prompt": index, "method": method,
-                                "A": got["A"][0], "B": got["B"][0], "same_tokens": got["A"][1] == got["B"][1]})
+                for repeat in range(args.repeats):
+                    for method in args.methods:
+                        turn = index + repeat + zlib.crc32(method.encode())
+                        order = ("A", "B") if turn % 2 == 0 else ("B", "A")
+                        got = {side: workers[side].run(text, method) for side in order}
+                        mismatches += got["A"][1] != got["B"][1]
+                        raw.append({"suite": suite, "prompt": index, "repeat": repeat, "method": method,
+                                    "A": got["A"][0], "B": got["B"][0],
+                                    "same_tokens": got["A"][1] == got["B"][1]})
                 print(f"{suite} {index + 1}/{len(texts)}", file=sys.stderr, flush=True)
     finally:
         for worker in workers.values():
             worker.close()
     RUNS.mkdir(exist_ok=True)
-    out = RUNS / f"ab_{args.before}_{args.after}{'_patched' if args.patch_after else ''}.json"
+    out = RUNS / f"ab_{args.before}_{args.after}{'_' + Path(args.patch_after).stem if args.patch_after else ''}.json"
     out.write_text(json.dumps({"args": vars(args) | {"methods": list(args.methods)}, "runs": raw}, indent=1))
     print(f"B ({args.after}) against A ({args.before}): tokens/s ratio, geometric mean over prompts [90% interval]")
     print(f"{'suite':<11} {'method':<14} {'ratio':>6}  interval")
     for suite in dict.fromkeys(r["suite"] for r in raw):
         for method in args.methods:
-            ratios = [r["B"] / r["A"] for r in raw if r["suite"] == suite and r["method"] == method]
+            by_prompt: dict[int, list[float]] = {}
+            for r in raw:
+                if r["suite"] == suite and r["method"] == method:
+                    by_prompt.setdefault(r["prompt"], []).append(r["B"] / r["A"])
+            ratios = [float(np.exp(np.log(runs).mean())) for runs in by_prompt.values()]
             mean, low, high = geometric_mean_interval(ratios)
             print(f"{suite:<11} {method:<14} {mean:6.3f}  [{low:.3f}, {high:.3f}]")
     print(f"outputs differing between A and B: {mismatches} of {len(raw)}; raw: {out.relative_to(ROOT)}")

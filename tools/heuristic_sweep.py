@@ -70,7 +70,6 @@ def _switch_offs():
         "spike cap": lambda: setattr(costs, "SPIKE_CAP", float("inf")),
         "ageing unvisited lengths (AGE)": lambda: setattr(costs, "AGE", 1.0),
         "stale tolerance (table rebuilt on every pass)": lambda: setattr(costs, "STALE_TOLERANCE", 0.0),
-        "retiming T(1) on a new context": lambda: (setattr(costs, "RETIME_SHARE", 1e9), setattr(costs, "RETIME_MIN_TOKENS", 10**9)),
         "switch-back accounting (note_pass)": lambda: setattr(costs, "note_pass", lambda self, n, s, previous: True),
         "non-decreasing fit": lambda: setattr(adaptive, "_non_decreasing", lambda values, weights: values),
         "one-point line (+10% a token)": lambda: setattr(costs, "_one_point_line", staticmethod(lambda n0, t0, m: [t0] * (m + 1))),

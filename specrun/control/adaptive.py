@@ -63,15 +63,6 @@ class TargetCosts:
     STALE_TOLERANCE = 0.03
     REBUILD_EVERY = 16  # passes after which the table is rebuilt anyway (the counts have aged)
     SWITCH_WEIGHT = 0.2  # blend weight of one pass in the switch-back estimates
-    # A pass costs more the longer the context (attention reads the whole cache): on the demo
-    # target a plain pass took 1.0 ms at 50 tokens of context and 1.9-2.5 ms at 1500. The
-    # batched passes are timed afresh as a new text speculates; T(1) only on plain steps,
-    # which a T(1) timed on a longer text never brings (it makes every draft look cheap:
-    # lookup+draft and auto ran 0.55-0.76x plain decoding on Spec-Bench qa prompts that
-    # followed longer ones). So a text whose context is this far from where T(1) was timed
-    # (relatively, and in tokens) times it again first (start_text).
-    RETIME_SHARE = 0.25
-    RETIME_MIN_TOKENS = 128
 
     def __init__(self) -> None:
         self.seconds: dict[int, float] = {}  # tokens fed -> decayed mean seconds; write through observe/preload
@@ -85,19 +76,6 @@ class TargetCosts:
         self.switch_seconds = 0.0
         self.switch_back = 0.0
         self._charge_built = 0.0  # the switch_charge the controllers' rates last saw
-        self.plain_context: int | None = None  # the context's length when T(1) was last timed
-        self.retiming = False  # T(1) is to be timed again before it is trusted (start_text)
-
-    def start_text(self, context_len: int) -> None:
-        """A new text begins at ``context_len`` tokens: ``retiming`` where T(1) was timed at a
-        context too far from it to stand for plain decoding here. The next plain pass timed
-        then replaces T(1) instead of moving its mean."""
-        timed_at = self.plain_context
-        self.retiming = (
-            timed_at is not None
-            and 1 in self.seconds
-            and abs(context_len - timed_at) > max(self.RETIME_MIN_TOKENS, self.RETIME_SHARE * max(context_len, timed_at))
-        )
 
     @property
     def switch_charge(self) -> float:
@@ -139,16 +117,8 @@ class TargetCosts:
             self.version += 1  # the controllers' rates must see the new charge
         return counted
 
-    def observe(self, n_tokens: int, seconds: float, context_len: int | None = None) -> None:
-        """One pass over ``n_tokens`` took ``seconds``; ``context_len``: the context it read
-        (where T(1) is timed, for start_text)."""
-        if n_tokens == 1:
-            if context_len is not None:
-                self.plain_context = context_len
-            if self.retiming:  # timed again at this text's context: the old mean is forgotten
-                self.retiming = False
-                self.seconds.pop(1, None)
-                self.counts.pop(1, None)
+    def observe(self, n_tokens: int, seconds: float) -> None:
+        """One pass over ``n_tokens`` took ``seconds``."""
         old = self.seconds.get(n_tokens)
         if old is not None and self.counts.get(n_tokens, 0.0) >= 2.0:
             seconds = min(seconds, old * self.SPIKE_CAP)

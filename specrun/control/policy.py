@@ -174,7 +174,6 @@ class AdaptivePolicy:
         self.max_draft_len = 0
         self.paid: set[str] = set()  # drafters whose length this policy chooses before they draft
         self._idle: IdleBackoff | None = None
-        self._retiming = False  # the latest plan was a plain step timing T(1) afresh
 
     # ---- what earlier texts and processes measured --------------------------------------
     def use_tuned(
@@ -289,14 +288,10 @@ class AdaptivePolicy:
         # Drafters that keep finding nothing are asked less often (a lone draft model finds
         # nothing only while its controller has it off, and is then asked on its probes).
         self._idle = IdleBackoff() if self.adaptive else None
-        # Plain decoding timed on a far shorter or longer context first times it again.
-        self.target_costs.start_text(context_len)
 
     def plan(self) -> Plan:
-        self._retiming = self.target_costs.retiming
         if (
-            self._retiming
-            or (self.adaptive and not self.gate.speculating)
+            (self.adaptive and not self.gate.speculating)
             or (self._idle is not None and not self._idle.ask() and self._paid_may_pass())
         ):
             return PLAIN
@@ -417,7 +412,7 @@ class AdaptivePolicy:
         self._observe_pass(report)
         self._scores.score(report.context)
         self._tree_scores.score(report.context)
-        if not self.adaptive or self._retiming:  # a pass timing T(1) says nothing of speculating
+        if not self.adaptive:
             return
         plain = self.target_costs.plain
         proposing = report.draft_seconds  # asking the drafters (about none where nothing is asked)
@@ -435,7 +430,7 @@ class AdaptivePolicy:
         if isinstance(proposal, MergedProposal):
             self._observe_merged(report, proposal)
         elif not proposal.tokens:
-            self.target_costs.observe(1, report.verify_seconds, report.context_len)  # what speculating must beat
+            self.target_costs.observe(1, report.verify_seconds)  # what speculating must beat
         elif not self.adaptive and proposal.source not in self.paid:
             # A fixed chain's cheap drafter is not gated: its pass only times T_target(n).
             self.target_costs.observe(n_fed, report.verify_seconds)
