@@ -165,6 +165,10 @@ def run_bench(config: BenchConfig, prompts: Sequence[BenchPrompt], progress: Pro
         heads = load_heads_for_methods(config.target, config.heads, target, config.methods, config.load.registry)
         if config.lookahead is None and any(uses_lookahead(method) for method in config.methods):
             config = dataclasses.replace(config, lookahead=chosen_window(target, config, kept[0][1]))
+        window = auto_window_for(target, draft, config)
+        if window is not None:  # auto drafts with a window too, as `specrun generate` would here
+            notes.append(f"auto drafts with a {window.describe()}")
+            config = dataclasses.replace(config, lookahead=config.lookahead or window.sizes)
         for method in config.methods:
             check_trees_for(method, target, config.lookahead)
         if progress is not None:
@@ -177,11 +181,13 @@ def run_bench(config: BenchConfig, prompts: Sequence[BenchPrompt], progress: Pro
                 [ids for _, ids in kept],
                 variants,
                 # each variant sets its own draft length
-                GenerationParams(config.max_new_tokens, DEFAULT_DRAFT_LEN, config.sampling, tree_nodes=config.trees.nodes),
+                GenerationParams(config.max_new_tokens, DEFAULT_DRAFT_LEN, config.sampling,
+                                 tree_nodes=max(config.trees.nodes, window.sizes.max_nodes if window else 0)),
                 repeat=config.repeat,
                 on_result=_reporter(progress, [p for p, _ in kept]),
                 drafter_options=DrafterOptions(
-                    draft_min_prob=min_prob, heads=heads, branches=config.trees.branches, lookahead=config.lookahead
+                    draft_min_prob=min_prob, heads=heads, branches=config.trees.branches, lookahead=config.lookahead,
+                    auto_lookahead=window is not None,
                 ),
                 tuned=tuned,
                 native=native,
@@ -212,6 +218,19 @@ def run_bench(config: BenchConfig, prompts: Sequence[BenchPrompt], progress: Pro
         flash_attn,
         tuple(notes),
     )
+
+
+def auto_window_for(target: Backend, draft: Backend | None, config: BenchConfig):
+    """The lookahead window the ``auto`` line drafts with (a sizing choice), or None: as in
+    `specrun generate`, without a draft model, unless --chain or --untuned, where the pass costs
+    earlier runs stored predict one pays (sessions/generation.auto_window)."""
+    from specrun.sessions.generation import auto_window, load_target_entry
+    from specrun.sessions.lookahead_sizing import fitting, stored_costs
+
+    if draft is not None or config.trees.chain or not config.use_tuned or "auto" not in config.methods:
+        return None
+    costs = stored_costs(load_target_entry(target, config.load.threads))
+    return auto_window("auto", target, costs, fitting(config.trees.nodes, target.tree_support.max_paths))
 
 
 def chosen_window(target: Backend, config: BenchConfig, prompt_ids: list[int]) -> LookaheadSizes:

@@ -160,7 +160,7 @@ def chat_command(
                        system_prompt=None if system is None else checked_text(system, "--system"),
                        draft_len=draft_len, draft_min_prob=draft_min_prob, ngram_cache=ngram_cache,
                        branches=trees.branches, heads=heads, lookahead=lookahead_sizes,
-                       on_note=view.note) as session:
+                       chain=trees.chain, tree_nodes=trees.nodes, on_note=view.note) as session:
             if messages is None:
                 ChatRepl(session, params, view).run()
             else:

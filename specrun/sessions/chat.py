@@ -35,8 +35,8 @@ from specrun.drafters.ngram import vocabulary_fingerprint
 from specrun.engine.loop import Finished, GenerationParams, GenerationResult, SpeculativeEngine, TextChunk
 from specrun.errors import ContextFullError, UsageError
 from specrun.sessions.generation import (
-    adapts_length, check_trees_for, choose_window, load_target_entry, load_target_heads, load_tuned, remember_run,
-    resolve_draft_len, resolve_min_prob,
+    adapts_length, auto_window, check_trees_for, choose_window, load_target_entry, load_target_heads, load_tuned,
+    remember_run, resolve_draft_len, resolve_min_prob,
 )
 from specrun.backends.kv import common_prefix_len, sequence_for
 from specrun.drafters.lookahead import LookaheadSizes
@@ -48,6 +48,7 @@ from specrun.drafters.methods import (
     check_method,
     heads_kind,
     heads_of_kind,
+    is_adaptive,
     needs_draft_model,
     needs_heads,
     uses_lookahead,
@@ -158,6 +159,9 @@ class ChatSession:
         tuned=None,
         find_tuned: Callable[[Backend], object] | None = None,
         threads: int | None = None,
+        chain: bool = False,
+        tree_nodes: int = 0,
+        on_note: Callable[[str], None] | None = None,
     ) -> None:
         self.target = target
         self.draft = draft
@@ -172,6 +176,10 @@ class ChatSession:
         self._find_tuned = find_tuned
         self._threads = threads  # the learned costs are kept per thread count (tuning.pair_key)
         self._drafter_options = drafter_options or DrafterOptions()
+        self._chain = chain  # --chain: auto never drafts with a lookahead window
+        self._tree_nodes = tree_nodes  # --tree-nodes (0: none asked), which a window must fit
+        self._window_nodes = 0  # the nodes auto's window drafts, which every answer's passes hold
+        self._on_note = on_note
         self._tuned = None
         self.engine = SpeculativeEngine(target, None, method)
         self._use_tuned(tuned)
@@ -189,7 +197,27 @@ class ChatSession:
             probe = self.target.tokenize(self.system_prompt or PROBE_TEXT, add_bos=self.target.vocab.add_bos)
             choice = choose_window(self.target, costs, fitting(0, self.target.tree_support.max_paths), probe)
             self._drafter_options = dataclasses.replace(self._drafter_options, lookahead=choice.sizes)
+        elif is_adaptive(method) and self.draft is None and not self._chain and not self._window_nodes:
+            self._add_auto_window()
         return build_drafter(method, self.draft, self._drafter_options)
+
+    def _add_auto_window(self) -> None:
+        """auto without a draft model drafts with a lookahead window too where earlier runs'
+        pass costs predict it pays, as `specrun generate` does (generation.auto_window); the
+        target, if it verifies chains only, is re-created for the window before anything is fed."""
+        from specrun.sessions.lookahead_sizing import fitting, stored_costs
+
+        if not self.target.tree_support.available and sequence_for(self.target).tokens:
+            return  # a context in use is not re-created for a window: auto goes on without one
+        costs = stored_costs(load_target_entry(self.target, self._threads))
+        choice = auto_window("auto", self.target, costs, fitting(self._tree_nodes, self.target.tree_support.max_paths))
+        if choice is None:
+            return
+        self._drafter_options = dataclasses.replace(self._drafter_options, lookahead=choice.sizes, auto_lookahead=True)
+        self._window_nodes = choice.sizes.max_nodes
+        self.engine.policy.target_costs.preload(choice.costs)
+        if self._on_note is not None:
+            self._on_note(f"auto drafts with a {choice.describe()}")
 
     def _use_tuned(self, tuned) -> None:
         """Take what `specrun tune` saved: the confidence stop (where the user chose none) for
@@ -240,7 +268,8 @@ class ChatSession:
         string, a client gone) or failing, it leaves both caches exact: a prefix of prompt +
         output, which the next prompt reuses as far as it matches."""
         params = dataclasses.replace(
-            params, draft_len=self.draft_len, adaptive=adapts_length(self.method, self._draft_len)
+            params, draft_len=self.draft_len, adaptive=adapts_length(self.method, self._draft_len),
+            tree_nodes=max(params.tree_nodes, self._window_nodes),
         )
         stream = self.engine.stream(prompt_ids, params)
         try:
@@ -400,6 +429,8 @@ def open_chat(
     branches: int = 0,
     heads: str | None = None,
     lookahead: LookaheadSizes | None = None,
+    chain: bool = False,
+    tree_nodes: int = 0,
     on_note: Callable[[str], None] | None = None,
 ) -> ChatSession:
     """Load the pair for ``method`` (the draft model only if it needs one) and start a session.
@@ -409,7 +440,9 @@ def open_chat(
     saved when the session closes (or switches method). ``branches``: second guesses a
     drafter may add (token trees; the target must be opened with tree paths). ``heads``: the
     heads file of a head method (--heads; None: found by alias), loaded when a method needs it.
-    ``on_note``: told what a first run measured of this machine (sessions/kernels.py).
+    ``chain``, ``tree_nodes``: --chain and --tree-nodes (auto's lookahead window, where the
+    stored costs add one, must fit them). ``on_note``: told what a first run measured of this
+    machine (sessions/kernels.py) and the window auto drafts with.
     """
     check_method(method)
     target, draft = open_pair(target_spec, draft_spec if needs_draft_model(method) else None, options)
@@ -433,7 +466,7 @@ def open_chat(
                            draft_len=draft_len, draft_min_prob=draft_min_prob, tuned=tuned,
                            drafter_options=drafter_options,
                            find_tuned=lambda loaded: load_tuned(target, loaded, options.threads),
-                           threads=options.threads)
+                           threads=options.threads, chain=chain, tree_nodes=tree_nodes, on_note=on_note)
     except BaseException:
         target.close()
         if draft is not None:

@@ -203,18 +203,32 @@ def size_lookahead(method: str, target, options: DrafterOptions, params: Generat
     if uses_lookahead(method) and options.lookahead is None:
         choice = choose_window(target, costs, fits, prompt_ids)
         return dataclasses.replace(options, lookahead=choice.sizes), params, choice
-    if chain or not (is_adaptive(method) and (support.available or support.reopenable) and costs is not None):
+    choice = None if chain else auto_window(method, target, costs, fits)
+    if choice is None:
         return options, params, None
+    options = dataclasses.replace(options, lookahead=choice.sizes, auto_lookahead=True)
+    return options, dataclasses.replace(params, tree_nodes=max(params.tree_nodes, choice.sizes.max_nodes)), choice
+
+
+def auto_window(method: str, target, costs: dict[int, float] | None, fits):
+    """The lookahead window ``auto`` drafts with (a sizing choice), or None: where the target
+    verifies trees, or can be re-created to (llama.cpp's chains context, before anything is
+    fed), and the stored ``costs`` predict a window of the sizes that ``fits`` pays by
+    ``AUTO_MARGIN``. Nothing is probed: without stored costs auto drafts without one."""
+    from specrun.sessions import lookahead_sizing as sizing
+
+    support = target.tree_support
+    if not (is_adaptive(method) and (support.available or support.reopenable) and costs is not None):
+        return None
     choice = sizing.choose(costs, fits)
     if choice.predicted < sizing.AUTO_MARGIN:
-        return options, params, None
+        return None
     if not support.available:
         try:
             target.open_for_trees(resolve_trees(False, None, None, choice.sizes).paths)
         except SpecrunError:  # no memory for the wider cache: auto goes on with chains, as before
-            return options, params, None
-    options = dataclasses.replace(options, lookahead=choice.sizes, auto_lookahead=True)
-    return options, dataclasses.replace(params, tree_nodes=max(params.tree_nodes, choice.sizes.max_nodes)), choice
+            return None
+    return choice
 
 
 def near_tie_note(stats) -> str:

@@ -458,6 +458,7 @@ class PairWorker:
             self.session = open_chat(pair.target, pair.draft, pair.method, pair.load, draft_len=pair.draft_len,
                                      draft_min_prob=pair.draft_min_prob, ngram_cache=pair.ngram_cache,
                                      heads=pair.heads, branches=pair.trees.branches, lookahead=pair.lookahead,
+                                     chain=pair.trees.chain, tree_nodes=pair.trees.nodes,
                                      on_note=lambda note: self.log(f"note: {note}"))
         except BaseException as exc:
             self._load_error = exc

@@ -300,3 +300,80 @@ def test_a_context_that_cannot_be_re_created_for_trees_keeps_chains(monkeypatch)
     target.close()
     assert len(freed) == 1
     real_free(freed[0])
+
+
+# ---- auto's window in chat, serve and bench, as in generate --------------------------------
+def stored_target_entry(relative) -> TuneResult:
+    return TuneResult("k", "t", "none", "m", 0, 0.0, target_costs=seconds_of(relative, [1, 2, 8, 24, 120]), learned=True)
+
+
+def chat_answer(method: str, **kwargs):
+    """open_chat on demo-target (llama.cpp, --exact, no draft model; what `specrun chat` and a
+    server's worker open): the session's drafters, what it noted, its greedy answer's result."""
+    from specrun.registry.loading import LoadOptions
+    from specrun.sessions.chat import open_chat
+    from specrun.engine.loop import Finished
+
+    notes: list[str] = []
+    with open_chat("demo-target", None, method, LoadOptions(backend="llama", threads=1, exact=True),
+                   on_note=notes.append, **kwargs) as session:
+        drafter = session.engine.drafter
+        members = [member.name for member in drafter.members] if drafter is not None else []
+        ids = session.target.tokenize(PROMPT, add_bos=session.target.vocab.add_bos)
+        [result] = [event.result for event in session.stream(ids, GenerationParams(32, 0)) if isinstance(event, Finished)]
+        trees = session.target.tree_support.available
+    return members, notes, result, trees
+
+
+@pytest.mark.parametrize("relative, chain, joins", [(gpu_like, False, True), (cpu_like, False, False),
+                                                    (gpu_like, True, False)])
+def test_a_chat_s_auto_drafts_with_a_window_where_stored_costs_predict_it_pays(relative, chain, joins, monkeypatch):
+    """`specrun chat` and `specrun serve` (both open_chat) add auto's window as generate does:
+    where the target's stored costs predict it pays, on llama.cpp's chains context re-created for
+    it, said in a note; never under --chain. Greedy, the answer is plain decoding's."""
+    pytest.importorskip("llama_cpp")
+    from specrun.sessions import chat
+
+    monkeypatch.setattr(chat, "load_target_entry", lambda target, threads: stored_target_entry(relative))
+    members, notes, result, trees = chat_answer("auto", chain=chain)
+    assert ("lookahead" in members) is joins and trees is joins
+    assert any(note.startswith("auto drafts with a lookahead") for note in notes) is joins
+    _, _, plain, _ = chat_answer("none")
+    assert result.token_ids == plain.token_ids
+
+
+def test_a_chat_s_auto_window_fits_the_tree_nodes_asked_and_every_answer_s_passes_hold_it(monkeypatch):
+    """--tree-nodes bounds the window auto may choose; the answers' passes hold the chosen
+    window's nodes (the CLI's tree_nodes may be smaller than the window: 0, none asked)."""
+    pytest.importorskip("llama_cpp")
+    from specrun.sessions import chat
+
+    monkeypatch.setattr(chat, "load_target_entry", lambda target, threads: stored_target_entry(gpu_like))
+    small = [sizes for sizes in LADDER if sizes.max_nodes <= 30]
+    members, notes, result, _ = chat_answer("auto", tree_nodes=30)
+    assert "lookahead" in members
+    chosen = sizing.choose(seconds_of(gpu_like, [1, 2, 8, 24, 120]), sizing.fitting(30, 0)).sizes
+    assert chosen in small and str(chosen) in notes[-1]
+    assert result.stats.new_tokens > 0
+
+
+@pytest.mark.parametrize("relative, joins", [(gpu_like, True), (cpu_like, False)])
+def test_bench_s_auto_line_drafts_with_a_window_where_stored_costs_predict_it_pays(relative, joins, monkeypatch):
+    """bench's auto line is generate's auto: without a draft model, a window where the stored
+    costs predict it pays, noted and recorded in the result; outputs still plain decoding's."""
+    pytest.importorskip("llama_cpp")
+    import specrun.sessions.generation as generation
+    from specrun.bench.runner import BenchConfig, run_bench
+    from specrun.bench.suite import BUILTIN_SUITE
+    from specrun.registry.loading import LoadOptions
+
+    monkeypatch.setattr(generation, "load_target_entry", lambda target, threads: stored_target_entry(relative))
+    config = BenchConfig("demo-target", None, ("none", "auto"), max_new_tokens=24,
+                         load=LoadOptions(backend="llama", threads=1, exact=True))
+    result = run_bench(config, BUILTIN_SUITE[:2])
+    assert any(note.startswith("auto drafts with a lookahead") for note in result.notes) is joins
+    assert (result.config.lookahead is not None) is joins
+    assert result.comparison.mismatches.get("auto", []) == []
+    # --untuned: the stored costs are not read, so no window
+    untuned = run_bench(dataclasses.replace(config, use_tuned=False), BUILTIN_SUITE[:1])
+    assert not any(note.startswith("auto drafts") for note in untuned.notes)
