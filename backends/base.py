@@ -52,6 +52,7 @@ class HiddenSupport:
     available: bool
     size: int = 0  # the hidden size H
     reason: str = ""  # one line for the user where hidden states are not available
+    layers: int = 0  # the model's layer count (0: not known), which heads files name
 
     def check(self) -> None:
         """Raise ValueError naming why not, if this backend gives no hidden states."""

@@ -784,7 +784,7 @@ class MlxBackend(HiddenTracking):
             self._split = split_model(self._mx, self._lm_cache, self.model)
         except ValueError as exc:
             return HiddenSupport(False, reason=str(exc))
-        return HiddenSupport(True, self._split.size)
+        return HiddenSupport(True, self._split.size, layers=self.n_layers)
 
     def _pass(self, run, *args):
         """``run(*args)`` as one pass: while tracking, the hidden states of every row it feeds

@@ -283,8 +283,9 @@ def load_target_heads(target_spec: str, explicit: str | None, target, registry=N
             else f"{heads.config.kind} heads"
         raise UsageError(f"{path} holds {readable}, not {kind} heads",
                          f"pass {kind} heads with --heads, or train them with specrun heads train --kind {kind}")
-    check_heads_for_target(heads, hidden_size=target.hidden_support.size or heads.config.hidden_size,
-                           vocab_size=target.vocab.size, vocabulary=vocabulary_fingerprint(target), path=path)
+    support = target.hidden_support
+    check_heads_for_target(heads, hidden_size=support.size or heads.config.hidden_size, vocab_size=target.vocab.size,
+                           num_layers=support.layers, vocabulary=vocabulary_fingerprint(target), path=path)
     return heads
 
 

@@ -73,6 +73,27 @@ def test_heads_for_another_model_are_refused_naming_both_sides(target, tiny_llam
                           str(tiny_llama.config.hidden_size))
 
 
+@pytest.mark.parametrize("kind", ["medusa", "eagle"])
+def test_heads_made_for_a_target_of_another_depth_are_refused_naming_both_layer_counts(target, tiny_llama,
+                                                                                        tmp_path, kind):
+    """Same width and vocabulary, another layer count (a deeper sibling model): the file names
+    the layers it was made for, and the target's as the backend reads them, before any drafting."""
+    import dataclasses
+
+    config = tiny_llama.config
+    made = MADE[kind](config.hidden_size, config.vocab_size)
+    deeper = dataclasses.replace(made, config=dataclasses.replace(made.config, target_layers=config.num_layers + 1))
+    save_heads(deeper, tmp_path / "deeper.safetensors")
+    result = invoke("generate", "hi", "-t", target, "-m", kind, "--heads", str(tmp_path / "deeper.safetensors"))
+    assert_one_line_error(result.exit_code, result.stderr, 1, "deeper.safetensors",
+                          f"a target of {config.num_layers + 1} layers", f"the target has {config.num_layers}")
+    same = dataclasses.replace(made, config=dataclasses.replace(made.config, target_layers=config.num_layers))
+    save_heads(same, tmp_path / "same.safetensors")  # the right depth drafts as before
+    result = invoke("generate", "def f(x):", "-t", target, "-m", kind, "--heads", str(tmp_path / "same.safetensors"),
+                    "-n", "8", "--json")
+    assert result.exit_code == 0, result.output
+
+
 def test_a_truncated_heads_file_is_one_line(target, tiny_llama, tmp_path):
     heads = write_heads(tmp_path / "cut.safetensors", tiny_llama.config.hidden_size, tiny_llama.config.vocab_size)
     heads.write_bytes(heads.read_bytes()[:100])
