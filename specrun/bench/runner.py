@@ -169,6 +169,11 @@ def run_bench(config: BenchConfig, prompts: Sequence[BenchPrompt], progress: Pro
         if window is not None:  # auto drafts with a window too, as `specrun generate` would here
             notes.append(f"auto drafts with a {window.describe()}")
             config = dataclasses.replace(config, lookahead=config.lookahead or window.sizes)
+        else:
+            trees = default_trees_for(target, draft, tuned, config)
+            if trees is not None:  # second guesses, as `specrun generate` would open them here
+                notes.append(trees.describe())
+                config = dataclasses.replace(config, trees=trees.trees)
         for method in config.methods:
             check_trees_for(method, target, config.lookahead)
         if progress is not None:
@@ -231,6 +236,19 @@ def auto_window_for(target: Backend, draft: Backend | None, config: BenchConfig)
         return None
     costs = stored_costs(load_target_entry(target, config.load.threads))
     return auto_window("auto", target, costs, fitting(config.trees.nodes, target.tree_support.max_paths))
+
+
+def default_trees_for(target: Backend, draft: Backend | None, tuned, config: BenchConfig):
+    """Token trees the lines draft where none were asked, as `specrun generate` opens them
+    (sessions/generation.default_trees: where the stored pass costs predict they pay), or
+    None; never --untuned (no stored costs are read)."""
+    from specrun.sessions.generation import default_trees, load_target_entry
+
+    if not config.use_tuned:
+        return None
+    method = next((m for m in config.methods if m != "none" and not uses_lookahead(m)), "none")
+    stored = tuned if draft is not None else load_target_entry(target, config.load.threads)
+    return default_trees(method, target, stored, config.trees)
 
 
 def chosen_window(target: Backend, config: BenchConfig, prompt_ids: list[int]) -> LookaheadSizes:

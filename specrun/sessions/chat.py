@@ -35,8 +35,8 @@ from specrun.drafters.ngram import vocabulary_fingerprint
 from specrun.engine.loop import Finished, GenerationParams, GenerationResult, SpeculativeEngine, TextChunk
 from specrun.errors import ContextFullError, UsageError
 from specrun.sessions.generation import (
-    adapts_length, auto_window, check_trees_for, choose_window, load_target_entry, load_target_heads, load_tuned,
-    remember_run, resolve_draft_len, resolve_min_prob,
+    TreeSettings, adapts_length, auto_window, check_trees_for, choose_window, default_trees, load_target_entry,
+    load_target_heads, load_tuned, remember_run, resolve_draft_len, resolve_min_prob,
 )
 from specrun.backends.kv import common_prefix_len, sequence_for
 from specrun.drafters.lookahead import LookaheadSizes
@@ -178,13 +178,31 @@ class ChatSession:
         self._drafter_options = drafter_options or DrafterOptions()
         self._chain = chain  # --chain: auto never drafts with a lookahead window
         self._tree_nodes = tree_nodes  # --tree-nodes (0: none asked), which a window must fit
-        self._window_nodes = 0  # the nodes auto's window drafts, which every answer's passes hold
+        self._window_nodes = 0  # the nodes auto's window or trees opened by themselves hold in every pass
         self._on_note = on_note
         self._tuned = None
         self.engine = SpeculativeEngine(target, None, method)
         self._use_tuned(tuned)
         check_trees_for(method, target, self._drafter_options.lookahead)
+        if self._takes_auto_window(method):
+            self._add_auto_window()
+        if not self._window_nodes:
+            self._add_default_trees(method)
         self.engine.set_drafter(self._drafter_for(method), method)
+
+    def _add_default_trees(self, method: str) -> None:
+        """Token trees where none were asked and the stored pass costs predict they pay, as
+        `specrun generate` opens them (generation.default_trees), said in a note."""
+        if self._drafter_options.branches or self._drafter_options.lookahead is not None:
+            return
+        stored = self._tuned if self.draft is not None else load_target_entry(self.target, self._threads)
+        choice = default_trees(method, self.target, stored, TreeSettings(self._tree_nodes, chain=self._chain))
+        if choice is None:
+            return
+        self._drafter_options = dataclasses.replace(self._drafter_options, branches=choice.trees.branches)
+        self._window_nodes = choice.trees.nodes
+        if self._on_note is not None:
+            self._on_note(choice.describe())
 
     def _drafter_for(self, method: str):
         """The drafter of ``method``; a lookahead window's sizes, where none were given, chosen
@@ -197,9 +215,13 @@ class ChatSession:
             probe = self.target.tokenize(self.system_prompt or PROBE_TEXT, add_bos=self.target.vocab.add_bos)
             choice = choose_window(self.target, costs, fitting(0, self.target.tree_support.max_paths), probe)
             self._drafter_options = dataclasses.replace(self._drafter_options, lookahead=choice.sizes)
-        elif is_adaptive(method) and self.draft is None and not self._chain and not self._window_nodes:
+        elif self._takes_auto_window(method):
             self._add_auto_window()
         return build_drafter(method, self.draft, self._drafter_options)
+
+    def _takes_auto_window(self, method: str) -> bool:
+        return (is_adaptive(method) and self.draft is None and not self._chain and not self._window_nodes
+                and not self._drafter_options.branches)
 
     def _add_auto_window(self) -> None:
         """auto without a draft model drafts with a lookahead window too where earlier runs'

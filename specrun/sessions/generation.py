@@ -55,7 +55,8 @@ def resolve_trees(
     chain: bool, tree_nodes: int | None, branches: int | None, lookahead: LookaheadSizes | None = None
 ) -> TreeSettings:
     """Chains unless --tree-nodes or --branches asks for trees (measured on this CPU, a pass's
-    every extra token costs most of a plain step, so trees rarely pay: docs/perf.md), or a
+    every extra token costs most of a plain step, so trees rarely pay: docs/perf.md; once the
+    target is open, ``default_trees`` may still open them where stored costs say so), or a
     method drafts with a lookahead window (``lookahead``, its sizes): the window is a tree, so
     the pass holds at least its nodes and paths."""
     asked = tree_nodes is not None or bool(branches)  # trees the user asked for
@@ -231,6 +232,48 @@ def auto_window(method: str, target, costs: dict[int, float] | None, fits):
     return choice
 
 
+@dataclass(frozen=True)
+class TreeChoice:
+    """Token trees a run opened by itself: the settings and the speed-up predicted over chains."""
+
+    trees: TreeSettings
+    predicted: float
+
+    def describe(self) -> str:
+        return (f"token trees of up to {self.trees.nodes} nodes, {self.trees.branches} second guesses a position, "
+                f"from this machine's pass costs: predicted {self.predicted:.2f}x the chain's speed")
+
+
+def default_trees(method: str, target, stored, trees: TreeSettings) -> TreeChoice | None:
+    """Token trees where the user asked for none (nor --chain) and ``stored``'s pass costs (an
+    earlier run's entry) predict second guesses win ``TREE_MARGIN`` over chains
+    (``control.trees.predicted_tree_gain``): the target opened for them (llama.cpp's chains
+    context re-created before anything is fed), the drafters' second guesses and the pass's
+    nodes set to the defaults --branches and --tree-nodes take; the policy still shapes each
+    step's tree from measured acceptance. None elsewhere: on a CPU a node costs most of a
+    plain step, so runs there keep chains by themselves. Nothing is probed."""
+    from specrun.control.trees import TREE_MARGIN, TYPICAL_CHAIN, predicted_tree_gain
+    from specrun.sessions.lookahead_sizing import relative_costs
+
+    costs = stored.target_costs if stored is not None else None
+    support = target.tree_support
+    if trees.chain or trees.nodes or method == "none" or uses_lookahead(method) or not costs or 1 not in costs \
+            or max(costs) < 2 + TYPICAL_CHAIN or not (support.available or support.reopenable):
+        return None
+    chosen = TreeSettings(DEFAULT_TREE_NODES, DEFAULT_BRANCHES)
+    predicted = predicted_tree_gain(relative_costs(costs), chosen.branches, chosen.nodes)
+    if predicted < TREE_MARGIN:
+        return None
+    if not support.available:
+        try:
+            target.open_for_trees(chosen.paths)
+        except SpecrunError:  # no memory for the wider cache: chains, as before
+            return None
+    elif support.max_paths and support.max_paths < chosen.paths:
+        return None
+    return TreeChoice(chosen, predicted)
+
+
 def near_tie_note(stats) -> str:
     """What a greedy run without --exact says when some of its tokens were chosen at a near-tie:
     verify passes of several tokens round differently from one-token decoding, so plain decoding
@@ -348,14 +391,21 @@ def generate_text(request: GenerateRequest, on_text: Callable[[str], None] | Non
             tie_margin=0.0 if request.load.exact or request.method == "none" else TIE_MARGIN,
         )
         choice = None
+        stored = tuned
         if draft is None:  # lookahead's sizes (and whether auto drafts with a window) from the pass costs
-            tuned = load_target_entry(target, request.load.threads)
+            tuned = stored = load_target_entry(target, request.load.threads)
             options, params, choice = size_lookahead(request.method, target, options, params, tuned, prompt_ids,
                                                      chain=request.trees.chain)
             if choice is not None and request.on_note is not None:
                 request.on_note(choice.describe())
             if tuned is not None and choice is None:
                 tuned = None  # no window: the target's own entry says nothing this run uses
+        trees = None if choice is not None else default_trees(request.method, target, stored, request.trees)
+        if trees is not None:  # second guesses, where the stored pass costs say they pay
+            options = dataclasses.replace(options, branches=trees.trees.branches)
+            params = dataclasses.replace(params, tree_nodes=trees.trees.nodes)
+            if request.on_note is not None:
+                request.on_note(trees.describe())
         drafter = build_drafter(request.method, draft, options)
         if request.trees.paths and not target.tree_support.available and request.on_note is not None:
             request.on_note(f"token trees are off: {target.tree_support.reason}; verifying chains")
