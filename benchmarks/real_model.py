@@ -20,6 +20,11 @@ Raw figures go to runs/ as JSON.
     .venv/bin/python benchmarks/real_model.py --methods none,auto --line "auto trees=auto --tree-nodes 16"
     .venv/bin/python benchmarks/real_model.py --llama-bin-dir BIN --llama-lookahead --methods none,lookahead \
         --line "lookahead 15:5:15=lookahead --lookahead 15:5:15"
+    .venv/bin/python benchmarks/real_model.py --target demo-target-xl --draft demo-draft --raw ...  # another pair
+
+``--target``/``--draft`` take the demo models' and SmolLM2's aliases (or GGUF paths); ``--raw``
+gives every line the question as typed (the demo models are not chat models). A ``--line``
+with a ``--draft`` of its own drafts with that.
 """
 
 from __future__ import annotations
@@ -52,6 +57,7 @@ from _llama_tools import (
 )
 from _report import SPEC_BENCH
 from specrun.drafters.methods import needs_draft_model
+from specrun.modelkit.demo import DEMO_MODELS, demo_gguf
 from specrun.modelkit.selfdraft import SELF_KINDS, self_draft_gguf
 from specrun.modelkit.smollm2 import smollm2_gguf
 
@@ -87,9 +93,21 @@ def build_lines(args: argparse.Namespace, target: Path, draft: Path, n_ctx: int,
     for spec in args.line:  # "NAME=METHOD OPTION ...": a method with more options, e.g. token trees
         name, _, command = spec.partition("=")
         method, *extra = command.split()
-        method_draft = draft if needs_draft_model(method) else None
+        method_draft = draft if needs_draft_model(method) and "--draft" not in extra else None
         lines.append(specrun_line(method, target, method_draft, args.n, args.threads, env, tuple(extra), name))
     return lines
+
+
+def model_path(name: str) -> Path:
+    """A GGUF file for ``name``: a demo model (built once), a SmolLM2 alias (derived once), or a path."""
+    if name in DEMO_MODELS:
+        return demo_gguf(name)
+    if name.startswith("smollm2"):
+        return smollm2_gguf(name)
+    path = Path(name)
+    if not path.is_file():
+        raise SystemExit(f"error: no model {name!r}: give a demo or smollm2 alias, or a GGUF file")
+    return path
 
 
 def print_tables(lines: list[Line], baseline: Line, reference: Line | None, categories: dict[str, str]) -> dict:
@@ -149,16 +167,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--self-q4", action="store_true",
                         help="draft with the Q4_0 copy --draft self:q4 derives from the F16 target (every draft "
                         "line, llama-speculative-simple's too), not the shipped Q4_1 file")
+    parser.add_argument("--target", default="smollm2-135m-f16", help="target alias or GGUF (default smollm2-135m-f16)")
+    parser.add_argument("--draft", default="smollm2-135m", help="draft alias or GGUF (default smollm2-135m)")
+    parser.add_argument("--raw", action="store_true", help="prompts as typed, no chat template")
     parser.add_argument("--json", type=Path, help="raw figures (default runs/real_model-TIME.json)")
     args = parser.parse_args(argv)
     if args.llama_lookahead and not args.llama_bin_dir:
         parser.error("--llama-lookahead needs --llama-bin-dir")
 
-    target, draft = smollm2_gguf("smollm2-135m-f16"), smollm2_gguf("smollm2-135m")  # derives the F16 copy once
+    target, draft = model_path(args.target), model_path(args.draft)  # derives SmolLM2's F16 copy once
     if args.self_q4:
-        draft = self_draft_gguf(target, SELF_KINDS["q4"], "smollm2-135m-f16")  # derived once, as self:q4 is
+        draft = self_draft_gguf(target, SELF_KINDS["q4"], args.target)  # derived once, as self:q4 is
     wanted = args.categories.split(",") if args.categories else None
-    prompts, n_ctx = prepare(target, spec_bench(args.questions, args.per_category, wanted), chat=True)
+    prompts, n_ctx = prepare(target, spec_bench(args.questions, args.per_category, wanted), chat=not args.raw)
     with tempfile.TemporaryDirectory(prefix="specrun-new-user-") as config_home:
         env = untuned_env(Path(config_home)) if not args.tuned else None
         lines = build_lines(args, target, draft, n_ctx, env)
@@ -170,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     by_name = {line.name: line for line in lines}
     baseline = by_name.get("llama-completion") or by_name.get("specrun none") or lines[0]
     reference = by_name.get("specrun none")
-    print(f"\nSmolLM2-135M-Instruct F16 ({target.name}) + {draft.name} as draft; {len(baseline.runs)} of {len(prompts)} Spec-Bench prompts run "
+    print(f"\n{args.target} ({target.name}) + {draft.name} as draft; {len(baseline.runs)} of {len(prompts)} Spec-Bench prompts run "
           f"({args.per_category} per category), {args.n} tokens, greedy, {args.threads} threads, "
           f"fresh process per run; {load_before} before, {load_after} after")
     summaries = print_tables(lines, baseline, reference, {p.prompt_id: p.category for p in prompts})
