@@ -9,13 +9,21 @@ import numpy as np
 
 from specrun.backends.base import Backend
 from specrun.drafters.base import EMPTY_PROPOSAL, Drafter, Proposal, second_guesses
+from specrun.drafters.dynamic_tree import TOP_K, DraftTree, grow_tree
 from specrun.backends.kv import KVSequence, sequence_for
 from specrun.sampling import SamplingSettings, probabilities, sample, top_probability
+from specrun.errors import SpecrunError
+from specrun.tree import TokenTree
 
 
 # Between its own steps a draft model reads one token (the target's correction) or two
 # (its last draft and the bonus token); more is catching up on context it did not draft.
 CATCH_UP_TOKENS = 2
+# A dynamic tree costs the draft a tree pass a level where a chain costs a one-token pass a
+# position. It is grown while a tree pass costs at most this many one-token passes (a memory-
+# bound draft); dearer (a CPU: demo-draft grew 1.08x the chain's tokens a pass at 0.69x its
+# speed, docs/perf.md 3(f)), second guesses are leaves read off the chain's own rows.
+TREE_PASS_LIMIT = 1.25
 
 
 class DraftModelDrafter(Drafter):
@@ -56,11 +64,36 @@ class DraftModelDrafter(Drafter):
         # (what other drafters proposed and the target accepted): a cost of switching to it,
         # not of the draft length it was asked for.
         self.catch_up_seconds = 0.0
+        # Measured seconds of a tree pass (one level of a dynamic tree) and of a one-token pass
+        # (decayed means; None: not yet timed), which decide whether trees are grown (grows_trees).
+        self.tree_pass: float | None = None
+        self.token_pass: float | None = None
 
     def bind(self, target: KVSequence, clock: Callable[[], float]) -> None:
         self.target_vocab_size = target.backend.vocab.size
         self.stop_ids = frozenset(target.backend.vocab.eos_ids)
         self.clock = clock
+        support = self.backend.tree_support
+        if self.branches and not support.available and support.reopenable:
+            # Greedy second guesses grow a dynamic tree, which the draft itself reads in tree
+            # passes: llama.cpp's context is re-created for them (the prompt is read afresh
+            # in ``prefill``). Where that fails, second guesses stay leaves beside the chain.
+            self.sequence.reset()
+            try:
+                self.backend.open_for_trees(TOP_K + 1)
+            except SpecrunError:  # no memory for the wider cache: leaves beside the chain, as before
+                pass
+
+    @property
+    def grows_trees(self) -> bool:
+        """Greedy second guesses grow an EAGLE-2 dynamic tree by the draft's own probabilities
+        (``_dynamic_tree``) where the draft reads trees of a node's TOP_K children a pass, until
+        its passes are timed and a tree pass costs more than ``TREE_PASS_LIMIT`` one-token ones."""
+        support = self.backend.tree_support
+        if not (self.branches and support.available and (not support.max_paths or support.max_paths > TOP_K)):
+            return False
+        timed = self.tree_pass is not None and self.token_pass is not None
+        return not timed or self.tree_pass <= TREE_PASS_LIMIT * self.token_pass
 
     def propose(
         self,
@@ -78,6 +111,8 @@ class DraftModelDrafter(Drafter):
         if sampling.greedy and exact_vocab and self.min_prob <= 0.0 and not self.branches:
             # Greedy verification needs no draft distribution: argmax stays in the backend.
             return Proposal(self._greedy_ids(pending, draft_len), source=self.name)
+        if sampling.greedy and self.min_prob <= 0.0 and self.grows_trees:
+            return self._dynamic_tree(pending, draft_len)
         tokens: list[int] = []
         rows: list[np.ndarray | None] = []
         distributions: list[np.ndarray] = []  # the draft's own, for second guesses
@@ -103,6 +138,32 @@ class DraftModelDrafter(Drafter):
             pending = [token]
         proposal = Proposal(tuple(tokens), tuple(rows), source=self.name)
         return second_guesses(proposal, distributions, self.branches, sampling, rng) if self.branches else proposal
+
+    def _dynamic_tree(self, pending: list[int], depth: int) -> Proposal:
+        """EAGLE-2's tree, greedy (drafters/dynamic_tree.py): the draft's first pass reads
+        ``pending`` and gives the first position's logits; each later level feeds the paths to
+        the nodes chosen for expansion as one tree pass of the draft, reading each chosen
+        node's next position along its own path. The cache keeps the context and, after the
+        last level, the main chain but for its last node (as a chain's drafting leaves it), so
+        the next call catches up only on the target's correction or bonus token."""
+        started = self.clock()
+        root = self._target_sized(self.sequence.feed(pending, [len(pending) - 1])[0])
+        self.token_pass = _blend(self.token_pass, self.clock() - started)
+
+        def expand(tree: DraftTree, chosen: list[int], level: int) -> np.ndarray:
+            nodes = sorted({ancestor for node in chosen for ancestor in _with_ancestors(tree, node)},
+                           key=lambda node: (tree.depths[node], node))
+            index = {node: i for i, node in enumerate(nodes)}
+            fed = TokenTree(tuple(tree.drafts[node] for node in nodes),
+                            tuple(index.get(tree.parents[node], -1) for node in nodes))
+            started = self.clock()
+            logits = self.sequence.feed_tree((), fed, [index[node] for node in chosen])
+            self.tree_pass = _blend(self.tree_pass, self.clock() - started)
+            chain = tree.main_chain()[:level] if level == depth - 1 else []
+            self.sequence.keep_path(fed, [index[node] for node in chain])
+            return np.stack([self._target_sized(row) for row in logits])
+
+        return grow_tree(root, depth, TOP_K, self.branches, expand, np.arange(self.target_vocab_size), self.name)
 
     def _catch_up(self, context: Sequence[int]) -> list[int]:
         """Bring the cache to the context but for the tokens this call feeds with its first pass.
@@ -179,3 +240,16 @@ class DraftModelDrafter(Drafter):
 
     def close(self) -> None:
         self.sequence.reset()
+
+
+def _blend(mean: float | None, seconds: float, weight: float = 0.3) -> float:
+    return seconds if mean is None else (1.0 - weight) * mean + weight * seconds
+
+
+def _with_ancestors(tree: DraftTree, node: int) -> list[int]:
+    """``node`` and every node above it in ``tree``."""
+    out = []
+    while node >= 0:
+        out.append(node)
+        node = tree.parents[node]
+    return out
