@@ -115,12 +115,15 @@ def test_a_layer_draft_on_llama_cpp_says_plainly_it_is_unavailable(monkeypatch):
     assert "llama.cpp's API cannot" in lines[0] and "--backend mlx" in lines[0]
 
 
-def test_generate_with_a_layer_draft_gives_plain_decoding_s_text():
+@pytest.mark.parametrize("method", ["draft", "auto"])
+def test_generate_with_a_layer_draft_gives_plain_decoding_s_text(method):
+    """As the draft model alone and as auto's (issue 30, item 4: a layer draft takes part in auto
+    through --draft, behind prompt lookup and the n-gram pool)."""
     pytest.importorskip("mlx_lm", reason="the MLX backend is not installed")
     common = ["generate", "def add(a, b):\n", "--raw", "--json", "-n", "32", "-t", "demo-target", "--backend", "mlx"]
     runner = CliRunner()
     plain = runner.invoke(app, [*common, "--method", "none"])
-    drafted = runner.invoke(app, [*common, "--method", "draft", "--draft", "self:layers=4"])
+    drafted = runner.invoke(app, [*common, "--method", method, "--draft", "self:layers=4"])
     assert plain.exit_code == 0 and drafted.exit_code == 0, drafted.output
     import json
 

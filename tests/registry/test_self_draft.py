@@ -219,6 +219,26 @@ def test_demo_target_with_its_q4_copy_generates_what_plain_decoding_does(method)
         assert generated("demo-target", "self:q4", method, "llama", prompt) == plain
 
 
+def test_sampling_with_the_demo_target_s_q4_copy_is_lossless():
+    """PIT and acceptance against a second copy of the target (lossless_harness), temperature 1:
+    the derived copy drafts as any draft model does, and the output keeps the target's
+    distribution."""
+    from lossless_harness import real_scenario
+    from specrun.registry.loading import open_pair
+    from specrun.sampling import SamplingSettings
+
+    load = LoadOptions(backend="llama", threads=1, exact=True)
+    target, draft = open_pair("demo-target", "self:q4", load)  # the Q8_0 target's only cheaper copy
+    reference, _ = open_pair("demo-target", None, load)
+    try:
+        sampled, problems = real_scenario(target, draft, reference, "draft", SamplingSettings(temperature=1.0), False)
+    finally:
+        for backend in (draft, target, reference):
+            backend.close()
+    assert problems == []
+    assert 0 < sampled.verified.accepted <= sampled.verified.tested
+
+
 @pytest.mark.parametrize("kind", ["self:q8", "self:q4"])
 def test_the_real_model_with_its_own_copy_generates_what_plain_decoding_does(smollm2, kind):
     prompt = "Write a Python function that returns the factorial of n."
