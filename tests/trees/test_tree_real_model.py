@@ -172,3 +172,38 @@ def test_tree_generation_on_the_real_model_is_bit_identical_on_mlx(mlx_real_pair
     pairs, spy = tree_runs(*mlx_real_pair, "lookup+draft", CHAT_PROMPTS[:1], 24)
     assert pairs[0][1] == pairs[0][0]
     assert spy.passes > 0
+
+
+def test_the_real_draft_grows_the_dynamic_tree_eagle_2_s_rule_gives(smollm2):
+    """SmolLM2's Q4_1 file as a draft reading trees on llama.cpp (its context re-created for
+    them): the first greedy tree (untimed, so grown) equals the one computed from a second copy
+    reading each node's path as plain context."""
+    pytest.importorskip("llama_cpp", reason="the llama backend is not installed")
+    import numpy as np
+
+    from specrun.backends.kv import sequence_for
+    from specrun.backends.llama import LlamaCppBackend
+    from specrun.drafters.draft_model import DraftModelDrafter
+    from specrun.sampling import SamplingSettings
+    from test_draft_model_branches import reference_tree
+
+    path = smollm2["smollm2-135m"]
+    draft = LlamaCppBackend(path, n_threads=1, flash_attn=False)
+    reference = LlamaCppBackend(path, n_threads=1, flash_attn=False)
+    try:
+        def logits_of(context):
+            sequence = sequence_for(reference)
+            sequence.sync(context[:-1])
+            return sequence.feed(context[-1:], [0])[0]
+
+        drafter = DraftModelDrafter(draft, branches=4)
+        drafter.bind(type("Target", (), {"backend": draft})(), lambda: 0.0)
+        assert draft.tree_support.available  # re-created for the tree's paths
+        context = draft.tokenize("The capital of France is Paris. The capital of Germany is")
+        drafter.prefill(context)
+        proposal = drafter.propose(context, 4, SamplingSettings(), np.random.default_rng(0))
+        assert (proposal.tokens, proposal.parents) == reference_tree(logits_of, context, 4, 4)
+        assert not proposal.is_chain
+    finally:
+        draft.close()
+        reference.close()
