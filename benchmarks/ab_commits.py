@@ -21,6 +21,7 @@ Raw per-prompt figures go to runs/ab_<before>_<after>.json.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import subprocess
@@ -109,7 +110,8 @@ def prompts(args) -> dict[str, list[str]]:
             if len(texts) < args.spec_bench_per_category:
                 texts.append(row["turns"][0])
         if args.mix:  # round robin over the categories: each prompt follows one of another kind
-            suites["spec-bench"] = [t for row in zip(*by_category.values()) for t in row]
+            rounds = itertools.zip_longest(*by_category.values())
+            suites["spec-bench"] = [t for row in rounds for t in row if t is not None]
         else:
             suites["spec-bench"] = [t for texts in by_category.values() for t in texts]
     return suites

@@ -23,6 +23,7 @@ from specrun.errors import UsageError
 from specrun.sessions.generation import (
     ADAPTIVE_MAX_DRAFT_LEN,
     DEFAULT_DRAFT_LEN,
+    TreeChoice,
     TreeSettings,
     adapts_length,
     check_trees_for,
@@ -30,6 +31,9 @@ from specrun.sessions.generation import (
     load_tuned,
     resolve_min_prob,
 )
+from specrun.sessions import generation
+from specrun.sessions.lookahead_sizing import SizeChoice
+from specrun.sessions.tuning import TuneResult
 from specrun.registry.loading import LoadOptions, prompts_as_chat
 from specrun.sessions.kernels import open_settled_pair
 from specrun.drafters.lookahead import LookaheadSizes
@@ -169,6 +173,8 @@ def run_bench(config: BenchConfig, prompts: Sequence[BenchPrompt], progress: Pro
         if window is not None:  # auto drafts with a window too, as `specrun generate` would here
             notes.append(f"auto drafts with a {window.describe()}")
             config = dataclasses.replace(config, lookahead=config.lookahead or window.sizes)
+            # and its controllers start from the target's stored costs, as generate's do
+            tuned = generation.load_target_entry(target, config.load.threads)
         else:
             trees = default_trees_for(target, draft, tuned, config)
             if trees is not None:  # second guesses, as `specrun generate` would open them here
@@ -225,30 +231,28 @@ def run_bench(config: BenchConfig, prompts: Sequence[BenchPrompt], progress: Pro
     )
 
 
-def auto_window_for(target: Backend, draft: Backend | None, config: BenchConfig):
+def auto_window_for(target: Backend, draft: Backend | None, config: BenchConfig) -> SizeChoice | None:
     """The lookahead window the ``auto`` line drafts with (a sizing choice), or None: as in
     `specrun generate`, without a draft model, unless --chain or --untuned, where the pass costs
     earlier runs stored predict one pays (sessions/generation.auto_window)."""
-    from specrun.sessions.generation import auto_window, load_target_entry
     from specrun.sessions.lookahead_sizing import fitting, stored_costs
 
     if draft is not None or config.trees.chain or not config.use_tuned or "auto" not in config.methods:
         return None
-    costs = stored_costs(load_target_entry(target, config.load.threads))
-    return auto_window("auto", target, costs, fitting(config.trees.nodes, target.tree_support.max_paths))
+    costs = stored_costs(generation.load_target_entry(target, config.load.threads))
+    return generation.auto_window("auto", target, costs, fitting(config.trees.nodes, target.tree_support.max_paths))
 
 
-def default_trees_for(target: Backend, draft: Backend | None, tuned, config: BenchConfig):
+def default_trees_for(target: Backend, draft: Backend | None, tuned: TuneResult | None,
+                      config: BenchConfig) -> TreeChoice | None:
     """Token trees the lines draft where none were asked, as `specrun generate` opens them
     (sessions/generation.default_trees: where the stored pass costs predict they pay), or
     None; never --untuned (no stored costs are read)."""
-    from specrun.sessions.generation import default_trees, load_target_entry
-
     if not config.use_tuned:
         return None
     method = next((m for m in config.methods if m != "none" and not uses_lookahead(m)), "none")
-    stored = tuned if draft is not None else load_target_entry(target, config.load.threads)
-    return default_trees(method, target, stored, config.trees)
+    stored = tuned if draft is not None else generation.load_target_entry(target, config.load.threads)
+    return generation.default_trees(method, target, stored, config.trees)
 
 
 def chosen_window(target: Backend, config: BenchConfig, prompt_ids: list[int]) -> LookaheadSizes:

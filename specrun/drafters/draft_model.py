@@ -64,17 +64,19 @@ class DraftModelDrafter(Drafter):
         # (what other drafters proposed and the target accepted): a cost of switching to it,
         # not of the draft length it was asked for.
         self.catch_up_seconds = 0.0
-        # Measured seconds of a tree pass (one level of a dynamic tree) and of a one-token pass
-        # (decayed means; None: not yet timed), which decide whether trees are grown (grows_trees).
-        self.tree_pass: float | None = None
-        self.token_pass: float | None = None
+        # Measured seconds of a tree pass (one level of a dynamic tree) and of a one-token pass,
+        # which decide whether trees are grown (grows_trees).
+        self.tree_pass = _PassTiming()
+        self.token_pass = _PassTiming()
+        self.target_trees = False  # does the target verify trees (bind)? Else a tree is wasted
 
     def bind(self, target: KVSequence, clock: Callable[[], float]) -> None:
         self.target_vocab_size = target.backend.vocab.size
         self.stop_ids = frozenset(target.backend.vocab.eos_ids)
         self.clock = clock
+        self.target_trees = target.backend.tree_support.available
         support = self.backend.tree_support
-        if self.branches and not support.available and support.reopenable:
+        if self.branches and self.target_trees and not support.available and support.reopenable:
             # Greedy second guesses grow a dynamic tree, which the draft itself reads in tree
             # passes: llama.cpp's context is re-created for them (the prompt is read afresh
             # in ``prefill``). Where that fails, second guesses stay leaves beside the chain.
@@ -90,10 +92,11 @@ class DraftModelDrafter(Drafter):
         (``_dynamic_tree``) where the draft reads trees of a node's TOP_K children a pass, until
         its passes are timed and a tree pass costs more than ``TREE_PASS_LIMIT`` one-token ones."""
         support = self.backend.tree_support
-        if not (self.branches and support.available and (not support.max_paths or support.max_paths > TOP_K)):
+        reads_trees = support.available and (not support.max_paths or support.max_paths > TOP_K)
+        if not (self.branches and self.target_trees and reads_trees):
             return False
-        timed = self.tree_pass is not None and self.token_pass is not None
-        return not timed or self.tree_pass <= TREE_PASS_LIMIT * self.token_pass
+        timed = self.tree_pass.mean is not None and self.token_pass.mean is not None
+        return not timed or self.tree_pass.mean <= TREE_PASS_LIMIT * self.token_pass.mean
 
     def propose(
         self,
@@ -111,7 +114,8 @@ class DraftModelDrafter(Drafter):
         if sampling.greedy and exact_vocab and self.min_prob <= 0.0 and not self.branches:
             # Greedy verification needs no draft distribution: argmax stays in the backend.
             return Proposal(self._greedy_ids(pending, draft_len), source=self.name)
-        if sampling.greedy and self.min_prob <= 0.0 and self.grows_trees:
+        room = len(context) + (TOP_K + 1) * (draft_len - 1) <= self.backend.n_ctx  # its widest tree pass
+        if sampling.greedy and self.min_prob <= 0.0 and room and self.grows_trees:
             return self._dynamic_tree(pending, draft_len)
         tokens: list[int] = []
         rows: list[np.ndarray | None] = []
@@ -148,7 +152,7 @@ class DraftModelDrafter(Drafter):
         the next call catches up only on the target's correction or bonus token."""
         started = self.clock()
         root = self._target_sized(self.sequence.feed(pending, [len(pending) - 1])[0])
-        self.token_pass = _blend(self.token_pass, self.clock() - started)
+        self.token_pass.add(self.clock() - started)
 
         def expand(tree: DraftTree, chosen: list[int], level: int) -> np.ndarray:
             nodes = sorted({ancestor for node in chosen for ancestor in _with_ancestors(tree, node)},
@@ -158,7 +162,7 @@ class DraftModelDrafter(Drafter):
                             tuple(index.get(tree.parents[node], -1) for node in nodes))
             started = self.clock()
             logits = self.sequence.feed_tree((), fed, [index[node] for node in chosen])
-            self.tree_pass = _blend(self.tree_pass, self.clock() - started)
+            self.tree_pass.add(self.clock() - started)
             chain = tree.main_chain()[:level] if level == depth - 1 else []
             self.sequence.keep_path(fed, [index[node] for node in chain])
             return np.stack([self._target_sized(row) for row in logits])
@@ -242,8 +246,24 @@ class DraftModelDrafter(Drafter):
         self.sequence.reset()
 
 
-def _blend(mean: float | None, seconds: float, weight: float = 0.3) -> float:
-    return seconds if mean is None else (1.0 - weight) * mean + weight * seconds
+class _PassTiming:
+    """A decayed mean of a kind of pass's seconds, None until it stands on ``MIN_PASSES`` passes
+    after the first (which pays for building the batch shape's graph: a cold start)."""
+
+    MIN_PASSES = 2
+
+    def __init__(self) -> None:
+        self.passes = 0
+        self._mean: float | None = None
+
+    def add(self, seconds: float) -> None:
+        self.passes += 1
+        if self.passes > 1:
+            self._mean = seconds if self._mean is None else 0.7 * self._mean + 0.3 * seconds
+
+    @property
+    def mean(self) -> float | None:
+        return self._mean if self.passes > self.MIN_PASSES else None
 
 
 def _with_ancestors(tree: DraftTree, node: int) -> list[int]:

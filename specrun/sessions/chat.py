@@ -184,7 +184,7 @@ class ChatSession:
         self.engine = SpeculativeEngine(target, None, method)
         self._use_tuned(tuned)
         check_trees_for(method, target, self._drafter_options.lookahead)
-        if self._takes_auto_window(method):
+        if is_adaptive(method) and draft is None and not self._chain:  # once, before anything is fed
             self._add_auto_window()
         if not self._window_nodes:
             self._add_default_trees(method)
@@ -215,22 +215,16 @@ class ChatSession:
             probe = self.target.tokenize(self.system_prompt or PROBE_TEXT, add_bos=self.target.vocab.add_bos)
             choice = choose_window(self.target, costs, fitting(0, self.target.tree_support.max_paths), probe)
             self._drafter_options = dataclasses.replace(self._drafter_options, lookahead=choice.sizes)
-        elif self._takes_auto_window(method):
-            self._add_auto_window()
         return build_drafter(method, self.draft, self._drafter_options)
-
-    def _takes_auto_window(self, method: str) -> bool:
-        return (is_adaptive(method) and self.draft is None and not self._chain and not self._window_nodes
-                and not self._drafter_options.branches)
 
     def _add_auto_window(self) -> None:
         """auto without a draft model drafts with a lookahead window too where earlier runs'
         pass costs predict it pays, as `specrun generate` does (generation.auto_window); the
-        target, if it verifies chains only, is re-created for the window before anything is fed."""
+        target, if it verifies chains only, is re-created for the window before anything is fed.
+        Weighed when the session opens: a later /method auto needs a draft model, and then
+        drafts with none (as generate's auto with a draft model)."""
         from specrun.sessions.lookahead_sizing import fitting, stored_costs
 
-        if not self.target.tree_support.available and sequence_for(self.target).tokens:
-            return  # a context in use is not re-created for a window: auto goes on without one
         costs = stored_costs(load_target_entry(self.target, self._threads))
         choice = auto_window("auto", self.target, costs, fitting(self._tree_nodes, self.target.tree_support.max_paths))
         if choice is None:

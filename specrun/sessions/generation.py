@@ -257,8 +257,9 @@ def default_trees(method: str, target, stored, trees: TreeSettings) -> TreeChoic
 
     costs = stored.target_costs if stored is not None else None
     support = target.tree_support
-    if trees.chain or trees.nodes or method == "none" or uses_lookahead(method) or not costs or 1 not in costs \
-            or max(costs) < 2 + TYPICAL_CHAIN or not (support.available or support.reopenable):
+    asked_otherwise = trees.chain or bool(trees.nodes) or method == "none" or uses_lookahead(method)
+    known = bool(costs) and 1 in costs and max(costs) >= 2 + TYPICAL_CHAIN  # a pass wider than the chain's
+    if asked_otherwise or not known or not (support.available or support.reopenable):
         return None
     chosen = TreeSettings(DEFAULT_TREE_NODES, DEFAULT_BRANCHES)
     predicted = predicted_tree_gain(relative_costs(costs), chosen.branches, chosen.nodes)

@@ -11,7 +11,7 @@ import pytest
 from specrun.backends.base import TreeSupport
 from specrun.backends.fake import FakeBackend
 from specrun.backends.kv import sequence_for
-from specrun.drafters.draft_model import DraftModelDrafter
+from specrun.drafters.draft_model import DraftModelDrafter, _PassTiming
 from specrun.drafters.dynamic_tree import TOP_K, DraftTree
 from specrun.sampling import SamplingSettings
 
@@ -26,6 +26,13 @@ def confident_then_torn(context):
     else:
         logits[2], logits[3] = 1.0, 0.9
     return logits
+
+
+def bound(drafter: DraftModelDrafter, clock=None) -> DraftModelDrafter:
+    """``drafter`` bound to a target that verifies trees (the engine binds it so)."""
+    target = type("Target", (), {"backend": FakeBackend(lambda context: np.zeros(12, np.float32), 12)})()
+    drafter.bind(target, clock if clock is not None else (lambda: 0.0))
+    return drafter
 
 
 def chains_only(logits_fn, vocab: int = VOCAB) -> FakeBackend:
@@ -87,7 +94,7 @@ def reference_tree(logits_fn, context: list[int], depth: int, branches: int) -> 
 @pytest.mark.parametrize("depth, branches", [(1, 2), (3, 2), (5, 4), (8, 6)])
 def test_a_greedy_draft_that_reads_trees_grows_eagle_2_s_tree_by_its_own_path_probabilities(depth, branches):
     context = [3, 1, 4, 1, 5]
-    drafter = DraftModelDrafter(FakeBackend(hashed, 12), branches=branches)
+    drafter = bound(DraftModelDrafter(FakeBackend(hashed, 12), branches=branches))
     drafter.prefill(context)
     proposal = drafter.propose(context, depth, SamplingSettings(), np.random.default_rng(0))
     assert (proposal.tokens, proposal.parents) == reference_tree(hashed, context, depth, branches)
@@ -97,7 +104,7 @@ def test_a_greedy_draft_that_reads_trees_grows_eagle_2_s_tree_by_its_own_path_pr
 def test_a_second_guess_carries_the_draft_s_guesses_after_it():
     """Torn between 2 and 3 at depth 2, sure after either: the likeliest other nodes are the 3
     and the sure guess after it, not a second leaf (what second guesses beside a chain give)."""
-    drafter = DraftModelDrafter(FakeBackend(confident_then_torn, VOCAB), branches=2)
+    drafter = bound(DraftModelDrafter(FakeBackend(confident_then_torn, VOCAB), branches=2))
     proposal = drafter.propose([0, 0], 4, SamplingSettings(), np.random.default_rng(0))
     assert proposal.tokens == (1, 2, 1, 2, 3, 1)
     assert proposal.parents == (-1, 0, 1, 2, 0, 4)
@@ -110,8 +117,7 @@ def test_the_draft_s_cache_keeps_the_context_and_the_main_chain_as_a_chain_s_dra
     context = [3, 1, 4, 1, 5]
     clock = SimClock()
     backend = CostedFake(hashed, clock, 1.0, 0.0, vocab_size=12)  # a tree pass as dear as one token: trees
-    drafter = DraftModelDrafter(backend, branches=3)
-    drafter.bind(type("Target", (), {"backend": FakeBackend(hashed, 12)})(), clock)
+    drafter = bound(DraftModelDrafter(backend, branches=3), clock)
     drafter.prefill(context)
     proposal = drafter.propose(context, 4, SamplingSettings(), np.random.default_rng(0))
     chain = list(proposal.main_chain.tokens)
@@ -132,23 +138,42 @@ def test_a_draft_that_cannot_read_trees_keeps_second_guesses_as_leaves():
 @pytest.mark.parametrize("per_token, grows", [(0.0005, True), (0.45, False)])
 def test_the_draft_grows_trees_only_while_a_tree_pass_costs_about_a_one_token_pass(per_token, grows):
     """A level of the tree is one tree pass of the draft, a position of a chain one token: where
-    a pass's every node costs most of a pass (a CPU), the first tree's timings turn it to leaves
-    beside the chain (the chain's own rows, no extra pass); where it costs next to nothing (a
+    a pass's every node costs most of a pass (a CPU), once both kinds of pass are timed (the
+    first of each left out: it builds the shape's graph) second guesses turn to leaves beside
+    the chain (the chain's own rows, no extra pass); where a node costs next to nothing (a
     memory-bound GPU), it keeps growing trees."""
     from fake_models import CostedFake, SimClock
 
     clock = SimClock()
-    drafter = DraftModelDrafter(CostedFake(hashed, clock, 1.0, per_token, vocab_size=12), branches=3)
-    drafter.bind(type("Target", (), {"backend": FakeBackend(hashed, 12)})(), clock)
+    drafter = bound(DraftModelDrafter(CostedFake(hashed, clock, 1.0, per_token, vocab_size=12), branches=3), clock)
     context = [3, 1, 4, 1, 5]
     drafter.prefill(context)
-    first = drafter.propose(context, 5, SamplingSettings(), np.random.default_rng(0))
-    assert (first.tokens, first.parents) == reference_tree(hashed, context, 5, 3)  # untimed: a tree
+    shapes = []
+    for call in range(6):
+        proposal = drafter.propose(context, 5, SamplingSettings(), np.random.default_rng(0))
+        grown = (proposal.tokens, proposal.parents) == reference_tree(hashed, context, 5, 3)
+        leaves = all(parent < 5 for parent in proposal.parents)
+        shapes.append("tree" if grown else "leaves" if leaves else "?")
+        context = [*context, *proposal.main_chain.tokens, 7]
+    untimed = _PassTiming.MIN_PASSES + 1  # calls before a one-token pass is timed enough
+    assert shapes == ["tree"] * 6 if grows else ["tree"] * untimed + ["leaves"] * (6 - untimed)
     assert drafter.grows_trees is grows
-    following = [*context, *first.main_chain.tokens, 7]
-    second = drafter.propose(following, 5, SamplingSettings(), np.random.default_rng(0))
-    if grows:
-        assert (second.tokens, second.parents) == reference_tree(hashed, following, 5, 3)
-    else:
-        assert all(parent < 5 for parent in second.parents)  # leaves beside the chain
-        assert second.main_chain.tokens == reference_tree(hashed, following, 5, 0)[0]
+
+
+def test_a_draft_beside_a_target_that_verifies_chains_grows_no_tree():
+    """A tree the target cannot verify would be cut to its chain: the draft drafts a chain."""
+    drafter = DraftModelDrafter(FakeBackend(hashed, 12), branches=3)
+    target = type("Target", (), {"backend": chains_only(hashed, 12)})()
+    drafter.bind(target, lambda: 0.0)
+    assert not drafter.grows_trees
+
+
+def test_near_the_end_of_the_context_the_draft_grows_no_tree_it_could_not_hold():
+    """The widest tree pass feeds up to TOP_K + 1 nodes a level: where they would not fit in
+    the draft's context, second guesses are leaves beside the chain (no ContextFullError)."""
+    backend = FakeBackend(hashed, 12, n_ctx=24)
+    drafter = bound(DraftModelDrafter(backend, branches=3))
+    context = list(range(1, 12)) + [3, 1, 4, 1, 5]  # 16 tokens: 8 left, a 4-deep tree needs 15
+    drafter.prefill(context)
+    proposal = drafter.propose(context, 4, SamplingSettings(), np.random.default_rng(0))
+    assert len(proposal.main_chain.tokens) == 4 and all(parent < 4 for parent in proposal.parents)

@@ -175,21 +175,23 @@ def test_tree_generation_on_the_real_model_is_bit_identical_on_mlx(mlx_real_pair
 
 
 def test_the_real_draft_grows_the_dynamic_tree_eagle_2_s_rule_gives(smollm2):
-    """SmolLM2's Q4_1 file as a draft reading trees on llama.cpp (its context re-created for
-    them): the first greedy tree (untimed, so grown) equals the one computed from a second copy
-    reading each node's path as plain context."""
+    """SmolLM2 F16 as a draft reading trees on llama.cpp under --exact (its context re-created
+    for them; batched and one-token kernels round alike, so no near-tie can flip a rank): the
+    first greedy tree (untimed, so grown) equals the one computed from a second copy reading
+    each node's path as plain context."""
     pytest.importorskip("llama_cpp", reason="the llama backend is not installed")
     import numpy as np
 
+    from specrun.backends.fake import FakeBackend
     from specrun.backends.kv import sequence_for
-    from specrun.backends.llama import LlamaCppBackend
     from specrun.drafters.draft_model import DraftModelDrafter
+    from specrun.registry.loading import LoadOptions, open_backend
     from specrun.sampling import SamplingSettings
     from test_draft_model_branches import reference_tree
 
-    path = smollm2["smollm2-135m"]
-    draft = LlamaCppBackend(path, n_threads=1, flash_attn=False)
-    reference = LlamaCppBackend(path, n_threads=1, flash_attn=False)
+    path = str(smollm2["smollm2-135m-f16"])
+    options = LoadOptions(backend="llama", n_ctx=512, threads=1, exact=True)
+    draft, reference = open_backend(path, options), open_backend(path, options)
     try:
         def logits_of(context):
             sequence = sequence_for(reference)
@@ -197,7 +199,9 @@ def test_the_real_draft_grows_the_dynamic_tree_eagle_2_s_rule_gives(smollm2):
             return sequence.feed(context[-1:], [0])[0]
 
         drafter = DraftModelDrafter(draft, branches=4)
-        drafter.bind(type("Target", (), {"backend": draft})(), lambda: 0.0)
+        size = draft.vocab.size  # a stand-in target of the same vocabulary that verifies trees
+        verifies_trees = FakeBackend(lambda context: np.zeros(size, np.float32), size)
+        drafter.bind(type("Target", (), {"backend": verifies_trees})(), lambda: 0.0)
         assert draft.tree_support.available  # re-created for the tree's paths
         context = draft.tokenize("The capital of France is Paris. The capital of Germany is")
         drafter.prefill(context)
