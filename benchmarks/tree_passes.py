@@ -7,6 +7,7 @@ policy keeps the second guesses that pay on this machine). Built-in suite, greed
 
     .venv/bin/python benchmarks/tree_passes.py                        # demo-target-xl + demo-draft, draft
     .venv/bin/python benchmarks/tree_passes.py --target smollm2-135m-f16 --draft smollm2-135m --methods draft,auto
+    .venv/bin/python benchmarks/tree_passes.py --always-grow --branches 12 --tree-nodes 24   # trees every step
 """
 
 from __future__ import annotations
@@ -35,7 +36,14 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=21)
     parser.add_argument("--exact", action="store_true", help="load as --exact (flash attention off, F32 KV)")
     parser.add_argument("--json", help="raw figures (default: none)")
+    parser.add_argument("--always-grow", action="store_true",
+                        help="the draft grows its dynamic tree every step, whatever its tree passes cost here "
+                        "(tokens a pass as on hardware where they cost a one-token pass)")
     args = parser.parse_args()
+    if args.always_grow:
+        import specrun.drafters.draft_model as draft_model
+
+        draft_model.TREE_PASS_LIMIT = float("inf")
 
     options = LoadOptions(threads=args.threads, tree_paths=args.branches + 1, exact=args.exact)
     target, draft = open_pair(args.target, args.draft, options)
