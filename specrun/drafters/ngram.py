@@ -57,8 +57,8 @@ DEFAULT_MAX_ORDER = 3
 DEFAULT_MAX_CONTEXTS = 100_000
 DEFAULT_MAX_FOLLOWERS = 8
 DEFAULT_MIN_SHARE = 0.5
-# A runner-up follower with at least this share of a context's counts becomes a sibling of
-# the first guess (``branches``): a wrong first guess then costs one tree node, not the step.
+# Another follower with at least this share of a context's counts becomes a sibling of the
+# first guess (``branches``): a wrong first guess then costs a branch, not the step.
 BRANCH_MIN_SHARE = 0.25
 # A follower of a single token must have been seen twice (one sighting is mostly
 # coincidence); after two or more tokens of context, once is enough.
@@ -186,26 +186,40 @@ class NgramPoolDrafter(Drafter):
         rng: np.random.Generator,
     ) -> Proposal:
         """Learn what ``context`` adds, then chain the most likely followers (one-hot). With
-        ``branches``, up to that many runner-up followers join as siblings of the chain's
-        tokens, after the chain (a tree whose first nodes are the chain)."""
+        ``branches``, up to that many other trusted followers (BRANCH_MIN_SHARE of a context's
+        counts, likeliest first) join as siblings of the chain's tokens, each carrying its own
+        chain of likeliest followers no deeper than the main one: after the main chain, a
+        sibling then its followers (a tree whose parents precede their children)."""
         self._read(context)
         if draft_len <= 0:
             return EMPTY_PROPOSAL
         tail = self.mirror.tokens[-self.max_order :]
         draft: list[int] = []
-        siblings: list[tuple[int, int]] = []  # (depth, token): a runner-up at the chain's depth
+        tails: list[list[int]] = []  # the tail each chain token was chosen after
+        siblings: list[tuple[int, int]] = []  # (depth, token): another follower at the chain's depth
         while len(draft) < draft_len:
-            ranked = self._likely_next(tail, runner_up=len(siblings) < self.branches)
+            ranked = self._likely_next(tail, others=self.branches - len(siblings))
             if not ranked:
                 break
-            if len(ranked) > 1:
-                siblings.append((len(draft), ranked[1]))
+            siblings.extend((len(draft), other) for other in ranked[1:])
+            tails.append(tail)
             draft.append(ranked[0])
             tail = [*tail, ranked[0]][-self.max_order :]
         if not draft:
             return EMPTY_PROPOSAL
-        parents = (*range(-1, len(draft) - 1), *(depth - 1 for depth, _ in siblings))
-        return Proposal((*draft, *(token for _, token in siblings)), source=self.name, parents=parents)
+        tokens, parents = list(draft), list(range(-1, len(draft) - 1))
+        for depth, token in siblings:
+            tokens.append(token)
+            parents.append(depth - 1)
+            branch_tail = [*tails[depth], token][-self.max_order :]
+            for _ in range(len(draft) - depth - 1):  # the sibling's own chain
+                following = self._likely_next(branch_tail)
+                if not following:
+                    break
+                parents.append(len(tokens) - 1)
+                tokens.append(following[0])
+                branch_tail = [*branch_tail, following[0]][-self.max_order :]
+        return Proposal(tuple(tokens), source=self.name, parents=tuple(parents))
 
     def finish(self, context: Sequence[int]) -> None:
         """Learn the rest of the generation (the last step's tokens were never proposed from)."""
@@ -256,9 +270,9 @@ class NgramPoolDrafter(Drafter):
         self._pool.move_to_end(key)
         _add_follower(followers, token, self.max_followers)
 
-    def _likely_next(self, tail: Sequence[int], runner_up: bool = False) -> list[int]:
+    def _likely_next(self, tail: Sequence[int], others: int = 0) -> list[int]:
         """The trusted most frequent follower of the longest known suffix of ``tail`` ([] for
-        none); with ``runner_up``, also the next most frequent where it has BRANCH_MIN_SHARE."""
+        none), then up to ``others`` more, most frequent first, that have BRANCH_MIN_SHARE."""
         for n in range(min(self.max_order, len(tail)), 0, -1):
             self._pool_ops += 1
             key = tuple(tail[-n:])
@@ -266,17 +280,13 @@ class NgramPoolDrafter(Drafter):
             if not followers:
                 continue
             self._pool.move_to_end(key)
-            token, count = max(followers.items(), key=lambda item: item[1])
+            ranked = sorted(followers.items(), key=lambda item: -item[1])
+            token, count = ranked[0]
             min_count = self.unigram_min_count if n == 1 else 1
             total = sum(followers.values())
             if count >= min_count and count >= self.min_share * total:
-                if not runner_up or len(followers) < 2:
-                    return [token]
-                second, second_count = max(
-                    ((t, c) for t, c in followers.items() if t != token), key=lambda item: item[1]
-                )
-                trusted = second_count >= min_count and second_count >= BRANCH_MIN_SHARE * total
-                return [token, second] if trusted else [token]
+                trusted = [t for t, c in ranked[1:] if c >= min_count and c >= BRANCH_MIN_SHARE * total]
+                return [token, *trusted[: max(others, 0)]]
         return []
 
     # ---- persistence ------------------------------------------------------------

@@ -128,15 +128,25 @@ def test_a_target_without_trees_verifies_the_first_branch_as_a_chain(monkeypatch
             backend.close()
 
 
-def test_the_ngram_pool_proposes_its_runner_up_as_a_sibling():
+def test_the_ngram_pool_proposes_its_runner_up_as_a_sibling_with_its_own_followers():
     pool = NgramPoolDrafter(branches=2)
     context = [1, 2, 3, 9, 1, 2, 3, 9, 1, 2, 4, 9, 1, 2, 3, 9, 1, 2, 4, 9, 1, 2]  # after 1 2: 3 (3x), 4 (2x)
     proposal = pool.propose(context, 3, SamplingSettings(), np.random.default_rng(0))
     assert proposal.main_chain.tokens == (3, 9, 1)
-    assert proposal.tokens[3:] == (4,) and proposal.parents[3:] == (-1,)  # a sibling of the chain's first token
+    # a sibling of the chain's first token, then what follows 1 2 4 (9, then 1): as deep as the chain
+    assert proposal.tokens[3:] == (4, 9, 1) and proposal.parents[3:] == (-1, 3, 4)
     assert proposal.tree.children_of(-1) == (0, 3)
     chains_only = NgramPoolDrafter().propose(context, 3, SamplingSettings(), np.random.default_rng(0))
     assert chains_only.is_chain and chains_only.tokens == (3, 9, 1)
+
+
+def test_the_ngram_pool_offers_every_trusted_follower_likeliest_first_within_its_branches():
+    context = [7, 1, 5, 7, 1, 5, 7, 1, 6, 7, 1, 6, 7, 1, 8, 7, 1, 8, 3, 7, 1]  # after 7 1: 5, 6, 8 twice each
+    three = NgramPoolDrafter(branches=3, min_share=0.3).propose(context, 1, SamplingSettings(),
+                                                                 np.random.default_rng(0))
+    assert three.tokens == (5, 6, 8) and three.parents == (-1, -1, -1)  # ties in the order first seen
+    one = NgramPoolDrafter(branches=1, min_share=0.3).propose(context, 1, SamplingSettings(), np.random.default_rng(0))
+    assert one.tokens == (5, 6)
 
 
 def test_greedy_ngram_trees_equal_plain_decoding_and_accept_siblings(monkeypatch):
