@@ -1,7 +1,9 @@
-"""Layer skipping on MLX (issue 30): the real model drafting with some of its own layers
-(``--draft self:layers=…``), against plain decoding, on one chat prompt.
+"""Layer skipping on MLX (issue 30): a model drafting with some of its own layers
+(``--draft self:layers=…``), against plain decoding, on one prompt (the real model's as a
+chat message; a demo model's as typed).
 
     .venv/bin/python benchmarks/layer_skip.py self:layers=0-13,18-29 self:layers=24
+    .venv/bin/python benchmarks/layer_skip.py --target demo-target-xl self:layers=3 self:layers=2
 
 Plain decoding runs first, then each draft in turn, greedy, at a fixed draft length; prints
 drafts accepted, whether the text equals plain decoding's, and the speed ratio. MLX on a
@@ -21,6 +23,7 @@ from specrun.registry.loading import open_layer_draft
 from specrun.sessions.templates import render_user_prompt
 
 PROMPT = "Write a Python function that returns the factorial of n."
+CODE_PROMPT = "def factorial(n):\n    \"\"\"Return n!.\"\"\"\n"
 
 
 def main() -> None:
@@ -28,9 +31,11 @@ def main() -> None:
     parser.add_argument("drafts", nargs="+", help="self:layers=… specs")
     parser.add_argument("-n", type=int, default=48, help="new tokens (default 48)")
     parser.add_argument("-k", type=int, default=4, help="draft length (default 4)")
+    parser.add_argument("--target", default="smollm2-135m-f16", help="a builtin model (default smollm2-135m-f16)")
     args = parser.parse_args()
-    target = MlxBackend(builtin_mlx_dir("smollm2-135m-f16"), n_ctx=512)
-    prompt_ids = render_user_prompt(target, PROMPT)[1]
+    target = MlxBackend(builtin_mlx_dir(args.target), n_ctx=512)
+    chat = not args.target.startswith("demo-")
+    prompt_ids = render_user_prompt(target, PROMPT)[1] if chat else target.tokenize(CODE_PROMPT)
     started = time.perf_counter()
     plain = SpeculativeEngine(target).run(prompt_ids, GenerationParams(args.n, 0), complete_cache=False)
     plain_seconds = time.perf_counter() - started
@@ -42,8 +47,10 @@ def main() -> None:
         result = engine.run(prompt_ids, GenerationParams(args.n, args.k), complete_cache=False)
         seconds = time.perf_counter() - started
         same = result.token_ids == plain.token_ids
-        print(f"{spec}: {draft.n_layers} of {target.n_layers} layers, accepted {result.stats.accepted} / "
-              f"{result.stats.drafted}, same text {same}, {plain_seconds / seconds:.2f}x plain")
+        stats = result.stats
+        print(f"{spec}: {draft.n_layers} of {target.n_layers} layers, accepted {stats.accepted} / "
+              f"{stats.drafted}, {stats.new_tokens / max(stats.steps, 1):.2f} tokens a pass, same text {same}, "
+              f"{plain_seconds / seconds:.2f}x plain")
         draft.close()
 
 
