@@ -155,7 +155,7 @@ class DraftModelDrafter(Drafter):
         self.token_pass.add(self.clock() - started)
 
         def expand(tree: DraftTree, chosen: list[int], level: int) -> np.ndarray:
-            nodes = sorted({ancestor for node in chosen for ancestor in _with_ancestors(tree, node)},
+            nodes = sorted({ancestor for node in chosen for ancestor in tree.lineage(node)},
                            key=lambda node: (tree.depths[node], node))
             index = {node: i for i, node in enumerate(nodes)}
             fed = TokenTree(tuple(tree.drafts[node] for node in nodes),
@@ -264,12 +264,3 @@ class _PassTiming:
     @property
     def mean(self) -> float | None:
         return self._mean if self.passes > self.MIN_PASSES else None
-
-
-def _with_ancestors(tree: DraftTree, node: int) -> list[int]:
-    """``node`` and every node above it in ``tree``."""
-    out = []
-    while node >= 0:
-        out.append(node)
-        node = tree.parents[node]
-    return out

@@ -70,13 +70,17 @@ class DraftTree:
             parent = self.parents[parent]
         return False
 
+    def lineage(self, node: int) -> list[int]:
+        """The nodes from the root's child down to ``node`` (-1: none)."""
+        nodes = []
+        while node >= 0:
+            nodes.append(node)
+            node = self.parents[node]
+        return nodes[::-1]
+
     def path(self, node: int) -> list[int]:
         """The draft ids from the root's first child down to ``node`` (-1: none)."""
-        drafts = []
-        while node >= 0:
-            drafts.append(self.drafts[node])
-            node = self.parents[node]
-        return drafts[::-1]
+        return [self.drafts[each] for each in self.lineage(node)]
 
     def proposal_order(self, depth: int, extra: int) -> list[int]:
         """The main chain (to ``depth``), then up to ``extra`` other nodes likeliest first, each after

@@ -280,13 +280,15 @@ class NgramPoolDrafter(Drafter):
             if not followers:
                 continue
             self._pool.move_to_end(key)
-            ranked = sorted(followers.items(), key=lambda item: -item[1])
-            token, count = ranked[0]
+            token, count = max(followers.items(), key=lambda item: item[1])
             min_count = self.unigram_min_count if n == 1 else 1
             total = sum(followers.values())
             if count >= min_count and count >= self.min_share * total:
-                trusted = [t for t, c in ranked[1:] if c >= min_count and c >= BRANCH_MIN_SHARE * total]
-                return [token, *trusted[: max(others, 0)]]
+                if others <= 0:  # a chain (the hot path): no ranking of the rest
+                    return [token]
+                ranked = sorted(((t, c) for t, c in followers.items() if t != token), key=lambda item: -item[1])
+                trusted = [t for t, c in ranked if c >= min_count and c >= BRANCH_MIN_SHARE * total]
+                return [token, *trusted[:others]]
         return []
 
     # ---- persistence ------------------------------------------------------------

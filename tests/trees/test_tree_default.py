@@ -44,8 +44,11 @@ def test_second_guesses_are_predicted_to_pay_only_where_a_wider_pass_costs_littl
     assert predicted_tree_gain(gpu_like, DEFAULT_BRANCHES, 24) > TREE_MARGIN
     # a token at a twentieth of a plain step: a first sibling (worth ~0.075 tokens) does not pay
     assert predicted_tree_gain(lambda n: 1.0 + 0.05 * (n - 1), DEFAULT_BRANCHES, 24) == 1.0
-    # the node budget bounds what is added
-    assert 1.0 < predicted_tree_gain(gpu_like, DEFAULT_BRANCHES, 5) < predicted_tree_gain(gpu_like, DEFAULT_BRANCHES, 24)
+    # the node budget bounds what is added: one node beside a chain of 4 is the likeliest
+    # sibling, the first position's runner-up, worth (1 - 0.7) x 0.25 tokens
+    chain_tokens = sum(0.7 ** depth for depth in range(5))
+    one_sibling = ((chain_tokens + 0.3 * 0.25) / gpu_like(6)) / (chain_tokens / gpu_like(5))
+    assert predicted_tree_gain(gpu_like, DEFAULT_BRANCHES, 5) == pytest.approx(one_sibling)
 
 
 # ---- the choice -----------------------------------------------------------------------------
