@@ -159,7 +159,7 @@ def render_layer_choices(choices) -> Group:
         blocks.append(Text(f"  keeps {len(choice.kept)} of {choice.n_layers} layers: {layer_ranges(choice.kept)}"))
         blocks.append(Text(f"  agreement {100 * choice.agreement:.0f}% on the calibration text; modeled speed-up "
                            f"{choice.modeled_speedup:.2f}× at draft length {choice.draft_len} "
-                           "(draft cost = kept/all layers of a target pass)"))
+                           "(a draft token's cost timed here: the head's share and each kept layer's)"))
         rates = f" ({drafted:.1f} against {plain:.1f} tok/s)" if plain and drafted else ""
         blocks.append(Text(f"  measured against plain decoding: {choice.measured_speedup:.2f}×{rates}"))
         if choice.measured_speedup < 1.0:

@@ -9,10 +9,11 @@ depends on the model, and is worth searching for on the model's own text. This s
   agreement α is the share of positions where the draft's argmax is the target's.
 - Its objective is the modeled speed-up at its best draft length k in 1..8: tokens per step
   (1 − α^(k+1)) / (1 − α) over the cost of a step, k·c + T(k+1)/T(1), in target passes of one
-  token. T is the target's measured pass cost over n tokens; c, a draft token's cost, is
-  modeled as (kept layers) / (all layers): the draft runs those layers and the same head, so
-  this leaves out the head's share and flatters a small set slightly; the measurement at the
-  end says what the set really does.
+  token. T is the target's measured pass cost over n tokens; c, a draft token's cost, is a
+  fixed share (the embedding, the output head, the call) plus a share per layer kept, both
+  measured here by timing the target's one-token pass against a draft of half its layers
+  (``DraftCost``): taken as (kept layers) / (all layers), it left out the head, which on
+  SmolLM2-135M (a 49k vocabulary) is about a fifth of a pass, and flattered small sets.
 - Greedy backward elimination within a wall-clock budget: from all the layers, each round
   drops the layer whose removal keeps α highest (ties: the lowest layer), scoring every
   candidate of the round; the best objective seen is the choice. Deterministic for a given
@@ -40,6 +41,43 @@ from specrun.sessions.tuning import _interleaved, _verify_costs
 
 DEFAULT_BUDGET = 120  # seconds
 MIN_BUDGET, MAX_BUDGET = 1, 24 * 3600
+
+
+@dataclass(frozen=True)
+class DraftCost:
+    """A layer draft's one-token pass as a share of the target's: ``fixed`` (what every pass
+    pays: the embedding, the output head, the call) plus ``per_layer`` for each layer kept."""
+
+    fixed: float
+    per_layer: float
+
+    def __call__(self, kept: int) -> float:
+        return self.fixed + self.per_layer * kept
+
+    @classmethod
+    def by_layers(cls, n_layers: int) -> DraftCost:
+        """The layers' share alone, as if the head cost nothing (no timing at hand)."""
+        return cls(0.0, 1.0 / n_layers)
+
+
+def measure_draft_cost(target: Backend, prompt: list[int], repeats: int = 7) -> DraftCost:
+    """Time the target's one-token pass and a draft of its first half of layers (medians of
+    ``repeats``): the line through them gives the per-layer share and the fixed share. Where
+    timing noise makes the half draft no cheaper, the layers' share alone."""
+    from specrun.sessions.tuning import time_passes
+
+    n_layers = target.n_layers
+    half = max(n_layers // 2, 1)
+    plain = time_passes(target, prompt, [1], repeats)[1]
+    draft = target.layer_draft(range(half))
+    try:
+        partial = time_passes(draft, prompt, [1], repeats)[1]
+    finally:
+        draft.close()
+    if not plain > partial > 0.0:
+        return DraftCost.by_layers(n_layers)
+    per_layer = (plain - partial) / (n_layers - half) / plain
+    return DraftCost(max(1.0 - per_layer * n_layers, 0.0), per_layer)
 
 
 def modeled_speedup(agreement: float, cost_ratio: float, verify_costs: dict[int, float]) -> tuple[float, int]:
@@ -127,11 +165,14 @@ def search_layers(
     budget: float,
     clock=time.monotonic,
     on_round=None,
+    draft_cost: DraftCost | None = None,
 ) -> SearchResult:
     """Greedy backward elimination over ``target``'s layers within ``budget`` seconds of
     ``clock`` (see the module doc). At least one set is scored, whatever the budget.
-    ``on_round(round_number, ScoredSet, searched, seconds)`` after each finished round."""
+    ``on_round(round_number, ScoredSet, searched, seconds)`` after each finished round.
+    ``draft_cost``: what a draft's token costs by layers kept (default: the layers' share)."""
     n_layers = target.n_layers
+    draft_cost = draft_cost or DraftCost.by_layers(n_layers)
     started = clock()
     kept = tuple(range(n_layers))
     best: ScoredSet | None = None
@@ -143,7 +184,7 @@ def search_layers(
                 out_of_time = True
                 break
             candidate = tuple(other for other in kept if other != layer)
-            scored = _score(target, candidate, calibration, verify_costs)
+            scored = _score(target, candidate, calibration, verify_costs, draft_cost)
             searched += 1
             fewest = min(fewest, len(candidate))
             if round_best is None or scored.agreement > round_best.agreement:
@@ -162,13 +203,13 @@ def search_layers(
 
 
 def _score(target: Backend, kept: tuple[int, ...], calibration: Calibration,
-           verify_costs: dict[int, float]) -> ScoredSet:
+           verify_costs: dict[int, float], draft_cost: DraftCost) -> ScoredSet:
     draft = target.layer_draft(kept)
     try:
         alpha = agreement(draft, calibration)
     finally:
         draft.close()
-    speedup, draft_len = modeled_speedup(alpha, len(kept) / target.n_layers, verify_costs)
+    speedup, draft_len = modeled_speedup(alpha, draft_cost(len(kept)), verify_costs)
     return ScoredSet(kept, alpha, speedup, draft_len)
 
 
@@ -191,15 +232,18 @@ def tune_layers(
     target.layer_draft(range(target.n_layers - 1)).close()  # a model that cannot run a part says so now
     calibration = calibrate_text(target, prompts, max_new_tokens)
     costs = _verify_costs(target, prompts[0])
+    draft_cost = measure_draft_cost(target, prompts[0])
     report(f"calibration text: {len(prompts)} prompt{'s' if len(prompts) > 1 else ''} and the target's continuations, "
            f"{calibration.positions} positions scored per set")
+    report(f"a draft's token costs {100 * draft_cost.fixed:.0f}% of a target pass and {100 * draft_cost.per_layer:.1f}% "
+           f"a layer kept (measured)")
 
     def on_round(number, scored, searched, seconds):
         report(f"round {number}: {len(scored.kept)} of {target.n_layers} layers keep {100 * scored.agreement:.0f}% "
                f"agreement, modeled {scored.modeled_speedup:.2f}x at k={scored.draft_len} "
                f"({searched} sets, {seconds:.0f} s)")
 
-    search = search_layers(target, calibration, costs, budget, clock, on_round)
+    search = search_layers(target, calibration, costs, budget, clock, on_round, draft_cost)
     best = search.best
     draft = target.layer_draft(best.kept)
     try:

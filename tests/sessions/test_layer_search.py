@@ -17,9 +17,12 @@ from specrun.errors import SpecrunError, UsageError
 from specrun.modelkit import layer_choice
 from specrun.modelkit.layer_choice import LayerChoice, layer_ranges, load_choices, save_choice, saved_choice
 from specrun.modelkit.selfdraft import fingerprint, parse_self_draft
+from specrun.sessions import layer_search
 from specrun.sessions.layer_search import (
+    DraftCost,
     agreement,
     calibrate_text,
+    measure_draft_cost,
     modeled_speedup,
     search_layers,
 )
@@ -108,6 +111,59 @@ def test_the_search_drops_the_layer_that_keeps_agreement_highest_and_keeps_the_b
     assert result.best.kept == best and (result.best.modeled_speedup, result.best.draft_len) == objectives[best]
     again = search_layers(four_layer_target, calibration, FLAT_COSTS, budget=600)
     assert again.best == result.best  # deterministic
+
+
+def test_the_search_weighs_each_set_by_the_draft_cost_it_is_given(four_layer_target, calibration):
+    # A head that costs half a pass whatever is kept: the objectives differ from the layers' share
+    # alone, and the search's best is the best of what it scored under that cost.
+    cost = DraftCost(0.5, 0.125)
+    result = search_layers(four_layer_target, calibration, FLAT_COSTS, budget=600, draft_cost=cost)
+    by_layers = search_layers(four_layer_target, calibration, FLAT_COSTS, budget=600)
+    best = result.best
+    assert (best.modeled_speedup, best.draft_len) == modeled_speedup(best.agreement, 0.5 + 0.125 * len(best.kept),
+                                                                     FLAT_COSTS)
+    assert by_layers.best.modeled_speedup != pytest.approx(result.best.modeled_speedup)
+    # Every set the search scored keeps at least one layer, so no set beats a one-layer set's cost.
+    assert best.modeled_speedup <= modeled_speedup(1.0, 0.625, FLAT_COSTS)[0]
+
+
+def test_the_draft_cost_is_the_line_through_a_full_pass_and_a_half_draft_s(four_layer_target, monkeypatch):
+    timed = []
+
+    def passes(backend, prompt, counts, repeats=7):
+        timed.append(backend.n_layers)
+        return {1: 1.0 if backend is four_layer_target else 0.7}
+
+    monkeypatch.setattr("specrun.sessions.tuning.time_passes", passes)
+    cost = measure_draft_cost(four_layer_target, PROMPTS[0])
+    assert timed == [4, 2]  # the target, then a draft of its first two layers
+    # Two layers saved 0.3 of a pass: 0.15 a layer, and 1 - 4 x 0.15 = 0.4 fixed (the head, the call).
+    assert cost.per_layer == pytest.approx(0.15) and cost.fixed == pytest.approx(0.4)
+    assert cost(3) == pytest.approx(0.85) and cost(4) == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("half", [1.0, 1.3, 0.0])
+def test_a_half_draft_timed_no_cheaper_falls_back_to_the_layers_share(four_layer_target, monkeypatch, half):
+    monkeypatch.setattr("specrun.sessions.tuning.time_passes",
+                        lambda backend, prompt, counts, repeats=7: {1: 1.0 if backend is four_layer_target else half})
+    assert measure_draft_cost(four_layer_target, PROMPTS[0]) == DraftCost.by_layers(4) == DraftCost(0.0, 0.25)
+
+
+def test_tune_measures_the_draft_cost_and_searches_with_it(four_layer_target, monkeypatch):
+    seen = {}
+    original = layer_search.search_layers
+
+    def spy(*args, **kwargs):
+        result = original(*args, **kwargs)
+        seen["cost"] = args[6] if len(args) > 6 else kwargs.get("draft_cost")
+        return result
+
+    monkeypatch.setattr(layer_search, "measure_draft_cost", lambda target, prompt: DraftCost(0.3, 0.175))
+    monkeypatch.setattr(layer_search, "search_layers", spy)
+    lines = []
+    layer_search.tune_layers(four_layer_target, PROMPTS, 8, 600, "four", on_progress=lines.append)
+    assert seen["cost"] == DraftCost(0.3, 0.175)
+    assert "a draft's token costs 30% of a target pass and 17.5% a layer kept (measured)" in lines
 
 
 def test_the_search_stops_at_its_budget(four_layer_target, calibration):
