@@ -352,6 +352,7 @@ class Scenario:
     draft_min_prob: float = 0.0  # the draft model's confidence stop (DraftModelDrafter.min_prob)
     branches: int = 0  # runner-up guesses as siblings: token trees (DrafterOptions.branches)
     auto_lookahead: bool = False  # auto drafts with a lookahead window too (where pass costs say it pays)
+    auto_heads: str | None = None  # auto drafts with the target's heads of this kind too (where it has some)
 
     @property
     def draft_len(self) -> int:
@@ -403,6 +404,8 @@ SCENARIOS = {
     "ngram tree adaptive": Scenario("ngram", adaptive=True, branches=TREE_BRANCHES),
     # auto with a lookahead window beside its drafters (lookup+ngram+lookahead+draft)
     "auto lookahead": Scenario("auto", auto_lookahead=True),
+    # auto with the target's own heads beside its drafters (lookup+ngram+eagle+draft)
+    "auto heads": Scenario("auto", auto_heads="eagle"),
     # The full chain, lengths chosen as the CLI chooses them, on a target that verifies trees:
     # the cheap proposals the policy passes over for the draft model's are merged with it into
     # one tree (AdaptivePolicy._merged; in about a third of its passes here, half of them with
@@ -424,7 +427,8 @@ def fake_engine(scenario: Scenario) -> SpeculativeEngine:
     clock = SimClock()
     table = _target_table()
     draft_table = _sharper(table) if scenario.sharper_draft else _draft_table()
-    heads = oracle_heads_for(scenario.method, VOCAB) if needs_heads(scenario.method) else None
+    heads_method = scenario.auto_heads or scenario.method
+    heads = oracle_heads_for(heads_method, VOCAB) if needs_heads(heads_method) else None
     hidden = dict(hidden_table=oracle_hidden(table, VOCAB), hidden_size=heads.config.hidden_size) if heads else {}
     target = CostedFake(table, clock, 1.0, 0.02, vocab_size=VOCAB, **hidden)
     draft = CostedFake(draft_table, clock, 0.02, 0.0, vocab_size=VOCAB)

@@ -37,7 +37,7 @@ from specrun.sessions.tuning import TuneResult
 from specrun.registry.loading import LoadOptions, prompts_as_chat
 from specrun.sessions.kernels import open_settled_pair
 from specrun.drafters.lookahead import LookaheadSizes
-from specrun.drafters.methods import DrafterOptions, is_adaptive, needs_draft_model, uses_lookahead
+from specrun.drafters.methods import DrafterOptions, auto_heads_kind, is_adaptive, needs_draft_model, uses_lookahead
 from specrun.sampling import SamplingSettings
 
 BASELINE = "none"
@@ -166,7 +166,11 @@ def run_bench(config: BenchConfig, prompts: Sequence[BenchPrompt], progress: Pro
         tuned = load_tuned(target, draft, config.load.threads) if config.use_tuned else None
         variants = config.variants()
         min_prob = resolve_min_prob(config.draft_min_prob, tuned)
-        heads = load_heads_for_methods(config.target, config.heads, target, config.methods, config.load.registry)
+        heads = load_heads_for_methods(config.target, config.heads, target, config.methods, config.load.registry,
+                                       notes.append)
+        auto_heads = auto_heads_kind(heads) if any(map(is_adaptive, config.methods)) else None
+        if auto_heads is not None:
+            notes.append(f"auto drafts with the target's {auto_heads} heads too")
         if config.lookahead is None and any(uses_lookahead(method) for method in config.methods):
             config = dataclasses.replace(config, lookahead=chosen_window(target, config, kept[0][1]))
         window = auto_window_for(target, draft, config)

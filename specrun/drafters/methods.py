@@ -28,8 +28,6 @@ from specrun.modelkit.eagle import EagleHeads
 from specrun.modelkit.heads import DRAFTING_KINDS, MedusaHeads
 from specrun.modelkit.hydra import HydraHeads
 
-AUTO_CHAIN = "lookup+ngram+draft"
-
 METHODS = (
     "auto",
     "none",
@@ -71,6 +69,7 @@ class DrafterOptions:
     draft_min_prob: float = 0.0  # the draft model's confidence stop (DraftModelDrafter.min_prob)
     branches: int = 0
     # What head methods draft with: heads of their kind, or several kinds as a tuple (a bench of both).
+    # auto drafts with them too (the first kind of AUTO_HEADS_ORDER among them).
     heads: MedusaHeads | HydraHeads | EagleHeads | tuple[MedusaHeads | HydraHeads | EagleHeads, ...] | None = None
     lookahead: LookaheadSizes | None = None  # the lookahead window and pool (None: the defaults)
     # auto drafts with a lookahead window too (of ``lookahead``'s sizes): where the target's
@@ -78,14 +77,28 @@ class DrafterOptions:
     auto_lookahead: bool = False
 
 
-def resolve_method(method: str, has_draft: bool = True, lookahead: bool = False) -> str:
+# The heads auto drafts with where the target has several kinds: as the literature ranks them
+# (Spec-Bench: EAGLE-2 and EAGLE ahead of Hydra, Hydra ahead of Medusa).
+AUTO_HEADS_ORDER = ("eagle", "hydra", "medusa")
+
+
+def resolve_method(method: str, has_draft: bool = True, lookahead: bool = False, heads: str | None = None) -> str:
     """``auto`` is the full chain (without a draft model when there is none; with a lookahead
-    window after the cheap drafters where ``lookahead``); the engine then adapts draft lengths
-    and gates speculation."""
+    window after the cheap drafters where ``lookahead``; with the target's own ``heads``, a
+    kind of DRAFTING_KINDS, before the draft model where it has some); the engine then adapts
+    draft lengths and gates speculation, each drafter's on its own."""
     if method == "auto":
-        window = "+lookahead" if lookahead else ""
-        return f"lookup+ngram{window}+draft" if has_draft else f"lookup+ngram{window}"
+        parts = ["lookup", "ngram", "lookahead" if lookahead else "", heads or "", "draft" if has_draft else ""]
+        return "+".join(part for part in parts if part)
     return method
+
+
+def auto_heads_kind(heads) -> str | None:
+    """The kind of ``heads`` (one heads object, a tuple of them, or None) auto drafts with: the
+    first of AUTO_HEADS_ORDER there are heads of; None for none."""
+    if heads is None:
+        return None
+    return next((kind for kind in AUTO_HEADS_ORDER if heads_of_kind(heads, kind) is not None), None)
 
 
 def is_adaptive(method: str) -> bool:
@@ -157,7 +170,8 @@ def build_drafter(method: str, draft: Backend | None, options: DrafterOptions | 
         raise UsageError(f"method {method!r} drafts with {kind} heads, not {given.config.kind} heads",
                          f"pass {kind} heads with --heads, or train them with specrun heads train --kind {kind}")
     options = options or DrafterOptions()
-    parts = resolve_method(method, has_draft=draft is not None, lookahead=options.auto_lookahead).split("+")
+    parts = resolve_method(method, has_draft=draft is not None, lookahead=options.auto_lookahead,
+                           heads=auto_heads_kind(options.heads)).split("+")
     members = [_build_one(part, draft, options) for part in parts]
     return members[0] if len(members) == 1 else ChainDrafter(members)
 

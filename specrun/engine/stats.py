@@ -31,6 +31,7 @@ class Stats:
     """Counts and timings; derived figures are properties so they never go stale."""
 
     method: str = "none"
+    drafters: str = ""  # the drafters the method asked, cheapest first, joined as a chain names them
     draft_len: int = 0
     adaptive: bool = False  # the length chosen each step, draft_len the longest
     draft_min_prob: float = 0.0  # the draft model's confidence stop (0: none)
@@ -108,6 +109,7 @@ class Stats:
     def to_dict(self) -> dict:
         return {
             "method": self.method,
+            "drafters": self.drafters,
             "draft_len": self.draft_len,
             "adaptive": self.adaptive,
             "draft_min_prob": self.draft_min_prob,
@@ -134,6 +136,8 @@ class Stats:
     def summary(self) -> str:
         """One line for stderr."""
         line = f"{self.new_tokens} tokens, {self.tokens_per_second:.1f} tok/s, method {self.method}"
+        if self.drafters and self.drafters != self.method:  # what auto drafted with here
+            line += f" ({self.drafters})"
         if self.drafted:
             line += (
                 (f", draft_len adaptive up to {self.draft_len}" if self.adaptive else f", draft_len {self.draft_len}")

@@ -35,8 +35,8 @@ from specrun.drafters.ngram import vocabulary_fingerprint
 from specrun.engine.loop import Finished, GenerationParams, GenerationResult, SpeculativeEngine, TextChunk
 from specrun.errors import ContextFullError, UsageError
 from specrun.sessions.generation import (
-    TreeSettings, adapts_length, auto_window, check_trees_for, choose_window, default_trees, load_target_entry,
-    load_target_heads, load_tuned, remember_run, resolve_draft_len, resolve_min_prob,
+    TreeSettings, adapts_length, auto_window, check_trees_for, choose_window, default_trees, heads_for_auto,
+    load_target_entry, load_target_heads, load_tuned, remember_run, resolve_draft_len, resolve_min_prob,
 )
 from specrun.backends.kv import common_prefix_len, sequence_for
 from specrun.drafters.lookahead import LookaheadSizes
@@ -135,7 +135,8 @@ class ChatSession:
 
     load_draft: called the first time ``set_method`` needs a draft model that was not
     loaded at the start (the chat began with a method that needs none).
-    load_heads: likewise for a head method's heads (specrun.modelkit.heads).
+    load_heads: likewise for a head method's heads (specrun.modelkit.heads), called with its
+    ``kind``; ``kind=None``: the heads auto drafts with (None where the target has none).
     draft_len, draft_min_prob: the user's choices. draft_len None: lengths adapt, up to 16;
     draft_min_prob None: what ``specrun tune`` saved for this pair and machine (``tuned``),
     else none (generation.resolve_*).
@@ -153,7 +154,7 @@ class ChatSession:
         system_prompt: str | None = None,
         drafter_options: DrafterOptions | None = None,
         load_draft: Callable[[], Backend] | None = None,
-        load_heads: Callable[[], object] | None = None,
+        load_heads: Callable[..., object] | None = None,
         draft_len: int | None = None,
         draft_min_prob: float | None = None,
         tuned=None,
@@ -398,6 +399,8 @@ class ChatSession:
                 raise UsageError(f"method {method!r} needs heads for the target",
                                  "start specrun chat with --heads FILE")
             self._drafter_options = dataclasses.replace(self._drafter_options, heads=self._load_heads(kind=kind))
+        elif is_adaptive(method) and self._drafter_options.heads is None and self._load_heads is not None:
+            self._drafter_options = dataclasses.replace(self._drafter_options, heads=self._load_heads(kind=None))
         check_trees_for(method, self.target, self._drafter_options.lookahead)
         drafter = self._drafter_for(method)
         previous = self.engine.drafter
@@ -408,7 +411,7 @@ class ChatSession:
     def total_stats(self) -> Stats:
         """Every answer's statistics added up."""
         last = self.answers[-1] if self.answers else Stats()
-        total = Stats(method=self.method, draft_len=last.draft_len, adaptive=last.adaptive)
+        total = Stats(method=self.method, drafters=last.drafters, draft_len=last.draft_len, adaptive=last.adaptive)
         for stats in self.answers:
             total.add(stats)
         return total
@@ -470,8 +473,12 @@ def open_chat(
         if ngram_cache is not None:
             drafter_options = DrafterOptions(ngram_cache, vocabulary_fingerprint(target), branches=branches,
                                              lookahead=lookahead)
-        load_heads = functools.partial(load_target_heads, target_spec, heads, target, options.registry)
-        if needs_heads(method):
+        def load_heads(kind: str | None):
+            if kind is None:
+                return heads_for_auto(target_spec, heads, target, options.registry, on_note)
+            return load_target_heads(target_spec, heads, target, options.registry, kind)
+
+        if needs_heads(method) or is_adaptive(method):
             drafter_options = dataclasses.replace(drafter_options, heads=load_heads(kind=heads_kind(method)))
         # The heads are good: flash attention by what it costs here (sessions/kernels.py), then the
         # stored costs found under the key it picks.

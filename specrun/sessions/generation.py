@@ -13,6 +13,7 @@ from specrun.engine.loop import (
 from specrun.registry.loading import LoadOptions, open_pair, prompts_as_chat
 from specrun.sessions.kernels import settle_pair
 from specrun.drafters.methods import (
+    AUTO_HEADS_ORDER,
     DrafterOptions,
     build_drafter,
     heads_kind,
@@ -333,9 +334,36 @@ def load_target_heads(target_spec: str, explicit: str | None, target, registry=N
     return heads
 
 
-def load_heads_for_methods(target_spec: str, explicit: str | None, target, methods, registry=None):
-    """The heads every head method of ``methods`` drafts with (one object for one kind, a tuple
-    for several; None for none). ``explicit`` (--heads) serves the kind its file holds."""
+def heads_for_auto(target_spec: str, explicit: str | None, target, registry=None,
+                   on_note: Callable[[str], None] | None = None):
+    """The heads ``auto`` drafts with beside its other drafters (its policy weighs them as it
+    weighs a draft model): --heads, else the first kind of AUTO_HEADS_ORDER found for the target
+    by alias; None where there are none or the target gives no hidden states. Heads found by
+    alias that cannot serve this target (made for another model, damaged) leave auto drafting
+    without them, said in a note; --heads that cannot is an error, as for a head method."""
+    from specrun.registry.heads import explicit_heads_kind, head_kinds_available
+
+    if explicit is not None:  # a file no head method drafts with: load_target_heads says why
+        return load_target_heads(target_spec, explicit, target, registry, explicit_heads_kind(explicit) or "eagle")
+    if not target.hidden_support.available:
+        return None
+    found = head_kinds_available(target_spec, None, registry)
+    kind = next((kind for kind in AUTO_HEADS_ORDER if kind in found), None)
+    if kind is None:
+        return None
+    try:
+        return load_target_heads(target_spec, None, target, registry, kind)
+    except SpecrunError as error:
+        if on_note is not None:
+            on_note(f"auto drafts without heads: {error.one_line()}")
+        return None
+
+
+def load_heads_for_methods(target_spec: str, explicit: str | None, target, methods, registry=None,
+                           on_note: Callable[[str], None] | None = None):
+    """The heads every head method of ``methods`` drafts with, and ``auto`` where it is one of
+    them (``heads_for_auto``): one object for one kind, a tuple for several; None for none.
+    ``explicit`` (--heads) serves the kind its file holds."""
     kinds = list(dict.fromkeys(kind for kind in map(heads_kind, methods) if kind is not None))
     if explicit is not None and len(kinds) > 1:
         from specrun.registry.heads import explicit_heads_kind
@@ -345,6 +373,11 @@ def load_heads_for_methods(target_spec: str, explicit: str | None, target, metho
                        for kind in kinds)
     else:
         loaded = tuple(load_target_heads(target_spec, explicit, target, registry, kind) for kind in kinds)
+    if any(map(is_adaptive, methods)):
+        auto = heads_for_auto(target_spec, explicit if explicit is not None and not kinds else None, target,
+                              registry, on_note)
+        if auto is not None and auto.config.kind not in {each.config.kind for each in loaded}:
+            loaded = (*loaded, auto)
     return None if not loaded else loaded[0] if len(loaded) == 1 else loaded
 
 
@@ -372,6 +405,9 @@ def generate_text(request: GenerateRequest, on_text: Callable[[str], None] | Non
         if needs_heads(request.method):
             options = dataclasses.replace(options, heads=load_target_heads(
                 request.target, request.heads, target, request.load.registry, heads_kind(request.method)))
+        elif is_adaptive(request.method):
+            options = dataclasses.replace(options, heads=heads_for_auto(
+                request.target, request.heads, target, request.load.registry, request.on_note))
         check_trees_for(request.method, target, options.lookahead)
         chat = prompts_as_chat(request.target, request.load.registry, target, request.chat)
         prompt_ids = prompt_token_ids(target, request.prompt, chat)

@@ -144,7 +144,7 @@ FIGURES_KEYS = {
     "mean_tokens_per_step": float, "draft_share": float, "verify_share": float, "mismatches": int, "near_ties": int,
 }
 STATS_KEYS = {
-    "method": str, "draft_len": int, "adaptive": bool, "draft_min_prob": float, "prompt_tokens": int, "new_tokens": int,
+    "method": str, "drafters": str, "draft_len": int, "adaptive": bool, "draft_min_prob": float, "prompt_tokens": int, "new_tokens": int,
     "steps": int, "drafted": int, "accepted": int, "acceptance_rate": float, "mean_tokens_per_step": float, "accepted_hist": list,
     "by_source": dict, "tokens_per_second": float, "prefill_seconds": float, "draft_seconds": float, "verify_seconds": float,
     "generation_seconds": float, "near_ties": int,

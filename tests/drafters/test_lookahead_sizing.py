@@ -376,4 +376,4 @@ def test_bench_s_auto_line_drafts_with_a_window_where_stored_costs_predict_it_pa
     assert result.comparison.mismatches.get("auto", []) == []
     # --untuned: the stored costs are not read, so no window
     untuned = run_bench(dataclasses.replace(config, use_tuned=False), BUILTIN_SUITE[:1])
-    assert not any(note.startswith("auto drafts") for note in untuned.notes)
+    assert not any(note.startswith("auto drafts with a lookahead") for note in untuned.notes)
