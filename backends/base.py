@@ -103,6 +103,8 @@ class HiddenTracking:
     def hidden_rows(self, rows: Sequence[int]) -> np.ndarray:
         if self._hidden is None:
             raise ValueError("the last pass ran with hidden-state tracking off (track_hidden(True) first)")
+        if isinstance(rows, range) and rows == range(len(self._hidden)):  # every row (what a sequence keeps): as held
+            return self._hidden
         rows = list(rows)
         if any(not 0 <= row < len(self._hidden) for row in rows):
             raise ValueError(f"hidden rows {rows} fall outside the {len(self._hidden)} rows the last pass fed")

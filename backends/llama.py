@@ -271,6 +271,7 @@ class LlamaCppBackend(HiddenTracking):
         self._pieces: dict[int, bytes] = {}
         self._control_texts: frozenset[str] | None = None
         self._logits_views: dict[tuple[int, int], np.ndarray] = {}  # by (buffer address, rows)
+        self._hidden_views: dict[tuple[int, int], np.ndarray] = {}  # likewise, of the embeddings
         # llama_get_logits with an integer result: no ctypes pointer object per call.
         self._logits_address = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p)(
             ("llama_get_logits", llama_cpp.llama_cpp._lib)
@@ -513,25 +514,33 @@ class LlamaCppBackend(HiddenTracking):
         last_start = (len(tokens) - 1) // self.n_batch * self.n_batch if tokens else 0
         if rows and min(rows) < last_start:
             raise ValueError("logit rows must fall in the last n_batch tokens of a forward")
-        states = [self._output_hidden(0)]
+        states = []
         for start in range(0, len(tokens), self.n_batch):
             chunk = tokens[start : start + self.n_batch]
             self._decode_chunk(chunk, range(len(chunk)))
             states.append(self._output_hidden(len(chunk)))
-        self._hidden, self._first_output = np.concatenate(states), last_start  # (n_fed, H)
+        # (n_fed, H); one chunk (every step's pass) as it came: a plain step's bookkeeping is
+        # what tracking costs where heads sit idle (auto with heads the policy keeps off)
+        hidden = states[0] if len(states) == 1 else np.concatenate([self._output_hidden(0), *states])
+        self._hidden, self._first_output = hidden, last_start
         return rows
 
     def _output_hidden(self, n_rows: int) -> np.ndarray:
         """A copy of the last decode's hidden states (n_rows, H): every row was an output, and
-        llama.cpp keeps outputs contiguous in batch order, so row 0's pointer starts them all."""
+        llama.cpp keeps outputs contiguous in batch order, so row 0's pointer starts them all.
+        Views are cached by buffer address, as the logits' are (``_logits_buffer``)."""
         size = self.hidden_support.size
         if not n_rows:  # nothing was decoded
             return np.zeros((0, size), np.float32)
         address = self._embeddings_address(self._ctx, 0)
         if not address:
             raise RuntimeError("llama.cpp returned no embeddings for a tracked decode")
-        buffer = (ctypes.c_float * (n_rows * size)).from_address(address)
-        return np.frombuffer(buffer, dtype=np.float32).reshape(n_rows, size).copy()
+        key = (address, n_rows)
+        view = self._hidden_views.get(key)
+        if view is None:
+            buffer = (ctypes.c_float * (n_rows * size)).from_address(address)
+            view = self._hidden_views[key] = np.frombuffer(buffer, dtype=np.float32).reshape(n_rows, size)
+        return view.copy()
 
     def _decode_chunk(self, chunk: Sequence[int], wanted) -> None:
         self._fill_batch(chunk, wanted)
@@ -584,7 +593,7 @@ class LlamaCppBackend(HiddenTracking):
         # a node carries the sequence ids of every path through it
         self._tree_batch = lib.llama_batch_init(self.n_batch, 0, paths + 1) if paths else None
         self._held_tree: HeldTree | None = None
-        self._logits_views = {}
+        self._logits_views, self._hidden_views = {}, {}
         self._n_past = 0
 
     def _free_context(self) -> None:

@@ -148,6 +148,10 @@ class Drafter(Protocol):
     # (``whole_proposals``): an adaptive policy verifies all of one or speculates not at all.
     reads_pass: ClassVar[bool] = False
     whole_proposals: ClassVar[bool] = False
+    # The target's hidden states this drafter reads, as the positions back from the last whose
+    # states it needs (``KVSequence.track_hidden``'s tail; 0: none): heads drafters' (bound,
+    # they turn tracking on; engines sharing one target re-assert theirs before a run).
+    hidden_tail: int = 0
 
     @property
     def members(self) -> tuple["Drafter", ...]:

@@ -203,6 +203,7 @@ def compare_variants(
             for _ in range(repeat):
                 for name, engine in engines.items():
                     forget_learned(engine)
+                    track_as_drafted(engine)
                     result = engine.run(prompt, variant_params[name], complete_cache=False)
                     figures[name].by_prompt.setdefault(index, []).append(result)
                     if on_result is not None:
@@ -230,6 +231,17 @@ def native_line(comparison: Comparison) -> str:
     return f"against {comparison.native_name} (the backend's own plain loop, interleaved): {ratios}"
 
 
+def track_as_drafted(engine: SpeculativeEngine) -> None:
+    """The target's hidden states tracked for this engine's run only where its drafters read
+    them: every engine of a comparison drives one target, and a heads drafter bound for one
+    line (``auto`` with heads, ``eagle``) would otherwise have every other line, the baseline
+    too, pay for a tracked pass."""
+    members = engine.drafter.members if engine.drafter is not None else ()
+    tail = max((member.hidden_tail for member in members), default=0)
+    if tail or engine.target.tracking:
+        engine.target.track_hidden(bool(tail), tail=tail or None)
+
+
 def forget_learned(engine: SpeculativeEngine) -> None:
     """Every run starts as a tuned `specrun generate` does: an n-gram pool or acceptance
     estimates learned on earlier prompts (or earlier repeats of this one) would flatter it.
@@ -246,6 +258,7 @@ def _warm_up(engines: dict[str, SpeculativeEngine], params: dict[str, Generation
     """A short run per variant on half a prompt: caches, allocators and branch predictors alike."""
     warmup = prompt[: max(1, len(prompt) // 2)]
     for name, engine in engines.items():
+        track_as_drafted(engine)
         engine.run(warmup, dataclasses.replace(params[name], max_new_tokens=WARMUP_TOKENS), complete_cache=False)
 
 

@@ -203,3 +203,28 @@ def test_bench_s_auto_line_drafts_with_the_heads_and_notes_it(model, tiny_llama)
     result = invoke("bench", "-t", str(model), "--methods", "none,auto", "-n", "8", "--per-category", "1")
     assert result.exit_code == 0, result.output
     assert "auto drafts with the target's medusa heads too" in result.stderr + result.stdout
+
+
+def test_a_comparison_tracks_hidden_states_only_for_the_lines_whose_drafters_read_them(tiny_llama):
+    """Every line of a bench drives one target: the heads auto binds must not have the baseline
+    (or any line without heads) pay for tracked passes."""
+    pytest.importorskip("llama_cpp", reason="the llama backend is not installed")
+    from specrun.backends.kv import sequence_for
+    from specrun.backends.llama import LlamaCppBackend
+    from specrun.engine.loop import GenerationParams
+    from specrun.sessions.compare import Variant, compare_variants
+
+    config = tiny_llama.config
+    target = LlamaCppBackend(tiny_llama.gguf_path, n_ctx=256, n_threads=1)
+    try:
+        seen = []
+        variants = [Variant("none", "none", 0), Variant("auto", "auto", 4), Variant("lookup", "lookup", 4),
+                    Variant("eagle", "eagle", 4)]
+        compare_variants(target, None, [[1, 5, 9, 1, 5], [2, 7, 2, 7]], variants, GenerationParams(6),
+                         drafter_options=DrafterOptions(heads=random_eagle(config.hidden_size, config.vocab_size)),
+                         on_result=lambda index, name, result: seen.append((name, sequence_for(target).tracking)))
+        assert seen == [(name, name in ("auto", "eagle")) for _ in range(2) for name in ("none", "auto", "lookup",
+                                                                                          "eagle")]
+        assert not sequence_for(target).tracking  # the drafters closed, tracking ends with them
+    finally:
+        target.close()
