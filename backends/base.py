@@ -53,6 +53,9 @@ class HiddenSupport:
     size: int = 0  # the hidden size H
     reason: str = ""  # one line for the user where hidden states are not available
     layers: int = 0  # the model's layer count (0: not known), which heads files name
+    # bytes of weights a one-token pass reads (0: not known): what a heads drafter's own reads
+    # are weighed against before any pass is timed (control.heads)
+    weight_bytes: int = 0
 
     def check(self) -> None:
         """Raise ValueError naming why not, if this backend gives no hidden states."""

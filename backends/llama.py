@@ -705,7 +705,8 @@ class LlamaCppBackend(HiddenTracking):
         if self._lib.llama_pooling_type(self._ctx) != self._lib.LLAMA_POOLING_TYPE_NONE:
             return HiddenSupport(False, reason="this llama.cpp context pools its embeddings")
         return HiddenSupport(True, self._lib.llama_model_n_embd_out(self._model),
-                             layers=self._lib.llama_model_n_layer(self._model))
+                             layers=self._lib.llama_model_n_layer(self._model),
+                             weight_bytes=int(self._lib.llama_model_size(self._model)))
 
     def track_hidden(self, on: bool) -> None:
         super().track_hidden(on)

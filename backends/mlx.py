@@ -784,7 +784,10 @@ class MlxBackend(HiddenTracking):
             self._split = split_model(self._mx, self._lm_cache, self.model)
         except ValueError as exc:
             return HiddenSupport(False, reason=str(exc))
-        return HiddenSupport(True, self._split.size, layers=self.n_layers)
+        from mlx.utils import tree_flatten
+
+        weights = sum(array.nbytes for _, array in tree_flatten(self.model.parameters()))
+        return HiddenSupport(True, self._split.size, layers=self.n_layers, weight_bytes=int(weights))
 
     def _pass(self, run, *args):
         """``run(*args)`` as one pass: while tracking, the hidden states of every row it feeds

@@ -434,7 +434,7 @@ def fake_engine(scenario: Scenario) -> SpeculativeEngine:
     draft = CostedFake(draft_table, clock, 0.02, 0.0, vocab_size=VOCAB)
     uses_draft = needs_draft_model(scenario.method) or scenario.method == "auto"
     options = DrafterOptions(draft_min_prob=scenario.draft_min_prob, branches=scenario.branches, heads=heads,
-                             auto_lookahead=scenario.auto_lookahead)
+                             auto_lookahead=scenario.auto_lookahead, auto_heads=scenario.auto_heads)
     drafter = build_drafter(scenario.method, draft if uses_draft else None, options)
     return SpeculativeEngine(target, drafter, method=scenario.method, clock=clock)
 

@@ -27,7 +27,7 @@ from specrun.sessions.generation import (
     TreeSettings,
     adapts_length,
     check_trees_for,
-    load_heads_for_methods,
+    comparison_heads,
     load_tuned,
     resolve_min_prob,
 )
@@ -37,7 +37,7 @@ from specrun.sessions.tuning import TuneResult
 from specrun.registry.loading import LoadOptions, prompts_as_chat
 from specrun.sessions.kernels import open_settled_pair
 from specrun.drafters.lookahead import LookaheadSizes
-from specrun.drafters.methods import DrafterOptions, auto_heads_kind, is_adaptive, needs_draft_model, uses_lookahead
+from specrun.drafters.methods import is_adaptive, needs_draft_model, uses_lookahead
 from specrun.sampling import SamplingSettings
 
 BASELINE = "none"
@@ -166,11 +166,13 @@ def run_bench(config: BenchConfig, prompts: Sequence[BenchPrompt], progress: Pro
         tuned = load_tuned(target, draft, config.load.threads) if config.use_tuned else None
         variants = config.variants()
         min_prob = resolve_min_prob(config.draft_min_prob, tuned)
-        heads = load_heads_for_methods(config.target, config.heads, target, config.methods, config.load.registry,
-                                       notes.append)
-        auto_heads = auto_heads_kind(heads) if any(map(is_adaptive, config.methods)) else None
-        if auto_heads is not None:
-            notes.append(f"auto drafts with the target's {auto_heads} heads too")
+        # auto's heads where they pay by the stored costs, as generate's (its own entry where it has no draft)
+        stored = tuned if tuned is not None or not config.use_tuned else generation.load_target_entry(
+            target, config.load.threads)
+        with_heads = comparison_heads(config.target, config.heads, target, config.methods, config.load.registry,
+                                      stored, notes.append)
+        if with_heads.auto_heads is not None:
+            notes.append(f"auto drafts with the target's {with_heads.auto_heads} heads too")
         if config.lookahead is None and any(uses_lookahead(method) for method in config.methods):
             config = dataclasses.replace(config, lookahead=chosen_window(target, config, kept[0][1]))
         window = auto_window_for(target, draft, config)
@@ -200,8 +202,8 @@ def run_bench(config: BenchConfig, prompts: Sequence[BenchPrompt], progress: Pro
                                  tree_nodes=max(config.trees.nodes, window.sizes.max_nodes if window else 0)),
                 repeat=config.repeat,
                 on_result=_reporter(progress, [p for p, _ in kept]),
-                drafter_options=DrafterOptions(
-                    draft_min_prob=min_prob, heads=heads, branches=config.trees.branches, lookahead=config.lookahead,
+                drafter_options=dataclasses.replace(
+                    with_heads, draft_min_prob=min_prob, branches=config.trees.branches, lookahead=config.lookahead,
                     auto_lookahead=window is not None,
                 ),
                 tuned=tuned,

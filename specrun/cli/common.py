@@ -238,7 +238,8 @@ MethodOpt = Annotated[
     typer.Option(
         "--method",
         "-m",
-        help="auto (the default: adaptive lookup+ngram+draft), none (plain decoding), draft, lookup, ngram, "
+        help="auto (the default: adaptive lookup+ngram+draft, with the target's heads where they are predicted to "
+        "pay), none (plain decoding), draft, lookup, ngram, "
         "medusa, hydra or eagle (heads on the target's hidden states, see --heads), lookahead (Jacobi lookahead "
         "decoding, see --lookahead), or a chain of them joined by + cheapest first (lookup, ngram, lookahead, "
         "one kind of heads, draft), like lookup+draft or lookup+eagle.",
@@ -297,8 +298,9 @@ HeadsOpt = Annotated[
     Optional[str],
     typer.Option(
         "--heads",
-        help="Heads file for --method medusa, hydra or eagle (from specrun heads train, or a Medusa folder). Default: "
-        "found beside the target, in specrun's cache, or shipped with it.",
+        help="Heads file for --method medusa, hydra or eagle, and for auto, which then always drafts with them "
+        "(from specrun heads train, or a Medusa folder). Default: found beside the target, in specrun's cache, or "
+        "shipped with it.",
     ),
 ]
 GpuLayersOpt = Annotated[Optional[int], typer.Option("--gpu-layers", help="Layers on the GPU (default: all).")]

@@ -69,8 +69,9 @@ class DrafterOptions:
     draft_min_prob: float = 0.0  # the draft model's confidence stop (DraftModelDrafter.min_prob)
     branches: int = 0
     # What head methods draft with: heads of their kind, or several kinds as a tuple (a bench of both).
-    # auto drafts with them too (the first kind of AUTO_HEADS_ORDER among them).
     heads: MedusaHeads | HydraHeads | EagleHeads | tuple[MedusaHeads | HydraHeads | EagleHeads, ...] | None = None
+    # the kind of ``heads`` auto drafts with too (None: auto drafts without heads)
+    auto_heads: str | None = None
     lookahead: LookaheadSizes | None = None  # the lookahead window and pool (None: the defaults)
     # auto drafts with a lookahead window too (of ``lookahead``'s sizes): where the target's
     # measured pass costs predict it pays (sessions/lookahead_sizing.py)
@@ -91,14 +92,6 @@ def resolve_method(method: str, has_draft: bool = True, lookahead: bool = False,
         parts = ["lookup", "ngram", "lookahead" if lookahead else "", heads or "", "draft" if has_draft else ""]
         return "+".join(part for part in parts if part)
     return method
-
-
-def auto_heads_kind(heads) -> str | None:
-    """The kind of ``heads`` (one heads object, a tuple of them, or None) auto drafts with: the
-    first of AUTO_HEADS_ORDER there are heads of; None for none."""
-    if heads is None:
-        return None
-    return next((kind for kind in AUTO_HEADS_ORDER if heads_of_kind(heads, kind) is not None), None)
 
 
 def is_adaptive(method: str) -> bool:
@@ -170,8 +163,10 @@ def build_drafter(method: str, draft: Backend | None, options: DrafterOptions | 
         raise UsageError(f"method {method!r} drafts with {kind} heads, not {given.config.kind} heads",
                          f"pass {kind} heads with --heads, or train them with specrun heads train --kind {kind}")
     options = options or DrafterOptions()
+    if method == "auto" and options.auto_heads is not None and heads_of_kind(options.heads, options.auto_heads) is None:
+        raise ValueError(f"auto drafts with {options.auto_heads} heads but the options hold none")
     parts = resolve_method(method, has_draft=draft is not None, lookahead=options.auto_lookahead,
-                           heads=auto_heads_kind(options.heads)).split("+")
+                           heads=options.auto_heads).split("+")
     members = [_build_one(part, draft, options) for part in parts]
     return members[0] if len(members) == 1 else ChainDrafter(members)
 

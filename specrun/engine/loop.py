@@ -378,8 +378,8 @@ class SpeculativeEngine:
         min_prob = self.drafter.min_prob if self.drafter is not None else 0.0
         stats = Stats(
             method=self.method,
-            drafters="+".join(member.name for member in self.drafter.members) if self.drafter else "",
-            draft_len=params.draft_len if self.drafter else 0,
+            drafters="+".join(member.name for member in self.drafter.members) if self.drafter is not None else "",
+            draft_len=params.draft_len if self.drafter is not None else 0,
             adaptive=self._adapts(params),
             draft_min_prob=min_prob,
         )

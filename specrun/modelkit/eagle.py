@@ -111,6 +111,12 @@ class EagleHeads(EmbeddingRows):
     def shapes(self) -> dict[str, tuple[int, ...]]:
         return eagle_shapes(self.config, self.layout)
 
+    @property
+    def depth_bytes(self) -> float:
+        """Bytes of weights drafting one depth reads: the whole layer and its projection (of the
+        embedding, one row)."""
+        return sum(array.nbytes for name, array in zip(PARAMETER_NAMES, self.arrays()) if name != "embed")
+
 
 
 def eagle_shapes(config: HeadsConfig, layout: EagleLayout) -> dict[str, tuple[int, ...]]:

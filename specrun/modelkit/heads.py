@@ -74,6 +74,20 @@ class HeadsConfig:
     training: dict = field(default_factory=dict, hash=False)
 
 
+def held_out_acceptance(config: HeadsConfig) -> tuple[float, ...] | None:
+    """Each depth's acceptance given the depths before it accepted, as `specrun heads train`
+    measured it on held-out text (its report's ``chain_accuracy``); None where the file carries
+    no such report (published heads) or a malformed one."""
+    report = config.training.get("held_out") if isinstance(config.training, dict) else None
+    values = report.get("chain_accuracy") if isinstance(report, dict) else None
+    if not isinstance(values, list) or not values or len(values) > config.num_heads:
+        return None
+    if not all(isinstance(value, (int, float)) and not isinstance(value, bool) and 0.0 <= value <= 1.0
+               for value in values):
+        return None
+    return tuple(float(value) for value in values)
+
+
 @dataclass(frozen=True)
 class MedusaHeads:
     """Medusa heads as NumPy arrays (float32).
@@ -87,6 +101,14 @@ class MedusaHeads:
     blocks: tuple[tuple[tuple[np.ndarray, np.ndarray], ...], ...]
     lm_heads: tuple[np.ndarray, ...]
     d2t: np.ndarray | None = None
+
+    @property
+    def depth_bytes(self) -> float:
+        """Bytes of weights drafting one depth reads, on average over the heads (each its blocks
+        and its projection)."""
+        per_head = [sum(w.nbytes + b.nbytes for w, b in blocks) + projection.nbytes
+                    for blocks, projection in zip(self.blocks, self.lm_heads)]
+        return sum(per_head) / len(per_head)
 
 
 @dataclass(frozen=True)

@@ -67,6 +67,14 @@ class HydraHeads(EmbeddingRows):
             named[f"{i}.lm_head"] = projection
         return named
 
+    @property
+    def depth_bytes(self) -> float:
+        """Bytes of weights drafting one depth reads, on average over the heads (each its first
+        layer, its blocks and its projection; of the embedding, a row a token)."""
+        per_head = [weight.nbytes + bias.nbytes + sum(w.nbytes + b.nbytes for w, b in blocks) + projection.nbytes
+                    for (weight, bias), blocks, projection in zip(self.inputs, self.blocks, self.lm_heads)]
+        return sum(per_head) / len(per_head)
+
     @classmethod
     def from_arrays(cls, config: HeadsConfig, arrays: dict[str, np.ndarray], d2t: np.ndarray | None) -> HydraHeads:
         """The heads whose arrays ``arrays`` names as ``arrays()`` does."""

@@ -36,7 +36,8 @@ from specrun.engine.loop import Finished, GenerationParams, GenerationResult, Sp
 from specrun.errors import ContextFullError, UsageError
 from specrun.sessions.generation import (
     TreeSettings, adapts_length, auto_window, check_trees_for, choose_window, default_trees, heads_for_auto,
-    load_target_entry, load_target_heads, load_tuned, remember_run, resolve_draft_len, resolve_min_prob,
+    heads_pay, load_target_entry, load_target_heads, load_tuned, remember_run, resolve_draft_len, resolve_min_prob,
+    with_auto_heads,
 )
 from specrun.backends.kv import common_prefix_len, sequence_for
 from specrun.drafters.lookahead import LookaheadSizes
@@ -398,9 +399,10 @@ class ChatSession:
             if self._load_heads is None:
                 raise UsageError(f"method {method!r} needs heads for the target",
                                  "start specrun chat with --heads FILE")
-            self._drafter_options = dataclasses.replace(self._drafter_options, heads=self._load_heads(kind=kind))
-        elif is_adaptive(method) and self._drafter_options.heads is None and self._load_heads is not None:
-            self._drafter_options = dataclasses.replace(self._drafter_options, heads=self._load_heads(kind=None))
+            self._drafter_options = dataclasses.replace(self._drafter_options, heads=self._load_heads(kind=kind),
+                                                        auto_heads=None)  # a later /method auto looks again
+        elif is_adaptive(method) and self._load_heads is not None:  # auto's own, as it would open with them
+            self._drafter_options = with_auto_heads(self._drafter_options, self._load_heads(kind=None))
         check_trees_for(method, self.target, self._drafter_options.lookahead)
         drafter = self._drafter_for(method)
         previous = self.engine.drafter
@@ -473,17 +475,29 @@ def open_chat(
         if ngram_cache is not None:
             drafter_options = DrafterOptions(ngram_cache, vocabulary_fingerprint(target), branches=branches,
                                              lookahead=lookahead)
-        def load_heads(kind: str | None):
-            if kind is None:
-                return heads_for_auto(target_spec, heads, target, options.registry, on_note)
-            return load_target_heads(target_spec, heads, target, options.registry, kind)
-
-        if needs_heads(method) or is_adaptive(method):
-            drafter_options = dataclasses.replace(drafter_options, heads=load_heads(kind=heads_kind(method)))
+        if needs_heads(method):
+            drafter_options = dataclasses.replace(drafter_options, heads=load_target_heads(
+                target_spec, heads, target, options.registry, heads_kind(method)))
+        # auto's heads, checked now, kept below where the stored costs say they pay
+        auto_heads = heads_for_auto(target_spec, heads, target, options.registry, on_note) \
+            if is_adaptive(method) else None
         # The heads are good: flash attention by what it costs here (sessions/kernels.py), then the
         # stored costs found under the key it picks.
         settle_pair(target, draft, options, on_note)
         tuned = load_tuned(target, draft, options.threads)
+
+        def paying(found):
+            if found is None or heads is not None:  # --heads: used as given
+                return found
+            stored = tuned if tuned is not None else load_target_entry(target, options.threads)
+            return found if heads_pay(found, target, stored) else None
+
+        def load_heads(kind: str | None):
+            if kind is None:
+                return paying(heads_for_auto(target_spec, heads, target, options.registry, on_note))
+            return load_target_heads(target_spec, heads, target, options.registry, kind)
+
+        drafter_options = with_auto_heads(drafter_options, paying(auto_heads))
         return ChatSession(target, draft, method, system_prompt=system_prompt, load_draft=load_draft,
                            load_heads=load_heads,
                            draft_len=draft_len, draft_min_prob=draft_min_prob, tuned=tuned,

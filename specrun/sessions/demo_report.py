@@ -10,10 +10,12 @@ from rich.table import Table
 from specrun.sessions.compare import Comparison, Variant, compare_variants, native_line
 from specrun.sessions.divergence import NEAR_TIE_NOTE, Mismatch, difference_line
 from specrun.engine.loop import GenerationParams
-from specrun.sessions.generation import adapts_length, load_heads_for_methods, resolve_draft_len
+from specrun.sessions.generation import (
+    adapts_length, comparison_heads, load_target_entry, load_tuned, resolve_draft_len,
+)
 from specrun.registry.loading import LoadOptions
 from specrun.sessions.kernels import open_settled_pair
-from specrun.drafters.methods import DrafterOptions, needs_draft_model
+from specrun.drafters.methods import needs_draft_model
 from specrun.sessions.prompts import CODE_PROMPTS
 
 
@@ -55,8 +57,13 @@ def run_demo(
             for method in methods
         ]
         params = GenerationParams(max_new_tokens=max_tokens)
-        # The demo target's heads ship in the package.
-        heads = load_heads_for_methods(target, None, target_backend, methods)
+        # The demo target's heads ship in the package; auto's, where they pay by the stored costs.
+        stored = (load_tuned(target_backend, draft_backend, threads) if draft_backend is not None
+                  else load_target_entry(target_backend, threads))
+        options = comparison_heads(target, None, target_backend, methods, None, stored,
+                                   lambda line: err.print(f"note: {line}"))
+        if options.auto_heads is not None:
+            err.print(f"note: auto drafts with the target's {options.auto_heads} heads too")
         err.print(f"{len(prompts)} prompts × {len(methods)} methods, {max_tokens} tokens each, greedy, interleaved")
         comparison = compare_variants(
             target_backend,
@@ -66,7 +73,7 @@ def run_demo(
             params,
             on_result=lambda i, m, r: err.print(f"  prompt {i + 1} {m:>18}: {r.stats.tokens_per_second:7.1f} tok/s"),
             native=native,
-            drafter_options=DrafterOptions(heads=heads),
+            drafter_options=options,
         )
     finally:
         if native is not None:

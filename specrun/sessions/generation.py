@@ -317,12 +317,19 @@ def resolve_min_prob(requested: float | None, tuned) -> float:
 def load_target_heads(target_spec: str, explicit: str | None, target, registry=None, kind: str = "medusa"):
     """The ``kind`` heads ("medusa", "hydra" or "eagle") for ``target`` (an open backend): --heads, else
     found by alias (registry/heads.py), checked against the target before anything drafts with them."""
-    from specrun.drafters.ngram import vocabulary_fingerprint
-    from specrun.modelkit.heads import Eagle3Heads, check_heads_for_target, load_heads
+    from specrun.modelkit.heads import load_heads
     from specrun.registry.heads import find_heads
 
     path = find_heads(target_spec, explicit, kind, registry)
-    heads = load_heads(path)
+    return _checked_heads(path, load_heads(path), kind, target)
+
+
+def _checked_heads(path, heads, kind: str, target):
+    """``heads`` (loaded from ``path``) if they are ``kind`` heads made for ``target``; else the
+    one-line error naming the file and both sides."""
+    from specrun.drafters.ngram import vocabulary_fingerprint
+    from specrun.modelkit.heads import Eagle3Heads, check_heads_for_target
+
     if heads_of_kind(heads, kind) is None:
         readable = "EAGLE-3 heads (drafting with them is not available yet)" if isinstance(heads, Eagle3Heads) \
             else f"{heads.config.kind} heads"
@@ -336,34 +343,63 @@ def load_target_heads(target_spec: str, explicit: str | None, target, registry=N
 
 def heads_for_auto(target_spec: str, explicit: str | None, target, registry=None,
                    on_note: Callable[[str], None] | None = None):
-    """The heads ``auto`` drafts with beside its other drafters (its policy weighs them as it
-    weighs a draft model): --heads, else the first kind of AUTO_HEADS_ORDER found for the target
-    by alias; None where there are none or the target gives no hidden states. Heads found by
-    alias that cannot serve this target (made for another model, damaged) leave auto drafting
+    """The heads ``auto`` may draft with beside its other drafters (``heads_pay`` decides, once
+    the stored costs are read): --heads, else the first kind of AUTO_HEADS_ORDER found for the
+    target by alias; None where there are none or the target gives no hidden states. Heads found
+    by alias that cannot serve this target (made for another model, damaged) leave auto drafting
     without them, said in a note; --heads that cannot is an error, as for a head method."""
-    from specrun.registry.heads import explicit_heads_kind, head_kinds_available
+    from specrun.modelkit.heads import load_heads
+    from specrun.registry.heads import find_heads, head_kinds_available
 
-    if explicit is not None:  # a file no head method drafts with: load_target_heads says why
-        return load_target_heads(target_spec, explicit, target, registry, explicit_heads_kind(explicit) or "eagle")
+    if explicit is not None:
+        path = find_heads(target_spec, explicit, "eagle", registry)
+        heads = load_heads(path)
+        kind = getattr(heads.config, "kind", "eagle")  # EAGLE-3's config has none: _checked_heads says why
+        return _checked_heads(path, heads, kind if kind in AUTO_HEADS_ORDER else "eagle", target)
     if not target.hidden_support.available:
         return None
     found = head_kinds_available(target_spec, None, registry)
-    kind = next((kind for kind in AUTO_HEADS_ORDER if kind in found), None)
-    if kind is None:
-        return None
-    try:
-        return load_target_heads(target_spec, None, target, registry, kind)
-    except SpecrunError as error:
-        if on_note is not None:
-            on_note(f"auto drafts without heads: {error.one_line()}")
-        return None
+    for kind in (kind for kind in AUTO_HEADS_ORDER if kind in found):
+        try:
+            return load_target_heads(target_spec, None, target, registry, kind)
+        except SpecrunError as error:  # the next kind found, if any
+            if on_note is not None:
+                on_note(f"auto drafts without the {kind} heads found: {error.one_line()}")
+    return None
 
 
-def load_heads_for_methods(target_spec: str, explicit: str | None, target, methods, registry=None,
-                           on_note: Callable[[str], None] | None = None):
-    """The heads every head method of ``methods`` drafts with, and ``auto`` where it is one of
-    them (``heads_for_auto``): one object for one kind, a tuple for several; None for none.
-    ``explicit`` (--heads) serves the kind its file holds."""
+def heads_pay(heads, target, stored) -> bool:
+    """Are ``heads`` predicted to win HEADS_MARGIN over plain decoding on ``target``
+    (control.heads): their held-out acceptance by depth (a prior for published heads), their
+    weights against the target's, and a pass's cost by its tokens from ``stored`` (an earlier
+    run's entry; None: as a one-token pass, a memory-bound machine's)."""
+    from specrun.control.heads import HEADS_MARGIN, PRIOR_ACCEPTANCE, predicted_heads_gain
+    from specrun.modelkit.heads import held_out_acceptance
+    from specrun.sessions.lookahead_sizing import relative_costs
+
+    costs = stored.target_costs if stored is not None else None
+    relative = relative_costs(costs) if costs and 1 in costs else (lambda n: 1.0)
+    acceptance = held_out_acceptance(heads.config) or (PRIOR_ACCEPTANCE,) * heads.config.num_heads
+    weights = target.hidden_support.weight_bytes
+    depth_cost = heads.depth_bytes / weights if weights else 0.0
+    return predicted_heads_gain(relative, acceptance, depth_cost) >= HEADS_MARGIN
+
+
+def with_auto_heads(options: DrafterOptions, heads) -> DrafterOptions:
+    """``options`` with ``heads`` as the heads auto drafts with (None: auto drafts without),
+    beside those a head method has (one kind's own file kept where a head method has one)."""
+    if heads is None:
+        return dataclasses.replace(options, auto_heads=None)
+    kind = heads.config.kind
+    have = () if options.heads is None else options.heads if isinstance(options.heads, tuple) else (options.heads,)
+    if heads_of_kind(options.heads, kind) is None:
+        have = (*have, heads)
+    return dataclasses.replace(options, heads=have[0] if len(have) == 1 else have, auto_heads=kind)
+
+
+def load_heads_for_methods(target_spec: str, explicit: str | None, target, methods, registry=None):
+    """The heads every head method of ``methods`` drafts with (one object for one kind, a tuple
+    for several; None for none). ``explicit`` (--heads) serves the kind its file holds."""
     kinds = list(dict.fromkeys(kind for kind in map(heads_kind, methods) if kind is not None))
     if explicit is not None and len(kinds) > 1:
         from specrun.registry.heads import explicit_heads_kind
@@ -373,12 +409,21 @@ def load_heads_for_methods(target_spec: str, explicit: str | None, target, metho
                        for kind in kinds)
     else:
         loaded = tuple(load_target_heads(target_spec, explicit, target, registry, kind) for kind in kinds)
-    if any(map(is_adaptive, methods)):
-        auto = heads_for_auto(target_spec, explicit if explicit is not None and not kinds else None, target,
-                              registry, on_note)
-        if auto is not None and auto.config.kind not in {each.config.kind for each in loaded}:
-            loaded = (*loaded, auto)
     return None if not loaded else loaded[0] if len(loaded) == 1 else loaded
+
+
+def comparison_heads(target_spec: str, explicit: str | None, target, methods, registry, stored,
+                     on_note: Callable[[str], None] | None = None) -> DrafterOptions:
+    """The drafter options a comparison of ``methods`` (bench, demo) gives every line: the heads
+    its head methods draft with, and auto's, where auto is one of them and its heads pay
+    (``heads_pay`` on ``stored``, or --heads), as `specrun generate` would choose them here."""
+    options = DrafterOptions(heads=load_heads_for_methods(target_spec, explicit, target, methods, registry))
+    if not any(map(is_adaptive, methods)):
+        return options
+    auto = heads_for_auto(target_spec, explicit, target, registry, on_note)
+    if auto is not None and explicit is None and not heads_pay(auto, target, stored):
+        auto = None
+    return with_auto_heads(options, auto)
 
 
 def prompt_token_ids(target, prompt: str, chat: bool) -> list[int]:
@@ -405,9 +450,10 @@ def generate_text(request: GenerateRequest, on_text: Callable[[str], None] | Non
         if needs_heads(request.method):
             options = dataclasses.replace(options, heads=load_target_heads(
                 request.target, request.heads, target, request.load.registry, heads_kind(request.method)))
-        elif is_adaptive(request.method):
-            options = dataclasses.replace(options, heads=heads_for_auto(
-                request.target, request.heads, target, request.load.registry, request.on_note))
+        auto_heads = None
+        if is_adaptive(request.method):  # read and checked now; kept where they pay (below)
+            auto_heads = heads_for_auto(request.target, request.heads, target, request.load.registry,
+                                        request.on_note)
         check_trees_for(request.method, target, options.lookahead)
         chat = prompts_as_chat(request.target, request.load.registry, target, request.chat)
         prompt_ids = prompt_token_ids(target, request.prompt, chat)
@@ -437,6 +483,8 @@ def generate_text(request: GenerateRequest, on_text: Callable[[str], None] | Non
                 request.on_note(choice.describe())
             if tuned is not None and choice is None:
                 tuned = None  # no window: the target's own entry says nothing this run uses
+        if auto_heads is not None and (request.heads is not None or heads_pay(auto_heads, target, stored)):
+            options = with_auto_heads(options, auto_heads)
         trees = None if choice is not None else default_trees(request.method, target, stored, request.trees)
         if trees is not None:  # second guesses, where the stored pass costs say they pay
             options = dataclasses.replace(options, branches=trees.trees.branches)

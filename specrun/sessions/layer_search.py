@@ -50,6 +50,7 @@ class DraftCost:
 
     fixed: float
     per_layer: float
+    measured: bool = True  # False: the layers' share alone, timing said nothing
 
     def __call__(self, kept: int) -> float:
         return self.fixed + self.per_layer * kept
@@ -57,7 +58,13 @@ class DraftCost:
     @classmethod
     def by_layers(cls, n_layers: int) -> DraftCost:
         """The layers' share alone, as if the head cost nothing (no timing at hand)."""
-        return cls(0.0, 1.0 / n_layers)
+        return cls(0.0, 1.0 / n_layers, measured=False)
+
+    def describe(self) -> str:
+        if not self.measured:
+            return "a draft's token taken as its layers' share of a target pass (timing the half draft said nothing)"
+        return (f"a draft's token costs {100 * self.fixed:.0f}% of a target pass and {100 * self.per_layer:.1f}% "
+                "a layer kept (measured)")
 
 
 def measure_draft_cost(target: Backend, prompt: list[int], repeats: int = 7) -> DraftCost:
@@ -235,8 +242,7 @@ def tune_layers(
     draft_cost = measure_draft_cost(target, prompts[0])
     report(f"calibration text: {len(prompts)} prompt{'s' if len(prompts) > 1 else ''} and the target's continuations, "
            f"{calibration.positions} positions scored per set")
-    report(f"a draft's token costs {100 * draft_cost.fixed:.0f}% of a target pass and {100 * draft_cost.per_layer:.1f}% "
-           f"a layer kept (measured)")
+    report(draft_cost.describe())
 
     def on_round(number, scored, searched, seconds):
         report(f"round {number}: {len(scored.kept)} of {target.n_layers} layers keep {100 * scored.agreement:.0f}% "

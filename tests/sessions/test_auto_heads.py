@@ -10,15 +10,11 @@ from pathlib import Path
 import pytest
 
 from heads_factory import oracle_eagle, oracle_heads, oracle_hydra, random_eagle, random_heads, random_hydra
-from specrun.drafters.methods import (
-    AUTO_HEADS_ORDER,
-    DrafterOptions,
-    auto_heads_kind,
-    build_drafter,
-    check_method,
-    resolve_method,
-)
-from specrun.modelkit.heads import save_heads
+from specrun.control.heads import HEADS_MARGIN, PRIOR_ACCEPTANCE, predicted_heads_gain
+from specrun.drafters.methods import AUTO_HEADS_ORDER, DrafterOptions, build_drafter, check_method, resolve_method
+from specrun.modelkit.heads import held_out_acceptance, load_heads, save_heads
+from specrun.registry.heads import shipped_heads_path
+from specrun.sessions.tuning import TuneResult
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "hardening"))
 from cli_checks import assert_one_line_error, invoke  # noqa: E402
@@ -41,25 +37,92 @@ def test_auto_puts_the_heads_after_the_cheap_drafters_and_before_the_draft_model
     assert resolve_method("lookup+draft", has_draft, lookahead, heads) == "lookup+draft"  # named chains as named
 
 
-def test_auto_takes_eagle_before_hydra_before_medusa():
-    vocab = 32
-    eagle, hydra, medusa = oracle_eagle(vocab), oracle_hydra(vocab), oracle_heads(vocab)
-    assert AUTO_HEADS_ORDER == ("eagle", "hydra", "medusa")
-    assert auto_heads_kind((medusa, hydra, eagle)) == "eagle"
-    assert auto_heads_kind((medusa, hydra)) == "hydra"
-    assert auto_heads_kind(medusa) == "medusa"
-    assert auto_heads_kind(None) is None
-
-
-def test_auto_with_heads_builds_the_chain_with_a_head_drafter():
+def test_auto_with_heads_builds_the_chain_with_the_kind_it_is_given():
     from fake_models import hashed_logits
     from specrun.backends.fake import FakeBackend
 
+    assert AUTO_HEADS_ORDER == ("eagle", "hydra", "medusa")
     draft = FakeBackend(hashed_logits(32, salt=2), 32)
-    drafter = build_drafter("auto", draft, DrafterOptions(heads=(oracle_heads(32), oracle_eagle(32))))
-    assert [member.name for member in drafter.members] == ["lookup", "ngram", "eagle", "draft"]
-    without = build_drafter("auto", draft, DrafterOptions())
+    both = (oracle_heads(32), oracle_eagle(32))
+    drafter = build_drafter("auto", draft, DrafterOptions(heads=both, auto_heads="medusa"))
+    assert [member.name for member in drafter.members] == ["lookup", "ngram", "medusa", "draft"]
+    without = build_drafter("auto", draft, DrafterOptions(heads=both))  # heads for head methods only
     assert [member.name for member in without.members] == ["lookup", "ngram", "draft"]
+    assert build_drafter("medusa", None, DrafterOptions(heads=both, auto_heads="hydra")).name == "medusa"
+    with pytest.raises(ValueError, match="hydra"):
+        build_drafter("auto", draft, DrafterOptions(heads=both, auto_heads="hydra"))
+
+
+# ---- whether heads pay (control.heads) --------------------------------------------------------
+
+def cpu_like(n: int) -> float:
+    return 1.0 + 0.5 * (n - 1)  # this CPU: a 5-token pass ~3 plain steps
+
+
+def gpu_like(n: int) -> float:
+    return 1.0 + 0.02 * (n - 1)
+
+
+def stored(relative) -> TuneResult:
+    return TuneResult("k", "t", "none", "m", 0, 0.0, target_costs={n: 0.01 * relative(n) for n in (1, 2, 5, 9)},
+                      learned=True)
+
+
+def test_heads_are_predicted_to_pay_where_a_wide_pass_is_cheap_and_the_heads_small():
+    acceptance = (0.8, 0.8, 0.8)
+    # by hand: depth 1 (1 + 0.8) / (1.02 + 0.1), depth 2 (1.8 + 0.64) / (1.04 + 0.2), depth 3 (2.44 + 0.512) / 1.36
+    assert predicted_heads_gain(gpu_like, acceptance, 0.1) == pytest.approx(2.952 / 1.36)
+    # this CPU: depth 1 is best, 1.8 / (1.5 + 0.1); heads 0.6 of the target (the demo's EAGLE) lose
+    assert predicted_heads_gain(cpu_like, acceptance, 0.1) == pytest.approx(1.8 / 1.6)
+    assert predicted_heads_gain(cpu_like, acceptance, 0.6) == 1.0  # plain decoding's: nothing drafts
+    assert predicted_heads_gain(gpu_like, acceptance, 1.0) == 1.0  # heads as dear as the target
+    assert predicted_heads_gain(gpu_like, (), 0.0) == 1.0
+
+
+def test_the_held_out_acceptance_comes_from_the_training_report_and_nothing_else():
+    eagle = load_heads(shipped_heads_path("demo-target", "eagle"))
+    assert held_out_acceptance(eagle.config) == tuple(eagle.config.training["held_out"]["chain_accuracy"])
+    import dataclasses
+
+    for training in ({}, {"held_out": {"chain_accuracy": [0.5, 1.5]}}, {"held_out": {"chain_accuracy": "x"}},
+                     {"held_out": {"chain_accuracy": [True]}}, {"held_out": {"chain_accuracy": [0.5] * 9}}):
+        assert held_out_acceptance(dataclasses.replace(eagle.config, training=training)) is None, training
+
+
+def test_a_depth_reads_what_its_kind_runs():
+    eagle, medusa, hydra = random_eagle(16, 32), random_heads(16, 32, num_heads=3), random_hydra(16, 32)
+    assert eagle.depth_bytes == sum(a.nbytes for a in eagle.arrays()) - eagle.embed.nbytes  # the layer, each depth
+    per_head = [sum(w.nbytes + b.nbytes for w, b in blocks) + p.nbytes for blocks, p in zip(medusa.blocks,
+                                                                                               medusa.lm_heads)]
+    assert medusa.depth_bytes == sum(per_head) / 3
+    assert hydra.depth_bytes == (sum(a.nbytes for a in hydra.arrays().values()) - hydra.embed.nbytes) / 4
+
+
+class _Target:
+    """What heads_pay reads of a target: its hidden support (the weights' size)."""
+
+    def __init__(self, weight_bytes: int) -> None:
+        from specrun.backends.base import HiddenSupport
+
+        self.hidden_support = HiddenSupport(True, 16, weight_bytes=weight_bytes)
+
+
+def test_heads_pay_by_the_stored_costs_the_report_and_their_size():
+    from specrun.sessions.generation import heads_pay
+
+    eagle = load_heads(shipped_heads_path("demo-target", "eagle"))  # 4.64 tokens a pass held out, 8.7 MB a depth
+    target = _Target(int(eagle.depth_bytes / 0.6))  # a depth 0.6 of the target's weights, as on the demo target
+    assert heads_pay(eagle, target, stored(gpu_like))
+    assert not heads_pay(eagle, target, stored(cpu_like))
+    assert heads_pay(eagle, target, None)  # no run stored yet: passes as a memory-bound machine's
+    assert not heads_pay(eagle, _Target(int(eagle.depth_bytes)), stored(gpu_like))  # as dear as the target
+    # published heads carry no report: a depth's acceptance is taken as PRIOR_ACCEPTANCE
+    import dataclasses
+
+    bare = dataclasses.replace(eagle, config=dataclasses.replace(eagle.config, training={}))
+    assert PRIOR_ACCEPTANCE == 0.6 and HEADS_MARGIN == 1.05
+    assert not heads_pay(bare, target, stored(gpu_like))  # (1 + 0.6) / (1.02 + 0.6) at best
+    assert heads_pay(bare, _Target(int(eagle.depth_bytes * 10)), stored(gpu_like))  # 1.6 / (1.02 + 0.1)
 
 
 def test_auto_with_heads_drafts_with_them_on_the_fake_pair_and_keeps_plain_decoding_s_text():
@@ -103,6 +166,15 @@ def beside(model: Path, kind: str, config, hidden_size: int | None = None) -> Pa
     return path
 
 
+@pytest.fixture
+def heads_pay_here(monkeypatch):
+    """Heads that pay wherever found: the tiny target's heads weigh more than it does, so the
+    gate (tested above) would keep them out; these tests are of where auto finds them."""
+    import specrun.sessions.generation as generation
+
+    monkeypatch.setattr(generation, "heads_pay", lambda heads, target, stored: True)
+
+
 def auto_run(model: Path, *extra: str):
     result = invoke("generate", "def f(x):", "-t", str(model), "-m", "auto", "-n", "12", "--json", *extra)
     assert result.exit_code == 0, result.output
@@ -112,7 +184,8 @@ def auto_run(model: Path, *extra: str):
 @pytest.mark.parametrize("kinds, chosen", [
     (("eagle",), "eagle"), (("medusa",), "medusa"), (("medusa", "hydra"), "hydra"), (("medusa", "eagle"), "eagle"),
 ])
-def test_auto_drafts_with_the_best_kind_of_heads_found_beside_the_model(model, tiny_llama, kinds, chosen):
+def test_auto_drafts_with_the_best_kind_of_heads_found_beside_the_model(model, tiny_llama, kinds, chosen,
+                                                                      heads_pay_here):
     for kind in kinds:
         beside(model, kind, tiny_llama.config)
     stats, stderr = auto_run(model)
@@ -124,13 +197,17 @@ def test_auto_without_heads_drafts_as_before(model):
     assert stats["drafters"] == "lookup+ngram" and "heads" not in stderr
 
 
-def test_heads_found_for_another_model_leave_auto_without_them_and_say_so(model, tiny_llama):
+def test_heads_found_for_another_model_leave_auto_without_them_and_say_so(model, tiny_llama, heads_pay_here):
     path = beside(model, "eagle", tiny_llama.config, hidden_size=64)
     stats, stderr = auto_run(model)
     assert stats["drafters"] == "lookup+ngram"
-    notes = [line for line in stderr.splitlines() if "auto drafts without heads" in line]
+    notes = [line for line in stderr.splitlines() if "auto drafts without the eagle heads found" in line]
     assert len(notes) == 1 and str(path) in notes[0] and "64" in notes[0], stderr
     assert "Traceback" not in stderr
+    beside(model, "medusa", tiny_llama.config)  # a kind further down that serves: auto takes it instead
+    stats, stderr = auto_run(model)
+    assert stats["drafters"] == "lookup+ngram+medusa"
+    assert sum("auto drafts without the eagle heads found" in line for line in stderr.splitlines()) == 1
 
 
 def test_auto_drafts_with_the_heads_file_given(model, tiny_llama, tmp_path):
@@ -166,6 +243,39 @@ def test_auto_on_the_demo_target_drafts_with_its_shipped_eagle_heads_and_keeps_t
     assert auto["text"] == plain["text"]
 
 
+@pytest.mark.parametrize("relative, takes", [(gpu_like, True), (cpu_like, False)])
+def test_auto_takes_the_demo_target_s_heads_only_where_the_stored_costs_say_they_pay(relative, takes, monkeypatch):
+    """This CPU's pass costs (a 5-token pass ~3 plain steps) keep them out, a GPU's take them in;
+    generate, a chat and a bench alike, and the text stays plain decoding's either way."""
+    pytest.importorskip("llama_cpp", reason="the llama backend is not installed")
+    import specrun.sessions.chat as chat
+    import specrun.sessions.generation as generation
+    from specrun.bench.runner import BenchConfig, run_bench
+    from specrun.bench.suite import BUILTIN_SUITE
+    from specrun.engine.loop import GenerationParams
+    from specrun.registry.loading import LoadOptions
+
+    import specrun.bench.runner as runner
+
+    for module in (generation, chat, runner):
+        monkeypatch.setattr(module, "load_tuned", lambda target, draft, threads: stored(relative))
+    chain = "lookup+ngram+eagle+draft" if takes else "lookup+ngram+draft"
+    args = ("generate", "def parse(line):", "-n", "32", "--backend", "llama", "--exact", "--json")
+    plain = json.loads(invoke(*args, "-m", "none").stdout)
+    auto = json.loads(invoke(*args, "-m", "auto").stdout)
+    assert auto["stats"]["drafters"] == chain and auto["text"] == plain["text"]
+    load = LoadOptions(backend="llama", threads=1, exact=True)
+    with chat.open_chat("demo-target", "demo-draft", "auto", load) as session:
+        assert "+".join(member.name for member in session.engine.drafter.members) == chain
+        session.set_method("none")
+        session.set_method("auto")
+        assert "+".join(member.name for member in session.engine.drafter.members) == chain
+    bench = run_bench(BenchConfig("demo-target", "demo-draft", ("none", "auto"), max_new_tokens=16, load=load),
+                      BUILTIN_SUITE[:1])
+    assert any("auto drafts with the target's eagle heads too" in note for note in bench.notes) is takes
+    assert bench.comparison.mismatches.get("auto", []) == []
+
+
 def test_auto_with_heads_on_mlx_keeps_plain_decoding_s_text():
     pytest.importorskip("mlx_lm", reason="the MLX backend is not installed")
     args = ("generate", "def parse(line):", "-n", "32", "--backend", "mlx", "--json")
@@ -179,7 +289,8 @@ def test_auto_with_heads_on_mlx_keeps_plain_decoding_s_text():
 
 # ---- chat, bench ----------------------------------------------------------------------------
 
-def test_a_chat_in_auto_drafts_with_the_heads_and_finds_them_again_after_another_method(model, tiny_llama):
+def test_a_chat_in_auto_drafts_with_the_heads_and_finds_them_again_after_another_method(model, tiny_llama,
+                                                                                        heads_pay_here):
     from specrun.engine.loop import GenerationParams
     from specrun.registry.loading import LoadOptions
     from specrun.sessions.chat import open_chat
@@ -198,7 +309,7 @@ def test_a_chat_in_auto_drafts_with_the_heads_and_finds_them_again_after_another
         assert done.stats.drafters == "+".join(chain)
 
 
-def test_bench_s_auto_line_drafts_with_the_heads_and_notes_it(model, tiny_llama):
+def test_bench_s_auto_line_drafts_with_the_heads_and_notes_it(model, tiny_llama, heads_pay_here):
     beside(model, "medusa", tiny_llama.config)
     result = invoke("bench", "-t", str(model), "--methods", "none,auto", "-n", "8", "--per-category", "1")
     assert result.exit_code == 0, result.output
@@ -221,7 +332,8 @@ def test_a_comparison_tracks_hidden_states_only_for_the_lines_whose_drafters_rea
         variants = [Variant("none", "none", 0), Variant("auto", "auto", 4), Variant("lookup", "lookup", 4),
                     Variant("eagle", "eagle", 4)]
         compare_variants(target, None, [[1, 5, 9, 1, 5], [2, 7, 2, 7]], variants, GenerationParams(6),
-                         drafter_options=DrafterOptions(heads=random_eagle(config.hidden_size, config.vocab_size)),
+                         drafter_options=DrafterOptions(heads=random_eagle(config.hidden_size, config.vocab_size),
+                                                        auto_heads="eagle"),
                          on_result=lambda index, name, result: seen.append((name, sequence_for(target).tracking)))
         assert seen == [(name, name in ("auto", "eagle")) for _ in range(2) for name in ("none", "auto", "lookup",
                                                                                           "eagle")]

@@ -146,7 +146,9 @@ def test_the_draft_cost_is_the_line_through_a_full_pass_and_a_half_draft_s(four_
 def test_a_half_draft_timed_no_cheaper_falls_back_to_the_layers_share(four_layer_target, monkeypatch, half):
     monkeypatch.setattr("specrun.sessions.tuning.time_passes",
                         lambda backend, prompt, counts, repeats=7: {1: 1.0 if backend is four_layer_target else half})
-    assert measure_draft_cost(four_layer_target, PROMPTS[0]) == DraftCost.by_layers(4) == DraftCost(0.0, 0.25)
+    cost = measure_draft_cost(four_layer_target, PROMPTS[0])
+    assert cost == DraftCost.by_layers(4) == DraftCost(0.0, 0.25, measured=False)
+    assert "layers' share" in cost.describe() and "measured)" not in cost.describe()
 
 
 def test_tune_measures_the_draft_cost_and_searches_with_it(four_layer_target, monkeypatch):
