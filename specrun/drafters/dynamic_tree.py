@@ -1,5 +1,6 @@
 """EAGLE-2's dynamic draft tree, grown by path probability: shared by the drafters whose every
-draft depends on the ones before it (EAGLE's layer, Hydra's heads).
+draft depends on the ones before it (EAGLE's layer, Hydra's heads, the draft model) and by
+Medusa's heads, whose sparse tree is the same growth with every node at a depth reading one row.
 
 At each depth the ``top_k`` likeliest nodes (by the product of the drafter's probabilities along
 their path) are expanded, each by its ``top_k`` likeliest tokens; the proposal is the main chain

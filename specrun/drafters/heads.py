@@ -16,6 +16,7 @@ import numpy as np
 
 from specrun.backends.kv import KVSequence
 from specrun.drafters.base import EMPTY_PROPOSAL, Drafter, Proposal, second_guesses
+from specrun.drafters.dynamic_tree import TOP_K, grow_tree
 from specrun.errors import UsageError
 from specrun.modelkit.heads import HeadsConfig, MedusaHeads
 from specrun.sampling import SamplingSettings, probabilities, sample
@@ -96,8 +97,12 @@ class MedusaDrafter(HeadsDrafter):
 
     Greedy, each head's argmax (over its draft vocabulary, mapped to target ids); sampled, a
     draw from each head's row under the user's settings, reported as the draft distribution
-    so rejection sampling keeps the output the target's. With ``branches`` N, up to N second
-    guesses beside the chain where the heads were least sure (drafters.base.second_guesses).
+    so rejection sampling keeps the output the target's. With ``branches`` N, greedy, Medusa's
+    sparse tree grown by path probability (drafters.dynamic_tree: the main chain and the N
+    likeliest other nodes): head i's guesses hang under every node expanded at depth i, a
+    second guess as well as the chain's node, since no head reads the drafts before its own.
+    Sampled, up to N second guesses beside the chain where the heads were least sure
+    (drafters.base.second_guesses).
     """
 
     name = "medusa"
@@ -129,12 +134,11 @@ class MedusaDrafter(HeadsDrafter):
         logits = self.head_logits(hidden, n_heads)  # (n, Vd)
         if sampling.greedy and not self.branches:
             return Proposal(tuple(int(self._d2t[i]) for i in logits.argmax(axis=-1)), source=self.name)
-        rows = list(target_rows(logits, sampling if not sampling.greedy else SamplingSettings(temperature=1.0),
-                                self._d2t, self._vocab_size))
-        if sampling.greedy:
-            tokens = tuple(int(row.argmax()) for row in rows)
-            chain = Proposal(tokens, source=self.name)
-        else:
-            tokens = tuple(sample(row, rng) for row in rows)
-            chain = Proposal(tokens, tuple(rows), source=self.name)
+        if sampling.greedy:  # every node at depth `level` reads head `level`'s row
+            return grow_tree(logits[0], n_heads, TOP_K, self.branches,
+                             lambda tree, chosen, level: np.repeat(logits[level][None], len(chosen), axis=0),
+                             self._d2t, self.name)
+        rows = list(target_rows(logits, sampling, self._d2t, self._vocab_size))
+        tokens = tuple(sample(row, rng) for row in rows)
+        chain = Proposal(tokens, tuple(rows), source=self.name)
         return second_guesses(chain, rows, self.branches, sampling, rng) if self.branches else chain

@@ -76,15 +76,26 @@ def test_sampled_drafts_are_drawn_from_the_rows_they_report():
     assert np.abs(counts[likely] / 3000 - row[likely]).max() < 0.03
 
 
-def test_branches_add_second_guesses_beside_the_chain():
+def test_branches_grow_medusa_s_sparse_tree_with_guesses_under_second_guesses_too():
+    """Greedy with branches: the chain, then the likeliest other nodes by the product of the
+    heads' probabilities along their path; a second guess at depth 1 carries head 2's guesses."""
     heads = random_heads(5 * COPYING_VOCAB, COPYING_VOCAB, num_heads=4, seed=1)
-    drafter = bound(MedusaDrafter(heads, branches=2), fake_target(), PROMPT)
+    drafter = bound(MedusaDrafter(heads, branches=8), fake_target(), PROMPT)
     proposal = drafter.propose(PROMPT, 4, SamplingSettings(), np.random.default_rng(0))
-    assert len(proposal.main_chain) == 4 and len(proposal) == 6
-    for node in (4, 5):  # a sibling of a chain node: another token for the same position
-        parent = proposal.parents[node]
-        sibling = parent + 1
-        assert proposal.tokens[node] != proposal.tokens[sibling]
+    logits = drafter.head_logits(drafter.target.hidden(len(PROMPT) - 2, len(PROMPT) - 1)[0], 4)
+    chain = tuple(int(i) for i in logits.argmax(axis=1))
+    assert proposal.main_chain.tokens == chain and len(proposal) == 12
+    depth = {}
+    for node, parent in enumerate(proposal.parents):
+        depth[node] = 1 if parent < 0 else depth[parent] + 1
+        # every node is one of its head's top-4 guesses, whatever its parent: no head reads the drafts before it
+        assert proposal.tokens[node] in np.argsort(-logits[depth[node] - 1])[:4]
+    on_second_guesses = [node for node, parent in enumerate(proposal.parents)
+                         if parent >= 0 and proposal.parents[parent] < 0 and parent != 0]
+    assert on_second_guesses, proposal  # a child under a first-position runner-up
+    # the likeliest path under a runner-up takes each later head's first guess, as the chain does
+    child = on_second_guesses[0]
+    assert proposal.tokens[child] == chain[1]
 
 
 def test_no_hidden_state_for_the_last_position_means_no_proposal():

@@ -291,6 +291,7 @@ def test_auto_with_heads_on_mlx_keeps_plain_decoding_s_text():
 
 def test_a_chat_in_auto_drafts_with_the_heads_and_finds_them_again_after_another_method(model, tiny_llama,
                                                                                         heads_pay_here):
+    from specrun.backends.kv import sequence_for
     from specrun.engine.loop import GenerationParams
     from specrun.registry.loading import LoadOptions
     from specrun.sessions.chat import open_chat
@@ -299,7 +300,9 @@ def test_a_chat_in_auto_drafts_with_the_heads_and_finds_them_again_after_another
     chain = ["lookup", "ngram", "hydra", "draft"]
     with open_chat(str(model), str(model), "auto", LoadOptions(backend="llama")) as session:
         assert [member.name for member in session.engine.drafter.members] == chain
+        assert sequence_for(session.target).tracking
         session.set_method("none")
+        assert not sequence_for(session.target).tracking  # the heads' drafter closed: plain passes untracked
         session.set_method("auto")
         assert [member.name for member in session.engine.drafter.members] == chain
     with open_chat(str(model), str(model), "none", LoadOptions(backend="llama")) as session:
@@ -310,10 +313,18 @@ def test_a_chat_in_auto_drafts_with_the_heads_and_finds_them_again_after_another
 
 
 def test_bench_s_auto_line_drafts_with_the_heads_and_notes_it(model, tiny_llama, heads_pay_here):
+    from specrun.bench.runner import BenchConfig, run_bench
+    from specrun.bench.suite import BUILTIN_SUITE
+    from specrun.registry.loading import LoadOptions
+
     beside(model, "medusa", tiny_llama.config)
     result = invoke("bench", "-t", str(model), "--methods", "none,auto", "-n", "8", "--per-category", "1")
     assert result.exit_code == 0, result.output
     assert "auto drafts with the target's medusa heads too" in result.stderr + result.stdout
+    bench = run_bench(BenchConfig(str(model), None, ("none", "auto"), max_new_tokens=8,
+                                  load=LoadOptions(backend="llama")), BUILTIN_SUITE[:1])
+    assert bench.comparison.figures["auto"].by_prompt[0][0].stats.drafters == "lookup+ngram+medusa"
+    assert bench.comparison.figures["none"].by_prompt[0][0].stats.drafters == ""
 
 
 def test_a_comparison_tracks_hidden_states_only_for_the_lines_whose_drafters_read_them(tiny_llama):
