@@ -8,6 +8,7 @@ policy keeps the second guesses that pay on this machine). Built-in suite, greed
     .venv/bin/python benchmarks/tree_passes.py                        # demo-target-xl + demo-draft, draft
     .venv/bin/python benchmarks/tree_passes.py --target smollm2-135m-f16 --draft smollm2-135m --methods draft,auto
     .venv/bin/python benchmarks/tree_passes.py --always-grow --branches 12 --tree-nodes 24   # trees every step
+    .venv/bin/python benchmarks/tree_passes.py --target demo-target --methods medusa,eagle -k 4 --branches 8
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from specrun.bench.suite import BUILTIN_SUITE
 from specrun.drafters.methods import DrafterOptions, build_drafter, needs_draft_model
 from specrun.engine.loop import GenerationParams, SpeculativeEngine
 from specrun.registry.loading import LoadOptions, open_pair
+from specrun.sessions.compare import track_as_drafted
+from specrun.sessions.generation import load_heads_for_methods
 
 
 def main() -> None:
@@ -36,6 +39,7 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=21)
     parser.add_argument("--exact", action="store_true", help="load as --exact (flash attention off, F32 KV)")
     parser.add_argument("--json", help="raw figures (default: none)")
+    parser.add_argument("--heads", help="the head methods' heads file (default: found by the target's alias)")
     parser.add_argument("--always-grow", action="store_true",
                         help="the draft grows its dynamic tree every step, whatever its tree passes cost here "
                         "(tokens a pass as on hardware where they cost a one-token pass)")
@@ -47,10 +51,13 @@ def main() -> None:
 
     options = LoadOptions(threads=args.threads, tree_paths=args.branches + 1, exact=args.exact)
     target, draft = open_pair(args.target, args.draft, options)
+    methods = args.methods.split(",")
+    heads = load_heads_for_methods(args.target, args.heads, target, methods)
     engines, params = {}, {}
-    for method in args.methods.split(","):
+    for method in methods:
         for shape, branches in (("chain", 0), ("tree", args.branches)):
-            drafter = build_drafter(method, draft if needs_draft_model(method) else None, DrafterOptions(branches=branches))
+            drafter = build_drafter(method, draft if needs_draft_model(method) else None,
+                                    DrafterOptions(branches=branches, heads=heads))
             for mode, adaptive in ((f"k{args.k}", False), ("adaptive", True)):
                 name = f"{method} {shape} {mode}"
                 engines[name] = SpeculativeEngine(target, drafter, method=method)
@@ -62,6 +69,7 @@ def main() -> None:
         ids = target.tokenize(prompt.text, add_bos=target.vocab.add_bos)
         for name, engine in engines.items():
             engine.policy.forget_acceptance()
+            track_as_drafted(engine)  # hidden states for the head lines only
             started = time.perf_counter()
             result = engine.run(ids, params[name])
             runs[name].append({"prompt": prompt.prompt_id, "tokens": len(result.token_ids), "steps": result.stats.steps,

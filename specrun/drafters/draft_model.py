@@ -24,6 +24,8 @@ CATCH_UP_TOKENS = 2
 # bound draft); dearer (a CPU: demo-draft grew 1.08x the chain's tokens a pass at 0.69x its
 # speed, docs/perf.md 3(f)), second guesses are leaves read off the chain's own rows.
 TREE_PASS_LIMIT = 1.25
+# From this many second guesses on, the dynamic tree expands twice EAGLE-2's 4 nodes a level.
+WIDE_TREE_BRANCHES = 16
 
 
 class DraftModelDrafter(Drafter):
@@ -56,6 +58,11 @@ class DraftModelDrafter(Drafter):
         # Token trees: second guesses beside the chain, at the positions where the draft was
         # least sure of its first (0: chains only; the greedy ids then stay on the device).
         self.branches = branches
+        # Nodes expanded a level of its dynamic tree, and children each: EAGLE-2's 4 for a few
+        # second guesses, twice that for many, which 4 x 4 candidates a level would leave to the
+        # unlikely ones (demo-target-xl, -k 6, 40 beside the chain: 4.85 tokens a pass against
+        # 4.78, 1.30x the chain's; docs/perf.md 3(f)).
+        self.top_k = TOP_K if branches < WIDE_TREE_BRANCHES else 2 * TOP_K
         self.sequence = sequence_for(backend)
         self.target_vocab_size = backend.vocab.size  # the target's (bind), when padding makes it differ
         self.stop_ids: frozenset[int] = frozenset(backend.vocab.eos_ids)  # the target's (bind)
@@ -82,17 +89,17 @@ class DraftModelDrafter(Drafter):
             # in ``prefill``). Where that fails, second guesses stay leaves beside the chain.
             self.sequence.reset()
             try:
-                self.backend.open_for_trees(TOP_K + 1)
+                self.backend.open_for_trees(self.top_k + 1)
             except SpecrunError:  # no memory for the wider cache: leaves beside the chain, as before
                 pass
 
     @property
     def grows_trees(self) -> bool:
         """Greedy second guesses grow an EAGLE-2 dynamic tree by the draft's own probabilities
-        (``_dynamic_tree``) where the draft reads trees of a node's TOP_K children a pass, until
+        (``_dynamic_tree``) where the draft reads trees of ``top_k`` nodes' paths a pass, until
         its passes are timed and a tree pass costs more than ``TREE_PASS_LIMIT`` one-token ones."""
         support = self.backend.tree_support
-        reads_trees = support.available and (not support.max_paths or support.max_paths > TOP_K)
+        reads_trees = support.available and (not support.max_paths or support.max_paths > self.top_k)
         if not (self.branches and self.target_trees and reads_trees):
             return False
         timed = self.tree_pass.mean is not None and self.token_pass.mean is not None
@@ -114,7 +121,7 @@ class DraftModelDrafter(Drafter):
         if sampling.greedy and exact_vocab and self.min_prob <= 0.0 and not self.branches:
             # Greedy verification needs no draft distribution: argmax stays in the backend.
             return Proposal(self._greedy_ids(pending, draft_len), source=self.name)
-        room = len(context) + (TOP_K + 1) * (draft_len - 1) <= self.backend.n_ctx  # its widest tree pass
+        room = len(context) + (self.top_k + 1) * (draft_len - 1) <= self.backend.n_ctx  # its widest tree pass
         if sampling.greedy and self.min_prob <= 0.0 and room and self.grows_trees:
             return self._dynamic_tree(pending, draft_len)
         tokens: list[int] = []
@@ -167,7 +174,8 @@ class DraftModelDrafter(Drafter):
             self.sequence.keep_path(fed, [index[node] for node in chain])
             return np.stack([self._target_sized(row) for row in logits])
 
-        return grow_tree(root, depth, TOP_K, self.branches, expand, np.arange(self.target_vocab_size), self.name)
+        return grow_tree(root, depth, self.top_k, self.branches, expand, np.arange(self.target_vocab_size),
+                         self.name)
 
     def _catch_up(self, context: Sequence[int]) -> list[int]:
         """Bring the cache to the context but for the tokens this call feeds with its first pass.

@@ -11,7 +11,7 @@ import pytest
 from specrun.backends.base import TreeSupport
 from specrun.backends.fake import FakeBackend
 from specrun.backends.kv import sequence_for
-from specrun.drafters.draft_model import DraftModelDrafter, _PassTiming
+from specrun.drafters.draft_model import WIDE_TREE_BRANCHES, DraftModelDrafter, _PassTiming
 from specrun.drafters.dynamic_tree import TOP_K, DraftTree
 from specrun.sampling import SamplingSettings
 
@@ -77,27 +77,31 @@ def hashed(context) -> np.ndarray:
     return rng.normal(0.0, 2.0, 12).astype(np.float32)
 
 
-def reference_tree(logits_fn, context: list[int], depth: int, branches: int) -> tuple[tuple, tuple]:
+def reference_tree(logits_fn, context: list[int], depth: int, branches: int,
+                   top_k: int = TOP_K) -> tuple[tuple, tuple]:
     """EAGLE-2's rule computed without the draft's cache: each node's children from the logits
     of the context followed by the node's own path."""
     tree = DraftTree()
-    tree.add_children(-1, logits_fn(context), TOP_K)
+    tree.add_children(-1, logits_fn(context), top_k)
     for level in range(1, depth):
-        for node in tree.to_expand(level, TOP_K):
-            tree.add_children(node, logits_fn([*context, *tree.path(node)]), TOP_K)
+        for node in tree.to_expand(level, top_k):
+            tree.add_children(node, logits_fn([*context, *tree.path(node)]), top_k)
     nodes = tree.proposal_order(depth, branches)
     index = {node: i for i, node in enumerate(nodes)}
     return (tuple(tree.drafts[n] for n in nodes),
             tuple(-1 if tree.parents[n] < 0 else index[tree.parents[n]] for n in nodes))
 
 
-@pytest.mark.parametrize("depth, branches", [(1, 2), (3, 2), (5, 4), (8, 6)])
+@pytest.mark.parametrize("depth, branches", [(1, 2), (3, 2), (5, 4), (8, 6), (4, 20), (6, 40)])
 def test_a_greedy_draft_that_reads_trees_grows_eagle_2_s_tree_by_its_own_path_probabilities(depth, branches):
+    """Up to 15 second guesses from 4 nodes expanded a level by 4 children each (EAGLE-2's);
+    from 16 on, twice as wide (8 by 8), else the budget goes to the unlikeliest of 16 candidates."""
     context = [3, 1, 4, 1, 5]
     drafter = bound(DraftModelDrafter(FakeBackend(hashed, 12), branches=branches))
+    assert drafter.top_k == (TOP_K if branches < WIDE_TREE_BRANCHES else 2 * TOP_K)
     drafter.prefill(context)
     proposal = drafter.propose(context, depth, SamplingSettings(), np.random.default_rng(0))
-    assert (proposal.tokens, proposal.parents) == reference_tree(hashed, context, depth, branches)
+    assert (proposal.tokens, proposal.parents) == reference_tree(hashed, context, depth, branches, drafter.top_k)
     assert len(proposal.main_chain.tokens) == depth and proposal.p_draft == (None,) * len(proposal.tokens)
 
 

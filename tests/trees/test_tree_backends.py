@@ -306,3 +306,26 @@ def test_last_pass_ties_read_the_rows_of_the_last_argmax_pass(backend, tree_pass
     indices = [4, 0, 2, 1, 3]
     assert backend.last_pass_ties(indices, margin).tolist() == (gaps[indices] < margin).tolist()
     assert backend.last_pass_ties([], margin).tolist() == []
+
+
+@pytest.mark.parametrize("branches, paths", [(3, 5), (20, 9)])
+def test_a_llama_draft_is_reopened_for_as_many_paths_as_its_dynamic_tree_expands(tiny_llama, branches, paths):
+    """A llama.cpp draft beside a target that verifies trees reads its own tree passes: its
+    context is re-created for the nodes a level expands and one more (4, or 8 from 16 second
+    guesses on), and the tree it grows fits those paths."""
+    from specrun.backends.kv import sequence_for
+    from specrun.drafters.draft_model import DraftModelDrafter
+    from specrun.sampling import SamplingSettings
+
+    target, draft = open_llama(tiny_llama, tree_paths=3), open_llama(tiny_llama)
+    try:
+        drafter = DraftModelDrafter(draft, branches=branches)
+        drafter.bind(sequence_for(target), lambda: 0.0)
+        assert draft.tree_support.available and draft.tree_support.max_paths == paths == drafter.top_k + 1
+        context = _prompt(draft)
+        drafter.prefill(context)
+        proposal = drafter.propose(context, 4, SamplingSettings(), np.random.default_rng(0))
+        assert len(proposal.main_chain.tokens) == 4 and len(proposal) == 4 + branches
+    finally:
+        target.close()
+        draft.close()
