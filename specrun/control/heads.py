@@ -9,7 +9,7 @@ train` writes it), over the cost of a pass of k + 1 tokens (the target's stored 
 steps) and k depths of the heads, each costing what its weights weigh against the target's
 (both passes read their weights once: memory-bound). On a 2-core CPU, where a 5-token pass
 costs ~3 plain steps, no heads qualify; on a GPU, where it costs ~1.1, heads a tenth of the
-target's size do.
+target's size do. Before any run has stored the target's costs, none are taken in.
 """
 
 from __future__ import annotations

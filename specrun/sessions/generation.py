@@ -372,13 +372,17 @@ def heads_pay(heads, target, stored) -> bool:
     """Are ``heads`` predicted to win HEADS_MARGIN over plain decoding on ``target``
     (control.heads): their held-out acceptance by depth (a prior for published heads), their
     weights against the target's, and a pass's cost by its tokens from ``stored`` (an earlier
-    run's entry; None: as a one-token pass, a memory-bound machine's)."""
+    run's entry). Where no run has measured the target's passes yet, no: as token trees, heads
+    join auto by themselves only once this machine's costs say they pay (a first run of the demo
+    target with them read 0.70x on one prompt, where its later runs leave them out)."""
     from specrun.control.heads import HEADS_MARGIN, PRIOR_ACCEPTANCE, predicted_heads_gain
     from specrun.modelkit.heads import held_out_acceptance
     from specrun.sessions.lookahead_sizing import relative_costs
 
     costs = stored.target_costs if stored is not None else None
-    relative = relative_costs(costs) if costs and 1 in costs else (lambda n: 1.0)
+    if not costs or 1 not in costs:
+        return False
+    relative = relative_costs(costs)
     acceptance = held_out_acceptance(heads.config) or (PRIOR_ACCEPTANCE,) * heads.config.num_heads
     weights = target.hidden_support.weight_bytes
     depth_cost = heads.depth_bytes / weights if weights else 0.0

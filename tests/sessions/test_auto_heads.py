@@ -114,7 +114,8 @@ def test_heads_pay_by_the_stored_costs_the_report_and_their_size():
     target = _Target(int(eagle.depth_bytes / 0.6))  # a depth 0.6 of the target's weights, as on the demo target
     assert heads_pay(eagle, target, stored(gpu_like))
     assert not heads_pay(eagle, target, stored(cpu_like))
-    assert heads_pay(eagle, target, None)  # no run stored yet: passes as a memory-bound machine's
+    assert not heads_pay(eagle, target, None)  # no run has measured this machine yet: not by themselves
+    assert not heads_pay(eagle, target, TuneResult("k", "t", "none", "m", 0, 0.0, learned=True))
     assert not heads_pay(eagle, _Target(int(eagle.depth_bytes)), stored(gpu_like))  # as dear as the target
     # published heads carry no report: a depth's acceptance is taken as PRIOR_ACCEPTANCE
     import dataclasses
@@ -170,9 +171,11 @@ def beside(model: Path, kind: str, config, hidden_size: int | None = None) -> Pa
 def heads_pay_here(monkeypatch):
     """Heads that pay wherever found: the tiny target's heads weigh more than it does, so the
     gate (tested above) would keep them out; these tests are of where auto finds them."""
+    import specrun.sessions.chat as chat
     import specrun.sessions.generation as generation
 
-    monkeypatch.setattr(generation, "heads_pay", lambda heads, target, stored: True)
+    for module in (generation, chat):
+        monkeypatch.setattr(module, "heads_pay", lambda heads, target, stored: True)
 
 
 def auto_run(model: Path, *extra: str):
@@ -232,7 +235,26 @@ def test_a_heads_file_given_that_cannot_serve_auto_is_one_line(model, tiny_llama
 
 # ---- the demo target's shipped heads: auto's text stays plain decoding's -------------------
 
-def test_auto_on_the_demo_target_drafts_with_its_shipped_eagle_heads_and_keeps_the_text():
+@pytest.fixture
+def gpu_costs_stored(monkeypatch):
+    """Every session reads GPU-like pass costs stored by an earlier run (the demo target's heads pay)."""
+    import specrun.bench.runner as runner
+    import specrun.sessions.chat as chat
+    import specrun.sessions.generation as generation
+
+    for module in (generation, chat, runner):
+        monkeypatch.setattr(module, "load_tuned", lambda target, draft, threads: stored(gpu_like))
+        monkeypatch.setattr(module, "load_target_entry", lambda target, threads: stored(gpu_like), raising=False)
+
+
+def test_a_first_run_leaves_the_heads_out_until_a_run_has_measured_the_machine():
+    pytest.importorskip("llama_cpp", reason="the llama backend is not installed")
+    result = invoke("generate", "def parse(line):", "-n", "16", "--backend", "llama", "--json", "-m", "auto")
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["stats"]["drafters"] == "lookup+ngram+draft"
+
+
+def test_auto_on_the_demo_target_drafts_with_its_shipped_eagle_heads_and_keeps_the_text(gpu_costs_stored):
     pytest.importorskip("llama_cpp", reason="the llama backend is not installed")
     args = ("generate", "def parse(line):", "-n", "48", "--backend", "llama", "--exact", "--json")
     plain = json.loads(invoke(*args, "-m", "none").stdout)
@@ -276,7 +298,7 @@ def test_auto_takes_the_demo_target_s_heads_only_where_the_stored_costs_say_they
     assert bench.comparison.mismatches.get("auto", []) == []
 
 
-def test_auto_with_heads_on_mlx_keeps_plain_decoding_s_text():
+def test_auto_with_heads_on_mlx_keeps_plain_decoding_s_text(gpu_costs_stored):
     pytest.importorskip("mlx_lm", reason="the MLX backend is not installed")
     args = ("generate", "def parse(line):", "-n", "32", "--backend", "mlx", "--json")
     plain = json.loads(invoke(*args, "-m", "none").stdout)
