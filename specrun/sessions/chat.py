@@ -36,8 +36,8 @@ from specrun.engine.loop import Finished, GenerationParams, GenerationResult, Sp
 from specrun.errors import ContextFullError, UsageError
 from specrun.sessions.generation import (
     TreeSettings, adapts_length, auto_window, check_trees_for, choose_window, default_trees, heads_for_auto,
-    heads_pay, load_target_entry, load_target_heads, load_tuned, remember_run, resolve_draft_len, resolve_min_prob,
-    with_auto_heads,
+    load_target_entry, load_target_heads, load_tuned, paying_heads, remember_run, resolve_draft_len,
+    resolve_min_prob, with_auto_heads,
 )
 from specrun.backends.kv import common_prefix_len, sequence_for
 from specrun.drafters.lookahead import LookaheadSizes
@@ -487,10 +487,8 @@ def open_chat(
         tuned = load_tuned(target, draft, options.threads)
 
         def paying(found):
-            if found is None or heads is not None:  # --heads: used as given
-                return found
             stored = tuned if tuned is not None else load_target_entry(target, options.threads)
-            return found if heads_pay(found, target, stored) else None
+            return paying_heads(found, heads, target, stored)
 
         def load_heads(kind: str | None):
             if kind is None:

@@ -389,6 +389,14 @@ def heads_pay(heads, target, stored) -> bool:
     return predicted_heads_gain(relative, acceptance, depth_cost) >= HEADS_MARGIN
 
 
+def paying_heads(heads, explicit: str | None, target, stored):
+    """``heads`` (``heads_for_auto``'s) where auto keeps them: given with --heads, or ``heads_pay``
+    on ``stored``; else None."""
+    if heads is None or explicit is not None or heads_pay(heads, target, stored):
+        return heads
+    return None
+
+
 def with_auto_heads(options: DrafterOptions, heads) -> DrafterOptions:
     """``options`` with ``heads`` as the heads auto drafts with (None: auto drafts without),
     beside those a head method has (one kind's own file kept where a head method has one)."""
@@ -425,9 +433,7 @@ def comparison_heads(target_spec: str, explicit: str | None, target, methods, re
     if not any(map(is_adaptive, methods)):
         return options
     auto = heads_for_auto(target_spec, explicit, target, registry, on_note)
-    if auto is not None and explicit is None and not heads_pay(auto, target, stored):
-        auto = None
-    return with_auto_heads(options, auto)
+    return with_auto_heads(options, paying_heads(auto, explicit, target, stored))
 
 
 def prompt_token_ids(target, prompt: str, chat: bool) -> list[int]:
@@ -487,8 +493,8 @@ def generate_text(request: GenerateRequest, on_text: Callable[[str], None] | Non
                 request.on_note(choice.describe())
             if tuned is not None and choice is None:
                 tuned = None  # no window: the target's own entry says nothing this run uses
-        if auto_heads is not None and (request.heads is not None or heads_pay(auto_heads, target, stored)):
-            options = with_auto_heads(options, auto_heads)
+        if auto_heads is not None:
+            options = with_auto_heads(options, paying_heads(auto_heads, request.heads, target, stored))
         trees = None if choice is not None else default_trees(request.method, target, stored, request.trees)
         if trees is not None:  # second guesses, where the stored pass costs say they pay
             options = dataclasses.replace(options, branches=trees.trees.branches)
