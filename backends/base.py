@@ -56,11 +56,25 @@ class HiddenSupport:
     # bytes of weights a one-token pass reads (0: not known): what a heads drafter's own reads
     # are weighed against before any pass is timed (control.heads)
     weight_bytes: int = 0
+    # tracked passes can give the outputs of layers 0 .. layer_outputs - 1 instead (hidden_layers,
+    # for EAGLE-3); 0: none, and layer_reason says why
+    layer_outputs: int = 0
+    layer_reason: str = ""
 
     def check(self) -> None:
         """Raise ValueError naming why not, if this backend gives no hidden states."""
         if not self.available:
             raise ValueError(f"this backend gives no hidden states: {self.reason}")
+
+    def check_layers(self, layers: Sequence[int]) -> None:
+        """Raise ValueError naming why not, if tracked passes cannot give these layers' outputs."""
+        self.check()
+        if not self.layer_outputs:
+            raise ValueError(f"this backend gives no layer outputs: {self.layer_reason}")
+        outside = [layer for layer in layers if not 0 <= layer < self.layer_outputs]
+        if outside:
+            raise ValueError(f"this backend gives the outputs of layers 0 to {self.layer_outputs - 1}, "
+                             f"not of layer {outside[0]}{': ' + self.layer_reason if self.layer_reason else ''}")
 
 
 @dataclass(frozen=True)
@@ -97,11 +111,25 @@ class HiddenTracking:
 
     _tracking = False
     _hidden: np.ndarray | None = None
+    _layers: tuple[int, ...] = ()  # hidden_layers': () the output head's input
 
     def track_hidden(self, on: bool) -> None:
         if on:
             self.hidden_support.check()
         self._tracking = on
+
+    def hidden_layers(self, layers: Sequence[int]) -> None:
+        if tuple(layers) == self._layers:
+            return
+        if self._tracking:
+            raise ValueError("choose the layers tracked passes record before tracking (track_hidden(False) first)")
+        if layers:
+            self.hidden_support.check_layers(layers)
+        self._layers = tuple(layers)
+        self._choose_layers(self._layers)
+
+    def _choose_layers(self, layers: tuple[int, ...]) -> None:
+        """A backend's own preparation for recording ``layers`` (checked; () the head's input)."""
 
     def hidden_rows(self, rows: Sequence[int]) -> np.ndarray:
         if self._hidden is None:
@@ -208,6 +236,12 @@ class Backend(Protocol):
         forward_argmax, forward_tree and forward_tree_argmax (a greedy extension may refuse
         with ValueError while on). ValueError if ``hidden_support`` is not available."""
         ...
+
+    def hidden_layers(self, layers: Sequence[int]) -> None:
+        """What tracked passes record from now on: () the output head's input (H wide, the
+        default), else the outputs of ``layers`` (0-based) side by side (len(layers) * H wide),
+        as EAGLE-3 reads them. While not tracking only; ValueError naming why where this backend
+        cannot (``hidden_support.layer_outputs``)."""
 
     def hidden_rows(self, rows: Sequence[int]) -> np.ndarray:
         """Float32 hidden states (len(rows), H) of the last pass, ``rows`` indexing the fed

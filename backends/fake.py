@@ -23,7 +23,9 @@ class FakeBackend(HiddenTracking):
     """A model whose next-token logits are ``table(context)``; the cache is a token list.
 
     hidden_table: the hidden state (hidden_size,) of a context's last token, for
-    ``track_hidden``; without one the fake declares no hidden states.
+    ``track_hidden``; without one the fake declares no hidden states. n_layers: with a hidden
+    table, the fake has this many layers, and layer l's output (``hidden_layers``) is the hidden
+    state scaled by (l + 1) / n_layers, the last layer's the state itself.
     """
 
     name = "fake"
@@ -39,12 +41,14 @@ class FakeBackend(HiddenTracking):
         eos_ids: Sequence[int] = (),
         hidden_table: HiddenTable | None = None,
         hidden_size: int = 0,
+        n_layers: int = 0,
     ) -> None:
         self.table = table
         self.hidden_table = hidden_table
         self.hidden_support = (
-            HiddenSupport(True, hidden_size) if hidden_table is not None
-            else HiddenSupport(False, reason="this fake backend has no hidden table")
+            HiddenSupport(True, hidden_size, layers=n_layers, layer_outputs=n_layers,
+                          layer_reason="" if n_layers else "this fake backend has no layers")
+            if hidden_table is not None else HiddenSupport(False, reason="this fake backend has no hidden table")
         )
         self.vocab = VocabInfo(vocab_size, bos_id, frozenset(eos_ids), add_bos=bos_id is not None)
         self.n_ctx = n_ctx
@@ -132,8 +136,12 @@ class FakeBackend(HiddenTracking):
         ``context_of(i)``; None otherwise."""
         if not self._tracking:
             return None
-        states = [self.hidden_table(context_of(row)) for row in range(n_rows)]
-        return np.array(states, np.float32).reshape(n_rows, self.hidden_support.size)
+        support = self.hidden_support
+        states = np.array([self.hidden_table(context_of(row)) for row in range(n_rows)], np.float32)
+        states = states.reshape(n_rows, support.size)
+        if not self._layers:
+            return states
+        return np.concatenate([states * np.float32((layer + 1) / support.layers) for layer in self._layers], axis=1)
 
     def close(self) -> None:
         self.cache.clear()

@@ -77,6 +77,7 @@ class KVSequence:
         self.tokens: list[int] = []
         self._tracking = False
         self._hidden: HiddenStore | None = None  # from the first track_hidden(True) on
+        self._layers: tuple[int, ...] = ()  # what the store holds: track_hidden's layers
         self._hidden_tail: int | None = None  # a longer pass keeps the hidden states of its last this many
         self._tree_rows = 0  # the tokens the last tree pass fed before its nodes
         if backend.n_past:
@@ -246,11 +247,17 @@ class KVSequence:
         self.rewind(0)
 
     # ---- hidden states ----------------------------------------------------------------
-    def track_hidden(self, on: bool, tail: int | None = None) -> None:
+    def track_hidden(self, on: bool, tail: int | None = None, layers: Sequence[int] = ()) -> None:
         """Keep (or stop keeping) the hidden state of every position fed from now on; the
         backend records them for its passes meanwhile. ValueError if it cannot, naming why.
         ``tail``: of a pass longer than this, only its last ``tail`` positions are kept (the
-        others read as unknown), for a reader of recent positions only."""
+        others read as unknown), for a reader of recent positions only. ``layers``: keep the
+        outputs of these layers side by side instead of the output head's input
+        (Backend.hidden_layers, for EAGLE-3); states kept for other layers read as unknown."""
+        layers = tuple(layers)
+        if on and self._tracking and layers != self._layers:
+            raise ValueError(f"the target's hidden states are kept for layers {self._layers or 'none'} "
+                             f"already, not {layers or 'none'}: one reader of layers at a time")
         # Two readers of one sequence (a bench of medusa and eagle): the longer tail serves both.
         if on and self._tracking and tail is not None:
             tail = None if self._hidden_tail is None else max(tail, self._hidden_tail)
@@ -258,10 +265,14 @@ class KVSequence:
         support = self.backend.hidden_support
         if on and not support.available:
             raise ValueError(f"{self.backend.name} gives no hidden states: {support.reason}")
+        if on and layers != self._layers:
+            self.backend.track_hidden(False)
+            self.backend.hidden_layers(layers)  # ValueError naming why where it cannot
+            self._layers, self._hidden = layers, None
         self.backend.track_hidden(on)
         self._tracking = on
         if on and self._hidden is None:
-            self._hidden = HiddenStore(support.size)
+            self._hidden = HiddenStore(support.size * max(len(layers), 1))
 
     @property
     def tracking(self) -> bool:
@@ -269,7 +280,8 @@ class KVSequence:
         return self._tracking
 
     def hidden(self, start: int, stop: int) -> np.ndarray | None:
-        """Float32 hidden states (stop-start, H) of the cached positions [start, stop), or None
+        """Float32 hidden states (stop-start, H; with layers, len(layers) * H) of the cached
+        positions [start, stop), or None
         if any of them was fed while tracking was off (or is not cached)."""
         if self._hidden is None or not 0 <= start <= stop <= len(self.tokens):
             return None

@@ -145,6 +145,27 @@ def quantize_gguf(source: Path, dest: Path, dtype: str) -> None:
 # ggml element types of the KV cache (ggml.h: GGML_TYPE_F32 = 0, GGML_TYPE_F16 = 1)
 KV_TYPES = {"f16": 1, "f32": 0}
 
+# The architectures whose llama.cpp graphs name every layer's input (llm_graph_result's
+# t_layer_inp, set in src/models/*.cpp): asking another for one aborts the process.
+LAYER_INPUT_ARCHS = (
+    "llama", "qwen3", "qwen3moe", "qwen3next", "qwen35", "qwen35moe", "qwen4exp", "gemma4", "gpt-oss", "lfm2",
+    "deepseek4", "bailingmoe3", "hunyuan_vl", "mimo2", "minimax-01", "minimax-m2", "muse-glimmer", "nanbeige",
+    "nemotron_h",
+)
+# llama.cpp declares its layer-input extension (src/llama-ext.h) without extern "C": its symbols
+# carry C++'s (Itanium) mangled names.
+_SET_LAYER_INPUT = "_Z30llama_set_embeddings_layer_inpP13llama_contextjb"
+_GET_LAYER_INPUT = "_Z30llama_get_embeddings_layer_inpP13llama_contextj"
+
+
+def layer_input_functions(llama_cpp):
+    """(set(ctx, layer, on), get(ctx, layer) -> address) for llama.cpp's layer-input extension;
+    AttributeError where the library does not export it."""
+    library = llama_cpp.llama_cpp._lib
+    setter = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_uint32, ctypes.c_bool)((_SET_LAYER_INPUT, library))
+    getter = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint32)((_GET_LAYER_INPUT, library))
+    return setter, getter
+
 
 def _tree_context_params(ctx_params, tree_paths: int) -> int:
     """Ready the context for trees of up to ``tree_paths`` root-to-leaf paths (0: chains only).
@@ -181,7 +202,11 @@ class LlamaCppBackend(HiddenTracking):
 
     Hidden states (``track_hidden``) are llama.cpp's token embeddings: with embeddings on and
     no pooling, each output row's ``result_norm``, the output head's input. llama.cpp then
-    outputs every row of a batch, so a tracked pass computes logits for every row too.
+    outputs every row of a batch, so a tracked pass computes logits for every row too. Layer
+    outputs (``hidden_layers``, for EAGLE-3) are the inputs of the layers after them, which
+    llama.cpp copies out for every row fed (``llama_set_embeddings_layer_inp``, the extension
+    its own EAGLE-3 drafting reads them with) in the architectures whose graphs name them
+    (LAYER_INPUT_ARCHS); the last layer's output is not among them.
     """
 
     name = "llama"
@@ -280,6 +305,8 @@ class LlamaCppBackend(HiddenTracking):
             ("llama_get_embeddings_ith", llama_cpp.llama_cpp._lib)
         )
         self._first_output = 0  # the fed row of the tracked decode's first logits row
+        self._every_row = False  # did the last decode output every row (embeddings on)?
+        self._layer_states: list[np.ndarray] = []  # a tracked decode's layer outputs, chunk by chunk
 
     def _set_variant(self) -> None:
         """What changes its pass costs gives it its own tuning key (sessions/tuning.model_id): the
@@ -466,7 +493,7 @@ class LlamaCppBackend(HiddenTracking):
         """
         if not rows:
             return np.zeros((0, self.n_vocab), dtype=np.float32)
-        if self._hidden is not None:  # a tracked decode output every row from _first_output on
+        if self._every_row:  # a tracked decode output every row from _first_output on
             outputs = self._logits_buffer(len(self._hidden) - self._first_output)
             return outputs[[row - self._first_output for row in rows]]
         outputs = self._logits_buffer(len(rows))
@@ -491,26 +518,31 @@ class LlamaCppBackend(HiddenTracking):
             raise ContextFullError(
                 f"the context of {self.n_ctx} tokens is full", "shorten the prompt or raise --ctx"
             )
-        if self._tracking:
+        if self._tracking and not self._layers:
             return self._decode_tracked(tokens, rows)
-        self._hidden = None
+        self._hidden, self._every_row = None, False
+        self._layer_states = []
         if not tokens:  # llama_decode refuses an empty batch
-            return rows
-        if len(tokens) <= self.n_batch:  # the common case: one chunk, no bookkeeping
+            pass
+        elif len(tokens) <= self.n_batch:  # the common case: one chunk, no bookkeeping
             self._decode_chunk(tokens, set(rows))
-            return rows
-        last_start = (len(tokens) - 1) // self.n_batch * self.n_batch
-        if rows and min(rows) < last_start:
-            raise ValueError("logit rows must fall in the last n_batch tokens of a forward")
-        wanted = {row - last_start for row in rows}
-        for start in range(0, len(tokens), self.n_batch):
-            self._decode_chunk(tokens[start : start + self.n_batch], wanted if start == last_start else ())
+        else:
+            last_start = (len(tokens) - 1) // self.n_batch * self.n_batch
+            if rows and min(rows) < last_start:
+                raise ValueError("logit rows must fall in the last n_batch tokens of a forward")
+            wanted = {row - last_start for row in rows}
+            for start in range(0, len(tokens), self.n_batch):
+                self._decode_chunk(tokens[start : start + self.n_batch], wanted if start == last_start else ())
+        if self._tracking:  # layer outputs: every row's, whichever rows gave logits
+            states = self._layer_states or [np.zeros((0, self.hidden_support.size * len(self._layers)), np.float32)]
+            self._hidden = states[0] if len(states) == 1 else np.concatenate(states)
+            self._layer_states = []
         return rows
 
     def _decode_tracked(self, tokens: Sequence[int], rows: list[int]) -> list[int]:
         """``_decode`` with embeddings on: every row of every chunk is an output (llama.cpp
         insists), so each chunk's hidden states are copied out before the next overwrites them."""
-        self._hidden = None
+        self._hidden, self._every_row = None, True
         last_start = (len(tokens) - 1) // self.n_batch * self.n_batch if tokens else 0
         if rows and min(rows) < last_start:
             raise ValueError("logit rows must fall in the last n_batch tokens of a forward")
@@ -551,6 +583,21 @@ class LlamaCppBackend(HiddenTracking):
                 "shorten the prompt or raise --ctx",
             )
         self._n_past += len(chunk)
+        if self._tracking and self._layers:
+            self._layer_states.append(self._output_layers(len(chunk)))
+
+    def _output_layers(self, n_rows: int) -> np.ndarray:
+        """A copy of the last decode's layer outputs (n_rows, len(layers) * H): the inputs of the
+        layers after them, every row fed, in batch order."""
+        size = self.hidden_support.size
+        states = np.empty((n_rows, size * len(self._layers)), np.float32)
+        for slot, layer in enumerate(self._layers):
+            address = self._layer_input(self._ctx, layer + 1)
+            if not address:
+                raise RuntimeError(f"llama.cpp returned no output of layer {layer} for a tracked decode")
+            buffer = (ctypes.c_float * (n_rows * size)).from_address(address)
+            states[:, slot * size : (slot + 1) * size] = np.frombuffer(buffer, dtype=np.float32).reshape(n_rows, size)
+        return states
 
     def _fill_batch(self, chunk: Sequence[int], wanted) -> None:
         batch = self._batch
@@ -643,11 +690,12 @@ class LlamaCppBackend(HiddenTracking):
             raise ValueError(f"logit rows {rows} fall outside the {n_fed} tokens and nodes fed")
         lib, memory = self._lib, self._memory
         self._held_tree = self._hidden = None
+        every_row = self._every_row = self._tracking and not self._layers  # embeddings on: llama.cpp outputs them all
         self._drop_tree_cells()
         if n_fed:  # llama_decode refuses an empty batch
             for path in range(len(tree.paths)):  # every path sees the context: cells shared, not copied
                 lib.llama_memory_seq_cp(memory, _SEQ, 1 + path, 0, self._n_past)
-            self._fill_tree_batch(tokens, tree, range(n_fed) if self._tracking else set(rows))
+            self._fill_tree_batch(tokens, tree, range(n_fed) if every_row else set(rows))
             status = lib.llama_decode(self._ctx, self._tree_batch)
             if status != 0:
                 self._drop_tree_cells()
@@ -657,8 +705,11 @@ class LlamaCppBackend(HiddenTracking):
                     f"{self._n_past} cached tokens",
                     "shorten the prompt or raise --ctx",
                 )
-        if self._tracking:  # every row was an output
+        if every_row:
             self._hidden, self._first_output = self._output_hidden(n_fed), 0  # (n_fed, H)
+        elif self._tracking:
+            self._hidden = self._output_layers(n_fed) if n_fed else np.zeros((0, self.hidden_support.size
+                                                                               * len(self._layers)), np.float32)
         self._n_past += len(tokens)
         self._held_tree = HeldTree(self._n_past, tree)
         return rows
@@ -704,13 +755,34 @@ class LlamaCppBackend(HiddenTracking):
     def hidden_support(self) -> HiddenSupport:
         if self._lib.llama_pooling_type(self._ctx) != self._lib.LLAMA_POOLING_TYPE_NONE:
             return HiddenSupport(False, reason="this llama.cpp context pools its embeddings")
-        return HiddenSupport(True, self._lib.llama_model_n_embd_out(self._model),
-                             layers=self._lib.llama_model_n_layer(self._model),
-                             weight_bytes=int(self._lib.llama_model_size(self._model)))
+        layers = self._lib.llama_model_n_layer(self._model)
+        problem = self._layer_problem()
+        return HiddenSupport(True, self._lib.llama_model_n_embd_out(self._model), layers=layers,
+                             weight_bytes=int(self._lib.llama_model_size(self._model)),
+                             layer_outputs=0 if problem else layers - 1, layer_reason=problem or
+                             "llama.cpp gives a layer's input, so the last layer's output is not among them")
+
+    def _layer_problem(self) -> str:
+        """Why tracked passes cannot give this model's layer outputs ("" where they can)."""
+        arch = self.metadata("general.architecture") or "unknown"
+        if arch not in LAYER_INPUT_ARCHS:
+            return (f"llama.cpp's {arch} graph does not name its layers' inputs "
+                    f"(it does for {', '.join(LAYER_INPUT_ARCHS)})")
+        if self.rpc:
+            return "layer outputs are not read from RPC servers"
+        try:
+            self._set_layer_input, self._layer_input = layer_input_functions(self._lib)
+        except AttributeError:
+            return f"{self.library_version} does not export llama.cpp's llama_set_embeddings_layer_inp"
+        return ""
 
     def track_hidden(self, on: bool) -> None:
         super().track_hidden(on)
-        self._lib.llama_set_embeddings(self._ctx, on)  # llama.cpp then outputs every row it is fed
+        if self._layers:
+            for layer in self._layers:  # llama.cpp copies their inputs out for every row fed
+                self._set_layer_input(self._ctx, layer + 1, on)
+        else:
+            self._lib.llama_set_embeddings(self._ctx, on)  # llama.cpp then outputs every row it is fed
 
     def native_loop(self) -> NativeLoop | None:
         """llama-cpp-python's own plain loop on this file (a second copy of the model); None on

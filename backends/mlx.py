@@ -377,6 +377,33 @@ def split_model(mx, lm_cache, model) -> ModelSplit:
                      "of its body's output")
 
 
+class _LayerRecorder:
+    """A layer of an mlx-lm body that, called, also hands its output to ``sink`` (index, output);
+    anything else asked of it is the layer's own."""
+
+    def __init__(self, layer, index: int, sink: list) -> None:
+        self._layer, self._index, self._sink = layer, index, sink
+
+    def __call__(self, *args, **kwargs):
+        out = self._layer(*args, **kwargs)
+        self._sink.append((self._index, out))
+        return out
+
+    def __getattr__(self, name: str):
+        return getattr(self._layer, name)
+
+
+def recording_body(body, layers: Sequence[int], sink: list):
+    """A view of an mlx-lm body (a shallow copy, its layers this body's objects) whose ``layers``
+    hand their outputs to ``sink`` as it runs."""
+    import copy
+
+    view = copy.copy(body)
+    view.layers = [_LayerRecorder(layer, index, sink) if index in layers else layer
+                   for index, layer in enumerate(body.layers)]
+    return view
+
+
 class MlxBackend(HiddenTracking):
     """One mlx-lm model and one prompt cache for a single sequence.
 
@@ -609,8 +636,16 @@ class MlxBackend(HiddenTracking):
         if self._pass_hidden is None:
             return self.model(inputs, cache=self._cache)
         split = self._split
-        hidden = split.body(inputs, cache=self._cache)  # (1, T, H)
-        self._pass_hidden.append(hidden[0])
+        if not self._layers:
+            hidden = split.body(inputs, cache=self._cache)  # (1, T, H)
+            self._pass_hidden.append(hidden[0])
+            return split.head(hidden)
+        sink = self._layer_sink
+        sink.clear()
+        hidden = self._layer_body(inputs, cache=self._cache)
+        outputs = dict(sink)
+        sink.clear()
+        self._pass_hidden.append(self._mx.concatenate([outputs[layer][0] for layer in self._layers], axis=-1))
         return split.head(hidden)
 
     def _feed_unread(self, tokens: list[int]) -> None:
@@ -787,7 +822,33 @@ class MlxBackend(HiddenTracking):
         from mlx.utils import tree_flatten
 
         weights = sum(array.nbytes for _, array in tree_flatten(self.model.parameters()))
-        return HiddenSupport(True, self._split.size, layers=self.n_layers, weight_bytes=int(weights))
+        size = self._split.size
+        problem = self._layer_problem(size)
+        return HiddenSupport(True, size, layers=self.n_layers, weight_bytes=int(weights),
+                             layer_outputs=0 if problem else self.n_layers, layer_reason=problem)
+
+    def _layer_problem(self, size: int) -> str:
+        """Why tracked passes cannot give this model's layer outputs ("" where they can): its body
+        keeps them in a ``layers`` list it calls in order, each returning the (1, T, H) residual
+        stream, checked on a few tokens."""
+        arch = getattr(self.model, "model_type", None) or type(self.model).__module__.rsplit(".", 1)[-1]
+        body = self._split.body
+        if not isinstance(getattr(body, "layers", None), list):
+            return f"mlx-lm's {arch} body keeps no layers list"
+        sink: list = []
+        try:
+            recorded = recording_body(body, range(len(body.layers)), sink)
+            recorded(self._mx.array(SPLIT_PROBE), cache=self._lm_cache.make_prompt_cache(self.model))
+        except Exception as exc:  # a body that reads its layers some other way
+            return f"mlx-lm's {arch} body cannot run with its layers watched ({type(exc).__name__})"
+        shapes = {tuple(getattr(out, "shape", ())) for _, out in sink}
+        if [index for index, _ in sink] != list(range(len(body.layers))) or shapes != {(1, len(SPLIT_PROBE[0]), size)}:
+            return f"mlx-lm's {arch} layers do not each return the {size}-wide residual stream"
+        return ""
+
+    def _choose_layers(self, layers: tuple[int, ...]) -> None:
+        self._layer_sink: list = []
+        self._layer_body = recording_body(self._split.body, layers, self._layer_sink) if layers else None
 
     def _pass(self, run, *args):
         """``run(*args)`` as one pass: while tracking, the hidden states of every row it feeds
@@ -799,7 +860,8 @@ class MlxBackend(HiddenTracking):
         try:
             result = run(*args)
             mx = self._mx
-            fed = mx.concatenate(self._pass_hidden) if self._pass_hidden else mx.zeros((0, self._split.size))
+            width = self._split.size * max(len(self._layers), 1)
+            fed = mx.concatenate(self._pass_hidden) if self._pass_hidden else mx.zeros((0, width))
             self._hidden = np.array(fed.astype(mx.float32))  # (n_fed, H)
         finally:
             self._pass_hidden = None

@@ -187,12 +187,71 @@ def oracle_hydra(vocab_size: int, depth: int = 4, sharpness: float = 4.0, path_w
     return HydraHeads.from_arrays(config, arrays, None)
 
 
-def oracle_heads_for(method: str, vocab_size: int):
-    """The oracle heads of ``method``'s kind (it must draft with heads)."""
+def oracle_heads_for(method: str, vocab_size: int, eagle3: bool = False):
+    """The oracle heads of ``method``'s kind (it must draft with heads); EAGLE-3's with ``eagle3``."""
     from specrun.drafters.methods import heads_kind
 
-    made = {"eagle": oracle_eagle, "hydra": oracle_hydra, "medusa": oracle_heads}
+    made = {"eagle": oracle_eagle3 if eagle3 else oracle_eagle, "hydra": oracle_hydra, "medusa": oracle_heads}
     return made[heads_kind(method)](vocab_size)
+
+
+# The fake's layers where EAGLE-3 heads read them (FakeBackend n_layers): layer l's output is the
+# hidden state times (l + 1) / FAKE_LAYERS.
+FAKE_LAYERS = 8
+EAGLE3_AUX = (1, 3, 6)
+
+
+def eagle3_heads(target_size: int, vocab_size: int, *, draft_size: int | None = None, depth: int = 4,
+                 draft_vocab: Sequence[int] | None = None, aux: tuple[int, ...] = EAGLE3_AUX, heads: int = 4,
+                 kv_heads: int = 2, head_dim: int = 4, intermediate: int = 16, seed: int = 0,
+                 norm_before_residual: bool = False, rope_scaling: dict | None = None, **arrays):
+    """EAGLE-3 heads (modelkit.eagle3) for a target of width ``target_size``: ``arrays`` as given,
+    the others random (norms near one)."""
+    from specrun.modelkit.eagle3 import Eagle3Heads
+
+    size = draft_size or target_size
+    d2t = None if draft_vocab is None else np.asarray(draft_vocab, dtype=np.int64)
+    rows = vocab_size if d2t is None else len(d2t)
+    shapes = {
+        "fc": (size, (len(aux) or 3) * target_size), "q_proj": (heads * head_dim, 2 * size),
+        "k_proj": (kv_heads * head_dim, 2 * size), "v_proj": (kv_heads * head_dim, 2 * size),
+        "o_proj": (size, heads * head_dim), "gate_proj": (intermediate, size), "up_proj": (intermediate, size),
+        "down_proj": (size, intermediate), "input_layernorm": (size,), "hidden_norm": (size,),
+        "post_attention_layernorm": (size,), "norm": (size,), "lm_head": (rows, size),
+        "embed_tokens": (vocab_size, size),
+    }
+    rng = np.random.default_rng(seed)
+    for name, shape in shapes.items():
+        if name not in arrays:
+            norm = name.endswith("norm")
+            arrays[name] = (float(norm) + rng.normal(0, 0.3 if norm else 0.5, shape)).astype(np.float32)
+    config = HeadsConfig("eagle", depth, 1, target_size, vocab_size, rows)
+    return Eagle3Heads(config, size, heads, kv_heads, head_dim, intermediate, 1e-6, 10000.0, aux,
+                       d2t=d2t, norm_before_residual=norm_before_residual, rope_scaling=rope_scaling, **arrays)
+
+
+def oracle_eagle3(vocab_size: int, depth: int = 4, sharpness: float = 2.0, gain: float = 10.0):
+    """EAGLE-3 heads reading ``oracle_hidden``'s blocks through the fake's layers (FAKE_LAYERS):
+    fc takes the state back from layer 6's output, attention adds nothing (o_proj zero), and the
+    MLP moves every block down by one: gate_proj sums the normed state (a large positive number,
+    where silu is the identity), up_proj passes it, so their product is ``gain`` * size times the
+    state whatever its scale, and down_proj turns that into the shift's difference. The layer's
+    ``out`` after s steps holds in block 0 block s of the state it started from, the target's token
+    s + 1 after it: the chain it drafts is ``oracle_heads``' guesses."""
+    size = (depth + 1) * vocab_size
+    shift = np.zeros((size, size), np.float32)
+    shift[np.arange(size - vocab_size), vocab_size + np.arange(size - vocab_size)] = 1.0  # out block b = in block b + 1
+    fc = np.zeros((size, 3 * size), np.float32)
+    fc[:, 2 * size:] = np.eye(size) * FAKE_LAYERS / (EAGLE3_AUX[2] + 1)
+    lm_head = np.zeros((vocab_size, size), np.float32)
+    lm_head[np.arange(vocab_size), np.arange(vocab_size)] = sharpness
+    ones = np.ones(size, np.float32)
+    return eagle3_heads(
+        size, vocab_size, depth=depth, intermediate=size, fc=fc, lm_head=lm_head,
+        o_proj=np.zeros((size, 4 * 4), np.float32), gate_proj=np.full((size, size), gain, np.float32),
+        up_proj=np.eye(size, dtype=np.float32), down_proj=((shift - np.eye(size)) / (gain * size)).astype(np.float32),
+        input_layernorm=ones, hidden_norm=ones, post_attention_layernorm=ones, norm=ones,
+    )
 
 
 def fitted_eagle(backend, ids: Sequence[int], depth: int = 4, ridge: float = 1e-2):
@@ -273,3 +332,39 @@ def fitted_heads_for(method: str, backend, ids: Sequence[int]):
 
     made = {"eagle": fitted_eagle, "hydra": fitted_hydra, "medusa": fitted_heads}
     return made[heads_kind(method)](backend, ids)
+
+
+def fitted_eagle3(backend, ids: Sequence[int], depth: int = 4, ridge: float = 1e-2):
+    """EAGLE-3 heads for a real backend fitted to its layers along ``ids`` (its own output): fc
+    passes the deepest layer read, attention and MLP add nothing, and the projection (ridge
+    regression on the normed state) maps it to the token two on, over the tokens ``ids`` holds.
+    The layer leaves its state as it is, so every depth guesses alike: the first is accepted often."""
+    from specrun.backends.kv import sequence_for
+
+    support = backend.hidden_support
+    aux = (0, 1, support.layer_outputs - 1)
+    size = support.size
+    sequence = sequence_for(backend)
+    sequence.reset()
+    sequence.track_hidden(True, layers=aux)
+    try:
+        sequence.feed(list(ids))
+        layers = sequence.hidden(0, len(ids)).astype(np.float64)
+    finally:
+        sequence.track_hidden(False)
+        sequence.reset()
+    deepest = layers[:, 2 * size :]
+    normed = deepest / np.sqrt(np.mean(deepest**2, axis=-1, keepdims=True) + 1e-6)
+    d2t = np.unique(np.asarray(ids, dtype=np.int64))
+    rows = np.searchsorted(d2t, np.asarray(ids))
+    n = len(ids)
+    targets = np.zeros((n - 2, len(d2t)))
+    targets[np.arange(n - 2), rows[2:]] = 1.0
+    x = normed[: n - 2]
+    lm_head = np.linalg.solve(x.T @ x + ridge * len(x) * np.eye(size), x.T @ targets).T
+    fc = np.zeros((size, 3 * size), np.float32)
+    fc[:, 2 * size :] = np.eye(size)
+    ones = np.ones(size, np.float32)
+    return eagle3_heads(size, backend.vocab.size, depth=depth, draft_vocab=d2t, aux=aux, fc=fc,
+                        lm_head=lm_head.astype(np.float32), o_proj=np.zeros((size, 16), np.float32),
+                        down_proj=np.zeros((size, 16), np.float32), norm=ones)

@@ -353,6 +353,7 @@ class Scenario:
     branches: int = 0  # runner-up guesses as siblings: token trees (DrafterOptions.branches)
     auto_lookahead: bool = False  # auto drafts with a lookahead window too (where pass costs say it pays)
     auto_heads: str | None = None  # auto drafts with the target's heads of this kind too (where it has some)
+    eagle3: bool = False  # EAGLE-3's heads (reading the target's layers) for the eagle method
 
     @property
     def draft_len(self) -> int:
@@ -406,6 +407,9 @@ SCENARIOS = {
     "auto lookahead": Scenario("auto", auto_lookahead=True),
     # auto with the target's own heads beside its drafters (lookup+ngram+eagle+draft)
     "auto heads": Scenario("auto", auto_heads="eagle"),
+    # EAGLE-3's heads, reading three of the target's layers, as a chain and as a tree
+    "eagle3": Scenario("eagle", eagle3=True),
+    "eagle3 tree": Scenario("eagle", branches=TREE_BRANCHES, eagle3=True),
     # The full chain, lengths chosen as the CLI chooses them, on a target that verifies trees:
     # the cheap proposals the policy passes over for the draft model's are merged with it into
     # one tree (AdaptivePolicy._merged; in about a third of its passes here, half of them with
@@ -422,14 +426,15 @@ def fake_engine(scenario: Scenario) -> SpeculativeEngine:
     and find speculating worth it. Head methods read hidden states that know the target's
     greedy future, partly (heads_factory.oracle_hidden)."""
     from fake_models import CostedFake, SimClock
-    from heads_factory import oracle_heads_for, oracle_hidden
+    from heads_factory import FAKE_LAYERS, oracle_heads_for, oracle_hidden
 
     clock = SimClock()
     table = _target_table()
     draft_table = _sharper(table) if scenario.sharper_draft else _draft_table()
     heads_method = scenario.auto_heads or scenario.method
-    heads = oracle_heads_for(heads_method, VOCAB) if needs_heads(heads_method) else None
-    hidden = dict(hidden_table=oracle_hidden(table, VOCAB), hidden_size=heads.config.hidden_size) if heads else {}
+    heads = oracle_heads_for(heads_method, VOCAB, scenario.eagle3) if needs_heads(heads_method) else None
+    hidden = dict(hidden_table=oracle_hidden(table, VOCAB), hidden_size=heads.config.hidden_size,
+                  n_layers=FAKE_LAYERS) if heads else {}
     target = CostedFake(table, clock, 1.0, 0.02, vocab_size=VOCAB, **hidden)
     draft = CostedFake(draft_table, clock, 0.02, 0.0, vocab_size=VOCAB)
     uses_draft = needs_draft_model(scenario.method) or scenario.method == "auto"

@@ -28,7 +28,10 @@ from specrun.backends.kv import KVSequence, common_prefix_len
 from specrun.drafters.base import EMPTY_PROPOSAL, Proposal, second_guesses
 from specrun.drafters.dynamic_tree import TOP_K, DraftTree, grow_tree
 from specrun.drafters.heads import HeadsDrafter, target_rows
-from specrun.modelkit.eagle import EagleHeads, fuse, layer, no_entries
+from specrun.errors import UsageError
+from specrun.modelkit.eagle import EagleHeads
+from specrun.modelkit.eagle3 import Eagle3Heads
+from specrun.modelkit.heads import default_aux_layer_ids
 from specrun.sampling import SamplingSettings, sample
 
 # A verify pass feeds at most 1 + 64 tokens; a prompt pass keeps the features of its last ``window``.
@@ -70,26 +73,37 @@ class EagleDrafter(HeadsDrafter):
     """EAGLE heads over the target's features (see the module's docstring)."""
 
     name = "eagle"
-    heads: EagleHeads
+    heads: EagleHeads | Eagle3Heads
 
-    def __init__(self, heads: EagleHeads, branches: int = 0, top_k: int = TOP_K) -> None:
+    def __init__(self, heads: EagleHeads | Eagle3Heads, branches: int = 0, top_k: int = TOP_K) -> None:
         super().__init__(heads, branches)
         self.top_k = top_k
         # The layer reads the target's features ``window`` positions back (a verify pass's rows at least).
-        self.hidden_tail = max(VERIFY_ROWS, heads.layout.window)
+        self.hidden_tail = max(VERIFY_ROWS, heads.window)
         self._entries = _Entries()
         self._dtype = heads.fc.dtype
 
     def bind(self, target: KVSequence, clock: Callable[[], float]) -> None:
         """Read the target's features from now on: turns its tracking on."""
+        if isinstance(self.heads, Eagle3Heads) and self.heads.embed_tokens is None:
+            raise UsageError("these EAGLE-3 heads hold no embed_tokens (SpecForge's export for SGLang leaves "
+                             "them to the target), and specrun drafts only with heads that hold them",
+                             "add the target's embed_tokens.weight to the heads' model.safetensors")
         super().bind(target, clock)
         self._entries = _Entries()
+
+    def target_layers(self, target: KVSequence) -> tuple[int, ...]:
+        """EAGLE-3's: the layers its file names, else those SGLang reads for a target this deep."""
+        if not isinstance(self.heads, Eagle3Heads):
+            return ()
+        return self.heads.aux_layer_ids or default_aux_layer_ids(target.backend.hidden_support.layers)
 
     # ---- the context's entries ---------------------------------------------------------------
     def _root(self, context: Sequence[int]) -> np.ndarray | None:
         """The feature (1, H) the layer predicts at the context's second-to-last position, its
         entries brought up to date on the way; None where the target has no features for it."""
-        window = self.heads.layout.window
+        heads = self.heads
+        window = heads.window
         root = len(context) - 2
         entries = self._entries
         # The root's entry is made again each time: its predicted feature is the draft's first.
@@ -106,18 +120,18 @@ class EagleDrafter(HeadsDrafter):
                 return None
             features = self._features(start, root + 1, context)
         if not reusable or start > entries.end:  # begin again where the features are
-            entries = self._entries = _Entries(start, no_entries(self.heads, self._dtype),
-                                               no_entries(self.heads, self._dtype),
+            entries = self._entries = _Entries(start, heads.no_entries(self._dtype), heads.no_entries(self._dtype),
                                                floor=start if start > lowest else -1)
         entries.keep_from(root + 1 - window)
         positions = np.arange(start, root + 1)
-        fused = fuse(self.heads, features, self.heads.draft_ids(np.asarray(context[start + 1 : root + 2])))
+        following = heads.embedding_rows(np.asarray(context[start + 1 : root + 2]))  # the token after each
+        fused = heads.fuse(heads.target_features(features), following)
         earlier = np.arange(entries.first, entries.end)
         attend = np.concatenate([
             positions[:, None] - earlier[None, :] < window,
             (positions[:, None] >= positions[None, :]) & (positions[:, None] - positions[None, :] < window),
         ], axis=1)
-        out, keys, values = layer(self.heads, fused, positions, entries.keys, entries.values, attend)
+        out, keys, values = heads.layer(fused, positions, entries.keys, entries.values, attend)
         entries.keys = np.concatenate([entries.keys, keys])
         entries.values = np.concatenate([entries.values, values])
         entries.context = list(context)
@@ -165,38 +179,37 @@ class EagleDrafter(HeadsDrafter):
     def _step(self, features: np.ndarray, drafts: np.ndarray, position: int,
               own_keys: np.ndarray, own_values: np.ndarray, own_reads: np.ndarray):
         """The layer at ``position`` for N nodes: their parents' predicted features (N, H) and
-        their draft ids (N,), each reading the context's entries in the window and, of the draft's
-        entries so far (D, nh, hd), those ``own_reads`` (N, D) marks (its ancestors)."""
+        the target ids they drafted (N,), each reading the context's entries in the window and, of
+        the draft's entries so far (D, nh, hd), those ``own_reads`` (N, D) marks (its ancestors)."""
+        heads = self.heads
         entries = self._entries
         earlier = np.arange(entries.first, entries.end)
         count = len(drafts)
         attend = np.concatenate([
-            np.broadcast_to(position - earlier[None, :] < self.heads.layout.window, (count, len(earlier))),
+            np.broadcast_to(position - earlier[None, :] < heads.window, (count, len(earlier))),
             own_reads, np.eye(count, dtype=bool),
         ], axis=1)
-        fused = fuse(self.heads, features, drafts)
-        return layer(self.heads, fused, np.full(count, position),
-                     np.concatenate([entries.keys, own_keys]), np.concatenate([entries.values, own_values]), attend)
+        fused = heads.fuse(features, heads.embedding_rows(drafts))
+        return heads.layer(fused, np.full(count, position), np.concatenate([entries.keys, own_keys]),
+                           np.concatenate([entries.values, own_values]), attend)
 
     def _chain(self, feature: np.ndarray, root: int, depth: int, sampling: SamplingSettings,
                rng: np.random.Generator) -> Proposal:
         """The chain of first guesses (greedy) or draws (sampled, with their rows)."""
-        keys, values = no_entries(self.heads, self._dtype), no_entries(self.heads, self._dtype)
+        keys, values = self.heads.no_entries(self._dtype), self.heads.no_entries(self._dtype)
         tokens, rows = [], []
         for step in range(depth):
-            logits = (feature @ self.heads.lm_head.T)[0]  # (Vd,)
+            logits = self.heads.logits(feature)[0]  # (Vd,)
             if sampling.greedy:
-                draft = int(logits.argmax())
+                tokens.append(int(self._d2t[logits.argmax()]))
             else:
                 row = target_rows(logits[None, :], sampling, self._d2t, self._vocab_size)[0]
-                token = sample(row, rng)
+                tokens.append(sample(row, rng))
                 rows.append(row)
-                draft = int(self.heads.draft_ids(np.array([token]))[0])
-            tokens.append(int(self._d2t[draft]))
             if step + 1 == depth:
                 break
             reads = np.ones((1, len(keys)), bool)
-            feature, key, value = self._step(feature, np.array([draft]), root + 1 + step, keys, values, reads)
+            feature, key, value = self._step(feature, np.array(tokens[-1:]), root + 1 + step, keys, values, reads)
             keys, values = np.concatenate([keys, key]), np.concatenate([values, value])
         if sampling.greedy:
             return Proposal(tuple(tokens), source=self.name)
@@ -205,7 +218,7 @@ class EagleDrafter(HeadsDrafter):
 
     def _tree(self, feature: np.ndarray, root: int, depth: int) -> Proposal:
         """EAGLE-2's dynamic tree (greedy): the main chain, then the ``branches`` likeliest other nodes."""
-        keys, values = no_entries(self.heads, self._dtype), no_entries(self.heads, self._dtype)
+        keys, values = self.heads.no_entries(self._dtype), self.heads.no_entries(self._dtype)
         expanded: list[int] = []  # the nodes with entries, in the order of keys
         features = {-1: feature[0]}
 
@@ -215,14 +228,14 @@ class EagleDrafter(HeadsDrafter):
             reads = np.array([[tree.is_ancestor(other, node) for other in expanded] for node in chosen], bool)
             reads = reads.reshape(len(chosen), len(expanded))
             out, key, value = self._step(np.stack([features[parent] for parent in parents]),
-                                         np.array([tree.drafts[node] for node in chosen]),
+                                         self._d2t[[tree.drafts[node] for node in chosen]],
                                          root + level, keys, values, reads)
             keys, values = np.concatenate([keys, key]), np.concatenate([values, value])
             expanded.extend(chosen)
             features.update(zip(chosen, out))
-            return out @ self.heads.lm_head.T  # (N, Vd)
+            return self.heads.logits(out)  # (N, Vd)
 
-        return grow_tree(feature[0] @ self.heads.lm_head.T, depth, self.top_k, self.branches, expand,
+        return grow_tree(self.heads.logits(feature)[0], depth, self.top_k, self.branches, expand,
                          self._d2t, self.name)
 
     def close(self) -> None:

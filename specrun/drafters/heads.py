@@ -35,12 +35,21 @@ def target_rows(logits: np.ndarray, sampling: SamplingSettings, d2t: np.ndarray,
     return rows
 
 
-def check_heads_target(method: str, config: HeadsConfig, target: KVSequence) -> None:
-    """A UsageError when ``target`` gives no hidden states, or not of the heads' size and vocabulary."""
+def check_heads_target(method: str, config: HeadsConfig, target: KVSequence, layers: Sequence[int] = ()) -> None:
+    """A UsageError when ``target`` gives no hidden states, or not of the heads' size and
+    vocabulary, or not the outputs of the ``layers`` they read (EAGLE-3's)."""
     support = target.backend.hidden_support
     if not support.available:
         raise UsageError(f"method {method!r} needs the target's hidden states: {support.reason}",
                          "use another method with this target")
+    if layers:
+        try:
+            support.check_layers(layers)
+        except ValueError as error:
+            raise UsageError(f"method {method!r} reads the outputs of the target's layers "
+                             f"{', '.join(map(str, layers))}, and {target.backend.name} "
+                             f"{str(error).removeprefix('this backend ')}",
+                             "use another method with this target") from None
     if support.size != config.hidden_size or target.backend.vocab.size < config.vocab_size:
         raise UsageError(
             f"the heads were made for hidden size {config.hidden_size} and {config.vocab_size} tokens, "
@@ -70,10 +79,15 @@ class HeadsDrafter(Drafter):
 
     def bind(self, target: KVSequence, clock: Callable[[], float]) -> None:
         """Read the target's hidden states from now on: turns its tracking on."""
-        check_heads_target(self.name, self.heads.config, target)
+        layers = self.target_layers(target)
+        check_heads_target(self.name, self.heads.config, target, layers)
         self.target, self.clock = target, clock
         self._vocab_size = target.backend.vocab.size
-        target.track_hidden(True, tail=self.hidden_tail)
+        target.track_hidden(True, tail=self.hidden_tail, layers=layers)
+
+    def target_layers(self, target: KVSequence) -> tuple[int, ...]:
+        """The layers whose outputs the heads read (KVSequence.track_hidden); () the output head's input."""
+        return ()
 
     def last_state(self, context: Sequence[int], draft_len: int) -> tuple[int, np.ndarray] | None:
         """How deep to draft (``draft_len``, at most the heads' depth) and the hidden state (H,) at

@@ -25,6 +25,7 @@ from specrun.drafters.lookup import PromptLookupDrafter
 from specrun.drafters.ngram import NgramPoolDrafter
 from specrun.errors import UsageError
 from specrun.modelkit.eagle import EagleHeads
+from specrun.modelkit.eagle3 import Eagle3Heads
 from specrun.modelkit.heads import DRAFTING_KINDS, MedusaHeads
 from specrun.modelkit.hydra import HydraHeads
 
@@ -109,7 +110,7 @@ def heads_kind(method: str) -> str | None:
 
 def heads_of_kind(heads, kind: str):
     """Of ``heads`` (one heads object, a tuple of them, or None), those of ``kind``; None if none."""
-    wanted = {"medusa": MedusaHeads, "hydra": HydraHeads, "eagle": EagleHeads}[kind]
+    wanted = {"medusa": MedusaHeads, "hydra": HydraHeads, "eagle": (EagleHeads, Eagle3Heads)}[kind]
     candidates = heads if isinstance(heads, tuple) else (heads,)
     return next((each for each in candidates if isinstance(each, wanted)), None)
 

@@ -117,6 +117,32 @@ class EagleHeads(EmbeddingRows):
         embedding, one row)."""
         return sum(array.nbytes for name, array in zip(PARAMETER_NAMES, self.arrays()) if name != "embed")
 
+    # ---- what a drafter asks of the layer (drafters.eagle.EagleDrafter; EAGLE-3's alike) ------
+    @property
+    def window(self) -> int:
+        """The positions back the layer's attention reads."""
+        return self.layout.window
+
+    def target_features(self, features: np.ndarray) -> np.ndarray:
+        """The layer's features (N, H) from the target's hidden states (N, H): they are its features."""
+        return features
+
+    def embedding_rows(self, token_ids: np.ndarray) -> np.ndarray:
+        return self.draft_ids(token_ids)
+
+    def fuse(self, features: np.ndarray, rows: np.ndarray) -> np.ndarray:
+        return fuse(self, features, rows)
+
+    def layer(self, fused, positions, past_keys, past_values, attend):
+        return layer(self, fused, positions, past_keys, past_values, attend)
+
+    def no_entries(self, dtype) -> np.ndarray:
+        return no_entries(self, dtype)
+
+    def logits(self, out: np.ndarray) -> np.ndarray:
+        """(N, Vd) over the draft vocabulary from predicted features (N, H)."""
+        return out @ self.lm_head.T
+
 
 
 def eagle_shapes(config: HeadsConfig, layout: EagleLayout) -> dict[str, tuple[int, ...]]:

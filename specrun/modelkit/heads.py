@@ -43,6 +43,7 @@ from specrun.fileio import MiB, read_limited, write_atomically
 
 if TYPE_CHECKING:
     from specrun.modelkit.eagle import EagleHeads
+    from specrun.modelkit.eagle3 import Eagle3Heads
     from specrun.modelkit.hydra import HydraHeads
 
 HEAD_KINDS = ("medusa", "hydra", "eagle")
@@ -109,52 +110,6 @@ class MedusaHeads:
         per_head = [sum(w.nbytes + b.nbytes for w, b in blocks) + projection.nbytes
                     for blocks, projection in zip(self.blocks, self.lm_heads)]
         return sum(per_head) / len(per_head)
-
-
-@dataclass(frozen=True)
-class Eagle3Heads:
-    """An EAGLE-3 draft head (Li et al. 2025) as SpecForge trains it and SGLang serves it (float32).
-
-    One Llama decoder layer at the draft width D. ``fc`` fuses the target's hidden states at
-    ``aux_layer_ids`` (concatenated, A*H wide) into D; the layer's attention reads
-    [input_layernorm(token embedding), hidden_norm(fused state)], 2D wide. Shapes:
-    fc (D, A*H); q_proj (nh*hd, 2D); k_proj, v_proj (nkv*hd, 2D); o_proj (D, nh*hd);
-    gate_proj, up_proj (I, D); down_proj (D, I); input_layernorm, hidden_norm,
-    post_attention_layernorm, norm (D,); lm_head (Vd, D); d2t (Vd,) int64, the target id of each
-    draft id (the file stores offsets, target = draft + d2t[draft]; here they are added), None when
-    Vd is the target's vocabulary; embed_tokens (V, D), or None when the file leaves it to the
-    target's embedding (which then needs D == H).
-
-    config.hidden_size is the target's H (``target_hidden_size``), config.num_layers the draft's
-    decoder layers (1), config.num_heads the depth SpecForge trains to by default (the files do
-    not say). aux_layer_ids: the target layers whose outputs fc reads, as the file names them
-    (0-based layer outputs); () when the file does not say (see :func:`default_aux_layer_ids`).
-    """
-
-    config: HeadsConfig
-    draft_hidden_size: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    intermediate_size: int
-    rms_norm_eps: float
-    rope_theta: float
-    aux_layer_ids: tuple[int, ...]
-    fc: np.ndarray
-    q_proj: np.ndarray
-    k_proj: np.ndarray
-    v_proj: np.ndarray
-    o_proj: np.ndarray
-    gate_proj: np.ndarray
-    up_proj: np.ndarray
-    down_proj: np.ndarray
-    input_layernorm: np.ndarray
-    hidden_norm: np.ndarray
-    post_attention_layernorm: np.ndarray
-    norm: np.ndarray
-    lm_head: np.ndarray
-    d2t: np.ndarray | None = None
-    embed_tokens: np.ndarray | None = None
 
 
 def default_aux_layer_ids(num_layers: int) -> tuple[int, ...]:
@@ -499,6 +454,8 @@ EAGLE3_ARCHITECTURE = "LlamaForCausalLMEagle3"
 
 def _load_eagle3(folder: Path) -> Eagle3Heads:
     """An EAGLE-3 draft folder (config.json, model.safetensors) as SpecForge exports it for SGLang."""
+    from specrun.modelkit.eagle3 import Eagle3Heads, check_rope_scaling
+
     config_path, tensors_path = folder / "config.json", folder / "model.safetensors"
     settings = _read_json(config_path)
     if not tensors_path.exists():
@@ -523,6 +480,12 @@ def _load_eagle3(folder: Path) -> Eagle3Heads:
         raise _refuse(config_path, problem)
     target_hidden = _count(settings, "target_hidden_size", config_path, 1, MAX_HIDDEN_SIZE, draft_hidden)
     aux_layer_ids = _aux_layer_ids(settings, config_path)
+    rope_problem = check_rope_scaling(settings.get("rope_scaling"))
+    if rope_problem:
+        raise _refuse(config_path, rope_problem)
+    norm_before_residual = settings.get("norm_before_residual", False)
+    if not isinstance(norm_before_residual, bool):
+        raise _refuse(config_path, f"says norm_before_residual is {norm_before_residual!r}, not true or false")
     width = len(aux_layer_ids or (0, 0, 0)) * target_hidden
     stored = _TensorsFile(tensors_path)
     _check_hidden_size(stored, "norm.weight", draft_hidden, config_path)
@@ -564,6 +527,8 @@ def _load_eagle3(folder: Path) -> Eagle3Heads:
         lm_head=stored.floats("lm_head.weight", (draft_vocab, draft_hidden)),
         d2t=_draft_ids(stored, draft_vocab, vocab_size, offsets=True),
         embed_tokens=stored.floats("embed_tokens.weight", (vocab_size, draft_hidden)) if has_embedding else None,
+        norm_before_residual=norm_before_residual,
+        rope_scaling=settings.get("rope_scaling"),
     )
 
 
@@ -675,7 +640,7 @@ def check_heads_for_target(
         raise mismatch(f"the vocabulary {config.target_vocabulary}", f"{vocabulary}")
     if config.target_layers and num_layers and config.target_layers != num_layers:
         raise mismatch(f"a target of {config.target_layers} layers", f"{num_layers}")
-    deepest_read = max(heads.aux_layer_ids, default=0) if isinstance(heads, Eagle3Heads) else 0
+    deepest_read = max(getattr(heads, "aux_layer_ids", ()), default=0)  # EAGLE-3's
     if num_layers and deepest_read >= num_layers:
         raise mismatch(f"a target with a layer {deepest_read} to read", f"{num_layers} layers")
 

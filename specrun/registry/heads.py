@@ -81,14 +81,12 @@ def head_kinds_available(target_spec: str, explicit: str | None = None, registry
 
 
 def explicit_heads_kind(explicit: str) -> str | None:
-    """The kind of heads the file ``explicit`` (--heads) holds, where specrun drafts with it; None
-    otherwise (what is wrong with it is reported where the heads are loaded for a method)."""
-    from specrun.modelkit.eagle import EagleHeads
-    from specrun.modelkit.heads import MedusaHeads, load_heads
-    from specrun.modelkit.hydra import HydraHeads
+    """The kind of heads the file ``explicit`` (--heads) holds; None where it cannot be loaded (what
+    is wrong with it is reported where the heads are loaded for a method)."""
+    from specrun.modelkit.heads import load_heads
 
     try:
         heads = load_heads(Path(explicit).expanduser())
     except SpecrunError:
         return None
-    return heads.config.kind if isinstance(heads, (MedusaHeads, HydraHeads, EagleHeads)) else None
+    return heads.config.kind

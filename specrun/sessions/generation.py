@@ -328,12 +328,10 @@ def _checked_heads(path, heads, kind: str, target):
     """``heads`` (loaded from ``path``) if they are ``kind`` heads made for ``target``; else the
     one-line error naming the file and both sides."""
     from specrun.drafters.ngram import vocabulary_fingerprint
-    from specrun.modelkit.heads import Eagle3Heads, check_heads_for_target
+    from specrun.modelkit.heads import check_heads_for_target
 
     if heads_of_kind(heads, kind) is None:
-        readable = "EAGLE-3 heads (drafting with them is not available yet)" if isinstance(heads, Eagle3Heads) \
-            else f"{heads.config.kind} heads"
-        raise UsageError(f"{path} holds {readable}, not {kind} heads",
+        raise UsageError(f"{path} holds {heads.config.kind} heads, not {kind} heads",
                          f"pass {kind} heads with --heads, or train them with specrun heads train --kind {kind}")
     support = target.hidden_support
     check_heads_for_target(heads, hidden_size=support.size or heads.config.hidden_size, vocab_size=target.vocab.size,
@@ -354,8 +352,7 @@ def heads_for_auto(target_spec: str, explicit: str | None, target, registry=None
     if explicit is not None:
         path = find_heads(target_spec, explicit, "eagle", registry)
         heads = load_heads(path)
-        kind = getattr(heads.config, "kind", "eagle")  # EAGLE-3's config has none: _checked_heads says why
-        return _checked_heads(path, heads, kind if kind in AUTO_HEADS_ORDER else "eagle", target)
+        return _checked_heads(path, heads, heads.config.kind, target)
     if not target.hidden_support.available:
         return None
     found = head_kinds_available(target_spec, None, registry)

@@ -345,3 +345,146 @@ def test_an_mlx_model_whose_head_is_not_its_body_then_lm_head_gives_a_reason(tin
     with pytest.raises(ValueError, match="mlx gives no hidden states: mlx-lm's llama model"):
         KVSequence(backend).track_hidden(True)
     backend.close()
+
+
+# ---- layer outputs (hidden_layers, for EAGLE-3) -----------------------------------------------
+def test_fake_layer_outputs_sit_side_by_side_and_a_sequence_keeps_them_apart():
+    backend, table = hidden_fake(n_layers=4), hidden_table(VOCAB, HIDDEN)
+    sequence = KVSequence(backend)
+    sequence.track_hidden(True, layers=(3, 1))
+    sequence.feed([1, 2, 3], [2])
+    state = table((1, 2, 3))
+    np.testing.assert_allclose(sequence.hidden(2, 3)[0], np.concatenate([state, 0.5 * state]))
+    with pytest.raises(ValueError, match=r"kept for layers \(3, 1\) already, not none"):
+        sequence.track_hidden(True)  # a reader of the head's input beside them
+    sequence.track_hidden(False)
+    sequence.track_hidden(True)  # other layers: what was kept for (3, 1) is unknown now
+    assert sequence.hidden(2, 3) is None
+    sequence.feed([4], [0])
+    np.testing.assert_array_equal(sequence.hidden(3, 4)[0], table((1, 2, 3, 4)))
+
+
+def test_layers_a_backend_cannot_give_are_refused_naming_why():
+    backend = hidden_fake(n_layers=4)
+    with pytest.raises(ValueError, match="gives the outputs of layers 0 to 3, not of layer 4"):
+        backend.hidden_layers((1, 4))
+    with pytest.raises(ValueError, match="gives no layer outputs: this fake backend has no layers"):
+        hidden_fake().hidden_layers((0,))
+    backend.hidden_layers((1,))
+    backend.track_hidden(True)
+    with pytest.raises(ValueError, match="before tracking"):
+        backend.hidden_layers((2,))
+
+
+def demo_target(kind: str, **kwargs):
+    """The demo target (a Llama of 6 layers, float16 weights alike) on llama.cpp or MLX."""
+    pytest.importorskip({"llama": "llama_cpp", "mlx": "mlx_lm"}[kind], reason=f"the {kind} backend is not installed")
+    from specrun.modelkit.demo import demo_gguf, demo_mlx_dir
+
+    if kind == "llama":
+        from specrun.backends.llama import LlamaCppBackend
+
+        return LlamaCppBackend(demo_gguf("demo-target"), n_ctx=512, **kwargs)
+    from specrun.backends.mlx import MlxBackend
+
+    return MlxBackend(demo_mlx_dir("demo-target"), n_ctx=512)
+
+
+@pytest.fixture(params=["llama", "mlx"])
+def layered(request):
+    backend = demo_target(request.param, n_batch=16, tree_paths=4) if request.param == "llama" \
+        else demo_target(request.param)
+    yield backend
+    backend.close()
+
+
+def apart(got: np.ndarray, expected: np.ndarray) -> float:
+    """How far ``got`` is from ``expected``, relative to its size (Frobenius norms)."""
+    return float(np.linalg.norm(got - expected) / np.linalg.norm(expected))
+
+
+def layer_outputs(backend, tokens, layers) -> np.ndarray:
+    backend.rewind(0)
+    backend.hidden_layers(layers)
+    backend.track_hidden(True)
+    backend.forward(tokens, [])
+    rows = backend.hidden_rows(range(len(tokens)))
+    backend.track_hidden(False)
+    return rows
+
+
+def test_mlx_last_layer_output_normed_is_the_output_heads_input(tiny_llama):
+    pytest.importorskip("mlx_lm", reason="the MLX backend is not installed")
+    from specrun.backends.mlx import MlxBackend
+
+    backend = MlxBackend(tiny_llama.hf_dir, n_ctx=512)
+    prompt = backend.tokenize(PROMPT)
+    last = backend.n_layers - 1
+    layers = layer_outputs(backend, prompt, (last,))
+    heads_input = layer_outputs(backend, prompt, ())
+    norm = backend.model.model.norm
+    normed = np.array(norm(backend._mx.array(layers)))
+    np.testing.assert_allclose(normed, heads_input, rtol=1e-4, atol=1e-5 * np.abs(heads_input).max())
+    backend.close()
+
+
+def test_llama_cpp_layer_outputs_are_mlxs_on_the_same_weights():
+    """The demo target's GGUF and its MLX folder hold the same weights: llama.cpp's layer inputs
+    (every row of a pass three batches long) are MLX's layer outputs one layer down, side by side
+    in the order asked."""
+    llama, mlx = demo_target("llama", n_batch=16), demo_target("mlx")
+    prompt = (llama.tokenize(PROMPT) * 4)[:40]
+    assert llama.hidden_support.layer_outputs == mlx.hidden_support.layer_outputs - 1 == 5
+    layers = (3, 0, 4, 1)
+    got, expected = layer_outputs(llama, prompt, layers), layer_outputs(mlx, prompt, layers)
+    assert got.shape == (40, len(layers) * llama.hidden_support.size)
+    size = llama.hidden_support.size
+
+    blocks = [slice(slot * size, (slot + 1) * size) for slot in range(len(layers))]
+    for slot, block in enumerate(blocks):  # each layer's block is its own (MLX runs in float16: 0.3% apart)
+        assert apart(got[:, block], expected[:, block]) < 0.01
+        assert all(apart(got[:, block], expected[:, other]) > 0.1 for other in blocks if other != block)
+    llama.close()
+    mlx.close()
+
+
+def test_layer_tracking_leaves_the_logits_unchanged_and_tree_rows_are_their_paths(layered):
+    backend = layered
+    prompt = backend.tokenize(PROMPT)
+    tree = TokenTree((5, 6, 7, 8, 9, 10), PARENTS)
+
+    def passes() -> tuple[np.ndarray, np.ndarray]:
+        backend.rewind(0)
+        return backend.forward(prompt[:-1], [len(prompt) - 2]), backend.forward_tree(prompt[-1:], tree, range(7))
+
+    passes()  # llama.cpp's first passes of a context land in other cells (test_tracking_leaves_the_logits_unchanged)
+    untracked = passes()
+    backend.hidden_layers((0, 2))
+    backend.track_hidden(True)
+    tracked = passes()
+    for got, expected in zip(tracked, untracked):
+        np.testing.assert_array_equal(got, expected)
+    in_tree = backend.hidden_rows(range(1 + len(tree)))
+    assert in_tree.shape == (7, 2 * backend.hidden_support.size)
+    for path in tree.paths:
+        backend.rewind(len(prompt) - 1)
+        backend.forward([prompt[-1], *(tree.tokens[node] for node in path)], [])
+        along = backend.hidden_rows(range(1 + len(path)))
+        assert apart(in_tree[[0, *(1 + node for node in path)]], along) < 0.01  # F16 cache rounding: 0.24% apart
+
+
+def test_llama_cpp_names_why_it_gives_no_layer_outputs(tiny_qwen2, tiny_llama):
+    pytest.importorskip("llama_cpp", reason="the llama backend is not installed")
+    from specrun.backends.llama import LlamaCppBackend
+
+    qwen2 = LlamaCppBackend(tiny_qwen2.gguf_f32_path, n_ctx=256)
+    assert qwen2.hidden_support.available and not qwen2.hidden_support.layer_outputs
+    assert qwen2.hidden_support.layer_reason.startswith("llama.cpp's qwen2 graph does not name its layers' inputs")
+    with pytest.raises(ValueError, match="gives no layer outputs: llama.cpp's qwen2 graph"):
+        qwen2.hidden_layers((1,))
+    qwen2.close()
+    llama = LlamaCppBackend(tiny_llama.gguf_f32_path, n_ctx=256)
+    last = llama.hidden_support.layers - 1
+    with pytest.raises(ValueError, match=f"not of layer {last}: llama.cpp gives a layer's input"):
+        llama.hidden_layers((last,))
+    llama.close()

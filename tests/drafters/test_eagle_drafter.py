@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from fake_models import COPYING_VOCAB, copying_logits
-from heads_factory import random_eagle
+from heads_factory import FAKE_LAYERS, eagle3_heads, random_eagle
 from specrun.backends.fake import FakeBackend
 from specrun.backends.kv import sequence_for
 from specrun.drafters.eagle import EagleDrafter
@@ -99,10 +99,11 @@ def test_a_greedy_tree_is_the_chain_then_the_likeliest_other_nodes():
         assert len(set(siblings)) == len(siblings)
 
 
-def test_sampled_drafts_come_with_their_rows_over_the_draft_vocabulary():
+@pytest.mark.parametrize("eagle3", [False, True])
+def test_sampled_drafts_come_with_their_rows_over_the_draft_vocabulary(eagle3):
     draft_vocab = [7, 3, 11, 2, 5]
-    heads = random_eagle(SIZE, COPYING_VOCAB, depth=3, draft_vocab=draft_vocab)
-    target = fake_target()
+    heads = (eagle3_heads if eagle3 else random_eagle)(SIZE, COPYING_VOCAB, depth=3, draft_vocab=draft_vocab)
+    target = FakeBackend(TABLE, COPYING_VOCAB, hidden_table=random_state, hidden_size=SIZE, n_layers=FAKE_LAYERS)
     drafter = EagleDrafter(heads, branches=2)
     drafter.bind(sequence_for(target), lambda: 0.0)
     proposal = propose(drafter, target, [1, 2, 3, 4], 3, SamplingSettings(temperature=0.8))

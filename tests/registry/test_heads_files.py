@@ -13,9 +13,9 @@ import pytest
 from safetensors.numpy import save_file
 
 from specrun.errors import ModelFileError
+from specrun.modelkit.eagle3 import Eagle3Heads
 from specrun.modelkit.heads import (
     EAGLE3_TRAINED_DEPTH,
-    Eagle3Heads,
     HeadsConfig,
     MedusaHeads,
     check_heads_for_target,
