@@ -243,6 +243,11 @@ class Backend(Protocol):
         as EAGLE-3 reads them. While not tracking only; ValueError naming why where this backend
         cannot (``hidden_support.layer_outputs``)."""
 
+    def token_embeddings(self, ids: Sequence[int]) -> np.ndarray:
+        """Float32 rows (len(ids), H) of the model's input embedding table, as its weights hold
+        them (unscaled), for heads that share it (EAGLE-3 files without their own); ValueError
+        naming why where this backend cannot."""
+
     def hidden_rows(self, rows: Sequence[int]) -> np.ndarray:
         """Float32 hidden states (len(rows), H) of the last pass, ``rows`` indexing the fed
         tokens followed by the tree's nodes as ``logit_rows`` do (row len(tokens) + i is node

@@ -143,6 +143,13 @@ class FakeBackend(HiddenTracking):
             return states
         return np.concatenate([states * np.float32((layer + 1) / support.layers) for layer in self._layers], axis=1)
 
+    def token_embeddings(self, ids: Sequence[int]) -> np.ndarray:
+        """The fake's embedding table: a row of normal draws seeded by each id."""
+        if not self.hidden_support.available:
+            raise ValueError("this fake backend has no hidden table")
+        size = self.hidden_support.size
+        return np.array([np.random.default_rng(1000 + int(token)).normal(0, 1, size) for token in ids], np.float32)
+
     def close(self) -> None:
         self.cache.clear()
 

@@ -306,6 +306,7 @@ class LlamaCppBackend(HiddenTracking):
         )
         self._first_output = 0  # the fed row of the tracked decode's first logits row
         self._every_row = False  # did the last decode output every row (embeddings on)?
+        self._embedding_table = None  # token_embeddings' (the GGUF's tensor, memory-mapped), once asked for
         self._layer_states: list[np.ndarray] = []  # a tracked decode's layer outputs, chunk by chunk
 
     def _set_variant(self) -> None:
@@ -783,6 +784,22 @@ class LlamaCppBackend(HiddenTracking):
                 self._set_layer_input(self._ctx, layer + 1, on)
         else:
             self._lib.llama_set_embeddings(self._ctx, on)  # llama.cpp then outputs every row it is fed
+
+    def token_embeddings(self, ids: Sequence[int]) -> np.ndarray:
+        """Rows of the file's ``token_embd.weight``, dequantized (gguf's own dequantization, only
+        the rows asked for: the table is memory-mapped)."""
+        if self._embedding_table is None:
+            import gguf
+
+            tensors = {tensor.name: tensor for tensor in gguf.GGUFReader(str(self.path)).tensors}
+            if "token_embd.weight" not in tensors:
+                raise ValueError(f"{self.path} holds no token_embd.weight")
+            self._embedding_table = tensors["token_embd.weight"]
+        import gguf
+
+        table = self._embedding_table
+        rows = np.asarray(table.data[np.asarray(ids, dtype=np.int64)])
+        return gguf.quants.dequantize(rows, table.tensor_type).astype(np.float32).reshape(len(ids), -1)
 
     def native_loop(self) -> NativeLoop | None:
         """llama-cpp-python's own plain loop on this file (a second copy of the model); None on

@@ -846,6 +846,14 @@ class MlxBackend(HiddenTracking):
             return f"mlx-lm's {arch} layers do not each return the {size}-wide residual stream"
         return ""
 
+    def token_embeddings(self, ids: Sequence[int]) -> np.ndarray:
+        """Rows of the body's ``embed_tokens`` (dequantized where the table is quantized)."""
+        embeddings = getattr(getattr(self.model, "model", None), "embed_tokens", None)
+        if embeddings is None:
+            raise ValueError("this mlx-lm model keeps no model.embed_tokens")
+        mx = self._mx
+        return np.array(embeddings(mx.array(list(ids))).astype(mx.float32))
+
     def _choose_layers(self, layers: tuple[int, ...]) -> None:
         self._layer_sink: list = []
         self._layer_body = recording_body(self._split.body, layers, self._layer_sink) if layers else None

@@ -368,3 +368,36 @@ def fitted_eagle3(backend, ids: Sequence[int], depth: int = 4, ridge: float = 1e
     return eagle3_heads(size, backend.vocab.size, depth=depth, draft_vocab=d2t, aux=aux, fc=fc,
                         lm_head=lm_head.astype(np.float32), o_proj=np.zeros((size, 16), np.float32),
                         down_proj=np.zeros((size, 16), np.float32), norm=ones)
+
+
+def write_specforge_eagle3(folder, heads, embedding: bool = True, **config) -> None:
+    """``heads`` (Eagle3Heads) as SpecForge exports them for SGLang: config.json and one
+    model.safetensors in float16 (d2t as offsets, t2d beside it), the embedding only if asked."""
+    import json
+    from pathlib import Path
+
+    from safetensors.numpy import save_file
+
+    from specrun.modelkit.heads import _EAGLE3_LAYER
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    tensors = {key: getattr(heads, name) for name, key in _EAGLE3_LAYER.items()}
+    tensors |= {"fc.weight": heads.fc, "norm.weight": heads.norm, "lm_head.weight": heads.lm_head}
+    if embedding and heads.embed_tokens is not None:
+        tensors["embed_tokens.weight"] = heads.embed_tokens
+    tensors = {key: np.asarray(value, np.float16) for key, value in tensors.items()}
+    vocab, rows = heads.config.vocab_size, heads.config.draft_vocab_size
+    if heads.d2t is not None:
+        tensors["d2t"] = (heads.d2t - np.arange(rows)).astype(np.int64)
+        tensors["t2d"] = np.isin(np.arange(vocab), heads.d2t)
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    settings = {
+        "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_size": heads.draft_hidden_size,
+        "num_attention_heads": heads.num_attention_heads, "num_key_value_heads": heads.num_key_value_heads,
+        "head_dim": heads.head_dim, "intermediate_size": heads.intermediate_size, "num_hidden_layers": 1,
+        "rms_norm_eps": heads.rms_norm_eps, "rope_theta": heads.rope_theta, "vocab_size": vocab,
+        "draft_vocab_size": rows, "target_hidden_size": heads.config.hidden_size, "torch_dtype": "float16",
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(heads.aux_layer_ids)},
+    }
+    (folder / "config.json").write_text(json.dumps(settings | config, indent=2))

@@ -19,6 +19,7 @@ own drawn value would bias what the verifier accepts.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -69,6 +70,40 @@ class _Entries:
             self.first += drop
 
 
+class SharedEmbedding:
+    """A target's input embedding as EAGLE-3 heads without their own read it (``rows[ids]``,
+    (N, H)): each row asked from the backend once (Backend.token_embeddings)."""
+
+    def __init__(self, backend, size: int) -> None:
+        self._backend, self._size = backend, size
+        self._rows: dict[int, np.ndarray] = {}
+
+    def __getitem__(self, ids) -> np.ndarray:
+        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+        missing = sorted({int(token) for token in ids} - self._rows.keys())
+        if missing:
+            self._rows.update(zip(missing, self._backend.token_embeddings(missing)))
+        if not len(ids):
+            return np.zeros((0, self._size), np.float32)
+        return np.stack([self._rows[int(token)] for token in ids])
+
+
+def _shared_embedding(heads: Eagle3Heads, backend) -> SharedEmbedding:
+    """The target's embedding for ``heads`` that hold none, or the UsageError saying why it cannot serve."""
+    fix = "use EAGLE-3 heads that hold their embed_tokens.weight"
+    support = backend.hidden_support
+    if heads.draft_hidden_size != support.size:
+        raise UsageError(f"these EAGLE-3 heads hold no embed_tokens and are {heads.draft_hidden_size} wide, so they "
+                         f"cannot read the target's embedding ({support.size} wide)", fix)
+    embedding = SharedEmbedding(backend, support.size)
+    try:
+        embedding[[0]]
+    except ValueError as error:
+        raise UsageError(f"these EAGLE-3 heads hold no embed_tokens, and the target's cannot be read: {error}",
+                         fix) from None
+    return embedding
+
+
 class EagleDrafter(HeadsDrafter):
     """EAGLE heads over the target's features (see the module's docstring)."""
 
@@ -77,6 +112,7 @@ class EagleDrafter(HeadsDrafter):
 
     def __init__(self, heads: EagleHeads | Eagle3Heads, branches: int = 0, top_k: int = TOP_K) -> None:
         super().__init__(heads, branches)
+        self._own_heads = heads  # as given: bind may lend EAGLE-3 heads the target's embedding
         self.top_k = top_k
         # The layer reads the target's features ``window`` positions back (a verify pass's rows at least).
         self.hidden_tail = max(VERIFY_ROWS, heads.window)
@@ -84,11 +120,12 @@ class EagleDrafter(HeadsDrafter):
         self._dtype = heads.fc.dtype
 
     def bind(self, target: KVSequence, clock: Callable[[], float]) -> None:
-        """Read the target's features from now on: turns its tracking on."""
+        """Read the target's features from now on: turns its tracking on. EAGLE-3 heads without
+        an embedding of their own (SpecForge's export for SGLang leaves it to the target) read the
+        target's."""
+        self.heads = self._own_heads
         if isinstance(self.heads, Eagle3Heads) and self.heads.embed_tokens is None:
-            raise UsageError("these EAGLE-3 heads hold no embed_tokens (SpecForge's export for SGLang leaves "
-                             "them to the target), and specrun drafts only with heads that hold them",
-                             "add the target's embed_tokens.weight to the heads' model.safetensors")
+            self.heads = dataclasses.replace(self.heads, embed_tokens=_shared_embedding(self.heads, target.backend))
         super().bind(target, clock)
         self._entries = _Entries()
 

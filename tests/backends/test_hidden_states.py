@@ -488,3 +488,19 @@ def test_llama_cpp_names_why_it_gives_no_layer_outputs(tiny_qwen2, tiny_llama):
     with pytest.raises(ValueError, match=f"not of layer {last}: llama.cpp gives a layer's input"):
         llama.hidden_layers((last,))
     llama.close()
+
+
+def test_token_embeddings_are_the_models_input_rows_on_both_backends():
+    """Rows of the embedding table, dequantized (the GGUF's rows by gguf, MLX's by its own
+    embedding): the demo target's on each backend, from the same weights, and the fake's."""
+    llama, mlx = demo_target("llama"), demo_target("mlx")
+    ids = [0, 17, 4095, 17]
+    got, expected = llama.token_embeddings(ids), mlx.token_embeddings(ids)
+    assert got.dtype == expected.dtype == np.float32 and got.shape == (4, 384)
+    assert apart(got, expected) < 0.01  # the GGUF holds them in Q8_0
+    np.testing.assert_array_equal(got[1], got[3])
+    assert apart(got[0], expected[1]) > 0.5
+    llama.close()
+    mlx.close()
+    fake = hidden_fake()
+    np.testing.assert_array_equal(fake.token_embeddings([3, 3])[0], fake.token_embeddings([5, 3])[1])

@@ -7,6 +7,7 @@ scenarios, tests/engine/test_acceptance.py)."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import zlib
@@ -174,10 +175,28 @@ def test_targets_and_heads_it_cannot_draft_with_are_one_line_each():
         "this fake backend has no layers; use another method with this target")
     with pytest.raises(UsageError, match="gives the outputs of layers 0 to 3, not of layer 6"):
         drafter.bind(sequence_for(fake_target(n_layers=4)), lambda: 0.0)
-    bare = eagle3_heads(SIZE, COPYING_VOCAB)
-    object.__setattr__(bare, "embed_tokens", None)  # as SpecForge's export for SGLang writes them
-    with pytest.raises(UsageError, match="hold no embed_tokens"):
-        EagleDrafter(bare).bind(sequence_for(fake_target()), lambda: 0.0)
+    wide = dataclasses.replace(eagle3_heads(SIZE, COPYING_VOCAB, draft_size=16), embed_tokens=None)
+    with pytest.raises(UsageError) as too_wide:
+        EagleDrafter(wide).bind(sequence_for(fake_target()), lambda: 0.0)
+    assert too_wide.value.one_line() == (
+        "these EAGLE-3 heads hold no embed_tokens and are 16 wide, so they cannot read the target's embedding "
+        "(12 wide); use EAGLE-3 heads that hold their embed_tokens.weight")
+
+
+def test_heads_without_an_embedding_read_the_targets():
+    """As SpecForge's export for SGLang writes them: the target's embedding rows stand in."""
+    heads = eagle3_heads(SIZE, COPYING_VOCAB, seed=5)
+    target = fake_target()
+    table = target.token_embeddings(range(COPYING_VOCAB))
+    bare = dataclasses.replace(heads, embed_tokens=None)
+    drafter = EagleDrafter(bare, branches=3)
+    drafter.bind(sequence_for(target), lambda: 0.0)
+    context = [4, 8, 15, 16, 23, 4, 8]
+    expected = reference_chain(dataclasses.replace(heads, embed_tokens=table), layers_of(context, heads.aux_layer_ids),
+                               context, 4)
+    assert list(propose(drafter, target, context, 4).main_chain.tokens) == expected
+    assert bare.embed_tokens is None  # the heads given stay as they were
+    drafter.close()
 
 
 def test_llama3_rope_scaling_keeps_high_frequencies_divides_low_ones_and_blends_between():
@@ -261,6 +280,8 @@ def test_greedy_on_the_demo_target_equals_plain_decoding(kind, branches):
 
         target = MlxBackend(demo_mlx_dir("demo-target"), n_ctx=512)
     heads = fitted_eagle3(target, own_words(target, REAL_PROMPTS[0]))
+    if branches:  # with the target's embedding rows (Backend.token_embeddings), as published heads without one
+        heads = dataclasses.replace(heads, embed_tokens=None)
     differing, accepted, drafted = greedy_against_plain(target, heads, REAL_PROMPTS, branches)
     target.close()
     assert differing == 0

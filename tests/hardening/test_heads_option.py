@@ -200,3 +200,41 @@ def test_medusa_heads_for_the_hydra_method_are_refused_in_one_line(target, tiny_
     result = invoke("generate", "hi", "-t", target, "-m", "hydra", "--heads", str(heads))
     assert_one_line_error(result.exit_code, result.stderr, 2, "medusa.safetensors", "holds medusa heads, not hydra heads",
                           "--kind hydra")
+
+
+@pytest.fixture
+def specforge_heads(tmp_path):
+    """EAGLE-3 heads for the demo target (384 wide, 6 layers) as SpecForge exports them for SGLang:
+    no embedding of their own, so they read the target's."""
+    pytest.importorskip("llama_cpp", reason="the llama backend is not installed")
+    from heads_factory import eagle3_heads, write_specforge_eagle3
+
+    heads = eagle3_heads(384, 4096, aux=(1, 2, 4), heads=4, kv_heads=2, head_dim=32, intermediate=256,
+                         draft_vocab=range(0, 4096, 3))
+    write_specforge_eagle3(tmp_path / "eagle3", heads, embedding=False)
+    return tmp_path / "eagle3"
+
+
+def test_published_eagle3_heads_draft_for_the_eagle_method_and_the_output_is_plain_decodings(specforge_heads):
+    prompt = "def parse_args(argv):\n"
+    drafted = invoke("generate", prompt, "-t", "demo-target", "-m", "eagle", "--heads", str(specforge_heads), "-n",
+                     "32", "-k", "3", "--branches", "4", "--exact", "--json")
+    plain = invoke("generate", prompt, "-t", "demo-target", "-m", "none", "-n", "32", "--exact", "--json")
+    assert drafted.exit_code == plain.exit_code == 0, drafted.output
+    assert json.loads(drafted.stdout)["text"] == json.loads(plain.stdout)["text"]
+    stats = json.loads(drafted.stdout)["stats"]
+    assert stats["drafters"] == "eagle" and stats["drafted"] > 0
+
+
+def test_eagle3_heads_reading_layers_the_target_lacks_are_one_line(specforge_heads, tmp_path):
+    config = json.loads((specforge_heads / "config.json").read_text())
+    config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = [1, 2, 7]
+    (specforge_heads / "config.json").write_text(json.dumps(config))
+    result = invoke("generate", "hi", "-t", "demo-target", "-m", "eagle", "--heads", str(specforge_heads), "-n", "4")
+    assert_one_line_error(result.exit_code, result.stderr, 1, str(specforge_heads),
+                          "was made for a target with a layer 7 to read, the target has 6 layers")
+    config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = [1, 2, 5]  # its last: llama.cpp gives inputs
+    (specforge_heads / "config.json").write_text(json.dumps(config))
+    result = invoke("generate", "hi", "-t", "demo-target", "-m", "eagle", "--heads", str(specforge_heads), "-n", "4")
+    assert_one_line_error(result.exit_code, result.stderr, 2, "reads the outputs of the target's layers 1, 2, 5",
+                          "not of layer 5")
