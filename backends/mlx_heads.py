@@ -57,6 +57,34 @@ class HeadsTarget:
                                  "train heads for a llama, qwen2, qwen3 or gemma3 model") from None
         self.hidden_size = self._split.size
         self._body = self._split.body
+        self._layers: tuple[int, ...] = ()  # use_layers': () the output head's input
+        self.layers = self._layers
+
+    def use_layers(self, layers: tuple[int, ...]) -> None:
+        """From now on states are the outputs of ``layers`` side by side (EAGLE-3's), not the
+        output head's input; ModelFileError naming why where MLX cannot give them."""
+        from specrun.backends.mlx import recording_body
+
+        try:
+            self.backend.hidden_support.check_layers(layers)
+        except ValueError as error:
+            raise ModelFileError(f"cannot train EAGLE-3 heads for {self.folder.name}: "
+                                 f"{str(error).removeprefix('this backend ')}", "train another kind of heads") from None
+        self._layers, self._sink = tuple(layers), []
+        self.layers = self._layers
+        self._recording = recording_body(self._split.body, layers, self._sink)
+
+    def _run_body(self, inputs, cache=None):
+        """The body on ``inputs``: (the output head's input, the states kept: it, or the chosen
+        layers' outputs side by side)."""
+        if not self._layers:
+            hidden = self._body(inputs, cache=cache)
+            return hidden, hidden
+        self._sink.clear()
+        hidden = self._recording(inputs, cache=cache)
+        outputs = dict(self._sink)
+        self._sink.clear()
+        return hidden, self._mx.concatenate([outputs[layer] for layer in self._layers], axis=-1)
 
     def _argmax(self, hidden):
         logits = self._split.head(hidden)[..., : self.vocab_size]  # padded embedding rows are no tokens
@@ -85,10 +113,10 @@ class HeadsTarget:
         for token windows (B, T). Windows shorter than T may be padded on the right: a causal
         model's rows before the padding do not see it."""
         mx = self._mx
-        hidden = self._body(mx.array(np.asarray(windows, dtype=np.int32)))  # (B, T, H)
+        hidden, kept = self._run_body(mx.array(np.asarray(windows, dtype=np.int32)))  # (B, T, H), (B, T, W)
         following = self._argmax(hidden)  # (B, T)
-        mx.eval(hidden, following)
-        return np.array(hidden.astype(mx.float16)), np.array(following).astype(np.int64)
+        mx.eval(kept, following)
+        return np.array(kept.astype(mx.float16)), np.array(following).astype(np.int64)
 
     def can_batch_prompts(self) -> bool:
         """Prompts of different lengths can share a batch (left-padded) only with plain KV caches."""
@@ -113,17 +141,17 @@ class HeadsTarget:
             cache = [self._lm_cache.BatchKVCache(padding) for _ in self.model.layers]
         else:
             cache = self._lm_cache.make_prompt_cache(self.model)
-        hidden = self._body(batch, cache=cache)  # (B, L, H)
+        hidden, kept = self._run_body(batch, cache=cache)  # (B, L, H), (B, L, W)
         following = self._argmax(hidden)  # (B, L)
-        states, nexts = [hidden.astype(mx.float16)], [following]
+        states, nexts = [kept.astype(mx.float16)], [following]
         step_input = following[:, -1:]  # (B, 1)
         mx.async_eval(step_input, states[-1])
         for _ in range(n_new - 1):
             if stop is not None and stop():
                 break
-            hidden = self._body(step_input, cache=cache)  # (B, 1, H)
+            hidden, kept = self._run_body(step_input, cache=cache)  # (B, 1, H), (B, 1, W)
             step_input = self._argmax(hidden)  # (B, 1)
-            states.append(hidden.astype(mx.float16))
+            states.append(kept.astype(mx.float16))
             nexts.append(step_input)
             mx.async_eval(step_input, states[-1])
         all_states = np.array(mx.concatenate(states, axis=1))  # (B, L + n, H)

@@ -299,7 +299,8 @@ HeadsOpt = Annotated[
     typer.Option(
         "--heads",
         help="Heads file for --method medusa, hydra or eagle, and for auto, which then always drafts with them "
-        "(from specrun heads train, or a Medusa folder). Default: found beside the target, in specrun's cache, or "
+        "(from specrun heads train, a Medusa folder, or an EAGLE-3 folder as SpecForge exports it). Default: found "
+        "beside the target, in specrun's cache, or "
         "shipped with it.",
     ),
 ]

@@ -22,13 +22,15 @@ heads_app = typer.Typer(help="Self-drafting heads for a target: train them on th
 @heads_app.command("train")
 def train(
     target: Annotated[str, typer.Option("--target", "-t", help="Target: alias, .gguf file, MLX folder or Hugging Face repo.")] = "demo-target",
-    kind: Annotated[str, typer.Option("--kind", help="Heads to train: medusa, hydra or eagle.")] = "medusa",
+    kind: Annotated[str, typer.Option("--kind", help=(
+        "Heads to train: medusa, hydra, eagle, or eagle3 (for --method eagle: EAGLE-3 over three of the target's "
+        "layers, written as SpecForge exports it)."))] = "medusa",
     heads_out: Annotated[Optional[Path], typer.Option(
         "--heads-out", help="Where to write the heads (default: specrun's cache, where --heads finds them).")] = None,
-    num_heads: Annotated[int, typer.Option("--num-heads", help="Heads: tokens guessed beyond the target's own (eagle: the depth it drafts to).")] = 4,
+    num_heads: Annotated[int, typer.Option("--num-heads", help="Heads: tokens guessed beyond the target's own (eagle, eagle3: the depth it drafts to).")] = 4,
     num_layers: Annotated[int, typer.Option("--num-layers", help=(
         "Layers per head (medusa: residual blocks; hydra: one reading the drafted tokens, then blocks; "
-        "eagle heads are one layer)."))] = 1,
+        "eagle and eagle3 heads are one layer)."))] = 1,
     draft_vocab: Annotated[int, typer.Option(
         "--draft-vocab", help="Tokens the heads can guess: the target's most frequent in the data.")] = 4096,
     minutes: Annotated[float, typer.Option("--minutes", help="Wall-clock budget, data and training together.")] = 10.0,

@@ -20,6 +20,7 @@ every earlier position, the context's and the draft's ancestors', with grouped k
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from dataclasses import dataclass, field
@@ -156,6 +157,21 @@ class Eagle3Heads:
     def inverse_frequencies(self) -> np.ndarray:
         """(hd/2,) float64: each rotated pair's angle a position, scaled as ``rope_scaling`` says."""
         return rope_frequencies(self.head_dim, self.rope_theta, self.rope_scaling)
+
+
+def widened_eagle3(heads: Eagle3Heads, target_hidden: int, embedding: np.ndarray, target_name: str) -> Eagle3Heads:
+    """``heads`` for a target widened with zeros (modelkit.widen: its layers' outputs are the
+    original's with zeros after them, ``target_hidden`` wide): fc reads each layer's first H
+    columns as before and nothing of the zeros, and since the heads are no longer as wide as the
+    target they hold their own embedding, ``embedding`` (V, D), the original target's rows. They
+    draft exactly what they drafted for the original, at its cost a depth."""
+    size = heads.config.hidden_size
+    count = heads.fc.shape[1] // size
+    fc = np.zeros((heads.draft_hidden_size, count * target_hidden), heads.fc.dtype)
+    for slot in range(count):
+        fc[:, slot * target_hidden : slot * target_hidden + size] = heads.fc[:, slot * size : (slot + 1) * size]
+    config = dataclasses.replace(heads.config, hidden_size=target_hidden, target_name=target_name)
+    return dataclasses.replace(heads, config=config, fc=fc, embed_tokens=np.asarray(embedding, np.float32))
 
 
 def rope_frequencies(head_dim: int, theta: float, scaling: dict | None) -> np.ndarray:

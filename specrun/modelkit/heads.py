@@ -122,6 +122,18 @@ def default_aux_layer_ids(num_layers: int) -> tuple[int, ...]:
     return (1, num_layers // 2 - 1, num_layers - 4)
 
 
+def training_layer_ids(num_layers: int) -> tuple[int, ...]:
+    """The target layers `specrun heads train --kind eagle3` reads: SGLang's three where they are
+    distinct and llama.cpp gives them all (it cannot give the last layer's output), else three (or
+    as many as there are) spread evenly over the layers it gives, from the second on."""
+    readable = max(num_layers - 1, 1)
+    ids = default_aux_layer_ids(num_layers)
+    if len(set(ids)) == len(ids) and 0 <= min(ids) and max(ids) < readable:
+        return ids
+    spread = np.linspace(min(1, readable - 1), readable - 1, 3)
+    return tuple(sorted({int(round(value)) for value in spread}))
+
+
 HEADS_FORMAT = "specrun-heads"
 HEADS_VERSION = 1
 # SpecForge's default --ttt-length (specforge/config/schema.py): the depth EAGLE-3 heads are
@@ -165,8 +177,10 @@ def _refuse(path: Path, problem: str, fix: str = _AGAIN) -> ModelFileError:
 # specrun's own format
 
 
-def save_heads(heads: MedusaHeads | EagleHeads | HydraHeads, path: Path, metadata: dict | None = None) -> None:
-    """Write ``heads`` to ``path`` (a .safetensors file) and its config to ``path.with_suffix(".json")``.
+def save_heads(heads: MedusaHeads | EagleHeads | HydraHeads | Eagle3Heads, path: Path,
+               metadata: dict | None = None) -> None:
+    """Write ``heads`` to ``path`` (a .safetensors file) and its config to ``path.with_suffix(".json")``;
+    EAGLE-3 heads to ``path`` as a folder (:func:`save_eagle3`).
 
     Weights are stored as float16; a projection every head shares (the same array object) is
     stored once. ``metadata`` (free-form, JSON-serialisable: steps, loss, held-out acceptance)
@@ -180,7 +194,12 @@ def save_heads(heads: MedusaHeads | EagleHeads | HydraHeads, path: Path, metadat
     from specrun.modelkit.eagle import EagleHeads
     from specrun.modelkit.hydra import HydraHeads
 
+    from specrun.modelkit.eagle3 import Eagle3Heads
+
     path = Path(path)
+    if isinstance(heads, Eagle3Heads):
+        save_eagle3(heads, path, metadata)
+        return
     if path.suffix != ".safetensors":
         raise ValueError(f"heads are saved to a .safetensors path, got {path}")
     config = heads.config
@@ -232,6 +251,68 @@ def save_heads(heads: MedusaHeads | EagleHeads | HydraHeads, path: Path, metadat
     text = json.dumps(document, indent=2, allow_nan=False) + "\n"
     write_atomically(path, payload, "heads file", error=ModelFileError)
     write_atomically(path.with_suffix(".json"), text, "heads config", error=ModelFileError)
+
+
+def save_eagle3(heads: Eagle3Heads, folder: Path, metadata: dict | None = None) -> None:
+    """Write EAGLE-3 ``heads`` to ``folder`` as SpecForge exports them for SGLang (config.json and
+    model.safetensors in float16: ``midlayer.*``, ``fc``, ``norm``, ``lm_head``, ``d2t`` as offsets
+    beside ``t2d``; the embedding only where the heads hold their own), plus a "specrun" entry in the
+    config: the target they were made for, the depth trained, ``metadata`` as "training" (None: the
+    config's) and the tensors' checksum. Tensors first, then the config, each atomically: a failure
+    leaves the previous pair or one whose checksum disagrees, which :func:`load_heads` refuses."""
+    from safetensors.numpy import save
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    config = heads.config
+    arrays = {key: getattr(heads, name) for name, key in _EAGLE3_LAYER.items()}
+    arrays |= {"fc.weight": heads.fc, "norm.weight": heads.norm, "lm_head.weight": heads.lm_head}
+    if heads.embed_tokens is not None:
+        arrays["embed_tokens.weight"] = heads.embed_tokens
+    tensors = {key: _half(array, folder) for key, array in arrays.items()}
+    if heads.d2t is not None:
+        tensors["d2t"] = np.ascontiguousarray(heads.d2t - np.arange(len(heads.d2t)), dtype=np.int64)
+        tensors["t2d"] = np.isin(np.arange(config.vocab_size), heads.d2t)
+    payload = save(tensors, metadata={"format": "pt"})
+    settings = {
+        "architectures": [EAGLE3_ARCHITECTURE], "model_type": "llama", "hidden_act": "silu",
+        "hidden_size": heads.draft_hidden_size, "intermediate_size": heads.intermediate_size,
+        "num_attention_heads": heads.num_attention_heads, "num_key_value_heads": heads.num_key_value_heads,
+        "head_dim": heads.head_dim, "num_hidden_layers": 1, "rms_norm_eps": heads.rms_norm_eps,
+        "rope_theta": heads.rope_theta, "rope_scaling": heads.rope_scaling, "tie_word_embeddings": False,
+        "torch_dtype": "float16", "vocab_size": config.vocab_size, "draft_vocab_size": config.draft_vocab_size,
+        "target_hidden_size": config.hidden_size, "norm_before_residual": heads.norm_before_residual,
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(heads.aux_layer_ids), "use_aux_hidden_state": True},
+        "specrun": {
+            "num_heads": config.num_heads,
+            "target": {"name": config.target_name, "vocabulary": config.target_vocabulary,
+                       "num_layers": config.target_layers},
+            "training": dict(config.training if metadata is None else metadata),
+            "tensors_sha256": hashlib.sha256(payload).hexdigest(),
+        },
+    }
+    text = json.dumps(settings, indent=2, allow_nan=False) + "\n"
+    write_atomically(folder / "model.safetensors", payload, "heads file", error=ModelFileError)
+    write_atomically(folder / "config.json", text, "heads config", error=ModelFileError)
+
+
+def _specrun_record(settings: dict, path: Path, tensors_path: Path) -> dict:
+    """The "specrun" entry save_eagle3 writes into an EAGLE-3 config, checked (and the tensors'
+    checksum against it); {} where the folder is another project's."""
+    record = settings.get("specrun")
+    if record is None:
+        return {}
+    target = record.get("target") if isinstance(record, dict) else None
+    if (not isinstance(record, dict) or set(record) != {"num_heads", "target", "training", "tensors_sha256"}
+            or not isinstance(target, dict) or set(target) != _TARGET_KEYS
+            or not isinstance(target["name"], str) or not isinstance(target["vocabulary"], str)
+            or not _whole_numbers([target["num_layers"]]) or not isinstance(record["training"], dict)):
+        raise _refuse(path, "has a malformed specrun entry")
+    _count(record, "num_heads", path, 1, MAX_HEADS)
+    if hashlib.sha256(tensors_path.read_bytes()).hexdigest() != record["tensors_sha256"]:
+        problem = f"does not match {tensors_path.name} (a torn save, or one of them was changed)"
+        raise _refuse(path, problem, "save the heads again")
+    return record
 
 
 def _half(weights: np.ndarray, path: Path) -> np.ndarray:
@@ -504,14 +585,20 @@ def _load_eagle3(folder: Path) -> Eagle3Heads:
     optional = [name for name in ("d2t", "t2d", "embed_tokens.weight") if name in stored.tensors]
     stored.refuse_others(["fc.weight", "norm.weight", "lm_head.weight", *_EAGLE3_LAYER.values(), *optional])
     has_embedding = "embed_tokens.weight" in stored.tensors
+    record = _specrun_record(settings, config_path, tensors_path)
+    target = record.get("target", {})
     return Eagle3Heads(
         config=HeadsConfig(
             kind="eagle",
-            num_heads=EAGLE3_TRAINED_DEPTH,
+            num_heads=record.get("num_heads", EAGLE3_TRAINED_DEPTH),
             num_layers=1,
             hidden_size=target_hidden,
             vocab_size=vocab_size,
             draft_vocab_size=draft_vocab,
+            target_name=target.get("name", ""),
+            target_vocabulary=target.get("vocabulary", ""),
+            target_layers=target.get("num_layers", 0),
+            training=record.get("training", {}),
         ),
         draft_hidden_size=draft_hidden,
         num_attention_heads=num_heads,

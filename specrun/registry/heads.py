@@ -13,37 +13,57 @@ from specrun.registry.catalog import ModelEntry, load_registry
 HEADS_SUFFIX = ".safetensors"
 
 
+# What each head method's heads are stored as: EAGLE-3 heads (a folder as SpecForge exports them,
+# written by `specrun heads train --kind eagle3`) serve the eagle method too, found before EAGLE-1's.
+STORED_KINDS = {"medusa": ("medusa",), "hydra": ("hydra",), "eagle": ("eagle3", "eagle")}
+
+
+def _stored_name(kind: str) -> str:
+    """A stored kind's file name ending: a folder for EAGLE-3, a .safetensors file (beside its .json) else."""
+    return kind if kind == "eagle3" else f"{kind}{HEADS_SUFFIX}"
+
+
 def heads_cache_path(target_spec: str, kind: str) -> Path:
-    """Where `specrun heads train` writes a target's heads by default: <cache>/heads/<target>/<kind>."""
+    """Where `specrun heads train` writes a target's heads by default: <cache>/heads/<target>/<kind>
+    (``kind``: a stored kind, "eagle3" among them)."""
     from specrun.modelkit.demo import cache_dir
 
     name = re.sub(r"[^A-Za-z0-9._-]+", "_", Path(target_spec).name if "/" in target_spec else target_spec)
-    return cache_dir() / "heads" / name / f"{kind}{HEADS_SUFFIX}"
+    return cache_dir() / "heads" / name / _stored_name(kind)
 
 
 def shipped_heads_path(builtin: str, kind: str) -> Path:
-    """Heads that ship in the package for a builtin model (specrun/demo/<model>.<kind>.safetensors)."""
+    """Heads that ship in the package for a builtin model (specrun/demo/<model>.<kind>.safetensors,
+    or the folder <model>.eagle3); the bench-scale demo target's EAGLE-3 heads are derived from
+    the demo target's on first use (modelkit.demo.demo_eagle3_heads)."""
     import specrun.demo
+    from specrun.modelkit.demo import DEMO_MODELS, demo_eagle3_heads
 
-    return Path(specrun.demo.__file__).parent / f"{builtin}.{kind}{HEADS_SUFFIX}"
+    shipped = Path(specrun.demo.__file__).parent / f"{builtin}.{_stored_name(kind)}"
+    if kind == "eagle3" and builtin in DEMO_MODELS:
+        return demo_eagle3_heads(builtin) or shipped
+    return shipped
 
 
 def heads_candidates(target_spec: str, kind: str, entries: dict[str, ModelEntry]) -> list[Path]:
     """Where ``kind`` heads for ``target_spec`` are looked for, first found first used: beside
-    a model file or in a model folder, specrun's cache, the package."""
+    a model file or in a model folder, specrun's cache, the package (at each place, EAGLE-3's
+    folder before EAGLE-1's file for the eagle method)."""
     candidates = []
     entry = entries.get(target_spec)
     local = [Path(target_spec).expanduser()] if entry is None else [
         Path(path).expanduser() for path in (entry.gguf_path, entry.mlx_path) if path
     ]
+    stored = STORED_KINDS.get(kind, (kind,))
     for path in local:
-        if path.is_dir():
-            candidates.append(path / f"{kind}{HEADS_SUFFIX}")
-        elif path.suffix:
-            candidates.append(path.with_suffix(f".{kind}{HEADS_SUFFIX}"))
-    candidates.append(heads_cache_path(target_spec, kind))
+        for each in stored:
+            if path.is_dir():
+                candidates.append(path / _stored_name(each))
+            elif path.suffix:
+                candidates.append(path.with_suffix(f".{_stored_name(each)}"))
+    candidates.extend(heads_cache_path(target_spec, each) for each in stored)
     if entry is not None and entry.builtin:
-        candidates.append(shipped_heads_path(entry.builtin, kind))
+        candidates.extend(shipped_heads_path(entry.builtin, each) for each in stored)
     return candidates
 
 

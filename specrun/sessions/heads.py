@@ -30,7 +30,7 @@ import numpy as np
 
 from specrun.errors import SpecrunError, UsageError
 from specrun.fileio import check_writable_folder, write_atomically
-from specrun.modelkit.heads import HEAD_KINDS, HeadsConfig
+from specrun.modelkit.heads import HeadsConfig
 from specrun.sessions.heads_data import (
     builtin_python_prompts,
     builtin_questions,
@@ -40,7 +40,7 @@ from specrun.sessions.heads_data import (
     text_pieces,
 )
 
-TRAINABLE_KINDS = ("medusa", "hydra", "eagle")
+TRAINABLE_KINDS = ("medusa", "hydra", "eagle", "eagle3")  # eagle3: heads for the eagle method, EAGLE-3's
 DATA_SHARE = 0.4  # of the budget, at most, for gathering data: generation is the slow part
 CHECKPOINT_SECONDS = 30.0
 HELD_OUT_SHARE = 0.1  # of the windows, kept out of training for the report
@@ -53,6 +53,7 @@ GENERATION_BATCH = 32  # prompts continued together (one left-padded batch)
 STATES_BATCH = 8  # text windows per hidden-state pass
 BATCH_POSITIONS = 128  # positions per training step (Medusa, Hydra)
 BATCH_WINDOWS = 4  # windows per training step (EAGLE)
+WINDOW_KINDS = ("eagle", "eagle3")  # trained on whole windows, reported on their own chains
 BUILTIN_PROMPTS = 2048
 LOSS_WINDOW = 20  # steps the reported loss is averaged over
 
@@ -165,9 +166,9 @@ class _Data:
 
 def check_request(request: HeadsTrainRequest) -> None:
     """Usage errors, before anything is read or loaded."""
-    if request.kind not in HEAD_KINDS:
+    if request.kind not in TRAINABLE_KINDS:
         raise UsageError(f"unknown --kind {request.kind!r}", f"use one of: {', '.join(TRAINABLE_KINDS)}")
-    if request.kind == "eagle" and request.num_layers != 1:
+    if request.kind in WINDOW_KINDS and request.num_layers != 1:
         raise UsageError(f"EAGLE heads are one layer, got --num-layers {request.num_layers}", "leave --num-layers out")
     if request.text_dir is not None and request.prompts_file is not None:
         raise UsageError("--text and --prompts are two data sources", "pass one of them")
@@ -235,6 +236,16 @@ def open_heads_target(request: HeadsTrainRequest):
         from specrun.sessions.heads_eagle import NumpyEagleTrainer
 
         trainer_class = NumpyEagleTrainer
+    elif request.kind == "eagle3":  # NumPy too, on the outputs of three of the target's layers
+        from specrun.modelkit.heads import training_layer_ids
+        from specrun.sessions.heads_eagle3 import NumpyEagle3Trainer
+
+        try:
+            target.use_layers(training_layer_ids(target.num_layers))
+        except BaseException:
+            target.close()
+            raise
+        trainer_class = NumpyEagle3Trainer
     elif request.kind == "hydra":
         from specrun.sessions.heads_hydra import NumpyHydraTrainer
 
@@ -289,7 +300,7 @@ class _Run:
         resumed_at = self.step if resumed is not None else None
         train_rows = [i for i in range(len(data.tokens)) if not held_out[i]]
         held_rows = [i for i in range(len(data.tokens)) if held_out[i]]
-        if self.request.kind == "eagle":
+        if self.request.kind in WINDOW_KINDS:
             self._fit_windows(trainer, [_window(data, i) for i in train_rows], settings, source)
             report = self._report_chains(trainer, [_window(data, i) for i in held_rows])
         elif self.request.kind == "hydra":
@@ -357,8 +368,12 @@ class _Run:
         trainer.save_optimizer(self.checkpoints / "optimizer.safetensors")
         record = self._record(settings, source, None, 0, 0)
         record["losses"] = [round(loss, 5) for loss in self.losses[-LOSS_WINDOW:]]
-        save_heads(trainer.heads(record), self.checkpoints / "heads.safetensors", record)
+        save_heads(trainer.heads(record), self._checkpointed_heads(), record)
         self.saved_step = self.step
+
+    def _checkpointed_heads(self) -> Path:
+        """Where a checkpoint's heads are: a folder for EAGLE-3's, a .safetensors file (and its .json) else."""
+        return self.checkpoints / ("heads" if self.request.kind == "eagle3" else "heads.safetensors")
 
     def _write_data(self, data: _Data, held_out: np.ndarray) -> None:
         self.checkpoints.mkdir(parents=True, exist_ok=True)
@@ -371,9 +386,10 @@ class _Run:
 
     def _resume(self, settings: dict):
         """(data, held_out, trainer) from a checkpoint made with ``settings``; None without one."""
-        heads_path = self.checkpoints / "heads.safetensors"
+        heads_path = self._checkpointed_heads()
         data_path = self.checkpoints / "data.npz"
-        if not (heads_path.exists() and heads_path.with_suffix(".json").exists() and data_path.exists()):
+        config_path = heads_path / "config.json" if heads_path.suffix == "" else heads_path.with_suffix(".json")
+        if not (heads_path.exists() and config_path.exists() and data_path.exists()):
             return None
         from specrun.modelkit.heads import load_heads
 
@@ -394,7 +410,7 @@ class _Run:
         self.started = time.monotonic()
         self.losses = [float(loss) for loss in record.get("losses", [])]
         self.saved_step = self.step
-        trainer = self.trainer_class(heads, self.request.learning_rate, self.request.seed)
+        trainer = self._trainer_for(heads)
         optimizer_path = self.checkpoints / "optimizer.safetensors"
         if optimizer_path.exists():
             trainer.load_optimizer(optimizer_path)
@@ -477,6 +493,13 @@ class _Run:
         held_out[order[:held]] = True
         return held_out
 
+    def _trainer_for(self, heads):
+        """A trainer resuming ``heads`` (a checkpoint's); EAGLE-3's with the target's embedding beside them."""
+        if self.request.kind == "eagle3":
+            embedding = self.target.input_rows(np.arange(self.target.vocab_size))
+            return self.trainer_class(heads, self.request.learning_rate, self.request.seed, embedding)
+        return self.trainer_class(heads, self.request.learning_rate, self.request.seed)
+
     def _fresh_trainer(self, data: _Data, held_out: np.ndarray):
         """Heads over the training windows' most frequent target tokens, started as Medusa starts them."""
         from specrun.drafters.ngram import vocabulary_fingerprint
@@ -492,11 +515,15 @@ class _Run:
         projection = self.target.output_rows(d2t)
         kept_d2t = None if size == vocab else d2t
         config = HeadsConfig(
-            kind=self.request.kind, num_heads=self.request.num_heads, num_layers=self.request.num_layers,
+            kind="eagle" if self.request.kind == "eagle3" else self.request.kind, num_heads=self.request.num_heads,
+            num_layers=self.request.num_layers,
             hidden_size=self.target.hidden_size, vocab_size=vocab, draft_vocab_size=size,
             target_name=self.request.target, target_vocabulary=vocabulary_fingerprint(self.target.backend),
             target_layers=self.target.num_layers,
         )
+        if self.request.kind == "eagle3":  # the target's embedding, frozen, and the layers it reads
+            return self.trainer_class.fresh(config, projection, self.target.input_rows(np.arange(vocab)), kept_d2t,
+                                            self.request.learning_rate, self.request.seed, self.target.layers)
         if self.request.kind in ("eagle", "hydra"):  # with an embedding of their own, started from the target's
             return self.trainer_class.fresh(config, projection, self.target.input_rows(d2t), kept_d2t,
                                             self.request.learning_rate, self.request.seed)

@@ -227,6 +227,19 @@ class LlamaHeadsTarget:
         self._sequence = sequence_for(self.backend)
         self._sequence.reset()
         self._sequence.track_hidden(True)
+        self.layers: tuple[int, ...] = ()  # use_layers': () the output head's input
+
+    def use_layers(self, layers: tuple[int, ...]) -> None:
+        """From now on ``states`` are the outputs of ``layers`` side by side (EAGLE-3's), not the
+        output head's input; ModelFileError naming why where llama.cpp cannot give them."""
+        try:
+            self.backend.hidden_support.check_layers(layers)
+        except ValueError as error:
+            raise ModelFileError(f"cannot train EAGLE-3 heads for {self.folder.name}: "
+                                 f"{str(error).removeprefix('this backend ')}", "train another kind of heads") from None
+        self._sequence.track_hidden(False)
+        self._sequence.track_hidden(True, layers=layers)
+        self.layers = tuple(layers)
 
     def output_rows(self, token_ids: np.ndarray) -> np.ndarray:
         """(len(token_ids), H) float32: the output head's rows (the tied embedding where the
@@ -247,7 +260,8 @@ class LlamaHeadsTarget:
         return np.asarray(weights[np.asarray(token_ids)], np.float32)
 
     def states(self, windows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Hidden states (B, T, H) float16 and the target's next token at every position (B, T)."""
+        """Hidden states (B, T, H; with layers, len(layers) * H) float16 and the target's next
+        token at every position (B, T)."""
         hidden, following = [], []
         for window in np.asarray(windows).tolist():
             self._sequence.reset()

@@ -238,3 +238,27 @@ def test_eagle3_heads_reading_layers_the_target_lacks_are_one_line(specforge_hea
     result = invoke("generate", "hi", "-t", "demo-target", "-m", "eagle", "--heads", str(specforge_heads), "-n", "4")
     assert_one_line_error(result.exit_code, result.stderr, 2, "reads the outputs of the target's layers 1, 2, 5",
                           "not of layer 5")
+
+
+def test_eagle3_heads_in_specrun_s_cache_serve_the_eagle_method_before_eagle_ones(tiny_llama, tmp_path, monkeypatch):
+    """`specrun heads train --kind eagle3` writes <cache>/heads/<target>/eagle3 (a folder): the eagle
+    method finds it by the alias, before an EAGLE-1 file in the same place."""
+    pytest.importorskip("llama_cpp", reason="the llama backend is not installed")
+    from heads_factory import eagle3_heads
+    from specrun.registry.heads import find_heads
+
+    monkeypatch.setenv("SPECRUN_CACHE", str(tmp_path / "cache"))
+    registry = tmp_path / "models.toml"
+    registry.write_text(f'[models.tiny]\ngguf_path = "{tiny_llama.gguf_path}"\n')
+    config = tiny_llama.config
+    eagle = heads_cache_path("tiny", "eagle")
+    eagle.parent.mkdir(parents=True)
+    save_heads(random_eagle(config.hidden_size, config.vocab_size), eagle)
+    assert find_heads("tiny", None, "eagle", registry) == eagle
+    folder = heads_cache_path("tiny", "eagle3")
+    save_heads(eagle3_heads(config.hidden_size, config.vocab_size, aux=(0,), embed_tokens=None), folder)
+    assert folder == eagle.parent / "eagle3" and find_heads("tiny", None, "eagle", registry) == folder
+    result = invoke("generate", "def f(x):", "-t", "tiny", "--registry", str(registry), "-m", "eagle", "-n", "8",
+                    "-k", "3", "--json")
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["stats"]["drafted"] > 0

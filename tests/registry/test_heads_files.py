@@ -802,3 +802,34 @@ def test_a_bad_hydra_config_is_one_line(tmp_path, changes, fragments):
         load_heads(path)
     line = one_line(excinfo, *fragments)
     assert "hydra.json" in line or str(path) in line
+
+
+# ---------------------------------------------------------------------------------------------
+# EAGLE-3 heads specrun writes (`specrun heads train --kind eagle3`): SpecForge's layout plus a record
+
+
+def test_eagle3_heads_saved_by_specrun_load_back_with_their_target_and_checksum(tmp_path):
+    import dataclasses
+
+    from heads_factory import eagle3_heads
+    from specrun.modelkit.heads import save_heads, training_layer_ids
+
+    heads = eagle3_heads(HIDDEN, VOCAB, depth=5, draft_vocab=range(0, VOCAB, 3), aux=(1, 3, 6))
+    config = dataclasses.replace(heads.config, target_name="demo-target", target_layers=8,
+                                 target_vocabulary="abc123")
+    heads = dataclasses.replace(heads, config=config, embed_tokens=None)
+    save_heads(heads, tmp_path / "eagle3", {"held_out": {"chain_accuracy": [0.7, 0.6]}})
+    loaded = load_heads(tmp_path / "eagle3")
+    assert loaded.config == dataclasses.replace(config, training={"held_out": {"chain_accuracy": [0.7, 0.6]}})
+    assert loaded.aux_layer_ids == (1, 3, 6) and loaded.embed_tokens is None
+    np.testing.assert_array_equal(loaded.d2t, heads.d2t)
+    np.testing.assert_array_equal(loaded.q_proj, as_half(heads.q_proj))
+    settings = json.loads((tmp_path / "eagle3" / "config.json").read_text())
+    assert settings["architectures"] == ["LlamaForCausalLMEagle3"] and settings["draft_vocab_size"] == len(heads.d2t)
+    (tmp_path / "eagle3" / "model.safetensors").write_bytes(
+        (tmp_path / "eagle3" / "model.safetensors").read_bytes()[:-2] + b"\0\0")
+    with pytest.raises(ModelFileError) as torn:
+        load_heads(tmp_path / "eagle3")
+    assert "does not match model.safetensors (a torn save" in torn.value.one_line()
+    assert training_layer_ids(30) == (1, 14, 26) and training_layer_ids(8) == (1, 3, 4)
+    assert training_layer_ids(6) == (1, 2, 4) and training_layer_ids(2) == (0,)

@@ -123,6 +123,21 @@ def test_interrupted_before_any_checkpoint_keeps_nothing(tiny_llama, text_folder
     assert "no checkpoint" in stopped.value.where()
 
 
+def test_eagle3_heads_train_on_mlx_from_the_layers_it_records(tiny_llama, text_folder, tmp_path):
+    """MLX gives the layer outputs (its recording body) and the same NumPy trainer learns from
+    them: a falling loss and a folder that loads back as EAGLE-3 heads for the target."""
+    from specrun.modelkit.eagle3 import Eagle3Heads
+
+    out = tmp_path / "eagle3"
+    losses = []
+    train_heads(request_for(tiny_llama, out, kind="eagle3", num_heads=3, text_dir=text_folder, learning_rate=3e-3),
+                on_progress=lambda p: p.phase == "train" and losses.append(p.loss), max_steps=25)
+    heads = load_heads(out)
+    assert isinstance(heads, Eagle3Heads) and heads.aux_layer_ids == (0,) and heads.embed_tokens is None
+    assert heads.fc.shape == (tiny_llama.config.hidden_size, tiny_llama.config.hidden_size)
+    assert np.mean(losses[-5:]) < 0.8 * losses[0], losses
+
+
 def test_self_distillation_from_a_prompts_file(tiny_llama, tmp_path):
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("def main():\\n    \nclass Point:\n\nimport os\n", encoding="utf-8")
@@ -183,6 +198,7 @@ def test_the_command_trains_and_prints_the_report(tiny_llama, text_folder, tmp_p
     [
         (["--kind", "lookahead"], 2, "unknown --kind 'lookahead'"),
         (["--kind", "eagle", "--num-layers", "2"], 2, "EAGLE heads are one layer"),
+        (["--kind", "eagle3", "--num-layers", "2"], 2, "EAGLE heads are one layer"),
         (["--minutes", "0"], 2, "--minutes must be more than 0"),
         (["--minutes", "-3"], 2, "--minutes must be more than 0"),
         (["--draft-vocab", "1"], 2, "--draft-vocab must be between 2"),

@@ -82,9 +82,9 @@ def test_a_short_run_on_llama_cpp_writes_heads_for_the_target(gguf, tiny_llama, 
     assert result.report.positions > 0 and result.report.tokens_per_pass > 1.0
 
 
-@pytest.mark.parametrize("kind", ["medusa", "eagle"])
+@pytest.mark.parametrize("kind", ["medusa", "eagle", "eagle3"])
 def test_a_stopped_llama_run_resumes_with_its_optimizer(gguf, text_folder, tmp_path, kind):
-    out = tmp_path / f"{kind}.safetensors"
+    out = tmp_path / (kind if kind == "eagle3" else f"{kind}.safetensors")
     request = request_for(gguf, out, kind=kind, text_dir=text_folder)
 
     def stop_at_step_4(progress):
@@ -123,3 +123,37 @@ def test_eagle_heads_train_on_llama_cpp_and_draft_for_the_target(gguf, tiny_llam
     assert len(result.report.chain_accuracy) == 3 and result.report.positions > 0
     assert heads.config.training["held_out"]["tokens_per_pass"] == pytest.approx(result.report.tokens_per_pass, abs=1e-4)
 
+
+
+def test_eagle3_heads_train_on_llama_cpp_and_draft_for_the_target(gguf, tiny_llama, text_folder, tmp_path):
+    """--kind eagle3: the target's layer outputs through llama.cpp, the training-time test in
+    NumPy, a falling loss, and a folder as SpecForge exports it that loads back as EAGLE-3 heads
+    for the target (the layers read, the target and the report recorded; no embedding of its own)."""
+    from specrun.modelkit.eagle3 import Eagle3Heads
+
+    out = tmp_path / "eagle3"
+    losses = []
+    result = train_heads(request_for(gguf, out, kind="eagle3", num_heads=3, text_dir=text_folder, learning_rate=3e-3),
+                         on_progress=lambda p: p.phase == "train" and losses.append(p.loss), max_steps=30)
+    assert sorted(path.name for path in out.iterdir()) == ["config.json", "model.safetensors"]
+    heads = load_heads(out)
+    config = tiny_llama.config
+    assert isinstance(heads, Eagle3Heads) and heads.embed_tokens is None
+    assert heads.aux_layer_ids == (0,) and heads.config.num_heads == 3 and len(set(heads.d2t.tolist())) == 64
+    assert (heads.config.target_name, heads.config.target_layers) == (gguf, config.num_layers)
+    check_heads_for_target(heads, hidden_size=config.hidden_size, vocab_size=config.vocab_size,
+                           num_layers=config.num_layers, path=out)
+    assert result.final_loss < 0.8 * losses[0], losses
+    assert len(result.report.chain_accuracy) == 3 and result.report.positions > 0
+    assert heads.config.training["held_out"]["tokens_per_pass"] == pytest.approx(result.report.tokens_per_pass, abs=1e-4)
+
+
+def test_eagle3_heads_for_a_target_llama_cpp_gives_no_layers_of_is_one_line(tiny_qwen2, tmp_path):
+    pytest.importorskip("llama_cpp", reason="the llama backend is not installed")
+    from specrun.errors import ModelFileError
+
+    with pytest.raises(ModelFileError) as refused:
+        train_heads(request_for(str(tiny_qwen2.gguf_path), tmp_path / "eagle3", kind="eagle3"), max_steps=1)
+    assert refused.value.one_line().startswith(
+        f"cannot train EAGLE-3 heads for {tiny_qwen2.gguf_path.name}: gives no layer outputs: llama.cpp's qwen2 graph")
+    assert not (tmp_path / "eagle3").exists()

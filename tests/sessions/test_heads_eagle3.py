@@ -1,0 +1,105 @@
+"""EAGLE-3's trainer (sessions/heads_eagle3.py): the training-time test's gradient against finite
+differences, its chains against what the drafter drafts from the same heads, and a few steps that
+lower the loss."""
+
+from __future__ import annotations
+
+import zlib
+
+import numpy as np
+import pytest
+
+from fake_models import COPYING_VOCAB, copying_logits
+from heads_factory import FAKE_LAYERS
+from specrun.backends.fake import FakeBackend
+from specrun.backends.kv import sequence_for
+from specrun.drafters.eagle import EagleDrafter
+from specrun.modelkit.heads import HeadsConfig
+from specrun.sampling import SamplingSettings
+from specrun.sessions.heads_eagle import EagleWindow
+from specrun.sessions.heads_eagle3 import PARAMETER_NAMES, Eagle3Math, NumpyEagle3Trainer
+
+SIZE, VOCAB, AUX = 8, 10, (1, 3)
+
+
+def tiny_trainer(d2t=(0, 2, 3, 5, 7, 8, 9), seed: int = 0) -> NumpyEagle3Trainer:
+    rng = np.random.default_rng(seed)
+    config = HeadsConfig("eagle", 3, 1, SIZE, VOCAB, len(d2t))
+    trainer = NumpyEagle3Trainer.fresh(config, rng.normal(0, 1, (len(d2t), SIZE)), rng.normal(0, 1, (VOCAB, SIZE)),
+                                       np.asarray(d2t), 1e-3, seed, AUX)
+    for name, array in trainer.params.items():  # away from the start's near-identities: every path matters
+        array += rng.normal(0, 0.3, array.shape).astype(np.float32)
+    return trainer
+
+
+def windows(rng: np.random.Generator, lengths=(7, 5)) -> list[EagleWindow]:
+    made = []
+    for length in lengths:
+        following = rng.integers(0, VOCAB, length)
+        following[:2] = -1  # a prompt's own tokens: no labels
+        made.append(EagleWindow(rng.normal(0, 1, (length, len(AUX) * SIZE)), rng.integers(0, VOCAB, length),
+                                following))
+    return made
+
+
+@pytest.mark.parametrize("steps", [1, 3])
+def test_the_gradient_is_the_losss_by_finite_differences(steps):
+    trainer = tiny_trainer()
+    params = {name: array.astype(np.float64) for name, array in trainer.params.items()}
+    math_ = Eagle3Math(params, trainer.num_heads, trainer.head_dim, trainer.rope_theta,
+                       trainer.embedding.astype(np.float64))
+    data = math_.batch(windows(np.random.default_rng(1)), trainer.t2d)
+    data.layers = data.layers.astype(np.float64)
+    loss, grads = math_.loss_and_grads(data, steps)
+    assert loss > 0
+    rng = np.random.default_rng(2)
+    for name in PARAMETER_NAMES:
+        array = params[name]
+        for _ in range(4):
+            index = tuple(int(rng.integers(0, n)) for n in array.shape)
+            saved = array[index]
+            array[index] = saved + 1e-6
+            above = math_.loss_and_grads(data, steps)[0]
+            array[index] = saved - 1e-6
+            below = math_.loss_and_grads(data, steps)[0]
+            array[index] = saved
+            numeric = (above - below) / 2e-6
+            assert grads[name][index] == pytest.approx(numeric, rel=1e-4, abs=1e-8), (name, index)
+
+
+def fake_state(context: tuple[int, ...]) -> np.ndarray:
+    return np.random.default_rng(zlib.crc32(repr(context).encode())).normal(0, 1, SIZE).astype(np.float32)
+
+
+def test_its_chains_are_what_the_drafter_drafts_from_the_same_heads():
+    """The trainer feeds a chain the window's true tokens, the drafter its own drafts: on a window
+    that continues a prefix with the drafter's own chain, every guess of that chain is the drafter's."""
+    table = copying_logits(salt=4)
+    target = FakeBackend(table, COPYING_VOCAB, hidden_table=fake_state, hidden_size=SIZE, n_layers=FAKE_LAYERS)
+    rng = np.random.default_rng(3)
+    config = HeadsConfig("eagle", 3, 1, SIZE, COPYING_VOCAB, COPYING_VOCAB)
+    embedding = target.token_embeddings(range(COPYING_VOCAB))
+    trainer = NumpyEagle3Trainer.fresh(config, rng.normal(0, 1, (COPYING_VOCAB, SIZE)), embedding, None, 1e-3, 0,
+                                       AUX)
+    for array in trainer.params.values():
+        array += rng.normal(0, 0.3, array.shape).astype(np.float32)
+    drafter = EagleDrafter(trainer.heads())  # no embedding of its own: the fake's rows, as in training
+    sequence = sequence_for(target)
+    drafter.bind(sequence, lambda: 0.0)
+    for length in (4, 7, 11):
+        prefix = [int(token) for token in rng.integers(0, COPYING_VOCAB, length)]
+        sequence.sync(prefix[:-1])
+        drafted = list(drafter.propose(prefix, 3, SamplingSettings(), np.random.default_rng(0)).tokens)
+        tokens = prefix + drafted + [1]
+        sequence.sync(tokens)
+        window = EagleWindow(sequence.hidden(0, len(tokens)), np.array(tokens), np.full(len(tokens), -1))
+        chains = trainer.predict_chain(window, 3)  # (3, T - 1)
+        assert list(chains[:, length - 2]) == drafted
+    drafter.close()
+
+
+def test_steps_lower_the_loss_on_what_they_train_on():
+    trainer = tiny_trainer()
+    batch = windows(np.random.default_rng(4), lengths=(16, 12, 9))
+    losses = [trainer.step_windows(batch) for _ in range(60)]
+    assert losses[-1] < 0.6 * losses[0]
