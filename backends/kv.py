@@ -253,11 +253,10 @@ class KVSequence:
         ``tail``: of a pass longer than this, only its last ``tail`` positions are kept (the
         others read as unknown), for a reader of recent positions only. ``layers``: keep the
         outputs of these layers side by side instead of the output head's input
-        (Backend.hidden_layers, for EAGLE-3); states kept for other layers read as unknown."""
+        (Backend.hidden_layers, for EAGLE-3); states kept for other layers read as unknown from
+        then on. One kind at a time: engines of a comparison that share a target re-assert their
+        drafters' before each run (sessions/compare.track_as_drafted)."""
         layers = tuple(layers)
-        if on and self._tracking and layers != self._layers:
-            raise ValueError(f"the target's hidden states are kept for layers {self._layers or 'none'} "
-                             f"already, not {layers or 'none'}: one reader of layers at a time")
         # Two readers of one sequence (a bench of medusa and eagle): the longer tail serves both.
         if on and self._tracking and tail is not None:
             tail = None if self._hidden_tail is None else max(tail, self._hidden_tail)
@@ -266,6 +265,7 @@ class KVSequence:
         if on and not support.available:
             raise ValueError(f"{self.backend.name} gives no hidden states: {support.reason}")
         if on and layers != self._layers:
+            self._tracking = False
             self.backend.track_hidden(False)
             self.backend.hidden_layers(layers)  # ValueError naming why where it cannot
             self._layers, self._hidden = layers, None

@@ -1,2 +1,5 @@
-"""The demo pair shipped with specrun (F16 GGUF files), and Medusa heads for the demo target
-(trained with `specrun heads train -t demo-target --backend llama --minutes 3 --draft-vocab 1024`)."""
+"""The demo pair shipped with specrun (F16 GGUF files), and heads for the demo target: Medusa
+(`specrun heads train -t demo-target --backend llama --minutes 3 --draft-vocab 1024`), EAGLE
+(`--kind eagle --num-heads 6 --draft-vocab 1024 --minutes 5`) and EAGLE-3, the folder
+demo-target.eagle3 (`--kind eagle3 --num-heads 6 --draft-vocab 1024 --minutes 8`; the bench-scale
+target's derive from it, modelkit.demo.demo_eagle3_heads)."""

@@ -152,6 +152,9 @@ class Drafter(Protocol):
     # states it needs (``KVSequence.track_hidden``'s tail; 0: none): heads drafters' (bound,
     # they turn tracking on; engines sharing one target re-assert theirs before a run).
     hidden_tail: int = 0
+    # Of those, the target layers whose outputs it reads, side by side (EAGLE-3's; set once bound),
+    # where () reads the output head's input (``KVSequence.track_hidden``'s layers).
+    hidden_layers: tuple[int, ...] = ()
 
     @property
     def members(self) -> tuple["Drafter", ...]:

@@ -238,8 +238,11 @@ def track_as_drafted(engine: SpeculativeEngine) -> None:
     too, pay for a tracked pass."""
     members = engine.drafter.members if engine.drafter is not None else ()
     tail = max((member.hidden_tail for member in members), default=0)
+    layers = next((member.hidden_layers for member in members if member.hidden_tail), ())
     if tail or engine.target.tracking:
-        engine.target.track_hidden(bool(tail), tail=tail or None)
+        if tail and engine.target.tracking:  # another line's tracking, perhaps of other layers
+            engine.target.track_hidden(False)
+        engine.target.track_hidden(bool(tail), tail=tail or None, layers=layers)
 
 
 def forget_learned(engine: SpeculativeEngine) -> None:

@@ -262,3 +262,43 @@ def test_eagle3_heads_in_specrun_s_cache_serve_the_eagle_method_before_eagle_one
                     "-k", "3", "--json")
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout)["stats"]["drafted"] > 0
+
+
+def test_the_shipped_eagle3_heads_draft_for_the_demo_target_and_derive_for_the_bench_scale_one():
+    """The demo target's EAGLE-3 heads ship (a folder, found before its EAGLE-1 file); the
+    bench-scale target's derive from them on first use, reading its zero-widened layers, and
+    draft the same tokens: greedy output is plain decoding's with drafts accepted on both."""
+    pytest.importorskip("llama_cpp", reason="the llama backend is not installed")
+    from specrun.modelkit.eagle3 import Eagle3Heads
+    from specrun.modelkit.heads import load_heads
+    from specrun.registry.heads import find_heads, shipped_heads_path
+
+    shipped = shipped_heads_path("demo-target", "eagle3")
+    assert find_heads("demo-target", None, "eagle") == shipped
+    assert sum(path.stat().st_size for path in shipped.iterdir()) < 8 * 2**20
+    derived = find_heads("demo-target-xl", None, "eagle")
+    heads, widened = load_heads(shipped), load_heads(derived)
+    assert isinstance(widened, Eagle3Heads) and widened.config.hidden_size == 4 * heads.config.hidden_size
+    assert widened.embed_tokens.shape == (4096, heads.draft_hidden_size) and widened.aux_layer_ids == heads.aux_layer_ids
+    prompt = "def parse_args(argv):\n"
+    accepted = []
+    for target in ("demo-target", "demo-target-xl"):
+        drafted = invoke("generate", prompt, "-t", target, "-m", "eagle", "-n", "40", "-k", "4", "--exact", "--json")
+        plain = invoke("generate", prompt, "-t", target, "-m", "none", "-n", "40", "--exact", "--json")
+        assert drafted.exit_code == plain.exit_code == 0, drafted.output
+        assert json.loads(drafted.stdout)["text"] == json.loads(plain.stdout)["text"]
+        accepted.append(json.loads(drafted.stdout)["stats"]["accepted"])
+    assert accepted[0] > 0 and accepted[0] == accepted[1]  # the same drafts on the widened target
+
+
+def test_a_bench_switches_the_target_between_layer_outputs_and_the_head_input(tmp_path):
+    """EAGLE-3 reads three layers, Medusa the output head's input: lines of both on one target,
+    prompt by prompt, each line's drafts accepted and its output plain decoding's."""
+    pytest.importorskip("llama_cpp", reason="the llama backend is not installed")
+    out = tmp_path / "bench.json"
+    result = invoke("bench", "-t", "demo-target", "--methods", "none,eagle,medusa", "--categories",
+                    "code-completion", "--per-category", "2", "-n", "24", "-k", "3", "--exact", "--json", str(out))
+    assert result.exit_code == 0, result.output
+    doc = json.loads(out.read_text())
+    assert all(run["same_as_baseline"] for run in doc["runs"])
+    assert all(line["acceptance_rate"] > 0 for line in doc["overall"] if line["method"] != "none")
