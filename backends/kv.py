@@ -37,8 +37,8 @@ class HiddenStore:
     state (a position fed while tracking was off holds none: unknown, never stale).
     """
 
-    def __init__(self, size: int, capacity: int = 256) -> None:
-        self.states = np.zeros((capacity, size), np.float32)  # (capacity, H)
+    def __init__(self, size: int, capacity: int = 256, dtype=np.float32) -> None:
+        self.states = np.zeros((capacity, size), dtype)  # (capacity, H)
         self.known = np.zeros(capacity, bool)  # (capacity,)
         self.length = 0
 
@@ -48,7 +48,7 @@ class HiddenStore:
         if stop > len(self.states):
             capacity = max(stop, 2 * len(self.states))
             self.states = np.concatenate([self.states, np.zeros((capacity - len(self.states), self.states.shape[1]),
-                                                                np.float32)])
+                                                                self.states.dtype)])
             self.known = np.concatenate([self.known, np.zeros(capacity - len(self.known), bool)])
         self.known[self.length : start] = False
         self.states[start:stop] = rows
@@ -62,7 +62,7 @@ class HiddenStore:
         """A copy of the states (stop-start, H) at positions [start, stop), or None if any is unknown."""
         if stop > self.length or not self.known[start:stop].all():
             return None
-        return self.states[start:stop].copy()
+        return self.states[start:stop].astype(np.float32)  # a copy
 
 
 class KVSequence:
@@ -106,7 +106,8 @@ class KVSequence:
         its head untracked, then the tail tracked: llama.cpp outputs every row of a tracked pass
         (a prompt pass cost 18-23% more), and a drafter with a tail never reads the head's."""
         tail = self._hidden_tail
-        if not self._tracking or tail is None or len(tokens) <= tail:
+        # Layer outputs cost a pass no logits (llama.cpp copies them out for every row anyway): kept whole.
+        if not self._tracking or tail is None or len(tokens) <= tail or self._layers:
             return self._append(forward, tokens, logit_rows)
         cut = len(tokens) - tail
         rows = list(logit_rows)
@@ -257,13 +258,15 @@ class KVSequence:
         then on. One kind at a time: engines of a comparison that share a target re-assert their
         drafters' before each run (sessions/compare.track_as_drafted)."""
         layers = tuple(layers)
+        support = self.backend.hidden_support
+        if on and not support.available:
+            raise ValueError(f"{self.backend.name} gives no hidden states: {support.reason}")
+        if on and layers:
+            support.check_layers(layers)  # before anything changes: ValueError naming why
         # Two readers of one sequence (a bench of medusa and eagle): the longer tail serves both.
         if on and self._tracking and tail is not None:
             tail = None if self._hidden_tail is None else max(tail, self._hidden_tail)
         self._hidden_tail = tail if on else None
-        support = self.backend.hidden_support
-        if on and not support.available:
-            raise ValueError(f"{self.backend.name} gives no hidden states: {support.reason}")
         if on and layers != self._layers:
             self._tracking = False
             self.backend.track_hidden(False)
@@ -272,7 +275,14 @@ class KVSequence:
         self.backend.track_hidden(on)
         self._tracking = on
         if on and self._hidden is None:
-            self._hidden = HiddenStore(support.size * max(len(layers), 1))
+            # Layer outputs are kept in float16, as `specrun heads train` keeps them: three layers of
+            # a wide target at every cached position add up (an 8B target at 32k tokens: 0.8 GB).
+            self._hidden = HiddenStore(support.size * max(len(layers), 1), dtype=np.float16 if layers else np.float32)
+
+    @property
+    def layers(self) -> tuple[int, ...]:
+        """The layers whose outputs the kept states are (track_hidden's); () the output head's input."""
+        return self._layers
 
     @property
     def tracking(self) -> bool:

@@ -152,6 +152,7 @@ LAYER_INPUT_ARCHS = (
     "deepseek4", "bailingmoe3", "hunyuan_vl", "mimo2", "minimax-01", "minimax-m2", "muse-glimmer", "nanbeige",
     "nemotron_h",
 )
+LAYER_INPUTS_VERSION = "0.3.36"  # the llama-cpp-python whose llama.cpp LAYER_INPUT_ARCHS was read from
 # llama.cpp declares its layer-input extension (src/llama-ext.h) without extern "C": its symbols
 # carry C++'s (Itanium) mangled names.
 _SET_LAYER_INPUT = "_Z30llama_set_embeddings_layer_inpP13llama_contextjb"
@@ -766,6 +767,11 @@ class LlamaCppBackend(HiddenTracking):
     def _layer_problem(self) -> str:
         """Why tracked passes cannot give this model's layer outputs ("" where they can)."""
         arch = self.metadata("general.architecture") or "unknown"
+        if self._lib.__version__ != LAYER_INPUTS_VERSION:  # another llama.cpp may name other graphs' inputs
+            return (f"layer outputs are read from llama-cpp-python {LAYER_INPUTS_VERSION}'s llama.cpp only "
+                    f"(this is {self._lib.__version__})")
+        if self._lib.llama_model_n_embd(self._model) != self._lib.llama_model_n_embd_out(self._model):
+            return f"llama.cpp's {arch} layers are not as wide as its output head's input"
         if arch not in LAYER_INPUT_ARCHS:
             return (f"llama.cpp's {arch} graph does not name its layers' inputs "
                     f"(it does for {', '.join(LAYER_INPUT_ARCHS)})")
@@ -778,25 +784,30 @@ class LlamaCppBackend(HiddenTracking):
         return ""
 
     def track_hidden(self, on: bool) -> None:
+        was = self._tracking
         super().track_hidden(on)
         if self._layers:
-            for layer in self._layers:  # llama.cpp copies their inputs out for every row fed
-                self._set_layer_input(self._ctx, layer + 1, on)
+            if on != was:  # each call makes llama.cpp reserve its scheduler again
+                for layer in self._layers:  # llama.cpp copies their inputs out for every row fed
+                    self._set_layer_input(self._ctx, layer + 1, on)
         else:
             self._lib.llama_set_embeddings(self._ctx, on)  # llama.cpp then outputs every row it is fed
+
+    @property
+    def n_ctx_train(self) -> int:
+        """The context the model was trained for (0 where the file does not say)."""
+        return max(int(self._lib.llama_model_n_ctx_train(self._model)), 0)
 
     def token_embeddings(self, ids: Sequence[int]) -> np.ndarray:
         """Rows of the file's ``token_embd.weight``, dequantized (gguf's own dequantization, only
         the rows asked for: the table is memory-mapped)."""
-        if self._embedding_table is None:
-            import gguf
+        import gguf
 
+        if self._embedding_table is None:
             tensors = {tensor.name: tensor for tensor in gguf.GGUFReader(str(self.path)).tensors}
             if "token_embd.weight" not in tensors:
                 raise ValueError(f"{self.path} holds no token_embd.weight")
             self._embedding_table = tensors["token_embd.weight"]
-        import gguf
-
         table = self._embedding_table
         rows = np.asarray(table.data[np.asarray(ids, dtype=np.int64)])
         return gguf.quants.dequantize(rows, table.tensor_type).astype(np.float32).reshape(len(ids), -1)

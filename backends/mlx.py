@@ -433,7 +433,7 @@ class MlxBackend(HiddenTracking):
         self.model = model
         self.tokenizer = tokenizer
         self._hf = getattr(tokenizer, "_tokenizer", tokenizer)  # the Hugging Face tokenizer inside the wrapper
-        trained = int(config.get("max_position_embeddings") or 0)
+        trained = self.n_ctx_train = int(config.get("max_position_embeddings") or 0)  # 0: not said
         self.n_ctx = n_ctx or (min(DEFAULT_CTX, trained) if trained > 0 else DEFAULT_CTX)
         self.vocab = self._read_vocab_info()
         self._token_bytes = TokenBytes(self._hf)

@@ -68,7 +68,7 @@ class HeadsTarget:
         try:
             self.backend.hidden_support.check_layers(layers)
         except ValueError as error:
-            raise ModelFileError(f"cannot train EAGLE-3 heads for {self.folder.name}: "
+            raise ModelFileError(f"cannot train EAGLE-3 heads for {self.folder.name} here: MLX "
                                  f"{str(error).removeprefix('this backend ')}", "train another kind of heads") from None
         self._layers, self._sink = tuple(layers), []
         self.layers = self._layers

@@ -27,7 +27,8 @@ def train(
         "layers, written as SpecForge exports it)."))] = "medusa",
     heads_out: Annotated[Optional[Path], typer.Option(
         "--heads-out", help="Where to write the heads (default: specrun's cache, where --heads finds them).")] = None,
-    num_heads: Annotated[int, typer.Option("--num-heads", help="Heads: tokens guessed beyond the target's own (eagle, eagle3: the depth it drafts to).")] = 4,
+    num_heads: Annotated[int, typer.Option("--num-heads", help="Heads: tokens guessed beyond the target's own (eagle, eagle3: the depth it drafts to; eagle3 trains 4 steps of it "
+        "and drafts deeper on its own).")] = 4,
     num_layers: Annotated[int, typer.Option("--num-layers", help=(
         "Layers per head (medusa: residual blocks; hydra: one reading the drafted tokens, then blocks; "
         "eagle and eagle3 heads are one layer)."))] = 1,

@@ -28,7 +28,7 @@ import numpy as np
 from specrun.backends.kv import KVSequence, common_prefix_len
 from specrun.drafters.base import EMPTY_PROPOSAL, Proposal, second_guesses
 from specrun.drafters.dynamic_tree import TOP_K, DraftTree, grow_tree
-from specrun.drafters.heads import HeadsDrafter, target_rows
+from specrun.drafters.heads import HeadsDrafter, check_heads_target, target_rows
 from specrun.errors import UsageError
 from specrun.modelkit.eagle import EagleHeads
 from specrun.modelkit.eagle3 import Eagle3Heads
@@ -88,20 +88,42 @@ class SharedEmbedding:
         return np.stack([self._rows[int(token)] for token in ids])
 
 
-def _shared_embedding(heads: Eagle3Heads, backend) -> SharedEmbedding:
+def _shared_embedding(heads: Eagle3Heads, backend, named: str = "these EAGLE-3 heads") -> SharedEmbedding:
     """The target's embedding for ``heads`` that hold none, or the UsageError saying why it cannot serve."""
     fix = "use EAGLE-3 heads that hold their embed_tokens.weight"
     support = backend.hidden_support
     if heads.draft_hidden_size != support.size:
-        raise UsageError(f"these EAGLE-3 heads hold no embed_tokens and are {heads.draft_hidden_size} wide, so they "
+        raise UsageError(f"{named} hold no embed_tokens and are {heads.draft_hidden_size} wide, so they "
                          f"cannot read the target's embedding ({support.size} wide)", fix)
     embedding = SharedEmbedding(backend, support.size)
     try:
         embedding[[0]]
     except ValueError as error:
-        raise UsageError(f"these EAGLE-3 heads hold no embed_tokens, and the target's cannot be read: {error}",
-                         fix) from None
+        raise UsageError(f"{named} hold no embed_tokens, and the target's cannot be read: {error}", fix) from None
     return embedding
+
+
+def eagle3_layers(heads: Eagle3Heads, backend) -> tuple[int, ...]:
+    """The target layers EAGLE-3 ``heads`` read: those their file names, else SGLang's for its depth."""
+    return heads.aux_layer_ids or default_aux_layer_ids(backend.hidden_support.layers)
+
+
+def check_eagle3_target(heads, backend, path=None) -> None:
+    """For EAGLE-3 heads (others pass), the UsageError naming ``path`` where ``backend`` cannot give
+    the layers they read, or they hold no embedding and the target's cannot serve them: checked
+    where heads are chosen, so a run (auto) can go on without them."""
+    if not isinstance(heads, Eagle3Heads) or not backend.hidden_support.available:
+        return
+    named = f"the EAGLE-3 heads in {path}" if path is not None else "these EAGLE-3 heads"
+    layers = eagle3_layers(heads, backend)
+    try:
+        backend.hidden_support.check_layers(layers)
+    except ValueError as error:
+        raise UsageError(f"{named} read the outputs of the target's layers {', '.join(map(str, layers))}, and "
+                         f"{backend.name} {str(error).removeprefix('this backend ')}",
+                         "use another method with this target") from None
+    if heads.embed_tokens is None:
+        _shared_embedding(heads, backend, named)
 
 
 class EagleDrafter(HeadsDrafter):
@@ -125,15 +147,14 @@ class EagleDrafter(HeadsDrafter):
         target's."""
         self.heads = self._own_heads
         if isinstance(self.heads, Eagle3Heads) and self.heads.embed_tokens is None:
+            check_heads_target(self.name, self.heads.config, target, self.target_layers(target))  # its own words first
             self.heads = dataclasses.replace(self.heads, embed_tokens=_shared_embedding(self.heads, target.backend))
         super().bind(target, clock)
         self._entries = _Entries()
 
     def target_layers(self, target: KVSequence) -> tuple[int, ...]:
         """EAGLE-3's: the layers its file names, else those SGLang reads for a target this deep."""
-        if not isinstance(self.heads, Eagle3Heads):
-            return ()
-        return self.heads.aux_layer_ids or default_aux_layer_ids(target.backend.hidden_support.layers)
+        return eagle3_layers(self.heads, target.backend) if isinstance(self.heads, Eagle3Heads) else ()
 
     # ---- the context's entries ---------------------------------------------------------------
     def _root(self, context: Sequence[int]) -> np.ndarray | None:

@@ -147,11 +147,12 @@ class SpeculativeEngine:
         self.set_drafter(drafter, method)
 
     def set_drafter(self, drafter: Drafter | None, method: str | None = None) -> None:
-        """Speculate with ``drafter`` from the next run on (chat's /method); the caller closes the old one."""
-        self.drafter = drafter
-        self.method = method or (drafter.name if drafter else "none")
+        """Speculate with ``drafter`` from the next run on (chat's /method); the caller closes the old
+        one. A drafter that cannot serve the target raises from ``bind``, leaving the engine as it was."""
         if drafter is not None:
             drafter.bind(self.target, self.clock)
+        self.drafter = drafter
+        self.method = method or (drafter.name if drafter else "none")
         self.policy.set_drafter(drafter)
 
     def policy_for(self, params: GenerationParams) -> SpeculationPolicy | None:

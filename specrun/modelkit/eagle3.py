@@ -81,6 +81,7 @@ class Eagle3Heads:
     embed_tokens: np.ndarray | None = None
     norm_before_residual: bool = False
     rope_scaling: dict | None = field(default=None, compare=False)
+    max_position_embeddings: int = 0  # the target's trained context, as the config says (0: not said)
 
     # ---- what a drafter asks of the layer (drafters.eagle.EagleDrafter) ----------------------
     window = EAGLE3_WINDOW

@@ -192,9 +192,8 @@ def save_heads(heads: MedusaHeads | EagleHeads | HydraHeads | Eagle3Heads, path:
     from safetensors.numpy import save
 
     from specrun.modelkit.eagle import EagleHeads
-    from specrun.modelkit.hydra import HydraHeads
-
     from specrun.modelkit.eagle3 import Eagle3Heads
+    from specrun.modelkit.hydra import HydraHeads
 
     path = Path(path)
     if isinstance(heads, Eagle3Heads):
@@ -263,7 +262,6 @@ def save_eagle3(heads: Eagle3Heads, folder: Path, metadata: dict | None = None) 
     from safetensors.numpy import save
 
     folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
     config = heads.config
     arrays = {key: getattr(heads, name) for name, key in _EAGLE3_LAYER.items()}
     arrays |= {"fc.weight": heads.fc, "norm.weight": heads.norm, "lm_head.weight": heads.lm_head}
@@ -283,6 +281,7 @@ def save_eagle3(heads: Eagle3Heads, folder: Path, metadata: dict | None = None) 
         "torch_dtype": "float16", "vocab_size": config.vocab_size, "draft_vocab_size": config.draft_vocab_size,
         "target_hidden_size": config.hidden_size, "norm_before_residual": heads.norm_before_residual,
         "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(heads.aux_layer_ids), "use_aux_hidden_state": True},
+        **({"max_position_embeddings": heads.max_position_embeddings} if heads.max_position_embeddings else {}),
         "specrun": {
             "num_heads": config.num_heads,
             "target": {"name": config.target_name, "vocabulary": config.target_vocabulary,
@@ -292,11 +291,12 @@ def save_eagle3(heads: Eagle3Heads, folder: Path, metadata: dict | None = None) 
         },
     }
     text = json.dumps(settings, indent=2, allow_nan=False) + "\n"
+    folder.mkdir(parents=True, exist_ok=True)  # once nothing can refuse the heads: no empty folder left behind
     write_atomically(folder / "model.safetensors", payload, "heads file", error=ModelFileError)
     write_atomically(folder / "config.json", text, "heads config", error=ModelFileError)
 
 
-def _specrun_record(settings: dict, path: Path, tensors_path: Path) -> dict:
+def _specrun_record(settings: dict, path: Path, stored: _TensorsFile) -> dict:
     """The "specrun" entry save_eagle3 writes into an EAGLE-3 config, checked (and the tensors'
     checksum against it); {} where the folder is another project's."""
     record = settings.get("specrun")
@@ -309,8 +309,8 @@ def _specrun_record(settings: dict, path: Path, tensors_path: Path) -> dict:
             or not _whole_numbers([target["num_layers"]]) or not isinstance(record["training"], dict)):
         raise _refuse(path, "has a malformed specrun entry")
     _count(record, "num_heads", path, 1, MAX_HEADS)
-    if hashlib.sha256(tensors_path.read_bytes()).hexdigest() != record["tensors_sha256"]:
-        problem = f"does not match {tensors_path.name} (a torn save, or one of them was changed)"
+    if stored.sha256() != record["tensors_sha256"]:
+        problem = f"does not match {stored.path.name} (a torn save, or one of them was changed)"
         raise _refuse(path, problem, "save the heads again")
     return record
 
@@ -585,7 +585,7 @@ def _load_eagle3(folder: Path) -> Eagle3Heads:
     optional = [name for name in ("d2t", "t2d", "embed_tokens.weight") if name in stored.tensors]
     stored.refuse_others(["fc.weight", "norm.weight", "lm_head.weight", *_EAGLE3_LAYER.values(), *optional])
     has_embedding = "embed_tokens.weight" in stored.tensors
-    record = _specrun_record(settings, config_path, tensors_path)
+    record = _specrun_record(settings, config_path, stored)
     target = record.get("target", {})
     return Eagle3Heads(
         config=HeadsConfig(
@@ -616,6 +616,7 @@ def _load_eagle3(folder: Path) -> Eagle3Heads:
         embed_tokens=stored.floats("embed_tokens.weight", (vocab_size, draft_hidden)) if has_embedding else None,
         norm_before_residual=norm_before_residual,
         rope_scaling=settings.get("rope_scaling"),
+        max_position_embeddings=_count(settings, "max_position_embeddings", config_path, 1, 1 << 30, 0),
     )
 
 

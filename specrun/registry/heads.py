@@ -67,17 +67,23 @@ def heads_candidates(target_spec: str, kind: str, entries: dict[str, ModelEntry]
     return candidates
 
 
-def find_heads(target_spec: str, explicit: str | None, kind: str, registry: Path | None = None) -> Path:
-    """The heads file to use: ``explicit`` (--heads) when given, else the first candidate found;
-    a one-line usage error saying where it looked when there is none."""
+def _present(path: Path) -> bool:
+    """Heads are at ``path``: a file, or a folder holding its config (an empty or half-written
+    folder left by a failed save is not heads)."""
+    return (path / "config.json").is_file() if path.is_dir() else path.exists()
+
+
+def find_all_heads(target_spec: str, explicit: str | None, kind: str, registry: Path | None = None) -> list[Path]:
+    """Every heads file or folder for ``kind`` in the order they are tried: ``explicit`` (--heads)
+    alone when given, else the candidates found; a one-line usage error when there is none."""
     if explicit is not None:
         path = Path(explicit).expanduser()
         if not path.exists():
             raise UsageError(f"--heads {explicit}: no such file or folder", "pass the path of a heads file")
-        return path
+        return [path]
     candidates = heads_candidates(target_spec, kind, load_registry(registry))
-    found = next((path for path in candidates if path.exists()), None)
-    if found is None:
+    found = [path for path in candidates if _present(path)]
+    if not found:
         raise UsageError(
             f"no {kind} heads for {target_spec} (looked in {', '.join(str(path) for path in candidates)})",
             f"train them with: specrun heads train --target {target_spec} --kind {kind}, or pass --heads FILE",
@@ -85,10 +91,16 @@ def find_heads(target_spec: str, explicit: str | None, kind: str, registry: Path
     return found
 
 
+def find_heads(target_spec: str, explicit: str | None, kind: str, registry: Path | None = None) -> Path:
+    """The heads file to use: ``explicit`` (--heads) when given, else the first candidate found;
+    a one-line usage error saying where it looked when there is none."""
+    return find_all_heads(target_spec, explicit, kind, registry)[0]
+
+
 def heads_available(target_spec: str, kind: str, registry: Path | None = None) -> bool:
     """Are there ``kind`` heads for ``target_spec`` where find_heads looks (without --heads)?"""
     try:
-        return any(path.exists() for path in heads_candidates(target_spec, kind, load_registry(registry)))
+        return any(_present(path) for path in heads_candidates(target_spec, kind, load_registry(registry)))
     except SpecrunError:  # an unreadable registry is reported where the target is opened
         return False
 

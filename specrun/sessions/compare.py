@@ -240,7 +240,7 @@ def track_as_drafted(engine: SpeculativeEngine) -> None:
     tail = max((member.hidden_tail for member in members), default=0)
     layers = next((member.hidden_layers for member in members if member.hidden_tail), ())
     if tail or engine.target.tracking:
-        if tail and engine.target.tracking:  # another line's tracking, perhaps of other layers
+        if tail and engine.target.tracking and engine.target.layers != layers:  # another line read other layers
             engine.target.track_hidden(False)
         engine.target.track_hidden(bool(tail), tail=tail or None, layers=layers)
 

@@ -318,10 +318,15 @@ def load_target_heads(target_spec: str, explicit: str | None, target, registry=N
     """The ``kind`` heads ("medusa", "hydra" or "eagle") for ``target`` (an open backend): --heads, else
     found by alias (registry/heads.py), checked against the target before anything drafts with them."""
     from specrun.modelkit.heads import load_heads
-    from specrun.registry.heads import find_heads
+    from specrun.registry.heads import find_all_heads
 
-    path = find_heads(target_spec, explicit, kind, registry)
-    return _checked_heads(path, load_heads(path), kind, target)
+    first_error = None
+    for path in find_all_heads(target_spec, explicit, kind, registry):  # EAGLE-3's folder, then EAGLE-1's file
+        try:
+            return _checked_heads(path, load_heads(path), kind, target)
+        except SpecrunError as error:
+            first_error = first_error or error
+    raise first_error
 
 
 def _checked_heads(path, heads, kind: str, target):
@@ -336,6 +341,9 @@ def _checked_heads(path, heads, kind: str, target):
     support = target.hidden_support
     check_heads_for_target(heads, hidden_size=support.size or heads.config.hidden_size, vocab_size=target.vocab.size,
                            num_layers=support.layers, vocabulary=vocabulary_fingerprint(target), path=path)
+    from specrun.drafters.eagle import check_eagle3_target
+
+    check_eagle3_target(heads, target, path)
     return heads
 
 

@@ -20,6 +20,7 @@ keeps the last checkpoint (TrainingInterrupted says where); a finished run remov
 from __future__ import annotations
 
 import io
+import os
 import shutil
 import time
 from collections.abc import Callable
@@ -28,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-from specrun.errors import SpecrunError, UsageError
+from specrun.errors import FileAccessError, SpecrunError, UsageError
 from specrun.fileio import check_writable_folder, write_atomically
 from specrun.modelkit.heads import HeadsConfig
 from specrun.sessions.heads_data import (
@@ -183,6 +184,25 @@ def check_request(request: HeadsTrainRequest) -> None:
         raise UsageError(f"--lr must be more than 0 and at most 1, got {request.learning_rate:g}", "pass e.g. --lr 1e-3")
 
 
+EAGLE3_FILES = ("config.json", "model.safetensors")
+
+
+def check_eagle3_folder(out: Path) -> None:
+    """EAGLE-3 heads are a folder (modelkit.heads.save_eagle3): fail now where ``out`` is a file,
+    holds anything but earlier heads' two files (a model's own folder would lose its config.json),
+    or cannot be written."""
+    fix = "name a new folder (or one that holds EAGLE-3 heads) for --heads-out"
+    if out.exists() and not out.is_dir():
+        raise FileAccessError(f"the heads folder {out} is a file", fix)
+    others = sorted(path.name for path in out.iterdir() if path.name not in EAGLE3_FILES) if out.is_dir() else []
+    if others:
+        more = f" and {len(others) - 1} more" if len(others) > 1 else ""
+        raise FileAccessError(f"{out} holds files of its own ({others[0]}{more}); EAGLE-3 heads are written there "
+                              f"as {' and '.join(EAGLE3_FILES)}", fix)
+    # Where the folder is yet to be made, its parent is what must take it (nothing made before the run is).
+    check_writable_folder(out / EAGLE3_FILES[0] if out.is_dir() else out, "heads folder")
+
+
 def default_heads_path(target: str, kind: str) -> Path:
     from specrun.registry.heads import heads_cache_path
 
@@ -206,7 +226,10 @@ def train_heads(
     texts = read_text_folder(request.text_dir) if request.text_dir is not None else None
     prompts = read_prompts_file(request.prompts_file) if request.prompts_file is not None else None
     out = Path(request.out).expanduser() if request.out is not None else default_heads_path(request.target, request.kind)
-    check_writable_folder(out, "heads file")
+    if request.kind == "eagle3":
+        check_eagle3_folder(out)
+    else:
+        check_writable_folder(out, "heads file")
     target, trainer_class = open_heads_target(request)
     try:
         run = _Run(request, target, out, on_progress or (lambda progress: None), on_note or (lambda note: None),
@@ -338,6 +361,7 @@ class _Run:
             "target": str(self.target.folder.resolve()), "kind": request.kind, "num_heads": request.num_heads,
             "num_layers": request.num_layers, "draft_vocab": request.draft_vocab, "source": source,
             "learning_rate": request.learning_rate, "seed": request.seed,
+            **({"layers": list(self.target.layers)} if request.kind == "eagle3" else {}),
         }
 
     def _completion(self) -> bool:
@@ -523,7 +547,8 @@ class _Run:
         )
         if self.request.kind == "eagle3":  # the target's embedding, frozen, and the layers it reads
             return self.trainer_class.fresh(config, projection, self.target.input_rows(np.arange(vocab)), kept_d2t,
-                                            self.request.learning_rate, self.request.seed, self.target.layers)
+                                            self.request.learning_rate, self.request.seed, self.target.layers,
+                                            self.target.backend.n_ctx_train)
         if self.request.kind in ("eagle", "hydra"):  # with an embedding of their own, started from the target's
             return self.trainer_class.fresh(config, projection, self.target.input_rows(d2t), kept_d2t,
                                             self.request.learning_rate, self.request.seed)
@@ -551,18 +576,25 @@ class _Run:
         rng = np.random.default_rng(self.request.seed + self.step)
         order, cursor = rng.permutation(count), 0
         last_checkpoint = time.monotonic()
-        while not self._done():
-            if cursor >= len(order):
-                order, cursor = rng.permutation(count), 0
-            batch = order[cursor : cursor + batch_size]
-            cursor += len(batch)
-            self.losses.append(take_step(batch))
-            self.step += 1
-            self.on_progress(TrainProgress("train", self.elapsed(), self.budget, step=self.step,
-                                           loss=self._final_loss(), max_steps=self.max_steps))
-            if time.monotonic() - last_checkpoint >= self.checkpoint_seconds:
-                self._checkpoint(trainer, settings, source)
-                last_checkpoint = time.monotonic()
+        with self._blas_threads():
+            while not self._done():
+                if cursor >= len(order):
+                    order, cursor = rng.permutation(count), 0
+                batch = order[cursor : cursor + batch_size]
+                cursor += len(batch)
+                self.losses.append(take_step(batch))
+                self.step += 1
+                self.on_progress(TrainProgress("train", self.elapsed(), self.budget, step=self.step,
+                                               loss=self._final_loss(), max_steps=self.max_steps))
+                if time.monotonic() - last_checkpoint >= self.checkpoint_seconds:
+                    self._checkpoint(trainer, settings, source)
+                    last_checkpoint = time.monotonic()
+
+    def _blas_threads(self):
+        """NumPy's BLAS on every core the run may use while it trains (the target's threads are idle)."""
+        from specrun.sessions.heads_numpy import blas_threads
+
+        return blas_threads(self.request.threads or os.cpu_count() or 1)
 
     def _fit_positions(self, trainer, states: np.ndarray, labels: np.ndarray, settings: dict, source: str,
                        next_tokens: np.ndarray | None = None) -> None:

@@ -86,7 +86,6 @@ class _Step:
     out: np.ndarray
     out_normed: np.ndarray
     out_inverse: np.ndarray
-    logits: np.ndarray  # (N, Vd)
 
 
 class Eagle3Math:
@@ -182,10 +181,14 @@ class Eagle3Math:
         mixed = activated * up
         out = residual + mixed @ p["down_proj"].T
         out_normed, out_inverse = _normed(out)
-        logits = (out_normed * p["norm"]) @ p["lm_head"].T
         return _Step(hidden, hidden_normed, hidden_inverse, x, queries, keys, values, context_weights,
                      chain_weights, attended, residual_normed, residual_inverse, y, gate, up, sig, activated,
-                     mixed, out, out_normed, out_inverse, logits)
+                     mixed, out, out_normed, out_inverse)
+
+    def logits(self, step: _Step, rows: np.ndarray | slice = slice(None)) -> np.ndarray:
+        """(len(rows), Vd) step's logits at ``rows`` (the projection is most of a step's cost: a
+        loss projects only the positions it scores)."""
+        return (step.out_normed[rows] * self.p["norm"]) @ self.p["lm_head"].T
 
     # ---- the loss and its gradient ---------------------------------------------------------------
     def loss_and_grads(self, data: _Batch, steps: int) -> tuple[float, dict[str, np.ndarray]]:
@@ -203,16 +206,18 @@ class Eagle3Math:
             step = done[k]
             rows = np.flatnonzero((data.labels >= 0) & (data.positions >= k))
             weight = STEP_DECAY**k / max(len(rows), 1)
-            logits = step.logits - step.logits.max(axis=-1, keepdims=True)
+            logits = self.logits(step, rows)
+            logits -= logits.max(axis=-1, keepdims=True)
             probabilities = np.exp(logits)
             probabilities /= probabilities.sum(axis=-1, keepdims=True)
-            loss += weight * float(-np.log(probabilities[rows, data.labels[rows]] + 1e-30).sum())
-            d_logits = np.zeros_like(probabilities)
-            d_logits[rows] = probabilities[rows]
-            d_logits[rows, data.labels[rows]] -= 1.0
+            labels = data.labels[rows]
+            loss += weight * float(-np.log(probabilities[np.arange(len(rows)), labels] + 1e-30).sum())
+            d_logits = probabilities
+            d_logits[np.arange(len(rows)), labels] -= 1.0
             d_logits *= weight
-            grads["lm_head"] += d_logits.T @ (step.out_normed * p["norm"])
-            d_out_normed = d_logits @ p["lm_head"]
+            grads["lm_head"] += d_logits.T @ (step.out_normed[rows] * p["norm"])
+            d_out_normed = np.zeros_like(step.out_normed)
+            d_out_normed[rows] = d_logits @ p["lm_head"]
             grads["norm"] += (d_out_normed * step.out_normed).sum(axis=0)
             d_out = _norm_backward(d_out_normed * p["norm"], step.out_normed, step.out_inverse)
             if carry is not None:
@@ -277,7 +282,7 @@ class Eagle3Math:
 
     def chain_guesses(self, data: _Batch, steps: int) -> np.ndarray:
         """(steps, N) each step's draft id at each position (step k at p: guess k + 1 from p - k)."""
-        return np.stack([step.logits.argmax(axis=-1) for step in self.forward(data, steps)])
+        return np.stack([self.logits(step).argmax(axis=-1) for step in self.forward(data, steps)])
 
 
 def _shifted(x: np.ndarray, by: int) -> np.ndarray:
@@ -303,6 +308,7 @@ class NumpyEagle3Trainer(NamedAdamW):
 
     def __init__(self, heads: Eagle3Heads, learning_rate: float, seed: int, embedding: np.ndarray) -> None:
         self.config = heads.config
+        self.max_position_embeddings = heads.max_position_embeddings
         self.d2t = heads.d2t
         self.aux_layer_ids = heads.aux_layer_ids
         self.learning_rate = learning_rate
@@ -318,10 +324,12 @@ class NumpyEagle3Trainer(NamedAdamW):
 
     @classmethod
     def fresh(cls, config: HeadsConfig, projection: np.ndarray, embedding: np.ndarray, d2t: np.ndarray | None,
-              learning_rate: float, seed: int, aux_layer_ids: tuple[int, ...]) -> NumpyEagle3Trainer:
+              learning_rate: float, seed: int, aux_layer_ids: tuple[int, ...],
+              max_position_embeddings: int = 0) -> NumpyEagle3Trainer:
         """A layer as wide as the target (H): fc starts by averaging the layers it reads, the
         attention's and MLP's outputs small, the projection ``projection`` (Vd, H), the target's
-        output-head rows of the draft vocabulary; ``embedding`` (V, H) the target's input rows."""
+        output-head rows of the draft vocabulary; ``embedding`` (V, H) the target's input rows;
+        ``max_position_embeddings`` the target's trained context (0: not known), for the config."""
         size, count = config.hidden_size, len(aux_layer_ids)
         heads_count = max(size // HEAD_DIM, 1)
         inner = 2 * size
@@ -340,7 +348,7 @@ class NumpyEagle3Trainer(NamedAdamW):
             gate_proj=normal((inner, size), size ** -0.5), up_proj=normal((inner, size), size ** -0.5),
             down_proj=normal((size, inner), 0.02 * inner ** -0.5), input_layernorm=ones, hidden_norm=ones.copy(),
             post_attention_layernorm=ones.copy(), norm=ones.copy(), lm_head=np.asarray(projection, np.float32),
-            d2t=d2t,
+            d2t=d2t, max_position_embeddings=max_position_embeddings,
         )
         return cls(heads, learning_rate, seed, embedding)
 
@@ -375,4 +383,5 @@ class NumpyEagle3Trainer(NamedAdamW):
         size = self.params["norm"].shape[0]
         return Eagle3Heads(config, size, self.num_heads, self.num_heads, self.head_dim,
                            self.params["gate_proj"].shape[0], _EPS, self.rope_theta, self.aux_layer_ids,
-                           d2t=self.d2t, **{name: array.copy() for name, array in self.params.items()})
+                           d2t=self.d2t, max_position_embeddings=self.max_position_embeddings,
+                           **{name: array.copy() for name, array in self.params.items()})

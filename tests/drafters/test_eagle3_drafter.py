@@ -43,9 +43,11 @@ def fake_target(**kwargs) -> FakeBackend:
 
 
 def layers_of(context: list[int], aux: tuple[int, ...]) -> np.ndarray:
-    """(len(context), A*H): the fake's outputs of layers ``aux`` at every position."""
-    states = np.stack([random_state(tuple(context[: p + 1])) for p in range(len(context))]).astype(np.float64)
-    return np.concatenate([states * (layer + 1) / FAKE_LAYERS for layer in aux], axis=1)
+    """(len(context), A*H): the fake's outputs of layers ``aux`` at every position, as a sequence
+    keeps them (float16)."""
+    states = np.stack([random_state(tuple(context[: p + 1])) for p in range(len(context))])
+    layers = np.concatenate([states * np.float32((layer + 1) / FAKE_LAYERS) for layer in aux], axis=1)
+    return layers.astype(np.float16).astype(np.float64)
 
 
 # ---- the reference: EAGLE-3's layer written out, from scratch at every step --------------------

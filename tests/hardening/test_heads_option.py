@@ -236,8 +236,8 @@ def test_eagle3_heads_reading_layers_the_target_lacks_are_one_line(specforge_hea
     config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = [1, 2, 5]  # its last: llama.cpp gives inputs
     (specforge_heads / "config.json").write_text(json.dumps(config))
     result = invoke("generate", "hi", "-t", "demo-target", "-m", "eagle", "--heads", str(specforge_heads), "-n", "4")
-    assert_one_line_error(result.exit_code, result.stderr, 2, "reads the outputs of the target's layers 1, 2, 5",
-                          "not of layer 5")
+    assert_one_line_error(result.exit_code, result.stderr, 2, f"the EAGLE-3 heads in {specforge_heads} read the "
+                          "outputs of the target's layers 1, 2, 5", "not of layer 5")
 
 
 def test_eagle3_heads_in_specrun_s_cache_serve_the_eagle_method_before_eagle_ones(tiny_llama, tmp_path, monkeypatch):
@@ -302,3 +302,34 @@ def test_a_bench_switches_the_target_between_layer_outputs_and_the_head_input(tm
     doc = json.loads(out.read_text())
     assert all(run["same_as_baseline"] for run in doc["runs"])
     assert all(line["acceptance_rate"] > 0 for line in doc["overall"] if line["method"] != "none")
+
+
+def test_eagle3_heads_that_cannot_serve_the_target_leave_its_eagle_file_to_serve(tiny_qwen2, tmp_path, monkeypatch):
+    """llama.cpp gives no layer outputs for Qwen2: EAGLE-3 heads found for it by alias (say, trained
+    on MLX) give way to the EAGLE-1 file beside them, for --method eagle and for auto; an empty
+    folder a failed save left is no heads at all; --heads naming them is one line."""
+    pytest.importorskip("llama_cpp", reason="the llama backend is not installed")
+    from heads_factory import eagle3_heads
+    from specrun.registry.heads import find_heads
+
+    monkeypatch.setenv("SPECRUN_CACHE", str(tmp_path / "cache"))
+    registry = tmp_path / "models.toml"
+    registry.write_text(f'[models.qwen]\ngguf_path = "{tiny_qwen2.gguf_path}"\n')
+    config = tiny_qwen2.config
+    heads_cache_path("qwen", "eagle3").mkdir(parents=True)  # empty: a save that failed
+    eagle = heads_cache_path("qwen", "eagle")
+    save_heads(random_eagle(config.hidden_size, config.vocab_size), eagle)
+    assert find_heads("qwen", None, "eagle", registry) == eagle
+    folder = heads_cache_path("qwen", "eagle3")
+    save_heads(eagle3_heads(config.hidden_size, config.vocab_size, aux=(0,), embed_tokens=None), folder)
+    assert find_heads("qwen", None, "eagle", registry) == folder
+    args = ("generate", "def f(x):", "-t", "qwen", "--registry", str(registry), "-n", "8", "-k", "3", "--json")
+    drafted = invoke(*args, "-m", "eagle")
+    assert drafted.exit_code == 0, drafted.output
+    assert json.loads(drafted.stdout)["stats"]["drafted"] > 0  # by the EAGLE-1 file
+    auto = invoke(*args, "-m", "auto")
+    assert auto.exit_code == 0, auto.output
+    refused = invoke("generate", "hi", "-t", "qwen", "--registry", str(registry), "-m", "eagle", "--heads",
+                     str(folder), "-n", "4")
+    assert_one_line_error(refused.exit_code, refused.stderr, 2, f"the EAGLE-3 heads in {folder} read the outputs",
+                          "llama gives no layer outputs")

@@ -103,3 +103,16 @@ def test_steps_lower_the_loss_on_what_they_train_on():
     batch = windows(np.random.default_rng(4), lengths=(16, 12, 9))
     losses = [trainer.step_windows(batch) for _ in range(60)]
     assert losses[-1] < 0.6 * losses[0]
+
+
+def test_training_runs_numpy_s_blas_on_the_cores_given_then_as_before():
+    from specrun.sessions.heads_numpy import blas_threads, openblas_threads
+
+    found = openblas_threads()
+    if found is None:
+        pytest.skip("NumPy's BLAS here is not OpenBLAS")
+    _, threads = found
+    before = threads()
+    with blas_threads(2):
+        assert threads() == 2
+    assert threads() == before

@@ -124,7 +124,6 @@ def test_eagle_heads_train_on_llama_cpp_and_draft_for_the_target(gguf, tiny_llam
     assert heads.config.training["held_out"]["tokens_per_pass"] == pytest.approx(result.report.tokens_per_pass, abs=1e-4)
 
 
-
 def test_eagle3_heads_train_on_llama_cpp_and_draft_for_the_target(gguf, tiny_llama, text_folder, tmp_path):
     """--kind eagle3: the target's layer outputs through llama.cpp, the training-time test in
     NumPy, a falling loss, and a folder as SpecForge exports it that loads back as EAGLE-3 heads
@@ -155,5 +154,23 @@ def test_eagle3_heads_for_a_target_llama_cpp_gives_no_layers_of_is_one_line(tiny
     with pytest.raises(ModelFileError) as refused:
         train_heads(request_for(str(tiny_qwen2.gguf_path), tmp_path / "eagle3", kind="eagle3"), max_steps=1)
     assert refused.value.one_line().startswith(
-        f"cannot train EAGLE-3 heads for {tiny_qwen2.gguf_path.name}: gives no layer outputs: llama.cpp's qwen2 graph")
+        f"cannot train EAGLE-3 heads for {tiny_qwen2.gguf_path.name} here: llama.cpp gives no layer outputs: "
+        "llama.cpp's qwen2 graph")
     assert not (tmp_path / "eagle3").exists()
+
+
+def test_eagle3_heads_are_a_folder_trained_again_in_place_and_never_into_a_folder_of_other_files(gguf, text_folder,
+                                                                                               tmp_path):
+    from specrun.errors import FileAccessError
+
+    out = tmp_path / "eagle3"
+    for _ in range(2):  # a second run writes over the first heads (a finished run leaves no checkpoint to resume)
+        result = train_heads(request_for(gguf, out, kind="eagle3", num_heads=2, text_dir=text_folder), max_steps=2)
+        assert result.resumed_at is None and load_heads(out).config.training["steps"] == 2
+    model_folder = tmp_path / "model"
+    model_folder.mkdir()
+    (model_folder / "tokenizer.json").write_text("{}")
+    with pytest.raises(FileAccessError) as refused:
+        train_heads(request_for(gguf, model_folder, kind="eagle3", text_dir=text_folder), max_steps=1)
+    assert refused.value.one_line().startswith(f"{model_folder} holds files of its own (tokenizer.json)")
+    assert sorted(path.name for path in model_folder.iterdir()) == ["tokenizer.json"]
