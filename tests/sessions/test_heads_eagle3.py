@@ -67,6 +67,30 @@ def test_the_gradient_is_the_losss_by_finite_differences(steps):
             assert grads[name][index] == pytest.approx(numeric, rel=1e-4, abs=1e-8), (name, index)
 
 
+def test_the_gradient_along_a_random_direction_of_every_array_at_the_trained_depth():
+    """All arrays at once, TRAINED_STEPS deep: the loss's change along a random direction is the
+    gradient's inner product with it (no entry can hide behind a near-zero gradient)."""
+    from specrun.sessions.heads_eagle3 import TRAINED_STEPS
+
+    trainer = tiny_trainer(seed=3)
+    params = {name: array.astype(np.float64) for name, array in trainer.params.items()}
+    math_ = Eagle3Math(params, trainer.num_heads, trainer.head_dim, trainer.rope_theta,
+                       trainer.embedding.astype(np.float64))
+    data = math_.batch(windows(np.random.default_rng(5), lengths=(9, 6, 8)), trainer.t2d)
+    data.layers = data.layers.astype(np.float64)
+    _, grads = math_.loss_and_grads(data, TRAINED_STEPS)
+    rng = np.random.default_rng(6)
+    direction = {name: rng.normal(0, 1, array.shape) for name, array in params.items()}
+    expected = sum(float((grads[name] * direction[name]).sum()) for name in params)
+    original = {name: array.copy() for name, array in params.items()}
+    losses = []
+    for sign in (1, -1):
+        for name in params:
+            params[name][...] = original[name] + sign * 1e-6 * direction[name]
+        losses.append(math_.loss_and_grads(data, TRAINED_STEPS)[0])
+    assert (losses[0] - losses[1]) / 2e-6 == pytest.approx(expected, rel=1e-5)
+
+
 def fake_state(context: tuple[int, ...]) -> np.ndarray:
     return np.random.default_rng(zlib.crc32(repr(context).encode())).normal(0, 1, SIZE).astype(np.float32)
 
