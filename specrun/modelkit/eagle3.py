@@ -45,8 +45,9 @@ class Eagle3Heads:
     gate_proj, up_proj (I, D); down_proj (D, I); input_layernorm, hidden_norm,
     post_attention_layernorm, norm (D,); lm_head (Vd, D); d2t (Vd,) int64, the target id of each
     draft id (the file stores offsets, target = draft + d2t[draft]; here they are added), None when
-    Vd is the target's vocabulary; embed_tokens (V, D), or None when the file leaves it to the
-    target's embedding (SpecForge's export for SGLang drops it).
+    Vd is the target's vocabulary; embed_tokens (V, D; float16 as loaded: a 128k-token table, read a
+    few rows a step), or None when the file leaves it to the target's embedding (SpecForge's export
+    for SGLang drops it).
 
     config.hidden_size is the target's H (``target_hidden_size``), config.num_layers the draft's
     decoder layers (1), config.num_heads the depth SpecForge trains to by default (the files do

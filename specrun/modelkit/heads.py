@@ -613,7 +613,7 @@ def _load_eagle3(folder: Path) -> Eagle3Heads:
         norm=stored.floats("norm.weight", (draft_hidden,)),
         lm_head=stored.floats("lm_head.weight", (draft_vocab, draft_hidden)),
         d2t=_draft_ids(stored, draft_vocab, vocab_size, offsets=True),
-        embed_tokens=stored.floats("embed_tokens.weight", (vocab_size, draft_hidden)) if has_embedding else None,
+        embed_tokens=stored.halves("embed_tokens.weight", (vocab_size, draft_hidden)) if has_embedding else None,
         norm_before_residual=norm_before_residual,
         rope_scaling=settings.get("rope_scaling"),
         max_position_embeddings=_count(settings, "max_position_embeddings", config_path, 1, 1 << 30, 0),
@@ -930,6 +930,22 @@ class _TensorsFile:
             values = np.array(raw, dtype=np.float32)
         if not np.isfinite(values).all():
             raise _refuse(self.path, f"holds NaN or infinite weights in {name}", "train or download the heads again")
+        return values
+
+    def halves(self, name: str, shape: tuple[int, ...], rows: int = 4096) -> np.ndarray:
+        """The tensor ``name`` as float16, converted ``rows`` at a time (a large table, read a few
+        rows a step, at half float32's memory and without a float32 copy of it whole); refused as
+        ``floats`` refuses, and where float16 cannot hold a value."""
+        dtype, raw = self._raw(name, shape, _FLOATS, "floating point")
+        values = np.empty(shape, np.float16)
+        for start in range(0, shape[0], rows):
+            part = raw[start : start + rows]
+            part = (np.array(part, dtype=np.uint32) << 16).view(np.float32) if dtype == "BF16" else part
+            with np.errstate(over="ignore"):
+                values[start : start + rows] = part
+        if not np.isfinite(values).all():
+            problem = f"holds NaN, infinite or beyond-float16 weights in {name}"
+            raise _refuse(self.path, problem, "train or download the heads again")
         return values
 
     def ints(self, name: str, shape: tuple[int, ...]) -> np.ndarray:

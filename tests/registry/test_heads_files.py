@@ -369,7 +369,18 @@ def test_eagle3_in_bfloat16_with_its_embedding(tmp_path):
     heads = load_heads(tmp_path / "model.safetensors")
     top_half = (tensors["lm_head.weight"].view(np.uint32) & 0xFFFF0000).view(np.float32)
     np.testing.assert_array_equal(heads.lm_head, top_half)
-    assert heads.embed_tokens.shape == (VOCAB, HIDDEN)
+    assert heads.embed_tokens.shape == (VOCAB, HIDDEN) and heads.embed_tokens.dtype == np.float16  # half the memory
+    embedding = (tensors["embed_tokens.weight"].view(np.uint32) & 0xFFFF0000).view(np.float32)
+    np.testing.assert_array_equal(heads.embed_tokens, embedding.astype(np.float16))
+
+
+def test_an_eagle3_embedding_float16_cannot_hold_is_refused(tmp_path):
+    tensors = eagle3_tensors(embedding=True)
+    tensors["embed_tokens.weight"][3, 5] = 1e6  # a bfloat16 value past float16's range
+    write_eagle3(tmp_path, tensors, bf16=True)
+    with pytest.raises(ModelFileError) as refused:
+        load_heads(tmp_path)
+    assert "holds NaN, infinite or beyond-float16 weights in embed_tokens.weight" in refused.value.one_line()
 
 
 def test_eagle3_without_aux_ids_reads_the_default_layers_for_a_target():
