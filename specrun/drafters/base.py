@@ -154,7 +154,7 @@ class Drafter(Protocol):
     hidden_tail: int = 0
     # Of those, the target layers whose outputs it reads, side by side (EAGLE-3's; set once bound),
     # where () reads the output head's input (``KVSequence.track_hidden``'s layers).
-    hidden_layers: tuple[int, ...] = ()
+    layers_read: tuple[int, ...] = ()
 
     @property
     def members(self) -> tuple["Drafter", ...]:

@@ -83,7 +83,7 @@ class HeadsDrafter(Drafter):
         check_heads_target(self.name, self.heads.config, target, layers)
         self.target, self.clock = target, clock
         self._vocab_size = target.backend.vocab.size
-        self.hidden_layers = layers
+        self.layers_read = layers
         target.track_hidden(True, tail=self.hidden_tail, layers=layers)
 
     def target_layers(self, target: KVSequence) -> tuple[int, ...]:

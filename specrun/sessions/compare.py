@@ -238,7 +238,7 @@ def track_as_drafted(engine: SpeculativeEngine) -> None:
     too, pay for a tracked pass."""
     members = engine.drafter.members if engine.drafter is not None else ()
     tail = max((member.hidden_tail for member in members), default=0)
-    layers = next((member.hidden_layers for member in members if member.hidden_tail), ())
+    layers = next((member.layers_read for member in members if member.hidden_tail), ())
     if tail or engine.target.tracking:
         if tail and engine.target.tracking and engine.target.layers != layers:  # another line read other layers
             engine.target.track_hidden(False)
