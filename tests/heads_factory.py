@@ -371,33 +371,17 @@ def fitted_eagle3(backend, ids: Sequence[int], depth: int = 4, ridge: float = 1e
 
 
 def write_specforge_eagle3(folder, heads, embedding: bool = True, **config) -> None:
-    """``heads`` (Eagle3Heads) as SpecForge exports them for SGLang: config.json and one
-    model.safetensors in float16 (d2t as offsets, t2d beside it), the embedding only if asked."""
+    """``heads`` (Eagle3Heads) as SpecForge exports them for SGLang: specrun's own writer
+    (modelkit.heads.save_eagle3) without its "specrun" record, the embedding only if asked, and
+    ``config`` over the config's keys."""
+    import dataclasses
     import json
     from pathlib import Path
 
-    from safetensors.numpy import save_file
-
-    from specrun.modelkit.heads import _EAGLE3_LAYER
+    from specrun.modelkit.heads import save_eagle3
 
     folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    tensors = {key: getattr(heads, name) for name, key in _EAGLE3_LAYER.items()}
-    tensors |= {"fc.weight": heads.fc, "norm.weight": heads.norm, "lm_head.weight": heads.lm_head}
-    if embedding and heads.embed_tokens is not None:
-        tensors["embed_tokens.weight"] = heads.embed_tokens
-    tensors = {key: np.asarray(value, np.float16) for key, value in tensors.items()}
-    vocab, rows = heads.config.vocab_size, heads.config.draft_vocab_size
-    if heads.d2t is not None:
-        tensors["d2t"] = (heads.d2t - np.arange(rows)).astype(np.int64)
-        tensors["t2d"] = np.isin(np.arange(vocab), heads.d2t)
-    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
-    settings = {
-        "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_size": heads.draft_hidden_size,
-        "num_attention_heads": heads.num_attention_heads, "num_key_value_heads": heads.num_key_value_heads,
-        "head_dim": heads.head_dim, "intermediate_size": heads.intermediate_size, "num_hidden_layers": 1,
-        "rms_norm_eps": heads.rms_norm_eps, "rope_theta": heads.rope_theta, "vocab_size": vocab,
-        "draft_vocab_size": rows, "target_hidden_size": heads.config.hidden_size, "torch_dtype": "float16",
-        "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(heads.aux_layer_ids)},
-    }
+    save_eagle3(heads if embedding else dataclasses.replace(heads, embed_tokens=None), folder)
+    settings = json.loads((folder / "config.json").read_text())
+    del settings["specrun"]
     (folder / "config.json").write_text(json.dumps(settings | config, indent=2))
