@@ -4,7 +4,8 @@ Three moments need care beyond ``cli_errors`` (which turns KeyboardInterrupt int
 line and exit 130 while a command runs):
 
 - while the command's modules import (Typer, Rich, NumPy): nothing is open or written
-  yet, so the process leaves at once;
+  yet, so the process leaves at once (``specrun.cli.main`` installs that handler first, with
+  nothing imported before it);
 - inside a callback from native code, such as llama.cpp's log callback while a model
   loads: a callback cannot raise, so Python prints "Exception ignored … KeyboardInterrupt"
   and the run went on to the end. The interrupt is delivered again until it lands in
@@ -12,7 +13,9 @@ line and exit 130 while a command runs):
 - Typer turns a KeyboardInterrupt outside the command (while it parses) into exit 130
   silently; ``main`` then says "interrupted" as cli_errors does.
 
-This module imports only the standard library: it runs before anything heavy.
+What no package can reach: the few milliseconds of Python's own start-up (``site`` and the
+``.pth`` files of the environment) before the console script's first line, where Python prints
+its own traceback.
 """
 
 from __future__ import annotations
@@ -26,11 +29,6 @@ import time
 INTERRUPTED_EXIT = 130
 _said = False
 _main_thread: int | None = None  # where a redelivered interrupt is sent (raise_on_interrupt)
-
-
-def exit_at_once_on_interrupt() -> None:
-    """Until ``raise_on_interrupt``: Ctrl-C prints one line and exits 130 immediately."""
-    signal.signal(signal.SIGINT, _exit_interrupted)
 
 
 def raise_on_interrupt() -> None:
@@ -53,11 +51,6 @@ def say_interrupted_once() -> None:
     """For an interrupt that reached the top some other way (Typer's own exit 130)."""
     if not _said:
         say_interrupted()
-
-
-def _exit_interrupted(signum, frame) -> None:
-    os.write(2, b"interrupted\n")
-    os._exit(INTERRUPTED_EXIT)
 
 
 def _interrupt_main_soon() -> None:

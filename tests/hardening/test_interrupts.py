@@ -86,3 +86,40 @@ def test_ctrl_c_while_starting_exits_130_without_a_traceback(tiny_llama, delay):
     # comes while Python unwinds the exit) Python ending itself with SIGINT.
     assert process.returncode in (130, -signal.SIGINT), lines
     assert lines == ["interrupted"], lines
+
+
+# The console script's first moves: what it imports before the Ctrl-C handler is in, and a Ctrl-C
+# that arrives as the first of the command's modules imports.
+FIRST_MOVES_SCRIPT = textwrap.dedent(
+    """
+    import os, signal, sys
+    signal.signal(signal.SIGINT, signal.SIG_DFL)  # as a shell starts it (see run_script)
+    before = set(sys.modules)
+    import specrun.cli
+    print(sorted(set(sys.modules) - before), flush=True)
+
+    class InterruptAtFirstImport:
+        def find_spec(self, name, path=None, target=None):
+            if name.startswith("specrun.cli."):
+                os.kill(os.getpid(), signal.SIGINT)
+            return None
+
+    sys.meta_path.insert(0, InterruptAtFirstImport())
+    specrun.cli.main()
+    print("ran on", flush=True)
+    """
+)
+
+
+def test_the_console_script_handles_ctrl_c_before_importing_anything():
+    """Ctrl-C that lands in an import Python runs for the console script printed a traceback:
+    importing ``signal`` (and so ``enum``) cost ~3 ms before the handler was in. Now importing
+    ``specrun.cli`` brings in nothing else, and the handler is in before main's first import."""
+    result = subprocess.run(
+        [sys.executable, "-c", FIRST_MOVES_SCRIPT], capture_output=True, text=True, timeout=60,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    imported, *rest = result.stdout.splitlines()
+    assert imported == str(["specrun", "specrun.cli"]), result.stdout
+    assert rest == [] and result.stderr == "interrupted\n", (result.stdout, result.stderr)
+    assert result.returncode == 130
