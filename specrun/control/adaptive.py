@@ -362,13 +362,6 @@ class DraftLengthController:
             estimates.append(prior)
         return estimates
 
-    def expected_tokens(self, draft_len: int) -> float:
-        total, chain = 1.0, 1.0
-        for accept in self.acceptances(draft_len)[1:]:
-            chain *= accept
-            total += chain
-        return total
-
     def expected_rate(self, draft_len: int) -> float | None:
         """Tokens per second expected at this draft length (None before any timing)."""
         return self.expected_rates(draft_len)[draft_len]
