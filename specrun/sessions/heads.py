@@ -334,7 +334,10 @@ class _Run:
             states, labels = self._positions(data, train_rows, trainer.d2t)
             self._fit_positions(trainer, states, labels, settings, source)
             report = self._report(trainer, data, held_rows)
-        training = self._record(settings, source, report, len(data.tokens), data.token_count)
+        # The heads' own record names the target's file, not where it lay on this machine (heads
+        # are shared, and shipped: the path was the trainer's cache); the checkpoint kept the path.
+        published = {**settings, "target": Path(settings["target"]).name}
+        training = self._record(published, source, report, len(data.tokens), data.token_count)
         from specrun.modelkit.heads import save_heads
 
         save_heads(trainer.heads(training), self.out, training)

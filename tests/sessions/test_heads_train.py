@@ -4,6 +4,8 @@ it, and every bad input is one line."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 from typer.testing import CliRunner
@@ -51,6 +53,8 @@ def test_a_short_run_writes_heads_that_load_back(tiny_llama, text_folder, tmp_pa
     assert training["held_out"]["positions"] == result.report.positions > 0
     assert len(training["held_out"]["head_accuracy"]) == 2
     assert "text files" in training["data"]["source"]
+    # the target by its file's name: heads are shared, the path was this machine's
+    assert training["settings"]["target"] == tiny_llama.hf_dir.name
     assert not checkpoint_folder(out).exists()  # a finished run leaves no checkpoint
 
 
@@ -88,6 +92,7 @@ def test_a_stopped_run_resumes_from_its_checkpoint(tiny_llama, text_folder, tmp_
     assert "step 4" in stopped.value.where() and str(checkpoint_folder(out)) in stopped.value.where()
     kept = load_heads(checkpoint_folder(out) / "heads.safetensors")
     assert kept.config.training["steps"] == 4
+    assert Path(kept.config.training["settings"]["target"]).is_absolute()  # what a resume must match
     assert not out.exists()
 
     notes = []
