@@ -475,11 +475,12 @@ def open_chat(
         if ngram_cache is not None:
             drafter_options = DrafterOptions(ngram_cache, vocabulary_fingerprint(target), branches=branches,
                                              lookahead=lookahead)
+        loaded: dict = {}  # heads read, by path: each /method's are read once a session
         if needs_heads(method):
             drafter_options = dataclasses.replace(drafter_options, heads=load_target_heads(
-                target_spec, heads, target, options.registry, heads_kind(method)))
+                target_spec, heads, target, options.registry, heads_kind(method), loaded))
         # auto's heads, checked now, kept below where the stored costs say they pay
-        auto_heads = heads_for_auto(target_spec, heads, target, options.registry, on_note) \
+        auto_heads = heads_for_auto(target_spec, heads, target, options.registry, on_note, loaded) \
             if is_adaptive(method) else None
         # The heads are good: flash attention by what it costs here (sessions/kernels.py), then the
         # stored costs found under the key it picks.
@@ -492,8 +493,8 @@ def open_chat(
 
         def load_heads(kind: str | None):
             if kind is None:
-                return paying(heads_for_auto(target_spec, heads, target, options.registry, on_note))
-            return load_target_heads(target_spec, heads, target, options.registry, kind)
+                return paying(heads_for_auto(target_spec, heads, target, options.registry, on_note, loaded))
+            return load_target_heads(target_spec, heads, target, options.registry, kind, loaded)
 
         drafter_options = with_auto_heads(drafter_options, paying(auto_heads))
         return ChatSession(target, draft, method, system_prompt=system_prompt, load_draft=load_draft,

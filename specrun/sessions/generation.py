@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from specrun.engine.loop import (
     DEFAULT_TREE_NODES, TIE_MARGIN, Finished, GenerationParams, GenerationResult, SpeculativeEngine, TextChunk,
@@ -314,19 +315,34 @@ def resolve_min_prob(requested: float | None, tuned) -> float:
     return tuned.best_min_prob if tuned is not None else DEFAULT_DRAFT_MIN_PROB
 
 
-def load_target_heads(target_spec: str, explicit: str | None, target, registry=None, kind: str = "medusa"):
+def load_target_heads(target_spec: str, explicit: str | None, target, registry=None, kind: str = "medusa",
+                      loaded: dict | None = None):
     """The ``kind`` heads ("medusa", "hydra" or "eagle") for ``target`` (an open backend): --heads, else
-    found by alias (registry/heads.py), checked against the target before anything drafts with them."""
-    from specrun.modelkit.heads import load_heads
+    found by alias (registry/heads.py), checked against the target before anything drafts with them.
+    ``loaded``: heads already read, by path, which this adds to (see ``read_heads``)."""
     from specrun.registry.heads import find_all_heads
 
     first_error = None
     for path in find_all_heads(target_spec, explicit, kind, registry):  # EAGLE-3's folder, then EAGLE-1's file
         try:
-            return _checked_heads(path, load_heads(path), kind, target)
+            return _checked_heads(path, read_heads(path, loaded), kind, target)
         except SpecrunError as error:
             first_error = first_error or error
     raise first_error
+
+
+def read_heads(path, loaded: dict | None):
+    """The heads in ``path``, read once per ``loaded`` (a comparison's lines, or a chat session's
+    methods, that draft with the same file share what was read: a published EAGLE-3 head's
+    embedding table alone is ~1 GB)."""
+    from specrun.modelkit.heads import load_heads
+
+    if loaded is None:
+        return load_heads(path)
+    key = Path(path).resolve()
+    if key not in loaded:
+        loaded[key] = load_heads(path)
+    return loaded[key]
 
 
 def _checked_heads(path, heads, kind: str, target):
@@ -348,25 +364,25 @@ def _checked_heads(path, heads, kind: str, target):
 
 
 def heads_for_auto(target_spec: str, explicit: str | None, target, registry=None,
-                   on_note: Callable[[str], None] | None = None):
+                   on_note: Callable[[str], None] | None = None, loaded: dict | None = None):
     """The heads ``auto`` may draft with beside its other drafters (``heads_pay`` decides, once
     the stored costs are read): --heads, else the first kind of AUTO_HEADS_ORDER found for the
     target by alias; None where there are none or the target gives no hidden states. Heads found
     by alias that cannot serve this target (made for another model, damaged) leave auto drafting
-    without them, said in a note; --heads that cannot is an error, as for a head method."""
-    from specrun.modelkit.heads import load_heads
+    without them, said in a note; --heads that cannot is an error, as for a head method.
+    ``loaded``: as for ``load_target_heads``."""
     from specrun.registry.heads import find_heads, head_kinds_available
 
     if explicit is not None:
         path = find_heads(target_spec, explicit, "eagle", registry)
-        heads = load_heads(path)
+        heads = read_heads(path, loaded)
         return _checked_heads(path, heads, heads.config.kind, target)
     if not target.hidden_support.available:
         return None
     found = head_kinds_available(target_spec, None, registry)
     for kind in (kind for kind in AUTO_HEADS_ORDER if kind in found):
         try:
-            return load_target_heads(target_spec, None, target, registry, kind)
+            return load_target_heads(target_spec, None, target, registry, kind, loaded)
         except SpecrunError as error:  # the next kind found, if any
             if on_note is not None:
                 on_note(f"auto drafts without the {kind} heads found: {error.one_line()}")
@@ -414,19 +430,18 @@ def with_auto_heads(options: DrafterOptions, heads) -> DrafterOptions:
     return dataclasses.replace(options, heads=have[0] if len(have) == 1 else have, auto_heads=kind)
 
 
-def load_heads_for_methods(target_spec: str, explicit: str | None, target, methods, registry=None):
+def load_heads_for_methods(target_spec: str, explicit: str | None, target, methods, registry=None,
+                           loaded: dict | None = None):
     """The heads every head method of ``methods`` drafts with (one object for one kind, a tuple
     for several; None for none). ``explicit`` (--heads) serves the kind its file holds."""
     kinds = list(dict.fromkeys(kind for kind in map(heads_kind, methods) if kind is not None))
+    given = {kind: explicit for kind in kinds}
     if explicit is not None and len(kinds) > 1:
         from specrun.registry.heads import explicit_heads_kind
 
-        given = explicit_heads_kind(explicit)
-        loaded = tuple(load_target_heads(target_spec, explicit if kind == given else None, target, registry, kind)
-                       for kind in kinds)
-    else:
-        loaded = tuple(load_target_heads(target_spec, explicit, target, registry, kind) for kind in kinds)
-    return None if not loaded else loaded[0] if len(loaded) == 1 else loaded
+        given = {kind: explicit if kind == explicit_heads_kind(explicit) else None for kind in kinds}
+    found = tuple(load_target_heads(target_spec, given[kind], target, registry, kind, loaded) for kind in kinds)
+    return None if not found else found[0] if len(found) == 1 else found
 
 
 def comparison_heads(target_spec: str, explicit: str | None, target, methods, registry, stored,
@@ -434,10 +449,11 @@ def comparison_heads(target_spec: str, explicit: str | None, target, methods, re
     """The drafter options a comparison of ``methods`` (bench, demo) gives every line: the heads
     its head methods draft with, and auto's, where auto is one of them and its heads pay
     (``heads_pay`` on ``stored``, or --heads), as `specrun generate` would choose them here."""
-    options = DrafterOptions(heads=load_heads_for_methods(target_spec, explicit, target, methods, registry))
+    loaded: dict = {}  # a head line and auto's heads are often the same file: read once
+    options = DrafterOptions(heads=load_heads_for_methods(target_spec, explicit, target, methods, registry, loaded))
     if not any(map(is_adaptive, methods)):
         return options
-    auto = heads_for_auto(target_spec, explicit, target, registry, on_note)
+    auto = heads_for_auto(target_spec, explicit, target, registry, on_note, loaded)
     return with_auto_heads(options, paying_heads(auto, explicit, target, stored))
 
 

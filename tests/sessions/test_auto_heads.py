@@ -347,6 +347,43 @@ def test_bench_s_auto_line_drafts_with_the_heads_and_notes_it(model, tiny_llama,
     assert bench.comparison.figures["none"].by_prompt[0][0].stats.drafters == ""
 
 
+@pytest.fixture
+def reads(monkeypatch):
+    """The heads files read from disk, in order."""
+    import specrun.modelkit.heads as heads_io
+
+    read, load = [], heads_io.load_heads
+    monkeypatch.setattr(heads_io, "load_heads", lambda path, *args, **kwargs: read.append(path) or load(path, *args, **kwargs))
+    return read
+
+
+def test_a_head_line_and_auto_s_heads_are_read_once(model, tiny_llama, heads_pay_here, reads):
+    from specrun.sessions.generation import comparison_heads
+
+    path = beside(model, "eagle", tiny_llama.config)
+    from specrun.registry.loading import LoadOptions, open_pair
+
+    target, _ = open_pair(str(model), None, LoadOptions(backend="llama"))
+    try:
+        options = comparison_heads(str(model), None, target, ("none", "eagle", "auto"), None, None)
+    finally:
+        target.close()
+    assert options.auto_heads == "eagle"  # the eagle line's heads serve auto too
+    assert reads == [path]
+
+
+def test_a_chat_reads_its_heads_once_however_often_the_method_changes(model, tiny_llama, heads_pay_here, reads):
+    from specrun.registry.loading import LoadOptions
+    from specrun.sessions.chat import open_chat
+
+    path = beside(model, "hydra", tiny_llama.config)
+    with open_chat(str(model), str(model), "auto", LoadOptions(backend="llama")) as session:
+        for method in ("hydra", "none", "auto", "hydra"):
+            session.set_method(method)
+        assert [member.name for member in session.engine.drafter.members] == ["hydra"]
+    assert reads == [path]
+
+
 def test_a_comparison_tracks_hidden_states_only_for_the_lines_whose_drafters_read_them(tiny_llama):
     """Every line of a bench drives one target: the heads auto binds must not have the baseline
     (or any line without heads) pay for tracked passes."""
