@@ -23,6 +23,7 @@ import asyncio
 import hmac
 import ipaddress
 import json
+import math
 import queue
 import socket
 import threading
@@ -126,8 +127,28 @@ def _number(body: dict, name: str, default, *, integer: bool = False):
         return default
     allowed = (int,) if integer else (int, float)
     if isinstance(value, bool) or not isinstance(value, allowed):
-        raise RequestError(f"{name} must be {'an integer' if integer else 'a number'}, got {json.dumps(value)}",
+        raise RequestError(f"{name} must be {'an integer' if integer else 'a number'}, got {_shown(value)}",
                            name, code="invalid_type")
+    if isinstance(value, float) and not math.isfinite(value):  # JSON as Python reads it allows NaN
+        raise _invalid(name, f"must be a finite number, got {value}")
+    if isinstance(value, int) and abs(value) >= 2**64:
+        raise _invalid(name, "is out of range (more than 64 bits)")
+    return value
+
+
+def _shown(value) -> str:
+    """A bad value as an error quotes it: at most 40 characters of its JSON."""
+    text = json.dumps(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _text(value: str, where: str) -> str:
+    """``value`` if it is text the tokenizer can take: JSON may escape half of a surrogate pair
+    alone (\\ud800), which no UTF-8 encoder accepts."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise _invalid(where, f"is not valid Unicode text (a lone surrogate at character {exc.start})") from None
     return value
 
 
@@ -209,7 +230,7 @@ def _parse_stop(stop) -> tuple[str, ...]:
         raise _invalid("stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(stops)}")
     if any(not s for s in stops):
         raise _invalid("stop", "stop strings must not be empty")
-    return tuple(stops)
+    return tuple(_text(s, "stop") for s in stops)
 
 
 def parse_chat_request(body: dict, defaults: ServeDefaults, n_ctx: int) -> CompletionRequest:
@@ -244,14 +265,14 @@ def _message_text(content, where: str, optional: bool) -> str:
     if content is None and optional:
         return ""
     if isinstance(content, str):
-        return content
+        return _text(content, where)
     if isinstance(content, list) and content:
         texts = []
         for index, part in enumerate(content):
             if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
                 raise RequestError(f"{where}[{index}] must be a text part ({{\"type\": \"text\", \"text\": ...}}): "
                                    "specrun serve takes text only", f"{where}[{index}]", code="invalid_type")
-            texts.append(part["text"])
+            texts.append(_text(part["text"], f"{where}[{index}].text"))
         return "\n".join(texts)
     raise RequestError(f"{where} must be a string or a list of text parts", where, code="invalid_type")
 
@@ -269,7 +290,7 @@ def _parse_prompt(prompt) -> str | tuple[int, ...]:
     if isinstance(prompt, str):
         if not prompt:
             raise _invalid("prompt", "must not be empty")
-        return prompt
+        return _text(prompt, "prompt")
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         return tuple(prompt)
     if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
@@ -353,6 +374,7 @@ class Job:
         self.cancelled = threading.Event()
         self._loop = loop
         self._events: asyncio.Queue[JobEvent] = asyncio.Queue()
+        self._check_at = 0.0  # when next_event next asks whether the client is still there
 
     def emit(self, event: JobEvent) -> None:
         """From the worker thread."""
@@ -366,16 +388,21 @@ class Job:
 
     async def next_event(self, disconnected: Callable | None = None) -> JobEvent:
         """The next event; with ``disconnected`` (an async check), cancel and raise
-        ``ClientGone`` when the client has left while waiting."""
+        ``ClientGone`` when the client has left, checked every DISCONNECT_POLL_SECONDS whether
+        or not events keep coming (a whole answer's text arrives at every pass)."""
         while True:
             if disconnected is None:
                 return await self._events.get()
-            try:
-                return await asyncio.wait_for(self._events.get(), DISCONNECT_POLL_SECONDS)
-            except asyncio.TimeoutError:
+            now = time.monotonic()
+            if now >= self._check_at:
+                self._check_at = now + DISCONNECT_POLL_SECONDS
                 if await disconnected():
                     self.cancel()
-                    raise ClientGone() from None
+                    raise ClientGone()
+            try:
+                return await asyncio.wait_for(self._events.get(), self._check_at - now)
+            except asyncio.TimeoutError:
+                continue
 
 
 class ClientGone(Exception):
@@ -471,7 +498,12 @@ class PairWorker:
                     self.log(f"{job.id}: the client left while queued; dropped")
                     continue
                 self._current = job
-                self._answer(job)
+                try:
+                    self._answer(job)
+                except Exception as exc:  # noqa: BLE001 - one request failed; the server keeps serving
+                    self.log(f"{job.id}: failed: {type(exc).__name__}: {exc}")
+                    job.emit(Failed(RequestError(f"the request failed: {type(exc).__name__}: {exc}", status=500,
+                                                 code="internal_error", kind="server_error")))
                 self._current = None
         finally:
             self.session.close()
@@ -606,8 +638,11 @@ async def read_json_body(request, limit: int) -> dict:
         chunks.append(chunk)
     try:
         body = json.loads(b"".join(chunks))
+    except RecursionError:
+        raise RequestError("the request body nests JSON too deeply", code="invalid_json") from None
     except (ValueError, UnicodeDecodeError) as exc:
-        raise RequestError(f"the request body is not valid JSON: {exc}", code="invalid_json") from None
+        why = "a number in it has thousands of digits" if "int_max_str_digits" in str(exc) else str(exc)
+        raise RequestError(f"the request body is not valid JSON: {why}", code="invalid_json") from None
     if not isinstance(body, dict):
         raise RequestError("the request body must be a JSON object", code="invalid_type")
     return body

@@ -3,6 +3,7 @@ killed mid-stream neither stalls nor changes anyone else's."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import time
@@ -130,3 +131,26 @@ client.chat.completions.create(model="demo-target", max_tokens=1500, temperature
                                messages=[{"role": "user", "content": "class Lexer:"}])
 """
 
+
+
+def test_a_whole_answer_stops_when_its_client_leaves(demo_server):
+    """Not streamed: the answer's text reaches the request at every pass, and the check for a
+    gone client used to wait for a quiet moment that never came (all 1500 tokens were made)."""
+    import socket
+
+    def stopped() -> int:
+        return sum("the client left; stopped" in line for line in list(demo_server.log))
+
+    before = stopped()
+    body = json.dumps({"model": MODEL, "max_tokens": 1500, "temperature": 0,
+                       "messages": [{"role": "user", "content": "class Tokenizer:"}]}).encode()
+    host, port = demo_server.host_port
+    with socket.create_connection((host, port), timeout=30) as client:
+        client.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                       b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        time.sleep(0.5)  # generating: 1500 tokens take seconds here
+    deadline = time.monotonic() + 10
+    while stopped() == before:
+        assert time.monotonic() < deadline, demo_server.log[-5:]
+        time.sleep(0.05)
+    assert demo_server.healthy()

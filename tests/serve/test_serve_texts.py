@@ -39,3 +39,34 @@ def test_each_request_starts_a_new_text_on_the_worker():
         assert session.engine.policy.target_costs.seconds.keys() >= costs.keys()  # the costs were kept
     finally:
         worker.stop()
+
+
+def test_a_request_that_fails_unexpectedly_fails_alone():
+    """Whatever a request raises, it gets a 500 and the worker serves the next one (a tokenizer
+    error once ended the worker's thread: every later request waited for ever)."""
+    worker = PairWorker(PairOptions("demo-target", None, method="none", load=LoadOptions(threads=1)))
+    worker.start()
+    try:
+        prompt_ids = worker._prompt_ids
+        failures = iter([RuntimeError("tokenizer broke")])
+
+        def first_one_fails(request):
+            for failure in failures:
+                raise failure
+            return prompt_ids(request)
+
+        worker._prompt_ids = first_one_fails
+
+        async def ask():
+            job = Job(CompletionRequest("demo", 8, SamplingSettings(), prompt=(1, 40, 41)), asyncio.get_running_loop())
+            worker.submit(job)
+            while not isinstance(event := await job.next_event(), (Done, Failed)):
+                pass
+            return event
+
+        failed, served = asyncio.run(ask()), asyncio.run(ask())
+        assert isinstance(failed, Failed) and failed.error.status == 500
+        assert "tokenizer broke" in failed.error.body()["error"]["message"]
+        assert isinstance(served, Done)
+    finally:
+        worker.stop()
