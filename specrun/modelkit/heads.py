@@ -637,6 +637,23 @@ def _aux_layer_ids(settings: dict, path: Path) -> tuple[int, ...]:
 # Loading, whatever the format
 
 
+def is_specrun_heads_file(path: Path) -> bool:
+    """Is ``path`` one of a heads pair specrun wrote: the .json config (its "format"), or the
+    .safetensors file (its header's metadata)? False for anything else, or unreadable."""
+    path = Path(path)
+    try:
+        with open(path, "rb") as file:
+            if path.suffix == ".json":
+                config = json.loads(file.read(16 * MiB))
+                return isinstance(config, dict) and config.get("format") == HEADS_FORMAT
+            size = int.from_bytes(file.read(8), "little")
+            header = json.loads(file.read(size)) if 0 < size <= 16 * MiB else None
+        metadata = header.get("__metadata__") if isinstance(header, dict) else None
+        return isinstance(metadata, dict) and metadata.get("format") == HEADS_FORMAT
+    except (OSError, ValueError, RecursionError):
+        return False
+
+
 def load_heads(path: Path) -> MedusaHeads | EagleHeads | HydraHeads | Eagle3Heads:
     """The heads at ``path``: specrun's own (MedusaHeads, HydraHeads or EagleHeads: the .safetensors file, its
     .json, or a folder holding one such pair), a published Medusa-1 folder (MedusaHeads) or an EAGLE-3 draft folder

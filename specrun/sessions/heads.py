@@ -19,6 +19,7 @@ keeps the last checkpoint (TrainingInterrupted says where); a finished run remov
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import shutil
@@ -44,6 +45,7 @@ from specrun.sessions.heads_data import (
 TRAINABLE_KINDS = ("medusa", "hydra", "eagle", "eagle3")  # eagle3: heads for the eagle method, EAGLE-3's
 DATA_SHARE = 0.4  # of the budget, at most, for gathering data: generation is the slow part
 CHECKPOINT_SECONDS = 30.0
+MAX_MINUTES = 7 * 24 * 60  # --minutes: a week (inf ran for ever, whatever --max-steps said)
 HELD_OUT_SHARE = 0.1  # of the windows, kept out of training for the report
 TEXT_WINDOW_TOKENS = 128
 SHORTEST_WINDOW = 8
@@ -173,8 +175,9 @@ def check_request(request: HeadsTrainRequest) -> None:
         raise UsageError(f"EAGLE heads are one layer, got --num-layers {request.num_layers}", "leave --num-layers out")
     if request.text_dir is not None and request.prompts_file is not None:
         raise UsageError("--text and --prompts are two data sources", "pass one of them")
-    if not request.minutes > 0:
-        raise UsageError(f"--minutes must be more than 0, got {request.minutes:g}", "pass a budget, e.g. --minutes 10")
+    if not 0 < request.minutes <= MAX_MINUTES:
+        raise UsageError(f"--minutes must be more than 0 and at most {MAX_MINUTES} (a week), got {request.minutes:g}",
+                         "pass a budget, e.g. --minutes 10")
     checks = (("--num-heads", request.num_heads, 1, 16), ("--num-layers", request.num_layers, 1, 8),
               ("--draft-vocab", request.draft_vocab, 2, 1 << 22))
     for name, value, low, high in checks:
@@ -182,6 +185,18 @@ def check_request(request: HeadsTrainRequest) -> None:
             raise UsageError(f"{name} must be between {low} and {high}, got {value}", f"pass a valid {name}")
     if not 0 < request.learning_rate <= 1:
         raise UsageError(f"--lr must be more than 0 and at most 1, got {request.learning_rate:g}", "pass e.g. --lr 1e-3")
+    if not 0 <= request.seed < 2**63:
+        raise UsageError(f"--seed must be a non-negative 64-bit integer, got {request.seed}", "pass e.g. --seed 0")
+    if request.threads is not None and not 1 <= request.threads <= 1024:
+        raise UsageError(f"--threads must be between 1 and 1024, got {request.threads}", "pass a valid --threads")
+    if request.out is not None:
+        out = Path(request.out).expanduser()
+        if request.kind != "eagle3" and out.suffix != ".safetensors":
+            raise UsageError(f"--heads-out {out} does not end in .safetensors: {request.kind} heads are a "
+                             ".safetensors file (and a .json beside it)", "name a .safetensors file")
+        if checkpoint_folder(out) == out:
+            raise UsageError(f"--heads-out {out} ends in .ckpt, the name of the run's checkpoint folder",
+                             "name the heads otherwise")
 
 
 EAGLE3_FILES = ("config.json", "model.safetensors")
@@ -213,6 +228,35 @@ def checkpoint_folder(out: Path) -> Path:
     return Path(out).with_suffix(".ckpt")
 
 
+# What a checkpoint folder holds (_Run._checkpoint, _write_data): a folder holding anything else
+# is not one, and is neither resumed from nor removed.
+CHECKPOINT_FILES = ("data.npz", "optimizer.safetensors", "heads.safetensors", "heads.json", "heads")
+
+
+def check_checkpoint_folder(folder: Path) -> None:
+    """Fail where the checkpoint's place is taken by something a run did not write: a file, or a
+    folder with other files in it (a run removes its checkpoint when it ends)."""
+    fix = "move it away, or name the heads otherwise with --heads-out"
+    if folder.exists() and not folder.is_dir():
+        raise FileAccessError(f"{folder}, where the run keeps its checkpoint, is a file", fix)
+    if folder.is_dir():
+        others = sorted(path.name for path in folder.iterdir() if path.name not in CHECKPOINT_FILES)
+        if others:
+            raise FileAccessError(f"{folder}, where the run keeps its checkpoint, holds files of its own "
+                                  f"({others[0]}{f' and {len(others) - 1} more' if len(others) > 1 else ''})", fix)
+
+
+def check_heads_file(out: Path) -> None:
+    """Fail where ``out`` or the .json beside it exists and is not specrun heads': a run would
+    write over another file (a model's weights, a project's package.json)."""
+    from specrun.modelkit.heads import is_specrun_heads_file
+
+    for path in (out, out.with_suffix(".json")):
+        if path.exists() and not is_specrun_heads_file(path):
+            raise FileAccessError(f"{path} exists and is not specrun heads: training would write over it",
+                                  "name a new file (or earlier heads) for --heads-out")
+
+
 def train_heads(
     request: HeadsTrainRequest,
     on_progress: Callable[[TrainProgress], None] | None = None,
@@ -229,7 +273,9 @@ def train_heads(
     if request.kind == "eagle3":
         check_eagle3_folder(out)
     else:
+        check_heads_file(out)
         check_writable_folder(out, "heads file")
+    check_checkpoint_folder(checkpoint_folder(out))
     target, trainer_class = open_heads_target(request)
     try:
         run = _Run(request, target, out, on_progress or (lambda progress: None), on_note or (lambda note: None),
@@ -341,7 +387,7 @@ class _Run:
         from specrun.modelkit.heads import save_heads
 
         save_heads(trainer.heads(training), self.out, training)
-        shutil.rmtree(self.checkpoints, ignore_errors=True)
+        _remove_checkpoint(self.checkpoints)
         return HeadsTrainResult(
             path=self.out, steps=self.step, seconds=self.elapsed(), final_loss=self._final_loss(),
             report=report, source=source, resumed_at=resumed_at,
@@ -429,18 +475,20 @@ class _Run:
             with np.load(data_path) as stored:
                 flat, lengths, held_out = stored["tokens"], stored["lengths"], stored["held_out"]
                 label_from = stored["label_from"]
-        except (SpecrunError, OSError, ValueError, KeyError) as exc:
-            self.on_note(f"the checkpoint in {self.checkpoints} cannot be read ({exc}): starting afresh")
+            trainer = self._trainer_for(heads)
+            optimizer_path = self.checkpoints / "optimizer.safetensors"
+            if optimizer_path.exists():
+                trainer.load_optimizer(optimizer_path)
+            step, seconds = int(record.get("steps", 0)), float(record.get("seconds", 0.0))
+            losses = [float(loss) for loss in record.get("losses", [])]
+        except Exception as exc:  # noqa: BLE001 - NumPy's, safetensors' and MLX's readers each raise their own
+            # A torn or damaged checkpoint (a full disk, a killed run) is worth less than a fresh start.
+            self.on_note(f"the checkpoint in {self.checkpoints} cannot be read ({type(exc).__name__}: {exc}): "
+                         "starting afresh")
             return None
-        self.step = int(record.get("steps", 0))
-        self.spent_before = float(record.get("seconds", 0.0))
+        self.step, self.spent_before, self.losses = step, seconds, losses
         self.started = time.monotonic()
-        self.losses = [float(loss) for loss in record.get("losses", [])]
         self.saved_step = self.step
-        trainer = self._trainer_for(heads)
-        optimizer_path = self.checkpoints / "optimizer.safetensors"
-        if optimizer_path.exists():
-            trainer.load_optimizer(optimizer_path)
         data = _Data()
         starts = np.concatenate([[0], np.cumsum(lengths)])
         windows = [flat[starts[i] : starts[i + 1]].tolist() for i in range(len(lengths))]
@@ -504,9 +552,12 @@ class _Run:
                 break
             results = self.target.continue_greedily(batch, CONTINUATION_TOKENS,
                                                     stop=lambda: time.monotonic() >= deadline)
+            before = len(data.tokens)
             for prompt, (tokens, states, following) in zip(batch, results):
                 data.add(tokens, states, following, label_from=len(prompt) - 1)
             self._report_data(data)
+            if time.monotonic() >= deadline and len(data.tokens) == before:
+                break  # past the deadline a continuation stops at once: the rest would add nothing either
 
     def _report_data(self, data: _Data) -> None:
         self.on_progress(TrainProgress("data", self.elapsed(), self.budget, tokens=data.token_count,
@@ -705,3 +756,16 @@ def _window(data: _Data, index: int):
 def _batches(items: list, size: int):
     for start in range(0, len(items), size):
         yield items[start : start + size]
+
+
+def _remove_checkpoint(folder: Path) -> None:
+    """Remove what a run wrote to its checkpoint folder, then the folder if that left it empty
+    (check_checkpoint_folder refused one with files of its own before the run began)."""
+    for name in CHECKPOINT_FILES:
+        path = folder / name
+        if path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
+        elif path.exists():
+            path.unlink(missing_ok=True)
+    with contextlib.suppress(OSError):
+        folder.rmdir()

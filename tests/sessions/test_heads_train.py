@@ -102,6 +102,26 @@ def test_a_stopped_run_resumes_from_its_checkpoint(tiny_llama, text_folder, tmp_
     assert load_heads(out).config.training["steps"] == 8
 
 
+@pytest.mark.parametrize("damaged", ["data.npz", "optimizer.safetensors"])
+def test_a_damaged_checkpoint_starts_afresh(damaged, tiny_llama, text_folder, tmp_path):
+    """A checkpoint torn by a full disk or a killed run: every later run ended in an internal error."""
+    out = tmp_path / "medusa.safetensors"
+    request = request_for(tiny_llama, out, text_dir=text_folder)
+
+    def stop_at_step_3(progress):
+        if progress.phase == "train" and progress.step == 3:
+            raise KeyboardInterrupt
+
+    with pytest.raises(TrainingInterrupted):
+        train_heads(request, on_progress=stop_at_step_3, max_steps=8, checkpoint_seconds=0)
+    path = checkpoint_folder(out) / damaged
+    path.write_bytes(path.read_bytes()[:100])
+    notes = []
+    result = train_heads(request, on_note=notes.append, max_steps=4)
+    assert result.resumed_at is None and result.steps == 4
+    assert any("cannot be read" in note and "starting afresh" in note for note in notes), notes
+
+
 def test_other_settings_start_afresh(tiny_llama, text_folder, tmp_path):
     out = tmp_path / "medusa.safetensors"
 
@@ -211,6 +231,10 @@ def test_the_command_trains_and_prints_the_report(tiny_llama, text_folder, tmp_p
         (["--lr", "0"], 2, "--lr must be more than 0"),
         (["--text", ".", "--prompts", "p.txt"], 2, "pass one of them"),
         (["--prompts", "/nonexistent/prompts.txt"], 1, "prompts file"),
+        (["--minutes", "inf"], 2, "at most 10080 (a week)"),  # ran for ever
+        (["--seed", "-1"], 2, "--seed must be a non-negative"),  # failed after gathering the data
+        (["--threads", "100000"], 2, "--threads must be between 1 and 1024"),  # a segfault
+        (["--threads", "0"], 2, "--threads must be between 1 and 1024"),
     ],
 )
 def test_bad_input_is_one_line(args, exit_code, words, tmp_path):
@@ -218,6 +242,52 @@ def test_bad_input_is_one_line(args, exit_code, words, tmp_path):
     line = one_line_error(invoke(*args, "--heads-out", str(out)), exit_code)
     assert words in line
     assert not out.exists() and not checkpoint_folder(out).exists()
+
+
+@pytest.mark.parametrize(("name", "kind", "words"), [
+    ("heads.bin", "medusa", "does not end in .safetensors"),  # found only once trained
+    ("heads.ckpt", "eagle3", "the name of the run's checkpoint folder"),  # the run removed its own output
+])
+def test_a_heads_out_the_run_cannot_write_is_refused_first(name, kind, words, tmp_path):
+    line = one_line_error(invoke("--kind", kind, "--heads-out", str(tmp_path / name)), 2)
+    assert words in line
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("kind", ["medusa", "eagle3"])
+def test_a_checkpoint_folder_with_files_of_its_own_is_left_alone(kind, tmp_path):
+    """A run removes its checkpoint folder when it ends: one the user made (model.ckpt of
+    another tool) was removed with everything in it."""
+    out = tmp_path / ("model" if kind == "eagle3" else "model.safetensors")
+    theirs = tmp_path / "model.ckpt"
+    theirs.mkdir()
+    (theirs / "epoch=3.pt").write_text("precious")
+    line = one_line_error(invoke("--kind", kind, "--heads-out", str(out), "--max-steps", "2"), 1)
+    assert "holds files of its own (epoch=3.pt)" in line and str(theirs) in line
+    assert (theirs / "epoch=3.pt").read_text() == "precious" and not out.exists()
+
+
+@pytest.mark.parametrize("other", ["model.safetensors", "model.json"])
+def test_files_that_are_not_heads_are_not_written_over(other, tmp_path):
+    (tmp_path / other).write_text('{"name": "my project"}')
+    line = one_line_error(invoke("--heads-out", str(tmp_path / "model.safetensors"), "--max-steps", "2"), 1)
+    assert "is not specrun heads" in line
+    assert (tmp_path / other).read_text() == '{"name": "my project"}'
+
+
+def test_a_run_removes_only_its_own_checkpoint_files(tmp_path):
+    from specrun.sessions.heads import CHECKPOINT_FILES, _remove_checkpoint
+
+    folder = tmp_path / "h.ckpt"
+    (folder / "heads").mkdir(parents=True)
+    for name in CHECKPOINT_FILES[:-1]:
+        (folder / name).write_text("x")
+    _remove_checkpoint(folder)
+    assert not folder.exists()
+    (folder / "heads").mkdir(parents=True)
+    (folder / "later.txt").write_text("theirs")  # came while the run trained
+    _remove_checkpoint(folder)
+    assert [path.name for path in folder.iterdir()] == ["later.txt"]
 
 
 def test_an_empty_text_folder_is_one_line(tmp_path):
@@ -247,3 +317,32 @@ def test_ctrl_c_says_where_the_checkpoint_is(monkeypatch, tmp_path):
     lines = result.stderr.strip().splitlines()
     assert lines == [f"interrupted: the checkpoint at step 12 is kept in {tmp_path / 'medusa.ckpt'}; "
                      "run the same command to resume"]
+
+
+def test_gathering_stops_at_the_deadline_when_continuations_come_back_empty(monkeypatch):
+    """Past the data deadline each continuation stops before its first token: the run went on
+    through every prompt (minutes of prefill on MLX's CPU build) instead of saying it has too little."""
+    from types import SimpleNamespace
+
+    from specrun.errors import SpecrunError
+    from specrun.sessions.heads import HeadsTrainRequest, _Run
+
+    calls = []
+
+    class Target:
+        backend = SimpleNamespace(tokenize=lambda text, add_bos=False: [1, 2, 3], vocab=SimpleNamespace(add_bos=False))
+
+        def can_batch_prompts(self):
+            return False
+
+        def continue_greedily(self, batch, n_new, stop=None):
+            calls.append(stop())
+            return [(list(prompt), np.zeros((len(prompt), 4)), np.zeros(len(prompt), int)) for prompt in batch]
+
+    monkeypatch.setattr(_Run, "_completion", lambda self: True)
+    request = HeadsTrainRequest(target="demo-target", out=None, minutes=0.001)
+    run = _Run(request, Target(), Path("unused.safetensors"), lambda progress: None, lambda note: None, None, 0, None)
+    run.started -= 60.0  # the deadline has passed
+    with pytest.raises(SpecrunError, match="only 0 window"):
+        run._gather(None, ["a", "b", "c", "d"])
+    assert calls == [True]
