@@ -816,11 +816,20 @@ def _read_json(path: Path) -> dict:
     data = read_limited(path, MAX_CONFIG_BYTES, "heads config", _AGAIN, error=ModelFileError)
     try:
         settings = json.loads(data)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise _refuse(path, f"is not valid JSON ({exc})".replace("\n", " ")) from exc
+    except (ValueError, RecursionError) as exc:  # decoding, syntax, 4300-digit numbers; nesting
+        raise _refuse(path, f"is not valid JSON ({_json_problem(exc)})") from exc
     if not isinstance(settings, dict):
         raise _refuse(path, "is not a JSON object")
     return settings
+
+
+def _json_problem(exc: Exception) -> str:
+    """What is wrong with a JSON text, in one line and without Python's advice."""
+    if isinstance(exc, RecursionError):
+        return "it nests too deeply"
+    if "int_max_str_digits" in str(exc):
+        return "a number in it has thousands of digits"
+    return str(exc).replace("\n", " ")
 
 
 def _count(settings: dict, key: str, path: Path, low: int, high: int, default: int | None = None) -> int:
@@ -891,7 +900,7 @@ class _TensorsFile:
             raise _refuse(path, f"cannot be read ({exc.strerror or exc})", "check its permissions") from exc
         try:
             header = json.loads(header_bytes)
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        except (ValueError, RecursionError) as exc:
             raise _refuse(path, "is corrupt or not a safetensors file (its header is not JSON)") from exc
         if not isinstance(header, dict):
             raise _refuse(path, "is corrupt or not a safetensors file (its header is not a JSON object)")

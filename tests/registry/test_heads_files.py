@@ -494,12 +494,17 @@ def test_bad_config(tmp_path, changes, fragments):
     assert "heads.json" in line or str(path) in line
 
 
-def test_config_that_is_not_json(tmp_path):
+@pytest.mark.parametrize(("text", "why"), [
+    ("{'format': 'specrun-heads'", "Expecting property name"),
+    ("[" * 100_000 + "]" * 100_000, "it nests too deeply"),  # was internal error: RecursionError
+    ('{"format": "specrun-heads", "num_heads": 1' + "0" * 5000 + "}", "a number in it has thousands of digits"),
+])
+def test_config_that_is_not_json(tmp_path, text, why):
     path = saved(tmp_path)
-    path.with_suffix(".json").write_text("{'format': 'specrun-heads'")
+    path.with_suffix(".json").write_text(text)
     with pytest.raises(ModelFileError) as excinfo:
         load_heads(path)
-    one_line(excinfo, "heads.json", "is not valid JSON")
+    one_line(excinfo, "heads.json", "is not valid JSON", why)
 
 
 def nan_weight(tensors):
