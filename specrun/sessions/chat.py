@@ -478,7 +478,7 @@ def open_chat(
         loaded: dict = {}  # heads read, by path: each /method's are read once a session
         if needs_heads(method):
             drafter_options = dataclasses.replace(drafter_options, heads=load_target_heads(
-                target_spec, heads, target, options.registry, heads_kind(method), loaded))
+                target_spec, heads, target, options.registry, heads_kind(method), loaded, on_note))
         # auto's heads, checked now, kept below where the stored costs say they pay
         auto_heads = heads_for_auto(target_spec, heads, target, options.registry, on_note, loaded) \
             if is_adaptive(method) else None
@@ -494,7 +494,7 @@ def open_chat(
         def load_heads(kind: str | None):
             if kind is None:
                 return paying(heads_for_auto(target_spec, heads, target, options.registry, on_note, loaded))
-            return load_target_heads(target_spec, heads, target, options.registry, kind, loaded)
+            return load_target_heads(target_spec, heads, target, options.registry, kind, loaded, on_note)
 
         drafter_options = with_auto_heads(drafter_options, paying(auto_heads))
         return ChatSession(target, draft, method, system_prompt=system_prompt, load_draft=load_draft,

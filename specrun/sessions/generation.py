@@ -316,19 +316,25 @@ def resolve_min_prob(requested: float | None, tuned) -> float:
 
 
 def load_target_heads(target_spec: str, explicit: str | None, target, registry=None, kind: str = "medusa",
-                      loaded: dict | None = None):
+                      loaded: dict | None = None, on_note: Callable[[str], None] | None = None):
     """The ``kind`` heads ("medusa", "hydra" or "eagle") for ``target`` (an open backend): --heads, else
     found by alias (registry/heads.py), checked against the target before anything drafts with them.
-    ``loaded``: heads already read, by path, which this adds to (see ``read_heads``)."""
+    ``loaded``: heads already read, by path, which this adds to (see ``read_heads``). Where heads found
+    first cannot serve (damaged, made for another model) and later ones can, ``on_note`` says why."""
     from specrun.registry.heads import find_all_heads
 
-    first_error = None
-    for path in find_all_heads(target_spec, explicit, kind, registry):  # EAGLE-3's folder, then EAGLE-1's file
+    errors = []
+    for path in find_all_heads(target_spec, explicit, kind, registry):  # yours, then shipped; EAGLE-3's first
         try:
-            return _checked_heads(path, read_heads(path, loaded), kind, target)
+            heads = _checked_heads(path, read_heads(path, loaded), kind, target)
         except SpecrunError as error:
-            first_error = first_error or error
-    raise first_error
+            errors.append(error)
+            continue
+        if errors and on_note is not None:
+            on_note(f"drafting with the {kind} heads in {path}: those found first cannot serve "
+                    f"({errors[0].one_line()})")
+        return heads
+    raise errors[0]
 
 
 def read_heads(path, loaded: dict | None):
@@ -431,7 +437,7 @@ def with_auto_heads(options: DrafterOptions, heads) -> DrafterOptions:
 
 
 def load_heads_for_methods(target_spec: str, explicit: str | None, target, methods, registry=None,
-                           loaded: dict | None = None):
+                           loaded: dict | None = None, on_note: Callable[[str], None] | None = None):
     """The heads every head method of ``methods`` drafts with (one object for one kind, a tuple
     for several; None for none). ``explicit`` (--heads) serves the kind its file holds."""
     kinds = list(dict.fromkeys(kind for kind in map(heads_kind, methods) if kind is not None))
@@ -440,7 +446,8 @@ def load_heads_for_methods(target_spec: str, explicit: str | None, target, metho
         from specrun.registry.heads import explicit_heads_kind
 
         given = {kind: explicit if kind == explicit_heads_kind(explicit) else None for kind in kinds}
-    found = tuple(load_target_heads(target_spec, given[kind], target, registry, kind, loaded) for kind in kinds)
+    found = tuple(load_target_heads(target_spec, given[kind], target, registry, kind, loaded, on_note)
+                  for kind in kinds)
     return None if not found else found[0] if len(found) == 1 else found
 
 
@@ -450,7 +457,8 @@ def comparison_heads(target_spec: str, explicit: str | None, target, methods, re
     its head methods draft with, and auto's, where auto is one of them and its heads pay
     (``heads_pay`` on ``stored``, or --heads), as `specrun generate` would choose them here."""
     loaded: dict = {}  # a head line and auto's heads are often the same file: read once
-    options = DrafterOptions(heads=load_heads_for_methods(target_spec, explicit, target, methods, registry, loaded))
+    options = DrafterOptions(heads=load_heads_for_methods(target_spec, explicit, target, methods, registry, loaded,
+                                                          on_note))
     if not any(map(is_adaptive, methods)):
         return options
     auto = heads_for_auto(target_spec, explicit, target, registry, on_note, loaded)
@@ -480,7 +488,8 @@ def generate_text(request: GenerateRequest, on_text: Callable[[str], None] | Non
             options = dataclasses.replace(options, vocabulary=vocabulary_fingerprint(target))
         if needs_heads(request.method):
             options = dataclasses.replace(options, heads=load_target_heads(
-                request.target, request.heads, target, request.load.registry, heads_kind(request.method)))
+                request.target, request.heads, target, request.load.registry, heads_kind(request.method),
+                on_note=request.on_note))
         auto_heads = None
         if is_adaptive(request.method):  # read and checked now; kept where they pay (below)
             auto_heads = heads_for_auto(request.target, request.heads, target, request.load.registry,

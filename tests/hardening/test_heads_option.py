@@ -26,6 +26,28 @@ def write_heads(path, hidden_size: int, vocab_size: int):
     return path
 
 
+def test_damaged_heads_found_first_give_way_to_later_ones_with_a_note(tiny_llama, tmp_path):
+    """Heads beside the model that cannot be read: the run drafts with the cache's and says why
+    (it said nothing, and a user's own heads were passed over in silence)."""
+    pytest.importorskip("llama_cpp", reason="the llama backend is not installed")
+    model = tmp_path / "tiny.gguf"
+    model.write_bytes(tiny_llama.gguf_path.read_bytes())
+    config = tiny_llama.config
+    damaged = write_heads(tmp_path / "tiny.medusa.safetensors", config.hidden_size, config.vocab_size)
+    damaged.write_bytes(damaged.read_bytes()[:1000])
+    cached = heads_cache_path(str(model), "medusa")
+    cached.parent.mkdir(parents=True, exist_ok=True)
+    write_heads(cached, config.hidden_size, config.vocab_size)
+    try:
+        result = invoke("generate", "def f(x):", "-t", str(model), "-m", "medusa", "-n", "8", "--json")
+    finally:
+        cached.unlink()
+        cached.with_suffix(".json").unlink()
+    assert result.exit_code == 0, result.output
+    assert f"note: drafting with the medusa heads in {cached}: those found first cannot serve" in result.stderr
+    assert str(damaged) in result.stderr
+
+
 @pytest.mark.parametrize("kind", ["medusa", "hydra", "eagle"])
 def test_heads_beside_the_model_are_found_and_used(tiny_llama, tmp_path, kind):
     """<model>.<kind>.safetensors next to a model file is picked up without --heads."""
