@@ -52,6 +52,7 @@ from specrun.cli.common import (
     checked_sampling,
     checked_rpc,
     checked_lookahead,
+    check_heads_used,
     uses_window,
     checked_trees,
     cli_errors,
@@ -125,6 +126,7 @@ def generate(
         flash_attn = checked_flash_attn(flash_attn, exact)
         rpc_servers = checked_rpc(rpc)
         lookahead_sizes = checked_lookahead(lookahead, (method,))
+        check_heads_used(heads, (method,))
         trees = checked_trees(chain_only, tree_nodes, branches, lookahead_sizes, window=uses_window((method,)))
         sampling = checked_sampling("generate", temp, top_k, top_p, min_p, seed)
         text = read_prompt(prompt)

@@ -35,6 +35,7 @@ from specrun.cli.common import (
     check_kv_type,
     check_range,
     checked_lookahead,
+    check_heads_used,
     uses_window,
     checked_sampling,
     checked_rpc,
@@ -149,6 +150,7 @@ def bench(
         method_list = parse_methods(methods, has_draft=draft is not None,
                                     head_kinds=head_kinds_available(target, heads, registry))
         lookahead_sizes = checked_lookahead(lookahead, method_list)
+        check_heads_used(heads, method_list)
         trees = checked_trees(chain_only, tree_nodes, branches, lookahead_sizes, window=uses_window(method_list))
         draft_lens = parse_draft_lens(draft_len, sweep_draft_len)
         if len(draft_lens) > 1 and not any(m != "none" and not is_adaptive(m) for m in method_list):

@@ -77,12 +77,17 @@ def check_environment() -> None:
 
 
 def read_prompt(prompt: str | None) -> str:
-    """The prompt argument, or the whole of a piped stdin when it is '-' or absent."""
+    """The prompt argument, or the whole of a piped stdin when it is '-' or absent; never empty
+    (the model would answer nothing at all: `specrun chat` refuses an empty stdin too)."""
     if prompt is not None and prompt != "-":
-        return checked_text(prompt, "the prompt argument")
-    if prompt is None and sys.stdin.isatty():
+        text = checked_text(prompt, "the prompt argument")
+    elif prompt is None and sys.stdin.isatty():
         raise UsageError("no prompt given", "pass PROMPT as an argument or pipe it on stdin")
-    return read_stdin_text()
+    else:
+        text = read_stdin_text()
+    if not text:
+        raise UsageError("the prompt is empty", "pass PROMPT as an argument or pipe some text on stdin")
+    return text
 
 
 NOT_UTF8_FIX = "convert it to UTF-8 first, e.g. iconv -f latin1 -t utf-8"
@@ -144,6 +149,16 @@ def uses_window(methods: Sequence[str]) -> bool:
     from specrun.drafters.methods import uses_lookahead
 
     return any(uses_lookahead(method) for method in methods)
+
+
+def check_heads_used(heads: str | None, methods: Sequence[str]) -> None:
+    """A usage error for --heads where no method of ``methods`` drafts with heads (it was ignored,
+    a path that does not exist too)."""
+    from specrun.drafters.methods import is_adaptive, needs_heads
+
+    if heads is not None and not any(needs_heads(method) or is_adaptive(method) for method in methods):
+        raise UsageError("--heads is for the head methods (medusa, hydra, eagle) and auto, and no method here "
+                         "drafts with heads", "drop --heads, or pass e.g. --method eagle")
 
 
 def checked_lookahead(text: str | None, methods: Sequence[str]):

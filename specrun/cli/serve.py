@@ -39,10 +39,12 @@ from specrun.cli.common import (
     checked_sampling,
     checked_rpc,
     checked_lookahead,
+    check_heads_used,
     checked_trees,
     cli_errors,
     uses_window,
 )
+from specrun.errors import UsageError
 
 HostOpt = Annotated[
     str, typer.Option("--host", help="Address to listen on; anything but loopback needs --api-key to be safe.")
@@ -110,7 +112,11 @@ def serve_command(
         check_range("--max-queue", max_queue, 1, 1 << 20)
         sampling = checked_sampling("serve", temp, top_k, top_p, min_p, None)
         lookahead_sizes = checked_lookahead(lookahead, (method,))
+        check_heads_used(heads, (method,))
         trees = checked_trees(chain_only, tree_nodes, branches, lookahead_sizes, window=uses_window((method,)))
+        if api_key is not None and not api_key.strip():
+            raise UsageError("--api-key (or SPECRUN_API_KEY) is empty: every client would be let in",
+                             "pass a key of some length, or leave it unset on a loopback host")
         if not is_loopback(host) and api_key is None:
             typer.echo(f"warning: --host {host} lets anyone who can reach this machine use the server, which has "
                        "no authentication; set --api-key (or SPECRUN_API_KEY) to require a key", err=True)

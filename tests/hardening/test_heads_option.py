@@ -355,3 +355,30 @@ def test_eagle3_heads_that_cannot_serve_the_target_leave_its_eagle_file_to_serve
                      str(folder), "-n", "4")
     assert_one_line_error(refused.exit_code, refused.stderr, 2, f"the EAGLE-3 heads in {folder} read the outputs",
                           "llama gives no layer outputs")
+
+
+@pytest.mark.parametrize("command", [
+    ("generate", "x", "-m", "lookup"),
+    ("generate", "x", "-m", "none"),
+    ("bench", "--methods", "none,lookup"),
+    ("serve", "-m", "ngram"),
+])
+def test_heads_for_methods_that_draft_without_them_are_a_usage_error(command):
+    """--heads was ignored there, a path that does not exist too (--lookahead is refused alike).
+    Not in chat, whose /method may turn to the heads later."""
+    result = invoke(*command, "--heads", "/nonexistent/heads.safetensors")
+    assert_one_line_error(result.exit_code, result.stderr, 2, "--heads is for the head methods", "drop --heads")
+
+
+@pytest.mark.parametrize("prompt, stdin", [("", None), ("-", ""), (None, "")])
+def test_an_empty_prompt_is_a_usage_error(prompt, stdin):
+    """generate answered it (chat refuses an empty stdin): a script's empty variable went unnoticed."""
+    result = invoke("generate", *([prompt] if prompt is not None else []), input=stdin)
+    assert_one_line_error(result.exit_code, result.stderr, 2, "the prompt is empty")
+
+
+@pytest.mark.parametrize("key", ["", "  "])
+def test_serve_refuses_an_empty_api_key(key):
+    """An empty key let in every client that sent an empty bearer token."""
+    result = invoke("serve", "--api-key", key)
+    assert_one_line_error(result.exit_code, result.stderr, 2, "--api-key (or SPECRUN_API_KEY) is empty")
