@@ -116,7 +116,12 @@ def checked_text(text: str, where: str) -> str:
 
 def check_range(name: str, value: int | float | None, low: float, high: float) -> None:
     if value is not None and not (low <= value <= high):
-        raise UsageError(f"{name} must be between {low:g} and {high:g}, got {value}", f"pass a valid {name}")
+        raise UsageError(f"{name} must be between {_bound(low)} and {_bound(high)}, got {value}", f"pass a valid {name}")
+
+
+def _bound(value: float) -> str:
+    """A range's end as written: 1048576, not 1.04858e+06."""
+    return str(int(value)) if float(value).is_integer() else f"{value:g}"
 
 
 def checked_trees(chain: bool, tree_nodes: int | None, branches: int | None, lookahead=None, window: bool = False):

@@ -52,7 +52,8 @@ def read_text_folder(folder: Path) -> list[str]:
     FileAccessError when there is no such folder, or nothing in it to learn from."""
     folder = Path(folder).expanduser()
     if not folder.is_dir():
-        raise FileAccessError(f"--text {folder}: no such folder", "pass a folder of text files")
+        problem = "is a file, not a folder" if folder.exists() else "no such folder"
+        raise FileAccessError(f"--text {folder}: {problem}", "pass a folder of text files")
     texts = []
     for path in sorted(p for p in folder.rglob("*") if p.is_file() and not p.name.startswith("."))[:MAX_TEXT_FILES]:
         try:

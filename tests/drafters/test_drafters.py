@@ -574,6 +574,7 @@ def test_chains_of_drafters_cheapest_first_are_methods(method):
     ("lookup+magic", "unknown method", "joined by +"),
     ("auto+lookup", "unknown method", "joined by +"),
     ("none+draft", "unknown method", "joined by +"),
+    ("eagle3", "EAGLE-3 heads draft with --method eagle", "use --method eagle"),
 ])
 def test_bad_chains_are_usage_errors_naming_the_fix(method, problem, fix):
     from specrun.drafters.methods import check_method

@@ -290,6 +290,12 @@ def test_a_run_removes_only_its_own_checkpoint_files(tmp_path):
     assert [path.name for path in folder.iterdir()] == ["later.txt"]
 
 
+def test_a_text_file_for_a_folder_is_one_line(tmp_path):
+    (tmp_path / "notes.txt").write_text("some text")
+    line = one_line_error(invoke("--text", str(tmp_path / "notes.txt"), "--heads-out", str(tmp_path / "h.safetensors")), 1)
+    assert "is a file, not a folder" in line  # said "no such folder"
+
+
 def test_an_empty_text_folder_is_one_line(tmp_path):
     empty = tmp_path / "empty"
     empty.mkdir()
