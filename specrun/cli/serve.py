@@ -100,7 +100,7 @@ def serve_command(
     with cli_errors():
         from specrun.drafters.methods import check_method, needs_draft_model
         from specrun.registry.loading import LoadOptions, choose_pair
-        from specrun.sessions.serve import HttpOptions, PairOptions, ServeDefaults, is_loopback, serve
+        from specrun.sessions.serve import HttpOptions, PairOptions, ServeDefaults, serve
 
         check_method(method)
         check_generation_options(max_tokens, draft_len, draft_min_prob, ctx, threads)
@@ -117,9 +117,6 @@ def serve_command(
         if api_key is not None and not api_key.strip():
             raise UsageError("--api-key (or SPECRUN_API_KEY) is empty: every client would be let in",
                              "pass a key of some length, or leave it unset on a loopback host")
-        if not is_loopback(host) and api_key is None:
-            typer.echo(f"warning: --host {host} lets anyone who can reach this machine use the server, which has "
-                       "no authentication; set --api-key (or SPECRUN_API_KEY) to require a key", err=True)
         target, draft = choose_pair(target, draft, registry)
         pair = PairOptions(
             target=target,

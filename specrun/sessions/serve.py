@@ -874,6 +874,9 @@ def serve(pair: PairOptions, http: HttpOptions, defaults: ServeDefaults, log: Ca
     import uvicorn
 
     sock = bind(http.host, http.port)  # before loading: a port in use fails at once
+    if not is_loopback(http.host) and http.api_key is None:  # once bound: a host that cannot be is one error line
+        log(f"warning: --host {http.host} lets anyone who can reach this machine use the server, which has "
+            "no authentication; set --api-key (or SPECRUN_API_KEY) to require a key")
     worker = PairWorker(pair, max_queue=http.max_queue, log=log)
     previous_sigterm = None
     if threading.current_thread() is threading.main_thread():

@@ -286,3 +286,11 @@ def test_a_port_in_use_is_a_one_line_error():
                               check=False)
     assert done.returncode == 2
     assert done.stderr.startswith(f"error: cannot listen on 127.0.0.1:{port}") and "--port" in done.stderr
+
+
+def test_a_host_that_cannot_be_bound_is_one_line_without_the_public_host_warning():
+    """The warning about a public host came first, then the error: two lines for one problem."""
+    done = subprocess.run([*SPECRUN, "serve", "--host", "999.1.1.1"], capture_output=True, text=True, timeout=60,
+                          check=False)
+    assert done.returncode == 2
+    assert done.stderr.startswith("error: cannot listen on 999.1.1.1:") and len(done.stderr.splitlines()) == 1
