@@ -85,7 +85,7 @@ def read_prompt(prompt: str | None) -> str:
         raise UsageError("no prompt given", "pass PROMPT as an argument or pipe it on stdin")
     else:
         text = read_stdin_text()
-    if not text:
+    if not text.strip():  # `echo "$EMPTY" | specrun generate` sends a newline
         raise UsageError("the prompt is empty", "pass PROMPT as an argument or pipe some text on stdin")
     return text
 

@@ -130,8 +130,8 @@ def check_method(method: str) -> None:
         return
     parts = method.split("+")
     if method == "eagle3":
-        raise UsageError("EAGLE-3 heads draft with --method eagle", "use --method eagle (with --heads FOLDER, "
-                         "or heads found for the target)")
+        raise UsageError("there is no method 'eagle3': EAGLE-3 heads draft with --method eagle",
+                         "use --method eagle (with --heads FOLDER, or heads found for the target)")
     if len(parts) < 2 or any(part not in PARTS for part in parts):
         raise UsageError(f"unknown method {method!r}",
                          f"use one of: {', '.join(METHODS)}; or drafters of {', '.join(PARTS)} joined by +")

@@ -388,7 +388,7 @@ def heads_for_auto(target_spec: str, explicit: str | None, target, registry=None
     found = head_kinds_available(target_spec, None, registry)
     for kind in (kind for kind in AUTO_HEADS_ORDER if kind in found):
         try:
-            return load_target_heads(target_spec, None, target, registry, kind, loaded)
+            return load_target_heads(target_spec, None, target, registry, kind, loaded, on_note)
         except SpecrunError as error:  # the next kind found, if any
             if on_note is not None:
                 on_note(f"auto drafts without the {kind} heads found: {error.one_line()}")

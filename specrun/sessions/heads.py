@@ -24,6 +24,7 @@ import io
 import os
 import shutil
 import time
+import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -239,8 +240,9 @@ def check_checkpoint_folder(folder: Path) -> None:
     fix = "move it away, or name the heads otherwise with --heads-out"
     if folder.exists() and not folder.is_dir():
         raise FileAccessError(f"{folder}, where the run keeps its checkpoint, is a file", fix)
-    if folder.is_dir():
-        others = sorted(path.name for path in folder.iterdir() if path.name not in CHECKPOINT_FILES)
+    if folder.is_dir():  # hidden files are a killed save's scratch (.data.npz.1a2b.tmp) or the desktop's
+        others = sorted(path.name for path in folder.iterdir()
+                        if path.name not in CHECKPOINT_FILES and not path.name.startswith("."))
         if others:
             raise FileAccessError(f"{folder}, where the run keeps its checkpoint, holds files of its own "
                                   f"({others[0]}{f' and {len(others) - 1} more' if len(others) > 1 else ''})", fix)
@@ -382,7 +384,8 @@ class _Run:
             report = self._report(trainer, data, held_rows)
         # The heads' own record names the target's file, not where it lay on this machine (heads
         # are shared, and shipped: the path was the trainer's cache); the checkpoint kept the path.
-        published = {**settings, "target": Path(settings["target"]).name}
+        spec = self.request.target  # a local model by its name; an alias or a Hub repo as given
+        published = {**settings, "target": Path(settings["target"]).name if Path(spec).expanduser().exists() else spec}
         training = self._record(published, source, report, len(data.tokens), data.token_count)
         from specrun.modelkit.heads import save_heads
 
@@ -475,17 +478,17 @@ class _Run:
             with np.load(data_path) as stored:
                 flat, lengths, held_out = stored["tokens"], stored["lengths"], stored["held_out"]
                 label_from = stored["label_from"]
-            trainer = self._trainer_for(heads)
-            optimizer_path = self.checkpoints / "optimizer.safetensors"
-            if optimizer_path.exists():
-                trainer.load_optimizer(optimizer_path)
             step, seconds = int(record.get("steps", 0)), float(record.get("seconds", 0.0))
             losses = [float(loss) for loss in record.get("losses", [])]
-        except Exception as exc:  # noqa: BLE001 - NumPy's, safetensors' and MLX's readers each raise their own
-            # A torn or damaged checkpoint (a full disk, a killed run) is worth less than a fresh start.
-            self.on_note(f"the checkpoint in {self.checkpoints} cannot be read ({type(exc).__name__}: {exc}): "
-                         "starting afresh")
-            return None
+        except (SpecrunError, OSError, ValueError, KeyError, TypeError, EOFError, zipfile.BadZipFile) as exc:
+            return self._unreadable(exc)  # a full disk, a killed run: worth less than a fresh start
+        trainer = self._trainer_for(heads)
+        optimizer_path = self.checkpoints / "optimizer.safetensors"
+        if optimizer_path.exists():
+            try:
+                trainer.load_optimizer(optimizer_path)
+            except Exception as exc:  # noqa: BLE001 - safetensors' and MLX's readers raise their own
+                return self._unreadable(exc)
         self.step, self.spent_before, self.losses = step, seconds, losses
         self.started = time.monotonic()
         self.saved_step = self.step
@@ -495,6 +498,10 @@ class _Run:
         for batch, firsts in zip(_batches(windows, STATES_BATCH), _batches(label_from.tolist(), STATES_BATCH)):
             self._add_states(data, batch, firsts)
         return data, held_out.astype(bool), trainer
+
+    def _unreadable(self, exc: Exception) -> None:
+        self.on_note(f"the checkpoint in {self.checkpoints} cannot be read ({type(exc).__name__}: {exc}): "
+                     "starting afresh")
 
     # ---- data ------------------------------------------------------------------------------
     def _gather(self, texts: list[str] | None, prompts: list[str] | None) -> _Data:
@@ -761,11 +768,13 @@ def _batches(items: list, size: int):
 def _remove_checkpoint(folder: Path) -> None:
     """Remove what a run wrote to its checkpoint folder, then the folder if that left it empty
     (check_checkpoint_folder refused one with files of its own before the run began)."""
-    for name in CHECKPOINT_FILES:
-        path = folder / name
+    for path in list(folder.iterdir()) if folder.is_dir() else []:
+        scratch = path.name.startswith(".") and (path.name.endswith(".tmp") or ".partial." in path.name)
+        if path.name not in CHECKPOINT_FILES and not scratch:  # write_atomically's, the MLX optimizer's
+            continue
         if path.is_dir():
             shutil.rmtree(path, ignore_errors=True)
-        elif path.exists():
+        else:
             path.unlink(missing_ok=True)
     with contextlib.suppress(OSError):
         folder.rmdir()

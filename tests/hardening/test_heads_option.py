@@ -370,7 +370,7 @@ def test_heads_for_methods_that_draft_without_them_are_a_usage_error(command):
     assert_one_line_error(result.exit_code, result.stderr, 2, "--heads is for the head methods", "drop --heads")
 
 
-@pytest.mark.parametrize("prompt, stdin", [("", None), ("-", ""), (None, "")])
+@pytest.mark.parametrize("prompt, stdin", [("", None), ("-", ""), (None, ""), (None, "\n"), (" ", None)])
 def test_an_empty_prompt_is_a_usage_error(prompt, stdin):
     """generate answered it (chat refuses an empty stdin): a script's empty variable went unnoticed."""
     result = invoke("generate", *([prompt] if prompt is not None else []), input=stdin)

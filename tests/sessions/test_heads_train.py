@@ -290,6 +290,24 @@ def test_a_run_removes_only_its_own_checkpoint_files(tmp_path):
     assert [path.name for path in folder.iterdir()] == ["later.txt"]
 
 
+def test_a_killed_save_s_scratch_files_neither_block_the_next_run_nor_stay(tiny_llama, text_folder, tmp_path):
+    """A run killed while it wrote left .data.npz.1a2b.tmp beside the checkpoint: the next run
+    refused the folder as someone else's, and then could not remove it."""
+    from specrun.sessions.heads import _remove_checkpoint, check_checkpoint_folder
+
+    out = tmp_path / "medusa.safetensors"
+    folder = checkpoint_folder(out)
+    folder.mkdir()
+    for name in (".data.npz.1a2b3c4d.tmp", ".optimizer.partial.safetensors", ".DS_Store"):
+        (folder / name).write_text("x")
+    check_checkpoint_folder(folder)  # not refused
+    train_heads(request_for(tiny_llama, out, text_dir=text_folder), max_steps=2)
+    assert [path.name for path in folder.iterdir()] == [".DS_Store"]  # the desktop's own stays
+    (folder / ".DS_Store").unlink()
+    _remove_checkpoint(folder)
+    assert not folder.exists()
+
+
 def test_a_text_file_for_a_folder_is_one_line(tmp_path):
     (tmp_path / "notes.txt").write_text("some text")
     line = one_line_error(invoke("--text", str(tmp_path / "notes.txt"), "--heads-out", str(tmp_path / "h.safetensors")), 1)
