@@ -443,9 +443,11 @@ def load_heads_for_methods(target_spec: str, explicit: str | None, target, metho
     kinds = list(dict.fromkeys(kind for kind in map(heads_kind, methods) if kind is not None))
     given = {kind: explicit for kind in kinds}
     if explicit is not None and len(kinds) > 1:
-        from specrun.registry.heads import explicit_heads_kind
-
-        given = {kind: explicit if kind == explicit_heads_kind(explicit) else None for kind in kinds}
+        try:  # the kind the file holds, read once (each kind asked read it again)
+            held = read_heads(Path(explicit).expanduser(), loaded).config.kind
+        except SpecrunError:  # reported where the heads are loaded for their method
+            held = None
+        given = {kind: explicit if kind == held else None for kind in kinds}
     found = tuple(load_target_heads(target_spec, given[kind], target, registry, kind, loaded, on_note)
                   for kind in kinds)
     return None if not found else found[0] if len(found) == 1 else found

@@ -171,9 +171,14 @@ def test_heads_of_the_other_kind_are_refused_in_one_line(target, tiny_llama, tmp
                           "--kind eagle")
 
 
-def test_a_bench_of_both_head_methods_takes_heads_for_its_kind_and_finds_the_other(tiny_llama, tmp_path):
+def test_a_bench_of_both_head_methods_takes_heads_for_its_kind_and_finds_the_other(tiny_llama, tmp_path,
+                                                                                    monkeypatch):
     """--heads names EAGLE heads; the Medusa heads beside the model serve --method medusa."""
     pytest.importorskip("llama_cpp", reason="the llama backend is not installed")
+    import specrun.modelkit.heads as heads_io
+
+    reads, load = [], heads_io.load_heads
+    monkeypatch.setattr(heads_io, "load_heads", lambda path: reads.append(path.name) or load(path))
     model = tmp_path / "tiny.gguf"
     model.write_bytes(tiny_llama.gguf_path.read_bytes())
     config = tiny_llama.config
@@ -187,6 +192,8 @@ def test_a_bench_of_both_head_methods_takes_heads_for_its_kind_and_finds_the_oth
     doc = json.loads(out.read_text())
     assert {line["method"] for line in doc["overall"]} == {"none", "medusa", "eagle"}
     assert all(run["same_as_baseline"] for run in doc["runs"])
+    # once to parse --methods, once for the lines (each kind asked read it again)
+    assert reads.count("mine.safetensors") == 2, reads
 
 
 def test_hydra_heads_in_bench_and_a_chat_s_method_switch(target, tiny_llama, tmp_path):
