@@ -170,6 +170,16 @@ def processor_name() -> str:
     return platform.processor() or "?"
 
 
+def json_problem(exc: Exception) -> str:
+    """What ``json.loads`` found wrong (ValueError, RecursionError), in one line and without
+    Python's advice to raise its integer-digit limit."""
+    if isinstance(exc, RecursionError):
+        return "it nests too deeply"
+    if "int_max_str_digits" in str(exc):
+        return "a number in it has thousands of digits"
+    return str(exc).replace("\n", " ")
+
+
 def read_settings_document(path: Path, max_bytes: int, what: str, kind: str, fix: str, versions,
                            section: str) -> dict:
     """The ``section`` object of a versioned settings file specrun writes (tuned.json,

@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from specrun.errors import ModelFileError
-from specrun.fileio import MiB, read_limited, write_atomically
+from specrun.fileio import MiB, json_problem, read_limited, write_atomically
 
 if TYPE_CHECKING:
     from specrun.modelkit.eagle import EagleHeads
@@ -817,19 +817,10 @@ def _read_json(path: Path) -> dict:
     try:
         settings = json.loads(data)
     except (ValueError, RecursionError) as exc:  # decoding, syntax, 4300-digit numbers; nesting
-        raise _refuse(path, f"is not valid JSON ({_json_problem(exc)})") from exc
+        raise _refuse(path, f"is not valid JSON ({json_problem(exc)})") from exc
     if not isinstance(settings, dict):
         raise _refuse(path, "is not a JSON object")
     return settings
-
-
-def _json_problem(exc: Exception) -> str:
-    """What is wrong with a JSON text, in one line and without Python's advice."""
-    if isinstance(exc, RecursionError):
-        return "it nests too deeply"
-    if "int_max_str_digits" in str(exc):
-        return "a number in it has thousands of digits"
-    return str(exc).replace("\n", " ")
 
 
 def _count(settings: dict, key: str, path: Path, low: int, high: int, default: int | None = None) -> int:

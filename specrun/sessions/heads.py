@@ -212,8 +212,7 @@ def check_eagle3_folder(out: Path) -> None:
         raise FileAccessError(f"the heads folder {out} is a file", fix)
     others = sorted(path.name for path in out.iterdir() if path.name not in EAGLE3_FILES) if out.is_dir() else []
     if others:
-        more = f" and {len(others) - 1} more" if len(others) > 1 else ""
-        raise FileAccessError(f"{out} holds files of its own ({others[0]}{more}); EAGLE-3 heads are written there "
+        raise FileAccessError(f"{out} holds files of its own ({_first_of(others)}); EAGLE-3 heads are written there "
                               f"as {' and '.join(EAGLE3_FILES)}", fix)
     # Where the folder is yet to be made, its parent is what must take it (nothing made before the run is).
     check_writable_folder(out / EAGLE3_FILES[0] if out.is_dir() else out, "heads folder")
@@ -245,7 +244,7 @@ def check_checkpoint_folder(folder: Path) -> None:
                         if path.name not in CHECKPOINT_FILES and not path.name.startswith("."))
         if others:
             raise FileAccessError(f"{folder}, where the run keeps its checkpoint, holds files of its own "
-                                  f"({others[0]}{f' and {len(others) - 1} more' if len(others) > 1 else ''})", fix)
+                                  f"({_first_of(others)})", fix)
 
 
 def check_heads_file(out: Path) -> None:
@@ -763,6 +762,11 @@ def _window(data: _Data, index: int):
 def _batches(items: list, size: int):
     for start in range(0, len(items), size):
         yield items[start : start + size]
+
+
+def _first_of(names: list[str]) -> str:
+    """The first of ``names`` and how many more: "notes.txt and 2 more"."""
+    return names[0] + (f" and {len(names) - 1} more" if len(names) > 1 else "")
 
 
 def _remove_checkpoint(folder: Path) -> None:

@@ -38,6 +38,7 @@ from specrun.drafters.lookahead import LookaheadSizes
 from specrun.engine.loop import Finished, GenerationParams, TextChunk
 from specrun.engine.stats import Stats
 from specrun.errors import SpecrunError, UsageError
+from specrun.fileio import json_problem
 from specrun.registry.loading import LoadOptions
 from specrun.sampling import SamplingSettings
 from specrun.sessions.generation import TreeSettings
@@ -638,11 +639,8 @@ async def read_json_body(request, limit: int) -> dict:
         chunks.append(chunk)
     try:
         body = json.loads(b"".join(chunks))
-    except RecursionError:
-        raise RequestError("the request body nests JSON too deeply", code="invalid_json") from None
-    except (ValueError, UnicodeDecodeError) as exc:
-        why = "a number in it has thousands of digits" if "int_max_str_digits" in str(exc) else str(exc)
-        raise RequestError(f"the request body is not valid JSON: {why}", code="invalid_json") from None
+    except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
+        raise RequestError(f"the request body is not valid JSON: {json_problem(exc)}", code="invalid_json") from None
     if not isinstance(body, dict):
         raise RequestError("the request body must be a JSON object", code="invalid_type")
     return body
