@@ -28,9 +28,9 @@ from _report import write_report  # noqa: E402
 from heads_factory import eagle3_heads  # noqa: E402
 from specrun.backends.kv import sequence_for  # noqa: E402
 from specrun.backends.llama import LlamaCppBackend  # noqa: E402
-from specrun.drafters.eagle import EagleDrafter  # noqa: E402
+from specrun.drafters.heads.eagle import EagleDrafter  # noqa: E402
 from specrun.modelkit.builtin import builtin_gguf  # noqa: E402
-from specrun.modelkit.heads import default_aux_layer_ids  # noqa: E402
+from specrun.heads.files import default_aux_layer_ids  # noqa: E402
 from specrun.sampling import SamplingSettings  # noqa: E402
 
 MODES = ("untracked", "head input", "layers")

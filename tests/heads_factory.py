@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from specrun.modelkit.heads import HeadsConfig, MedusaHeads
+from specrun.heads.files import HeadsConfig, MedusaHeads
 
 
 def _config(hidden_size: int, vocab_size: int, num_heads: int, draft_vocab_size: int) -> HeadsConfig:
@@ -109,7 +109,7 @@ def fitted_heads(backend, ids: Sequence[int], num_heads: int = 4) -> MedusaHeads
 
 def _eagle(config: HeadsConfig, layout, rng: np.random.Generator, d2t=None, **arrays):
     """EagleHeads of ``config`` and ``layout``: ``arrays`` as given, the others random."""
-    from specrun.modelkit.eagle import PARAMETER_NAMES, EagleHeads, eagle_shapes
+    from specrun.heads.eagle import PARAMETER_NAMES, EagleHeads, eagle_shapes
 
     shapes = eagle_shapes(config, layout)
     for name in PARAMETER_NAMES:
@@ -122,7 +122,7 @@ def _eagle(config: HeadsConfig, layout, rng: np.random.Generator, d2t=None, **ar
 def random_eagle(hidden_size: int, vocab_size: int, depth: int = 4, seed: int = 0,
                  draft_vocab: Sequence[int] | None = None, window: int = 128):
     """An EAGLE layer with every array random, over ``draft_vocab`` or the whole vocabulary."""
-    from specrun.modelkit.eagle import EagleLayout
+    from specrun.heads.eagle import EagleLayout
 
     d2t = None if draft_vocab is None else np.asarray(draft_vocab, dtype=np.int64)
     rows = vocab_size if d2t is None else len(d2t)
@@ -136,7 +136,7 @@ def oracle_eagle(vocab_size: int, depth: int = 4, sharpness: float = 4.0):
     this one's blocks moved up by one (fc shifts them; attention and MLP add nothing), so the
     projection of block 0 after s steps is block s of the state it started from, the target's
     token s + 1 after it: the chain it drafts is ``oracle_heads``' guesses."""
-    from specrun.modelkit.eagle import EagleLayout
+    from specrun.heads.eagle import EagleLayout
 
     size = (depth + 1) * vocab_size
     config = HeadsConfig("eagle", depth, 1, size, vocab_size, vocab_size, target_name="test")
@@ -153,7 +153,7 @@ def oracle_eagle(vocab_size: int, depth: int = 4, sharpness: float = 4.0):
 def random_hydra(hidden_size: int, vocab_size: int, num_heads: int = 4, seed: int = 0,
                  draft_vocab: Sequence[int] | None = None, num_layers: int = 1, embedding_size: int = 4):
     """Hydra heads with every array random, over ``draft_vocab`` or the whole vocabulary."""
-    from specrun.modelkit.hydra import HydraHeads, hydra_shapes
+    from specrun.heads.hydra import HydraHeads, hydra_shapes
 
     rng = np.random.default_rng(seed)
     d2t = None if draft_vocab is None else np.asarray(draft_vocab, dtype=np.int64)
@@ -168,7 +168,7 @@ def oracle_hydra(vocab_size: int, depth: int = 4, sharpness: float = 4.0, path_w
     """Hydra heads reading ``oracle_hidden``'s blocks as ``oracle_heads`` do (head i's projection:
     ``sharpness`` times block i + 1), their first layer adding a little of the drafted path
     (random embeddings times ``path_weight``), so each node's row depends on its own path."""
-    from specrun.modelkit.hydra import HydraHeads, hydra_shapes
+    from specrun.heads.hydra import HydraHeads, hydra_shapes
 
     size = (depth + 1) * vocab_size
     config = HeadsConfig("hydra", depth, 1, size, vocab_size, vocab_size, target_name="test")
@@ -205,9 +205,9 @@ def eagle3_heads(target_size: int, vocab_size: int, *, draft_size: int | None = 
                  draft_vocab: Sequence[int] | None = None, aux: tuple[int, ...] = EAGLE3_AUX, heads: int = 4,
                  kv_heads: int = 2, head_dim: int = 4, intermediate: int = 16, seed: int = 0,
                  norm_before_residual: bool = False, rope_scaling: dict | None = None, **arrays):
-    """EAGLE-3 heads (modelkit.eagle3) for a target of width ``target_size``: ``arrays`` as given,
+    """EAGLE-3 heads (heads.eagle3) for a target of width ``target_size``: ``arrays`` as given,
     the others random (norms near one)."""
-    from specrun.modelkit.eagle3 import Eagle3Heads
+    from specrun.heads.eagle3 import Eagle3Heads
 
     size = draft_size or target_size
     d2t = None if draft_vocab is None else np.asarray(draft_vocab, dtype=np.int64)
@@ -259,7 +259,7 @@ def fitted_eagle(backend, ids: Sequence[int], depth: int = 4, ridge: float = 1e-
     ridge regression, attention and MLP adding nothing: fc maps [feature at p ; embedding of the
     token at p + 1] to the feature at p + 1, and the projection maps fc's output to the token at
     p + 2, over a draft vocabulary of the tokens ``ids`` holds (random embedding rows)."""
-    from specrun.modelkit.eagle import EagleLayout
+    from specrun.heads.eagle import EagleLayout
 
     hidden = _features_along(backend, ids).astype(np.float64)  # (n, H)
     n, size = hidden.shape
@@ -300,7 +300,7 @@ def fitted_hydra(backend, ids: Sequence[int], depth: int = 4, ridge: float = 1e-
     random embeddings and first layers (their part on h zero), so that each head's x is h plus
     a random function of the path it reads, and head i's projection a ridge regression of the
     token at p + 2 + i on that x, over a draft vocabulary of the tokens ``ids`` holds."""
-    from specrun.modelkit.hydra import HydraHeads, head_logits, hydra_shapes
+    from specrun.heads.hydra import HydraHeads, head_logits, hydra_shapes
 
     hidden = _features_along(backend, ids).astype(np.float64)  # (n, H)
     n, size = hidden.shape
@@ -372,13 +372,13 @@ def fitted_eagle3(backend, ids: Sequence[int], depth: int = 4, ridge: float = 1e
 
 def write_specforge_eagle3(folder, heads, embedding: bool = True, **config) -> None:
     """``heads`` (Eagle3Heads) as SpecForge exports them for SGLang: specrun's own writer
-    (modelkit.heads.save_eagle3) without its "specrun" record, the embedding only if asked, and
+    (heads.files.save_eagle3) without its "specrun" record, the embedding only if asked, and
     ``config`` over the config's keys."""
     import dataclasses
     import json
     from pathlib import Path
 
-    from specrun.modelkit.heads import save_eagle3
+    from specrun.heads.files import save_eagle3
 
     folder = Path(folder)
     save_eagle3(heads if embedding else dataclasses.replace(heads, embed_tokens=None), folder)

@@ -1,4 +1,4 @@
-"""The layers of DESIGN.md, read from the imports: data flows down, control never flows back up."""
+"""The layers of docs/design.md, read from the imports: data flows down, control never flows back up."""
 
 from __future__ import annotations
 
@@ -41,15 +41,20 @@ def layer(module: str) -> str:
 
 # What each layer must never import (its own layer and those below it are fine).
 FORBIDDEN = {
-    "backends": {"engine", "control", "drafters", "sessions", "cli", "bench", "registry"},
-    "drafters": {"engine", "control", "sessions", "cli", "bench"},
-    "control": {"engine", "sessions", "cli", "bench", "registry"},
-    "verify": {"engine", "control", "drafters", "sessions", "cli", "bench", "registry"},
-    "sampling": {"engine", "control", "drafters", "sessions", "cli", "bench", "registry", "verify"},
-    "engine": {"sessions", "cli", "bench", "registry"},
-    "registry": {"engine", "control", "drafters", "sessions", "cli", "bench"},
-    "sessions": {"cli", "bench"},
-    "bench": {"cli"},
+    "heads": {"backends", "engine", "control", "drafters", "sessions", "cli", "bench", "registry", "modelkit",
+              "training", "server", "verify", "sampling", "tree"},
+    "backends": {"engine", "control", "drafters", "sessions", "cli", "bench", "registry", "training", "server"},
+    "drafters": {"engine", "control", "sessions", "cli", "bench", "training", "server"},
+    "control": {"engine", "sessions", "cli", "bench", "registry", "training", "server"},
+    "verify": {"engine", "control", "drafters", "sessions", "cli", "bench", "registry", "training", "server"},
+    "sampling": {"engine", "control", "drafters", "sessions", "cli", "bench", "registry", "verify", "training",
+                 "server"},
+    "engine": {"sessions", "cli", "bench", "registry", "training", "server"},
+    "registry": {"engine", "control", "drafters", "sessions", "cli", "bench", "training", "server"},
+    "sessions": {"cli", "bench", "training", "server"},
+    "training": {"cli", "bench", "server"},
+    "server": {"cli", "bench", "training"},
+    "bench": {"cli", "training", "server"},
 }
 
 

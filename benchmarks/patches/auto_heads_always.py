@@ -6,7 +6,7 @@ heads on every prompt, whatever ``heads_pay`` predicts (what asking idle heads c
 """
 
 from specrun.drafters.methods import DrafterOptions, build_drafter as _build_drafter
-from specrun.modelkit.heads import load_heads
+from specrun.heads.files import load_heads
 from specrun.registry.heads import shipped_heads_path
 
 _HEADS = load_heads(shipped_heads_path("demo-target", "eagle"))

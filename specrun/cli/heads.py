@@ -49,7 +49,7 @@ def train(
     """Train heads that guess the target's next tokens from its hidden states; a second run with
     the same options resumes from the checkpoint a stopped one left."""
     with cli_errors():
-        from specrun.sessions.heads import HeadsTrainRequest, TrainingInterrupted, check_request, train_heads
+        from specrun.training.run import HeadsTrainRequest, TrainingInterrupted, check_request, train_heads
 
         request = HeadsTrainRequest(
             target=target, kind=kind, out=heads_out, num_heads=num_heads, num_layers=num_layers,

@@ -32,7 +32,7 @@ def rpc_server_command(
         from specrun.backends.llama import default_threads
         from specrun.backends.llama_rpc import serve
         from specrun.modelkit.demo import cache_dir
-        from specrun.sessions.serve import is_loopback
+        from specrun.server.app import is_loopback
 
         check_range("--port", port, 1, 65535)
         check_range("--threads", threads, 1, 1024)

@@ -1,4 +1,4 @@
-"""``specrun serve``: the loaded pair behind an OpenAI-compatible HTTP API (sessions/serve.py)."""
+"""``specrun serve``: the loaded pair behind an OpenAI-compatible HTTP API (server/app.py)."""
 
 from __future__ import annotations
 
@@ -100,7 +100,7 @@ def serve_command(
     with cli_errors():
         from specrun.drafters.methods import check_method, needs_draft_model
         from specrun.registry.loading import LoadOptions, choose_pair
-        from specrun.sessions.serve import HttpOptions, PairOptions, ServeDefaults, serve
+        from specrun.server.app import HttpOptions, PairOptions, ServeDefaults, serve
 
         check_method(method)
         check_generation_options(max_tokens, draft_len, draft_min_prob, ctx, threads)

@@ -17,17 +17,17 @@ from specrun.backends.base import Backend
 from specrun.drafters.base import Drafter
 from specrun.drafters.chain import ChainDrafter
 from specrun.drafters.draft_model import DraftModelDrafter
-from specrun.drafters.eagle import EagleDrafter
-from specrun.drafters.heads import MedusaDrafter
-from specrun.drafters.hydra import HydraDrafter
+from specrun.drafters.heads.eagle import EagleDrafter
+from specrun.drafters.heads.base import MedusaDrafter
+from specrun.drafters.heads.hydra import HydraDrafter
 from specrun.drafters.lookahead import LookaheadDrafter, LookaheadSizes
 from specrun.drafters.lookup import PromptLookupDrafter
 from specrun.drafters.ngram import NgramPoolDrafter
 from specrun.errors import UsageError
-from specrun.modelkit.eagle import EagleHeads
-from specrun.modelkit.eagle3 import Eagle3Heads
-from specrun.modelkit.heads import DRAFTING_KINDS, MedusaHeads
-from specrun.modelkit.hydra import HydraHeads
+from specrun.heads.eagle import EagleHeads
+from specrun.heads.eagle3 import Eagle3Heads
+from specrun.heads.files import DRAFTING_KINDS, MedusaHeads
+from specrun.heads.hydra import HydraHeads
 
 METHODS = (
     "auto",

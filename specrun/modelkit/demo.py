@@ -63,7 +63,7 @@ def demo_mlx_dir(name: str) -> Path:
 
 def demo_eagle3_heads(name: str) -> Path | None:
     """The EAGLE-3 heads folder of a demo model: the demo target's ships in the package; the
-    bench-scale target's is derived from it on first use (modelkit.eagle3.widened_eagle3: it
+    bench-scale target's is derived from it on first use (heads.eagle3.widened_eagle3: it
     drafts what the demo target's heads draft, at their cost a depth). None for the draft model,
     or where the package has none."""
     shipped = Path(str(resources.files("specrun.demo").joinpath("demo-target.eagle3")))
@@ -74,9 +74,9 @@ def demo_eagle3_heads(name: str) -> Path | None:
 
 
 def _write_xl_eagle3(shipped: Path, folder: Path) -> None:
-    from specrun.modelkit.eagle3 import widened_eagle3
+    from specrun.heads.eagle3 import widened_eagle3
     from specrun.modelkit.gguf_io import read_gguf_tensor
-    from specrun.modelkit.heads import load_heads, save_eagle3
+    from specrun.heads.files import load_heads, save_eagle3
 
     heads = load_heads(shipped)
     embedding = read_gguf_tensor(demo_gguf("demo-target"), "token_embd.weight")  # the rows it was trained on

@@ -7,7 +7,7 @@ import re
 from pathlib import Path
 
 from specrun.errors import SpecrunError, UsageError
-from specrun.modelkit.heads import DRAFTING_KINDS
+from specrun.heads.files import DRAFTING_KINDS
 from specrun.registry.catalog import ModelEntry, load_registry
 
 HEADS_SUFFIX = ".safetensors"
@@ -115,7 +115,7 @@ def head_kinds_available(target_spec: str, explicit: str | None = None, registry
 def explicit_heads_kind(explicit: str) -> str | None:
     """The kind of heads the file ``explicit`` (--heads) holds; None where it cannot be loaded (what
     is wrong with it is reported where the heads are loaded for a method)."""
-    from specrun.modelkit.heads import load_heads
+    from specrun.heads.files import load_heads
 
     try:
         heads = load_heads(Path(explicit).expanduser())

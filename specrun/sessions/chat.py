@@ -136,7 +136,7 @@ class ChatSession:
 
     load_draft: called the first time ``set_method`` needs a draft model that was not
     loaded at the start (the chat began with a method that needs none).
-    load_heads: likewise for a head method's heads (specrun.modelkit.heads), called with its
+    load_heads: likewise for a head method's heads (specrun.heads.files), called with its
     ``kind``; ``kind=None``: the heads auto drafts with (None where the target has none).
     draft_len, draft_min_prob: the user's choices. draft_len None: lengths adapt, up to 16;
     draft_min_prob None: what ``specrun tune`` saved for this pair and machine (``tuned``),

@@ -341,7 +341,7 @@ def read_heads(path, loaded: dict | None):
     """The heads in ``path``, read once per ``loaded`` (a comparison's lines, or a chat session's
     methods, that draft with the same file share what was read: a published EAGLE-3 head's
     embedding table alone is ~1 GB)."""
-    from specrun.modelkit.heads import load_heads
+    from specrun.heads.files import load_heads
 
     if loaded is None:
         return load_heads(path)
@@ -355,7 +355,7 @@ def _checked_heads(path, heads, kind: str, target):
     """``heads`` (loaded from ``path``) if they are ``kind`` heads made for ``target``; else the
     one-line error naming the file and both sides."""
     from specrun.drafters.ngram import vocabulary_fingerprint
-    from specrun.modelkit.heads import check_heads_for_target
+    from specrun.heads.files import check_heads_for_target
 
     if heads_of_kind(heads, kind) is None:
         raise UsageError(f"{path} holds {heads.config.kind} heads, not {kind} heads",
@@ -363,7 +363,7 @@ def _checked_heads(path, heads, kind: str, target):
     support = target.hidden_support
     check_heads_for_target(heads, hidden_size=support.size or heads.config.hidden_size, vocab_size=target.vocab.size,
                            num_layers=support.layers, vocabulary=vocabulary_fingerprint(target), path=path)
-    from specrun.drafters.eagle import check_eagle3_target
+    from specrun.drafters.heads.eagle import check_eagle3_target
 
     check_eagle3_target(heads, target, path)
     return heads
@@ -403,7 +403,7 @@ def heads_pay(heads, target, stored) -> bool:
     join auto by themselves only once this machine's costs say they pay (a first run of the demo
     target with them read 0.70x on one prompt, where its later runs leave them out)."""
     from specrun.control.heads import HEADS_MARGIN, PRIOR_ACCEPTANCE, predicted_heads_gain
-    from specrun.modelkit.heads import held_out_acceptance
+    from specrun.heads.files import held_out_acceptance
     from specrun.sessions.lookahead_sizing import relative_costs
 
     costs = stored.target_costs if stored is not None else None

@@ -16,7 +16,7 @@ from heads_factory import random_eagle, random_heads, random_hydra
 from model_factory import perturbed_copy
 from specrun.cli.app import app
 from specrun.drafters.methods import METHODS, heads_kind, needs_heads
-from specrun.modelkit.heads import save_heads
+from specrun.heads.files import save_heads
 
 runner = CliRunner()
 BACKEND_MODULES = {"llama": "llama_cpp", "mlx": "mlx_lm"}

@@ -19,11 +19,11 @@ from fake_models import COPYING_VOCAB, REPEATING_PROMPT, copying_logits
 from heads_factory import FAKE_LAYERS, eagle3_heads, fitted_eagle3, oracle_eagle3, oracle_hidden
 from specrun.backends.fake import FakeBackend
 from specrun.backends.kv import sequence_for
-from specrun.drafters.eagle import EagleDrafter
+from specrun.drafters.heads.eagle import EagleDrafter
 from specrun.drafters.methods import DrafterOptions, build_drafter
 from specrun.engine.loop import GenerationParams, SpeculativeEngine
 from specrun.errors import UsageError
-from specrun.modelkit.eagle3 import check_rope_scaling, rope_frequencies
+from specrun.heads.eagle3 import check_rope_scaling, rope_frequencies
 from specrun.sampling import SamplingSettings
 
 TABLE = copying_logits(salt=4)

@@ -1,5 +1,5 @@
 """The EAGLE drafter on a fake target with hidden states: its drafts are what the layer drafts
-from the target's own features (modelkit.eagle.chain_guesses, checked there against the layer
+from the target's own features (heads.eagle.chain_guesses, checked there against the layer
 step by step) however the context grows, shrinks or starts; its trees and sampled rows are
 well formed. Losslessness is the harness's (tests/engine/test_acceptance.py)."""
 
@@ -14,10 +14,10 @@ from fake_models import COPYING_VOCAB, copying_logits
 from heads_factory import FAKE_LAYERS, eagle3_heads, random_eagle
 from specrun.backends.fake import FakeBackend
 from specrun.backends.kv import sequence_for
-from specrun.drafters.eagle import EagleDrafter
+from specrun.drafters.heads.eagle import EagleDrafter
 from specrun.drafters.methods import DrafterOptions, build_drafter
 from specrun.errors import UsageError
-from specrun.modelkit.eagle import chain_guesses
+from specrun.heads.eagle import chain_guesses
 from specrun.sampling import SamplingSettings
 
 TABLE = copying_logits(salt=4)
@@ -137,7 +137,7 @@ def test_two_head_drafters_on_one_target_keep_the_longer_tail():
     """A bench binds every variant's drafter to the one cache view: Medusa's tail (65) after
     EAGLE's (its window, 128) must not cut what EAGLE reads."""
     from heads_factory import oracle_heads
-    from specrun.drafters.heads import MedusaDrafter
+    from specrun.drafters.heads.base import MedusaDrafter
 
     target = FakeBackend(TABLE, COPYING_VOCAB, hidden_table=lambda context: np.zeros(5 * COPYING_VOCAB),
                          hidden_size=5 * COPYING_VOCAB)

@@ -15,11 +15,11 @@ from fake_models import COPYING_VOCAB, copying_logits
 from heads_factory import oracle_heads, oracle_hidden, oracle_hydra, random_hydra
 from specrun.backends.fake import FakeBackend
 from specrun.backends.kv import sequence_for
-from specrun.drafters.hydra import HydraDrafter
+from specrun.drafters.heads.hydra import HydraDrafter
 from specrun.drafters.methods import DrafterOptions, build_drafter
 from specrun.engine.loop import GenerationParams, SpeculativeEngine
 from specrun.errors import UsageError
-from specrun.modelkit.hydra import chain_guesses
+from specrun.heads.hydra import chain_guesses
 from specrun.sampling import SamplingSettings
 
 TABLE = copying_logits(salt=4)
@@ -71,7 +71,7 @@ def test_greedy_drafts_read_the_hidden_state_and_every_token_before_them(num_lay
     proposal = drafter.propose(CONTEXT, 5, GREEDY, np.random.default_rng(0))
     expected = greedy_chain(heads, CONTEXT, 5)
     assert list(proposal.tokens) == expected and proposal.is_chain
-    # The report's chain (modelkit.hydra.chain_guesses) drafts alike, many positions at once.
+    # The report's chain (heads.hydra.chain_guesses) drafts alike, many positions at once.
     hidden = random_state(tuple(CONTEXT[:-1]))[None, :]
     assert list(chain_guesses(heads, hidden, np.array([CONTEXT[-1]]), 5)[:, 0]) == expected
     assert len(drafter.propose(CONTEXT, 16, GREEDY, np.random.default_rng(0))) == 5  # one per head

@@ -8,7 +8,7 @@ import pytest
 
 from cli_checks import assert_one_line_error, invoke
 from heads_factory import random_eagle, random_heads, random_hydra
-from specrun.modelkit.heads import save_heads
+from specrun.heads.files import save_heads
 from specrun.registry.heads import heads_cache_path
 
 
@@ -148,7 +148,7 @@ def test_the_demo_target_s_heads_ship_with_the_package_and_draft_its_text(kind):
     the heads in specrun/demo are found by the alias, made for the demo target, a few MB, and
     greedy output is plain decoding's with drafts accepted."""
     pytest.importorskip("llama_cpp", reason="the llama backend is not installed")
-    from specrun.modelkit.heads import load_heads
+    from specrun.heads.files import load_heads
     from specrun.registry.heads import shipped_heads_path
 
     path = shipped_heads_path("demo-target", kind)
@@ -175,7 +175,7 @@ def test_a_bench_of_both_head_methods_takes_heads_for_its_kind_and_finds_the_oth
                                                                                     monkeypatch):
     """--heads names EAGLE heads; the Medusa heads beside the model serve --method medusa."""
     pytest.importorskip("llama_cpp", reason="the llama backend is not installed")
-    import specrun.modelkit.heads as heads_io
+    import specrun.heads.files as heads_io
 
     reads, load = [], heads_io.load_heads
     monkeypatch.setattr(heads_io, "load_heads", lambda path: reads.append(path.name) or load(path))
@@ -298,8 +298,8 @@ def test_the_shipped_eagle3_heads_draft_for_the_demo_target_and_derive_for_the_b
     bench-scale target's derive from them on first use, reading its zero-widened layers, and
     draft the same tokens: greedy output is plain decoding's with drafts accepted on both."""
     pytest.importorskip("llama_cpp", reason="the llama backend is not installed")
-    from specrun.modelkit.eagle3 import Eagle3Heads
-    from specrun.modelkit.heads import load_heads
+    from specrun.heads.eagle3 import Eagle3Heads
+    from specrun.heads.files import load_heads
     from specrun.registry.heads import find_heads, shipped_heads_path
 
     shipped = shipped_heads_path("demo-target", "eagle3")

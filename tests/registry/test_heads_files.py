@@ -13,8 +13,8 @@ import pytest
 from safetensors.numpy import save_file
 
 from specrun.errors import ModelFileError
-from specrun.modelkit.eagle3 import Eagle3Heads
-from specrun.modelkit.heads import (
+from specrun.heads.eagle3 import Eagle3Heads
+from specrun.heads.files import (
     EAGLE3_TRAINED_DEPTH,
     HeadsConfig,
     MedusaHeads,
@@ -164,7 +164,7 @@ def test_a_failed_save_leaves_the_previous_pair(tmp_path):
 def test_a_save_torn_between_its_two_files_is_refused(tmp_path, monkeypatch):
     """The tensors written, the config not (a full disk, a crash): the old config's checksum no
     longer matches, so the pair is refused instead of loading new weights under an old config."""
-    from specrun.modelkit import heads as heads_module
+    from specrun.heads import files as heads_module
 
     path = tmp_path / "heads.safetensors"
     save_heads(medusa_heads(seed=1), path)
@@ -706,7 +706,7 @@ def saved_eagle(tmp_path: Path) -> tuple[Path, object]:
 
 
 def test_eagle_heads_round_trip_with_their_layout_and_draft_vocabulary(tmp_path):
-    from specrun.modelkit.eagle import EagleHeads
+    from specrun.heads.eagle import EagleHeads
 
     path, heads = saved_eagle(tmp_path)
     loaded = load_heads(path)
@@ -775,7 +775,7 @@ def hydra_saved(tmp_path: Path, num_layers: int = 2) -> tuple[Path, object]:
 
 
 def test_hydra_heads_round_trip_within_float16_rounding(tmp_path):
-    from specrun.modelkit.hydra import HydraHeads
+    from specrun.heads.hydra import HydraHeads
 
     path, heads = hydra_saved(tmp_path)
     loaded = load_heads(path)
@@ -828,7 +828,7 @@ def test_eagle3_heads_saved_by_specrun_load_back_with_their_target_and_checksum(
     import dataclasses
 
     from heads_factory import eagle3_heads
-    from specrun.modelkit.heads import save_heads, training_layer_ids
+    from specrun.heads.files import save_heads, training_layer_ids
 
     heads = eagle3_heads(HIDDEN, VOCAB, depth=5, draft_vocab=range(0, VOCAB, 3), aux=(1, 3, 6))
     config = dataclasses.replace(heads.config, target_name="demo-target", target_layers=8,

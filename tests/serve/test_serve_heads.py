@@ -6,7 +6,7 @@ import pytest
 
 from heads_factory import random_heads, random_hydra
 from server_harness import specrun_json, start_server, stop_server
-from specrun.modelkit.heads import save_heads
+from specrun.heads.files import save_heads
 
 
 @pytest.mark.parametrize("kind", ["medusa", "hydra"])

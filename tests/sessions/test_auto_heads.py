@@ -12,7 +12,7 @@ import pytest
 from heads_factory import oracle_eagle, oracle_heads, oracle_hydra, random_eagle, random_heads, random_hydra
 from specrun.control.heads import HEADS_MARGIN, PRIOR_ACCEPTANCE, predicted_heads_gain
 from specrun.drafters.methods import AUTO_HEADS_ORDER, DrafterOptions, build_drafter, check_method, resolve_method
-from specrun.modelkit.heads import held_out_acceptance, load_heads, save_heads
+from specrun.heads.files import held_out_acceptance, load_heads, save_heads
 from specrun.registry.heads import shipped_heads_path
 from specrun.sessions.tuning import TuneResult
 
@@ -350,7 +350,7 @@ def test_bench_s_auto_line_drafts_with_the_heads_and_notes_it(model, tiny_llama,
 @pytest.fixture
 def reads(monkeypatch):
     """The heads files read from disk, in order."""
-    import specrun.modelkit.heads as heads_io
+    import specrun.heads.files as heads_io
 
     read, load = [], heads_io.load_heads
     monkeypatch.setattr(heads_io, "load_heads", lambda path, *args, **kwargs: read.append(path) or load(path, *args, **kwargs))

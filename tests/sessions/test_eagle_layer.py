@@ -1,5 +1,5 @@
 """The EAGLE layer's math: the trainer's hand-written gradients against finite differences, its
-forward pass against the drafter's (modelkit.eagle.layer), and the chain the report measures
+forward pass against the drafter's (heads.eagle.layer), and the chain the report measures
 against drafting one position at a time."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ import dataclasses
 import numpy as np
 import pytest
 
-from specrun.modelkit.eagle import PARAMETER_NAMES, EagleLayout, causal_window, chain_guesses, fuse, layer, no_entries
-from specrun.modelkit.heads import HeadsConfig
-from specrun.sessions.heads_eagle import EagleWindow, NumpyEagleTrainer, batch_forward, batch_loss
+from specrun.heads.eagle import PARAMETER_NAMES, EagleLayout, causal_window, chain_guesses, fuse, layer, no_entries
+from specrun.heads.files import HeadsConfig
+from specrun.training.eagle import EagleWindow, NumpyEagleTrainer, batch_forward, batch_loss
 
 SIZE, VOCAB, DRAFT_VOCAB = 8, 12, 7
 
@@ -75,7 +75,7 @@ def test_a_training_step_lowers_the_loss_it_is_taken_on():
 
 
 def test_the_drafters_layer_reads_what_the_trainer_scores():
-    """Teacher-forced, modelkit.eagle.layer over the window gives the features the trainer scores."""
+    """Teacher-forced, heads.eagle.layer over the window gives the features the trainer scores."""
     heads, window = small_heads(), small_window()
     count = len(window.tokens) - 1
     fused = fuse(heads, window.features[:count], heads.draft_ids(window.tokens[1:]))

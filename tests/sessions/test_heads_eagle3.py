@@ -1,4 +1,4 @@
-"""EAGLE-3's trainer (sessions/heads_eagle3.py): the training-time test's gradient against finite
+"""EAGLE-3's trainer (training/eagle3.py): the training-time test's gradient against finite
 differences, its chains against what the drafter drafts from the same heads, and a few steps that
 lower the loss."""
 
@@ -13,11 +13,11 @@ from fake_models import COPYING_VOCAB, copying_logits
 from heads_factory import FAKE_LAYERS
 from specrun.backends.fake import FakeBackend
 from specrun.backends.kv import sequence_for
-from specrun.drafters.eagle import EagleDrafter
-from specrun.modelkit.heads import HeadsConfig
+from specrun.drafters.heads.eagle import EagleDrafter
+from specrun.heads.files import HeadsConfig
 from specrun.sampling import SamplingSettings
-from specrun.sessions.heads_eagle import EagleWindow
-from specrun.sessions.heads_eagle3 import PARAMETER_NAMES, Eagle3Math, NumpyEagle3Trainer
+from specrun.training.eagle import EagleWindow
+from specrun.training.eagle3 import PARAMETER_NAMES, Eagle3Math, NumpyEagle3Trainer
 
 SIZE, VOCAB, AUX = 8, 10, (1, 3)
 
@@ -70,7 +70,7 @@ def test_the_gradient_is_the_losss_by_finite_differences(steps):
 def test_the_gradient_along_a_random_direction_of_every_array_at_the_trained_depth():
     """All arrays at once, TRAINED_STEPS deep: the loss's change along a random direction is the
     gradient's inner product with it (no entry can hide behind a near-zero gradient)."""
-    from specrun.sessions.heads_eagle3 import TRAINED_STEPS
+    from specrun.training.eagle3 import TRAINED_STEPS
 
     trainer = tiny_trainer(seed=3)
     params = {name: array.astype(np.float64) for name, array in trainer.params.items()}
@@ -130,7 +130,7 @@ def test_steps_lower_the_loss_on_what_they_train_on():
 
 
 def test_training_runs_numpy_s_blas_on_the_cores_given_then_as_before():
-    from specrun.sessions.heads_numpy import blas_threads, openblas_threads
+    from specrun.training.medusa import blas_threads, openblas_threads
 
     found = openblas_threads()
     if found is None:

@@ -11,8 +11,8 @@ import pytest
 from typer.testing import CliRunner
 
 from specrun.cli.app import app
-from specrun.modelkit.heads import MedusaHeads, load_heads
-from specrun.sessions.heads import (
+from specrun.heads.files import MedusaHeads, load_heads
+from specrun.training.run import (
     HeadsTrainRequest,
     TrainingInterrupted,
     checkpoint_folder,
@@ -151,7 +151,7 @@ def test_interrupted_before_any_checkpoint_keeps_nothing(tiny_llama, text_folder
 def test_eagle3_heads_train_on_mlx_from_the_layers_it_records(tiny_llama, text_folder, tmp_path):
     """MLX gives the layer outputs (its recording body) and the same NumPy trainer learns from
     them: a falling loss and a folder that loads back as EAGLE-3 heads for the target."""
-    from specrun.modelkit.eagle3 import Eagle3Heads
+    from specrun.heads.eagle3 import Eagle3Heads
 
     out = tmp_path / "eagle3"
     losses = []
@@ -172,7 +172,7 @@ def test_self_distillation_from_a_prompts_file(tiny_llama, tmp_path):
 
 
 def test_a_continued_prompt_labels_only_the_generated_tokens():
-    from specrun.sessions.heads import _Data, _target_labels
+    from specrun.training.run import _Data, _target_labels
 
     data = _Data()
     tokens = [1, 2, 3, 4, 5, 6]  # a prompt of three tokens, then three generated
@@ -276,7 +276,7 @@ def test_files_that_are_not_heads_are_not_written_over(other, tmp_path):
 
 
 def test_a_run_removes_only_its_own_checkpoint_files(tmp_path):
-    from specrun.sessions.heads import CHECKPOINT_FILES, _remove_checkpoint
+    from specrun.training.run import CHECKPOINT_FILES, _remove_checkpoint
 
     folder = tmp_path / "h.ckpt"
     (folder / "heads").mkdir(parents=True)
@@ -293,7 +293,7 @@ def test_a_run_removes_only_its_own_checkpoint_files(tmp_path):
 def test_a_killed_save_s_scratch_files_neither_block_the_next_run_nor_stay(tiny_llama, text_folder, tmp_path):
     """A run killed while it wrote left .data.npz.1a2b.tmp beside the checkpoint: the next run
     refused the folder as someone else's, and then could not remove it."""
-    from specrun.sessions.heads import _remove_checkpoint, check_checkpoint_folder
+    from specrun.training.run import _remove_checkpoint, check_checkpoint_folder
 
     out = tmp_path / "medusa.safetensors"
     folder = checkpoint_folder(out)
@@ -330,7 +330,7 @@ def test_an_empty_prompts_file_is_one_line(tmp_path):
 
 
 def test_ctrl_c_says_where_the_checkpoint_is(monkeypatch, tmp_path):
-    import specrun.sessions.heads as session
+    import specrun.training.run as session
 
     def interrupted(*args, **kwargs):
         raise TrainingInterrupted(tmp_path / "medusa.ckpt", 12)
@@ -349,7 +349,7 @@ def test_gathering_stops_at_the_deadline_when_continuations_come_back_empty(monk
     from types import SimpleNamespace
 
     from specrun.errors import SpecrunError
-    from specrun.sessions.heads import HeadsTrainRequest, _Run
+    from specrun.training.run import HeadsTrainRequest, _Run
 
     calls = []
 

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 from heads_factory import random_heads
-from specrun.modelkit.heads import MedusaHeads, check_heads_for_target, load_heads
-from specrun.sessions.heads import HeadsTrainRequest, TrainingInterrupted, train_heads
-from specrun.sessions.heads_numpy import NumpyHeadsTrainer
+from specrun.heads.files import MedusaHeads, check_heads_for_target, load_heads
+from specrun.training.run import HeadsTrainRequest, TrainingInterrupted, train_heads
+from specrun.training.medusa import NumpyHeadsTrainer
 
 REPEATING_TEXT = "the quick brown fox jumps over the lazy dog, and then it runs home again. " * 120
 
@@ -108,7 +108,7 @@ def test_continuations_through_llama_cpp_label_only_generated_tokens(gguf, tmp_p
 def test_eagle_heads_train_on_llama_cpp_and_draft_for_the_target(gguf, tiny_llama, text_folder, tmp_path):
     """--kind eagle: whole windows through the NumPy trainer, a falling loss, heads that load back
     as EAGLE heads for the target, and a report on the chains they draft by themselves."""
-    from specrun.modelkit.eagle import EagleHeads
+    from specrun.heads.eagle import EagleHeads
 
     out = tmp_path / "eagle.safetensors"
     losses = []
@@ -128,7 +128,7 @@ def test_eagle3_heads_train_on_llama_cpp_and_draft_for_the_target(gguf, tiny_lla
     """--kind eagle3: the target's layer outputs through llama.cpp, the training-time test in
     NumPy, a falling loss, and a folder as SpecForge exports it that loads back as EAGLE-3 heads
     for the target (the layers read, the target and the report recorded; no embedding of its own)."""
-    from specrun.modelkit.eagle3 import Eagle3Heads
+    from specrun.heads.eagle3 import Eagle3Heads
 
     out = tmp_path / "eagle3"
     losses = []

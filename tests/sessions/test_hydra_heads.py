@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 
 from heads_factory import random_hydra
-from specrun.modelkit.heads import HeadsConfig, check_heads_for_target, load_heads
-from specrun.modelkit.hydra import HydraHeads, chain_guesses, head_logits, root_terms
-from specrun.sessions.heads import HeadsTrainRequest, TrainingInterrupted, checkpoint_folder, train_heads
-from specrun.sessions.heads_hydra import NumpyHydraTrainer, batch_loss
+from specrun.heads.files import HeadsConfig, check_heads_for_target, load_heads
+from specrun.heads.hydra import HydraHeads, chain_guesses, head_logits, root_terms
+from specrun.training.run import HeadsTrainRequest, TrainingInterrupted, checkpoint_folder, train_heads
+from specrun.training.hydra import NumpyHydraTrainer, batch_loss
 
 SIZE, VOCAB, DRAFT_VOCAB, HEADS = 6, 12, 7, 3
 D2T = [3, 0, 7, 11, 5, 2, 9]

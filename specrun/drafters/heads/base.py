@@ -1,6 +1,6 @@
 """Self-drafting heads: drafts from the target's own hidden state, no second model.
 
-Medusa (specrun.modelkit.heads.MedusaHeads): between verify passes the target's cache holds
+Medusa (specrun.heads.files.MedusaHeads): between verify passes the target's cache holds
 the context but its last token, and the hidden state at the last cached position is what the
 target's own head turned into that token. Head i reads it and guesses the token i + 1 places
 after the context's end; the heads run in NumPy (a few small matrix-vector products), so a
@@ -18,7 +18,7 @@ from specrun.backends.kv import KVSequence
 from specrun.drafters.base import EMPTY_PROPOSAL, Drafter, Proposal, second_guesses
 from specrun.drafters.dynamic_tree import TOP_K, grow_tree
 from specrun.errors import UsageError
-from specrun.modelkit.heads import HeadsConfig, MedusaHeads
+from specrun.heads.files import HeadsConfig, MedusaHeads
 from specrun.sampling import SamplingSettings, probabilities, sample
 
 

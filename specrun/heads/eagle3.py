@@ -13,7 +13,7 @@ One Llama decoder layer at the draft's width D runs beside the target:
 
 At position p the layer reads g from the target's layers at p and the token at p + 1, and its
 ``out`` stands in for g at p + 1: drafting on, it reads its own ``out`` (no fc) and the token it
-drafted, as EAGLE-1 reads its own predicted feature (specrun.modelkit.eagle). The embedding is the
+drafted, as EAGLE-1 reads its own predicted feature (specrun.heads.eagle). The embedding is the
 file's ``embed_tokens`` over the target's whole vocabulary (rows are target ids). Attention reads
 every earlier position, the context's and the draft's ancestors', with grouped key-value heads.
 """
@@ -27,8 +27,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from specrun.modelkit.eagle import rms_norm, silu
-from specrun.modelkit.heads import HeadsConfig
+from specrun.heads.eagle import rms_norm, silu
+from specrun.heads.files import HeadsConfig
 
 # The positions back a drafter's context entries reach. EAGLE-3 attends to the whole context; a
 # drafter keeps this many (features of more are rarely kept by the target, and an older position
@@ -84,7 +84,7 @@ class Eagle3Heads:
     rope_scaling: dict | None = field(default=None, compare=False)
     max_position_embeddings: int = 0  # the target's trained context, as the config says (0: not said)
 
-    # ---- what a drafter asks of the layer (drafters.eagle.EagleDrafter) ----------------------
+    # ---- what a drafter asks of the layer (drafters.heads.eagle.EagleDrafter) ----------------------
     window = EAGLE3_WINDOW
 
     @property

@@ -10,10 +10,10 @@ vocabulary. Heads here project over a draft vocabulary (``d2t``: the target id o
 None where it is the target's whole vocabulary), as EAGLE-3 does, since a projection over a 50k
 vocabulary costs as much as a small target's pass on a CPU.
 
-EAGLE (specrun.modelkit.eagle): one decoder layer over the feature and the next token's embedding,
+EAGLE (specrun.heads.eagle): one decoder layer over the feature and the next token's embedding,
 drafting one token at a time from its own predicted features.
 
-Hydra (specrun.modelkit.hydra): Medusa's heads, each also reading the embeddings of the tokens
+Hydra (specrun.heads.hydra): Medusa's heads, each also reading the embeddings of the tokens
 drafted before its own, so drafts depend on the ones before them.
 
 Files. specrun's own heads (Medusa, Hydra or EAGLE) are ``NAME.safetensors`` (float16 weights, loaded as float32) beside
@@ -42,9 +42,9 @@ from specrun.errors import ModelFileError
 from specrun.fileio import MiB, json_problem, read_limited, write_atomically
 
 if TYPE_CHECKING:
-    from specrun.modelkit.eagle import EagleHeads
-    from specrun.modelkit.eagle3 import Eagle3Heads
-    from specrun.modelkit.hydra import HydraHeads
+    from specrun.heads.eagle import EagleHeads
+    from specrun.heads.eagle3 import Eagle3Heads
+    from specrun.heads.hydra import HydraHeads
 
 HEAD_KINDS = ("medusa", "hydra", "eagle")
 DRAFTING_KINDS = ("medusa", "hydra", "eagle")  # the heads specrun drafts with: its head methods, named alike
@@ -162,7 +162,7 @@ _TARGET_KEYS = frozenset(("name", "vocabulary", "num_layers"))
 _LAYOUT_KEYS = frozenset(("num_attention_heads", "head_dim", "intermediate_size", "window", "rope_theta", "rms_norm_eps"))
 _HYDRA_LAYOUT_KEYS = frozenset(("embedding_size",))
 _WITH_LAYOUT = ("eagle", "hydra")  # the kinds whose config says more of their shape, in "layout"
-# EAGLE heads' tensors in specrun's files, in modelkit.eagle.PARAMETER_NAMES' order.
+# EAGLE heads' tensors in specrun's files, in heads.eagle.PARAMETER_NAMES' order.
 EAGLE_TENSORS = tuple(f"eagle.{name}" for name in (
     "embed", "fc", "fc_bias", "attn_norm", "q_proj", "k_proj", "v_proj", "o_proj",
     "mlp_norm", "gate_proj", "up_proj", "down_proj", "lm_head",
@@ -191,9 +191,9 @@ def save_heads(heads: MedusaHeads | EagleHeads | HydraHeads | Eagle3Heads, path:
     """
     from safetensors.numpy import save
 
-    from specrun.modelkit.eagle import EagleHeads
-    from specrun.modelkit.eagle3 import Eagle3Heads
-    from specrun.modelkit.hydra import HydraHeads
+    from specrun.heads.eagle import EagleHeads
+    from specrun.heads.eagle3 import Eagle3Heads
+    from specrun.heads.hydra import HydraHeads
 
     path = Path(path)
     if isinstance(heads, Eagle3Heads):
@@ -401,7 +401,7 @@ def _specrun_config(settings: dict, path: Path) -> tuple[HeadsConfig, str]:
 
 def _eagle_layout(settings: dict, path: Path):
     """The EagleLayout an eagle heads config gives, each count checked."""
-    from specrun.modelkit.eagle import EagleLayout
+    from specrun.heads.eagle import EagleLayout
 
     layout = settings["layout"]
     if not isinstance(layout, dict) or set(layout) != _LAYOUT_KEYS:
@@ -420,7 +420,7 @@ def _eagle_layout(settings: dict, path: Path):
 
 
 def _load_specrun_eagle(stored: _TensorsFile, config: HeadsConfig, layout, config_path: Path):
-    from specrun.modelkit.eagle import PARAMETER_NAMES, EagleHeads, eagle_shapes
+    from specrun.heads.eagle import PARAMETER_NAMES, EagleHeads, eagle_shapes
 
     if config.num_layers != 1:
         raise _refuse(config_path, f"says num_layers is {config.num_layers}; specrun's EAGLE heads have one layer")
@@ -433,7 +433,7 @@ def _load_specrun_eagle(stored: _TensorsFile, config: HeadsConfig, layout, confi
 
 
 def _load_specrun_hydra(stored: _TensorsFile, config: HeadsConfig, layout: object, config_path: Path):
-    from specrun.modelkit.hydra import HydraHeads, hydra_shapes
+    from specrun.heads.hydra import HydraHeads, hydra_shapes
 
     if not isinstance(layout, dict) or set(layout) != _HYDRA_LAYOUT_KEYS:
         raise _refuse(config_path, "has a malformed layout (expected the key embedding_size)")
@@ -535,7 +535,7 @@ EAGLE3_ARCHITECTURE = "LlamaForCausalLMEagle3"
 
 def _load_eagle3(folder: Path) -> Eagle3Heads:
     """An EAGLE-3 draft folder (config.json, model.safetensors) as SpecForge exports it for SGLang."""
-    from specrun.modelkit.eagle3 import Eagle3Heads, check_rope_scaling
+    from specrun.heads.eagle3 import Eagle3Heads, check_rope_scaling
 
     config_path, tensors_path = folder / "config.json", folder / "model.safetensors"
     settings = _read_json(config_path)

@@ -1,5 +1,5 @@
 """Training Medusa heads on a target's hidden states with MLX: the part of `specrun heads train`
-that touches mlx (the session, sessions/heads.py, holds NumPy arrays only).
+that touches mlx (the session, training/run.py, holds NumPy arrays only).
 
 - ``HeadsTarget``: an mlx-lm model split into its body (tokens -> the final-normed hidden
   states) and its output head by backends/mlx.py's ``split_model``, which checks the split
@@ -23,7 +23,7 @@ import numpy as np
 
 from specrun.backends.mlx import MlxBackend, _import_mlx, _load, resolve_model_folder, split_model
 from specrun.errors import ModelFileError
-from specrun.modelkit.heads import HeadsConfig, MedusaHeads
+from specrun.heads.files import HeadsConfig, MedusaHeads
 
 HEAD_LOSS_DECAY = 0.8  # head i's loss is weighted 0.8**i (Medusa)
 TRAINABLE_CACHES = ("KVCache",)  # prompt caches a left-padded batch can replace with BatchKVCache

@@ -1,12 +1,12 @@
-"""EAGLE heads trained in NumPy (specrun.modelkit.eagle says what the layer is).
+"""EAGLE heads trained in NumPy (specrun.heads.eagle says what the layer is).
 
 Teacher-forced as EAGLE-1 trains: at every position p of a window the layer reads the target's
 feature f_p (with uniform noise, so drafting on its own predictions later does not throw it) and
 the token at p + 1, and is scored twice: its predicted feature against the target's f_p+1
 (smooth L1, weight 1) and its projection against the target's next token after p + 1
 (cross-entropy, weight ``CE_WEIGHT``). Gradients are written out by hand (the backward pass of
-each piece of ``modelkit.eagle.layer``; tests check them against finite differences) and
-applied with AdamW, as sessions/heads_numpy.py does for Medusa.
+each piece of ``heads.eagle.layer``; tests check them against finite differences) and
+applied with AdamW, as training/medusa.py does for Medusa.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from specrun.modelkit.eagle import (
+from specrun.heads.eagle import (
     PARAMETER_NAMES,
     EagleHeads,
     EagleLayout,
@@ -27,8 +27,8 @@ from specrun.modelkit.eagle import (
     eagle_shapes,
     rope,
 )
-from specrun.modelkit.heads import HeadsConfig
-from specrun.sessions.heads_numpy import NamedAdamW
+from specrun.heads.files import HeadsConfig
+from specrun.training.medusa import NamedAdamW
 
 CE_WEIGHT = 0.1  # EAGLE's p_w: the feature regression leads, the token loss steers it
 REGRESSION_WEIGHT = 1.0

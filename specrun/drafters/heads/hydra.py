@@ -1,4 +1,4 @@
-"""Hydra: Medusa's heads made sequentially dependent (specrun.modelkit.hydra says what they are).
+"""Hydra: Medusa's heads made sequentially dependent (specrun.heads.hydra says what they are).
 
 Between verify passes the target's cache holds the context but its last token; the hidden state
 at the last cached position is what the target turned into that last token. Head i reads it with
@@ -20,8 +20,8 @@ import numpy as np
 
 from specrun.drafters.base import EMPTY_PROPOSAL, Proposal, second_guesses
 from specrun.drafters.dynamic_tree import TOP_K, DraftTree, grow_tree
-from specrun.drafters.heads import HeadsDrafter, target_rows
-from specrun.modelkit.hydra import HydraHeads, head_logits, root_terms
+from specrun.drafters.heads.base import HeadsDrafter, target_rows
+from specrun.heads.hydra import HydraHeads, head_logits, root_terms
 from specrun.sampling import SamplingSettings, sample
 
 

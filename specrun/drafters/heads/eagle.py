@@ -6,7 +6,7 @@ its features (hidden states) for them. The drafter keeps the layer's keys and va
 after it, computed once, as the context grows), runs the layer at the context's second-to-last
 position (real feature, real last token: its predicted feature gives the first draft), then on
 its own predictions (the feature it predicted, the token it drafted), reading the context's
-entries and its own draft's (specrun.modelkit.eagle).
+entries and its own draft's (specrun.heads.eagle).
 
 Greedy with ``branches``, it grows EAGLE-2's dynamic tree: at each depth the ``top_k`` likeliest
 nodes (by the product of the drafter's probabilities along their path) are expanded, each by its
@@ -28,11 +28,11 @@ import numpy as np
 from specrun.backends.kv import KVSequence, common_prefix_len
 from specrun.drafters.base import EMPTY_PROPOSAL, Proposal, second_guesses
 from specrun.drafters.dynamic_tree import TOP_K, DraftTree, grow_tree
-from specrun.drafters.heads import HeadsDrafter, check_heads_target, target_rows
+from specrun.drafters.heads.base import HeadsDrafter, check_heads_target, target_rows
 from specrun.errors import UsageError
-from specrun.modelkit.eagle import EagleHeads
-from specrun.modelkit.eagle3 import Eagle3Heads
-from specrun.modelkit.heads import default_aux_layer_ids
+from specrun.heads.eagle import EagleHeads
+from specrun.heads.eagle3 import Eagle3Heads
+from specrun.heads.files import default_aux_layer_ids
 from specrun.sampling import SamplingSettings, sample
 
 # A verify pass feeds at most 1 + 64 tokens; a prompt pass keeps the features of its last ``window``.

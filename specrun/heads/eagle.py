@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from specrun.modelkit.heads import HeadsConfig
+from specrun.heads.files import HeadsConfig
 
 # The arrays of an EagleHeads, in a fixed order (the trainer's parameters, the file's tensors).
 PARAMETER_NAMES = (
@@ -117,7 +117,7 @@ class EagleHeads(EmbeddingRows):
         embedding, one row)."""
         return sum(array.nbytes for name, array in zip(PARAMETER_NAMES, self.arrays()) if name != "embed")
 
-    # ---- what a drafter asks of the layer (drafters.eagle.EagleDrafter; EAGLE-3's alike) ------
+    # ---- what a drafter asks of the layer (drafters.heads.eagle.EagleDrafter; EAGLE-3's alike) ------
     @property
     def window(self) -> int:
         """The positions back the layer's attention reads."""

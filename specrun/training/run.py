@@ -2,13 +2,13 @@
 
 The run: gather data (a share of the budget), pick the draft vocabulary, train, report on the
 held-out windows, write the heads. Data are windows of the target's own tokens with its hidden
-state at every position (heads_data.py says where they come from); a head's label at position p
+state at every position (training/data.py says where they come from); a head's label at position p
 is the target's own token at p + 2 + i, its greedy next token after p + 1 + i, so what a head is
 scored on is what a verify pass would accept; in a continued prompt only the generated tokens are
 labels. The draft vocabulary is the target's most frequent next tokens in the training windows.
-Medusa trains on shuffled positions; Hydra (sessions/heads_hydra.py) too, each position with the
+Medusa trains on shuffled positions; Hydra (training/hydra.py) too, each position with the
 tokens after it that its heads read, and is reported on the chains it drafts by itself; EAGLE
-(sessions/heads_eagle.py) on whole windows, its layer reading the positions before each, and is
+(training/eagle.py) on whole windows, its layer reading the positions before each, and is
 reported on its own chains too.
 
 Checkpoints (every ~30 s) go to ``<out>.ckpt/``: the heads through the same writer as the final
@@ -33,8 +33,8 @@ import numpy as np
 
 from specrun.errors import FileAccessError, SpecrunError, UsageError
 from specrun.fileio import check_writable_folder, write_atomically
-from specrun.modelkit.heads import HeadsConfig
-from specrun.sessions.heads_data import (
+from specrun.heads.files import HeadsConfig
+from specrun.training.data import (
     builtin_python_prompts,
     builtin_questions,
     cut_windows,
@@ -204,7 +204,7 @@ EAGLE3_FILES = ("config.json", "model.safetensors")
 
 
 def check_eagle3_folder(out: Path) -> None:
-    """EAGLE-3 heads are a folder (modelkit.heads.save_eagle3): fail now where ``out`` is a file,
+    """EAGLE-3 heads are a folder (heads.files.save_eagle3): fail now where ``out`` is a file,
     holds anything but earlier heads' two files (a model's own folder would lose its config.json),
     or cannot be written."""
     fix = "name a new folder (or one that holds EAGLE-3 heads) for --heads-out"
@@ -250,7 +250,7 @@ def check_checkpoint_folder(folder: Path) -> None:
 def check_heads_file(out: Path) -> None:
     """Fail where ``out`` or the .json beside it exists and is not specrun heads': a run would
     write over another file (a model's weights, a project's package.json)."""
-    from specrun.modelkit.heads import is_specrun_heads_file
+    from specrun.heads.files import is_specrun_heads_file
 
     for path in (out, out.with_suffix(".json")):
         if path.exists() and not is_specrun_heads_file(path):
@@ -289,26 +289,26 @@ def train_heads(
 def open_heads_target(request: HeadsTrainRequest):
     """The target to gather data from and the trainer class, on the backend the target runs on
     here (``choose_backend``: MLX on Apple Silicon, llama.cpp for a GGUF elsewhere, where MLX's
-    CPU build multiplies matrices ~10x slower than llama.cpp and NumPy; sessions/heads_numpy.py)."""
+    CPU build multiplies matrices ~10x slower than llama.cpp and NumPy; training/medusa.py)."""
     from specrun.registry.catalog import load_registry
     from specrun.registry.loading import choose_backend, resolve_gguf, resolve_mlx
 
     entries = load_registry(request.registry)
     if choose_backend(request.backend, request.target, entries) == "llama":
-        from specrun.sessions.heads_numpy import LlamaHeadsTarget, NumpyHeadsTrainer
+        from specrun.training.medusa import LlamaHeadsTarget, NumpyHeadsTrainer
 
         target, trainer_class = LlamaHeadsTarget(resolve_gguf(request.target, entries), request.threads), NumpyHeadsTrainer
     else:
-        from specrun.backends.mlx_heads import HeadsTarget, HeadsTrainer
+        from specrun.backends.heads_mlx import HeadsTarget, HeadsTrainer
 
         target, trainer_class = HeadsTarget(resolve_mlx(request.target, entries)), HeadsTrainer
     if request.kind == "eagle":  # trained in NumPy whatever gives the states
-        from specrun.sessions.heads_eagle import NumpyEagleTrainer
+        from specrun.training.eagle import NumpyEagleTrainer
 
         trainer_class = NumpyEagleTrainer
     elif request.kind == "eagle3":  # NumPy too, on the outputs of three of the target's layers
-        from specrun.modelkit.heads import training_layer_ids
-        from specrun.sessions.heads_eagle3 import NumpyEagle3Trainer
+        from specrun.heads.files import training_layer_ids
+        from specrun.training.eagle3 import NumpyEagle3Trainer
 
         try:
             target.use_layers(training_layer_ids(target.num_layers))
@@ -317,7 +317,7 @@ def open_heads_target(request: HeadsTrainRequest):
             raise
         trainer_class = NumpyEagle3Trainer
     elif request.kind == "hydra":
-        from specrun.sessions.heads_hydra import NumpyHydraTrainer
+        from specrun.training.hydra import NumpyHydraTrainer
 
         trainer_class = NumpyHydraTrainer
     return target, trainer_class
@@ -386,7 +386,7 @@ class _Run:
         spec = self.request.target  # a local model by its name; an alias or a Hub repo as given
         published = {**settings, "target": Path(settings["target"]).name if Path(spec).expanduser().exists() else spec}
         training = self._record(published, source, report, len(data.tokens), data.token_count)
-        from specrun.modelkit.heads import save_heads
+        from specrun.heads.files import save_heads
 
         save_heads(trainer.heads(training), self.out, training)
         _remove_checkpoint(self.checkpoints)
@@ -437,7 +437,7 @@ class _Run:
 
     def _checkpoint(self, trainer, settings: dict, source: str) -> None:
         """The optimizer's state, then the heads and their record (which says the step) last."""
-        from specrun.modelkit.heads import save_heads
+        from specrun.heads.files import save_heads
 
         self.checkpoints.mkdir(parents=True, exist_ok=True)
         trainer.save_optimizer(self.checkpoints / "optimizer.safetensors")
@@ -466,7 +466,7 @@ class _Run:
         config_path = heads_path / "config.json" if heads_path.suffix == "" else heads_path.with_suffix(".json")
         if not (heads_path.exists() and config_path.exists() and data_path.exists()):
             return None
-        from specrun.modelkit.heads import load_heads
+        from specrun.heads.files import load_heads
 
         try:
             heads = load_heads(heads_path)
@@ -652,7 +652,7 @@ class _Run:
 
     def _blas_threads(self):
         """NumPy's BLAS on every core the run may use while it trains (the target's threads are idle)."""
-        from specrun.sessions.heads_numpy import blas_threads
+        from specrun.training.medusa import blas_threads
 
         return blas_threads(self.request.threads or os.cpu_count() or 1)
 
@@ -754,7 +754,7 @@ def _next_tokens(data: _Data, rows: list[int], count: int) -> np.ndarray:
 
 
 def _window(data: _Data, index: int):
-    from specrun.sessions.heads_eagle import EagleWindow
+    from specrun.training.eagle import EagleWindow
 
     return EagleWindow(data.states[index], np.asarray(data.tokens[index], np.int64), data.following[index])
 

@@ -1,4 +1,4 @@
-"""EAGLE-3 heads trained in NumPy with training-time test (specrun.modelkit.eagle3 says what the layer is).
+"""EAGLE-3 heads trained in NumPy with training-time test (specrun.heads.eagle3 says what the layer is).
 
 EAGLE-3 (Li et al. 2025) trains its layer the way it drafts. Over a window, step 0 reads at every
 position p fc over the target's layers there and the token at p + 1; step k reads at p its own
@@ -11,7 +11,7 @@ cross-entropy against the target's greedy token after p + 1 over the draft vocab
 SpecForge freezes it: the heads are as wide as the target and their file holds none (the drafter
 reads the target's rows). Gradients are written out by hand, each step's backward pass in reverse
 order so that the keys and values a later step read have their gradients before their own step's
-(tests check them against finite differences), and applied with AdamW (heads_numpy.NamedAdamW).
+(tests check them against finite differences), and applied with AdamW (training.medusa.NamedAdamW).
 """
 
 from __future__ import annotations
@@ -22,11 +22,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from specrun.modelkit.eagle import rope
-from specrun.modelkit.eagle3 import Eagle3Heads
-from specrun.modelkit.heads import HeadsConfig
-from specrun.sessions.heads_eagle import EagleWindow
-from specrun.sessions.heads_numpy import NamedAdamW
+from specrun.heads.eagle import rope
+from specrun.heads.eagle3 import Eagle3Heads
+from specrun.heads.files import HeadsConfig
+from specrun.training.eagle import EagleWindow
+from specrun.training.medusa import NamedAdamW
 
 STEP_DECAY = 0.8  # SpecForge's weight of step k's loss: 0.8 ** k
 TRAINED_STEPS = 4  # the training-time test's depth (SpecForge's default is 7; each step costs a pass)

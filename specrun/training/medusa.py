@@ -4,7 +4,7 @@ On a Linux CPU, MLX's CPU build multiplies matrices with a reference BLAS (2-5.6
 measured here, against NumPy's 66), so its forward passes and training steps are ~10x slower
 than llama.cpp's and NumPy's. ``LlamaHeadsTarget`` reads hidden states through the llama.cpp
 backend's declared capability (``track_hidden``) and ``NumpyHeadsTrainer`` trains the heads
-with hand-written gradients and AdamW: the same interface as backends/mlx_heads.py, which
+with hand-written gradients and AdamW: the same interface as backends/heads_mlx.py, which
 `specrun heads train --backend` chooses between.
 
 A head: y = x + silu(W x + b) per residual block, logits = P y over the draft vocabulary;
@@ -24,7 +24,7 @@ import numpy as np
 
 from specrun.errors import ModelFileError
 from specrun.fileio import write_atomically
-from specrun.modelkit.heads import HeadsConfig, MedusaHeads
+from specrun.heads.files import HeadsConfig, MedusaHeads
 
 HEAD_LOSS_DECAY = 0.8  # head i's loss is weighted 0.8**i (Medusa)
 BETAS = (0.9, 0.999)
@@ -204,7 +204,7 @@ def write_optimizer_state(path: Path, moments: dict[str, np.ndarray], step: int)
 class NamedAdamW:
     """AdamW over named float32 arrays (``params``, with ``first`` and ``second`` moments alike,
     ``learning_rate`` and ``step_count``), and its state saved and loaded: the trainers of EAGLE
-    and Hydra heads (sessions/heads_eagle.py, heads_hydra.py) keep their arrays so."""
+    and Hydra heads (training/eagle.py, training/hydra.py) keep their arrays so."""
 
     params: dict[str, np.ndarray]
     first: dict[str, np.ndarray]

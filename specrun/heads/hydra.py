@@ -30,8 +30,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from specrun.modelkit.eagle import EmbeddingRows, silu
-from specrun.modelkit.heads import HeadsConfig
+from specrun.heads.eagle import EmbeddingRows, silu
+from specrun.heads.files import HeadsConfig
 
 DEFAULT_EMBEDDING_SIZE = 64
 

@@ -1,11 +1,11 @@
-"""Hydra heads trained in NumPy (specrun.modelkit.hydra says what they are).
+"""Hydra heads trained in NumPy (specrun.heads.hydra says what they are).
 
 Teacher-forced, as the Hydra paper trains its heads: at position p head i reads the target's
 hidden state h_p and the real tokens at p + 1 .. p + 1 + i (on the target's own continuations,
 the very drafts it would read while every head before it was right) and is scored by the
 cross-entropy of the target's greedy token after p + 1 + i, head i's loss weighted 0.8**i as
 Medusa's are. The gradients are written out by hand (``batch_loss``; tests check them against
-finite differences) and applied with AdamW, as sessions/heads_numpy.py does for Medusa. The
+finite differences) and applied with AdamW, as training/medusa.py does for Medusa. The
 held-out report drafts chains as the drafter does, each head reading the drafts before it.
 """
 
@@ -14,9 +14,9 @@ from __future__ import annotations
 import dataclasses
 import numpy as np
 
-from specrun.modelkit.hydra import DEFAULT_EMBEDDING_SIZE, HydraHeads, chain_guesses, hydra_shapes
-from specrun.modelkit.heads import HeadsConfig
-from specrun.sessions.heads_numpy import HEAD_LOSS_DECAY, NamedAdamW
+from specrun.heads.hydra import DEFAULT_EMBEDDING_SIZE, HydraHeads, chain_guesses, hydra_shapes
+from specrun.heads.files import HeadsConfig
+from specrun.training.medusa import HEAD_LOSS_DECAY, NamedAdamW
 
 
 def _sigmoid(z: np.ndarray) -> np.ndarray:

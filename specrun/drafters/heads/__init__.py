@@ -1,0 +1,1 @@
+"""Drafters that read the target's own hidden states through heads (Medusa, Hydra, EAGLE)."""

@@ -1,0 +1,1 @@
+"""`specrun heads train`: the data, the loop and a trainer per head kind."""
