@@ -270,7 +270,7 @@ def speculative_line(bin_dir: Path, model: Path, draft: Path, n: int, threads: i
 def check_bin_dir(bin_dir: Path, tools: Sequence[str]) -> None:
     missing = [tool for tool in tools if not (bin_dir / tool).is_file()]
     if missing:
-        sys.exit(f"{bin_dir} lacks {', '.join(missing)}: build them as ../shared/MEASURE.md says")
+        sys.exit(f"{bin_dir} lacks {', '.join(missing)}: build them as docs/measuring.md says")
 
 
 # ---- the interleaved run and its summary -------------------------------------------------------

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import numpy as np
 
-# ../shared beside the checkout (never copied into the project)
+# The Spec-Bench question set (Apache-2.0) in a data folder beside the checkout, the
+# benchmarks' default --prompts; never copied into the project (docs/measuring.md).
 SPEC_BENCH = Path(__file__).resolve().parents[2] / "shared" / "data" / "spec_bench" / "question.jsonl"
 
 

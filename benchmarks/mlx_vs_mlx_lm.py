@@ -29,7 +29,8 @@ Model loading and prefill are excluded.
 
 --target/--draft take MLX folders, Hugging Face repo ids or registry aliases.
 --prompt-set spec-bench uses first turns of ../shared/data/spec_bench/question.jsonl
-(rendered with the chat template) instead of held-out Python.
+(the Spec-Bench question set beside the checkout, docs/measuring.md; rendered with the chat
+template) instead of held-out Python.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 For each model, interleaved round by round: the median time of a forward over n new
 tokens (n = 1, 2, 3, 5, 9) at a context of ``--context`` tokens, as ratios to n = 1.
 This is the T_target(k+1) / T_target(1) that decides whether speculation can pay
-(DESIGN.md), and the target/draft cost ratio the demo pair must exceed.
+(docs/design.md), and the target/draft cost ratio the demo pair must exceed.
 
     .venv/bin/python benchmarks/model_costs.py demo-target demo-draft demo-target-xl --threads 2
 """

@@ -1,6 +1,6 @@
 """specrun vs llama.cpp's own tools on one pair, interleaved per prompt.
 
-llama.cpp's tools are built by hand outside the checkout (see ../shared/MEASURE.md) and
+llama.cpp's tools are built by hand outside the checkout (see docs/measuring.md) and
 passed with --tools-dir. Every line reports generation speed with prompt processing
 excluded: llama-completion's "eval time", llama-speculative-simple's and llama-lookup's
 "decoded … speed", and specrun's generation tokens/s. Greedy, same thread count.

@@ -1,7 +1,7 @@
 """Sampling settings and the one function that turns logits into a distribution.
 
 The same function is applied to the target's and the drafter's logits, so both
-distributions mean "the model under the user's settings" (DESIGN.md).
+distributions mean "the model under the user's settings" (docs/design.md).
 Order: temperature, then top-k, top-p, min-p, then renormalise.
 """
 

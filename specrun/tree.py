@@ -1,4 +1,4 @@
-"""Token trees: drafted candidates with branches, as data built once (STYLE.md, habit 5).
+"""Token trees: drafted candidates with branches, as data built once (docs/style.md, habit 5).
 
 A tree holds n drafted nodes. Node i proposes ``tokens[i]`` to follow its parent
 ``parents[i]``: an earlier node, or -1 for the current last context token (the

@@ -510,7 +510,7 @@ def greedy_scenario(method: str, adaptive: bool = False, branches: int = 0) -> t
 
 # ---- real backends: a second copy of the target as the reference ------------------------------
 # A top-2 logit gap below this is a numerical near-tie: batched and one-token kernels (and
-# llama.cpp's F16 KV cache, flash attention on or off) round differently (DESIGN.md).
+# llama.cpp's F16 KV cache, flash attention on or off) round differently (docs/design.md).
 NEAR_TIE = 1e-3
 # At most this share of the prompts of a greedy test may diverge anywhere, near-ties included.
 MAX_DIVERGING_SHARE = 0.2

@@ -17,7 +17,7 @@ import numpy as np
 from specrun.backends.base import Backend
 from specrun.backends.kv import common_prefix_len, sequence_for
 
-NEAR_TIE = 1e-3  # a logit gap below this is a numerical near-tie (DESIGN.md)
+NEAR_TIE = 1e-3  # a logit gap below this is a numerical near-tie (docs/design.md)
 NEAR_TIE_NOTE = (
     f"* greedy outputs may differ where the target's logits for the two tokens tie within {NEAR_TIE:g}, or "
     "within what reading the same context in a batch was measured to move them by there: batched "
