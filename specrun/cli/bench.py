@@ -10,27 +10,7 @@ import typer
 from specrun.cli.common import (
     MAX_DRAFT_LEN,
     MAX_NEW_TOKENS,
-    BackendOpt,
-    BranchesOpt,
-    ChainOpt,
-    ChatOpt,
-    CtxOpt,
-    DraftOpt,
-    ExactOpt,
-    GpuLayersOpt,
-    RpcOpt,
-    HeadsOpt,
-    FlashAttnOpt,
-    KvTypeOpt,
-    LookaheadOpt,
-    MaxTokensOpt,
     PipeConsole,
-    RegistryOpt,
-    SeedOpt,
-    TargetOpt,
-    TempOpt,
-    ThreadsOpt,
-    TreeNodesOpt,
     checked_flash_attn,
     check_kv_type,
     check_range,
@@ -42,6 +22,33 @@ from specrun.cli.common import (
     checked_trees,
     cli_errors,
 )
+from specrun.cli.options import (
+    BackendOpt,
+    BenchDraftLenOpt,
+    BenchJsonOpt,
+    BenchMethodsOpt,
+    BenchMinProbOpt,
+    BenchPromptsOpt,
+    BranchesOpt,
+    ChainOpt,
+    ChatOpt,
+    CtxOpt,
+    DraftOpt,
+    ExactOpt,
+    FlashAttnOpt,
+    GpuLayersOpt,
+    HeadsOpt,
+    KvTypeOpt,
+    LookaheadOpt,
+    MaxTokensOpt,
+    RegistryOpt,
+    RpcOpt,
+    SeedOpt,
+    TargetOpt,
+    TempOpt,
+    ThreadsOpt,
+    TreeNodesOpt,
+)
 from specrun.errors import UsageError
 from specrun.fileio import check_writable_folder, write_atomically
 
@@ -49,27 +56,11 @@ MAX_REPEAT = 100
 PIPE_WIDTH = 120
 BUILTIN = "builtin"
 
-MethodsOpt = Annotated[
-    Optional[str], typer.Option("--methods", help="Comma-separated methods (default: every one the pair can run, "
-                                "but lookahead: name it to run it).")
-]
 SuiteOpt = Annotated[Optional[str], typer.Option("--suite", help="Prompt suite: builtin (the default).")]
-PromptsFileOpt = Annotated[
-    Optional[Path], typer.Option("--prompts", help="Spec-Bench-style JSONL (question_id, category, turns).")
-]
 CategoriesOpt = Annotated[Optional[str], typer.Option("--categories", help="Comma-separated categories to run.")]
 PerCategoryOpt = Annotated[Optional[int], typer.Option("--per-category", help="At most this many prompts each.")]
-BenchDraftLenOpt = Annotated[
-    Optional[int],
-    typer.Option("--draft-len", "-k", help="Fix the tokens drafted per verify step (default: as generate, chosen each step)."),
-]
-BenchMinProbOpt = Annotated[
-    Optional[float],
-    typer.Option("--draft-min-prob", help="The draft model's confidence stop (default: the tuned one, else none)."),
-]
 SweepOpt = Annotated[Optional[str], typer.Option("--sweep-draft-len", help="Draft lengths to sweep: 1..8 or 2,4,6.")]
 RepeatOpt = Annotated[int, typer.Option("--repeat", help="Runs per prompt and method; medians are compared.")]
-JsonOutOpt = Annotated[Optional[Path], typer.Option("--json", help="Write every figure to this file (- for stdout).")]
 ReportOpt = Annotated[Optional[Path], typer.Option("--report", help="Write a self-contained HTML report here.")]
 NativeOpt = Annotated[
     bool,
@@ -87,9 +78,9 @@ UntunedOpt = Annotated[
 def bench(
     target: TargetOpt = None,
     draft: DraftOpt = None,
-    methods: MethodsOpt = None,
+    methods: BenchMethodsOpt = None,
     suite: SuiteOpt = None,
-    prompts_file: PromptsFileOpt = None,
+    prompts_file: BenchPromptsOpt = None,
     categories: CategoriesOpt = None,
     per_category: PerCategoryOpt = None,
     max_tokens: MaxTokensOpt = 128,
@@ -100,7 +91,7 @@ def bench(
     seed: SeedOpt = None,
     repeat: RepeatOpt = 1,
     chat: ChatOpt = None,
-    json_out: JsonOutOpt = None,
+    json_out: BenchJsonOpt = None,
     report_out: ReportOpt = None,
     untuned: UntunedOpt = False,
     native: NativeOpt = False,
@@ -127,7 +118,7 @@ def bench(
     """
     with cli_errors():
         from specrun.bench.runner import BenchConfig
-        from specrun.sessions.generation import ADAPTIVE_MAX_DRAFT_LEN
+        from specrun.sessions.setup import ADAPTIVE_MAX_DRAFT_LEN
         from specrun.registry.loading import DEFAULT_TARGET, LoadOptions
         from specrun.drafters.methods import is_adaptive
         from specrun.registry.heads import head_kinds_available

@@ -22,33 +22,7 @@ from rich.console import Console
 from rich.text import Text
 
 from specrun.cli.common import (
-    BackendOpt,
-    BranchesOpt,
-    ChainOpt,
-    CtxOpt,
-    DraftLenOpt,
-    DraftMinProbOpt,
-    DraftOpt,
-    ExactOpt,
-    GpuLayersOpt,
-    RpcOpt,
-    HeadsOpt,
-    FlashAttnOpt,
-    KvTypeOpt,
-    LookaheadOpt,
-    MaxTokensOpt,
-    MethodOpt,
-    MinPOpt,
-    NgramCacheOpt,
     PipeConsole,
-    RegistryOpt,
-    SeedOpt,
-    TargetOpt,
-    TreeNodesOpt,
-    TempOpt,
-    ThreadsOpt,
-    TopKOpt,
-    TopPOpt,
     check_generation_options,
     checked_flash_attn,
     check_kv_type,
@@ -60,6 +34,35 @@ from specrun.cli.common import (
     checked_text,
     cli_errors,
     read_stdin_text,
+)
+from specrun.cli.options import (
+    BackendOpt,
+    BranchesOpt,
+    ChainOpt,
+    ChatJsonOpt,
+    CtxOpt,
+    DraftLenOpt,
+    DraftMinProbOpt,
+    DraftOpt,
+    ExactOpt,
+    FlashAttnOpt,
+    GpuLayersOpt,
+    HeadsOpt,
+    KvTypeOpt,
+    LookaheadOpt,
+    MaxTokensOpt,
+    MethodOpt,
+    MinPOpt,
+    NgramCacheOpt,
+    RegistryOpt,
+    RpcOpt,
+    SeedOpt,
+    TargetOpt,
+    TempOpt,
+    ThreadsOpt,
+    TopKOpt,
+    TopPOpt,
+    TreeNodesOpt,
 )
 from specrun.errors import SpecrunError, UsageError
 
@@ -112,7 +115,7 @@ def chat_command(
     system: SystemOpt = None,
     each_line: EachLineOpt = False,
     show_accept: ShowAcceptOpt = None,
-    json_output: Annotated[bool, typer.Option("--json", help="Print one JSON object per answer.")] = False,
+    json_output: ChatJsonOpt = False,
     ctx: CtxOpt = None,
     threads: ThreadsOpt = None,
     gpu_layers: GpuLayersOpt = None,
@@ -209,7 +212,7 @@ class AnswerView:
             self.end_line()
             self.err.print(stats_line(event), style="dim")
             if event.stats.near_ties and event.stats.drafted:
-                from specrun.sessions.generation import near_tie_note
+                from specrun.sessions.setup import near_tie_note
 
                 self.err.print(f"note: {near_tie_note(event.stats)}", style="dim")
             for note in self._notes:

@@ -13,7 +13,8 @@ from rich.console import Console, Group
 from rich.table import Table
 from rich.text import Text
 
-from specrun.cli.common import BackendOpt, PipeConsole, RegistryOpt, ThreadsOpt, cli_errors
+from specrun.cli.common import PipeConsole, cli_errors
+from specrun.cli.options import BackendOpt, HeadsPromptsOpt, HeadsSeedOpt, HeadsTargetOpt, RegistryOpt, ThreadsOpt
 from specrun.cli.interrupts import INTERRUPTED_EXIT, say_interrupted
 
 heads_app = typer.Typer(help="Self-drafting heads for a target: train them on this machine.", no_args_is_help=True)
@@ -21,7 +22,7 @@ heads_app = typer.Typer(help="Self-drafting heads for a target: train them on th
 
 @heads_app.command("train")
 def train(
-    target: Annotated[str, typer.Option("--target", "-t", help="Target: alias, .gguf file, MLX folder or Hugging Face repo.")] = "demo-target",
+    target: HeadsTargetOpt = "demo-target",
     kind: Annotated[str, typer.Option("--kind", help=(
         "Heads to train: medusa, hydra, eagle, or eagle3 (for --method eagle: EAGLE-3 over three of the target's "
         "layers, written as SpecForge exports it)."))] = "medusa",
@@ -37,10 +38,9 @@ def train(
     minutes: Annotated[float, typer.Option("--minutes", help="Wall-clock budget, data and training together.")] = 10.0,
     text: Annotated[Optional[Path], typer.Option(
         "--text", help="Learn from the text files in this folder (default: the target's own continuations).")] = None,
-    prompts: Annotated[Optional[Path], typer.Option(
-        "--prompts", help="Prompts for the target to continue, one a line (default: built-in ones).")] = None,
+    prompts: HeadsPromptsOpt = None,
     lr: Annotated[float, typer.Option("--lr", help="AdamW learning rate.")] = 1e-3,
-    seed: Annotated[int, typer.Option("--seed", help="Seed of the data order and the held-out windows.")] = 0,
+    seed: HeadsSeedOpt = 0,
     registry: RegistryOpt = None,
     backend: BackendOpt = "auto",
     threads: ThreadsOpt = None,

@@ -16,7 +16,8 @@ from typing import Annotated, Optional
 import typer
 from rich.table import Table
 
-from specrun.cli.common import BackendOpt, DraftOpt, JsonOpt, PipeConsole, RegistryOpt, TargetOpt, cli_errors
+from specrun.cli.common import PipeConsole, cli_errors
+from specrun.cli.options import BackendOpt, DraftOpt, JsonOpt, RegistryOpt, TargetOpt
 from specrun.errors import SpecrunError, UsageError
 from specrun.registry.hub import (
     SOURCE_KINDS,

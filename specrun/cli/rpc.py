@@ -7,15 +7,13 @@ from typing import Annotated
 
 import typer
 
-from specrun.cli.common import ThreadsOpt, check_range, cli_errors
+from specrun.cli.common import check_range, cli_errors
+from specrun.cli.options import RpcServerHostOpt, RpcServerPortOpt, ThreadsOpt
 
 
 def rpc_server_command(
-    host: Annotated[
-        str, typer.Option("--host", help="Address to listen on. Anything but loopback lets anyone on the network "
-                          "use this machine's devices: llama.cpp's RPC protocol has no authentication.")
-    ] = "127.0.0.1",
-    port: Annotated[int, typer.Option("--port", help="TCP port (llama.cpp's default: 50052).")] = 50052,
+    host: RpcServerHostOpt = "127.0.0.1",
+    port: RpcServerPortOpt = 50052,
     threads: ThreadsOpt = None,
     cache: Annotated[
         bool, typer.Option("--cache", help="Keep large tensors on disk (specrun's cache, rpc/), so that loading the "

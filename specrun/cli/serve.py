@@ -1,4 +1,4 @@
-"""``specrun serve``: the loaded pair behind an OpenAI-compatible HTTP API (server/app.py)."""
+"""``specrun serve``: the loaded pair behind an OpenAI-compatible HTTP API (specrun/server/)."""
 
 from __future__ import annotations
 
@@ -8,30 +8,6 @@ from typing import Annotated, Optional
 import typer
 
 from specrun.cli.common import (
-    BackendOpt,
-    BranchesOpt,
-    ChainOpt,
-    CtxOpt,
-    DraftLenOpt,
-    DraftMinProbOpt,
-    DraftOpt,
-    ExactOpt,
-    GpuLayersOpt,
-    RpcOpt,
-    HeadsOpt,
-    FlashAttnOpt,
-    KvTypeOpt,
-    LookaheadOpt,
-    MethodOpt,
-    MinPOpt,
-    NgramCacheOpt,
-    RegistryOpt,
-    TargetOpt,
-    TempOpt,
-    ThreadsOpt,
-    TopKOpt,
-    TopPOpt,
-    TreeNodesOpt,
     check_generation_options,
     checked_flash_attn,
     check_kv_type,
@@ -44,12 +20,37 @@ from specrun.cli.common import (
     cli_errors,
     uses_window,
 )
+from specrun.cli.options import (
+    BackendOpt,
+    BranchesOpt,
+    ChainOpt,
+    CtxOpt,
+    DraftLenOpt,
+    DraftMinProbOpt,
+    DraftOpt,
+    ExactOpt,
+    FlashAttnOpt,
+    GpuLayersOpt,
+    HeadsOpt,
+    KvTypeOpt,
+    LookaheadOpt,
+    MethodOpt,
+    MinPOpt,
+    NgramCacheOpt,
+    RegistryOpt,
+    RpcOpt,
+    ServeHostOpt,
+    ServeMaxTokensOpt,
+    ServePortOpt,
+    TargetOpt,
+    TempOpt,
+    ThreadsOpt,
+    TopKOpt,
+    TopPOpt,
+    TreeNodesOpt,
+)
 from specrun.errors import UsageError
 
-HostOpt = Annotated[
-    str, typer.Option("--host", help="Address to listen on; anything but loopback needs --api-key to be safe.")
-]
-PortOpt = Annotated[int, typer.Option("--port", help="TCP port (0: any free port, printed at start).")]
 ApiKeyOpt = Annotated[
     Optional[str],
     typer.Option("--api-key", envvar="SPECRUN_API_KEY",
@@ -57,9 +58,6 @@ ApiKeyOpt = Annotated[
 ]
 MaxBodyOpt = Annotated[int, typer.Option("--max-body", help="Largest request body in bytes (larger: 413).")]
 MaxQueueOpt = Annotated[int, typer.Option("--max-queue", help="Requests that may wait (more: 503).")]
-ServedMaxTokensOpt = Annotated[
-    int, typer.Option("--max-tokens", "-n", help="New tokens for a request that sets no max_tokens.")
-]
 
 
 def serve_command(
@@ -67,10 +65,10 @@ def serve_command(
     draft: DraftOpt = None,
     backend: BackendOpt = "auto",
     method: MethodOpt = "auto",
-    host: HostOpt = "127.0.0.1",
-    port: PortOpt = 8080,
+    host: ServeHostOpt = "127.0.0.1",
+    port: ServePortOpt = 8080,
     api_key: ApiKeyOpt = None,
-    max_tokens: ServedMaxTokensOpt = 512,
+    max_tokens: ServeMaxTokensOpt = 512,
     temp: TempOpt = 0.0,
     top_k: TopKOpt = 0,
     top_p: TopPOpt = 1.0,
@@ -100,7 +98,9 @@ def serve_command(
     with cli_errors():
         from specrun.drafters.methods import check_method, needs_draft_model
         from specrun.registry.loading import LoadOptions, choose_pair
-        from specrun.server.app import HttpOptions, PairOptions, ServeDefaults, serve
+        from specrun.server.app import HttpOptions, serve
+        from specrun.server.requests import ServeDefaults
+        from specrun.server.worker import PairOptions
 
         check_method(method)
         check_generation_options(max_tokens, draft_len, draft_min_prob, ctx, threads)

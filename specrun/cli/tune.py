@@ -12,21 +12,18 @@ from rich.console import Console, Group
 from rich.table import Table
 from rich.text import Text
 
-from specrun.cli.common import (
+from specrun.cli.common import PipeConsole, checked_flash_attn, check_range, checked_rpc, cli_errors
+from specrun.cli.options import (
     BackendOpt,
     DraftOpt,
-    MaxTokensOpt,
-    PipeConsole,
     ExactOpt,
     FlashAttnOpt,
+    MaxTokensOpt,
     RegistryOpt,
     RpcOpt,
     TargetOpt,
     ThreadsOpt,
-    checked_flash_attn,
-    check_range,
-    checked_rpc,
-    cli_errors,
+    TunePromptsOpt,
 )
 
 
@@ -34,7 +31,7 @@ def tune(
     target: TargetOpt = None,
     draft: DraftOpt = None,
     backend: BackendOpt = "auto",
-    prompts: Annotated[int, typer.Option("--prompts", help="Built-in prompts to calibrate on.")] = 4,
+    prompts: TunePromptsOpt = 4,
     max_tokens: MaxTokensOpt = 64,
     threads: ThreadsOpt = None,
     rpc: RpcOpt = None,

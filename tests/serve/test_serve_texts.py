@@ -7,7 +7,8 @@ import asyncio
 
 from specrun.registry.loading import LoadOptions
 from specrun.sampling import SamplingSettings
-from specrun.server.app import CompletionRequest, Done, Failed, Job, PairOptions, PairWorker
+from specrun.server.requests import CompletionRequest
+from specrun.server.worker import Done, Failed, Job, PairOptions, PairWorker
 
 
 def test_each_request_starts_a_new_text_on_the_worker():

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from specrun.server.app import StopCut
+from specrun.server.worker import StopCut
 
 
 def streamed(stops: list[str], chunks: list[str]) -> tuple[list[str], bool]:

@@ -1,0 +1,198 @@
+"""The options more than one command takes, each declared once as an ``Annotated`` alias.
+
+A command names an option by its alias (``target: TargetOpt = None``). Typer takes an
+option's default from the signature, never from ``Annotated``, so each command keeps its
+own there. Where commands differ in an option of one name (its help or its type), each
+variant has an alias of its own, named for its command, below the shared ones. Options
+only one command takes stay in that command's module.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from specrun.cli.common import MAX_BRANCHES, MAX_TREE_NODES
+
+# ---- shared: one declaration for every command that takes the option -------------------
+TargetOpt = Annotated[Optional[str], typer.Option("--target", "-t", help="Target model: alias or .gguf path.")]
+DraftOpt = Annotated[
+    Optional[str],
+    typer.Option("--draft", "-d", help="Draft model: alias, .gguf path or MLX folder; self:q4 / self:q8 (a "
+                 "quantized copy of the target, made once into specrun's cache); or on MLX self:layers=N (the "
+                 "target's first N layers) or self:layers=0-5,9 (those layers), sharing its weights."),
+]
+BackendOpt = Annotated[str, typer.Option("--backend", help="auto, llama or mlx.")]
+MethodOpt = Annotated[
+    str,
+    typer.Option(
+        "--method",
+        "-m",
+        help="auto (the default: adaptive lookup+ngram+draft, with the target's heads where they are predicted to "
+        "pay), none (plain decoding), draft, lookup, ngram, "
+        "medusa, hydra or eagle (heads on the target's hidden states, see --heads), lookahead (Jacobi lookahead "
+        "decoding, see --lookahead), or a chain of them joined by + cheapest first (lookup, ngram, lookahead, "
+        "one kind of heads, draft), like lookup+draft or lookup+eagle.",
+    ),
+]
+MaxTokensOpt = Annotated[int, typer.Option("--max-tokens", "-n", help="New tokens to generate.")]
+TempOpt = Annotated[float, typer.Option("--temp", help="Temperature; 0 is greedy.")]
+TopKOpt = Annotated[int, typer.Option("--top-k", help="Top-k (0: off).")]
+TopPOpt = Annotated[float, typer.Option("--top-p", help="Top-p (1: off).")]
+MinPOpt = Annotated[float, typer.Option("--min-p", help="Min-p (0: off).")]
+SeedOpt = Annotated[Optional[int], typer.Option("--seed", help="Random seed for sampling.")]
+DraftLenOpt = Annotated[
+    Optional[int],
+    typer.Option(
+        "--draft-len",
+        "-k",
+        help="Fix the tokens drafted per step (default: chosen each step, up to 16); for auto, the longest it may choose.",
+    ),
+]
+DraftMinProbOpt = Annotated[
+    Optional[float],
+    typer.Option(
+        "--draft-min-prob",
+        help="Stop drafting before a token the draft model gives less than this probability (default: tuned, else 0).",
+    ),
+]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object instead of text.")]
+CtxOpt = Annotated[Optional[int], typer.Option("--ctx", help="Context size in tokens (default: the model's, at most 4096).")]
+ThreadsOpt = Annotated[Optional[int], typer.Option("--threads", help="CPU threads (default: all cores).")]
+BranchesOpt = Annotated[
+    Optional[int],
+    typer.Option(
+        "--branches",
+        help=f"Token trees: second guesses (0-{MAX_BRANCHES}) a drafter may add beside its chain, verified in the "
+        "same target pass (default with --tree-nodes: 4). A target that cannot verify trees verifies the chain.",
+    ),
+]
+TreeNodesOpt = Annotated[
+    Optional[int],
+    typer.Option(
+        "--tree-nodes",
+        help=f"Token trees of at most this many drafted tokens a pass (1-{MAX_TREE_NODES}); the policy keeps the "
+        "second guesses worth their cost on this machine. Default: chains.",
+    ),
+]
+LookaheadOpt = Annotated[
+    Optional[str],
+    typer.Option(
+        "--lookahead",
+        help="For --method lookahead: WINDOW:NGRAM:CANDIDATES, the Jacobi window's columns (2-32), the n-gram "
+        "length (2-8; the window has one level fewer) and the pool's n-grams verified a pass (0-32). Default 5:4:3.",
+    ),
+]
+ChainOpt = Annotated[bool, typer.Option("--chain", help="Draft chains only, never token trees.")]
+HeadsOpt = Annotated[
+    Optional[str],
+    typer.Option(
+        "--heads",
+        help="Heads file for --method medusa, hydra or eagle, and for auto, which then always drafts with them "
+        "(from specrun heads train, a Medusa folder, or an EAGLE-3 folder as SpecForge exports it). Default: found "
+        "beside the target, in specrun's cache, or "
+        "shipped with it.",
+    ),
+]
+GpuLayersOpt = Annotated[Optional[int], typer.Option("--gpu-layers", help="Layers on the GPU (default: all).")]
+RpcOpt = Annotated[
+    Optional[str],
+    typer.Option(
+        "--rpc",
+        help="HOST:PORT[,HOST:PORT…] of llama.cpp RPC servers (specrun rpc-server) to run the target's layers on; "
+        "the draft and every drafter stay on this machine.",
+    ),
+]
+KvTypeOpt = Annotated[
+    Optional[str],
+    typer.Option("--kv-type", help="llama.cpp KV cache type: f16 (default; f32 with --exact) or f32 (twice the memory)."),
+]
+FlashAttnOpt = Annotated[
+    Optional[str],
+    typer.Option(
+        "--flash-attn",
+        help="llama.cpp flash attention: auto (the default), on or off. Auto on a CPU: whichever measured faster "
+        "for this model, machine and thread count (timed once by the first run, a note says so; kept in "
+        "kernels.json in the config folder); on GPUs and with --rpc llama.cpp's own choice. Which wins depends "
+        "on the CPU (docs/perf.md 3(d): off 1.6-2.6x faster a pass at 1,800 tokens on an Intel Xeon, on faster "
+        "on an AMD EPYC). --exact turns it off.",
+    ),
+]
+ExactOpt = Annotated[
+    bool,
+    typer.Option(
+        "--exact",
+        help="Greedy output bit-identical to plain decoding (F16 and F32 targets; quantized ones can still differ "
+        "where llama.cpp's batched kernels round otherwise, README): on llama.cpp flash attention off and an F32 KV "
+        "cache, measured 9-14% slower on memory-bound models on a CPU. Without it outputs can differ only where "
+        "the top two logits nearly tie.",
+    ),
+]
+NgramCacheOpt = Annotated[
+    Optional[Path], typer.Option("--ngram-cache", help="File the n-gram pool is loaded from and saved to.")
+]
+ChatOpt = Annotated[
+    Optional[bool],
+    typer.Option(
+        "--chat/--raw",
+        help="Send the prompt as a user message in the model's chat template, or as is "
+        "(default: --chat when the model has a template and is not a completion model such as the demo pair).",
+    ),
+]
+RegistryOpt = Annotated[Optional[Path], typer.Option("--registry", help="Extra models.toml.")]
+
+
+# ---- one alias per variant: options of one name that differ between commands -----------
+# --target and --draft: demo and heads train name a model of their own by default.
+DemoTargetOpt = Annotated[str, typer.Option("--target", "-t", help="Target (default: the bench-scale demo target).")]
+DemoDraftOpt = Annotated[str, typer.Option("--draft", "-d", help="Draft model.")]
+HeadsTargetOpt = Annotated[
+    str, typer.Option("--target", "-t", help="Target: alias, .gguf file, MLX folder or Hugging Face repo.")
+]
+# --methods: bench runs a set of methods against plain decoding, demo a short list side by side.
+BenchMethodsOpt = Annotated[
+    Optional[str], typer.Option("--methods", help="Comma-separated methods (default: every one the pair can run, "
+                                "but lookahead: name it to run it).")
+]
+DemoMethodsOpt = Annotated[Optional[str], typer.Option(
+    "--methods", help="Comma-separated methods; the first is the baseline (default: none,draft,auto, and "
+    "medusa, hydra and eagle where the target has heads: the demo target's medusa and eagle heads ship with "
+    "specrun)."
+)]
+# --prompts: a file in bench and heads train, a count of built-in prompts in demo and tune.
+BenchPromptsOpt = Annotated[
+    Optional[Path], typer.Option("--prompts", help="Spec-Bench-style JSONL (question_id, category, turns).")
+]
+HeadsPromptsOpt = Annotated[Optional[Path], typer.Option(
+    "--prompts", help="Prompts for the target to continue, one a line (default: built-in ones).")]
+DemoPromptsOpt = Annotated[int, typer.Option("--prompts", help="How many built-in prompts.")]
+TunePromptsOpt = Annotated[int, typer.Option("--prompts", help="Built-in prompts to calibrate on.")]
+# --json: one object per answer in chat, a file of every figure in bench.
+ChatJsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object per answer.")]
+BenchJsonOpt = Annotated[Optional[Path], typer.Option("--json", help="Write every figure to this file (- for stdout).")]
+# --max-tokens, --draft-len, --draft-min-prob: what serve and bench say of them.
+ServeMaxTokensOpt = Annotated[
+    int, typer.Option("--max-tokens", "-n", help="New tokens for a request that sets no max_tokens.")
+]
+BenchDraftLenOpt = Annotated[
+    Optional[int],
+    typer.Option("--draft-len", "-k", help="Fix the tokens drafted per verify step (default: as generate, chosen each step)."),
+]
+BenchMinProbOpt = Annotated[
+    Optional[float],
+    typer.Option("--draft-min-prob", help="The draft model's confidence stop (default: the tuned one, else none)."),
+]
+# --seed: heads train seeds its data order, not sampling.
+HeadsSeedOpt = Annotated[int, typer.Option("--seed", help="Seed of the data order and the held-out windows.")]
+# --host and --port: the HTTP server's, and the llama.cpp RPC server's.
+ServeHostOpt = Annotated[
+    str, typer.Option("--host", help="Address to listen on; anything but loopback needs --api-key to be safe.")
+]
+ServePortOpt = Annotated[int, typer.Option("--port", help="TCP port (0: any free port, printed at start).")]
+RpcServerHostOpt = Annotated[
+    str, typer.Option("--host", help="Address to listen on. Anything but loopback lets anyone on the network "
+                      "use this machine's devices: llama.cpp's RPC protocol has no authentication.")
+]
+RpcServerPortOpt = Annotated[int, typer.Option("--port", help="TCP port (llama.cpp's default: 50052).")]

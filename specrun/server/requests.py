@@ -1,0 +1,267 @@
+"""What a request to ``specrun serve`` may ask, checked before it queues: the OpenAI fields
+both endpoints take, validated on the event loop into a ``CompletionRequest``; a request the
+server refuses is a ``RequestError`` (an HTTP status and an OpenAI-style error object) that
+names the bad field."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from specrun.sampling import SamplingSettings
+
+MAX_STOP_STRINGS = 4  # as OpenAI's API
+MAX_TEMPERATURE = 2.0  # as OpenAI's API
+ROLES = ("system", "developer", "user", "assistant")
+
+# OpenAI fields specrun accepts but does not act on, with the values that mean "nothing asked":
+# any other value is refused by name rather than silently ignored.
+_INERT_FIELDS = {
+    "frequency_penalty": (0, 0.0, None),
+    "presence_penalty": (0, 0.0, None),
+    "logprobs": (False, None),
+    "top_logprobs": (0, None),
+    "logit_bias": (None,),
+    "tools": (None,),
+    "tool_choice": (None, "none", "auto"),
+    "functions": (None,),
+    "function_call": (None, "none", "auto"),
+    "response_format": (None, {"type": "text"}),
+    "echo": (False, None),
+    "best_of": (1, None),
+    "suffix": (None, ""),
+}
+# Fields with no effect on the answer: accepted as any value.
+_FREE_FIELDS = ("user", "store", "metadata", "service_tier", "parallel_tool_calls")
+_COMMON_FIELDS = ("model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stream",
+                  "stream_options", "n")
+
+
+# ---- errors ---------------------------------------------------------------------------
+class RequestError(Exception):
+    """A request the server refuses: an HTTP status and an OpenAI-style error object."""
+
+    def __init__(self, message: str, param: str | None = None, *, status: int = 400,
+                 code: str | None = None, kind: str = "invalid_request_error") -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.status = status
+        self.code = code
+        self.kind = kind
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+def invalid_value(param: str, message: str) -> RequestError:
+    """The error for a field whose value is refused, the field named first."""
+    return RequestError(f"{param}: {message}", param, code="invalid_value")
+
+
+# ---- requests -------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ServeDefaults:
+    """What a request that does not say gets: the command line's sampling options."""
+
+    max_tokens: int = 512
+    sampling: SamplingSettings = field(default_factory=SamplingSettings)
+
+
+@dataclass(frozen=True)
+class CompletionRequest:
+    """A validated request to either endpoint: ``messages`` (chat) or ``prompt`` (text or token ids)."""
+
+    model: str
+    max_tokens: int
+    sampling: SamplingSettings
+    stop: tuple[str, ...] = ()
+    stream: bool = False
+    include_usage: bool = False
+    messages: tuple[dict[str, str], ...] | None = None
+    prompt: str | tuple[int, ...] | None = None
+
+    @property
+    def is_chat(self) -> bool:
+        return self.messages is not None
+
+
+def _number(body: dict, name: str, default, *, integer: bool = False):
+    value = body.get(name)
+    if value is None:
+        return default
+    allowed = (int,) if integer else (int, float)
+    if isinstance(value, bool) or not isinstance(value, allowed):
+        raise RequestError(f"{name} must be {'an integer' if integer else 'a number'}, got {_shown(value)}",
+                           name, code="invalid_type")
+    if isinstance(value, float) and not math.isfinite(value):  # JSON as Python reads it allows NaN
+        raise invalid_value(name, f"must be a finite number, got {value}")
+    if isinstance(value, int) and abs(value) >= 2**64:
+        raise invalid_value(name, "is out of range (more than 64 bits)")
+    return value
+
+
+def _shown(value) -> str:
+    """A bad value as an error quotes it: at most 40 characters of its JSON."""
+    text = json.dumps(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _text(value: str, where: str) -> str:
+    """``value`` if it is text the tokenizer can take: JSON may escape half of a surrogate pair
+    alone (\\ud800), which no UTF-8 encoder accepts."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise invalid_value(where, f"is not valid Unicode text (a lone surrogate at character {exc.start})") from None
+    return value
+
+
+def _check_range(name: str, value, low, high, low_open: bool = False, high_open: bool = False) -> None:
+    below = value <= low if low_open else value < low
+    above = value >= high if high_open else value > high
+    if below or above:
+        lo, hi = "(" if low_open else "[", ")" if high_open else "]"
+        raise invalid_value(name, f"must be in {lo}{low:g}, {high:g}{hi}, got {value}")
+
+
+def _check_fields(body: dict, known: Sequence[str]) -> None:
+    for name, value in body.items():
+        if name in known or name in _FREE_FIELDS:
+            continue
+        if name in _INERT_FIELDS:
+            if value not in _INERT_FIELDS[name] and value not in ([], {}):
+                raise RequestError(f"{name} is not supported by specrun serve", name, code="unsupported_value")
+            continue
+        raise RequestError(f"unrecognized request argument supplied: {name}", name, code="unknown_parameter")
+
+
+def _parse_common(body: dict, defaults: ServeDefaults, n_ctx: int, max_tokens_field: str) -> dict:
+    """The fields both endpoints share, validated; each error names its field."""
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise RequestError("model must be a non-empty string naming the served model", "model",
+                           code="invalid_type" if model is not None else "missing_required_parameter")
+    n = _number(body, "n", 1, integer=True)
+    if n != 1:
+        raise RequestError(f"n must be 1: specrun serve returns one choice per request, got {n}", "n",
+                           code="unsupported_value")
+    max_tokens = _number(body, max_tokens_field, None, integer=True)
+    if max_tokens is None and max_tokens_field != "max_tokens":
+        max_tokens_field = "max_tokens"
+        max_tokens = _number(body, "max_tokens", None, integer=True)
+    if max_tokens is None:
+        max_tokens = min(defaults.max_tokens, n_ctx)
+    _check_range(max_tokens_field, max_tokens, 1, n_ctx)
+    base = defaults.sampling
+    temperature = _number(body, "temperature", base.temperature)
+    _check_range("temperature", temperature, 0.0, max(MAX_TEMPERATURE, base.temperature))
+    top_p = _number(body, "top_p", base.top_p)
+    _check_range("top_p", top_p, 0.0, 1.0, low_open=True)
+    top_k = _number(body, "top_k", base.top_k, integer=True)
+    if top_k < 0:
+        raise invalid_value("top_k", f"must be 0 (off) or positive, got {top_k}")
+    min_p = _number(body, "min_p", base.min_p)
+    _check_range("min_p", min_p, 0.0, 1.0, high_open=True)
+    seed = _number(body, "seed", base.seed, integer=True)
+    if seed is not None and not (0 <= seed < 2**63):
+        raise invalid_value("seed", f"must be a non-negative 64-bit integer, got {seed}")
+    stream = body.get("stream", False)
+    if stream is None:
+        stream = False
+    if not isinstance(stream, bool):
+        raise RequestError("stream must be a boolean", "stream", code="invalid_type")
+    options = body.get("stream_options") or {}
+    if not isinstance(options, dict) or not isinstance(options.get("include_usage", False), bool):
+        raise RequestError("stream_options must be an object like {\"include_usage\": true}", "stream_options",
+                           code="invalid_type")
+    return dict(
+        model=model,
+        max_tokens=max_tokens,
+        sampling=SamplingSettings(float(temperature), top_k, float(top_p), float(min_p), seed),
+        stop=_parse_stop(body.get("stop")),
+        stream=stream,
+        include_usage=bool(options.get("include_usage", False)),
+    )
+
+
+def _parse_stop(stop) -> tuple[str, ...]:
+    if stop is None:
+        return ()
+    stops = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+        raise RequestError("stop must be a string or a list of strings", "stop", code="invalid_type")
+    if len(stops) > MAX_STOP_STRINGS:
+        raise invalid_value("stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(stops)}")
+    if any(not s for s in stops):
+        raise invalid_value("stop", "stop strings must not be empty")
+    return tuple(_text(s, "stop") for s in stops)
+
+
+def parse_chat_request(body: dict, defaults: ServeDefaults, n_ctx: int) -> CompletionRequest:
+    """A /v1/chat/completions body as a CompletionRequest, or a RequestError naming the bad field."""
+    _check_fields(body, (*_COMMON_FIELDS, "messages", "max_completion_tokens"))
+    common = _parse_common(body, defaults, n_ctx, "max_completion_tokens")
+    return CompletionRequest(messages=_parse_messages(body.get("messages")), **common)
+
+
+def _parse_messages(messages) -> tuple[dict[str, str], ...]:
+    if messages is None:
+        raise RequestError("messages is required", "messages", code="missing_required_parameter")
+    if not isinstance(messages, list):
+        raise RequestError("messages must be a list of {role, content} objects", "messages", code="invalid_type")
+    if not messages:
+        raise invalid_value("messages", "must hold at least one message")
+    parsed = []
+    for index, message in enumerate(messages):
+        where = f"messages[{index}]"
+        if not isinstance(message, dict):
+            raise RequestError(f"{where} must be an object with role and content", where, code="invalid_type")
+        role = message.get("role")
+        if role not in ROLES:
+            raise invalid_value(f"{where}.role", f"must be one of {', '.join(ROLES)}, got {json.dumps(role)}")
+        content = _message_text(message.get("content"), f"{where}.content", optional=role == "assistant")
+        parsed.append({"role": "system" if role == "developer" else role, "content": content})
+    return tuple(parsed)
+
+
+def _message_text(content, where: str, optional: bool) -> str:
+    """A message's content as text: a string, or a list of text parts (joined by newlines)."""
+    if content is None and optional:
+        return ""
+    if isinstance(content, str):
+        return _text(content, where)
+    if isinstance(content, list) and content:
+        texts = []
+        for index, part in enumerate(content):
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise RequestError(f"{where}[{index}] must be a text part ({{\"type\": \"text\", \"text\": ...}}): "
+                                   "specrun serve takes text only", f"{where}[{index}]", code="invalid_type")
+            texts.append(_text(part["text"], f"{where}[{index}].text"))
+        return "\n".join(texts)
+    raise RequestError(f"{where} must be a string or a list of text parts", where, code="invalid_type")
+
+
+def parse_completion_request(body: dict, defaults: ServeDefaults, n_ctx: int) -> CompletionRequest:
+    """A /v1/completions body as a CompletionRequest, or a RequestError naming the bad field."""
+    _check_fields(body, (*_COMMON_FIELDS, "prompt"))
+    common = _parse_common(body, defaults, n_ctx, "max_tokens")
+    return CompletionRequest(prompt=_parse_prompt(body.get("prompt")), **common)
+
+
+def _parse_prompt(prompt) -> str | tuple[int, ...]:
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str):
+        if not prompt:
+            raise invalid_value("prompt", "must not be empty")
+        return _text(prompt, "prompt")
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return tuple(prompt)
+    if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
+        raise RequestError("a batch of prompts is not supported: send one prompt per request", "prompt",
+                           code="unsupported_value")
+    raise RequestError("prompt must be a non-empty string or a list of token ids", "prompt",
+                       code="invalid_type" if prompt is not None else "missing_required_parameter")

@@ -1,0 +1,328 @@
+"""The thread that owns the loaded pair, and the jobs it answers.
+
+A single worker thread owns the pair: it loads the models, runs every generation and
+closes them (MLX arrays belong to the thread that made them, and one thread means one KV
+cache that nobody else touches). Requests queue as ``Job``s for it, first come first
+served: the queue is the one lock. The worker sends each job's events (``Started``,
+``Delta``, ``Done``, ``Failed``) back to its request through an asyncio queue.
+
+Prefix reuse. Every request is tokenized afresh from its messages (or prompt), so
+an answer never depends on which request came before it; the engine then reuses
+the longest prefix the target's cache shares with the new prompt (a conversation's
+earlier turns, a shared system prompt) and prefills only the rest.
+
+Interruptions. A stop string, a client that disconnects, or a server shutting down
+closes the generation at the next verify pass; ``ChatSession.stream`` leaves both
+caches exact for the next request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from specrun.backends.kv import common_prefix_len
+from specrun.drafters.lookahead import LookaheadSizes
+from specrun.engine.events import Finished, TextChunk
+from specrun.engine.loop import GenerationParams
+from specrun.engine.stats import Stats
+from specrun.errors import SpecrunError
+from specrun.registry.loading import LoadOptions
+from specrun.server.requests import CompletionRequest, RequestError, invalid_value
+from specrun.sessions.setup import TreeSettings
+
+DEFAULT_MAX_QUEUE = 64
+DISCONNECT_POLL_SECONDS = 0.25
+
+
+# ---- stop strings ---------------------------------------------------------------------
+class StopCut:
+    """Cuts streamed text before the first stop string, holding back what may begin one."""
+
+    def __init__(self, stops: Sequence[str]) -> None:
+        self.stops = tuple(stops)
+        self.held = ""
+        self.stopped = False
+
+    def feed(self, text: str) -> str:
+        """The text that can go out now; sets ``stopped`` when a stop string appeared."""
+        self.held += text
+        found = [at for at in (self.held.find(stop) for stop in self.stops) if at >= 0]
+        if found:
+            out, self.held, self.stopped = self.held[: min(found)], "", True
+            return out
+        keep = max((k for stop in self.stops for k in range(1, len(stop)) if self.held.endswith(stop[:k])),
+                   default=0)
+        out = self.held[: len(self.held) - keep]
+        self.held = self.held[len(out):]
+        return out
+
+    def flush(self) -> str:
+        """What was held back, at the end of the answer: it began a stop string that never came."""
+        out, self.held = self.held, ""
+        return out
+
+
+# ---- the worker and its jobs ------------------------------------------------------------
+@dataclass(frozen=True)
+class Started:
+    """Event: the prompt fits and generation begins; ``reused_tokens`` came from the cache."""
+
+    prompt_tokens: int
+    reused_tokens: int
+
+
+@dataclass(frozen=True)
+class Delta:
+    """Event: answer text, with the tokens produced since the last Delta and how many came from drafts."""
+
+    text: str
+    tokens: int
+    from_draft: int
+
+
+@dataclass(frozen=True)
+class Done:
+    """Event: the answer ended ("stop" or "length", as OpenAI says)."""
+
+    finish_reason: str
+    stats: Stats
+
+
+@dataclass(frozen=True)
+class Failed:
+    error: RequestError
+
+
+JobEvent = Started | Delta | Done | Failed
+_FINISH_REASONS = {"eos": "stop", "length": "length", "context": "length"}
+
+
+class Job:
+    """One request waiting for, or being served by, the worker. Events reach the request's
+    event loop (``next_event``); ``cancel`` stops the generation at its next verify pass."""
+
+    def __init__(self, request: CompletionRequest, loop: asyncio.AbstractEventLoop) -> None:
+        self.request = request
+        self.id = uuid.uuid4().hex[:24]
+        self.created = int(time.time())
+        self.cancelled = threading.Event()
+        self._loop = loop
+        self._events: asyncio.Queue[JobEvent] = asyncio.Queue()
+        self._check_at = 0.0  # when next_event next asks whether the client is still there
+
+    def emit(self, event: JobEvent) -> None:
+        """From the worker thread."""
+        try:
+            self._loop.call_soon_threadsafe(self._events.put_nowait, event)
+        except RuntimeError:  # the event loop is gone: nobody is listening any more
+            self.cancelled.set()
+
+    def cancel(self) -> None:
+        self.cancelled.set()
+
+    async def next_event(self, disconnected: Callable | None = None) -> JobEvent:
+        """The next event; with ``disconnected`` (an async check), cancel and raise
+        ``ClientGone`` when the client has left, checked every DISCONNECT_POLL_SECONDS whether
+        or not events keep coming (a whole answer's text arrives at every pass)."""
+        while True:
+            if disconnected is None:
+                return await self._events.get()
+            now = time.monotonic()
+            if now >= self._check_at:
+                self._check_at = now + DISCONNECT_POLL_SECONDS
+                if await disconnected():
+                    self.cancel()
+                    raise ClientGone()
+            try:
+                return await asyncio.wait_for(self._events.get(), self._check_at - now)
+            except asyncio.TimeoutError:
+                continue
+
+
+class ClientGone(Exception):
+    """The client disconnected before its answer was ready."""
+
+
+@dataclass(frozen=True)
+class PairOptions:
+    """The pair to load and how to speculate: what ``specrun chat`` takes too."""
+
+    target: str
+    draft: str | None
+    method: str = "auto"
+    load: LoadOptions = field(default_factory=LoadOptions)
+    draft_len: int | None = None
+    draft_min_prob: float | None = None
+    ngram_cache: Path | None = None
+    heads: str | None = None  # --heads: a head method's heads file (None: found by the target's alias)
+    trees: TreeSettings = field(default_factory=TreeSettings)  # --tree-nodes, --branches (chains by default)
+    lookahead: LookaheadSizes | None = None  # --lookahead (None: chosen from the target's pass costs)
+
+
+class PairWorker:
+    """The thread that owns the loaded pair and answers jobs one at a time, in arrival order."""
+
+    def __init__(self, pair: PairOptions, max_queue: int = DEFAULT_MAX_QUEUE,
+                 log: Callable[[str], None] | None = None) -> None:
+        self.pair = pair
+        self.log = log or (lambda line: None)
+        self.jobs: queue.Queue[Job | None] = queue.Queue(max_queue)
+        self.session = None
+        self._ready = threading.Event()
+        self._load_error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="specrun-serve-worker", daemon=True)
+        self._current: Job | None = None
+        self.served = 0
+
+    def start(self) -> None:
+        """Load the pair on the worker thread; re-raises a loading failure here."""
+        self._thread.start()
+        self._ready.wait()
+        if self._load_error is not None:
+            raise self._load_error
+
+    @property
+    def n_ctx(self) -> int:
+        return self.session.target.n_ctx
+
+    @property
+    def method(self) -> str:
+        return self.session.method
+
+    def submit(self, job: Job) -> None:
+        try:
+            self.jobs.put_nowait(job)
+        except queue.Full:
+            raise RequestError(f"the server is busy: {self.jobs.maxsize} requests are waiting already; retry later",
+                               status=503, code="server_busy", kind="server_error") from None
+
+    def stop(self) -> None:
+        """Cancel what is queued or running, then close the pair on its thread."""
+        while True:
+            try:
+                job = self.jobs.get_nowait()
+            except queue.Empty:
+                break
+            if job is not None:
+                job.cancel()
+        current = self._current
+        if current is not None:
+            current.cancel()
+        self.jobs.put(None)
+        self._thread.join()
+
+    def _run(self) -> None:
+        from specrun.sessions.chat import open_chat
+
+        pair = self.pair
+        try:
+            self.session = open_chat(pair.target, pair.draft, pair.method, pair.load, draft_len=pair.draft_len,
+                                     draft_min_prob=pair.draft_min_prob, ngram_cache=pair.ngram_cache,
+                                     heads=pair.heads, branches=pair.trees.branches, lookahead=pair.lookahead,
+                                     chain=pair.trees.chain, tree_nodes=pair.trees.nodes,
+                                     on_note=lambda note: self.log(f"note: {note}"))
+        except BaseException as exc:
+            self._load_error = exc
+            self._ready.set()
+            return
+        self._ready.set()
+        try:
+            while (job := self.jobs.get()) is not None:
+                if job.cancelled.is_set():
+                    self.log(f"{job.id}: the client left while queued; dropped")
+                    continue
+                self._current = job
+                try:
+                    self._answer(job)
+                except Exception as exc:  # noqa: BLE001 - one request failed; the server keeps serving
+                    self.log(f"{job.id}: failed: {type(exc).__name__}: {exc}")
+                    job.emit(Failed(RequestError(f"the request failed: {type(exc).__name__}: {exc}", status=500,
+                                                 code="internal_error", kind="server_error")))
+                self._current = None
+        finally:
+            self.session.close()
+
+    def _answer(self, job: Job) -> None:
+        try:
+            prompt_ids = self._prompt_ids(job.request)
+        except RequestError as exc:
+            job.emit(Failed(exc))
+            return
+        except SpecrunError as exc:  # a chat template that refuses the conversation
+            job.emit(Failed(RequestError(exc.one_line(), "messages" if job.request.is_chat else "prompt")))
+            return
+        session = self.session
+        session.new_text()  # each request is a text of its own: its acceptance is measured afresh
+        reused = min(common_prefix_len(session.engine.target.tokens, prompt_ids), len(prompt_ids) - 1)
+        job.emit(Started(len(prompt_ids), reused))
+        cut = StopCut(job.request.stop)
+        tokens = from_draft = 0
+        params = GenerationParams(job.request.max_tokens, 0, job.request.sampling, tree_nodes=self.pair.trees.nodes)
+        stream = session.stream(prompt_ids, params)
+        try:
+            for event in stream:
+                if job.cancelled.is_set():
+                    self.log(f"{job.id}: the client left; stopped after the pass in progress")
+                    return
+                if isinstance(event, TextChunk):
+                    tokens += len(event.token_ids)
+                    from_draft += sum(event.from_draft)
+                    text = cut.feed(event.text)
+                    if text:
+                        job.emit(Delta(text, tokens, from_draft))
+                        tokens = from_draft = 0
+                    if cut.stopped:
+                        self._finish(job, "stop", event.stats)
+                        return
+                elif isinstance(event, Finished):
+                    tail = cut.flush()
+                    if tail or tokens:
+                        job.emit(Delta(tail, tokens, from_draft))
+                    self._finish(job, _FINISH_REASONS[event.result.finish_reason], event.result.stats)
+        except Exception as exc:  # noqa: BLE001 - the server keeps serving; the request learns what failed
+            message = exc.one_line() if isinstance(exc, SpecrunError) else f"{type(exc).__name__}: {exc}"
+            job.emit(Failed(RequestError(f"generation failed: {message}", status=500, code="internal_error",
+                                         kind="server_error")))
+        finally:
+            stream.close()  # stops the engine at this pass; the caches stay exact
+
+    def _finish(self, job: Job, finish_reason: str, stats: Stats) -> None:
+        self.served += 1
+        job.emit(Done(finish_reason, stats))
+        self.log(f"{job.id}: {finish_reason}; {stats.summary()}")
+
+    def _prompt_ids(self, request: CompletionRequest) -> list[int]:
+        from specrun.sessions.setup import prompt_token_ids
+        from specrun.sessions.templates import message_spans, tokenize_rendered
+
+        session = self.session
+        target = session.target
+        param = "messages" if request.is_chat else "prompt"
+        if request.is_chat:
+            messages = list(request.messages)
+            text = session.template.render(messages, add_generation_prompt=True)
+            prompt_ids = tokenize_rendered(target, session.template, text, message_spans(text, messages))
+        elif isinstance(request.prompt, str):
+            prompt_ids = prompt_token_ids(target, request.prompt, chat=False)
+        else:
+            bad = next((t for t in request.prompt if not 0 <= t < target.vocab.size), None)
+            if bad is not None:
+                raise invalid_value("prompt", f"token id {bad} is outside the vocabulary (0 to {target.vocab.size - 1})")
+            prompt_ids = list(request.prompt)
+        if not prompt_ids:
+            raise invalid_value(param, "the prompt is empty")
+        if len(prompt_ids) >= target.n_ctx:
+            raise RequestError(
+                f"{param}: the prompt has {len(prompt_ids)} tokens but the context holds {target.n_ctx}; "
+                "shorten it, or restart the server with a larger --ctx",
+                param,
+                code="context_length_exceeded",
+            )
+        return prompt_ids
