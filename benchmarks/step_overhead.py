@@ -29,7 +29,7 @@ from specrun.bench.runner import tokenize_prompt
 from specrun.bench.suite import load_jsonl, select
 from specrun.sessions.compare import forget_learned
 from specrun.engine.loop import GenerationParams, SpeculativeEngine
-from specrun.sessions.generation import ADAPTIVE_MAX_DRAFT_LEN
+from specrun.sessions.setup import ADAPTIVE_MAX_DRAFT_LEN
 from specrun.registry.loading import LoadOptions, open_pair
 from specrun.drafters.methods import build_drafter, is_adaptive
 from specrun.engine.stats import Stats
@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     in_prefill = [0.0]
     for engine in engines.values():  # decode calls in the prefill are not generation
-        original_prefill = engine._prefill
+        original_prefill = engine.passes.prefill
 
         def prefill(*a, _original=original_prefill, **kw):
             before = clock.seconds
@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
             finally:
                 in_prefill[0] += clock.seconds - before
 
-        engine._prefill = prefill
+        engine.passes.prefill = prefill
     token_prompts = [ids for p in prompts if len(ids := tokenize_prompt(target, p, True)) + args.n <= target.n_ctx]
     for m, engine in engines.items():  # warm-up
         list(engine.steps(token_prompts[0][:32], GenerationParams(8, params[m].draft_len, adaptive=params[m].adaptive), Stats()))

@@ -4,7 +4,7 @@ Every rule takes the drafted tokens and the target's distributions at the
 k + 1 verified positions (row i is the target's next-token distribution after
 the first i drafted tokens) and returns how many drafts are accepted and the
 token the target emits after them: a correction on rejection, or the bonus
-token when every draft was accepted. See DESIGN.md, "Acceptance".
+token when every draft was accepted. See docs/design.md, "Acceptance".
 """
 
 from __future__ import annotations
@@ -140,6 +140,16 @@ def verify_tree_greedy(tree: TokenTree, target_argmax: Sequence[int]) -> TreeVer
     return TreeVerdict(tuple(path), int(argmax[path[-1] + 1 if path else 0]))
 
 
+def sibling_row(p_draft_row: np.ndarray, earlier_siblings: Sequence[int]) -> np.ndarray:
+    """The distribution a later sibling was drawn from when siblings are drawn without
+    replacement: the drafter's row (vocab,) with the earlier siblings' tokens removed,
+    renormalised (a draw from it that is none of them). It is that sibling's ``p_draft``
+    row in ``verify_tree_sampled``."""
+    row = p_draft_row.copy()
+    row[list(earlier_siblings)] = 0.0
+    return row / row.sum()
+
+
 def verify_tree_sampled(
     tree: TokenTree,
     p_target: np.ndarray,
@@ -154,9 +164,9 @@ def verify_tree_sampled(
     every child is rejected the next token is sampled from what p is left.
     p_target: (1 + n, vocab), row 0 after the root, row 1 + i after node i.
     p_draft: n entries: the (vocab,) distribution node i's token was drawn from given
-    its earlier siblings (the same row for siblings drawn independently; that row with
-    the earlier siblings removed, renormalised, for siblings drawn without
-    replacement), or None for a deterministic node (one-hot at its token).
+    its earlier siblings (the same row for siblings drawn independently; ``sibling_row``
+    for siblings drawn without replacement), or None for a deterministic node (one-hot
+    at its token).
     The emitted tokens are distributed exactly as the target's own samples; on a
     chain-shaped tree this draws the same random numbers as ``verify_sampled``.
     """

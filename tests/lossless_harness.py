@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from scipy import stats as scipy_stats
 
-import specrun.engine.loop
+import specrun.engine.passes
 from oracle import distribution, exact_joint
 from specrun.engine.loop import GenerationParams, SpeculativeEngine
 from specrun.drafters.methods import (
@@ -178,7 +178,7 @@ class VerifyRecorder:
     """While active, records every sampled verify pass of ``engine`` (into ``passes``),
     chains and trees.
 
-    Wraps whatever ``specrun.engine.loop.verify_sampled`` and ``verify_tree_sampled`` are
+    Wraps whatever ``specrun.engine.passes.verify_sampled`` and ``verify_tree_sampled`` are
     installed, so the mutation check puts wrong ones there first.
     """
 
@@ -188,15 +188,15 @@ class VerifyRecorder:
         self.passes: list[Pass] = []
 
     def __enter__(self) -> VerifyRecorder:
-        self._chain = specrun.engine.loop.verify_sampled
-        self._tree = specrun.engine.loop.verify_tree_sampled
-        specrun.engine.loop.verify_sampled = self._verify
-        specrun.engine.loop.verify_tree_sampled = self._verify_tree
+        self._chain = specrun.engine.passes.verify_sampled
+        self._tree = specrun.engine.passes.verify_tree_sampled
+        specrun.engine.passes.verify_sampled = self._verify
+        specrun.engine.passes.verify_tree_sampled = self._verify_tree
         return self
 
     def __exit__(self, *exc) -> None:
-        specrun.engine.loop.verify_sampled = self._chain
-        specrun.engine.loop.verify_tree_sampled = self._tree
+        specrun.engine.passes.verify_sampled = self._chain
+        specrun.engine.passes.verify_tree_sampled = self._tree
 
     def _verify(self, draft_tokens, p_target, p_draft, rng):
         verdict = self._chain(draft_tokens, p_target, p_draft, rng)

@@ -11,6 +11,7 @@ import numpy as np
 
 from specrun.sampling import SamplingSettings, sample
 from specrun.tree import TokenTree
+from specrun.verify import sibling_row
 
 if TYPE_CHECKING:
     from specrun.backends.kv import KVSequence
@@ -102,8 +103,8 @@ def second_guesses(
     and its first guess likeliest wrong (1 - its probability of it). ``distributions[d]`` is
     the drafter's row (V,) at depth d. The positions are chosen before any second guess is
     drawn, so each guess is drawn as its row says: greedy, the runner-up (deterministic);
-    sampled, a draw from the row without the first guess, renormalised (the verifier's rule
-    for siblings drawn without replacement)."""
+    sampled, a draw from the row without the first guess (``verify.sibling_row``, the row it
+    is verified against)."""
     reach, worth = 1.0, []
     for depth, (token, q) in enumerate(zip(chain.tokens, distributions)):
         worth.append((reach * (1.0 - float(q[token])), depth))
@@ -111,9 +112,7 @@ def second_guesses(
     depths = sorted(depth for value, depth in sorted(worth, reverse=True)[:branches] if value > 0.0)
     tokens, rows, parents = list(chain.tokens), list(chain.p_draft), list(chain.parents)
     for depth in depths:
-        q = distributions[depth].copy()
-        q[chain.tokens[depth]] = 0.0
-        q /= q.sum()
+        q = sibling_row(distributions[depth], [chain.tokens[depth]])
         tokens.append(int(q.argmax()) if sampling.greedy else sample(q, rng))
         rows.append(None if sampling.greedy else q)
         parents.append(depth - 1)

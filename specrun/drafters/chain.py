@@ -11,6 +11,7 @@ import numpy as np
 
 from specrun.drafters.base import EMPTY_PROPOSAL, Drafter, Proposal
 from specrun.sampling import SamplingSettings
+from specrun.verify import sibling_row
 
 # A one-token guess from a cheap drafter is worth less than a full draft-model
 # chain: with a draft model behind them, cheap drafters must offer at least two.
@@ -161,10 +162,10 @@ def merge_proposals(parts: Sequence[Proposal]) -> MergedProposal:
     Exact at temperature > 0 as the verifier tries siblings in order (verify_tree_sampled): a
     node keeps the row of the first part that proposed it (None, one-hot, for a deterministic
     one); a node drawn from a row (a draft model's) that lands after earlier siblings exists
-    only where its token is none of theirs, so its row becomes that row with their tokens
-    removed, renormalised: the distribution it was drawn from, given that it is there. Put
-    the parts with rows first (the policy puts paid drafters first) and no row changes at all:
-    a deterministic token stays one-hot whatever came before it.
+    only where its token is none of theirs, so its row becomes ``verify.sibling_row``: the
+    distribution it was drawn from, given that it is there. Put the parts with rows first (the
+    policy puts paid drafters first) and no row changes at all: a deterministic token stays
+    one-hot whatever came before it.
     """
     tokens: list[int] = []
     rows: list[np.ndarray | None] = []
@@ -182,7 +183,7 @@ def merge_proposals(parts: Sequence[Proposal]) -> MergedProposal:
                 mapped.append(same)
                 continue
             if row is not None and siblings:
-                row = _without(row, [tokens[child] for child in siblings])
+                row = sibling_row(row, [tokens[child] for child in siblings])
             mapped.append(len(tokens))
             siblings.append(len(tokens))
             children[len(tokens)] = []
@@ -194,10 +195,3 @@ def merge_proposals(parts: Sequence[Proposal]) -> MergedProposal:
     source = "+".join(dict.fromkeys(part.source for part in parts))
     return MergedProposal(tuple(tokens), tuple(rows), source, tuple(parents), "",
                           tuple(parts), tuple(part_nodes), tuple(owners))
-
-
-def _without(row: np.ndarray, tokens: Sequence[int]) -> np.ndarray:
-    """``row`` (V,) with ``tokens`` removed and renormalised: a draw from it that is none of them."""
-    row = row.copy()
-    row[list(tokens)] = 0.0
-    return row / row.sum()

@@ -1,29 +1,32 @@
-"""The speculative loop: draft → verify → accept → rewind, over any backend.
+"""The speculative loop: plan → draft → verify → rewind → emit → observe, over any backend.
 
 Three layers (mlx-lm's generate_step / stream_generate / generate shape):
 ``SpeculativeEngine.steps`` yields one ``Step`` per target verify pass,
 ``stream`` turns steps into typed events with text and running statistics,
-``run`` returns the finished ``GenerationResult``. The engine never prints.
+``run`` returns the finished ``GenerationResult`` (the events: engine/events.py). How drafts
+become target passes and a verdict is engine/passes.py. The engine never prints.
 """
 
 from __future__ import annotations
 
 import codecs
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 from time import perf_counter
 
 import numpy as np
 
 from specrun.backends.base import Backend, near_tie_rows
-from specrun.backends.kv import sequence_for
+from specrun.backends.kv import KVSequence, sequence_for
 from specrun.control.policy import PLAIN, AdaptivePolicy, FixedPolicy, Plan, SpeculationPolicy, StepReport
 from specrun.drafters.base import EMPTY_PROPOSAL, Drafter, Proposal
 from specrun.drafters.methods import is_adaptive
+from specrun.engine.events import Finished, GenerationResult, Step, TextChunk
+from specrun.engine.passes import DeferredDrafts, TargetPasses
 from specrun.engine.stats import Stats
 from specrun.errors import ContextFullError, UsageError
-from specrun.sampling import SamplingSettings, probabilities, sample
-from specrun.verify import TreeVerdict, Verdict, verify_greedy, verify_sampled, verify_tree_greedy, verify_tree_sampled
+from specrun.sampling import SamplingSettings
+from specrun.verify import TreeVerdict, Verdict
 
 
 # The most drafted tokens a tree brings to one verify pass unless a run says otherwise: the
@@ -62,52 +65,6 @@ class GenerationParams:
     tie_margin: float = 0.0
 
 
-@dataclass(frozen=True)
-class Step:
-    """One verify pass: the tokens it emitted; the first ``n_accepted`` came from the drafter.
-
-    draft_seconds: from the step's start to the pass (asking the drafters, cutting the
-    proposal); verify_seconds: the pass and the rewind after it. The step's bookkeeping
-    after the pass (the controllers, the gate) is in neither.
-    """
-
-    tokens: tuple[int, ...]
-    n_drafted: int
-    n_accepted: int
-    draft_seconds: float
-    verify_seconds: float
-    source: str = ""  # the drafter that proposed the drafts ("" for none)
-
-    @property
-    def from_draft(self) -> tuple[bool, ...]:
-        return (True,) * self.n_accepted + (False,) * (len(self.tokens) - self.n_accepted)
-
-
-@dataclass(frozen=True)
-class TextChunk:
-    """Event: text produced by one verify pass, with which tokens the drafter got right."""
-
-    text: str
-    token_ids: tuple[int, ...]
-    from_draft: tuple[bool, ...]
-    stats: Stats
-
-
-@dataclass
-class GenerationResult:
-    text: str
-    token_ids: list[int]
-    stats: Stats
-    finish_reason: str  # "length", "eos" or "context"
-
-
-@dataclass(frozen=True)
-class Finished:
-    """Event: the last one of a stream."""
-
-    result: GenerationResult
-
-
 def check_prompt(prompt: Sequence[int], n_ctx: int) -> None:
     """A prompt the engine can start from: not empty, and leaving room for a token."""
     if not prompt:
@@ -117,6 +74,95 @@ def check_prompt(prompt: Sequence[int], n_ctx: int) -> None:
             f"the prompt has {len(prompt)} tokens but the context holds {n_ctx}",
             "shorten the prompt or raise --ctx",
         )
+
+
+def _emit(
+    context: list[int], proposal: Proposal, verdict: Verdict | TreeVerdict, room: int, eos_ids: Collection[int]
+) -> bool:
+    """Extend ``context`` by a verdict's tokens (the accepted drafts, then the target's own), up to
+    and including an EOS and at most ``room`` of them. Returns whether an EOS was among them."""
+    emitted = [*(proposal.tokens[node] for node in verdict.path), verdict.next_token]
+    hit_eos = next((i for i, t in enumerate(emitted) if t in eos_ids), None)
+    if hit_eos is not None:
+        emitted = emitted[: hit_eos + 1]
+    context.extend(emitted[:room])
+    return hit_eos is not None
+
+
+class StepClock:
+    """The clocks of a run: generation since it started, and each step's three readings.
+
+    A step drafts from ``start_step`` to ``verifying`` (asking the drafters, cutting the
+    proposal) and verifies from there to ``passed`` (the pass and the rewind after it); its
+    bookkeeping after ``passed`` (the controllers, the gate) is in neither.
+    """
+
+    __slots__ = ("clock", "started", "step_started", "verify_started", "passed_at")
+
+    def __init__(self, clock: Callable[[], float]) -> None:
+        self.clock = clock
+        self.started = clock()
+        self.step_started = self.verify_started = self.passed_at = self.started
+
+    def start_step(self) -> None:
+        self.step_started = self.clock()
+
+    def verifying(self) -> None:
+        self.verify_started = self.clock()
+
+    def passed(self) -> None:
+        self.passed_at = self.clock()
+
+    @property
+    def draft_seconds(self) -> float:
+        return self.verify_started - self.step_started
+
+    @property
+    def verify_seconds(self) -> float:
+        return self.passed_at - self.verify_started
+
+    def elapsed(self) -> float:
+        """Seconds since generation started."""
+        return self.clock() - self.started
+
+
+class NearTieWatch:
+    """Counts a greedy run's tokens chosen at a near-tie (GenerationParams.tie_margin).
+
+    Until a pass of several tokens writes the cache, every pass is plain decoding's own, bit
+    for bit: no choice can part from it, and near-ties are looked for (0.1-0.2 ms a step of a
+    49k vocabulary, ~1% of a plain step) only from then on; from the start where the text
+    began on a cache earlier passes wrote (a chat's next turn), or where passes keep hidden
+    states (head drafters: llama.cpp then outputs every row, the prompt's too).
+    """
+
+    def __init__(self, target: KVSequence, margin: float, rounded_apart: bool) -> None:
+        self.target = target
+        self.margin = margin
+        self.rounded_apart = rounded_apart  # may a pass have rounded otherwise than plain decoding's?
+
+    @classmethod
+    def of_run(cls, target: KVSequence, params: GenerationParams, reused: bool) -> NearTieWatch | None:
+        """The watch of a run whose prefill ``reused`` a cached prefix, or None where near-ties
+        are not counted (sampling, or no margin)."""
+        if params.tie_margin > 0 and params.sampling.greedy:
+            return cls(target, params.tie_margin, reused or target.tracking)
+        return None
+
+    def in_prefill(self, prompt_logits: np.ndarray) -> int:
+        """1 where the first token was chosen at a near-tie of the prefill's row (V,), else 0."""
+        if not self.rounded_apart:
+            return 0
+        return int(near_tie_rows(prompt_logits[None], self.margin)[0])
+
+    def in_pass(self, proposal: Proposal, verdict: Verdict | TreeVerdict, n_kept: int) -> int:
+        """How many of a step's ``n_kept`` tokens were chosen at a near-tie of the pass's rows they
+        came from (the root's, then each accepted node's)."""
+        self.rounded_apart = self.rounded_apart or len(proposal) > 0
+        if not self.rounded_apart:
+            return 0
+        indices = [0, *(1 + node for node in verdict.path)][:n_kept]
+        return int(self.target.backend.last_pass_ties(indices, self.margin).sum())
 
 
 class SpeculativeEngine:
@@ -141,6 +187,7 @@ class SpeculativeEngine:
         clock: Callable[[], float] = perf_counter,
     ) -> None:
         self.target = sequence_for(target)
+        self.passes = TargetPasses(self.target)
         self.clock = clock  # injectable so tests can give fake models exact costs
         self.last_context: list[int] = []  # prompt + output of the latest run
         self.policy = AdaptivePolicy(clock)
@@ -152,6 +199,7 @@ class SpeculativeEngine:
         if drafter is not None:
             drafter.bind(self.target, self.clock)
         self.drafter = drafter
+        self.passes.drafter = drafter
         self.method = method or (drafter.name if drafter else "none")
         self.policy.set_drafter(drafter)
 
@@ -180,87 +228,94 @@ class SpeculativeEngine:
         context = list(prompt)
         stats.prompt_tokens = len(prompt)
         policy = self.policy_for(params)
-        if policy is not None and policy.measured:
+        measured = policy is not None and policy.measured
+        if measured:
             policy.start_text(len(context))
-
-        # The drafters read the prompt first, timed as prefill like the target's: a draft
-        # model's prompt pass is prompt processing, not the cost of drafting tokens.
-        started = self.clock()
-        if policy is not None and params.max_new_tokens > 1:
-            self.drafter.prefill(context)
-        # The first token comes from the prefill pass, as in plain decoding. Feeding the
-        # prompt's last token with drafts for the first token instead (mlx-lm's way) yields
-        # one token fewer for the same passes: that token costs the batched prefill next to
-        # nothing (measured in an A/B on Spec-Bench: lookup+draft 1.01x, draft 1.014x,
-        # auto 1.01x), and the first token matches plain decoding's batch shape exactly.
-        prompt_logits, reused = self._prefill(context)  # (V,): the distribution after the prompt
-        stats.prefill_seconds = self.clock() - started
-
-        watch_ties = params.tie_margin > 0 and sampling.greedy
-        # Until a pass of several tokens writes the cache, every pass is plain decoding's own, bit
-        # for bit: no choice can part from it, and near-ties are looked for (0.1-0.2 ms a step of
-        # a 49k vocabulary, ~1% of a plain step) only from then on; from the start where the text
-        # began on a cache earlier passes wrote (a chat's next turn), or where passes keep hidden
-        # states (head drafters: llama.cpp then outputs every row, the prompt's too).
-        rounded_apart = reused or self.target.tracking
-        started = self.clock()
+        prompt_logits, reused = self._prefill(context, policy, params, stats)  # (V,): after the prompt
+        ties = NearTieWatch.of_run(self.target, params, reused)  # None: not counted
+        clock = StepClock(self.clock)  # generation starts
         try:
-            while (produced := len(context) - len(prompt)) < params.max_new_tokens and len(context) < n_ctx:
-                remaining = params.max_new_tokens - produced
-                t_draft, context_len = self.clock(), len(context)
-                from_prefill = prompt_logits is not None
-                prompt_row = None
-                if from_prefill:  # the prefill's token, as llama.cpp takes it
-                    plan, proposal = PLAIN, EMPTY_PROPOSAL
-                    t_verify = self.clock()
-                    verdict = Verdict(0, self._pick(prompt_logits, sampling, rng))
-                    prompt_row, prompt_logits = prompt_logits, None
-                else:  # plan → draft → verify
-                    plan = policy.plan() if policy is not None else PLAIN
-                    draft_len = min(params.draft_len, remaining - 1, n_ctx - context_len - 1)
-                    if plan.fused:
-                        proposal, verdict, t_verify = self._fused_greedy_step(context, draft_len, sampling, rng)
-                    else:
-                        proposal = self._draft(policy, plan, context, draft_len, sampling, rng)
-                        if not proposal.is_chain:
-                            proposal = self._verifiable(proposal, params)
-                        t_verify = self.clock()
-                        verdict = self._verify(context[-1], proposal, sampling, rng)
-                    # Keep the fed last token and the accepted drafts; drop the rejected tail.
-                    self.target.rewind(context_len + verdict.n_accepted)
-                t_passed = self.clock()  # what follows is bookkeeping, neither drafting nor verifying
-                emitted = [*(proposal.tokens[node] for node in verdict.path), verdict.next_token]
-                hit_eos = next((i for i, t in enumerate(emitted) if t in eos_ids), None)
-                if hit_eos is not None:
-                    emitted = emitted[: hit_eos + 1]
-                context.extend(emitted[:remaining])
-                rounded_apart = rounded_apart or len(proposal) > 0
-                if watch_ties and rounded_apart:
-                    stats.near_ties += self._near_ties(prompt_row, verdict, len(context) - context_len, params)
-                if policy is not None and policy.measured and not from_prefill:
-                    policy.observe(StepReport(plan, proposal, tuple(verdict.path), t_draft, t_verify - t_draft,
-                                              t_passed - t_verify, context, context_len))
-                step = Step(tuple(context[context_len:]), len(proposal), verdict.n_accepted,
-                            t_verify - t_draft, t_passed - t_verify, proposal.source)
-                stats.generation_seconds = self.clock() - started
+            hit_eos = False
+            if params.max_new_tokens > 0:  # the first token, from the prefill (check_prompt left room)
+                step, hit_eos = self._prefill_token_step(prompt_logits, context, eos_ids, params, rng, clock)
+                if ties is not None:
+                    stats.near_ties += ties.in_prefill(prompt_logits)
+                stats.generation_seconds = clock.elapsed()
                 yield step
-                if hit_eos is not None:
-                    break
+            while (not hit_eos and (produced := len(context) - len(prompt)) < params.max_new_tokens
+                   and len(context) < n_ctx):
+                remaining = params.max_new_tokens - produced
+                context_len = len(context)
+                clock.start_step()
+                plan = policy.plan() if policy is not None else PLAIN
+                draft_len = min(params.draft_len, remaining - 1, n_ctx - context_len - 1)
+                drafts = self._draft(policy, plan, context, draft_len, params, rng)
+                clock.verifying()
+                proposal, verdict = self.passes.verify(context[-1], drafts, sampling, rng)
+                # Keep the fed last token and the accepted drafts; drop the rejected tail.
+                self.target.rewind(context_len + verdict.n_accepted)
+                clock.passed()  # what follows is bookkeeping, neither drafting nor verifying
+                hit_eos = _emit(context, proposal, verdict, remaining, eos_ids)
+                if ties is not None:
+                    stats.near_ties += ties.in_pass(proposal, verdict, len(context) - context_len)
+                if measured:
+                    policy.observe(StepReport(plan, proposal, tuple(verdict.path), clock.step_started,
+                                              clock.draft_seconds, clock.verify_seconds, context, context_len))
+                step = Step(tuple(context[context_len:]), len(proposal), verdict.n_accepted,
+                            clock.draft_seconds, clock.verify_seconds, proposal.source)
+                stats.generation_seconds = clock.elapsed()
+                yield step
         finally:
             # Rewind is explicit, also on interruption: the cache never holds rejected drafts.
             self.target.rewind_to_prefix_of(context, limit=len(context) - 1)
-            stats.generation_seconds = self.clock() - started
+            stats.generation_seconds = clock.elapsed()
         self.last_context = context
 
-    def _near_ties(self, prompt_row, verdict, n_kept: int, params: GenerationParams) -> int:
-        """How many of a step's ``n_kept`` tokens were chosen at a near-tie: from the prefill's
-        row, else the pass's rows the tokens came from (the root's, then each accepted node's)."""
-        if prompt_row is not None:
-            return int(near_tie_rows(prompt_row[None], params.tie_margin)[0])
-        indices = [0, *(1 + node for node in verdict.path)][:n_kept]
-        return int(self.target.backend.last_pass_ties(indices, params.tie_margin).sum())
+    def _prefill(
+        self, context: list[int], policy: SpeculationPolicy | None, params: GenerationParams, stats: Stats
+    ) -> tuple[np.ndarray, bool]:
+        """Read the prompt, timed as prefill (Stats.prefill_seconds): the drafters first, as a draft
+        model's prompt pass is prompt processing, not the cost of drafting tokens; then the target.
+        Returns the target's logits after the prompt (V,) and whether a cached prefix was reused."""
+        started = self.clock()
+        if policy is not None and params.max_new_tokens > 1:
+            self.drafter.prefill(context)
+        prompt_logits, reused = self.passes.prefill(context)
+        stats.prefill_seconds = self.clock() - started
+        return prompt_logits, reused
 
-    def _draft(self, policy, plan: Plan, context, draft_len: int, sampling, rng) -> Proposal:
+    def _prefill_token_step(
+        self, prompt_logits: np.ndarray, context: list[int], eos_ids: Collection[int], params: GenerationParams,
+        rng: np.random.Generator, clock: StepClock,
+    ) -> tuple[Step, bool]:
+        """The first token, taken from the prefill's row as plain decoding (and llama.cpp) takes it:
+        a Step with no drafts and no pass of its own; and whether that token is an EOS.
+
+        Feeding the prompt's last token with drafts for the first token instead (mlx-lm's way)
+        yields one token fewer for the same passes: that token costs the batched prefill next to
+        nothing (measured in an A/B on Spec-Bench: lookup+draft 1.01x, draft 1.014x, auto 1.01x),
+        and the first token matches plain decoding's batch shape exactly."""
+        clock.start_step()
+        clock.verifying()
+        verdict = Verdict(0, self.passes.pick(prompt_logits, params.sampling, rng))
+        clock.passed()
+        hit_eos = _emit(context, EMPTY_PROPOSAL, verdict, params.max_new_tokens, eos_ids)
+        return Step(tuple(context[-1:]), 0, 0, clock.draft_seconds, clock.verify_seconds), hit_eos
+
+    def _draft(
+        self, policy: SpeculationPolicy | None, plan: Plan, context: list[int], draft_len: int,
+        params: GenerationParams, rng: np.random.Generator,
+    ) -> Proposal | DeferredDrafts:
+        """The step's drafts: the planned drafters' proposal (none for a plain step), a tree cut to
+        what the target verifies; for a fused plan, the lone draft model's greedy drafts left on
+        the device, for the verify pass to be queued on (one host sync for both models)."""
+        if plan.fused:
+            deferred = self.drafter.propose_deferred(context, draft_len)
+            return EMPTY_PROPOSAL if deferred is None else DeferredDrafts(deferred, self.drafter.name)
+        proposal = self._ask_drafters(policy, plan, context, draft_len, params.sampling, rng)
+        return proposal if proposal.is_chain else self._verifiable(proposal, params)
+
+    def _ask_drafters(self, policy, plan: Plan, context, draft_len: int, sampling, rng) -> Proposal:
         """Ask the planned drafters in turn, each for the length the policy gives it; the first
         proposal the policy takes, else the longest made, cut by the policy (which, where the
         target verifies trees, merges the proposals passed over into it)."""
@@ -298,73 +353,6 @@ class SpeculativeEngine:
     def _adapts(self, params: GenerationParams) -> bool:
         """Does this run choose its draft lengths as it goes (auto, or params.adaptive)?"""
         return self.drafter is not None and (params.adaptive or is_adaptive(self.method))
-
-    def _fused_greedy_step(self, context, draft_len: int, sampling, rng) -> tuple[Proposal, Verdict, float]:
-        """Draft and verify with one host sync: the target's pass is queued on the draft's ids
-        while they are still being computed. Returns the proposal, the verdict and when the
-        drafts were queued (the verify time then includes finishing the draft's passes)."""
-        deferred = self.drafter.propose_deferred(context, draft_len)
-        t_queued = self.clock()
-        if deferred is None:
-            return EMPTY_PROPOSAL, self._verify(context[-1], EMPTY_PROPOSAL, sampling, rng), t_queued
-        target_argmax, ids = self.target.feed_argmax_after([context[-1]], deferred)  # (k+1,), (k,)
-        drafts = tuple(int(t) for t in ids)
-        return Proposal(drafts, source=self.drafter.name), verify_greedy(drafts, target_argmax), t_queued
-
-    def _prefill(self, context: list[int]) -> tuple[np.ndarray, bool]:
-        """Feed the prompt, reusing any cached prefix, and return the logits after its last
-        token (V,), and whether a cached prefix was reused. The last token is always fed
-        again (kept out of the reuse), so there is a row to read even when the whole prompt
-        was cached."""
-        keep = self.target.rewind_to_prefix_of(context, limit=len(context) - 1)
-        return self.target.feed(context[keep:], [len(context) - keep - 1])[0], keep > 0
-
-    @staticmethod
-    def _pick(logits: np.ndarray, sampling: SamplingSettings, rng: np.random.Generator) -> int:
-        """One token from a (V,) row of logits under the user's settings."""
-        if sampling.greedy:
-            return int(logits.argmax())
-        return sample(probabilities(logits, sampling), rng)
-
-    def _verify(
-        self, last_token: int, proposal: Proposal, sampling: SamplingSettings, rng: np.random.Generator
-    ) -> Verdict | TreeVerdict:
-        """One target pass over the last token and the drafts, then the acceptance rule: a chain
-        yields k + 1 distributions; a tree one per node, and the accepted path is kept."""
-        if not proposal.is_chain:
-            return self._verify_tree(last_token, proposal, sampling, rng)
-        fed = [last_token, *proposal.tokens]
-        rows = range(len(fed))
-        if sampling.greedy:
-            target_argmax = self.target.feed_argmax(fed, rows)  # (k+1,)
-            self._show_pass(proposal, target_argmax)
-            return verify_greedy(proposal.tokens, target_argmax)
-        logits = self.target.feed(fed, rows)  # (k+1, V)
-        self._show_pass(proposal, logits)
-        p_target = probabilities(logits, sampling)
-        return verify_sampled(proposal.tokens, p_target, proposal.p_draft, rng)
-
-    def _verify_tree(
-        self, last_token: int, proposal: Proposal, sampling: SamplingSettings, rng: np.random.Generator
-    ) -> TreeVerdict:
-        tree = proposal.tree
-        rows = tree.logit_rows(1)  # the root's row, then one per node
-        if sampling.greedy:
-            target_argmax = self.target.feed_tree_argmax([last_token], tree, rows)  # (1+n,)
-            self._show_pass(proposal, target_argmax)
-            verdict = verify_tree_greedy(tree, target_argmax)
-        else:
-            logits = self.target.feed_tree([last_token], tree, rows)  # (1+n, V)
-            self._show_pass(proposal, logits)
-            verdict = verify_tree_sampled(tree, probabilities(logits, sampling), proposal.p_draft, rng)
-        self.target.keep_path(tree, verdict.path)
-        return verdict
-
-    def _show_pass(self, proposal: Proposal, rows: np.ndarray) -> None:
-        """Hand a drafter that reads the whole pass (Drafter.reads_pass) the target's choice
-        after the root and each node: ``rows`` is that (1 + n,) argmax, or (1 + n, V) logits."""
-        if proposal.tokens and self.drafter is not None and self.drafter.reads_pass:
-            self.drafter.observe_pass(proposal, rows if rows.ndim == 1 else rows.argmax(axis=-1))
 
     # ---- layer 2: events --------------------------------------------------------
     def stream(

@@ -221,7 +221,7 @@ def test_a_wrong_verifier_is_flagged_as_a_real_mismatch(tiny_llama, tiny_qwen2, 
         return Verdict(len(draft_tokens), int(target_argmax[len(draft_tokens)]))
 
     # Plain decoding drafts nothing, so only the speculative method goes wrong.
-    monkeypatch.setattr("specrun.engine.loop.verify_greedy", accept_every_draft)
+    monkeypatch.setattr("specrun.engine.passes.verify_greedy", accept_every_draft)
     out = tmp_path / "bench.json"
     result = run_cli(
         "-t", str(tiny_llama.gguf_path), "-d", str(tiny_qwen2.gguf_path), "--methods", "none,draft",

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-import specrun.engine.loop
+import specrun.engine.passes
 from fake_models import VOCAB, CostedFake, SimClock, agreeing_draft, hashed_logits
 from specrun.control.trees import BranchRates, TreeScores, node_values, shape_tree
 from specrun.drafters.base import Drafter, Proposal
@@ -96,8 +96,8 @@ class SecondGuessDrafter(Drafter):
 def run_guesses(monkeypatch, per_token: float, second_right: float, tree_nodes: int = 24):
     """Adaptive runs on a simulated clock; the tree passes' node counts and the tokens a pass."""
     sizes: list[int] = []
-    verify = specrun.engine.loop.verify_tree_greedy
-    monkeypatch.setattr(specrun.engine.loop, "verify_tree_greedy",
+    verify = specrun.engine.passes.verify_tree_greedy
+    monkeypatch.setattr(specrun.engine.passes, "verify_tree_greedy",
                         lambda tree, argmax: sizes.append(len(tree)) or verify(tree, argmax))
     clock, table = SimClock(), hashed_logits(VOCAB, salt=5)
     target = CostedFake(table, clock, 1.0, per_token)

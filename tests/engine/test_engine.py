@@ -8,7 +8,8 @@ import pytest
 from fake_models import hashed_logits
 from specrun.backends.fake import FakeBackend
 from specrun.drafters.draft_model import DraftModelDrafter
-from specrun.engine.loop import Finished, GenerationParams, SpeculativeEngine, TextChunk
+from specrun.engine.events import Finished, TextChunk
+from specrun.engine.loop import GenerationParams, SpeculativeEngine
 from specrun.errors import ContextFullError, UsageError
 from specrun.backends.kv import KVSequence, common_prefix_len
 from specrun.sampling import SamplingSettings

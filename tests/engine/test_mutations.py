@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import specrun.drafters.draft_model
-import specrun.engine.loop
+import specrun.engine.passes
 from lossless_harness import greedy_scenario, real_scenario, run_scenario
 from model_factory import perturbed_copy
 from specrun.sampling import SamplingSettings, probabilities, sample
@@ -184,24 +184,24 @@ class Mutant:
 
 
 def _install_verifier(verifier) -> Callable[[pytest.MonkeyPatch], None]:
-    return lambda patch: patch.setattr(specrun.engine.loop, "verify_sampled", verifier)
+    return lambda patch: patch.setattr(specrun.engine.passes, "verify_sampled", verifier)
 
 
 def _install_sampler(sampler) -> Callable[[pytest.MonkeyPatch], None]:
     def install(patch: pytest.MonkeyPatch) -> None:
         # Target and draft model alike: both read the user's settings through it.
-        patch.setattr(specrun.engine.loop, "probabilities", sampler)
+        patch.setattr(specrun.engine.passes, "probabilities", sampler)
         patch.setattr(specrun.drafters.draft_model, "probabilities", sampler)
 
     return install
 
 
 def _install_tree_verifier(verifier) -> Callable[[pytest.MonkeyPatch], None]:
-    return lambda patch: patch.setattr(specrun.engine.loop, "verify_tree_sampled", verifier)
+    return lambda patch: patch.setattr(specrun.engine.passes, "verify_tree_sampled", verifier)
 
 
 def _install_greedy(verifier) -> Callable[[pytest.MonkeyPatch], None]:
-    return lambda patch: patch.setattr(specrun.engine.loop, "verify_greedy", verifier)
+    return lambda patch: patch.setattr(specrun.engine.passes, "verify_greedy", verifier)
 
 
 # Every mutant goes to the scenarios where it shows: rules for one-hot proposals to prompt
@@ -266,7 +266,7 @@ def test_the_real_backend_sampled_test_catches_a_wrong_verifier(name, llama_pair
     """test_backend_engine's sampled test (lossless_harness.real_scenario, draft -k 4) on llama.cpp."""
     from specrun.backends.llama import LlamaCppBackend
 
-    monkeypatch.setattr(specrun.engine.loop, "verify_sampled", REAL_MUTANTS[name])
+    monkeypatch.setattr(specrun.engine.passes, "verify_sampled", REAL_MUTANTS[name])
     target_path, draft_path = llama_pair
     target, reference, draft = LlamaCppBackend(target_path), LlamaCppBackend(target_path), LlamaCppBackend(draft_path)
     _, problems = real_scenario(target, draft, reference, "draft", SamplingSettings(temperature=1.0), adaptive=False)

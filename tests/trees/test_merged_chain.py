@@ -14,7 +14,7 @@ import pytest
 from scipy import stats as scipy_stats
 
 import specrun.drafters.chain
-import specrun.engine.loop
+from specrun.engine.passes import TargetPasses
 from fake_models import CostedFake, SimClock, hashed_logits
 from lossless_harness import real_scenario, run_scenario
 from model_factory import open_exact_copies, perturbed_copy
@@ -196,7 +196,7 @@ def test_merged_siblings_sample_the_targets_distribution(order):
 def test_a_drawn_sibling_with_its_row_as_drawn_fails_the_same_test(monkeypatch):
     """The check above has the power to see a wrong row: the draft's row left as drawn after
     lookup's sibling (ignoring that the node exists only where its token is not lookup's)."""
-    monkeypatch.setattr(specrun.drafters.chain, "_without", lambda row, tokens: row)
+    monkeypatch.setattr(specrun.drafters.chain, "sibling_row", lambda row, tokens: row)
     assert _chi_square_p(_first_tokens("lookup first", np.random.default_rng(7))) < 1e-6
 
 
@@ -204,14 +204,14 @@ def test_the_merged_chain_scenario_merges_shares_nodes_and_tries_siblings(monkey
     """The harness's "merged chain" (its chi-square and acceptance checks run in test_acceptance)
     verifies merged trees, with shared nodes and cheap siblings tried after the draft's."""
     merged = []
-    verify = specrun.engine.loop.SpeculativeEngine._verify
+    verify = TargetPasses.verify
 
-    def recording(self, last_token, proposal, sampling, rng):
-        if isinstance(proposal, MergedProposal):
-            merged.append(proposal)
-        return verify(self, last_token, proposal, sampling, rng)
+    def recording(self, last_token, drafts, sampling, rng):
+        if isinstance(drafts, MergedProposal):
+            merged.append(drafts)
+        return verify(self, last_token, drafts, sampling, rng)
 
-    monkeypatch.setattr(specrun.engine.loop.SpeculativeEngine, "_verify", recording)
+    monkeypatch.setattr(TargetPasses, "verify", recording)
     sampled, problems = run_scenario("merged chain", runs=300)
     assert problems == []
     assert sampled.verified.siblings_tested > 0
@@ -353,16 +353,16 @@ class _Passes:
     def __init__(self, monkeypatch) -> None:
         self.merged: list[tuple[MergedProposal, tuple[int, ...]]] = []
         self.verified = 0
-        verify = specrun.engine.loop.SpeculativeEngine._verify
+        verify = TargetPasses.verify
 
-        def recording(engine, last_token, proposal, sampling, rng):
-            verdict = verify(engine, last_token, proposal, sampling, rng)
+        def recording(passes, last_token, drafts, sampling, rng):
+            proposal, verdict = verify(passes, last_token, drafts, sampling, rng)
             self.verified += bool(proposal.tokens)
             if isinstance(proposal, MergedProposal):
                 self.merged.append((proposal, tuple(verdict.path)))
-            return verdict
+            return proposal, verdict
 
-        monkeypatch.setattr(specrun.engine.loop.SpeculativeEngine, "_verify", recording)
+        monkeypatch.setattr(TargetPasses, "verify", recording)
 
     def through_cheap_branch(self) -> int:
         """Passes whose accepted path left the draft's chain for the oracle's branch."""

@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 
 from specrun.cli.app import app
 from specrun.drafters.lookahead import LookaheadSizes
-from specrun.sessions.generation import DEFAULT_BRANCHES, TreeSettings, resolve_trees
+from specrun.sessions.setup import DEFAULT_BRANCHES, TreeSettings, resolve_trees
 
 runner = CliRunner()
 PROMPT = "def add(a, b):\n    return a + b\n\n\ndef add(a, b):\n"
@@ -59,7 +59,8 @@ def test_a_target_without_trees_says_so_in_one_line_and_verifies_chains():
     pytest.importorskip("llama_cpp")
     from specrun.drafters.methods import DrafterOptions
     from specrun.registry.loading import LoadOptions
-    from specrun.sessions.generation import GenerateRequest, TreeSettings, generate_text
+    from specrun.sessions.generation import GenerateRequest, generate_text
+    from specrun.sessions.setup import TreeSettings
 
     notes: list[str] = []
 
@@ -88,7 +89,7 @@ def test_tree_options_out_of_range_or_contradicting_are_usage_errors(args, messa
 
 
 def test_tree_nodes_alone_turns_trees_on_with_the_default_branches_and_chain_keeps_them_off():
-    from specrun.sessions.generation import DEFAULT_BRANCHES, TreeSettings, resolve_trees
+    from specrun.sessions.setup import DEFAULT_BRANCHES, TreeSettings, resolve_trees
 
     assert resolve_trees(False, 8, None) == TreeSettings(8, DEFAULT_BRANCHES)
     assert resolve_trees(False, None, 2).nodes > 0 and resolve_trees(False, None, 2).paths == 3

@@ -12,8 +12,8 @@ import pytest
 from typer.testing import CliRunner
 
 from specrun.backends.fake import FakeBackend
-from specrun.control.trees import TREE_MARGIN, predicted_tree_gain
-from specrun.sessions.generation import DEFAULT_BRANCHES, TreeSettings, default_trees
+from specrun.control.forecasts import TREE_MARGIN, predicted_tree_gain
+from specrun.sessions.setup import DEFAULT_BRANCHES, TreeSettings, default_trees
 from specrun.sessions.tuning import TuneResult
 
 runner = CliRunner()
@@ -118,11 +118,15 @@ def test_a_chat_and_a_bench_open_trees_as_generate_does(relative, opens, monkeyp
     import specrun.sessions.generation as generation
     from specrun.bench.runner import BenchConfig, run_bench
     from specrun.bench.suite import BUILTIN_SUITE
-    from specrun.engine.loop import Finished, GenerationParams
+    from specrun.engine.events import Finished
+    from specrun.engine.loop import GenerationParams
     from specrun.registry.loading import LoadOptions
+
+    import specrun.sessions.setup as setup
 
     monkeypatch.setattr(chat, "load_target_entry", lambda target, threads: stored(relative))
     monkeypatch.setattr(generation, "load_target_entry", lambda target, threads: stored(relative))
+    monkeypatch.setattr(setup, "load_target_entry", lambda target, threads: stored(relative))  # bench reads it there
     load = LoadOptions(backend="llama", threads=1, exact=True)
     notes: list[str] = []
     with chat.open_chat("demo-target", None, "lookup", load, on_note=notes.append) as session:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-import specrun.engine.loop
+import specrun.engine.passes
 from fake_models import hashed_logits
 from lossless_harness import SCENARIOS, greedy_scenario, run_scenario
 from model_factory import open_exact_copies
@@ -61,8 +61,8 @@ class TreeRecorder:
     def __init__(self, monkeypatch) -> None:
         self.paths: list[tuple[int, ...]] = []
         for name in ("verify_tree_greedy", "verify_tree_sampled"):
-            inner = getattr(specrun.engine.loop, name)
-            monkeypatch.setattr(specrun.engine.loop, name, self._wrap(inner))
+            inner = getattr(specrun.engine.passes, name)
+            monkeypatch.setattr(specrun.engine.passes, name, self._wrap(inner))
 
     def _wrap(self, inner):
         def verify(*args):

@@ -9,7 +9,7 @@ import pytest
 
 from real_pairs import open_exact_pair
 from specrun.drafters.lookahead import LookaheadSizes
-from specrun.sessions.generation import method_trees
+from specrun.sessions.setup import method_trees
 from specrun.tree import TokenTree
 
 # Measured here: tree and chain passes agree bit for bit on both backends; llama.cpp's one-token

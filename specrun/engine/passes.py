@@ -1,0 +1,100 @@
+"""The target's passes: how a step's drafts become a pass of the target and a verdict.
+
+The prefill reads the prompt and gives the first token's row. A verify pass feeds the last
+context token with the drafts: a chain yields k + 1 rows, a tree one row per node (and keeps
+the accepted path); the rows go to the acceptance rules of specrun/verify.py, and to a drafter
+that reads whole passes (``Drafter.reads_pass``). A fused step's pass is queued on a draft
+model's greedy ids while they are still being computed (``DeferredDrafts``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from specrun.backends.kv import KVSequence
+from specrun.drafters.base import Drafter, Proposal
+from specrun.sampling import SamplingSettings, probabilities, sample
+from specrun.verify import TreeVerdict, Verdict, verify_greedy, verify_sampled, verify_tree_greedy, verify_tree_sampled
+
+
+@dataclass(frozen=True)
+class DeferredDrafts:
+    """A lone draft model's greedy drafts still on the device (``Plan.fused``, MLX): the verify
+    pass is queued on them before they are read, so drafting and verifying sync once."""
+
+    ids: object  # the draft backend's deferred ids (k,)
+    source: str  # the drafter's name
+
+
+class TargetPasses:
+    """The target's passes over the prompt and over each step's drafts, and their verdicts."""
+
+    def __init__(self, target: KVSequence) -> None:
+        self.target = target
+        self.drafter: Drafter | None = None  # the engine's: shown each pass where it reads passes
+
+    def prefill(self, context: list[int]) -> tuple[np.ndarray, bool]:
+        """Feed the prompt, reusing any cached prefix, and return the logits after its last
+        token (V,), and whether a cached prefix was reused. The last token is always fed
+        again (kept out of the reuse), so there is a row to read even when the whole prompt
+        was cached."""
+        keep = self.target.rewind_to_prefix_of(context, limit=len(context) - 1)
+        return self.target.feed(context[keep:], [len(context) - keep - 1])[0], keep > 0
+
+    @staticmethod
+    def pick(logits: np.ndarray, sampling: SamplingSettings, rng: np.random.Generator) -> int:
+        """One token from a (V,) row of logits under the user's settings."""
+        if sampling.greedy:
+            return int(logits.argmax())
+        return sample(probabilities(logits, sampling), rng)
+
+    def verify(
+        self, last_token: int, drafts: Proposal | DeferredDrafts, sampling: SamplingSettings, rng: np.random.Generator
+    ) -> tuple[Proposal, Verdict | TreeVerdict]:
+        """One target pass over the last token and the drafts, then the acceptance rule: a chain
+        yields k + 1 distributions; a tree one per node, and the accepted path is kept. Returns
+        the proposal verified (deferred drafts are read in the pass) and the verdict."""
+        if isinstance(drafts, DeferredDrafts):
+            return self._verify_deferred(last_token, drafts)
+        if not drafts.is_chain:
+            return drafts, self._verify_tree(last_token, drafts, sampling, rng)
+        fed = [last_token, *drafts.tokens]
+        rows = range(len(fed))
+        if sampling.greedy:
+            target_argmax = self.target.feed_argmax(fed, rows)  # (k+1,)
+            self._show_pass(drafts, target_argmax)
+            return drafts, verify_greedy(drafts.tokens, target_argmax)
+        logits = self.target.feed(fed, rows)  # (k+1, V)
+        self._show_pass(drafts, logits)
+        p_target = probabilities(logits, sampling)
+        return drafts, verify_sampled(drafts.tokens, p_target, drafts.p_draft, rng)
+
+    def _verify_tree(
+        self, last_token: int, proposal: Proposal, sampling: SamplingSettings, rng: np.random.Generator
+    ) -> TreeVerdict:
+        tree = proposal.tree
+        rows = tree.logit_rows(1)  # the root's row, then one per node
+        if sampling.greedy:
+            target_argmax = self.target.feed_tree_argmax([last_token], tree, rows)  # (1+n,)
+            self._show_pass(proposal, target_argmax)
+            verdict = verify_tree_greedy(tree, target_argmax)
+        else:
+            logits = self.target.feed_tree([last_token], tree, rows)  # (1+n, V)
+            self._show_pass(proposal, logits)
+            verdict = verify_tree_sampled(tree, probabilities(logits, sampling), proposal.p_draft, rng)
+        self.target.keep_path(tree, verdict.path)
+        return verdict
+
+    def _verify_deferred(self, last_token: int, drafts: DeferredDrafts) -> tuple[Proposal, Verdict]:
+        """The target's pass queued on the draft's ids: one host sync reads both (greedy only)."""
+        target_argmax, ids = self.target.feed_argmax_after([last_token], drafts.ids)  # (k+1,), (k,)
+        tokens = tuple(int(t) for t in ids)
+        return Proposal(tokens, source=drafts.source), verify_greedy(tokens, target_argmax)
+
+    def _show_pass(self, proposal: Proposal, rows: np.ndarray) -> None:
+        """Hand a drafter that reads the whole pass (Drafter.reads_pass) the target's choice
+        after the root and each node: ``rows`` is that (1 + n,) argmax, or (1 + n, V) logits."""
+        if proposal.tokens and self.drafter is not None and self.drafter.reads_pass:
+            self.drafter.observe_pass(proposal, rows if rows.ndim == 1 else rows.argmax(axis=-1))
