@@ -1,6 +1,6 @@
 """Tokens a verify pass yields for each lookahead size on the ladder (issue 30): the acceptance
 side of ``specrun.drafters.lookahead.LADDER``, which the pass costs measured on a machine then
-weigh (``choose_sizes``).
+weigh (``specrun.control.forecasts``: ``TOKENS_PER_PASS``, ``choose_sizes``).
 
     .venv/bin/python benchmarks/lookahead_sizes.py --per-category 1 -n 96
 

@@ -35,13 +35,15 @@ def _after_init(cls, **values):
 
 
 def _switch_offs():
-    from specrun.control import adaptive, policy
+    from specrun.control import costs as pass_costs
+    from specrun.control import draft_length, policy
+    from specrun.control import gate as speculation_gate
     from specrun.drafters.lookup import PromptLookupDrafter
     from specrun.drafters.ngram import NgramPoolDrafter
 
-    costs, controller, gate = adaptive.TargetCosts, adaptive.DraftLengthController, adaptive.SpeculationGate
+    costs, controller, gate = pass_costs.TargetCosts, draft_length.DraftLengthController, speculation_gate.SpeculationGate
 
-    class AlwaysAsk(adaptive.IdleBackoff):
+    class AlwaysAsk(speculation_gate.IdleBackoff):
         def ask(self):
             return True
 
@@ -50,7 +52,7 @@ def _switch_offs():
 
         def forget_all(self):
             forget(self)
-            self._carried_gaps = {}
+            self.memory.carried_gaps = {}
 
         policy.AdaptivePolicy.forget_acceptance = forget_all
 
@@ -71,7 +73,7 @@ def _switch_offs():
         "ageing unvisited lengths (AGE)": lambda: setattr(costs, "AGE", 1.0),
         "stale tolerance (table rebuilt on every pass)": lambda: setattr(costs, "STALE_TOLERANCE", 0.0),
         "switch-back accounting (note_pass)": lambda: setattr(costs, "note_pass", lambda self, n, s, previous: True),
-        "non-decreasing fit": lambda: setattr(adaptive, "_non_decreasing", lambda values, weights: values),
+        "non-decreasing fit": lambda: setattr(pass_costs, "_non_decreasing", lambda values, weights: values),
         "one-point line (+10% a token)": lambda: setattr(costs, "_one_point_line", staticmethod(lambda n0, t0, m: [t0] * (m + 1))),
         # the draft-length controllers
         "acceptance decay": lambda: _after_init(controller, decay=1.0),
@@ -82,7 +84,7 @@ def _switch_offs():
         "plain pass timed first (PLAIN_TRIES)": lambda: setattr(controller, "PLAIN_TRIES", 0),
         "short first tries at a fixed length (FIRST_TRIES)": lambda: setattr(controller, "FIRST_TRIES", 0),
         "explore: plain pass before the first draft": lambda: setattr(controller, "_explore", lambda self, limit: min(self.probe_len, limit)),
-        "longer probes for cheap drafters": lambda: setattr(policy, "CHEAP_PROBE_LEN", adaptive.PAID_PROBE_LEN),
+        "longer probes for cheap drafters": lambda: setattr(policy, "CHEAP_PROBE_LEN", draft_length.PAID_PROBE_LEN),
         "cheap drafters' time sunk": lambda: setattr(policy.AdaptivePolicy, "_counts_draft_time", lambda self, source: True),
         "switch charge on speculative steps": lambda: setattr(costs, "switch_charge", property(lambda self: 0.0)),
         # the gate, the idle backoff, free scoring
@@ -92,7 +94,7 @@ def _switch_offs():
         "proposing time counts as engaged": lambda: setattr(policy, "PROPOSING_SHARE", float("inf")),
         "gate judges a text only after MIN_STEPS": lambda: setattr(gate, "MIN_STEPS", gate.RETRY_STEPS),
         "idle backoff": lambda: setattr(policy, "IdleBackoff", AlwaysAsk),
-        "cheap proposals scored for free": lambda: setattr(adaptive.ProposalScores, "add", lambda self, *args: None),
+        "cheap proposals scored for free": lambda: setattr(draft_length.ProposalScores, "add", lambda self, *args: None),
         "weighing a cheap proposal against the draft model": lambda: setattr(policy.AdaptivePolicy, "_cheap_worth_taking", lambda self, proposal: len(proposal) >= 2),
         # priors and memory across texts
         "lookup's priors by n-gram length": lambda: setattr(PromptLookupDrafter, "kind_priors", {}),

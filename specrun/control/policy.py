@@ -11,28 +11,22 @@ proposal that goes to the target) and tells it what the step cost and yielded
 ``--adaptive``); it also gates a fixed chain's draft model, which must never make a
 chain slower than its cheap drafters alone. Where the target verifies trees it merges a
 chain's proposals of one step into one tree (``chosen``), crediting each draft model with
-its own nodes on the accepted path. It keeps what it measured across texts:
-the pass costs belong to the machine, acceptance to the text (``forget_acceptance``).
+its own nodes on the accepted path. It keeps what it measured across texts
+(control/memory.py): the pass costs belong to the machine, acceptance to the text
+(``forget_acceptance``).
 """
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from time import perf_counter
 from typing import Protocol
 
-from specrun.control.adaptive import (
-    CHEAP_PROBE_LEN,
-    PAID_PROBE_LEN,
-    DraftCosts,
-    DraftLengthController,
-    IdleBackoff,
-    ProposalScores,
-    SpeculationGate,
-    TargetCosts,
-)
+from specrun.control.costs import DraftCosts, TargetCosts
+from specrun.control.draft_length import CHEAP_PROBE_LEN, PAID_PROBE_LEN, DraftLengthController, ProposalScores
+from specrun.control.gate import IdleBackoff, SpeculationGate
+from specrun.control.memory import PolicyMemory
 from specrun.control.trees import BranchRates, TreeScores, merged_values, node_values, select_merged, shape_tree
 from specrun.drafters.base import Drafter, Proposal
 from specrun.drafters.chain import MergedProposal, merge_proposals
@@ -144,20 +138,15 @@ class AdaptivePolicy:
     beats plain decoding; ``IdleBackoff`` asks cheap drafters less often while they find
     nothing; ``ProposalScores`` scores cheap proposals against the output for free.
     ``set_drafter`` and ``configure`` set it up for the engine's drafter and a run's settings.
+    What it keeps across texts and takes from earlier processes is its ``PolicyMemory``.
     """
 
     measured = True
 
     def __init__(self, clock: Callable[[], float] = perf_counter) -> None:
         self.clock = clock
-        self.target_costs = TargetCosts()
-        self.draft_costs: dict[str, DraftCosts] = {}  # by drafter name
+        self.memory = PolicyMemory()  # the pass costs, priors and start-offs kept across texts
         self.controllers: dict[str, DraftLengthController] = {}  # by source, or "source:kind"
-        self.prior_accepts: dict[str, float] = {}  # by drafter name: measured first-token acceptance
-        self.prior_curves: dict[str, dict[int, float]] = {}  # by drafter name: measured acceptance by position
-        # By controller key: tries and acceptances by draft position of the texts already forgotten
-        # (forget_acceptance), undecayed, for what a run keeps for the next (seen_counts).
-        self._seen: dict[str, tuple[list[float], list[float]]] = {}
         self.gate = SpeculationGate()
         self._scores = ProposalScores()  # cheap proposals awaiting the output that settles them
         self.branch_rates: dict[str, BranchRates] = {}  # by source: how often its second guesses are right
@@ -165,9 +154,6 @@ class AdaptivePolicy:
         self.max_nodes = 0  # the most nodes a verified tree may have (0: chains only)
         self.max_paths = 0  # …and root-to-leaf paths (0: no cap)
         self.merge_chains = True  # merge a chain's proposals where trees are on (off: to measure what it brings)
-        self._carried_gaps: dict[str, int] = {}  # a chain's paid drafters left off by the last text
-        self._start_off: dict[str, int] = {}  # drafters earlier processes left off: for the first text
-        self._gate_off: int | None = None  # plain steps the next text starts with (start_gate_off)
         self._previous_pass: int | None = None  # tokens fed to the latest pass (None: the prefill)
         self.drafter: Drafter | None = None
         self.adaptive = True  # else fixed lengths, with a chain's paid drafters gated
@@ -175,7 +161,17 @@ class AdaptivePolicy:
         self.paid: set[str] = set()  # drafters whose length this policy chooses before they draft
         self._idle: IdleBackoff | None = None
 
-    # ---- what earlier texts and processes measured --------------------------------------
+    # ---- what earlier texts and processes measured (memory.py) ---------------------------
+    @property
+    def target_costs(self) -> TargetCosts:
+        """T_target(n), shared by every controller: the machine's, kept across texts."""
+        return self.memory.target_costs
+
+    @property
+    def draft_costs(self) -> dict[str, DraftCosts]:
+        """T_draft(k) by drafter name, kept across texts."""
+        return self.memory.draft_costs
+
     def use_tuned(
         self,
         target_costs: dict[int, float],
@@ -191,20 +187,14 @@ class AdaptivePolicy:
         switched off, and the probe gap they had reached: the first text starts them off.
         ``prior_curves``: by drafter name, the acceptance measured at each draft position
         (DraftLengthController.prior_curve)."""
-        self.target_costs.preload(target_costs)
-        for source, seconds in draft_costs.items():
-            self.draft_costs.setdefault(source, DraftCosts()).preload(seconds)
-        self.prior_accepts.update(prior_accepts or {})
-        self.prior_curves.update(prior_curves or {})
-        self._start_off = dict(start_off or {})
-        self._seen.clear()  # another pair's
+        self.memory.use_tuned(target_costs, draft_costs, prior_accepts, start_off, prior_curves)
         self.controllers.clear()  # rebuilt on the new priors
 
     def start_gate_off(self, gap: int) -> None:
         """Start the next text decoding plainly for ``gap`` steps, then retry speculating: where
         an earlier process ended with the gate off for a drafter whose cost is its proposals'
         fixed size (a lookahead window), or the measured pass costs say it cannot pay."""
-        self._gate_off = gap
+        self.memory.gate_off = gap
 
     @property
     def fixed_size_drafter(self) -> bool:
@@ -224,25 +214,13 @@ class AdaptivePolicy:
         the target's and the drafters' costs (the machine's, which `specrun tune` gives a
         fresh run) and the tuned priors. Dropping draft costs too made auto time its draft
         lengths again on every bench prompt (session 6: lengths 4, 1 and 8)."""
-        # A chain's draft model that ended the text switched off starts the next one off too,
-        # probed after the gap it had reached: its first try in every text, and its probes
-        # every 8 steps, cost a verify pass and draft passes each (~3 ms against a 1 ms plain
-        # step on the demo pair), which it seldom won back where lookup had done the copying.
-        # A/B on Spec-Bench (59 prompts x 3): auto 2.170x against 2.102x, lookup+draft 2.167x
-        # against 2.134x. Alone, a draft model starts every text on: kept off, it gave up
-        # qa's 1.77x on the built-in suite (0.98x), where it is right on almost every token.
+        # A chain's draft model that ended the text switched off starts the next one off too
+        # (PolicyMemory.end_text says why); alone, a draft model starts every text on.
         members = self.drafter.members if self.drafter is not None else ()
         paid = {m.name for m in members if m.pays_per_token} if len(members) > 1 else set()
-        unused = {source: gap for source, gap in self._carried_gaps.items() if source not in self.controllers}
-        self._carried_gaps = unused | {  # a gap the last text never reached its drafter with stays
-            source: controller.probe_gap
-            for source, controller in self.controllers.items()
-            if source in paid and not controller.speculating
-        }
-        if self._gate_off is None and self.gate_off_gap:  # a window left off starts the next text off
-            self._gate_off = self.gate_off_gap
-        for key in self.controllers:
-            self._seen[key] = self.seen_counts(key)
+        self.memory.end_text(self.controllers, paid)
+        if self.memory.gate_off is None and self.gate_off_gap:  # a window left off starts the next text off
+            self.memory.gate_off = self.gate_off_gap
         self.controllers.clear()
         self._scores.clear()
         self._tree_scores.clear()
@@ -252,19 +230,13 @@ class AdaptivePolicy:
     def seen_counts(self, key: str) -> tuple[list[float], list[float]]:
         """Tries and acceptances by draft position (index 0 unused) of a controller's source and
         kind over every text since the drafter or the priors were set, undecayed."""
-        tried, accepted = self._seen.get(key, ([], []))
-        controller = self.controllers.get(key)
-        if controller is None:
-            return list(tried), list(accepted)
-        return ([a + b for a, b in itertools.zip_longest(tried, controller.seen_tried, fillvalue=0.0)],
-                [a + b for a, b in itertools.zip_longest(accepted, controller.seen_accepted, fillvalue=0.0)])
+        return self.memory.seen_counts(key, self.controllers.get(key))
 
     # ---- one text -----------------------------------------------------------------------
     def set_drafter(self, drafter: Drafter | None) -> None:
         """Speculate with ``drafter`` from the next text on (what the old one left off is dropped)."""
         self.drafter = drafter
-        self._carried_gaps = {}
-        self._seen.clear()
+        self.memory.forget_drafter()
         self.paid = {member.name for member in drafter.members if member.pays_per_token} if drafter else set()
 
     def configure(self, max_draft_len: int, adaptive: bool, max_nodes: int = 0, max_paths: int = 0) -> None:
@@ -279,7 +251,7 @@ class AdaptivePolicy:
         self._tree_scores.clear()
         self._previous_pass = None
         if self.adaptive:
-            carried, self._gate_off = self._gate_off, None
+            carried, self.memory.gate_off = self.memory.gate_off, None
             if carried is None and self.gate_off_gap:
                 carried = self.gate_off_gap
             self.gate.reset()
@@ -515,27 +487,6 @@ class AdaptivePolicy:
         """The drafter (or chain member) whose proposals carry ``source``, if any."""
         return next((m for m in self.drafter.members if m.name == source), None)
 
-    def _prior(self, source: str, kind: str) -> tuple[float, bool, dict[int, float]]:
-        """The acceptance a controller presumes before evidence, whether it was measured, and
-        the acceptance measured by draft position (empty if none).
-
-        The drafter's prior for the proposal's kind where it declares one (prompt lookup, by
-        the length of the n-gram matched); else what `specrun tune` or earlier runs measured
-        for the drafter (its first token's, and its curve by position); else the prior the
-        drafter declares for all its proposals (kind ""; the n-gram pool); else the
-        controllers' default.
-        """
-        member = self._member(source)
-        declared = member.kind_priors if member is not None else {}
-        if kind and kind in declared:
-            return declared[kind], False, {}
-        curve = self.prior_curves.get(source, {})
-        if source in self.prior_accepts:
-            return self.prior_accepts[source], True, curve
-        if curve:
-            return curve.get(1, DraftLengthController.prior_accept), True, curve
-        return declared.get("", DraftLengthController.prior_accept), False, {}
-
     def _counts_draft_time(self, source: str) -> bool:
         """Is a source's drafting time charged to the lengths it drafts (a draft model), or
         sunk before its proposal is cut (a cheap drafter)?"""
@@ -547,15 +498,17 @@ class AdaptivePolicy:
         controller = self.controllers.get(key)
         if controller is None or (controller.max_draft_len, controller.fixed) != (self.max_draft_len, fixed):
             if controller is not None:  # other settings: what it saw stays counted
-                self._seen[key] = self.seen_counts(key)
+                self.memory.keep_seen(key, controller)
                 del self.controllers[key]
             paid = self._counts_draft_time(source)
-            prior, measured, curve = self._prior(source, kind)
+            member = self._member(source)
+            # the drafter's priors by kind, else measured ones (PolicyMemory.prior)
+            prior, measured, curve = self.memory.prior(source, kind, member.kind_priors if member is not None else {})
             controller = DraftLengthController(
                 max_draft_len=self.max_draft_len,
                 fixed=fixed,
                 target_costs=self.target_costs,
-                draft_costs=self.draft_costs.setdefault(source, DraftCosts()),
+                draft_costs=self.memory.draft_costs_of(source),
                 ramp_up=True,  # lengths grow with the evidence, not the prior
                 # A cheap drafter's proposal is made before it is cut: its time is sunk, and a
                 # wrong first try costs only verify positions (CHEAP_PROBE_LEN: why 4 of them).
@@ -565,9 +518,7 @@ class AdaptivePolicy:
                 prior_measured=measured,
                 prior_curve=curve,
             )
-            carried = self._carried_gaps.pop(key, None)
-            if carried is None and not fixed:  # a length the user fixed (-k) drafts until this run says otherwise
-                carried = self._start_off.pop(key, None)
+            carried = self.memory.probe_gap_for(key, fixed)
             if carried is not None:
                 controller.start_off(carried)
             self.controllers[key] = controller

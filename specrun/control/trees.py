@@ -22,7 +22,7 @@ step (a CPU), no sibling pays and the proposal is verified as a chain.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from specrun.drafters.base import Proposal
@@ -243,37 +243,3 @@ def select_merged(
             kept.add(node)
             tokens, n_fed, paths = tokens + value, n_fed + 1, paths + new_path
     return sorted(kept)
-
-
-# Trees where none were asked: a tree context costs llama.cpp ~2% on every pass (docs/perf.md
-# 3(f)), so a run opens one by itself only where second guesses are predicted to win more.
-TREE_MARGIN = 1.05
-TYPICAL_CHAIN = 4  # the chain a prediction adds second guesses to, at TYPICAL_ACCEPTANCE a position
-TYPICAL_ACCEPTANCE = 0.7
-
-
-def predicted_tree_gain(relative: Callable[[int], float], branches: int, max_nodes: int,
-                        acceptance: float = TYPICAL_ACCEPTANCE, chain_len: int = TYPICAL_CHAIN) -> float:
-    """Tokens a second of a chain of ``chain_len`` drafts with the most valuable second guesses
-    added (up to ``branches`` beside each position, ``max_nodes`` in all, each while it raises
-    the rate, as ``shape_tree`` adds them), over the chain's alone; ``relative(n)``: a pass over
-    n tokens in plain steps. Values at ``acceptance`` a position and ``BranchRates``' prior
-    for a sibling: where one more token in a pass costs most of a plain step (a CPU) this is
-    1.0, where a pass costs about the same whatever it holds (a GPU) well above it."""
-    sibling = BranchRates().prior
-    values = sorted(
-        (acceptance ** (depth - 1) * (1 - acceptance) * (1 - sibling) ** (rank - 1) * sibling
-         for depth in range(1, chain_len + 1) for rank in range(1, branches + 1)),
-        reverse=True,
-    )
-    tokens = sum(acceptance ** depth for depth in range(chain_len + 1))
-    nodes = chain_len
-    chain_rate = best = tokens / relative(1 + nodes)
-    for value in values:
-        if nodes >= max_nodes:
-            break
-        rate = (tokens + value) / relative(2 + nodes)
-        if rate <= best:
-            break
-        tokens, nodes, best = tokens + value, nodes + 1, rate
-    return best / chain_rate

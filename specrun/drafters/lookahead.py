@@ -21,7 +21,7 @@ drafter reads the whole pass (``reads_pass``) and wants its proposal verified wh
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -73,7 +73,7 @@ class LookaheadSizes:
         return (self.window - 1) + self.window * (self.levels - 1) + self.candidates * self.levels
 
 
-# The sizes chosen from (``choose_sizes``), smallest first.
+# The sizes chosen from (control/forecasts.py, ``choose_sizes``), smallest first.
 LADDER = (
     LookaheadSizes(3, 3, 2),
     LookaheadSizes(4, 3, 3),
@@ -82,38 +82,6 @@ LADDER = (
     LookaheadSizes(10, 5, 10),
     LookaheadSizes(15, 5, 15),
 )
-
-
-# Tokens a verify pass yields at each size (the target's own token included): the mean over
-# 11 Spec-Bench chat prompts (11 categories), 128 tokens each, SmolLM2-135M-Instruct, greedy,
-# depth 16 (benchmarks/lookahead_sizes.py; docs/perf.md 3(i)). A property of the text and the
-# window, not of the machine; the machine's side is what a pass of each size costs.
-TOKENS_PER_PASS = {
-    LADDER[0]: 1.31,
-    LADDER[1]: 1.36,
-    LADDER[2]: 1.37,
-    LADDER[3]: 1.49,
-    LADDER[4]: 1.56,
-    LADDER[5]: 1.56,
-}
-
-
-def predicted_speedup(sizes: LookaheadSizes, relative_cost: Callable[[int], float]) -> float:
-    """Tokens a second at ``sizes`` over plain decoding's: tokens a pass over what a pass of
-    its nodes costs in plain steps (``relative_cost(n)``: a pass over n tokens, in one-token
-    passes; it counts the token verified before the drafted ones)."""
-    return TOKENS_PER_PASS[sizes] / relative_cost(1 + sizes.max_nodes)
-
-
-def choose_sizes(relative_cost: Callable[[int], float],
-                 fits: Callable[[LookaheadSizes], bool] = lambda sizes: True) -> tuple[LookaheadSizes, float]:
-    """The size on the ladder that ``fits`` (the pass the target was opened for) with the most
-    tokens a second on this machine, and its predicted speed-up over plain decoding (below 1:
-    none pays here). Where a wide pass costs about a narrow one (a GPU), the wider windows win;
-    where each token of a pass costs most of a plain step (a CPU), the smallest does."""
-    candidates = [sizes for sizes in LADDER if fits(sizes)] or [LADDER[0]]
-    best = max(candidates, key=lambda sizes: predicted_speedup(sizes, relative_cost))
-    return best, predicted_speedup(best, relative_cost)
 
 
 class LookaheadDrafter(Drafter):

@@ -8,15 +8,9 @@ import numpy as np
 import pytest
 
 from fake_models import VOCAB, CostedFake, SimClock, agreeing_draft, hashed_logits
-from specrun.control.adaptive import (
-    CHEAP_PROBE_LEN,
-    PAID_PROBE_LEN,
-    DraftCosts,
-    DraftLengthController,
-    IdleBackoff,
-    SpeculationGate,
-    TargetCosts,
-)
+from specrun.control.costs import DraftCosts, TargetCosts
+from specrun.control.draft_length import CHEAP_PROBE_LEN, PAID_PROBE_LEN, DraftLengthController
+from specrun.control.gate import IdleBackoff, SpeculationGate
 from specrun.backends.fake import FakeBackend
 from specrun.drafters.base import Drafter, Proposal
 from specrun.drafters.chain import ChainDrafter
@@ -609,7 +603,7 @@ def test_a_draft_models_carried_gap_outlives_a_text_that_never_asked_it():
 
 # ---- scoring cheap proposals against the output ------------------------------------------
 def test_a_cheap_proposal_is_scored_as_far_as_the_output_reaches_then_the_rest():
-    from specrun.control.adaptive import ProposalScores
+    from specrun.control.draft_length import ProposalScores
 
     controller = DraftLengthController(max_draft_len=6, decay=0.5)
     scores = ProposalScores()

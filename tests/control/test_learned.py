@@ -11,7 +11,7 @@ from specrun.sessions import tuning
 from specrun.drafters.draft_model import DraftModelDrafter
 from specrun.engine.loop import GenerationParams, SpeculativeEngine
 from specrun.engine.stats import Stats
-from specrun.sessions.generation import load_tuned, remember_run
+from specrun.sessions.setup import load_tuned, remember_run
 
 
 def run_text(target, draft, clock, tuned) -> tuple[int, float]:

@@ -1,0 +1,257 @@
+"""What passes cost on this machine: T_target(n), seconds of a verify pass over n tokens, and
+T_draft(k), seconds a drafter takes to propose k tokens (docs/design.md, the cost model).
+
+Both are decayed means by length, smoothed towards a line through the lengths timed and kept
+non-decreasing in length. They belong to the machine, not the text: a policy keeps them across
+texts (control/memory.py) and `specrun tune` or an earlier run's learned.json preloads them.
+"""
+
+from __future__ import annotations
+
+
+class TargetCosts:
+    """T_target(n): seconds of a verify pass over n tokens, shared by every drafter.
+
+    Each n keeps a decayed mean of its passes. A single slow pass (another process
+    took the CPU) must not brand a draft length as dear for good: a length the
+    controller stops choosing is never timed again. So a pass far slower than the
+    mean counts as only SPIKE_CAP times it (a lasting slowdown still gets through,
+    a few passes later), and the estimates are smoothed:
+    each mean is shrunk towards a line fitted through all of them (weighted by how
+    often, and how lately, each n was timed), unseen n take the line, and the table is made
+    non-decreasing in n (a longer pass never costs less), by pooling adjacent
+    violators with their weights.
+    """
+
+    LINE_WEIGHT = 1.0  # the fitted line counts as this many passes at every n
+    # A one-token pass is plain decoding: timed on every plain step, and the baseline every
+    # speculative rate is weighed against. On a CPU it runs other kernels than a batch
+    # (matrix-vector against matrix-matrix): on the demo target T(2) is ~1.7x T(1), while
+    # T(2)..T(16) lie on a line. So T(1) stands as measured: it neither shapes the line nor
+    # is shrunk towards it, nor aged by other passes (pulled to a line through T(2)..T(8),
+    # plain decoding read 1.3 ms against 0.56 ms, and auto drafted where it lost).
+    SEPARATE_PLAIN = True
+    SPIKE_CAP = 1.25  # once timed twice, one pass moves the mean as if at most this much slower
+    MAX_COUNT = 8.0  # passes remembered per n: old ones fade as new ones come
+    # Each pass at one n ages the others' counts: a mean left unvisited (a length the
+    # controller stopped choosing, often because a slow pass made it look dear) yields to
+    # the line through the lengths in use, so it is tried again if the line says it pays,
+    # instead of standing for good. Kept across prompts, stale means had auto go plain
+    # where lookup was right on every token (83 plain steps against 10 in one A/B arm).
+    AGE = 0.98
+    # A mean that moved less than this (relative) since the table was built leaves the table
+    # as it is: each pass moves a mean by ~3% (timing noise), which the decayed mean itself
+    # carries, and rebuilding the table and every controller's rates after each pass cost
+    # ~1% of a tiny-regime step.
+    STALE_TOLERANCE = 0.03
+    REBUILD_EVERY = 16  # passes after which the table is rebuilt anyway (the counts have aged)
+    SWITCH_WEIGHT = 0.2  # blend weight of one pass in the switch-back estimates
+
+    def __init__(self) -> None:
+        self.seconds: dict[int, float] = {}  # tokens fed -> decayed mean seconds; write through observe/preload
+        self.counts: dict[int, float] = {}  # tokens fed -> passes behind that mean (at most MAX_COUNT)
+        self.version = 0  # bumped when the table changes: what the controllers' memoised rates are keyed on
+        self._table: list[float | None] | None = None  # __call__ for n = 0..len-1, rebuilt after a change
+        self._built_from: dict[int, float] = {}  # the means the table was built from
+        self._passes_since_build = 0
+        # Switching back (note_pass): what a plain pass costs more right after a speculative
+        # one, and how often a speculative pass is followed by a plain one.
+        self.switch_seconds = 0.0
+        self.switch_back = 0.0
+        self._charge_built = 0.0  # the switch_charge the controllers' rates last saw
+
+    @property
+    def switch_charge(self) -> float:
+        """Seconds a speculative step is charged for the plain pass it is likely to cause."""
+        return self.switch_seconds * self.switch_back
+
+    def note_pass(self, n_tokens: int, seconds: float, previous: int | None) -> bool:
+        """Learn what changing the batch shape costs; True where the pass should also be
+        observed as T(n_tokens).
+
+        llama.cpp rebuilds its compute graph whenever the batch shape changes (measured on
+        the demo target: +0.47 ms on a 0.9 ms plain pass). A plain pass right after a
+        speculative one pays that rebuild for the speculation before it: counted into T(1),
+        it made plain decoding look dearer the more auto speculated. Such a pass goes into the
+        switch-back cost instead, which speculative steps are charged for, weighted by how often
+        one is followed by a plain pass. ``previous``: the tokens of the pass before (None: the
+        prompt's prefill came before, a switch that no choice caused).
+        """
+        if n_tokens == 1 and previous == 1:
+            return True  # plain after plain (most steps of a text with nothing to draft): no switch
+        if previous is None:
+            # Right after the prompt's pass: a plain pass pays the rebuild from the prompt's
+            # batch shape (1.66 ms measured against 0.56 ms on the demo target). Timed as T(1)
+            # in a fresh run, that made plain decoding look three times dearer than it is, and
+            # auto drafted at 0.73x plain decoding on a code prompt. T(1) waits for a plain
+            # pass after a plain one; a speculative pass is timed (it carries its acceptance).
+            return n_tokens > 1
+        if previous > 1:
+            self.switch_back = blend(self.switch_back, 1.0 if n_tokens == 1 else 0.0, self.SWITCH_WEIGHT)
+        plain = self.seconds.get(1)
+        if n_tokens == 1 and previous > 1 and plain is not None:
+            excess = min(max(seconds - plain, 0.0), plain * self.SPIKE_CAP)  # a slow pass, not a rebuild
+            self.switch_seconds = blend(self.switch_seconds, excess, self.SWITCH_WEIGHT)
+            counted = False
+        else:
+            counted = True
+        if abs(self.switch_charge - self._charge_built) > self.STALE_TOLERANCE * (plain or float("inf")):
+            self._charge_built = self.switch_charge
+            self.version += 1  # the controllers' rates must see the new charge
+        return counted
+
+    def observe(self, n_tokens: int, seconds: float) -> None:
+        """One pass over ``n_tokens`` took ``seconds``."""
+        old = self.seconds.get(n_tokens)
+        if old is not None and self.counts.get(n_tokens, 0.0) >= 2.0:
+            seconds = min(seconds, old * self.SPIKE_CAP)
+        mean = self.seconds[n_tokens] = blend(old, seconds, 0.3)
+        counts = self.counts
+        unaged = 1 if self.SEPARATE_PLAIN else None
+        for n in counts:
+            if n != n_tokens and n != unaged:
+                counts[n] *= self.AGE
+        counts[n_tokens] = min(counts.get(n_tokens, 0.0) + 1.0, self.MAX_COUNT)
+        built = self._built_from.get(n_tokens)
+        self._passes_since_build += 1
+        if (
+            built is not None
+            and abs(mean - built) <= self.STALE_TOLERANCE * built
+            and self._passes_since_build < self.REBUILD_EVERY
+        ):
+            return  # the table stands: it is off by less than the mean's own noise
+        self.version += 1
+        self._table = None
+
+    def preload(self, seconds: dict[int, float]) -> None:
+        """Start from costs measured earlier (``specrun tune``) instead of exploring."""
+        self.seconds.update(seconds)
+        for n in seconds:
+            self.counts[n] = max(self.counts.get(n, 0.0), 1.0)
+        self.version += 1
+        self._table = None
+
+    def known(self, n_tokens: int) -> bool:
+        return n_tokens in self.seconds
+
+    def table(self, max_tokens: int) -> list[float | None]:
+        """``self(n)`` for n = 0..max_tokens, computed once per change (the controller asks every step)."""
+        if self._table is None or len(self._table) <= max_tokens:
+            self._table = self._estimates(max_tokens)
+            self._built_from = dict(self.seconds)
+            self._passes_since_build = 0
+        return self._table
+
+    @property
+    def plain(self) -> float | None:
+        """T(1), plain decoding's pass, as measured: read on every step (SpeculationGate),
+        where building the table after each noisy pass cost more than the rest of a plain
+        step's bookkeeping. The table's value where T(1) was never timed."""
+        seconds = self.seconds.get(1)
+        return seconds if seconds is not None else self(1)
+
+    def __call__(self, n_tokens: int) -> float | None:
+        """Measured where seen, else a line through what was seen (None before any pass)."""
+        return self.table(n_tokens)[n_tokens]
+
+    def _estimates(self, max_tokens: int) -> list[float | None]:
+        if not self.seconds:
+            return [None] * (max_tokens + 1)
+        seconds, counts, line_weight = self.seconds, self.counts, self.LINE_WEIGHT
+        values, weights = [], []
+        for n, on_line in enumerate(self._line(max_tokens)):
+            count = counts.get(n)
+            if n == 1 and count is not None and self.SEPARATE_PLAIN:  # plain decoding: as measured
+                values.append(seconds[1])
+                weights.append(count + line_weight)
+            elif count is None:  # never timed: the line alone
+                values.append(on_line)
+                weights.append(line_weight)
+            else:
+                values.append((count * seconds[n] + line_weight * on_line) / (count + line_weight))
+                weights.append(count + line_weight)
+        # n = 0 (no pass, no draft) is never charged: kept out of the fit, where the line's
+        # value there would pool with a T(1) measured below it.
+        if max_tokens == 0:
+            return values
+        fitted = _non_decreasing(values[1:], weights[1:])
+        return [min(values[0], fitted[0]), *fitted]
+
+    def _line(self, max_tokens: int) -> list[float]:
+        """A line through the measured means, weighted by their counts; n = 0..max_tokens.
+        Through the batched passes only where there are some (SEPARATE_PLAIN)."""
+        points = self.seconds
+        if self.SEPARATE_PLAIN and len(points) > 1 and 1 in points:
+            points = {n: t for n, t in points.items() if n != 1}
+        if len(points) == 1:
+            ((n0, t0),) = points.items()
+            return self._one_point_line(n0, t0, max_tokens)
+        total = sum_n = sum_t = sum_nn = sum_nt = 0.0  # weighted sums, one pass (runs every step)
+        counts = self.counts
+        for n, t in points.items():
+            w = counts[n]
+            total += w
+            sum_n += w * n
+            sum_t += w * t
+            sum_nn += w * n * n
+            sum_nt += w * n * t
+        mean_n, mean_t = sum_n / total, sum_t / total
+        spread = sum_nn - total * mean_n * mean_n
+        slope = max((sum_nt - total * mean_n * mean_t) / spread, 0.0) if spread > 0 else 0.0
+        intercept = mean_t - slope * mean_n
+        if intercept < 0.0:
+            # A pass or a draft call never costs less than nothing: two close lengths, one
+            # with a draft model's catch-up in it, tilted the line through zero before k = 1
+            # (a first draft at k = 4 after two plain steps, against k = 3 without). The
+            # least-squares line through the origin instead.
+            slope, intercept = sum_nt / sum_nn, 0.0
+        return [max(intercept + slope * n, 1e-9) for n in range(max_tokens + 1)]
+
+    @staticmethod
+    def _one_point_line(n0: int, t0: float, max_tokens: int) -> list[float]:
+        """Before a second length is timed: assume a memory-bound pass, each extra token ~10% more."""
+        return [t0 * (1.0 + 0.1 * (n - n0) / max(n0, 1)) for n in range(max_tokens + 1)]
+
+
+class DraftCosts(TargetCosts):
+    """T_draft(k): seconds a drafter takes to propose k tokens, smoothed like the target's.
+
+    A draft model pays a fixed cost per call (rewinding, reading the target's correction,
+    the host sync) besides one forward per token, so per-token cost is not constant: measured
+    at k = 1 and charged per token it overstates what a longer draft adds (by ~70% on the
+    demo pair), which pinned auto at short drafts. A line through the lengths timed gives
+    both parts; before a second length is timed, the cost is taken as proportional to k.
+    Drafting one token is no different in kind from drafting more: k = 1 is on the line.
+    """
+
+    SEPARATE_PLAIN = False
+
+    @staticmethod
+    def _one_point_line(n0: int, t0: float, max_tokens: int) -> list[float]:
+        return [t0 * n / n0 for n in range(max_tokens + 1)]
+
+
+
+def _non_decreasing(values: list[float], weights: list[float]) -> list[float]:
+    """The weighted least-squares non-decreasing fit of ``values`` (pool adjacent violators)."""
+    if all(a <= b for a, b in zip(values, values[1:])):
+        return values  # the usual case: nothing to pool
+    blocks: list[list[float]] = []  # [mean, weight, length]
+    for value, weight in zip(values, weights):
+        blocks.append([value, weight, 1])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            mean, weight, length = blocks.pop()
+            previous = blocks[-1]
+            total = previous[1] + weight
+            previous[0] = (previous[0] * previous[1] + mean * weight) / total
+            previous[1] = total
+            previous[2] += length
+    fitted: list[float] = []
+    for mean, _, length in blocks:
+        fitted.extend([mean] * int(length))
+    return fitted
+
+
+def blend(old: float | None, new: float, weight: float) -> float:
+    """A decayed mean: ``new`` where there is no ``old`` yet, else ``weight`` of the way from ``old`` to it."""
+    return new if old is None else (1.0 - weight) * old + weight * new
