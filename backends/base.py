@@ -54,7 +54,7 @@ class HiddenSupport:
     reason: str = ""  # one line for the user where hidden states are not available
     layers: int = 0  # the model's layer count (0: not known), which heads files name
     # bytes of weights a one-token pass reads (0: not known): what a heads drafter's own reads
-    # are weighed against before any pass is timed (control.heads)
+    # are weighed against before any pass is timed (control.forecasts)
     weight_bytes: int = 0
     # tracked passes can give the outputs of layers 0 .. layer_outputs - 1 instead (hidden_layers,
     # for EAGLE-3); 0: none, and layer_reason says why

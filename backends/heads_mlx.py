@@ -1,7 +1,7 @@
 """Training Medusa heads on a target's hidden states with MLX: the part of `specrun heads train`
 that touches mlx (the session, training/run.py, holds NumPy arrays only).
 
-- ``HeadsTarget``: an mlx-lm model split into its body (tokens -> the final-normed hidden
+- ``MlxHeadsTarget``: an mlx-lm model split into its body (tokens -> the final-normed hidden
   states) and its output head by backends/mlx.py's ``split_model``, which checks the split
   against the whole model; a model it does not hold for is refused in one line. It gives
   hidden states with the target's own next token at every position, for text windows and for
@@ -9,7 +9,7 @@ that touches mlx (the session, training/run.py, holds NumPy arrays only).
   are computed, so no second pass).
 - ``MedusaModule``: Medusa heads as an ``mlx.nn.Module``. Residual blocks start at zero (a fresh
   head is the identity), projections at the target's output-head rows of the draft vocabulary,
-  as Medusa starts them. ``HeadsTrainer``: the AdamW step, predictions, and the conversions
+  as Medusa starts them. ``MlxHeadsTrainer``: the AdamW step, predictions, and the conversions
   to and from ``MedusaHeads`` (NumPy float32) and the optimizer's state file.
 """
 
@@ -23,7 +23,8 @@ import numpy as np
 
 from specrun.backends.mlx import MlxBackend, _import_mlx, _load, resolve_model_folder, split_model
 from specrun.errors import ModelFileError
-from specrun.heads.files import HeadsConfig, MedusaHeads
+from specrun.heads.config import HeadsConfig
+from specrun.heads.medusa import MedusaHeads
 
 HEAD_LOSS_DECAY = 0.8  # head i's loss is weighted 0.8**i (Medusa)
 TRAINABLE_CACHES = ("KVCache",)  # prompt caches a left-padded batch can replace with BatchKVCache
@@ -37,7 +38,7 @@ def _import_nn():
     return nn, optim, tree_flatten, tree_unflatten
 
 
-class HeadsTarget:
+class MlxHeadsTarget:
     """A target for head training: its tokenizer (``backend``), body and output head."""
 
     def __init__(self, path: str | os.PathLike) -> None:
@@ -171,7 +172,7 @@ class HeadsTarget:
         self.backend.close()
 
 
-class HeadsTrainer:
+class MlxHeadsTrainer:
     """Medusa heads in MLX with their AdamW optimizer."""
 
     def __init__(self, heads: MedusaHeads, learning_rate: float, seed: int) -> None:
@@ -186,7 +187,7 @@ class HeadsTrainer:
 
     @classmethod
     def fresh(cls, config: HeadsConfig, projection: np.ndarray, d2t: np.ndarray | None,
-              learning_rate: float, seed: int) -> HeadsTrainer:
+              learning_rate: float, seed: int) -> MlxHeadsTrainer:
         """Heads that start as Medusa's do: zero blocks (the identity) and every head's projection
         a copy of ``projection`` (Vd, H), the target's output-head rows of the draft vocabulary."""
         size = config.hidden_size

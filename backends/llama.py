@@ -21,6 +21,7 @@ import numpy as np
 from specrun.backends.base import (
     HeldTree, HiddenSupport, HiddenTracking, TreeSupport, VocabInfo, held_tree_for, near_tie_rows,
 )
+from specrun.backends.llama_rpc import silence_logs
 from specrun.errors import BackendUnavailableError, ContextFullError, ModelFileError
 from specrun.tree import TokenTree
 
@@ -71,23 +72,6 @@ def has_local_gpu() -> bool:
 
     return bool(_Ggml(_import_llama_cpp(), rpc=False).local_accelerators())
 
-_log_callback = None  # kept alive for as long as llama.cpp may call it
-
-
-def _silence_logs(llama_cpp) -> None:
-    """Route llama.cpp's own logging to nowhere unless SPECRUN_DEBUG is set."""
-    global _log_callback
-    if _log_callback is not None or os.environ.get("SPECRUN_DEBUG") == "1":
-        return
-
-    @llama_cpp.llama_log_callback
-    def _drop(level, text, user_data):  # noqa: ARG001 - ctypes signature
-        return None
-
-    _log_callback = _drop
-    llama_cpp.llama_log_set(_log_callback, ctypes.c_void_p(0))
-
-
 def default_threads() -> int:
     """$SPECRUN_THREADS, else every core. llama.cpp's threads spin at barriers, so on a
     busy machine fewer threads than cores can be many times faster."""
@@ -129,7 +113,7 @@ def quantize_gguf(source: Path, dest: Path, dtype: str) -> None:
         raise ValueError(f"dtype must be one of {sorted(QUANTIZE_FTYPES)}, got {dtype!r}")
     llama_cpp = _import_llama_cpp()
     check_gguf_file(Path(source))
-    _silence_logs(llama_cpp)
+    silence_logs(llama_cpp)
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = QUANTIZE_FTYPES[dtype]
     params.allow_requantize = True
@@ -231,7 +215,7 @@ class LlamaCppBackend(HiddenTracking):
         self._lib = llama_cpp
         self.path = Path(path)
         check_gguf_file(self.path)
-        _silence_logs(llama_cpp)
+        silence_logs(llama_cpp)
         llama_cpp.llama_backend_init()
 
         model_params = model_params_for(llama_cpp)

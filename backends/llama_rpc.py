@@ -274,14 +274,28 @@ def _check_port_free(host: str, port: int) -> None:
                                 "pass another --port, or stop what uses it") from None
 
 
+_log_callback = None  # kept alive for as long as llama.cpp may call it
+
+
+def silence_logs(llama_cpp) -> None:
+    """Route llama.cpp's own logging to nowhere unless SPECRUN_DEBUG is set."""
+    global _log_callback
+    if _log_callback is not None or os.environ.get("SPECRUN_DEBUG") == "1":
+        return
+
+    @llama_cpp.llama_log_callback
+    def _drop(level, text, user_data):  # noqa: ARG001 - ctypes signature
+        return None
+
+    _log_callback = _drop
+    llama_cpp.llama_log_set(_log_callback, ctypes.c_void_p(0))
+
+
 def _probe_main(endpoint: str) -> int:
     """The child side of ``probe``: print the server's devices as one JSON line."""
     import llama_cpp
 
-    if os.environ.get("SPECRUN_DEBUG") != "1":
-        from specrun.backends.llama import _silence_logs
-
-        _silence_logs(llama_cpp)
+    silence_logs(llama_cpp)
     try:
         ggml = _Ggml(llama_cpp)
     except BackendUnavailableError as exc:

@@ -27,7 +27,7 @@ from _report import SPEC_BENCH, write_report
 
 from specrun.engine.loop import GenerationParams, SpeculativeEngine
 from specrun.registry.loading import LoadOptions, open_backend
-from specrun.sessions.generation import prompt_token_ids
+from specrun.sessions.setup import prompt_token_ids
 from specrun.sessions.prompts import CODE_PROMPTS
 
 

@@ -30,7 +30,7 @@ from specrun.backends.kv import sequence_for  # noqa: E402
 from specrun.backends.llama import LlamaCppBackend  # noqa: E402
 from specrun.drafters.heads.eagle import EagleDrafter  # noqa: E402
 from specrun.modelkit.builtin import builtin_gguf  # noqa: E402
-from specrun.heads.files import default_aux_layer_ids  # noqa: E402
+from specrun.heads.config import default_aux_layer_ids
 from specrun.sampling import SamplingSettings  # noqa: E402
 
 MODES = ("untracked", "head input", "layers")

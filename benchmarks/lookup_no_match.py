@@ -41,7 +41,7 @@ from _report import geometric_mean_interval, write_report
 from specrun.backends.llama import LlamaCppBackend
 from specrun.drafters.lookup import PromptLookupDrafter
 from specrun.engine.loop import GenerationParams, SpeculativeEngine
-from specrun.sessions.generation import ADAPTIVE_MAX_DRAFT_LEN
+from specrun.sessions.setup import ADAPTIVE_MAX_DRAFT_LEN
 from specrun.registry.loading import resolve_gguf
 from specrun.sessions.prompts import heldout_code_prompts
 from specrun.registry.catalog import load_registry

@@ -23,7 +23,7 @@ from specrun.drafters.methods import DrafterOptions, build_drafter, needs_draft_
 from specrun.engine.loop import GenerationParams, SpeculativeEngine
 from specrun.registry.loading import LoadOptions, open_pair
 from specrun.sessions.compare import track_as_drafted
-from specrun.sessions.generation import load_heads_for_methods
+from specrun.sessions.heads import load_heads_for_methods
 
 
 def main() -> None:

@@ -22,7 +22,7 @@ from _report import write_report
 from specrun.backends.llama import LlamaCppBackend
 from specrun.sessions.compare import forget_learned
 from specrun.engine.loop import GenerationParams, SpeculativeEngine
-from specrun.sessions.generation import ADAPTIVE_MAX_DRAFT_LEN
+from specrun.sessions.setup import ADAPTIVE_MAX_DRAFT_LEN
 from specrun.registry.loading import resolve_gguf
 from specrun.drafters.methods import build_drafter, is_adaptive
 from specrun.sessions.prompts import heldout_code_prompts

@@ -11,7 +11,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from specrun.heads.files import HeadsConfig, MedusaHeads
+from specrun.heads.config import HeadsConfig
+from specrun.heads.medusa import MedusaHeads
 
 
 def _config(hidden_size: int, vocab_size: int, num_heads: int, draft_vocab_size: int) -> HeadsConfig:

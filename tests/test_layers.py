@@ -86,3 +86,58 @@ def test_the_check_sees_a_wrong_import(tmp_path):
     module = tmp_path / "m.py"
     module.write_text("def f():\n    from specrun.engine.loop import SpeculativeEngine\n    import mlx.core\n")
     assert {"specrun.engine.loop", "mlx.core"} <= imports(module)
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Each module of the package and the modules of the package it imports (at the top or in a
+    function; ``from a import b`` names the module a.b where there is one, else a)."""
+    known = modules()
+    graph = {}
+    for name, path in known.items():
+        targets = set()
+        for imported in imports(path):
+            parts = imported.split(".")
+            while parts and ".".join(parts) not in known:
+                parts.pop()
+            if parts and ".".join(parts) != name:
+                targets.add(".".join(parts))
+        graph[name] = targets
+    return graph
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The groups of modules that import each other, directly or around a circle (Tarjan's
+    strongly connected components of more than one module)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found = []
+
+    def visit(module: str) -> None:
+        index[module] = low[module] = len(index)
+        stack.append(module)
+        for target in graph.get(module, ()):
+            if target not in index:
+                visit(target)
+                low[module] = min(low[module], low[target])
+            elif target in stack:
+                low[module] = min(low[module], index[target])
+        if low[module] == index[module]:
+            group = []
+            while not group or group[-1] != module:
+                group.append(stack.pop())
+            if len(group) > 1:
+                found.append(sorted(group))
+
+    for module in sorted(graph):
+        if module not in index:
+            visit(module)
+    return found
+
+
+def test_no_modules_import_each_other_even_inside_functions():
+    assert circles(import_graph()) == []
+
+
+def test_the_circle_check_sees_a_circle():
+    assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]

@@ -29,10 +29,9 @@ OUTSIDE_FOLDER = re.compile(r"\.\./shared/(?!data/spec_bench/question\.jsonl)")
 # slash must start the path (not "runs/work/", not a URL's "host/root/"); ~/.cache is fine.
 MACHINE_PATH = re.compile(r"(?<![\w.~/:-])/(?:(?:work|root)/|(?:home|Users|tmp)/[\w.-])")
 
-# Files that are data, not text anyone reads as documentation: model weights, and the raw
-# records of past runs under docs/figures (a training report keeps the interpreter's path).
+# Files that are data, not text: model weights and images. (The records of past runs under
+# docs/figures are text and checked too: a training report once kept the interpreter's path.)
 DATA_SUFFIXES = (".gguf", ".safetensors", ".npz", ".npy", ".png", ".jpg", ".svg", ".pdf")
-DATA_FOLDERS = ("docs/figures/",)
 
 
 def project_files() -> list[str]:
@@ -48,7 +47,7 @@ def project_files() -> list[str]:
 
 def text_of(name: str) -> str | None:
     """The file's text, or None for data and binary files."""
-    if name == THIS or name.endswith(DATA_SUFFIXES) or name.startswith(DATA_FOLDERS):
+    if name == THIS or name.endswith(DATA_SUFFIXES):
         return None
     raw = (ROOT / name).read_bytes()
     if b"\0" in raw[:8192]:

@@ -731,7 +731,9 @@ def build_report(args, corpus, vocab_size, train_stream, val_stream, windows, ph
         "torch_version": torch.__version__,
         "python_version": platform.python_version(),
         "cpu": cpu_description(),
-        "corpus": {"stdlib": str(corpus.root), "train_files": len(corpus.train_texts),
+        # the corpus by what it is, not where this machine keeps it
+        "corpus": {"stdlib": f"Python {platform.python_version()} standard library ({corpus.root.name})",
+                   "train_files": len(corpus.train_texts),
                    "held_out_files": len(corpus.val_texts), "held_out_dirs": list(HELD_OUT_DIRS),
                    "test_train_share": args.test_train_share,
                    "train_tokens": len(train_stream), "held_out_tokens": len(val_stream),

@@ -18,21 +18,22 @@ from specrun.backends.base import Backend
 from specrun.bench.machine import machine_info
 from specrun.bench.suite import BenchPrompt
 from specrun.sessions.compare import Comparison, Variant, compare_variants
-from specrun.engine.loop import GenerationParams, GenerationResult
+from specrun.engine.events import GenerationResult
+from specrun.engine.loop import GenerationParams
 from specrun.errors import UsageError
-from specrun.sessions.generation import (
+from specrun.sessions.heads import comparison_heads
+from specrun.sessions.setup import (
     ADAPTIVE_MAX_DRAFT_LEN,
     DEFAULT_DRAFT_LEN,
     TreeChoice,
     TreeSettings,
     adapts_length,
     check_trees_for,
-    comparison_heads,
     load_tuned,
     resolve_min_prob,
 )
-from specrun.sessions import generation
-from specrun.sessions.lookahead_sizing import SizeChoice
+from specrun.sessions import setup
+from specrun.control.forecasts import SizeChoice
 from specrun.sessions.tuning import TuneResult
 from specrun.registry.loading import LoadOptions, prompts_as_chat
 from specrun.sessions.kernels import open_settled_pair
@@ -167,7 +168,7 @@ def run_bench(config: BenchConfig, prompts: Sequence[BenchPrompt], progress: Pro
         variants = config.variants()
         min_prob = resolve_min_prob(config.draft_min_prob, tuned)
         # auto's heads where they pay by the stored costs, as generate's (its own entry where it has no draft)
-        stored = tuned if tuned is not None or not config.use_tuned else generation.load_target_entry(
+        stored = tuned if tuned is not None or not config.use_tuned else setup.load_target_entry(
             target, config.load.threads)
         with_heads = comparison_heads(config.target, config.heads, target, config.methods, config.load.registry,
                                       stored, notes.append)
@@ -180,7 +181,7 @@ def run_bench(config: BenchConfig, prompts: Sequence[BenchPrompt], progress: Pro
             notes.append(f"auto drafts with a {window.describe()}")
             config = dataclasses.replace(config, lookahead=config.lookahead or window.sizes)
             # and its controllers start from the target's stored costs, as generate's do
-            tuned = generation.load_target_entry(target, config.load.threads)
+            tuned = setup.load_target_entry(target, config.load.threads)
         else:
             trees = default_trees_for(target, draft, tuned, config)
             if trees is not None:  # second guesses, as `specrun generate` would open them here
@@ -240,33 +241,35 @@ def run_bench(config: BenchConfig, prompts: Sequence[BenchPrompt], progress: Pro
 def auto_window_for(target: Backend, draft: Backend | None, config: BenchConfig) -> SizeChoice | None:
     """The lookahead window the ``auto`` line drafts with (a sizing choice), or None: as in
     `specrun generate`, without a draft model, unless --chain or --untuned, where the pass costs
-    earlier runs stored predict one pays (sessions/generation.auto_window)."""
-    from specrun.sessions.lookahead_sizing import fitting, stored_costs
+    earlier runs stored predict one pays (sessions/setup.auto_window)."""
+    from specrun.control.forecasts import fitting
+    from specrun.sessions.lookahead_sizing import stored_costs
 
     if draft is not None or config.trees.chain or not config.use_tuned or "auto" not in config.methods:
         return None
-    costs = stored_costs(generation.load_target_entry(target, config.load.threads))
-    return generation.auto_window("auto", target, costs, fitting(config.trees.nodes, target.tree_support.max_paths))
+    costs = stored_costs(setup.load_target_entry(target, config.load.threads))
+    return setup.auto_window("auto", target, costs, fitting(config.trees.nodes, target.tree_support.max_paths))
 
 
 def default_trees_for(target: Backend, draft: Backend | None, tuned: TuneResult | None,
                       config: BenchConfig) -> TreeChoice | None:
     """Token trees the lines draft where none were asked, as `specrun generate` opens them
-    (sessions/generation.default_trees: where the stored pass costs predict they pay), or
+    (sessions/setup.default_trees: where the stored pass costs predict they pay), or
     None; never --untuned (no stored costs are read)."""
     if not config.use_tuned:
         return None
     method = next((m for m in config.methods if m != "none" and not uses_lookahead(m)), "none")
-    stored = tuned if draft is not None else generation.load_target_entry(target, config.load.threads)
-    return generation.default_trees(method, target, stored, config.trees)
+    stored = tuned if draft is not None else setup.load_target_entry(target, config.load.threads)
+    return setup.default_trees(method, target, stored, config.trees)
 
 
 def chosen_window(target: Backend, config: BenchConfig, prompt_ids: list[int]) -> LookaheadSizes:
     """Lookahead's sizes as `specrun generate` chooses them for this target: from the pass costs
     earlier runs stored (unless --untuned), else from a probe of a few passes after the start
     of ``prompt_ids``; within the tree nodes the target was opened for."""
-    from specrun.sessions.generation import choose_window, load_target_entry
-    from specrun.sessions.lookahead_sizing import fitting, stored_costs
+    from specrun.control.forecasts import fitting
+    from specrun.sessions.setup import choose_window, load_target_entry
+    from specrun.sessions.lookahead_sizing import stored_costs
 
     stored = load_target_entry(target, config.load.threads) if config.use_tuned else None
     costs = stored_costs(stored)

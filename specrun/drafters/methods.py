@@ -17,16 +17,14 @@ from specrun.backends.base import Backend
 from specrun.drafters.base import Drafter
 from specrun.drafters.chain import ChainDrafter
 from specrun.drafters.draft_model import DraftModelDrafter
-from specrun.drafters.heads.eagle import EagleDrafter
-from specrun.drafters.heads.base import MedusaDrafter
-from specrun.drafters.heads.hydra import HydraDrafter
+from specrun.drafters.heads import DRAFTERS
 from specrun.drafters.lookahead import LookaheadDrafter, LookaheadSizes
 from specrun.drafters.lookup import PromptLookupDrafter
 from specrun.drafters.ngram import NgramPoolDrafter
 from specrun.errors import UsageError
 from specrun.heads.eagle import EagleHeads
-from specrun.heads.eagle3 import Eagle3Heads
-from specrun.heads.files import DRAFTING_KINDS, MedusaHeads
+from specrun.heads.kinds import HEAD_METHODS, kinds_of_method
+from specrun.heads.medusa import MedusaHeads
 from specrun.heads.hydra import HydraHeads
 
 METHODS = (
@@ -39,16 +37,14 @@ METHODS = (
     "ngram+draft",
     "lookup+ngram+draft",
     "lookup+ngram",
-    "medusa",
-    "hydra",
-    "eagle",
+    *HEAD_METHODS,
     "lookahead",
 )
 
 # The drafters a chain is made of, in the order a chain asks them: cheapest first. Besides the
 # methods named above, --method takes any of them joined by "+" in this order, with one kind of
 # heads at most: lookup+medusa, lookup+ngram+eagle+draft, lookup+lookahead, …
-PARTS = ("lookup", "ngram", "lookahead", "medusa", "hydra", "eagle", "draft")
+PARTS = ("lookup", "ngram", "lookahead", *HEAD_METHODS, "draft")
 
 
 @dataclass(frozen=True)
@@ -75,19 +71,14 @@ class DrafterOptions:
     auto_heads: str | None = None
     lookahead: LookaheadSizes | None = None  # the lookahead window and pool (None: the defaults)
     # auto drafts with a lookahead window too (of ``lookahead``'s sizes): where the target's
-    # measured pass costs predict it pays (sessions/lookahead_sizing.py)
+    # measured pass costs predict it pays (control/forecasts.py)
     auto_lookahead: bool = False
-
-
-# The heads auto drafts with where the target has several kinds: as the literature ranks them
-# (Spec-Bench: EAGLE-2 and EAGLE ahead of Hydra, Hydra ahead of Medusa).
-AUTO_HEADS_ORDER = ("eagle", "hydra", "medusa")
 
 
 def resolve_method(method: str, has_draft: bool = True, lookahead: bool = False, heads: str | None = None) -> str:
     """``auto`` is the full chain (without a draft model when there is none; with a lookahead
     window after the cheap drafters where ``lookahead``; with the target's own ``heads``, a
-    kind of DRAFTING_KINDS, before the draft model where it has some); the engine then adapts
+    method of heads.kinds.HEAD_METHODS, before the draft model where it has some); the engine then adapts
     draft lengths and gates speculation, each drafter's on its own."""
     if method == "auto":
         parts = ["lookup", "ngram", "lookahead" if lookahead else "", heads or "", "draft" if has_draft else ""]
@@ -105,12 +96,12 @@ def needs_draft_model(method: str) -> bool:
 
 def heads_kind(method: str) -> str | None:
     """The kind of heads ``method`` drafts with ("medusa", "hydra" or "eagle"), None for none."""
-    return next((part for part in resolve_method(method).split("+") if part in DRAFTING_KINDS), None)
+    return next((part for part in resolve_method(method).split("+") if part in HEAD_METHODS), None)
 
 
 def heads_of_kind(heads, kind: str):
     """Of ``heads`` (one heads object, a tuple of them, or None), those of ``kind``; None if none."""
-    wanted = {"medusa": MedusaHeads, "hydra": HydraHeads, "eagle": (EagleHeads, Eagle3Heads)}[kind]
+    wanted = tuple(each.arrays for each in kinds_of_method(kind))
     candidates = heads if isinstance(heads, tuple) else (heads,)
     return next((each for each in candidates if isinstance(each, wanted)), None)
 
@@ -137,7 +128,7 @@ def check_method(method: str) -> None:
                          f"use one of: {', '.join(METHODS)}; or drafters of {', '.join(PARTS)} joined by +")
     if len(set(parts)) != len(parts):
         raise UsageError(f"method {method!r} names a drafter twice", "name each drafter once")
-    kinds = [part for part in parts if part in DRAFTING_KINDS]
+    kinds = [part for part in parts if part in HEAD_METHODS]
     if len(kinds) > 1:
         raise UsageError(f"method {method!r} drafts with {kinds[0]} and {kinds[1]} heads; a chain takes one kind",
                          f"keep one of {', '.join(kinds)}")
@@ -182,12 +173,8 @@ def _build_one(part: str, draft: Backend | None, options: DrafterOptions) -> Dra
         if options.ngram_cache is None:
             return NgramPoolDrafter(vocabulary=options.vocabulary, branches=options.branches)
         return NgramPoolDrafter.open(options.ngram_cache, vocabulary=options.vocabulary, branches=options.branches)
-    if part == "medusa":
-        return MedusaDrafter(heads_of_kind(options.heads, "medusa"), branches=options.branches)
-    if part == "hydra":
-        return HydraDrafter(heads_of_kind(options.heads, "hydra"), branches=options.branches)
-    if part == "eagle":
-        return EagleDrafter(heads_of_kind(options.heads, "eagle"), branches=options.branches)
+    if part in HEAD_METHODS:
+        return DRAFTERS[part](heads_of_kind(options.heads, part), branches=options.branches)
     if part == "lookahead":
         return LookaheadDrafter(options.lookahead)
     return DraftModelDrafter(draft, min_prob=options.draft_min_prob, branches=options.branches)

@@ -23,13 +23,13 @@ features for a recent stretch of the context, not all of it.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from dataclasses import dataclass
 
 import numpy as np
 
-from specrun.heads.files import HeadsConfig
+from specrun.heads.config import HeadsConfig
+from specrun.heads.layers import EmbeddingRows, rms_norm, rope, silu, softmax
 
 # The arrays of an EagleHeads, in a fixed order (the trainer's parameters, the file's tensors).
 PARAMETER_NAMES = (
@@ -59,23 +59,6 @@ class EagleLayout:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
-
-
-class EmbeddingRows:
-    """For heads with an embedding over a draft vocabulary and one shared last row (EagleHeads,
-    HydraHeads: ``config`` and ``d2t``), the row each target id reads."""
-
-    def draft_ids(self, token_ids: np.ndarray) -> np.ndarray:
-        """The embedding row of each target id: its draft id, or the last row for any other (ids
-        past the heads' vocabulary too: a target's padded rows)."""
-        ids = np.asarray(token_ids, dtype=np.int64)
-        rows = self._rows_of_target_ids
-        return np.where(ids < len(rows), rows[np.minimum(ids, len(rows) - 1)], self.config.draft_vocab_size)
-
-    @functools.cached_property
-    def _rows_of_target_ids(self) -> np.ndarray:
-        """draft_id_map, built once (a vocabulary-sized array: drafting asks for it every step)."""
-        return draft_id_map(self.config, self.d2t)
 
 
 @dataclass(frozen=True)
@@ -144,7 +127,6 @@ class EagleHeads(EmbeddingRows):
         return out @ self.lm_head.T
 
 
-
 def eagle_shapes(config: HeadsConfig, layout: EagleLayout) -> dict[str, tuple[int, ...]]:
     size, inner, width = config.hidden_size, layout.intermediate_size, layout.num_attention_heads * layout.head_dim
     draft = config.draft_vocab_size
@@ -156,41 +138,8 @@ def eagle_shapes(config: HeadsConfig, layout: EagleLayout) -> dict[str, tuple[in
     }
 
 
-def draft_id_map(config: HeadsConfig, d2t: np.ndarray | None) -> np.ndarray:
-    """(V,) each target id's embedding row: its draft id, or Vd (the shared row) outside the draft
-    vocabulary."""
-    if d2t is None:
-        return np.arange(config.vocab_size, dtype=np.int64)
-    rows = np.full(config.vocab_size, config.draft_vocab_size, np.int64)
-    rows[d2t] = np.arange(len(d2t))
-    return rows
-
-
 # ---------------------------------------------------------------------------------------------
-# The layer's math (NumPy, in the arrays' own dtype: float32 drafting, float64 in gradient tests;
-# constants are Python floats, since a NumPy float64 scalar would turn float32 arrays float64)
-
-
-def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
-    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * weight
-
-
-def rope(x: np.ndarray, positions: np.ndarray, theta: float, inverse: bool = False) -> np.ndarray:
-    """Rotary embedding of ``x`` (N, nh, hd) at ``positions`` (N,), the halves rotated together
-    (Llama's layout); ``inverse`` rotates back (the transpose, for gradients)."""
-    half = x.shape[-1] // 2
-    frequencies = theta ** (-np.arange(half, dtype=np.float64) / half)  # (hd/2,)
-    angles = np.asarray(positions, np.float64)[:, None] * frequencies  # (N, hd/2)
-    cos = np.cos(angles).astype(x.dtype)[:, None, :]
-    sin = np.sin(angles).astype(x.dtype)[:, None, :]
-    if inverse:
-        sin = -sin
-    first, second = x[..., :half], x[..., half:]
-    return np.concatenate([first * cos - second * sin, first * sin + second * cos], axis=-1)
-
-
-def silu(z: np.ndarray) -> np.ndarray:
-    return z * (0.5 * (1.0 + np.tanh(0.5 * z)))
+# The layer's math (its shared pieces, rms_norm, rope, silu and softmax, in heads/layers.py)
 
 
 def fuse(heads: EagleHeads, features: np.ndarray, rows: np.ndarray) -> np.ndarray:
@@ -215,7 +164,7 @@ def layer(
     all_keys = np.concatenate([past_keys, keys])  # (C + N, nh, hd)
     all_values = np.concatenate([past_values, values])
     scores = np.einsum("nhd,mhd->hnm", queries, all_keys) / math.sqrt(heads.layout.head_dim)  # (nh, N, C + N)
-    weights = _softmax(np.where(attend[None], scores, -np.inf))
+    weights = softmax(np.where(attend[None], scores, -np.inf))
     attended = np.einsum("hnm,mhd->nhd", weights, all_values)
     return _finish(heads, fused, attended), keys, values
 
@@ -275,7 +224,7 @@ def _chain_step(heads, fused, positions, real_keys, real_values, context_reads, 
     reads = context_reads & (np.arange(count)[:, None] - np.arange(count)[None, :] < layout.window - steps)
     real_scores = np.einsum("nhd,mhd->hnm", queries, real_keys) * scale  # (nh, N, N)
     own_scores = np.einsum("nhd,nshd->hns", queries, own_keys) * scale  # (nh, N, s)
-    weights = _softmax(np.concatenate([np.where(reads[None], real_scores, -np.inf), own_scores], axis=-1))
+    weights = softmax(np.concatenate([np.where(reads[None], real_scores, -np.inf), own_scores], axis=-1))
     attended = (np.einsum("hnm,mhd->nhd", weights[..., :count], real_values)
                 + np.einsum("hns,nshd->nhd", weights[..., count:], own_values))
     return _finish(heads, fused, attended), keys, values
@@ -289,12 +238,6 @@ def _project(heads: EagleHeads, fused: np.ndarray, positions: np.ndarray):
     queries = rope((x @ heads.q_proj.T).reshape(shape), positions, layout.rope_theta)
     keys = rope((x @ heads.k_proj.T).reshape(shape), positions, layout.rope_theta)
     return queries, keys, (x @ heads.v_proj.T).reshape(shape)
-
-
-def _softmax(scores: np.ndarray) -> np.ndarray:
-    scores = scores - scores.max(axis=-1, keepdims=True)
-    weights = np.exp(scores)
-    return weights / weights.sum(axis=-1, keepdims=True)
 
 
 def _finish(heads: EagleHeads, fused: np.ndarray, attended: np.ndarray) -> np.ndarray:

@@ -27,8 +27,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from specrun.heads.eagle import rms_norm, silu
-from specrun.heads.files import HeadsConfig
+from specrun.heads.config import HeadsConfig
+from specrun.heads.layers import rms_norm, silu
 
 # The positions back a drafter's context entries reach. EAGLE-3 attends to the whole context; a
 # drafter keeps this many (features of more are rarely kept by the target, and an older position

@@ -32,106 +32,20 @@ import math
 import os
 import re
 import stat
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from specrun.errors import ModelFileError
 from specrun.fileio import MiB, json_problem, read_limited, write_atomically
+from specrun.heads.config import HeadsConfig
+from specrun.heads.eagle import PARAMETER_NAMES, EagleHeads, EagleLayout, eagle_shapes
+from specrun.heads.eagle3 import Eagle3Heads, check_rope_scaling
+from specrun.heads.hydra import HydraHeads, hydra_shapes
+from specrun.heads.kinds import FILE_KINDS, kind_of
+from specrun.heads.medusa import MedusaHeads
 
-if TYPE_CHECKING:
-    from specrun.heads.eagle import EagleHeads
-    from specrun.heads.eagle3 import Eagle3Heads
-    from specrun.heads.hydra import HydraHeads
-
-HEAD_KINDS = ("medusa", "hydra", "eagle")
-DRAFTING_KINDS = ("medusa", "hydra", "eagle")  # the heads specrun drafts with: its head methods, named alike
-
-
-@dataclass(frozen=True)
-class HeadsConfig:
-    """What a heads file says it is and which target it was made for.
-
-    kind: one of HEAD_KINDS. num_heads: positions drafted per target pass (Medusa's and Hydra's
-    heads; EAGLE: the depth it was trained to). num_layers: residual blocks per Medusa head
-    (Hydra: layers per head, its first reading the drafted tokens too; EAGLE: decoder layers). hidden_size, vocab_size: the target's. draft_vocab_size: rows of the
-    projection (vocab_size when there is no draft vocabulary). target: what the target was,
-    as far as it is known: ``name``, ``vocabulary`` (specrun.drafters.ngram.vocabulary_fingerprint,
-    "" when unknown), ``num_layers`` (0 when unknown). training: what the trainer recorded
-    (steps, loss, held-out acceptance), free-form; empty for published heads.
-    """
-
-    kind: str
-    num_heads: int
-    num_layers: int
-    hidden_size: int
-    vocab_size: int
-    draft_vocab_size: int
-    target_name: str = ""
-    target_vocabulary: str = ""
-    target_layers: int = 0
-    training: dict = field(default_factory=dict, hash=False)
-
-
-def held_out_acceptance(config: HeadsConfig) -> tuple[float, ...] | None:
-    """Each depth's acceptance given the depths before it accepted, as `specrun heads train`
-    measured it on held-out text (its report's ``chain_accuracy``); None where the file carries
-    no such report (published heads) or a malformed one."""
-    report = config.training.get("held_out") if isinstance(config.training, dict) else None
-    values = report.get("chain_accuracy") if isinstance(report, dict) else None
-    if not isinstance(values, list) or not values or len(values) > config.num_heads:
-        return None
-    if not all(isinstance(value, (int, float)) and not isinstance(value, bool) and 0.0 <= value <= 1.0
-               for value in values):
-        return None
-    return tuple(float(value) for value in values)
-
-
-@dataclass(frozen=True)
-class MedusaHeads:
-    """Medusa heads as NumPy arrays (float32).
-
-    blocks[i][j]: (weight (H, H), bias (H,)) of head i's residual block j.
-    lm_heads[i]: (Vd, H) head i's projection over the draft vocabulary (heads may share one).
-    d2t: (Vd,) int64, the target id of each draft id; None when Vd is the target's vocabulary.
-    """
-
-    config: HeadsConfig
-    blocks: tuple[tuple[tuple[np.ndarray, np.ndarray], ...], ...]
-    lm_heads: tuple[np.ndarray, ...]
-    d2t: np.ndarray | None = None
-
-    @property
-    def depth_bytes(self) -> float:
-        """Bytes of weights drafting one depth reads, on average over the heads (each its blocks
-        and its projection)."""
-        per_head = [sum(w.nbytes + b.nbytes for w, b in blocks) + projection.nbytes
-                    for blocks, projection in zip(self.blocks, self.lm_heads)]
-        return sum(per_head) / len(per_head)
-
-
-def default_aux_layer_ids(num_layers: int) -> tuple[int, ...]:
-    """The target layers (0-based outputs) an EAGLE-3 head reads when its file names none.
-
-    SGLang captures the residual stream entering layers 2, N // 2 and N - 3
-    (models/llama.py, ``set_eagle3_layers_to_capture``); SpecForge's trainer picks the same
-    outputs (``resolve_eagle_capture_layers``: 1, N // 2 - 1, N - 4).
-    """
-    return (1, num_layers // 2 - 1, num_layers - 4)
-
-
-def training_layer_ids(num_layers: int) -> tuple[int, ...]:
-    """The target layers `specrun heads train --kind eagle3` reads: SGLang's three where they are
-    distinct and llama.cpp gives them all (it cannot give the last layer's output), else three (or
-    as many as there are) spread evenly over the layers it gives, from the second on."""
-    readable = max(num_layers - 1, 1)
-    ids = default_aux_layer_ids(num_layers)
-    if len(set(ids)) == len(ids) and 0 <= min(ids) and max(ids) < readable:
-        return ids
-    spread = np.linspace(min(1, readable - 1), readable - 1, 3)
-    return tuple(sorted({int(round(value)) for value in spread}))
 
 
 HEADS_FORMAT = "specrun-heads"
@@ -177,6 +91,33 @@ def _refuse(path: Path, problem: str, fix: str = _AGAIN) -> ModelFileError:
 # specrun's own format
 
 
+def _medusa_tensors(heads: MedusaHeads, path: Path) -> tuple[dict[str, np.ndarray], None]:
+    config = heads.config
+    if not len(heads.blocks) == len(heads.lm_heads) == config.num_heads:
+        raise ValueError("save_heads writes medusa heads whose config counts their blocks and projections")
+    tensors = {}
+    for i, blocks in enumerate(heads.blocks):
+        for j, (weight, bias) in enumerate(blocks):
+            tensors[f"heads.{i}.blocks.{j}.weight"] = _half(weight, path)
+            tensors[f"heads.{i}.blocks.{j}.bias"] = _half(bias, path)
+    if all(projection is heads.lm_heads[0] for projection in heads.lm_heads):
+        tensors["lm_head.weight"] = _half(heads.lm_heads[0], path)
+    else:
+        for i, projection in enumerate(heads.lm_heads):
+            tensors[f"heads.{i}.lm_head.weight"] = _half(projection, path)
+    return tensors, None
+
+
+def _hydra_tensors(heads: HydraHeads, path: Path) -> tuple[dict[str, np.ndarray], dict]:
+    tensors = {f"hydra.{name}": _half(array, path) for name, array in heads.arrays().items()}
+    return tensors, {"embedding_size": heads.embedding_size}
+
+
+def _eagle_tensors(heads: EagleHeads, path: Path) -> tuple[dict[str, np.ndarray], dict]:
+    tensors = {name: _half(array, path) for name, array in zip(EAGLE_TENSORS, heads.arrays())}
+    return tensors, heads.layout.to_dict()
+
+
 def save_heads(heads: MedusaHeads | EagleHeads | HydraHeads | Eagle3Heads, path: Path,
                metadata: dict | None = None) -> None:
     """Write ``heads`` to ``path`` (a .safetensors file) and its config to ``path.with_suffix(".json")``;
@@ -191,37 +132,15 @@ def save_heads(heads: MedusaHeads | EagleHeads | HydraHeads | Eagle3Heads, path:
     """
     from safetensors.numpy import save
 
-    from specrun.heads.eagle import EagleHeads
-    from specrun.heads.eagle3 import Eagle3Heads
-    from specrun.heads.hydra import HydraHeads
-
     path = Path(path)
-    if isinstance(heads, Eagle3Heads):
-        save_eagle3(heads, path, metadata)
+    kind = kind_of(heads)
+    if kind.stored == "folder":
+        FOLDER_WRITERS[kind.name](heads, path, metadata)
         return
     if path.suffix != ".safetensors":
         raise ValueError(f"heads are saved to a .safetensors path, got {path}")
     config = heads.config
-    tensors: dict[str, np.ndarray] = {}
-    if isinstance(heads, EagleHeads):
-        for name, array in zip(EAGLE_TENSORS, heads.arrays()):
-            tensors[name] = _half(array, path)
-    elif isinstance(heads, HydraHeads):
-        for name, array in heads.arrays().items():
-            tensors[f"hydra.{name}"] = _half(array, path)
-    elif config.kind == "medusa" and len(heads.blocks) == len(heads.lm_heads) == config.num_heads:
-        for i, blocks in enumerate(heads.blocks):
-            for j, (weight, bias) in enumerate(blocks):
-                tensors[f"heads.{i}.blocks.{j}.weight"] = _half(weight, path)
-                tensors[f"heads.{i}.blocks.{j}.bias"] = _half(bias, path)
-        if all(projection is heads.lm_heads[0] for projection in heads.lm_heads):
-            tensors["lm_head.weight"] = _half(heads.lm_heads[0], path)
-        else:
-            for i, projection in enumerate(heads.lm_heads):
-                tensors[f"heads.{i}.lm_head.weight"] = _half(projection, path)
-    else:
-        raise ValueError("save_heads writes eagle or hydra heads, or medusa heads whose config counts their "
-                         "blocks and projections")
+    tensors, layout = TENSOR_WRITERS[kind_of(heads).name](heads, path)
     if heads.d2t is not None:
         tensors["d2t"] = np.ascontiguousarray(heads.d2t, dtype=np.int64)
     payload = save(tensors, metadata={"format": HEADS_FORMAT})
@@ -242,10 +161,8 @@ def save_heads(heads: MedusaHeads | EagleHeads | HydraHeads | Eagle3Heads, path:
         "training": dict(config.training if metadata is None else metadata),
         "tensors_sha256": hashlib.sha256(payload).hexdigest(),
     }
-    if isinstance(heads, EagleHeads):
-        document["layout"] = heads.layout.to_dict()
-    elif isinstance(heads, HydraHeads):
-        document["layout"] = {"embedding_size": heads.embedding_size}
+    if layout is not None:
+        document["layout"] = layout
     # Serialised before anything is written, so metadata JSON cannot hold fails with no file touched.
     text = json.dumps(document, indent=2, allow_nan=False) + "\n"
     write_atomically(path, payload, "heads file", error=ModelFileError)
@@ -337,10 +254,10 @@ def _load_specrun(tensors_path: Path) -> MedusaHeads | EagleHeads | HydraHeads:
     if stored.sha256() != checksum:
         problem = f"does not match {config_path.name} (a torn save, or one of them was changed)"
         raise _refuse(tensors_path, problem, "save the heads again")
-    if config.kind == "eagle":
-        return _load_specrun_eagle(stored, config, _eagle_layout(settings, config_path), config_path)
-    if config.kind == "hydra":
-        return _load_specrun_hydra(stored, config, settings["layout"], config_path)
+    return TENSOR_READERS[config.kind](stored, config, settings, config_path)
+
+
+def _load_specrun_medusa(stored: _TensorsFile, config: HeadsConfig, settings: dict, config_path: Path) -> MedusaHeads:
     shared = "lm_head.weight" in stored.tensors
     projections = ["lm_head.weight"] if shared else [f"heads.{i}.lm_head.weight" for i in range(config.num_heads)]
     _check_hidden_size(stored, projections[0], config.hidden_size, config_path)
@@ -366,8 +283,8 @@ def _specrun_config(settings: dict, path: Path) -> tuple[HeadsConfig, str]:
             "upgrade specrun, or save the heads again with this one",
         )
     kind = settings.get("kind")
-    if kind not in HEAD_KINDS:
-        raise _refuse(path, f"holds heads of kind {kind!r}; specrun's own heads files hold {', '.join(HEAD_KINDS)} heads")
+    if kind not in FILE_KINDS:
+        raise _refuse(path, f"holds heads of kind {kind!r}; specrun's own heads files hold {', '.join(FILE_KINDS)} heads")
     expected = _SPECRUN_KEYS | {"layout"} if kind in _WITH_LAYOUT else _SPECRUN_KEYS
     unknown, missing = sorted(set(settings) - expected), sorted(expected - set(settings))
     if unknown or missing:
@@ -401,8 +318,6 @@ def _specrun_config(settings: dict, path: Path) -> tuple[HeadsConfig, str]:
 
 def _eagle_layout(settings: dict, path: Path):
     """The EagleLayout an eagle heads config gives, each count checked."""
-    from specrun.heads.eagle import EagleLayout
-
     layout = settings["layout"]
     if not isinstance(layout, dict) or set(layout) != _LAYOUT_KEYS:
         raise _refuse(path, f"has a malformed layout (expected the keys {', '.join(sorted(_LAYOUT_KEYS))})")
@@ -419,9 +334,8 @@ def _eagle_layout(settings: dict, path: Path):
     )
 
 
-def _load_specrun_eagle(stored: _TensorsFile, config: HeadsConfig, layout, config_path: Path):
-    from specrun.heads.eagle import PARAMETER_NAMES, EagleHeads, eagle_shapes
-
+def _load_specrun_eagle(stored: _TensorsFile, config: HeadsConfig, settings: dict, config_path: Path) -> EagleHeads:
+    layout = _eagle_layout(settings, config_path)
     if config.num_layers != 1:
         raise _refuse(config_path, f"says num_layers is {config.num_layers}; specrun's EAGLE heads have one layer")
     _check_hidden_size(stored, "eagle.fc_bias", config.hidden_size, config_path)
@@ -432,9 +346,8 @@ def _load_specrun_eagle(stored: _TensorsFile, config: HeadsConfig, layout, confi
     return EagleHeads(config, layout, d2t=d2t, **arrays)
 
 
-def _load_specrun_hydra(stored: _TensorsFile, config: HeadsConfig, layout: object, config_path: Path):
-    from specrun.heads.hydra import HydraHeads, hydra_shapes
-
+def _load_specrun_hydra(stored: _TensorsFile, config: HeadsConfig, settings: dict, config_path: Path) -> HydraHeads:
+    layout = settings["layout"]
     if not isinstance(layout, dict) or set(layout) != _HYDRA_LAYOUT_KEYS:
         raise _refuse(config_path, "has a malformed layout (expected the key embedding_size)")
     embedding_size = _count(layout, "embedding_size", config_path, 1, MAX_HIDDEN_SIZE)
@@ -535,7 +448,6 @@ EAGLE3_ARCHITECTURE = "LlamaForCausalLMEagle3"
 
 def _load_eagle3(folder: Path) -> Eagle3Heads:
     """An EAGLE-3 draft folder (config.json, model.safetensors) as SpecForge exports it for SGLang."""
-    from specrun.heads.eagle3 import Eagle3Heads, check_rope_scaling
 
     config_path, tensors_path = folder / "config.json", folder / "model.safetensors"
     settings = _read_json(config_path)
@@ -987,3 +899,11 @@ def _regular_file_size(path: Path) -> int:
     if not stat.S_ISREG(info.st_mode):
         raise _refuse(path, "is not a regular file", "name the heads file itself")
     return info.st_size
+
+
+# Every kind's reader and writer (heads.kinds.KINDS): specrun's own files by the tensors of each
+# kind in them, published folders whole.
+TENSOR_WRITERS = {"medusa": _medusa_tensors, "hydra": _hydra_tensors, "eagle": _eagle_tensors}
+TENSOR_READERS = {"medusa": _load_specrun_medusa, "hydra": _load_specrun_hydra, "eagle": _load_specrun_eagle}
+FOLDER_WRITERS = {"eagle3": save_eagle3}
+FOLDER_READERS = {"eagle3": _load_eagle3}

@@ -30,8 +30,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from specrun.heads.eagle import EmbeddingRows, silu
-from specrun.heads.files import HeadsConfig
+from specrun.heads.config import HeadsConfig
+from specrun.heads.layers import EmbeddingRows, silu
 
 DEFAULT_EMBEDDING_SIZE = 64
 

@@ -7,20 +7,17 @@ import re
 from pathlib import Path
 
 from specrun.errors import SpecrunError, UsageError
-from specrun.heads.files import DRAFTING_KINDS
+from specrun.heads.kinds import BY_NAME, HEAD_METHODS, kinds_of_method
 from specrun.registry.catalog import ModelEntry, load_registry
 
 HEADS_SUFFIX = ".safetensors"
 
 
-# What each head method's heads are stored as: EAGLE-3 heads (a folder as SpecForge exports them,
-# written by `specrun heads train --kind eagle3`) serve the eagle method too, found before EAGLE-1's.
-STORED_KINDS = {"medusa": ("medusa",), "hydra": ("hydra",), "eagle": ("eagle3", "eagle")}
-
 
 def _stored_name(kind: str) -> str:
-    """A stored kind's file name ending: a folder for EAGLE-3, a .safetensors file (beside its .json) else."""
-    return kind if kind == "eagle3" else f"{kind}{HEADS_SUFFIX}"
+    """A kind's file name ending: the kind's name for a folder (EAGLE-3's), a .safetensors file
+    (beside its .json) else."""
+    return kind if BY_NAME[kind].stored == "folder" else f"{kind}{HEADS_SUFFIX}"
 
 
 def heads_cache_path(target_spec: str, kind: str) -> Path:
@@ -54,7 +51,7 @@ def heads_candidates(target_spec: str, kind: str, entries: dict[str, ModelEntry]
     local = [Path(target_spec).expanduser()] if entry is None else [
         Path(path).expanduser() for path in (entry.gguf_path, entry.mlx_path) if path
     ]
-    stored = STORED_KINDS.get(kind, (kind,))
+    stored = [each.name for each in kinds_of_method(kind)]  # EAGLE-3's folder before EAGLE-1's file
     for path in local:
         for each in stored:
             if path.is_dir():
@@ -109,7 +106,7 @@ def head_kinds_available(target_spec: str, explicit: str | None = None, registry
     """The head methods ``target_spec`` can draft with: the kind of the ``explicit`` file (--heads)
     and every other kind found where find_heads looks."""
     given = explicit_heads_kind(explicit) if explicit is not None else None
-    return tuple(kind for kind in DRAFTING_KINDS if kind == given or heads_available(target_spec, kind, registry))
+    return tuple(kind for kind in HEAD_METHODS if kind == given or heads_available(target_spec, kind, registry))
 
 
 def explicit_heads_kind(explicit: str) -> str | None:

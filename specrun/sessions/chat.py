@@ -32,12 +32,22 @@ from pathlib import Path
 
 from specrun.backends.base import Backend
 from specrun.drafters.ngram import vocabulary_fingerprint
-from specrun.engine.loop import Finished, GenerationParams, GenerationResult, SpeculativeEngine, TextChunk
+from specrun.engine.events import Finished, GenerationResult, TextChunk
+from specrun.engine.loop import GenerationParams, SpeculativeEngine
 from specrun.errors import ContextFullError, UsageError
-from specrun.sessions.generation import (
-    TreeSettings, adapts_length, auto_window, check_trees_for, choose_window, default_trees, heads_for_auto,
-    load_target_entry, load_target_heads, load_tuned, paying_heads, remember_run, resolve_draft_len,
-    resolve_min_prob, with_auto_heads,
+from specrun.sessions.heads import heads_for_auto, load_target_heads, paying_heads, with_auto_heads
+from specrun.sessions.setup import (
+    TreeSettings,
+    adapts_length,
+    auto_window,
+    check_trees_for,
+    choose_window,
+    default_trees,
+    load_target_entry,
+    load_tuned,
+    remember_run,
+    resolve_draft_len,
+    resolve_min_prob,
 )
 from specrun.backends.kv import common_prefix_len, sequence_for
 from specrun.drafters.lookahead import LookaheadSizes
@@ -140,7 +150,7 @@ class ChatSession:
     ``kind``; ``kind=None``: the heads auto drafts with (None where the target has none).
     draft_len, draft_min_prob: the user's choices. draft_len None: lengths adapt, up to 16;
     draft_min_prob None: what ``specrun tune`` saved for this pair and machine (``tuned``),
-    else none (generation.resolve_*).
+    else none (setup.resolve_*).
     find_tuned: gives the tuned settings for a draft model loaded later by ``load_draft``.
     threads: the target's thread count, which keys what the session's runs learned (kept
     on close for the next session, as ``specrun generate`` keeps it).
@@ -194,7 +204,7 @@ class ChatSession:
 
     def _add_default_trees(self, method: str) -> None:
         """Token trees where none were asked and the stored pass costs predict they pay, as
-        `specrun generate` opens them (generation.default_trees), said in a note."""
+        `specrun generate` opens them (setup.default_trees), said in a note."""
         if self._drafter_options.branches or self._drafter_options.lookahead is not None:
             return
         stored = self._tuned if self.draft is not None else load_target_entry(self.target, self._threads)
@@ -210,7 +220,8 @@ class ChatSession:
         """The drafter of ``method``; a lookahead window's sizes, where none were given, chosen
         once from the target's pass costs (earlier runs', else probed on the system prompt)."""
         if uses_lookahead(method) and self._drafter_options.lookahead is None:
-            from specrun.sessions.lookahead_sizing import fitting, stored_costs
+            from specrun.control.forecasts import fitting
+            from specrun.sessions.lookahead_sizing import stored_costs
 
             stored = load_target_entry(self.target, self._threads)
             costs = stored_costs(stored)
@@ -221,11 +232,12 @@ class ChatSession:
 
     def _add_auto_window(self) -> None:
         """auto without a draft model drafts with a lookahead window too where earlier runs'
-        pass costs predict it pays, as `specrun generate` does (generation.auto_window); the
+        pass costs predict it pays, as `specrun generate` does (setup.auto_window); the
         target, if it verifies chains only, is re-created for the window before anything is fed.
         Weighed when the session opens: a later /method auto needs a draft model, and then
         drafts with none (as generate's auto with a draft model)."""
-        from specrun.sessions.lookahead_sizing import fitting, stored_costs
+        from specrun.control.forecasts import fitting
+        from specrun.sessions.lookahead_sizing import stored_costs
 
         costs = stored_costs(load_target_entry(self.target, self._threads))
         choice = auto_window("auto", self.target, costs, fitting(self._tree_nodes, self.target.tree_support.max_paths))

@@ -15,7 +15,8 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from specrun.backends.base import Backend
-from specrun.engine.loop import GenerationParams, GenerationResult, SpeculativeEngine
+from specrun.engine.events import GenerationResult
+from specrun.engine.loop import GenerationParams, SpeculativeEngine
 from specrun.drafters.methods import DrafterOptions, build_drafter, is_adaptive
 from specrun.sessions.divergence import Mismatch, find_mismatch
 

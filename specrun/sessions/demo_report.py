@@ -10,9 +10,8 @@ from rich.table import Table
 from specrun.sessions.compare import Comparison, Variant, compare_variants, native_line
 from specrun.sessions.divergence import NEAR_TIE_NOTE, Mismatch, difference_line
 from specrun.engine.loop import GenerationParams
-from specrun.sessions.generation import (
-    adapts_length, comparison_heads, load_target_entry, load_tuned, resolve_draft_len,
-)
+from specrun.sessions.heads import comparison_heads
+from specrun.sessions.setup import adapts_length, load_target_entry, load_tuned, resolve_draft_len
 from specrun.registry.loading import LoadOptions
 from specrun.sessions.kernels import open_settled_pair
 from specrun.drafters.methods import needs_draft_model

@@ -6,7 +6,7 @@ the token at p + 1, and is scored twice: its predicted feature against the targe
 (smooth L1, weight 1) and its projection against the target's next token after p + 1
 (cross-entropy, weight ``CE_WEIGHT``). Gradients are written out by hand (the backward pass of
 each piece of ``heads.eagle.layer``; tests check them against finite differences) and
-applied with AdamW, as training/medusa.py does for Medusa.
+applied with AdamW, as training/optimizer.py's NamedAdamW does.
 """
 
 from __future__ import annotations
@@ -17,18 +17,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from specrun.heads.eagle import (
-    PARAMETER_NAMES,
-    EagleHeads,
-    EagleLayout,
-    causal_window,
-    chain_guesses,
-    draft_id_map,
-    eagle_shapes,
-    rope,
-)
-from specrun.heads.files import HeadsConfig
-from specrun.training.medusa import NamedAdamW
+from specrun.heads.eagle import PARAMETER_NAMES, EagleHeads, EagleLayout, causal_window, chain_guesses, eagle_shapes
+from specrun.heads.layers import draft_id_map, rope
+from specrun.heads.config import HeadsConfig
+from specrun.training.optimizer import NamedAdamW
 
 CE_WEIGHT = 0.1  # EAGLE's p_w: the feature regression leads, the token loss steers it
 REGRESSION_WEIGHT = 1.0

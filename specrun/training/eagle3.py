@@ -11,7 +11,7 @@ cross-entropy against the target's greedy token after p + 1 over the draft vocab
 SpecForge freezes it: the heads are as wide as the target and their file holds none (the drafter
 reads the target's rows). Gradients are written out by hand, each step's backward pass in reverse
 order so that the keys and values a later step read have their gradients before their own step's
-(tests check them against finite differences), and applied with AdamW (training.medusa.NamedAdamW).
+(tests check them against finite differences), and applied with AdamW (training/optimizer.py).
 """
 
 from __future__ import annotations
@@ -22,11 +22,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from specrun.heads.eagle import rope
+from specrun.heads.layers import rope
 from specrun.heads.eagle3 import Eagle3Heads
-from specrun.heads.files import HeadsConfig
+from specrun.heads.config import HeadsConfig
 from specrun.training.eagle import EagleWindow
-from specrun.training.medusa import NamedAdamW
+from specrun.training.optimizer import NamedAdamW
 
 STEP_DECAY = 0.8  # SpecForge's weight of step k's loss: 0.8 ** k
 TRAINED_STEPS = 4  # the training-time test's depth (SpecForge's default is 7; each step costs a pass)

@@ -5,7 +5,7 @@ hidden state h_p and the real tokens at p + 1 .. p + 1 + i (on the target's own 
 the very drafts it would read while every head before it was right) and is scored by the
 cross-entropy of the target's greedy token after p + 1 + i, head i's loss weighted 0.8**i as
 Medusa's are. The gradients are written out by hand (``batch_loss``; tests check them against
-finite differences) and applied with AdamW, as training/medusa.py does for Medusa. The
+finite differences) and applied with AdamW, as training/optimizer.py's NamedAdamW does. The
 held-out report drafts chains as the drafter does, each head reading the drafts before it.
 """
 
@@ -15,8 +15,9 @@ import dataclasses
 import numpy as np
 
 from specrun.heads.hydra import DEFAULT_EMBEDDING_SIZE, HydraHeads, chain_guesses, hydra_shapes
-from specrun.heads.files import HeadsConfig
-from specrun.training.medusa import HEAD_LOSS_DECAY, NamedAdamW
+from specrun.heads.config import HeadsConfig
+from specrun.training.medusa import HEAD_LOSS_DECAY
+from specrun.training.optimizer import NamedAdamW
 
 
 def _sigmoid(z: np.ndarray) -> np.ndarray:

@@ -33,7 +33,8 @@ import numpy as np
 
 from specrun.errors import FileAccessError, SpecrunError, UsageError
 from specrun.fileio import check_writable_folder, write_atomically
-from specrun.heads.files import HeadsConfig
+from specrun.heads.config import HeadsConfig, training_layer_ids
+from specrun.heads.kinds import BY_NAME, TRAINABLE_KINDS, WINDOW_KINDS
 from specrun.training.data import (
     builtin_python_prompts,
     builtin_questions,
@@ -43,7 +44,6 @@ from specrun.training.data import (
     text_pieces,
 )
 
-TRAINABLE_KINDS = ("medusa", "hydra", "eagle", "eagle3")  # eagle3: heads for the eagle method, EAGLE-3's
 DATA_SHARE = 0.4  # of the budget, at most, for gathering data: generation is the slow part
 CHECKPOINT_SECONDS = 30.0
 MAX_MINUTES = 7 * 24 * 60  # --minutes: a week (inf ran for ever, whatever --max-steps said)
@@ -57,7 +57,6 @@ GENERATION_BATCH = 32  # prompts continued together (one left-padded batch)
 STATES_BATCH = 8  # text windows per hidden-state pass
 BATCH_POSITIONS = 128  # positions per training step (Medusa, Hydra)
 BATCH_WINDOWS = 4  # windows per training step (EAGLE)
-WINDOW_KINDS = ("eagle", "eagle3")  # trained on whole windows, reported on their own chains
 BUILTIN_PROMPTS = 2048
 LOSS_WINDOW = 20  # steps the reported loss is averaged over
 
@@ -192,7 +191,7 @@ def check_request(request: HeadsTrainRequest) -> None:
         raise UsageError(f"--threads must be between 1 and 1024, got {request.threads}", "pass a valid --threads")
     if request.out is not None:
         out = Path(request.out).expanduser()
-        if request.kind != "eagle3" and out.suffix != ".safetensors":
+        if BY_NAME[request.kind].stored == "file" and out.suffix != ".safetensors":
             raise UsageError(f"--heads-out {out} does not end in .safetensors: {request.kind} heads are a "
                              ".safetensors file (and a .json beside it)", "name a .safetensors file")
         if checkpoint_folder(out) == out:
@@ -271,7 +270,7 @@ def train_heads(
     texts = read_text_folder(request.text_dir) if request.text_dir is not None else None
     prompts = read_prompts_file(request.prompts_file) if request.prompts_file is not None else None
     out = Path(request.out).expanduser() if request.out is not None else default_heads_path(request.target, request.kind)
-    if request.kind == "eagle3":
+    if BY_NAME[request.kind].stored == "folder":
         check_eagle3_folder(out)
     else:
         check_heads_file(out)
@@ -287,40 +286,50 @@ def train_heads(
 
 
 def open_heads_target(request: HeadsTrainRequest):
-    """The target to gather data from and the trainer class, on the backend the target runs on
-    here (``choose_backend``: MLX on Apple Silicon, llama.cpp for a GGUF elsewhere, where MLX's
-    CPU build multiplies matrices ~10x slower than llama.cpp and NumPy; training/medusa.py)."""
+    """The target to gather data from (a ``specrun.backends.heads_target.HeadsTarget``) and the
+    trainer class of ``request.kind`` (``TRAINERS``), on the backend the target runs on here
+    (``choose_backend``: MLX on Apple Silicon, llama.cpp for a GGUF elsewhere, where MLX's CPU
+    build multiplies matrices ~10x slower than llama.cpp and NumPy; training/medusa.py)."""
     from specrun.registry.catalog import load_registry
     from specrun.registry.loading import choose_backend, resolve_gguf, resolve_mlx
 
     entries = load_registry(request.registry)
-    if choose_backend(request.backend, request.target, entries) == "llama":
-        from specrun.training.medusa import LlamaHeadsTarget, NumpyHeadsTrainer
+    backend = choose_backend(request.backend, request.target, entries)
+    if backend == "llama":
+        from specrun.backends.heads_llama import LlamaHeadsTarget
 
-        target, trainer_class = LlamaHeadsTarget(resolve_gguf(request.target, entries), request.threads), NumpyHeadsTrainer
+        target = LlamaHeadsTarget(resolve_gguf(request.target, entries), request.threads)
     else:
-        from specrun.backends.heads_mlx import HeadsTarget, HeadsTrainer
+        from specrun.backends.heads_mlx import MlxHeadsTarget
 
-        target, trainer_class = HeadsTarget(resolve_mlx(request.target, entries)), HeadsTrainer
-    if request.kind == "eagle":  # trained in NumPy whatever gives the states
-        from specrun.training.eagle import NumpyEagleTrainer
-
-        trainer_class = NumpyEagleTrainer
-    elif request.kind == "eagle3":  # NumPy too, on the outputs of three of the target's layers
-        from specrun.heads.files import training_layer_ids
-        from specrun.training.eagle3 import NumpyEagle3Trainer
-
+        target = MlxHeadsTarget(resolve_mlx(request.target, entries))
+    if BY_NAME[request.kind].reads == "layers":  # the outputs of three of the target's layers
         try:
             target.use_layers(training_layer_ids(target.num_layers))
         except BaseException:
             target.close()
             raise
-        trainer_class = NumpyEagle3Trainer
-    elif request.kind == "hydra":
-        from specrun.training.hydra import NumpyHydraTrainer
+    return target, trainer_class(request.kind, backend)
 
-        trainer_class = NumpyHydraTrainer
-    return target, trainer_class
+
+# The trainer of each trainable kind (heads.kinds.TRAINABLE_KINDS), as "module:class", imported
+# when asked for: every kind trains in NumPy, beside whichever backend gives the data; on MLX,
+# Medusa's trains in MLX itself (MLX_TRAINERS).
+TRAINERS = {
+    "medusa": "specrun.training.medusa:NumpyHeadsTrainer",
+    "hydra": "specrun.training.hydra:NumpyHydraTrainer",
+    "eagle": "specrun.training.eagle:NumpyEagleTrainer",
+    "eagle3": "specrun.training.eagle3:NumpyEagle3Trainer",
+}
+MLX_TRAINERS = {"medusa": "specrun.backends.heads_mlx:MlxHeadsTrainer"}
+
+
+def trainer_class(kind: str, backend: str) -> type:
+    """The class that trains ``kind`` heads on data from ``backend`` ("llama" or "mlx")."""
+    import importlib
+
+    module, name = ((MLX_TRAINERS if backend == "mlx" else {}).get(kind) or TRAINERS[kind]).split(":")
+    return getattr(importlib.import_module(module), name)
 
 
 class _Run:
@@ -412,7 +421,7 @@ class _Run:
             "target": str(self.target.folder.resolve()), "kind": request.kind, "num_heads": request.num_heads,
             "num_layers": request.num_layers, "draft_vocab": request.draft_vocab, "source": source,
             "learning_rate": request.learning_rate, "seed": request.seed,
-            **({"layers": list(self.target.layers)} if request.kind == "eagle3" else {}),
+            **({"layers": list(self.target.layers)} if BY_NAME[request.kind].reads == "layers" else {}),
         }
 
     def _completion(self) -> bool:
@@ -448,7 +457,7 @@ class _Run:
 
     def _checkpointed_heads(self) -> Path:
         """Where a checkpoint's heads are: a folder for EAGLE-3's, a .safetensors file (and its .json) else."""
-        return self.checkpoints / ("heads" if self.request.kind == "eagle3" else "heads.safetensors")
+        return self.checkpoints / ("heads" if BY_NAME[self.request.kind].stored == "folder" else "heads.safetensors")
 
     def _write_data(self, data: _Data, held_out: np.ndarray) -> None:
         self.checkpoints.mkdir(parents=True, exist_ok=True)
@@ -548,7 +557,7 @@ class _Run:
         if prompts is None:
             seed = self.request.seed
             prompts = builtin_python_prompts(BUILTIN_PROMPTS, seed) if completion else builtin_questions(BUILTIN_PROMPTS, seed)
-        from specrun.sessions.generation import prompt_token_ids
+        from specrun.sessions.setup import prompt_token_ids
 
         backend = self.target.backend
         token_prompts = [prompt_token_ids(backend, prompt, chat=not completion)[-MAX_PROMPT_TOKENS:] for prompt in prompts]
@@ -579,7 +588,7 @@ class _Run:
 
     def _trainer_for(self, heads):
         """A trainer resuming ``heads`` (a checkpoint's); EAGLE-3's with the target's embedding beside them."""
-        if self.request.kind == "eagle3":
+        if BY_NAME[self.request.kind].reads == "layers":
             embedding = self.target.input_rows(np.arange(self.target.vocab_size))
             return self.trainer_class(heads, self.request.learning_rate, self.request.seed, embedding)
         return self.trainer_class(heads, self.request.learning_rate, self.request.seed)
@@ -599,13 +608,13 @@ class _Run:
         projection = self.target.output_rows(d2t)
         kept_d2t = None if size == vocab else d2t
         config = HeadsConfig(
-            kind="eagle" if self.request.kind == "eagle3" else self.request.kind, num_heads=self.request.num_heads,
+            kind=BY_NAME[self.request.kind].method, num_heads=self.request.num_heads,
             num_layers=self.request.num_layers,
             hidden_size=self.target.hidden_size, vocab_size=vocab, draft_vocab_size=size,
             target_name=self.request.target, target_vocabulary=vocabulary_fingerprint(self.target.backend),
             target_layers=self.target.num_layers,
         )
-        if self.request.kind == "eagle3":  # the target's embedding, frozen, and the layers it reads
+        if BY_NAME[self.request.kind].reads == "layers":  # the target's embedding, frozen, and the layers it reads
             return self.trainer_class.fresh(config, projection, self.target.input_rows(np.arange(vocab)), kept_d2t,
                                             self.request.learning_rate, self.request.seed, self.target.layers,
                                             self.target.backend.n_ctx_train)
@@ -652,7 +661,7 @@ class _Run:
 
     def _blas_threads(self):
         """NumPy's BLAS on every core the run may use while it trains (the target's threads are idle)."""
-        from specrun.training.medusa import blas_threads
+        from specrun.training.optimizer import blas_threads
 
         return blas_threads(self.request.threads or os.cpu_count() or 1)
 

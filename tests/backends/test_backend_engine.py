@@ -40,7 +40,7 @@ from specrun.modelkit.gguf_io import write_gguf
 from specrun.modelkit.hf_io import write_hf_folder
 from specrun.modelkit.tokenizer import DEMO_CHAT_TEMPLATE
 from specrun.sampling import SamplingSettings
-from specrun.sessions.generation import method_trees, resolve_trees
+from specrun.sessions.setup import method_trees, resolve_trees
 
 BACKEND_MODULES = {"llama": "llama_cpp", "mlx": "mlx_lm"}
 PROMPTS = [

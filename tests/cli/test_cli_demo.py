@@ -46,7 +46,7 @@ def test_demo_with_a_disagreeing_draft_rejects_drafts_and_keeps_the_output(tiny_
 
 def test_demo_gives_each_method_its_default_length_as_generate_does(tiny_llama, capsys):
     from specrun.sessions.demo_report import run_demo
-    from specrun.sessions.generation import ADAPTIVE_MAX_DRAFT_LEN
+    from specrun.sessions.setup import ADAPTIVE_MAX_DRAFT_LEN
 
     path = str(tiny_llama.gguf_path)
     defaults = run_demo(path, path, ["none", "draft", "auto"], 1, 8, None, "llama", 1)

@@ -23,7 +23,7 @@ from specrun.drafters.lookup import PromptLookupDrafter
 from specrun.drafters.ngram import HEADER, MAGIC, NgramCacheError, NgramPoolDrafter, vocabulary_fingerprint
 from specrun.engine.loop import GenerationParams, SpeculativeEngine
 from specrun.errors import UsageError
-from specrun.sessions.generation import adapts_length, method_trees
+from specrun.sessions.setup import adapts_length, method_trees
 from specrun.registry.loading import LoadOptions, open_backend
 from specrun.drafters.methods import METHODS, DrafterOptions, build_drafter, is_adaptive, needs_draft_model, needs_heads
 from specrun.sampling import SamplingSettings

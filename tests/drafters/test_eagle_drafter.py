@@ -137,7 +137,7 @@ def test_two_head_drafters_on_one_target_keep_the_longer_tail():
     """A bench binds every variant's drafter to the one cache view: Medusa's tail (65) after
     EAGLE's (its window, 128) must not cut what EAGLE reads."""
     from heads_factory import oracle_heads
-    from specrun.drafters.heads.base import MedusaDrafter
+    from specrun.drafters.heads.medusa import MedusaDrafter
 
     target = FakeBackend(TABLE, COPYING_VOCAB, hidden_table=lambda context: np.zeros(5 * COPYING_VOCAB),
                          hidden_size=5 * COPYING_VOCAB)

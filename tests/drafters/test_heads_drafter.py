@@ -10,7 +10,7 @@ from fake_models import COPYING_VOCAB, copying_logits
 from heads_factory import oracle_heads, oracle_hidden, random_heads
 from specrun.backends.fake import FakeBackend
 from specrun.backends.kv import sequence_for
-from specrun.drafters.heads.base import MedusaDrafter
+from specrun.drafters.heads.medusa import MedusaDrafter
 from specrun.drafters.methods import DrafterOptions, build_drafter
 from specrun.engine.loop import GenerationParams, SpeculativeEngine
 from specrun.errors import UsageError

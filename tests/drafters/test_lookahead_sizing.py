@@ -11,13 +11,15 @@ import pytest
 from typer.testing import CliRunner
 
 from specrun.backends.fake import FakeBackend
+from specrun.control import forecasts
+from specrun.control.forecasts import TOKENS_PER_PASS, choose_sizes, predicted_speedup
 from specrun.control.policy import AdaptivePolicy
-from specrun.drafters.lookahead import LADDER, TOKENS_PER_PASS, LookaheadDrafter, choose_sizes, predicted_speedup
+from specrun.drafters.lookahead import LADDER, LookaheadDrafter
 from specrun.drafters.lookup import PromptLookupDrafter
 from specrun.drafters.methods import DrafterOptions, build_drafter
 from specrun.engine.loop import GenerationParams, SpeculativeEngine
 from specrun.sessions import lookahead_sizing as sizing
-from specrun.sessions.generation import size_lookahead
+from specrun.sessions.setup import size_lookahead
 from specrun.sessions.tuning import TuneResult
 
 SMALLEST, WIDEST = LADDER[0], LADDER[-1]
@@ -53,20 +55,20 @@ def test_a_flat_pass_cost_picks_the_window_that_yields_most():
 
 
 def test_only_sizes_the_opened_target_holds_are_chosen():
-    fits = sizing.fitting(max_nodes=0, max_paths=SMALLEST.paths)
+    fits = forecasts.fitting(max_nodes=0, max_paths=SMALLEST.paths)
     assert choose_sizes(gpu_like, fits)[0] == SMALLEST
-    assert [sizes for sizes in LADDER if sizing.fitting(30, 0)(sizes)] == [s for s in LADDER if s.max_nodes <= 30]
+    assert [sizes for sizes in LADDER if forecasts.fitting(30, 0)(sizes)] == [s for s in LADDER if s.max_nodes <= 30]
 
 
 def test_stored_costs_say_enough_only_with_plain_decoding_and_a_window_wide_pass():
-    assert not sizing.covers(None) and not sizing.covers({})
-    assert not sizing.covers({1: 0.01, 5: 0.02})  # chains' passes only
-    assert not sizing.covers({2: 0.01, 40: 0.02})  # no plain pass
-    assert sizing.covers({1: 0.01, 1 + SMALLEST.max_nodes: 0.02})
+    assert not forecasts.covers(None) and not forecasts.covers({})
+    assert not forecasts.covers({1: 0.01, 5: 0.02})  # chains' passes only
+    assert not forecasts.covers({2: 0.01, 40: 0.02})  # no plain pass
+    assert forecasts.covers({1: 0.01, 1 + SMALLEST.max_nodes: 0.02})
 
 
 def test_relative_costs_extend_the_measured_passes_by_a_line():
-    relative = sizing.relative_costs(seconds_of(cpu_like, [1, 2, 5, 10]))
+    relative = forecasts.relative_costs(seconds_of(cpu_like, [1, 2, 5, 10]))
     assert relative(1) == pytest.approx(1.0)
     assert relative(10) == pytest.approx(cpu_like(10), rel=0.05)
     assert relative(60) == pytest.approx(cpu_like(60), rel=0.1)  # extrapolated, not measured
@@ -167,7 +169,7 @@ def test_lookahead_without_sizes_chooses_them_says_so_and_the_next_run_reads_the
     assert first["text"] == plain["text"]
     assert "note: lookahead " in notes and "chosen from this machine's pass costs, predicted" in notes
     [entry] = learned_entries(tmp_path)
-    assert entry["draft"] == tuning.NO_DRAFT and sizing.covers({int(n): s for n, s in entry["target_costs"].items()})
+    assert entry["draft"] == tuning.NO_DRAFT and forecasts.covers({int(n): s for n, s in entry["target_costs"].items()})
 
     def no_probe(*args, **kwargs):
         raise AssertionError("the stored costs were enough: no probe")
@@ -201,7 +203,7 @@ def test_auto_drafts_with_a_window_only_where_stored_costs_predict_it_pays(relat
     members = [member.name for member in build_drafter("auto", None, options).members]
     assert ("lookahead" in members) is joins
     if joins:
-        assert choice.predicted >= sizing.AUTO_MARGIN and params.tree_nodes == choice.sizes.max_nodes
+        assert choice.predicted >= forecasts.AUTO_MARGIN and params.tree_nodes == choice.sizes.max_nodes
     # with no stored costs auto probes nothing and drafts as before
     assert size_lookahead("auto", target, DrafterOptions(), params, None, [1, 2, 3])[2] is None
 
@@ -257,7 +259,8 @@ def test_auto_reopens_a_chains_only_llama_context_for_a_window_that_pays(chain, 
     pytest.importorskip("llama_cpp")
     from specrun.registry.loading import LoadOptions
     from specrun.sessions import generation
-    from specrun.sessions.generation import GenerateRequest, TreeSettings, generate_text
+    from specrun.sessions.generation import GenerateRequest, generate_text
+    from specrun.sessions.setup import TreeSettings
 
     stored = TuneResult("k", "t", "none", "m", 0, 0.0, target_costs=seconds_of(gpu_like, [1, 2, 8, 24, 120]),
                         learned=True)
@@ -312,7 +315,7 @@ def chat_answer(method: str, **kwargs):
     server's worker open): the session's drafters, what it noted, its greedy answer's result."""
     from specrun.registry.loading import LoadOptions
     from specrun.sessions.chat import open_chat
-    from specrun.engine.loop import Finished
+    from specrun.engine.events import Finished
 
     notes: list[str] = []
     with open_chat("demo-target", None, method, LoadOptions(backend="llama", threads=1, exact=True),
@@ -352,7 +355,7 @@ def test_a_chat_s_auto_window_fits_the_tree_nodes_asked_and_every_answer_s_passe
     small = [sizes for sizes in LADDER if sizes.max_nodes <= 30]
     members, notes, result, _ = chat_answer("auto", tree_nodes=30)
     assert "lookahead" in members
-    chosen = sizing.choose(seconds_of(gpu_like, [1, 2, 8, 24, 120]), sizing.fitting(30, 0)).sizes
+    chosen = forecasts.choose(seconds_of(gpu_like, [1, 2, 8, 24, 120]), forecasts.fitting(30, 0)).sizes
     assert chosen in small and str(chosen) in notes[-1]
     assert result.stats.new_tokens > 0
 
@@ -362,12 +365,12 @@ def test_bench_s_auto_line_drafts_with_a_window_where_stored_costs_predict_it_pa
     """bench's auto line is generate's auto: without a draft model, a window where the stored
     costs predict it pays, noted and recorded in the result; outputs still plain decoding's."""
     pytest.importorskip("llama_cpp")
-    import specrun.sessions.generation as generation
+    import specrun.sessions.setup as setup
     from specrun.bench.runner import BenchConfig, run_bench
     from specrun.bench.suite import BUILTIN_SUITE
     from specrun.registry.loading import LoadOptions
 
-    monkeypatch.setattr(generation, "load_target_entry", lambda target, threads: stored_target_entry(relative))
+    monkeypatch.setattr(setup, "load_target_entry", lambda target, threads: stored_target_entry(relative))
     config = BenchConfig("demo-target", None, ("none", "auto"), max_new_tokens=24,
                          load=LoadOptions(backend="llama", threads=1, exact=True))
     result = run_bench(config, BUILTIN_SUITE[:2])

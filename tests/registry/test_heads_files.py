@@ -14,15 +14,9 @@ from safetensors.numpy import save_file
 
 from specrun.errors import ModelFileError
 from specrun.heads.eagle3 import Eagle3Heads
-from specrun.heads.files import (
-    EAGLE3_TRAINED_DEPTH,
-    HeadsConfig,
-    MedusaHeads,
-    check_heads_for_target,
-    default_aux_layer_ids,
-    load_heads,
-    save_heads,
-)
+from specrun.heads.config import HeadsConfig, default_aux_layer_ids
+from specrun.heads.files import EAGLE3_TRAINED_DEPTH, check_heads_for_target, load_heads, save_heads
+from specrun.heads.medusa import MedusaHeads
 
 HIDDEN, VOCAB, DRAFT_VOCAB = 64, 512, 128
 
@@ -828,7 +822,8 @@ def test_eagle3_heads_saved_by_specrun_load_back_with_their_target_and_checksum(
     import dataclasses
 
     from heads_factory import eagle3_heads
-    from specrun.heads.files import save_heads, training_layer_ids
+    from specrun.heads.config import training_layer_ids
+    from specrun.heads.files import save_heads
 
     heads = eagle3_heads(HIDDEN, VOCAB, depth=5, draft_vocab=range(0, VOCAB, 3), aux=(1, 3, 6))
     config = dataclasses.replace(heads.config, target_name="demo-target", target_layers=8,

@@ -28,7 +28,7 @@ from specrun.modelkit.selfdraft import (  # noqa: E402
 )
 from specrun.registry.loading import LoadOptions  # noqa: E402
 from specrun.sessions.chat import AnswerDone, open_chat  # noqa: E402
-from specrun.sessions.generation import GenerateRequest, generate_text  # noqa: E402
+from specrun.sessions.generation import GenerateRequest, generate_text
 from specrun.sessions.prompts import heldout_code_prompts  # noqa: E402
 from specrun.engine.loop import GenerationParams  # noqa: E402
 

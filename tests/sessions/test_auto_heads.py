@@ -10,9 +10,11 @@ from pathlib import Path
 import pytest
 
 from heads_factory import oracle_eagle, oracle_heads, oracle_hydra, random_eagle, random_heads, random_hydra
-from specrun.control.heads import HEADS_MARGIN, PRIOR_ACCEPTANCE, predicted_heads_gain
-from specrun.drafters.methods import AUTO_HEADS_ORDER, DrafterOptions, build_drafter, check_method, resolve_method
-from specrun.heads.files import held_out_acceptance, load_heads, save_heads
+from specrun.control.forecasts import HEADS_MARGIN, PRIOR_ACCEPTANCE, predicted_heads_gain
+from specrun.drafters.methods import DrafterOptions, build_drafter, check_method, resolve_method
+from specrun.heads.kinds import AUTO_HEADS_ORDER
+from specrun.heads.config import held_out_acceptance
+from specrun.heads.files import load_heads, save_heads
 from specrun.registry.heads import shipped_heads_path
 from specrun.sessions.tuning import TuneResult
 
@@ -53,7 +55,7 @@ def test_auto_with_heads_builds_the_chain_with_the_kind_it_is_given():
         build_drafter("auto", draft, DrafterOptions(heads=both, auto_heads="hydra"))
 
 
-# ---- whether heads pay (control.heads) --------------------------------------------------------
+# ---- whether heads pay (control.forecasts) ----------------------------------------------------
 
 def cpu_like(n: int) -> float:
     return 1.0 + 0.5 * (n - 1)  # this CPU: a 5-token pass ~3 plain steps
@@ -108,7 +110,7 @@ class _Target:
 
 
 def test_heads_pay_by_the_stored_costs_the_report_and_their_size():
-    from specrun.sessions.generation import heads_pay
+    from specrun.sessions.heads import heads_pay
 
     eagle = load_heads(shipped_heads_path("demo-target", "eagle"))  # 4.64 tokens a pass held out, 8.7 MB a depth
     target = _Target(int(eagle.depth_bytes / 0.6))  # a depth 0.6 of the target's weights, as on the demo target
@@ -171,9 +173,9 @@ def beside(model: Path, kind: str, config, hidden_size: int | None = None) -> Pa
 def heads_pay_here(monkeypatch):
     """Heads that pay wherever found: the tiny target's heads weigh more than it does, so the
     gate (tested above) would keep them out; these tests are of where auto finds them."""
-    import specrun.sessions.generation as generation
+    import specrun.sessions.heads as heads_choice
 
-    monkeypatch.setattr(generation, "heads_pay", lambda heads, target, stored: True)  # chat, bench read it there
+    monkeypatch.setattr(heads_choice, "heads_pay", lambda heads, target, stored: True)  # generate, chat, bench read it there
 
 
 def auto_run(model: Path, *extra: str):
@@ -239,8 +241,9 @@ def gpu_costs_stored(monkeypatch):
     import specrun.bench.runner as runner
     import specrun.sessions.chat as chat
     import specrun.sessions.generation as generation
+    import specrun.sessions.setup as setup
 
-    for module in (generation, chat, runner):
+    for module in (generation, chat, runner, setup):
         monkeypatch.setattr(module, "load_tuned", lambda target, draft, threads: stored(gpu_like))
         monkeypatch.setattr(module, "load_target_entry", lambda target, threads: stored(gpu_like), raising=False)
 
@@ -358,7 +361,7 @@ def reads(monkeypatch):
 
 
 def test_a_head_line_and_auto_s_heads_are_read_once(model, tiny_llama, heads_pay_here, reads):
-    from specrun.sessions.generation import comparison_heads
+    from specrun.sessions.heads import comparison_heads
 
     path = beside(model, "eagle", tiny_llama.config)
     from specrun.registry.loading import LoadOptions, open_pair

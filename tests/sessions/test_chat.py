@@ -14,7 +14,7 @@ from specrun.sessions.chat import AnswerDone, AnswerText, ChatSession, ContextFu
 from specrun.cli.app import app
 from specrun.engine.loop import GenerationParams
 from specrun.errors import ChatTemplateError, ContextFullError
-from specrun.sessions.generation import ADAPTIVE_MAX_DRAFT_LEN
+from specrun.sessions.setup import ADAPTIVE_MAX_DRAFT_LEN
 from specrun.registry.loading import LoadOptions, open_pair
 from specrun.sessions.kernels import open_settled_pair
 from specrun.modelkit.gguf_io import write_gguf

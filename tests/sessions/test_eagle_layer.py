@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from specrun.heads.eagle import PARAMETER_NAMES, EagleLayout, causal_window, chain_guesses, fuse, layer, no_entries
-from specrun.heads.files import HeadsConfig
+from specrun.heads.config import HeadsConfig
 from specrun.training.eagle import EagleWindow, NumpyEagleTrainer, batch_forward, batch_loss
 
 SIZE, VOCAB, DRAFT_VOCAB = 8, 12, 7

@@ -58,7 +58,7 @@ PROMPT = meeting_notes(16)
 def exact_pair(gemma3):
     """The F16 target opened for trees (as --branches opens it) and the Q4_K_M draft, both under
     --exact (flash attention off, an F32 cache: one-token and batched passes round alike)."""
-    from specrun.sessions.generation import method_trees
+    from specrun.sessions.setup import method_trees
 
     paths = max(BRANCHES + 1, method_trees("lookahead").paths)  # lookahead's window too
     target, draft = open_exact_pair(gemma3["gemma3-270m-f16"], gemma3["gemma3-270m"], paths)

@@ -14,7 +14,7 @@ from heads_factory import FAKE_LAYERS
 from specrun.backends.fake import FakeBackend
 from specrun.backends.kv import sequence_for
 from specrun.drafters.heads.eagle import EagleDrafter
-from specrun.heads.files import HeadsConfig
+from specrun.heads.config import HeadsConfig
 from specrun.sampling import SamplingSettings
 from specrun.training.eagle import EagleWindow
 from specrun.training.eagle3 import PARAMETER_NAMES, Eagle3Math, NumpyEagle3Trainer
@@ -130,7 +130,7 @@ def test_steps_lower_the_loss_on_what_they_train_on():
 
 
 def test_training_runs_numpy_s_blas_on_the_cores_given_then_as_before():
-    from specrun.training.medusa import blas_threads, openblas_threads
+    from specrun.training.optimizer import blas_threads, openblas_threads
 
     found = openblas_threads()
     if found is None:

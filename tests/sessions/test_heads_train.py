@@ -11,7 +11,8 @@ import pytest
 from typer.testing import CliRunner
 
 from specrun.cli.app import app
-from specrun.heads.files import MedusaHeads, load_heads
+from specrun.heads.files import load_heads
+from specrun.heads.medusa import MedusaHeads
 from specrun.training.run import (
     HeadsTrainRequest,
     TrainingInterrupted,

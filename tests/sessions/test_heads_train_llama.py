@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from heads_factory import random_heads
-from specrun.heads.files import MedusaHeads, check_heads_for_target, load_heads
+from specrun.heads.files import check_heads_for_target, load_heads
+from specrun.heads.medusa import MedusaHeads
 from specrun.training.run import HeadsTrainRequest, TrainingInterrupted, train_heads
 from specrun.training.medusa import NumpyHeadsTrainer
 

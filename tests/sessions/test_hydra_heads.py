@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from heads_factory import random_hydra
-from specrun.heads.files import HeadsConfig, check_heads_for_target, load_heads
+from specrun.heads.config import HeadsConfig
+from specrun.heads.files import check_heads_for_target, load_heads
 from specrun.heads.hydra import HydraHeads, chain_guesses, head_logits, root_terms
 from specrun.training.run import HeadsTrainRequest, TrainingInterrupted, checkpoint_folder, train_heads
 from specrun.training.hydra import NumpyHydraTrainer, batch_loss

@@ -1,1 +1,9 @@
-"""Drafters that read the target's own hidden states through heads (Medusa, Hydra, EAGLE)."""
+"""Drafters that read the target's own hidden states through heads: one module per head method
+(medusa.py, hydra.py, eagle.py; what they share in base.py), and ``DRAFTERS``, the drafter of
+each method of specrun.heads.kinds."""
+
+from specrun.drafters.heads.eagle import EagleDrafter
+from specrun.drafters.heads.hydra import HydraDrafter
+from specrun.drafters.heads.medusa import MedusaDrafter
+
+DRAFTERS = {"medusa": MedusaDrafter, "hydra": HydraDrafter, "eagle": EagleDrafter}

@@ -32,7 +32,7 @@ from specrun.drafters.heads.base import HeadsDrafter, check_heads_target, target
 from specrun.errors import UsageError
 from specrun.heads.eagle import EagleHeads
 from specrun.heads.eagle3 import Eagle3Heads
-from specrun.heads.files import default_aux_layer_ids
+from specrun.heads.config import default_aux_layer_ids
 from specrun.sampling import SamplingSettings, sample
 
 # A verify pass feeds at most 1 + 64 tokens; a prompt pass keeps the features of its last ``window``.

@@ -1,0 +1,69 @@
+"""The one table of self-drafting head kinds: what differs between them, and what the rest of
+specrun derives from it (the head methods, what is trained and how, how each is stored, the
+order auto prefers them in).
+
+A kind is what a file holds; a method (``--method``) is what drafts with it. Two kinds may serve
+one method: EAGLE-3 heads (a folder as SpecForge exports them) and specrun's own EAGLE-1 file both
+draft for ``--method eagle``, EAGLE-3's found first. Adding a kind: docs/architecture.md, "Adding
+a head kind", names every file to touch; tests/heads/test_kinds.py checks that each kind here
+has its drafter, its trainer where it trains, and its reader and writer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from specrun.heads.eagle import EagleHeads
+from specrun.heads.eagle3 import Eagle3Heads
+from specrun.heads.hydra import HydraHeads
+from specrun.heads.medusa import MedusaHeads
+
+
+@dataclass(frozen=True)
+class HeadKind:
+    """One kind of heads.
+
+    name: as files, ``heads train --kind`` and the cache name it. method: the ``--method`` that
+    drafts with it. arrays: the class holding its arrays (heads/<kind>.py). stored: "file"
+    (specrun's NAME.safetensors beside NAME.json) or "folder" (a published layout, read and
+    written as its project does). trains_on: "positions" (hidden states at shuffled positions),
+    "windows" (whole windows, reported on its own chains), "" where specrun does not train it.
+    reads: "hidden" (the target's final hidden state) or "layers" (outputs of chosen layers).
+    auto_rank: auto drafts with the method of the lowest rank found (Spec-Bench ranks EAGLE ahead
+    of Hydra, Hydra ahead of Medusa). found_rank: among the kinds of one method, the lower is
+    looked for first at each place heads are found.
+    """
+
+    name: str
+    method: str
+    arrays: type
+    stored: str
+    trains_on: str
+    reads: str
+    auto_rank: int
+    found_rank: int = 0
+
+
+KINDS = (
+    HeadKind("medusa", "medusa", MedusaHeads, "file", "positions", "hidden", auto_rank=2),
+    HeadKind("hydra", "hydra", HydraHeads, "file", "positions", "hidden", auto_rank=1),
+    HeadKind("eagle", "eagle", EagleHeads, "file", "windows", "hidden", auto_rank=0, found_rank=1),
+    HeadKind("eagle3", "eagle", Eagle3Heads, "folder", "windows", "layers", auto_rank=0, found_rank=0),
+)
+
+BY_NAME = {kind.name: kind for kind in KINDS}
+HEAD_METHODS = tuple(dict.fromkeys(kind.method for kind in KINDS))  # the head methods, named as their kinds
+FILE_KINDS = tuple(kind.name for kind in KINDS if kind.stored == "file")  # what specrun's own heads files hold
+TRAINABLE_KINDS = tuple(kind.name for kind in KINDS if kind.trains_on)
+WINDOW_KINDS = tuple(kind.name for kind in KINDS if kind.trains_on == "windows")
+AUTO_HEADS_ORDER = tuple(sorted(HEAD_METHODS, key=lambda method: min(k.auto_rank for k in KINDS if k.method == method)))
+
+
+def kinds_of_method(method: str) -> tuple[HeadKind, ...]:
+    """The kinds that draft for ``method``, in the order they are looked for."""
+    return tuple(sorted((kind for kind in KINDS if kind.method == method), key=lambda kind: kind.found_rank))
+
+
+def kind_of(heads) -> HeadKind:
+    """The row of the table ``heads`` (loaded arrays of any kind) belong to."""
+    return next(kind for kind in KINDS if isinstance(heads, kind.arrays))
