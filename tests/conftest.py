@@ -66,14 +66,22 @@ def smollm2() -> dict[str, Path]:
     package and the F16 and Q8_0 copies derived from it once (cached as the demo variants).
     Without the package the real-model tests skip, naming the pip command, except in CI."""
     from specrun.errors import ModelFileError
-    from specrun.modelkit.smollm2 import SMOLLM2_MODELS, smollm2_gguf
+    from specrun.modelkit.smollm2 import SMOLLM2_MODELS, WIDENED, smollm2_gguf
 
-    try:
-        return {name: smollm2_gguf(name) for name in SMOLLM2_MODELS}
+    try:  # the widened copy (918 MiB) only where a test asks for it (smollm2_x2)
+        return {name: smollm2_gguf(name) for name in SMOLLM2_MODELS if name not in WIDENED}
     except ModelFileError as exc:
         if os.environ.get("CI") == "true":
             raise
         pytest.skip(exc.one_line())
+
+
+@pytest.fixture(scope="session")
+def smollm2_x2(smollm2) -> Path:
+    """The bench-scale real target: SmolLM2's F16 copy widened with zeros (918 MiB, derived once)."""
+    from specrun.modelkit.smollm2 import smollm2_gguf
+
+    return smollm2_gguf("smollm2-135m-x2")
 
 
 @pytest.fixture(scope="session")

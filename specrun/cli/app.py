@@ -178,8 +178,8 @@ def generate(
 
 @app.command()
 def demo(
-    target: DemoTargetOpt = "demo-target-xl",
-    draft: DemoDraftOpt = "demo-draft",
+    target: DemoTargetOpt = None,
+    draft: DemoDraftOpt = None,
     methods: DemoMethodsOpt = None,
     prompts: DemoPromptsOpt = 6,
     max_tokens: MaxTokensOpt = 96,
@@ -188,13 +188,17 @@ def demo(
     threads: ThreadsOpt = None,
     exact: ExactOpt = False,
 ) -> None:
-    """Plain vs speculative decoding on the shipped demo pair, side by side: is it faster, identical, and why."""
+    """Plain vs speculative decoding on a real pair, side by side: is it faster, identical, and why."""
     with cli_errors():
+        from specrun.heads.kinds import AUTO_HEADS_ORDER
         from specrun.registry.heads import head_kinds_available
-        from specrun.sessions.demo_report import run_demo
+        from specrun.sessions.demo_report import default_pair, run_demo
 
-        if methods is None:
-            methods = ",".join(["none", "draft", *head_kinds_available(target), "auto"])
+        target, draft = default_pair(target, draft)
+        if methods is None:  # plain, the draft model, the best heads the target has, auto
+            found = head_kinds_available(target)
+            best = [kind for kind in AUTO_HEADS_ORDER if kind in found][:1]
+            methods = ",".join(["none", "draft", *best, "auto"])
         method_list = [m.strip() for m in methods.split(",") if m.strip()]
         for method in method_list:
             check_method(method)

