@@ -1,1 +1,2 @@
-"""The loop (plan, draft, verify, accept, keep), its events and its statistics."""
+"""The loop (plan, draft, verify, rewind, emit, observe), its events, how drafts become target
+passes, and its statistics."""

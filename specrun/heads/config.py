@@ -13,13 +13,16 @@ import numpy as np
 class HeadsConfig:
     """What a heads file says it is and which target it was made for.
 
-    kind: one of HEAD_KINDS. num_heads: positions drafted per target pass (Medusa's and Hydra's
-    heads; EAGLE: the depth it was trained to). num_layers: residual blocks per Medusa head
-    (Hydra: layers per head, its first reading the drafted tokens too; EAGLE: decoder layers). hidden_size, vocab_size: the target's. draft_vocab_size: rows of the
-    projection (vocab_size when there is no draft vocabulary). target: what the target was,
-    as far as it is known: ``name``, ``vocabulary`` (specrun.drafters.ngram.vocabulary_fingerprint,
-    "" when unknown), ``num_layers`` (0 when unknown). training: what the trainer recorded
-    (steps, loss, held-out acceptance), free-form; empty for published heads.
+    kind: the method that drafts with the heads, one of heads.kinds.HEAD_METHODS (EAGLE-3 heads
+    say "eagle"; heads.kinds.kind_of gives loaded heads' row of the table). num_heads: positions
+    drafted per target pass (Medusa's and Hydra's heads; EAGLE: the depth it was trained to).
+    num_layers: residual blocks per Medusa head (Hydra: layers per head, its first reading the
+    drafted tokens too; EAGLE: decoder layers). hidden_size, vocab_size: the target's.
+    draft_vocab_size: rows of the projection (vocab_size when there is no draft vocabulary).
+    target: what the target was, as far as it is known: ``name``, ``vocabulary``
+    (specrun.drafters.ngram.vocabulary_fingerprint, "" when unknown), ``num_layers`` (0 when
+    unknown). training: what the trainer recorded (steps, loss, held-out acceptance), free-form;
+    empty for published heads.
     """
 
     kind: str

@@ -52,7 +52,8 @@ class Eagle3Heads:
     config.hidden_size is the target's H (``target_hidden_size``), config.num_layers the draft's
     decoder layers (1), config.num_heads the depth SpecForge trains to by default (the files do
     not say). aux_layer_ids: the target layers whose outputs fc reads, as the file names them
-    (0-based layer outputs); () when the file does not say (see heads.default_aux_layer_ids).
+    (0-based layer outputs); () when the file does not say (see
+    heads.config.default_aux_layer_ids).
     rope_scaling: the config's, checked ({"rope_type": "llama3", ...}, "linear"), None for none.
     """
 

@@ -1,14 +1,15 @@
-"""Self-drafting heads (Medusa, Hydra, EAGLE) as specrun holds them in memory, and their files.
+"""The files of self-drafting heads (Medusa, Hydra, EAGLE, EAGLE-3): each kind's reader and
+writer, and the check that heads fit a target. The arrays they fill are heads/<kind>.py's.
 
 Heads draft from the target's own hidden state (the output head's input, after the final norm,
 ``Backend.hidden_support``) instead of a second model. A hidden state h_p at position p is what
 the target's own head turns into its guess for token p + 1.
 
-Medusa (Cai et al. 2024): head i (0-based) reads h_p alone and guesses token p + 2 + i. Each head
-is ``num_layers`` residual blocks, h <- h + silu(W h + b), then a projection over the draft
-vocabulary. Heads here project over a draft vocabulary (``d2t``: the target id of each draft id;
-None where it is the target's whole vocabulary), as EAGLE-3 does, since a projection over a 50k
-vocabulary costs as much as a small target's pass on a CPU.
+Medusa (Cai et al. 2024; specrun.heads.medusa): head i (0-based) reads h_p alone and guesses
+token p + 2 + i. Each head is ``num_layers`` residual blocks, h <- h + silu(W h + b), then a
+projection over the draft vocabulary. Heads here project over a draft vocabulary (``d2t``: the
+target id of each draft id; None where it is the target's whole vocabulary), as EAGLE-3 does,
+since a projection over a 50k vocabulary costs as much as a small target's pass on a CPU.
 
 EAGLE (specrun.heads.eagle): one decoder layer over the feature and the next token's embedding,
 drafting one token at a time from its own predicted features.
@@ -610,8 +611,10 @@ def _load_folder(folder: Path) -> MedusaHeads | EagleHeads | HydraHeads | Eagle3
         if "medusa_num_heads" in settings:
             return _load_medusa1(folder)
         architectures = settings.get("architectures")
-        if isinstance(architectures, list) and EAGLE3_ARCHITECTURE in architectures:
-            return _load_eagle3(folder)
+        named = architectures if isinstance(architectures, list) else []
+        published = [FOLDER_ARCHITECTURES[name] for name in named if isinstance(name, str) and name in FOLDER_ARCHITECTURES]
+        if published:
+            return FOLDER_READERS[published[0]](folder)
         raise _refuse(
             folder / "config.json",
             f"describes {architectures!r}, neither Medusa heads nor an EAGLE-3 draft ({EAGLE3_ARCHITECTURE})",
@@ -907,3 +910,4 @@ TENSOR_WRITERS = {"medusa": _medusa_tensors, "hydra": _hydra_tensors, "eagle": _
 TENSOR_READERS = {"medusa": _load_specrun_medusa, "hydra": _load_specrun_hydra, "eagle": _load_specrun_eagle}
 FOLDER_WRITERS = {"eagle3": save_eagle3}
 FOLDER_READERS = {"eagle3": _load_eagle3}
+FOLDER_ARCHITECTURES = {EAGLE3_ARCHITECTURE: "eagle3"}  # the kind a published folder holds, by its config

@@ -29,6 +29,9 @@ class HeadKind:
     written as its project does). trains_on: "positions" (hidden states at shuffled positions),
     "windows" (whole windows, reported on its own chains), "" where specrun does not train it.
     reads: "hidden" (the target's final hidden state) or "layers" (outputs of chosen layers).
+    embeds: what embeds the tokens it reads beside the state: "" (none: Medusa reads the state
+    alone), "own" (an embedding of its own over the draft vocabulary, trained from the target's
+    rows: Hydra, EAGLE), "target" (the target's own, frozen: EAGLE-3).
     auto_rank: auto drafts with the method of the lowest rank found (Spec-Bench ranks EAGLE ahead
     of Hydra, Hydra ahead of Medusa). found_rank: among the kinds of one method, the lower is
     looked for first at each place heads are found.
@@ -40,15 +43,16 @@ class HeadKind:
     stored: str
     trains_on: str
     reads: str
+    embeds: str
     auto_rank: int
     found_rank: int = 0
 
 
 KINDS = (
-    HeadKind("medusa", "medusa", MedusaHeads, "file", "positions", "hidden", auto_rank=2),
-    HeadKind("hydra", "hydra", HydraHeads, "file", "positions", "hidden", auto_rank=1),
-    HeadKind("eagle", "eagle", EagleHeads, "file", "windows", "hidden", auto_rank=0, found_rank=1),
-    HeadKind("eagle3", "eagle", Eagle3Heads, "folder", "windows", "layers", auto_rank=0, found_rank=0),
+    HeadKind("medusa", "medusa", MedusaHeads, "file", "positions", "hidden", "", auto_rank=2),
+    HeadKind("hydra", "hydra", HydraHeads, "file", "positions", "hidden", "own", auto_rank=1),
+    HeadKind("eagle", "eagle", EagleHeads, "file", "windows", "hidden", "own", auto_rank=0, found_rank=1),
+    HeadKind("eagle3", "eagle", Eagle3Heads, "folder", "windows", "layers", "target", auto_rank=0, found_rank=0),
 )
 
 BY_NAME = {kind.name: kind for kind in KINDS}

@@ -1,1 +1,2 @@
-"""Generation, chat, templates and tuning runs: what the front ends call."""
+"""What the front ends call: generation and a run's setup, chat turns and templates, which heads a
+run drafts with, comparisons, tuning (learned costs, kernel settings, the layer search)."""

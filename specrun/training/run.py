@@ -339,7 +339,7 @@ class _Run:
                  trainer_class) -> None:
         self.request = request
         self.target = target
-        self.trainer_class = trainer_class  # HeadsTrainer (MLX) or NumpyHeadsTrainer
+        self.trainer_class = trainer_class  # a class of TRAINERS, or of MLX_TRAINERS on MLX
         self.out = out
         self.checkpoints = checkpoint_folder(out)
         self.on_progress = on_progress
@@ -382,7 +382,7 @@ class _Run:
         if self.request.kind in WINDOW_KINDS:
             self._fit_windows(trainer, [_window(data, i) for i in train_rows], settings, source)
             report = self._report_chains(trainer, [_window(data, i) for i in held_rows])
-        elif self.request.kind == "hydra":
+        elif BY_NAME[self.request.kind].embeds == "own":  # each head reads the tokens drafted before its own
             states, labels = self._positions(data, train_rows, trainer.d2t)
             self._fit_positions(trainer, states, labels, settings, source, _next_tokens(data, train_rows, self.request.num_heads))
             report = self._report_hydra(trainer, data, held_rows)
@@ -588,7 +588,7 @@ class _Run:
 
     def _trainer_for(self, heads):
         """A trainer resuming ``heads`` (a checkpoint's); EAGLE-3's with the target's embedding beside them."""
-        if BY_NAME[self.request.kind].reads == "layers":
+        if BY_NAME[self.request.kind].embeds == "target":
             embedding = self.target.input_rows(np.arange(self.target.vocab_size))
             return self.trainer_class(heads, self.request.learning_rate, self.request.seed, embedding)
         return self.trainer_class(heads, self.request.learning_rate, self.request.seed)
@@ -614,11 +614,12 @@ class _Run:
             target_name=self.request.target, target_vocabulary=vocabulary_fingerprint(self.target.backend),
             target_layers=self.target.num_layers,
         )
-        if BY_NAME[self.request.kind].reads == "layers":  # the target's embedding, frozen, and the layers it reads
+        kind = BY_NAME[self.request.kind]
+        if kind.embeds == "target":  # the target's embedding, frozen, and the layers it reads
             return self.trainer_class.fresh(config, projection, self.target.input_rows(np.arange(vocab)), kept_d2t,
                                             self.request.learning_rate, self.request.seed, self.target.layers,
                                             self.target.backend.n_ctx_train)
-        if self.request.kind in ("eagle", "hydra"):  # with an embedding of their own, started from the target's
+        if kind.embeds == "own":  # an embedding of their own, started from the target's rows
             return self.trainer_class.fresh(config, projection, self.target.input_rows(d2t), kept_d2t,
                                             self.request.learning_rate, self.request.seed)
         return self.trainer_class.fresh(config, projection, kept_d2t, self.request.learning_rate, self.request.seed)

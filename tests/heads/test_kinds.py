@@ -4,6 +4,8 @@ method lists the CLI accepts come from the table."""
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
@@ -33,6 +35,7 @@ def test_the_table_names_each_kind_once_with_known_values():
         assert kind.stored in ("file", "folder")
         assert kind.trains_on in ("positions", "windows", "")
         assert kind.reads in ("hidden", "layers")
+        assert kind.embeds in ("", "own", "target")
 
 
 @pytest.mark.parametrize("kind", KINDS, ids=lambda kind: kind.name)
@@ -59,6 +62,7 @@ def test_every_kind_has_a_reader_and_a_writer_and_reads_back_what_it_wrote(kind,
         path = tmp_path / f"{kind.name}.safetensors"
     else:
         assert kind.name in files.FOLDER_WRITERS and kind.name in files.FOLDER_READERS
+        assert kind.name in files.FOLDER_ARCHITECTURES.values()  # how load_heads recognises its folder
         path = tmp_path / kind.name
     heads = EXAMPLES[kind.name]()
     files.save_heads(heads, path)
@@ -72,6 +76,25 @@ def test_every_kind_has_a_reader_and_a_writer_and_reads_back_what_it_wrote(kind,
             np.testing.assert_array_equal(written[name], again[name])
     else:
         np.testing.assert_allclose(loaded.lm_head, heads.lm_head, rtol=1e-3, atol=1e-3)
+
+
+def test_both_backends_heads_targets_give_what_training_asks_for():
+    """backends/heads_target.py declares it; the llama.cpp and MLX targets each have every member."""
+    import inspect
+
+    from specrun.backends.heads_llama import LlamaHeadsTarget
+    from specrun.backends.heads_mlx import MlxHeadsTarget
+    from specrun.backends.heads_target import HeadsTarget
+
+    methods = {name for name, value in vars(HeadsTarget).items() if not name.startswith("_") and callable(value)}
+    attributes = set(HeadsTarget.__annotations__)
+    assert methods and attributes
+    for target in (LlamaHeadsTarget, MlxHeadsTarget):
+        assert methods <= set(dir(target)), (target, methods - set(dir(target)))
+        source = inspect.getsource(target.__init__)
+        missing = {name for name in attributes if not re.search(rf"self\.{name}\b\s*[:=]", source)}
+        assert not missing, (target, missing)
+
 
 def test_the_method_lists_derive_from_the_table():
     assert HEAD_METHODS == tuple(dict.fromkeys(kind.method for kind in KINDS))
