@@ -154,3 +154,26 @@ def test_a_whole_answer_stops_when_its_client_leaves(demo_server):
         assert time.monotonic() < deadline, demo_server.log[-5:]
         time.sleep(0.05)
     assert demo_server.healthy()
+
+
+def test_a_megabyte_stop_string_holds_up_no_one():
+    """A hostile stop string (1 MB, under the default 4 MiB body limit) costs its request time
+    linear in the text generated: a second client's request, sent meanwhile, is answered as
+    promptly."""
+    from server_harness import DEMO_ARGS, start_server, stop_server
+
+    server = start_server(*DEMO_ARGS)
+    try:
+        hostile = {"model": MODEL, "max_tokens": 64, "temperature": 0, "stop": ["x" * (1 << 20), "y" * (1 << 20)],
+                   "messages": [{"role": "user", "content": "def parse(line):"}]}
+        with ThreadPoolExecutor(2) as pool:
+            started = time.monotonic()
+            first = pool.submit(server.post, "/v1/chat/completions", hostile)
+            second = pool.submit(answer, server, messages_for(0, 0), False)
+            status, body = first.result(timeout=60)
+            text, _ = second.result(timeout=60)
+        assert status == 200 and body["choices"][0]["message"]["content"], body
+        assert text
+        assert time.monotonic() - started < 30  # both answered; the stop strings once held the worker 48 s
+    finally:
+        assert stop_server(server) == 0, server.log
