@@ -6,6 +6,7 @@ Data goes to stdout; progress, warnings and statistics go to stderr.
 from __future__ import annotations
 
 import json
+import os
 import sys
 from typing import Annotated, Optional
 
@@ -226,13 +227,22 @@ app.command("tune")(tune)
 
 def main() -> None:
     """The console script: Typer's usage errors in one line, as every other error is."""
+    from rich.console import Console
+
+    from specrun.cli.common import BROKEN_PIPE_EXIT
     from specrun.cli.interrupts import INTERRUPTED_EXIT, raise_on_interrupt, say_interrupted_once
 
     raise_on_interrupt()
+    # Typer's help is printed by a Rich console of its own, whose closed pipe exits 1
+    # (`specrun generate --help | head -c 5`): every console's ends as cli_errors ends ours.
+    Console.on_broken_pipe = PipeConsole.on_broken_pipe
     try:
         status = app(prog_name="specrun", standalone_mode=False)
     except KeyboardInterrupt:  # while Typer builds the command, before its own handler
         status = INTERRUPTED_EXIT
+    except BrokenPipeError:  # the reader has gone: quietly, stdout pointed at /dev/null for the exit flush
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        status = BROKEN_PIPE_EXIT
     except typer.Abort:
         typer.echo("error: aborted", err=True)
         status = 1

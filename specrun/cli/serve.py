@@ -117,6 +117,10 @@ def serve_command(
         if api_key is not None and not api_key.strip():
             raise UsageError("--api-key (or SPECRUN_API_KEY) is empty: every client would be let in",
                              "pass a key of some length, or leave it unset on a loopback host")
+        if api_key is not None and not (api_key.isascii() and api_key.isprintable()):
+            raise UsageError("--api-key (or SPECRUN_API_KEY) holds characters other than printable ASCII: "
+                             "HTTP headers carry ASCII, so no client could send it",
+                             "choose a key of printable ASCII characters")
         target, draft = choose_pair(target, draft, registry)
         pair = PairOptions(
             target=target,

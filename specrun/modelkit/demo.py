@@ -13,6 +13,7 @@ import errno
 import hashlib
 import json
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Callable
@@ -140,8 +141,9 @@ def derive_once(target: Path, write: Callable[[Path], None]) -> Path:
 def _no_room(target: Path, exc: OSError) -> ModelFileError:
     """The one line for a derived model that cannot be written (a full disk, a read-only cache)."""
     where = cache_dir()
-    if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
-        return ModelFileError(f"no room to derive {target.name} in {where} ({exc.strerror})",
+    short_write = exc.errno is None and re.fullmatch(r"\d+ requested and \d+ written", str(exc))  # NumPy's tofile
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG) or short_write:
+        return ModelFileError(f"no room to derive {target.name} in {where} ({exc.strerror or exc})",
                               "free some disk space, or set SPECRUN_CACHE to a folder with room")
     return ModelFileError(f"cannot derive {target.name} in {where}: {exc.strerror or exc}",
                           "check that the folder is writable, or set SPECRUN_CACHE to one that is")

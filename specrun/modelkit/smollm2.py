@@ -84,13 +84,18 @@ def _check_name(name: str) -> str:
     return SMOLLM2_MODELS[name]
 
 
+def shipped_eagle3_folder() -> Path:
+    """Where the F16 copy's EAGLE-3 heads ship in the package (absent until trained heads pay)."""
+    return Path(str(resources.files("specrun.demo").joinpath("smollm2-135m-f16.eagle3")))
+
+
 def smollm2_eagle3_heads(name: str) -> Path | None:
     """The EAGLE-3 heads folder of a SmolLM2 builtin: those of the F16 copy ship in the package
     (trained here: `specrun heads train --target smollm2-135m-f16 --kind eagle3`); the widened
     copy's are derived from them on first use (heads.eagle3.widened_eagle3: they draft what the
     F16 copy's heads draft, at their cost a depth). None for the other copies, or where the
     package has none."""
-    shipped = Path(str(resources.files("specrun.demo").joinpath("smollm2-135m-f16.eagle3")))
+    shipped = shipped_eagle3_folder()
     if not (shipped / "model.safetensors").exists():
         return None
     if name in WIDENED and WIDENED[name][0] == "smollm2-135m-f16":

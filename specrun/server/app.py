@@ -173,8 +173,10 @@ class OpenAIServer:
     async def health(self, request):
         from starlette.responses import JSONResponse
 
-        return JSONResponse({"status": "ok", "model": self.model_id, "method": self.worker.method,
-                             "queued": self.worker.jobs.qsize(), "served": self.worker.served})
+        state = {"status": "ok", "queued": self.worker.jobs.qsize(), "served": self.worker.served}
+        if self.http.api_key is None:  # open to anyone with a key set: then nothing of the model (its path)
+            state |= {"model": self.model_id, "method": self.worker.method}
+        return JSONResponse(state)
 
     async def models(self, request):
         from starlette.responses import JSONResponse
@@ -287,12 +289,15 @@ def _sse_data(payload: dict) -> str:
 
 
 def _error_response(error: RequestError):
-    from starlette.responses import JSONResponse
+    from starlette.responses import Response
 
     headers = {"Connection": "close"} if error.status == 413 else None  # the rest of the body is never read
     if error.status == 401:
         headers = {"WWW-Authenticate": "Bearer"}
-    return JSONResponse(error.body(), status_code=error.status, headers=headers)
+    # ASCII JSON: an error may quote the client's text, and a lone surrogate in it (a field's name)
+    # has no UTF-8 (Starlette's JSONResponse failed there with a 500); escaped, it is valid JSON.
+    return Response(json.dumps(error.body()), status_code=error.status, headers=headers,
+                    media_type="application/json")
 
 
 # ---- running it ------------------------------------------------------------------------------

@@ -65,3 +65,9 @@ def test_demo_into_a_closed_pipe(model):
 
 def test_models_list_into_a_closed_pipe():
     assert_quiet(*run_with_closed_stdout("models", "list"))
+
+
+@pytest.mark.parametrize("command", [["--help"], ["generate", "--help"], ["models", "--help"]])
+def test_help_into_a_closed_pipe(command):
+    """Typer prints help through a Rich console of its own, which exited 1 on a closed pipe."""
+    assert_quiet(*run_with_closed_stdout(*command))

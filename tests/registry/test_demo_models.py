@@ -95,3 +95,36 @@ def test_exact_settings_make_greedy_speculation_bit_identical(derived):
     draft.close()
     with pytest.raises(ValueError, match="kv_type"):
         LlamaCppBackend(paths["demo-draft"], kv_type="q4")
+
+
+@pytest.mark.slow
+def test_the_widened_real_target_s_eagle3_heads_derive_from_the_f16_copy_s(smollm2, tmp_path, monkeypatch):
+    """Where EAGLE-3 heads of smollm2-135m-f16 ship, smollm2-135m-x2's are derived from them: fc
+    reads each layer's first 576 columns as before (zeros after them), with the F16 copy's
+    embedding rows of their own, made for the widened target."""
+    from heads_factory import eagle3_heads
+    from specrun.heads.eagle3 import Eagle3Heads
+    from specrun.heads.files import load_heads, save_eagle3
+    from specrun.modelkit import smollm2 as real
+    from specrun.modelkit.gguf_io import read_gguf_tensor
+    from specrun.registry.heads import shipped_heads_path
+
+    monkeypatch.setenv("SPECRUN_CACHE", str(tmp_path / "cache"))
+    shipped = tmp_path / "package" / "smollm2-135m-f16.eagle3"
+    trained = eagle3_heads(576, 49152, draft_vocab=range(64), aux=(1, 14, 26), embed_tokens=None)
+    save_eagle3(trained, shipped)
+    monkeypatch.setattr(real, "shipped_eagle3_folder", lambda: shipped)
+    assert shipped_heads_path("smollm2-135m-f16", "eagle3") == shipped
+    derived = shipped_heads_path("smollm2-135m-x2", "eagle3")
+    assert derived != shipped and derived.is_relative_to(tmp_path / "cache")
+    wide = load_heads(derived)
+    assert isinstance(wide, Eagle3Heads)
+    assert wide.config.hidden_size == 1152 and wide.config.target_name == "smollm2-135m-x2"
+    assert wide.fc.shape == (576, 3 * 1152)
+    for slot in range(3):
+        np.testing.assert_allclose(wide.fc[:, slot * 1152:slot * 1152 + 576],
+                                   trained.fc[:, slot * 576:(slot + 1) * 576], atol=1e-3, rtol=1e-3)
+        assert not wide.fc[:, slot * 1152 + 576:(slot + 1) * 1152].any()
+    embedding = read_gguf_tensor(real.smollm2_gguf("smollm2-135m-f16"), "token_embd.weight")
+    np.testing.assert_allclose(wide.embed_tokens, embedding, atol=1e-3)
+    assert real.smollm2_eagle3_heads("smollm2-135m") is None  # only the F16 copy's and its widening

@@ -151,6 +151,8 @@ BAD_REQUESTS = [
      400, "messages[0].content[0].text", "invalid_value"),
     ("/v1/completions", {"model": MODEL, "prompt": "x\ud800"}, 400, "prompt", "invalid_value"),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "stop": ["\ud800"]}, 400, "stop", "invalid_value"),
+    # ... and as a field's name, echoed in the error (a 500: the answer's JSON could not be encoded)
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "\ud800": 1}, 400, "\ud800", "unknown_parameter"),
     # Python's JSON reads NaN, which every range check lets through
     ("/v1/chat/completions", b'{"model": "demo-target", "messages": [{"role": "user", "content": "x"}], '
      b'"temperature": NaN}', 400, "temperature", "invalid_value"),
@@ -234,6 +236,12 @@ def keyed_server():
     assert stop_server(server) == 0, server.log
 
 
+def test_health_behind_an_api_key_says_nothing_of_the_model(keyed_server):
+    """/health stays open (a load balancer's probe has no key), so it names no model file."""
+    status, body = keyed_server.request("GET", "/health")
+    assert status == 200 and body["status"] == "ok" and "model" not in body and "method" not in body
+
+
 def test_requests_without_the_api_key_get_401(keyed_server):
     import openai
 
@@ -275,6 +283,16 @@ def test_a_public_host_without_api_key_warns():
     done = subprocess.run([*args, "--api-key", KEY], capture_output=True, text=True, timeout=60, check=False)
     assert done.returncode == 1
     assert "warning" not in done.stderr and "error:" in done.stderr
+
+
+def test_an_api_key_no_client_can_send_is_refused():
+    """HTTP headers carry ASCII: a UTF-8 client could never match a key with "é" in it (401), while
+    the same key's Latin-1 bytes were let in."""
+    done = subprocess.run([*SPECRUN, "serve", "--port", "0", "--api-key", "clé-secrète"], capture_output=True,
+                          text=True, timeout=60, check=False)
+    assert done.returncode == 2
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: --api-key") and "printable ASCII" in lines[0]
 
 
 def test_a_port_in_use_is_a_one_line_error():

@@ -286,3 +286,32 @@ def test_a_layer_draft_of_the_real_model_is_bit_identical_on_mlx(mlx_real_pair, 
     draft.close()
     assert result.token_ids == plain
     assert result.stats.accepted > 0
+
+
+@pytest.mark.slow
+def test_the_bench_scale_real_target_computes_smollm2_s_function(real_pair, smollm2_x2):
+    """smollm2-135m-x2 is the F16 copy widened with zeros: the same logits up to F16's rounding
+    and the same greedy answer, at 481M parameters of cost; and
+    the Q4_1 file drafts for it losslessly."""
+    from specrun.backends.llama import LlamaCppBackend
+
+    target, draft = real_pair
+    wide = LlamaCppBackend(smollm2_x2, n_ctx=1024)
+    try:
+        assert wide.hidden_support.size == 2 * target.hidden_support.size == 1152
+        ids = render_user_prompt(target, CHAT_PROMPTS[0])[1]
+        assert render_user_prompt(wide, CHAT_PROMPTS[0])[1] == ids  # the same tokenizer and template
+        target.rewind(0)
+        narrow_logits = target.forward(ids, range(len(ids)))
+        wide.rewind(0)
+        wide_logits = wide.forward(ids, range(len(ids)))
+        # F16 rounds a wider matrix product's sums otherwise: 0.06 at most here, on logits up to ~30
+        assert np.abs(wide_logits - narrow_logits).max() < 0.15
+        assert (wide_logits.argmax(axis=1) == narrow_logits.argmax(axis=1)).all()
+        params = GenerationParams(32, 4)
+        plain = SpeculativeEngine(target).run(ids, params).token_ids
+        assert SpeculativeEngine(wide).run(ids, params).token_ids == plain
+        drafted = SpeculativeEngine(wide, build_drafter("draft", draft), "draft").run(ids, params)
+        assert drafted.token_ids == plain and drafted.stats.accepted > 0
+    finally:
+        wide.close()
