@@ -630,12 +630,17 @@ class LlamaCppBackend(HiddenTracking):
         self._n_past = 0
 
     def _free_context(self) -> None:
+        # The handles are cleared before anything is freed: a Ctrl-C between the frees below then
+        # leaks what was left, where it once freed the batch twice when close() ran after it
+        # ("double free or corruption", during model load's flash-attention re-creation).
         lib = self._lib
-        lib.llama_batch_free(self._batch)
-        if self._tree_batch is not None:
-            lib.llama_batch_free(self._tree_batch)
-        lib.llama_free(self._ctx)
-        self._ctx = None
+        ctx, batch, tree_batch = self._ctx, self._batch, self._tree_batch
+        self._ctx = self._batch = self._tree_batch = None
+        if batch is not None:
+            lib.llama_batch_free(batch)
+        if tree_batch is not None:
+            lib.llama_batch_free(tree_batch)
+        lib.llama_free(ctx)
 
     def open_for_trees(self, tree_paths: int) -> None:
         """Re-create the context, empty, with room for trees of ``tree_paths`` paths (a unified KV
@@ -808,8 +813,8 @@ class LlamaCppBackend(HiddenTracking):
         if getattr(self, "_ctx", None):
             self._free_context()
         if getattr(self, "_model", None):
-            self._lib.llama_model_free(self._model)
-            self._model = None
+            model, self._model = self._model, None  # cleared first, as the context's handles are
+            self._lib.llama_model_free(model)
 
     def __del__(self) -> None:  # pragma: no cover - interpreter shutdown order varies
         try:

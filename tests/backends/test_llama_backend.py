@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ctypes
+
 import numpy as np
 import pytest
 
@@ -176,3 +178,32 @@ def test_a_context_that_cannot_be_reopened_leaves_the_one_it_had(model, monkeypa
     assert calls[1] == model._ctx_params.flash_attn_type  # with its old setting
     monkeypatch.undo()
     assert model.forward_argmax([1, 5, 9], [2]).shape == (1,)
+
+
+def test_a_ctrl_c_between_the_frees_never_frees_a_handle_twice(tiny_llama):
+    """Ctrl-C can land while a context is freed (model load re-creates it for flash attention);
+    close() afterwards once freed the batch again ("double free or corruption")."""
+    backend = LlamaCppBackend(tiny_llama.gguf_path, n_ctx=256, n_batch=64)
+    real = backend._lib
+    freed: list[int] = []
+
+    class Interrupted:  # llama_cpp as the backend calls it, with Ctrl-C after the first free
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def llama_batch_free(self, batch):
+            freed.append(ctypes.addressof(batch))
+            real.llama_batch_free(batch)
+            raise KeyboardInterrupt
+
+        def llama_free(self, ctx):
+            freed.append(ctx)
+            real.llama_free(ctx)
+
+    backend._lib = Interrupted()
+    with pytest.raises(KeyboardInterrupt):
+        backend.set_flash_attn(True)
+    backend._lib = real
+    backend.close()  # what runs after the interrupt: frees the model, and nothing freed already
+    assert len(freed) == len(set(freed)) == 1
+    assert backend._ctx is None and backend._model is None
