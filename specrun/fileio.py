@@ -9,6 +9,7 @@ limit: a FIFO would block forever and /dev/zero never ends.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 import errno
 import json
 import math
@@ -22,6 +23,29 @@ from specrun.errors import FileAccessError, SpecrunError
 
 MiB = 1 << 20
 _READ_CHUNK = MiB
+
+
+@contextmanager
+def updating(path: Path):
+    """Hold an exclusive lock on ``path`` (through ``.NAME.lock`` beside it) while the caller reads
+    it, changes it and writes it back: two processes saving a settings file at once (learned.json
+    after two runs) each keep the other's entries, where both read the old file and the second
+    rename dropped the first's (250 of 400 kept). Where no lock can be taken (a read-only folder,
+    a system without flock) it goes on unlocked: the write reports its own failure."""
+    try:
+        import fcntl
+
+        path = _through_symlink(Path(path))
+        path.parent.mkdir(parents=True, exist_ok=True)
+        handle = os.open(path.with_name(f".{path.name}.lock"), os.O_RDWR | os.O_CREAT, 0o666)
+    except (ImportError, OSError):
+        yield
+        return
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(handle)  # and the lock with it
 
 
 def write_atomically(

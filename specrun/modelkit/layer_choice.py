@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 from specrun.errors import SpecrunError, UsageError
-from specrun.fileio import MiB, checked_number, machine_id, read_settings_document, write_atomically
+from specrun.fileio import MiB, checked_number, machine_id, read_settings_document, updating, write_atomically
 from specrun.modelkit.selfdraft import LAYERS, SELF_PREFIX, fingerprint
 
 CHOICES_VERSION = 1
@@ -88,10 +88,11 @@ def _fix(path: Path) -> str:
 def save_choice(choice: LayerChoice, path: Path | None = None) -> Path:
     """Store ``choice`` (other targets' and machines' choices are kept); written atomically."""
     path = path or choices_path()
-    stored = _read_all(path)
-    stored[choice.key] = asdict(choice)
-    document = {"version": CHOICES_VERSION, "choices": stored}
-    return write_atomically(path, json.dumps(document, indent=2), "tuned layer choices")
+    with updating(path):  # another process's save in between is kept
+        stored = _read_all(path)
+        stored[choice.key] = asdict(choice)
+        document = {"version": CHOICES_VERSION, "choices": stored}
+        return write_atomically(path, json.dumps(document, indent=2), "tuned layer choices")
 
 
 def load_choices(path: Path | None = None) -> list[LayerChoice]:

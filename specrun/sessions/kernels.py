@@ -29,7 +29,7 @@ from pathlib import Path
 
 from specrun.errors import SpecrunError
 from specrun.fileio import (
-    MiB, checked_number, machine_id, read_settings_document, stored_entry, write_atomically,
+    MiB, checked_number, machine_id, read_settings_document, stored_entry, updating, write_atomically,
 )
 from specrun.registry.loading import LoadOptions, open_draft, open_pair
 from specrun.sessions.tuning import config_path, model_id
@@ -95,11 +95,12 @@ def load_costs(key: str, path: Path | None = None) -> FlashCosts | None:
 def save_costs(key: str, costs: FlashCosts, path: Path | None = None) -> Path:
     """Store ``costs`` (other models' are kept); written atomically."""
     path = path or kernels_path()
-    stored = _read_all(path)
-    stored[key] = {"model": costs.model, "machine": costs.machine, "threads": costs.threads,
-                   "depth": costs.depth, "on": costs.on, "off": costs.off}
-    return write_atomically(path, json.dumps({"version": KERNELS_VERSION, "flash_attn": stored}, indent=2),
-                            "kernel costs")
+    with updating(path):  # another process's save in between is kept
+        stored = _read_all(path)
+        stored[key] = {"model": costs.model, "machine": costs.machine, "threads": costs.threads,
+                       "depth": costs.depth, "on": costs.on, "off": costs.off}
+        return write_atomically(path, json.dumps({"version": KERNELS_VERSION, "flash_attn": stored}, indent=2),
+                                "kernel costs")
 
 
 def _read_all(path: Path) -> dict:

@@ -28,7 +28,7 @@ from specrun.engine.loop import GenerationParams, SpeculativeEngine
 from specrun.drafters.methods import DrafterOptions, build_drafter
 from specrun.engine.stats import Stats
 from specrun.fileio import (
-    MiB, checked_number, machine_id, read_settings_document, stored_entry, write_atomically,
+    MiB, checked_number, machine_id, read_settings_document, stored_entry, updating, write_atomically,
 )
 
 TUNE_VERSION = 2
@@ -349,9 +349,11 @@ def time_passes(target: Backend, prompt: list[int], counts, repeats: int = 7) ->
 def save(result: TuneResult, path: Path | None = None) -> Path:
     """Store a result (other pairs' results are kept); written atomically."""
     path = path or config_path()
-    stored = _read_all(path)
-    stored[result.key] = asdict(result)
-    return write_atomically(path, json.dumps({"version": TUNE_VERSION, "pairs": stored}, indent=2), "tuned settings")
+    with updating(path):  # another process's save in between is kept
+        stored = _read_all(path)
+        stored[result.key] = asdict(result)
+        return write_atomically(path, json.dumps({"version": TUNE_VERSION, "pairs": stored}, indent=2),
+                                "tuned settings")
 
 
 def load(key: str, path: Path | None = None) -> TuneResult | None:
