@@ -63,7 +63,8 @@ def test_tune_on_a_full_disk_leaves_no_temporary_file(tmp_path, monkeypatch, sav
     assert str(path) in caught.value.one_line() and "No space left" in caught.value.one_line()
     assert "free some disk space" in caught.value.fix
     assert path.read_bytes() == before
-    assert os.listdir(tmp_path) == [saved]
+    assert sorted(os.listdir(tmp_path)) == [f".{saved}.lock", saved]  # no temporary file (the lock's stays: empty)
+    assert (tmp_path / f".{saved}.lock").stat().st_size == 0
 
 
 def test_a_symlinked_ngram_cache_is_written_through_and_keeps_its_mode(tmp_path):
