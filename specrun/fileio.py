@@ -48,6 +48,36 @@ def updating(path: Path):
         os.close(handle)  # and the lock with it
 
 
+@contextmanager
+def in_use(path: Path, what: str, fix: str):
+    """Hold ``path`` for this process while it runs (a lock on ``.NAME.lock`` beside it, holding
+    the PID): a second process asking meanwhile is refused at once, one UsageError line naming the
+    first's PID, instead of both writing the same files (two `heads train` runs into one
+    --heads-out resumed each other's live checkpoint). Where no lock can be taken it goes on."""
+    from specrun.errors import UsageError
+
+    try:
+        import fcntl
+
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        handle = os.open(path.with_name(f".{path.name}.lock"), os.O_RDWR | os.O_CREAT, 0o666)
+    except (ImportError, OSError):
+        yield
+        return
+    try:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(handle, 32, 0).decode("ascii", "replace").strip() or "unknown"
+            raise UsageError(f"{what} {path} is in use by another specrun (PID {holder})", fix) from None
+        os.ftruncate(handle, 0)
+        os.pwrite(handle, str(os.getpid()).encode(), 0)
+        yield
+    finally:
+        os.close(handle)  # and the lock with it
+
+
 def write_atomically(
     path: Path,
     data: bytes | str,

@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from specrun.errors import FileAccessError, SpecrunError, UsageError
-from specrun.fileio import check_writable_folder, write_atomically
+from specrun.fileio import check_writable_folder, in_use, write_atomically
 from specrun.heads.config import HeadsConfig, training_layer_ids
 from specrun.heads.kinds import BY_NAME, TRAINABLE_KINDS, WINDOW_KINDS
 from specrun.training.data import (
@@ -275,14 +275,15 @@ def train_heads(
     else:
         check_heads_file(out)
         check_writable_folder(out, "heads file")
-    check_checkpoint_folder(checkpoint_folder(out))
-    target, trainer_class = open_heads_target(request)
-    try:
-        run = _Run(request, target, out, on_progress or (lambda progress: None), on_note or (lambda note: None),
-                   max_steps, checkpoint_seconds, trainer_class)
-        return run.train(texts, prompts)
-    finally:
-        target.close()
+    with in_use(out, "--heads-out", "wait for that run to end, or pass another --heads-out"):
+        check_checkpoint_folder(checkpoint_folder(out))
+        target, trainer_class = open_heads_target(request)
+        try:
+            run = _Run(request, target, out, on_progress or (lambda progress: None), on_note or (lambda note: None),
+                       max_steps, checkpoint_seconds, trainer_class)
+            return run.train(texts, prompts)
+        finally:
+            target.close()
 
 
 def open_heads_target(request: HeadsTrainRequest):

@@ -371,3 +371,18 @@ def test_gathering_stops_at_the_deadline_when_continuations_come_back_empty(monk
     with pytest.raises(SpecrunError, match="only 0 window"):
         run._gather(None, ["a", "b", "c", "d"])
     assert calls == [True]
+
+
+@pytest.mark.parametrize("kind", ["medusa", "eagle3"])
+def test_a_heads_out_another_run_is_training_is_refused_naming_it(kind, tmp_path):
+    """Two runs into one --heads-out: the second resumed the first's live checkpoint and both
+    wrote it. Now the second is one line naming the first's PID, and touches nothing."""
+    import os
+
+    from specrun.fileio import in_use
+
+    out = tmp_path / ("model" if kind == "eagle3" else "model.safetensors")
+    with in_use(out, "--heads-out", "wait"):  # what the first run holds while it trains
+        line = one_line_error(invoke("--kind", kind, "--heads-out", str(out), "--max-steps", "2"), 2)
+    assert f"in use by another specrun (PID {os.getpid()})" in line and "--heads-out" in line
+    assert not out.exists() and not checkpoint_folder(out).exists()
