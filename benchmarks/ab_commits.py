@@ -9,7 +9,10 @@ interval, and checks that both sides emit the same tokens.
 
     .venv/bin/python benchmarks/ab_commits.py --before 99931c8 [--after HEAD] \
         [--target demo-target --draft demo-draft] [--spec-bench-per-category 5] [-n 128] \
-        [--repeats 1]
+        [--repeats 1] [--methods none,lookup,...]
+
+Head methods (medusa, hydra, eagle) draft with the heads found for the target, as `specrun
+generate` finds them (the demo target's ship in the package).
 
 --repeats R runs every prompt R times a side (A and B still interleaved, the order rotated per
 run) and takes each prompt's ratio as the geometric mean of its R: the built-in suite's 40-60 ms
@@ -51,7 +54,21 @@ target_name, draft_name, methods, n_new, threads, patch = json.loads(sys.argv[1]
 if patch:  # an experiment: this side runs the file first (e.g. a rule switched off)
     exec(open(patch).read())
 target, draft = open_pair(target_name, draft_name, LoadOptions(threads=threads))
-engines = {m: SpeculativeEngine(target, build_drafter(m, draft), m) for m in methods}
+from specrun.drafters.methods import DrafterOptions, needs_heads
+try:
+    from specrun.sessions.heads import load_heads_for_methods
+except ImportError:  # the layout before issue 48
+    from specrun.sessions.generation import load_heads_for_methods
+
+
+def options_for(method):
+    """A head method's heads, found for the target as `specrun generate` finds them."""
+    if not needs_heads(method):
+        return None
+    return DrafterOptions(heads=load_heads_for_methods(target_name, None, target, [method]))
+
+
+engines = {m: SpeculativeEngine(target, build_drafter(m, draft, options_for(m)), m) for m in methods}
 print("ready", flush=True)
 for line in sys.stdin:
     text, method = json.loads(line)
