@@ -123,7 +123,7 @@ def derive_once(target: Path, write: Callable[[Path], None]) -> Path:
         try:
             write(tmp)
             if tmp.is_file():
-                _write_record(tmp, _sum_path(scratch / target.name))
+                _write_record(tmp, _sum_path(tmp))
         except OSError as exc:
             raise _no_room(target, exc) from None
         try:
@@ -171,9 +171,10 @@ def _sha256(path: Path) -> str:
 
 def derived_file_intact(path: Path) -> bool:
     """Is the derived file ``path`` what was written? Its size and time as recorded: yes, at the
-    cost of a stat (a checksum of a 1 GB target costs ~1.5 s a load here); changed since, or no
-    record (a file derived before records were kept): its SHA-256 decides, and an intact file's
-    record is brought up to date, so the checksum runs once a change."""
+    cost of a stat (a checksum of a 1 GB target costs ~1.5 s a load here). Changed since: its
+    SHA-256 against the record's decides, and an intact file's record is brought up to date, so
+    the checksum runs once a change. No record, or a damaged one (a file derived before records
+    were kept): taken as it is, and recorded (a load that fails still derives it again)."""
     record_path = _sum_path(path)
     checksum = None
     try:
