@@ -101,6 +101,8 @@ def parse_registry(path: Path) -> dict[str, ModelEntry]:
         raise _toml_error(path, text, exc) from None
     except RecursionError:
         raise RegistryError(f"{path} is not valid TOML: it nests too deeply", "fix the syntax") from None
+    except ValueError:  # tomllib's integers past Python's 4,300 digits (its own hint names a Python call)
+        raise RegistryError(f"{path} holds a number of more than 4300 digits", "write a number of a sane size") from None
     unknown_tables = set(data) - {"models"}
     if unknown_tables:
         raise RegistryError(

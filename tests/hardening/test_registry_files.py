@@ -23,8 +23,10 @@ GOOD_ENTRY = '[models.mine]\ngguf_path = "/models/mine.gguf"\nfamily = "llama3"\
         (GOOD_ENTRY.encode() + b"size_gb = -1.5\n", "'size_gb' must be a positive number"),
         (GOOD_ENTRY.encode() + b"size_gb = inf\n", "'size_gb' must be a positive number"),
         (GOOD_ENTRY.encode() + b"drafts = " + b"[" * 50_000 + b"]" * 50_000 + b"\n", "not valid TOML"),
+        # past Python's 4,300 digits: was an internal error ending in "use sys.set_int_max_str_digits()"
+        (GOOD_ENTRY.encode() + b"context = 1" + b"0" * 5000 + b"\n", "a number of more than 4300 digits"),
     ],
-    ids=["latin-1", "utf-16", "negative context", "negative size", "infinite size", "deep nesting"],
+    ids=["latin-1", "utf-16", "negative context", "negative size", "infinite size", "deep nesting", "huge number"],
 )
 def test_bad_registry_files_name_the_file_and_the_fix(tmp_path, contents, fragment):
     path = tmp_path / "models.toml"
