@@ -25,22 +25,31 @@ MiB = 1 << 20
 _READ_CHUNK = MiB
 
 
+def _lock_file(path: Path) -> int | None:
+    """An open handle on ``path``'s lock file (``.NAME.lock`` beside it), or None where no lock can
+    be taken (a read-only folder, a system without flock): callers then go on unlocked."""
+    try:
+        import fcntl  # noqa: F401 - only where flock exists
+
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return os.open(path.with_name(f".{path.name}.lock"), os.O_RDWR | os.O_CREAT, 0o666)
+    except (ImportError, OSError):
+        return None
+
+
 @contextmanager
 def updating(path: Path):
     """Hold an exclusive lock on ``path`` (through ``.NAME.lock`` beside it) while the caller reads
     it, changes it and writes it back: two processes saving a settings file at once (learned.json
     after two runs) each keep the other's entries, where both read the old file and the second
-    rename dropped the first's (250 of 400 kept). Where no lock can be taken (a read-only folder,
-    a system without flock) it goes on unlocked: the write reports its own failure."""
-    try:
-        import fcntl
-
-        path = _through_symlink(Path(path))
-        path.parent.mkdir(parents=True, exist_ok=True)
-        handle = os.open(path.with_name(f".{path.name}.lock"), os.O_RDWR | os.O_CREAT, 0o666)
-    except (ImportError, OSError):
+    rename dropped the first's (250 of 400 kept). Where no lock can be taken it goes on unlocked:
+    the write reports its own failure."""
+    handle = _lock_file(_through_symlink(Path(path)))
+    if handle is None:
         yield
         return
+    import fcntl
+
     try:
         fcntl.flock(handle, fcntl.LOCK_EX)
         yield
@@ -56,15 +65,13 @@ def in_use(path: Path, what: str, fix: str):
     --heads-out resumed each other's live checkpoint). Where no lock can be taken it goes on."""
     from specrun.errors import UsageError
 
-    try:
-        import fcntl
-
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        handle = os.open(path.with_name(f".{path.name}.lock"), os.O_RDWR | os.O_CREAT, 0o666)
-    except (ImportError, OSError):
+    path = Path(path)
+    handle = _lock_file(path)
+    if handle is None:
         yield
         return
+    import fcntl
+
     try:
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
