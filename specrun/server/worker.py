@@ -336,15 +336,14 @@ class PairWorker:
 
     def _prompt_ids(self, request: CompletionRequest) -> list[int]:
         from specrun.sessions.setup import prompt_token_ids
-        from specrun.sessions.templates import message_spans, tokenize_rendered
+        from specrun.sessions.templates import render_with_spans, tokenize_rendered
 
         session = self.session
         target = session.target
         param = "messages" if request.is_chat else "prompt"
         if request.is_chat:
-            messages = list(request.messages)
-            text = session.template.render(messages, add_generation_prompt=True)
-            prompt_ids = tokenize_rendered(target, session.template, text, message_spans(text, messages))
+            text, spans = render_with_spans(session.template, list(request.messages))
+            prompt_ids = tokenize_rendered(target, session.template, text, spans)
         elif isinstance(request.prompt, str):
             prompt_ids = prompt_token_ids(target, request.prompt, chat=False)
         else:

@@ -65,7 +65,7 @@ from specrun.drafters.methods import (
     uses_lookahead,
 )
 from specrun.engine.stats import Stats
-from specrun.sessions.templates import ChatTemplate, message_spans, tokenize_rendered
+from specrun.sessions.templates import ChatTemplate, render_with_spans, tokenize_rendered
 
 # What a lookahead window's pass-cost probe feeds first where the chat has no system prompt.
 PROBE_TEXT = "You are a helpful assistant. Answer the question below clearly and briefly."
@@ -338,9 +338,8 @@ class ChatSession:
     def _prompt(self, messages: list[dict[str, str]]) -> tuple[str, list[int]]:
         """The rendered prompt for ``messages`` and its token ids, extending the transcript's when possible."""
         conversation = self._with_system(messages)
-        text = self.template.render(conversation, add_generation_prompt=True)
         # The template's markers (<|im_start|>) become their tokens; what was typed stays text.
-        spans = message_spans(text, conversation)
+        text, spans = render_with_spans(self.template, conversation)
         seen = self.transcript
         if seen.token_ids and text.startswith(seen.text):
             added = tokenize_rendered(self.target, self.template, text, spans, start=len(seen.text))

@@ -264,12 +264,64 @@ class ChatTemplate:
         return "".join(pieces)
 
 
-def message_spans(text: str, messages: Sequence[dict[str, str]]) -> list[tuple[int, int]]:
-    """Where each message's content stands in ``text`` (a rendering of ``messages``), in order.
+def render_with_spans(template: ChatTemplate, messages: Sequence[dict[str, str]],
+                      add_generation_prompt: bool = True) -> tuple[str, list[tuple[int, int]]]:
+    """``messages`` rendered, and where each message's content stands in the text, in order.
 
-    Found by searching for each content after the previous one; a template that rewrote
-    a content (stripped it, say) is matched on the stripped text, and one it dropped or
-    transformed otherwise has no span.
+    The template is rendered a second time with each content replaced by a marker of its own
+    that no text holds; the pieces between the markers are the template's own text, so each
+    content is placed exactly, even where it repeats the template's text (a message that is
+    ``<|im_end|>``, or ``<|im_start|>system``). A template that rendered the markers otherwise
+    than the contents (one that branches on a message's text, or repeats it) is matched by
+    searching instead (:func:`message_spans`).
+    """
+    text = template.render(messages, add_generation_prompt)
+    marked = [{**message, "content": _MARKER.format(i)} if isinstance(message.get("content"), str) else message
+              for i, message in enumerate(messages)]
+    try:
+        skeleton = template.render(marked, add_generation_prompt)
+    except ChatTemplateError:
+        return text, message_spans(text, messages)
+    spans = _placed_spans(text, skeleton, messages)
+    return text, spans if spans is not None else message_spans(text, messages)
+
+
+# private-use characters, which no template's own text holds (typed text never enters the skeleton)
+_MARKER = "\ue000specrun-message-{}\ue001"
+_MARKER_RE = re.compile("\ue000specrun-message-(\\d+)\ue001")
+
+
+def _placed_spans(text: str, skeleton: str, messages: Sequence[dict[str, str]]) -> list[tuple[int, int]] | None:
+    """The contents' spans in ``text`` where ``skeleton`` (the same rendering with markers for the
+    contents) is ``text`` with each marker standing for its content, as is or stripped; else None."""
+    pieces = _MARKER_RE.split(skeleton)  # template text, message index, template text, …
+    literals, indices = pieces[0::2], [int(i) for i in pieces[1::2]]
+    if len(set(indices)) != len(indices) or indices != sorted(indices) or any(i >= len(messages) for i in indices):
+        return None
+    spans, at = [], 0
+    for literal, index, following in zip(literals, indices, literals[1:]):
+        if not text.startswith(literal, at):
+            return None
+        at += len(literal)
+        content = messages[index]["content"]
+        for candidate in dict.fromkeys((content, content.strip())):
+            if text.startswith(candidate + following, at):
+                if candidate:  # an empty content has nothing to protect
+                    spans.append((at, at + len(candidate)))
+                at += len(candidate)
+                break
+        else:
+            return None
+    return spans if text[at:] == literals[-1] else None
+
+
+def message_spans(text: str, messages: Sequence[dict[str, str]]) -> list[tuple[int, int]]:
+    """Where each message's content stands in ``text`` (a rendering of ``messages``), in order,
+    found by searching for each content after the previous one: the fallback of
+    :func:`render_with_spans` for templates that transform what they are given.
+
+    A template that rewrote a content (stripped it, say) is matched on the stripped text, and one
+    it dropped or transformed otherwise has no span.
     """
     spans, start = [], 0
     for message in messages:
@@ -287,9 +339,8 @@ def render_user_prompt(backend: Backend, user_text: str) -> tuple[str, list[int]
     """One user message in ``backend``'s chat template (its default system prompt, if the
     template has one, included), as text and token ids: what ``generate`` and ``bench`` send."""
     template = ChatTemplate.for_backend(backend)
-    messages = [{"role": "user", "content": user_text}]
-    text = template.render(messages, add_generation_prompt=True)
-    return text, tokenize_rendered(backend, template, text, message_spans(text, messages))
+    text, spans = render_with_spans(template, [{"role": "user", "content": user_text}])
+    return text, tokenize_rendered(backend, template, text, spans)
 
 
 def tokenize_rendered(backend: Backend, template: ChatTemplate, text: str,

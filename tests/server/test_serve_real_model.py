@@ -36,3 +36,14 @@ def test_chat_completions_equal_specrun_chat(smollm2_server, system):
         chunks = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=MAX_TOKENS,
                                                 temperature=0, stream=True)
         assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == answer["text"]
+
+
+@pytest.mark.parametrize("typed", ["<|im_end|>", "<|im_start|>system"])
+def test_a_message_that_is_a_template_marker_is_text_as_in_generate(smollm2_server, typed):
+    """The server tokenizes a typed marker as text, as `specrun generate` does: the same prompt
+    tokens and the same answer (a control token there would end or restart the turn)."""
+    [expected] = specrun_json("generate", "-", "-n", str(MAX_TOKENS), *ARGS, stdin=typed)
+    reply = smollm2_server.client().chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": typed}], max_tokens=MAX_TOKENS, temperature=0)
+    assert reply.usage.prompt_tokens == expected["stats"]["prompt_tokens"]
+    assert reply.choices[0].message.content == expected["text"]
