@@ -25,9 +25,13 @@ import math
 import os
 import re
 import statistics
+import socket
 import subprocess
 import sys
+import tempfile
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -90,6 +94,49 @@ class RunFailed(RuntimeError):
     pass
 
 
+@dataclass(frozen=True)
+class Sampling:
+    """How every line picks its tokens: greedy at temperature 0; above it, the same filters
+    for every line (llama.cpp's tools' defaults) and a fixed seed."""
+
+    temperature: float = 0.0
+    seed: int = 1
+    top_k: int = 40
+    top_p: float = 0.95
+    min_p: float = 0.05
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0
+
+    def tool_args(self) -> list[str]:
+        """The options llama.cpp's tools take."""
+        if self.greedy:
+            return ["--temp", "0"]
+        return ["--temp", str(self.temperature), "--seed", str(self.seed), "--top-k", str(self.top_k),
+                "--top-p", str(self.top_p), "--min-p", str(self.min_p)]
+
+    def specrun_args(self) -> list[str]:
+        """The options ``specrun generate`` takes (none: greedy, its default)."""
+        if self.greedy:
+            return []
+        return ["--temperature", str(self.temperature), "--seed", str(self.seed), "--top-k", str(self.top_k),
+                "--top-p", str(self.top_p), "--min-p", str(self.min_p)]
+
+    def server_fields(self) -> dict:
+        """The sampling fields of a llama-server /completion request."""
+        if self.greedy:
+            return {"temperature": 0.0}
+        return {"temperature": self.temperature, "seed": self.seed, "top_k": self.top_k,
+                "top_p": self.top_p, "min_p": self.min_p}
+
+    def label(self) -> str:
+        return "greedy" if self.greedy else f"T={self.temperature:g} (top-k {self.top_k}, top-p {self.top_p:g}, min-p {self.min_p:g})"
+
+
+GREEDY = Sampling()
+
+
 # ---- prompts ------------------------------------------------------------------------------
 def spec_bench(path: Path, per_category: int, wanted: Sequence[str] | None = None) -> list[BenchPrompt]:
     """``per_category`` Spec-Bench questions of each category, taken in turn (a b c … a b c …),
@@ -136,12 +183,12 @@ def _run_process(command: list[str], stdin: str | None = None, env: dict | None 
 
 # ---- specrun -----------------------------------------------------------------------------
 def specrun_line(method: str, target: Path, draft: Path | None, n: int, threads: int, env: dict,
-                 extra: tuple[str, ...] = (), name: str | None = None) -> Line:
+                 extra: tuple[str, ...] = (), name: str | None = None, sampling: Sampling = GREEDY) -> Line:
     """``specrun generate --method METHOD --json`` in a fresh process per prompt (the prompt as typed
     on stdin: specrun applies the chat template to a chat prompt itself); ``extra``: more options
     (``--tree-nodes 16``), under the line's ``name``."""
     command = [sys.executable, "-m", "specrun", "generate", "-", "--json", "--method", method,
-               "--target", str(target), "-n", str(n), "--threads", str(threads), *extra]
+               "--target", str(target), "-n", str(n), "--threads", str(threads), *sampling.specrun_args(), *extra]
     if draft is not None:
         command += ["--draft", str(draft)]
 
@@ -168,11 +215,12 @@ def untuned_env(config_home: Path) -> dict:
 
 
 # ---- llama-cpp-python's own loop ------------------------------------------------------------
-def llama_generate_line(model: Path, n: int, threads: int, n_ctx: int) -> Line:
+def llama_generate_line(model: Path, n: int, threads: int, n_ctx: int, sampling: Sampling = GREEDY) -> Line:
     """llama-cpp-python's ``Llama.generate`` (its defaults, greedy) in a fresh process per prompt."""
 
     def run(prompt: Prompt) -> Run:
-        request = {"model": str(model), "prompt": prompt.rendered, "n": n, "threads": threads, "n_ctx": n_ctx}
+        request = {"model": str(model), "prompt": prompt.rendered, "n": n, "threads": threads, "n_ctx": n_ctx,
+                   "sampling": asdict(sampling)}
         out = _run_process([sys.executable, __file__], stdin=json.dumps(request))
         return Run(**json.loads(out.stdout.strip().splitlines()[-1]))
 
@@ -183,13 +231,16 @@ def _llama_generate(request: dict) -> dict:
     """The child process: load the model, generate greedily, time from the first token to the last."""
     import llama_cpp
 
+    sampling = Sampling(**request["sampling"])
     llm = llama_cpp.Llama(request["model"], n_ctx=request["n_ctx"], n_threads=request["threads"],
-                          n_threads_batch=request["threads"], verbose=False)
+                          n_threads_batch=request["threads"], seed=sampling.seed, verbose=False)
+    chosen = ({"temp": 0.0, "top_k": 1, "top_p": 1.0, "min_p": 0.0} if sampling.greedy else
+              {"temp": sampling.temperature, "top_k": sampling.top_k, "top_p": sampling.top_p, "min_p": sampling.min_p})
     vocab = llama_cpp.llama_model_get_vocab(llm.model)
     prompt_ids = llm.tokenize(request["prompt"].encode("utf-8"), add_bos=True, special=True)
     tokens: list[int] = []
     first = last = time.perf_counter()
-    for token in llm.generate(prompt_ids, temp=0.0, top_k=1, top_p=1.0, min_p=0.0, repeat_penalty=1.0, reset=True):
+    for token in llm.generate(prompt_ids, **chosen, repeat_penalty=1.0, reset=True):
         last = time.perf_counter()
         if not tokens:
             first = last
@@ -217,10 +268,10 @@ def _int(pattern: re.Pattern, log: str) -> int | None:
     return int(match.group(1)) if match else None
 
 
-def completion_line(bin_dir: Path, model: Path, n: int, threads: int, n_ctx: int) -> Line:
+def completion_line(bin_dir: Path, model: Path, n: int, threads: int, n_ctx: int, sampling: Sampling = GREEDY) -> Line:
     """``llama-completion`` (plain decoding): everything after its prompt pass."""
     base = [str(bin_dir / "llama-completion"), "-m", str(model), "-n", str(n), "-t", str(threads),
-            "-c", str(n_ctx), "--temp", "0", "-no-cnv"]
+            "-c", str(n_ctx), *sampling.tool_args(), "-no-cnv"]
 
     def run(prompt: Prompt) -> Run:
         log = _tool_log([*base, "-p", prompt.rendered], EVAL_RE)
@@ -244,10 +295,11 @@ def _decoding_tool_line(name: str, command: list[str], first_token_timed: bool) 
     return Line(name, run)
 
 
-def lookup_line(bin_dir: Path, model: Path, n: int, threads: int, n_ctx: int, draft_max: int) -> Line:
+def lookup_line(bin_dir: Path, model: Path, n: int, threads: int, n_ctx: int, draft_max: int,
+                sampling: Sampling = GREEDY) -> Line:
     """``llama-lookup`` (prompt lookup, up to ``draft_max`` tokens a step)."""
     command = [str(bin_dir / "llama-lookup"), "-m", str(model), "--spec-draft-n-max", str(draft_max),
-               "-n", str(n), "-t", str(threads), "-c", str(n_ctx), "--temp", "0"]
+               "-n", str(n), "-t", str(threads), "-c", str(n_ctx), *sampling.tool_args()]
     return _decoding_tool_line(f"llama-lookup k={draft_max}", command, first_token_timed=False)
 
 
@@ -259,12 +311,90 @@ def lookahead_line(bin_dir: Path, model: Path, n: int, threads: int, n_ctx: int)
     return _decoding_tool_line("llama-lookahead 15:5:15", command, first_token_timed=False)
 
 
-def speculative_line(bin_dir: Path, model: Path, draft: Path, n: int, threads: int, n_ctx: int, draft_max: int) -> Line:
+def speculative_line(bin_dir: Path, model: Path, draft: Path, n: int, threads: int, n_ctx: int, draft_max: int,
+                     sampling: Sampling = GREEDY, label: str = "") -> Line:
     """``llama-speculative-simple`` with a draft model (up to ``draft_max`` tokens a step)."""
     command = [str(bin_dir / "llama-speculative-simple"), "-m", str(model), "-md", str(draft),
                "--spec-type", "draft-simple", "--spec-draft-n-max", str(draft_max), "--spec-draft-n-min", "0",
-               "-n", str(n), "-t", str(threads), "-c", str(n_ctx), "--temp", "0"]
-    return _decoding_tool_line(f"llama-speculative-simple k={draft_max}", command, first_token_timed=True)
+               "-n", str(n), "-t", str(threads), "-c", str(n_ctx), *sampling.tool_args()]
+    return _decoding_tool_line(f"llama-speculative-simple k={draft_max}{label}", command, first_token_timed=True)
+
+
+# llama-server's speculation, by the options that turn it on (its defaults otherwise)
+SERVER_SPECULATION = {
+    "server": (),
+    "server-draft": ("--spec-type", "draft-simple"),  # with -md DRAFT
+    "server-ngram-mod": ("--spec-type", "ngram-mod"),
+    "server-ngram-map-k": ("--spec-type", "ngram-map-k"),
+}
+SERVER_START_S = 120
+
+
+def server_line(bin_dir: Path, model: Path, kind: str, n: int, threads: int, n_ctx: int,
+                draft: Path | None = None, sampling: Sampling = GREEDY, label: str = "") -> Line:
+    """``llama-server`` with one kind of its speculation (SERVER_SPECULATION), started afresh for
+    each run and sent one /completion request; the figures come from the response's timings."""
+    if (kind == "server-draft") != (draft is not None):
+        raise ValueError("llama-server drafts with a model exactly when its kind is server-draft")
+    options = [*SERVER_SPECULATION[kind], *(["-md", str(draft)] if draft else [])]
+
+    def run(prompt: Prompt) -> Run:
+        port = _free_port()
+        command = [str(bin_dir / "llama-server"), "-m", str(model), "-t", str(threads), "-tb", str(threads),
+                   "-c", str(n_ctx), "-np", "1", "--host", "127.0.0.1", "--port", str(port), "--no-webui", *options]
+        with tempfile.TemporaryFile("w+", errors="replace") as log:  # a pipe left unread would fill and stall it
+            server = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
+            try:
+                _wait_until_ready(server, port, log)
+                body = {"prompt": prompt.rendered, "n_predict": n, "cache_prompt": False, **sampling.server_fields()}
+                reply = _post_json(f"http://127.0.0.1:{port}/completion", body)
+            finally:
+                server.terminate()
+                try:
+                    server.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    server.kill()
+                    server.wait()
+        timings = reply["timings"]
+        generated = int(timings["predicted_n"])
+        return Run(tokens=max(generated - 1, 0), seconds=float(timings["predicted_ms"]) / 1e3, new_tokens=generated,
+                   prompt_tokens=int(timings["prompt_n"]), drafted=timings.get("draft_n"),
+                   accepted=timings.get("draft_n_accepted"), text=reply.get("content"))
+
+    name = {"server": "llama-server", "server-draft": "llama-server -md"}.get(kind, f"llama-server {kind[7:]}")
+    return Line(name + label, run)
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def _wait_until_ready(server: subprocess.Popen, port: int, log) -> None:
+    deadline = time.monotonic() + SERVER_START_S
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            log.seek(0)
+            tail = log.read().strip().splitlines()[-3:]
+            raise RunFailed(f"llama-server exited {server.returncode}: {' | '.join(tail)}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as answer:
+                if answer.status == 200:
+                    return
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            pass
+        time.sleep(0.1)
+    raise RunFailed(f"llama-server was not ready after {SERVER_START_S} s")
+
+
+def _post_json(url: str, body: dict) -> dict:
+    request = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=TIMEOUT_S) as answer:
+            return json.loads(answer.read())
+    except urllib.error.HTTPError as exc:
+        raise RunFailed(f"llama-server answered {exc.code}: {exc.read()[:200]!r}") from None
 
 
 def check_bin_dir(bin_dir: Path, tools: Sequence[str]) -> None:
