@@ -85,6 +85,9 @@ def check_gguf_file(path: Path) -> None:
         raise ModelFileError(f"model file not found: {path}", "check the path or run `specrun models list`")
     if path.is_dir():
         raise ModelFileError(f"{path} is a directory, not a GGUF file", "pass the .gguf file inside it")
+    if not path.is_file():  # opening a FIFO waits for a writer for ever
+        raise ModelFileError(f"{path} is not a regular file (a FIFO, a socket or a device)",
+                             "pass the .gguf model file itself")
     try:
         with path.open("rb") as handle:
             magic = handle.read(4)

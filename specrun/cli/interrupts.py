@@ -21,7 +21,7 @@ its own traceback.
 from __future__ import annotations
 
 import _thread
-import os
+import contextlib
 import signal
 import sys
 import time
@@ -72,3 +72,18 @@ def _redelivering(previous):
 
     hook.redelivers_interrupts = True
     return hook
+
+
+@contextlib.contextmanager
+def terminate_as_interrupt():
+    """SIGTERM inside the block ends the command as Ctrl-C does, through the ``finally`` clauses
+    that remove what it was writing (the default action kills the process where it stands, and
+    left a conversion's scratch folder behind)."""
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)

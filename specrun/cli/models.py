@@ -17,8 +17,10 @@ import typer
 from rich.table import Table
 
 from specrun.cli.common import PipeConsole, cli_errors
+from specrun.cli.interrupts import terminate_as_interrupt
 from specrun.cli.options import BackendOpt, DraftOpt, JsonOpt, RegistryOpt, TargetOpt
-from specrun.errors import SpecrunError, UsageError
+from specrun.errors import FileAccessError, SpecrunError, UsageError
+from specrun.fileio import check_writable_folder
 from specrun.registry.hub import (
     SOURCE_KINDS,
     CacheStatus,
@@ -145,14 +147,30 @@ def convert(
             raise UsageError(f"unknown --dtype {dtype!r}", f"use one of: {', '.join(MLX_DTYPES)}")
         check_gguf_file(model_file)
         dest = out or model_file.with_name(f"{model_file.stem}-mlx")
-        if dest.exists() and not (dest.is_dir() and not any(dest.iterdir())):
-            raise UsageError(f"{dest} already exists", "remove it or pass another --out")
-        if dest.exists():
-            dest.rmdir()  # an empty folder: the finished one takes its place
+        _check_out_folder(dest)
         typer.echo(f"converting {model_file} to MLX ({dtype})", err=True)
-        # Written beside dest and renamed at the end: a failure leaves no half-written folder.
-        derive_once(dest, lambda scratch: convert_gguf_to_mlx(model_file, scratch, mlx_dtype=dtype))
+        # Written beside dest and renamed at the end: a failure, Ctrl-C or SIGTERM leaves no
+        # half-written folder.
+        with terminate_as_interrupt():
+            derive_once(dest, lambda scratch: convert_gguf_to_mlx(model_file, scratch, mlx_dtype=dtype))
         typer.echo(str(dest))
+
+
+def _check_out_folder(dest: Path) -> None:
+    """Before converting anything: ``dest`` is a folder convert can create (an empty folder there
+    is replaced); a link, a full folder, a path under a file or a read-only place is one line."""
+    fix = "pass another --out"
+    if dest.is_symlink():
+        raise UsageError(f"--out {dest} is a symbolic link", "pass the path of the folder to create itself")
+    if dest.exists() and not (dest.is_dir() and not any(dest.iterdir())):
+        raise UsageError(f"{dest} already exists", f"remove it or {fix}")
+    if not dest.exists():
+        check_writable_folder(dest, "output folder", fix)
+        return
+    try:
+        dest.rmdir()  # an empty folder: the finished one takes its place
+    except OSError as exc:
+        raise FileAccessError(f"cannot replace the empty folder {dest}: {exc.strerror or exc}", fix) from None
 
 
 def _kind_for(backend: str, spec: str, entry: ModelEntry, entries: dict[str, ModelEntry]) -> str:

@@ -46,6 +46,12 @@ class TargetCosts:
     STALE_TOLERANCE = 0.03
     REBUILD_EVERY = 16  # passes after which the table is rebuilt anyway (the counts have aged)
     SWITCH_WEIGHT = 0.2  # blend weight of one pass in the switch-back estimates
+    # Costs preloaded from a file are a hint, not a measurement: the first pass timed at a
+    # preloaded length that differs from it by more than this factor either way shows the file
+    # wrong for this machine (another machine's, a busy one's, an edited one's: 1e9 s a pass made
+    # every later run 5x slower, and a length never chosen was never timed again), and every
+    # preloaded cost not yet timed is dropped. Timing noise here drifts by up to 25%.
+    PRELOAD_DISTRUST = 3.0
 
     def __init__(self) -> None:
         self.seconds: dict[int, float] = {}  # tokens fed -> decayed mean seconds; write through observe/preload
@@ -59,6 +65,7 @@ class TargetCosts:
         self.switch_seconds = 0.0
         self.switch_back = 0.0
         self._charge_built = 0.0  # the switch_charge the controllers' rates last saw
+        self._preloaded: set[int] = set()  # lengths whose cost came from a file and is not yet timed here
 
     @property
     def switch_charge(self) -> float:
@@ -102,6 +109,8 @@ class TargetCosts:
 
     def observe(self, n_tokens: int, seconds: float) -> None:
         """One pass over ``n_tokens`` took ``seconds``."""
+        if n_tokens in self._preloaded:
+            self._check_preload(n_tokens, seconds)
         old = self.seconds.get(n_tokens)
         if old is not None and self.counts.get(n_tokens, 0.0) >= 2.0:
             seconds = min(seconds, old * self.SPIKE_CAP)
@@ -124,10 +133,26 @@ class TargetCosts:
         self._table = None
 
     def preload(self, seconds: dict[int, float]) -> None:
-        """Start from costs measured earlier (``specrun tune``) instead of exploring."""
+        """Start from costs measured earlier (``specrun tune``) instead of exploring; each stands
+        until a pass at its length is timed, and all of them fall if that pass contradicts it."""
         self.seconds.update(seconds)
         for n in seconds:
             self.counts[n] = max(self.counts.get(n, 0.0), 1.0)
+        self._preloaded |= set(seconds)
+        self.version += 1
+        self._table = None
+
+    def _check_preload(self, n_tokens: int, seconds: float) -> None:
+        """The first pass timed at a preloaded length: keep the preload where it agrees, else drop
+        every preloaded cost still untimed, this one included."""
+        preloaded = self.seconds[n_tokens]
+        self._preloaded.discard(n_tokens)
+        if preloaded / self.PRELOAD_DISTRUST <= seconds <= preloaded * self.PRELOAD_DISTRUST:
+            return
+        for n in (n_tokens, *self._preloaded):
+            self.seconds.pop(n, None)
+            self.counts.pop(n, None)
+        self._preloaded.clear()
         self.version += 1
         self._table = None
 

@@ -126,6 +126,11 @@ def derive_once(target: Path, write: Callable[[Path], None]) -> Path:
                 _write_record(tmp, _sum_path(tmp))
         except OSError as exc:
             raise _no_room(target, exc) from None
+        except Exception as exc:  # a writer's own error for a failed write (safetensors' I/O error)
+            failed = _os_error_in(exc)
+            if failed is None:
+                raise
+            raise _no_room(target, failed) from None
         try:
             if tmp.is_file():
                 os.replace(_sum_path(tmp), _sum_path(target))  # the record first: a file never lacks one
@@ -139,14 +144,29 @@ def derive_once(target: Path, write: Callable[[Path], None]) -> Path:
 
 
 def _no_room(target: Path, exc: OSError) -> ModelFileError:
-    """The one line for a derived model that cannot be written (a full disk, a read-only cache)."""
-    where = cache_dir()
+    """The one line for a derived model that cannot be written (a full disk, a read-only cache;
+    outside the cache, `models convert --out`, a read-only or full folder of the user's)."""
+    cache = cache_dir()
+    in_cache = target.resolve().is_relative_to(cache.resolve())
+    where = cache if in_cache else target.parent
+    elsewhere = "set SPECRUN_CACHE to a folder with room" if in_cache else "write it to another folder"
     short_write = exc.errno is None and re.fullmatch(r"\d+ requested and \d+ written", str(exc))  # NumPy's tofile
     if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG) or short_write:
-        return ModelFileError(f"no room to derive {target.name} in {where} ({exc.strerror or exc})",
-                              "free some disk space, or set SPECRUN_CACHE to a folder with room")
-    return ModelFileError(f"cannot derive {target.name} in {where}: {exc.strerror or exc}",
-                          "check that the folder is writable, or set SPECRUN_CACHE to one that is")
+        return ModelFileError(f"no room to write {target.name} in {where} ({exc.strerror or exc})",
+                              f"free some disk space, or {elsewhere}")
+    writable = "set SPECRUN_CACHE to one that is" if in_cache else "write it to another folder"
+    return ModelFileError(f"cannot write {target.name} in {where}: {exc.strerror or exc}",
+                          f"check that the folder is writable, or {writable}")
+
+
+def _os_error_in(exc: Exception) -> OSError | None:
+    """The operating system's error inside a library's own exception, where its message names one
+    (safetensors: "Error while serializing: I/O error: File too large (os error 27)")."""
+    found = re.search(r"\(os error (\d+)\)", str(exc))
+    if found is None:
+        return None
+    number = int(found.group(1))
+    return OSError(number, os.strerror(number))
 
 
 def _sum_path(path: Path) -> Path:

@@ -222,6 +222,9 @@ def entry_for(spec: str, entries: dict[str, ModelEntry]) -> ModelEntry:
     path = Path(spec).expanduser()
     if path.is_dir() and path.suffix.lower() == ".gguf" and not (path / "config.json").exists():
         raise ModelFileError(f"{path} is a folder, not a GGUF file", "pass the .gguf file inside it")
+    if path.exists() and not (path.is_dir() or path.is_file()):  # reading a FIFO waits for a writer for ever
+        raise ModelFileError(f"{path} is not a regular file (a FIFO, a socket or a device)",
+                             "pass the .gguf model file itself")
     if path.exists():
         source = {"mlx_path": str(path)} if path.is_dir() else {"gguf_path": str(path)}
         return ModelEntry(alias=spec, origin=LOCAL_ORIGIN, **source)

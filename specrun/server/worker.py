@@ -32,7 +32,7 @@ from specrun.drafters.lookahead import LookaheadSizes
 from specrun.engine.events import Finished, TextChunk
 from specrun.engine.loop import GenerationParams
 from specrun.engine.stats import Stats
-from specrun.errors import SpecrunError
+from specrun.errors import ContextFullError, SpecrunError
 from specrun.registry.loading import LoadOptions
 from specrun.server.requests import CompletionRequest, RequestError, invalid_value
 from specrun.sessions.setup import TreeSettings
@@ -335,12 +335,19 @@ class PairWorker:
         self.log(f"{job.id}: {finish_reason}; {stats.summary()}")
 
     def _prompt_ids(self, request: CompletionRequest) -> list[int]:
-        from specrun.sessions.setup import prompt_token_ids
+        from specrun.sessions.setup import check_prompt_size, prompt_token_ids
         from specrun.sessions.templates import render_with_spans, tokenize_rendered
 
         session = self.session
         target = session.target
         param = "messages" if request.is_chat else "prompt"
+        if request.is_chat or isinstance(request.prompt, str):
+            text = "".join(str(m.get("content") or "") for m in request.messages) if request.is_chat else request.prompt
+            try:
+                check_prompt_size(target, text)  # before tokenizing megabytes that cannot fit
+            except ContextFullError as exc:
+                raise RequestError(f"{param}: {exc.problem}; shorten it, or restart the server with a larger --ctx",
+                                   param, code="context_length_exceeded") from None
         if request.is_chat:
             text, spans = render_with_spans(session.template, list(request.messages))
             prompt_ids = tokenize_rendered(target, session.template, text, spans)

@@ -4,12 +4,13 @@ lookahead's sizes and the prompt's tokens (generate, chat, bench and serve share
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from dataclasses import dataclass
 
 from specrun.drafters.lookahead import LADDER, LookaheadSizes
 from specrun.drafters.methods import DrafterOptions, is_adaptive, uses_lookahead
 from specrun.engine.loop import DEFAULT_TREE_NODES, TIE_MARGIN, GenerationParams
-from specrun.errors import SpecrunError, UsageError
+from specrun.errors import ContextFullError, SpecrunError, UsageError
 
 
 # Token trees, once asked for (--tree-nodes or --branches): the second guesses a drafter may add.
@@ -286,8 +287,35 @@ def resolve_min_prob(requested: float | None, tuned) -> float:
 def prompt_token_ids(target, prompt: str, chat: bool) -> list[int]:
     """The prompt as one user message in the target's chat template, as ``mlx_lm.generate``
     and ``llama-cli`` send it, or (``chat`` false) as is."""
+    check_prompt_size(target, prompt)
     if not chat:
         return target.tokenize(prompt, add_bos=target.vocab.add_bos)
     from specrun.sessions.templates import render_user_prompt
 
     return render_user_prompt(target, prompt)[1]
+
+
+# A prompt of up to this many bytes a context token is tokenized without a second look: no real
+# vocabulary's tokens average more, so only a prompt past it can be refused by its size alone.
+CHEAP_BYTES_PER_TOKEN = 16
+_longest_tokens: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # target -> its longest token in bytes
+
+
+def check_prompt_size(target, text: str) -> None:
+    """Refuse, before tokenizing it, a prompt that cannot fit the context whatever tokens it
+    becomes: even cut into the vocabulary's longest tokens it would fill the context (tokenizing
+    a 50 MB prompt took 45 s before the context check refused it)."""
+    size = len(text.encode("utf-8", "surrogatepass"))
+    if size < target.n_ctx * CHEAP_BYTES_PER_TOKEN:
+        return
+    longest = _longest_tokens.get(target)
+    if longest is None:
+        longest = max(1, max(len(target.token_bytes(token)) for token in range(target.vocab.size)))
+        _longest_tokens[target] = longest
+    fewest = -(-size // longest)
+    if fewest >= target.n_ctx:
+        raise ContextFullError(
+            f"the prompt is {size:,} bytes, at least {fewest:,} tokens (the model's longest token is {longest} "
+            f"bytes), but the context holds {target.n_ctx:,}",
+            "shorten the prompt or raise --ctx",
+        )

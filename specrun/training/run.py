@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import math
 import os
 import shutil
 import time
@@ -47,6 +48,7 @@ from specrun.training.data import (
 DATA_SHARE = 0.4  # of the budget, at most, for gathering data: generation is the slow part
 CHECKPOINT_SECONDS = 30.0
 MAX_MINUTES = 7 * 24 * 60  # --minutes: a week (inf ran for ever, whatever --max-steps said)
+MAX_RECORD_SECONDS = 60.0 * MAX_MINUTES  # a checkpoint's record claiming more was edited
 HELD_OUT_SHARE = 0.1  # of the windows, kept out of training for the report
 TEXT_WINDOW_TOKENS = 128
 SHORTEST_WINDOW = 8
@@ -431,9 +433,11 @@ class _Run:
         return not prompts_as_chat(self.request.target, self.request.registry, self.target.backend, None)
 
     def _record(self, settings: dict, source: str, report: HeldOutReport | None, windows: int, tokens: int) -> dict:
+        final_loss = self._final_loss()
         record = {
             "steps": self.step, "seconds": round(self.elapsed(), 1),
-            "final_loss": round(self._final_loss(), 4) if self.losses else None,
+            # a loss that diverged is no number JSON can hold; the heads are still worth keeping
+            "final_loss": round(final_loss, 4) if math.isfinite(final_loss) else None,
             "data": {"source": source, "windows": windows, "tokens": tokens},
             "learning_rate": self.request.learning_rate, "seed": self.request.seed, "settings": settings,
         }
@@ -452,7 +456,7 @@ class _Run:
         self.checkpoints.mkdir(parents=True, exist_ok=True)
         trainer.save_optimizer(self.checkpoints / "optimizer.safetensors")
         record = self._record(settings, source, None, 0, 0)
-        record["losses"] = [round(loss, 5) for loss in self.losses[-LOSS_WINDOW:]]
+        record["losses"] = [round(loss, 5) for loss in self.losses[-LOSS_WINDOW:] if math.isfinite(loss)]
         save_heads(trainer.heads(record), self._checkpointed_heads(), record)
         self.saved_step = self.step
 
@@ -479,6 +483,7 @@ class _Run:
         from specrun.heads.files import load_heads
 
         try:
+            _check_plain_files(heads_path, config_path, data_path, self.checkpoints / "optimizer.safetensors")
             heads = load_heads(heads_path)
             record = heads.config.training
             if record.get("settings") != settings:
@@ -487,10 +492,10 @@ class _Run:
             with np.load(data_path) as stored:
                 flat, lengths, held_out = stored["tokens"], stored["lengths"], stored["held_out"]
                 label_from = stored["label_from"]
-            step, seconds = int(record.get("steps", 0)), float(record.get("seconds", 0.0))
-            losses = [float(loss) for loss in record.get("losses", [])]
+            step, seconds, losses = _checked_progress(record)
+            _check_data(flat, lengths, held_out, label_from, self.target.vocab_size)
         except (SpecrunError, OSError, ValueError, KeyError, TypeError, EOFError, zipfile.BadZipFile) as exc:
-            return self._unreadable(exc)  # a full disk, a killed run: worth less than a fresh start
+            return self._unreadable(exc)  # a full disk, a killed run, an edited record: a fresh start
         trainer = self._trainer_for(heads)
         optimizer_path = self.checkpoints / "optimizer.safetensors"
         if optimizer_path.exists():
@@ -793,3 +798,46 @@ def _remove_checkpoint(folder: Path) -> None:
             path.unlink(missing_ok=True)
     with contextlib.suppress(OSError):
         folder.rmdir()
+
+
+def _check_plain_files(*paths: Path) -> None:
+    """A checkpoint's files must be regular files (a folder for EAGLE-3's heads): a FIFO or a
+    device in their place would hang the reader."""
+    for path in paths:
+        if path.exists() and not (path.is_file() or (path.is_dir() and path.suffix == "")):
+            raise ValueError(f"{path.name} is not a regular file")
+
+
+def _checked_progress(record: dict) -> tuple[int, float, list[float]]:
+    """The step, the seconds spent and the recent losses a checkpoint's record holds, checked: a
+    record edited to a negative step or time, or to NaN, would otherwise never end or be lost at the end."""
+    step, seconds, losses = record.get("steps", 0), record.get("seconds", 0.0), record.get("losses", [])
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"its step {step!r} is not a count")
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 <= seconds < MAX_RECORD_SECONDS:
+        raise ValueError(f"its {seconds!r} seconds spent are not a duration")
+    if not isinstance(losses, list) or not all(
+            isinstance(loss, (int, float)) and not isinstance(loss, bool) and math.isfinite(loss) for loss in losses):
+        raise ValueError("its losses are not all finite numbers")
+    return step, float(seconds), [float(loss) for loss in losses]
+
+
+def _check_data(flat: np.ndarray, lengths: np.ndarray, held_out: np.ndarray, label_from: np.ndarray,
+                vocab_size: int) -> None:
+    """A checkpoint's training data must be what _write_data wrote: windows whose lengths add up
+    to the tokens stored, each with its flags, token ids inside the vocabulary."""
+    for name, array in (("tokens", flat), ("lengths", lengths), ("label_from", label_from)):
+        if array.ndim != 1 or not np.issubdtype(array.dtype, np.integer):
+            raise ValueError(f"its {name} are not a list of integers")
+    if held_out.ndim != 1 or held_out.dtype != np.bool_:
+        raise ValueError("its held-out flags are not a list of booleans")
+    if not len(lengths) == len(held_out) == len(label_from):
+        raise ValueError(f"it has {len(lengths)} windows but {len(held_out)} held-out flags and {len(label_from)} starts")
+    if len(lengths) < 2 or held_out.all() or not held_out.any():
+        raise ValueError("it has no windows to train on or none held out")
+    if (lengths < 1).any() or int(lengths.sum()) != len(flat):
+        raise ValueError(f"its window lengths do not add up to its {len(flat)} tokens")
+    if len(flat) and (flat.min() < 0 or flat.max() >= vocab_size):
+        raise ValueError(f"it holds token ids outside the target's vocabulary of {vocab_size}")
+    if (label_from < 0).any() or (label_from >= lengths).any():
+        raise ValueError("its windows' first labelled positions lie outside the windows")

@@ -491,6 +491,40 @@ def test_the_cost_table_is_rebuilt_once_a_mean_has_moved_past_the_tolerance():
     costs.observe(2, 1.5)  # a length never timed changes the table at once
     assert costs.version > version and costs(2) > costs(1)
 
+def test_a_preloaded_cost_stands_until_a_pass_contradicts_it_and_then_all_of_them_fall():
+    costs = TargetCosts()
+    costs.preload({1: 1.0, 3: 1.4, 5: 2.0})
+    costs.observe(3, 1.6)  # within PRELOAD_DISTRUST: the preload stands, blended where timed
+    assert costs.seconds[1] == 1.0 and costs.seconds[5] == 2.0 and 1.4 < costs.seconds[3] < 1.6
+    poisoned = TargetCosts()
+    poisoned.preload({n: 1e9 for n in range(1, 10)})  # an edited learned.json: 1e9 s a pass
+    version = poisoned.version
+    poisoned.observe(3, 0.002)
+    assert poisoned.seconds == {3: 0.002} and poisoned.version > version
+    assert poisoned(5) < 0.01  # the line through what this machine timed
+    draft = DraftCosts()
+    draft.preload({1: 1e-9, 4: 4e-9})  # a draft model stored as free
+    draft.observe(4, 0.2)
+    assert draft.seconds == {4: 0.2} and draft(1) == pytest.approx(0.05)
+
+
+def test_poisoned_stored_costs_cost_a_run_nothing_once_its_first_passes_are_timed():
+    """Stored costs of 1e9 s a target pass and nothing a draft made speculation look free with a
+    draft model that is seldom right: every later run drafted in full, several times slower."""
+    table = hashed_logits(VOCAB, salt=17, spread=3.0)
+
+    def elapsed(poison: bool) -> float:
+        clock = SimClock()
+        drafter = DraftModelDrafter(CostedFake(agreeing_draft(table, 0.1), clock, 0.3, 0.0))
+        engine = SpeculativeEngine(CostedFake(table, clock, 1.0, 0.05), drafter, clock=clock)
+        if poison:
+            engine.policy.use_tuned({n: 1e9 for n in range(1, 10)}, {drafter.name: {k: 1e-9 for k in range(1, 9)}})
+        engine.run([1, 2, 3], GenerationParams(300, draft_len=8, adaptive=True), complete_cache=False)
+        return clock.now
+
+    assert elapsed(poison=True) <= 1.05 * elapsed(poison=False)
+
+
 def test_plain_decoding_s_cost_is_read_without_building_the_table():
     """The gate reads T(1) on every step. Read through the table, each pass that moved T(1)'s
     mean past the tolerance rebuilt it: a third of the steps of a lookup that found nothing,

@@ -106,7 +106,7 @@ def test_a_derived_file_with_no_room_is_one_line_and_leaves_nothing(tmp_path, mo
 
     with pytest.raises(demo.ModelFileError) as raised:
         derive_once(target, write)
-    assert "no room to derive model.gguf" in raised.value.one_line() and "SPECRUN_CACHE" in raised.value.one_line()
+    assert "no room to write model.gguf" in raised.value.one_line() and "SPECRUN_CACHE" in raised.value.one_line()
     assert list(target.parent.iterdir()) == []  # no scratch folder, no half-written file
 
 
@@ -119,7 +119,7 @@ def test_the_bench_scale_real_target_on_a_full_disk_is_one_line_and_leaves_nothi
     cache = tmp_path / "cache"
     result = run_specrun("generate", "Hi", "-t", "smollm2-135m-x2", "-m", "none", "-n", "1", "--backend", "llama",
                          env={"SPECRUN_CACHE": str(cache)}, max_file_bytes=400 * 1024 * 1024, timeout=300)
-    assert_one_line_error(result.returncode, result.stderr, 1, "no room to derive smollm2-135m-x2.f16.gguf",
+    assert_one_line_error(result.returncode, result.stderr, 1, "no room to write smollm2-135m-x2.f16.gguf",
                           "SPECRUN_CACHE")
     left = [path for path in cache.rglob("*") if path.is_file() and "x2" in path.name]
     assert left == [] and not list(cache.rglob(".deriving-*"))

@@ -3,6 +3,7 @@ and the fix in one line instead of an internal error, a misleading message or si
 
 from __future__ import annotations
 
+import os
 import random
 import time
 
@@ -43,6 +44,16 @@ def test_a_folder_named_like_a_gguf_file_is_called_a_folder(model, tmp_path):
     folder.mkdir()
     result = invoke("generate", "hi", "-t", str(folder), "-d", model, "-n", "2")
     assert_one_line_error(result.exit_code, result.stderr, 1, str(folder), "is a folder, not a GGUF file")
+
+
+@pytest.mark.parametrize("command", [("generate", "hi", "-n", "2", "-t"), ("models", "convert", "--to", "mlx")])
+def test_a_fifo_as_the_model_is_refused_without_waiting_for_a_writer(command, model, tmp_path):
+    fifo = tmp_path / "model.gguf"
+    os.mkfifo(fifo)
+    args = (*command, str(fifo)) + (("--out", str(tmp_path / "out")) if command[0] == "models" else ("-d", model))
+    result = run_specrun(*args, timeout=60)  # it waited for ever
+    assert_one_line_error(result.returncode, result.stderr.decode(), 1, str(fifo), "not a regular file")
+    assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.parametrize("layers", ["-5", "-2", "1000001"])

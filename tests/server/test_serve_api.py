@@ -144,6 +144,10 @@ BAD_REQUESTS = [
     ("/v1/completions", {"model": MODEL, "prompt": [1, 10**9]}, 400, "prompt", "invalid_value"),
     ("/v1/completions", {"model": MODEL, "prompt": ""}, 400, "prompt", "invalid_value"),
     ("/v1/completions", {"model": MODEL, "prompt": "x " * 3000}, 400, "prompt", "context_length_exceeded"),
+    # more bytes than the context can hold whatever their tokens: refused by size, before tokenizing
+    ("/v1/completions", {"model": MODEL, "prompt": "xyzzy " * 9000}, 400, "prompt", "context_length_exceeded"),
+    ("/v1/chat/completions", _chat_body(messages=[{"role": "user", "content": "xyzzy " * 9000}]), 400,
+     "messages", "context_length_exceeded"),
     # JSON escapes half a surrogate pair alone; no tokenizer takes it (it stopped the worker for good)
     ("/v1/chat/completions", _chat_body(messages=[{"role": "user", "content": "\ud800 lone"}]), 400,
      "messages[0].content", "invalid_value"),

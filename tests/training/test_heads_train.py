@@ -4,6 +4,8 @@ it, and every bad input is one line."""
 
 from __future__ import annotations
 
+import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -103,11 +105,8 @@ def test_a_stopped_run_resumes_from_its_checkpoint(tiny_llama, text_folder, tmp_
     assert load_heads(out).config.training["steps"] == 8
 
 
-@pytest.mark.parametrize("damaged", ["data.npz", "optimizer.safetensors"])
-def test_a_damaged_checkpoint_starts_afresh(damaged, tiny_llama, text_folder, tmp_path):
-    """A checkpoint torn by a full disk or a killed run: every later run ended in an internal error."""
-    out = tmp_path / "medusa.safetensors"
-    request = request_for(tiny_llama, out, text_dir=text_folder)
+def stopped_with_a_checkpoint(request) -> None:
+    """Train ``request``, stopped by Ctrl-C at step 3 (its checkpoint is at step 2)."""
 
     def stop_at_step_3(progress):
         if progress.phase == "train" and progress.step == 3:
@@ -115,12 +114,66 @@ def test_a_damaged_checkpoint_starts_afresh(damaged, tiny_llama, text_folder, tm
 
     with pytest.raises(TrainingInterrupted):
         train_heads(request, on_progress=stop_at_step_3, max_steps=8, checkpoint_seconds=0)
+
+
+@pytest.mark.parametrize("damaged", ["data.npz", "optimizer.safetensors"])
+def test_a_damaged_checkpoint_starts_afresh(damaged, tiny_llama, text_folder, tmp_path):
+    """A checkpoint torn by a full disk or a killed run: every later run ended in an internal error."""
+    out = tmp_path / "medusa.safetensors"
+    request = request_for(tiny_llama, out, text_dir=text_folder)
+    stopped_with_a_checkpoint(request)
     path = checkpoint_folder(out) / damaged
     path.write_bytes(path.read_bytes()[:100])
     notes = []
     result = train_heads(request, on_note=notes.append, max_steps=4)
     assert result.resumed_at is None and result.steps == 4
     assert any("cannot be read" in note and "starting afresh" in note for note in notes), notes
+
+
+def _edit_record(folder: Path, **changes) -> None:
+    config = folder / "heads.json"
+    document = json.loads(config.read_text())
+    document["training"].update(changes)
+    config.write_text(json.dumps(document))  # NaN written as JSON's NaN, as an editor could
+
+
+def _edit_data(folder: Path, **changes) -> None:
+    with np.load(folder / "data.npz") as stored:
+        arrays = {name: stored[name] for name in stored.files}
+    arrays.update({name: change(arrays) for name, change in changes.items()})
+    with open(folder / "data.npz", "wb") as handle:
+        np.savez(handle, **arrays)
+
+
+DAMAGED_CHECKPOINTS = {
+    # what each damage did before: the run never ended, lost the training at the end, or ended in an internal error
+    "negative seconds": (lambda f: _edit_record(f, seconds=-1e9), "seconds spent"),
+    "NaN seconds": (lambda f: _edit_record(f, seconds=float("nan")), "seconds spent"),
+    "a NaN loss": (lambda f: _edit_record(f, losses=[1.0, float("nan")]), "losses"),
+    "a negative step": (lambda f: _edit_record(f, steps=-3), "step"),
+    "a step as text": (lambda f: _edit_record(f, steps="3"), "step"),
+    "lengths that lie": (lambda f: _edit_data(f, lengths=lambda a: a["lengths"] + 1), "do not add up"),
+    "a token past the vocabulary": (lambda f: _edit_data(f, tokens=lambda a: a["tokens"] + 10**6), "vocabulary"),
+    "flags of another length": (lambda f: _edit_data(f, held_out=lambda a: a["held_out"][:-1]), "held-out flags"),
+    "nothing held out": (lambda f: _edit_data(f, held_out=lambda a: np.zeros_like(a["held_out"])), "none held out"),
+    "starts past their windows": (lambda f: _edit_data(f, label_from=lambda a: a["lengths"]), "first labelled"),
+    "tokens as floats": (lambda f: _edit_data(f, tokens=lambda a: a["tokens"] + 0.5), "integers"),
+    "data as a FIFO": (lambda f: ((f / "data.npz").unlink(), os.mkfifo(f / "data.npz")), "not a regular file"),
+}
+
+
+@pytest.mark.parametrize("damage", DAMAGED_CHECKPOINTS)
+def test_a_checkpoint_edited_or_replaced_starts_afresh_naming_what_is_wrong(damage, tiny_llama, text_folder, tmp_path):
+    out = tmp_path / "medusa.safetensors"
+    request = request_for(tiny_llama, out, text_dir=text_folder)
+    stopped_with_a_checkpoint(request)
+    edit, named = DAMAGED_CHECKPOINTS[damage]
+    edit(checkpoint_folder(out))
+    notes = []
+    result = train_heads(request, on_note=notes.append, max_steps=4)
+    assert result.resumed_at is None and result.steps == 4
+    assert any("cannot be read" in note and named in note and "starting afresh" in note for note in notes), notes
+    assert load_heads(out).config.training["steps"] == 4  # the training kept
 
 
 def test_other_settings_start_afresh(tiny_llama, text_folder, tmp_path):

@@ -1,0 +1,50 @@
+"""A prompt that cannot fit the context whatever its tokens is refused before it is tokenized
+(tokenizing a 50 MB prompt took 45 s before the context check refused it)."""
+
+from __future__ import annotations
+
+import pytest
+
+from specrun.errors import ContextFullError
+from specrun.sessions.setup import CHEAP_BYTES_PER_TOKEN, check_prompt_size, prompt_token_ids
+
+
+class Vocab:
+    size = 5
+    add_bos = False
+
+
+class NeverTokenizes:
+    """A target whose longest token is 4 bytes, that fails any attempt to tokenize."""
+
+    n_ctx = 100
+    vocab = Vocab()
+
+    def token_bytes(self, token: int) -> bytes:
+        return b"abcd"[: token]
+
+    def tokenize(self, text: str, add_bos: bool = False) -> list[int]:
+        raise AssertionError("tokenized a prompt that cannot fit")
+
+
+def test_a_prompt_longer_than_the_context_in_its_longest_tokens_is_refused_untokenized():
+    target = NeverTokenizes()
+    text = "é" * 200  # 400 bytes: at least 100 tokens of at most 4 bytes, and the context holds 100
+    assert CHEAP_BYTES_PER_TOKEN * target.n_ctx > 400  # below the cheap bound: checked, never refused
+    check_prompt_size(target, text)
+    huge = "é" * (CHEAP_BYTES_PER_TOKEN * target.n_ctx)
+    with pytest.raises(ContextFullError, match=r"3,200 bytes, at least 800 tokens .* longest token is 4 bytes"):
+        prompt_token_ids(target, huge, chat=False)
+
+
+def test_a_prompt_that_might_fit_is_tokenized():
+    class Fits(NeverTokenizes):
+        n_ctx = 10
+
+        def token_bytes(self, token: int) -> bytes:
+            return b"x" * 1000  # long tokens: 3,200 bytes could be 4 of them
+
+        def tokenize(self, text: str, add_bos: bool = False) -> list[int]:
+            return [1, 2, 3]
+
+    assert prompt_token_ids(Fits(), "é" * 1600, chat=False) == [1, 2, 3]
