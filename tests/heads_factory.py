@@ -188,12 +188,14 @@ def oracle_hydra(vocab_size: int, depth: int = 4, sharpness: float = 4.0, path_w
     return HydraHeads.from_arrays(config, arrays, None)
 
 
-def oracle_heads_for(method: str, vocab_size: int, eagle3: bool = False):
-    """The oracle heads of ``method``'s kind (it must draft with heads); EAGLE-3's with ``eagle3``."""
+def oracle_heads_for(method: str, vocab_size: int, eagle3: bool = False, sharpness: float | None = None):
+    """The oracle heads of ``method``'s kind (it must draft with heads); EAGLE-3's with ``eagle3``;
+    ``sharpness``: how sure they are (None: each kind's default, ~0.97 on one token)."""
     from specrun.drafters.methods import heads_kind
 
     made = {"eagle": oracle_eagle3 if eagle3 else oracle_eagle, "hydra": oracle_hydra, "medusa": oracle_heads}
-    return made[heads_kind(method)](vocab_size)
+    sure = {} if sharpness is None else {"sharpness": sharpness}
+    return made[heads_kind(method)](vocab_size, **sure)
 
 
 # The fake's layers where EAGLE-3 heads read them (FakeBackend n_layers): layer l's output is the

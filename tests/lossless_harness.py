@@ -325,6 +325,7 @@ SETTINGS = {
     "top-p": SamplingSettings(temperature=0.8, top_p=0.8),
     "min-p": SamplingSettings(temperature=1.0, min_p=0.3),
     "every option": SamplingSettings(temperature=0.9, top_k=2, top_p=0.9, min_p=0.15),
+    "cold": SamplingSettings(temperature=0.5, top_p=0.95),  # where a row drawn at another temperature shows
 }
 
 
@@ -354,6 +355,9 @@ class Scenario:
     auto_lookahead: bool = False  # auto drafts with a lookahead window too (where pass costs say it pays)
     auto_heads: str | None = None  # auto drafts with the target's heads of this kind too (where it has some)
     eagle3: bool = False  # EAGLE-3's heads (reading the target's layers) for the eagle method
+    # how sure the oracle heads are (heads_factory.oracle_heads_for; None: ~0.97 on one token,
+    # where a row reported otherwise than it was drawn from barely shows)
+    head_sharpness: float | None = None
 
     @property
     def draft_len(self) -> int:
@@ -410,6 +414,12 @@ SCENARIOS = {
     # EAGLE-3's heads, reading three of the target's layers, as a chain and as a tree
     "eagle3": Scenario("eagle", eagle3=True),
     "eagle3 tree": Scenario("eagle", branches=TREE_BRANCHES, eagle3=True),
+    # Heads less sure of themselves, under the filters at temperatures other than 1: each head must
+    # report exactly the row it drew its token from (an EAGLE drafter that reported its row before
+    # top-p and drew after passed every scenario above: p ~ 1e-113 at top-p 0.8 in the mutation study).
+    **{f"{kind} {setting} unsure": Scenario(kind, setting, head_sharpness=1.0)
+       for kind in ("medusa", "hydra", "eagle") for setting in ("top-k", "top-p", "every option", "cold")},
+    "eagle3 top-k unsure": Scenario("eagle", "top-k", eagle3=True, head_sharpness=1.0),
     # The full chain, lengths chosen as the CLI chooses them, on a target that verifies trees:
     # the cheap proposals the policy passes over for the draft model's are merged with it into
     # one tree (AdaptivePolicy._merged; in about a third of its passes here, half of them with
@@ -432,7 +442,8 @@ def fake_engine(scenario: Scenario) -> SpeculativeEngine:
     table = _target_table()
     draft_table = _sharper(table) if scenario.sharper_draft else _draft_table()
     heads_method = scenario.auto_heads or scenario.method
-    heads = oracle_heads_for(heads_method, VOCAB, scenario.eagle3) if needs_heads(heads_method) else None
+    heads = (oracle_heads_for(heads_method, VOCAB, scenario.eagle3, scenario.head_sharpness)
+             if needs_heads(heads_method) else None)
     hidden = dict(hidden_table=oracle_hidden(table, VOCAB), hidden_size=heads.config.hidden_size,
                   n_layers=FAKE_LAYERS) if heads else {}
     target = CostedFake(table, clock, 1.0, 0.02, vocab_size=VOCAB, **hidden)

@@ -10,6 +10,7 @@ what test_acceptance.py asserts. A mutant that survives fails this module.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -17,6 +18,9 @@ import numpy as np
 import pytest
 
 import specrun.drafters.draft_model
+import specrun.drafters.heads.eagle
+import specrun.drafters.heads.hydra
+import specrun.drafters.heads.medusa
 import specrun.engine.passes
 from lossless_harness import greedy_scenario, real_scenario, run_scenario
 from model_factory import perturbed_copy
@@ -176,6 +180,54 @@ def greedy_bonus_from_the_wrong_row(draft_tokens, target_argmax):
     return Verdict(len(draft_tokens), int(target_argmax[max(len(draft_tokens) - 1, 0)]))
 
 
+# ---- heads drafters reporting other rows than they draw from (issue 56's mutation study) -------
+
+
+def _draws_otherwise(module, reported: Callable, drawn: Callable) -> Callable[[pytest.MonkeyPatch], None]:
+    """A heads drafter (``module``) that reports its rows under ``reported(settings)`` but draws its
+    tokens from the rows under ``drawn(settings)``: each ``target_rows`` call's rows, drawn in turn."""
+
+    def install(patch: pytest.MonkeyPatch) -> None:
+        real_rows, real_sample = module.target_rows, module.sample
+        pending: list = []
+
+        def rows(logits, sampling, d2t, vocab_size):
+            pending[:] = list(real_rows(logits, drawn(sampling), d2t, vocab_size))
+            return real_rows(logits, reported(sampling), d2t, vocab_size)
+
+        def draw(row, rng):
+            return real_sample(pending.pop(0), rng)
+
+        patch.setattr(module, "target_rows", rows)
+        patch.setattr(module, "sample", draw)
+
+    return install
+
+
+def _temperature_only(settings: SamplingSettings) -> SamplingSettings:
+    return SamplingSettings(temperature=settings.temperature)
+
+
+def _at_temperature_1(settings: SamplingSettings) -> SamplingSettings:
+    return dataclasses.replace(settings, temperature=1.0)
+
+
+def _same(settings: SamplingSettings) -> SamplingSettings:
+    return settings
+
+
+HEADS_MUTANTS = {
+    "eagle: reports its row before top-k/top-p, draws after":
+        (specrun.drafters.heads.eagle, _temperature_only, _same, ("eagle top-p unsure",)),
+    "eagle-3: reports its row before top-k, draws after":
+        (specrun.drafters.heads.eagle, _temperature_only, _same, ("eagle3 top-k unsure",)),
+    "medusa: draws at temperature 1, reports at the user's":
+        (specrun.drafters.heads.medusa, _same, _at_temperature_1, ("medusa cold unsure",)),
+    "hydra: reports its row before min-p, draws after":
+        (specrun.drafters.heads.hydra, _temperature_only, _same, ("hydra every option unsure",)),
+}
+
+
 @dataclass(frozen=True)
 class Mutant:
     name: str
@@ -218,6 +270,8 @@ MUTANTS = [
       for name, verifier in SAMPLED_VERIFIERS.items()),
     *(Mutant(name, _install_tree_verifier(verifier), ("ngram tree", "lookup+ngram+draft tree"))
       for name, verifier in TREE_VERIFIERS.items()),
+    *(Mutant(name, _draws_otherwise(module, reported, drawn), scenarios)
+      for name, (module, reported, drawn, scenarios) in HEADS_MUTANTS.items()),
     Mutant("top-p off by one", _install_sampler(top_p_off_by_one), ("draft top-p",)),
     Mutant("min-p ignored", _install_sampler(min_p_ignored), ("draft min-p",)),
     Mutant("greedy: accepts every draft", _install_greedy(greedy_accepts_every_draft), ("greedy draft",)),
