@@ -13,6 +13,7 @@ import asyncio
 import hmac
 import ipaddress
 import json
+import logging
 import socket
 import threading
 import time
@@ -22,6 +23,7 @@ from dataclasses import dataclass
 from specrun.engine.stats import Stats
 from specrun.errors import UsageError
 from specrun.fileio import json_problem
+from specrun.server.connections import QuietAcceptErrors, connection_cap, guarded_protocol
 from specrun.server.requests import (
     CompletionRequest,
     RequestError,
@@ -338,6 +340,7 @@ def serve(pair: PairOptions, http: HttpOptions, defaults: ServeDefaults, log: Ca
         log(f"warning: --host {http.host} lets anyone who can reach this machine use the server, which has "
             "no authentication; set --api-key (or SPECRUN_API_KEY) to require a key")
     worker = PairWorker(pair, max_queue=http.max_queue, log=log)
+    quiet_accept = QuietAcceptErrors()
     previous_sigterm = None
     if threading.current_thread() is threading.main_thread():
         previous_sigterm = signal.signal(signal.SIGTERM, _raise_terminated)
@@ -345,8 +348,10 @@ def serve(pair: PairOptions, http: HttpOptions, defaults: ServeDefaults, log: Ca
         worker.start()
         names = http.model_names or (pair.target,)
         server = OpenAIServer(worker, dataclasses.replace(http, model_names=names), defaults)
-        config = uvicorn.Config(server.app(), log_level="warning", access_log=False, lifespan="off",
+        protocol = guarded_protocol(connection_cap(), log)  # past it: a JSON 503 and closed
+        config = uvicorn.Config(server.app(), http=protocol, log_level="warning", access_log=False, lifespan="off",
                                 timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_SECONDS)
+        logging.getLogger("asyncio").addFilter(quiet_accept)
         sock.listen(socket.SOMAXCONN)  # connections from now on wait in the backlog until uvicorn takes them
         host, port = sock.getsockname()[:2]
         shown = f"[{host}]" if ":" in host else host
@@ -355,6 +360,7 @@ def serve(pair: PairOptions, http: HttpOptions, defaults: ServeDefaults, log: Ca
     except (KeyboardInterrupt, _Terminated):
         log("specrun serve: stopped")
     finally:
+        logging.getLogger("asyncio").removeFilter(quiet_accept)
         sock.close()
         worker.stop()
         if previous_sigterm is not None:

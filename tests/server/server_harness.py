@@ -6,6 +6,7 @@ import http.client
 import json
 import os
 import re
+import resource
 import signal
 import subprocess
 import sys
@@ -69,11 +70,16 @@ class Server:
         raise AssertionError(f"the server never logged {pattern!r}; its last lines: {self.log[-5:]}")
 
 
-def start_server(*args: str, env: dict[str, str] | None = None) -> Server:
-    """`specrun serve ARGS --port 0` started and listening (its stderr kept in ``log``)."""
+def start_server(*args: str, env: dict[str, str] | None = None, max_files: int | None = None) -> Server:
+    """`specrun serve ARGS --port 0` started and listening (its stderr kept in ``log``);
+    ``max_files``: its descriptor limit, soft and hard (ulimit -n)."""
+
+    def limit_files() -> None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (max_files, max_files))
+
     process = subprocess.Popen([*SPECRUN, "serve", "--port", "0", *args], stdin=subprocess.DEVNULL,
                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                               env={**os.environ, **(env or {})})
+                               env={**os.environ, **(env or {})}, preexec_fn=limit_files if max_files else None)
     log: list[str] = []
     ready = threading.Event()
 

@@ -177,3 +177,55 @@ def test_a_megabyte_stop_string_holds_up_no_one():
         assert time.monotonic() - started < 30  # both answered; the stop strings once held the worker 48 s
     finally:
         assert stop_server(server) == 0, server.log
+
+
+def test_idle_connections_past_the_cap_get_a_json_503_and_the_server_recovers():
+    """600 sockets that sent nothing under ulimit -n 512 exhausted the descriptors: ~264,000
+    tracebacks, and a real request timed out. Now a connection past the cap (the limit less
+    FD_RESERVE) is answered 503 at once and closed, idle ones close after the keep-alive timeout,
+    and the server answers again; its log says so once, with no traceback."""
+    import socket
+
+    from server_harness import DEMO_ARGS, start_server, stop_server
+    from specrun.server.connections import FD_RESERVE
+
+    max_files = 160
+    server = start_server(*DEMO_ARGS, max_files=max_files)
+    host, port = server.host_port
+    idle = []
+    try:
+        for _ in range(max_files + 40):
+            idle.append(socket.create_connection((host, port), timeout=10))
+        refused = idle[max_files - FD_RESERVE + 8:]  # past the cap, with room for the accept order
+        for sock in refused[:10]:
+            reply = sock.recv(4096)
+            assert reply.startswith(b"HTTP/1.1 503") and b'"code": "too_many_connections"' in reply, reply
+        for sock in idle:
+            sock.close()
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                if server.healthy():
+                    break
+            except (OSError, json.JSONDecodeError):
+                pass
+            time.sleep(0.2)
+        assert server.healthy()
+        assert answer(server, messages_for(0, 0), stream=False)[1] in ("stop", "length")
+    finally:
+        for sock in idle:
+            sock.close()
+        assert stop_server(server) == 0, server.log[-5:]
+    assert not any("Traceback" in line for line in server.log), server.log[-10:]
+    assert sum("refusing more with 503" in line for line in server.log) == 1, server.log
+
+
+def test_a_connection_that_sends_nothing_is_closed(demo_server):
+    """Idle before its first request, as between requests: closed after the keep-alive timeout."""
+    import socket
+
+    host, port = demo_server.host_port
+    with socket.create_connection((host, port), timeout=30) as sock:
+        started = time.monotonic()
+        assert sock.recv(1) == b""  # the server closed it
+        assert time.monotonic() - started < 20
