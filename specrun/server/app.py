@@ -318,6 +318,37 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+def _server_class() -> type:
+    """uvicorn.Server told of shutdown (made on first use: uvicorn is imported only to serve)."""
+    import uvicorn
+
+    class ServerFor(uvicorn.Server):
+        """uvicorn's server, telling the worker when shutdown begins: the queued requests get a JSON
+        503 at once, and the answer in progress a final event just before uvicorn's grace period
+        ends (it cancelled them: a bare 500 and CancelledError tracebacks)."""
+
+        def __init__(self, worker: PairWorker, config) -> None:
+            super().__init__(config)
+            self.worker = worker
+
+        def handle_exit(self, sig, frame) -> None:
+            super().handle_exit(sig, frame)
+            self.worker.refuse_queued()
+            if self.force_exit:  # a second Ctrl-C: no grace period
+                self.worker.end_current()
+
+        async def shutdown(self, sockets=None) -> None:
+            self.worker.refuse_queued()
+            ending = asyncio.get_running_loop().call_later(max(GRACEFUL_SHUTDOWN_SECONDS - 1.0, 0.0),
+                                                           self.worker.end_current)
+            try:
+                await super().shutdown(sockets)
+            finally:
+                ending.cancel()
+
+    return ServerFor
+
+
 class _Terminated(Exception):
     """SIGTERM, raised once uvicorn has shut down (it re-raises the signals it caught)."""
 
@@ -356,7 +387,7 @@ def serve(pair: PairOptions, http: HttpOptions, defaults: ServeDefaults, log: Ca
         host, port = sock.getsockname()[:2]
         shown = f"[{host}]" if ":" in host else host
         log(f"specrun serve: {names[0]} (method {worker.method}) on http://{shown}:{port}/v1; Ctrl-C stops")
-        uvicorn.Server(config).run(sockets=[sock])
+        _server_class()(worker, config).run(sockets=[sock])
     except (KeyboardInterrupt, _Terminated):
         log("specrun serve: stopped")
     finally:

@@ -182,6 +182,11 @@ class Job:
                 continue
 
 
+def shutting_down() -> RequestError:
+    return RequestError("the server is shutting down; send the request again once it is back", status=503,
+                        code="server_shutting_down", kind="server_error")
+
+
 class ClientGone(Exception):
     """The client disconnected before its answer was ready."""
 
@@ -216,6 +221,7 @@ class PairWorker:
         self._thread = threading.Thread(target=self._run, name="specrun-serve-worker", daemon=True)
         self._current: Job | None = None
         self.served = 0
+        self.closing = False  # shutting down: new and queued requests are answered 503
 
     def start(self) -> None:
         """Load the pair on the worker thread; re-raises a loading failure here."""
@@ -233,11 +239,35 @@ class PairWorker:
         return self.session.method
 
     def submit(self, job: Job) -> None:
+        if self.closing:
+            raise shutting_down()
         try:
             self.jobs.put_nowait(job)
         except queue.Full:
             raise RequestError(f"the server is busy: {self.jobs.maxsize} requests are waiting already; retry later",
                                status=503, code="server_busy", kind="server_error") from None
+
+    def refuse_queued(self) -> None:
+        """Shutting down: every request still queued, and any that arrives, is answered with a
+        JSON 503 at once (they were a bare 500 once the shutdown's grace period ran out)."""
+        self.closing = True
+        while True:
+            try:
+                job = self.jobs.get_nowait()
+            except queue.Empty:
+                break
+            if job is not None:
+                job.emit(Failed(shutting_down()))
+                job.cancel()
+
+    def end_current(self) -> None:
+        """Shutting down, the grace period spent: the answer in progress ends with a final event
+        saying so (a stream gets it and [DONE]) instead of being cut off; it stops at its next pass."""
+        self.refuse_queued()
+        current = self._current
+        if current is not None and not current.cancelled.is_set():
+            current.emit(Failed(shutting_down()))
+            current.cancel()
 
     def stop(self) -> None:
         """Cancel what is queued or running, then close the pair on its thread."""
@@ -305,7 +335,8 @@ class PairWorker:
         try:
             for event in stream:
                 if job.cancelled.is_set():
-                    self.log(f"{job.id}: the client left; stopped after the pass in progress")
+                    why = "the server is shutting down" if self.closing else "the client left"
+                    self.log(f"{job.id}: {why}; stopped after the pass in progress")
                     return
                 if isinstance(event, TextChunk):
                     tokens += len(event.token_ids)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from server_harness import specrun_json, start_server, stop_server
@@ -47,3 +49,49 @@ def test_a_message_that_is_a_template_marker_is_text_as_in_generate(smollm2_serv
         model=MODEL, messages=[{"role": "user", "content": typed}], max_tokens=MAX_TOKENS, temperature=0)
     assert reply.usage.prompt_tokens == expected["stats"]["prompt_tokens"]
     assert reply.choices[0].message.content == expected["text"]
+
+
+def test_shutdown_answers_the_queued_with_a_json_503_and_ends_the_stream_with_a_final_event(smollm2):
+    """SIGTERM with a stream in flight and requests queued: the queued got a bare 500 and the log
+    CancelledError tracebacks. Now they get a JSON 503 at once, the stream a final event and
+    [DONE], and the server exits 0 with no traceback."""
+    import http.client
+    import json
+    import signal
+    import threading
+
+    from server_harness import start_server
+
+    server = start_server("--target", "smollm2-135m-f16", "--method", "none")
+    host, port = server.host_port
+    started, stream_lines, queued = threading.Event(), [], []
+
+    def stream() -> None:
+        connection = http.client.HTTPConnection(host, port, timeout=60)
+        body = {"model": "smollm2-135m-f16", "prompt": "Once upon a time", "max_tokens": 4000, "stream": True}
+        connection.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+        response = connection.getresponse()
+        for line in response:
+            if line.strip():
+                stream_lines.append(line.decode().strip())
+                started.set()
+        started.set()
+
+    def queued_request() -> None:
+        queued.append(server.post("/v1/completions", {"model": "smollm2-135m-f16", "prompt": "Hi", "max_tokens": 8}))
+
+    threads = [threading.Thread(target=stream)] + [threading.Thread(target=queued_request) for _ in range(3)]
+    threads[0].start()
+    assert started.wait(60)
+    for thread in threads[1:]:
+        thread.start()
+    time.sleep(0.5)  # queued behind the stream
+    server.process.send_signal(signal.SIGTERM)
+    for thread in threads:
+        thread.join(60)
+    assert server.process.wait(timeout=30) == 0, server.log[-10:]
+    assert [status for status, _ in queued] == [503] * 3
+    assert all(body["error"]["code"] == "server_shutting_down" for _, body in queued)
+    assert stream_lines[-1] == "data: [DONE]"
+    assert "server_shutting_down" in stream_lines[-2], stream_lines[-3:]
+    assert not any("Traceback" in line or "CancelledError" in line for line in server.log), server.log[-10:]
