@@ -251,14 +251,9 @@ class PairWorker:
         """Shutting down: every request still queued, and any that arrives, is answered with a
         JSON 503 at once (they were a bare 500 once the shutdown's grace period ran out)."""
         self.closing = True
-        while True:
-            try:
-                job = self.jobs.get_nowait()
-            except queue.Empty:
-                break
-            if job is not None:
-                job.emit(Failed(shutting_down()))
-                job.cancel()
+        for job in self._take_queued():
+            job.emit(Failed(shutting_down()))
+            job.cancel()
 
     def end_current(self) -> None:
         """Shutting down, the grace period spent: the answer in progress ends with a final event
@@ -271,18 +266,24 @@ class PairWorker:
 
     def stop(self) -> None:
         """Cancel what is queued or running, then close the pair on its thread."""
-        while True:
-            try:
-                job = self.jobs.get_nowait()
-            except queue.Empty:
-                break
-            if job is not None:
-                job.cancel()
+        for job in self._take_queued():
+            job.cancel()
         current = self._current
         if current is not None:
             current.cancel()
         self.jobs.put(None)
         self._thread.join()
+
+    def _take_queued(self) -> list[Job]:
+        """Every job waiting in the queue, taken out of it."""
+        taken = []
+        while True:
+            try:
+                job = self.jobs.get_nowait()
+            except queue.Empty:
+                return taken
+            if job is not None:
+                taken.append(job)
 
     def _run(self) -> None:
         from specrun.sessions.chat import open_chat
