@@ -30,6 +30,8 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if self.arch not in ARCHITECTURES:
             raise ValueError(f"unknown architecture {self.arch!r}; expected one of {ARCHITECTURES}")
+        if min(self.num_heads, self.num_kv_heads, self.hidden_size, self.num_layers, self.vocab_size) < 1:
+            raise ValueError("a model needs at least one layer, head, key/value head, dimension and token")
         if self.hidden_size % self.num_heads:
             raise ValueError("hidden_size must be a multiple of num_heads")
         if self.num_heads % self.num_kv_heads:

@@ -17,6 +17,8 @@ GGUFs with the ``qwen2`` pre-tokenizer (real Qwen2 files) on NFC text.
 
 from __future__ import annotations
 
+import struct
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,8 +28,9 @@ import numpy as np
 from specrun.errors import ModelFileError
 
 from .config import ARCHITECTURES, ModelConfig, weight_names
+from .gguf_check import check_fields, check_tensors, read_layout
 from .gguf_header import header_values
-from .gguf_io import from_gguf_layout, gguf_tensor_name, read_config, read_fields, read_vocab
+from .gguf_io import from_gguf_layout, gguf_tensor_name, read_config, read_vocab
 from .hf_io import hf_config_dict, vocab_tokenizer_config, write_json, write_model_files
 from .tokenizer import GPT2_PRE_TOKENIZER, ByteBpeVocab, build_tokenizer_json
 
@@ -102,16 +105,28 @@ def convert_gguf_to_mlx(source: Path, out: Path, *, mlx_dtype: str = "float16") 
     source = Path(source)
     check_gguf_file(source)
     _check_architecture(source, _header_architecture(source))  # before GGUFReader parses a whole vocabulary
+    damaged = "download or convert the file again"
+    try:
+        fields, infos = read_layout(source)  # every count, length and offset against the file, first
+    except (ValueError, struct.error) as exc:
+        raise ModelFileError(f"{source} is damaged: {exc}", damaged) from None
+    try:
+        _check_supported(source, fields, {info.name for info in infos})
+    except (TypeError, ValueError) as exc:  # a field of the wrong type (an embedding length given as text)
+        raise ModelFileError(f"{source} cannot be converted: {exc}", damaged) from None
     try:
         reader = gguf.GGUFReader(str(source))
     except (OSError, ValueError) as exc:
-        raise ModelFileError(f"cannot read {source} as GGUF: {exc}", "download or convert the file again") from exc
-    fields = read_fields(reader)
+        raise ModelFileError(f"cannot read {source} as GGUF: {exc}", damaged) from exc
     tensors = {tensor.name: tensor for tensor in reader.tensors}
-    _check_supported(source, fields, tensors)
     pre = PRE_TOKENIZERS[fields[gguf.Keys.Tokenizer.PRE]]
-    vocab = read_vocab(fields, add_bos_default=pre.add_bos_default)
-    config = read_config(fields, vocab, tie_embeddings="output.weight" not in tensors)
+    try:
+        check_fields(fields, fields[gguf.Keys.General.ARCHITECTURE])
+        vocab = read_vocab(fields, add_bos_default=pre.add_bos_default)
+        config = read_config(fields, vocab, tie_embeddings="output.weight" not in tensors)
+        check_tensors(infos, config)  # before anything is written
+    except (ValueError, TypeError, KeyError) as exc:
+        raise ModelFileError(f"{source} cannot be converted: {exc}", damaged) from None
 
     weights: dict[str, np.ndarray] = {}
     per_layer_bits: dict[str, dict] = {}
@@ -165,7 +180,7 @@ def _header_architecture(source: Path) -> str | None:
         return None  # GGUFReader names the problem
 
 
-def _check_supported(source: Path, fields: dict, tensors: dict) -> None:
+def _check_supported(source: Path, fields: dict, tensors: Collection[str]) -> None:
     """One ModelFileError naming what the file uses that the conversion cannot express."""
     arch = fields.get(gguf.Keys.General.ARCHITECTURE)
     _check_architecture(source, arch)
