@@ -28,6 +28,7 @@ import ipaddress
 import json
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -251,7 +252,13 @@ def serve(host: str, port: int, threads: int, cache_dir: str | None, started=Non
         started(names)
     sys.stdout.flush()
     os.dup2(sys.stderr.fileno(), sys.stdout.fileno())  # the C library's stdout: llama.cpp's lines
-    thread = threading.Thread(target=start, args=(endpoint, cache, threads, len(devices), array), daemon=True)
+    def run() -> None:
+        # Signals go to the main thread, which waits for them: delivered to this one, blocked in
+        # llama.cpp's accept(), a Ctrl-C once ended the process without its last line (CI, once).
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+        start(endpoint, cache, threads, len(devices), array)
+
+    thread = threading.Thread(target=run, daemon=True)
     thread.start()
     while thread.is_alive():  # the server never returns while it serves; Ctrl-C ends the wait
         thread.join(0.5)
