@@ -319,6 +319,9 @@ WINDOW = 8
 DRAFT_LEN = 4  # a fixed length (-k 4)
 ADAPTIVE_MAX_DRAFT_LEN = 16  # as the CLI runs every method without -k
 RUNS = 2000  # per scenario: every mutant in test_mutations.py is caught with a wide margin
+LONG_TAIL_VOCAB = 8  # with LONG_TAIL_WINDOW: 32,768 outputs to enumerate
+LONG_TAIL_WINDOW = 5
+LONG_TAIL_SPREAD = 2.5  # logits this spread over 8 tokens: a few likely, several below 2%
 SETTINGS = {
     "temp 1": SamplingSettings(temperature=1.0),
     "top-k": SamplingSettings(temperature=0.8, top_k=2),
@@ -329,10 +332,10 @@ SETTINGS = {
 }
 
 
-def _target_table():
+def _target_table(vocab: int = VOCAB):
     from fake_models import hashed_logits
 
-    return hashed_logits(VOCAB, salt=1, spread=1.2)
+    return hashed_logits(vocab, salt=1, spread=1.2 if vocab == VOCAB else LONG_TAIL_SPREAD)
 
 
 def _sharper(table):
@@ -358,6 +361,11 @@ class Scenario:
     # how sure the oracle heads are (heads_factory.oracle_heads_for; None: ~0.97 on one token,
     # where a row reported otherwise than it was drawn from barely shows)
     head_sharpness: float | None = None
+    # the fake pair's vocabulary and the window compared: a larger vocabulary has long tails (tokens a
+    # drafter almost never draws), which three tokens cannot, over a shorter window (exact_joint
+    # enumerates vocab ** window outputs)
+    vocab: int = VOCAB
+    window: int = WINDOW
 
     @property
     def draft_len(self) -> int:
@@ -420,6 +428,9 @@ SCENARIOS = {
     **{f"{kind} {setting} unsure": Scenario(kind, setting, head_sharpness=1.0)
        for kind in ("medusa", "hydra", "eagle") for setting in ("top-k", "top-p", "every option", "cold")},
     "eagle3 top-k unsure": Scenario("eagle", "top-k", eagle3=True, head_sharpness=1.0),
+    # A long-tailed vocabulary: sampled second guesses that are unlikely must be kept as drawn
+    # (pruning them was caught only by a node count in one unit test)
+    "draft tree long tail": Scenario("draft", branches=TREE_BRANCHES, vocab=LONG_TAIL_VOCAB, window=LONG_TAIL_WINDOW),
     # The full chain, lengths chosen as the CLI chooses them, on a target that verifies trees:
     # the cheap proposals the policy passes over for the draft model's are merged with it into
     # one tree (AdaptivePolicy._merged; in about a third of its passes here, half of them with
@@ -439,15 +450,16 @@ def fake_engine(scenario: Scenario) -> SpeculativeEngine:
     from heads_factory import FAKE_LAYERS, oracle_heads_for, oracle_hidden
 
     clock = SimClock()
-    table = _target_table()
-    draft_table = _sharper(table) if scenario.sharper_draft else _draft_table()
+    vocab = scenario.vocab
+    table = _target_table(vocab)
+    draft_table = _sharper(table) if scenario.sharper_draft else _draft_table(vocab)
     heads_method = scenario.auto_heads or scenario.method
-    heads = (oracle_heads_for(heads_method, VOCAB, scenario.eagle3, scenario.head_sharpness)
+    heads = (oracle_heads_for(heads_method, vocab, scenario.eagle3, scenario.head_sharpness)
              if needs_heads(heads_method) else None)
-    hidden = dict(hidden_table=oracle_hidden(table, VOCAB), hidden_size=heads.config.hidden_size,
+    hidden = dict(hidden_table=oracle_hidden(table, vocab), hidden_size=heads.config.hidden_size,
                   n_layers=FAKE_LAYERS) if heads else {}
-    target = CostedFake(table, clock, 1.0, 0.02, vocab_size=VOCAB, **hidden)
-    draft = CostedFake(draft_table, clock, 0.02, 0.0, vocab_size=VOCAB)
+    target = CostedFake(table, clock, 1.0, 0.02, vocab_size=vocab, **hidden)
+    draft = CostedFake(draft_table, clock, 0.02, 0.0, vocab_size=vocab)
     uses_draft = needs_draft_model(scenario.method) or scenario.method == "auto"
     options = DrafterOptions(draft_min_prob=scenario.draft_min_prob, branches=scenario.branches, heads=heads,
                              auto_lookahead=scenario.auto_lookahead, auto_heads=scenario.auto_heads)
@@ -455,10 +467,10 @@ def fake_engine(scenario: Scenario) -> SpeculativeEngine:
     return SpeculativeEngine(target, drafter, method=scenario.method, clock=clock)
 
 
-def _draft_table():
+def _draft_table(vocab: int = VOCAB):
     from fake_models import hashed_logits
 
-    return hashed_logits(VOCAB, salt=2, spread=1.2)
+    return hashed_logits(vocab, salt=2, spread=1.2 if vocab == VOCAB else LONG_TAIL_SPREAD)
 
 
 def run_scenario(name: str, runs: int = RUNS, first_seed: int = 0) -> tuple[Sampled, list[str]]:
@@ -469,10 +481,40 @@ def run_scenario(name: str, runs: int = RUNS, first_seed: int = 0) -> tuple[Samp
     table = engine.target.backend.table
     reference = oracle_reference(table, sampling)
     sampled = sample_runs(
-        engine, PROMPT, WINDOW, sampling, runs, scenario.draft_len, reference, scenario.adaptive, first_seed
+        engine, PROMPT, scenario.window, sampling, runs, scenario.draft_len, reference, scenario.adaptive, first_seed
     )
-    joint = exact_joint(table, PROMPT, WINDOW, sampling)
+    joint = exact_joint(table, PROMPT, scenario.window, sampling)
     return sampled, lossless_problems(sampled, joint)
+
+
+# ---- second guesses over a long tail: drawn, then verified as a tree -----------------------------
+LONG_TAIL_TRIALS = 20_000
+
+
+def long_tail_sibling_problems(trials: int = LONG_TAIL_TRIALS, seed: int = 0) -> list[str]:
+    """A draft model's first guess and one sampled second guess (drafters.draft_model's
+    ``second_guesses``, as installed), verified as a tree against a target row, many times over a
+    12-token vocabulary with long tails (the draft's falling, the target's rising): the token
+    emitted must follow the target's row (chi-square). Pruning unlikely second guesses passed
+    every scenario of three tokens; here its output is off by chi-square p ~ 1e-37."""
+    import specrun.drafters.draft_model
+    from specrun.drafters.base import Proposal
+    from specrun.sampling import sample
+    from specrun.verify import verify_tree_sampled
+
+    falling, rising = np.geomspace(1.0, 0.05, 9), np.geomspace(0.05, 1.0, 9)
+    q = np.concatenate([[0.3, 0.25, 0.2], 0.25 * falling / falling.sum()])
+    p = np.concatenate([[0.08, 0.06, 0.06], 0.8 * rising / rising.sum()])
+    rng = np.random.default_rng(seed)
+    settings = SamplingSettings(temperature=1.0)
+    counts = np.zeros(len(p))
+    for _ in range(trials):
+        first = sample(q, rng)
+        proposal = specrun.drafters.draft_model.second_guesses(Proposal((first,), (q,)), [q], 1, settings, rng)
+        verdict = verify_tree_sampled(proposal.tree, np.stack([p] * (1 + len(proposal))), list(proposal.p_draft), rng)
+        counts[proposal.tokens[verdict.path[0]] if verdict.path else verdict.next_token] += 1
+    p_value = float(scipy_stats.chisquare(counts, p * trials).pvalue)
+    return [f"second guesses over a long tail: chi-square p = {p_value:.3g}"] if p_value < ALPHA else []
 
 
 # ---- greedy: every method against plain decoding on a target that copies itself ----------------

@@ -22,7 +22,7 @@ import specrun.drafters.heads.eagle
 import specrun.drafters.heads.hydra
 import specrun.drafters.heads.medusa
 import specrun.engine.passes
-from lossless_harness import greedy_scenario, real_scenario, run_scenario
+from lossless_harness import greedy_scenario, long_tail_sibling_problems, real_scenario, run_scenario
 from model_factory import perturbed_copy
 from specrun.sampling import SamplingSettings, probabilities, sample
 from specrun.verify import TreeVerdict, Verdict
@@ -216,6 +216,20 @@ def _same(settings: SamplingSettings) -> SamplingSettings:
     return settings
 
 
+PRUNE_BELOW = 0.05
+
+
+def pruned_second_guesses(chain, distributions, branches, sampling, rng):
+    """drafters.base.second_guesses, but a drawn second guess its row gives under PRUNE_BELOW is left
+    out: the row reported for the guesses kept is then not the one they were drawn from."""
+    from specrun.drafters.base import second_guesses
+
+    grown = second_guesses(chain, distributions, branches, sampling, rng)
+    kept = [node for node in range(len(grown)) if node < len(chain) or grown.p_draft[node] is None
+            or grown.p_draft[node][grown.tokens[node]] >= PRUNE_BELOW]
+    return grown.select(kept)
+
+
 HEADS_MUTANTS = {
     "eagle: reports its row before top-k/top-p, draws after":
         (specrun.drafters.heads.eagle, _temperature_only, _same, ("eagle top-p unsure",)),
@@ -272,6 +286,9 @@ MUTANTS = [
       for name, verifier in TREE_VERIFIERS.items()),
     *(Mutant(name, _draws_otherwise(module, reported, drawn), scenarios)
       for name, (module, reported, drawn, scenarios) in HEADS_MUTANTS.items()),
+    Mutant("unlikely sampled second guesses pruned",
+           lambda patch: patch.setattr(specrun.drafters.draft_model, "second_guesses", pruned_second_guesses),
+           ("long tail siblings",)),
     Mutant("top-p off by one", _install_sampler(top_p_off_by_one), ("draft top-p",)),
     Mutant("min-p ignored", _install_sampler(min_p_ignored), ("draft min-p",)),
     Mutant("greedy: accepts every draft", _install_greedy(greedy_accepts_every_draft), ("greedy draft",)),
@@ -286,6 +303,8 @@ def test_every_mutant_is_caught(mutant, monkeypatch):
     for scenario in mutant.scenarios:
         if scenario.startswith("greedy "):
             problems, _, _ = greedy_scenario(scenario.removeprefix("greedy "))
+        elif scenario == "long tail siblings":
+            problems = long_tail_sibling_problems()
         else:
             _, problems = run_scenario(scenario)
         assert problems, f"the mutant {mutant.name!r} passed the {scenario!r} losslessness scenario"
