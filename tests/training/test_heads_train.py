@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 from pathlib import Path
 
 import numpy as np
@@ -439,3 +440,80 @@ def test_a_heads_out_another_run_is_training_is_refused_naming_it(kind, tmp_path
         line = one_line_error(invoke("--kind", kind, "--heads-out", str(out), "--max-steps", "2"), 2)
     assert f"in use by another specrun (PID {os.getpid()})" in line and "--heads-out" in line
     assert not out.exists() and not checkpoint_folder(out).exists()
+
+
+STRANGE = [-1, 0, 2**63, 10**400, -1e9, 0.5, float("nan"), float("inf"), "", "3", None, True, [], [1.0, "x"], {}]
+CHECKPOINT_CASES = 60
+
+
+def _mutated_checkpoint(files: dict[str, bytes], rng: random.Random) -> dict[str, bytes]:
+    """The checkpoint's files with one of them damaged: a value of its record replaced by a strange
+    one, or bytes flipped, cut or repeated."""
+    changed = dict(files)
+    name = rng.choice(sorted(files))
+    data = files[name]
+    if name == "heads.json" and rng.random() < 0.7:
+        document = json.loads(data)
+        record = document["training"]
+        key = rng.choice(sorted(record))
+        record[key] = rng.choice(STRANGE) if rng.random() < 0.8 else [record[key]] * 3
+        changed[name] = json.dumps(document).encode()
+        return changed
+    kind, at = rng.randrange(3), rng.randrange(len(data))
+    if kind == 0:
+        flipped = bytearray(data)
+        for _ in range(rng.randint(1, 6)):
+            flipped[rng.randrange(len(data))] = rng.randrange(256)
+        changed[name] = bytes(flipped)
+    elif kind == 1:
+        changed[name] = data[:at]
+    else:
+        changed[name] = data[:at] + data[at:at + 64] * 3 + data[at:]
+    return changed
+
+
+def test_fuzzed_checkpoints_resume_or_start_afresh_with_a_note(tiny_llama, text_folder, tmp_path):
+    """A seeded fuzz over a real checkpoint (60 cases): each either resumes, at a step and time
+    that make sense, with its data whole, or is set aside with one note; never another exception
+    or a hang."""
+    import signal
+
+    from specrun.training.run import _Run, open_heads_target
+
+    out = tmp_path / "medusa.safetensors"
+    request = request_for(tiny_llama, out, text_dir=text_folder)
+    stopped_with_a_checkpoint(request)
+    folder = checkpoint_folder(out)
+    files = {path.name: path.read_bytes() for path in folder.iterdir() if path.is_file()}
+    target, trainer_class = open_heads_target(request)
+    notes: list[str] = []
+    run = _Run(request, target, out, lambda progress: None, notes.append, None, 0.0, trainer_class)
+    settings = run._settings(run._source())
+
+    def expire(signum, frame):
+        raise AssertionError("a damaged checkpoint is still being read after 10 s")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    rng = random.Random(56)
+    outcomes = {"resumed": 0, "afresh": 0}
+    try:
+        for case in range(CHECKPOINT_CASES):
+            for name, data in _mutated_checkpoint(files, rng).items():
+                (folder / name).write_bytes(data)
+            notes.clear()
+            signal.setitimer(signal.ITIMER_REAL, 10)
+            resumed = run._resume(settings)
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            if resumed is None:
+                assert len(notes) == 1 and "starting afresh" in notes[0] and "\n" not in notes[0], (case, notes)
+                outcomes["afresh"] += 1
+                continue
+            data, held_out, _ = resumed
+            assert run.step >= 0 and 0 <= run.spent_before < 1e7 and all(np.isfinite(run.losses)), case
+            assert len(held_out) == len(data.tokens) >= 2 and held_out.any() and not held_out.all(), case
+            outcomes["resumed"] += 1
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+        target.close()
+    assert min(outcomes.values()) > 5, outcomes
