@@ -517,6 +517,42 @@ def long_tail_sibling_problems(trials: int = LONG_TAIL_TRIALS, seed: int = 0) ->
     return [f"second guesses over a long tail: chi-square p = {p_value:.3g}"] if p_value < ALPHA else []
 
 
+# ---- exact checks of how proposals are merged and cut (drafters.chain, drafters.base) -------------
+def merged_row_problems() -> list[str]:
+    """Sampled proposals merged into one tree (heads and a draft model under auto): a drawn node
+    after siblings must carry its row conditioned on every one of them, drawn or deterministic
+    (conditioned on the deterministic ones alone, the output was off by total variation 0.026)."""
+    import specrun.drafters.chain
+    from specrun.drafters.base import Proposal
+
+    heads_row, draft_row = np.array([0.5, 0.3, 0.1, 0.1]), np.array([0.1, 0.2, 0.3, 0.4])
+    merge = specrun.drafters.chain.merge_proposals
+    three = merge([Proposal((0,), (heads_row,), source="eagle"), Proposal((2,), source="lookup"),
+                   Proposal((3,), (draft_row,), source="draft")])
+    two = merge([Proposal((1,), (heads_row,), source="eagle"), Proposal((3,), (draft_row,), source="draft")])
+    problems = []
+    if not np.allclose(three.p_draft[2], [0.0, 0.2 / 0.6, 0.0, 0.4 / 0.6]):
+        problems.append(f"the third sibling's row {three.p_draft[2]} is not conditioned on both before it")
+    if not np.allclose(two.p_draft[1], [0.1 / 0.8, 0.0, 0.3 / 0.8, 0.4 / 0.8]):
+        problems.append(f"the second drawn sibling's row {two.p_draft[1]} is not conditioned on the first")
+    return problems
+
+
+def selected_row_problems() -> list[str]:
+    """A proposal cut to the nodes worth verifying: each kept node must carry its own row (taking
+    the first rows by position passed the suite)."""
+    from specrun.drafters.base import Proposal
+
+    rows = tuple(np.full(4, 0.25) + 0.01 * i * np.array([1, -1, 1, -1]) for i in range(5))
+    kept = Proposal((1, 2, 3, 0, 2), rows, "draft", (-1, 0, 1, -1, 3)).select([0, 3, 4])
+    problems = []
+    if kept.tokens != (1, 0, 2) or kept.parents != (-1, -1, 1):
+        problems.append(f"select kept tokens {kept.tokens} with parents {kept.parents}")
+    if not all(row is rows[node] for row, node in zip(kept.p_draft, (0, 3, 4))):
+        problems.append("select moved draft rows away from their nodes")
+    return problems
+
+
 # ---- greedy: every method against plain decoding on a target that copies itself ----------------
 GREEDY_NEW = 150
 

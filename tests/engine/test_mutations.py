@@ -17,15 +17,23 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 
+import specrun.drafters.chain
 import specrun.drafters.draft_model
 import specrun.drafters.heads.eagle
 import specrun.drafters.heads.hydra
 import specrun.drafters.heads.medusa
 import specrun.engine.passes
-from lossless_harness import greedy_scenario, long_tail_sibling_problems, real_scenario, run_scenario
+from lossless_harness import (
+    greedy_scenario, long_tail_sibling_problems, merged_row_problems, real_scenario, run_scenario,
+    selected_row_problems,
+)
 from model_factory import perturbed_copy
 from specrun.sampling import SamplingSettings, probabilities, sample
-from specrun.verify import TreeVerdict, Verdict
+from specrun.drafters.base import Proposal
+from specrun.verify import TreeVerdict, Verdict, sibling_row
+
+_real_select = Proposal.select
+_real_merge = specrun.drafters.chain.merge_proposals
 
 # ---- wrong acceptance rules (the signature of specrun.verify.verify_sampled) ----------------
 
@@ -230,6 +238,26 @@ def pruned_second_guesses(chain, distributions, branches, sampling, rng):
     return grown.select(kept)
 
 
+def merged_on_deterministic_siblings_only(parts):
+    """drafters.chain.merge_proposals, but a drawn node's row conditioned on the deterministic
+    siblings before it alone."""
+    merged = _real_merge(parts)
+    rows = list(merged.p_draft)
+    for node, (part, within) in enumerate(merged.owners):
+        row = parts[part].p_draft[within]
+        if row is not None:
+            siblings = [other for other in range(node) if merged.parents[other] == merged.parents[node]]
+            rows[node] = sibling_row(row, [merged.tokens[other] for other in siblings if rows[other] is None]) \
+                if siblings else row
+    return dataclasses.replace(merged, p_draft=tuple(rows))
+
+
+def select_by_position(self, nodes):
+    """Proposal.select, but the first rows by position instead of each kept node's own."""
+    kept = _real_select(self, nodes)
+    return dataclasses.replace(kept, p_draft=self.p_draft[:len(kept.tokens)])
+
+
 HEADS_MUTANTS = {
     "eagle: reports its row before top-k/top-p, draws after":
         (specrun.drafters.heads.eagle, _temperature_only, _same, ("eagle top-p unsure",)),
@@ -286,6 +314,11 @@ MUTANTS = [
       for name, verifier in TREE_VERIFIERS.items()),
     *(Mutant(name, _draws_otherwise(module, reported, drawn), scenarios)
       for name, (module, reported, drawn, scenarios) in HEADS_MUTANTS.items()),
+    Mutant("merged: a drawn sibling conditioned on the deterministic ones alone",
+           lambda patch: patch.setattr(specrun.drafters.chain, "merge_proposals", merged_on_deterministic_siblings_only),
+           ("merged rows",)),
+    Mutant("select: the first rows by position", lambda patch: patch.setattr(Proposal, "select", select_by_position),
+           ("selected rows",)),
     Mutant("unlikely sampled second guesses pruned",
            lambda patch: patch.setattr(specrun.drafters.draft_model, "second_guesses", pruned_second_guesses),
            ("long tail siblings",)),
@@ -297,14 +330,18 @@ MUTANTS = [
 ]
 
 
+EXACT_CHECKS = {"long tail siblings": long_tail_sibling_problems, "merged rows": merged_row_problems,
+                "selected rows": selected_row_problems}
+
+
 @pytest.mark.parametrize("mutant", MUTANTS, ids=[mutant.name for mutant in MUTANTS])
 def test_every_mutant_is_caught(mutant, monkeypatch):
     mutant.install(monkeypatch)
     for scenario in mutant.scenarios:
         if scenario.startswith("greedy "):
             problems, _, _ = greedy_scenario(scenario.removeprefix("greedy "))
-        elif scenario == "long tail siblings":
-            problems = long_tail_sibling_problems()
+        elif scenario in EXACT_CHECKS:
+            problems = EXACT_CHECKS[scenario]()
         else:
             _, problems = run_scenario(scenario)
         assert problems, f"the mutant {mutant.name!r} passed the {scenario!r} losslessness scenario"
