@@ -120,7 +120,7 @@ class Sampling:
         """The options ``specrun generate`` takes (none: greedy, its default)."""
         if self.greedy:
             return []
-        return ["--temperature", str(self.temperature), "--seed", str(self.seed), "--top-k", str(self.top_k),
+        return ["--temp", str(self.temperature), "--seed", str(self.seed), "--top-k", str(self.top_k),
                 "--top-p", str(self.top_p), "--min-p", str(self.min_p)]
 
     def server_fields(self) -> dict:
