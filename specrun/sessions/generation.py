@@ -25,6 +25,7 @@ from specrun.sessions.heads import heads_for_auto, load_target_heads, paying_hea
 from specrun.sessions.setup import (
     TreeSettings,
     adapts_length,
+    check_prompt_size,
     check_trees_for,
     default_trees,
     load_target_entry,
@@ -77,6 +78,7 @@ def generate_text(request: GenerateRequest, on_text: Callable[[str], None] | Non
                                         request.on_note)
         check_trees_for(request.method, target, options.lookahead)
         chat = prompts_as_chat(request.target, request.load.registry, target, request.chat)
+        check_prompt_size(target, request.prompt)  # before tokenizing megabytes that cannot fit
         prompt_ids = prompt_token_ids(target, request.prompt, chat)
         check_prompt(prompt_ids, target.n_ctx)
         # The input is good: flash attention by what it costs here (a first run measures it and

@@ -287,7 +287,6 @@ def resolve_min_prob(requested: float | None, tuned) -> float:
 def prompt_token_ids(target, prompt: str, chat: bool) -> list[int]:
     """The prompt as one user message in the target's chat template, as ``mlx_lm.generate``
     and ``llama-cli`` send it, or (``chat`` false) as is."""
-    check_prompt_size(target, prompt)
     if not chat:
         return target.tokenize(prompt, add_bos=target.vocab.add_bos)
     from specrun.sessions.templates import render_user_prompt

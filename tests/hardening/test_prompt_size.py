@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from specrun.errors import ContextFullError
-from specrun.sessions.setup import CHEAP_BYTES_PER_TOKEN, check_prompt_size, prompt_token_ids
+from specrun.sessions.setup import CHEAP_BYTES_PER_TOKEN, check_prompt_size
 
 
 class Vocab:
@@ -34,7 +34,7 @@ def test_a_prompt_longer_than_the_context_in_its_longest_tokens_is_refused_untok
     check_prompt_size(target, text)
     huge = "é" * (CHEAP_BYTES_PER_TOKEN * target.n_ctx)
     with pytest.raises(ContextFullError, match=r"3,200 bytes, at least 800 tokens .* longest token is 4 bytes"):
-        prompt_token_ids(target, huge, chat=False)
+        check_prompt_size(target, huge)
 
 
 def test_a_prompt_that_might_fit_is_tokenized():
@@ -44,7 +44,14 @@ def test_a_prompt_that_might_fit_is_tokenized():
         def token_bytes(self, token: int) -> bytes:
             return b"x" * 1000  # long tokens: 3,200 bytes could be 4 of them
 
-        def tokenize(self, text: str, add_bos: bool = False) -> list[int]:
-            return [1, 2, 3]
+    check_prompt_size(Fits(), "é" * 1600)  # 3,200 bytes could be 4 tokens: left to the tokenizer
 
-    assert prompt_token_ids(Fits(), "é" * 1600, chat=False) == [1, 2, 3]
+
+def test_generate_refuses_a_prompt_of_megabytes_by_its_size(tiny_llama):
+    """`specrun generate` checks the size before it tokenizes (the server too: test_serve_api)."""
+    pytest.importorskip("llama_cpp", reason="the llama backend is not installed")
+    from cli_checks import assert_one_line_error, run_specrun
+
+    model = str(tiny_llama.gguf_path)
+    result = run_specrun("generate", "-", "-t", model, "-d", model, "-n", "2", input=b"xyzzy " * 400_000)
+    assert_one_line_error(result.returncode, result.stderr, 1, "2,400,000 bytes", "--ctx")
