@@ -20,13 +20,9 @@ from pathlib import Path
 import gguf
 
 from .config import ModelConfig, weight_shapes
+from .gguf_header import _SCALARS, _T
 from .gguf_io import gguf_tensor_name
 
-_T = gguf.GGUFValueType
-_SCALARS = {
-    _T.UINT8: "<B", _T.INT8: "<b", _T.UINT16: "<H", _T.INT16: "<h", _T.UINT32: "<I", _T.INT32: "<i",
-    _T.UINT64: "<Q", _T.INT64: "<q", _T.FLOAT32: "<f", _T.FLOAT64: "<d", _T.BOOL: "<?",
-}
 MAX_DIMS = 4  # GGML_MAX_DIMS
 # The tensor types gguf.quants.dequantize reads (its table of block formats, plus the plain floats)
 READABLE_TYPES = frozenset(getattr(gguf.quants, "_type_traits", {})) | {
