@@ -6,10 +6,12 @@ import hashlib
 import json
 import os
 import resource
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from typer.testing import CliRunner
 
 from specrun.cli.app import app
@@ -25,19 +27,31 @@ def invoke(*args: str, input: str | bytes | None = None, env: dict | None = None
 
 def run_specrun(
     *args: str, input: bytes | None = None, env: dict | None = None, timeout: float = 120,
-    max_file_bytes: int | None = None,
+    max_file_bytes: int | None = None, honour_permissions: bool = False,
 ):
     """specrun in a process of its own (signals, pipes and stdin bytes need a real one).
-    ``max_file_bytes``: writes past this size fail (EFBIG) as they would on a full disk."""
+    ``max_file_bytes``: writes past this size fail (EFBIG) as they would on a full disk.
+    ``honour_permissions``: run as root without the capabilities that override file modes, so
+    that a read-only folder refuses root as it refuses a user (CI runs as root)."""
     full_env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
+    prefix = _without_root_overrides() if honour_permissions else []
 
     def limit_file_size():
         resource.setrlimit(resource.RLIMIT_FSIZE, (max_file_bytes, max_file_bytes))
 
     return subprocess.run(
-        [sys.executable, "-m", "specrun", *args], input=input, capture_output=True, env=full_env, timeout=timeout,
+        [*prefix, sys.executable, "-m", "specrun", *args], input=input, capture_output=True, env=full_env, timeout=timeout,
         preexec_fn=limit_file_size if max_file_bytes is not None else None,
     )
+
+
+def _without_root_overrides() -> list[str]:
+    if os.geteuid() != 0:
+        return []
+    setpriv = shutil.which("setpriv")
+    if setpriv is None:
+        pytest.skip("root ignores file modes and setpriv (util-linux) is not installed to drop that")
+    return [setpriv, "--bounding-set=-dac_override,-dac_read_search", "--"]
 
 
 def error_lines(stderr: str | bytes) -> list[str]:
