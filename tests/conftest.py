@@ -43,6 +43,29 @@ def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, TinyModel
 
 
 @pytest.fixture(scope="session")
+def glm_mtp(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """A tiny GLM-4.5-style model carrying one MTP layer (tests/mtp_models.py): {"gguf": its F16
+    GGUF, "trunk": the same without its MTP layer, "shape", "weights"}."""
+    from mtp_models import GlmShape, glm_weights, write_glm_gguf
+
+    folder = tmp_path_factory.mktemp("glm_mtp")
+    shape = GlmShape()
+    weights = glm_weights(shape)
+    return {"gguf": write_glm_gguf(folder / "glm-mtp.gguf", shape, weights),
+            "trunk": write_glm_gguf(folder / "glm-trunk.gguf", shape, weights, mtp_layers=0),
+            "shape": shape, "weights": weights, "folder": folder}
+
+
+@pytest.fixture(scope="session")
+def glm_mtp_trained(glm_mtp) -> Path:
+    """glm_mtp's GGUF with its MTP layer trained on the target's own continuations
+    (mtp_models.write_fitted_glm): drafts accepted well above chance."""
+    from mtp_models import write_fitted_glm
+
+    return write_fitted_glm(glm_mtp["folder"] / "glm-mtp-trained.gguf", glm_mtp)
+
+
+@pytest.fixture(scope="session")
 def tiny_llama(tiny_models: dict[str, TinyModel]) -> TinyModel:
     """Llama: multi-head attention, untied lm_head, adjacent-pair RoPE in GGUF."""
     return tiny_models["llama"]

@@ -188,12 +188,61 @@ def oracle_hydra(vocab_size: int, depth: int = 4, sharpness: float = 4.0, path_w
     return HydraHeads.from_arrays(config, arrays, None)
 
 
+def random_mtp(hidden_size: int, vocab_size: int, depth: int = 4, seed: int = 0, experts: int = 0, **arrays):
+    """An MTP layer (heads.mtp) for a target of width ``hidden_size``: ``arrays`` as given, the
+    others random (norms near one); ``experts`` routed experts of width 8 (two used, a shared one)."""
+    from specrun.heads.mtp import MtpHeads, MtpLayout
+
+    heads, kv_heads, head_dim, width = 2, 1, 4, 16
+    layout = MtpLayout("test", heads, kv_heads, head_dim, rope_dims=2, rope_theta=10000.0, rms_norm_eps=1e-6,
+                       experts=experts, experts_used=min(2, experts), normalize_weights=True, weights_scale=1.5)
+    h = hidden_size
+    shapes = {"embed": (vocab_size, h), "lm_head": (vocab_size, h), "enorm": (h,), "hnorm": (h,),
+              "eh_proj": (h, 2 * h), "attn_norm": (h,), "q_proj": (heads * head_dim, h),
+              "k_proj": (kv_heads * head_dim, h), "v_proj": (kv_heads * head_dim, h), "o_proj": (h, heads * head_dim),
+              "q_bias": (heads * head_dim,), "k_bias": (kv_heads * head_dim,), "v_bias": (kv_heads * head_dim,),
+              "post_norm": (h,), "head_norm": (h,), "gate_proj": (width, h), "up_proj": (width, h),
+              "down_proj": (h, width)}
+    if experts:
+        shapes.update(router=(experts, h), router_bias=(experts,), gate_exps=(experts, 8, h),
+                      up_exps=(experts, 8, h), down_exps=(experts, h, 8))
+    rng = np.random.default_rng(seed)
+    for name, shape in shapes.items():
+        if name not in arrays:
+            norm = name.endswith("norm")
+            arrays[name] = (float(norm) + rng.normal(0, 0.3 if norm else 0.5, shape)).astype(np.float32)
+    config = HeadsConfig("mtp", depth, 1, hidden_size, vocab_size, vocab_size, target_name="test")
+    return MtpHeads(config, layout, **arrays)
+
+
+def oracle_mtp(vocab_size: int, depth: int = 4, sharpness: float = 4.0):
+    """An MTP layer reading ``oracle_hidden``'s blocks: eh_proj moves the (normed) state's blocks
+    up by one, the last taking the first (so every state it makes holds depth + 1 ones, and the
+    norms scale them all alike: by the square root of the vocabulary, undone by eh_proj and the
+    head's norm), attention and the MLP add nothing, the token's embedding is zero: block 0 after s
+    steps is block s of the state it started from, the target's token s + 1 after it, so the chain
+    it drafts is ``oracle_heads``' guesses."""
+    size = (depth + 1) * vocab_size
+    scale = 1.0 / np.sqrt(vocab_size)
+    blocks = np.arange(size)
+    eh_proj = np.zeros((size, 2 * size), np.float32)
+    eh_proj[blocks, size + (blocks + vocab_size) % size] = scale  # out block b = in block (b + 1) mod (depth + 1)
+    lm_head = np.zeros((vocab_size, size), np.float32)
+    lm_head[np.arange(vocab_size), np.arange(vocab_size)] = sharpness
+    zeros = {name: np.zeros(shape, np.float32) for name, shape in
+             (("embed", (vocab_size, size)), ("o_proj", (size, 8)), ("down_proj", (size, 16)))}
+    return random_mtp(size, vocab_size, depth, eh_proj=eh_proj, lm_head=lm_head,
+                      enorm=np.ones(size, np.float32), hnorm=np.ones(size, np.float32),
+                      head_norm=np.full(size, scale, np.float32), **zeros)
+
+
 def oracle_heads_for(method: str, vocab_size: int, eagle3: bool = False, sharpness: float | None = None):
     """The oracle heads of ``method``'s kind (it must draft with heads); EAGLE-3's with ``eagle3``;
     ``sharpness``: how sure they are (None: each kind's default, ~0.97 on one token)."""
     from specrun.drafters.methods import heads_kind
 
-    made = {"eagle": oracle_eagle3 if eagle3 else oracle_eagle, "hydra": oracle_hydra, "medusa": oracle_heads}
+    made = {"eagle": oracle_eagle3 if eagle3 else oracle_eagle, "hydra": oracle_hydra, "medusa": oracle_heads,
+            "mtp": oracle_mtp}
     sure = {} if sharpness is None else {"sharpness": sharpness}
     return made[heads_kind(method)](vocab_size, **sure)
 
@@ -333,8 +382,48 @@ def fitted_heads_for(method: str, backend, ids: Sequence[int]):
     """Heads of ``method``'s kind fitted to ``backend``'s own output ``ids``."""
     from specrun.drafters.methods import heads_kind
 
+    if heads_kind(method) == "mtp":
+        return fitted_mtp(backend, [ids])
     made = {"eagle": fitted_eagle, "hydra": fitted_hydra, "medusa": fitted_heads}
     return made[heads_kind(method)](backend, ids)
+
+
+def fitted_mtp(backend, sequences: Sequence[Sequence[int]], depth: int = 4, ridge: float = 1e-2):
+    """An MTP layer for a real backend fitted along ``sequences`` (its own output) by ridge
+    regression, as ``fitted_eagle`` is, attention and MLP adding nothing: eh_proj maps [normed
+    embedding of the token at p + 1 ; normed state at p] to the normed state at p + 1, and its own
+    output head maps that to the token at p + 2 (rows of the tokens the sequences hold; random
+    embedding rows for them, zero for every other token)."""
+    from specrun.heads.layers import rms_norm
+
+    vocab = backend.vocab.size
+    states = [_features_along(backend, ids).astype(np.float64) for ids in sequences]
+    size = states[0].shape[1]
+    eps, ones = 1e-6, np.ones(size)
+    rng = np.random.default_rng(0)
+    embed = np.zeros((vocab, size), np.float32)
+    used = np.unique(np.concatenate([np.asarray(ids, dtype=np.int64) for ids in sequences]))
+    embed[used] = rng.normal(0, 1, (len(used), size))
+    joined, following, tokens = [], [], []
+    for ids, hidden in zip(sequences, states):
+        ids, normed = np.asarray(ids, dtype=np.int64), rms_norm(hidden, ones, eps)
+        joined.append(np.concatenate([rms_norm(embed[ids[1:-1]].astype(np.float64), ones, eps), normed[:-2]], axis=1))
+        following.append(normed[1:-1])
+        tokens.append(ids[2:])
+    joined, following, tokens = np.concatenate(joined), np.concatenate(following), np.concatenate(tokens)
+    eh_proj = np.linalg.solve(joined.T @ joined + ridge * len(joined) * np.eye(2 * size), joined.T @ following).T
+    predicted = rms_norm(joined @ eh_proj.T, ones, eps)
+    rows = np.unique(tokens)
+    targets = (tokens[:, None] == rows[None, :]).astype(np.float64)
+    lm_head = np.zeros((vocab, size), np.float32)
+    lm_head[rows] = np.linalg.solve(predicted.T @ predicted + ridge * len(predicted) * np.eye(size),
+                                    predicted.T @ targets).T
+    zeros = {name: np.zeros(shape, np.float32) for name, shape in (("o_proj", (size, 8)), ("down_proj", (size, 16)))}
+    # the vocabulary-sized arrays in float16, as a model file holds them (a real vocabulary's are large)
+    return random_mtp(size, vocab, depth, embed=embed.astype(np.float16), lm_head=lm_head.astype(np.float16),
+                      eh_proj=eh_proj.astype(np.float32),
+                      enorm=np.ones(size, np.float32), hnorm=np.ones(size, np.float32),
+                      head_norm=np.ones(size, np.float32), **zeros)
 
 
 def fitted_eagle3(backend, ids: Sequence[int], depth: int = 4, ridge: float = 1e-2):

@@ -91,6 +91,11 @@ class EagleHeads(EmbeddingRows):
     def arrays(self) -> list[np.ndarray]:
         return [getattr(self, name) for name in PARAMETER_NAMES]
 
+    @property
+    def dtype(self) -> np.dtype:
+        """What the layer computes in (its arrays')."""
+        return self.fc.dtype
+
     def shapes(self) -> dict[str, tuple[int, ...]]:
         return eagle_shapes(self.config, self.layout)
 

@@ -89,6 +89,11 @@ class Eagle3Heads:
     window = EAGLE3_WINDOW
 
     @property
+    def dtype(self) -> np.dtype:
+        """What the layer computes in (its arrays')."""
+        return self.fc.dtype
+
+    @property
     def depth_bytes(self) -> float:
         """Bytes of weights drafting one depth reads: the layer and the projection (fc and the
         embedding are read once a pass, for the context's new positions, or a row at a time)."""

@@ -17,6 +17,7 @@ from specrun.heads.eagle import EagleHeads
 from specrun.heads.eagle3 import Eagle3Heads
 from specrun.heads.hydra import HydraHeads
 from specrun.heads.medusa import MedusaHeads
+from specrun.heads.mtp import MtpHeads
 
 
 @dataclass(frozen=True)
@@ -26,14 +27,16 @@ class HeadKind:
     name: as files, ``heads train --kind`` and the cache name it. method: the ``--method`` that
     drafts with it. arrays: the class holding its arrays (heads/<kind>.py). stored: "file"
     (specrun's NAME.safetensors beside NAME.json) or "folder" (a published layout, read and
-    written as its project does). trains_on: "positions" (hidden states at shuffled positions),
+    written as its project does) or "model" (inside the target's own file: MTP layers, trained with
+    the model and found wherever the target is). trains_on: "positions" (hidden states at shuffled positions),
     "windows" (whole windows, reported on its own chains), "" where specrun does not train it.
     reads: "hidden" (the target's final hidden state) or "layers" (outputs of chosen layers).
     embeds: what embeds the tokens it reads beside the state: "" (none: Medusa reads the state
     alone), "own" (an embedding of its own over the draft vocabulary, trained from the target's
     rows: Hydra, EAGLE), "target" (the target's own, frozen: EAGLE-3).
-    auto_rank: auto drafts with the method of the lowest rank found (Spec-Bench ranks EAGLE ahead
-    of Hydra, Hydra ahead of Medusa). found_rank: among the kinds of one method, the lower is
+    auto_rank: auto drafts with the method of the lowest rank found (a model's own MTP layers, trained
+    with it, ahead of heads trained after it; Spec-Bench ranks EAGLE ahead of Hydra, Hydra ahead of
+    Medusa). found_rank: among the kinds of one method, the lower is
     looked for first at each place heads are found.
     """
 
@@ -49,15 +52,17 @@ class HeadKind:
 
 
 KINDS = (
-    HeadKind("medusa", "medusa", MedusaHeads, "file", "positions", "hidden", "", auto_rank=2),
-    HeadKind("hydra", "hydra", HydraHeads, "file", "positions", "hidden", "own", auto_rank=1),
-    HeadKind("eagle", "eagle", EagleHeads, "file", "windows", "hidden", "own", auto_rank=0, found_rank=1),
-    HeadKind("eagle3", "eagle", Eagle3Heads, "folder", "windows", "layers", "target", auto_rank=0, found_rank=0),
+    HeadKind("medusa", "medusa", MedusaHeads, "file", "positions", "hidden", "", auto_rank=3),
+    HeadKind("hydra", "hydra", HydraHeads, "file", "positions", "hidden", "own", auto_rank=2),
+    HeadKind("eagle", "eagle", EagleHeads, "file", "windows", "hidden", "own", auto_rank=1, found_rank=1),
+    HeadKind("eagle3", "eagle", Eagle3Heads, "folder", "windows", "layers", "target", auto_rank=1, found_rank=0),
+    HeadKind("mtp", "mtp", MtpHeads, "model", "", "hidden", "target", auto_rank=0),
 )
 
 BY_NAME = {kind.name: kind for kind in KINDS}
 HEAD_METHODS = tuple(dict.fromkeys(kind.method for kind in KINDS))  # the head methods, named as their kinds
 FILE_KINDS = tuple(kind.name for kind in KINDS if kind.stored == "file")  # what specrun's own heads files hold
+MODEL_KINDS = tuple(kind.name for kind in KINDS if kind.stored == "model")  # found inside the target
 TRAINABLE_KINDS = tuple(kind.name for kind in KINDS if kind.trains_on)
 WINDOW_KINDS = tuple(kind.name for kind in KINDS if kind.trains_on == "windows")
 AUTO_HEADS_ORDER = tuple(sorted(HEAD_METHODS, key=lambda method: min(k.auto_rank for k in KINDS if k.method == method)))

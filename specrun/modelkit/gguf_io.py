@@ -107,7 +107,7 @@ def write_gguf(
     path = Path(path)
     writer = gguf.GGUFWriter(path, config.arch)
     _add_hparams(writer, config, dtype)
-    _add_tokenizer(writer, config, vocab, chat_template, tokenizer_pre)
+    add_tokenizer(writer, config, vocab, chat_template, tokenizer_pre)
     for hf_name in weight_names(config):
         data, raw_dtype = _encode_tensor(_to_gguf_layout(config, hf_name, weights[hf_name]), dtype)
         writer.add_tensor(gguf_tensor_name(hf_name), data, raw_dtype=raw_dtype)
@@ -237,9 +237,11 @@ def _add_hparams(writer: gguf.GGUFWriter, config: ModelConfig, dtype: str) -> No
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
 
 
-def _add_tokenizer(
+def add_tokenizer(
     writer: gguf.GGUFWriter, config: ModelConfig, vocab: ByteBpeVocab, chat_template: str | None, pre: str
 ) -> None:
+    """The vocabulary, its special ids and ``chat_template`` as llama.cpp reads them (``config``
+    gives the BOS and EOS ids)."""
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre(pre)
     writer.add_token_list(list(vocab.tokens))

@@ -55,6 +55,8 @@ def heads_candidates(target_spec: str, kind: str, entries: dict[str, ModelEntry]
     local = [Path(target_spec).expanduser()] if entry is None else [
         Path(path).expanduser() for path in (entry.gguf_path, entry.mlx_path) if path
     ]
+    if BY_NAME[kind].stored == "model":  # inside the target's own file (its GGUF)
+        return [path for path in local if path.suffix.lower() == ".gguf"]
     stored = [each.name for each in kinds_of_method(kind)]  # EAGLE-3's folder before EAGLE-1's file
     for path in local:
         for each in stored:
@@ -68,9 +70,17 @@ def heads_candidates(target_spec: str, kind: str, entries: dict[str, ModelEntry]
     return candidates
 
 
-def _present(path: Path) -> bool:
+def _present(path: Path, kind: str) -> bool:
     """Heads are at ``path``: a file, or a folder holding its config (an empty or half-written
-    folder left by a failed save is not heads)."""
+    folder left by a failed save is not heads); for a kind inside the model, a model file that
+    says it carries such layers."""
+    if BY_NAME[kind].stored == "model":
+        from specrun.modelkit.mtp import mtp_layer_count
+
+        try:
+            return path.is_file() and mtp_layer_count(path) > 0
+        except (OSError, ValueError, KeyError):  # not a GGUF it can read: the target's loading says why
+            return False
     return (path / "config.json").is_file() if path.is_dir() else path.exists()
 
 
@@ -83,7 +93,11 @@ def find_all_heads(target_spec: str, explicit: str | None, kind: str, registry: 
             raise UsageError(f"--heads {explicit}: no such file or folder", "pass the path of a heads file")
         return [path]
     candidates = heads_candidates(target_spec, kind, load_registry(registry))
-    found = [path for path in candidates if _present(path)]
+    found = [path for path in candidates if _present(path, kind)]
+    if not found and BY_NAME[kind].stored == "model":
+        from specrun.modelkit.mtp import carriers_refusal
+
+        raise carriers_refusal(target_spec, "" if candidates else " (no GGUF file of it)")
     if not found:
         raise UsageError(
             f"no {kind} heads for {target_spec} (looked in {', '.join(str(path) for path in candidates)})",
@@ -101,7 +115,7 @@ def find_heads(target_spec: str, explicit: str | None, kind: str, registry: Path
 def heads_available(target_spec: str, kind: str, registry: Path | None = None) -> bool:
     """Are there ``kind`` heads for ``target_spec`` where find_heads looks (without --heads)?"""
     try:
-        return any(_present(path) for path in heads_candidates(target_spec, kind, load_registry(registry)))
+        return any(_present(path, kind) for path in heads_candidates(target_spec, kind, load_registry(registry)))
     except SpecrunError:  # an unreadable registry is reported where the target is opened
         return False
 

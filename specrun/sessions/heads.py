@@ -37,15 +37,20 @@ def load_target_heads(target_spec: str, explicit: str | None, target, registry=N
 def read_heads(path, loaded: dict | None):
     """The heads in ``path``, read once per ``loaded`` (a comparison's lines, or a chat session's
     methods, that draft with the same file share what was read: a published EAGLE-3 head's
-    embedding table alone is ~1 GB)."""
-    from specrun.heads.files import load_heads
-
+    embedding table alone is ~1 GB). A GGUF is a model carrying its own MTP layers."""
     if loaded is None:
-        return load_heads(path)
+        return _load(path)
     key = Path(path).resolve()
     if key not in loaded:
-        loaded[key] = load_heads(path)
+        loaded[key] = _load(path)
     return loaded[key]
+
+
+def _load(path):
+    from specrun.heads.files import load_heads
+    from specrun.modelkit.mtp import read_mtp_gguf
+
+    return read_mtp_gguf(path) if Path(path).suffix.lower() == ".gguf" else load_heads(path)
 
 
 def _checked_heads(path, heads, kind: str, target):

@@ -17,6 +17,7 @@ from model_factory import perturbed_copy
 from specrun.cli.app import app
 from specrun.drafters.methods import METHODS, heads_kind, needs_heads
 from specrun.heads.files import save_heads
+from specrun.heads.kinds import MODEL_KINDS
 
 runner = CliRunner()
 BACKEND_MODULES = {"llama": "llama_cpp", "mlx": "mlx_lm"}
@@ -284,14 +285,17 @@ def test_console_script_reads_a_pipe(tiny_llama, llama_installed):
 
 
 @pytest.mark.parametrize("method", [method for method in METHODS if method != "none"])
-def test_every_method_gives_the_plain_greedy_text(pair, method, tmp_path, tiny_llama):
+def test_every_method_gives_the_plain_greedy_text(pair, method, tmp_path, tiny_llama, glm_mtp):
     """As the CLI runs them (adaptive lengths: on this CPU a draft model as dear as the target
     soon stops drafting) and at -k 4, where drafts are made on every step they can be and the
     perturbed draft's are also rejected. Lookup and the n-gram pool draft from the prompt and
-    are rejected: the random model never repeats it."""
+    are rejected: the random model never repeats it. MTP drafts with the layer a target carries:
+    the tiny GLM-style model's (its trunk alone as the draft model)."""
     prompt = "def f(x):\n    return x\n" * 3
+    if heads_kind(method) in MODEL_KINDS:
+        pair = ["-t", str(glm_mtp["gguf"]), "-d", str(glm_mtp["trunk"])]
     plain = invoke("generate", prompt, *pair, "-n", "48", "--method", "none", "--json")
-    if needs_heads(method):  # heads for the tiny target, from a file as `specrun heads train` writes it
+    if needs_heads(method) and heads_kind(method) not in MODEL_KINDS:  # heads from a file as `specrun heads train` writes it
         config = tiny_llama.config
         made = {"eagle": random_eagle, "hydra": random_hydra, "medusa": random_heads}[heads_kind(method)]
         save_heads(made(config.hidden_size, config.vocab_size), tmp_path / "heads.safetensors")

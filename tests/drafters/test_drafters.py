@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from fake_models import REPEATING_PROMPT, copying_logits, hashed_logits, noisy_copy
-from heads_factory import fitted_heads_for, random_eagle, random_heads, random_hydra
+from heads_factory import fitted_heads_for, random_eagle, random_heads, random_hydra, random_mtp
 from lossless_harness import assert_few_prompts_diverge, greedy_divergences
 from specrun.backends.base import Backend
 from specrun.backends.fake import FakeBackend
@@ -23,6 +23,7 @@ from specrun.drafters.lookup import PromptLookupDrafter
 from specrun.drafters.ngram import HEADER, MAGIC, NgramCacheError, NgramPoolDrafter, vocabulary_fingerprint
 from specrun.engine.loop import GenerationParams, SpeculativeEngine
 from specrun.errors import UsageError
+from specrun.heads.kinds import HEAD_METHODS
 from specrun.sessions.setup import adapts_length, method_trees
 from specrun.registry.loading import LoadOptions, open_backend
 from specrun.drafters.methods import METHODS, DrafterOptions, build_drafter, is_adaptive, needs_draft_model, needs_heads
@@ -364,7 +365,8 @@ def test_every_method_builds_its_drafter():
     for method in SPECULATIVE_METHODS:
         if method == "auto":
             continue
-        heads = (random_heads(8, VOCAB), random_hydra(8, VOCAB), random_eagle(8, VOCAB)) if needs_heads(method) else None
+        heads = (random_heads(8, VOCAB), random_hydra(8, VOCAB), random_eagle(8, VOCAB),
+                 random_mtp(8, VOCAB)) if needs_heads(method) else None
         drafter = build_drafter(method, draft if needs_draft_model(method) else None, DrafterOptions(heads=heads))
         assert drafter.name == method
         assert isinstance(drafter, ChainDrafter) == ("+" in method)
@@ -377,7 +379,7 @@ def test_every_method_builds_its_drafter():
         build_drafter("draft+lookup", draft)
     with pytest.raises(UsageError, match="unknown method"):
         build_drafter("draft+magic", draft)
-    for method in ("medusa", "hydra", "eagle"):
+    for method in HEAD_METHODS:
         with pytest.raises(UsageError, match="needs heads"):
             build_drafter(method, None)
     with_draft = ["auto", "draft", "lookup+draft", "ngram+draft", "lookup+ngram+draft"]
@@ -500,6 +502,7 @@ REAL_CASES = [
     ("medusa", "looping"),  # heads fitted to the target's own output (tests/heads_factory.py)
     ("hydra", "looping"),
     ("eagle", "looping"),
+    ("mtp", "looping"),  # an MTP layer fitted likewise (the llama target carries none of its own)
     ("lookahead", "random"),  # the window's n-grams of what the random model repeats
 ]
 

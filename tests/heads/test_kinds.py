@@ -9,7 +9,7 @@ import re
 import numpy as np
 import pytest
 
-from heads_factory import eagle3_heads, random_eagle, random_heads, random_hydra
+from heads_factory import eagle3_heads, random_eagle, random_heads, random_hydra, random_mtp
 from specrun.drafters.heads import DRAFTERS
 from specrun.drafters.heads.base import HeadsDrafter
 from specrun.drafters.methods import METHODS, PARTS, heads_kind, heads_of_kind
@@ -26,13 +26,14 @@ EXAMPLES = {
     "hydra": lambda: random_hydra(8, 32, num_heads=2),
     "eagle": lambda: random_eagle(8, 32, depth=2),
     "eagle3": lambda: eagle3_heads(8, 32, depth=2),
+    "mtp": lambda: random_mtp(8, 32, depth=2, experts=4),
 }
 
 
 def test_the_table_names_each_kind_once_with_known_values():
     assert len(BY_NAME) == len(KINDS)
     for kind in KINDS:
-        assert kind.stored in ("file", "folder")
+        assert kind.stored in ("file", "folder", "model")
         assert kind.trains_on in ("positions", "windows", "")
         assert kind.reads in ("hidden", "layers")
         assert kind.embeds in ("", "own", "target")
@@ -56,7 +57,13 @@ def test_every_trainable_kind_has_a_trainer(kind):
 
 
 @pytest.mark.parametrize("kind", KINDS, ids=lambda kind: kind.name)
-def test_every_kind_has_a_reader_and_a_writer_and_reads_back_what_it_wrote(kind, tmp_path):
+def test_every_kind_has_a_reader_and_a_writer_and_reads_back_what_it_wrote(kind, tmp_path, glm_mtp):
+    if kind.stored == "model":  # read from the model that carries it (tests/heads/test_mtp.py reads it whole)
+        from specrun.modelkit.mtp import read_mtp_gguf
+
+        heads = read_mtp_gguf(glm_mtp["gguf"])
+        assert kind_of(heads) is kind and heads.config.kind == kind.method
+        return
     if kind.stored == "file":
         assert kind.name in files.TENSOR_WRITERS and kind.name in files.TENSOR_READERS
         path = tmp_path / f"{kind.name}.safetensors"

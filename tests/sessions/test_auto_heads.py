@@ -43,7 +43,7 @@ def test_auto_with_heads_builds_the_chain_with_the_kind_it_is_given():
     from fake_models import hashed_logits
     from specrun.backends.fake import FakeBackend
 
-    assert AUTO_HEADS_ORDER == ("eagle", "hydra", "medusa")
+    assert AUTO_HEADS_ORDER == ("mtp", "eagle", "hydra", "medusa")  # a model's own MTP layers first
     draft = FakeBackend(hashed_logits(32, salt=2), 32)
     both = (oracle_heads(32), oracle_eagle(32))
     drafter = build_drafter("auto", draft, DrafterOptions(heads=both, auto_heads="medusa"))

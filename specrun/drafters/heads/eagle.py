@@ -139,7 +139,7 @@ class EagleDrafter(HeadsDrafter):
         # The layer reads the target's features ``window`` positions back (a verify pass's rows at least).
         self.hidden_tail = max(VERIFY_ROWS, heads.window)
         self._entries = _Entries()
-        self._dtype = heads.fc.dtype
+        self._dtype = heads.dtype
 
     def bind(self, target: KVSequence, clock: Callable[[], float]) -> None:
         """Read the target's features from now on: turns its tracking on. EAGLE-3 heads without

@@ -1,0 +1,249 @@
+"""Multi-token-prediction (MTP) heads: the draft layers a model is trained with and ships inside
+its own file (DeepSeek-V3 and GLM-4.5 ``nextn`` layers, Qwen3.5 ``mtp.*``), and the NumPy math of
+one such layer.
+
+An MTP layer reads what an EAGLE layer reads: the target's hidden state at position p (the final
+normed state the output head reads) beside the embedding of the token at p + 1, and predicts the
+state that gives the token at p + 2 through the target's own output head:
+
+  u   = eh_proj [rms_norm(embed(token), enorm) ; rms_norm(h, hnorm)]        # (H,) from (2H,)
+  a   = u + o_proj attention(rope(q, k), v) over rms_norm(u, attn_norm)     # q, k, v with biases
+  out = a + ffn(rms_norm(a, post_norm))                                     # dense, or routed experts
+  h'  = rms_norm(out, head_norm);  logits = lm_head h'
+
+Drafting on, the layer reads its own h' and the token it guessed, as llama.cpp's draft-mtp does
+for a one-layer head (common/speculative.cpp), so a drafter drives it as it drives EAGLE's layer
+(drafters.heads.eagle.EagleDrafter): both answer ``fuse``, ``layer`` and ``logits`` alike. The
+layer's attention reads every earlier position as the model was trained to (``window`` bounds how
+many a drafter keeps); rotary embeddings turn the first ``rope_dims`` of each head's dims,
+pairs of halves (NeoX's layout, llama.cpp's for these architectures). The routed experts (GLM-4.5's
+and DeepSeek-V3's MTP layers are MoE layers) pick the ``experts_used`` best by their gate's
+scores plus a selection bias, weighted by the unbiased scores.
+
+The arrays come from the target's own file (modelkit.mtp reads them): the embedding and the
+output head are the target's unless the layer carries its own.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from specrun.heads.config import HeadsConfig
+from specrun.heads.layers import rms_norm, rope, silu, softmax
+
+# How far back a drafter keeps the layer's keys and values: the layer was trained to read the whole
+# context, so a window this long reads all of it for every prompt the tests and most chats hold.
+DEFAULT_WINDOW = 4096
+# The depth a drafter may chain one layer to (its own guesses feed it from the second step on).
+DEFAULT_DEPTH = 8
+GATINGS = ("softmax", "sigmoid")
+
+
+@dataclass(frozen=True)
+class MtpLayout:
+    """The layer's shape and settings: ``arch`` the architecture it came from (the target's);
+    attention of ``num_attention_heads`` query and ``num_key_value_heads`` key heads of
+    ``head_dim``, rotary embeddings on the first ``rope_dims`` of each; ``experts`` routed experts
+    (0: a dense MLP), ``experts_used`` of them per token under ``gating``, their weights summed to
+    one where ``normalize_weights`` and then scaled by ``weights_scale``."""
+
+    arch: str
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rope_dims: int
+    rope_theta: float
+    rms_norm_eps: float
+    experts: int = 0
+    experts_used: int = 0
+    gating: str = "sigmoid"
+    normalize_weights: bool = False
+    weights_scale: float = 1.0
+    window: int = DEFAULT_WINDOW
+
+
+@dataclass(frozen=True)
+class MtpHeads:
+    """One MTP layer as float arrays (the module's docstring says what each does).
+
+    embed, lm_head (V, H): the target's embedding and output head (or the layer's own); enorm,
+    hnorm, attn_norm, post_norm, head_norm (H,); eh_proj (H, 2H); q_proj (nh*hd, H), k_proj,
+    v_proj (nkv*hd, H) with biases (or None); q_norm, k_norm (hd,) or None; o_proj (H, nh*hd).
+    A dense MLP: gate_proj, up_proj (I, H), down_proj (H, I). Routed experts: router (E, H),
+    router_bias (E,) (the selection bias; zeros where there is none), gate_exps, up_exps (E, F, H),
+    down_exps (E, H, F) and a shared expert in gate_proj, up_proj, down_proj (or None).
+    config.num_heads: the depth a drafter chains the layer to.
+    """
+
+    config: HeadsConfig
+    layout: MtpLayout
+    embed: np.ndarray
+    lm_head: np.ndarray
+    enorm: np.ndarray
+    hnorm: np.ndarray
+    eh_proj: np.ndarray
+    attn_norm: np.ndarray
+    q_proj: np.ndarray
+    k_proj: np.ndarray
+    v_proj: np.ndarray
+    o_proj: np.ndarray
+    post_norm: np.ndarray
+    head_norm: np.ndarray
+    q_bias: np.ndarray | None = None
+    k_bias: np.ndarray | None = None
+    v_bias: np.ndarray | None = None
+    q_norm: np.ndarray | None = None
+    k_norm: np.ndarray | None = None
+    gate_proj: np.ndarray | None = None
+    up_proj: np.ndarray | None = None
+    down_proj: np.ndarray | None = None
+    router: np.ndarray | None = None
+    router_bias: np.ndarray | None = None
+    gate_exps: np.ndarray | None = None
+    up_exps: np.ndarray | None = None
+    down_exps: np.ndarray | None = None
+    d2t: None = None  # MTP layers draft over the target's whole vocabulary
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self.eh_proj.dtype
+
+    @property
+    def depth_bytes(self) -> float:
+        """Bytes of weights drafting one depth reads: the layer (of each routed expert, those used)
+        and the output head; of the embedding, one row."""
+        layout = self.layout
+        total = sum(array.nbytes for array in (
+            self.enorm, self.hnorm, self.eh_proj, self.attn_norm, self.q_proj, self.k_proj, self.v_proj,
+            self.o_proj, self.post_norm, self.head_norm, self.lm_head, self.gate_proj, self.up_proj,
+            self.down_proj, self.router) if array is not None)
+        if layout.experts:
+            total += sum(array.nbytes for array in (self.gate_exps, self.up_exps, self.down_exps)) \
+                * layout.experts_used / layout.experts
+        return float(total)
+
+    # ---- what a drafter asks of the layer (drafters.heads.eagle.EagleDrafter) -----------------
+    @property
+    def window(self) -> int:
+        return self.layout.window
+
+    def target_features(self, features: np.ndarray) -> np.ndarray:
+        """The target's final normed states are the layer's features as they are."""
+        return features
+
+    def embedding_rows(self, token_ids: np.ndarray) -> np.ndarray:
+        """The token ids themselves: ``fuse`` reads the embedding's rows."""
+        return np.asarray(token_ids, dtype=np.int64)
+
+    def fuse(self, features: np.ndarray, rows: np.ndarray) -> np.ndarray:
+        return fuse(self, features, rows)
+
+    def layer(self, fused, positions, past_keys, past_values, attend):
+        return layer(self, fused, positions, past_keys, past_values, attend)
+
+    def no_entries(self, dtype) -> np.ndarray:
+        layout = self.layout
+        return np.zeros((0, layout.num_key_value_heads, layout.head_dim), dtype)
+
+    def logits(self, out: np.ndarray) -> np.ndarray:
+        """(N, V) from the layer's normed outputs (N, H)."""
+        return out @ self.lm_head.T
+
+
+# ---------------------------------------------------------------------------------------------
+# The layer's math
+
+
+def fuse(heads: MtpHeads, features: np.ndarray, token_ids: np.ndarray) -> np.ndarray:
+    """The layer's input u (N, H) from states (N, H) and the next tokens' ids (N,)."""
+    eps = heads.layout.rms_norm_eps
+    embedded = np.asarray(heads.embed[np.asarray(token_ids, dtype=np.int64)], dtype=features.dtype)
+    joined = np.concatenate([rms_norm(embedded, heads.enorm, eps), rms_norm(features, heads.hnorm, eps)], axis=-1)
+    return joined @ heads.eh_proj.T
+
+
+def layer(
+    heads: MtpHeads,
+    fused: np.ndarray,
+    positions: np.ndarray,
+    past_keys: np.ndarray,
+    past_values: np.ndarray,
+    attend: np.ndarray,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The layer over N inputs ``fused`` (N, H) at ``positions`` (N,) beside C earlier keys and
+    values (C, nkv, hd, rotated). ``attend`` (N, C + N) bool: which of the earlier entries, then of
+    these N, each input reads. Returns the normed outputs h' (N, H) and these inputs' keys and
+    values (N, nkv, hd)."""
+    layout = heads.layout
+    queries, keys, values = _project(heads, fused, positions)
+    all_keys = np.repeat(np.concatenate([past_keys, keys]), layout.num_attention_heads // layout.num_key_value_heads, axis=1)
+    all_values = np.repeat(np.concatenate([past_values, values]),
+                           layout.num_attention_heads // layout.num_key_value_heads, axis=1)
+    scores = np.einsum("nhd,mhd->hnm", queries, all_keys) / math.sqrt(layout.head_dim)  # (nh, N, C + N)
+    weights = softmax(np.where(attend[None], scores, -np.inf))
+    attended = np.einsum("hnm,mhd->nhd", weights, all_values)
+    after_attention = fused + attended.reshape(len(fused), -1) @ heads.o_proj.T
+    out = after_attention + _ffn(heads, rms_norm(after_attention, heads.post_norm, layout.rms_norm_eps))
+    return rms_norm(out, heads.head_norm, layout.rms_norm_eps), keys, values
+
+
+def _project(heads: MtpHeads, fused: np.ndarray, positions: np.ndarray):
+    """Queries (N, nh, hd), keys (rotated) and values (N, nkv, hd) of the inputs ``fused`` (N, H)."""
+    layout = heads.layout
+    x = rms_norm(fused, heads.attn_norm, layout.rms_norm_eps)
+
+    def heads_of(weight, bias, count, norm):
+        projected = x @ weight.T
+        if bias is not None:
+            projected = projected + bias
+        projected = projected.reshape(len(x), count, layout.head_dim)
+        return projected if norm is None else rms_norm(projected, norm, layout.rms_norm_eps)
+
+    queries = heads_of(heads.q_proj, heads.q_bias, layout.num_attention_heads, heads.q_norm)
+    keys = heads_of(heads.k_proj, heads.k_bias, layout.num_key_value_heads, heads.k_norm)
+    values = heads_of(heads.v_proj, heads.v_bias, layout.num_key_value_heads, None)
+    return _partial_rope(queries, positions, layout), _partial_rope(keys, positions, layout), values
+
+
+def _partial_rope(x: np.ndarray, positions: np.ndarray, layout: MtpLayout) -> np.ndarray:
+    turned = layout.rope_dims
+    if turned == x.shape[-1]:
+        return rope(x, positions, layout.rope_theta)
+    return np.concatenate([rope(x[..., :turned], positions, layout.rope_theta), x[..., turned:]], axis=-1)
+
+
+def _ffn(heads: MtpHeads, y: np.ndarray) -> np.ndarray:
+    """The MLP over normed inputs (N, H): dense, or the routed experts plus the shared one."""
+    shared = 0.0
+    if heads.gate_proj is not None:
+        shared = (silu(y @ heads.gate_proj.T) * (y @ heads.up_proj.T)) @ heads.down_proj.T
+    if not heads.layout.experts:
+        return shared
+    chosen, weights = route(heads, y)
+    routed = np.zeros_like(y)
+    for slot in range(chosen.shape[1]):
+        for expert in np.unique(chosen[:, slot]):
+            rows = np.flatnonzero(chosen[:, slot] == expert)
+            z = y[rows]
+            hidden = silu(z @ heads.gate_exps[expert].T) * (z @ heads.up_exps[expert].T)
+            routed[rows] += weights[rows, slot, None] * (hidden @ heads.down_exps[expert].T)
+    return routed + shared
+
+
+def route(heads: MtpHeads, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The experts each input (N, H) goes to (N, k) and their weights (N, k): the k best by the
+    gate's scores plus the selection bias, weighted by the scores themselves."""
+    layout = heads.layout
+    logits = y @ heads.router.T  # (N, E)
+    scores = softmax(logits) if layout.gating == "softmax" else 1.0 / (1.0 + np.exp(-logits))
+    selection = scores + heads.router_bias if heads.router_bias is not None else scores
+    chosen = np.argsort(-selection, axis=-1, kind="stable")[:, : layout.experts_used]
+    weights = np.take_along_axis(scores, chosen, axis=-1)
+    if layout.normalize_weights:
+        weights = weights / np.maximum(weights.sum(axis=-1, keepdims=True), 6.103515625e-5)
+    if layout.weights_scale not in (0.0, 1.0):
+        weights = weights * layout.weights_scale
+    return chosen, weights.astype(y.dtype)

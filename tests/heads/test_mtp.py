@@ -1,0 +1,220 @@
+"""MTP heads (specrun/heads/mtp.py) on a tiny GLM-4.5-style model carrying its own MTP layer
+(tests/mtp_models.py): the NumPy layer against llama.cpp's own MTP context on the same file,
+the drafter's chains against llama.cpp's draft-mtp, greedy output equal to plain decoding on the
+llama.cpp backend, and the one-line refusals (issue 50)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from time import perf_counter
+
+import numpy as np
+import pytest
+
+from specrun.backends.kv import KVSequence
+from specrun.drafters.heads.mtp import MtpDrafter
+from specrun.modelkit.mtp import read_mtp_gguf
+from specrun.sampling import SamplingSettings
+
+pytest.importorskip("llama_cpp", reason="the llama backend (llama-cpp-python) is not installed")
+
+PROMPTS = ("def hello(world):", "Grüße aus München! Ça va", "math: ∑ x² ≤ ∞, α → β, 3.14159", "import os\nimport sys\n")
+
+
+@pytest.fixture(scope="module")
+def native(glm_mtp):
+    from mtp_native import NativeMtp
+
+    opened = NativeMtp(glm_mtp["gguf"])
+    yield opened
+    opened.close()
+
+
+@pytest.fixture(scope="module")
+def backend(glm_mtp):
+    from specrun.backends.llama import LlamaCppBackend
+
+    opened = LlamaCppBackend(glm_mtp["gguf"], n_ctx=256, n_threads=1)
+    yield opened
+    opened.close()
+
+
+def numpy_pair_logits(heads, states: np.ndarray, tokens, shift: int = 0) -> np.ndarray:
+    """The NumPy layer's logits for every (state at p, token at p + 1) pair, causal over the
+    pairs; ``shift`` reads the state ``shift`` positions later instead (a mutant)."""
+    count = len(tokens) - 1
+    fused = heads.fuse(states[shift : shift + count], np.asarray(tokens[1 : 1 + count]))
+    positions = np.arange(1, count + 1)
+    attend = positions[:, None] >= positions[None, :]
+    none = heads.no_entries(np.float32)
+    out, _, _ = heads.layer(fused, positions, none, none, attend)
+    return heads.logits(out)
+
+
+def logit_agreement(ours: np.ndarray, theirs: np.ndarray) -> tuple[float, float]:
+    """The largest difference relative to the logits' spread, and the share of rows whose argmax
+    agrees where llama.cpp's top two are more than 0.05 apart."""
+    relative = float(np.abs(ours - theirs).max() / theirs.std())
+    top2 = np.sort(theirs, axis=1)[:, -2:]
+    clear = top2[:, 1] - top2[:, 0] > 0.05
+    return relative, float(np.mean(ours[clear].argmax(1) == theirs[clear].argmax(1)))
+
+
+def test_the_layer_is_read_from_the_model_s_own_file(glm_mtp):
+    heads = read_mtp_gguf(glm_mtp["gguf"])
+    shape, weights = glm_mtp["shape"], glm_mtp["weights"]
+    assert heads.config.kind == "mtp" and heads.layout.arch == "glm4moe"
+    assert (heads.layout.experts, heads.layout.experts_used, heads.layout.rope_dims) == (4, 2, 16)
+    assert heads.layout.normalize_weights and heads.layout.weights_scale == 2.5
+    block = f"blk.{shape.trunk_layers}"
+    np.testing.assert_array_equal(heads.eh_proj, weights[f"{block}.nextn.eh_proj.weight"])
+    np.testing.assert_array_equal(heads.down_exps, weights[f"{block}.ffn_down_exps.weight"])
+    np.testing.assert_array_equal(heads.lm_head, weights["output.weight"])  # the target's own head
+    np.testing.assert_array_equal(heads.embed, weights["token_embd.weight"])
+
+
+def test_the_numpy_layer_gives_llama_cpp_s_logits_at_every_position(glm_mtp, native, backend):
+    heads = read_mtp_gguf(glm_mtp["gguf"])
+    for prompt in PROMPTS:
+        tokens = backend.tokenize(prompt)
+        states, theirs = native.pair_logits(tokens)
+        relative, agreeing = logit_agreement(numpy_pair_logits(heads, states, tokens), theirs)
+        assert relative < 0.02 and agreeing == 1.0, (prompt, relative, agreeing)
+
+
+def test_a_layer_reading_the_state_of_the_wrong_position_disagrees_with_llama_cpp(glm_mtp, native, backend):
+    """The mutant the issue names: the state of the position after instead of the position itself."""
+    heads = read_mtp_gguf(glm_mtp["gguf"])
+    tokens = backend.tokenize(PROMPTS[0] + " and more words to read")
+    states, theirs = native.pair_logits(tokens)
+    relative, agreeing = logit_agreement(numpy_pair_logits(heads, states, tokens[:-1], shift=1), theirs[:-1])
+    assert relative > 0.3 and agreeing < 0.5, (relative, agreeing)
+
+
+def chains_against_llama_cpp(glm_mtp, native, backend) -> list[tuple[list[int], list[int]]]:
+    """(the drafter's greedy chain, llama.cpp's) from contexts of several lengths of every prompt,
+    the drafter fed as the engine feeds it (the target holding the context but its last token)."""
+    greedy = SamplingSettings()
+    pairs = []
+    for prompt in PROMPTS:
+        context = backend.tokenize(prompt)
+        sequence = KVSequence(backend)
+        sequence.reset()
+        drafter = MtpDrafter(read_mtp_gguf(glm_mtp["gguf"]))
+        drafter.bind(sequence, perf_counter)
+        try:
+            for cut in (len(context) - 3, len(context)):  # a shorter context first: entries grow, then are reused
+                sequence.rewind(0)
+                sequence.feed(context[: cut - 1])
+                ours = drafter.propose(context[:cut], 5, greedy, np.random.default_rng(0)).tokens
+                pairs.append((list(ours), native.chain(context[:cut], 5)))
+        finally:
+            drafter.close()
+    return pairs
+
+
+def test_the_drafter_s_greedy_chains_are_llama_cpp_s_draft_mtp_chains(glm_mtp, native, backend):
+    """Token for token, the drafter and llama.cpp's draft-mtp driver on the same file."""
+    for ours, theirs in chains_against_llama_cpp(glm_mtp, native, backend):
+        assert len(ours) == 5 and ours == theirs
+
+
+def test_a_drafter_reading_the_state_of_the_wrong_position_drafts_other_chains(glm_mtp, native, backend, monkeypatch):
+    """The mutant the issue names, in the drafter itself: each position's entry made from the state
+    one position earlier. The comparison above catches it."""
+    from specrun.drafters.heads.eagle import EagleDrafter
+
+    def earlier_features(self, start, stop, context):
+        features = self.target.hidden(max(start - 1, 0), stop - 1)
+        return None if features is None else np.concatenate([features[:1], features])[-(stop - start):]
+
+    monkeypatch.setattr(EagleDrafter, "_features", earlier_features)
+    pairs = chains_against_llama_cpp(glm_mtp, native, backend)
+    assert sum(ours != theirs for ours, theirs in pairs) >= len(pairs) // 2, pairs
+
+
+@pytest.mark.parametrize("branches", [0, 3], ids=["chain", "tree"])
+def test_greedy_output_with_the_trained_layer_is_plain_decoding_s_and_drafts_are_accepted(glm_mtp_trained, branches):
+    """On the llama.cpp backend, fixed length 4 and adaptive: every token plain decoding's, and the
+    layer trained on the target's own continuations accepted well above chance (1 in 512)."""
+    from specrun.backends.llama import LlamaCppBackend
+    from specrun.drafters.methods import DrafterOptions, build_drafter
+    from specrun.engine.loop import GenerationParams, SpeculativeEngine
+
+    target = LlamaCppBackend(glm_mtp_trained, n_ctx=1024, n_threads=1, tree_paths=8 if branches else 0)
+    try:
+        heads = read_mtp_gguf(glm_mtp_trained)
+        engine = SpeculativeEngine(target, None)
+        accepted = drafted = 0
+        for prompt in ("def hello(world):", "Ελληνικά: Καλημέρα κόσμε.", "import os\nimport sys\n"):
+            prompt_ids = target.tokenize(prompt)
+            engine.set_drafter(None, "none")
+            plain = engine.run(prompt_ids, GenerationParams(80, 0)).token_ids
+            for adaptive in (False, True):
+                drafter = build_drafter("mtp", None, DrafterOptions(heads=heads, branches=branches))
+                engine.set_drafter(drafter, "mtp")
+                result = engine.run(prompt_ids, GenerationParams(80, 16 if adaptive else 4, adaptive=adaptive,
+                                                                 tree_nodes=16 if branches else 0))
+                drafter.close()
+                assert result.token_ids == plain, (prompt, adaptive)
+                accepted, drafted = accepted + result.stats.accepted, drafted + result.stats.drafted
+        assert drafted > 0 and accepted / drafted > 0.3, (accepted, drafted)
+    finally:
+        target.close()
+
+
+# ---- bad input ---------------------------------------------------------------------------------
+def _cli(*args: str):
+    from typer.testing import CliRunner
+
+    from specrun.cli.app import app
+
+    return CliRunner().invoke(app, list(args))
+
+
+def _one_line(result, code: int, *fragments: str) -> None:
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert result.exit_code == code and len(lines) == 1, result.output
+    assert lines[0].startswith("error: ") and "; " in lines[0] and "Traceback" not in result.output
+    for fragment in fragments:
+        assert fragment in lines[0], (fragment, lines[0])
+
+
+def test_mtp_on_a_target_without_mtp_layers_is_one_line_naming_the_models_that_carry_them(tiny_llama, glm_mtp):
+    for target in (tiny_llama.gguf_path, glm_mtp["trunk"]):
+        result = _cli("generate", "hi", "-t", str(target), "--method", "mtp", "-n", "4")
+        _one_line(result, 2, str(target), "carries no MTP layers", "GLM-4.5", "glm4moe", "use another method")
+
+
+def _rewritten(glm_mtp, tmp_path, name: str, change) -> Path:
+    from mtp_models import write_glm_gguf
+
+    weights = dict(glm_mtp["weights"])
+    change(weights)
+    return write_glm_gguf(tmp_path / name, glm_mtp["shape"], weights)
+
+
+def test_mis_shaped_or_missing_mtp_tensors_are_one_line_and_no_crash(glm_mtp, tmp_path):
+    from specrun.errors import ModelFileError
+
+    block = f"blk.{glm_mtp['shape'].trunk_layers}"
+    narrow = _rewritten(glm_mtp, tmp_path, "narrow.gguf", lambda w: w.update(
+        {f"{block}.nextn.eh_proj.weight": w[f"{block}.nextn.eh_proj.weight"][:, :128].copy()}))
+    missing = _rewritten(glm_mtp, tmp_path, "missing.gguf", lambda w: w.pop(f"{block}.nextn.hnorm.weight"))
+    with pytest.raises(ModelFileError, match=r"nextn\.eh_proj\.weight is \(128, 128\), the layout needs \(128, 256\)"):
+        read_mtp_gguf(narrow)
+    with pytest.raises(ModelFileError, match=r"lacks blk\.2\.nextn\.hnorm\.weight"):
+        read_mtp_gguf(missing)
+    truncated = tmp_path / "truncated.gguf"
+    truncated.write_bytes(glm_mtp["gguf"].read_bytes()[:-20000])  # the MTP block's tensors are the file's last
+    for path in (narrow, missing, truncated):  # llama.cpp refuses the whole file: one line, exit 1
+        _one_line(_cli("generate", "hi", "-t", str(path), "--method", "mtp", "-n", "4"), 1, str(path), "could not load")
+
+
+def test_an_mtp_layout_specrun_does_not_read_is_one_line_naming_the_architecture(glm_mtp, tmp_path):
+    from mtp_models import write_glm_gguf
+    from specrun.errors import ModelFileError
+
+    other = write_glm_gguf(tmp_path / "other-arch.gguf", glm_mtp["shape"], glm_mtp["weights"], arch="qwen35")
+    with pytest.raises(ModelFileError, match="cannot read the MTP layers of architecture 'qwen35'"):
+        read_mtp_gguf(other)
