@@ -131,6 +131,12 @@ class HiddenTracking:
     def _choose_layers(self, layers: tuple[int, ...]) -> None:
         """A backend's own preparation for recording ``layers`` (checked; () the head's input)."""
 
+    def native_mtp(self):
+        """The model's own MTP layers run by the backend's library beside this context
+        (backends/llama_mtp.NativeMtp), where the model carries them and the library runs them;
+        None elsewhere (an MTP drafter then runs the layer in NumPy)."""
+        return None
+
     def hidden_rows(self, rows: Sequence[int]) -> np.ndarray:
         if self._hidden is None:
             raise ValueError("the last pass ran with hidden-state tracking off (track_hidden(True) first)")
@@ -254,5 +260,8 @@ class Backend(Protocol):
         i). ValueError if tracking was off during that pass or a row is out of range;
         ``keep_path`` leaves them readable."""
         ...
+
+    def native_mtp(self):
+        """The model's own MTP layers run by the backend's library (HiddenTracking's says more)."""
 
     def close(self) -> None: ...

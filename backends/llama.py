@@ -155,6 +155,21 @@ def layer_input_functions(llama_cpp):
     return setter, getter
 
 
+def _native_mtp_arch(path: Path) -> str | None:
+    """The architecture of the GGUF at ``path`` where it carries MTP layers llama.cpp runs for
+    specrun (llama_mtp.NATIVE_ARCHS); None else, or where the header does not say."""
+    from specrun.backends.llama_mtp import NATIVE_ARCHS
+    from specrun.modelkit.gguf_header import header_values
+
+    try:
+        values = dict(header_values(path))
+    except (OSError, ValueError):
+        return None
+    arch = values.get("general.architecture")
+    layers = values.get(f"{arch}.nextn_predict_layers", 0)
+    return arch if arch in NATIVE_ARCHS and isinstance(layers, int) and layers > 0 else None
+
+
 def _tree_context_params(ctx_params, tree_paths: int) -> int:
     """Ready the context for trees of up to ``tree_paths`` root-to-leaf paths (0: chains only).
 
@@ -222,6 +237,11 @@ class LlamaCppBackend(HiddenTracking):
         llama_cpp.llama_backend_init()
 
         model_params = model_params_for(llama_cpp)
+        # A model carrying MTP layers llama.cpp runs is loaded with them (their weights: one more
+        # block, memory-mapped on a CPU), so its MTP drafter runs them natively (native_mtp).
+        self._mtp_arch = _native_mtp_arch(self.path)
+        model_params.load_mtp = self._mtp_arch is not None
+        self._native_mtp = None
         self.rpc = rpc
         # What changes its pass costs gives it its own tuning key (sessions/tuning.model_id): the
         # servers' and the network's with --rpc, flash attention's kernels where it is chosen.
@@ -632,7 +652,26 @@ class LlamaCppBackend(HiddenTracking):
         self._logits_views, self._hidden_views = {}, {}
         self._n_past = 0
 
+    def native_mtp(self):
+        """llama.cpp's MTP context against this one (llama_mtp.NativeMtp), made on first use and
+        again after the context is re-created; None where the model carries no MTP layers llama.cpp
+        runs for specrun, or the library cannot make the context."""
+        if self._mtp_arch is None:
+            return None
+        if self._native_mtp is None:
+            from specrun.backends.llama_mtp import NativeMtp
+
+            try:
+                self._native_mtp = NativeMtp(self._lib, self._model, self._ctx, self._ctx_params,
+                                             self._lib.llama_model_n_embd(self._model), self.n_vocab)
+            except (AttributeError, RuntimeError):  # a library without the nextn extension or the context
+                self._mtp_arch = None
+        return self._native_mtp
+
     def _free_context(self) -> None:
+        if self._native_mtp is not None:  # made against this context: freed first
+            native, self._native_mtp = self._native_mtp, None
+            native.close()
         # The handles are cleared before anything is freed: a Ctrl-C between the frees below then
         # leaks what was left, where it once freed the batch twice when close() ran after it
         # ("double free or corruption", during model load's flash-attention re-creation).

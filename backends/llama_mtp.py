@@ -1,0 +1,114 @@
+"""llama.cpp's own MTP context beside a target's: the model's multi-token-prediction layer run by
+llama.cpp, as its draft-mtp driver runs it (common/speculative.cpp,
+common_speculative_impl_draft_mtp), for specrun's MTP drafter (drafters/heads/mtp.py).
+
+The model is loaded with its MTP layers (``llama_model_params.load_mtp``); this context (type
+``LLAMA_CONTEXT_TYPE_MTP``, made against the target's) runs the MTP block over batches whose rows
+carry a token and a state (``llama_batch_ext_set_embd_token``): the pair (target's state at p,
+token at p + 1) at MTP position p + 1, in its own KV cache. Drafting on, a row carries the layer's
+own output state (``llama_get_embeddings_nextn``, an extension llama.cpp declares without extern
+"C", so bound by its mangled name). That state is the first row's of the last batch (llama.cpp
+copies the rows from the start), so a row whose state is read next is fed alone.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Sequence
+
+import numpy as np
+
+_SET_NEXTN = "_Z26llama_set_embeddings_nextnP13llama_contextbb"
+_GET_NEXTN = "_Z26llama_get_embeddings_nextnP13llama_context"
+# Architectures whose MTP layers specrun drives through llama.cpp: those whose state llama.cpp
+# gives the MTP layer is the target's final normed state, the one specrun's hidden-state tracking
+# records (GLM-4.5's; tests/heads/test_mtp.py compares the drafts with llama.cpp's own driver).
+NATIVE_ARCHS = ("glm4moe",)
+
+
+def nextn_functions(llama_cpp):
+    """(set(ctx, on, masked), get(ctx) -> address) of llama.cpp's nextn extension; AttributeError
+    where the library does not export it."""
+    library = llama_cpp.llama_cpp._lib
+    setter = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_bool, ctypes.c_bool)((_SET_NEXTN, library))
+    getter = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p)((_GET_NEXTN, library))
+    return setter, getter
+
+
+class NativeMtp:
+    """An MTP context against one target context (one sequence). ``end``: the MTP positions
+    1 .. end hold pairs; ``keep`` drops those after a position."""
+
+    def __init__(self, llama_cpp, model, target_ctx, ctx_params, hidden_size: int, vocab_size: int) -> None:
+        self._lib = llama_cpp
+        self._set_nextn, self._get_nextn = nextn_functions(llama_cpp)
+        params = type(ctx_params).from_buffer_copy(ctx_params)
+        params.ctx_type, params.n_rs_seq, params.ctx_other = llama_cpp.LLAMA_CONTEXT_TYPE_MTP, 0, target_ctx
+        params.n_seq_max, params.kv_unified = 1, False
+        self._ctx = llama_cpp.llama_init_from_model(model, params)
+        if not self._ctx:
+            raise RuntimeError("llama.cpp could not create an MTP context")
+        self._set_nextn(self._ctx, True, True)
+        self._memory = llama_cpp.llama_get_memory(self._ctx)
+        self._batch = llama_cpp.llama_batch_ext_init(self._ctx)
+        self.hidden_size, self.vocab_size = hidden_size, vocab_size
+        self.n_batch = params.n_batch
+        self.end = 0
+        self._position = (ctypes.c_int32 * 4)()
+        self._embd = llama_cpp.llama_embd()
+        self._embd.n_rows, self._embd.n_embd = 1, hidden_size
+
+    def keep(self, end: int) -> None:
+        """Keep the pairs at MTP positions 1 .. ``end`` (of those held)."""
+        if end < self.end:
+            self._lib.llama_memory_seq_rm(self._memory, 0, end + 1, -1)
+            self.end = end
+
+    def feed(self, tokens: Sequence[int], states: np.ndarray, logits: bool = False,
+             at: int | None = None) -> np.ndarray | None:
+        """The pairs (``states`` (N, H) row i, ``tokens`` i) at MTP positions at + 1 .. at + N (``at``
+        at least ``end``, its default: the positions between hold nothing), in batches of n_batch;
+        the last pair's logits (V,) where ``logits``."""
+        if at is not None and at > self.end:
+            self.end = at
+        states = np.ascontiguousarray(states, dtype=np.float32)
+        for start in range(0, len(tokens), self.n_batch):
+            stop = min(start + self.n_batch, len(tokens))
+            self._process(tokens[start:stop], states[start:stop], logits and stop == len(tokens))
+        if not logits:
+            return None
+        address = self._lib.llama_get_logits_ith(self._ctx, -1)
+        return np.ctypeslib.as_array(address, shape=(self.vocab_size,)).copy()
+
+    def own_state(self) -> np.ndarray:
+        """(H,) the layer's output state for the first row of the last batch fed."""
+        address = self._get_nextn(self._ctx)
+        if not address:
+            raise RuntimeError("llama.cpp returned no MTP state")
+        return np.ctypeslib.as_array(ctypes.cast(address, ctypes.POINTER(ctypes.c_float)),
+                                     shape=(self.hidden_size,)).copy()
+
+    def _process(self, tokens: Sequence[int], states: np.ndarray, last_logits: bool) -> None:
+        lib, batch = self._lib, self._batch
+        lib.llama_batch_ext_clear(batch)
+        for i, token in enumerate(tokens):
+            index = lib.llama_batch_ext_add_token(batch, 0, int(token))
+            self._position[0] = self.end + 1 + i
+            lib.llama_batch_ext_set_pos(batch, index, self._position)
+            self._embd.data = states[i].ctypes.data_as(ctypes.POINTER(ctypes.c_float))
+            if not lib.llama_batch_ext_set_embd_token(batch, index, self._embd):
+                raise RuntimeError("llama.cpp refused an MTP row")
+            lib.llama_batch_ext_set_output_logits(batch, index, last_logits and i == len(tokens) - 1)
+        code = lib.llama_process(self._ctx, lib.LLAMA_PROCESS_TYPE_DECODE, batch)
+        if code != 0:
+            lib.llama_memory_seq_rm(self._memory, 0, self.end + 1, -1)  # what it held before
+            raise RuntimeError(f"llama.cpp's MTP pass failed (code {code})")
+        self.end += len(tokens)
+
+    def close(self) -> None:
+        lib, ctx, batch = self._lib, self._ctx, self._batch
+        self._ctx = self._batch = None
+        if batch is not None:
+            lib.llama_batch_ext_free(batch)
+        if ctx is not None:
+            lib.llama_free(ctx)
