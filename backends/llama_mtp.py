@@ -85,8 +85,7 @@ class NativeMtp:
         address = self._get_nextn(self._ctx)
         if not address:
             raise RuntimeError("llama.cpp returned no MTP state")
-        return np.ctypeslib.as_array(ctypes.cast(address, ctypes.POINTER(ctypes.c_float)),
-                                     shape=(self.hidden_size,)).copy()
+        return np.frombuffer((ctypes.c_float * self.hidden_size).from_address(address), np.float32).copy()
 
     def _process(self, tokens: Sequence[int], states: np.ndarray, last_logits: bool) -> None:
         lib, batch = self._lib, self._batch

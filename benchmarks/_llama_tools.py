@@ -268,10 +268,11 @@ def _int(pattern: re.Pattern, log: str) -> int | None:
     return int(match.group(1)) if match else None
 
 
-def completion_line(bin_dir: Path, model: Path, n: int, threads: int, n_ctx: int, sampling: Sampling = GREEDY) -> Line:
-    """``llama-completion`` (plain decoding): everything after its prompt pass."""
+def completion_line(bin_dir: Path, model: Path, n: int, threads: int, n_ctx: int, sampling: Sampling = GREEDY,
+                    extra: tuple[str, ...] = ()) -> Line:
+    """``llama-completion`` (plain decoding): everything after its prompt pass; ``extra``: more options."""
     base = [str(bin_dir / "llama-completion"), "-m", str(model), "-n", str(n), "-t", str(threads),
-            "-c", str(n_ctx), *sampling.tool_args(), "-no-cnv"]
+            "-c", str(n_ctx), *sampling.tool_args(), "-no-cnv", *extra]
 
     def run(prompt: Prompt) -> Run:
         log = _tool_log([*base, "-p", prompt.rendered], EVAL_RE)
