@@ -45,24 +45,29 @@ def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, TinyModel
 @pytest.fixture(scope="session")
 def glm_mtp(tmp_path_factory: pytest.TempPathFactory) -> dict:
     """A tiny GLM-4.5-style model carrying one MTP layer (tests/mtp_models.py): {"gguf": its F16
-    GGUF, "trunk": the same without its MTP layer, "shape", "weights"}."""
-    from mtp_models import GlmShape, glm_weights, write_glm_gguf
+    GGUF, "trunk": the same without its MTP layer, "hf": it as a Hugging Face folder (float32, the
+    same numbers), "shape", "weights"}."""
+    from mtp_models import GlmShape, glm_weights, write_glm_gguf, write_glm_hf_folder
 
     folder = tmp_path_factory.mktemp("glm_mtp")
     shape = GlmShape()
     weights = glm_weights(shape)
     return {"gguf": write_glm_gguf(folder / "glm-mtp.gguf", shape, weights),
             "trunk": write_glm_gguf(folder / "glm-trunk.gguf", shape, weights, mtp_layers=0),
+            "hf": write_glm_hf_folder(folder / "glm-mtp-hf", shape, weights),
             "shape": shape, "weights": weights, "folder": folder}
 
 
 @pytest.fixture(scope="session")
-def glm_mtp_trained(glm_mtp) -> Path:
-    """glm_mtp's GGUF with its MTP layer trained on the target's own continuations
-    (mtp_models.write_fitted_glm): drafts accepted well above chance."""
+def glm_mtp_trained(glm_mtp) -> dict[str, Path]:
+    """glm_mtp with its MTP layer trained on the target's own continuations
+    (mtp_models.write_fitted_glm): drafts accepted well above chance. {"llama": its GGUF, "mlx":
+    its Hugging Face folder}."""
     from mtp_models import write_fitted_glm
 
-    return write_fitted_glm(glm_mtp["folder"] / "glm-mtp-trained.gguf", glm_mtp)
+    folder = glm_mtp["folder"]
+    gguf = write_fitted_glm(folder / "glm-mtp-trained.gguf", glm_mtp, hf_folder=folder / "glm-mtp-trained-hf")
+    return {"llama": gguf, "mlx": folder / "glm-mtp-trained-hf"}
 
 
 @pytest.fixture(scope="session")

@@ -146,11 +146,12 @@ def write_glm_gguf(path: Path, shape: GlmShape, weights: dict[str, np.ndarray], 
 TRAINING_PROMPTS = ("def hello(world):", "Ελληνικά: Καλημέρα κόσμε.", "import os\nimport sys\n", "Grüße aus München!")
 
 
-def write_fitted_glm(path: Path, glm: dict, n_new: int = 160) -> Path:
+def write_fitted_glm(path: Path, glm: dict, n_new: int = 160, hf_folder: Path | None = None) -> Path:
     """``glm`` (the conftest's glm_mtp) with its MTP layer trained on the target's own greedy
     continuations of a few prompts: heads_factory.fitted_mtp's ridge regression written into the
     nextn block (eh_proj, its own embed_tokens and shared_head_head; attention's output and the
-    experts' down projections zero, so they add nothing), so that its drafts are accepted often."""
+    experts' down projections zero, so they add nothing), so that its drafts are accepted often.
+    ``hf_folder``: the same model as a Hugging Face folder there too."""
     from heads_factory import fitted_mtp
     from specrun.backends.llama import LlamaCppBackend
     from specrun.engine.loop import GenerationParams, SpeculativeEngine
@@ -177,4 +178,73 @@ def write_fitted_glm(path: Path, glm: dict, n_new: int = 160) -> Path:
     })
     for name in (f"{block}.attn_output.weight", f"{block}.ffn_down_exps.weight", f"{block}.ffn_down_shexp.weight"):
         weights[name] = np.zeros_like(weights[name])
+    weights = {name: value.astype(np.float16).astype(np.float32) for name, value in weights.items()}  # F16-exact
+    if hf_folder is not None:
+        write_glm_hf_folder(hf_folder, shape, weights)
     return write_glm_gguf(path, shape, weights)
+
+
+_HF_BLOCK = {
+    "attn_norm.weight": "input_layernorm.weight", "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight", "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.weight": "self_attn.k_proj.weight", "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.weight": "self_attn.v_proj.weight", "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight", "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+    "ffn_gate_inp.weight": "mlp.gate.weight", "exp_probs_b.bias": "mlp.gate.e_score_correction_bias",
+    "ffn_gate_shexp.weight": "mlp.shared_experts.gate_proj.weight",
+    "ffn_up_shexp.weight": "mlp.shared_experts.up_proj.weight",
+    "ffn_down_shexp.weight": "mlp.shared_experts.down_proj.weight",
+    "nextn.eh_proj.weight": "eh_proj.weight", "nextn.enorm.weight": "enorm.weight",
+    "nextn.hnorm.weight": "hnorm.weight", "nextn.shared_head_norm.weight": "shared_head.norm.weight",
+    "nextn.shared_head_head.weight": "shared_head.head.weight", "nextn.embed_tokens.weight": "embed_tokens.weight",
+}
+_HF_EXPERTS = {"ffn_gate_exps.weight": "gate_proj", "ffn_up_exps.weight": "up_proj",
+               "ffn_down_exps.weight": "down_proj"}
+
+
+def hf_glm_tensors(shape: GlmShape, weights: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The same weights in GLM-4.5's Hugging Face names (the MTP block as model.layers.N, N the
+    trunk's depth; experts one by one), the layout published checkpoints hold (NeoX rotary: q and k
+    rows as in the GGUF)."""
+    tensors = {"model.embed_tokens.weight": weights["token_embd.weight"],
+               "model.norm.weight": weights["output_norm.weight"], "lm_head.weight": weights["output.weight"]}
+    for name, value in weights.items():
+        if not name.startswith("blk."):
+            continue
+        _, index, rest = name.split(".", 2)
+        if rest in _HF_EXPERTS:
+            for expert in range(value.shape[0]):
+                tensors[f"model.layers.{index}.mlp.experts.{expert}.{_HF_EXPERTS[rest]}.weight"] = value[expert]
+        else:
+            tensors[f"model.layers.{index}.{_HF_BLOCK[rest]}"] = value
+    return tensors
+
+
+def write_glm_hf_folder(folder: Path, shape: GlmShape, weights: dict[str, np.ndarray], dtype: str = "float32") -> Path:
+    """The model as a Hugging Face folder mlx-lm's glm4_moe loads (its MTP layer stays in the file;
+    mlx-lm drops it as it loads)."""
+    from specrun.modelkit.hf_io import tokenizer_config_dict, write_model_files
+
+    tensors = {name: np.ascontiguousarray(value, dtype=dtype) for name, value in hf_glm_tensors(shape, weights).items()}
+    config = {
+        "architectures": ["Glm4MoeForCausalLM"], "model_type": "glm4_moe", "vocab_size": VOCAB_SIZE,
+        "hidden_size": shape.hidden, "intermediate_size": shape.dense_ffn, "max_position_embeddings": shape.context,
+        "moe_intermediate_size": shape.expert_ffn, "norm_topk_prob": True, "num_attention_heads": shape.heads,
+        "n_group": 1, "topk_group": 1, "head_dim": shape.head_dim, "n_shared_experts": 1,
+        "n_routed_experts": shape.experts, "routed_scaling_factor": shape.weights_scale,
+        "num_experts_per_tok": shape.experts_used, "first_k_dense_replace": shape.trunk_layers,
+        "num_hidden_layers": shape.trunk_layers, "num_key_value_heads": shape.kv_heads, "rms_norm_eps": shape.eps,
+        "rope_theta": shape.rope_theta, "rope_scaling": None, "use_qk_norm": False, "tie_word_embeddings": False,
+        "attention_bias": True, "partial_rotary_factor": shape.rope_dims / shape.head_dim,
+        "num_nextn_predict_layers": 1, "hidden_act": "silu", "bos_token_id": 1, "eos_token_id": 2,
+        "torch_dtype": dtype,
+    }
+    ids = ModelConfig(arch="llama", vocab_size=VOCAB_SIZE, hidden_size=shape.hidden, intermediate_size=shape.dense_ffn,
+                      num_layers=shape.trunk_layers, num_heads=shape.heads, num_kv_heads=shape.kv_heads,
+                      rope_theta=shape.rope_theta, rms_norm_eps=shape.eps, context_length=shape.context,
+                      tie_embeddings=False)
+    tokenizer_json = tiny_tokenizer_json(VOCAB_SIZE)
+    return write_model_files(folder, tensors, config, tokenizer_json,
+                             tokenizer_config_dict(ids, tokenizer_json, DEMO_CHAT_TEMPLATE))

@@ -887,6 +887,9 @@ class _TensorsFile:
         return np.array(self._raw(name, shape, ("BOOL",), "booleans")[1] != 0)
 
 
+TensorsFile = _TensorsFile  # what readers of other layouts (a model's own MTP layers: modelkit/mtp.py) read through
+
+
 def _whole_numbers(values: object) -> bool:
     """A JSON list of non-negative whole numbers (not booleans)."""
     return isinstance(values, list) and all(type(value) is int and value >= 0 for value in values)

@@ -1,4 +1,7 @@
-"""The MTP layers a model carries in its own GGUF file, read as heads.mtp.MtpHeads.
+"""The MTP layers a model carries in its own files, read as heads.mtp.MtpHeads: a GGUF, or a
+Hugging Face / MLX folder (``read_mtp_folder``: the layer as ``model.layers.N``, N the trunk's
+depth, as GLM-4.5's checkpoints hold it; mlx-lm drops it when it loads the model, specrun reads
+it from the safetensors beside what mlx-lm loads).
 
 llama.cpp stores them as the last ``{arch}.nextn_predict_layers`` of ``{arch}.block_count``
 blocks: an ordinary decoder block (``blk.N.attn_*``, ``blk.N.ffn_*``) plus ``blk.N.nextn.eh_proj``,
@@ -11,6 +14,8 @@ for these architectures, so no rows are reordered.
 from __future__ import annotations
 
 from pathlib import Path
+
+import json
 
 import gguf
 import numpy as np
@@ -148,3 +153,136 @@ def read_mtp_gguf(path: str | Path, depth: int = DEFAULT_DEPTH) -> MtpHeads:
                          draft_vocab_size=vocab, target_name=path.name, target_layers=block)
     return MtpHeads(config=config, layout=layout, **arrays)
 
+
+
+# Hugging Face model types whose MTP layers specrun reads from a folder, and the GGUF architecture
+# each is (the refusals name the same models).
+FOLDER_TYPES = {"glm4_moe": "glm4moe"}
+
+
+def folder_mtp_layers(folder: str | Path) -> int:
+    """How many MTP layers the model folder's config.json says it carries (0: none, or no config)."""
+    try:
+        config = json.loads((Path(folder) / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return 0
+    count = config.get("num_nextn_predict_layers", 0) if isinstance(config, dict) else 0
+    return count if isinstance(count, int) and count > 0 else 0
+
+
+def read_mtp_folder(folder: str | Path, depth: int = DEFAULT_DEPTH) -> MtpHeads:
+    """The first MTP layer of the model folder ``folder`` (config.json and safetensors) as heads
+    drafting ``depth`` deep; refused in one line as ``read_mtp_gguf`` refuses."""
+    from specrun.heads.files import TensorsFile
+
+    folder = Path(folder)
+    try:
+        config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError) as error:
+        raise ModelFileError(f"{folder}/config.json cannot be read ({error})", "check the model folder") from None
+    model_type = config.get("model_type", "")
+    count = folder_mtp_layers(folder)
+    if count <= 0:
+        raise carriers_refusal(str(folder), f" ({model_type})")
+    if model_type not in FOLDER_TYPES:
+        raise ModelFileError(f"{folder.name}: specrun cannot read the MTP layers of model type {model_type!r} yet "
+                             f"(it reads {', '.join(FOLDER_TYPES)})", "use another method with this model")
+    if config.get("quantization") or config.get("quantization_config"):
+        raise ModelFileError(f"{folder.name} is quantized: specrun reads MTP layers of float checkpoints only so far",
+                             "use the model's float checkpoint, or another method")
+    files = _tensor_files(folder)
+    opened: dict[Path, TensorsFile] = {}
+    hidden, vocab = int(config["hidden_size"]), int(config["vocab_size"])
+    block = int(config["num_hidden_layers"])
+    mtp = f"model.layers.{block}"
+
+    def tensor(name: str, shape: tuple[int, ...], required: bool = True, half: bool = False) -> np.ndarray | None:
+        path = files.get(name)
+        if path is None:
+            if required:
+                raise ModelFileError(f"{folder.name} says it carries MTP layers but lacks {name}",
+                                     "download the model again with its MTP layers, or use another method")
+            return None
+        stored = opened.setdefault(path, TensorsFile(path))
+        return stored.halves(name, shape) if half else stored.floats(name, shape)
+
+    heads_count = int(config["num_attention_heads"])
+    kv_count = int(config.get("num_key_value_heads", heads_count))
+    head_dim = int(config.get("head_dim") or hidden // heads_count)
+    experts = int(config.get("n_routed_experts") or 0)
+    routed = experts and block >= int(config.get("first_k_dense_replace", 0))
+    layout = MtpLayout(
+        arch=FOLDER_TYPES[model_type], num_attention_heads=heads_count, num_key_value_heads=kv_count,
+        head_dim=head_dim, rope_dims=int(head_dim * float(config.get("partial_rotary_factor", 1.0))),
+        rope_theta=float(config.get("rope_theta", 10000.0)), rms_norm_eps=float(config["rms_norm_eps"]),
+        experts=experts if routed else 0, experts_used=int(config.get("num_experts_per_tok") or 0),
+        gating=config.get("scoring_func", "sigmoid"), normalize_weights=bool(config.get("norm_topk_prob", False)),
+        weights_scale=float(config.get("routed_scaling_factor", 1.0) or 1.0),
+    )
+    embed = tensor(f"{mtp}.embed_tokens.weight", (vocab, hidden), required=False, half=True)
+    if embed is None:
+        embed = tensor("model.embed_tokens.weight", (vocab, hidden), half=True)
+    lm_head = tensor(f"{mtp}.shared_head.head.weight", (vocab, hidden), required=False, half=True)
+    if lm_head is None:
+        lm_head = tensor("lm_head.weight", (vocab, hidden), required=not config.get("tie_word_embeddings"), half=True)
+    if lm_head is None:
+        lm_head = embed
+    head_norm = tensor(f"{mtp}.shared_head.norm.weight", (hidden,), required=False)
+    if head_norm is None:
+        head_norm = tensor("model.norm.weight", (hidden,))
+    q_width, kv_width = heads_count * head_dim, kv_count * head_dim
+    attention = f"{mtp}.self_attn"
+    arrays = dict(
+        embed=embed, lm_head=lm_head, head_norm=head_norm,
+        enorm=tensor(f"{mtp}.enorm.weight", (hidden,)), hnorm=tensor(f"{mtp}.hnorm.weight", (hidden,)),
+        eh_proj=tensor(f"{mtp}.eh_proj.weight", (hidden, 2 * hidden)),
+        attn_norm=tensor(f"{mtp}.input_layernorm.weight", (hidden,)),
+        q_proj=tensor(f"{attention}.q_proj.weight", (q_width, hidden)),
+        k_proj=tensor(f"{attention}.k_proj.weight", (kv_width, hidden)),
+        v_proj=tensor(f"{attention}.v_proj.weight", (kv_width, hidden)),
+        o_proj=tensor(f"{attention}.o_proj.weight", (hidden, q_width)),
+        q_bias=tensor(f"{attention}.q_proj.bias", (q_width,), required=False),
+        k_bias=tensor(f"{attention}.k_proj.bias", (kv_width,), required=False),
+        v_bias=tensor(f"{attention}.v_proj.bias", (kv_width,), required=False),
+        q_norm=tensor(f"{attention}.q_norm.weight", (head_dim,), required=False),
+        k_norm=tensor(f"{attention}.k_norm.weight", (head_dim,), required=False),
+        post_norm=tensor(f"{mtp}.post_attention_layernorm.weight", (hidden,)),
+    )
+    if layout.experts:
+        width = int(config["moe_intermediate_size"])
+        shared = int(config.get("n_shared_experts") or 0) * width
+        arrays.update(
+            router=tensor(f"{mtp}.mlp.gate.weight", (experts, hidden)),
+            router_bias=tensor(f"{mtp}.mlp.gate.e_score_correction_bias", (experts,), required=False),
+            **{f"{part}_exps": np.stack([tensor(f"{mtp}.mlp.experts.{e}.{part}_proj.weight",
+                                                (hidden, width) if part == "down" else (width, hidden))
+                                         for e in range(experts)]) for part in ("gate", "up", "down")},
+        )
+        if shared:
+            arrays.update({f"{part}_proj": tensor(f"{mtp}.mlp.shared_experts.{part}_proj.weight",
+                                                  (hidden, shared) if part == "down" else (shared, hidden))
+                           for part in ("gate", "up", "down")})
+    else:
+        width = int(config["intermediate_size"])
+        arrays.update({f"{part}_proj": tensor(f"{mtp}.mlp.{part}_proj.weight",
+                                              (hidden, width) if part == "down" else (width, hidden))
+                       for part in ("gate", "up", "down")})
+    heads_config = HeadsConfig(kind="mtp", num_heads=depth, num_layers=count, hidden_size=hidden, vocab_size=vocab,
+                               draft_vocab_size=vocab, target_name=folder.name, target_layers=block)
+    return MtpHeads(config=heads_config, layout=layout, **arrays)
+
+
+def _tensor_files(folder: Path) -> dict[str, Path]:
+    """Where each tensor of the folder's safetensors lives: model.safetensors.index.json's map for
+    a sharded checkpoint, else every name in model.safetensors."""
+    from specrun.heads.files import TensorsFile
+
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            mapping = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+            return {name: folder / shard for name, shard in mapping.items()}
+        except (OSError, ValueError, KeyError, TypeError) as error:
+            raise ModelFileError(f"{index} cannot be read ({error})", "download the model again") from None
+    single = folder / "model.safetensors"
+    return dict.fromkeys(TensorsFile(single).tensors, single)

@@ -55,8 +55,8 @@ def heads_candidates(target_spec: str, kind: str, entries: dict[str, ModelEntry]
     local = [Path(target_spec).expanduser()] if entry is None else [
         Path(path).expanduser() for path in (entry.gguf_path, entry.mlx_path) if path
     ]
-    if BY_NAME[kind].stored == "model":  # inside the target's own file (its GGUF)
-        return [path for path in local if path.suffix.lower() == ".gguf"]
+    if BY_NAME[kind].stored == "model":  # inside the target's own files (its GGUF, its model folder)
+        return [path for path in local if path.suffix.lower() == ".gguf" or path.is_dir()]
     stored = [each.name for each in kinds_of_method(kind)]  # EAGLE-3's folder before EAGLE-1's file
     for path in local:
         for each in stored:
@@ -75,8 +75,10 @@ def _present(path: Path, kind: str) -> bool:
     folder left by a failed save is not heads); for a kind inside the model, a model file that
     says it carries such layers."""
     if BY_NAME[kind].stored == "model":
-        from specrun.modelkit.mtp import mtp_layer_count
+        from specrun.modelkit.mtp import folder_mtp_layers, mtp_layer_count
 
+        if path.is_dir():
+            return folder_mtp_layers(path) > 0
         try:
             return path.is_file() and mtp_layer_count(path) > 0
         except (OSError, ValueError, KeyError):  # not a GGUF it can read: the target's loading says why
@@ -97,7 +99,7 @@ def find_all_heads(target_spec: str, explicit: str | None, kind: str, registry: 
     if not found and BY_NAME[kind].stored == "model":
         from specrun.modelkit.mtp import carriers_refusal
 
-        raise carriers_refusal(target_spec, "" if candidates else " (no GGUF file of it)")
+        raise carriers_refusal(target_spec, "" if candidates else " (no model file or folder of it)")
     if not found:
         raise UsageError(
             f"no {kind} heads for {target_spec} (looked in {', '.join(str(path) for path in candidates)})",

@@ -37,7 +37,8 @@ def load_target_heads(target_spec: str, explicit: str | None, target, registry=N
 def read_heads(path, loaded: dict | None):
     """The heads in ``path``, read once per ``loaded`` (a comparison's lines, or a chat session's
     methods, that draft with the same file share what was read: a published EAGLE-3 head's
-    embedding table alone is ~1 GB). A GGUF is a model carrying its own MTP layers."""
+    embedding table alone is ~1 GB). A GGUF, or a model folder, is a model carrying its own MTP
+    layers."""
     if loaded is None:
         return _load(path)
     key = Path(path).resolve()
@@ -48,9 +49,14 @@ def read_heads(path, loaded: dict | None):
 
 def _load(path):
     from specrun.heads.files import load_heads
-    from specrun.modelkit.mtp import read_mtp_gguf
+    from specrun.modelkit.mtp import folder_mtp_layers, read_mtp_folder, read_mtp_gguf
 
-    return read_mtp_gguf(path) if Path(path).suffix.lower() == ".gguf" else load_heads(path)
+    path = Path(path)
+    if path.suffix.lower() == ".gguf":
+        return read_mtp_gguf(path)
+    if path.is_dir() and folder_mtp_layers(path):
+        return read_mtp_folder(path)
+    return load_heads(path)
 
 
 def _checked_heads(path, heads, kind: str, target):

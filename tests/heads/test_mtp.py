@@ -157,17 +157,29 @@ def test_a_drafter_reading_the_state_of_the_wrong_position_drafts_other_chains(g
     assert sum(ours != theirs for ours, theirs in pairs) >= len(pairs) // 2, pairs
 
 
+def open_target(kind: str, source: Path, tree_paths: int = 0):
+    from specrun.registry.loading import LoadOptions, open_backend
+
+    return open_backend(str(source), LoadOptions(backend=kind, n_ctx=512, threads=1, tree_paths=tree_paths),
+                        entries={})
+
+
+@pytest.mark.parametrize("kind", ["llama", "mlx"])
 @pytest.mark.parametrize("branches", [0, 3], ids=["chain", "tree"])
-def test_greedy_output_with_the_trained_layer_is_plain_decoding_s_and_drafts_are_accepted(glm_mtp_trained, branches):
-    """On the llama.cpp backend, fixed length 4 and adaptive: every token plain decoding's, and the
-    layer trained on the target's own continuations accepted well above chance (1 in 512)."""
-    from specrun.backends.llama import LlamaCppBackend
+def test_greedy_output_with_the_trained_layer_is_plain_decoding_s_and_drafts_are_accepted(glm_mtp_trained, branches,
+                                                                                         kind):
+    """On both backends (llama.cpp's chains in its own MTP context, the trees and MLX's in NumPy),
+    fixed length 4 and adaptive: every token plain decoding's, and the layer trained on the
+    target's own continuations accepted well above chance (1 in 512)."""
     from specrun.drafters.methods import DrafterOptions, build_drafter
     from specrun.engine.loop import GenerationParams, SpeculativeEngine
+    from specrun.sessions.heads import read_heads
 
-    target = LlamaCppBackend(glm_mtp_trained, n_ctx=1024, n_threads=1, tree_paths=8 if branches else 0)
+    if kind == "mlx":
+        pytest.importorskip("mlx_lm", reason="the MLX backend is not installed")
+    target = open_target(kind, glm_mtp_trained[kind], tree_paths=8 if branches else 0)
     try:
-        heads = read_mtp_gguf(glm_mtp_trained)
+        heads = read_heads(glm_mtp_trained[kind], None)  # from the GGUF, or the folder's safetensors
         engine = SpeculativeEngine(target, None)
         accepted = drafted = 0
         for prompt in ("def hello(world):", "Ελληνικά: Καλημέρα κόσμε.", "import os\nimport sys\n"):
@@ -183,6 +195,48 @@ def test_greedy_output_with_the_trained_layer_is_plain_decoding_s_and_drafts_are
                 assert result.token_ids == plain, (prompt, adaptive)
                 accepted, drafted = accepted + result.stats.accepted, drafted + result.stats.drafted
         assert drafted > 0 and accepted / drafted > 0.3, (accepted, drafted)
+    finally:
+        target.close()
+
+
+def test_a_model_folder_s_mtp_layer_reads_as_its_gguf_s(glm_mtp):
+    """The same weights from the Hugging Face folder's safetensors (model.layers.N, experts one by
+    one) and from the GGUF (blk.N.nextn, experts stacked): the same arrays and layout."""
+    import dataclasses
+
+    from specrun.modelkit.mtp import read_mtp_folder
+
+    from_folder, from_gguf = read_mtp_folder(glm_mtp["hf"]), read_mtp_gguf(glm_mtp["gguf"])
+    assert from_folder.layout == from_gguf.layout
+    for field in dataclasses.fields(from_gguf):
+        ours, theirs = getattr(from_folder, field.name), getattr(from_gguf, field.name)
+        if isinstance(theirs, np.ndarray):
+            np.testing.assert_array_equal(np.asarray(ours, np.float32), np.asarray(theirs, np.float32), field.name)
+
+
+def test_on_mlx_the_drafter_s_chains_are_llama_cpp_s_draft_mtp_chains(glm_mtp, native):
+    """MLX's hidden states (float32 arithmetic) and the layer read from the folder, against
+    llama.cpp's driver on the GGUF of the same weights (float16 matrix products): the same greedy
+    chains, where the layer's top two logits are not within 0.05 of each other."""
+    pytest.importorskip("mlx_lm", reason="the MLX backend is not installed")
+    from specrun.modelkit.mtp import read_mtp_folder
+
+    target = open_target("mlx", glm_mtp["hf"])
+    try:
+        compared = 0
+        for prompt in PROMPTS:
+            context = target.tokenize(prompt)
+            sequence = KVSequence(target)
+            sequence.reset()
+            drafter = MtpDrafter(read_mtp_folder(glm_mtp["hf"]))
+            drafter.bind(sequence, perf_counter)
+            sequence.feed(context[:-1])
+            ours = list(drafter.propose(context, 5, SamplingSettings(), np.random.default_rng(0)).tokens)
+            drafter.close()
+            theirs = native.chain(context, 5)
+            assert ours[:1] == theirs[:1] and len(ours) == 5, (prompt, ours, theirs)
+            compared += ours == theirs
+        assert compared >= len(PROMPTS) - 1
     finally:
         target.close()
 
