@@ -155,6 +155,12 @@ def layer_input_functions(llama_cpp):
     return setter, getter
 
 
+# Recurrent and hybrid models (Mamba, Qwen3.5's Gated DeltaNet, ...): llama.cpp keeps the state
+# after each of the last pass's final RS_SNAPSHOTS tokens (``n_rs_seq``), so a rejected draft of up
+# to that many tokens rolls back in place; a longer or older rewind feeds the kept tokens again.
+RS_SNAPSHOTS = 16
+
+
 def _native_mtp_arch(path: Path) -> str | None:
     """The architecture of the GGUF at ``path`` where it carries MTP layers llama.cpp runs for
     specrun (llama_mtp.NATIVE_ARCHS); None else, or where the header does not say."""
@@ -262,6 +268,11 @@ class LlamaCppBackend(HiddenTracking):
                 "download the file again or check that this llama-cpp-python version supports the model",
             )
         self._vocab_p = llama_cpp.llama_model_get_vocab(self._model)
+        self.recurrent = bool(llama_cpp.llama_model_is_recurrent(self._model)
+                              or llama_cpp.llama_model_is_hybrid(self._model))
+        self._fed: list[int] = []  # a recurrent model's cached tokens: what a long rewind feeds again
+        self._last_pass = 0  # tokens of the last chunk fed: the positions its snapshots cover
+        self._rolled_back = False  # a rollback is pending until the next decode (llama.cpp: one at a time)
 
         if n_ctx is None:  # default: the training context, capped to keep the KV cache modest
             n_ctx_train = llama_cpp.llama_model_n_ctx_train(self._model)
@@ -283,6 +294,8 @@ class LlamaCppBackend(HiddenTracking):
         # has it but its `common` tools and server do not: a smaller one overwrites cells that fell out
         # of the window, and a rewind (a rejected draft, a reused prompt) would need them again.
         ctx_params.swa_full = True
+        if self.recurrent:
+            ctx_params.n_rs_seq = RS_SNAPSHOTS
         self.kv_type = kv_type
         self.library_version = f"llama-cpp-python {llama_cpp.__version__}"  # what kernels it runs
         if flash_attn is not None:  # None keeps llama.cpp's automatic choice, its default
@@ -591,6 +604,10 @@ class LlamaCppBackend(HiddenTracking):
                 f"llama.cpp decode failed with status {status} at {self._n_past} cached tokens",
                 "shorten the prompt or raise --ctx",
             )
+        if self.recurrent:
+            del self._fed[self._n_past :]
+            self._fed.extend(chunk)
+            self._last_pass, self._rolled_back = len(chunk), False
         self._n_past += len(chunk)
         if self._tracking and self._layers:
             self._layer_states.append(self._output_layers(len(chunk)))
@@ -619,6 +636,9 @@ class LlamaCppBackend(HiddenTracking):
             batch.logits[i] = i in wanted
 
     def rewind(self, n_keep: int) -> None:
+        if self.recurrent:
+            self._rewind_recurrent(n_keep)
+            return
         # Always clear from n_keep on, even past n_past: an interrupted decode may have
         # left cells that n_past does not count.
         if not self._lib.llama_memory_seq_rm(self._memory, _SEQ, n_keep, -1):
@@ -628,13 +648,37 @@ class LlamaCppBackend(HiddenTracking):
             )
         self._n_past = min(self._n_past, n_keep)
 
+    def _rewind_recurrent(self, n_keep: int) -> None:
+        """A recurrent state cannot drop positions: dropping the last pass's final few rolls back to
+        llama.cpp's snapshot of the state after the kept ones; any other rewind starts the state
+        again and feeds the kept tokens."""
+        drop = self._n_past - n_keep
+        if drop <= 0:
+            return
+        lib = self._lib
+        if (drop < self._last_pass and drop <= RS_SNAPSHOTS and not self._rolled_back
+                and lib.llama_memory_seq_rm(self._memory, _SEQ, n_keep, -1)):
+            self._n_past, self._rolled_back = n_keep, True
+            del self._fed[n_keep:]
+            return
+        kept = self._fed[:n_keep]
+        lib.llama_memory_seq_rm(self._memory, _SEQ, 0, -1)  # always possible: the whole sequence
+        self._n_past, self._fed, self._last_pass, self._rolled_back = 0, [], 0, False
+        if kept:
+            tracking = self._tracking
+            self._tracking = False  # what is fed again was read before: its states are not asked for
+            try:
+                self._decode(kept, [])
+            finally:
+                self._tracking = tracking
+
     # ---- token trees -----------------------------------------------------------------
     def _open_context(self, tree_paths: int) -> None:
         """Create this backend's context, empty, for chains (0) or trees of ``tree_paths`` paths;
         the context it had (if any) is freed only once the new one exists."""
         lib = self._lib
         params = type(self._ctx_params).from_buffer_copy(self._ctx_params)
-        paths = _tree_context_params(params, tree_paths)
+        paths = _tree_context_params(params, 0 if self.recurrent else tree_paths)
         ctx = lib.llama_init_from_model(self._model, params)
         if not ctx:
             raise ModelFileError(
@@ -696,6 +740,8 @@ class LlamaCppBackend(HiddenTracking):
 
     @property
     def tree_support(self) -> TreeSupport:
+        if self.recurrent:
+            return TreeSupport(False, "a recurrent or hybrid model's state cannot hold a tree's branches")
         if not self._tree_paths:
             return TreeSupport(False, "this llama.cpp context was created for chains (tree_paths=0)", reopenable=True)
         return TreeSupport(True, max_paths=self._tree_paths)

@@ -12,10 +12,10 @@ Lines: llama-completion (plain), llama-speculative-simple --spec-type draft-mtp 
 (its driver, common_speculative_impl_draft_mtp), specrun none, specrun mtp at -k k and adaptive.
 Ratios are to llama-completion, geometric means over prompts with 90% intervals.
 
-    .venv/bin/python benchmarks/mtp_vs_llama.py --make /tmp/mtpbench --hidden 1024 --layers 8 \\
+    .venv/bin/python benchmarks/mtp_vs_llama.py --make DIR --hidden 1024 --layers 8 \\
         --llama-bin-dir BIN --questions ../shared/data/spec_bench/question.jsonl --per-category 1
-    .venv/bin/python benchmarks/mtp_vs_llama.py --model /tmp/mtpbench/glm-mtp-trained.gguf --llama-bin-dir BIN
-    .venv/bin/python benchmarks/mtp_vs_llama.py --model /tmp/mtpbench/glm-mtp-trained.gguf --llama-bin-dir BIN --in-sample
+    .venv/bin/python benchmarks/mtp_vs_llama.py --model DIR/glm-mtp-trained.gguf --llama-bin-dir BIN
+    .venv/bin/python benchmarks/mtp_vs_llama.py --model DIR/glm-mtp-trained.gguf --llama-bin-dir BIN --in-sample
 """
 
 from __future__ import annotations

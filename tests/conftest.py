@@ -71,6 +71,16 @@ def glm_mtp_trained(glm_mtp) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="session")
+def qwen_mtp(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """A tiny Qwen3.5-style hybrid (Gated DeltaNet beside gated attention, tests/hybrid_models.py)
+    carrying one MTP block: {"trunk": without it, "random": with a random one, "trained": with
+    one trained on the target's own continuations}."""
+    from hybrid_models import HybridShape, write_fitted_hybrid
+
+    return write_fitted_hybrid(tmp_path_factory.mktemp("qwen_mtp"), HybridShape())
+
+
+@pytest.fixture(scope="session")
 def tiny_llama(tiny_models: dict[str, TinyModel]) -> TinyModel:
     """Llama: multi-head attention, untied lm_head, adjacent-pair RoPE in GGUF."""
     return tiny_models["llama"]

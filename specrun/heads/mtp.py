@@ -8,6 +8,7 @@ state that gives the token at p + 2 through the target's own output head:
 
   u   = eh_proj [rms_norm(embed(token), enorm) ; rms_norm(h, hnorm)]        # (H,) from (2H,)
   a   = u + o_proj attention(rope(q, k), v) over rms_norm(u, attn_norm)     # q, k, v with biases
+                                                                            # (GLM), or gated (Qwen3.5)
   out = a + ffn(rms_norm(a, post_norm))                                     # dense, or routed experts
   h'  = rms_norm(out, head_norm);  logits = lm_head h'
 
@@ -48,7 +49,9 @@ class MtpLayout:
     attention of ``num_attention_heads`` query and ``num_key_value_heads`` key heads of
     ``head_dim``, rotary embeddings on the first ``rope_dims`` of each; ``experts`` routed experts
     (0: a dense MLP), ``experts_used`` of them per token under ``gating``, their weights summed to
-    one where ``normalize_weights`` and then scaled by ``weights_scale``."""
+    one where ``normalize_weights`` and then scaled by ``weights_scale``. ``gated_attention``
+    (Qwen3.5's): q_proj gives each head its queries and then as many gate values, and the heads'
+    outputs are scaled by the sigmoid of their gate before o_proj."""
 
     arch: str
     num_attention_heads: int
@@ -63,6 +66,7 @@ class MtpLayout:
     normalize_weights: bool = False
     weights_scale: float = 1.0
     window: int = DEFAULT_WINDOW
+    gated_attention: bool = False
 
 
 @dataclass(frozen=True)
@@ -178,34 +182,45 @@ def layer(
     these N, each input reads. Returns the normed outputs h' (N, H) and these inputs' keys and
     values (N, nkv, hd)."""
     layout = heads.layout
-    queries, keys, values = _project(heads, fused, positions)
+    queries, keys, values, gate = _project(heads, fused, positions)
     all_keys = np.repeat(np.concatenate([past_keys, keys]), layout.num_attention_heads // layout.num_key_value_heads, axis=1)
     all_values = np.repeat(np.concatenate([past_values, values]),
                            layout.num_attention_heads // layout.num_key_value_heads, axis=1)
     scores = np.einsum("nhd,mhd->hnm", queries, all_keys) / math.sqrt(layout.head_dim)  # (nh, N, C + N)
     weights = softmax(np.where(attend[None], scores, -np.inf))
     attended = np.einsum("hnm,mhd->nhd", weights, all_values)
+    if gate is not None:
+        attended = attended / (1.0 + np.exp(-gate))
     after_attention = fused + attended.reshape(len(fused), -1) @ heads.o_proj.T
     out = after_attention + _ffn(heads, rms_norm(after_attention, heads.post_norm, layout.rms_norm_eps))
     return rms_norm(out, heads.head_norm, layout.rms_norm_eps), keys, values
 
 
 def _project(heads: MtpHeads, fused: np.ndarray, positions: np.ndarray):
-    """Queries (N, nh, hd), keys (rotated) and values (N, nkv, hd) of the inputs ``fused`` (N, H)."""
+    """Queries (N, nh, hd), keys (rotated) and values (N, nkv, hd) of the inputs ``fused`` (N, H),
+    and the attention's gate (N, nh, hd) where it has one (else None)."""
     layout = heads.layout
     x = rms_norm(fused, heads.attn_norm, layout.rms_norm_eps)
 
-    def heads_of(weight, bias, count, norm):
-        projected = x @ weight.T
+    def projected(weight, bias, count, width):
+        out = x @ weight.T
         if bias is not None:
-            projected = projected + bias
-        projected = projected.reshape(len(x), count, layout.head_dim)
-        return projected if norm is None else rms_norm(projected, norm, layout.rms_norm_eps)
+            out = out + bias
+        return out.reshape(len(x), count, width)
 
-    queries = heads_of(heads.q_proj, heads.q_bias, layout.num_attention_heads, heads.q_norm)
-    keys = heads_of(heads.k_proj, heads.k_bias, layout.num_key_value_heads, heads.k_norm)
-    values = heads_of(heads.v_proj, heads.v_bias, layout.num_key_value_heads, None)
-    return _partial_rope(queries, positions, layout), _partial_rope(keys, positions, layout), values
+    def normed(values, norm):
+        return values if norm is None else rms_norm(values, norm, layout.rms_norm_eps)
+
+    hd, gate = layout.head_dim, None
+    if layout.gated_attention:  # each head's queries, then its gate values
+        both = projected(heads.q_proj, heads.q_bias, layout.num_attention_heads, 2 * hd)
+        queries, gate = both[..., :hd], both[..., hd:]
+    else:
+        queries = projected(heads.q_proj, heads.q_bias, layout.num_attention_heads, hd)
+    queries = normed(queries, heads.q_norm)
+    keys = normed(projected(heads.k_proj, heads.k_bias, layout.num_key_value_heads, hd), heads.k_norm)
+    values = projected(heads.v_proj, heads.v_bias, layout.num_key_value_heads, hd)
+    return _partial_rope(queries, positions, layout), _partial_rope(keys, positions, layout), values, gate
 
 
 def _partial_rope(x: np.ndarray, positions: np.ndarray, layout: MtpLayout) -> np.ndarray:

@@ -28,7 +28,8 @@ from specrun.modelkit.gguf_io import read_fields
 
 # Architectures whose MTP layers specrun reads (those llama.cpp runs its draft-mtp with, too, are
 # named in the refusal: a user with one of them learns it is the layout, not the file).
-READABLE = ("glm4moe",)
+READABLE = ("glm4moe", "qwen35")
+_GATED_ATTENTION = ("qwen35",)  # q_proj gives each head's queries and its gate
 CARRIERS = ("deepseek2", "glm4moe", "qwen35", "qwen35moe", "qwen3next", "mimo2", "step35")
 _GATINGS = {1: "softmax", 2: "sigmoid"}  # llama.cpp's expert_gating_func values
 _PLAIN_TYPES = (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16)
@@ -100,6 +101,7 @@ def read_mtp_gguf(path: str | Path, depth: int = DEFAULT_DEPTH) -> MtpHeads:
         gating=_GATINGS.get(int(fields.get(f"{arch}.expert_gating_func", 2) or 2), "sigmoid"),
         normalize_weights=bool(fields.get(f"{arch}.expert_weights_norm", False)),
         weights_scale=float(fields.get(f"{arch}.expert_weights_scale", 1.0) or 1.0),
+        gated_attention=arch in _GATED_ATTENTION,
     )
     embed = tensor(f"{mtp}.nextn.embed_tokens.weight", (vocab, hidden), required=False)
     if embed is None:
@@ -119,7 +121,7 @@ def read_mtp_gguf(path: str | Path, depth: int = DEFAULT_DEPTH) -> MtpHeads:
         hnorm=tensor(f"{mtp}.nextn.hnorm.weight", (hidden,)),
         eh_proj=tensor(f"{mtp}.nextn.eh_proj.weight", (hidden, 2 * hidden)),
         attn_norm=tensor(f"{mtp}.attn_norm.weight", (hidden,)),
-        q_proj=tensor(f"{mtp}.attn_q.weight", (q_width, hidden)),
+        q_proj=tensor(f"{mtp}.attn_q.weight", (2 * q_width if layout.gated_attention else q_width, hidden)),
         k_proj=tensor(f"{mtp}.attn_k.weight", (kv_width, hidden)),
         v_proj=tensor(f"{mtp}.attn_v.weight", (kv_width, hidden)),
         o_proj=tensor(f"{mtp}.attn_output.weight", (hidden, q_width)),

@@ -39,6 +39,31 @@ def backend(glm_mtp):
     opened.close()
 
 
+@pytest.fixture(scope="module", params=["glm", "qwen35"])
+def carrier(request, glm_mtp, qwen_mtp) -> Path:
+    """A GGUF carrying a random MTP layer: GLM-4.5's layout (dense trunk, MoE MTP block) or
+    Qwen3.5's (hybrid trunk, gated-attention MTP block)."""
+    return glm_mtp["gguf"] if request.param == "glm" else qwen_mtp["random"]
+
+
+@pytest.fixture(scope="module")
+def carrier_native(carrier):
+    from mtp_native import NativeMtp
+
+    opened = NativeMtp(carrier)
+    yield opened
+    opened.close()
+
+
+@pytest.fixture(scope="module")
+def carrier_backend(carrier):
+    from specrun.backends.llama import LlamaCppBackend
+
+    opened = LlamaCppBackend(carrier, n_ctx=256, n_threads=1)
+    yield opened
+    opened.close()
+
+
 def numpy_pair_logits(heads, states: np.ndarray, tokens, shift: int = 0) -> np.ndarray:
     """The NumPy layer's logits for every (state at p, token at p + 1) pair, causal over the
     pairs; ``shift`` reads the state ``shift`` positions later instead (a mutant)."""
@@ -73,11 +98,11 @@ def test_the_layer_is_read_from_the_model_s_own_file(glm_mtp):
     np.testing.assert_array_equal(heads.embed, weights["token_embd.weight"])
 
 
-def test_the_numpy_layer_gives_llama_cpp_s_logits_at_every_position(glm_mtp, native, backend):
-    heads = read_mtp_gguf(glm_mtp["gguf"])
+def test_the_numpy_layer_gives_llama_cpp_s_logits_at_every_position(carrier, carrier_native, carrier_backend):
+    heads = read_mtp_gguf(carrier)
     for prompt in PROMPTS:
-        tokens = backend.tokenize(prompt)
-        states, theirs = native.pair_logits(tokens)
+        tokens = carrier_backend.tokenize(prompt)
+        states, theirs = carrier_native.pair_logits(tokens)
         relative, agreeing = logit_agreement(numpy_pair_logits(heads, states, tokens), theirs)
         assert relative < 0.02 and agreeing == 1.0, (prompt, relative, agreeing)
 
@@ -91,7 +116,7 @@ def test_a_layer_reading_the_state_of_the_wrong_position_disagrees_with_llama_cp
     assert relative > 0.3 and agreeing < 0.5, (relative, agreeing)
 
 
-def chains_against_llama_cpp(glm_mtp, native, backend, sampling=None) -> list[tuple[list[int], list[int]]]:
+def chains_against_llama_cpp(path, native, backend, sampling=None) -> list[tuple[list[int], list[int]]]:
     """(the drafter's chain, llama.cpp's greedy chain) from contexts of several lengths of every
     prompt, the drafter fed as the engine feeds it (the target holding the context but its last
     token); ``sampling``: the drafter's settings (greedy by default)."""
@@ -101,7 +126,7 @@ def chains_against_llama_cpp(glm_mtp, native, backend, sampling=None) -> list[tu
         context = backend.tokenize(prompt)
         sequence = KVSequence(backend)
         sequence.reset()
-        drafter = MtpDrafter(read_mtp_gguf(glm_mtp["gguf"]))
+        drafter = MtpDrafter(read_mtp_gguf(path))
         drafter.bind(sequence, perf_counter)
         try:
             for cut in (len(context) - 3, len(context)):  # a shorter context first: entries grow, then are reused
@@ -115,34 +140,36 @@ def chains_against_llama_cpp(glm_mtp, native, backend, sampling=None) -> list[tu
 
 
 @pytest.fixture(params=["native", "numpy"])
-def layer_runs_in(request, backend, monkeypatch):
+def layer_runs_in(request, carrier_backend, monkeypatch):
     """The drafter's chains from llama.cpp's own MTP context (the backend's native_mtp), or from
     specrun's NumPy layer (native_mtp turned off)."""
     if request.param == "numpy":
-        monkeypatch.setattr(backend, "native_mtp", lambda: None)
+        monkeypatch.setattr(carrier_backend, "native_mtp", lambda: None)
     else:
-        assert backend.native_mtp() is not None
+        assert carrier_backend.native_mtp() is not None
     return request.param
 
 
-def test_the_drafter_s_greedy_chains_are_llama_cpp_s_draft_mtp_chains(glm_mtp, native, backend, layer_runs_in):
+def test_the_drafter_s_greedy_chains_are_llama_cpp_s_draft_mtp_chains(carrier, carrier_native, carrier_backend,
+                                                                     layer_runs_in):
     """Token for token, the drafter and llama.cpp's draft-mtp driver on the same file."""
-    for ours, theirs in chains_against_llama_cpp(glm_mtp, native, backend):
+    for ours, theirs in chains_against_llama_cpp(carrier, carrier_native, carrier_backend):
         assert len(ours) == 5 and ours == theirs
 
 
-def test_native_and_numpy_chains_draw_alike_at_t_above_0(glm_mtp, native, backend, monkeypatch):
+def test_native_and_numpy_chains_draw_alike_at_t_above_0(carrier, carrier_native, carrier_backend, monkeypatch):
     """Sampled, the native chain draws what the NumPy layer's draws (the same rows, the same
     seeds): the lossless harness's chi-square over the NumPy layer holds for both."""
     sampling = SamplingSettings(temperature=0.8, top_k=40)
-    natively = chains_against_llama_cpp(glm_mtp, native, backend, sampling)
-    monkeypatch.setattr(backend, "native_mtp", lambda: None)
-    in_numpy = chains_against_llama_cpp(glm_mtp, native, backend, sampling)
+    natively = chains_against_llama_cpp(carrier, carrier_native, carrier_backend, sampling)
+    monkeypatch.setattr(carrier_backend, "native_mtp", lambda: None)
+    in_numpy = chains_against_llama_cpp(carrier, carrier_native, carrier_backend, sampling)
     same = sum(ours == numpy_ours for (ours, _), (numpy_ours, _) in zip(natively, in_numpy))
     assert same >= len(natively) - 1, (natively, in_numpy)  # F16 rounding may move one draw of 40
 
 
-def test_a_drafter_reading_the_state_of_the_wrong_position_drafts_other_chains(glm_mtp, native, backend, layer_runs_in,
+def test_a_drafter_reading_the_state_of_the_wrong_position_drafts_other_chains(carrier, carrier_native,
+                                                                              carrier_backend, layer_runs_in,
                                                                               monkeypatch):
     """The mutant the issue names, in the drafter itself: each position's entry made from the state
     one position earlier. The comparison above catches it."""
@@ -153,7 +180,7 @@ def test_a_drafter_reading_the_state_of_the_wrong_position_drafts_other_chains(g
         return None if features is None else np.concatenate([features[:1], features])[-(stop - start):]
 
     monkeypatch.setattr(EagleDrafter, "_features", earlier_features)
-    pairs = chains_against_llama_cpp(glm_mtp, native, backend)
+    pairs = chains_against_llama_cpp(carrier, carrier_native, carrier_backend)
     assert sum(ours != theirs for ours, theirs in pairs) >= len(pairs) // 2, pairs
 
 
@@ -195,6 +222,36 @@ def test_greedy_output_with_the_trained_layer_is_plain_decoding_s_and_drafts_are
                 assert result.token_ids == plain, (prompt, adaptive)
                 accepted, drafted = accepted + result.stats.accepted, drafted + result.stats.drafted
         assert drafted > 0 and accepted / drafted > 0.3, (accepted, drafted)
+    finally:
+        target.close()
+
+
+def test_on_a_hybrid_target_mtp_gives_plain_decoding_s_tokens_with_rollbacks(qwen_mtp):
+    """Qwen3.5's layout on llama.cpp: the trunk's recurrent state rolled back after each rejected
+    draft, the MTP layer's chains in llama.cpp's MTP context, at -k 4 and adaptive, trees asked for
+    and declined; the layer trained on the target's continuations accepted well above chance."""
+    from specrun.drafters.methods import DrafterOptions, build_drafter
+    from specrun.engine.loop import GenerationParams, SpeculativeEngine
+
+    target = open_target("llama", qwen_mtp["trained"], tree_paths=4)
+    try:
+        assert target.recurrent and target.native_mtp() is not None
+        heads = read_mtp_gguf(qwen_mtp["trained"])
+        engine = SpeculativeEngine(target, None)
+        accepted = drafted = 0
+        for prompt in ("def hello(world):", "Ελληνικά: Καλημέρα κόσμε.", "import os\nimport sys\n"):
+            prompt_ids = target.tokenize(prompt)
+            engine.set_drafter(None, "none")
+            plain = engine.run(prompt_ids, GenerationParams(80, 0)).token_ids
+            for adaptive in (False, True):
+                drafter = build_drafter("mtp", None, DrafterOptions(heads=heads, branches=2))
+                engine.set_drafter(drafter, "mtp")
+                result = engine.run(prompt_ids, GenerationParams(80, 16 if adaptive else 4, adaptive=adaptive,
+                                                                 tree_nodes=8))
+                drafter.close()
+                assert result.token_ids == plain, (prompt, adaptive)
+                accepted, drafted = accepted + result.stats.accepted, drafted + result.stats.drafted
+        assert drafted > accepted > 0.3 * drafted, (accepted, drafted)  # some rejected: rollbacks ran
     finally:
         target.close()
 
@@ -293,6 +350,6 @@ def test_an_mtp_layout_specrun_does_not_read_is_one_line_naming_the_architecture
     from mtp_models import write_glm_gguf
     from specrun.errors import ModelFileError
 
-    other = write_glm_gguf(tmp_path / "other-arch.gguf", glm_mtp["shape"], glm_mtp["weights"], arch="qwen35")
-    with pytest.raises(ModelFileError, match="cannot read the MTP layers of architecture 'qwen35'"):
+    other = write_glm_gguf(tmp_path / "other-arch.gguf", glm_mtp["shape"], glm_mtp["weights"], arch="deepseek2")
+    with pytest.raises(ModelFileError, match="cannot read the MTP layers of architecture 'deepseek2'"):
         read_mtp_gguf(other)

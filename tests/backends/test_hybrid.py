@@ -1,0 +1,91 @@
+"""Hybrid and recurrent targets on llama.cpp (tests/hybrid_models.py: a tiny Qwen3.5-style model,
+Gated DeltaNet beside attention): a rejected draft rolls the recurrent state back to llama.cpp's
+snapshot (``n_rs_seq``), an older rewind feeds the kept tokens again, every logit afterwards as a
+fresh context's; speculation on such a target gives plain decoding's tokens; trees are refused
+in one line, chains used."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+pytest.importorskip("llama_cpp", reason="the llama backend (llama-cpp-python) is not installed")
+
+
+@pytest.fixture(scope="module")
+def hybrid(tmp_path_factory):
+    from hybrid_models import HybridShape, hybrid_weights, write_hybrid_gguf
+
+    folder = tmp_path_factory.mktemp("hybrid")
+    shape = HybridShape()
+    weights = hybrid_weights(shape)
+    rng = np.random.default_rng(5)
+    nudged = {name: (value + 0.15 * value.std() * rng.standard_normal(value.shape)).astype(np.float16).astype(np.float32)
+              if value.ndim == 2 else value for name, value in weights.items()}
+    return {"target": write_hybrid_gguf(folder / "hybrid.gguf", shape, weights),
+            "draft": write_hybrid_gguf(folder / "hybrid-nudged.gguf", shape, nudged)}
+
+
+def open_llama(path, **options):
+    from specrun.backends.llama import LlamaCppBackend
+
+    return LlamaCppBackend(path, n_ctx=512, n_threads=1, **options)
+
+
+def test_rewinds_of_a_hybrid_cache_leave_the_logits_a_fresh_context_gives(hybrid):
+    target, fresh = open_llama(hybrid["target"]), open_llama(hybrid["target"])
+    try:
+        assert target.recurrent and not target.tree_support.available
+        ids = target.tokenize("def hello(world): return the sum of all the numbers in the list")
+
+        def reference(tokens):
+            fresh.rewind(0)
+            return fresh.forward(tokens, [len(tokens) - 1])[0]
+
+        target.forward(ids[:10], [])
+        target.forward(ids[10:15], [4])  # a verify pass of five
+        target.rewind(12)  # three rejected: the snapshot after position 11
+        np.testing.assert_array_equal(target.forward(ids[12:14], [1])[0], reference(ids[:14]))
+        target.rewind(8)  # before the last pass: fed again
+        np.testing.assert_array_equal(target.forward(ids[8:11], [2])[0], reference(ids[:11]))
+        target.forward([5, 6, 7, 8], [3])
+        target.rewind(13)
+        target.rewind(11)  # a second rollback before any decode: fed again
+        np.testing.assert_array_equal(target.forward([9], [0])[0], reference([*ids[:11], 9]))
+        target.rewind(0)
+        np.testing.assert_array_equal(target.forward(ids[:6], [5])[0], reference(ids[:6]))
+    finally:
+        target.close()
+        fresh.close()
+
+
+@pytest.mark.parametrize("method", ["draft", "lookup", "lookup+draft"])
+def test_speculation_on_a_hybrid_target_gives_plain_decoding_s_tokens(hybrid, method):
+    """A draft model (itself hybrid, nudged: its drafts are partly rejected) and prompt lookup, at
+    -k 4 and adaptive, with trees asked for (the target declines them: chains)."""
+    from specrun.drafters.methods import DrafterOptions, build_drafter
+    from specrun.engine.loop import GenerationParams, SpeculativeEngine
+
+    target = open_llama(hybrid["target"], tree_paths=4)
+    draft = open_llama(hybrid["draft"]) if "draft" in method else None
+    try:
+        engine = SpeculativeEngine(target, None)
+        accepted = rejected = 0
+        for prompt in ("def hello(world):", "the cat sat on the mat. the cat sat on the", "import os\nimport sys\n"):
+            ids = target.tokenize(prompt)
+            engine.set_drafter(None, "none")
+            plain = engine.run(ids, GenerationParams(60, 0)).token_ids
+            for adaptive in (False, True):
+                drafter = build_drafter(method, draft, DrafterOptions(branches=2))
+                engine.set_drafter(drafter, method)
+                result = engine.run(ids, GenerationParams(60, 16 if adaptive else 4, adaptive=adaptive, tree_nodes=8))
+                drafter.close()
+                assert result.token_ids == plain, (method, prompt, adaptive)
+                accepted += result.stats.accepted
+                rejected += result.stats.drafted - result.stats.accepted
+        if method == "draft":
+            assert accepted > 0 and rejected > 0, (accepted, rejected)  # rollbacks were exercised
+    finally:
+        target.close()
+        if draft is not None:
+            draft.close()

@@ -1,0 +1,178 @@
+"""A tiny hybrid model llama.cpp runs: Qwen3.5's layout (llama.cpp's ``qwen35``), Gated DeltaNet
+(linear attention with a recurrent state) in three of every four layers, gated full attention in
+the fourth, written in the tests from a small config with random weights. Its cache cannot drop
+positions as a KV cache does: llama.cpp keeps per-token snapshots of the recurrent state of the
+last pass (``n_rs_seq``) to roll back a rejected draft."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import gguf
+import numpy as np
+
+from model_factory import VOCAB_SIZE, tiny_tokenizer_json
+from specrun.modelkit.config import ModelConfig
+from specrun.modelkit.gguf_io import add_tokenizer
+from specrun.modelkit.tokenizer import DEMO_CHAT_TEMPLATE, parse_tokenizer_json
+
+
+@dataclass(frozen=True)
+class HybridShape:
+    hidden: int = 128
+    layers: int = 4  # layers 0-2 linear attention, 3 full attention
+    heads: int = 4
+    kv_heads: int = 2
+    head_dim: int = 32
+    rope_dims: int = 16
+    ffn: int = 256
+    conv_kernel: int = 4
+    state: int = 16  # ssm.state_size: the head dim of the linear attention's keys and values
+    k_heads: int = 2  # ssm.group_count
+    v_heads: int = 4  # ssm.time_step_rank
+    rope_theta: float = 10000000.0
+    eps: float = 1e-6
+    context: int = 512
+    full_attention_interval: int = 4
+
+
+def hybrid_shapes(shape: HybridShape, mtp_layers: int = 0) -> dict[str, tuple[int, ...]]:
+    """GGUF names and NumPy (out, in) shapes of every tensor; ``mtp_layers``: Qwen3.5's MTP block
+    after the trunk (a gated full-attention block with ``nextn`` tensors)."""
+    h = shape.hidden
+    key_dim, value_dim = shape.state * shape.k_heads, shape.state * shape.v_heads
+    shapes = {"token_embd.weight": (VOCAB_SIZE, h), "output_norm.weight": (h,), "output.weight": (VOCAB_SIZE, h)}
+    for i in range(shape.layers):
+        b = f"blk.{i}"
+        shapes.update({f"{b}.attn_norm.weight": (h,), f"{b}.post_attention_norm.weight": (h,),
+                       f"{b}.ffn_gate.weight": (shape.ffn, h), f"{b}.ffn_up.weight": (shape.ffn, h),
+                       f"{b}.ffn_down.weight": (h, shape.ffn)})
+        if (i + 1) % shape.full_attention_interval:
+            shapes.update({
+                f"{b}.attn_qkv.weight": (2 * key_dim + value_dim, h), f"{b}.attn_gate.weight": (value_dim, h),
+                f"{b}.ssm_conv1d.weight": (2 * key_dim + value_dim, shape.conv_kernel),
+                f"{b}.ssm_dt.bias": (shape.v_heads,), f"{b}.ssm_a": (shape.v_heads,),
+                f"{b}.ssm_beta.weight": (shape.v_heads, h), f"{b}.ssm_alpha.weight": (shape.v_heads, h),
+                f"{b}.ssm_norm.weight": (shape.state,), f"{b}.ssm_out.weight": (h, value_dim),
+            })
+        else:
+            q, kv = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
+            shapes.update({f"{b}.attn_q.weight": (2 * q, h), f"{b}.attn_k.weight": (kv, h),
+                           f"{b}.attn_v.weight": (kv, h), f"{b}.attn_output.weight": (h, q),
+                           f"{b}.attn_q_norm.weight": (shape.head_dim,), f"{b}.attn_k_norm.weight": (shape.head_dim,)})
+    for i in range(shape.layers, shape.layers + mtp_layers):
+        b, q, kv = f"blk.{i}", shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
+        shapes.update({
+            f"{b}.attn_norm.weight": (h,), f"{b}.post_attention_norm.weight": (h,), f"{b}.attn_q.weight": (2 * q, h),
+            f"{b}.attn_k.weight": (kv, h), f"{b}.attn_v.weight": (kv, h), f"{b}.attn_output.weight": (h, q),
+            f"{b}.attn_q_norm.weight": (shape.head_dim,), f"{b}.attn_k_norm.weight": (shape.head_dim,),
+            f"{b}.ffn_gate.weight": (shape.ffn, h), f"{b}.ffn_up.weight": (shape.ffn, h),
+            f"{b}.ffn_down.weight": (h, shape.ffn), f"{b}.nextn.eh_proj.weight": (h, 2 * h),
+            f"{b}.nextn.enorm.weight": (h,), f"{b}.nextn.hnorm.weight": (h,), f"{b}.nextn.shared_head_norm.weight": (h,),
+        })
+    return shapes
+
+
+def hybrid_weights(shape: HybridShape, seed: int = 0, mtp_layers: int = 0) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    weights = {}
+    for name, dims in hybrid_shapes(shape, mtp_layers).items():
+        if name.endswith("norm.weight"):
+            value = 1.0 + 0.1 * rng.standard_normal(dims)
+        elif name.endswith(".ssm_a"):
+            value = -np.exp(rng.uniform(-1.0, 0.5, dims))  # decays: A = -exp(A_log)
+        elif name.endswith("ssm_dt.bias"):
+            value = rng.uniform(-1.0, 1.0, dims)
+        elif name == "token_embd.weight":
+            value = rng.standard_normal(dims)
+        elif name == "output.weight":
+            value = 4.0 / np.sqrt(shape.hidden) * rng.standard_normal(dims)
+        elif name.endswith("ssm_conv1d.weight"):
+            value = 0.5 * rng.standard_normal(dims)
+        else:
+            value = 1.5 / np.sqrt(dims[-1]) * rng.standard_normal(dims)
+        weights[name] = value.astype(np.float16).astype(np.float32)
+    return weights
+
+
+def write_hybrid_gguf(path: Path, shape: HybridShape, weights: dict[str, np.ndarray], mtp_layers: int = 0) -> Path:
+    """The model as llama.cpp's ``qwen35`` GGUF; with ``mtp_layers`` its MTP block(s) too (the
+    weights must hold them)."""
+    arch = "qwen35"
+    writer = gguf.GGUFWriter(path, arch)
+    writer.add_name("specrun-tiny-hybrid")
+    writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
+    writer.add_vocab_size(VOCAB_SIZE)
+    writer.add_context_length(shape.context)
+    writer.add_embedding_length(shape.hidden)
+    writer.add_block_count(shape.layers + mtp_layers)
+    if mtp_layers:
+        writer.add_nextn_predict_layers(mtp_layers)
+    writer.add_feed_forward_length(shape.ffn)
+    writer.add_head_count(shape.heads)
+    writer.add_head_count_kv(shape.kv_heads)
+    writer.add_key_length(shape.head_dim)
+    writer.add_value_length(shape.head_dim)
+    writer.add_rope_dimension_count(shape.rope_dims)
+    writer.add_rope_dimension_sections([shape.rope_dims // 4, shape.rope_dims // 8, shape.rope_dims // 8, 0])
+    writer.add_rope_freq_base(shape.rope_theta)
+    writer.add_layer_norm_rms_eps(shape.eps)
+    writer.add_ssm_conv_kernel(shape.conv_kernel)
+    writer.add_ssm_inner_size(shape.state * shape.v_heads)
+    writer.add_ssm_state_size(shape.state)
+    writer.add_ssm_time_step_rank(shape.v_heads)
+    writer.add_ssm_group_count(shape.k_heads)
+    writer.add_full_attention_interval(shape.full_attention_interval)
+    vocab = parse_tokenizer_json(tiny_tokenizer_json(VOCAB_SIZE))
+    ids = ModelConfig(arch="llama", vocab_size=VOCAB_SIZE, hidden_size=shape.hidden, intermediate_size=shape.ffn,
+                      num_layers=shape.layers, num_heads=shape.heads, num_kv_heads=shape.kv_heads,
+                      rope_theta=shape.rope_theta, rms_norm_eps=shape.eps, context_length=shape.context,
+                      tie_embeddings=False)
+    add_tokenizer(writer, ids, vocab, DEMO_CHAT_TEMPLATE, "gpt-2")
+    for name, value in weights.items():
+        if not mtp_layers and int(name.split(".")[1] if name.startswith("blk.") else 0) >= shape.layers:
+            continue
+        plain = value.ndim == 1 or name.endswith("ssm_conv1d.weight")
+        writer.add_tensor(name, value.astype(np.float32 if plain else np.float16))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def write_fitted_hybrid(folder: Path, shape: HybridShape, n_new: int = 160) -> dict[str, Path]:
+    """The hybrid model with a Qwen3.5 MTP block trained on the target's own greedy continuations
+    (heads_factory.fitted_mtp, as mtp_models.write_fitted_glm does): {"random": its GGUF with a
+    random MTP block, "trained": with the fitted one, "trunk": without}."""
+    from heads_factory import fitted_mtp
+    from mtp_models import TRAINING_PROMPTS
+    from specrun.backends.llama import LlamaCppBackend
+    from specrun.engine.loop import GenerationParams, SpeculativeEngine
+
+    weights = hybrid_weights(shape, mtp_layers=1)
+    paths = {"trunk": write_hybrid_gguf(folder / "hybrid.gguf", shape, weights),
+             "random": write_hybrid_gguf(folder / "hybrid-mtp.gguf", shape, weights, mtp_layers=1)}
+    target = LlamaCppBackend(paths["trunk"], n_ctx=1024, n_threads=1)
+    try:
+        engine = SpeculativeEngine(target, None)
+        sequences = []
+        for prompt in TRAINING_PROMPTS:
+            prompt_ids = target.tokenize(prompt)
+            sequences.append(prompt_ids + list(engine.run(prompt_ids, GenerationParams(n_new, 0)).token_ids))
+        fitted = fitted_mtp(target, sequences)
+    finally:
+        target.close()
+    block = f"blk.{shape.layers}"
+    trained = dict(weights)
+    trained.update({f"{block}.nextn.eh_proj.weight": fitted.eh_proj,
+                    f"{block}.nextn.embed_tokens.weight": np.asarray(fitted.embed, np.float32),
+                    f"{block}.nextn.shared_head_head.weight": np.asarray(fitted.lm_head, np.float32)})
+    for name in (f"{block}.nextn.shared_head_norm.weight", f"{block}.nextn.enorm.weight", f"{block}.nextn.hnorm.weight"):
+        trained[name] = np.ones(shape.hidden, np.float32)
+    for name in (f"{block}.attn_output.weight", f"{block}.ffn_down.weight"):
+        trained[name] = np.zeros_like(trained[name])
+    trained = {name: value.astype(np.float16).astype(np.float32) for name, value in trained.items()}
+    paths["trained"] = write_hybrid_gguf(folder / "hybrid-mtp-trained.gguf", shape, trained, mtp_layers=1)
+    return paths
