@@ -14,6 +14,8 @@ Ratios are to llama-completion, geometric means over prompts with 90% intervals.
 
     .venv/bin/python benchmarks/mtp_vs_llama.py --make DIR --hidden 1024 --layers 8 \\
         --llama-bin-dir BIN --questions ../shared/data/spec_bench/question.jsonl --per-category 1
+    .venv/bin/python benchmarks/mtp_vs_llama.py --make DIR --layout qwen35 --hidden 1024 --layers 8 \
+        --llama-bin-dir BIN --in-sample --flash-attn on
     .venv/bin/python benchmarks/mtp_vs_llama.py --model DIR/glm-mtp-trained.gguf --llama-bin-dir BIN
     .venv/bin/python benchmarks/mtp_vs_llama.py --model DIR/glm-mtp-trained.gguf --llama-bin-dir BIN --in-sample
 """
@@ -37,11 +39,20 @@ from _llama_tools import (  # noqa: E402
 from specrun.bench.suite import BUILTIN_SUITE, BenchPrompt  # noqa: E402
 
 
-def make_model(folder: Path, hidden: int, layers: int) -> Path:
-    """The tests' GLM-style MTP model at ``hidden`` wide and ``layers`` deep, its MTP layer trained."""
+def make_model(folder: Path, hidden: int, layers: int, layout: str = "glm") -> Path:
+    """The tests' GLM-style MTP model (or, ``layout`` qwen35, their Qwen3.5-style hybrid) at
+    ``hidden`` wide and ``layers`` deep, its MTP layer trained."""
     from mtp_models import GlmShape, glm_weights, write_fitted_glm, write_glm_gguf
 
     folder.mkdir(parents=True, exist_ok=True)
+    if layout == "qwen35":
+        from hybrid_models import HybridShape, write_fitted_hybrid
+
+        heads = max(hidden // 64, 1)
+        shape = HybridShape(hidden=hidden, layers=layers, heads=heads, kv_heads=max(heads // 4, 1), head_dim=64,
+                            rope_dims=32, ffn=3 * hidden, state=64, k_heads=max(heads // 2, 1), v_heads=heads,
+                            context=4096)
+        return write_fitted_hybrid(folder, shape)["trained"]
     heads = max(hidden // 64, 1)
     shape = GlmShape(hidden=hidden, heads=heads, kv_heads=max(heads // 2, 1), head_dim=64, rope_dims=32,
                      dense_ffn=4 * hidden, trunk_layers=layers, expert_ffn=hidden // 2, context=4096)
@@ -57,6 +68,9 @@ def main() -> None:
     parser.add_argument("--make", type=Path, help="write the tests' GLM-style MTP model into this folder and use it")
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--layout", choices=("glm", "qwen35"), default="glm",
+                        help="--make's model: GLM-4.5's (dense trunk, MoE MTP block) or Qwen3.5's (hybrid trunk: "
+                        "Gated DeltaNet beside attention, rolled back after rejected drafts)")
     parser.add_argument("--llama-bin-dir", type=Path, required=True)
     parser.add_argument("--questions", type=Path, help="Spec-Bench question.jsonl (default: the built-in suite)")
     parser.add_argument("--in-sample", action="store_true",
@@ -72,7 +86,7 @@ def main() -> None:
     args = parser.parse_args()
     if (args.model is None) == (args.make is None):
         parser.error("give --model or --make")
-    model = args.model or make_model(args.make, args.hidden, args.layers)
+    model = args.model or make_model(args.make, args.hidden, args.layers, args.layout)
     check_bin_dir(args.llama_bin_dir, ["llama-completion", "llama-speculative-simple"])
     if args.in_sample:
         from mtp_models import TRAINING_PROMPTS
