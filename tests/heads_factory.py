@@ -212,7 +212,7 @@ def random_mtp(hidden_size: int, vocab_size: int, depth: int = 4, seed: int = 0,
             norm = name.endswith("norm")
             arrays[name] = (float(norm) + rng.normal(0, 0.3 if norm else 0.5, shape)).astype(np.float32)
     config = HeadsConfig("mtp", depth, 1, hidden_size, vocab_size, vocab_size, target_name="test")
-    return MtpHeads(config, layout, **arrays)
+    return MtpHeads.of(config, layout, **arrays)
 
 
 def oracle_mtp(vocab_size: int, depth: int = 4, sharpness: float = 4.0):

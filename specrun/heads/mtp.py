@@ -28,7 +28,8 @@ output head are the target's unless the layer carries its own.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -69,64 +70,69 @@ class MtpLayout:
     gated_attention: bool = False
 
 
+# The layer's arrays by name (MtpHeads.tensors), in the order the docstring below gives them.
+ARRAY_NAMES = (
+    "embed", "lm_head", "enorm", "hnorm", "eh_proj", "attn_norm", "q_proj", "k_proj", "v_proj", "o_proj",
+    "post_norm", "head_norm", "q_bias", "k_bias", "v_bias", "q_norm", "k_norm", "gate_proj", "up_proj",
+    "down_proj", "router", "router_bias", "gate_exps", "up_exps", "down_exps",
+)
+
+
 @dataclass(frozen=True)
 class MtpHeads:
-    """One MTP layer as float arrays (the module's docstring says what each does).
+    """One MTP layer as float arrays (the module's docstring says what each does), read by name
+    as attributes from ``tensors`` (a mapping that may read them only when first asked: a drafter
+    that runs the layer in the backend's library never does; its ``nbytes(name)``, where it has
+    one, gives what each weighs without reading it).
 
     embed, lm_head (V, H): the target's embedding and output head (or the layer's own); enorm,
-    hnorm, attn_norm, post_norm, head_norm (H,); eh_proj (H, 2H); q_proj (nh*hd, H), k_proj,
-    v_proj (nkv*hd, H) with biases (or None); q_norm, k_norm (hd,) or None; o_proj (H, nh*hd).
-    A dense MLP: gate_proj, up_proj (I, H), down_proj (H, I). Routed experts: router (E, H),
-    router_bias (E,) (the selection bias; zeros where there is none), gate_exps, up_exps (E, F, H),
-    down_exps (E, H, F) and a shared expert in gate_proj, up_proj, down_proj (or None).
-    config.num_heads: the depth a drafter chains the layer to.
+    hnorm, attn_norm, post_norm, head_norm (H,); eh_proj (H, 2H); q_proj (nh*hd, H; twice that with
+    a gate), k_proj, v_proj (nkv*hd, H) with biases q_bias, k_bias, v_bias (or absent); q_norm,
+    k_norm (hd,) or absent; o_proj (H, nh*hd). A dense MLP: gate_proj, up_proj (I, H), down_proj
+    (H, I). Routed experts: router (E, H), router_bias (E,) (the selection bias, or absent),
+    gate_exps, up_exps (E, F, H), down_exps (E, H, F) and a shared expert in gate_proj, up_proj,
+    down_proj (or absent). config.num_heads: the depth a drafter chains the layer to.
     """
 
     config: HeadsConfig
     layout: MtpLayout
-    embed: np.ndarray
-    lm_head: np.ndarray
-    enorm: np.ndarray
-    hnorm: np.ndarray
-    eh_proj: np.ndarray
-    attn_norm: np.ndarray
-    q_proj: np.ndarray
-    k_proj: np.ndarray
-    v_proj: np.ndarray
-    o_proj: np.ndarray
-    post_norm: np.ndarray
-    head_norm: np.ndarray
-    q_bias: np.ndarray | None = None
-    k_bias: np.ndarray | None = None
-    v_bias: np.ndarray | None = None
-    q_norm: np.ndarray | None = None
-    k_norm: np.ndarray | None = None
-    gate_proj: np.ndarray | None = None
-    up_proj: np.ndarray | None = None
-    down_proj: np.ndarray | None = None
-    router: np.ndarray | None = None
-    router_bias: np.ndarray | None = None
-    gate_exps: np.ndarray | None = None
-    up_exps: np.ndarray | None = None
-    down_exps: np.ndarray | None = None
+    tensors: Mapping[str, np.ndarray] = field(repr=False)
     d2t: None = None  # MTP layers draft over the target's whole vocabulary
+
+    @classmethod
+    def of(cls, config: HeadsConfig, layout: MtpLayout, **arrays: np.ndarray | None) -> MtpHeads:
+        """Heads holding ``arrays`` (by ARRAY_NAMES; None or absent: the layer has none)."""
+        unknown = set(arrays) - set(ARRAY_NAMES)
+        if unknown:
+            raise TypeError(f"MtpHeads has no arrays {sorted(unknown)}")
+        return cls(config, layout, {name: array for name, array in arrays.items() if array is not None})
+
+    def __getattr__(self, name: str):
+        if name in ARRAY_NAMES:
+            return self.tensors.get(name)
+        raise AttributeError(name)
+
+    def _nbytes(self, name: str) -> int:
+        sizes = getattr(self.tensors, "nbytes", None)
+        if callable(sizes):
+            return sizes(name)
+        array = self.tensors.get(name)
+        return 0 if array is None else array.nbytes
 
     @property
     def dtype(self) -> np.dtype:
-        return self.eh_proj.dtype
+        return np.dtype(np.float32)  # what the layer computes in (its arrays are read as float32)
 
     @property
     def depth_bytes(self) -> float:
         """Bytes of weights drafting one depth reads: the layer (of each routed expert, those used)
         and the output head; of the embedding, one row."""
         layout = self.layout
-        total = sum(array.nbytes for array in (
-            self.enorm, self.hnorm, self.eh_proj, self.attn_norm, self.q_proj, self.k_proj, self.v_proj,
-            self.o_proj, self.post_norm, self.head_norm, self.lm_head, self.gate_proj, self.up_proj,
-            self.down_proj, self.router) if array is not None)
+        dense = ("enorm", "hnorm", "eh_proj", "attn_norm", "q_proj", "k_proj", "v_proj", "o_proj", "post_norm",
+                 "head_norm", "lm_head", "gate_proj", "up_proj", "down_proj", "router")
+        total = sum(self._nbytes(name) for name in dense)
         if layout.experts:
-            total += sum(array.nbytes for array in (self.gate_exps, self.up_exps, self.down_exps)) \
-                * layout.experts_used / layout.experts
+            total += sum(map(self._nbytes, ("gate_exps", "up_exps", "down_exps"))) * layout.experts_used / layout.experts
         return float(total)
 
     # ---- what a drafter asks of the layer (drafters.heads.eagle.EagleDrafter) -----------------

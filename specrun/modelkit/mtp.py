@@ -16,6 +16,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import json
+from collections.abc import Mapping
 
 import gguf
 import numpy as np
@@ -33,6 +34,42 @@ _GATED_ATTENTION = ("qwen35",)  # q_proj gives each head's queries and its gate
 CARRIERS = ("deepseek2", "glm4moe", "qwen35", "qwen35moe", "qwen3next", "mimo2", "step35")
 _GATINGS = {1: "softmax", 2: "sigmoid"}  # llama.cpp's expert_gating_func values
 _PLAIN_TYPES = (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16)
+
+
+class LazyGgufTensors(Mapping):
+    """An MTP layer's arrays by name, each read from the GGUF (dequantized where stored quantized)
+    when first asked for: llama.cpp runs the layer natively for chains, and a real model's output
+    head alone is gigabytes as float32. The embedding and output head stay float16 where stored so."""
+
+    def __init__(self, path: Path, infos: dict, vocab: int, hidden: int) -> None:
+        self._path, self._infos, self._vocab, self._hidden = path, infos, vocab, hidden
+        self._read: dict[str, np.ndarray] = {}
+        self._tensors: dict | None = None  # the file's tensors by name, once one is read
+
+    def __getitem__(self, key: str) -> np.ndarray:
+        if key not in self._infos:
+            raise KeyError(key)
+        if key not in self._read:
+            if self._tensors is None:
+                self._tensors = {t.name: t for t in gguf.GGUFReader(str(self._path)).tensors}
+            found = self._tensors[self._infos[key][0]]
+            data = np.asarray(found.data)
+            if found.tensor_type not in _PLAIN_TYPES:
+                data = gguf.quants.dequantize(data, found.tensor_type)
+            big = data.shape == (self._vocab, self._hidden) and data.dtype == np.float16
+            self._read[key] = data if big else data.astype(np.float32)
+        return self._read[key]
+
+    def __iter__(self):
+        return iter(self._infos)
+
+    def __len__(self) -> int:
+        return len(self._infos)
+
+    def nbytes(self, key: str) -> int:
+        """What the tensor weighs in the file (0 where the layer has none)."""
+        info = self._infos.get(key)
+        return 0 if info is None else int(info[1].n_bytes)
 
 
 def carriers_refusal(target: str, detail: str = "") -> UsageError:
@@ -71,22 +108,20 @@ def read_mtp_gguf(path: str | Path, depth: int = DEFAULT_DEPTH) -> MtpHeads:
     kv_count = int(fields.get(f"{arch}.attention.head_count_kv", heads_count))
     head_dim = int(fields.get(f"{arch}.attention.key_length", hidden // heads_count))
 
-    def tensor(name: str, shape: tuple[int, ...], required: bool = True) -> np.ndarray | None:
+    def tensor(name: str, shape: tuple[int, ...], required: bool = True) -> str | None:
+        """``name`` checked against the file's tensor infos (present, ``shape``); its data is read
+        only when the layer first runs in NumPy (LazyGgufTensors)."""
         found = tensors.get(name)
         if found is None:
             if required:
                 raise ModelFileError(f"{path.name} says it carries MTP layers but lacks {name}",
                                      "convert the model again with its MTP layers, or use another method")
             return None
-        data = np.asarray(found.data)
-        if found.tensor_type not in _PLAIN_TYPES:
-            data = gguf.quants.dequantize(data, found.tensor_type)
-        if tuple(data.shape) != shape:
-            raise ModelFileError(f"{path.name}: {name} is {tuple(data.shape)}, the layout needs {shape}",
+        stored = tuple(int(n) for n in reversed(found.shape.tolist()))
+        if stored != shape:
+            raise ModelFileError(f"{path.name}: {name} is {stored}, the layout needs {shape}",
                                  "convert the model again, or use another method")
-        # The embedding and output head stay as stored (memory-mapped F16 rows: a real vocabulary's
-        # would be gigabytes as float32); the layer's arrays are float32, the dtype it computes in.
-        return data if shape == (vocab, hidden) and data.dtype == np.float16 else data.astype(np.float32)
+        return name
 
     vocab = len(fields[gguf.Keys.Tokenizer.LIST])
     mtp = f"blk.{block}"
@@ -153,7 +188,9 @@ def read_mtp_gguf(path: str | Path, depth: int = DEFAULT_DEPTH) -> MtpHeads:
                       down_proj=tensor(f"{mtp}.ffn_down.weight", (hidden, width)))
     config = HeadsConfig(kind="mtp", num_heads=depth, num_layers=count, hidden_size=hidden, vocab_size=vocab,
                          draft_vocab_size=vocab, target_name=path.name, target_layers=block)
-    return MtpHeads(config=config, layout=layout, **arrays)
+    named = {key: name for key, name in arrays.items() if name is not None}
+    return MtpHeads(config, layout, LazyGgufTensors(path, {key: (name, tensors[name]) for key, name in named.items()},
+                                                    vocab, hidden))
 
 
 
@@ -271,7 +308,7 @@ def read_mtp_folder(folder: str | Path, depth: int = DEFAULT_DEPTH) -> MtpHeads:
                        for part in ("gate", "up", "down")})
     heads_config = HeadsConfig(kind="mtp", num_heads=depth, num_layers=count, hidden_size=hidden, vocab_size=vocab,
                                draft_vocab_size=vocab, target_name=folder.name, target_layers=block)
-    return MtpHeads(config=heads_config, layout=layout, **arrays)
+    return MtpHeads.of(heads_config, layout, **arrays)
 
 
 def _tensor_files(folder: Path) -> dict[str, Path]:

@@ -87,6 +87,8 @@ def logit_agreement(ours: np.ndarray, theirs: np.ndarray) -> tuple[float, float]
 
 def test_the_layer_is_read_from_the_model_s_own_file(glm_mtp):
     heads = read_mtp_gguf(glm_mtp["gguf"])
+    assert not heads.tensors._read  # nothing read until the layer runs in NumPy
+    assert heads.depth_bytes > 0 and not heads.tensors._read
     shape, weights = glm_mtp["shape"], glm_mtp["weights"]
     assert heads.config.kind == "mtp" and heads.layout.arch == "glm4moe"
     assert (heads.layout.experts, heads.layout.experts_used, heads.layout.rope_dims) == (4, 2, 16)
@@ -252,6 +254,7 @@ def test_on_a_hybrid_target_mtp_gives_plain_decoding_s_tokens_with_rollbacks(qwe
                 assert result.token_ids == plain, (prompt, adaptive)
                 accepted, drafted = accepted + result.stats.accepted, drafted + result.stats.drafted
         assert drafted > accepted > 0.3 * drafted, (accepted, drafted)  # some rejected: rollbacks ran
+        assert not heads.tensors._read  # llama.cpp ran the layer: no array of it was read into NumPy
     finally:
         target.close()
 
@@ -259,16 +262,14 @@ def test_on_a_hybrid_target_mtp_gives_plain_decoding_s_tokens_with_rollbacks(qwe
 def test_a_model_folder_s_mtp_layer_reads_as_its_gguf_s(glm_mtp):
     """The same weights from the Hugging Face folder's safetensors (model.layers.N, experts one by
     one) and from the GGUF (blk.N.nextn, experts stacked): the same arrays and layout."""
-    import dataclasses
-
     from specrun.modelkit.mtp import read_mtp_folder
 
     from_folder, from_gguf = read_mtp_folder(glm_mtp["hf"]), read_mtp_gguf(glm_mtp["gguf"])
     assert from_folder.layout == from_gguf.layout
-    for field in dataclasses.fields(from_gguf):
-        ours, theirs = getattr(from_folder, field.name), getattr(from_gguf, field.name)
-        if isinstance(theirs, np.ndarray):
-            np.testing.assert_array_equal(np.asarray(ours, np.float32), np.asarray(theirs, np.float32), field.name)
+    assert set(from_folder.tensors) == set(from_gguf.tensors)
+    for name in from_gguf.tensors:
+        np.testing.assert_array_equal(np.asarray(from_folder.tensors[name], np.float32),
+                                      np.asarray(from_gguf.tensors[name], np.float32), name)
 
 
 def test_on_mlx_the_drafter_s_chains_are_llama_cpp_s_draft_mtp_chains(glm_mtp, native):

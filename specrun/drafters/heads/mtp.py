@@ -44,7 +44,8 @@ class MtpDrafter(EagleDrafter):
         rng: np.random.Generator,
     ) -> Proposal:
         native = self.target.backend.native_mtp() if self.target is not None else None
-        if native is None or (sampling.greedy and self.branches):
+        trees = sampling.greedy and self.branches and self.target.backend.tree_support.available
+        if native is None or trees:  # a tree the target cannot verify would be its main chain: drafted natively
             return super().propose(context, draft_len, sampling, rng)
         depth = min(draft_len, self.heads.config.num_heads)
         if depth <= 0 or len(context) < 2:
