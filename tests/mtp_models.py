@@ -94,10 +94,12 @@ def glm_weights(shape: GlmShape, seed: int = 0) -> dict[str, np.ndarray]:
 
 
 def write_glm_gguf(path: Path, shape: GlmShape, weights: dict[str, np.ndarray], dtype: str = "F16",
-                   mtp_layers: int = 1, arch: str = "glm4moe") -> Path:
+                   mtp_layers: int = 1, arch: str = "glm4moe", split_tensors: int = 0) -> Path:
     """The model as llama.cpp's ``glm4moe`` GGUF; ``mtp_layers=0`` writes the trunk alone; ``arch``
-    another architecture's name on the same keys and tensors (a layout specrun does not read)."""
-    writer = gguf.GGUFWriter(path, arch)
+    another architecture's name on the same keys and tensors (a layout specrun does not read);
+    ``split_tensors``: split into parts of that many tensors as gguf-split names them
+    (NAME-00001-of-0000N.gguf: the path returned is the first part)."""
+    writer = gguf.GGUFWriter(path, arch, split_max_tensors=split_tensors)
     writer.add_name("specrun-tiny-glm-mtp")
     writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16 if dtype == "F16" else gguf.LlamaFileType.ALL_F32)
     writer.add_vocab_size(VOCAB_SIZE)
@@ -138,6 +140,8 @@ def write_glm_gguf(path: Path, shape: GlmShape, weights: dict[str, np.ndarray], 
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+    if split_tensors:
+        return sorted(path.parent.glob(f"{path.stem}-00001-of-*.gguf"))[0]
     return path
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import json
+import re
 from collections.abc import Mapping
 
 import gguf
@@ -41,18 +42,20 @@ class LazyGgufTensors(Mapping):
     when first asked for: llama.cpp runs the layer natively for chains, and a real model's output
     head alone is gigabytes as float32. The embedding and output head stay float16 where stored so."""
 
-    def __init__(self, path: Path, infos: dict, vocab: int, hidden: int) -> None:
-        self._path, self._infos, self._vocab, self._hidden = path, infos, vocab, hidden
+    def __init__(self, infos: dict, vocab: int, hidden: int) -> None:
+        """``infos``: by array name, (the file holding it, its tensor name, its tensor info)."""
+        self._infos, self._vocab, self._hidden = infos, vocab, hidden
         self._read: dict[str, np.ndarray] = {}
-        self._tensors: dict | None = None  # the file's tensors by name, once one is read
+        self._tensors: dict[Path, dict] = {}  # each file's tensors by name, once one of it is read
 
     def __getitem__(self, key: str) -> np.ndarray:
         if key not in self._infos:
             raise KeyError(key)
         if key not in self._read:
-            if self._tensors is None:
-                self._tensors = {t.name: t for t in gguf.GGUFReader(str(self._path)).tensors}
-            found = self._tensors[self._infos[key][0]]
+            path, name, _ = self._infos[key]
+            if path not in self._tensors:
+                self._tensors[path] = {t.name: t for t in gguf.GGUFReader(str(path)).tensors}
+            found = self._tensors[path][name]
             data = np.asarray(found.data)
             if found.tensor_type not in _PLAIN_TYPES:
                 data = gguf.quants.dequantize(data, found.tensor_type)
@@ -69,7 +72,33 @@ class LazyGgufTensors(Mapping):
     def nbytes(self, key: str) -> int:
         """What the tensor weighs in the file (0 where the layer has none)."""
         info = self._infos.get(key)
-        return 0 if info is None else int(info[1].n_bytes)
+        return 0 if info is None else int(info[2].n_bytes)
+
+
+_SPLIT_PART = re.compile(r"-(\d{5})-of-(\d{5})\.gguf$")
+
+
+def _split_tensors(path: Path, reader, fields: dict) -> tuple[dict, dict[str, Path]]:
+    """Every tensor info of the model by name, and the file holding each: ``path`` alone, or every
+    part of a split GGUF (gguf-split's NAME-0000i-of-0000N.gguf; ``path`` any of them), whose MTP
+    block often lies in the last part."""
+    tensors = {tensor.name: tensor for tensor in reader.tensors}
+    files = dict.fromkeys(tensors, path)
+    count = fields.get("split.count", 1)
+    named = _SPLIT_PART.search(path.name)
+    if not isinstance(count, int) or count <= 1 or named is None:
+        return tensors, files
+    stem = path.name[: named.start()]
+    for index in range(1, count + 1):
+        part = path.with_name(f"{stem}-{index:05d}-of-{count:05d}.gguf")
+        if part == path:
+            continue
+        if not part.is_file():
+            raise ModelFileError(f"{path.name} is part of a {count}-part GGUF whose part {part.name} is missing",
+                                 "download every part into the same folder")
+        for tensor in gguf.GGUFReader(str(part)).tensors:
+            tensors[tensor.name], files[tensor.name] = tensor, part
+    return tensors, files
 
 
 def carriers_refusal(target: str, detail: str = "") -> UsageError:
@@ -101,7 +130,7 @@ def read_mtp_gguf(path: str | Path, depth: int = DEFAULT_DEPTH) -> MtpHeads:
     if arch not in READABLE:
         raise ModelFileError(f"{path.name}: specrun cannot read the MTP layers of architecture {arch!r} yet "
                              f"(it reads {', '.join(READABLE)})", "use another method with this model")
-    tensors = {tensor.name: tensor for tensor in reader.tensors}
+    tensors, files = _split_tensors(path, reader, fields)
     block = int(fields[f"{arch}.block_count"]) - count  # the first MTP block
     hidden = int(fields[f"{arch}.embedding_length"])
     heads_count = int(fields[f"{arch}.attention.head_count"])
@@ -189,7 +218,7 @@ def read_mtp_gguf(path: str | Path, depth: int = DEFAULT_DEPTH) -> MtpHeads:
     config = HeadsConfig(kind="mtp", num_heads=depth, num_layers=count, hidden_size=hidden, vocab_size=vocab,
                          draft_vocab_size=vocab, target_name=path.name, target_layers=block)
     named = {key: name for key, name in arrays.items() if name is not None}
-    return MtpHeads(config, layout, LazyGgufTensors(path, {key: (name, tensors[name]) for key, name in named.items()},
+    return MtpHeads(config, layout, LazyGgufTensors({key: (files[name], name, tensors[name]) for key, name in named.items()},
                                                     vocab, hidden))
 
 

@@ -354,3 +354,23 @@ def test_an_mtp_layout_specrun_does_not_read_is_one_line_naming_the_architecture
     other = write_glm_gguf(tmp_path / "other-arch.gguf", glm_mtp["shape"], glm_mtp["weights"], arch="deepseek2")
     with pytest.raises(ModelFileError, match="cannot read the MTP layers of architecture 'deepseek2'"):
         read_mtp_gguf(other)
+
+
+def test_a_split_gguf_s_mtp_layer_is_read_from_whichever_part_holds_it(glm_mtp, tmp_path):
+    """gguf-split's parts (the MTP block in the last, the metadata in the first): the same arrays
+    as the whole file's, drafting through the CLI; a missing part is one line naming it."""
+    from mtp_models import write_glm_gguf
+
+    first = write_glm_gguf(tmp_path / "glm.gguf", glm_mtp["shape"], glm_mtp["weights"], split_tensors=20)
+    assert first.name == "glm-00001-of-00003.gguf"
+    split, whole = read_mtp_gguf(first), read_mtp_gguf(glm_mtp["gguf"])
+    assert set(split.tensors) == set(whole.tensors)
+    for name in whole.tensors:
+        np.testing.assert_array_equal(np.asarray(split.tensors[name]), np.asarray(whole.tensors[name]), name)
+    result = _cli("generate", "def hello", "-t", str(first), "--method", "mtp", "-n", "8", "--json")
+    assert result.exit_code == 0, result.output
+    (tmp_path / "glm-00003-of-00003.gguf").unlink()
+    from specrun.errors import ModelFileError
+
+    with pytest.raises(ModelFileError, match="part glm-00003-of-00003.gguf is missing"):
+        read_mtp_gguf(first)
