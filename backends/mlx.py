@@ -349,13 +349,16 @@ class ModelSplit:
 
 def split_model(mx, lm_cache, model) -> ModelSplit:
     """mlx-lm's usual layout: ``model.model`` returns the final-normed hidden states and the
-    head is ``lm_head`` or the tied ``embed_tokens.as_linear``, then any final logit
+    head is ``lm_head`` (a multimodal wrapper's ``language_model.lm_head``) or the tied
+    ``embed_tokens.as_linear``, then any final logit
     soft-capping. Checked on a few tokens against ``model`` itself; ValueError naming the
     architecture where no candidate reproduces its logits."""
     arch = getattr(model, "model_type", None) or type(model).__module__.rsplit(".", 1)[-1]
     body = getattr(model, "model", None)
     embeddings = getattr(body, "embed_tokens", None)
-    candidates = (getattr(model, "lm_head", None), getattr(embeddings, "as_linear", None))
+    # a multimodal wrapper (Qwen3.5's) keeps its text model's head under language_model
+    text_head = getattr(getattr(model, "language_model", None), "lm_head", None)
+    candidates = (getattr(model, "lm_head", None), text_head, getattr(embeddings, "as_linear", None))
     linears = [linear for linear in candidates if linear is not None]
     if body is None or not linears:
         raise ValueError(f"mlx-lm's {arch} model has no .model body and output head to split")

@@ -176,3 +176,66 @@ def write_fitted_hybrid(folder: Path, shape: HybridShape, n_new: int = 160) -> d
     trained = {name: value.astype(np.float16).astype(np.float32) for name, value in trained.items()}
     paths["trained"] = write_hybrid_gguf(folder / "hybrid-mtp-trained.gguf", shape, trained, mtp_layers=1)
     return paths
+
+
+_HF_MTP = {
+    "nextn.eh_proj.weight": "mtp.fc.weight", "nextn.enorm.weight": "mtp.pre_fc_norm_embedding.weight",
+    "nextn.hnorm.weight": "mtp.pre_fc_norm_hidden.weight", "nextn.shared_head_norm.weight": "mtp.norm.weight",
+    "attn_norm.weight": "mtp.layers.0.input_layernorm.weight",
+    "post_attention_norm.weight": "mtp.layers.0.post_attention_layernorm.weight",
+    "attn_q.weight": "mtp.layers.0.self_attn.q_proj.weight", "attn_k.weight": "mtp.layers.0.self_attn.k_proj.weight",
+    "attn_v.weight": "mtp.layers.0.self_attn.v_proj.weight", "attn_output.weight": "mtp.layers.0.self_attn.o_proj.weight",
+    "attn_q_norm.weight": "mtp.layers.0.self_attn.q_norm.weight",
+    "attn_k_norm.weight": "mtp.layers.0.self_attn.k_norm.weight",
+    "ffn_gate.weight": "mtp.layers.0.mlp.gate_proj.weight", "ffn_up.weight": "mtp.layers.0.mlp.up_proj.weight",
+    "ffn_down.weight": "mtp.layers.0.mlp.down_proj.weight",
+}
+
+
+def write_qwen35_mlx_folder(folder: Path, shape: HybridShape, weights: dict[str, np.ndarray]) -> Path:
+    """A Qwen3.5 folder mlx-lm loads (its ``qwen3_5`` model, a text model in a multimodal wrapper:
+    random trunk weights of mlx-lm's own layout, seeded) carrying ``weights``' MTP block (GGUF
+    names, as hybrid_weights(..., mtp_layers=1) gives it) under Qwen3.5's checkpoint names
+    (``mtp.*``), its norms zero-centred (weight - 1) as those checkpoints store them."""
+    import json
+
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_lm.models import qwen3_5
+
+    from specrun.modelkit.hf_io import tokenizer_config_dict
+
+    folder.mkdir(parents=True, exist_ok=True)
+    text = dict(model_type="qwen3_5_text", hidden_size=shape.hidden, intermediate_size=shape.ffn,
+                num_hidden_layers=shape.layers, num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads,
+                head_dim=shape.head_dim, vocab_size=VOCAB_SIZE, rms_norm_eps=shape.eps,
+                linear_num_value_heads=shape.v_heads, linear_num_key_heads=shape.k_heads,
+                linear_key_head_dim=shape.state, linear_value_head_dim=shape.state,
+                linear_conv_kernel_dim=shape.conv_kernel, full_attention_interval=shape.full_attention_interval,
+                tie_word_embeddings=False, max_position_embeddings=shape.context, mtp_num_hidden_layers=1,
+                rope_parameters={"type": "default", "mrope_section": [2, 1, 1], "rope_theta": shape.rope_theta,
+                                 "partial_rotary_factor": shape.rope_dims / shape.head_dim},
+                partial_rotary_factor=shape.rope_dims / shape.head_dim, rope_theta=shape.rope_theta)
+    mx.random.seed(0)
+    trunk = dict(tree_flatten(qwen3_5.Model(qwen3_5.ModelArgs(model_type="qwen3_5", text_config=text)).parameters()))
+    for name, value in trunk.items():  # mlx's default init leaves the mixers negligible
+        if value.ndim == 2 and "embed" not in name:
+            trunk[name] = 1.5 / value.shape[-1] ** 0.5 * mx.random.normal(value.shape)
+    block = f"blk.{shape.layers}."
+    for name, value in weights.items():
+        if name.startswith(block):
+            rest = name[len(block):]
+            stored = value - 1.0 if rest.endswith("norm.weight") else value
+            trunk[_HF_MTP[rest]] = mx.array(np.asarray(stored, np.float32))
+    mx.save_safetensors(str(folder / "model.safetensors"), trunk)
+    (folder / "config.json").write_text(json.dumps({"model_type": "qwen3_5", "text_config": text,
+                                                    "bos_token_id": 1, "eos_token_id": 2, "tie_word_embeddings": False}))
+    tokenizer_json = tiny_tokenizer_json(VOCAB_SIZE)
+    (folder / "tokenizer.json").write_text(tokenizer_json, encoding="utf-8")
+    ids = ModelConfig(arch="llama", vocab_size=VOCAB_SIZE, hidden_size=shape.hidden, intermediate_size=shape.ffn,
+                      num_layers=shape.layers, num_heads=shape.heads, num_kv_heads=shape.kv_heads,
+                      rope_theta=shape.rope_theta, rms_norm_eps=shape.eps, context_length=shape.context,
+                      tie_embeddings=False)
+    (folder / "tokenizer_config.json").write_text(json.dumps(tokenizer_config_dict(ids, tokenizer_json,
+                                                                                   DEMO_CHAT_TEMPLATE)))
+    return folder

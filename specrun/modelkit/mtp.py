@@ -225,16 +225,26 @@ def read_mtp_gguf(path: str | Path, depth: int = DEFAULT_DEPTH) -> MtpHeads:
 
 # Hugging Face model types whose MTP layers specrun reads from a folder, and the GGUF architecture
 # each is (the refusals name the same models).
-FOLDER_TYPES = {"glm4_moe": "glm4moe"}
+FOLDER_TYPES = {"glm4_moe": "glm4moe", "qwen3_5": "qwen35"}
+
+
+def _text_config(config: dict) -> dict:
+    """A multimodal config's text model's settings (Qwen3.5's ``text_config``), else the config."""
+    text = config.get("text_config")
+    return text if isinstance(text, dict) else config
 
 
 def folder_mtp_layers(folder: str | Path) -> int:
-    """How many MTP layers the model folder's config.json says it carries (0: none, or no config)."""
+    """How many MTP layers the model folder's config.json says it carries (0: none, or no config):
+    GLM's ``num_nextn_predict_layers``, Qwen3.5's ``mtp_num_hidden_layers``."""
     try:
         config = json.loads((Path(folder) / "config.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return 0
-    count = config.get("num_nextn_predict_layers", 0) if isinstance(config, dict) else 0
+    if not isinstance(config, dict):
+        return 0
+    text = _text_config(config)
+    count = text.get("num_nextn_predict_layers") or text.get("mtp_num_hidden_layers") or 0
     return count if isinstance(count, int) and count > 0 else 0
 
 
@@ -259,6 +269,8 @@ def read_mtp_folder(folder: str | Path, depth: int = DEFAULT_DEPTH) -> MtpHeads:
         raise ModelFileError(f"{folder.name} is quantized: specrun reads MTP layers of float checkpoints only so far",
                              "use the model's float checkpoint, or another method")
     files = _tensor_files(folder)
+    if model_type == "qwen3_5":
+        return _qwen35_folder(folder, _text_config(config), files, count, depth)
     opened: dict[Path, TensorsFile] = {}
     hidden, vocab = int(config["hidden_size"]), int(config["vocab_size"])
     block = int(config["num_hidden_layers"])
@@ -354,3 +366,67 @@ def _tensor_files(folder: Path) -> dict[str, Path]:
             raise ModelFileError(f"{index} cannot be read ({error})", "download the model again") from None
     single = folder / "model.safetensors"
     return dict.fromkeys(TensorsFile(single).tensors, single)
+
+
+def _qwen35_folder(folder: Path, config: dict, files: dict[str, Path], count: int, depth: int) -> MtpHeads:
+    """Qwen3.5's MTP layer as its checkpoints hold it (``mtp.*``, the names llama.cpp's converter
+    maps: fc the eh_proj, pre_fc_norm_embedding and pre_fc_norm_hidden the enorm and hnorm, norm the
+    head norm, layers.0 a gated-attention block), its norms zero-centred (stored as weight - 1) as
+    the model's own are; the target's embedding and head under the text model's names (Hugging
+    Face's, or mlx-lm's once converted)."""
+    from specrun.heads.files import TensorsFile
+
+    opened: dict[Path, TensorsFile] = {}
+    hidden, vocab = int(config["hidden_size"]), int(config["vocab_size"])
+
+    def tensor(names: tuple[str, ...], shape: tuple[int, ...], half: bool = False, norm: bool = False) -> np.ndarray:
+        for name in names:
+            path = files.get(name)
+            if path is not None:
+                stored = opened.setdefault(path, TensorsFile(path))
+                values = stored.halves(name, shape) if half else stored.floats(name, shape)
+                return values + 1.0 if norm else values
+        raise ModelFileError(f"{folder.name} says it carries MTP layers but lacks {names[0]}",
+                             "download the model again with its MTP layers, or use another method")
+
+    heads_count = int(config["num_attention_heads"])
+    kv_count = int(config.get("num_key_value_heads", heads_count))
+    head_dim = int(config.get("head_dim") or hidden // heads_count)
+    rope = config.get("rope_parameters") if isinstance(config.get("rope_parameters"), dict) else {}
+    partial = float(rope.get("partial_rotary_factor", config.get("partial_rotary_factor", 0.25)))
+    layout = MtpLayout(
+        arch="qwen35", num_attention_heads=heads_count, num_key_value_heads=kv_count, head_dim=head_dim,
+        rope_dims=int(head_dim * partial), rope_theta=float(rope.get("rope_theta", config.get("rope_theta", 1e7))),
+        rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)), gated_attention=True,
+    )
+    width = int(config["intermediate_size"])
+    q_width, kv_width = heads_count * head_dim, kv_count * head_dim
+    block = "mtp.layers.0"
+    embed = tensor(("model.language_model.embed_tokens.weight", "language_model.model.embed_tokens.weight",
+                    "model.embed_tokens.weight"), (vocab, hidden), half=True)
+    if config.get("tie_word_embeddings"):
+        lm_head = embed
+    else:
+        lm_head = tensor(("lm_head.weight", "language_model.lm_head.weight"), (vocab, hidden), half=True)
+    arrays = dict(
+        embed=embed, lm_head=lm_head,
+        eh_proj=tensor(("mtp.fc.weight",), (hidden, 2 * hidden)),
+        enorm=tensor(("mtp.pre_fc_norm_embedding.weight",), (hidden,), norm=True),
+        hnorm=tensor(("mtp.pre_fc_norm_hidden.weight",), (hidden,), norm=True),
+        head_norm=tensor(("mtp.norm.weight",), (hidden,), norm=True),
+        attn_norm=tensor((f"{block}.input_layernorm.weight",), (hidden,), norm=True),
+        post_norm=tensor((f"{block}.post_attention_layernorm.weight",), (hidden,), norm=True),
+        q_proj=tensor((f"{block}.self_attn.q_proj.weight",), (2 * q_width, hidden)),
+        k_proj=tensor((f"{block}.self_attn.k_proj.weight",), (kv_width, hidden)),
+        v_proj=tensor((f"{block}.self_attn.v_proj.weight",), (kv_width, hidden)),
+        o_proj=tensor((f"{block}.self_attn.o_proj.weight",), (hidden, q_width)),
+        q_norm=tensor((f"{block}.self_attn.q_norm.weight",), (head_dim,), norm=True),
+        k_norm=tensor((f"{block}.self_attn.k_norm.weight",), (head_dim,), norm=True),
+        gate_proj=tensor((f"{block}.mlp.gate_proj.weight",), (width, hidden)),
+        up_proj=tensor((f"{block}.mlp.up_proj.weight",), (width, hidden)),
+        down_proj=tensor((f"{block}.mlp.down_proj.weight",), (hidden, width)),
+    )
+    heads_config = HeadsConfig(kind="mtp", num_heads=depth, num_layers=count, hidden_size=hidden, vocab_size=vocab,
+                               draft_vocab_size=vocab, target_name=folder.name,
+                               target_layers=int(config["num_hidden_layers"]))
+    return MtpHeads.of(heads_config, layout, **arrays)

@@ -374,3 +374,56 @@ def test_a_split_gguf_s_mtp_layer_is_read_from_whichever_part_holds_it(glm_mtp, 
 
     with pytest.raises(ModelFileError, match="part glm-00003-of-00003.gguf is missing"):
         read_mtp_gguf(first)
+
+
+@pytest.fixture(scope="module")
+def qwen_mlx_folder(qwen_mtp, tmp_path_factory) -> Path:
+    """A Qwen3.5 folder mlx-lm loads, carrying qwen_mtp's random MTP block under the checkpoints' names."""
+    pytest.importorskip("mlx_lm", reason="the MLX backend is not installed")
+    from hybrid_models import HybridShape, hybrid_weights, write_qwen35_mlx_folder
+
+    shape = HybridShape()
+    return write_qwen35_mlx_folder(tmp_path_factory.mktemp("qwen35_mlx"), shape, hybrid_weights(shape, mtp_layers=1))
+
+
+def test_a_qwen35_folder_s_mtp_layer_reads_as_its_gguf_s(qwen_mtp, qwen_mlx_folder):
+    """``mtp.fc``, ``mtp.pre_fc_norm_*``, ``mtp.norm`` and ``mtp.layers.0`` (zero-centred norms)
+    give the arrays llama.cpp's converter writes as the nextn block (the trunks differ: their
+    embedding and head are each model's own)."""
+    from specrun.modelkit.mtp import read_mtp_folder
+
+    from_folder, from_gguf = read_mtp_folder(qwen_mlx_folder), read_mtp_gguf(qwen_mtp["random"])
+    assert from_folder.layout == from_gguf.layout and from_folder.layout.gated_attention
+    assert set(from_folder.tensors) == set(from_gguf.tensors)
+    for name in set(from_gguf.tensors) - {"embed", "lm_head"}:
+        np.testing.assert_allclose(from_folder.tensors[name], from_gguf.tensors[name], rtol=0, atol=1e-6,
+                                   err_msg=name)
+
+
+def test_on_mlx_a_hybrid_target_drafts_with_its_mtp_layer_and_gives_plain_decoding_s_tokens(qwen_mlx_folder):
+    """mlx-lm refuses to speculate on a hybrid; specrun restores its recurrent state from a
+    checkpoint after each rejected draft, the MTP layer drafting in NumPy over MLX's states."""
+    from specrun.drafters.methods import DrafterOptions, build_drafter
+    from specrun.engine.loop import GenerationParams, SpeculativeEngine
+    from specrun.sessions.heads import read_heads
+
+    target = open_target("mlx", qwen_mlx_folder)
+    try:
+        assert target.needs_checkpoints and target.hidden_support.available
+        heads = read_heads(qwen_mlx_folder, None)
+        engine = SpeculativeEngine(target, None)
+        drafted = 0
+        for prompt in ("def hello(world):", "import os\nimport sys\n"):
+            ids = target.tokenize(prompt)
+            engine.set_drafter(None, "none")
+            plain = engine.run(ids, GenerationParams(40, 0)).token_ids
+            for adaptive in (False, True):
+                drafter = build_drafter("mtp", None, DrafterOptions(heads=heads))
+                engine.set_drafter(drafter, "mtp")
+                result = engine.run(ids, GenerationParams(40, 16 if adaptive else 3, adaptive=adaptive))
+                drafter.close()
+                assert result.token_ids == plain, (prompt, adaptive)
+                drafted += result.stats.drafted
+        assert drafted > 0
+    finally:
+        target.close()
