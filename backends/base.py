@@ -137,6 +137,11 @@ class HiddenTracking:
         None elsewhere (an MTP drafter then runs the layer in NumPy)."""
         return None
 
+    def mtp_layer(self, heads):
+        """``heads`` (MTP heads read as NumPy arrays) run in the backend's own arrays, answering a
+        drafter as they do (backends/mtp_mlx.MlxMtpLayer); None where the backend has none (NumPy)."""
+        return None
+
     def hidden_rows(self, rows: Sequence[int]) -> np.ndarray:
         if self._hidden is None:
             raise ValueError("the last pass ran with hidden-state tracking off (track_hidden(True) first)")
@@ -263,5 +268,8 @@ class Backend(Protocol):
 
     def native_mtp(self):
         """The model's own MTP layers run by the backend's library (HiddenTracking's says more)."""
+
+    def mtp_layer(self, heads):
+        """MTP heads run in the backend's own arrays, or None (HiddenTracking's says more)."""
 
     def close(self) -> None: ...

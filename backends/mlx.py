@@ -849,6 +849,13 @@ class MlxBackend(HiddenTracking):
             return f"mlx-lm's {arch} layers do not each return the {size}-wide residual stream"
         return ""
 
+    def mtp_layer(self, heads):
+        """``heads``' layer in MLX arrays (backends/mtp_mlx.py): a real vocabulary's head and a real
+        layer's experts run in MLX rather than NumPy."""
+        from specrun.backends.mtp_mlx import MlxMtpLayer
+
+        return MlxMtpLayer(heads)
+
     def token_embeddings(self, ids: Sequence[int]) -> np.ndarray:
         """Rows of the body's ``embed_tokens`` (dequantized where the table is quantized)."""
         embeddings = getattr(getattr(self.model, "model", None), "embed_tokens", None)

@@ -427,3 +427,28 @@ def test_on_mlx_a_hybrid_target_drafts_with_its_mtp_layer_and_gives_plain_decodi
         assert drafted > 0
     finally:
         target.close()
+
+
+@pytest.mark.parametrize("layout", ["glm", "qwen35"])
+def test_the_mlx_layer_computes_what_the_numpy_layer_does(glm_mtp, qwen_mtp, layout):
+    """backends/mtp_mlx.py against heads/mtp.py on the same arrays and inputs: the fused inputs, the
+    layer's outputs, keys and values beside earlier entries, and the logits (routed experts with a
+    selection bias and a shared one for GLM's; gated attention and q/k norms for Qwen3.5's)."""
+    pytest.importorskip("mlx", reason="the MLX backend is not installed")
+    from specrun.backends.mtp_mlx import MlxMtpLayer
+
+    heads = read_mtp_gguf(glm_mtp["gguf"] if layout == "glm" else qwen_mtp["random"])
+    ours = MlxMtpLayer(heads)
+    rng = np.random.default_rng(3)
+    states = rng.standard_normal((6, heads.config.hidden_size)).astype(np.float32)
+    tokens = rng.integers(0, heads.config.vocab_size, 6)
+    np.testing.assert_allclose(ours.fuse(states, tokens), heads.fuse(states, tokens), rtol=1e-4, atol=1e-4)
+    fused = heads.fuse(states, tokens)
+    none = heads.no_entries(np.float32)
+    _, past_keys, past_values = heads.layer(fused[:4], np.arange(4), none, none, np.tri(4, dtype=bool))
+    attend = np.concatenate([np.ones((2, 4), bool), np.tri(2, dtype=bool)], axis=1)
+    expected = heads.layer(fused[4:], np.arange(4, 6), past_keys, past_values, attend)
+    got = ours.layer(fused[4:], np.arange(4, 6), past_keys, past_values, attend)
+    for mine, theirs in zip(got, expected):
+        np.testing.assert_allclose(mine, theirs, rtol=1e-3, atol=1e-3)
+    np.testing.assert_allclose(ours.logits(expected[0]), heads.logits(expected[0]), rtol=1e-3, atol=1e-3)

@@ -6,7 +6,8 @@ one-layer head, so EAGLE's drafter drives it: the context's entries kept as the 
 chains (draws with their rows at T > 0) and, greedy with ``branches``, EAGLE-2's dynamic tree from
 its top-k rows.
 
-Where the backend runs the model's MTP layers itself (Backend.native_mtp: llama.cpp), chains are
+On MLX the layer runs in MLX arrays (Backend.mtp_layer: backends/mtp_mlx.py). Where the backend
+runs the model's MTP layers itself (Backend.native_mtp: llama.cpp), chains are
 drafted there, the layer's entries held in its own cache and kept in step with the context as
 the NumPy entries are (dropped from where the context changed, the chain's own dropped after each
 proposal); the NumPy layer drafts the trees. Both give the same drafts (tests/heads/test_mtp.py).
@@ -35,6 +36,9 @@ class MtpDrafter(EagleDrafter):
     def bind(self, target: KVSequence, clock: Callable[[], float]) -> None:
         super().bind(target, clock)
         self._native, self._native_context = None, []
+        layer = target.backend.mtp_layer(self._own_heads)  # MLX: the layer in its arrays
+        if layer is not None:
+            self.heads = layer
 
     def propose(
         self,

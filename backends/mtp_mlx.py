@@ -1,0 +1,133 @@
+"""A model's MTP layer run in MLX beside an MLX target (MlxBackend.mtp_layer): the same math as
+specrun.heads.mtp's NumPy layer, answering the drafter the same calls (``fuse``, ``layer``,
+``logits``), with the weights held as MLX arrays once, so that a real vocabulary's output head and
+a real layer's experts run in MLX, not NumPy. The drafter's entries (keys and values) stay NumPy."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from specrun.heads.mtp import MtpHeads
+
+
+class MlxMtpLayer:
+    """``heads`` (an MtpHeads) in MLX arrays: config, layout, window, depth_bytes and the drafter's
+    calls as MtpHeads has them."""
+
+    def __init__(self, heads: MtpHeads) -> None:
+        import mlx.core as mx
+
+        self._mx = mx
+        self.config, self.layout, self.d2t = heads.config, heads.layout, None
+        self.depth_bytes = heads.depth_bytes
+        self._w = {name: mx.array(np.asarray(array)) for name, array in heads.tensors.items()}
+
+    dtype = np.dtype(np.float32)
+
+    @property
+    def window(self) -> int:
+        return self.layout.window
+
+    def target_features(self, features: np.ndarray) -> np.ndarray:
+        return features
+
+    def embedding_rows(self, token_ids: np.ndarray) -> np.ndarray:
+        return np.asarray(token_ids, dtype=np.int64)
+
+    def no_entries(self, dtype) -> np.ndarray:
+        return np.zeros((0, self.layout.num_key_value_heads, self.layout.head_dim), dtype)
+
+    # ---- the math, as heads/mtp.py's ---------------------------------------------------------
+    def _norm(self, x, name: str):
+        mx = self._mx
+        weight = self._w[name].astype(mx.float32)
+        return x * mx.rsqrt(mx.mean(x * x, axis=-1, keepdims=True) + self.layout.rms_norm_eps) * weight
+
+    def _linear(self, x, name: str, bias: str | None = None):
+        mx = self._mx
+        out = x @ self._w[name].astype(mx.float32).T
+        if bias is not None and bias in self._w:
+            out = out + self._w[bias].astype(mx.float32)
+        return out
+
+    def fuse(self, features: np.ndarray, token_ids: np.ndarray) -> np.ndarray:
+        mx = self._mx
+        rows = self._w["embed"][mx.array(np.asarray(token_ids, dtype=np.int64))].astype(mx.float32)
+        joined = mx.concatenate([self._norm(rows, "enorm"), self._norm(mx.array(features, mx.float32), "hnorm")],
+                                axis=-1)
+        return np.array(self._linear(joined, "eh_proj"))
+
+    def _rope(self, x, positions):
+        mx = self._mx
+        turned = self.layout.rope_dims
+        half = turned // 2
+        frequencies = self.layout.rope_theta ** (-np.arange(half, dtype=np.float64) / half)
+        angles = np.asarray(positions, np.float64)[:, None] * frequencies
+        cos = mx.array(np.cos(angles).astype(np.float32))[:, None, :]
+        sin = mx.array(np.sin(angles).astype(np.float32))[:, None, :]
+        first, second, rest = x[..., :half], x[..., half:turned], x[..., turned:]
+        return mx.concatenate([first * cos - second * sin, first * sin + second * cos, rest], axis=-1)
+
+    def layer(self, fused, positions, past_keys, past_values, attend):
+        mx, layout = self._mx, self.layout
+        hd, count = layout.head_dim, len(fused)
+        h = mx.array(fused, mx.float32)
+        x = self._norm(h, "attn_norm")
+        gate = None
+        if layout.gated_attention:
+            both = self._linear(x, "q_proj", "q_bias").reshape(count, layout.num_attention_heads, 2 * hd)
+            queries, gate = both[..., :hd], both[..., hd:]
+        else:
+            queries = self._linear(x, "q_proj", "q_bias").reshape(count, layout.num_attention_heads, hd)
+        keys = self._linear(x, "k_proj", "k_bias").reshape(count, layout.num_key_value_heads, hd)
+        values = self._linear(x, "v_proj", "v_bias").reshape(count, layout.num_key_value_heads, hd)
+        if "q_norm" in self._w:
+            queries = self._norm(queries, "q_norm")
+        if "k_norm" in self._w:
+            keys = self._norm(keys, "k_norm")
+        queries, keys = self._rope(queries, positions), self._rope(keys, positions)
+        group = layout.num_attention_heads // layout.num_key_value_heads
+        all_keys = mx.repeat(mx.concatenate([mx.array(past_keys, mx.float32), keys]), group, axis=1)
+        all_values = mx.repeat(mx.concatenate([mx.array(past_values, mx.float32), values]), group, axis=1)
+        scores = mx.einsum("nhd,mhd->hnm", queries, all_keys) / math.sqrt(hd)
+        scores = mx.where(mx.array(attend)[None], scores, -mx.inf)
+        attended = mx.einsum("hnm,mhd->nhd", mx.softmax(scores, axis=-1), all_values)
+        if gate is not None:
+            attended = attended * mx.sigmoid(gate)
+        after = h + self._linear(attended.reshape(count, -1), "o_proj")
+        out = after + self._ffn(self._norm(after, "post_norm"))
+        return np.array(self._norm(out, "head_norm")), np.array(keys), np.array(values)
+
+    def _ffn(self, y):
+        mx, layout = self._mx, self.layout
+        out = mx.zeros_like(y)
+        if "gate_proj" in self._w:  # dense, or the shared expert beside routed ones
+            gate = self._linear(y, "gate_proj")
+            out = self._linear(gate * mx.sigmoid(gate) * self._linear(y, "up_proj"), "down_proj")
+        if not layout.experts:
+            return out
+        logits = self._linear(y, "router")
+        scores = mx.softmax(logits, axis=-1) if layout.gating == "softmax" else mx.sigmoid(logits)
+        selection = scores + self._w["router_bias"].astype(mx.float32) if "router_bias" in self._w else scores
+        chosen = np.argsort(-np.array(selection), axis=-1, kind="stable")[:, : layout.experts_used]
+        weights = np.take_along_axis(np.array(scores), chosen, axis=-1)
+        if layout.normalize_weights:
+            weights = weights / np.maximum(weights.sum(axis=-1, keepdims=True), 6.103515625e-5)
+        if layout.weights_scale not in (0.0, 1.0):
+            weights = weights * layout.weights_scale
+        rows = []
+        for row in range(len(chosen)):
+            z = y[row : row + 1]
+            total = out[row : row + 1]
+            for slot, expert in enumerate(chosen[row]):
+                gate = z @ self._w["gate_exps"][int(expert)].astype(mx.float32).T
+                hidden = gate * mx.sigmoid(gate) * (z @ self._w["up_exps"][int(expert)].astype(mx.float32).T)
+                total = total + float(weights[row, slot]) * (hidden @ self._w["down_exps"][int(expert)].astype(mx.float32).T)
+            rows.append(total)
+        return mx.concatenate(rows)
+
+    def logits(self, out: np.ndarray) -> np.ndarray:
+        mx = self._mx
+        return np.array(mx.array(out, mx.float32) @ self._w["lm_head"].astype(mx.float32).T)
