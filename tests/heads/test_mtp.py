@@ -452,3 +452,32 @@ def test_the_mlx_layer_computes_what_the_numpy_layer_does(glm_mtp, qwen_mtp, lay
     for mine, theirs in zip(got, expected):
         np.testing.assert_allclose(mine, theirs, rtol=1e-3, atol=1e-3)
     np.testing.assert_allclose(ours.logits(expected[0]), heads.logits(expected[0]), rtol=1e-3, atol=1e-3)
+
+
+def test_a_pass_llama_cpp_refuses_drafts_nothing_and_the_next_proposal_catches_up_afresh(glm_mtp, native, backend,
+                                                                                      monkeypatch):
+    """A failed MTP pass (llama.cpp out of memory, say) must not end the generation: that proposal
+    is empty, and the next one feeds the MTP cache from the start and drafts llama.cpp's chain."""
+    from specrun.backends.llama_mtp import NativeMtp
+
+    context = backend.tokenize(PROMPTS[0])
+    sequence = KVSequence(backend)
+    sequence.reset()
+    drafter = MtpDrafter(read_mtp_gguf(glm_mtp["gguf"]))
+    drafter.bind(sequence, perf_counter)
+    try:
+        sequence.feed(context[:-1])
+        real_feed, calls = NativeMtp.feed, []
+
+        def failing_feed(self, *args, **kwargs):
+            calls.append(1)
+            if len(calls) == 2:
+                raise RuntimeError("llama.cpp's MTP pass failed (code 1)")
+            return real_feed(self, *args, **kwargs)
+
+        monkeypatch.setattr(NativeMtp, "feed", failing_feed)
+        greedy, rng = SamplingSettings(), np.random.default_rng(0)
+        assert drafter.propose(context, 5, greedy, rng).tokens == ()
+        assert list(drafter.propose(context, 5, greedy, rng).tokens) == native.chain(context, 5)
+    finally:
+        drafter.close()

@@ -54,12 +54,12 @@ class MtpDrafter(EagleDrafter):
         depth = min(draft_len, self.heads.config.num_heads)
         if depth <= 0 or len(context) < 2:
             return EMPTY_PROPOSAL
-        logits = self._native_root(native, context)
-        if logits is None:  # fed while tracking was off (a cache from before the heads were in use)
-            return EMPTY_PROPOSAL
         root = len(context) - 2
         tokens, rows = [], []
         try:
+            logits = self._native_root(native, context)
+            if logits is None:  # fed while tracking was off (a cache from before the heads were in use)
+                return EMPTY_PROPOSAL
             for step in range(depth):
                 if sampling.greedy:
                     tokens.append(int(logits.argmax()))
@@ -70,6 +70,10 @@ class MtpDrafter(EagleDrafter):
                 if step + 1 == depth:
                     break
                 logits = native.feed(tokens[-1:], native.own_state()[None, :], logits=True)
+        except RuntimeError:  # llama.cpp refused a pass (memory): draft nothing now, catch up afresh next time
+            native.keep(0)
+            self._native_context = []
+            return EMPTY_PROPOSAL
         finally:
             native.keep(root + 1)  # the chain's own pairs go; the context's stay
         if sampling.greedy:
