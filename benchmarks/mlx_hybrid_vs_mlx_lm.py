@@ -1,0 +1,88 @@
+"""A hybrid target (recurrent state beside attention) on MLX: specrun's methods against mlx-lm's
+plain decoding of the same loaded model (issue 50). mlx-lm's own speculative decoding refuses such
+a model ("requires a trimmable prompt cache"); specrun restores its state from a checkpoint after a
+rejected draft. One process, one loaded model, prompts interleaved (mlx-lm plain, then each
+method), generation time only (from the first new token to the last, prefill excluded), greedy.
+
+    .venv/bin/python benchmarks/mlx_hybrid_vs_mlx_lm.py --make DIR -n 64
+
+``--target``: an MLX folder (the tests' Qwen3.5 folder: tests/hybrid_models.write_qwen35_mlx_folder,
+written by ``--make DIR``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+
+from specrun.bench.suite import BUILTIN_SUITE  # noqa: E402
+
+
+def mlx_lm_plain(model, tokenizer, ids, n: int) -> tuple[list[int], float]:
+    import mlx_lm
+    from mlx_lm.sample_utils import make_sampler
+
+    tokens, first, last = [], 0.0, 0.0
+    for response in mlx_lm.stream_generate(model, tokenizer, ids, max_tokens=n, sampler=make_sampler(temp=0.0)):
+        last = time.perf_counter()
+        if not tokens:
+            first = last
+        tokens.append(response.token)
+    return tokens, (len(tokens) - 1) / (last - first) if len(tokens) > 1 and last > first else 0.0
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--target", type=Path)
+    parser.add_argument("--make", type=Path, help="write the tests' Qwen3.5 folder here and use it")
+    parser.add_argument("--methods", default="none,lookup,mtp,lookup+ngram+mtp",
+                        help="specrun methods, each adaptive (none: plain decoding through specrun's engine)")
+    parser.add_argument("-n", type=int, default=64)
+    args = parser.parse_args()
+    if (args.target is None) == (args.make is None):
+        parser.error("give --target or --make")
+    target = args.target
+    if args.make is not None:
+        from hybrid_models import HybridShape, hybrid_weights, write_qwen35_mlx_folder
+
+        shape = HybridShape()
+        target = write_qwen35_mlx_folder(args.make, shape, hybrid_weights(shape, mtp_layers=1))
+
+    from specrun.backends.mlx import MlxBackend
+    from specrun.drafters.methods import DrafterOptions, build_drafter, needs_heads
+    from specrun.engine.loop import GenerationParams, SpeculativeEngine
+    from specrun.sessions.heads import read_heads
+
+    backend = MlxBackend(target)
+    heads = read_heads(target, None)
+    engine = SpeculativeEngine(backend, None)
+    methods = args.methods.split(",")
+    ratios: dict[str, list[float]] = {method: [] for method in methods}
+    same: dict[str, int] = dict.fromkeys(methods, 0)
+    for prompt in BUILTIN_SUITE:
+        ids = backend.tokenize(prompt.text)
+        plain_tokens, plain_rate = mlx_lm_plain(backend.model, backend.tokenizer, ids, args.n)
+        for method in methods:
+            drafter = build_drafter(method, None, DrafterOptions(heads=heads if needs_heads(method) else None))
+            engine.set_drafter(drafter, method)
+            result = engine.run(ids, GenerationParams(args.n, 16 if drafter else 0, adaptive=drafter is not None))
+            if drafter is not None:
+                drafter.close()
+            rate = max(len(result.token_ids) - 1, 0) / result.stats.generation_seconds
+            ratios[method].append(rate / plain_rate)
+            same[method] += list(result.token_ids) == plain_tokens[: len(result.token_ids)]
+    for method in methods:
+        values = ratios[method]
+        mean = statistics.geometric_mean(values)
+        print(f"{method:8s} {mean:.2f}x mlx-lm plain (prompts {len(values)}, worst {min(values):.2f}x, "
+              f"same text {same[method]}/{len(values)})")
+
+
+if __name__ == "__main__":
+    main()
