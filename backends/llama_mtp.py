@@ -24,7 +24,7 @@ _GET_NEXTN = "_Z26llama_get_embeddings_nextnP13llama_context"
 # gives the MTP layer is the target's final normed state, the one specrun's hidden-state tracking
 # records (GLM-4.5's and Qwen3.5's; tests/heads/test_mtp.py compares the drafts with llama.cpp's
 # own driver).
-NATIVE_ARCHS = ("glm4moe", "qwen35")
+NATIVE_ARCHS = ("glm4moe", "qwen35", "qwen35moe")
 
 
 def nextn_functions(llama_cpp):

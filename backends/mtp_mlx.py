@@ -106,6 +106,8 @@ class MlxMtpLayer:
         if "gate_proj" in self._w:  # dense, or the shared expert beside routed ones
             gate = self._linear(y, "gate_proj")
             out = self._linear(gate * mx.sigmoid(gate) * self._linear(y, "up_proj"), "down_proj")
+            if "shared_gate" in self._w:
+                out = out * mx.sigmoid(y @ self._w["shared_gate"].astype(mx.float32))[:, None]
         if not layout.experts:
             return out
         logits = self._linear(y, "router")

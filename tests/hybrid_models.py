@@ -35,6 +35,21 @@ class HybridShape:
     eps: float = 1e-6
     context: int = 512
     full_attention_interval: int = 4
+    experts: int = 0  # Qwen3.5-MoE (``qwen35moe``): every FFN routed experts plus a gated shared expert
+    experts_used: int = 2
+    expert_ffn: int = 64
+
+
+def _ffn_shapes(shape: HybridShape, b: str) -> dict[str, tuple[int, ...]]:
+    h = shape.hidden
+    if not shape.experts:
+        return {f"{b}.ffn_gate.weight": (shape.ffn, h), f"{b}.ffn_up.weight": (shape.ffn, h),
+                f"{b}.ffn_down.weight": (h, shape.ffn)}
+    e, f = shape.experts, shape.expert_ffn
+    return {f"{b}.ffn_gate_inp.weight": (e, h), f"{b}.ffn_gate_exps.weight": (e, f, h),
+            f"{b}.ffn_up_exps.weight": (e, f, h), f"{b}.ffn_down_exps.weight": (e, h, f),
+            f"{b}.ffn_gate_inp_shexp.weight": (h,), f"{b}.ffn_gate_shexp.weight": (f, h),
+            f"{b}.ffn_up_shexp.weight": (f, h), f"{b}.ffn_down_shexp.weight": (h, f)}
 
 
 def hybrid_shapes(shape: HybridShape, mtp_layers: int = 0) -> dict[str, tuple[int, ...]]:
@@ -46,8 +61,7 @@ def hybrid_shapes(shape: HybridShape, mtp_layers: int = 0) -> dict[str, tuple[in
     for i in range(shape.layers):
         b = f"blk.{i}"
         shapes.update({f"{b}.attn_norm.weight": (h,), f"{b}.post_attention_norm.weight": (h,),
-                       f"{b}.ffn_gate.weight": (shape.ffn, h), f"{b}.ffn_up.weight": (shape.ffn, h),
-                       f"{b}.ffn_down.weight": (h, shape.ffn)})
+                       **_ffn_shapes(shape, b)})
         if (i + 1) % shape.full_attention_interval:
             shapes.update({
                 f"{b}.attn_qkv.weight": (2 * key_dim + value_dim, h), f"{b}.attn_gate.weight": (value_dim, h),
@@ -67,8 +81,7 @@ def hybrid_shapes(shape: HybridShape, mtp_layers: int = 0) -> dict[str, tuple[in
             f"{b}.attn_norm.weight": (h,), f"{b}.post_attention_norm.weight": (h,), f"{b}.attn_q.weight": (2 * q, h),
             f"{b}.attn_k.weight": (kv, h), f"{b}.attn_v.weight": (kv, h), f"{b}.attn_output.weight": (h, q),
             f"{b}.attn_q_norm.weight": (shape.head_dim,), f"{b}.attn_k_norm.weight": (shape.head_dim,),
-            f"{b}.ffn_gate.weight": (shape.ffn, h), f"{b}.ffn_up.weight": (shape.ffn, h),
-            f"{b}.ffn_down.weight": (h, shape.ffn), f"{b}.nextn.eh_proj.weight": (h, 2 * h),
+            **_ffn_shapes(shape, b), f"{b}.nextn.eh_proj.weight": (h, 2 * h),
             f"{b}.nextn.enorm.weight": (h,), f"{b}.nextn.hnorm.weight": (h,), f"{b}.nextn.shared_head_norm.weight": (h,),
         })
     return shapes
@@ -80,6 +93,8 @@ def hybrid_weights(shape: HybridShape, seed: int = 0, mtp_layers: int = 0) -> di
     for name, dims in hybrid_shapes(shape, mtp_layers).items():
         if name.endswith("norm.weight"):
             value = 1.0 + 0.1 * rng.standard_normal(dims)
+        elif name.endswith("ffn_gate_inp_shexp.weight"):
+            value = 0.3 * rng.standard_normal(dims)
         elif name.endswith(".ssm_a"):
             value = -np.exp(rng.uniform(-1.0, 0.5, dims))  # decays: A = -exp(A_log)
         elif name.endswith("ssm_dt.bias"):
@@ -97,9 +112,9 @@ def hybrid_weights(shape: HybridShape, seed: int = 0, mtp_layers: int = 0) -> di
 
 
 def write_hybrid_gguf(path: Path, shape: HybridShape, weights: dict[str, np.ndarray], mtp_layers: int = 0) -> Path:
-    """The model as llama.cpp's ``qwen35`` GGUF; with ``mtp_layers`` its MTP block(s) too (the
-    weights must hold them)."""
-    arch = "qwen35"
+    """The model as llama.cpp's ``qwen35`` GGUF (``qwen35moe`` with experts); with ``mtp_layers``
+    its MTP block(s) too (the weights must hold them)."""
+    arch = "qwen35moe" if shape.experts else "qwen35"
     writer = gguf.GGUFWriter(path, arch)
     writer.add_name("specrun-tiny-hybrid")
     writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
@@ -124,6 +139,11 @@ def write_hybrid_gguf(path: Path, shape: HybridShape, weights: dict[str, np.ndar
     writer.add_ssm_time_step_rank(shape.v_heads)
     writer.add_ssm_group_count(shape.k_heads)
     writer.add_full_attention_interval(shape.full_attention_interval)
+    if shape.experts:
+        writer.add_expert_count(shape.experts)
+        writer.add_expert_used_count(shape.experts_used)
+        writer.add_expert_feed_forward_length(shape.expert_ffn)
+        writer.add_expert_shared_feed_forward_length(shape.expert_ffn)
     vocab = parse_tokenizer_json(tiny_tokenizer_json(VOCAB_SIZE))
     ids = ModelConfig(arch="llama", vocab_size=VOCAB_SIZE, hidden_size=shape.hidden, intermediate_size=shape.ffn,
                       num_layers=shape.layers, num_heads=shape.heads, num_kv_heads=shape.kv_heads,

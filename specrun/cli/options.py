@@ -33,7 +33,7 @@ MethodOpt = Annotated[
         help="auto (the default: adaptive lookup+ngram+draft, with the target's heads where they are predicted to "
         "pay), none (plain decoding), draft, lookup, ngram, "
         "medusa, hydra or eagle (heads on the target's hidden states, see --heads), mtp (the multi-token-prediction "
-        "layers a target carries in its own files: GLM-4.5 and Qwen3.5 layouts), lookahead (Jacobi lookahead "
+        "layers a target carries in its own files: GLM-4.5, Qwen3.5 and Qwen3.5-MoE layouts), lookahead (Jacobi lookahead "
         "decoding, see --lookahead), or a chain of them joined by + cheapest first (lookup, ngram, lookahead, "
         "one kind of heads, draft), like lookup+draft or lookup+eagle.",
     ),

@@ -74,7 +74,7 @@ class MtpLayout:
 ARRAY_NAMES = (
     "embed", "lm_head", "enorm", "hnorm", "eh_proj", "attn_norm", "q_proj", "k_proj", "v_proj", "o_proj",
     "post_norm", "head_norm", "q_bias", "k_bias", "v_bias", "q_norm", "k_norm", "gate_proj", "up_proj",
-    "down_proj", "router", "router_bias", "gate_exps", "up_exps", "down_exps",
+    "down_proj", "router", "router_bias", "gate_exps", "up_exps", "down_exps", "shared_gate",
 )
 
 
@@ -241,6 +241,8 @@ def _ffn(heads: MtpHeads, y: np.ndarray) -> np.ndarray:
     shared = 0.0
     if heads.gate_proj is not None:
         shared = (silu(y @ heads.gate_proj.T) * (y @ heads.up_proj.T)) @ heads.down_proj.T
+        if heads.shared_gate is not None:
+            shared = shared / (1.0 + np.exp(-(y @ heads.shared_gate)))[:, None]
     if not heads.layout.experts:
         return shared
     chosen, weights = route(heads, y)

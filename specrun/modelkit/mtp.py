@@ -30,8 +30,11 @@ from specrun.modelkit.gguf_io import read_fields
 
 # Architectures whose MTP layers specrun reads (those llama.cpp runs its draft-mtp with, too, are
 # named in the refusal: a user with one of them learns it is the layout, not the file).
-READABLE = ("glm4moe", "qwen35")
-_GATED_ATTENTION = ("qwen35",)  # q_proj gives each head's queries and its gate
+READABLE = ("glm4moe", "qwen35", "qwen35moe")
+_GATED_ATTENTION = ("qwen35", "qwen35moe")  # q_proj gives each head's queries and its gate
+# Architectures whose MTP block's experts llama.cpp routes by softmax with weights summed to one,
+# whatever the file says (its graph_mtp hard-codes them), and whose shared expert is gated.
+_SOFTMAX_ROUTED = ("qwen35moe",)
 CARRIERS = ("deepseek2", "glm4moe", "qwen35", "qwen35moe", "qwen3next", "mimo2", "step35")
 _GATINGS = {1: "softmax", 2: "sigmoid"}  # llama.cpp's expert_gating_func values
 _PLAIN_TYPES = (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16)
@@ -162,8 +165,9 @@ def read_mtp_gguf(path: str | Path, depth: int = DEFAULT_DEPTH) -> MtpHeads:
         rms_norm_eps=float(fields[f"{arch}.attention.layer_norm_rms_epsilon"]),
         experts=experts if f"{mtp}.ffn_gate_inp.weight" in tensors else 0,
         experts_used=int(fields.get(f"{arch}.expert_used_count", 0) or 0),
-        gating=_GATINGS.get(int(fields.get(f"{arch}.expert_gating_func", 2) or 2), "sigmoid"),
-        normalize_weights=bool(fields.get(f"{arch}.expert_weights_norm", False)),
+        gating="softmax" if arch in _SOFTMAX_ROUTED else
+        _GATINGS.get(int(fields.get(f"{arch}.expert_gating_func", 2) or 2), "sigmoid"),
+        normalize_weights=arch in _SOFTMAX_ROUTED or bool(fields.get(f"{arch}.expert_weights_norm", False)),
         weights_scale=float(fields.get(f"{arch}.expert_weights_scale", 1.0) or 1.0),
         gated_attention=arch in _GATED_ATTENTION,
     )
@@ -198,7 +202,8 @@ def read_mtp_gguf(path: str | Path, depth: int = DEFAULT_DEPTH) -> MtpHeads:
     )
     if layout.experts:
         expert_width = int(fields[f"{arch}.expert_feed_forward_length"])
-        shared = int(fields.get(f"{arch}.expert_shared_count", 0) or 0) * expert_width
+        shared = int(fields.get(f"{arch}.expert_shared_feed_forward_length", 0) or 0) or \
+            int(fields.get(f"{arch}.expert_shared_count", 0) or 0) * expert_width
         arrays.update(
             router=tensor(f"{mtp}.ffn_gate_inp.weight", (experts, hidden)),
             router_bias=tensor(f"{mtp}.exp_probs_b.bias", (experts,), required=False),
@@ -209,7 +214,9 @@ def read_mtp_gguf(path: str | Path, depth: int = DEFAULT_DEPTH) -> MtpHeads:
         if shared:
             arrays.update(gate_proj=tensor(f"{mtp}.ffn_gate_shexp.weight", (shared, hidden)),
                           up_proj=tensor(f"{mtp}.ffn_up_shexp.weight", (shared, hidden)),
-                          down_proj=tensor(f"{mtp}.ffn_down_shexp.weight", (hidden, shared)))
+                          down_proj=tensor(f"{mtp}.ffn_down_shexp.weight", (hidden, shared)),
+                          shared_gate=tensor(f"{mtp}.ffn_gate_inp_shexp.weight", (hidden,),
+                                             required=arch in _SOFTMAX_ROUTED))
     else:
         width = int(fields[f"{arch}.feed_forward_length"])
         arrays.update(gate_proj=tensor(f"{mtp}.ffn_gate.weight", (width, hidden)),

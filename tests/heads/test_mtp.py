@@ -39,11 +39,22 @@ def backend(glm_mtp):
     opened.close()
 
 
-@pytest.fixture(scope="module", params=["glm", "qwen35"])
-def carrier(request, glm_mtp, qwen_mtp) -> Path:
-    """A GGUF carrying a random MTP layer: GLM-4.5's layout (dense trunk, MoE MTP block) or
-    Qwen3.5's (hybrid trunk, gated-attention MTP block)."""
-    return glm_mtp["gguf"] if request.param == "glm" else qwen_mtp["random"]
+@pytest.fixture(scope="module")
+def qwen_moe_mtp(tmp_path_factory) -> Path:
+    """Qwen3.5-MoE's layout (``qwen35moe``): the hybrid trunk with routed experts in every layer,
+    its MTP block's experts routed by softmax beside a sigmoid-gated shared expert; random."""
+    from hybrid_models import HybridShape, hybrid_weights, write_hybrid_gguf
+
+    shape = HybridShape(experts=4)
+    return write_hybrid_gguf(tmp_path_factory.mktemp("qwen_moe") / "qwen-moe-mtp.gguf", shape,
+                             hybrid_weights(shape, mtp_layers=1), mtp_layers=1)
+
+
+@pytest.fixture(scope="module", params=["glm", "qwen35", "qwen35moe"])
+def carrier(request, glm_mtp, qwen_mtp, qwen_moe_mtp) -> Path:
+    """A GGUF carrying a random MTP layer: GLM-4.5's layout (dense trunk, MoE MTP block),
+    Qwen3.5's (hybrid trunk, gated-attention MTP block) or Qwen3.5-MoE's."""
+    return {"glm": glm_mtp["gguf"], "qwen35": qwen_mtp["random"], "qwen35moe": qwen_moe_mtp}[request.param]
 
 
 @pytest.fixture(scope="module")
@@ -429,15 +440,15 @@ def test_on_mlx_a_hybrid_target_drafts_with_its_mtp_layer_and_gives_plain_decodi
         target.close()
 
 
-@pytest.mark.parametrize("layout", ["glm", "qwen35"])
-def test_the_mlx_layer_computes_what_the_numpy_layer_does(glm_mtp, qwen_mtp, layout):
+@pytest.mark.parametrize("layout", ["glm", "qwen35", "qwen35moe"])
+def test_the_mlx_layer_computes_what_the_numpy_layer_does(glm_mtp, qwen_mtp, qwen_moe_mtp, layout):
     """backends/mtp_mlx.py against heads/mtp.py on the same arrays and inputs: the fused inputs, the
     layer's outputs, keys and values beside earlier entries, and the logits (routed experts with a
     selection bias and a shared one for GLM's; gated attention and q/k norms for Qwen3.5's)."""
     pytest.importorskip("mlx", reason="the MLX backend is not installed")
     from specrun.backends.mtp_mlx import MlxMtpLayer
 
-    heads = read_mtp_gguf(glm_mtp["gguf"] if layout == "glm" else qwen_mtp["random"])
+    heads = read_mtp_gguf({"glm": glm_mtp["gguf"], "qwen35": qwen_mtp["random"], "qwen35moe": qwen_moe_mtp}[layout])
     ours = MlxMtpLayer(heads)
     rng = np.random.default_rng(3)
     states = rng.standard_normal((6, heads.config.hidden_size)).astype(np.float32)
