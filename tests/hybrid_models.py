@@ -166,24 +166,12 @@ def write_fitted_hybrid(folder: Path, shape: HybridShape, n_new: int = 160) -> d
     """The hybrid model with a Qwen3.5 MTP block trained on the target's own greedy continuations
     (heads_factory.fitted_mtp, as mtp_models.write_fitted_glm does): {"random": its GGUF with a
     random MTP block, "trained": with the fitted one, "trunk": without}."""
-    from heads_factory import fitted_mtp
-    from mtp_models import TRAINING_PROMPTS
-    from specrun.backends.llama import LlamaCppBackend
-    from specrun.engine.loop import GenerationParams, SpeculativeEngine
+    from mtp_models import fitted_on_continuations
 
     weights = hybrid_weights(shape, mtp_layers=1)
     paths = {"trunk": write_hybrid_gguf(folder / "hybrid.gguf", shape, weights),
              "random": write_hybrid_gguf(folder / "hybrid-mtp.gguf", shape, weights, mtp_layers=1)}
-    target = LlamaCppBackend(paths["trunk"], n_ctx=1024, n_threads=1)
-    try:
-        engine = SpeculativeEngine(target, None)
-        sequences = []
-        for prompt in TRAINING_PROMPTS:
-            prompt_ids = target.tokenize(prompt)
-            sequences.append(prompt_ids + list(engine.run(prompt_ids, GenerationParams(n_new, 0)).token_ids))
-        fitted = fitted_mtp(target, sequences)
-    finally:
-        target.close()
+    fitted = fitted_on_continuations(paths["trunk"], n_new)
     block = f"blk.{shape.layers}"
     trained = dict(weights)
     trained.update({f"{block}.nextn.eh_proj.weight": fitted.eh_proj,

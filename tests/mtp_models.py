@@ -150,27 +150,33 @@ def write_glm_gguf(path: Path, shape: GlmShape, weights: dict[str, np.ndarray], 
 TRAINING_PROMPTS = ("def hello(world):", "Ελληνικά: Καλημέρα κόσμε.", "import os\nimport sys\n", "Grüße aus München!")
 
 
-def write_fitted_glm(path: Path, glm: dict, n_new: int = 160, hf_folder: Path | None = None) -> Path:
-    """``glm`` (the conftest's glm_mtp) with its MTP layer trained on the target's own greedy
-    continuations of a few prompts: heads_factory.fitted_mtp's ridge regression written into the
-    nextn block (eh_proj, its own embed_tokens and shared_head_head; attention's output and the
-    experts' down projections zero, so they add nothing), so that its drafts are accepted often.
-    ``hf_folder``: the same model as a Hugging Face folder there too."""
+def fitted_on_continuations(trunk: Path, n_new: int = 160):
+    """An MTP layer (heads_factory.fitted_mtp's ridge fit) for the model at ``trunk`` (a GGUF),
+    trained on its own greedy continuations of TRAINING_PROMPTS."""
     from heads_factory import fitted_mtp
     from specrun.backends.llama import LlamaCppBackend
     from specrun.engine.loop import GenerationParams, SpeculativeEngine
 
-    shape = glm["shape"]
-    target = LlamaCppBackend(glm["trunk"], n_ctx=1024, n_threads=1)
+    target = LlamaCppBackend(trunk, n_ctx=1024, n_threads=1)
     try:
         engine = SpeculativeEngine(target, None)
         sequences = []
         for prompt in TRAINING_PROMPTS:
             prompt_ids = target.tokenize(prompt)
             sequences.append(prompt_ids + list(engine.run(prompt_ids, GenerationParams(n_new, 0)).token_ids))
-        fitted = fitted_mtp(target, sequences)
+        return fitted_mtp(target, sequences)
     finally:
         target.close()
+
+
+def write_fitted_glm(path: Path, glm: dict, n_new: int = 160, hf_folder: Path | None = None) -> Path:
+    """``glm`` (the conftest's glm_mtp) with its MTP layer trained on the target's own greedy
+    continuations of a few prompts: heads_factory.fitted_mtp's ridge regression written into the
+    nextn block (eh_proj, its own embed_tokens and shared_head_head; attention's output and the
+    experts' down projections zero, so they add nothing), so that its drafts are accepted often.
+    ``hf_folder``: the same model as a Hugging Face folder there too."""
+    shape = glm["shape"]
+    fitted = fitted_on_continuations(glm["trunk"], n_new)
     block = f"blk.{shape.trunk_layers}"
     weights = dict(glm["weights"])
     weights.update({
