@@ -13,43 +13,30 @@ from specrun.heads.mtp import MtpHeads
 
 
 class MlxMtpLayer:
-    """``heads`` (an MtpHeads) in MLX arrays: config, layout, window, depth_bytes and the drafter's
-    calls as MtpHeads has them."""
+    """``heads`` (an MtpHeads) in MLX arrays, answering the drafter's math calls; everything else
+    (config, layout, window, depth_bytes, target_features, embedding_rows, no_entries) is the heads'
+    own. The layer's arrays, the output head among them, become float32 once (not on every call);
+    the vocabulary-sized embedding stays as stored, read a few rows at a time."""
 
     def __init__(self, heads: MtpHeads) -> None:
         import mlx.core as mx
 
-        self._mx = mx
-        self.config, self.layout, self.d2t = heads.config, heads.layout, None
-        self.depth_bytes = heads.depth_bytes
-        self._w = {name: mx.array(np.asarray(array)) for name, array in heads.tensors.items()}
+        self._mx, self._heads = mx, heads
+        self._w = {name: mx.array(np.asarray(array)) if name == "embed" else mx.array(np.asarray(array, np.float32))
+                   for name, array in heads.tensors.items()}
 
-    dtype = np.dtype(np.float32)
-
-    @property
-    def window(self) -> int:
-        return self.layout.window
-
-    def target_features(self, features: np.ndarray) -> np.ndarray:
-        return features
-
-    def embedding_rows(self, token_ids: np.ndarray) -> np.ndarray:
-        return np.asarray(token_ids, dtype=np.int64)
-
-    def no_entries(self, dtype) -> np.ndarray:
-        return np.zeros((0, self.layout.num_key_value_heads, self.layout.head_dim), dtype)
+    def __getattr__(self, name: str):
+        return getattr(self._heads, name)
 
     # ---- the math, as heads/mtp.py's ---------------------------------------------------------
     def _norm(self, x, name: str):
         mx = self._mx
-        weight = self._w[name].astype(mx.float32)
-        return x * mx.rsqrt(mx.mean(x * x, axis=-1, keepdims=True) + self.layout.rms_norm_eps) * weight
+        return x * mx.rsqrt(mx.mean(x * x, axis=-1, keepdims=True) + self.layout.rms_norm_eps) * self._w[name]
 
     def _linear(self, x, name: str, bias: str | None = None):
-        mx = self._mx
-        out = x @ self._w[name].astype(mx.float32).T
+        out = x @ self._w[name].T
         if bias is not None and bias in self._w:
-            out = out + self._w[bias].astype(mx.float32)
+            out = out + self._w[bias]
         return out
 
     def fuse(self, features: np.ndarray, token_ids: np.ndarray) -> np.ndarray:
@@ -107,12 +94,12 @@ class MlxMtpLayer:
             gate = self._linear(y, "gate_proj")
             out = self._linear(gate * mx.sigmoid(gate) * self._linear(y, "up_proj"), "down_proj")
             if "shared_gate" in self._w:
-                out = out * mx.sigmoid(y @ self._w["shared_gate"].astype(mx.float32))[:, None]
+                out = out * mx.sigmoid(y @ self._w["shared_gate"])[:, None]
         if not layout.experts:
             return out
         logits = self._linear(y, "router")
         scores = mx.softmax(logits, axis=-1) if layout.gating == "softmax" else mx.sigmoid(logits)
-        selection = scores + self._w["router_bias"].astype(mx.float32) if "router_bias" in self._w else scores
+        selection = scores + self._w["router_bias"] if "router_bias" in self._w else scores
         chosen = np.argsort(-np.array(selection), axis=-1, kind="stable")[:, : layout.experts_used]
         weights = np.take_along_axis(np.array(scores), chosen, axis=-1)
         if layout.normalize_weights:
@@ -124,12 +111,12 @@ class MlxMtpLayer:
             z = y[row : row + 1]
             total = out[row : row + 1]
             for slot, expert in enumerate(chosen[row]):
-                gate = z @ self._w["gate_exps"][int(expert)].astype(mx.float32).T
-                hidden = gate * mx.sigmoid(gate) * (z @ self._w["up_exps"][int(expert)].astype(mx.float32).T)
-                total = total + float(weights[row, slot]) * (hidden @ self._w["down_exps"][int(expert)].astype(mx.float32).T)
+                gate = z @ self._w["gate_exps"][int(expert)].T
+                hidden = gate * mx.sigmoid(gate) * (z @ self._w["up_exps"][int(expert)].T)
+                total = total + float(weights[row, slot]) * (hidden @ self._w["down_exps"][int(expert)].T)
             rows.append(total)
         return mx.concatenate(rows)
 
     def logits(self, out: np.ndarray) -> np.ndarray:
         mx = self._mx
-        return np.array(mx.array(out, mx.float32) @ self._w["lm_head"].astype(mx.float32).T)
+        return np.array(mx.array(out, mx.float32) @ self._w["lm_head"].T)
