@@ -89,6 +89,9 @@ def check_fields(fields: dict, arch: str) -> None:
     tokens, types = fields.get(keys.LIST), fields.get(keys.TOKEN_TYPE)
     if not isinstance(tokens, list) or not tokens or not all(isinstance(t, str) for t in tokens):
         raise ValueError(f"{keys.LIST} is not a list of token strings")
+    declared = fields.get(f"{arch}.vocab_size", len(tokens))
+    if isinstance(declared, bool) or declared != len(tokens):
+        raise ValueError(f"{arch}.vocab_size is {declared!r}, but {keys.LIST} holds {len(tokens)} tokens")
     if not isinstance(types, list) or len(types) != len(tokens) or not all(isinstance(t, int) for t in types):
         raise ValueError(f"{keys.TOKEN_TYPE} does not give one type for each of the {len(tokens)} tokens")
     merges = fields.get(keys.MERGES, [])
@@ -106,8 +109,13 @@ def check_fields(fields: dict, arch: str) -> None:
 
 
 def check_tensors(infos: list[TensorInfo], config: ModelConfig) -> None:
-    """Every tensor ``config`` names is there, with its shape and a type the conversion reads."""
+    """Every tensor ``config`` names is there, with its shape and a type the conversion reads, and
+    no other (layers past the block count would be dropped unseen, as llama.cpp refuses them)."""
     by_name = {info.name: info for info in infos}
+    expected = {gguf_tensor_name(hf_name) for hf_name in weight_shapes(config)}
+    extra = next((info.name for info in infos if info.name not in expected), None)
+    if extra is not None:
+        raise ValueError(f"it holds the tensor {extra}, which its config ({config.num_layers} layers) has no place for")
     readable = READABLE_TYPES
     for hf_name, hf_shape in weight_shapes(config).items():
         info = by_name.get(gguf_tensor_name(hf_name))
@@ -140,17 +148,18 @@ def _tensor_info(reader: _Bounded) -> TensorInfo:
 def _check_offsets(infos: list[TensorInfo], alignment: int, data_size: int) -> None:
     """Tensors in the data section one after another, each filling the room to the next (padding
     aside): a type tag that does not fit its data (Q4_1 on F16 bytes) leaves a gap or overruns."""
+    unaligned = next((info for info in infos if info.offset % alignment), None)
+    if unaligned is not None:  # named before the overlap it also makes
+        raise ValueError(f"the tensor {unaligned.name} starts at {unaligned.offset}, not a multiple of {alignment}")
     ordered = sorted(infos, key=lambda info: info.offset)
     for info, following in zip(ordered, [*ordered[1:], None]):
-        if info.offset % alignment:
-            raise ValueError(f"the tensor {info.name} starts at {info.offset}, not a multiple of {alignment}")
         end = info.offset + info.nbytes
         room = (following.offset if following is not None else data_size) - info.offset
         if end > data_size:
             raise ValueError(f"the tensor {info.name} runs past the end of the file")
         if info.nbytes > room:
             raise ValueError(f"the tensor {info.name} overlaps the one after it")
-        if room - info.nbytes >= alignment and following is not None:
+        if room - info.nbytes >= alignment:  # the last one too: writers pad the file only to the alignment
             raise ValueError(f"the tensor {info.name} holds {room} bytes, not the {info.nbytes} its type and "
                              "shape take")
 

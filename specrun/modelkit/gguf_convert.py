@@ -104,7 +104,9 @@ def convert_gguf_to_mlx(source: Path, out: Path, *, mlx_dtype: str = "float16") 
         raise ValueError(f"mlx_dtype must be one of {MLX_DTYPES}, got {mlx_dtype!r}")
     source = Path(source)
     check_gguf_file(source)
-    _check_architecture(source, _header_architecture(source))  # before GGUFReader parses a whole vocabulary
+    arch = _header_architecture(source)
+    if arch is not None:  # a header that does not parse is named by read_layout below
+        _check_architecture(source, arch)  # before a whole vocabulary is parsed
     damaged = "download or convert the file again"
     try:
         fields, infos = read_layout(source)  # every count, length and offset against the file, first
@@ -121,7 +123,6 @@ def convert_gguf_to_mlx(source: Path, out: Path, *, mlx_dtype: str = "float16") 
     tensors = {tensor.name: tensor for tensor in reader.tensors}
     pre = PRE_TOKENIZERS[fields[gguf.Keys.Tokenizer.PRE]]
     try:
-        check_fields(fields, fields[gguf.Keys.General.ARCHITECTURE])
         vocab = read_vocab(fields, add_bos_default=pre.add_bos_default)
         config = read_config(fields, vocab, tie_embeddings="output.weight" not in tensors)
         check_tensors(infos, config)  # before anything is written
@@ -181,7 +182,8 @@ def _header_architecture(source: Path) -> str | None:
 
 
 def _check_supported(source: Path, fields: dict, tensors: Collection[str]) -> None:
-    """One ModelFileError naming what the file uses that the conversion cannot express."""
+    """One ModelFileError naming what the file uses that the conversion cannot express; a
+    ValueError or TypeError naming a damaged field."""
     arch = fields.get(gguf.Keys.General.ARCHITECTURE)
     _check_architecture(source, arch)
     tokenizer_model = fields.get(gguf.Keys.Tokenizer.MODEL)
@@ -196,6 +198,7 @@ def _check_supported(source: Path, fields: dict, tensors: Collection[str]) -> No
             f"{source}: pre-tokenizer {pre!r} cannot be converted to MLX",
             f"supported tokenizer.ggml.pre: {', '.join(PRE_TOKENIZERS)}",
         )
+    check_fields(fields, arch)  # before the sizes below are read from them (an embedding length of -128)
     heads = fields.get(gguf.Keys.Attention.HEAD_COUNT.format(arch=arch))
     head_dim = fields.get(gguf.Keys.LLM.EMBEDDING_LENGTH.format(arch=arch), 0) // (heads or 1)
     unsupported = {
