@@ -93,9 +93,18 @@ def read_prompt(prompt: str | None) -> str:
 NOT_UTF8_FIX = "convert it to UTF-8 first, e.g. iconv -f latin1 -t utf-8"
 
 
+# More text than any model's context holds (a million tokens of 256 bytes): reading on would only
+# fill memory (`yes | specrun generate` never ended).
+MAX_STDIN_BYTES = 256 << 20
+
+
 def read_stdin_text() -> str:
-    """All of stdin as text; SpecrunError when it is not UTF-8 (whatever the locale says)."""
-    data = sys.stdin.buffer.read()
+    """All of stdin as text; SpecrunError when it is not UTF-8 (whatever the locale says) or
+    longer than any context holds."""
+    data = sys.stdin.buffer.read(MAX_STDIN_BYTES + 1)
+    if len(data) > MAX_STDIN_BYTES:
+        raise SpecrunError(f"stdin holds more than {MAX_STDIN_BYTES >> 20} MiB, more text than a model's context holds",
+                           "pipe in a shorter prompt (head -c 1M FILE keeps its first megabyte)")
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as exc:

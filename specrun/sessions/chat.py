@@ -40,6 +40,7 @@ from specrun.sessions.setup import (
     TreeSettings,
     adapts_length,
     auto_window,
+    check_prompt_size,
     check_trees_for,
     choose_window,
     default_trees,
@@ -267,6 +268,9 @@ class ChatSession:
         Raises ContextFullError (before generating) when the conversation no longer
         fits, ChatTemplateError when the template refuses it.
         """
+        # before rendering and tokenizing megabytes that cannot fit (a 54 MB message overran the
+        # template's limits and blamed the template)
+        check_prompt_size(self.target, text)
         messages = [*self.transcript.messages, {"role": "user", "content": text}]
         prompt_text, prompt_ids = self._prompt(messages)
         self._check_fits(prompt_ids)

@@ -55,3 +55,32 @@ def test_generate_refuses_a_prompt_of_megabytes_by_its_size(tiny_llama):
     model = str(tiny_llama.gguf_path)
     result = run_specrun("generate", "-", "-t", model, "-d", model, "-n", "2", input=b"xyzzy " * 400_000)
     assert_one_line_error(result.returncode, result.stderr, 1, "2,400,000 bytes", "--ctx")
+
+
+def test_chat_refuses_a_message_of_megabytes_by_its_size(tiny_llama):
+    """A piped message past any fit was rendered first, and the template's limits blamed the template."""
+    pytest.importorskip("llama_cpp", reason="the llama backend is not installed")
+    from cli_checks import assert_one_line_error, run_specrun
+
+    model = str(tiny_llama.gguf_path)
+    result = run_specrun("chat", "-t", model, "-d", model, "-n", "2", input=b"xyzzy " * 400_000)
+    assert_one_line_error(result.returncode, result.stderr, 1, "2,400,000 bytes", "--ctx")
+    assert b"template" not in result.stderr
+
+
+def test_endless_stdin_is_refused_once_past_any_context():
+    """`yes | specrun generate -` read until memory ran out; it stops at 256 MiB, before any model loads."""
+    import os
+    import subprocess
+    import sys
+
+    from cli_checks import ROOT, assert_one_line_error
+
+    endless = subprocess.Popen(["yes"], stdout=subprocess.PIPE)
+    try:
+        result = subprocess.run([sys.executable, "-m", "specrun", "generate", "-", "-t", "no-such-model.gguf"],
+                                stdin=endless.stdout, capture_output=True, timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    finally:
+        endless.kill()
+        endless.wait()
+    assert_one_line_error(result.returncode, result.stderr, 1, "stdin holds more than 256 MiB", "shorter prompt")

@@ -177,6 +177,24 @@ def test_a_checkpoint_edited_or_replaced_starts_afresh_naming_what_is_wrong(dama
     assert load_heads(out).config.training["steps"] == 4  # the training kept
 
 
+def test_a_loss_that_diverges_keeps_the_training(tiny_llama, text_folder, tmp_path, monkeypatch):
+    """Every step's loss NaN (a run that diverged): the checkpoints and the heads are still written,
+    the loss recorded as none, where JSON's 'NaN not JSON compliant' lost the whole training."""
+    from specrun.training import run as training_run
+
+    fit = training_run._Run._fit
+
+    def diverging(self, trainer, count, batch_size, take_step, *rest):
+        return fit(self, trainer, count, batch_size, lambda batch: take_step(batch) * float("nan"), *rest)
+
+    monkeypatch.setattr(training_run._Run, "_fit", diverging)
+    out = tmp_path / "medusa.safetensors"
+    result = train_heads(request_for(tiny_llama, out, text_dir=text_folder), max_steps=3, checkpoint_seconds=0)
+    training = load_heads(out).config.training
+    assert result.steps == training["steps"] == 3 and training["final_loss"] is None
+    assert not checkpoint_folder(out).exists()  # the finished run removed its checkpoint, as it does
+
+
 def test_other_settings_start_afresh(tiny_llama, text_folder, tmp_path):
     out = tmp_path / "medusa.safetensors"
 
