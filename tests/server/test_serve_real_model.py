@@ -51,10 +51,12 @@ def test_a_message_that_is_a_template_marker_is_text_as_in_generate(smollm2_serv
     assert reply.choices[0].message.content == expected["text"]
 
 
-def test_shutdown_answers_the_queued_with_a_json_503_and_ends_the_stream_with_a_final_event(smollm2):
-    """SIGTERM with a stream in flight and requests queued: the queued got a bare 500 and the log
-    CancelledError tracebacks. Now they get a JSON 503 at once, the stream a final event and
-    [DONE], and the server exits 0 with no traceback."""
+@pytest.mark.parametrize("signals", [("SIGTERM",), ("SIGINT",), ("SIGINT", "SIGINT")],
+                         ids=["SIGTERM", "Ctrl-C", "a double Ctrl-C"])
+def test_shutdown_answers_the_queued_with_a_json_503_and_ends_the_stream_with_a_final_event(smollm2, signals):
+    """SIGTERM or Ctrl-C with a stream in flight and requests queued: the queued got a bare 500 and
+    the log CancelledError tracebacks (4; 8 on a double Ctrl-C). Now they get a JSON 503 at once,
+    the stream a final event and [DONE], and the server exits 0 with no traceback."""
     import http.client
     import json
     import signal
@@ -86,7 +88,9 @@ def test_shutdown_answers_the_queued_with_a_json_503_and_ends_the_stream_with_a_
     for thread in threads[1:]:
         thread.start()
     time.sleep(0.5)  # queued behind the stream
-    server.process.send_signal(signal.SIGTERM)
+    for name in signals:
+        server.process.send_signal(getattr(signal, name))
+        time.sleep(0.2)
     for thread in threads:
         thread.join(60)
     assert server.process.wait(timeout=30) == 0, server.log[-10:]
