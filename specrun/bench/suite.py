@@ -20,6 +20,7 @@ from pathlib import Path
 from specrun.errors import SpecrunError, UsageError
 
 UNCATEGORISED = "uncategorised"
+MAX_PROMPT_FILE_BYTES = 256 << 20  # Spec-Bench's 480 prompts are 0.5 MB
 
 
 class PromptFileError(SpecrunError):
@@ -349,11 +350,15 @@ def load_jsonl(path: Path) -> list[BenchPrompt]:
     Raises PromptFileError naming the file (and the line) when it cannot be read or a line
     is not an object with a non-empty ``turns`` list of strings.
     """
+    from specrun.fileio import read_limited
+
+    fix = "pass an existing JSONL file"
+    # a regular file only: a FIFO was read for ever
+    data = read_limited(path, MAX_PROMPT_FILE_BYTES, "prompt file", fix, error=PromptFileError)
     try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except (OSError, UnicodeDecodeError) as exc:
-        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
-        raise PromptFileError(f"cannot read prompt file {path}: {reason}", "pass an existing JSONL file") from None
+        lines = data.decode("utf-8").splitlines()
+    except UnicodeDecodeError as exc:
+        raise PromptFileError(f"cannot use the prompt file {path}: {exc}", fix) from None
     prompts = [_parse_line(path, number, line) for number, line in enumerate(lines, 1) if line.strip()]
     if not prompts:
         raise PromptFileError(f"prompt file {path} holds no prompts", "give one JSON object per line")

@@ -23,6 +23,7 @@ import gguf
 import numpy as np
 
 from specrun.errors import ModelFileError, UsageError
+from specrun.fileio import MiB, read_limited
 from specrun.heads.config import HeadsConfig
 from specrun.heads.mtp import DEFAULT_DEPTH, MtpHeads, MtpLayout
 from specrun.modelkit.gguf_header import header_values
@@ -233,6 +234,7 @@ def read_mtp_gguf(path: str | Path, depth: int = DEFAULT_DEPTH) -> MtpHeads:
 # Hugging Face model types whose MTP layers specrun reads from a folder, and the GGUF architecture
 # each is (the refusals name the same models).
 FOLDER_TYPES = {"glm4_moe": "glm4moe", "qwen3_5": "qwen35"}
+MAX_FOLDER_CONFIG_BYTES = 16 * MiB
 
 
 def _text_config(config: dict) -> dict:
@@ -241,12 +243,19 @@ def _text_config(config: dict) -> dict:
     return text if isinstance(text, dict) else config
 
 
+def _folder_config(folder: Path):
+    """The folder's config.json as JSON, read only where it is a regular file (a FIFO there hung
+    the run) of at most MAX_FOLDER_CONFIG_BYTES; ModelFileError where it is not."""
+    return json.loads(read_limited(folder / "config.json", MAX_FOLDER_CONFIG_BYTES, "model config",
+                                   "check the model folder", error=ModelFileError))
+
+
 def folder_mtp_layers(folder: str | Path) -> int:
     """How many MTP layers the model folder's config.json says it carries (0: none, or no config):
     GLM's ``num_nextn_predict_layers``, Qwen3.5's ``mtp_num_hidden_layers``."""
     try:
-        config = json.loads((Path(folder) / "config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+        config = _folder_config(Path(folder))
+    except (ModelFileError, ValueError, RecursionError):
         return 0
     if not isinstance(config, dict):
         return 0
@@ -262,8 +271,8 @@ def read_mtp_folder(folder: str | Path, depth: int = DEFAULT_DEPTH) -> MtpHeads:
 
     folder = Path(folder)
     try:
-        config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError) as error:
+        config = _folder_config(folder)
+    except (ValueError, RecursionError) as error:
         raise ModelFileError(f"{folder}/config.json cannot be read ({error})", "check the model folder") from None
     model_type = config.get("model_type", "")
     count = folder_mtp_layers(folder)

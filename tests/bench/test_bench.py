@@ -59,10 +59,22 @@ def test_malformed_jsonl_names_the_file_and_line(tmp_path):
         load_jsonl(path)
 
 
+def test_a_fifo_as_the_prompt_file_is_refused_without_waiting_for_a_writer(tmp_path):
+    """It was read for ever (issue 56: special files are refused before reading)."""
+    import os
+
+    fifo = tmp_path / "prompts.jsonl"
+    os.mkfifo(fifo)
+    result = run_cli("--prompts", str(fifo))
+    assert result.exit_code == 1, result.output
+    assert result.stderr.strip() == (f"error: cannot use the prompt file {fifo}: it is not a regular file; "
+                                     "pass an existing JSONL file")
+
+
 @pytest.mark.parametrize(
     ("content", "message"),
     [
-        (None, "cannot read prompt file"),
+        (None, "cannot use the prompt file"),
         ('{"turns": ["ok"]}\n[1, 2]\n', "line 2: expected a JSON object"),
         ("\n\n", "holds no prompts"),
     ],

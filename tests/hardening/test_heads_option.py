@@ -88,6 +88,25 @@ def test_a_missing_heads_path_is_one_line(target, tmp_path):
     assert_one_line_error(result.exit_code, result.stderr, 2, "nope.safetensors", "no such file")
 
 
+@pytest.mark.parametrize(("method", "layout"), [
+    ("eagle", {"config.json": "fifo"}),  # read for ever, as a model folder that might carry MTP layers
+    ("medusa", {"h.safetensors": "fifo", "h.json": "{}"}),
+])
+def test_a_fifo_among_the_heads_files_is_refused_without_waiting_for_a_writer(target, tmp_path, method, layout):
+    import os
+
+    from cli_checks import run_specrun
+
+    folder = tmp_path / "heads"
+    folder.mkdir()
+    for name, content in layout.items():
+        os.mkfifo(folder / name) if content == "fifo" else (folder / name).write_text(content)
+    named = folder if "config.json" in layout else folder / "h.safetensors"
+    result = run_specrun("generate", "hi", "-t", target, "-m", method, "--heads", str(named), "-n", "2", timeout=60)
+    fifo = next(name for name, content in layout.items() if content == "fifo")
+    assert_one_line_error(result.returncode, result.stderr, 1, str(folder / fifo), "not a regular file")
+
+
 def test_heads_for_another_model_are_refused_naming_both_sides(target, tiny_llama, tmp_path):
     heads = write_heads(tmp_path / "other.safetensors", 64, tiny_llama.config.vocab_size)
     result = invoke("generate", "hi", "-t", target, "-m", "medusa", "--heads", str(heads))
