@@ -44,7 +44,7 @@ class GenerationResult:
     text: str
     token_ids: list[int]
     stats: Stats
-    finish_reason: str  # "length", "eos" or "context"
+    finish_reason: str  # "length", "eos", "context" or "grammar" (it allowed no next token)
 
 
 @dataclass(frozen=True)

@@ -21,10 +21,12 @@ from specrun.backends.kv import KVSequence, sequence_for
 from specrun.control.policy import PLAIN, AdaptivePolicy, FixedPolicy, Plan, SpeculationPolicy, StepReport
 from specrun.drafters.base import EMPTY_PROPOSAL, Drafter, Proposal
 from specrun.drafters.methods import is_adaptive
+from specrun.engine.constrained import GRAMMAR_SOURCE, ConstrainedRun
 from specrun.engine.events import Finished, GenerationResult, Step, TextChunk
 from specrun.engine.passes import DeferredDrafts, TargetPasses
 from specrun.engine.stats import Stats
 from specrun.errors import ContextFullError, UsageError
+from specrun.grammar import Grammar
 from specrun.sampling import SamplingSettings
 from specrun.verify import TreeVerdict, Verdict
 
@@ -63,6 +65,9 @@ class GenerationParams:
     # top (Stats.near_ties): where batched passes round differently from one-token ones, plain
     # decoding may choose otherwise there. 0: not counted (--exact, where kernels round alike).
     tie_margin: float = 0.0
+    # What the output must follow (JSON schema, GBNF...), compiled for the target's vocabulary;
+    # None: free text. Speculation stays lossless against constrained plain decoding.
+    grammar: Grammar | None = None
 
 
 def check_prompt(prompt: Sequence[int], n_ctx: int) -> None:
@@ -190,6 +195,7 @@ class SpeculativeEngine:
         self.passes = TargetPasses(self.target)
         self.clock = clock  # injectable so tests can give fake models exact costs
         self.last_context: list[int] = []  # prompt + output of the latest run
+        self.grammar_blocked = False  # did the latest run end where its grammar allowed no token?
         self.policy = AdaptivePolicy(clock)
         self.set_drafter(drafter, method)
 
@@ -214,7 +220,8 @@ class SpeculativeEngine:
             max_paths = self.target.backend.tree_support.max_paths
             self.policy.configure(params.draft_len, adaptive, self._tree_nodes(params), max_paths)
             return self.policy
-        fusable = drafter.can_defer(params.sampling) and self.target.can_feed_after
+        # a fused pass is read as greedy ids: a grammar must mask its rows first
+        fusable = drafter.can_defer(params.sampling) and self.target.can_feed_after and params.grammar is None
         return FixedPolicy(drafter, fusable)
 
     # ---- layer 1: verify passes -------------------------------------------------
@@ -233,32 +240,49 @@ class SpeculativeEngine:
             policy.start_text(len(context))
         prompt_logits, reused = self._prefill(context, policy, params, stats)  # (V,): after the prompt
         ties = NearTieWatch.of_run(self.target, params, reused)  # None: not counted
+        constrained = ConstrainedRun(params.grammar) if params.grammar is not None else None
+        self.grammar_blocked = False
         clock = StepClock(self.clock)  # generation starts
         try:
             hit_eos = False
-            if params.max_new_tokens > 0:  # the first token, from the prefill (check_prompt left room)
+            if constrained is not None and params.max_new_tokens > 0:
+                prompt_logits = constrained.masked(prompt_logits)
+                self.grammar_blocked = prompt_logits is None
+            if params.max_new_tokens > 0 and not self.grammar_blocked:  # the first token (check_prompt left room)
                 step, hit_eos = self._prefill_token_step(prompt_logits, context, eos_ids, params, rng, clock)
+                if constrained is not None:
+                    constrained.advance(step.tokens)
                 if ties is not None:
                     stats.near_ties += ties.in_prefill(prompt_logits)
                 stats.generation_seconds = clock.elapsed()
                 yield step
-            while (not hit_eos and (produced := len(context) - len(prompt)) < params.max_new_tokens
-                   and len(context) < n_ctx):
+            while (not hit_eos and not self.grammar_blocked
+                   and (produced := len(context) - len(prompt)) < params.max_new_tokens and len(context) < n_ctx):
                 remaining = params.max_new_tokens - produced
                 context_len = len(context)
                 clock.start_step()
-                plan = policy.plan() if policy is not None else PLAIN
                 draft_len = min(params.draft_len, remaining - 1, n_ctx - context_len - 1)
-                drafts = self._draft(policy, plan, context, draft_len, params, rng)
+                # tokens the grammar forces are drafted for free, in place of asking the drafters
+                forced = constrained.forced(draft_len) if constrained is not None and policy is not None else None
+                plan = PLAIN if policy is None or forced is not None else policy.plan()
+                drafts = forced or self._draft(policy, plan, context, draft_len, params, rng)
+                allowed = None
+                if constrained is not None:
+                    drafts, allowed = constrained.prune(drafts, sampling)
+                    if not allowed[0].any():  # the grammar allows nothing: the answer ends here
+                        self.grammar_blocked = True
+                        break
                 clock.verifying()
-                proposal, verdict = self.passes.verify(context[-1], drafts, sampling, rng)
+                proposal, verdict = self.passes.verify(context[-1], drafts, sampling, rng, allowed)
                 # Keep the fed last token and the accepted drafts; drop the rejected tail.
                 self.target.rewind(context_len + verdict.n_accepted)
                 clock.passed()  # what follows is bookkeeping, neither drafting nor verifying
                 hit_eos = _emit(context, proposal, verdict, remaining, eos_ids)
+                if constrained is not None:
+                    constrained.advance(context[context_len:])
                 if ties is not None:
                     stats.near_ties += ties.in_pass(proposal, verdict, len(context) - context_len)
-                if measured:
+                if measured and proposal.source != GRAMMAR_SOURCE:
                     policy.observe(StepReport(plan, proposal, tuple(verdict.path), clock.step_started,
                                               clock.draft_seconds, clock.verify_seconds, context, context_len))
                 step = Step(tuple(context[context_len:]), len(proposal), verdict.n_accepted,
@@ -399,6 +423,8 @@ class SpeculativeEngine:
             self.drafter.finish(context)
 
     def _finish_reason(self, prompt: Sequence[int], output: list[int], params: GenerationParams) -> str:
+        if self.grammar_blocked:
+            return "grammar"
         if output and params.stop_at_eos and output[-1] in self.target.backend.vocab.eos_ids:
             return "eos"
         if len(output) >= params.max_new_tokens:

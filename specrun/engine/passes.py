@@ -15,6 +15,7 @@ import numpy as np
 
 from specrun.backends.kv import KVSequence
 from specrun.drafters.base import Drafter, Proposal
+from specrun.engine.constrained import masked_rows
 from specrun.sampling import SamplingSettings, probabilities, sample
 from specrun.verify import TreeVerdict, Verdict, verify_greedy, verify_sampled, verify_tree_greedy, verify_tree_sampled
 
@@ -51,37 +52,47 @@ class TargetPasses:
         return sample(probabilities(logits, sampling), rng)
 
     def verify(
-        self, last_token: int, drafts: Proposal | DeferredDrafts, sampling: SamplingSettings, rng: np.random.Generator
+        self, last_token: int, drafts: Proposal | DeferredDrafts, sampling: SamplingSettings,
+        rng: np.random.Generator, allowed: np.ndarray | None = None,
     ) -> tuple[Proposal, Verdict | TreeVerdict]:
         """One target pass over the last token and the drafts, then the acceptance rule: a chain
         yields k + 1 distributions; a tree one per node, and the accepted path is kept. Returns
-        the proposal verified (deferred drafts are read in the pass) and the verdict."""
+        the proposal verified (deferred drafts are read in the pass) and the verdict.
+        ``allowed``: under a grammar, the tokens each row allows ((1 + n, size) bool, the root's
+        first); the rows are masked before the rule sees them (engine/constrained.py)."""
         if isinstance(drafts, DeferredDrafts):
             return self._verify_deferred(last_token, drafts)
         if not drafts.is_chain:
-            return drafts, self._verify_tree(last_token, drafts, sampling, rng)
+            return drafts, self._verify_tree(last_token, drafts, sampling, rng, allowed)
         fed = [last_token, *drafts.tokens]
         rows = range(len(fed))
         if sampling.greedy:
-            target_argmax = self.target.feed_argmax(fed, rows)  # (k+1,)
+            if allowed is None:
+                target_argmax = self.target.feed_argmax(fed, rows)  # (k+1,)
+            else:
+                target_argmax = masked_rows(self.target.feed(fed, rows), allowed).argmax(axis=-1)
             self._show_pass(drafts, target_argmax)
             return drafts, verify_greedy(drafts.tokens, target_argmax)
-        logits = self.target.feed(fed, rows)  # (k+1, V)
+        logits = masked_rows(self.target.feed(fed, rows), allowed)  # (k+1, V)
         self._show_pass(drafts, logits)
         p_target = probabilities(logits, sampling)
         return drafts, verify_sampled(drafts.tokens, p_target, drafts.p_draft, rng)
 
     def _verify_tree(
-        self, last_token: int, proposal: Proposal, sampling: SamplingSettings, rng: np.random.Generator
+        self, last_token: int, proposal: Proposal, sampling: SamplingSettings, rng: np.random.Generator,
+        allowed: np.ndarray | None,
     ) -> TreeVerdict:
         tree = proposal.tree
         rows = tree.logit_rows(1)  # the root's row, then one per node
         if sampling.greedy:
-            target_argmax = self.target.feed_tree_argmax([last_token], tree, rows)  # (1+n,)
+            if allowed is None:
+                target_argmax = self.target.feed_tree_argmax([last_token], tree, rows)  # (1+n,)
+            else:
+                target_argmax = masked_rows(self.target.feed_tree([last_token], tree, rows), allowed).argmax(axis=-1)
             self._show_pass(proposal, target_argmax)
             verdict = verify_tree_greedy(tree, target_argmax)
         else:
-            logits = self.target.feed_tree([last_token], tree, rows)  # (1+n, V)
+            logits = masked_rows(self.target.feed_tree([last_token], tree, rows), allowed)  # (1+n, V)
             self._show_pass(proposal, logits)
             verdict = verify_tree_sampled(tree, probabilities(logits, sampling), proposal.p_draft, rng)
         self.target.keep_path(tree, verdict.path)

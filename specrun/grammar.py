@@ -1,0 +1,232 @@
+"""Grammars the output must follow: JSON schemas, JSON objects, GBNF, Lark and regular expressions,
+compiled and enforced by llguidance (docs/design.md, "Constrained decoding").
+
+llguidance is the library llama.cpp, vLLM, SGLang and mlx-lm's ecosystem use for this: it
+computes the set of tokens the grammar allows next over the model's own vocabulary (a bit per
+token, tens of microseconds a step), rolls back consumed tokens (a rejected draft), and names
+the tokens the grammar forces (``forced``: "fast-forward" tokens, free drafts). XGrammar and
+outlines-core do the first two as well, but neither rolls back on CPU wheels for every platform
+specrun runs on, nor reads GBNF and Lark both; llguidance does all of it from one wheel.
+
+This module knows the library and a vocabulary; which rows a pass masks, and how drafts are
+pruned, is the engine's (engine/constrained.py). A backend is read only through the methods of
+``backends.base.Backend`` it passes in (``vocab``, ``tokenize``, ``token_bytes``, ``token_text``).
+"""
+
+from __future__ import annotations
+
+import json
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from specrun.errors import UsageError
+
+# The kinds of grammar a run may be given, with what each one's text is.
+KINDS = {
+    "json_schema": "a JSON schema",
+    "json_object": "any JSON object",
+    "gbnf": "a GBNF grammar (llama.cpp's)",
+    "lark": "a Lark grammar (llguidance's)",
+    "regex": "a regular expression",
+}
+# Tokens whose text is none (control tokens, their bytes b"") are named to llguidance with this
+# prefix, its mark for special tokens: a grammar matches them only by name, never as text.
+SPECIAL_MARK = b"\xff"
+
+
+class GrammarError(UsageError):
+    """A grammar, schema or pattern that does not compile: the problem and how to fix it."""
+
+
+@dataclass(frozen=True)
+class GrammarSpec:
+    """What the output must follow, as the user gave it: ``kind`` (a key of KINDS) and its text
+    (empty for json_object)."""
+
+    kind: str
+    text: str = ""
+
+    def llguidance_grammar(self) -> str:
+        """The spec as llguidance's grammar, or GrammarError naming the problem."""
+        import llguidance
+
+        if self.kind not in KINDS:
+            raise GrammarError(f"unknown grammar kind {self.kind!r}", f"use one of {', '.join(KINDS)}")
+        try:
+            if self.kind == "json_object":
+                return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"})
+            if self.kind == "json_schema":
+                schema = json.loads(self.text) if isinstance(self.text, str) else self.text
+                if not isinstance(schema, dict):
+                    raise GrammarError("the JSON schema is not an object", "give a schema such as {\"type\": \"object\"}")
+                return llguidance.LLMatcher.grammar_from_json_schema(schema)
+            return llguidance.grammar_from(self.kind, self.text)
+        except GrammarError:
+            raise
+        except (ValueError, TypeError, RecursionError) as error:  # json's and llguidance's parse errors
+            raise GrammarError(f"{KINDS[self.kind]} that does not parse: {_first_line(error)}",
+                               "fix the grammar's syntax") from None
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip() or type(error).__name__
+    return text.splitlines()[0][:300]
+
+
+class Vocabulary:
+    """A backend's vocabulary as llguidance reads it: every token's bytes, the end-of-text tokens,
+    and the backend's tokenizer for the text a grammar forces. Built once per backend (~0.1 s
+    for 50k tokens) and shared by every grammar on it."""
+
+    _built: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+    def __init__(self, backend) -> None:
+        import llguidance
+
+        size = backend.vocab.size
+        eos_ids = sorted(backend.vocab.eos_ids)
+        tokens = []
+        for token in range(size):
+            piece = backend.token_bytes(token)
+            if not piece:  # a control token (or an id no text maps to): matched by name only
+                piece = SPECIAL_MARK + (backend.token_text(token) or f"<{token}>").encode("utf-8", "replace")
+            tokens.append(piece)
+
+        class _Tokenizer:  # what llguidance.TokenizerWrapper reads
+            eos_token_id = eos_ids[0] if eos_ids else None
+            bos_token_id = backend.vocab.bos_id
+            special_token_ids = [t for t, piece in enumerate(tokens) if piece.startswith(SPECIAL_MARK)]
+
+            def __init__(self) -> None:
+                self.tokens = tokens
+
+            def __call__(self, text: bytes) -> list[int]:
+                return backend.tokenize(text.decode("utf-8", "replace"), add_bos=False)
+
+        self.size = size
+        self.tokenizer = llguidance.LLTokenizer(
+            llguidance.TokenizerWrapper(_Tokenizer()), eos_token=eos_ids or None
+        )
+
+    @classmethod
+    def of(cls, backend) -> "Vocabulary":
+        """The backend's vocabulary, built on first use."""
+        built = cls._built.get(backend)
+        if built is None:
+            built = cls._built[backend] = cls(backend)
+        return built
+
+
+class Grammar:
+    """A compiled grammar over one vocabulary: checked once, then a fresh ``GrammarState`` per answer."""
+
+    def __init__(self, spec: GrammarSpec, vocabulary: Vocabulary) -> None:
+        import llguidance
+
+        self.spec = spec
+        self.vocabulary = vocabulary
+        self._grammar = spec.llguidance_grammar()
+        problem = llguidance.LLMatcher.validate_grammar(self._grammar, vocabulary.tokenizer)
+        if problem:
+            raise GrammarError(f"{KINDS[spec.kind]} that cannot be used: {_first_line(ValueError(problem))}",
+                               "fix the grammar")
+
+    @classmethod
+    def compile(cls, spec: GrammarSpec, backend) -> "Grammar":
+        return cls(spec, Vocabulary.of(backend))
+
+    def start(self) -> "GrammarState":
+        return GrammarState(self)
+
+
+class GrammarState:
+    """Where one answer stands in its grammar: the tokens it allows next, what it forces, and
+    tokens consumed or rolled back as the answer grows (llguidance's LLMatcher)."""
+
+    def __init__(self, grammar: Grammar) -> None:
+        import llguidance
+
+        self.size = grammar.vocabulary.size
+        self._matcher = llguidance.LLMatcher(grammar.vocabulary.tokenizer, grammar._grammar, log_level=0)
+        if self._matcher.is_error():
+            raise GrammarError(f"the grammar cannot start: {_first_line(ValueError(self._matcher.get_error()))}",
+                               "fix the grammar")
+
+    @property
+    def stopped(self) -> bool:
+        """Is the grammar complete (nothing but an end-of-text token may follow)?"""
+        return self._matcher.is_stopped()
+
+    def allowed(self) -> np.ndarray:
+        """The tokens the grammar allows next (size,) bool: none in an error state."""
+        if self._matcher.is_error():
+            return np.zeros(self.size, dtype=bool)
+        bits = np.frombuffer(self._matcher.compute_bitmask(), dtype=np.uint8)
+        return np.unpackbits(bits, bitorder="little")[: self.size].astype(bool)
+
+    def forced(self) -> list[int]:
+        """The tokens the grammar forces from here (its fast-forward tokens): [] where it leaves a choice."""
+        if self._matcher.is_error() or self._matcher.is_stopped():
+            return []
+        return list(self._matcher.compute_ff_tokens())
+
+    def allowed_prefix(self, tokens: Sequence[int]) -> int:
+        """How many of ``tokens``, in order from here, the grammar allows."""
+        if not tokens or self._matcher.is_error():
+            return 0
+        return int(self._matcher.validate_tokens([int(t) for t in tokens]))
+
+    def advance(self, tokens: Sequence[int]) -> None:
+        """Consume tokens the answer kept (each allowed: the verifier picked it from a masked row).
+        An end-of-text token after a complete grammar is the answer's end, not a token to consume."""
+        for token in tokens:
+            if self._matcher.is_stopped():
+                return
+            if not self._matcher.consume_token(int(token)):
+                raise RuntimeError(f"the grammar refused token {token}, which a masked row allowed")
+
+    def rollback(self, count: int) -> None:
+        if count:
+            self._matcher.rollback(count)
+
+    def allowed_along(self, tokens: Sequence[int]) -> np.ndarray:
+        """The allowed tokens at each position along ``tokens`` from here, every one allowed:
+        (len(tokens) + 1, size) bool, the first row this state's own. The state is left as it was."""
+        rows = [self.allowed()]
+        consumed = 0
+        try:
+            for token in tokens:
+                if not rows[-1][token]:
+                    raise ValueError(f"token {token} is not allowed here")
+                if self._matcher.is_stopped():  # an end-of-text token after the end: the end again
+                    rows.append(rows[-1])
+                    continue
+                if not self._matcher.consume_token(int(token)):
+                    raise ValueError(f"token {token} is not allowed here")
+                consumed += 1
+                rows.append(self.allowed())
+        finally:
+            self.rollback(consumed)
+        return np.stack(rows)
+
+
+def mask_logits(logits: np.ndarray, allowed: np.ndarray) -> np.ndarray:
+    """``logits`` (n, V) with every token a row's grammar forbids at -inf. ``allowed`` is (n, size);
+    ids past the vocabulary (padded output rows) are forbidden."""
+    logits = np.asarray(logits, dtype=np.float32)
+    width = logits.shape[-1]
+    if allowed.shape[-1] < width:
+        allowed = np.pad(allowed, ((0, 0), (0, width - allowed.shape[-1])))
+    return np.where(allowed[:, :width], logits, -np.inf).astype(np.float32)
+
+
+def mask_row(p_draft: np.ndarray, allowed: np.ndarray) -> np.ndarray:
+    """A drafter's distribution (V,) restricted to what the grammar allows and renormalised: the
+    distribution a draft token was drawn from once it is known to be allowed (engine/constrained.py
+    says why verification then needs this row, not the drafter's own)."""
+    width = p_draft.shape[-1]
+    kept = np.where(np.pad(allowed, (0, max(0, width - allowed.shape[-1])))[:width], p_draft, 0.0)
+    return kept / kept.sum()

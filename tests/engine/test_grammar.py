@@ -1,0 +1,225 @@
+"""Speculation under a grammar (issue 52): lossless against constrained plain decoding.
+
+The reference is constrained plain decoding as its definition reads: at every prefix the
+tokens llguidance allows, every other logit at -inf, then the oracle's sampling. On a fake
+vocabulary of letters (a few tokens of two letters, so a grammar's text has several
+tokenizations), the exact joint of short windows is enumerable and sampled runs are
+compared with it by chi-square; greedy runs must equal constrained plain decoding's.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import llguidance
+import numpy as np
+import pytest
+
+from fake_models import hashed_logits
+from lossless_harness import ALPHA, chi_square_p, impossible
+from oracle import exact_joint
+from specrun.backends.fake import FakeBackend
+from specrun.drafters.methods import DrafterOptions, build_drafter
+from specrun.engine.loop import GenerationParams, SpeculativeEngine
+from specrun.engine.stats import Stats
+from specrun.errors import UsageError
+from specrun.grammar import Grammar, GrammarError, GrammarSpec, Vocabulary
+from specrun.sampling import SamplingSettings
+
+PIECES = [b"a", b"b", b"c", b"ab", b"{", b"}", b'"', b"x", b"ba", b":"]
+EOS = len(PIECES)
+VOCAB = EOS + 1
+PROMPT = [0, 1, 0, 3, 1]
+WINDOW = 4
+RUNS = 1000
+
+
+class LetterFake(FakeBackend):
+    """A fake whose tokens are short texts: ``tokenize`` takes the longest piece first."""
+
+    def token_bytes(self, token: int) -> bytes:
+        return PIECES[token] if token < len(PIECES) else b""
+
+    def token_text(self, token: int) -> str:
+        return PIECES[token].decode() if token < len(PIECES) else "</s>"
+
+    def tokenize(self, text: str, add_bos: bool = True, special: bool = False) -> list[int]:
+        data, ids = text.encode(), []
+        while data:
+            token = max((t for t, piece in enumerate(PIECES) if data.startswith(piece)),
+                        key=lambda t: len(PIECES[t]), default=None)
+            if token is None:
+                data = data[1:]
+                continue
+            ids.append(token)
+            data = data[len(PIECES[token]):]
+        return ids
+
+
+def letters(salt: int, spread: float = 1.5, eos: bool = True) -> LetterFake:
+    return LetterFake(hashed_logits(VOCAB, salt=salt, spread=spread), VOCAB, eos_ids=[EOS] if eos else [])
+
+
+def constrained_table(backend, spec: GrammarSpec, prompt):
+    """The target's logits with llguidance's mask at each prefix of the output: the definition of
+    constrained decoding, apart from specrun's engine (tokens after the grammar's end are ignored,
+    as an end-of-text token there ends the answer)."""
+    tokenizer = Vocabulary.of(backend).tokenizer
+    grammar = spec.llguidance_grammar()
+
+    def table(context):
+        matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
+        for token in context[len(prompt):]:
+            if matcher.is_stopped():
+                break
+            if not matcher.consume_token(token):
+                return np.zeros(VOCAB, dtype=np.float32)  # a prefix of probability 0: any row serves
+        bits = np.unpackbits(np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8), bitorder="little")[:VOCAB]
+        return np.where(bits.astype(bool), backend.table(tuple(context)), -np.inf).astype(np.float32)
+
+    return table
+
+
+def engine_for(method: str, target, branches: int = 0, draft_salt: int = 2):
+    draft = letters(draft_salt, eos=True) if "draft" in method or method == "auto" else None
+    drafter = build_drafter(method, draft, DrafterOptions(branches=branches)) if method != "none" else None
+    return SpeculativeEngine(target, drafter, method=method)
+
+
+def run(engine, grammar, sampling, tokens=WINDOW, draft_len=3, stop_at_eos=False, prompt=PROMPT):
+    params = GenerationParams(max_new_tokens=tokens, draft_len=draft_len, sampling=sampling,
+                              stop_at_eos=stop_at_eos, grammar=grammar)
+    return engine.run(prompt, params, complete_cache=False)
+
+
+GRAMMARS = {
+    # several tokenizations of one text ("ab" or "a" "b"), the draft free to propose any letter
+    "letters then c": GrammarSpec("lark", 'start: /[ab]+/ "c"'),
+    # forced runs of text between choices: free drafts of the grammar's own
+    "braces": GrammarSpec("lark", 'start: "{" /[ab]/ ":" /[abx]+/ "}"'),
+}
+
+
+@pytest.mark.parametrize("grammar_name", list(GRAMMARS))
+@pytest.mark.parametrize("method,branches", [("draft", 0), ("draft", 3), ("lookup", 0), ("ngram", 3)])
+def test_sampled_speculation_under_a_grammar_is_distributed_as_constrained_plain_decoding(
+        grammar_name, method, branches):
+    target = letters(1)
+    spec = GRAMMARS[grammar_name]
+    grammar = Grammar.compile(spec, target)
+    sampling = SamplingSettings(temperature=1.0)
+    joint = exact_joint(constrained_table(target, spec, PROMPT), PROMPT, WINDOW, sampling)
+    engine = engine_for(method, target, branches)
+    counts: Counter = Counter()
+    for seed in range(RUNS):
+        result = run(engine, grammar, SamplingSettings(temperature=1.0, seed=seed))
+        counts[tuple(result.token_ids)] += 1
+    assert not impossible(counts, joint)
+    assert chi_square_p(counts, joint, RUNS) > ALPHA
+
+
+def test_a_draft_row_left_unrestricted_after_pruning_is_caught(monkeypatch):
+    """The mutant the design notes warn of: a sampled chain cut at its first forbidden token,
+    its kept tokens verified against the drafter's own rows rather than the allowed part of them."""
+    import specrun.engine.constrained as constrained
+
+    monkeypatch.setattr(constrained, "mask_row", lambda p_draft, allowed: p_draft)
+    target = letters(1)
+    spec = GRAMMARS["letters then c"]
+    grammar = Grammar.compile(spec, target)
+    sampling = SamplingSettings(temperature=1.0)
+    joint = exact_joint(constrained_table(target, spec, PROMPT), PROMPT, WINDOW, sampling)
+    engine = engine_for("draft", target)
+    runs = 3 * RUNS
+    counts: Counter = Counter(tuple(run(engine, grammar, SamplingSettings(1.0, seed=seed)).token_ids)
+                              for seed in range(runs))
+    assert chi_square_p(counts, joint, runs) < ALPHA or impossible(counts, joint)
+
+
+@pytest.mark.parametrize("method,branches", [("draft", 0), ("draft", 3), ("lookup", 0), ("ngram", 3), ("auto", 0)])
+@pytest.mark.parametrize("grammar_name", list(GRAMMARS))
+def test_greedy_speculation_under_a_grammar_equals_constrained_plain_decoding(grammar_name, method, branches):
+    target = letters(1)
+    grammar = Grammar.compile(GRAMMARS[grammar_name], target)
+    for salt in range(3, 13):  # ten targets
+        target = letters(salt)
+        grammar = Grammar.compile(GRAMMARS[grammar_name], target)
+        plain = run(engine_for("none", target), grammar, SamplingSettings(), tokens=12, stop_at_eos=True)
+        fast = run(engine_for(method, target, branches), grammar, SamplingSettings(), tokens=12, stop_at_eos=True)
+        assert fast.token_ids == plain.token_ids
+        text = b"".join(PIECES[t] for t in plain.token_ids if t != EOS)
+        if plain.finish_reason == "eos":  # a whole answer: the grammar's own check of it
+            matcher = llguidance.LLMatcher(Vocabulary.of(target).tokenizer, grammar.spec.llguidance_grammar())
+            assert matcher.consume_tokens(target.tokenize(text.decode())) and matcher.is_accepting()
+
+
+def test_tokens_the_grammar_forces_are_drafted_for_free_and_accepted():
+    target = letters(1)
+    spec = GrammarSpec("lark", 'start: "{" "ab" ":" "ab" ":" /[ab]/ "}"')
+    grammar = Grammar.compile(spec, target)
+    plain = run(engine_for("none", target), grammar, SamplingSettings(), tokens=16, stop_at_eos=True)
+    fast = run(engine_for("lookup", target), grammar, SamplingSettings(), tokens=16, stop_at_eos=True)
+    assert fast.token_ids == plain.token_ids
+    assert b"".join(PIECES[t] for t in fast.token_ids if t != EOS).startswith(b"{ab:ab:")
+    assert fast.stats.by_source["grammar"].accepted >= 4
+    assert fast.stats.steps < plain.stats.steps
+
+
+def test_a_grammar_no_text_can_satisfy_ends_the_answer_and_never_hangs():
+    """A grammar whose only text needs a letter no token has: after "a", llguidance allows only the
+    end of text, so the answer ends there, speculating or not."""
+    target = letters(1)
+    grammar = Grammar.compile(GrammarSpec("lark", 'start: "a" "z"'), target)
+    for method in ("none", "draft", "lookup"):
+        result = run(engine_for(method, target), grammar, SamplingSettings(), tokens=50, stop_at_eos=True)
+        assert (result.token_ids, result.finish_reason) == ([0, EOS], "eos")
+
+
+def test_a_grammar_that_allows_no_token_at_all_ends_the_answer_as_such(monkeypatch):
+    """An error state of the grammar (no token allowed, not even the end of text) ends the answer
+    with finish_reason "grammar" instead of sampling from a row of nothing."""
+    from specrun.drafters.base import EMPTY_PROPOSAL
+    from specrun.engine.constrained import ConstrainedRun
+
+    target = letters(1)
+    grammar = Grammar.compile(GRAMMARS["letters then c"], target)
+    real_prune = ConstrainedRun.prune
+    calls = []
+
+    def prune_then_nothing(run_state, proposal, sampling):
+        calls.append(1)
+        if len(calls) < 3:
+            return real_prune(run_state, proposal, sampling)
+        return EMPTY_PROPOSAL, np.zeros((1, VOCAB), dtype=bool)
+
+    monkeypatch.setattr(ConstrainedRun, "prune", prune_then_nothing)
+    for method in ("none", "lookup"):
+        calls.clear()
+        result = run(engine_for(method, target), grammar, SamplingSettings(), tokens=50)
+        assert result.finish_reason == "grammar"
+        assert 3 <= len(result.token_ids) < 50
+
+
+@pytest.mark.parametrize("spec,words", [
+    (GrammarSpec("json_schema", '{"type": "objectx"}'), "JSON schema"),
+    (GrammarSpec("json_schema", "{not json"), "JSON schema"),
+    (GrammarSpec("gbnf", 'root ::= "a" | ('), "GBNF"),
+    (GrammarSpec("lark", "start: ("), "Lark"),
+    (GrammarSpec("regex", "a(b"), "regular expression"),
+    (GrammarSpec("json_schema", "[1, 2]"), "not an object"),
+])
+def test_a_grammar_that_does_not_compile_is_one_usage_error_naming_it(spec, words):
+    with pytest.raises(GrammarError) as caught:
+        Grammar.compile(spec, letters(1))
+    assert isinstance(caught.value, UsageError)
+    assert words in caught.value.one_line() and "\n" not in caught.value.one_line()
+
+
+def test_an_answer_under_a_json_schema_validates_against_it():
+    target = letters(4)
+    schema = '{"type": "object", "properties": {"ab": {"enum": ["a", "b"]}}, "required": ["ab"]}'
+    grammar = Grammar.compile(GrammarSpec("json_schema", schema), target)
+    for method in ("none", "draft", "lookup"):
+        result = run(engine_for(method, target), grammar, SamplingSettings(), tokens=40, stop_at_eos=True)
+        text = b"".join(PIECES[t] for t in result.token_ids if t != EOS).decode()
+        assert text in ('{"ab":"a"}', '{"ab":"b"}')
