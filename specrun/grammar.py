@@ -32,6 +32,10 @@ KINDS = {
     "lark": "a Lark grammar (llguidance's)",
     "regex": "a regular expression",
 }
+# Whitespace a JSON answer may hold between its items: one space, or a line break and some
+# indentation (as llama.cpp's schema grammars allow). llguidance's default, any run of whitespace,
+# lets a small model fill max_tokens with blank lines and never close the object.
+JSON_OPTIONS = {"whitespace_pattern": r"(?:\x20|\n[\x20\x09]{0,20})?"}
 # Tokens whose text is none (control tokens, their bytes b"") are named to llguidance with this
 # prefix, its mark for special tokens: a grammar matches them only by name, never as text.
 SPECIAL_MARK = b"\xff"
@@ -57,18 +61,29 @@ class GrammarSpec:
             raise GrammarError(f"unknown grammar kind {self.kind!r}", f"use one of {', '.join(KINDS)}")
         try:
             if self.kind == "json_object":
-                return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"})
+                return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS)
             if self.kind == "json_schema":
                 schema = json.loads(self.text) if isinstance(self.text, str) else self.text
                 if not isinstance(schema, dict):
                     raise GrammarError("the JSON schema is not an object", "give a schema such as {\"type\": \"object\"}")
-                return llguidance.LLMatcher.grammar_from_json_schema(schema)
+                return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
             return llguidance.grammar_from(self.kind, self.text)
         except GrammarError:
             raise
         except (ValueError, TypeError, RecursionError) as error:  # json's and llguidance's parse errors
             raise GrammarError(f"{KINDS[self.kind]} that does not parse: {_first_line(error)}",
                                "fix the grammar's syntax") from None
+
+
+    def check(self) -> None:
+        """Raise GrammarError if the spec does not compile, before any vocabulary is at hand (a
+        server checks a request's grammar before it queues)."""
+        import llguidance
+
+        problem = llguidance.LLMatcher.validate_grammar(self.llguidance_grammar())
+        if problem:
+            raise GrammarError(f"{KINDS[self.kind]} that cannot be used: {_first_line(ValueError(problem))}",
+                               "fix the grammar")
 
 
 def _first_line(error: BaseException) -> str:

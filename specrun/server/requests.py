@@ -10,6 +10,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from specrun.grammar import GrammarError, GrammarSpec
 from specrun.sampling import SamplingSettings
 
 MAX_STOP_STRINGS = 4  # as OpenAI's API
@@ -28,7 +29,6 @@ _INERT_FIELDS = {
     "tool_choice": (None, "none", "auto"),
     "functions": (None,),
     "function_call": (None, "none", "auto"),
-    "response_format": (None, {"type": "text"}),
     "echo": (False, None),
     "best_of": (1, None),
     "suffix": (None, ""),
@@ -36,7 +36,7 @@ _INERT_FIELDS = {
 # Fields with no effect on the answer: accepted as any value.
 _FREE_FIELDS = ("user", "store", "metadata", "service_tier", "parallel_tool_calls")
 _COMMON_FIELDS = ("model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stream",
-                  "stream_options", "n")
+                  "stream_options", "n", "response_format", "grammar", "json_schema")
 
 
 # ---- errors ---------------------------------------------------------------------------
@@ -82,6 +82,8 @@ class CompletionRequest:
     include_usage: bool = False
     messages: tuple[dict[str, str], ...] | None = None
     prompt: str | tuple[int, ...] | None = None
+    grammar: GrammarSpec | None = None  # what the answer must follow (response_format, grammar, json_schema)
+    grammar_field: str | None = None  # the field that asked for it, which a refusal names
 
     @property
     def is_chat(self) -> bool:
@@ -177,6 +179,7 @@ def _parse_common(body: dict, defaults: ServeDefaults, n_ctx: int, max_tokens_fi
     if not isinstance(options, dict) or not isinstance(options.get("include_usage", False), bool):
         raise RequestError("stream_options must be an object like {\"include_usage\": true}", "stream_options",
                            code="invalid_type")
+    grammar, grammar_field = _parse_grammar(body)
     return dict(
         model=model,
         max_tokens=max_tokens,
@@ -184,7 +187,72 @@ def _parse_common(body: dict, defaults: ServeDefaults, n_ctx: int, max_tokens_fi
         stop=_parse_stop(body.get("stop")),
         stream=stream,
         include_usage=bool(options.get("include_usage", False)),
+        grammar=grammar,
+        grammar_field=grammar_field,
     )
+
+
+def _parse_grammar(body: dict) -> tuple[GrammarSpec | None, str | None]:
+    """What the answer must follow, and the field that said so: OpenAI's ``response_format``
+    (``json_object``, ``json_schema``), or llama-server's ``grammar`` (GBNF) and ``json_schema``.
+    The grammar is compiled here, before the request queues, so one that cannot be used is a 400
+    naming its field."""
+    asked = []
+    response_format = body.get("response_format")
+    if response_format is not None:
+        asked.append(_response_format(response_format))
+    grammar = body.get("grammar")
+    if grammar is not None:
+        if not isinstance(grammar, str) or not grammar.strip():
+            raise RequestError("grammar must be a non-empty string of GBNF rules", "grammar", code="invalid_type")
+        asked.append((GrammarSpec("gbnf", _text(grammar, "grammar")), "grammar"))
+    schema = body.get("json_schema")
+    if schema is not None:
+        if not isinstance(schema, dict):
+            raise RequestError("json_schema must be a JSON schema object", "json_schema", code="invalid_type")
+        asked.append((GrammarSpec("json_schema", json.dumps(schema)), "json_schema"))
+    asked = [each for each in asked if each[0] is not None]
+    if len(asked) > 1:
+        names = " and ".join(where.split(".")[0] for _, where in asked)
+        raise invalid_value(asked[1][1], f"{names} both constrain the answer: send one of them")
+    if not asked:
+        return None, None
+    spec, where = asked[0]
+    try:
+        spec.check()
+    except GrammarError as exc:
+        raise invalid_value(where, exc.problem) from None
+    return spec, where
+
+
+def _response_format(response_format) -> tuple[GrammarSpec | None, str]:
+    """``response_format`` as a grammar (None for text), and the field a refusal names."""
+    if not isinstance(response_format, dict) or not isinstance(response_format.get("type"), str):
+        raise RequestError('response_format must be an object like {"type": "json_object"}', "response_format",
+                           code="invalid_type")
+    kind = response_format["type"]
+    if kind == "text":
+        return None, "response_format"
+    if kind == "json_object":
+        schema = response_format.get("schema")  # llama-server's extension: a schema beside json_object
+        if schema is None:
+            return GrammarSpec("json_object"), "response_format"
+        if not isinstance(schema, dict):
+            raise RequestError("response_format.schema must be a JSON schema object", "response_format.schema",
+                               code="invalid_type")
+        return GrammarSpec("json_schema", json.dumps(schema)), "response_format.schema"
+    if kind == "json_schema":
+        described = response_format.get("json_schema")
+        if not isinstance(described, dict):
+            raise RequestError('response_format.json_schema must be an object like {"name": ..., "schema": {...}}',
+                               "response_format.json_schema", code="invalid_type")
+        schema = described.get("schema")
+        if not isinstance(schema, dict):
+            raise RequestError("response_format.json_schema.schema must be a JSON schema object",
+                               "response_format.json_schema.schema",
+                               code="invalid_type" if schema is not None else "missing_required_parameter")
+        return GrammarSpec("json_schema", json.dumps(schema)), "response_format.json_schema.schema"
+    raise invalid_value("response_format.type", f"must be text, json_object or json_schema, got {_shown(kind)}")
 
 
 def _parse_stop(stop) -> tuple[str, ...]:

@@ -33,6 +33,7 @@ from specrun.engine.events import Finished, TextChunk
 from specrun.engine.loop import GenerationParams
 from specrun.engine.stats import Stats
 from specrun.errors import ContextFullError, SpecrunError
+from specrun.grammar import Grammar, GrammarError
 from specrun.registry.loading import LoadOptions
 from specrun.server.requests import CompletionRequest, RequestError, invalid_value
 from specrun.sessions.setup import TreeSettings
@@ -137,7 +138,8 @@ class Failed:
 
 
 JobEvent = Started | Delta | Done | Failed
-_FINISH_REASONS = {"eos": "stop", "length": "length", "context": "length"}
+# OpenAI's reasons; a grammar that allows no token at all ends the answer as a length would
+_FINISH_REASONS = {"eos": "stop", "length": "length", "context": "length", "grammar": "length"}
 
 
 class Job:
@@ -319,6 +321,7 @@ class PairWorker:
     def _answer(self, job: Job) -> None:
         try:
             prompt_ids = self._prompt_ids(job.request)
+            grammar = self._grammar(job.request)
         except RequestError as exc:
             job.emit(Failed(exc))
             return
@@ -331,7 +334,8 @@ class PairWorker:
         job.emit(Started(len(prompt_ids), reused))
         cut = StopCut(job.request.stop)
         tokens = from_draft = 0
-        params = GenerationParams(job.request.max_tokens, 0, job.request.sampling, tree_nodes=self.pair.trees.nodes)
+        params = GenerationParams(job.request.max_tokens, 0, job.request.sampling, tree_nodes=self.pair.trees.nodes,
+                                  grammar=grammar)
         stream = session.stream(prompt_ids, params)
         try:
             for event in stream:
@@ -365,6 +369,15 @@ class PairWorker:
         self.served += 1
         job.emit(Done(finish_reason, stats))
         self.log(f"{job.id}: {finish_reason}; {stats.summary()}")
+
+    def _grammar(self, request: CompletionRequest) -> Grammar | None:
+        """The request's grammar compiled for the target's vocabulary (checked without one already)."""
+        if request.grammar is None:
+            return None
+        try:
+            return Grammar.compile(request.grammar, self.session.target)
+        except GrammarError as exc:
+            raise invalid_value(request.grammar_field, exc.problem) from None
 
     def _prompt_ids(self, request: CompletionRequest) -> list[int]:
         from specrun.sessions.setup import check_prompt_size, prompt_token_ids

@@ -1,0 +1,148 @@
+"""Structured output through `specrun serve` (issue 52): response_format json_object and
+json_schema, llama-server's grammar and json_schema fields; every answer follows its schema, and
+greedy answers are the same with speculation (auto) and without (--method none)."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+
+from server_harness import DEMO_ARGS, start_server, stop_server
+
+MODEL = "demo-target"
+PROMPTS = [
+    "Describe a cat as JSON.",
+    "Give me the weather in Paris.",
+    "List three colours.",
+    "Who wrote Hamlet?",
+    "Extract the name and age: Alice is 31 years old.",
+]
+# Ten schemas with bounded answers (every string, array and number has a limit), so a small
+# model's answer ends within the tokens given.
+SCHEMAS = [
+    {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12}}, "required": ["name"],
+     "additionalProperties": False},
+    {"type": "object", "properties": {"age": {"type": "integer", "minimum": 0, "maximum": 120}}, "required": ["age"],
+     "additionalProperties": False},
+    {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"], "additionalProperties": False},
+    {"type": "object", "properties": {"colour": {"enum": ["red", "green", "blue"]}}, "required": ["colour"],
+     "additionalProperties": False},
+    {"type": "object", "properties": {"tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "maxItems": 3}},
+     "required": ["tags"], "additionalProperties": False},
+    {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
+                                      "age": {"type": "integer", "minimum": 0, "maximum": 99}},
+     "required": ["name", "age"], "additionalProperties": False},
+    {"type": "object", "properties": {"city": {"type": "string", "pattern": "^[A-Z][a-z]{1,9}$"},
+                                      "temp": {"type": "integer", "minimum": -50, "maximum": 50}},
+     "required": ["city", "temp"], "additionalProperties": False},
+    {"type": "object", "properties": {"answer": {"enum": ["yes", "no"]}, "sure": {"type": "boolean"}},
+     "required": ["answer", "sure"], "additionalProperties": False},
+    {"type": "object", "properties": {"point": {"type": "object", "properties": {
+        "x": {"type": "integer", "minimum": 0, "maximum": 9}, "y": {"type": "integer", "minimum": 0, "maximum": 9}},
+        "required": ["x", "y"], "additionalProperties": False}}, "required": ["point"], "additionalProperties": False},
+    {"type": "object", "properties": {"author": {"type": "string", "maxLength": 10},
+                                      "year": {"type": "integer", "minimum": 1000, "maximum": 2100}},
+     "required": ["author", "year"], "additionalProperties": False},
+]
+CASES = [(prompt, schema_index) for schema_index in range(len(SCHEMAS)) for prompt in PROMPTS]  # 50
+MAX_TOKENS = 256
+
+
+@pytest.fixture(scope="module")
+def plain_server():
+    """The demo target served without speculation, for the answers speculation must equal."""
+    server = start_server(*DEMO_ARGS, "--method", "none")
+    yield server
+    assert stop_server(server) == 0, server.log
+
+
+def _schema_answer(server, prompt: str, schema: dict) -> tuple[str, str]:
+    response = server.client().chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": prompt}], max_tokens=MAX_TOKENS, temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "answer", "schema": schema, "strict": True}},
+    )
+    return response.choices[0].message.content, response.choices[0].finish_reason
+
+
+def test_json_schema_answers_follow_their_schema_and_equal_plain_decoding_s(demo_server, plain_server):
+    for prompt, schema_index in CASES:
+        schema = SCHEMAS[schema_index]
+        fast, reason = _schema_answer(demo_server, prompt, schema)
+        plain, _ = _schema_answer(plain_server, prompt, schema)
+        assert fast == plain, (prompt, schema_index)
+        assert reason == "stop", (prompt, schema_index, fast)
+        jsonschema.validate(json.loads(fast), schema)
+
+
+def test_json_object_answers_are_json_objects_streamed_or_not(demo_server):
+    client = demo_server.client()
+    for prompt in PROMPTS[:3]:
+        whole = client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": prompt}], max_tokens=200, temperature=0,
+            response_format={"type": "json_object"})
+        streamed = "".join(chunk.choices[0].delta.content or "" for chunk in client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": prompt}], max_tokens=200, temperature=0,
+            response_format={"type": "json_object"}, stream=True) if chunk.choices)
+        text = whole.choices[0].message.content
+        assert streamed == text
+        if whole.choices[0].finish_reason == "stop":
+            assert isinstance(json.loads(text), dict)
+        else:  # max_tokens reached inside the object: what there is begins one
+            assert text.lstrip().startswith("{")
+
+
+def test_sampled_answers_follow_their_schema_too(demo_server):
+    schema = SCHEMAS[5]
+    for seed in range(5):
+        response = demo_server.client().chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": PROMPTS[4]}], max_tokens=MAX_TOKENS,
+            temperature=0.8, seed=seed,
+            response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": schema}})
+        jsonschema.validate(json.loads(response.choices[0].message.content), schema)
+
+
+def test_a_gbnf_grammar_and_a_json_schema_field_on_completions(demo_server):
+    status, body = demo_server.post("/v1/completions", {
+        "model": MODEL, "prompt": "The answer is", "max_tokens": 20, "temperature": 0,
+        "grammar": 'root ::= " " ("yes" | "no") "."'})
+    assert status == 200, body
+    assert body["choices"][0]["text"] in (" yes.", " no.")
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 1, "maximum": 5}},
+              "required": ["n"], "additionalProperties": False}
+    status, body = demo_server.post("/v1/completions", {
+        "model": MODEL, "prompt": "Pick a number:", "max_tokens": 30, "temperature": 0, "json_schema": schema})
+    assert status == 200, body
+    jsonschema.validate(json.loads(body["choices"][0]["text"]), schema)
+
+
+def _chat(**fields) -> dict:
+    return {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], **fields}
+
+
+BAD = [
+    (_chat(response_format="json"), "response_format", "invalid_type"),
+    (_chat(response_format={"type": "xml"}), "response_format.type", "invalid_value"),
+    (_chat(response_format={"type": "json_schema"}), "response_format.json_schema", "invalid_type"),
+    (_chat(response_format={"type": "json_schema", "json_schema": {"name": "x"}}),
+     "response_format.json_schema.schema", "missing_required_parameter"),
+    (_chat(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objectx"}}}),
+     "response_format.json_schema.schema", "invalid_value"),
+    (_chat(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "object", "properties": {"a": {"$ref": "#/missing"}}}}}),
+     "response_format.json_schema.schema", "invalid_value"),
+    (_chat(grammar='root ::= "a" | ('), "grammar", "invalid_value"),
+    (_chat(grammar=""), "grammar", "invalid_type"),
+    (_chat(json_schema=[1]), "json_schema", "invalid_type"),
+    (_chat(grammar='root ::= "a"', response_format={"type": "json_object"}), "grammar", "invalid_value"),
+]
+
+
+@pytest.mark.parametrize(("body", "param", "code"), BAD, ids=[f"{i}-{row[1]}" for i, row in enumerate(BAD)])
+def test_a_grammar_that_cannot_be_used_is_a_400_naming_its_field(demo_server, body, param, code):
+    status, got = demo_server.post("/v1/chat/completions", body)
+    assert status == 400, got
+    assert (got["error"]["param"], got["error"]["code"]) == (param, code), got
+    assert "\n" not in got["error"]["message"]
+    assert demo_server.healthy()
