@@ -28,6 +28,7 @@ import json
 import os
 import re
 import shutil
+import stat
 from collections import deque
 from collections.abc import Sequence
 from contextlib import contextmanager, redirect_stdout
@@ -80,6 +81,14 @@ def check_mlx_folder(path: Path) -> None:
     if not path.is_dir():
         fix = "use --backend llama for GGUF files" if path.suffix == ".gguf" else "pass the model folder instead"
         raise ModelFileError(f"{path} is a file, not an MLX model folder", fix)
+    try:
+        with os.scandir(path) as entries:
+            special = next((entry for entry in entries if _is_special(entry)), None)
+    except OSError as exc:
+        raise ModelFileError(f"{path} cannot be read ({exc.strerror or exc})", "check the folder's permissions") from None
+    if special is not None:  # mlx-lm and the tokenizer read such a file (a FIFO) for ever
+        raise ModelFileError(f"{special.path} is not a regular file (a FIFO, a socket or a device)",
+                             "put the model's file itself in the folder")
     if not (path / "config.json").is_file():
         raise ModelFileError(
             f"{path} has no config.json, so it is not an MLX model folder",
@@ -89,6 +98,14 @@ def check_mlx_folder(path: Path) -> None:
         raise ModelFileError(
             f"{path} has no model*.safetensors weights", "download the model again or convert it with mlx_lm.convert"
         )
+
+
+def _is_special(entry: os.DirEntry) -> bool:
+    try:
+        mode = entry.stat().st_mode  # through links, as the hub's cache holds them
+    except OSError:
+        return False  # a dangling link: what reads it names it
+    return not (stat.S_ISREG(mode) or stat.S_ISDIR(mode))
 
 
 def resolve_model_folder(path_or_repo: str | os.PathLike) -> Path:

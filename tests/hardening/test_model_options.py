@@ -56,6 +56,19 @@ def test_a_fifo_as_the_model_is_refused_without_waiting_for_a_writer(command, mo
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("name", ["config.json", "tokenizer.json"])
+def test_a_fifo_in_an_mlx_model_folder_is_refused_without_waiting_for_a_writer(name, tiny_llama, tmp_path):
+    """The tokenizer's file as a FIFO: mlx-lm read it for ever."""
+    import shutil
+
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_llama.hf_dir, folder)
+    (folder / name).unlink()
+    os.mkfifo(folder / name)
+    result = run_specrun("generate", "hi", "-n", "2", "-t", str(folder), "--backend", "mlx", timeout=60)
+    assert_one_line_error(result.returncode, result.stderr.decode(), 1, str(folder / name), "not a regular file")
+
+
 @pytest.mark.parametrize("layers", ["-5", "-2", "1000001"])
 def test_impossible_gpu_layers_are_a_usage_error(model, layers):
     result = invoke("generate", "hi", "-t", model, "-d", model, "-n", "2", "--gpu-layers", layers)
