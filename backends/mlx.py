@@ -41,6 +41,7 @@ import numpy as np
 
 from specrun.backends.base import HeldTree, HiddenSupport, HiddenTracking, TreeSupport, VocabInfo, held_tree_for
 from specrun.errors import BackendUnavailableError, ContextFullError, ModelFileError
+from specrun.fileio import json_problem
 from specrun.tree import TokenTree
 
 DEFAULT_CTX = 4096
@@ -137,16 +138,17 @@ def _load(folder: Path, lazy: bool = False):
     _, lm_utils, _ = _import_mlx()
     try:
         return lm_utils.load(str(folder), return_config=True, lazy=lazy)
+    except (json.JSONDecodeError, RecursionError) as exc:  # a RuntimeError too: first
+        raise ModelFileError(f"{folder} has an unreadable JSON file: {json_problem(exc)}",
+                             "download the model again") from exc
     except RuntimeError as exc:  # mx.load on a corrupt or truncated safetensors file
         raise ModelFileError(
             f"mlx could not read the weights in {folder} (corrupt or truncated safetensors)",
             "download the model again",
         ) from exc
-    except json.JSONDecodeError as exc:
-        raise ModelFileError(f"{folder} has an unreadable JSON file: {exc}", "download the model again") from exc
     except (ValueError, KeyError, FileNotFoundError) as exc:
         raise ModelFileError(
-            f"mlx-lm could not load {folder}: {exc}",
+            f"mlx-lm could not load {folder}: {json_problem(exc)}",  # never Python's advice on digits
             "check that this mlx-lm version supports the model, or download it again",
         ) from exc
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from specrun.errors import SpecrunError, UsageError
+from specrun.fileio import json_problem, read_limited
 
 UNCATEGORISED = "uncategorised"
 MAX_PROMPT_FILE_BYTES = 256 << 20  # Spec-Bench's 480 prompts are 0.5 MB
@@ -350,8 +351,6 @@ def load_jsonl(path: Path) -> list[BenchPrompt]:
     Raises PromptFileError naming the file (and the line) when it cannot be read or a line
     is not an object with a non-empty ``turns`` list of strings.
     """
-    from specrun.fileio import read_limited
-
     fix = "pass an existing JSONL file"
     # a regular file only: a FIFO was read for ever
     data = read_limited(path, MAX_PROMPT_FILE_BYTES, "prompt file", fix, error=PromptFileError)
@@ -376,6 +375,8 @@ def _parse_line(path: Path, number: int, line: str) -> BenchPrompt:
         record = json.loads(line)
     except json.JSONDecodeError as exc:
         raise bad(f"not valid JSON ({exc.msg} at column {exc.colno})") from None
+    except (ValueError, RecursionError) as exc:  # a number of thousands of digits; nesting past Python's stack
+        raise bad(f"not valid JSON ({json_problem(exc)})") from None
     if not isinstance(record, dict):
         raise bad(f"expected a JSON object, got {type(record).__name__}")
     turns = record.get("turns")

@@ -40,6 +40,7 @@ from pathlib import Path
 from specrun.backends.base import VocabInfo
 from specrun.registry.compat import vocabulary_differences
 from specrun.errors import ModelFileError, RegistryError
+from specrun.fileio import json_problem, read_limited
 from specrun.registry.catalog import HUB_ID_ORIGIN, ModelEntry
 
 SPLIT_GGUF = re.compile(r"-(?P<index>\d{5})-of-(?P<count>\d{5})\.gguf$")
@@ -348,8 +349,7 @@ def training_context(path: Path) -> int | None:
     path = Path(path)
     try:
         if path.is_dir():
-            config = json.loads((path / "config.json").read_text(encoding="utf-8"))
-            trained = config.get("max_position_embeddings") if isinstance(config, dict) else None
+            trained = _model_json(path / "config.json").get("max_position_embeddings")
         else:  # key by key from the header: GGUFReader maps a whole vocabulary first (~15 s for Gemma 3)
             from specrun.modelkit.gguf_header import header_values
 
@@ -407,14 +407,18 @@ def read_tokenizer_vocabulary(folder: Path) -> FileVocabulary:
     tokenizer_path = folder / "tokenizer.json"
     if not tokenizer_path.exists():
         raise ModelFileError(f"{folder} has no tokenizer.json", "point at a Hugging Face / MLX model folder")
-    spec = json.loads(tokenizer_path.read_text(encoding="utf-8"))
-    vocab = spec["model"]["vocab"]
-    if isinstance(vocab, dict):  # BPE, WordPiece: token -> id
-        by_id = {token_id: token for token, token_id in vocab.items()}
-    else:  # Unigram: [piece, score] in id order
-        by_id = {token_id: piece for token_id, (piece, _score) in enumerate(vocab)}
-    by_id.update((added["id"], added["content"]) for added in spec.get("added_tokens") or [])
-    tokens = tuple(by_id.get(token_id, "") for token_id in range(max(by_id) + 1))
+    spec = _model_json(tokenizer_path)
+    try:
+        vocab = spec["model"]["vocab"]
+        if isinstance(vocab, dict):  # BPE, WordPiece: token -> id
+            by_id = {token_id: token for token, token_id in vocab.items()}
+        else:  # Unigram: [piece, score] in id order
+            by_id = {token_id: piece for token_id, (piece, _score) in enumerate(vocab)}
+        by_id.update((added["id"], added["content"]) for added in spec.get("added_tokens") or [])
+        tokens = tuple(by_id.get(token_id, "") for token_id in range(max(by_id) + 1))
+    except (KeyError, TypeError, ValueError) as exc:  # no model.vocab, ids that are not numbers
+        raise ModelFileError(f"{tokenizer_path} is not a tokenizer.json specrun can read ({type(exc).__name__}: "
+                             f"{json_problem(exc)})", "download the model again") from None
     ids = {token: token_id for token_id, token in by_id.items()}
     settings, config = _json_or_empty(folder / "tokenizer_config.json"), _json_or_empty(folder / "config.json")
     eos_ids = {ids.get(_token_content(settings.get("eos_token")))} | _id_set(config.get("eos_token_id"))
@@ -432,7 +436,24 @@ def read_tokenizer_vocabulary(folder: Path) -> FileVocabulary:
 
 
 def _json_or_empty(path: Path) -> dict:
-    return json.loads(path.read_text(encoding="utf-8")) if path.exists() else {}
+    return _model_json(path) if path.exists() else {}
+
+
+MAX_MODEL_JSON_BYTES = 256 << 20  # a tokenizer.json of 262k tokens is 33 MB
+
+
+def _model_json(path: Path) -> dict:
+    """A model folder's JSON file (config.json, tokenizer.json), read only as a regular file of
+    bounded size; ModelFileError naming it where it is not, or not a JSON object."""
+    fix = "download the model again"
+    data = read_limited(path, MAX_MODEL_JSON_BYTES, "model file", fix, error=ModelFileError)
+    try:
+        document = json.loads(data)
+    except (ValueError, RecursionError) as exc:  # syntax, UTF-8, 4300-digit numbers; nesting
+        raise ModelFileError(f"{path} is not valid JSON ({json_problem(exc)})", fix) from None
+    if not isinstance(document, dict):
+        raise ModelFileError(f"{path} is not a JSON object", fix)
+    return document
 
 
 def _token_content(token: str | dict | None) -> str | None:

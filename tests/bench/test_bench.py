@@ -77,6 +77,9 @@ def test_a_fifo_as_the_prompt_file_is_refused_without_waiting_for_a_writer(tmp_p
         (None, "cannot use the prompt file"),
         ('{"turns": ["ok"]}\n[1, 2]\n', "line 2: expected a JSON object"),
         ("\n\n", "holds no prompts"),
+        # internal errors ending in Python's advice (sys.set_int_max_str_digits) or a RecursionError
+        ('{"turns": ["ok"], "question_id": ' + "9" * 5000 + "}\n", "a number in it has thousands of digits"),
+        ("[" * 100_000 + "\n", "line 1: not valid JSON (it nests too deeply)"),
     ],
 )
 def test_bad_prompt_files_exit_1_with_one_line(tmp_path, content, message):

@@ -69,6 +69,34 @@ def test_a_fifo_in_an_mlx_model_folder_is_refused_without_waiting_for_a_writer(n
     assert_one_line_error(result.returncode, result.stderr.decode(), 1, str(folder / name), "not a regular file")
 
 
+DAMAGED_FOLDER_FILES = {
+    # each was an internal error, Python's advice on integer digits, or "the weights are corrupt";
+    # what the line says, as generate (mlx-lm) and models check (the tokenizer's files) find it
+    "a number of 5000 digits": ("config.json", lambda text: text.rstrip()[:-1] + ', "x": ' + "9" * 5000 + "}",
+                                "a number in it has thousands of digits", "a number in it has thousands of digits"),
+    "nesting past the stack": ("config.json", lambda text: "[" * 100_000, "it nests too deeply",
+                               "it nests too deeply"),
+    "a tokenizer cut short": ("tokenizer.json", lambda text: text[:20], "unreadable JSON file", "not valid JSON"),
+    "a tokenizer without its vocabulary": ("tokenizer.json", lambda text: '{"model": {}}', "mlx-lm could not load",
+                                           "not a tokenizer.json specrun can read"),
+}
+
+
+@pytest.mark.parametrize("command", ["generate", "check"])
+@pytest.mark.parametrize("damage", DAMAGED_FOLDER_FILES)
+def test_a_model_folder_s_damaged_json_is_one_line_naming_it(damage, command, model, tiny_llama, tmp_path):
+    import shutil
+
+    name, damaged, *words = DAMAGED_FOLDER_FILES[damage]
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_llama.hf_dir, folder)
+    (folder / name).write_text(damaged((folder / name).read_text()))
+    args = ("generate", "hi", "-n", "2", "--backend", "mlx") if command == "generate" else ("models", "check", "-d", model)
+    result = invoke(*args, "-t", str(folder))
+    line = assert_one_line_error(result.exit_code, result.stderr, 1, str(folder), words[command == "check"])
+    assert "sys.set_int_max_str_digits" not in line and "weights" not in line
+
+
 @pytest.mark.parametrize("layers", ["-5", "-2", "1000001"])
 def test_impossible_gpu_layers_are_a_usage_error(model, layers):
     result = invoke("generate", "hi", "-t", model, "-d", model, "-n", "2", "--gpu-layers", layers)
