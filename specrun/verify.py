@@ -65,6 +65,61 @@ def verify_sampled(
     return Verdict(len(draft_tokens), sample(p_target[len(draft_tokens)], rng))
 
 
+def verify_block(
+    draft_tokens: Sequence[int],
+    p_target: np.ndarray,
+    p_draft: Sequence[np.ndarray | None],
+    rng: np.random.Generator,
+) -> Verdict:
+    """Temperature > 0: block verification (Sun, Mendlovic, Leviathan et al. 2024, Algorithm 2).
+
+    Takes the arguments of ``verify_sampled`` and is exact like it, but decides the block as a
+    whole: it never accepts fewer drafts in expectation, and more wherever a draft the target
+    finds less likely than the drafter is followed by ones it finds likelier. Each prefix of i
+    drafts is kept with probability h_i (``block_keep_chances``) and the last one kept wins
+    (none: n = 0). The token after n < k kept drafts comes from
+    norm(max(0, weight_n p_target_n - p_draft_n)); after all k, from p_target_k.
+    """
+    k = len(draft_tokens)
+    keep, weights = block_keep_chances(draft_tokens, p_target, p_draft)
+    kept = np.flatnonzero(rng.random(k) < keep)
+    n_accepted = int(kept[-1]) + 1 if len(kept) else 0
+    if n_accepted == k:
+        return Verdict(k, sample(p_target[k], rng))
+    weight = weights[n_accepted - 1] if n_accepted else 1.0
+    residual = _shortfall(int(draft_tokens[n_accepted]), p_target[n_accepted], p_draft[n_accepted], weight)
+    return Verdict(n_accepted, sample(_normalised(residual, p_target[n_accepted]), rng))
+
+
+def block_keep_chances(
+    draft_tokens: Sequence[int], p_target: np.ndarray, p_draft: Sequence[np.ndarray | None]
+) -> tuple[np.ndarray, np.ndarray]:
+    """Block verification's h_i and weights p_i for the prefixes of i = 1..k drafts, both (k,).
+
+    weight_i = min(1, weight_{i-1} p_target_i(x_i) / p_draft_i(x_i)), weight_0 = 1: how much of
+    the drafted prefix the target still vouches for. h_i = r_i / (r_i + 1 - weight_i), with
+    r_i = sum(max(0, weight_i p_target_{i+1} - p_draft_{i+1})) the mass the weighted target
+    leaves at the next position and 1 - weight_i what the prefix has lost; h_k = weight_k.
+    Verification keeps n = the last i with u_i < h_i, so P(n = t) = h_t prod_{i > t} (1 - h_i)."""
+    k = len(draft_tokens)
+    keep, weights = np.zeros(k), np.zeros(k)
+    weight = 1.0
+    for i, token in enumerate(draft_tokens):
+        p_draft_x = 1.0 if p_draft[i] is None else p_draft[i][token]
+        weight = min(1.0, weight * p_target[i][token] / p_draft_x)
+        weights[i] = weight
+        if weight <= 0.0:
+            break  # every later weight and h is 0
+        if i + 1 < k:
+            left = _shortfall(int(draft_tokens[i + 1]), p_target[i + 1], p_draft[i + 1], weight).sum()
+            lost = left + 1.0 - weight
+            # Nothing left and nothing lost: no residual to sample at this position, never stop here.
+            keep[i] = left / lost if lost > 0.0 else 0.0
+        else:
+            keep[i] = weight
+    return keep, weights
+
+
 def _accept_one(
     token: int,
     p_target_row: np.ndarray,
@@ -81,12 +136,19 @@ def _accept_one(
 
 def _residual(token: int, p_target_row: np.ndarray, p_draft_row: np.ndarray | None) -> np.ndarray:
     """norm(max(0, p_target - p_draft)): p_target without ``token`` for a one-hot proposal."""
+    return _normalised(_shortfall(token, p_target_row, p_draft_row), p_target_row)
+
+
+def _shortfall(
+    token: int, p_target_row: np.ndarray, p_draft_row: np.ndarray | None, weight: float = 1.0
+) -> np.ndarray:
+    """max(0, weight p_target - p_draft) (vocab,), unnormalised; p_draft one-hot at ``token``
+    where None (weight <= 1, so that entry is 0 and the rest is weight p_target)."""
     if p_draft_row is None:
-        residual = p_target_row.copy()
-        residual[token] = 0.0
-    else:
-        residual = np.maximum(p_target_row - p_draft_row, 0.0)
-    return _normalised(residual, p_target_row)
+        shortfall = weight * p_target_row
+        shortfall[token] = 0.0
+        return shortfall
+    return np.maximum(weight * p_target_row - p_draft_row, 0.0)
 
 
 def _normalised(residual: np.ndarray, fallback: np.ndarray) -> np.ndarray:

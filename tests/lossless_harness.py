@@ -8,8 +8,9 @@ replayed one token at a time through a second copy of the target. Against it:
   backends, where it is enumerable), and no sequence of probability 0 may appear;
 - the acceptance count. Given everything before it, a draft at a verified position is
   accepted with probability min(1, p_target(x) / p_draft(x)) (p_target(x) for a one-hot
-  proposal; a tree's later sibling against the residual its rejected elder siblings left).
-  Summed over every draft verified, accepted minus that expectation has mean
+  proposal; a tree's later sibling against the residual its rejected elder siblings left);
+  under block verification a pass keeps t of its k drafts with the chance ``kept_lengths``
+  gives. Summed over every draft verified, accepted minus that expectation has mean
   0 and a known variance whatever the drafter, the draft lengths or the adaptive choices,
   so a z-score catches over- and under-acceptance the chi-square is too weak to see;
 - no rejected draft emitted again where the residual has no mass on it;
@@ -34,6 +35,7 @@ import numpy as np
 from scipy import stats as scipy_stats
 
 import specrun.engine.passes
+from specrun.engine.passes import DEFAULT_CHAIN_RULE
 from oracle import distribution, exact_joint
 from specrun.engine.loop import GenerationParams, SpeculativeEngine
 from specrun.drafters.methods import (
@@ -101,9 +103,11 @@ class Verified:
         bins = np.minimum((np.array(self.pit) * PIT_BINS).astype(int), PIT_BINS - 1)
         return float(scipy_stats.chisquare(np.bincount(bins, minlength=PIT_BINS)).pvalue)
 
-    def add_run(self, passes: list[Pass], output: Sequence[int], rows: Sequence[Sequence[float]], rng) -> None:
+    def add_run(self, passes: list[Pass], output: Sequence[int], rows: Sequence[Sequence[float]], rng,
+                along: Callable[[Sequence[int]], list[list[float]]] | None = None) -> None:
         """One run's verify passes and output; rows[m]: the target's distribution (from the
-        reference, not the engine) after the prompt and the first m output tokens.
+        reference, not the engine) after the prompt and the first m output tokens; ``along``
+        (tokens): the same after the prompt and each prefix of any tokens, for block passes.
 
         At each depth of a pass the drafts tried there are checked in turn as the correct rule
         tries them: the first against the target's row, each later sibling against the residual
@@ -116,6 +120,8 @@ class Verified:
             if each.n_drafted and full_accept:
                 self.after_full_accept += 1
             full_accept = each.full_accept
+            if each.block is not None:
+                self._add_block(each, output, along)
             for depth, level in enumerate(each.levels):
                 p_row = [float(p) for p in rows[each.offset + depth]]
                 excluded = set()
@@ -137,6 +143,51 @@ class Verified:
                     self.reemitted += output[each.offset + depth] in excluded
         for row, token in zip(rows, output):
             self.pit.append(sum(row[:token]) + rng.random() * row[token])
+
+    def _add_block(self, each: Pass, output: Sequence[int], along) -> None:
+        """A block-verified pass: how many drafts it kept against the exact chances of each
+        count given its drafts. (A block's rejected draft may be emitted again: a draft the
+        target vouches for alone is still dropped when the ones after it fail.)"""
+        tokens, q_rows, n_accepted = each.block
+        k = len(tokens)
+        drafted_rows = along((*output[:each.offset], *tokens, 0))[each.offset:]  # k + 1 rows
+        chances = kept_lengths(tokens, drafted_rows, q_rows)
+        mean = sum(t * chance for t, chance in enumerate(chances))
+        self.tested += k
+        self.accepted += n_accepted
+        self.expected += mean
+        self.variance += sum(t * t * chance for t, chance in enumerate(chances)) - mean * mean
+        self.deepest = max(self.deepest, k)
+
+
+def kept_lengths(tokens: Sequence[int], p_target: Sequence[Sequence[float]], p_draft: Sequence) -> list[float]:
+    """Block verification's chance of keeping t = 0..k of the drafts ``tokens``, in plain Python
+    apart from specrun.verify: p_i = min(1, p_{i-1} p_target_i(x_i) / p_draft_i(x_i)) (p_0 = 1),
+    h_i = r_i / (r_i + 1 - p_i) with r_i = sum(max(0, p_i p_target_{i+1} - p_draft_{i+1})) for
+    i < k (0 where both terms are 0), h_k = p_k; t is the last i kept, so
+    P(t) = h_t prod_{i > t} (1 - h_i) (h_0 = 1). p_target: k + 1 rows; p_draft: k rows or None
+    (one-hot at the token)."""
+    k = len(tokens)
+
+    def q_row(i: int) -> list[float]:
+        return [1.0 if x == tokens[i] else 0.0 for x in range(len(p_target[i]))] if p_draft[i] is None \
+            else [float(q) for q in p_draft[i]]
+
+    weight, keep = 1.0, []
+    for i, token in enumerate(tokens):
+        weight = min(1.0, weight * float(p_target[i][token]) / q_row(i)[token])
+        if i + 1 < k:
+            left = sum(max(0.0, weight * float(p) - q) for p, q in zip(p_target[i + 1], q_row(i + 1)))
+            keep.append(left / (left + 1.0 - weight) if left + 1.0 - weight > 0.0 else 0.0)
+        else:
+            keep.append(weight)
+    chances = []
+    for t in range(k + 1):
+        chance = 1.0 if t == 0 else keep[t - 1]
+        for i in range(t, k):
+            chance *= 1.0 - keep[i]
+        chances.append(chance)
+    return chances
 
 
 def _residual(p_row: list[float], q_row, token: int) -> list[float]:
@@ -172,14 +223,15 @@ class Pass:
     levels: tuple[Level, ...]
     n_drafted: int
     full_accept: bool
+    block: tuple | None = None  # block verification's (tokens, p_draft rows, n_accepted); levels ()
 
 
 class VerifyRecorder:
     """While active, records every sampled verify pass of ``engine`` (into ``passes``),
     chains and trees.
 
-    Wraps whatever ``specrun.engine.passes.verify_sampled`` and ``verify_tree_sampled`` are
-    installed, so the mutation check puts wrong ones there first.
+    Wraps whatever ``specrun.engine.passes.verify_sampled``, ``verify_block`` and
+    ``verify_tree_sampled`` are installed, so the mutation check puts wrong ones there first.
     """
 
     def __init__(self, engine: SpeculativeEngine, prompt: Sequence[int]) -> None:
@@ -189,23 +241,35 @@ class VerifyRecorder:
 
     def __enter__(self) -> VerifyRecorder:
         self._chain = specrun.engine.passes.verify_sampled
+        self._block = specrun.engine.passes.verify_block
         self._tree = specrun.engine.passes.verify_tree_sampled
         specrun.engine.passes.verify_sampled = self._verify
+        specrun.engine.passes.verify_block = self._verify_block
         specrun.engine.passes.verify_tree_sampled = self._verify_tree
         return self
 
     def __exit__(self, *exc) -> None:
         specrun.engine.passes.verify_sampled = self._chain
+        specrun.engine.passes.verify_block = self._block
         specrun.engine.passes.verify_tree_sampled = self._tree
+
+    def _offset(self, n_drafted: int) -> int:
+        return len(self.sequence.tokens) - n_drafted - self.prompt_len
 
     def _verify(self, draft_tokens, p_target, p_draft, rng):
         verdict = self._chain(draft_tokens, p_target, p_draft, rng)
         k, n = len(draft_tokens), verdict.n_accepted
-        offset = len(self.sequence.tokens) - k - self.prompt_len
         levels = tuple(
             Level((int(draft_tokens[i]),), (p_draft[i],), 0 if i < n else None) for i in range(min(n + 1, k))
         )
-        self.passes.append(Pass(offset, levels, k, k > 0 and n == k))
+        self.passes.append(Pass(self._offset(k), levels, k, k > 0 and n == k))
+        return verdict
+
+    def _verify_block(self, draft_tokens, p_target, p_draft, rng):
+        verdict = self._block(draft_tokens, p_target, p_draft, rng)
+        k, n = len(draft_tokens), verdict.n_accepted
+        block = (tuple(int(token) for token in draft_tokens), tuple(p_draft), n)
+        self.passes.append(Pass(self._offset(k), (), k, k > 0 and n == k, block))
         return verdict
 
     def _verify_tree(self, tree, p_target, p_draft, rng):
@@ -280,7 +344,8 @@ def sample_runs(
                 accepted += step.n_accepted
         output = tuple(engine.last_context[len(prompt):])
         counts[output] += 1
-        verified.add_run(recorder.passes, output, reference(prompt, output), pit_rng)
+        verified.add_run(recorder.passes, output, reference(prompt, output), pit_rng,
+                         lambda tokens: reference(prompt, tokens))
     return Sampled(runs, counts, verified, drafted, accepted)
 
 
@@ -366,6 +431,9 @@ class Scenario:
     # enumerates vocab ** window outputs)
     vocab: int = VOCAB
     window: int = WINDOW
+    # how sampled chains are verified (engine.passes.CHAIN_RULES): the engine's default, or
+    # "token", where the mutants of verify_sampled are installed
+    chain_rule: str = DEFAULT_CHAIN_RULE
 
     @property
     def draft_len(self) -> int:
@@ -410,6 +478,10 @@ SCENARIOS = {
     **{f"draft {name}": Scenario("draft", name) for name in SETTINGS if name != "temp 1"},
     "none every option": Scenario("none", "every option"),
     "sharper draft": Scenario("draft", sharper_draft=True),
+    # Token-by-token verification of chains (the engine's default is block verification)
+    "draft token": Scenario("draft", chain_rule="token"),
+    "lookup token": Scenario("lookup", chain_rule="token"),
+    "sharper draft token": Scenario("draft", sharper_draft=True, chain_rule="token"),
     "draft confidence stop": Scenario("draft", draft_min_prob=0.45),
     # Token trees (runner-up guesses as siblings, verified in one pass): every method whose
     # drafter takes branches, by itself, and the n-gram pool adaptive as well.
@@ -464,7 +536,9 @@ def fake_engine(scenario: Scenario) -> SpeculativeEngine:
     options = DrafterOptions(draft_min_prob=scenario.draft_min_prob, branches=scenario.branches, heads=heads,
                              auto_lookahead=scenario.auto_lookahead, auto_heads=scenario.auto_heads)
     drafter = build_drafter(scenario.method, draft if uses_draft else None, options)
-    return SpeculativeEngine(target, drafter, method=scenario.method, clock=clock)
+    engine = SpeculativeEngine(target, drafter, method=scenario.method, clock=clock)
+    engine.passes.chain_rule = scenario.chain_rule
+    return engine
 
 
 def _draft_table(vocab: int = VOCAB):
@@ -667,6 +741,9 @@ def real_scenario(target, draft, reference, method: str, sampling: SamplingSetti
     clock.charge(draft, 0.05, 0.0)
     drafter = build_drafter(method, draft, DrafterOptions(branches=branches, heads=heads))
     engine = SpeculativeEngine(target, drafter, method=method, clock=clock)
+    # Token by token: the PIT and the acceptance count as they were; a block pass's expectation
+    # needs the target's rows along its rejected drafts too, a replay per pass on a real backend.
+    engine.passes.chain_rule = "token"
     draft_len = ADAPTIVE_MAX_DRAFT_LEN if adaptive or is_adaptive(method) else DRAFT_LEN
     prompt = target.tokenize(REAL_PROMPT)
     sampled = sample_runs(engine, prompt, REAL_TOKENS, sampling, runs, draft_len,

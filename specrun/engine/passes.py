@@ -17,7 +17,15 @@ from specrun.backends.kv import KVSequence
 from specrun.drafters.base import Drafter, Proposal
 from specrun.engine.constrained import masked_rows
 from specrun.sampling import SamplingSettings, probabilities, sample
-from specrun.verify import TreeVerdict, Verdict, verify_greedy, verify_sampled, verify_tree_greedy, verify_tree_sampled
+from specrun.verify import (
+    TreeVerdict, Verdict, verify_block, verify_greedy, verify_sampled, verify_tree_greedy, verify_tree_sampled
+)
+
+# How a sampled chain is verified: "block" decides the drafts jointly (verify_block), "token" one
+# at a time (verify_sampled). Both are exact; block never accepts fewer in expectation and
+# accepted more on every pair measured (docs/design.md, "Acceptance"), so it is the default.
+CHAIN_RULES = ("block", "token")
+DEFAULT_CHAIN_RULE = "block"
 
 
 @dataclass(frozen=True)
@@ -32,9 +40,10 @@ class DeferredDrafts:
 class TargetPasses:
     """The target's passes over the prompt and over each step's drafts, and their verdicts."""
 
-    def __init__(self, target: KVSequence) -> None:
+    def __init__(self, target: KVSequence, chain_rule: str = DEFAULT_CHAIN_RULE) -> None:
         self.target = target
         self.drafter: Drafter | None = None  # the engine's: shown each pass where it reads passes
+        self.chain_rule = chain_rule  # one of CHAIN_RULES: how sampled chains are verified
 
     def prefill(self, context: list[int]) -> tuple[np.ndarray, bool]:
         """Feed the prompt, reusing any cached prefix, and return the logits after its last
@@ -76,7 +85,8 @@ class TargetPasses:
         logits = masked_rows(self.target.feed(fed, rows), allowed)  # (k+1, V)
         self._show_pass(drafts, logits)
         p_target = probabilities(logits, sampling)
-        return drafts, verify_sampled(drafts.tokens, p_target, drafts.p_draft, rng)
+        rule = verify_block if self.chain_rule == "block" else verify_sampled
+        return drafts, rule(drafts.tokens, p_target, drafts.p_draft, rng)
 
     def _verify_tree(
         self, last_token: int, proposal: Proposal, sampling: SamplingSettings, rng: np.random.Generator,

@@ -301,14 +301,15 @@ def _install_greedy(verifier) -> Callable[[pytest.MonkeyPatch], None]:
 # Every mutant goes to the scenarios where it shows: rules for one-hot proposals to prompt
 # lookup, over-acceptance to a draft close to the target (acceptance z ~ 9; against an
 # unrelated draft it is ~ 3 at these runs), sampler bugs to the option they break.
+# The chain rules' mutants run where the engine verifies chains token by token.
 SCENARIOS_OF = {
-    "never reject a one-hot proposal": ("lookup",),
-    "resample from the target (the residual keeps the rejected token)": ("draft", "lookup"),
-    "over-accepting by 3%": ("sharper draft",),
-    "never reject: a rejection emits the rejected draft": ("draft", "lookup"),
+    "never reject a one-hot proposal": ("lookup token",),
+    "resample from the target (the residual keeps the rejected token)": ("draft token", "lookup token"),
+    "over-accepting by 3%": ("sharper draft token",),
+    "never reject: a rejection emits the rejected draft": ("draft token", "lookup token"),
 }
 MUTANTS = [
-    *(Mutant(name, _install_verifier(verifier), SCENARIOS_OF.get(name, ("draft",)))
+    *(Mutant(name, _install_verifier(verifier), SCENARIOS_OF.get(name, ("draft token",)))
       for name, verifier in SAMPLED_VERIFIERS.items()),
     *(Mutant(name, _install_tree_verifier(verifier), ("ngram tree", "lookup+ngram+draft tree"))
       for name, verifier in TREE_VERIFIERS.items()),
