@@ -217,6 +217,7 @@ def verify_tree_sampled(
     p_target: np.ndarray,
     p_draft: Sequence[np.ndarray | None],
     rng: np.random.Generator,
+    independent: str = "k-sequential",
 ) -> TreeVerdict:
     """Temperature > 0 on a tree: multi-round rejection sampling over siblings (SpecInfer).
 
@@ -229,6 +230,10 @@ def verify_tree_sampled(
     its earlier siblings (the same row for siblings drawn independently; ``sibling_row``
     for siblings drawn without replacement), or None for a deterministic node (one-hot
     at its token).
+    independent: how leading siblings drawn independently from one row (``independent_run``)
+    are verified: ``"k-sequential"``, SpecTr's selection (``select_k_sequential``), or
+    ``"rejection"``, the multi-round rule above; the siblings after them are tried in turn
+    against what is left.
     The emitted tokens are distributed exactly as the target's own samples; on a
     chain-shaped tree this draws the same random numbers as ``verify_sampled``.
     """
@@ -236,7 +241,17 @@ def verify_tree_sampled(
     node = -1
     while True:
         p_row = p_target[node + 1]  # (vocab,)
-        for child in tree.children_of(node):
+        children = tree.children_of(node)
+        first = 0
+        if independent == "k-sequential" and (run := independent_run(children, p_draft)) > 1:
+            tokens = [tree.tokens[child] for child in children[:run]]
+            chosen, p_row = select_k_sequential(tokens, p_row, p_draft[children[0]], rng)
+            if chosen is not None:
+                path.append(children[chosen])
+                node = children[chosen]
+                continue
+            first = run
+        for child in children[first:]:
             accepted, p_row = _accept_one(tree.tokens[child], p_row, p_draft[child], rng)
             if accepted:
                 path.append(child)
@@ -244,3 +259,63 @@ def verify_tree_sampled(
                 break
         else:
             return TreeVerdict(tuple(path), sample(p_row, rng))
+
+
+def independent_run(children: Sequence[int], p_draft: Sequence[np.ndarray | None]) -> int:
+    """How many of the first ``children`` were drawn independently from one row: they carry
+    the same ``p_draft`` row (a sibling drawn without replacement carries ``sibling_row``, a
+    deterministic one None)."""
+    if not children or p_draft[children[0]] is None:
+        return 0
+    row = p_draft[children[0]]
+    run = 1
+    while run < len(children) and (other := p_draft[children[run]]) is not None and (
+        other is row or np.array_equal(other, row)
+    ):
+        run += 1
+    return run
+
+
+# Bisection steps for SpecTr's rho in [1, k]: k 2^-40 is far below any probability that matters.
+RHO_STEPS = 40
+
+
+def k_sequential_rho(p_target_row: np.ndarray, p_draft_row: np.ndarray, n_drafts: int) -> tuple[float, float]:
+    """SpecTr's rho for ``n_drafts`` independent draws from ``p_draft_row``: the least rho in
+    [1, n_drafts] with 1 - (1 - beta)^n_drafts <= rho beta, where beta(rho) =
+    sum(min(p_draft, p_target / rho)); returns rho and beta(rho). The left side is the chance
+    some draft is accepted, which falls as rho grows; the right side rises."""
+    drawn = p_draft_row > 0.0
+    p_target_drawn, p_draft_drawn = p_target_row[drawn], p_draft_row[drawn]
+
+    def beta(rho: float) -> float:
+        return float(np.minimum(p_draft_drawn, p_target_drawn / rho).sum())
+
+    low, high = 1.0, float(n_drafts)
+    for _ in range(RHO_STEPS):
+        middle = 0.5 * (low + high)
+        b = beta(middle)
+        if 1.0 - (1.0 - b) ** n_drafts <= middle * b:
+            high = middle
+        else:
+            low = middle
+    return high, beta(high)
+
+
+def select_k_sequential(
+    tokens: Sequence[int], p_target_row: np.ndarray, p_draft_row: np.ndarray, rng: np.random.Generator
+) -> tuple[int | None, np.ndarray]:
+    """SpecTr's k-sequential selection (Sun et al. 2023, Algorithm 3) of one of ``tokens``,
+    independent draws from ``p_draft_row`` (vocab,): each in turn is accepted with probability
+    min(1, p_target(x) / (rho p_draft(x))). Returns the index accepted (None: every one
+    rejected) and the row the next token comes from otherwise: p_target less what the
+    selection emits, norm(max(0, p_target - min(p_draft, p_target / rho) (1 - (1 - beta)^k) / beta))."""
+    n_drafts = len(tokens)
+    rho, beta = k_sequential_rho(p_target_row, p_draft_row, n_drafts)
+    for index, token in enumerate(tokens):
+        if rng.random() * rho * p_draft_row[token] < p_target_row[token]:
+            return index, p_target_row
+    if beta <= 0.0:
+        return None, p_target_row
+    emitted = np.minimum(p_draft_row, p_target_row / rho) * ((1.0 - (1.0 - beta) ** n_drafts) / beta)  # (vocab,)
+    return None, _normalised(np.maximum(p_target_row - emitted, 0.0), p_target_row)

@@ -12,7 +12,7 @@ from scipy import stats as scipy_stats
 
 import specrun.verify
 from specrun.tree import TokenTree
-from specrun.verify import verify_greedy, verify_sampled, verify_tree_greedy, verify_tree_sampled
+from specrun.verify import sibling_row, verify_greedy, verify_sampled, verify_tree_greedy, verify_tree_sampled
 
 ALPHA = 1e-3  # a correct verifier fails a fixed seed's chi-square with this probability
 VOCAB = 4
@@ -114,16 +114,17 @@ def _siblings(rng, context, n_sampled: int, replacement: bool):
     return tokens, rows
 
 
-def _sample_tree(rng, context: tuple[int, ...]):
-    """Depth 2: three children at the root (two drafted with replacement, one deterministic),
-    three below each (two drafted without replacement, one deterministic)."""
+def _sample_tree(rng, context: tuple[int, ...], root_drafts: int = 2, replacement_below: bool = False):
+    """Depth 2: children at the root (``root_drafts`` drafted with replacement, one
+    deterministic), below each two drafted (without replacement unless ``replacement_below``)
+    and one deterministic."""
     tokens, parents, p_draft = [], [], []
-    first, rows = _siblings(rng, context, 2, replacement=True)
+    first, rows = _siblings(rng, context, root_drafts, replacement=True)
     tokens += first
     parents += [-1] * len(first)
     p_draft += rows
     for node, token in enumerate(first):
-        second, rows = _siblings(rng, (*context, token), 2, replacement=False)
+        second, rows = _siblings(rng, (*context, token), 2, replacement=replacement_below)
         tokens += second
         parents += [node] * len(second)
         p_draft += rows
@@ -134,14 +135,15 @@ def _sample_tree(rng, context: tuple[int, ...]):
     return tree, p_target, p_draft
 
 
-def _two_token_counts(seed: int) -> np.ndarray:
-    """How often each (first, second) pair of emitted tokens came out: (VOCAB, VOCAB).
-    A verdict of one token is continued by sampling the target itself."""
+def _two_token_counts(seed: int, grow=None) -> np.ndarray:
+    """How often each (first, second) pair of emitted tokens came out: (VOCAB, VOCAB), over
+    trees from ``grow`` (``_sample_tree``). A verdict of one token is continued by sampling the
+    target itself."""
     rng = np.random.default_rng(seed)
     context = (1, 2)
     counts = np.zeros((VOCAB, VOCAB), dtype=np.int64)
     for _ in range(SAMPLES):
-        tree, p_target, p_draft = _sample_tree(rng, context)
+        tree, p_target, p_draft = (grow or _sample_tree)(rng, context)
         verdict = verify_tree_sampled(tree, p_target, p_draft, rng)
         emitted = [tree.tokens[node] for node in verdict.path] + [verdict.next_token]
         if len(emitted) == 1:
@@ -174,3 +176,70 @@ def _residual_without_the_update(token, p_target_row, p_draft_row):
 def test_a_wrong_residual_fails_the_same_chi_square(monkeypatch):
     monkeypatch.setattr(specrun.verify, "_residual", _residual_without_the_update)
     assert _chi_square_p(_two_token_counts(seed=0)) < ALPHA
+
+
+# ---- independent siblings: SpecTr's k-sequential selection ------------------------------------
+
+
+def _independent_tree(rng, context: tuple[int, ...]):
+    """2 to 4 children drawn with replacement at the root (and a deterministic one), two drawn
+    with replacement below each (and a deterministic one): k-sequential selection at every
+    node, the deterministic sibling tried after it."""
+    return _sample_tree(rng, context, root_drafts=int(rng.integers(2, 5)), replacement_below=True)
+
+
+def test_k_sequential_selection_emits_the_target_distribution():
+    assert _chi_square_p(_two_token_counts(seed=1, grow=_independent_tree)) > ALPHA
+
+
+def test_k_sequential_selection_without_its_rho_fails_the_same_chi_square(monkeypatch):
+    """The mutant: rho fixed at 1, so each draft is tested as if it were alone while the residual
+    is taken as for several: the residual goes negative and is cut."""
+    rho = specrun.verify.k_sequential_rho
+    monkeypatch.setattr(specrun.verify, "k_sequential_rho", lambda p, q, n: (1.0, rho(p, q, 1)[1]))
+    assert _chi_square_p(_two_token_counts(seed=1, grow=_independent_tree)) < ALPHA
+
+
+def test_only_siblings_drawn_from_one_row_are_independent():
+    row, other = np.array([0.5, 0.3, 0.2]), np.array([0.2, 0.3, 0.5])
+    assert specrun.verify.independent_run([0, 1, 2], [row, row.copy(), other]) == 2
+    assert specrun.verify.independent_run([0, 1], [row, sibling_row(row, [0])]) == 1  # without replacement
+    assert specrun.verify.independent_run([0, 1], [None, None]) == 0  # deterministic
+    assert specrun.verify.independent_run([], []) == 0
+
+
+def test_k_sequential_rho_solves_spectr_s_equation():
+    """rho in [1, k] where 1 - (1 - beta)^k = rho beta: 1 for one draft, and the residual left
+    non-negative with its mass where the selection's is missing."""
+    rng = np.random.default_rng(3)
+    for _ in range(50):
+        p_target, p_draft = _random_rows(rng, 2, 6)
+        for n_drafts in (1, 2, 3, 4):
+            rho, beta = specrun.verify.k_sequential_rho(p_target, p_draft, n_drafts)
+            assert 1.0 <= rho <= n_drafts
+            assert 1.0 - (1.0 - beta) ** n_drafts == pytest.approx(rho * beta, abs=1e-9)
+            emitted = np.minimum(p_draft, p_target / rho) * (1.0 - (1.0 - beta) ** n_drafts) / beta
+            assert np.all(p_target - emitted >= -1e-9)
+
+
+def _node_acceptance(p_target: np.ndarray, p_draft: np.ndarray, n_drafts: int) -> tuple[float, float]:
+    """The exact chance that one of ``n_drafts`` independent draws from ``p_draft`` is accepted:
+    by k-sequential selection, 1 - (1 - beta)^k; by multi-round rejection, where a rejection
+    leaves norm(max(0, p - p_draft)) whatever the token, 1 - prod(1 - sum(min(p_j, p_draft)))."""
+    _, beta = specrun.verify.k_sequential_rho(p_target, p_draft, n_drafts)
+    rejected, p_row = 1.0, p_target
+    for _ in range(n_drafts):
+        rejected *= 1.0 - np.minimum(p_row, p_draft).sum()
+        left = np.maximum(p_row - p_draft, 0.0)
+        p_row = left / left.sum() if left.sum() > 0.0 else p_row
+    return 1.0 - (1.0 - beta) ** n_drafts, 1.0 - rejected
+
+
+def test_k_sequential_selection_accepts_more_than_multi_round_rejection_of_independent_drafts():
+    """Why it is the rule for independent siblings: over random rows it accepts more on average
+    (docs/design.md gives the figures on real rows)."""
+    rng = np.random.default_rng(4)
+    for n_drafts in (2, 3, 4):
+        pairs = [_random_rows(rng, 2, 8) for _ in range(200)]
+        k_sequential, rejection = np.mean([_node_acceptance(p, q, n_drafts) for p, q in pairs], axis=0)
+        assert k_sequential > rejection + 0.005, (n_drafts, k_sequential, rejection)
