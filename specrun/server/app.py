@@ -33,6 +33,7 @@ from specrun.server.requests import (
 )
 from specrun.server.worker import (
     DEFAULT_MAX_QUEUE,
+    Calls,
     ClientGone,
     Delta,
     Done,
@@ -218,12 +219,14 @@ class OpenAIServer:
     async def _whole(self, request, job: Job, started: Started):
         from starlette.responses import JSONResponse
 
-        texts = []
+        texts, calls = [], ()
         try:
             while True:
                 event = await job.next_event(request.is_disconnected)
                 if isinstance(event, Delta):
                     texts.append(event.text)
+                elif isinstance(event, Calls):
+                    calls = event.calls
                 elif isinstance(event, Failed):
                     raise event.error
                 elif isinstance(event, Done):
@@ -232,8 +235,10 @@ class OpenAIServer:
             job.cancel()  # a no-op once Done; else the generation stops at its next pass
         text = "".join(texts)
         if job.request.is_chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                      "logprobs": None, "finish_reason": event.finish_reason}
+            message = {"role": "assistant", "content": text or (None if calls else "")}
+            if calls:
+                message["tool_calls"] = [call.as_openai() for call in calls]
+            choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": event.finish_reason}
         else:
             choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": event.finish_reason}
         return JSONResponse({
@@ -270,6 +275,11 @@ class OpenAIServer:
                     chunk = self._chunk(job, event.text, None)
                     chunk["speculation"] = {"tokens": event.tokens, "from_draft": event.from_draft}
                     yield _sse_data(chunk)
+                elif isinstance(event, Calls):  # each call whole, as one delta of its own
+                    for index, call in enumerate(event.calls):
+                        chunk = self._chunk(job, None, None)
+                        chunk["choices"][0]["delta"] = {"tool_calls": [{"index": index, **call.as_openai()}]}
+                        yield _sse_data(chunk)
                 elif isinstance(event, Failed):
                     yield _sse_data(event.error.body())
                     break

@@ -7,15 +7,18 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from specrun.grammar import GrammarError, GrammarSpec
 from specrun.sampling import SamplingSettings
+from specrun.sessions.tools import Tool, ToolChoice
 
 MAX_STOP_STRINGS = 4  # as OpenAI's API
 MAX_TEMPERATURE = 2.0  # as OpenAI's API
-ROLES = ("system", "developer", "user", "assistant")
+ROLES = ("system", "developer", "user", "assistant", "tool")
+FUNCTION_NAME = re.compile(r"[A-Za-z0-9_.\-]{1,64}")  # OpenAI's rule for a function's name
 
 # OpenAI fields specrun accepts but does not act on, with the values that mean "nothing asked":
 # any other value is refused by name rather than silently ignored.
@@ -25,8 +28,6 @@ _INERT_FIELDS = {
     "logprobs": (False, None),
     "top_logprobs": (0, None),
     "logit_bias": (None,),
-    "tools": (None,),
-    "tool_choice": (None, "none", "auto"),
     "functions": (None,),
     "function_call": (None, "none", "auto"),
     "echo": (False, None),
@@ -34,7 +35,7 @@ _INERT_FIELDS = {
     "suffix": (None, ""),
 }
 # Fields with no effect on the answer: accepted as any value.
-_FREE_FIELDS = ("user", "store", "metadata", "service_tier", "parallel_tool_calls")
+_FREE_FIELDS = ("user", "store", "metadata", "service_tier")
 _COMMON_FIELDS = ("model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stream",
                   "stream_options", "n", "response_format", "grammar", "json_schema")
 
@@ -84,6 +85,9 @@ class CompletionRequest:
     prompt: str | tuple[int, ...] | None = None
     grammar: GrammarSpec | None = None  # what the answer must follow (response_format, grammar, json_schema)
     grammar_field: str | None = None  # the field that asked for it, which a refusal names
+    tools: tuple[Tool, ...] = ()
+    tool_choice: ToolChoice = field(default_factory=ToolChoice)
+    parallel_tool_calls: bool = False  # may a required call be several? (llama-server's default: one)
 
     @property
     def is_chat(self) -> bool:
@@ -270,9 +274,78 @@ def _parse_stop(stop) -> tuple[str, ...]:
 
 def parse_chat_request(body: dict, defaults: ServeDefaults, n_ctx: int) -> CompletionRequest:
     """A /v1/chat/completions body as a CompletionRequest, or a RequestError naming the bad field."""
-    _check_fields(body, (*_COMMON_FIELDS, "messages", "max_completion_tokens"))
+    _check_fields(body, (*_COMMON_FIELDS, "messages", "max_completion_tokens", "tools", "tool_choice",
+                         "parallel_tool_calls"))
     common = _parse_common(body, defaults, n_ctx, "max_completion_tokens")
-    return CompletionRequest(messages=_parse_messages(body.get("messages")), **common)
+    tools = _parse_tools(body.get("tools"))
+    choice = _parse_tool_choice(body.get("tool_choice"), tools)
+    if choice.forces_a_call and common["grammar"] is not None:
+        raise invalid_value("tool_choice", f"a required tool call and {common['grammar_field']} both constrain "
+                            "the answer: send one of them")
+    parallel = body.get("parallel_tool_calls")
+    if parallel is not None and not isinstance(parallel, bool):
+        raise RequestError("parallel_tool_calls must be a boolean", "parallel_tool_calls", code="invalid_type")
+    return CompletionRequest(messages=_parse_messages(body.get("messages")), tools=tools, tool_choice=choice,
+                             parallel_tool_calls=bool(parallel), **common)
+
+
+def _parse_tools(tools) -> tuple[Tool, ...]:
+    """``tools``: function definitions, each with a name and, where given, a JSON schema of its
+    arguments that compiles (a required call's arguments follow it)."""
+    if tools is None or tools == []:
+        return ()
+    if not isinstance(tools, list):
+        raise RequestError("tools must be a list of {\"type\": \"function\", \"function\": {...}} objects", "tools",
+                           code="invalid_type")
+    parsed, names = [], set()
+    for index, tool in enumerate(tools):
+        where = f"tools[{index}]"
+        if not isinstance(tool, dict) or tool.get("type", "function") != "function" or not isinstance(
+                tool.get("function"), dict):
+            raise RequestError(f"{where} must be {{\"type\": \"function\", \"function\": {{\"name\": ...}}}}: "
+                               "specrun serve takes function tools", where, code="invalid_type")
+        function = tool["function"]
+        name = function.get("name")
+        if not isinstance(name, str) or not FUNCTION_NAME.fullmatch(name):
+            raise RequestError(f"{where}.function.name must be 1 to 64 letters, digits, '_', '.' or '-', "
+                               f"got {_shown(name)}", f"{where}.function.name",
+                               code="missing_required_parameter" if name is None else "invalid_value")
+        if name in names:
+            raise invalid_value(f"{where}.function.name", f"{name!r} is defined twice")
+        names.add(name)
+        description = function.get("description") or ""
+        if not isinstance(description, str):
+            raise RequestError(f"{where}.function.description must be a string", f"{where}.function.description",
+                               code="invalid_type")
+        parameters = function.get("parameters")
+        if parameters is not None:
+            if not isinstance(parameters, dict):
+                raise RequestError(f"{where}.function.parameters must be a JSON schema object",
+                                   f"{where}.function.parameters", code="invalid_type")
+            try:
+                GrammarSpec("json_schema", json.dumps(parameters)).check()
+            except GrammarError as exc:
+                raise invalid_value(f"{where}.function.parameters", exc.problem) from None
+        parsed.append(Tool(name, _text(description, f"{where}.function.description"), parameters))
+    return tuple(parsed)
+
+
+def _parse_tool_choice(choice, tools: Sequence[Tool]) -> ToolChoice:
+    if choice is None:
+        return ToolChoice()
+    if choice in ("auto", "none", "required"):
+        if choice == "required" and not tools:
+            raise invalid_value("tool_choice", "\"required\" needs tools to call: send tools too")
+        return ToolChoice(choice)
+    if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("function"), dict):
+        name = choice["function"].get("name")
+        if not any(tool.name == name for tool in tools):
+            known = ", ".join(tool.name for tool in tools) or "none"
+            raise invalid_value("tool_choice", f"names the function {_shown(name)}, which tools does not define "
+                                f"(defined: {known})")
+        return ToolChoice("function", name)
+    raise RequestError('tool_choice must be "auto", "none", "required" or {"type": "function", "function": '
+                       '{"name": ...}}', "tool_choice", code="invalid_type")
 
 
 def _parse_messages(messages) -> tuple[dict[str, str], ...]:
@@ -289,10 +362,43 @@ def _parse_messages(messages) -> tuple[dict[str, str], ...]:
             raise RequestError(f"{where} must be an object with role and content", where, code="invalid_type")
         role = message.get("role")
         if role not in ROLES:
-            raise invalid_value(f"{where}.role", f"must be one of {', '.join(ROLES)}, got {json.dumps(role)}")
+            raise invalid_value(f"{where}.role", f"must be one of {', '.join(ROLES)}, got {_shown(role)}")
         content = _message_text(message.get("content"), f"{where}.content", optional=role == "assistant")
-        parsed.append({"role": "system" if role == "developer" else role, "content": content})
+        entry = {"role": "system" if role == "developer" else role, "content": content}
+        if role == "assistant" and message.get("tool_calls"):
+            entry["tool_calls"] = _earlier_calls(message["tool_calls"], f"{where}.tool_calls")
+        if role == "tool":
+            call_id = message.get("tool_call_id")
+            if call_id is not None and not isinstance(call_id, str):
+                raise RequestError(f"{where}.tool_call_id must be a string", f"{where}.tool_call_id",
+                                   code="invalid_type")
+            entry["tool_call_id"] = call_id or ""
+            if isinstance(message.get("name"), str):
+                entry["name"] = message["name"]
+        parsed.append(entry)
     return tuple(parsed)
+
+
+def _earlier_calls(calls, where: str) -> list[dict]:
+    """An assistant message's ``tool_calls``, as the model made them in an earlier answer."""
+    if not isinstance(calls, list):
+        raise RequestError(f"{where} must be a list of tool calls", where, code="invalid_type")
+    checked = []
+    for index, call in enumerate(calls):
+        at = f"{where}[{index}]"
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise RequestError(f"{at} must be {{\"type\": \"function\", \"function\": {{\"name\": ..., "
+                               "\"arguments\": ...}}", at, code="invalid_type")
+        arguments = function.get("arguments", "{}")
+        if not isinstance(arguments, (str, dict)):
+            raise RequestError(f"{at}.function.arguments must be JSON text", f"{at}.function.arguments",
+                               code="invalid_type")
+        checked.append({"id": str(call.get("id") or ""), "type": "function",
+                        "function": {"name": _text(function["name"], f"{at}.function.name"),
+                                     "arguments": arguments if isinstance(arguments, dict)
+                                     else _text(arguments, f"{at}.function.arguments")}})
+    return checked
 
 
 def _message_text(content, where: str, optional: bool) -> str:

@@ -37,6 +37,7 @@ from specrun.grammar import Grammar, GrammarError
 from specrun.registry.loading import LoadOptions
 from specrun.server.requests import CompletionRequest, RequestError, invalid_value
 from specrun.sessions.setup import TreeSettings
+from specrun.sessions.tools import ToolCall, ToolStyle, ToolTemplateError, render_conversation, style_for
 
 DEFAULT_MAX_QUEUE = 64
 DISCONNECT_POLL_SECONDS = 0.25
@@ -106,6 +107,37 @@ def _extend_prefix_function(table: list[int], stop: str) -> None:
     table.append(length)
 
 
+class ToolCallCut:
+    """Streams an answer's content and keeps its tool calls back, to be read whole at the end.
+
+    In a style whose calls begin with text (Hermes' ``<tool_call>``), the content before that
+    text streams as it comes and everything from it on is held; in a style whose calls may
+    begin the answer as bare JSON (their opener a control token without text), the whole answer
+    is held. Text held that turns out not to be a call goes out as content at the end."""
+
+    def __init__(self, style: ToolStyle) -> None:
+        self.style = style
+        self._opener = StopCut([style.opener]) if style.name == "hermes" else None
+        self._text: list[str] = []
+        self._sent = 0  # characters of the answer sent as content
+
+    def feed(self, text: str) -> str:
+        self._text.append(text)
+        if self._opener is None or self._opener.stopped:
+            return ""
+        out = self._opener.feed(text)
+        self._sent += len(out)
+        return out
+
+    def finish(self) -> tuple[str, tuple[ToolCall, ...]]:
+        """The content not sent yet, and the calls the answer made."""
+        answer = "".join(self._text)
+        _, calls = self.style.parse(answer)
+        if calls:
+            return "", tuple(calls)
+        return answer[self._sent:], ()
+
+
 # ---- the worker and its jobs ------------------------------------------------------------
 @dataclass(frozen=True)
 class Started:
@@ -133,13 +165,21 @@ class Done:
 
 
 @dataclass(frozen=True)
+class Calls:
+    """Event, just before Done: the tool calls the answer made (OpenAI's finish_reason "tool_calls")."""
+
+    calls: tuple[ToolCall, ...]
+
+
+@dataclass(frozen=True)
 class Failed:
     error: RequestError
 
 
-JobEvent = Started | Delta | Done | Failed
+JobEvent = Started | Delta | Calls | Done | Failed
 # OpenAI's reasons; a grammar that allows no token at all ends the answer as a length would
 _FINISH_REASONS = {"eos": "stop", "length": "length", "context": "length", "grammar": "length"}
+TOOL_CALLS = "tool_calls"  # the finish reason of an answer that made calls
 
 
 class Job:
@@ -333,6 +373,7 @@ class PairWorker:
         reused = min(common_prefix_len(session.engine.target.tokens, prompt_ids), len(prompt_ids) - 1)
         job.emit(Started(len(prompt_ids), reused))
         cut = StopCut(job.request.stop)
+        tool_cut = self._tool_cut(job.request)
         tokens = from_draft = 0
         params = GenerationParams(job.request.max_tokens, 0, job.request.sampling, tree_nodes=self.pair.trees.nodes,
                                   grammar=grammar)
@@ -347,17 +388,21 @@ class PairWorker:
                     tokens += len(event.token_ids)
                     from_draft += sum(event.from_draft)
                     text = cut.feed(event.text)
+                    if tool_cut is not None:
+                        text = tool_cut.feed(text)
                     if text:
                         job.emit(Delta(text, tokens, from_draft))
                         tokens = from_draft = 0
                     if cut.stopped:
-                        self._finish(job, "stop", event.stats)
+                        self._finish(job, "stop", event.stats, tool_cut)
                         return
                 elif isinstance(event, Finished):
                     tail = cut.flush()
+                    if tool_cut is not None:
+                        tail = tool_cut.feed(tail)
                     if tail or tokens:
                         job.emit(Delta(tail, tokens, from_draft))
-                    self._finish(job, _FINISH_REASONS[event.result.finish_reason], event.result.stats)
+                    self._finish(job, _FINISH_REASONS[event.result.finish_reason], event.result.stats, tool_cut)
         except Exception as exc:  # noqa: BLE001 - the server keeps serving; the request learns what failed
             message = exc.one_line() if isinstance(exc, SpecrunError) else f"{type(exc).__name__}: {exc}"
             job.emit(Failed(RequestError(f"generation failed: {message}", status=500, code="internal_error",
@@ -365,23 +410,44 @@ class PairWorker:
         finally:
             stream.close()  # stops the engine at this pass; the caches stay exact
 
-    def _finish(self, job: Job, finish_reason: str, stats: Stats) -> None:
+    def _finish(self, job: Job, finish_reason: str, stats: Stats, tool_cut: ToolCallCut | None = None) -> None:
+        if tool_cut is not None:
+            tail, calls = tool_cut.finish()
+            if tail:
+                job.emit(Delta(tail, 0, 0))
+            if calls:
+                job.emit(Calls(calls))
+                finish_reason = TOOL_CALLS
         self.served += 1
         job.emit(Done(finish_reason, stats))
         self.log(f"{job.id}: {finish_reason}; {stats.summary()}")
 
+    def _style(self) -> ToolStyle:
+        return style_for(self.session.template)
+
+    def _tool_cut(self, request: CompletionRequest) -> ToolCallCut | None:
+        """What reads the calls out of this request's answer: None where it has no tools to call."""
+        if not request.tools or request.tool_choice.mode == "none":
+            return None
+        return ToolCallCut(self._style())
+
     def _grammar(self, request: CompletionRequest) -> Grammar | None:
-        """The request's grammar compiled for the target's vocabulary (checked without one already)."""
-        if request.grammar is None:
+        """The request's grammar compiled for the target's vocabulary (checked without one already);
+        where a call is required, the grammar of calls in the format the model writes them."""
+        spec, field_name = request.grammar, request.grammar_field
+        if request.tools and request.tool_choice.forces_a_call:
+            spec = self._style().grammar(request.tools, request.tool_choice, request.parallel_tool_calls)
+            field_name = "tools"
+        if spec is None:
             return None
         try:
-            return Grammar.compile(request.grammar, self.session.target)
+            return Grammar.compile(spec, self.session.target)
         except GrammarError as exc:
-            raise invalid_value(request.grammar_field, exc.problem) from None
+            raise invalid_value(field_name, exc.problem) from None
 
     def _prompt_ids(self, request: CompletionRequest) -> list[int]:
         from specrun.sessions.setup import check_prompt_size, prompt_token_ids
-        from specrun.sessions.templates import render_with_spans, tokenize_rendered
+        from specrun.sessions.templates import tokenize_rendered
 
         session = self.session
         target = session.target
@@ -394,7 +460,10 @@ class PairWorker:
                 raise RequestError(f"{param}: {exc.problem}; shorten it, or restart the server with a larger --ctx",
                                    param, code="context_length_exceeded") from None
         if request.is_chat:
-            text, spans = render_with_spans(session.template, list(request.messages))
+            try:
+                text, spans = render_conversation(session.template, list(request.messages), request.tools)
+            except ToolTemplateError as exc:
+                raise RequestError(exc.one_line(), "tools", code="invalid_value") from None
             prompt_ids = tokenize_rendered(target, session.template, text, spans)
         elif isinstance(request.prompt, str):
             prompt_ids = prompt_token_ids(target, request.prompt, chat=False)

@@ -216,12 +216,14 @@ class ChatTemplate:
         eos = backend.token_text(min(vocab.eos_ids)) if vocab.eos_ids else ""
         return cls(backend.chat_template(), bos, eos)
 
-    def render(self, messages: Sequence[dict[str, str]], add_generation_prompt: bool = True) -> str:
+    def render(self, messages: Sequence[dict[str, str]], add_generation_prompt: bool = True,
+               extra: dict | None = None) -> str:
         """The conversation as the model's prompt text; ChatTemplateError if the template fails,
-        is unsafe, or runs past its limits."""
+        is unsafe, or runs past its limits. ``extra``: more variables the template may read
+        (``tools``)."""
         self._template.environment.deadline = time.monotonic() + MAX_RENDER_SECONDS
         try:
-            return self._render(messages, add_generation_prompt)
+            return self._render(messages, add_generation_prompt, extra or {})
         except _OverLimit as exc:
             raise ChatTemplateError(
                 f"the model's chat template was stopped: {exc}, too much for any conversation", _REFUSAL_FIX
@@ -247,10 +249,11 @@ class ChatTemplate:
             ) from None
 
 
-    def _render(self, messages: Sequence[dict[str, str]], add_generation_prompt: bool) -> str:
+    def _render(self, messages: Sequence[dict[str, str]], add_generation_prompt: bool, extra: dict) -> str:
         """The rendering, streamed so that its length is checked as it grows."""
         pieces, length = [], 0
         for piece in self._template.generate(
+            **extra,
             messages=list(messages),
             add_generation_prompt=add_generation_prompt,
             bos_token=self.bos_token,
@@ -265,7 +268,7 @@ class ChatTemplate:
 
 
 def render_with_spans(template: ChatTemplate, messages: Sequence[dict[str, str]],
-                      add_generation_prompt: bool = True) -> tuple[str, list[tuple[int, int]]]:
+                      add_generation_prompt: bool = True, extra: dict | None = None) -> tuple[str, list[tuple[int, int]]]:
     """``messages`` rendered, and where each message's content stands in the text, in order.
 
     The template is rendered a second time with each content replaced by a marker of its own
@@ -275,11 +278,11 @@ def render_with_spans(template: ChatTemplate, messages: Sequence[dict[str, str]]
     than the contents (one that branches on a message's text, or repeats it) is matched by
     searching instead (:func:`message_spans`).
     """
-    text = template.render(messages, add_generation_prompt)
+    text = template.render(messages, add_generation_prompt, extra)
     marked = [{**message, "content": _MARKER.format(i)} if isinstance(message.get("content"), str) else message
               for i, message in enumerate(messages)]
     try:
-        skeleton = template.render(marked, add_generation_prompt)
+        skeleton = template.render(marked, add_generation_prompt, extra)
     except ChatTemplateError:
         return text, message_spans(text, messages)
     spans = _placed_spans(text, skeleton, messages)

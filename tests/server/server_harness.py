@@ -115,3 +115,12 @@ def specrun_json(*args: str, stdin: str | None = None) -> list[dict]:
     assert done.returncode == 0, done.stderr
     return [json.loads(line) for line in done.stdout.splitlines() if line.strip()]
 
+
+
+def assert_refused(server: Server, path: str, body: dict, param: str, code: str) -> None:
+    """``body`` is a 400 naming ``param`` with ``code`` in one line, and the server serves on."""
+    status, got = server.post(path, body)
+    assert status == 400, got
+    assert (got["error"]["param"], got["error"]["code"]) == (param, code), got
+    assert "\n" not in got["error"]["message"]
+    assert server.healthy()

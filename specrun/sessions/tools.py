@@ -1,0 +1,271 @@
+"""Tool calls: tool definitions rendered into the prompt, and calls read back out of the answer.
+
+A template that takes ``tools`` (Qwen, Llama 3.1+, Mistral) renders them itself, and the calls
+come back in the format its model was trained on. A template that does not (SmolLM2, Gemma, the
+demo models) gets the definitions in its system message, in the Hermes format most small
+instruct models know (``<tool_call>{"name": ..., "arguments": ...}</tool_call>``), and so do the
+calls and results of earlier turns; the answer is read in that format.
+
+Where the caller requires a call (``tool_choice`` "required" or a named function), a grammar in
+the style's format forces one, its arguments following their function's JSON schema
+(specrun/grammar.py): the model cannot answer otherwise, and speculation drafts the text the
+format forces for free.
+
+Formats read (``STYLES``): Hermes/Qwen ``<tool_call>`` JSON; Llama 3's bare JSON object
+(``{"name": ..., "parameters": ...}``, after ``<|python_tag|>`` where the model writes it);
+Mistral's ``[TOOL_CALLS]`` JSON list. Control tokens (``<|python_tag|>``, ``[TOOL_CALLS]``) have
+no text, so a call may also begin the answer without them.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from specrun.errors import ChatTemplateError
+from specrun.grammar import JSON_OPTIONS, GrammarSpec
+from specrun.sessions.templates import ChatTemplate, render_with_spans
+
+
+@dataclass(frozen=True)
+class Tool:
+    """A function the model may call: its name, what it does, its arguments' JSON schema."""
+
+    name: str
+    description: str = ""
+    parameters: dict | None = None
+
+    def as_openai(self) -> dict:
+        """The definition as templates and prompts take it (OpenAI's shape)."""
+        function = {"name": self.name, "description": self.description,
+                    "parameters": self.parameters or {"type": "object", "properties": {}}}
+        return {"type": "function", "function": function}
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """A call the model made: the function's name and its arguments as JSON text."""
+
+    name: str
+    arguments: str
+    id: str = ""
+
+    def as_openai(self) -> dict:
+        return {"id": self.id or f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                "function": {"name": self.name, "arguments": self.arguments}}
+
+
+@dataclass(frozen=True)
+class ToolChoice:
+    """``tool_choice``: "auto", "none", "required", or the name of the one function to call."""
+
+    mode: str = "auto"
+    function: str | None = None
+
+    @property
+    def forces_a_call(self) -> bool:
+        return self.mode in ("required", "function")
+
+
+# ---- reading calls ------------------------------------------------------------------------
+def _call_of(value) -> ToolCall | None:
+    """A call from a decoded JSON object: {"name", "arguments" | "parameters"}; None if it is not one."""
+    if not isinstance(value, dict) or not isinstance(value.get("name"), str) or not value["name"]:
+        return None
+    arguments = value.get("arguments", value.get("parameters", {}))
+    if isinstance(arguments, str):  # some models write the arguments as JSON text already
+        try:
+            arguments = json.loads(arguments)
+        except ValueError:
+            return None
+    if not isinstance(arguments, dict):
+        return None
+    return ToolCall(value["name"], json.dumps(arguments, ensure_ascii=False))
+
+
+def _json_values(text: str) -> list:
+    """The JSON values written one after another in ``text`` (separated by whitespace, ``;`` or
+    ``,``), or [] where any of it is not JSON."""
+    decoder, values, at = json.JSONDecoder(), [], 0
+    while True:
+        at = len(text) - len(text[at:].lstrip(" \t\r\n;,"))
+        if at >= len(text):
+            return values
+        try:
+            value, at = decoder.raw_decode(text, at)
+        except ValueError:
+            return []
+        values.append(value)
+
+
+@dataclass(frozen=True)
+class ToolStyle:
+    """How one family's models write calls: where a call begins (``opener``, which a stream holds
+    back from), and how the calls are read and forced."""
+
+    name: str
+    opener: str  # the text a call begins with ("" where calls begin the answer as bare JSON)
+    arguments_key: str = "arguments"
+
+    def parse(self, text: str) -> tuple[str, list[ToolCall]]:
+        """The answer's content (the text before any call) and the calls it makes."""
+        if self.name == "hermes":
+            return _parse_hermes(text)
+        start = text.find(self.opener) if self.opener else -1
+        body = text[start + len(self.opener):] if start >= 0 else text
+        content = text[:start] if start >= 0 else ""
+        values = _json_values(body.strip())
+        if len(values) == 1 and isinstance(values[0], list):
+            values = values[0]
+        calls = [_call_of(value) for value in values]
+        if values and all(calls):
+            return content.strip(), calls
+        return text, []
+
+    def grammar(self, tools: Sequence[Tool], choice: ToolChoice, parallel: bool = False) -> GrammarSpec:
+        """A grammar whose every text is a call in this style (one or more where ``parallel``), to
+        the functions ``choice`` allows, each one's arguments following its schema. One call by
+        default, as llama-server does: a small model told it may call again calls again until
+        max_tokens cuts it off."""
+        allowed = [tool for tool in tools if choice.mode != "function" or tool.name == choice.function]
+        schemas = [{"type": "object", "additionalProperties": False, "required": ["name", self.arguments_key],
+                    "properties": {"name": {"const": tool.name},
+                                   self.arguments_key: tool.parameters or {"type": "object"}},
+                    "x-guidance": JSON_OPTIONS} for tool in allowed]
+        call = " | ".join(f"%json {json.dumps(schema)}" for schema in schemas)
+        if self.name == "hermes":
+            block = '"<tool_call>\\n" call "\\n</tool_call>"'
+            rules = f'start: {block} ("\\n" {block})*\n' if parallel else f"start: {block}\n"
+        elif self.name == "mistral":
+            rules = 'start: "[" call (", " call)* "]"\n' if parallel else 'start: "[" call "]"\n'
+        else:
+            rules = 'start: call ("; " call)*\n' if parallel else "start: call\n"
+        return GrammarSpec("lark", rules + f"call: {call}\n")
+
+    def written(self, calls: Sequence[dict]) -> str:
+        """Earlier calls (OpenAI's ``tool_calls`` of an assistant message) as this style writes them,
+        for a template that does not render calls itself."""
+        objects = [{"name": call["function"]["name"], "arguments": _arguments_object(call["function"]["arguments"])}
+                   for call in calls]
+        return "\n".join(f"<tool_call>\n{json.dumps(each, ensure_ascii=False)}\n</tool_call>" for each in objects)
+
+
+HERMES_CALL = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
+
+
+def _parse_hermes(text: str) -> tuple[str, list[ToolCall]]:
+    start = text.find("<tool_call>")
+    if start < 0:
+        return text, []
+    calls = []
+    for match in HERMES_CALL.finditer(text, start):
+        values = _json_values(match.group(1))
+        found = [_call_of(value) for value in (values[0] if len(values) == 1 and isinstance(values[0], list)
+                                                else values)]
+        if not values or not all(found):
+            return text, []  # not a call after all: the text stays the answer
+        calls.extend(found)
+    return text[:start].strip(), calls
+
+
+STYLES = {
+    "hermes": ToolStyle("hermes", "<tool_call>"),
+    "llama3": ToolStyle("llama3", "<|python_tag|>", arguments_key="parameters"),
+    "mistral": ToolStyle("mistral", "[TOOL_CALLS]"),
+}
+
+
+def _arguments_object(arguments) -> dict:
+    """OpenAI sends earlier calls' arguments as JSON text; templates index them as objects."""
+    if isinstance(arguments, dict):
+        return arguments
+    try:
+        value = json.loads(arguments)
+    except (TypeError, ValueError):
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+# ---- rendering ----------------------------------------------------------------------------
+def renders_tools(template: ChatTemplate) -> bool:
+    """Does the template render tool definitions itself?"""
+    return re.search(r"\btools\b", template.source) is not None
+
+
+def style_for(template: ChatTemplate) -> ToolStyle:
+    """The format the template's model writes calls in."""
+    source = template.source if renders_tools(template) else ""
+    if "[TOOL_CALLS]" in source:
+        return STYLES["mistral"]
+    if "<|python_tag|>" in source or "ipython" in source:
+        return STYLES["llama3"]
+    return STYLES["hermes"]
+
+
+SYSTEM_TOOLS = (
+    "You may call functions to help with the user's request. The functions, as JSON schemas:\n"
+    "<tools>\n{tools}\n</tools>\n"
+    "To call one, answer with a JSON object of its name and arguments inside tags:\n"
+    "<tool_call>\n{{\"name\": <function-name>, \"arguments\": <arguments-object>}}\n</tool_call>"
+)
+
+
+def tool_conversation(template: ChatTemplate, messages: Sequence[dict], tools: Sequence[Tool]) -> tuple[list[dict], dict]:
+    """The messages and the template's extra variables for a conversation with tools: as they
+    are, with ``tools`` (and earlier calls' arguments as objects), for a template that renders
+    tools; else with the definitions in the system message and earlier calls and results written
+    out in the Hermes format."""
+    if renders_tools(template):
+        rendered = []
+        for message in messages:
+            if message.get("tool_calls"):
+                calls = [{**call, "function": {**call["function"],
+                                               "arguments": _arguments_object(call["function"]["arguments"])}}
+                         for call in message["tool_calls"]]
+                message = {**message, "tool_calls": calls}
+            rendered.append(message)
+        return rendered, {"tools": [tool.as_openai() for tool in tools]} if tools else {}
+    style = STYLES["hermes"]
+    plain = []
+    for message in messages:
+        role, content = message["role"], message.get("content") or ""
+        if role == "tool":
+            plain.append({"role": "user", "content": f"<tool_response>\n{content}\n</tool_response>"})
+        elif message.get("tool_calls"):
+            written = style.written(message["tool_calls"])
+            plain.append({"role": "assistant", "content": f"{content}\n{written}".strip()})
+        else:
+            plain.append({"role": role, "content": content})
+    if tools:
+        described = SYSTEM_TOOLS.format(tools="\n".join(json.dumps(tool.as_openai(), ensure_ascii=False)
+                                                       for tool in tools))
+        if plain and plain[0]["role"] == "system":
+            plain[0] = {"role": "system", "content": f"{plain[0]['content']}\n\n{described}"}
+        else:
+            plain.insert(0, {"role": "system", "content": described})
+    return plain, {}
+
+
+class ToolTemplateError(ChatTemplateError):
+    """A chat template that fails on a conversation with tools (definitions, calls or results)."""
+
+
+def uses_tools(messages: Sequence[dict], tools: Sequence[Tool]) -> bool:
+    return bool(tools) or any(m.get("role") == "tool" or m.get("tool_calls") for m in messages)
+
+
+def render_conversation(template: ChatTemplate, messages: Sequence[dict],
+                        tools: Sequence[Tool] = ()) -> tuple[str, list[tuple[int, int]]]:
+    """The conversation as prompt text with its contents' spans (``render_with_spans``), tools and
+    earlier calls included; ToolTemplateError where the template cannot render them."""
+    if not uses_tools(messages, tools):
+        return render_with_spans(template, messages)
+    converted, extra = tool_conversation(template, messages, tools)
+    try:
+        return render_with_spans(template, converted, extra=extra)
+    except ChatTemplateError as exc:
+        raise ToolTemplateError(f"the model's chat template cannot render tools: {exc.problem}",
+                                "send the request without tools, or use a model whose template takes them") from None

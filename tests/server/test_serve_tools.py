@@ -1,0 +1,119 @@
+"""Tool calls through `specrun serve` with the openai client (issue 52): a round trip (call, the
+tool's result, the final answer), streamed calls, a named function, and requests refused by the
+field they got wrong. The demo target's template takes no tools, so the definitions go into its
+system message and a required call is forced by a grammar in the Hermes format."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+
+from server_harness import DEMO_ARGS, assert_refused, start_server, stop_server
+
+MODEL = "demo-target"
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
+                                                    "unit": {"enum": ["C", "F"]}},
+                   "required": ["city", "unit"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {
+    "name": "get_time", "description": "The time in a zone",
+    "parameters": {"type": "object", "properties": {"zone": {"enum": ["UTC", "CET", "PST"]}}, "required": ["zone"],
+                   "additionalProperties": False}}}
+QUESTION = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+@pytest.fixture(scope="module")
+def plain_server():
+    server = start_server(*DEMO_ARGS, "--method", "none")
+    yield server
+    assert stop_server(server) == 0, server.log
+
+
+def _call(server, **fields):
+    return server.client().chat.completions.create(model=MODEL, max_tokens=120, temperature=0, **fields)
+
+
+def test_a_tool_call_round_trip(demo_server, plain_server):
+    first = _call(demo_server, messages=QUESTION, tools=[WEATHER, TIME], tool_choice="required")
+    choice = first.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.content is None
+    (call,) = choice.message.tool_calls[:1]
+    assert call.type == "function" and call.id.startswith("call_")
+    arguments = json.loads(call.function.arguments)
+    schema = {"get_weather": WEATHER, "get_time": TIME}[call.function.name]["function"]["parameters"]
+    jsonschema.validate(arguments, schema)
+    # speculation leaves the answer as plain decoding gives it
+    plain = _call(plain_server, messages=QUESTION, tools=[WEATHER, TIME], tool_choice="required").choices[0]
+    assert [(c.function.name, c.function.arguments) for c in plain.message.tool_calls] == \
+        [(c.function.name, c.function.arguments) for c in choice.message.tool_calls]
+    # the tool's result goes back; the model answers in text
+    follow_up = [*QUESTION, {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+                 {"role": "tool", "tool_call_id": call.id, "content": '{"temperature": 21, "sky": "clear"}'}]
+    final = _call(demo_server, messages=follow_up, tools=[WEATHER, TIME], tool_choice="none").choices[0]
+    assert final.finish_reason in ("stop", "length")
+    assert final.message.tool_calls is None and final.message.content
+
+
+def test_a_named_function_is_the_one_called(demo_server):
+    for _ in range(2):
+        choice = _call(demo_server, messages=QUESTION, tools=[WEATHER, TIME],
+                       tool_choice={"type": "function", "function": {"name": "get_time"}}).choices[0]
+        assert {c.function.name for c in choice.message.tool_calls} == {"get_time"}
+        for c in choice.message.tool_calls:
+            jsonschema.validate(json.loads(c.function.arguments), TIME["function"]["parameters"])
+
+
+def test_streamed_calls_arrive_as_tool_call_deltas(demo_server):
+    whole = _call(demo_server, messages=QUESTION, tools=[WEATHER], tool_choice="required").choices[0]
+    chunks = list(demo_server.client().chat.completions.create(
+        model=MODEL, max_tokens=120, temperature=0, messages=QUESTION, tools=[WEATHER], tool_choice="required",
+        stream=True))
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    streamed = [call for delta in deltas for call in (delta.tool_calls or [])]
+    assert [(c.index, c.function.name, c.function.arguments) for c in streamed] == \
+        [(i, c.function.name, c.function.arguments) for i, c in enumerate(whole.message.tool_calls)]
+    assert not "".join(delta.content or "" for delta in deltas)
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_with_tools_on_auto_an_answer_without_a_call_is_text(demo_server):
+    choice = _call(demo_server, messages=[{"role": "user", "content": "Say hello."}], tools=[WEATHER]).choices[0]
+    if choice.message.tool_calls is None:
+        assert choice.finish_reason in ("stop", "length") and isinstance(choice.message.content, str)
+    else:  # the demo model may write a call of its own accord: then it is read as one
+        assert choice.finish_reason == "tool_calls"
+
+
+def _body(**fields) -> dict:
+    return {"model": MODEL, "messages": QUESTION, **fields}
+
+
+BAD = [
+    (_body(tools={"a": 1}), "tools", "invalid_type"),
+    (_body(tools=[{"type": "function", "function": {"description": "no name"}}]), "tools[0].function.name",
+     "missing_required_parameter"),
+    (_body(tools=[{"type": "function", "function": {"name": "has space"}}]), "tools[0].function.name",
+     "invalid_value"),
+    (_body(tools=[WEATHER, WEATHER]), "tools[1].function.name", "invalid_value"),
+    (_body(tools=[{"type": "retrieval"}]), "tools[0]", "invalid_type"),
+    (_body(tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "objectx"}}}]),
+     "tools[0].function.parameters", "invalid_value"),
+    (_body(tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "launch"}}), "tool_choice",
+     "invalid_value"),
+    (_body(tool_choice="required"), "tool_choice", "invalid_value"),
+    (_body(tools=[WEATHER], tool_choice="always"), "tool_choice", "invalid_type"),
+    (_body(tools=[WEATHER], tool_choice="required", response_format={"type": "json_object"}), "tool_choice",
+     "invalid_value"),
+    (_body(messages=[*QUESTION, {"role": "assistant", "tool_calls": [{"function": {"arguments": "{}"}}]}]),
+     "messages[1].tool_calls[0]", "invalid_type"),
+    (_body(messages=[*QUESTION, {"role": "tool", "content": 5}]), "messages[1].content", "invalid_type"),
+]
+
+
+@pytest.mark.parametrize(("body", "param", "code"), BAD, ids=[f"{i}-{row[1]}" for i, row in enumerate(BAD)])
+def test_bad_tool_requests_are_400s_naming_the_field(demo_server, body, param, code):
+    assert_refused(demo_server, "/v1/chat/completions", body, param, code)

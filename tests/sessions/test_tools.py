@@ -1,0 +1,153 @@
+"""Tool calls (issue 52): definitions rendered through a template that takes them or through the
+system message, calls read back in the Hermes, Llama 3 and Mistral formats, and the grammar that
+forces a call whose arguments follow their schema."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import llguidance
+import numpy as np
+import pytest
+
+from specrun.backends.fake import FakeBackend
+
+from specrun.errors import ChatTemplateError
+from specrun.grammar import Grammar, Vocabulary
+from specrun.sessions.templates import ChatTemplate
+from specrun.sessions.tools import (
+    STYLES, Tool, ToolCall, ToolChoice, ToolTemplateError, render_conversation, renders_tools, style_for,
+)
+
+WEATHER = Tool("get_weather", "The weather in a city", {
+    "type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                     "unit": {"enum": ["C", "F"]}}, "required": ["city", "unit"],
+    "additionalProperties": False})
+TIME = Tool("get_time", "The time in a time zone", {
+    "type": "object", "properties": {"zone": {"type": "string", "maxLength": 10}}, "required": ["zone"]})
+
+# A Qwen-style template that renders tools, calls and results itself (the shape of Qwen2.5's)
+QWEN_LIKE = (
+    "{%- if tools %}<|im_start|>system\nTools:\n{%- for tool in tools %}\n{{ tool | tojson }}{%- endfor %}"
+    "<|im_end|>\n{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if message.role == 'tool' %}<|im_start|>user\n<tool_response>\n{{ message.content }}\n</tool_response>"
+    "<|im_end|>\n"
+    "{%- elif message.tool_calls %}<|im_start|>assistant\n{%- for call in message.tool_calls %}\n<tool_call>\n"
+    '{"name": "{{ call.function.name }}", "arguments": {{ call.function.arguments | tojson }}}\n</tool_call>'
+    "{%- endfor %}<|im_end|>\n"
+    "{%- else %}<|im_start|>{{ message.role }}\n{{ message.content }}<|im_end|>\n{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n{%- endif %}"
+)
+PLAIN = "{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n{% endfor %}assistant: "
+CONVERSATION = [
+    {"role": "user", "content": "Weather in Paris?"},
+    {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather",
+                                                          "arguments": '{"city": "Paris", "unit": "C"}'}}]},
+    {"role": "tool", "content": '{"temperature": 21}', "tool_call_id": "call_1"},
+]
+
+
+@pytest.mark.parametrize(("style", "text", "content", "calls"), [
+    ("hermes", 'Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "C"}}\n'
+               '</tool_call>', "Let me look.", [("get_weather", {"city": "Oslo", "unit": "C"})]),
+    ("hermes", '<tool_call>\n{"name": "a", "arguments": {}}\n</tool_call>\n<tool_call>\n{"name": "b", '
+               '"arguments": "{\\"x\\": 1}"}\n</tool_call>', "", [("a", {}), ("b", {"x": 1})]),
+    ("hermes", '<tool_call>\n{"name": "a", "arguments": {"x": 1}}', "", [("a", {"x": 1})]),  # cut at max_tokens
+    ("hermes", "Just text, no call.", "Just text, no call.", []),
+    ("hermes", "<tool_call>\nnot json\n</tool_call>", "<tool_call>\nnot json\n</tool_call>", []),
+    ("llama3", '{"name": "get_time", "parameters": {"zone": "UTC"}}', "", [("get_time", {"zone": "UTC"})]),
+    ("llama3", '<|python_tag|>{"name": "a", "parameters": {}}; {"name": "b", "parameters": {"y": 2}}', "",
+     [("a", {}), ("b", {"y": 2})]),
+    ("llama3", "The answer is 4.", "The answer is 4.", []),
+    ("mistral", '[TOOL_CALLS][{"name": "get_time", "arguments": {"zone": "CET"}}]', "", [("get_time", {"zone": "CET"})]),
+    ("mistral", '[{"name": "a", "arguments": {}}, {"name": "b", "arguments": {}}]', "", [("a", {}), ("b", {})]),
+    ("mistral", "[1, 2, 3]", "[1, 2, 3]", []),  # JSON that is not calls stays the answer
+])
+def test_calls_are_read_in_each_style(style, text, content, calls):
+    got_content, got_calls = STYLES[style].parse(text)
+    assert got_content == content
+    assert [(call.name, json.loads(call.arguments)) for call in got_calls] == calls
+
+
+def test_a_call_in_openai_s_shape_carries_its_arguments_as_json_text():
+    shaped = ToolCall("f", '{"a": 1}').as_openai()
+    assert shaped["type"] == "function" and shaped["id"].startswith("call_")
+    assert shaped["function"] == {"name": "f", "arguments": '{"a": 1}'}
+
+
+def test_a_template_that_takes_tools_renders_them_calls_and_results_itself():
+    template = ChatTemplate(QWEN_LIKE)
+    assert renders_tools(template) and style_for(template) is STYLES["hermes"]
+    text, spans = render_conversation(template, CONVERSATION, (WEATHER,))
+    assert '"name": "get_weather"' in text.split("<|im_end|>")[0]  # the definition, in the system block
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "C"}}' in text
+    assert "<tool_response>\n{\"temperature\": 21}\n</tool_response>" in text
+    assert [text[a:b] for a, b in spans][:1] == ["Weather in Paris?"]
+
+
+def test_a_template_without_tools_gets_them_in_its_system_message_and_earlier_calls_written_out():
+    template = ChatTemplate(PLAIN)
+    assert not renders_tools(template) and style_for(template) is STYLES["hermes"]
+    text, _ = render_conversation(template, CONVERSATION, (WEATHER, TIME))
+    assert text.startswith("system: You may call functions")
+    assert text.count('"type": "function"') == 2
+    assert 'assistant: <tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "C"}}' in text
+    assert 'user: <tool_response>\n{"temperature": 21}\n</tool_response>' in text
+    # without tools the conversation renders as it always did
+    assert render_conversation(template, CONVERSATION[:1])[0] == "user: Weather in Paris?\nassistant: "
+
+
+def test_a_template_that_fails_on_tools_is_one_error_saying_so():
+    refusing = ChatTemplate("{% for m in messages %}{% if m.role == 'system' %}"
+                            "{{ raise_exception('System role not supported') }}{% endif %}{{ m.content }}{% endfor %}")
+    with pytest.raises(ToolTemplateError) as caught:
+        render_conversation(refusing, CONVERSATION[:1], (WEATHER,))
+    assert isinstance(caught.value, ChatTemplateError)
+    assert "cannot render tools" in caught.value.one_line() and "System role not supported" in caught.value.one_line()
+
+
+@pytest.mark.parametrize("style", list(STYLES))
+@pytest.mark.parametrize("choice", [ToolChoice("required"), ToolChoice("function", "get_time")])
+def test_a_required_call_s_grammar_accepts_exactly_calls_whose_arguments_follow_their_schema(style, choice):
+    """The grammar's texts parse back as calls to the functions allowed, arguments valid; a call to
+    another function or with arguments the schema refuses is not one of its texts."""
+    backend = FakeBackend(lambda context: np.zeros(257, dtype=np.float32), 257, eos_ids=[256])  # a token a byte
+    grammar = Grammar.compile(STYLES[style].grammar((WEATHER, TIME), choice), backend)
+    key = STYLES[style].arguments_key
+    good = {"name": "get_time", key: {"zone": "UTC"}}
+    other = {"name": "get_weather", key: {"city": "Rome", "unit": "C"}}
+    bad_arguments = {"name": "get_time", key: {"zone": 5}}
+
+    def written(call: dict) -> str:
+        body = json.dumps(call)
+        return {"hermes": f"<tool_call>\n{body}\n</tool_call>", "mistral": f"[{body}]"}.get(style, body)
+
+    def accepted(text: str) -> bool:
+        matcher = llguidance.LLMatcher(Vocabulary.of(backend).tokenizer, grammar._grammar, log_level=0)
+        return matcher.consume_tokens(list(text.encode())) and matcher.is_accepting()
+
+    assert accepted(written(good))
+    assert accepted(written(other)) == (choice.mode == "required")
+    assert not accepted(written(bad_arguments))
+    _, calls = STYLES[style].parse(written(good))
+    jsonschema.validate(json.loads(calls[0].arguments), TIME.parameters)
+
+
+@pytest.mark.parametrize("style", list(STYLES))
+def test_a_required_call_is_one_call_unless_parallel_calls_are_asked_for(style):
+    backend = FakeBackend(lambda context: np.zeros(257, dtype=np.float32), 257, eos_ids=[256])
+    key = STYLES[style].arguments_key
+    one = json.dumps({"name": "get_time", key: {"zone": "UTC"}})
+    two = {"hermes": f"<tool_call>\n{one}\n</tool_call>\n<tool_call>\n{one}\n</tool_call>",
+           "mistral": f"[{one}, {one}]", "llama3": f"{one}; {one}"}[style]
+
+    def accepted(parallel: bool) -> bool:
+        grammar = Grammar.compile(STYLES[style].grammar((TIME,), ToolChoice("required"), parallel), backend)
+        matcher = llguidance.LLMatcher(Vocabulary.of(backend).tokenizer, grammar._grammar, log_level=0)
+        return matcher.consume_tokens(list(two.encode())) and matcher.is_accepting()
+
+    assert accepted(parallel=True) and not accepted(parallel=False)
+    assert len(STYLES[style].parse(two)[1]) == 2
