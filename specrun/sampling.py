@@ -93,6 +93,18 @@ def _top_p(probs: np.ndarray, top_p: float) -> np.ndarray:
     return kept / kept.sum(axis=-1, keepdims=True)
 
 
+def token_logprobs(logits: np.ndarray, token: int, top: int) -> tuple[float, tuple[tuple[int, float], ...]]:
+    """The log-probability of ``token`` under softmax(logits) (V,), the model's own distribution at
+    temperature 1 (after a grammar's mask, where a run has one), and the ``top`` likeliest tokens
+    with theirs, likeliest first."""
+    logits = np.asarray(logits, dtype=np.float64)
+    finite_max = logits[np.isfinite(logits)].max()
+    log_norm = finite_max + np.log(np.exp(logits - finite_max).sum())
+    log_probs = logits - log_norm  # (V,), -inf where masked
+    best = np.argsort(-log_probs, kind="stable")[:top] if top > 0 else ()
+    return float(log_probs[token]), tuple((int(t), float(log_probs[t])) for t in best)
+
+
 def sample(probs: np.ndarray, rng: np.random.Generator) -> int:
     """Draw one token id from a (vocab,) distribution."""
     cdf = np.cumsum(probs)

@@ -9,6 +9,16 @@ from specrun.engine.stats import Stats
 
 
 @dataclass(frozen=True)
+class TokenLogprob:
+    """A token's log-probability under the target's row it was chosen from (temperature 1, after a
+    grammar's mask), and the ``top`` likeliest tokens' (id, log-probability), likeliest first."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True)
 class Step:
     """One verify pass: the tokens it emitted; the first ``n_accepted`` came from the drafter.
 
@@ -23,6 +33,9 @@ class Step:
     draft_seconds: float
     verify_seconds: float
     source: str = ""  # the drafter that proposed the drafts ("" for none)
+    # where a run asks for them (GenerationParams.logprobs), each token's log-probability and the
+    # likeliest tokens', from the pass's row it was chosen from
+    logprobs: tuple[TokenLogprob, ...] = ()
 
     @property
     def from_draft(self) -> tuple[bool, ...]:
@@ -37,6 +50,7 @@ class TextChunk:
     token_ids: tuple[int, ...]
     from_draft: tuple[bool, ...]
     stats: Stats
+    logprobs: tuple[TokenLogprob, ...] = ()  # one per token, where the run asks for them
 
 
 @dataclass

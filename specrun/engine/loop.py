@@ -10,6 +10,7 @@ become target passes and a verdict is engine/passes.py. The engine never prints.
 from __future__ import annotations
 
 import codecs
+import dataclasses
 from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 from time import perf_counter
@@ -22,12 +23,12 @@ from specrun.control.policy import PLAIN, AdaptivePolicy, FixedPolicy, Plan, Spe
 from specrun.drafters.base import EMPTY_PROPOSAL, Drafter, Proposal
 from specrun.drafters.methods import is_adaptive
 from specrun.engine.constrained import GRAMMAR_SOURCE, ConstrainedRun
-from specrun.engine.events import Finished, GenerationResult, Step, TextChunk
+from specrun.engine.events import Finished, GenerationResult, Step, TextChunk, TokenLogprob
 from specrun.engine.passes import DeferredDrafts, TargetPasses
 from specrun.engine.stats import Stats
 from specrun.errors import ContextFullError, UsageError
 from specrun.grammar import Grammar
-from specrun.sampling import SamplingSettings
+from specrun.sampling import SamplingSettings, token_logprobs
 from specrun.verify import TreeVerdict, Verdict
 
 
@@ -68,6 +69,9 @@ class GenerationParams:
     # What the output must follow (JSON schema, GBNF...), compiled for the target's vocabulary;
     # None: free text. Speculation stays lossless against constrained plain decoding.
     grammar: Grammar | None = None
+    # each token's log-probability with this many likeliest alternatives (0: the token's alone;
+    # None: not computed, and greedy passes read only the backend's argmax)
+    logprobs: int | None = None
 
 
 def check_prompt(prompt: Sequence[int], n_ctx: int) -> None:
@@ -92,6 +96,12 @@ def _emit(
         emitted = emitted[: hit_eos + 1]
     context.extend(emitted[:room])
     return hit_eos is not None
+
+
+def _logprobs(rows: np.ndarray, indices: Sequence[int], tokens: Sequence[int], top: int) -> tuple[TokenLogprob, ...]:
+    """Each emitted token's log-probability under the pass's row it was chosen from (``indices``:
+    the root's row, then each accepted node's), with the ``top`` likeliest tokens'."""
+    return tuple(TokenLogprob(token, *token_logprobs(rows[index], token, top)) for index, token in zip(indices, tokens))
 
 
 class StepClock:
@@ -221,7 +231,8 @@ class SpeculativeEngine:
             self.policy.configure(params.draft_len, adaptive, self._tree_nodes(params), max_paths)
             return self.policy
         # a fused pass is read as greedy ids: a grammar must mask its rows first
-        fusable = drafter.can_defer(params.sampling) and self.target.can_feed_after and params.grammar is None
+        fusable = (drafter.can_defer(params.sampling) and self.target.can_feed_after and params.grammar is None
+                   and params.logprobs is None)
         return FixedPolicy(drafter, fusable)
 
     # ---- layer 1: verify passes -------------------------------------------------
@@ -242,6 +253,7 @@ class SpeculativeEngine:
         ties = NearTieWatch.of_run(self.target, params, reused)  # None: not counted
         constrained = ConstrainedRun(params.grammar) if params.grammar is not None else None
         self.grammar_blocked = False
+        self.passes.keep_rows = params.logprobs is not None
         clock = StepClock(self.clock)  # generation starts
         try:
             hit_eos = False
@@ -250,6 +262,9 @@ class SpeculativeEngine:
                 self.grammar_blocked = prompt_logits is None
             if params.max_new_tokens > 0 and not self.grammar_blocked:  # the first token (check_prompt left room)
                 step, hit_eos = self._prefill_token_step(prompt_logits, context, eos_ids, params, rng, clock)
+                if params.logprobs is not None:
+                    step = dataclasses.replace(step, logprobs=_logprobs(prompt_logits[None], [0], step.tokens,
+                                                                         params.logprobs))
                 if constrained is not None:
                     constrained.advance(step.tokens)
                 if ties is not None:
@@ -285,8 +300,11 @@ class SpeculativeEngine:
                 if measured and proposal.source != GRAMMAR_SOURCE:
                     policy.observe(StepReport(plan, proposal, tuple(verdict.path), clock.step_started,
                                               clock.draft_seconds, clock.verify_seconds, context, context_len))
-                step = Step(tuple(context[context_len:]), len(proposal), verdict.n_accepted,
-                            clock.draft_seconds, clock.verify_seconds, proposal.source)
+                emitted = tuple(context[context_len:])
+                logprobs = () if params.logprobs is None else _logprobs(
+                    self.passes.last_rows, [0, *(1 + node for node in verdict.path)], emitted, params.logprobs)
+                step = Step(emitted, len(proposal), verdict.n_accepted, clock.draft_seconds, clock.verify_seconds,
+                            proposal.source, logprobs)
                 stats.generation_seconds = clock.elapsed()
                 yield step
         finally:
@@ -406,7 +424,7 @@ class SpeculativeEngine:
             output.extend(step.tokens)
             text = decoder.decode(b"".join(backend.token_bytes(t) for t in step.tokens))
             pieces.append(text)
-            yield TextChunk(text, step.tokens, step.from_draft, stats)
+            yield TextChunk(text, step.tokens, step.from_draft, stats, step.logprobs)
         tail = decoder.decode(b"", final=True)
         if tail:
             pieces.append(tail)

@@ -44,6 +44,10 @@ class TargetPasses:
         self.target = target
         self.drafter: Drafter | None = None  # the engine's: shown each pass where it reads passes
         self.chain_rule = chain_rule  # one of CHAIN_RULES: how sampled chains are verified
+        # keep each pass's rows as verified (``last_rows``, (1 + n, V)), for the tokens' log-probabilities:
+        # greedy passes then read whole rows, not the backend's argmax
+        self.keep_rows = False
+        self.last_rows: np.ndarray | None = None
 
     def prefill(self, context: list[int]) -> tuple[np.ndarray, bool]:
         """Feed the prompt, reusing any cached prefix, and return the logits after its last
@@ -76,13 +80,13 @@ class TargetPasses:
         fed = [last_token, *drafts.tokens]
         rows = range(len(fed))
         if sampling.greedy:
-            if allowed is None:
+            if allowed is None and not self.keep_rows:
                 target_argmax = self.target.feed_argmax(fed, rows)  # (k+1,)
             else:
-                target_argmax = masked_rows(self.target.feed(fed, rows), allowed).argmax(axis=-1)
+                target_argmax = self._rows(self.target.feed(fed, rows), allowed).argmax(axis=-1)
             self._show_pass(drafts, target_argmax)
             return drafts, verify_greedy(drafts.tokens, target_argmax)
-        logits = masked_rows(self.target.feed(fed, rows), allowed)  # (k+1, V)
+        logits = self._rows(self.target.feed(fed, rows), allowed)  # (k+1, V)
         self._show_pass(drafts, logits)
         p_target = probabilities(logits, sampling)
         rule = verify_block if self.chain_rule == "block" else verify_sampled
@@ -95,18 +99,25 @@ class TargetPasses:
         tree = proposal.tree
         rows = tree.logit_rows(1)  # the root's row, then one per node
         if sampling.greedy:
-            if allowed is None:
+            if allowed is None and not self.keep_rows:
                 target_argmax = self.target.feed_tree_argmax([last_token], tree, rows)  # (1+n,)
             else:
-                target_argmax = masked_rows(self.target.feed_tree([last_token], tree, rows), allowed).argmax(axis=-1)
+                target_argmax = self._rows(self.target.feed_tree([last_token], tree, rows), allowed).argmax(axis=-1)
             self._show_pass(proposal, target_argmax)
             verdict = verify_tree_greedy(tree, target_argmax)
         else:
-            logits = masked_rows(self.target.feed_tree([last_token], tree, rows), allowed)  # (1+n, V)
+            logits = self._rows(self.target.feed_tree([last_token], tree, rows), allowed)  # (1+n, V)
             self._show_pass(proposal, logits)
             verdict = verify_tree_sampled(tree, probabilities(logits, sampling), proposal.p_draft, rng)
         self.target.keep_path(tree, verdict.path)
         return verdict
+
+    def _rows(self, logits: np.ndarray, allowed: np.ndarray | None) -> np.ndarray:
+        """A pass's logits as verified (masked by a grammar's rows, where there is one), kept where asked."""
+        logits = masked_rows(logits, allowed)
+        if self.keep_rows:
+            self.last_rows = logits
+        return logits
 
     def _verify_deferred(self, last_token: int, drafts: DeferredDrafts) -> tuple[Proposal, Verdict]:
         """The target's pass queued on the draft's ids: one host sync reads both (greedy only)."""

@@ -219,12 +219,13 @@ class OpenAIServer:
     async def _whole(self, request, job: Job, started: Started):
         from starlette.responses import JSONResponse
 
-        texts, calls = [], ()
+        texts, calls, logprobs = [], (), []
         try:
             while True:
                 event = await job.next_event(request.is_disconnected)
                 if isinstance(event, Delta):
                     texts.append(event.text)
+                    logprobs.extend(event.logprobs)
                 elif isinstance(event, Calls):
                     calls = event.calls
                 elif isinstance(event, Failed):
@@ -238,15 +239,37 @@ class OpenAIServer:
             message = {"role": "assistant", "content": text or (None if calls else "")}
             if calls:
                 message["tool_calls"] = [call.as_openai() for call in calls]
-            choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": event.finish_reason}
+            choice = {"index": 0, "message": message, "logprobs": self._logprobs(job, logprobs),
+                      "finish_reason": event.finish_reason}
         else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": event.finish_reason}
+            choice = {"index": 0, "text": text, "logprobs": self._logprobs(job, logprobs),
+                      "finish_reason": event.finish_reason}
         return JSONResponse({
             **self._header(job, chunk=False),
             "choices": [choice],
             "usage": usage_object(started, event.stats),
             "speculation": speculation_object(event.stats),
         })
+
+    @staticmethod
+    def _logprobs(job: Job, entries) -> dict | None:
+        """The tokens' log-probabilities in OpenAI's shape for the endpoint (None where not asked)."""
+        if job.request.logprobs is None:
+            return None
+        if job.request.is_chat:
+            def shown(choice):
+                return {"token": choice.text, "logprob": choice.logprob, "bytes": list(choice.bytes)}
+
+            return {"content": [{**shown(token), "top_logprobs": [shown(other) for other in top]}
+                                for token, top in entries]}
+        offsets, at = [], 0
+        for token, _ in entries:
+            offsets.append(at)
+            at += len(token.text)
+        return {"tokens": [token.text for token, _ in entries],
+                "token_logprobs": [token.logprob for token, _ in entries],
+                "top_logprobs": [{other.text: other.logprob for other in top} for _, top in entries],
+                "text_offset": offsets}
 
     def _header(self, job: Job, chunk: bool) -> dict:
         chat = job.request.is_chat
@@ -273,6 +296,7 @@ class OpenAIServer:
                 event = await job.next_event()
                 if isinstance(event, Delta):
                     chunk = self._chunk(job, event.text, None)
+                    chunk["choices"][0]["logprobs"] = self._logprobs(job, event.logprobs)
                     chunk["speculation"] = {"tokens": event.tokens, "from_draft": event.from_draft}
                     yield _sse_data(chunk)
                 elif isinstance(event, Calls):  # each call whole, as one delta of its own

@@ -16,6 +16,7 @@ from specrun.sampling import SamplingSettings
 from specrun.sessions.tools import Tool, ToolChoice
 
 MAX_STOP_STRINGS = 4  # as OpenAI's API
+MAX_TOP_LOGPROBS = 20  # as OpenAI's chat API (its completions API: 5)
 MAX_TEMPERATURE = 2.0  # as OpenAI's API
 ROLES = ("system", "developer", "user", "assistant", "tool")
 FUNCTION_NAME = re.compile(r"[A-Za-z0-9_.\-]{1,64}")  # OpenAI's rule for a function's name
@@ -25,8 +26,6 @@ FUNCTION_NAME = re.compile(r"[A-Za-z0-9_.\-]{1,64}")  # OpenAI's rule for a func
 _INERT_FIELDS = {
     "frequency_penalty": (0, 0.0, None),
     "presence_penalty": (0, 0.0, None),
-    "logprobs": (False, None),
-    "top_logprobs": (0, None),
     "logit_bias": (None,),
     "functions": (None,),
     "function_call": (None, "none", "auto"),
@@ -88,6 +87,7 @@ class CompletionRequest:
     tools: tuple[Tool, ...] = ()
     tool_choice: ToolChoice = field(default_factory=ToolChoice)
     parallel_tool_calls: bool = False  # may a required call be several? (llama-server's default: one)
+    logprobs: int | None = None  # each token's log-probability with this many alternatives; None: not asked
 
     @property
     def is_chat(self) -> bool:
@@ -275,7 +275,7 @@ def _parse_stop(stop) -> tuple[str, ...]:
 def parse_chat_request(body: dict, defaults: ServeDefaults, n_ctx: int) -> CompletionRequest:
     """A /v1/chat/completions body as a CompletionRequest, or a RequestError naming the bad field."""
     _check_fields(body, (*_COMMON_FIELDS, "messages", "max_completion_tokens", "tools", "tool_choice",
-                         "parallel_tool_calls"))
+                         "parallel_tool_calls", "logprobs", "top_logprobs"))
     common = _parse_common(body, defaults, n_ctx, "max_completion_tokens")
     tools = _parse_tools(body.get("tools"))
     choice = _parse_tool_choice(body.get("tool_choice"), tools)
@@ -286,7 +286,20 @@ def parse_chat_request(body: dict, defaults: ServeDefaults, n_ctx: int) -> Compl
     if parallel is not None and not isinstance(parallel, bool):
         raise RequestError("parallel_tool_calls must be a boolean", "parallel_tool_calls", code="invalid_type")
     return CompletionRequest(messages=_parse_messages(body.get("messages")), tools=tools, tool_choice=choice,
-                             parallel_tool_calls=bool(parallel), **common)
+                             parallel_tool_calls=bool(parallel), logprobs=_chat_logprobs(body), **common)
+
+
+def _chat_logprobs(body: dict) -> int | None:
+    """Chat's ``logprobs`` (a boolean) and ``top_logprobs`` (0 to 20, with logprobs only)."""
+    asked = body.get("logprobs")
+    if asked is not None and not isinstance(asked, bool):
+        raise RequestError("logprobs must be a boolean", "logprobs", code="invalid_type")
+    top = _number(body, "top_logprobs", None, integer=True)
+    if top is not None:
+        _check_range("top_logprobs", top, 0, MAX_TOP_LOGPROBS)
+        if not asked and top:
+            raise invalid_value("top_logprobs", "needs logprobs: true")
+    return (top or 0) if asked else None
 
 
 def _parse_tools(tools) -> tuple[Tool, ...]:
@@ -420,9 +433,12 @@ def _message_text(content, where: str, optional: bool) -> str:
 
 def parse_completion_request(body: dict, defaults: ServeDefaults, n_ctx: int) -> CompletionRequest:
     """A /v1/completions body as a CompletionRequest, or a RequestError naming the bad field."""
-    _check_fields(body, (*_COMMON_FIELDS, "prompt"))
+    _check_fields(body, (*_COMMON_FIELDS, "prompt", "logprobs"))
     common = _parse_common(body, defaults, n_ctx, "max_tokens")
-    return CompletionRequest(prompt=_parse_prompt(body.get("prompt")), **common)
+    logprobs = _number(body, "logprobs", None, integer=True)  # the completions API's: how many alternatives
+    if logprobs is not None:
+        _check_range("logprobs", logprobs, 0, MAX_TOP_LOGPROBS)
+    return CompletionRequest(prompt=_parse_prompt(body.get("prompt")), logprobs=logprobs, **common)
 
 
 def _parse_prompt(prompt) -> str | tuple[int, ...]:

@@ -19,6 +19,7 @@ caches exact for the next request.
 from __future__ import annotations
 
 import asyncio
+import math
 import queue
 import threading
 import time
@@ -29,7 +30,7 @@ from pathlib import Path
 
 from specrun.backends.kv import common_prefix_len
 from specrun.drafters.lookahead import LookaheadSizes
-from specrun.engine.events import Finished, TextChunk
+from specrun.engine.events import Finished, TextChunk, TokenLogprob
 from specrun.engine.loop import GenerationParams
 from specrun.engine.stats import Stats
 from specrun.errors import ContextFullError, SpecrunError
@@ -148,12 +149,23 @@ class Started:
 
 
 @dataclass(frozen=True)
+class TokenChoice:
+    """A token with its log-probability, as a response shows it: its text and bytes."""
+
+    text: str
+    bytes: bytes
+    logprob: float
+
+
+@dataclass(frozen=True)
 class Delta:
-    """Event: answer text, with the tokens produced since the last Delta and how many came from drafts."""
+    """Event: answer text, with the tokens produced since the last Delta and how many came from drafts;
+    where the request asked, each token's log-probability and its likeliest alternatives'."""
 
     text: str
     tokens: int
     from_draft: int
+    logprobs: tuple[tuple[TokenChoice, tuple[TokenChoice, ...]], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -375,8 +387,9 @@ class PairWorker:
         cut = StopCut(job.request.stop)
         tool_cut = self._tool_cut(job.request)
         tokens = from_draft = 0
+        logprobs: list = []  # the tokens' since the last Delta
         params = GenerationParams(job.request.max_tokens, 0, job.request.sampling, tree_nodes=self.pair.trees.nodes,
-                                  grammar=grammar)
+                                  grammar=grammar, logprobs=job.request.logprobs)
         stream = session.stream(prompt_ids, params)
         try:
             for event in stream:
@@ -387,12 +400,14 @@ class PairWorker:
                 if isinstance(event, TextChunk):
                     tokens += len(event.token_ids)
                     from_draft += sum(event.from_draft)
+                    logprobs.extend(self._shown(entry) for entry in event.logprobs)
                     text = cut.feed(event.text)
                     if tool_cut is not None:
                         text = tool_cut.feed(text)
                     if text:
-                        job.emit(Delta(text, tokens, from_draft))
+                        job.emit(Delta(text, tokens, from_draft, tuple(logprobs)))
                         tokens = from_draft = 0
+                        logprobs.clear()
                     if cut.stopped:
                         self._finish(job, "stop", event.stats, tool_cut)
                         return
@@ -401,7 +416,7 @@ class PairWorker:
                     if tool_cut is not None:
                         tail = tool_cut.feed(tail)
                     if tail or tokens:
-                        job.emit(Delta(tail, tokens, from_draft))
+                        job.emit(Delta(tail, tokens, from_draft, tuple(logprobs)))
                     self._finish(job, _FINISH_REASONS[event.result.finish_reason], event.result.stats, tool_cut)
         except Exception as exc:  # noqa: BLE001 - the server keeps serving; the request learns what failed
             message = exc.one_line() if isinstance(exc, SpecrunError) else f"{type(exc).__name__}: {exc}"
@@ -421,6 +436,18 @@ class PairWorker:
         self.served += 1
         job.emit(Done(finish_reason, stats))
         self.log(f"{job.id}: {finish_reason}; {stats.summary()}")
+
+    def _shown(self, entry: TokenLogprob) -> tuple[TokenChoice, tuple[TokenChoice, ...]]:
+        """An engine's token log-probability with the texts a response shows."""
+        target = self.session.target
+
+        def choice(token: int, logprob: float) -> TokenChoice:
+            piece = target.token_bytes(token)
+            return TokenChoice(piece.decode("utf-8", "replace"), piece, logprob)
+
+        # a token a grammar forbids has no probability at all, and JSON no -infinity: it is not listed
+        return choice(entry.token, entry.logprob), tuple(choice(t, value) for t, value in entry.top
+                                                         if math.isfinite(value))
 
     def _style(self) -> ToolStyle:
         return style_for(self.session.template)

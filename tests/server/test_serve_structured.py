@@ -5,6 +5,7 @@ greedy answers are the same with speculation (auto) and without (--method none).
 from __future__ import annotations
 
 import json
+import math
 
 import jsonschema
 import pytest
@@ -142,3 +143,55 @@ BAD = [
 @pytest.mark.parametrize(("body", "param", "code"), BAD, ids=[f"{i}-{row[1]}" for i, row in enumerate(BAD)])
 def test_a_grammar_that_cannot_be_used_is_a_400_naming_its_field(demo_server, body, param, code):
     assert_refused(demo_server, "/v1/chat/completions", body, param, code)
+
+
+# ---- log-probabilities ------------------------------------------------------------------------
+def test_chat_logprobs_are_the_tokens_of_the_answer_with_their_alternatives(demo_server, plain_server):
+    def asked(server, **fields):
+        return server.client().chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": PROMPTS[0]}], max_tokens=40, temperature=0,
+            logprobs=True, top_logprobs=3, **fields)
+
+    fast, plain = asked(demo_server).choices[0], asked(plain_server).choices[0]
+    entries = fast.logprobs.content
+    assert "".join(entry.token for entry in entries) == fast.message.content
+    for entry in entries:
+        assert entry.logprob <= 0 and len(entry.top_logprobs) == 3
+        values = [other.logprob for other in entry.top_logprobs]
+        assert values == sorted(values, reverse=True)
+        assert entry.top_logprobs[0].token == entry.token  # greedy: the likeliest token was chosen
+        assert bytes(entry.bytes).decode("utf-8", "replace") == entry.token
+    # drafted or not, a token's log-probability is the target's own
+    assert [e.token for e in entries] == [e.token for e in plain.logprobs.content]
+    assert [e.logprob for e in entries] == pytest.approx([e.logprob for e in plain.logprobs.content], abs=1e-3)
+    streamed = [entry for chunk in demo_server.client().chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": PROMPTS[0]}], max_tokens=40, temperature=0,
+        logprobs=True, top_logprobs=3, stream=True) if chunk.choices and chunk.choices[0].logprobs
+        for entry in chunk.choices[0].logprobs.content]
+    assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in entries]
+
+
+def test_logprobs_under_a_schema_list_only_tokens_it_allows(demo_server):
+    schema = SCHEMAS[3]
+    response = demo_server.client().chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": PROMPTS[2]}], max_tokens=MAX_TOKENS, temperature=0,
+        logprobs=True, top_logprobs=5,
+        response_format={"type": "json_schema", "json_schema": {"name": "c", "schema": schema}})
+    entries = response.choices[0].logprobs.content
+    first = entries[0]
+    assert first.token.lstrip().startswith("{") and all(o.token.lstrip().startswith("{") or not o.token.strip()
+                                                        for o in first.top_logprobs)
+    total = sum(math.exp(o.logprob) for o in first.top_logprobs)
+    assert total <= 1.0 + 1e-6
+
+
+def test_completions_logprobs_in_the_legacy_shape(demo_server):
+    status, body = demo_server.post("/v1/completions", {
+        "model": MODEL, "prompt": "Once upon a time", "max_tokens": 12, "temperature": 0, "logprobs": 2})
+    assert status == 200, body
+    choice = body["choices"][0]
+    logprobs = choice["logprobs"]
+    assert "".join(logprobs["tokens"]) == choice["text"]
+    assert len(logprobs["token_logprobs"]) == len(logprobs["tokens"]) == len(logprobs["top_logprobs"])
+    assert all(len(top) <= 2 for top in logprobs["top_logprobs"])
+    assert logprobs["text_offset"][0] == 0 and logprobs["text_offset"] == sorted(logprobs["text_offset"])
