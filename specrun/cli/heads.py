@@ -16,6 +16,7 @@ from rich.text import Text
 from specrun.cli.common import PipeConsole, cli_errors
 from specrun.cli.options import BackendOpt, HeadsPromptsOpt, HeadsSeedOpt, HeadsTargetOpt, RegistryOpt, ThreadsOpt
 from specrun.cli.interrupts import INTERRUPTED_EXIT, say_interrupted
+from specrun.errors import UsageError
 
 heads_app = typer.Typer(help="Self-drafting heads for a target: train them on this machine.", no_args_is_help=True)
 
@@ -57,6 +58,8 @@ def train(
             learning_rate=lr, seed=seed, registry=registry, backend=backend, threads=threads,
         )
         check_request(request)
+        if max_steps is not None and max_steps < 1:  # 0 or fewer steps wrote heads that never trained
+            raise UsageError(f"--max-steps must be at least 1, got {max_steps}", "pass a step count, e.g. --max-steps 100")
         err = Console(stderr=True)
         try:
             progress = _TrainingProgress(err)

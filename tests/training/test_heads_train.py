@@ -308,6 +308,8 @@ def test_the_command_trains_and_prints_the_report(tiny_llama, text_folder, tmp_p
         (["--seed", "-1"], 2, "--seed must be a non-negative"),  # failed after gathering the data
         (["--threads", "100000"], 2, "--threads must be between 1 and 1024"),  # a segfault
         (["--threads", "0"], 2, "--threads must be between 1 and 1024"),
+        (["--max-steps", "0"], 2, "--max-steps must be at least 1"),  # wrote heads that never trained
+        (["--max-steps", "-3"], 2, "--max-steps must be at least 1"),
     ],
 )
 def test_bad_input_is_one_line(args, exit_code, words, tmp_path):
