@@ -22,6 +22,7 @@ from specrun.cli.common import (
     checked_flash_attn,
     check_kv_type,
     check_range,
+    checked_grammar,
     checked_sampling,
     checked_rpc,
     checked_lookahead,
@@ -32,6 +33,8 @@ from specrun.cli.common import (
     read_prompt,
 )
 from specrun.cli.options import (
+    GrammarOpt,
+    JsonSchemaOpt,
     BackendOpt,
     BranchesOpt,
     ChainOpt,
@@ -119,6 +122,8 @@ def generate(
     chain_only: ChainOpt = False,
     heads: HeadsOpt = None,
     lookahead: LookaheadOpt = None,
+    grammar: GrammarOpt = None,
+    json_schema: JsonSchemaOpt = None,
 ) -> None:
     """Answer PROMPT as a chat message (with --raw, or for a completion model, continue it):
     text to stdout, statistics to stderr."""
@@ -136,6 +141,7 @@ def generate(
         check_heads_used(heads, (method,))
         trees = checked_trees(chain_only, tree_nodes, branches, lookahead_sizes, window=uses_window((method,)))
         sampling = checked_sampling("generate", temp, top_k, top_p, min_p, seed)
+        grammar_spec = checked_grammar(grammar, json_schema)
         text = read_prompt(prompt)
         target, draft = choose_pair(target, draft, registry)
         request = GenerateRequest(
@@ -155,6 +161,7 @@ def generate(
             chat=chat,
             trees=trees,
             heads=heads,
+            grammar=grammar_spec,
             on_note=lambda note: typer.echo(f"note: {note}", err=True),
         )
         kept = None  # the answer is printed even when the n-gram cache could not be saved after it

@@ -8,6 +8,7 @@ import os
 import sys
 import traceback
 from collections.abc import Sequence
+from pathlib import Path
 
 import typer
 from rich.console import Console
@@ -197,6 +198,37 @@ def checked_lookahead(text: str | None, methods: Sequence[str]):
         return LookaheadSizes(*(int(part) for part in parts))
     except ValueError as exc:
         raise UsageError(f"--lookahead {exc}", "pass e.g. --lookahead 5:4:3") from None
+
+
+MAX_GRAMMAR_BYTES = 1 << 20  # a grammar or schema file larger than this is not one a person wrote
+
+
+def checked_grammar(grammar: Path | None, json_schema: Path | None):
+    """--grammar (GBNF, or Lark for a .lark file) or --json-schema as a GrammarSpec checked to
+    compile (None: neither); a usage error naming the file and what is wrong with it."""
+    from specrun.fileio import read_limited
+    from specrun.grammar import GrammarError, GrammarSpec
+
+    if grammar is not None and json_schema is not None:
+        raise UsageError("--grammar and --json-schema both constrain the answer", "give one of them")
+    path = grammar if grammar is not None else json_schema
+    if path is None:
+        return None
+    option = "--grammar" if grammar is not None else "--json-schema"
+    data = read_limited(Path(path), MAX_GRAMMAR_BYTES, f"{option} file", f"give {option} a text file",
+                        error=UsageError)
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise UsageError(f"the {option} file {path} is not UTF-8 text (byte {exc.start})",
+                         "save it as UTF-8") from None
+    kind = "json_schema" if json_schema is not None else ("lark" if Path(path).suffix == ".lark" else "gbnf")
+    spec = GrammarSpec(kind, text)
+    try:
+        spec.check()
+    except GrammarError as exc:
+        raise UsageError(f"{option} {path}: {exc.problem}", exc.fix) from None
+    return spec
 
 
 def checked_sampling(command: str, temp: float, top_k: int, top_p: float, min_p: float, seed: int | None):

@@ -60,6 +60,15 @@ DraftMinProbOpt = Annotated[
     ),
 ]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object instead of text.")]
+GrammarOpt = Annotated[
+    Optional[Path],
+    typer.Option("--grammar", help="A grammar the answer must follow: GBNF (llama.cpp's), or Lark for a .lark file. "
+                 "Speculation stays lossless and drafts the text the grammar forces for free."),
+]
+JsonSchemaOpt = Annotated[
+    Optional[Path],
+    typer.Option("--json-schema", help="A JSON schema file the answer must follow (a JSON object of that shape)."),
+]
 CtxOpt = Annotated[Optional[int], typer.Option("--ctx", help="Context size in tokens (default: the model's, at most 4096).")]
 ThreadsOpt = Annotated[Optional[int], typer.Option("--threads", help="CPU threads (default: all cores).")]
 BranchesOpt = Annotated[

@@ -170,13 +170,17 @@ class NearTieWatch:
             return 0
         return int(near_tie_rows(prompt_logits[None], self.margin)[0])
 
-    def in_pass(self, proposal: Proposal, verdict: Verdict | TreeVerdict, n_kept: int) -> int:
+    def in_pass(self, proposal: Proposal, verdict: Verdict | TreeVerdict, n_kept: int,
+                rows: np.ndarray | None = None) -> int:
         """How many of a step's ``n_kept`` tokens were chosen at a near-tie of the pass's rows they
-        came from (the root's, then each accepted node's)."""
+        came from (the root's, then each accepted node's): ``rows`` where the pass read them (under a
+        grammar, masked: the choice was among the tokens it allows), else the backend's last argmax pass."""
         self.rounded_apart = self.rounded_apart or len(proposal) > 0
         if not self.rounded_apart:
             return 0
         indices = [0, *(1 + node for node in verdict.path)][:n_kept]
+        if rows is not None:
+            return int(near_tie_rows(rows[indices], self.margin).sum())
         return int(self.target.backend.last_pass_ties(indices, self.margin).sum())
 
 
@@ -296,7 +300,8 @@ class SpeculativeEngine:
                 if constrained is not None:
                     constrained.advance(context[context_len:])
                 if ties is not None:
-                    stats.near_ties += ties.in_pass(proposal, verdict, len(context) - context_len)
+                    stats.near_ties += ties.in_pass(proposal, verdict, len(context) - context_len,
+                                                    self.passes.last_rows)
                 if measured and proposal.source != GRAMMAR_SOURCE:
                     policy.observe(StepReport(plan, proposal, tuple(verdict.path), clock.step_started,
                                               clock.draft_seconds, clock.verify_seconds, context, context_len))

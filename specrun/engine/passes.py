@@ -44,9 +44,10 @@ class TargetPasses:
         self.target = target
         self.drafter: Drafter | None = None  # the engine's: shown each pass where it reads passes
         self.chain_rule = chain_rule  # one of CHAIN_RULES: how sampled chains are verified
-        # keep each pass's rows as verified (``last_rows``, (1 + n, V)), for the tokens' log-probabilities:
-        # greedy passes then read whole rows, not the backend's argmax
+        # greedy passes read whole rows, not the backend's argmax (for the tokens' log-probabilities)
         self.keep_rows = False
+        # the last pass's rows as verified (1 + n, V), where it read rows (sampling, a grammar,
+        # keep_rows); None after a pass that read only the backend's argmax
         self.last_rows: np.ndarray | None = None
 
     def prefill(self, context: list[int]) -> tuple[np.ndarray, bool]:
@@ -73,6 +74,7 @@ class TargetPasses:
         the proposal verified (deferred drafts are read in the pass) and the verdict.
         ``allowed``: under a grammar, the tokens each row allows ((1 + n, size) bool, the root's
         first); the rows are masked before the rule sees them (engine/constrained.py)."""
+        self.last_rows = None
         if isinstance(drafts, DeferredDrafts):
             return self._verify_deferred(last_token, drafts)
         if not drafts.is_chain:
@@ -113,11 +115,9 @@ class TargetPasses:
         return verdict
 
     def _rows(self, logits: np.ndarray, allowed: np.ndarray | None) -> np.ndarray:
-        """A pass's logits as verified (masked by a grammar's rows, where there is one), kept where asked."""
-        logits = masked_rows(logits, allowed)
-        if self.keep_rows:
-            self.last_rows = logits
-        return logits
+        """A pass's logits as verified (masked by a grammar's rows, where there is one), kept as ``last_rows``."""
+        self.last_rows = masked_rows(logits, allowed)
+        return self.last_rows
 
     def _verify_deferred(self, last_token: int, drafts: DeferredDrafts) -> tuple[Proposal, Verdict]:
         """The target's pass queued on the draft's ids: one host sync reads both (greedy only)."""

@@ -20,6 +20,7 @@ from specrun.drafters.methods import (
 )
 from specrun.control.gate import SpeculationGate
 from specrun.errors import AnswerKeptError, SpecrunError
+from specrun.grammar import Grammar, GrammarSpec
 from specrun.sampling import SamplingSettings
 from specrun.sessions.heads import heads_for_auto, load_target_heads, paying_heads, with_auto_heads
 from specrun.sessions.setup import (
@@ -54,6 +55,7 @@ class GenerateRequest:
     chat: bool | None = None  # the prompt as a user message in the chat template; None: see prompts_as_chat
     trees: TreeSettings = field(default_factory=TreeSettings)
     heads: str | None = None  # --heads: the heads file a head method drafts with (None: found by alias)
+    grammar: GrammarSpec | None = None  # --grammar / --json-schema: what the answer must follow
     on_note: Callable[[str], None] | None = None  # one-line notes for the user (stderr in the CLI)
 
 
@@ -95,6 +97,7 @@ def generate_text(request: GenerateRequest, on_text: Callable[[str], None] | Non
             tree_nodes=request.trees.nodes,
             # where kernels round batched passes otherwise (not --exact), count the choices that could flip
             tie_margin=0.0 if request.load.exact or request.method == "none" else TIE_MARGIN,
+            grammar=Grammar.compile(request.grammar, target) if request.grammar is not None else None,
         )
         choice = None
         stored = tuned

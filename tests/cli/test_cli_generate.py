@@ -13,14 +13,12 @@ import pytest
 from typer.testing import CliRunner
 
 from heads_factory import random_eagle, random_heads, random_hydra
-from model_factory import perturbed_copy
 from specrun.cli.app import app
 from specrun.drafters.methods import METHODS, heads_kind, needs_heads
 from specrun.heads.files import save_heads
 from specrun.heads.kinds import MODEL_KINDS
 
 runner = CliRunner()
-BACKEND_MODULES = {"llama": "llama_cpp", "mlx": "mlx_lm"}
 
 
 def invoke(*args: str, input: str | None = None, env: dict | None = None):
@@ -33,23 +31,8 @@ def llama_installed():
 
 
 @pytest.fixture(scope="module")
-def perturbed(tiny_llama, tmp_path_factory):
-    """A draft that disagrees with the tiny llama now and then, so drafts are also rejected."""
-    return perturbed_copy(tiny_llama, tmp_path_factory.mktemp("perturbed"))
-
-
-@pytest.fixture(scope="module")
 def pair(tiny_llama, perturbed, llama_installed):
     return ["-t", str(tiny_llama.gguf_path), "-d", str(perturbed["llama"])]
-
-
-@pytest.fixture(params=["llama", "mlx"])
-def backend_pair(request, tiny_llama, perturbed):
-    """The tiny llama and its perturbed draft on each backend: GGUF for llama, HF folders for mlx."""
-    kind = request.param
-    pytest.importorskip(BACKEND_MODULES[kind], reason=f"the {kind} backend is not installed")
-    source = str(tiny_llama.gguf_path if kind == "llama" else tiny_llama.hf_dir)
-    return ["-t", source, "-d", str(perturbed[kind]), "--backend", kind]
 
 
 def assert_drafts_were_rejected(stats: dict, some_accepted: bool = True) -> None:
