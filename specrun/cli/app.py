@@ -23,6 +23,7 @@ from specrun.cli.common import (
     check_kv_type,
     check_range,
     checked_grammar,
+    checked_tools,
     checked_sampling,
     checked_rpc,
     checked_lookahead,
@@ -35,6 +36,8 @@ from specrun.cli.common import (
 from specrun.cli.options import (
     GrammarOpt,
     JsonSchemaOpt,
+    ToolChoiceOpt,
+    ToolsOpt,
     BackendOpt,
     BranchesOpt,
     ChainOpt,
@@ -73,7 +76,7 @@ from specrun.cli.rpc import rpc_server_command
 from specrun.cli.serve import serve_command
 from specrun.cli.tune import tune
 from specrun.drafters.methods import check_method
-from specrun.errors import AnswerKeptError
+from specrun.errors import AnswerKeptError, UsageError
 
 app = typer.Typer(
     name="specrun",
@@ -124,6 +127,8 @@ def generate(
     lookahead: LookaheadOpt = None,
     grammar: GrammarOpt = None,
     json_schema: JsonSchemaOpt = None,
+    tools: ToolsOpt = None,
+    tool_choice: ToolChoiceOpt = "auto",
 ) -> None:
     """Answer PROMPT as a chat message (with --raw, or for a completion model, continue it):
     text to stdout, statistics to stderr."""
@@ -142,6 +147,13 @@ def generate(
         trees = checked_trees(chain_only, tree_nodes, branches, lookahead_sizes, window=uses_window((method,)))
         sampling = checked_sampling("generate", temp, top_k, top_p, min_p, seed)
         grammar_spec = checked_grammar(grammar, json_schema)
+        tool_list, choice = checked_tools(tools, tool_choice)
+        if tool_list and chat is False:
+            raise UsageError("--tools renders the tools through the chat template, which --raw leaves out",
+                             "drop --raw")
+        if choice.forces_a_call and grammar_spec is not None:
+            raise UsageError("a required tool call and --grammar/--json-schema both constrain the answer",
+                             "give one of them")
         text = read_prompt(prompt)
         target, draft = choose_pair(target, draft, registry)
         request = GenerateRequest(
@@ -162,6 +174,8 @@ def generate(
             trees=trees,
             heads=heads,
             grammar=grammar_spec,
+            tools=tool_list,
+            tool_choice=choice,
             on_note=lambda note: typer.echo(f"note: {note}", err=True),
         )
         kept = None  # the answer is printed even when the n-gram cache could not be saved after it
@@ -170,8 +184,10 @@ def generate(
                 result = generate_text(request)
             except AnswerKeptError as exc:
                 result, kept = exc.result, exc
-            typer.echo(json.dumps({"text": result.text, "finish_reason": result.finish_reason,
-                                   "stats": result.stats.to_dict()}))
+            answer = {"text": result.text, "finish_reason": result.finish_reason, "stats": result.stats.to_dict()}
+            if tool_list:
+                answer["tool_calls"] = [call.as_openai() for call in result.tool_calls]
+            typer.echo(json.dumps(answer))
         else:
             try:
                 result = generate_text(request, on_text=_write_stdout)

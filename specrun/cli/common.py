@@ -231,6 +231,39 @@ def checked_grammar(grammar: Path | None, json_schema: Path | None):
     return spec
 
 
+MAX_TOOLS_BYTES = 4 << 20
+
+
+def checked_tools(path: Path | None, choice: str):
+    """--tools FILE (OpenAI's tools list, or an object holding one under "tools") and --tool-choice,
+    checked: (tools, ToolChoice); a usage error naming the file and the definition at fault."""
+    import json
+
+    from specrun.fileio import json_problem, read_limited
+    from specrun.sessions.tools import ToolChoice, ToolDefinitionError, tool_choice_of, tool_definitions
+
+    if path is None:
+        if choice != "auto":
+            raise UsageError("--tool-choice needs --tools", "give the tools file with --tools")
+        return (), ToolChoice()
+    data = read_limited(Path(path), MAX_TOOLS_BYTES, "--tools file", "give --tools a JSON file", error=UsageError)
+    try:
+        value = json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise UsageError(f"the --tools file {path} is not JSON: {json_problem(exc)}",
+                         "give a JSON list of tool definitions") from None
+    if isinstance(value, dict) and "tools" in value:
+        value = value["tools"]
+    try:
+        tools = tool_definitions(value)
+        if not tools:
+            raise UsageError(f"the --tools file {path} defines no tools", "give at least one tool definition")
+        named = {"type": "function", "function": {"name": choice}}
+        return tools, tool_choice_of(choice if choice in ("auto", "none", "required") else named, tools)
+    except ToolDefinitionError as exc:
+        raise UsageError(f"--tools {path}: {exc.problem}".replace("tool_choice", "--tool-choice"), exc.fix) from None
+
+
 def checked_sampling(command: str, temp: float, top_k: int, top_p: float, min_p: float, seed: int | None):
     """The sampling options as SamplingSettings, or a usage error naming the first bad one."""
     from specrun.sampling import SamplingSettings

@@ -65,6 +65,16 @@ GrammarOpt = Annotated[
     typer.Option("--grammar", help="A grammar the answer must follow: GBNF (llama.cpp's), or Lark for a .lark file. "
                  "Speculation stays lossless and drafts the text the grammar forces for free."),
 ]
+ToolsOpt = Annotated[
+    Optional[Path],
+    typer.Option("--tools", help="A JSON file of tool definitions (OpenAI's tools list) the model may call: rendered "
+                 "through its chat template, calls read out of the answer (--json: tool_calls)."),
+]
+ToolChoiceOpt = Annotated[
+    str,
+    typer.Option("--tool-choice", help="With --tools: auto (the model decides), required (it must call one), none, "
+                 "or the name of the function it must call."),
+]
 JsonSchemaOpt = Annotated[
     Optional[Path],
     typer.Option("--json-schema", help="A JSON schema file the answer must follow (a JSON object of that shape)."),

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from specrun.engine.stats import Stats
 
@@ -59,6 +59,8 @@ class GenerationResult:
     token_ids: list[int]
     stats: Stats
     finish_reason: str  # "length", "eos", "context" or "grammar" (it allowed no next token)
+    # the tool calls a session read out of the text (sessions/tools.py), where the run had tools
+    tool_calls: list = field(default_factory=list)
 
 
 @dataclass(frozen=True)

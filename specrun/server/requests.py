@@ -7,19 +7,17 @@ from __future__ import annotations
 
 import json
 import math
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from specrun.grammar import GrammarError, GrammarSpec
 from specrun.sampling import SamplingSettings
-from specrun.sessions.tools import Tool, ToolChoice
+from specrun.sessions.tools import Tool, ToolChoice, ToolDefinitionError, tool_choice_of, tool_definitions
 
 MAX_STOP_STRINGS = 4  # as OpenAI's API
 MAX_TOP_LOGPROBS = 20  # as OpenAI's chat API (its completions API: 5)
 MAX_TEMPERATURE = 2.0  # as OpenAI's API
 ROLES = ("system", "developer", "user", "assistant", "tool")
-FUNCTION_NAME = re.compile(r"[A-Za-z0-9_.\-]{1,64}")  # OpenAI's rule for a function's name
 
 # OpenAI fields specrun accepts but does not act on, with the values that mean "nothing asked":
 # any other value is refused by name rather than silently ignored.
@@ -303,62 +301,18 @@ def _chat_logprobs(body: dict) -> int | None:
 
 
 def _parse_tools(tools) -> tuple[Tool, ...]:
-    """``tools``: function definitions, each with a name and, where given, a JSON schema of its
-    arguments that compiles (a required call's arguments follow it)."""
-    if tools is None or tools == []:
-        return ()
-    if not isinstance(tools, list):
-        raise RequestError("tools must be a list of {\"type\": \"function\", \"function\": {...}} objects", "tools",
-                           code="invalid_type")
-    parsed, names = [], set()
-    for index, tool in enumerate(tools):
-        where = f"tools[{index}]"
-        if not isinstance(tool, dict) or tool.get("type", "function") != "function" or not isinstance(
-                tool.get("function"), dict):
-            raise RequestError(f"{where} must be {{\"type\": \"function\", \"function\": {{\"name\": ...}}}}: "
-                               "specrun serve takes function tools", where, code="invalid_type")
-        function = tool["function"]
-        name = function.get("name")
-        if not isinstance(name, str) or not FUNCTION_NAME.fullmatch(name):
-            raise RequestError(f"{where}.function.name must be 1 to 64 letters, digits, '_', '.' or '-', "
-                               f"got {_shown(name)}", f"{where}.function.name",
-                               code="missing_required_parameter" if name is None else "invalid_value")
-        if name in names:
-            raise invalid_value(f"{where}.function.name", f"{name!r} is defined twice")
-        names.add(name)
-        description = function.get("description") or ""
-        if not isinstance(description, str):
-            raise RequestError(f"{where}.function.description must be a string", f"{where}.function.description",
-                               code="invalid_type")
-        parameters = function.get("parameters")
-        if parameters is not None:
-            if not isinstance(parameters, dict):
-                raise RequestError(f"{where}.function.parameters must be a JSON schema object",
-                                   f"{where}.function.parameters", code="invalid_type")
-            try:
-                GrammarSpec("json_schema", json.dumps(parameters)).check()
-            except GrammarError as exc:
-                raise invalid_value(f"{where}.function.parameters", exc.problem) from None
-        parsed.append(Tool(name, _text(description, f"{where}.function.description"), parameters))
-    return tuple(parsed)
+    """``tools``: function definitions (sessions/tools.py checks them), refused by the field named."""
+    try:
+        return tool_definitions(tools)
+    except ToolDefinitionError as exc:
+        raise RequestError(exc.problem, exc.where, code=exc.code) from None
 
 
 def _parse_tool_choice(choice, tools: Sequence[Tool]) -> ToolChoice:
-    if choice is None:
-        return ToolChoice()
-    if choice in ("auto", "none", "required"):
-        if choice == "required" and not tools:
-            raise invalid_value("tool_choice", "\"required\" needs tools to call: send tools too")
-        return ToolChoice(choice)
-    if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("function"), dict):
-        name = choice["function"].get("name")
-        if not any(tool.name == name for tool in tools):
-            known = ", ".join(tool.name for tool in tools) or "none"
-            raise invalid_value("tool_choice", f"names the function {_shown(name)}, which tools does not define "
-                                f"(defined: {known})")
-        return ToolChoice("function", name)
-    raise RequestError('tool_choice must be "auto", "none", "required" or {"type": "function", "function": '
-                       '{"name": ...}}', "tool_choice", code="invalid_type")
+    try:
+        return tool_choice_of(choice, tools)
+    except ToolDefinitionError as exc:
+        raise RequestError(exc.problem, exc.where, code=exc.code) from None
 
 
 def _parse_messages(messages) -> tuple[dict[str, str], ...]:

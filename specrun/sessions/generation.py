@@ -21,6 +21,8 @@ from specrun.drafters.methods import (
 from specrun.control.gate import SpeculationGate
 from specrun.errors import AnswerKeptError, SpecrunError
 from specrun.grammar import Grammar, GrammarSpec
+from specrun.sessions.templates import ChatTemplate, tokenize_rendered
+from specrun.sessions.tools import Tool, ToolChoice, render_conversation, style_for
 from specrun.sampling import SamplingSettings
 from specrun.sessions.heads import heads_for_auto, load_target_heads, paying_heads, with_auto_heads
 from specrun.sessions.setup import (
@@ -56,7 +58,20 @@ class GenerateRequest:
     trees: TreeSettings = field(default_factory=TreeSettings)
     heads: str | None = None  # --heads: the heads file a head method drafts with (None: found by alias)
     grammar: GrammarSpec | None = None  # --grammar / --json-schema: what the answer must follow
+    tools: tuple[Tool, ...] = ()  # --tools: functions the model may call (rendered through its template)
+    tool_choice: ToolChoice = field(default_factory=ToolChoice)
     on_note: Callable[[str], None] | None = None  # one-line notes for the user (stderr in the CLI)
+
+
+def tool_prompt(target, request: GenerateRequest) -> tuple[list[int], GrammarSpec | None]:
+    """The prompt as a user message beside the tools, in the target's template (the tools in its
+    system message where the template takes none), and the grammar of a required call."""
+    template = ChatTemplate.for_backend(target)
+    text, spans = render_conversation(template, [{"role": "user", "content": request.prompt}], request.tools)
+    grammar = request.grammar
+    if request.tool_choice.forces_a_call:
+        grammar = style_for(template).grammar(request.tools, request.tool_choice)
+    return tokenize_rendered(target, template, text, spans), grammar
 
 
 def generate_text(request: GenerateRequest, on_text: Callable[[str], None] | None = None) -> GenerationResult:
@@ -81,7 +96,11 @@ def generate_text(request: GenerateRequest, on_text: Callable[[str], None] | Non
         check_trees_for(request.method, target, options.lookahead)
         chat = prompts_as_chat(request.target, request.load.registry, target, request.chat)
         check_prompt_size(target, request.prompt)  # before tokenizing megabytes that cannot fit
-        prompt_ids = prompt_token_ids(target, request.prompt, chat)
+        if request.tools:
+            prompt_ids, grammar = tool_prompt(target, request)
+        else:
+            prompt_ids = prompt_token_ids(target, request.prompt, chat)
+            grammar = request.grammar
         check_prompt(prompt_ids, target.n_ctx)
         # The input is good: flash attention by what it costs here (a first run measures it and
         # notes so after the answer), which also picks the tuning key of the run's stored costs.
@@ -97,7 +116,7 @@ def generate_text(request: GenerateRequest, on_text: Callable[[str], None] | Non
             tree_nodes=request.trees.nodes,
             # where kernels round batched passes otherwise (not --exact), count the choices that could flip
             tie_margin=0.0 if request.load.exact or request.method == "none" else TIE_MARGIN,
-            grammar=Grammar.compile(request.grammar, target) if request.grammar is not None else None,
+            grammar=Grammar.compile(grammar, target) if grammar is not None else None,
         )
         choice = None
         stored = tuned
@@ -145,6 +164,9 @@ def generate_text(request: GenerateRequest, on_text: Callable[[str], None] | Non
                 if request.on_note is not None:
                     for note in kernel_notes:
                         request.on_note(note)
+                if request.tools and request.tool_choice.mode != "none":
+                    template = ChatTemplate.for_backend(target)
+                    event.result.tool_calls = style_for(template).parse(event.result.text)[1]
                 return event.result
         raise AssertionError("stream ended without Finished")
     finally:

@@ -25,8 +25,8 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from specrun.errors import ChatTemplateError
-from specrun.grammar import JSON_OPTIONS, GrammarSpec
+from specrun.errors import ChatTemplateError, UsageError
+from specrun.grammar import GrammarError, GrammarSpec
 from specrun.sessions.templates import ChatTemplate, render_with_spans
 
 
@@ -68,6 +68,96 @@ class ToolChoice:
     @property
     def forces_a_call(self) -> bool:
         return self.mode in ("required", "function")
+
+
+# A call is one line of JSON, as the formats' examples write it: at most a space between items
+# (a small model given room for line breaks and indentation fills max_tokens with them).
+CALL_JSON_OPTIONS = {"whitespace_pattern": r"\x20?"}
+
+
+# ---- tool definitions ---------------------------------------------------------------------
+FUNCTION_NAME = re.compile(r"[A-Za-z0-9_.\-]{1,64}")  # OpenAI's rule for a function's name
+
+
+class ToolDefinitionError(UsageError):
+    """A tool definition or tool_choice that cannot be used: the problem, where it is (a request's
+    field, ``tools[2].function.name``) and an OpenAI error code for a server to answer with."""
+
+    def __init__(self, problem: str, where: str, code: str = "invalid_value") -> None:
+        super().__init__(problem, "see the tools format at https://platform.openai.com/docs/guides/function-calling")
+        self.where = where
+        self.code = code
+
+
+def _shown(value) -> str:
+    text = json.dumps(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def tool_definitions(tools) -> tuple[Tool, ...]:
+    """OpenAI's ``tools``, checked: function definitions, each with a name and, where given, a JSON
+    schema of its arguments that compiles (a required call's arguments follow it)."""
+    if tools is None or tools == []:
+        return ()
+    if not isinstance(tools, list):
+        raise ToolDefinitionError('tools must be a list of {"type": "function", "function": {...}} objects',
+                                  "tools", "invalid_type")
+    parsed, names = [], set()
+    for index, tool in enumerate(tools):
+        where = f"tools[{index}]"
+        if not isinstance(tool, dict) or tool.get("type", "function") != "function" or not isinstance(
+                tool.get("function"), dict):
+            raise ToolDefinitionError(f'{where} must be {{"type": "function", "function": {{"name": ...}}}}: '
+                                      "only function tools are taken", where, "invalid_type")
+        function = tool["function"]
+        name = function.get("name")
+        if not isinstance(name, str) or not FUNCTION_NAME.fullmatch(name):
+            raise ToolDefinitionError(f"{where}.function.name must be 1 to 64 letters, digits, '_', '.' or '-', "
+                                      f"got {_shown(name)}", f"{where}.function.name",
+                                      "missing_required_parameter" if name is None else "invalid_value")
+        if name in names:
+            raise ToolDefinitionError(f"{where}.function.name: {name!r} is defined twice", f"{where}.function.name")
+        names.add(name)
+        description = function.get("description") or ""
+        if not isinstance(description, str):
+            raise ToolDefinitionError(f"{where}.function.description must be a string",
+                                      f"{where}.function.description", "invalid_type")
+        try:
+            description.encode("utf-8")
+        except UnicodeEncodeError as exc:  # JSON may escape half of a surrogate pair alone
+            raise ToolDefinitionError(f"{where}.function.description is not valid Unicode text (a lone surrogate "
+                                      f"at character {exc.start})", f"{where}.function.description") from None
+        parameters = function.get("parameters")
+        if parameters is not None:
+            if not isinstance(parameters, dict):
+                raise ToolDefinitionError(f"{where}.function.parameters must be a JSON schema object",
+                                          f"{where}.function.parameters", "invalid_type")
+            try:
+                GrammarSpec("json_schema", json.dumps(parameters)).check()
+            except GrammarError as exc:
+                raise ToolDefinitionError(f"{where}.function.parameters: {exc.problem}",
+                                          f"{where}.function.parameters") from None
+        parsed.append(Tool(name, description, parameters))
+    return tuple(parsed)
+
+
+def tool_choice_of(choice, tools: Sequence[Tool]) -> ToolChoice:
+    """OpenAI's ``tool_choice`` (None: "auto"), checked against the tools defined."""
+    if choice is None:
+        return ToolChoice()
+    if choice in ("auto", "none", "required"):
+        if choice == "required" and not tools:
+            raise ToolDefinitionError('tool_choice: "required" needs tools to call: send tools too', "tool_choice")
+        return ToolChoice(choice)
+    if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("function"), dict):
+        name = choice["function"].get("name")
+        if not any(tool.name == name for tool in tools):
+            known = ", ".join(tool.name for tool in tools) or "none"
+            raise ToolDefinitionError(f"tool_choice names the function {_shown(name)}, which tools does not "
+                                      f"define (defined: {known})", "tool_choice")
+        return ToolChoice("function", name)
+    raise ToolDefinitionError('tool_choice must be "auto", "none", "required" or {"type": "function", "function": '
+                              '{"name": ...}}', "tool_choice", "invalid_type")
 
 
 # ---- reading calls ------------------------------------------------------------------------
@@ -134,7 +224,7 @@ class ToolStyle:
         schemas = [{"type": "object", "additionalProperties": False, "required": ["name", self.arguments_key],
                     "properties": {"name": {"const": tool.name},
                                    self.arguments_key: tool.parameters or {"type": "object"}},
-                    "x-guidance": JSON_OPTIONS} for tool in allowed]
+                    "x-guidance": CALL_JSON_OPTIONS} for tool in allowed]
         call = " | ".join(f"%json {json.dumps(schema)}" for schema in schemas)
         if self.name == "hermes":
             block = '"<tool_call>\\n" call "\\n</tool_call>"'

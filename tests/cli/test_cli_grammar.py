@@ -1,4 +1,4 @@
-"""`specrun generate --json-schema / --grammar` on both real backends (issue 52): the answer follows
+"""`specrun generate --json-schema / --grammar / --tools` on both real backends (issue 52): the answer follows
 the schema, speculation gives the greedy answer plain decoding gives, and bad grammar files are
 one-line usage errors."""
 
@@ -23,7 +23,8 @@ def invoke(*args: str):
 
 
 def _answer(pair, *options):
-    result = invoke("generate", "Say something.", *pair, "--raw", "--max-tokens", "200", "--json", *options)
+    raw = [] if "--tools" in options else ["--raw"]  # tools go into the chat template
+    result = invoke("generate", "Say something.", *pair, *raw, "--max-tokens", "200", "--json", *options)
     assert result.exit_code == 0, result.output
     return json.loads(result.stdout.strip().splitlines()[-1])
 
@@ -74,3 +75,52 @@ def test_a_missing_grammar_file_and_both_options_are_usage_errors(tiny_llama, tm
     both = invoke("generate", "x", "-t", str(tiny_llama.gguf_path), "--json-schema", str(schema), "--grammar",
                   str(schema))
     assert both.exit_code == 2 and "--grammar and --json-schema both constrain" in both.output
+
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city", "parameters": {
+    "type": "object", "properties": {"city": {"enum": ["Oslo", "Rome"]}}, "required": ["city"],
+    "additionalProperties": False}}},
+    {"type": "function", "function": {"name": "get_time", "description": "The time in a zone", "parameters": {
+        "type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"],
+        "additionalProperties": False}}}]
+# The demo pair: the tools go into its system message, more than the tiny models' 512 tokens of context
+DEMO_PAIR = ["--backend", "llama"]
+
+
+@pytest.mark.parametrize("choice", ["required", "get_time"])
+def test_generate_with_tools_makes_the_call_required_and_names_it(tmp_path, choice):
+    pytest.importorskip("llama_cpp", reason="the llama backend (llama-cpp-python) is not installed")
+    tools = tmp_path / "tools.json"
+    tools.write_text(json.dumps({"tools": TOOLS}))
+    plain = _answer(DEMO_PAIR, "--method", "none", "--tools", str(tools), "--tool-choice", choice)
+    fast = _answer(DEMO_PAIR, "--method", "draft", "--tools", str(tools), "--tool-choice", choice)
+    assert fast["text"] == plain["text"] and fast["tool_calls"] and fast["finish_reason"] == "eos"
+    (call,) = fast["tool_calls"]
+    if choice != "required":
+        assert call["function"]["name"] == choice
+    schema = next(t["function"]["parameters"] for t in TOOLS if t["function"]["name"] == call["function"]["name"])
+    jsonschema.validate(json.loads(call["function"]["arguments"]), schema)
+    assert fast["stats"]["by_source"]["grammar"]["accepted"] > 0  # the call's forced text drafted for free
+
+
+@pytest.mark.parametrize(("content", "choice", "words"), [
+    ("[1, 2]", "auto", "tools[0] must be"),
+    ('[{"type": "function", "function": {"name": "a b"}}]', "auto", "tools[0].function.name"),
+    ("{not json", "auto", "is not JSON"),
+    ("[]", "auto", "defines no tools"),
+    (json.dumps(TOOLS), "launch", "--tool-choice names the function"),
+])
+def test_a_tools_file_that_cannot_be_used_is_one_usage_error(tiny_llama, tmp_path, content, choice, words):
+    path = tmp_path / "tools.json"
+    path.write_text(content)
+    result = invoke("generate", "x", "-t", str(tiny_llama.gguf_path), "--tools", str(path), "--tool-choice", choice)
+    assert result.exit_code == 2, result.output
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and words in lines[0], result.output
+
+
+def test_tools_with_raw_is_a_usage_error(tmp_path):
+    tools = tmp_path / "tools.json"
+    tools.write_text(json.dumps(TOOLS))
+    result = invoke("generate", "x", "--raw", "--tools", str(tools))
+    assert result.exit_code == 2 and "drop --raw" in result.output, result.output
