@@ -99,3 +99,40 @@ def test_shutdown_answers_the_queued_with_a_json_503_and_ends_the_stream_with_a_
     assert stream_lines[-1] == "data: [DONE]"
     assert "server_shutting_down" in stream_lines[-2], stream_lines[-3:]
     assert not any("Traceback" in line or "CancelledError" in line for line in server.log), server.log[-10:]
+
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30}},
+                   "required": ["city"], "additionalProperties": False}}}
+
+
+def test_a_tool_call_round_trip_on_the_real_model(smollm2_server, tmp_path):
+    """SmolLM2's template takes no tools: they go into its system message (Hermes format), the call
+    is required, its arguments follow the schema and equal what `generate --tools --method none`
+    makes; the result goes back and the answer is text."""
+    import json
+
+    import jsonschema
+
+    client = smollm2_server.client()
+    question = "What is the weather in Paris?"
+    first = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": question}],
+                                           tools=[WEATHER], tool_choice="required", max_tokens=64,
+                                           temperature=0).choices[0]
+    assert first.finish_reason == "tool_calls"
+    (call,) = first.message.tool_calls
+    assert call.function.name == "get_weather"
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
+    tools = tmp_path / "tools.json"
+    tools.write_text(json.dumps([WEATHER]))
+    [plain] = specrun_json("generate", question, *ARGS, "--method", "none", "--tools", str(tools),
+                           "--tool-choice", "required", "-n", "64")
+    assert [c["function"]["arguments"] for c in plain["tool_calls"]] == [call.function.arguments]
+    follow_up = [{"role": "user", "content": question},
+                 {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+                 {"role": "tool", "tool_call_id": call.id, "content": '{"temperature_c": 21, "sky": "sunny"}'}]
+    final = client.chat.completions.create(model=MODEL, messages=follow_up, tools=[WEATHER], max_tokens=48,
+                                           temperature=0).choices[0]
+    assert final.message.tool_calls is None and final.finish_reason in ("stop", "length")
+    assert final.message.content.strip()
