@@ -32,6 +32,7 @@ from specrun.cli.common import (
     uses_window,
     checked_trees,
     checked_text,
+    checked_tools,
     cli_errors,
     read_stdin_text,
 )
@@ -63,6 +64,8 @@ from specrun.cli.options import (
     TopKOpt,
     TopPOpt,
     TreeNodesOpt,
+    ToolChoiceOpt,
+    ToolsOpt,
 )
 from specrun.errors import SpecrunError, UsageError
 
@@ -71,6 +74,7 @@ HELP = """\
 /reset          start a new conversation (the system prompt stays)
 /system TEXT    set the system prompt (/system alone shows it, /system - removes it)
 /method NAME    switch the speculation method (/method alone lists them)
+/tool RESULT    answer the tool call the last answer made with its RESULT (a chat with --tools)
 /help           this list
 /exit           leave (so do Ctrl-D and Ctrl-C at the prompt)
 A line ending in \\ continues on the next line; \"\"\" opens a block that ends at a line ending in \"\"\".
@@ -130,6 +134,8 @@ def chat_command(
     chain_only: ChainOpt = False,
     heads: HeadsOpt = None,
     lookahead: LookaheadOpt = None,
+    tools: ToolsOpt = None,
+    tool_choice: ToolChoiceOpt = "auto",
 ) -> None:
     """Chat with the target model: a REPL on a terminal; on a pipe, stdin is the message and stdout the answer."""
     with cli_errors():
@@ -158,12 +164,14 @@ def chat_command(
         options = LoadOptions(backend=backend, n_ctx=ctx, threads=threads, gpu_layers=gpu_layers,
                               rpc=rpc_servers, registry=registry, kv_type=kv_type,
                               flash_attn=flash_attn, exact=exact, tree_paths=trees.paths)
+        tool_list, choice = checked_tools(tools, tool_choice)
         target, draft = choose_pair(target, draft, registry)
         with open_chat(target, draft, method, options,
                        system_prompt=None if system is None else checked_text(system, "--system"),
                        draft_len=draft_len, draft_min_prob=draft_min_prob, ngram_cache=ngram_cache,
                        branches=trees.branches, heads=heads, lookahead=lookahead_sizes,
-                       chain=trees.chain, tree_nodes=trees.nodes, on_note=view.note) as session:
+                       chain=trees.chain, tree_nodes=trees.nodes, on_note=view.note,
+                       tools=tool_list, tool_choice=choice) as session:
             if messages is None:
                 ChatRepl(session, params, view).run()
             else:
@@ -210,6 +218,9 @@ class AnswerView:
             if self.json_output:
                 self._write(json.dumps(event.to_dict()) + "\n", None)
             self.end_line()
+            for call in event.tool_calls:
+                self.err.print(f"tool call: {call.name} {call.arguments} (answer it with /tool RESULT)",
+                               style="cyan", highlight=False)
             self.err.print(stats_line(event), style="dim")
             if event.stats.near_ties and event.stats.drafted:
                 from specrun.sessions.setup import near_tie_note
@@ -282,6 +293,7 @@ class ChatRepl:
             "/reset": self._reset,
             "/system": self._system,
             "/method": self._method,
+            "/tool": self._tool,
             "/help": self._help,
         }
 
@@ -315,8 +327,8 @@ class ChatRepl:
             "/help lists commands; Ctrl-D exits."
         )
 
-    def _answer(self, message: str) -> None:
-        events = self.session.ask(message, self.params)
+    def _answer(self, message: str, role: str = "user") -> None:
+        events = self.session.ask(message, self.params, role)
         try:
             for event in events:
                 self.view.show(event)
@@ -372,6 +384,11 @@ class ChatRepl:
         if argument:
             self.session.set_method(argument)
         self.view.info(f"method {self.session.method} (available: {', '.join(METHODS)})")
+
+    def _tool(self, argument: str) -> None:
+        if not argument:
+            raise UsageError("/tool needs the call's result", "type /tool RESULT, e.g. /tool {\"temperature\": 21}")
+        self._answer(argument, role="tool")
 
     def _help(self, _argument: str) -> None:
         self.view.info(HELP)

@@ -66,7 +66,9 @@ from specrun.drafters.methods import (
     uses_lookahead,
 )
 from specrun.engine.stats import Stats
-from specrun.sessions.templates import ChatTemplate, render_with_spans, tokenize_rendered
+from specrun.grammar import Grammar
+from specrun.sessions.templates import ChatTemplate, tokenize_rendered
+from specrun.sessions.tools import Tool, ToolCall, ToolChoice, render_conversation, style_for
 
 # What a lookahead window's pass-cost probe feeds first where the chat has no system prompt.
 PROBE_TEXT = "You are a helpful assistant. Answer the question below clearly and briefly."
@@ -96,15 +98,19 @@ class AnswerDone:
     stats: Stats
     prompt_tokens: int
     reused_tokens: int
+    tool_calls: tuple[ToolCall, ...] = ()  # the calls the answer made (a session with tools)
 
     def to_dict(self) -> dict:
-        return {
+        answer = {
             "text": self.text,
             "finish_reason": self.finish_reason,
             "prompt_tokens": self.prompt_tokens,
             "reused_tokens": self.reused_tokens,
             "stats": self.stats.to_dict(),
         }
+        if self.tool_calls:
+            answer["tool_calls"] = [call.as_openai() for call in self.tool_calls]
+        return answer
 
 
 ChatEvent = AnswerText | ContextFullNotice | AnswerDone
@@ -175,8 +181,13 @@ class ChatSession:
         chain: bool = False,
         tree_nodes: int = 0,
         on_note: Callable[[str], None] | None = None,
+        tools: Sequence[Tool] = (),
+        tool_choice: ToolChoice = ToolChoice(),
     ) -> None:
         self.target = target
+        self.tools = tuple(tools)  # functions the model may call, rendered into every prompt
+        self.tool_choice = tool_choice  # a required call is forced on each user turn, not after a result
+        self._call_grammar: Grammar | None = None
         self.draft = draft
         self.template = ChatTemplate.for_backend(target)
         self.system_prompt = system_prompt
@@ -262,8 +273,9 @@ class ChatSession:
             tuned.apply(self.engine)  # auto and a chain's gate need not explore them
 
     # ---- the conversation ---------------------------------------------------------
-    def ask(self, text: str, params: GenerationParams) -> Iterator[ChatEvent]:
-        """Answer ``text`` as the next user turn: AnswerText events, maybe a ContextFullNotice, AnswerDone.
+    def ask(self, text: str, params: GenerationParams, role: str = "user") -> Iterator[ChatEvent]:
+        """Answer ``text`` as the next user turn (``role`` "tool": the result of the call the last answer
+        made): AnswerText events, maybe a ContextFullNotice, AnswerDone.
 
         Raises ContextFullError (before generating) when the conversation no longer
         fits, ChatTemplateError when the template refuses it.
@@ -271,7 +283,11 @@ class ChatSession:
         # before rendering and tokenizing megabytes that cannot fit (a 54 MB message overran the
         # template's limits and blamed the template)
         check_prompt_size(self.target, text)
-        messages = [*self.transcript.messages, {"role": "user", "content": text}]
+        if role == "tool" and not self.tools:
+            raise UsageError("there is no tool call to answer: this chat has no tools", "start it with --tools FILE")
+        if role == "user" and self.tool_choice.forces_a_call:
+            params = dataclasses.replace(params, grammar=self._required_call())
+        messages = [*self.transcript.messages, {"role": role, "content": text}]
         prompt_text, prompt_ids = self._prompt(messages)
         self._check_fits(prompt_ids)
         reused = min(common_prefix_len(self.engine.target.tokens, prompt_ids), len(prompt_ids) - 1)
@@ -294,7 +310,15 @@ class ChatSession:
             )
         self._record(messages, prompt_text, prompt_ids, result)
         self.answers.append(result.stats)
-        yield AnswerDone(result.text, result.finish_reason, result.stats, len(prompt_ids), reused)
+        calls = tuple(style_for(self.template).parse(result.text)[1]) if self.tools else ()
+        yield AnswerDone(result.text, result.finish_reason, result.stats, len(prompt_ids), reused, calls)
+
+    def _required_call(self) -> Grammar:
+        """The grammar of a call in the model's format to the tools ``tool_choice`` allows (compiled once)."""
+        if self._call_grammar is None:
+            spec = style_for(self.template).grammar(self.tools, self.tool_choice)
+            self._call_grammar = Grammar.compile(spec, self.target)
+        return self._call_grammar
 
     def stream(self, prompt_ids: list[int], params: GenerationParams) -> Iterator[TextChunk | Finished]:
         """The engine's events for ``prompt_ids`` at the session's draft settings, the
@@ -343,7 +367,7 @@ class ChatSession:
         """The rendered prompt for ``messages`` and its token ids, extending the transcript's when possible."""
         conversation = self._with_system(messages)
         # The template's markers (<|im_start|>) become their tokens; what was typed stays text.
-        text, spans = render_with_spans(self.template, conversation)
+        text, spans = render_conversation(self.template, conversation, self.tools)
         seen = self.transcript
         if seen.token_ids and text.startswith(seen.text):
             added = tokenize_rendered(self.target, self.template, text, spans, start=len(seen.text))
@@ -368,7 +392,8 @@ class ChatSession:
                 result: GenerationResult) -> None:
         """Append the answer to the transcript, keeping the ids the target generated where the template agrees."""
         messages = [*messages, {"role": "assistant", "content": result.text}]
-        rendered = self.template.render(self._with_system(messages), add_generation_prompt=False)
+        rendered = render_conversation(self.template, self._with_system(messages), self.tools,
+                                       add_generation_prompt=False)[0]
         ids = prompt_ids + result.token_ids
         text = prompt_text + result.text
         if result.finish_reason == "eos":
@@ -468,6 +493,8 @@ def open_chat(
     chain: bool = False,
     tree_nodes: int = 0,
     on_note: Callable[[str], None] | None = None,
+    tools: Sequence[Tool] = (),
+    tool_choice: ToolChoice = ToolChoice(),
 ) -> ChatSession:
     """Load the pair for ``method`` (the draft model only if it needs one) and start a session.
 
@@ -517,7 +544,8 @@ def open_chat(
                            draft_len=draft_len, draft_min_prob=draft_min_prob, tuned=tuned,
                            drafter_options=drafter_options,
                            find_tuned=lambda loaded: load_tuned(target, loaded, options.threads),
-                           threads=options.threads, chain=chain, tree_nodes=tree_nodes, on_note=on_note)
+                           threads=options.threads, chain=chain, tree_nodes=tree_nodes, on_note=on_note,
+                           tools=tools, tool_choice=tool_choice)
     except BaseException:
         target.close()
         if draft is not None:

@@ -347,15 +347,15 @@ def uses_tools(messages: Sequence[dict], tools: Sequence[Tool]) -> bool:
     return bool(tools) or any(m.get("role") == "tool" or m.get("tool_calls") for m in messages)
 
 
-def render_conversation(template: ChatTemplate, messages: Sequence[dict],
-                        tools: Sequence[Tool] = ()) -> tuple[str, list[tuple[int, int]]]:
+def render_conversation(template: ChatTemplate, messages: Sequence[dict], tools: Sequence[Tool] = (),
+                        add_generation_prompt: bool = True) -> tuple[str, list[tuple[int, int]]]:
     """The conversation as prompt text with its contents' spans (``render_with_spans``), tools and
     earlier calls included; ToolTemplateError where the template cannot render them."""
     if not uses_tools(messages, tools):
-        return render_with_spans(template, messages)
+        return render_with_spans(template, messages, add_generation_prompt)
     converted, extra = tool_conversation(template, messages, tools)
     try:
-        return render_with_spans(template, converted, extra=extra)
+        return render_with_spans(template, converted, add_generation_prompt, extra=extra)
     except ChatTemplateError as exc:
         raise ToolTemplateError(f"the model's chat template cannot render tools: {exc.problem}",
                                 "send the request without tools, or use a model whose template takes them") from None

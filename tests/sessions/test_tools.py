@@ -151,3 +151,62 @@ def test_a_required_call_is_one_call_unless_parallel_calls_are_asked_for(style):
 
     assert accepted(parallel=True) and not accepted(parallel=False)
     assert len(STYLES[style].parse(two)[1]) == 2
+
+
+# ---- specrun chat with tools ----------------------------------------------------------------
+CHAT_TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
+                                                 "parameters": {"type": "object", "properties": {
+                                                     "city": {"enum": ["Oslo", "Rome"]}}, "required": ["city"],
+                                                     "additionalProperties": False}}}]
+
+
+def test_a_chat_with_tools_calls_takes_the_result_and_answers(tmp_path):
+    """The demo pair (a template without tools): a required call on the user's turn, the result as
+    a tool message (rendered in the Hermes format), then a free answer; the conversation's next
+    prompt extends the cached one."""
+    pytest.importorskip("llama_cpp", reason="the llama backend (llama-cpp-python) is not installed")
+    from specrun.engine.loop import GenerationParams
+    from specrun.registry.loading import LoadOptions
+    from specrun.sessions.chat import AnswerDone, open_chat
+    from specrun.sessions.tools import tool_definitions
+
+    tools = tool_definitions(CHAT_TOOLS)
+    params = GenerationParams(max_new_tokens=60)
+    with open_chat("demo-target", "demo-draft", "draft", LoadOptions(threads=1), tools=tools,
+                   tool_choice=ToolChoice("required")) as session:
+        first = [e for e in session.ask("Weather in Oslo?", params) if isinstance(e, AnswerDone)][0]
+        assert [call.name for call in first.tool_calls] == ["get_weather"]
+        assert json.loads(first.tool_calls[0].arguments)["city"] in ("Oslo", "Rome")
+        assert first.to_dict()["tool_calls"][0]["function"]["name"] == "get_weather"
+        second = [e for e in session.ask('{"temperature": 21}', params, role="tool") if isinstance(e, AnswerDone)][0]
+        assert second.reused_tokens > first.prompt_tokens  # the call and its answer stayed in the cache
+        assert [m["role"] for m in session.transcript.messages] == ["user", "assistant", "tool", "assistant"]
+        rendered = render_conversation(session.template, session.transcript.messages, tools)[0]
+        assert '<tool_response>\n{"temperature": 21}\n</tool_response>' in rendered
+
+
+def test_chat_answers_a_tool_result_only_with_tools():
+    pytest.importorskip("llama_cpp", reason="the llama backend (llama-cpp-python) is not installed")
+    from specrun.engine.loop import GenerationParams
+    from specrun.errors import UsageError
+    from specrun.registry.loading import LoadOptions
+    from specrun.sessions.chat import open_chat
+
+    with open_chat("demo-target", None, "none", LoadOptions(threads=1)) as session:
+        with pytest.raises(UsageError, match="no tools"):
+            list(session.ask("{}", GenerationParams(max_new_tokens=4), role="tool"))
+
+
+def test_piped_chat_with_tools_prints_the_calls_in_its_json(tmp_path):
+    pytest.importorskip("llama_cpp", reason="the llama backend (llama-cpp-python) is not installed")
+    from typer.testing import CliRunner
+
+    from specrun.cli.app import app
+
+    path = tmp_path / "tools.json"
+    path.write_text(json.dumps(CHAT_TOOLS))
+    result = CliRunner().invoke(app, ["chat", "--tools", str(path), "--tool-choice", "required", "--json",
+                                      "-n", "60", "--threads", "1"], input="Weather in Rome?\n")
+    assert result.exit_code == 0, result.output
+    answer = json.loads(result.stdout.strip().splitlines()[-1])
+    assert answer["tool_calls"][0]["function"]["name"] == "get_weather"
