@@ -162,6 +162,94 @@ def acceptance_probability(p_target: np.ndarray, p_draft: np.ndarray) -> float:
     return float(np.minimum(p_target, p_draft).sum())
 
 
+# ---- lossy acceptance ----------------------------------------------------------------
+# Relaxed rules judge a draft by the target's probability of it alone. They accept more drafts
+# than the exact rules and the text is no longer the target's own: off unless asked for, and
+# labelled lossy wherever they are on (docs/design.md, "Relaxed acceptance").
+
+EXACT = "exact"  # the lossless rules above, as the acceptance of a run is labelled (Stats.acceptance)
+ACCEPTANCE_RULES = (EXACT, "typical", "margin")
+LOSSY_RULES = ACCEPTANCE_RULES[1:]
+# Medusa's defaults (Cai et al. 2024; posterior_threshold and posterior_alpha in its code): delta
+# about sqrt(epsilon).
+TYPICAL_EPSILON = 0.09
+TYPICAL_DELTA = 0.3
+MARGIN_FACTOR = 2.0  # a draft at least half as likely as the target's top token
+
+
+@dataclass(frozen=True)
+class LossyAcceptance:
+    """A lossy acceptance rule and its settings: ``"typical"`` (``typical_accepts``, epsilon and
+    delta) or ``"margin"`` (``margin_accepts``, factor)."""
+
+    rule: str
+    epsilon: float = TYPICAL_EPSILON
+    delta: float = TYPICAL_DELTA
+    factor: float = MARGIN_FACTOR
+
+    @property
+    def label(self) -> str:
+        """How outputs made with it say so: ``"typical (lossy)"``."""
+        return f"{self.rule} (lossy)"
+
+    def validate(self) -> list[str]:
+        """Problems with these settings, as option-named messages (empty if fine)."""
+        problems = []
+        if self.rule not in LOSSY_RULES:
+            problems.append(f"--accept must be one of {', '.join(ACCEPTANCE_RULES)}, got {self.rule!r}")
+        if not 0.0 < self.epsilon < 1.0:
+            problems.append(f"--epsilon must be in (0, 1), got {self.epsilon:g}")
+        if not 0.0 < self.delta < 1.0:  # below 1, the target's top token always passes
+            problems.append(f"--delta must be in (0, 1), got {self.delta:g}")
+        if not self.factor >= 1.0:
+            problems.append(f"--margin must be at least 1, got {self.factor:g}")
+        return problems
+
+    def accepts(self, tokens: Sequence[int], p_target: np.ndarray) -> np.ndarray:
+        """Which of ``tokens`` the rule accepts, token i judged on row i of ``p_target`` (n, vocab): (n,) bool."""
+        if self.rule == "typical":
+            return typical_accepts(tokens, p_target, self.epsilon, self.delta)
+        return margin_accepts(tokens, p_target, self.factor)
+
+
+def typical_accepts(tokens: Sequence[int], p_target: np.ndarray, epsilon: float, delta: float) -> np.ndarray:
+    """Medusa-2's typical acceptance (Cai et al. 2024, arXiv 2401.10774): accept x where
+    p_target(x) > min(epsilon, delta exp(-H(p_target))), H the row's entropy in nats: a flat row
+    (the target unsure) lets unlikely drafts through, a peaked one only likely ones.
+    p_target: (n, vocab), row i judging tokens[i]. Returns (n,) bool."""
+    rows = np.asarray(p_target, dtype=np.float64)  # (n, V)
+    logs = np.log(rows, out=np.zeros_like(rows), where=rows > 0.0)
+    entropy = -(rows * logs).sum(axis=-1)  # (n,)
+    threshold = np.minimum(epsilon, delta * np.exp(-entropy))  # (n,)
+    return rows[np.arange(len(rows)), np.asarray(tokens, dtype=np.intp)] > threshold
+
+
+def margin_accepts(tokens: Sequence[int], p_target: np.ndarray, factor: float) -> np.ndarray:
+    """Accept x where p_target(x) >= max(p_target) / factor (factor >= 1; 1: only a top token).
+    p_target: (n, vocab), row i judging tokens[i]. Returns (n,) bool."""
+    rows = np.asarray(p_target, dtype=np.float64)  # (n, V)
+    chosen = rows[np.arange(len(rows)), np.asarray(tokens, dtype=np.intp)]  # (n,)
+    return (chosen > 0.0) & (chosen * factor >= rows.max(axis=-1))
+
+
+def verify_lossy(
+    draft_tokens: Sequence[int], p_target: np.ndarray, acceptance: LossyAcceptance,
+    rng: np.random.Generator | None = None,
+) -> Verdict:
+    """A lossy rule on a chain: accept drafts while ``acceptance`` accepts each on its row, then
+    the target's own token from the row after the last accepted: its argmax where ``rng`` is None
+    (T = 0), else a sample from that row. p_target: (k + 1, vocab)."""
+    k = len(draft_tokens)
+    accepted = acceptance.accepts(draft_tokens, p_target[:k])  # (k,)
+    n_accepted = k if accepted.all() else int(accepted.argmin())
+    return Verdict(n_accepted, _own_token(p_target[n_accepted], rng))
+
+
+def _own_token(p_target_row: np.ndarray, rng: np.random.Generator | None) -> int:
+    """The target's own next token from a (vocab,) row: the argmax (rng None), else a sample."""
+    return int(p_target_row.argmax()) if rng is None else sample(p_target_row, rng)
+
+
 # ---- trees -------------------------------------------------------------------------
 
 
@@ -185,13 +273,36 @@ def verify_tree_greedy(tree: TokenTree, target_argmax: Sequence[int]) -> TreeVer
     target_argmax: (1 + n,), row 0 after the root, row 1 + i after node i.
     """
     argmax = np.asarray(target_argmax)
+    path = _deepest_path(tree, np.asarray(tree.tokens) == argmax[_parent_rows(tree)])
+    return TreeVerdict(path, int(argmax[path[-1] + 1 if path else 0]))
+
+
+def verify_tree_lossy(
+    tree: TokenTree, p_target: np.ndarray, acceptance: LossyAcceptance, rng: np.random.Generator | None = None
+) -> TreeVerdict:
+    """A lossy rule on a tree: every node is judged by ``acceptance`` on its parent's row, and
+    the deepest path of accepted nodes wins (the first in index order among equally deep ones;
+    Medusa too takes the longest, breaking ties by likelihood). Then the target's own token from
+    the row after it, as in ``verify_lossy``. p_target: (1 + n, vocab), row 0 after the root."""
+    path = _deepest_path(tree, acceptance.accepts(tree.tokens, p_target[_parent_rows(tree)]))
+    return TreeVerdict(path, _own_token(p_target[path[-1] + 1 if path else 0], rng))
+
+
+def _parent_rows(tree: TokenTree) -> np.ndarray:
+    """The row each node's token is judged on: its parent's, 0 for the root's children. (n,)"""
+    return np.asarray(tree.parents, dtype=np.intp) + 1
+
+
+def _deepest_path(tree: TokenTree, accepted: np.ndarray) -> tuple[int, ...]:
+    """The deepest path from the root of nodes all ``accepted`` ((n,) bool), the first in index
+    order among equally deep ones."""
     # reach[i]: accepted nodes below node i on its best path; nodes go children-first backwards.
     reach = [0] * len(tree)
     best_child = [-1] * (len(tree) + 1)  # by node + 1; -1: no child accepted
     for node in range(len(tree) - 1, -2, -1):
         best = 0
         for child in tree.children_of(node):
-            if tree.tokens[child] == argmax[node + 1] and 1 + reach[child] > best:
+            if accepted[child] and 1 + reach[child] > best:
                 best, best_child[node + 1] = 1 + reach[child], child
         if node >= 0:
             reach[node] = best
@@ -199,7 +310,7 @@ def verify_tree_greedy(tree: TokenTree, target_argmax: Sequence[int]) -> TreeVer
     while node >= 0:
         path.append(node)
         node = best_child[node + 1]
-    return TreeVerdict(tuple(path), int(argmax[path[-1] + 1 if path else 0]))
+    return tuple(path)
 
 
 def sibling_row(p_draft_row: np.ndarray, earlier_siblings: Sequence[int]) -> np.ndarray:

@@ -24,7 +24,7 @@ from specrun.drafters.base import EMPTY_PROPOSAL, Drafter, Proposal
 from specrun.drafters.methods import is_adaptive
 from specrun.engine.constrained import GRAMMAR_SOURCE, ConstrainedRun
 from specrun.engine.events import Finished, GenerationResult, Step, TextChunk, TokenLogprob
-from specrun.engine.passes import DeferredDrafts, TargetPasses
+from specrun.engine.passes import DeferredDrafts, TargetPasses, Verification
 from specrun.engine.stats import Stats
 from specrun.errors import ContextFullError, UsageError
 from specrun.grammar import Grammar
@@ -196,6 +196,8 @@ class SpeculativeEngine:
     Each step the speculation policy (control/policy.py) plans: a plain step or which
     drafters to ask; ``policy`` is the adaptive one, which keeps the machine's measured
     costs across runs (``policy.use_tuned``, ``policy.forget_acceptance``).
+    ``verification``: how drafts are verified (engine/passes.py): exact by default; a lossy rule
+    there labels every run's statistics (``Stats.acceptance``).
     """
 
     def __init__(
@@ -204,9 +206,10 @@ class SpeculativeEngine:
         drafter: Drafter | None = None,
         method: str | None = None,
         clock: Callable[[], float] = perf_counter,
+        verification: Verification = Verification(),
     ) -> None:
         self.target = sequence_for(target)
-        self.passes = TargetPasses(self.target)
+        self.passes = TargetPasses(self.target, verification)
         self.clock = clock  # injectable so tests can give fake models exact costs
         self.last_context: list[int] = []  # prompt + output of the latest run
         self.grammar_blocked = False  # did the latest run end where its grammar allowed no token?
@@ -234,9 +237,9 @@ class SpeculativeEngine:
             max_paths = self.target.backend.tree_support.max_paths
             self.policy.configure(params.draft_len, adaptive, self._tree_nodes(params), max_paths)
             return self.policy
-        # a fused pass is read as greedy ids: a grammar must mask its rows first
+        # a fused pass is read as greedy ids: a grammar must mask its rows first, a lossy rule read them
         fusable = (drafter.can_defer(params.sampling) and self.target.can_feed_after and params.grammar is None
-                   and params.logprobs is None)
+                   and params.logprobs is None and self.passes.acceptance is None)
         return FixedPolicy(drafter, fusable)
 
     # ---- layer 1: verify passes -------------------------------------------------
@@ -418,6 +421,7 @@ class SpeculativeEngine:
             draft_len=params.draft_len if self.drafter is not None else 0,
             adaptive=self._adapts(params),
             draft_min_prob=min_prob,
+            acceptance=self.passes.verification.label,
         )
         decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         output: list[int] = []

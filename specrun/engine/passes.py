@@ -18,7 +18,8 @@ from specrun.drafters.base import Drafter, Proposal
 from specrun.engine.constrained import masked_rows
 from specrun.sampling import SamplingSettings, probabilities, sample
 from specrun.verify import (
-    TreeVerdict, Verdict, verify_block, verify_greedy, verify_sampled, verify_tree_greedy, verify_tree_sampled
+    EXACT, LossyAcceptance, TreeVerdict, Verdict, verify_block, verify_greedy, verify_lossy, verify_sampled,
+    verify_tree_greedy, verify_tree_lossy, verify_tree_sampled,
 )
 
 # How a sampled chain is verified: "block" decides the drafts jointly (verify_block), "token" one
@@ -26,6 +27,23 @@ from specrun.verify import (
 # accepted more on every pair measured (docs/design.md, "Acceptance"), so it is the default.
 CHAIN_RULES = ("block", "token")
 DEFAULT_CHAIN_RULE = "block"
+# A lossy rule at T = 0 judges drafts on the target's distribution at temperature 1.
+TEMPERATURE_ONE = SamplingSettings(temperature=1.0)
+
+
+@dataclass(frozen=True)
+class Verification:
+    """How a run's drafts are verified: ``chain_rule``, how exact sampled chains are (one of
+    CHAIN_RULES), and ``acceptance``, a lossy rule that replaces the exact ones wherever drafts
+    are verified, greedy or sampled, chains or trees (None: exact, the default)."""
+
+    chain_rule: str = DEFAULT_CHAIN_RULE
+    acceptance: LossyAcceptance | None = None
+
+    @property
+    def label(self) -> str:
+        """``"exact"``, or the lossy rule's label (``"typical (lossy)"``): what every output says."""
+        return EXACT if self.acceptance is None else self.acceptance.label
 
 
 @dataclass(frozen=True)
@@ -40,15 +58,21 @@ class DeferredDrafts:
 class TargetPasses:
     """The target's passes over the prompt and over each step's drafts, and their verdicts."""
 
-    def __init__(self, target: KVSequence, chain_rule: str = DEFAULT_CHAIN_RULE) -> None:
+    def __init__(self, target: KVSequence, verification: Verification = Verification()) -> None:
         self.target = target
         self.drafter: Drafter | None = None  # the engine's: shown each pass where it reads passes
-        self.chain_rule = chain_rule  # one of CHAIN_RULES: how sampled chains are verified
+        self.chain_rule = verification.chain_rule  # one of CHAIN_RULES: how sampled chains are verified
+        self.acceptance = verification.acceptance  # a lossy rule in place of the exact ones; None: exact
         # greedy passes read whole rows, not the backend's argmax (for the tokens' log-probabilities)
         self.keep_rows = False
         # the last pass's rows as verified (1 + n, V), where it read rows (sampling, a grammar,
         # keep_rows); None after a pass that read only the backend's argmax
         self.last_rows: np.ndarray | None = None
+
+    @property
+    def verification(self) -> Verification:
+        """How this target's passes verify now."""
+        return Verification(self.chain_rule, self.acceptance)
 
     def prefill(self, context: list[int]) -> tuple[np.ndarray, bool]:
         """Feed the prompt, reusing any cached prefix, and return the logits after its last
@@ -77,6 +101,8 @@ class TargetPasses:
         self.last_rows = None
         if isinstance(drafts, DeferredDrafts):
             return self._verify_deferred(last_token, drafts)
+        if self.acceptance is not None and drafts.tokens:
+            return drafts, self._verify_lossy(last_token, drafts, sampling, rng, allowed)
         if not drafts.is_chain:
             return drafts, self._verify_tree(last_token, drafts, sampling, rng, allowed)
         fed = [last_token, *drafts.tokens]
@@ -111,6 +137,29 @@ class TargetPasses:
             logits = self._rows(self.target.feed_tree([last_token], tree, rows), allowed)  # (1+n, V)
             self._show_pass(proposal, logits)
             verdict = verify_tree_sampled(tree, probabilities(logits, sampling), proposal.p_draft, rng)
+        self.target.keep_path(tree, verdict.path)
+        return verdict
+
+    def _verify_lossy(
+        self, last_token: int, proposal: Proposal, sampling: SamplingSettings, rng: np.random.Generator,
+        allowed: np.ndarray | None,
+    ) -> Verdict | TreeVerdict:
+        """The lossy rule on a chain or a tree. At T > 0 it judges the rows under the user's
+        settings and samples the token after the accepted drafts; at T = 0 it judges the rows at
+        temperature 1 and takes the argmax after them (a draft equal to the argmax is always
+        accepted, so it keeps at least what exact greedy verification keeps)."""
+        if proposal.is_chain:
+            fed = [last_token, *proposal.tokens]
+            logits = self._rows(self.target.feed(fed, range(len(fed))), allowed)  # (k+1, V)
+        else:
+            tree = proposal.tree
+            logits = self._rows(self.target.feed_tree([last_token], tree, tree.logit_rows(1)), allowed)  # (1+n, V)
+        self._show_pass(proposal, logits)
+        p_target = probabilities(logits, TEMPERATURE_ONE if sampling.greedy else sampling)
+        pick_rng = None if sampling.greedy else rng  # None: the argmax
+        if proposal.is_chain:
+            return verify_lossy(proposal.tokens, p_target, self.acceptance, pick_rng)
+        verdict = verify_tree_lossy(tree, p_target, self.acceptance, pick_rng)
         self.target.keep_path(tree, verdict.path)
         return verdict
 

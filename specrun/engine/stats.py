@@ -5,6 +5,8 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 
+from specrun.verify import EXACT
+
 PLAIN = "none"  # the source of a step that verified no drafts
 
 
@@ -35,6 +37,8 @@ class Stats:
     draft_len: int = 0
     adaptive: bool = False  # the length chosen each step, draft_len the longest
     draft_min_prob: float = 0.0  # the draft model's confidence stop (0: none)
+    # "exact" (lossless), or a lossy rule's label such as "typical (lossy)": said in every output
+    acceptance: str = EXACT
     prompt_tokens: int = 0
     new_tokens: int = 0
     steps: int = 0  # target verify passes
@@ -85,12 +89,19 @@ class Stats:
         self.verify_seconds += other.verify_seconds
         self.generation_seconds += other.generation_seconds
         self.near_ties += other.near_ties
+        if other.lossy:  # a total that holds a lossy answer is lossy
+            self.acceptance = other.acceptance
         self.accepted_hist = [a + b for a, b in itertools.zip_longest(self.accepted_hist, other.accepted_hist,
                                                                        fillvalue=0)]
         self.reached_hist = [a + b for a, b in itertools.zip_longest(self.reached_hist, other.reached_hist,
                                                                       fillvalue=0)]
         for source, counts in other.by_source.items():
             self.by_source.setdefault(source, SourceCounts()).add(counts.steps, counts.drafted, counts.accepted)
+
+    @property
+    def lossy(self) -> bool:
+        """Was the text made with a lossy acceptance rule?"""
+        return self.acceptance != EXACT
 
     @property
     def acceptance_rate(self) -> float:
@@ -113,6 +124,7 @@ class Stats:
             "draft_len": self.draft_len,
             "adaptive": self.adaptive,
             "draft_min_prob": self.draft_min_prob,
+            "acceptance": self.acceptance,
             "prompt_tokens": self.prompt_tokens,
             "new_tokens": self.new_tokens,
             "steps": self.steps,
@@ -150,4 +162,6 @@ class Stats:
                 f"{source} {c.steps}" + (f" ({100 * c.acceptance_rate:.0f}% accepted)" if c.drafted else "")
                 for source, c in sorted(self.by_source.items(), key=lambda item: -item[1].steps)
             )
+        if self.lossy:
+            line += f"; acceptance {self.acceptance}: not the target's own text"
         return line
