@@ -7,7 +7,10 @@ Schema ``specrun.bench/1`` (keys in order):
   the length chosen as it went, draft_len its longest), draft_lens (as asked: empty when
   each method ran as generate runs it), draft_min_prob (as run), sweep,
   max_new_tokens, temperature, top_k, top_p, min_p, seed, repeat, chat, suite,
-  n_ctx, baseline, timing, tuned (the `specrun tune` key the controllers started from, or null)
+  n_ctx, baseline, timing, tuned (the `specrun tune` key the controllers started from, or null),
+  verify (how exact sampled chains were verified: block or token), acceptance ("exact", or a lossy
+  rule's label such as "typical (lossy)": the drafting lines' texts are then not the target's own)
+  and acceptance_settings (the lossy rule's rule, epsilon, delta and factor, or null)
 - machine: cpu, cores, gpu, os, backend, threads, versions {specrun, llama-cpp-python,
   mlx, mlx-lm, numpy, python}
 - prompts: [{index, id, category, prompt_tokens}]; skipped: [{id, category, reason}]
@@ -18,7 +21,11 @@ Schema ``specrun.bench/1`` (keys in order):
 - per_prompt, per_category ({category: [figures]}), overall (every prompt): figures
   rows {variant, method, draft_len, prompts, tokens, seconds, tokens_per_second,
   median_tokens_per_second, speedup, acceptance_rate, mean_tokens_per_step,
-  draft_share, verify_share, mismatches, near_ties}; per_prompt rows add prompt_index
+  draft_share, verify_share, mismatches, near_ties, agreement, log_likelihood}; per_prompt rows add
+  prompt_index. Under a lossy rule (else null): agreement, the share of plain decoding's tokens the
+  texts repeat before their first difference (null when sampling), and log_likelihood, the target's
+  mean log-probability per token of the texts (temperature 1); a lossy line's mismatches are not
+  located (its texts differ by design)
 - accepted_hist: {variant: [steps that accepted n drafted tokens, n = 0, 1, …]}
 - sweep: {method: [{draft_len, speedup}]} for every fixed-length method (not adaptive lines)
 - mismatches: [{variant, prompt_index, prompt_id, position, plain_token, other_token, plain_text,
@@ -128,6 +135,10 @@ def _config(result: BenchResult) -> dict:
         "timing": "generation only (prefill excluded); methods interleaved per prompt",
         "tuned": result.tuned,
         "native": _native(result.comparison),
+        "verify": config.verification.chain_rule,
+        "acceptance": result.comparison.acceptance,
+        "acceptance_settings": None if config.verification.acceptance is None
+        else dataclasses.asdict(config.verification.acceptance),
     }
 
 

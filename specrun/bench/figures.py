@@ -36,6 +36,10 @@ class Figures:
     verify_share: float
     mismatches: int  # defects: outputs that differ from the baseline's beyond rounding (any, under --exact)
     near_ties: int  # outputs that differ only where the target's two tokens tie within batch rounding
+    # under a lossy acceptance rule (else None): the share of plain decoding's tokens the texts
+    # repeat before their first difference (greedy), and the target's mean log-likelihood per token
+    agreement: float | None = None
+    log_likelihood: float | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -63,6 +67,8 @@ def figures_for(comparison: Comparison, variant: str, prompt_indices: Sequence[i
         verify_share=figures.verify_share,
         mismatches=sum(m.is_defect(exact) for m in differing),
         near_ties=sum(not m.is_defect(exact) for m in differing),
+        agreement=comparison.agreement(variant, prompt_indices),
+        log_likelihood=comparison.mean_log_likelihood(variant, prompt_indices),
     )
 
 
@@ -110,6 +116,8 @@ def same_output_label(figures: Figures, outputs_compared: bool, baseline: bool) 
     """The table's verdict on a variant's outputs against the baseline's."""
     if baseline:
         return "baseline" if not (figures.mismatches or figures.near_ties) else "NOT REPEATABLE"
+    if figures.log_likelihood is not None:  # a lossy rule: the text is not the target's own
+        return "no: lossy" if figures.agreement is None else f"no: lossy ({100 * figures.agreement:.0f}% agree)"
     if not outputs_compared:
         return "n/a (sampled)"
     near_ties = count_of(figures.near_ties, "near-tie")

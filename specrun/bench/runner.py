@@ -20,6 +20,7 @@ from specrun.bench.suite import BenchPrompt
 from specrun.sessions.compare import Comparison, Variant, compare_variants
 from specrun.engine.events import GenerationResult
 from specrun.engine.loop import GenerationParams
+from specrun.engine.passes import Verification
 from specrun.errors import UsageError
 from specrun.sessions.heads import comparison_heads
 from specrun.sessions.setup import (
@@ -78,6 +79,9 @@ class BenchConfig:
     # --lookahead: the lookahead method's sizes (None: chosen from the target's pass costs, as generate
     # does; the result's config records the choice)
     lookahead: LookaheadSizes | None = None
+    # --verify and --accept: how the lines that draft verify (exact by default; a lossy rule's texts
+    # are then measured against the target's own: sessions/compare.py, TextQuality)
+    verification: Verification = field(default_factory=Verification)
 
     @property
     def sweep(self) -> bool:
@@ -209,6 +213,7 @@ def run_bench(config: BenchConfig, prompts: Sequence[BenchPrompt], progress: Pro
                 ),
                 tuned=tuned,
                 native=native,
+                verification=config.verification,
             )
         finally:
             if native is not None:

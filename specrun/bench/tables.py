@@ -91,6 +91,10 @@ def footnotes(result: BenchResult) -> list[str]:
         notes.append(f"adaptive (draft length chosen each step, up to {max(v.draft_len for v in adaptive)}, and "
                      f"speculation gated on plain decoding's speed): {names}; -k fixes the others' length")
     overall = by_category(result)[ALL_PROMPTS]
+    if result.comparison.quality:
+        notes.append(f"acceptance {result.comparison.acceptance} on every line that drafts: its texts are not the "
+                     "target's own; same output: the share of plain decoding's tokens they repeat before the first "
+                     "difference (greedy)")
     if any(f.near_ties for f in overall):
         notes.append(f"{NEAR_TIE_NOTE} (on llama.cpp an F32 KV cache, --kv-type f32, narrows it)")
     if any(f.mismatches for f in overall):

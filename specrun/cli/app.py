@@ -25,6 +25,7 @@ from specrun.cli.common import (
     checked_grammar,
     checked_tools,
     checked_sampling,
+    checked_verification,
     checked_rpc,
     checked_lookahead,
     check_heads_used,
@@ -34,6 +35,11 @@ from specrun.cli.common import (
     read_prompt,
 )
 from specrun.cli.options import (
+    AcceptOpt,
+    DeltaOpt,
+    EpsilonOpt,
+    MarginOpt,
+    VerifyOpt,
     GrammarOpt,
     JsonSchemaOpt,
     ToolChoiceOpt,
@@ -129,6 +135,11 @@ def generate(
     json_schema: JsonSchemaOpt = None,
     tools: ToolsOpt = None,
     tool_choice: ToolChoiceOpt = "auto",
+    verify: VerifyOpt = "block",
+    accept: AcceptOpt = "exact",
+    epsilon: EpsilonOpt = None,
+    delta: DeltaOpt = None,
+    margin: MarginOpt = None,
 ) -> None:
     """Answer PROMPT as a chat message (with --raw, or for a completion model, continue it):
     text to stdout, statistics to stderr."""
@@ -146,6 +157,7 @@ def generate(
         check_heads_used(heads, (method,))
         trees = checked_trees(chain_only, tree_nodes, branches, lookahead_sizes, window=uses_window((method,)))
         sampling = checked_sampling("generate", temp, top_k, top_p, min_p, seed)
+        verification = checked_verification("generate", verify, accept, epsilon, delta, margin, exact)
         grammar_spec = checked_grammar(grammar, json_schema)
         tool_list, choice = checked_tools(tools, tool_choice)
         if tool_list and chat is False:
@@ -176,6 +188,7 @@ def generate(
             grammar=grammar_spec,
             tools=tool_list,
             tool_choice=choice,
+            verification=verification,
             on_note=lambda note: typer.echo(f"note: {note}", err=True),
         )
         kept = None  # the answer is printed even when the n-gram cache could not be saved after it

@@ -18,11 +18,13 @@ from specrun.cli.common import (
     check_heads_used,
     uses_window,
     checked_sampling,
+    checked_verification,
     checked_rpc,
     checked_trees,
     cli_errors,
 )
 from specrun.cli.options import (
+    AcceptOpt,
     BackendOpt,
     BenchDraftLenOpt,
     BenchJsonOpt,
@@ -33,13 +35,16 @@ from specrun.cli.options import (
     ChainOpt,
     ChatOpt,
     CtxOpt,
+    DeltaOpt,
     DraftOpt,
+    EpsilonOpt,
     ExactOpt,
     FlashAttnOpt,
     GpuLayersOpt,
     HeadsOpt,
     KvTypeOpt,
     LookaheadOpt,
+    MarginOpt,
     MaxTokensOpt,
     RegistryOpt,
     RpcOpt,
@@ -48,6 +53,7 @@ from specrun.cli.options import (
     TempOpt,
     ThreadsOpt,
     TreeNodesOpt,
+    VerifyOpt,
 )
 from specrun.errors import UsageError
 from specrun.fileio import check_writable_folder, write_atomically
@@ -109,6 +115,11 @@ def bench(
     tree_nodes: TreeNodesOpt = None,
     chain_only: ChainOpt = False,
     lookahead: LookaheadOpt = None,
+    verify: VerifyOpt = "block",
+    accept: AcceptOpt = "exact",
+    epsilon: EpsilonOpt = None,
+    delta: DeltaOpt = None,
+    margin: MarginOpt = None,
 ) -> None:
     """Which speculation method is fastest on this machine? Tables to stdout, progress to stderr.
 
@@ -136,6 +147,7 @@ def bench(
             raise UsageError("--native runs llama-cpp-python's own loop on a copy of the target here, and --rpc "
                              "sends the target to other machines", "drop --native or --rpc")
         sampling = checked_sampling("bench", temp, 0, 1.0, 0.0, seed)
+        verification = checked_verification("bench", verify, accept, epsilon, delta, margin, exact)
         target = target or DEFAULT_TARGET
         draft = draft or suggested_draft(target, registry)
         method_list = parse_methods(methods, has_draft=draft is not None,
@@ -168,6 +180,7 @@ def bench(
             heads=heads,
             trees=trees,
             lookahead=lookahead_sizes,
+            verification=verification,
             load=LoadOptions(backend=backend, n_ctx=ctx, threads=threads, gpu_layers=gpu_layers,
                              rpc=rpc_servers, registry=registry, kv_type=kv_type,
                              flash_attn=flash_attn, exact=exact, tree_paths=trees.paths),
@@ -298,6 +311,10 @@ def run_and_show(config, prompts, json_out: Path | None, report_out: Path | None
                   "--lookahead sets it)", highlight=False)
     for table in category_tables(result):
         out.print(table)
+    if result.comparison.quality:
+        from specrun.sessions.compare import quality_line
+
+        out.print(quality_line(result.comparison), highlight=False, markup=False, soft_wrap=True)
     if result.comparison.native:
         from specrun.sessions.compare import native_line
 

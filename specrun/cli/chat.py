@@ -27,6 +27,7 @@ from specrun.cli.common import (
     checked_flash_attn,
     check_kv_type,
     checked_sampling,
+    checked_verification,
     checked_rpc,
     checked_lookahead,
     uses_window,
@@ -37,20 +38,24 @@ from specrun.cli.common import (
     read_stdin_text,
 )
 from specrun.cli.options import (
+    AcceptOpt,
     BackendOpt,
     BranchesOpt,
     ChainOpt,
     ChatJsonOpt,
     CtxOpt,
+    DeltaOpt,
     DraftLenOpt,
     DraftMinProbOpt,
     DraftOpt,
+    EpsilonOpt,
     ExactOpt,
     FlashAttnOpt,
     GpuLayersOpt,
     HeadsOpt,
     KvTypeOpt,
     LookaheadOpt,
+    MarginOpt,
     MaxTokensOpt,
     MethodOpt,
     MinPOpt,
@@ -66,6 +71,7 @@ from specrun.cli.options import (
     TreeNodesOpt,
     ToolChoiceOpt,
     ToolsOpt,
+    VerifyOpt,
 )
 from specrun.errors import SpecrunError, UsageError
 
@@ -136,6 +142,11 @@ def chat_command(
     lookahead: LookaheadOpt = None,
     tools: ToolsOpt = None,
     tool_choice: ToolChoiceOpt = "auto",
+    verify: VerifyOpt = "block",
+    accept: AcceptOpt = "exact",
+    epsilon: EpsilonOpt = None,
+    delta: DeltaOpt = None,
+    margin: MarginOpt = None,
 ) -> None:
     """Chat with the target model: a REPL on a terminal; on a pipe, stdin is the message and stdout the answer."""
     with cli_errors():
@@ -154,6 +165,7 @@ def chat_command(
         trees = checked_trees(chain_only, tree_nodes, branches, lookahead_sizes, window=uses_window((method,)))
         params = GenerationParams(max_tokens, 0, checked_sampling("chat", temp, top_k, top_p, min_p, seed),
                                   tree_nodes=trees.nodes, tie_margin=0.0 if exact else TIE_MARGIN)
+        verification = checked_verification("chat", verify, accept, epsilon, delta, margin, exact)
         interactive = sys.stdin.isatty()
         if each_line and interactive:
             raise UsageError("--each-line reads messages from a pipe", "pipe the messages in, one per line")
@@ -171,7 +183,7 @@ def chat_command(
                        draft_len=draft_len, draft_min_prob=draft_min_prob, ngram_cache=ngram_cache,
                        branches=trees.branches, heads=heads, lookahead=lookahead_sizes,
                        chain=trees.chain, tree_nodes=trees.nodes, on_note=view.note,
-                       tools=tool_list, tool_choice=choice) as session:
+                       tools=tool_list, tool_choice=choice, verification=verification) as session:
             if messages is None:
                 ChatRepl(session, params, view).run()
             else:

@@ -264,6 +264,36 @@ def checked_tools(path: Path | None, choice: str):
         raise UsageError(f"--tools {path}: {exc.problem}".replace("tool_choice", "--tool-choice"), exc.fix) from None
 
 
+def checked_verification(command: str, verify: str, accept: str, epsilon: float | None, delta: float | None,
+                         margin: float | None, exact: bool = False):
+    """--verify and --accept (with --epsilon, --delta, --margin) as the engine's Verification, or a
+    usage error naming the bad or clashing option."""
+    from specrun.engine.passes import CHAIN_RULES, Verification
+    from specrun.verify import ACCEPTANCE_RULES, EXACT, LossyAcceptance
+
+    if verify not in CHAIN_RULES:
+        raise UsageError(f"unknown --verify {verify!r}", f"use --verify {' or '.join(CHAIN_RULES)}")
+    if accept not in ACCEPTANCE_RULES:
+        raise UsageError(f"unknown --accept {accept!r}", f"use --accept {', '.join(ACCEPTANCE_RULES)}")
+    owners = {"--epsilon": (epsilon, "typical"), "--delta": (delta, "typical"), "--margin": (margin, "margin")}
+    for option, (value, rule) in owners.items():
+        if value is not None and accept != rule:
+            raise UsageError(f"{option} sets --accept {rule}, and the acceptance here is {accept}",
+                             f"drop {option}, or pass --accept {rule}")
+    if accept == EXACT:
+        return Verification(verify)
+    if exact:
+        raise UsageError(f"--exact contradicts --accept {accept}: a lossy rule changes the text",
+                         f"drop --accept {accept} (or drop --exact)")
+    given = {name: value for name, value in (("epsilon", epsilon), ("delta", delta), ("factor", margin))
+             if value is not None}
+    acceptance = LossyAcceptance(accept, **given)
+    problems = acceptance.validate()
+    if problems:
+        raise UsageError(problems[0], f"see `specrun {command} --help`")
+    return Verification(verify, acceptance)
+
+
 def checked_sampling(command: str, temp: float, top_k: int, top_p: float, min_p: float, seed: int | None):
     """The sampling options as SamplingSettings, or a usage error naming the first bad one."""
     from specrun.sampling import SamplingSettings

@@ -150,6 +150,38 @@ ExactOpt = Annotated[
         "the top two logits nearly tie.",
     ),
 ]
+AcceptOpt = Annotated[
+    str,
+    typer.Option(
+        "--accept",
+        help="How drafts are accepted: exact (the default: the output is the target's own), or typical "
+        "(Medusa-2's typical acceptance, see --epsilon and --delta) or margin (a draft within --margin of the "
+        "target's top token), lossy rules that accept more drafts but change the text; every output made with "
+        "one says so. At --temp 0 they judge the target's distribution at temperature 1. Refused with --exact.",
+    ),
+]
+EpsilonOpt = Annotated[
+    Optional[float],
+    typer.Option("--epsilon", help="--accept typical: accept a draft whose target probability exceeds "
+                 "min(EPSILON, DELTA * exp(-entropy)), 0 < EPSILON < 1 (default 0.09, Medusa's)."),
+]
+DeltaOpt = Annotated[
+    Optional[float],
+    typer.Option("--delta", help="--accept typical: DELTA above, 0 < DELTA < 1 (default 0.3, Medusa's)."),
+]
+MarginOpt = Annotated[
+    Optional[float],
+    typer.Option("--margin", help="--accept margin: accept a draft at least 1/FACTOR as likely as the target's top "
+                 "token, FACTOR >= 1 (default 2)."),
+]
+VerifyOpt = Annotated[
+    str,
+    typer.Option(
+        "--verify",
+        help="How sampled chains of drafts are verified, both lossless: block (the default: the drafts decided "
+        "together, which keeps more of them) or token (one at a time, Leviathan et al.).",
+    ),
+]
 NgramCacheOpt = Annotated[
     Optional[Path], typer.Option("--ngram-cache", help="File the n-gram pool is loaded from and saved to.")
 ]

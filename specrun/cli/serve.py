@@ -13,6 +13,7 @@ from specrun.cli.common import (
     check_kv_type,
     check_range,
     checked_sampling,
+    checked_verification,
     checked_rpc,
     checked_lookahead,
     check_heads_used,
@@ -21,19 +22,23 @@ from specrun.cli.common import (
     uses_window,
 )
 from specrun.cli.options import (
+    AcceptOpt,
     BackendOpt,
     BranchesOpt,
     ChainOpt,
     CtxOpt,
+    DeltaOpt,
     DraftLenOpt,
     DraftMinProbOpt,
     DraftOpt,
+    EpsilonOpt,
     ExactOpt,
     FlashAttnOpt,
     GpuLayersOpt,
     HeadsOpt,
     KvTypeOpt,
     LookaheadOpt,
+    MarginOpt,
     MethodOpt,
     MinPOpt,
     NgramCacheOpt,
@@ -48,6 +53,7 @@ from specrun.cli.options import (
     TopKOpt,
     TopPOpt,
     TreeNodesOpt,
+    VerifyOpt,
 )
 from specrun.errors import UsageError
 
@@ -91,6 +97,11 @@ def serve_command(
     lookahead: LookaheadOpt = None,
     max_body: MaxBodyOpt = 4 * 1024 * 1024,
     max_queue: MaxQueueOpt = 64,
+    verify: VerifyOpt = "block",
+    accept: AcceptOpt = "exact",
+    epsilon: EpsilonOpt = None,
+    delta: DeltaOpt = None,
+    margin: MarginOpt = None,
 ) -> None:
     """Serve the pair over an OpenAI-compatible API (/v1/chat/completions, /v1/completions,
     /v1/models, /health) until Ctrl-C. --temp, --top-k, --top-p, --min-p and -n are the defaults
@@ -111,6 +122,7 @@ def serve_command(
         check_range("--max-body", max_body, 1024, 1 << 34)
         check_range("--max-queue", max_queue, 1, 1 << 20)
         sampling = checked_sampling("serve", temp, top_k, top_p, min_p, None)
+        verification = checked_verification("serve", verify, accept, epsilon, delta, margin, exact)
         lookahead_sizes = checked_lookahead(lookahead, (method,))
         check_heads_used(heads, (method,))
         trees = checked_trees(chain_only, tree_nodes, branches, lookahead_sizes, window=uses_window((method,)))
@@ -135,6 +147,7 @@ def serve_command(
             heads=heads,
             trees=trees,
             lookahead=lookahead_sizes,
+            verification=verification,
         )
         http = HttpOptions(host=host, port=port, api_key=api_key, max_body_bytes=max_body,
                            max_queue=max_queue, model_names=(target,))

@@ -32,6 +32,7 @@ from specrun.backends.kv import common_prefix_len
 from specrun.drafters.lookahead import LookaheadSizes
 from specrun.engine.events import Finished, TextChunk, TokenLogprob
 from specrun.engine.loop import GenerationParams
+from specrun.engine.passes import Verification
 from specrun.engine.stats import Stats
 from specrun.errors import ContextFullError, SpecrunError
 from specrun.grammar import Grammar, GrammarError
@@ -259,6 +260,7 @@ class PairOptions:
     heads: str | None = None  # --heads: a head method's heads file (None: found by the target's alias)
     trees: TreeSettings = field(default_factory=TreeSettings)  # --tree-nodes, --branches (chains by default)
     lookahead: LookaheadSizes | None = None  # --lookahead (None: chosen from the target's pass costs)
+    verification: Verification = field(default_factory=Verification)  # --verify, --accept: exact by default
 
 
 class PairWorker:
@@ -348,6 +350,7 @@ class PairWorker:
                                      draft_min_prob=pair.draft_min_prob, ngram_cache=pair.ngram_cache,
                                      heads=pair.heads, branches=pair.trees.branches, lookahead=pair.lookahead,
                                      chain=pair.trees.chain, tree_nodes=pair.trees.nodes,
+                                     verification=pair.verification,
                                      on_note=lambda note: self.log(f"note: {note}"))
         except BaseException as exc:
             self._load_error = exc

@@ -34,6 +34,7 @@ from specrun.backends.base import Backend
 from specrun.drafters.ngram import vocabulary_fingerprint
 from specrun.engine.events import Finished, GenerationResult, TextChunk
 from specrun.engine.loop import GenerationParams, SpeculativeEngine
+from specrun.engine.passes import Verification
 from specrun.errors import ContextFullError, UsageError
 from specrun.sessions.heads import heads_for_auto, load_target_heads, paying_heads, with_auto_heads
 from specrun.sessions.setup import (
@@ -161,6 +162,7 @@ class ChatSession:
     find_tuned: gives the tuned settings for a draft model loaded later by ``load_draft``.
     threads: the target's thread count, which keys what the session's runs learned (kept
     on close for the next session, as ``specrun generate`` keeps it).
+    verification: how drafts are verified (--verify, --accept; engine/passes.py), exact by default.
     """
 
     def __init__(
@@ -183,6 +185,7 @@ class ChatSession:
         on_note: Callable[[str], None] | None = None,
         tools: Sequence[Tool] = (),
         tool_choice: ToolChoice = ToolChoice(),
+        verification: Verification = Verification(),
     ) -> None:
         self.target = target
         self.tools = tuple(tools)  # functions the model may call, rendered into every prompt
@@ -205,7 +208,7 @@ class ChatSession:
         self._window_nodes = 0  # the nodes auto's window or trees opened by themselves hold in every pass
         self._on_note = on_note
         self._tuned = None
-        self.engine = SpeculativeEngine(target, None, method)
+        self.engine = SpeculativeEngine(target, None, method, verification=verification)
         self._use_tuned(tuned)
         check_trees_for(method, target, self._drafter_options.lookahead)
         if is_adaptive(method) and draft is None and not self._chain:  # once, before anything is fed
@@ -495,6 +498,7 @@ def open_chat(
     on_note: Callable[[str], None] | None = None,
     tools: Sequence[Tool] = (),
     tool_choice: ToolChoice = ToolChoice(),
+    verification: Verification = Verification(),
 ) -> ChatSession:
     """Load the pair for ``method`` (the draft model only if it needs one) and start a session.
 
@@ -505,7 +509,8 @@ def open_chat(
     heads file of a head method (--heads; None: found by alias), loaded when a method needs it.
     ``chain``, ``tree_nodes``: --chain and --tree-nodes (auto's lookahead window, where the
     stored costs add one, must fit them). ``on_note``: told what a first run measured of this
-    machine (sessions/kernels.py) and the window auto drafts with.
+    machine (sessions/kernels.py) and the window auto drafts with. ``verification``: --verify and
+    --accept (exact by default).
     """
     check_method(method)
     target, draft = open_pair(target_spec, draft_spec if needs_draft_model(method) else None, options)
@@ -545,7 +550,7 @@ def open_chat(
                            drafter_options=drafter_options,
                            find_tuned=lambda loaded: load_tuned(target, loaded, options.threads),
                            threads=options.threads, chain=chain, tree_nodes=tree_nodes, on_note=on_note,
-                           tools=tools, tool_choice=tool_choice)
+                           tools=tools, tool_choice=tool_choice, verification=verification)
     except BaseException:
         target.close()
         if draft is not None:

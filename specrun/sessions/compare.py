@@ -3,7 +3,9 @@
 A comparison runs *variants* (a method at a draft length) over token prompts: for each
 prompt, every repeat runs every variant in turn (A B C A B C …). The first variant is
 the baseline; under greedy sampling every output is compared with the baseline's and
-each difference is located and measured (``find_mismatch``).
+each difference is located and measured (``find_mismatch``). Under a lossy acceptance rule
+the drafting lines' texts are not the target's own: instead of locating differences, each
+run's text is measured against it (``TextQuality``).
 """
 
 from __future__ import annotations
@@ -15,8 +17,12 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from specrun.backends.base import Backend
+from specrun.backends.kv import common_prefix_len, sequence_for
 from specrun.engine.events import GenerationResult
 from specrun.engine.loop import GenerationParams, SpeculativeEngine
+from specrun.engine.passes import Verification
+from specrun.sampling import token_logprobs
+from specrun.verify import EXACT
 from specrun.drafters.methods import DrafterOptions, build_drafter, is_adaptive
 from specrun.sessions.divergence import Mismatch, find_mismatch
 
@@ -111,6 +117,21 @@ class MethodFigures:
         return hist
 
 
+@dataclass(frozen=True)
+class TextQuality:
+    """How far one run's text strays from the target's own (measured under a lossy acceptance rule).
+
+    log_likelihood: the target's log-probability of the text (temperature 1), summed over its
+    ``tokens``. agreed: how many of plain decoding's ``plain_tokens`` the text repeats before its
+    first difference; None when sampling, where no one text is the target's.
+    """
+
+    log_likelihood: float
+    tokens: int
+    agreed: int | None
+    plain_tokens: int
+
+
 @dataclass
 class Comparison:
     baseline: str
@@ -121,6 +142,31 @@ class Comparison:
     # The backend's own plain loop, run beside the variants: its name and tokens/s per prompt.
     native_name: str | None = None
     native: dict[int, list[float]] = field(default_factory=dict)
+    # the drafting lines' acceptance: "exact", or a lossy rule's label (the baseline drafts nothing)
+    acceptance: str = EXACT
+    # under a lossy rule, every run's TextQuality: quality[variant][prompt index][repeat]
+    quality: dict[str, dict[int, list[TextQuality]]] = field(default_factory=dict)
+
+    def agreement(self, variant: str, prompt_indices: Iterable[int]) -> float | None:
+        """The share of plain decoding's tokens ``variant``'s texts repeat before their first
+        difference, pooled over its runs on these prompts; None where not measured (an exact
+        comparison, or sampling)."""
+        runs = self._quality_runs(variant, prompt_indices)
+        if not runs or any(run.agreed is None for run in runs):
+            return None
+        plain = sum(run.plain_tokens for run in runs)
+        return sum(run.agreed for run in runs) / plain if plain else 1.0
+
+    def mean_log_likelihood(self, variant: str, prompt_indices: Iterable[int]) -> float | None:
+        """The target's mean log-probability per token of ``variant``'s texts on these prompts;
+        None where not measured (an exact comparison)."""
+        runs = self._quality_runs(variant, prompt_indices)
+        tokens = sum(run.tokens for run in runs)
+        return sum(run.log_likelihood for run in runs) / tokens if tokens else None
+
+    def _quality_runs(self, variant: str, prompt_indices: Iterable[int]) -> list[TextQuality]:
+        by_prompt = self.quality.get(variant, {})
+        return [run for index in prompt_indices for run in by_prompt.get(index, ())]
 
     def native_speedup(self, method: str) -> float:
         """Geometric mean over prompts of ``method``'s median tokens/s over the native loop's."""
@@ -175,6 +221,7 @@ def compare_variants(
     drafter_options: DrafterOptions | None = None,
     tuned=None,
     native=None,
+    verification: Verification = Verification(),
 ) -> Comparison:
     """Run every variant ``repeat`` times on every prompt, interleaved; the first variant is the baseline.
 
@@ -184,12 +231,17 @@ def compare_variants(
     ``tuned``: a `specrun tune` result every engine's controllers start from.
     ``native``: the backend's own plain loop (``Backend.native_loop``), run after the
     variants on every prompt and repeat.
+    ``verification``: how the lines that draft verify (engine/passes.py); the baseline drafts
+    nothing. Under a lossy rule each run's text is scored by the target after the runs
+    (``Comparison.quality``) and only the baseline's outputs are compared token for token.
     """
     drafters = []
     try:
         for variant in variants:
             drafters.append(build_drafter(variant.method, draft, drafter_options))
-        engines = {v.name: SpeculativeEngine(target, d, method=v.method) for v, d in zip(variants, drafters)}
+        engines = {v.name: SpeculativeEngine(target, d, method=v.method,
+                                             verification=verification if d is not None else Verification())
+                   for v, d in zip(variants, drafters)}
         if tuned is not None:
             for engine in engines.values():
                 tuned.apply(engine)
@@ -212,17 +264,34 @@ def compare_variants(
                 if native is not None:
                     native_rates.setdefault(index, []).append(native.tokens_per_second(prompt, params.max_new_tokens))
         baseline = variants[0].name
-        mismatches = (
-            {name: _mismatches(target, prompts, figures[baseline], figures[name]) for name in engines}
-            if params.sampling.greedy
-            else {name: [] for name in engines}
-        )
+        lossy = {name for name, engine in engines.items() if engine.passes.acceptance is not None}
+        mismatches = {
+            name: _mismatches(target, prompts, figures[baseline], figures[name])
+            if params.sampling.greedy and name not in lossy else []
+            for name in engines
+        }
+        quality = _quality(target, prompts, figures, baseline, params.sampling.greedy) if lossy else {}
     finally:
         for drafter in drafters:
             if drafter is not None:
                 drafter.close()
     return Comparison(baseline, figures, mismatches, params.sampling.greedy, {v.name: v for v in variants},
-                      native.name if native is not None else None, native_rates)
+                      native.name if native is not None else None, native_rates, verification.label, quality)
+
+
+def quality_line(comparison: Comparison) -> str:
+    """How far each line's texts stray from the target's own under a lossy rule: the target's mean
+    log-likelihood per token of them, and (greedy) the share of plain decoding's tokens they repeat."""
+    everything = range(len(next(iter(comparison.figures.values())).by_prompt))
+    shown = []
+    for name in comparison.figures:
+        agreement = comparison.agreement(name, everything)
+        likelihood = comparison.mean_log_likelihood(name, everything)
+        shown.append(f"{name} {likelihood:.3f}" if likelihood is not None else f"{name} –")
+        if agreement is not None and name != comparison.baseline:
+            shown[-1] += f" ({100 * agreement:.0f}% of plain decoding's tokens before the first difference)"
+    return (f"acceptance {comparison.acceptance}: the texts are not the target's own; the target's mean "
+            f"log-likelihood per token: " + ", ".join(shown))
 
 
 def native_line(comparison: Comparison) -> str:
@@ -264,6 +333,48 @@ def _warm_up(engines: dict[str, SpeculativeEngine], params: dict[str, Generation
     for name, engine in engines.items():
         track_as_drafted(engine)
         engine.run(warmup, dataclasses.replace(params[name], max_new_tokens=WARMUP_TOKENS), complete_cache=False)
+
+
+def _quality(
+    target: Backend, prompts: Sequence[list[int]], figures: dict[str, MethodFigures], baseline: str, greedy: bool
+) -> dict[str, dict[int, list[TextQuality]]]:
+    """Every run's TextQuality against the baseline's first text on its prompt (scored after the
+    runs, off their clocks)."""
+    quality: dict[str, dict[int, list[TextQuality]]] = {}
+    for name, variant_figures in figures.items():
+        for index, runs in variant_figures.by_prompt.items():
+            plain = figures[baseline].by_prompt[index][0].token_ids
+            quality.setdefault(name, {})[index] = [
+                TextQuality(text_log_likelihood(target, prompts[index], run.token_ids), len(run.token_ids),
+                            common_prefix_len(plain, run.token_ids) if greedy else None, len(plain))
+                for run in runs
+            ]
+    return quality
+
+
+# Output tokens scored per target pass (text_log_likelihood): a pass returns a row for each.
+SCORE_CHUNK = 256
+
+
+def text_log_likelihood(target: Backend, prompt: Sequence[int], output: Sequence[int]) -> float:
+    """The target's log-probability of ``output`` after ``prompt``, summed over its tokens: each
+    token's under softmax of the target's logits there (temperature 1), read in passes of at
+    most SCORE_CHUNK rows over the cached prefix."""
+    if not output:
+        return 0.0
+    sequence = sequence_for(target)
+    context = [*prompt, *output]
+    start = sequence.rewind_to_prefix_of(context, limit=len(prompt) - 1)
+    end = len(context) - 1  # the last token is never fed: nothing after it is scored
+    total = 0.0
+    while start < end:
+        stop = min(end, max(start, len(prompt) - 1) + SCORE_CHUNK)
+        first = max(len(prompt) - 1 - start, 0)  # the row after the prompt's last token scores output[0]
+        rows = sequence.feed(context[start:stop], range(first, stop - start))  # (stop - start - first, V)
+        scored = context[start + first + 1:stop + 1]
+        total += sum(token_logprobs(row, token, 0)[0] for row, token in zip(rows, scored))
+        start = stop
+    return total
 
 
 def _mismatches(

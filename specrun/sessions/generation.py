@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from specrun.engine.events import Finished, GenerationResult, TextChunk
 from specrun.engine.loop import TIE_MARGIN, GenerationParams, SpeculativeEngine, check_prompt
+from specrun.engine.passes import Verification
 from specrun.registry.loading import LoadOptions, open_pair, prompts_as_chat
 from specrun.sessions.kernels import settle_pair
 from specrun.drafters.methods import (
@@ -58,6 +59,7 @@ class GenerateRequest:
     trees: TreeSettings = field(default_factory=TreeSettings)
     heads: str | None = None  # --heads: the heads file a head method drafts with (None: found by alias)
     grammar: GrammarSpec | None = None  # --grammar / --json-schema: what the answer must follow
+    verification: Verification = field(default_factory=Verification)  # --verify, --accept: exact by default
     tools: tuple[Tool, ...] = ()  # --tools: functions the model may call (rendered through its template)
     tool_choice: ToolChoice = field(default_factory=ToolChoice)
     on_note: Callable[[str], None] | None = None  # one-line notes for the user (stderr in the CLI)
@@ -139,7 +141,7 @@ def generate_text(request: GenerateRequest, on_text: Callable[[str], None] | Non
         drafter = build_drafter(request.method, draft, options)
         if request.trees.paths and not target.tree_support.available and request.on_note is not None:
             request.on_note(f"token trees are off: {target.tree_support.reason}; verifying chains")
-        engine = SpeculativeEngine(target, drafter, method=request.method)
+        engine = SpeculativeEngine(target, drafter, method=request.method, verification=request.verification)
         if tuned is not None:
             tuned.apply(engine)  # the controllers start from measured costs
         if choice is not None:

@@ -125,8 +125,9 @@ def load_target_entry(target, threads):
 
 def remember_run(engine, target, draft, threads, tuned) -> None:
     """Keep what this run measured for the next (unless `specrun tune` calibrated the pair);
-    a run with no draft model keeps the target's pass costs and its gate, for lookahead."""
-    if engine.drafter is None or (tuned is not None and not tuned.learned):
+    a run with no draft model keeps the target's pass costs and its gate, for lookahead. A run
+    with a lossy acceptance rule keeps nothing: its acceptance is not what exact runs would see."""
+    if engine.drafter is None or engine.passes.acceptance is not None or (tuned is not None and not tuned.learned):
         return
     from specrun.sessions import tuning
 

@@ -153,16 +153,18 @@ def bench_outputs(tiny_llama, tmp_path_factory) -> dict:
     }
 
 
+MEASURED_WHEN_LOSSY = (int, float, type(None))  # a lossy rule's quality figures: null for exact runs
 FIGURES_KEYS = {
     "variant": str, "method": str, "draft_len": int, "prompts": int, "tokens": int, "seconds": float,
     "tokens_per_second": float, "median_tokens_per_second": float, "speedup": float, "acceptance_rate": float,
     "mean_tokens_per_step": float, "draft_share": float, "verify_share": float, "mismatches": int, "near_ties": int,
+    "agreement": MEASURED_WHEN_LOSSY, "log_likelihood": MEASURED_WHEN_LOSSY,
 }
 STATS_KEYS = {
     "method": str, "drafters": str, "draft_len": int, "adaptive": bool, "draft_min_prob": float, "prompt_tokens": int, "new_tokens": int,
     "steps": int, "drafted": int, "accepted": int, "acceptance_rate": float, "mean_tokens_per_step": float, "accepted_hist": list,
     "by_source": dict, "tokens_per_second": float, "prefill_seconds": float, "draft_seconds": float, "verify_seconds": float,
-    "generation_seconds": float, "near_ties": int,
+    "generation_seconds": float, "near_ties": int, "acceptance": str,
 }
 
 
@@ -187,6 +189,7 @@ def test_json_holds_every_figure_and_the_machine(bench_outputs):
     assert [v["name"] for v in config["variants"]] == ["none", "draft k=1", "draft k=2", "lookup k=1", "lookup k=2"]
     assert config["repeat"] == 2 and config["max_new_tokens"] == 8 and config["baseline"] == "none"
     assert config["flash_attn"] in ("on", "off")  # measured: the suite's llama.cpp runs on a CPU (sessions/kernels.py)
+    assert (config["verify"], config["acceptance"], config["acceptance_settings"]) == ("block", "exact", None)
 
     machine = doc["machine"]
     assert set(machine) == {"cpu", "cores", "gpu", "os", "backend", "threads", "versions"}
@@ -200,6 +203,7 @@ def test_json_holds_every_figure_and_the_machine(bench_outputs):
         assert set(run) == {"prompt_index", "variant", "repeat", "finish_reason", "same_as_baseline", "stats"}
         assert run["same_as_baseline"] is True
         assert_keys(run["stats"], STATS_KEYS)
+        assert run["stats"]["acceptance"] == "exact"
         assert sum(source["steps"] for source in run["stats"]["by_source"].values()) == run["stats"]["steps"]
     assert len(doc["per_prompt"]) == 2 * 5
     for row in doc["per_prompt"]:
@@ -208,6 +212,7 @@ def test_json_holds_every_figure_and_the_machine(bench_outputs):
     for row in [*doc["overall"], *(row for rows in doc["per_category"].values() for row in rows)]:
         assert_keys(row, FIGURES_KEYS)
     assert [row["prompts"] for row in doc["overall"]] == [2] * 5
+    assert all(row["agreement"] is None and row["log_likelihood"] is None for row in doc["overall"])
 
     overall = {row["variant"]: row for row in doc["overall"]}
     assert overall["none"]["speedup"] == 1.0 and overall["none"]["mean_tokens_per_step"] == 1.0

@@ -280,6 +280,23 @@ def test_seeded_sampling_repeats_and_matches_specrun_generate(keyed_server):
     assert chats[0] == chats[1]
 
 
+# ---- lossy acceptance: every answer says so -------------------------------------------------------
+def test_a_lossy_server_says_so_in_every_answer_and_the_default_never_does(demo_server):
+    assert chat(demo_server.client(), MESSAGES[1]).model_extra["speculation"]["acceptance"] == "exact"
+    server = start_server("--method", "draft", "--draft-len", "4", "--accept", "typical")
+    try:
+        client = server.client()
+        whole = chat(client, MESSAGES[1])
+        assert whole.model_extra["speculation"]["acceptance"] == "typical (lossy)"
+        assert whole.model_extra["speculation"]["drafted"] > 0
+        streamed = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0.8,
+                                             seed=1, stream=True)
+        finals = [c.model_extra["speculation"] for c in streamed if c.choices and c.choices[0].finish_reason]
+        assert [final["acceptance"] for final in finals] == ["typical (lossy)"]
+    finally:
+        assert stop_server(server) == 0, server.log
+
+
 # ---- the command line ----------------------------------------------------------------------------
 def test_a_public_host_without_api_key_warns():
     # A model that does not exist: the server stops before it ever listens.
