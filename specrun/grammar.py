@@ -15,7 +15,9 @@ pruned, is the engine's (engine/constrained.py). A backend is read only through 
 
 from __future__ import annotations
 
+import functools
 import json
+import threading
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -41,8 +43,45 @@ JSON_OPTIONS = {"whitespace_pattern": r"(?:\x20|\n[\x20\x09]{0,20})?"}
 SPECIAL_MARK = b"\xff"
 
 
+# A grammar's text, and a JSON schema, past these sizes is not one a person wrote: llguidance's
+# GBNF conversion grows faster than the text (8,000 rules, 236 kB, took 40 s), so a request is
+# refused by its size before anything compiles.
+MAX_GRAMMAR_CHARS = 64 * 1024
+MAX_SCHEMA_CHARS = 512 * 1024
+# llguidance compiles a grammar recursively in native code: a chain of 1,000 $refs (75 kB)
+# overflowed a thread's 8 MB stack and killed the process (SIGSEGV). Compiling runs on a thread
+# of its own with this much stack (5,000 links fit in 512 MB; the text limits keep chains shorter).
+COMPILE_STACK_BYTES = 256 * 1024 * 1024
+
+
 class GrammarError(UsageError):
     """A grammar, schema or pattern that does not compile: the problem and how to fix it."""
+
+
+def _on_large_stack(function, *args):
+    """``function(*args)`` on a thread with COMPILE_STACK_BYTES of stack, its result or its exception."""
+    outcome: dict = {}
+
+    def run() -> None:
+        try:
+            outcome["value"] = function(*args)
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread as is
+            outcome["error"] = exc
+
+    previous = threading.stack_size(COMPILE_STACK_BYTES)
+    try:
+        thread = threading.Thread(target=run, name="specrun-grammar-compile", daemon=True)
+        thread.start()
+    finally:
+        threading.stack_size(previous)
+    thread.join()
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["value"]
+
+
+def _refused(spec_kind: str, problem: str) -> GrammarError:
+    return GrammarError(f"{KINDS[spec_kind]} that cannot be used: {_first_line(problem)}", "fix the grammar")
 
 
 @dataclass(frozen=True)
@@ -59,36 +98,38 @@ class GrammarSpec:
 
         if self.kind not in KINDS:
             raise GrammarError(f"unknown grammar kind {self.kind!r}", f"use one of {', '.join(KINDS)}")
+        limit = MAX_SCHEMA_CHARS if self.kind == "json_schema" else MAX_GRAMMAR_CHARS
+        if len(self.text) > limit:
+            raise GrammarError(f"{KINDS[self.kind]} of {len(self.text):,} characters, more than the {limit:,} taken",
+                               "shorten it")
         try:
             if self.kind == "json_object":
                 return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS)
             if self.kind == "json_schema":
-                schema = json.loads(self.text) if isinstance(self.text, str) else self.text
+                schema = json.loads(self.text)
                 if not isinstance(schema, dict):
                     raise GrammarError("the JSON schema is not an object", "give a schema such as {\"type\": \"object\"}")
                 return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
-            return llguidance.grammar_from(self.kind, self.text)
+            return _on_large_stack(llguidance.grammar_from, self.kind, self.text)
         except GrammarError:
             raise
         except (ValueError, TypeError, RecursionError) as error:  # json's and llguidance's parse errors
-            raise GrammarError(f"{KINDS[self.kind]} that does not parse: {_first_line(error)}",
+            raise GrammarError(f"{KINDS[self.kind]} that does not parse: {_first_line(str(error))}",
                                "fix the grammar's syntax") from None
-
 
     def check(self) -> None:
         """Raise GrammarError if the spec does not compile, before any vocabulary is at hand (a
         server checks a request's grammar before it queues)."""
         import llguidance
 
-        problem = llguidance.LLMatcher.validate_grammar(self.llguidance_grammar())
+        problem = _on_large_stack(llguidance.LLMatcher.validate_grammar, self.llguidance_grammar())
         if problem:
-            raise GrammarError(f"{KINDS[self.kind]} that cannot be used: {_first_line(ValueError(problem))}",
-                               "fix the grammar")
+            raise _refused(self.kind, problem)
 
 
-def _first_line(error: BaseException) -> str:
-    text = str(error).strip() or type(error).__name__
-    return text.splitlines()[0][:300]
+def _first_line(text: str) -> str:
+    text = text.strip()
+    return text.splitlines()[0][:300] if text else "no reason given"
 
 
 class Vocabulary:
@@ -136,39 +177,42 @@ class Vocabulary:
 
 
 class Grammar:
-    """A compiled grammar over one vocabulary: checked once, then a fresh ``GrammarState`` per answer."""
+    """A compiled grammar over one vocabulary: compiled once (on a large stack), then a copy of its
+    start state for each answer."""
 
     def __init__(self, spec: GrammarSpec, vocabulary: Vocabulary) -> None:
         import llguidance
 
         self.spec = spec
         self.vocabulary = vocabulary
-        self._grammar = spec.llguidance_grammar()
-        problem = llguidance.LLMatcher.validate_grammar(self._grammar, vocabulary.tokenizer)
-        if problem:
-            raise GrammarError(f"{KINDS[spec.kind]} that cannot be used: {_first_line(ValueError(problem))}",
-                               "fix the grammar")
+        self._start = _on_large_stack(
+            functools.partial(llguidance.LLMatcher, log_level=0), vocabulary.tokenizer, spec.llguidance_grammar())
+        if self._start.is_error():
+            raise _refused(spec.kind, self._start.get_error())
 
     @classmethod
     def compile(cls, spec: GrammarSpec, backend) -> "Grammar":
         return cls(spec, Vocabulary.of(backend))
 
     def start(self) -> "GrammarState":
-        return GrammarState(self)
+        return GrammarState(self._start.deep_copy(), self.vocabulary.size)
 
 
 class GrammarState:
     """Where one answer stands in its grammar: the tokens it allows next, what it forces, and
-    tokens consumed or rolled back as the answer grows (llguidance's LLMatcher)."""
+    tokens consumed or rolled back as the answer grows (llguidance's LLMatcher).
 
-    def __init__(self, grammar: Grammar) -> None:
-        import llguidance
+    llguidance refuses, rather than raises, past its limits (a row of more alternatives than it
+    keeps, say): the matcher then allows nothing and ``error`` says why."""
 
-        self.size = grammar.vocabulary.size
-        self._matcher = llguidance.LLMatcher(grammar.vocabulary.tokenizer, grammar._grammar, log_level=0)
-        if self._matcher.is_error():
-            raise GrammarError(f"the grammar cannot start: {_first_line(ValueError(self._matcher.get_error()))}",
-                               "fix the grammar")
+    def __init__(self, matcher, size: int) -> None:
+        self.size = size
+        self._matcher = matcher
+
+    @property
+    def error(self) -> str:
+        """Why the grammar allows nothing more ("" while it works)."""
+        return self._matcher.get_error() if self._matcher.is_error() else ""
 
     @property
     def stopped(self) -> bool:
@@ -194,14 +238,31 @@ class GrammarState:
             return 0
         return int(self._matcher.validate_tokens([int(t) for t in tokens]))
 
-    def advance(self, tokens: Sequence[int]) -> None:
-        """Consume tokens the answer kept (each allowed: the verifier picked it from a masked row).
-        An end-of-text token after a complete grammar is the answer's end, not a token to consume."""
+    def advance(self, tokens: Sequence[int]) -> bool:
+        """Consume tokens the answer kept (each allowed: the verifier picked it from a masked row);
+        False where the grammar failed on one (``error`` says why). An end-of-text token after a
+        complete grammar is the answer's end, not a token to consume."""
         for token in tokens:
             if self._matcher.is_stopped():
-                return
+                return True
             if not self._matcher.consume_token(int(token)):
-                raise RuntimeError(f"the grammar refused token {token}, which a masked row allowed")
+                return False
+        return True
+
+    def allowed_after(self, tokens: Sequence[int]) -> np.ndarray:
+        """The tokens allowed after ``tokens`` (each allowed in turn) from here, (size,) bool; the
+        state is left as it was."""
+        consumed = 0
+        try:
+            for token in tokens:
+                if self._matcher.is_stopped():  # an end-of-text token after the end: the end again
+                    break
+                if not self._matcher.consume_token(int(token)):
+                    raise ValueError(f"token {token} is not allowed here")
+                consumed += 1
+            return self.allowed()
+        finally:
+            self.rollback(consumed)
 
     def rollback(self, count: int) -> None:
         if count:

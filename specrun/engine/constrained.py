@@ -18,6 +18,8 @@ returns its distribution. Two details keep it exact (docs/design.md, "Constraine
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 from specrun.drafters.base import Proposal
@@ -32,6 +34,7 @@ class ConstrainedRun:
 
     def __init__(self, grammar: Grammar) -> None:
         self.state: GrammarState = grammar.start()
+        self.failed = ""  # why the grammar failed on a kept token (past llguidance's limits), if it did
 
     def masked(self, logits: np.ndarray) -> np.ndarray | None:
         """The row (V,) after the context with forbidden tokens at -inf, or None where the grammar
@@ -55,7 +58,7 @@ class ConstrainedRun:
             if not sampling.greedy and any(row is not None for row in kept.p_draft):
                 rows = tuple(None if row is None else mask_row(row, allowed[depth])
                              for depth, row in enumerate(kept.p_draft))
-                kept = Proposal(kept.tokens, rows, kept.source, kept.parents, kept.kind)
+                kept = dataclasses.replace(kept, p_draft=rows)  # a merged proposal stays one
             return kept, allowed
         return self._prune_tree(proposal, sampling)
 
@@ -76,7 +79,7 @@ class ConstrainedRun:
                 continue
             kept.append(node)
             # a forbidden node's row is never read (it is never accepted): any non-empty row serves
-            allowed_after[node] = self.state.allowed_along(path)[-1] if allowed_here else root
+            allowed_after[node] = self.state.allowed_after(path) if allowed_here else root
         pruned = proposal.select(kept)
         return pruned, np.stack([root, *(allowed_after[node] for node in kept)])
 
@@ -88,9 +91,12 @@ class ConstrainedRun:
             node = proposal.parents[node]
         return path[::-1]
 
-    def advance(self, tokens) -> None:
-        """Consume the tokens a step kept."""
-        self.state.advance(tokens)
+    def advance(self, tokens) -> bool:
+        """Consume the tokens a step kept; False where the grammar failed on one (``failed`` says
+        why): the answer ends there, as where it allows nothing."""
+        if not self.state.advance(tokens):
+            self.failed = self.state.error or "the grammar refused a token its own mask allowed"
+        return not self.failed
 
 
 def masked_rows(logits: np.ndarray, allowed: np.ndarray | None) -> np.ndarray:

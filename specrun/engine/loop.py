@@ -273,7 +273,7 @@ class SpeculativeEngine:
                     step = dataclasses.replace(step, logprobs=_logprobs(prompt_logits[None], [0], step.tokens,
                                                                          params.logprobs))
                 if constrained is not None:
-                    constrained.advance(step.tokens)
+                    self.grammar_blocked = not constrained.advance(step.tokens)
                 if ties is not None:
                     stats.near_ties += ties.in_prefill(prompt_logits)
                 stats.generation_seconds = clock.elapsed()
@@ -301,7 +301,7 @@ class SpeculativeEngine:
                 clock.passed()  # what follows is bookkeeping, neither drafting nor verifying
                 hit_eos = _emit(context, proposal, verdict, remaining, eos_ids)
                 if constrained is not None:
-                    constrained.advance(context[context_len:])
+                    self.grammar_blocked = not constrained.advance(context[context_len:])
                 if ties is not None:
                     stats.near_ties += ties.in_pass(proposal, verdict, len(context) - context_len,
                                                     self.passes.last_rows)

@@ -188,13 +188,17 @@ class OpenAIServer:
             {"id": self.model_id, "object": "model", "created": self.started, "owned_by": "specrun"}
         ]})
 
+    # A request is checked on a thread: a grammar, schema or tool definition compiles in it (up to
+    # seconds for a large one), and the event loop keeps serving everyone else meanwhile.
     async def chat_completions(self, request):
         body = await read_json_body(request, self.http.max_body_bytes)
-        return await self._complete(request, parse_chat_request(body, self.defaults, self.worker.n_ctx))
+        parsed = await asyncio.to_thread(parse_chat_request, body, self.defaults, self.worker.n_ctx)
+        return await self._complete(request, parsed)
 
     async def completions(self, request):
         body = await read_json_body(request, self.http.max_body_bytes)
-        return await self._complete(request, parse_completion_request(body, self.defaults, self.worker.n_ctx))
+        parsed = await asyncio.to_thread(parse_completion_request, body, self.defaults, self.worker.n_ctx)
+        return await self._complete(request, parsed)
 
     async def _complete(self, request, parsed: CompletionRequest):
         if parsed.model not in self.http.model_names:
@@ -252,8 +256,9 @@ class OpenAIServer:
         })
 
     @staticmethod
-    def _logprobs(job: Job, entries) -> dict | None:
-        """The tokens' log-probabilities in OpenAI's shape for the endpoint (None where not asked)."""
+    def _logprobs(job: Job, entries, start: int = 0) -> dict | None:
+        """The tokens' log-probabilities in OpenAI's shape for the endpoint (None where not asked);
+        ``start``: where in the answer's text the first token stands (a stream's later chunks)."""
         if job.request.logprobs is None:
             return None
         if job.request.is_chat:
@@ -262,7 +267,7 @@ class OpenAIServer:
 
             return {"content": [{**shown(token), "top_logprobs": [shown(other) for other in top]}
                                 for token, top in entries]}
-        offsets, at = [], 0
+        offsets, at = [], start
         for token, _ in entries:
             offsets.append(at)
             at += len(token.text)
@@ -289,6 +294,7 @@ class OpenAIServer:
         """Server-sent events: a chunk per stretch of text (with the tokens drafted in it),
         a last chunk with the finish reason and the speculation statistics, usage if asked,
         then [DONE]."""
+        offset = 0  # characters of text the chunks' tokens spelled so far (completions' text_offset)
         try:
             if job.request.is_chat:
                 yield _sse_data(self._chunk(job, None, None, role=True))
@@ -296,7 +302,8 @@ class OpenAIServer:
                 event = await job.next_event()
                 if isinstance(event, Delta):
                     chunk = self._chunk(job, event.text, None)
-                    chunk["choices"][0]["logprobs"] = self._logprobs(job, event.logprobs)
+                    chunk["choices"][0]["logprobs"] = self._logprobs(job, event.logprobs, offset)
+                    offset += sum(len(token.text) for token, _ in event.logprobs)
                     chunk["speculation"] = {"tokens": event.tokens, "from_draft": event.from_draft}
                     yield _sse_data(chunk)
                 elif isinstance(event, Calls):  # each call whole, as one delta of its own

@@ -212,7 +212,7 @@ def _parse_grammar(body: dict) -> tuple[GrammarSpec | None, str | None]:
     if schema is not None:
         if not isinstance(schema, dict):
             raise RequestError("json_schema must be a JSON schema object", "json_schema", code="invalid_type")
-        asked.append((GrammarSpec("json_schema", json.dumps(schema)), "json_schema"))
+        asked.append((GrammarSpec("json_schema", _schema_text(schema, "json_schema")), "json_schema"))
     asked = [each for each in asked if each[0] is not None]
     if len(asked) > 1:
         names = " and ".join(where.split(".")[0] for _, where in asked)
@@ -225,6 +225,14 @@ def _parse_grammar(body: dict) -> tuple[GrammarSpec | None, str | None]:
     except GrammarError as exc:
         raise invalid_value(where, exc.problem) from None
     return spec, where
+
+
+def _schema_text(schema: dict, where: str) -> str:
+    """A schema as JSON text (json.loads takes a little more nesting than json.dumps writes back)."""
+    try:
+        return json.dumps(schema)
+    except RecursionError:
+        raise invalid_value(where, "nests too deeply") from None
 
 
 def _response_format(response_format) -> tuple[GrammarSpec | None, str]:
@@ -242,7 +250,7 @@ def _response_format(response_format) -> tuple[GrammarSpec | None, str]:
         if not isinstance(schema, dict):
             raise RequestError("response_format.schema must be a JSON schema object", "response_format.schema",
                                code="invalid_type")
-        return GrammarSpec("json_schema", json.dumps(schema)), "response_format.schema"
+        return GrammarSpec("json_schema", _schema_text(schema, "response_format.schema")), "response_format.schema"
     if kind == "json_schema":
         described = response_format.get("json_schema")
         if not isinstance(described, dict):
@@ -253,7 +261,8 @@ def _response_format(response_format) -> tuple[GrammarSpec | None, str]:
             raise RequestError("response_format.json_schema.schema must be a JSON schema object",
                                "response_format.json_schema.schema",
                                code="invalid_type" if schema is not None else "missing_required_parameter")
-        return GrammarSpec("json_schema", json.dumps(schema)), "response_format.json_schema.schema"
+        where = "response_format.json_schema.schema"
+        return GrammarSpec("json_schema", _schema_text(schema, where)), where
     raise invalid_value("response_format.type", f"must be text, json_object or json_schema, got {_shown(kind)}")
 
 
@@ -339,9 +348,12 @@ def _parse_messages(messages) -> tuple[dict[str, str], ...]:
             if call_id is not None and not isinstance(call_id, str):
                 raise RequestError(f"{where}.tool_call_id must be a string", f"{where}.tool_call_id",
                                    code="invalid_type")
-            entry["tool_call_id"] = call_id or ""
-            if isinstance(message.get("name"), str):
-                entry["name"] = message["name"]
+            entry["tool_call_id"] = _text(call_id or "", f"{where}.tool_call_id")
+            name = message.get("name")
+            if name is not None:
+                if not isinstance(name, str):
+                    raise RequestError(f"{where}.name must be a string", f"{where}.name", code="invalid_type")
+                entry["name"] = _text(name, f"{where}.name")
         parsed.append(entry)
     return tuple(parsed)
 
@@ -361,7 +373,12 @@ def _earlier_calls(calls, where: str) -> list[dict]:
         if not isinstance(arguments, (str, dict)):
             raise RequestError(f"{at}.function.arguments must be JSON text", f"{at}.function.arguments",
                                code="invalid_type")
-        checked.append({"id": str(call.get("id") or ""), "type": "function",
+        if isinstance(arguments, dict):  # every text inside must be text a tokenizer takes
+            _text(json.dumps(arguments, ensure_ascii=False), f"{at}.function.arguments")
+        call_id = call.get("id")
+        if call_id is not None and not isinstance(call_id, str):
+            raise RequestError(f"{at}.id must be a string", f"{at}.id", code="invalid_type")
+        checked.append({"id": _text(call_id or "", f"{at}.id"), "type": "function",
                         "function": {"name": _text(function["name"], f"{at}.function.name"),
                                      "arguments": arguments if isinstance(arguments, dict)
                                      else _text(arguments, f"{at}.function.arguments")}})

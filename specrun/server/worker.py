@@ -19,6 +19,7 @@ caches exact for the next request.
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import queue
 import threading
@@ -117,8 +118,9 @@ class ToolCallCut:
     begin the answer as bare JSON (their opener a control token without text), the whole answer
     is held. Text held that turns out not to be a call goes out as content at the end."""
 
-    def __init__(self, style: ToolStyle) -> None:
+    def __init__(self, style: ToolStyle, names: Sequence[str]) -> None:
         self.style = style
+        self.names = tuple(names)  # the functions defined: JSON naming another is text
         self._opener = StopCut([style.opener]) if style.name == "hermes" else None
         self._text: list[str] = []
         self._sent = 0  # characters of the answer sent as content
@@ -134,7 +136,7 @@ class ToolCallCut:
     def finish(self) -> tuple[str, tuple[ToolCall, ...]]:
         """The content not sent yet, and the calls the answer made."""
         answer = "".join(self._text)
-        _, calls = self.style.parse(answer)
+        _, calls = self.style.parse(answer, self.names)
         if calls:
             return "", tuple(calls)
         return answer[self._sent:], ()
@@ -459,7 +461,7 @@ class PairWorker:
         """What reads the calls out of this request's answer: None where it has no tools to call."""
         if not request.tools or request.tool_choice.mode == "none":
             return None
-        return ToolCallCut(self._style())
+        return ToolCallCut(self._style(), [tool.name for tool in request.tools])
 
     def _grammar(self, request: CompletionRequest) -> Grammar | None:
         """The request's grammar compiled for the target's vocabulary (checked without one already);
@@ -483,7 +485,11 @@ class PairWorker:
         target = session.target
         param = "messages" if request.is_chat else "prompt"
         if request.is_chat or isinstance(request.prompt, str):
-            text = "".join(str(m.get("content") or "") for m in request.messages) if request.is_chat else request.prompt
+            # what the prompt holds: the messages, and the tools and earlier calls rendered beside them
+            text = ("".join(str(m.get("content") or "") + json.dumps(m.get("tool_calls") or "")
+                            for m in request.messages)
+                    + "".join(json.dumps(tool.as_openai()) for tool in request.tools)) if request.is_chat \
+                else request.prompt
             try:
                 check_prompt_size(target, text)  # before tokenizing megabytes that cannot fit
             except ContextFullError as exc:
@@ -491,7 +497,9 @@ class PairWorker:
                                    param, code="context_length_exceeded") from None
         if request.is_chat:
             try:
-                text, spans = render_conversation(session.template, list(request.messages), request.tools)
+                # tool_choice "none": the model is not told of tools it may not call
+                offered = () if request.tool_choice.mode == "none" else request.tools
+                text, spans = render_conversation(session.template, list(request.messages), offered)
             except ToolTemplateError as exc:
                 raise RequestError(exc.one_line(), "tools", code="invalid_value") from None
             prompt_ids = tokenize_rendered(target, session.template, text, spans)

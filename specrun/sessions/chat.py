@@ -313,7 +313,8 @@ class ChatSession:
             )
         self._record(messages, prompt_text, prompt_ids, result)
         self.answers.append(result.stats)
-        calls = tuple(style_for(self.template).parse(result.text)[1]) if self.tools else ()
+        names = [tool.name for tool in self.tools]
+        calls = tuple(style_for(self.template).parse(result.text, names)[1]) if self.tools else ()
         yield AnswerDone(result.text, result.finish_reason, result.stats, len(prompt_ids), reused, calls)
 
     def _required_call(self) -> Grammar:

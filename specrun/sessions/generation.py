@@ -69,7 +69,8 @@ def tool_prompt(target, request: GenerateRequest) -> tuple[list[int], GrammarSpe
     """The prompt as a user message beside the tools, in the target's template (the tools in its
     system message where the template takes none), and the grammar of a required call."""
     template = ChatTemplate.for_backend(target)
-    text, spans = render_conversation(template, [{"role": "user", "content": request.prompt}], request.tools)
+    offered = () if request.tool_choice.mode == "none" else request.tools  # "none": the model is not told of them
+    text, spans = render_conversation(template, [{"role": "user", "content": request.prompt}], offered)
     grammar = request.grammar
     if request.tool_choice.forces_a_call:
         grammar = style_for(template).grammar(request.tools, request.tool_choice)
@@ -168,7 +169,8 @@ def generate_text(request: GenerateRequest, on_text: Callable[[str], None] | Non
                         request.on_note(note)
                 if request.tools and request.tool_choice.mode != "none":
                     template = ChatTemplate.for_backend(target)
-                    event.result.tool_calls = style_for(template).parse(event.result.text)[1]
+                    names = [tool.name for tool in request.tools]
+                    event.result.tool_calls = style_for(template).parse(event.result.text, names)[1]
                 return event.result
         raise AssertionError("stream ended without Finished")
     finally:

@@ -19,8 +19,11 @@ no text, so a call may also begin the answer without them.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
+import secrets
+import string
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -132,8 +135,15 @@ def tool_definitions(tools) -> tuple[Tool, ...]:
             if not isinstance(parameters, dict):
                 raise ToolDefinitionError(f"{where}.function.parameters must be a JSON schema object",
                                           f"{where}.function.parameters", "invalid_type")
+            if parameters.get("type", "object") != "object":  # a call's arguments are an object
+                raise ToolDefinitionError(f"{where}.function.parameters must describe an object (\"type\": "
+                                          f"\"object\"), got type {_shown(parameters.get('type'))}",
+                                          f"{where}.function.parameters")
             try:
                 GrammarSpec("json_schema", json.dumps(parameters)).check()
+            except RecursionError:
+                raise ToolDefinitionError(f"{where}.function.parameters nests too deeply",
+                                          f"{where}.function.parameters") from None
             except GrammarError as exc:
                 raise ToolDefinitionError(f"{where}.function.parameters: {exc.problem}",
                                           f"{where}.function.parameters") from None
@@ -176,17 +186,20 @@ def _call_of(value) -> ToolCall | None:
     return ToolCall(value["name"], json.dumps(arguments, ensure_ascii=False))
 
 
+SEPARATORS = re.compile(r"[ \t\r\n;,]*")
+
+
 def _json_values(text: str) -> list:
     """The JSON values written one after another in ``text`` (separated by whitespace, ``;`` or
-    ``,``), or [] where any of it is not JSON."""
+    ``,``), or [] where any of it is not JSON (or nests past what Python's parser takes)."""
     decoder, values, at = json.JSONDecoder(), [], 0
     while True:
-        at = len(text) - len(text[at:].lstrip(" \t\r\n;,"))
+        at = SEPARATORS.match(text, at).end()
         if at >= len(text):
             return values
         try:
             value, at = decoder.raw_decode(text, at)
-        except ValueError:
+        except (ValueError, RecursionError):
             return []
         values.append(value)
 
@@ -200,8 +213,15 @@ class ToolStyle:
     opener: str  # the text a call begins with ("" where calls begin the answer as bare JSON)
     arguments_key: str = "arguments"
 
-    def parse(self, text: str) -> tuple[str, list[ToolCall]]:
-        """The answer's content (the text before any call) and the calls it makes."""
+    def parse(self, text: str, names: Sequence[str] | None = None) -> tuple[str, list[ToolCall]]:
+        """The answer's content (the text before any call) and the calls it makes; with ``names``,
+        only calls to those functions count (JSON of the same shape naming another is text)."""
+        content, calls = self._read(text)
+        if names is not None and not all(call.name in names for call in calls):
+            return text, []
+        return content, [dataclasses.replace(call, id=self.new_id()) for call in calls]
+
+    def _read(self, text: str) -> tuple[str, list[ToolCall]]:
         if self.name == "hermes":
             return _parse_hermes(text)
         start = text.find(self.opener) if self.opener else -1
@@ -214,6 +234,13 @@ class ToolStyle:
         if values and all(calls):
             return content.strip(), calls
         return text, []
+
+    def new_id(self) -> str:
+        """A call's id as the family's templates take it back: Mistral's checks for nine letters or
+        digits ("Tool call IDs should be alphanumeric strings with length 9!"), the others take OpenAI's."""
+        if self.name == "mistral":
+            return "".join(secrets.choice(string.ascii_letters + string.digits) for _ in range(9))
+        return f"call_{uuid.uuid4().hex[:24]}"
 
     def grammar(self, tools: Sequence[Tool], choice: ToolChoice, parallel: bool = False) -> GrammarSpec:
         """A grammar whose every text is a call in this style (one or more where ``parallel``), to
@@ -243,7 +270,8 @@ class ToolStyle:
         return "\n".join(f"<tool_call>\n{json.dumps(each, ensure_ascii=False)}\n</tool_call>" for each in objects)
 
 
-HERMES_CALL = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
+# the body is stripped after matching: \s* on both sides of a lazy body backtracks quadratically
+HERMES_CALL = re.compile(r"<tool_call>(.*?)(?:</tool_call>|\Z)", re.DOTALL)
 
 
 def _parse_hermes(text: str) -> tuple[str, list[ToolCall]]:
@@ -252,7 +280,7 @@ def _parse_hermes(text: str) -> tuple[str, list[ToolCall]]:
         return text, []
     calls = []
     for match in HERMES_CALL.finditer(text, start):
-        values = _json_values(match.group(1))
+        values = _json_values(match.group(1).strip())
         found = [_call_of(value) for value in (values[0] if len(values) == 1 and isinstance(values[0], list)
                                                 else values)]
         if not values or not all(found):
@@ -303,11 +331,13 @@ SYSTEM_TOOLS = (
 )
 
 
-def tool_conversation(template: ChatTemplate, messages: Sequence[dict], tools: Sequence[Tool]) -> tuple[list[dict], dict]:
+def tool_conversation(template: ChatTemplate, messages: Sequence[dict], tools: Sequence[Tool],
+                      system_role: bool = True) -> tuple[list[dict], dict]:
     """The messages and the template's extra variables for a conversation with tools: as they
     are, with ``tools`` (and earlier calls' arguments as objects), for a template that renders
-    tools; else with the definitions in the system message and earlier calls and results written
-    out in the Hermes format."""
+    tools; else with the definitions in the system message (``system_role`` false: at the head of
+    the first user message, for a template without a system role such as Gemma's) and earlier
+    calls and results written out in the Hermes format, a turn's results in one user message."""
     if renders_tools(template):
         rendered = []
         for message in messages:
@@ -323,7 +353,11 @@ def tool_conversation(template: ChatTemplate, messages: Sequence[dict], tools: S
     for message in messages:
         role, content = message["role"], message.get("content") or ""
         if role == "tool":
-            plain.append({"role": "user", "content": f"<tool_response>\n{content}\n</tool_response>"})
+            response = f"<tool_response>\n{content}\n</tool_response>"
+            if plain and plain[-1]["role"] == "user" and plain[-1]["content"].endswith("</tool_response>"):
+                plain[-1] = {"role": "user", "content": f"{plain[-1]['content']}\n{response}"}  # roles alternate
+            else:
+                plain.append({"role": "user", "content": response})
         elif message.get("tool_calls"):
             written = style.written(message["tool_calls"])
             plain.append({"role": "assistant", "content": f"{content}\n{written}".strip()})
@@ -332,10 +366,16 @@ def tool_conversation(template: ChatTemplate, messages: Sequence[dict], tools: S
     if tools:
         described = SYSTEM_TOOLS.format(tools="\n".join(json.dumps(tool.as_openai(), ensure_ascii=False)
                                                        for tool in tools))
-        if plain and plain[0]["role"] == "system":
+        if system_role and plain and plain[0]["role"] == "system":
             plain[0] = {"role": "system", "content": f"{plain[0]['content']}\n\n{described}"}
-        else:
+        elif system_role:
             plain.insert(0, {"role": "system", "content": described})
+        else:
+            first = next((i for i, m in enumerate(plain) if m["role"] == "user"), None)
+            if first is None:
+                plain.insert(0, {"role": "user", "content": described})
+            else:
+                plain[first] = {"role": "user", "content": f"{described}\n\n{plain[first]['content']}"}
     return plain, {}
 
 
@@ -350,12 +390,16 @@ def uses_tools(messages: Sequence[dict], tools: Sequence[Tool]) -> bool:
 def render_conversation(template: ChatTemplate, messages: Sequence[dict], tools: Sequence[Tool] = (),
                         add_generation_prompt: bool = True) -> tuple[str, list[tuple[int, int]]]:
     """The conversation as prompt text with its contents' spans (``render_with_spans``), tools and
-    earlier calls included; ToolTemplateError where the template cannot render them."""
+    earlier calls included; ToolTemplateError where the template cannot render them (a template
+    without tools that refuses a system message gets them in the first user message instead)."""
     if not uses_tools(messages, tools):
         return render_with_spans(template, messages, add_generation_prompt)
-    converted, extra = tool_conversation(template, messages, tools)
-    try:
-        return render_with_spans(template, converted, add_generation_prompt, extra=extra)
-    except ChatTemplateError as exc:
-        raise ToolTemplateError(f"the model's chat template cannot render tools: {exc.problem}",
-                                "send the request without tools, or use a model whose template takes them") from None
+    problem = ""
+    for system_role in (True,) if renders_tools(template) or not tools else (True, False):
+        converted, extra = tool_conversation(template, messages, tools, system_role)
+        try:
+            return render_with_spans(template, converted, add_generation_prompt, extra=extra)
+        except ChatTemplateError as exc:
+            problem = exc.problem
+    raise ToolTemplateError(f"the model's chat template cannot render tools: {problem}",
+                            "send the request without tools, or use a model whose template takes them")

@@ -223,3 +223,40 @@ def test_an_answer_under_a_json_schema_validates_against_it():
         result = run(engine_for(method, target), grammar, SamplingSettings(), tokens=40, stop_at_eos=True)
         text = b"".join(PIECES[t] for t in result.token_ids if t != EOS).decode()
         assert text in ('{"ab":"a"}', '{"ab":"b"}')
+
+
+def test_a_grammar_past_llguidance_s_limits_mid_answer_ends_it_as_such():
+    """A schema of 2,500 alternatives compiles, then its first brace opens a row of more items than
+    llguidance keeps: the matcher refuses (it does not raise), and the answer ends with finish
+    reason "grammar" instead of an internal error."""
+    import itertools
+    import json
+
+    target = letters(1)
+    keys = ["".join(p) for p in itertools.product("ab", repeat=12)][:2500]
+    schema = {"anyOf": [{"type": "object", "properties": {k: {"enum": ["a"]}}, "required": [k],
+                         "additionalProperties": False} for k in keys]}
+    grammar = Grammar.compile(GrammarSpec("json_schema", json.dumps(schema)), target)
+    for method in ("none", "draft"):
+        result = run(engine_for(method, target), grammar, SamplingSettings(), tokens=30, stop_at_eos=True)
+        assert (result.token_ids, result.finish_reason) == ([4], "grammar")  # "{", then the limit
+
+
+def test_a_deep_chain_of_references_compiles_without_overflowing_the_stack():
+    """1,000 chained $refs (75 kB) overflowed an 8 MB thread stack inside llguidance and killed the
+    process; compiling runs on a thread with a large stack."""
+    import json
+
+    defs = {f"a{i}": {"type": "object", "properties": {"x": {"$ref": f"#/$defs/a{i + 1}"}}} for i in range(1000)}
+    defs["a1000"] = {"enum": ["ab"]}
+    spec = GrammarSpec("json_schema", json.dumps({"$defs": defs, "$ref": "#/$defs/a0"}))
+    spec.check()
+    Grammar.compile(spec, letters(1)).start()
+
+
+def test_a_grammar_text_past_its_size_limit_is_refused_before_compiling():
+    from specrun.grammar import MAX_GRAMMAR_CHARS
+
+    rules = "".join(f'r{i} ::= "a"\n' for i in range(MAX_GRAMMAR_CHARS // 10))
+    with pytest.raises(GrammarError, match="more than the"):
+        GrammarSpec("gbnf", 'root ::= r0\n' + rules).check()

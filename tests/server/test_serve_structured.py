@@ -140,6 +140,28 @@ BAD = [
 ]
 
 
+def test_a_deep_schema_neither_kills_the_server_nor_stalls_its_other_clients(demo_server):
+    """1,000 chained $refs (75 kB) killed the server (SIGSEGV in llguidance's compiler; the engine's
+    test compiles that many); compiled on a large stack, off the event loop, a chain that fits this
+    server's --max-body is answered while /health answers at once."""
+    import threading
+    import time
+
+    links = 700
+    defs = {f"a{i}": {"type": "object", "properties": {"x": {"$ref": f"#/$defs/a{i + 1}"}}} for i in range(links)}
+    defs[f"a{links}"] = {"enum": ["ok"]}
+    body = _chat(max_tokens=4, response_format={"type": "json_schema", "json_schema": {
+        "name": "deep", "schema": {"$defs": defs, "$ref": "#/$defs/a0"}}})
+    answers = []
+    thread = threading.Thread(target=lambda: answers.append(demo_server.post("/v1/chat/completions", body)))
+    thread.start()
+    started = time.monotonic()
+    assert demo_server.healthy() and time.monotonic() - started < 2.0
+    thread.join(120)
+    assert answers and answers[0][0] == 200, answers
+    assert demo_server.process.poll() is None and demo_server.healthy()
+
+
 @pytest.mark.parametrize(("body", "param", "code"), BAD, ids=[f"{i}-{row[1]}" for i, row in enumerate(BAD)])
 def test_a_grammar_that_cannot_be_used_is_a_400_naming_its_field(demo_server, body, param, code):
     assert_refused(demo_server, "/v1/chat/completions", body, param, code)

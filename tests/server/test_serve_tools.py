@@ -111,9 +111,27 @@ BAD = [
     (_body(messages=[*QUESTION, {"role": "assistant", "tool_calls": [{"function": {"arguments": "{}"}}]}]),
      "messages[1].tool_calls[0]", "invalid_type"),
     (_body(messages=[*QUESTION, {"role": "tool", "content": 5}]), "messages[1].content", "invalid_type"),
+    (_body(tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "array"}}}],
+           tool_choice="required"), "tools[0].function.parameters", "invalid_value"),
+    # JSON escapes half a surrogate pair alone; inside an earlier call's arguments it was a 500
+    (_body(messages=[*QUESTION, {"role": "assistant", "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "f", "arguments": {"a": "\ud800"}}}]}]),
+     "messages[1].tool_calls[0].function.arguments", "invalid_value"),
+    (_body(messages=[*QUESTION, {"role": "assistant", "tool_calls": [
+        {"id": 5, "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]),
+     "messages[1].tool_calls[0].id", "invalid_type"),
+    (_body(messages=[*QUESTION, {"role": "tool", "content": "x", "tool_call_id": "\udfff"}]),
+     "messages[1].tool_call_id", "invalid_value"),
 ]
 
 
 @pytest.mark.parametrize(("body", "param", "code"), BAD, ids=[f"{i}-{row[1]}" for i, row in enumerate(BAD)])
 def test_bad_tool_requests_are_400s_naming_the_field(demo_server, body, param, code):
     assert_refused(demo_server, "/v1/chat/completions", body, param, code)
+
+
+def test_tool_choice_none_leaves_the_tools_out_of_the_prompt(demo_server):
+    with_tools = _call(demo_server, messages=QUESTION, tools=[WEATHER, TIME])
+    none = _call(demo_server, messages=QUESTION, tools=[WEATHER, TIME], tool_choice="none")
+    plain = _call(demo_server, messages=QUESTION)
+    assert none.usage.prompt_tokens == plain.usage.prompt_tokens < with_tools.usage.prompt_tokens

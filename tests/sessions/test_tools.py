@@ -100,13 +100,50 @@ def test_a_template_without_tools_gets_them_in_its_system_message_and_earlier_ca
     assert render_conversation(template, CONVERSATION[:1])[0] == "user: Weather in Paris?\nassistant: "
 
 
+def test_a_template_without_a_system_role_gets_the_tools_in_the_first_user_message():
+    """Gemma 2's template refuses a system message: the tools head the first user message instead,
+    and a turn's tool results go back as one user message, so roles still alternate."""
+    gemma_like = ChatTemplate(
+        "{% for m in messages %}{% if m.role == 'system' %}{{ raise_exception('System role not supported') }}"
+        "{% endif %}{% if (m.role == 'user') != (loop.index0 % 2 == 0) %}"
+        "{{ raise_exception('Conversation roles must alternate') }}{% endif %}"
+        "<start_of_turn>{{ m.role }}\n{{ m.content }}<end_of_turn>\n{% endfor %}<start_of_turn>model\n")
+    two_results = [*CONVERSATION[:2], {**CONVERSATION[1], "tool_calls": CONVERSATION[1]["tool_calls"] * 2},
+                   CONVERSATION[2], {"role": "tool", "content": '{"humidity": 40}', "tool_call_id": "call_2"}]
+    del two_results[1]
+    text, _ = render_conversation(gemma_like, two_results, (WEATHER,))
+    assert text.startswith("<start_of_turn>user\nYou may call functions")
+    assert text.rstrip().endswith("<start_of_turn>model")
+    assert text.count("<start_of_turn>user") == 2  # the question, then both results in one message
+    assert '{"temperature": 21}\n</tool_response>\n<tool_response>\n{"humidity": 40}' in text
+
+
 def test_a_template_that_fails_on_tools_is_one_error_saying_so():
-    refusing = ChatTemplate("{% for m in messages %}{% if m.role == 'system' %}"
-                            "{{ raise_exception('System role not supported') }}{% endif %}{{ m.content }}{% endfor %}")
+    refusing = ChatTemplate("{% for m in messages %}{% if 'function' in m.content %}"
+                            "{{ raise_exception('no functions here') }}{% endif %}{{ m.content }}{% endfor %}")
     with pytest.raises(ToolTemplateError) as caught:
         render_conversation(refusing, CONVERSATION[:1], (WEATHER,))
     assert isinstance(caught.value, ChatTemplateError)
-    assert "cannot render tools" in caught.value.one_line() and "System role not supported" in caught.value.one_line()
+    assert "cannot render tools" in caught.value.one_line() and "no functions here" in caught.value.one_line()
+
+
+@pytest.mark.parametrize("text", ["[" * 5000, "<tool_call>x" + " " * 40_000 + "y", "; " * 100_000])
+def test_reading_calls_from_hostile_text_is_quick_and_finds_none(text):
+    import time
+
+    for style in STYLES.values():
+        started = time.perf_counter()
+        assert style.parse(text, ["get_weather"])[1] == []
+        assert time.perf_counter() - started < 1.0
+
+
+def test_only_calls_to_defined_functions_count_and_mistral_ids_are_nine_letters_or_digits():
+    text = '[{"name": "launch", "arguments": {}}]'
+    assert STYLES["mistral"].parse(text, ["get_weather"])[1] == []
+    (call,) = STYLES["mistral"].parse(text.replace("launch", "get_weather"), ["get_weather"])[1]
+    assert len(call.id) == 9 and call.id.isalnum()
+    (hermes,) = STYLES["hermes"].parse('<tool_call>{"name": "get_weather", "arguments": {}}</tool_call>')[1]
+    assert hermes.id.startswith("call_")
 
 
 @pytest.mark.parametrize("style", list(STYLES))
@@ -126,7 +163,7 @@ def test_a_required_call_s_grammar_accepts_exactly_calls_whose_arguments_follow_
         return {"hermes": f"<tool_call>\n{body}\n</tool_call>", "mistral": f"[{body}]"}.get(style, body)
 
     def accepted(text: str) -> bool:
-        matcher = llguidance.LLMatcher(Vocabulary.of(backend).tokenizer, grammar._grammar, log_level=0)
+        matcher = llguidance.LLMatcher(Vocabulary.of(backend).tokenizer, grammar.spec.llguidance_grammar(), log_level=0)
         return matcher.consume_tokens(list(text.encode())) and matcher.is_accepting()
 
     assert accepted(written(good))
@@ -146,7 +183,7 @@ def test_a_required_call_is_one_call_unless_parallel_calls_are_asked_for(style):
 
     def accepted(parallel: bool) -> bool:
         grammar = Grammar.compile(STYLES[style].grammar((TIME,), ToolChoice("required"), parallel), backend)
-        matcher = llguidance.LLMatcher(Vocabulary.of(backend).tokenizer, grammar._grammar, log_level=0)
+        matcher = llguidance.LLMatcher(Vocabulary.of(backend).tokenizer, grammar.spec.llguidance_grammar(), log_level=0)
         return matcher.consume_tokens(list(two.encode())) and matcher.is_accepting()
 
     assert accepted(parallel=True) and not accepted(parallel=False)
