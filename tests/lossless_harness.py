@@ -431,6 +431,9 @@ class Scenario:
     # enumerates vocab ** window outputs)
     vocab: int = VOCAB
     window: int = WINDOW
+    # do its runs verify drafts at the deepest position and right after a full accept? (test_acceptance
+    # asserts so; EAGLE-3's less sure heads under top-p or min-p never accept four in a row)
+    reaches_deep: bool = True
     # how sampled chains are verified (engine.passes.CHAIN_RULES): the engine's default, or
     # "token", where the mutants of verify_sampled are installed
     chain_rule: str = DEFAULT_CHAIN_RULE
@@ -500,6 +503,8 @@ SCENARIOS = {
     **{f"{kind} {setting} unsure": Scenario(kind, setting, head_sharpness=1.0)
        for kind in ("medusa", "hydra", "eagle") for setting in ("top-k", "top-p", "every option", "cold")},
     "eagle3 top-k unsure": Scenario("eagle", "top-k", eagle3=True, head_sharpness=1.0),
+    **{f"eagle3 {setting} unsure": Scenario("eagle", setting, eagle3=True, head_sharpness=1.0, reaches_deep=False)
+       for setting in ("top-p", "min-p")},
     # A long-tailed vocabulary: sampled second guesses that are unlikely must be kept as drawn
     # (pruning them was caught only by a node count in one unit test)
     "draft tree long tail": Scenario("draft", branches=TREE_BRANCHES, vocab=LONG_TAIL_VOCAB, window=LONG_TAIL_WINDOW),

@@ -263,6 +263,8 @@ HEADS_MUTANTS = {
         (specrun.drafters.heads.eagle, _temperature_only, _same, ("eagle top-p unsure",)),
     "eagle-3: reports its row before top-k, draws after":
         (specrun.drafters.heads.eagle, _temperature_only, _same, ("eagle3 top-k unsure",)),
+    "eagle-3: reports its row before top-p or min-p, draws after":
+        (specrun.drafters.heads.eagle, _temperature_only, _same, ("eagle3 top-p unsure", "eagle3 min-p unsure")),
     "medusa: draws at temperature 1, reports at the user's":
         (specrun.drafters.heads.medusa, _same, _at_temperature_1, ("medusa cold unsure",)),
     "hydra: reports its row before min-p, draws after":
