@@ -46,6 +46,7 @@ from specrun.server.worker import (
 
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 GRACEFUL_SHUTDOWN_SECONDS = 3
+FINAL_EVENT_SECONDS = 2.0  # after a forced shutdown, the moment a stream has to send its last event
 
 
 # ---- HTTP ----------------------------------------------------------------------------------
@@ -386,6 +387,12 @@ def _server_class() -> type:
                 await super().shutdown(sockets)
             finally:
                 ending.cancel()
+            # A second Ctrl-C ends uvicorn's wait at once, and whatever still runs is cancelled as the
+            # loop closes (a CancelledError traceback from a stream): the answer in progress was just
+            # told to end (end_current), so give it a moment to send its final event and [DONE].
+            running = [task for task in self.server_state.tasks if not task.done()]
+            if running:
+                await asyncio.wait(running, timeout=FINAL_EVENT_SECONDS)
 
     return ServerFor
 
