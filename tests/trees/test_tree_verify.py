@@ -216,8 +216,8 @@ def test_k_sequential_rho_solves_spectr_s_equation():
         p_target, p_draft = _random_rows(rng, 2, 6)
         for n_drafts in (1, 2, 3, 4):
             rho, beta = specrun.verify.k_sequential_rho(p_target, p_draft, n_drafts)
-            assert 1.0 <= rho <= n_drafts
-            assert 1.0 - (1.0 - beta) ** n_drafts == pytest.approx(rho * beta, abs=1e-9)
+            assert n_drafts >= rho >= 1.0
+            assert rho * beta == pytest.approx(1.0 - (1.0 - beta) ** n_drafts, abs=1e-9)
             emitted = np.minimum(p_draft, p_target / rho) * (1.0 - (1.0 - beta) ** n_drafts) / beta
             assert np.all(p_target - emitted >= -1e-9)
 
