@@ -153,6 +153,20 @@ class HiddenTracking:
         return self._hidden[rows]
 
 
+class ArgmaxFromLogits:
+    """``forward_argmax`` and ``last_pass_ties`` for a backend whose passes give whole logit rows
+    anyway (``forward``): the rows are kept for the ties."""
+
+    _last_logits: np.ndarray
+
+    def forward_argmax(self, tokens: Sequence[int], logit_rows: Sequence[int]) -> np.ndarray:
+        self._last_logits = self.forward(tokens, logit_rows)
+        return self._last_logits.argmax(axis=-1)
+
+    def last_pass_ties(self, indices: Sequence[int], margin: float) -> np.ndarray:
+        return near_tie_rows(self._last_logits[list(indices)], margin)
+
+
 @runtime_checkable
 class Backend(Protocol):
     """One loaded model with a KV cache holding ``n_past`` tokens.

@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from specrun.backends.base import (
-    HeldTree, HiddenSupport, HiddenTracking, TreeSupport, VocabInfo, held_tree_for, near_tie_rows,
+    ArgmaxFromLogits, HeldTree, HiddenSupport, HiddenTracking, TreeSupport, VocabInfo, held_tree_for,
 )
 from specrun.tree import TokenTree
 
@@ -19,7 +19,7 @@ LogitTable = Callable[[tuple[int, ...]], np.ndarray]
 HiddenTable = Callable[[tuple[int, ...]], np.ndarray]  # context -> (H,) hidden state of its last token
 
 
-class FakeBackend(HiddenTracking):
+class FakeBackend(ArgmaxFromLogits, HiddenTracking):
     """A model whose next-token logits are ``table(context)``; the cache is a token list.
 
     hidden_table: the hidden state (hidden_size,) of a context's last token, for
@@ -91,13 +91,6 @@ class FakeBackend(HiddenTracking):
         rows = [np.asarray(self.table(tuple(self.cache[: start + r + 1])), dtype=np.float32) for r in logit_rows]
         return np.stack(rows) if rows else np.zeros((0, self.vocab.size), np.float32)
 
-    def forward_argmax(self, tokens: Sequence[int], logit_rows: Sequence[int]) -> np.ndarray:
-        self._last_logits = self.forward(tokens, logit_rows)
-        return self._last_logits.argmax(axis=-1)
-
-    def last_pass_ties(self, indices: Sequence[int], margin: float) -> np.ndarray:
-        return near_tie_rows(self._last_logits[list(indices)], margin)
-
     def rewind(self, n_keep: int) -> None:
         del self.cache[n_keep:]
 
@@ -153,3 +146,38 @@ class FakeBackend(HiddenTracking):
     def close(self) -> None:
         self.cache.clear()
 
+
+
+class FakeSlots:
+    """A fake model holding one sequence per slot (backends/slots.SlotModel): each batch's passes
+    read ``table`` as FakeBackend's do; ``batches`` records every batch's (seq, tokens fed)."""
+
+    name = "fake"
+
+    def __init__(self, parent: FakeBackend, n_slots: int, slot_ctx: int | None = None) -> None:
+        self.parent = parent
+        self.n_slots = n_slots
+        self.slot_ctx = slot_ctx or parent.n_ctx
+        self.caches: list[list[int]] = [[] for _ in range(n_slots)]
+        self.batches: list[tuple[tuple[int, int], ...]] = []
+
+    def run(self, passes) -> None:
+        for slot_pass in passes:
+            cache = self.caches[slot_pass.seq]
+            if len(cache) != slot_pass.start:
+                raise ValueError(f"sequence {slot_pass.seq} holds {len(cache)} tokens, not {slot_pass.start}")
+            if slot_pass.start + len(slot_pass.tokens) > self.slot_ctx:
+                raise ValueError("fake slot context overflow")
+        self.batches.append(tuple((p.seq, len(p.tokens)) for p in passes))
+        for slot_pass in passes:
+            cache = self.caches[slot_pass.seq]
+            cache.extend(int(t) for t in slot_pass.tokens)
+            rows = [np.asarray(self.parent.table(tuple(cache[: slot_pass.start + r + 1])), np.float32)
+                    for r in slot_pass.rows]
+            slot_pass.logits = np.stack(rows) if rows else np.zeros((0, self.parent.vocab.size), np.float32)
+
+    def remove(self, seq: int, n_keep: int) -> None:
+        del self.caches[seq][n_keep:]
+
+    def close(self) -> None:
+        self.caches = [[] for _ in range(self.n_slots)]

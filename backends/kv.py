@@ -158,6 +158,11 @@ class KVSequence:
         return deferred
 
     @property
+    def sharing(self) -> int:
+        """The other sequences the backend's last pass carried (a slot's, backends/slots.py); 0 alone."""
+        return getattr(self.backend, "others_in_pass", 0)
+
+    @property
     def can_feed_after(self) -> bool:
         """Can this model queue a pass on another model's deferred ids (``feed_argmax_after``)?"""
         return hasattr(self.backend, "forward_argmax_after")

@@ -672,6 +672,15 @@ class LlamaCppBackend(HiddenTracking):
             finally:
                 self._tracking = tracking
 
+    # ---- slots -----------------------------------------------------------------------
+    def open_slots(self, n_slots: int, exact: bool):
+        """A second context on this model holding ``n_slots`` sequences of ``n_ctx`` tokens each,
+        decoded together (backends/llama_slots.LlamaSlots); ``exact``: each sequence's logits are
+        the ones it gets alone, bit for bit."""
+        from specrun.backends.llama_slots import LlamaSlots
+
+        return LlamaSlots(self, n_slots, self.n_ctx, exact=exact)
+
     # ---- token trees -----------------------------------------------------------------
     def _open_context(self, tree_paths: int) -> None:
         """Create this backend's context, empty, for chains (0) or trees of ``tree_paths`` paths;

@@ -1,0 +1,317 @@
+"""Several sequences decoded together: slots that share each pass of one model.
+
+A model opened with slots holds one sequence per slot in one cache (llama.cpp: a context with
+a sequence id per slot). Each slot is a Backend of its own (``Slot``), so an engine, a drafter
+and a chat session drive it as they drive any model, one thread per slot. What makes the
+passes shared is the ``Rendezvous``: a slot's pass is handed to it and waits; once every slot
+that is generating waits, the last one to arrive runs what they handed in, one batch per model
+(the target's verify passes together, the draft model's passes together), and wakes them. No
+slot waits for a pass that is not coming: a slot counts only while it generates (``joined``),
+and a slot that leaves lets the others' passes run without it.
+
+A long prompt is fed in chunks of ``PREFILL_CHUNK`` tokens, each a pass of its own, so the
+other slots keep decoding beside it instead of waiting for the whole prompt.
+
+Rewinds are recorded, not run, while other threads may be decoding: a slot's dropped cells are
+removed just before the next batch of its model runs, under the rendezvous' lock.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from time import perf_counter
+from typing import Protocol
+
+import numpy as np
+
+from specrun.backends.base import ArgmaxFromLogits, HiddenSupport, TreeSupport
+
+PREFILL_CHUNK = 256  # prompt tokens per pass while other slots decode
+SLOTS_REASON = "a slot shares each pass with the other slots' sequences"
+
+
+@dataclass
+class SlotPass:
+    """One slot's share of a batched pass: ``tokens`` at positions start, start+1, ... of
+    sequence ``seq``, logits wanted at ``rows`` (indices into tokens)."""
+
+    seq: int
+    start: int
+    tokens: Sequence[int]
+    rows: Sequence[int]
+    logits: np.ndarray | None = None  # (len(rows), V), once run
+    error: BaseException | None = None
+    done: bool = False
+
+
+@dataclass
+class BatchRecord:
+    """What the model's last batched pass held: its sequences and tokens, and its seconds."""
+
+    sequences: int = 0
+    tokens: int = 0
+    seconds: float = 0.0
+
+
+class SlotModel(Protocol):
+    """A model holding one sequence per slot, whose passes take several sequences at once."""
+
+    n_slots: int
+    slot_ctx: int  # the tokens each slot's sequence may hold
+
+    def run(self, passes: Sequence[SlotPass]) -> None:
+        """Run every pass (at most one per sequence) as one batch, filling each one's logits;
+        raise if the batch failed as a whole (each pass is then tried alone)."""
+
+    def remove(self, seq: int, n_keep: int) -> None:
+        """Drop sequence ``seq``'s cached tokens from position n_keep on."""
+
+    def close(self) -> None: ...
+
+
+@dataclass
+class RendezvousCounts:
+    """Totals for /metrics: batched passes run, the sequences and tokens they held."""
+
+    passes: int = 0
+    sequences: int = 0
+    tokens: int = 0
+    seconds: float = 0.0
+
+
+class Rendezvous:
+    """Where slots' passes meet (module docstring). One per server, shared by every model."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._joined = 0  # slots generating: each will hand in a pass or leave
+        self._waiting: list[tuple[SlotModel, SlotPass]] = []
+        self._removals: dict[int, dict[int, int]] = {}  # id(model) -> seq -> n_keep, run before its next batch
+        self._models: dict[int, SlotModel] = {}
+        self._labels: dict[int, str] = {}  # id(model) -> what /metrics calls it
+        self._local = threading.local()
+        self.counts: dict[str, RendezvousCounts] = {}  # by model label
+        self.last: dict[int, BatchRecord] = {}  # id(model) -> its last batch
+
+    # ---- slots come and go ----------------------------------------------------------
+    def join(self) -> None:
+        """The calling thread generates from now on: the others' passes wait for its pass."""
+        with self._cond:
+            if getattr(self._local, "joined", False):
+                raise RuntimeError("this thread has joined the rendezvous already")
+            self._local.joined = True
+            self._joined += 1
+
+    def leave(self) -> None:
+        """The calling thread stops generating; passes that waited only for it run now."""
+        with self._cond:
+            if not getattr(self._local, "joined", False):
+                return
+            self._local.joined = False
+            self._joined -= 1
+            self._run_if_all_wait()
+
+    @property
+    def joined(self) -> int:
+        return self._joined
+
+    # ---- passes --------------------------------------------------------------------
+    def submit(self, model: SlotModel, slot_pass: SlotPass, label: str = "") -> np.ndarray:
+        """Hand in one pass and wait until it has run; its logits (len(rows), V)."""
+        with self._cond:
+            alone = not getattr(self._local, "joined", False)
+            if alone:  # a thread outside any generation (a probe, a warm-up) runs at once, counted for the call
+                self._joined += 1
+            self._models[id(model)] = model
+            self._labels[id(model)] = label or type(model).__name__
+            self._waiting.append((model, slot_pass))
+            try:
+                self._run_if_all_wait()
+                while not slot_pass.done:
+                    self._cond.wait()
+            finally:
+                if alone:
+                    self._joined -= 1
+                    self._run_if_all_wait()
+        if slot_pass.error is not None:
+            raise slot_pass.error
+        return slot_pass.logits
+
+    def remove(self, model: SlotModel, seq: int, n_keep: int) -> None:
+        """Record that ``seq`` drops its cells from ``n_keep`` on, run before its model's next batch."""
+        with self._cond:
+            removals = self._removals.setdefault(id(model), {})
+            removals[seq] = min(n_keep, removals.get(seq, n_keep))
+            self._models[id(model)] = model
+
+    def _run_if_all_wait(self) -> None:
+        """Under the lock: once every joined slot waits, run the waiting passes, model by model."""
+        if not self._waiting or len(self._waiting) < self._joined:
+            return
+        waiting, self._waiting = self._waiting, []
+        by_model: dict[int, list[SlotPass]] = {}
+        for model, slot_pass in waiting:
+            by_model.setdefault(id(model), []).append(slot_pass)
+        for key, passes in by_model.items():
+            model = self._models[key]
+            self._remove_pending(model)
+            self._run_batch(model, passes)
+        self._cond.notify_all()
+
+    def _remove_pending(self, model: SlotModel) -> None:
+        for seq, n_keep in self._removals.pop(id(model), {}).items():
+            model.remove(seq, n_keep)
+
+    def _run_batch(self, model: SlotModel, passes: list[SlotPass]) -> None:
+        """One batch of ``model``; where it fails as a whole, each pass alone, so that only the
+        pass at fault fails (a sequence whose cache is full, say) and the others' go on."""
+        started = perf_counter()
+        try:
+            model.run(passes)
+        except Exception:  # noqa: BLE001 - the batch failed: find the pass that did
+            if len(passes) == 1:
+                passes[0].error = _failure()
+            else:
+                for slot_pass in passes:
+                    model.remove(slot_pass.seq, slot_pass.start)  # whatever the failed batch wrote of it
+                    try:
+                        model.run([slot_pass])
+                    except Exception:  # noqa: BLE001 - this request alone fails
+                        slot_pass.error = _failure()
+        seconds = perf_counter() - started
+        tokens = sum(len(slot_pass.tokens) for slot_pass in passes)
+        self.last[id(model)] = BatchRecord(len(passes), tokens, seconds)
+        counts = self.counts.setdefault(self._labels[id(model)], RendezvousCounts())
+        counts.passes += 1
+        counts.sequences += len(passes)
+        counts.tokens += tokens
+        counts.seconds += seconds
+        for slot_pass in passes:
+            slot_pass.done = True
+
+
+def _failure() -> BaseException:
+    """The exception being handled."""
+    return sys.exc_info()[1]
+
+
+class Slot(ArgmaxFromLogits):
+    """One slot of a SlotModel as a Backend: its sequence, fed through the rendezvous.
+
+    ``parent``: the model opened as a single sequence, which answers everything about the model
+    (vocabulary, template, tokenizing) and names it to the stored costs with ``variant`` telling
+    slots apart: a slot's passes cost what the batch around them costs.
+    """
+
+    tree_support = TreeSupport(False, SLOTS_REASON)
+    hidden_support = HiddenSupport(False, reason=SLOTS_REASON)
+
+    def __init__(self, model: SlotModel, seq: int, rendezvous: Rendezvous, parent, label: str) -> None:
+        self.model = model
+        self.seq = seq
+        self.rendezvous = rendezvous
+        self.parent = parent
+        self.label = label
+        self.name = parent.name
+        self.vocab = parent.vocab
+        self.n_ctx = model.slot_ctx
+        self.path = getattr(parent, "path", None)
+        parent_variant = getattr(parent, "variant", "")
+        self.variant = f"{parent_variant};slots={model.n_slots}" if parent_variant else f"slots={model.n_slots}"
+        self._n_past = 0
+        self._last_logits = np.zeros((0, self.vocab.size), np.float32)
+
+    @property
+    def n_past(self) -> int:
+        return self._n_past
+
+    @property
+    def others_in_pass(self) -> int:
+        """The other sequences the last batch of this model held (0 alone)."""
+        record = self.rendezvous.last.get(id(self.model))
+        return max(record.sequences - 1, 0) if record is not None else 0
+
+    # ---- the model: the parent's ------------------------------------------------------
+    def tokenize(self, text: str, add_bos: bool = True, special: bool = False) -> list[int]:
+        return self.parent.tokenize(text, add_bos, special)
+
+    def token_bytes(self, token: int) -> bytes:
+        return self.parent.token_bytes(token)
+
+    def token_text(self, token: int) -> str:
+        return self.parent.token_text(token)
+
+    def control_texts(self) -> frozenset[str]:
+        return self.parent.control_texts()
+
+    def chat_template(self) -> str | None:
+        return self.parent.chat_template()
+
+    def metadata(self, key: str) -> str | None:
+        return self.parent.metadata(key) if hasattr(self.parent, "metadata") else None
+
+    def native_loop(self):
+        return None
+
+    def native_mtp(self):
+        return None
+
+    def mtp_layer(self, heads):
+        return None
+
+    def runs_on_cpu(self) -> bool:
+        return self.parent.runs_on_cpu() if hasattr(self.parent, "runs_on_cpu") else True
+
+    # ---- the sequence ------------------------------------------------------------------
+    def forward(self, tokens: Sequence[int], logit_rows: Sequence[int]) -> np.ndarray:
+        rows = list(logit_rows)
+        if self._n_past + len(tokens) > self.n_ctx:
+            from specrun.errors import ContextFullError
+
+            raise ContextFullError(f"the context of {self.n_ctx} tokens is full", "shorten the prompt or raise --ctx")
+        if not tokens:
+            return np.zeros((0, self.vocab.size), np.float32)
+        last_start = (len(tokens) - 1) // PREFILL_CHUNK * PREFILL_CHUNK
+        if rows and min(rows) < last_start:
+            raise ValueError(f"logit rows must fall in the last {PREFILL_CHUNK} tokens of a slot's forward")
+        out = None
+        for start in range(0, len(tokens), PREFILL_CHUNK):
+            chunk = tokens[start : start + PREFILL_CHUNK]
+            wanted = [row - last_start for row in rows] if start == last_start else []
+            out = self.rendezvous.submit(self.model, SlotPass(self.seq, self._n_past, chunk, wanted), self.label)
+            self._n_past += len(chunk)
+        return out
+
+    def rewind(self, n_keep: int) -> None:
+        # always recorded, even at n_past: a pass cut short may have left cells n_past does not count
+        self.rendezvous.remove(self.model, self.seq, n_keep)
+        self._n_past = min(self._n_past, n_keep)
+
+    def forward_tree(self, tokens, tree, logit_rows):
+        raise ValueError(f"this backend cannot verify trees: {SLOTS_REASON}")
+
+    forward_tree_argmax = forward_tree
+
+    def keep_path(self, path) -> None:
+        raise ValueError(f"this backend cannot verify trees: {SLOTS_REASON}")
+
+    def track_hidden(self, on: bool) -> None:
+        if on:
+            self.hidden_support.check()
+
+    def hidden_layers(self, layers) -> None:
+        if layers:
+            self.hidden_support.check()
+
+    def hidden_rows(self, rows):
+        self.hidden_support.check()
+
+    def token_embeddings(self, ids):
+        raise ValueError(f"this backend gives no hidden states: {SLOTS_REASON}")
+
+    def close(self) -> None:
+        """The slot's sequence is emptied; the model is closed by whoever opened the slots."""
+        self.rewind(0)

@@ -1,0 +1,95 @@
+"""llama.cpp slots (backends/llama_slots.py): one context, a sequence per slot, one llama_decode a
+batch. Greedy answers decoded together are the ones decoded alone; a rewound slot reads as fresh."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+pytest.importorskip("llama_cpp", reason="the llama backend is not installed")
+
+from specrun.backends.kv import sequence_for  # noqa: E402
+from specrun.backends.llama import LlamaCppBackend  # noqa: E402
+from specrun.backends.slots import Rendezvous, Slot  # noqa: E402
+from specrun.drafters.draft_model import DraftModelDrafter  # noqa: E402
+from specrun.drafters.lookup import PromptLookupDrafter  # noqa: E402
+from specrun.engine.loop import GenerationParams, SpeculativeEngine  # noqa: E402
+
+EXACT = dict(kv_type="f32", flash_attn=False)
+
+
+def together(runs) -> list:
+    results: list = [None] * len(runs)
+    start = threading.Barrier(len(runs))
+
+    def work(index, rendezvous, run):
+        rendezvous.join()
+        start.wait()
+        try:
+            results[index] = run()
+        finally:
+            rendezvous.leave()
+
+    threads = [threading.Thread(target=work, args=(i, *run)) for i, run in enumerate(runs)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=300)
+    assert not any(thread.is_alive() for thread in threads)
+    return results
+
+
+@pytest.mark.parametrize("exact", [True, False])
+def test_greedy_answers_decoded_together_are_the_ones_decoded_alone(smollm2, exact):
+    """SmolLM2 F16 target, its Q4_1 file drafting, four slots: lookup on two, the draft model's slot
+    on two (its passes batched too), against each answer decoded alone on fresh contexts."""
+    options = EXACT if exact else {}
+    target = LlamaCppBackend(smollm2["smollm2-135m-f16"], n_ctx=512, n_threads=1, **options)
+    draft = LlamaCppBackend(smollm2["smollm2-135m"], n_ctx=512, n_threads=1, **options)
+    texts = ["The history of the Roman empire", "def fibonacci(n):", "Colours of the rainbow: red, orange,",
+             "Once upon a time in a small village"]
+    prompts = [target.tokenize(text) for text in texts]
+    params = GenerationParams(48, draft_len=4, stop_at_eos=False)
+
+    def drafter(index, draft_backend):
+        return PromptLookupDrafter() if index % 2 else DraftModelDrafter(draft_backend)
+
+    alone = []
+    for index, prompt in enumerate(prompts):
+        sequence_for(target).reset()  # each answer on a fresh cache, as each slot's is
+        sequence_for(draft).reset()
+        alone.append(SpeculativeEngine(target, drafter(index, draft)).run(prompt, params).token_ids)
+    target_slots, draft_slots = target.open_slots(4, exact), draft.open_slots(4, exact)
+    rendezvous = Rendezvous()
+    try:
+        engines = [SpeculativeEngine(Slot(target_slots, i, rendezvous, target, "target"),
+                                     drafter(i, Slot(draft_slots, i, rendezvous, draft, "draft"))) for i in range(4)]
+        results = together([(rendezvous, lambda e=e, p=p: e.run(p, params)) for e, p in zip(engines, prompts)])
+        assert [result.token_ids for result in results] == alone
+        assert rendezvous.counts["target"].sequences > 2 * rendezvous.counts["target"].passes
+        assert rendezvous.counts["draft"].sequences > rendezvous.counts["draft"].passes
+    finally:
+        target_slots.close()
+        draft_slots.close()
+        target.close()
+        draft.close()
+
+
+def test_a_rewound_slot_reads_as_one_fed_afresh(tiny_models):
+    model = LlamaCppBackend(tiny_models["llama"].gguf_f32_path, n_ctx=128, n_threads=1, **EXACT)
+    slots = model.open_slots(2, exact=True)
+    try:
+        rendezvous = Rendezvous()
+        first, second = (Slot(slots, seq, rendezvous, model, "target") for seq in range(2))
+        second.forward([5, 6, 7, 8, 9], [])
+        first.forward([1, 2, 3, 4, 5, 6], [])
+        first.rewind(3)
+        rewound = first.forward([9, 9], [0, 1])
+        fresh = model.forward([1, 2, 3, 9, 9], [3, 4])
+        np.testing.assert_array_equal(rewound, fresh)
+        assert (first.n_past, second.n_past) == (5, 5)
+    finally:
+        slots.close()
+        model.close()

@@ -1,0 +1,145 @@
+"""Slots sharing passes (backends/slots.py) on the fake model: every slot's output is the one it
+gets alone, the passes really are shared, and a failing slot leaves the others' text intact."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from specrun.backends.fake import FakeBackend, FakeSlots
+from specrun.backends.slots import PREFILL_CHUNK, Rendezvous, Slot
+from specrun.drafters.draft_model import DraftModelDrafter
+from specrun.drafters.lookup import PromptLookupDrafter
+from specrun.engine.loop import GenerationParams, SpeculativeEngine
+from specrun.sampling import SamplingSettings
+from tests.fake_models import REPEATING_PROMPT, VOCAB, copying_logits, hashed_logits
+
+PROMPTS = [REPEATING_PROMPT, [5, 6, 7, 5, 6, 7, 5, 6], [40, 41, 42, 43] * 3, [9] * 20]
+
+
+def slot_pair(n_slots: int, table, draft_table=None):
+    """``n_slots`` slots of a fake target (and of a fake draft model), one rendezvous for both."""
+    rendezvous = Rendezvous()
+    target = FakeBackend(table, VOCAB)
+    target_slots = FakeSlots(target, n_slots)
+    targets = [Slot(target_slots, seq, rendezvous, target, "target") for seq in range(n_slots)]
+    drafts = [None] * n_slots
+    if draft_table is not None:
+        draft = FakeBackend(draft_table, VOCAB)
+        draft_slots = FakeSlots(draft, n_slots)
+        drafts = [Slot(draft_slots, seq, rendezvous, draft, "draft") for seq in range(n_slots)]
+    return rendezvous, target_slots, targets, drafts
+
+
+def run_together(rendezvous: Rendezvous, runs) -> list:
+    """Each run (a function) on a thread of its own, joined to the rendezvous while it runs; none
+    starts before all have joined."""
+    results: list = [None] * len(runs)
+    errors: list = []
+    all_joined = threading.Barrier(len(runs))
+
+    def work(index, run):
+        rendezvous.join()
+        all_joined.wait()
+        try:
+            results[index] = run()
+        except BaseException as exc:  # noqa: BLE001 - collected for the test to raise
+            errors.append(exc)
+            results[index] = exc
+        finally:
+            rendezvous.leave()
+
+    threads = [threading.Thread(target=work, args=(i, run)) for i, run in enumerate(runs)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert not any(thread.is_alive() for thread in threads), "a slot never got its pass: the rendezvous hung"
+    return results
+
+
+@pytest.mark.parametrize("method", ["none", "lookup", "draft"])
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_slots_decoded_together_give_what_each_gives_alone(method, temperature):
+    table, draft_table = copying_logits(salt=7, vocab_size=VOCAB), hashed_logits(VOCAB, salt=9, spread=1.0)
+    rendezvous, target_slots, targets, drafts = slot_pair(len(PROMPTS), table, draft_table)
+    sampling = SamplingSettings(temperature=temperature, seed=11)
+    params = GenerationParams(48, draft_len=0 if method == "none" else 4, sampling=sampling, stop_at_eos=False)
+
+    def drafter(draft):
+        return {"none": None, "lookup": PromptLookupDrafter(), "draft": DraftModelDrafter(draft) if draft else None}[method]
+
+    alone = []
+    for prompt in PROMPTS:
+        draft = FakeBackend(draft_table, VOCAB)
+        alone.append(SpeculativeEngine(FakeBackend(table, VOCAB), drafter(draft)).run(prompt, params).token_ids)
+    engines = [SpeculativeEngine(target, drafter(draft)) for target, draft in zip(targets, drafts)]
+    together = run_together(rendezvous, [lambda e=e, p=p: e.run(p, params) for e, p in zip(engines, PROMPTS)])
+    assert [result.token_ids for result in together] == alone
+    shared = [batch for batch in target_slots.batches if len(batch) > 1]
+    assert len(shared) >= 0.5 * len(target_slots.batches)  # most passes carried several sequences
+    assert max(len(batch) for batch in target_slots.batches) == len(PROMPTS)
+
+
+def test_a_long_prompt_is_fed_in_chunks_beside_the_slots_already_decoding():
+    table = hashed_logits(VOCAB, salt=3)
+    rendezvous, target_slots, targets, _ = slot_pair(2, table)
+    long_prompt = [int(t) for t in np.random.default_rng(0).integers(0, VOCAB, 3 * PREFILL_CHUNK + 10)]
+    params = GenerationParams(40, draft_len=0, stop_at_eos=False)
+    started = threading.Event()
+
+    def short():
+        engine = SpeculativeEngine(targets[0])
+        started.set()
+        return engine.run([1, 2, 3], params)
+
+    def long():
+        started.wait()
+        return SpeculativeEngine(targets[1]).run(long_prompt, params)
+
+    short_result, long_result = run_together(rendezvous, [short, long])
+    assert long_result.token_ids == SpeculativeEngine(FakeBackend(table, VOCAB)).run(long_prompt, params).token_ids
+    assert short_result.token_ids == SpeculativeEngine(FakeBackend(table, VOCAB)).run([1, 2, 3], params).token_ids
+    long_chunks = [dict(batch)[1] for batch in target_slots.batches if 1 in dict(batch)]
+    assert max(long_chunks) == PREFILL_CHUNK  # never the whole prompt in one pass
+    beside = [batch for batch in target_slots.batches if dict(batch).get(1, 0) == PREFILL_CHUNK and 0 in dict(batch)]
+    assert beside, "the short answer was not decoded beside the long prompt's chunks"
+
+
+def test_a_slot_whose_pass_fails_fails_alone_and_the_others_go_on():
+    table = hashed_logits(VOCAB, salt=5)
+    rendezvous, target_slots, targets, _ = slot_pair(3, table)
+    target_slots.slot_ctx = 30  # a 28-token prompt leaves room for 2 tokens only
+    params = GenerationParams(20, draft_len=0, stop_at_eos=False)
+    prompts = [[1, 2, 3], list(range(1, 29)), [7, 8]]
+    targets[1].n_ctx = 64  # the slot believes it has room: the model's own check must catch it
+    results = run_together(rendezvous, [lambda e=SpeculativeEngine(t), p=p: e.run(p, params)
+                                        for t, p in zip(targets, prompts)])
+    assert isinstance(results[1], ValueError) and "overflow" in str(results[1])
+    for index in (0, 2):
+        alone = SpeculativeEngine(FakeBackend(table, VOCAB)).run(prompts[index], params)
+        assert results[index].token_ids == alone.token_ids
+
+
+def test_a_thread_outside_any_generation_runs_its_pass_at_once():
+    """A probe or a warm-up on a slot (no join) does not wait for slots that are generating."""
+    table = hashed_logits(VOCAB, salt=5)
+    rendezvous, _, targets, _ = slot_pair(2, table)
+    logits = targets[0].forward([1, 2, 3], [2])
+    np.testing.assert_array_equal(logits[0], table((1, 2, 3)))
+    targets[0].rewind(1)
+    assert targets[0].n_past == 1
+    assert rendezvous.joined == 0
+
+
+def test_a_rewind_is_run_before_the_model_s_next_batch():
+    table = hashed_logits(VOCAB, salt=5)
+    rendezvous, target_slots, targets, _ = slot_pair(1, table)
+    targets[0].forward([1, 2, 3, 4], [])
+    targets[0].rewind(2)
+    assert target_slots.caches[0] == [1, 2, 3, 4]  # recorded, not run yet
+    out = targets[0].forward([9], [0])
+    assert target_slots.caches[0] == [1, 2, 9]
+    np.testing.assert_array_equal(out[0], table((1, 2, 9)))
