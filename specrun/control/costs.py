@@ -66,6 +66,10 @@ class TargetCosts:
         self.switch_back = 0.0
         self._charge_built = 0.0  # the switch_charge the controllers' rates last saw
         self._preloaded: set[int] = set()  # lengths whose cost came from a file and is not yet timed here
+        # The other sequences a pass carries (a server's slots decoding together, backends/slots.py):
+        # each yields a token a pass, and a longer pass delays theirs too, so the tokens a draft
+        # brings are weighed against the whole batch's (DraftLengthController._compute_rates).
+        self.sharing = 0
 
     @property
     def switch_charge(self) -> float:

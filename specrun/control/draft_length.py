@@ -78,7 +78,7 @@ class DraftLengthController:
         self._gate_probed = False  # …and some of it came from drafting while off
         self.plain_tries = 0  # steps a fixed controller gave up to time a plain pass
         self._acceptance_version = 0  # bumped with every acceptance learned: keys the memoised rates
-        self._rates_key: tuple[int, int, int] | None = None
+        self._rates_key: tuple[int, int, int, int] | None = None
         self._rates: list[float | None] = []
 
     def start_off(self, probe_gap: int) -> None:
@@ -133,7 +133,7 @@ class DraftLengthController:
         against the draft model), so the rates for every k are computed once per change of
         the estimates behind them, and sliced.
         """
-        key = (self.target_costs.version, self.draft_costs.version, self._acceptance_version)
+        key = (self.target_costs.version, self.draft_costs.version, self._acceptance_version, self.target_costs.sharing)
         if key != self._rates_key:
             self._rates = self._compute_rates(self.max_draft_len)
             self._rates_key = key
@@ -147,7 +147,11 @@ class DraftLengthController:
         switch = self.target_costs.switch_charge  # the plain pass a speculative step may cause
         accept = self.acceptances(limit)
         rates: list[float | None] = []
-        tokens, chain = 1.0, 1.0
+        # A pass shared with other sequences yields their tokens too (one each), and its cost (timed
+        # as this sequence's passes are, the batch around them included) grows with this one's
+        # drafts: tokens per second of the whole batch, so that speculation yields to the batch
+        # where the extra tokens slow the others more than they bring.
+        tokens, chain = 1.0 + self.target_costs.sharing, 1.0
         for k in range(limit + 1):
             if k:
                 chain *= accept[k]

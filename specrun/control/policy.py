@@ -93,6 +93,9 @@ class SpeculationPolicy(Protocol):
 
     def observe(self, report: StepReport) -> None: ...
 
+    def share(self, others: int) -> None:
+        """The next pass carries ``others`` other sequences besides this run's (a server's slots)."""
+
 
 def takes_at_least(proposal: Proposal, drafter: Drafter, draft_len: int) -> bool:
     """The fixed rule of a chain: a proposal of ``min_tokens`` (at most the length asked)."""
@@ -128,6 +131,9 @@ class FixedPolicy:
 
     def observe(self, report: StepReport) -> None:
         pass
+
+    def share(self, others: int) -> None:
+        """Fixed lengths do not yield to other sequences in the pass."""
 
 
 class AdaptivePolicy:
@@ -260,6 +266,10 @@ class AdaptivePolicy:
         # Drafters that keep finding nothing are asked less often (a lone draft model finds
         # nothing only while its controller has it off, and is then asked on its probes).
         self._idle = IdleBackoff() if self.adaptive else None
+
+    def share(self, others: int) -> None:
+        """The next pass carries ``others`` other sequences (TargetCosts.sharing)."""
+        self.target_costs.sharing = others
 
     def plan(self) -> Plan:
         if (

@@ -286,6 +286,8 @@ class SpeculativeEngine:
                 draft_len = min(params.draft_len, remaining - 1, n_ctx - context_len - 1)
                 # tokens the grammar forces are drafted for free, in place of asking the drafters
                 forced = constrained.forced(draft_len) if constrained is not None and policy is not None else None
+                if measured:
+                    policy.share(self.target.sharing)
                 plan = PLAIN if policy is None or forced is not None else policy.plan()
                 drafts = forced or self._draft(policy, plan, context, draft_len, params, rng)
                 allowed = None
