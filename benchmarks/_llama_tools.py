@@ -350,12 +350,7 @@ def server_line(bin_dir: Path, model: Path, kind: str, n: int, threads: int, n_c
                 body = {"prompt": prompt.rendered, "n_predict": n, "cache_prompt": False, **sampling.server_fields()}
                 reply = _post_json(f"http://127.0.0.1:{port}/completion", body)
             finally:
-                server.terminate()
-                try:
-                    server.wait(timeout=30)
-                except subprocess.TimeoutExpired:
-                    server.kill()
-                    server.wait()
+                stop_process(server)
         timings = reply["timings"]
         generated = int(timings["predicted_n"])
         return Run(tokens=max(generated - 1, 0), seconds=float(timings["predicted_ms"]) / 1e3, new_tokens=generated,
@@ -364,6 +359,16 @@ def server_line(bin_dir: Path, model: Path, kind: str, n: int, threads: int, n_c
 
     name = {"server": "llama-server", "server-draft": "llama-server -md"}.get(kind, f"llama-server {kind[7:]}")
     return Line(name + label, run)
+
+
+def stop_process(process: subprocess.Popen) -> None:
+    """SIGTERM, then SIGKILL if it has not ended within 30 s."""
+    process.terminate()
+    try:
+        process.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
 
 
 def _free_port() -> int:

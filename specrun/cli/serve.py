@@ -63,7 +63,11 @@ ApiKeyOpt = Annotated[
                  help="Require 'Authorization: Bearer KEY' on /v1 requests (or set SPECRUN_API_KEY)."),
 ]
 MaxBodyOpt = Annotated[int, typer.Option("--max-body", help="Largest request body in bytes (larger: 413).")]
-MaxQueueOpt = Annotated[int, typer.Option("--max-queue", help="Requests that may wait (more: 503).")]
+MaxQueueOpt = Annotated[int, typer.Option("--max-queue", help="Requests that may wait (more: 429).")]
+ParallelOpt = Annotated[int, typer.Option(
+    "--parallel", help="Requests decoded together, each in a slot of its own sharing every pass (llama.cpp; "
+                       "methods of lookup, ngram, draft or auto).")]
+MAX_PARALLEL = 64
 
 
 def serve_command(
@@ -97,6 +101,7 @@ def serve_command(
     lookahead: LookaheadOpt = None,
     max_body: MaxBodyOpt = 4 * 1024 * 1024,
     max_queue: MaxQueueOpt = 64,
+    parallel: ParallelOpt = 1,
     verify: VerifyOpt = "block",
     accept: AcceptOpt = "exact",
     epsilon: EpsilonOpt = None,
@@ -107,7 +112,7 @@ def serve_command(
     /v1/models, /health) until Ctrl-C. --temp, --top-k, --top-p, --min-p and -n are the defaults
     of requests that do not set them."""
     with cli_errors():
-        from specrun.drafters.methods import check_method, needs_draft_model
+        from specrun.drafters.methods import check_method, check_slots_method, needs_draft_model
         from specrun.registry.loading import LoadOptions, choose_pair
         from specrun.server.app import HttpOptions, serve
         from specrun.server.requests import ServeDefaults
@@ -121,6 +126,19 @@ def serve_command(
         check_range("--port", port, 0, 65535)
         check_range("--max-body", max_body, 1024, 1 << 34)
         check_range("--max-queue", max_queue, 1, 1 << 20)
+        check_range("--parallel", parallel, 1, MAX_PARALLEL)
+        if parallel > 1:
+            check_slots_method(method)
+            if backend == "mlx":
+                from specrun.sessions.slots import one_at_a_time
+
+                raise one_at_a_time("mlx")
+            given = next((name for name, value in (("--heads", heads), ("--branches", branches),
+                                                   ("--tree-nodes", tree_nodes), ("--lookahead", lookahead))
+                          if value is not None), None)
+            if given is not None:
+                raise UsageError(f"{given} drafts trees or with heads, which a pass shared by --parallel slots "
+                                 "cannot hold", f"leave {given} out, or serve with --parallel 1")
         sampling = checked_sampling("serve", temp, top_k, top_p, min_p, None)
         verification = checked_verification("serve", verify, accept, epsilon, delta, margin, exact)
         lookahead_sizes = checked_lookahead(lookahead, (method,))
@@ -148,6 +166,7 @@ def serve_command(
             trees=trees,
             lookahead=lookahead_sizes,
             verification=verification,
+            parallel=parallel,
         )
         http = HttpOptions(host=host, port=port, api_key=api_key, max_body_bytes=max_body,
                            max_queue=max_queue, model_names=(target,))

@@ -115,6 +115,22 @@ def needs_heads(method: str) -> bool:
     return heads_kind(method) is not None
 
 
+# What a slot of a server decoding several requests together drafts with (backends/slots.py): a
+# slot's pass shares its batch, which holds chains only and gives no hidden states.
+SLOT_PARTS = ("lookup", "ngram", "draft")
+
+
+def check_slots_method(method: str) -> None:
+    """UsageError where ``method`` needs what a slot cannot give (heads, a lookahead window)."""
+    if method in ("auto", "none"):
+        return
+    others = [part for part in method.split("+") if part not in SLOT_PARTS]
+    if others:
+        raise UsageError(f"--parallel decodes requests together as chains: method {method!r} drafts with "
+                         f"{others[0]}, which a shared pass cannot hold",
+                         f"use --parallel 1 with it, or a method of {', '.join(SLOT_PARTS)} (or auto) with --parallel")
+
+
 def check_method(method: str) -> None:
     """A named method, or a chain of PARTS joined by "+" in their order with one heads kind."""
     if method in METHODS:

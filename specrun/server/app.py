@@ -132,6 +132,7 @@ class OpenAIServer:
 
         routes = [
             Route("/health", self.health, methods=["GET"]),
+            Route("/metrics", self._endpoint(self.metrics), methods=["GET"]),
             Route("/v1/models", self._endpoint(self.models), methods=["GET"]),
             Route("/v1/chat/completions", self._endpoint(self.chat_completions), methods=["POST"]),
             Route("/v1/completions", self._endpoint(self.completions), methods=["POST"]),
@@ -181,6 +182,13 @@ class OpenAIServer:
         if self.http.api_key is None:  # open to anyone with a key set: then nothing of the model (its path)
             state |= {"model": self.model_id, "method": self.worker.method}
         return JSONResponse(state)
+
+    async def metrics(self, request):
+        from starlette.responses import Response
+
+        from specrun.server.metrics import CONTENT_TYPE, render
+
+        return Response(render(self.worker), media_type=CONTENT_TYPE)
 
     async def models(self, request):
         from starlette.responses import JSONResponse
@@ -338,6 +346,8 @@ def _error_response(error: RequestError):
     headers = {"Connection": "close"} if error.status == 413 else None  # the rest of the body is never read
     if error.status == 401:
         headers = {"WWW-Authenticate": "Bearer"}
+    if error.retry_after is not None:
+        headers = {"Retry-After": str(error.retry_after)}
     # ASCII JSON: an error may quote the client's text, and a lone surrogate in it (a field's name)
     # has no UTF-8 (Starlette's JSONResponse failed there with a 500); escaped, it is valid JSON.
     return Response(json.dumps(error.body()), status_code=error.status, headers=headers,

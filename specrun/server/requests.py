@@ -42,8 +42,9 @@ class RequestError(Exception):
     """A request the server refuses: an HTTP status and an OpenAI-style error object."""
 
     def __init__(self, message: str, param: str | None = None, *, status: int = 400,
-                 code: str | None = None, kind: str = "invalid_request_error") -> None:
+                 code: str | None = None, kind: str = "invalid_request_error", retry_after: int | None = None) -> None:
         super().__init__(message)
+        self.retry_after = retry_after  # seconds, sent as Retry-After (a 429)
         self.message = message
         self.param = param
         self.status = status

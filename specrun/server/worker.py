@@ -6,6 +6,11 @@ cache that nobody else touches). Requests queue as ``Job``s for it, first come f
 served: the queue is the one lock. The worker sends each job's events (``Started``,
 ``Delta``, ``Done``, ``Failed``) back to its request through an asyncio queue.
 
+With ``--parallel N`` (llama.cpp) the worker thread opens N slots on the loaded models
+(sessions/slots.py) and N threads, itself one of them, take jobs from the same queue, each
+answering with its slot's session; their passes meet in the slots' Rendezvous, which a
+thread joins while it generates.
+
 Prefix reuse. Every request is tokenized afresh from its messages (or prompt), so
 an answer never depends on which request came before it; the engine then reuses
 the longest prefix the target's cache shares with the new prompt (a conversation's
@@ -142,6 +147,45 @@ class ToolCallCut:
         return answer[self._sent:], ()
 
 
+# ---- what the server has done, for /metrics ------------------------------------------------
+class Metrics:
+    """Counters of the answers served (written by the slots' threads, read by /metrics)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.requests: dict[str, int] = {}  # by finish reason; "error" for failed requests
+        self.prompt_tokens = 0
+        self.new_tokens = 0
+        self.steps = 0  # verify passes
+        self.drafted = 0
+        self.accepted = 0
+        self.first_token_seconds = 0.0  # summed over answers: queued to first text
+        self.first_tokens = 0
+        self.answer_seconds = 0.0  # summed over answers: queued to done
+        self.answers = 0
+
+    def first_token(self, job: Job) -> None:
+        with self._lock:
+            self.first_token_seconds += time.monotonic() - job.queued_at
+            self.first_tokens += 1
+
+    def finished(self, job: Job, finish_reason: str, stats: Stats | None) -> None:
+        with self._lock:
+            self.requests[finish_reason] = self.requests.get(finish_reason, 0) + 1
+            if stats is None:
+                return
+            self.answer_seconds += time.monotonic() - job.queued_at
+            self.answers += 1
+            self.prompt_tokens += stats.prompt_tokens
+            self.new_tokens += stats.new_tokens
+            self.steps += stats.steps
+            self.drafted += stats.drafted
+            self.accepted += stats.accepted
+
+    def mean_answer_seconds(self) -> float:
+        return self.answer_seconds / self.answers if self.answers else 1.0
+
+
 # ---- the worker and its jobs ------------------------------------------------------------
 @dataclass(frozen=True)
 class Started:
@@ -206,6 +250,7 @@ class Job:
         self.id = uuid.uuid4().hex[:24]
         self.created = int(time.time())
         self.cancelled = threading.Event()
+        self.queued_at = time.monotonic()
         self._loop = loop
         self._events: asyncio.Queue[JobEvent] = asyncio.Queue()
         self._check_at = 0.0  # when next_event next asks whether the client is still there
@@ -263,21 +308,30 @@ class PairOptions:
     trees: TreeSettings = field(default_factory=TreeSettings)  # --tree-nodes, --branches (chains by default)
     lookahead: LookaheadSizes | None = None  # --lookahead (None: chosen from the target's pass costs)
     verification: Verification = field(default_factory=Verification)  # --verify, --accept: exact by default
+    parallel: int = 1  # --parallel: requests decoded together, each in a slot of its own
 
 
 class PairWorker:
-    """The thread that owns the loaded pair and answers jobs one at a time, in arrival order."""
+    """The thread that owns the loaded pair and answers jobs in arrival order: one at a time, or
+    with ``pair.parallel`` slots up to that many together, each slot on a thread of its own whose
+    passes the others' share (sessions/slots.py)."""
 
     def __init__(self, pair: PairOptions, max_queue: int = DEFAULT_MAX_QUEUE,
                  log: Callable[[str], None] | None = None) -> None:
         self.pair = pair
+        self.parallel = pair.parallel
         self.log = log or (lambda line: None)
-        self.jobs: queue.Queue[Job | None] = queue.Queue(max_queue)
+        # unbounded: submit keeps it to max_queue jobs, and stop's Nones (one per slot) never block
+        self.jobs: queue.Queue[Job | None] = queue.Queue()
+        self.max_queue = max_queue
+        self._submitting = threading.Lock()
         self.session = None
+        self.slots = None  # SlotSessions with parallel > 1
         self._ready = threading.Event()
         self._load_error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="specrun-serve-worker", daemon=True)
-        self._current: Job | None = None
+        self._current: set[Job] = set()  # the jobs being answered
+        self.metrics = Metrics()
         self.served = 0
         self.closing = False  # shutting down: new and queued requests are answered 503
 
@@ -287,6 +341,11 @@ class PairWorker:
         self._ready.wait()
         if self._load_error is not None:
             raise self._load_error
+
+    @property
+    def active(self) -> list[Job]:
+        """The jobs being answered now."""
+        return list(self._current)
 
     @property
     def n_ctx(self) -> int:
@@ -299,11 +358,14 @@ class PairWorker:
     def submit(self, job: Job) -> None:
         if self.closing:
             raise shutting_down()
-        try:
-            self.jobs.put_nowait(job)
-        except queue.Full:
-            raise RequestError(f"the server is busy: {self.jobs.maxsize} requests are waiting already; retry later",
-                               status=503, code="server_busy", kind="server_error") from None
+        with self._submitting:
+            if self.jobs.qsize() < self.max_queue:
+                self.jobs.put_nowait(job)
+                return
+        # the queue drains at about one answer per slot per mean answer time
+        wait = math.ceil(self.metrics.mean_answer_seconds() * self.max_queue / self.parallel)
+        raise RequestError(f"the server is busy: {self.max_queue} requests are waiting already; retry later",
+                           status=429, code="server_busy", kind="rate_limit_error", retry_after=max(1, min(wait, 600)))
 
     def refuse_queued(self) -> None:
         """Shutting down: every request still queued, and any that arrives, is answered with a
@@ -314,22 +376,22 @@ class PairWorker:
             job.cancel()
 
     def end_current(self) -> None:
-        """Shutting down, the grace period spent: the answer in progress ends with a final event
-        saying so (a stream gets it and [DONE]) instead of being cut off; it stops at its next pass."""
+        """Shutting down, the grace period spent: the answers in progress end with a final event
+        saying so (a stream gets it and [DONE]) instead of being cut off; they stop at their next pass."""
         self.refuse_queued()
-        current = self._current
-        if current is not None and not current.cancelled.is_set():
-            current.emit(Failed(shutting_down()))
-            current.cancel()
+        for current in list(self._current):
+            if not current.cancelled.is_set():
+                current.emit(Failed(shutting_down()))
+                current.cancel()
 
     def stop(self) -> None:
         """Cancel what is queued or running, then close the pair on its thread."""
         for job in self._take_queued():
             job.cancel()
-        current = self._current
-        if current is not None:
+        for current in list(self._current):
             current.cancel()
-        self.jobs.put(None)
+        for _ in range(self.parallel):
+            self.jobs.put(None)
         self._thread.join()
 
     def _take_queued(self) -> list[Job]:
@@ -354,48 +416,76 @@ class PairWorker:
                                      chain=pair.trees.chain, tree_nodes=pair.trees.nodes,
                                      verification=pair.verification,
                                      on_note=lambda note: self.log(f"note: {note}"))
+            if self.parallel > 1:
+                from specrun.sessions.slots import SlotSessions
+
+                self.slots = SlotSessions(self.session, self.parallel, pair.load.exact)
         except BaseException as exc:
+            if self.session is not None:
+                self.session.close()
             self._load_error = exc
             self._ready.set()
             return
         self._ready.set()
         try:
-            while (job := self.jobs.get()) is not None:
-                if job.cancelled.is_set():
-                    self.log(f"{job.id}: the client left while queued; dropped")
-                    continue
-                self._current = job
-                try:
-                    self._answer(job)
-                except Exception as exc:  # noqa: BLE001 - one request failed; the server keeps serving
-                    self.log(f"{job.id}: failed: {type(exc).__name__}: {exc}")
-                    job.emit(Failed(RequestError(f"the request failed: {type(exc).__name__}: {exc}", status=500,
-                                                 code="internal_error", kind="server_error")))
-                self._current = None
+            if self.slots is None:
+                self._serve(self.session)
+            else:
+                others = [threading.Thread(target=self._serve, args=(session,), name=f"specrun-serve-slot-{seq}",
+                                           daemon=True) for seq, session in enumerate(self.slots.sessions[1:], 1)]
+                for thread in others:
+                    thread.start()
+                self._serve(self.slots.sessions[0])
+                for thread in others:
+                    thread.join()
         finally:
+            if self.slots is not None:
+                self.slots.close()
             self.session.close()
 
-    def _answer(self, job: Job) -> None:
+    def _serve(self, session) -> None:
+        """Answer jobs with ``session`` until the queue hands out None (stop)."""
+        while (job := self.jobs.get()) is not None:
+            if job.cancelled.is_set():
+                self.log(f"{job.id}: the client left while queued; dropped")
+                continue
+            self._current.add(job)
+            try:
+                self._answer(job, session)
+            except Exception as exc:  # noqa: BLE001 - one request failed; the server keeps serving
+                self.metrics.finished(job, "error", None)
+                self.log(f"{job.id}: failed: {type(exc).__name__}: {exc}")
+                job.emit(Failed(RequestError(f"the request failed: {type(exc).__name__}: {exc}", status=500,
+                                             code="internal_error", kind="server_error")))
+            finally:
+                self._current.discard(job)
+
+    def _answer(self, job: Job, session) -> None:
         try:
             prompt_ids = self._prompt_ids(job.request)
             grammar = self._grammar(job.request)
         except RequestError as exc:
+            self.metrics.finished(job, "error", None)
             job.emit(Failed(exc))
             return
         except SpecrunError as exc:  # a chat template that refuses the conversation
+            self.metrics.finished(job, "error", None)
             job.emit(Failed(RequestError(exc.one_line(), "messages" if job.request.is_chat else "prompt")))
             return
-        session = self.session
         session.new_text()  # each request is a text of its own: its acceptance is measured afresh
         reused = min(common_prefix_len(session.engine.target.tokens, prompt_ids), len(prompt_ids) - 1)
         job.emit(Started(len(prompt_ids), reused))
         cut = StopCut(job.request.stop)
         tool_cut = self._tool_cut(job.request)
         tokens = from_draft = 0
+        first_sent = False
         logprobs: list = []  # the tokens' since the last Delta
         params = GenerationParams(job.request.max_tokens, 0, job.request.sampling, tree_nodes=self.pair.trees.nodes,
                                   grammar=grammar, logprobs=job.request.logprobs)
         stream = session.stream(prompt_ids, params)
+        rendezvous = self.slots.rendezvous if self.slots is not None else None
+        if rendezvous is not None:
+            rendezvous.join()  # the other slots' passes wait for this one's from now on
         try:
             for event in stream:
                 if job.cancelled.is_set():
@@ -410,6 +500,9 @@ class PairWorker:
                     if tool_cut is not None:
                         text = tool_cut.feed(text)
                     if text:
+                        if not first_sent:
+                            first_sent = True
+                            self.metrics.first_token(job)
                         job.emit(Delta(text, tokens, from_draft, tuple(logprobs)))
                         tokens = from_draft = 0
                         logprobs.clear()
@@ -424,11 +517,14 @@ class PairWorker:
                         job.emit(Delta(tail, tokens, from_draft, tuple(logprobs)))
                     self._finish(job, _FINISH_REASONS[event.result.finish_reason], event.result.stats, tool_cut)
         except Exception as exc:  # noqa: BLE001 - the server keeps serving; the request learns what failed
+            self.metrics.finished(job, "error", None)
             message = exc.one_line() if isinstance(exc, SpecrunError) else f"{type(exc).__name__}: {exc}"
             job.emit(Failed(RequestError(f"generation failed: {message}", status=500, code="internal_error",
                                          kind="server_error")))
         finally:
             stream.close()  # stops the engine at this pass; the caches stay exact
+            if rendezvous is not None:
+                rendezvous.leave()
 
     def _finish(self, job: Job, finish_reason: str, stats: Stats, tool_cut: ToolCallCut | None = None) -> None:
         if tool_cut is not None:
@@ -439,6 +535,7 @@ class PairWorker:
                 job.emit(Calls(calls))
                 finish_reason = TOOL_CALLS
         self.served += 1
+        self.metrics.finished(job, finish_reason, stats)
         job.emit(Done(finish_reason, stats))
         self.log(f"{job.id}: {finish_reason}; {stats.summary()}")
 

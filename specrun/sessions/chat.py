@@ -59,6 +59,7 @@ from specrun.drafters.methods import (
     DrafterOptions,
     build_drafter,
     check_method,
+    check_slots_method,
     heads_kind,
     heads_of_kind,
     is_adaptive,
@@ -453,6 +454,21 @@ class ChatSession:
         if previous is not None:  # first: a head drafter stops the target's hidden states when closed
             previous.close()
         self.engine.set_drafter(drafter, method)
+
+    def on_slot(self, target: Backend, draft: Backend | None) -> ChatSession:
+        """A session answering as this one does (method, draft settings, verification, stored
+        costs) on a slot of the same models (backends/slots.py), for a server decoding several
+        requests together. Its drafters are the ones a slot can feed (check_slots_method): chains
+        from prompt lookup, an n-gram pool of its own (the pool file stays this session's) and the
+        draft model's slot."""
+        method = self.method
+        check_slots_method(method)
+        options = dataclasses.replace(self._drafter_options, ngram_cache=None, branches=0, heads=None,
+                                      auto_heads=None, lookahead=None, auto_lookahead=False)
+        return ChatSession(target, draft, method, system_prompt=self.system_prompt, drafter_options=options,
+                           draft_len=self._draft_len, draft_min_prob=self._draft_min_prob, tuned=self._tuned,
+                           threads=self._threads, chain=True, tools=self.tools, tool_choice=self.tool_choice,
+                           verification=self.engine.passes.verification)
 
     def total_stats(self) -> Stats:
         """Every answer's statistics added up."""

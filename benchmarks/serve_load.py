@@ -1,0 +1,267 @@
+"""`specrun serve` under load (issue 51): C clients at once, each sending prompts one after the
+other, against every server line at the same C.
+
+Lines, each a server started afresh for each C (127.0.0.1 only) and warmed by one request:
+- ``specrun fifo``: `specrun serve` answering one request at a time (``--parallel 1``), as before;
+- ``specrun``: `specrun serve --parallel C`, the slots sharing every pass, speculation yielding to
+  the batch (TargetCosts.sharing);
+- with ``--llama-bin``: ``llama-server -np C`` without speculation, with ``-md`` (the same draft,
+  ``--spec-type draft-simple``) and with ``--spec-type ngram-mod``.
+
+Each phase sends ``--requests`` chat requests (streamed, with usage) from C client threads taking
+prompts in turn, bounded by ``--budget`` seconds; figures per line and C: aggregate tokens/s
+(completion tokens over the phase's wall time), p50/p95 request latency and time to first token.
+The lines run in turn at each C, their order rotating between rounds (docs/measuring.md). Two
+prompt sets, reported apart: specrun's built-in suite and Spec-Bench questions.
+
+    .venv/bin/python benchmarks/serve_load.py --target smollm2-135m-x2 --draft smollm2-135m \\
+        --llama-bin LLAMA_CPP/build/bin --clients 1 2 4 8
+    .venv/bin/python benchmarks/serve_load.py --target demo-target --draft demo-draft --clients 1 2 \\
+        --requests 4 --sets builtin   # does it run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _llama_tools import (  # noqa: E402
+    _free_port, check_bin_dir, machine_note, save_report, spec_bench, stop_process,
+)
+from real_model import model_path  # noqa: E402
+
+from specrun.bench.suite import BUILTIN_SUITE, BenchPrompt  # noqa: E402
+
+SPEC_BENCH = Path(__file__).resolve().parents[2] / "shared" / "data" / "spec_bench" / "question.jsonl"
+START_S = 180
+REQUEST_TIMEOUT_S = 600
+
+
+@dataclass
+class Answer:
+    tokens: int
+    latency: float  # seconds from sending to the last byte
+    first_token: float  # seconds from sending to the first text
+
+
+@dataclass
+class Phase:
+    line: str
+    clients: int
+    prompt_set: str
+    seconds: float = 0.0
+    answers: list[Answer] = field(default_factory=list)
+    failures: int = 0
+
+    def summary(self) -> dict:
+        tokens = sum(answer.tokens for answer in self.answers)
+        latencies = sorted(answer.latency for answer in self.answers)
+        firsts = sorted(answer.first_token for answer in self.answers)
+
+        def pct(values, q):
+            return values[min(len(values) - 1, int(q * len(values)))] if values else None
+
+        return {"line": self.line, "clients": self.clients, "set": self.prompt_set, "requests": len(self.answers),
+                "failures": self.failures, "tokens": tokens, "seconds": self.seconds,
+                "tokens_per_s": tokens / self.seconds if self.seconds else None,
+                "latency_p50": pct(latencies, 0.5), "latency_p95": pct(latencies, 0.95),
+                "ttft_p50": pct(firsts, 0.5), "ttft_p95": pct(firsts, 0.95)}
+
+
+@dataclass
+class ServerLine:
+    """A server to start for ``clients``: its command, and the model name requests give."""
+
+    name: str
+    command: object  # (port, clients) -> argv
+    model: str
+
+
+def stream_answer(port: int, model: str, text: str, max_tokens: int) -> Answer:
+    body = {"model": model, "messages": [{"role": "user", "content": text}], "max_tokens": max_tokens,
+            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+    request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})
+    sent = time.perf_counter()
+    first = None
+    tokens = None
+    chunks = 0
+    with urllib.request.urlopen(request, timeout=REQUEST_TIMEOUT_S) as reply:
+        for raw in reply:
+            line = raw.decode("utf-8", "replace").strip()
+            if not line.startswith("data:") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[5:])
+            if event.get("usage"):
+                tokens = event["usage"]["completion_tokens"]
+            for choice in event.get("choices") or ():
+                if (choice.get("delta") or {}).get("content"):
+                    chunks += 1
+                    if first is None:
+                        first = time.perf_counter() - sent
+    latency = time.perf_counter() - sent
+    return Answer(tokens if tokens is not None else chunks, latency, first if first is not None else latency)
+
+
+def run_phase(port: int, line: ServerLine, clients: int, prompts: list[BenchPrompt], prompt_set: str,
+              requests: int, budget_s: float, max_tokens: int) -> Phase:
+    phase = Phase(line.name, clients, prompt_set)
+    lock = threading.Lock()
+    taken = [0]
+    deadline = time.perf_counter() + budget_s
+
+    def client() -> None:
+        while True:
+            with lock:
+                if taken[0] >= requests or time.perf_counter() > deadline:
+                    return
+                prompt = prompts[taken[0] % len(prompts)]
+                taken[0] += 1
+            try:
+                answer = stream_answer(port, line.model, prompt.text, max_tokens)
+            except Exception as exc:  # noqa: BLE001 - counted; the phase goes on
+                print(f"  {line.name}: a request failed: {exc}", file=sys.stderr)
+                with lock:
+                    phase.failures += 1
+                continue
+            with lock:
+                phase.answers.append(answer)
+
+    started = time.perf_counter()
+    threads = [threading.Thread(target=client) for _ in range(clients)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    phase.seconds = time.perf_counter() - started
+    return phase
+
+
+def wait_ready(process: subprocess.Popen, port: int) -> None:
+    deadline = time.monotonic() + START_S
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"the server exited with {process.returncode}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as reply:
+                if reply.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError("the server did not become ready")
+
+
+def with_server(line: ServerLine, clients: int, work):
+    port = _free_port()
+    with tempfile.TemporaryFile("w+", errors="replace") as log:
+        process = subprocess.Popen(line.command(port, clients), stdin=subprocess.DEVNULL, stdout=log,
+                                   stderr=subprocess.STDOUT)
+        try:
+            wait_ready(process, port)
+            return work(port)
+        except RuntimeError:
+            log.seek(0)
+            print(log.read()[-3000:], file=sys.stderr)
+            raise
+        finally:
+            stop_process(process)
+
+
+def lines_for(args, target: Path, draft: Path) -> list[ServerLine]:
+    specrun = [sys.executable, "-m", "specrun", "serve", "--target", str(target), "--draft", str(draft),
+               "--threads", str(args.threads), "--ctx", str(args.ctx), "--max-queue", "256", "--host", "127.0.0.1"]
+    lines = [
+        ServerLine("specrun fifo", lambda port, c: [*specrun, "--port", str(port), "--parallel", "1"], str(target)),
+        ServerLine("specrun", lambda port, c: [*specrun, "--port", str(port), "--parallel", str(c)], str(target)),
+    ]
+    if args.llama_bin is not None:
+        def server(extra):
+            return lambda port, c: [str(args.llama_bin / "llama-server"), "-m", str(target), "-t", str(args.threads),
+                                    "-tb", str(args.threads), "-c", str(args.ctx * c), "-np", str(c),
+                                    "--host", "127.0.0.1", "--port", str(port), "--no-webui", *extra]
+
+        lines += [
+            ServerLine("llama-server", server([]), "model"),
+            ServerLine("llama-server -md", server(["-md", str(draft), "--spec-type", "draft-simple"]), "model"),
+            ServerLine("llama-server ngram-mod", server(["--spec-type", "ngram-mod"]), "model"),
+        ]
+    return [line for line in lines if not args.lines or line.name in args.lines]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--target", default="smollm2-135m-x2")
+    parser.add_argument("--draft", default="smollm2-135m")
+    parser.add_argument("--clients", type=int, nargs="+", default=[1, 2, 4, 8])
+    parser.add_argument("--requests", type=int, default=16, help="requests per phase (at least C)")
+    parser.add_argument("--budget", type=float, default=240.0, help="seconds a phase may take")
+    parser.add_argument("-n", "--max-tokens", type=int, default=128)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--ctx", type=int, default=2048, help="context per slot")
+    parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--sets", nargs="+", default=["builtin", "spec-bench"], choices=["builtin", "spec-bench"])
+    parser.add_argument("--spec-bench", type=Path, default=SPEC_BENCH)
+    parser.add_argument("--llama-bin", type=Path, default=None)
+    parser.add_argument("--lines", nargs="*", default=None, help="only these lines (names as reported)")
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    if args.llama_bin is not None:
+        check_bin_dir(args.llama_bin, ["llama-server"])
+    target, draft = model_path(args.target), model_path(args.draft)
+    sets = {"builtin": list(BUILTIN_SUITE), "spec-bench": spec_bench(args.spec_bench, 2) if "spec-bench" in args.sets
+            else []}
+    lines = lines_for(args, target, draft)
+    print(f"# serve load: {args.target} + {args.draft}, {args.threads} threads, {machine_note()}", file=sys.stderr)
+    phases: list[Phase] = []
+    for clients in args.clients:
+        for round_index in range(args.rounds):
+            shift = round_index % len(lines)
+            for line in lines[shift:] + lines[:shift]:
+                def work(port, line=line, clients=clients):
+                    stream_answer(port, line.model, "Say hello.", 8)  # warm-up: the first pass's set-up
+                    return [run_phase(port, line, clients, sets[name], name, max(args.requests, clients),
+                                      args.budget, args.max_tokens) for name in args.sets]
+
+                for phase in with_server(line, clients, work):
+                    phases.append(phase)
+                    s = phase.summary()
+                    print(f"C={clients} {s['set']:<10} {line.name:<24} {s['tokens_per_s']:7.1f} tok/s  "
+                          f"p50 {s['latency_p50']:.2f}s p95 {s['latency_p95']:.2f}s  "
+                          f"ttft p50 {s['ttft_p50']:.2f}s  ({s['requests']} answers, {s['failures']} failed)",
+                          file=sys.stderr)
+    report = {"target": args.target, "draft": args.draft, "threads": args.threads, "machine": machine_note(),
+              "phases": [phase.summary() for phase in phases]}
+    print_table(report)
+    save_report(report, args.out, "serve-load")
+
+
+def print_table(report: dict) -> None:
+    """Median aggregate tokens/s per line, C and set, with each line's ratio to specrun fifo."""
+    by_key: dict[tuple, list[float]] = {}
+    for phase in report["phases"]:
+        by_key.setdefault((phase["set"], phase["clients"], phase["line"]), []).append(phase["tokens_per_s"] or 0.0)
+    print("| set | C | line | tokens/s | vs specrun fifo |")
+    print("|---|---|---|---|---|")
+    for (prompt_set, clients, line), values in sorted(by_key.items()):
+        value = statistics.median(values)
+        fifo = by_key.get((prompt_set, clients, "specrun fifo"))
+        ratio = f"{value / statistics.median(fifo):.2f}x" if fifo and statistics.median(fifo) else "-"
+        print(f"| {prompt_set} | {clients} | {line} | {value:.1f} | {ratio} |")
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    main()

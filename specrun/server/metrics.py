@@ -1,0 +1,53 @@
+"""/metrics: what the server has done, in Prometheus' text format (version 0.0.4)."""
+
+from __future__ import annotations
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+def _family(lines: list[str], name: str, kind: str, help_text: str, samples) -> None:
+    """One metric family: its HELP and TYPE lines, then ``samples`` as (labels, value)."""
+    lines.append(f"# HELP {name} {help_text}")
+    lines.append(f"# TYPE {name} {kind}")
+    for labels, value in samples:
+        shown = "{" + ",".join(f'{key}="{val}"' for key, val in labels.items()) + "}" if labels else ""
+        lines.append(f"{name}{shown} {float(value):.6g}")
+
+
+def render(worker) -> str:
+    """The worker's counters, its queue and slots, and the batches its slots' passes shared."""
+    metrics = worker.metrics
+    lines: list[str] = []
+    _family(lines, "specrun_requests_total", "counter", "Requests answered, by finish reason (error: failed).",
+            [({"finish_reason": reason}, count) for reason, count in sorted(metrics.requests.items())]
+            or [({"finish_reason": "stop"}, 0)])
+    _family(lines, "specrun_prompt_tokens_total", "counter", "Prompt tokens of the answers.", [({}, metrics.prompt_tokens)])
+    _family(lines, "specrun_generated_tokens_total", "counter", "Tokens generated.", [({}, metrics.new_tokens)])
+    _family(lines, "specrun_verify_passes_total", "counter", "Target verify passes of the answers.",
+            [({}, metrics.steps)])
+    _family(lines, "specrun_drafted_tokens_total", "counter",
+            "Draft tokens verified (over verify passes: the mean draft length chosen).", [({}, metrics.drafted)])
+    _family(lines, "specrun_accepted_tokens_total", "counter", "Draft tokens accepted.", [({}, metrics.accepted)])
+    _family(lines, "specrun_time_to_first_token_seconds", "summary", "From a request queued to its first text.",
+            [])
+    lines.append(f"specrun_time_to_first_token_seconds_sum {metrics.first_token_seconds:.6g}")
+    lines.append(f"specrun_time_to_first_token_seconds_count {metrics.first_tokens}")
+    _family(lines, "specrun_request_seconds", "summary", "From a request queued to its answer's end.", [])
+    lines.append(f"specrun_request_seconds_sum {metrics.answer_seconds:.6g}")
+    lines.append(f"specrun_request_seconds_count {metrics.answers}")
+    _family(lines, "specrun_queued_requests", "gauge", "Requests waiting for a slot.", [({}, worker.jobs.qsize())])
+    _family(lines, "specrun_active_requests", "gauge", "Requests being answered.", [({}, len(worker.active))])
+    _family(lines, "specrun_slots", "gauge", "Requests that may be decoded together (--parallel).",
+            [({}, worker.parallel)])
+    counts = worker.slots.rendezvous.counts if worker.slots is not None else {}
+    models = sorted(counts.items())
+    _family(lines, "specrun_batches_total", "counter", "Passes the slots shared, by model.",
+            [({"model": label}, c.passes) for label, c in models])
+    _family(lines, "specrun_batch_sequences_total", "counter",
+            "Sequences those passes held (over batches: the mean batch occupancy).",
+            [({"model": label}, c.sequences) for label, c in models])
+    _family(lines, "specrun_batch_tokens_total", "counter", "Tokens those passes held.",
+            [({"model": label}, c.tokens) for label, c in models])
+    _family(lines, "specrun_batch_seconds_total", "counter", "Seconds those passes took.",
+            [({"model": label}, c.seconds) for label, c in models])
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,199 @@
+"""`specrun serve --parallel N`: requests decoded together, each in a slot sharing every pass, get
+the answers they get one at a time (greedy, and sampled with a seed at a fixed draft length), and
+a failing or departing request leaves the others' intact."""
+
+from __future__ import annotations
+
+import re
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+from server_harness import DEMO_ARGS, start_server, stop_server
+from test_serve_load import MODEL, answer, messages_for
+
+SLOTS = 4
+
+
+@pytest.fixture(scope="module")
+def parallel_server():
+    server = start_server(*DEMO_ARGS, "--parallel", str(SLOTS))
+    yield server
+    assert stop_server(server) == 0, server.log
+
+
+def test_requests_decoded_together_get_their_one_at_a_time_answers(demo_server, parallel_server):
+    keys = [(client, request) for client in range(2 * SLOTS) for request in range(2)]
+    sequential = {key: answer(demo_server, messages_for(*key), stream=False) for key in keys}
+    before = parallel_server.request("GET", "/health")[1]["served"]
+    with ThreadPoolExecutor(2 * SLOTS) as pool:
+        together = dict(zip(keys, pool.map(lambda key: answer(parallel_server, messages_for(*key),
+                                                              stream=key[1] == 1), keys)))
+    assert together == sequential
+    assert parallel_server.request("GET", "/health")[1]["served"] == before + len(keys)
+    metrics = metric_values(parallel_server)
+    # the passes were shared: more sequences than passes
+    assert metrics['specrun_batch_sequences_total{model="target"}'] > 1.5 * metrics['specrun_batches_total{model="target"}']
+
+
+def test_sampled_answers_decoded_together_follow_the_target_s_distribution(parallel_server):
+    """Three tokens at temperature 1, top-k 2, from eight clients at once on four slots (the draft
+    model's chains verified by rejection sampling beside other slots' passes): the texts' frequencies
+    against the target's exact distribution over its 8 continuations, by chi-square."""
+    from collections import Counter
+
+    from tests.lossless_harness import ALPHA, chi_square_p
+
+    expected = top2_continuations(PROMPT, 3)
+    client = parallel_server.client()
+
+    def sampled(_: int) -> str:
+        return client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3, temperature=1.0,
+                                         extra_body={"top_k": 2}).choices[0].text
+
+    with ThreadPoolExecutor(2 * SLOTS) as pool:
+        counts = Counter(pool.map(sampled, range(SAMPLES)))
+    assert set(counts) <= set(expected), set(counts) - set(expected)
+    assert chi_square_p(counts, expected, SAMPLES) > ALPHA, (counts, expected)
+
+
+PROMPT = "def load(path):\n    with open(path) as"
+SAMPLES = 480
+
+
+def top2_continuations(prompt: str, length: int) -> dict[str, float]:
+    """The demo target's exact distribution over the texts of its next ``length`` tokens sampled at
+    temperature 1 from its two likeliest (the server's top-k 2), as plain decoding computes it."""
+    import numpy as np
+
+    from specrun.backends.llama import LlamaCppBackend
+    from specrun.modelkit.demo import demo_gguf
+
+    target = LlamaCppBackend(demo_gguf("demo-target"), n_ctx=256, n_threads=1, kv_type="f32", flash_attn=False)
+    try:
+        ids = target.tokenize(prompt)
+        texts: dict[str, float] = {}
+
+        def extend(context: list[int], probability: float, depth: int) -> None:
+            if depth == length:
+                text = b"".join(target.token_bytes(t) for t in context[len(ids):]).decode("utf-8", "replace")
+                texts[text] = texts.get(text, 0.0) + probability
+                return
+            target.rewind(0)
+            logits = target.forward(context, [len(context) - 1])[0].astype(np.float64)
+            top = np.argsort(logits)[-2:]
+            assert not set(top.tolist()) & target.vocab.eos_ids, "the prompt's continuations must not end"
+            weights = np.exp(logits[top] - logits[top].max())
+            for token, weight in zip(top, weights / weights.sum()):
+                extend([*context, int(token)], probability * weight, depth + 1)
+
+        extend(ids, 1.0, 0)
+        return texts
+    finally:
+        target.close()
+
+
+def test_a_request_running_into_its_slot_s_context_end_leaves_the_others_intact(parallel_server):
+    """A long prompt (fed in chunks beside the others' steps) whose answer reaches the end of its
+    slot's context ends there, as alone; the answers decoded beside it are their own."""
+    keys = [(client_id, 0) for client_id in range(3)]
+    expected = [answer(parallel_server, messages_for(*key), stream=False) for key in keys]
+
+    def too_long():
+        return parallel_server.post("/v1/completions", {"model": MODEL, "prompt": "word " * 1900, "max_tokens": 2048})
+
+    with ThreadPoolExecutor(4) as pool:
+        failing = pool.submit(too_long)
+        others = list(pool.map(lambda key: answer(parallel_server, messages_for(*key), stream=True), keys))
+        status, body = failing.result()
+    assert others == expected
+    assert status == 200 and body["choices"][0]["finish_reason"] == "length", body
+    assert body["usage"]["prompt_tokens"] + body["usage"]["completion_tokens"] == CONTEXT
+    assert parallel_server.healthy()
+
+
+CONTEXT = 2048  # the demo target's
+
+
+def test_a_client_that_leaves_frees_its_slot_for_the_queue(parallel_server):
+    """Every slot busy with a client that then leaves: the requests queued behind them are served."""
+    import openai
+
+    clients = [openai.OpenAI(base_url=parallel_server.url, api_key="unused", max_retries=0, timeout=60)
+               for _ in range(SLOTS)]
+    streams = [c.chat.completions.create(model=MODEL, messages=messages_for(i, 9), max_tokens=400, stream=True)
+               for i, c in enumerate(clients)]
+    for stream in streams:
+        next(iter(stream))  # each slot has begun
+        stream.close()  # and its client leaves
+    started = time.monotonic()
+    text, reason = answer(parallel_server, messages_for(0, 0), stream=False)
+    assert text and reason in ("stop", "length")
+    assert time.monotonic() - started < 30
+    parallel_server.wait_for_log("the client left")
+
+
+def metric_values(server) -> dict[str, float]:
+    """/metrics as {name{labels}: value}, checked to be Prometheus' text format."""
+    import http.client
+
+    host, port = server.host_port
+    connection = http.client.HTTPConnection(host, port, timeout=30)
+    connection.request("GET", "/metrics")
+    response = connection.getresponse()
+    body = response.read().decode()
+    assert response.status == 200 and response.getheader("Content-Type").startswith("text/plain"), body
+    values = {}
+    for line in body.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        match = re.fullmatch(r'([a-z_]+(?:\{[^}]*\})?) (-?[0-9.e+]+|NaN)', line)
+        assert match, f"not a Prometheus sample line: {line!r}"
+        values[match.group(1)] = float(match.group(2))
+    return values
+
+
+def test_a_full_queue_is_a_429_with_retry_after_and_the_others_are_served():
+    import http.client
+    import json
+
+    server = start_server(*DEMO_ARGS, "--parallel", "2", "--max-queue", "1")
+    try:
+        host, port = server.host_port
+
+        def post(index: int):
+            connection = http.client.HTTPConnection(host, port, timeout=60)
+            body = {"model": MODEL, "prompt": f"Story {index}:", "max_tokens": 300, "temperature": 0}
+            connection.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+            response = connection.getresponse()
+            return response.status, response.getheader("Retry-After"), json.loads(response.read())
+
+        with ThreadPoolExecutor(8) as pool:
+            replies = list(pool.map(post, range(8)))
+        busy = [reply for reply in replies if reply[0] == 429]
+        served = [reply for reply in replies if reply[0] == 200]
+        assert busy and served and len(busy) + len(served) == 8, replies
+        for _, retry_after, body in busy:
+            assert int(retry_after) >= 1
+            assert body["error"]["code"] == "server_busy" and "\n" not in body["error"]["message"]
+        assert all(body["choices"][0]["text"] for _, _, body in served)
+        metrics = metric_values(server)
+        answered = sum(value for name, value in metrics.items()
+                       if name.startswith("specrun_requests_total") and "error" not in name)
+        assert answered == len(served)
+    finally:
+        assert stop_server(server) == 0, server.log
+
+
+@pytest.mark.parametrize(("args", "code", "message"), [
+    (("--parallel", "0"), 2, "--parallel must be between 1 and 64"),
+    (("--parallel", "2", "--method", "lookahead"), 2, "drafts with lookahead"),
+    (("--parallel", "2", "--method", "lookup+medusa"), 2, "drafts with medusa"),
+    (("--parallel", "2", "--branches", "2"), 2, "--branches"),
+    (("--parallel", "2", "--backend", "mlx"), 2, "the mlx backend decodes one request at a time"),
+])
+def test_parallel_options_a_slot_cannot_hold_are_one_line_errors(args, code, message):
+    from tests.hardening.cli_checks import assert_one_line_error, run_specrun
+
+    done = run_specrun("serve", "--port", "0", *args)
+    assert_one_line_error(done.returncode, done.stderr, code, message)
