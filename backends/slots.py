@@ -30,6 +30,7 @@ import numpy as np
 from specrun.backends.base import ArgmaxFromLogits, HiddenSupport, TreeSupport
 
 PREFILL_CHUNK = 256  # prompt tokens per pass while other slots decode
+VERIFIER = "target"  # the label of the model whose passes verify (the others draft for it)
 SLOTS_REASON = "a slot shares each pass with the other slots' sequences"
 
 
@@ -83,7 +84,11 @@ class RendezvousCounts:
 
 
 class Rendezvous:
-    """Where slots' passes meet (module docstring). One per server, shared by every model."""
+    """Where slots' passes meet (module docstring). One per server, shared by every model.
+
+    The batches run on a thread of the rendezvous' own, always the same one: llama.cpp's CPU
+    threads (an OpenMP team) belong to the thread that calls it, and a team per calling slot,
+    each spinning after its pass, left two slots at 0.4x one on a 2-core machine."""
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
@@ -93,6 +98,8 @@ class Rendezvous:
         self._models: dict[int, SlotModel] = {}
         self._labels: dict[int, str] = {}  # id(model) -> what /metrics calls it
         self._local = threading.local()
+        self._runner: threading.Thread | None = None
+        self._closed = False
         self.counts: dict[str, RendezvousCounts] = {}  # by model label
         self.last: dict[int, BatchRecord] = {}  # id(model) -> its last batch
 
@@ -112,30 +119,43 @@ class Rendezvous:
                 return
             self._local.joined = False
             self._joined -= 1
-            self._run_if_all_wait()
+            self._cond.notify_all()
 
     @property
     def joined(self) -> int:
         return self._joined
 
+    def close(self) -> None:
+        """Stop the runner thread (no pass may be waiting)."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        if self._runner is not None:
+            self._runner.join()
+
     # ---- passes --------------------------------------------------------------------
     def submit(self, model: SlotModel, slot_pass: SlotPass, label: str = "") -> np.ndarray:
         """Hand in one pass and wait until it has run; its logits (len(rows), V)."""
         with self._cond:
+            if self._closed:
+                raise RuntimeError("the slots are closed")
             alone = not getattr(self._local, "joined", False)
             if alone:  # a thread outside any generation (a probe, a warm-up) runs at once, counted for the call
                 self._joined += 1
             self._models[id(model)] = model
             self._labels[id(model)] = label or type(model).__name__
             self._waiting.append((model, slot_pass))
+            if self._runner is None:
+                self._runner = threading.Thread(target=self._run, name="specrun-slots", daemon=True)
+                self._runner.start()
+            self._cond.notify_all()
             try:
-                self._run_if_all_wait()
                 while not slot_pass.done:
                     self._cond.wait()
             finally:
                 if alone:
                     self._joined -= 1
-                    self._run_if_all_wait()
+                    self._cond.notify_all()
         if slot_pass.error is not None:
             raise slot_pass.error
         return slot_pass.logits
@@ -147,23 +167,46 @@ class Rendezvous:
             removals[seq] = min(n_keep, removals.get(seq, n_keep))
             self._models[id(model)] = model
 
-    def _run_if_all_wait(self) -> None:
-        """Under the lock: once every joined slot waits, run the waiting passes, model by model."""
-        if not self._waiting or len(self._waiting) < self._joined:
-            return
-        waiting, self._waiting = self._waiting, []
-        by_model: dict[int, list[SlotPass]] = {}
-        for model, slot_pass in waiting:
-            by_model.setdefault(id(model), []).append(slot_pass)
-        for key, passes in by_model.items():
-            model = self._models[key]
-            self._remove_pending(model)
-            self._run_batch(model, passes)
-        self._cond.notify_all()
+    def _run(self) -> None:
+        """The runner: once every joined slot waits, run the waiting passes, model by model (each
+        model's recorded removals first), outside the lock, then wake the slots."""
+        while True:
+            with self._cond:
+                while not self._closed and not (self._waiting and len(self._waiting) >= self._joined):
+                    self._cond.wait()
+                if self._closed:
+                    return
+                waiting = self._take_waiting()
+                by_model: dict[int, list[SlotPass]] = {}
+                for model, slot_pass in waiting:
+                    by_model.setdefault(id(model), []).append(slot_pass)
+                removals = {key: self._removals.pop(key, {}) for key in by_model}
+            try:
+                for key, passes in by_model.items():
+                    model = self._models[key]
+                    for seq, n_keep in removals[key].items():
+                        model.remove(seq, n_keep)
+                    self._run_batch(model, passes)
+            finally:  # whatever happened, no slot waits for good
+                with self._cond:
+                    for _, slot_pass in waiting:
+                        if not slot_pass.done and slot_pass.logits is None and slot_pass.error is None:
+                            slot_pass.error = RuntimeError("the slots' pass did not run")
+                        slot_pass.done = True
+                    self._cond.notify_all()
 
-    def _remove_pending(self, model: SlotModel) -> None:
-        for seq, n_keep in self._removals.pop(id(model), {}).items():
-            model.remove(seq, n_keep)
+    def _take_waiting(self) -> list[tuple[SlotModel, SlotPass]]:
+        """Under the lock: the passes to run now. The target's passes wait while any draft model's
+        are waiting: the slots drafting will hand in their verify passes next, and all of them then
+        share one target batch (slots in step: draft, then verify, as llama-server's are), where a
+        target pass run beside another slot's drafting would leave that slot's for a batch alone."""
+        verifying = [entry for entry in self._waiting if self._labels[id(entry[0])] == VERIFIER]
+        drafting = [entry for entry in self._waiting if self._labels[id(entry[0])] != VERIFIER]
+        if drafting:
+            self._waiting = verifying
+            return drafting
+        self._waiting = []
+        return verifying
 
     def _run_batch(self, model: SlotModel, passes: list[SlotPass]) -> None:
         """One batch of ``model``; where it fails as a whole, each pass alone, so that only the
@@ -189,8 +232,6 @@ class Rendezvous:
         counts.sequences += len(passes)
         counts.tokens += tokens
         counts.seconds += seconds
-        for slot_pass in passes:
-            slot_pass.done = True
 
 
 def _failure() -> BaseException:

@@ -64,6 +64,7 @@ class Phase:
     seconds: float = 0.0
     answers: list[Answer] = field(default_factory=list)
     failures: int = 0
+    server: dict = field(default_factory=dict)  # specrun's /metrics over the phase: why the figure is what it is
 
     def summary(self) -> dict:
         tokens = sum(answer.tokens for answer in self.answers)
@@ -77,7 +78,7 @@ class Phase:
                 "failures": self.failures, "tokens": tokens, "seconds": self.seconds,
                 "tokens_per_s": tokens / self.seconds if self.seconds else None,
                 "latency_p50": pct(latencies, 0.5), "latency_p95": pct(latencies, 0.95),
-                "ttft_p50": pct(firsts, 0.5), "ttft_p95": pct(firsts, 0.95)}
+                "ttft_p50": pct(firsts, 0.5), "ttft_p95": pct(firsts, 0.95), **self.server}
 
 
 @dataclass
@@ -115,6 +116,37 @@ def stream_answer(port: int, model: str, text: str, max_tokens: int) -> Answer:
     return Answer(tokens if tokens is not None else chunks, latency, first if first is not None else latency)
 
 
+def specrun_metrics(port: int) -> dict[str, float]:
+    """specrun's /metrics as {sample: value}; {} from a server without it (llama-server's is off)."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
+            text = reply.read().decode()
+    except OSError:
+        return {}
+    samples = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            samples[name] = float(value)
+    return samples
+
+
+def explained(before: dict[str, float], after: dict[str, float]) -> dict:
+    """Over a phase: verify passes per answer token, the mean draft length chosen and its
+    acceptance, and the target batches' mean occupancy (sequences a pass)."""
+    if not after:
+        return {}
+
+    def delta(name):
+        return after.get(name, 0.0) - before.get(name, 0.0)
+
+    steps, drafted = delta("specrun_verify_passes_total"), delta("specrun_drafted_tokens_total")
+    batches = delta('specrun_batches_total{model="target"}')
+    return {"mean_draft_len": drafted / steps if steps else None,
+            "acceptance": delta("specrun_accepted_tokens_total") / drafted if drafted else None,
+            "batch_occupancy": delta('specrun_batch_sequences_total{model="target"}') / batches if batches else None}
+
+
 def run_phase(port: int, line: ServerLine, clients: int, prompts: list[BenchPrompt], prompt_set: str,
               requests: int, budget_s: float, max_tokens: int) -> Phase:
     phase = Phase(line.name, clients, prompt_set)
@@ -139,6 +171,7 @@ def run_phase(port: int, line: ServerLine, clients: int, prompts: list[BenchProm
             with lock:
                 phase.answers.append(answer)
 
+    before = specrun_metrics(port)
     started = time.perf_counter()
     threads = [threading.Thread(target=client) for _ in range(clients)]
     for thread in threads:
@@ -146,6 +179,7 @@ def run_phase(port: int, line: ServerLine, clients: int, prompts: list[BenchProm
     for thread in threads:
         thread.join()
     phase.seconds = time.perf_counter() - started
+    phase.server = explained(before, specrun_metrics(port))
     return phase
 
 
@@ -240,7 +274,8 @@ def main() -> None:
                     s = phase.summary()
                     print(f"C={clients} {s['set']:<10} {line.name:<24} {s['tokens_per_s']:7.1f} tok/s  "
                           f"p50 {s['latency_p50']:.2f}s p95 {s['latency_p95']:.2f}s  "
-                          f"ttft p50 {s['ttft_p50']:.2f}s  ({s['requests']} answers, {s['failures']} failed)",
+                          f"ttft p50 {s['ttft_p50']:.2f}s  ({s['requests']} answers, {s['failures']} failed)"
+                          + "".join(f"  {key} {value:.2f}" for key, value in phase.server.items() if value is not None),
                           file=sys.stderr)
     report = {"target": args.target, "draft": args.draft, "threads": args.threads, "machine": machine_note(),
               "phases": [phase.summary() for phase in phases]}

@@ -51,6 +51,7 @@ class SlotSessions:
             if session.engine.drafter is not None:
                 session.engine.drafter.close()
         self.sessions = []
+        self.rendezvous.close()
         for model in self.models:
             model.close()
         self.models = []
