@@ -3,6 +3,8 @@
 # built from source with llama.cpp's RPC backend (--rpc), and llama.cpp's own RPC server program
 # (ggml-rpc-server, built from the same source against that library; the tests start it).
 # A CMAKE_ARGS of the user's (e.g. -DGGML_CUDA=on) is kept. Nothing is rebuilt that is already right.
+# llama-cpp-python's multimodal library (mtmd, for its llava chat handlers) is not built: specrun
+# never loads it, and it is a tenth of the build's minutes on CI's 2 cores.
 # On x86-64 the build leaves out llama.cpp's AMX kernels: they crash on the first quantized matrix
 # product on some Sapphire Rapids machines (llama.cpp issue 20824; backends/llama.py built_with_amx).
 # Usage: tools/install_llama_cpp.sh VENV JOBS
@@ -33,7 +35,7 @@ if ! "$py" -c "import llama_cpp, sys; sys.exit(llama_cpp.__version__ != '$versio
     fetch_sdist
     # never a cached wheel: one built without RPC (or for another device) would be reused
     CFLAGS="${CFLAGS:-} $no_amx" CXXFLAGS="${CXXFLAGS:-} $no_amx" \
-    CMAKE_ARGS="${CMAKE_ARGS:-} -DGGML_RPC=ON" CMAKE_BUILD_PARALLEL_LEVEL="$jobs" \
+    CMAKE_ARGS="${CMAKE_ARGS:-} -DGGML_RPC=ON -DLLAVA_BUILD=OFF" CMAKE_BUILD_PARALLEL_LEVEL="$jobs" \
         "$py" -m pip install --quiet --no-cache-dir --force-reinstall --no-deps "$sdist"
     rm -f "$server"  # linked against the library just replaced
 fi

@@ -240,13 +240,13 @@ def plain_argmax_gaps(target, prompt_ids: list[int], output: list[int]) -> list[
     return divergences
 
 
-def test_default_settings_diverge_only_at_near_ties_over_2000_tokens(real_pair):
-    """The fast defaults (flash attention, F16 cache): every token auto emits over 2000
+def test_default_settings_diverge_only_at_near_ties_over_1000_tokens(real_pair):
+    """The fast defaults (flash attention, F16 cache): every token auto emits over 1000
     is plain decoding's argmax, or the runner-up at a top-2 gap below NEAR_TIE, and such
-    flips are rare."""
+    flips are rare. (2100 tokens took 3.5 of CI's 30 minutes: each is also fed alone, 39 ms.)"""
     target, draft = real_pair
     engine = SpeculativeEngine(target, build_drafter("auto", draft), "auto")
-    params = GenerationParams(700, 16, adaptive=True, stop_at_eos=False)  # prompt + 700 fit n_ctx 1024
+    params = GenerationParams(350, 16, adaptive=True, stop_at_eos=False)
     checked, flips = 0, []
     for prompt in ("Write a long story about a lighthouse keeper and a storm.",
                    "Explain in detail how a bicycle works, part by part.",
@@ -257,7 +257,7 @@ def test_default_settings_diverge_only_at_near_ties_over_2000_tokens(real_pair):
         assert all(gap < NEAR_TIE for _, gap in divergences), divergences
         flips += divergences
         checked += len(output)
-    assert checked >= 2000
+    assert checked >= 1000
     # How many near ties flip depends on the CPU's kernels (2 of 2100 here, 5 on CI's machine,
     # all at gaps below 0.006), so "rare" is a rate: at most 1 token in 200.
     assert len(flips) <= checked // 200, f"{len(flips)} near-tie flips in {checked} tokens: {flips}"

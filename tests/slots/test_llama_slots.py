@@ -51,7 +51,7 @@ def test_greedy_answers_decoded_together_are_the_ones_decoded_alone(smollm2, exa
     texts = ["The history of the Roman empire", "def fibonacci(n):", "Colours of the rainbow: red, orange,",
              "Once upon a time in a small village"]
     prompts = [target.tokenize(text) for text in texts]
-    params = GenerationParams(48, draft_len=4, stop_at_eos=False)
+    params = GenerationParams(24, draft_len=4, stop_at_eos=False)
 
     def drafter(index, draft_backend):
         return PromptLookupDrafter() if index % 2 else DraftModelDrafter(draft_backend)
