@@ -197,3 +197,47 @@ def test_parallel_options_a_slot_cannot_hold_are_one_line_errors(args, code, mes
 
     done = run_specrun("serve", "--port", "0", *args)
     assert_one_line_error(done.returncode, done.stderr, code, message)
+
+
+def test_a_double_ctrl_c_ends_every_slot_s_stream_with_a_final_event():
+    """Two slots streaming long answers and one request queued: a double Ctrl-C gives the queued a
+    JSON 503, each stream a final event and [DONE], and the server exits 0 with no traceback."""
+    import http.client
+    import json
+    import signal
+    import threading
+
+    server = start_server(*DEMO_ARGS, "--parallel", "2", "--method", "none")
+    host, port = server.host_port
+    streams: list[list[str]] = [[], []]
+    begun = [threading.Event(), threading.Event()]
+    queued = []
+
+    def stream(index: int) -> None:
+        connection = http.client.HTTPConnection(host, port, timeout=60)
+        body = {"model": MODEL, "prompt": f"Chapter {index}.", "max_tokens": 2000, "stream": True}
+        connection.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+        for line in connection.getresponse():
+            if line.strip():
+                streams[index].append(line.decode().strip())
+                begun[index].set()
+        begun[index].set()
+
+    threads = [threading.Thread(target=stream, args=(index,)) for index in range(2)]
+    for thread in threads:
+        thread.start()
+    assert all(event.wait(60) for event in begun)
+    waiting = threading.Thread(target=lambda: queued.append(server.post("/v1/completions", {
+        "model": MODEL, "prompt": "Hi", "max_tokens": 8})))
+    waiting.start()
+    time.sleep(0.5)
+    for _ in range(2):
+        server.process.send_signal(signal.SIGINT)
+        time.sleep(0.2)
+    for thread in [*threads, waiting]:
+        thread.join(60)
+    assert server.process.wait(timeout=30) == 0, server.log[-10:]
+    assert [status for status, _ in queued] == [503]
+    for lines in streams:
+        assert lines[-1] == "data: [DONE]" and "server_shutting_down" in lines[-2], lines[-3:]
+    assert not any("Traceback" in line or "CancelledError" in line for line in server.log), server.log[-10:]
