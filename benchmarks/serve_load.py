@@ -131,9 +131,10 @@ def specrun_metrics(port: int) -> dict[str, float]:
     return samples
 
 
-def explained(before: dict[str, float], after: dict[str, float]) -> dict:
-    """Over a phase: verify passes per answer token, the mean draft length chosen and its
-    acceptance, and the target batches' mean occupancy (sequences a pass)."""
+def explained(before: dict[str, float], after: dict[str, float], seconds: float) -> dict:
+    """Over a phase: the mean draft length chosen and its acceptance, the target batches' mean
+    occupancy (sequences a pass), and the share of the phase's time the models' batches ran
+    (target, draft): the rest is Python between passes, waiting, HTTP."""
     if not after:
         return {}
 
@@ -144,7 +145,9 @@ def explained(before: dict[str, float], after: dict[str, float]) -> dict:
     batches = delta('specrun_batches_total{model="target"}')
     return {"mean_draft_len": drafted / steps if steps else None,
             "acceptance": delta("specrun_accepted_tokens_total") / drafted if drafted else None,
-            "batch_occupancy": delta('specrun_batch_sequences_total{model="target"}') / batches if batches else None}
+            "batch_occupancy": delta('specrun_batch_sequences_total{model="target"}') / batches if batches else None,
+            "target_busy": delta('specrun_batch_seconds_total{model="target"}') / seconds if batches else None,
+            "draft_busy": delta('specrun_batch_seconds_total{model="draft"}') / seconds if batches else None}
 
 
 def run_phase(port: int, line: ServerLine, clients: int, prompts: list[BenchPrompt], prompt_set: str,
@@ -179,7 +182,7 @@ def run_phase(port: int, line: ServerLine, clients: int, prompts: list[BenchProm
     for thread in threads:
         thread.join()
     phase.seconds = time.perf_counter() - started
-    phase.server = explained(before, specrun_metrics(port))
+    phase.server = explained(before, specrun_metrics(port), phase.seconds)
     return phase
 
 
