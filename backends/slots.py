@@ -28,6 +28,7 @@ from typing import Protocol
 import numpy as np
 
 from specrun.backends.base import ArgmaxFromLogits, HiddenSupport, TreeSupport
+from specrun.errors import ContextFullError
 
 PREFILL_CHUNK = 256  # prompt tokens per pass while other slots decode
 VERIFIER = "target"  # the label of the model whose passes verify (the others draft for it)
@@ -46,15 +47,6 @@ class SlotPass:
     logits: np.ndarray | None = None  # (len(rows), V), once run
     error: BaseException | None = None
     done: bool = False
-
-
-@dataclass
-class BatchRecord:
-    """What the model's last batched pass held: its sequences and tokens, and its seconds."""
-
-    sequences: int = 0
-    tokens: int = 0
-    seconds: float = 0.0
 
 
 class SlotModel(Protocol):
@@ -101,7 +93,7 @@ class Rendezvous:
         self._runner: threading.Thread | None = None
         self._closed = False
         self.counts: dict[str, RendezvousCounts] = {}  # by model label
-        self.last: dict[int, BatchRecord] = {}  # id(model) -> its last batch
+        self.last_sequences: dict[int, int] = {}  # id(model) -> sequences its last batch held
 
     # ---- slots come and go ----------------------------------------------------------
     def join(self) -> None:
@@ -226,7 +218,7 @@ class Rendezvous:
                         slot_pass.error = _failure()
         seconds = perf_counter() - started
         tokens = sum(len(slot_pass.tokens) for slot_pass in passes)
-        self.last[id(model)] = BatchRecord(len(passes), tokens, seconds)
+        self.last_sequences[id(model)] = len(passes)
         counts = self.counts.setdefault(self._labels[id(model)], RendezvousCounts())
         counts.passes += 1
         counts.sequences += len(passes)
@@ -272,8 +264,7 @@ class Slot(ArgmaxFromLogits):
     @property
     def others_in_pass(self) -> int:
         """The other sequences the last batch of this model held (0 alone)."""
-        record = self.rendezvous.last.get(id(self.model))
-        return max(record.sequences - 1, 0) if record is not None else 0
+        return max(self.rendezvous.last_sequences.get(id(self.model), 1) - 1, 0)
 
     # ---- the model: the parent's ------------------------------------------------------
     def tokenize(self, text: str, add_bos: bool = True, special: bool = False) -> list[int]:
@@ -310,8 +301,6 @@ class Slot(ArgmaxFromLogits):
     def forward(self, tokens: Sequence[int], logit_rows: Sequence[int]) -> np.ndarray:
         rows = list(logit_rows)
         if self._n_past + len(tokens) > self.n_ctx:
-            from specrun.errors import ContextFullError
-
             raise ContextFullError(f"the context of {self.n_ctx} tokens is full", "shorten the prompt or raise --ctx")
         if not tokens:
             return np.zeros((0, self.vocab.size), np.float32)
