@@ -167,6 +167,44 @@ class ArgmaxFromLogits:
         return near_tie_rows(self._last_logits[list(indices)], margin)
 
 
+class ParentsModel:
+    """What a backend over another's model (a slot, a windowed cache) answers from ``parent``, the
+    model opened as a single sequence: vocabulary, template, tokenizing. No native loop or MTP."""
+
+    parent: object
+
+    def tokenize(self, text: str, add_bos: bool = True, special: bool = False) -> list[int]:
+        return self.parent.tokenize(text, add_bos, special)
+
+    def token_bytes(self, token: int) -> bytes:
+        return self.parent.token_bytes(token)
+
+    def token_text(self, token: int) -> str:
+        return self.parent.token_text(token)
+
+    def control_texts(self) -> frozenset[str]:
+        return self.parent.control_texts()
+
+    def chat_template(self) -> str | None:
+        return self.parent.chat_template()
+
+    def metadata(self, key: str) -> str | None:
+        return self.parent.metadata(key) if hasattr(self.parent, "metadata") else None
+
+    def native_loop(self):
+        return None
+
+    def native_mtp(self):
+        return None
+
+    def mtp_layer(self, heads):
+        return None
+
+    @property
+    def runs_on_cpu(self) -> bool:
+        return getattr(self.parent, "runs_on_cpu", True)
+
+
 @runtime_checkable
 class Backend(Protocol):
     """One loaded model with a KV cache holding ``n_past`` tokens.

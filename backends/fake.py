@@ -143,6 +143,12 @@ class FakeBackend(ArgmaxFromLogits, HiddenTracking):
         size = self.hidden_support.size
         return np.array([np.random.default_rng(1000 + int(token)).normal(0, 1, size) for token in ids], np.float32)
 
+    def open_window(self, sinks: int, window: int, owns: bool = False):
+        """This fake drafting from a FakeWindowCache of its first tokens and a recent window."""
+        from specrun.backends.window import WindowedBackend
+
+        return WindowedBackend(self, lambda cells: FakeWindowCache(self, cells), sinks, window, owns=owns)
+
     def close(self) -> None:
         self.cache.clear()
 
@@ -181,3 +187,38 @@ class FakeSlots:
 
     def close(self) -> None:
         self.caches = [[] for _ in range(self.n_slots)]
+
+
+class FakeWindowCache:
+    """A fake model's second cache of ``cells`` positions (backends/window.WindowCache): each row's
+    logits read ``table`` over the tokens held at or before its position, so a windowed draft sees
+    only its sinks and recent run. Refuses what llama.cpp refuses: a gap before a feed, overflow."""
+
+    def __init__(self, parent: FakeBackend, cells: int) -> None:
+        self.parent = parent
+        self.cells = cells
+        self.held: list[tuple[int, int]] = []  # (position, token), positions 0, 1, ... in order
+        self.decodes = 0
+        self.decoded_tokens = 0
+
+    def decode(self, tokens: Sequence[int], start: int, rows: Sequence[int]) -> np.ndarray:
+        if start != len(self.held) or any(position != i for i, (position, _) in enumerate(self.held)):
+            raise ValueError(f"positions must continue at {len(self.held)}, got {start}")
+        if start + len(tokens) > self.cells:
+            raise ValueError("fake window cache overflow")
+        self.held.extend((start + i, int(token)) for i, token in enumerate(tokens))
+        self.decodes += 1
+        self.decoded_tokens += len(tokens)
+        context = tuple(token for _, token in self.held)
+        out = [np.asarray(self.parent.table(context[: start + row + 1]), np.float32) for row in rows]
+        return np.stack(out) if out else np.zeros((0, self.parent.vocab.size), np.float32)
+
+    def remove(self, start: int, stop: int) -> None:
+        stop = len(self.held) if stop < 0 else stop
+        self.held = [(p, t) for p, t in self.held if not start <= p < stop]
+
+    def shift(self, start: int, stop: int, delta: int) -> None:
+        self.held = sorted((p + delta if start <= p < stop else p, t) for p, t in self.held)
+
+    def close(self) -> None:
+        self.held = []

@@ -681,6 +681,18 @@ class LlamaCppBackend(HiddenTracking):
 
         return LlamaSlots(self, n_slots, self.n_ctx, exact=exact)
 
+    # ---- a windowed cache --------------------------------------------------------------
+    def open_window(self, sinks: int, window: int, owns: bool = False):
+        """This model drafting from a second, small cache of the context's first ``sinks`` tokens
+        and its last ``window`` (backends/window.py); ``owns``: closing it closes this backend."""
+        from specrun.backends.llama_window import LlamaWindowCache
+        from specrun.backends.window import WindowedBackend
+
+        if self.recurrent:
+            raise ModelFileError(f"{self.path.name} keeps a recurrent state, from which a window cannot drop tokens",
+                                 "drop --window")
+        return WindowedBackend(self, lambda cells: LlamaWindowCache(self, cells), sinks, window, owns=owns)
+
     # ---- token trees -----------------------------------------------------------------
     def _open_context(self, tree_paths: int) -> None:
         """Create this backend's context, empty, for chains (0) or trees of ``tree_paths`` paths;

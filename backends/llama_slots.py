@@ -104,7 +104,12 @@ class LlamaSlots:
     def close(self) -> None:
         ctx, batch = self._ctx, self._batch
         self._ctx = self._batch = None
-        if batch is not None:
-            self._lib.llama_batch_free(batch)
-        if ctx:
-            self._lib.llama_free(ctx)
+        free_context(self._lib, ctx, batch)
+
+
+def free_context(lib, ctx, batch) -> None:
+    """Free a second context and its batch (the handles already cleared by the caller)."""
+    if batch is not None:
+        lib.llama_batch_free(batch)
+    if ctx:
+        lib.llama_free(ctx)

@@ -27,7 +27,7 @@ from typing import Protocol
 
 import numpy as np
 
-from specrun.backends.base import ArgmaxFromLogits, HiddenSupport, TreeSupport
+from specrun.backends.base import ArgmaxFromLogits, HiddenSupport, ParentsModel, TreeSupport
 from specrun.errors import ContextFullError
 
 PREFILL_CHUNK = 256  # prompt tokens per pass while other slots decode
@@ -231,7 +231,7 @@ def _failure() -> BaseException:
     return sys.exc_info()[1]
 
 
-class Slot(ArgmaxFromLogits):
+class Slot(ParentsModel, ArgmaxFromLogits):
     """One slot of a SlotModel as a Backend: its sequence, fed through the rendezvous.
 
     ``parent``: the model opened as a single sequence, which answers everything about the model
@@ -265,37 +265,6 @@ class Slot(ArgmaxFromLogits):
     def others_in_pass(self) -> int:
         """The other sequences the last batch of this model held (0 alone)."""
         return max(self.rendezvous.last_sequences.get(id(self.model), 1) - 1, 0)
-
-    # ---- the model: the parent's ------------------------------------------------------
-    def tokenize(self, text: str, add_bos: bool = True, special: bool = False) -> list[int]:
-        return self.parent.tokenize(text, add_bos, special)
-
-    def token_bytes(self, token: int) -> bytes:
-        return self.parent.token_bytes(token)
-
-    def token_text(self, token: int) -> str:
-        return self.parent.token_text(token)
-
-    def control_texts(self) -> frozenset[str]:
-        return self.parent.control_texts()
-
-    def chat_template(self) -> str | None:
-        return self.parent.chat_template()
-
-    def metadata(self, key: str) -> str | None:
-        return self.parent.metadata(key) if hasattr(self.parent, "metadata") else None
-
-    def native_loop(self):
-        return None
-
-    def native_mtp(self):
-        return None
-
-    def mtp_layer(self, heads):
-        return None
-
-    def runs_on_cpu(self) -> bool:
-        return self.parent.runs_on_cpu() if hasattr(self.parent, "runs_on_cpu") else True
 
     # ---- the sequence ------------------------------------------------------------------
     def forward(self, tokens: Sequence[int], logit_rows: Sequence[int]) -> np.ndarray:

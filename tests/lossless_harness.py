@@ -437,6 +437,8 @@ class Scenario:
     # how sampled chains are verified (engine.passes.CHAIN_RULES): the engine's default, or
     # "token", where the mutants of verify_sampled are installed
     chain_rule: str = DEFAULT_CHAIN_RULE
+    # the draft model reads a windowed cache (backends/window.py): (sinks, window, block); () its full cache
+    draft_window: tuple[int, int, int] = ()
 
     @property
     def draft_len(self) -> int:
@@ -515,6 +517,11 @@ SCENARIOS = {
     # draft model above merges too where it passes a cheap proposal over (auto: half its passes).
     # Its chains are verified token by token: under block verification the policy's acceptance
     # estimates rise and it merges in a fourteenth as many passes, too few to test merging.
+    # A draft model reading only its first token and its last three or four (MagicDec's sparse
+    # cache): over the prompt and the output its window moves on a dozen times
+    "draft window": Scenario("draft", draft_window=(1, 3, 1)),
+    "draft window top-p": Scenario("draft", "top-p", draft_window=(1, 3, 1)),
+    "auto window": Scenario("auto", adaptive=True, draft_window=(1, 3, 1)),
     "merged chain": Scenario("lookup+ngram+draft", "top-k", adaptive=True, chain_rule="token"),
     **{chain: Scenario(chain) for chain in CHAINS},
 }
@@ -539,6 +546,8 @@ def fake_engine(scenario: Scenario) -> SpeculativeEngine:
                   n_layers=FAKE_LAYERS) if heads else {}
     target = CostedFake(table, clock, 1.0, 0.02, vocab_size=vocab, **hidden)
     draft = CostedFake(draft_table, clock, 0.02, 0.0, vocab_size=vocab)
+    if scenario.draft_window:
+        draft = windowed_fake(draft, *scenario.draft_window)
     uses_draft = needs_draft_model(scenario.method) or scenario.method == "auto"
     options = DrafterOptions(draft_min_prob=scenario.draft_min_prob, branches=scenario.branches, heads=heads,
                              auto_lookahead=scenario.auto_lookahead, auto_heads=scenario.auto_heads)
@@ -546,6 +555,14 @@ def fake_engine(scenario: Scenario) -> SpeculativeEngine:
     engine = SpeculativeEngine(target, drafter, method=scenario.method, clock=clock)
     engine.passes.chain_rule = scenario.chain_rule
     return engine
+
+
+def windowed_fake(draft, sinks: int, window: int, block: int):
+    """``draft`` reading only its first ``sinks`` tokens and a run of ``window`` to ``window + block``."""
+    from specrun.backends.fake import FakeWindowCache
+    from specrun.backends.window import WindowedBackend
+
+    return WindowedBackend(draft, lambda cells: FakeWindowCache(draft, cells), sinks, window, block=block)
 
 
 def _draft_table(vocab: int = VOCAB):
@@ -638,7 +655,8 @@ def selected_row_problems() -> list[str]:
 GREEDY_NEW = 150
 
 
-def greedy_scenario(method: str, adaptive: bool = False, branches: int = 0) -> tuple[list[str], int, int]:
+def greedy_scenario(method: str, adaptive: bool = False, branches: int = 0,
+                    draft_window: tuple[int, int, int] = ()) -> tuple[list[str], int, int]:
     """``method`` greedy on a fake target that mostly repeats itself (so lookup and the n-gram
     pool draft) with a noisy copy as draft model, against plain decoding: the outputs that differ
     (a fake backend has no near-ties to excuse), and the drafts made and accepted. The engine is
@@ -649,6 +667,8 @@ def greedy_scenario(method: str, adaptive: bool = False, branches: int = 0) -> t
 
     table = copying_logits(salt=4)
     draft = FakeBackend(noisy_copy(4), COPYING_VOCAB) if needs_draft_model(method) or method == "auto" else None
+    if draft is not None and draft_window:
+        draft = windowed_fake(draft, *draft_window)
     heads = oracle_heads_for(method, COPYING_VOCAB) if needs_heads(method) else None
     hidden = {}
     if heads is not None:

@@ -89,15 +89,31 @@ class LayerDraft:
         return kept
 
 
-def parse_self_draft(spec: str) -> SelfKind | LayerDraft:
-    """The kind ``spec`` names (``self:q4``, ``self:layers=8``), or a UsageError naming the accepted kinds."""
+WINDOW = "window"
+
+
+@dataclass(frozen=True)
+class WindowDraft:
+    """``self:window``: the loaded target drafting for itself from a second, small cache of the
+    context's first tokens and a recent window (MagicDec; backends/window.py), sized by --window
+    and --sinks. Nothing is written and no weights are loaded twice."""
+
+    spec: str
+
+
+def parse_self_draft(spec: str) -> SelfKind | LayerDraft | WindowDraft:
+    """The kind ``spec`` names (``self:q4``, ``self:layers=8``, ``self:window``), or a UsageError
+    naming the accepted kinds."""
     name = spec.removeprefix(SELF_PREFIX)
+    if name == WINDOW:
+        return WindowDraft(spec)
     if name == TUNED_LAYERS:
         return LayerDraft(spec)
     if name.startswith(LAYERS):
         return _parse_layers(spec, name.removeprefix(LAYERS))
     if name not in SELF_KINDS:
-        raise UsageError(f"unknown self draft {spec!r}", f"use one of: {ACCEPTED}, self:layers=N, self:layers")
+        raise UsageError(f"unknown self draft {spec!r}",
+                         f"use one of: {ACCEPTED}, self:layers=N, self:layers, self:{WINDOW}")
     return SELF_KINDS[name]
 
 
@@ -127,6 +143,10 @@ def _parse_layers(spec: str, text: str) -> LayerDraft:
 def is_layer_draft(spec: str | None) -> bool:
     name = spec.removeprefix(SELF_PREFIX) if is_self_draft(spec) else ""
     return name == TUNED_LAYERS or name.startswith(LAYERS)
+
+
+def is_window_draft(spec: str | None) -> bool:
+    return is_self_draft(spec) and spec.removeprefix(SELF_PREFIX) == WINDOW
 
 
 def is_tuned_layer_draft(spec: str | None) -> bool:

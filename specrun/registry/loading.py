@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,6 +21,8 @@ DEFAULT_DRAFT = "demo-draft"
 
 
 MAX_GPU_LAYERS = 100_000
+MAX_WINDOW = 1 << 20
+MAX_SINKS = 1024
 
 
 @dataclass(frozen=True)
@@ -36,6 +40,10 @@ class LoadOptions:
     tree_paths: int = 0  # llama.cpp: root-to-leaf paths a tree pass may hold (0: chains only); the target's
     # llama.cpp RPC servers (HOST:PORT) the target's layers run on; drafts stay on this machine
     rpc: tuple[str, ...] = ()
+    # the draft reads a windowed cache (backends/window.py): this many recent tokens (None: its full
+    # cache, or DEFAULT_WINDOW for --draft self:window) and ``sinks`` first ones (None: SINKS)
+    window: int | None = None
+    sinks: int | None = None
 
     def __post_init__(self) -> None:
         if self.gpu_layers is not None and not -1 <= self.gpu_layers <= MAX_GPU_LAYERS:
@@ -43,6 +51,15 @@ class LoadOptions:
                 f"--gpu-layers must be between -1 (all) and {MAX_GPU_LAYERS}, got {self.gpu_layers}",
                 "pass a layer count, -1 for all, or leave it out (all)",
             )
+        if self.window is not None and not 1 <= self.window <= MAX_WINDOW:
+            raise UsageError(f"--window must be between 1 and {MAX_WINDOW} tokens, got {self.window}",
+                             "pass the recent tokens the draft's cache keeps (512, say), or leave --window out")
+        if self.sinks is not None and not 0 <= self.sinks <= MAX_SINKS:
+            raise UsageError(f"--sinks must be between 0 and {MAX_SINKS}, got {self.sinks}",
+                             "pass the first tokens a windowed cache keeps (4, StreamingLLM's), or leave it out")
+        if self.sinks is not None and self.window is None:
+            raise UsageError("--sinks sizes a windowed draft cache, and there is none",
+                             "pass --window N (or --draft self:window), or drop --sinks")
         if self.rpc and self.gpu_layers == 0:
             raise UsageError("--gpu-layers 0 keeps every layer on this machine, so --rpc would send none",
                              "leave --gpu-layers out (all layers go to the servers) or pass a layer count")
@@ -122,10 +139,12 @@ def prompts_as_chat(spec: str, registry: Path | None, target: Backend, chat: boo
 
 def resolve_self_draft(spec: str, entries: dict[str, ModelEntry], target_spec: str | None, backend: str) -> Path:
     """The quantized copy of the target that ``spec`` (``self:q4``) names, derived on first use."""
-    from specrun.modelkit.selfdraft import LayerDraft, parse_self_draft, self_draft_gguf, self_draft_mlx_dir
+    from specrun.modelkit.selfdraft import (
+        LayerDraft, WindowDraft, parse_self_draft, self_draft_gguf, self_draft_mlx_dir
+    )
 
     kind = parse_self_draft(spec)
-    if isinstance(kind, LayerDraft):  # no file: the loaded target's own layers (open_draft)
+    if isinstance(kind, (LayerDraft, WindowDraft)):  # no file: the loaded target itself (open_draft)
         raise UsageError(f"--draft {spec} is part of the loaded target, not a model of its own",
                          "pass it as the draft of a target (--target MODEL --draft ...)")
     if target_spec is None:
@@ -351,10 +370,11 @@ def choose_pair(target: str | None, draft: str | None, registry: Path | None = N
 
 
 def open_pair(
-    target_spec: str, draft_spec: str | None, options: LoadOptions
+    target_spec: str, draft_spec: str | None, options: LoadOptions, on_note: Callable[[str], None] | None = None
 ) -> tuple[Backend, Backend | None]:
     """Load the target and (if given) the draft, refusing a draft with another vocabulary.
-    A ``self:`` draft is a quantized copy of the target (modelkit/selfdraft.py)."""
+    A ``self:`` draft is a quantized copy of the target (modelkit/selfdraft.py), or the target
+    itself. ``on_note``: open_draft's."""
     check_draft_spec(draft_spec)
     entries = load_registry(options.registry)
     check_layer_backend(target_spec, draft_spec, options, entries)
@@ -362,7 +382,7 @@ def open_pair(
     if draft_spec is None:
         return target, None
     try:
-        return target, open_draft(target, target_spec, draft_spec, options, entries)
+        return target, open_draft(target, target_spec, draft_spec, options, entries, on_note)
     except BaseException:
         target.close()
         raise
@@ -370,14 +390,18 @@ def open_pair(
 
 def open_draft(
     target: Backend, target_spec: str, draft_spec: str, options: LoadOptions,
-    entries: dict[str, ModelEntry] | None = None,
+    entries: dict[str, ModelEntry] | None = None, on_note: Callable[[str], None] | None = None,
 ) -> Backend:
-    """The draft for the loaded ``target``: some of its own layers (``self:layers=``), or a
-    model on the target's backend, refused when its vocabulary is another."""
-    from specrun.modelkit.selfdraft import is_layer_draft
+    """The draft for the loaded ``target``: some of its own layers (``self:layers=``), itself with
+    a windowed cache (``self:window``), or a model on the target's backend, refused when its
+    vocabulary is another, with a windowed cache where --window asks for one. ``on_note`` hears why
+    a window asked for was not made (the draft then reads its full cache); None: stderr."""
+    from specrun.modelkit.selfdraft import is_layer_draft, is_window_draft
 
     if is_layer_draft(draft_spec):
         return open_layer_draft(target, draft_spec, target_spec)
+    if is_window_draft(draft_spec):
+        return open_window_draft(target, options, owns=False, on_note=on_note)
     # One context size for both (a draft capped smaller would overflow in long chats),
     # and the target's backend, so that auto cannot split a pair across two runtimes.
     backend = options.backend if options.backend != "auto" else target.name
@@ -386,7 +410,46 @@ def open_draft(
     draft = open_backend(draft_spec, draft_options, entries, target_spec=target_spec)
     try:
         check_compatible(target, draft, target_spec, draft_spec)
+        if options.window is not None:
+            return open_window_draft(draft, options, owns=True, on_note=on_note)
     except BaseException:
         draft.close()
         raise
     return draft
+
+
+def open_window_draft(model: Backend, options: LoadOptions, owns: bool,
+                      on_note: Callable[[str], None] | None = None) -> Backend:
+    """``model`` drafting from a cache of its first ``options.sinks`` tokens and its last
+    ``options.window`` (backends/window.py). Where that cannot be (a window no smaller than the
+    context, no sinks, a cache that cannot drop tokens, a backend without window caches) one line
+    says why and the draft reads its full cache: ``model`` itself when it is a draft model
+    (``owns``), else the target with a second cache of the whole context."""
+    from specrun.backends.window import DEFAULT_WINDOW, SINKS, block_for
+
+    window = options.window or DEFAULT_WINDOW
+    sinks = SINKS if options.sinks is None else options.sinks
+    if not owns and (not hasattr(model, "open_window") or getattr(model, "recurrent", False)):
+        cannot = "a backend without windowed caches" if not hasattr(model, "open_window") else "a recurrent state"
+        raise UsageError(f"--draft self:window drafts from a windowed cache, and {model.name} keeps {cannot}",
+                         "pass --backend llama with a GGUF target, or use --draft self:q4 or a draft model")
+    if not hasattr(model, "open_window"):
+        reason = f"the {model.name} backend keeps no windowed cache yet"
+    elif sinks == 0:
+        reason = ("--sinks 0 drops the context's first tokens, which attention leans on (StreamingLLM's "
+                  "attention sinks): pass --sinks 4")
+    elif sinks + window + block_for(window) >= model.n_ctx:
+        reason = (f"a window of {window} tokens and {sinks} sinks is no smaller than the context of "
+                  f"{model.n_ctx}: pass a smaller --window")
+    else:
+        try:
+            return model.open_window(sinks, window, owns=owns)
+        except ModelFileError as exc:
+            reason = exc.problem
+    (on_note or _note_to_stderr)(f"{reason}; the draft reads its full cache")
+    # a draft model as it is; the target, with a second cache of the whole context (it never moves on)
+    return model if owns else model.open_window(SINKS, model.n_ctx, owns=False)
+
+
+def _note_to_stderr(text: str) -> None:
+    print(f"note: {text}", file=sys.stderr)

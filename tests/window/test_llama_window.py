@@ -1,0 +1,109 @@
+"""A windowed draft cache on llama.cpp (backends/llama_window.py): SmolLM2 drafting for itself
+(MagicDec's set-up) and its Q4_1 file drafting with a window, across contexts several windows
+long. The target verifies with its full cache, so greedy output is plain decoding's."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+pytest.importorskip("llama_cpp", reason="the llama backend is not installed")
+
+from specrun.backends.kv import sequence_for  # noqa: E402
+from specrun.backends.llama import LlamaCppBackend  # noqa: E402
+from specrun.drafters.draft_model import DraftModelDrafter  # noqa: E402
+from specrun.engine.loop import GenerationParams, SpeculativeEngine  # noqa: E402
+
+EXACT = dict(kv_type="f32", flash_attn=False)  # greedy speculation bit-identical to plain decoding
+SINKS, WINDOW = 4, 32
+TEXT = ("The Roman Empire was the post-Republican state of ancient Rome. It is generally understood to mean "
+        "the period and territory ruled by the Romans following Octavian's assumption of sole rule under the "
+        "Principate in 27 BC. It included territories in Europe, North Africa, and Western Asia, and was ruled "
+        "by emperors. The fall of the Western Roman Empire in AD 476 conventionally marks the end of classical "
+        "antiquity and the beginning of the Middle Ages. Summarise the text above in three sentences:")
+
+
+def cache_positions(windowed) -> tuple[int, int]:
+    lib, memory = windowed.cache._lib, windowed.cache._memory
+    return lib.llama_memory_seq_pos_min(memory, 0), lib.llama_memory_seq_pos_max(memory, 0)
+
+
+@pytest.fixture(scope="module")
+def pair(smollm2):
+    target = LlamaCppBackend(smollm2["smollm2-135m-f16"], n_ctx=1024, n_threads=1, **EXACT)
+    draft = LlamaCppBackend(smollm2["smollm2-135m"], n_ctx=1024, n_threads=1, **EXACT)
+    yield target, draft
+    draft.close()
+    target.close()
+
+
+@pytest.mark.parametrize("who", ["self", "draft model"])
+def test_greedy_output_with_a_windowed_draft_equals_plain_decoding(pair, who):
+    """Windows of 32: the window moves on six times, and the answer (which copies the prompt's
+    first sentences, beyond the window) is plain decoding's; the draft is right less often."""
+    target, draft_model = pair
+    model = target if who == "self" else draft_model
+    windowed = model.open_window(SINKS, WINDOW)
+    prompt = target.tokenize(TEXT)
+    assert len(prompt) > 3 * WINDOW  # the window moves on over the prompt and again over the answer
+    params = GenerationParams(96, draft_len=4, stop_at_eos=False)
+    plain = SpeculativeEngine(target).run(prompt, GenerationParams(96, draft_len=0, stop_at_eos=False))
+    try:
+        result = SpeculativeEngine(target, DraftModelDrafter(windowed), method="draft").run(prompt, params)
+        assert result.token_ids == plain.token_ids
+        assert result.stats.accepted > 0
+        assert windowed.moves >= 3 and windowed.shifts >= 3
+    finally:
+        windowed.close()
+        sequence_for(target).reset()
+
+
+def test_moved_keys_draft_as_well_as_unmoved_ones(pair):
+    """The target drafting for itself through a window of 128 that moves on three times (keys
+    re-rotated each time) is right about as often as through one that never moves: llama.cpp's
+    context shift keeps what the moved keys mean. (A window of 32 is right 22% of the time here,
+    without sinks 9%: the answer copies text the window no longer holds.)"""
+    target, _ = pair
+    prompt = target.tokenize(TEXT)
+    params = GenerationParams(96, draft_len=4, stop_at_eos=False)
+    rates = {}
+    for window in (128, 512):
+        windowed = target.open_window(SINKS, window)
+        try:
+            stats = SpeculativeEngine(target, DraftModelDrafter(windowed), method="draft").run(prompt, params).stats
+            rates[window] = stats.accepted / stats.drafted
+            assert (windowed.shifts >= 3) == (window == 128)
+        finally:
+            windowed.close()
+            sequence_for(target).reset()
+    assert rates[512] > 0.95 and rates[128] > 0.9
+
+
+def test_the_cache_holds_sinks_and_run_at_consecutive_positions_through_rewinds(pair):
+    target, _ = pair
+    windowed = target.open_window(SINKS, WINDOW)
+    try:
+        tokens = target.tokenize(TEXT)
+        windowed.forward(tokens[:10], [])
+        for token in tokens[10:]:
+            windowed.forward([token], [0])
+            assert cache_positions(windowed) == (0, len(windowed.held()) - 1)
+        windowed.rewind(len(tokens) - 3)  # a rejected draft: within the run
+        assert cache_positions(windowed) == (0, len(windowed.held()) - 1)
+        assert windowed.held_tokens() == [*tokens[:SINKS], *tokens[windowed.run_start : len(tokens) - 3]]
+        assert windowed.run_start > 45
+        windowed.rewind(45)  # into what was dropped: rebuilt from the kept tokens
+        assert windowed.rebuilds == 1
+        assert cache_positions(windowed) == (0, len(windowed.held()) - 1)
+        rebuilt = windowed.forward(tokens[45:47], [1])[0]
+        fresh = target.open_window(SINKS, WINDOW)
+        try:
+            afresh = fresh.forward(tokens[:47], [46])[0]
+            assert fresh.held() == windowed.held() and fresh.held_tokens() == windowed.held_tokens()
+        finally:
+            fresh.close()
+        # what a cache built afresh from the kept tokens gives, up to how batched passes round
+        assert int(rebuilt.argmax()) == int(afresh.argmax())
+        np.testing.assert_allclose(rebuilt, afresh, atol=0.05)
+    finally:
+        windowed.close()
