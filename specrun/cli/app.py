@@ -21,6 +21,7 @@ from specrun.cli.common import (
     check_generation_options,
     checked_flash_attn,
     check_kv_type,
+    check_window_use,
     check_range,
     checked_grammar,
     checked_tools,
@@ -57,6 +58,8 @@ from specrun.cli.options import (
     DraftMinProbOpt,
     DraftOpt,
     ExactOpt,
+    SinksOpt,
+    WindowOpt,
     FlashAttnOpt,
     GpuLayersOpt,
     HeadsOpt,
@@ -123,6 +126,8 @@ def generate(
     kv_type: KvTypeOpt = None,
     flash_attn: FlashAttnOpt = None,
     exact: ExactOpt = False,
+    window: WindowOpt = None,
+    sinks: SinksOpt = None,
     registry: RegistryOpt = None,
     ngram_cache: NgramCacheOpt = None,
     chat: ChatOpt = None,
@@ -151,6 +156,7 @@ def generate(
         check_method(method)
         check_generation_options(max_tokens, draft_len, draft_min_prob, ctx, threads)
         check_kv_type(kv_type, exact)
+        check_window_use(window, (method,), draft)
         flash_attn = checked_flash_attn(flash_attn, exact)
         rpc_servers = checked_rpc(rpc)
         lookahead_sizes = checked_lookahead(lookahead, (method,))
@@ -179,7 +185,7 @@ def generate(
             sampling=sampling,
             load=LoadOptions(backend=backend, n_ctx=ctx, threads=threads, gpu_layers=gpu_layers,
                              rpc=rpc_servers, registry=registry, kv_type=kv_type,
-                             flash_attn=flash_attn, exact=exact,
+                             flash_attn=flash_attn, exact=exact, window=window, sinks=sinks,
                              tree_paths=trees.paths),
             drafter_options=DrafterOptions(ngram_cache=ngram_cache, branches=trees.branches, lookahead=lookahead_sizes),
             chat=chat,

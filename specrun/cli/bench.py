@@ -13,6 +13,7 @@ from specrun.cli.common import (
     PipeConsole,
     checked_flash_attn,
     check_kv_type,
+    check_window_use,
     check_range,
     checked_lookahead,
     check_heads_used,
@@ -39,6 +40,8 @@ from specrun.cli.options import (
     DraftOpt,
     EpsilonOpt,
     ExactOpt,
+    SinksOpt,
+    WindowOpt,
     FlashAttnOpt,
     GpuLayersOpt,
     HeadsOpt,
@@ -109,6 +112,8 @@ def bench(
     kv_type: KvTypeOpt = None,
     flash_attn: FlashAttnOpt = None,
     exact: ExactOpt = False,
+    window: WindowOpt = None,
+    sinks: SinksOpt = None,
     registry: RegistryOpt = None,
     heads: HeadsOpt = None,
     branches: BranchesOpt = None,
@@ -150,9 +155,13 @@ def bench(
         verification = checked_verification("bench", verify, accept, epsilon, delta, margin, exact)
         target = target or DEFAULT_TARGET
         draft = draft or suggested_draft(target, registry)
+        from specrun.registry.loading import check_draft_spec
+
+        check_draft_spec(draft)  # a malformed self: draft, before the run says what it will run
         method_list = parse_methods(methods, has_draft=draft is not None,
                                     head_kinds=head_kinds_available(target, heads, registry))
         lookahead_sizes = checked_lookahead(lookahead, method_list)
+        check_window_use(window, method_list, draft, "--methods")
         check_heads_used(heads, method_list)
         trees = checked_trees(chain_only, tree_nodes, branches, lookahead_sizes, window=uses_window(method_list))
         draft_lens = parse_draft_lens(draft_len, sweep_draft_len)
@@ -183,7 +192,7 @@ def bench(
             verification=verification,
             load=LoadOptions(backend=backend, n_ctx=ctx, threads=threads, gpu_layers=gpu_layers,
                              rpc=rpc_servers, registry=registry, kv_type=kv_type,
-                             flash_attn=flash_attn, exact=exact, tree_paths=trees.paths),
+                             flash_attn=flash_attn, exact=exact, window=window, sinks=sinks, tree_paths=trees.paths),
         )
         run_and_show(config, bench_prompts, json_out, report_out)
 

@@ -26,6 +26,7 @@ from specrun.cli.common import (
     check_generation_options,
     checked_flash_attn,
     check_kv_type,
+    check_window_use,
     checked_sampling,
     checked_verification,
     checked_rpc,
@@ -50,6 +51,8 @@ from specrun.cli.options import (
     DraftOpt,
     EpsilonOpt,
     ExactOpt,
+    SinksOpt,
+    WindowOpt,
     FlashAttnOpt,
     GpuLayersOpt,
     HeadsOpt,
@@ -133,6 +136,8 @@ def chat_command(
     kv_type: KvTypeOpt = None,
     flash_attn: FlashAttnOpt = None,
     exact: ExactOpt = False,
+    window: WindowOpt = None,
+    sinks: SinksOpt = None,
     registry: RegistryOpt = None,
     ngram_cache: NgramCacheOpt = None,
     branches: BranchesOpt = None,
@@ -158,6 +163,7 @@ def chat_command(
         check_method(method)
         check_generation_options(max_tokens, draft_len, draft_min_prob, ctx, threads)
         check_kv_type(kv_type, exact)
+        check_window_use(window, (method,), draft)
         flash_attn = checked_flash_attn(flash_attn, exact)
         rpc_servers = checked_rpc(rpc)
         # The session fills in the draft length: the user's, else the longest an adaptive run may choose.
@@ -175,7 +181,7 @@ def chat_command(
         view = AnswerView(show_accept, json_output)
         options = LoadOptions(backend=backend, n_ctx=ctx, threads=threads, gpu_layers=gpu_layers,
                               rpc=rpc_servers, registry=registry, kv_type=kv_type,
-                              flash_attn=flash_attn, exact=exact, tree_paths=trees.paths)
+                              flash_attn=flash_attn, exact=exact, window=window, sinks=sinks, tree_paths=trees.paths)
         tool_list, choice = checked_tools(tools, tool_choice)
         target, draft = choose_pair(target, draft, registry)
         with open_chat(target, draft, method, options,

@@ -314,6 +314,20 @@ def checked_rpc(rpc: str | None) -> tuple[str, ...]:
     return parse_endpoints(rpc)
 
 
+def check_window_use(window: int | None, methods: Sequence[str], draft: str | None, flag: str = "--method") -> None:
+    """--window sizes a draft model's cache (or the target's own with --draft self:window): refused
+    where no method named drafts with a draft model. Its range is LoadOptions'."""
+    from specrun.drafters.methods import is_adaptive, needs_draft_model
+    from specrun.modelkit.selfdraft import is_window_draft
+
+    if window is None and not is_window_draft(draft):
+        return
+    if not any(needs_draft_model(method) or is_adaptive(method) for method in methods):
+        given = "--window" if window is not None else f"--draft {draft}"
+        raise UsageError(f"{given} sets up a draft model's cache, and {flag} {','.join(methods)} drafts without one",
+                         f"drop {given}, or pass --method draft (or auto)")
+
+
 def check_kv_type(kv_type: str | None, exact: bool = False) -> None:
     if kv_type is not None and kv_type not in ("f16", "f32"):
         raise UsageError(f"unknown KV cache type {kv_type!r}", "use --kv-type f16 or --kv-type f32")

@@ -22,7 +22,8 @@ DraftOpt = Annotated[
     Optional[str],
     typer.Option("--draft", "-d", help="Draft model: alias, .gguf path or MLX folder; self:q4 / self:q8 (a "
                  "quantized copy of the target, made once into specrun's cache); or on MLX self:layers=N (the "
-                 "target's first N layers) or self:layers=0-5,9 (those layers), sharing its weights."),
+                 "target's first N layers) or self:layers=0-5,9 (those layers), sharing its weights; self:window: the "
+                 "target itself, reading a windowed cache (--window)."),
 ]
 BackendOpt = Annotated[str, typer.Option("--backend", help="auto, llama or mlx.")]
 MethodOpt = Annotated[
@@ -139,6 +140,20 @@ FlashAttnOpt = Annotated[
         "on the CPU (docs/perf.md 3(d): off 1.6-2.6x faster a pass at 1,800 tokens on an Intel Xeon, on faster "
         "on an AMD EPYC). --exact turns it off.",
     ),
+]
+WindowOpt = Annotated[
+    Optional[int],
+    typer.Option(
+        "--window",
+        help="The draft reads a windowed KV cache: its first --sinks tokens and the last N (MagicDec, StreamingLLM), "
+        "so drafting costs no more at 8k tokens of context than at 1k; the target still verifies with its full "
+        "cache, so the output does not change. With --draft self:window the target drafts for itself that way "
+        "(default 512). llama.cpp only.",
+    ),
+]
+SinksOpt = Annotated[
+    Optional[int],
+    typer.Option("--sinks", help="With --window: the context's first tokens the windowed cache always keeps (default 4)."),
 ]
 ExactOpt = Annotated[
     bool,

@@ -11,6 +11,7 @@ from specrun.cli.common import (
     check_generation_options,
     checked_flash_attn,
     check_kv_type,
+    check_window_use,
     check_range,
     checked_sampling,
     checked_verification,
@@ -33,6 +34,8 @@ from specrun.cli.options import (
     DraftOpt,
     EpsilonOpt,
     ExactOpt,
+    SinksOpt,
+    WindowOpt,
     FlashAttnOpt,
     GpuLayersOpt,
     HeadsOpt,
@@ -92,6 +95,8 @@ def serve_command(
     kv_type: KvTypeOpt = None,
     flash_attn: FlashAttnOpt = None,
     exact: ExactOpt = False,
+    window: WindowOpt = None,
+    sinks: SinksOpt = None,
     registry: RegistryOpt = None,
     ngram_cache: NgramCacheOpt = None,
     heads: HeadsOpt = None,
@@ -117,10 +122,12 @@ def serve_command(
         from specrun.server.app import HttpOptions, serve
         from specrun.server.requests import ServeDefaults
         from specrun.server.worker import PairOptions
+        from specrun.modelkit.selfdraft import is_window_draft
 
         check_method(method)
         check_generation_options(max_tokens, draft_len, draft_min_prob, ctx, threads)
         check_kv_type(kv_type, exact)
+        check_window_use(window, (method,), draft)
         flash_attn = checked_flash_attn(flash_attn, exact)
         rpc_servers = checked_rpc(rpc)
         check_range("--port", port, 0, 65535)
@@ -134,11 +141,13 @@ def serve_command(
 
                 raise one_at_a_time("mlx")
             given = next((name for name, value in (("--heads", heads), ("--branches", branches),
-                                                   ("--tree-nodes", tree_nodes), ("--lookahead", lookahead))
-                          if value is not None), None)
+                                                   ("--tree-nodes", tree_nodes), ("--lookahead", lookahead),
+                                                   ("--window", window)) if value is not None), None)
+            if given is None and is_window_draft(draft):
+                given = f"--draft {draft}"
             if given is not None:
-                raise UsageError(f"{given} drafts trees or with heads, which a pass shared by --parallel slots "
-                                 "cannot hold", f"leave {given} out, or serve with --parallel 1")
+                raise UsageError(f"{given} drafts trees, with heads or from a windowed cache, which a pass shared "
+                                 "by --parallel slots cannot hold", f"leave {given} out, or serve with --parallel 1")
         sampling = checked_sampling("serve", temp, top_k, top_p, min_p, None)
         verification = checked_verification("serve", verify, accept, epsilon, delta, margin, exact)
         lookahead_sizes = checked_lookahead(lookahead, (method,))
@@ -158,7 +167,7 @@ def serve_command(
             method=method,
             load=LoadOptions(backend=backend, n_ctx=ctx, threads=threads, gpu_layers=gpu_layers,
                              rpc=rpc_servers, registry=registry, kv_type=kv_type,
-                             flash_attn=flash_attn, exact=exact, tree_paths=trees.paths),
+                             flash_attn=flash_attn, exact=exact, window=window, sinks=sinks, tree_paths=trees.paths),
             draft_len=draft_len,
             draft_min_prob=draft_min_prob,
             ngram_cache=ngram_cache,

@@ -530,7 +530,7 @@ def open_chat(
     --accept (exact by default).
     """
     check_method(method)
-    target, draft = open_pair(target_spec, draft_spec if needs_draft_model(method) else None, options)
+    target, draft = open_pair(target_spec, draft_spec if needs_draft_model(method) else None, options, on_note)
     load_draft = None
     if draft is None and draft_spec is not None:
         load_draft = functools.partial(open_settled_draft, target, target_spec, draft_spec, options, on_note)

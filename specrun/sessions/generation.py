@@ -80,7 +80,7 @@ def tool_prompt(target, request: GenerateRequest) -> tuple[list[int], GrammarSpe
 def generate_text(request: GenerateRequest, on_text: Callable[[str], None] | None = None) -> GenerationResult:
     """Load the pair, generate, and return the result; ``on_text`` receives text as it streams."""
     draft_spec = request.draft if needs_draft_model(request.method) else None
-    target, draft = open_pair(request.target, draft_spec, request.load)
+    target, draft = open_pair(request.target, draft_spec, request.load, request.on_note)
     drafter = None
     try:
         options = request.drafter_options

@@ -162,7 +162,7 @@ def settle_flash_attn(backend, options: LoadOptions) -> str | None:
 
 def open_settled_pair(target_spec: str, draft_spec: str | None, options: LoadOptions, on_note=None):
     """``open_pair``, then flash attention settled for each model (``settle_pair``)."""
-    target, draft = open_pair(target_spec, draft_spec, options)
+    target, draft = open_pair(target_spec, draft_spec, options, on_note)
     try:
         settle_pair(target, draft, options, on_note)
     except BaseException:
@@ -179,17 +179,27 @@ def settle_pair(target, draft, options: LoadOptions, on_note=None) -> None:
     for backend in (target, draft):
         if backend is None:
             continue
-        note = settle_flash_attn(backend, options)
+        note = _settle(backend, options)
         if note is not None and on_note is not None:
             on_note(note)
+
+
+def _settle(backend, options: LoadOptions) -> str | None:
+    """``settle_flash_attn``; a windowed draft's model is settled, then its window cache made
+    again with the model's settings (backends/window.py)."""
+    if hasattr(backend, "reopen"):
+        note = settle_flash_attn(backend.parent, options)
+        backend.reopen()
+        return note
+    return settle_flash_attn(backend, options)
 
 
 def open_settled_draft(target, target_spec: str, draft_spec: str, options: LoadOptions, on_note=None):
     """``open_draft`` (a draft model loaded later, on chat's first /method that needs one), its
     flash attention settled as ``open_settled_pair`` settles a draft's."""
-    draft = open_draft(target, target_spec, draft_spec, options)
+    draft = open_draft(target, target_spec, draft_spec, options, on_note=on_note)
     try:
-        note = settle_flash_attn(draft, options)
+        note = _settle(draft, options)
     except BaseException:
         draft.close()
         raise

@@ -1,0 +1,78 @@
+"""``--window``, ``--sinks`` and ``--draft self:window`` on the commands: bad input is one line,
+and a window that cannot be kept is one note, then the draft reads its full cache."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from specrun.cli.app import app
+
+runner = CliRunner()
+COMMANDS = ("generate", "chat", "bench", "serve")
+
+
+def invoke(*args: str, input: str | None = None):
+    return runner.invoke(app, list(args), input=input)
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+@pytest.mark.parametrize(("options", "message"), [
+    (("--window", "0"), "--window must be between 1 and"),
+    (("--window", "64", "--sinks", "-1"), "--sinks must be between 0 and 1024, got -1"),
+    (("--sinks", "4"), "--sinks sizes a windowed draft cache, and there is none"),
+    (("--window", "64", "--method", "lookup"), "--window sets up a draft model's cache, and --method lookup drafts "
+                                               "without one"),
+    (("--draft", "self:window", "--method", "ngram"), "--draft self:window sets up a draft model's cache"),
+    (("--draft", "self:windows",), "unknown self draft 'self:windows'"),
+])
+def test_bad_window_settings_are_one_line_usage_errors(command, options, message):
+    if command == "bench" and "--method" in options:
+        options = tuple("--methods" if option == "--method" else option for option in options)
+        message = message.replace("--method lookup", "--methods none,lookup")
+    args = [command, *options] + (["hello"] if command == "generate" else [])
+    result = invoke(*args, input="hi\n")
+    assert result.exit_code == 2, result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: {message}"), result.stderr
+
+
+@pytest.mark.parametrize("given", [("--window", "64"), ("--draft", "self:window")])
+def test_serve_refuses_a_window_beside_parallel_slots(given):
+    result = invoke("serve", "--parallel", "2", *given)
+    assert result.exit_code == 2, result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "from a windowed cache, which a pass shared by --parallel slots cannot hold" in lines[0]
+
+
+def generate_json(*args: str):
+    result = invoke("generate", *args, "-n", "12", "--json", "--threads", "1", "def fib(n):")
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout), result.stderr.strip().splitlines()
+
+
+@pytest.mark.parametrize(("options", "note"), [
+    (("--window", "100000"), "a window of 100000 tokens and 4 sinks is no smaller than the context of 256"),
+    (("--window", "64", "--sinks", "0"), "--sinks 0 drops the context's first tokens, which attention leans on"),
+])
+@pytest.mark.parametrize("draft", ["perturbed", "self:window"])
+def test_a_window_that_cannot_be_kept_is_one_note_then_the_full_cache(tiny_llama, perturbed, options, note, draft):
+    draft_spec = str(perturbed["llama"]) if draft == "perturbed" else draft
+    plain, _ = generate_json("-t", str(tiny_llama.gguf_path), "--method", "none", "--ctx", "256")
+    answer, lines = generate_json("-t", str(tiny_llama.gguf_path), "-d", draft_spec, "--method", "draft",
+                                  "--ctx", "256", "-k", "3", *options)
+    notes = [line for line in lines if "the draft reads its full cache" in line]
+    assert len(notes) == 1 and note in notes[0], lines
+    assert answer["text"] == plain["text"]
+    assert answer["stats"]["drafted"] > 0
+
+
+def test_a_windowed_draft_answers_as_plain_decoding(tiny_llama, perturbed):
+    plain, _ = generate_json("-t", str(tiny_llama.gguf_path), "--method", "none", "--exact")
+    for draft in (str(perturbed["llama"]), "self:window"):
+        answer, lines = generate_json("-t", str(tiny_llama.gguf_path), "-d", draft, "--method", "draft", "-k", "3",
+                                      "--window", "16", "--sinks", "2", "--exact")
+        assert answer["text"] == plain["text"]
+        assert not any("full cache" in line for line in lines)
