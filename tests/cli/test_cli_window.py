@@ -6,16 +6,8 @@ from __future__ import annotations
 import json
 
 import pytest
-from typer.testing import CliRunner
 
-from specrun.cli.app import app
-
-runner = CliRunner()
-COMMANDS = ("generate", "chat", "bench", "serve")
-
-
-def invoke(*args: str, input: str | None = None):
-    return runner.invoke(app, list(args), input=input)
+from tests.cli.test_cli_accept import COMMANDS, invoke
 
 
 @pytest.mark.parametrize("command", COMMANDS)
