@@ -913,6 +913,14 @@ class MlxBackend(HiddenTracking):
     def n_layers(self) -> int:
         return len(self.model.layers)
 
+    def open_window(self, sinks: int, window: int, owns: bool = False):
+        """This model drafting from a second, small cache of the context's first ``sinks`` tokens
+        and its last ``window`` (backends/window.py, backends/mlx_window.py)."""
+        from specrun.backends.mlx_window import MlxWindowCache
+        from specrun.backends.window import WindowedBackend
+
+        return WindowedBackend(self, lambda cells: MlxWindowCache(self, cells), sinks, window, owns=owns)
+
     def layer_draft(self, kept: Sequence[int]) -> MlxBackend:
         """A backend running only layers ``kept`` of this model, then its final norm and output
         head, on a cache of its own: the layers are this model's objects (weights shared, not

@@ -314,10 +314,12 @@ def lookahead_line(bin_dir: Path, model: Path, n: int, threads: int, n_ctx: int)
 
 def speculative_line(bin_dir: Path, model: Path, draft: Path, n: int, threads: int, n_ctx: int, draft_max: int,
                      sampling: Sampling = GREEDY, label: str = "") -> Line:
-    """``llama-speculative-simple`` with a draft model (up to ``draft_max`` tokens a step)."""
+    """``llama-speculative-simple`` with a draft model (up to ``draft_max`` tokens a step). It
+    reads the prompt as one batch: its logical batch is the whole context (``-b``), or a prompt
+    longer than llama.cpp's default 2048 fails."""
     command = [str(bin_dir / "llama-speculative-simple"), "-m", str(model), "-md", str(draft),
                "--spec-type", "draft-simple", "--spec-draft-n-max", str(draft_max), "--spec-draft-n-min", "0",
-               "-n", str(n), "-t", str(threads), "-c", str(n_ctx), *sampling.tool_args()]
+               "-n", str(n), "-t", str(threads), "-c", str(n_ctx), "-b", str(n_ctx), *sampling.tool_args()]
     return _decoding_tool_line(f"llama-speculative-simple k={draft_max}{label}", command, first_token_timed=True)
 
 

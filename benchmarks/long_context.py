@@ -120,6 +120,8 @@ def build_lines(args, target: Path, draft: Path, env: dict) -> list[Line]:
     if args.llama_bin is not None:
         lines.append(completion_line(args.llama_bin, target, args.n, args.threads, args.ctx))
         lines.append(speculative_line(args.llama_bin, target, draft, args.n, args.threads, args.ctx, 4))
+    if args.lines:  # some of them (the baseline always)
+        lines = [lines[0]] + [line for line in lines[1:] if line.name in args.lines]
     return lines
 
 
@@ -200,6 +202,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--ctx", type=int, default=8192)
     parser.add_argument("--llama-bin", type=Path, default=None)
+    parser.add_argument("--lines", nargs="+", default=None,
+                        help="run only these lines besides plain decoding (as the table names them)")
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--svg", type=Path, default=None)
     args = parser.parse_args(argv)

@@ -20,6 +20,7 @@ from specrun.cli.common import (
     PipeConsole,
     check_generation_options,
     checked_flash_attn,
+    PrefillBar,
     check_kv_type,
     check_window_use,
     check_range,
@@ -174,6 +175,7 @@ def generate(
                              "give one of them")
         text = read_prompt(prompt)
         target, draft = choose_pair(target, draft, registry)
+        bar = None if json_output else PrefillBar()  # a long prompt's reading, on a terminal
         request = GenerateRequest(
             prompt=text,
             target=target,
@@ -196,6 +198,7 @@ def generate(
             tool_choice=choice,
             verification=verification,
             on_note=lambda note: typer.echo(f"note: {note}", err=True),
+            on_prefill=bar,
         )
         kept = None  # the answer is printed even when the n-gram cache could not be saved after it
         if json_output:
@@ -212,6 +215,8 @@ def generate(
                 result = generate_text(request, on_text=_write_stdout)
             except AnswerKeptError as exc:
                 result, kept = exc.result, exc
+            finally:
+                bar.close()  # an error or Ctrl-C while the prompt was read: the bar goes before the message
             sys.stdout.write("\n" if result.text and not result.text.endswith("\n") else "")
             sys.stdout.flush()
             typer.echo(result.stats.summary(), err=True)

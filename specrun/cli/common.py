@@ -314,6 +314,39 @@ def checked_rpc(rpc: str | None) -> tuple[str, ...]:
     return parse_endpoints(rpc)
 
 
+# A prompt this long (tokens still to read) gets a progress bar on a terminal: a few seconds' reading
+PREFILL_BAR_MIN = 2048
+
+
+class PrefillBar:
+    """A progress bar on stderr while a long prompt is read (SpeculativeEngine.on_prefill), on a
+    terminal only; gone once the prompt is read, so the answer follows where it began."""
+
+    def __init__(self, console: Console | None = None) -> None:
+        self.console = console or Console(stderr=True)
+        self._progress = None
+        self._task = None
+
+    def __call__(self, fed: int, total: int) -> None:
+        if self._progress is None:
+            if not self.console.is_terminal or total - fed < PREFILL_BAR_MIN:
+                return
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+            self._progress = Progress(TextColumn("reading the prompt"), BarColumn(), MofNCompleteColumn(),
+                                      TimeRemainingColumn(), console=self.console, transient=True)
+            self._progress.start()
+            self._task = self._progress.add_task("prompt", total=total, completed=fed)
+        self._progress.update(self._task, completed=fed)
+        if fed >= total:
+            self.close()
+
+    def close(self) -> None:
+        progress, self._progress = self._progress, None
+        if progress is not None:
+            progress.stop()
+
+
 def check_window_use(window: int | None, methods: Sequence[str], draft: str | None, flag: str = "--method") -> None:
     """--window sizes a draft model's cache (or the target's own with --draft self:window): refused
     where no method named drafts with a draft model. Its range is LoadOptions'."""

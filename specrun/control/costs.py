@@ -4,6 +4,12 @@ T_draft(k), seconds a drafter takes to propose k tokens (docs/design.md, the cos
 Both are decayed means by length, smoothed towards a line through the lengths timed and kept
 non-decreasing in length. They belong to the machine, not the text: a policy keeps them across
 texts (control/memory.py) and `specrun tune` or an earlier run's learned.json preloads them.
+
+Both also grow with the context a pass reads: its KV cache costs as much to read as the weights
+at a few thousand tokens. Each mean keeps the mean context it was timed at, and a slope fitted
+across the contexts timed (ContextSlope, seconds per token of context) carries it to the
+context of the pass to come (``at_context``): costs measured on a 1k prompt price an 8k one, and
+a draft whose cost does not grow (a windowed cache, prompt lookup) fits no slope.
 """
 
 from __future__ import annotations
@@ -70,6 +76,12 @@ class TargetCosts:
         # each yields a token a pass, and a longer pass delays theirs too, so the tokens a draft
         # brings are weighed against the whole batch's (DraftLengthController._compute_rates).
         self.sharing = 0
+        # The context the next pass reads (at_context), the mean context each mean was timed at,
+        # and what a token of context adds to a pass (the module docstring).
+        self.context = 0
+        self.contexts: dict[int, float] = {}
+        self.slope = ContextSlope()
+        self._table_context = 0  # the context the table was built for
 
     @property
     def switch_charge(self) -> float:
@@ -117,8 +129,12 @@ class TargetCosts:
             self._check_preload(n_tokens, seconds)
         old = self.seconds.get(n_tokens)
         if old is not None and self.counts.get(n_tokens, 0.0) >= 2.0:
-            seconds = min(seconds, old * self.SPIKE_CAP)
+            # a spike against the mean carried to this context (a longer context is no spike)
+            seconds = min(seconds, self._carried(n_tokens) * self.SPIKE_CAP)
         mean = self.seconds[n_tokens] = blend(old, seconds, 0.3)
+        self.contexts[n_tokens] = blend(self.contexts.get(n_tokens), float(self.context), 0.3)
+        # the slope moved: every mean carries to the context now otherwise, so the table is redone
+        slope_moved = self.slope.observe(n_tokens, self.context, seconds)
         counts = self.counts
         unaged = 1 if self.SEPARATE_PLAIN else None
         for n in counts:
@@ -129,6 +145,7 @@ class TargetCosts:
         self._passes_since_build += 1
         if (
             built is not None
+            and not slope_moved
             and abs(mean - built) <= self.STALE_TOLERANCE * built
             and self._passes_since_build < self.REBUILD_EVERY
         ):
@@ -142,20 +159,31 @@ class TargetCosts:
         self.seconds.update(seconds)
         for n in seconds:
             self.counts[n] = max(self.counts.get(n, 0.0), 1.0)
+            self.contexts[n] = float(self.context)
         self._preloaded |= set(seconds)
+        self.version += 1
+        self._table = None
+
+    def timed_at(self, context: float, per_token: float) -> None:
+        """The preloaded costs were timed at ``context`` tokens, where a token of context added
+        ``per_token`` seconds (0: not measured), which stands until a slope is fitted here."""
+        for n in self._preloaded:
+            self.contexts[n] = float(context)
+        self.slope.prior = max(per_token, 0.0)
         self.version += 1
         self._table = None
 
     def _check_preload(self, n_tokens: int, seconds: float) -> None:
         """The first pass timed at a preloaded length: keep the preload where it agrees, else drop
         every preloaded cost still untimed, this one included."""
-        preloaded = self.seconds[n_tokens]
+        preloaded = self._carried(n_tokens)  # at the context timed now
         self._preloaded.discard(n_tokens)
         if preloaded / self.PRELOAD_DISTRUST <= seconds <= preloaded * self.PRELOAD_DISTRUST:
             return
         for n in (n_tokens, *self._preloaded):
             self.seconds.pop(n, None)
             self.counts.pop(n, None)
+            self.contexts.pop(n, None)
         self._preloaded.clear()
         self.version += 1
         self._table = None
@@ -163,12 +191,54 @@ class TargetCosts:
     def known(self, n_tokens: int) -> bool:
         return n_tokens in self.seconds
 
+    def at_context(self, length: int) -> None:
+        """The passes to come read ``length`` tokens of context: the table follows once the slope
+        has carried it further than the means' own noise (STALE_TOLERANCE of a pass)."""
+        self.context = length
+        per_token = self.slope.per_token
+        if not per_token or self._table is None:
+            return
+        reference = next((value for value in self._table[1:] if value), None)
+        if reference is not None and per_token * abs(length - self._table_context) > self.STALE_TOLERANCE * reference:
+            self.version += 1
+            self._table = None
+
+    # Without a slope, a plain pass timed this far from the context (tokens, or this share of the
+    # context it was timed at) says little about one here: a pass at 4k tokens cost 2.2x one at
+    # 1k on the bench-scale target, and a 9-token pass 5.5 plain ones against 2.2.
+    PLAIN_DRIFT_TOKENS = 512
+    PLAIN_DRIFT_SHARE = 0.5
+
+    def plain_stale_at(self, context: int) -> bool:
+        """Was plain decoding's pass timed (or preloaded) at a context so far from ``context``
+        that, with no slope to carry it, it must be timed again before speculation is weighed
+        against it? (AdaptivePolicy.start_text; False where nothing was ever timed: a fresh
+        process explores as before.)"""
+        if 1 not in self.seconds or self.slope.per_token:
+            return False
+        timed = self.contexts.get(1, float(context))
+        return abs(context - timed) > max(self.PLAIN_DRIFT_TOKENS, self.PLAIN_DRIFT_SHARE * timed)
+
+    def snapshot(self) -> tuple[dict[int, float], int, float]:
+        """What a run keeps for the next (sessions/tuning.py): every mean carried to the context
+        now, that context, and the slope (``preload`` takes them back)."""
+        return dict(self._carried_means()), self.context, self.slope.per_token
+
+    def _carried(self, n_tokens: int) -> float:
+        """The mean of ``n_tokens``' passes carried from the context it was timed at to the context now."""
+        seconds = self.seconds[n_tokens]
+        per_token = self.slope.per_token
+        if not per_token:
+            return seconds
+        return max(seconds + per_token * (self.context - self.contexts.get(n_tokens, self.context)), 0.05 * seconds)
+
     def table(self, max_tokens: int) -> list[float | None]:
         """``self(n)`` for n = 0..max_tokens, computed once per change (the controller asks every step)."""
         if self._table is None or len(self._table) <= max_tokens:
             self._table = self._estimates(max_tokens)
             self._built_from = dict(self.seconds)
             self._passes_since_build = 0
+            self._table_context = self.context
         return self._table
 
     @property
@@ -176,8 +246,7 @@ class TargetCosts:
         """T(1), plain decoding's pass, as measured: read on every step (SpeculationGate),
         where building the table after each noisy pass cost more than the rest of a plain
         step's bookkeeping. The table's value where T(1) was never timed."""
-        seconds = self.seconds.get(1)
-        return seconds if seconds is not None else self(1)
+        return self._carried(1) if 1 in self.seconds else self(1)
 
     def __call__(self, n_tokens: int) -> float | None:
         """Measured where seen, else a line through what was seen (None before any pass)."""
@@ -186,9 +255,10 @@ class TargetCosts:
     def _estimates(self, max_tokens: int) -> list[float | None]:
         if not self.seconds:
             return [None] * (max_tokens + 1)
-        seconds, counts, line_weight = self.seconds, self.counts, self.LINE_WEIGHT
+        seconds = self._carried_means()
+        counts, line_weight = self.counts, self.LINE_WEIGHT
         values, weights = [], []
-        for n, on_line in enumerate(self._line(max_tokens)):
+        for n, on_line in enumerate(self._line(max_tokens, seconds)):
             count = counts.get(n)
             if n == 1 and count is not None and self.SEPARATE_PLAIN:  # plain decoding: as measured
                 values.append(seconds[1])
@@ -206,10 +276,15 @@ class TargetCosts:
         fitted = _non_decreasing(values[1:], weights[1:])
         return [min(values[0], fitted[0]), *fitted]
 
-    def _line(self, max_tokens: int) -> list[float]:
-        """A line through the measured means, weighted by their counts; n = 0..max_tokens.
+    def _carried_means(self) -> dict[int, float]:
+        """Every mean carried to the context now (``_carried``)."""
+        if not self.slope.per_token:
+            return self.seconds
+        return {n: self._carried(n) for n in self.seconds}
+
+    def _line(self, max_tokens: int, points: dict[int, float]) -> list[float]:
+        """A line through the means ``points``, weighted by their counts; n = 0..max_tokens.
         Through the batched passes only where there are some (SEPARATE_PLAIN)."""
-        points = self.seconds
         if self.SEPARATE_PLAIN and len(points) > 1 and 1 in points:
             points = {n: t for n, t in points.items() if n != 1}
         if len(points) == 1:
@@ -259,6 +334,53 @@ class DraftCosts(TargetCosts):
     def _one_point_line(n0: int, t0: float, max_tokens: int) -> list[float]:
         return [t0 * n / n0 for n in range(max_tokens + 1)]
 
+
+
+class ContextSlope:
+    """Seconds a token of context adds to a pass, fitted across the contexts passes were timed at.
+
+    Per pass length, decayed sums of (context, seconds) give a least-squares slope; the slopes of
+    the lengths whose contexts spread at least MIN_SPREAD tokens (one text's answer does not: a
+    128-token answer moves the context too little to tell a slope from noise) are pooled, weighted
+    by their spread. Never below 0: a pass does not get cheaper as its context grows. Before any
+    length has spread, ``prior`` (what `specrun tune` or an earlier run fitted) stands.
+    """
+
+    DECAY = 0.995  # per pass of that length: the last few hundred passes count
+    MIN_SPREAD = 128.0  # tokens: the standard deviation of the contexts a length was timed at
+    RECHECK = 0.1  # a change of the slope by this share (or from 0) changes every carried mean
+
+    def __init__(self) -> None:
+        self.sums: dict[int, list[float]] = {}  # length -> [w, w*L, w*s, w*L*L, w*L*s]
+        self.prior = 0.0
+        self._fitted: float | None = None
+
+    @property
+    def per_token(self) -> float:
+        return self._fitted if self._fitted is not None else self.prior
+
+    def observe(self, n_tokens: int, context: int, seconds: float) -> bool:
+        """One pass; True where the slope moved enough that every carried mean must be redone."""
+        sums = self.sums.setdefault(n_tokens, [0.0] * 5)
+        for i in range(5):
+            sums[i] *= self.DECAY
+        for i, value in enumerate((1.0, context, seconds, context * context, context * seconds)):
+            sums[i] += value
+        before = self.per_token
+        self._fitted = self._fit()
+        after = self.per_token
+        return abs(after - before) > self.RECHECK * max(before, 0.0) if after or before else False
+
+    def _fit(self) -> float | None:
+        total = weight_sum = 0.0
+        for w, sum_l, sum_s, sum_ll, sum_ls in self.sums.values():
+            variance = sum_ll / w - (sum_l / w) ** 2
+            if variance < self.MIN_SPREAD ** 2:
+                continue
+            slope = (sum_ls / w - (sum_l / w) * (sum_s / w)) / variance
+            total += variance * slope
+            weight_sum += variance
+        return max(total / weight_sum, 0.0) if weight_sum else None
 
 
 def _non_decreasing(values: list[float], weights: list[float]) -> list[float]:

@@ -96,6 +96,9 @@ class SpeculationPolicy(Protocol):
     def share(self, others: int) -> None:
         """The next pass carries ``others`` other sequences besides this run's (a server's slots)."""
 
+    def at_context(self, length: int) -> None:
+        """The next pass reads ``length`` tokens of context (TargetCosts.at_context)."""
+
 
 def takes_at_least(proposal: Proposal, drafter: Drafter, draft_len: int) -> bool:
     """The fixed rule of a chain: a proposal of ``min_tokens`` (at most the length asked)."""
@@ -135,6 +138,9 @@ class FixedPolicy:
     def share(self, others: int) -> None:
         """Fixed lengths do not yield to other sequences in the pass."""
 
+    def at_context(self, length: int) -> None:
+        """Fixed lengths do not follow the context."""
+
 
 class AdaptivePolicy:
     """Draft lengths (and whether to speculate at all) from measured acceptance and costs.
@@ -166,6 +172,7 @@ class AdaptivePolicy:
         self.max_draft_len = 0
         self.paid: set[str] = set()  # drafters whose length this policy chooses before they draft
         self._idle: IdleBackoff | None = None
+        self._plain_timing = 0  # plain steps left to time plain decoding at this text's context
 
     # ---- what earlier texts and processes measured (memory.py) ---------------------------
     @property
@@ -252,10 +259,21 @@ class AdaptivePolicy:
         self.max_draft_len, self.adaptive = max_draft_len, adaptive
         self.max_nodes, self.max_paths = max_nodes, max_paths
 
+    # Plain steps a text starts with where plain decoding's cost is stale (TargetCosts.plain_stale_at):
+    # the first plain pass after the prompt's pays a graph rebuild and is not timed (note_pass)
+    PLAIN_TIMING_STEPS = 2
+
     def start_text(self, context_len: int) -> None:
         self._scores.clear()
         self._tree_scores.clear()
         self._previous_pass = None
+        self.target_costs.at_context(context_len)
+        # Plain decoding's cost here is unknown: time it before weighing speculation against it. A
+        # preloaded cost contradicted at a longer context was dropped with every other untimed one,
+        # and the line through a single 9-token pass then read a plain step as 5x dearer than it was:
+        # the draft model ran 0.84x plain decoding at 4k tokens, drafting every step.
+        stale = self.adaptive and self.target_costs.plain_stale_at(context_len)
+        self._plain_timing = self.PLAIN_TIMING_STEPS if stale else 0
         if self.adaptive:
             carried, self.memory.gate_off = self.memory.gate_off, None
             if carried is None and self.gate_off_gap:
@@ -271,7 +289,17 @@ class AdaptivePolicy:
         """The next pass carries ``others`` other sequences (TargetCosts.sharing)."""
         self.target_costs.sharing = others
 
+    def at_context(self, length: int) -> None:
+        """The next pass reads ``length`` tokens of context: the target's costs and every drafter's
+        follow it (TargetCosts.at_context)."""
+        self.target_costs.at_context(length)
+        for costs in self.memory.draft_costs.values():
+            costs.at_context(length)
+
     def plan(self) -> Plan:
+        if self._plain_timing:
+            self._plain_timing -= 1
+            return PLAIN
         if (
             (self.adaptive and not self.gate.speculating)
             or (self._idle is not None and not self._idle.ask() and self._paid_may_pass())

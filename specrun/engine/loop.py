@@ -214,6 +214,8 @@ class SpeculativeEngine:
         self.last_context: list[int] = []  # prompt + output of the latest run
         self.grammar_blocked = False  # did the latest run end where its grammar allowed no token?
         self.policy = AdaptivePolicy(clock)
+        # told (tokens read, prompt tokens) as a long prompt is read: a progress bar (TargetPasses.prefill)
+        self.on_prefill: Callable[[int, int], None] | None = None
         self.set_drafter(drafter, method)
 
     def set_drafter(self, drafter: Drafter | None, method: str | None = None) -> None:
@@ -288,6 +290,7 @@ class SpeculativeEngine:
                 forced = constrained.forced(draft_len) if constrained is not None and policy is not None else None
                 if measured:
                     policy.share(self.target.sharing)
+                    policy.at_context(context_len)
                 plan = PLAIN if policy is None or forced is not None else policy.plan()
                 drafts = forced or self._draft(policy, plan, context, draft_len, params, rng)
                 allowed = None
@@ -332,7 +335,7 @@ class SpeculativeEngine:
         started = self.clock()
         if policy is not None and params.max_new_tokens > 1:
             self.drafter.prefill(context)
-        prompt_logits, reused = self.passes.prefill(context)
+        prompt_logits, reused = self.passes.prefill(context, self.on_prefill)
         stats.prefill_seconds = self.clock() - started
         return prompt_logits, reused
 

@@ -9,6 +9,7 @@ model's greedy ids while they are still being computed (``DeferredDrafts``).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -55,6 +56,11 @@ class DeferredDrafts:
     source: str  # the drafter's name
 
 
+# Tokens a prompt is fed in where its progress is shown: llama.cpp's default batch, so the steps
+# cost what one feed of the whole prompt does.
+PREFILL_STEP = 512
+
+
 class TargetPasses:
     """The target's passes over the prompt and over each step's drafts, and their verdicts."""
 
@@ -74,13 +80,26 @@ class TargetPasses:
         """How this target's passes verify now."""
         return Verification(self.chain_rule, self.acceptance)
 
-    def prefill(self, context: list[int]) -> tuple[np.ndarray, bool]:
+    def prefill(self, context: list[int], on_progress: Callable[[int, int], None] | None = None
+                ) -> tuple[np.ndarray, bool]:
         """Feed the prompt, reusing any cached prefix, and return the logits after its last
         token (V,), and whether a cached prefix was reused. The last token is always fed
         again (kept out of the reuse), so there is a row to read even when the whole prompt
-        was cached."""
+        was cached. ``on_progress(fed, total)``: told after each PREFILL_STEP tokens of a prompt
+        longer than that (a progress bar), the tokens then fed in those steps."""
         keep = self.target.rewind_to_prefix_of(context, limit=len(context) - 1)
-        return self.target.feed(context[keep:], [len(context) - keep - 1])[0], keep > 0
+        total = len(context)
+        if on_progress is None or total - keep <= PREFILL_STEP:
+            return self.target.feed(context[keep:], [total - keep - 1])[0], keep > 0
+        on_progress(keep, total)
+        fed = keep
+        while total - fed > PREFILL_STEP:
+            self.target.feed(context[fed : fed + PREFILL_STEP])
+            fed += PREFILL_STEP
+            on_progress(fed, total)
+        logits = self.target.feed(context[fed:], [total - fed - 1])[0]
+        on_progress(total, total)
+        return logits, keep > 0
 
     @staticmethod
     def pick(logits: np.ndarray, sampling: SamplingSettings, rng: np.random.Generator) -> int:

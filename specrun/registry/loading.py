@@ -446,9 +446,16 @@ def open_window_draft(model: Backend, options: LoadOptions, owns: bool,
             return model.open_window(sinks, window, owns=owns)
         except ModelFileError as exc:
             reason = exc.problem
+    if owns:  # a draft model as it is
+        (on_note or _note_to_stderr)(f"{reason}; the draft reads its full cache")
+        return model
+    try:  # the target, with a second cache of the whole context (it never moves on)
+        full = model.open_window(SINKS, model.n_ctx, owns=False)
+    except ModelFileError as exc:
+        raise UsageError(f"--draft self:window cannot draft from this target: {exc.problem}",
+                         "use --draft self:q4 or a draft model") from None
     (on_note or _note_to_stderr)(f"{reason}; the draft reads its full cache")
-    # a draft model as it is; the target, with a second cache of the whole context (it never moves on)
-    return model if owns else model.open_window(SINKS, model.n_ctx, owns=False)
+    return full
 
 
 def _note_to_stderr(text: str) -> None:

@@ -63,6 +63,7 @@ class GenerateRequest:
     tools: tuple[Tool, ...] = ()  # --tools: functions the model may call (rendered through its template)
     tool_choice: ToolChoice = field(default_factory=ToolChoice)
     on_note: Callable[[str], None] | None = None  # one-line notes for the user (stderr in the CLI)
+    on_prefill: Callable[[int, int], None] | None = None  # (tokens read, prompt tokens) of a long prompt
 
 
 def tool_prompt(target, request: GenerateRequest) -> tuple[list[int], GrammarSpec | None]:
@@ -108,7 +109,7 @@ def generate_text(request: GenerateRequest, on_text: Callable[[str], None] | Non
         # The input is good: flash attention by what it costs here (a first run measures it and
         # notes so after the answer), which also picks the tuning key of the run's stored costs.
         kernel_notes: list[str] = []
-        settle_pair(target, draft, request.load, kernel_notes.append)
+        settle_pair(target, draft, request.load, kernel_notes.append, len(prompt_ids) + request.max_new_tokens)
         tuned = load_tuned(target, draft, request.load.threads)
         options = dataclasses.replace(options, draft_min_prob=resolve_min_prob(request.draft_min_prob, tuned))
         params = GenerationParams(
@@ -143,6 +144,7 @@ def generate_text(request: GenerateRequest, on_text: Callable[[str], None] | Non
         if request.trees.paths and not target.tree_support.available and request.on_note is not None:
             request.on_note(f"token trees are off: {target.tree_support.reason}; verifying chains")
         engine = SpeculativeEngine(target, drafter, method=request.method, verification=request.verification)
+        engine.on_prefill = request.on_prefill
         if tuned is not None:
             tuned.apply(engine)  # the controllers start from measured costs
         if choice is not None:

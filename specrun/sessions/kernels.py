@@ -13,6 +13,14 @@ measured by model file, machine, threads, KV cache type and llama-cpp-python ver
 keep llama.cpp's own choice, as do models nothing can be timed on (recurrent ones) and runs
 where the timing fails: measuring never costs a run.
 
+Which wins depends on the context too: on this project's 2-core Xeon, after 256 tokens on and off
+run within a few percent, while after 4,096 tokens of the bench-scale target off ran a plain step
+in 94 ms against 176 and a 5-token pass in 166 ms against 619 (docs/perf.md 3(s)). A run that
+knows its context will pass ``DEEP_FROM`` tokens (a long prompt to `specrun generate`) chooses by
+a probe after ``DEEP_DEPTH`` tokens instead, kept under a key of its own: it costs two prefills of
+that depth once (tens of seconds for a large model on a small CPU), against a decode up to twice
+as fast at every later long prompt.
+
 The setting whose one-token pass and 6-token pass together cost less wins (a plain step and
 a verify pass: what plain decoding and speculation pay); off must be ``MARGIN`` faster to
 overrule llama.cpp's choice. One setting per model, whatever the method: plain decoding and
@@ -38,6 +46,9 @@ KERNELS_VERSION = 1
 PROBE_DEPTH = 256  # tokens before the timed passes: a short chat's context
 PROBE_COUNTS = (1, 6)  # a plain step; a verify pass of a 5-token draft
 PROBE_BUDGET_S = 2.0
+DEEP_FROM = 2048  # a run whose context will reach this many tokens chooses by the deep probe
+DEEP_DEPTH = 4096
+DEEP_BUDGET_S = 600.0  # its prefill may take a quarter of this: a 4,096-token prefill on a slow CPU
 MARGIN = 0.03
 MAX_KERNELS_BYTES = 4 * MiB
 MAX_SECONDS = 1e6
@@ -130,22 +141,27 @@ def _checked(raw) -> FlashCosts:
     return FlashCosts(raw["model"], raw["machine"], threads, depth, by_setting["on"], by_setting["off"])
 
 
-def settle_flash_attn(backend, options: LoadOptions) -> str | None:
+def settle_flash_attn(backend, options: LoadOptions, context: int | None = None) -> str | None:
     """Turn flash attention on or off for ``backend`` by what it costs here, where the user
     left it to llama.cpp (module docstring): the stored costs, else a probe stored for the
-    next run. Returns a note saying what was measured, when it measured; None otherwise."""
+    next run. ``context``: the tokens the run's context will reach, where known (a long one is
+    chosen for by the deep probe). Returns a note saying what was measured, when it measured;
+    None otherwise."""
     if getattr(backend, "name", None) != "llama" or options.flash_attn is not None or options.exact:
         return None
     if backend.flash_attn is not None or not backend.runs_on_cpu:
         return None
+    deep = context is not None and context >= DEEP_FROM
+    probe_depth, budget = (DEEP_DEPTH, DEEP_BUDGET_S) if deep else (PROBE_DEPTH, PROBE_BUDGET_S)
     model, machine, threads = model_id(backend), machine_id(), backend.n_threads
-    key = costs_key(model, machine, threads, f"kv={backend.kv_type}|{backend.library_version}")
+    settings = f"kv={backend.kv_type}|{backend.library_version}" + (f"|depth={DEEP_DEPTH}" if deep else "")
+    key = costs_key(model, machine, threads, settings)
     costs = load_costs(key)
     note = None
     try:
         if costs is None:
             # The scratch contexts are sized for the timing alone: --ctx does not limit the depth.
-            depth, measured = backend.time_flash_attn(PROBE_DEPTH, PROBE_COUNTS, PROBE_BUDGET_S)
+            depth, measured = backend.time_flash_attn(probe_depth, PROBE_COUNTS, budget)
             if not measured:
                 return None  # nothing can be timed on this model here: llama.cpp's choice stands
             costs = FlashCosts(model, machine, threads, depth, measured[True], measured[False])
@@ -173,25 +189,26 @@ def open_settled_pair(target_spec: str, draft_spec: str | None, options: LoadOpt
     return target, draft
 
 
-def settle_pair(target, draft, options: LoadOptions, on_note=None) -> None:
+def settle_pair(target, draft, options: LoadOptions, on_note=None, context: int | None = None) -> None:
     """``settle_flash_attn`` for the target and a draft model (each measured apart); ``on_note``
-    is told what was measured. Before anything is fed."""
+    is told what was measured; ``context``: the tokens the run's context will reach, where known.
+    Before anything is fed."""
     for backend in (target, draft):
         if backend is None:
             continue
-        note = _settle(backend, options)
+        note = _settle(backend, options, context)
         if note is not None and on_note is not None:
             on_note(note)
 
 
-def _settle(backend, options: LoadOptions) -> str | None:
-    """``settle_flash_attn``; a windowed draft's model is settled, then its window cache made
-    again with the model's settings (backends/window.py)."""
+def _settle(backend, options: LoadOptions, context: int | None = None) -> str | None:
+    """``settle_flash_attn``; a windowed draft's model is settled for its window's few cells, then
+    its window cache made again with the model's settings (backends/window.py)."""
     if hasattr(backend, "reopen"):
         note = settle_flash_attn(backend.parent, options)
         backend.reopen()
         return note
-    return settle_flash_attn(backend, options)
+    return settle_flash_attn(backend, options, context)
 
 
 def open_settled_draft(target, target_spec: str, draft_spec: str, options: LoadOptions, on_note=None):

@@ -70,6 +70,12 @@ class TuneResult:
     # window that does not pay here): the next process starts it off, retried after this many
     # plain steps (AdaptivePolicy.gate_off_gap; 0: it ended on).
     gate_off_gap: int = 0
+    # The context (tokens) the costs above were timed at, and what a token of context adds to a
+    # pass of the target's and to a draft model's step (control/costs.ContextSlope; 0: not
+    # measured, files from before they were saved).
+    costs_context: int = 0
+    target_per_context: float = 0.0
+    draft_per_context: float = 0.0
 
     def apply(self, engine: SpeculativeEngine) -> None:
         """Let ``engine``'s controllers start from these measurements (generate, chat, bench):
@@ -83,6 +89,9 @@ class TuneResult:
             {name: self.draft_off_gap} if self.draft_off_gap else {},
             {name: dict(self.acceptance_by_position)} if self.acceptance_by_position else {},
         )
+        engine.policy.target_costs.timed_at(self.costs_context, self.target_per_context)
+        if name in engine.policy.draft_costs:
+            engine.policy.draft_costs[name].timed_at(self.costs_context, self.draft_per_context)
         if self.gate_off_gap:
             engine.policy.start_gate_off(self.gate_off_gap)
 
@@ -131,6 +140,10 @@ def learn_from_run(engine: SpeculativeEngine, target: Backend, draft: Backend | 
         first = measured if first == 0.0 else (first + measured) / 2
     curve = dict(earlier.acceptance_by_position) if earlier is not None else {}
     curve.update(_position_acceptance(*engine.policy.seen_counts(name), curve))
+    # both carried to the context the run ended at (control/costs.ContextSlope)
+    target_costs, context, target_slope = engine.policy.target_costs.snapshot()
+    costs.at_context(context)
+    draft_costs, _, draft_slope = costs.snapshot()
     if controller is not None:
         off_gap = 0 if controller.speculating else controller.probe_gap
     else:  # the run never asked it (it started off and was never probed): as it was
@@ -142,8 +155,11 @@ def learn_from_run(engine: SpeculativeEngine, target: Backend, draft: Backend | 
         machine=machine_id(),
         best_draft_len=0,
         speedup=0.0,
-        target_costs=dict(engine.policy.target_costs.seconds),
-        draft_costs=dict(costs.seconds),
+        target_costs=target_costs,
+        draft_costs=draft_costs,
+        costs_context=context,
+        target_per_context=target_slope,
+        draft_per_context=draft_slope,
         first_acceptance=first,
         acceptance_by_position=dict(sorted(curve.items())),
         learned=True,
@@ -174,6 +190,7 @@ def _learn_target(engine: SpeculativeEngine, target: Backend, key: str) -> TuneR
     chosen from them) and whether its gate ended off for a fixed-size drafter."""
     if not engine.policy.target_costs.seconds:
         return None
+    target_costs, context, target_slope = engine.policy.target_costs.snapshot()
     return TuneResult(
         key=key,
         target=model_id(target),
@@ -181,7 +198,9 @@ def _learn_target(engine: SpeculativeEngine, target: Backend, key: str) -> TuneR
         machine=machine_id(),
         best_draft_len=0,
         speedup=0.0,
-        target_costs=dict(engine.policy.target_costs.seconds),
+        target_costs=target_costs,
+        costs_context=context,
+        target_per_context=target_slope,
         learned=True,
         gate_off_gap=engine.policy.gate_off_gap,
     )
@@ -406,7 +425,11 @@ def _checked_result(raw) -> TuneResult:
                        ("gate_off_gap", MAX_DRAFT_OFF_GAP)):
         if name in values:
             values[name] = checked_number(name, values[name], 0, high, integer=True)
-    for name, high in (("speedup", MAX_MEASURE), ("acceptance", 1), ("best_min_prob", 1), ("first_acceptance", 1)):
+    if "costs_context" in values:
+        values["costs_context"] = checked_number("costs_context", values["costs_context"], 0, MAX_COST_TOKENS,
+                                                 integer=True)
+    for name, high in (("speedup", MAX_MEASURE), ("acceptance", 1), ("best_min_prob", 1), ("first_acceptance", 1),
+                       ("target_per_context", MAX_MEASURE), ("draft_per_context", MAX_MEASURE)):
         if name in values:
             values[name] = checked_number(name, values[name], 0, high)
     if "learned" in values and not isinstance(values["learned"], bool):

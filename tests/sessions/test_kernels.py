@@ -24,16 +24,21 @@ class StubLlama:
     kv_type = "f16"
     library_version = "llama-cpp-python 0.3.36"
 
-    def __init__(self, on: dict[int, float], off: dict[int, float], runs_on_cpu: bool = True, flash_attn=None):
+    def __init__(self, on: dict[int, float], off: dict[int, float], runs_on_cpu: bool = True, flash_attn=None,
+                 deep: tuple | None = None):
         self.costs = {True: on, False: off} if on else {}
+        self.deep_costs = {True: deep[0], False: deep[1]} if deep else self.costs  # after DEEP_DEPTH tokens
         self.runs_on_cpu = runs_on_cpu
         self.flash_attn = flash_attn
         self.timed = 0
+        self.probes: list[tuple[int, float]] = []  # (depth, budget) of each probe
 
     def time_flash_attn(self, depth, counts, budget_s):
-        assert depth == kernels.PROBE_DEPTH and tuple(counts) == kernels.PROBE_COUNTS
+        assert depth in (kernels.PROBE_DEPTH, kernels.DEEP_DEPTH) and tuple(counts) == kernels.PROBE_COUNTS
         self.timed += 1
-        return (depth if self.costs else 0), self.costs
+        self.probes.append((depth, budget_s))
+        costs = self.deep_costs if depth == kernels.DEEP_DEPTH else self.costs
+        return (depth if costs else 0), costs
 
     def set_flash_attn(self, on: bool) -> None:
         self.flash_attn = on
@@ -85,6 +90,25 @@ def test_the_first_run_measures_and_says_so_later_runs_read_what_it_stored():
     other_threads.n_threads = 1
     settle_flash_attn(other_threads, LoadOptions())
     assert other_threads.timed == 1  # what a pass costs depends on the threads: measured apart
+
+
+def test_a_long_context_chooses_by_a_probe_after_thousands_of_tokens_kept_apart():
+    """After 256 tokens on wins (llama.cpp's choice); after 4,096 off runs a plain step and a
+    verify pass far faster (this project's CPU, docs/perf.md 3(s)): a run whose context will reach
+    DEEP_FROM tokens probes there, with the deep budget, and keeps it under a key of its own."""
+    near_even = ({1: 0.0100, 6: 0.0200}, {1: 0.0102, 6: 0.0203})
+    deep = ({1: 0.176, 6: 0.619}, {1: 0.094, 6: 0.166})
+    short = StubLlama(*near_even, deep=deep)
+    settle_flash_attn(short, LoadOptions(), context=kernels.DEEP_FROM - 1)
+    assert short.probes == [(kernels.PROBE_DEPTH, kernels.PROBE_BUDGET_S)] and short.flash_attn is True
+    long = StubLlama(*near_even, deep=deep)
+    note = settle_flash_attn(long, LoadOptions(), context=8000)
+    assert long.probes == [(kernels.DEEP_DEPTH, kernels.DEEP_BUDGET_S)] and long.flash_attn is False
+    assert f"measured once after {kernels.DEEP_DEPTH} tokens" in note
+    again = StubLlama(*near_even, deep=deep)
+    assert settle_flash_attn(again, LoadOptions(), context=5000) is None  # stored: read back
+    assert again.timed == 0 and again.flash_attn is False
+    assert len(json.loads(kernels_path().read_text())["flash_attn"]) == 2
 
 
 @pytest.mark.parametrize("options", [LoadOptions(flash_attn="on"), LoadOptions(flash_attn="off"),

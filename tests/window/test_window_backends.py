@@ -1,18 +1,16 @@
-"""A windowed draft cache on llama.cpp (backends/llama_window.py): SmolLM2 drafting for itself
-(MagicDec's set-up) and its Q4_1 file drafting with a window, across contexts several windows
-long. The target verifies with its full cache, so greedy output is plain decoding's."""
+"""A windowed draft cache on both real backends (backends/llama_window.py, backends/mlx_window.py):
+SmolLM2 drafting for itself (MagicDec's set-up) and its Q4_1 file drafting with a window, across
+contexts several windows long. The target verifies with its full cache, so greedy output is plain
+decoding's; keys moved down as the window moves on still mean what they meant."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-pytest.importorskip("llama_cpp", reason="the llama backend is not installed")
-
-from specrun.backends.kv import sequence_for  # noqa: E402
-from specrun.backends.llama import LlamaCppBackend  # noqa: E402
-from specrun.drafters.draft_model import DraftModelDrafter  # noqa: E402
-from specrun.engine.loop import GenerationParams, SpeculativeEngine  # noqa: E402
+from specrun.backends.kv import sequence_for
+from specrun.drafters.draft_model import DraftModelDrafter
+from specrun.engine.loop import GenerationParams, SpeculativeEngine
 
 EXACT = dict(kv_type="f32", flash_attn=False)  # greedy speculation bit-identical to plain decoding
 SINKS, WINDOW = 4, 32
@@ -29,12 +27,21 @@ def cache_positions(windowed) -> tuple[int, int]:
 
 
 @pytest.fixture(scope="module")
-def pair(smollm2):
+def llama_pair(smollm2):
+    pytest.importorskip("llama_cpp", reason="the llama backend is not installed")
+    from specrun.backends.llama import LlamaCppBackend
+
     target = LlamaCppBackend(smollm2["smollm2-135m-f16"], n_ctx=1024, n_threads=1, **EXACT)
     draft = LlamaCppBackend(smollm2["smollm2-135m"], n_ctx=1024, n_threads=1, **EXACT)
     yield target, draft
     draft.close()
     target.close()
+
+
+@pytest.fixture(params=["llama", "mlx"])
+def pair(request):
+    """SmolLM2 F16 and its Q4_1 draft on each backend (MLX: its float16 and 4-bit folders)."""
+    return request.getfixturevalue("llama_pair" if request.param == "llama" else "mlx_real_pair")
 
 
 @pytest.mark.parametrize("who", ["self", "draft model"])
@@ -79,8 +86,24 @@ def test_moved_keys_draft_as_well_as_unmoved_ones(pair):
     assert rates[512] > 0.95 and rates[128] > 0.9
 
 
-def test_the_cache_holds_sinks_and_run_at_consecutive_positions_through_rewinds(pair):
-    target, _ = pair
+def test_moving_keys_composes_rotations_on_mlx():
+    """mlx_window moves a key from position p to p + delta by rotating it delta more: the key a
+    RoPE module gives at p + delta, for every delta sign, and back again."""
+    mx = pytest.importorskip("mlx.core")
+    import mlx.nn as nn
+
+    from specrun.backends.mlx import _RowRope
+
+    rope = nn.RoPE(64, base=10000.0)
+    x = mx.random.normal((1, 3, 7, 64), key=mx.random.key(0))  # (1, heads, rows, dims)
+    at_40 = rope(x, offset=40)
+    for delta in (-33, 5):
+        moved = _RowRope(rope, mx.full((7,), delta, dtype=mx.int32))(at_40)
+        np.testing.assert_allclose(np.array(moved), np.array(rope(x, offset=40 + delta)), atol=1e-4)
+
+
+def test_the_cache_holds_sinks_and_run_at_consecutive_positions_through_rewinds(llama_pair):
+    target, _ = llama_pair
     windowed = target.open_window(SINKS, WINDOW)
     try:
         tokens = target.tokenize(TEXT)
