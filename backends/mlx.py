@@ -43,9 +43,9 @@ from specrun.backends.base import HeldTree, HiddenSupport, HiddenTracking, TreeS
 from specrun.errors import BackendUnavailableError, ContextFullError, ModelFileError
 from specrun.fileio import json_problem
 from specrun.tree import TokenTree
+from specrun.backends.mlx_common import PREFILL_CHUNK, RowRope
 
 DEFAULT_CTX = 4096
-PREFILL_CHUNK = 512  # tokens per forward when no logits are wanted (bounds activation memory)
 # Tokens forward_greedy feeds with its first pass; longer inputs (a prompt) go unread first,
 # since every row of a pass pays for its lm_head product.
 GREEDY_JOIN_TOKENS = 2
@@ -337,19 +337,6 @@ def _tree_layout(mx, start: int, n_chain: int, tree: TokenTree):
     visible[n_chain:, start + n_chain :] = tree.ancestor_mask  # a node sees itself and its ancestors
     positions = start + np.concatenate([np.arange(n_chain), n_chain + tree.depth])
     return mx.array(visible), positions
-
-
-class _RowRope:
-    """A RoPE module applied with one position per row: rows go onto the batch axis, where
-    mx.fast.rope takes one offset each. Replaces an attention's ``rope`` for one pass."""
-
-    def __init__(self, rope, offsets) -> None:
-        self.rope = rope
-        self.offsets = offsets  # (L,)
-
-    def __call__(self, x, offset=0):  # noqa: ARG002 - the cache's scalar offset, replaced by the rows'
-        rows_first = x.transpose(2, 1, 0, 3)  # (1, H, L, D) -> (L, H, 1, D)
-        return self.rope(rows_first, offset=self.offsets).transpose(2, 1, 0, 3)  # (1, H, L, D)
 
 
 # ---- hidden states: the model split into body and output head -------------------------
@@ -813,7 +800,7 @@ class MlxBackend(HiddenTracking):
             for layer_cache in self._cache:
                 layer_cache.make_mask = lambda *args, **kwargs: mask
             for attention, rope in zip(attentions, ropes):
-                attention.rope = _RowRope(rope, offsets)
+                attention.rope = RowRope(rope, offsets)
             yield
         finally:
             for layer_cache in self._cache:

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from specrun.backends.mlx import PREFILL_CHUNK, _RowRope
+from specrun.backends.mlx_common import PREFILL_CHUNK, RowRope
 from specrun.errors import ContextFullError, ModelFileError
 
 # RoPE modules whose rotation composes: mlx's own and mlx-lm's Llama-3 frequency scaling
@@ -41,6 +41,7 @@ class MlxWindowCache:
         except AttributeError:
             raise ModelFileError(f"{name}: mlx-lm's model keeps no rope per attention layer to move keys "
                                  "with", fix) from None
+        self._gap = (0, 0)  # the positions the last remove closed up, until shift moves the rest
         kinds = {type(rope).__name__ for rope in self._ropes}
         if not kinds <= set(COMPOSING_ROPES):
             raise ModelFileError(f"{name} places positions with {', '.join(sorted(kinds))}, whose keys cannot "
@@ -71,6 +72,9 @@ class MlxWindowCache:
         return np.array(out.astype(mx.float32))
 
     def remove(self, start: int, stop: int) -> None:
+        """Drop positions [start, stop). The arrays close up at once, but the positions after the
+        gap keep their numbers until ``shift`` moves them (llama.cpp's way, the protocol's):
+        ``_gap`` maps them to where they now lie."""
         mx = self._mx
         for layer in self._cache:
             held = layer.offset
@@ -83,13 +87,18 @@ class MlxWindowCache:
             layer.keys = mx.concatenate([layer.keys[..., :start, :], layer.keys[..., stop_at:held, :]], axis=2)
             layer.values = mx.concatenate([layer.values[..., :start, :], layer.values[..., stop_at:held, :]], axis=2)
             layer.offset = held - (stop_at - start)
+            self._gap = (start, stop_at)
         mx.eval([layer.state for layer in self._cache])
 
     def shift(self, start: int, stop: int, delta: int) -> None:
         mx = self._mx
+        gap_start, gap_stop = self._gap
+        if start >= gap_stop:  # positions after a gap ``remove`` closed: where they lie now
+            start, stop = start - (gap_stop - gap_start), stop - (gap_stop - gap_start)
+        self._gap = (0, 0)
         offsets = mx.full((stop - start,), delta, dtype=mx.int32)
         for layer, rope in zip(self._cache, self._ropes):
-            layer.keys[..., start:stop, :] = _RowRope(rope, offsets)(layer.keys[..., start:stop, :])
+            layer.keys[..., start:stop, :] = RowRope(rope, offsets)(layer.keys[..., start:stop, :])
         mx.eval([layer.state for layer in self._cache])
 
     def close(self) -> None:
