@@ -439,6 +439,7 @@ class Scenario:
     chain_rule: str = DEFAULT_CHAIN_RULE
     # the draft model reads a windowed cache (backends/window.py): (sinks, window, block); () its full cache
     draft_window: tuple[int, int, int] = ()
+    learn: bool = False  # the heads learn online as they draft (training/online.py, inline: weights swapped each run)
 
     @property
     def draft_len(self) -> int:
@@ -523,6 +524,11 @@ SCENARIOS = {
     "draft window top-p": Scenario("draft", "top-p", draft_window=(1, 3, 1)),
     "auto window": Scenario("auto", adaptive=True, draft_window=(1, 3, 1)),
     "merged chain": Scenario("lookup+ngram+draft", "top-k", adaptive=True, chain_rule="token"),
+    # Heads that learn from what the target verified, their weights swapped between runs (OSD)
+    "medusa learning": Scenario("medusa", learn=True),
+    "hydra learning top-p": Scenario("hydra", "top-p", learn=True, reaches_deep=False),  # its steps blunt the heads
+    "eagle learning": Scenario("eagle", learn=True),
+    "eagle3 learning top-k": Scenario("eagle", "top-k", eagle3=True, learn=True),
     **{chain: Scenario(chain) for chain in CHAINS},
 }
 
@@ -550,11 +556,27 @@ def fake_engine(scenario: Scenario) -> SpeculativeEngine:
         draft = windowed_fake(draft, *scenario.draft_window)
     uses_draft = needs_draft_model(scenario.method) or scenario.method == "auto"
     options = DrafterOptions(draft_min_prob=scenario.draft_min_prob, branches=scenario.branches, heads=heads,
-                             auto_lookahead=scenario.auto_lookahead, auto_heads=scenario.auto_heads)
+                             auto_lookahead=scenario.auto_lookahead, auto_heads=scenario.auto_heads,
+                             learner=learning_heads(heads, target) if scenario.learn else None)
     drafter = build_drafter(scenario.method, draft if uses_draft else None, options)
     engine = SpeculativeEngine(target, drafter, method=scenario.method, clock=clock)
     engine.passes.chain_rule = scenario.chain_rule
     return engine
+
+
+LEARNING_RATE = 0.05  # large: each run's step moves the fake's small heads visibly
+
+
+def learning_heads(heads, target):
+    """An inline learner of ``heads``: each window of two or more verified positions is trained on
+    at once and the weights published, so the drafter swaps them in at its next proposal."""
+    from specrun.training.online import LearnSettings, OnlineLearner
+
+    embedding = None
+    if getattr(heads, "embed_tokens", 0) is None:  # EAGLE-3 heads reading the target's embedding
+        embedding = target.token_embeddings(range(heads.config.vocab_size))
+    return OnlineLearner(heads, LearnSettings(learning_rate=LEARNING_RATE), embedding=embedding, window=2,
+                         inline=True)
 
 
 def windowed_fake(draft, sinks: int, window: int, block: int):
@@ -582,7 +604,12 @@ def run_scenario(name: str, runs: int = RUNS, first_seed: int = 0) -> tuple[Samp
         engine, PROMPT, scenario.window, sampling, runs, scenario.draft_len, reference, scenario.adaptive, first_seed
     )
     joint = exact_joint(table, PROMPT, scenario.window, sampling)
-    return sampled, lossless_problems(sampled, joint)
+    problems = lossless_problems(sampled, joint)
+    if scenario.learn:  # the weights drafted with changed during the runs, many times
+        learned = engine.drafter.learner.report()
+        if learned.swaps < runs // 4 or learned.stopped:
+            problems.append(f"the heads learned little: {learned.summary()}")
+    return sampled, problems
 
 
 # ---- second guesses over a long tail: drawn, then verified as a tree -----------------------------
@@ -656,7 +683,7 @@ GREEDY_NEW = 150
 
 
 def greedy_scenario(method: str, adaptive: bool = False, branches: int = 0,
-                    draft_window: tuple[int, int, int] = ()) -> tuple[list[str], int, int]:
+                    draft_window: tuple[int, int, int] = (), learn: bool = False) -> tuple[list[str], int, int]:
     """``method`` greedy on a fake target that mostly repeats itself (so lookup and the n-gram
     pool draft) with a noisy copy as draft model, against plain decoding: the outputs that differ
     (a fake backend has no near-ties to excuse), and the drafts made and accepted. The engine is
@@ -673,13 +700,14 @@ def greedy_scenario(method: str, adaptive: bool = False, branches: int = 0,
     hidden = {}
     if heads is not None:
         hidden = dict(hidden_table=oracle_hidden(table, COPYING_VOCAB), hidden_size=heads.config.hidden_size)
-    drafter = build_drafter(method, draft, DrafterOptions(branches=branches, heads=heads))
+    target = FakeBackend(table, COPYING_VOCAB, **hidden)
+    learner = learning_heads(heads, target) if learn else None
+    drafter = build_drafter(method, draft, DrafterOptions(branches=branches, heads=heads, learner=learner))
     # A clock that advances a millisecond each read: every pass seems to cost the same, so the
     # adaptive methods draft whatever the machine's load (timed for real, auto on a busy machine
     # once drafted 12 tokens in all, every one accepted, and verified no rejection).
     ticks = itertools.count()
-    engine = SpeculativeEngine(FakeBackend(table, COPYING_VOCAB, **hidden), drafter, method=method,
-                               clock=lambda: next(ticks) * 1e-3)
+    engine = SpeculativeEngine(target, drafter, method=method, clock=lambda: next(ticks) * 1e-3)
     plain = SpeculativeEngine(FakeBackend(table, COPYING_VOCAB))
     params = GenerationParams(GREEDY_NEW, draft_len=ADAPTIVE_MAX_DRAFT_LEN if adaptive else DRAFT_LEN,
                               stop_at_eos=False, adaptive=adaptive)

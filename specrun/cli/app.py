@@ -19,6 +19,7 @@ from specrun.cli.common import (
     MAX_DRAFT_LEN,
     PipeConsole,
     check_generation_options,
+    checked_learning,
     checked_flash_attn,
     PrefillBar,
     check_kv_type,
@@ -41,6 +42,10 @@ from specrun.cli.options import (
     DeltaOpt,
     EpsilonOpt,
     MarginOpt,
+    LearnOpt,
+    LearnBudgetOpt,
+    LearnBufferOpt,
+    KeepLearnedOpt,
     VerifyOpt,
     GrammarOpt,
     JsonSchemaOpt,
@@ -146,6 +151,10 @@ def generate(
     epsilon: EpsilonOpt = None,
     delta: DeltaOpt = None,
     margin: MarginOpt = None,
+    learn: LearnOpt = None,
+    learn_budget: LearnBudgetOpt = None,
+    learn_buffer: LearnBufferOpt = None,
+    keep_learned: KeepLearnedOpt = False,
 ) -> None:
     """Answer PROMPT as a chat message (with --raw, or for a completion model, continue it):
     text to stdout, statistics to stderr."""
@@ -175,6 +184,8 @@ def generate(
                              "give one of them")
         text = read_prompt(prompt)
         target, draft = choose_pair(target, draft, registry)
+        learning = checked_learning("generate", learn, learn_budget, learn_buffer, keep_learned, target, heads,
+                                    lambda note: typer.echo(f"note: {note}", err=True))
         bar = None if json_output else PrefillBar()  # a long prompt's reading, on a terminal
         request = GenerateRequest(
             prompt=text,
@@ -199,27 +210,39 @@ def generate(
             verification=verification,
             on_note=lambda note: typer.echo(f"note: {note}", err=True),
             on_prefill=bar,
+            learn=learning,
         )
         kept = None  # the answer is printed even when the n-gram cache could not be saved after it
-        if json_output:
-            try:
-                result = generate_text(request)
-            except AnswerKeptError as exc:
-                result, kept = exc.result, exc
-            answer = {"text": result.text, "finish_reason": result.finish_reason, "stats": result.stats.to_dict()}
-            if tool_list:
-                answer["tool_calls"] = [call.as_openai() for call in result.tool_calls]
-            typer.echo(json.dumps(answer))
-        else:
-            try:
-                result = generate_text(request, on_text=_write_stdout)
-            except AnswerKeptError as exc:
-                result, kept = exc.result, exc
-            finally:
-                bar.close()  # an error or Ctrl-C while the prompt was read: the bar goes before the message
-            sys.stdout.write("\n" if result.text and not result.text.endswith("\n") else "")
-            sys.stdout.flush()
-            typer.echo(result.stats.summary(), err=True)
+        learned = []
+        try:
+            if json_output:
+                try:
+                    result = generate_text(request)
+                except AnswerKeptError as exc:
+                    result, kept = exc.result, exc
+                learned = learning.finish() if learning is not None else []
+                answer = {"text": result.text, "finish_reason": result.finish_reason, "stats": result.stats.to_dict()}
+                if tool_list:
+                    answer["tool_calls"] = [call.as_openai() for call in result.tool_calls]
+                if learning is not None:
+                    answer["learning"] = [report.to_dict() for report in learned]
+                typer.echo(json.dumps(answer))
+            else:
+                try:
+                    result = generate_text(request, on_text=_write_stdout)
+                except AnswerKeptError as exc:
+                    result, kept = exc.result, exc
+                finally:
+                    bar.close()  # an error or Ctrl-C while the prompt was read: the bar goes before the message
+                sys.stdout.write("\n" if result.text and not result.text.endswith("\n") else "")
+                sys.stdout.flush()
+                typer.echo(result.stats.summary(), err=True)
+                learned = learning.finish() if learning is not None else []
+                for report in learned:
+                    typer.echo(report.summary(), err=True)
+        finally:
+            if learning is not None:
+                learning.finish()  # stopped on an error or Ctrl-C too (a second finish finds nothing)
         if kept is not None:
             raise kept
 

@@ -24,6 +24,7 @@ from rich.text import Text
 from specrun.cli.common import (
     PipeConsole,
     check_generation_options,
+    checked_learning,
     checked_flash_attn,
     check_kv_type,
     check_window_use,
@@ -59,6 +60,10 @@ from specrun.cli.options import (
     KvTypeOpt,
     LookaheadOpt,
     MarginOpt,
+    LearnOpt,
+    LearnBudgetOpt,
+    LearnBufferOpt,
+    KeepLearnedOpt,
     MaxTokensOpt,
     MethodOpt,
     MinPOpt,
@@ -152,6 +157,10 @@ def chat_command(
     epsilon: EpsilonOpt = None,
     delta: DeltaOpt = None,
     margin: MarginOpt = None,
+    learn: LearnOpt = None,
+    learn_budget: LearnBudgetOpt = None,
+    learn_buffer: LearnBufferOpt = None,
+    keep_learned: KeepLearnedOpt = False,
 ) -> None:
     """Chat with the target model: a REPL on a terminal; on a pipe, stdin is the message and stdout the answer."""
     with cli_errors():
@@ -184,16 +193,21 @@ def chat_command(
                               flash_attn=flash_attn, exact=exact, window=window, sinks=sinks, tree_paths=trees.paths)
         tool_list, choice = checked_tools(tools, tool_choice)
         target, draft = choose_pair(target, draft, registry)
-        with open_chat(target, draft, method, options,
-                       system_prompt=None if system is None else checked_text(system, "--system"),
-                       draft_len=draft_len, draft_min_prob=draft_min_prob, ngram_cache=ngram_cache,
-                       branches=trees.branches, heads=heads, lookahead=lookahead_sizes,
-                       chain=trees.chain, tree_nodes=trees.nodes, on_note=view.note,
-                       tools=tool_list, tool_choice=choice, verification=verification) as session:
-            if messages is None:
-                ChatRepl(session, params, view).run()
-            else:
-                answer_each(session, messages, params, view, new_conversation_each=each_line)
+        learning = checked_learning("chat", learn, learn_budget, learn_buffer, keep_learned, target, heads, view.note)
+        try:
+            with open_chat(target, draft, method, options,
+                           system_prompt=None if system is None else checked_text(system, "--system"),
+                           draft_len=draft_len, draft_min_prob=draft_min_prob, ngram_cache=ngram_cache,
+                           branches=trees.branches, heads=heads, lookahead=lookahead_sizes,
+                           chain=trees.chain, tree_nodes=trees.nodes, on_note=view.note, tools=tool_list,
+                           tool_choice=choice, verification=verification, learn=learning) as session:
+                if messages is None:
+                    ChatRepl(session, params, view).run()
+                else:
+                    answer_each(session, messages, params, view, new_conversation_each=each_line)
+        finally:  # the learners stop, and write the heads where asked, however the chat ended
+            for report in learning.finish() if learning is not None else []:
+                print(report.summary(), file=sys.stderr, flush=True)
 
 
 def _piped_messages(text: str, each_line: bool) -> list[str]:

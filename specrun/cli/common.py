@@ -394,3 +394,41 @@ def check_generation_options(
     check_range("--ctx", ctx, 16, 1 << 20)
     check_range("--threads", threads, 1, 1024)
 
+
+
+def checked_learning(command: str, learn: bool | None, budget: float | None, buffer: int | None, keep: bool,
+                     target: str, heads: str | None, on_note):
+    """The learning a command runs with (training/online.py's Learning), or None: --learn/--no-learn,
+    by default on for chat and serve (they read much text of one user) and off for generate;
+    --keep-learned turns it on. Usage errors for a budget or buffer out of range, or given with
+    learning off."""
+    from specrun.training.online import DEFAULT_BUFFER, DEFAULT_SHARE, LearnSettings, Learning, check_learn_settings
+
+    if keep and learn is False:
+        raise UsageError("--keep-learned keeps what learning learned, and --no-learn turns learning off",
+                         "drop one of them")
+    share = DEFAULT_SHARE if budget is None else budget
+    tokens = DEFAULT_BUFFER if buffer is None else buffer
+    check_learn_settings(share, tokens)
+    on = learn if learn is not None else keep or command in ("chat", "serve")
+    if not on:
+        given = "--learn-budget" if budget is not None else "--learn-buffer" if buffer is not None else None
+        if given is not None:
+            raise UsageError(f"{given} sizes online learning, which is off for this run", f"add --learn, or drop {given}")
+        return None
+    return Learning(LearnSettings(share, tokens, keep), lambda found: learned_heads_path(found, target, heads),
+                    on_note, explicit=bool(learn) or keep)
+
+
+def learned_heads_path(heads, target: str, explicit: str | None) -> Path:
+    """Where --keep-learned writes ``heads``: the --heads file they were read from (specrun's own
+    file, or an EAGLE-3 folder), else specrun's cache for the target, which is looked in first."""
+    from specrun.heads.kinds import kind_of
+    from specrun.training.run import default_heads_path
+
+    kind = kind_of(heads)
+    if explicit is not None:
+        given = Path(explicit).expanduser()
+        if (given.suffix == ".safetensors") if kind.stored == "file" else given.is_dir():
+            return given
+    return default_heads_path(target, kind.name)

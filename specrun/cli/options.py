@@ -117,6 +117,29 @@ HeadsOpt = Annotated[
         "shipped with it.",
     ),
 ]
+LearnOpt = Annotated[
+    Optional[bool],
+    typer.Option(
+        "--learn/--no-learn",
+        help="Heads learn online from what the target verifies (OSD): a background thread takes small training "
+        "steps within --learn-budget and the drafter takes its weights between verify passes. It never changes "
+        "an answer (every draft is verified), so --exact keeps it. Default: on for chat and serve, off for generate.",
+    ),
+]
+LearnBudgetOpt = Annotated[
+    Optional[float],
+    typer.Option("--learn-budget", help="Learning's CPU time while generating, as a share of generation time "
+                 "(0-1, default 0.02); between answers it trains freely, at most 4 passes over what it read."),
+]
+LearnBufferOpt = Annotated[
+    Optional[int],
+    typer.Option("--learn-buffer", help="Positions of verified text learning keeps, the latest (default 4096)."),
+]
+KeepLearnedOpt = Annotated[
+    bool,
+    typer.Option("--keep-learned", help="Write the heads as learned at the end: back to the --heads file, else to "
+                 "specrun's cache for the target (found first from then on). Turns --learn on."),
+]
 GpuLayersOpt = Annotated[Optional[int], typer.Option("--gpu-layers", help="Layers on the GPU (default: all).")]
 RpcOpt = Annotated[
     Optional[str],

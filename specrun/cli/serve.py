@@ -9,6 +9,7 @@ import typer
 
 from specrun.cli.common import (
     check_generation_options,
+    checked_learning,
     checked_flash_attn,
     check_kv_type,
     check_window_use,
@@ -42,6 +43,10 @@ from specrun.cli.options import (
     KvTypeOpt,
     LookaheadOpt,
     MarginOpt,
+    LearnOpt,
+    LearnBudgetOpt,
+    LearnBufferOpt,
+    KeepLearnedOpt,
     MethodOpt,
     MinPOpt,
     NgramCacheOpt,
@@ -112,6 +117,10 @@ def serve_command(
     epsilon: EpsilonOpt = None,
     delta: DeltaOpt = None,
     margin: MarginOpt = None,
+    learn: LearnOpt = None,
+    learn_budget: LearnBudgetOpt = None,
+    learn_buffer: LearnBufferOpt = None,
+    keep_learned: KeepLearnedOpt = False,
 ) -> None:
     """Serve the pair over an OpenAI-compatible API (/v1/chat/completions, /v1/completions,
     /v1/models, /health) until Ctrl-C. --temp, --top-k, --top-p, --min-p and -n are the defaults
@@ -161,6 +170,8 @@ def serve_command(
                              "HTTP headers carry ASCII, so no client could send it",
                              "choose a key of printable ASCII characters")
         target, draft = choose_pair(target, draft, registry)
+        learning = checked_learning("serve", learn, learn_budget, learn_buffer, keep_learned, target, heads,
+                                    lambda note: _log(f"note: {note}"))
         pair = PairOptions(
             target=target,
             draft=draft if needs_draft_model(method) else None,
@@ -176,10 +187,15 @@ def serve_command(
             lookahead=lookahead_sizes,
             verification=verification,
             parallel=parallel,
+            learn=learning,
         )
         http = HttpOptions(host=host, port=port, api_key=api_key, max_body_bytes=max_body,
                            max_queue=max_queue, model_names=(target,))
-        serve(pair, http, ServeDefaults(max_tokens, sampling), log=_log)
+        try:
+            serve(pair, http, ServeDefaults(max_tokens, sampling), log=_log)
+        finally:  # the learners stop, and write the heads where asked, however the server ended
+            for report in learning.finish() if learning is not None else []:
+                _log(report.summary())
 
 
 def _log(line: str) -> None:

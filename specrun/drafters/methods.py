@@ -18,6 +18,7 @@ from specrun.drafters.base import Drafter
 from specrun.drafters.chain import ChainDrafter
 from specrun.drafters.draft_model import DraftModelDrafter
 from specrun.drafters.heads import DRAFTERS
+from specrun.drafters.heads.base import HeadsLearner
 from specrun.drafters.lookahead import LookaheadDrafter, LookaheadSizes
 from specrun.drafters.lookup import PromptLookupDrafter
 from specrun.drafters.ngram import NgramPoolDrafter
@@ -73,6 +74,9 @@ class DrafterOptions:
     # auto drafts with a lookahead window too (of ``lookahead``'s sizes): where the target's
     # measured pass costs predict it pays (control/forecasts.py)
     auto_lookahead: bool = False
+    # learns from what the target verifies (training/online.py): the drafter of the heads it
+    # learns (``learner.source``) hands it the target's states and takes its newer weights
+    learner: HeadsLearner | None = None
 
 
 def resolve_method(method: str, has_draft: bool = True, lookahead: bool = False, heads: str | None = None) -> str:
@@ -190,7 +194,11 @@ def _build_one(part: str, draft: Backend | None, options: DrafterOptions) -> Dra
             return NgramPoolDrafter(vocabulary=options.vocabulary, branches=options.branches)
         return NgramPoolDrafter.open(options.ngram_cache, vocabulary=options.vocabulary, branches=options.branches)
     if part in HEAD_METHODS:
-        return DRAFTERS[part](heads_of_kind(options.heads, part), branches=options.branches)
+        heads = heads_of_kind(options.heads, part)
+        drafter = DRAFTERS[part](heads, branches=options.branches)
+        if options.learner is not None and options.learner.source is heads:
+            drafter.learner = options.learner
+        return drafter
     if part == "lookahead":
         return LookaheadDrafter(options.lookahead)
     return DraftModelDrafter(draft, min_prob=options.draft_min_prob, branches=options.branches)

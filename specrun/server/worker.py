@@ -309,6 +309,7 @@ class PairOptions:
     lookahead: LookaheadSizes | None = None  # --lookahead (None: chosen from the target's pass costs)
     verification: Verification = field(default_factory=Verification)  # --verify, --accept: exact by default
     parallel: int = 1  # --parallel: requests decoded together, each in a slot of its own
+    learn: Callable | None = None  # --learn: the heads' learner (sessions/heads.with_learner); None: none learn
 
 
 class PairWorker:
@@ -414,7 +415,7 @@ class PairWorker:
                                      draft_min_prob=pair.draft_min_prob, ngram_cache=pair.ngram_cache,
                                      heads=pair.heads, branches=pair.trees.branches, lookahead=pair.lookahead,
                                      chain=pair.trees.chain, tree_nodes=pair.trees.nodes,
-                                     verification=pair.verification,
+                                     verification=pair.verification, learn=pair.learn,
                                      on_note=lambda note: self.log(f"note: {note}"))
             if self.parallel > 1:
                 from specrun.sessions.slots import SlotSessions

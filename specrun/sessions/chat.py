@@ -36,7 +36,7 @@ from specrun.engine.events import Finished, GenerationResult, TextChunk
 from specrun.engine.loop import GenerationParams, SpeculativeEngine
 from specrun.engine.passes import Verification
 from specrun.errors import ContextFullError, UsageError
-from specrun.sessions.heads import heads_for_auto, load_target_heads, paying_heads, with_auto_heads
+from specrun.sessions.heads import heads_for_auto, load_target_heads, paying_heads, with_auto_heads, with_learner
 from specrun.sessions.setup import (
     TreeSettings,
     adapts_length,
@@ -187,8 +187,10 @@ class ChatSession:
         tools: Sequence[Tool] = (),
         tool_choice: ToolChoice = ToolChoice(),
         verification: Verification = Verification(),
+        learn: Callable | None = None,
     ) -> None:
         self.target = target
+        self._learn = learn  # --learn: the learner of the heads drafted with (sessions/heads.with_learner)
         self.tools = tuple(tools)  # functions the model may call, rendered into every prompt
         self.tool_choice = tool_choice  # a required call is forced on each user turn, not after a result
         self._call_grammar: Grammar | None = None
@@ -244,7 +246,8 @@ class ChatSession:
             probe = self.target.tokenize(self.system_prompt or PROBE_TEXT, add_bos=self.target.vocab.add_bos)
             choice = choose_window(self.target, costs, fitting(0, self.target.tree_support.max_paths), probe)
             self._drafter_options = dataclasses.replace(self._drafter_options, lookahead=choice.sizes)
-        return build_drafter(method, self.draft, self._drafter_options)
+        options = with_learner(self._drafter_options, method, self.target, self._learn)
+        return build_drafter(method, self.draft, options)
 
     def _add_auto_window(self) -> None:
         """auto without a draft model drafts with a lookahead window too where earlier runs'
@@ -516,6 +519,7 @@ def open_chat(
     tools: Sequence[Tool] = (),
     tool_choice: ToolChoice = ToolChoice(),
     verification: Verification = Verification(),
+    learn: Callable | None = None,
 ) -> ChatSession:
     """Load the pair for ``method`` (the draft model only if it needs one) and start a session.
 
@@ -567,7 +571,7 @@ def open_chat(
                            drafter_options=drafter_options,
                            find_tuned=lambda loaded: load_tuned(target, loaded, options.threads),
                            threads=options.threads, chain=chain, tree_nodes=tree_nodes, on_note=on_note,
-                           tools=tools, tool_choice=tool_choice, verification=verification)
+                           tools=tools, tool_choice=tool_choice, verification=verification, learn=learn)
     except BaseException:
         target.close()
         if draft is not None:

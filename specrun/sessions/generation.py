@@ -25,7 +25,7 @@ from specrun.grammar import Grammar, GrammarSpec
 from specrun.sessions.templates import ChatTemplate, tokenize_rendered
 from specrun.sessions.tools import Tool, ToolChoice, render_conversation, style_for
 from specrun.sampling import SamplingSettings
-from specrun.sessions.heads import heads_for_auto, load_target_heads, paying_heads, with_auto_heads
+from specrun.sessions.heads import heads_for_auto, load_target_heads, paying_heads, with_auto_heads, with_learner
 from specrun.sessions.setup import (
     TreeSettings,
     adapts_length,
@@ -64,6 +64,8 @@ class GenerateRequest:
     tool_choice: ToolChoice = field(default_factory=ToolChoice)
     on_note: Callable[[str], None] | None = None  # one-line notes for the user (stderr in the CLI)
     on_prefill: Callable[[int, int], None] | None = None  # (tokens read, prompt tokens) of a long prompt
+    # --learn: the learner of the heads drafted with (heads, target) -> HeadsLearner (training/online.py)
+    learn: Callable | None = None
 
 
 def tool_prompt(target, request: GenerateRequest) -> tuple[list[int], GrammarSpec | None]:
@@ -140,6 +142,7 @@ def generate_text(request: GenerateRequest, on_text: Callable[[str], None] | Non
             params = dataclasses.replace(params, tree_nodes=trees.trees.nodes)
             if request.on_note is not None:
                 request.on_note(trees.describe())
+        options = with_learner(options, request.method, target, request.learn)
         drafter = build_drafter(request.method, draft, options)
         if request.trees.paths and not target.tree_support.available and request.on_note is not None:
             request.on_note(f"token trees are off: {target.tree_support.reason}; verifying chains")

@@ -94,9 +94,13 @@ class Eagle3Math:
     the target's embedding ``embedding`` (V, D), frozen."""
 
     def __init__(self, params: dict[str, np.ndarray], num_heads: int, head_dim: int, rope_theta: float,
-                 embedding: np.ndarray) -> None:
+                 embedding: np.ndarray, num_kv_heads: int | None = None) -> None:
         self.p, self.num_heads, self.head_dim, self.rope_theta = params, num_heads, head_dim, rope_theta
         self.embedding = embedding
+        # grouped-query attention (published heads: Llama 3.1 8B's 32 query heads read 8): each key
+        # and value head serves ``group`` query heads in turn, as transformers' repeat_kv lays them out
+        self.num_kv_heads = num_kv_heads or num_heads
+        self.group = num_heads // self.num_kv_heads
 
     def batch(self, windows: list[EagleWindow], t2d: np.ndarray) -> _Batch:
         """``windows`` padded; ``t2d`` (V + 1,) maps a target id (and -1, last) to its draft id or -1."""
@@ -133,21 +137,31 @@ class Eagle3Math:
         return done
 
     def _per_head(self, x: np.ndarray, data: _Batch) -> np.ndarray:  # (N, nh*hd) -> (B, nh, L, hd)
-        return x.reshape(data.batch, data.length, self.num_heads, self.head_dim).transpose(0, 2, 1, 3)
+        return x.reshape(data.batch, data.length, -1, self.head_dim).transpose(0, 2, 1, 3)
 
     def _flat(self, x: np.ndarray, data: _Batch) -> np.ndarray:  # (B, nh, L, hd) -> (N, nh, hd)
-        return x.transpose(0, 2, 1, 3).reshape(data.batch * data.length, self.num_heads, self.head_dim)
+        return x.transpose(0, 2, 1, 3).reshape(data.batch * data.length, -1, self.head_dim)
+
+    def _repeated(self, x: np.ndarray) -> np.ndarray:  # (B, nkv, L, hd) -> (B, nh, L, hd)
+        return np.repeat(x, self.group, axis=1) if self.group > 1 else x
+
+    def _grouped(self, x: np.ndarray) -> np.ndarray:  # (B, nh, L, hd) -> (B, nkv, L, hd): repeat's transpose
+        if self.group == 1:
+            return x
+        batch, _, length, dim = x.shape
+        return x.reshape(batch, self.num_kv_heads, self.group, length, dim).sum(axis=2)
 
     def _step(self, data: _Batch, k: int, hidden: np.ndarray, x_embedded: np.ndarray, done: list[_Step]) -> _Step:
         p, length = self.p, data.length
         hidden_normed, hidden_inverse = _normed(hidden)
         x = np.concatenate([x_embedded, hidden_normed * p["hidden_norm"]], axis=-1)
         shape = (len(x), self.num_heads, self.head_dim)
+        kv_shape = (len(x), self.num_kv_heads, self.head_dim)
         queries = self._per_head(rope((x @ p["q_proj"].T).reshape(shape), data.positions, self.rope_theta)
                                  .reshape(len(x), -1), data)
-        keys = self._per_head(rope((x @ p["k_proj"].T).reshape(shape), data.positions, self.rope_theta)
-                              .reshape(len(x), -1), data)
-        values = self._per_head(x @ p["v_proj"].T, data)
+        keys = self._repeated(self._per_head(rope((x @ p["k_proj"].T).reshape(kv_shape), data.positions,
+                                                  self.rope_theta).reshape(len(x), -1), data))
+        values = self._repeated(self._per_head(x @ p["v_proj"].T, data))
         scale = 1.0 / math.sqrt(self.head_dim)
         context_keys, context_values = (keys, values) if k == 0 else (done[0].keys, done[0].values)
         scores = queries @ context_keys.transpose(0, 1, 3, 2) * scale  # (B, nh, L, L)
@@ -256,10 +270,11 @@ class Eagle3Math:
                 d_queries = d_queries + d_score[..., None] * entry_keys
                 d_keys[j] += _shifted_back(d_score[..., None] * step.queries, k - j)
             # this step's projections: its keys and values have every reader's gradient by now
-            width = self.num_heads * self.head_dim
+            width, kv_width = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
             d_q = rope(self._flat(d_queries, data), data.positions, self.rope_theta, inverse=True).reshape(-1, width)
-            d_k = rope(self._flat(d_keys[k], data), data.positions, self.rope_theta, inverse=True).reshape(-1, width)
-            d_v = self._flat(d_values[k], data).reshape(-1, width)
+            d_k = rope(self._flat(self._grouped(d_keys[k]), data), data.positions, self.rope_theta,
+                       inverse=True).reshape(-1, kv_width)
+            d_v = self._flat(self._grouped(d_values[k]), data).reshape(-1, kv_width)
             grads["q_proj"] += d_q.T @ step.x
             grads["k_proj"] += d_k.T @ step.x
             grads["v_proj"] += d_v.T @ step.x
@@ -313,6 +328,7 @@ class NumpyEagle3Trainer(NamedAdamW):
         self.aux_layer_ids = heads.aux_layer_ids
         self.learning_rate = learning_rate
         self.num_heads, self.head_dim = heads.num_attention_heads, heads.head_dim
+        self.num_kv_heads = heads.num_key_value_heads
         self.rope_theta = heads.rope_theta
         self.params = {name: np.array(getattr(heads, name), np.float32) for name in PARAMETER_NAMES}
         self.embedding = np.asarray(embedding, np.float32)
@@ -353,7 +369,8 @@ class NumpyEagle3Trainer(NamedAdamW):
         return cls(heads, learning_rate, seed, embedding)
 
     def _math(self) -> Eagle3Math:
-        return Eagle3Math(self.params, self.num_heads, self.head_dim, self.rope_theta, self.embedding)
+        return Eagle3Math(self.params, self.num_heads, self.head_dim, self.rope_theta, self.embedding,
+                          self.num_kv_heads)
 
     def step_windows(self, windows: list[EagleWindow]) -> float:
         """One AdamW step on ``windows`` (one padded batch, TRAINED_STEPS deep); the loss before it."""
@@ -381,7 +398,7 @@ class NumpyEagle3Trainer(NamedAdamW):
     def heads(self, training: dict | None = None) -> Eagle3Heads:
         config = self.config if training is None else dataclasses.replace(self.config, training=training)
         size = self.params["norm"].shape[0]
-        return Eagle3Heads(config, size, self.num_heads, self.num_heads, self.head_dim,
+        return Eagle3Heads(config, size, self.num_heads, self.num_kv_heads, self.head_dim,
                            self.params["gate_proj"].shape[0], _EPS, self.rope_theta, self.aux_layer_ids,
                            d2t=self.d2t, max_position_embeddings=self.max_position_embeddings,
                            **{name: array.copy() for name, array in self.params.items()})

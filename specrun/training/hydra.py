@@ -38,6 +38,13 @@ def batch_loss(heads: HydraHeads, hidden: np.ndarray, rows: np.ndarray,
     for i, ((weight, bias), blocks, projection) in enumerate(zip(heads.inputs, heads.blocks, heads.lm_heads)):
         labelled = np.flatnonzero(labels[i] >= 0)
         count, scale = len(labelled), HEAD_LOSS_DECAY**i / max(len(labelled), 1)
+        if not count:  # no label for this head in the batch (a short window online): no gradient
+            grads[f"{i}.lm_head"] = np.zeros_like(projection)
+            grads[f"{i}.in.weight"], grads[f"{i}.in.bias"] = np.zeros_like(weight), np.zeros_like(bias)
+            for j, (block_weight, block_bias) in enumerate(blocks):
+                grads[f"{i}.blocks.{j}.weight"], grads[f"{i}.blocks.{j}.bias"] = (np.zeros_like(block_weight),
+                                                                                  np.zeros_like(block_bias))
+            continue
         state, path = hidden[labelled], rows[labelled, : i + 1]  # (n, H), (n, i + 1)
         joined = np.concatenate([state, heads.embed[path].reshape(count, -1)], axis=1)  # (n, H + (i + 1) E)
         z = joined @ weight.T + bias

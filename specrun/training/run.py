@@ -633,7 +633,7 @@ class _Run:
     def _positions(self, data: _Data, rows: list[int], d2t: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
         """Every position of ``rows``: states (N, H) and each head's label (heads, N) as draft ids,
         -1 where there is none (past the window, or a token outside the draft vocabulary)."""
-        labels = _target_labels([data.following[i] for i in rows], self.request.num_heads)  # (heads, N)
+        labels = target_labels([data.following[i] for i in rows], self.request.num_heads)  # (heads, N)
         if d2t is not None:
             t2d = np.full(self.target.vocab_size + 1, -1, np.int64)  # the last entry maps "none" (-1)
             t2d[d2t] = np.arange(len(d2t))
@@ -699,7 +699,7 @@ class _Run:
         for window in windows:
             chain = trainer.predict_chain(window, depth)  # (depth, T - 1); the last position drafts nothing
             guesses.append(np.concatenate([chain, np.full((depth, 1), -1)], axis=1))
-            labels.append(_target_labels([window.following], depth))
+            labels.append(target_labels([window.following], depth))
         return held_out_report(np.concatenate(guesses, axis=1), np.concatenate(labels, axis=1))
 
     def _done(self) -> bool:
@@ -711,7 +711,7 @@ class _Run:
     def _report_hydra(self, trainer, data: _Data, rows: list[int]) -> HeldOutReport:
         """Hydra: the greedy chain the heads draft from each held-out position, on their own."""
         depth = self.request.num_heads
-        labels = _target_labels([data.following[i] for i in rows], depth)  # (heads, N)
+        labels = target_labels([data.following[i] for i in rows], depth)  # (heads, N)
         states = np.concatenate([data.states[i] for i in rows])
         following = _next_tokens(data, rows, 1)[:, 0]  # the token at p + 1 (-1 past a window's end)
         step = BATCH_POSITIONS * 4
@@ -721,7 +721,7 @@ class _Run:
         return held_out_report(guesses, labels)
 
     def _report(self, trainer, data: _Data, rows: list[int]) -> HeldOutReport:
-        labels = _target_labels([data.following[i] for i in rows], self.request.num_heads)  # (heads, N)
+        labels = target_labels([data.following[i] for i in rows], self.request.num_heads)  # (heads, N)
         states = np.concatenate([data.states[i] for i in rows])
         guesses = np.concatenate([trainer.predict(states[start : start + BATCH_POSITIONS * 4])
                                   for start in range(0, len(states), BATCH_POSITIONS * 4)], axis=1)
@@ -744,7 +744,7 @@ def held_out_report(guesses: np.ndarray, labels: np.ndarray) -> HeldOutReport:
     return HeldOutReport(head_accuracy, chain, tokens_per_pass, int(complete.sum()))
 
 
-def _target_labels(following: list[np.ndarray], num_heads: int) -> np.ndarray:
+def target_labels(following: list[np.ndarray], num_heads: int) -> np.ndarray:
     """(heads, N) over the positions of every window: head i's label at p is the target's token
     after p + 1 + i (-1 past the window's end, and where the window says none: a prompt)."""
     columns = []

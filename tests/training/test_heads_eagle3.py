@@ -4,6 +4,7 @@ lower the loss."""
 
 from __future__ import annotations
 
+import dataclasses
 import zlib
 
 import numpy as np
@@ -28,6 +29,19 @@ def tiny_trainer(d2t=(0, 2, 3, 5, 7, 8, 9), seed: int = 0) -> NumpyEagle3Trainer
     trainer = NumpyEagle3Trainer.fresh(config, rng.normal(0, 1, (len(d2t), SIZE)), rng.normal(0, 1, (VOCAB, SIZE)),
                                        np.asarray(d2t), 1e-3, seed, AUX)
     for name, array in trainer.params.items():  # away from the start's near-identities: every path matters
+        array += rng.normal(0, 0.3, array.shape).astype(np.float32)
+    return trainer
+
+
+def grouped_trainer(seed: int = 0) -> NumpyEagle3Trainer:
+    """Four query heads reading two key-value heads (grouped-query attention, as published heads have)."""
+    from heads_factory import eagle3_heads
+
+    rng = np.random.default_rng(seed)
+    heads = eagle3_heads(SIZE, VOCAB, depth=3, draft_vocab=(0, 2, 3, 5, 7, 8, 9), aux=AUX, heads=4, kv_heads=2,
+                         head_dim=4, intermediate=16, seed=seed)
+    trainer = NumpyEagle3Trainer(heads, 1e-3, seed, rng.normal(0, 1, (VOCAB, SIZE)))
+    for name, array in trainer.params.items():
         array += rng.normal(0, 0.3, array.shape).astype(np.float32)
     return trainer
 
@@ -67,15 +81,17 @@ def test_the_gradient_is_the_losss_by_finite_differences(steps):
             assert grads[name][index] == pytest.approx(numeric, rel=1e-4, abs=1e-8), (name, index)
 
 
-def test_the_gradient_along_a_random_direction_of_every_array_at_the_trained_depth():
+@pytest.mark.parametrize("make", [tiny_trainer, grouped_trainer])
+def test_the_gradient_along_a_random_direction_of_every_array_at_the_trained_depth(make):
     """All arrays at once, TRAINED_STEPS deep: the loss's change along a random direction is the
-    gradient's inner product with it (no entry can hide behind a near-zero gradient)."""
+    gradient's inner product with it (no entry can hide behind a near-zero gradient); with
+    grouped-query attention too, each key-value head's gradient summed over the heads it serves."""
     from specrun.training.eagle3 import TRAINED_STEPS
 
-    trainer = tiny_trainer(seed=3)
+    trainer = make(seed=3)
     params = {name: array.astype(np.float64) for name, array in trainer.params.items()}
     math_ = Eagle3Math(params, trainer.num_heads, trainer.head_dim, trainer.rope_theta,
-                       trainer.embedding.astype(np.float64))
+                       trainer.embedding.astype(np.float64), trainer.num_kv_heads)
     data = math_.batch(windows(np.random.default_rng(5), lengths=(9, 6, 8)), trainer.t2d)
     data.layers = data.layers.astype(np.float64)
     _, grads = math_.loss_and_grads(data, TRAINED_STEPS)
@@ -95,16 +111,24 @@ def fake_state(context: tuple[int, ...]) -> np.ndarray:
     return np.random.default_rng(zlib.crc32(repr(context).encode())).normal(0, 1, SIZE).astype(np.float32)
 
 
-def test_its_chains_are_what_the_drafter_drafts_from_the_same_heads():
+@pytest.mark.parametrize("grouped", [False, True])
+def test_its_chains_are_what_the_drafter_drafts_from_the_same_heads(grouped):
     """The trainer feeds a chain the window's true tokens, the drafter its own drafts: on a window
-    that continues a prefix with the drafter's own chain, every guess of that chain is the drafter's."""
+    that continues a prefix with the drafter's own chain, every guess of that chain is the drafter's
+    (``grouped``: four query heads reading two key-value heads)."""
+    from heads_factory import eagle3_heads
+
     table = copying_logits(salt=4)
     target = FakeBackend(table, COPYING_VOCAB, hidden_table=fake_state, hidden_size=SIZE, n_layers=FAKE_LAYERS)
     rng = np.random.default_rng(3)
     config = HeadsConfig("eagle", 3, 1, SIZE, COPYING_VOCAB, COPYING_VOCAB)
     embedding = target.token_embeddings(range(COPYING_VOCAB))
-    trainer = NumpyEagle3Trainer.fresh(config, rng.normal(0, 1, (COPYING_VOCAB, SIZE)), embedding, None, 1e-3, 0,
-                                       AUX)
+    if grouped:
+        heads = eagle3_heads(SIZE, COPYING_VOCAB, depth=3, aux=AUX, heads=4, kv_heads=2, head_dim=4, intermediate=16)
+        trainer = NumpyEagle3Trainer(dataclasses.replace(heads, embed_tokens=None), 1e-3, 0, embedding)
+    else:
+        trainer = NumpyEagle3Trainer.fresh(config, rng.normal(0, 1, (COPYING_VOCAB, SIZE)), embedding, None, 1e-3,
+                                           0, AUX)
     for array in trainer.params.values():
         array += rng.normal(0, 0.3, array.shape).astype(np.float32)
     drafter = EagleDrafter(trainer.heads())  # no embedding of its own: the fake's rows, as in training

@@ -245,13 +245,13 @@ def test_self_distillation_from_a_prompts_file(tiny_llama, tmp_path):
 
 
 def test_a_continued_prompt_labels_only_the_generated_tokens():
-    from specrun.training.run import _Data, _target_labels
+    from specrun.training.run import _Data, target_labels
 
     data = _Data()
     tokens = [1, 2, 3, 4, 5, 6]  # a prompt of three tokens, then three generated
     data.add(tokens, np.zeros((6, 4), np.float16), np.array([2, 3, 4, 5, 6, 7]), label_from=2)
     # head i at p guesses token p + 2 + i: never tokens[2], the prompt's last
-    assert _target_labels(data.following, 2).tolist() == [[-1, 4, 5, 6, 7, -1], [4, 5, 6, 7, -1, -1]]
+    assert target_labels(data.following, 2).tolist() == [[-1, 4, 5, 6, 7, -1], [4, 5, 6, 7, -1, -1]]
 
 
 def test_the_report_counts_a_chain_only_while_every_head_was_right():

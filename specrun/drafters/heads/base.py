@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from time import perf_counter
+from typing import Protocol
 
 import numpy as np
 
@@ -53,6 +54,21 @@ def check_heads_target(method: str, config: HeadsConfig, target: KVSequence, lay
         )
 
 
+class HeadsLearner(Protocol):
+    """What learns from a heads drafter's verified text (training/online.py's OnlineLearner):
+    told where a text begins, given the target's states at the positions it verified, and asked
+    for newer weights between verify passes."""
+
+    kind: str
+    source: object  # the heads it was made from: the drafter of those heads feeds it
+
+    def start_text(self) -> None: ...
+
+    def observe(self, first: int, states: np.ndarray | None, context: Sequence[int]) -> None: ...
+
+    def latest(self, version: int) -> tuple[int, object] | None: ...
+
+
 class HeadsDrafter(Drafter):
     """What every drafter over the target's own hidden states shares (Medusa, Hydra, EAGLE): its
     heads, its ``branches``, the target it reads once bound (its hidden states tracked from then
@@ -71,6 +87,9 @@ class HeadsDrafter(Drafter):
         config = heads.config
         self._d2t = heads.d2t if heads.d2t is not None else np.arange(config.draft_vocab_size)
         self._vocab_size = config.vocab_size
+        self.learner: HeadsLearner | None = None  # set by build_drafter where the heads learn online
+        self._learned_version = 0  # of the learner's weights drafted with
+        self._harvested = -1  # the first position whose state the learner has not had; -1 before a text
 
     def bind(self, target: KVSequence, clock: Callable[[], float]) -> None:
         """Read the target's hidden states from now on: turns its tracking on."""
@@ -85,9 +104,40 @@ class HeadsDrafter(Drafter):
         """The layers whose outputs the heads read (KVSequence.track_hidden); () the output head's input."""
         return ()
 
+    def prefill(self, context: Sequence[int]) -> None:
+        """A text begins: what the learner learns from starts at the prompt's last position (the
+        state that chose the first generated token), so prompts are never labels."""
+        if self.learner is not None:
+            self.learner.start_text()
+            self._harvested = len(context) - 1
+
+    def learn(self, context: Sequence[int]) -> None:
+        """Between verify passes: the states at the positions verified since the last call go to
+        the learner, and weights it has made since are swapped in. Drafts stay the target's to
+        accept, so new weights change how much is accepted, never what is."""
+        learner = self.learner
+        if learner is None or self.target is None:
+            return
+        fresh = learner.latest(self._learned_version)
+        if fresh is not None:
+            self._learned_version, heads = fresh
+            self.swap_heads(heads)
+        stop = len(context) - 1  # the last cached position is stop - 1: the context but its last token
+        start = max(self._harvested, stop - self.hidden_tail)
+        if self._harvested < 0 or stop <= start:
+            self._harvested = min(self._harvested, stop)
+            return
+        learner.observe(start, self.target.hidden(start, stop), context)
+        self._harvested = stop
+
+    def swap_heads(self, heads) -> None:
+        """Draft with ``heads`` (the same kind and draft vocabulary, newer weights) from now on."""
+        self.heads = heads
+
     def last_state(self, context: Sequence[int], draft_len: int) -> tuple[int, np.ndarray] | None:
         """How deep to draft (``draft_len``, at most the heads' depth) and the hidden state (H,) at
         the last cached position, the context's second-to-last; None where nothing can be drafted."""
+        self.learn(context)
         depth = min(draft_len, self.heads.config.num_heads)
         if depth <= 0 or self.target is None or len(context) < 2:
             return None

@@ -152,6 +152,16 @@ class EagleDrafter(HeadsDrafter):
         super().bind(target, clock)
         self._entries = _Entries()
 
+    def swap_heads(self, heads: EagleHeads | Eagle3Heads) -> None:
+        """Newer weights: the context's keys and values are the old layer's, so they are made again
+        (from the target's features, which the drafter keeps ``window`` back); EAGLE-3 heads
+        without an embedding of their own keep reading the target's."""
+        if isinstance(heads, Eagle3Heads) and heads.embed_tokens is None:
+            heads = dataclasses.replace(heads, embed_tokens=self.heads.embed_tokens)
+        self.heads = heads
+        self._dtype = heads.dtype
+        self._entries = _Entries()
+
     def target_layers(self, target: KVSequence) -> tuple[int, ...]:
         """EAGLE-3's: the layers its file names, else those SGLang reads for a target this deep."""
         return eagle3_layers(self.heads, target.backend) if isinstance(self.heads, Eagle3Heads) else ()
@@ -224,6 +234,7 @@ class EagleDrafter(HeadsDrafter):
         sampling: SamplingSettings,
         rng: np.random.Generator,
     ) -> Proposal:
+        self.learn(context)
         depth = min(draft_len, self.heads.config.num_heads)
         if depth <= 0 or self.target is None or len(context) < 2:
             return EMPTY_PROPOSAL

@@ -1,0 +1,553 @@
+"""Heads that keep learning while they draft: online speculative decoding (OSD, Liu et al. 2024).
+
+A heads drafter (drafters/heads/base.py) hands its learner, between verify passes, what the target
+verified: its hidden states at the positions it generated and the tokens it chose. The learner
+cuts them into windows of WINDOW_POSITIONS consecutive positions (what `specrun heads train`
+trains on: training/run.py), and a worker thread scores each new window with the heads as they
+are (prequentially: tested before it is trained on, so the acceptance by depth reported is the
+heads' on text they had not seen), keeps the latest ``buffer_tokens`` positions, and takes small
+AdamW steps on batches drawn from them. Every PUBLISH_SECONDS it publishes a copy of the weights,
+which the drafter takes between two verify passes.
+
+The budget: while text is being generated, the worker's CPU time stays within ``share`` of the
+time generation has taken (its thread clock against the wall); while nothing is generated (a chat
+between turns, a server between requests) it trains freely, but no position is trained on more
+than EPOCHS times on average, so it stops soon after the text runs out.
+
+Learning never changes an answer: every draft is verified by the target (exactly at temperature
+0, by rejection sampling above it, with the distributions of the weights that drew it), so the
+heads' weights decide only how much is accepted. It stays on for --exact runs.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from contextlib import contextmanager
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from specrun.errors import UsageError
+from specrun.heads.kinds import BY_NAME, TRAINABLE_KINDS, kind_of
+from specrun.training.run import held_out_report, target_labels, trainer_class
+
+WINDOW_POSITIONS = 64  # positions per window, as the buffer keeps them and the report scores them
+BATCH_POSITIONS = 64  # positions per step (Medusa, Hydra)
+BATCH_WINDOWS = 1  # windows per step (EAGLE, EAGLE-3)
+PUBLISH_SECONDS = 2.0  # a copy of the weights for the drafter, at most this often (Medusa's: ~38 MB)
+IDLE_AFTER = 1.0  # seconds without a verified token: generation is idle, the worker trains freely
+EPOCHS = 4.0  # steps stop once the positions trained on reach this many times those seen
+WAIT_SECONDS = 0.05  # the worker's nap when it may not step
+REPORT_TOKENS = 256  # acceptance by depth over the first and the latest this many positions
+LEARNING_RATE = 5e-4  # AdamW's, a half of `heads train`'s: small batches of one domain, noisier steps
+DEFAULT_SHARE = 0.02
+DEFAULT_BUFFER = 4096
+MIN_BUFFER, MAX_BUFFER = WINDOW_POSITIONS, 1 << 20
+
+
+@dataclass(frozen=True)
+class LearnSettings:
+    """How heads learn online: ``share`` of generation time for the worker's CPU, the
+    ``buffer_tokens`` latest positions kept, and where the learned heads are written at the end
+    (``keep``: True for the file they came from, or the cache; False: not written)."""
+
+    share: float = DEFAULT_SHARE
+    buffer_tokens: int = DEFAULT_BUFFER
+    keep: bool = False
+    learning_rate: float = LEARNING_RATE
+
+
+def check_learn_settings(share: float, buffer_tokens: int) -> None:
+    """Usage errors for --learn-budget and --learn-buffer."""
+    if not 0.0 < share <= 1.0:
+        raise UsageError(f"--learn-budget must be more than 0 and at most 1 (a share of generation time), got {share:g}",
+                         f"pass e.g. --learn-budget {DEFAULT_SHARE}")
+    if not MIN_BUFFER <= buffer_tokens <= MAX_BUFFER:
+        raise UsageError(f"--learn-buffer must be between {MIN_BUFFER} and {MAX_BUFFER} tokens, got {buffer_tokens}",
+                         f"pass e.g. --learn-buffer {DEFAULT_BUFFER}")
+
+
+@dataclass(frozen=True)
+class LearnReport:
+    """What one learner did: its steps, the positions it saw and trained on, its CPU seconds while
+    text was generated (``busy_cpu``, against ``busy_seconds`` of generation) and while idle, the
+    weights the drafter took (``swaps``), and the heads' acceptance by depth (each depth's given
+    the depths before it were right, as `heads train` reports it) over the first and the latest
+    REPORT_TOKENS positions seen, each scored before it was trained on. ``stopped``: why learning
+    stopped early, "" where it did not."""
+
+    kind: str
+    steps: int
+    seen: int
+    trained: int
+    busy_cpu: float
+    busy_seconds: float
+    idle_cpu: float
+    swaps: int
+    first: tuple[float, ...]
+    latest: tuple[float, ...]
+    first_positions: int
+    latest_positions: int
+    stopped: str = ""
+    kept: Path | None = None
+
+    @property
+    def overhead(self) -> float:
+        """The worker's CPU while generating, as a share of generation time."""
+        return self.busy_cpu / self.busy_seconds if self.busy_seconds > 0 else 0.0
+
+    def to_dict(self) -> dict:
+        return {
+            "kind": self.kind, "steps": self.steps, "positions_seen": self.seen, "positions_trained": self.trained,
+            "busy_cpu_seconds": round(self.busy_cpu, 3), "generation_seconds": round(self.busy_seconds, 3),
+            "idle_cpu_seconds": round(self.idle_cpu, 3), "overhead": round(self.overhead, 4), "swaps": self.swaps,
+            "acceptance_first": [round(value, 4) for value in self.first], "first_positions": self.first_positions,
+            "acceptance_latest": [round(value, 4) for value in self.latest], "latest_positions": self.latest_positions,
+            "stopped": self.stopped, "kept": str(self.kept) if self.kept is not None else None,
+        }
+
+    def summary(self) -> str:
+        """One line for the stats."""
+        def depths(values: tuple[float, ...]) -> str:
+            return "/".join(f"{value:.2f}" for value in values) if values else "-"
+
+        line = (f"learning ({self.kind}): {self.steps} steps on {self.seen} positions, "
+                f"{self.busy_cpu:.2f} s CPU while generating ({100 * self.overhead:.1f}% of "
+                f"{self.busy_seconds:.1f} s) and {self.idle_cpu:.2f} s idle, {self.swaps} swaps; "
+                f"acceptance by depth {depths(self.first)} over the first {self.first_positions} positions, "
+                f"{depths(self.latest)} over the latest {self.latest_positions}")
+        if self.stopped:
+            line += f"; stopped: {self.stopped}"
+        if self.kept is not None:
+            line += f"; kept in {self.kept}"
+        return line
+
+
+@dataclass
+class _Run:
+    """Consecutive positions of the text being generated whose states were read, not yet cut into
+    a window: the first's position, the states (n, H) in pieces, and the tokens at those positions
+    and the one after the last (n + 1), copied (the engine's context list lives on)."""
+
+    first: int = 0
+    states: list[np.ndarray] = field(default_factory=list)
+    count: int = 0
+    tokens: list[int] = field(default_factory=list)
+
+    @property
+    def end(self) -> int:
+        return self.first + self.count
+
+
+class OnlineLearner:
+    """One heads object learning from what the target verifies (see the module's docstring).
+
+    The drafter's side (any thread that drafts, one at a time): ``start_text``, ``observe``,
+    ``latest``. The worker's: everything the trainer does. ``inline`` (tests): no thread; each
+    window the drafter completes is scored and trained on at once, ``inline_steps`` steps, and the
+    weights published after each, so a run is reproducible."""
+
+    def __init__(self, heads, settings: LearnSettings = LearnSettings(), *, embedding: np.ndarray | None = None,
+                 seed: int = 0, window: int = WINDOW_POSITIONS, inline: bool = False, inline_steps: int = 1,
+                 clock: Callable[[], float] = time.monotonic, cpu_clock: Callable[[], float] = time.thread_time) -> None:
+        kind = kind_of(heads)
+        if kind.name not in TRAINABLE_KINDS:
+            raise ValueError(f"{kind.name} heads do not learn online")
+        self.kind = kind.name
+        self.method = kind.method
+        self.source = heads
+        self.settings = settings
+        cls = trainer_class(kind.name, "llama")  # NumPy's: the target's states arrive as NumPy arrays
+        if kind.embeds == "target":  # EAGLE-3: reads the target's embedding, its own copy where it has one
+            embedding = embedding if embedding is not None else heads.embed_tokens
+            if embedding is None:
+                raise ValueError("EAGLE-3 heads without an embedding of their own learn with the target's: "
+                                 "pass embedding")
+            self.trainer = cls(heads, settings.learning_rate, seed, np.asarray(embedding, np.float32))
+        else:
+            self.trainer = cls(heads, settings.learning_rate, seed)
+        self.depth = heads.config.num_heads
+        self.window = window
+        self._rng = np.random.default_rng(seed)
+        self._clock, self._cpu_clock = clock, cpu_clock
+        self._inline, self._inline_steps = inline, inline_steps
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._inbox: deque = deque()
+        self._buffer: deque = deque()  # windows (EagleWindow), oldest first
+        self._buffered = 0
+        self._run = _Run()
+        self._last_seen: float | None = None
+        self._busy_seconds = 0.0
+        self._busy_cpu = 0.0
+        self._idle_cpu = 0.0
+        self._steps = 0
+        self._seen = 0
+        self._trained = 0
+        self._swaps = 0
+        self._version = 0
+        self._published: tuple[int, object] | None = None
+        self._published_steps = 0
+        self._published_at = clock()
+        self._first: list[tuple[np.ndarray, np.ndarray]] = []  # (guesses, labels) of the first windows
+        self._first_count = 0
+        self._latest: deque = deque()
+        self._latest_count = 0
+        self._stopped = ""
+        self._thread: threading.Thread | None = None
+        self._closed = False
+        if not inline:
+            self._thread = threading.Thread(target=self._work, name=f"specrun-learn-{self.kind}", daemon=True)
+            self._thread.start()
+
+    # ---- the drafter's side ------------------------------------------------------------------
+    def start_text(self) -> None:
+        """A new text begins: what was read of the last one goes to the worker as it is."""
+        self._flush()
+        if self._inline:
+            self._work_inline()
+
+    def observe(self, first: int, states: np.ndarray | None, context: Sequence[int]) -> None:
+        """The target's states (n, H) at the positions first .. first + n - 1 of ``context``, all
+        of them verified (the target's own tokens follow each); None where they could not be read.
+        Called between verify passes."""
+        now = self._clock()
+        if self._last_seen is not None and now - self._last_seen < IDLE_AFTER:
+            self._busy_seconds += now - self._last_seen
+        self._last_seen = now
+        if self._stopped:
+            return
+        if states is None or len(states) == 0:
+            if states is None:
+                self._flush()
+            return
+        if self._run.count and first != self._run.end:
+            self._flush()
+        run = self._run
+        if not run.count:
+            run.first = first
+        run.states.append(np.asarray(states, np.float32))
+        run.count += len(states)
+        run.tokens = [int(token) for token in context[run.first : run.end + 1]]
+        while self._run.count >= self.window:
+            self._cut(self.window)
+        if self._inline:
+            self._work_inline()
+
+    @property
+    def buffered_positions(self) -> int:
+        return self._buffered
+
+    def latest(self, version: int) -> tuple[int, object] | None:
+        """Weights newer than ``version`` (the drafter's), with their version; None if there are none."""
+        published = self._published
+        if published is None or published[0] <= version:
+            return None
+        self._swaps += 1
+        return published
+
+    def _cut(self, count: int) -> None:
+        """The run's first ``count`` positions as a window, to the worker."""
+        from specrun.training.eagle import EagleWindow
+
+        run = self._run
+        states = np.concatenate(run.states)
+        tokens = np.asarray(run.tokens, np.int64)
+        if len(tokens) > count:
+            with self._lock:
+                self._inbox.append(EagleWindow(states[:count], tokens[:count], tokens[1 : count + 1]))
+            self._wake.set()
+        rest = states[count:]
+        self._run = _Run(run.first + count, [rest] if len(rest) else [], len(rest), run.tokens[count:])
+
+    def _flush(self) -> None:
+        if self._run.count >= 2:
+            self._cut(self._run.count)
+        self._run = _Run()
+
+    # ---- the worker ----------------------------------------------------------------------------
+    def _work(self) -> None:
+        while not self._stop.is_set():
+            idle = self._idle()
+            started = self._cpu_clock()
+            did = self._take_windows()
+            if self._may_step(idle):
+                did = self._step() or did
+            spent = self._cpu_clock() - started
+            if idle:
+                self._idle_cpu += spent
+            else:
+                self._busy_cpu += spent
+            if did:
+                self._maybe_publish()
+            else:
+                self._wake.wait(WAIT_SECONDS)
+                self._wake.clear()
+
+    def _work_inline(self) -> None:
+        started = self._cpu_clock()
+        if self._take_windows():
+            for _ in range(self._inline_steps):
+                if self._trained < EPOCHS * self._seen:
+                    self._step()
+            self._publish()
+        self._busy_cpu += self._cpu_clock() - started
+
+    def _idle(self) -> bool:
+        return self._last_seen is None or self._clock() - self._last_seen >= IDLE_AFTER
+
+    def _may_step(self, idle: bool) -> bool:
+        if self._stopped or not self._buffer or self._trained >= EPOCHS * self._seen:
+            return False
+        return idle or self._busy_cpu < self.settings.share * self._busy_seconds
+
+    def _take_windows(self) -> bool:
+        """Score the windows the drafter completed, then buffer them; whether there were any."""
+        with self._lock:
+            windows = list(self._inbox)
+            self._inbox.clear()
+        for window in windows:
+            if self._stopped:
+                break
+            try:
+                self._score(window)
+            except Exception as error:  # noqa: BLE001 — learning must never end a generation
+                self._stop_learning(f"scoring failed: {error}")
+                break
+            self._buffer.append(window)
+            self._buffered += len(window.tokens)
+            self._seen += len(window.tokens)
+            while self._buffered - len(self._buffer[0].tokens) >= self.settings.buffer_tokens:
+                self._buffered -= len(self._buffer.popleft().tokens)
+        return bool(windows)
+
+    def _score(self, window) -> None:
+        guesses = self._guesses(window)
+        labels = target_labels([window.following], self.depth)
+        if self._first_count < REPORT_TOKENS:
+            self._first.append((guesses, labels))
+            self._first_count += guesses.shape[1]
+        self._latest.append((guesses, labels))
+        self._latest_count += guesses.shape[1]
+        while self._latest_count - self._latest[0][0].shape[1] >= REPORT_TOKENS:
+            self._latest_count -= self._latest.popleft()[0].shape[1]
+
+    def _guesses(self, window) -> np.ndarray:
+        """(depth, T) the heads' guesses at the window's positions, target ids (-1: none), as a
+        verify pass would meet them: Medusa's heads each on its own, the others' chains."""
+        trainer, depth = self.trainer, self.depth
+        if self.kind == "medusa":
+            guesses = trainer.predict(window.features)
+            return trainer.d2t[guesses] if trainer.d2t is not None else guesses
+        if self.kind == "hydra":
+            return trainer.predict_chain(window.features, np.maximum(window.following, 0), depth)
+        chain = trainer.predict_chain(window, depth)  # (depth, T - 1): the last position drafts nothing
+        return np.concatenate([chain, np.full((depth, 1), -1, chain.dtype)], axis=1)
+
+    def _step(self) -> bool:
+        try:
+            loss = self._take_step()
+        except Exception as error:  # noqa: BLE001
+            self._stop_learning(f"a step failed: {error}")
+            return False
+        if not np.isfinite(loss):
+            self._stop_learning(f"the loss became {loss}; the last finite weights are kept")
+            return False
+        self._steps += 1
+        return True
+
+    def _take_step(self) -> float:
+        windows = list(self._buffer)
+        if BY_NAME[self.kind].trains_on == "windows":
+            chosen = [windows[i] for i in self._rng.choice(len(windows), min(BATCH_WINDOWS, len(windows)), replace=False)]
+            self._trained += sum(len(window.tokens) for window in chosen)
+            return float(self.trainer.step_windows(chosen))
+        states = np.concatenate([window.features for window in windows])
+        labels = target_labels([window.following for window in windows], self.depth)  # (depth, N)
+        if self.trainer.d2t is not None:
+            t2d = np.full(int(self.source.config.vocab_size) + 1, -1, np.int64)  # the last maps "none" (-1)
+            t2d[self.trainer.d2t] = np.arange(len(self.trainer.d2t))
+            labels = t2d[np.minimum(labels, len(t2d) - 1)]
+        labelled = np.flatnonzero((labels >= 0).any(axis=0))
+        if not len(labelled):
+            self._trained += BATCH_POSITIONS
+            return 0.0
+        rows = self._rng.choice(labelled, min(BATCH_POSITIONS, len(labelled)), replace=False)
+        self._trained += len(rows)
+        if self.kind == "hydra":
+            following = np.concatenate([_next_tokens(window.tokens, self.depth) for window in windows])
+            return float(self.trainer.step(states[rows], labels[:, rows], following[rows]))
+        return float(self.trainer.step(states[rows], labels[:, rows]))
+
+    def _maybe_publish(self) -> None:
+        if self._steps and self._clock() - self._published_at >= PUBLISH_SECONDS:
+            self._publish()
+
+    def _publish(self) -> None:
+        if self._steps == self._published_steps or self._stopped:  # nothing new
+            return
+        self._published_steps = self._steps
+        self._version += 1
+        self._published = (self._version, self.trainer.heads())
+        self._published_at = self._clock()
+
+    def _stop_learning(self, why: str) -> None:
+        self._stopped = why
+
+    # ---- the end -------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Stop the worker (its current step ends first), then take in what the drafter read last
+        (a text's unfinished window) and train on it while the budget of the generation allows."""
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._closed:
+            return
+        self._closed = True
+        self._flush()
+        started = self._cpu_clock()
+        self._take_windows()
+        while self._may_step(idle=False) and self._step():
+            self._busy_cpu += self._cpu_clock() - started
+            started = self._cpu_clock()
+        self._busy_cpu += self._cpu_clock() - started
+        self._publish()
+
+    def report(self, kept: Path | None = None) -> LearnReport:
+        def chain(pairs) -> tuple[tuple[float, ...], int]:
+            if not pairs:
+                return (), 0
+            report = held_out_report(np.concatenate([guesses for guesses, _ in pairs], axis=1),
+                                     np.concatenate([labels for _, labels in pairs], axis=1))
+            return (report.chain_accuracy, report.positions) if report.positions else ((), 0)
+
+        first, first_positions = chain(self._first)
+        latest, latest_positions = chain(list(self._latest))
+        return LearnReport(self.kind, self._steps, self._seen, self._trained, self._busy_cpu, self._busy_seconds,
+                           self._idle_cpu, self._swaps, first, latest, first_positions, latest_positions,
+                           self._stopped, kept)
+
+    def learned_heads(self):
+        """The heads as learned, their training record noting this run; None before a step."""
+        if not self._steps:
+            return None
+        record = dict(self.source.config.training or {})
+        online = list(record.get("online", []))
+        online.append(self.report().to_dict())
+        record["online"] = online
+        return self.trainer.heads(record)
+
+
+def _next_tokens(tokens: np.ndarray, count: int) -> np.ndarray:
+    """(T, count): the tokens at p + 1 .. p + count of a window's positions, -1 past its end."""
+    padded = np.concatenate([tokens, np.full(count, -1, np.int64)])
+    return np.stack([padded[1 + j : 1 + j + len(tokens)] for j in range(count)], axis=1)
+
+
+# Why a run that asked to learn has nothing that learns, by the backend the draft model runs on.
+DRAFT_MODELS_DO_NOT_LEARN = {
+    "llama": "llama.cpp's draft models cannot learn online (its weights are fixed in the GGUF)",
+    "mlx": "MLX draft models do not learn online yet",
+}
+
+
+class Learning:
+    """A command's online learning: a learner for the heads each run drafts with (one per heads
+    object, so a chat's turns and a server's requests keep teaching the same one), and at the end
+    the learners stopped, the learned heads written where ``keep_path`` says (with ``settings.keep``)
+    and their reports. ``explicit``: the user asked for learning (--learn), so a run with nothing
+    to learn says why in a note; chat and serve learn by default and say nothing then."""
+
+    def __init__(self, settings: LearnSettings, keep_path: Callable[[object], Path] | None = None,
+                 on_note: Callable[[str], None] | None = None, explicit: bool = False, **learner_options) -> None:
+        self.settings = settings
+        self._learner_options = learner_options  # OnlineLearner's own (tests: inline, window)
+        self._keep_path = keep_path
+        self._on_note = on_note
+        self._explicit = explicit
+        self._learners: dict[int, tuple[object, OnlineLearner, Path | None]] = {}
+        self._noted = False
+
+    def __call__(self, heads, target) -> OnlineLearner | None:
+        """The learner of ``heads`` (None: the method drafts with none) on ``target`` (a Backend)."""
+        if heads is None:
+            self._note(f"nothing learns: the method drafts with no heads, and only heads learn online "
+                       f"({DRAFT_MODELS_DO_NOT_LEARN.get(getattr(target, 'name', ''), DRAFT_MODELS_DO_NOT_LEARN['llama'])})")
+            return None
+        kind = kind_of(heads)
+        if kind.name not in TRAINABLE_KINDS:
+            self._note(f"nothing learns: {kind.name} heads are the model's own layers, which specrun does not train")
+            return None
+        found = self._learners.get(id(heads))
+        if found is not None:
+            return found[1]
+        path = None
+        if self.settings.keep and self._keep_path is not None:
+            path = self._keep_path(heads)
+            check_keep_path(path, kind.stored)
+        embedding = None
+        if kind.embeds == "target" and heads.embed_tokens is None:  # EAGLE-3 reading the target's, frozen
+            embedding = target.token_embeddings(range(heads.config.vocab_size))
+        learner = OnlineLearner(heads, self.settings, embedding=embedding, **self._learner_options)
+        self._learners[id(heads)] = (heads, learner, path)  # the heads kept alive: their id stays theirs
+        return learner
+
+    def _note(self, text: str) -> None:
+        if self._explicit and not self._noted and self._on_note is not None:
+            self._noted = True
+            self._on_note(f"--learn: {text}")
+
+    def finish(self) -> list[LearnReport]:
+        """Stop every learner; write the learned heads (``settings.keep``), an interrupt held back
+        until both files are written; their reports."""
+        reports = []
+        for heads, learner, path in self._learners.values():
+            learner.close()
+            kept = None
+            learned = learner.learned_heads() if path is not None else None
+            if learned is not None:
+                from specrun.heads.files import save_heads
+
+                with _interrupts_held():
+                    save_heads(learned, path, learned.config.training)
+                kept = path
+            reports.append(learner.report(kept))
+        self._learners.clear()
+        return reports
+
+
+def check_keep_path(path: Path, stored: str) -> None:
+    """Fail before the run where the learned heads could not be written to ``path``."""
+    from specrun.fileio import check_writable_folder
+    from specrun.training.run import check_eagle3_folder, check_heads_file
+
+    if stored == "folder":
+        check_eagle3_folder(path)
+    else:
+        check_heads_file(path)
+        check_writable_folder(path, "heads file")
+
+
+@contextmanager
+def _interrupts_held():
+    """Ctrl-C waits until the block ends (then raises): the heads and their .json are written as a pair."""
+    import signal
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught = []
+    previous = signal.signal(signal.SIGINT, lambda *_: caught.append(True))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if caught:
+            raise KeyboardInterrupt

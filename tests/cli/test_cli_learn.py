@@ -1,0 +1,82 @@
+"""--learn, --no-learn, --learn-budget, --learn-buffer and --keep-learned through the CLI: bad
+values are one-line usage errors before anything loads; a run that learns prints the same text as
+plain decoding, reports what it learned, and writes the heads back where asked."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from test_cli_accept import invoke
+
+COMMANDS = ("generate", "chat", "serve")
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+@pytest.mark.parametrize(("options", "message"), [
+    (("--learn", "--learn-budget", "0"), "--learn-budget must be more than 0 and at most 1"),
+    (("--learn", "--learn-budget", "1.5"), "--learn-budget must be more than 0 and at most 1"),
+    (("--learn", "--learn-buffer", "10"), "--learn-buffer must be between 64 and 1048576 tokens, got 10"),
+    (("--keep-learned", "--no-learn"), "--keep-learned keeps what learning learned, and --no-learn turns"),
+    (("--no-learn", "--learn-budget", "0.5"), "--learn-budget sizes online learning, which is off for this run"),
+])
+def test_bad_learning_options_are_one_line_usage_errors(command, options, message):
+    args = [command, *(["x"] if command == "generate" else []), "-t", "/nonexistent.gguf", *options]
+    result = invoke(*args, input="hello\n")
+    assert result.exit_code == 2, result.output
+    assert message in result.stderr and "Traceback" not in result.output
+    assert len(result.stderr.strip().splitlines()) <= 2  # the error and its fix
+
+
+def test_generate_learns_only_when_asked():
+    result = invoke("generate", "x", "-t", "/nonexistent.gguf", "--learn-buffer", "128")
+    assert result.exit_code == 2 and "--learn-buffer sizes online learning" in result.stderr
+
+
+@pytest.fixture
+def llama_installed():
+    pytest.importorskip("llama_cpp", reason="the llama backend (llama-cpp-python) is not installed")
+
+
+@pytest.fixture
+def medusa_run(tiny_llama, tmp_path, llama_installed):
+    from heads_factory import random_heads
+    from specrun.heads.files import save_heads
+
+    config = tiny_llama.config
+    path = tmp_path / "heads.safetensors"
+    save_heads(random_heads(config.hidden_size, config.vocab_size), path)
+    return ["-t", str(tiny_llama.gguf_path), "-n", "48", "-k", "4", "--raw"], path
+
+
+PROMPT = "def f(x):\n    return x\n" * 3
+
+
+def test_a_learning_run_prints_plain_decoding_s_text_and_keeps_the_heads(medusa_run):
+    from specrun.heads.files import load_heads
+
+    args, path = medusa_run
+    before = path.read_bytes()
+    plain = invoke("generate", PROMPT, *args, "--method", "none", "--json")
+    args = [*args, "--heads", str(path)]
+    assert plain.exit_code == 0, plain.output
+    learned = invoke("generate", PROMPT, *args, "--method", "medusa", "--keep-learned", "--learn-budget", "1",
+                     "--json")
+    assert learned.exit_code == 0, learned.output
+    answer = json.loads(learned.stdout)
+    assert answer["text"] == json.loads(plain.stdout)["text"]
+    report = answer["learning"][0]
+    assert report["kind"] == "medusa" and report["steps"] > 0 and report["kept"] == str(path), report
+    assert path.read_bytes() != before
+    assert load_heads(path).config.training["online"][-1]["steps"] == report["steps"]
+    as_text = invoke("generate", PROMPT, *args, "--method", "medusa", "--learn")
+    assert as_text.exit_code == 0 and "learning (medusa):" in as_text.stderr
+
+
+def test_learning_with_no_heads_to_learn_says_why_in_a_note(tiny_llama, llama_installed):
+    result = invoke("generate", PROMPT, "-t", str(tiny_llama.gguf_path), "-d", str(tiny_llama.gguf_path), "-n", "8",
+                    "--method", "draft", "--learn")
+    assert result.exit_code == 0, result.output
+    assert "note: --learn: nothing learns: the method drafts with no heads" in result.stderr
+    assert "llama.cpp's draft models cannot learn online" in result.stderr

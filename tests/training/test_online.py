@@ -1,0 +1,276 @@
+"""Heads that learn online (training/online.py): what they learn, within what budget, what they
+keep, and that learning never changes an answer (greedy here on the fake, llama.cpp and MLX; the
+sampled scenarios "… learning" of lossless_harness swap weights between every run)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from specrun.heads.config import HeadsConfig
+from specrun.training.online import (
+    EPOCHS,
+    LearnSettings,
+    Learning,
+    OnlineLearner,
+    _interrupts_held,
+    check_learn_settings,
+)
+
+SIZE, VOCAB, DEPTH = 16, 8, 3
+TABLE = np.random.default_rng(0).normal(0, 1, (VOCAB, SIZE)).astype(np.float32)
+
+
+def following(token: int) -> int:
+    return (3 * token + 1) % VOCAB
+
+
+def text(length: int, start: int) -> list[int]:
+    tokens = [start]
+    while len(tokens) < length:
+        tokens.append(following(tokens[-1]))
+    return tokens
+
+
+def fresh_heads(kind: str):
+    """Heads as `heads train` starts them, knowing nothing of the stream ``text`` makes."""
+    from specrun.training.eagle import NumpyEagleTrainer
+    from specrun.training.hydra import NumpyHydraTrainer
+    from specrun.training.medusa import NumpyHeadsTrainer
+
+    rng = np.random.default_rng(1)
+    config = HeadsConfig(kind, DEPTH, 1, SIZE, VOCAB, VOCAB)
+    projection = rng.normal(0, 0.1, (VOCAB, SIZE))
+    if kind == "medusa":
+        return NumpyHeadsTrainer.fresh(config, projection, None, 1e-3, 0).heads()
+    made = NumpyHydraTrainer if kind == "hydra" else NumpyEagleTrainer
+    return made.fresh(config, projection, rng.normal(0, 1, (VOCAB, SIZE)), None, 1e-3, 0).heads()
+
+
+def feed(learner: OnlineLearner, texts: int, length: int = 80, stride: int = 3) -> None:
+    """``texts`` texts of the stream, handed over as a drafter does: the states of each verify
+    pass's positions (``stride`` a pass), the state at p standing for the token at p."""
+    for k in range(texts):
+        tokens = text(length, k % VOCAB)
+        learner.start_text()
+        for stop in range(1, length - 1, stride):
+            first = max(stop - stride, 0)
+            learner.observe(first, TABLE[tokens[first:stop]], tokens[: stop + 1])
+
+
+@pytest.mark.parametrize("kind", ["medusa", "hydra", "eagle"])
+def test_heads_learn_a_stream_they_did_not_know(kind):
+    """The same stream with learning and without (a learning rate too small to move a weight): the
+    acceptance by depth over the latest positions, each scored before it was trained on."""
+    reports = []
+    for rate in (1e-12, 0.02):
+        learner = OnlineLearner(fresh_heads(kind), LearnSettings(learning_rate=rate), window=8, inline=True,
+                                inline_steps=4)
+        feed(learner, 24)
+        learner.close()
+        reports.append(learner.report())
+    without, learned = reports
+    assert learned.steps > 0 and learned.swaps == 0 and not learned.stopped  # no drafter asked for the weights
+    assert without.latest[0] < 0.6 and learned.latest[0] >= 0.95, (without.summary(), learned.summary())
+    assert learned.latest[-1] >= without.latest[-1] + 0.3, (without.summary(), learned.summary())
+    assert learned.first_positions > 0 and learned.latest_positions > 0
+
+
+def test_only_the_latest_positions_are_kept():
+    learner = OnlineLearner(fresh_heads("medusa"), LearnSettings(buffer_tokens=64), window=8, inline=True)
+    feed(learner, 10)
+    learner.close()
+    report = learner.report()
+    assert report.seen > 400
+    assert 64 <= learner.buffered_positions < 64 + 8
+    assert report.trained <= EPOCHS * report.seen + 64  # the step that crosses it is the last
+
+
+def test_the_worker_keeps_within_its_share_while_generating_then_trains_when_idle():
+    """Clocks the test moves: each step costs 0.05 s of the worker's CPU; 100 passes 0.1 s apart
+    are 10 s of generation, so a share of 5% allows ten steps (the one that crosses it included)."""
+    spent = [0.0]
+    now = [0.0]
+    learner = OnlineLearner(fresh_heads("medusa"), LearnSettings(share=0.05), window=8,
+                            clock=lambda: now[0], cpu_clock=lambda: spent[0])
+    stepped = learner.trainer.step
+
+    def costly(*args):
+        spent[0] += 0.05
+        return stepped(*args)
+
+    learner.trainer.step = costly
+    tokens = text(400, 0)
+    learner.start_text()
+    for stop in range(4, 404, 4):
+        now[0] += 0.1
+        learner.observe(stop - 4, TABLE[tokens[stop - 4 : stop]], tokens[: stop + 1])
+        time.sleep(0.002)
+    deadline = time.monotonic() + 10
+    while learner._inbox and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.2)
+    busy = learner.report()
+    assert busy.busy_seconds == pytest.approx(9.9)
+    assert 1 <= busy.steps <= 11 and busy.busy_cpu <= 0.05 * busy.busy_seconds + 0.05 + 1e-9, busy.summary()
+    now[0] += 5.0  # the user reads the answer: nothing generates
+    deadline = time.monotonic() + 20
+    while learner.report().trained < EPOCHS * learner.report().seen - 64 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    learner.close()
+    idle = learner.report()
+    assert idle.idle_cpu > 0 and idle.steps > busy.steps
+    assert idle.trained <= EPOCHS * idle.seen + 64  # it stops once each position was trained on EPOCHS times
+
+
+def test_a_loss_that_is_not_finite_stops_learning_with_the_last_weights_kept():
+    learner = OnlineLearner(fresh_heads("medusa"), window=8, inline=True)
+    feed(learner, 1)
+    version, kept = learner.latest(0)
+    learner.trainer.step = lambda *args: float("nan")
+    feed(learner, 2)
+    report = learner.report()
+    assert "nan" in report.stopped and learner.latest(version) is None
+    assert learner.latest(0)[1] is kept
+
+
+@pytest.mark.parametrize(("share", "buffer", "message"), [
+    (0.0, 4096, "--learn-budget must be more than 0 and at most 1"),
+    (1.5, 4096, "--learn-budget must be more than 0 and at most 1"),
+    (float("nan"), 4096, "--learn-budget must be more than 0 and at most 1"),
+    (0.02, 10, "--learn-buffer must be between 64 and 1048576 tokens, got 10"),
+])
+def test_settings_out_of_range_are_usage_errors(share, buffer, message):
+    from specrun.errors import UsageError
+
+    with pytest.raises(UsageError, match=message.replace("(", r"\(")):
+        check_learn_settings(share, buffer)
+
+
+# ---- the drafter's side: weights swapped between verify passes, answers unchanged -------------
+@pytest.mark.parametrize("method", ["medusa", "hydra", "eagle"])
+def test_greedy_with_learning_is_plain_decoding_on_the_fake(method, monkeypatch):
+    import lossless_harness
+
+    made = []
+    learning_heads = lossless_harness.learning_heads
+    monkeypatch.setattr(lossless_harness, "learning_heads", lambda *args: made.append(learning_heads(*args)) or made[-1])
+    problems, drafted, accepted = lossless_harness.greedy_scenario(method, learn=True)
+    assert problems == [] and drafted > 0
+    report = made[0].report()
+    assert report.steps > 10 and report.swaps > 10, report.summary()
+
+
+@pytest.fixture(params=["llama", "mlx"])
+def real_target(request, tiny_llama):
+    pytest.importorskip({"llama": "llama_cpp", "mlx": "mlx_lm"}[request.param],
+                        reason=f"the {request.param} backend is not installed")
+    return request.param, str(tiny_llama.gguf_path if request.param == "llama" else tiny_llama.hf_dir)
+
+
+@pytest.mark.parametrize("method", ["medusa", "eagle"])
+def test_greedy_with_learning_is_plain_decoding_on_both_backends(real_target, method, tiny_llama, tmp_path):
+    """Heads made for the tiny llama learn from its output as it is generated, their weights
+    swapped in after every few verify passes: the text is plain decoding's."""
+    from heads_factory import random_eagle, random_heads
+    from specrun.heads.files import save_heads
+    from specrun.registry.loading import LoadOptions
+    from specrun.sessions.generation import GenerateRequest, generate_text
+
+    backend, target = real_target
+    config = tiny_llama.config
+    path = tmp_path / "heads.safetensors"
+    save_heads({"medusa": random_heads, "eagle": random_eagle}[method](config.hidden_size, config.vocab_size), path)
+    made = []
+
+    def learn(heads, backend_):
+        made.append(OnlineLearner(heads, LearnSettings(learning_rate=0.05), window=4, inline=True))
+        return made[-1]
+
+    def run(method_: str, learn_=None) -> str:
+        request = GenerateRequest("def f(x):\n    return x\n" * 3, target, None, method=method_, max_new_tokens=48,
+                                  draft_len=4, heads=str(path), load=LoadOptions(backend=backend), chat=False,
+                                  learn=learn_)
+        return generate_text(request).text
+
+    assert run(method, learn) == run("none")
+    report = made[0].report()
+    made[0].close()
+    assert report.steps > 3 and report.swaps > 3 and not report.stopped, report.summary()
+
+
+# ---- what a command keeps ----------------------------------------------------------------------
+def test_learned_heads_are_written_back_and_read_as_heads(tmp_path):
+    from specrun.heads.files import load_heads, save_heads
+
+    path = tmp_path / "heads.safetensors"
+    save_heads(fresh_heads("medusa"), path)
+    heads = load_heads(path)
+    learning = Learning(LearnSettings(keep=True, learning_rate=0.02), lambda found: path, window=8, inline=True,
+                        inline_steps=2)
+    learner = learning(heads, None)
+    assert learning(heads, None) is learner  # the next text's drafter learns with the same one
+    feed(learner, 6)
+    reports = learning.finish()
+    assert reports[0].kept == path and reports[0].steps > 0
+    learned = load_heads(path)
+    assert not np.allclose(learned.lm_heads[0], heads.lm_heads[0])
+    assert learned.config.training["online"][0]["steps"] == reports[0].steps
+    assert learning.finish() == []  # finished once
+
+
+def test_heads_are_kept_only_where_a_file_of_heads_or_nothing_is(tmp_path):
+    from specrun.errors import FileAccessError
+    from specrun.training.online import check_keep_path
+
+    other = tmp_path / "weights.safetensors"
+    other.write_bytes(b"a model's weights")
+    with pytest.raises(FileAccessError, match="exists and is not specrun heads: training would write over it"):
+        check_keep_path(other, "file")
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    (folder / "tokenizer.json").write_text("{}")
+    with pytest.raises(FileAccessError, match="holds files of its own"):
+        check_keep_path(folder, "folder")
+    check_keep_path(tmp_path / "new.safetensors", "file")  # nothing there yet: fine
+
+
+def test_a_run_with_nothing_to_learn_says_so_when_learning_was_asked_for():
+    notes = []
+    Learning(LearnSettings(), on_note=notes.append, explicit=False)(None, None)
+    assert notes == []
+    learning = Learning(LearnSettings(), on_note=notes.append, explicit=True)
+
+    class Llama:
+        name = "llama"
+
+    learning(None, Llama())
+    learning(None, Llama())
+    assert notes == ["--learn: nothing learns: the method drafts with no heads, and only heads learn online "
+                     "(llama.cpp's draft models cannot learn online (its weights are fixed in the GGUF))"]
+
+
+def test_ctrl_c_while_the_heads_are_written_waits_for_both_files(tmp_path):
+    from specrun.heads.files import load_heads, save_heads
+
+    path = tmp_path / "heads.safetensors"
+    with pytest.raises(KeyboardInterrupt):
+        with _interrupts_held():
+            os.kill(os.getpid(), signal.SIGINT)
+            save_heads(fresh_heads("medusa"), path)
+            assert threading.current_thread() is threading.main_thread()
+    assert load_heads(path).config.kind == "medusa"  # both files, their checksums agreeing
+
+
+def test_the_report_reads_as_json():
+    learner = OnlineLearner(fresh_heads("medusa"), window=8, inline=True)
+    feed(learner, 2)
+    document = json.loads(json.dumps(learner.report().to_dict()))
+    assert document["kind"] == "medusa" and document["steps"] > 0 and len(document["acceptance_latest"]) == DEPTH
