@@ -45,6 +45,12 @@ class NumpyHeadsTrainer:
         self.first = [[np.zeros_like(p) for p in head] for head in self.params]
         self.second = [[np.zeros_like(p) for p in head] for head in self.params]
         self.step_count = 0
+        self.projections_frozen = False
+
+    def freeze_projections(self) -> None:
+        """Train the residual blocks only: a projection over the draft vocabulary is most of a
+        step's cost (its AdamW update two thirds of it), and online learning has a budget."""
+        self.projections_frozen = True
 
     @classmethod
     def fresh(cls, config: HeadsConfig, projection: np.ndarray, d2t: np.ndarray | None,
@@ -88,7 +94,7 @@ class NumpyHeadsTrainer:
             grad_logits[~labelled] = 0.0
             grad_logits *= weight / count  # (N, Vd)
             grads = [None] * len(head)
-            grads[-1] = grad_logits.T @ y  # (Vd, H)
+            grads[-1] = None if self.projections_frozen else grad_logits.T @ y  # (Vd, H)
             grad_x = grad_logits @ head[-1]  # (N, H)
             for j in reversed(range(self.config.num_layers)):
                 x, z = kept[j]
@@ -105,6 +111,8 @@ class NumpyHeadsTrainer:
         t = self.step_count
         rate = self.learning_rate * np.sqrt(1 - beta2**t) / (1 - beta1**t)
         for p, g, m, v in zip(self.params[i], grads, self.first[i], self.second[i]):
+            if g is None:  # frozen
+                continue
             m *= beta1
             m += (1 - beta1) * g
             v *= beta2

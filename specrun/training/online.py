@@ -43,10 +43,11 @@ IDLE_AFTER = 1.0  # seconds without a verified token: generation is idle, the wo
 EPOCHS = 4.0  # steps stop once the positions trained on reach this many times those seen
 WAIT_SECONDS = 0.05  # the worker's nap when it may not step
 REPORT_TOKENS = 256  # acceptance by depth over the first and the latest this many positions
+SCORE_EVERY = 4  # past the first REPORT_TOKENS, one window in this many is scored (a third of a step's cost each)
 LEARNING_RATE = 5e-4  # AdamW's, a half of `heads train`'s: small batches of one domain, noisier steps
 DEFAULT_SHARE = 0.02
 DEFAULT_BUFFER = 4096
-MIN_BUFFER, MAX_BUFFER = WINDOW_POSITIONS, 1 << 20
+MIN_BUFFER, MAX_BUFFER = WINDOW_POSITIONS, 1 << 17  # the most: 2 GiB of states of a 4,096-wide target
 
 
 @dataclass(frozen=True)
@@ -59,6 +60,7 @@ class LearnSettings:
     buffer_tokens: int = DEFAULT_BUFFER
     keep: bool = False
     learning_rate: float = LEARNING_RATE
+    idle: bool = True  # train between answers too (benchmarks that compare lines side by side: off)
 
 
 def check_learn_settings(share: float, buffer_tokens: int) -> None:
@@ -143,6 +145,43 @@ class _Run:
         return self.first + self.count
 
 
+class _Positions:
+    """The latest ``capacity`` positions of Medusa's and Hydra's buffer as flat arrays, grown as they
+    fill: the states (C, H), each head's label (K, C; draft ids, -1 none) and the tokens after each
+    position (C, K; target ids, -1 none: what Hydra's heads read)."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.size = 0
+        self.cursor = 0
+        self.states = self.labels = self.following = None
+
+    def add(self, states: np.ndarray, labels: np.ndarray, following: np.ndarray) -> None:
+        if self.states is None:
+            width, depth = states.shape[1], labels.shape[0]
+            rows = min(self.capacity, max(1024, len(states)))
+            self.states = np.zeros((rows, width), np.float32)
+            self.labels = np.full((depth, rows), -1, np.int64)
+            self.following = np.full((rows, depth), -1, np.int64)
+        for row in range(len(states)):  # windows are short: a row at a time keeps the ring simple
+            if self.cursor == len(self.states):  # only while the arrays are smaller than the ring
+                self._grow()
+            at = self.cursor
+            self.states[at], self.labels[:, at], self.following[at] = states[row], labels[:, row], following[row]
+            self.cursor = (at + 1) % self.capacity
+            self.size = min(self.size + 1, self.capacity)
+
+    def _grow(self) -> None:
+        rows = min(self.capacity, 2 * len(self.states))
+        grown = rows - len(self.states)
+        self.states = np.concatenate([self.states, np.zeros((grown, self.states.shape[1]), np.float32)])
+        self.labels = np.concatenate([self.labels, np.full((self.labels.shape[0], grown), -1, np.int64)], axis=1)
+        self.following = np.concatenate([self.following, np.full((grown, self.following.shape[1]), -1, np.int64)])
+
+    def labelled(self) -> np.ndarray:
+        return np.flatnonzero((self.labels[:, : self.size] >= 0).any(axis=0))
+
+
 class OnlineLearner:
     """One heads object learning from what the target verifies (see the module's docstring).
 
@@ -170,6 +209,7 @@ class OnlineLearner:
             self.trainer = cls(heads, settings.learning_rate, seed, np.asarray(embedding, np.float32))
         else:
             self.trainer = cls(heads, settings.learning_rate, seed)
+        self.trainer.freeze_projections()  # the blocks and layers learn; the big projections stay
         self.depth = heads.config.num_heads
         self.window = window
         self._rng = np.random.default_rng(seed)
@@ -179,8 +219,15 @@ class OnlineLearner:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._inbox: deque = deque()
-        self._buffer: deque = deque()  # windows (EagleWindow), oldest first
+        self._windows_kind = kind.trains_on == "windows"
+        self._buffer: deque = deque()  # EAGLE's windows (EagleWindow), oldest first
+        self._positions = _Positions(settings.buffer_tokens)  # Medusa's and Hydra's positions
         self._buffered = 0
+        self._windows_seen = 0
+        self._t2d = None
+        if heads.d2t is not None:  # a target id (and -1, last) to its draft id, -1 outside the draft vocabulary
+            self._t2d = np.full(int(heads.config.vocab_size) + 1, -1, np.int64)
+            self._t2d[heads.d2t] = np.arange(len(heads.d2t))
         self._run = _Run()
         self._last_seen: float | None = None
         self._busy_seconds = 0.0
@@ -240,8 +287,14 @@ class OnlineLearner:
             self._work_inline()
 
     @property
+    def caught_up(self) -> bool:
+        """Nothing to learn until more text comes: each position seen trained on EPOCHS times (or
+        learning stopped)."""
+        return bool(self._stopped) or (not self._inbox and self._trained + BATCH_POSITIONS > EPOCHS * self._seen)
+
+    @property
     def buffered_positions(self) -> int:
-        return self._buffered
+        return self._buffered if self._windows_kind else self._positions.size
 
     def latest(self, version: int) -> tuple[int, object] | None:
         """Weights newer than ``version`` (the drafter's), with their version; None if there are none."""
@@ -302,9 +355,11 @@ class OnlineLearner:
         return self._last_seen is None or self._clock() - self._last_seen >= IDLE_AFTER
 
     def _may_step(self, idle: bool) -> bool:
-        if self._stopped or not self._buffer or self._trained >= EPOCHS * self._seen:
+        if self._stopped or not self._seen or self._trained >= EPOCHS * self._seen:
             return False
-        return idle or self._busy_cpu < self.settings.share * self._busy_seconds
+        if idle:
+            return self.settings.idle
+        return self._busy_cpu < self.settings.share * self._busy_seconds
 
     def _take_windows(self) -> bool:
         """Score the windows the drafter completed, then buffer them; whether there were any."""
@@ -315,16 +370,28 @@ class OnlineLearner:
             if self._stopped:
                 break
             try:
-                self._score(window)
+                if self._first_count < REPORT_TOKENS or self._windows_seen % SCORE_EVERY == 0:
+                    self._score(window)
+                self._keep(window)
             except Exception as error:  # noqa: BLE001 — learning must never end a generation
                 self._stop_learning(f"scoring failed: {error}")
                 break
+            self._windows_seen += 1
+            self._seen += len(window.tokens)
+        return bool(windows)
+
+    def _keep(self, window) -> None:
+        """Into the buffer, the oldest dropped past ``buffer_tokens``."""
+        if self._windows_kind:
             self._buffer.append(window)
             self._buffered += len(window.tokens)
-            self._seen += len(window.tokens)
             while self._buffered - len(self._buffer[0].tokens) >= self.settings.buffer_tokens:
                 self._buffered -= len(self._buffer.popleft().tokens)
-        return bool(windows)
+            return
+        labels = target_labels([window.following], self.depth)  # (depth, T) target ids
+        if self._t2d is not None:
+            labels = self._t2d[np.minimum(labels, len(self._t2d) - 1)]
+        self._positions.add(window.features, labels, _next_tokens(window.tokens, self.depth))
 
     def _score(self, window) -> None:
         guesses = self._guesses(window)
@@ -362,27 +429,21 @@ class OnlineLearner:
         return True
 
     def _take_step(self) -> float:
-        windows = list(self._buffer)
-        if BY_NAME[self.kind].trains_on == "windows":
+        if self._windows_kind:
+            windows = self._buffer
             chosen = [windows[i] for i in self._rng.choice(len(windows), min(BATCH_WINDOWS, len(windows)), replace=False)]
             self._trained += sum(len(window.tokens) for window in chosen)
             return float(self.trainer.step_windows(chosen))
-        states = np.concatenate([window.features for window in windows])
-        labels = target_labels([window.following for window in windows], self.depth)  # (depth, N)
-        if self.trainer.d2t is not None:
-            t2d = np.full(int(self.source.config.vocab_size) + 1, -1, np.int64)  # the last maps "none" (-1)
-            t2d[self.trainer.d2t] = np.arange(len(self.trainer.d2t))
-            labels = t2d[np.minimum(labels, len(t2d) - 1)]
-        labelled = np.flatnonzero((labels >= 0).any(axis=0))
+        buffer = self._positions
+        labelled = buffer.labelled()
         if not len(labelled):
             self._trained += BATCH_POSITIONS
             return 0.0
         rows = self._rng.choice(labelled, min(BATCH_POSITIONS, len(labelled)), replace=False)
         self._trained += len(rows)
         if self.kind == "hydra":
-            following = np.concatenate([_next_tokens(window.tokens, self.depth) for window in windows])
-            return float(self.trainer.step(states[rows], labels[:, rows], following[rows]))
-        return float(self.trainer.step(states[rows], labels[:, rows]))
+            return float(self.trainer.step(buffer.states[rows], buffer.labels[:, rows], buffer.following[rows]))
+        return float(self.trainer.step(buffer.states[rows], buffer.labels[:, rows]))
 
     def _maybe_publish(self) -> None:
         if self._steps and self._clock() - self._published_at >= PUBLISH_SECONDS:
@@ -498,6 +559,10 @@ class Learning:
         learner = OnlineLearner(heads, self.settings, embedding=embedding, **self._learner_options)
         self._learners[id(heads)] = (heads, learner, path)  # the heads kept alive: their id stays theirs
         return learner
+
+    @property
+    def learners(self) -> list[OnlineLearner]:
+        return [learner for _, learner, _ in self._learners.values()]
 
     def _note(self, text: str) -> None:
         if self._explicit and not self._noted and self._on_note is not None:

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
+from specrun.blas import openblas_threads
 from specrun.fileio import write_atomically
 
 
@@ -19,33 +20,6 @@ EPS = 1e-8
 
 
 WEIGHT_DECAY = 0.01  # AdamW's default, as mlx.optimizers.AdamW uses
-
-
-# NumPy's bundled OpenBLAS (numpy.libs) and the prefixes of its thread-count functions, newest first.
-_OPENBLAS_FILES = ("libscipy_openblas*.so*", "libopenblas*.so*")
-
-
-_PREFIXES = (("scipy_openblas_", "64_"), ("scipy_openblas_", ""), ("openblas_", "64_"), ("openblas_", ""))
-
-
-def openblas_threads():
-    """(set(count), get()) for NumPy's OpenBLAS thread count, or None where NumPy's BLAS is another
-    (Accelerate on macOS)."""
-    import ctypes
-
-    folder = Path(np.__file__).resolve().parent.parent / "numpy.libs"
-    for pattern in _OPENBLAS_FILES:
-        for path in sorted(folder.glob(pattern)):
-            try:
-                library = ctypes.CDLL(str(path))  # the copy NumPy loaded: the same handle
-            except OSError:
-                continue
-            for prefix, suffix in _PREFIXES:
-                setter = getattr(library, f"{prefix}set_num_threads{suffix}", None)
-                getter = getattr(library, f"{prefix}get_num_threads{suffix}", None)
-                if setter is not None and getter is not None:
-                    return setter, getter
-    return None
 
 
 @contextmanager
@@ -85,6 +59,13 @@ class NamedAdamW:
     learning_rate: float
     step_count: int
 
+    frozen: frozenset[str] = frozenset()  # names of arrays apply leaves as they are
+
+    def freeze_projections(self) -> None:
+        """Train all but the projections over the draft vocabulary (``*lm_head``): most of a step's
+        memory traffic is their AdamW update, and online learning has a budget."""
+        self.frozen = frozenset(name for name in self.params if name.endswith("lm_head"))
+
     def start_moments(self) -> None:
         self.first = {name: np.zeros_like(array) for name, array in self.params.items()}
         self.second = {name: np.zeros_like(array) for name, array in self.params.items()}
@@ -97,6 +78,8 @@ class NamedAdamW:
         t = self.step_count
         rate = self.learning_rate * np.sqrt(1 - beta2**t) / (1 - beta1**t)
         for name, p in self.params.items():
+            if name in self.frozen:
+                continue
             g, m, v = grads[name], self.first[name], self.second[name]
             m *= beta1
             m += (1 - beta1) * g

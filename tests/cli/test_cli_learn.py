@@ -17,7 +17,7 @@ COMMANDS = ("generate", "chat", "serve")
 @pytest.mark.parametrize(("options", "message"), [
     (("--learn", "--learn-budget", "0"), "--learn-budget must be more than 0 and at most 1"),
     (("--learn", "--learn-budget", "1.5"), "--learn-budget must be more than 0 and at most 1"),
-    (("--learn", "--learn-buffer", "10"), "--learn-buffer must be between 64 and 1048576 tokens, got 10"),
+    (("--learn", "--learn-buffer", "10"), "--learn-buffer must be between 64 and 131072 tokens, got 10"),
     (("--keep-learned", "--no-learn"), "--keep-learned keeps what learning learned, and --no-learn turns"),
     (("--no-learn", "--learn-budget", "0.5"), "--learn-budget sizes online learning, which is off for this run"),
 ])

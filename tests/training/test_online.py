@@ -39,14 +39,17 @@ def text(length: int, start: int) -> list[int]:
 
 
 def fresh_heads(kind: str):
-    """Heads as `heads train` starts them, knowing nothing of the stream ``text`` makes."""
+    """Heads as `heads train` starts them: their projection the target's own head (the state of a
+    token gives the token after it: row v is the state of the token v follows), the rest knowing
+    nothing of the stream ``text`` makes."""
     from specrun.training.eagle import NumpyEagleTrainer
     from specrun.training.hydra import NumpyHydraTrainer
     from specrun.training.medusa import NumpyHeadsTrainer
 
     rng = np.random.default_rng(1)
     config = HeadsConfig(kind, DEPTH, 1, SIZE, VOCAB, VOCAB)
-    projection = rng.normal(0, 0.1, (VOCAB, SIZE))
+    before = {following(token): token for token in range(VOCAB)}
+    projection = TABLE[[before[token] for token in range(VOCAB)]]
     if kind == "medusa":
         return NumpyHeadsTrainer.fresh(config, projection, None, 1e-3, 0).heads()
     made = NumpyHydraTrainer if kind == "hydra" else NumpyEagleTrainer
@@ -72,14 +75,23 @@ def test_heads_learn_a_stream_they_did_not_know(kind):
     for rate in (1e-12, 0.02):
         learner = OnlineLearner(fresh_heads(kind), LearnSettings(learning_rate=rate), window=8, inline=True,
                                 inline_steps=4)
+        projections = [array.copy() for array in _projections(learner.trainer)]
         feed(learner, 24)
         learner.close()
         reports.append(learner.report())
+        assert projections and all(np.array_equal(a, b) for a, b in zip(projections, _projections(learner.trainer)))
     without, learned = reports
     assert learned.steps > 0 and learned.swaps == 0 and not learned.stopped  # no drafter asked for the weights
     assert without.latest[0] < 0.6 and learned.latest[0] >= 0.95, (without.summary(), learned.summary())
     assert learned.latest[-1] >= without.latest[-1] + 0.3, (without.summary(), learned.summary())
     assert learned.first_positions > 0 and learned.latest_positions > 0
+
+
+def _projections(trainer) -> list[np.ndarray]:
+    """The arrays over the draft vocabulary, which online learning leaves as they are."""
+    if hasattr(trainer, "frozen"):
+        return [trainer.params[name] for name in sorted(trainer.frozen)]
+    return [head[-1] for head in trainer.params]
 
 
 def test_only_the_latest_positions_are_kept():
@@ -90,6 +102,20 @@ def test_only_the_latest_positions_are_kept():
     assert report.seen > 400
     assert 64 <= learner.buffered_positions < 64 + 8
     assert report.trained <= EPOCHS * report.seen + 64  # the step that crosses it is the last
+
+
+def test_the_positions_ring_holds_the_latest_rows_growing_to_its_capacity():
+    from specrun.training.online import _Positions
+
+    ring = _Positions(capacity=1500)
+    for start in range(0, 4000, 7):  # windows of 7 rows whose state, label and next token number them
+        rows = np.arange(start, start + 7)
+        ring.add(rows[:, None].astype(np.float32) * np.ones((1, 3), np.float32), rows[None, :], rows[:, None])
+        assert len(ring.states) in (1024, 1500)
+    assert ring.size == 1500 and len(ring.states) == 1500
+    assert sorted(ring.states[:, 0].astype(int)) == list(range(4004 - 1500, 4004))
+    assert np.array_equal(ring.labels[0], ring.states[:, 0].astype(int))
+    assert np.array_equal(ring.following[:, 0], ring.labels[0]) and len(ring.labelled()) == 1500
 
 
 def test_the_worker_keeps_within_its_share_while_generating_then_trains_when_idle():
@@ -144,7 +170,7 @@ def test_a_loss_that_is_not_finite_stops_learning_with_the_last_weights_kept():
     (0.0, 4096, "--learn-budget must be more than 0 and at most 1"),
     (1.5, 4096, "--learn-budget must be more than 0 and at most 1"),
     (float("nan"), 4096, "--learn-budget must be more than 0 and at most 1"),
-    (0.02, 10, "--learn-buffer must be between 64 and 1048576 tokens, got 10"),
+    (0.02, 10, "--learn-buffer must be between 64 and 131072 tokens, got 10"),
 ])
 def test_settings_out_of_range_are_usage_errors(share, buffer, message):
     from specrun.errors import UsageError
@@ -220,7 +246,8 @@ def test_learned_heads_are_written_back_and_read_as_heads(tmp_path):
     reports = learning.finish()
     assert reports[0].kept == path and reports[0].steps > 0
     learned = load_heads(path)
-    assert not np.allclose(learned.lm_heads[0], heads.lm_heads[0])
+    assert not np.allclose(learned.blocks[0][0][0], heads.blocks[0][0][0])  # the first head's block (projections stay)
+    assert np.allclose(learned.lm_heads[0], heads.lm_heads[0])
     assert learned.config.training["online"][0]["steps"] == reports[0].steps
     assert learning.finish() == []  # finished once
 
@@ -274,3 +301,29 @@ def test_the_report_reads_as_json():
     feed(learner, 2)
     document = json.loads(json.dumps(learner.report().to_dict()))
     assert document["kind"] == "medusa" and document["steps"] > 0 and len(document["acceptance_latest"]) == DEPTH
+
+
+def test_positions_verified_while_the_heads_drafted_nothing_are_learned_from():
+    """A text whose steps never asked the heads (auto drafting with another member, or not at all):
+    the drafter hands the learner every verified position when the text ends."""
+    from heads_factory import oracle_heads_for, oracle_hidden
+    from fake_models import COPYING_VOCAB, copying_logits
+    from specrun.backends.fake import FakeBackend
+    from specrun.backends.kv import sequence_for
+    from specrun.drafters.heads.medusa import MedusaDrafter
+
+    heads = oracle_heads_for("medusa", COPYING_VOCAB)
+    table = copying_logits(salt=4)
+    target = sequence_for(FakeBackend(table, COPYING_VOCAB, hidden_table=oracle_hidden(table, COPYING_VOCAB),
+                                      hidden_size=heads.config.hidden_size))
+    learner = OnlineLearner(heads, window=8, inline=True)
+    drafter = MedusaDrafter(heads)
+    drafter.learner = learner
+    drafter.bind(target, lambda: 0.0)
+    tokens = [int(token) % COPYING_VOCAB for token in range(3, 120)]
+    drafter.prefill(tokens[:10])
+    for stop in range(10, len(tokens), 7):  # verify passes of 7 tokens, none of them drafted by the heads
+        target.sync(tokens[: stop - 1])
+    target.sync(tokens[:-1])  # the text as verified: every token but the last is cached
+    drafter.close()
+    assert learner.report().seen == len(tokens) - 2 - 9  # from the prompt's last position to the last cached

@@ -105,9 +105,11 @@ class HeadsDrafter(Drafter):
         return ()
 
     def prefill(self, context: Sequence[int]) -> None:
-        """A text begins: what the learner learns from starts at the prompt's last position (the
+        """A text begins: the learner gets what is left of the last one (the positions verified
+        after the drafter's last proposal), then learns from the prompt's last position on (the
         state that chose the first generated token), so prompts are never labels."""
         if self.learner is not None:
+            self._harvest_cached()
             self.learner.start_text()
             self._harvested = len(context) - 1
 
@@ -122,13 +124,30 @@ class HeadsDrafter(Drafter):
         if fresh is not None:
             self._learned_version, heads = fresh
             self.swap_heads(heads)
+        self._harvest(context)
+
+    def _harvest(self, context: Sequence[int]) -> None:
+        """The states of positions [harvested, len(context) - 1) to the learner: the target keeps
+        every position fed while tracking (a pass's last ``hidden_tail`` of a longer one), so steps
+        that drafted nothing, or drafted with another member of a chain, are read too."""
         stop = len(context) - 1  # the last cached position is stop - 1: the context but its last token
-        start = max(self._harvested, stop - self.hidden_tail)
-        if self._harvested < 0 or stop <= start:
-            self._harvested = min(self._harvested, stop)
+        start = self._harvested
+        if start < 0 or stop <= start:
+            self._harvested = min(start, stop)
             return
-        learner.observe(start, self.target.hidden(start, stop), context)
+        states = self.target.hidden(start, stop)
+        kept_from = len(self.target.tokens) - self.hidden_tail
+        if states is None and start < kept_from < stop:  # the head of a long pass was not kept
+            start = kept_from
+            states = self.target.hidden(start, stop)
+        self.learner.observe(start, states, context)
         self._harvested = stop
+
+    def _harvest_cached(self) -> None:
+        """What the target's cache holds of the last text since the last proposal (its tokens,
+        all verified) to the learner, before a new text or the end."""
+        if self.target is not None and self._harvested >= 0:
+            self._harvest(list(self.target.tokens))
 
     def swap_heads(self, heads) -> None:
         """Draft with ``heads`` (the same kind and draft vocabulary, newer weights) from now on."""
@@ -147,6 +166,10 @@ class HeadsDrafter(Drafter):
         return depth, hidden[0]
 
     def close(self) -> None:
+        if self.learner is not None:
+            self._harvest_cached()
+            self.learner.start_text()  # what was read of the text goes to the learner's worker
+            self._harvested = -1
         if self.target is not None:
             self.target.track_hidden(False)
             self.target = None
