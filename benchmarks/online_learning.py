@@ -143,9 +143,9 @@ def main(argv: list[str] | None = None) -> int:
                   f"{results['static'][0].drafted:<4d} learning {results['learning'][0].accepted:4d}/"
                   f"{results['learning'][0].drafted:<4d}", file=sys.stderr, flush=True)
     finally:
-        reports = learning.finish()
-        for session in lines.values():
+        for session in lines.values():  # first: a drafter hands the learner the rest of its last text
             session.close()
+        reports = learning.finish()
     report = {
         "target": args.target, "heads": args.heads, "method": args.method, "draft_len": args.draft_len,
         "prompts": [*(["built-in suite"] if args.suite else []), *([args.prompts] if args.prompts else [])],

@@ -1,18 +1,20 @@
 """Heads that keep learning while they draft: online speculative decoding (OSD, Liu et al. 2024).
 
-A heads drafter (drafters/heads/base.py) hands its learner, between verify passes, what the target
-verified: its hidden states at the positions it generated and the tokens it chose. The learner
-cuts them into windows of WINDOW_POSITIONS consecutive positions (what `specrun heads train`
-trains on: training/run.py), and a worker thread scores each new window with the heads as they
-are (prequentially: tested before it is trained on, so the acceptance by depth reported is the
-heads' on text they had not seen), keeps the latest ``buffer_tokens`` positions, and takes small
-AdamW steps on batches drawn from them. Every PUBLISH_SECONDS it publishes a copy of the weights,
-which the drafter takes between two verify passes.
+A heads drafter (drafters/heads/base.py) hands its learner, every few verify passes and at a
+text's end, what the target verified: its hidden states at the positions it generated and the
+tokens it chose. The learner cuts them into windows of WINDOW_POSITIONS consecutive positions
+(what `specrun heads train` trains on: training/run.py), and a worker thread scores new windows
+with the heads as they are (prequentially: tested before trained on, so the acceptance by depth
+reported is the heads' on text they had not seen), keeps the latest ``buffer_tokens`` positions,
+and takes small AdamW steps on batches drawn from them, the projections over the draft vocabulary
+left as they are (their update was most of a step's cost). Every PUBLISH_SECONDS it publishes a
+copy of the weights, which the drafter takes between two verify passes.
 
-The budget: while text is being generated, the worker's CPU time stays within ``share`` of the
-time generation has taken (its thread clock against the wall); while nothing is generated (a chat
-between turns, a server between requests) it trains freely, but no position is trained on more
-than EPOCHS times on average, so it stops soon after the text runs out.
+The budget: while text is being generated (the target's cache grows: ``watch``), the worker's CPU
+time, scoring included, stays within ``share`` of the time generation has taken (its thread clock
+against the wall); while nothing is generated (a chat between turns, a server between requests)
+it trains freely, but no position is trained on more than EPOCHS times on average, so it stops
+soon after the text runs out.
 
 Learning never changes an answer: every draft is verified by the target (exactly at temperature
 0, by rejection sampling above it, with the distributions of the weights that drew it), so the
@@ -219,6 +221,7 @@ class OnlineLearner:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._inbox: deque = deque()
+        self._waiting = 0  # positions in the inbox
         self._windows_kind = kind.trains_on == "windows"
         self._buffer: deque = deque()  # EAGLE's windows (EagleWindow), oldest first
         self._positions = _Positions(settings.buffer_tokens)  # Medusa's and Hydra's positions
@@ -229,7 +232,9 @@ class OnlineLearner:
             self._t2d = np.full(int(heads.config.vocab_size) + 1, -1, np.int64)
             self._t2d[heads.d2t] = np.arange(len(heads.d2t))
         self._run = _Run()
-        self._last_seen: float | None = None
+        self._last_seen: float | None = None  # the last sign of generation
+        self._progress: Callable[[], int] | None = None
+        self._last_progress: int | None = None
         self._busy_seconds = 0.0
         self._busy_cpu = 0.0
         self._idle_cpu = 0.0
@@ -263,10 +268,7 @@ class OnlineLearner:
         """The target's states (n, H) at the positions first .. first + n - 1 of ``context``, all
         of them verified (the target's own tokens follow each); None where they could not be read.
         Called between verify passes."""
-        now = self._clock()
-        if self._last_seen is not None and now - self._last_seen < IDLE_AFTER:
-            self._busy_seconds += now - self._last_seen
-        self._last_seen = now
+        self._active(self._clock())
         if self._stopped:
             return
         if states is None or len(states) == 0:
@@ -278,9 +280,10 @@ class OnlineLearner:
         run = self._run
         if not run.count:
             run.first = first
+            run.tokens = [int(context[first])]
         run.states.append(np.asarray(states, np.float32))
+        run.tokens.extend(int(token) for token in context[run.end + 1 : run.end + len(states) + 1])
         run.count += len(states)
-        run.tokens = [int(token) for token in context[run.first : run.end + 1]]
         while self._run.count >= self.window:
             self._cut(self.window)
         if self._inline:
@@ -295,6 +298,23 @@ class OnlineLearner:
     @property
     def buffered_positions(self) -> int:
         return self._buffered if self._windows_kind else self._positions.size
+
+    def watch(self, progress: Callable[[], int]) -> None:
+        """``progress()``: the target's cached tokens, which every pass changes: the worker reads
+        it to tell generation (busy: the budget applies) from idle, whether or not the heads draft."""
+        self._progress = progress
+
+    def _active(self, now: float) -> None:
+        """Generation went on at ``now``: the time since the last sign counts as generation's."""
+        if self._last_seen is not None and now - self._last_seen < IDLE_AFTER:
+            self._busy_seconds += now - self._last_seen
+        self._last_seen = now
+
+    def _tick(self) -> None:
+        progress = self._progress() if self._progress is not None else None
+        if progress is not None and progress != self._last_progress:
+            self._last_progress = progress
+            self._active(self._clock())
 
     def latest(self, version: int) -> tuple[int, object] | None:
         """Weights newer than ``version`` (the drafter's), with their version; None if there are none."""
@@ -314,6 +334,10 @@ class OnlineLearner:
         if len(tokens) > count:
             with self._lock:
                 self._inbox.append(EagleWindow(states[:count], tokens[:count], tokens[1 : count + 1]))
+                self._waiting += count
+                # windows wait while the budget is spent; past a buffer's worth the oldest would be dropped anyway
+                while self._waiting - len(self._inbox[0].tokens) >= self.settings.buffer_tokens:
+                    self._waiting -= len(self._inbox.popleft().tokens)
             self._wake.set()
         rest = states[count:]
         self._run = _Run(run.first + count, [rest] if len(rest) else [], len(rest), run.tokens[count:])
@@ -326,11 +350,14 @@ class OnlineLearner:
     # ---- the worker ----------------------------------------------------------------------------
     def _work(self) -> None:
         while not self._stop.is_set():
+            self._tick()
             idle = self._idle()
             started = self._cpu_clock()
-            did = self._take_windows()
-            if self._may_step(idle):
-                did = self._step() or did
+            did = False
+            if self._within_budget(idle):  # scoring costs too: windows wait meanwhile, one at a time while busy
+                did = self._take_windows(limit=None if idle else 1)
+                if self._may_step(idle):
+                    did = self._step() or did
             spent = self._cpu_clock() - started
             if idle:
                 self._idle_cpu += spent
@@ -357,15 +384,20 @@ class OnlineLearner:
     def _may_step(self, idle: bool) -> bool:
         if self._stopped or not self._seen or self._trained >= EPOCHS * self._seen:
             return False
+        return self._within_budget(idle)
+
+    def _within_budget(self, idle: bool) -> bool:
         if idle:
             return self.settings.idle
         return self._busy_cpu < self.settings.share * self._busy_seconds
 
-    def _take_windows(self) -> bool:
-        """Score the windows the drafter completed, then buffer them; whether there were any."""
+    def _take_windows(self, limit: int | None = None) -> bool:
+        """Score the windows the drafter completed (the oldest ``limit``; None: all), then buffer
+        them; whether there were any."""
         with self._lock:
-            windows = list(self._inbox)
-            self._inbox.clear()
+            windows = [self._inbox.popleft() for _ in range(len(self._inbox) if limit is None
+                                                             else min(limit, len(self._inbox)))]
+            self._waiting -= sum(len(window.tokens) for window in windows)
         for window in windows:
             if self._stopped:
                 break

@@ -80,3 +80,20 @@ def test_learning_with_no_heads_to_learn_says_why_in_a_note(tiny_llama, llama_in
     assert result.exit_code == 0, result.output
     assert "note: --learn: nothing learns: the method drafts with no heads" in result.stderr
     assert "llama.cpp's draft models cannot learn online" in result.stderr
+
+
+def test_chat_learns_by_default_from_every_answer(medusa_run):
+    args, path = medusa_run
+    args = [arg for arg in args if arg != "--raw"]
+    messages = "Write a loop in Python.\nNow write it as a comprehension.\n"
+    plain = invoke("chat", *args, "--method", "none", "--each-line", "--json", input=messages)
+    assert plain.exit_code == 0, plain.output
+    learned = invoke("chat", *args, "--heads", str(path), "--method", "medusa", "--each-line", "--json",
+                     input=messages)
+    assert learned.exit_code == 0, learned.output
+    assert [json.loads(line)["text"] for line in learned.stdout.splitlines()] == \
+        [json.loads(line)["text"] for line in plain.stdout.splitlines()]
+    line = next(line for line in learned.stderr.splitlines() if line.startswith("learning (medusa):"))
+    assert int(line.split(" steps on ")[1].split(" positions")[0]) >= 2 * 40  # both answers
+    quiet = invoke("chat", *args, "--heads", str(path), "--method", "medusa", "--no-learn", input="hi\n")
+    assert quiet.exit_code == 0 and "learning (" not in quiet.stderr

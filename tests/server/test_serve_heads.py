@@ -28,3 +28,31 @@ def test_serve_drafts_with_the_heads_it_was_given(tiny_llama, tmp_path, kind):
     assert status == 200, body
     assert body["choices"][0]["message"]["content"] == expected["text"]
     assert body["speculation"]["method"] == kind and body["speculation"]["drafted"] > 0
+
+
+def test_serve_heads_learn_across_requests_and_are_kept_at_shutdown(tiny_llama, tmp_path):
+    """Learning is on by default in serve: the same learner reads every request's answer, the
+    answers stay plain decoding's, and --keep-learned writes the heads when the server stops."""
+    from specrun.heads.files import load_heads
+
+    config = tiny_llama.config
+    heads = tmp_path / "heads.safetensors"
+    save_heads(random_heads(config.hidden_size, config.vocab_size), heads)
+    before = heads.read_bytes()
+    args = ("-t", str(tiny_llama.gguf_path), "--heads", str(heads), "--threads", "1")
+    prompts = ("hello there", "tell me about the sea")
+    expected = [specrun_json("chat", "-n", "48", "-m", "none", *args, stdin=prompt)[0]["text"] for prompt in prompts]
+    server = start_server("-m", "medusa", "-k", "4", "--keep-learned", "--learn-budget", "1", *args)
+    try:
+        answers = [server.post("/v1/chat/completions", {
+            "model": str(tiny_llama.gguf_path), "max_tokens": 48, "temperature": 0,
+            "messages": [{"role": "user", "content": prompt}],
+        }) for prompt in prompts]
+    finally:
+        assert stop_server(server) == 0, server.log
+    assert [body["choices"][0]["message"]["content"] for _, body in answers] == expected
+    learned = [line for line in server.log if line.startswith("learning (medusa):")]
+    assert learned and f"kept in {heads}" in learned[0], server.log
+    seen = int(learned[0].split(" steps on ")[1].split(" positions")[0])
+    assert seen >= 2 * 40  # both answers, less a few positions at each end
+    assert heads.read_bytes() != before and load_heads(heads).config.training["online"]

@@ -138,21 +138,32 @@ def test_the_worker_keeps_within_its_share_while_generating_then_trains_when_idl
         now[0] += 0.1
         learner.observe(stop - 4, TABLE[tokens[stop - 4 : stop]], tokens[: stop + 1])
         time.sleep(0.002)
-    deadline = time.monotonic() + 10
-    while learner._inbox and time.monotonic() < deadline:
-        time.sleep(0.01)
-    time.sleep(0.2)
+    time.sleep(0.3)  # the worker's turn: within the budget, the rest waits in its inbox
     busy = learner.report()
     assert busy.busy_seconds == pytest.approx(9.9)
     assert 1 <= busy.steps <= 11 and busy.busy_cpu <= 0.05 * busy.busy_seconds + 0.05 + 1e-9, busy.summary()
     now[0] += 5.0  # the user reads the answer: nothing generates
     deadline = time.monotonic() + 20
-    while learner.report().trained < EPOCHS * learner.report().seen - 64 and time.monotonic() < deadline:
+    while not learner.caught_up and time.monotonic() < deadline:
         time.sleep(0.01)
     learner.close()
     idle = learner.report()
     assert idle.idle_cpu > 0 and idle.steps > busy.steps
     assert idle.trained <= EPOCHS * idle.seen + 64  # it stops once each position was trained on EPOCHS times
+
+
+def test_generation_is_told_by_the_target_growing_whether_or_not_the_heads_draft():
+    """No state handed over (auto drafted with another member): the worker still counts the time as
+    generation's, the target's cache growing, so the budget applies and it does not train as if idle."""
+    now, cached = [0.0], [0]
+    learner = OnlineLearner(fresh_heads("medusa"), window=8, clock=lambda: now[0])
+    learner.watch(lambda: cached[0])
+    for _ in range(20):
+        now[0] += 0.3
+        cached[0] += 3
+        time.sleep(0.06)  # the worker looks at least every WAIT_SECONDS
+    learner.close()
+    assert learner.report().busy_seconds == pytest.approx(19 * 0.3)
 
 
 def test_a_loss_that_is_not_finite_stops_learning_with_the_last_weights_kept():
@@ -203,7 +214,7 @@ def real_target(request, tiny_llama):
 @pytest.mark.parametrize("method", ["medusa", "eagle"])
 def test_greedy_with_learning_is_plain_decoding_on_both_backends(real_target, method, tiny_llama, tmp_path):
     """Heads made for the tiny llama learn from its output as it is generated, their weights
-    swapped in after every few verify passes: the text is plain decoding's."""
+    swapped in every 32 positions (HARVEST_POSITIONS): the text is plain decoding's."""
     from heads_factory import random_eagle, random_heads
     from specrun.heads.files import save_heads
     from specrun.registry.loading import LoadOptions
@@ -220,7 +231,7 @@ def test_greedy_with_learning_is_plain_decoding_on_both_backends(real_target, me
         return made[-1]
 
     def run(method_: str, learn_=None) -> str:
-        request = GenerateRequest("def f(x):\n    return x\n" * 3, target, None, method=method_, max_new_tokens=48,
+        request = GenerateRequest("def f(x):\n    return x\n" * 3, target, None, method=method_, max_new_tokens=112,
                                   draft_len=4, heads=str(path), load=LoadOptions(backend=backend), chat=False,
                                   learn=learn_)
         return generate_text(request).text
@@ -228,7 +239,7 @@ def test_greedy_with_learning_is_plain_decoding_on_both_backends(real_target, me
     assert run(method, learn) == run("none")
     report = made[0].report()
     made[0].close()
-    assert report.steps > 3 and report.swaps > 3 and not report.stopped, report.summary()
+    assert report.steps > 3 and report.swaps >= 2 and not report.stopped, report.summary()
 
 
 # ---- what a command keeps ----------------------------------------------------------------------

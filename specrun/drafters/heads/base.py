@@ -18,6 +18,10 @@ from specrun.heads.config import HeadsConfig
 from specrun.sampling import SamplingSettings, probabilities
 
 
+# The learner is handed states in batches of at least this many positions (and what is left at a
+# text's end): a hand-over costs Python time a verify pass of a small target would notice.
+HARVEST_POSITIONS = 32
+
 # Medusa reads the state of the last cached position only, which the latest pass fed: a verify
 # pass holds at most 1 + 64 tokens (the longest draft, a tree's nodes), a prompt many more.
 HIDDEN_TAIL = 65
@@ -62,6 +66,8 @@ class HeadsLearner(Protocol):
     kind: str
     source: object  # the heads it was made from: the drafter of those heads feeds it
 
+    def watch(self, progress: Callable[[], int]) -> None: ...
+
     def start_text(self) -> None: ...
 
     def observe(self, first: int, states: np.ndarray | None, context: Sequence[int]) -> None: ...
@@ -99,6 +105,8 @@ class HeadsDrafter(Drafter):
         self._vocab_size = target.backend.vocab.size
         self.layers_read = layers
         target.track_hidden(True, tail=self.hidden_tail, layers=layers)
+        if self.learner is not None:  # generation goes on while the cache grows, drafted by the heads or not
+            self.learner.watch(lambda: len(target.tokens))
 
     def target_layers(self, target: KVSequence) -> tuple[int, ...]:
         """The layers whose outputs the heads read (KVSequence.track_hidden); () the output head's input."""
@@ -124,7 +132,8 @@ class HeadsDrafter(Drafter):
         if fresh is not None:
             self._learned_version, heads = fresh
             self.swap_heads(heads)
-        self._harvest(context)
+        if len(context) - 1 - self._harvested >= HARVEST_POSITIONS:
+            self._harvest(context)
 
     def _harvest(self, context: Sequence[int]) -> None:
         """The states of positions [harvested, len(context) - 1) to the learner: the target keeps
