@@ -63,7 +63,7 @@ class DrafterOptions:
     """
 
     ngram_cache: Path | None = None
-    vocabulary: str = ""
+    vocabulary: str | tuple[str, ...] = ""  # vocabulary_fingerprint(s): the first written, each read
     draft_min_prob: float = 0.0  # the draft model's confidence stop (DraftModelDrafter.min_prob)
     branches: int = 0
     # What head methods draft with: heads of their kind, or several kinds as a tuple (a bench of both).

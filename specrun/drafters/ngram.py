@@ -80,14 +80,26 @@ class NgramCacheError(SpecrunError):
 
 
 def vocabulary_fingerprint(backend: Backend) -> str:
-    """The vocabulary's size and a short hash of it (ids, token texts, BOS and EOS): "SIZE:HASH".
+    """The vocabulary's size and a short hash of it (ids, token texts and BOS): "SIZE:HASH".
 
-    An n-gram cache holds token ids, which mean something only for the vocabulary
-    that produced them; the fingerprint is stored in the file and checked on load,
-    and its size bounds the ids a loaded file may hold.
+    An n-gram cache holds token ids, and heads a draft vocabulary of them, which mean something
+    only for the vocabulary that produced them; the fingerprint is stored in the file and checked
+    on load, and its size bounds the ids a loaded file may hold. Which tokens end a generation is
+    left out: backends read it differently from one model (llama.cpp counts SmolLM2's <reponame>,
+    mlx-lm does not), and a file made on one serves the other.
     """
+    return _fingerprint(backend, "")
+
+
+def vocabulary_fingerprints(backend: Backend) -> tuple[str, str]:
+    """The fingerprint files are written with, and the one files written before it left the
+    end-of-generation tokens out hold (read as well, on the backend that wrote them)."""
+    return vocabulary_fingerprint(backend), _fingerprint(backend, f"|{sorted(backend.vocab.eos_ids)}")
+
+
+def _fingerprint(backend: Backend, eos: str) -> str:
     vocab = backend.vocab
-    digest = hashlib.sha256(f"{vocab.size}|{vocab.bos_id}|{sorted(vocab.eos_ids)}".encode())
+    digest = hashlib.sha256(f"{vocab.size}|{vocab.bos_id}{eos}".encode())
     for token in range(vocab.size):
         digest.update(backend.token_text(token).encode("utf-8", errors="surrogatepass") + b"\0")
     return f"{vocab.size}:{digest.hexdigest()[:32]}"
@@ -99,9 +111,11 @@ def _vocabulary_size(fingerprint: str) -> int | None:
     return int(size) if separator and size.isdigit() else None
 
 
-def _same_vocabulary(stored: str, ours: str) -> bool:
-    """Files written before the fingerprint named the size hold only its hash part."""
-    return stored == ours or (_vocabulary_size(ours) is not None and stored == ours.partition(":")[2])
+def same_vocabulary(stored: str, ours: str | tuple[str, ...]) -> bool:
+    """Is ``stored`` (a file's) one of ``ours`` (``vocabulary_fingerprints``, or one)? Files written
+    before the fingerprint named the size hold only its hash part."""
+    return any(stored == one or (_vocabulary_size(one) is not None and stored == one.partition(":")[2])
+               for one in ((ours,) if isinstance(ours, str) else ours))
 
 
 class NgramPoolDrafter(Drafter):
@@ -109,7 +123,8 @@ class NgramPoolDrafter(Drafter):
 
     ``cache_path``: when set, ``close()`` saves the pool there (only if it learned
     something); ``open`` builds a pool and loads that file if it exists.
-    ``vocabulary``: the target's ``vocabulary_fingerprint``; a cache file built for
+    ``vocabulary``: the target's ``vocabulary_fingerprint`` (or ``vocabulary_fingerprints``: the
+    first written, each read); a cache file built for
     another one is refused. ``ops`` counts pool operations (lookups and updates)
     so tests can check that a step's cost does not grow with the context.
     """
@@ -133,7 +148,7 @@ class NgramPoolDrafter(Drafter):
         min_share: float = DEFAULT_MIN_SHARE,
         unigram_min_count: int = DEFAULT_UNIGRAM_MIN_COUNT,
         branches: int = 0,
-        vocabulary: str = "",
+        vocabulary: str | tuple[str, ...] = "",
         cache_path: Path | None = None,
     ) -> None:
         if max_order < 1 or max_contexts < 1 or max_followers < 1:
@@ -144,7 +159,8 @@ class NgramPoolDrafter(Drafter):
         self.min_share = min_share
         self.unigram_min_count = unigram_min_count
         self.branches = branches  # runner-up followers proposed as siblings (0: chains only)
-        self.vocabulary = vocabulary
+        self.vocabulary = vocabulary if isinstance(vocabulary, str) else vocabulary[0]  # what a save writes
+        self._read_vocabularies = vocabulary  # what a load accepts
         self.cache_path = Path(cache_path) if cache_path is not None else None
         self.mirror = ContextMirror()
         self.evictions = 0
@@ -314,7 +330,7 @@ class NgramPoolDrafter(Drafter):
         """Replace the pool's contents with the file's; refuse anything not written for this vocabulary."""
         path = Path(path)
         contents = _read_cache_file(path, _vocabulary_size(self.vocabulary))
-        if not _same_vocabulary(contents["vocabulary"], self.vocabulary):
+        if not same_vocabulary(contents["vocabulary"], self._read_vocabularies):
             raise NgramCacheError(
                 f"the n-gram cache {path} was built for another vocabulary (another model family)", CACHE_FIX
             )

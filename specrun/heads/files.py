@@ -640,7 +640,7 @@ def check_heads_for_target(
     hidden_size: int,
     vocab_size: int,
     num_layers: int = 0,
-    vocabulary: str = "",
+    vocabulary: str | tuple[str, ...] = "",
     path: Path,
 ) -> None:
     """Raise ModelFileError (one line naming ``path``, both sides and the fix) when ``heads`` were
@@ -656,8 +656,9 @@ def check_heads_for_target(
         raise mismatch(f"hidden size {config.hidden_size}", str(hidden_size))
     if config.vocab_size != vocab_size:
         raise mismatch(f"a vocabulary of {config.vocab_size} tokens", f"{vocab_size}")
-    if config.target_vocabulary and vocabulary and config.target_vocabulary != vocabulary:
-        raise mismatch(f"the vocabulary {config.target_vocabulary}", f"{vocabulary}")
+    accepted = (vocabulary,) if isinstance(vocabulary, str) else tuple(vocabulary)  # the fingerprint and older ones
+    if config.target_vocabulary and any(accepted) and config.target_vocabulary not in accepted:
+        raise mismatch(f"the vocabulary {config.target_vocabulary}", f"{accepted[0]}")
     if config.target_layers and num_layers and config.target_layers != num_layers:
         raise mismatch(f"a target of {config.target_layers} layers", f"{num_layers}")
     deepest_read = max(getattr(heads, "aux_layer_ids", ()), default=0)  # EAGLE-3's

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from specrun.backends.base import Backend
-from specrun.drafters.ngram import vocabulary_fingerprint
+from specrun.drafters.ngram import vocabulary_fingerprints
 from specrun.engine.events import Finished, GenerationResult, TextChunk
 from specrun.engine.loop import GenerationParams, SpeculativeEngine
 from specrun.engine.passes import Verification
@@ -541,7 +541,7 @@ def open_chat(
     try:
         drafter_options = DrafterOptions(branches=branches, lookahead=lookahead)
         if ngram_cache is not None:
-            drafter_options = DrafterOptions(ngram_cache, vocabulary_fingerprint(target), branches=branches,
+            drafter_options = DrafterOptions(ngram_cache, vocabulary_fingerprints(target), branches=branches,
                                              lookahead=lookahead)
         loaded: dict = {}  # heads read, by path: each /method's are read once a session
         if needs_heads(method):

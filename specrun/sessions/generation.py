@@ -88,9 +88,9 @@ def generate_text(request: GenerateRequest, on_text: Callable[[str], None] | Non
     try:
         options = request.drafter_options
         if options.ngram_cache is not None and not options.vocabulary:
-            from specrun.drafters.ngram import vocabulary_fingerprint
+            from specrun.drafters.ngram import vocabulary_fingerprints
 
-            options = dataclasses.replace(options, vocabulary=vocabulary_fingerprint(target))
+            options = dataclasses.replace(options, vocabulary=vocabulary_fingerprints(target))
         if needs_heads(request.method):
             options = dataclasses.replace(options, heads=load_target_heads(
                 request.target, request.heads, target, request.load.registry, heads_kind(request.method),

@@ -62,7 +62,7 @@ def _load(path):
 def _checked_heads(path, heads, kind: str, target):
     """``heads`` (loaded from ``path``) if they are ``kind`` heads made for ``target``; else the
     one-line error naming the file and both sides."""
-    from specrun.drafters.ngram import vocabulary_fingerprint
+    from specrun.drafters.ngram import vocabulary_fingerprints
     from specrun.heads.files import check_heads_for_target
 
     if heads_of_kind(heads, kind) is None:
@@ -70,7 +70,7 @@ def _checked_heads(path, heads, kind: str, target):
                          f"pass {kind} heads with --heads, or train them with specrun heads train --kind {kind}")
     support = target.hidden_support
     check_heads_for_target(heads, hidden_size=support.size or heads.config.hidden_size, vocab_size=target.vocab.size,
-                           num_layers=support.layers, vocabulary=vocabulary_fingerprint(target), path=path)
+                           num_layers=support.layers, vocabulary=vocabulary_fingerprints(target), path=path)
     from specrun.drafters.heads.eagle import check_eagle3_target
 
     check_eagle3_target(heads, target, path)

@@ -300,9 +300,35 @@ def test_failed_save_keeps_the_old_file(tmp_path, monkeypatch):
 
 def test_vocabulary_fingerprint_tells_vocabularies_apart():
     a = FakeBackend(hashed_logits(VOCAB, 1), VOCAB)
-    b = FakeBackend(hashed_logits(VOCAB, 2), VOCAB, eos_ids=[0])
     assert vocabulary_fingerprint(a) == vocabulary_fingerprint(FakeBackend(hashed_logits(VOCAB, 3), VOCAB))
-    assert vocabulary_fingerprint(a) != vocabulary_fingerprint(b)
+    assert vocabulary_fingerprint(a) != vocabulary_fingerprint(FakeBackend(hashed_logits(VOCAB, 2), VOCAB, bos_id=1))
+    assert vocabulary_fingerprint(a) != vocabulary_fingerprint(FakeBackend(hashed_logits(VOCAB + 1, 2), VOCAB + 1))
+
+
+def test_backends_that_end_generations_on_other_tokens_share_a_fingerprint(tmp_path):
+    """llama.cpp counts SmolLM2's <reponame> among the tokens that end a generation, mlx-lm does not:
+    the ids and texts are the same, and a pool (or heads) made on one serves the other. Files made
+    before the fingerprint left those tokens out are still read, by the backend that made them."""
+    import dataclasses
+
+    from specrun.drafters.ngram import vocabulary_fingerprints
+
+    llama = FakeBackend(hashed_logits(VOCAB, 1), VOCAB)
+    mlx = FakeBackend(hashed_logits(VOCAB, 1), VOCAB)
+    mlx.vocab = dataclasses.replace(llama.vocab, eos_ids=frozenset({VOCAB - 1}))
+    assert vocabulary_fingerprint(llama) == vocabulary_fingerprint(mlx)
+    assert vocabulary_fingerprints(llama)[1] != vocabulary_fingerprints(mlx)[1]
+    made = trained_pool(max_order=2)
+    made.vocabulary = vocabulary_fingerprint(llama)
+    made.save(tmp_path / "new.ngram")
+    NgramPoolDrafter(vocabulary=vocabulary_fingerprints(mlx)).load(tmp_path / "new.ngram")
+    made.vocabulary = vocabulary_fingerprints(llama)[1]  # a file from before
+    made.save(tmp_path / "old.ngram")
+    NgramPoolDrafter(vocabulary=vocabulary_fingerprints(llama)).load(tmp_path / "old.ngram")
+    with pytest.raises(NgramCacheError, match="another vocabulary"):
+        NgramPoolDrafter(vocabulary=vocabulary_fingerprints(mlx)).load(tmp_path / "old.ngram")
+    written = NgramPoolDrafter(vocabulary=vocabulary_fingerprints(llama))
+    assert written.vocabulary == vocabulary_fingerprint(llama)  # what a save writes
 
 
 # ---- chains ----------------------------------------------------------------------

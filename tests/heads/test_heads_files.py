@@ -671,7 +671,10 @@ def test_heads_made_for_another_target_name_both_sides(tmp_path):
         ({"vocab_size": 49152}, f"was made for a vocabulary of {VOCAB} tokens, the target has 49152"),
         ({"vocabulary": f"{VOCAB}:def"}, f"was made for the vocabulary {VOCAB}:abc, the target has {VOCAB}:def"),
         ({"num_layers": 30}, "was made for a target of 6 layers, the target has 30"),
+        ({"vocabulary": (f"{VOCAB}:def", f"{VOCAB}:ghi")}, f"the vocabulary {VOCAB}:abc, the target has {VOCAB}:def"),
     ]
+    # heads from before the fingerprint left the end-of-generation tokens out: its older form read too
+    check_heads_for_target(heads, path=path, **{**ours, "vocabulary": (f"{VOCAB}:new", f"{VOCAB}:abc")})
     for change, fragment in cases:
         with pytest.raises(ModelFileError) as excinfo:
             check_heads_for_target(heads, path=path, **{**ours, **change})
