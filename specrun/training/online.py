@@ -305,10 +305,15 @@ class OnlineLearner:
         self._progress = progress
 
     def _active(self, now: float) -> None:
-        """Generation went on at ``now``: the time since the last sign counts as generation's."""
-        if self._last_seen is not None and now - self._last_seen < IDLE_AFTER:
-            self._busy_seconds += now - self._last_seen
-        self._last_seen = now
+        """Generation went on at ``now``: the time since the last sign counts as generation's
+        (the drafter's thread and the worker both tell, so once under the lock)."""
+        with self._lock:
+            if self._last_seen is not None and self._last_seen < now:
+                if now - self._last_seen < IDLE_AFTER:
+                    self._busy_seconds += now - self._last_seen
+                self._last_seen = now
+            elif self._last_seen is None:
+                self._last_seen = now
 
     def _tick(self) -> None:
         progress = self._progress() if self._progress is not None else None
