@@ -284,4 +284,4 @@ class NumpyEagleTrainer(NamedAdamW):
     def heads(self, training: dict | None = None) -> EagleHeads:
         config = self.config if training is None else dataclasses.replace(self.config, training=training)
         return EagleHeads(config, self.layout, d2t=self.d2t,
-                          **{name: array.copy() for name, array in self.params.items()})
+                          **self.copies())

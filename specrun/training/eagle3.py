@@ -318,6 +318,18 @@ def _shifted_back(x: np.ndarray, by: int) -> np.ndarray:
     return out
 
 
+def untrainable_because(heads: Eagle3Heads) -> str:
+    """Why this trainer would not compute what ``heads`` compute ("" where it would): it norms with
+    _EPS, adds the raw feature back and rotates without scaling, as the heads it makes do."""
+    if heads.norm_before_residual:
+        return "their layer adds the normed feature back (norm_before_residual), which specrun's trainer does not"
+    if heads.rope_scaling:
+        return "they scale RoPE (rope_scaling), which specrun's trainer does not"
+    if abs(heads.rms_norm_eps - _EPS) > 1e-12:
+        return f"their norms' epsilon is {heads.rms_norm_eps:g}, specrun's trainer's {_EPS:g}"
+    return ""
+
+
 class NumpyEagle3Trainer(NamedAdamW):
     """EAGLE-3 heads as float32 arrays with their AdamW moments, the target's embedding beside them."""
 
@@ -329,6 +341,7 @@ class NumpyEagle3Trainer(NamedAdamW):
         self.learning_rate = learning_rate
         self.num_heads, self.head_dim = heads.num_attention_heads, heads.head_dim
         self.num_kv_heads = heads.num_key_value_heads
+        self.source = heads  # what the arrays leave out (norm eps, rope scaling, an embedding) comes from here
         self.rope_theta = heads.rope_theta
         self.params = {name: np.array(getattr(heads, name), np.float32) for name in PARAMETER_NAMES}
         self.embedding = np.asarray(embedding, np.float32)
@@ -397,8 +410,4 @@ class NumpyEagle3Trainer(NamedAdamW):
 
     def heads(self, training: dict | None = None) -> Eagle3Heads:
         config = self.config if training is None else dataclasses.replace(self.config, training=training)
-        size = self.params["norm"].shape[0]
-        return Eagle3Heads(config, size, self.num_heads, self.num_kv_heads, self.head_dim,
-                           self.params["gate_proj"].shape[0], _EPS, self.rope_theta, self.aux_layer_ids,
-                           d2t=self.d2t, max_position_embeddings=self.max_position_embeddings,
-                           **{name: array.copy() for name, array in self.params.items()})
+        return dataclasses.replace(self.source, config=config, **self.copies())

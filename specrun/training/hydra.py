@@ -139,4 +139,4 @@ class NumpyHydraTrainer(NamedAdamW):
 
     def heads(self, training: dict | None = None) -> HydraHeads:
         config = self.config if training is None else dataclasses.replace(self.config, training=training)
-        return HydraHeads.from_arrays(config, {name: array.copy() for name, array in self.params.items()}, self.d2t)
+        return HydraHeads.from_arrays(config, self.copies(), self.d2t)

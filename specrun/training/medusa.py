@@ -51,6 +51,8 @@ class NumpyHeadsTrainer:
         """Train the residual blocks only: a projection over the draft vocabulary is most of a
         step's cost (its AdamW update two thirds of it), and online learning has a budget."""
         self.projections_frozen = True
+        for head in (*self.first, *self.second):  # no moments for what never moves
+            head[-1] = np.zeros(0, np.float32)
 
     @classmethod
     def fresh(cls, config: HeadsConfig, projection: np.ndarray, d2t: np.ndarray | None,
@@ -134,7 +136,8 @@ class NumpyHeadsTrainer:
         layers = self.config.num_layers
         blocks = tuple(tuple((head[2 * j].copy(), head[2 * j + 1].copy()) for j in range(layers))
                        for head in self.params)
-        return MedusaHeads(config, blocks, tuple(head[-1].copy() for head in self.params), self.d2t)
+        projections = tuple(head[-1] if self.projections_frozen else head[-1].copy() for head in self.params)
+        return MedusaHeads(config, blocks, projections, self.d2t)  # frozen projections are shared, never written
 
     def save_optimizer(self, path: Path) -> None:
         """The moments and the step count (.npz), written atomically."""

@@ -41,7 +41,8 @@ WINDOW_POSITIONS = 64  # positions per window, as the buffer keeps them and the 
 BATCH_POSITIONS = 64  # positions per step (Medusa, Hydra)
 BATCH_WINDOWS = 1  # windows per step (EAGLE, EAGLE-3)
 PUBLISH_SECONDS = 2.0  # a copy of the weights for the drafter, at most this often (Medusa's: ~38 MB)
-IDLE_AFTER = 1.0  # seconds without a verified token: generation is idle, the worker trains freely
+IDLE_AFTER = 1.0  # seconds without a pass: generation is idle, the worker trains freely (at least; see _idle_after)
+MAX_IDLE_AFTER = 60.0
 EPOCHS = 4.0  # steps stop once the positions trained on reach this many times those seen
 WAIT_SECONDS = 0.05  # the worker's nap when it may not step
 REPORT_TOKENS = 256  # acceptance by depth over the first and the latest this many positions
@@ -184,6 +185,18 @@ class _Positions:
         return np.flatnonzero((self.labels[:, : self.size] >= 0).any(axis=0))
 
 
+def not_learnable(heads) -> str:
+    """Why ``heads`` cannot learn online ("" where they can)."""
+    kind = kind_of(heads)
+    if kind.name not in TRAINABLE_KINDS:
+        return f"{kind.name} heads are the model's own layers, which specrun does not train"
+    if kind.name == "eagle3":
+        from specrun.training.eagle3 import untrainable_because
+
+        return untrainable_because(heads)
+    return ""
+
+
 class OnlineLearner:
     """One heads object learning from what the target verifies (see the module's docstring).
 
@@ -196,8 +209,8 @@ class OnlineLearner:
                  seed: int = 0, window: int = WINDOW_POSITIONS, inline: bool = False, inline_steps: int = 1,
                  clock: Callable[[], float] = time.monotonic, cpu_clock: Callable[[], float] = time.thread_time) -> None:
         kind = kind_of(heads)
-        if kind.name not in TRAINABLE_KINDS:
-            raise ValueError(f"{kind.name} heads do not learn online")
+        if not_learnable(heads):
+            raise ValueError(f"these {kind.name} heads do not learn online: {not_learnable(heads)}")
         self.kind = kind.name
         self.method = kind.method
         self.source = heads
@@ -235,6 +248,7 @@ class OnlineLearner:
         self._last_seen: float | None = None  # the last sign of generation
         self._progress: Callable[[], int] | None = None
         self._last_progress: int | None = None
+        self._gaps: deque = deque(maxlen=8)  # seconds between the latest signs of generation
         self._busy_seconds = 0.0
         self._busy_cpu = 0.0
         self._idle_cpu = 0.0
@@ -308,12 +322,23 @@ class OnlineLearner:
         """Generation went on at ``now``: the time since the last sign counts as generation's
         (the drafter's thread and the worker both tell, so once under the lock)."""
         with self._lock:
-            if self._last_seen is not None and self._last_seen < now:
-                if now - self._last_seen < IDLE_AFTER:
-                    self._busy_seconds += now - self._last_seen
+            if self._last_seen is None:
                 self._last_seen = now
-            elif self._last_seen is None:
+            elif self._last_seen < now:
+                gap = now - self._last_seen
+                if gap < self._idle_after():
+                    self._busy_seconds += gap
+                self._gaps.append(gap)
                 self._last_seen = now
+
+    def _idle_after(self) -> float:
+        """No pass for this long and generation is idle: IDLE_AFTER, or three times the typical gap
+        between passes where passes are slower (a large model on a CPU, a long prompt's chunks),
+        at most MAX_IDLE_AFTER."""
+        if not self._gaps:
+            return IDLE_AFTER
+        typical = sorted(self._gaps)[len(self._gaps) // 2]
+        return min(max(IDLE_AFTER, 3.0 * typical), MAX_IDLE_AFTER)
 
     def _tick(self) -> None:
         progress = self._progress() if self._progress is not None else None
@@ -355,22 +380,29 @@ class OnlineLearner:
     # ---- the worker ----------------------------------------------------------------------------
     def _work(self) -> None:
         while not self._stop.is_set():
-            self._tick()
-            idle = self._idle()
             started = self._cpu_clock()
-            did = False
-            if self._within_budget(idle):  # scoring costs too: windows wait meanwhile, one at a time while busy
-                did = self._take_windows(limit=None if idle else 1)
-                if self._may_step(idle):
-                    did = self._step() or did
+            idle = True
+            try:
+                self._tick()
+                idle = self._idle()
+                did = False
+                if self._within_budget(idle):  # scoring costs too: windows wait meanwhile, one at a time while busy
+                    did = self._take_windows(limit=None if idle else 1)
+                    if self._may_step(idle):
+                        did = self._step() or did
+                if did:
+                    self._maybe_publish()  # a copy of the weights: charged to the budget too
+            except Exception as error:  # noqa: BLE001 — learning must never end a generation
+                self._stop_learning(f"the worker failed: {error}")
+                did = False
             spent = self._cpu_clock() - started
             if idle:
                 self._idle_cpu += spent
             else:
                 self._busy_cpu += spent
-            if did:
-                self._maybe_publish()
-            else:
+            if self._stopped:
+                return
+            if not did:
                 self._wake.wait(WAIT_SECONDS)
                 self._wake.clear()
 
@@ -384,7 +416,7 @@ class OnlineLearner:
         self._busy_cpu += self._cpu_clock() - started
 
     def _idle(self) -> bool:
-        return self._last_seen is None or self._clock() - self._last_seen >= IDLE_AFTER
+        return self._last_seen is None or self._clock() - self._last_seen >= self._idle_after()
 
     def _may_step(self, idle: bool) -> bool:
         if self._stopped or not self._seen or self._trained >= EPOCHS * self._seen:
@@ -580,8 +612,8 @@ class Learning:
                        f"({DRAFT_MODELS_DO_NOT_LEARN.get(getattr(target, 'name', ''), DRAFT_MODELS_DO_NOT_LEARN['llama'])})")
             return None
         kind = kind_of(heads)
-        if kind.name not in TRAINABLE_KINDS:
-            self._note(f"nothing learns: {kind.name} heads are the model's own layers, which specrun does not train")
+        if not_learnable(heads):
+            self._note(f"nothing learns: {not_learnable(heads)}")
             return None
         found = self._learners.get(id(heads))
         if found is not None:
@@ -609,32 +641,37 @@ class Learning:
     def finish(self) -> list[LearnReport]:
         """Stop every learner; write the learned heads (``settings.keep``), an interrupt held back
         until both files are written; their reports."""
-        reports = []
-        for heads, learner, path in self._learners.values():
-            learner.close()
-            kept = None
-            learned = learner.learned_heads() if path is not None else None
-            if learned is not None:
-                from specrun.heads.files import save_heads
+        from specrun.heads.files import save_heads
 
-                with _interrupts_held():
+        reports = []
+        with _interrupts_held():  # every learner stopped (a step applied whole) and written, then Ctrl-C
+            for heads, learner, path in self._learners.values():
+                learner.close()
+                kept = None
+                learned = learner.learned_heads() if path is not None else None
+                if learned is not None:
                     save_heads(learned, path, learned.config.training)
-                kept = path
-            reports.append(learner.report(kept))
-        self._learners.clear()
+                    kept = path
+                reports.append(learner.report(kept))
+            self._learners.clear()
         return reports
 
 
 def check_keep_path(path: Path, stored: str) -> None:
     """Fail before the run where the learned heads could not be written to ``path``."""
+    from specrun.errors import FileAccessError
     from specrun.fileio import check_writable_folder
     from specrun.training.run import check_eagle3_folder, check_heads_file
 
-    if stored == "folder":
-        check_eagle3_folder(path)
-    else:
-        check_heads_file(path)
-        check_writable_folder(path, "heads file")
+    try:
+        if stored == "folder":
+            check_eagle3_folder(path)
+        else:
+            check_heads_file(path)
+            check_writable_folder(path, "heads file")
+    except FileAccessError as error:  # heads train's fix names --heads-out, which these commands lack
+        raise FileAccessError(f"--keep-learned: {error.problem}",
+                              "pass --heads with specrun's own heads file (or none: the cache), or drop --keep-learned") from None
 
 
 @contextmanager

@@ -65,6 +65,12 @@ class NamedAdamW:
         """Train all but the projections over the draft vocabulary (``*lm_head``): most of a step's
         memory traffic is their AdamW update, and online learning has a budget."""
         self.frozen = frozenset(name for name in self.params if name.endswith("lm_head"))
+        for name in self.frozen:  # no moments for what never moves
+            self.first[name] = self.second[name] = np.zeros(0, np.float32)
+
+    def copies(self) -> dict[str, np.ndarray]:
+        """The arrays for published heads: copies, but frozen ones shared (never written)."""
+        return {name: array if name in self.frozen else array.copy() for name, array in self.params.items()}
 
     def start_moments(self) -> None:
         self.first = {name: np.zeros_like(array) for name, array in self.params.items()}

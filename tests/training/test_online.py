@@ -166,6 +166,20 @@ def test_generation_is_told_by_the_target_growing_whether_or_not_the_heads_draft
     assert learner.report().busy_seconds == pytest.approx(19 * 0.3)
 
 
+def test_slow_passes_count_as_generation_not_as_idle_time():
+    """A large model on a CPU: two seconds a pass. The worker keeps to its budget through them."""
+    now, cached = [0.0], [0]
+    learner = OnlineLearner(fresh_heads("medusa"), window=8, clock=lambda: now[0])
+    learner.watch(lambda: cached[0])
+    for step in range(10):
+        now[0] += 2.0
+        cached[0] += 3
+        time.sleep(0.06)
+        assert step < 2 or not learner._idle()  # the first gap is the one it learns the pace from
+    learner.close()
+    assert learner.report().busy_seconds == pytest.approx(8 * 2.0)
+
+
 def test_a_loss_that_is_not_finite_stops_learning_with_the_last_weights_kept():
     learner = OnlineLearner(fresh_heads("medusa"), window=8, inline=True)
     feed(learner, 1)
@@ -293,6 +307,26 @@ def test_a_run_with_nothing_to_learn_says_so_when_learning_was_asked_for():
     learning(None, Llama())
     assert notes == ["--learn: nothing learns: the method drafts with no heads, and only heads learn online "
                      "(llama.cpp's draft models cannot learn online (its weights are fixed in the GGUF))"]
+
+
+def test_eagle3_heads_the_trainer_does_not_model_are_left_as_they_are_in_a_note():
+    import dataclasses
+
+    from heads_factory import eagle3_heads
+
+    notes = []
+    learning = Learning(LearnSettings(), on_note=notes.append, explicit=True)
+    assert learning(eagle3_heads(8, 10, aux=(1, 3), norm_before_residual=True), None) is None
+    assert notes == ["--learn: nothing learns: their layer adds the normed feature back (norm_before_residual), "
+                     "which specrun's trainer does not"]
+    heads = eagle3_heads(8, 10, aux=(1, 3), heads=4, kv_heads=2, head_dim=4, intermediate=16)
+    heads = dataclasses.replace(heads, max_position_embeddings=2048)
+    learner = OnlineLearner(heads, inline=True)
+    published = learner.trainer.heads()
+    learner.close()
+    assert (published.rms_norm_eps, published.max_position_embeddings, published.num_key_value_heads) == \
+        (heads.rms_norm_eps, 2048, 2)
+    assert published.embed_tokens is heads.embed_tokens
 
 
 def test_ctrl_c_while_the_heads_are_written_waits_for_both_files(tmp_path):
