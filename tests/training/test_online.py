@@ -141,7 +141,9 @@ def test_the_worker_keeps_within_its_share_while_generating_then_trains_when_idl
     time.sleep(0.3)  # the worker's turn: within the budget, the rest waits in its inbox
     busy = learner.report()
     assert busy.busy_seconds == pytest.approx(9.9)
-    assert 1 <= busy.steps <= 11 and busy.busy_cpu <= 0.05 * busy.busy_seconds + 0.05 + 1e-9, busy.summary()
+    assert busy.steps > 0, busy.summary()
+    assert busy.steps <= 11, busy.summary()  # a step of 0.05 s: 10 fit in 5% of 9.9 s, the 11th crosses it
+    assert busy.busy_cpu <= 0.05 * busy.busy_seconds + 0.05 + 1e-9, busy.summary()
     now[0] += 5.0  # the user reads the answer: nothing generates
     deadline = time.monotonic() + 20
     while not learner.caught_up and time.monotonic() < deadline:
