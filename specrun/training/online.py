@@ -35,7 +35,7 @@ import numpy as np
 
 from specrun.errors import UsageError
 from specrun.heads.kinds import BY_NAME, TRAINABLE_KINDS, kind_of
-from specrun.training.run import held_out_report, target_labels, trainer_class
+from specrun.training.run import held_out_report, next_tokens, target_labels, trainer_class
 
 WINDOW_POSITIONS = 64  # positions per window, as the buffer keeps them and the report scores them
 BATCH_POSITIONS = 64  # positions per step (Medusa, Hydra)
@@ -212,7 +212,6 @@ class OnlineLearner:
         if not_learnable(heads):
             raise ValueError(f"these {kind.name} heads do not learn online: {not_learnable(heads)}")
         self.kind = kind.name
-        self.method = kind.method
         self.source = heads
         self.settings = settings
         cls = trainer_class(kind.name, "llama")  # NumPy's: the target's states arrive as NumPy arrays
@@ -460,7 +459,7 @@ class OnlineLearner:
         labels = target_labels([window.following], self.depth)  # (depth, T) target ids
         if self._t2d is not None:
             labels = self._t2d[np.minimum(labels, len(self._t2d) - 1)]
-        self._positions.add(window.features, labels, _next_tokens(window.tokens, self.depth))
+        self._positions.add(window.features, labels, next_tokens(window.tokens, self.depth))
 
     def _score(self, window) -> None:
         guesses = self._guesses(window)
@@ -573,12 +572,6 @@ class OnlineLearner:
         online.append(self.report().to_dict())
         record["online"] = online
         return self.trainer.heads(record)
-
-
-def _next_tokens(tokens: np.ndarray, count: int) -> np.ndarray:
-    """(T, count): the tokens at p + 1 .. p + count of a window's positions, -1 past its end."""
-    padded = np.concatenate([tokens, np.full(count, -1, np.int64)])
-    return np.stack([padded[1 + j : 1 + j + len(tokens)] for j in range(count)], axis=1)
 
 
 # Why a run that asked to learn has nothing that learns, by the backend the draft model runs on.

@@ -761,12 +761,14 @@ def target_labels(following: list[np.ndarray], num_heads: int) -> np.ndarray:
 def _next_tokens(data: _Data, rows: list[int], count: int) -> np.ndarray:
     """(N, count) over the positions of ``rows``' windows: the tokens at p + 1 .. p + count, -1 past
     a window's end."""
-    columns = []
-    for i in rows:
-        tokens = np.asarray(data.tokens[i], np.int64)
-        padded = np.concatenate([tokens, np.full(count, -1, np.int64)])
-        columns.append(np.stack([padded[1 + j : 1 + j + len(tokens)] for j in range(count)], axis=1))
+    columns = [next_tokens(np.asarray(data.tokens[i], np.int64), count) for i in rows]
     return np.concatenate(columns) if columns else np.zeros((0, count), np.int64)
+
+
+def next_tokens(tokens: np.ndarray, count: int) -> np.ndarray:
+    """(T, count): the tokens at p + 1 .. p + count of one window's positions, -1 past its end."""
+    padded = np.concatenate([tokens, np.full(count, -1, np.int64)])
+    return np.stack([padded[1 + j : 1 + j + len(tokens)] for j in range(count)], axis=1)
 
 
 def _window(data: _Data, index: int):
