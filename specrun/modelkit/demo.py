@@ -14,8 +14,8 @@ import hashlib
 import json
 import os
 import re
+import secrets
 import shutil
-import tempfile
 from collections.abc import Callable
 from importlib import resources
 from pathlib import Path
@@ -113,12 +113,15 @@ def derive_once(target: Path, write: Callable[[Path], None]) -> Path:
         return target
     if target.is_file():  # damaged since it was derived: derive it again
         forget_derived(target)
+    # Named before it exists and made inside the try: an interrupt that lands just after the
+    # folder is made (mkdtemp's return, on a busy machine) still removes it.
+    scratch = target.parent / f".deriving-{secrets.token_hex(8)}"
     try:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        scratch = Path(tempfile.mkdtemp(prefix=".deriving-", dir=target.parent))
-    except OSError as exc:
-        raise _no_room(target, exc) from None
-    try:
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            scratch.mkdir(mode=0o700)
+        except OSError as exc:
+            raise _no_room(target, exc) from None
         tmp = scratch / target.name
         try:
             write(tmp)
@@ -139,8 +142,22 @@ def derive_once(target: Path, write: Callable[[Path], None]) -> Path:
             if not target.exists():
                 raise  # not a lost race: a real failure
     finally:
-        shutil.rmtree(scratch, ignore_errors=True)
+        _remove_scratch(scratch)
     return target
+
+
+def _remove_scratch(scratch: Path) -> None:
+    """Remove ``scratch`` even when a second interrupt lands while removing it (a Ctrl-C that
+    specrun delivers again after a native callback swallowed it); that interrupt is raised after."""
+    interrupted = False
+    while True:
+        try:
+            shutil.rmtree(scratch, ignore_errors=True)
+            break
+        except KeyboardInterrupt:
+            interrupted = True
+    if interrupted:
+        raise KeyboardInterrupt
 
 
 def _no_room(target: Path, exc: OSError) -> ModelFileError:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import errno
 import os
 import threading
+from pathlib import Path
 
 import pytest
 
@@ -111,6 +112,42 @@ def test_a_derived_file_with_no_room_is_one_line_and_leaves_nothing(tmp_path, mo
 
 
 @pytest.mark.slow
+def test_an_interrupt_just_after_the_scratch_folder_is_made_leaves_nothing(tmp_path, monkeypatch):
+    """SIGTERM on a busy machine landed in mkdtemp's return, before the try that removes the folder (CI)."""
+    made = Path.mkdir
+
+    def mkdir_then_interrupted(self, *args, **kwargs):
+        made(self, *args, **kwargs)
+        if self.name.startswith(".deriving-"):
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(Path, "mkdir", mkdir_then_interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        derive_once(tmp_path / "model.gguf", lambda path: path.write_bytes(b"weights"))
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_second_interrupt_while_the_scratch_folder_is_removed_still_removes_it(tmp_path, monkeypatch):
+    removed = demo.shutil.rmtree
+    calls = []
+
+    def rmtree_interrupted_once(path, **kwargs):
+        calls.append(path)
+        if len(calls) == 1:
+            raise KeyboardInterrupt
+        removed(path, **kwargs)
+
+    def write(path):
+        path.write_bytes(b"half")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(demo.shutil, "rmtree", rmtree_interrupted_once)
+    with pytest.raises(KeyboardInterrupt):
+        derive_once(tmp_path / "model.gguf", write)
+    assert len(calls) == 2
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_the_bench_scale_real_target_on_a_full_disk_is_one_line_and_leaves_nothing(tmp_path):
     """smollm2-135m-x2 is ~918 MiB: with room for its F16 source (~270 MB) but not for it, the
     first use is one line naming the cache and the fix, and no scratch copy stays."""
