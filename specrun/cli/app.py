@@ -14,6 +14,7 @@ import typer
 
 from specrun.cli.bench import bench
 from specrun.cli.chat import chat_command
+from specrun.cli.distill import distill_command
 from specrun.cli.heads import heads_app
 from specrun.cli.common import (
     MAX_DRAFT_LEN,
@@ -288,6 +289,7 @@ def _write_stdout(text: str) -> None:
 # Sub-command groups from their own modules are registered here, one line each.
 app.command("bench")(bench)
 app.command("chat")(chat_command)
+app.command("distill")(distill_command)
 app.add_typer(heads_app, name="heads")
 app.add_typer(models_app, name="models")
 app.command("serve")(serve_command)

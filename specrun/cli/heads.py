@@ -62,7 +62,7 @@ def train(
             raise UsageError(f"--max-steps must be at least 1, got {max_steps}", "pass a step count, e.g. --max-steps 100")
         err = Console(stderr=True)
         try:
-            progress = _TrainingProgress(err)
+            progress = TrainingProgress(err)
             with progress.shown():
                 result = train_heads(request, on_progress=progress.update, on_note=progress.note, max_steps=max_steps)
         except TrainingInterrupted as exc:
@@ -72,16 +72,17 @@ def train(
         typer.echo(f"wrote {result.path}", err=True)
 
 
-class _TrainingProgress:
+class TrainingProgress:
     """Rich bars on a terminal (data, then training: steps, loss, time left); on a pipe, a line
     at each note and every ~30 s."""
 
     PIPE_EVERY = 30.0
 
-    def __init__(self, console: Console) -> None:
+    def __init__(self, console: Console, data_label: str = "gathering data") -> None:
         from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
         self.console = console
+        self.data_label = data_label
         self.enabled = console.is_terminal
         self.bar = Progress(TextColumn("{task.description}"), BarColumn(), TimeRemainingColumn(),
                             TextColumn("{task.fields[detail]}"), console=console, transient=True)
@@ -111,7 +112,7 @@ class _TrainingProgress:
         if progress.phase == "train" and "data" in self.tasks:  # gathering is over
             self.bar.remove_task(self.tasks.pop("data"))
         if task is None:
-            label = "gathering data" if progress.phase == "data" else "training"
+            label = self.data_label if progress.phase == "data" else "training"
             task = self.tasks[progress.phase] = self.bar.add_task(label, total=progress.budget, detail="")
         self.bar.update(task, completed=progress.elapsed, detail=detail)
 

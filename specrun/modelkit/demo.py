@@ -142,11 +142,11 @@ def derive_once(target: Path, write: Callable[[Path], None]) -> Path:
             if not target.exists():
                 raise  # not a lost race: a real failure
     finally:
-        _remove_scratch(scratch)
+        remove_scratch(scratch)
     return target
 
 
-def _remove_scratch(scratch: Path) -> None:
+def remove_scratch(scratch: Path) -> None:
     """Remove ``scratch`` even when a second interrupt lands while removing it (a Ctrl-C that
     specrun delivers again after a native callback swallowed it); that interrupt is raised after."""
     interrupted = False

@@ -234,15 +234,15 @@ def checkpoint_folder(out: Path) -> Path:
 CHECKPOINT_FILES = ("data.npz", "optimizer.safetensors", "heads.safetensors", "heads.json", "heads")
 
 
-def check_checkpoint_folder(folder: Path) -> None:
+def check_checkpoint_folder(folder: Path, files: tuple[str, ...] = CHECKPOINT_FILES,
+                            fix: str = "move it away, or name the heads otherwise with --heads-out") -> None:
     """Fail where the checkpoint's place is taken by something a run did not write: a file, or a
-    folder with other files in it (a run removes its checkpoint when it ends)."""
-    fix = "move it away, or name the heads otherwise with --heads-out"
+    folder with other ``files`` in it (a run removes its checkpoint when it ends)."""
     if folder.exists() and not folder.is_dir():
         raise FileAccessError(f"{folder}, where the run keeps its checkpoint, is a file", fix)
     if folder.is_dir():  # hidden files are a killed save's scratch (.data.npz.1a2b.tmp) or the desktop's
         others = sorted(path.name for path in folder.iterdir()
-                        if path.name not in CHECKPOINT_FILES and not path.name.startswith("."))
+                        if path.name not in files and not path.name.startswith("."))
         if others:
             raise FileAccessError(f"{folder}, where the run keeps its checkpoint, holds files of its own "
                                   f"({_first_of(others)})", fix)
@@ -401,7 +401,7 @@ class _Run:
         from specrun.heads.files import save_heads
 
         save_heads(trainer.heads(training), self.out, training)
-        _remove_checkpoint(self.checkpoints)
+        remove_checkpoint(self.checkpoints)
         return HeadsTrainResult(
             path=self.out, steps=self.step, seconds=self.elapsed(), final_loss=self._final_loss(),
             report=report, source=source, resumed_at=resumed_at,
@@ -787,12 +787,12 @@ def _first_of(names: list[str]) -> str:
     return names[0] + (f" and {len(names) - 1} more" if len(names) > 1 else "")
 
 
-def _remove_checkpoint(folder: Path) -> None:
-    """Remove what a run wrote to its checkpoint folder, then the folder if that left it empty
-    (check_checkpoint_folder refused one with files of its own before the run began)."""
+def remove_checkpoint(folder: Path, files: tuple[str, ...] = CHECKPOINT_FILES) -> None:
+    """Remove what a run wrote to its checkpoint folder (``files``), then the folder if that left it
+    empty (check_checkpoint_folder refused one with files of its own before the run began)."""
     for path in list(folder.iterdir()) if folder.is_dir() else []:
         scratch = path.name.startswith(".") and (path.name.endswith(".tmp") or ".partial." in path.name)
-        if path.name not in CHECKPOINT_FILES and not scratch:  # write_atomically's, the MLX optimizer's
+        if path.name not in files and not scratch:  # write_atomically's, the MLX optimizer's
             continue
         if path.is_dir():
             shutil.rmtree(path, ignore_errors=True)

@@ -351,24 +351,24 @@ def test_files_that_are_not_heads_are_not_written_over(other, tmp_path):
 
 
 def test_a_run_removes_only_its_own_checkpoint_files(tmp_path):
-    from specrun.training.run import CHECKPOINT_FILES, _remove_checkpoint
+    from specrun.training.run import CHECKPOINT_FILES, remove_checkpoint
 
     folder = tmp_path / "h.ckpt"
     (folder / "heads").mkdir(parents=True)
     for name in CHECKPOINT_FILES[:-1]:
         (folder / name).write_text("x")
-    _remove_checkpoint(folder)
+    remove_checkpoint(folder)
     assert not folder.exists()
     (folder / "heads").mkdir(parents=True)
     (folder / "later.txt").write_text("theirs")  # came while the run trained
-    _remove_checkpoint(folder)
+    remove_checkpoint(folder)
     assert [path.name for path in folder.iterdir()] == ["later.txt"]
 
 
 def test_a_killed_save_s_scratch_files_neither_block_the_next_run_nor_stay(tiny_llama, text_folder, tmp_path):
     """A run killed while it wrote left .data.npz.1a2b.tmp beside the checkpoint: the next run
     refused the folder as someone else's, and then could not remove it."""
-    from specrun.training.run import _remove_checkpoint, check_checkpoint_folder
+    from specrun.training.run import remove_checkpoint, check_checkpoint_folder
 
     out = tmp_path / "medusa.safetensors"
     folder = checkpoint_folder(out)
@@ -379,7 +379,7 @@ def test_a_killed_save_s_scratch_files_neither_block_the_next_run_nor_stay(tiny_
     train_heads(request_for(tiny_llama, out, text_dir=text_folder), max_steps=2)
     assert [path.name for path in folder.iterdir()] == [".DS_Store"]  # the desktop's own stays
     (folder / ".DS_Store").unlink()
-    _remove_checkpoint(folder)
+    remove_checkpoint(folder)
     assert not folder.exists()
 
 

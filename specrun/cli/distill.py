@@ -1,0 +1,85 @@
+"""``specrun distill``: a draft model trained on the target's own distributions (DistillSpec), on MLX."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich import box
+from rich.console import Console, Group
+from rich.table import Table
+from rich.text import Text
+
+from specrun.cli.common import PipeConsole, cli_errors
+from specrun.cli.heads import TrainingProgress
+from specrun.cli.interrupts import INTERRUPTED_EXIT, say_interrupted
+from specrun.cli.options import RegistryOpt
+from specrun.errors import UsageError
+
+
+def distill_command(
+    out: Annotated[Path, typer.Option(
+        "--out", help="The MLX folder to write; the GGUF goes beside it as OUT.gguf (neither may exist).")],
+    target: Annotated[str, typer.Option("--target", help="The model the student learns to draft for.")] = "demo-target",
+    student: Annotated[str, typer.Option("--student", help=(
+        "The draft to train: a model (alias or .gguf path; a quantized file is trained from its dequantized "
+        "weights), or self:layers=N (the target's first N layers) or self:layers=0-5,9."))] = "demo-draft",
+    minutes: Annotated[float, typer.Option("--minutes", help="Wall-clock budget; a second run resumes and trains on.")] = 10.0,
+    prompts: Annotated[Optional[Path], typer.Option(
+        "--prompts", help="One prompt per line (default: built-in questions, or Python for a completion model).")] = None,
+    batch: Annotated[int, typer.Option("--batch", help="Prompts the student continues per step.")] = 8,
+    prompt_tokens: Annotated[int, typer.Option("--prompt-tokens", help="A prompt's last tokens kept, at most.")] = 64,
+    sample_tokens: Annotated[int, typer.Option(
+        "--sample-tokens", help="Tokens the student writes per prompt each step (and the target per held-out prompt).")] = 64,
+    temperature: Annotated[float, typer.Option(
+        "--temperature", help="The student's temperature for its own samples (0: its greedy text).")] = 1.0,
+    divergence: Annotated[str, typer.Option("--divergence", help=(
+        "fkl: KL(target || student); tvd: total variation (1 - acceptance at T = 1); jsd: Jensen-Shannon."))] = "fkl",
+    lr: Annotated[float, typer.Option("--lr", help="AdamW learning rate.")] = 1e-4,
+    held_out: Annotated[int, typer.Option("--held-out", help="Prompts kept out of training for the report.")] = 32,
+    seed: Annotated[int, typer.Option("--seed", help="Shuffles the prompts and seeds the student's samples.")] = 0,
+    registry: RegistryOpt = None,
+    max_steps: Annotated[Optional[int], typer.Option("--max-steps", hidden=True)] = None,
+) -> None:
+    """Distill a draft from the target on MLX: the student writes, the target scores, the student
+    learns the target's distributions; reports held-out acceptance before and after and writes an
+    MLX folder and a GGUF, both loadable as --draft. A second run with the same options resumes."""
+    with cli_errors():
+        from specrun.training.distill import DistillRequest, check_request, distill
+        from specrun.training.run import TrainingInterrupted
+
+        request = DistillRequest(
+            target=target, student=student, out=out.expanduser(), minutes=minutes, prompts_file=prompts, batch=batch,
+            prompt_tokens=prompt_tokens, sample_tokens=sample_tokens, temperature=temperature,
+            divergence=divergence, learning_rate=lr, held_out=held_out, seed=seed, registry=registry,
+        )
+        check_request(request)
+        if max_steps is not None and max_steps < 1:
+            raise UsageError(f"--max-steps must be at least 1, got {max_steps}", "pass a step count, e.g. --max-steps 100")
+        err = Console(stderr=True)
+        try:
+            progress = TrainingProgress(err, data_label="held-out text")
+            with progress.shown():
+                result = distill(request, on_progress=progress.update, on_note=progress.note, max_steps=max_steps)
+        except TrainingInterrupted as exc:
+            say_interrupted(exc.where())
+            raise typer.Exit(INTERRUPTED_EXIT) from None
+        PipeConsole(file=sys.stdout).print(render(result), soft_wrap=True)
+        typer.echo(f"wrote {result.out} and {result.gguf}", err=True)
+
+
+def render(result) -> Group:
+    table = Table(box=box.SIMPLE_HEAD, padding=(0, 1))
+    table.add_column("held out")
+    table.add_column("greedy acceptance", justify="right")
+    table.add_column("acceptance at T=1", justify="right")
+    for label, report in (("before", result.before), ("after", result.after)):
+        table.add_row(label, f"{100 * report.greedy:.1f}%", f"{100 * report.sampled:.1f}%")
+    resumed = f" (resumed at step {result.resumed_at})" if result.resumed_at is not None else ""
+    return Group(
+        Text(f"student: {result.student}; {result.before.positions} held-out positions of the target's own text"),
+        table,
+        Text(f"{result.steps} steps{resumed} in {result.seconds / 60:.1f} min, loss {result.final_loss:.4f}"),
+    )

@@ -1,0 +1,273 @@
+"""`specrun distill` (training/distill.py, backends/mlx_distill.py): the divergences, that a step
+moves the student toward the target, resuming, the written draft loading on both backends and
+drafting losslessly, and one line for each bad input."""
+
+from __future__ import annotations
+
+import errno
+import json
+
+import numpy as np
+import pytest
+
+pytest.importorskip("mlx_lm", reason="distillation runs on MLX")
+
+from hardening.cli_checks import assert_one_line_error, invoke, run_specrun  # noqa: E402
+from specrun.training.distill import (  # noqa: E402
+    DistillRequest,
+    checkpoint_folder,
+    distill,
+    generated_mask,
+    gguf_path,
+    token_batches,
+)
+from specrun.training.run import TrainingInterrupted  # noqa: E402
+
+PROMPTS = [f"def function_{i}(value):\n    return value * {i} + len('{'x' * (i % 7)}')" for i in range(24)]
+
+
+@pytest.fixture()
+def prompts_file(tmp_path):
+    path = tmp_path / "prompts.txt"
+    path.write_text("\n".join(line.replace("\n", "\\n") for line in PROMPTS), encoding="utf-8")
+    return path
+
+
+def request_for(tiny_llama, prompts_file, out, **overrides):
+    settings = dict(target=str(tiny_llama.gguf_path), student="self:layers=1", out=out, minutes=5.0,
+                    prompts_file=prompts_file, batch=4, prompt_tokens=16, sample_tokens=12, held_out=4,
+                    learning_rate=3e-3)
+    return DistillRequest(**{**settings, **overrides})
+
+
+# ---- the pieces ----------------------------------------------------------------------------
+def test_batches_hold_every_prompt_once_as_its_last_tokens_cut_to_the_batch_s_shortest():
+    prompts = [[1, 2, 3], [4, 5], [6, 7, 8, 9], [10], [11, 12]]
+    by_last = {prompt[-1]: prompt for prompt in prompts}  # each prompt's last token is its own
+    batches = token_batches(prompts, 2, seed=0)
+    assert sorted(len(batch) for batch in batches) == [1, 2, 2]
+    assert sorted(row[-1] for batch in batches for row in batch.tolist()) == sorted(by_last)
+    for batch in batches:
+        sources = [by_last[row[-1]] for row in batch.tolist()]
+        assert batch.shape[1] == min(len(source) for source in sources)
+        assert all(row == source[-len(row):] for row, source in zip(batch.tolist(), sources))
+
+
+def test_the_mask_covers_generated_positions_up_to_the_first_end_of_generation():
+    sequences = np.array([[5, 6, 7, 8, 2, 9, 9], [5, 6, 7, 8, 9, 9, 9]])
+    mask = generated_mask(sequences, prompt_length=3, eos_ids=frozenset({2}))
+    # position t predicts token t + 1: the generated tokens are 3..6, so positions 2..5
+    assert mask.tolist() == [[False, False, True, True, False, False], [False, False, True, True, True, True]]
+
+
+def test_a_student_with_the_target_s_own_weights_agrees_everywhere_and_has_no_loss(tiny_llama):
+    from specrun.backends.mlx import MlxBackend
+    from specrun.backends.mlx_distill import MlxDistiller
+
+    teacher = MlxBackend(str(tiny_llama.hf_dir))
+    prompts = np.array([teacher.tokenize(text, add_bos=True)[:8] for text in PROMPTS[:3]])
+    for divergence in ("fkl", "tvd", "jsd"):
+        same = MlxDistiller(teacher, tiny_llama.config, tiny_llama.weights, 1e-3, divergence)
+        sequences = same.teacher_greedy(prompts, 10)
+        mask = generated_mask(sequences, 8, frozenset())
+        positions, agreed, shared = same.agreement(sequences, mask)
+        assert positions == 3 * 10 and agreed == positions
+        assert shared == pytest.approx(positions, rel=1e-4)
+        assert abs(same.step(sequences, mask)) < 1e-4
+
+
+def test_steps_on_the_target_s_text_raise_the_student_s_agreement(tiny_llama):
+    """A one-layer student trained on a fixed batch of the target's own text learns to agree with it there."""
+    from specrun.backends.mlx import MlxBackend
+    from specrun.backends.mlx_distill import MlxDistiller
+    from specrun.modelkit.cut import keep_layers
+
+    teacher = MlxBackend(str(tiny_llama.hf_dir))
+    config, weights = keep_layers(tiny_llama.config, tiny_llama.weights, (0,))
+    student = MlxDistiller(teacher, config, weights, 3e-3, "fkl")
+    prompts = np.array([teacher.tokenize(text, add_bos=True)[:8] for text in PROMPTS[:4]])
+    sequences = student.teacher_greedy(prompts, 16)
+    mask = generated_mask(sequences, 8, frozenset())
+    _, before, _ = student.agreement(sequences, mask)
+    losses = [student.step(sequences, mask) for _ in range(40)]
+    _, after, _ = student.agreement(sequences, mask)
+    assert losses[-1] < 0.5 * losses[0]
+    assert after > before
+
+
+def test_student_samples_follow_the_seed_and_the_temperature(tiny_llama):
+    from specrun.backends.mlx import MlxBackend
+    from specrun.backends.mlx_distill import MlxDistiller
+
+    teacher = MlxBackend(str(tiny_llama.hf_dir))
+    student = MlxDistiller(teacher, tiny_llama.config, tiny_llama.weights, 1e-3)
+    prompts = np.array([teacher.tokenize(text, add_bos=True)[:8] for text in PROMPTS[:4]])
+    first, again = (student.student_sample(prompts, 12, 1.0, seed=7) for _ in range(2))
+    assert np.array_equal(first, again) and np.array_equal(first[:, :8], prompts)
+    assert not np.array_equal(first, student.student_sample(prompts, 12, 1.0, seed=8))
+    assert np.array_equal(student.student_sample(prompts, 12, 0.0, seed=1), student.teacher_greedy(prompts, 12))
+
+
+# ---- a whole run ---------------------------------------------------------------------------
+def test_a_run_writes_a_draft_both_backends_load_and_draft_losslessly_with(tiny_llama, prompts_file, tmp_path):
+    out = tmp_path / "distilled"
+    result = distill(request_for(tiny_llama, prompts_file, out), max_steps=6)
+    assert result.steps == 6 and np.isfinite(result.final_loss)
+    assert result.before.positions == result.after.positions > 0
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["distilled", "distilled.gguf", "prompts.txt"]
+    record = json.loads((out / "distill.json").read_text())
+    assert record["steps"] == 6 and record["held_out"]["before"]["positions"] == result.before.positions
+    from specrun.modelkit.gguf_io import read_gguf
+
+    config, weights, _, _ = read_gguf(result.gguf)
+    assert config.num_layers == 1 and config.vocab_size == tiny_llama.config.vocab_size
+    assert not np.allclose(weights["model.layers.0.mlp.up_proj.weight"],
+                           tiny_llama.weights["model.layers.0.mlp.up_proj.weight"], atol=1e-3)  # it learned
+    plain = {}
+    for backend, draft in (("llama", result.gguf), ("mlx", out)):
+        target = tiny_llama.gguf_path if backend == "llama" else tiny_llama.hf_dir
+        for method, extra in (("none", []), ("draft", ["--draft", str(draft)])):
+            run = invoke("generate", "--target", str(target), "--backend", backend, "--method", method, *extra,
+                         "--max-tokens", "24", "--temp", "0", "--json", "def main():\n")
+            assert run.exit_code == 0, run.output
+            plain.setdefault(backend, {})[method] = json.loads(run.stdout)["text"]
+        assert plain[backend]["draft"] == plain[backend]["none"]
+
+
+def test_an_interrupted_run_resumes_where_its_checkpoint_was_and_ends_as_an_unbroken_one(tiny_llama, prompts_file,
+                                                                                         tmp_path):
+    unbroken = distill(request_for(tiny_llama, prompts_file, tmp_path / "unbroken"), max_steps=5)
+    out = tmp_path / "broken"
+
+    def stop_at_step_4(progress):
+        if progress.phase == "train" and progress.step == 4:
+            raise KeyboardInterrupt
+
+    with pytest.raises(TrainingInterrupted) as stopped:
+        distill(request_for(tiny_llama, prompts_file, out), on_progress=stop_at_step_4, max_steps=5,
+                checkpoint_seconds=0.0)
+    assert stopped.value.checkpoint == checkpoint_folder(out) and stopped.value.step == 3
+    assert not out.exists() and not gguf_path(out).exists()
+    notes = []
+    resumed = distill(request_for(tiny_llama, prompts_file, out), on_note=notes.append, max_steps=5)
+    assert resumed.resumed_at == 3 and resumed.steps == 5, notes
+    assert any("resuming the checkpoint" in note for note in notes)
+    assert resumed.before == unbroken.before
+    assert resumed.after.greedy == pytest.approx(unbroken.after.greedy, abs=1e-6)
+    from specrun.modelkit.gguf_io import read_gguf
+
+    _, mine, _, _ = read_gguf(resumed.gguf)
+    _, theirs, _, _ = read_gguf(unbroken.gguf)
+    assert all(np.allclose(mine[name], theirs[name], atol=2e-3) for name in theirs)
+    assert not checkpoint_folder(out).exists()  # a finished run removes it
+
+
+def test_a_damaged_or_other_checkpoint_is_a_note_and_a_fresh_start(tiny_llama, prompts_file, tmp_path):
+    out = tmp_path / "run"
+
+    def stop_at_step_2(progress):
+        if progress.phase == "train" and progress.step == 2:
+            raise KeyboardInterrupt
+
+    with pytest.raises(TrainingInterrupted):
+        distill(request_for(tiny_llama, prompts_file, out), on_progress=stop_at_step_2, max_steps=3,
+                checkpoint_seconds=0.0)
+    notes = []
+    other = distill(request_for(tiny_llama, prompts_file, out, seed=1), on_note=notes.append, max_steps=1)
+    assert other.resumed_at is None and any("other settings" in note for note in notes)
+
+    out = tmp_path / "damaged"
+    with pytest.raises(TrainingInterrupted):
+        distill(request_for(tiny_llama, prompts_file, out), on_progress=stop_at_step_2, max_steps=3,
+                checkpoint_seconds=0.0)
+    (checkpoint_folder(out) / "student.safetensors").write_bytes(b"not weights")
+    notes = []
+    fresh = distill(request_for(tiny_llama, prompts_file, out), on_note=notes.append, max_steps=1)
+    assert fresh.resumed_at is None and any("cannot be read" in note for note in notes)
+
+
+def test_no_room_for_the_result_is_one_error_that_keeps_the_checkpoint_to_write_it_from(tiny_llama, prompts_file, tmp_path, monkeypatch):
+    from specrun.errors import FileAccessError
+    from specrun.modelkit import gguf_io
+
+    def full_disk(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(gguf_io, "write_gguf", full_disk)
+    with pytest.raises(FileAccessError, match="No space left on device") as failed:
+        distill(request_for(tiny_llama, prompts_file, tmp_path / "out"), max_steps=2)
+    assert "resumes from" in failed.value.fix and "at step 2" in failed.value.fix
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["out.ckpt", "prompts.txt"]  # no scratch, no half
+    monkeypatch.undo()
+    notes = []
+    result = distill(request_for(tiny_llama, prompts_file, tmp_path / "out"), on_note=notes.append, max_steps=2)
+    assert result.resumed_at == 2 and result.steps == 2, notes  # with room, the same command writes it
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["out", "out.gguf", "prompts.txt"]
+
+
+# ---- bad input -----------------------------------------------------------------------------
+@pytest.mark.parametrize(("args", "fragment"), [
+    (["--minutes", "0"], "--minutes"),
+    (["--batch", "0"], "--batch"),
+    (["--sample-tokens", "100000"], "--sample-tokens"),
+    (["--temperature", "-1"], "--temperature"),
+    (["--lr", "0"], "--lr"),
+    (["--divergence", "kl"], "--divergence"),
+])
+def test_options_out_of_range_are_one_line(args, fragment, tmp_path):
+    result = invoke("distill", "--out", str(tmp_path / "out"), *args)
+    assert_one_line_error(result.exit_code, result.stderr, 2, fragment)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_an_output_that_exists_or_cannot_be_written_is_one_line(tmp_path):
+    (tmp_path / "taken").mkdir()
+    result = invoke("distill", "--out", str(tmp_path / "taken"))
+    assert_one_line_error(result.exit_code, result.stderr, 2, "taken", "already exists")
+    (tmp_path / "beside.gguf").write_bytes(b"x")
+    result = invoke("distill", "--out", str(tmp_path / "beside"))
+    assert_one_line_error(result.exit_code, result.stderr, 2, "beside.gguf", "already exists")
+    (tmp_path / "file").write_text("x")
+    result = invoke("distill", "--out", str(tmp_path / "file" / "out"))
+    assert_one_line_error(result.exit_code, result.stderr, 1, "file")
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["beside.gguf", "file", "taken"]
+
+
+def test_a_locked_folder_is_one_line_before_any_model_loads(tmp_path):
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o500)
+    try:
+        result = run_specrun("distill", "--out", str(locked / "out"), honour_permissions=True)
+        assert_one_line_error(result.returncode, result.stderr, 1, str(locked))
+    finally:
+        locked.chmod(0o700)
+
+
+@pytest.mark.parametrize(("student", "fragment"), [
+    ("self:q4", "some of the target's layers"),
+    ("self:layers", "some of the target's layers"),
+    ("self:layers=2", "keeps all 2"),
+    ("self:layers=5", "does not have"),
+])
+def test_a_student_that_is_no_layer_copy_of_the_target_is_one_line(tiny_llama, tmp_path, student, fragment):
+    result = invoke("distill", "--target", str(tiny_llama.gguf_path), "--student", student, "--out", str(tmp_path / "o"))
+    assert_one_line_error(result.exit_code, result.stderr, 2, fragment)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_student_as_large_as_the_target_or_of_another_vocabulary_is_one_line(tiny_llama, tmp_path):
+    result = invoke("distill", "--target", str(tiny_llama.gguf_path), "--student", str(tiny_llama.gguf_path),
+                    "--out", str(tmp_path / "o"))
+    assert_one_line_error(result.exit_code, result.stderr, 2, "not fewer than the target's")
+    result = invoke("distill", "--target", str(tiny_llama.gguf_path), "--student", "smollm2-135m",
+                    "--out", str(tmp_path / "o"))
+    assert_one_line_error(result.exit_code, result.stderr, 2, "another vocabulary")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_too_few_prompts_for_the_held_out_share_is_one_line(tiny_llama, prompts_file, tmp_path):
+    result = invoke("distill", "--target", str(tiny_llama.gguf_path), "--student", "self:layers=1",
+                    "--prompts", str(prompts_file), "--held-out", "24", "--out", str(tmp_path / "o"))
+    assert_one_line_error(result.exit_code, result.stderr, 2, "--held-out 24")
+    assert not (tmp_path / "o").exists()
