@@ -1,9 +1,9 @@
 """Distillation on MLX (`specrun distill`, training/distill.py): a student decoder trained on the
 target's distributions over sequences the student wrote itself (DistillSpec's on-policy data).
 
-The teacher is the target as specrun's MLX backend loads it (any model mlx-lm runs, quantized or
-not); its logits over a whole batch of sequences come from one forward pass without a cache. The
-student is a Llama or Qwen2 decoder built from float32 weights in Hugging Face naming (what
+The teacher (MlxTeacher) is the target as specrun's MLX backend loads it (any model mlx-lm runs,
+quantized or not); its logits over a whole batch of sequences come from one forward pass without a
+cache (training/distill.py has the teacher on any backend, for llama.cpp's). The student is a Llama or Qwen2 decoder built from float32 weights in Hugging Face naming (what
 modelkit reads out of a GGUF), so that the trained weights can be written back through the same
 GGUF writer every derived model uses. Nothing here decides what to train on or for how long.
 """
@@ -23,16 +23,48 @@ from .mlx import MlxBackend, _import_mlx
 DIVERGENCES = ("fkl", "tvd", "jsd")
 
 
+class MlxTeacher:
+    """The target on MLX: log-probabilities over a batch of sequences in one pass without a cache."""
+
+    def __init__(self, backend: MlxBackend) -> None:
+        self._mx, _, self._lm_cache = _import_mlx()
+        self.backend = backend
+        self.vocab = backend.vocab
+
+    def log_probs(self, sequences: np.ndarray) -> np.ndarray:
+        """(B, L - 1, V) float32: at position t, the target's distribution of token t + 1."""
+        mx = self._mx
+        logits = self.backend.model(mx.array(sequences))[:, :-1, :].astype(mx.float32)
+        return np.array(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
+
+    def greedy(self, prompts: np.ndarray, new_tokens: int) -> np.ndarray:
+        """The target's greedy continuations of ``prompts`` (B, P): (B, P + new_tokens)."""
+        return continue_batch(self._mx, self._lm_cache, self.backend.model, prompts, new_tokens, 0.0, 0)
+
+    def parameters(self) -> int:
+        """Parameters, a quantized matrix counted at its unquantized size."""
+        from mlx_lm.utils import get_total_parameters
+
+        return int(get_total_parameters(self.backend.model))
+
+    def close(self) -> None:
+        self.backend.close()
+
+
 class MlxDistiller:
-    """A teacher (the target) and a student that learns from it.
+    """A student decoder that learns the teacher's distributions.
 
     ``divergence``: ``fkl`` (KL(teacher || student), DistillSpec's choice for greedy drafting),
     ``tvd`` (total variation: one minus the acceptance rate of rejection sampling at T = 1) or
-    ``jsd`` (Jensen-Shannon).
+    ``jsd`` (Jensen-Shannon). AdamW with bias correction, the learning rate warmed up linearly over
+    the first ``warmup`` steps, gradients clipped to norm ``CLIP_NORM``: a pretrained draft's first
+    full-size steps on a small batch undid more than they taught.
     """
 
-    def __init__(self, teacher: MlxBackend, config: ModelConfig, weights: dict[str, np.ndarray],
-                 learning_rate: float, divergence: str = "fkl") -> None:
+    CLIP_NORM = 1.0
+
+    def __init__(self, config: ModelConfig, weights: dict[str, np.ndarray], learning_rate: float,
+                 divergence: str = "fkl", warmup: int = 20) -> None:
         if divergence not in DIVERGENCES:
             raise ValueError(f"divergence must be one of {DIVERGENCES}, got {divergence!r}")
         self._mx, _, self._lm_cache = _import_mlx()
@@ -40,75 +72,52 @@ class MlxDistiller:
         import mlx.optimizers as optim
         from mlx.utils import tree_flatten, tree_unflatten
 
+        self._optim = optim
         self._flatten, self._unflatten = tree_flatten, tree_unflatten
-        self.teacher = teacher
         self.config = config
         self.divergence = divergence
         self.student = _build_student(config, weights)
-        self.optimizer = optim.AdamW(learning_rate=learning_rate, weight_decay=0.0)
+        schedule = learning_rate
+        if warmup > 0:
+            schedule = optim.join_schedules(
+                [optim.linear_schedule(learning_rate / warmup, learning_rate, warmup),
+                 lambda step: self._mx.array(learning_rate)], [warmup])
+        self.optimizer = optim.AdamW(learning_rate=schedule, weight_decay=0.0, bias_correction=True)
         self.optimizer.init(self.student.trainable_parameters())
         self._loss_and_grad = nn.value_and_grad(self.student, self._loss)
 
-    # ---- sequences ----------------------------------------------------------------------------
-    def teacher_greedy(self, prompts: np.ndarray, new_tokens: int) -> np.ndarray:
-        """The teacher's greedy continuations of ``prompts`` (B, P): (B, P + new_tokens)."""
-        return self._continue(self.teacher.model, prompts, new_tokens, temperature=0.0, seed=0)
-
     def student_sample(self, prompts: np.ndarray, new_tokens: int, temperature: float, seed: int) -> np.ndarray:
         """The student's own continuations of ``prompts`` (B, P), sampled at ``temperature`` (0: greedy)."""
-        return self._continue(self.student, prompts, new_tokens, temperature, seed)
-
-    def _continue(self, model, prompts: np.ndarray, new_tokens: int, temperature: float, seed: int) -> np.ndarray:
-        mx = self._mx
-        cache = self._lm_cache.make_prompt_cache(model)
-        logits = model(mx.array(prompts), cache=cache)[:, -1, :]
-        key = mx.random.key(seed)
-        drawn = []
-        for _ in range(new_tokens):
-            if temperature > 0:
-                key, sub = mx.random.split(key)
-                token = mx.random.categorical(logits.astype(mx.float32) / temperature, key=sub)
-            else:
-                token = mx.argmax(logits, axis=-1)
-            drawn.append(token)
-            logits = model(token[:, None], cache=cache)[:, -1, :]
-            mx.eval(logits)
-        new = np.array(mx.stack(drawn, axis=1)) if drawn else np.zeros((len(prompts), 0), np.int64)
-        return np.concatenate([prompts, new.astype(prompts.dtype)], axis=1)
+        return continue_batch(self._mx, self._lm_cache, self.student, prompts, new_tokens, temperature, seed)
 
     # ---- learning -----------------------------------------------------------------------------
-    def step(self, sequences: np.ndarray, mask: np.ndarray) -> float:
-        """One AdamW step on the divergence at the positions ``mask`` (B, L - 1) marks: position t
-        of a sequence predicts its token t + 1. Returns the loss before the step."""
+    def step(self, sequences: np.ndarray, mask: np.ndarray, teacher_log_probs: np.ndarray) -> float:
+        """One AdamW step on the divergence at the positions ``mask`` (B, L - 1) marks, position t
+        of a sequence predicting its token t + 1, from the teacher's (B, L - 1, V) log-probabilities.
+        Returns the loss before the step."""
         mx = self._mx
-        tokens = mx.array(sequences)
-        teacher_logp = self._teacher_log_probs(tokens)
         weights = mx.array(mask.astype(np.float32))
-        loss, grads = self._loss_and_grad(self.student, tokens, teacher_logp, weights)
+        loss, grads = self._loss_and_grad(self.student, mx.array(sequences), mx.array(teacher_log_probs), weights)
+        grads, _ = self._optim.clip_grad_norm(grads, self.CLIP_NORM)
         self.optimizer.update(self.student, grads)
         mx.eval(loss, self.student.parameters(), self.optimizer.state)
         return float(loss)
 
-    def _teacher_log_probs(self, tokens):
-        mx = self._mx
-        logits = self.teacher.model(tokens)[:, :-1, :].astype(mx.float32)
-        return mx.stop_gradient(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
-
-    def _loss(self, student, tokens, teacher_logp, weights):
+    def _student_log_probs(self, student, tokens):
         mx = self._mx
         logits = student(tokens)[:, :-1, :].astype(mx.float32)
-        student_logp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        per_position = _divergence(mx, self.divergence, teacher_logp, student_logp)
-        return (per_position * weights).sum() / mx.maximum(weights.sum(), 1.0)
+        return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
 
-    def agreement(self, sequences: np.ndarray, mask: np.ndarray) -> tuple[int, int, float]:
+    def _loss(self, student, tokens, teacher_logp, weights):
+        per_position = _divergence(self._mx, self.divergence, teacher_logp, self._student_log_probs(student, tokens))
+        return (per_position * weights).sum() / self._mx.maximum(weights.sum(), 1.0)
+
+    def agreement(self, sequences: np.ndarray, mask: np.ndarray, teacher_log_probs: np.ndarray) -> tuple[int, int, float]:
         """(positions, where the student's top token is the teacher's, the sum over positions of
         sum_x min(p(x), q(x))): greedy acceptance, and acceptance at T = 1, at the marked positions."""
         mx = self._mx
-        tokens = mx.array(sequences)
-        teacher_logp = self._teacher_log_probs(tokens)
-        logits = self.student(tokens)[:, :-1, :].astype(mx.float32)
-        student_logp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        teacher_logp = mx.array(teacher_log_probs)
+        student_logp = self._student_log_probs(self.student, mx.array(sequences))
         same = mx.argmax(teacher_logp, axis=-1) == mx.argmax(student_logp, axis=-1)
         overlap = mx.minimum(mx.exp(teacher_logp), mx.exp(student_logp)).sum(axis=-1)
         marked = mx.array(mask)
@@ -144,6 +153,26 @@ class MlxDistiller:
         mx.eval(self.student.parameters(), self.optimizer.state)
 
 
+def continue_batch(mx, lm_cache, model, prompts: np.ndarray, new_tokens: int, temperature: float,
+                   seed: int) -> np.ndarray:
+    """``model``'s continuations of ``prompts`` (B, P), one token of every row a pass: (B, P + new_tokens)."""
+    cache = lm_cache.make_prompt_cache(model)
+    logits = model(mx.array(prompts), cache=cache)[:, -1, :]
+    key = mx.random.key(seed)
+    drawn = []
+    for _ in range(new_tokens):
+        if temperature > 0:
+            key, sub = mx.random.split(key)
+            token = mx.random.categorical(logits.astype(mx.float32) / temperature, key=sub)
+        else:
+            token = mx.argmax(logits, axis=-1)
+        drawn.append(token)
+        logits = model(token[:, None], cache=cache)[:, -1, :]
+        mx.eval(logits)
+    new = np.array(mx.stack(drawn, axis=1)) if drawn else np.zeros((len(prompts), 0), np.int64)
+    return np.concatenate([prompts, new.astype(prompts.dtype)], axis=1)
+
+
 def _divergence(mx, kind: str, teacher_logp, student_logp):
     """The divergence at each position, from the two log-distributions (…, V)."""
     p, q = mx.exp(teacher_logp), mx.exp(student_logp)
@@ -165,10 +194,3 @@ def _build_student(config: ModelConfig, weights: dict[str, np.ndarray]):
     model.load_weights([(name, mx.array(np.asarray(value, np.float32))) for name, value in weights.items()])
     mx.eval(model.parameters())
     return model
-
-
-def parameter_count(backend: MlxBackend) -> int:
-    """The parameters of a loaded model, a quantized matrix counted at its unquantized size."""
-    from mlx_lm.utils import get_total_parameters
-
-    return int(get_total_parameters(backend.model))

@@ -15,7 +15,7 @@ from rich.text import Text
 from specrun.cli.common import PipeConsole, cli_errors
 from specrun.cli.heads import TrainingProgress
 from specrun.cli.interrupts import INTERRUPTED_EXIT, say_interrupted
-from specrun.cli.options import RegistryOpt
+from specrun.cli.options import RegistryOpt, ThreadsOpt
 from specrun.errors import UsageError
 
 
@@ -41,6 +41,10 @@ def distill_command(
     held_out: Annotated[int, typer.Option("--held-out", help="Prompts kept out of training for the report.")] = 32,
     seed: Annotated[int, typer.Option("--seed", help="Shuffles the prompts and seeds the student's samples.")] = 0,
     registry: RegistryOpt = None,
+    backend: Annotated[str, typer.Option("--backend", help=(
+        "Where the target scores the student's text: auto (MLX on Apple Silicon, llama.cpp for a GGUF "
+        "elsewhere), mlx or llama. The student trains in MLX either way."))] = "auto",
+    threads: ThreadsOpt = None,
     max_steps: Annotated[Optional[int], typer.Option("--max-steps", hidden=True)] = None,
 ) -> None:
     """Distill a draft from the target on MLX: the student writes, the target scores, the student
@@ -54,6 +58,7 @@ def distill_command(
             target=target, student=student, out=out.expanduser(), minutes=minutes, prompts_file=prompts, batch=batch,
             prompt_tokens=prompt_tokens, sample_tokens=sample_tokens, temperature=temperature,
             divergence=divergence, learning_rate=lr, held_out=held_out, seed=seed, registry=registry,
+            backend=backend, threads=threads,
         )
         check_request(request)
         if max_steps is not None and max_steps < 1:

@@ -139,6 +139,11 @@ def read_gguf(path: str | Path) -> tuple[ModelConfig, dict[str, np.ndarray], str
     return config, weights, build_tokenizer_json(vocab), fields.get(gguf.Keys.Tokenizer.CHAT_TEMPLATE)
 
 
+def gguf_parameter_count(path: str | Path) -> int:
+    """Every tensor's element count in a GGUF file, summed (a quantized tensor at its unquantized size)."""
+    return int(sum(int(np.prod(tensor.shape)) for tensor in gguf.GGUFReader(str(path)).tensors))
+
+
 def read_gguf_tensor(path: str | Path, name: str) -> np.ndarray:
     """One tensor of a GGUF file by its GGUF name (``output.weight``), dequantized to float32 in
     the file's layout: (rows, columns) for a matrix. KeyError if the file has no such tensor."""

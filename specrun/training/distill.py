@@ -73,6 +73,8 @@ class DistillRequest:
     held_out: int = 32  # prompts kept out of training for the report
     seed: int = 0
     registry: Path | None = None
+    backend: str = "auto"  # where the target scores: MLX, or llama.cpp (the student always trains in MLX)
+    threads: int | None = None
 
     @property
     def gguf_out(self) -> Path:
@@ -203,23 +205,93 @@ def _ranges(kept: tuple[int, ...]) -> str:
     return layer_ranges(kept)
 
 
-def check_student(student: Student, teacher, teacher_parameters: int, student_spec: str) -> None:
+def check_student(student: Student, teacher, student_spec: str) -> None:
     """The student must read the target's vocabulary (its end-of-generation ids aside: the target
     decides where an answer ends) and cost less than it."""
     if student.source is not None:
         from specrun.registry.compat import vocabulary_differences
         from specrun.registry.hub import read_gguf_vocabulary, read_tokenizer_vocabulary
 
-        problems = [problem for problem in vocabulary_differences(read_tokenizer_vocabulary(Path(teacher.path)),
-                                                                   read_gguf_vocabulary(student.source))
+        target_file = Path(teacher.backend.path)  # an MLX folder, or a GGUF
+        target = read_tokenizer_vocabulary(target_file) if target_file.is_dir() else read_gguf_vocabulary(target_file)
+        problems = [problem for problem in vocabulary_differences(target, read_gguf_vocabulary(student.source))
                     if not problem.startswith("EOS ids")]
         if problems:
             raise UsageError(f"--student {student_spec} reads another vocabulary than the target ({problems[0]})",
                              "distill a draft of the target's family, or self:layers=N")
+    teacher_parameters = teacher.parameters()
     if student.parameters >= teacher_parameters:
         raise UsageError(f"--student {student_spec} has {student.parameters / 1e6:.1f}M parameters, not fewer than "
                          f"the target's {teacher_parameters / 1e6:.1f}M: it could never pay as a draft",
                          "distill a smaller draft, or self:layers=N with fewer layers")
+
+
+# ---- the teacher ----------------------------------------------------------------------------
+class BackendTeacher:
+    """The target on a specrun backend (llama.cpp's), one sequence at a time: its logits at every
+    position of a sequence from one pass over it. Where MLX runs on a CPU (not Apple Silicon) it
+    multiplies matrices ~10x slower than llama.cpp, and the target's pass was most of a step."""
+
+    def __init__(self, backend) -> None:
+        self.backend = backend
+        self.vocab = backend.vocab
+
+    def log_probs(self, sequences: np.ndarray) -> np.ndarray:
+        rows, length = sequences.shape
+        chunk = getattr(self.backend, "n_batch", 512)
+        out = np.empty((rows, length - 1, self.vocab.size), np.float32)
+        for row, sequence in enumerate(sequences.tolist()):
+            self.backend.rewind(0)
+            fed = sequence[:-1]
+            for start in range(0, len(fed), chunk):
+                piece = fed[start : start + chunk]
+                out[row, start : start + len(piece)] = self.backend.forward(piece, list(range(len(piece))))
+        out -= _logsumexp(out)
+        return out
+
+    def greedy(self, prompts: np.ndarray, new_tokens: int) -> np.ndarray:
+        rows = []
+        for prompt in prompts.tolist():
+            self.backend.rewind(0)
+            tokens = list(prompt)
+            logits = self.backend.forward(tokens, [len(tokens) - 1])[0]
+            for _ in range(new_tokens):
+                tokens.append(int(np.argmax(logits)))
+                logits = self.backend.forward(tokens[-1:], [0])[0]
+            rows.append(tokens)
+        return np.array(rows, dtype=prompts.dtype)
+
+    def parameters(self) -> int:
+        from specrun.modelkit.gguf_io import gguf_parameter_count
+
+        return gguf_parameter_count(self.backend.path)
+
+    def close(self) -> None:
+        self.backend.close()
+
+
+def _logsumexp(logits: np.ndarray) -> np.ndarray:
+    top = logits.max(axis=-1, keepdims=True)
+    return top + np.log(np.exp(logits - top).sum(axis=-1, keepdims=True))
+
+
+def open_teacher(request: DistillRequest, entries: dict):
+    """The target where it scores fastest here (``choose_backend``: MLX on Apple Silicon, llama.cpp
+    for a GGUF elsewhere), or on the backend asked for."""
+    from specrun.registry.loading import LoadOptions, choose_backend, open_backend
+
+    spec = request.target
+    gguf_file = Path(spec).expanduser().suffix == ".gguf"
+    backend = "llama" if request.backend == "auto" and gguf_file else choose_backend(request.backend, spec, entries)
+    if backend == "mlx":
+        from specrun.backends.mlx import MlxBackend
+        from specrun.backends.mlx_distill import MlxTeacher
+
+        return MlxTeacher(MlxBackend(teacher_folder(spec, entries)))
+    length = request.prompt_tokens + request.sample_tokens
+    options = LoadOptions(backend="llama", n_ctx=max(length + 8, 256), threads=request.threads,
+                          registry=request.registry)
+    return BackendTeacher(open_backend(spec, options, entries))
 
 
 # ---- data -----------------------------------------------------------------------------------
@@ -259,19 +331,22 @@ def distill(
     checkpoint_seconds: float = CHECKPOINT_SECONDS,
 ) -> DistillResult:
     check_request(request)
-    from specrun.backends.mlx import MlxBackend
-    from specrun.backends.mlx_distill import MlxDistiller, parameter_count
+    from specrun.backends.mlx_distill import MlxDistiller
     from specrun.registry.catalog import load_registry
 
     entries = load_registry(request.registry)
-    teacher = MlxBackend(teacher_folder(request.target, entries))
     student = load_student(request.student, request.target, entries)
-    check_student(student, teacher, parameter_count(teacher), request.student)
-    def fresh():
-        return MlxDistiller(teacher, student.config, student.weights, request.learning_rate, request.divergence)
+    teacher = open_teacher(request, entries)
+    try:
+        check_student(student, teacher, request.student)
 
-    run = _Run(request, teacher, fresh, student, on_progress, on_note, max_steps, checkpoint_seconds)
-    return run.distill(_prompts(request, teacher))
+        def fresh():
+            return MlxDistiller(student.config, student.weights, request.learning_rate, request.divergence)
+
+        run = _Run(request, teacher, fresh, student, on_progress, on_note, max_steps, checkpoint_seconds)
+        return run.distill(_prompts(request, teacher.backend))
+    finally:
+        teacher.close()
 
 
 def teacher_folder(spec: str, entries: dict) -> str:
@@ -362,7 +437,8 @@ class _Run:
             batch = batches[self.step % len(batches)]
             sequences = self.distiller.student_sample(batch, request.sample_tokens, request.temperature,
                                                       seed=request.seed * 1_000_003 + self.step)
-            loss = self.distiller.step(sequences, generated_mask(sequences, batch.shape[1], eos))
+            mask = generated_mask(sequences, batch.shape[1], eos)
+            loss = self.distiller.step(sequences, mask, self.teacher.log_probs(sequences))
             self.step += 1
             self.losses = [*self.losses[-LOSS_WINDOW + 1 :], loss]
             if not math.isfinite(loss):
@@ -397,7 +473,7 @@ class _Run:
         held = []
         eos = self.teacher.vocab.eos_ids
         for batch in token_batches(prompts, self.request.batch, self.request.seed + 1):
-            sequences = self.distiller.teacher_greedy(batch, self.request.sample_tokens)
+            sequences = self.teacher.greedy(batch, self.request.sample_tokens)
             held.append((sequences, generated_mask(sequences, batch.shape[1], eos)))
             self.on_progress(TrainProgress("data", self.elapsed(), self.budget,
                                            tokens=sum(int(mask.sum()) for _, mask in held)))
@@ -407,7 +483,7 @@ class _Run:
         positions = agreed = 0
         shared = 0.0
         for sequences, mask in held:
-            n, a, s = self.distiller.agreement(sequences, mask)
+            n, a, s = self.distiller.agreement(sequences, mask, self.teacher.log_probs(sequences))
             positions, agreed, shared = positions + n, agreed + a, shared + s
         if positions == 0:
             raise SpecrunError("the target ended every held-out continuation at once: nothing to report on",
@@ -419,6 +495,7 @@ class _Run:
         request = self.request
         prompts = str(Path(request.prompts_file).expanduser().resolve()) if request.prompts_file else "built-in"
         return {"target": request.target, "student": request.student, "prompts": prompts, "batch": request.batch,
+                "teacher": type(self.teacher).__name__,
                 "prompt_tokens": request.prompt_tokens, "sample_tokens": request.sample_tokens,
                 "temperature": request.temperature, "divergence": request.divergence,
                 "learning_rate": request.learning_rate, "held_out": request.held_out, "seed": request.seed}

@@ -60,58 +60,85 @@ def test_the_mask_covers_generated_positions_up_to_the_first_end_of_generation()
     assert mask.tolist() == [[False, False, True, True, False, False], [False, False, True, True, True, True]]
 
 
-def test_a_student_with_the_target_s_own_weights_agrees_everywhere_and_has_no_loss(tiny_llama):
+def tiny_teachers(tiny_llama):
+    """The tiny target on MLX and on llama.cpp."""
+    from specrun.backends.llama import LlamaCppBackend
     from specrun.backends.mlx import MlxBackend
+    from specrun.backends.mlx_distill import MlxTeacher
+    from specrun.training.distill import BackendTeacher
+
+    return MlxTeacher(MlxBackend(str(tiny_llama.hf_dir))), BackendTeacher(LlamaCppBackend(tiny_llama.gguf_f32_path, n_ctx=256))
+
+
+def tiny_prompts(teacher, count: int) -> np.ndarray:
+    return np.array([teacher.backend.tokenize(text, add_bos=True)[:8] for text in PROMPTS[:count]])
+
+
+def test_both_teachers_score_and_continue_alike(tiny_llama):
+    mlx_teacher, llama_teacher = tiny_teachers(tiny_llama)
+    prompts = tiny_prompts(mlx_teacher, 3)
+    sequences = mlx_teacher.greedy(prompts, 10)
+    assert np.array_equal(llama_teacher.greedy(prompts, 10), sequences)
+    mine, theirs = mlx_teacher.log_probs(sequences), llama_teacher.log_probs(sequences)
+    assert mine.shape == theirs.shape == (3, 17, tiny_llama.config.vocab_size)
+    assert np.allclose(np.exp(mine).sum(-1), 1, atol=1e-4) and np.allclose(np.exp(theirs).sum(-1), 1, atol=1e-4)
+    assert np.abs(np.exp(mine) - np.exp(theirs)).max() < 5e-3
+    llama_teacher.close()
+
+
+def test_a_student_with_the_target_s_own_weights_agrees_everywhere_and_has_no_loss(tiny_llama):
     from specrun.backends.mlx_distill import MlxDistiller
 
-    teacher = MlxBackend(str(tiny_llama.hf_dir))
-    prompts = np.array([teacher.tokenize(text, add_bos=True)[:8] for text in PROMPTS[:3]])
+    teacher, _ = tiny_teachers(tiny_llama)
+    prompts = tiny_prompts(teacher, 3)
+    sequences = teacher.greedy(prompts, 10)
+    mask = generated_mask(sequences, 8, frozenset())
+    teacher_logp = teacher.log_probs(sequences)
     for divergence in ("fkl", "tvd", "jsd"):
-        same = MlxDistiller(teacher, tiny_llama.config, tiny_llama.weights, 1e-3, divergence)
-        sequences = same.teacher_greedy(prompts, 10)
-        mask = generated_mask(sequences, 8, frozenset())
-        positions, agreed, shared = same.agreement(sequences, mask)
+        same = MlxDistiller(tiny_llama.config, tiny_llama.weights, 1e-3, divergence)
+        positions, agreed, shared = same.agreement(sequences, mask, teacher_logp)
         assert positions == 3 * 10 and agreed == positions
         assert shared == pytest.approx(positions, rel=1e-4)
-        assert abs(same.step(sequences, mask)) < 1e-4
+        assert abs(same.step(sequences, mask, teacher_logp)) < 1e-4
 
 
 def test_steps_on_the_target_s_text_raise_the_student_s_agreement(tiny_llama):
     """A one-layer student trained on a fixed batch of the target's own text learns to agree with it there."""
-    from specrun.backends.mlx import MlxBackend
     from specrun.backends.mlx_distill import MlxDistiller
     from specrun.modelkit.cut import keep_layers
 
-    teacher = MlxBackend(str(tiny_llama.hf_dir))
+    teacher, _ = tiny_teachers(tiny_llama)
     config, weights = keep_layers(tiny_llama.config, tiny_llama.weights, (0,))
-    student = MlxDistiller(teacher, config, weights, 3e-3, "fkl")
-    prompts = np.array([teacher.tokenize(text, add_bos=True)[:8] for text in PROMPTS[:4]])
-    sequences = student.teacher_greedy(prompts, 16)
+    student = MlxDistiller(config, weights, 3e-3, "fkl", warmup=5)
+    prompts = tiny_prompts(teacher, 4)
+    sequences = teacher.greedy(prompts, 16)
     mask = generated_mask(sequences, 8, frozenset())
-    _, before, _ = student.agreement(sequences, mask)
-    losses = [student.step(sequences, mask) for _ in range(40)]
-    _, after, _ = student.agreement(sequences, mask)
+    teacher_logp = teacher.log_probs(sequences)
+    _, before, _ = student.agreement(sequences, mask, teacher_logp)
+    losses = [student.step(sequences, mask, teacher_logp) for _ in range(40)]
+    _, after, _ = student.agreement(sequences, mask, teacher_logp)
     assert losses[-1] < 0.5 * losses[0]
     assert after > before
 
 
 def test_student_samples_follow_the_seed_and_the_temperature(tiny_llama):
-    from specrun.backends.mlx import MlxBackend
     from specrun.backends.mlx_distill import MlxDistiller
 
-    teacher = MlxBackend(str(tiny_llama.hf_dir))
-    student = MlxDistiller(teacher, tiny_llama.config, tiny_llama.weights, 1e-3)
-    prompts = np.array([teacher.tokenize(text, add_bos=True)[:8] for text in PROMPTS[:4]])
+    teacher, _ = tiny_teachers(tiny_llama)
+    student = MlxDistiller(tiny_llama.config, tiny_llama.weights, 1e-3)
+    prompts = tiny_prompts(teacher, 4)
     first, again = (student.student_sample(prompts, 12, 1.0, seed=7) for _ in range(2))
     assert np.array_equal(first, again) and np.array_equal(first[:, :8], prompts)
     assert not np.array_equal(first, student.student_sample(prompts, 12, 1.0, seed=8))
-    assert np.array_equal(student.student_sample(prompts, 12, 0.0, seed=1), student.teacher_greedy(prompts, 12))
+    assert np.array_equal(student.student_sample(prompts, 12, 0.0, seed=1), teacher.greedy(prompts, 12))
 
 
 # ---- a whole run ---------------------------------------------------------------------------
-def test_a_run_writes_a_draft_both_backends_load_and_draft_losslessly_with(tiny_llama, prompts_file, tmp_path):
+@pytest.mark.parametrize("teacher", ["llama", "mlx"])
+def test_a_run_writes_a_draft_both_backends_load_and_draft_losslessly_with(tiny_llama, prompts_file, tmp_path,
+                                                                          teacher):
     out = tmp_path / "distilled"
-    result = distill(request_for(tiny_llama, prompts_file, out), max_steps=6)
+    result = distill(request_for(tiny_llama, prompts_file, out, backend=teacher), max_steps=6)
     assert result.steps == 6 and np.isfinite(result.final_loss)
     assert result.before.positions == result.after.positions > 0
     assert sorted(path.name for path in tmp_path.iterdir()) == ["distilled", "distilled.gguf", "prompts.txt"]
