@@ -40,6 +40,9 @@ def distill_command(
     lr: Annotated[float, typer.Option("--lr", help="AdamW learning rate.")] = 1e-4,
     held_out: Annotated[int, typer.Option("--held-out", help="Prompts kept out of training for the report.")] = 32,
     seed: Annotated[int, typer.Option("--seed", help="Shuffles the prompts and seeds the student's samples.")] = 0,
+    gguf_type: Annotated[str, typer.Option("--gguf-type", help=(
+        "The GGUF's weights: F16, or Q8_0 / Q4_0 by llama.cpp's quantizer (a draft costs what it reads). "
+        "The MLX folder is float16."))] = "F16",
     registry: RegistryOpt = None,
     backend: Annotated[str, typer.Option("--backend", help=(
         "Where the target scores the student's text: auto (MLX on Apple Silicon, llama.cpp for a GGUF "
@@ -58,7 +61,7 @@ def distill_command(
             target=target, student=student, out=out.expanduser(), minutes=minutes, prompts_file=prompts, batch=batch,
             prompt_tokens=prompt_tokens, sample_tokens=sample_tokens, temperature=temperature,
             divergence=divergence, learning_rate=lr, held_out=held_out, seed=seed, registry=registry,
-            backend=backend, threads=threads,
+            gguf_type=gguf_type, backend=backend, threads=threads,
         )
         check_request(request)
         if max_steps is not None and max_steps < 1:

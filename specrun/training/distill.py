@@ -49,6 +49,7 @@ from specrun.training.run import (
 )
 
 DIVERGENCES = ("fkl", "tvd", "jsd")
+GGUF_TYPES = ("F16", "Q8_0", "Q4_0")
 CHECKPOINT_SECONDS = 30.0
 BUILTIN_PROMPTS = 2048
 LOSS_WINDOW = 20  # steps the reported loss is averaged over
@@ -73,6 +74,7 @@ class DistillRequest:
     held_out: int = 32  # prompts kept out of training for the report
     seed: int = 0
     registry: Path | None = None
+    gguf_type: str = "F16"  # the GGUF's weights: F16, or Q8_0 / Q4_0 by llama.cpp's quantizer (the MLX folder is float16)
     backend: str = "auto"  # where the target scores: MLX, or llama.cpp (the student always trains in MLX)
     threads: int | None = None
 
@@ -139,6 +141,8 @@ def check_request(request: DistillRequest) -> None:
                          "pass e.g. --temperature 1 (the student's own samples), or 0 for its greedy ones")
     if not (math.isfinite(request.learning_rate) and 0 < request.learning_rate <= 1):
         raise UsageError(f"--lr must be in (0, 1], got {request.learning_rate}", "pass e.g. --lr 1e-4")
+    if request.gguf_type not in GGUF_TYPES:
+        raise UsageError(f"unknown --gguf-type {request.gguf_type!r}", f"use one of: {', '.join(GGUF_TYPES)}")
     if request.divergence not in DIVERGENCES:
         raise UsageError(f"unknown --divergence {request.divergence!r}", f"use one of: {', '.join(DIVERGENCES)}")
     out = Path(request.out).expanduser()
@@ -456,7 +460,7 @@ class _Run:
         if self.saved_step != self.step:
             self._checkpoint(settings, held, before)  # kept if the result cannot be written
         try:
-            write_outputs(self.out, self.distiller.student_weights(), self.student, record)
+            write_outputs(self.out, self.distiller.student_weights(), self.student, record, request.gguf_type)
         except FileAccessError as exc:
             raise FileAccessError(exc.problem, f"{exc.fix}, then run the same command again: it resumes from "
                                   f"{self.checkpoints} at step {self.step}") from None
@@ -554,10 +558,10 @@ def _check_held_out(held, vocab_size: int) -> None:
 
 
 # ---- the result -----------------------------------------------------------------------------
-def write_outputs(out: Path, weights: dict, student: Student, record: dict) -> None:
-    """The F16 GGUF at ``<out>.gguf`` and the MLX folder ``out`` converted from it (with the
-    record as ``distill.json``), written in a scratch folder beside them and renamed into place:
-    a full disk or an interrupt leaves neither half-written."""
+def write_outputs(out: Path, weights: dict, student: Student, record: dict, gguf_type: str = "F16") -> None:
+    """The GGUF at ``<out>.gguf`` (F16, or quantized from it by llama.cpp) and the MLX folder
+    ``out`` converted from the F16 one (with the record as ``distill.json``), written in a scratch
+    folder beside them and renamed into place: a full disk or an interrupt leaves neither half-written."""
     from specrun.modelkit.demo import remove_scratch
     from specrun.modelkit.gguf_convert import convert_gguf_to_mlx
     from specrun.modelkit.gguf_io import write_gguf
@@ -568,9 +572,16 @@ def write_outputs(out: Path, weights: dict, student: Student, record: dict) -> N
     try:
         try:
             scratch.mkdir(mode=0o700)
-            gguf_tmp, folder_tmp = scratch / gguf_path(out).name, scratch / out.name
-            write_gguf(gguf_tmp, student.config, weights, student.tokenizer_json, student.chat_template, dtype="F16")
-            convert_gguf_to_mlx(gguf_tmp, folder_tmp)
+            f16_tmp, folder_tmp = scratch / "f16.gguf", scratch / out.name
+            write_gguf(f16_tmp, student.config, weights, student.tokenizer_json, student.chat_template, dtype="F16")
+            convert_gguf_to_mlx(f16_tmp, folder_tmp)
+            gguf_tmp = scratch / gguf_path(out).name
+            if gguf_type == "F16":
+                os.replace(f16_tmp, gguf_tmp)
+            else:
+                from specrun.backends.llama import quantize_gguf
+
+                quantize_gguf(f16_tmp, gguf_tmp, gguf_type)
             write_json(folder_tmp / "distill.json", record)
             os.replace(gguf_tmp, gguf_path(out))
             os.replace(folder_tmp, out)

@@ -134,11 +134,11 @@ def test_student_samples_follow_the_seed_and_the_temperature(tiny_llama):
 
 
 # ---- a whole run ---------------------------------------------------------------------------
-@pytest.mark.parametrize("teacher", ["llama", "mlx"])
+@pytest.mark.parametrize(("teacher", "gguf_type"), [("llama", "Q8_0"), ("mlx", "F16")])
 def test_a_run_writes_a_draft_both_backends_load_and_draft_losslessly_with(tiny_llama, prompts_file, tmp_path,
-                                                                          teacher):
+                                                                          teacher, gguf_type):
     out = tmp_path / "distilled"
-    result = distill(request_for(tiny_llama, prompts_file, out, backend=teacher), max_steps=6)
+    result = distill(request_for(tiny_llama, prompts_file, out, backend=teacher, gguf_type=gguf_type), max_steps=6)
     assert result.steps == 6 and np.isfinite(result.final_loss)
     assert result.before.positions == result.after.positions > 0
     assert sorted(path.name for path in tmp_path.iterdir()) == ["distilled", "distilled.gguf", "prompts.txt"]
@@ -146,10 +146,15 @@ def test_a_run_writes_a_draft_both_backends_load_and_draft_losslessly_with(tiny_
     assert record["steps"] == 6 and record["held_out"]["before"]["positions"] == result.before.positions
     from specrun.modelkit.gguf_io import read_gguf
 
-    config, weights, _, _ = read_gguf(result.gguf)
+    from specrun.modelkit.selfdraft import gguf_weight_bits
+
+    config, _, _, _ = read_gguf(result.gguf)
     assert config.num_layers == 1 and config.vocab_size == tiny_llama.config.vocab_size
-    assert not np.allclose(weights["model.layers.0.mlp.up_proj.weight"],
-                           tiny_llama.weights["model.layers.0.mlp.up_proj.weight"], atol=1e-3)  # it learned
+    assert gguf_weight_bits(result.gguf)[1] == gguf_type
+    from safetensors.numpy import load_file
+
+    learned = load_file(str(out / "model.safetensors"))["model.layers.0.mlp.up_proj.weight"]  # float16
+    assert not np.allclose(learned, tiny_llama.weights["model.layers.0.mlp.up_proj.weight"], atol=1e-3)
     plain = {}
     for backend, draft in (("llama", result.gguf), ("mlx", out)):
         target = tiny_llama.gguf_path if backend == "llama" else tiny_llama.hf_dir
@@ -240,6 +245,7 @@ def test_no_room_for_the_result_is_one_error_that_keeps_the_checkpoint_to_write_
     (["--temperature", "-1"], "--temperature"),
     (["--lr", "0"], "--lr"),
     (["--divergence", "kl"], "--divergence"),
+    (["--gguf-type", "Q5_K"], "--gguf-type"),
 ])
 def test_options_out_of_range_are_one_line(args, fragment, tmp_path):
     result = invoke("distill", "--out", str(tmp_path / "out"), *args)
