@@ -34,9 +34,9 @@ def distill_command(
     sample_tokens: Annotated[int, typer.Option(
         "--sample-tokens", help="Tokens the student writes per prompt each step (and the target per held-out prompt).")] = 64,
     temperature: Annotated[float, typer.Option(
-        "--temperature", help="The student's temperature for its own samples (0: its greedy text).")] = 1.0,
+        "--temperature", help="The student's temperature for its own samples (0: its greedy text).")] = 0.0,
     divergence: Annotated[str, typer.Option("--divergence", help=(
-        "fkl: KL(target || student); tvd: total variation (1 - acceptance at T = 1); jsd: Jensen-Shannon."))] = "fkl",
+        "tvd: total variation (1 - acceptance at T = 1); fkl: KL(target || student); jsd: Jensen-Shannon."))] = "tvd",
     lr: Annotated[float, typer.Option("--lr", help="AdamW learning rate.")] = 1e-4,
     held_out: Annotated[int, typer.Option("--held-out", help="Prompts kept out of training for the report.")] = 32,
     seed: Annotated[int, typer.Option("--seed", help="Shuffles the prompts and seeds the student's samples.")] = 0,

@@ -2,10 +2,11 @@
 
 The student is an existing draft (a GGUF: its weights are read dequantized to float32) or a copy
 of the target with only some of its layers (``--student self:layers=N``, or ``self:layers=0-5,9``).
-Each step the student continues a batch of prompts itself, at ``--temperature`` (on-policy data,
-which DistillSpec found best), the target scores those sequences in one pass, and the student
-takes an AdamW step on the divergence between the two distributions at the generated positions
-(forward KL by default; total variation is one minus the acceptance rate of rejection sampling).
+Each step the student continues a batch of prompts itself, greedily by default (on-policy data,
+which DistillSpec found best; ``--temperature`` samples instead), the target scores those sequences
+in one pass, and the student takes an AdamW step on the divergence between the two distributions at
+the generated positions: total variation by default (one minus the acceptance rate of rejection
+sampling at T = 1), forward KL or Jensen-Shannon.
 
 Prompts come from ``--prompts`` or are built in (training/data.py: questions in the target's chat
 template, or Python snippets for a completion model). A batch's prompts are cut to the shortest
@@ -68,8 +69,8 @@ class DistillRequest:
     batch: int = 8
     prompt_tokens: int = 64  # a longer prompt keeps its last tokens
     sample_tokens: int = 64  # tokens the student writes per prompt, each step
-    temperature: float = 1.0  # the student's sampling temperature for its own data (0: greedy)
-    divergence: str = "fkl"
+    temperature: float = 0.0  # the student's sampling temperature for its own data (0: its greedy text)
+    divergence: str = "tvd"
     learning_rate: float = 1e-4
     held_out: int = 32  # prompts kept out of training for the report
     seed: int = 0
