@@ -86,16 +86,18 @@ def test_both_teachers_score_and_continue_alike(tiny_llama):
     llama_teacher.close()
 
 
-def test_a_student_with_the_target_s_own_weights_agrees_everywhere_and_has_no_loss(tiny_llama):
-    from specrun.backends.mlx_distill import MlxDistiller
+def test_a_student_with_the_target_s_own_weights_agrees_everywhere_and_has_no_loss(random_model):
+    """Llama and Qwen2 (biases, grouped heads, tied embeddings) students are the target's own function."""
+    from specrun.backends.mlx import MlxBackend
+    from specrun.backends.mlx_distill import MlxDistiller, MlxTeacher
 
-    teacher, _ = tiny_teachers(tiny_llama)
+    teacher = MlxTeacher(MlxBackend(str(random_model.hf_dir)))
     prompts = tiny_prompts(teacher, 3)
     sequences = teacher.greedy(prompts, 10)
     mask = generated_mask(sequences, 8, frozenset())
     teacher_logp = teacher.log_probs(sequences)
     for divergence in ("fkl", "tvd", "jsd"):
-        same = MlxDistiller(tiny_llama.config, tiny_llama.weights, 1e-3, divergence)
+        same = MlxDistiller(random_model.config, random_model.weights, 1e-3, divergence)
         positions, agreed, shared = same.agreement(sequences, mask, teacher_logp)
         assert positions == 3 * 10 and agreed == positions
         assert shared == pytest.approx(positions, rel=1e-4)
@@ -192,6 +194,35 @@ def test_an_interrupted_run_resumes_where_its_checkpoint_was_and_ends_as_an_unbr
     _, theirs, _, _ = read_gguf(unbroken.gguf)
     assert all(np.allclose(mine[name], theirs[name], atol=2e-3) for name in theirs)
     assert not checkpoint_folder(out).exists()  # a finished run removes it
+
+
+def test_ctrl_c_while_distilling_keeps_the_checkpoint_and_says_where(tiny_llama, prompts_file, tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from hardening.cli_checks import ROOT
+
+    out = tmp_path / "draft"
+    command = [sys.executable, "-m", "specrun", "distill", "--target", str(tiny_llama.gguf_path), "--student",
+               "self:layers=1", "--prompts", str(prompts_file), "--held-out", "4", "--batch", "2",
+               "--sample-tokens", "8", "--minutes", "5", "--out", str(out)]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               env={**os.environ, "PYTHONPATH": str(ROOT)})
+    deadline = time.monotonic() + 120
+    state = checkpoint_folder(out) / "state.json"
+    while not state.exists() and time.monotonic() < deadline and process.poll() is None:
+        time.sleep(0.05)
+    assert state.exists(), process.stderr.read() if process.poll() is not None else "no checkpoint in 2 minutes"
+    process.send_signal(signal.SIGINT)
+    _, stderr = process.communicate(timeout=60)
+    last = stderr.decode().strip().splitlines()[-1]
+    assert process.returncode == 130 and last.startswith("interrupted: the checkpoint at step "), stderr
+    assert str(checkpoint_folder(out)) in last and "run the same command to resume" in last
+    assert not out.exists() and not gguf_path(out).exists()
+    assert not [path for path in tmp_path.iterdir() if path.name.startswith(".distilling-")]
 
 
 def test_a_damaged_or_other_checkpoint_is_a_note_and_a_fresh_start(tiny_llama, prompts_file, tmp_path):
