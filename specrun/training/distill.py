@@ -40,6 +40,7 @@ import numpy as np
 
 from specrun.errors import FileAccessError, ModelFileError, RegistryError, SpecrunError, UsageError
 from specrun.fileio import check_writable_folder, write_atomically
+from specrun.modelkit.config import ModelConfig
 from specrun.training.data import builtin_python_prompts, builtin_questions, read_prompts_file
 from specrun.training.run import (
     MAX_MINUTES,
@@ -157,8 +158,8 @@ def check_request(request: DistillRequest) -> None:
 # ---- the student ----------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Student:
-    config: object  # modelkit.config.ModelConfig
-    weights: dict
+    config: ModelConfig
+    weights: dict[str, np.ndarray]
     tokenizer_json: str
     chat_template: str | None
     described: str
