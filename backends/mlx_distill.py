@@ -131,26 +131,38 @@ class MlxDistiller:
         return {name: np.array(value.astype(self._mx.float32))
                 for name, value in self._flatten(self.student.parameters())}
 
-    def save_state(self, weights_path: Path, optimizer_path: Path) -> None:
-        """The student's weights and the optimizer's moments, each written to a scratch name and renamed."""
+    def save_state(self, weights_path: Path, optimizer_path: Path, step: int) -> None:
+        """The student's weights and the optimizer's moments at ``step`` (in each file's metadata:
+        a checkpoint killed between the two writes is told apart on load), each written to a
+        scratch name and renamed."""
         mx = self._mx
         for path, arrays in ((weights_path, dict(self._flatten(self.student.parameters()))),
                              (optimizer_path, dict(self._flatten(self.optimizer.state)))):
             path = Path(path)
             scratch = path.with_name(f".{path.stem}.partial{path.suffix}")
-            mx.save_safetensors(str(scratch), arrays)
+            mx.save_safetensors(str(scratch), arrays, metadata={"step": str(step)})
             os.replace(scratch, path)
 
-    def load_state(self, weights_path: Path, optimizer_path: Path) -> None:
-        """What :meth:`save_state` wrote; ValueError when the weights are not this student's."""
+    def load_state(self, weights_path: Path, optimizer_path: Path, step: int) -> None:
+        """What :meth:`save_state` wrote at ``step``; ValueError when the weights are not this
+        student's, or either file was written at another step."""
         mx = self._mx
-        loaded = mx.load(str(weights_path))
+        loaded, weights_meta = mx.load(str(weights_path), return_metadata=True)
+        moments, moments_meta = mx.load(str(optimizer_path), return_metadata=True)
+        for path, meta in ((weights_path, weights_meta), (optimizer_path, moments_meta)):
+            if meta.get("step") != str(step):
+                raise ValueError(f"{Path(path).name} was written at step {meta.get('step')}, the record says {step}")
         expected = dict(self._flatten(self.student.parameters()))
         if set(loaded) != set(expected) or any(loaded[k].shape != v.shape for k, v in expected.items()):
             raise ValueError(f"{weights_path} holds other weights than this student's")
         self.student.load_weights(list(loaded.items()))
-        self.optimizer.state = self._unflatten(list(mx.load(str(optimizer_path)).items()))
+        self.optimizer.state = self._unflatten(list(moments.items()))
         mx.eval(self.student.parameters(), self.optimizer.state)
+
+    @property
+    def optimizer_step(self) -> int:
+        """AdamW's own step count (its learning-rate schedule reads it)."""
+        return int(self.optimizer.state["step"])
 
 
 def continue_batch(mx, lm_cache, model, prompts: np.ndarray, new_tokens: int, temperature: float,

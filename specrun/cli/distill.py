@@ -45,8 +45,8 @@ def distill_command(
         "The MLX folder is float16."))] = "F16",
     registry: RegistryOpt = None,
     backend: Annotated[str, typer.Option("--backend", help=(
-        "Where the target scores the student's text: auto (MLX on Apple Silicon, llama.cpp for a GGUF "
-        "elsewhere), mlx or llama. The student trains in MLX either way."))] = "auto",
+        "Where the target scores the student's text: auto (llama.cpp for a .gguf path; for an alias, MLX on "
+        "Apple Silicon, llama.cpp for a GGUF elsewhere), mlx or llama. The student trains in MLX either way."))] = "auto",
     threads: ThreadsOpt = None,
     max_steps: Annotated[Optional[int], typer.Option("--max-steps", hidden=True)] = None,
 ) -> None:

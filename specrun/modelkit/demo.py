@@ -130,7 +130,7 @@ def derive_once(target: Path, write: Callable[[Path], None]) -> Path:
         except OSError as exc:
             raise _no_room(target, exc) from None
         except Exception as exc:  # a writer's own error for a failed write (safetensors' I/O error)
-            failed = _os_error_in(exc)
+            failed = os_error_in(exc)
             if failed is None:
                 raise
             raise _no_room(target, failed) from None
@@ -176,7 +176,7 @@ def _no_room(target: Path, exc: OSError) -> ModelFileError:
                           f"check that the folder is writable, or {writable}")
 
 
-def _os_error_in(exc: Exception) -> OSError | None:
+def os_error_in(exc: Exception) -> OSError | None:
     """The operating system's error inside a library's own exception, where its message names one
     (safetensors: "Error while serializing: I/O error: File too large (os error 27)")."""
     found = re.search(r"\(os error (\d+)\)", str(exc))

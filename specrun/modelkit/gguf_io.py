@@ -10,6 +10,7 @@ NEOX-style RoPE (halves, like HF) and needs no reordering.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable, Collection
 from pathlib import Path
 
 import gguf
@@ -118,11 +119,14 @@ def write_gguf(
     return path
 
 
-def read_gguf(path: str | Path) -> tuple[ModelConfig, dict[str, np.ndarray], str, str | None]:
+def read_gguf(
+    path: str | Path, layers: Callable[[int], Collection[int]] | None = None
+) -> tuple[ModelConfig, dict[str, np.ndarray], str, str | None]:
     """Read a GGUF written by :func:`write_gguf` (or an equivalent converter).
 
     Returns ``(config, weights, tokenizer_json, chat_template)`` with the weights
-    dequantized to float32 in HF naming and layout.
+    dequantized to float32 in HF naming and layout. ``layers(num_layers)``: the decoder layers
+    whose weights are read (the others' are left out: a few layers of a large model fit in memory).
     """
     reader = gguf.GGUFReader(str(path))
     fields = read_fields(reader)
@@ -131,8 +135,12 @@ def read_gguf(path: str | Path) -> tuple[ModelConfig, dict[str, np.ndarray], str
         raise ValueError(f"{path}: only byte-level BPE vocabularies (tokenizer.ggml.model gpt2) can be read")
     vocab = read_vocab(fields)
     config = read_config(fields, vocab, tie_embeddings="output.weight" not in tensors)
+    wanted = set(layers(config.num_layers)) if layers is not None else None
     weights = {}
     for hf_name in weight_names(config):
+        number = hf_name.split(".")[2] if hf_name.startswith("model.layers.") else None
+        if wanted is not None and number is not None and int(number) not in wanted:
+            continue
         tensor = tensors[gguf_tensor_name(hf_name)]
         data = gguf.quants.dequantize(np.asarray(tensor.data), tensor.tensor_type).astype(np.float32)
         weights[hf_name] = from_gguf_layout(config, hf_name, data)

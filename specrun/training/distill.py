@@ -19,8 +19,9 @@ Checkpoints (every ~30 s) go to ``<out>.ckpt/``: the student, the optimizer's mo
 held-out sequences and a record of the step, the seconds spent and the report before training.
 A second run with the same settings resumes there (the budget counts the seconds spent; a larger
 --minutes trains on); a Ctrl-C keeps the last checkpoint. The result is written once, at the end:
-an F16 GGUF at ``<out>.gguf`` (through the writer every derived model uses) and the MLX folder
-``<out>`` converted from it, so both compute the same function.
+an F16 GGUF (through the writer every derived model uses), the MLX folder ``<out>`` converted from
+it, so both compute the same function, and the GGUF at ``<out>.gguf`` as it is or quantized from it
+by llama.cpp (``--gguf-type Q8_0`` or ``Q4_0``: then the GGUF computes it up to that rounding).
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ from specrun.training.run import (
 
 DIVERGENCES = ("fkl", "tvd", "jsd")
 GGUF_TYPES = ("F16", "Q8_0", "Q4_0")
+TEACHER_CHUNK = 256  # tokens a llama.cpp teacher's pass feeds at once (within its n_batch)
 CHECKPOINT_SECONDS = 30.0
 BUILTIN_PROMPTS = 2048
 LOSS_WINDOW = 20  # steps the reported loss is averaged over
@@ -143,6 +145,12 @@ def check_request(request: DistillRequest) -> None:
                          "pass e.g. --temperature 1 (the student's own samples), or 0 for its greedy ones")
     if not (math.isfinite(request.learning_rate) and 0 < request.learning_rate <= 1):
         raise UsageError(f"--lr must be in (0, 1], got {request.learning_rate}", "pass e.g. --lr 1e-4")
+    if isinstance(request.seed, bool) or not 0 <= request.seed < 2**32:
+        raise UsageError(f"--seed must be between 0 and {2**32 - 1}, got {request.seed}", "pass e.g. --seed 0")
+    from specrun.registry.loading import BACKENDS
+
+    if request.backend not in BACKENDS:
+        raise UsageError(f"unknown backend {request.backend!r}", f"use one of: {', '.join(BACKENDS)}")
     if request.gguf_type not in GGUF_TYPES:
         raise UsageError(f"unknown --gguf-type {request.gguf_type!r}", f"use one of: {', '.join(GGUF_TYPES)}")
     if request.divergence not in DIVERGENCES:
@@ -191,15 +199,21 @@ def load_student(spec: str, target: str, entries: dict) -> Student:
         raise RegistryError(f"--student {spec} copies the target's layers from its GGUF, and {target!r} has none "
                             f"({exc})", "register the target's GGUF (gguf_file in models.toml) or pass it as a "
                             ".gguf path") from None
+    kept: tuple[int, ...] = ()
+
+    def kept_layers(num_layers: int) -> tuple[int, ...]:
+        nonlocal kept
+        kept = layers.kept(num_layers)  # a UsageError where they are out of range
+        return kept
+
     try:
-        config, weights, tokenizer_json, chat_template = read_gguf(source)
+        config, weights, tokenizer_json, chat_template = read_gguf(source, kept_layers if layers else None)
     except (ValueError, KeyError, TypeError) as exc:
         raise ModelFileError(f"cannot distill into {source.name}: {exc}",
                              "distill a Llama or Qwen2 model with a byte-level BPE vocabulary") from None
     if layers is None:
         return Student(config, weights, tokenizer_json, chat_template, f"{source.name} ({config.num_layers} layers)",
                        source)
-    kept = layers.kept(config.num_layers)
     config, weights = keep_layers(config, weights, kept)
     return Student(config, weights, tokenizer_json, chat_template,
                    f"{len(kept)} of the target's layers ({_ranges(kept)})", None)
@@ -244,7 +258,7 @@ class BackendTeacher:
 
     def log_probs(self, sequences: np.ndarray) -> np.ndarray:
         rows, length = sequences.shape
-        chunk = getattr(self.backend, "n_batch", 512)
+        chunk = TEACHER_CHUNK
         out = np.empty((rows, length - 1, self.vocab.size), np.float32)
         for row, sequence in enumerate(sequences.tolist()):
             self.backend.rewind(0)
@@ -276,14 +290,29 @@ class BackendTeacher:
         self.backend.close()
 
 
+def student_width(log_probs: np.ndarray, width: int) -> np.ndarray:
+    """The teacher's log-probabilities (…, V) over the student's ``width`` ids: a vocabulary padded
+    otherwise (a Qwen2.5 7B target's 152064 rows, a 0.5B draft's 151936) differs only in ids no text
+    holds, so the rows past the narrower one are cut and the rest renormalised, or -inf added."""
+    have = log_probs.shape[-1]
+    if have == width:
+        return log_probs
+    if have > width:
+        cut = log_probs[..., :width]
+        return cut - _logsumexp(cut)
+    padding = np.full((*log_probs.shape[:-1], width - have), -np.inf, log_probs.dtype)
+    return np.concatenate([log_probs, padding], axis=-1)
+
+
 def _logsumexp(logits: np.ndarray) -> np.ndarray:
     top = logits.max(axis=-1, keepdims=True)
     return top + np.log(np.exp(logits - top).sum(axis=-1, keepdims=True))
 
 
 def open_teacher(request: DistillRequest, entries: dict):
-    """The target where it scores fastest here (``choose_backend``: MLX on Apple Silicon, llama.cpp
-    for a GGUF elsewhere), or on the backend asked for."""
+    """The target on the backend asked for; for auto, llama.cpp for a .gguf path, else where
+    generation would load it (``choose_backend``: MLX on Apple Silicon where the model has an MLX
+    source, llama.cpp for a GGUF elsewhere)."""
     from specrun.registry.loading import LoadOptions, choose_backend, open_backend
 
     spec = request.target
@@ -409,6 +438,7 @@ class _Run:
         self.step = 0
         self.losses: list[float] = []
         self.saved_step: int | None = None
+        self.held_written = False  # this run's held-out data are in the checkpoint
 
     def elapsed(self) -> float:
         return self.spent_before + time.monotonic() - self.started
@@ -444,7 +474,7 @@ class _Run:
             sequences = self.distiller.student_sample(batch, request.sample_tokens, request.temperature,
                                                       seed=request.seed * 1_000_003 + self.step)
             mask = generated_mask(sequences, batch.shape[1], eos)
-            loss = self.distiller.step(sequences, mask, self.teacher.log_probs(sequences))
+            loss = self.distiller.step(sequences, mask, self._teacher_log_probs(sequences))
             self.step += 1
             self.losses = [*self.losses[-LOSS_WINDOW + 1 :], loss]
             if not math.isfinite(loss):
@@ -457,7 +487,7 @@ class _Run:
         after = self._report(held)
         record = {"target": request.target, "student": self.student.described, "settings": settings,
                   "steps": self.step, "seconds": round(self.elapsed(), 1),
-                  "final_loss": round(self._final_loss(), 5), "held_out": {"before": before.to_dict(),
+                  "final_loss": round(self._final_loss(), 5) if self.losses else None, "held_out": {"before": before.to_dict(),
                                                                             "after": after.to_dict()}}
         if self.saved_step != self.step:
             self._checkpoint(settings, held, before)  # kept if the result cannot be written
@@ -469,6 +499,9 @@ class _Run:
         remove_checkpoint(self.checkpoints, CHECKPOINT_FILES)
         return DistillResult(self.out, gguf_path(self.out), self.step, self.elapsed(), self._final_loss(), before,
                              after, self.student.described, resumed_at)
+
+    def _teacher_log_probs(self, sequences: np.ndarray) -> np.ndarray:
+        return student_width(self.teacher.log_probs(sequences), self.student.config.vocab_size)
 
     def _final_loss(self) -> float:
         return float(np.mean(self.losses)) if self.losses else float("nan")
@@ -489,7 +522,7 @@ class _Run:
         positions = agreed = 0
         shared = 0.0
         for sequences, mask in held:
-            n, a, s = self.distiller.agreement(sequences, mask, self.teacher.log_probs(sequences))
+            n, a, s = self.distiller.agreement(sequences, mask, self._teacher_log_probs(sequences))
             positions, agreed, shared = positions + n, agreed + a, shared + s
         if positions == 0:
             raise SpecrunError("the target ended every held-out continuation at once: nothing to report on",
@@ -504,18 +537,20 @@ class _Run:
                 "teacher": type(self.teacher).__name__,
                 "prompt_tokens": request.prompt_tokens, "sample_tokens": request.sample_tokens,
                 "temperature": request.temperature, "divergence": request.divergence,
-                "learning_rate": request.learning_rate, "held_out": request.held_out, "seed": request.seed}
+                "learning_rate": request.learning_rate, "held_out": request.held_out, "seed": request.seed,
+                "registry": str(Path(request.registry).expanduser().resolve()) if request.registry else None}
 
     def _checkpoint(self, settings: dict, held, before: AcceptanceReport) -> None:
         """The held-out data and the weights first, the record (which says the step) last."""
         folder = self.checkpoints
         folder.mkdir(parents=True, exist_ok=True)
-        if not (folder / "held_out.npz").exists():
+        if not self.held_written:  # a fresh start's own, not an older run's left in the folder
             arrays = {f"{kind}{i}": array for i, pair in enumerate(held) for kind, array in zip(("seq", "mask"), pair)}
             buffer = io.BytesIO()
             np.savez(buffer, **arrays)
             write_atomically(folder / "held_out.npz", buffer.getvalue(), "held-out data checkpoint")
-        self.distiller.save_state(folder / "student.safetensors", folder / "optimizer.safetensors")
+            self.held_written = True
+        self.distiller.save_state(folder / "student.safetensors", folder / "optimizer.safetensors", self.step)
         state = {"settings": settings, "steps": self.step, "seconds": round(self.elapsed(), 2),
                  "losses": [loss for loss in self.losses if math.isfinite(loss)], "before": dataclasses.asdict(before)}
         write_atomically(folder / "state.json", json.dumps(state).encode(), "distillation checkpoint")
@@ -523,7 +558,7 @@ class _Run:
 
     def _resume(self, settings: dict):
         """(held-out data, report before) from a checkpoint made with ``settings``; None without one."""
-        from specrun.training.run import _checked_progress
+        from specrun.training.run import checked_progress
 
         folder = self.checkpoints
         if not all((folder / name).is_file() for name in CHECKPOINT_FILES):
@@ -533,12 +568,12 @@ class _Run:
             if state.get("settings") != settings:
                 self.on_note(f"the checkpoint in {folder} was made with other settings: starting afresh")
                 return None
-            step, seconds, losses = _checked_progress(state)
+            step, seconds, losses = checked_progress(state)
             before = AcceptanceReport.from_dict(state["before"])
             with np.load(folder / "held_out.npz") as stored:
                 held = [(stored[f"seq{i}"], stored[f"mask{i}"]) for i in range(len(stored.files) // 2)]
             _check_held_out(held, self.teacher.vocab.size)
-            self.distiller.load_state(folder / "student.safetensors", folder / "optimizer.safetensors")
+            self.distiller.load_state(folder / "student.safetensors", folder / "optimizer.safetensors", step)
         except Exception as exc:  # noqa: BLE001 - a killed save, an edited record, MLX's own reader errors
             self.on_note(f"the checkpoint in {folder} cannot be read ({type(exc).__name__}: {exc}): starting afresh")
             self.distiller = self.fresh()  # a half-loaded state is not kept
@@ -546,6 +581,7 @@ class _Run:
         self.step, self.spent_before, self.losses = step, seconds, losses
         self.started = time.monotonic()
         self.saved_step = step
+        self.held_written = True
         return held, before
 
 
@@ -561,13 +597,16 @@ def _check_held_out(held, vocab_size: int) -> None:
 
 # ---- the result -----------------------------------------------------------------------------
 def write_outputs(out: Path, weights: dict, student: Student, record: dict, gguf_type: str = "F16") -> None:
-    """The GGUF at ``<out>.gguf`` (F16, or quantized from it by llama.cpp) and the MLX folder
-    ``out`` converted from the F16 one (with the record as ``distill.json``), written in a scratch
-    folder beside them and renamed into place: a full disk or an interrupt leaves neither half-written."""
-    from specrun.modelkit.demo import remove_scratch
+    """The GGUF at ``<out>.gguf`` (F16, or quantized from the F16 one by llama.cpp) and the MLX
+    folder ``out`` (float16, converted from the F16 GGUF; the record as ``distill.json``), written in
+    a scratch folder beside them and renamed into place, Ctrl-C held back over the two renames: a
+    full disk or an interrupt leaves neither, or both."""
+    from specrun.backends.llama import quantize_gguf
+    from specrun.modelkit.demo import os_error_in, remove_scratch
     from specrun.modelkit.gguf_convert import convert_gguf_to_mlx
     from specrun.modelkit.gguf_io import write_gguf
     from specrun.modelkit.hf_io import write_json
+    from specrun.training.online import interrupts_held
 
     out = Path(out)
     scratch = out.parent / f".distilling-{secrets.token_hex(8)}"
@@ -577,18 +616,36 @@ def write_outputs(out: Path, weights: dict, student: Student, record: dict, gguf
             f16_tmp, folder_tmp = scratch / "f16.gguf", scratch / out.name
             write_gguf(f16_tmp, student.config, weights, student.tokenizer_json, student.chat_template, dtype="F16")
             convert_gguf_to_mlx(f16_tmp, folder_tmp)
+            write_json(folder_tmp / "distill.json", record)
             gguf_tmp = scratch / gguf_path(out).name
             if gguf_type == "F16":
                 os.replace(f16_tmp, gguf_tmp)
             else:
-                from specrun.backends.llama import quantize_gguf
-
-                quantize_gguf(f16_tmp, gguf_tmp, gguf_type)
-            write_json(folder_tmp / "distill.json", record)
-            os.replace(gguf_tmp, gguf_path(out))
-            os.replace(folder_tmp, out)
+                try:
+                    quantize_gguf(f16_tmp, gguf_tmp, gguf_type)
+                except ModelFileError as exc:  # llama.cpp's quantizer says only its status: the disk, as a rule
+                    raise FileAccessError(f"cannot write the distilled draft in {out.parent}: {exc.problem}",
+                                          "free some disk space, or pass another --out") from None
+            with interrupts_held():
+                os.replace(gguf_tmp, gguf_path(out))
+                try:
+                    os.replace(folder_tmp, out)
+                except OSError:
+                    gguf_path(out).unlink(missing_ok=True)  # neither, rather than one
+                    raise
         except OSError as exc:
-            raise FileAccessError(f"cannot write the distilled draft in {out.parent}: {exc.strerror or exc}",
-                                  "free some disk space, or pass another --out") from None
+            raise _cannot_write(out, exc) from None
+        except SpecrunError:
+            raise
+        except Exception as exc:  # a writer's own error for a failed write (safetensors' I/O error)
+            failed = os_error_in(exc)
+            if failed is None:
+                raise
+            raise _cannot_write(out, failed) from None
     finally:
         remove_scratch(scratch)
+
+
+def _cannot_write(out: Path, exc: OSError) -> FileAccessError:
+    return FileAccessError(f"cannot write the distilled draft in {out.parent}: {exc.strerror or exc}",
+                           "free some disk space, or pass another --out")

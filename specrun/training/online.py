@@ -637,7 +637,7 @@ class Learning:
         from specrun.heads.files import save_heads
 
         reports = []
-        with _interrupts_held():  # every learner stopped (a step applied whole) and written, then Ctrl-C
+        with interrupts_held():  # every learner stopped (a step applied whole) and written, then Ctrl-C
             for heads, learner, path in self._learners.values():
                 learner.close()
                 kept = None
@@ -668,7 +668,7 @@ def check_keep_path(path: Path, stored: str) -> None:
 
 
 @contextmanager
-def _interrupts_held():
+def interrupts_held():
     """Ctrl-C waits until the block ends (then raises): the heads and their .json are written as a pair."""
     import signal
 

@@ -492,7 +492,7 @@ class _Run:
             with np.load(data_path) as stored:
                 flat, lengths, held_out = stored["tokens"], stored["lengths"], stored["held_out"]
                 label_from = stored["label_from"]
-            step, seconds, losses = _checked_progress(record)
+            step, seconds, losses = checked_progress(record)
             _check_data(flat, lengths, held_out, label_from, self.target.vocab_size)
         except (SpecrunError, OSError, ValueError, KeyError, TypeError, EOFError, zipfile.BadZipFile) as exc:
             return self._unreadable(exc)  # a full disk, a killed run, an edited record: a fresh start
@@ -810,7 +810,7 @@ def _check_plain_files(*paths: Path) -> None:
             raise ValueError(f"{path.name} is not a regular file")
 
 
-def _checked_progress(record: dict) -> tuple[int, float, list[float]]:
+def checked_progress(record: dict) -> tuple[int, float, list[float]]:
     """The step, the seconds spent and the recent losses a checkpoint's record holds, checked: a
     record edited to a negative step or time, or to NaN, would otherwise never end or be lost at the end."""
     step, seconds, losses = record.get("steps", 0), record.get("seconds", 0.0), record.get("losses", [])

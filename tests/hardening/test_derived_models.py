@@ -111,7 +111,6 @@ def test_a_derived_file_with_no_room_is_one_line_and_leaves_nothing(tmp_path, mo
     assert list(target.parent.iterdir()) == []  # no scratch folder, no half-written file
 
 
-@pytest.mark.slow
 def test_an_interrupt_just_after_the_scratch_folder_is_made_leaves_nothing(tmp_path, monkeypatch):
     """SIGTERM on a busy machine landed in mkdtemp's return, before the try that removes the folder (CI)."""
     made = Path.mkdir
@@ -148,6 +147,7 @@ def test_a_second_interrupt_while_the_scratch_folder_is_removed_still_removes_it
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.slow
 def test_the_bench_scale_real_target_on_a_full_disk_is_one_line_and_leaves_nothing(tmp_path):
     """smollm2-135m-x2 is ~918 MiB: with room for its F16 source (~270 MB) but not for it, the
     first use is one line naming the cache and the fix, and no scratch copy stays."""

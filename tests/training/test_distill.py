@@ -13,12 +13,14 @@ import pytest
 pytest.importorskip("mlx_lm", reason="distillation runs on MLX")
 
 from hardening.cli_checks import assert_one_line_error, invoke, run_specrun  # noqa: E402
+from specrun.training import distill as distill_module  # noqa: E402
 from specrun.training.distill import (  # noqa: E402
     DistillRequest,
     checkpoint_folder,
     distill,
     generated_mask,
     gguf_path,
+    student_width,
     token_batches,
 )
 from specrun.training.run import TrainingInterrupted  # noqa: E402
@@ -188,11 +190,11 @@ def test_an_interrupted_run_resumes_where_its_checkpoint_was_and_ends_as_an_unbr
     assert any("resuming the checkpoint" in note for note in notes)
     assert resumed.before == unbroken.before
     assert resumed.after.greedy == pytest.approx(unbroken.after.greedy, abs=1e-6)
-    from specrun.modelkit.gguf_io import read_gguf
+    assert resumed.final_loss == pytest.approx(unbroken.final_loss, rel=1e-6)
+    from safetensors.numpy import load_file
 
-    _, mine, _, _ = read_gguf(resumed.gguf)
-    _, theirs, _, _ = read_gguf(unbroken.gguf)
-    assert all(np.allclose(mine[name], theirs[name], atol=2e-3) for name in theirs)
+    mine, theirs = load_file(str(out / "model.safetensors")), load_file(str(tmp_path / "unbroken" / "model.safetensors"))
+    assert all(np.array_equal(mine[name], theirs[name]) for name in theirs)  # moments and schedule resumed too
     assert not checkpoint_folder(out).exists()  # a finished run removes it
 
 
@@ -238,6 +240,8 @@ def test_a_damaged_or_other_checkpoint_is_a_note_and_a_fresh_start(tiny_llama, p
     notes = []
     other = distill(request_for(tiny_llama, prompts_file, out, seed=1), on_note=notes.append, max_steps=1)
     assert other.resumed_at is None and any("other settings" in note for note in notes)
+    clean = distill(request_for(tiny_llama, prompts_file, tmp_path / "clean", seed=1), max_steps=1)
+    assert other.before == clean.before  # held out on its own prompts, not the older run's left in the folder
 
     out = tmp_path / "damaged"
     with pytest.raises(TrainingInterrupted):
@@ -247,6 +251,47 @@ def test_a_damaged_or_other_checkpoint_is_a_note_and_a_fresh_start(tiny_llama, p
     notes = []
     fresh = distill(request_for(tiny_llama, prompts_file, out), on_note=notes.append, max_steps=1)
     assert fresh.resumed_at is None and any("cannot be read" in note for note in notes)
+
+    out = tmp_path / "torn"  # killed between writing the weights and the record that says their step
+    with pytest.raises(TrainingInterrupted):
+        distill(request_for(tiny_llama, prompts_file, out), on_progress=stop_at_step_2, max_steps=3,
+                checkpoint_seconds=0.0)
+    record = checkpoint_folder(out) / "state.json"
+    state = json.loads(record.read_text())
+    record.write_text(json.dumps({**state, "steps": state["steps"] - 1}))
+    notes = []
+    torn = distill(request_for(tiny_llama, prompts_file, out), on_note=notes.append, max_steps=1)
+    assert torn.resumed_at is None and any("was written at step 1, the record says 0" in note for note in notes)
+
+
+def test_an_interrupt_between_the_two_renames_leaves_neither_output(tiny_llama, prompts_file, tmp_path, monkeypatch):
+    import os
+
+    from specrun.errors import FileAccessError
+
+    replaced = os.replace
+    calls = []
+
+    def second_fails(source, dest):
+        calls.append(dest)
+        if str(dest) == str(tmp_path / "out"):
+            raise OSError(errno.EXDEV, "Invalid cross-device link")
+        replaced(source, dest)
+
+    monkeypatch.setattr(distill_module.os, "replace", second_fails)
+    with pytest.raises(FileAccessError, match="cross-device"):
+        distill(request_for(tiny_llama, prompts_file, tmp_path / "out"), max_steps=1)
+    assert str(tmp_path / "out.gguf") in map(str, calls)  # the first rename happened, and was undone
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["out.ckpt", "prompts.txt"]
+
+
+def test_the_teacher_s_rows_fit_a_student_padded_otherwise():
+    teacher = np.log(np.array([[0.5, 0.25, 0.125, 0.125]], np.float32))
+    narrower = student_width(teacher, 3)
+    assert np.allclose(np.exp(narrower).sum(-1), 1) and np.allclose(np.exp(narrower), [[4 / 7, 2 / 7, 1 / 7]])
+    wider = student_width(teacher, 6)
+    assert np.array_equal(wider[:, :4], teacher) and np.all(np.isneginf(wider[:, 4:]))
+    assert student_width(teacher, 4) is teacher
 
 
 def test_no_room_for_the_result_is_one_error_that_keeps_the_checkpoint_to_write_it_from(tiny_llama, prompts_file, tmp_path, monkeypatch):
@@ -277,6 +322,8 @@ def test_no_room_for_the_result_is_one_error_that_keeps_the_checkpoint_to_write_
     (["--lr", "0"], "--lr"),
     (["--divergence", "kl"], "--divergence"),
     (["--gguf-type", "Q5_K"], "--gguf-type"),
+    (["--seed", "-1"], "--seed"),
+    (["--backend", "cuda"], "unknown backend"),
 ])
 def test_options_out_of_range_are_one_line(args, fragment, tmp_path):
     result = invoke("distill", "--out", str(tmp_path / "out"), *args)

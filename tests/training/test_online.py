@@ -19,7 +19,7 @@ from specrun.training.online import (
     LearnSettings,
     Learning,
     OnlineLearner,
-    _interrupts_held,
+    interrupts_held,
     check_learn_settings,
 )
 
@@ -336,7 +336,7 @@ def test_ctrl_c_while_the_heads_are_written_waits_for_both_files(tmp_path):
 
     path = tmp_path / "heads.safetensors"
     with pytest.raises(KeyboardInterrupt):
-        with _interrupts_held():
+        with interrupts_held():
             os.kill(os.getpid(), signal.SIGINT)
             save_heads(fresh_heads("medusa"), path)
             assert threading.current_thread() is threading.main_thread()
