@@ -138,10 +138,16 @@ GREEDY = Sampling()
 
 
 # ---- prompts ------------------------------------------------------------------------------
+BUILTIN = "builtin"  # in place of a JSONL path: `specrun bench`'s own suite (bench/suite.py)
+
+
 def spec_bench(path: Path, per_category: int, wanted: Sequence[str] | None = None) -> list[BenchPrompt]:
-    """``per_category`` Spec-Bench questions of each category, taken in turn (a b c … a b c …),
-    so that the machine's drift spreads over the categories instead of landing on one."""
-    chosen = select(load_jsonl(path), wanted, per_category)
+    """``per_category`` Spec-Bench questions of each category (of the built-in suite where ``path``
+    is ``builtin``), taken in turn (a b c … a b c …), so that the machine's drift spreads over the
+    categories instead of landing on one."""
+    from specrun.bench.suite import BUILTIN_SUITE
+
+    chosen = select(list(BUILTIN_SUITE) if str(path) == BUILTIN else load_jsonl(path), wanted, per_category)
     by_category: dict[str, list[BenchPrompt]] = {}
     for prompt in chosen:
         by_category.setdefault(prompt.category, []).append(prompt)

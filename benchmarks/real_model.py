@@ -45,6 +45,7 @@ import tempfile
 from pathlib import Path
 
 from _llama_tools import (
+    BUILTIN,
     SERVER_SPECULATION,
     Line,
     Sampling,
@@ -179,7 +180,8 @@ def print_tables(lines: list[Line], baseline: Line, reference: Line | None, cate
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--questions", type=Path, default=SPEC_BENCH, help="Spec-Bench question.jsonl")
+    parser.add_argument("--questions", type=Path, default=SPEC_BENCH,
+                        help="Spec-Bench question.jsonl, or builtin: specrun bench's own suite")
     parser.add_argument("--per-category", type=int, default=8, help="questions per category (default 8)")
     parser.add_argument("--categories", help="comma-separated categories (default: all)")
     parser.add_argument("--methods", default=METHODS, help=f"specrun methods (default {METHODS})")
@@ -238,8 +240,9 @@ def main(argv: list[str] | None = None) -> int:
     baseline = by_name.get("llama-completion") or by_name.get("specrun none") or lines[0]
     reference = by_name.get("specrun none") if sampling.greedy else None  # sampled texts differ by design
     seconds = f" (and {second.name})" if second else ""
+    suite = "built-in" if str(args.questions) == BUILTIN else "Spec-Bench"
     print(f"\n{args.target} ({target.name}) + {draft.name}{seconds} as draft; {len(baseline.runs)} of {len(prompts)} "
-          f"Spec-Bench prompts run ({args.per_category} per category), {args.n} tokens, {sampling.label()}, "
+          f"{suite} prompts run ({args.per_category} per category), {args.n} tokens, {sampling.label()}, "
           f"{args.threads} threads, "
           f"fresh process per run; {load_before} before, {load_after} after")
     summaries = print_tables(lines, baseline, reference, {p.prompt_id: p.category for p in prompts})
