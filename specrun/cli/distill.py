@@ -75,7 +75,8 @@ def distill_command(
             say_interrupted(exc.where())
             raise typer.Exit(INTERRUPTED_EXIT) from None
         PipeConsole(file=sys.stdout).print(render(result), soft_wrap=True)
-        typer.echo(f"wrote {result.out} and {result.gguf}", err=True)
+        typer.echo(f"wrote {result.out} and {result.gguf}; draft with it: specrun chat --target {target} "
+                   f"--draft {result.gguf} (llama.cpp), or --draft {result.out} (MLX)", err=True)
 
 
 def render(result) -> Group:

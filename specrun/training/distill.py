@@ -199,6 +199,9 @@ def load_student(spec: str, target: str, entries: dict) -> Student:
         raise RegistryError(f"--student {spec} copies the target's layers from its GGUF, and {target!r} has none "
                             f"({exc})", "register the target's GGUF (gguf_file in models.toml) or pass it as a "
                             ".gguf path") from None
+    from specrun.backends.llama import check_gguf_file
+
+    check_gguf_file(source)  # a missing file, or one that is no GGUF: one line
     kept: tuple[int, ...] = ()
 
     def kept_layers(num_layers: int) -> tuple[int, ...]:

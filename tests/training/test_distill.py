@@ -170,6 +170,17 @@ def test_a_run_writes_a_draft_both_backends_load_and_draft_losslessly_with(tiny_
         assert plain[backend]["draft"] == plain[backend]["none"]
 
 
+def test_the_command_prints_the_report_and_how_to_draft_with_the_result(tiny_llama, prompts_file, tmp_path):
+    out = tmp_path / "draft"
+    result = invoke("distill", "--target", str(tiny_llama.gguf_path), "--student", "self:layers=1", "--prompts",
+                    str(prompts_file), "--held-out", "4", "--batch", "2", "--sample-tokens", "8", "--max-steps", "2",
+                    "--out", str(out))
+    assert result.exit_code == 0, result.output
+    assert "greedy acceptance" in result.stdout and "2 steps" in result.stdout
+    assert f"--draft {out}.gguf (llama.cpp), or --draft {out} (MLX)" in result.stderr.strip().splitlines()[-1]
+    assert out.is_dir() and gguf_path(out).is_file() and not checkpoint_folder(out).exists()
+
+
 def test_an_interrupted_run_resumes_where_its_checkpoint_was_and_ends_as_an_unbroken_one(tiny_llama, prompts_file,
                                                                                          tmp_path):
     unbroken = distill(request_for(tiny_llama, prompts_file, tmp_path / "unbroken"), max_steps=5)
@@ -375,6 +386,16 @@ def test_a_student_as_large_as_the_target_or_of_another_vocabulary_is_one_line(t
                     "--out", str(tmp_path / "o"))
     assert_one_line_error(result.exit_code, result.stderr, 2, "another vocabulary")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_missing_or_damaged_student_or_target_file_is_one_line(tiny_llama, tmp_path):
+    (tmp_path / "notes.gguf").write_text("not a model")
+    for target, student, fragment in ((str(tiny_llama.gguf_path), str(tmp_path / "missing.gguf"), "missing.gguf"),
+                                      (str(tiny_llama.gguf_path), str(tmp_path / "notes.gguf"), "notes.gguf"),
+                                      (str(tmp_path / "missing.gguf"), "self:layers=1", "missing.gguf")):
+        result = invoke("distill", "--target", target, "--student", student, "--out", str(tmp_path / "o"))
+        assert_one_line_error(result.exit_code, result.stderr, 1, fragment)
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["notes.gguf"]
 
 
 def test_too_few_prompts_for_the_held_out_share_is_one_line(tiny_llama, prompts_file, tmp_path):
