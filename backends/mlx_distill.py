@@ -3,9 +3,10 @@ target's distributions over sequences the student wrote itself (DistillSpec's on
 
 The teacher (MlxTeacher) is the target as specrun's MLX backend loads it (any model mlx-lm runs,
 quantized or not); its logits over a whole batch of sequences come from one forward pass without a
-cache (training/distill.py has the teacher on any backend, for llama.cpp's). The student is a Llama or Qwen2 decoder built from float32 weights in Hugging Face naming (what
-modelkit reads out of a GGUF), so that the trained weights can be written back through the same
-GGUF writer every derived model uses. Nothing here decides what to train on or for how long.
+cache (training/distill.py has the teacher on any backend, for llama.cpp's). The student is a Llama
+or Qwen2 decoder built from float32 weights in Hugging Face naming (what modelkit reads out of a
+GGUF), so that the trained weights can be written back through the same GGUF writer every derived
+model uses. Nothing here decides what to train on or for how long.
 """
 
 from __future__ import annotations
@@ -54,17 +55,16 @@ class MlxTeacher:
 class MlxDistiller:
     """A student decoder that learns the teacher's distributions.
 
-    ``divergence``: ``fkl`` (KL(teacher || student), DistillSpec's choice for greedy drafting),
-    ``tvd`` (total variation: one minus the acceptance rate of rejection sampling at T = 1) or
-    ``jsd`` (Jensen-Shannon). AdamW with bias correction, the learning rate warmed up linearly over
-    the first ``warmup`` steps, gradients clipped to norm ``CLIP_NORM``: a pretrained draft's first
+    ``divergence``: ``tvd`` (total variation: one minus the acceptance rate of rejection sampling
+    at T = 1), ``fkl`` (KL(teacher || student)) or ``jsd`` (Jensen-Shannon). AdamW with bias
+    correction, the learning rate warmed up linearly over the first ``warmup`` steps, gradients clipped to norm ``CLIP_NORM``: a pretrained draft's first
     full-size steps on a small batch undid more than they taught.
     """
 
     CLIP_NORM = 1.0
 
     def __init__(self, config: ModelConfig, weights: dict[str, np.ndarray], learning_rate: float,
-                 divergence: str = "fkl", warmup: int = 20) -> None:
+                 divergence: str = "tvd", warmup: int = 20) -> None:
         if divergence not in DIVERGENCES:
             raise ValueError(f"divergence must be one of {DIVERGENCES}, got {divergence!r}")
         self._mx, _, self._lm_cache = _import_mlx()
@@ -112,7 +112,8 @@ class MlxDistiller:
         per_position = _divergence(self._mx, self.divergence, teacher_logp, self._student_log_probs(student, tokens))
         return (per_position * weights).sum() / self._mx.maximum(weights.sum(), 1.0)
 
-    def agreement(self, sequences: np.ndarray, mask: np.ndarray, teacher_log_probs: np.ndarray) -> tuple[int, int, float]:
+    def agreement(self, sequences: np.ndarray, mask: np.ndarray,
+                  teacher_log_probs: np.ndarray) -> tuple[int, int, float]:
         """(positions, where the student's top token is the teacher's, the sum over positions of
         sum_x min(p(x), q(x))): greedy acceptance, and acceptance at T = 1, at the marked positions."""
         mx = self._mx

@@ -78,7 +78,7 @@ class DistillRequest:
     held_out: int = 32  # prompts kept out of training for the report
     seed: int = 0
     registry: Path | None = None
-    gguf_type: str = "F16"  # the GGUF's weights: F16, or Q8_0 / Q4_0 by llama.cpp's quantizer (the MLX folder is float16)
+    gguf_type: str = "F16"  # the GGUF's: F16, or Q8_0 / Q4_0 by llama.cpp's quantizer (the MLX folder: float16)
     backend: str = "auto"  # where the target scores: MLX, or llama.cpp (the student always trains in MLX)
     threads: int | None = None
 
@@ -490,8 +490,8 @@ class _Run:
         after = self._report(held)
         record = {"target": request.target, "student": self.student.described, "settings": settings,
                   "steps": self.step, "seconds": round(self.elapsed(), 1),
-                  "final_loss": round(self._final_loss(), 5) if self.losses else None, "held_out": {"before": before.to_dict(),
-                                                                            "after": after.to_dict()}}
+                  "final_loss": round(self._final_loss(), 5) if self.losses else None,
+                  "held_out": {"before": before.to_dict(), "after": after.to_dict()}}
         if self.saved_step != self.step:
             self._checkpoint(settings, held, before)  # kept if the result cannot be written
         try:
