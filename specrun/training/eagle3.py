@@ -38,14 +38,15 @@ PARAMETER_NAMES = (
 _EPS = 1e-6
 
 
-def _normed(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """x / rms(x) and 1 / rms(x) (N, 1)."""
-    inverse = 1.0 / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + _EPS)
+def _normed(x: np.ndarray, eps: float = _EPS) -> tuple[np.ndarray, np.ndarray]:
+    """x / rms(x) and 1 / rms(x) (N, 1), rms with ``eps`` inside the root as the heads' norms have it."""
+    inverse = 1.0 / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps)
     return x * inverse, inverse
 
 
 def _norm_backward(d_normed: np.ndarray, normed: np.ndarray, inverse: np.ndarray) -> np.ndarray:
-    """The gradient through x -> x / rms(x), given the gradient at its output and the output."""
+    """The gradient through x -> x / rms(x), given the gradient at its output and the output (the
+    same for any epsilon: it enters only through ``inverse``)."""
     return inverse * (d_normed - normed * np.mean(d_normed * normed, axis=-1, keepdims=True))
 
 
@@ -94,9 +95,10 @@ class Eagle3Math:
     the target's embedding ``embedding`` (V, D), frozen."""
 
     def __init__(self, params: dict[str, np.ndarray], num_heads: int, head_dim: int, rope_theta: float,
-                 embedding: np.ndarray, num_kv_heads: int | None = None) -> None:
+                 embedding: np.ndarray, num_kv_heads: int | None = None, eps: float = _EPS) -> None:
         self.p, self.num_heads, self.head_dim, self.rope_theta = params, num_heads, head_dim, rope_theta
         self.embedding = embedding
+        self.eps = eps  # the heads' norms' epsilon (published heads: 1e-5 as a rule, specrun's 1e-6)
         # grouped-query attention (published heads: Llama 3.1 8B's 32 query heads read 8): each key
         # and value head serves ``group`` query heads in turn, as transformers' repeat_kv lays them out
         self.num_kv_heads = num_kv_heads or num_heads
@@ -122,7 +124,7 @@ class Eagle3Math:
     # ---- forward ---------------------------------------------------------------------------------
     def forward(self, data: _Batch, steps: int) -> list[_Step]:
         p = self.p
-        embedded_normed, self._embedded_inverse = _normed(data.embedded)
+        embedded_normed, self._embedded_inverse = _normed(data.embedded, self.eps)
         self._embedded_normed = embedded_normed
         x_embedded = embedded_normed * p["input_layernorm"]
         hidden = data.layers @ p["fc"].T
@@ -153,7 +155,7 @@ class Eagle3Math:
 
     def _step(self, data: _Batch, k: int, hidden: np.ndarray, x_embedded: np.ndarray, done: list[_Step]) -> _Step:
         p, length = self.p, data.length
-        hidden_normed, hidden_inverse = _normed(hidden)
+        hidden_normed, hidden_inverse = _normed(hidden, self.eps)
         x = np.concatenate([x_embedded, hidden_normed * p["hidden_norm"]], axis=-1)
         shape = (len(x), self.num_heads, self.head_dim)
         kv_shape = (len(x), self.num_kv_heads, self.head_dim)
@@ -187,14 +189,14 @@ class Eagle3Math:
             attended = attended + chain_weights[j - 1][..., None] * entry_values
         attended = attended.transpose(0, 2, 1, 3).reshape(len(x), -1)
         residual = hidden + attended @ p["o_proj"].T
-        residual_normed, residual_inverse = _normed(residual)
+        residual_normed, residual_inverse = _normed(residual, self.eps)
         y = residual_normed * p["post_attention_layernorm"]
         gate, up = y @ p["gate_proj"].T, y @ p["up_proj"].T
         sig = 0.5 * (1.0 + np.tanh(0.5 * gate))
         activated = gate * sig
         mixed = activated * up
         out = residual + mixed @ p["down_proj"].T
-        out_normed, out_inverse = _normed(out)
+        out_normed, out_inverse = _normed(out, self.eps)
         return _Step(hidden, hidden_normed, hidden_inverse, x, queries, keys, values, context_weights,
                      chain_weights, attended, residual_normed, residual_inverse, y, gate, up, sig, activated,
                      mixed, out, out_normed, out_inverse)
@@ -319,14 +321,12 @@ def _shifted_back(x: np.ndarray, by: int) -> np.ndarray:
 
 
 def untrainable_because(heads: Eagle3Heads) -> str:
-    """Why this trainer would not compute what ``heads`` compute ("" where it would): it norms with
-    _EPS, adds the raw feature back and rotates without scaling, as the heads it makes do."""
+    """Why this trainer would not compute what ``heads`` compute ("" where it would): it adds the raw
+    feature back and rotates without scaling, as the heads it makes do (their norms' epsilon it takes)."""
     if heads.norm_before_residual:
         return "their layer adds the normed feature back (norm_before_residual), which specrun's trainer does not"
     if heads.rope_scaling:
         return "they scale RoPE (rope_scaling), which specrun's trainer does not"
-    if abs(heads.rms_norm_eps - _EPS) > 1e-12:
-        return f"their norms' epsilon is {heads.rms_norm_eps:g}, specrun's trainer's {_EPS:g}"
     return ""
 
 
@@ -383,7 +383,7 @@ class NumpyEagle3Trainer(NamedAdamW):
 
     def _math(self) -> Eagle3Math:
         return Eagle3Math(self.params, self.num_heads, self.head_dim, self.rope_theta, self.embedding,
-                          self.num_kv_heads)
+                          self.num_kv_heads, self.source.rms_norm_eps)
 
     def step_windows(self, windows: list[EagleWindow]) -> float:
         """One AdamW step on ``windows`` (one padded batch, TRAINED_STEPS deep); the loss before it."""

@@ -56,12 +56,13 @@ def windows(rng: np.random.Generator, lengths=(7, 5)) -> list[EagleWindow]:
     return made
 
 
-@pytest.mark.parametrize("steps", [1, 3])
-def test_the_gradient_is_the_losss_by_finite_differences(steps):
+@pytest.mark.parametrize(("steps", "eps"), [(1, 1e-6), (3, 1e-6), (3, 0.5)])
+def test_the_gradient_is_the_losss_by_finite_differences(steps, eps):
+    """At specrun's norm epsilon and at a large one (published heads bring their own)."""
     trainer = tiny_trainer()
     params = {name: array.astype(np.float64) for name, array in trainer.params.items()}
     math_ = Eagle3Math(params, trainer.num_heads, trainer.head_dim, trainer.rope_theta,
-                       trainer.embedding.astype(np.float64))
+                       trainer.embedding.astype(np.float64), eps=eps)
     data = math_.batch(windows(np.random.default_rng(1)), trainer.t2d)
     data.layers = data.layers.astype(np.float64)
     loss, grads = math_.loss_and_grads(data, steps)
@@ -111,11 +112,12 @@ def fake_state(context: tuple[int, ...]) -> np.ndarray:
     return np.random.default_rng(zlib.crc32(repr(context).encode())).normal(0, 1, SIZE).astype(np.float32)
 
 
-@pytest.mark.parametrize("grouped", [False, True])
-def test_its_chains_are_what_the_drafter_drafts_from_the_same_heads(grouped):
+@pytest.mark.parametrize(("grouped", "eps"), [(False, None), (True, None), (True, 0.5)])
+def test_its_chains_are_what_the_drafter_drafts_from_the_same_heads(grouped, eps):
     """The trainer feeds a chain the window's true tokens, the drafter its own drafts: on a window
     that continues a prefix with the drafter's own chain, every guess of that chain is the drafter's
-    (``grouped``: four query heads reading two key-value heads)."""
+    (``grouped``: four query heads reading two key-value heads; ``eps``: heads whose norms' epsilon
+    is another, which the trainer takes from them)."""
     from heads_factory import eagle3_heads
 
     table = copying_logits(salt=4)
@@ -125,6 +127,8 @@ def test_its_chains_are_what_the_drafter_drafts_from_the_same_heads(grouped):
     embedding = target.token_embeddings(range(COPYING_VOCAB))
     if grouped:
         heads = eagle3_heads(SIZE, COPYING_VOCAB, depth=3, aux=AUX, heads=4, kv_heads=2, head_dim=4, intermediate=16)
+        if eps is not None:
+            heads = dataclasses.replace(heads, rms_norm_eps=eps)
         trainer = NumpyEagle3Trainer(dataclasses.replace(heads, embed_tokens=None), 1e-3, 0, embedding)
     else:
         trainer = NumpyEagle3Trainer.fresh(config, rng.normal(0, 1, (COPYING_VOCAB, SIZE)), embedding, None, 1e-3,

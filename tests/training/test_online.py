@@ -322,7 +322,7 @@ def test_eagle3_heads_the_trainer_does_not_model_are_left_as_they_are_in_a_note(
     assert notes == ["--learn: nothing learns: their layer adds the normed feature back (norm_before_residual), "
                      "which specrun's trainer does not"]
     heads = eagle3_heads(8, 10, aux=(1, 3), heads=4, kv_heads=2, head_dim=4, intermediate=16)
-    heads = dataclasses.replace(heads, max_position_embeddings=2048)
+    heads = dataclasses.replace(heads, max_position_embeddings=2048, rms_norm_eps=1e-5)  # published heads' epsilon
     learner = OnlineLearner(heads, inline=True)
     published = learner.trainer.heads()
     learner.close()
