@@ -9,6 +9,7 @@ Each derived file is named after a hash of its source and written atomically.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import json
@@ -16,11 +17,11 @@ import os
 import re
 import secrets
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from importlib import resources
 from pathlib import Path
 
-from specrun.errors import ModelFileError, RegistryError
+from specrun.errors import ModelFileError, RegistryError, SpecrunError
 
 DEMO_MODELS = ("demo-target", "demo-draft", "demo-target-xl")
 XL_WIDEN_FACTOR = 4  # hidden 384 -> 1536, MLP 1024 -> 4096, heads 6 -> 24
@@ -123,17 +124,10 @@ def derive_once(target: Path, write: Callable[[Path], None]) -> Path:
         except OSError as exc:
             raise _no_room(target, exc) from None
         tmp = scratch / target.name
-        try:
+        with write_errors_as(lambda exc: _no_room(target, exc)):
             write(tmp)
             if tmp.is_file():
                 _write_record(tmp, _sum_path(tmp))
-        except OSError as exc:
-            raise _no_room(target, exc) from None
-        except Exception as exc:  # a writer's own error for a failed write (safetensors' I/O error)
-            failed = os_error_in(exc)
-            if failed is None:
-                raise
-            raise _no_room(target, failed) from None
         try:
             if tmp.is_file():
                 os.replace(_sum_path(tmp), _sum_path(target))  # the record first: a file never lacks one
@@ -174,6 +168,24 @@ def _no_room(target: Path, exc: OSError) -> ModelFileError:
     writable = "set SPECRUN_CACHE to one that is" if in_cache else "write it to another folder"
     return ModelFileError(f"cannot write {target.name} in {where}: {exc.strerror or exc}",
                           f"check that the folder is writable, or {writable}")
+
+
+@contextlib.contextmanager
+def write_errors_as(error: Callable[[OSError], SpecrunError]) -> Iterator[None]:
+    """A failed write inside the block raised as ``error(the OSError)``: the operating system's own,
+    or one a writer names in an exception of its own (``os_error_in``); specrun's errors and others
+    pass through."""
+    try:
+        yield
+    except OSError as exc:
+        raise error(exc) from None
+    except SpecrunError:
+        raise
+    except Exception as exc:  # a writer's own error for a failed write (safetensors' I/O error)
+        failed = os_error_in(exc)
+        if failed is None:
+            raise
+        raise error(failed) from None
 
 
 def os_error_in(exc: Exception) -> OSError | None:

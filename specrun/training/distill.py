@@ -605,7 +605,7 @@ def write_outputs(out: Path, weights: dict, student: Student, record: dict, gguf
     a scratch folder beside them and renamed into place, Ctrl-C held back over the two renames: a
     full disk or an interrupt leaves neither, or both."""
     from specrun.backends.llama import quantize_gguf
-    from specrun.modelkit.demo import os_error_in, remove_scratch
+    from specrun.modelkit.demo import remove_scratch, write_errors_as
     from specrun.modelkit.gguf_convert import convert_gguf_to_mlx
     from specrun.modelkit.gguf_io import write_gguf
     from specrun.modelkit.hf_io import write_json
@@ -614,7 +614,7 @@ def write_outputs(out: Path, weights: dict, student: Student, record: dict, gguf
     out = Path(out)
     scratch = out.parent / f".distilling-{secrets.token_hex(8)}"
     try:
-        try:
+        with write_errors_as(lambda exc: _cannot_write(out, exc)):
             scratch.mkdir(mode=0o700)
             f16_tmp, folder_tmp = scratch / "f16.gguf", scratch / out.name
             write_gguf(f16_tmp, student.config, weights, student.tokenizer_json, student.chat_template, dtype="F16")
@@ -636,15 +636,6 @@ def write_outputs(out: Path, weights: dict, student: Student, record: dict, gguf
                 except OSError:
                     gguf_path(out).unlink(missing_ok=True)  # neither, rather than one
                     raise
-        except OSError as exc:
-            raise _cannot_write(out, exc) from None
-        except SpecrunError:
-            raise
-        except Exception as exc:  # a writer's own error for a failed write (safetensors' I/O error)
-            failed = os_error_in(exc)
-            if failed is None:
-                raise
-            raise _cannot_write(out, failed) from None
     finally:
         remove_scratch(scratch)
 
