@@ -8,15 +8,13 @@ from typing import Annotated, Optional
 
 import typer
 from rich import box
-from rich.console import Console, Group
+from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
 from specrun.cli.common import PipeConsole, cli_errors
-from specrun.cli.heads import TrainingProgress
-from specrun.cli.interrupts import INTERRUPTED_EXIT, say_interrupted
+from specrun.cli.heads import run_training
 from specrun.cli.options import RegistryOpt, ThreadsOpt
-from specrun.errors import UsageError
 
 
 def distill_command(
@@ -55,7 +53,6 @@ def distill_command(
     MLX folder and a GGUF, both loadable as --draft. A second run with the same options resumes."""
     with cli_errors():
         from specrun.training.distill import DistillRequest, check_request, distill
-        from specrun.training.run import TrainingInterrupted
 
         request = DistillRequest(
             target=target, student=student, out=out.expanduser(), minutes=minutes, prompts_file=prompts, batch=batch,
@@ -64,16 +61,7 @@ def distill_command(
             gguf_type=gguf_type, backend=backend, threads=threads,
         )
         check_request(request)
-        if max_steps is not None and max_steps < 1:
-            raise UsageError(f"--max-steps must be at least 1, got {max_steps}", "pass a step count, e.g. --max-steps 100")
-        err = Console(stderr=True)
-        try:
-            progress = TrainingProgress(err, data_label="held-out text")
-            with progress.shown():
-                result = distill(request, on_progress=progress.update, on_note=progress.note, max_steps=max_steps)
-        except TrainingInterrupted as exc:
-            say_interrupted(exc.where())
-            raise typer.Exit(INTERRUPTED_EXIT) from None
+        result = run_training(lambda **shown: distill(request, **shown), max_steps, data_label="held-out text")
         PipeConsole(file=sys.stdout).print(render(result), soft_wrap=True)
         typer.echo(f"wrote {result.out} and {result.gguf}; draft with it: specrun chat --target {target} "
                    f"--draft {result.gguf} (llama.cpp), or --draft {result.out} (MLX)", err=True)

@@ -50,7 +50,7 @@ def train(
     """Train heads that guess the target's next tokens from its hidden states; a second run with
     the same options resumes from the checkpoint a stopped one left."""
     with cli_errors():
-        from specrun.training.run import HeadsTrainRequest, TrainingInterrupted, check_request, train_heads
+        from specrun.training.run import HeadsTrainRequest, check_request, train_heads
 
         request = HeadsTrainRequest(
             target=target, kind=kind, out=heads_out, num_heads=num_heads, num_layers=num_layers,
@@ -58,18 +58,25 @@ def train(
             learning_rate=lr, seed=seed, registry=registry, backend=backend, threads=threads,
         )
         check_request(request)
-        if max_steps is not None and max_steps < 1:  # 0 or fewer steps wrote heads that never trained
-            raise UsageError(f"--max-steps must be at least 1, got {max_steps}", "pass a step count, e.g. --max-steps 100")
-        err = Console(stderr=True)
-        try:
-            progress = TrainingProgress(err)
-            with progress.shown():
-                result = train_heads(request, on_progress=progress.update, on_note=progress.note, max_steps=max_steps)
-        except TrainingInterrupted as exc:
-            say_interrupted(exc.where())
-            raise typer.Exit(INTERRUPTED_EXIT) from None
+        result = run_training(lambda **shown: train_heads(request, **shown), max_steps)
         PipeConsole(file=sys.stdout).print(render(result), soft_wrap=True)
         typer.echo(f"wrote {result.path}", err=True)
+
+
+def run_training(train, max_steps: int | None, data_label: str = "gathering data"):
+    """``train(on_progress=, on_note=, max_steps=)`` with its progress on stderr; a Ctrl-C ends the
+    command with the one line saying which checkpoint was kept (exit 130)."""
+    from specrun.training.run import TrainingInterrupted
+
+    if max_steps is not None and max_steps < 1:  # 0 or fewer steps wrote weights that never trained
+        raise UsageError(f"--max-steps must be at least 1, got {max_steps}", "pass a step count, e.g. --max-steps 100")
+    try:
+        progress = TrainingProgress(Console(stderr=True), data_label)
+        with progress.shown():
+            return train(on_progress=progress.update, on_note=progress.note, max_steps=max_steps)
+    except TrainingInterrupted as exc:
+        say_interrupted(exc.where())
+        raise typer.Exit(INTERRUPTED_EXIT) from None
 
 
 class TrainingProgress:
