@@ -56,6 +56,7 @@ class FakeBackend(ArgmaxFromLogits, HiddenTracking):
         self.forward_calls = 0
         self.forwarded_tokens = 0
         self._held_tree: HeldTree | None = None
+        self.adapter: np.ndarray | None = None  # (V, V) logits added after each last token (``adapt``)
 
     @property
     def n_past(self) -> int:
@@ -88,8 +89,12 @@ class FakeBackend(ArgmaxFromLogits, HiddenTracking):
         self.forward_calls += 1
         self.forwarded_tokens += len(tokens)
         self._hidden = self._hidden_of(lambda row: tuple(self.cache[: start + row + 1]), len(tokens))
-        rows = [np.asarray(self.table(tuple(self.cache[: start + r + 1])), dtype=np.float32) for r in logit_rows]
+        rows = [self._row(tuple(self.cache[: start + r + 1])) for r in logit_rows]
         return np.stack(rows) if rows else np.zeros((0, self.vocab.size), np.float32)
+
+    def _row(self, context: tuple[int, ...]) -> np.ndarray:
+        row = np.asarray(self.table(context), dtype=np.float32)
+        return row if self.adapter is None else row + self.adapter[context[-1]]
 
     def rewind(self, n_keep: int) -> None:
         del self.cache[n_keep:]
@@ -112,7 +117,7 @@ class FakeBackend(ArgmaxFromLogits, HiddenTracking):
             return (*self.cache, *(tree.tokens[i] for i in tree.path_to(row - len(tokens))))  # ancestors only
 
         self._hidden = self._hidden_of(context_of, len(tokens) + len(tree))
-        rows = [np.asarray(self.table(context_of(row)), dtype=np.float32) for row in logit_rows]
+        rows = [self._row(context_of(row)) for row in logit_rows]
         return np.stack(rows) if rows else np.zeros((0, self.vocab.size), np.float32)
 
     def forward_tree_argmax(self, tokens: Sequence[int], tree: TokenTree, logit_rows: Sequence[int]) -> np.ndarray:
@@ -149,8 +154,50 @@ class FakeBackend(ArgmaxFromLogits, HiddenTracking):
 
         return WindowedBackend(self, lambda cells: FakeWindowCache(self, cells), sinks, window, owns=owns)
 
+    def online_trainer(self, learning_rate: float, seed: int = 0) -> FakeAdapterTrainer:
+        """A trainer of an adapter for this fake drafting (training/online_draft.py)."""
+        return FakeAdapterTrainer(self, learning_rate)
+
+    def adapt(self, weights: np.ndarray) -> None:
+        """Draft with the adapter a FakeAdapterTrainer published."""
+        self.adapter = weights
+
     def close(self) -> None:
         self.cache.clear()
+
+
+class FakeAdapterTrainer:
+    """The fake's stand-in for LoRA (backends/mlx_lora.py): a (V, V) table of logits added after each
+    last token, trained by gradient descent on the cross-entropy of a window's labelled tokens."""
+
+    def __init__(self, fake: FakeBackend, learning_rate: float) -> None:
+        self._fake = fake
+        self._rate = learning_rate
+        self._adapter = np.zeros((fake.vocab.size, fake.vocab.size), np.float32)
+
+    def _logits(self, tokens: np.ndarray, at: int) -> np.ndarray:
+        context = tuple(int(token) for token in tokens[: at + 1])
+        return np.asarray(self._fake.table(context), np.float32) + self._adapter[context[-1]]
+
+    def predict(self, tokens: np.ndarray) -> np.ndarray:
+        return np.array([int(self._logits(tokens, at).argmax()) for at in range(len(tokens) - 1)], np.int64)
+
+    def step(self, windows) -> float:
+        gradient = np.zeros_like(self._adapter)
+        losses = []
+        for tokens, first in windows:
+            for at in range(first - 1, len(tokens) - 1):
+                logits = self._logits(tokens, at)
+                probabilities = np.exp(logits - logits.max())
+                probabilities /= probabilities.sum()
+                losses.append(-np.log(max(float(probabilities[tokens[at + 1]]), 1e-30)))
+                probabilities[tokens[at + 1]] -= 1.0
+                gradient[tokens[at]] += probabilities
+        self._adapter = self._adapter - self._rate * gradient / max(len(losses), 1)
+        return float(np.mean(losses)) if losses else 0.0
+
+    def weights(self) -> np.ndarray:
+        return self._adapter  # replaced, never changed in place, by each step
 
 
 

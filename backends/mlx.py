@@ -940,6 +940,18 @@ class MlxBackend(HiddenTracking):
         draft.variant = "layers=" + ",".join(map(str, kept))  # its own tuning key (sessions/tuning.model_id)
         return draft
 
+    def online_trainer(self, learning_rate: float, seed: int = 0):
+        """A trainer of LoRA adapters for this model as a draft (backends/mlx_lora.py)."""
+        from .mlx_lora import LoraTrainer
+
+        return LoraTrainer(self.model, learning_rate, seed)
+
+    def adapt(self, weights: dict) -> None:
+        """Draft with the weights a LoraTrainer published (its adapters fused in), between two passes."""
+        from mlx.utils import tree_unflatten
+
+        self.model.update(tree_unflatten(list(weights.items())))
+
     def close(self) -> None:
         self._deferred = None
         self._cache = []

@@ -1,5 +1,6 @@
-"""Heads that learn online (issue 55, OSD): heads trained on one kind of text, then a session of
-another; acceptance by depth and speed over the session's tokens, with learning and without.
+"""Heads and draft models that learn online (issue 55, OSD): heads trained on one kind of text (or
+a draft model as it is), then a session of another; acceptance by depth and speed over the
+session's tokens, with learning and without.
 
 Two chat sessions of the same target and heads in one process, asked the same prompts in turn
 (which answers first alternates), each prompt a new conversation, greedy, the draft length fixed
@@ -22,6 +23,11 @@ and the learner's own report (steps, CPU while generating as a share of generati
     .venv/bin/python benchmarks/online_learning.py --target smollm2-135m-f16 \\
         --heads runs/chat.medusa.safetensors --suite --prompts ../shared/data/spec_bench/question.jsonl \
         --categories code-completion code-editing coding --tokens 2000
+
+A draft model that learns (MLX: LoRA adapters, training/online_draft.py), ``--method draft``:
+
+    .venv/bin/python benchmarks/online_learning.py --target demo-target --draft demo-draft \
+        --method draft --backend mlx --suite --categories code --tokens 2000
 """
 
 from __future__ import annotations
@@ -80,7 +86,8 @@ def summary(total) -> dict:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--target", required=True)
-    parser.add_argument("--heads", required=True, help="the heads as trained (read, never written)")
+    parser.add_argument("--heads", default=None, help="the heads as trained (read, never written)")
+    parser.add_argument("--draft", default=None, help="the draft model (each line opens its own: one learns)")
     parser.add_argument("--prompts", default=None, help=f"a Spec-Bench-style JSONL file (Spec-Bench: {SPEC_BENCH})")
     parser.add_argument("--suite", action="store_true", help="the built-in suite's prompts first")
     parser.add_argument("--categories", nargs="*", default=None)
@@ -101,20 +108,23 @@ def main(argv: list[str] | None = None) -> int:
 
     from specrun.engine.loop import GenerationParams
     from specrun.engine.stats import Stats
-    from specrun.registry.loading import LoadOptions, choose_pair
+    from specrun.registry.loading import LoadOptions
     from specrun.sampling import SamplingSettings
     from specrun.sessions.chat import open_chat
-    from specrun.training.online import LearnSettings, Learning
+    from specrun.training.learner import LearnSettings
+    from specrun.training.online import Learning
 
     prompts = session_prompts(args)
-    target, _ = choose_pair(args.target, None, None)
+    target, draft = args.target, args.draft
+    if draft is None and args.heads is None:
+        parser.error("pass --heads (heads that learn) or --draft (a draft model that learns)")
     load = LoadOptions(backend=args.backend, threads=args.threads)
     learning = Learning(LearnSettings(share=args.learn_budget, idle=args.idle or args.think > 0), explicit=True,
                         on_note=lambda note: print(f"note: {note}", file=sys.stderr))
     params = GenerationParams(args.max_new, args.draft_len, SamplingSettings())
     lines = {
-        "static": open_chat(target, None, args.method, load, heads=args.heads, draft_len=args.draft_len),
-        "learning": open_chat(target, None, args.method, load, heads=args.heads, draft_len=args.draft_len,
+        "static": open_chat(target, draft, args.method, load, heads=args.heads, draft_len=args.draft_len),
+        "learning": open_chat(target, draft, args.method, load, heads=args.heads, draft_len=args.draft_len,
                               learn=learning),
     }
     bounds = sorted(set([*args.segments, args.tokens]))
@@ -147,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
             session.close()
         reports = learning.finish()
     report = {
-        "target": args.target, "heads": args.heads, "method": args.method, "draft_len": args.draft_len,
+        "target": args.target, "heads": args.heads, "draft": args.draft, "method": args.method, "draft_len": args.draft_len,
         "prompts": [*(["built-in suite"] if args.suite else []), *([args.prompts] if args.prompts else [])],
         "categories": args.categories,
         "answers": answers, "tokens": done_tokens, "texts_differing": differ, "seconds": round(time.monotonic() - started, 1),

@@ -529,6 +529,9 @@ SCENARIOS = {
     "hydra learning top-p": Scenario("hydra", "top-p", learn=True, reaches_deep=False),  # its steps blunt the heads
     "eagle learning": Scenario("eagle", learn=True),
     "eagle3 learning top-k": Scenario("eagle", "top-k", eagle3=True, learn=True),
+    # A draft model learning adapters from what the target verified, swapped in between runs
+    "draft learning": Scenario("draft", learn=True),
+    "draft learning top-p": Scenario("draft", "top-p", learn=True),
     **{chain: Scenario(chain) for chain in CHAINS},
 }
 
@@ -557,7 +560,8 @@ def fake_engine(scenario: Scenario) -> SpeculativeEngine:
     uses_draft = needs_draft_model(scenario.method) or scenario.method == "auto"
     options = DrafterOptions(draft_min_prob=scenario.draft_min_prob, branches=scenario.branches, heads=heads,
                              auto_lookahead=scenario.auto_lookahead, auto_heads=scenario.auto_heads,
-                             learner=learning_heads(heads, target) if scenario.learn else None)
+                             learner=learning_heads(heads, target) if scenario.learn and heads else None,
+                             draft_learner=learning_draft(draft) if scenario.learn and uses_draft else None)
     drafter = build_drafter(scenario.method, draft if uses_draft else None, options)
     engine = SpeculativeEngine(target, drafter, method=scenario.method, clock=clock)
     engine.passes.chain_rule = scenario.chain_rule
@@ -570,13 +574,23 @@ LEARNING_RATE = 0.05  # large: each run's step moves the fake's small heads visi
 def learning_heads(heads, target):
     """An inline learner of ``heads``: each window of two or more verified positions is trained on
     at once and the weights published, so the drafter swaps them in at its next proposal."""
-    from specrun.training.online import LearnSettings, OnlineLearner
+    from specrun.training.learner import LearnSettings
+    from specrun.training.online import OnlineLearner
 
     embedding = None
     if getattr(heads, "embed_tokens", 0) is None:  # EAGLE-3 heads reading the target's embedding
         embedding = target.token_embeddings(range(heads.config.vocab_size))
     return OnlineLearner(heads, LearnSettings(learning_rate=LEARNING_RATE), embedding=embedding, window=2,
                          inline=True)
+
+
+def learning_draft(draft):
+    """An inline learner of the fake draft's adapter (backends/fake.FakeAdapterTrainer): each window
+    of two verified positions is trained on at once and the adapter published."""
+    from specrun.training.learner import LearnSettings
+    from specrun.training.online_draft import DraftLearner
+
+    return DraftLearner(draft, LearnSettings(), learning_rate=LEARNING_RATE * 20, window=2, inline=True)
 
 
 def windowed_fake(draft, sinks: int, window: int, block: int):
@@ -608,7 +622,7 @@ def run_scenario(name: str, runs: int = RUNS, first_seed: int = 0) -> tuple[Samp
     if scenario.learn:  # the weights drafted with changed during the runs, many times
         learned = engine.drafter.learner.report()
         if learned.swaps < runs // 4 or learned.stopped:
-            problems.append(f"the heads learned little: {learned.summary()}")
+            problems.append(f"the {learned.kind} learned little: {learned.summary()}")
     return sampled, problems
 
 
@@ -701,8 +715,10 @@ def greedy_scenario(method: str, adaptive: bool = False, branches: int = 0,
     if heads is not None:
         hidden = dict(hidden_table=oracle_hidden(table, COPYING_VOCAB), hidden_size=heads.config.hidden_size)
     target = FakeBackend(table, COPYING_VOCAB, **hidden)
-    learner = learning_heads(heads, target) if learn else None
-    drafter = build_drafter(method, draft, DrafterOptions(branches=branches, heads=heads, learner=learner))
+    learner = learning_heads(heads, target) if learn and heads is not None else None
+    draft_learner = learning_draft(draft) if learn and draft is not None and not draft_window else None
+    drafter = build_drafter(method, draft, DrafterOptions(branches=branches, heads=heads, learner=learner,
+                                                          draft_learner=draft_learner))
     # A clock that advances a millisecond each read: every pass seems to cost the same, so the
     # adaptive methods draft whatever the machine's load (timed for real, auto on a busy machine
     # once drafted 12 tokens in all, every one accepted, and verified no rejection).

@@ -402,7 +402,8 @@ def checked_learning(command: str, learn: bool | None, budget: float | None, buf
     by default on for chat and serve (they read much text of one user) and off for generate;
     --keep-learned turns it on. Usage errors for a budget or buffer out of range, or given with
     learning off."""
-    from specrun.training.online import DEFAULT_BUFFER, DEFAULT_SHARE, LearnSettings, Learning, check_learn_settings
+    from specrun.training.learner import DEFAULT_BUFFER, DEFAULT_SHARE, LearnSettings, check_learn_settings
+    from specrun.training.online import Learning
 
     if keep and learn is False:
         raise UsageError("--keep-learned keeps what learning learned, and --no-learn turns learning off",

@@ -121,9 +121,10 @@ LearnOpt = Annotated[
     Optional[bool],
     typer.Option(
         "--learn/--no-learn",
-        help="Heads learn online from what the target verifies (OSD): a background thread takes small training "
-        "steps within --learn-budget and the drafter takes its weights between verify passes. It never changes "
-        "an answer (every draft is verified), so --exact keeps it. Default: on for chat and serve, off for generate.",
+        help="Heads, and MLX draft models (LoRA adapters), learn online from what the target verifies (OSD): a "
+        "background thread takes small training steps within --learn-budget and the drafter takes its weights "
+        "between verify passes. It never changes an answer (every draft is verified), so --exact keeps it. "
+        "Default: on for chat and serve, off for generate.",
     ),
 ]
 LearnBudgetOpt = Annotated[
@@ -138,7 +139,8 @@ LearnBufferOpt = Annotated[
 KeepLearnedOpt = Annotated[
     bool,
     typer.Option("--keep-learned", help="Write the heads as learned at the end: back to the --heads file, else to "
-                 "specrun's cache for the target (found first from then on). Turns --learn on."),
+                 "specrun's cache for the target (found first from then on); a draft model's adapters last the "
+                 "run. Turns --learn on."),
 ]
 GpuLayersOpt = Annotated[Optional[int], typer.Option("--gpu-layers", help="Layers on the GPU (default: all).")]
 RpcOpt = Annotated[

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from time import perf_counter
+from typing import Protocol
 
 import numpy as np
 
@@ -26,6 +27,22 @@ CATCH_UP_TOKENS = 2
 TREE_PASS_LIMIT = 1.25
 # From this many second guesses on, the dynamic tree expands twice EAGLE-2's 4 nodes a level.
 WIDE_TREE_BRANCHES = 16
+
+class DraftModelLearner(Protocol):
+    """What learns from a draft model's verified text (training/online_draft.py's DraftLearner):
+    told where a text begins, given the positions of the text the target generated, and asked for
+    newer adapters between verify passes (loaded with the backend's ``adapt``)."""
+
+    kind: str
+    source: object  # the draft model (a Backend) it trains adapters for
+
+    def watch(self, progress: Callable[[], int]) -> None: ...
+
+    def start_text(self) -> None: ...
+
+    def observe(self, first: int, context: Sequence[int]) -> None: ...
+
+    def latest(self, version: int) -> tuple[int, object] | None: ...
 
 
 class DraftModelDrafter(Drafter):
@@ -76,12 +93,17 @@ class DraftModelDrafter(Drafter):
         self.tree_pass = _PassTiming()
         self.token_pass = _PassTiming()
         self.target_trees = False  # does the target verify trees (bind)? Else a tree is wasted
+        self.learner: DraftModelLearner | None = None  # set by build_drafter where the draft learns online
+        self._learned_version = 0  # of the learner's adapters drafted with
+        self._harvested = -1  # the first position of the text the learner has not had; -1: none to hand
 
     def bind(self, target: KVSequence, clock: Callable[[], float]) -> None:
         self.target_vocab_size = target.backend.vocab.size
         self.stop_ids = frozenset(target.backend.vocab.eos_ids)
         self.clock = clock
         self.target_trees = target.backend.tree_support.available
+        if self.learner is not None:  # generation goes on while the target's cache grows, drafted by this model or not
+            self.learner.watch(lambda: len(target.tokens))
         support = self.backend.tree_support
         if self.branches and self.target_trees and not support.available and support.reopenable:
             # Greedy second guesses grow a dynamic tree, which the draft itself reads in tree
@@ -114,6 +136,8 @@ class DraftModelDrafter(Drafter):
     ) -> Proposal:
         draft_len = min(draft_len, self.backend.n_ctx - len(context))
         self.catch_up_seconds = 0.0
+        if self.learner is not None:
+            self._learn(context)
         if draft_len <= 0:
             return EMPTY_PROPOSAL
         pending = self._catch_up(context)
@@ -215,6 +239,8 @@ class DraftModelDrafter(Drafter):
         """
         draft_len = min(draft_len, self.backend.n_ctx - len(context))
         self.catch_up_seconds = 0.0
+        if self.learner is not None:
+            self._learn(context)
         if draft_len <= 0:
             return None
         pending = self._catch_up(context)
@@ -245,10 +271,31 @@ class DraftModelDrafter(Drafter):
     def prefill(self, context: Sequence[int]) -> None:
         """Read the prompt before generation starts (the engine times it as prefill, as it does
         the target's): all of it but the last token, which the first draft pass feeds."""
+        if self.learner is not None:  # a text begins: the target's tokens are those after its prompt
+            self.learner.start_text()
+            self._harvested = len(context)
         self.sequence.sync(context[:-1])
 
     def finish(self, context: Sequence[int]) -> None:
+        if self.learner is not None:  # the text's last tokens, and the unfinished window, to the learner
+            if 0 <= self._harvested < len(context):
+                self.learner.observe(self._harvested, context)
+            self._harvested = -1
+            self.learner.start_text()
         self.sequence.sync(context)
+
+    def _learn(self, context: Sequence[int]) -> None:
+        """Between verify passes: the target's newest tokens to the learner (a copy of a few ids),
+        and adapters it has made since loaded. Drafts stay the target's to accept, so the
+        weights they were drafted with change how many are accepted, never what is generated."""
+        learner = self.learner
+        if 0 <= self._harvested < len(context):
+            learner.observe(self._harvested, context)
+            self._harvested = len(context)
+        fresh = learner.latest(self._learned_version)
+        if fresh is not None:
+            self._learned_version, weights = fresh
+            self.backend.adapt(weights)
 
     def close(self) -> None:
         self.sequence.reset()

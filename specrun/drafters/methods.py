@@ -16,7 +16,7 @@ from pathlib import Path
 from specrun.backends.base import Backend
 from specrun.drafters.base import Drafter
 from specrun.drafters.chain import ChainDrafter
-from specrun.drafters.draft_model import DraftModelDrafter
+from specrun.drafters.draft_model import DraftModelDrafter, DraftModelLearner
 from specrun.drafters.heads import DRAFTERS
 from specrun.drafters.heads.base import HeadsLearner
 from specrun.drafters.lookahead import LookaheadDrafter, LookaheadSizes
@@ -77,6 +77,9 @@ class DrafterOptions:
     # learns from what the target verifies (training/online.py): the drafter of the heads it
     # learns (``learner.source``) hands it the target's states and takes its newer weights
     learner: HeadsLearner | None = None
+    # the draft model's (training/online_draft.py): its drafter (``draft_learner.source`` the draft
+    # model) hands it the target's verified tokens and loads its newer adapters
+    draft_learner: DraftModelLearner | None = None
 
 
 def resolve_method(method: str, has_draft: bool = True, lookahead: bool = False, heads: str | None = None) -> str:
@@ -201,4 +204,7 @@ def _build_one(part: str, draft: Backend | None, options: DrafterOptions) -> Dra
         return drafter
     if part == "lookahead":
         return LookaheadDrafter(options.lookahead)
-    return DraftModelDrafter(draft, min_prob=options.draft_min_prob, branches=options.branches)
+    drafter = DraftModelDrafter(draft, min_prob=options.draft_min_prob, branches=options.branches)
+    if options.draft_learner is not None and options.draft_learner.source is draft:
+        drafter.learner = options.draft_learner
+    return drafter

@@ -246,7 +246,7 @@ class ChatSession:
             probe = self.target.tokenize(self.system_prompt or PROBE_TEXT, add_bos=self.target.vocab.add_bos)
             choice = choose_window(self.target, costs, fitting(0, self.target.tree_support.max_paths), probe)
             self._drafter_options = dataclasses.replace(self._drafter_options, lookahead=choice.sizes)
-        options = with_learner(self._drafter_options, method, self.target, self._learn)
+        options = with_learner(self._drafter_options, method, self.target, self._learn, self.draft)
         return build_drafter(method, self.draft, options)
 
     def _add_auto_window(self) -> None:

@@ -142,7 +142,7 @@ def generate_text(request: GenerateRequest, on_text: Callable[[str], None] | Non
             params = dataclasses.replace(params, tree_nodes=trees.trees.nodes)
             if request.on_note is not None:
                 request.on_note(trees.describe())
-        options = with_learner(options, request.method, target, request.learn)
+        options = with_learner(options, request.method, target, request.learn, draft)
         drafter = build_drafter(request.method, draft, options)
         if request.trees.paths and not target.tree_support.available and request.on_note is not None:
             request.on_note(f"token trees are off: {target.tree_support.reason}; verifying chains")

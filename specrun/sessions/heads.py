@@ -7,7 +7,14 @@ import dataclasses
 from collections.abc import Callable
 from pathlib import Path
 
-from specrun.drafters.methods import DrafterOptions, heads_kind, heads_of_kind, is_adaptive, needs_heads
+from specrun.drafters.methods import (
+    DrafterOptions,
+    heads_kind,
+    heads_of_kind,
+    is_adaptive,
+    needs_draft_model,
+    needs_heads,
+)
 from specrun.errors import SpecrunError, UsageError
 from specrun.heads.kinds import AUTO_HEADS_ORDER
 
@@ -174,12 +181,16 @@ def comparison_heads(target_spec: str, explicit: str | None, target, methods, re
     return with_auto_heads(options, paying_heads(auto, explicit, target, stored))
 
 
-def with_learner(options: DrafterOptions, method: str, target, learn: Callable | None) -> DrafterOptions:
-    """``options`` with a learner (``learn(heads, target)``, training/online.py's Learning, given
-    by the command) for the heads ``method`` drafts with: a head method's, else auto's where it
-    keeps some. ``learn`` is told None where there are none, so it can say nothing learns."""
+def with_learner(options: DrafterOptions, method: str, target, learn: Callable | None, draft=None) -> DrafterOptions:
+    """``options`` with learners (``learn``, training/online.py's Learning, given by the command)
+    for what ``method`` drafts with: heads (``learn(heads, target)``: a head method's, else auto's
+    where it keeps some) and ``draft``, the draft model (``learn.draft``), where it drafts with one.
+    ``learn`` is told None where there are no heads and no draft model, so it can say nothing learns."""
     if learn is None:
         return options
     kind = heads_kind(method) if needs_heads(method) else options.auto_heads if is_adaptive(method) else None
     heads = heads_of_kind(options.heads, kind) if kind is not None else None
-    return dataclasses.replace(options, learner=learn(heads, target))
+    drafts = draft is not None and needs_draft_model(method) and hasattr(learn, "draft")
+    learner = learn(heads, target) if heads is not None or not drafts else None
+    draft_learner = learn.draft(draft, alone=heads is None) if drafts else None
+    return dataclasses.replace(options, learner=learner, draft_learner=draft_learner)

@@ -74,12 +74,14 @@ def test_a_learning_run_prints_plain_decoding_s_text_and_keeps_the_heads(medusa_
     assert as_text.exit_code == 0 and "learning (medusa):" in as_text.stderr
 
 
-def test_learning_with_no_heads_to_learn_says_why_in_a_note(tiny_llama, llama_installed):
+def test_learning_with_nothing_that_learns_says_why_in_a_note(tiny_llama, llama_installed):
     result = invoke("generate", PROMPT, "-t", str(tiny_llama.gguf_path), "-d", str(tiny_llama.gguf_path), "-n", "8",
                     "--method", "draft", "--learn")
     assert result.exit_code == 0, result.output
-    assert "note: --learn: nothing learns: the method drafts with no heads" in result.stderr
-    assert "llama.cpp's draft models cannot learn online" in result.stderr
+    assert "note: --learn: nothing learns: llama.cpp's draft models cannot learn online" in result.stderr
+    lookup = invoke("generate", PROMPT, "-t", str(tiny_llama.gguf_path), "-n", "8", "--method", "lookup", "--learn")
+    assert lookup.exit_code == 0, lookup.output
+    assert "note: --learn: nothing learns: the method drafts with no heads and no draft model" in lookup.stderr
 
 
 def test_chat_learns_by_default_from_every_answer(medusa_run):
@@ -97,3 +99,23 @@ def test_chat_learns_by_default_from_every_answer(medusa_run):
     assert int(line.split(" steps on ")[1].split(" positions")[0]) >= 2 * 40  # both answers
     quiet = invoke("chat", *args, "--heads", str(path), "--method", "medusa", "--no-learn", input="hi\n")
     assert quiet.exit_code == 0 and "learning (" not in quiet.stderr
+
+
+def test_an_mlx_draft_model_learns_in_chat_and_the_answers_are_plain_decoding_s(tiny_llama, looping_llama):
+    """chat on MLX with a draft model: its adapters learn from both answers (reported in the stats)
+    and the texts are plain decoding's; --keep-learned says the adapters last the run."""
+    pytest.importorskip("mlx_lm", reason="the mlx backend is not installed")
+    args = ["-t", str(tiny_llama.hf_dir), "-d", str(looping_llama["mlx"]), "--backend", "mlx", "-n", "40", "-k", "3"]
+    messages = "def f(x):\n    return x\nWrite it again.\n"
+    plain = invoke("chat", *args, "--method", "none", "--each-line", "--json", input=messages)
+    assert plain.exit_code == 0, plain.output
+    learned = invoke("chat", *args, "--method", "draft", "--each-line", "--json", input=messages)
+    assert learned.exit_code == 0, learned.output
+    assert [json.loads(line)["text"] for line in learned.stdout.splitlines()] == \
+        [json.loads(line)["text"] for line in plain.stdout.splitlines()]
+    line = next(line for line in learned.stderr.splitlines() if line.startswith("learning (draft):"))
+    assert int(line.split(" steps on ")[1].split(" positions")[0]) >= 2 * 30, line  # both answers
+    kept = invoke("generate", "def f(x):\n", *args, "--raw", "--method", "draft", "--keep-learned")
+    assert kept.exit_code == 0, kept.output
+    assert "note: --keep-learned: the draft model's adapters last this run (only heads are written)" in kept.stderr
+    assert "learning (draft):" in kept.stderr

@@ -14,14 +14,8 @@ import numpy as np
 import pytest
 
 from specrun.heads.config import HeadsConfig
-from specrun.training.online import (
-    EPOCHS,
-    LearnSettings,
-    Learning,
-    OnlineLearner,
-    interrupts_held,
-    check_learn_settings,
-)
+from specrun.training.learner import EPOCHS, LearnSettings, check_learn_settings
+from specrun.training.online import Learning, OnlineLearner, interrupts_held
 
 SIZE, VOCAB, DEPTH = 16, 8, 3
 TABLE = np.random.default_rng(0).normal(0, 1, (VOCAB, SIZE)).astype(np.float32)
@@ -307,8 +301,14 @@ def test_a_run_with_nothing_to_learn_says_so_when_learning_was_asked_for():
 
     learning(None, Llama())
     learning(None, Llama())
-    assert notes == ["--learn: nothing learns: the method drafts with no heads, and only heads learn online "
-                     "(llama.cpp's draft models cannot learn online (its weights are fixed in the GGUF))"]
+    assert notes == ["--learn: nothing learns: the method drafts with no heads and no draft model, and only those "
+                     "learn online"]
+    for alone, said in ((True, "nothing learns"), (False, "the draft model does not learn")):
+        notes.clear()
+        learning = Learning(LearnSettings(), on_note=notes.append, explicit=True)
+        assert learning.draft(Llama(), alone=alone) is None
+        assert notes == [f"--learn: {said}: llama.cpp's draft models cannot learn online (its weights are fixed "
+                         "in the GGUF)"]
 
 
 def test_eagle3_heads_the_trainer_does_not_model_are_left_as_they_are_in_a_note():

@@ -1,0 +1,163 @@
+"""Draft models that keep learning while they draft: adapters trained online on the target's
+verified tokens (online speculative decoding, Liu et al. 2024, for a draft model).
+
+A draft model's drafter (drafters/draft_model.py) hands its learner, every few verify passes and
+at a text's end, the positions of the text the target generated: each holds the target's own
+choice given the tokens before it, which is what the draft should have drafted there. The learner
+cuts them into windows of ``window`` such positions, each with up to ``window`` tokens of the text
+before them to read (the prompt's among them, never trained on), and its worker (training/online.py's
+Learner: the same budget, buffer, idle rule and swaps as heads') scores each window before it trains
+on it, takes AdamW steps on the cross-entropy of those tokens through the backend's trainer (MLX:
+LoRA adapters on every linear map of the draft, backends/mlx_lora.py) and publishes the adapters,
+which the drafter loads between two passes. The draft's cache keeps what it read with the weights
+before; a draft is a proposal, so that costs acceptance at most, never an answer.
+
+Only the target's tokens are learned from, not its distributions: greedy verification keeps them
+on the device, and the tokens are what acceptance at temperature 0 asks the draft to match. The
+acceptance by depth reported is exact for greedy chains: a chain's token at depth d is the draft's
+guess given the text so far only where the d before it were right, so teacher-forced guesses score
+it (the score of the depth given those before it, as `heads train` reports).
+
+On MLX the worker's own thread waits while its stream computes, so its budget is kept in wall
+seconds of the worker's work, not in its thread's CPU time (which would miss the computing).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from specrun.training.learner import LearnSettings, Learner
+
+WINDOW_TOKENS = 64  # labelled positions a window, and the most context before them it reads
+BATCH_WINDOWS = 2  # windows a step
+REPORT_DEPTH = 4  # acceptance by depth reported to this depth
+LEARNING_RATE = 1e-4  # AdamW's on the adapters (mlx-lm's LoRA default is 1e-5, for many more steps)
+
+# Why a draft model cannot learn online, by its backend's name (the rest: it has no trainer).
+CANNOT_LEARN = {
+    "llama": "llama.cpp's draft models cannot learn online (its weights are fixed in the GGUF)",
+}
+
+
+def draft_cannot_learn(draft) -> str:
+    """Why ``draft`` (a Backend) cannot learn online, "" where it can."""
+    if getattr(draft, "online_trainer", None) is not None:
+        return ""
+    name = getattr(draft, "name", "")
+    return CANNOT_LEARN.get(name, f"this draft model ({name or type(draft).__name__}) cannot learn online")
+
+
+@dataclass(frozen=True)
+class TokenWindow:
+    """Tokens of a text, those from ``first`` on (``first`` >= 1) the target's verified choices."""
+
+    tokens: np.ndarray
+    first: int
+
+    @property
+    def size(self) -> int:
+        return len(self.tokens) - self.first
+
+
+class DraftLearner(Learner):
+    """One draft model learning from what the target verifies (see the module's docstring)."""
+
+    kind = "draft"
+
+    def __init__(self, draft, settings: LearnSettings = LearnSettings(), *, learning_rate: float = LEARNING_RATE,
+                 seed: int = 0, window: int = WINDOW_TOKENS, inline: bool = False, inline_steps: int = 1,
+                 clock: Callable[[], float] = time.monotonic,
+                 cpu_clock: Callable[[], float] = time.perf_counter) -> None:
+        problem = draft_cannot_learn(draft)
+        if problem:
+            raise ValueError(problem)
+        super().__init__(settings, REPORT_DEPTH, seed=seed, inline=inline, inline_steps=inline_steps,
+                         clock=clock, cpu_clock=cpu_clock)
+        self.source = draft
+        self.trainer = draft.online_trainer(learning_rate, seed)
+        self.window = window
+        self.step_positions = window * BATCH_WINDOWS
+        self._buffer: deque = deque()  # TokenWindows, oldest first
+        self._buffered = 0
+        self._tokens: list[int] = []  # the run: context, then the labelled positions from _label_from
+        self._label_from = 0
+        self._end = -1  # the text position after the run's last token; -1: no run
+        self._start()
+
+    # ---- the drafter's side ------------------------------------------------------------------
+    def observe(self, first: int, context: Sequence[int]) -> None:
+        """Positions ``first`` .. len(context) - 1 of ``context`` hold the target's verified
+        tokens. Called between verify passes."""
+        self._active(self._clock())
+        if self._stopped:
+            return
+        first = max(first, 1)  # the first token of a text follows nothing
+        if len(context) <= first:
+            return
+        if first != self._end:
+            self._flush()
+            self._tokens = [int(token) for token in context[max(0, first - self.window) : first]]
+            self._label_from = len(self._tokens)
+        self._tokens.extend(int(token) for token in context[first:])
+        self._end = len(context)
+        while len(self._tokens) - self._label_from >= self.window:
+            self._cut(self.window)
+        if self._inline:
+            self._work_inline()
+
+    @property
+    def buffered_positions(self) -> int:
+        return self._buffered
+
+    def _cut(self, count: int) -> None:
+        stop = self._label_from + count
+        self._hand(TokenWindow(np.asarray(self._tokens[:stop], np.int64), self._label_from))
+        kept = max(0, stop - self.window)
+        self._tokens = self._tokens[kept:]
+        self._label_from = stop - kept
+
+    def _flush(self) -> None:
+        if len(self._tokens) > self._label_from:
+            self._cut(len(self._tokens) - self._label_from)
+        self._tokens, self._label_from, self._end = [], 0, -1
+
+    # ---- the worker's ----------------------------------------------------------------------------
+    def _size(self, window: TokenWindow) -> int:
+        return window.size
+
+    def _keep(self, window: TokenWindow) -> None:
+        self._buffer.append(window)
+        self._buffered += window.size
+        while self._buffered - self._buffer[0].size >= self.settings.buffer_tokens:
+            self._buffered -= self._buffer.popleft().size
+
+    def _guesses(self, window: TokenWindow) -> np.ndarray:
+        """(depth, T): at labelled position t, depth d, the draft's guess of token t + d given the
+        text before it (what its chain drafts there where depths < d were right)."""
+        return _by_depth(self.trainer.predict(window.tokens), window.first - 1, window.size, self.depth)
+
+    def _labels(self, window: TokenWindow) -> np.ndarray:
+        return _by_depth(window.tokens, window.first, window.size, self.depth)
+
+    def _take_step(self) -> float:
+        buffer = self._buffer
+        chosen = [buffer[i] for i in self._rng.choice(len(buffer), min(BATCH_WINDOWS, len(buffer)), replace=False)]
+        self._trained += sum(window.size for window in chosen)
+        return float(self.trainer.step([(window.tokens, window.first) for window in chosen]))
+
+    def _snapshot(self):
+        return self.trainer.weights()
+
+
+def _by_depth(values: np.ndarray, start: int, count: int, depth: int) -> np.ndarray:
+    """(depth, count): row d holds values[start + d : start + d + count], -1 past the end."""
+    out = np.full((depth, count), -1, np.int64)
+    for d in range(depth):
+        row = np.asarray(values[start + d : start + d + count], np.int64)
+        out[d, : len(row)] = row
+    return out

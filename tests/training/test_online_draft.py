@@ -1,0 +1,284 @@
+"""Draft models that learn online (training/online_draft.py): the windows cut from verified text,
+the acceptance reported, what a learner learns, and that learning never changes an answer (greedy
+on the fake and on MLX here; the sampled scenarios "draft learning …" of lossless_harness swap the
+fake's adapter between runs; backends/mlx_lora.py's trainer on its own below)."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+from specrun.backends.fake import FakeBackend
+from specrun.training.learner import LearnSettings
+from specrun.training.online import Learning
+from specrun.training.online_draft import DraftLearner, TokenWindow, draft_cannot_learn
+
+VOCAB = 8
+
+
+def following(token: int) -> int:
+    return (3 * token + 1) % VOCAB
+
+
+def stream(length: int, start: int) -> list[int]:
+    tokens = [start]
+    while len(tokens) < length:
+        tokens.append(following(tokens[-1]))
+    return tokens
+
+
+def wrong_draft() -> FakeBackend:
+    """A fake draft whose guess after v is v + 1: the stream's (3v + 1 mod 8) only after 0 and 4, in
+    the cycle 0 1 4 5; never in the cycle 2 7 6 3 that ``feed`` hands over."""
+    def table(context):
+        logits = np.zeros(VOCAB, np.float32)
+        logits[(context[-1] + 1) % VOCAB] = 3.0
+        return logits
+
+    return FakeBackend(table, VOCAB)
+
+
+def feed(learner: DraftLearner, texts: int, length: int = 60, prompt: int = 4, stride: int = 3) -> None:
+    """``texts`` texts of the stream handed over as a drafter does: the prompt's length first, then
+    the context after each verify pass of ``stride`` tokens, and the whole text at its end."""
+    for k in range(texts):
+        tokens = stream(length, (2, 7, 6, 3)[k % 4])
+        learner.start_text()
+        handed = prompt
+        for stop in range(prompt + stride, length + 1, stride):
+            learner.observe(handed, tokens[:stop])
+            handed = stop
+        learner.observe(handed, tokens)
+    learner.start_text()
+
+
+class Recorder(DraftLearner):
+    """The windows handed to the worker, kept instead of trained on."""
+
+    def _hand(self, window) -> None:
+        self.handed.append(window)
+
+
+def test_windows_hold_the_target_s_tokens_after_up_to_a_window_of_context():
+    learner = Recorder(wrong_draft(), window=4, inline=True)
+    learner.handed = []
+    tokens = list(range(100, 120))
+    learner.start_text()
+    learner.observe(3, tokens[:6])  # a prompt of 3, then 3 generated
+    learner.observe(6, tokens[:13])
+    learner.observe(13, tokens[:14])
+    learner.observe(20, tokens[:14] + [0] * 6 + [1, 2])  # not where the run ended: a new run
+    learner.start_text()
+    windows = [(list(window.tokens), window.first) for window in learner.handed]
+    assert windows == [
+        (tokens[:7], 3),  # positions 3..6, after the prompt
+        (tokens[3:11], 4),  # positions 7..10, after four tokens before them
+        (tokens[7:14], 4),  # the run's rest, 11..13, handed when a new run begins
+        ([0, 0, 0, 0, 1, 2], 4),  # the new run's two positions at the text's end
+    ]
+    assert [window.size for window in learner.handed] == [4, 4, 3, 2]
+
+
+def test_the_reported_acceptance_by_depth_is_the_greedy_chain_s():
+    """Teacher-forced guesses scored as `heads train` scores chains equal what drafting greedy
+    chains from every position accepts."""
+    rng = np.random.default_rng(3)
+    noise = rng.normal(0, 1, (VOCAB, VOCAB)).astype(np.float32)
+
+    def table(context):
+        return noise[context[-1]] + 2.0 * (np.arange(VOCAB) == following(context[-1]))
+
+    draft = FakeBackend(table, VOCAB)
+    learner = DraftLearner(draft, window=40, inline=True)
+    tokens = np.asarray(stream(30, 1)[:10] + list(rng.integers(0, VOCAB, 30)), np.int64)
+    window = TokenWindow(tokens, 5)
+    guesses, labels = learner._guesses(window), learner._labels(window)
+    depth = learner.depth
+    for t in range(window.size - depth + 1):  # positions every depth labels
+        context = list(tokens[: 5 + t])
+        chain = []
+        for _ in range(depth):
+            chain.append(int(table(tuple(context)).argmax()))
+            context.append(chain[-1])
+        accepted = next((d for d in range(depth) if chain[d] != tokens[5 + t + d]), depth)
+        right = guesses[:, t] == labels[:, t]
+        assert int(np.cumprod(right).sum()) == accepted
+
+
+def test_a_draft_model_learns_a_stream_it_did_not_know():
+    """The same stream with learning and without (a rate too small to move the adapter): the
+    acceptance over the latest positions, each scored before it was trained on."""
+    reports = []
+    for rate in (1e-12, 1.0):
+        learner = DraftLearner(wrong_draft(), learning_rate=rate, window=8, inline=True, inline_steps=4)
+        feed(learner, 12)
+        learner.close()
+        reports.append(learner.report())
+    without, learned = reports
+    assert learned.kind == "draft" and learned.steps > 0 and not learned.stopped
+    assert without.latest[0] == 0.0 and learned.latest[0] >= 0.95, (without.summary(), learned.summary())
+    assert learned.latest[-1] >= without.latest[-1] + 0.5 and learned.first_positions > 0
+
+
+def test_the_drafter_swaps_adapters_in_and_a_text_s_tail_is_learned_from():
+    """A drafter's learner gets every verified token (the tail too, at ``finish``) and the fake
+    drafts with each adapter published."""
+    from specrun.drafters.methods import DrafterOptions, build_drafter
+    from specrun.engine.loop import GenerationParams, SpeculativeEngine
+
+    target = FakeBackend(lambda context: 3.0 * (np.arange(VOCAB) == following(context[-1])), VOCAB)
+    draft = wrong_draft()
+    learner = DraftLearner(draft, learning_rate=1.0, window=4, inline=True)
+    drafter = build_drafter("draft", draft, DrafterOptions(draft_learner=learner))
+    engine = SpeculativeEngine(target, drafter, method="draft")
+    results = []
+    for start in (2, 7, 6):  # the cycle the draft never guesses
+        results.append(engine.run([start, following(start)], GenerationParams(40, draft_len=3, stop_at_eos=False)))
+        drafter.finish(engine.last_context)
+    report = learner.report()
+    assert report.seen == 3 * 40 and report.swaps > 3 and draft.adapter is not None
+    accepted = [result.stats.accepted for result in results]
+    assert accepted[-1] >= 25 and accepted[-1] > accepted[0] + 10, accepted  # at most 30: 3 of 4 a pass
+
+
+def test_the_budget_is_kept_in_the_worker_s_wall_seconds():
+    """The worker's steps are timed by its wall clock (MLX computes on its stream's own thread):
+    each step costs 0.05 s of it; 10 s of generation at a share of 5% allows ten."""
+    spent, now = [0.0], [0.0]
+    learner = DraftLearner(wrong_draft(), LearnSettings(share=0.05), window=4, clock=lambda: now[0],
+                           cpu_clock=lambda: spent[0])
+    stepped = learner.trainer.step
+
+    def costly(windows):
+        spent[0] += 0.05
+        return stepped(windows)
+
+    learner.trainer.step = costly
+    tokens = stream(404, 0)
+    learner.start_text()
+    for stop in range(4, 404, 4):
+        now[0] += 0.1
+        learner.observe(stop - 4, tokens[:stop])
+        time.sleep(0.002)
+    time.sleep(0.3)
+    busy = learner.report()
+    assert 0 < busy.steps <= 11 and busy.busy_cpu <= 0.05 * busy.busy_seconds + 0.05 + 1e-9, busy.summary()
+    learner.close()
+
+
+def test_learning_keeps_one_learner_per_draft_model_and_says_why_one_cannot_learn():
+    notes = []
+    learning = Learning(LearnSettings(), on_note=notes.append, explicit=True, inline=True)
+    draft = wrong_draft()
+    first = learning.draft(draft)
+    assert first is not None and learning.draft(draft) is first and notes == []
+    reports = learning.finish()
+    assert [report.kind for report in reports] == ["draft"] and reports[0].kept is None
+
+    class Windowed:
+        name = "mlx"
+
+    assert draft_cannot_learn(Windowed()) == "this draft model (mlx) cannot learn online"
+    assert draft_cannot_learn(draft) == ""
+
+
+def test_greedy_with_a_learning_draft_is_plain_decoding_on_the_fake():
+    import lossless_harness
+
+    made = []
+    learning_draft = lossless_harness.learning_draft
+    lossless_harness.learning_draft = lambda draft: made.append(learning_draft(draft)) or made[-1]
+    try:
+        problems, drafted, accepted = lossless_harness.greedy_scenario("draft", learn=True)
+    finally:
+        lossless_harness.learning_draft = learning_draft
+    assert problems == [] and drafted > 0
+    report = made[0].report()
+    assert report.steps > 10 and report.swaps > 10, report.summary()
+
+
+# ---- MLX: LoRA adapters ------------------------------------------------------------------------
+@pytest.fixture
+def mlx_pair(tiny_llama, looping_llama):
+    pytest.importorskip("mlx_lm", reason="the mlx backend is not installed")
+    return str(tiny_llama.hf_dir), str(looping_llama["mlx"])
+
+
+def test_adapters_learn_on_a_copy_and_the_drafting_model_takes_them(mlx_pair):
+    """The trainer's copy learns a text (its loss falls); the drafting model computes what it did
+    until adapters are loaded, and then what the trainer's copy computes."""
+    from specrun.backends.mlx import MlxBackend
+
+    draft = MlxBackend(mlx_pair[1])
+    tokens = np.asarray(draft.tokenize("the cat sat on the mat. " * 6), np.int64)
+    rows = list(range(len(tokens) - 1))
+    before = draft.forward(list(tokens), rows)
+    trainer = draft.online_trainer(1e-2, seed=0)
+    losses = [trainer.step([(tokens, 1)]) for _ in range(12)]
+    assert losses[-1] < 0.7 * losses[0], losses
+    draft.rewind(0)
+    assert np.array_equal(draft.forward(list(tokens), rows), before)  # the copy learned, not it
+    draft.adapt(trainer.weights())
+    draft.rewind(0)
+    adapted = draft.forward(list(tokens), rows).argmax(axis=-1)
+    assert np.array_equal(adapted, trainer.predict(tokens))
+    assert (adapted == tokens[1:]).mean() > (before.argmax(axis=-1) == tokens[1:]).mean()
+
+
+def test_adapters_train_in_a_thread_while_the_draft_model_drafts(mlx_pair):
+    """MLX streams belong to one thread each: the worker's steps on its own beside the drafting
+    thread's passes, which compute what they compute alone."""
+    import threading
+
+    from specrun.backends.mlx import MlxBackend
+
+    draft = MlxBackend(mlx_pair[1])
+    tokens = draft.tokenize("one two three four five six seven eight nine ten " * 3)
+    alone = draft.forward(tokens, [len(tokens) - 1])[0]
+    trainer = draft.online_trainer(1e-3)
+    stop, losses = threading.Event(), []
+
+    def work():
+        while not stop.is_set():
+            losses.append(trainer.step([(np.asarray(tokens, np.int64), 1)]))
+
+    worker = threading.Thread(target=work)
+    worker.start()
+    try:
+        for _ in range(5):
+            draft.rewind(0)
+            assert np.array_equal(draft.forward(tokens, [len(tokens) - 1])[0], alone)
+    finally:
+        stop.set()
+        worker.join()
+    assert losses and all(np.isfinite(losses))
+
+
+def test_greedy_with_a_learning_mlx_draft_is_plain_decoding(mlx_pair):
+    """The looping copy drafts for the tiny llama and learns from it as it is generated, its
+    adapters swapped in between passes: the text is plain decoding's."""
+    from specrun.registry.loading import LoadOptions
+    from specrun.sessions.generation import GenerateRequest, generate_text
+
+    target, draft = mlx_pair
+    made = []
+
+    def learn(heads, backend):
+        raise AssertionError("no heads here")
+
+    def learn_draft(draft_backend, alone=True):
+        made.append(DraftLearner(draft_backend, learning_rate=1e-2, window=8, inline=True))
+        return made[-1]
+
+    learn.draft = learn_draft
+
+    def run(method: str, learn_=None) -> str:
+        request = GenerateRequest("def f(x):\n    return x\n" * 3, target, draft, method=method, max_new_tokens=96,
+                                  draft_len=4, load=LoadOptions(backend="mlx"), chat=False, learn=learn_)
+        return generate_text(request).text
+
+    assert run("draft", learn) == run("none")
+    report = made[0].report()
+    assert report.steps > 3 and report.swaps >= 2 and not report.stopped, report.summary()
