@@ -178,6 +178,7 @@ class Learner:
         self._latest: deque = deque()
         self._latest_count = 0
         self._stopped = ""
+        self._costs: dict[str, float] = {}  # the latest busy cost of a window scored, a step, a publish
         self._thread: threading.Thread | None = None
         self._closed = False
 
@@ -275,31 +276,38 @@ class Learner:
     # ---- the worker ----------------------------------------------------------------------------
     def _work(self) -> None:
         while not self._stop.is_set():
-            started = self._cpu_clock()
-            idle = True
+            idle, did = True, False
             try:
                 self._tick()
                 idle = self._idle()
-                did = False
-                if self._within_budget(idle):  # scoring costs too: windows wait meanwhile, one at a time while busy
-                    did = self._take_windows(limit=None if idle else 1)
-                    if self._may_step(idle):
-                        did = self._step() or did
-                if did:
-                    self._maybe_publish()  # a copy of the weights: charged to the budget too
+                if self._within_budget(idle, "score"):  # windows wait meanwhile, one at a time while busy
+                    did = self._charged(idle, None, lambda: self._take_windows(limit=None if idle else 1))
+                if self._may_step(idle):
+                    did = self._charged(idle, "step", self._step) or did
+                if self._steps > self._published_steps and self._within_budget(idle, "publish"):
+                    self._charged(idle, "publish", self._maybe_publish)  # a copy of the weights: charged too
             except Exception as error:  # noqa: BLE001 — learning must never end a generation
                 self._stop_learning(f"the worker failed: {error}")
-                did = False
-            spent = self._cpu_clock() - started
-            if idle:
-                self._idle_cpu += spent
-            else:
-                self._busy_cpu += spent
             if self._stopped:
                 return
             if not did:
                 self._wake.wait(WAIT_SECONDS)
                 self._wake.clear()
+
+    def _charged(self, idle: bool, kind: str | None, work: Callable[[], bool]) -> bool:
+        """``work()``, its ``cpu_clock`` time charged to generation (busy) or to idle time; while
+        busy, what it cost when it did something is what the budget expects of the next of its
+        ``kind`` (a window's scoring: timed in ``_take_windows``, windows not scored being free)."""
+        started = self._cpu_clock()
+        did = work()
+        spent = self._cpu_clock() - started
+        if idle:
+            self._idle_cpu += spent
+        else:
+            self._busy_cpu += spent
+            if did and kind is not None:
+                self._costs[kind] = spent
+        return did
 
     def _work_inline(self) -> None:
         started = self._cpu_clock()
@@ -316,16 +324,21 @@ class Learner:
     def _may_step(self, idle: bool) -> bool:
         if self._stopped or not self._seen or self._trained >= EPOCHS * self._seen:
             return False
-        return self._within_budget(idle)
+        return self._within_budget(idle, "step")
 
-    def _within_budget(self, idle: bool) -> bool:
+    def _within_budget(self, idle: bool, kind: str | None = None) -> bool:
+        """May the worker score a window, take a step or publish (``kind``; None: anything) now?
+        Idle: if it trains between answers. Busy: if what it spent and what the last one of this
+        kind cost stay within ``share`` of generation's time (a draft model's step costs seconds
+        on a CPU: checked after the fact, one would overshoot the budget by a whole step)."""
         if idle:
             return self.settings.idle
-        return self._busy_cpu < self.settings.share * self._busy_seconds
+        expected = self._costs.get(kind, 0.0) if kind is not None else 0.0
+        return self._busy_cpu + expected < self.settings.share * self._busy_seconds
 
-    def _take_windows(self, limit: int | None = None) -> bool:
-        """Score the windows the drafter completed (the oldest ``limit``; None: all), then buffer
-        them; whether there were any."""
+    def _take_windows(self, limit: int | None = None, score: bool = True) -> bool:
+        """Score the windows the drafter completed (the oldest ``limit``; None: all; ``score``
+        False: none is), then buffer them; whether there were any."""
         with self._lock:
             windows = [self._inbox.popleft() for _ in range(len(self._inbox) if limit is None
                                                              else min(limit, len(self._inbox)))]
@@ -334,8 +347,10 @@ class Learner:
             if self._stopped:
                 break
             try:
-                if self._first_count < REPORT_TOKENS or self._windows_seen % SCORE_EVERY == 0:
+                if score and (self._first_count < REPORT_TOKENS or self._windows_seen % SCORE_EVERY == 0):
+                    started = self._cpu_clock()
                     self._score(window)
+                    self._costs["score"] = self._cpu_clock() - started  # what the budget expects of a window
                 self._keep(window)
             except Exception as error:  # noqa: BLE001 — learning must never end a generation
                 self._stop_learning(f"scoring failed: {error}")
@@ -367,9 +382,11 @@ class Learner:
         self._steps += 1
         return True
 
-    def _maybe_publish(self) -> None:
+    def _maybe_publish(self) -> bool:
         if self._steps and self._clock() - self._published_at >= PUBLISH_SECONDS:
             self._publish()
+            return True
+        return False
 
     def _publish(self) -> None:
         if self._steps == self._published_steps or self._stopped:  # nothing new
@@ -396,7 +413,9 @@ class Learner:
         self._closed = True
         self._flush()
         started = self._cpu_clock()
-        self._take_windows()
+        # windows still waiting are kept, scored only where nothing else decides when they are:
+        # their scoring would merely delay the command's end (a draft model's: a second each)
+        self._take_windows(score=self._inline)
         while self._may_step(idle=False) and self._step():
             self._busy_cpu += self._cpu_clock() - started
             started = self._cpu_clock()

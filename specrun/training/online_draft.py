@@ -36,7 +36,9 @@ from specrun.training.learner import LearnSettings, Learner
 WINDOW_TOKENS = 64  # labelled positions a window, and the most context before them it reads
 BATCH_WINDOWS = 2  # windows a step
 REPORT_DEPTH = 4  # acceptance by depth reported to this depth
-LEARNING_RATE = 1e-4  # AdamW's on the adapters (mlx-lm's LoRA default is 1e-5, for many more steps)
+# AdamW's on the adapters: mlx-lm's LoRA default. On the demo pair (built-in suite, 3,200 tokens,
+# docs/perf.md 3(t)) no rate raised acceptance (Adam 3e-6 to 1e-4, SGD 0.01 to 1); 3e-5 and up lowered it.
+LEARNING_RATE = 1e-5
 
 # Why a draft model cannot learn online, by its backend's name (the rest: it has no trainer).
 CANNOT_LEARN = {
