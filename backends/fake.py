@@ -257,7 +257,7 @@ class FakeWindowCache:
         self.decodes += 1
         self.decoded_tokens += len(tokens)
         context = tuple(token for _, token in self.held)
-        out = [np.asarray(self.parent.table(context[: start + row + 1]), np.float32) for row in rows]
+        out = [self.parent._row(context[: start + row + 1]) for row in rows]
         return np.stack(out) if out else np.zeros((0, self.parent.vocab.size), np.float32)
 
     def remove(self, start: int, stop: int) -> None:

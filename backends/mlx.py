@@ -451,6 +451,7 @@ class MlxBackend(HiddenTracking):
         self._held_tree: HeldTree | None = None  # after forward_tree, until keep_path
         self._held_kv: list = []  # per layer: the held nodes' (keys, values), each (B, H, n, D)
         self._pass_hidden: list | None = None  # during a tracked pass: (T, H) per model call
+        self.shares_layers = False  # a layer draft's layers are the target's (layer_draft)
         self._new_cache()
 
     # ---- vocabulary ---------------------------------------------------------------
@@ -938,19 +939,27 @@ class MlxBackend(HiddenTracking):
         draft = MlxBackend.from_loaded(view, self.tokenizer, n_ctx=self.n_ctx)
         draft.path = self.path
         draft.variant = "layers=" + ",".join(map(str, kept))  # its own tuning key (sessions/tuning.model_id)
+        draft.shares_layers = True  # the target's own: its weights must never change (no online learning)
         return draft
 
     def online_trainer(self, learning_rate: float, seed: int = 0):
-        """A trainer of LoRA adapters for this model as a draft (backends/mlx_lora.py)."""
+        """A trainer of LoRA adapters for this model as a draft (backends/mlx_lora.py). Not for a
+        layer draft (``shares_layers``): its layers are the target's."""
         from .mlx_lora import LoraTrainer
 
+        self._check_own_layers()
         return LoraTrainer(self.model, learning_rate, seed)
 
     def adapt(self, weights: dict) -> None:
         """Draft with the weights a LoraTrainer published (its adapters fused in), between two passes."""
         from mlx.utils import tree_unflatten
 
+        self._check_own_layers()
         self.model.update(tree_unflatten(list(weights.items())))
+
+    def _check_own_layers(self) -> None:
+        if self.shares_layers:
+            raise ValueError("a layer draft runs the target's own layers, whose weights must not change")
 
     def close(self) -> None:
         self._deferred = None

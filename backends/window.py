@@ -104,6 +104,17 @@ class WindowedBackend(ParentsModel, ArgmaxFromLogits):
         self.shifts = 0
         self.rebuilds = 0
 
+    @property
+    def online_trainer(self):
+        """A draft model's own trainer (training/online_draft.py), where it learns: its adapters
+        change the model this window's passes run. None for the target itself (not ``owns``)."""
+        return getattr(self.parent, "online_trainer", None) if self.owns else None
+
+    def adapt(self, weights) -> None:
+        if not self.owns:
+            raise ValueError("the target drafting from a windowed cache must not change")
+        self.parent.adapt(weights)
+
     def reopen(self) -> None:
         """Make the cache again, empty, with the model's current settings (flash attention)."""
         if self.tokens:

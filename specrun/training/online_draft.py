@@ -47,7 +47,13 @@ CANNOT_LEARN = {
 
 
 def draft_cannot_learn(draft) -> str:
-    """Why ``draft`` (a Backend) cannot learn online, "" where it can."""
+    """Why ``draft`` (a Backend) cannot learn online, "" where it can. A draft that runs the
+    target's own weights (a layer draft, the target reading a windowed cache) never learns: its
+    weights are the target's, and changing them would change the answer."""
+    if getattr(draft, "shares_layers", False):
+        return "a layer draft (self:layers) runs the target's own layers, which must not change"
+    if getattr(draft, "owns", True) is False:
+        return "the target drafting from a windowed cache (self:window) is the target itself, which must not change"
     if getattr(draft, "online_trainer", None) is not None:
         return ""
     name = getattr(draft, "name", "")

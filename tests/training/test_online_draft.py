@@ -284,3 +284,32 @@ def test_greedy_with_a_learning_mlx_draft_is_plain_decoding(mlx_pair):
     assert run("draft", learn) == run("none")
     report = made[0].report()
     assert report.steps > 3 and report.swaps >= 2 and not report.stopped, report.summary()
+
+
+def test_drafts_that_run_the_target_s_own_weights_never_learn(mlx_pair):
+    """A layer draft runs the target's layers, and self:window the target itself: adapters loaded
+    into them would change the target. A draft model reading a windowed cache learns through it."""
+    from specrun.backends.fake import FakeWindowCache
+    from specrun.backends.mlx import MlxBackend
+    from specrun.backends.window import WindowedBackend
+
+    target = MlxBackend(mlx_pair[0])
+    layers = target.layer_draft([0])
+    assert "self:layers" in draft_cannot_learn(layers)
+    with pytest.raises(ValueError, match="must not change"):
+        layers.online_trainer(1e-5)
+    notes = []
+    assert Learning(LearnSettings(), on_note=notes.append, explicit=True).draft(layers) is None
+    assert notes == ["--learn: nothing learns: a layer draft (self:layers) runs the target's own layers, "
+                     "which must not change"]
+
+    fake = wrong_draft()
+    itself = WindowedBackend(fake, lambda cells: FakeWindowCache(fake, cells), 4, 16, owns=False)
+    assert "self:window" in draft_cannot_learn(itself)
+    owned = WindowedBackend(fake, lambda cells: FakeWindowCache(fake, cells), 4, 16, owns=True)
+    learner = DraftLearner(owned, learning_rate=1.0, window=8, inline=True)
+    feed(learner, 2)
+    assert learner.report().steps > 0 and learner.latest(0) is not None
+    owned.adapt(learner.latest(0)[1])
+    assert fake.adapter is not None
+    assert int(owned.forward([2], [0])[0].argmax()) == following(2)  # the window's passes read the adapter
