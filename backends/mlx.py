@@ -951,11 +951,11 @@ class MlxBackend(HiddenTracking):
         return LoraTrainer(self.model, learning_rate, seed)
 
     def adapt(self, weights: dict) -> None:
-        """Draft with the weights a LoraTrainer published (its adapters fused in), between two passes."""
-        from mlx.utils import tree_unflatten
+        """Draft with what a LoraTrainer published (float maps fused, quantized ones' adapters)."""
+        from .mlx_lora import load_published
 
         self._check_own_layers()
-        self.model.update(tree_unflatten(list(weights.items())))
+        load_published(self.model, weights)
 
     def _check_own_layers(self) -> None:
         if self.shares_layers:

@@ -4,11 +4,13 @@ The trainer works on a copy of the draft model (its arrays shared: MLX arrays ne
 place) with mlx-lm's LoRA layers on every linear map of every block, the base weights frozen, so
 the drafting model and the trainer never touch the same module. Its steps run on a stream of the
 thread that calls them (MLX's streams belong to one thread each: the worker's own, beside the
-drafting thread's). What it publishes is each adapted map fused with its base weights (mlx-lm's
-``fuse``: a quantized map dequantized, the adapter added, quantized again as it was), so the
-drafting model keeps its own layers and costs what it always did: LoRA layers left in it cost
-demo-draft 17% more a pass on this CPU (4.5 → 5.3 ms). A swap is an assignment of arrays; the
-fusing is the worker's, within its budget.
+drafting thread's). What it publishes for a float map is the map fused with its adapter (mlx-lm's
+``fuse``), so the drafting model keeps its own layers and costs what it always did: LoRA layers
+left in it cost demo-draft 17% more a pass on this CPU (4.5 → 5.3 ms). A quantized map is not
+fused: quantizing it again would move a 4-bit map by up to a step where the adapter is zero, and
+keep little of an adapter smaller than half a step; the drafting model takes LoRA layers over those
+maps instead, the first time, and each later copy swaps their small arrays. The fusing is the
+worker's, within its budget; a swap is an assignment of arrays.
 """
 
 from __future__ import annotations
@@ -55,7 +57,11 @@ class LoraTrainer:
         self._mx, _, _ = _import_mlx()
         self.model = copy.deepcopy(model)  # the modules copied; the arrays, which never change in place, shared
         self.model.freeze()
-        add_adapters(self.model, seed)  # evaluated here: arrays left lazy on this thread's stream fail on another's
+        add_adapters(self.model, seed)
+        # Every array the copy holds evaluated here, private ones too (Llama 3's RoPE frequencies):
+        # an array left lazy on this thread's stream fails when the worker's thread evaluates it.
+        self._mx.eval([value for _, module in self.model.named_modules() for value in module.values()
+                       if isinstance(value, self._mx.array)])
         self._optimizer = optim.AdamW(learning_rate=learning_rate, weight_decay=0.0)
         self._loss_and_grad = nn.value_and_grad(self.model, self._loss)
         self._streams = threading.local()
@@ -101,17 +107,38 @@ class LoraTrainer:
             return float(loss.item())
 
     def weights(self) -> dict:
-        """The adapted maps fused with their base weights, keyed as the drafting model names its
-        parameters (``…q_proj.weight``, and a quantized map's ``scales``/``biases``), evaluated:
-        safe to read from any thread."""
+        """What the drafting model takes (``load_published``), keyed as it names its parameters:
+        a float map fused with its adapter (``…q_proj.weight``), a quantized map's adapter as it
+        is (``…q_proj.lora_a``, ``lora_b``). Evaluated: safe to read from any thread."""
+        import mlx.nn as nn
         from mlx.utils import tree_flatten
         from mlx_lm.tuner.lora import LoRALinear
 
         mx = self._mx
-        fused = {}
+        published = {}
         with mx.stream(self._stream()):
             for path, module in self.model.named_modules():
-                if isinstance(module, LoRALinear):
-                    fused.update((f"{path}.{name}", array) for name, array in tree_flatten(module.fuse().parameters()))
-            mx.eval(list(fused.values()))
-        return fused
+                if not isinstance(module, LoRALinear):
+                    continue
+                if isinstance(module.linear, nn.QuantizedLinear):
+                    published[f"{path}.lora_a"], published[f"{path}.lora_b"] = module.lora_a, module.lora_b
+                else:
+                    published.update((f"{path}.{name}", array) for name, array in tree_flatten(module.fuse().parameters()))
+            mx.eval(list(published.values()))
+        return published
+
+
+def load_published(model, weights: dict) -> None:
+    """``weights`` (LoraTrainer.weights) into the drafting ``model``: fused float maps assigned,
+    LoRA layers put over quantized maps the first time their adapters come."""
+    from mlx.utils import tree_unflatten
+    from mlx_lm.tuner.lora import LoRALinear
+
+    adapted = {name.rsplit(".", 1)[0] for name in weights if name.endswith((".lora_a", ".lora_b"))}
+    if adapted:
+        modules = dict(model.named_modules())
+        wrapped = [(path, LoRALinear.from_base(modules[path], r=RANK, scale=SCALE)) for path in sorted(adapted)
+                   if not isinstance(modules[path], LoRALinear)]
+        if wrapped:
+            model.update_modules(tree_unflatten(wrapped))
+    model.update(tree_unflatten(list(weights.items())))

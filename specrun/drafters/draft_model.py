@@ -44,6 +44,8 @@ class DraftModelLearner(Protocol):
 
     def latest(self, version: int) -> tuple[int, object] | None: ...
 
+    def fail(self, why: str) -> None: ...
+
 
 class DraftModelDrafter(Drafter):
     """Drafts with its own KV cache, kept in step with the target's context.
@@ -295,7 +297,10 @@ class DraftModelDrafter(Drafter):
         fresh = learner.latest(self._learned_version)
         if fresh is not None:
             self._learned_version, weights = fresh
-            self.backend.adapt(weights)
+            try:
+                self.backend.adapt(weights)
+            except Exception as error:  # noqa: BLE001 — learning must never end a generation
+                learner.fail(f"the draft model could not take the weights: {error}")
 
     def close(self) -> None:
         self.sequence.reset()

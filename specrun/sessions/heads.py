@@ -191,6 +191,6 @@ def with_learner(options: DrafterOptions, method: str, target, learn: Callable |
     kind = heads_kind(method) if needs_heads(method) else options.auto_heads if is_adaptive(method) else None
     heads = heads_of_kind(options.heads, kind) if kind is not None else None
     drafts = draft is not None and needs_draft_model(method) and hasattr(learn, "draft")
+    draft_learner = learn.draft(draft, alone=heads is None) if drafts else None  # first: a heads note knows
     learner = learn(heads, target) if heads is not None or not drafts else None
-    draft_learner = learn.draft(draft, alone=heads is None) if drafts else None
     return dataclasses.replace(options, learner=learner, draft_learner=draft_learner)

@@ -143,6 +143,8 @@ class Learner:
 
     kind = ""
     step_positions = BATCH_POSITIONS  # about what a step trains on (``caught_up``)
+    score_at_close = True  # windows still waiting at ``close`` are scored (cheap for heads)
+    publish_at_close = True  # and the weights published once more
 
     def __init__(self, settings: LearnSettings, depth: int, *, seed: int = 0, inline: bool = False,
                  inline_steps: int = 1, clock: Callable[[], float] = time.monotonic,
@@ -280,12 +282,13 @@ class Learner:
             try:
                 self._tick()
                 idle = self._idle()
-                if self._within_budget(idle, "score"):  # windows wait meanwhile, one at a time while busy
-                    did = self._charged(idle, None, lambda: self._take_windows(limit=None if idle else 1))
-                if self._may_step(idle):
-                    did = self._charged(idle, "step", self._step) or did
+                # a window at a time, so that a stop or a new answer is seen between any two
+                if self._within_budget(idle, "score" if self._next_scored() else None):
+                    did = self._charged(idle, None, lambda: self._take_windows(limit=1))
                 if self._steps > self._published_steps and self._within_budget(idle, "publish"):
                     self._charged(idle, "publish", self._maybe_publish)  # a copy of the weights: charged too
+                if self._may_step(idle):
+                    did = self._charged(idle, "step", self._step) or did
             except Exception as error:  # noqa: BLE001 — learning must never end a generation
                 self._stop_learning(f"the worker failed: {error}")
             if self._stopped:
@@ -306,8 +309,17 @@ class Learner:
         else:
             self._busy_cpu += spent
             if did and kind is not None:
-                self._costs[kind] = spent
+                self._expect(kind, spent)
         return did
+
+    def _expect(self, kind: str, spent: float) -> None:
+        """What the budget expects the next ``kind`` of work to cost: the mean of the last and
+        what came before, so one slow step does not hold the next ones off for long."""
+        before = self._costs.get(kind)
+        self._costs[kind] = spent if before is None else 0.5 * (before + spent)
+
+    def _next_scored(self) -> bool:
+        return self._first_count < REPORT_TOKENS or self._windows_seen % SCORE_EVERY == 0
 
     def _work_inline(self) -> None:
         started = self._cpu_clock()
@@ -347,10 +359,10 @@ class Learner:
             if self._stopped:
                 break
             try:
-                if score and (self._first_count < REPORT_TOKENS or self._windows_seen % SCORE_EVERY == 0):
+                if score and self._next_scored():
                     started = self._cpu_clock()
                     self._score(window)
-                    self._costs["score"] = self._cpu_clock() - started  # what the budget expects of a window
+                    self._expect("score", self._cpu_clock() - started)
                 self._keep(window)
             except Exception as error:  # noqa: BLE001 — learning must never end a generation
                 self._stop_learning(f"scoring failed: {error}")
@@ -391,13 +403,22 @@ class Learner:
     def _publish(self) -> None:
         if self._steps == self._published_steps or self._stopped:  # nothing new
             return
+        try:
+            snapshot = self._snapshot()
+        except Exception as error:  # noqa: BLE001 — learning must never end a generation
+            self._stop_learning(f"publishing failed: {error}")
+            return
         self._published_steps = self._steps
         self._version += 1
-        self._published = (self._version, self._snapshot())
+        self._published = (self._version, snapshot)
         self._published_at = self._clock()
 
     def _stop_learning(self, why: str) -> None:
         self._stopped = why
+
+    def fail(self, why: str) -> None:
+        """The drafter could not use the weights (``why``): learning stops, generation goes on."""
+        self._stop_learning(why)
 
     # ---- the end -------------------------------------------------------------------------------
     def close(self) -> None:
@@ -413,14 +434,15 @@ class Learner:
         self._closed = True
         self._flush()
         started = self._cpu_clock()
-        # windows still waiting are kept, scored only where nothing else decides when they are:
-        # their scoring would merely delay the command's end (a draft model's: a second each)
-        self._take_windows(score=self._inline)
+        # windows still waiting are kept; a draft model's are not scored, nor its weights published
+        # again for no drafter: they would merely delay the command's end (seconds each on a CPU)
+        self._take_windows(score=self.score_at_close or self._inline)
         while self._may_step(idle=False) and self._step():
             self._busy_cpu += self._cpu_clock() - started
             started = self._cpu_clock()
         self._busy_cpu += self._cpu_clock() - started
-        self._publish()
+        if self.publish_at_close or self._inline:
+            self._publish()
 
     def report(self, kept: Path | None = None) -> LearnReport:
         def chain(pairs) -> tuple[tuple[float, ...], int]:

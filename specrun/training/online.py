@@ -264,7 +264,8 @@ class Learning:
             return None
         kind = kind_of(heads)
         if not_learnable(heads):
-            self._note(f"nothing learns: {not_learnable(heads)}")
+            drafts = any(isinstance(learner, DraftLearner) for _, learner, _ in self._learners.values())
+            self._note(f"{'the heads do not learn' if drafts else 'nothing learns'}: {not_learnable(heads)}")
             return None
         found = self._learners.get(id(heads))
         if found is not None:
@@ -293,7 +294,11 @@ class Learning:
         if self.settings.keep and self._on_note is not None:
             self._on_note("--keep-learned: the draft model's adapters last this run (only heads are written)")
         options = {key: value for key, value in self._learner_options.items() if key != "embedding"}
-        learner = DraftLearner(draft, self.settings, **options)
+        try:
+            learner = DraftLearner(draft, self.settings, **options)
+        except Exception as error:  # noqa: BLE001 — a model mlx-lm cannot put adapters on still drafts
+            self._note(f"the draft model does not learn: {error}")
+            return None
         self._learners[id(draft)] = (draft, learner, None)  # a draft's adapters are not written
         return learner
 

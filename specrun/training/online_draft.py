@@ -1,25 +1,28 @@
 """Draft models that keep learning while they draft: adapters trained online on the target's
 verified tokens (online speculative decoding, Liu et al. 2024, for a draft model).
 
-A draft model's drafter (drafters/draft_model.py) hands its learner, every few verify passes and
-at a text's end, the positions of the text the target generated: each holds the target's own
-choice given the tokens before it, which is what the draft should have drafted there. The learner
-cuts them into windows of ``window`` such positions, each with up to ``window`` tokens of the text
-before them to read (the prompt's among them, never trained on), and its worker (training/online.py's
-Learner: the same budget, buffer, idle rule and swaps as heads') scores each window before it trains
-on it, takes AdamW steps on the cross-entropy of those tokens through the backend's trainer (MLX:
-LoRA adapters on every linear map of the draft, backends/mlx_lora.py) and publishes the adapters,
-which the drafter loads between two passes. The draft's cache keeps what it read with the weights
-before; a draft is a proposal, so that costs acceptance at most, never an answer.
+A draft model's drafter (drafters/draft_model.py) hands its learner, at every proposal and at a
+text's end, the positions of the text the target generated: each holds the target's own choice
+given the tokens before it, which is what the draft should have drafted there. The learner cuts
+them into windows of ``window`` such positions, each with up to ``window`` tokens of the text
+before them to read (the prompt's among them, never trained on), and its worker
+(training/learner.py's Learner: the same budget, buffer, idle rule and swaps as heads') scores each
+window before it trains on it, takes AdamW steps on the cross-entropy of those tokens through the
+backend's trainer (MLX: LoRA adapters on every linear map of the draft, backends/mlx_lora.py) and
+publishes what the drafting model takes between two passes (MLX: float maps with their adapters
+fused in, quantized maps' adapters). The draft's cache keeps what it read with the weights before;
+a draft is a proposal, so that costs acceptance at most, never an answer.
 
 Only the target's tokens are learned from, not its distributions: greedy verification keeps them
 on the device, and the tokens are what acceptance at temperature 0 asks the draft to match. The
-acceptance by depth reported is exact for greedy chains: a chain's token at depth d is the draft's
-guess given the text so far only where the d before it were right, so teacher-forced guesses score
-it (the score of the depth given those before it, as `heads train` reports).
+acceptance by depth reported scores greedy chains as the draft would draft them from the window's
+context: a chain's token at depth d is the draft's guess given the text so far only where the d
+before it were right, so teacher-forced guesses score it (the score of the depth given those
+before it, as `heads train` reports). The window's context is shorter than the text's.
 
 On MLX the worker's own thread waits while its stream computes, so its budget is kept in wall
-seconds of the worker's work, not in its thread's CPU time (which would miss the computing).
+seconds of the worker's work (``cpu_clock`` is the wall clock), not in its thread's CPU time,
+which would miss the computing; the report's "CPU" seconds are those.
 """
 
 from __future__ import annotations
@@ -76,6 +79,8 @@ class DraftLearner(Learner):
     """One draft model learning from what the target verifies (see the module's docstring)."""
 
     kind = "draft"
+    score_at_close = False  # a forward pass a window: seconds on a CPU, for the report only
+    publish_at_close = False  # no drafter takes them any more
 
     def __init__(self, draft, settings: LearnSettings = LearnSettings(), *, learning_rate: float = LEARNING_RATE,
                  seed: int = 0, window: int = WINDOW_TOKENS, inline: bool = False, inline_steps: int = 1,

@@ -102,19 +102,22 @@ def test_chat_learns_by_default_from_every_answer(medusa_run):
 
 
 def test_an_mlx_draft_model_learns_in_chat_and_the_answers_are_plain_decoding_s(tiny_llama, looping_llama):
-    """chat on MLX with a draft model: its adapters learn from both answers (reported in the stats)
-    and the texts are plain decoding's; --keep-learned says the adapters last the run."""
+    """chat on MLX with a draft model: its adapters learn from both answers (reported in the stats;
+    the whole of generation's time its budget, so that two short answers see steps) and the texts
+    are plain decoding's; --keep-learned says the adapters last the run."""
     pytest.importorskip("mlx_lm", reason="the mlx backend is not installed")
     args = ["-t", str(tiny_llama.hf_dir), "-d", str(looping_llama["mlx"]), "--backend", "mlx", "-n", "40", "-k", "3"]
     messages = "def f(x):\n    return x\nWrite it again.\n"
     plain = invoke("chat", *args, "--method", "none", "--each-line", "--json", input=messages)
     assert plain.exit_code == 0, plain.output
-    learned = invoke("chat", *args, "--method", "draft", "--each-line", "--json", input=messages)
+    learned = invoke("chat", *args, "--method", "draft", "--learn-budget", "1", "--each-line", "--json",
+                     input=messages)
     assert learned.exit_code == 0, learned.output
     assert [json.loads(line)["text"] for line in learned.stdout.splitlines()] == \
         [json.loads(line)["text"] for line in plain.stdout.splitlines()]
     line = next(line for line in learned.stderr.splitlines() if line.startswith("learning (draft):"))
     assert int(line.split(" steps on ")[1].split(" positions")[0]) >= 2 * 30, line  # both answers
+    assert int(line.split(": ")[1].split(" steps")[0]) > 0 and "stopped" not in line, line
     kept = invoke("generate", "def f(x):\n", *args, "--raw", "--method", "draft", "--keep-learned")
     assert kept.exit_code == 0, kept.output
     assert "note: --keep-learned: the draft model's adapters last this run (only heads are written)" in kept.stderr

@@ -6,6 +6,7 @@ fake's adapter between runs; backends/mlx_lora.py's trainer on its own below).""
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -313,3 +314,58 @@ def test_drafts_that_run_the_target_s_own_weights_never_learn(mlx_pair):
     owned.adapt(learner.latest(0)[1])
     assert fake.adapter is not None
     assert int(owned.forward([2], [0])[0].argmax()) == following(2)  # the window's passes read the adapter
+
+
+def test_a_quantized_draft_takes_adapters_over_its_quantized_maps(mlx_pair, tmp_path):
+    """A 4-bit draft: quantizing a map again would move it where the adapter is zero, so its
+    adapters come as LoRA layers; the drafting model then computes what the trainer's copy does,
+    and before any step exactly what it did."""
+    from specrun.backends.mlx import MlxBackend, quantize_mlx_folder
+
+    quantize_mlx_folder(Path(mlx_pair[1]), tmp_path / "q4", 4, group_size=32)
+    draft = MlxBackend(tmp_path / "q4")
+    tokens = np.asarray(draft.tokenize("the cat sat on the mat. " * 4), np.int64)
+    rows = list(range(len(tokens) - 1))
+    before = draft.forward(list(tokens), rows)
+    trainer = draft.online_trainer(1e-2, seed=0)
+    published = trainer.weights()
+    assert published and all(name.endswith((".lora_a", ".lora_b")) for name in published)
+    draft.adapt(published)
+    draft.rewind(0)
+    assert np.array_equal(draft.forward(list(tokens), rows), before)  # B is zero: nothing moved
+    for _ in range(6):
+        trainer.step([(tokens, 1)])
+    draft.adapt(trainer.weights())
+    draft.rewind(0)
+    assert np.array_equal(draft.forward(list(tokens), rows).argmax(axis=-1), trainer.predict(tokens))
+
+
+def test_weights_made_on_the_worker_thread_are_swapped_in_mid_generation(mlx_pair, monkeypatch):
+    """The threaded worker (publishing as soon as it steps) and the drafting thread on MLX: the
+    text is plain decoding's, and the draft took weights the worker made."""
+    import specrun.training.learner as learner_module
+    from specrun.registry.loading import LoadOptions
+    from specrun.sessions.generation import GenerateRequest, generate_text
+
+    monkeypatch.setattr(learner_module, "PUBLISH_SECONDS", 0.0)
+    target, draft = mlx_pair
+    made = []
+
+    def learn(heads, backend):
+        raise AssertionError("no heads here")
+
+    def learn_draft(draft_backend, alone=True):
+        made.append(DraftLearner(draft_backend, LearnSettings(share=1.0), learning_rate=1e-2, window=8))
+        return made[-1]
+
+    learn.draft = learn_draft
+
+    def run(method: str, learn_=None) -> str:
+        request = GenerateRequest("def f(x):\n    return x\n" * 3, target, draft, method=method, max_new_tokens=160,
+                                  draft_len=4, load=LoadOptions(backend="mlx"), chat=False, learn=learn_)
+        return generate_text(request).text
+
+    assert run("draft", learn) == run("none")
+    made[0].close()
+    report = made[0].report()
+    assert report.steps > 0 and report.swaps > 0 and not report.stopped, report.summary()
