@@ -259,9 +259,9 @@ def test_adapters_train_in_a_thread_while_the_draft_model_drafts(mlx_pair):
     assert losses and all(np.isfinite(losses))
 
 
-def test_greedy_with_a_learning_mlx_draft_is_plain_decoding(mlx_pair):
-    """The looping copy drafts for the tiny llama and learns from it as it is generated, its
-    adapters swapped in between passes: the text is plain decoding's."""
+def greedy_with_and_without(mlx_pair, make_learner, tokens: int) -> tuple[str, str, DraftLearner]:
+    """The tiny llama's greedy text with its looping copy drafting and learning (``make_learner``
+    of the draft backend), and plain decoding's; the learner."""
     from specrun.registry.loading import LoadOptions
     from specrun.sessions.generation import GenerateRequest, generate_text
 
@@ -272,18 +272,27 @@ def test_greedy_with_a_learning_mlx_draft_is_plain_decoding(mlx_pair):
         raise AssertionError("no heads here")
 
     def learn_draft(draft_backend, alone=True):
-        made.append(DraftLearner(draft_backend, learning_rate=1e-2, window=8, inline=True))
+        made.append(make_learner(draft_backend))
         return made[-1]
 
     learn.draft = learn_draft
 
     def run(method: str, learn_=None) -> str:
-        request = GenerateRequest("def f(x):\n    return x\n" * 3, target, draft, method=method, max_new_tokens=96,
-                                  draft_len=4, load=LoadOptions(backend="mlx"), chat=False, learn=learn_)
+        request = GenerateRequest("def f(x):\n    return x\n" * 3, target, draft, method=method,
+                                  max_new_tokens=tokens, draft_len=4, load=LoadOptions(backend="mlx"), chat=False,
+                                  learn=learn_)
         return generate_text(request).text
 
-    assert run("draft", learn) == run("none")
-    report = made[0].report()
+    return run("draft", learn), run("none"), made[0]
+
+
+def test_greedy_with_a_learning_mlx_draft_is_plain_decoding(mlx_pair):
+    """The looping copy drafts for the tiny llama and learns from it as it is generated, its
+    adapters swapped in between passes: the text is plain decoding's."""
+    learned, plain, learner = greedy_with_and_without(
+        mlx_pair, lambda draft: DraftLearner(draft, learning_rate=1e-2, window=8, inline=True), 96)
+    assert learned == plain
+    report = learner.report()
     assert report.steps > 3 and report.swaps >= 2 and not report.stopped, report.summary()
 
 
@@ -344,28 +353,11 @@ def test_weights_made_on_the_worker_thread_are_swapped_in_mid_generation(mlx_pai
     """The threaded worker (publishing as soon as it steps) and the drafting thread on MLX: the
     text is plain decoding's, and the draft took weights the worker made."""
     import specrun.training.learner as learner_module
-    from specrun.registry.loading import LoadOptions
-    from specrun.sessions.generation import GenerateRequest, generate_text
 
     monkeypatch.setattr(learner_module, "PUBLISH_SECONDS", 0.0)
-    target, draft = mlx_pair
-    made = []
-
-    def learn(heads, backend):
-        raise AssertionError("no heads here")
-
-    def learn_draft(draft_backend, alone=True):
-        made.append(DraftLearner(draft_backend, LearnSettings(share=1.0), learning_rate=1e-2, window=8))
-        return made[-1]
-
-    learn.draft = learn_draft
-
-    def run(method: str, learn_=None) -> str:
-        request = GenerateRequest("def f(x):\n    return x\n" * 3, target, draft, method=method, max_new_tokens=160,
-                                  draft_len=4, load=LoadOptions(backend="mlx"), chat=False, learn=learn_)
-        return generate_text(request).text
-
-    assert run("draft", learn) == run("none")
-    made[0].close()
-    report = made[0].report()
+    learned, plain, learner = greedy_with_and_without(
+        mlx_pair, lambda draft: DraftLearner(draft, LearnSettings(share=1.0), learning_rate=1e-2, window=8), 160)
+    assert learned == plain
+    learner.close()
+    report = learner.report()
     assert report.steps > 0 and report.swaps > 0 and not report.stopped, report.summary()
