@@ -15,6 +15,7 @@ from rich.text import Text
 from specrun.cli.common import PipeConsole, checked_flash_attn, check_range, checked_rpc, cli_errors
 from specrun.cli.options import (
     BackendOpt,
+    CtxOpt,
     DraftOpt,
     ExactOpt,
     FlashAttnOpt,
@@ -34,6 +35,7 @@ def tune(
     prompts: TunePromptsOpt = 4,
     max_tokens: MaxTokensOpt = 64,
     threads: ThreadsOpt = None,
+    ctx: CtxOpt = None,
     rpc: RpcOpt = None,
     flash_attn: FlashAttnOpt = None,
     exact: ExactOpt = False,
@@ -42,6 +44,17 @@ def tune(
     budget: Annotated[
         Optional[int],
         typer.Option("--budget", help="With --draft self:layers: seconds the layer search may take (default 120)."),
+    ] = None,
+    window_search: Annotated[
+        bool,
+        typer.Option("--window-search", help="Also time the draft model reading windowed caches (its first 4 tokens "
+                     "and the last 128-1024) against its full cache after a long prompt (--window-context), and keep "
+                     "the fastest: later runs that leave --window out draft with it."),
+    ] = False,
+    window_context: Annotated[
+        Optional[int],
+        typer.Option("--window-context", help="With --window-search: the prompt's tokens (default 4096, at most the "
+                     "context less --max-tokens)."),
     ] = None,
 ) -> None:
     """Measure plain decoding, each draft length and confidence stops on this machine; later runs start from them.
@@ -54,7 +67,7 @@ def tune(
         from specrun.modelkit.layer_choice import load_choices
         from specrun.modelkit.selfdraft import is_tuned_layer_draft
         from specrun.registry.loading import LoadOptions
-        from specrun.sessions import layer_search, tuning
+        from specrun.sessions import layer_search, tuning, window_tuning
 
         out = PipeConsole(file=sys.stdout)
         if show:
@@ -78,15 +91,20 @@ def tune(
             return
         if budget is not None:
             raise UsageError("--budget is the layer search's (--draft self:layers)", "drop --budget")
+        if window_context is not None and not window_search:
+            raise UsageError("--window-context sizes the window search, which is off", "add --window-search")
+        if window_context is not None:
+            check_range("--window-context", window_context, 256, 1 << 20)
         load = LoadOptions(backend=backend, threads=threads, registry=registry, rpc=rpc_servers,
-                           flash_attn=flash_attn, exact=exact)
-        result = run_tune(target, draft, prompts, max_tokens, load)
+                           flash_attn=flash_attn, exact=exact, n_ctx=ctx)
+        search = (window_context or window_tuning.DEFAULT_CONTEXT) if window_search else None
+        result = run_tune(target, draft, prompts, max_tokens, load, search)
         path = tuning.save(result)
         out.print(render([result]))
         typer.echo(f"saved to {path}", err=True)
 
 
-def run_tune(target, draft, n_prompts, max_tokens, load):
+def run_tune(target, draft, n_prompts, max_tokens, load, window_context: int | None = None):
     from specrun.sessions import tuning
     from specrun.errors import UsageError
     from specrun.registry.loading import choose_pair
@@ -102,7 +120,7 @@ def run_tune(target, draft, n_prompts, max_tokens, load):
     try:
         prompts = [target_backend.tokenize(text) for text in CODE_PROMPTS[:n_prompts]]
         key = tuning.pair_key(target_backend, draft_backend, load.threads)
-        return tuning.calibrate(
+        result = tuning.calibrate(
             target_backend,
             draft_backend,
             prompts,
@@ -112,9 +130,36 @@ def run_tune(target, draft, n_prompts, max_tokens, load):
                 f"round {round_number}: calibrated {done}/{total} prompts"
             ),
         )
+        if window_context is None:
+            return result
+        return with_window(result, target_backend, draft_backend, window_context, max_tokens, err)
     finally:
         target_backend.close()
         draft_backend.close()
+
+
+def with_window(result, target, draft, context: int, max_tokens: int, err):
+    """``result`` with the windowed cache the draft drafts fastest with after ``context`` tokens
+    (sessions/window_tuning.py), at most the context less ``max_tokens``."""
+    import dataclasses
+
+    from specrun.errors import UsageError
+    from specrun.sessions.window_tuning import long_prompt, search_window
+
+    room = min(target.n_ctx, draft.n_ctx) - max_tokens - 16
+    if room < 256 or not hasattr(draft, "open_window"):
+        why = (f"a context of {target.n_ctx} leaves no long prompt" if room < 256
+               else f"the {draft.name} backend keeps no windowed cache")
+        raise UsageError(f"--window-search times windowed caches after a long prompt, and {why}",
+                         "pass --ctx 8192 (or more), or drop --window-search")
+    prompt = long_prompt(target, min(context, room))
+    err.print(f"window search: {len(prompt):,} tokens of prompt, the full cache and windows of 128-1024")
+    choice = search_window(target, draft, prompt, max_tokens, result.best_draft_len or 4,
+                           on_progress=lambda done, total: err.print(f"window search: round {done}/{total}"))
+    rates = ", ".join(f"{name} {rate:.1f}" for name, rate in choice.rates.items())
+    err.print(f"window search (tok/s after {choice.context:,} tokens): {rates}", highlight=False)
+    return dataclasses.replace(result, window=choice.window, window_sinks=choice.sinks if choice.window else 0,
+                               window_context=choice.context, window_speedup=choice.speedup)
 
 
 def run_layer_search(target, backend, n_prompts, max_tokens, budget, registry):
@@ -182,6 +227,10 @@ def render(results) -> Group:
         blocks.append(Text(f"  machine {result.machine}"))
         blocks.append(Text(f"  best fixed draft length (-k) {best}, confidence stop {stop}, speed-up {result.speedup:.2f}×"))
         blocks.append(Text(f"  draft tokens accepted {acceptance}"))
+        if result.window_context:
+            kept = (f"its first {result.window_sinks} tokens and the last {result.window}, "
+                    f"{result.window_speedup:.2f}× the full cache" if result.window else "its full cache (no window won)")
+            blocks.append(Text(f"  draft cache after {result.window_context:,} tokens: {kept}"))
         if result.acceptance_by_position:
             curve = " ".join(f"{100 * share:.0f}%" for _, share in sorted(result.acceptance_by_position.items()))
             blocks.append(Text(f"  accepted by draft position (the ones before it accepted): {curve}"))

@@ -47,6 +47,7 @@ from specrun.sessions.setup import (
     default_trees,
     load_target_entry,
     load_tuned,
+    tuned_window,
     remember_run,
     resolve_draft_len,
     resolve_min_prob,
@@ -554,6 +555,7 @@ def open_chat(
         # stored costs found under the key it picks.
         settle_pair(target, draft, options, on_note)
         tuned = load_tuned(target, draft, options.threads)
+        draft = tuned_window(draft, tuned, options, on_note)
 
         def paying(found):
             stored = tuned if tuned is not None else load_target_entry(target, options.threads)

@@ -34,6 +34,7 @@ from specrun.sessions.setup import (
     default_trees,
     load_target_entry,
     load_tuned,
+    tuned_window,
     near_tie_note,
     prompt_token_ids,
     remember_run,
@@ -113,6 +114,7 @@ def generate_text(request: GenerateRequest, on_text: Callable[[str], None] | Non
         kernel_notes: list[str] = []
         settle_pair(target, draft, request.load, kernel_notes.append, len(prompt_ids) + request.max_new_tokens)
         tuned = load_tuned(target, draft, request.load.threads)
+        draft = tuned_window(draft, tuned, request.load, request.on_note)
         options = dataclasses.replace(options, draft_min_prob=resolve_min_prob(request.draft_min_prob, tuned))
         params = GenerationParams(
             request.max_new_tokens,

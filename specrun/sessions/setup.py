@@ -115,6 +115,25 @@ def load_tuned(target, draft, threads):
     return tuning.load(key) or tuning.load(key, tuning.learned_path())
 
 
+def tuned_window(draft, tuned, options, on_note=None):
+    """``draft`` drafting from the windowed cache `specrun tune --window-search` kept for the pair
+    (``tuned.window``), where the run left --window out and the draft model reads its full cache;
+    else ``draft`` as it is. A note says so, and how to choose another."""
+    if draft is None or tuned is None or not tuned.window or options.window is not None:
+        return draft
+    if not hasattr(draft, "open_window") or hasattr(draft, "parent"):  # a windowed or shared view already
+        return draft
+    from specrun.registry.loading import open_window_draft
+
+    chosen = dataclasses.replace(options, window=tuned.window, sinks=tuned.window_sinks)
+    windowed = open_window_draft(draft, chosen, owns=True, on_note=on_note)
+    if windowed is not draft and on_note is not None:
+        on_note(f"the draft reads its first {tuned.window_sinks} tokens and its last {tuned.window} "
+                f"(`specrun tune --window-search` after {tuned.window_context:,} tokens: "
+                f"{tuned.window_speedup:.2f}x its full cache); --window N sets another")
+    return windowed
+
+
 def load_target_entry(target, threads):
     """What earlier runs of ``target`` with no draft model learned on this machine (its pass
     costs, its gate), or None."""

@@ -76,6 +76,13 @@ class TuneResult:
     costs_context: int = 0
     target_per_context: float = 0.0
     draft_per_context: float = 0.0
+    # `specrun tune --window-search` (sessions/window_tuning.py): the windowed cache the draft model
+    # drafted fastest with after ``window_context`` tokens, ``window_sinks`` first ones kept, and its
+    # speed-up over the full cache there (0: not searched, or the full cache won).
+    window: int = 0
+    window_sinks: int = 0
+    window_context: int = 0
+    window_speedup: float = 0.0
 
     def apply(self, engine: SpeculativeEngine) -> None:
         """Let ``engine``'s controllers start from these measurements (generate, chat, bench):
@@ -425,11 +432,13 @@ def _checked_result(raw) -> TuneResult:
                        ("gate_off_gap", MAX_DRAFT_OFF_GAP)):
         if name in values:
             values[name] = checked_number(name, values[name], 0, high, integer=True)
-    if "costs_context" in values:
-        values["costs_context"] = checked_number("costs_context", values["costs_context"], 0, MAX_COST_TOKENS,
-                                                 integer=True)
+    for name, high in (("costs_context", MAX_COST_TOKENS), ("window", MAX_COST_TOKENS), ("window_sinks", 1024),
+                       ("window_context", MAX_COST_TOKENS)):
+        if name in values:
+            values[name] = checked_number(name, values[name], 0, high, integer=True)
     for name, high in (("speedup", MAX_MEASURE), ("acceptance", 1), ("best_min_prob", 1), ("first_acceptance", 1),
-                       ("target_per_context", MAX_MEASURE), ("draft_per_context", MAX_MEASURE)):
+                       ("target_per_context", MAX_MEASURE), ("draft_per_context", MAX_MEASURE),
+                       ("window_speedup", MAX_MEASURE)):
         if name in values:
             values[name] = checked_number(name, values[name], 0, high)
     if "learned" in values and not isinstance(values["learned"], bool):

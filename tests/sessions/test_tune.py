@@ -190,3 +190,65 @@ def test_a_version_1_tune_file_still_loads_and_starts_only_the_target_costs(conf
     assert loaded.target_costs == {1: 0.002} and loaded.draft_costs == {}
     assert loaded.first_acceptance == 0.0  # not measured then: runs keep the default prior
     assert CliRunner().invoke(app, ["tune", "--show"]).exit_code == 0
+
+
+# ---- --window-search: the windowed draft cache kept for long contexts (issue 53) ----------------
+def test_the_window_search_times_every_window_smaller_than_the_prompt_and_keeps_the_fastest():
+    from fake_models import hashed_logits
+    from specrun.backends.fake import FakeBackend
+    from specrun.sessions.window_tuning import FULL, search_window
+
+    target, draft = FakeBackend(hashed_logits(8, salt=1), 8), FakeBackend(hashed_logits(8, salt=2), 8)
+    rounds = []
+    choice = search_window(target, draft, [1 + i % 7 for i in range(300)], 8, 3,
+                           on_progress=lambda done, total: rounds.append((done, total)))
+    assert set(choice.rates) == {FULL, "window 128", "window 256"}  # 4 + 512 + 64 is not under 300
+    assert rounds == [(1, 2), (2, 2)] and choice.context == 300 and choice.sinks == 4
+    best = max(choice.rates, key=choice.rates.get)
+    assert choice.window == (0 if best == FULL else int(best.split()[-1]))
+    assert choice.speedup == pytest.approx(choice.rates[best] / choice.rates[FULL])
+
+
+def test_a_kept_window_is_what_later_runs_draft_with_unless_they_choose(tmp_path):
+    import dataclasses
+
+    from fake_models import hashed_logits
+    from specrun.backends.fake import FakeBackend
+    from specrun.backends.window import WindowedBackend
+    from specrun.registry.loading import LoadOptions
+    from specrun.sessions import tuning
+    from specrun.sessions.setup import tuned_window
+
+    draft = FakeBackend(hashed_logits(8, salt=2), 8, n_ctx=4096)
+    tuned = tuning.TuneResult("k", "t", "d", "m", 4, 1.2, window=256, window_sinks=4, window_context=4096,
+                              window_speedup=1.41)
+    notes = []
+    windowed = tuned_window(draft, tuned, LoadOptions(), notes.append)
+    assert isinstance(windowed, WindowedBackend) and (windowed.window, windowed.sinks, windowed.owns) == (256, 4, True)
+    assert notes == ["the draft reads its first 4 tokens and its last 256 (`specrun tune --window-search` after "
+                     "4,096 tokens: 1.41x its full cache); --window N sets another"]
+    assert tuned_window(draft, tuned, LoadOptions(window=64), notes.append) is draft  # --window chose
+    assert tuned_window(draft, dataclasses.replace(tuned, window=0), LoadOptions(), notes.append) is draft
+    assert tuned_window(windowed, tuned, LoadOptions(), notes.append) is windowed and len(notes) == 1
+    path = tmp_path / "tuned.json"
+    tuning.save(tuned, path)
+    assert tuning.load("k", path) == tuned
+    raw = json.loads(path.read_text())
+    raw["pairs"]["k"]["window"] = -1
+    path.write_text(json.dumps(raw))
+    with pytest.raises(Exception, match="window"):
+        tuning.load("k", path)
+
+
+def test_tune_window_search_saves_the_draft_cache_it_timed(config_home, tiny_llama):
+    path = str(tiny_llama.gguf_path)
+    runner = CliRunner()
+    lonely = runner.invoke(app, ["tune", "-t", path, "-d", path, "--window-context", "512"])
+    assert lonely.exit_code == 2 and "--window-context sizes the window search, which is off" in lonely.output
+    result = runner.invoke(app, ["tune", "-t", path, "-d", path, "--prompts", "1", "-n", "8", "--window-search",
+                                 "--window-context", "600"])
+    assert result.exit_code == 0, result.output
+    # the tiny model's context is 512 tokens: the prompt is what is left beside 8 new ones
+    assert "window search: 488 tokens of prompt" in result.output and "draft cache after 488 tokens:" in result.output
+    (entry,) = json.loads((config_home / "specrun" / "tuned.json").read_text())["pairs"].values()
+    assert entry["window_context"] == 488 and entry["window"] in (0, 128, 256) and entry["window_speedup"] > 0
