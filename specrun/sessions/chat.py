@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import codecs
 import dataclasses
-import functools
 import itertools
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -47,6 +46,7 @@ from specrun.sessions.setup import (
     default_trees,
     load_target_entry,
     load_tuned,
+    tuned_key_model,
     tuned_window,
     remember_run,
     resolve_draft_len,
@@ -536,9 +536,12 @@ def open_chat(
     """
     check_method(method)
     target, draft = open_pair(target_spec, draft_spec if needs_draft_model(method) else None, options, on_note)
-    load_draft = None
-    if draft is None and draft_spec is not None:
-        load_draft = functools.partial(open_settled_draft, target, target_spec, draft_spec, options, on_note)
+
+    def opened_draft():  # for a /method that needs one: through the window tune kept, as one loaded now is
+        loaded = open_settled_draft(target, target_spec, draft_spec, options, on_note)
+        return tuned_window(loaded, load_tuned(target, loaded, options.threads), options, on_note)
+
+    load_draft = opened_draft if draft is None and draft_spec is not None else None
     try:
         drafter_options = DrafterOptions(branches=branches, lookahead=lookahead)
         if ngram_cache is not None:
@@ -571,7 +574,7 @@ def open_chat(
                            load_heads=load_heads,
                            draft_len=draft_len, draft_min_prob=draft_min_prob, tuned=tuned,
                            drafter_options=drafter_options,
-                           find_tuned=lambda loaded: load_tuned(target, loaded, options.threads),
+                           find_tuned=lambda loaded: load_tuned(target, tuned_key_model(loaded), options.threads),
                            threads=options.threads, chain=chain, tree_nodes=tree_nodes, on_note=on_note,
                            tools=tools, tool_choice=tool_choice, verification=verification, learn=learn)
     except BaseException:

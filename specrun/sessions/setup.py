@@ -127,11 +127,18 @@ def tuned_window(draft, tuned, options, on_note=None):
 
     chosen = dataclasses.replace(options, window=tuned.window, sinks=tuned.window_sinks)
     windowed = open_window_draft(draft, chosen, owns=True, on_note=on_note)
+    if windowed is not draft:
+        windowed.tuned_window = True  # its settings are found under the draft model's own key (tuned_key_model)
     if windowed is not draft and on_note is not None:
         on_note(f"the draft reads its first {tuned.window_sinks} tokens and its last {tuned.window} "
                 f"(`specrun tune --window-search` after {tuned.window_context:,} tokens: "
                 f"{tuned.window_speedup:.2f}x its full cache); --window N sets another")
     return windowed
+
+
+def tuned_key_model(draft):
+    """The draft whose tune entry a run reads: a window ``tuned_window`` opened reads its model's."""
+    return draft.parent if getattr(draft, "tuned_window", False) else draft
 
 
 def load_target_entry(target, threads):

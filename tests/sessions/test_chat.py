@@ -253,6 +253,34 @@ def test_a_draft_loaded_by_method_brings_its_tuned_settings(tiny_llama, tmp_path
         assert session.draft_len == ADAPTIVE_MAX_DRAFT_LEN
 
 
+def test_a_draft_loaded_by_method_drafts_through_the_window_tune_kept(tiny_llama, tmp_path, monkeypatch):
+    """`specrun tune --window-search` kept a window: a draft loaded by /method drafts through it,
+    as one loaded at the start does, and still finds its tuned settings; the text is plain's."""
+    from specrun.backends.window import WindowedBackend
+    from specrun.sessions import tuning
+
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
+    path = str(tiny_llama.gguf_path)
+    target, draft = open_settled_pair(path, path, OPTIONS)
+    key = tuning.pair_key(target, draft, OPTIONS.threads)
+    target.close()
+    draft.close()
+    tuning.save(tuning.TuneResult(key, path, path, tuning.machine_id(), best_draft_len=3, speedup=1.2,
+                                  best_min_prob=0.3, window=128, window_sinks=4, window_context=480,
+                                  window_speedup=1.3))
+    notes = []
+    with open_chat(path, path, "none", OPTIONS, on_note=notes.append) as session:
+        plain = answer(session, "hello there")
+        session.set_method("draft")
+        assert isinstance(session.draft, WindowedBackend) and session.draft.window == 128
+        assert session.engine.drafter.min_prob == 0.3  # the pair's entry, found through the window
+        session.reset()  # a new conversation: the same question
+        assert answer(session, "hello there").text == plain.text
+    assert any("its last 128 (`specrun tune --window-search`" in note for note in notes)
+    with open_chat(path, path, "draft", OPTIONS) as session:
+        assert isinstance(session.draft, WindowedBackend) and session.engine.drafter.min_prob == 0.3
+
+
 # ---- templates ------------------------------------------------------------------------
 EVIL_TEMPLATES = [
     "{{ messages.__class__.__mro__[1].__subclasses__() }}",
