@@ -22,6 +22,7 @@ from specrun.cli.options import (
     MaxTokensOpt,
     RegistryOpt,
     RpcOpt,
+    SinksOpt,
     TargetOpt,
     ThreadsOpt,
     TunePromptsOpt,
@@ -56,6 +57,7 @@ def tune(
         typer.Option("--window-context", help="With --window-search: the prompt's tokens (default 4096, at most the "
                      "context less --max-tokens)."),
     ] = None,
+    sinks: SinksOpt = None,
 ) -> None:
     """Measure plain decoding, each draft length and confidence stops on this machine; later runs start from them.
 
@@ -91,20 +93,24 @@ def tune(
             return
         if budget is not None:
             raise UsageError("--budget is the layer search's (--draft self:layers)", "drop --budget")
-        if window_context is not None and not window_search:
-            raise UsageError("--window-context sizes the window search, which is off", "add --window-search")
+        for given, value in (("--window-context", window_context), ("--sinks", sinks)):
+            if value is not None and not window_search:
+                raise UsageError(f"{given} sizes the window search, which is off", "add --window-search")
         if window_context is not None:
             check_range("--window-context", window_context, 256, 1 << 20)
+        if sinks is not None:
+            check_range("--sinks", sinks, 1, 1024)  # none at all: attention loses what it leans on
         load = LoadOptions(backend=backend, threads=threads, registry=registry, rpc=rpc_servers,
                            flash_attn=flash_attn, exact=exact, n_ctx=ctx)
         search = (window_context or window_tuning.DEFAULT_CONTEXT) if window_search else None
-        result = run_tune(target, draft, prompts, max_tokens, load, search)
+        result = run_tune(target, draft, prompts, max_tokens, load, search, sinks)
         path = tuning.save(result)
         out.print(render([result]))
         typer.echo(f"saved to {path}", err=True)
 
 
-def run_tune(target, draft, n_prompts, max_tokens, load, window_context: int | None = None):
+def run_tune(target, draft, n_prompts, max_tokens, load, window_context: int | None = None,
+             sinks: int | None = None):
     from specrun.sessions import tuning
     from specrun.errors import UsageError
     from specrun.registry.loading import choose_pair
@@ -132,17 +138,19 @@ def run_tune(target, draft, n_prompts, max_tokens, load, window_context: int | N
         )
         if window_context is None:
             return result
-        return with_window(result, target_backend, draft_backend, window_context, max_tokens, err)
+        return with_window(result, target_backend, draft_backend, window_context, max_tokens, err, sinks)
     finally:
         target_backend.close()
         draft_backend.close()
 
 
-def with_window(result, target, draft, context: int, max_tokens: int, err):
+def with_window(result, target, draft, context: int, max_tokens: int, err, sinks: int | None = None):
     """``result`` with the windowed cache the draft drafts fastest with after ``context`` tokens
-    (sessions/window_tuning.py), at most the context less ``max_tokens``."""
+    (sessions/window_tuning.py), at most the context less ``max_tokens``, keeping ``sinks`` first
+    tokens (None: StreamingLLM's 4)."""
     import dataclasses
 
+    from specrun.backends.window import SINKS
     from specrun.errors import UsageError
     from specrun.sessions.window_tuning import long_prompt, search_window
 
@@ -153,8 +161,10 @@ def with_window(result, target, draft, context: int, max_tokens: int, err):
         raise UsageError(f"--window-search times windowed caches after a long prompt, and {why}",
                          "pass --ctx 8192 (or more), or drop --window-search")
     prompt = long_prompt(target, min(context, room))
-    err.print(f"window search: {len(prompt):,} tokens of prompt, the full cache and windows of 128-1024")
+    err.print(f"window search: {len(prompt):,} tokens of prompt; full cache, windows 128-1024, "
+              f"{SINKS if sinks is None else sinks} sinks", highlight=False)
     choice = search_window(target, draft, prompt, max_tokens, result.best_draft_len or 4,
+                           sinks=SINKS if sinks is None else sinks,
                            on_progress=lambda done, total: err.print(f"window search: round {done}/{total}"))
     rates = ", ".join(f"{name} {rate:.1f}" for name, rate in choice.rates.items())
     err.print(f"window search (tok/s after {choice.context:,} tokens): {rates}", highlight=False)

@@ -243,12 +243,17 @@ def test_a_kept_window_is_what_later_runs_draft_with_unless_they_choose(tmp_path
 def test_tune_window_search_saves_the_draft_cache_it_timed(config_home, tiny_llama):
     path = str(tiny_llama.gguf_path)
     runner = CliRunner()
-    lonely = runner.invoke(app, ["tune", "-t", path, "-d", path, "--window-context", "512"])
-    assert lonely.exit_code == 2 and "--window-context sizes the window search, which is off" in lonely.output
+    for lonely in (["--window-context", "512"], ["--sinks", "8"]):
+        refused = runner.invoke(app, ["tune", "-t", path, "-d", path, *lonely])
+        assert refused.exit_code == 2 and f"{lonely[0]} sizes the window search, which is off" in refused.output
+    zero = runner.invoke(app, ["tune", "-t", path, "-d", path, "--window-search", "--sinks", "0"])
+    assert zero.exit_code == 2 and "--sinks" in zero.output
     result = runner.invoke(app, ["tune", "-t", path, "-d", path, "--prompts", "1", "-n", "8", "--window-search",
-                                 "--window-context", "600"])
+                                 "--window-context", "600", "--sinks", "8"])
     assert result.exit_code == 0, result.output
     # the tiny model's context is 512 tokens: the prompt is what is left beside 8 new ones
-    assert "window search: 488 tokens of prompt" in result.output and "draft cache after 488 tokens:" in result.output
+    assert "window search: 488 tokens of prompt; full cache, windows 128-1024, 8 sinks" in result.output
+    assert "draft cache after 488 tokens:" in result.output
     (entry,) = json.loads((config_home / "specrun" / "tuned.json").read_text())["pairs"].values()
     assert entry["window_context"] == 488 and entry["window"] in (0, 128, 256) and entry["window_speedup"] > 0
+    assert entry["window_sinks"] == (8 if entry["window"] else 0)
