@@ -143,8 +143,10 @@ class Learner:
 
     kind = ""
     step_positions = BATCH_POSITIONS  # about what a step trains on (``caught_up``)
-    score_at_close = True  # windows still waiting at ``close`` are scored (cheap for heads)
-    publish_at_close = True  # and the weights published once more
+    # At ``close``, the windows still waiting are scored and trained on within the budget and the
+    # weights published once more (heads: cheap, and they may be kept). False: they are only
+    # counted (a draft model's adapters last the run; each of those would cost seconds on a CPU).
+    finish_at_close = True
 
     def __init__(self, settings: LearnSettings, depth: int, *, seed: int = 0, inline: bool = False,
                  inline_steps: int = 1, clock: Callable[[], float] = time.monotonic,
@@ -434,14 +436,13 @@ class Learner:
         self._closed = True
         self._flush()
         started = self._cpu_clock()
-        # windows still waiting are kept; a draft model's are not scored, nor its weights published
-        # again for no drafter: they would merely delay the command's end (seconds each on a CPU)
-        self._take_windows(score=self.score_at_close or self._inline)
-        while self._may_step(idle=False) and self._step():
+        finish = self.finish_at_close or self._inline  # the class attribute's comment says why not
+        self._take_windows(score=finish)
+        while finish and self._may_step(idle=False) and self._step():
             self._busy_cpu += self._cpu_clock() - started
             started = self._cpu_clock()
         self._busy_cpu += self._cpu_clock() - started
-        if self.publish_at_close or self._inline:
+        if finish:
             self._publish()
 
     def report(self, kept: Path | None = None) -> LearnReport:

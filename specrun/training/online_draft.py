@@ -79,8 +79,7 @@ class DraftLearner(Learner):
     """One draft model learning from what the target verifies (see the module's docstring)."""
 
     kind = "draft"
-    score_at_close = False  # a forward pass a window: seconds on a CPU, for the report only
-    publish_at_close = False  # no drafter takes them any more
+    finish_at_close = False  # no drafter takes its weights any more, and nothing keeps them
 
     def __init__(self, draft, settings: LearnSettings = LearnSettings(), *, learning_rate: float = LEARNING_RATE,
                  seed: int = 0, window: int = WINDOW_TOKENS, inline: bool = False, inline_steps: int = 1,
