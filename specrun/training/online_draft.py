@@ -122,10 +122,6 @@ class DraftLearner(Learner):
         if self._inline:
             self._work_inline()
 
-    @property
-    def buffered_positions(self) -> int:
-        return self._buffered
-
     def _cut(self, count: int) -> None:
         stop = self._label_from + count
         self._hand(TokenWindow(np.asarray(self._tokens[:stop], np.int64), self._label_from))
