@@ -38,6 +38,11 @@ class HybridShape:
     experts: int = 0  # Qwen3.5-MoE (``qwen35moe``): every FFN routed experts plus a gated shared expert
     experts_used: int = 2
     expert_ffn: int = 64
+    next: bool = False  # Qwen3-Next (``qwen3next``, experts required): beta and alpha in one ssm_ba, no MRoPE
+
+    @property
+    def arch(self) -> str:
+        return "qwen3next" if self.next else "qwen35moe" if self.experts else "qwen35"
 
 
 def _ffn_shapes(shape: HybridShape, b: str) -> dict[str, tuple[int, ...]]:
@@ -63,11 +68,12 @@ def hybrid_shapes(shape: HybridShape, mtp_layers: int = 0) -> dict[str, tuple[in
         shapes.update({f"{b}.attn_norm.weight": (h,), f"{b}.post_attention_norm.weight": (h,),
                        **_ffn_shapes(shape, b)})
         if (i + 1) % shape.full_attention_interval:
+            beta_alpha = {f"{b}.ssm_ba.weight": (2 * shape.v_heads, h)} if shape.next else \
+                {f"{b}.ssm_beta.weight": (shape.v_heads, h), f"{b}.ssm_alpha.weight": (shape.v_heads, h)}
             shapes.update({
                 f"{b}.attn_qkv.weight": (2 * key_dim + value_dim, h), f"{b}.attn_gate.weight": (value_dim, h),
                 f"{b}.ssm_conv1d.weight": (2 * key_dim + value_dim, shape.conv_kernel),
-                f"{b}.ssm_dt.bias": (shape.v_heads,), f"{b}.ssm_a": (shape.v_heads,),
-                f"{b}.ssm_beta.weight": (shape.v_heads, h), f"{b}.ssm_alpha.weight": (shape.v_heads, h),
+                f"{b}.ssm_dt.bias": (shape.v_heads,), f"{b}.ssm_a": (shape.v_heads,), **beta_alpha,
                 f"{b}.ssm_norm.weight": (shape.state,), f"{b}.ssm_out.weight": (h, value_dim),
             })
         else:
@@ -112,9 +118,10 @@ def hybrid_weights(shape: HybridShape, seed: int = 0, mtp_layers: int = 0) -> di
 
 
 def write_hybrid_gguf(path: Path, shape: HybridShape, weights: dict[str, np.ndarray], mtp_layers: int = 0) -> Path:
-    """The model as llama.cpp's ``qwen35`` GGUF (``qwen35moe`` with experts); with ``mtp_layers``
-    its MTP block(s) too (the weights must hold them)."""
-    arch = "qwen35moe" if shape.experts else "qwen35"
+    """The model as llama.cpp's ``qwen35`` GGUF (``qwen35moe`` with experts, ``qwen3next`` for
+    Qwen3-Next's); with ``mtp_layers`` its MTP block(s) too (the weights must hold them)."""
+    assert shape.experts or not shape.next, "Qwen3-Next's layers are MoE layers"
+    arch = shape.arch
     writer = gguf.GGUFWriter(path, arch)
     writer.add_name("specrun-tiny-hybrid")
     writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
@@ -130,7 +137,8 @@ def write_hybrid_gguf(path: Path, shape: HybridShape, weights: dict[str, np.ndar
     writer.add_key_length(shape.head_dim)
     writer.add_value_length(shape.head_dim)
     writer.add_rope_dimension_count(shape.rope_dims)
-    writer.add_rope_dimension_sections([shape.rope_dims // 4, shape.rope_dims // 8, shape.rope_dims // 8, 0])
+    if not shape.next:  # Qwen3.5's interleaved MRoPE (text alone: every section reads the same position)
+        writer.add_rope_dimension_sections([shape.rope_dims // 4, shape.rope_dims // 8, shape.rope_dims // 8, 0])
     writer.add_rope_freq_base(shape.rope_theta)
     writer.add_layer_norm_rms_eps(shape.eps)
     writer.add_ssm_conv_kernel(shape.conv_kernel)
@@ -197,19 +205,52 @@ _HF_MTP = {
     "attn_k_norm.weight": "mtp.layers.0.self_attn.k_norm.weight",
     "ffn_gate.weight": "mtp.layers.0.mlp.gate_proj.weight", "ffn_up.weight": "mtp.layers.0.mlp.up_proj.weight",
     "ffn_down.weight": "mtp.layers.0.mlp.down_proj.weight",
+    "ffn_gate_inp.weight": "mtp.layers.0.mlp.gate.weight",
+    "ffn_gate_shexp.weight": "mtp.layers.0.mlp.shared_expert.gate_proj.weight",
+    "ffn_up_shexp.weight": "mtp.layers.0.mlp.shared_expert.up_proj.weight",
+    "ffn_down_shexp.weight": "mtp.layers.0.mlp.shared_expert.down_proj.weight",
 }
+_NORMS = (".input_layernorm.weight", ".post_attention_layernorm.weight", "model.norm.weight", ".q_norm.weight",
+          ".k_norm.weight")
+
+
+def hf_mtp_tensors(shape: HybridShape, weights: dict[str, np.ndarray], fused_experts: bool) -> dict[str, np.ndarray]:
+    """``weights``' MTP block (GGUF names) under Qwen's checkpoint names (``mtp.*``), its norms
+    zero-centred (weight - 1) as those checkpoints store them; routed experts fused
+    (``experts.gate_up_proj``, ``experts.down_proj``: Qwen3.5-MoE's) or one by one (Qwen3-Next's)."""
+    block, experts = f"blk.{shape.layers}.", "mtp.layers.0.mlp.experts"
+    tensors = {}
+    for name, value in weights.items():
+        if not name.startswith(block):
+            continue
+        rest = name[len(block):]
+        if rest == "ffn_gate_inp_shexp.weight":
+            tensors["mtp.layers.0.mlp.shared_expert_gate.weight"] = value.reshape(1, -1)
+        elif rest.endswith("_exps.weight") and fused_experts:
+            if rest.startswith("ffn_down"):
+                tensors[f"{experts}.down_proj"] = value
+            elif rest.startswith("ffn_gate"):
+                tensors[f"{experts}.gate_up_proj"] = np.concatenate([value, weights[f"{block}ffn_up_exps.weight"]], axis=1)
+        elif rest.endswith("_exps.weight"):
+            part = rest.split("_")[1]
+            for index in range(value.shape[0]):
+                tensors[f"{experts}.{index}.{part}_proj.weight"] = value[index]
+        else:
+            tensors[_HF_MTP[rest]] = value - 1.0 if rest.endswith("norm.weight") else value
+    return {name: np.ascontiguousarray(value, np.float32) for name, value in tensors.items()}
 
 
 def write_qwen35_mlx_folder(folder: Path, shape: HybridShape, weights: dict[str, np.ndarray]) -> Path:
-    """A Qwen3.5 folder mlx-lm loads (its ``qwen3_5`` model, a text model in a multimodal wrapper:
-    random trunk weights of mlx-lm's own layout, seeded) carrying ``weights``' MTP block (GGUF
-    names, as hybrid_weights(..., mtp_layers=1) gives it) under Qwen3.5's checkpoint names
-    (``mtp.*``), its norms zero-centred (weight - 1) as those checkpoints store them."""
+    """A Qwen3.5 folder mlx-lm loads (its ``qwen3_5`` model, a text model in a multimodal wrapper;
+    ``qwen3_5_moe`` with experts, ``qwen3_next`` for Qwen3-Next's layout: random trunk weights of
+    mlx-lm's own layout, seeded; Qwen3-Next's in its checkpoints' layout, experts one by one, as
+    mlx-lm's loader reads it) carrying ``weights``' MTP block (GGUF names, as hybrid_weights(...,
+    mtp_layers=1) gives it) under Qwen's checkpoint names (``mtp.*``, hf_mtp_tensors)."""
     import json
 
     import mlx.core as mx
     from mlx.utils import tree_flatten
-    from mlx_lm.models import qwen3_5
+    from mlx_lm.models import qwen3_5, qwen3_next
 
     from specrun.modelkit.hf_io import tokenizer_config_dict
 
@@ -224,20 +265,39 @@ def write_qwen35_mlx_folder(folder: Path, shape: HybridShape, weights: dict[str,
                 rope_parameters={"type": "default", "mrope_section": [2, 1, 1], "rope_theta": shape.rope_theta,
                                  "partial_rotary_factor": shape.rope_dims / shape.head_dim},
                 partial_rotary_factor=shape.rope_dims / shape.head_dim, rope_theta=shape.rope_theta)
+    if shape.experts:
+        text.update(num_experts=shape.experts, num_experts_per_tok=shape.experts_used, decoder_sparse_step=1,
+                    moe_intermediate_size=shape.expert_ffn, shared_expert_intermediate_size=shape.expert_ffn,
+                    norm_topk_prob=True, mlp_only_layers=[])
     mx.random.seed(0)
-    trunk = dict(tree_flatten(qwen3_5.Model(qwen3_5.ModelArgs(model_type="qwen3_5", text_config=text)).parameters()))
+    if shape.next:
+        del text["rope_parameters"], text["mtp_num_hidden_layers"]  # Qwen3-Next's config names no MTP layers
+        config = dict(text, model_type="qwen3_next", bos_token_id=1, eos_token_id=2)
+        model = qwen3_next.Model(qwen3_next.ModelArgs.from_dict(config))
+    else:
+        text["model_type"] = "qwen3_5_moe_text" if shape.experts else "qwen3_5_text"
+        config = {"model_type": "qwen3_5_moe" if shape.experts else "qwen3_5", "text_config": text,
+                  "bos_token_id": 1, "eos_token_id": 2, "tie_word_embeddings": False}
+        model = qwen3_5.Model(qwen3_5.ModelArgs(model_type="qwen3_5", text_config=text))
+    trunk = dict(tree_flatten(model.parameters()))
     for name, value in trunk.items():  # mlx's default init leaves the mixers negligible
-        if value.ndim == 2 and "embed" not in name:
+        if value.ndim >= 2 and "embed" not in name and "conv1d" not in name:
             trunk[name] = 1.5 / value.shape[-1] ** 0.5 * mx.random.normal(value.shape)
-    block = f"blk.{shape.layers}."
-    for name, value in weights.items():
-        if name.startswith(block):
-            rest = name[len(block):]
-            stored = value - 1.0 if rest.endswith("norm.weight") else value
-            trunk[_HF_MTP[rest]] = mx.array(np.asarray(stored, np.float32))
+    if shape.next:  # the checkpoint's layout mlx-lm's sanitize turns into its own
+        for name in list(trunk):
+            value = trunk[name]
+            if ".switch_mlp." in name:
+                del trunk[name]
+                for index in range(value.shape[0]):
+                    trunk[name.replace(".switch_mlp.", f".experts.{index}.")] = value[index]
+            elif "conv1d.weight" in name:
+                trunk[name] = value.moveaxis(2, 1)
+            elif name.endswith(_NORMS) and value.ndim == 1:
+                trunk[name] = value - 1.0
+    for name, value in hf_mtp_tensors(shape, weights, fused_experts=not shape.next).items():
+        trunk[name] = mx.array(value)
     mx.save_safetensors(str(folder / "model.safetensors"), trunk)
-    (folder / "config.json").write_text(json.dumps({"model_type": "qwen3_5", "text_config": text,
-                                                    "bos_token_id": 1, "eos_token_id": 2, "tie_word_embeddings": False}))
+    (folder / "config.json").write_text(json.dumps(config))
     tokenizer_json = tiny_tokenizer_json(VOCAB_SIZE)
     (folder / "tokenizer.json").write_text(tokenizer_json, encoding="utf-8")
     ids = ModelConfig(arch="llama", vocab_size=VOCAB_SIZE, hidden_size=shape.hidden, intermediate_size=shape.ffn,

@@ -31,11 +31,11 @@ from specrun.modelkit.gguf_io import read_fields
 
 # Architectures whose MTP layers specrun reads (those llama.cpp runs its draft-mtp with, too, are
 # named in the refusal: a user with one of them learns it is the layout, not the file).
-READABLE = ("glm4moe", "qwen35", "qwen35moe")
-_GATED_ATTENTION = ("qwen35", "qwen35moe")  # q_proj gives each head's queries and its gate
+READABLE = ("glm4moe", "qwen35", "qwen35moe", "qwen3next")
+_GATED_ATTENTION = ("qwen35", "qwen35moe", "qwen3next")  # q_proj gives each head's queries and its gate
 # Architectures whose MTP block's experts llama.cpp routes by softmax with weights summed to one,
 # whatever the file says (its graph_mtp hard-codes them), and whose shared expert is gated.
-_SOFTMAX_ROUTED = ("qwen35moe",)
+_SOFTMAX_ROUTED = ("qwen35moe", "qwen3next")
 CARRIERS = ("deepseek2", "glm4moe", "qwen35", "qwen35moe", "qwen3next", "mimo2", "step35")
 _GATINGS = {1: "softmax", 2: "sigmoid"}  # llama.cpp's expert_gating_func values
 _PLAIN_TYPES = (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16)
@@ -107,8 +107,8 @@ def _split_tensors(path: Path, reader, fields: dict) -> tuple[dict, dict[str, Pa
 
 def carriers_refusal(target: str, detail: str = "") -> UsageError:
     """The one line for a target that carries no MTP layers: which models do."""
-    return UsageError(f"{target} carries no MTP layers{detail}; models that do: DeepSeek-V3, GLM-4.5, Qwen3.5/3.6, "
-                      f"MiMo, Step-3.5 (llama.cpp architectures {', '.join(CARRIERS)})",
+    return UsageError(f"{target} carries no MTP layers{detail}; models that do: DeepSeek-V3, GLM-4.5, Qwen3-Next, "
+                      f"Qwen3.5/3.6, MiMo, Step-3.5 (llama.cpp architectures {', '.join(CARRIERS)})",
                       "use another method, or a GGUF converted with its MTP (nextn) layers")
 
 
@@ -233,7 +233,10 @@ def read_mtp_gguf(path: str | Path, depth: int = DEFAULT_DEPTH) -> MtpHeads:
 
 # Hugging Face model types whose MTP layers specrun reads from a folder, and the GGUF architecture
 # each is (the refusals name the same models).
-FOLDER_TYPES = {"glm4_moe": "glm4moe", "qwen3_5": "qwen35"}
+FOLDER_TYPES = {"glm4_moe": "glm4moe", "qwen3_5": "qwen35", "qwen3_5_moe": "qwen35moe", "qwen3_next": "qwen3next"}
+# Those whose MTP block sits under ``mtp.*`` (Qwen's checkpoints) rather than as model.layers.N.
+_QWEN_MTP = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
+_QWEN_MTP_LAYER = re.compile(r"^(?:model\.)?mtp\.layers\.(\d+)\.")
 MAX_FOLDER_CONFIG_BYTES = 16 * MiB
 
 
@@ -261,7 +264,20 @@ def folder_mtp_layers(folder: str | Path) -> int:
         return 0
     text = _text_config(config)
     count = text.get("num_nextn_predict_layers") or text.get("mtp_num_hidden_layers") or 0
+    if not count and config.get("model_type") == "qwen3_next":
+        count = _counted_mtp_layers(Path(folder))
     return count if isinstance(count, int) and count > 0 else 0
+
+
+def _counted_mtp_layers(folder: Path) -> int:
+    """How many ``mtp.layers.N`` blocks the folder's safetensors hold (Qwen3-Next's config names
+    none; llama.cpp's converter counts them the same way); 0 where they cannot be listed."""
+    try:
+        names = _tensor_files(folder)
+    except (ModelFileError, OSError, ValueError):
+        return 0
+    found = [int(match.group(1)) for match in map(_QWEN_MTP_LAYER.match, names) if match]
+    return max(found) + 1 if found else 0
 
 
 def read_mtp_folder(folder: str | Path, depth: int = DEFAULT_DEPTH) -> MtpHeads:
@@ -285,8 +301,8 @@ def read_mtp_folder(folder: str | Path, depth: int = DEFAULT_DEPTH) -> MtpHeads:
         raise ModelFileError(f"{folder.name} is quantized: specrun reads MTP layers of float checkpoints only so far",
                              "use the model's float checkpoint, or another method")
     files = _tensor_files(folder)
-    if model_type == "qwen3_5":
-        return _qwen35_folder(folder, _text_config(config), files, count, depth)
+    if model_type in _QWEN_MTP:
+        return _qwen_folder(folder, _text_config(config), FOLDER_TYPES[model_type], files, count, depth)
     opened: dict[Path, TensorsFile] = {}
     hidden, vocab = int(config["hidden_size"]), int(config["vocab_size"])
     block = int(config["num_hidden_layers"])
@@ -384,12 +400,14 @@ def _tensor_files(folder: Path) -> dict[str, Path]:
     return dict.fromkeys(TensorsFile(single).tensors, single)
 
 
-def _qwen35_folder(folder: Path, config: dict, files: dict[str, Path], count: int, depth: int) -> MtpHeads:
-    """Qwen3.5's MTP layer as its checkpoints hold it (``mtp.*``, the names llama.cpp's converter
-    maps: fc the eh_proj, pre_fc_norm_embedding and pre_fc_norm_hidden the enorm and hnorm, norm the
-    head norm, layers.0 a gated-attention block), its norms zero-centred (stored as weight - 1) as
-    the model's own are; the target's embedding and head under the text model's names (Hugging
-    Face's, or mlx-lm's once converted)."""
+def _qwen_folder(folder: Path, config: dict, arch: str, files: dict[str, Path], count: int, depth: int) -> MtpHeads:
+    """The MTP layer of Qwen3.5, Qwen3.5-MoE or Qwen3-Next (``arch`` qwen35, qwen35moe, qwen3next)
+    as their checkpoints hold it (``mtp.*`` or ``model.mtp.*``, the names llama.cpp's converter
+    maps: fc the eh_proj, pre_fc_norm_embedding and pre_fc_norm_hidden the enorm and hnorm, norm
+    the head norm, layers.0 a gated-attention block whose MLP is dense, or routed experts beside a
+    gated shared expert), its norms zero-centred (stored as weight - 1) as the model's own are; the
+    target's embedding and head under the text model's names (Hugging Face's, or mlx-lm's once
+    converted)."""
     from specrun.heads.files import TensorsFile
 
     opened: dict[Path, TensorsFile] = {}
@@ -405,19 +423,24 @@ def _qwen35_folder(folder: Path, config: dict, files: dict[str, Path], count: in
         raise ModelFileError(f"{folder.name} says it carries MTP layers but lacks {names[0]}",
                              "download the model again with its MTP layers, or use another method")
 
+    def mtp(name: str, shape: tuple[int, ...], norm: bool = False) -> np.ndarray:
+        return tensor((f"mtp.{name}", f"model.mtp.{name}"), shape, norm=norm)
+
     heads_count = int(config["num_attention_heads"])
     kv_count = int(config.get("num_key_value_heads", heads_count))
     head_dim = int(config.get("head_dim") or hidden // heads_count)
     rope = config.get("rope_parameters") if isinstance(config.get("rope_parameters"), dict) else {}
     partial = float(rope.get("partial_rotary_factor", config.get("partial_rotary_factor", 0.25)))
+    experts = int(config.get("num_experts") or 0) if arch != "qwen35" else 0
     layout = MtpLayout(
-        arch="qwen35", num_attention_heads=heads_count, num_key_value_heads=kv_count, head_dim=head_dim,
+        arch=arch, num_attention_heads=heads_count, num_key_value_heads=kv_count, head_dim=head_dim,
         rope_dims=int(head_dim * partial), rope_theta=float(rope.get("rope_theta", config.get("rope_theta", 1e7))),
         rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)), gated_attention=True,
+        experts=experts, experts_used=int(config.get("num_experts_per_tok") or 0) if experts else 0,
+        gating="softmax" if experts else "sigmoid", normalize_weights=bool(experts),  # as llama.cpp routes them
     )
-    width = int(config["intermediate_size"])
     q_width, kv_width = heads_count * head_dim, kv_count * head_dim
-    block = "mtp.layers.0"
+    block = "layers.0"
     embed = tensor(("model.language_model.embed_tokens.weight", "language_model.model.embed_tokens.weight",
                     "model.embed_tokens.weight"), (vocab, hidden), half=True)
     if config.get("tie_word_embeddings"):
@@ -426,23 +449,52 @@ def _qwen35_folder(folder: Path, config: dict, files: dict[str, Path], count: in
         lm_head = tensor(("lm_head.weight", "language_model.lm_head.weight"), (vocab, hidden), half=True)
     arrays = dict(
         embed=embed, lm_head=lm_head,
-        eh_proj=tensor(("mtp.fc.weight",), (hidden, 2 * hidden)),
-        enorm=tensor(("mtp.pre_fc_norm_embedding.weight",), (hidden,), norm=True),
-        hnorm=tensor(("mtp.pre_fc_norm_hidden.weight",), (hidden,), norm=True),
-        head_norm=tensor(("mtp.norm.weight",), (hidden,), norm=True),
-        attn_norm=tensor((f"{block}.input_layernorm.weight",), (hidden,), norm=True),
-        post_norm=tensor((f"{block}.post_attention_layernorm.weight",), (hidden,), norm=True),
-        q_proj=tensor((f"{block}.self_attn.q_proj.weight",), (2 * q_width, hidden)),
-        k_proj=tensor((f"{block}.self_attn.k_proj.weight",), (kv_width, hidden)),
-        v_proj=tensor((f"{block}.self_attn.v_proj.weight",), (kv_width, hidden)),
-        o_proj=tensor((f"{block}.self_attn.o_proj.weight",), (hidden, q_width)),
-        q_norm=tensor((f"{block}.self_attn.q_norm.weight",), (head_dim,), norm=True),
-        k_norm=tensor((f"{block}.self_attn.k_norm.weight",), (head_dim,), norm=True),
-        gate_proj=tensor((f"{block}.mlp.gate_proj.weight",), (width, hidden)),
-        up_proj=tensor((f"{block}.mlp.up_proj.weight",), (width, hidden)),
-        down_proj=tensor((f"{block}.mlp.down_proj.weight",), (hidden, width)),
+        eh_proj=mtp("fc.weight", (hidden, 2 * hidden)),
+        enorm=mtp("pre_fc_norm_embedding.weight", (hidden,), norm=True),
+        hnorm=mtp("pre_fc_norm_hidden.weight", (hidden,), norm=True),
+        head_norm=mtp("norm.weight", (hidden,), norm=True),
+        attn_norm=mtp(f"{block}.input_layernorm.weight", (hidden,), norm=True),
+        post_norm=mtp(f"{block}.post_attention_layernorm.weight", (hidden,), norm=True),
+        q_proj=mtp(f"{block}.self_attn.q_proj.weight", (2 * q_width, hidden)),
+        k_proj=mtp(f"{block}.self_attn.k_proj.weight", (kv_width, hidden)),
+        v_proj=mtp(f"{block}.self_attn.v_proj.weight", (kv_width, hidden)),
+        o_proj=mtp(f"{block}.self_attn.o_proj.weight", (hidden, q_width)),
+        q_norm=mtp(f"{block}.self_attn.q_norm.weight", (head_dim,), norm=True),
+        k_norm=mtp(f"{block}.self_attn.k_norm.weight", (head_dim,), norm=True),
     )
+    mlp = f"{block}.mlp"
+    if experts:
+        width, shared = int(config["moe_intermediate_size"]), int(config.get("shared_expert_intermediate_size") or 0)
+        arrays.update(router=mtp(f"{mlp}.gate.weight", (experts, hidden)),
+                      **_qwen_experts(mtp, files, f"{mlp}.experts", experts, width, hidden))
+        if shared:
+            arrays.update({f"{part}_proj": mtp(f"{mlp}.shared_expert.{part}_proj.weight",
+                                               (hidden, shared) if part == "down" else (shared, hidden))
+                           for part in ("gate", "up", "down")},
+                          shared_gate=mtp(f"{mlp}.shared_expert_gate.weight", (1, hidden)).reshape(hidden))
+    else:
+        width = int(config["intermediate_size"])
+        arrays.update({f"{part}_proj": mtp(f"{mlp}.{part}_proj.weight",
+                                           (hidden, width) if part == "down" else (width, hidden))
+                       for part in ("gate", "up", "down")})
     heads_config = HeadsConfig(kind="mtp", num_heads=depth, num_layers=count, hidden_size=hidden, vocab_size=vocab,
                                draft_vocab_size=vocab, target_name=folder.name,
                                target_layers=int(config["num_hidden_layers"]))
     return MtpHeads.of(heads_config, layout, **arrays)
+
+
+def _qwen_experts(mtp, files: dict[str, Path], prefix: str, experts: int, width: int, hidden: int) -> dict:
+    """The routed experts' gate_exps, up_exps (E, F, H) and down_exps (E, H, F): stored fused
+    (``experts.gate_up_proj`` (E, 2F, H), gates first, and ``experts.down_proj``, as Qwen3.5-MoE's
+    checkpoints hold them) or one by one (``experts.N.gate_proj.weight``..., Qwen3-Next's)."""
+    fused = next((name for name in (f"{prefix}.gate_up_proj", f"{prefix}.gate_up_proj.weight")
+                  if f"mtp.{name}" in files or f"model.mtp.{name}" in files), None)
+    if fused is not None:
+        both = mtp(fused, (experts, 2 * width, hidden))
+        down = f"{prefix}.down_proj" if fused.endswith("proj") else f"{prefix}.down_proj.weight"
+        return dict(gate_exps=np.ascontiguousarray(both[:, :width]), up_exps=np.ascontiguousarray(both[:, width:]),
+                    down_exps=mtp(down, (experts, hidden, width)))
+    return {f"{part}_exps": np.stack([mtp(f"{prefix}.{e}.{part}_proj.weight",
+                                          (hidden, width) if part == "down" else (width, hidden))
+                                      for e in range(experts)])
+            for part in ("gate", "up", "down")}

@@ -50,11 +50,32 @@ def qwen_moe_mtp(tmp_path_factory) -> Path:
                              hybrid_weights(shape, mtp_layers=1), mtp_layers=1)
 
 
-@pytest.fixture(scope="module", params=["glm", "qwen35", "qwen35moe"])
-def carrier(request, glm_mtp, qwen_mtp, qwen_moe_mtp) -> Path:
+@pytest.fixture(scope="module")
+def qwen_next_mtp(tmp_path_factory) -> Path:
+    """Qwen3-Next's layout (``qwen3next``): Qwen3.5-MoE's but for the trunk's fused beta/alpha
+    projection and plain NeoX rotary embeddings; random."""
+    from hybrid_models import HybridShape, hybrid_weights, write_hybrid_gguf
+
+    shape = HybridShape(experts=4, next=True)
+    return write_hybrid_gguf(tmp_path_factory.mktemp("qwen_next") / "qwen-next-mtp.gguf", shape,
+                             hybrid_weights(shape, mtp_layers=1), mtp_layers=1)
+
+
+@pytest.fixture(scope="module")
+def carriers(glm_mtp, qwen_mtp, qwen_moe_mtp, qwen_next_mtp) -> dict[str, Path]:
+    """A GGUF of each layout specrun reads, by name."""
+    return {"glm": glm_mtp["gguf"], "qwen35": qwen_mtp["random"], "qwen35moe": qwen_moe_mtp,
+            "qwen3next": qwen_next_mtp}
+
+
+LAYOUTS = ["glm", "qwen35", "qwen35moe", "qwen3next"]
+
+
+@pytest.fixture(scope="module", params=LAYOUTS)
+def carrier(request, carriers) -> Path:
     """A GGUF carrying a random MTP layer: GLM-4.5's layout (dense trunk, MoE MTP block),
-    Qwen3.5's (hybrid trunk, gated-attention MTP block) or Qwen3.5-MoE's."""
-    return {"glm": glm_mtp["gguf"], "qwen35": qwen_mtp["random"], "qwen35moe": qwen_moe_mtp}[request.param]
+    Qwen3.5's (hybrid trunk, gated-attention MTP block), Qwen3.5-MoE's or Qwen3-Next's."""
+    return carriers[request.param]
 
 
 @pytest.fixture(scope="module")
@@ -387,41 +408,50 @@ def test_a_split_gguf_s_mtp_layer_is_read_from_whichever_part_holds_it(glm_mtp, 
         read_mtp_gguf(first)
 
 
-@pytest.fixture(scope="module")
-def qwen_mlx_folder(qwen_mtp, tmp_path_factory) -> Path:
-    """A Qwen3.5 folder mlx-lm loads, carrying qwen_mtp's random MTP block under the checkpoints' names."""
+@pytest.fixture(scope="module", params=["qwen35", "qwen35moe", "qwen3next"])
+def qwen_folder(request, tmp_path_factory) -> tuple[str, Path]:
+    """(layout, a folder mlx-lm loads) for Qwen3.5, Qwen3.5-MoE (experts fused as their
+    checkpoints hold them) and Qwen3-Next (experts one by one, no MTP count in its config), each
+    carrying the random MTP block of the same layout's GGUF (carriers) under the checkpoints' names."""
     pytest.importorskip("mlx_lm", reason="the MLX backend is not installed")
     from hybrid_models import HybridShape, hybrid_weights, write_qwen35_mlx_folder
 
-    shape = HybridShape()
-    return write_qwen35_mlx_folder(tmp_path_factory.mktemp("qwen35_mlx"), shape, hybrid_weights(shape, mtp_layers=1))
+    shape = {"qwen35": HybridShape(), "qwen35moe": HybridShape(experts=4),
+             "qwen3next": HybridShape(experts=4, next=True)}[request.param]
+    folder = tmp_path_factory.mktemp(f"{request.param}_mlx")
+    return request.param, write_qwen35_mlx_folder(folder, shape, hybrid_weights(shape, mtp_layers=1))
 
 
-def test_a_qwen35_folder_s_mtp_layer_reads_as_its_gguf_s(qwen_mtp, qwen_mlx_folder):
-    """``mtp.fc``, ``mtp.pre_fc_norm_*``, ``mtp.norm`` and ``mtp.layers.0`` (zero-centred norms)
-    give the arrays llama.cpp's converter writes as the nextn block (the trunks differ: their
-    embedding and head are each model's own)."""
-    from specrun.modelkit.mtp import read_mtp_folder
+def test_a_qwen_folder_s_mtp_layer_reads_as_its_gguf_s(carriers, qwen_folder):
+    """``mtp.fc``, ``mtp.pre_fc_norm_*``, ``mtp.norm`` and ``mtp.layers.0`` (zero-centred norms;
+    routed experts fused or one by one, the shared expert and its gate) give the arrays llama.cpp's
+    converter writes as the nextn block (the trunks differ: their embedding and head are each
+    model's own)."""
+    from specrun.modelkit.mtp import folder_mtp_layers, read_mtp_folder
 
-    from_folder, from_gguf = read_mtp_folder(qwen_mlx_folder), read_mtp_gguf(qwen_mtp["random"])
+    layout, folder = qwen_folder
+    assert folder_mtp_layers(folder) == 1
+    from_folder, from_gguf = read_mtp_folder(folder), read_mtp_gguf(carriers[layout])
     assert from_folder.layout == from_gguf.layout and from_folder.layout.gated_attention
+    assert from_folder.layout.arch == layout and bool(from_folder.layout.experts) == (layout != "qwen35")
     assert set(from_folder.tensors) == set(from_gguf.tensors)
     for name in set(from_gguf.tensors) - {"embed", "lm_head"}:
         np.testing.assert_allclose(from_folder.tensors[name], from_gguf.tensors[name], rtol=0, atol=1e-6,
                                    err_msg=name)
 
 
-def test_on_mlx_a_hybrid_target_drafts_with_its_mtp_layer_and_gives_plain_decoding_s_tokens(qwen_mlx_folder):
+def test_on_mlx_a_hybrid_target_drafts_with_its_mtp_layer_and_gives_plain_decoding_s_tokens(qwen_folder):
     """mlx-lm refuses to speculate on a hybrid; specrun restores its recurrent state from a
-    checkpoint after each rejected draft, the MTP layer drafting in NumPy over MLX's states."""
+    checkpoint after each rejected draft, the MTP layer drafting over MLX's states."""
     from specrun.drafters.methods import DrafterOptions, build_drafter
     from specrun.engine.loop import GenerationParams, SpeculativeEngine
     from specrun.sessions.heads import read_heads
 
-    target = open_target("mlx", qwen_mlx_folder)
+    _, folder = qwen_folder
+    target = open_target("mlx", folder)
     try:
         assert target.needs_checkpoints and target.hidden_support.available
-        heads = read_heads(qwen_mlx_folder, None)
+        heads = read_heads(folder, None)
         engine = SpeculativeEngine(target, None)
         drafted = 0
         for prompt in ("def hello(world):", "import os\nimport sys\n"):
@@ -440,15 +470,15 @@ def test_on_mlx_a_hybrid_target_drafts_with_its_mtp_layer_and_gives_plain_decodi
         target.close()
 
 
-@pytest.mark.parametrize("layout", ["glm", "qwen35", "qwen35moe"])
-def test_the_mlx_layer_computes_what_the_numpy_layer_does(glm_mtp, qwen_mtp, qwen_moe_mtp, layout):
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_the_mlx_layer_computes_what_the_numpy_layer_does(carriers, layout):
     """backends/mtp_mlx.py against heads/mtp.py on the same arrays and inputs: the fused inputs, the
     layer's outputs, keys and values beside earlier entries, and the logits (routed experts with a
     selection bias and a shared one for GLM's; gated attention and q/k norms for Qwen3.5's)."""
     pytest.importorskip("mlx", reason="the MLX backend is not installed")
     from specrun.backends.mtp_mlx import MlxMtpLayer
 
-    heads = read_mtp_gguf({"glm": glm_mtp["gguf"], "qwen35": qwen_mtp["random"], "qwen35moe": qwen_moe_mtp}[layout])
+    heads = read_mtp_gguf(carriers[layout])
     ours = MlxMtpLayer(heads)
     rng = np.random.default_rng(3)
     states = rng.standard_normal((6, heads.config.hidden_size)).astype(np.float32)
