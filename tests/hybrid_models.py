@@ -307,3 +307,33 @@ def write_qwen35_mlx_folder(folder: Path, shape: HybridShape, weights: dict[str,
     (folder / "tokenizer_config.json").write_text(json.dumps(tokenizer_config_dict(ids, tokenizer_json,
                                                                                    DEMO_CHAT_TEMPLATE)))
     return folder
+
+
+def quantized_mlx_folder(source: Path, folder: Path, keep_mtp: bool, bits: int = 4, group: int = 64) -> Path:
+    """``source`` (a folder write_qwen35_mlx_folder wrote) quantized by mlx-lm's own converter, as
+    mlx-community's folders are: its config still names the MTP layer, its weights hold none. With
+    ``keep_mtp`` the MTP block is added back quantized the same way (``mtp.*`` matrices as packed
+    words, scales and biases; norms as they were) in a file of its own named in the folder's index,
+    as tools that graft a model's MTP weights onto such a folder leave it."""
+    import json
+
+    import mlx.core as mx
+    from mlx_lm import convert
+
+    convert(str(source), str(folder), quantize=True, q_group_size=group, q_bits=bits)
+    if keep_mtp:
+        grafted = {}
+        for name, value in mx.load(str(source / "model.safetensors")).items():
+            if not name.startswith("mtp."):
+                continue
+            if value.ndim >= 2 and name.endswith(".weight") and value.shape[-1] % group == 0:
+                words, scales, biases = mx.quantize(value, group_size=group, bits=bits)
+                base = name[: -len(".weight")]
+                grafted.update({name: words, f"{base}.scales": scales, f"{base}.biases": biases})
+            else:
+                grafted[name] = value
+        mx.save_safetensors(str(folder / "mtp.safetensors"), grafted)
+        index = json.loads((folder / "model.safetensors.index.json").read_text())
+        index["weight_map"].update(dict.fromkeys(grafted, "mtp.safetensors"))
+        (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    return folder

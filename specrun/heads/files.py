@@ -782,6 +782,7 @@ _STORED_DTYPES = {
     "I16": "<i2",
     "I8": "i1",
     "U8": "u1",
+    "U32": "<u4",  # the packed words of a matrix mlx-lm quantized (a model folder's, modelkit/folder_tensors.py)
     "BOOL": "u1",
 }
 _FLOATS, _INTS = ("F64", "F32", "F16", "BF16"), ("I64", "I32", "I16", "I8", "U8")
@@ -880,6 +881,10 @@ class _TensorsFile:
             problem = f"holds NaN, infinite or beyond-float16 weights in {name}"
             raise _refuse(self.path, problem, "train or download the heads again")
         return values
+
+    def words(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
+        """The packed 32-bit words of a quantized matrix ``name`` as stored (a view of the file)."""
+        return self._raw(name, shape, ("U32",), "packed 32-bit words")[1]
 
     def ints(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
         return np.array(self._raw(name, shape, _INTS, "integers")[1], dtype=np.int64)

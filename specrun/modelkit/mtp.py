@@ -27,6 +27,7 @@ from specrun.fileio import MiB, read_limited
 from specrun.heads.config import HeadsConfig
 from specrun.heads.mtp import DEFAULT_DEPTH, MtpHeads, MtpLayout
 from specrun.modelkit.gguf_header import header_values
+from specrun.modelkit.folder_tensors import FolderTensors
 from specrun.modelkit.gguf_io import read_fields
 
 # Architectures whose MTP layers specrun reads (those llama.cpp runs its draft-mtp with, too, are
@@ -236,7 +237,9 @@ def read_mtp_gguf(path: str | Path, depth: int = DEFAULT_DEPTH) -> MtpHeads:
 FOLDER_TYPES = {"glm4_moe": "glm4moe", "qwen3_5": "qwen35", "qwen3_5_moe": "qwen35moe", "qwen3_next": "qwen3next"}
 # Those whose MTP block sits under ``mtp.*`` (Qwen's checkpoints) rather than as model.layers.N.
 _QWEN_MTP = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
-_QWEN_MTP_LAYER = re.compile(r"^(?:model\.)?mtp\.layers\.(\d+)\.")
+_QWEN_PREFIXES = ("", "model.", "language_model.")  # before "mtp.": checkpoints', llama.cpp's converter's, mlx-lm's
+_QWEN_MTP_NAME = re.compile(r"^(?:model\.|language_model\.)?mtp\.")
+_QWEN_MTP_LAYER = re.compile(r"^(?:model\.|language_model\.)?mtp\.layers\.(\d+)\.")
 MAX_FOLDER_CONFIG_BYTES = 16 * MiB
 
 
@@ -281,10 +284,10 @@ def _counted_mtp_layers(folder: Path) -> int:
 
 
 def read_mtp_folder(folder: str | Path, depth: int = DEFAULT_DEPTH) -> MtpHeads:
-    """The first MTP layer of the model folder ``folder`` (config.json and safetensors) as heads
-    drafting ``depth`` deep; refused in one line as ``read_mtp_gguf`` refuses."""
-    from specrun.heads.files import TensorsFile
-
+    """The first MTP layer of the model folder ``folder`` (config.json and safetensors: a float
+    checkpoint, or an MLX folder mlx-lm quantized whose MTP tensors were kept) as heads drafting
+    ``depth`` deep; refused in one line as ``read_mtp_gguf`` refuses, and where the folder's
+    conversion dropped the layers its config still names."""
     folder = Path(folder)
     try:
         config = _folder_config(folder)
@@ -297,26 +300,30 @@ def read_mtp_folder(folder: str | Path, depth: int = DEFAULT_DEPTH) -> MtpHeads:
     if model_type not in FOLDER_TYPES:
         raise ModelFileError(f"{folder.name}: specrun cannot read the MTP layers of model type {model_type!r} yet "
                              f"(it reads {', '.join(FOLDER_TYPES)})", "use another method with this model")
-    if config.get("quantization") or config.get("quantization_config"):
-        raise ModelFileError(f"{folder.name} is quantized: specrun reads MTP layers of float checkpoints only so far",
+    if config.get("quantization_config") and not config.get("quantization"):  # mlx-lm writes both
+        raise ModelFileError(f"{folder.name} is quantized for transformers ({_quant_method(config)}): specrun reads "
+                             f"the MTP layers of float checkpoints and of mlx-lm's quantized folders",
                              "use the model's float checkpoint, or another method")
     files = _tensor_files(folder)
-    if model_type in _QWEN_MTP:
-        return _qwen_folder(folder, _text_config(config), FOLDER_TYPES[model_type], files, count, depth)
-    opened: dict[Path, TensorsFile] = {}
+    reader = FolderTensors(folder, files, config.get("quantization"))
+    qwen = model_type in _QWEN_MTP
+    block = None if qwen else int(config["num_hidden_layers"])
+    if not any(_QWEN_MTP_NAME.match(name) if qwen else name.startswith(f"model.layers.{block}.") for name in files):
+        raise ModelFileError(f"{folder.name}'s config says it carries {count} MTP layer(s) but its weights hold "
+                             f"none (mlx-lm drops them when it converts a model)",
+                             "pass the model's original checkpoint folder with --heads, or use another method")
+    if qwen:
+        return _qwen_folder(folder, _text_config(config), FOLDER_TYPES[model_type], reader, count, depth)
     hidden, vocab = int(config["hidden_size"]), int(config["vocab_size"])
-    block = int(config["num_hidden_layers"])
     mtp = f"model.layers.{block}"
 
     def tensor(name: str, shape: tuple[int, ...], required: bool = True, half: bool = False) -> np.ndarray | None:
-        path = files.get(name)
-        if path is None:
+        if name not in reader:
             if required:
                 raise ModelFileError(f"{folder.name} says it carries MTP layers but lacks {name}",
                                      "download the model again with its MTP layers, or use another method")
             return None
-        stored = opened.setdefault(path, TensorsFile(path))
-        return stored.halves(name, shape) if half else stored.floats(name, shape)
+        return reader.read(name, shape, half)
 
     heads_count = int(config["num_attention_heads"])
     kv_count = int(config.get("num_key_value_heads", heads_count))
@@ -366,9 +373,12 @@ def read_mtp_folder(folder: str | Path, depth: int = DEFAULT_DEPTH) -> MtpHeads:
         arrays.update(
             router=tensor(f"{mtp}.mlp.gate.weight", (experts, hidden)),
             router_bias=tensor(f"{mtp}.mlp.gate.e_score_correction_bias", (experts,), required=False),
-            **{f"{part}_exps": np.stack([tensor(f"{mtp}.mlp.experts.{e}.{part}_proj.weight",
-                                                (hidden, width) if part == "down" else (width, hidden))
-                                         for e in range(experts)]) for part in ("gate", "up", "down")},
+            **{f"{part}_exps": tensor(f"{mtp}.mlp.switch_mlp.{part}_proj.weight",
+                                      (experts, hidden, width) if part == "down" else (experts, width, hidden))
+               if f"{mtp}.mlp.switch_mlp.{part}_proj.weight" in reader else
+               np.stack([tensor(f"{mtp}.mlp.experts.{e}.{part}_proj.weight",
+                                (hidden, width) if part == "down" else (width, hidden)) for e in range(experts)])
+               for part in ("gate", "up", "down")},
         )
         if shared:
             arrays.update({f"{part}_proj": tensor(f"{mtp}.mlp.shared_experts.{part}_proj.weight",
@@ -382,6 +392,11 @@ def read_mtp_folder(folder: str | Path, depth: int = DEFAULT_DEPTH) -> MtpHeads:
     heads_config = HeadsConfig(kind="mtp", num_heads=depth, num_layers=count, hidden_size=hidden, vocab_size=vocab,
                                draft_vocab_size=vocab, target_name=folder.name, target_layers=block)
     return MtpHeads.of(heads_config, layout, **arrays)
+
+
+def _quant_method(config: dict) -> str:
+    method = config.get("quantization_config")
+    return str(method.get("quant_method", "unknown")) if isinstance(method, dict) else "unknown"
 
 
 def _tensor_files(folder: Path) -> dict[str, Path]:
@@ -400,31 +415,26 @@ def _tensor_files(folder: Path) -> dict[str, Path]:
     return dict.fromkeys(TensorsFile(single).tensors, single)
 
 
-def _qwen_folder(folder: Path, config: dict, arch: str, files: dict[str, Path], count: int, depth: int) -> MtpHeads:
+def _qwen_folder(folder: Path, config: dict, arch: str, reader: FolderTensors, count: int, depth: int) -> MtpHeads:
     """The MTP layer of Qwen3.5, Qwen3.5-MoE or Qwen3-Next (``arch`` qwen35, qwen35moe, qwen3next)
-    as their checkpoints hold it (``mtp.*`` or ``model.mtp.*``, the names llama.cpp's converter
-    maps: fc the eh_proj, pre_fc_norm_embedding and pre_fc_norm_hidden the enorm and hnorm, norm
-    the head norm, layers.0 a gated-attention block whose MLP is dense, or routed experts beside a
-    gated shared expert), its norms zero-centred (stored as weight - 1) as the model's own are; the
-    target's embedding and head under the text model's names (Hugging Face's, or mlx-lm's once
-    converted)."""
-    from specrun.heads.files import TensorsFile
-
-    opened: dict[Path, TensorsFile] = {}
+    as their checkpoints hold it (``mtp.*``, or under ``model.`` or mlx-lm's ``language_model.``:
+    the names llama.cpp's converter maps: fc the eh_proj, pre_fc_norm_embedding and
+    pre_fc_norm_hidden the enorm and hnorm, norm the head norm, layers.0 a gated-attention block
+    whose MLP is dense, or routed experts beside a gated shared expert), its norms zero-centred
+    (stored as weight - 1) as the model's own are; the target's embedding and head under the text
+    model's names (Hugging Face's, or mlx-lm's once converted)."""
     hidden, vocab = int(config["hidden_size"]), int(config["vocab_size"])
 
     def tensor(names: tuple[str, ...], shape: tuple[int, ...], half: bool = False, norm: bool = False) -> np.ndarray:
         for name in names:
-            path = files.get(name)
-            if path is not None:
-                stored = opened.setdefault(path, TensorsFile(path))
-                values = stored.halves(name, shape) if half else stored.floats(name, shape)
+            if name in reader:
+                values = reader.read(name, shape, half)
                 return values + 1.0 if norm else values
         raise ModelFileError(f"{folder.name} says it carries MTP layers but lacks {names[0]}",
                              "download the model again with its MTP layers, or use another method")
 
     def mtp(name: str, shape: tuple[int, ...], norm: bool = False) -> np.ndarray:
-        return tensor((f"mtp.{name}", f"model.mtp.{name}"), shape, norm=norm)
+        return tensor(tuple(f"{prefix}mtp.{name}" for prefix in _QWEN_PREFIXES), shape, norm=norm)
 
     heads_count = int(config["num_attention_heads"])
     kv_count = int(config.get("num_key_value_heads", heads_count))
@@ -466,7 +476,7 @@ def _qwen_folder(folder: Path, config: dict, arch: str, files: dict[str, Path], 
     if experts:
         width, shared = int(config["moe_intermediate_size"]), int(config.get("shared_expert_intermediate_size") or 0)
         arrays.update(router=mtp(f"{mlp}.gate.weight", (experts, hidden)),
-                      **_qwen_experts(mtp, files, f"{mlp}.experts", experts, width, hidden))
+                      **_qwen_experts(mtp, reader, mlp, experts, width, hidden))
         if shared:
             arrays.update({f"{part}_proj": mtp(f"{mlp}.shared_expert.{part}_proj.weight",
                                                (hidden, shared) if part == "down" else (shared, hidden))
@@ -483,18 +493,26 @@ def _qwen_folder(folder: Path, config: dict, arch: str, files: dict[str, Path], 
     return MtpHeads.of(heads_config, layout, **arrays)
 
 
-def _qwen_experts(mtp, files: dict[str, Path], prefix: str, experts: int, width: int, hidden: int) -> dict:
+def _qwen_experts(mtp, reader: FolderTensors, mlp: str, experts: int, width: int, hidden: int) -> dict:
     """The routed experts' gate_exps, up_exps (E, F, H) and down_exps (E, H, F): stored fused
     (``experts.gate_up_proj`` (E, 2F, H), gates first, and ``experts.down_proj``, as Qwen3.5-MoE's
-    checkpoints hold them) or one by one (``experts.N.gate_proj.weight``..., Qwen3-Next's)."""
-    fused = next((name for name in (f"{prefix}.gate_up_proj", f"{prefix}.gate_up_proj.weight")
-                  if f"mtp.{name}" in files or f"model.mtp.{name}" in files), None)
+    checkpoints hold them), stacked (mlx-lm's ``switch_mlp``) or one by one
+    (``experts.N.gate_proj.weight``..., Qwen3-Next's)."""
+    def held(name: str) -> bool:
+        return any(f"{prefix}mtp.{name}" in reader for prefix in _QWEN_PREFIXES)
+
+    fused = next((name for name in (f"{mlp}.experts.gate_up_proj", f"{mlp}.experts.gate_up_proj.weight")
+                  if held(name)), None)
     if fused is not None:
         both = mtp(fused, (experts, 2 * width, hidden))
-        down = f"{prefix}.down_proj" if fused.endswith("proj") else f"{prefix}.down_proj.weight"
+        down = f"{mlp}.experts.down_proj" + ("" if fused.endswith("proj") else ".weight")
         return dict(gate_exps=np.ascontiguousarray(both[:, :width]), up_exps=np.ascontiguousarray(both[:, width:]),
                     down_exps=mtp(down, (experts, hidden, width)))
-    return {f"{part}_exps": np.stack([mtp(f"{prefix}.{e}.{part}_proj.weight",
+    if held(f"{mlp}.switch_mlp.gate_proj.weight"):
+        return {f"{part}_exps": mtp(f"{mlp}.switch_mlp.{part}_proj.weight",
+                                    (experts, hidden, width) if part == "down" else (experts, width, hidden))
+                for part in ("gate", "up", "down")}
+    return {f"{part}_exps": np.stack([mtp(f"{mlp}.experts.{e}.{part}_proj.weight",
                                           (hidden, width) if part == "down" else (width, hidden))
                                       for e in range(experts)])
             for part in ("gate", "up", "down")}

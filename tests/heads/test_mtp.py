@@ -522,3 +522,113 @@ def test_a_pass_llama_cpp_refuses_drafts_nothing_and_the_next_proposal_catches_u
         assert list(drafter.propose(context, 5, greedy, rng).tokens) == native.chain(context, 5)
     finally:
         drafter.close()
+
+
+# ---- quantized MLX folders ---------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def quantized_qwen(tmp_path_factory) -> dict[str, Path]:
+    """A Qwen3.5 float folder ("float"), mlx-lm's 4-bit conversion of it ("dropped": its config
+    names the MTP layer, its weights hold none, as mlx-community's folders) and that conversion
+    with the MTP block grafted back quantized ("grafted")."""
+    pytest.importorskip("mlx_lm", reason="the MLX backend is not installed")
+    from hybrid_models import HybridShape, hybrid_weights, quantized_mlx_folder, write_qwen35_mlx_folder
+
+    root, shape = tmp_path_factory.mktemp("quantized_qwen"), HybridShape()
+    source = write_qwen35_mlx_folder(root / "float", shape, hybrid_weights(shape, mtp_layers=1))
+    return {"float": source, "dropped": quantized_mlx_folder(source, root / "dropped", keep_mtp=False),
+            "grafted": quantized_mlx_folder(source, root / "grafted", keep_mtp=True)}
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 5, 6, 8])
+def test_affine_dequantization_is_mlx_s(bits):
+    """Every bit width mlx-lm quantizes with, every group size: the words unpacked as MLX does."""
+    mx = pytest.importorskip("mlx.core", reason="the MLX backend is not installed")
+    from specrun.modelkit.folder_tensors import dequantize_affine
+
+    rng = np.random.default_rng(bits)
+    for group in (32, 64, 128):
+        matrix = mx.array(rng.standard_normal((5, 384)).astype(np.float32))
+        words, scales, biases = mx.quantize(matrix, group_size=group, bits=bits)
+        expected = np.array(mx.dequantize(words, scales, biases, group_size=group, bits=bits))
+        got = dequantize_affine(np.array(words), np.array(scales), np.array(biases), 384)
+        np.testing.assert_allclose(got, expected, rtol=0, atol=1e-5, err_msg=f"{bits} bits, groups of {group}")
+
+
+def test_a_quantized_folder_s_mtp_layer_reads_as_mlx_dequantizes_it(quantized_qwen):
+    """The grafted folder's matrices (packed words, scales, biases) read as MLX dequantizes them;
+    its norms as the float folder's; the embedding and head from mlx-lm's quantized tables."""
+    import mlx.core as mx
+
+    from specrun.modelkit.mtp import read_mtp_folder
+
+    grafted, plain = read_mtp_folder(quantized_qwen["grafted"]), read_mtp_folder(quantized_qwen["float"])
+    assert grafted.layout == plain.layout and set(grafted.tensors) == set(plain.tensors)
+    stored = mx.load(str(quantized_qwen["grafted"] / "mtp.safetensors"))
+    stored.update(mx.load(str(quantized_qwen["grafted"] / "model.safetensors")))
+
+    def dequantized(base: str) -> np.ndarray:
+        return np.array(mx.dequantize(stored[f"{base}.weight"], stored[f"{base}.scales"], stored[f"{base}.biases"],
+                                      group_size=64, bits=4))
+
+    np.testing.assert_allclose(grafted.tensors["eh_proj"], dequantized("mtp.fc"), rtol=0, atol=1e-5)
+    np.testing.assert_allclose(grafted.tensors["q_proj"], dequantized("mtp.layers.0.self_attn.q_proj"), rtol=0,
+                               atol=1e-5)
+    np.testing.assert_allclose(grafted.tensors["lm_head"], dequantized("language_model.lm_head"), rtol=0, atol=2e-3)
+    for name in ("enorm", "hnorm", "head_norm", "attn_norm", "q_norm"):
+        np.testing.assert_array_equal(grafted.tensors[name], plain.tensors[name], name)
+    for name in ("eh_proj", "down_proj"):  # 4 bits: near the float weights, not equal to them
+        error = np.abs(grafted.tensors[name] - plain.tensors[name]).max()
+        assert 0 < error < 0.25 * np.abs(plain.tensors[name]).max(), name
+
+
+def test_on_mlx_a_quantized_target_drafts_with_its_grafted_quantized_mtp_layer(quantized_qwen):
+    from specrun.drafters.methods import DrafterOptions, build_drafter
+    from specrun.engine.loop import GenerationParams, SpeculativeEngine
+    from specrun.sessions.heads import read_heads
+
+    target = open_target("mlx", quantized_qwen["grafted"])
+    try:
+        engine = SpeculativeEngine(target, None)
+        ids = target.tokenize("def hello(world):")
+        plain = engine.run(ids, GenerationParams(32, 0)).token_ids
+        drafter = build_drafter("mtp", None, DrafterOptions(heads=read_heads(quantized_qwen["grafted"], None)))
+        engine.set_drafter(drafter, "mtp")
+        result = engine.run(ids, GenerationParams(32, 3))
+        drafter.close()
+        assert result.token_ids == plain and result.stats.drafted > 0
+    finally:
+        target.close()
+
+
+def test_a_converted_folder_that_dropped_its_mtp_layer_says_so_and_drafts_from_the_original(quantized_qwen):
+    """mlx-lm's conversion keeps the config's MTP count and drops the weights: one line saying so
+    and pointing at --heads, with which the original checkpoint's layer drafts for the 4-bit target."""
+    dropped = str(quantized_qwen["dropped"])
+    result = _cli("generate", "def hello", "-t", dropped, "--backend", "mlx", "--method", "mtp", "-n", "8")
+    _one_line(result, 1, "dropped", "says it carries 1 MTP layer(s) but its weights hold none", "--heads")
+    plain = _cli("generate", "def hello", "-t", dropped, "--backend", "mlx", "--method", "none", "-n", "12", "--json")
+    drafted = _cli("generate", "def hello", "-t", dropped, "--backend", "mlx", "--method", "mtp", "-n", "12",
+                   "--heads", str(quantized_qwen["float"]), "--json")
+    assert plain.exit_code == 0 and drafted.exit_code == 0, drafted.output
+    import json
+
+    assert json.loads(drafted.stdout)["text"] == json.loads(plain.stdout)["text"]
+
+
+def test_folders_quantized_in_ways_specrun_does_not_read_are_one_line(quantized_qwen, tmp_path):
+    import json
+    import shutil
+
+    from specrun.errors import ModelFileError
+    from specrun.modelkit.mtp import read_mtp_folder
+
+    for name, change, expected in (
+            ("mxfp4", lambda c: c["quantization"].update(mode="mxfp4"), "quantized as mxfp4"),
+            ("gptq", lambda c: c.pop("quantization") and c.update(quantization_config={"quant_method": "gptq"}),
+             r"transformers \(gptq\)")):
+        folder = shutil.copytree(quantized_qwen["grafted"], tmp_path / name)
+        config = json.loads((folder / "config.json").read_text())
+        change(config)
+        (folder / "config.json").write_text(json.dumps(config))
+        with pytest.raises(ModelFileError, match=expected):
+            read_mtp_folder(folder)

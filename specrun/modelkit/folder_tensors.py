@@ -1,0 +1,107 @@
+"""A model folder's safetensors read by tensor name, whichever shard holds each, as float arrays:
+float checkpoints as stored, and matrices mlx-lm quantized (``NAME.weight`` as packed 32-bit
+words beside ``NAME.scales`` and ``NAME.biases``, its affine scheme) dequantized, so that a layer
+the model carries beside what mlx-lm loads (its MTP layers, modelkit/mtp.py) reads alike from a
+Hugging Face checkpoint and from a quantized MLX folder.
+
+mlx-lm's affine quantization stores each row's values as a little-endian stream of ``bits``-bit
+integers q packed into 32-bit words, every ``group`` of them with a scale and a bias:
+value = scale * q + bias. The bits and the group size follow from the shapes (the words, the
+scales and the matrix's own), so per-layer settings in the config need not be read.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from specrun.errors import ModelFileError
+
+BITS = (2, 3, 4, 5, 6, 8)
+GROUPS = (32, 64, 128)
+_ROWS = 4096  # rows dequantized at a time (a vocabulary-sized table unpacks to 8 bytes a bit)
+
+
+def dequantize_affine(words: np.ndarray, scales: np.ndarray, biases: np.ndarray, columns: int,
+                      dtype=np.float32) -> np.ndarray:
+    """The (rows, columns) matrix mlx-lm's affine quantization packed into ``words`` (rows, W)
+    uint32, with ``scales`` and ``biases`` (rows, groups) as float arrays."""
+    rows, bits = words.shape[0], words.shape[1] * 32 // columns
+    group = columns // scales.shape[1]
+    out = np.empty((rows, columns), dtype)
+    powers = (1 << np.arange(bits, dtype=np.uint32))
+    for start in range(0, rows, _ROWS):
+        part = np.ascontiguousarray(words[start : start + _ROWS], np.uint32)
+        stream = np.unpackbits(part.view(np.uint8).reshape(len(part), -1), axis=1, bitorder="little")
+        q = (stream.reshape(len(part), columns, bits) * powers).sum(-1, dtype=np.uint32).astype(np.float32)
+        scale = np.asarray(scales[start : start + _ROWS], np.float32)[..., None]
+        bias = np.asarray(biases[start : start + _ROWS], np.float32)[..., None]
+        out[start : start + _ROWS] = (q.reshape(len(part), -1, group) * scale + bias).reshape(len(part), columns)
+    return out
+
+
+class FolderTensors:
+    """The tensors of a folder's safetensors, ``files`` giving the shard that holds each name.
+    ``quantization``: the config's ``quantization`` entry (None for a float checkpoint); only
+    mlx-lm's affine mode is read."""
+
+    def __init__(self, folder: Path, files: dict[str, Path], quantization: object = None) -> None:
+        self.folder, self.files = folder, files
+        mode = quantization.get("mode", "affine") if isinstance(quantization, dict) else "affine"
+        if mode != "affine":
+            raise ModelFileError(f"{folder.name} is quantized as {mode}: specrun reads the MTP layers of float "
+                                 f"checkpoints and of mlx-lm's affine quantization only",
+                                 "use the model's float checkpoint with --heads, or another method")
+        self._opened: dict[Path, object] = {}
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.files
+
+    def quantized(self, name: str) -> bool:
+        """``name`` (a NAME.weight) is a matrix mlx-lm quantized: its scales and biases lie beside it."""
+        return name.endswith(".weight") and f"{name[:-7]}.scales" in self.files and f"{name[:-7]}.biases" in self.files
+
+    def _file(self, name: str):
+        from specrun.heads.files import TensorsFile
+
+        path = self.files[name]
+        if path not in self._opened:
+            self._opened[path] = TensorsFile(path)
+        return self._opened[path]
+
+    def _stored_shape(self, name: str) -> tuple[int, ...]:
+        entry = self._file(name).tensors.get(name)
+        if entry is None:
+            raise ModelFileError(f"{self.files[name].name} lacks {name}, which its folder's index places there",
+                                 "download the model again")
+        return tuple(entry.shape)
+
+    def read(self, name: str, shape: tuple[int, ...], half: bool = False) -> np.ndarray:
+        """``name`` as a float32 array of ``shape`` (float16 with ``half``: a vocabulary-sized
+        table), dequantized where quantized; ModelFileError where it is missing, of another shape
+        or quantized in a way that gives another."""
+        if self.quantized(name):
+            return self._dequantized(name, shape, half)
+        stored = self._file(name)
+        return stored.halves(name, shape) if half else stored.floats(name, shape)
+
+    def _dequantized(self, name: str, shape: tuple[int, ...], half: bool) -> np.ndarray:
+        base, columns = name[:-7], shape[-1]
+        packed, grouped = self._stored_shape(name), self._stored_shape(f"{base}.scales")
+        lead = shape[:-1]
+        bits = packed[-1] * 32 // columns if columns else 0
+        groups = grouped[-1]
+        fits = (packed[:-1] == lead and grouped[:-1] == lead and bits in BITS and packed[-1] * 32 == bits * columns
+                and groups and columns % groups == 0 and columns // groups in GROUPS
+                and self._stored_shape(f"{base}.biases") == grouped)
+        if not fits:
+            raise ModelFileError(f"{self.folder.name}: {name} is quantized as {list(packed)} words with "
+                                 f"{list(grouped)} scales, which do not make {list(shape)}",
+                                 "convert the model again, or use another method")
+        rows = int(np.prod(lead))
+        words = self._file(name).words(name, packed).reshape(rows, packed[-1])
+        scales = self._file(f"{base}.scales").floats(f"{base}.scales", grouped).reshape(rows, groups)
+        biases = self._file(f"{base}.biases").floats(f"{base}.biases", grouped).reshape(rows, groups)
+        values = dequantize_affine(words, scales, biases, columns, np.float16 if half else np.float32)
+        return values.reshape(shape)
