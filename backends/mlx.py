@@ -858,10 +858,14 @@ class MlxBackend(HiddenTracking):
 
     def mtp_layer(self, heads):
         """``heads``' layer in MLX arrays (backends/mtp_mlx.py): a real vocabulary's head and a real
-        layer's experts run in MLX rather than NumPy."""
+        layer's experts run in MLX rather than NumPy, the model's own embedding and head serving
+        where the layer shares them."""
         from specrun.backends.mtp_mlx import MlxMtpLayer
 
-        return MlxMtpLayer(heads)
+        if not self.hidden_support.available:
+            return MlxMtpLayer(heads)
+        split = self._split
+        return MlxMtpLayer(heads, target_embed=getattr(split.body, "embed_tokens", None), target_head=split.head)
 
     def token_embeddings(self, ids: Sequence[int]) -> np.ndarray:
         """Rows of the body's ``embed_tokens`` (dequantized where the table is quantized)."""

@@ -16,14 +16,24 @@ class MlxMtpLayer:
     """``heads`` (an MtpHeads) in MLX arrays, answering the drafter's math calls; everything else
     (config, layout, window, depth_bytes, target_features, embedding_rows, no_entries) is the heads'
     own. The layer's arrays, the output head among them, become float32 once (not on every call);
-    the vocabulary-sized embedding stays as stored, read a few rows at a time."""
+    the vocabulary-sized embedding stays as stored, read a few rows at a time. Where the heads'
+    embedding or output head is the target's own (``heads.target_arrays``), the loaded target's
+    modules serve instead (``target_embed``: token ids to rows, ``target_head``: states to logits):
+    a quantized model's own tables, not a float copy of them (a real vocabulary's head is gigabytes
+    as float32), and the heads' copies are never read."""
 
-    def __init__(self, heads: MtpHeads) -> None:
+    def __init__(self, heads: MtpHeads, target_embed=None, target_head=None) -> None:
         import mlx.core as mx
 
         self._mx, self._heads = mx, heads
-        self._w = {name: mx.array(np.asarray(array)) if name == "embed" else mx.array(np.asarray(array, np.float32))
-                   for name, array in heads.tensors.items()}
+        shared = heads.target_arrays
+        self._embed = target_embed if "embed" in shared else None
+        self._head = target_head if "lm_head" in shared else None
+        served = {"embed"} if self._embed is not None else set()
+        served |= {"lm_head"} if self._head is not None else set()
+        self._w = {name: mx.array(np.asarray(heads.tensors[name])) if name == "embed"
+                   else mx.array(np.asarray(heads.tensors[name], np.float32))
+                   for name in heads.tensors if name not in served}
 
     def __getattr__(self, name: str):
         return getattr(self._heads, name)
@@ -41,7 +51,8 @@ class MlxMtpLayer:
 
     def fuse(self, features: np.ndarray, token_ids: np.ndarray) -> np.ndarray:
         mx = self._mx
-        rows = self._w["embed"][mx.array(np.asarray(token_ids, dtype=np.int64))].astype(mx.float32)
+        ids = mx.array(np.asarray(token_ids, dtype=np.int64))
+        rows = (self._embed(ids) if self._embed is not None else self._w["embed"][ids]).astype(mx.float32)
         joined = mx.concatenate([self._norm(rows, "enorm"), self._norm(mx.array(features, mx.float32), "hnorm")],
                                 axis=-1)
         return np.array(self._linear(joined, "eh_proj"))
@@ -119,4 +130,6 @@ class MlxMtpLayer:
 
     def logits(self, out: np.ndarray) -> np.ndarray:
         mx = self._mx
+        if self._head is not None:
+            return np.array(self._head(mx.array(out, mx.float32)).astype(mx.float32))
         return np.array(mx.array(out, mx.float32) @ self._w["lm_head"].T)

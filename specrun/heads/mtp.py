@@ -92,12 +92,16 @@ class MtpHeads:
     (H, I). Routed experts: router (E, H), router_bias (E,) (the selection bias, or absent),
     gate_exps, up_exps (E, F, H), down_exps (E, H, F) and a shared expert in gate_proj, up_proj,
     down_proj (or absent). config.num_heads: the depth a drafter chains the layer to.
+    ``target_arrays``: which of embed and lm_head are the target's own tables (not the layer's),
+    which a backend holding the target may use in their place (MlxBackend.mtp_layer: a quantized
+    model's own head rather than a float copy of it).
     """
 
     config: HeadsConfig
     layout: MtpLayout
     tensors: Mapping[str, np.ndarray] = field(repr=False)
     d2t: None = None  # MTP layers draft over the target's whole vocabulary
+    target_arrays: frozenset[str] = frozenset()
 
     @classmethod
     def of(cls, config: HeadsConfig, layout: MtpLayout, **arrays: np.ndarray | None) -> MtpHeads:

@@ -12,6 +12,7 @@ scales and the matrix's own), so per-layer settings in the config need not be re
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import numpy as np
@@ -77,6 +78,17 @@ class FolderTensors:
                                  "download the model again")
         return tuple(entry.shape)
 
+    def check(self, name: str, shape: tuple[int, ...]) -> int:
+        """Refuse ``name`` as ``read`` would for its header alone (missing, of another shape, or
+        quantized into another), reading none of its data; the bytes it is stored in."""
+        if self.quantized(name):
+            return sum(self._file(part).tensors[part].end - self._file(part).tensors[part].start
+                       for part in self._quantized_parts(name, shape))
+        entry = self._file(name).tensors.get(name)
+        if entry is None or tuple(entry.shape) != tuple(shape) or entry.dtype not in ("F64", "F32", "F16", "BF16"):
+            self._file(name).floats(name, shape)  # its one-line refusal
+        return entry.end - entry.start
+
     def read(self, name: str, shape: tuple[int, ...], half: bool = False) -> np.ndarray:
         """``name`` as a float32 array of ``shape`` (float16 with ``half``: a vocabulary-sized
         table), dequantized where quantized; ModelFileError where it is missing, of another shape
@@ -86,10 +98,11 @@ class FolderTensors:
         stored = self._file(name)
         return stored.halves(name, shape) if half else stored.floats(name, shape)
 
-    def _dequantized(self, name: str, shape: tuple[int, ...], half: bool) -> np.ndarray:
+    def _quantized_parts(self, name: str, shape: tuple[int, ...]) -> tuple[str, str, str]:
+        """The words, scales and biases of the quantized ``name``, checked to make ``shape``."""
         base, columns = name[:-7], shape[-1]
         packed, grouped = self._stored_shape(name), self._stored_shape(f"{base}.scales")
-        lead = shape[:-1]
+        lead = tuple(shape[:-1])
         bits = packed[-1] * 32 // columns if columns else 0
         groups = grouped[-1]
         fits = (packed[:-1] == lead and grouped[:-1] == lead and bits in BITS and packed[-1] * 32 == bits * columns
@@ -99,9 +112,67 @@ class FolderTensors:
             raise ModelFileError(f"{self.folder.name}: {name} is quantized as {list(packed)} words with "
                                  f"{list(grouped)} scales, which do not make {list(shape)}",
                                  "convert the model again, or use another method")
-        rows = int(np.prod(lead))
+        return name, f"{base}.scales", f"{base}.biases"
+
+    def _dequantized(self, name: str, shape: tuple[int, ...], half: bool) -> np.ndarray:
+        _, scales_name, biases_name = self._quantized_parts(name, shape)
+        packed, grouped = self._stored_shape(name), self._stored_shape(scales_name)
+        rows = int(np.prod(shape[:-1]))
         words = self._file(name).words(name, packed).reshape(rows, packed[-1])
-        scales = self._file(f"{base}.scales").floats(f"{base}.scales", grouped).reshape(rows, groups)
-        biases = self._file(f"{base}.biases").floats(f"{base}.biases", grouped).reshape(rows, groups)
-        values = dequantize_affine(words, scales, biases, columns, np.float16 if half else np.float32)
+        scales = self._file(scales_name).floats(scales_name, grouped).reshape(rows, grouped[-1])
+        biases = self._file(biases_name).floats(biases_name, grouped).reshape(rows, grouped[-1])
+        values = dequantize_affine(words, scales, biases, shape[-1], np.float16 if half else np.float32)
         return values.reshape(shape)
+
+
+class DeferredArrays(Mapping):
+    """Arrays by name, some ``ready`` and some read only when first asked for (``deferred``: by
+    name, the read and the bytes the array is stored in): a vocabulary-sized table a backend may
+    never read in NumPy (MlxBackend.mtp_layer uses the target's own)."""
+
+    def __init__(self, ready: dict[str, np.ndarray], deferred: dict[str, tuple[Callable[[], np.ndarray], int]]) -> None:
+        self._ready, self._deferred = dict(ready), dict(deferred)
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        if name not in self._ready:
+            read, _ = self._deferred[name]  # KeyError for a name it has not
+            self._ready[name] = read()
+        return self._ready[name]
+
+    def __iter__(self):
+        return iter({**self._deferred, **self._ready})
+
+    def __len__(self) -> int:
+        return len(set(self._ready) | set(self._deferred))
+
+    def loaded(self, name: str) -> bool:
+        return name in self._ready
+
+
+def tables(reader: FolderTensors, candidates: dict[str, tuple[str, ...]], shape: tuple[int, ...]) -> dict:
+    """For DeferredArrays: each of ``candidates`` (an array's name: the tensor names that may hold
+    it, in order) as (its read, as float16, and its stored bytes), checked now and read when first
+    asked for; arrays found under the same tensor share one read. Absent where none is held."""
+    reads: dict[str, Callable[[], np.ndarray]] = {}
+    found = {}
+    for key, names in candidates.items():
+        name = next((name for name in names if name in reader), None)
+        if name is None:
+            continue
+        if name not in reads:
+            held: list[np.ndarray] = []
+
+            def read(name=name, held=held) -> np.ndarray:
+                if not held:
+                    held.append(reader.read(name, shape, half=True))
+                return held[0]
+
+            reads[name] = read
+        found[key] = (reads[name], reader.check(name, shape))
+    return found
+
+    def nbytes(self, name: str) -> int:
+        if name in self._deferred and name not in self._ready:
+            return self._deferred[name][1]
+        array = self._ready.get(name)
+        return 0 if array is None else array.nbytes

@@ -27,7 +27,7 @@ from specrun.fileio import MiB, read_limited
 from specrun.heads.config import HeadsConfig
 from specrun.heads.mtp import DEFAULT_DEPTH, MtpHeads, MtpLayout
 from specrun.modelkit.gguf_header import header_values
-from specrun.modelkit.folder_tensors import FolderTensors
+from specrun.modelkit.folder_tensors import DeferredArrays, FolderTensors, tables
 from specrun.modelkit.gguf_io import read_fields
 
 # Architectures whose MTP layers specrun reads (those llama.cpp runs its draft-mtp with, too, are
@@ -227,8 +227,10 @@ def read_mtp_gguf(path: str | Path, depth: int = DEFAULT_DEPTH) -> MtpHeads:
     config = HeadsConfig(kind="mtp", num_heads=depth, num_layers=count, hidden_size=hidden, vocab_size=vocab,
                          draft_vocab_size=vocab, target_name=path.name, target_layers=block)
     named = {key: name for key, name in arrays.items() if name is not None}
+    target_tables = {"token_embd.weight", "output.weight"}
     return MtpHeads(config, layout, LazyGgufTensors({key: (files[name], name, tensors[name]) for key, name in named.items()},
-                                                    vocab, hidden))
+                                                    vocab, hidden),
+                    target_arrays=frozenset(key for key in ("embed", "lm_head") if named[key] in target_tables))
 
 
 
@@ -338,21 +340,25 @@ def read_mtp_folder(folder: str | Path, depth: int = DEFAULT_DEPTH) -> MtpHeads:
         gating=config.get("scoring_func", "sigmoid"), normalize_weights=bool(config.get("norm_topk_prob", False)),
         weights_scale=float(config.get("routed_scaling_factor", 1.0) or 1.0),
     )
-    embed = tensor(f"{mtp}.embed_tokens.weight", (vocab, hidden), required=False, half=True)
-    if embed is None:
-        embed = tensor("model.embed_tokens.weight", (vocab, hidden), half=True)
-    lm_head = tensor(f"{mtp}.shared_head.head.weight", (vocab, hidden), required=False, half=True)
-    if lm_head is None:
-        lm_head = tensor("lm_head.weight", (vocab, hidden), required=not config.get("tie_word_embeddings"), half=True)
-    if lm_head is None:
-        lm_head = embed
+    own_embed, own_head = f"{mtp}.embed_tokens.weight", f"{mtp}.shared_head.head.weight"
+    embed_names = (own_embed, "model.embed_tokens.weight")
+    head_names = (own_head, "lm_head.weight", *embed_names)
+    deferred = tables(reader, {"embed": embed_names, "lm_head": head_names}, (vocab, hidden))
+    lacking = "model.embed_tokens.weight" if "embed" not in deferred else "lm_head.weight" if not (
+        own_head in reader or "lm_head.weight" in reader or config.get("tie_word_embeddings")) else None
+    if lacking:
+        raise ModelFileError(f"{folder.name} says it carries MTP layers but lacks {lacking}",
+                             "download the model again with its MTP layers, or use another method")
+    target_arrays = {"embed"} if own_embed not in reader else set()
+    if own_head not in reader and ("lm_head.weight" in reader or own_embed not in reader):
+        target_arrays.add("lm_head")  # the target's head, or its embedding tied to it
     head_norm = tensor(f"{mtp}.shared_head.norm.weight", (hidden,), required=False)
     if head_norm is None:
         head_norm = tensor("model.norm.weight", (hidden,))
     q_width, kv_width = heads_count * head_dim, kv_count * head_dim
     attention = f"{mtp}.self_attn"
     arrays = dict(
-        embed=embed, lm_head=lm_head, head_norm=head_norm,
+        head_norm=head_norm,
         enorm=tensor(f"{mtp}.enorm.weight", (hidden,)), hnorm=tensor(f"{mtp}.hnorm.weight", (hidden,)),
         eh_proj=tensor(f"{mtp}.eh_proj.weight", (hidden, 2 * hidden)),
         attn_norm=tensor(f"{mtp}.input_layernorm.weight", (hidden,)),
@@ -391,7 +397,8 @@ def read_mtp_folder(folder: str | Path, depth: int = DEFAULT_DEPTH) -> MtpHeads:
                        for part in ("gate", "up", "down")})
     heads_config = HeadsConfig(kind="mtp", num_heads=depth, num_layers=count, hidden_size=hidden, vocab_size=vocab,
                                draft_vocab_size=vocab, target_name=folder.name, target_layers=block)
-    return MtpHeads.of(heads_config, layout, **arrays)
+    return MtpHeads(heads_config, layout, DeferredArrays({k: v for k, v in arrays.items() if v is not None}, deferred),
+                    target_arrays=frozenset(target_arrays))
 
 
 def _quant_method(config: dict) -> str:
@@ -451,14 +458,15 @@ def _qwen_folder(folder: Path, config: dict, arch: str, reader: FolderTensors, c
     )
     q_width, kv_width = heads_count * head_dim, kv_count * head_dim
     block = "layers.0"
-    embed = tensor(("model.language_model.embed_tokens.weight", "language_model.model.embed_tokens.weight",
-                    "model.embed_tokens.weight"), (vocab, hidden), half=True)
-    if config.get("tie_word_embeddings"):
-        lm_head = embed
-    else:
-        lm_head = tensor(("lm_head.weight", "language_model.lm_head.weight"), (vocab, hidden), half=True)
+    embed_names = ("model.language_model.embed_tokens.weight", "language_model.model.embed_tokens.weight",
+                   "model.embed_tokens.weight")
+    head_names = embed_names if config.get("tie_word_embeddings") else ("lm_head.weight", "language_model.lm_head.weight")
+    deferred = tables(reader, {"embed": embed_names, "lm_head": head_names}, (vocab, hidden))
+    for key, names in (("embed", embed_names), ("lm_head", head_names)):
+        if key not in deferred:
+            raise ModelFileError(f"{folder.name} says it carries MTP layers but lacks {names[0]}",
+                                 "download the model again with its MTP layers, or use another method")
     arrays = dict(
-        embed=embed, lm_head=lm_head,
         eh_proj=mtp("fc.weight", (hidden, 2 * hidden)),
         enorm=mtp("pre_fc_norm_embedding.weight", (hidden,), norm=True),
         hnorm=mtp("pre_fc_norm_hidden.weight", (hidden,), norm=True),
@@ -490,7 +498,7 @@ def _qwen_folder(folder: Path, config: dict, arch: str, reader: FolderTensors, c
     heads_config = HeadsConfig(kind="mtp", num_heads=depth, num_layers=count, hidden_size=hidden, vocab_size=vocab,
                                draft_vocab_size=vocab, target_name=folder.name,
                                target_layers=int(config["num_hidden_layers"]))
-    return MtpHeads.of(heads_config, layout, **arrays)
+    return MtpHeads(heads_config, layout, DeferredArrays(arrays, deferred), target_arrays=frozenset(deferred))
 
 
 def _qwen_experts(mtp, reader: FolderTensors, mlp: str, experts: int, width: int, hidden: int) -> dict:

@@ -591,11 +591,37 @@ def test_on_mlx_a_quantized_target_drafts_with_its_grafted_quantized_mtp_layer(q
         engine = SpeculativeEngine(target, None)
         ids = target.tokenize("def hello(world):")
         plain = engine.run(ids, GenerationParams(32, 0)).token_ids
-        drafter = build_drafter("mtp", None, DrafterOptions(heads=read_heads(quantized_qwen["grafted"], None)))
+        heads = read_heads(quantized_qwen["grafted"], None)
+        drafter = build_drafter("mtp", None, DrafterOptions(heads=heads))
         engine.set_drafter(drafter, "mtp")
         result = engine.run(ids, GenerationParams(32, 3))
         drafter.close()
         assert result.token_ids == plain and result.stats.drafted > 0
+        # the 4-bit model's own embedding and head served: the layer's float16 copies never read
+        assert heads.target_arrays == {"embed", "lm_head"}
+        assert not heads.tensors.loaded("embed") and not heads.tensors.loaded("lm_head")
+    finally:
+        target.close()
+
+
+def test_on_mlx_the_layer_uses_the_target_s_own_tables_and_computes_what_numpy_does(qwen_folder):
+    """MlxBackend.mtp_layer gives the layer the loaded model's embedding and head (the heads share
+    them): its fused inputs and logits are the NumPy layer's over the heads' own copies."""
+    from specrun.sessions.heads import read_heads
+
+    _, folder = qwen_folder
+    target = open_target("mlx", folder)
+    try:
+        heads = read_heads(folder, None)
+        layer = target.mtp_layer(heads)
+        rng = np.random.default_rng(5)
+        states = rng.standard_normal((3, heads.config.hidden_size)).astype(np.float32)
+        tokens = rng.integers(0, heads.config.vocab_size, 3)
+        fused = layer.fuse(states, tokens)
+        logits = layer.logits(states)
+        assert not heads.tensors.loaded("embed") and not heads.tensors.loaded("lm_head")
+        np.testing.assert_allclose(fused, heads.fuse(states, tokens), rtol=1e-3, atol=1e-3)
+        np.testing.assert_allclose(logits, heads.logits(states), rtol=1e-3, atol=1e-3)
     finally:
         target.close()
 
@@ -632,3 +658,18 @@ def test_folders_quantized_in_ways_specrun_does_not_read_are_one_line(quantized_
         (folder / "config.json").write_text(json.dumps(config))
         with pytest.raises(ModelFileError, match=expected):
             read_mtp_folder(folder)
+
+
+def test_an_mlx_target_drafts_with_the_mtp_layer_of_the_same_model_s_gguf(quantized_qwen, qwen_mtp):
+    """A 4-bit MLX folder whose conversion dropped the layer, and a GGUF of the model carrying it
+    (llama.cpp's converter keeps nextn tensors): --heads the GGUF drafts for the MLX target, the
+    GGUF's quantized or F16 layer dequantized, the target's own embedding and head serving."""
+    dropped = str(quantized_qwen["dropped"])
+    plain = _cli("generate", "def hello", "-t", dropped, "--backend", "mlx", "--method", "none", "-n", "12", "--json")
+    drafted = _cli("generate", "def hello", "-t", dropped, "--backend", "mlx", "--method", "mtp", "-n", "12",
+                   "--heads", str(qwen_mtp["random"]), "--json")
+    assert plain.exit_code == 0 and drafted.exit_code == 0, drafted.output
+    import json
+
+    assert json.loads(drafted.stdout)["text"] == json.loads(plain.stdout)["text"]
+    assert json.loads(drafted.stdout)["stats"]["drafted"] > 0
