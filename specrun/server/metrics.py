@@ -22,6 +22,9 @@ def render(worker) -> str:
             [({"finish_reason": reason}, count) for reason, count in sorted(metrics.requests.items())]
             or [({"finish_reason": "stop"}, 0)])
     _family(lines, "specrun_prompt_tokens_total", "counter", "Prompt tokens of the answers.", [({}, metrics.prompt_tokens)])
+    _family(lines, "specrun_prompt_tokens_cached_total", "counter",
+            "Prompt tokens found in the slot's cache, not prefilled (a conversation's earlier turns).",
+            [({}, metrics.cached_prompt_tokens)])
     _family(lines, "specrun_generated_tokens_total", "counter", "Tokens generated.", [({}, metrics.new_tokens)])
     _family(lines, "specrun_verify_passes_total", "counter", "Target verify passes of the answers.",
             [({}, metrics.steps)])

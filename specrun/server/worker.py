@@ -9,7 +9,8 @@ served: the queue is the one lock. The worker sends each job's events (``Started
 With ``--parallel N`` (llama.cpp) the worker thread opens N slots on the loaded models
 (sessions/slots.py) and N threads, itself one of them, take jobs from the same queue, each
 answering with its slot's session; their passes meet in the slots' Rendezvous, which a
-thread joins while it generates.
+thread joins while it generates. A job goes to the idle slot whose cache holds most of its
+prompt (server/dispatch.py): a conversation's next turn returns to the slot that holds it.
 
 Prefix reuse. Every request is tokenized afresh from its messages (or prompt), so
 an answer never depends on which request came before it; the engine then reuses
@@ -26,7 +27,6 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-import queue
 import threading
 import time
 import uuid
@@ -43,6 +43,7 @@ from specrun.engine.stats import Stats
 from specrun.errors import ContextFullError, SpecrunError
 from specrun.grammar import Grammar, GrammarError
 from specrun.registry.loading import LoadOptions
+from specrun.server.dispatch import Jobs
 from specrun.server.requests import CompletionRequest, RequestError, invalid_value
 from specrun.sessions.setup import TreeSettings
 from specrun.sessions.tools import ToolCall, ToolStyle, ToolTemplateError, render_conversation, style_for
@@ -155,6 +156,7 @@ class Metrics:
         self._lock = threading.Lock()
         self.requests: dict[str, int] = {}  # by finish reason; "error" for failed requests
         self.prompt_tokens = 0
+        self.cached_prompt_tokens = 0  # of those, found in the slot's cache (not prefilled)
         self.new_tokens = 0
         self.steps = 0  # verify passes
         self.drafted = 0
@@ -163,6 +165,10 @@ class Metrics:
         self.first_tokens = 0
         self.answer_seconds = 0.0  # summed over answers: queued to done
         self.answers = 0
+
+    def started(self, reused: int) -> None:
+        with self._lock:
+            self.cached_prompt_tokens += reused
 
     def first_token(self, job: Job) -> None:
         with self._lock:
@@ -251,6 +257,7 @@ class Job:
         self.created = int(time.time())
         self.cancelled = threading.Event()
         self.queued_at = time.monotonic()
+        self.prompt_ids: list[int] | None = None  # tokenized once, where a slot is chosen for it
         self._loop = loop
         self._events: asyncio.Queue[JobEvent] = asyncio.Queue()
         self._check_at = 0.0  # when next_event next asks whether the client is still there
@@ -322,8 +329,8 @@ class PairWorker:
         self.pair = pair
         self.parallel = pair.parallel
         self.log = log or (lambda line: None)
-        # unbounded: submit keeps it to max_queue jobs, and stop's Nones (one per slot) never block
-        self.jobs: queue.Queue[Job | None] = queue.Queue()
+        # unbounded: submit keeps it to max_queue jobs; a job goes to the idle slot holding most of its prompt
+        self.jobs: Jobs[Job] = Jobs(self.parallel, self._held_prompt if self.parallel > 1 else None)
         self.max_queue = max_queue
         self._submitting = threading.Lock()
         self.session = None
@@ -361,7 +368,7 @@ class PairWorker:
             raise shutting_down()
         with self._submitting:
             if self.jobs.qsize() < self.max_queue:
-                self.jobs.put_nowait(job)
+                self.jobs.put(job)
                 return
         # the queue drains at about one answer per slot per mean answer time
         wait = math.ceil(self.metrics.mean_answer_seconds() * self.max_queue / self.parallel)
@@ -391,20 +398,22 @@ class PairWorker:
             job.cancel()
         for current in list(self._current):
             current.cancel()
-        for _ in range(self.parallel):
-            self.jobs.put(None)
+        self.jobs.close()
         self._thread.join()
 
     def _take_queued(self) -> list[Job]:
         """Every job waiting in the queue, taken out of it."""
-        taken = []
-        while True:
+        return self.jobs.take_all()
+
+    def _held_prompt(self, slot: int, job: Job) -> int:
+        """How many tokens of ``job``'s prompt the idle ``slot``'s cache holds (0 where the request
+        cannot be tokenized: answering it says why)."""
+        if job.prompt_ids is None:
             try:
-                job = self.jobs.get_nowait()
-            except queue.Empty:
-                return taken
-            if job is not None:
-                taken.append(job)
+                job.prompt_ids = self._prompt_ids(job.request)
+            except (RequestError, SpecrunError):
+                return 0
+        return common_prefix_len(self.slots.sessions[slot].engine.target.tokens, job.prompt_ids)
 
     def _run(self) -> None:
         from specrun.sessions.chat import open_chat
@@ -430,13 +439,13 @@ class PairWorker:
         self._ready.set()
         try:
             if self.slots is None:
-                self._serve(self.session)
+                self._serve(self.session, 0)
             else:
-                others = [threading.Thread(target=self._serve, args=(session,), name=f"specrun-serve-slot-{seq}",
+                others = [threading.Thread(target=self._serve, args=(session, seq), name=f"specrun-serve-slot-{seq}",
                                            daemon=True) for seq, session in enumerate(self.slots.sessions[1:], 1)]
                 for thread in others:
                     thread.start()
-                self._serve(self.slots.sessions[0])
+                self._serve(self.slots.sessions[0], 0)
                 for thread in others:
                     thread.join()
         finally:
@@ -444,9 +453,9 @@ class PairWorker:
                 self.slots.close()
             self.session.close()
 
-    def _serve(self, session) -> None:
-        """Answer jobs with ``session`` until the queue hands out None (stop)."""
-        while (job := self.jobs.get()) is not None:
+    def _serve(self, session, slot: int) -> None:
+        """Answer jobs with ``session`` (slot ``slot``'s) until the queue hands out None (stop)."""
+        while (job := self.jobs.get(slot)) is not None:
             if job.cancelled.is_set():
                 self.log(f"{job.id}: the client left while queued; dropped")
                 continue
@@ -463,7 +472,7 @@ class PairWorker:
 
     def _answer(self, job: Job, session) -> None:
         try:
-            prompt_ids = self._prompt_ids(job.request)
+            prompt_ids = job.prompt_ids if job.prompt_ids is not None else self._prompt_ids(job.request)
             grammar = self._grammar(job.request)
         except RequestError as exc:
             self.metrics.finished(job, "error", None)
@@ -475,6 +484,7 @@ class PairWorker:
             return
         session.new_text()  # each request is a text of its own: its acceptance is measured afresh
         reused = min(common_prefix_len(session.engine.target.tokens, prompt_ids), len(prompt_ids) - 1)
+        self.metrics.started(reused)
         job.emit(Started(len(prompt_ids), reused))
         cut = StopCut(job.request.stop)
         tool_cut = self._tool_cut(job.request)

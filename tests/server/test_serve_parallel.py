@@ -36,6 +36,31 @@ def test_requests_decoded_together_get_their_one_at_a_time_answers(demo_server, 
     assert metrics['specrun_batch_sequences_total{model="target"}'] > 1.5 * metrics['specrun_batches_total{model="target"}']
 
 
+def test_a_conversation_s_next_turn_returns_to_the_slot_that_holds_it(parallel_server):
+    """Four conversations open at once, one a slot; their second turns, one at a time in another
+    order, each find the slot holding their first (idle slots are chosen by the prompt they hold,
+    not by which was idle longest): the whole first turn comes from the cache."""
+    client = parallel_server.client()
+    openings = [f"Conversation {name}: " + " ".join(f"{name.lower()}{i} = load({i})" for i in range(12))
+                for name in ("Alpha", "Bravo", "Charlie", "Delta")]
+
+    def first_turn(opening: str):
+        return client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": opening}],
+                                              max_tokens=8, temperature=0)
+
+    with ThreadPoolExecutor(SLOTS) as pool:
+        firsts = list(pool.map(first_turn, openings))
+    cached_before = metric_values(parallel_server)["specrun_prompt_tokens_cached_total"]
+    for index in (2, 0, 3, 1):
+        messages = [{"role": "user", "content": openings[index]},
+                    {"role": "assistant", "content": firsts[index].choices[0].message.content},
+                    {"role": "user", "content": "and then?"}]
+        usage = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, temperature=0).usage
+        assert usage.prompt_tokens_details.cached_tokens >= firsts[index].usage.prompt_tokens, (index, usage)
+    cached = metric_values(parallel_server)["specrun_prompt_tokens_cached_total"] - cached_before
+    assert cached >= sum(first.usage.prompt_tokens for first in firsts)
+
+
 def test_sampled_answers_decoded_together_follow_the_target_s_distribution(parallel_server):
     """Three tokens at temperature 1, top-k 2, from eight clients at once on four slots (the draft
     model's chains verified by rejection sampling beside other slots' passes): the texts' frequencies

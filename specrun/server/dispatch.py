@@ -1,0 +1,86 @@
+"""Which slot answers which request: ``Jobs``, the queue the server's slots take jobs from.
+
+Requests wait first come, first served. A job goes to an idle slot, and where several are idle,
+to the one whose cache already holds the longest start of the job's prompt (``affinity``: an
+agent's or a chat's next turn returns to the slot that holds its conversation, and prefills only
+what is new), else to the slot idle longest (whose cache is the least recent), as llama-server
+picks its slots by prompt similarity. With one slot this is a plain FIFO queue.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from collections import deque
+from collections.abc import Callable
+from typing import Generic, TypeVar
+
+Job = TypeVar("Job")
+
+
+class Jobs(Generic[Job]):
+    """Jobs waiting for ``n_slots`` slots. ``affinity(slot, job)``: how many tokens of the job's
+    prompt the idle slot's cache holds (asked on the slots' threads, never the submitter's)."""
+
+    def __init__(self, n_slots: int, affinity: Callable[[int, Job], int] | None = None) -> None:
+        self._affinity = affinity
+        self._lock = threading.Condition()
+        self._waiting: deque[Job] = deque()
+        self._idle: dict[int, int] = {}  # slot -> when it became idle (a count: earlier is smaller)
+        self._given: dict[int, Job] = {}  # slot -> the job handed to it, not yet taken
+        self._ticks = itertools.count()
+        self._closed = False
+        self.n_slots = n_slots
+
+    def qsize(self) -> int:
+        """How many jobs wait for a slot."""
+        with self._lock:
+            return len(self._waiting)
+
+    def put(self, job: Job) -> None:
+        with self._lock:
+            self._waiting.append(job)
+            self._lock.notify_all()
+
+    def take_all(self) -> list[Job]:
+        """Every job still waiting (and any handed to a slot that has not taken it), taken out."""
+        with self._lock:
+            taken = list(self._given.values()) + list(self._waiting)
+            self._given.clear()
+            self._waiting.clear()
+            return taken
+
+    def close(self) -> None:
+        """Slots asking for a job from now on get None (stop), once what was handed them is taken."""
+        with self._lock:
+            self._closed = True
+            self._lock.notify_all()
+
+    def get(self, slot: int) -> Job | None:
+        """The next job for ``slot`` (blocks until there is one); None once closed."""
+        with self._lock:
+            self._idle.setdefault(slot, next(self._ticks))
+            while True:
+                if slot in self._given:
+                    return self._given.pop(slot)
+                if self._closed:
+                    self._idle.pop(slot, None)
+                    return None
+                if self._waiting:
+                    self._hand_out()
+                    if slot in self._given:
+                        continue
+                self._lock.wait()
+
+    def _hand_out(self) -> None:
+        """The waiting jobs, oldest first, each to the idle slot it suits best (under the lock)."""
+        while self._waiting and self._idle:
+            job = self._waiting.popleft()
+            slots = sorted(self._idle, key=self._idle.__getitem__)  # idle longest first
+            best = slots[0]
+            if self._affinity is not None and len(slots) > 1:
+                held = {slot: self._affinity(slot, job) for slot in slots}
+                best = max(slots, key=lambda slot: held[slot])  # ties: idle longest (max keeps the first)
+            del self._idle[best]
+            self._given[best] = job
+            self._lock.notify_all()

@@ -1,0 +1,98 @@
+"""server/dispatch.Jobs: first come first served, each job to the idle slot whose cache holds most
+of its prompt (ties: the slot idle longest), and closing hands every slot None."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from specrun.server.dispatch import Jobs
+
+
+def _waiting(jobs: Jobs, slot: int, got: dict) -> threading.Thread:
+    thread = threading.Thread(target=lambda: got.__setitem__(slot, jobs.get(slot)), daemon=True)
+    thread.start()
+    return thread
+
+
+def _idle(jobs: Jobs, slots: int) -> None:
+    """Until ``slots`` slots wait in ``jobs.get``."""
+    deadline = time.monotonic() + 5
+    while len(jobs._idle) < slots:
+        assert time.monotonic() < deadline
+        time.sleep(0.001)
+
+
+def test_one_slot_takes_jobs_in_the_order_they_came():
+    jobs = Jobs(1)
+    for job in "abc":
+        jobs.put(job)
+    assert jobs.qsize() == 3
+    assert [jobs.get(0) for _ in range(3)] == ["a", "b", "c"]
+    assert jobs.qsize() == 0
+
+
+def test_a_job_goes_to_the_idle_slot_holding_most_of_its_prompt():
+    held = {0: "", 1: "system: be brief\nuser: hi", 2: "system: be brief"}
+    prompt = {"second turn": "system: be brief\nuser: hi\nassistant: hello\nuser: more", "other": "xyz"}
+
+    def common(slot: int, job: str) -> int:
+        return next((i for i, (a, b) in enumerate(zip(held[slot], prompt[job])) if a != b),
+                    min(len(held[slot]), len(prompt[job])))
+
+    jobs, got = Jobs(3, common), {}
+    threads = [_waiting(jobs, slot, got) for slot in (0, 1, 2)]  # slot 0 idle longest
+    _idle(jobs, 3)
+    jobs.put("second turn")
+    threads[1].join(5)
+    assert got == {1: "second turn"}
+    jobs.put("other")  # no slot holds any of it: the slot idle longest
+    threads[0].join(5)
+    assert got == {1: "second turn", 0: "other"}
+    jobs.close()
+    threads[2].join(5)
+    assert got[2] is None
+
+
+def test_the_oldest_job_chooses_first():
+    """Two jobs for two idle slots, both suiting slot 1 best: the older gets it, the newer the other."""
+    jobs = Jobs(2, lambda slot, job: 10 if slot == 1 else 0)
+    got: dict = {}
+    threads = [_waiting(jobs, slot, got) for slot in (0, 1)]
+    _idle(jobs, 2)
+    jobs.put("old")
+    jobs.put("new")
+    for thread in threads:
+        thread.join(5)
+    assert got == {1: "old", 0: "new"}
+
+
+def test_closing_takes_what_waits_and_hands_every_slot_none():
+    jobs = Jobs(2, lambda slot, job: 0)
+    jobs.put("a")
+    jobs.put("b")
+    assert jobs.take_all() == ["a", "b"] and jobs.qsize() == 0
+    jobs.close()
+    assert jobs.get(0) is None and jobs.get(1) is None
+
+
+def test_many_threads_take_every_job_once():
+    jobs, taken, lock = Jobs(4, lambda slot, job: job % (slot + 1)), [], threading.Lock()
+
+    def serve(slot: int) -> None:
+        while (job := jobs.get(slot)) is not None:
+            with lock:
+                taken.append(job)
+
+    threads = [threading.Thread(target=serve, args=(slot,), daemon=True) for slot in range(4)]
+    for thread in threads:
+        thread.start()
+    for job in range(500):
+        jobs.put(job)
+    deadline = time.monotonic() + 10
+    while len(taken) < 500 and time.monotonic() < deadline:
+        time.sleep(0.005)
+    jobs.close()
+    for thread in threads:
+        thread.join(5)
+    assert sorted(taken) == list(range(500))
