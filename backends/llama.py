@@ -681,6 +681,22 @@ class LlamaCppBackend(HiddenTracking):
 
         return LlamaSlots(self, n_slots, self.n_ctx, exact=exact)
 
+    def slot_cache_bytes(self) -> int:
+        """What a slot's sequence of ``n_ctx`` tokens holds in keys and values (every layer's, as
+        the model's metadata gives their widths: an upper bound for a hybrid, whose recurrent
+        layers keep a small state instead)."""
+        lib, model = self._lib, self._model
+        arch = self.metadata("general.architecture") or ""
+        heads, kv_heads = lib.llama_model_n_head(model), lib.llama_model_n_head_kv(model)
+        width = lib.llama_model_n_embd(model) // max(heads, 1)
+
+        def length(key: str) -> int:
+            value = self.metadata(f"{arch}.attention.{key}")
+            return int(value) if value and value.isdigit() else width
+
+        per_token = lib.llama_model_n_layer(model) * kv_heads * (length("key_length") + length("value_length"))
+        return per_token * (4 if self.kv_type == "f32" else 2) * self.n_ctx
+
     # ---- a windowed cache --------------------------------------------------------------
     def open_window(self, sinks: int, window: int, owns: bool = False):
         """This model drafting from a second, small cache of the context's first ``sinks`` tokens

@@ -72,9 +72,10 @@ ApiKeyOpt = Annotated[
 ]
 MaxBodyOpt = Annotated[int, typer.Option("--max-body", help="Largest request body in bytes (larger: 413).")]
 MaxQueueOpt = Annotated[int, typer.Option("--max-queue", help="Requests that may wait (more: 429).")]
-ParallelOpt = Annotated[int, typer.Option(
+ParallelOpt = Annotated[Optional[int], typer.Option(
     "--parallel", help="Requests decoded together, each in a slot of its own sharing every pass (llama.cpp; "
-                       "methods of lookup, ngram, draft or auto).")]
+                       "methods of lookup, ngram, draft or auto). Default: up to 4 as memory allows, 1 where a "
+                       "slot would draft with less (heads, trees, lookahead) or on MLX.", show_default=False)]
 MAX_PARALLEL = 64
 
 
@@ -111,7 +112,7 @@ def serve_command(
     lookahead: LookaheadOpt = None,
     max_body: MaxBodyOpt = 4 * 1024 * 1024,
     max_queue: MaxQueueOpt = 64,
-    parallel: ParallelOpt = 1,
+    parallel: ParallelOpt = None,
     verify: VerifyOpt = "block",
     accept: AcceptOpt = "exact",
     epsilon: EpsilonOpt = None,
@@ -142,8 +143,9 @@ def serve_command(
         check_range("--port", port, 0, 65535)
         check_range("--max-body", max_body, 1024, 1 << 34)
         check_range("--max-queue", max_queue, 1, 1 << 20)
-        check_range("--parallel", parallel, 1, MAX_PARALLEL)
-        if parallel > 1:
+        if parallel is not None:
+            check_range("--parallel", parallel, 1, MAX_PARALLEL)
+        if parallel is not None and parallel > 1:
             check_slots_method(method)
             if backend == "mlx":
                 from specrun.sessions.slots import one_at_a_time

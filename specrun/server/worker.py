@@ -315,7 +315,7 @@ class PairOptions:
     trees: TreeSettings = field(default_factory=TreeSettings)  # --tree-nodes, --branches (chains by default)
     lookahead: LookaheadSizes | None = None  # --lookahead (None: chosen from the target's pass costs)
     verification: Verification = field(default_factory=Verification)  # --verify, --accept: exact by default
-    parallel: int = 1  # --parallel: requests decoded together, each in a slot of its own
+    parallel: int | None = 1  # --parallel: requests decoded together, each in a slot of its own (None: as memory allows)
     learn: Callable | None = None  # --learn: the heads' learner (sessions/heads.with_learner); None: none learn
 
 
@@ -327,10 +327,10 @@ class PairWorker:
     def __init__(self, pair: PairOptions, max_queue: int = DEFAULT_MAX_QUEUE,
                  log: Callable[[str], None] | None = None) -> None:
         self.pair = pair
-        self.parallel = pair.parallel
+        self.parallel = pair.parallel or 1  # set once the pair is loaded where None
         self.log = log or (lambda line: None)
         # unbounded: submit keeps it to max_queue jobs; a job goes to the idle slot holding most of its prompt
-        self.jobs: Jobs[Job] = Jobs(self.parallel, self._held_prompt if self.parallel > 1 else None)
+        self.jobs: Jobs[Job] = Jobs(self.parallel, self._held_prompt if pair.parallel != 1 else None)
         self.max_queue = max_queue
         self._submitting = threading.Lock()
         self.session = None
@@ -408,6 +408,8 @@ class PairWorker:
     def _held_prompt(self, slot: int, job: Job) -> int:
         """How many tokens of ``job``'s prompt the idle ``slot``'s cache holds (0 where the request
         cannot be tokenized: answering it says why)."""
+        if self.slots is None:
+            return 0
         if job.prompt_ids is None:
             try:
                 job.prompt_ids = self._prompt_ids(job.request)
@@ -426,10 +428,7 @@ class PairWorker:
                                      chain=pair.trees.chain, tree_nodes=pair.trees.nodes,
                                      verification=pair.verification, learn=pair.learn,
                                      on_note=lambda note: self.log(f"note: {note}"))
-            if self.parallel > 1:
-                from specrun.sessions.slots import SlotSessions
-
-                self.slots = SlotSessions(self.session, self.parallel, pair.load.exact)
+            self._open_slots()
         except BaseException as exc:
             if self.session is not None:
                 self.session.close()
@@ -452,6 +451,26 @@ class PairWorker:
             if self.slots is not None:
                 self.slots.close()
             self.session.close()
+
+    def _open_slots(self) -> None:
+        """The slots --parallel asks for; without it, as many as default_slots finds room for
+        (halved while the models cannot open them: fewer, not a server that fails to start)."""
+        from specrun.sessions.slots import SlotSessions, default_slots
+
+        wanted = self.pair.parallel
+        if wanted is None:
+            wanted, why = default_slots(self.session)
+            self.log(f"note: {why}")
+        while wanted > 1:
+            try:
+                self.slots = SlotSessions(self.session, wanted, self.pair.load.exact)
+                break
+            except (RuntimeError, MemoryError, SpecrunError) as exc:
+                if self.pair.parallel is not None:
+                    raise
+                self.log(f"note: {wanted} slots could not be opened ({exc}); trying {wanted // 2}")
+                wanted //= 2
+        self.parallel = max(wanted, 1)
 
     def _serve(self, session, slot: int) -> None:
         """Answer jobs with ``session`` (slot ``slot``'s) until the queue hands out None (stop)."""

@@ -60,6 +60,7 @@ from specrun.drafters.methods import (
     DrafterOptions,
     build_drafter,
     check_method,
+    SLOT_PARTS,
     check_slots_method,
     heads_kind,
     heads_of_kind,
@@ -458,6 +459,22 @@ class ChatSession:
         if previous is not None:  # first: a head drafter stops the target's hidden states when closed
             previous.close()
         self.engine.set_drafter(drafter, method)
+
+    def slot_drops(self) -> str:
+        """What this session drafts with that a slot's would not (on_slot): "" where nothing."""
+        options = self._drafter_options
+        try:
+            check_slots_method(self.method)
+        except UsageError:
+            return next(part for part in self.method.split("+") if part not in SLOT_PARTS)
+        heads = options.heads[0] if isinstance(options.heads, tuple) else options.heads
+        if heads is not None or options.auto_heads:
+            return f"the {options.auto_heads or heads.config.kind} heads"
+        if options.branches:
+            return "token trees"
+        if options.auto_lookahead:
+            return "a lookahead window"
+        return ""
 
     def on_slot(self, target: Backend, draft: Backend | None) -> ChatSession:
         """A session answering as this one does (method, draft settings, verification, stored

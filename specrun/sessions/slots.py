@@ -8,9 +8,20 @@ passes: a thread serving a slot joins it while it generates.
 
 from __future__ import annotations
 
+import os
+import re
+from collections.abc import Callable
+from pathlib import Path
+
 from specrun.backends.slots import Rendezvous, Slot
 from specrun.errors import UsageError
 from specrun.sessions.chat import ChatSession
+
+# ``serve`` without --parallel: at most this many slots, their caches within this share of the
+# memory free once the pair is loaded. Several clients at once pay (docs/perf.md 3(r): 1.30x the
+# one-at-a-time server at 2 clients, 1.39x at 4 on a CPU), a lone one costs ~1%.
+DEFAULT_SLOTS = 4
+SLOTS_MEMORY_SHARE = 0.5
 
 
 def one_at_a_time(backend: str) -> UsageError:
@@ -55,3 +66,44 @@ class SlotSessions:
         for model in self.models:
             model.close()
         self.models = []
+
+
+def available_memory() -> int | None:
+    """Bytes of memory free for new allocations (Linux's MemAvailable; elsewhere the free pages
+    the system reports); None where it cannot be told."""
+    try:
+        found = re.search(r"^MemAvailable:\s+(\d+) kB", Path("/proc/meminfo").read_text(), re.MULTILINE)
+        if found:
+            return int(found.group(1)) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def default_slots(session: ChatSession, measure: Callable[[], int | None] = available_memory) -> tuple[int, str]:
+    """How many slots ``serve`` opens without --parallel, and a note saying why: one where a slot
+    would draft with less than the session does (heads, trees, a lookahead window) or its backend
+    has none (MLX); else up to DEFAULT_SLOTS, as many as SLOTS_MEMORY_SHARE of the free memory
+    (``measure``d once the pair is loaded) holds caches for."""
+    models = [model for model in (session.target, session.draft) if model is not None]
+    lacking = next((model for model in models if getattr(model, "open_slots", None) is None), None)
+    if lacking is not None:
+        return 1, f"requests are answered one at a time (the {lacking.name} backend decodes one at a time)"
+    dropped = session.slot_drops()
+    if dropped:
+        return 1, (f"requests are answered one at a time: slots would draft without {dropped}; "
+                   f"--parallel N decodes several together with chains")
+    per_slot = sum(model.slot_cache_bytes() for model in models)
+    free = measure()
+    if free is None:
+        return 1, "requests are answered one at a time (free memory unknown); --parallel N decodes several together"
+    fits = int(free * SLOTS_MEMORY_SHARE // max(per_slot, 1))
+    slots = max(1, min(DEFAULT_SLOTS, fits))
+    mib = 1 << 20
+    shown = f"each slot's cache {per_slot / mib:.0f} MiB, {free / mib:.0f} MiB free"
+    if slots == 1:
+        return 1, f"requests are answered one at a time ({shown}); --parallel N decodes several together"
+    return slots, f"up to {slots} requests are decoded together ({shown}); --parallel 1 answers one at a time"

@@ -9,7 +9,7 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from server_harness import Server
+from server_harness import DEMO_ARGS, Server, start_server, stop_server
 
 MODEL = "demo-target"
 CLIENTS = 16
@@ -101,8 +101,17 @@ def test_a_client_killed_mid_stream_disturbs_no_one(demo_server):
     assert answer(demo_server, victim_messages, stream=True) == victim_start
 
 
-def test_a_client_gone_while_queued_is_dropped_unserved(demo_server):
-    """A whole (not streamed) request whose client leaves while it waits in the queue is never run."""
+def test_a_client_gone_while_queued_is_dropped_unserved():
+    """A whole (not streamed) request whose client leaves while it waits in the queue is never run
+    (one slot, so that it waits behind the victim)."""
+    demo_server = start_server(*DEMO_ARGS, "--parallel", "1")
+    try:
+        _gone_while_queued(demo_server)
+    finally:
+        assert stop_server(demo_server) == 0, demo_server.log
+
+
+def _gone_while_queued(demo_server) -> None:
     served_before = demo_server.request("GET", "/health")[1]["served"]
     victim = subprocess.Popen([sys.executable, "-c", VICTIM, demo_server.url], stdout=subprocess.PIPE, text=True)
     try:

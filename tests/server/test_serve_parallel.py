@@ -36,6 +36,25 @@ def test_requests_decoded_together_get_their_one_at_a_time_answers(demo_server, 
     assert metrics['specrun_batch_sequences_total{model="target"}'] > 1.5 * metrics['specrun_batches_total{model="target"}']
 
 
+def test_serve_without_parallel_decodes_several_together_as_memory_allows(demo_server):
+    """The demo pair's caches are small beside this machine's memory: 4 slots, said in the log."""
+    from specrun.sessions.slots import DEFAULT_SLOTS
+
+    assert metric_values(demo_server)["specrun_slots"] == DEFAULT_SLOTS
+    assert any(f"up to {DEFAULT_SLOTS} requests are decoded together" in line for line in demo_server.log)
+
+
+def test_serve_without_parallel_answers_one_at_a_time_where_slots_would_drop_its_heads():
+    server = start_server(*DEMO_ARGS, "--method", "eagle")
+    try:
+        assert metric_values(server)["specrun_slots"] == 1
+        assert any("one at a time: slots would draft without eagle" in line for line in server.log)
+        assert server.client().completions.create(model=MODEL, prompt="def f(x):", max_tokens=4,
+                                                  temperature=0).choices[0].text
+    finally:
+        assert stop_server(server) == 0, server.log
+
+
 def test_a_conversation_s_next_turn_returns_to_the_slot_that_holds_it(parallel_server):
     """Four conversations open at once, one a slot; their second turns, one at a time in another
     order, each find the slot holding their first (idle slots are chosen by the prompt they hold,

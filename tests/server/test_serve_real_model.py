@@ -64,7 +64,7 @@ def test_shutdown_answers_the_queued_with_a_json_503_and_ends_the_stream_with_a_
 
     from server_harness import start_server
 
-    server = start_server("--target", "smollm2-135m-f16", "--method", "none")
+    server = start_server("--target", "smollm2-135m-f16", "--method", "none", "--parallel", "1")
     host, port = server.host_port
     started, stream_lines, queued = threading.Event(), [], []
 

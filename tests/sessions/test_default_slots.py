@@ -1,0 +1,66 @@
+"""How many slots `specrun serve` opens without --parallel (sessions/slots.default_slots): none
+where a slot would draft with less than the session or its backend has none, else up to
+DEFAULT_SLOTS as half the free memory holds their caches; and what a slot's cache weighs."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from specrun.sessions.slots import DEFAULT_SLOTS, default_slots
+
+MIB = 1 << 20
+
+
+class _Model:
+    def __init__(self, name: str = "llama", cache: int = 100 * MIB, slots: bool = True) -> None:
+        self.name, self._cache = name, cache
+        if slots:
+            self.open_slots = lambda n, exact: None
+
+    def slot_cache_bytes(self) -> int:
+        return self._cache
+
+
+def _session(target=None, draft=None, drops: str = ""):
+    return SimpleNamespace(target=target or _Model(), draft=draft, slot_drops=lambda: drops)
+
+
+@pytest.mark.parametrize("free_mib, slots", [(4096, DEFAULT_SLOTS), (500, 2), (300, 1), (0, 1)])
+def test_slots_are_as_many_as_half_the_free_memory_holds_caches_for(free_mib, slots):
+    chosen, note = default_slots(_session(draft=_Model(cache=25 * MIB)), lambda: free_mib * MIB)
+    assert chosen == slots
+    assert "125 MiB" in note and ("--parallel 1" in note if slots > 1 else "one at a time" in note)
+
+
+def test_one_slot_where_a_slot_would_draft_with_less_or_cannot_be_opened():
+    chosen, note = default_slots(_session(drops="the eagle heads"), lambda: 1 << 40)
+    assert chosen == 1 and "without the eagle heads" in note
+    chosen, note = default_slots(_session(target=_Model("mlx", slots=False)), lambda: 1 << 40)
+    assert chosen == 1 and "the mlx backend decodes one at a time" in note
+    chosen, note = default_slots(_session(), lambda: None)
+    assert chosen == 1 and "free memory unknown" in note
+
+
+def test_a_slot_s_cache_is_every_layer_s_keys_and_values_for_the_context():
+    pytest.importorskip("llama_cpp", reason="the llama backend (llama-cpp-python) is not installed")
+    import gguf
+
+    from specrun.backends.llama import LlamaCppBackend
+    from specrun.modelkit.demo import demo_gguf
+    from specrun.modelkit.gguf_io import read_fields
+
+    path = demo_gguf("demo-target")
+    fields = read_fields(gguf.GGUFReader(str(path)))
+    arch = fields["general.architecture"]
+    heads = fields[f"{arch}.attention.head_count"]
+    kv_heads = fields.get(f"{arch}.attention.head_count_kv", heads)
+    head_dim = fields[f"{arch}.embedding_length"] // heads
+    for n_ctx, kv_type in ((256, "f16"), (1024, "f16"), (256, "f32")):
+        backend = LlamaCppBackend(path, n_ctx=n_ctx, n_threads=1, kv_type=kv_type)
+        try:
+            expected = fields[f"{arch}.block_count"] * kv_heads * 2 * head_dim * (4 if kv_type == "f32" else 2) * n_ctx
+            assert backend.slot_cache_bytes() == expected
+        finally:
+            backend.close()
