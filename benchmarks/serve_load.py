@@ -5,7 +5,7 @@ Lines, each a server started afresh for each C (127.0.0.1 only) and warmed by on
 - ``specrun fifo``: `specrun serve` answering one request at a time (``--parallel 1``), as before;
 - ``specrun``: `specrun serve --parallel C`, the slots sharing every pass, speculation yielding to
   the batch (TargetCosts.sharing);
-- ``specrun default``: `specrun serve` as it starts without --parallel (slots as memory allows);
+- ``specrun auto``: `specrun serve --parallel auto` (slots as memory allows);
 - with ``--llama-bin``: ``llama-server -np C`` without speculation, with ``-md`` (the same draft,
   ``--spec-type draft-simple``) and with ``--spec-type ngram-mod``.
 
@@ -224,7 +224,7 @@ def lines_for(args, target: Path, draft: Path) -> list[ServerLine]:
     lines = [
         ServerLine("specrun fifo", lambda port, c: [*specrun, "--port", str(port), "--parallel", "1"], str(target)),
         ServerLine("specrun", lambda port, c: [*specrun, "--port", str(port), "--parallel", str(c)], str(target)),
-        ServerLine("specrun default", lambda port, c: [*specrun, "--port", str(port)], str(target)),
+        ServerLine("specrun auto", lambda port, c: [*specrun, "--port", str(port), "--parallel", "auto"], str(target)),
     ]
     if args.llama_bin is not None:
         def server(extra):

@@ -72,11 +72,24 @@ ApiKeyOpt = Annotated[
 ]
 MaxBodyOpt = Annotated[int, typer.Option("--max-body", help="Largest request body in bytes (larger: 413).")]
 MaxQueueOpt = Annotated[int, typer.Option("--max-queue", help="Requests that may wait (more: 429).")]
-ParallelOpt = Annotated[Optional[int], typer.Option(
+ParallelOpt = Annotated[str, typer.Option(
     "--parallel", help="Requests decoded together, each in a slot of its own sharing every pass (llama.cpp; "
-                       "methods of lookup, ngram, draft or auto). Default: up to 4 as memory allows, 1 where a "
-                       "slot would draft with less (heads, trees, lookahead) or on MLX.", show_default=False)]
+                       "methods of lookup, ngram, draft or auto); auto: up to 4 as memory allows, 1 where a slot "
+                       "would draft with less (heads, trees, lookahead) or on MLX.")]
 MAX_PARALLEL = 64
+
+
+def checked_parallel(value: str) -> int | None:
+    """--parallel as a number of slots, or None for auto (sessions/slots.default_slots)."""
+    if value.strip().lower() == "auto":
+        return None
+    try:
+        slots = int(value)
+    except ValueError:
+        raise UsageError(f"--parallel {value!r} is neither a number of slots nor auto",
+                         "pass --parallel N (1-64), or --parallel auto") from None
+    check_range("--parallel", slots, 1, MAX_PARALLEL)
+    return slots
 
 
 def serve_command(
@@ -112,7 +125,7 @@ def serve_command(
     lookahead: LookaheadOpt = None,
     max_body: MaxBodyOpt = 4 * 1024 * 1024,
     max_queue: MaxQueueOpt = 64,
-    parallel: ParallelOpt = None,
+    parallel: ParallelOpt = "1",
     verify: VerifyOpt = "block",
     accept: AcceptOpt = "exact",
     epsilon: EpsilonOpt = None,
@@ -143,8 +156,7 @@ def serve_command(
         check_range("--port", port, 0, 65535)
         check_range("--max-body", max_body, 1024, 1 << 34)
         check_range("--max-queue", max_queue, 1, 1 << 20)
-        if parallel is not None:
-            check_range("--parallel", parallel, 1, MAX_PARALLEL)
+        parallel = checked_parallel(parallel)
         if parallel is not None and parallel > 1:
             check_slots_method(method)
             if backend == "mlx":

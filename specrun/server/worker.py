@@ -315,7 +315,7 @@ class PairOptions:
     trees: TreeSettings = field(default_factory=TreeSettings)  # --tree-nodes, --branches (chains by default)
     lookahead: LookaheadSizes | None = None  # --lookahead (None: chosen from the target's pass costs)
     verification: Verification = field(default_factory=Verification)  # --verify, --accept: exact by default
-    parallel: int | None = 1  # --parallel: requests decoded together, each in a slot of its own (None: as memory allows)
+    parallel: int | None = 1  # --parallel: requests decoded together, each in a slot of its own (None: auto)
     learn: Callable | None = None  # --learn: the heads' learner (sessions/heads.with_learner); None: none learn
 
 
@@ -453,8 +453,8 @@ class PairWorker:
             self.session.close()
 
     def _open_slots(self) -> None:
-        """The slots --parallel asks for; without it, as many as default_slots finds room for
-        (halved while the models cannot open them: fewer, not a server that fails to start)."""
+        """The slots --parallel asks for; with --parallel auto, as many as default_slots finds room
+        for (halved while the models cannot open them: fewer, not a server that fails to start)."""
         from specrun.sessions.slots import SlotSessions, default_slots
 
         wanted = self.pair.parallel

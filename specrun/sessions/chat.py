@@ -579,7 +579,7 @@ def open_chat(
 
         def paying(found):
             stored = tuned if tuned is not None else load_target_entry(target, options.threads)
-            return paying_heads(found, heads, target, stored)
+            return paying_heads(found, heads, target, stored, on_note)
 
         def load_heads(kind: str | None):
             if kind is None:

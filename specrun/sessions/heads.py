@@ -110,17 +110,15 @@ def heads_for_auto(target_spec: str, explicit: str | None, target, registry=None
     return None
 
 
-def heads_pay(heads, target, stored) -> bool:
+def heads_pay(heads, target, costs: dict[int, float] | None) -> bool:
     """Are ``heads`` predicted to win HEADS_MARGIN over plain decoding on ``target``
     (control.forecasts): their held-out acceptance by depth (a prior for published heads), their
-    weights against the target's, and a pass's cost by its tokens from ``stored`` (an earlier
-    run's entry). Where no run has measured the target's passes yet, no: as token trees, heads
-    join auto by themselves only once this machine's costs say they pay (a first run of the demo
-    target with them read 0.70x on one prompt, where its later runs leave them out)."""
+    weights against the target's, and a pass's cost by its tokens from ``costs`` (seconds by
+    tokens a pass, measured on this machine: an earlier run's, or probed_costs'). Without them,
+    no: a first run of the demo target with its heads taken unmeasured read 0.70x on one prompt."""
     from specrun.control.forecasts import HEADS_MARGIN, PRIOR_ACCEPTANCE, predicted_heads_gain, relative_costs
     from specrun.heads.config import held_out_acceptance
 
-    costs = stored.target_costs if stored is not None else None
     if not costs or 1 not in costs:
         return False
     relative = relative_costs(costs)
@@ -130,12 +128,35 @@ def heads_pay(heads, target, stored) -> bool:
     return predicted_heads_gain(relative, acceptance, depth_cost) >= HEADS_MARGIN
 
 
-def paying_heads(heads, explicit: str | None, target, stored):
+# A first run with heads found for auto, before any run has stored this machine's pass costs,
+# times the target once rather than leave the heads out until a second run (a model's own MTP
+# layers are why its users run auto): passes of PROBE_COUNTS tokens, PROBE_REPEATS times each
+# after one of each to warm up (a pass of a new shape is slower the first time).
+PROBE_COUNTS = (1, 5)
+PROBE_REPEATS = 3
+PROBE_TEXT = "A first run times a few passes of the target model before it drafts."
+
+
+def probed_costs(target) -> dict[int, float]:
+    """Median seconds of the target's passes over PROBE_COUNTS tokens (its cache emptied after)."""
+    from specrun.sessions.tuning import time_passes
+
+    prompt = list(target.tokenize(PROBE_TEXT))[:12] or [0]
+    time_passes(target, prompt, PROBE_COUNTS, repeats=1)
+    return time_passes(target, prompt, PROBE_COUNTS, PROBE_REPEATS)
+
+
+def paying_heads(heads, explicit: str | None, target, stored, on_note: Callable[[str], None] | None = None):
     """``heads`` (``heads_for_auto``'s) where auto keeps them: given with --heads, or ``heads_pay``
-    on ``stored``; else None."""
-    if heads is None or explicit is not None or heads_pay(heads, target, stored):
+    on ``stored``'s pass costs (probed_costs' where no run has stored them yet); else None."""
+    if heads is None or explicit is not None:
         return heads
-    return None
+    costs = stored.target_costs if stored is not None else None
+    if not costs or 1 not in costs:
+        costs = probed_costs(target)
+        if on_note is not None:
+            on_note(f"auto timed the target's passes for its {heads.config.kind} heads (no run had stored them yet)")
+    return heads if heads_pay(heads, target, costs) else None
 
 
 def with_auto_heads(options: DrafterOptions, heads) -> DrafterOptions:
@@ -178,7 +199,7 @@ def comparison_heads(target_spec: str, explicit: str | None, target, methods, re
     if not any(map(is_adaptive, methods)):
         return options
     auto = heads_for_auto(target_spec, explicit, target, registry, on_note, loaded)
-    return with_auto_heads(options, paying_heads(auto, explicit, target, stored))
+    return with_auto_heads(options, paying_heads(auto, explicit, target, stored, on_note))
 
 
 def with_learner(options: DrafterOptions, method: str, target, learn: Callable | None, draft=None) -> DrafterOptions:

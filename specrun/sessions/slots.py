@@ -17,9 +17,10 @@ from specrun.backends.slots import Rendezvous, Slot
 from specrun.errors import UsageError
 from specrun.sessions.chat import ChatSession
 
-# ``serve`` without --parallel: at most this many slots, their caches within this share of the
-# memory free once the pair is loaded. Several clients at once pay (docs/perf.md 3(r): 1.30x the
-# one-at-a-time server at 2 clients, 1.39x at 4 on a CPU), a lone one costs ~1%.
+# ``serve --parallel auto``: at most this many slots, their caches within this share of the memory
+# free once the pair is loaded. Not serve's default: a lone client on a slot ran 0.94-0.95x the
+# one-at-a-time server here (a pass handed to the slots' runner thread; docs/perf.md 3(r)), while
+# 2 clients gained 1.04-1.09x and their first tokens came 5x sooner.
 DEFAULT_SLOTS = 4
 SLOTS_MEMORY_SHARE = 0.5
 
@@ -84,14 +85,18 @@ def available_memory() -> int | None:
 
 
 def default_slots(session: ChatSession, measure: Callable[[], int | None] = available_memory) -> tuple[int, str]:
-    """How many slots ``serve`` opens without --parallel, and a note saying why: one where a slot
-    would draft with less than the session does (heads, trees, a lookahead window) or its backend
-    has none (MLX); else up to DEFAULT_SLOTS, as many as SLOTS_MEMORY_SHARE of the free memory
-    (``measure``d once the pair is loaded) holds caches for."""
+    """How many slots ``serve --parallel auto`` opens, and a note saying why: one where a slot
+    would draft with less than the session does (heads, trees, a lookahead window), its backend
+    has none (MLX) or its model keeps a recurrent state; else up to DEFAULT_SLOTS, as many as
+    SLOTS_MEMORY_SHARE of the free memory (``measure``d once the pair is loaded) holds caches for."""
     models = [model for model in (session.target, session.draft) if model is not None]
     lacking = next((model for model in models if getattr(model, "open_slots", None) is None), None)
     if lacking is not None:
         return 1, f"requests are answered one at a time (the {lacking.name} backend decodes one at a time)"
+    recurrent = next((model for model in models if getattr(model, "recurrent", False)), None)
+    if recurrent is not None:
+        return 1, (f"requests are answered one at a time ({recurrent.name} keeps a recurrent state per "
+                   f"sequence, which slots cannot share yet)")
     dropped = session.slot_drops()
     if dropped:
         return 1, (f"requests are answered one at a time: slots would draft without {dropped}; "

@@ -36,16 +36,22 @@ def test_requests_decoded_together_get_their_one_at_a_time_answers(demo_server, 
     assert metrics['specrun_batch_sequences_total{model="target"}'] > 1.5 * metrics['specrun_batches_total{model="target"}']
 
 
-def test_serve_without_parallel_decodes_several_together_as_memory_allows(demo_server):
-    """The demo pair's caches are small beside this machine's memory: 4 slots, said in the log."""
+def test_parallel_auto_decodes_several_together_as_memory_allows_and_the_default_one_at_a_time(demo_server):
+    """The demo pair's caches are small beside this machine's memory: 4 slots, said in the log;
+    without --parallel, one (a lone client on a slot runs slower: docs/perf.md 3(r))."""
     from specrun.sessions.slots import DEFAULT_SLOTS
 
-    assert metric_values(demo_server)["specrun_slots"] == DEFAULT_SLOTS
-    assert any(f"up to {DEFAULT_SLOTS} requests are decoded together" in line for line in demo_server.log)
+    assert metric_values(demo_server)["specrun_slots"] == 1
+    server = start_server(*DEMO_ARGS, "--parallel", "auto")
+    try:
+        assert metric_values(server)["specrun_slots"] == DEFAULT_SLOTS
+        assert any(f"up to {DEFAULT_SLOTS} requests are decoded together" in line for line in server.log)
+    finally:
+        assert stop_server(server) == 0, server.log
 
 
-def test_serve_without_parallel_answers_one_at_a_time_where_slots_would_drop_its_heads():
-    server = start_server(*DEMO_ARGS, "--method", "eagle")
+def test_parallel_auto_answers_one_at_a_time_where_slots_would_drop_its_heads():
+    server = start_server(*DEMO_ARGS, "--parallel", "auto", "--method", "eagle")
     try:
         assert metric_values(server)["specrun_slots"] == 1
         assert any("one at a time: slots would draft without eagle" in line for line in server.log)
@@ -231,6 +237,7 @@ def test_a_full_queue_is_a_429_with_retry_after_and_the_others_are_served():
 
 @pytest.mark.parametrize(("args", "code", "message"), [
     (("--parallel", "0"), 2, "--parallel must be between 1 and 64"),
+    (("--parallel", "many"), 2, "--parallel 'many' is neither a number of slots nor auto"),
     (("--parallel", "2", "--method", "lookahead"), 2, "drafts with lookahead"),
     (("--parallel", "2", "--method", "lookup+medusa"), 2, "drafts with medusa"),
     (("--parallel", "2", "--branches", "2"), 2, "--branches"),

@@ -114,18 +114,18 @@ def test_heads_pay_by_the_stored_costs_the_report_and_their_size():
 
     eagle = load_heads(shipped_heads_path("demo-target", "eagle"))  # 4.64 tokens a pass held out, 8.7 MB a depth
     target = _Target(int(eagle.depth_bytes / 0.6))  # a depth 0.6 of the target's weights, as on the demo target
-    assert heads_pay(eagle, target, stored(gpu_like))
-    assert not heads_pay(eagle, target, stored(cpu_like))
-    assert not heads_pay(eagle, target, None)  # no run has measured this machine yet: not by themselves
-    assert not heads_pay(eagle, target, TuneResult("k", "t", "none", "m", 0, 0.0, learned=True))
-    assert not heads_pay(eagle, _Target(int(eagle.depth_bytes)), stored(gpu_like))  # as dear as the target
+    assert heads_pay(eagle, target, stored(gpu_like).target_costs)
+    assert not heads_pay(eagle, target, stored(cpu_like).target_costs)
+    assert not heads_pay(eagle, target, None)  # nothing measured on this machine: not by themselves
+    assert not heads_pay(eagle, target, TuneResult("k", "t", "none", "m", 0, 0.0, learned=True).target_costs)
+    assert not heads_pay(eagle, _Target(int(eagle.depth_bytes)), stored(gpu_like).target_costs)  # as dear as the target
     # published heads carry no report: a depth's acceptance is taken as PRIOR_ACCEPTANCE
     import dataclasses
 
     bare = dataclasses.replace(eagle, config=dataclasses.replace(eagle.config, training={}))
     assert PRIOR_ACCEPTANCE == 0.6 and HEADS_MARGIN == 1.05
-    assert not heads_pay(bare, target, stored(gpu_like))  # (1 + 0.6) / (1.02 + 0.6) at best
-    assert heads_pay(bare, _Target(int(eagle.depth_bytes * 10)), stored(gpu_like))  # 1.6 / (1.02 + 0.1)
+    assert not heads_pay(bare, target, stored(gpu_like).target_costs)  # (1 + 0.6) / (1.02 + 0.6) at best
+    assert heads_pay(bare, _Target(int(eagle.depth_bytes * 10)), stored(gpu_like).target_costs)  # 1.6 / (1.02 + 0.1)
 
 
 def test_auto_with_heads_drafts_with_them_on_the_fake_pair_and_keeps_plain_decoding_s_text():
@@ -248,11 +248,37 @@ def gpu_costs_stored(monkeypatch):
         monkeypatch.setattr(module, "load_target_entry", lambda target, threads: stored(gpu_like), raising=False)
 
 
-def test_a_first_run_leaves_the_heads_out_until_a_run_has_measured_the_machine():
+def test_a_first_run_times_the_target_and_leaves_the_heads_out_where_its_costs_say_they_lose():
+    """No run has stored this machine's costs: auto times a few passes (said in a note) and, on
+    this CPU where a 5-token pass costs several plain steps, drafts without the demo heads."""
     pytest.importorskip("llama_cpp", reason="the llama backend is not installed")
     result = invoke("generate", "def parse(line):", "-n", "16", "--backend", "llama", "--json", "-m", "auto")
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout)["stats"]["drafters"] == "lookup+ngram+draft"
+    assert "auto timed the target's passes for its eagle heads" in result.stderr
+
+
+@pytest.mark.parametrize("relative, kept", [(gpu_like, True), (cpu_like, False)])
+def test_heads_without_stored_costs_are_kept_as_a_probe_of_the_target_s_passes_says(monkeypatch, relative, kept):
+    import specrun.sessions.tuning as tuning
+    from specrun.sessions.heads import PROBE_COUNTS, paying_heads
+
+    eagle = load_heads(shipped_heads_path("demo-target", "eagle"))
+    target = _Target(int(eagle.depth_bytes / 0.6))
+    target.tokenize = lambda text: [1, 2, 3]
+    probes, notes = [], []
+
+    def time_passes(backend, prompt, counts, repeats=7):
+        probes.append((tuple(counts), repeats))
+        return {n: 0.01 * relative(n) for n in counts}
+
+    monkeypatch.setattr(tuning, "time_passes", time_passes)
+    assert (paying_heads(eagle, None, target, None, notes.append) is eagle) is kept
+    assert probes == [(PROBE_COUNTS, 1), (PROBE_COUNTS, 3)]  # one pass of each shape to warm up, then timed
+    assert notes == ["auto timed the target's passes for its eagle heads (no run had stored them yet)"]
+    probes.clear()
+    assert (paying_heads(eagle, None, target, stored(relative)) is eagle) is kept
+    assert probes == []  # stored costs: no probe
 
 
 def test_auto_on_the_demo_target_drafts_with_its_shipped_eagle_heads_and_keeps_the_text(gpu_costs_stored):
