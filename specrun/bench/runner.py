@@ -32,6 +32,7 @@ from specrun.sessions.setup import (
     check_trees_for,
     load_tuned,
     resolve_min_prob,
+    tuned_window,
 )
 from specrun.sessions import setup
 from specrun.control.forecasts import SizeChoice
@@ -169,6 +170,7 @@ def run_bench(config: BenchConfig, prompts: Sequence[BenchPrompt], progress: Pro
                 "raise --ctx or lower -n",
             )
         tuned = load_tuned(target, draft, config.load.threads) if config.use_tuned else None
+        draft = tuned_window(draft, tuned, config.load, notes.append)  # the draft cache tune kept, as generate's
         variants = config.variants()
         min_prob = resolve_min_prob(config.draft_min_prob, tuned)
         # auto's heads where they pay by the stored costs, as generate's (its own entry where it has no draft)

@@ -257,3 +257,24 @@ def test_tune_window_search_saves_the_draft_cache_it_timed(config_home, tiny_lla
     (entry,) = json.loads((config_home / "specrun" / "tuned.json").read_text())["pairs"].values()
     assert entry["window_context"] == 488 and entry["window"] in (0, 128, 256) and entry["window_speedup"] > 0
     assert entry["window_sinks"] == (8 if entry["window"] else 0)
+
+
+def test_bench_s_draft_lines_read_through_the_window_tune_kept_unless_untuned(tiny_llama, monkeypatch):
+    """As generate and chat do: the pair's tune entry kept a window, bench's draft lines draft from
+    it and say so; --untuned reads no entry, so the full cache."""
+    pytest.importorskip("llama_cpp", reason="the llama backend is not installed")
+    import specrun.bench.runner as bench_runner
+    from specrun.sessions import tuning
+
+    tuned = tuning.TuneResult("k", "t", "d", "m", 4, 1.2, window=128, window_sinks=4, window_context=480,
+                              window_speedup=1.2, learned=True)
+    monkeypatch.setattr(bench_runner, "load_tuned", lambda target, draft, threads: tuned)
+    path = str(tiny_llama.gguf_path)
+    bench = ["bench", "-t", path, "-d", path, "--methods", "none,draft", "--categories", "chat", "--per-category", "1",
+             "-n", "8", "--json", "-"]
+    note = "the draft reads its first 4 tokens and its last 128"
+    windowed = CliRunner().invoke(app, bench)
+    assert windowed.exit_code == 0, windowed.output
+    assert note in " ".join(windowed.stderr.split())
+    full = CliRunner().invoke(app, [*bench, "--untuned"])
+    assert full.exit_code == 0 and note not in " ".join(full.stderr.split())
