@@ -148,6 +148,13 @@ class DeferredArrays(Mapping):
     def loaded(self, name: str) -> bool:
         return name in self._ready
 
+    def nbytes(self, name: str) -> int:
+        """What ``name`` weighs: a deferred table as stored (read or not), an array as held."""
+        if name in self._deferred:
+            return self._deferred[name][1]
+        array = self._ready.get(name)
+        return 0 if array is None else array.nbytes
+
 
 def tables(reader: FolderTensors, candidates: dict[str, tuple[str, ...]], shape: tuple[int, ...]) -> dict:
     """For DeferredArrays: each of ``candidates`` (an array's name: the tensor names that may hold
@@ -170,9 +177,3 @@ def tables(reader: FolderTensors, candidates: dict[str, tuple[str, ...]], shape:
             reads[name] = read
         found[key] = (reads[name], reader.check(name, shape))
     return found
-
-    def nbytes(self, name: str) -> int:
-        if name in self._deferred and name not in self._ready:
-            return self._deferred[name][1]
-        array = self._ready.get(name)
-        return 0 if array is None else array.nbytes

@@ -113,6 +113,27 @@ def carriers_refusal(target: str, detail: str = "") -> UsageError:
                       "use another method, or a GGUF converted with its MTP (nextn) layers")
 
 
+def no_layers_refusal(target: str, candidates=(), detail: str = ""):
+    """The one line for a target whose files hold no MTP layers: a folder mlx-lm converted from a
+    model that carries them (Qwen3-Next's config names none, so only the weights could tell) says
+    the conversion dropped them; anything else gets ``carriers_refusal``."""
+    for folder in (Path(candidate) for candidate in candidates):
+        try:
+            config = _folder_config(folder) if folder.is_dir() else None
+        except (ModelFileError, ValueError, RecursionError):
+            config = None
+        if isinstance(config, dict) and config.get("model_type") == "qwen3_next" and config.get("quantization"):
+            return _dropped(folder, "Qwen3-Next carries one")
+    return carriers_refusal(target, detail)
+
+
+def _dropped(folder: Path, said: str) -> ModelFileError:
+    return ModelFileError(f"{folder.name}: {said} MTP layer but the folder's weights hold none (mlx-lm drops them "
+                          f"when it converts a model)",
+                          "pass the model's original checkpoint folder (or a GGUF that kept it) with --heads, "
+                          "or use another method")
+
+
 def mtp_layer_count(path: str | Path) -> int:
     """How many MTP layers the GGUF at ``path`` says it carries (0: none), from its metadata alone
     (auto asks it of every target it opens)."""
@@ -298,7 +319,7 @@ def read_mtp_folder(folder: str | Path, depth: int = DEFAULT_DEPTH) -> MtpHeads:
     model_type = config.get("model_type", "")
     count = folder_mtp_layers(folder)
     if count <= 0:
-        raise carriers_refusal(str(folder), f" ({model_type})")
+        raise no_layers_refusal(str(folder), (folder,), f" ({model_type})")
     if model_type not in FOLDER_TYPES:
         raise ModelFileError(f"{folder.name}: specrun cannot read the MTP layers of model type {model_type!r} yet "
                              f"(it reads {', '.join(FOLDER_TYPES)})", "use another method with this model")
@@ -311,9 +332,7 @@ def read_mtp_folder(folder: str | Path, depth: int = DEFAULT_DEPTH) -> MtpHeads:
     qwen = model_type in _QWEN_MTP
     block = None if qwen else int(config["num_hidden_layers"])
     if not any(_QWEN_MTP_NAME.match(name) if qwen else name.startswith(f"model.layers.{block}.") for name in files):
-        raise ModelFileError(f"{folder.name}'s config says it carries {count} MTP layer(s) but its weights hold "
-                             f"none (mlx-lm drops them when it converts a model)",
-                             "pass the model's original checkpoint folder with --heads, or use another method")
+        raise _dropped(folder, f"its config says it carries {count}")
     if qwen:
         return _qwen_folder(folder, _text_config(config), FOLDER_TYPES[model_type], reader, count, depth)
     hidden, vocab = int(config["hidden_size"]), int(config["vocab_size"])

@@ -97,9 +97,9 @@ def find_all_heads(target_spec: str, explicit: str | None, kind: str, registry: 
     candidates = heads_candidates(target_spec, kind, load_registry(registry))
     found = [path for path in candidates if _present(path, kind)]
     if not found and BY_NAME[kind].stored == "model":
-        from specrun.modelkit.mtp import carriers_refusal
+        from specrun.modelkit.mtp import no_layers_refusal
 
-        raise carriers_refusal(target_spec, "" if candidates else " (no model file or folder of it)")
+        raise no_layers_refusal(target_spec, candidates, "" if candidates else " (no model file or folder of it)")
     if not found:
         raise UsageError(
             f"no {kind} heads for {target_spec} (looked in {', '.join(str(path) for path in candidates)})",

@@ -20,10 +20,16 @@ Job = TypeVar("Job")
 
 class Jobs(Generic[Job]):
     """Jobs waiting for ``n_slots`` slots. ``affinity(slot, job)``: how many tokens of the job's
-    prompt the idle slot's cache holds (asked on the slots' threads, never the submitter's)."""
+    prompt the idle slot's cache holds (asked under the queue's lock: it must be quick);
+    ``prepare(job)``: what affinity needs of a job (its prompt tokenized), done by a slot's thread
+    outside the lock before the job is handed out (the submitter, the server's event loop, takes
+    the lock too and must not wait on it)."""
 
-    def __init__(self, n_slots: int, affinity: Callable[[int, Job], int] | None = None) -> None:
-        self._affinity = affinity
+    def __init__(self, n_slots: int, affinity: Callable[[int, Job], int] | None = None,
+                 prepare: Callable[[Job], None] | None = None) -> None:
+        self._affinity, self._prepare = affinity, prepare
+        self._preparing: set[int] = set()  # ids of waiting jobs a slot's thread is preparing
+        self._prepared: set[int] = set()  # ids of waiting jobs prepared
         self._lock = threading.Condition()
         self._waiting: deque[Job] = deque()
         self._idle: dict[int, int] = {}  # slot -> when it became idle (a count: earlier is smaller)
@@ -43,9 +49,13 @@ class Jobs(Generic[Job]):
             self._lock.notify_all()
 
     def take_all(self) -> list[Job]:
-        """Every job still waiting (and any handed to a slot that has not taken it), taken out."""
+        """Every job still waiting (and any handed to a slot that has not taken it), taken out;
+        such a slot is idle again."""
         with self._lock:
             taken = list(self._given.values()) + list(self._waiting)
+            self._prepared.clear()
+            for slot in self._given:
+                self._idle[slot] = next(self._ticks)
             self._given.clear()
             self._waiting.clear()
             return taken
@@ -60,27 +70,56 @@ class Jobs(Generic[Job]):
         """The next job for ``slot`` (blocks until there is one); None once closed."""
         with self._lock:
             self._idle.setdefault(slot, next(self._ticks))
-            while True:
+        while True:
+            with self._lock:
                 if slot in self._given:
                     return self._given.pop(slot)
                 if self._closed:
                     self._idle.pop(slot, None)
                     return None
-                if self._waiting:
-                    self._hand_out()
-                    if slot in self._given:
-                        continue
-                self._lock.wait()
+                job = self._to_prepare()
+                if job is None:
+                    if self._waiting:
+                        self._hand_out()
+                        if slot in self._given:
+                            continue
+                    self._lock.wait()
+                    continue
+                self._preparing.add(id(job))
+            try:
+                self._prepare(job)
+            except Exception:  # noqa: BLE001 - unprepared, it goes to any slot; answering it says what failed
+                pass
+            finally:
+                with self._lock:
+                    self._preparing.discard(id(job))
+                    self._prepared.add(id(job))
+                    self._lock.notify_all()
+
+    def _to_prepare(self) -> Job | None:
+        """A waiting job nobody has prepared yet, where a choice among idle slots will need it."""
+        if self._prepare is None or len(self._idle) < 2:
+            return None
+        return next((job for job in self._waiting
+                     if id(job) not in self._prepared and id(job) not in self._preparing), None)
 
     def _hand_out(self) -> None:
         """The waiting jobs, oldest first, each to the idle slot it suits best (under the lock)."""
-        while self._waiting and self._idle:
+        while self._waiting and self._idle and id(self._waiting[0]) not in self._preparing:
             job = self._waiting.popleft()
+            self._prepared.discard(id(job))
             slots = sorted(self._idle, key=self._idle.__getitem__)  # idle longest first
             best = slots[0]
             if self._affinity is not None and len(slots) > 1:
-                held = {slot: self._affinity(slot, job) for slot in slots}
+                held = {slot: self._held(slot, job) for slot in slots}
                 best = max(slots, key=lambda slot: held[slot])  # ties: idle longest (max keeps the first)
             del self._idle[best]
             self._given[best] = job
             self._lock.notify_all()
+
+    def _held(self, slot: int, job: Job) -> int:
+        """``affinity(slot, job)``, 0 where it fails: a job is never lost to the choice of its slot."""
+        try:
+            return int(self._affinity(slot, job))
+        except Exception:  # noqa: BLE001 - any slot will do
+            return 0

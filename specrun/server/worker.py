@@ -330,7 +330,8 @@ class PairWorker:
         self.parallel = pair.parallel or 1  # set once the pair is loaded where None
         self.log = log or (lambda line: None)
         # unbounded: submit keeps it to max_queue jobs; a job goes to the idle slot holding most of its prompt
-        self.jobs: Jobs[Job] = Jobs(self.parallel, self._held_prompt if pair.parallel != 1 else None)
+        self.jobs: Jobs[Job] = Jobs(self.parallel, self._held_prompt if pair.parallel != 1 else None,
+                                    self._tokenized if pair.parallel != 1 else None)
         self.max_queue = max_queue
         self._submitting = threading.Lock()
         self.session = None
@@ -405,16 +406,19 @@ class PairWorker:
         """Every job waiting in the queue, taken out of it."""
         return self.jobs.take_all()
 
-    def _held_prompt(self, slot: int, job: Job) -> int:
-        """How many tokens of ``job``'s prompt the idle ``slot``'s cache holds (0 where the request
-        cannot be tokenized: answering it says why)."""
-        if self.slots is None:
-            return 0
+    def _tokenized(self, job: Job) -> None:
+        """``job``'s prompt ids, where the request can be tokenized (answering it says why not)."""
         if job.prompt_ids is None:
             try:
                 job.prompt_ids = self._prompt_ids(job.request)
             except (RequestError, SpecrunError):
-                return 0
+                pass
+
+    def _held_prompt(self, slot: int, job: Job) -> int:
+        """How many tokens of ``job``'s prompt (tokenized by ``_tokenized``) the idle ``slot``'s
+        cache holds; 0 where the prompt has no ids."""
+        if self.slots is None or job.prompt_ids is None:
+            return 0
         return common_prefix_len(self.slots.sessions[slot].engine.target.tokens, job.prompt_ids)
 
     def _run(self) -> None:

@@ -153,6 +153,10 @@ def paying_heads(heads, explicit: str | None, target, stored, on_note: Callable[
         return heads
     costs = stored.target_costs if stored is not None else None
     if not costs or 1 not in costs:
+        from specrun.backends.kv import sequence_for
+
+        if sequence_for(target).tokens:  # a chat's /method mid-conversation: its cache is not the probe's to empty
+            return None
         costs = probed_costs(target)
         if on_note is not None:
             on_note(f"auto timed the target's passes for its {heads.config.kind} heads (no run had stored them yet)")

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import os
 import re
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -78,10 +80,24 @@ def available_memory() -> int | None:
             return int(found.group(1)) * 1024
     except OSError:
         pass
+    if sys.platform == "darwin":  # no MemAvailable, no SC_AVPHYS_PAGES: vm_stat's free pages
+        try:
+            return vm_stat_free(subprocess.run(["vm_stat"], capture_output=True, text=True, timeout=5).stdout)
+        except (OSError, subprocess.SubprocessError):
+            return None
     try:
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError, AttributeError):
         return None
+
+
+def vm_stat_free(text: str) -> int | None:
+    """Bytes free, inactive or speculative (what macOS hands to a new allocation) in ``vm_stat``'s
+    output; None where it does not say."""
+    page = re.search(r"page size of (\d+) bytes", text)
+    counts = [int(found) for kind in ("free", "inactive", "speculative")
+              for found in re.findall(rf"^Pages {kind}:\s+(\d+)\.?$", text, re.MULTILINE)]
+    return int(page.group(1)) * sum(counts) if page and counts else None
 
 
 def default_slots(session: ChatSession, measure: Callable[[], int | None] = available_memory) -> tuple[int, str]:
@@ -90,6 +106,10 @@ def default_slots(session: ChatSession, measure: Callable[[], int | None] = avai
     has none (MLX) or its model keeps a recurrent state; else up to DEFAULT_SLOTS, as many as
     SLOTS_MEMORY_SHARE of the free memory (``measure``d once the pair is loaded) holds caches for."""
     models = [model for model in (session.target, session.draft) if model is not None]
+    windowed = next((model for model in models if hasattr(model, "parent") and getattr(model, "window", 0)), None)
+    if windowed is not None:
+        return 1, (f"requests are answered one at a time ({windowed.name} drafts from a windowed cache, which "
+                   f"slots cannot hold)")
     lacking = next((model for model in models if getattr(model, "open_slots", None) is None), None)
     if lacking is not None:
         return 1, f"requests are answered one at a time (the {lacking.name} backend decodes one at a time)"

@@ -597,8 +597,11 @@ def test_on_mlx_a_quantized_target_drafts_with_its_grafted_quantized_mtp_layer(q
         result = engine.run(ids, GenerationParams(32, 3))
         drafter.close()
         assert result.token_ids == plain and result.stats.drafted > 0
-        # the 4-bit model's own embedding and head served: the layer's float16 copies never read
+        # the 4-bit model's own embedding and head served: the layer's float16 copies never read,
+        # not even by what auto weighs a depth at (their stored, quantized bytes)
         assert heads.target_arrays == {"embed", "lm_head"}
+        assert heads.depth_bytes > heads.tensors.nbytes("lm_head") > 0
+        assert heads.tensors.nbytes("lm_head") < heads.config.vocab_size * heads.config.hidden_size
         assert not heads.tensors.loaded("embed") and not heads.tensors.loaded("lm_head")
     finally:
         target.close()
@@ -631,7 +634,8 @@ def test_a_converted_folder_that_dropped_its_mtp_layer_says_so_and_drafts_from_t
     and pointing at --heads, with which the original checkpoint's layer drafts for the 4-bit target."""
     dropped = str(quantized_qwen["dropped"])
     result = _cli("generate", "def hello", "-t", dropped, "--backend", "mlx", "--method", "mtp", "-n", "8")
-    _one_line(result, 1, "dropped", "says it carries 1 MTP layer(s) but its weights hold none", "--heads")
+    _one_line(result, 1, "dropped", "its config says it carries 1 MTP layer but the folder's weights hold none",
+              "mlx-lm drops them", "--heads")
     plain = _cli("generate", "def hello", "-t", dropped, "--backend", "mlx", "--method", "none", "-n", "12", "--json")
     drafted = _cli("generate", "def hello", "-t", dropped, "--backend", "mlx", "--method", "mtp", "-n", "12",
                    "--heads", str(quantized_qwen["float"]), "--json")
@@ -673,3 +677,17 @@ def test_an_mlx_target_drafts_with_the_mtp_layer_of_the_same_model_s_gguf(quanti
 
     assert json.loads(drafted.stdout)["text"] == json.loads(plain.stdout)["text"]
     assert json.loads(drafted.stdout)["stats"]["drafted"] > 0
+
+
+def test_a_converted_qwen3_next_folder_says_its_conversion_dropped_the_layer(tmp_path):
+    """Qwen3-Next's config names no MTP layers: mlx-lm's 4-bit conversion of it is told apart from a
+    model that never had one, in one line pointing at --heads."""
+    pytest.importorskip("mlx_lm", reason="the MLX backend is not installed")
+    from hybrid_models import HybridShape, hybrid_weights, quantized_mlx_folder, write_qwen35_mlx_folder
+
+    shape = HybridShape(experts=4, next=True)
+    source = write_qwen35_mlx_folder(tmp_path / "float", shape, hybrid_weights(shape, mtp_layers=1))
+    dropped = quantized_mlx_folder(source, tmp_path / "Qwen3-Next-4bit", keep_mtp=False)
+    result = _cli("generate", "def hello", "-t", str(dropped), "--backend", "mlx", "--method", "mtp", "-n", "4")
+    _one_line(result, 1, "Qwen3-Next-4bit: Qwen3-Next carries one MTP layer but the folder's weights hold none",
+              "--heads")

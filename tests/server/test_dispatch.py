@@ -96,3 +96,52 @@ def test_many_threads_take_every_job_once():
     for thread in threads:
         thread.join(5)
     assert sorted(taken) == list(range(500))
+
+
+def test_a_failing_affinity_loses_no_job_and_no_slot():
+    def broken(slot: int, job: str) -> int:
+        raise RuntimeError("a template that cannot render")
+
+    jobs, got = Jobs(2, broken), {}
+    threads = [_waiting(jobs, slot, got) for slot in (0, 1)]
+    _idle(jobs, 2)
+    jobs.put("a")
+    jobs.put("b")
+    for thread in threads:
+        thread.join(5)
+    assert sorted(got.values()) == ["a", "b"]
+
+
+def test_a_job_is_prepared_outside_the_lock_before_its_slot_is_chosen():
+    """Tokenizing a long prompt must not hold the lock the server's event loop takes to queue."""
+    prepared: list[str] = []
+    held = {0: 0, 1: 0}
+
+    def prepare(job: str) -> None:
+        assert jobs._lock.acquire(blocking=False), "prepared under the queue's lock"
+        jobs._lock.release()
+        prepared.append(job)
+        held[1] = 7  # what preparing found: slot 1 holds the prompt
+
+    jobs, got = Jobs(2, lambda slot, job: held[slot], prepare), {}
+    threads = [_waiting(jobs, slot, got) for slot in (0, 1)]
+    _idle(jobs, 2)
+    jobs.put("turn")
+    threads[1].join(5)
+    assert prepared == ["turn"] and got == {1: "turn"}
+    jobs.close()
+    threads[0].join(5)
+
+
+def test_jobs_taken_back_from_a_slot_leave_it_idle_for_the_next():
+    jobs = Jobs(2, lambda slot, job: 0)
+    jobs._idle.update({0: -2, 1: -1})  # two slots waiting (as get leaves them), none woken yet
+    jobs.put("handed")
+    with jobs._lock:
+        jobs._hand_out()
+    assert jobs._given == {0: "handed"}
+    assert jobs.take_all() == ["handed"] and jobs._given == {}
+    assert set(jobs._idle) == {0, 1}  # slot 0 is chosen again, not skipped for good
+    jobs.put("next")
+    jobs.put("after")
+    assert jobs.get(1) == "next" and jobs.get(0) == "after"  # slot 1 idle longest, then slot 0

@@ -248,10 +248,15 @@ def gpu_costs_stored(monkeypatch):
         monkeypatch.setattr(module, "load_target_entry", lambda target, threads: stored(gpu_like), raising=False)
 
 
-def test_a_first_run_times_the_target_and_leaves_the_heads_out_where_its_costs_say_they_lose():
-    """No run has stored this machine's costs: auto times a few passes (said in a note) and, on
-    this CPU where a 5-token pass costs several plain steps, drafts without the demo heads."""
+def test_a_first_run_times_the_target_and_leaves_the_heads_out_where_its_costs_say_they_lose(monkeypatch):
+    """No run has stored this machine's costs: auto times a few passes (said in a note) and, where
+    a 5-token pass costs several plain steps (a CPU's, given here whatever this machine's are),
+    drafts without the demo heads."""
     pytest.importorskip("llama_cpp", reason="the llama backend is not installed")
+    import specrun.sessions.tuning as tuning
+
+    monkeypatch.setattr(tuning, "time_passes", lambda target, prompt, counts, repeats=7:
+                        {n: 0.01 * cpu_like(n) for n in counts})
     result = invoke("generate", "def parse(line):", "-n", "16", "--backend", "llama", "--json", "-m", "auto")
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout)["stats"]["drafters"] == "lookup+ngram+draft"
@@ -266,6 +271,7 @@ def test_heads_without_stored_costs_are_kept_as_a_probe_of_the_target_s_passes_s
     eagle = load_heads(shipped_heads_path("demo-target", "eagle"))
     target = _Target(int(eagle.depth_bytes / 0.6))
     target.tokenize = lambda text: [1, 2, 3]
+    monkeypatch.setattr("specrun.backends.kv.sequence_for", lambda backend: type("Empty", (), {"tokens": []})())
     probes, notes = [], []
 
     def time_passes(backend, prompt, counts, repeats=7):
@@ -437,3 +443,19 @@ def test_a_comparison_tracks_hidden_states_only_for_the_lines_whose_drafters_rea
         assert not sequence_for(target).tracking  # the drafters closed, tracking ends with them
     finally:
         target.close()
+
+
+def test_a_conversation_s_cache_is_not_emptied_to_time_the_target(monkeypatch):
+    """chat's /method auto mid-conversation with no stored costs: no probe (it would empty the
+    cache the conversation's next turn reuses), so no heads by themselves."""
+    import specrun.sessions.tuning as tuning
+    from specrun.sessions.heads import paying_heads
+
+    eagle = load_heads(shipped_heads_path("demo-target", "eagle"))
+    monkeypatch.setattr("specrun.backends.kv.sequence_for", lambda backend: type("Held", (), {"tokens": [1, 2]})())
+
+    def no_probe(*args, **kwargs):
+        raise AssertionError("the conversation's cache was emptied for a probe")
+
+    monkeypatch.setattr(tuning, "time_passes", no_probe)
+    assert paying_heads(eagle, None, _Target(int(eagle.depth_bytes / 0.6)), None) is None

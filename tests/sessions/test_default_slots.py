@@ -1,6 +1,7 @@
-"""How many slots `specrun serve` opens without --parallel (sessions/slots.default_slots): none
-where a slot would draft with less than the session or its backend has none, else up to
-DEFAULT_SLOTS as half the free memory holds their caches; and what a slot's cache weighs."""
+"""How many slots `specrun serve --parallel auto` opens (sessions/slots.default_slots): one where
+a slot would draft with less than the session, its backend has none, the draft reads a windowed
+cache or the model keeps a recurrent state, else up to DEFAULT_SLOTS as half the free memory holds
+their caches; and what a slot's cache weighs."""
 
 from __future__ import annotations
 
@@ -41,6 +42,14 @@ def test_one_slot_where_a_slot_would_draft_with_less_or_cannot_be_opened():
     assert chosen == 1 and "the mlx backend decodes one at a time" in note
     chosen, note = default_slots(_session(), lambda: None)
     assert chosen == 1 and "free memory unknown" in note
+    windowed = _Model("demo-draft", slots=False)
+    windowed.parent, windowed.window = _Model(), 256
+    chosen, note = default_slots(_session(draft=windowed), lambda: 1 << 40)
+    assert chosen == 1 and "demo-draft drafts from a windowed cache" in note
+    recurrent = _Model("qwen35")
+    recurrent.recurrent = True
+    chosen, note = default_slots(_session(target=recurrent), lambda: 1 << 40)
+    assert chosen == 1 and "qwen35 keeps a recurrent state" in note
 
 
 def test_a_slot_s_cache_is_every_layer_s_keys_and_values_for_the_context():
@@ -64,3 +73,13 @@ def test_a_slot_s_cache_is_every_layer_s_keys_and_values_for_the_context():
             assert backend.slot_cache_bytes() == expected
         finally:
             backend.close()
+
+
+def test_free_memory_on_macos_is_what_vm_stat_says_a_new_allocation_gets():
+    from specrun.sessions.slots import vm_stat_free
+
+    text = ("Mach Virtual Memory Statistics: (page size of 16384 bytes)\nPages free:                               "
+            "100.\nPages active:                           500000.\nPages inactive:                   200.\n"
+            "Pages speculative:                        50.\nPages wired down:                      9.\n")
+    assert vm_stat_free(text) == 350 * 16384
+    assert vm_stat_free("nothing useful") is None
