@@ -15,6 +15,18 @@ def _waiting(jobs: Jobs, slot: int, got: dict) -> threading.Thread:
     return thread
 
 
+def _two_jobs_for_two_idle_slots(jobs: Jobs) -> dict:
+    """What slots 0 and 1, both waiting first, get of the jobs "old" and "new" put in that order."""
+    got: dict = {}
+    threads = [_waiting(jobs, slot, got) for slot in (0, 1)]
+    _idle(jobs, 2)
+    jobs.put("old")
+    jobs.put("new")
+    for thread in threads:
+        thread.join(5)
+    return got
+
+
 def _idle(jobs: Jobs, slots: int) -> None:
     """Until ``slots`` slots wait in ``jobs.get``."""
     deadline = time.monotonic() + 5
@@ -56,15 +68,7 @@ def test_a_job_goes_to_the_idle_slot_holding_most_of_its_prompt():
 
 def test_the_oldest_job_chooses_first():
     """Two jobs for two idle slots, both suiting slot 1 best: the older gets it, the newer the other."""
-    jobs = Jobs(2, lambda slot, job: 10 if slot == 1 else 0)
-    got: dict = {}
-    threads = [_waiting(jobs, slot, got) for slot in (0, 1)]
-    _idle(jobs, 2)
-    jobs.put("old")
-    jobs.put("new")
-    for thread in threads:
-        thread.join(5)
-    assert got == {1: "old", 0: "new"}
+    assert _two_jobs_for_two_idle_slots(Jobs(2, lambda slot, job: 10 if slot == 1 else 0)) == {1: "old", 0: "new"}
 
 
 def test_closing_takes_what_waits_and_hands_every_slot_none():
@@ -102,14 +106,7 @@ def test_a_failing_affinity_loses_no_job_and_no_slot():
     def broken(slot: int, job: str) -> int:
         raise RuntimeError("a template that cannot render")
 
-    jobs, got = Jobs(2, broken), {}
-    threads = [_waiting(jobs, slot, got) for slot in (0, 1)]
-    _idle(jobs, 2)
-    jobs.put("a")
-    jobs.put("b")
-    for thread in threads:
-        thread.join(5)
-    assert sorted(got.values()) == ["a", "b"]
+    assert sorted(_two_jobs_for_two_idle_slots(Jobs(2, broken)).values()) == ["new", "old"]
 
 
 def test_a_job_is_prepared_outside_the_lock_before_its_slot_is_chosen():
