@@ -89,6 +89,17 @@ class FolderTensors:
             self._file(name).floats(name, shape)  # its one-line refusal
         return entry.end - entry.start
 
+    def first(self, names: tuple[str, ...], shape: tuple[int, ...], required: bool = True) -> np.ndarray | None:
+        """The first of ``names`` the folder holds, read as ``read`` reads it; None where it holds
+        none and the array is optional, else one line saying the MTP layer lacks it."""
+        for name in names:
+            if name in self.files:
+                return self.read(name, shape)
+        if required:
+            raise ModelFileError(f"{self.folder.name} says it carries MTP layers but lacks {names[0]}",
+                                 "download the model again with its MTP layers, or use another method")
+        return None
+
     def read(self, name: str, shape: tuple[int, ...], half: bool = False) -> np.ndarray:
         """``name`` as a float32 array of ``shape`` (float16 with ``half``: a vocabulary-sized
         table), dequantized where quantized; ModelFileError where it is missing, of another shape

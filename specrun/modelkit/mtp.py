@@ -338,13 +338,8 @@ def read_mtp_folder(folder: str | Path, depth: int = DEFAULT_DEPTH) -> MtpHeads:
     hidden, vocab = int(config["hidden_size"]), int(config["vocab_size"])
     mtp = f"model.layers.{block}"
 
-    def tensor(name: str, shape: tuple[int, ...], required: bool = True, half: bool = False) -> np.ndarray | None:
-        if name not in reader:
-            if required:
-                raise ModelFileError(f"{folder.name} says it carries MTP layers but lacks {name}",
-                                     "download the model again with its MTP layers, or use another method")
-            return None
-        return reader.read(name, shape, half)
+    def tensor(name: str, shape: tuple[int, ...], required: bool = True) -> np.ndarray | None:
+        return reader.first((name,), shape, required)
 
     heads_count = int(config["num_attention_heads"])
     kv_count = int(config.get("num_key_value_heads", heads_count))
@@ -451,16 +446,9 @@ def _qwen_folder(folder: Path, config: dict, arch: str, reader: FolderTensors, c
     model's names (Hugging Face's, or mlx-lm's once converted)."""
     hidden, vocab = int(config["hidden_size"]), int(config["vocab_size"])
 
-    def tensor(names: tuple[str, ...], shape: tuple[int, ...], half: bool = False, norm: bool = False) -> np.ndarray:
-        for name in names:
-            if name in reader:
-                values = reader.read(name, shape, half)
-                return values + 1.0 if norm else values
-        raise ModelFileError(f"{folder.name} says it carries MTP layers but lacks {names[0]}",
-                             "download the model again with its MTP layers, or use another method")
-
     def mtp(name: str, shape: tuple[int, ...], norm: bool = False) -> np.ndarray:
-        return tensor(tuple(f"{prefix}mtp.{name}" for prefix in _QWEN_PREFIXES), shape, norm=norm)
+        values = reader.first(tuple(f"{prefix}mtp.{name}" for prefix in _QWEN_PREFIXES), shape)
+        return values + 1.0 if norm else values
 
     heads_count = int(config["num_attention_heads"])
     kv_count = int(config.get("num_key_value_heads", heads_count))
