@@ -31,7 +31,7 @@ import shutil
 import stat
 from collections import deque
 from collections.abc import Sequence
-from contextlib import contextmanager, redirect_stdout
+from contextlib import redirect_stdout
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -43,7 +43,7 @@ from specrun.backends.base import HeldTree, HiddenSupport, HiddenTracking, TreeS
 from specrun.errors import BackendUnavailableError, ContextFullError, ModelFileError
 from specrun.fileio import json_problem
 from specrun.tree import TokenTree
-from specrun.backends.mlx_common import PREFILL_CHUNK, RowRope
+from specrun.backends.mlx_common import MODEL_CALLS, PREFILL_CHUNK, packed_pass, packed_problem
 
 DEFAULT_CTX = 4096
 # Tokens forward_greedy feeds with its first pass; longer inputs (a prompt) go unread first,
@@ -55,9 +55,6 @@ REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 MLX_ALLOW_PATTERNS = ["*.json", "model*.safetensors", "tokenizer.model", "*.tiktoken", "*.txt", "*.jinja"]
 # Caches whose trim() is always exact; any other cache type is checkpointed.
 ALWAYS_TRIMMABLE = ("KVCache", "QuantizedKVCache", "ConcatenateKVCache")
-# RoPE modules that hand their offset straight to mx.fast.rope, which takes one per batch row:
-# a tree pass gives every node its own position through them.
-ROW_OFFSET_ROPES = ("RoPE", "SuScaledRoPE", "Llama3RoPE", "YarnRoPE", "ProportionalRoPE")
 
 
 def _import_mlx():
@@ -571,7 +568,8 @@ class MlxBackend(HiddenTracking):
         step_input = mx.array(tokens[-joined:])  # (J,), then (1,)
         ids = []
         for _ in range(n_new):
-            logits = self.model(step_input[None], cache=self._cache)  # (1, J or 1, V)
+            with MODEL_CALLS:
+                logits = self.model(step_input[None], cache=self._cache)  # (1, J or 1, V)
             step_input = mx.argmax(self._fit_vocab(logits[0, -1:]), axis=-1)  # (1,), left on the device
             mx.async_eval(step_input)
             ids.append(step_input)
@@ -592,7 +590,8 @@ class MlxBackend(HiddenTracking):
             return self.forward_argmax(fed, range(len(fed))), ids
         mx = self._mx
         fed = mx.concatenate([mx.array(tokens, dtype=deferred.array.dtype), deferred.array])  # (T + n,)
-        logits = self.model(fed[None], cache=self._cache)  # (1, T + n, V)
+        with MODEL_CALLS:
+            logits = self.model(fed[None], cache=self._cache)  # (1, T + n, V)
         argmax = self._kept_argmax(self._fit_vocab(logits[0]))  # (T + n,)
         mx.eval(argmax, deferred.array)
         ids = deferred.resolve()
@@ -643,6 +642,10 @@ class MlxBackend(HiddenTracking):
     def _run(self, inputs):
         """The model on ``inputs`` (1, T) at the cache: lazy (1, T, V) logits. In a tracked
         pass it runs as body and head, and the body's (T, H) output joins the pass's."""
+        with MODEL_CALLS:
+            return self._run_model(inputs)
+
+    def _run_model(self, inputs):
         if self._pass_hidden is None:
             return self.model(inputs, cache=self._cache)
         split = self._split
@@ -730,16 +733,11 @@ class MlxBackend(HiddenTracking):
     # ---- token trees ------------------------------------------------------------------
     @cached_property
     def tree_support(self) -> TreeSupport:
-        """Trees need plain KVCache layers (a tree mask from ``make_mask``, nodes gathered out
-        and back) and RoPE modules that take one offset per batch row."""
-        for layer_cache in self._cache:
-            if type(layer_cache).__name__ != "KVCache":
-                return TreeSupport(False, f"its {type(layer_cache).__name__} cache (sliding-window, quantized or "
-                                          "recurrent state) cannot hold a tree")
-        attentions = [getattr(layer, "self_attn", None) for layer in getattr(self.model, "layers", ())]
-        if not attentions or any(type(getattr(a, "rope", None)).__name__ not in ROW_OFFSET_ROPES for a in attentions):
-            return TreeSupport(False, "its attention does not use a standard RoPE call")
-        return TreeSupport(True)
+        """Trees need a packed pass (backends/mlx_common.packed_problem): a tree mask from
+        ``make_mask`` over plain KVCache layers (nodes gathered out and back) and RoPE modules
+        that take one offset per batch row."""
+        problem = packed_problem(self.model, self._cache, "a tree")
+        return TreeSupport(False, problem) if problem else TreeSupport(True)
 
     def forward_tree(self, tokens: Sequence[int], tree: TokenTree, logit_rows: Sequence[int]) -> np.ndarray:
         """One pass for the tokens and the tree: ``make_mask`` shows each node the context and
@@ -774,7 +772,7 @@ class MlxBackend(HiddenTracking):
             return None
         try:
             mask, positions = _tree_layout(mx, start, len(chain), tree)
-            with self._tree_pass(mask, positions):
+            with packed_pass(self.model, self._cache, mask, mx.array(positions)):
                 logits = self._run(mx.array(ids)[None])  # (1, C + n, V)
             slots = mx.array(np.arange(start + len(chain), start + len(ids)))  # (n,) the nodes' cache slots
             held = [(layer.keys[..., slots, :], layer.values[..., slots, :]) for layer in self._cache] if tree else []
@@ -789,25 +787,6 @@ class MlxBackend(HiddenTracking):
         self._tokens.extend(chain)
         self._held_tree, self._held_kv = HeldTree(self.n_past, tree), held
         return result
-
-    @contextmanager
-    def _tree_pass(self, mask, positions):
-        """During one model call: every cache's ``make_mask`` returns the tree mask and every
-        attention's RoPE places row i at ``positions[i]``."""
-        offsets = self._mx.array(positions)  # (L,)
-        attentions = [layer.self_attn for layer in self.model.layers]
-        ropes = [attention.rope for attention in attentions]
-        try:
-            for layer_cache in self._cache:
-                layer_cache.make_mask = lambda *args, **kwargs: mask
-            for attention, rope in zip(attentions, ropes):
-                attention.rope = RowRope(rope, offsets)
-            yield
-        finally:
-            for layer_cache in self._cache:
-                layer_cache.__dict__.pop("make_mask", None)
-            for attention, rope in zip(attentions, ropes):
-                attention.rope = rope  # a Module: mlx's __setattr__ puts it back in the module's dict
 
     def keep_path(self, path: Sequence[int]) -> None:
         """Append the accepted nodes' held keys and values, in path order, to every layer's cache."""
@@ -945,6 +924,35 @@ class MlxBackend(HiddenTracking):
         draft.variant = "layers=" + ",".join(map(str, kept))  # its own tuning key (sessions/tuning.model_id)
         draft.shares_layers = True  # the target's own: its weights must never change (no online learning)
         return draft
+
+    # ---- slots -----------------------------------------------------------------------
+    def slots_problem(self) -> str | None:
+        """Why this model cannot decode several sequences together (its caches, its RoPE); None
+        where it can."""
+        from specrun.backends.mlx_slots import slots_problem
+
+        return slots_problem(self)
+
+    def open_slots(self, n_slots: int, exact: bool):  # noqa: ARG002 - MLX has no --exact mode to follow
+        """``n_slots`` sequences of ``n_ctx`` tokens each in one cache on this model's weights,
+        decoded together (backends/mlx_slots.MlxSlots)."""
+        from specrun.backends.mlx_slots import MlxSlots
+
+        return MlxSlots(self, n_slots, self.n_ctx)
+
+    def slot_cache_bytes(self) -> int:
+        """What a slot's sequence of ``n_ctx`` tokens holds in keys and values: every layer's
+        width per token, read off a one-token pass on a cache of its own."""
+        mx = self._mx
+        cache = self._lm_cache.make_prompt_cache(self.model)
+        with MODEL_CALLS:
+            self.model(mx.array([[0]]), cache=cache)
+        mx.eval([layer.state for layer in cache])
+        per_token = 0
+        for layer in cache:
+            keys, values = layer.state[:2]
+            per_token += keys.shape[1] * keys.shape[-1] * keys.itemsize + values.shape[1] * values.shape[-1] * values.itemsize
+        return per_token * self.n_ctx
 
     def online_trainer(self, learning_rate: float, seed: int = 0):
         """A trainer of LoRA adapters for this model as a draft (backends/mlx_lora.py). Not for a

@@ -1,8 +1,19 @@
-"""What the MLX backend and its window cache (backends/mlx.py, backends/mlx_window.py) share."""
+"""What the MLX backend, its window cache and its slots (backends/mlx.py, mlx_window.py,
+mlx_slots.py) share."""
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 PREFILL_CHUNK = 512  # tokens per forward when no logits are wanted (bounds activation memory)
+# RoPE modules that hand their offset straight to mx.fast.rope, which takes one per batch row:
+# a packed pass (a tree's nodes, several slots' sequences) gives every row its own position.
+ROW_OFFSET_ROPES = ("RoPE", "SuScaledRoPE", "Llama3RoPE", "YarnRoPE", "ProportionalRoPE")
+# Held while a model call builds its graph: a packed pass swaps the model's RoPE modules for its
+# call, and no other thread's call on the same modules (a slot's, the lone sequence's) may see them.
+MODEL_CALLS = threading.RLock()
 
 
 class RowRope:
@@ -16,3 +27,37 @@ class RowRope:
     def __call__(self, x, offset=0):  # noqa: ARG002 - the cache's scalar offset, replaced by the rows'
         rows_first = x.transpose(2, 1, 0, 3)  # (1, H, L, D) -> (L, H, 1, D)
         return self.rope(rows_first, offset=self.offsets).transpose(2, 1, 0, 3)  # (1, H, L, D)
+
+
+def packed_problem(model, caches, what: str) -> str | None:
+    """Why ``model`` cannot run a packed pass over ``caches`` (plain KVCache layers, whose mask
+    comes from ``make_mask``, and RoPE modules that take one offset per row) holding ``what``
+    (a tree, several sequences); None where it can."""
+    for layer_cache in caches:
+        if type(layer_cache).__name__ != "KVCache":
+            return (f"its {type(layer_cache).__name__} cache (sliding-window, quantized or recurrent state) "
+                    f"cannot hold {what}")
+    attentions = [getattr(layer, "self_attn", None) for layer in getattr(model, "layers", ())]
+    if not attentions or any(type(getattr(a, "rope", None)).__name__ not in ROW_OFFSET_ROPES for a in attentions):
+        return "its attention does not use a standard RoPE call"
+    return None
+
+
+@contextmanager
+def packed_pass(model, caches, mask, offsets) -> Iterator[None]:
+    """During one model call, under MODEL_CALLS: every cache's ``make_mask`` returns ``mask``
+    (L, cells + L) and every attention's RoPE places row i at ``offsets[i]`` (an (L,) array)."""
+    with MODEL_CALLS:
+        attentions = [layer.self_attn for layer in model.layers]
+        ropes = [attention.rope for attention in attentions]
+        try:
+            for layer_cache in caches:
+                layer_cache.make_mask = lambda *args, **kwargs: mask
+            for attention, rope in zip(attentions, ropes):
+                attention.rope = RowRope(rope, offsets)
+            yield
+        finally:
+            for layer_cache in caches:
+                layer_cache.__dict__.pop("make_mask", None)
+            for attention, rope in zip(attentions, ropes):
+                attention.rope = rope  # a Module: mlx's __setattr__ puts it back in the module's dict

@@ -65,6 +65,15 @@ class SlotModel(Protocol):
     def close(self) -> None: ...
 
 
+def end_runner_thread(model: SlotModel) -> None:
+    """The runner thread that ran ``model``'s batches ends: whatever its backend keeps per thread
+    goes with it (``end_thread``, where the model has one: MLX's streams, which left at process
+    exit instead abort it now and then)."""
+    end = getattr(model, "end_thread", None)
+    if end is not None:
+        end()
+
+
 @dataclass
 class RendezvousCounts:
     """Totals for /metrics: batched passes run, the sequences and tokens they held."""
@@ -161,7 +170,15 @@ class Rendezvous:
 
     def _run(self) -> None:
         """The runner: once every joined slot waits, run the waiting passes, model by model (each
-        model's recorded removals first), outside the lock, then wake the slots."""
+        model's recorded removals first), outside the lock, then wake the slots. Once closed, each
+        model it ran frees what its backend keeps for this thread."""
+        try:
+            self._run_batches()
+        finally:
+            for model in list(self._models.values()):
+                end_runner_thread(model)
+
+    def _run_batches(self) -> None:
         while True:
             with self._cond:
                 while not self._closed and not (self._waiting and len(self._waiting) >= self._joined):

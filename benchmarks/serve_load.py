@@ -19,6 +19,7 @@ prompt sets, reported apart: specrun's built-in suite and Spec-Bench questions.
         --llama-bin LLAMA_CPP/build/bin --clients 1 2 4 8
     .venv/bin/python benchmarks/serve_load.py --target demo-target --draft demo-draft --clients 1 2 \\
         --requests 4 --sets builtin   # does it run
+    .venv/bin/python benchmarks/serve_load.py --backend mlx --target smollm2-135m-x2 --draft smollm2-135m
 """
 
 from __future__ import annotations
@@ -218,9 +219,10 @@ def with_server(line: ServerLine, clients: int, work):
             stop_process(process)
 
 
-def lines_for(args, target: Path, draft: Path) -> list[ServerLine]:
+def lines_for(args, target: Path | str, draft: Path | str) -> list[ServerLine]:
     specrun = [sys.executable, "-m", "specrun", "serve", "--target", str(target), "--draft", str(draft),
-               "--threads", str(args.threads), "--ctx", str(args.ctx), "--max-queue", "256", "--host", "127.0.0.1"]
+               "--threads", str(args.threads), "--ctx", str(args.ctx), "--max-queue", "256", "--host", "127.0.0.1",
+               "--backend", args.backend]
     lines = [
         ServerLine("specrun fifo", lambda port, c: [*specrun, "--port", str(port), "--parallel", "1"], str(target)),
         ServerLine("specrun", lambda port, c: [*specrun, "--port", str(port), "--parallel", str(c)], str(target)),
@@ -249,6 +251,8 @@ def main() -> None:
     parser.add_argument("--budget", type=float, default=240.0, help="seconds a phase may take")
     parser.add_argument("-n", "--max-tokens", type=int, default=128)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--backend", choices=["llama", "mlx"], default="llama",
+                        help="specrun's backend (mlx: the registry's MLX copies; no llama-server lines)")
     parser.add_argument("--ctx", type=int, default=2048, help="context per slot")
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--sets", nargs="+", default=["builtin", "spec-bench"], choices=["builtin", "spec-bench"])
@@ -257,9 +261,13 @@ def main() -> None:
     parser.add_argument("--lines", nargs="*", default=None, help="only these lines (names as reported)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
+    if args.llama_bin is not None and args.backend == "mlx":
+        parser.error("--llama-bin compares llama-server with specrun on llama.cpp: leave it out with --backend mlx")
     if args.llama_bin is not None:
         check_bin_dir(args.llama_bin, ["llama-server"])
-    target, draft = model_path(args.target), model_path(args.draft)
+    # MLX: the registry's names, which specrun resolves to their MLX copies
+    target, draft = (model_path(args.target), model_path(args.draft)) if args.backend == "llama" else (args.target,
+                                                                                                     args.draft)
     sets = {"builtin": list(BUILTIN_SUITE), "spec-bench": spec_bench(args.spec_bench, 2) if "spec-bench" in args.sets
             else []}
     lines = lines_for(args, target, draft)

@@ -73,9 +73,9 @@ ApiKeyOpt = Annotated[
 MaxBodyOpt = Annotated[int, typer.Option("--max-body", help="Largest request body in bytes (larger: 413).")]
 MaxQueueOpt = Annotated[int, typer.Option("--max-queue", help="Requests that may wait (more: 429).")]
 ParallelOpt = Annotated[str, typer.Option(
-    "--parallel", help="Requests decoded together, each in a slot of its own sharing every pass (llama.cpp; "
-                       "methods of lookup, ngram, draft or auto); auto: up to 4 as memory allows, 1 where a slot "
-                       "would draft with less (heads, trees, lookahead) or on MLX.")]
+    "--parallel", help="Requests decoded together, each in a slot of its own sharing every pass (llama.cpp and "
+                       "MLX; methods of lookup, ngram, draft or auto); auto: up to 4 as memory allows, 1 where a "
+                       "slot would draft with less (heads, trees, lookahead) or its model cannot share a pass.")]
 MAX_PARALLEL = 64
 
 
@@ -159,10 +159,6 @@ def serve_command(
         parallel = checked_parallel(parallel)
         if parallel is not None and parallel > 1:
             check_slots_method(method)
-            if backend == "mlx":
-                from specrun.sessions.slots import one_at_a_time
-
-                raise one_at_a_time("mlx")
             given = next((name for name, value in (("--heads", heads), ("--branches", branches),
                                                    ("--tree-nodes", tree_nodes), ("--lookahead", lookahead),
                                                    ("--window", window)) if value is not None), None)
@@ -213,4 +209,7 @@ def serve_command(
 
 
 def _log(line: str) -> None:
-    print(line, file=sys.stderr, flush=True)
+    """One line on stderr, written whole: slots' threads log side by side, and print's separate
+    write of the newline let two lines run together."""
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()

@@ -30,7 +30,7 @@ SLOTS_MEMORY_SHARE = 0.5
 def one_at_a_time(backend: str) -> UsageError:
     """The error for --parallel on a backend without slots."""
     return UsageError(f"the {backend} backend decodes one request at a time",
-                      "serve it with --parallel 1 (llama.cpp models decode several together)")
+                      "serve it with --parallel 1 (llama.cpp and MLX models decode several together)")
 
 
 class SlotSessions:
@@ -103,7 +103,8 @@ def vm_stat_free(text: str) -> int | None:
 def default_slots(session: ChatSession, measure: Callable[[], int | None] = available_memory) -> tuple[int, str]:
     """How many slots ``serve --parallel auto`` opens, and a note saying why: one where a slot
     would draft with less than the session does (heads, trees, a lookahead window), its backend
-    has none (MLX) or its model keeps a recurrent state; else up to DEFAULT_SLOTS, as many as
+    has none or its model cannot share a pass (a recurrent state; on MLX, a cache or RoPE a packed
+    pass cannot hold); else up to DEFAULT_SLOTS, as many as
     SLOTS_MEMORY_SHARE of the free memory (``measure``d once the pair is loaded) holds caches for."""
     models = [model for model in (session.target, session.draft) if model is not None]
     windowed = next((model for model in models if hasattr(model, "parent") and getattr(model, "window", 0)), None)
@@ -117,6 +118,10 @@ def default_slots(session: ChatSession, measure: Callable[[], int | None] = avai
     if recurrent is not None:
         return 1, (f"requests are answered one at a time ({recurrent.name} keeps a recurrent state per "
                    f"sequence, which slots cannot share yet)")
+    for model in models:
+        problem = getattr(model, "slots_problem", lambda: None)()
+        if problem:
+            return 1, f"requests are answered one at a time ({model.path.name}: {problem})"
     dropped = session.slot_drops()
     if dropped:
         return 1, (f"requests are answered one at a time: slots would draft without {dropped}; "

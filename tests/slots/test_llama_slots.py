@@ -3,42 +3,17 @@ batch. Greedy answers decoded together are the ones decoded alone; a rewound slo
 
 from __future__ import annotations
 
-import threading
-
 import numpy as np
 import pytest
 
 pytest.importorskip("llama_cpp", reason="the llama backend is not installed")
 
-from specrun.backends.kv import sequence_for  # noqa: E402
 from specrun.backends.llama import LlamaCppBackend  # noqa: E402
 from specrun.backends.slots import Rendezvous, Slot  # noqa: E402
-from specrun.drafters.draft_model import DraftModelDrafter  # noqa: E402
-from specrun.drafters.lookup import PromptLookupDrafter  # noqa: E402
-from specrun.engine.loop import GenerationParams, SpeculativeEngine  # noqa: E402
+from specrun.engine.loop import GenerationParams  # noqa: E402
+from tests.slots.slot_runs import check_answers_together  # noqa: E402
 
 EXACT = dict(kv_type="f32", flash_attn=False)
-
-
-def together(runs) -> list:
-    results: list = [None] * len(runs)
-    start = threading.Barrier(len(runs))
-
-    def work(index, rendezvous, run):
-        rendezvous.join()
-        start.wait()
-        try:
-            results[index] = run()
-        finally:
-            rendezvous.leave()
-
-    threads = [threading.Thread(target=work, args=(i, *run)) for i, run in enumerate(runs)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=300)
-    assert not any(thread.is_alive() for thread in threads)
-    return results
 
 
 @pytest.mark.parametrize("exact", [True, False])
@@ -53,26 +28,9 @@ def test_greedy_answers_decoded_together_are_the_ones_decoded_alone(smollm2, exa
     prompts = [target.tokenize(text) for text in texts]
     params = GenerationParams(24, draft_len=4, stop_at_eos=False)
 
-    def drafter(index, draft_backend):
-        return PromptLookupDrafter() if index % 2 else DraftModelDrafter(draft_backend)
-
-    alone = []
-    for index, prompt in enumerate(prompts):
-        sequence_for(target).reset()  # each answer on a fresh cache, as each slot's is
-        sequence_for(draft).reset()
-        alone.append(SpeculativeEngine(target, drafter(index, draft)).run(prompt, params).token_ids)
-    target_slots, draft_slots = target.open_slots(4, exact), draft.open_slots(4, exact)
-    rendezvous = Rendezvous()
     try:
-        engines = [SpeculativeEngine(Slot(target_slots, i, rendezvous, target, "target"),
-                                     drafter(i, Slot(draft_slots, i, rendezvous, draft, "draft"))) for i in range(4)]
-        results = together([(rendezvous, lambda e=e, p=p: e.run(p, params)) for e, p in zip(engines, prompts)])
-        assert [result.token_ids for result in results] == alone
-        assert rendezvous.counts["target"].sequences > 2 * rendezvous.counts["target"].passes
-        assert rendezvous.counts["draft"].sequences > rendezvous.counts["draft"].passes
+        check_answers_together(target, draft, prompts, params, exact)
     finally:
-        target_slots.close()
-        draft_slots.close()
         target.close()
         draft.close()
 

@@ -1,0 +1,48 @@
+"""`specrun serve --backend mlx --parallel N`: MLX slots (backends/mlx_slots.py) share every pass,
+and requests decoded together get the answers they get one at a time; --parallel auto opens them
+as memory allows."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+from server_harness import start_server, stop_server
+from test_serve_load import answer, messages_for
+from test_serve_parallel import metric_values
+
+pytest.importorskip("mlx_lm", reason="the mlx backend is not installed")
+
+SLOTS = 3
+MLX_ARGS = ("--backend", "mlx", "--method", "auto")
+
+
+def test_mlx_requests_decoded_together_get_their_one_at_a_time_answers():
+    alone = start_server(*MLX_ARGS)
+    try:
+        keys = [(client, 0) for client in range(2 * SLOTS)]
+        sequential = {key: answer(alone, messages_for(*key), stream=False) for key in keys}
+    finally:
+        assert stop_server(alone) == 0, alone.log
+    server = start_server(*MLX_ARGS, "--parallel", str(SLOTS))
+    try:
+        with ThreadPoolExecutor(2 * SLOTS) as pool:
+            together = dict(zip(keys, pool.map(lambda key: answer(server, messages_for(*key),
+                                                                  stream=key[0] % 2 == 1), keys)))
+        assert together == sequential
+        metrics = metric_values(server)
+        assert metrics["specrun_slots"] == SLOTS
+        assert metrics['specrun_batch_sequences_total{model="target"}'] > 1.5 * metrics['specrun_batches_total{model="target"}']
+    finally:
+        assert stop_server(server) == 0, server.log
+
+
+def test_mlx_parallel_auto_opens_slots_as_memory_allows():
+    from specrun.sessions.slots import DEFAULT_SLOTS
+
+    server = start_server("--backend", "mlx", "--method", "draft", "--parallel", "auto")
+    try:
+        assert metric_values(server)["specrun_slots"] == DEFAULT_SLOTS
+        assert any(f"up to {DEFAULT_SLOTS} requests are decoded together" in line for line in server.log)
+    finally:
+        assert stop_server(server) == 0, server.log

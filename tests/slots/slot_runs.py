@@ -1,0 +1,72 @@
+"""What the slots' backend tests share: runs on several threads at once, and the answers each
+prompt gets alone."""
+
+from __future__ import annotations
+
+import threading
+
+from specrun.backends.kv import sequence_for
+from specrun.backends.slots import Rendezvous, Slot
+from specrun.drafters.draft_model import DraftModelDrafter
+from specrun.drafters.lookup import PromptLookupDrafter
+from specrun.engine.loop import SpeculativeEngine
+
+
+def together(runs) -> list:
+    """Each (rendezvous, run) on a thread of its own joined to the rendezvous, started at once; their results."""
+    results: list = [None] * len(runs)
+    start = threading.Barrier(len(runs))
+
+    def work(index, rendezvous, run):
+        rendezvous.join()
+        start.wait()
+        try:
+            results[index] = run()
+        finally:
+            rendezvous.leave()
+
+    threads = [threading.Thread(target=work, args=(i, *run)) for i, run in enumerate(runs)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=300)
+    assert not any(thread.is_alive() for thread in threads)
+    return results
+
+
+def drafter(index, draft_backend):
+    """Lookup on odd slots, the draft model on even ones."""
+    return PromptLookupDrafter() if index % 2 else DraftModelDrafter(draft_backend)
+
+
+def answers_alone(target, draft, prompts, params) -> list:
+    """Each prompt's answer (token ids) from the target alone, its slot's drafter, fresh caches."""
+    alone = []
+    for index, prompt in enumerate(prompts):
+        sequence_for(target).reset()  # each answer on a fresh cache, as each slot's is
+        sequence_for(draft).reset()
+        alone.append(SpeculativeEngine(target, drafter(index, draft)).run(prompt, params).token_ids)
+    return alone
+
+
+def check_answers_together(target, draft, prompts, params, exact: bool, then=None) -> None:
+    """A slot of each model per prompt, decoding ``prompts`` together, give each prompt its answer alone,
+    and their passes were shared (the draft model's too); ``then(slots, target_slots)`` looks at
+    the target's slots afterwards, before they close."""
+    alone = answers_alone(target, draft, prompts, params)
+    target_slots, draft_slots = target.open_slots(len(prompts), exact), draft.open_slots(len(prompts), exact)
+    rendezvous = Rendezvous()
+    try:
+        slots = [Slot(target_slots, i, rendezvous, target, "target") for i in range(len(prompts))]
+        engines = [SpeculativeEngine(slot, drafter(i, Slot(draft_slots, i, rendezvous, draft, "draft")))
+                   for i, slot in enumerate(slots)]
+        results = together([(rendezvous, lambda e=e, p=p: e.run(p, params)) for e, p in zip(engines, prompts)])
+        assert [result.token_ids for result in results] == alone
+        assert rendezvous.counts["target"].sequences > 2 * rendezvous.counts["target"].passes
+        assert rendezvous.counts["draft"].sequences > rendezvous.counts["draft"].passes
+        if then is not None:
+            then(slots, target_slots)
+    finally:
+        rendezvous.close()
+        target_slots.close()
+        draft_slots.close()

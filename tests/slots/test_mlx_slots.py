@@ -1,0 +1,120 @@
+"""MLX slots (backends/mlx_slots.py): one cache for every slot's cells, one packed model call a
+batch. Greedy answers decoded together are the ones decoded alone; a rewound or emptied slot
+reads as one fed afresh, its holes closed before the next batch; a failed batch leaves the cells
+as before it; a model whose cache a packed pass cannot hold is one line."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+pytest.importorskip("mlx_lm", reason="the mlx backend is not installed")
+
+from specrun.backends.mlx import MlxBackend  # noqa: E402
+from specrun.backends.slots import Rendezvous, Slot  # noqa: E402
+from specrun.engine.loop import GenerationParams  # noqa: E402
+from specrun.errors import ModelFileError  # noqa: E402
+from tests.slots.slot_runs import check_answers_together  # noqa: E402
+
+ROUNDING = dict(rtol=0, atol=2e-4)  # float32: a packed pass sums in another order than a lone one
+
+
+@pytest.fixture(scope="module")
+def pair(tiny_models):
+    target = MlxBackend(tiny_models["llama"].hf_dir, n_ctx=256)
+    draft = MlxBackend(tiny_models["qwen2"].hf_dir, n_ctx=256)
+    yield target, draft
+    target.close()
+    draft.close()
+
+
+def test_greedy_answers_decoded_together_are_the_ones_decoded_alone(pair):
+    """Four slots: lookup on two, the draft model on two (its passes batched too), against each
+    answer decoded alone on a fresh cache."""
+    target, draft = pair
+    texts = ["def fibonacci(n):", "import os\nimport sys\n", "Grüße aus München!", "class Shape:\n    def"]
+    prompts = [target.tokenize(text) for text in texts]
+    params = GenerationParams(24, draft_len=4, stop_at_eos=False)
+
+
+    def cells_are_the_slots_tokens(slots, target_slots):
+        """Every rejected draft's cells gone once the next batch ran: the cache holds what the slots do."""
+        for slot in slots:
+            slot.forward([1], [])
+        assert target_slots.cells == sum(slot.n_past for slot in slots)
+
+    check_answers_together(target, draft, prompts, params, False, then=cells_are_the_slots_tokens)
+
+
+def _fresh(model, tokens, rows):
+    """The logits of ``rows`` with ``tokens`` fed to the model alone on an empty cache (left empty)."""
+    model.rewind(0)
+    try:
+        return model.forward(tokens, rows)
+    finally:
+        model.rewind(0)
+
+
+def test_a_rewound_or_emptied_slot_reads_as_one_fed_afresh(pair):
+    model, _ = pair
+    slots = model.open_slots(3, False)
+    rendezvous = Rendezvous()
+    try:
+        first, second, third = (Slot(slots, seq, rendezvous, model, "target") for seq in range(3))
+        first.forward([1, 2, 3, 4, 5, 6], [])
+        second.forward([5, 6, 7, 8, 9], [])
+        first.rewind(3)  # a hole in the middle of the cache, second's cells after it
+        rewound = first.forward([9, 9], [0, 1])
+        np.testing.assert_allclose(rewound, _fresh(model, [1, 2, 3, 9, 9], [3, 4]), **ROUNDING)
+        second.rewind(0)  # emptied, as for its next request
+        third.forward([7, 7, 7], [])
+        again = first.forward([4], [0])
+        np.testing.assert_allclose(again, _fresh(model, [1, 2, 3, 9, 9, 4], [5]), **ROUNDING)
+        assert (first.n_past, second.n_past, third.n_past) == (6, 0, 3)
+        assert slots.cells == 9
+        fed_afresh = second.forward([3, 1, 4, 1, 5], [4])
+        np.testing.assert_allclose(fed_afresh, _fresh(model, [3, 1, 4, 1, 5], [4]), **ROUNDING)
+    finally:
+        rendezvous.close()
+        slots.close()
+
+
+def test_a_failed_batch_leaves_the_cells_as_before_it(pair, monkeypatch):
+    model, _ = pair
+    slots = model.open_slots(2, False)
+    rendezvous = Rendezvous()
+    try:
+        slot = Slot(slots, 0, rendezvous, model, "target")
+        slot.forward([1, 2, 3], [])
+
+        def broken(_logits):
+            raise RuntimeError("the device went away")
+
+        with monkeypatch.context() as patched:
+            patched.setattr(model, "_fit_vocab", broken)
+            with pytest.raises(RuntimeError, match="went away"):
+                slot.forward([4, 5], [1])
+        assert slots.cells == 3 and slot.n_past == 3
+        np.testing.assert_allclose(slot.forward([4, 5], [1]), _fresh(model, [1, 2, 3, 4, 5], [4]), **ROUNDING)
+    finally:
+        rendezvous.close()
+        slots.close()
+
+
+def test_a_slot_s_cache_is_every_layer_s_keys_and_values_for_the_context(pair, tiny_models):
+    model, _ = pair
+    config = tiny_models["llama"].config
+    expected = config.num_layers * config.num_kv_heads * 2 * config.head_dim * 4 * model.n_ctx  # float32
+    assert model.slot_cache_bytes() == expected
+    assert model.slots_problem() is None
+
+
+def test_a_model_whose_cache_a_packed_pass_cannot_hold_is_one_line(pair, monkeypatch):
+    from mlx_lm.models.cache import RotatingKVCache
+
+    model, _ = pair
+    monkeypatch.setattr(model, "_cache", [RotatingKVCache(max_size=64) for _ in model._cache])
+    assert "RotatingKVCache cache" in model.slots_problem()
+    with pytest.raises(ModelFileError) as raised:
+        model.open_slots(2, False)
+    assert "cannot hold several sequences" in str(raised.value) and "--parallel 1" in raised.value.fix
