@@ -46,6 +46,7 @@ from specrun.sessions.setup import (
     default_trees,
     load_target_entry,
     load_tuned,
+    remember_probe,
     tuned_key_model,
     tuned_window,
     remember_run,
@@ -579,7 +580,8 @@ def open_chat(
 
         def paying(found):
             stored = tuned if tuned is not None else load_target_entry(target, options.threads)
-            return paying_heads(found, heads, target, stored, on_note)
+            return paying_heads(found, heads, target, stored, on_note,
+                                lambda costs: remember_probe(target, options.threads, costs))
 
         def load_heads(kind: str | None):
             if kind is None:

@@ -34,6 +34,7 @@ from specrun.sessions.setup import (
     default_trees,
     load_target_entry,
     load_tuned,
+    remember_probe,
     tuned_window,
     near_tie_note,
     prompt_token_ids,
@@ -137,7 +138,9 @@ def generate_text(request: GenerateRequest, on_text: Callable[[str], None] | Non
             if tuned is not None and choice is None:
                 tuned = None  # no window: the target's own entry says nothing this run uses
         if auto_heads is not None:
-            options = with_auto_heads(options, paying_heads(auto_heads, request.heads, target, stored, request.on_note))
+            options = with_auto_heads(options, paying_heads(
+                auto_heads, request.heads, target, stored, request.on_note,
+                lambda costs: remember_probe(target, request.load.threads, costs)))
         trees = None if choice is not None else default_trees(request.method, target, stored, request.trees)
         if trees is not None:  # second guesses, where the stored pass costs say they pay
             options = dataclasses.replace(options, branches=trees.trees.branches)

@@ -146,9 +146,11 @@ def probed_costs(target) -> dict[int, float]:
     return time_passes(target, prompt, PROBE_COUNTS, PROBE_REPEATS)
 
 
-def paying_heads(heads, explicit: str | None, target, stored, on_note: Callable[[str], None] | None = None):
+def paying_heads(heads, explicit: str | None, target, stored, on_note: Callable[[str], None] | None = None,
+                 remember: Callable[[dict[int, float]], None] | None = None):
     """``heads`` (``heads_for_auto``'s) where auto keeps them: given with --heads, or ``heads_pay``
-    on ``stored``'s pass costs (probed_costs' where no run has stored them yet); else None."""
+    on ``stored``'s pass costs (probed_costs' where no run has stored them yet, handed to
+    ``remember`` to keep for the next process); else None."""
     if heads is None or explicit is not None:
         return heads
     costs = stored.target_costs if stored is not None else None
@@ -158,6 +160,8 @@ def paying_heads(heads, explicit: str | None, target, stored, on_note: Callable[
         if sequence_for(target).tokens:  # a chat's /method mid-conversation: its cache is not the probe's to empty
             return None
         costs = probed_costs(target)
+        if remember is not None:
+            remember(costs)
         if on_note is not None:
             on_note(f"auto timed the target's passes for its {heads.config.kind} heads (no run had stored them yet)")
     return heads if heads_pay(heads, target, costs) else None

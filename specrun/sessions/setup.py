@@ -149,6 +149,24 @@ def load_target_entry(target, threads):
     return tuning.load(tuning.pair_key(target, None, threads), tuning.learned_path())
 
 
+def remember_probe(target, threads, costs: dict[int, float]) -> None:
+    """Keep pass costs timed before a run drafted (auto's heads: sessions/heads.probed_costs) as
+    ``target``'s own entry where it has none, so the next process (a server restarted, a chat
+    whose answers left nothing to learn from) reads them instead of timing the target again."""
+    from specrun.sessions import tuning
+
+    key = tuning.pair_key(target, None, threads)
+    path = tuning.learned_path()
+    try:
+        if tuning.load(key, path) is not None:
+            return
+        tuning.save(tuning.TuneResult(key=key, target=tuning.model_id(target), draft=tuning.NO_DRAFT,
+                                      machine=tuning.machine_id(), best_draft_len=0, speedup=0.0,
+                                      target_costs=dict(costs), learned=True), path)
+    except SpecrunError:  # a damaged store, a full disk: the next process times the target again
+        pass
+
+
 def remember_run(engine, target, draft, threads, tuned) -> None:
     """Keep what this run measured for the next (unless `specrun tune` calibrated the pair);
     a run with no draft model keeps the target's pass costs and its gate, for lookahead. A run

@@ -287,6 +287,35 @@ def test_heads_without_stored_costs_are_kept_as_a_probe_of_the_target_s_passes_s
     assert probes == []  # stored costs: no probe
 
 
+def test_probed_costs_are_kept_as_the_target_s_own_entry_for_the_next_process(monkeypatch):
+    """A server whose slots answered (its own session learned nothing) or a chat left before its
+    first answer: the costs auto timed are the target's entry, read by the next process instead of
+    timing again; an entry already there is left as it was."""
+    pytest.importorskip("llama_cpp", reason="the llama backend is not installed")
+    import specrun.sessions.tuning as tuning
+    from specrun.backends.llama import LlamaCppBackend
+    from specrun.modelkit.demo import demo_gguf
+    from specrun.sessions.heads import paying_heads
+    from specrun.sessions.setup import load_target_entry, remember_probe
+
+    monkeypatch.setattr(tuning, "time_passes", lambda target, prompt, counts, repeats=7:
+                        {n: 0.01 * cpu_like(n) for n in counts})
+    eagle = load_heads(shipped_heads_path("demo-target", "eagle"))
+    target = LlamaCppBackend(demo_gguf("demo-target"), n_ctx=256, n_threads=1)
+    try:
+        assert load_target_entry(target, 1) is None
+        kept = []
+        paying_heads(eagle, None, target, None, None, lambda costs: kept.append(remember_probe(target, 1, costs)))
+        entry = load_target_entry(target, 1)
+        assert kept and entry is not None and entry.learned
+        assert entry.target_costs == {n: 0.01 * cpu_like(n) for n in entry.target_costs} and 1 in entry.target_costs
+        remember_probe(target, 1, {1: 9.0, 5: 9.0})  # an entry there already: left as it was
+        assert load_target_entry(target, 1).target_costs == entry.target_costs
+        assert load_target_entry(target, 2) is None  # another thread count is another entry
+    finally:
+        target.close()
+
+
 def test_auto_on_the_demo_target_drafts_with_its_shipped_eagle_heads_and_keeps_the_text(gpu_costs_stored):
     pytest.importorskip("llama_cpp", reason="the llama backend is not installed")
     args = ("generate", "def parse(line):", "-n", "48", "--backend", "llama", "--exact", "--json")
