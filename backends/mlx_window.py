@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from specrun.backends.mlx_common import PREFILL_CHUNK, RowRope
+from specrun.backends.mlx_common import MODEL_CALLS, PREFILL_CHUNK, RowRope
 from specrun.errors import ContextFullError, ModelFileError
 
 # RoPE modules whose rotation composes: mlx's own and mlx-lm's Llama-3 frequency scaling
@@ -63,7 +63,8 @@ class MlxWindowCache:
             raise ValueError(f"logit rows must fall in the last {PREFILL_CHUNK} tokens of a window feed")
         out = None
         for offset in range(0, len(tokens), PREFILL_CHUNK):
-            logits = self.parent.model(mx.array(tokens[offset : offset + PREFILL_CHUNK])[None], cache=self._cache)
+            with MODEL_CALLS:  # no packed pass may swap the model's RoPE modules meanwhile
+                logits = self.parent.model(mx.array(tokens[offset : offset + PREFILL_CHUNK])[None], cache=self._cache)
             if offset == last_start and rows:
                 out = self.parent._fit_vocab(logits[0, mx.array([row - offset for row in rows])])  # (R, V)
             mx.eval([layer.state for layer in self._cache] + ([out] if out is not None else []))
