@@ -233,11 +233,13 @@ def draft_entry_for(draft_spec: str, target_entry: ModelEntry, entries: dict[str
 
 
 def open_backend(
-    spec: str, options: LoadOptions, entries: dict[str, ModelEntry] | None = None, *, target_spec: str | None = None
+    spec: str, options: LoadOptions, entries: dict[str, ModelEntry] | None = None, *, target_spec: str | None = None,
+    split: bool = False,
 ) -> Backend:
     """Load one model on the chosen backend. A model derived on first use (the demo pair, a
     ``self:`` draft) that no longer loads was damaged after it was written: it is derived
-    again, once. ``target_spec``: the target a ``self:`` draft is a copy of."""
+    again, once. ``target_spec``: the target a ``self:`` draft is a copy of. ``split``: a pair's
+    target, which in processes mlx.launch started is split over them (backends/mlx_distributed.py)."""
     from specrun.modelkit.selfdraft import is_self_draft
 
     entries = entries if entries is not None else load_registry(options.registry)
@@ -261,6 +263,14 @@ def open_backend(
         resolve = functools.partial(resolve_self_draft, target_spec=target_spec, backend=backend)
     path = resolve(spec, entries)
     _check_context(path, options.n_ctx)
+    if split and not self_draft:
+        from specrun.backends.mlx_distributed import launched, open_distributed_target
+
+        if launched() and backend != "mlx":
+            raise UsageError("mlx.launch started this process, and it splits MLX targets only",
+                             "pass --backend mlx with an MLX model, or run without mlx.launch")
+        if launched():
+            return open_distributed_target(path, options.n_ctx)
     try:
         return _load(backend, path, options)
     except ModelFileError:
@@ -378,7 +388,7 @@ def open_pair(
     check_draft_spec(draft_spec)
     entries = load_registry(options.registry)
     check_layer_backend(target_spec, draft_spec, options, entries)
-    target = open_backend(target_spec, options, entries)
+    target = open_backend(target_spec, options, entries, split=True)
     if draft_spec is None:
         return target, None
     try:

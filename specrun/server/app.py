@@ -424,6 +424,13 @@ def serve(pair: PairOptions, http: HttpOptions, defaults: ServeDefaults, log: Ca
 
     import uvicorn
 
+    from specrun.backends.mlx_distributed import follower
+
+    if follower():  # beside rank 0 under mlx.launch: this process holds a part of the target, no HTTP
+        from specrun.registry.loading import open_pair
+
+        open_pair(pair.target, None, pair.load)  # follows rank 0's target until rank 0 closes it
+        return
     sock = bind(http.host, http.port)  # before loading: a port in use fails at once
     if not is_loopback(http.host) and http.api_key is None:  # once bound: a host that cannot be is one error line
         log(f"warning: --host {http.host} lets anyone who can reach this machine use the server, which has "

@@ -1,0 +1,108 @@
+"""A target split over two processes on the loopback address by MLX's distributed layer
+(backends/mlx_distributed.py, `mlx.launch --backend ring`), the draft local to rank 0: the
+greedy text is the one process's, both processes end cleanly, and what a split target cannot
+do is one line."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("mlx_lm", reason="the mlx backend is not installed")
+
+LAUNCH = Path(sys.executable).with_name("mlx.launch")
+MAIN = Path(__file__).resolve().parents[2] / "specrun" / "__main__.py"
+
+
+def run(*args: str, ranks: int = 0, timeout: int = 240) -> subprocess.CompletedProcess:
+    """``specrun ARGS`` in one process, or in ``ranks`` processes mlx.launch starts."""
+    env = {**os.environ, "PYTHONPATH": str(MAIN.parents[1])}
+    if ranks:
+        command = [str(LAUNCH), "-n", str(ranks), "--backend", "ring", "--python", sys.executable, "--", str(MAIN), *args]
+    else:
+        command = [sys.executable, str(MAIN), *args]
+    return subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env, check=False)
+
+
+@pytest.fixture(scope="module")
+def pair(tiny_models):
+    if not LAUNCH.exists():
+        pytest.skip("mlx.launch is not installed beside this Python")
+    return str(tiny_models["llama"].hf_dir), str(tiny_models["qwen2"].hf_dir)
+
+
+@pytest.mark.parametrize("method", ["draft", "lookup"])
+def test_a_target_split_over_two_processes_gives_the_text_one_process_gives(pair, method):
+    target, draft = pair
+    args = ("generate", "import os\nimport sys\n\ndef main(", "--target", target, "--draft", draft,
+            "--backend", "mlx", "-n", "32", "--temp", "0", "--method", method, "--json")
+    alone = run(*args)
+    split = run(*args, ranks=2)
+    assert alone.returncode == 0, alone.stderr
+    assert split.returncode == 0, split.stderr[-2000:]
+    import json
+
+    texts = [json.loads(line)["text"] for line in split.stdout.splitlines() if line.startswith("{")]
+    assert texts == [json.loads(alone.stdout.strip().splitlines()[-1])["text"]]  # rank 0 alone prints
+
+
+def test_what_a_split_target_cannot_do_is_one_line(pair, tiny_models):
+    target, _ = pair
+    done = run("generate", "def f(x):", "--target", target, "--draft", "self:layers=1", "--backend", "mlx",
+               "-n", "4", ranks=2)
+    assert "rank 0 exited with code 1" in done.stderr  # mlx.launch itself says so, and exits 0
+    assert "rank 1 exited" not in done.stderr  # the follower ended cleanly when rank 0 closed the target
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert errors and "split over processes" in errors[0], done.stderr[-2000:]
+    assert "Traceback" not in done.stderr
+    gguf = run("generate", "def f(x):", "--target", str(tiny_models["llama"].gguf_path), "--backend", "llama",
+               "-n", "4", ranks=2)
+    errors = [line for line in gguf.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 2 and "splits MLX targets only" in errors[0], gguf.stderr[-2000:]  # each rank says it
+
+
+def test_a_server_on_a_split_target_answers_as_one_process_and_ends_with_ctrl_c(pair):
+    """Rank 0 serves, rank 1 holds half the target and no port; Ctrl-C to the launch (a terminal's
+    reaches every process) ends them all."""
+    import json
+    import signal
+    import socket
+    import time
+    import urllib.request
+
+    target, draft = pair
+    alone = run("generate", "def f(x):", "--target", target, "--draft", draft, "--backend", "mlx", "-n", "8",
+                "--temp", "0", "--raw", "--json")  # a completion, as the server's /v1/completions
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    env = {**os.environ, "PYTHONPATH": str(MAIN.parents[1])}
+    launch = subprocess.Popen([str(LAUNCH), "-n", "2", "--backend", "ring", "--python", sys.executable, "--", str(MAIN),
+                               "serve", "--target", target, "--draft", draft, "--backend", "mlx", "--port", str(port)],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                              start_new_session=True)
+    try:
+        body = json.dumps({"model": target, "prompt": "def f(x):", "max_tokens": 8, "temperature": 0}).encode()
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", body,
+                                                 {"Content-Type": "application/json"})
+                with urllib.request.urlopen(request, timeout=60) as response:
+                    answer = json.loads(response.read())
+                break
+            except OSError:
+                assert time.monotonic() < deadline and launch.poll() is None, "the split server did not start"
+                time.sleep(1)
+        assert answer["choices"][0]["text"] == json.loads(alone.stdout.strip().splitlines()[-1])["text"]
+    finally:
+        os.killpg(launch.pid, signal.SIGINT)
+        try:
+            launch.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(launch.pid, signal.SIGKILL)
+            raise AssertionError("the split server did not end on Ctrl-C") from None
