@@ -3,6 +3,7 @@ mlx_slots.py) share."""
 
 from __future__ import annotations
 
+import sys
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -14,6 +15,16 @@ ROW_OFFSET_ROPES = ("RoPE", "SuScaledRoPE", "Llama3RoPE", "YarnRoPE", "Proportio
 # Held while a model call builds its graph: a packed pass swaps the model's RoPE modules for its
 # call, and no other thread's call on the same modules (a slot's, the lone sequence's) may see them.
 MODEL_CALLS = threading.RLock()
+
+
+def release_thread_streams() -> None:
+    """MLX's advice for a thread that used MLX and is about to end, the main thread before the
+    process exits included (mx.clear_streams): the streams it made go now. Left to process exit,
+    they aborted a server's stop now and then ("terminate called without an active exception").
+    Nothing where MLX was never imported."""
+    core = sys.modules.get("mlx.core")
+    if core is not None and hasattr(core, "clear_streams"):
+        core.clear_streams()
 
 
 class RowRope:

@@ -22,6 +22,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from .mlx import _import_mlx
+from .mlx_common import MODEL_CALLS
 
 RANK = 8  # mlx-lm's own defaults for LoRA fine-tuning
 SCALE = 20.0
@@ -55,7 +56,8 @@ class LoraTrainer:
         import mlx.optimizers as optim
 
         self._mx, _, _ = _import_mlx()
-        self.model = copy.deepcopy(model)  # the modules copied; the arrays, which never change in place, shared
+        with MODEL_CALLS:  # never mid packed pass, whose RoPE modules the copy would keep
+            self.model = copy.deepcopy(model)  # the modules copied; the arrays, which never change in place, shared
         self.model.freeze()
         add_adapters(self.model, seed)
         # Every array the copy holds evaluated here, private ones too (Llama 3's RoPE frequencies):

@@ -64,6 +64,11 @@ class MlxSlots:
             if slot_pass.start + len(slot_pass.tokens) > self.slot_ctx:
                 raise ContextFullError(f"the context of {self.slot_ctx} tokens is full", "shorten the prompt or raise --ctx")
         self._close_holes()
+        for slot_pass in passes:
+            held = int(np.count_nonzero(self._seqs == slot_pass.seq))
+            if slot_pass.start != held:  # its tokens would sit beside cells it did not drop, or after a gap
+                raise ValueError(f"sequence {slot_pass.seq} holds {held} tokens, not the {slot_pass.start} its pass "
+                                 "continues from")
         if not passes:
             return
         mx, parent = self._mx, self.parent
@@ -81,7 +86,8 @@ class MlxSlots:
                 logits = parent.model(mx.array(ids)[None], cache=self._cache)  # (1, L, V)
             picked = parent._fit_vocab(logits[0, mx.array(wanted)]).astype(mx.float32) if wanted else None
             mx.eval([layer.state for layer in self._cache] + ([picked] if picked is not None else []))
-        except BaseException:  # Ctrl-C or a failure mid-pass: the cells as before it
+        except BaseException:  # a failure mid-pass: the cells as before it (what the pass wrote lies past
+            # each layer's offset; a graph left unevaluated only rewrites those columns)
             for layer in self._cache:
                 layer.trim(layer.offset - n_cells)
             raise
@@ -110,14 +116,11 @@ class MlxSlots:
                     layer.keys[..., first : first + len(kept), :] = layer.keys[..., moved, :]
                     layer.values[..., first : first + len(kept), :] = layer.values[..., moved, :]
                 layer.offset = first + len(kept)
+            # the cells' tags follow the arrays' graph at once: an evaluation that fails here is
+            # retried by the next one, never a second move over cells already moved
+            self._seqs = np.concatenate([self._seqs[:first], self._seqs[kept]])
+            self._positions = np.concatenate([self._positions[:first], self._positions[kept]])
             mx.eval([layer.state for layer in self._cache])
-        self._seqs = np.concatenate([self._seqs[:first], self._seqs[kept]])
-        self._positions = np.concatenate([self._positions[:first], self._positions[kept]])
-
-    def end_thread(self) -> None:
-        """The slots' runner thread ends: the MLX streams it made go now (mx.clear_streams, MLX's
-        advice for threads that end; left to process exit, they abort it now and then)."""
-        self._mx.clear_streams()
 
     def close(self) -> None:
         self._cache = []

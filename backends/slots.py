@@ -28,6 +28,7 @@ from typing import Protocol
 import numpy as np
 
 from specrun.backends.base import ArgmaxFromLogits, HiddenSupport, ParentsModel, TreeSupport
+from specrun.backends.mlx_common import release_thread_streams
 from specrun.errors import ContextFullError
 
 PREFILL_CHUNK = 256  # prompt tokens per pass while other slots decode
@@ -63,15 +64,6 @@ class SlotModel(Protocol):
         """Drop sequence ``seq``'s cached tokens from position n_keep on."""
 
     def close(self) -> None: ...
-
-
-def end_runner_thread(model: SlotModel) -> None:
-    """The runner thread that ran ``model``'s batches ends: whatever its backend keeps per thread
-    goes with it (``end_thread``, where the model has one: MLX's streams, which left at process
-    exit instead abort it now and then)."""
-    end = getattr(model, "end_thread", None)
-    if end is not None:
-        end()
 
 
 @dataclass
@@ -170,13 +162,12 @@ class Rendezvous:
 
     def _run(self) -> None:
         """The runner: once every joined slot waits, run the waiting passes, model by model (each
-        model's recorded removals first), outside the lock, then wake the slots. Once closed, each
-        model it ran frees what its backend keeps for this thread."""
+        model's recorded removals first), outside the lock, then wake the slots. Once closed, the
+        MLX streams this thread made go with it (mlx_common.release_thread_streams)."""
         try:
             self._run_batches()
         finally:
-            for model in list(self._models.values()):
-                end_runner_thread(model)
+            release_thread_streams()
 
     def _run_batches(self) -> None:
         while True:

@@ -13,7 +13,12 @@ def main() -> None:
     _signal.signal(_signal.SIGINT, exit_interrupted)
     from specrun.cli.app import main as run_app
 
-    run_app()
+    try:
+        run_app()
+    finally:  # MLX's advice before the process exits (mlx_common.release_thread_streams)
+        from specrun.backends.mlx_common import release_thread_streams
+
+        release_thread_streams()
 
 
 def exit_interrupted(signum, frame) -> None:

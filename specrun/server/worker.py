@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from specrun.backends.kv import common_prefix_len
+from specrun.backends.mlx_common import release_thread_streams
 from specrun.drafters.lookahead import LookaheadSizes
 from specrun.engine.events import Finished, TextChunk, TokenLogprob
 from specrun.engine.loop import GenerationParams
@@ -455,6 +456,7 @@ class PairWorker:
             if self.slots is not None:
                 self.slots.close()
             self.session.close()
+            release_thread_streams()  # this thread ends: the MLX streams it made go with it
 
     def _open_slots(self) -> None:
         """The slots --parallel asks for; with --parallel auto, as many as default_slots finds room

@@ -29,6 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
+from specrun.backends.mlx_common import release_thread_streams
 from specrun.errors import UsageError
 from specrun.training.run import held_out_report
 
@@ -279,6 +280,12 @@ class Learner:
 
     # ---- the worker ----------------------------------------------------------------------------
     def _work(self) -> None:
+        try:
+            self._work_until_stopped()
+        finally:
+            release_thread_streams()  # this thread ends: the MLX streams it made go with it
+
+    def _work_until_stopped(self) -> None:
         while not self._stop.is_set():
             idle, did = True, False
             try:

@@ -79,6 +79,29 @@ def test_a_rewound_or_emptied_slot_reads_as_one_fed_afresh(pair):
         slots.close()
 
 
+def test_one_packed_batch_of_sequences_at_different_places_reads_as_each_alone(pair):
+    """Several passes in one model call, one after a hole the batch closes first: each pass's
+    logits are its sequence's alone; a pass that does not continue its sequence is refused."""
+    from specrun.backends.slots import SlotPass
+
+    model, _ = pair
+    slots = model.open_slots(3, False)
+    try:
+        slots.run([SlotPass(0, 0, [1, 2, 3, 4, 5, 6], []), SlotPass(1, 0, [5, 6, 7], [])])
+        slots.remove(0, 3)  # a hole before sequence 1's cells
+        batch = [SlotPass(0, 3, [9, 9], [0, 1]), SlotPass(1, 3, [8], [0]), SlotPass(2, 0, [3, 1, 4], [2, 0])]
+        slots.run(batch)
+        np.testing.assert_allclose(batch[0].logits, _fresh(model, [1, 2, 3, 9, 9], [3, 4]), **ROUNDING)
+        np.testing.assert_allclose(batch[1].logits, _fresh(model, [5, 6, 7, 8], [3]), **ROUNDING)
+        np.testing.assert_allclose(batch[2].logits, _fresh(model, [3, 1, 4], [2, 0]), **ROUNDING)
+        assert slots.cells == 5 + 4 + 3
+        with pytest.raises(ValueError, match="holds 5 tokens, not the 6"):
+            slots.run([SlotPass(0, 6, [1], [0])])
+        assert slots.cells == 12
+    finally:
+        slots.close()
+
+
 def test_a_failed_batch_leaves_the_cells_as_before_it(pair, monkeypatch):
     model, _ = pair
     slots = model.open_slots(2, False)
