@@ -6,6 +6,7 @@ do is one line."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -55,7 +56,9 @@ def test_what_a_split_target_cannot_do_is_one_line(pair, tiny_models):
     done = run("generate", "def f(x):", "--target", target, "--draft", "self:layers=1", "--backend", "mlx",
                "-n", "4", ranks=2)
     assert "rank 0 exited with code 1" in done.stderr  # mlx.launch itself says so, and exits 0
-    assert "rank 1 exited" not in done.stderr  # the follower ended cleanly when rank 0 closed the target
+    # the follower ends cleanly when rank 0 closes the target, unless mlx.launch, seeing rank 0 fail
+    # first, terminates it (SIGTERM, on a busy machine): never a crash or an error of its own
+    assert re.findall(r"rank 1 exited with code (-?\d+)", done.stderr) in ([], ["-15"]), done.stderr[-2000:]
     errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
     assert errors and "split over processes" in errors[0], done.stderr[-2000:]
     assert "Traceback" not in done.stderr
