@@ -40,12 +40,12 @@ class RowRope:
         return self.rope(rows_first, offset=self.offsets).transpose(2, 1, 0, 3)  # (1, H, L, D)
 
 
-def packed_problem(model, caches, what: str) -> str | None:
-    """Why ``model`` cannot run a packed pass over ``caches`` (plain KVCache layers, whose mask
-    comes from ``make_mask``, and RoPE modules that take one offset per row) holding ``what``
-    (a tree, several sequences); None where it can."""
+def packed_problem(model, caches, what: str, kinds: tuple[str, ...] = ("KVCache",)) -> str | None:
+    """Why ``model`` cannot run a packed pass over ``caches`` (layers whose cache is of ``kinds``,
+    plain KVCache where not said, their mask from ``make_mask``, and RoPE modules that take one
+    offset per row) holding ``what`` (a tree, several sequences); None where it can."""
     for layer_cache in caches:
-        if type(layer_cache).__name__ != "KVCache":
+        if type(layer_cache).__name__ not in kinds:
             return (f"its {type(layer_cache).__name__} cache (sliding-window, quantized or recurrent state) "
                     f"cannot hold {what}")
     attentions = [getattr(layer, "self_attn", None) for layer in getattr(model, "layers", ())]
@@ -57,13 +57,15 @@ def packed_problem(model, caches, what: str) -> str | None:
 @contextmanager
 def packed_pass(model, caches, mask, offsets) -> Iterator[None]:
     """During one model call, under MODEL_CALLS: every cache's ``make_mask`` returns ``mask``
-    (L, cells + L) and every attention's RoPE places row i at ``offsets[i]`` (an (L,) array)."""
+    (L, cells + L; or a list, one mask per cache) and every attention's RoPE places row i at
+    ``offsets[i]`` (an (L,) array)."""
+    masks = mask if isinstance(mask, list) else [mask] * len(caches)
     with MODEL_CALLS:
         attentions = [layer.self_attn for layer in model.layers]
         ropes = [attention.rope for attention in attentions]
         try:
-            for layer_cache in caches:
-                layer_cache.make_mask = lambda *args, **kwargs: mask
+            for layer_cache, layer_mask in zip(caches, masks):
+                layer_cache.make_mask = lambda *args, layer_mask=layer_mask, **kwargs: layer_mask
             for attention, rope in zip(attentions, ropes):
                 attention.rope = RowRope(rope, offsets)
             yield

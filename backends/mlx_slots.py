@@ -5,8 +5,9 @@ mlx-lm's caches hold one sequence, or a left-padded batch that rewinds as a whol
 each on its own. So the slots share one ``KVCache`` per layer, as llama.cpp's unified cache does:
 a batch appends every pass's tokens, each cell remembers its sequence and position, and one call
 runs the batch as a single row, a packed pass (backends/mlx_common.py, the tree pass's way): the
-mask shows each token the cells of its own sequence at or before its position, and RoPE places
-it at its own position. The weights are read once for every slot's tokens.
+mask shows each token the cells of its own sequence at or before its position (a sliding-window
+layer's, the last ``window`` of them: its cache is a plain one here), and RoPE places it at its
+own position. The weights are read once for every slot's tokens.
 
 A removed cell leaves a hole. Before the next batch the cells after the first hole move down over
 it: mostly the last batch's rejected drafts, so a short move at the end of the cache; a slot
@@ -26,9 +27,14 @@ from specrun.errors import ContextFullError, ModelFileError
 SLOTS_FIX = "serve it with --parallel 1"
 
 
+# A sliding-window layer's cache (RotatingKVCache) becomes a plain one here, its window kept by
+# the mask: each token sees its sequence's last ``max_size`` positions (and the first ``keep``).
+SLOT_CACHES = ("KVCache", "RotatingKVCache")
+
+
 def slots_problem(parent) -> str | None:
     """Why the model of ``parent`` (an MlxBackend) cannot decode several sequences together."""
-    return packed_problem(parent.model, parent._cache, "several sequences")
+    return packed_problem(parent.model, parent._cache, "several sequences", SLOT_CACHES)
 
 
 class MlxSlots:
@@ -44,6 +50,9 @@ class MlxSlots:
         self.slot_ctx = slot_ctx or parent.n_ctx
         self.n_vocab = parent.vocab.size
         self._cache = [parent._lm_cache.KVCache() for _ in parent._cache]
+        # per layer: (window, kept first positions) of a sliding-window layer, None for a full one
+        self._windows = [(layer.max_size, layer.keep) if type(layer).__name__ == "RotatingKVCache" else None
+                         for layer in parent._cache]
         self._seqs = np.zeros(0, np.int64)  # per cell: its sequence, -1 once removed
         self._positions = np.zeros(0, np.int64)  # per cell: its position in its sequence
         # A first pass here, on the thread opening the slots: arrays the model computes lazily
@@ -77,12 +86,17 @@ class MlxSlots:
         all_seqs = np.concatenate([self._seqs, seqs])
         all_positions = np.concatenate([self._positions, positions])
         visible = (all_seqs[None, :] == seqs[:, None]) & (all_positions[None, :] <= positions[:, None])  # (L, cells + L)
+        masks = {None: mx.array(visible)}
+        for window in set(self._windows) - {None}:
+            size, keep = window
+            recent = positions[:, None] - all_positions[None, :] < size
+            masks[window] = mx.array(visible & (recent | (all_positions[None, :] < keep)))
         ids = [int(token) for p in passes for token in p.tokens]
         firsts = np.cumsum([0] + [len(p.tokens) for p in passes])
         wanted = [int(first + row) for p, first in zip(passes, firsts) for row in p.rows]
         n_cells = self.cells
         try:
-            with packed_pass(parent.model, self._cache, mx.array(visible), mx.array(positions)):
+            with packed_pass(parent.model, self._cache, [masks[window] for window in self._windows], mx.array(positions)):
                 logits = parent.model(mx.array(ids)[None], cache=self._cache)  # (1, L, V)
             picked = parent._fit_vocab(logits[0, mx.array(wanted)]).astype(mx.float32) if wanted else None
             mx.eval([layer.state for layer in self._cache] + ([picked] if picked is not None else []))

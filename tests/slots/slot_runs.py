@@ -1,9 +1,12 @@
-"""What the slots' backend tests share: runs on several threads at once, and the answers each
-prompt gets alone."""
+"""What the slots' backend tests share: runs on several threads at once, the answers each
+prompt gets alone, and a tiny Gemma 3 folder (sliding-window layers) for MLX."""
 
 from __future__ import annotations
 
+import json
+import shutil
 import threading
+from pathlib import Path
 
 from specrun.backends.kv import sequence_for
 from specrun.backends.slots import Rendezvous, Slot
@@ -70,3 +73,28 @@ def check_answers_together(target, draft, prompts, params, exact: bool, then=Non
         rendezvous.close()
         target_slots.close()
         draft_slots.close()
+
+
+def write_tiny_gemma3_mlx(folder: Path, tokenizer_from: Path, window: int = 8, seed: int = 0) -> Path:
+    """A random Gemma 3 text model mlx-lm loads, every other layer sliding over ``window`` positions
+    (a RotatingKVCache alone), with the tokenizer of the folder ``tokenizer_from``."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_lm.models import gemma3_text
+
+    folder.mkdir(parents=True, exist_ok=True)
+    config = dict(model_type="gemma3_text", hidden_size=64, num_hidden_layers=4, intermediate_size=128,
+                  num_attention_heads=2, num_key_value_heads=1, head_dim=32, vocab_size=512, sliding_window=window,
+                  sliding_window_pattern=2, rope_theta=10000.0, rope_local_base_freq=10000.0,
+                  query_pre_attn_scalar=32, rms_norm_eps=1e-6, max_position_embeddings=1024)
+    mx.random.seed(seed)
+    model = gemma3_text.Model(gemma3_text.ModelArgs.from_dict(config))
+    for layer in model.model.layers:  # attention that matters beside Gemma's scaled-up embeddings
+        layer.self_attn.q_proj.weight = layer.self_attn.q_proj.weight * 4
+        layer.self_attn.o_proj.weight = layer.self_attn.o_proj.weight * 64
+    mx.save_safetensors(str(folder / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    (folder / "config.json").write_text(json.dumps(config))
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (tokenizer_from / name).exists():
+            shutil.copy(tokenizer_from / name, folder / name)
+    return folder

@@ -5,6 +5,8 @@ as before it; a model whose cache a packed pass cannot hold is one line."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -14,7 +16,7 @@ from specrun.backends.mlx import MlxBackend  # noqa: E402
 from specrun.backends.slots import Rendezvous, Slot  # noqa: E402
 from specrun.engine.loop import GenerationParams  # noqa: E402
 from specrun.errors import ModelFileError  # noqa: E402
-from tests.slots.slot_runs import check_answers_together  # noqa: E402
+from tests.slots.slot_runs import check_answers_together, write_tiny_gemma3_mlx  # noqa: E402
 
 ROUNDING = dict(rtol=0, atol=2e-4)  # float32: a packed pass sums in another order than a lone one
 
@@ -102,6 +104,36 @@ def test_one_packed_batch_of_sequences_at_different_places_reads_as_each_alone(p
         slots.close()
 
 
+def test_sliding_window_layers_decode_together_as_alone(pair, tmp_path):
+    """Gemma 3's sliding layers (a RotatingKVCache alone) share the slots' plain cache, their window
+    kept by the mask: answers far longer than the window, and a slot rewound past it, read as alone."""
+    from specrun.backends.slots import SlotPass
+
+    target, _ = pair
+    gemma = MlxBackend(write_tiny_gemma3_mlx(tmp_path / "gemma", Path(target.path)), n_ctx=256)
+    gemma_draft = MlxBackend(write_tiny_gemma3_mlx(tmp_path / "gemma-draft", Path(target.path), seed=1), n_ctx=256)
+    try:
+        assert gemma.slots_problem() is None and not gemma.tree_support.available
+        prompts = [gemma.tokenize(text) for text in ("def fibonacci(n):", "import os\nimport sys\n",
+                                                     "class Shape:\n    def", "Grüße aus München!")]
+        params = GenerationParams(24, draft_len=4, stop_at_eos=False)
+        check_answers_together(gemma, gemma_draft, prompts, params, False)
+        slots = gemma.open_slots(2, False)
+        try:
+            long = list(range(3, 23))  # 20 tokens, past the window of 8
+            slots.run([SlotPass(0, 0, long, []), SlotPass(1, 0, long[:5], [])])
+            slots.remove(0, 15)
+            batch = [SlotPass(0, 15, [7, 7], [0, 1]), SlotPass(1, 5, long[5:], [14])]
+            slots.run(batch)
+            np.testing.assert_allclose(batch[0].logits, _fresh(gemma, long[:15] + [7, 7], [15, 16]), **ROUNDING)
+            np.testing.assert_allclose(batch[1].logits, _fresh(gemma, long, [19]), **ROUNDING)
+        finally:
+            slots.close()
+    finally:
+        gemma.close()
+        gemma_draft.close()
+
+
 def test_a_failed_batch_leaves_the_cells_as_before_it(pair, monkeypatch):
     model, _ = pair
     slots = model.open_slots(2, False)
@@ -133,11 +165,11 @@ def test_a_slot_s_cache_is_every_layer_s_keys_and_values_for_the_context(pair, t
 
 
 def test_a_model_whose_cache_a_packed_pass_cannot_hold_is_one_line(pair, monkeypatch):
-    from mlx_lm.models.cache import RotatingKVCache
+    from mlx_lm.models.cache import ArraysCache
 
     model, _ = pair
-    monkeypatch.setattr(model, "_cache", [RotatingKVCache(max_size=64) for _ in model._cache])
-    assert "RotatingKVCache cache" in model.slots_problem()
+    monkeypatch.setattr(model, "_cache", [ArraysCache(2) for _ in model._cache])  # a recurrent state
+    assert "ArraysCache cache" in model.slots_problem()
     with pytest.raises(ModelFileError) as raised:
         model.open_slots(2, False)
     assert "cannot hold several sequences" in str(raised.value) and "--parallel 1" in raised.value.fix
