@@ -51,6 +51,28 @@ def test_a_target_split_over_two_processes_gives_the_text_one_process_gives(pair
     assert texts == [json.loads(alone.stdout.strip().splitlines()[-1])["text"]]  # rank 0 alone prints
 
 
+def test_a_hybrid_split_by_pipeline_gives_the_text_one_process_gives(pair, tmp_path):
+    """Qwen3-Next's mlx-lm code splits by pipeline only (its layers, recurrent ones among them, in
+    two runs of layers): the draft model's rejections roll its state back on both processes."""
+    import json
+
+    import mlx.core as mx
+    from hybrid_models import HybridShape, hybrid_weights, write_qwen35_mlx_folder
+
+    shape = HybridShape(experts=4, next=True)
+    folder = write_qwen35_mlx_folder(tmp_path / "qwen3next", shape, hybrid_weights(shape, mtp_layers=1))
+    index = {name: path.name for path in folder.glob("*.safetensors") for name in mx.load(str(path))}
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": index}))
+    args = ("generate", "def f(x):\n    return x", "--target", str(folder), "--draft", pair[0], "--backend", "mlx",
+            "-n", "24", "--temp", "0", "--method", "draft", "--raw", "--json")
+    alone, split = run(*args), run(*args, ranks=2)
+    assert alone.returncode == 0 and split.returncode == 0, split.stderr[-2000:]
+    one = json.loads(alone.stdout.strip().splitlines()[-1])
+    texts = [json.loads(line) for line in split.stdout.splitlines() if line.startswith("{")]
+    assert [answer["text"] for answer in texts] == [one["text"]]
+    assert texts[0]["stats"]["drafted"] > texts[0]["stats"]["accepted"]  # rejected drafts: states rolled back
+
+
 def test_what_a_split_target_cannot_do_is_one_line(pair, tiny_models):
     target, _ = pair
     done = run("generate", "def f(x):", "--target", target, "--draft", "self:layers=1", "--backend", "mlx",
