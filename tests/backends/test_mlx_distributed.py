@@ -19,11 +19,36 @@ LAUNCH = Path(sys.executable).with_name("mlx.launch")
 MAIN = Path(__file__).resolve().parents[2] / "specrun" / "__main__.py"
 
 
+def free_ports(count: int) -> int:
+    """The first of ``count`` consecutive ports free now on the loopback address: each launch's ring
+    listens on ports of its own (a port the last launch used may still be held by the system)."""
+    import random
+    import socket
+
+    while True:
+        first = random.randint(20000, 60000)
+        sockets = [socket.socket() for _ in range(count)]
+        try:
+            for offset, probe in enumerate(sockets):
+                probe.bind(("127.0.0.1", first + offset))
+            return first
+        except OSError:
+            continue
+        finally:
+            for probe in sockets:
+                probe.close()
+
+
+def launch_command(ranks: int, *args: str) -> list[str]:
+    return [str(LAUNCH), "-n", str(ranks), "--backend", "ring", "--starting-port", str(free_ports(ranks)),
+            "--python", sys.executable, "--", str(MAIN), *args]
+
+
 def run(*args: str, ranks: int = 0, timeout: int = 240) -> subprocess.CompletedProcess:
     """``specrun ARGS`` in one process, or in ``ranks`` processes mlx.launch starts."""
     env = {**os.environ, "PYTHONPATH": str(MAIN.parents[1])}
     if ranks:
-        command = [str(LAUNCH), "-n", str(ranks), "--backend", "ring", "--python", sys.executable, "--", str(MAIN), *args]
+        command = launch_command(ranks, *args)
     else:
         command = [sys.executable, str(MAIN), *args]
     return subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env, check=False)
@@ -108,8 +133,8 @@ def test_a_server_on_a_split_target_answers_as_one_process_and_ends_with_ctrl_c(
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     env = {**os.environ, "PYTHONPATH": str(MAIN.parents[1])}
-    launch = subprocess.Popen([str(LAUNCH), "-n", "2", "--backend", "ring", "--python", sys.executable, "--", str(MAIN),
-                               "serve", "--target", target, "--draft", draft, "--backend", "mlx", "--port", str(port)],
+    launch = subprocess.Popen(launch_command(2, "serve", "--target", target, "--draft", draft, "--backend", "mlx",
+                                             "--port", str(port)),
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                               start_new_session=True)
     try:
