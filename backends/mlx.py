@@ -585,9 +585,7 @@ class MlxBackend(HiddenTracking):
         self._check_untracked("forward_argmax_after")
         self._check_room(len(tokens) + len(deferred))
         if self.needs_checkpoints:  # replays after a restore need the ids on the host first
-            ids = deferred.resolve()
-            fed = [*tokens, *ids.tolist()]
-            return self.forward_argmax(fed, range(len(fed))), ids
+            return self._argmax_after_resolved(tokens, deferred)
         mx = self._mx
         fed = mx.concatenate([mx.array(tokens, dtype=deferred.array.dtype), deferred.array])  # (T + n,)
         with MODEL_CALLS:
@@ -597,6 +595,12 @@ class MlxBackend(HiddenTracking):
         ids = deferred.resolve()
         self._tokens.extend([*tokens, *ids.tolist()])
         return np.array(argmax).astype(np.int64), ids
+
+    def _argmax_after_resolved(self, tokens: list[int], deferred: DeferredIds) -> tuple[np.ndarray, np.ndarray]:
+        """``forward_argmax_after`` with the draft's ids brought to the host first, fed as tokens."""
+        ids = deferred.resolve()
+        fed = [*tokens, *ids.tolist()]
+        return self.forward_argmax(fed, range(len(fed))), ids
 
     def _greedy_one_by_one(self, tokens: list[int], n_new: int) -> np.ndarray:
         ids = [int(self.forward_argmax(tokens, [len(tokens) - 1])[0])]

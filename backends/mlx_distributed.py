@@ -25,6 +25,7 @@ import numpy as np
 
 from specrun.backends.base import HiddenSupport, TreeSupport
 from specrun.backends.mlx import MlxBackend
+from specrun.backends.mlx_common import release_thread_streams
 from specrun.errors import ModelFileError
 
 HEADER = 4  # op, tokens, rows, value
@@ -71,7 +72,7 @@ def open_distributed_target(path: str | Path, n_ctx: int | None) -> MlxBackend:
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGINT, signal.SIG_IGN)
         follow(backend)
-        mx.clear_streams()
+        release_thread_streams()
         raise SystemExit(0)
     return backend
 
@@ -96,15 +97,10 @@ class DistributedMlxBackend(MlxBackend):
         return super().forward_argmax(tokens, logit_rows)
 
     def forward_greedy(self, tokens: Sequence[int], n_new: int) -> np.ndarray:
-        ids = [int(self.forward_argmax(tokens, [len(tokens) - 1])[0])]
-        while len(ids) < n_new:
-            ids.append(int(self.forward_argmax(ids[-1:], [0])[0]))
-        return np.array(ids, dtype=np.int64)
+        return self._greedy_one_by_one([int(t) for t in tokens], n_new)  # each step through forward_argmax
 
     def forward_argmax_after(self, tokens, deferred):
-        ids = deferred.resolve()
-        fed = [*map(int, tokens), *ids.tolist()]
-        return self.forward_argmax(fed, range(len(fed))), ids
+        return self._argmax_after_resolved([int(t) for t in tokens], deferred)
 
     def rewind(self, n_keep: int) -> None:
         if n_keep < self.n_past:

@@ -123,10 +123,10 @@ class MlxSlots:
         first = int(holes[0])
         kept = first + np.flatnonzero(self._seqs[first:] >= 0)
         mx = self._mx
+        moved = mx.array(kept)
         with MODEL_CALLS:
             for layer in self._cache:
                 if len(kept):
-                    moved = mx.array(kept)
                     layer.keys[..., first : first + len(kept), :] = layer.keys[..., moved, :]
                     layer.values[..., first : first + len(kept), :] = layer.values[..., moved, :]
                 layer.offset = first + len(kept)
