@@ -25,7 +25,8 @@ class FakeBackend(ArgmaxFromLogits, HiddenTracking):
     hidden_table: the hidden state (hidden_size,) of a context's last token, for
     ``track_hidden``; without one the fake declares no hidden states. n_layers: with a hidden
     table, the fake has this many layers, and layer l's output (``hidden_layers``) is the hidden
-    state scaled by (l + 1) / n_layers, the last layer's the state itself.
+    state scaled by (l + 1) / n_layers, the last layer's the state itself. reads_ahead: plain
+    greedy steps read one token ahead (``forward_argmax_ahead``), as MLX's do.
     """
 
     name = "fake"
@@ -42,8 +43,13 @@ class FakeBackend(ArgmaxFromLogits, HiddenTracking):
         hidden_table: HiddenTable | None = None,
         hidden_size: int = 0,
         n_layers: int = 0,
+        reads_ahead: bool = False,
     ) -> None:
         self.table = table
+        self._reads_ahead = reads_ahead
+        self._ahead: int | None = None  # the argmax after the id read ahead (forward_argmax_ahead)
+        self.ahead_passes = 0  # the passes queued by a step for the next
+        self.ahead_dropped = 0  # of them, those a pass or rewind threw away unused
         self.hidden_table = hidden_table
         self.hidden_support = (
             HiddenSupport(True, hidden_size, layers=n_layers, layer_outputs=n_layers,
@@ -81,9 +87,30 @@ class FakeBackend(ArgmaxFromLogits, HiddenTracking):
     def chat_template(self) -> str | None:
         return None
 
+    @property
+    def reads_ahead(self) -> bool:
+        return self._reads_ahead and not self._tracking
+
+    def forward_argmax_ahead(self, token: int | None, ahead: bool = True) -> tuple[int, bool]:
+        """MlxBackend.forward_argmax_ahead's contract, each pass run at once."""
+        if token is None:
+            if self._ahead is None:
+                raise ValueError("no id was read ahead to continue from")
+            value = self._ahead
+        else:
+            value = int(self.forward_argmax([token], [0])[0])
+        self._ahead = None
+        fed = ahead and self.n_past + 1 < self.n_ctx
+        if fed:
+            after = int(self.forward_argmax([value], [0])[0])
+            self._ahead = after
+            self.ahead_passes += 1
+        return value, fed
+
     def forward(self, tokens: Sequence[int], logit_rows: Sequence[int]) -> np.ndarray:
         if self.n_past + len(tokens) > self.n_ctx:
             raise ValueError("fake backend context overflow")
+        self._drop_ahead()
         start = len(self.cache)
         self.cache.extend(int(t) for t in tokens)
         self.forward_calls += 1
@@ -97,7 +124,14 @@ class FakeBackend(ArgmaxFromLogits, HiddenTracking):
         return row if self.adapter is None else row + self.adapter[context[-1]]
 
     def rewind(self, n_keep: int) -> None:
+        if n_keep < len(self.cache):
+            self._drop_ahead()
         del self.cache[n_keep:]
+
+    def _drop_ahead(self) -> None:
+        if self._ahead is not None:
+            self._ahead = None
+            self.ahead_dropped += 1
 
     def forward_tree(self, tokens: Sequence[int], tree: TokenTree, logit_rows: Sequence[int]) -> np.ndarray:
         self.tree_support.check(tree)
@@ -105,6 +139,7 @@ class FakeBackend(ArgmaxFromLogits, HiddenTracking):
             raise ValueError("fake backend context overflow")
         if any(not 0 <= row < len(tokens) + len(tree) for row in logit_rows):
             raise ValueError(f"logit rows {list(logit_rows)} fall outside the tokens and nodes fed")
+        self._drop_ahead()
         self.cache.extend(int(t) for t in tokens)
         self.forward_calls += 1
         self.forwarded_tokens += len(tokens) + len(tree)

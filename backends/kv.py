@@ -70,6 +70,11 @@ class KVSequence:
 
     With ``track_hidden(True)`` it also keeps the hidden state of every position committed
     while tracking (``hidden``), for drafters that read the target's states.
+
+    Plain greedy steps may read one token ahead (``feed_argmax_ahead``, where the backend can):
+    the id a step returns is then in the backend's cache already, beyond ``tokens``, and the
+    next step's pass was queued on it. It joins ``tokens`` when the next step or a rewind to a
+    prefix of the text continues with it; any other feed or rewind drops it first.
     """
 
     def __init__(self, backend: Backend) -> None:
@@ -80,6 +85,7 @@ class KVSequence:
         self._layers: tuple[int, ...] = ()  # what the store holds: track_hidden's layers
         self._hidden_tail: int | None = None  # a longer pass keeps the hidden states of its last this many
         self._tree_rows = 0  # the tokens the last tree pass fed before its nodes
+        self._ahead: int | None = None  # the id read ahead: in the backend's cache, not yet in tokens
         if backend.n_past:
             backend.rewind(0)  # we cannot know what an adopted cache holds: start empty
 
@@ -87,11 +93,51 @@ class KVSequence:
         return len(self.tokens)
 
     def _check_in_step(self) -> None:
-        if self.backend.n_past != len(self.tokens):
+        tracked = len(self.tokens) + (self._ahead is not None)
+        if self.backend.n_past != tracked:
             raise RuntimeError(
                 f"{self.backend.name} cache holds {self.backend.n_past} tokens but this sequence "
-                f"tracks {len(self.tokens)}: two sequences are driving one backend"
+                f"tracks {tracked}: two sequences are driving one backend"
             )
+
+    # ---- plain steps that read ahead ----------------------------------------------------
+    @property
+    def can_read_ahead(self) -> bool:
+        """Can plain greedy steps read one token ahead here (``feed_argmax_ahead``)?"""
+        return not self._tracking and getattr(self.backend, "reads_ahead", False)
+
+    @property
+    def reading_ahead(self) -> bool:
+        """Is an id read ahead, with the pass after it queued (the next ``feed_argmax_ahead``'s)?"""
+        return self._ahead is not None
+
+    def feed_argmax_ahead(self, token: int, ahead: bool = True) -> tuple[int, bool]:
+        """Append ``token`` and return the argmax after it, as ``feed_argmax([token], [0])`` does,
+        and whether its pass had been queued by the call before. With ``ahead`` the id is fed
+        too, beyond ``tokens``, and the pass after it queued (the backend's
+        ``forward_argmax_ahead``), for a next call with that id. Needs ``can_read_ahead``."""
+        token = int(token)
+        queued = self._ahead is not None and self._ahead == token
+        try:
+            if queued:
+                self._ahead = None
+                value, fed = self.backend.forward_argmax_ahead(None, ahead)
+            else:
+                self._drop_ahead()
+                self._check_in_step()
+                value, fed = self.backend.forward_argmax_ahead(token, ahead)
+            self.tokens.append(token)
+        except BaseException:
+            self.repair()
+            raise
+        self._ahead = value if fed else None
+        return value, queued
+
+    def _drop_ahead(self) -> None:
+        """Take the id read ahead out of the backend's cache (a pass or rewind comes that does not continue it)."""
+        if self._ahead is not None:
+            self._ahead = None
+            self.backend.rewind(len(self.tokens))
 
     def feed(self, tokens: Sequence[int], logit_rows: Sequence[int] = ()) -> np.ndarray:
         """Append tokens; logits (len(logit_rows), vocab) for the rows asked for."""
@@ -132,6 +178,7 @@ class KVSequence:
         ``feed_argmax`` calls leave it: ``tokens`` plus all but the last new id.
         """
         self._check_untracked("feed_greedy")
+        self._drop_ahead()
         self._check_in_step()
         try:
             ids = self.backend.forward_greedy(tokens, n_new)
@@ -147,6 +194,7 @@ class KVSequence:
         recorded here when they resolve, in the target's ``feed_argmax_after`` or on the
         backend's next use."""
         self._check_untracked("feed_greedy_deferred")
+        self._drop_ahead()
         self._check_in_step()
         try:
             deferred = self.backend.forward_greedy_deferred(tokens, n_new)
@@ -171,6 +219,7 @@ class KVSequence:
         """Append ``tokens`` and then another backend's deferred ids in one pass: the argmax
         at every row fed (len(tokens) + n,) and the ids (n,), with one host sync for both."""
         self._check_untracked("feed_argmax_after")
+        self._drop_ahead()
         self._check_in_step()
         try:
             argmax, ids = self.backend.forward_argmax_after(tokens, deferred)
@@ -205,6 +254,7 @@ class KVSequence:
             raise
 
     def _append(self, forward, tokens: Sequence[int], logit_rows: Sequence[int]) -> np.ndarray:
+        self._drop_ahead()
         self._check_in_step()
         try:
             out = forward(tokens, logit_rows)
@@ -220,6 +270,7 @@ class KVSequence:
 
     def repair(self) -> None:
         """Bring list and backend back in step after an interruption: keep what both agree on."""
+        self._ahead = None
         keep = min(len(self.tokens), self.backend.n_past)
         self.backend.rewind(keep)
         del self.tokens[keep:]
@@ -227,9 +278,11 @@ class KVSequence:
             self._hidden.truncate(keep)
 
     def rewind(self, n_keep: int) -> None:
-        """Keep the first ``n_keep`` cached tokens and drop the rest, in the backend too."""
+        """Keep the first ``n_keep`` cached tokens and drop the rest, in the backend too (an id
+        read ahead stays while every token is kept)."""
         self._check_in_step()
         if n_keep < len(self.tokens):
+            self._ahead = None
             self.backend.rewind(n_keep)
             del self.tokens[n_keep:]
             if self._hidden is not None:
@@ -238,6 +291,12 @@ class KVSequence:
     def rewind_to_prefix_of(self, context: Sequence[int], limit: int | None = None) -> int:
         """Rewind to the longest cached prefix of ``context`` (at most ``limit`` tokens)."""
         keep = common_prefix_len(self.tokens, context)
+        if (keep == len(self.tokens) and self._ahead is not None and keep < len(context)
+                and context[keep] == self._ahead and (limit is None or keep < limit)):
+            self._check_in_step()
+            self.tokens.append(self._ahead)  # the text goes on with the id read ahead: it stays
+            self._ahead = None
+            return keep + 1
         if limit is not None:
             keep = min(keep, limit)
         self.rewind(keep)
@@ -264,6 +323,7 @@ class KVSequence:
         drafters' before each run (sessions/compare.track_as_drafted)."""
         layers = tuple(layers)
         support = self.backend.hidden_support
+        self._drop_ahead()  # tracked passes keep every position's state: none is left unread ahead
         if on and not support.available:
             raise ValueError(f"{self.backend.name} gives no hidden states: {support.reason}")
         if on and layers:

@@ -505,6 +505,7 @@ class MlxBackend(HiddenTracking):
 
     def _new_cache(self) -> None:
         self._deferred = None
+        self._ahead = None  # forward_argmax_ahead's queued (row (1, V), argmax (1,)) after the last id fed
         self._cache = self._lm_cache.make_prompt_cache(self.model)
         self._needs_checkpoints = any(type(layer).__name__ not in ALWAYS_TRIMMABLE for layer in self._cache)
         self._checkpoints: deque[Checkpoint] = deque(maxlen=MAX_CHECKPOINTS)
@@ -561,6 +562,7 @@ class MlxBackend(HiddenTracking):
         self._check_untracked("forward_greedy_deferred")
         if self.needs_checkpoints:
             raise ValueError("a cache that needs checkpoints cannot defer its greedy ids")
+        self._ahead = None
         self._check_room(len(tokens) + n_new - 1)
         mx = self._mx
         joined = len(tokens) if len(tokens) <= GREEDY_JOIN_TOKENS else 1
@@ -587,6 +589,7 @@ class MlxBackend(HiddenTracking):
         if self.needs_checkpoints:  # replays after a restore need the ids on the host first
             return self._argmax_after_resolved(tokens, deferred)
         mx = self._mx
+        self._ahead = None
         fed = mx.concatenate([mx.array(tokens, dtype=deferred.array.dtype), deferred.array])  # (T + n,)
         with MODEL_CALLS:
             logits = self.model(fed[None], cache=self._cache)  # (1, T + n, V)
@@ -601,6 +604,49 @@ class MlxBackend(HiddenTracking):
         ids = deferred.resolve()
         fed = [*tokens, *ids.tolist()]
         return self.forward_argmax(fed, range(len(fed))), ids
+
+    @property
+    def reads_ahead(self) -> bool:
+        """Whether ``forward_argmax_ahead`` works here (not while passes keep hidden states)."""
+        return self._pass_hidden is None and not self._tracking
+
+    def forward_argmax_ahead(self, token: int | None, ahead: bool = True) -> tuple[int, bool]:
+        """A plain greedy step that reads one token ahead, as mlx-lm's own loop does: feed ``token``
+        (None: the id the last call returned, which it fed already) and return the argmax after
+        it, computed as ``forward_argmax``'s one-token pass computes it, and whether that id was
+        fed too (``ahead``, where the context has room), with the argmax after it queued on the
+        device: the next call's pass then runs while the host handles this id (plain decoding ran
+        0.94x mlx-lm's without it). ``n_past`` counts a fed id; any other pass or rewind drops the
+        queued argmax."""
+        mx = self._mx
+        if token is None:
+            if self._ahead is None:
+                raise ValueError("no id was read ahead to continue from")
+            row, current = self._ahead
+        else:
+            self._check_room(1)
+            row, current = self._ahead_pass(mx.array([int(token)]))
+            self._tokens.append(int(token))
+        self._ahead = None
+        fed = ahead and self.n_past + 1 < self.n_ctx  # room for the id and the token after it
+        queued = self._ahead_pass(current) if fed else None
+        self._last_picked = row
+        value = int(current.item())  # the host waits for this pass only; the queued one runs on
+        if fed:
+            self._tokens.append(value)
+            self._ahead = queued
+        return value, fed
+
+    def _ahead_pass(self, token):
+        """One token (a (1,) array, perhaps still lazy) fed: its row (1, V) and argmax (1,), queued."""
+        if self.needs_checkpoints:
+            self._checkpoint()
+        with MODEL_CALLS:
+            logits = self.model(token[None], cache=self._cache)  # (1, 1, V)
+        row = self._fit_vocab(logits[0, -1:])
+        current = self._mx.argmax(row, axis=-1)
+        self._mx.async_eval(current, self._cache_state())
+        return row, current
 
     def _greedy_one_by_one(self, tokens: list[int], n_new: int) -> np.ndarray:
         ids = [int(self.forward_argmax(tokens, [len(tokens) - 1])[0])]
@@ -646,6 +692,7 @@ class MlxBackend(HiddenTracking):
     def _run(self, inputs):
         """The model on ``inputs`` (1, T) at the cache: lazy (1, T, V) logits. In a tracked
         pass it runs as body and head, and the body's (T, H) output joins the pass's."""
+        self._ahead = None
         with MODEL_CALLS:
             return self._run_model(inputs)
 
@@ -691,6 +738,7 @@ class MlxBackend(HiddenTracking):
     def rewind(self, n_keep: int) -> None:
         if n_keep >= self.n_past:
             return
+        self._ahead = None
         if self.needs_checkpoints:
             self._restore(n_keep)
             return

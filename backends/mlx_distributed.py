@@ -88,6 +88,10 @@ class DistributedMlxBackend(MlxBackend):
     def can_defer(self) -> bool:
         return False
 
+    @property
+    def reads_ahead(self) -> bool:
+        return False  # the followers mirror forwards and rewinds only
+
     def forward(self, tokens: Sequence[int], logit_rows: Sequence[int]) -> np.ndarray:
         self._tell(FORWARD, tokens, logit_rows)
         return super().forward(tokens, logit_rows)

@@ -1,13 +1,16 @@
-"""A hybrid target (recurrent state beside attention) on MLX: specrun's methods against mlx-lm's
-plain decoding of the same loaded model (issue 50). mlx-lm's own speculative decoding refuses such
-a model ("requires a trimmable prompt cache"); specrun restores its state from a checkpoint after a
-rejected draft. One process, one loaded model, prompts interleaved (mlx-lm plain, then each
-method), generation time only (from the first new token to the last, prefill excluded), greedy.
+"""specrun's methods on an MLX target against mlx-lm's plain decoding of the same loaded model,
+a hybrid target (recurrent state beside attention) especially (issue 50): mlx-lm's own
+speculative decoding refuses such a model ("requires a trimmable prompt cache"); specrun restores
+its state from a checkpoint after a rejected draft. Plain decoding (``none``) is where specrun
+must never trail mlx-lm. One process, one loaded model, prompts interleaved (mlx-lm plain, then
+each method), generation time only (from the first new token to the last, prefill excluded), greedy.
 
     .venv/bin/python benchmarks/mlx_hybrid_vs_mlx_lm.py --make DIR -n 64
+    .venv/bin/python benchmarks/mlx_hybrid_vs_mlx_lm.py --target FOLDER --methods none,lookup -n 64 \
+        --prompts ../shared/data/spec_bench/question.jsonl --per-category 2
 
 ``--target``: an MLX folder (the tests' Qwen3.5 folder: tests/hybrid_models.write_qwen35_mlx_folder,
-written by ``--make DIR``).
+written by ``--make DIR``). ``--prompts``: a Spec-Bench-style JSONL file instead of the built-in suite.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
-from specrun.bench.suite import BUILTIN_SUITE  # noqa: E402
+from specrun.bench.suite import BUILTIN_SUITE, load_jsonl, select  # noqa: E402
 
 
 def mlx_lm_plain(model, tokenizer, ids, n: int) -> tuple[list[int], float]:
@@ -44,6 +47,8 @@ def main() -> None:
     parser.add_argument("--methods", default="none,lookup,mtp,lookup+ngram+mtp",
                         help="specrun methods, each adaptive (none: plain decoding through specrun's engine)")
     parser.add_argument("-n", type=int, default=64)
+    parser.add_argument("--prompts", type=Path, help="a Spec-Bench-style JSONL file (default: the built-in suite)")
+    parser.add_argument("--per-category", type=int, help="at most this many prompts of each category")
     args = parser.parse_args()
     if (args.target is None) == (args.make is None):
         parser.error("give --target or --make")
@@ -60,14 +65,17 @@ def main() -> None:
     from specrun.sessions.heads import read_heads
 
     backend = MlxBackend(target)
-    heads = read_heads(target, None)
-    engine = SpeculativeEngine(backend, None)
     methods = args.methods.split(",")
+    heads = read_heads(target, None) if any(needs_heads(m) for m in methods) else None
+    engine = SpeculativeEngine(backend, None)
     ratios: dict[str, list[float]] = {method: [] for method in methods}
     same: dict[str, int] = dict.fromkeys(methods, 0)
-    for prompt in BUILTIN_SUITE:
+    prompts = select(load_jsonl(args.prompts) if args.prompts else BUILTIN_SUITE, per_category=args.per_category)
+    for prompt in prompts:
         ids = backend.tokenize(prompt.text)
         plain_tokens, plain_rate = mlx_lm_plain(backend.model, backend.tokenizer, ids, args.n)
+        if not plain_rate:  # ended at once (an end-of-text first): nothing to time
+            continue
         for method in methods:
             drafter = build_drafter(method, None, DrafterOptions(heads=heads if needs_heads(method) else None))
             engine.set_drafter(drafter, method)

@@ -70,6 +70,10 @@ class SpeculationGate:
         self.speculating = False
         self._plain_steps = 0
 
+    def plain_steps_left(self) -> int:
+        """The plain steps left in this stretch off, this one included (0 while speculating)."""
+        return 0 if self.speculating else self.gap - self._plain_steps
+
     def _speculate(self) -> None:
         """Start a stretch of speculating, judged on its own steps."""
         self.speculating = True
@@ -145,6 +149,11 @@ class IdleBackoff:
             self._wait -= 1
             return False
         return True
+
+    @property
+    def waiting(self) -> bool:
+        """Will the next step go unasked?"""
+        return self._wait > 0
 
     def found(self, anything: bool) -> None:
         """What the drafter's latest ask found."""

@@ -55,6 +55,8 @@ class StepReport:
     started: the clock when the step began; draft_seconds: asking the drafters and cutting
     the proposal; verify_seconds: the pass and the rewind after it. context: prompt and
     output so far, this step's tokens included; context_len: its length before them.
+    queued: a plain step whose pass the step before queued (it read ahead): its verify time
+    is what was left of the pass, not a pass's cost.
     """
 
     plan: Plan
@@ -65,6 +67,7 @@ class StepReport:
     verify_seconds: float
     context: Sequence[int]
     context_len: int
+    queued: bool = False
 
     @property
     def n_accepted(self) -> int:
@@ -84,6 +87,11 @@ class SpeculationPolicy(Protocol):
     def start_text(self, context_len: int) -> None: ...
 
     def plan(self) -> Plan: ...
+
+    def plain_next(self) -> bool:
+        """After a plain step: will the next step be plain too, whatever this one shows? Then this
+        one may queue the next one's pass (the engine's plain steps read ahead where they can)."""
+        ...
 
     def budget(self, drafter: Drafter, draft_len: int) -> int: ...
 
@@ -122,6 +130,9 @@ class FixedPolicy:
 
     def plan(self) -> Plan:
         return self._plan
+
+    def plain_next(self) -> bool:
+        return False  # every step drafts
 
     def budget(self, drafter: Drafter, draft_len: int) -> int:
         return draft_len
@@ -307,6 +318,17 @@ class AdaptivePolicy:
             return PLAIN
         return Plan(draft=True)
 
+    def plain_next(self) -> bool:
+        # Not where the next step times plain decoding (a queued pass is not a pass's cost:
+        # ``StepReport.queued``); within the gate's plain stretch, not its last step; or where the
+        # idle drafters wait another step and no draft model is due.
+        if self._plain_timing:
+            return False
+        if self.adaptive and self.gate.plain_steps_left() > 1:
+            return True
+        return (self._idle is not None and self._idle.waiting
+                and all(controller.may_pass() for controller in self._paid_controllers()))
+
     def budget(self, drafter: Drafter, draft_len: int) -> int:
         """A paid drafter's length, chosen just before it drafts (its controller's probes count
         the steps it is asked on); a cheap drafter's whole proposal, cut in ``chosen``."""
@@ -440,7 +462,8 @@ class AdaptivePolicy:
         if isinstance(proposal, MergedProposal):
             self._observe_merged(report, proposal)
         elif not proposal.tokens:
-            self.target_costs.observe(1, report.verify_seconds)  # what speculating must beat
+            if not report.queued:  # a queued pass ran beside the step before: the gate sees it whole
+                self.target_costs.observe(1, report.verify_seconds)  # what speculating must beat
         elif not self.adaptive and proposal.source not in self.paid:
             # A fixed chain's cheap drafter is not gated: its pass only times T_target(n).
             self.target_costs.observe(n_fed, report.verify_seconds)

@@ -263,6 +263,9 @@ class SpeculativeEngine:
         constrained = ConstrainedRun(params.grammar) if params.grammar is not None else None
         self.grammar_blocked = False
         self.passes.keep_rows = params.logprobs is not None
+        # plain greedy steps read one token ahead where the target can (KVSequence.feed_argmax_ahead)
+        reads_ahead = (self.target.can_read_ahead and sampling.greedy and constrained is None
+                       and params.logprobs is None)
         clock = StepClock(self.clock)  # generation starts
         try:
             hit_eos = False
@@ -300,7 +303,15 @@ class SpeculativeEngine:
                         self.grammar_blocked = True
                         break
                 clock.verifying()
-                proposal, verdict = self.passes.verify(context[-1], drafts, sampling, rng, allowed)
+                queued = False  # was this step's pass queued by the step before (not timed as a pass)?
+                # a plain step (planned, or nothing drafted) reads ahead where the next will be plain too
+                plain_step = reads_ahead and isinstance(drafts, Proposal) and not drafts.tokens
+                ahead = plain_step and remaining > 1 and (policy is None or policy.plain_next())
+                if plain_step and (ahead or self.target.reading_ahead):
+                    proposal = drafts
+                    verdict, queued = self.passes.plain_ahead(context[-1], ahead)
+                else:
+                    proposal, verdict = self.passes.verify(context[-1], drafts, sampling, rng, allowed)
                 # Keep the fed last token and the accepted drafts; drop the rejected tail.
                 self.target.rewind(context_len + verdict.n_accepted)
                 clock.passed()  # what follows is bookkeeping, neither drafting nor verifying
@@ -312,7 +323,8 @@ class SpeculativeEngine:
                                                     self.passes.last_rows)
                 if measured and proposal.source != GRAMMAR_SOURCE:
                     policy.observe(StepReport(plan, proposal, tuple(verdict.path), clock.step_started,
-                                              clock.draft_seconds, clock.verify_seconds, context, context_len))
+                                              clock.draft_seconds, clock.verify_seconds, context, context_len,
+                                              queued))
                 emitted = tuple(context[context_len:])
                 logprobs = () if params.logprobs is None else _logprobs(
                     self.passes.last_rows, [0, *(1 + node for node in verdict.path)], emitted, params.logprobs)

@@ -139,6 +139,14 @@ class TargetPasses:
         rule = verify_block if self.chain_rule == "block" else verify_sampled
         return drafts, rule(drafts.tokens, p_target, drafts.p_draft, rng)
 
+    def plain_ahead(self, last_token: int, ahead: bool) -> tuple[Verdict, bool]:
+        """A plain greedy step through ``KVSequence.feed_argmax_ahead`` (where the target can read
+        ahead): its verdict, and whether its pass had been queued by the step before. ``ahead``:
+        queue the next step's pass on this one's token (the next step will be plain too)."""
+        self.last_rows = None
+        token, queued = self.target.feed_argmax_ahead(last_token, ahead)
+        return Verdict(0, token), queued
+
     def _verify_tree(
         self, last_token: int, proposal: Proposal, sampling: SamplingSettings, rng: np.random.Generator,
         allowed: np.ndarray | None,

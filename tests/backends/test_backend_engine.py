@@ -28,6 +28,8 @@ from lossless_harness import (
 )
 from model_factory import TinyModel, perturbed_copy, random_weights, tiny_config, tiny_tokenizer_json
 from specrun.backends.base import Backend
+from specrun.backends.kv import sequence_for
+from specrun.control.gate import SpeculationGate
 from specrun.registry.compat import check_compatible
 from specrun.drafters.draft_model import DraftModelDrafter
 from specrun.drafters.lookahead import LookaheadSizes
@@ -313,6 +315,13 @@ GREEDY_CASES = [case for case in REAL_CASES if case.method != "none" and case.sa
     RealCase("lookup+medusa", "temp 0.1", adaptive=True), RealCase("eagle+draft", "temp 0.1")]
 
 
+class NeverJudged(SpeculationGate):
+    """A gate that keeps speculating whatever the steps cost."""
+
+    def record(self, tokens, seconds, engaged, plain_pass):
+        pass
+
+
 @pytest.mark.parametrize(**on_backends(GREEDY_CASES, lambda case: case.id.replace(case.sampling, "greedy")))
 def test_greedy_speculation_with_a_disagreeing_draft_equals_plain_decoding(backend_kind, case, tiny_llama,
                                                                            perturbed_llama, looping_llama):
@@ -330,8 +339,12 @@ def test_greedy_speculation_with_a_disagreeing_draft_equals_plain_decoding(backe
     # every pass seems to cost the same, so drafting pays and adaptive lengths and a chain's
     # gated draft model draft whatever the machine's load (on a busy machine the real clock
     # once left auto drafting nothing at all).
+    # The gate still judged that clock's steps: auto ran off after its first stretch and drafted
+    # 6 tokens in 160, so whether one was accepted hung on where its few drafts fell. Never judged
+    # here (the gate has tests of its own), the drafters draft throughout.
     ticks = itertools.count()
     engine = SpeculativeEngine(target, drafter, method=case.method, clock=lambda: next(ticks) * 1e-3)
+    engine.policy.gate = NeverJudged()
     accepted = drafted = diverging = 0
     prompts = (PROMPTS[10], PROMPTS[15], PROMPTS[5], PROMPTS[7])
     for text in prompts:
@@ -609,6 +622,37 @@ def test_mlx_forward_greedy_equals_successive_argmax(tiny_llama, uncuttable_mode
     assert chained.n_past == stepwise.n_past == len(ids) + 5
     np.testing.assert_array_equal(chained.forward(expected[-1:], [0]), stepwise.forward(expected[-1:], [0]))
     chained.close()
+    stepwise.close()
+
+
+@pytest.mark.parametrize("arch", ["llama", "sliding", "mamba"])
+def test_mlx_plain_decoding_reads_ahead_with_the_ids_and_cache_of_one_pass_a_step(tiny_llama, uncuttable_models, arch):
+    """Plain greedy steps queue the next step's pass on their own id (mlx-lm's loop): the same ids
+    as one forward_argmax a step, the same cache after, and a rewind past an id read ahead (a
+    checkpoint restored, where the cache cannot be trimmed) leaves the cache as it was."""
+    source = tiny_llama.hf_dir if arch == "llama" else uncuttable_models[arch]
+    ahead, stepwise = open_model("mlx", source), open_model("mlx", source)
+    assert ahead.reads_ahead
+    calls = []
+    real = ahead.forward_argmax_ahead
+    ahead.forward_argmax_ahead = lambda token, queue=True: calls.append(token) or real(token, queue)
+    ids = ahead.tokenize(PROMPTS[1] * 2)  # past the sliding window of 24
+    result = SpeculativeEngine(ahead).run(ids, GenerationParams(40, 0, stop_at_eos=False))
+    expected = [int(stepwise.forward_argmax(ids, [len(ids) - 1])[0])]
+    while len(expected) < 40:
+        expected.append(int(stepwise.forward_argmax(expected[-1:], [0])[0]))
+    assert list(result.token_ids) == expected and len(set(expected)) > 5
+    assert calls.count(None) == 38  # every step after the second continued a queued pass
+    stepwise.forward(expected[-1:], [])  # the engine's finished cache holds the last id too
+    assert ahead.n_past == stepwise.n_past == len(ids) + 40
+    sequence = sequence_for(ahead)  # the engine's view of the cache
+    np.testing.assert_array_equal(sequence.feed([5, 6, 7], [2]), stepwise.forward([5, 6, 7], [2]))
+    first, _ = sequence.feed_argmax_ahead(9)
+    second, queued = sequence.feed_argmax_ahead(first)
+    assert queued and ahead.n_past == stepwise.n_past + 3  # 9, first, and second read ahead
+    sequence.rewind(stepwise.n_past)  # back past everything read ahead
+    np.testing.assert_array_equal(sequence.feed([9], [0]), stepwise.forward([9], [0]))
+    ahead.close()
     stepwise.close()
 
 

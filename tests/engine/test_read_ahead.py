@@ -1,0 +1,210 @@
+"""Plain greedy steps that read one token ahead (KVSequence.feed_argmax_ahead): each step queues
+the next one's pass on its own token, as mlx-lm's loop does, so the host's work between steps
+overlaps the model's. The fake here reads ahead as MLX does (each pass run at once); what must
+hold is that nothing about the output or the cache changes, and that no pass is wasted on a run
+that ends where it was asked to."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from fake_models import hashed_logits
+from specrun.backends.fake import FakeBackend
+from specrun.backends.kv import sequence_for
+from specrun.drafters.methods import DrafterOptions, build_drafter
+from specrun.engine.events import Finished
+from specrun.engine.loop import GenerationParams, SpeculativeEngine
+from specrun.sampling import SamplingSettings
+
+VOCAB = 12
+EOS = 11
+
+
+def fake(reads_ahead: bool, n_ctx: int = 4096, eos: bool = False, salt: int = 1) -> FakeBackend:
+    return FakeBackend(hashed_logits(VOCAB, salt=salt, spread=2.0), VOCAB, n_ctx=n_ctx,
+                       eos_ids=(EOS,) if eos else (), reads_ahead=reads_ahead)
+
+
+def prompts(count: int = 6) -> list[list[int]]:
+    rng = np.random.default_rng(5)
+    return [[int(t) for t in rng.integers(0, EOS, size=int(rng.integers(3, 12)))] for _ in range(count)]
+
+
+def test_plain_steps_read_ahead_with_the_same_output_the_same_cache_and_no_extra_pass():
+    for prompt in prompts():
+        for eos in (False, True):
+            plain, ahead = fake(False, eos=eos), fake(True, eos=eos)
+            expected = SpeculativeEngine(plain).run(prompt, GenerationParams(40, 0))
+            result = SpeculativeEngine(ahead).run(prompt, GenerationParams(40, 0))
+            assert list(result.token_ids) == list(expected.token_ids) and result.text == expected.text
+            assert ahead.cache == plain.cache == [*prompt, *result.token_ids]  # the next turn's cache
+            assert len(sequence_for(ahead)) == len(ahead.cache) and not sequence_for(ahead).reading_ahead
+            assert ahead.ahead_passes == max(len(result.token_ids) - 2 + eos, 0)  # all but the prefill's and the last
+            # a run that stops at its length queues nothing past it; one that stops at EOS queued
+            # one pass on the EOS, which the next turn's cache keeps instead of feeding it again
+            assert ahead.forwarded_tokens == plain.forwarded_tokens and ahead.ahead_dropped == 0
+
+
+def test_a_chat_s_turns_continue_the_cache_read_ahead():
+    plain, ahead = fake(False), fake(True)
+    engines = SpeculativeEngine(plain), SpeculativeEngine(ahead)
+    history = [[], []]
+    for turn, said in enumerate(([3, 4, 5], [6, 7], [8])):
+        outputs = []
+        for index, engine in enumerate(engines):
+            history[index] += said
+            result = engine.run(history[index], GenerationParams(9 + turn, 0), complete_cache=turn % 2 == 0)
+            history[index] += list(result.token_ids)
+            outputs.append(list(result.token_ids))
+        assert outputs[0] == outputs[1]
+    assert ahead.forwarded_tokens <= plain.forwarded_tokens
+
+
+def test_a_stream_left_midway_keeps_no_token_beyond_the_text_and_the_next_run_is_plain_s():
+    plain, ahead = fake(False), fake(True)
+    engine = SpeculativeEngine(ahead)
+    stream = engine.stream([1, 2, 3], GenerationParams(30, 0))
+    for _ in range(5):
+        next(stream)
+    stream.close()  # a client that left, or a stop string found
+    sequence = sequence_for(ahead)
+    assert ahead.cache[: len(sequence.tokens)] == sequence.tokens
+    assert ahead.n_past == len(sequence.tokens) + sequence.reading_ahead  # in step, ahead or not
+    result = engine.run([4, 5, 6, 7], GenerationParams(20, 0))
+    expected = SpeculativeEngine(plain).run([4, 5, 6, 7], GenerationParams(20, 0))
+    assert list(result.token_ids) == list(expected.token_ids)
+    assert ahead.cache == [4, 5, 6, 7, *result.token_ids]
+
+
+@pytest.mark.parametrize("n_ctx", [20, 21, 22])
+def test_a_context_filling_up_reads_no_further_than_it_holds(n_ctx):
+    prompt = [1, 2, 3, 4, 5]
+    expected = SpeculativeEngine(fake(False, n_ctx=n_ctx)).run(prompt, GenerationParams(100, 0))
+    ahead = fake(True, n_ctx=n_ctx)
+    result = SpeculativeEngine(ahead).run(prompt, GenerationParams(100, 0))
+    assert list(result.token_ids) == list(expected.token_ids)
+    assert result.finish_reason == expected.finish_reason == "context"
+    assert len(ahead.cache) <= n_ctx
+
+
+def test_sampling_and_logprobs_step_plainly_without_reading_ahead():
+    ahead = fake(True)
+    engine = SpeculativeEngine(ahead)
+    engine.run([1, 2, 3], GenerationParams(20, 0, sampling=SamplingSettings(temperature=0.8, seed=3)))
+    engine.run([1, 2, 3], GenerationParams(20, 0, logprobs=2))
+    assert ahead.ahead_passes == 0
+    engine.run([1, 2, 3], GenerationParams(20, 0))
+    assert ahead.ahead_passes > 0
+
+
+def test_hidden_states_kept_for_a_drafter_stop_reading_ahead():
+    ahead = fake(True)
+    sequence = sequence_for(ahead)
+    assert sequence.can_read_ahead
+    sequence.feed([1, 2])
+    token, queued = sequence.feed_argmax_ahead(3)
+    assert not queued and sequence.reading_ahead and ahead.n_past == 4
+    ahead._tracking = True  # what track_hidden leaves on a backend whose passes keep states
+    assert not sequence.can_read_ahead
+
+
+def test_the_sequence_drops_an_id_read_ahead_before_any_other_pass_and_keeps_one_the_text_continues():
+    ahead = fake(True)
+    sequence = sequence_for(ahead)
+    sequence.feed([1, 2])
+    first, queued = sequence.feed_argmax_ahead(3)
+    assert not queued and ahead.cache == [1, 2, 3, first] and sequence.tokens == [1, 2, 3]
+    second, queued = sequence.feed_argmax_ahead(first)  # the pass was queued by the call before
+    assert queued and sequence.tokens == [1, 2, 3, first] and ahead.cache == [1, 2, 3, first, second]
+    sequence.rewind(4)  # keeping every token keeps the id read ahead
+    assert sequence.reading_ahead
+    assert sequence.rewind_to_prefix_of([1, 2, 3, first, second, 9]) == 5  # the text goes on with it
+    assert sequence.tokens == [1, 2, 3, first, second] and not sequence.reading_ahead
+    third, _ = sequence.feed_argmax_ahead(7)
+    sequence.feed([5, 6], [1])  # another pass: the id read ahead leaves the cache first
+    assert ahead.cache == [1, 2, 3, first, second, 7, 5, 6] and sequence.tokens == ahead.cache
+    sequence.feed_argmax_ahead(4)
+    sequence.rewind(3)
+    assert ahead.cache == sequence.tokens == [1, 2, 3]
+    sequence.feed_argmax_ahead(4)
+    assert sequence.rewind_to_prefix_of([1, 2, 3, 4, 99], limit=4) == 4  # the limit leaves it out
+    sequence.feed([8])
+    assert ahead.cache == sequence.tokens == [1, 2, 3, 4, 8]
+
+
+def test_a_pass_failing_while_reading_ahead_leaves_the_sequence_in_step():
+    ahead = fake(True)
+    sequence = sequence_for(ahead)
+    sequence.feed([1, 2])
+    first, _ = sequence.feed_argmax_ahead(3)
+    real_forward = ahead.forward
+
+    def interrupted(tokens, rows):
+        real_forward(tokens, rows)
+        raise KeyboardInterrupt
+
+    ahead.forward = interrupted
+    with pytest.raises(KeyboardInterrupt):
+        sequence.feed_argmax_ahead(first)
+    ahead.forward = real_forward
+    assert ahead.cache == sequence.tokens and not sequence.reading_ahead
+    sequence.feed([5], [0])  # in step: no "two sequences" error
+    assert ahead.cache == sequence.tokens
+
+
+def test_auto_reads_ahead_within_the_gate_s_plain_stretch_only_and_stays_lossless():
+    """A draft that never agrees: started off by the gate for 12 steps (and off again after each
+    retry), each plain stretch reads ahead except on its last step: the next one drafts, and no
+    queued pass is thrown away. No queued pass is timed as a plain pass's cost."""
+    plain = fake(False)
+    expected = SpeculativeEngine(plain).run([1, 2, 3], GenerationParams(60, 0))
+    target, draft = fake(True), fake(False, salt=2)
+    engine = SpeculativeEngine(target, build_drafter("draft", draft, DrafterOptions()), method="auto")
+    engine.policy.start_gate_off(12)
+    observed = []
+    real_observe = engine.policy.target_costs.observe
+
+    def watch(n_tokens, seconds):
+        observed.append(n_tokens)
+        real_observe(n_tokens, seconds)
+
+    engine.policy.target_costs.observe = watch
+    result = engine.run([1, 2, 3], GenerationParams(60, 4, adaptive=True))
+    assert list(result.token_ids) == list(expected.token_ids)
+    assert target.ahead_passes >= 11 and target.ahead_dropped == 0
+    assert result.stats.by_source["none"].steps >= 12 and result.stats.by_source["draft"].steps >= 1
+    plain_steps = result.stats.by_source["none"].steps
+    assert observed.count(1) <= plain_steps - target.ahead_passes  # queued passes are not timed
+
+
+def test_a_fixed_draft_length_never_reads_ahead():
+    target, draft = fake(True), fake(False, salt=2)
+    engine = SpeculativeEngine(target, build_drafter("draft", draft, DrafterOptions()), method="draft")
+    result = engine.run([1, 2, 3], GenerationParams(30, 3))
+    expected = SpeculativeEngine(fake(False)).run([1, 2, 3], GenerationParams(30, 0))
+    assert list(result.token_ids) == list(expected.token_ids) and target.ahead_passes == 0
+
+
+def test_stream_finishes_with_the_cache_whole_after_reading_ahead():
+    ahead = fake(True, eos=True)
+    events = list(SpeculativeEngine(ahead).stream([1, 2, 3], GenerationParams(25, 0)))
+    finished = events[-1]
+    assert isinstance(finished, Finished)
+    assert ahead.cache == [1, 2, 3, *finished.result.token_ids]
+
+
+def test_steps_the_idle_lookup_skips_read_ahead_and_none_is_thrown_away():
+    """Prompt lookup on a text that never repeats itself: after its empty asks it is asked every
+    few steps (IdleBackoff), and the steps in between read ahead; a queued pass is never dropped,
+    because the step before an ask queues none."""
+    size = 200
+    table = hashed_logits(size, salt=4, spread=3.0)
+    plain = FakeBackend(table, size)
+    prompt = list(range(0, 120, 7))
+    expected = SpeculativeEngine(plain).run(prompt, GenerationParams(80, 0))
+    target = FakeBackend(table, size, reads_ahead=True)
+    engine = SpeculativeEngine(target, build_drafter("lookup", None, DrafterOptions()), method="lookup")
+    result = engine.run(prompt, GenerationParams(80, 8, adaptive=True))
+    assert list(result.token_ids) == list(expected.token_ids)
+    assert target.ahead_passes >= 20 and target.ahead_dropped == 0
