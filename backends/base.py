@@ -225,6 +225,10 @@ class Backend(Protocol):
     holds, every pass records the hidden state of each row it fed, the output head's input
     (after the final norm), and ``hidden_rows`` reads them back until the next pass. Off by
     default, and a pass with it off costs what it always did.
+
+    Reading ahead (optional: ``reads_ahead`` true, else absent or false; MLX's): a plain greedy
+    step's ``forward_argmax_ahead`` queues the next step's pass on its own argmax before the host
+    reads it (``KVSequence.feed_argmax_ahead`` keeps the cache's account).
     """
 
     name: str

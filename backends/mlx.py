@@ -625,24 +625,27 @@ class MlxBackend(HiddenTracking):
             row, current = self._ahead
         else:
             self._check_room(1)
-            row, current = self._ahead_pass(mx.array([int(token)]))
-            self._tokens.append(int(token))
+            row, current = self._ahead_pass(mx.array([int(token)]), int(token))
         self._ahead = None
         fed = ahead and self.n_past + 1 < self.n_ctx  # room for the id and the token after it
-        queued = self._ahead_pass(current) if fed else None
+        # The queued pass's cache slot is counted (its id unknown: -1) before the host waits, so a
+        # Ctrl-C in that wait leaves n_past equal to what every layer holds, for the rewind after.
+        queued = self._ahead_pass(current, -1) if fed else None
         self._last_picked = row
         value = int(current.item())  # the host waits for this pass only; the queued one runs on
         if fed:
-            self._tokens.append(value)
+            self._tokens[-1] = value
             self._ahead = queued
         return value, fed
 
-    def _ahead_pass(self, token):
-        """One token (a (1,) array, perhaps still lazy) fed: its row (1, V) and argmax (1,), queued."""
+    def _ahead_pass(self, token, host_id: int):
+        """One token (a (1,) array, perhaps still lazy; ``host_id`` as the token list records it)
+        fed: its row (1, V) and argmax (1,), queued."""
         if self.needs_checkpoints:
             self._checkpoint()
         with MODEL_CALLS:
             logits = self.model(token[None], cache=self._cache)  # (1, 1, V)
+        self._tokens.append(host_id)  # every layer's cache moved on as the pass was built
         row = self._fit_vocab(logits[0, -1:])
         current = self._mx.argmax(row, axis=-1)
         self._mx.async_eval(current, self._cache_state())
@@ -1027,6 +1030,7 @@ class MlxBackend(HiddenTracking):
 
     def close(self) -> None:
         self._deferred = None
+        self._ahead = None
         self._cache = []
         self._checkpoints.clear()
         self._tokens.clear()

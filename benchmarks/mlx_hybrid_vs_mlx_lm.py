@@ -9,6 +9,9 @@ each method), generation time only (from the first new token to the last, prefil
     .venv/bin/python benchmarks/mlx_hybrid_vs_mlx_lm.py --target FOLDER --methods none,lookup -n 64 \
         --prompts ../shared/data/spec_bench/question.jsonl --per-category 2
 
+A method named ``NAME:sync`` runs NAME with plain steps that do not read ahead (each step's pass
+queued only once the host has its id), beside NAME in the same interleaved run.
+
 ``--target``: an MLX folder (the tests' Qwen3.5 folder: tests/hybrid_models.write_qwen35_mlx_folder,
 written by ``--make DIR``). ``--prompts``: a Spec-Bench-style JSONL file instead of the built-in suite.
 """
@@ -77,9 +80,16 @@ def main() -> None:
         if not plain_rate:  # ended at once (an end-of-text first): nothing to time
             continue
         for method in methods:
-            drafter = build_drafter(method, None, DrafterOptions(heads=heads if needs_heads(method) else None))
-            engine.set_drafter(drafter, method)
-            result = engine.run(ids, GenerationParams(args.n, 16 if drafter else 0, adaptive=drafter is not None))
+            name, _, variant = method.partition(":")
+            drafter = build_drafter(name, None, DrafterOptions(heads=heads if needs_heads(name) else None))
+            engine.set_drafter(drafter, name)
+            reads_ahead = MlxBackend.reads_ahead
+            if variant == "sync":
+                MlxBackend.reads_ahead = property(lambda self: False)
+            try:
+                result = engine.run(ids, GenerationParams(args.n, 16 if drafter else 0, adaptive=drafter is not None))
+            finally:
+                MlxBackend.reads_ahead = reads_ahead
             if drafter is not None:
                 drafter.close()
             rate = max(len(result.token_ids) - 1, 0) / result.stats.generation_seconds

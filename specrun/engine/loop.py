@@ -112,15 +112,21 @@ class StepClock:
     bookkeeping after ``passed`` (the controllers, the gate) is in neither.
     """
 
-    __slots__ = ("clock", "started", "step_started", "verify_started", "passed_at")
+    __slots__ = ("clock", "started", "step_started", "verify_started", "passed_at", "yielded_at")
 
     def __init__(self, clock: Callable[[], float]) -> None:
         self.clock = clock
         self.started = clock()
-        self.step_started = self.verify_started = self.passed_at = self.started
+        self.step_started = self.verify_started = self.passed_at = self.yielded_at = self.started
 
     def start_step(self) -> None:
         self.step_started = self.clock()
+
+    def yielding(self) -> float:
+        """The step's tokens go to the caller (its time until the next step starts is the caller's):
+        the seconds since generation started."""
+        self.yielded_at = self.clock()
+        return self.yielded_at - self.started
 
     def verifying(self) -> None:
         self.verify_started = self.clock()
@@ -281,7 +287,7 @@ class SpeculativeEngine:
                     self.grammar_blocked = not constrained.advance(step.tokens)
                 if ties is not None:
                     stats.near_ties += ties.in_prefill(prompt_logits)
-                stats.generation_seconds = clock.elapsed()
+                stats.generation_seconds = clock.yielding()
                 yield step
             while (not hit_eos and not self.grammar_blocked
                    and (produced := len(context) - len(prompt)) < params.max_new_tokens and len(context) < n_ctx):
@@ -322,7 +328,10 @@ class SpeculativeEngine:
                     stats.near_ties += ties.in_pass(proposal, verdict, len(context) - context_len,
                                                     self.passes.last_rows)
                 if measured and proposal.source != GRAMMAR_SOURCE:
-                    policy.observe(StepReport(plan, proposal, tuple(verdict.path), clock.step_started,
+                    # a queued pass ran while the caller had the last step's tokens: the step is
+                    # timed from then, as plain decoding's whole cycle
+                    started = clock.yielded_at if queued else clock.step_started
+                    policy.observe(StepReport(plan, proposal, tuple(verdict.path), started,
                                               clock.draft_seconds, clock.verify_seconds, context, context_len,
                                               queued))
                 emitted = tuple(context[context_len:])
@@ -330,7 +339,7 @@ class SpeculativeEngine:
                     self.passes.last_rows, [0, *(1 + node for node in verdict.path)], emitted, params.logprobs)
                 step = Step(emitted, len(proposal), verdict.n_accepted, clock.draft_seconds, clock.verify_seconds,
                             proposal.source, logprobs)
-                stats.generation_seconds = clock.elapsed()
+                stats.generation_seconds = clock.yielding()
                 yield step
         finally:
             # Rewind is explicit, also on interruption: the cache never holds rejected drafts.

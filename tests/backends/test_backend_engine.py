@@ -656,6 +656,43 @@ def test_mlx_plain_decoding_reads_ahead_with_the_ids_and_cache_of_one_pass_a_ste
     stepwise.close()
 
 
+@pytest.mark.parametrize("arch", ["llama", "sliding", "mamba"])
+@pytest.mark.parametrize("at", ["fed", "queued"])
+def test_mlx_an_interrupt_while_reading_ahead_leaves_the_cache_as_its_tokens_say(tiny_llama, uncuttable_models,
+                                                                                   arch, at, monkeypatch):
+    """Ctrl-C lands while the host waits for a step's id, after the next pass was built (every
+    layer's cache moved on): the rewind that follows must take back what every layer holds."""
+    source = tiny_llama.hf_dir if arch == "llama" else uncuttable_models[arch]
+    ahead, stepwise = open_model("mlx", source), open_model("mlx", source)
+    ids = ahead.tokenize(PROMPTS[2] * 2)
+    sequence = sequence_for(ahead)
+    sequence.feed(ids[:-1])
+    stepwise.forward(ids[:-1], [])
+    first, _ = sequence.feed_argmax_ahead(ids[-1])
+    passes = []
+    real = type(ahead)._ahead_pass
+
+    def interrupted(self, token, host_id):
+        result = real(self, token, host_id)
+        passes.append(host_id)
+        if (at == "fed") == (host_id != -1):
+            raise KeyboardInterrupt  # after the pass was built, before the host has its id
+        return result
+
+    monkeypatch.setattr(type(ahead), "_ahead_pass", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        sequence.feed_argmax_ahead(first if at == "queued" else (first + 1) % ahead.vocab.size)
+    monkeypatch.undo()
+    assert ahead.n_past == len(sequence.tokens) and not sequence.reading_ahead
+    offsets = {layer.offset for layer in ahead._cache if hasattr(layer, "offset")}
+    assert offsets <= {ahead.n_past} or arch == "sliding"  # a rotating layer's offset counts on past its window
+    stepwise.forward([ids[-1]], [])
+    assert ahead.n_past == stepwise.n_past
+    np.testing.assert_array_equal(sequence.feed([4, 5], [1]), stepwise.forward([4, 5], [1]))
+    ahead.close()
+    stepwise.close()
+
+
 def test_mlx_forward_greedy_reads_a_drafters_two_pending_tokens_with_its_first_pass(tiny_llama):
     """After a full accept a draft model reads its last draft and the bonus token: both go in
     with the first greedy pass (one pass fewer than feeding them apart), ids and cache unchanged."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from fake_models import hashed_logits
+from fake_models import hashed_logits, hidden_table
 from specrun.backends.fake import FakeBackend
 from specrun.backends.kv import sequence_for
 from specrun.drafters.methods import DrafterOptions, build_drafter
@@ -99,14 +99,17 @@ def test_sampling_and_logprobs_step_plainly_without_reading_ahead():
 
 
 def test_hidden_states_kept_for_a_drafter_stop_reading_ahead():
-    ahead = fake(True)
+    ahead = FakeBackend(hashed_logits(VOCAB, salt=1), VOCAB, hidden_table=hidden_table(VOCAB), hidden_size=8,
+                        reads_ahead=True)
     sequence = sequence_for(ahead)
     assert sequence.can_read_ahead
     sequence.feed([1, 2])
     token, queued = sequence.feed_argmax_ahead(3)
     assert not queued and sequence.reading_ahead and ahead.n_past == 4
-    ahead._tracking = True  # what track_hidden leaves on a backend whose passes keep states
-    assert not sequence.can_read_ahead
+    sequence.track_hidden(True)  # a head drafter binds: every position's state is kept from now on
+    assert not sequence.can_read_ahead and not sequence.reading_ahead and ahead.cache == sequence.tokens == [1, 2, 3]
+    sequence.feed([token], [0])
+    assert sequence.hidden(3, 4) is not None
 
 
 def test_the_sequence_drops_an_id_read_ahead_before_any_other_pass_and_keeps_one_the_text_continues():
