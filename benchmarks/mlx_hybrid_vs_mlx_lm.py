@@ -70,7 +70,9 @@ def main() -> None:
     backend = MlxBackend(target)
     methods = args.methods.split(",")
     heads = read_heads(target, None) if any(needs_heads(m) for m in methods) else None
-    engine = SpeculativeEngine(backend, None)
+    # an engine a method: what a method's policy learns on one prompt carries to its next, never
+    # to another line's (one engine for all let each line learn from the line before it: +3-4%)
+    engines = {method: SpeculativeEngine(backend, None) for method in methods}
     ratios: dict[str, list[float]] = {method: [] for method in methods}
     same: dict[str, int] = dict.fromkeys(methods, 0)
     prompts = select(load_jsonl(args.prompts) if args.prompts else BUILTIN_SUITE, per_category=args.per_category)
@@ -82,6 +84,7 @@ def main() -> None:
         for method in methods:
             name, _, variant = method.partition(":")
             drafter = build_drafter(name, None, DrafterOptions(heads=heads if needs_heads(name) else None))
+            engine = engines[method]
             engine.set_drafter(drafter, name)
             reads_ahead = MlxBackend.reads_ahead
             if variant == "sync":
