@@ -326,8 +326,7 @@ class AdaptivePolicy:
             return False
         if self.adaptive and self.gate.plain_steps_left() > 1:
             return True
-        return (self._idle is not None and self._idle.waiting
-                and all(controller.may_pass() for controller in self._paid_controllers()))
+        return self._idle is not None and self._idle.waiting and self._paid_all_may_pass()
 
     def budget(self, drafter: Drafter, draft_len: int) -> int:
         """A paid drafter's length, chosen just before it drafts (its controller's probes count
@@ -512,12 +511,15 @@ class AdaptivePolicy:
     def _paid_may_pass(self) -> bool:
         """May the drafters go unasked on this step, as far as the draft models are concerned
         (not while one is on or due for a probe)? If so, the step counts towards their probes."""
-        controllers = self._paid_controllers()
-        if not all(controller.may_pass() for controller in controllers):
+        if not self._paid_all_may_pass():
             return False
-        for controller in controllers:
+        for controller in self._paid_controllers():
             controller.pass_step()
         return True
+
+    def _paid_all_may_pass(self) -> bool:
+        """Would every draft model's controller let its drafter go unasked on this step?"""
+        return all(controller.may_pass() for controller in self._paid_controllers())
 
     def _paid_controllers(self) -> list[DraftLengthController]:
         return [self._controller_for(source, fixed=not self.adaptive) for source in self.paid]
