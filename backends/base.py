@@ -228,7 +228,8 @@ class Backend(Protocol):
 
     Reading ahead (optional: ``reads_ahead`` true, else absent or false; MLX's): a plain greedy
     step's ``forward_argmax_ahead`` queues the next step's pass on its own argmax before the host
-    reads it (``KVSequence.feed_argmax_ahead`` keeps the cache's account).
+    reads it (``KVSequence.feed_argmax_ahead`` keeps the cache's account); while tracking,
+    ``hidden_rows`` after it reads the state of the token it fed.
     """
 
     name: str

@@ -48,6 +48,7 @@ class FakeBackend(ArgmaxFromLogits, HiddenTracking):
         self.table = table
         self._reads_ahead = reads_ahead
         self._ahead: int | None = None  # the argmax after the id read ahead (forward_argmax_ahead)
+        self._ahead_hidden: np.ndarray | None = None  # that pass's hidden state, while tracking
         self.ahead_passes = 0  # the passes queued by a step for the next
         self.ahead_dropped = 0  # of them, those a pass or rewind threw away unused
         self.hidden_table = hidden_table
@@ -89,22 +90,25 @@ class FakeBackend(ArgmaxFromLogits, HiddenTracking):
 
     @property
     def reads_ahead(self) -> bool:
-        return self._reads_ahead and not self._tracking
+        return self._reads_ahead
 
     def forward_argmax_ahead(self, token: int | None, ahead: bool = True) -> tuple[int, bool]:
-        """MlxBackend.forward_argmax_ahead's contract, each pass run at once."""
+        """MlxBackend.forward_argmax_ahead's contract, each pass run at once (``hidden_rows``: the
+        state of the token fed, while tracking)."""
         if token is None:
             if self._ahead is None:
                 raise ValueError("no id was read ahead to continue from")
-            value = self._ahead
+            value, hidden = self._ahead, self._ahead_hidden
         else:
             value = int(self.forward_argmax([token], [0])[0])
-        self._ahead = None
+            hidden = self._hidden
+        self._ahead = self._ahead_hidden = None
         fed = ahead and self.n_past + 1 < self.n_ctx
         if fed:
             after = int(self.forward_argmax([value], [0])[0])
-            self._ahead = after
+            self._ahead, self._ahead_hidden = after, self._hidden
             self.ahead_passes += 1
+        self._hidden = hidden
         return value, fed
 
     def forward(self, tokens: Sequence[int], logit_rows: Sequence[int]) -> np.ndarray:

@@ -104,7 +104,7 @@ class KVSequence:
     @property
     def can_read_ahead(self) -> bool:
         """Can plain greedy steps read one token ahead here (``feed_argmax_ahead``)?"""
-        return not self._tracking and getattr(self.backend, "reads_ahead", False)
+        return getattr(self.backend, "reads_ahead", False)
 
     @property
     def reading_ahead(self) -> bool:
@@ -115,7 +115,8 @@ class KVSequence:
         """Append ``token`` and return the argmax after it, as ``feed_argmax([token], [0])`` does,
         and whether its pass had been queued by the call before. With ``ahead`` the id is fed
         too, beyond ``tokens``, and the pass after it queued (the backend's
-        ``forward_argmax_ahead``), for a next call with that id. Needs ``can_read_ahead``."""
+        ``forward_argmax_ahead``), for a next call with that id. Needs ``can_read_ahead``. While
+        tracking, the token's hidden state is kept as ``feed_argmax``'s would be."""
         token = int(token)
         queued = self._ahead is not None and self._ahead == token
         try:
@@ -127,6 +128,8 @@ class KVSequence:
                 self._check_in_step()
                 value, fed = self.backend.forward_argmax_ahead(token, ahead)
             self.tokens.append(token)
+            if self._tracking:  # the queued pass kept the state of the token it fed
+                self._hidden.put(len(self.tokens) - 1, self.backend.hidden_rows(range(1)))
         except BaseException:
             self.repair()
             raise
@@ -323,7 +326,7 @@ class KVSequence:
         drafters' before each run (sessions/compare.track_as_drafted)."""
         layers = tuple(layers)
         support = self.backend.hidden_support
-        self._drop_ahead()  # tracked passes keep every position's state: none is left unread ahead
+        self._drop_ahead()  # a queued pass was built tracked or not: none crosses the change
         if on and not support.available:
             raise ValueError(f"{self.backend.name} gives no hidden states: {support.reason}")
         if on and layers:

@@ -505,7 +505,8 @@ class MlxBackend(HiddenTracking):
 
     def _new_cache(self) -> None:
         self._deferred = None
-        self._ahead = None  # forward_argmax_ahead's queued (row (1, V), argmax (1,)) after the last id fed
+        # forward_argmax_ahead's queued pass after the last id fed: row (1, V), argmax (1,), hidden (1, H) or None
+        self._ahead = None
         self._cache = self._lm_cache.make_prompt_cache(self.model)
         self._needs_checkpoints = any(type(layer).__name__ not in ALWAYS_TRIMMABLE for layer in self._cache)
         self._checkpoints: deque[Checkpoint] = deque(maxlen=MAX_CHECKPOINTS)
@@ -607,8 +608,8 @@ class MlxBackend(HiddenTracking):
 
     @property
     def reads_ahead(self) -> bool:
-        """Whether ``forward_argmax_ahead`` works here (not while passes keep hidden states)."""
-        return self._pass_hidden is None and not self._tracking
+        """Whether ``forward_argmax_ahead`` works here (tracked or not; not inside another pass)."""
+        return self._pass_hidden is None
 
     def forward_argmax_ahead(self, token: int | None, ahead: bool = True) -> tuple[int, bool]:
         """A plain greedy step that reads one token ahead, as mlx-lm's own loop does: feed ``token``
@@ -617,15 +618,17 @@ class MlxBackend(HiddenTracking):
         fed too (``ahead``, where the context has room), with the argmax after it queued on the
         device: the next call's pass then runs while the host handles this id (plain decoding ran
         0.94x mlx-lm's without it). ``n_past`` counts a fed id; any other pass or rewind drops the
-        queued argmax."""
+        queued argmax. While tracking, the hidden state of the token fed (``hidden_rows``) is
+        queued with each pass and read with its id, so a head drafter's plain steps read ahead too."""
         mx = self._mx
+        self._hidden = None
         if token is None:
             if self._ahead is None:
                 raise ValueError("no id was read ahead to continue from")
-            row, current = self._ahead
+            row, current, hidden = self._ahead
         else:
             self._check_room(1)
-            row, current = self._ahead_pass(mx.array([int(token)]), int(token))
+            row, current, hidden = self._ahead_pass(mx.array([int(token)]), int(token))
         self._ahead = None
         fed = ahead and self.n_past + 1 < self.n_ctx  # room for the id and the token after it
         # The queued pass's cache slot is counted (its id unknown: -1) before the host waits, so a
@@ -633,6 +636,8 @@ class MlxBackend(HiddenTracking):
         queued = self._ahead_pass(current, -1) if fed else None
         self._last_picked = row
         value = int(current.item())  # the host waits for this pass only; the queued one runs on
+        if hidden is not None:
+            self._hidden = np.array(hidden.astype(mx.float32))  # (1, H), evaluated with the pass
         if fed:
             self._tokens[-1] = value
             self._ahead = queued
@@ -640,16 +645,21 @@ class MlxBackend(HiddenTracking):
 
     def _ahead_pass(self, token, host_id: int):
         """One token (a (1,) array, perhaps still lazy; ``host_id`` as the token list records it)
-        fed: its row (1, V) and argmax (1,), queued."""
+        fed: its row (1, V), argmax (1,) and, while tracking, hidden state (1, H) (else None), queued."""
         if self.needs_checkpoints:
             self._checkpoint()
-        with MODEL_CALLS:
-            logits = self.model(token[None], cache=self._cache)  # (1, 1, V)
+        self._pass_hidden = [] if self._tracking else None
+        try:
+            with MODEL_CALLS:
+                logits = self._run_model(token[None])  # (1, 1, V)
+            hidden = self._pass_hidden[0] if self._pass_hidden else None
+        finally:
+            self._pass_hidden = None
         self._tokens.append(host_id)  # every layer's cache moved on as the pass was built
         row = self._fit_vocab(logits[0, -1:])
         current = self._mx.argmax(row, axis=-1)
-        self._mx.async_eval(current, self._cache_state())
-        return row, current
+        self._mx.async_eval(current, self._cache_state(), *([] if hidden is None else [hidden]))
+        return row, current, hidden
 
     def _greedy_one_by_one(self, tokens: list[int], n_new: int) -> np.ndarray:
         ids = [int(self.forward_argmax(tokens, [len(tokens) - 1])[0])]

@@ -656,6 +656,35 @@ def test_mlx_plain_decoding_reads_ahead_with_the_ids_and_cache_of_one_pass_a_ste
     stepwise.close()
 
 
+@pytest.mark.parametrize("arch", ["llama", "sliding"])  # mlx-lm's mamba gives no hidden states
+@pytest.mark.parametrize("layers", [(), (0, 1)])
+def test_mlx_reading_ahead_while_tracking_keeps_the_states_a_step_at_a_time_keeps(tiny_llama, uncuttable_models,
+                                                                                   arch, layers):
+    """A head drafter's plain steps read ahead too: each queued pass keeps the state of the token
+    it fed (the output head's input, or EAGLE-3's layer outputs), as one tracked pass a step does."""
+    source = tiny_llama.hf_dir if arch == "llama" else uncuttable_models[arch]
+    ahead, stepwise = open_model("mlx", source), open_model("mlx", source)
+    tracked, plain = sequence_for(ahead), sequence_for(stepwise)
+    ids = ahead.tokenize(PROMPTS[1] * 2)  # past the sliding window of 24
+    for sequence in (tracked, plain):
+        sequence.track_hidden(True, layers=layers)
+        sequence.feed(ids[:-1])
+    assert tracked.can_read_ahead
+    token, _ = tracked.feed_argmax_ahead(ids[-1])
+    expected = [int(plain.feed_argmax(ids[-1:], [0])[0])]
+    for _ in range(12):
+        token, queued = tracked.feed_argmax_ahead(token)
+        assert queued
+        expected.append(int(plain.feed_argmax(expected[-1:], [0])[0]))
+    assert tracked.tokens == plain.tokens and token == expected[-1]  # the last id read ahead, not yet in
+    np.testing.assert_allclose(tracked.hidden(0, len(tracked)), plain.hidden(0, len(plain)), rtol=1e-5, atol=1e-5)
+    tracked.rewind(len(ids))  # back past what was read ahead: the cache as one pass a step leaves it
+    plain.rewind(len(ids))
+    np.testing.assert_allclose(tracked.feed([9], [0]), plain.feed([9], [0]), rtol=1e-5, atol=1e-5)
+    ahead.close()
+    stepwise.close()
+
+
 @pytest.mark.parametrize("arch", ["llama", "sliding", "mamba"])
 @pytest.mark.parametrize("at", ["fed", "queued"])
 def test_mlx_an_interrupt_while_reading_ahead_leaves_the_cache_as_its_tokens_say(tiny_llama, uncuttable_models,

@@ -98,18 +98,32 @@ def test_sampling_and_logprobs_step_plainly_without_reading_ahead():
     assert ahead.ahead_passes > 0
 
 
-def test_hidden_states_kept_for_a_drafter_stop_reading_ahead():
-    ahead = FakeBackend(hashed_logits(VOCAB, salt=1), VOCAB, hidden_table=hidden_table(VOCAB), hidden_size=8,
-                        reads_ahead=True)
-    sequence = sequence_for(ahead)
-    assert sequence.can_read_ahead
-    sequence.feed([1, 2])
-    token, queued = sequence.feed_argmax_ahead(3)
-    assert not queued and sequence.reading_ahead and ahead.n_past == 4
-    sequence.track_hidden(True)  # a head drafter binds: every position's state is kept from now on
-    assert not sequence.can_read_ahead and not sequence.reading_ahead and ahead.cache == sequence.tokens == [1, 2, 3]
-    sequence.feed([token], [0])
-    assert sequence.hidden(3, 4) is not None
+def test_a_sequence_keeping_hidden_states_reads_ahead_with_every_state_a_plain_feed_keeps():
+    """A head drafter keeps the state of every position: steps read ahead keep the same ones
+    (the queued pass's, read with its id); turning tracking on or off drops an id read ahead."""
+    def backend() -> FakeBackend:
+        return FakeBackend(hashed_logits(VOCAB, salt=1), VOCAB, hidden_table=hidden_table(VOCAB), hidden_size=8,
+                           reads_ahead=True)
+
+    ahead, plain = backend(), backend()
+    tracked, stepwise = sequence_for(ahead), sequence_for(plain)
+    for sequence in (tracked, stepwise):
+        sequence.track_hidden(True)
+        sequence.feed([1, 2])
+    assert tracked.can_read_ahead
+    token, queued = tracked.feed_argmax_ahead(3)
+    assert not queued and tracked.reading_ahead and ahead.n_past == 4
+    expected = [3]
+    for _ in range(6):
+        expected.append(int(stepwise.feed_argmax(expected[-1:], [0])[0]))
+    for _ in range(5):
+        token, queued = tracked.feed_argmax_ahead(token)
+        assert queued
+    assert tracked.tokens == stepwise.tokens == [1, 2, *expected[:-1]] and token == expected[-1]
+    np.testing.assert_array_equal(tracked.hidden(0, len(tracked)), stepwise.hidden(0, len(stepwise)))
+    assert ahead.ahead_passes == 6 and ahead.ahead_dropped == 0
+    tracked.track_hidden(False)  # a queued pass was built tracked: it does not outlive the change
+    assert not tracked.reading_ahead and ahead.cache == tracked.tokens and ahead.ahead_dropped == 1
 
 
 def test_the_sequence_drops_an_id_read_ahead_before_any_other_pass_and_keeps_one_the_text_continues():
@@ -211,3 +225,35 @@ def test_steps_the_idle_lookup_skips_read_ahead_and_none_is_thrown_away():
     result = engine.run(prompt, GenerationParams(80, 8, adaptive=True))
     assert list(result.token_ids) == list(expected.token_ids)
     assert target.ahead_passes >= 20 and target.ahead_dropped == 0
+
+
+def test_a_head_drafter_s_plain_stretch_reads_ahead_and_its_retry_drafts_from_every_state():
+    """Heads read the target's states: while the gate keeps them off, the plain steps read ahead
+    with each state kept, so the retry drafts from the state just before it, and the output
+    stays plain decoding's."""
+    from fake_models import COPYING_VOCAB, copying_logits
+    from heads_factory import oracle_heads, oracle_hidden
+
+    table, hidden = copying_logits(salt=4), oracle_hidden(copying_logits(salt=4), COPYING_VOCAB)
+    prompt = [1, 2, 3, 4, 5, 6, 1, 2, 3]
+    expected = SpeculativeEngine(FakeBackend(table, COPYING_VOCAB)).run(prompt, GenerationParams(40, 0))
+    target = FakeBackend(table, COPYING_VOCAB, hidden_table=hidden, hidden_size=5 * COPYING_VOCAB, reads_ahead=True)
+    drafter = build_drafter("medusa", None, DrafterOptions(heads=oracle_heads(COPYING_VOCAB)))
+    asked = []  # at each ask: the state the heads read, and the target's own there
+    propose = drafter.propose
+
+    def watched(context, draft_len, *args):
+        if draft_len:
+            asked.append((drafter.target.hidden(len(context) - 2, len(context) - 1), hidden(tuple(context[:-1]))))
+        return propose(context, draft_len, *args)
+
+    drafter.propose = watched
+    engine = SpeculativeEngine(target, drafter, method="auto")
+    engine.policy.start_gate_off(12)
+    result = engine.run(prompt, GenerationParams(40, 4, adaptive=True))
+    assert list(result.token_ids) == list(expected.token_ids)
+    assert target.ahead_passes >= 10 and target.ahead_dropped == 0
+    assert result.stats.by_source["none"].steps >= 12 and result.stats.by_source["medusa"].drafted > 0
+    assert asked and all(state is not None and np.allclose(state[0], own) for state, own in asked)
+    sequence = sequence_for(target)
+    assert sequence.hidden(0, len(sequence)) is not None  # no position's state went unkept
