@@ -147,12 +147,12 @@ def run_tune(target, draft, n_prompts, max_tokens, load, window_context: int | N
 def with_window(result, target, draft, context: int, max_tokens: int, err, sinks: int | None = None):
     """``result`` with the windowed cache the draft drafts fastest with after ``context`` tokens
     (sessions/window_tuning.py), at most the context less ``max_tokens``, keeping ``sinks`` first
-    tokens (None: StreamingLLM's 4)."""
+    tokens (None: StreamingLLM's 4, then the other counts of SINK_CANDIDATES at the window kept)."""
     import dataclasses
 
     from specrun.backends.window import SINKS
     from specrun.errors import UsageError
-    from specrun.sessions.window_tuning import long_prompt, search_window
+    from specrun.sessions.window_tuning import SINK_CANDIDATES, long_prompt, search_window
 
     room = min(target.n_ctx, draft.n_ctx) - max_tokens - 16
     if room < 256 or not hasattr(draft, "open_window"):
@@ -161,11 +161,14 @@ def with_window(result, target, draft, context: int, max_tokens: int, err, sinks
         raise UsageError(f"--window-search times windowed caches after a long prompt, and {why}",
                          "pass --ctx 8192 (or more), or drop --window-search")
     prompt = long_prompt(target, min(context, room))
+    searched = [count for count in SINK_CANDIDATES if count != SINKS] if sinks is None else []
     err.print(f"window search: {len(prompt):,} tokens of prompt; full cache, windows 128-1024, "
               f"{SINKS if sinks is None else sinks} sinks", highlight=False)
+    if searched:
+        err.print(f"window search: then {' and '.join(map(str, searched))} sinks at the window kept", highlight=False)
     choice = search_window(target, draft, prompt, max_tokens, result.best_draft_len or 4,
-                           sinks=SINKS if sinks is None else sinks,
-                           on_progress=lambda done, total: err.print(f"window search: round {done}/{total}"))
+                           sinks=SINKS if sinks is None else sinks, sink_candidates=SINK_CANDIDATES if searched else (),
+                           on_progress=lambda stage, done, total: err.print(f"{stage} search: round {done}/{total}"))
     rates = ", ".join(f"{name} {rate:.1f}" for name, rate in choice.rates.items())
     err.print(f"window search (tok/s after {choice.context:,} tokens): {rates}", highlight=False)
     return dataclasses.replace(result, window=choice.window, window_sinks=choice.sinks if choice.window else 0,

@@ -5,16 +5,19 @@ and a recent window, so its cost stops growing with the context; docs/perf.md 3(
 The target reads a long prompt once (Python's own ``argparse.py``, which every interpreter ships,
 cut to ``context`` tokens); then the draft model with its full cache and with each window of
 CANDIDATES smaller than the prompt continues it greedily, the lines interleaved for ``rounds``
-rounds, each at the tuned draft length. The window whose median tokens/s is highest is kept in the
-pair's tune entry (0: the full cache won), and later runs that leave --window out draft with it
-(sessions/setup.tuned_window); --window sets another.
+rounds, each at the tuned draft length. Where a window wins and the sinks were not given, the
+kept window is timed again beside SINK_CANDIDATES' other sink counts (StreamingLLM's 4 are a
+guess for a model it never saw: how many first tokens a model's attention leans on is the
+model's), the lines interleaved as before. What wins is kept in the pair's tune entry (0: the
+full cache won), and later runs that leave --window out draft with it (sessions/setup.tuned_window);
+--window sets another.
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -24,30 +27,30 @@ from specrun.drafters.methods import build_drafter
 from specrun.engine.loop import GenerationParams, SpeculativeEngine
 
 CANDIDATES = (128, 256, 512, 1024)
+SINK_CANDIDATES = (4, 16, 64)
 DEFAULT_CONTEXT = 4096
 FULL = "full cache"
+Progress = Callable[[str, int, int], None]  # (what is timed: "window" or "sinks", rounds done, rounds)
 
 
 @dataclass(frozen=True)
 class WindowChoice:
-    """The window a search kept (0: the full cache), its sinks, the context it was timed at, and
-    each line's median tokens/s ("full cache", "window 256", …)."""
+    """The window a search kept (0: the full cache), its sinks, the context it was timed at, each
+    line's median tokens/s ("full cache", "window 256", then "window 256, 16 sinks", …), and the
+    kept line's speed over the full cache's (a sinks stage's ratio to its window's first line,
+    times that line's to the full cache's)."""
 
     window: int
     sinks: int
     context: int
     rates: dict[str, float] = field(default_factory=dict)
-
-    @property
-    def speedup(self) -> float:
-        """The kept line's tokens/s over the full cache's."""
-        full = self.rates.get(FULL, 0.0)
-        kept = self.rates.get(label(self.window), 0.0)
-        return kept / full if full > 0 else 1.0
+    speedup: float = 1.0
 
 
-def label(window: int) -> str:
-    return FULL if window == 0 else f"window {window}"
+def label(window: int, sinks: int | None = None) -> str:
+    if window == 0:
+        return FULL
+    return f"window {window}" if sinks is None else f"window {window}, {sinks} sinks"
 
 
 def long_prompt(target: Backend, context: int) -> list[int]:
@@ -60,30 +63,51 @@ def long_prompt(target: Backend, context: int) -> list[int]:
 
 
 def search_window(target: Backend, draft: Backend, prompt: list[int], max_new_tokens: int, draft_len: int,
-                  rounds: int = 2, sinks: int = SINKS,
-                  on_progress: Callable[[int, int], None] | None = None) -> WindowChoice:
+                  rounds: int = 2, sinks: int = SINKS, sink_candidates: Sequence[int] = (),
+                  on_progress: Progress | None = None) -> WindowChoice:
     """The draft model ``draft`` with its full cache and with each window of CANDIDATES that is
-    smaller than ``prompt``, timed continuing it (module docstring)."""
-    windows = [window for window in CANDIDATES if sinks + window + block_for(window) < len(prompt)]
-    views: dict[str, Backend] = {FULL: draft}
+    smaller than ``prompt`` at ``sinks`` sinks, timed continuing it; then, where a window won,
+    that window with each other count of ``sink_candidates`` (module docstring)."""
+    fits = [window for window in CANDIDATES if sinks + window + block_for(window) < len(prompt)]
+    params = GenerationParams(max_new_tokens, max(draft_len, 1), stop_at_eos=False)
+    lines = {FULL: None, **{label(window): (sinks, window) for window in fits}}
+    def report(stage: str) -> Callable[[int], None]:
+        return lambda done: on_progress(stage, done, rounds) if on_progress is not None else None
+
+    rates = _timed(target, draft, prompt, params, lines, rounds, report("window"))
+    best = max(rates, key=rates.get)
+    window = 0 if best == FULL else lines[best][1]
+    speedup = rates[best] / rates[FULL] if rates[FULL] > 0 else 1.0
+    others = [count for count in sink_candidates if count != sinks and count + window + block_for(window) < len(prompt)]
+    if not window or not others:
+        return WindowChoice(window, sinks, len(prompt), rates, speedup)
+    lines = {label(window, count): (count, window) for count in (sinks, *others)}
+    stage = _timed(target, draft, prompt, params, lines, rounds, report("sinks"))
+    kept = max(stage, key=stage.get)
+    first = stage[label(window, sinks)]
+    return WindowChoice(window, lines[kept][0], len(prompt), {**rates, **stage},
+                        speedup * (stage[kept] / first if first > 0 else 1.0))
+
+
+def _timed(target: Backend, draft: Backend, prompt: list[int], params: GenerationParams,
+           lines: dict[str, tuple[int, int] | None], rounds: int, done: Callable[[int], None]) -> dict[str, float]:
+    """Each line's median tokens/s continuing ``prompt``: the draft with its full cache (None) or
+    with a window of (sinks, window), interleaved over ``rounds`` rounds (every other one reversed)."""
+    views: dict[str, Backend] = {}
     try:
-        for window in windows:
-            views[label(window)] = draft.open_window(sinks, window, owns=False)
+        for name, shape in lines.items():
+            views[name] = draft if shape is None else draft.open_window(*shape, owns=False)
         engines = {name: SpeculativeEngine(target, build_drafter("draft", view), method="draft")
                    for name, view in views.items()}
-        params = GenerationParams(max_new_tokens, max(draft_len, 1), stop_at_eos=False)
         rates: dict[str, list[float]] = {name: [] for name in engines}
         for round_number in range(rounds):
             order = list(engines) if round_number % 2 == 0 else list(engines)[::-1]
             for name in order:
                 result = engines[name].run(prompt, params, complete_cache=False)
                 rates[name].append(result.stats.tokens_per_second)
-            if on_progress is not None:
-                on_progress(round_number + 1, rounds)
+            done(round_number + 1)
     finally:
         for name, view in views.items():
-            if name != FULL:
+            if view is not draft:
                 view.close()
-    medians = {name: statistics.median(values) for name, values in rates.items()}
-    best = max(medians, key=medians.get)
-    return WindowChoice(0 if best == FULL else int(best.split()[-1]), sinks, len(prompt), medians)
+    return {name: statistics.median(values) for name, values in rates.items()}

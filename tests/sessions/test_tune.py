@@ -201,12 +201,50 @@ def test_the_window_search_times_every_window_smaller_than_the_prompt_and_keeps_
     target, draft = FakeBackend(hashed_logits(8, salt=1), 8), FakeBackend(hashed_logits(8, salt=2), 8)
     rounds = []
     choice = search_window(target, draft, [1 + i % 7 for i in range(300)], 8, 3,
-                           on_progress=lambda done, total: rounds.append((done, total)))
+                           on_progress=lambda stage, done, total: rounds.append((stage, done, total)))
     assert set(choice.rates) == {FULL, "window 128", "window 256"}  # 4 + 512 + 64 is not under 300
-    assert rounds == [(1, 2), (2, 2)] and choice.context == 300 and choice.sinks == 4
+    assert rounds == [("window", 1, 2), ("window", 2, 2)] and choice.context == 300 and choice.sinks == 4
     best = max(choice.rates, key=choice.rates.get)
     assert choice.window == (0 if best == FULL else int(best.split()[-1]))
     assert choice.speedup == pytest.approx(choice.rates[best] / choice.rates[FULL])
+
+
+def test_the_window_kept_is_timed_again_beside_other_sink_counts_and_the_fastest_kept(monkeypatch):
+    """Where a window wins, its sinks are searched too (SINK_CANDIDATES that fit the prompt, in the
+    same interleaved rounds); the speed-up chains the two stages' ratios. Rates are scripted by
+    what each line's draft reads (its sinks and window)."""
+    from fake_models import hashed_logits
+    from specrun.backends.fake import FakeBackend
+    from specrun.engine.loop import SpeculativeEngine
+    from specrun.sessions import window_tuning
+    from specrun.sessions.window_tuning import FULL, search_window
+
+    speed = {None: 10.0, (4, 128): 12.0, (4, 256): 15.0, (16, 256): 18.0, (64, 256): 14.0}
+    run = SpeculativeEngine.run
+
+    def scripted(engine, prompt, params, **kwargs):
+        result = run(engine, prompt, params, **kwargs)
+        view = engine.drafter.backend  # the draft model, or a windowed view of it
+        shape = (view.sinks, view.window) if hasattr(view, "window") else None
+        result.stats.generation_seconds = result.stats.new_tokens / speed[shape]
+        return result
+
+    monkeypatch.setattr(SpeculativeEngine, "run", scripted)
+    target, draft = FakeBackend(hashed_logits(8, salt=1), 8), FakeBackend(hashed_logits(8, salt=2), 8)
+    stages = []
+    prompt = [1 + i % 7 for i in range(400)]  # 64 sinks + 256 + 32 fit; 4 + 512 + 64 do not
+    choice = search_window(target, draft, prompt, 8, 3, sink_candidates=window_tuning.SINK_CANDIDATES,
+                           on_progress=lambda stage, done, total: stages.append(stage))
+    assert stages == ["window", "window", "sinks", "sinks"]
+    assert (choice.window, choice.sinks) == (256, 16)
+    assert set(choice.rates) == {FULL, "window 128", "window 256", "window 256, 4 sinks", "window 256, 16 sinks",
+                                 "window 256, 64 sinks"}
+    assert choice.speedup == pytest.approx(1.8)  # 15 / 10, then 18 / 15
+    speed[None] = 20.0  # the full cache wins: no sinks to search
+    stages.clear()
+    full_wins = search_window(target, draft, prompt, 8, 3, sink_candidates=window_tuning.SINK_CANDIDATES,
+                              on_progress=lambda stage, done, total: stages.append(stage))
+    assert (full_wins.window, full_wins.speedup, stages) == (0, 1.0, ["window", "window"])
 
 
 def test_a_kept_window_is_what_later_runs_draft_with_unless_they_choose(tmp_path):
@@ -257,6 +295,15 @@ def test_tune_window_search_saves_the_draft_cache_it_timed(config_home, tiny_lla
     (entry,) = json.loads((config_home / "specrun" / "tuned.json").read_text())["pairs"].values()
     assert entry["window_context"] == 488 and entry["window"] in (0, 128, 256) and entry["window_speedup"] > 0
     assert entry["window_sinks"] == (8 if entry["window"] else 0)
+    searched = runner.invoke(app, ["tune", "-t", path, "-d", path, "--prompts", "1", "-n", "8", "--window-search",
+                                   "--window-context", "600"])
+    assert searched.exit_code == 0, searched.output
+    assert ("window search: 488 tokens of prompt; full cache, windows 128-1024, 4 sinks\n"
+            "window search: then 16 and 64 sinks at the window kept") in searched.output
+    (entry,) = json.loads((config_home / "specrun" / "tuned.json").read_text())["pairs"].values()
+    # the sinks are searched where a window won (and said as they are timed)
+    assert ("sinks search: round 2/2" in searched.output) == bool(entry["window"])
+    assert entry["window_sinks"] in ((4, 16, 64) if entry["window"] else (0,))
 
 
 def test_bench_s_draft_lines_read_through_the_window_tune_kept_unless_untuned(tiny_llama, monkeypatch):
