@@ -297,6 +297,13 @@ class KVSequence:
         if (keep == len(self.tokens) and self._ahead is not None and keep < len(context)
                 and context[keep] == self._ahead and (limit is None or keep < limit)):
             self._check_in_step()
+            if self._tracking:  # its queued pass holds its state: read it (the pass after it is not queued)
+                try:
+                    self.backend.forward_argmax_ahead(None, False)
+                    self._hidden.put(keep, self.backend.hidden_rows(range(1)))
+                except BaseException:
+                    self.repair()
+                    raise
             self.tokens.append(self._ahead)  # the text goes on with the id read ahead: it stays
             self._ahead = None
             return keep + 1

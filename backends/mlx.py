@@ -637,7 +637,7 @@ class MlxBackend(HiddenTracking):
         self._last_picked = row
         value = int(current.item())  # the host waits for this pass only; the queued one runs on
         if hidden is not None:
-            self._hidden = np.array(hidden.astype(mx.float32))  # (1, H), evaluated with the pass
+            self._hidden = np.array(hidden)  # (1, H) float32, evaluated with the pass
         if fed:
             self._tokens[-1] = value
             self._ahead = queued
@@ -652,7 +652,9 @@ class MlxBackend(HiddenTracking):
         try:
             with MODEL_CALLS:
                 logits = self._run_model(token[None])  # (1, 1, V)
-            hidden = self._pass_hidden[0] if self._pass_hidden else None
+            # cast here, inside the queued graph: a cast made after the next pass is queued
+            # would wait for that pass too (a device runs its queue in order)
+            hidden = self._pass_hidden[0].astype(self._mx.float32) if self._pass_hidden else None
         finally:
             self._pass_hidden = None
         self._tokens.append(host_id)  # every layer's cache moved on as the pass was built

@@ -678,6 +678,9 @@ def test_mlx_reading_ahead_while_tracking_keeps_the_states_a_step_at_a_time_keep
         expected.append(int(plain.feed_argmax(expected[-1:], [0])[0]))
     assert tracked.tokens == plain.tokens and token == expected[-1]  # the last id read ahead, not yet in
     np.testing.assert_allclose(tracked.hidden(0, len(tracked)), plain.hidden(0, len(plain)), rtol=1e-5, atol=1e-5)
+    plain.feed_argmax([token], [0])  # a text going on with the id read ahead keeps it, its state read
+    assert tracked.rewind_to_prefix_of(plain.tokens) == len(plain) and not tracked.reading_ahead
+    np.testing.assert_allclose(tracked.hidden(0, len(tracked)), plain.hidden(0, len(plain)), rtol=1e-5, atol=1e-5)
     tracked.rewind(len(ids))  # back past what was read ahead: the cache as one pass a step leaves it
     plain.rewind(len(ids))
     np.testing.assert_allclose(tracked.feed([9], [0]), plain.feed([9], [0]), rtol=1e-5, atol=1e-5)

@@ -120,8 +120,15 @@ def test_a_sequence_keeping_hidden_states_reads_ahead_with_every_state_a_plain_f
         token, queued = tracked.feed_argmax_ahead(token)
         assert queued
     assert tracked.tokens == stepwise.tokens == [1, 2, *expected[:-1]] and token == expected[-1]
+    assert tracked.hidden(0, len(tracked)) is not None
     np.testing.assert_array_equal(tracked.hidden(0, len(tracked)), stepwise.hidden(0, len(stepwise)))
     assert ahead.ahead_passes == 6 and ahead.ahead_dropped == 0
+    expected.append(int(stepwise.feed_argmax(expected[-1:], [0])[0]))
+    # a text that goes on with the id read ahead (a chat's next turn) keeps it, with its state
+    assert tracked.rewind_to_prefix_of(stepwise.tokens) == len(stepwise.tokens)
+    assert not tracked.reading_ahead and ahead.cache == tracked.tokens and ahead.ahead_dropped == 0
+    np.testing.assert_array_equal(tracked.hidden(0, len(tracked)), stepwise.hidden(0, len(stepwise)))
+    tracked.feed_argmax_ahead(expected[-1])
     tracked.track_hidden(False)  # a queued pass was built tracked: it does not outlive the change
     assert not tracked.reading_ahead and ahead.cache == tracked.tokens and ahead.ahead_dropped == 1
 
