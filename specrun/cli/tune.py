@@ -165,7 +165,7 @@ def with_window(result, target, draft, context: int, max_tokens: int, err, sinks
     err.print(f"window search: {len(prompt):,} tokens of prompt; full cache, windows 128-1024, "
               f"{SINKS if sinks is None else sinks} sinks", highlight=False)
     if searched:
-        err.print(f"window search: then {' and '.join(map(str, searched))} sinks at the window kept", highlight=False)
+        err.print(f"window search: then {' and '.join(map(str, searched))} sinks, if a window wins", highlight=False)
     choice = search_window(target, draft, prompt, max_tokens, result.best_draft_len or 4,
                            sinks=SINKS if sinks is None else sinks, sink_candidates=SINK_CANDIDATES if searched else (),
                            on_progress=lambda stage, done, total: err.print(f"{stage} search: round {done}/{total}"))

@@ -36,7 +36,7 @@ Progress = Callable[[str, int, int], None]  # (what is timed: "window" or "sinks
 @dataclass(frozen=True)
 class WindowChoice:
     """The window a search kept (0: the full cache), its sinks, the context it was timed at, each
-    line's median tokens/s ("full cache", "window 256", then "window 256, 16 sinks", …), and the
+    line's median tokens/s ("full cache", "window 256", then "window 256 (16 sinks)", …), and the
     kept line's speed over the full cache's (a sinks stage's ratio to its window's first line,
     times that line's to the full cache's)."""
 
@@ -50,7 +50,7 @@ class WindowChoice:
 def label(window: int, sinks: int | None = None) -> str:
     if window == 0:
         return FULL
-    return f"window {window}" if sinks is None else f"window {window}, {sinks} sinks"
+    return f"window {window}" if sinks is None else f"window {window} ({sinks} sinks)"
 
 
 def long_prompt(target: Backend, context: int) -> list[int]:

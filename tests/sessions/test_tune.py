@@ -237,8 +237,8 @@ def test_the_window_kept_is_timed_again_beside_other_sink_counts_and_the_fastest
                            on_progress=lambda stage, done, total: stages.append(stage))
     assert stages == ["window", "window", "sinks", "sinks"]
     assert (choice.window, choice.sinks) == (256, 16)
-    assert set(choice.rates) == {FULL, "window 128", "window 256", "window 256, 4 sinks", "window 256, 16 sinks",
-                                 "window 256, 64 sinks"}
+    assert set(choice.rates) == {FULL, "window 128", "window 256", "window 256 (4 sinks)", "window 256 (16 sinks)",
+                                 "window 256 (64 sinks)"}
     assert choice.speedup == pytest.approx(1.8)  # 15 / 10, then 18 / 15
     speed[None] = 20.0  # the full cache wins: no sinks to search
     stages.clear()
@@ -299,7 +299,7 @@ def test_tune_window_search_saves_the_draft_cache_it_timed(config_home, tiny_lla
                                    "--window-context", "600"])
     assert searched.exit_code == 0, searched.output
     assert ("window search: 488 tokens of prompt; full cache, windows 128-1024, 4 sinks\n"
-            "window search: then 16 and 64 sinks at the window kept") in searched.output
+            "window search: then 16 and 64 sinks, if a window wins") in searched.output
     (entry,) = json.loads((config_home / "specrun" / "tuned.json").read_text())["pairs"].values()
     # the sinks are searched where a window won (and said as they are timed)
     assert ("sinks search: round 2/2" in searched.output) == bool(entry["window"])
