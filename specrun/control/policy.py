@@ -52,7 +52,8 @@ PLAIN = Plan()
 class StepReport:
     """What one verify pass cost and yielded, for the policy to learn from.
 
-    started: the clock when the step began; draft_seconds: asking the drafters and cutting
+    started: the clock when the step began (where plain steps read ahead, when the step before
+    yielded: every step a whole cycle, the caller's time in it); draft_seconds: asking the drafters and cutting
     the proposal; verify_seconds: the pass and the rewind after it. context: prompt and
     output so far, this step's tokens included; context_len: its length before them.
     queued: a plain step whose pass the step before queued (it read ahead): its verify time

@@ -328,9 +328,10 @@ class SpeculativeEngine:
                     stats.near_ties += ties.in_pass(proposal, verdict, len(context) - context_len,
                                                     self.passes.last_rows)
                 if measured and proposal.source != GRAMMAR_SOURCE:
-                    # a queued pass ran while the caller had the last step's tokens: the step is
-                    # timed from then, as plain decoding's whole cycle
-                    started = clock.yielded_at if queued else clock.step_started
+                    # a queued pass runs while the caller has the last step's tokens: where plain
+                    # steps read ahead, every step is timed from then, speculating's as plain
+                    # decoding's whole cycle (the caller's time left out of one kind only favoured it)
+                    started = clock.yielded_at if reads_ahead else clock.step_started
                     policy.observe(StepReport(plan, proposal, tuple(verdict.path), started,
                                               clock.draft_seconds, clock.verify_seconds, context, context_len,
                                               queued))

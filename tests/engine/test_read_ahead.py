@@ -264,3 +264,32 @@ def test_a_head_drafter_s_plain_stretch_reads_ahead_and_its_retry_drafts_from_ev
     assert asked and all(state is not None and np.allclose(state[0], own) for state, own in asked)
     sequence = sequence_for(target)
     assert sequence.hidden(0, len(sequence)) is not None  # no position's state went unkept
+
+
+def test_where_plain_steps_read_ahead_every_step_is_timed_as_a_whole_cycle(monkeypatch):
+    """A queued plain step's pass runs while the caller has the step before's tokens, so the gate
+    times it from that step's yield; speculative steps are timed alike, the caller's time in both
+    (timed from their own start, a slow caller made speculating look faster than plain decoding)."""
+    from specrun.control.gate import SpeculationGate
+
+    now = [0.0]
+
+    def clock() -> float:  # each reading a millisecond on: the engine's own work
+        now[0] += 0.001
+        return now[0]
+
+    target, draft = fake(True), fake(False, salt=2)
+    engine = SpeculativeEngine(target, build_drafter("draft", draft, DrafterOptions()), method="auto", clock=clock)
+    engine.policy.start_gate_off(6)
+    recorded = []
+    record = SpeculationGate.record
+
+    def watched(gate, tokens, seconds, engaged, plain):
+        recorded.append((engaged, seconds))
+        record(gate, tokens, seconds, engaged, plain)
+
+    monkeypatch.setattr(SpeculationGate, "record", watched)
+    for _ in engine.stream([1, 2, 3], GenerationParams(30, 4, adaptive=True)):
+        now[0] += 1.0  # the caller's time with each step's tokens
+    assert target.ahead_passes > 0 and {engaged for engaged, _ in recorded} == {True, False}
+    assert all(1.0 < seconds < 1.1 for _, seconds in recorded)  # every step: the caller's second and its own
