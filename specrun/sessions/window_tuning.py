@@ -71,8 +71,9 @@ def search_window(target: Backend, draft: Backend, prompt: list[int], max_new_to
     fits = [window for window in CANDIDATES if sinks + window + block_for(window) < len(prompt)]
     params = GenerationParams(max_new_tokens, max(draft_len, 1), stop_at_eos=False)
     lines = {FULL: None, **{label(window): (sinks, window) for window in fits}}
+
     def report(stage: str) -> Callable[[int], None]:
-        return lambda done: on_progress(stage, done, rounds) if on_progress is not None else None
+        return (lambda done: on_progress(stage, done, rounds)) if on_progress is not None else (lambda done: None)
 
     rates = _timed(target, draft, prompt, params, lines, rounds, report("window"))
     best = max(rates, key=rates.get)
