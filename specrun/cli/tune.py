@@ -103,14 +103,17 @@ def tune(
         load = LoadOptions(backend=backend, threads=threads, registry=registry, rpc=rpc_servers,
                            flash_attn=flash_attn, exact=exact, n_ctx=ctx)
         search = (window_context or window_tuning.DEFAULT_CONTEXT) if window_search else None
-        result = run_tune(target, draft, prompts, max_tokens, load, search, sinks)
-        path = tuning.save(result)
-        out.print(render([result]))
+        results = run_tune(target, draft, prompts, max_tokens, load, search, sinks)
+        for result in results:
+            path = tuning.save(result)
+        out.print(render(results))
         typer.echo(f"saved to {path}", err=True)
 
 
 def run_tune(target, draft, n_prompts, max_tokens, load, window_context: int | None = None,
-             sinks: int | None = None):
+             sinks: int | None = None) -> list:
+    """The pair's tune entries: its calibration; with a window search, the entry long runs read
+    too (``with_window``: under its own key where their kernels differ, else in the same one)."""
     from specrun.sessions import tuning
     from specrun.errors import UsageError
     from specrun.registry.loading import choose_pair
@@ -137,21 +140,28 @@ def run_tune(target, draft, n_prompts, max_tokens, load, window_context: int | N
             ),
         )
         if window_context is None:
-            return result
-        return with_window(result, target_backend, draft_backend, window_context, max_tokens, err, sinks)
+            return [result]
+        windowed = with_window(result, target_backend, draft_backend, window_context, max_tokens, err, load, sinks)
+        return [windowed] if windowed.key == result.key else [result, windowed]
     finally:
         target_backend.close()
         draft_backend.close()
 
 
-def with_window(result, target, draft, context: int, max_tokens: int, err, sinks: int | None = None):
+def with_window(result, target, draft, context: int, max_tokens: int, err, load, sinks: int | None = None):
     """``result`` with the windowed cache the draft drafts fastest with after ``context`` tokens
     (sessions/window_tuning.py), at most the context less ``max_tokens``, keeping ``sinks`` first
-    tokens (None: StreamingLLM's 4, then the other counts of SINK_CANDIDATES at the window kept)."""
+    tokens (None: StreamingLLM's 4, then the other counts of SINK_CANDIDATES at the window kept).
+    The search runs on the kernels a run reaching that context settles on (flash attention by the
+    deep probe, sessions/kernels.py), and the result is keyed as such a run looks it up: where
+    they differ from calibration's, a long run would otherwise never find the window."""
     import dataclasses
 
+    from specrun.backends.kv import sequence_for
     from specrun.backends.window import SINKS
     from specrun.errors import UsageError
+    from specrun.sessions import tuning
+    from specrun.sessions.kernels import settle_pair
     from specrun.sessions.window_tuning import SINK_CANDIDATES, long_prompt, search_window
 
     room = min(target.n_ctx, draft.n_ctx) - max_tokens - 16
@@ -161,6 +171,12 @@ def with_window(result, target, draft, context: int, max_tokens: int, err, sinks
         raise UsageError(f"--window-search times windowed caches after a long prompt, and {why}",
                          "pass --ctx 8192 (or more), or drop --window-search")
     prompt = long_prompt(target, min(context, room))
+    for backend in (target, draft):
+        sequence_for(backend).reset()  # flash attention is chosen with an empty cache
+    settle_pair(target, draft, load, lambda note: err.print(f"note: {note}", highlight=False),
+                len(prompt) + max_tokens, again=True)
+    result = dataclasses.replace(result, key=tuning.pair_key(target, draft, load.threads),
+                                 target=tuning.model_id(target), draft=tuning.model_id(draft))
     searched = [count for count in SINK_CANDIDATES if count != SINKS] if sinks is None else []
     err.print(f"window search: {len(prompt):,} tokens of prompt; full cache, windows 128-1024, "
               f"{SINKS if sinks is None else sinks} sinks", highlight=False)

@@ -141,15 +141,16 @@ def _checked(raw) -> FlashCosts:
     return FlashCosts(raw["model"], raw["machine"], threads, depth, by_setting["on"], by_setting["off"])
 
 
-def settle_flash_attn(backend, options: LoadOptions, context: int | None = None) -> str | None:
+def settle_flash_attn(backend, options: LoadOptions, context: int | None = None, again: bool = False) -> str | None:
     """Turn flash attention on or off for ``backend`` by what it costs here, where the user
     left it to llama.cpp (module docstring): the stored costs, else a probe stored for the
     next run. ``context``: the tokens the run's context will reach, where known (a long one is
-    chosen for by the deep probe). Returns a note saying what was measured, when it measured;
+    chosen for by the deep probe). ``again``: settle a backend settled before, for another
+    context (its cache empty). Returns a note saying what was measured, when it measured;
     None otherwise."""
     if getattr(backend, "name", None) != "llama" or options.flash_attn is not None or options.exact:
         return None
-    if backend.flash_attn is not None or not backend.runs_on_cpu:
+    if (backend.flash_attn is not None and not again) or not backend.runs_on_cpu:
         return None
     deep = context is not None and context >= DEEP_FROM
     probe_depth, budget = (DEEP_DEPTH, DEEP_BUDGET_S) if deep else (PROBE_DEPTH, PROBE_BUDGET_S)
@@ -189,26 +190,27 @@ def open_settled_pair(target_spec: str, draft_spec: str | None, options: LoadOpt
     return target, draft
 
 
-def settle_pair(target, draft, options: LoadOptions, on_note=None, context: int | None = None) -> None:
+def settle_pair(target, draft, options: LoadOptions, on_note=None, context: int | None = None,
+                again: bool = False) -> None:
     """``settle_flash_attn`` for the target and a draft model (each measured apart); ``on_note``
     is told what was measured; ``context``: the tokens the run's context will reach, where known.
-    Before anything is fed."""
+    Before anything is fed (``again``: or with the caches emptied, settled once before)."""
     for backend in (target, draft):
         if backend is None:
             continue
-        note = _settle(backend, options, context)
+        note = _settle(backend, options, context, again)
         if note is not None and on_note is not None:
             on_note(note)
 
 
-def _settle(backend, options: LoadOptions, context: int | None = None) -> str | None:
+def _settle(backend, options: LoadOptions, context: int | None = None, again: bool = False) -> str | None:
     """``settle_flash_attn``; a windowed draft's model is settled for its window's few cells, then
     its window cache made again with the model's settings (backends/window.py)."""
     if hasattr(backend, "reopen"):
-        note = settle_flash_attn(backend.parent, options)
+        note = settle_flash_attn(backend.parent, options, again=again)
         backend.reopen()
         return note
-    return settle_flash_attn(backend, options, context)
+    return settle_flash_attn(backend, options, context, again)
 
 
 def open_settled_draft(target, target_spec: str, draft_spec: str, options: LoadOptions, on_note=None):

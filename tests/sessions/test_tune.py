@@ -306,6 +306,45 @@ def test_tune_window_search_saves_the_draft_cache_it_timed(config_home, tiny_lla
     assert entry["window_sinks"] in ((4, 16, 64) if entry["window"] else (0,))
 
 
+def test_the_window_search_runs_on_the_kernels_a_long_run_settles_on_and_is_kept_where_it_looks(
+        config_home, tiny_llama, monkeypatch):
+    """Flash attention is chosen by a short probe for calibration, by the deep probe for a run
+    whose context is long; where they differ, the window search runs with the deep probe's choice
+    and its entry is saved under the key such a run reads (beside calibration's): before, a long
+    run looked its tuned window up under other kernels and never found it. Scripted probes: on
+    wins shallow, off deep."""
+    from specrun.backends.llama import LlamaCppBackend
+    from specrun.sessions import kernels, tuning
+
+    monkeypatch.setattr(kernels, "DEEP_FROM", 256)
+    monkeypatch.setattr(kernels, "DEEP_DEPTH", 300)
+
+    def probe(backend, depth, counts, budget_s, max_rounds=9):
+        fast, slow = {n: 0.001 * n for n in counts}, {n: 0.003 * n for n in counts}
+        return depth, ({True: fast, False: slow} if depth < 300 else {True: slow, False: fast})
+
+    monkeypatch.setattr(LlamaCppBackend, "time_flash_attn", probe)
+    path = str(tiny_llama.gguf_path)
+    result = CliRunner().invoke(app, ["tune", "-t", path, "-d", path, "--prompts", "1", "-n", "8", "--window-search",
+                                      "--window-context", "600", "--sinks", "4"])
+    assert result.exit_code == 0, result.output
+    entries = json.loads((config_home / "specrun" / "tuned.json").read_text())["pairs"]
+    by_kernels = {entry["target"].rsplit("flash=", 1)[-1]: entry for entry in entries.values()}
+    assert set(by_kernels) == {"on", "off"}  # calibration's, and the long runs'
+    assert by_kernels["on"]["window_context"] == 0 and by_kernels["off"]["window_context"] == 488
+    assert by_kernels["off"]["best_draft_len"] == by_kernels["on"]["best_draft_len"]  # calibration carried
+    from specrun.registry.loading import LoadOptions, open_pair
+
+    target, draft = open_pair(path, path, LoadOptions())
+    try:
+        kernels.settle_pair(target, draft, LoadOptions(), context=600)  # as a long generate settles
+        key = tuning.pair_key(target, draft, None)
+    finally:
+        target.close()
+        draft.close()
+    assert tuning.load(key).window_context == 488  # what that run finds
+
+
 def test_bench_s_draft_lines_read_through_the_window_tune_kept_unless_untuned(tiny_llama, monkeypatch):
     """As generate and chat do: the pair's tune entry kept a window, bench's draft lines draft from
     it and say so; --untuned reads no entry, so the full cache."""
