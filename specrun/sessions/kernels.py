@@ -154,7 +154,7 @@ def settle_flash_attn(backend, options: LoadOptions, context: int | None = None,
         return None
     deep = context is not None and context >= DEEP_FROM
     probe_depth, budget = (DEEP_DEPTH, DEEP_BUDGET_S) if deep else (PROBE_DEPTH, PROBE_BUDGET_S)
-    model, machine, threads = model_id(backend), machine_id(), backend.n_threads
+    model, machine, threads = _unsettled_id(backend), machine_id(), backend.n_threads
     settings = f"kv={backend.kv_type}|{backend.library_version}" + (f"|depth={DEEP_DEPTH}" if deep else "")
     key = costs_key(model, machine, threads, settings)
     costs = load_costs(key)
@@ -175,6 +175,14 @@ def settle_flash_attn(backend, options: LoadOptions, context: int | None = None,
     except SpecrunError:
         return None  # a pass or a context that failed (memory): the run goes on with llama.cpp's choice
     return note
+
+
+def _unsettled_id(backend) -> str:
+    """The model's id as before any flash choice: one settled before (``again``) carries its first
+    choice in its tuning variant, which the costs' key must not (a run settles from unsettled)."""
+    if backend.flash_attn is None:
+        return model_id(backend)
+    return model_id(backend).removesuffix(f"|flash={'on' if backend.flash_attn else 'off'}")
 
 
 def open_settled_pair(target_spec: str, draft_spec: str | None, options: LoadOptions, on_note=None):

@@ -319,7 +319,10 @@ def test_the_window_search_runs_on_the_kernels_a_long_run_settles_on_and_is_kept
     monkeypatch.setattr(kernels, "DEEP_FROM", 256)
     monkeypatch.setattr(kernels, "DEEP_DEPTH", 300)
 
+    probes = []
+
     def probe(backend, depth, counts, budget_s, max_rounds=9):
+        probes.append(depth)
         fast, slow = {n: 0.001 * n for n in counts}, {n: 0.003 * n for n in counts}
         return depth, ({True: fast, False: slow} if depth < 300 else {True: slow, False: fast})
 
@@ -343,6 +346,7 @@ def test_the_window_search_runs_on_the_kernels_a_long_run_settles_on_and_is_kept
         target.close()
         draft.close()
     assert tuning.load(key).window_context == 488  # what that run finds
+    assert probes == [kernels.PROBE_DEPTH, 300]  # each probe once (target and draft are one file): stored, then read
 
 
 def test_bench_s_draft_lines_read_through_the_window_tune_kept_unless_untuned(tiny_llama, monkeypatch):
