@@ -29,7 +29,6 @@ import os
 import re
 import shutil
 import stat
-from collections import deque
 from collections.abc import Sequence
 from contextlib import redirect_stdout
 from dataclasses import dataclass
@@ -49,7 +48,15 @@ DEFAULT_CTX = 4096
 # Tokens forward_greedy feeds with its first pass; longer inputs (a prompt) go unread first,
 # since every row of a pass pays for its lm_head product.
 GREEDY_JOIN_TOKENS = 2
-MAX_CHECKPOINTS = 64  # checkpoints kept for non-trimmable caches: enough for one draft of up to 63 tokens
+# Checkpoints kept for caches that cannot be trimmed (one is taken before every pass): at most
+# MAX_CHECKPOINTS, and no more than CHECKPOINT_BYTES of copies in all, but never fewer than
+# MIN_CHECKPOINTS. A real model's checkpoint is large (Qwen3.5-27B's recurrent state ~150 MB,
+# Gemma 3 27B's sliding windows ~420 MB): 64 of them held gigabytes beside the weights. Past the
+# bound, older checkpoints are thinned, not dropped (checkpoint_to_drop): a rewind past the dense
+# newest ones replays a stretch about as long as it rewinds, never the whole context.
+MAX_CHECKPOINTS = 64
+MIN_CHECKPOINTS = 4
+CHECKPOINT_BYTES = 256 * 2**20
 REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 # What mlx_lm.load reads, minus model code (*.py): specrun never runs code from a model repo.
 MLX_ALLOW_PATTERNS = ["*.json", "model*.safetensors", "tokenizer.model", "*.tiktoken", "*.txt", "*.jinja"]
@@ -321,6 +328,30 @@ class Checkpoint:
 
     n_past: int
     layer_states: tuple[Any, ...]
+    nbytes: int = 0  # what its copies hold
+
+
+def checkpoint_to_drop(positions: Sequence[int], now: int) -> int:
+    """Which checkpoint to let go of (an index into ``positions``, oldest first) where too many are
+    kept at ``now`` tokens: the one whose loss lengthens a replay least for how far back it lies,
+    (next - previous) / age, the start of the context counting as a checkpoint (a rebuild). The
+    newest two stay (the latest pass's and a read-ahead pass's); the rest thin out geometrically,
+    so a rewind of d tokens replays O(d), as ``_restore`` goes to the newest one at or before it."""
+    if len(positions) < 3:
+        raise ValueError("the newest two checkpoints are always kept")
+
+    def cost(index: int) -> float:
+        previous = positions[index - 1] if index else 0
+        return (positions[index + 1] - previous) / max(now - positions[index], 1)
+
+    return min(range(len(positions) - 2), key=lambda index: (cost(index), index))
+
+
+def _state_bytes(state) -> int:
+    """The bytes of the arrays in a cache state (nested lists and tuples of arrays, or None)."""
+    if isinstance(state, (list, tuple)):
+        return sum(_state_bytes(item) for item in state)
+    return int(getattr(state, "nbytes", 0) or 0)
 
 
 # ---- token trees: one pass with a tree mask and a position per node ------------------
@@ -509,7 +540,7 @@ class MlxBackend(HiddenTracking):
         self._ahead = None
         self._cache = self._lm_cache.make_prompt_cache(self.model)
         self._needs_checkpoints = any(type(layer).__name__ not in ALWAYS_TRIMMABLE for layer in self._cache)
-        self._checkpoints: deque[Checkpoint] = deque(maxlen=MAX_CHECKPOINTS)
+        self._checkpoints: list[Checkpoint] = []  # oldest first
         self._tokens.clear()
 
     def forward(self, tokens: Sequence[int], logit_rows: Sequence[int]) -> np.ndarray:
@@ -767,7 +798,10 @@ class MlxBackend(HiddenTracking):
         states = tuple(
             None if type(layer).__name__ in ALWAYS_TRIMMABLE else copy(layer.state) for layer in self._cache
         )
-        self._checkpoints.append(Checkpoint(self.n_past, states))
+        self._checkpoints.append(Checkpoint(self.n_past, states, _state_bytes(states)))
+        while len(self._checkpoints) > MIN_CHECKPOINTS and (
+                len(self._checkpoints) > MAX_CHECKPOINTS or sum(c.nbytes for c in self._checkpoints) > CHECKPOINT_BYTES):
+            del self._checkpoints[checkpoint_to_drop([c.n_past for c in self._checkpoints], self.n_past)]
 
     def _restore(self, n_keep: int) -> None:
         """Go back to the newest checkpoint at or before ``n_keep``, then feed the tokens after it again."""

@@ -590,6 +590,61 @@ def test_mlx_caches_that_cannot_be_trimmed_rewind_through_checkpoints(uncuttable
 
 
 @pytest.mark.parametrize("arch", ["sliding", "mamba"])
+def test_mlx_checkpoints_are_bounded_in_bytes_and_rewinds_past_the_thinned_ones_stay_exact(
+        uncuttable_models, arch, monkeypatch):
+    """A real model's checkpoint weighs 100s of MB: the kept ones are bounded by CHECKPOINT_BYTES
+    (never fewer than MIN_CHECKPOINTS), older ones thinned, and a rewind to any point, one
+    between thinned checkpoints or before them all, leaves the cache as a fresh one fed the kept tokens."""
+    from specrun.backends import mlx as mlx_backend
+
+    source = uncuttable_models[arch]
+    model, fresh = open_model("mlx", source), open_model("mlx", source)
+    ids = model.tokenize(PROMPTS[3] * 3)[:60]  # past the 24-token window
+    model.forward(ids[:30], [0])
+    model.forward(ids[30:31], [0])  # its checkpoint holds a full window or the recurrent state
+    one = mlx_backend._state_bytes(model._checkpoints[-1].layer_states)
+    assert one > 0
+    monkeypatch.setattr(mlx_backend, "CHECKPOINT_BYTES", 6 * one + one // 2)
+    for at in range(31, len(ids)):  # one pass a token, as plain decoding and a draft model's drafting feed
+        model.forward(ids[at : at + 1], [0])
+        assert sum(checkpoint.nbytes for checkpoint in model._checkpoints) <= mlx_backend.CHECKPOINT_BYTES
+    assert len(model._checkpoints) < 12  # of 31 passes (a sliding window's weigh less once it wraps)
+    positions = [checkpoint.n_past for checkpoint in model._checkpoints]
+    assert positions[-2:] == [len(ids) - 2, len(ids) - 1] and positions[0] > 0
+    full = fresh.forward(ids, range(len(ids)))
+    for n_keep in (len(ids) - 1, len(ids) - 4, positions[1] - 1, positions[0] + 1, 3):
+        model.rewind(n_keep)
+        np.testing.assert_allclose(model.forward(ids[n_keep:], [0])[0], full[n_keep], atol=1e-4, rtol=0)
+    monkeypatch.setattr(mlx_backend, "CHECKPOINT_BYTES", 1)  # each weighs more than the budget: the floor
+    for at in range(len(ids), len(ids) + 10):
+        model.forward(ids[at % len(ids) : at % len(ids) + 1], [0])
+    assert len(model._checkpoints) == mlx_backend.MIN_CHECKPOINTS
+    model.close()
+    fresh.close()
+
+
+def test_checkpoints_thin_out_geometrically_so_a_rewind_replays_about_as_far_as_it_goes():
+    """checkpoint_to_drop over 3,000 one-token passes: the newest two always kept, and a rewind of
+    any d tokens finds a checkpoint within a few d of where it lands (8 kept), never the start."""
+    from specrun.backends.mlx import checkpoint_to_drop
+
+    positions: list[int] = []
+    worst = 0.0
+    for now in range(1, 3001):
+        positions.append(now - 1)
+        while len(positions) > 8:
+            del positions[checkpoint_to_drop(positions, now)]
+        assert positions[-2:] == [now - 2, now - 1][-len(positions):]
+        if now >= 100:
+            for d in range(1, now):
+                newest = max((p for p in positions if p <= now - d), default=0)
+                worst = max(worst, (now - d - newest) / d)
+    assert positions == sorted(positions) and worst <= 7.0
+    with pytest.raises(ValueError):
+        checkpoint_to_drop([0, 1], 2)
+
+
+@pytest.mark.parametrize("arch", ["sliding", "mamba"])
 def test_mlx_greedy_speculation_is_lossless_on_untrimmable_caches(uncuttable_models, arch):
     source = uncuttable_models[arch]
     target, draft = open_model("mlx", source), open_model("mlx", source)
