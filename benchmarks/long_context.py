@@ -11,6 +11,10 @@ Lines, each a fresh process per prompt, greedy, ``--threads`` threads, interleav
   cache), ``specrun draft window`` (the draft model reading sinks + ``--window``), ``specrun
   self:window`` (the target drafting for itself through a window: no second model), ``specrun auto``
   and ``specrun auto window`` (auto with the draft's full and windowed caches);
+- with ``--tuned``: ``specrun tune --window-search`` runs first in a config folder of its own (on
+  ``Lib/argparse.py``, its own long prompt: report on ``--documents inspect`` so nothing is tuned on
+  the prompts reported), and ``specrun none tuned``, ``specrun draft tuned`` and ``specrun auto
+  tuned`` run there: what a user who ran tune gets (its window, sinks, kernels and costs);
 - with ``--llama-bin``: ``llama-completion`` and ``llama-speculative-simple`` (the same draft).
 
 Every figure is generation speed (prompt processing excluded, as _llama_tools counts it); besides,
@@ -22,6 +26,9 @@ target pass) and each draft line's ms a drafted token, plotted in ``--svg``.
         --llama-bin LLAMA_CPP/build/bin --lengths 1000 4000 7900 --json runs/long.json --svg runs/long.svg
     .venv/bin/python benchmarks/long_context.py --target smollm2-135m-f16 --draft smollm2-135m \\
         --lengths 300 600 -n 16 --tasks summary     # does it run
+    .venv/bin/python benchmarks/long_context.py --target smollm2-135m-x2 --draft smollm2-135m \
+        --lengths 1000 7900 --documents inspect --tasks function --tuned \
+        --lines "specrun draft" "specrun auto" "specrun none tuned" "specrun draft tuned" "specrun auto tuned"
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ import argparse
 import inspect
 import json
 import re
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -49,6 +57,7 @@ TASKS = {
     "function": "In the Python code above, what does the function {name} do, and what are its arguments?",
 }
 DEF_RE = re.compile(r"^\s*def (\w+)\(", re.MULTILINE)
+TUNE_TIMEOUT_S = 3600  # tune calibrates, then times windows after a long prompt: longer than one run
 QUESTION_ROOM = 96  # tokens of the prompt left to the task and the chat template
 
 
@@ -107,7 +116,19 @@ def specrun_costed(method: str, target: Path, draft: Path | None, args, env: dic
     return line
 
 
-def build_lines(args, target: Path, draft: Path, env: dict) -> list[Line]:
+def tune(target: Path, draft: Path, args, env: dict) -> str:
+    """``specrun tune --window-search`` for the pair in ``env``'s config folder; its window line."""
+    command = [sys.executable, "-m", "specrun", "tune", "-t", str(target), "-d", str(draft), "--prompts", "2",
+               "--max-tokens", "64", "--window-search", "--threads", str(args.threads), "--ctx", str(args.ctx)]
+    out = subprocess.run(command, capture_output=True, text=True, errors="replace", env={**env, "COLUMNS": "400"},
+                         stdin=subprocess.DEVNULL, timeout=TUNE_TIMEOUT_S)
+    if out.returncode != 0:
+        raise SystemExit(f"specrun tune exited {out.returncode}: {out.stderr.strip().splitlines()[-1:]}")
+    found = [line for line in (out.stdout + out.stderr).splitlines() if "window search (tok/s" in line]
+    return found[-1].strip() if found else "(tune printed no window search)"
+
+
+def build_lines(args, target: Path, draft: Path, env: dict, tuned_env: dict | None = None) -> list[Line]:
     window = ("--window", str(args.window))
     lines = [
         specrun_costed("none", target, None, args, env),
@@ -117,6 +138,10 @@ def build_lines(args, target: Path, draft: Path, env: dict) -> list[Line]:
         specrun_costed("auto", target, draft, args, env),
         specrun_costed("auto", target, draft, args, env, window, "auto window"),
     ]
+    if tuned_env is not None:
+        lines += [specrun_costed("none", target, None, args, tuned_env, name="none tuned"),
+                  specrun_costed("draft", target, draft, args, tuned_env, name="draft tuned"),
+                  specrun_costed("auto", target, draft, args, tuned_env, name="auto tuned")]
     if args.llama_bin is not None:
         lines.append(completion_line(args.llama_bin, target, args.n, args.threads, args.ctx))
         lines.append(speculative_line(args.llama_bin, target, draft, args.n, args.threads, args.ctx, 4))
@@ -204,26 +229,36 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--llama-bin", type=Path, default=None)
     parser.add_argument("--lines", nargs="+", default=None,
                         help="run only these lines besides plain decoding (as the table names them)")
+    parser.add_argument("--tuned", action="store_true",
+                        help="run `specrun tune --window-search` first and add the lines of a tuned config")
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--svg", type=Path, default=None)
     args = parser.parse_args(argv)
     target, draft = model_path(args.target), model_path(args.draft)
     prompts = build_prompts(target, args.lengths, args.tasks, args.documents)
-    with tempfile.TemporaryDirectory() as config:
-        lines = build_lines(args, target, draft, untuned_env(Path(config)))
+    tuned_note = None
+    with tempfile.TemporaryDirectory() as config, tempfile.TemporaryDirectory() as tuned_config:
+        tuned_env = untuned_env(Path(tuned_config)) if args.tuned else None
+        if tuned_env is not None:
+            print("tuning (specrun tune --window-search) ...", flush=True)
+            tuned_note = tune(target, draft, args, tuned_env)
+            print(tuned_note, flush=True)
+        lines = build_lines(args, target, draft, untuned_env(Path(config)), tuned_env)
         order = sorted(prompts, key=lambda p: (int(p.category), p.prompt_id))
         interleave(lines, order)
     table = summarise(lines, prompts, args.lengths)
     print(f"\n{args.target} + {args.draft}, {args.threads} threads, greedy, {args.n} tokens, window {args.window}; "
           f"documents: Python {sys.version.split()[0]}'s " + ", ".join(f"Lib/{DOCUMENTS[d].name}" for d in args.documents))
     print_table(table, lines)
+    if tuned_note:
+        print(f"tune: {tuned_note}")
     baseline_texts = lines[0].runs
     same = {line.name: sum(1 for pid, run in line.runs.items() if run and baseline_texts.get(pid)
                            and run.text == baseline_texts[pid].text) for line in lines if line.name.startswith("specrun")}
     print("texts equal plain decoding's:", same)
     report = {"machine": machine_note(), "target": args.target, "draft": args.draft, "window": args.window,
               "threads": args.threads, "tokens": args.n, "documents": {k: str(v) for k, v in DOCUMENTS.items()},
-              "table": table, "same_text": same,
+              "table": table, "same_text": same, "tuned": tuned_note,
               "runs": {line.name: {pid: vars(run) if run else None for pid, run in line.runs.items()} for line in lines},
               "costs": {line.name: getattr(line, "costs", {}) for line in lines}}
     save_report(report, args.json, "long_context")
