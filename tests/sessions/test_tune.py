@@ -209,6 +209,32 @@ def test_the_window_search_times_every_window_smaller_than_the_prompt_and_keeps_
     assert choice.speedup == pytest.approx(choice.rates[best] / choice.rates[FULL])
 
 
+def test_the_window_search_prompt_asks_about_a_long_document_through_the_chat_template(tiny_llama):
+    """Continuing code leans on its last few hundred tokens, so the search's prompt is a question
+    about a document, as long prompts come: exactly ``context`` tokens, the template's turn markers
+    as control tokens around the text, one BOS, the question and the assistant's turn last; a model
+    without a chat template continues the file."""
+    from fake_models import hashed_logits
+    from specrun.backends.fake import FakeBackend
+    from specrun.sessions.templates import ChatTemplate, tokenize_chat
+    from specrun.sessions.window_tuning import QUESTION, long_prompt
+
+    from specrun.backends.llama import LlamaCppBackend
+
+    backend = LlamaCppBackend(tiny_llama.gguf_path, n_threads=1, n_ctx=512)
+    ids = long_prompt(backend, 400)
+    assert len(ids) == 400
+    template = ChatTemplate.for_backend(backend)
+    rendered = template.render([{"role": "user", "content": "x\n\n" + QUESTION}])
+    tail = tokenize_chat(backend, rendered.partition("x")[2], [], add_bos=False)
+    assert ids[-len(tail):] == tail and ids.count(backend.vocab.bos_id) == (1 if backend.vocab.add_bos else 0)
+    text = b"".join(backend.token_bytes(t) for t in ids).decode(errors="replace")
+    assert 0 < text.index("Steven J. Bethard") < text.index(QUESTION)  # argparse.py's first line, then the question
+    backend.close()
+    plain = FakeBackend(hashed_logits(8, salt=1), 8)  # no chat template: the file's text, continued
+    assert len(long_prompt(plain, 300)) == 300
+
+
 def test_the_window_kept_is_timed_again_beside_other_sink_counts_and_the_fastest_kept(monkeypatch):
     """Where a window wins, its sinks are searched too (SINK_CANDIDATES that fit the prompt, in the
     same interleaved rounds); the speed-up chains the two stages' ratios. Rates are scripted by
