@@ -794,9 +794,14 @@ class MlxBackend(HiddenTracking):
 
     def _checkpoint(self) -> None:
         """Remember the state of every layer that trim() cannot roll back."""
-        copy = self._copy_arrays
+        copy, recurrent = self._copy_arrays, self._lm_cache.ArraysCache
         states = tuple(
-            None if type(layer).__name__ in ALWAYS_TRIMMABLE else copy(layer.state) for layer in self._cache
+            None if type(layer).__name__ in ALWAYS_TRIMMABLE
+            # recurrent state is replaced on every pass, never written into: its arrays are held
+            # as they are (a new list), a copy's kernels saved each pass
+            else (list(layer.cache), *layer.state[1:]) if isinstance(layer, recurrent)
+            else copy(layer.state)
+            for layer in self._cache
         )
         self._checkpoints.append(Checkpoint(self.n_past, states, _state_bytes(states)))
         while len(self._checkpoints) > MIN_CHECKPOINTS and (
