@@ -803,10 +803,16 @@ class MlxBackend(HiddenTracking):
             else copy(layer.state)
             for layer in self._cache
         )
-        self._checkpoints.append(Checkpoint(self.n_past, states, _state_bytes(states)))
-        while len(self._checkpoints) > MIN_CHECKPOINTS and (
-                len(self._checkpoints) > MAX_CHECKPOINTS or sum(c.nbytes for c in self._checkpoints) > CHECKPOINT_BYTES):
-            del self._checkpoints[checkpoint_to_drop([c.n_past for c in self._checkpoints], self.n_past)]
+        checkpoints = self._checkpoints
+        checkpoints.append(Checkpoint(self.n_past, states, _state_bytes(states)))
+
+        def over(share: float) -> bool:
+            return len(checkpoints) > MIN_CHECKPOINTS and (
+                len(checkpoints) > share * MAX_CHECKPOINTS or sum(c.nbytes for c in checkpoints) > share * CHECKPOINT_BYTES)
+
+        if over(1.0):  # thinned to three quarters of the bound at once: a thinning every few passes, not each
+            while over(0.75):
+                del checkpoints[checkpoint_to_drop([c.n_past for c in checkpoints], self.n_past)]
 
     def _restore(self, n_keep: int) -> None:
         """Go back to the newest checkpoint at or before ``n_keep``, then feed the tokens after it again."""
