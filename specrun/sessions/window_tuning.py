@@ -3,9 +3,10 @@ context, measured on this machine (MagicDec, StreamingLLM: the draft reads its f
 and a recent window, so its cost stops growing with the context; docs/perf.md 3(s)).
 
 The target reads a long prompt once (Python's own ``argparse.py``, which every interpreter ships,
-cut to ``context`` tokens, in the model's chat template with a question about it: long_prompt); then the draft model with its full cache and with each window of
-CANDIDATES smaller than the prompt continues it greedily, the lines interleaved for ``rounds``
-rounds, each at the tuned draft length. Where a window wins and the sinks were not given, the
+cut to ``context`` tokens, in the model's chat template with a question about it: long_prompt);
+then the draft model with its full cache and with each window of CANDIDATES smaller than the
+prompt continues it greedily, the lines interleaved for ``rounds`` rounds, each at the tuned
+draft length. Where a window wins and the sinks were not given, the
 kept window is timed again beside SINK_CANDIDATES' other sink counts (StreamingLLM's 4 are a
 guess for a model it never saw: how many first tokens a model's attention leans on is the
 model's), the lines interleaved as before. What wins is kept in the pair's tune entry (0: the
@@ -59,8 +60,8 @@ def long_prompt(target: Backend, context: int) -> list[int]:
     document; the file's text alone (continued as code) where the model has no chat template.
 
     The question matters: continuing code leans on the last few hundred tokens, and a search on
-    it kept a 128-token window that, asked about a document, accepted 57% of its drafts after
-    7,900 tokens against the full cache's 94% (0.87x the full cache's speed; docs/perf.md 3(s))."""
+    it kept a 128-256-token window that, asked about a document, accepted 57% of its drafts
+    after 7,900 tokens against the full cache's 94% (docs/perf.md 3(s))."""
     text = Path(argparse.__file__).read_text(encoding="utf-8")
     document = target.tokenize(text, add_bos=False)
     before, after = _chat_around(target)
