@@ -175,10 +175,11 @@ def prepare(model: Path, prompts: Sequence[BenchPrompt], chat: bool) -> tuple[li
         backend.close()
 
 
-def _run_process(command: list[str], stdin: str | None = None, env: dict | None = None) -> subprocess.CompletedProcess:
+def _run_process(command: list[str], stdin: str | None = None, env: dict | None = None,
+                 timeout: float = TIMEOUT_S) -> subprocess.CompletedProcess:
     out = subprocess.run(
         # errors="replace": a tool may print a token's bytes split mid-character
-        command, input=stdin, capture_output=True, text=True, errors="replace", env=env, timeout=TIMEOUT_S,
+        command, input=stdin, capture_output=True, text=True, errors="replace", env=env, timeout=timeout,
         stdin=None if stdin is not None else subprocess.DEVNULL,
     )
     if out.returncode != 0:

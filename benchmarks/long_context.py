@@ -26,8 +26,8 @@ target pass) and each draft line's ms a drafted token, plotted in ``--svg``.
         --llama-bin LLAMA_CPP/build/bin --lengths 1000 4000 7900 --json runs/long.json --svg runs/long.svg
     .venv/bin/python benchmarks/long_context.py --target smollm2-135m-f16 --draft smollm2-135m \\
         --lengths 300 600 -n 16 --tasks summary     # does it run
-    .venv/bin/python benchmarks/long_context.py --target smollm2-135m-x2 --draft smollm2-135m \
-        --lengths 1000 7900 --documents inspect --tasks function --tuned \
+    .venv/bin/python benchmarks/long_context.py --target smollm2-135m-x2 --draft smollm2-135m \\
+        --lengths 1000 7900 --documents inspect --tasks function --tuned \\
         --lines "specrun draft" "specrun auto" "specrun none tuned" "specrun draft tuned" "specrun auto tuned"
 """
 
@@ -37,7 +37,6 @@ import argparse
 import inspect
 import json
 import re
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -120,10 +119,7 @@ def tune(target: Path, draft: Path, args, env: dict) -> str:
     """``specrun tune --window-search`` for the pair in ``env``'s config folder; its window line."""
     command = [sys.executable, "-m", "specrun", "tune", "-t", str(target), "-d", str(draft), "--prompts", "2",
                "--max-tokens", "64", "--window-search", "--threads", str(args.threads), "--ctx", str(args.ctx)]
-    out = subprocess.run(command, capture_output=True, text=True, errors="replace", env={**env, "COLUMNS": "400"},
-                         stdin=subprocess.DEVNULL, timeout=TUNE_TIMEOUT_S)
-    if out.returncode != 0:
-        raise SystemExit(f"specrun tune exited {out.returncode}: {out.stderr.strip().splitlines()[-1:]}")
+    out = _run_process(command, env={**env, "COLUMNS": "400"}, timeout=TUNE_TIMEOUT_S)  # one line, unwrapped
     found = [line for line in (out.stdout + out.stderr).splitlines() if "window search (tok/s" in line]
     return found[-1].strip() if found else "(tune printed no window search)"
 

@@ -67,8 +67,8 @@ def long_prompt(target: Backend, context: int) -> list[int]:
     before, after = _chat_around(target)
     room = context - len(before) - len(after)
     if room < context // 2:  # no template, or one that leaves the document too little room
-        before, after, room = ([target.vocab.bos_id] if target.vocab.add_bos else []), [], context
-        room -= len(before)
+        before, after = ([target.vocab.bos_id] if target.vocab.add_bos else []), []
+        room = context - len(before)
     ids = document
     while len(ids) < room:
         ids = ids + document
