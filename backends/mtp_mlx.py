@@ -1,26 +1,53 @@
 """A model's MTP layer run in MLX beside an MLX target (MlxBackend.mtp_layer): the same math as
 specrun.heads.mtp's NumPy layer, answering the drafter the same calls (``fuse``, ``layer``,
-``logits``), with the weights held as MLX arrays once, so that a real vocabulary's output head and
-a real layer's experts run in MLX, not NumPy. The drafter's entries (keys and values) stay NumPy."""
+``logits``), with the weights held as MLX arrays once, as their file stores them, so that a real
+vocabulary's output head and a real layer's experts run in MLX, not NumPy. The drafter's entries
+(keys and values) stay NumPy.
+
+A matrix mlx-lm quantized stays quantized (``mx.quantized_matmul`` on its packed words, in
+float32); a float16 or bfloat16 one is multiplied in its own precision, as the MLX model computes
+(float32 copies would hold, and read on every step, twice or four times the bytes: Qwen3.5-27B's
+MTP block is ~1.5 GB as float32 against ~0.2 GB at 4 bits); norms, biases and what the layer
+carries between its steps are float32."""
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import numpy as np
 
 from specrun.heads.mtp import MtpHeads
+from specrun.modelkit.folder_tensors import StoredMatrix
+
+
+@dataclass(frozen=True)
+class _Quantized:
+    """A matrix as mlx-lm quantizes it, in MLX arrays (words, scales, biases; see StoredMatrix)."""
+
+    words: object
+    scales: object
+    biases: object
+    group: int
+    bits: int
+
+    def __getitem__(self, index: int) -> _Quantized:  # one expert's matrix
+        return _Quantized(self.words[index], self.scales[index], self.biases[index], self.group, self.bits)
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.words.nbytes + self.scales.nbytes + self.biases.nbytes)
 
 
 class MlxMtpLayer:
     """``heads`` (an MtpHeads) in MLX arrays, answering the drafter's math calls; everything else
     (config, layout, window, depth_bytes, target_features, embedding_rows, no_entries) is the heads'
-    own. The layer's arrays, the output head among them, become float32 once (not on every call);
-    the vocabulary-sized embedding stays as stored, read a few rows at a time. Where the heads'
-    embedding or output head is the target's own (``heads.target_arrays``), the loaded target's
-    modules serve instead (``target_embed``: token ids to rows, ``target_head``: states to logits):
-    a quantized model's own tables, not a float copy of them (a real vocabulary's head is gigabytes
-    as float32), and the heads' copies are never read."""
+    own. The layer's arrays become MLX arrays once, as stored (``heads.tensors.stored``, where the
+    mapping reads them so: never held in NumPy as well); the embedding is read a few rows at a
+    time. Where the heads' embedding or output head is the target's own (``heads.target_arrays``),
+    the loaded target's modules serve instead (``target_embed``: token ids to rows,
+    ``target_head``: states to logits): a quantized model's own tables, not a copy of them, and the
+    heads' copies are never read. ``nbytes``: what the layer holds."""
 
     def __init__(self, heads: MtpHeads, target_embed=None, target_head=None) -> None:
         import mlx.core as mx
@@ -31,9 +58,26 @@ class MlxMtpLayer:
         self._head = target_head if "lm_head" in shared else None
         served = {"embed"} if self._embed is not None else set()
         served |= {"lm_head"} if self._head is not None else set()
-        self._w = {name: mx.array(np.asarray(heads.tensors[name])) if name == "embed"
-                   else mx.array(np.asarray(heads.tensors[name], np.float32))
+        stored = getattr(heads.tensors, "stored", None)
+        self._w = {name: self._held(stored(name) if stored is not None else StoredMatrix(heads.tensors[name]))
                    for name in heads.tensors if name not in served}
+
+    def _held(self, stored: StoredMatrix):
+        mx = self._mx
+        if stored.quantized:
+            return _Quantized(mx.array(stored.values), mx.array(stored.scales, mx.float32),
+                              mx.array(stored.biases, mx.float32), stored.group, stored.bits)
+        values = mx.array(stored.values)
+        if stored.bfloat16:
+            values = values.view(mx.bfloat16)
+        if values.ndim < 2 or values.dtype not in (mx.float16, mx.bfloat16):
+            values = values.astype(mx.float32)
+        return values
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the weights the layer holds (not the target's tables it uses)."""
+        return sum(int(weight.nbytes) for weight in self._w.values())
 
     def __getattr__(self, name: str):
         return getattr(self._heads, name)
@@ -43,16 +87,34 @@ class MlxMtpLayer:
         mx = self._mx
         return x * mx.rsqrt(mx.mean(x * x, axis=-1, keepdims=True) + self.layout.rms_norm_eps) * self._w[name]
 
+    def _apply(self, x, weight):
+        """x (N, in) float32 times ``weight``'s (out, in) transposed, as float32."""
+        mx = self._mx
+        if isinstance(weight, _Quantized):
+            return mx.quantized_matmul(x, weight.words, weight.scales, weight.biases, transpose=True,
+                                       group_size=weight.group, bits=weight.bits)
+        if weight.dtype == mx.float32:
+            return x @ weight.T
+        return (x.astype(weight.dtype) @ weight.T).astype(mx.float32)
+
     def _linear(self, x, name: str, bias: str | None = None):
-        out = x @ self._w[name].T
+        out = self._apply(x, self._w[name])
         if bias is not None and bias in self._w:
             out = out + self._w[bias]
         return out
 
+    def _rows(self, ids):
+        """Rows ``ids`` of the layer's own embedding, as float32."""
+        mx, table = self._mx, self._w["embed"]
+        if isinstance(table, _Quantized):
+            return mx.dequantize(table.words[ids], table.scales[ids], table.biases[ids], group_size=table.group,
+                                 bits=table.bits)
+        return table[ids].astype(mx.float32)
+
     def fuse(self, features: np.ndarray, token_ids: np.ndarray) -> np.ndarray:
         mx = self._mx
         ids = mx.array(np.asarray(token_ids, dtype=np.int64))
-        rows = (self._embed(ids) if self._embed is not None else self._w["embed"][ids]).astype(mx.float32)
+        rows = (self._embed(ids) if self._embed is not None else self._rows(ids)).astype(mx.float32)
         joined = mx.concatenate([self._norm(rows, "enorm"), self._norm(mx.array(features, mx.float32), "hnorm")],
                                 axis=-1)
         return np.array(self._linear(joined, "eh_proj"))
@@ -122,9 +184,9 @@ class MlxMtpLayer:
             z = y[row : row + 1]
             total = out[row : row + 1]
             for slot, expert in enumerate(chosen[row]):
-                gate = z @ self._w["gate_exps"][int(expert)].T
-                hidden = gate * mx.sigmoid(gate) * (z @ self._w["up_exps"][int(expert)].T)
-                total = total + float(weights[row, slot]) * (hidden @ self._w["down_exps"][int(expert)].T)
+                gate = self._apply(z, self._w["gate_exps"][int(expert)])
+                hidden = gate * mx.sigmoid(gate) * self._apply(z, self._w["up_exps"][int(expert)])
+                total = total + float(weights[row, slot]) * self._apply(hidden, self._w["down_exps"][int(expert)])
             rows.append(total)
         return mx.concatenate(rows)
 
@@ -132,4 +194,4 @@ class MlxMtpLayer:
         mx = self._mx
         if self._head is not None:
             return np.array(self._head(mx.array(out, mx.float32)).astype(mx.float32))
-        return np.array(mx.array(out, mx.float32) @ self._w["lm_head"].T)
+        return np.array(self._linear(mx.array(out, mx.float32), "lm_head"))

@@ -866,6 +866,11 @@ class _TensorsFile:
             raise _refuse(self.path, f"holds NaN or infinite weights in {name}", "train or download the heads again")
         return values
 
+    def float_view(self, name: str, shape: tuple[int, ...]) -> tuple[str, np.ndarray]:
+        """The stored dtype of the floating-point tensor ``name`` and its values as stored (a view
+        of the file: BF16 as its 16 bits), refused as ``floats`` refuses but for its values."""
+        return self._raw(name, shape, _FLOATS, "floating point")
+
     def halves(self, name: str, shape: tuple[int, ...], rows: int = 4096) -> np.ndarray:
         """The tensor ``name`` as float16, converted ``rows`` at a time (a large table, read a few
         rows a step, at half float32's memory and without a float32 copy of it whole); refused as

@@ -12,7 +12,8 @@ scales and the matrix's own), so per-layer settings in the config need not be re
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -40,6 +41,70 @@ def dequantize_affine(words: np.ndarray, scales: np.ndarray, biases: np.ndarray,
         bias = np.asarray(biases[start : start + _ROWS], np.float32)[..., None]
         out[start : start + _ROWS] = (q.reshape(len(part), -1, group) * scale + bias).reshape(len(part), columns)
     return out
+
+
+@dataclass(frozen=True)
+class StoredMatrix:
+    """An array as its file holds it, for a backend that computes with it so (MLX holds a model's
+    MTP block this way: backends/mtp_mlx.py): ``values`` float32 or float16 as stored, or
+    bfloat16's 16 bits (``bfloat16``); or mlx-lm's affine quantization of a (..., rows, columns)
+    matrix: ``values`` its packed words (..., rows, W) uint32 beside ``scales`` and ``biases``
+    (..., rows, groups) float32, ``bits`` a value in groups of ``group``."""
+
+    values: np.ndarray
+    bfloat16: bool = False
+    scales: np.ndarray | None = None
+    biases: np.ndarray | None = None
+    bits: int = 0
+    group: int = 0
+
+    @property
+    def quantized(self) -> bool:
+        return self.scales is not None
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The array's own shape (a quantized matrix's, not its words')."""
+        if not self.quantized:
+            return tuple(self.values.shape)
+        return (*self.values.shape[:-1], self.values.shape[-1] * 32 // self.bits)
+
+    @property
+    def nbytes(self) -> int:
+        parts = (self.values, self.scales, self.biases) if self.quantized else (self.values,)
+        return sum(int(part.nbytes) for part in parts)
+
+    def floats(self) -> np.ndarray:
+        """The array as float32 (dequantized as MLX dequantizes)."""
+        if self.bfloat16:
+            return (np.asarray(self.values, np.uint32) << 16).view(np.float32)
+        if not self.quantized:
+            return np.asarray(self.values, np.float32)
+        shape, columns = self.shape, self.shape[-1]
+        rows = int(np.prod(shape[:-1]))
+        return dequantize_affine(self.values.reshape(rows, -1), self.scales.reshape(rows, -1),
+                                 self.biases.reshape(rows, -1), columns).reshape(shape)
+
+    def rows(self, start: int, stop: int) -> StoredMatrix:
+        """Rows ``start:stop`` of every (rows, columns) matrix it holds (axis -2)."""
+        def cut(part: np.ndarray | None) -> np.ndarray | None:
+            return None if part is None else np.ascontiguousarray(part[..., start:stop, :])
+
+        return StoredMatrix(cut(self.values), self.bfloat16, cut(self.scales), cut(self.biases), self.bits, self.group)
+
+    @staticmethod
+    def stack(parts: Sequence[StoredMatrix]) -> StoredMatrix:
+        """Matrices stored alike stacked along a new first axis (experts held one by one)."""
+        first = parts[0]
+        if any((p.quantized, p.bfloat16, p.bits, p.group, p.values.dtype) !=
+               (first.quantized, first.bfloat16, first.bits, first.group, first.values.dtype) for p in parts):
+            return StoredMatrix(np.stack([part.floats() for part in parts]))
+
+        def stacked(name: str) -> np.ndarray | None:
+            return None if getattr(first, name) is None else np.stack([getattr(part, name) for part in parts])
+
+        return StoredMatrix(stacked("values"), first.bfloat16, stacked("scales"), stacked("biases"), first.bits,
+                            first.group)
 
 
 class FolderTensors:
@@ -109,6 +174,28 @@ class FolderTensors:
         stored = self._file(name)
         return stored.halves(name, shape) if half else stored.floats(name, shape)
 
+    def stored(self, name: str, shape: tuple[int, ...]) -> StoredMatrix:
+        """``name`` as the folder stores it (for a backend computing with it so), checked as ``read``
+        checks it; refused in one line where its values are not finite."""
+        if self.quantized(name):
+            _, scales_name, biases_name = self._quantized_parts(name, shape)
+            packed, grouped = self._stored_shape(name), self._stored_shape(scales_name)
+            scales = self._file(scales_name).floats(scales_name, grouped)
+            biases = self._file(biases_name).floats(biases_name, grouped)
+            bits = packed[-1] * 32 // shape[-1]
+            return StoredMatrix(np.array(self._file(name).words(name, packed)), scales=scales, biases=biases,
+                                bits=bits, group=shape[-1] // grouped[-1])
+        stored = self._file(name)
+        dtype, raw = stored.float_view(name, shape)
+        if dtype in ("F64", "F32"):
+            return StoredMatrix(stored.floats(name, shape))
+        matrix = StoredMatrix(np.array(raw), bfloat16=dtype == "BF16")
+        exponent_full = (matrix.values & 0x7F80) == 0x7F80  # bfloat16's infinities and NaNs
+        if (exponent_full.any() if matrix.bfloat16 else not np.isfinite(matrix.values).all()):
+            raise ModelFileError(f"{self.files[name].name} holds NaN or infinite weights in {name}",
+                                 "download the model again")
+        return matrix
+
     def _quantized_parts(self, name: str, shape: tuple[int, ...]) -> tuple[str, str, str]:
         """The words, scales and biases of the quantized ``name``, checked to make ``shape``."""
         base, columns = name[:-7], shape[-1]
@@ -136,18 +223,29 @@ class FolderTensors:
         return values.reshape(shape)
 
 
+@dataclass(frozen=True)
+class Deferred:
+    """An array read only when first asked for: ``read`` it as float arrays (float32, or float16
+    for a vocabulary-sized table), ``nbytes`` what it is stored in, and ``stored`` (where given)
+    it as stored, read afresh on each call and never held (StoredMatrix)."""
+
+    read: Callable[[], np.ndarray]
+    nbytes: int
+    stored: Callable[[], StoredMatrix] | None = None
+
+
 class DeferredArrays(Mapping):
     """Arrays by name, some ``ready`` and some read only when first asked for (``deferred``: by
-    name, the read and the bytes the array is stored in): a vocabulary-sized table a backend may
-    never read in NumPy (MlxBackend.mtp_layer uses the target's own)."""
+    name, a Deferred): a vocabulary-sized table a backend may never read in NumPy
+    (MlxBackend.mtp_layer uses the target's own), and a layer's matrices a backend that holds them
+    as stored (``stored``: MLX, quantized or in half precision) never reads as NumPy floats."""
 
-    def __init__(self, ready: dict[str, np.ndarray], deferred: dict[str, tuple[Callable[[], np.ndarray], int]]) -> None:
+    def __init__(self, ready: dict[str, np.ndarray], deferred: dict[str, Deferred]) -> None:
         self._ready, self._deferred = dict(ready), dict(deferred)
 
     def __getitem__(self, name: str) -> np.ndarray:
         if name not in self._ready:
-            read, _ = self._deferred[name]  # KeyError for a name it has not
-            self._ready[name] = read()
+            self._ready[name] = self._deferred[name].read()  # KeyError for a name it has not
         return self._ready[name]
 
     def __iter__(self):
@@ -160,17 +258,31 @@ class DeferredArrays(Mapping):
         return name in self._ready
 
     def nbytes(self, name: str) -> int:
-        """What ``name`` weighs: a deferred table as stored (read or not), an array as held."""
+        """What ``name`` weighs: a deferred array as stored (read or not), an array as held."""
         if name in self._deferred:
-            return self._deferred[name][1]
+            return self._deferred[name].nbytes
         array = self._ready.get(name)
         return 0 if array is None else array.nbytes
+
+    def stored(self, name: str) -> StoredMatrix:
+        """``name`` as its file stores it, not held here (an array read already or held ready
+        as it is held)."""
+        entry = self._deferred.get(name)
+        if name in self._ready or entry is None or entry.stored is None:
+            return StoredMatrix(self[name])
+        return entry.stored()
+
+
+def deferred_matrix(make: Callable[[], StoredMatrix], nbytes: int) -> Deferred:
+    """A matrix the folder holds, ``make`` reading it as stored (and so, dequantized, as floats)."""
+    return Deferred(lambda: make().floats(), nbytes, make)
 
 
 def tables(reader: FolderTensors, candidates: dict[str, tuple[str, ...]], shape: tuple[int, ...]) -> dict:
     """For DeferredArrays: each of ``candidates`` (an array's name: the tensor names that may hold
-    it, in order) as (its read, as float16, and its stored bytes), checked now and read when first
-    asked for; arrays found under the same tensor share one read. Absent where none is held."""
+    it, in order) as a Deferred read as float16 (held by DeferredArrays) or as stored (not held),
+    checked now and read when first asked for; arrays found under the same tensor share one
+    float16 read. Absent where none is held."""
     reads: dict[str, Callable[[], np.ndarray]] = {}
     found = {}
     for key, names in candidates.items():
@@ -186,5 +298,5 @@ def tables(reader: FolderTensors, candidates: dict[str, tuple[str, ...]], shape:
                 return held[0]
 
             reads[name] = read
-        found[key] = (reads[name], reader.check(name, shape))
+        found[key] = Deferred(reads[name], reader.check(name, shape), lambda name=name: reader.stored(name, shape))
     return found

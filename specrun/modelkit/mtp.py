@@ -27,7 +27,7 @@ from specrun.fileio import MiB, read_limited
 from specrun.heads.config import HeadsConfig
 from specrun.heads.mtp import DEFAULT_DEPTH, MtpHeads, MtpLayout
 from specrun.modelkit.gguf_header import header_values
-from specrun.modelkit.folder_tensors import DeferredArrays, FolderTensors, tables
+from specrun.modelkit.folder_tensors import Deferred, DeferredArrays, FolderTensors, StoredMatrix, deferred_matrix, tables
 from specrun.modelkit.gguf_io import read_fields
 
 # Architectures whose MTP layers specrun reads (those llama.cpp runs its draft-mtp with, too, are
@@ -54,19 +54,32 @@ class LazyGgufTensors(Mapping):
         self._tensors: dict[Path, dict] = {}  # each file's tensors by name, once one of it is read
 
     def __getitem__(self, key: str) -> np.ndarray:
-        if key not in self._infos:
-            raise KeyError(key)
         if key not in self._read:
-            path, name, _ = self._infos[key]
-            if path not in self._tensors:
-                self._tensors[path] = {t.name: t for t in gguf.GGUFReader(str(path)).tensors}
-            found = self._tensors[path][name]
-            data = np.asarray(found.data)
-            if found.tensor_type not in _PLAIN_TYPES:
-                data = gguf.quants.dequantize(data, found.tensor_type)
+            data = self._data(key)
             big = data.shape == (self._vocab, self._hidden) and data.dtype == np.float16
             self._read[key] = data if big else data.astype(np.float32)
         return self._read[key]
+
+    def _data(self, key: str) -> np.ndarray:
+        """The tensor as stored (F32 or F16), or dequantized to float32; not held here."""
+        if key not in self._infos:
+            raise KeyError(key)
+        path, name, _ = self._infos[key]
+        if path not in self._tensors:
+            self._tensors[path] = {t.name: t for t in gguf.GGUFReader(str(path)).tensors}
+        found = self._tensors[path][name]
+        data = np.asarray(found.data)
+        if found.tensor_type not in _PLAIN_TYPES:
+            data = gguf.quants.dequantize(data, found.tensor_type)
+        return data
+
+    def loaded(self, key: str) -> bool:
+        return key in self._read
+
+    def stored(self, key: str) -> StoredMatrix:
+        """The tensor as the GGUF stores it where that is float (F32, F16), else dequantized to
+        float32 (llama.cpp's block quantizations are not MLX's), read afresh: not held here."""
+        return StoredMatrix(self._read[key] if key in self._read else np.array(self._data(key)))
 
     def __iter__(self):
         return iter(self._infos)
@@ -338,8 +351,8 @@ def read_mtp_folder(folder: str | Path, depth: int = DEFAULT_DEPTH) -> MtpHeads:
     hidden, vocab = int(config["hidden_size"]), int(config["vocab_size"])
     mtp = f"model.layers.{block}"
 
-    def tensor(name: str, shape: tuple[int, ...], required: bool = True) -> np.ndarray | None:
-        return reader.first((name,), shape, required)
+    def tensor(name: str, shape: tuple[int, ...], required: bool = True) -> np.ndarray | Deferred | None:
+        return _matrix(reader, (name,), shape, required) if len(shape) > 1 else reader.first((name,), shape, required)
 
     heads_count = int(config["num_attention_heads"])
     kv_count = int(config.get("num_key_value_heads", heads_count))
@@ -396,8 +409,8 @@ def read_mtp_folder(folder: str | Path, depth: int = DEFAULT_DEPTH) -> MtpHeads:
             **{f"{part}_exps": tensor(f"{mtp}.mlp.switch_mlp.{part}_proj.weight",
                                       (experts, hidden, width) if part == "down" else (experts, width, hidden))
                if f"{mtp}.mlp.switch_mlp.{part}_proj.weight" in reader else
-               np.stack([tensor(f"{mtp}.mlp.experts.{e}.{part}_proj.weight",
-                                (hidden, width) if part == "down" else (width, hidden)) for e in range(experts)])
+               _stacked(reader, [f"{mtp}.mlp.experts.{e}.{part}_proj.weight" for e in range(experts)],
+                        (hidden, width) if part == "down" else (width, hidden))
                for part in ("gate", "up", "down")},
         )
         if shared:
@@ -411,8 +424,35 @@ def read_mtp_folder(folder: str | Path, depth: int = DEFAULT_DEPTH) -> MtpHeads:
                        for part in ("gate", "up", "down")})
     heads_config = HeadsConfig(kind="mtp", num_heads=depth, num_layers=count, hidden_size=hidden, vocab_size=vocab,
                                draft_vocab_size=vocab, target_name=folder.name, target_layers=block)
-    return MtpHeads(heads_config, layout, DeferredArrays({k: v for k, v in arrays.items() if v is not None}, deferred),
-                    target_arrays=frozenset(target_arrays))
+    return MtpHeads(heads_config, layout, _held(arrays, deferred), target_arrays=frozenset(target_arrays))
+
+
+def _matrix(reader: FolderTensors, names: tuple[str, ...], shape: tuple[int, ...], required: bool = True,
+            rows: tuple[int, int] | None = None) -> Deferred | None:
+    """The first of ``names`` the folder holds (a matrix: ``rows`` of it where given), checked now
+    and read when first asked for, as FolderTensors.first would refuse or pass over it."""
+    name = next((name for name in names if name in reader), None)
+    if name is None:
+        return reader.first(names, shape, required)  # None, or the one-line refusal
+    stored_bytes = reader.check(name, shape)
+    if rows is None:
+        return deferred_matrix(lambda: reader.stored(name, shape), stored_bytes)
+    start, stop = rows
+    return deferred_matrix(lambda: reader.stored(name, shape).rows(start, stop),
+                           stored_bytes * (stop - start) // shape[-2])
+
+
+def _stacked(reader: FolderTensors, names: list[str], shape: tuple[int, ...]) -> Deferred:
+    """Matrices held one by one (experts) as one (len(names), *shape) array, checked now."""
+    stored_bytes = sum(reader.check(name, shape) for name in names)
+    return deferred_matrix(lambda: StoredMatrix.stack([reader.stored(name, shape) for name in names]), stored_bytes)
+
+
+def _held(arrays: dict, tables: dict[str, Deferred]) -> DeferredArrays:
+    """The layer's ``arrays`` (read already, or a Deferred; None: absent) beside the tables."""
+    ready = {name: value for name, value in arrays.items() if isinstance(value, np.ndarray)}
+    deferred = {name: value for name, value in arrays.items() if isinstance(value, Deferred)}
+    return DeferredArrays(ready, {**tables, **deferred})
 
 
 def _quant_method(config: dict) -> str:
@@ -446,8 +486,11 @@ def _qwen_folder(folder: Path, config: dict, arch: str, reader: FolderTensors, c
     model's names (Hugging Face's, or mlx-lm's once converted)."""
     hidden, vocab = int(config["hidden_size"]), int(config["vocab_size"])
 
-    def mtp(name: str, shape: tuple[int, ...], norm: bool = False) -> np.ndarray:
-        values = reader.first(tuple(f"{prefix}mtp.{name}" for prefix in _QWEN_PREFIXES), shape)
+    def mtp(name: str, shape: tuple[int, ...], norm: bool = False, rows: tuple[int, int] | None = None):
+        names = tuple(f"{prefix}mtp.{name}" for prefix in _QWEN_PREFIXES)
+        if len(shape) > 1 and not norm:
+            return _matrix(reader, names, shape, rows=rows)
+        values = reader.first(names, shape)
         return values + 1.0 if norm else values
 
     heads_count = int(config["num_attention_heads"])
@@ -496,7 +539,8 @@ def _qwen_folder(folder: Path, config: dict, arch: str, reader: FolderTensors, c
             arrays.update({f"{part}_proj": mtp(f"{mlp}.shared_expert.{part}_proj.weight",
                                                (hidden, shared) if part == "down" else (shared, hidden))
                            for part in ("gate", "up", "down")},
-                          shared_gate=mtp(f"{mlp}.shared_expert_gate.weight", (1, hidden)).reshape(hidden))
+                          shared_gate=reader.first(tuple(f"{prefix}mtp.{mlp}.shared_expert_gate.weight"
+                                                         for prefix in _QWEN_PREFIXES), (1, hidden)).reshape(hidden))
     else:
         width = int(config["intermediate_size"])
         arrays.update({f"{part}_proj": mtp(f"{mlp}.{part}_proj.weight",
@@ -505,7 +549,7 @@ def _qwen_folder(folder: Path, config: dict, arch: str, reader: FolderTensors, c
     heads_config = HeadsConfig(kind="mtp", num_heads=depth, num_layers=count, hidden_size=hidden, vocab_size=vocab,
                                draft_vocab_size=vocab, target_name=folder.name,
                                target_layers=int(config["num_hidden_layers"]))
-    return MtpHeads(heads_config, layout, DeferredArrays(arrays, deferred), target_arrays=frozenset(deferred))
+    return MtpHeads(heads_config, layout, _held(arrays, deferred), target_arrays=frozenset(deferred))
 
 
 def _qwen_experts(mtp, reader: FolderTensors, mlp: str, experts: int, width: int, hidden: int) -> dict:
@@ -519,15 +563,19 @@ def _qwen_experts(mtp, reader: FolderTensors, mlp: str, experts: int, width: int
     fused = next((name for name in (f"{mlp}.experts.gate_up_proj", f"{mlp}.experts.gate_up_proj.weight")
                   if held(name)), None)
     if fused is not None:
-        both = mtp(fused, (experts, 2 * width, hidden))
         down = f"{mlp}.experts.down_proj" + ("" if fused.endswith("proj") else ".weight")
-        return dict(gate_exps=np.ascontiguousarray(both[:, :width]), up_exps=np.ascontiguousarray(both[:, width:]),
+        return dict(gate_exps=mtp(fused, (experts, 2 * width, hidden), rows=(0, width)),
+                    up_exps=mtp(fused, (experts, 2 * width, hidden), rows=(width, 2 * width)),
                     down_exps=mtp(down, (experts, hidden, width)))
     if held(f"{mlp}.switch_mlp.gate_proj.weight"):
         return {f"{part}_exps": mtp(f"{mlp}.switch_mlp.{part}_proj.weight",
                                     (experts, hidden, width) if part == "down" else (experts, width, hidden))
                 for part in ("gate", "up", "down")}
-    return {f"{part}_exps": np.stack([mtp(f"{mlp}.experts.{e}.{part}_proj.weight",
-                                          (hidden, width) if part == "down" else (width, hidden))
-                                      for e in range(experts)])
+
+    def one_by_one(part: str) -> list[str]:  # each expert's name as the folder holds it, refused where none
+        names = [tuple(f"{prefix}mtp.{mlp}.experts.{e}.{part}_proj.weight" for prefix in _QWEN_PREFIXES)
+                 for e in range(experts)]
+        return [next((name for name in these if name in reader), None) or reader.first(these, (0,)) for these in names]
+
+    return {f"{part}_exps": _stacked(reader, one_by_one(part), (hidden, width) if part == "down" else (width, hidden))
             for part in ("gate", "up", "down")}

@@ -13,6 +13,7 @@ import pytest
 
 from specrun.backends.kv import KVSequence
 from specrun.drafters.heads.mtp import MtpDrafter
+from specrun.heads.mtp import MtpHeads
 from specrun.modelkit.mtp import read_mtp_gguf
 from specrun.sampling import SamplingSettings
 
@@ -478,7 +479,9 @@ def test_the_mlx_layer_computes_what_the_numpy_layer_does(carriers, layout):
     pytest.importorskip("mlx", reason="the MLX backend is not installed")
     from specrun.backends.mtp_mlx import MlxMtpLayer
 
-    heads = read_mtp_gguf(carriers[layout])
+    stored = read_mtp_gguf(carriers[layout])  # float16 matrices, which MLX multiplies in float16: the
+    heads = MtpHeads(stored.config, stored.layout,  # math is compared in float32 (the next test: float16)
+                     {name: np.asarray(stored.tensors[name], np.float32) for name in stored.tensors})
     ours = MlxMtpLayer(heads)
     rng = np.random.default_rng(3)
     states = rng.standard_normal((6, heads.config.hidden_size)).astype(np.float32)
@@ -493,6 +496,45 @@ def test_the_mlx_layer_computes_what_the_numpy_layer_does(carriers, layout):
     for mine, theirs in zip(got, expected):
         np.testing.assert_allclose(mine, theirs, rtol=1e-3, atol=1e-3)
     np.testing.assert_allclose(ours.logits(expected[0]), heads.logits(expected[0]), rtol=1e-3, atol=1e-3)
+
+
+def _close_at(got: np.ndarray, expected: np.ndarray, fraction: float) -> None:
+    """Within ``fraction`` of the largest magnitude expected (a half-precision computation's
+    rounding, compounded over the layer's few products)."""
+    assert np.abs(got - expected).max() <= fraction * np.abs(expected).max()
+
+
+def _layer_outputs(layer, heads, seed: int = 3):
+    """(the layer's fused inputs, outputs and logits) on random states and tokens."""
+    rng = np.random.default_rng(seed)
+    states = rng.standard_normal((4, heads.config.hidden_size)).astype(np.float32)
+    tokens = rng.integers(0, heads.config.vocab_size, 4)
+    fused = layer.fuse(states, tokens)
+    none = heads.no_entries(np.float32)
+    out, _, _ = layer.layer(fused, np.arange(4), none, none, np.tri(4, dtype=bool))
+    return fused, out, layer.logits(out)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_the_mlx_layer_holds_a_gguf_s_float16_matrices_as_stored(carriers, layout):
+    """The GGUF's float16 matrices become float16 MLX arrays, multiplied in float16 as an MLX model
+    computes: half of float32's bytes held, none of them held by the NumPy mapping as well, and
+    the layer's outputs those of the NumPy layer within float16's rounding."""
+    pytest.importorskip("mlx", reason="the MLX backend is not installed")
+    import mlx.core as mx
+
+    from specrun.backends.mtp_mlx import MlxMtpLayer
+
+    heads = read_mtp_gguf(carriers[layout])
+    layer = MlxMtpLayer(heads)
+    assert not any(heads.tensors.loaded(name) for name in heads.tensors)
+    matrices = [name for name, weight in layer._w.items() if weight.ndim > 1]
+    assert {"eh_proj", "q_proj", "o_proj", "lm_head"} <= set(matrices)
+    assert all(layer._w[name].dtype == mx.float16 for name in matrices)
+    as_float32 = sum(4 * int(np.prod(heads.tensors[name].shape)) for name in heads.tensors)
+    assert layer.nbytes < 0.55 * as_float32
+    for got, expected in zip(_layer_outputs(layer, heads), _layer_outputs(heads, heads)):
+        _close_at(got, expected, 1e-2)
 
 
 def test_a_pass_llama_cpp_refuses_drafts_nothing_and_the_next_proposal_catches_up_afresh(glm_mtp, native, backend,
@@ -603,6 +645,65 @@ def test_on_mlx_a_quantized_target_drafts_with_its_grafted_quantized_mtp_layer(q
         assert heads.depth_bytes > heads.tensors.nbytes("lm_head") > 0
         assert heads.tensors.nbytes("lm_head") < heads.config.vocab_size * heads.config.hidden_size
         assert not heads.tensors.loaded("embed") and not heads.tensors.loaded("lm_head")
+    finally:
+        target.close()
+
+
+def test_the_mlx_layer_holds_a_quantized_folder_s_matrices_packed(quantized_qwen):
+    """The grafted 4-bit block and mlx-lm's 4-bit tables stay packed in MLX (quantized_matmul; the
+    embedding's rows dequantized as read): under a third of float32's bytes, none read into NumPy,
+    and the layer's outputs what the NumPy layer computes on the same weights dequantized (to
+    float16's rounding: NumPy holds a vocabulary's tables in float16)."""
+    from specrun.backends.mtp_mlx import MlxMtpLayer, _Quantized
+    from specrun.modelkit.mtp import read_mtp_folder
+
+    heads = read_mtp_folder(quantized_qwen["grafted"])
+    layer = MlxMtpLayer(heads)
+    matrices = [name for name in heads.tensors if len(heads.tensors.stored(name).shape) > 1]
+    assert {"eh_proj", "q_proj", "down_proj", "embed", "lm_head"} <= set(matrices)
+    assert not any(heads.tensors.loaded(name) for name in matrices)
+    assert all(isinstance(layer._w[name], _Quantized) for name in matrices)
+    as_float32 = sum(4 * int(np.prod(heads.tensors.stored(name).shape)) for name in heads.tensors)
+    assert layer.nbytes < as_float32 / 3
+    for got, expected in zip(_layer_outputs(layer, heads), _layer_outputs(heads, heads)):
+        _close_at(got, expected, 1e-3)  # the NumPy layer holds the dequantized tables in float16
+
+
+def test_a_bfloat16_folder_s_mtp_layer_is_held_in_bfloat16_and_drafts_losslessly(quantized_qwen, tmp_path):
+    """A checkpoint storing the block in bfloat16 (as Hugging Face's do): NumPy reads it as float32,
+    MLX holds and multiplies it in bfloat16 (half the bytes), within bfloat16's rounding of the
+    NumPy layer; an MLX target drafting with it gives plain decoding's tokens."""
+    import shutil
+
+    import mlx.core as mx
+
+    from specrun.backends.mtp_mlx import MlxMtpLayer
+    from specrun.drafters.methods import DrafterOptions, build_drafter
+    from specrun.engine.loop import GenerationParams, SpeculativeEngine
+    from specrun.modelkit.mtp import read_mtp_folder
+
+    folder = shutil.copytree(quantized_qwen["float"], tmp_path / "bf16")
+    weights = mx.load(str(folder / "model.safetensors"))
+    weights = {name: value.astype(mx.bfloat16) if name.startswith("mtp.") and value.ndim > 1 else value
+               for name, value in weights.items()}
+    mx.save_safetensors(str(folder / "model.safetensors"), weights)
+    heads = read_mtp_folder(folder)
+    layer = MlxMtpLayer(heads)
+    assert layer._w["eh_proj"].dtype == mx.bfloat16 and layer._w["down_proj"].dtype == mx.bfloat16
+    assert not heads.tensors.loaded("eh_proj")
+    np.testing.assert_array_equal(heads.tensors["eh_proj"], np.array(weights["mtp.fc.weight"].astype(mx.float32)))
+    for got, expected in zip(_layer_outputs(layer, heads), _layer_outputs(heads, heads)):
+        _close_at(got, expected, 5e-2)
+    target = open_target("mlx", folder)
+    try:
+        engine = SpeculativeEngine(target, None)
+        ids = target.tokenize("def hello(world):")
+        plain = engine.run(ids, GenerationParams(24, 0)).token_ids
+        drafter = build_drafter("mtp", None, DrafterOptions(heads=read_mtp_folder(folder)))
+        engine.set_drafter(drafter, "mtp")
+        result = engine.run(ids, GenerationParams(24, 3))
+        drafter.close()
+        assert result.token_ids == plain and result.stats.drafted > 0
     finally:
         target.close()
 
