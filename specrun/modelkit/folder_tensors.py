@@ -143,16 +143,34 @@ class FolderTensors:
                                  "download the model again")
         return tuple(entry.shape)
 
-    def check(self, name: str, shape: tuple[int, ...]) -> int:
+    def check(self, name: str, shape: tuple[int, ...], values: bool = False) -> int:
         """Refuse ``name`` as ``read`` would for its header alone (missing, of another shape, or
-        quantized into another), reading none of its data; the bytes it is stored in."""
+        quantized into another), reading none of its data; with ``values``, where its values (or
+        its scales and biases) are not finite too, holding none of them. The bytes it is stored in."""
         if self.quantized(name):
-            return sum(self._file(part).tensors[part].end - self._file(part).tensors[part].start
-                       for part in self._quantized_parts(name, shape))
+            parts = self._quantized_parts(name, shape)
+            for part in parts[1:] if values else ():  # the scales and biases: any word is a value
+                dtype, raw = self._file(part).float_view(part, self._stored_shape(part))
+                self._refuse_unfinite(part, raw.reshape(-1), dtype == "BF16")
+            return sum(self._file(part).tensors[part].end - self._file(part).tensors[part].start for part in parts)
         entry = self._file(name).tensors.get(name)
         if entry is None or tuple(entry.shape) != tuple(shape) or entry.dtype not in ("F64", "F32", "F16", "BF16"):
             self._file(name).floats(name, shape)  # its one-line refusal
+        if values:
+            dtype, raw = self._file(name).float_view(name, shape)
+            self._refuse_unfinite(name, raw.reshape(-1), dtype == "BF16")
         return entry.end - entry.start
+
+    def _refuse_unfinite(self, name: str, values: np.ndarray, bfloat16: bool) -> None:
+        """One line where ``values`` (flat, as stored: bfloat16 as its bits) hold NaN or infinities,
+        read a slice at a time (a vocabulary-sized table's mask would be its size again)."""
+        step = 1 << 22
+        for start in range(0, len(values), step):
+            part = values[start : start + step]
+            bad = ((part & 0x7F80) == 0x7F80).any() if bfloat16 else not np.isfinite(part).all()
+            if bad:
+                raise ModelFileError(f"{self.files[name].name} holds NaN or infinite weights in {name}",
+                                     "download the model again")
 
     def first(self, names: tuple[str, ...], shape: tuple[int, ...], required: bool = True) -> np.ndarray | None:
         """The first of ``names`` the folder holds, read as ``read`` reads it; None where it holds
@@ -190,10 +208,7 @@ class FolderTensors:
         if dtype in ("F64", "F32"):
             return StoredMatrix(stored.floats(name, shape))
         matrix = StoredMatrix(np.array(raw), bfloat16=dtype == "BF16")
-        exponent_full = (matrix.values & 0x7F80) == 0x7F80  # bfloat16's infinities and NaNs
-        if (exponent_full.any() if matrix.bfloat16 else not np.isfinite(matrix.values).all()):
-            raise ModelFileError(f"{self.files[name].name} holds NaN or infinite weights in {name}",
-                                 "download the model again")
+        self._refuse_unfinite(name, matrix.values.reshape(-1), matrix.bfloat16)  # bfloat16's by its exponent bits
         return matrix
 
     def _quantized_parts(self, name: str, shape: tuple[int, ...]) -> tuple[str, str, str]:

@@ -434,7 +434,7 @@ def _matrix(reader: FolderTensors, names: tuple[str, ...], shape: tuple[int, ...
     name = next((name for name in names if name in reader), None)
     if name is None:
         return reader.first(names, shape, required)  # None, or the one-line refusal
-    stored_bytes = reader.check(name, shape)
+    stored_bytes = reader.check(name, shape, values=True)
     if rows is None:
         return deferred_matrix(lambda: reader.stored(name, shape), stored_bytes)
     start, stop = rows
@@ -443,8 +443,12 @@ def _matrix(reader: FolderTensors, names: tuple[str, ...], shape: tuple[int, ...
 
 
 def _stacked(reader: FolderTensors, names: list[str], shape: tuple[int, ...]) -> Deferred:
-    """Matrices held one by one (experts) as one (len(names), *shape) array, checked now."""
-    stored_bytes = sum(reader.check(name, shape) for name in names)
+    """Matrices held one by one (experts) as one (len(names), *shape) array, checked now (one
+    line naming the first the folder lacks)."""
+    for name in names:
+        if name not in reader:
+            reader.first((name,), shape)  # the one-line refusal
+    stored_bytes = sum(reader.check(name, shape, values=True) for name in names)
     return deferred_matrix(lambda: StoredMatrix.stack([reader.stored(name, shape) for name in names]), stored_bytes)
 
 

@@ -305,6 +305,55 @@ def test_a_model_folder_s_mtp_layer_reads_as_its_gguf_s(glm_mtp):
                                       np.asarray(from_gguf.tensors[name], np.float32), name)
 
 
+def test_a_float16_folder_s_mtp_layer_reads_as_its_gguf_s_and_mlx_holds_it_in_float16(glm_mtp, tmp_path):
+    """A checkpoint stored in float16 (experts one by one): NumPy reads the GGUF's numbers (both
+    float16), and MLX holds the block in float16, stacked experts too."""
+    from mtp_models import write_glm_hf_folder
+
+    from specrun.modelkit.mtp import read_mtp_folder
+
+    folder = write_glm_hf_folder(tmp_path / "half", glm_mtp["shape"], glm_mtp["weights"], dtype="float16")
+    heads, from_gguf = read_mtp_folder(folder), read_mtp_gguf(glm_mtp["gguf"])
+    for name in ("eh_proj", "q_proj", "gate_exps", "down_proj"):
+        np.testing.assert_array_equal(heads.tensors[name], np.asarray(from_gguf.tensors[name], np.float32), name)
+    mx = pytest.importorskip("mlx.core", reason="the MLX backend is not installed")
+    from specrun.backends.mtp_mlx import MlxMtpLayer
+
+    layer = MlxMtpLayer(read_mtp_folder(folder))
+    assert all(layer._w[name].dtype == mx.float16 for name in ("eh_proj", "q_proj", "gate_exps", "down_exps"))
+
+
+def _folder_with(glm_mtp, folder: Path, change, monkeypatch) -> Path:
+    """glm_mtp's weights as a Hugging Face folder, its tensors (by name) changed by ``change``."""
+    import mtp_models
+
+    tensors = mtp_models.hf_glm_tensors(glm_mtp["shape"], glm_mtp["weights"])
+    change(tensors)
+    with monkeypatch.context() as patched:
+        patched.setattr(mtp_models, "hf_glm_tensors", lambda shape, weights: tensors)
+        return mtp_models.write_glm_hf_folder(folder, glm_mtp["shape"], glm_mtp["weights"])
+
+
+def test_a_folder_lacking_an_expert_or_holding_nan_weights_is_refused_as_it_is_read(glm_mtp, tmp_path, monkeypatch):
+    """The block's matrices are read only when drafting starts, but what is wrong with them is
+    said when the folder is read: a missing expert names itself, NaN weights their tensor."""
+    from specrun.errors import ModelFileError
+    from specrun.modelkit.mtp import read_mtp_folder
+
+    block = f"model.layers.{glm_mtp['shape'].trunk_layers}"
+    lacking = _folder_with(glm_mtp, tmp_path / "lacking",
+                           lambda tensors: tensors.pop(f"{block}.mlp.experts.1.gate_proj.weight"), monkeypatch)
+    with pytest.raises(ModelFileError, match=rf"lacks {block}\.mlp\.experts\.1\.gate_proj\.weight"):
+        read_mtp_folder(lacking)
+
+    def poisoned(tensors):
+        tensors[f"{block}.eh_proj.weight"] = tensors[f"{block}.eh_proj.weight"].copy()
+        tensors[f"{block}.eh_proj.weight"][3, 5] = np.nan
+
+    with pytest.raises(ModelFileError, match=rf"NaN or infinite weights in {block}\.eh_proj\.weight"):
+        read_mtp_folder(_folder_with(glm_mtp, tmp_path / "nan", poisoned, monkeypatch))
+
+
 def test_on_mlx_the_drafter_s_chains_are_llama_cpp_s_draft_mtp_chains(glm_mtp, native):
     """MLX's hidden states (float32 arithmetic) and the layer read from the folder, against
     llama.cpp's driver on the GGUF of the same weights (float16 matrix products): the same greedy
