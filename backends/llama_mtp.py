@@ -22,9 +22,9 @@ _SET_NEXTN = "_Z26llama_set_embeddings_nextnP13llama_contextbb"
 _GET_NEXTN = "_Z26llama_get_embeddings_nextnP13llama_context"
 # Architectures whose MTP layers specrun drives through llama.cpp: those whose state llama.cpp
 # gives the MTP layer is the target's final normed state, the one specrun's hidden-state tracking
-# records (GLM-4.5's, Qwen3.5's and Qwen3-Next's; tests/heads/test_mtp.py compares the drafts with
-# llama.cpp's own driver).
-NATIVE_ARCHS = ("glm4moe", "qwen35", "qwen35moe", "qwen3next")
+# records (GLM-4.5's, Qwen3.5's, Qwen3-Next's and DeepSeek's latent attention, GLM-4.7-Flash's;
+# tests/heads/test_mtp.py compares the drafts with llama.cpp's own driver).
+NATIVE_ARCHS = ("deepseek2", "glm4moe", "qwen35", "qwen35moe", "qwen3next")
 
 
 def nextn_functions(llama_cpp):

@@ -120,6 +120,8 @@ class MlxMtpLayer:
         return np.array(self._linear(joined, "eh_proj"))
 
     def _rope(self, x, positions):
+        """The first rope_dims of each head of ``x`` (N, heads, d) turned: halves, or consecutive
+        pairs (``rope_pairs``), as heads/mtp.py turns them."""
         mx = self._mx
         turned = self.layout.rope_dims
         half = turned // 2
@@ -127,8 +129,34 @@ class MlxMtpLayer:
         angles = np.asarray(positions, np.float64)[:, None] * frequencies
         cos = mx.array(np.cos(angles).astype(np.float32))[:, None, :]
         sin = mx.array(np.sin(angles).astype(np.float32))[:, None, :]
-        first, second, rest = x[..., :half], x[..., half:turned], x[..., turned:]
+        rest = x[..., turned:]
+        if self.layout.rope_pairs:
+            pairs = x[..., :turned].reshape(*x.shape[:-1], half, 2)
+            first, second = pairs[..., 0], pairs[..., 1]
+            both = mx.stack([first * cos - second * sin, first * sin + second * cos], axis=-1)
+            return mx.concatenate([both.reshape(*x.shape[:-1], turned), rest], axis=-1)
+        first, second = x[..., :half], x[..., half:turned]
         return mx.concatenate([first * cos - second * sin, first * sin + second * cos, rest], axis=-1)
+
+    def _latent(self, x, positions):
+        """MLA's queries and entries (heads/mtp.py's _latent)."""
+        mx, layout = self._mx, self.layout
+        rank, turned, count = layout.kv_lora_rank, layout.rope_dims, x.shape[0]
+        q = self._linear(self._norm(self._linear(x, "q_a"), "q_a_norm"), "q_b")
+        q = q.reshape(count, layout.num_attention_heads, layout.head_dim)
+        nope = layout.head_dim - turned
+        k_b = self._w["k_b"]  # (nh, r_kv, nope)
+        k_b = k_b.astype(mx.float32) if not isinstance(k_b, _Quantized) else self._dequantized(k_b)
+        absorbed = mx.einsum("nhd,hrd->nhr", q[..., :nope], k_b)
+        latent = self._linear(x, "kv_a")
+        compressed = self._norm(latent[:, :rank], "kv_a_norm")
+        queries = mx.concatenate([absorbed, self._rope(q[..., nope:], positions)], axis=-1)
+        entries = mx.concatenate([compressed, self._rope(latent[:, None, rank:], positions)[:, 0]], axis=-1)
+        return queries, entries[:, None, :]
+
+    def _dequantized(self, weight):
+        return self._mx.dequantize(weight.words, weight.scales, weight.biases, group_size=weight.group,
+                                   bits=weight.bits)
 
     def layer(self, fused, positions, past_keys, past_values, attend):
         mx, layout = self._mx, self.layout
@@ -136,24 +164,35 @@ class MlxMtpLayer:
         h = mx.array(fused, mx.float32)
         x = self._norm(h, "attn_norm")
         gate = None
-        if layout.gated_attention:
-            both = self._linear(x, "q_proj", "q_bias").reshape(count, layout.num_attention_heads, 2 * hd)
-            queries, gate = both[..., :hd], both[..., hd:]
+        if layout.kv_lora_rank:
+            queries, keys = self._latent(x, positions)
+            values = keys
         else:
-            queries = self._linear(x, "q_proj", "q_bias").reshape(count, layout.num_attention_heads, hd)
-        keys = self._linear(x, "k_proj", "k_bias").reshape(count, layout.num_key_value_heads, hd)
-        values = self._linear(x, "v_proj", "v_bias").reshape(count, layout.num_key_value_heads, hd)
-        if "q_norm" in self._w:
-            queries = self._norm(queries, "q_norm")
-        if "k_norm" in self._w:
-            keys = self._norm(keys, "k_norm")
-        queries, keys = self._rope(queries, positions), self._rope(keys, positions)
-        group = layout.num_attention_heads // layout.num_key_value_heads
-        all_keys = mx.repeat(mx.concatenate([mx.array(past_keys, mx.float32), keys]), group, axis=1)
-        all_values = mx.repeat(mx.concatenate([mx.array(past_values, mx.float32), values]), group, axis=1)
-        scores = mx.einsum("nhd,mhd->hnm", queries, all_keys) / math.sqrt(hd)
-        scores = mx.where(mx.array(attend)[None], scores, -mx.inf)
-        attended = mx.einsum("hnm,mhd->nhd", mx.softmax(scores, axis=-1), all_values)
+            if layout.gated_attention:
+                both = self._linear(x, "q_proj", "q_bias").reshape(count, layout.num_attention_heads, 2 * hd)
+                queries, gate = both[..., :hd], both[..., hd:]
+            else:
+                queries = self._linear(x, "q_proj", "q_bias").reshape(count, layout.num_attention_heads, hd)
+            keys = self._linear(x, "k_proj", "k_bias").reshape(count, layout.num_key_value_heads, hd)
+            values = self._linear(x, "v_proj", "v_bias").reshape(count, layout.num_key_value_heads, hd)
+            if "q_norm" in self._w:
+                queries = self._norm(queries, "q_norm")
+            if "k_norm" in self._w:
+                keys = self._norm(keys, "k_norm")
+            queries, keys = self._rope(queries, positions), self._rope(keys, positions)
+        kv_heads = layout.num_key_value_heads
+        group = layout.num_attention_heads // kv_heads  # query heads a key head serves
+        all_keys = mx.concatenate([mx.array(past_keys, mx.float32), keys])
+        all_values = mx.concatenate([mx.array(past_values, mx.float32), values])
+        grouped = queries.reshape(count, kv_heads, group, -1)
+        scores = mx.einsum("nkgd,mkd->kgnm", grouped, all_keys).reshape(layout.num_attention_heads, count, -1)
+        scores = mx.where(mx.array(attend)[None], scores / math.sqrt(hd), -mx.inf)
+        weights = mx.softmax(scores, axis=-1).reshape(kv_heads, group, count, -1)
+        attended = mx.einsum("kgnm,mkd->nkgd", weights, all_values).reshape(count, layout.num_attention_heads, -1)
+        if layout.kv_lora_rank:  # each head's latent read back up to its values
+            v_b = self._w["v_b"]
+            v_b = v_b.astype(mx.float32) if not isinstance(v_b, _Quantized) else self._dequantized(v_b)
+            attended = mx.einsum("nhr,hvr->nhv", attended[..., : layout.kv_lora_rank], v_b)
         if gate is not None:
             attended = attended * mx.sigmoid(gate)
         after = h + self._linear(attended.reshape(count, -1), "o_proj")

@@ -5,6 +5,11 @@ q/k/v, partial rotary embeddings and a post-attention norm, then one MTP (``next
 MLP is routed experts (sigmoid gate, selection bias, a shared expert), sharing the target's
 embedding and output head. Random weights, rounded to float16 once so that the F16 GGUF holds
 exactly the numbers the NumPy reference reads.
+
+``deepseek_mtp``: DeepSeek's latent attention (llama.cpp's ``deepseek2``, the layout GLM-4.7-Flash
+converts to): MLA blocks (a query down- and up-projection, one latent key/value a position, k_b and
+v_b split as current conversions write them), a dense first block, then routed experts with a
+shared one, and one MTP block of the same attention over routed experts.
 """
 
 from __future__ import annotations
@@ -74,9 +79,13 @@ def glm_shapes(shape: GlmShape) -> dict[str, tuple[int, ...]]:
 
 def glm_weights(shape: GlmShape, seed: int = 0) -> dict[str, np.ndarray]:
     """Seeded weights scaled so states stay O(1) and logits spread by a few units, float16-exact."""
+    return _random_weights(glm_shapes(shape), shape.hidden, seed)
+
+
+def _random_weights(shapes: dict[str, tuple[int, ...]], hidden: int, seed: int) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(seed)
     weights = {}
-    for name, dims in glm_shapes(shape).items():
+    for name, dims in shapes.items():
         if name.endswith("norm.weight"):
             value = 1.0 + 0.1 * rng.standard_normal(dims)
         elif name.endswith("exp_probs_b.bias"):
@@ -86,7 +95,7 @@ def glm_weights(shape: GlmShape, seed: int = 0) -> dict[str, np.ndarray]:
         elif name == "token_embd.weight":
             value = rng.standard_normal(dims)
         elif name == "output.weight":
-            value = 4.0 / np.sqrt(shape.hidden) * rng.standard_normal(dims)
+            value = 4.0 / np.sqrt(hidden) * rng.standard_normal(dims)
         else:
             value = 1.5 / np.sqrt(dims[-1]) * rng.standard_normal(dims)
         weights[name] = value.astype(np.float16).astype(np.float32)
@@ -145,6 +154,117 @@ def write_glm_gguf(path: Path, shape: GlmShape, weights: dict[str, np.ndarray], 
     return path
 
 
+@dataclass(frozen=True)
+class DeepseekShape:
+    hidden: int = 128
+    heads: int = 4
+    q_rank: int = 48
+    kv_rank: int = 32
+    nope: int = 16
+    rope_dims: int = 8
+    v_dim: int = 16
+    dense_ffn: int = 256
+    trunk_layers: int = 2
+    dense_layers: int = 1
+    experts: int = 4
+    experts_used: int = 2
+    expert_ffn: int = 64
+    weights_scale: float = 2.5
+    rope_theta: float = 10000.0
+    eps: float = 1e-5
+    context: int = 512
+
+
+def deepseek_shapes(shape: DeepseekShape) -> dict[str, tuple[int, ...]]:
+    """GGUF names and NumPy shapes (llama.cpp's dims reversed) of every tensor, the MTP block last."""
+    h, e, f = shape.hidden, shape.experts, shape.expert_ffn
+    shapes = {"token_embd.weight": (VOCAB_SIZE, h), "output_norm.weight": (h,), "output.weight": (VOCAB_SIZE, h)}
+    for index in range(shape.trunk_layers + 1):
+        b = f"blk.{index}"
+        shapes.update({
+            f"{b}.attn_norm.weight": (h,), f"{b}.attn_q_a.weight": (shape.q_rank, h),
+            f"{b}.attn_q_a_norm.weight": (shape.q_rank,),
+            f"{b}.attn_q_b.weight": (shape.heads * (shape.nope + shape.rope_dims), shape.q_rank),
+            f"{b}.attn_kv_a_mqa.weight": (shape.kv_rank + shape.rope_dims, h),
+            f"{b}.attn_kv_a_norm.weight": (shape.kv_rank,),
+            f"{b}.attn_k_b.weight": (shape.heads, shape.kv_rank, shape.nope),
+            f"{b}.attn_v_b.weight": (shape.heads, shape.v_dim, shape.kv_rank),
+            f"{b}.attn_output.weight": (h, shape.heads * shape.v_dim), f"{b}.ffn_norm.weight": (h,),
+        })
+        if index < shape.dense_layers:
+            shapes.update({f"{b}.ffn_gate.weight": (shape.dense_ffn, h), f"{b}.ffn_up.weight": (shape.dense_ffn, h),
+                           f"{b}.ffn_down.weight": (h, shape.dense_ffn)})
+            continue
+        shapes.update({
+            f"{b}.ffn_gate_inp.weight": (e, h), f"{b}.exp_probs_b.bias": (e,),
+            f"{b}.ffn_gate_exps.weight": (e, f, h), f"{b}.ffn_up_exps.weight": (e, f, h),
+            f"{b}.ffn_down_exps.weight": (e, h, f), f"{b}.ffn_gate_shexp.weight": (f, h),
+            f"{b}.ffn_up_shexp.weight": (f, h), f"{b}.ffn_down_shexp.weight": (h, f),
+        })
+    b = f"blk.{shape.trunk_layers}"
+    shapes.update({f"{b}.nextn.eh_proj.weight": (h, 2 * h), f"{b}.nextn.enorm.weight": (h,),
+                   f"{b}.nextn.hnorm.weight": (h,), f"{b}.nextn.shared_head_norm.weight": (h,)})
+    return shapes
+
+
+def deepseek_weights(shape: DeepseekShape, seed: int = 0) -> dict[str, np.ndarray]:
+    return _random_weights(deepseek_shapes(shape), shape.hidden, seed)
+
+
+def write_deepseek_gguf(path: Path, shape: DeepseekShape, weights: dict[str, np.ndarray], mtp_layers: int = 1,
+                        keys: dict | None = None) -> Path:
+    """The model as llama.cpp's ``deepseek2`` GGUF (float16 matrices), as a current conversion of
+    GLM-4.7-Flash writes its keys; ``keys``: more (or other) keys by name, the arch's prefix implied."""
+    writer = gguf.GGUFWriter(path, "deepseek2")
+    writer.add_name("specrun-tiny-deepseek-mtp")
+    writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
+    writer.add_vocab_size(VOCAB_SIZE)
+    writer.add_context_length(shape.context)
+    writer.add_embedding_length(shape.hidden)
+    writer.add_block_count(shape.trunk_layers + mtp_layers)
+    writer.add_feed_forward_length(shape.dense_ffn)
+    writer.add_head_count(shape.heads)
+    writer.add_head_count_kv(1)
+    writer.add_key_length(shape.kv_rank + shape.rope_dims)
+    writer.add_value_length(shape.kv_rank)
+    writer.add_key_length_mla(shape.nope + shape.rope_dims)
+    writer.add_value_length_mla(shape.v_dim)
+    writer.add_q_lora_rank(shape.q_rank)
+    writer.add_kv_lora_rank(shape.kv_rank)
+    writer.add_rope_dimension_count(shape.rope_dims)
+    writer.add_rope_freq_base(shape.rope_theta)
+    writer.add_layer_norm_rms_eps(shape.eps)
+    writer.add_leading_dense_block_count(shape.dense_layers)
+    writer.add_expert_count(shape.experts)
+    writer.add_expert_used_count(shape.experts_used)
+    writer.add_expert_feed_forward_length(shape.expert_ffn)
+    writer.add_expert_shared_count(1)
+    writer.add_expert_weights_scale(shape.weights_scale)
+    writer.add_expert_weights_norm(True)
+    writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+    if mtp_layers:
+        writer.add_nextn_predict_layers(mtp_layers)
+    for key, value in (keys or {}).items():
+        (writer.add_float32 if isinstance(value, float) else
+         writer.add_string if isinstance(value, str) else writer.add_uint32)(f"deepseek2.{key}", value)
+    tokenizer_json = tiny_tokenizer_json(VOCAB_SIZE)
+    ids = ModelConfig(arch="llama", vocab_size=VOCAB_SIZE, hidden_size=shape.hidden, intermediate_size=shape.dense_ffn,
+                      num_layers=shape.trunk_layers, num_heads=shape.heads, num_kv_heads=1,
+                      rope_theta=shape.rope_theta, rms_norm_eps=shape.eps, context_length=shape.context,
+                      tie_embeddings=False)
+    add_tokenizer(writer, ids, parse_tokenizer_json(tokenizer_json), DEMO_CHAT_TEMPLATE, "gpt-2")
+    for name, value in weights.items():
+        if not mtp_layers and name.startswith(f"blk.{shape.trunk_layers}."):
+            continue
+        plain = name.endswith("norm.weight") or name.endswith(".bias")
+        writer.add_tensor(name, value.astype(np.float32 if plain else np.float16))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
 # What the MTP layer is trained on: the target's greedy continuations of these (the tests draft
 # after them, as a model's MTP layers draft on text like their training's).
 TRAINING_PROMPTS = ("def hello(world):", "Ελληνικά: Καλημέρα κόσμε.", "import os\nimport sys\n", "Grüße aus München!")
@@ -176,22 +296,39 @@ def write_fitted_glm(path: Path, glm: dict, n_new: int = 160, hf_folder: Path | 
     experts' down projections zero, so they add nothing), so that its drafts are accepted often.
     ``hf_folder``: the same model as a Hugging Face folder there too."""
     shape = glm["shape"]
-    fitted = fitted_on_continuations(glm["trunk"], n_new)
-    block = f"blk.{shape.trunk_layers}"
-    weights = dict(glm["weights"])
-    weights.update({
-        f"{block}.nextn.eh_proj.weight": fitted.eh_proj, f"{block}.nextn.embed_tokens.weight": fitted.embed,
-        f"{block}.nextn.shared_head_head.weight": fitted.lm_head,
-        f"{block}.nextn.shared_head_norm.weight": np.ones(shape.hidden, np.float32),
-        f"{block}.nextn.enorm.weight": np.ones(shape.hidden, np.float32),
-        f"{block}.nextn.hnorm.weight": np.ones(shape.hidden, np.float32),
-    })
-    for name in (f"{block}.attn_output.weight", f"{block}.ffn_down_exps.weight", f"{block}.ffn_down_shexp.weight"):
-        weights[name] = np.zeros_like(weights[name])
-    weights = {name: value.astype(np.float16).astype(np.float32) for name, value in weights.items()}  # F16-exact
+    weights = _with_fitted_block(glm["weights"], glm["trunk"], shape.trunk_layers, shape.hidden, n_new)
     if hf_folder is not None:
         write_glm_hf_folder(hf_folder, shape, weights)
     return write_glm_gguf(path, shape, weights)
+
+
+def _with_fitted_block(weights: dict[str, np.ndarray], trunk: Path, block_index: int, hidden: int,
+                       n_new: int) -> dict[str, np.ndarray]:
+    """``weights`` with their MTP block (blk.``block_index``) fitted on the continuations of the
+    model at ``trunk`` (its GGUF without the block): eh_proj, its own embed_tokens and
+    shared_head_head from the ridge fit, unit norms, attention's output and the experts' down
+    projections zero (adding nothing); float16-exact."""
+    fitted = fitted_on_continuations(trunk, n_new)
+    block = f"blk.{block_index}"
+    weights = dict(weights)
+    weights.update({
+        f"{block}.nextn.eh_proj.weight": fitted.eh_proj, f"{block}.nextn.embed_tokens.weight": fitted.embed,
+        f"{block}.nextn.shared_head_head.weight": fitted.lm_head,
+        **{f"{block}.nextn.{norm}.weight": np.ones(hidden, np.float32) for norm in ("shared_head_norm", "enorm", "hnorm")},
+    })
+    for name in (f"{block}.attn_output.weight", f"{block}.ffn_down_exps.weight", f"{block}.ffn_down_shexp.weight"):
+        weights[name] = np.zeros_like(weights[name])
+    return {name: value.astype(np.float16).astype(np.float32) for name, value in weights.items()}
+
+
+def write_fitted_deepseek(folder: Path, shape: DeepseekShape, n_new: int = 160) -> dict[str, Path]:
+    """The deepseek2 model: {"random": with its random MTP block, "trained": with the block fitted
+    on the target's continuations (drafts accepted well above chance)}."""
+    weights = deepseek_weights(shape)
+    random = write_deepseek_gguf(folder / "deepseek-mtp.gguf", shape, weights)
+    trunk = write_deepseek_gguf(folder / "deepseek-trunk.gguf", shape, weights, mtp_layers=0)
+    fitted = _with_fitted_block(weights, trunk, shape.trunk_layers, shape.hidden, n_new)
+    return {"random": random, "trained": write_deepseek_gguf(folder / "deepseek-mtp-trained.gguf", shape, fitted)}
 
 
 _HF_BLOCK = {

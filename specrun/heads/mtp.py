@@ -8,7 +8,8 @@ state that gives the token at p + 2 through the target's own output head:
 
   u   = eh_proj [rms_norm(embed(token), enorm) ; rms_norm(h, hnorm)]        # (H,) from (2H,)
   a   = u + o_proj attention(rope(q, k), v) over rms_norm(u, attn_norm)     # q, k, v with biases
-                                                                            # (GLM), or gated (Qwen3.5)
+                                                                            # (GLM), gated (Qwen3.5),
+                                                                            # or latent (MLA, below)
   out = a + ffn(rms_norm(a, post_norm))                                     # dense, or routed experts
   h'  = rms_norm(out, head_norm);  logits = lm_head h'
 
@@ -20,6 +21,18 @@ many a drafter keeps); rotary embeddings turn the first ``rope_dims`` of each he
 pairs of halves (NeoX's layout, llama.cpp's for these architectures). The routed experts (GLM-4.5's
 and DeepSeek-V3's MTP layers are MoE layers) pick the ``experts_used`` best by their gate's
 scores plus a selection bias, weighted by the unbiased scores.
+
+DeepSeek's multi-head latent attention (MLA: llama.cpp's ``deepseek2``, GLM-4.7-Flash's MTP
+layer) keeps one latent vector a position instead of keys and values, computed as llama.cpp's
+graph computes it with the up-projections absorbed (src/models/deepseek2.cpp, graph_mtp):
+
+  x = rms_norm(u, attn_norm);  q = q_b rms_norm(q_a x, q_a_norm)   # per head: [q_nope ; q_pe]
+  [c ; k_pe] = kv_a x;  c = rms_norm(c, kv_a_norm)                   # c: kv_lora_rank wide
+  query_h = [k_b_h^T q_nope_h ; rope(q_pe_h)],  key = [c ; rope(k_pe)]  # one key for every head
+  out_h = v_b_h (softmax(query_h . key / sqrt(nope + rope)) c)        # then o_proj over the heads
+
+with rotary embeddings on consecutive pairs (llama.cpp's NORM rope for deepseek2). An entry the
+drafter keeps is [c ; rope(k_pe)], as key and as value (a value reads its first kv_lora_rank).
 
 The arrays come from the target's own file (modelkit.mtp reads them): the embedding and the
 output head are the target's unless the layer carries its own.
@@ -68,6 +81,13 @@ class MtpLayout:
     weights_scale: float = 1.0
     window: int = DEFAULT_WINDOW
     gated_attention: bool = False
+    kv_lora_rank: int = 0  # MLA where above 0 (head_dim: the query's nope + rope dims, as scaled)
+    rope_pairs: bool = False  # rotary embeddings on consecutive pairs, else on halves (NeoX)
+
+    @property
+    def entry_width(self) -> int:
+        """How wide a kept key (and value) is: a head's, or MLA's latent beside its rotated part."""
+        return self.kv_lora_rank + self.rope_dims if self.kv_lora_rank else self.head_dim
 
 
 # The layer's arrays by name (MtpHeads.tensors), in the order the docstring below gives them.
@@ -75,6 +95,7 @@ ARRAY_NAMES = (
     "embed", "lm_head", "enorm", "hnorm", "eh_proj", "attn_norm", "q_proj", "k_proj", "v_proj", "o_proj",
     "post_norm", "head_norm", "q_bias", "k_bias", "v_bias", "q_norm", "k_norm", "gate_proj", "up_proj",
     "down_proj", "router", "router_bias", "gate_exps", "up_exps", "down_exps", "shared_gate",
+    "q_a", "q_a_norm", "q_b", "kv_a", "kv_a_norm", "k_b", "v_b",
 )
 
 
@@ -91,7 +112,10 @@ class MtpHeads:
     k_norm (hd,) or absent; o_proj (H, nh*hd). A dense MLP: gate_proj, up_proj (I, H), down_proj
     (H, I). Routed experts: router (E, H), router_bias (E,) (the selection bias, or absent),
     gate_exps, up_exps (E, F, H), down_exps (E, H, F) and a shared expert in gate_proj, up_proj,
-    down_proj (or absent). config.num_heads: the depth a drafter chains the layer to.
+    down_proj (or absent). MLA in place of q/k/v_proj (the module's docstring): q_a (r_q, H),
+    q_a_norm (r_q,), q_b (nh*(nope+rope), r_q), kv_a (r_kv+rope, H), kv_a_norm (r_kv,), k_b (nh,
+    r_kv, nope), v_b (nh, v, r_kv); o_proj (H, nh*v). config.num_heads: the depth a drafter
+    chains the layer to.
     ``target_arrays``: which of embed and lm_head are the target's own tables (not the layer's),
     which a backend holding the target may use in their place (MlxBackend.mtp_layer: a quantized
     model's own head rather than a float copy of it).
@@ -133,7 +157,8 @@ class MtpHeads:
         and the output head; of the embedding, one row."""
         layout = self.layout
         dense = ("enorm", "hnorm", "eh_proj", "attn_norm", "q_proj", "k_proj", "v_proj", "o_proj", "post_norm",
-                 "head_norm", "lm_head", "gate_proj", "up_proj", "down_proj", "router")
+                 "head_norm", "lm_head", "gate_proj", "up_proj", "down_proj", "router", "q_a", "q_b", "kv_a", "k_b",
+                 "v_b")
         total = sum(self._nbytes(name) for name in dense)
         if layout.experts:
             total += sum(map(self._nbytes, ("gate_exps", "up_exps", "down_exps"))) * layout.experts_used / layout.experts
@@ -160,7 +185,7 @@ class MtpHeads:
 
     def no_entries(self, dtype) -> np.ndarray:
         layout = self.layout
-        return np.zeros((0, layout.num_key_value_heads, layout.head_dim), dtype)
+        return np.zeros((0, layout.num_key_value_heads, layout.entry_width), dtype)
 
     def logits(self, out: np.ndarray) -> np.ndarray:
         """(N, V) from the layer's normed outputs (N, H)."""
@@ -193,12 +218,16 @@ def layer(
     values (N, nkv, hd)."""
     layout = heads.layout
     queries, keys, values, gate = _project(heads, fused, positions)
-    all_keys = np.repeat(np.concatenate([past_keys, keys]), layout.num_attention_heads // layout.num_key_value_heads, axis=1)
-    all_values = np.repeat(np.concatenate([past_values, values]),
-                           layout.num_attention_heads // layout.num_key_value_heads, axis=1)
-    scores = np.einsum("nhd,mhd->hnm", queries, all_keys) / math.sqrt(layout.head_dim)  # (nh, N, C + N)
-    weights = softmax(np.where(attend[None], scores, -np.inf))
-    attended = np.einsum("hnm,mhd->nhd", weights, all_values)
+    all_keys, all_values = np.concatenate([past_keys, keys]), np.concatenate([past_values, values])
+    count, kv_heads = len(fused), layout.num_key_value_heads
+    group = layout.num_attention_heads // kv_heads  # query heads a key head serves (head h: key h // group)
+    grouped = queries.reshape(count, kv_heads, group, -1)
+    scores = np.einsum("nkgd,mkd->kgnm", grouped, all_keys).reshape(layout.num_attention_heads, count, -1)
+    weights = softmax(np.where(attend[None], scores / math.sqrt(layout.head_dim), -np.inf))  # (nh, N, C + N)
+    attended = np.einsum("kgnm,mkd->nkgd", weights.reshape(kv_heads, group, count, -1), all_values)
+    attended = attended.reshape(count, layout.num_attention_heads, -1)
+    if layout.kv_lora_rank:  # each head's latent read back up to its values
+        attended = np.einsum("nhr,hvr->nhv", attended[..., : layout.kv_lora_rank], heads.v_b)
     if gate is not None:
         attended = attended / (1.0 + np.exp(-gate))
     after_attention = fused + attended.reshape(len(fused), -1) @ heads.o_proj.T
@@ -211,6 +240,8 @@ def _project(heads: MtpHeads, fused: np.ndarray, positions: np.ndarray):
     and the attention's gate (N, nh, hd) where it has one (else None)."""
     layout = heads.layout
     x = rms_norm(fused, heads.attn_norm, layout.rms_norm_eps)
+    if layout.kv_lora_rank:
+        return _latent(heads, x, positions)
 
     def projected(weight, bias, count, width):
         out = x @ weight.T
@@ -233,11 +264,36 @@ def _project(heads: MtpHeads, fused: np.ndarray, positions: np.ndarray):
     return _partial_rope(queries, positions, layout), _partial_rope(keys, positions, layout), values, gate
 
 
+def _latent(heads: MtpHeads, x: np.ndarray, positions: np.ndarray):
+    """MLA's queries (N, nh, r_kv + rope) and its entries (N, 1, r_kv + rope), key and value alike,
+    from the normed inputs x (N, H) (the module's docstring)."""
+    layout = heads.layout
+    eps, rank, turned = layout.rms_norm_eps, layout.kv_lora_rank, layout.rope_dims
+    q = (rms_norm(x @ heads.q_a.T, heads.q_a_norm, eps) @ heads.q_b.T).reshape(len(x), layout.num_attention_heads, -1)
+    nope = layout.head_dim - turned
+    absorbed = np.einsum("nhd,hrd->nhr", q[..., :nope], heads.k_b)
+    latent = x @ heads.kv_a.T
+    compressed = rms_norm(latent[:, :rank], heads.kv_a_norm, eps)
+    queries = np.concatenate([absorbed, _rotated(q[..., nope:], positions, layout)], axis=-1)
+    entries = np.concatenate([compressed, _rotated(latent[:, None, rank:], positions, layout)[:, 0]], axis=-1)
+    return queries, entries[:, None, :], entries[:, None, :], None
+
+
+def _rotated(x: np.ndarray, positions: np.ndarray, layout: MtpLayout) -> np.ndarray:
+    """``x`` (N, heads, d) turned whole: on halves (NeoX), or on consecutive pairs (``rope_pairs``)."""
+    if not layout.rope_pairs:
+        return rope(x, positions, layout.rope_theta)
+    pairs = x.reshape(*x.shape[:-1], -1, 2)
+    turned = rope(np.concatenate([pairs[..., 0], pairs[..., 1]], axis=-1), positions, layout.rope_theta)
+    half = x.shape[-1] // 2
+    return np.stack([turned[..., :half], turned[..., half:]], axis=-1).reshape(x.shape)
+
+
 def _partial_rope(x: np.ndarray, positions: np.ndarray, layout: MtpLayout) -> np.ndarray:
     turned = layout.rope_dims
     if turned == x.shape[-1]:
-        return rope(x, positions, layout.rope_theta)
-    return np.concatenate([rope(x[..., :turned], positions, layout.rope_theta), x[..., turned:]], axis=-1)
+        return _rotated(x, positions, layout)
+    return np.concatenate([_rotated(x[..., :turned], positions, layout), x[..., turned:]], axis=-1)
 
 
 def _ffn(heads: MtpHeads, y: np.ndarray) -> np.ndarray:

@@ -32,7 +32,8 @@ from specrun.modelkit.gguf_io import read_fields
 
 # Architectures whose MTP layers specrun reads (those llama.cpp runs its draft-mtp with, too, are
 # named in the refusal: a user with one of them learns it is the layout, not the file).
-READABLE = ("glm4moe", "qwen35", "qwen35moe", "qwen3next")
+READABLE = ("deepseek2", "glm4moe", "qwen35", "qwen35moe", "qwen3next")
+_LATENT_ATTENTION = ("deepseek2",)  # DeepSeek's MLA (GLM-4.7-Flash converts to it), rotary on consecutive pairs
 _GATED_ATTENTION = ("qwen35", "qwen35moe", "qwen3next")  # q_proj gives each head's queries and its gate
 # Architectures whose MTP block's experts llama.cpp routes by softmax with weights summed to one,
 # whatever the file says (its graph_mtp hard-codes them), and whose shared expert is gated.
@@ -91,6 +92,37 @@ class LazyGgufTensors(Mapping):
         """What the tensor weighs in the file (0 where the layer has none)."""
         info = self._infos.get(key)
         return 0 if info is None else int(info[2].n_bytes)
+
+
+def _gating(arch: str, fields: dict, trunk_layers: int, vocab: int) -> str:
+    """How the MTP block's experts are scored: as the file says, else as llama.cpp defaults
+    (sigmoid; deepseek2's softmax, but for GLM-4.7-Flash's 47 layers over 154,880 tokens)."""
+    func = int(fields.get(f"{arch}.expert_gating_func", 0) or 0)
+    if not func:
+        func = 1 if arch == "deepseek2" and not (trunk_layers in (47, 48) and vocab == 154880) else 2
+    return _GATINGS.get(func, "sigmoid")
+
+
+def _refuse_latent_unread(name: str, arch: str, fields: dict, trunk_layers: int, routed: bool) -> None:
+    """One line for a latent-attention (``deepseek2``) MTP block whose layout specrun and llama.cpp's
+    MTP context do not run: without the split kv_b of current conversions, without a query
+    down-projection (DeepSeek-V2-Lite's), under rotary scaling or attention temperature, or with a
+    dense MLP (llama.cpp's graph asserts on each)."""
+    scaling = str(fields.get(f"{arch}.rope.scaling.type", "none") or "none")
+    factor = float(fields.get(f"{arch}.rope.scaling.factor", 1.0) or 1.0)
+    problem = (
+        "an older conversion (its attention's kv_b not split into k_b and v_b)"
+        if not fields.get(f"{arch}.attention.key_length_mla") or not fields.get(f"{arch}.attention.kv_lora_rank") else
+        "attention without a query down-projection (q_lora_rank: DeepSeek-V2-Lite's layout)"
+        if not fields.get(f"{arch}.attention.q_lora_rank") else
+        f"rotary scaling ({scaling}, factor {factor:g}), which specrun does not read yet"
+        if scaling != "none" and factor != 1.0 else
+        "attention temperature scaling" if float(fields.get(f"{arch}.attention.temperature_scale", 0) or 0) else
+        "a dense MLP in its MTP block (llama.cpp runs routed experts there)" if not routed else "")
+    if problem:
+        fix = ("convert the model again with a current llama.cpp" if problem.startswith("an older")
+               else "use another method with this model")
+        raise ModelFileError(f"{name}: specrun cannot draft with this {arch} model's MTP layer: {problem}", fix)
 
 
 _SPLIT_PART = re.compile(r"-(\d{5})-of-(\d{5})\.gguf$")
@@ -194,6 +226,10 @@ def read_mtp_gguf(path: str | Path, depth: int = DEFAULT_DEPTH) -> MtpHeads:
     vocab = len(fields[gguf.Keys.Tokenizer.LIST])
     mtp = f"blk.{block}"
     experts = int(fields.get(f"{arch}.expert_count", 0) or 0)
+    latent = arch in _LATENT_ATTENTION
+    if latent:
+        _refuse_latent_unread(path.name, arch, fields, block, f"{mtp}.ffn_gate_inp.weight" in tensors)
+        head_dim = int(fields[f"{arch}.attention.key_length_mla"])  # a query head's nope + rope dims
     layout = MtpLayout(
         arch=arch, num_attention_heads=heads_count, num_key_value_heads=kv_count, head_dim=head_dim,
         rope_dims=int(fields.get(f"{arch}.rope.dimension_count", head_dim)),
@@ -201,11 +237,11 @@ def read_mtp_gguf(path: str | Path, depth: int = DEFAULT_DEPTH) -> MtpHeads:
         rms_norm_eps=float(fields[f"{arch}.attention.layer_norm_rms_epsilon"]),
         experts=experts if f"{mtp}.ffn_gate_inp.weight" in tensors else 0,
         experts_used=int(fields.get(f"{arch}.expert_used_count", 0) or 0),
-        gating="softmax" if arch in _SOFTMAX_ROUTED else
-        _GATINGS.get(int(fields.get(f"{arch}.expert_gating_func", 2) or 2), "sigmoid"),
+        gating="softmax" if arch in _SOFTMAX_ROUTED else _gating(arch, fields, block, vocab),
         normalize_weights=arch in _SOFTMAX_ROUTED or bool(fields.get(f"{arch}.expert_weights_norm", False)),
         weights_scale=float(fields.get(f"{arch}.expert_weights_scale", 1.0) or 1.0),
         gated_attention=arch in _GATED_ATTENTION,
+        kv_lora_rank=int(fields[f"{arch}.attention.kv_lora_rank"]) if latent else 0, rope_pairs=latent,
     )
     embed = tensor(f"{mtp}.nextn.embed_tokens.weight", (vocab, hidden), required=False)
     if embed is None:
@@ -225,17 +261,35 @@ def read_mtp_gguf(path: str | Path, depth: int = DEFAULT_DEPTH) -> MtpHeads:
         hnorm=tensor(f"{mtp}.nextn.hnorm.weight", (hidden,)),
         eh_proj=tensor(f"{mtp}.nextn.eh_proj.weight", (hidden, 2 * hidden)),
         attn_norm=tensor(f"{mtp}.attn_norm.weight", (hidden,)),
-        q_proj=tensor(f"{mtp}.attn_q.weight", (2 * q_width if layout.gated_attention else q_width, hidden)),
-        k_proj=tensor(f"{mtp}.attn_k.weight", (kv_width, hidden)),
-        v_proj=tensor(f"{mtp}.attn_v.weight", (kv_width, hidden)),
-        o_proj=tensor(f"{mtp}.attn_output.weight", (hidden, q_width)),
-        q_bias=tensor(f"{mtp}.attn_q.bias", (q_width,), required=False),
-        k_bias=tensor(f"{mtp}.attn_k.bias", (kv_width,), required=False),
-        v_bias=tensor(f"{mtp}.attn_v.bias", (kv_width,), required=False),
-        q_norm=tensor(f"{mtp}.attn_q_norm.weight", (head_dim,), required=False),
-        k_norm=tensor(f"{mtp}.attn_k_norm.weight", (head_dim,), required=False),
-        post_norm=tensor(f"{mtp}.post_attention_norm.weight", (hidden,)),
     )
+    if latent:
+        q_rank, kv_rank, rope_dims = (int(fields[f"{arch}.attention.q_lora_rank"]), layout.kv_lora_rank,
+                                      layout.rope_dims)
+        nope, v_width = head_dim - rope_dims, int(fields[f"{arch}.attention.value_length_mla"])
+        arrays.update(
+            q_a=tensor(f"{mtp}.attn_q_a.weight", (q_rank, hidden)),
+            q_a_norm=tensor(f"{mtp}.attn_q_a_norm.weight", (q_rank,)),
+            q_b=tensor(f"{mtp}.attn_q_b.weight", (q_width, q_rank)),
+            kv_a=tensor(f"{mtp}.attn_kv_a_mqa.weight", (kv_rank + rope_dims, hidden)),
+            kv_a_norm=tensor(f"{mtp}.attn_kv_a_norm.weight", (kv_rank,)),
+            k_b=tensor(f"{mtp}.attn_k_b.weight", (heads_count, kv_rank, nope)),
+            v_b=tensor(f"{mtp}.attn_v_b.weight", (heads_count, v_width, kv_rank)),
+            o_proj=tensor(f"{mtp}.attn_output.weight", (hidden, heads_count * v_width)),
+            post_norm=tensor(f"{mtp}.ffn_norm.weight", (hidden,)),
+        )
+    else:
+        arrays.update(
+            q_proj=tensor(f"{mtp}.attn_q.weight", (2 * q_width if layout.gated_attention else q_width, hidden)),
+            k_proj=tensor(f"{mtp}.attn_k.weight", (kv_width, hidden)),
+            v_proj=tensor(f"{mtp}.attn_v.weight", (kv_width, hidden)),
+            o_proj=tensor(f"{mtp}.attn_output.weight", (hidden, q_width)),
+            q_bias=tensor(f"{mtp}.attn_q.bias", (q_width,), required=False),
+            k_bias=tensor(f"{mtp}.attn_k.bias", (kv_width,), required=False),
+            v_bias=tensor(f"{mtp}.attn_v.bias", (kv_width,), required=False),
+            q_norm=tensor(f"{mtp}.attn_q_norm.weight", (head_dim,), required=False),
+            k_norm=tensor(f"{mtp}.attn_k_norm.weight", (head_dim,), required=False),
+            post_norm=tensor(f"{mtp}.post_attention_norm.weight", (hidden,)),
+        )
     if layout.experts:
         expert_width = int(fields[f"{arch}.expert_feed_forward_length"])
         shared = int(fields.get(f"{arch}.expert_shared_feed_forward_length", 0) or 0) or \

@@ -63,19 +63,30 @@ def qwen_next_mtp(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def carriers(glm_mtp, qwen_mtp, qwen_moe_mtp, qwen_next_mtp) -> dict[str, Path]:
+def deepseek_mtp(tmp_path_factory) -> dict[str, Path]:
+    """DeepSeek's latent attention (``deepseek2``, GLM-4.7-Flash's layout): MLA blocks, a dense
+    first block, routed experts, an MTP block of the same: {"random": its GGUF, "trained": the
+    block fitted on the target's continuations}."""
+    from mtp_models import DeepseekShape, write_fitted_deepseek
+
+    return write_fitted_deepseek(tmp_path_factory.mktemp("deepseek"), DeepseekShape())
+
+
+@pytest.fixture(scope="module")
+def carriers(glm_mtp, qwen_mtp, qwen_moe_mtp, qwen_next_mtp, deepseek_mtp) -> dict[str, Path]:
     """A GGUF of each layout specrun reads, by name."""
     return {"glm": glm_mtp["gguf"], "qwen35": qwen_mtp["random"], "qwen35moe": qwen_moe_mtp,
-            "qwen3next": qwen_next_mtp}
+            "qwen3next": qwen_next_mtp, "deepseek2": deepseek_mtp["random"]}
 
 
-LAYOUTS = ["glm", "qwen35", "qwen35moe", "qwen3next"]
+LAYOUTS = ["glm", "qwen35", "qwen35moe", "qwen3next", "deepseek2"]
 
 
 @pytest.fixture(scope="module", params=LAYOUTS)
 def carrier(request, carriers) -> Path:
     """A GGUF carrying a random MTP layer: GLM-4.5's layout (dense trunk, MoE MTP block),
-    Qwen3.5's (hybrid trunk, gated-attention MTP block), Qwen3.5-MoE's or Qwen3-Next's."""
+    Qwen3.5's (hybrid trunk, gated-attention MTP block), Qwen3.5-MoE's, Qwen3-Next's or
+    DeepSeek's latent attention (MLA)."""
     return carriers[request.param]
 
 
@@ -233,8 +244,6 @@ def test_greedy_output_with_the_trained_layer_is_plain_decoding_s_and_drafts_are
     """On both backends (llama.cpp's chains in its own MTP context, the trees and MLX's in NumPy),
     fixed length 4 and adaptive: every token plain decoding's, and the layer trained on the
     target's own continuations accepted well above chance (1 in 512)."""
-    from specrun.drafters.methods import DrafterOptions, build_drafter
-    from specrun.engine.loop import GenerationParams, SpeculativeEngine
     from specrun.sessions.heads import read_heads
 
     if kind == "mlx":
@@ -242,23 +251,68 @@ def test_greedy_output_with_the_trained_layer_is_plain_decoding_s_and_drafts_are
     target = open_target(kind, glm_mtp_trained[kind], tree_paths=8 if branches else 0)
     try:
         heads = read_heads(glm_mtp_trained[kind], None)  # from the GGUF, or the folder's safetensors
-        engine = SpeculativeEngine(target, None)
-        accepted = drafted = 0
-        for prompt in ("def hello(world):", "Ελληνικά: Καλημέρα κόσμε.", "import os\nimport sys\n"):
-            prompt_ids = target.tokenize(prompt)
-            engine.set_drafter(None, "none")
-            plain = engine.run(prompt_ids, GenerationParams(80, 0)).token_ids
-            for adaptive in (False, True):
-                drafter = build_drafter("mtp", None, DrafterOptions(heads=heads, branches=branches))
-                engine.set_drafter(drafter, "mtp")
-                result = engine.run(prompt_ids, GenerationParams(80, 16 if adaptive else 4, adaptive=adaptive,
-                                                                 tree_nodes=16 if branches else 0))
-                drafter.close()
-                assert result.token_ids == plain, (prompt, adaptive)
-                accepted, drafted = accepted + result.stats.accepted, drafted + result.stats.drafted
+        accepted, drafted = _greedy_runs_equal_plain(
+            target, heads, ("def hello(world):", "Ελληνικά: Καλημέρα κόσμε.", "import os\nimport sys\n"), branches, 80)
         assert drafted > 0 and accepted / drafted > 0.3, (accepted, drafted)
     finally:
         target.close()
+
+
+def _greedy_runs_equal_plain(target, heads, prompts, branches: int, n_new: int) -> tuple[int, int]:
+    """Greedy runs with ``heads``' MTP drafter (-k 4, and adaptive) on each prompt, each asserted
+    equal to plain decoding's; the drafts (accepted, drafted) over all of them."""
+    from specrun.drafters.methods import DrafterOptions, build_drafter
+    from specrun.engine.loop import GenerationParams, SpeculativeEngine
+
+    engine = SpeculativeEngine(target, None)
+    accepted = drafted = 0
+    for prompt in prompts:
+        prompt_ids = target.tokenize(prompt)
+        engine.set_drafter(None, "none")
+        plain = engine.run(prompt_ids, GenerationParams(n_new, 0)).token_ids
+        for adaptive in (False, True):
+            drafter = build_drafter("mtp", None, DrafterOptions(heads=heads, branches=branches))
+            engine.set_drafter(drafter, "mtp")
+            result = engine.run(prompt_ids, GenerationParams(n_new, 16 if adaptive else 4, adaptive=adaptive,
+                                                             tree_nodes=16 if branches else 0))
+            drafter.close()
+            assert result.token_ids == plain, (prompt, adaptive)
+            accepted, drafted = accepted + result.stats.accepted, drafted + result.stats.drafted
+    return accepted, drafted
+
+
+@pytest.mark.parametrize("branches", [0, 3], ids=["chain", "tree"])
+def test_on_a_latent_attention_target_mtp_gives_plain_decoding_s_tokens(deepseek_mtp, branches):
+    """DeepSeek's MLA layout (GLM-4.7-Flash's) on llama.cpp: chains in llama.cpp's MTP context,
+    trees from the NumPy layer, fixed and adaptive: every token plain decoding's, the fitted layer
+    accepted well above chance."""
+    target = open_target("llama", deepseek_mtp["trained"], tree_paths=8 if branches else 0)
+    try:
+        assert target.native_mtp() is not None
+        accepted, drafted = _greedy_runs_equal_plain(target, read_mtp_gguf(deepseek_mtp["trained"]),
+                                                     ("def hello(world):", "import os\nimport sys\n"), branches, 64)
+        assert drafted > 0 and accepted / drafted > 0.3, (accepted, drafted)
+    finally:
+        target.close()
+
+
+def test_latent_attention_layouts_llama_cpp_cannot_draft_with_are_one_line(tmp_path):
+    """deepseek2 files whose MTP block llama.cpp's MTP graph asserts on (rotary scaling, a dense
+    MLP there) are refused by name before llama.cpp sees them, on the command line too."""
+    from mtp_models import DeepseekShape, deepseek_weights, write_deepseek_gguf
+    from specrun.errors import ModelFileError
+
+    shape = DeepseekShape()
+    scaled = write_deepseek_gguf(tmp_path / "yarn.gguf", shape, deepseek_weights(shape),
+                                 keys={"rope.scaling.type": "yarn", "rope.scaling.factor": 40.0})
+    with pytest.raises(ModelFileError, match=r"rotary scaling \(yarn, factor 40\)"):
+        read_mtp_gguf(scaled)
+    dense_shape = DeepseekShape(dense_layers=3)
+    dense = write_deepseek_gguf(tmp_path / "dense.gguf", dense_shape, deepseek_weights(dense_shape))
+    with pytest.raises(ModelFileError, match="a dense MLP in its MTP block"):
+        read_mtp_gguf(dense)
+    result = _cli("generate", "def hello", "-t", str(scaled), "--method", "mtp", "-n", "4")
+    _one_line(result, 1, "yarn.gguf", "specrun cannot draft with this deepseek2 model's MTP layer", "rotary scaling")
 
 
 def test_on_a_hybrid_target_mtp_gives_plain_decoding_s_tokens_with_rollbacks(qwen_mtp):
@@ -433,8 +487,8 @@ def test_an_mtp_layout_specrun_does_not_read_is_one_line_naming_the_architecture
     from mtp_models import write_glm_gguf
     from specrun.errors import ModelFileError
 
-    other = write_glm_gguf(tmp_path / "other-arch.gguf", glm_mtp["shape"], glm_mtp["weights"], arch="deepseek2")
-    with pytest.raises(ModelFileError, match="cannot read the MTP layers of architecture 'deepseek2'"):
+    other = write_glm_gguf(tmp_path / "other-arch.gguf", glm_mtp["shape"], glm_mtp["weights"], arch="mimo2")
+    with pytest.raises(ModelFileError, match="cannot read the MTP layers of architecture 'mimo2'"):
         read_mtp_gguf(other)
 
 
@@ -578,7 +632,7 @@ def test_the_mlx_layer_holds_a_gguf_s_float16_matrices_as_stored(carriers, layou
     layer = MlxMtpLayer(heads)
     assert not any(heads.tensors.loaded(name) for name in heads.tensors)
     matrices = [name for name, weight in layer._w.items() if weight.ndim > 1]
-    assert {"eh_proj", "q_proj", "o_proj", "lm_head"} <= set(matrices)
+    assert {"eh_proj", "q_b" if heads.layout.kv_lora_rank else "q_proj", "o_proj", "lm_head"} <= set(matrices)
     assert all(layer._w[name].dtype == mx.float16 for name in matrices)
     as_float32 = sum(4 * int(np.prod(heads.tensors[name].shape)) for name in heads.tensors)
     assert layer.nbytes < 0.55 * as_float32
