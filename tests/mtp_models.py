@@ -265,6 +265,73 @@ def write_deepseek_gguf(path: Path, shape: DeepseekShape, weights: dict[str, np.
     return path
 
 
+_MLX_LATENT_BLOCK = {  # GGUF name within a block -> mlx-lm's glm4_moe_lite name (the trunk as mlx-lm holds it)
+    "attn_norm.weight": "input_layernorm.weight", "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q_a.weight": "self_attn.q_a_proj.weight", "attn_q_a_norm.weight": "self_attn.q_a_layernorm.weight",
+    "attn_q_b.weight": "self_attn.q_b_proj.weight", "attn_kv_a_mqa.weight": "self_attn.kv_a_proj_with_mqa.weight",
+    "attn_kv_a_norm.weight": "self_attn.kv_a_layernorm.weight", "attn_k_b.weight": "self_attn.embed_q.weight",
+    "attn_v_b.weight": "self_attn.unembed_out.weight", "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight", "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight", "ffn_gate_inp.weight": "mlp.gate.weight",
+    "exp_probs_b.bias": "mlp.gate.e_score_correction_bias", "ffn_gate_exps.weight": "mlp.switch_mlp.gate_proj.weight",
+    "ffn_up_exps.weight": "mlp.switch_mlp.up_proj.weight", "ffn_down_exps.weight": "mlp.switch_mlp.down_proj.weight",
+    "ffn_gate_shexp.weight": "mlp.shared_experts.gate_proj.weight",
+    "ffn_up_shexp.weight": "mlp.shared_experts.up_proj.weight",
+    "ffn_down_shexp.weight": "mlp.shared_experts.down_proj.weight",
+    "nextn.eh_proj.weight": "eh_proj.weight", "nextn.enorm.weight": "enorm.weight",
+    "nextn.hnorm.weight": "hnorm.weight", "nextn.shared_head_norm.weight": "shared_head.norm.weight",
+    "nextn.shared_head_head.weight": "shared_head.head.weight", "nextn.embed_tokens.weight": "embed_tokens.weight",
+}
+
+
+def write_deepseek_mlx_folder(folder: Path, shape: DeepseekShape, weights: dict[str, np.ndarray]) -> Path:
+    """The same model as a folder mlx-lm loads (``glm4_moe_lite``, GLM-4.7-Flash's type): the trunk
+    under mlx-lm's names, the MTP block as the checkpoint holds it (model.layers.N, its attention's
+    k_b and v_b joined into kv_b_proj per head, experts one by one), which mlx-lm drops as it loads."""
+    from specrun.modelkit.hf_io import tokenizer_config_dict, write_model_files
+
+    tensors = {"model.embed_tokens.weight": weights["token_embd.weight"],
+               "model.norm.weight": weights["output_norm.weight"], "lm_head.weight": weights["output.weight"]}
+    mtp = f"blk.{shape.trunk_layers}."
+    for name, value in weights.items():
+        if not name.startswith("blk."):
+            continue
+        index, rest = name[4:].split(".", 1)
+        target = f"model.layers.{index}."
+        if name.startswith(mtp) and rest in ("attn_k_b.weight", "attn_v_b.weight"):
+            continue
+        if name.startswith(mtp) and rest.endswith("_exps.weight"):
+            part = rest.split("_")[1]  # gate, up, down
+            for expert in range(shape.experts):
+                tensors[f"{target}mlp.experts.{expert}.{part}_proj.weight"] = value[expert]
+            continue
+        tensors[target + _MLX_LATENT_BLOCK[rest]] = value
+    k_b, v_b = weights[f"{mtp}attn_k_b.weight"], weights[f"{mtp}attn_v_b.weight"]  # (nh, r, nope), (nh, v, r)
+    joined = np.concatenate([k_b.transpose(0, 2, 1), v_b], axis=1)  # per head: nope rows, then v rows
+    tensors[f"model.layers.{shape.trunk_layers}.self_attn.kv_b_proj.weight"] = joined.reshape(-1, shape.kv_rank)
+    config = {
+        "architectures": ["Glm4MoeLiteForCausalLM"], "model_type": "glm4_moe_lite", "vocab_size": VOCAB_SIZE,
+        "hidden_size": shape.hidden, "intermediate_size": shape.dense_ffn, "moe_intermediate_size": shape.expert_ffn,
+        "num_hidden_layers": shape.trunk_layers, "num_attention_heads": shape.heads,
+        "num_key_value_heads": shape.heads, "n_shared_experts": 1, "n_routed_experts": shape.experts,
+        "routed_scaling_factor": shape.weights_scale, "kv_lora_rank": shape.kv_rank, "q_lora_rank": shape.q_rank,
+        "qk_rope_head_dim": shape.rope_dims, "qk_nope_head_dim": shape.nope, "v_head_dim": shape.v_dim,
+        "topk_method": "noaux_tc", "scoring_func": "sigmoid", "norm_topk_prob": True, "n_group": 1, "topk_group": 1,
+        "num_experts_per_tok": shape.experts_used, "first_k_dense_replace": shape.dense_layers,
+        "max_position_embeddings": shape.context, "rms_norm_eps": shape.eps, "rope_theta": shape.rope_theta,
+        "rope_scaling": None, "tie_word_embeddings": False, "num_nextn_predict_layers": 1,
+        "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "float32",
+    }
+    ids = ModelConfig(arch="llama", vocab_size=VOCAB_SIZE, hidden_size=shape.hidden, intermediate_size=shape.dense_ffn,
+                      num_layers=shape.trunk_layers, num_heads=shape.heads, num_kv_heads=1,
+                      rope_theta=shape.rope_theta, rms_norm_eps=shape.eps, context_length=shape.context,
+                      tie_embeddings=False)
+    tokenizer_json = tiny_tokenizer_json(VOCAB_SIZE)
+    tensors = {name: np.ascontiguousarray(value, np.float32) for name, value in tensors.items()}
+    return write_model_files(folder, tensors, config, tokenizer_json,
+                             tokenizer_config_dict(ids, tokenizer_json, DEMO_CHAT_TEMPLATE))
+
+
 # What the MTP layer is trained on: the target's greedy continuations of these (the tests draft
 # after them, as a model's MTP layers draft on text like their training's).
 TRAINING_PROMPTS = ("def hello(world):", "Ελληνικά: Καλημέρα κόσμε.", "import os\nimport sys\n", "Grüße aus München!")
@@ -323,12 +390,14 @@ def _with_fitted_block(weights: dict[str, np.ndarray], trunk: Path, block_index:
 
 def write_fitted_deepseek(folder: Path, shape: DeepseekShape, n_new: int = 160) -> dict[str, Path]:
     """The deepseek2 model: {"random": with its random MTP block, "trained": with the block fitted
-    on the target's continuations (drafts accepted well above chance)}."""
+    on the target's continuations (drafts accepted well above chance), "mlx": the trained model
+    as a folder mlx-lm loads, "weights": the trained weights}."""
     weights = deepseek_weights(shape)
     random = write_deepseek_gguf(folder / "deepseek-mtp.gguf", shape, weights)
     trunk = write_deepseek_gguf(folder / "deepseek-trunk.gguf", shape, weights, mtp_layers=0)
     fitted = _with_fitted_block(weights, trunk, shape.trunk_layers, shape.hidden, n_new)
-    return {"random": random, "trained": write_deepseek_gguf(folder / "deepseek-mtp-trained.gguf", shape, fitted)}
+    return {"random": random, "trained": write_deepseek_gguf(folder / "deepseek-mtp-trained.gguf", shape, fitted),
+            "mlx": write_deepseek_mlx_folder(folder / "deepseek-mtp-trained-mlx", shape, fitted), "weights": fitted}
 
 
 _HF_BLOCK = {

@@ -324,7 +324,8 @@ def read_mtp_gguf(path: str | Path, depth: int = DEFAULT_DEPTH) -> MtpHeads:
 
 # Hugging Face model types whose MTP layers specrun reads from a folder, and the GGUF architecture
 # each is (the refusals name the same models).
-FOLDER_TYPES = {"glm4_moe": "glm4moe", "qwen3_5": "qwen35", "qwen3_5_moe": "qwen35moe", "qwen3_next": "qwen3next"}
+FOLDER_TYPES = {"glm4_moe": "glm4moe", "glm4_moe_lite": "deepseek2", "qwen3_5": "qwen35", "qwen3_5_moe": "qwen35moe",
+                "qwen3_next": "qwen3next"}
 # Those whose MTP block sits under ``mtp.*`` (Qwen's checkpoints) rather than as model.layers.N.
 _QWEN_MTP = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
 _QWEN_PREFIXES = ("", "model.", "language_model.")  # before "mtp.": checkpoints', llama.cpp's converter's, mlx-lm's
@@ -411,15 +412,22 @@ def read_mtp_folder(folder: str | Path, depth: int = DEFAULT_DEPTH) -> MtpHeads:
     heads_count = int(config["num_attention_heads"])
     kv_count = int(config.get("num_key_value_heads", heads_count))
     head_dim = int(config.get("head_dim") or hidden // heads_count)
+    rope_dims = int(head_dim * float(config.get("partial_rotary_factor", 1.0)))
     experts = int(config.get("n_routed_experts") or 0)
     routed = experts and block >= int(config.get("first_k_dense_replace", 0))
+    latent = FOLDER_TYPES[model_type] in _LATENT_ATTENTION
+    if latent:  # one latent key and value a position: MQA over the latent, as llama.cpp's converter makes it
+        _refuse_latent_unread(folder.name, "deepseek2", _latent_fields(config), block, bool(routed))
+        rope_dims, kv_count = int(config["qk_rope_head_dim"]), 1
+        head_dim = int(config["qk_nope_head_dim"]) + rope_dims
     layout = MtpLayout(
         arch=FOLDER_TYPES[model_type], num_attention_heads=heads_count, num_key_value_heads=kv_count,
-        head_dim=head_dim, rope_dims=int(head_dim * float(config.get("partial_rotary_factor", 1.0))),
+        head_dim=head_dim, rope_dims=rope_dims,
         rope_theta=float(config.get("rope_theta", 10000.0)), rms_norm_eps=float(config["rms_norm_eps"]),
         experts=experts if routed else 0, experts_used=int(config.get("num_experts_per_tok") or 0),
         gating=config.get("scoring_func", "sigmoid"), normalize_weights=bool(config.get("norm_topk_prob", False)),
         weights_scale=float(config.get("routed_scaling_factor", 1.0) or 1.0),
+        kv_lora_rank=int(config["kv_lora_rank"]) if latent else 0, rope_pairs=latent,
     )
     own_embed, own_head = f"{mtp}.embed_tokens.weight", f"{mtp}.shared_head.head.weight"
     embed_names = (own_embed, "model.embed_tokens.weight")
@@ -443,17 +451,22 @@ def read_mtp_folder(folder: str | Path, depth: int = DEFAULT_DEPTH) -> MtpHeads:
         enorm=tensor(f"{mtp}.enorm.weight", (hidden,)), hnorm=tensor(f"{mtp}.hnorm.weight", (hidden,)),
         eh_proj=tensor(f"{mtp}.eh_proj.weight", (hidden, 2 * hidden)),
         attn_norm=tensor(f"{mtp}.input_layernorm.weight", (hidden,)),
-        q_proj=tensor(f"{attention}.q_proj.weight", (q_width, hidden)),
-        k_proj=tensor(f"{attention}.k_proj.weight", (kv_width, hidden)),
-        v_proj=tensor(f"{attention}.v_proj.weight", (kv_width, hidden)),
-        o_proj=tensor(f"{attention}.o_proj.weight", (hidden, q_width)),
-        q_bias=tensor(f"{attention}.q_proj.bias", (q_width,), required=False),
-        k_bias=tensor(f"{attention}.k_proj.bias", (kv_width,), required=False),
-        v_bias=tensor(f"{attention}.v_proj.bias", (kv_width,), required=False),
-        q_norm=tensor(f"{attention}.q_norm.weight", (head_dim,), required=False),
-        k_norm=tensor(f"{attention}.k_norm.weight", (head_dim,), required=False),
         post_norm=tensor(f"{mtp}.post_attention_layernorm.weight", (hidden,)),
     )
+    if latent:
+        arrays.update(_latent_folder_arrays(reader, tensor, attention, config, hidden))
+    else:
+        arrays.update(
+            q_proj=tensor(f"{attention}.q_proj.weight", (q_width, hidden)),
+            k_proj=tensor(f"{attention}.k_proj.weight", (kv_width, hidden)),
+            v_proj=tensor(f"{attention}.v_proj.weight", (kv_width, hidden)),
+            o_proj=tensor(f"{attention}.o_proj.weight", (hidden, q_width)),
+            q_bias=tensor(f"{attention}.q_proj.bias", (q_width,), required=False),
+            k_bias=tensor(f"{attention}.k_proj.bias", (kv_width,), required=False),
+            v_bias=tensor(f"{attention}.v_proj.bias", (kv_width,), required=False),
+            q_norm=tensor(f"{attention}.q_norm.weight", (head_dim,), required=False),
+            k_norm=tensor(f"{attention}.k_norm.weight", (head_dim,), required=False),
+        )
     if layout.experts:
         width = int(config["moe_intermediate_size"])
         shared = int(config.get("n_shared_experts") or 0) * width
@@ -479,6 +492,41 @@ def read_mtp_folder(folder: str | Path, depth: int = DEFAULT_DEPTH) -> MtpHeads:
     heads_config = HeadsConfig(kind="mtp", num_heads=depth, num_layers=count, hidden_size=hidden, vocab_size=vocab,
                                draft_vocab_size=vocab, target_name=folder.name, target_layers=block)
     return MtpHeads(heads_config, layout, _held(arrays, deferred), target_arrays=frozenset(target_arrays))
+
+
+def _latent_fields(config: dict) -> dict:
+    """A latent-attention folder's config as the GGUF keys _refuse_latent_unread reads."""
+    scaling = config.get("rope_scaling") if isinstance(config.get("rope_scaling"), dict) else {}
+    kind = scaling.get("rope_type", scaling.get("type", "none"))
+    return {"deepseek2.attention.key_length_mla": (config.get("qk_nope_head_dim") or 0) + (config.get("qk_rope_head_dim") or 0),
+            "deepseek2.attention.kv_lora_rank": config.get("kv_lora_rank"),
+            "deepseek2.attention.q_lora_rank": config.get("q_lora_rank"),
+            "deepseek2.rope.scaling.type": kind if kind != "default" else "none",
+            "deepseek2.rope.scaling.factor": scaling.get("factor", 1.0)}
+
+
+def _latent_folder_arrays(reader: FolderTensors, tensor, attention: str, config: dict, hidden: int) -> dict:
+    """The latent attention's arrays under a checkpoint's names (q_a_proj, q_a_layernorm, q_b_proj,
+    kv_a_proj_with_mqa, kv_a_layernorm, o_proj, and kv_b_proj split per head into k_b, transposed,
+    and v_b as llama.cpp's converter splits it), or mlx-lm's (embed_q and unembed_out: k_b, v_b)."""
+    heads = int(config["num_attention_heads"])
+    nope, rope, v_width = int(config["qk_nope_head_dim"]), int(config["qk_rope_head_dim"]), int(config["v_head_dim"])
+    q_rank, kv_rank = int(config["q_lora_rank"]), int(config["kv_lora_rank"])
+    arrays = dict(
+        q_a=tensor(f"{attention}.q_a_proj.weight", (q_rank, hidden)),
+        q_a_norm=tensor(f"{attention}.q_a_layernorm.weight", (q_rank,)),
+        q_b=tensor(f"{attention}.q_b_proj.weight", (heads * (nope + rope), q_rank)),
+        kv_a=tensor(f"{attention}.kv_a_proj_with_mqa.weight", (kv_rank + rope, hidden)),
+        kv_a_norm=tensor(f"{attention}.kv_a_layernorm.weight", (kv_rank,)),
+        o_proj=tensor(f"{attention}.o_proj.weight", (hidden, heads * v_width)),
+    )
+    if f"{attention}.embed_q.weight" in reader:
+        return dict(arrays, k_b=tensor(f"{attention}.embed_q.weight", (heads, kv_rank, nope)),
+                    v_b=tensor(f"{attention}.unembed_out.weight", (heads, v_width, kv_rank)))
+    both = reader.first((f"{attention}.kv_b_proj.weight",), (heads * (nope + v_width), kv_rank))
+    both = both.reshape(heads, nope + v_width, kv_rank)
+    return dict(arrays, k_b=np.ascontiguousarray(both[:, :nope].transpose(0, 2, 1)),
+                v_b=np.ascontiguousarray(both[:, nope:]))
 
 
 def _matrix(reader: FolderTensors, names: tuple[str, ...], shape: tuple[int, ...], required: bool = True,

@@ -417,22 +417,75 @@ def test_on_mlx_the_drafter_s_chains_are_llama_cpp_s_draft_mtp_chains(glm_mtp, n
 
     target = open_target("mlx", glm_mtp["hf"])
     try:
-        compared = 0
-        for prompt in PROMPTS:
-            context = target.tokenize(prompt)
-            sequence = KVSequence(target)
-            sequence.reset()
-            drafter = MtpDrafter(read_mtp_folder(glm_mtp["hf"]))
-            drafter.bind(sequence, perf_counter)
-            sequence.feed(context[:-1])
-            ours = list(drafter.propose(context, 5, SamplingSettings(), np.random.default_rng(0)).tokens)
-            drafter.close()
-            theirs = native.chain(context, 5)
-            assert ours[:1] == theirs[:1] and len(ours) == 5, (prompt, ours, theirs)
-            compared += ours == theirs
-        assert compared >= len(PROMPTS) - 1
+        assert _chains_equal_native(target, read_mtp_folder(glm_mtp["hf"]), native, first=True) >= len(PROMPTS) - 1
     finally:
         target.close()
+
+
+def _chains_equal_native(target, heads, native, first: bool = False) -> int:
+    """On how many PROMPTS the drafter's greedy 5-token chain on ``target`` is llama.cpp's driver's
+    (``first``: asserting the first tokens agree on every one)."""
+    compared = 0
+    for prompt in PROMPTS:
+        context = target.tokenize(prompt)
+        sequence = KVSequence(target)
+        sequence.reset()
+        drafter = MtpDrafter(heads)
+        drafter.bind(sequence, perf_counter)
+        sequence.feed(context[:-1])
+        ours = list(drafter.propose(context, 5, SamplingSettings(), np.random.default_rng(0)).tokens)
+        drafter.close()
+        theirs = native.chain(context, 5)
+        assert len(ours) == 5 and (not first or ours[:1] == theirs[:1]), (prompt, ours, theirs)
+        compared += ours == theirs
+    return compared
+
+
+def test_a_latent_attention_folder_s_mtp_layer_reads_as_its_gguf_s(deepseek_mtp):
+    """GLM-4.7-Flash's checkpoint layout (glm4_moe_lite: kv_b_proj joined per head, experts one by
+    one) and the GGUF of the same weights (k_b and v_b split, experts stacked): one layout, the
+    same arrays."""
+    from specrun.modelkit.mtp import read_mtp_folder
+
+    from_folder, from_gguf = read_mtp_folder(deepseek_mtp["mlx"]), read_mtp_gguf(deepseek_mtp["trained"])
+    assert from_folder.layout == from_gguf.layout and from_folder.layout.kv_lora_rank > 0
+    assert set(from_folder.tensors) == set(from_gguf.tensors)
+    for name in from_gguf.tensors:
+        np.testing.assert_array_equal(np.asarray(from_folder.tensors[name], np.float32),
+                                      np.asarray(from_gguf.tensors[name], np.float32), name)
+
+
+@pytest.mark.parametrize("branches", [0, 3], ids=["chain", "tree"])
+def test_on_mlx_a_latent_attention_target_drafts_with_its_folder_s_mtp_layer(deepseek_mtp, branches):
+    """mlx-lm's glm4_moe_lite drops the MTP layer; specrun reads it from the folder and drafts with
+    it in MLX: every token plain decoding's, the fitted layer accepted well above chance."""
+    pytest.importorskip("mlx_lm", reason="the MLX backend is not installed")
+    from specrun.sessions.heads import read_heads
+
+    target = open_target("mlx", deepseek_mtp["mlx"], tree_paths=8 if branches else 0)
+    try:
+        accepted, drafted = _greedy_runs_equal_plain(target, read_heads(deepseek_mtp["mlx"], None),
+                                                     ("def hello(world):", "import os\nimport sys\n"), branches, 64)
+        assert drafted > 0 and accepted / drafted > 0.3, (accepted, drafted)
+    finally:
+        target.close()
+
+
+def test_on_mlx_latent_attention_chains_are_llama_cpp_s_draft_mtp_chains(deepseek_mtp):
+    """The MLX trunk (mlx-lm's glm4_moe_lite, float32) and the folder's layer against llama.cpp's
+    driver on the GGUF of the same weights: the same greedy chains (at most one prompt apart, for
+    float16's near ties)."""
+    pytest.importorskip("mlx_lm", reason="the MLX backend is not installed")
+    from mtp_native import NativeMtp
+
+    from specrun.modelkit.mtp import read_mtp_folder
+
+    native, target = NativeMtp(deepseek_mtp["trained"]), open_target("mlx", deepseek_mtp["mlx"])
+    try:
+        assert _chains_equal_native(target, read_mtp_folder(deepseek_mtp["mlx"]), native) >= len(PROMPTS) - 1
+    finally:
+        target.close()
+        native.close()
 
 
 # ---- bad input ---------------------------------------------------------------------------------
