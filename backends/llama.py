@@ -173,6 +173,8 @@ def _native_mtp_arch(path: Path) -> str | None:
         return None
     arch = values.get("general.architecture")
     layers = values.get(f"{arch}.nextn_predict_layers", 0)
+    if arch == "deepseek2" and layers != 1:  # its MTP graph asserts on more than one
+        return None
     return arch if arch in NATIVE_ARCHS and isinstance(layers, int) and layers > 0 else None
 
 

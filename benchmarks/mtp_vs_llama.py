@@ -16,6 +16,8 @@ Ratios are to llama-completion, geometric means over prompts with 90% intervals.
         --llama-bin-dir BIN --questions ../shared/data/spec_bench/question.jsonl --per-category 1
     .venv/bin/python benchmarks/mtp_vs_llama.py --make DIR --layout qwen35 --hidden 1024 --layers 8 \
         --llama-bin-dir BIN --in-sample --flash-attn on
+    .venv/bin/python benchmarks/mtp_vs_llama.py --make DIR --layout deepseek2 --hidden 1024 --layers 8 \
+        --llama-bin-dir BIN --in-sample --flash-attn on
     .venv/bin/python benchmarks/mtp_vs_llama.py --model DIR/glm-mtp-trained.gguf --llama-bin-dir BIN
     .venv/bin/python benchmarks/mtp_vs_llama.py --model DIR/glm-mtp-trained.gguf --llama-bin-dir BIN --in-sample
 """
@@ -40,11 +42,19 @@ from specrun.bench.suite import BUILTIN_SUITE, BenchPrompt  # noqa: E402
 
 
 def make_model(folder: Path, hidden: int, layers: int, layout: str = "glm") -> Path:
-    """The tests' GLM-style MTP model (or, ``layout`` qwen35, their Qwen3.5-style hybrid) at
-    ``hidden`` wide and ``layers`` deep, its MTP layer trained."""
+    """The tests' GLM-style MTP model (or, ``layout`` qwen35, their Qwen3.5-style hybrid; deepseek2,
+    their model of DeepSeek's latent attention, GLM-4.7-Flash's layout) at ``hidden`` wide and
+    ``layers`` deep, its MTP layer trained."""
     from mtp_models import GlmShape, glm_weights, write_fitted_glm, write_glm_gguf
 
     folder.mkdir(parents=True, exist_ok=True)
+    if layout == "deepseek2":
+        from mtp_models import DeepseekShape, write_fitted_deepseek
+
+        shape = DeepseekShape(hidden=hidden, heads=max(hidden // 64, 1), q_rank=3 * hidden // 8, kv_rank=hidden // 4,
+                              nope=64, rope_dims=32, v_dim=64, dense_ffn=4 * hidden, trunk_layers=layers,
+                              expert_ffn=hidden // 2, context=4096)
+        return write_fitted_deepseek(folder, shape)["trained"]
     if layout == "qwen35":
         from hybrid_models import HybridShape, write_fitted_hybrid
 
@@ -68,7 +78,7 @@ def main() -> None:
     parser.add_argument("--make", type=Path, help="write the tests' GLM-style MTP model into this folder and use it")
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--layout", choices=("glm", "qwen35"), default="glm",
+    parser.add_argument("--layout", choices=("glm", "qwen35", "deepseek2"), default="glm",
                         help="--make's model: GLM-4.5's (dense trunk, MoE MTP block) or Qwen3.5's (hybrid trunk: "
                         "Gated DeltaNet beside attention, rolled back after rejected drafts)")
     parser.add_argument("--llama-bin-dir", type=Path, required=True)

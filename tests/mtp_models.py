@@ -214,7 +214,8 @@ def deepseek_weights(shape: DeepseekShape, seed: int = 0) -> dict[str, np.ndarra
 def write_deepseek_gguf(path: Path, shape: DeepseekShape, weights: dict[str, np.ndarray], mtp_layers: int = 1,
                         keys: dict | None = None) -> Path:
     """The model as llama.cpp's ``deepseek2`` GGUF (float16 matrices), as a current conversion of
-    GLM-4.7-Flash writes its keys; ``keys``: more (or other) keys by name, the arch's prefix implied."""
+    GLM-4.7-Flash writes its keys; ``keys``: more keys by name, the arch's prefix implied (the
+    gating function's in place of sigmoid's)."""
     writer = gguf.GGUFWriter(path, "deepseek2")
     writer.add_name("specrun-tiny-deepseek-mtp")
     writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
@@ -241,10 +242,12 @@ def write_deepseek_gguf(path: Path, shape: DeepseekShape, weights: dict[str, np.
     writer.add_expert_shared_count(1)
     writer.add_expert_weights_scale(shape.weights_scale)
     writer.add_expert_weights_norm(True)
-    writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+    keys = dict(keys or {})
+    if "expert_gating_func" not in keys:
+        writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
     if mtp_layers:
         writer.add_nextn_predict_layers(mtp_layers)
-    for key, value in (keys or {}).items():
+    for key, value in keys.items():
         (writer.add_float32 if isinstance(value, float) else
          writer.add_string if isinstance(value, str) else writer.add_uint32)(f"deepseek2.{key}", value)
     tokenizer_json = tiny_tokenizer_json(VOCAB_SIZE)
@@ -285,9 +288,10 @@ _MLX_LATENT_BLOCK = {  # GGUF name within a block -> mlx-lm's glm4_moe_lite name
 
 
 def write_deepseek_mlx_folder(folder: Path, shape: DeepseekShape, weights: dict[str, np.ndarray]) -> Path:
-    """The same model as a folder mlx-lm loads (``glm4_moe_lite``, GLM-4.7-Flash's type): the trunk
-    under mlx-lm's names, the MTP block as the checkpoint holds it (model.layers.N, its attention's
-    k_b and v_b joined into kv_b_proj per head, experts one by one), which mlx-lm drops as it loads."""
+    """The same model as a folder mlx-lm loads (``glm4_moe_lite``, GLM-4.7-Flash's type), as the
+    checkpoint holds it: every block's k_b and v_b joined into kv_b_proj per head (the trunk's
+    split again by mlx-lm's own sanitize), the trunk's experts stacked as mlx-lm stacks them, the
+    MTP block's one by one (model.layers.N, which mlx-lm drops as it loads)."""
     from specrun.modelkit.hf_io import tokenizer_config_dict, write_model_files
 
     tensors = {"model.embed_tokens.weight": weights["token_embd.weight"],
@@ -298,7 +302,7 @@ def write_deepseek_mlx_folder(folder: Path, shape: DeepseekShape, weights: dict[
             continue
         index, rest = name[4:].split(".", 1)
         target = f"model.layers.{index}."
-        if name.startswith(mtp) and rest in ("attn_k_b.weight", "attn_v_b.weight"):
+        if rest in ("attn_k_b.weight", "attn_v_b.weight"):
             continue
         if name.startswith(mtp) and rest.endswith("_exps.weight"):
             part = rest.split("_")[1]  # gate, up, down
@@ -306,9 +310,10 @@ def write_deepseek_mlx_folder(folder: Path, shape: DeepseekShape, weights: dict[
                 tensors[f"{target}mlp.experts.{expert}.{part}_proj.weight"] = value[expert]
             continue
         tensors[target + _MLX_LATENT_BLOCK[rest]] = value
-    k_b, v_b = weights[f"{mtp}attn_k_b.weight"], weights[f"{mtp}attn_v_b.weight"]  # (nh, r, nope), (nh, v, r)
-    joined = np.concatenate([k_b.transpose(0, 2, 1), v_b], axis=1)  # per head: nope rows, then v rows
-    tensors[f"model.layers.{shape.trunk_layers}.self_attn.kv_b_proj.weight"] = joined.reshape(-1, shape.kv_rank)
+    for index in range(shape.trunk_layers + 1):
+        k_b, v_b = weights[f"blk.{index}.attn_k_b.weight"], weights[f"blk.{index}.attn_v_b.weight"]  # (nh, r, nope), (nh, v, r)
+        joined = np.concatenate([k_b.transpose(0, 2, 1), v_b], axis=1)  # per head: nope rows, then v rows
+        tensors[f"model.layers.{index}.self_attn.kv_b_proj.weight"] = joined.reshape(-1, shape.kv_rank)
     config = {
         "architectures": ["Glm4MoeLiteForCausalLM"], "model_type": "glm4_moe_lite", "vocab_size": VOCAB_SIZE,
         "hidden_size": shape.hidden, "intermediate_size": shape.dense_ffn, "moe_intermediate_size": shape.expert_ffn,
@@ -390,14 +395,15 @@ def _with_fitted_block(weights: dict[str, np.ndarray], trunk: Path, block_index:
 
 def write_fitted_deepseek(folder: Path, shape: DeepseekShape, n_new: int = 160) -> dict[str, Path]:
     """The deepseek2 model: {"random": with its random MTP block, "trained": with the block fitted
-    on the target's continuations (drafts accepted well above chance), "mlx": the trained model
-    as a folder mlx-lm loads, "weights": the trained weights}."""
+    on the target's continuations (drafts accepted well above chance), "mlx" and "mlx_random": the
+    trained and the random model as folders mlx-lm loads}."""
     weights = deepseek_weights(shape)
     random = write_deepseek_gguf(folder / "deepseek-mtp.gguf", shape, weights)
     trunk = write_deepseek_gguf(folder / "deepseek-trunk.gguf", shape, weights, mtp_layers=0)
     fitted = _with_fitted_block(weights, trunk, shape.trunk_layers, shape.hidden, n_new)
     return {"random": random, "trained": write_deepseek_gguf(folder / "deepseek-mtp-trained.gguf", shape, fitted),
-            "mlx": write_deepseek_mlx_folder(folder / "deepseek-mtp-trained-mlx", shape, fitted), "weights": fitted}
+            "mlx": write_deepseek_mlx_folder(folder / "deepseek-mtp-trained-mlx", shape, fitted),
+            "mlx_random": write_deepseek_mlx_folder(folder / "deepseek-mtp-mlx", shape, weights)}
 
 
 _HF_BLOCK = {

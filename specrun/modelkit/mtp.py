@@ -25,7 +25,7 @@ import numpy as np
 from specrun.errors import ModelFileError, UsageError
 from specrun.fileio import MiB, read_limited
 from specrun.heads.config import HeadsConfig
-from specrun.heads.mtp import DEFAULT_DEPTH, MtpHeads, MtpLayout
+from specrun.heads.mtp import DEFAULT_DEPTH, GATINGS, MtpHeads, MtpLayout
 from specrun.modelkit.gguf_header import header_values
 from specrun.modelkit.folder_tensors import Deferred, DeferredArrays, FolderTensors, StoredMatrix, deferred_matrix, tables
 from specrun.modelkit.gguf_io import read_fields
@@ -100,23 +100,43 @@ def _gating(arch: str, fields: dict, trunk_layers: int, vocab: int) -> str:
     func = int(fields.get(f"{arch}.expert_gating_func", 0) or 0)
     if not func:
         func = 1 if arch == "deepseek2" and not (trunk_layers in (47, 48) and vocab == 154880) else 2
-    return _GATINGS.get(func, "sigmoid")
+    return _GATINGS[func]
 
 
-def _refuse_latent_unread(name: str, arch: str, fields: dict, trunk_layers: int, routed: bool) -> None:
+def _refuse_routing_unread(name: str, arch: str, fields: dict) -> None:
+    """One line for routed experts scored or grouped in a way the layer does not reproduce: a
+    gating function other than softmax and sigmoid (llama.cpp aborts on unknown ones), or
+    group-limited routing (DeepSeek-V3's n_group/topk_group: experts chosen within the best groups)."""
+    func = int(fields.get(f"{arch}.expert_gating_func", 0) or 0)
+    groups = int(fields.get(f"{arch}.expert_group_count", 0) or 0)
+    used = int(fields.get(f"{arch}.expert_group_used_count", 0) or 0)
+    problem = (f"its experts' gating function {func} (specrun reads softmax, 1, and sigmoid, 2)"
+               if func and func not in _GATINGS else
+               f"group-limited expert routing ({used} of {groups} groups), which specrun does not read yet"
+               if groups > 1 and 0 < used < groups else "")
+    if problem:
+        raise ModelFileError(f"{name}: specrun cannot draft with this {arch} model's MTP layer: {problem}",
+                             "use another method with this model")
+
+
+def _refuse_latent_unread(name: str, arch: str, fields: dict, count: int, routed: bool) -> None:
     """One line for a latent-attention (``deepseek2``) MTP block whose layout specrun and llama.cpp's
-    MTP context do not run: without the split kv_b of current conversions, without a query
-    down-projection (DeepSeek-V2-Lite's), under rotary scaling or attention temperature, or with a
-    dense MLP (llama.cpp's graph asserts on each)."""
-    scaling = str(fields.get(f"{arch}.rope.scaling.type", "none") or "none")
-    factor = float(fields.get(f"{arch}.rope.scaling.factor", 1.0) or 1.0)
+    MTP context do not run (llama.cpp's graph asserts on each): more than one MTP layer, an older
+    conversion without the split kv_b, no query down-projection (DeepSeek-V2-Lite's), rotary
+    scaling (a factor but ``none``'s) or attention scaling, or a dense MLP there."""
+    scaling = str(fields.get(f"{arch}.rope.scaling.type", "linear") or "linear")
+    factor = float(fields.get(f"{arch}.rope.scaling.factor", 0) or fields.get(f"{arch}.rope.scale_linear", 0) or 1.0)
+    attention_factor = float(fields.get(f"{arch}.rope.scaling.attn_factor", 1.0) or 1.0)
     problem = (
+        f"{count} MTP layers (llama.cpp's MTP context runs one)" if count != 1 else
         "an older conversion (its attention's kv_b not split into k_b and v_b)"
-        if not fields.get(f"{arch}.attention.key_length_mla") or not fields.get(f"{arch}.attention.kv_lora_rank") else
+        if not all(fields.get(f"{arch}.attention.{key}") for key in ("key_length_mla", "value_length_mla",
+                                                                       "kv_lora_rank")) else
         "attention without a query down-projection (q_lora_rank: DeepSeek-V2-Lite's layout)"
         if not fields.get(f"{arch}.attention.q_lora_rank") else
         f"rotary scaling ({scaling}, factor {factor:g}), which specrun does not read yet"
         if scaling != "none" and factor != 1.0 else
+        f"rotary attention factor {attention_factor:g}, which specrun does not read yet" if attention_factor != 1.0 else
         "attention temperature scaling" if float(fields.get(f"{arch}.attention.temperature_scale", 0) or 0) else
         "a dense MLP in its MTP block (llama.cpp runs routed experts there)" if not routed else "")
     if problem:
@@ -228,8 +248,11 @@ def read_mtp_gguf(path: str | Path, depth: int = DEFAULT_DEPTH) -> MtpHeads:
     experts = int(fields.get(f"{arch}.expert_count", 0) or 0)
     latent = arch in _LATENT_ATTENTION
     if latent:
-        _refuse_latent_unread(path.name, arch, fields, block, f"{mtp}.ffn_gate_inp.weight" in tensors)
+        _refuse_latent_unread(path.name, arch, fields, count, f"{mtp}.ffn_gate_inp.weight" in tensors)
         head_dim = int(fields[f"{arch}.attention.key_length_mla"])  # a query head's nope + rope dims
+        kv_count = 1  # one latent key and value a position, as llama.cpp's MLA reads them
+    if f"{mtp}.ffn_gate_inp.weight" in tensors:
+        _refuse_routing_unread(path.name, arch, fields)
     layout = MtpLayout(
         arch=arch, num_attention_heads=heads_count, num_key_value_heads=kv_count, head_dim=head_dim,
         rope_dims=int(fields.get(f"{arch}.rope.dimension_count", head_dim)),
@@ -415,17 +438,25 @@ def read_mtp_folder(folder: str | Path, depth: int = DEFAULT_DEPTH) -> MtpHeads:
     rope_dims = int(head_dim * float(config.get("partial_rotary_factor", 1.0)))
     experts = int(config.get("n_routed_experts") or 0)
     routed = experts and block >= int(config.get("first_k_dense_replace", 0))
+    if routed:
+        _refuse_routing_unread(folder.name, "deepseek2", _folder_fields(config))
+        if config.get("scoring_func", "sigmoid") not in GATINGS:
+            raise ModelFileError(f"{folder.name}: specrun cannot draft with this model's MTP layer: its experts' "
+                                 f"scoring function {config['scoring_func']!r} (it reads {', '.join(GATINGS)})",
+                                 "use another method with this model")
     latent = FOLDER_TYPES[model_type] in _LATENT_ATTENTION
     if latent:  # one latent key and value a position: MQA over the latent, as llama.cpp's converter makes it
-        _refuse_latent_unread(folder.name, "deepseek2", _latent_fields(config), block, bool(routed))
+        _refuse_latent_unread(folder.name, "deepseek2", _folder_fields(config), count, bool(routed))
         rope_dims, kv_count = int(config["qk_rope_head_dim"]), 1
         head_dim = int(config["qk_nope_head_dim"]) + rope_dims
     layout = MtpLayout(
         arch=FOLDER_TYPES[model_type], num_attention_heads=heads_count, num_key_value_heads=kv_count,
         head_dim=head_dim, rope_dims=rope_dims,
-        rope_theta=float(config.get("rope_theta", 10000.0)), rms_norm_eps=float(config["rms_norm_eps"]),
+        rope_theta=float(config.get("rope_theta") or _rope_config(config).get("rope_theta") or
+                         (1e6 if latent else 10000.0)),  # mlx-lm's defaults
+        rms_norm_eps=float(config["rms_norm_eps"]),
         experts=experts if routed else 0, experts_used=int(config.get("num_experts_per_tok") or 0),
-        gating=config.get("scoring_func", "sigmoid"), normalize_weights=bool(config.get("norm_topk_prob", False)),
+        gating=config.get("scoring_func", "sigmoid"), normalize_weights=bool(config.get("norm_topk_prob", latent)),
         weights_scale=float(config.get("routed_scaling_factor", 1.0) or 1.0),
         kv_lora_rank=int(config["kv_lora_rank"]) if latent else 0, rope_pairs=latent,
     )
@@ -494,15 +525,27 @@ def read_mtp_folder(folder: str | Path, depth: int = DEFAULT_DEPTH) -> MtpHeads:
     return MtpHeads(heads_config, layout, _held(arrays, deferred), target_arrays=frozenset(target_arrays))
 
 
-def _latent_fields(config: dict) -> dict:
-    """A latent-attention folder's config as the GGUF keys _refuse_latent_unread reads."""
-    scaling = config.get("rope_scaling") if isinstance(config.get("rope_scaling"), dict) else {}
-    kind = scaling.get("rope_type", scaling.get("type", "none"))
+def _rope_config(config: dict) -> dict:
+    """The config's rotary settings: ``rope_scaling`` (transformers 4) or ``rope_parameters`` (5)."""
+    for key in ("rope_scaling", "rope_parameters"):
+        if isinstance(config.get(key), dict):
+            return config[key]
+    return {}
+
+
+def _folder_fields(config: dict) -> dict:
+    """A DeepSeek-style folder's config as the GGUF keys _refuse_latent_unread and
+    _refuse_routing_unread read."""
+    rope = _rope_config(config)
+    kind = rope.get("rope_type", rope.get("type", "none"))
     return {"deepseek2.attention.key_length_mla": (config.get("qk_nope_head_dim") or 0) + (config.get("qk_rope_head_dim") or 0),
+            "deepseek2.attention.value_length_mla": config.get("v_head_dim"),
             "deepseek2.attention.kv_lora_rank": config.get("kv_lora_rank"),
             "deepseek2.attention.q_lora_rank": config.get("q_lora_rank"),
             "deepseek2.rope.scaling.type": kind if kind != "default" else "none",
-            "deepseek2.rope.scaling.factor": scaling.get("factor", 1.0)}
+            "deepseek2.rope.scaling.factor": rope.get("factor", 1.0),
+            "deepseek2.expert_group_count": config.get("n_group") or 0,
+            "deepseek2.expert_group_used_count": config.get("topk_group") or 0}
 
 
 def _latent_folder_arrays(reader: FolderTensors, tensor, attention: str, config: dict, hidden: int) -> dict:

@@ -297,8 +297,10 @@ def test_on_a_latent_attention_target_mtp_gives_plain_decoding_s_tokens(deepseek
 
 
 def test_latent_attention_layouts_llama_cpp_cannot_draft_with_are_one_line(tmp_path):
-    """deepseek2 files whose MTP block llama.cpp's MTP graph asserts on (rotary scaling, a dense
-    MLP there) are refused by name before llama.cpp sees them, on the command line too."""
+    """deepseek2 files whose MTP block llama.cpp's MTP graph asserts on (two MTP layers, rotary
+    scaling, an unknown gating function, a dense MLP there) or whose routing specrun does not
+    reproduce (expert groups) are refused by name before llama.cpp sees them, on the command line
+    too."""
     from mtp_models import DeepseekShape, deepseek_weights, write_deepseek_gguf
     from specrun.errors import ModelFileError
 
@@ -311,6 +313,19 @@ def test_latent_attention_layouts_llama_cpp_cannot_draft_with_are_one_line(tmp_p
     dense = write_deepseek_gguf(tmp_path / "dense.gguf", dense_shape, deepseek_weights(dense_shape))
     with pytest.raises(ModelFileError, match="a dense MLP in its MTP block"):
         read_mtp_gguf(dense)
+    for name, keys, layers, expected in (
+            ("two", {}, 2, "2 MTP layers"), ("gated", {"expert_gating_func": 9}, 1, "gating function 9"),
+            ("grouped", {"expert_group_count": 2, "expert_group_used_count": 1}, 1, r"group-limited expert routing"),
+            ("linear", {"rope.scaling.factor": 4.0}, 1, r"rotary scaling \(linear, factor 4\)")):
+        weights = deepseek_weights(shape)
+        block = f"blk.{shape.trunk_layers}."  # a second MTP block like the first, for two layers
+        weights.update({f"blk.{shape.trunk_layers + 1}." + key[len(block):]: value
+                        for key, value in weights.items() if key.startswith(block) and layers == 2})
+        path = write_deepseek_gguf(tmp_path / f"{name}.gguf", shape, weights, mtp_layers=layers, keys=keys)
+        with pytest.raises(ModelFileError, match=expected):
+            read_mtp_gguf(path)
+    result = _cli("generate", "def hello", "-t", str(tmp_path / "two.gguf"), "--method", "mtp", "-n", "4")
+    _one_line(result, 1, "two.gguf", "2 MTP layers")  # never llama.cpp's abort
     result = _cli("generate", "def hello", "-t", str(scaled), "--method", "mtp", "-n", "4")
     _one_line(result, 1, "yarn.gguf", "specrun cannot draft with this deepseek2 model's MTP layer", "rotary scaling")
 
@@ -441,18 +456,28 @@ def _chains_equal_native(target, heads, native, first: bool = False) -> int:
     return compared
 
 
-def test_a_latent_attention_folder_s_mtp_layer_reads_as_its_gguf_s(deepseek_mtp):
+def test_a_latent_attention_folder_s_mtp_layer_gives_llama_cpp_s_logits(deepseek_mtp):
     """GLM-4.7-Flash's checkpoint layout (glm4_moe_lite: kv_b_proj joined per head, experts one by
-    one) and the GGUF of the same weights (k_b and v_b split, experts stacked): one layout, the
-    same arrays."""
+    one), its random block read from the folder: the layout the GGUF of the same weights gives, and
+    at every position the logits llama.cpp's MTP context computes from that GGUF."""
+    from mtp_native import NativeMtp
+
+    from specrun.backends.llama import LlamaCppBackend
     from specrun.modelkit.mtp import read_mtp_folder
 
-    from_folder, from_gguf = read_mtp_folder(deepseek_mtp["mlx"]), read_mtp_gguf(deepseek_mtp["trained"])
-    assert from_folder.layout == from_gguf.layout and from_folder.layout.kv_lora_rank > 0
-    assert set(from_folder.tensors) == set(from_gguf.tensors)
-    for name in from_gguf.tensors:
-        np.testing.assert_array_equal(np.asarray(from_folder.tensors[name], np.float32),
-                                      np.asarray(from_gguf.tensors[name], np.float32), name)
+    heads = read_mtp_folder(deepseek_mtp["mlx_random"])
+    assert heads.layout == read_mtp_gguf(deepseek_mtp["random"]).layout and heads.layout.kv_lora_rank > 0
+    native = NativeMtp(deepseek_mtp["random"])
+    backend = LlamaCppBackend(deepseek_mtp["random"], n_ctx=256, n_threads=1)
+    try:
+        for prompt in PROMPTS:
+            tokens = backend.tokenize(prompt)
+            states, theirs = native.pair_logits(tokens)
+            relative, agreeing = logit_agreement(numpy_pair_logits(heads, states, tokens), theirs)
+            assert relative < 0.02 and agreeing == 1.0, (prompt, relative, agreeing)
+    finally:
+        backend.close()
+        native.close()
 
 
 @pytest.mark.parametrize("branches", [0, 3], ids=["chain", "tree"])
@@ -471,18 +496,21 @@ def test_on_mlx_a_latent_attention_target_drafts_with_its_folder_s_mtp_layer(dee
         target.close()
 
 
-def test_on_mlx_latent_attention_chains_are_llama_cpp_s_draft_mtp_chains(deepseek_mtp):
-    """The MLX trunk (mlx-lm's glm4_moe_lite, float32) and the folder's layer against llama.cpp's
-    driver on the GGUF of the same weights: the same greedy chains (at most one prompt apart, for
-    float16's near ties)."""
+@pytest.mark.parametrize("block", ["random", "trained"])
+def test_on_mlx_latent_attention_chains_are_llama_cpp_s_draft_mtp_chains(deepseek_mtp, block):
+    """The MLX trunk (mlx-lm's glm4_moe_lite, float32, its kv_b_proj split by mlx-lm) and the
+    folder's layer (the random block: attention and experts at work; the fitted one) against
+    llama.cpp's driver on the GGUF of the same weights: the same greedy chains (at most one prompt
+    apart, for float16's near ties)."""
     pytest.importorskip("mlx_lm", reason="the MLX backend is not installed")
     from mtp_native import NativeMtp
 
     from specrun.modelkit.mtp import read_mtp_folder
 
-    native, target = NativeMtp(deepseek_mtp["trained"]), open_target("mlx", deepseek_mtp["mlx"])
+    folder = deepseek_mtp["mlx" if block == "trained" else "mlx_random"]
+    native, target = NativeMtp(deepseek_mtp[block]), open_target("mlx", folder)
     try:
-        assert _chains_equal_native(target, read_mtp_folder(deepseek_mtp["mlx"]), native) >= len(PROMPTS) - 1
+        assert _chains_equal_native(target, read_mtp_folder(folder), native) >= len(PROMPTS) - 1
     finally:
         target.close()
         native.close()
