@@ -263,6 +263,8 @@ def open_backend(
         resolve = functools.partial(resolve_self_draft, target_spec=target_spec, backend=backend)
     path = resolve(spec, entries)
     _check_context(path, options.n_ctx)
+    if backend != "mlx":
+        _check_latent_attention(path, options)
     if split and not self_draft:
         from specrun.backends.mlx_distributed import launched, open_distributed_target
 
@@ -279,6 +281,31 @@ def open_backend(
         if not forget_derived(Path(path)):
             raise
     return _load(backend, resolve(spec, entries), options)
+
+
+def _check_latent_attention(path: str | Path, options: LoadOptions) -> None:
+    """Refuse the settings llama.cpp's latent attention (``deepseek2``: DeepSeek's MLA, GLM-4.7-Flash)
+    cannot keep lossless: measured on a 1,024-wide model of that layout, its multi-token passes
+    round differently from single steps even with an F32 cache (logits ~0.03 apart), so --exact
+    cannot be bit-identical; and an F32 cache without flash attention computed a wrong row after
+    a long rewind (a token 5.9 logits below the best chosen)."""
+    from specrun.modelkit.gguf_header import header_values
+
+    try:
+        arch = dict(header_values(Path(path))).get("general.architecture")
+    except (OSError, ValueError):
+        return
+    if arch != "deepseek2":
+        return
+    name = Path(path).name
+    if options.exact:
+        raise UsageError(f"--exact cannot hold on {name}: llama.cpp's latent attention (deepseek2) rounds a "
+                         f"multi-token pass differently from single steps, and its F32 cache without flash "
+                         f"attention miscomputes after rewinds",
+                         "drop --exact (greedy output then matches plain decoding but at near-ties)")
+    if options.llama_kv_type == "f32" and options.llama_flash_attn is False:
+        raise UsageError(f"--kv-type f32 with --flash-attn off miscomputes llama.cpp's latent attention (deepseek2) "
+                         f"after rewinds on {name}", "keep the F16 cache (drop --kv-type) or flash attention on")
 
 
 def _check_context(path: str | Path, n_ctx: int | None) -> None:

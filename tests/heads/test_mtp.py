@@ -330,6 +330,19 @@ def test_latent_attention_layouts_llama_cpp_cannot_draft_with_are_one_line(tmp_p
     _one_line(result, 1, "yarn.gguf", "specrun cannot draft with this deepseek2 model's MTP layer", "rotary scaling")
 
 
+def test_settings_llama_cpp_s_latent_attention_cannot_keep_lossless_are_one_line(deepseek_mtp):
+    """--exact on a deepseek2 target (its batched passes round otherwise, and an F32 cache without
+    flash attention miscomputed after rewinds on a wider model) and that cache asked for by hand:
+    usage errors naming the setting, before anything runs."""
+    for extra, expected in ((("--exact",), "--exact cannot hold on deepseek-mtp.gguf"),
+                            (("--kv-type", "f32", "--flash-attn", "off"), "--kv-type f32 with --flash-attn off")):
+        result = _cli("generate", "def hello", "-t", str(deepseek_mtp["random"]), "--method", "mtp", "-n", "4", *extra)
+        _one_line(result, 2, expected, "latent attention")
+    fine = _cli("generate", "def hello", "-t", str(deepseek_mtp["random"]), "--method", "mtp", "-n", "4",
+                "--kv-type", "f32")
+    assert fine.exit_code == 0, fine.output
+
+
 def test_on_a_hybrid_target_mtp_gives_plain_decoding_s_tokens_with_rollbacks(qwen_mtp):
     """Qwen3.5's layout on llama.cpp: the trunk's recurrent state rolled back after each rejected
     draft, the MTP layer's chains in llama.cpp's MTP context, at -k 4 and adaptive, trees asked for
