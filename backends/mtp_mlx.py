@@ -218,16 +218,39 @@ class MlxMtpLayer:
             weights = weights / np.maximum(weights.sum(axis=-1, keepdims=True), 6.103515625e-5)
         if layout.weights_scale not in (0.0, 1.0):
             weights = weights * layout.weights_scale
-        rows = []
-        for row in range(len(chosen)):
-            z = y[row : row + 1]
-            total = out[row : row + 1]
-            for slot, expert in enumerate(chosen[row]):
-                gate = self._apply(z, self._w["gate_exps"][int(expert)])
-                hidden = gate * mx.sigmoid(gate) * self._apply(z, self._w["up_exps"][int(expert)])
-                total = total + float(weights[row, slot]) * self._apply(hidden, self._w["down_exps"][int(expert)])
-            rows.append(total)
-        return mx.concatenate(rows)
+        if not self._gathers:  # MLX's CPU gathers float32 only: each row's experts one by one there
+            rows = []
+            for row in range(len(chosen)):
+                z, total = y[row : row + 1], out[row : row + 1]
+                for slot, expert in enumerate(chosen[row]):
+                    gate = self._apply(z, self._w["gate_exps"][int(expert)])
+                    hidden = gate * mx.sigmoid(gate) * self._apply(z, self._w["up_exps"][int(expert)])
+                    total = total + float(weights[row, slot]) * self._apply(hidden, self._w["down_exps"][int(expert)])
+                rows.append(total)
+            return mx.concatenate(rows)
+        experts = mx.array(chosen.astype(np.uint32))  # (N, k): every row's experts in three gathered products
+        x = mx.expand_dims(y, (-2, -3))  # (N, 1, 1, H)
+        gate = self._gathered(x, "gate_exps", experts)  # (N, k, 1, F)
+        hidden = gate * mx.sigmoid(gate) * self._gathered(x, "up_exps", experts)
+        routed = self._gathered(hidden, "down_exps", experts)[..., 0, :]  # (N, k, H)
+        return out + (routed * mx.array(weights.astype(np.float32))[..., None]).sum(axis=1)
+
+    @property
+    def _gathers(self) -> bool:
+        """Can the experts' products be gathered (mlx-lm's SwitchGLU) here: quantized or float32
+        experts, or any on the GPU (MLX's CPU gathers float32 only)."""
+        mx, weight = self._mx, self._w["gate_exps"]
+        return (isinstance(weight, _Quantized) or weight.dtype == mx.float32
+                or mx.default_device() == mx.gpu)
+
+    def _gathered(self, x, name: str, experts):
+        """x (..., 1, in) times each chosen expert's (out, in) matrix of ``name`` transposed:
+        (..., k, 1, out) in float32 (mlx-lm's SwitchGLU, quantized or not)."""
+        mx, weight = self._mx, self._w[name]
+        if isinstance(weight, _Quantized):
+            return mx.gather_qmm(x, weight.words, weight.scales, weight.biases, rhs_indices=experts, transpose=True,
+                                 group_size=weight.group, bits=weight.bits)
+        return mx.gather_mm(x.astype(weight.dtype), weight.swapaxes(-1, -2), rhs_indices=experts).astype(mx.float32)
 
     def logits(self, out: np.ndarray) -> np.ndarray:
         mx = self._mx
