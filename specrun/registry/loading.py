@@ -284,28 +284,23 @@ def open_backend(
 
 
 def _check_latent_attention(path: str | Path, options: LoadOptions) -> None:
-    """Refuse the settings llama.cpp's latent attention (``deepseek2``: DeepSeek's MLA, GLM-4.7-Flash)
-    cannot keep lossless: measured on a 1,024-wide model of that layout, its multi-token passes
-    round differently from single steps even with an F32 cache (logits ~0.03 apart), so --exact
-    cannot be bit-identical; and an F32 cache without flash attention computed a wrong row after
-    a long rewind (a token 5.9 logits below the best chosen)."""
+    """Refuse --exact where llama.cpp's latent attention (``deepseek2``: DeepSeek's MLA, GLM-4.7-Flash)
+    cannot keep it: measured on a 1,024-wide model of that layout, its multi-token passes round
+    differently from single steps even with an F32 cache and flash attention off (logits ~0.03
+    apart at every step), so speculation there cannot be bit-identical to plain decoding."""
     from specrun.modelkit.gguf_header import header_values
 
+    if not options.exact:
+        return
     try:
         arch = dict(header_values(Path(path))).get("general.architecture")
     except (OSError, ValueError):
         return
-    if arch != "deepseek2":
-        return
-    name = Path(path).name
-    if options.exact:
-        raise UsageError(f"--exact cannot hold on {name}: llama.cpp's latent attention (deepseek2) rounds a "
-                         f"multi-token pass differently from single steps, and its F32 cache without flash "
-                         f"attention miscomputes after rewinds",
-                         "drop --exact (greedy output then matches plain decoding but at near-ties)")
-    if options.llama_kv_type == "f32" and options.llama_flash_attn is False:
-        raise UsageError(f"--kv-type f32 with --flash-attn off miscomputes llama.cpp's latent attention (deepseek2) "
-                         f"after rewinds on {name}", "keep the F16 cache (drop --kv-type) or flash attention on")
+    if arch == "deepseek2":
+        raise UsageError(f"--exact cannot hold on {Path(path).name}: llama.cpp's latent attention (deepseek2) rounds "
+                         f"a multi-token pass differently from single steps even with an F32 cache",
+                         "drop --exact (greedy output then matches plain decoding but where llama.cpp's passes "
+                         "disagree)")
 
 
 def _check_context(path: str | Path, n_ctx: int | None) -> None:
