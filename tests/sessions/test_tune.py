@@ -273,6 +273,39 @@ def test_the_window_kept_is_timed_again_beside_other_sink_counts_and_the_fastest
     assert (full_wins.window, full_wins.speedup, stages) == (0, 1.0, ["window", "window"])
 
 
+def test_a_window_within_the_rounds_spread_of_the_full_cache_is_not_kept(monkeypatch):
+    """A window is kept only where every round of it beat every round of the full cache: here
+    window 256's median (13) beats the full cache's (12) but its slow round (11) does not beat the
+    full cache's fast one (14), so the full cache stays; once window 128's rounds all clear 14 it
+    is kept, window 256 still overlapping."""
+    from fake_models import hashed_logits
+    from specrun.backends.fake import FakeBackend
+    from specrun.engine.loop import SpeculativeEngine
+    from specrun.sessions.window_tuning import FULL, search_window
+
+    rounds = {None: [10.0, 14.0], (4, 128): [11.0, 12.5], (4, 256): [11.0, 15.0]}
+    seen: dict = {}
+    run = SpeculativeEngine.run
+
+    def scripted(engine, prompt, params, **kwargs):
+        result = run(engine, prompt, params, **kwargs)
+        view = engine.drafter.backend
+        shape = (view.sinks, view.window) if hasattr(view, "window") else None
+        count = seen[shape] = seen.get(shape, -1) + 1
+        result.stats.generation_seconds = result.stats.new_tokens / rounds[shape][count % 2]
+        return result
+
+    monkeypatch.setattr(SpeculativeEngine, "run", scripted)
+    target, draft = FakeBackend(hashed_logits(8, salt=1), 8), FakeBackend(hashed_logits(8, salt=2), 8)
+    prompt = [1 + i % 7 for i in range(300)]
+    overlapping = search_window(target, draft, prompt, 8, 3)
+    assert overlapping.rates["window 256"] > overlapping.rates[FULL] and (overlapping.window, overlapping.speedup) == (0, 1.0)
+    rounds[(4, 128)] = [14.5, 15.0]  # every round above the full cache's 14
+    seen.clear()
+    clear = search_window(target, draft, prompt, 8, 3)
+    assert clear.window == 128 and clear.speedup == pytest.approx(14.75 / 12.0)
+
+
 def test_a_kept_window_is_what_later_runs_draft_with_unless_they_choose(tmp_path):
     import dataclasses
 
