@@ -118,7 +118,9 @@ class MtpHeads:
     chains the layer to.
     ``target_arrays``: which of embed and lm_head are the target's own tables (not the layer's),
     which a backend holding the target may use in their place (MlxBackend.mtp_layer: a quantized
-    model's own head rather than a float copy of it).
+    model's own head rather than a float copy of it). ``source``: the GGUF the layer came from,
+    so that llama.cpp's own MTP context (which runs the target file's layer) drafts only for heads
+    read from the target's own file.
     """
 
     config: HeadsConfig
@@ -126,6 +128,7 @@ class MtpHeads:
     tensors: Mapping[str, np.ndarray] = field(repr=False)
     d2t: None = None  # MTP layers draft over the target's whole vocabulary
     target_arrays: frozenset[str] = frozenset()
+    source: str = ""  # the resolved GGUF the layer was read from ("" elsewhere): llama.cpp runs a file's own
 
     @classmethod
     def of(cls, config: HeadsConfig, layout: MtpLayout, **arrays: np.ndarray | None) -> MtpHeads:

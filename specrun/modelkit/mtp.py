@@ -341,7 +341,15 @@ def read_mtp_gguf(path: str | Path, depth: int = DEFAULT_DEPTH) -> MtpHeads:
     target_tables = {"token_embd.weight", "output.weight"}
     return MtpHeads(config, layout, LazyGgufTensors({key: (files[name], name, tensors[name]) for key, name in named.items()},
                                                     vocab, hidden),
-                    target_arrays=frozenset(key for key in ("embed", "lm_head") if named[key] in target_tables))
+                    target_arrays=frozenset(key for key in ("embed", "lm_head") if named[key] in target_tables),
+                    source=gguf_model_key(path))
+
+
+def gguf_model_key(path: str | Path) -> str:
+    """Which model a GGUF is, whichever part of a split one ``path`` names: its resolved path, the
+    part number read as the first's."""
+    path = Path(path).resolve()
+    return str(path.with_name(_SPLIT_PART.sub(lambda m: f"-00001-of-{m.group(2)}.gguf", path.name)))
 
 
 

@@ -732,6 +732,33 @@ def test_the_mlx_layer_holds_a_gguf_s_float16_matrices_as_stored(carriers, layou
         _close_at(got, expected, 1e-2)
 
 
+def test_heads_from_another_file_draft_in_numpy_not_with_the_target_s_own_layer(glm_mtp, glm_mtp_trained, native,
+                                                                               backend, monkeypatch):
+    """llama.cpp's MTP context runs the target file's own layer, so --heads from another GGUF (the
+    same model's layer trained further) drafts in NumPy with those heads: its chains are the NumPy
+    layer's, not llama.cpp's of the target's own layer; the target's own file still drafts natively."""
+    def chains(heads):
+        found = []
+        for prompt in PROMPTS:
+            context = backend.tokenize(prompt)
+            sequence = KVSequence(backend)
+            sequence.reset()
+            drafter = MtpDrafter(heads)
+            drafter.bind(sequence, perf_counter)
+            sequence.feed(context[:-1])
+            found.append(list(drafter.propose(context, 5, SamplingSettings(), np.random.default_rng(0)).tokens))
+            drafter.close()
+        return found
+
+    other, own = read_mtp_gguf(glm_mtp_trained["llama"]), read_mtp_gguf(glm_mtp["gguf"])
+    assert other.source != own.source
+    given = chains(other)
+    theirs = [native.chain(backend.tokenize(prompt), 5) for prompt in PROMPTS]
+    assert chains(own) == theirs and given != theirs
+    monkeypatch.setattr(backend, "native_mtp", lambda: None)
+    assert chains(other) == given
+
+
 def test_a_pass_llama_cpp_refuses_drafts_nothing_and_the_next_proposal_catches_up_afresh(glm_mtp, native, backend,
                                                                                       monkeypatch):
     """A failed MTP pass (llama.cpp out of memory, say) must not end the generation: that proposal

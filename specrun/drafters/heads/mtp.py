@@ -24,6 +24,7 @@ from specrun.drafters.base import EMPTY_PROPOSAL, Proposal, second_guesses
 from specrun.drafters.heads.base import target_rows
 from specrun.drafters.heads.eagle import EagleDrafter
 from specrun.heads.mtp import MtpHeads
+from specrun.modelkit.mtp import gguf_model_key
 from specrun.sampling import SamplingSettings, sample
 
 
@@ -32,6 +33,7 @@ class MtpDrafter(EagleDrafter):
 
     name = "mtp"
     heads: MtpHeads
+    _own_file = False  # were the heads read from the target's own GGUF (bind)?
 
     def bind(self, target: KVSequence, clock: Callable[[], float]) -> None:
         super().bind(target, clock)
@@ -39,6 +41,14 @@ class MtpDrafter(EagleDrafter):
         layer = target.backend.mtp_layer(self._own_heads)  # MLX: the layer in its arrays
         if layer is not None:
             self.heads = layer
+        # llama.cpp's MTP context runs the target file's own layer: heads read from another file
+        # (--heads) draft in NumPy
+        path = getattr(target.backend, "path", None)
+        source = getattr(self._own_heads, "source", "")
+        self._own_file = bool(source) and path is not None and source == gguf_model_key(path)
+
+    def _native_mtp(self):
+        return self.target.backend.native_mtp() if self.target is not None and self._own_file else None
 
     def propose(
         self,
@@ -47,7 +57,7 @@ class MtpDrafter(EagleDrafter):
         sampling: SamplingSettings,
         rng: np.random.Generator,
     ) -> Proposal:
-        native = self.target.backend.native_mtp() if self.target is not None else None
+        native = self._native_mtp()
         trees = sampling.greedy and self.branches and self.target.backend.tree_support.available
         if native is None or trees:  # a tree the target cannot verify would be its main chain: drafted natively
             return super().propose(context, draft_len, sampling, rng)
