@@ -448,10 +448,9 @@ def test_on_mlx_the_drafter_s_chains_are_llama_cpp_s_draft_mtp_chains(glm_mtp, n
         target.close()
 
 
-def _chains_equal_native(target, heads, native, first: bool = False) -> int:
-    """On how many PROMPTS the drafter's greedy 5-token chain on ``target`` is llama.cpp's driver's
-    (``first``: asserting the first tokens agree on every one)."""
-    compared = 0
+def _greedy_chains(target, heads) -> list[list[int]]:
+    """The drafter's greedy 5-token chain with ``heads`` on ``target`` after each of PROMPTS."""
+    found = []
     for prompt in PROMPTS:
         context = target.tokenize(prompt)
         sequence = KVSequence(target)
@@ -459,9 +458,17 @@ def _chains_equal_native(target, heads, native, first: bool = False) -> int:
         drafter = MtpDrafter(heads)
         drafter.bind(sequence, perf_counter)
         sequence.feed(context[:-1])
-        ours = list(drafter.propose(context, 5, SamplingSettings(), np.random.default_rng(0)).tokens)
+        found.append(list(drafter.propose(context, 5, SamplingSettings(), np.random.default_rng(0)).tokens))
         drafter.close()
-        theirs = native.chain(context, 5)
+    return found
+
+
+def _chains_equal_native(target, heads, native, first: bool = False) -> int:
+    """On how many PROMPTS the drafter's greedy 5-token chain on ``target`` is llama.cpp's driver's
+    (``first``: asserting the first tokens agree on every one)."""
+    compared = 0
+    for prompt, ours in zip(PROMPTS, _greedy_chains(target, heads)):
+        theirs = native.chain(target.tokenize(prompt), 5)
         assert len(ours) == 5 and (not first or ours[:1] == theirs[:1]), (prompt, ours, theirs)
         compared += ours == theirs
     return compared
@@ -738,17 +745,7 @@ def test_heads_from_another_file_draft_in_numpy_not_with_the_target_s_own_layer(
     same model's layer trained further) drafts in NumPy with those heads: its chains are the NumPy
     layer's, not llama.cpp's of the target's own layer; the target's own file still drafts natively."""
     def chains(heads):
-        found = []
-        for prompt in PROMPTS:
-            context = backend.tokenize(prompt)
-            sequence = KVSequence(backend)
-            sequence.reset()
-            drafter = MtpDrafter(heads)
-            drafter.bind(sequence, perf_counter)
-            sequence.feed(context[:-1])
-            found.append(list(drafter.propose(context, 5, SamplingSettings(), np.random.default_rng(0)).tokens))
-            drafter.close()
-        return found
+        return _greedy_chains(backend, heads)
 
     other, own = read_mtp_gguf(glm_mtp_trained["llama"]), read_mtp_gguf(glm_mtp["gguf"])
     assert other.source != own.source
