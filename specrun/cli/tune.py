@@ -258,7 +258,7 @@ def render(results) -> Group:
         blocks.append(Text(f"  draft tokens accepted {acceptance}"))
         if result.window_context:
             kept = (f"its first {result.window_sinks} tokens and the last {result.window}, "
-                    f"{result.window_speedup:.2f}× the full cache" if result.window else "its full cache (no window won)")
+                    f"{result.window_speedup:.2f}× the full cache" if result.window else "its full cache (no window beat every round of it)")
             blocks.append(Text(f"  draft cache after {result.window_context:,} tokens: {kept}"))
         if result.acceptance_by_position:
             curve = " ".join(f"{100 * share:.0f}%" for _, share in sorted(result.acceptance_by_position.items()))

@@ -346,10 +346,11 @@ def read_mtp_gguf(path: str | Path, depth: int = DEFAULT_DEPTH) -> MtpHeads:
 
 
 def gguf_model_key(path: str | Path) -> str:
-    """Which model a GGUF is, whichever part of a split one ``path`` names: its resolved path, the
-    part number read as the first's."""
-    path = Path(path).resolve()
-    return str(path.with_name(_SPLIT_PART.sub(lambda m: f"-00001-of-{m.group(2)}.gguf", path.name)))
+    """Which model a GGUF is, whichever part of a split one ``path`` names: the first part's
+    resolved path (the part number read as the first's before links are followed: in the Hugging
+    Face cache each part is a link to a blob named by its hash)."""
+    path = Path(path).absolute()
+    return str(path.with_name(_SPLIT_PART.sub(lambda m: f"-00001-of-{m.group(2)}.gguf", path.name)).resolve())
 
 
 

@@ -263,7 +263,7 @@ def open_backend(
         resolve = functools.partial(resolve_self_draft, target_spec=target_spec, backend=backend)
     path = resolve(spec, entries)
     _check_context(path, options.n_ctx)
-    if backend != "mlx":
+    if backend != "mlx" and target_spec is None:  # a draft's passes never make an answer inexact
         _check_latent_attention(path, options)
     if split and not self_draft:
         from specrun.backends.mlx_distributed import launched, open_distributed_target

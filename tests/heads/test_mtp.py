@@ -330,12 +330,16 @@ def test_latent_attention_layouts_llama_cpp_cannot_draft_with_are_one_line(tmp_p
     _one_line(result, 1, "yarn.gguf", "specrun cannot draft with this deepseek2 model's MTP layer", "rotary scaling")
 
 
-def test_exact_on_a_latent_attention_target_is_one_line(deepseek_mtp):
+def test_exact_on_a_latent_attention_target_is_one_line(deepseek_mtp, glm_mtp):
     """--exact on a deepseek2 target: llama.cpp's latent attention rounds a multi-token pass
     otherwise than single steps even with an F32 cache, so a usage error says so before anything
-    runs; an F32 cache asked for by itself is served."""
+    runs; an F32 cache asked for by itself is served, and so is a deepseek2 draft under --exact
+    (a draft's passes never make an answer inexact)."""
     result = _cli("generate", "def hello", "-t", str(deepseek_mtp["random"]), "--method", "mtp", "-n", "4", "--exact")
     _one_line(result, 2, "--exact cannot hold on deepseek-mtp.gguf", "latent attention")
+    drafting = _cli("generate", "def hello", "-t", str(glm_mtp["trunk"]), "-d", str(deepseek_mtp["random"]),
+                    "--method", "draft", "-n", "4", "--exact")
+    assert drafting.exit_code == 0, drafting.output
     fine = _cli("generate", "def hello", "-t", str(deepseek_mtp["random"]), "--method", "mtp", "-n", "4",
                 "--kv-type", "f32", "--flash-attn", "off")
     assert fine.exit_code == 0, fine.output
@@ -747,6 +751,12 @@ def test_heads_from_another_file_draft_in_numpy_not_with_the_target_s_own_layer(
     def chains(heads):
         return _greedy_chains(backend, heads)
 
+    sequence = KVSequence(backend)
+    for heads, own_file in ((read_mtp_gguf(glm_mtp["gguf"]), True), (read_mtp_gguf(glm_mtp_trained["llama"]), False)):
+        drafter = MtpDrafter(heads)
+        drafter.bind(sequence, perf_counter)
+        assert drafter._own_file is own_file  # llama.cpp's context drafts for the target's own file only
+        drafter.close()
     other, own = read_mtp_gguf(glm_mtp_trained["llama"]), read_mtp_gguf(glm_mtp["gguf"])
     assert other.source != own.source
     given = chains(other)
@@ -754,6 +764,23 @@ def test_heads_from_another_file_draft_in_numpy_not_with_the_target_s_own_layer(
     assert chains(own) == theirs and given != theirs
     monkeypatch.setattr(backend, "native_mtp", lambda: None)
     assert chains(other) == given
+
+
+def test_every_part_of_a_split_gguf_is_the_same_model_even_through_the_hub_cache_s_links(tmp_path):
+    """The MTP block of a split GGUF usually lies in its last part, and the Hugging Face cache links
+    each part to a blob named by its hash: every part names the first part's file."""
+    from specrun.modelkit.mtp import gguf_model_key
+
+    blobs, snapshot = tmp_path / "blobs", tmp_path / "snapshots" / "abc"
+    blobs.mkdir()
+    snapshot.mkdir(parents=True)
+    for part, blob in ((1, "aaa"), (2, "bbb")):
+        (blobs / blob).write_bytes(b"GGUF")
+        (snapshot / f"M-0000{part}-of-00002.gguf").symlink_to(blobs / blob)
+    first, last = snapshot / "M-00001-of-00002.gguf", snapshot / "M-00002-of-00002.gguf"
+    assert gguf_model_key(last) == gguf_model_key(first) == str(blobs / "aaa")
+    (tmp_path / "plain.gguf").write_bytes(b"GGUF")
+    assert gguf_model_key(tmp_path / "plain.gguf") != gguf_model_key(first)
 
 
 def test_a_pass_llama_cpp_refuses_drafts_nothing_and_the_next_proposal_catches_up_afresh(glm_mtp, native, backend,
