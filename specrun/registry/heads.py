@@ -56,6 +56,10 @@ def heads_candidates(target_spec: str, kind: str, entries: dict[str, ModelEntry]
         Path(path).expanduser() for path in (entry.gguf_path, entry.mlx_path) if path
     ]
     if BY_NAME[kind].stored == "model":  # inside the target's own files (its GGUF, its model folder)
+        if entry is not None and (entry.gguf_repo or entry.mlx_repo):  # a Hub model: what its cache holds
+            from specrun.registry.hub import cached_model_paths
+
+            local += cached_model_paths(entry)
         return [path for path in local if path.suffix.lower() == ".gguf" or path.is_dir()]
     stored = [each.name for each in kinds_of_method(kind)]  # EAGLE-3's folder before EAGLE-1's file
     for path in local:

@@ -255,6 +255,19 @@ def cache_status(entry: ModelEntry) -> CacheStatus:
     )
 
 
+def cached_model_paths(entry: ModelEntry) -> list[Path]:
+    """What the Hub cache holds of ``entry``'s model, asking the Hub nothing: its GGUF's first part
+    and its MLX folder, where every file of each is cached."""
+    found = []
+    if entry.gguf_repo and entry.gguf_file:
+        found += _cached_gguf_files(entry)[:1]
+    if entry.mlx_repo and _cached_mlx_files(entry):
+        from huggingface_hub import try_to_load_from_cache
+
+        found.append(Path(try_to_load_from_cache(entry.mlx_repo, "config.json")).parent)
+    return found
+
+
 def _cached_gguf_files(entry: ModelEntry) -> list[Path]:
     """Every part of the GGUF if all are cached, else []."""
     from huggingface_hub import try_to_load_from_cache

@@ -555,6 +555,30 @@ def _one_line(result, code: int, *fragments: str) -> None:
         assert fragment in lines[0], (fragment, lines[0])
 
 
+def test_a_hub_alias_s_mtp_layer_is_found_in_the_hub_cache(glm_mtp, tmp_path, monkeypatch):
+    """A registry alias of a Hub GGUF has no local path: its MTP layer is looked for in what the
+    Hugging Face cache holds of it (asking the Hub nothing), as the target itself was loaded."""
+    import shutil
+
+    from huggingface_hub import constants
+
+    from specrun.registry.catalog import ModelEntry
+    from specrun.registry.heads import heads_candidates
+
+    cache = tmp_path / "hub"
+    repo = cache / "models--specrun-test--glm-mtp-GGUF"
+    snapshot = repo / "snapshots" / ("a" * 40)
+    snapshot.mkdir(parents=True)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("a" * 40)
+    shutil.copy(glm_mtp["gguf"], snapshot / "glm-mtp.gguf")
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    entry = ModelEntry(alias="glm-mtp", origin="test", gguf_repo="specrun-test/glm-mtp-GGUF", gguf_file="glm-mtp.gguf")
+    assert heads_candidates("glm-mtp", "mtp", {"glm-mtp": entry}) == [snapshot / "glm-mtp.gguf"]
+    empty = ModelEntry(alias="other", origin="test", gguf_repo="specrun-test/other-GGUF", gguf_file="other.gguf")
+    assert heads_candidates("other", "mtp", {"other": empty}) == []  # not downloaded: nothing, and no request
+
+
 def test_mtp_on_a_target_without_mtp_layers_is_one_line_naming_the_models_that_carry_them(tiny_llama, glm_mtp):
     for target in (tiny_llama.gguf_path, glm_mtp["trunk"]):
         result = _cli("generate", "hi", "-t", str(target), "--method", "mtp", "-n", "4")
