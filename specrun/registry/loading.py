@@ -299,8 +299,8 @@ def _check_latent_attention(path: str | Path, options: LoadOptions) -> None:
     if arch == "deepseek2":
         raise UsageError(f"--exact cannot hold on {Path(path).name}: llama.cpp's latent attention (deepseek2) rounds "
                          f"a multi-token pass differently from single steps even with an F32 cache",
-                         "drop --exact (greedy output then matches plain decoding but where llama.cpp's passes "
-                         "disagree)")
+                         "drop --exact (greedy output then matches plain decoding but at near-ties, of the output "
+                         "or of the experts' router)")
 
 
 def _check_context(path: str | Path, n_ctx: int | None) -> None:
