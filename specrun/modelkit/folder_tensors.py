@@ -69,11 +69,6 @@ class StoredMatrix:
             return tuple(self.values.shape)
         return (*self.values.shape[:-1], self.values.shape[-1] * 32 // self.bits)
 
-    @property
-    def nbytes(self) -> int:
-        parts = (self.values, self.scales, self.biases) if self.quantized else (self.values,)
-        return sum(int(part.nbytes) for part in parts)
-
     def floats(self) -> np.ndarray:
         """The array as float32 (dequantized as MLX dequantizes)."""
         if self.bfloat16:
