@@ -133,22 +133,7 @@ def write_glm_gguf(path: Path, shape: GlmShape, weights: dict[str, np.ndarray], 
     writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
     if mtp_layers:
         writer.add_nextn_predict_layers(mtp_layers)
-    tokenizer_json = tiny_tokenizer_json(VOCAB_SIZE)
-    vocab = parse_tokenizer_json(tokenizer_json)
-    ids = ModelConfig(arch="llama", vocab_size=VOCAB_SIZE, hidden_size=shape.hidden, intermediate_size=shape.dense_ffn,
-                      num_layers=shape.trunk_layers, num_heads=shape.heads, num_kv_heads=shape.kv_heads,
-                      rope_theta=shape.rope_theta, rms_norm_eps=shape.eps, context_length=shape.context,
-                      tie_embeddings=False)
-    add_tokenizer(writer, ids, vocab, DEMO_CHAT_TEMPLATE, "gpt-2")
-    for name, value in weights.items():
-        if not mtp_layers and name.startswith(f"blk.{shape.trunk_layers}."):
-            continue
-        plain = name.endswith("norm.weight") or name.endswith(".bias") or dtype == "F32"
-        writer.add_tensor(name, value.astype(np.float32 if plain else np.float16))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    _finish_gguf(writer, shape, shape.kv_heads, weights, mtp_layers, all_float32=dtype == "F32")
     if split_tensors:
         return sorted(path.parent.glob(f"{path.stem}-00001-of-*.gguf"))[0]
     return path
@@ -250,22 +235,33 @@ def write_deepseek_gguf(path: Path, shape: DeepseekShape, weights: dict[str, np.
     for key, value in keys.items():
         (writer.add_float32 if isinstance(value, float) else
          writer.add_string if isinstance(value, str) else writer.add_uint32)(f"deepseek2.{key}", value)
-    tokenizer_json = tiny_tokenizer_json(VOCAB_SIZE)
-    ids = ModelConfig(arch="llama", vocab_size=VOCAB_SIZE, hidden_size=shape.hidden, intermediate_size=shape.dense_ffn,
-                      num_layers=shape.trunk_layers, num_heads=shape.heads, num_kv_heads=1,
-                      rope_theta=shape.rope_theta, rms_norm_eps=shape.eps, context_length=shape.context,
-                      tie_embeddings=False)
-    add_tokenizer(writer, ids, parse_tokenizer_json(tokenizer_json), DEMO_CHAT_TEMPLATE, "gpt-2")
+    _finish_gguf(writer, shape, 1, weights, mtp_layers)
+    return path
+
+
+def _tokenizer_config(shape, kv_heads: int) -> ModelConfig:
+    """The tiny tokenizer's settings for a model of ``shape`` (as add_tokenizer and the folders read them)."""
+    return ModelConfig(arch="llama", vocab_size=VOCAB_SIZE, hidden_size=shape.hidden, intermediate_size=shape.dense_ffn,
+                       num_layers=shape.trunk_layers, num_heads=shape.heads, num_kv_heads=kv_heads,
+                       rope_theta=shape.rope_theta, rms_norm_eps=shape.eps, context_length=shape.context,
+                       tie_embeddings=False)
+
+
+def _finish_gguf(writer, shape, kv_heads: int, weights: dict[str, np.ndarray], mtp_layers: int,
+                 all_float32: bool = False) -> None:
+    """The tiny tokenizer and ``weights`` (norms and biases float32, matrices float16 unless
+    ``all_float32``; the MTP block, blk.{trunk_layers}, only with ``mtp_layers``), then the file."""
+    add_tokenizer(writer, _tokenizer_config(shape, kv_heads), parse_tokenizer_json(tiny_tokenizer_json(VOCAB_SIZE)),
+                  DEMO_CHAT_TEMPLATE, "gpt-2")
     for name, value in weights.items():
         if not mtp_layers and name.startswith(f"blk.{shape.trunk_layers}."):
             continue
-        plain = name.endswith("norm.weight") or name.endswith(".bias")
+        plain = name.endswith("norm.weight") or name.endswith(".bias") or all_float32
         writer.add_tensor(name, value.astype(np.float32 if plain else np.float16))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    return path
 
 
 _MLX_LATENT_BLOCK = {  # GGUF name within a block -> mlx-lm's glm4_moe_lite name (the trunk as mlx-lm holds it)
@@ -327,14 +323,10 @@ def write_deepseek_mlx_folder(folder: Path, shape: DeepseekShape, weights: dict[
         "rope_scaling": None, "tie_word_embeddings": False, "num_nextn_predict_layers": 1,
         "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "float32",
     }
-    ids = ModelConfig(arch="llama", vocab_size=VOCAB_SIZE, hidden_size=shape.hidden, intermediate_size=shape.dense_ffn,
-                      num_layers=shape.trunk_layers, num_heads=shape.heads, num_kv_heads=1,
-                      rope_theta=shape.rope_theta, rms_norm_eps=shape.eps, context_length=shape.context,
-                      tie_embeddings=False)
     tokenizer_json = tiny_tokenizer_json(VOCAB_SIZE)
     tensors = {name: np.ascontiguousarray(value, np.float32) for name, value in tensors.items()}
     return write_model_files(folder, tensors, config, tokenizer_json,
-                             tokenizer_config_dict(ids, tokenizer_json, DEMO_CHAT_TEMPLATE))
+                             tokenizer_config_dict(_tokenizer_config(shape, 1), tokenizer_json, DEMO_CHAT_TEMPLATE))
 
 
 # What the MTP layer is trained on: the target's greedy continuations of these (the tests draft
@@ -463,10 +455,7 @@ def write_glm_hf_folder(folder: Path, shape: GlmShape, weights: dict[str, np.nda
         "num_nextn_predict_layers": 1, "hidden_act": "silu", "bos_token_id": 1, "eos_token_id": 2,
         "torch_dtype": dtype,
     }
-    ids = ModelConfig(arch="llama", vocab_size=VOCAB_SIZE, hidden_size=shape.hidden, intermediate_size=shape.dense_ffn,
-                      num_layers=shape.trunk_layers, num_heads=shape.heads, num_kv_heads=shape.kv_heads,
-                      rope_theta=shape.rope_theta, rms_norm_eps=shape.eps, context_length=shape.context,
-                      tie_embeddings=False)
     tokenizer_json = tiny_tokenizer_json(VOCAB_SIZE)
     return write_model_files(folder, tensors, config, tokenizer_json,
-                             tokenizer_config_dict(ids, tokenizer_json, DEMO_CHAT_TEMPLATE))
+                             tokenizer_config_dict(_tokenizer_config(shape, shape.kv_heads), tokenizer_json,
+                                                   DEMO_CHAT_TEMPLATE))
