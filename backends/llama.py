@@ -173,9 +173,9 @@ def _native_mtp_arch(path: Path) -> str | None:
         return None
     arch = values.get("general.architecture")
     layers = values.get(f"{arch}.nextn_predict_layers", 0)
-    if arch == "deepseek2" and layers != 1:  # its MTP graph asserts on more than one
-        return None
-    return arch if arch in NATIVE_ARCHS and isinstance(layers, int) and layers > 0 else None
+    # Each of these architectures' MTP graphs runs exactly one block: llama.cpp aborts the process
+    # making an MTP context for a file with more (the NumPy layer drafts with its first instead).
+    return arch if arch in NATIVE_ARCHS and layers == 1 else None
 
 
 def _tree_context_params(ctx_params, tree_paths: int) -> int:

@@ -42,6 +42,7 @@ class GlmShape:
     rope_theta: float = 10000.0
     eps: float = 1e-5
     context: int = 512
+    mtp_layers: int = 1  # MTP blocks after the trunk (several: one per draft depth, chained)
 
 
 def _block_shapes(shape: GlmShape, index: int, mtp: bool) -> dict[str, tuple[int, ...]]:
@@ -72,8 +73,8 @@ def _block_shapes(shape: GlmShape, index: int, mtp: bool) -> dict[str, tuple[int
 def glm_shapes(shape: GlmShape) -> dict[str, tuple[int, ...]]:
     shapes = {"token_embd.weight": (VOCAB_SIZE, shape.hidden), "output_norm.weight": (shape.hidden,),
               "output.weight": (VOCAB_SIZE, shape.hidden)}
-    for index in range(shape.trunk_layers + 1):
-        shapes.update(_block_shapes(shape, index, mtp=index == shape.trunk_layers))
+    for index in range(shape.trunk_layers + shape.mtp_layers):
+        shapes.update(_block_shapes(shape, index, mtp=index >= shape.trunk_layers))
     return shapes
 
 
@@ -103,11 +104,13 @@ def _random_weights(shapes: dict[str, tuple[int, ...]], hidden: int, seed: int) 
 
 
 def write_glm_gguf(path: Path, shape: GlmShape, weights: dict[str, np.ndarray], dtype: str = "F16",
-                   mtp_layers: int = 1, arch: str = "glm4moe", split_tensors: int = 0) -> Path:
-    """The model as llama.cpp's ``glm4moe`` GGUF; ``mtp_layers=0`` writes the trunk alone; ``arch``
+                   mtp_layers: int | None = None, arch: str = "glm4moe", split_tensors: int = 0) -> Path:
+    """The model as llama.cpp's ``glm4moe`` GGUF with the shape's MTP blocks; ``mtp_layers=0``
+    writes the trunk alone; ``arch``
     another architecture's name on the same keys and tensors (a layout specrun does not read);
     ``split_tensors``: split into parts of that many tensors as gguf-split names them
     (NAME-00001-of-0000N.gguf: the path returned is the first part)."""
+    mtp_layers = shape.mtp_layers if mtp_layers is None else mtp_layers
     writer = gguf.GGUFWriter(path, arch, split_max_tensors=split_tensors)
     writer.add_name("specrun-tiny-glm-mtp")
     writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16 if dtype == "F16" else gguf.LlamaFileType.ALL_F32)
@@ -250,11 +253,11 @@ def _tokenizer_config(shape, kv_heads: int) -> ModelConfig:
 def _finish_gguf(writer, shape, kv_heads: int, weights: dict[str, np.ndarray], mtp_layers: int,
                  all_float32: bool = False) -> None:
     """The tiny tokenizer and ``weights`` (norms and biases float32, matrices float16 unless
-    ``all_float32``; the MTP block, blk.{trunk_layers}, only with ``mtp_layers``), then the file."""
+    ``all_float32``; the MTP blocks, blk.{trunk_layers} on, only with ``mtp_layers``), then the file."""
     add_tokenizer(writer, _tokenizer_config(shape, kv_heads), parse_tokenizer_json(tiny_tokenizer_json(VOCAB_SIZE)),
                   DEMO_CHAT_TEMPLATE, "gpt-2")
     for name, value in weights.items():
-        if not mtp_layers and name.startswith(f"blk.{shape.trunk_layers}."):
+        if name.startswith("blk.") and int(name.split(".")[1]) >= shape.trunk_layers + mtp_layers:
             continue
         plain = name.endswith("norm.weight") or name.endswith(".bias") or all_float32
         writer.add_tensor(name, value.astype(np.float32 if plain else np.float16))
@@ -452,7 +455,7 @@ def write_glm_hf_folder(folder: Path, shape: GlmShape, weights: dict[str, np.nda
         "num_hidden_layers": shape.trunk_layers, "num_key_value_heads": shape.kv_heads, "rms_norm_eps": shape.eps,
         "rope_theta": shape.rope_theta, "rope_scaling": None, "use_qk_norm": False, "tie_word_embeddings": False,
         "attention_bias": True, "partial_rotary_factor": shape.rope_dims / shape.head_dim,
-        "num_nextn_predict_layers": 1, "hidden_act": "silu", "bos_token_id": 1, "eos_token_id": 2,
+        "num_nextn_predict_layers": shape.mtp_layers, "hidden_act": "silu", "bos_token_id": 1, "eos_token_id": 2,
         "torch_dtype": dtype,
     }
     tokenizer_json = tiny_tokenizer_json(VOCAB_SIZE)

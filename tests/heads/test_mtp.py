@@ -296,6 +296,25 @@ def test_on_a_latent_attention_target_mtp_gives_plain_decoding_s_tokens(deepseek
         target.close()
 
 
+def test_a_file_with_two_mtp_layers_drafts_with_its_first_in_numpy_not_in_llama_cpp(tmp_path):
+    """llama.cpp's glm4moe MTP graph runs exactly one block (it aborted the whole process making an
+    MTP context for a file with two): such a file drafts with its first layer in NumPy, every token
+    plain decoding's."""
+    from mtp_models import GlmShape, glm_weights, write_glm_gguf
+
+    shape = GlmShape(mtp_layers=2)
+    weights = glm_weights(shape)
+    path = write_glm_gguf(tmp_path / "two-layers.gguf", shape, weights)
+    heads = read_mtp_gguf(path)
+    np.testing.assert_array_equal(heads.eh_proj, weights[f"blk.{shape.trunk_layers}.nextn.eh_proj.weight"])
+    target = open_target("llama", path)
+    try:
+        assert target.native_mtp() is None
+        _greedy_runs_equal_plain(target, heads, ("def hello(world):",), 0, 24)
+    finally:
+        target.close()
+
+
 def test_latent_attention_layouts_llama_cpp_cannot_draft_with_are_one_line(tmp_path):
     """deepseek2 files whose MTP block llama.cpp's MTP graph asserts on (two MTP layers, rotary
     scaling, an unknown gating function, a dense MLP there) or whose routing specrun does not
