@@ -30,6 +30,8 @@ from specrun.errors import ModelFileError
 from .config import ARCHITECTURES, ModelConfig, weight_names
 from .gguf_check import check_fields, check_tensors, read_layout
 from .gguf_header import header_values
+from .gguf_convert_qwen35 import ARCHS as QWEN35_ARCHS
+from .gguf_convert_qwen35 import check_qwen35, qwen35_config, qwen35_tensor_plan, token_ids
 from .gguf_io import from_gguf_layout, gguf_tensor_name, read_config, read_vocab
 from .hf_io import hf_config_dict, vocab_tokenizer_config, write_json, write_model_files
 from .tokenizer import GPT2_PRE_TOKENIZER, ByteBpeVocab, build_tokenizer_json
@@ -70,6 +72,11 @@ _QWEN2_REGEX = (
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 _LLAMA3_REGEX = _QWEN2_REGEX.replace(r"|\p{N}|", r"|\p{N}{1,3}|")
+# Qwen3.5's: combining marks join the letters of a word
+_QWEN35_REGEX = (
+    r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
+    r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 _GPT2 = PreTokenizer(GPT2_PRE_TOKENIZER)
 _DIGITS_THEN_GPT2 = PreTokenizer(
     {"type": "Sequence", "pretokenizers": [{"type": "Digits", "individual_digits": True}, GPT2_PRE_TOKENIZER]}
@@ -83,6 +90,7 @@ PRE_TOKENIZERS = {
     "refact": _DIGITS_THEN_GPT2,
     "qwen2": _QWEN2,
     "deepseek-r1-qwen": _QWEN2,
+    "qwen35": PreTokenizer(_split_then_bytes(_QWEN35_REGEX)),
     "llama-bpe": _LLAMA3,
     "llama3": _LLAMA3,
     "llama-v3": _LLAMA3,
@@ -90,7 +98,9 @@ PRE_TOKENIZERS = {
 
 
 def convert_gguf_to_mlx(source: Path, out: Path, *, mlx_dtype: str = "float16") -> None:
-    """Write an mlx-lm model folder at ``out`` (which must not exist) from the GGUF ``source``.
+    """Write an mlx-lm model folder at ``out`` (which must not exist) from the GGUF ``source``:
+    a llama or qwen2 model, or Qwen3.5's hybrid (qwen35, qwen35moe; its MTP layer carried along,
+    modelkit.gguf_convert_qwen35).
 
     ``mlx_dtype``: ``float16``, or ``q4`` (MLX affine 4-bit, group size 32; exact for
     Q4_1 tensors). The folder holds config.json, model.safetensors, tokenizer.json,
@@ -122,27 +132,35 @@ def convert_gguf_to_mlx(source: Path, out: Path, *, mlx_dtype: str = "float16") 
         raise ModelFileError(f"cannot read {source} as GGUF: {exc}", damaged) from exc
     tensors = {tensor.name: tensor for tensor in reader.tensors}
     pre = PRE_TOKENIZERS[fields[gguf.Keys.Tokenizer.PRE]]
+    hybrid = fields[gguf.Keys.General.ARCHITECTURE] in QWEN35_ARCHS
     try:
         vocab = read_vocab(fields, add_bos_default=pre.add_bos_default)
-        config = read_config(fields, vocab, tie_embeddings="output.weight" not in tensors)
-        check_tensors(infos, config)  # before anything is written
+        if hybrid:
+            config_json = qwen35_config(fields, tensors, len(vocab.tokens))
+            ids = token_ids(fields.get(gguf.Keys.Tokenizer.BOS_ID, 1), fields.get(gguf.Keys.Tokenizer.EOS_ID, 2),
+                            config_json["text_config"]["max_position_embeddings"])
+        else:
+            ids = config = read_config(fields, vocab, tie_embeddings="output.weight" not in tensors)
+            check_tensors(infos, config)  # before anything is written
     except (ValueError, TypeError, KeyError) as exc:
         raise ModelFileError(f"{source} cannot be converted: {exc}", damaged) from None
 
-    weights: dict[str, np.ndarray] = {}
-    per_layer_bits: dict[str, dict] = {}
-    for hf_name in weight_names(config):
-        tensor = tensors.get(gguf_tensor_name(hf_name))
-        if tensor is None:
-            raise ModelFileError(f"{source} lacks the tensor {gguf_tensor_name(hf_name)}", "convert the model again")
-        converted, bits = _mlx_tensors(config, hf_name, tensor, mlx_dtype)
-        weights.update(converted)
-        if bits not in (None, 4):
-            per_layer_bits[hf_name.removesuffix(".weight")] = {"group_size": GROUP_SIZE, "bits": bits}
+    if hybrid:
+        weights, per_layer_bits = _qwen35_weights(tensors, config_json, mlx_dtype)
+    else:
+        weights, per_layer_bits = {}, {}
+        for hf_name in weight_names(config):
+            tensor = tensors.get(gguf_tensor_name(hf_name))
+            if tensor is None:
+                raise ModelFileError(f"{source} lacks the tensor {gguf_tensor_name(hf_name)}", "convert the model again")
+            converted, bits = _mlx_tensors(config, hf_name, tensor, mlx_dtype)
+            weights.update(converted)
+            if bits not in (None, 4):
+                per_layer_bits[hf_name.removesuffix(".weight")] = {"group_size": GROUP_SIZE, "bits": bits}
+        config_json = hf_config_dict(config, "float16")
 
     keys = gguf.Keys.Tokenizer
     eos_ids = _eos_ids(fields, vocab)
-    config_json = hf_config_dict(config, "float16")
     if eos_ids:
         config_json["eos_token_id"] = eos_ids[0] if len(eos_ids) == 1 else eos_ids
     if mlx_dtype == "q4":
@@ -150,9 +168,9 @@ def convert_gguf_to_mlx(source: Path, out: Path, *, mlx_dtype: str = "float16") 
         config_json["quantization"] = config_json["quantization_config"] = quantization
     tokenizer_json = build_tokenizer_json(vocab, pre.spec, pre.ignore_merges)
     chat_template = fields.get(keys.CHAT_TEMPLATE)
-    tokenizer_config = vocab_tokenizer_config(config, vocab, fields.get(keys.PAD_ID), chat_template)
+    tokenizer_config = vocab_tokenizer_config(ids, vocab, fields.get(keys.PAD_ID), chat_template)
     write_model_files(out, weights, config_json, tokenizer_json, tokenizer_config)
-    generation = {"bos_token_id": config.bos_token_id, "eos_token_id": config_json["eos_token_id"]}
+    generation = {"bos_token_id": ids.bos_token_id, "eos_token_id": config_json.get("eos_token_id", ids.eos_token_id)}
     write_json(Path(out) / "generation_config.json", generation)
 
 
@@ -165,10 +183,10 @@ def _eos_ids(fields: dict, vocab: ByteBpeVocab) -> list[int]:
 
 
 def _check_architecture(source: Path, arch: str | None) -> None:
-    if arch not in ARCHITECTURES:
+    if arch not in ARCHITECTURES + QWEN35_ARCHS:
         raise ModelFileError(
             f"{source}: architecture {arch!r} cannot be converted to MLX",
-            f"supported architectures: {', '.join(ARCHITECTURES)}",
+            f"supported architectures: {', '.join(ARCHITECTURES + QWEN35_ARCHS)}",
         )
 
 
@@ -199,6 +217,9 @@ def _check_supported(source: Path, fields: dict, tensors: Collection[str]) -> No
             f"supported tokenizer.ggml.pre: {', '.join(PRE_TOKENIZERS)}",
         )
     check_fields(fields, arch)  # before the sizes below are read from them (an embedding length of -128)
+    if arch in QWEN35_ARCHS:
+        check_qwen35(source, fields, tensors)
+        return
     heads = fields.get(gguf.Keys.Attention.HEAD_COUNT.format(arch=arch))
     head_dim = fields.get(gguf.Keys.LLM.EMBEDDING_LENGTH.format(arch=arch), 0) // (heads or 1)
     unsupported = {
@@ -236,6 +257,43 @@ def _mlx_tensors(
             packed = {hf_name: _pack(values, bits), f"{module}.scales": scales, f"{module}.biases": biases}
             return {name: from_gguf_layout(config, hf_name, array) for name, array in packed.items()}, bits
     return {hf_name: from_gguf_layout(config, hf_name, _dequantize(tensor)).astype(np.float16)}, None
+
+
+def _qwen35_weights(tensors: dict, config_json: dict, mlx_dtype: str) -> tuple[dict[str, np.ndarray], dict]:
+    """The folder's tensors from a qwen35/qwen35moe GGUF's (modelkit.gguf_convert_qwen35 says what
+    changes), and the per-layer bits of those quantized to other than 4. With ``q4`` the matrices
+    are MLX 4-bit groups (GGML's own blocks where a tensor is stored unchanged and they are exact);
+    the routers, the convolution and the vectors stay float16 (A_log float32, as mlx-lm keeps it)."""
+    weights: dict[str, np.ndarray] = {}
+    per_layer_bits: dict[str, dict] = {}
+    for gguf_name, (name, change) in qwen35_tensor_plan(config_json, tensors).items():
+        tensor = tensors[gguf_name]
+        module = name.removesuffix(".weight")
+        quantized = mlx_dtype == "q4" and name.endswith(".weight") and not name.endswith(
+            ("conv1d.weight", "mlp.gate.weight", "shared_expert_gate.weight", "norm.weight"))
+        groups = None
+        if quantized and change is None and len(tensor.shape) == 2:
+            groups = _exact_groups(np.asarray(tensor.data), tensor.tensor_type)
+        array = _dequantize(tensor) if groups is None else None
+        if array is not None and change is not None:
+            array = change(array)
+        if quantized and groups is None and array.ndim in (2, 3) and array.shape[-1] % GROUP_SIZE == 0:
+            found = _quantize_groups(array.reshape(-1, array.shape[-1]), bits=4)
+            values, scales, biases, bits = found
+            groups = (values.reshape(*array.shape[:-1], -1), scales.reshape(*array.shape[:-1], -1),
+                      biases.reshape(*array.shape[:-1], -1), bits)
+        if groups is None:
+            weights[name] = array if name.endswith("A_log") else array.astype(np.float16)
+            continue
+        values, scales, biases, bits = groups
+        if name.endswith("embed_tokens.weight"):  # as _mlx_tensors: float32 activations on MLX's CPU
+            scales, biases = scales.astype(np.float32), biases.astype(np.float32)
+        lead = values.shape[:-1]
+        weights.update({name: _pack(values.reshape(-1, values.shape[-1]), bits).reshape(*lead, -1),
+                        f"{module}.scales": scales, f"{module}.biases": biases})
+        if bits != 4:
+            per_layer_bits[module] = {"group_size": GROUP_SIZE, "bits": bits}
+    return weights, per_layer_bits
 
 
 def _dequantize(tensor: gguf.ReaderTensor) -> np.ndarray:

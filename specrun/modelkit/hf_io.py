@@ -101,7 +101,10 @@ def write_model_files(
 
     folder = Path(path)
     folder.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    # safetensors writes an array's buffer as it lies: one not in C order (a transposed view)
+    # would be stored scrambled without a word.
+    stored = {name: np.ascontiguousarray(array) for name, array in tensors.items()}
+    save_file(stored, str(folder / "model.safetensors"), metadata={"format": "pt"})
     write_json(folder / "config.json", config_json)
     (folder / "tokenizer.json").write_text(tokenizer_json, encoding="utf-8")
     write_json(folder / "tokenizer_config.json", tokenizer_config)

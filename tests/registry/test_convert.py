@@ -123,7 +123,7 @@ def test_q8_0_blocks_become_exact_8_bit_groups(tiny_qwen2: TinyModel, tmp_path):
         assert _dequantized(stored, hf_name, bits=8).tobytes() == expected.astype(np.float32).tobytes()
 
 
-@pytest.mark.parametrize("pre", ["smollm", "qwen2", "llama-bpe"])
+@pytest.mark.parametrize("pre", ["smollm", "qwen2", "qwen35", "llama-bpe"])
 def test_each_pre_tokenizer_splits_text_as_llama_cpp_does(pre, tiny_llama: TinyModel, tmp_path):
     """The tiny vocabulary under another pre-tokenizer: llama.cpp applies that regex, the
     converted tokenizer.json must split identically (gpt-2 is the tiny models' own)."""
@@ -131,7 +131,7 @@ def test_each_pre_tokenizer_splits_text_as_llama_cpp_does(pre, tiny_llama: TinyM
 
 
 def test_the_pre_tokenizer_table_names_llama_cpp_s_names():
-    assert {"gpt-2", "smollm", "qwen2", "llama-bpe"} <= set(PRE_TOKENIZERS)
+    assert {"gpt-2", "smollm", "qwen2", "qwen35", "llama-bpe"} <= set(PRE_TOKENIZERS)
 
 
 def test_qwen2_folders_get_qwen2_s_own_tokenizer(tiny_qwen2: TinyModel, tmp_path):
@@ -315,3 +315,16 @@ def test_a_file_that_is_not_gguf_gets_the_usual_error(tmp_path):
 def test_only_mlx_is_a_target_format(tiny_llama: TinyModel, tmp_path):
     result = runner.invoke(app, ["models", "convert", str(tiny_llama.gguf_path), "--to", "onnx"])
     assert result.exit_code == 2 and "use --to mlx" in result.stderr
+
+
+def test_a_model_folder_stores_arrays_not_in_c_order_as_they_read(tmp_path):
+    """safetensors writes an array's buffer as it lies: a transposed view must reach the file in
+    the order it reads, not scrambled (a regrouped Qwen3.5 projection was)."""
+    from safetensors.numpy import load_file
+
+    from specrun.modelkit.hf_io import write_model_files
+
+    view = np.arange(24, dtype=np.float16).reshape(4, 6).T  # (6, 4), Fortran order
+    assert not view.flags["C_CONTIGUOUS"]
+    folder = write_model_files(tmp_path / "m", {"w": view}, {}, "{}", {})
+    np.testing.assert_array_equal(load_file(str(folder / "model.safetensors"))["w"], view)

@@ -1,0 +1,223 @@
+"""Qwen3.5's hybrid layout (llama.cpp's ``qwen35`` and ``qwen35moe``) from a GGUF into the folder
+mlx-lm's ``qwen3_5`` model loads, the model's MTP layer carried along under the names Qwen's
+checkpoints give it (``mtp.*``): mlx-lm ignores it, specrun's MTP drafter reads it
+(modelkit.mtp.read_mtp_folder). mlx-lm cannot read GGUF, and the folders mlx-lm converts from a
+checkpoint drop the MTP layer, so a GGUF that kept it is the way to an MLX model that drafts
+with its own layer.
+
+llama.cpp's converter (conversion/qwen.py, Qwen3NextModel and _LinearAttentionVReorderBase)
+changed the checkpoint's tensors on the way in; each change is undone here, into mlx-lm's own
+(sanitized) layout:
+
+- every norm but the linear attention's was stored as 1 + w: mlx-lm's folders hold the same, so
+  the trunk's are kept; the MTP block's are written as w, as Qwen's checkpoints store them;
+- A was stored as -exp(A_log): A_log = log(-A);
+- the convolution's kernel was squeezed to (channels, K): mlx-lm's is (channels, K, 1);
+- where key heads are fewer than value heads, the value heads were reordered from grouped by key
+  head ([k0: v0 v1, k1: v0 v1]) to tiled ([v0: k0 k1, v1: k0 k1]): grouped again here (the
+  value rows of in_proj_qkv, in_proj_z, in_proj_a/b, A_log, dt_bias, the value channels of the
+  convolution, the columns of out_proj).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection
+from types import SimpleNamespace
+
+import gguf
+import numpy as np
+
+from specrun.errors import ModelFileError
+
+ARCHS = ("qwen35", "qwen35moe")
+_TEXT = "language_model.model."  # where mlx-lm's qwen3_5 holds the text model
+
+
+def qwen35_config(fields: dict, tensors: Collection[str], vocab_size: int) -> dict:
+    """mlx-lm's config.json for the GGUF's ``fields``; ValueError naming a key it lacks or a layout
+    mlx-lm's qwen3_5 cannot express (a layer pattern other than every interval-th layer full
+    attention)."""
+    arch = fields[gguf.Keys.General.ARCHITECTURE]
+
+    def key(name: str, default=None):
+        value = fields.get(f"{arch}.{name}", default)
+        if value is None:
+            raise ValueError(f"the GGUF file lacks the key {arch}.{name}")
+        return value
+
+    mtp_layers = int(key("nextn_predict_layers", 0) or 0)
+    layers = int(key("block_count")) - mtp_layers
+    interval = int(key("full_attention_interval", 4))
+    linear = [f"blk.{i}.attn_qkv.weight" in tensors for i in range(layers)]
+    if interval < 1 or linear != [(i + 1) % interval != 0 for i in range(layers)]:
+        raise ValueError(f"its linear-attention layers are not every layer but each {interval}th, "
+                         "the only pattern mlx-lm's qwen3_5 builds")
+    heads = int(key("attention.head_count"))
+    head_dim = int(key("attention.key_length"))
+    value_heads = int(key("ssm.time_step_rank"))
+    sections = list(key("rope.dimension_sections", [11, 11, 10, 0]))[:3]
+    rope = {"type": "default", "mrope_section": sections, "rope_theta": _shortest(key("rope.freq_base", 1e7)),
+            "partial_rotary_factor": int(key("rope.dimension_count", head_dim // 4)) / head_dim}
+    text = {
+        "model_type": "qwen3_5_text", "vocab_size": vocab_size, "hidden_size": int(key("embedding_length")),
+        "intermediate_size": int(key("feed_forward_length", 0) or 0), "num_hidden_layers": layers,
+        "num_attention_heads": heads, "num_key_value_heads": int(key("attention.head_count_kv", heads)),
+        "head_dim": head_dim, "rms_norm_eps": _shortest(key("attention.layer_norm_rms_epsilon")),
+        "linear_num_value_heads": value_heads, "linear_num_key_heads": int(key("ssm.group_count")),
+        "linear_key_head_dim": int(key("ssm.state_size")),
+        "linear_value_head_dim": int(key("ssm.inner_size")) // value_heads,
+        "linear_conv_kernel_dim": int(key("ssm.conv_kernel")), "full_attention_interval": interval,
+        "tie_word_embeddings": "output.weight" not in tensors, "max_position_embeddings": int(key("context_length")),
+        "mtp_num_hidden_layers": mtp_layers, "rope_parameters": rope,
+        "partial_rotary_factor": rope["partial_rotary_factor"], "rope_theta": rope["rope_theta"],
+    }
+    if arch == "qwen35moe":
+        text.update(model_type="qwen3_5_moe_text", num_experts=int(key("expert_count")),
+                    num_experts_per_tok=int(key("expert_used_count")), decoder_sparse_step=1,
+                    moe_intermediate_size=int(key("expert_feed_forward_length")),
+                    shared_expert_intermediate_size=int(key("expert_shared_feed_forward_length", 0) or 0),
+                    norm_topk_prob=True, mlp_only_layers=[])  # llama.cpp routes by softmax summed to one
+    return {"architectures": ["Qwen3_5MoeForConditionalGeneration" if arch == "qwen35moe"
+                              else "Qwen3_5ForConditionalGeneration"],
+            "model_type": "qwen3_5_moe" if arch == "qwen35moe" else "qwen3_5", "text_config": text,
+            "tie_word_embeddings": text["tie_word_embeddings"]}
+
+
+def _shortest(value) -> float:
+    """A GGUF's float32 as the shortest decimal that is that float32 (1e-06, not 9.99999997e-07),
+    as the checkpoint's config said it."""
+    return float(str(np.float32(value)))
+
+
+# GGUF name within a block -> mlx-lm's name within a text-model layer (the trunk), or Qwen's
+# checkpoint name within mtp.layers.0 (the MTP block: its norms as w, not 1 + w).
+_SHARED = {
+    "attn_norm.weight": "input_layernorm.weight", "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight", "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight", "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q_norm.weight": "self_attn.q_norm.weight", "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight", "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight", "ffn_gate_inp.weight": "mlp.gate.weight",
+    "ffn_gate_exps.weight": "mlp.switch_mlp.gate_proj.weight", "ffn_up_exps.weight": "mlp.switch_mlp.up_proj.weight",
+    "ffn_down_exps.weight": "mlp.switch_mlp.down_proj.weight",
+    "ffn_gate_shexp.weight": "mlp.shared_expert.gate_proj.weight",
+    "ffn_up_shexp.weight": "mlp.shared_expert.up_proj.weight",
+    "ffn_down_shexp.weight": "mlp.shared_expert.down_proj.weight",
+    "ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight",
+}
+_LINEAR = {
+    "attn_qkv.weight": "linear_attn.in_proj_qkv.weight", "attn_gate.weight": "linear_attn.in_proj_z.weight",
+    "ssm_beta.weight": "linear_attn.in_proj_b.weight", "ssm_alpha.weight": "linear_attn.in_proj_a.weight",
+    "ssm_a": "linear_attn.A_log", "ssm_dt.bias": "linear_attn.dt_bias", "ssm_conv1d.weight": "linear_attn.conv1d.weight",
+    "ssm_norm.weight": "linear_attn.norm.weight", "ssm_out.weight": "linear_attn.out_proj.weight",
+}
+_MTP_OWN = {  # the MTP block's own tensors -> Qwen's names under mtp.
+    "nextn.eh_proj.weight": "fc.weight", "nextn.enorm.weight": "pre_fc_norm_embedding.weight",
+    "nextn.hnorm.weight": "pre_fc_norm_hidden.weight", "nextn.shared_head_norm.weight": "norm.weight",
+}
+_TOP = {"token_embd.weight": f"{_TEXT}embed_tokens.weight", "output_norm.weight": f"{_TEXT}norm.weight",
+        "output.weight": "language_model.lm_head.weight"}
+
+Transform = Callable[[np.ndarray], np.ndarray]
+
+
+def qwen35_tensor_plan(config: dict, tensors: Collection[str]) -> dict[str, tuple[str, Transform | None]]:
+    """For every GGUF tensor the folder holds: (its name there, the change that undoes llama.cpp's,
+    or None where it is stored as it is). ValueError naming a tensor the layout has no place for
+    (an MTP block's own embedding or output head, which Qwen's checkpoints do not carry)."""
+    text = config["text_config"]
+    layers, mtp_layers = text["num_hidden_layers"], text["mtp_num_hidden_layers"]
+    k_heads, v_heads = text["linear_num_key_heads"], text["linear_num_value_heads"]
+    key_dim, value_dim = text["linear_key_head_dim"], text["linear_value_head_dim"]
+
+    def grouped(axis: int, width: int) -> Transform | None:
+        """Value heads of ``width`` along ``axis`` back to grouped order (None: nothing was reordered)."""
+        if k_heads == v_heads:
+            return None
+        return lambda array: _grouped(array, axis, k_heads, v_heads // k_heads, width)
+
+    def qkv(array: np.ndarray) -> np.ndarray:
+        qk = 2 * k_heads * key_dim
+        return np.concatenate([array[:qk], _grouped(array[qk:], 0, k_heads, v_heads // k_heads, value_dim)])
+
+    def conv(array: np.ndarray) -> np.ndarray:
+        return (qkv(array) if k_heads != v_heads else array)[:, :, None]
+
+    def a_log(array: np.ndarray) -> np.ndarray:
+        turned = grouped(0, 1)
+        return np.log(-(turned(array) if turned else array)).astype(np.float32)
+
+    linear_changes: dict[str, Transform | None] = {
+        "attn_qkv.weight": qkv if k_heads != v_heads else None, "attn_gate.weight": grouped(0, value_dim),
+        "ssm_beta.weight": grouped(0, 1), "ssm_alpha.weight": grouped(0, 1), "ssm_a": a_log,
+        "ssm_dt.bias": grouped(0, 1), "ssm_conv1d.weight": conv, "ssm_out.weight": grouped(1, value_dim),
+    }
+    plan: dict[str, tuple[str, Transform | None]] = {}
+    for name in tensors:
+        if name in _TOP:
+            plan[name] = (_TOP[name], None)
+            continue
+        parts = name.split(".", 2)
+        if parts[0] != "blk" or len(parts) < 3 or not parts[1].isdecimal():
+            raise ValueError(f"it holds the tensor {name}, which mlx-lm's qwen3_5 has no place for")
+        index, rest = int(parts[1]), parts[2]
+        gate_row = (lambda array: array.reshape(1, -1)) if rest == "ffn_gate_inp_shexp.weight" else None
+        if index < layers:
+            if rest in _LINEAR:
+                plan[name] = (f"{_TEXT}layers.{index}.{_LINEAR[rest]}", linear_changes.get(rest))
+            elif rest in _SHARED:
+                plan[name] = (f"{_TEXT}layers.{index}.{_SHARED[rest]}", gate_row)
+            else:
+                raise ValueError(f"it holds the tensor {name}, which mlx-lm's qwen3_5 has no place for")
+        elif index < layers + mtp_layers:
+            if index > layers:
+                raise ValueError(f"it carries {mtp_layers} MTP layers; Qwen3.5's checkpoints hold one")
+            norm = rest.endswith("norm.weight")
+            back = (lambda array: array - 1.0) if norm else gate_row
+            if rest in _MTP_OWN:
+                plan[name] = (f"mtp.{_MTP_OWN[rest]}", back)
+            elif rest in _SHARED:
+                plan[name] = (f"mtp.layers.0.{_SHARED[rest]}", back)
+            else:
+                raise ValueError(f"its MTP layer holds {name}, which Qwen's MTP layout has no place for")
+        else:
+            raise ValueError(f"it holds the tensor {name} past its {layers + mtp_layers} blocks")
+    missing = sorted(set(_required(text)) - set(tensors))
+    if missing:
+        raise ValueError(f"it lacks the tensor {missing[0]}")
+    return plan
+
+
+def _required(text: dict) -> list[str]:
+    """The GGUF tensors every model of ``text``'s shape holds (an MTP block's aside)."""
+    ffn = (("ffn_gate_inp.weight", "ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight")
+           if text.get("num_experts") else ("ffn_gate.weight", "ffn_up.weight", "ffn_down.weight"))
+    names = ["token_embd.weight", "output_norm.weight"]
+    for index in range(text["num_hidden_layers"]):
+        mixer = (_LINEAR if (index + 1) % text["full_attention_interval"] else
+                 ("attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_output.weight"))
+        names += [f"blk.{index}.{rest}" for rest in (*mixer, *ffn, "attn_norm.weight", "post_attention_norm.weight")]
+    return names
+
+
+def _grouped(array: np.ndarray, axis: int, k_heads: int, per_key: int, width: int) -> np.ndarray:
+    """Undo llama.cpp's reorder along ``axis``: (per_key, k_heads, width) tiled -> (k_heads, per_key, width)."""
+    moved = np.moveaxis(array, axis, 0)
+    rest = moved.shape[1:]
+    regrouped = moved.reshape(per_key, k_heads, width, *rest).swapaxes(0, 1).reshape(moved.shape)
+    return np.ascontiguousarray(np.moveaxis(regrouped, 0, axis))  # as stored: safetensors writes the buffer
+
+
+def check_qwen35(source, fields: dict, tensors: Collection[str]) -> None:
+    """One ModelFileError for a file whose layout the conversion cannot express."""
+    try:
+        qwen35_tensor_plan(qwen35_config(fields, tensors, 1), tensors)
+    except (KeyError, TypeError, ValueError) as exc:
+        message = str(exc).strip("'")
+        raise ModelFileError(f"{source} cannot be converted to MLX: {message}",
+                             "convert another model, or run this one with --backend llama") from None
+
+
+def token_ids(bos: int, eos: int, context: int) -> SimpleNamespace:
+    """What the tokenizer's config reads of a model (hf_io.vocab_tokenizer_config)."""
+    return SimpleNamespace(bos_token_id=bos, eos_token_id=eos, context_length=context)

@@ -1,0 +1,142 @@
+"""`specrun models convert` for Qwen3.5's hybrid layout (llama.cpp's qwen35 and qwen35moe): the
+folder mlx-lm's qwen3_5 loads computes what llama.cpp computes on the GGUF, and carries the
+model's MTP layer as Qwen's checkpoints hold it, which specrun's MTP drafter reads (issue 50)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from specrun.cli.app import app
+from specrun.errors import ModelFileError
+from specrun.modelkit.gguf_convert import convert_gguf_to_mlx
+
+pytest.importorskip("llama_cpp", reason="the llama backend (llama-cpp-python) is not installed")
+pytest.importorskip("mlx_lm", reason="the MLX backend is not installed")
+
+runner = CliRunner()
+TOKENS = list(range(5, 45))
+MTP_ARRAYS = ("eh_proj", "enorm", "hnorm", "head_norm", "attn_norm", "post_norm", "q_proj", "k_proj", "v_proj",
+              "o_proj", "q_norm", "k_norm", "gate_proj", "up_proj", "down_proj", "router", "gate_exps", "up_exps",
+              "down_exps", "shared_gate")
+
+
+@pytest.fixture(scope="module", params=["qwen35", "qwen35moe"])
+def hybrid_gguf(request, tmp_path_factory) -> Path:
+    """A random tiny Qwen3.5 (two key heads for four value heads: llama.cpp reorders those) with its
+    MTP layer, dense or with routed experts."""
+    from hybrid_models import HybridShape, hybrid_weights, write_hybrid_gguf
+
+    shape = HybridShape(experts=4 if request.param == "qwen35moe" else 0)
+    folder = tmp_path_factory.mktemp(request.param)
+    return write_hybrid_gguf(folder / "hybrid.gguf", shape, hybrid_weights(shape, mtp_layers=1), mtp_layers=1)
+
+
+def _llama_logits(path: Path) -> np.ndarray:
+    from specrun.backends.llama import LlamaCppBackend
+
+    backend = LlamaCppBackend(path, n_ctx=256, n_threads=1)
+    try:
+        return backend.forward(TOKENS, list(range(len(TOKENS))))
+    finally:
+        backend.close()
+
+
+def _mlx_logits(folder: Path) -> np.ndarray:
+    """mlx-lm's own model over the folder, in float32 (MLX's CPU gathers experts in float32 only)."""
+    import mlx.core as mx
+    from mlx_lm.utils import load_model
+
+    model, _ = load_model(folder)
+    model.set_dtype(mx.float32)
+    return np.array(model(mx.array([TOKENS]))[0].astype(mx.float32))
+
+
+def test_the_converted_folder_computes_what_llama_cpp_computes_and_holds_the_mtp_layer(hybrid_gguf, tmp_path):
+    """Every change llama.cpp's converter made (norms, A, the convolution, value heads reordered
+    for ggml's broadcast) undone: mlx-lm's logits are llama.cpp's, and the MTP layer read from the
+    folder is the GGUF's to the bit (its norms stored as Qwen's checkpoints store them)."""
+    from specrun.modelkit.mtp import read_mtp_folder, read_mtp_gguf
+
+    folder = tmp_path / "mlx"
+    convert_gguf_to_mlx(hybrid_gguf, folder)
+    theirs, ours = _llama_logits(hybrid_gguf), _mlx_logits(folder)
+    apart = np.abs(ours - theirs) / theirs.std()
+    # float16 weights; with routed experts a near tie may route a row to another expert in one of them
+    assert np.median(apart) < 0.005 and (apart.max() < 0.1 or "moe" in hybrid_gguf.parent.name)
+    assert (ours.argmax(1) == theirs.argmax(1)).mean() > 0.9
+    from_gguf, from_folder = read_mtp_gguf(hybrid_gguf), read_mtp_folder(folder)
+    assert from_folder.layout == from_gguf.layout
+    held = [name for name in MTP_ARRAYS if getattr(from_gguf, name) is not None]
+    assert "eh_proj" in held and "q_norm" in held
+    for name in held:
+        np.testing.assert_array_equal(np.asarray(getattr(from_folder, name), np.float32),
+                                      np.asarray(getattr(from_gguf, name), np.float32), err_msg=name)
+
+
+def test_a_4_bit_conversion_holds_every_matrix_within_half_a_step_and_drafts_with_its_mtp_layer(hybrid_gguf,
+                                                                                              tmp_path):
+    """``--dtype q4``: each quantized matrix within half a step of the float16 conversion's (value
+    heads regrouped before quantizing), routers and vectors as they were; on the dense model, MLX
+    drafts with the carried MTP layer and every token is plain decoding's."""
+    import mlx.core as mx
+
+    half, q4 = tmp_path / "f16", tmp_path / "q4"
+    convert_gguf_to_mlx(hybrid_gguf, half)
+    result = runner.invoke(app, ["models", "convert", str(hybrid_gguf), "--to", "mlx", "--dtype", "q4", "--out", str(q4)])
+    assert result.exit_code == 0, result.output
+    reference, stored = mx.load(str(half / "model.safetensors")), mx.load(str(q4 / "model.safetensors"))
+    quantized = [name for name in stored if name.endswith(".scales")]
+    assert any("linear_attn.out_proj" in name for name in quantized) and any(name.startswith("mtp.") for name in quantized)
+    for name in quantized:
+        module = name.removesuffix(".scales")
+        weight = mx.dequantize(stored[f"{module}.weight"], stored[name], stored[f"{module}.biases"], 32, 4)
+        step = mx.repeat(stored[name].astype(mx.float32), 32, axis=-1)
+        assert bool(mx.all(mx.abs(weight - reference[f"{module}.weight"].astype(mx.float32)) <= step / 2 + 1e-3)), name
+    for module in ("linear_attn.A_log", "linear_attn.conv1d", "mlp.gate", "input_layernorm"):
+        assert not any(key.endswith(f"{module}.scales") for key in stored)
+    if "moe" in hybrid_gguf.parent.name:
+        return  # MLX's CPU gathers quantized experts not at all
+    generated = [runner.invoke(app, ["generate", "def hello(world):", "-t", str(q4), "--backend", "mlx", "-n", "24",
+                                     "--method", method, "--threads", "1"]) for method in ("none", "mtp")]
+    assert [result.exit_code for result in generated] == [0, 0], [result.output for result in generated]
+    assert generated[0].stdout == generated[1].stdout
+    assert "mtp" in generated[1].stderr
+
+
+def _rewritten(tmp_path: Path, name: str, change) -> Path:
+    from hybrid_models import HybridShape, hybrid_weights, write_hybrid_gguf
+
+    shape = HybridShape()
+    weights = hybrid_weights(shape, mtp_layers=1)
+    change(weights)
+    return write_hybrid_gguf(tmp_path / name, shape, weights, mtp_layers=1)
+
+
+def test_a_hybrid_file_the_conversion_cannot_express_is_one_line_and_leaves_nothing(tmp_path):
+    missing = _rewritten(tmp_path, "missing.gguf", lambda weights: weights.pop("blk.1.ssm_out.weight"))
+    own_head = _rewritten(tmp_path, "own-head.gguf", lambda weights: weights.update(
+        {"blk.4.nextn.shared_head_head.weight": weights["output.weight"].copy()}))
+    for path, said in ((missing, "lacks the tensor blk.1.ssm_out.weight"),
+                       (own_head, "blk.4.nextn.shared_head_head.weight")):
+        with pytest.raises(ModelFileError, match=said):
+            convert_gguf_to_mlx(path, tmp_path / "direct")
+        result = runner.invoke(app, ["models", "convert", str(path), "--to", "mlx"])
+        assert result.exit_code == 1
+        errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+        assert len(errors) == 1 and said in errors[0] and "Traceback" not in result.output
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["missing.gguf", "own-head.gguf"]
+
+
+def test_qwen3_next_is_named_as_an_architecture_the_conversion_does_not_handle(tmp_path):
+    from hybrid_models import HybridShape, hybrid_weights, write_hybrid_gguf
+
+    shape = HybridShape(experts=4, next=True)
+    path = write_hybrid_gguf(tmp_path / "next.gguf", shape, hybrid_weights(shape))
+    with pytest.raises(ModelFileError) as raised:
+        convert_gguf_to_mlx(path, tmp_path / "direct")
+    assert "architecture 'qwen3next' cannot be converted" in raised.value.one_line()
+    assert "llama, qwen2, qwen35, qwen35moe" in raised.value.one_line()
