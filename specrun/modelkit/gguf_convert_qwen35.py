@@ -17,6 +17,11 @@ changed the checkpoint's tensors on the way in; each change is undone here, into
   head ([k0: v0 v1, k1: v0 v1]) to tiled ([v0: k0 k1, v1: k0 k1]): grouped again here (the
   value rows of in_proj_qkv, in_proj_z, in_proj_a/b, A_log, dt_bias, the value channels of the
   convolution, the columns of out_proj).
+
+With ``q4``, GGML blocks are carried over exactly only where a matrix is stored unchanged (the
+reordered and the 3-D expert matrices are quantized afresh). transformers builds the tokenizer of a
+``qwen3_5`` folder as Qwen's own (NFC, its regex) whatever tokenizer.json says, as it does qwen2's
+(modelkit.gguf_convert); mlx-lm's generation splits text with it.
 """
 
 from __future__ import annotations
@@ -45,16 +50,29 @@ def qwen35_config(fields: dict, tensors: Collection[str], vocab_size: int) -> di
             raise ValueError(f"the GGUF file lacks the key {arch}.{name}")
         return value
 
+    def count(name: str, default=None) -> int:
+        value = key(name, default)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{arch}.{name} is {value!r}, not a count of at least 1")
+        return value
+
+    scaling = fields.get(f"{arch}.rope.scaling.type", "none") or "none"
+    if scaling != "none" or "rope_freqs.weight" in tensors:
+        raise ValueError(f"it uses RoPE scaling ({scaling}), which the MLX conversion does not handle")
     mtp_layers = int(key("nextn_predict_layers", 0) or 0)
-    layers = int(key("block_count")) - mtp_layers
-    interval = int(key("full_attention_interval", 4))
+    layers = count("block_count") - mtp_layers
+    interval = count("full_attention_interval", 4)
     linear = [f"blk.{i}.attn_qkv.weight" in tensors for i in range(layers)]
     if interval < 1 or linear != [(i + 1) % interval != 0 for i in range(layers)]:
         raise ValueError(f"its linear-attention layers are not every layer but each {interval}th, "
                          "the only pattern mlx-lm's qwen3_5 builds")
-    heads = int(key("attention.head_count"))
-    head_dim = int(key("attention.key_length"))
-    value_heads = int(key("ssm.time_step_rank"))
+    heads, head_dim = count("attention.head_count"), count("attention.key_length")
+    value_heads, key_heads = count("ssm.time_step_rank"), count("ssm.group_count")
+    for name in ("ssm.state_size", "ssm.inner_size", "ssm.conv_kernel", "embedding_length", "context_length"):
+        count(name)
+    if value_heads % key_heads or key("ssm.inner_size") % value_heads:
+        raise ValueError(f"its {value_heads} value heads are not a multiple of its {key_heads} key heads, "
+                         f"or its ssm.inner_size {key('ssm.inner_size')} not a multiple of them")
     sections = list(key("rope.dimension_sections", [11, 11, 10, 0]))[:3]
     rope = {"type": "default", "mrope_section": sections, "rope_theta": _shortest(key("rope.freq_base", 1e7)),
             "partial_rotary_factor": int(key("rope.dimension_count", head_dim // 4)) / head_dim}
@@ -63,7 +81,7 @@ def qwen35_config(fields: dict, tensors: Collection[str], vocab_size: int) -> di
         "intermediate_size": int(key("feed_forward_length", 0) or 0), "num_hidden_layers": layers,
         "num_attention_heads": heads, "num_key_value_heads": int(key("attention.head_count_kv", heads)),
         "head_dim": head_dim, "rms_norm_eps": _shortest(key("attention.layer_norm_rms_epsilon")),
-        "linear_num_value_heads": value_heads, "linear_num_key_heads": int(key("ssm.group_count")),
+        "linear_num_value_heads": value_heads, "linear_num_key_heads": key_heads,
         "linear_key_head_dim": int(key("ssm.state_size")),
         "linear_value_head_dim": int(key("ssm.inner_size")) // value_heads,
         "linear_conv_kernel_dim": int(key("ssm.conv_kernel")), "full_attention_interval": interval,
@@ -72,9 +90,9 @@ def qwen35_config(fields: dict, tensors: Collection[str], vocab_size: int) -> di
         "partial_rotary_factor": rope["partial_rotary_factor"], "rope_theta": rope["rope_theta"],
     }
     if arch == "qwen35moe":
-        text.update(model_type="qwen3_5_moe_text", num_experts=int(key("expert_count")),
-                    num_experts_per_tok=int(key("expert_used_count")), decoder_sparse_step=1,
-                    moe_intermediate_size=int(key("expert_feed_forward_length")),
+        text.update(model_type="qwen3_5_moe_text", num_experts=count("expert_count"),
+                    num_experts_per_tok=count("expert_used_count"), decoder_sparse_step=1,
+                    moe_intermediate_size=count("expert_feed_forward_length"),
                     shared_expert_intermediate_size=int(key("expert_shared_feed_forward_length", 0) or 0),
                     norm_topk_prob=True, mlp_only_layers=[])  # llama.cpp routes by softmax summed to one
     return {"architectures": ["Qwen3_5MoeForConditionalGeneration" if arch == "qwen35moe"
@@ -163,6 +181,8 @@ def qwen35_tensor_plan(config: dict, tensors: Collection[str]) -> dict[str, tupl
         index, rest = int(parts[1]), parts[2]
         gate_row = (lambda array: array.reshape(1, -1)) if rest == "ffn_gate_inp_shexp.weight" else None
         if index < layers:
+            if rest in _LINEAR and (index + 1) % text["full_attention_interval"] == 0:
+                raise ValueError(f"it holds the tensor {name} in a full-attention layer")
             if rest in _LINEAR:
                 plan[name] = (f"{_TEXT}layers.{index}.{_LINEAR[rest]}", linear_changes.get(rest))
             elif rest in _SHARED:
@@ -190,7 +210,8 @@ def qwen35_tensor_plan(config: dict, tensors: Collection[str]) -> dict[str, tupl
 
 def _required(text: dict) -> list[str]:
     """The GGUF tensors every model of ``text``'s shape holds (an MTP block's aside)."""
-    ffn = (("ffn_gate_inp.weight", "ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight")
+    ffn = (("ffn_gate_inp.weight", "ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight",
+            "ffn_gate_inp_shexp.weight", "ffn_gate_shexp.weight", "ffn_up_shexp.weight", "ffn_down_shexp.weight")
            if text.get("num_experts") else ("ffn_gate.weight", "ffn_up.weight", "ffn_down.weight"))
     names = ["token_embd.weight", "output_norm.weight"]
     for index in range(text["num_hidden_layers"]):

@@ -140,3 +140,20 @@ def test_qwen3_next_is_named_as_an_architecture_the_conversion_does_not_handle(t
         convert_gguf_to_mlx(path, tmp_path / "direct")
     assert "architecture 'qwen3next' cannot be converted" in raised.value.one_line()
     assert "llama, qwen2, qwen35, qwen35moe" in raised.value.one_line()
+
+
+@pytest.mark.parametrize("change, said", [
+    ({"qwen35.ssm.time_step_rank": 0}, "qwen35.ssm.time_step_rank is 0, not a count"),
+    ({"qwen35.ssm.group_count": 3}, "value heads are not a multiple of its 3 key heads"),
+    ({"qwen35.rope.scaling.type": "yarn"}, "RoPE scaling (yarn)"),
+], ids=["zero-heads", "uneven-heads", "yarn"])
+def test_hybrid_fields_the_conversion_cannot_use_are_one_line_before_anything_is_read(tmp_path, change, said):
+    """Counts of zero (a division by zero before), heads that do not divide, rotary scaling mlx-lm's
+    qwen3_5 would not apply: one ModelFileError naming the field, from the header alone."""
+    from specrun.modelkit.gguf_check import read_layout
+    from specrun.modelkit.gguf_convert_qwen35 import check_qwen35
+
+    fields, infos = read_layout(_rewritten(tmp_path, "fine.gguf", lambda weights: None))
+    with pytest.raises(ModelFileError) as raised:
+        check_qwen35("model.gguf", {**fields, **change}, {info.name for info in infos})
+    assert said in raised.value.one_line() and raised.value.one_line().startswith("model.gguf cannot be converted")
