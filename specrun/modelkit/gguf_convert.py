@@ -247,15 +247,8 @@ def _mlx_tensors(
     if mlx_dtype == "q4" and data.ndim == 2:
         groups = _exact_groups(data, tensor.tensor_type) or _quantize_groups(_dequantize(tensor), bits=4)
         if groups is not None:
-            values, scales, biases, bits = groups
-            if hf_name == "model.embed_tokens.weight":
-                # The embedding's dtype becomes the activations' dtype, and MLX's CPU
-                # quantized matmul is ~30x slower on float16 activations than on float32
-                # (measured on Linux); float16 scales widen to float32 exactly.
-                scales, biases = scales.astype(np.float32), biases.astype(np.float32)
-            module = hf_name.removesuffix(".weight")
-            packed = {hf_name: _pack(values, bits), f"{module}.scales": scales, f"{module}.biases": biases}
-            return {name: from_gguf_layout(config, hf_name, array) for name, array in packed.items()}, bits
+            packed = _packed(hf_name, groups)
+            return {name: from_gguf_layout(config, hf_name, array) for name, array in packed.items()}, groups[3]
     return {hf_name: from_gguf_layout(config, hf_name, _dequantize(tensor)).astype(np.float16)}, None
 
 
@@ -268,7 +261,6 @@ def _qwen35_weights(tensors: dict, config_json: dict, mlx_dtype: str) -> tuple[d
     per_layer_bits: dict[str, dict] = {}
     for gguf_name, (name, change) in qwen35_tensor_plan(config_json, tensors).items():
         tensor = tensors[gguf_name]
-        module = name.removesuffix(".weight")
         quantized = mlx_dtype == "q4" and name.endswith(".weight") and not name.endswith(
             ("conv1d.weight", "mlp.gate.weight", "shared_expert_gate.weight", "norm.weight"))
         groups = None
@@ -277,23 +269,27 @@ def _qwen35_weights(tensors: dict, config_json: dict, mlx_dtype: str) -> tuple[d
         array = _dequantize(tensor) if groups is None else None
         if array is not None and change is not None:
             array = change(array)
-        if quantized and groups is None and array.ndim in (2, 3) and array.shape[-1] % GROUP_SIZE == 0:
-            found = _quantize_groups(array.reshape(-1, array.shape[-1]), bits=4)
-            values, scales, biases, bits = found
-            groups = (values.reshape(*array.shape[:-1], -1), scales.reshape(*array.shape[:-1], -1),
-                      biases.reshape(*array.shape[:-1], -1), bits)
+        if quantized and groups is None and array.ndim in (2, 3):
+            groups = _quantize_groups(array, bits=4)
         if groups is None:
             weights[name] = array if name.endswith("A_log") else array.astype(np.float16)
             continue
-        values, scales, biases, bits = groups
-        if name.endswith("embed_tokens.weight"):  # as _mlx_tensors: float32 activations on MLX's CPU
-            scales, biases = scales.astype(np.float32), biases.astype(np.float32)
-        lead = values.shape[:-1]
-        weights.update({name: _pack(values.reshape(-1, values.shape[-1]), bits).reshape(*lead, -1),
-                        f"{module}.scales": scales, f"{module}.biases": biases})
-        if bits != 4:
-            per_layer_bits[module] = {"group_size": GROUP_SIZE, "bits": bits}
+        weights.update(_packed(name, groups))
+        if groups[3] != 4:
+            per_layer_bits[name.removesuffix(".weight")] = {"group_size": GROUP_SIZE, "bits": groups[3]}
     return weights, per_layer_bits
+
+
+def _packed(name: str, groups: Groups) -> dict[str, np.ndarray]:
+    """The weight ``name`` as MLX stores quantized groups: packed words, scales and biases."""
+    values, scales, biases, bits = groups
+    if name.endswith("embed_tokens.weight"):
+        # The embedding's dtype becomes the activations' dtype, and MLX's CPU quantized matmul is
+        # ~30x slower on float16 activations than on float32 (measured on Linux); float16 scales
+        # widen to float32 exactly.
+        scales, biases = scales.astype(np.float32), biases.astype(np.float32)
+    module = name.removesuffix(".weight")
+    return {name: _pack(values, bits), f"{module}.scales": scales, f"{module}.biases": biases}
 
 
 def _dequantize(tensor: gguf.ReaderTensor) -> np.ndarray:
@@ -301,7 +297,7 @@ def _dequantize(tensor: gguf.ReaderTensor) -> np.ndarray:
 
 
 Groups = tuple[np.ndarray, np.ndarray, np.ndarray, int]
-"""(values (rows, cols) uint8, scales (rows, cols / 32) float16, biases likewise, bits):
+"""(values (..., cols) uint8, scales (..., cols / 32) float16, biases likewise, bits):
 weight = scales * values + biases, group by group along each row."""
 
 
@@ -339,11 +335,12 @@ def _nibbles(packed: np.ndarray) -> np.ndarray:
 
 
 def _quantize_groups(weight: np.ndarray, bits: int) -> Groups | None:
-    """Min-max affine quantization of (rows, cols) float32 in groups of 32 (None: cols do not divide)."""
-    rows, cols = weight.shape
+    """Min-max affine quantization of (..., cols) float32 in groups of 32 along each row (None: cols
+    do not divide)."""
+    cols = weight.shape[-1]
     if cols % GROUP_SIZE:
         return None
-    groups = weight.reshape(rows, -1, GROUP_SIZE)  # (rows, groups, 32)
+    groups = weight.reshape(*weight.shape[:-1], -1, GROUP_SIZE)  # (..., groups, 32)
     levels = (1 << bits) - 1
     low, high = groups.min(axis=-1), groups.max(axis=-1)
     scales = ((high - low) / levels).astype(np.float16)
@@ -351,13 +348,13 @@ def _quantize_groups(weight: np.ndarray, bits: int) -> Groups | None:
     # Round against the float16 scale and bias actually stored, not the float32 ones.
     step = np.where(scales == 0, 1, scales).astype(np.float32)[..., None]
     values = np.rint((groups - biases.astype(np.float32)[..., None]) / step)
-    return np.clip(values, 0, levels).astype(np.uint8).reshape(rows, cols), scales, biases, bits
+    return np.clip(values, 0, levels).astype(np.uint8).reshape(weight.shape), scales, biases, bits
 
 
 def _pack(values: np.ndarray, bits: int) -> np.ndarray:
-    """(rows, cols) values -> (rows, cols * bits / 32) uint32, MLX's layout: element j of
+    """(..., cols) values -> (..., cols * bits / 32) uint32, MLX's layout: element j of
     each word in bits [j * bits, (j + 1) * bits)."""
     per_word = 32 // bits
-    words = values.reshape(values.shape[0], -1, per_word).astype(np.uint32)
+    words = values.reshape(*values.shape[:-1], -1, per_word).astype(np.uint32)
     shifts = np.arange(per_word, dtype=np.uint32) * np.uint32(bits)
     return np.bitwise_or.reduce(words << shifts, axis=-1)
