@@ -193,7 +193,9 @@ def test_a_version_1_tune_file_still_loads_and_starts_only_the_target_costs(conf
 
 
 # ---- --window-search: the windowed draft cache kept for long contexts (issue 53) ----------------
-def test_the_window_search_times_every_window_smaller_than_the_prompt_and_keeps_the_fastest():
+def test_the_window_search_times_every_window_smaller_than_the_prompt_and_keeps_a_faster_one():
+    """Real timings (the rule that a window must win every round is tested with scripted ones):
+    the line kept is the full cache or a window whose median beat the full cache's."""
     from fake_models import hashed_logits
     from specrun.backends.fake import FakeBackend
     from specrun.sessions.window_tuning import FULL, search_window
@@ -204,9 +206,9 @@ def test_the_window_search_times_every_window_smaller_than_the_prompt_and_keeps_
                            on_progress=lambda stage, done, total: rounds.append((stage, done, total)))
     assert set(choice.rates) == {FULL, "window 128", "window 256"}  # 4 + 512 + 64 is not under 300
     assert rounds == [("window", 1, 2), ("window", 2, 2)] and choice.context == 300 and choice.sinks == 4
-    best = max(choice.rates, key=choice.rates.get)
-    assert choice.window == (0 if best == FULL else int(best.split()[-1]))
-    assert choice.speedup == pytest.approx(choice.rates[best] / choice.rates[FULL])
+    kept = FULL if choice.window == 0 else f"window {choice.window}"
+    assert kept in choice.rates and choice.rates[kept] >= choice.rates[FULL]
+    assert choice.speedup == pytest.approx(choice.rates[kept] / choice.rates[FULL])
 
 
 def test_the_window_search_prompt_asks_about_a_long_document_through_the_chat_template(tiny_llama):
