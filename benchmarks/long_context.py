@@ -10,7 +10,9 @@ Lines, each a fresh process per prompt, greedy, ``--threads`` threads, interleav
 - ``specrun none`` (plain decoding, the baseline), ``specrun draft`` (the draft model, its full
   cache), ``specrun draft window`` (the draft model reading sinks + ``--window``), ``specrun
   self:window`` (the target drafting for itself through a window: no second model), ``specrun auto``
-  and ``specrun auto window`` (auto with the draft's full and windowed caches);
+  (as a user runs it: a window of 512 held beside the draft's full cache, drafting from whichever it
+  measures faster), ``specrun auto full`` (``--window 0``: the full cache alone) and ``specrun auto
+  window`` (the windowed cache alone);
 - with ``--tuned``: ``specrun tune --window-search`` runs first in a config folder of its own (on
   ``Lib/argparse.py``, its own long prompt: report on ``--documents inspect`` so nothing is tuned on
   the prompts reported), and ``specrun none tuned``, ``specrun draft tuned`` and ``specrun auto
@@ -132,6 +134,7 @@ def build_lines(args, target: Path, draft: Path, env: dict, tuned_env: dict | No
         specrun_costed("draft", target, draft, args, env, window, "draft window"),
         specrun_costed("draft", target, None, args, env, ("--draft", "self:window", *window), "self:window"),
         specrun_costed("auto", target, draft, args, env),
+        specrun_costed("auto", target, draft, args, env, ("--window", "0"), "auto full"),
         specrun_costed("auto", target, draft, args, env, window, "auto window"),
     ]
     if tuned_env is not None:

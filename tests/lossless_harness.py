@@ -439,6 +439,9 @@ class Scenario:
     chain_rule: str = DEFAULT_CHAIN_RULE
     # the draft model reads a windowed cache (backends/window.py): (sinks, window, block); () its full cache
     draft_window: tuple[int, int, int] = ()
+    # auto holds the draft model's windowed cache (sinks, window, block) beside its full one and
+    # drafts from whichever it measures faster (DrafterOptions.draft_window); () none
+    window_alternative: tuple[int, int, int] = ()
     learn: bool = False  # the heads learn online as they draft (training/online.py, inline: weights swapped each run)
 
     @property
@@ -523,6 +526,7 @@ SCENARIOS = {
     "draft window": Scenario("draft", draft_window=(1, 3, 1)),
     "draft window top-p": Scenario("draft", "top-p", draft_window=(1, 3, 1)),
     "auto window": Scenario("auto", adaptive=True, draft_window=(1, 3, 1)),
+    "auto window alternative": Scenario("auto", adaptive=True, window_alternative=(1, 3, 1)),
     "merged chain": Scenario("lookup+ngram+draft", "top-k", adaptive=True, chain_rule="token"),
     # Heads that learn from what the target verified, their weights swapped between runs (OSD)
     "medusa learning": Scenario("medusa", learn=True),
@@ -561,7 +565,9 @@ def fake_engine(scenario: Scenario) -> SpeculativeEngine:
     options = DrafterOptions(draft_min_prob=scenario.draft_min_prob, branches=scenario.branches, heads=heads,
                              auto_lookahead=scenario.auto_lookahead, auto_heads=scenario.auto_heads,
                              learner=learning_heads(heads, target) if scenario.learn and heads else None,
-                             draft_learner=learning_draft(draft) if scenario.learn and uses_draft else None)
+                             draft_learner=learning_draft(draft) if scenario.learn and uses_draft else None,
+                             draft_window=windowed_fake(draft, *scenario.window_alternative)
+                             if scenario.window_alternative else None)
     drafter = build_drafter(scenario.method, draft if uses_draft else None, options)
     engine = SpeculativeEngine(target, drafter, method=scenario.method, clock=clock)
     engine.passes.chain_rule = scenario.chain_rule
@@ -697,7 +703,8 @@ GREEDY_NEW = 150
 
 
 def greedy_scenario(method: str, adaptive: bool = False, branches: int = 0,
-                    draft_window: tuple[int, int, int] = (), learn: bool = False) -> tuple[list[str], int, int]:
+                    draft_window: tuple[int, int, int] = (), learn: bool = False,
+                    window_alternative: tuple[int, int, int] = ()) -> tuple[list[str], int, int]:
     """``method`` greedy on a fake target that mostly repeats itself (so lookup and the n-gram
     pool draft) with a noisy copy as draft model, against plain decoding: the outputs that differ
     (a fake backend has no near-ties to excuse), and the drafts made and accepted. The engine is
@@ -717,8 +724,9 @@ def greedy_scenario(method: str, adaptive: bool = False, branches: int = 0,
     target = FakeBackend(table, COPYING_VOCAB, **hidden)
     learner = learning_heads(heads, target) if learn and heads is not None else None
     draft_learner = learning_draft(draft) if learn and draft is not None and not draft_window else None
+    alternative = windowed_fake(draft, *window_alternative) if draft is not None and window_alternative else None
     drafter = build_drafter(method, draft, DrafterOptions(branches=branches, heads=heads, learner=learner,
-                                                          draft_learner=draft_learner))
+                                                          draft_learner=draft_learner, draft_window=alternative))
     # A clock that advances a millisecond each read: every pass seems to cost the same, so the
     # adaptive methods draft whatever the machine's load (timed for real, auto on a busy machine
     # once drafted 12 tokens in all, every one accepted, and verified no rejection).

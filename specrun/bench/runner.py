@@ -216,6 +216,10 @@ def run_bench(config: BenchConfig, prompts: Sequence[BenchPrompt], progress: Pro
                 tuned=tuned,
                 native=native,
                 verification=config.verification,
+                # auto's window beside the draft's full cache, one for each auto line, as generate's
+                draft_window=lambda: setup.auto_draft_window(
+                    "auto", draft, tuned if config.use_tuned else None, config.load.window,
+                    max(len(ids) for _, ids in kept) + config.max_new_tokens),
             )
         finally:
             if native is not None:

@@ -355,6 +355,9 @@ def check_window_use(window: int | None, methods: Sequence[str], draft: str | No
 
     if window is None and not is_window_draft(draft):
         return
+    if window == 0 and is_window_draft(draft):
+        raise UsageError(f"--draft {draft} drafts from a windowed cache, and --window 0 keeps none",
+                         "pass --window N (512, say), or leave --window out")
     if not any(needs_draft_model(method) or is_adaptive(method) for method in methods):
         given = "--window" if window is not None else f"--draft {draft}"
         raise UsageError(f"{given} sets up a draft model's cache, and {flag} {','.join(methods)} drafts without one",

@@ -173,7 +173,8 @@ WindowOpt = Annotated[
         help="The draft reads a windowed KV cache: its first --sinks tokens and the last N (MagicDec, StreamingLLM), "
         "so drafting costs no more at 8k tokens of context than at 1k; the target still verifies with its full "
         "cache, so the output does not change. With --draft self:window the target drafts for itself that way "
-        "(default 512).",
+        "(default 512). Without --window, auto holds a window of 512 beside the full cache and drafts from "
+        "whichever it measures faster at the context reached; --window 0: the full cache alone.",
     ),
 ]
 SinksOpt = Annotated[

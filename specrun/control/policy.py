@@ -185,6 +185,9 @@ class AdaptivePolicy:
         self.paid: set[str] = set()  # drafters whose length this policy chooses before they draft
         self._idle: IdleBackoff | None = None
         self._plain_timing = 0  # plain steps left to time plain decoding at this text's context
+        self._context_len = 0  # of the step being planned
+        self._picks: dict[str, AlternativePick] = {}  # by alternative drafter: which of the two drafts
+        self._resting: set[str] = set()  # paid drafters not asked this step (an alternative's other)
 
     # ---- what earlier texts and processes measured (memory.py) ---------------------------
     @property
@@ -276,6 +279,8 @@ class AdaptivePolicy:
     PLAIN_TIMING_STEPS = 2
 
     def start_text(self, context_len: int) -> None:
+        self._context_len = context_len
+        self._picks.clear()  # which cache drafts faster belongs to the text and its length
         self._scores.clear()
         self._tree_scores.clear()
         self._previous_pass = None
@@ -304,11 +309,13 @@ class AdaptivePolicy:
     def at_context(self, length: int) -> None:
         """The next pass reads ``length`` tokens of context: the target's costs and every drafter's
         follow it (TargetCosts.at_context)."""
+        self._context_len = length
         self.target_costs.at_context(length)
         for costs in self.memory.draft_costs.values():
             costs.at_context(length)
 
     def plan(self) -> Plan:
+        self._rest_alternatives()
         if self._plain_timing:
             self._plain_timing -= 1
             return PLAIN
@@ -334,11 +341,17 @@ class AdaptivePolicy:
         the steps it is asked on); a cheap drafter's whole proposal, cut in ``chosen``."""
         if not drafter.pays_per_token or draft_len <= 0:
             return draft_len
+        if drafter.name in self._resting:
+            return 0
         return self._controller_for(drafter.name, fixed=not self.adaptive).choose(draft_len)
 
     def takes(self, proposal: Proposal, member: int, draft_len: int) -> bool:
         """Adaptive, with a draft model behind: a cheap proposal is taken when it promises more
-        than asking the draft model; otherwise a chain's ``min_tokens`` rule."""
+        than asking the draft model; otherwise a chain's ``min_tokens`` rule. An alternative
+        (the draft model's windowed cache) was picked to draft this step in place of the full
+        cache after it (``_rest_alternatives``): what it drafts is taken."""
+        if self.drafter.members[member].alternative_to is not None:
+            return bool(proposal.tokens)
         if self.adaptive and self.paid and member < len(self.drafter.members) - 1:
             return bool(proposal.tokens) and self._cheap_worth_taking(proposal)
         return takes_at_least(proposal, self.drafter, draft_len)
@@ -442,6 +455,11 @@ class AdaptivePolicy:
 
     def observe(self, report: StepReport) -> None:
         self._observe_pass(report)
+        if self._picks and report.proposal.tokens:
+            proposal = report.proposal
+            parts = proposal.parts if isinstance(proposal, MergedProposal) else (proposal,)
+            for pick in self._picks.values():
+                pick.drafted({part.source for part in parts})
         self._scores.score(report.context)
         self._tree_scores.score(report.context)
         if not self.adaptive:
@@ -523,7 +541,37 @@ class AdaptivePolicy:
         return all(controller.may_pass() for controller in self._paid_controllers())
 
     def _paid_controllers(self) -> list[DraftLengthController]:
-        return [self._controller_for(source, fixed=not self.adaptive) for source in self.paid]
+        return [self._controller_for(source, fixed=not self.adaptive) for source in self.paid
+                if source not in self._resting]
+
+    # ---- alternatives: one draft model, two caches ----------------------------------------
+    def _rest_alternatives(self) -> None:
+        """For each drafter that is an alternative to another (the draft model with a windowed
+        cache beside its full one: Drafter.alternative_to), which of the two rests this step:
+        the alternative while the context is short enough for both to read the same tokens,
+        else the one AlternativePick does not choose."""
+        self._resting = set()
+        if self.drafter is None:
+            return
+        for member in self.drafter.members:
+            other = member.alternative_to
+            if other is None or self._member(other) is None:
+                continue
+            if self._context_len <= member.alike_below:
+                self._resting.add(member.name)
+                continue
+            pick = self._picks.setdefault(member.name, AlternativePick(member.name, other))
+            chosen = pick.choose(self._best_rate)
+            self._resting.add(other if chosen == member.name else member.name)
+
+    def _best_rate(self, source: str) -> float | None:
+        """The most tokens per second a paid drafter's controller expects at any draft length
+        (0.0 while it has it switched off; None before it was timed)."""
+        controller = self._controller_for(source, fixed=not self.adaptive)
+        if not controller.speculating:
+            return 0.0
+        rates = controller.expected_rates(self.max_draft_len)[1:]
+        return None if not rates or None in rates else max(rates)
 
     def _cheap_worth_taking(self, proposal: Proposal) -> bool:
         """Does this cheap proposal promise more tokens per second than asking the draft model?
@@ -587,3 +635,42 @@ class AdaptivePolicy:
                 controller.start_off(carried)
             self.controllers[key] = controller
         return controller
+
+
+class AlternativePick:
+    """Which of two drafters of one model drafts a step: the one whose controller expects more
+    tokens per second (``rate``, at this step's context: a full cache's draft cost grows with it),
+    one never timed first (the alternative before the original), the original on a tie. The
+    resting one's estimates stand still while the other's move, so after ``RETRY_GAP`` drafting
+    steps of one in a row the other is chosen until it has drafted once (unless its controller
+    has it switched off: rate 0): a choice that only the resting one's stale figures keep is
+    tried again."""
+
+    RETRY_GAP = 32
+
+    def __init__(self, alternative: str, original: str) -> None:
+        self.alternative, self.original = alternative, original
+        self.last = ""  # the one that drafted last…
+        self.streak = 0  # …and its drafting steps in a row
+
+    def choose(self, rate: Callable[[str], float | None]) -> str:
+        """The one that drafts this step."""
+        alternative_rate, original_rate = rate(self.alternative), rate(self.original)
+        if alternative_rate is None:
+            best = self.alternative
+        elif original_rate is None:
+            best = self.original
+        else:
+            best = self.alternative if alternative_rate > original_rate else self.original
+        other = self.original if best == self.alternative else self.alternative
+        other_rate = original_rate if other == self.original else alternative_rate
+        if best == self.last and self.streak >= self.RETRY_GAP and other_rate != 0.0:
+            return other
+        return best
+
+    def drafted(self, sources: set[str]) -> None:
+        """A verified proposal was made by (or merged from) ``sources``."""
+        for name in (self.alternative, self.original):
+            if name in sources:
+                self.streak = self.streak + 1 if name == self.last else 1
+                self.last = name

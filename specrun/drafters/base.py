@@ -154,6 +154,11 @@ class Drafter(Protocol):
     # Of those, the target layers whose outputs it reads, side by side (EAGLE-3's; set once bound),
     # where () reads the output head's input (``KVSequence.track_hidden``'s layers).
     layers_read: tuple[int, ...] = ()
+    # The drafter this one may draft in place of, a step at a time (auto's draft model with a
+    # windowed cache beside its full one: control/policy.py, AdaptivePolicy._rest_alternatives),
+    # and the context length up to which both read the same tokens (the original drafts alone).
+    alternative_to: str | None = None
+    alike_below: int = 0
 
     @property
     def members(self) -> tuple["Drafter", ...]:

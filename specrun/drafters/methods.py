@@ -16,7 +16,7 @@ from pathlib import Path
 from specrun.backends.base import Backend
 from specrun.drafters.base import Drafter
 from specrun.drafters.chain import ChainDrafter
-from specrun.drafters.draft_model import DraftModelDrafter, DraftModelLearner
+from specrun.drafters.draft_model import DraftModelDrafter, DraftModelLearner, window_alternative
 from specrun.drafters.heads import DRAFTERS
 from specrun.drafters.heads.base import HeadsLearner
 from specrun.drafters.lookahead import LookaheadDrafter, LookaheadSizes
@@ -80,6 +80,9 @@ class DrafterOptions:
     # the draft model's (training/online_draft.py): its drafter (``draft_learner.source`` the draft
     # model) hands it the target's verified tokens and loads its newer adapters
     draft_learner: DraftModelLearner | None = None
+    # auto's draft model with a windowed cache (backends/window.py), asked in place of its full
+    # cache wherever the policy measures it faster (a long context); the drafter closes it
+    draft_window: Backend | None = None
 
 
 def resolve_method(method: str, has_draft: bool = True, lookahead: bool = False, heads: str | None = None) -> str:
@@ -165,8 +168,28 @@ def build_drafter(method: str, draft: Backend | None, options: DrafterOptions | 
     """The drafter for ``method``; ``draft`` is the loaded draft model when the method needs one.
 
     Raises NgramCacheError when ``options.ngram_cache`` exists but cannot be used.
-    Call the drafter's ``close()`` when done: that is when the n-gram pool is saved.
+    Call the drafter's ``close()`` when done: that is when the n-gram pool is saved. The
+    draft model's windowed cache in ``options.draft_window`` is the drafter's to close (auto
+    drafts with it), else closed here, as it is when building fails.
     """
+    view = options.draft_window if options is not None else None
+    try:
+        drafter = _build_drafter(method, draft, options)
+    except BaseException:
+        if view is not None:
+            view.close()
+        raise
+    if view is None:
+        return drafter
+    if method == "auto" and drafter.members[-1].name == DraftModelDrafter.name:
+        members = list(drafter.members)
+        members.insert(len(members) - 1, window_alternative(view, options.draft_min_prob, options.branches))
+        return ChainDrafter(members)
+    view.close()  # nothing drafts with it
+    return drafter
+
+
+def _build_drafter(method: str, draft: Backend | None, options: DrafterOptions | None) -> Drafter | None:
     check_method(method)
     if method == "none":
         return None

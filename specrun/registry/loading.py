@@ -40,8 +40,9 @@ class LoadOptions:
     tree_paths: int = 0  # llama.cpp: root-to-leaf paths a tree pass may hold (0: chains only); the target's
     # llama.cpp RPC servers (HOST:PORT) the target's layers run on; drafts stay on this machine
     rpc: tuple[str, ...] = ()
-    # the draft reads a windowed cache (backends/window.py): this many recent tokens (None: its full
-    # cache, or DEFAULT_WINDOW for --draft self:window) and ``sinks`` first ones (None: SINKS)
+    # the draft reads a windowed cache (backends/window.py): this many recent tokens (0: its full
+    # cache alone; None: the full cache, which auto holds a window beside, or DEFAULT_WINDOW for
+    # --draft self:window) and ``sinks`` first ones (None: SINKS)
     window: int | None = None
     sinks: int | None = None
 
@@ -51,13 +52,13 @@ class LoadOptions:
                 f"--gpu-layers must be between -1 (all) and {MAX_GPU_LAYERS}, got {self.gpu_layers}",
                 "pass a layer count, -1 for all, or leave it out (all)",
             )
-        if self.window is not None and not 1 <= self.window <= MAX_WINDOW:
-            raise UsageError(f"--window must be between 1 and {MAX_WINDOW} tokens, got {self.window}",
+        if self.window is not None and not 0 <= self.window <= MAX_WINDOW:
+            raise UsageError(f"--window must be between 0 (the full cache) and {MAX_WINDOW} tokens, got {self.window}",
                              "pass the recent tokens the draft's cache keeps (512, say), or leave --window out")
         if self.sinks is not None and not 0 <= self.sinks <= MAX_SINKS:
             raise UsageError(f"--sinks must be between 0 and {MAX_SINKS}, got {self.sinks}",
                              "pass the first tokens a windowed cache keeps (4, StreamingLLM's), or leave it out")
-        if self.sinks is not None and self.window is None:
+        if self.sinks is not None and not self.window:
             raise UsageError("--sinks sizes a windowed draft cache, and there is none",
                              "pass --window N (or --draft self:window), or drop --sinks")
         if self.rpc and self.gpu_layers == 0:
@@ -442,7 +443,7 @@ def open_draft(
     draft = open_backend(draft_spec, draft_options, entries, target_spec=target_spec)
     try:
         check_compatible(target, draft, target_spec, draft_spec)
-        if options.window is not None:
+        if options.window:  # 0: the full cache, and auto holds no window beside it
             return open_window_draft(draft, options, owns=True, on_note=on_note)
     except BaseException:
         draft.close()

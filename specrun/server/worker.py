@@ -432,6 +432,8 @@ class PairWorker:
                                      heads=pair.heads, branches=pair.trees.branches, lookahead=pair.lookahead,
                                      chain=pair.trees.chain, tree_nodes=pair.trees.nodes,
                                      verification=pair.verification, learn=pair.learn,
+                                     # slots draft from their own caches, never a window beside them
+                                     window_alternative=pair.parallel == 1,
                                      on_note=lambda note: self.log(f"note: {note}"))
             self._open_slots()
         except BaseException as exc:

@@ -39,6 +39,7 @@ from specrun.sessions.heads import heads_for_auto, load_target_heads, paying_hea
 from specrun.sessions.setup import (
     TreeSettings,
     adapts_length,
+    auto_draft_window,
     auto_window,
     check_prompt_size,
     check_trees_for,
@@ -167,6 +168,8 @@ class ChatSession:
     threads: the target's thread count, which keys what the session's runs learned (kept
     on close for the next session, as ``specrun generate`` keeps it).
     verification: how drafts are verified (--verify, --accept; engine/passes.py), exact by default.
+    window_alternative: auto holds the draft model's windowed cache beside its full one, as
+    `specrun generate` does where --window was left out (setup.auto_draft_window).
     """
 
     def __init__(
@@ -191,6 +194,7 @@ class ChatSession:
         tool_choice: ToolChoice = ToolChoice(),
         verification: Verification = Verification(),
         learn: Callable | None = None,
+        window_alternative: bool = False,
     ) -> None:
         self.target = target
         self._learn = learn  # --learn: the learner of the heads drafted with (sessions/heads.with_learner)
@@ -213,6 +217,7 @@ class ChatSession:
         self._tree_nodes = tree_nodes  # --tree-nodes (0: none asked), which a window must fit
         self._window_nodes = 0  # the nodes auto's window or trees opened by themselves hold in every pass
         self._on_note = on_note
+        self._window_alternative = window_alternative  # auto holds a window beside the draft's full cache
         self._tuned = None
         self.engine = SpeculativeEngine(target, None, method, verification=verification)
         self._use_tuned(tuned)
@@ -250,6 +255,9 @@ class ChatSession:
             choice = choose_window(self.target, costs, fitting(0, self.target.tree_support.max_paths), probe)
             self._drafter_options = dataclasses.replace(self._drafter_options, lookahead=choice.sizes)
         options = with_learner(self._drafter_options, method, self.target, self._learn, self.draft)
+        if self._window_alternative and options.draft_learner is None:  # auto's window beside the full cache
+            options = dataclasses.replace(options, draft_window=auto_draft_window(method, self.draft, self._tuned,
+                                                                                 None, None))
         return build_drafter(method, self.draft, options)
 
     def _add_auto_window(self) -> None:
@@ -539,6 +547,7 @@ def open_chat(
     tool_choice: ToolChoice = ToolChoice(),
     verification: Verification = Verification(),
     learn: Callable | None = None,
+    window_alternative: bool = True,
 ) -> ChatSession:
     """Load the pair for ``method`` (the draft model only if it needs one) and start a session.
 
@@ -595,7 +604,8 @@ def open_chat(
                            drafter_options=drafter_options,
                            find_tuned=lambda loaded: load_tuned(target, tuned_key_model(loaded), options.threads),
                            threads=options.threads, chain=chain, tree_nodes=tree_nodes, on_note=on_note,
-                           tools=tools, tool_choice=tool_choice, verification=verification, learn=learn)
+                           tools=tools, tool_choice=tool_choice, verification=verification, learn=learn,
+                           window_alternative=window_alternative and options.window is None)
     except BaseException:
         target.close()
         if draft is not None:

@@ -222,6 +222,7 @@ def compare_variants(
     tuned=None,
     native=None,
     verification: Verification = Verification(),
+    draft_window: Callable[[], Backend | None] | None = None,
 ) -> Comparison:
     """Run every variant ``repeat`` times on every prompt, interleaved; the first variant is the baseline.
 
@@ -234,11 +235,16 @@ def compare_variants(
     ``verification``: how the lines that draft verify (engine/passes.py); the baseline drafts
     nothing. Under a lossy rule each run's text is scored by the target after the runs
     (``Comparison.quality``) and only the baseline's outputs are compared token for token.
+    ``draft_window``: opens the draft model's windowed cache an adaptive line holds beside the
+    full one (DrafterOptions.draft_window; None: none), one for each such line.
     """
     drafters = []
     try:
         for variant in variants:
-            drafters.append(build_drafter(variant.method, draft, drafter_options))
+            options = drafter_options
+            if draft_window is not None and is_adaptive(variant.method):
+                options = dataclasses.replace(options or DrafterOptions(), draft_window=draft_window())
+            drafters.append(build_drafter(variant.method, draft, options))
         engines = {v.name: SpeculativeEngine(target, d, method=v.method,
                                              verification=verification if d is not None else Verification())
                    for v, d in zip(variants, drafters)}

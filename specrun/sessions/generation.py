@@ -29,6 +29,7 @@ from specrun.sessions.heads import heads_for_auto, load_target_heads, paying_hea
 from specrun.sessions.setup import (
     TreeSettings,
     adapts_length,
+    auto_draft_window,
     check_prompt_size,
     check_trees_for,
     default_trees,
@@ -148,6 +149,9 @@ def generate_text(request: GenerateRequest, on_text: Callable[[str], None] | Non
             if request.on_note is not None:
                 request.on_note(trees.describe())
         options = with_learner(options, request.method, target, request.learn, draft)
+        if options.draft_learner is None:  # a draft learning online drafts from the cache it learns with
+            options = dataclasses.replace(options, draft_window=auto_draft_window(
+                request.method, draft, tuned, request.load.window, len(prompt_ids) + request.max_new_tokens))
         drafter = build_drafter(request.method, draft, options)
         if request.trees.paths and not target.tree_support.available and request.on_note is not None:
             request.on_note(f"token trees are off: {target.tree_support.reason}; verifying chains")

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from specrun.drafters.lookahead import LADDER, LookaheadSizes
 from specrun.drafters.methods import DrafterOptions, is_adaptive, uses_lookahead
 from specrun.engine.loop import DEFAULT_TREE_NODES, TIE_MARGIN, GenerationParams
-from specrun.errors import ContextFullError, SpecrunError, UsageError
+from specrun.errors import ContextFullError, ModelFileError, SpecrunError, UsageError
 
 
 # Token trees, once asked for (--tree-nodes or --branches): the second guesses a drafter may add.
@@ -134,6 +134,31 @@ def tuned_window(draft, tuned, options, on_note=None):
                 f"(`specrun tune --window-search` after {tuned.window_context:,} tokens: "
                 f"{tuned.window_speedup:.2f}x its full cache); --window N sets another")
     return windowed
+
+
+def auto_draft_window(method, draft, tuned, window, longest):
+    """The draft model's windowed cache (its first SINKS tokens and its last DEFAULT_WINDOW) that
+    auto holds beside its full cache and drafts from wherever it measures it faster (a long
+    context: AdaptivePolicy._rest_alternatives), else None: not auto, no draft model, a window
+    already chosen (``window``: --window, 0 for the full cache alone; or `specrun tune
+    --window-search`, which also may have kept the full cache), a backend or cache that cannot
+    keep one, or a text of at most ``longest`` tokens (None: a chat's, unbounded) that never
+    outgrows the window. The caller closes it, or hands it to the drafter that does."""
+    from specrun.backends.window import DEFAULT_WINDOW, SINKS, block_for
+
+    if not is_adaptive(method) or draft is None or window is not None:
+        return None
+    if tuned is not None and (tuned.window or tuned.window_context):
+        return None
+    if not hasattr(draft, "open_window") or hasattr(draft, "parent") or getattr(draft, "recurrent", False):
+        return None
+    alike = SINKS + DEFAULT_WINDOW + block_for(DEFAULT_WINDOW)
+    if (longest is not None and longest <= alike) or draft.n_ctx <= alike:
+        return None
+    try:
+        return draft.open_window(SINKS, DEFAULT_WINDOW, owns=False)
+    except ModelFileError:  # no memory for a second cache: the full cache alone, as before
+        return None
 
 
 def tuned_key_model(draft):

@@ -12,7 +12,10 @@ from tests.cli.test_cli_accept import COMMANDS, invoke
 
 @pytest.mark.parametrize("command", COMMANDS)
 @pytest.mark.parametrize(("options", "message"), [
-    (("--window", "0"), "--window must be between 1 and"),
+    (("--window", "-1"), "--window must be between 0 (the full cache) and"),
+    (("--window", "0", "--sinks", "4"), "--sinks sizes a windowed draft cache, and there is none"),
+    (("--window", "0", "--draft", "self:window"), "--draft self:window drafts from a windowed cache, and --window 0 "
+                                                   "keeps none"),
     (("--window", "64", "--sinks", "-1"), "--sinks must be between 0 and 1024, got -1"),
     (("--sinks", "4"), "--sinks sizes a windowed draft cache, and there is none"),
     (("--window", "64", "--method", "lookup"), "--window sets up a draft model's cache, and --method lookup drafts "
@@ -68,3 +71,26 @@ def test_a_windowed_draft_answers_as_plain_decoding(tiny_llama, perturbed):
                                       "--window", "16", "--sinks", "2", "--exact")
         assert answer["text"] == plain["text"]
         assert not any("full cache" in line for line in lines)
+
+
+def test_auto_holds_a_window_where_a_text_can_outgrow_it_and_window_0_keeps_the_full_cache(tiny_llama, perturbed,
+                                                                                            monkeypatch):
+    """auto with a draft model and a text that can outgrow the window (64 here: the tiny model's
+    context of 512 holds no window of 512) holds the draft's windowed cache beside its full one
+    (its drafters say so); --window 0 keeps the full cache alone. Both answer as plain decoding."""
+    import specrun.backends.window as window
+
+    monkeypatch.setattr(window, "DEFAULT_WINDOW", 64)
+
+    def generate(*args):
+        result = invoke("generate", "-t", str(tiny_llama.gguf_path), "--ctx", "512", "-n", "200", "--json",
+                        "--threads", "1", "--exact", *args, "def fib(n):")
+        assert result.exit_code == 0, result.output
+        return json.loads(result.stdout)
+
+    plain = generate("--method", "none")
+    held = generate("-d", str(perturbed["llama"]), "--method", "auto")
+    alone = generate("-d", str(perturbed["llama"]), "--method", "auto", "--window", "0")
+    assert held["stats"]["drafters"].split("+")[-2:] == ["draft-window", "draft"]
+    assert "draft-window" not in alone["stats"]["drafters"].split("+")
+    assert held["text"] == alone["text"] == plain["text"]
