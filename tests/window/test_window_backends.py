@@ -131,3 +131,27 @@ def test_the_cache_holds_sinks_and_run_at_consecutive_positions_through_rewinds(
         np.testing.assert_allclose(rebuilt, afresh, atol=0.05)
     finally:
         windowed.close()
+
+
+def test_auto_holding_a_window_beside_the_full_cache_answers_as_plain_decoding(pair):
+    """auto with the Q4_1 draft's window of 32 held beside its full cache (DrafterOptions.draft_window)
+    on a prompt several windows long: the window drafts (first, untimed), and the answer is plain
+    decoding's on both backends."""
+    from specrun.drafters.draft_model import WINDOW_NAME
+    from specrun.drafters.methods import DrafterOptions, build_drafter
+
+    target, draft_model = pair
+    prompt = target.tokenize(TEXT)
+    view = draft_model.open_window(SINKS, WINDOW)
+    drafter = build_drafter("auto", draft_model, DrafterOptions(draft_window=view))
+    plain = SpeculativeEngine(target).run(prompt, GenerationParams(64, draft_len=0, stop_at_eos=False))
+    try:
+        result = SpeculativeEngine(target, drafter, method="auto").run(
+            prompt, GenerationParams(64, draft_len=8, stop_at_eos=False, adaptive=True))
+        assert result.token_ids == plain.token_ids
+        assert any(WINDOW_NAME in source.split("+") for source in result.stats.by_source)
+    finally:
+        drafter.close()
+        sequence_for(target).reset()
+        sequence_for(draft_model).reset()
+    assert view.cache is None  # closed with the drafter
