@@ -6,6 +6,8 @@ Lines, each a server started afresh for each C (127.0.0.1 only) and warmed by on
 - ``specrun``: `specrun serve --parallel C`, the slots sharing every pass, speculation yielding to
   the batch (TargetCosts.sharing);
 - ``specrun auto``: `specrun serve --parallel auto` (slots as memory allows);
+- ``specrun plain``: `specrun serve --parallel C --method none`, the slots without speculation (what
+  specrun's batching alone gives, beside llama-server's);
 - with ``--llama-bin``: ``llama-server -np C`` without speculation, with ``-md`` (the same draft,
   ``--spec-type draft-simple``) and with ``--spec-type ngram-mod``.
 
@@ -135,8 +137,9 @@ def specrun_metrics(port: int) -> dict[str, float]:
 
 def explained(before: dict[str, float], after: dict[str, float], seconds: float) -> dict:
     """Over a phase: the mean draft length chosen and its acceptance, the target batches' mean
-    occupancy (sequences a pass), and the share of the phase's time the models' batches ran
-    (target, draft): the rest is Python between passes, waiting, HTTP."""
+    occupancy (sequences a pass), the share of the phase's time the models' batches ran
+    (target, draft: the rest is Python between passes, waiting, HTTP), and the tokens the draft
+    model read for each token it drafted."""
     if not after:
         return {}
 
@@ -149,7 +152,10 @@ def explained(before: dict[str, float], after: dict[str, float], seconds: float)
             "acceptance": delta("specrun_accepted_tokens_total") / drafted if drafted else None,
             "batch_occupancy": delta('specrun_batch_sequences_total{model="target"}') / batches if batches else None,
             "target_busy": delta('specrun_batch_seconds_total{model="target"}') / seconds if batches else None,
-            "draft_busy": delta('specrun_batch_seconds_total{model="draft"}') / seconds if batches else None}
+            "draft_busy": delta('specrun_batch_seconds_total{model="draft"}') / seconds if batches else None,
+            # tokens the draft model read a token it drafted: 1 where it reads only its own drafts and
+            # the tokens verified after them, more where it also reads prompts and text it did not draft
+            "draft_reads": delta('specrun_batch_tokens_total{model="draft"}') / drafted if drafted else None}
 
 
 def run_phase(port: int, line: ServerLine, clients: int, prompts: list[BenchPrompt], prompt_set: str,
@@ -227,6 +233,8 @@ def lines_for(args, target: Path | str, draft: Path | str) -> list[ServerLine]:
         ServerLine("specrun fifo", lambda port, c: [*specrun, "--port", str(port), "--parallel", "1"], str(target)),
         ServerLine("specrun", lambda port, c: [*specrun, "--port", str(port), "--parallel", str(c)], str(target)),
         ServerLine("specrun auto", lambda port, c: [*specrun, "--port", str(port), "--parallel", "auto"], str(target)),
+        ServerLine("specrun plain", lambda port, c: [*specrun, "--port", str(port), "--parallel", str(c),
+                                                     "--method", "none"], str(target)),
     ]
     if args.llama_bin is not None:
         def server(extra):

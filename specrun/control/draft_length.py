@@ -140,12 +140,15 @@ class DraftLengthController:
         return self._rates[: limit + 1]
 
     def _compute_rates(self, limit: int) -> list[float | None]:
+        return self._rates_for(self.acceptances(limit), limit)
+
+    def _rates_for(self, accept: Sequence[float], limit: int) -> list[float | None]:
+        """Tokens per second at each draft length 0..limit, at these acceptances (index 0 unused)."""
         # A cheap drafter proposes every step whatever is kept of it: its time is spent before
         # the choice, for every k alike (0 included), so it weighs on none of them.
         draft_costs = [0.0] * (limit + 1) if self.sunk_draft_cost else self.draft_costs.table(limit)
         costs = self.target_costs.table(limit + 1)
         switch = self.target_costs.switch_charge  # the plain pass a speculative step may cause
-        accept = self.acceptances(limit)
         rates: list[float | None] = []
         # A pass shared with other sequences yields their tokens too (one each), and its cost (timed
         # as this sequence's passes are, the batch around them included) grows with this one's
@@ -163,6 +166,22 @@ class DraftLengthController:
                 rates.append(tokens / (verify + draft + (switch if k else 0.0)))
         return rates
 
+    def could_pay(self) -> bool:
+        """Could drafting beat plain decoding at the present costs if every drafted token were
+        accepted? Asked only where the pass is shared (a server's slots decoding together:
+        TargetCosts.sharing): a batch that fills the machine makes each token a draft adds cost
+        the whole batch about what it brings, and a probe there only spends its drafting and the
+        draft model's catching up on the text it skipped (measured with 8 slots: the draft model
+        ran a quarter of the time for 0.3 drafted tokens a step). Alone, a probe is cheap and
+        re-times costs that drift with the context: it goes ahead. Before the costs are timed:
+        it could (a probe times them)."""
+        if not self.target_costs.sharing:
+            return True
+        rates = self._rates_for([1.0] * (self.max_draft_len + 1), self.max_draft_len)
+        if None in rates:
+            return True
+        return max(rates[1:]) > rates[0]
+
     # ---- decisions ----------------------------------------------------------------
     def choose(self, limit: int) -> int:
         """The draft length for the next step, at most ``limit``."""
@@ -174,6 +193,8 @@ class DraftLengthController:
             if self.steps_since_probe < self.probe_gap:
                 return 0
             self.steps_since_probe = 0
+            if not self.could_pay():  # no draft can win: looked at again after another gap
+                return 0
             return min(self.probe_len, limit)  # a probe: refresh the estimates
         if self.fixed:
             return self._explore_fixed(limit)

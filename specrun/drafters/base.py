@@ -161,6 +161,12 @@ class Drafter(Protocol):
     alike_below: int = 0
 
     @property
+    def defers_prompt(self) -> bool:
+        """May the prompt go unread at ``prefill`` (the policy's choice, where this drafter is not
+        about to draft), read by the drafter itself when next asked? (A draft model's catch-up.)"""
+        return False
+
+    @property
     def members(self) -> tuple["Drafter", ...]:
         """The drafters the engine asks in turn: a chain's members, else this drafter."""
         return (self,)

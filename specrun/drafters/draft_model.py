@@ -11,7 +11,7 @@ import numpy as np
 from specrun.backends.base import Backend
 from specrun.drafters.base import EMPTY_PROPOSAL, Drafter, Proposal, second_guesses
 from specrun.drafters.dynamic_tree import TOP_K, DraftTree, grow_tree
-from specrun.backends.kv import KVSequence, sequence_for
+from specrun.backends.kv import KVSequence, common_prefix_len, sequence_for
 from specrun.sampling import SamplingSettings, probabilities, sample, top_probability
 from specrun.errors import SpecrunError
 from specrun.tree import TokenTree
@@ -271,6 +271,10 @@ class DraftModelDrafter(Drafter):
             return logits[:size]
         return np.concatenate([logits, np.full(size - len(logits), -np.inf, dtype=logits.dtype)])
 
+    @property
+    def defers_prompt(self) -> bool:
+        return self.learner is None  # what it skipped, _catch_up reads; a learner starts a text here
+
     def prefill(self, context: Sequence[int]) -> None:
         """Read the prompt before generation starts (the engine times it as prefill, as it does
         the target's): all of it but the last token, which the first draft pass feeds. An
@@ -287,6 +291,10 @@ class DraftModelDrafter(Drafter):
         self.sequence.sync(context[:-1])
 
     def finish(self, context: Sequence[int]) -> None:
+        """The text ends: the cache is brought to it where it drafted to its end (the last token
+        or two); a draft that was off for the end of the text catches up when next asked, if
+        ever. Reading an answer it did not draft at once cost a server's slots a batch pass per
+        answer that the next request (another text) could not use."""
         if self.alternative_to is not None:  # it catches up when next asked, if ever
             return
         if self.learner is not None:  # the text's last tokens, and the unfinished window, to the learner
@@ -294,7 +302,8 @@ class DraftModelDrafter(Drafter):
                 self.learner.observe(self._harvested, context)
             self._harvested = -1
             self.learner.start_text()
-        self.sequence.sync(context)
+        if len(context) - common_prefix_len(self.sequence.tokens, context) <= CATCH_UP_TOKENS:
+            self.sequence.sync(context)
 
     def _learn(self, context: Sequence[int]) -> None:
         """Between verify passes: the target's newest tokens to the learner (a copy of a few ids),

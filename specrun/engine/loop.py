@@ -356,7 +356,9 @@ class SpeculativeEngine:
         Returns the target's logits after the prompt (V,) and whether a cached prefix was reused."""
         started = self.clock()
         if policy is not None and params.max_new_tokens > 1:
-            self.drafter.prefill(context)
+            for member in self.drafter.members:
+                if policy.reads_prompt(member):
+                    member.prefill(context)
         prompt_logits, reused = self.passes.prefill(context, self.on_prefill)
         stats.prefill_seconds = self.clock() - started
         return prompt_logits, reused

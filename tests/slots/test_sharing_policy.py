@@ -4,7 +4,11 @@ on a machine where each token fed costs more time (a compute-bound pass)."""
 
 from __future__ import annotations
 
-from specrun.control.costs import TargetCosts
+from specrun.backends.fake import FakeBackend
+from specrun.drafters.methods import DrafterOptions, build_drafter
+from specrun.engine.loop import GenerationParams, SpeculativeEngine
+from tests.fake_models import COPYING_VOCAB, REPEATING_PROMPT, copying_logits, noisy_copy
+from specrun.control.costs import DraftCosts, TargetCosts
 from specrun.control.draft_length import DraftLengthController
 
 
@@ -38,3 +42,106 @@ def test_the_rates_follow_a_change_in_sharing():
     before = controller.choose(8)
     controller.target_costs.sharing = 7
     assert controller.choose(8) < before  # the memoised rates were not reused
+
+
+def paid_controller_off(costs_per_token: float, sharing: int, draft_per_token: float) -> DraftLengthController:
+    """A draft model's controller switched off (probed every 4 steps), on passes costing one unit plus
+    ``costs_per_token`` per token fed and drafts costing ``draft_per_token`` a token."""
+    costs = TargetCosts()
+    for n in range(1, 10):
+        for _ in range(8):
+            costs.observe(n, 1.0 + costs_per_token * (n - 1 + sharing))
+    draft_costs = DraftCosts()
+    for k in range(1, 9):
+        draft_costs.observe(k, draft_per_token * k)
+    controller = DraftLengthController(max_draft_len=8, target_costs=costs, draft_costs=draft_costs,
+                                       prior_accept=0.7, prior_weight=1e6)
+    costs.sharing = sharing
+    controller.start_off(4)
+    return controller
+
+
+def lengths_over(controller: DraftLengthController, steps: int) -> list[int]:
+    return [controller.choose(8) for _ in range(steps)]
+
+
+def test_a_draft_that_could_not_pay_were_it_always_right_is_not_probed_in_a_full_batch():
+    """Worked out: 7 others, passes 1 + (n - 1 + 7) (a token fed costs what the pass costs: the
+    machine is full), drafts 0.5 a token: every token accepted, k drafts bring (8 + k) / (8 + 1.5 k)
+    against plain decoding's 8 / 8, never more. The probes (every 4 steps) are skipped."""
+    shared = paid_controller_off(1.0, 7, 0.5)
+    assert not shared.could_pay()
+    assert lengths_over(shared, 16) == [0] * 16
+
+
+def test_alone_or_where_a_right_draft_would_pay_the_probes_go_on():
+    alone = paid_controller_off(1.0, 0, 0.5)  # alone: probed whatever the costs (they drift with the context)
+    assert alone.could_pay()
+    assert lengths_over(alone, 8) == [0, 0, 0, 2, 0, 0, 0, 2]
+    cheap = paid_controller_off(0.05, 7, 0.1)  # a memory-bound pass: 8 right drafts would pay
+    assert cheap.could_pay()
+    assert lengths_over(cheap, 4) == [0, 0, 0, 2]
+
+
+def test_the_probes_come_back_when_the_batch_empties():
+    controller = paid_controller_off(1.0, 7, 0.5)
+    assert lengths_over(controller, 8) == [0] * 8
+    controller.target_costs.sharing = 0
+    assert 2 in lengths_over(controller, 4)
+
+
+class CostClock:
+    """Seconds that pass only in the fakes' passes (``CostedFake``), in milliseconds."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now * 1e-3
+
+
+class CostedFake(FakeBackend):
+    """A fake whose pass of n tokens takes ``fixed + per_token * (n + others_in_pass)`` ms of ``clock``:
+    the target a model whose weights cost 4 a pass and each token fed, its own or another
+    sequence's, 1 (a CPU); ``others_in_pass`` other sequences in each pass (as a slot's)."""
+
+    def __init__(self, table, clock: CostClock, fixed: float, per_token: float) -> None:
+        super().__init__(table, COPYING_VOCAB)
+        self.clock, self.fixed, self.per_token = clock, fixed, per_token
+        self.others_in_pass = 0
+
+    def forward(self, tokens, logit_rows):
+        self.clock.now += self.fixed + self.per_token * (len(tokens) + self.others_in_pass)
+        return super().forward(tokens, logit_rows)
+
+
+def test_a_draft_model_kept_off_by_a_full_batch_reads_no_text_and_the_output_stays_plain():
+    """Engine level, as a server's slot runs it (each request a text of its own). With 7 others
+    in every pass a draft of k tokens, even always right, brings (8 + k) / (12 + 2 k) against
+    plain decoding's 8 / 12: after the first text has timed the costs, the draft model reads no
+    prompt (AdaptivePolicy.reads_prompt), drafts nothing and leaves the answer unread at the end
+    (DraftModelDrafter.finish). Alone again it drafts, catching up on the text it skipped. Every
+    output is plain decoding's."""
+    table = copying_logits(salt=4)
+    clock = CostClock()
+    target = CostedFake(table, clock, fixed=4.0, per_token=1.0)
+    target.others_in_pass = 7
+    draft = CostedFake(noisy_copy(4), clock, fixed=1.0, per_token=0.0)
+    engine = SpeculativeEngine(target, build_drafter("draft", draft, DrafterOptions()), method="draft", clock=clock)
+    plain = SpeculativeEngine(FakeBackend(table, COPYING_VOCAB))
+    params = GenerationParams(60, draft_len=16, stop_at_eos=False, adaptive=True)
+    prompts = [REPEATING_PROMPT, REPEATING_PROMPT[::-1] + [20, 21, 22], [7, 8, 9, 7, 8] * 3, REPEATING_PROMPT[3:]]
+    fed_by_text, drafted_by_text = [], []
+    for index, prompt in enumerate(prompts):
+        if index == 3:
+            target.others_in_pass = 0  # the batch empties
+        before = draft.forwarded_tokens
+        engine.policy.forget_acceptance()  # a server's next request: a text of its own (ChatSession.new_text)
+        result = engine.run(prompt, params)
+        assert result.token_ids == plain.run(prompt, GenerationParams(60, draft_len=0, stop_at_eos=False)).token_ids
+        fed_by_text.append(draft.forwarded_tokens - before)
+        drafted_by_text.append(result.stats.drafted)
+    assert fed_by_text[0] > 0 and drafted_by_text[0] > 0  # the first text times the costs
+    assert fed_by_text[1:3] == [0, 0] and drafted_by_text[1:3] == [0, 0]
+    assert drafted_by_text[3] > 0 and fed_by_text[3] >= len(prompts[3])  # the prompt read on the way
+    engine.drafter.close()
