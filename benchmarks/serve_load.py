@@ -13,7 +13,8 @@ Lines, each a server started afresh for each C (127.0.0.1 only) and warmed by on
 
 Each phase sends ``--requests`` chat requests (streamed, with usage) from C client threads taking
 prompts in turn, bounded by ``--budget`` seconds; figures per line and C: aggregate tokens/s
-(completion tokens over the phase's wall time), p50/p95 request latency and time to first token.
+(completion tokens over the phase's wall time; and steady: until the first client finds no request
+left, before the phase drains), p50/p95 request latency and time to first token.
 The lines run in turn at each C, their order rotating between rounds (docs/measuring.md). Two
 prompt sets, reported apart: specrun's built-in suite and Spec-Bench questions.
 
@@ -58,6 +59,7 @@ class Answer:
     tokens: int
     latency: float  # seconds from sending to the last byte
     first_token: float  # seconds from sending to the first text
+    chunk_times: list[float] = field(default_factory=list)  # perf_counter of each chunk of text
 
 
 @dataclass
@@ -66,6 +68,9 @@ class Phase:
     clients: int
     prompt_set: str
     seconds: float = 0.0
+    # from the start to the first client finding no request left: every client busy all along
+    steady_seconds: float = 0.0
+    started: float = 0.0
     answers: list[Answer] = field(default_factory=list)
     failures: int = 0
     server: dict = field(default_factory=dict)  # specrun's /metrics over the phase: why the figure is what it is
@@ -81,8 +86,22 @@ class Phase:
         return {"line": self.line, "clients": self.clients, "set": self.prompt_set, "requests": len(self.answers),
                 "failures": self.failures, "tokens": tokens, "seconds": self.seconds,
                 "tokens_per_s": tokens / self.seconds if self.seconds else None,
+                "steady_tokens_per_s": self.steady_rate(),
                 "latency_p50": pct(latencies, 0.5), "latency_p95": pct(latencies, 0.95),
                 "ttft_p50": pct(firsts, 0.5), "ttft_p95": pct(firsts, 0.95), **self.server}
+
+
+    def steady_rate(self) -> float | None:
+        """Tokens/s while every client had a request in flight (before the phase drains: its last
+        answers, some clients idle, lower the phase's figure more where answers end unevenly, as
+        speculation makes them). Each answer's tokens are counted by the share of its chunks
+        streamed by then."""
+        if self.steady_seconds <= 0.0:
+            return None
+        end = self.started + self.steady_seconds
+        tokens = sum(answer.tokens * sum(t <= end for t in answer.chunk_times) / len(answer.chunk_times)
+                     for answer in self.answers if answer.chunk_times)
+        return tokens / self.steady_seconds
 
 
 @dataclass
@@ -103,6 +122,7 @@ def stream_answer(port: int, model: str, text: str, max_tokens: int) -> Answer:
     first = None
     tokens = None
     chunks = 0
+    times: list[float] = []
     with urllib.request.urlopen(request, timeout=REQUEST_TIMEOUT_S) as reply:
         for raw in reply:
             line = raw.decode("utf-8", "replace").strip()
@@ -114,10 +134,11 @@ def stream_answer(port: int, model: str, text: str, max_tokens: int) -> Answer:
             for choice in event.get("choices") or ():
                 if (choice.get("delta") or {}).get("content"):
                     chunks += 1
+                    times.append(time.perf_counter())
                     if first is None:
                         first = time.perf_counter() - sent
     latency = time.perf_counter() - sent
-    return Answer(tokens if tokens is not None else chunks, latency, first if first is not None else latency)
+    return Answer(tokens if tokens is not None else chunks, latency, first if first is not None else latency, times)
 
 
 def specrun_metrics(port: int) -> dict[str, float]:
@@ -169,6 +190,8 @@ def run_phase(port: int, line: ServerLine, clients: int, prompts: list[BenchProm
         while True:
             with lock:
                 if taken[0] >= requests or time.perf_counter() > deadline:
+                    if not phase.steady_seconds:  # the first client left idle: the phase drains from here
+                        phase.steady_seconds = time.perf_counter() - started
                     return
                 prompt = prompts[taken[0] % len(prompts)]
                 taken[0] += 1
@@ -183,7 +206,7 @@ def run_phase(port: int, line: ServerLine, clients: int, prompts: list[BenchProm
                 phase.answers.append(answer)
 
     before = specrun_metrics(port)
-    started = time.perf_counter()
+    started = phase.started = time.perf_counter()
     threads = [threading.Thread(target=client) for _ in range(clients)]
     for thread in threads:
         thread.start()
@@ -293,8 +316,10 @@ def main() -> None:
                 for phase in with_server(line, clients, work):
                     phases.append(phase)
                     s = phase.summary()
+                    steady = s["steady_tokens_per_s"]
                     print(f"C={clients} {s['set']:<10} {line.name:<24} {s['tokens_per_s']:7.1f} tok/s  "
-                          f"p50 {s['latency_p50']:.2f}s p95 {s['latency_p95']:.2f}s  "
+                          + (f"(steady {steady:.1f})  " if steady is not None else "")
+                          + f"p50 {s['latency_p50']:.2f}s p95 {s['latency_p95']:.2f}s  "
                           f"ttft p50 {s['ttft_p50']:.2f}s  ({s['requests']} answers, {s['failures']} failed)"
                           + "".join(f"  {key} {value:.2f}" for key, value in phase.server.items() if value is not None),
                           file=sys.stderr)
@@ -305,17 +330,24 @@ def main() -> None:
 
 
 def print_table(report: dict) -> None:
-    """Median aggregate tokens/s per line, C and set, with each line's ratio to specrun fifo."""
+    """Median aggregate tokens/s per line, C and set (over the phase, and steady: every client
+    busy), with each line's ratio to specrun fifo."""
     by_key: dict[tuple, list[float]] = {}
+    steady_by_key: dict[tuple, list[float]] = {}
     for phase in report["phases"]:
-        by_key.setdefault((phase["set"], phase["clients"], phase["line"]), []).append(phase["tokens_per_s"] or 0.0)
-    print("| set | C | line | tokens/s | vs specrun fifo |")
-    print("|---|---|---|---|---|")
+        key = (phase["set"], phase["clients"], phase["line"])
+        by_key.setdefault(key, []).append(phase["tokens_per_s"] or 0.0)
+        if phase.get("steady_tokens_per_s") is not None:
+            steady_by_key.setdefault(key, []).append(phase["steady_tokens_per_s"])
+    print("| set | C | line | tokens/s | steady | vs specrun fifo |")
+    print("|---|---|---|---|---|---|")
     for (prompt_set, clients, line), values in sorted(by_key.items()):
         value = statistics.median(values)
+        steady = steady_by_key.get((prompt_set, clients, line))
         fifo = by_key.get((prompt_set, clients, "specrun fifo"))
         ratio = f"{value / statistics.median(fifo):.2f}x" if fifo and statistics.median(fifo) else "-"
-        print(f"| {prompt_set} | {clients} | {line} | {value:.1f} | {ratio} |")
+        steady_text = f"{statistics.median(steady):.1f}" if steady else "-"
+        print(f"| {prompt_set} | {clients} | {line} | {value:.1f} | {steady_text} | {ratio} |")
 
 
 if __name__ == "__main__":
