@@ -174,7 +174,9 @@ class DraftLengthController:
         draft model's catching up on the text it skipped (measured with 8 slots: the draft model
         ran a quarter of the time for 0.3 drafted tokens a step). Alone, a probe is cheap and
         re-times costs that drift with the context: it goes ahead. Before the costs are timed:
-        it could (a probe times them)."""
+        it could (a probe times them). The costs it is judged by are the ones probes time, so
+        ``choose`` still probes at the longest gap (a batch that shrinks from 8 sequences to 4
+        leaves them stale)."""
         if not self.target_costs.sharing:
             return True
         rates = self._rates_for([1.0] * (self.max_draft_len + 1), self.max_draft_len)
@@ -193,7 +195,10 @@ class DraftLengthController:
             if self.steps_since_probe < self.probe_gap:
                 return 0
             self.steps_since_probe = 0
-            if not self.could_pay():  # no draft can win: looked at again after another gap
+            if self.probe_gap < self.max_probe_gap and not self.could_pay():
+                # no draft can win: the gap doubles as after a lost probe, at no cost; at the
+                # longest gap a probe goes ahead all the same, re-timing costs the batch has moved
+                self.probe_gap = min(self.probe_gap * 2, self.max_probe_gap)
                 return 0
             return min(self.probe_len, limit)  # a probe: refresh the estimates
         if self.fixed:

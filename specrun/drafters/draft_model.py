@@ -96,11 +96,13 @@ class DraftModelDrafter(Drafter):
         self.tree_pass = _PassTiming()
         self.token_pass = _PassTiming()
         self.target_trees = False  # does the target verify trees (bind)? Else a tree is wasted
+        self.target: KVSequence | None = None  # the engine's (bind): is its pass shared?
         self.learner: DraftModelLearner | None = None  # set by build_drafter where the draft learns online
         self._learned_version = 0  # of the learner's adapters drafted with
         self._harvested = -1  # the first position of the text the learner has not had; -1: none to hand
 
     def bind(self, target: KVSequence, clock: Callable[[], float]) -> None:
+        self.target = target
         self.target_vocab_size = target.backend.vocab.size
         self.stop_ids = frozenset(target.backend.vocab.eos_ids)
         self.clock = clock
@@ -211,7 +213,8 @@ class DraftModelDrafter(Drafter):
         bonus token. Anything more (what other drafters proposed and the target accepted
         while this model was not asked) is read first in one batch. Its time counts as
         drafting: it is what switching to the draft model costs at that point (the prompt
-        itself is read in ``prefill``, timed as prefill).
+        itself is read in ``prefill``, timed as prefill, unless the policy left it unread:
+        AdaptivePolicy.reads_prompt, read here then).
         """
         # Keep at least the last context token unfed so its logits come out of this pass.
         keep = self.sequence.rewind_to_prefix_of(context, limit=len(context) - 1)
@@ -291,10 +294,11 @@ class DraftModelDrafter(Drafter):
         self.sequence.sync(context[:-1])
 
     def finish(self, context: Sequence[int]) -> None:
-        """The text ends: the cache is brought to it where it drafted to its end (the last token
-        or two); a draft that was off for the end of the text catches up when next asked, if
-        ever. Reading an answer it did not draft at once cost a server's slots a batch pass per
-        answer that the next request (another text) could not use."""
+        """The text ends: the cache is brought to it, between answers (a chat's next turn then
+        reads only what follows). Where the target's pass is shared (a server's slots) and the
+        cache is more than a token or two behind (the draft was off for the end of the text), it
+        catches up when next asked, if ever: reading an answer it did not draft cost the slots a
+        batch pass per answer that the next request (another text) could not use."""
         if self.alternative_to is not None:  # it catches up when next asked, if ever
             return
         if self.learner is not None:  # the text's last tokens, and the unfinished window, to the learner
@@ -302,7 +306,8 @@ class DraftModelDrafter(Drafter):
                 self.learner.observe(self._harvested, context)
             self._harvested = -1
             self.learner.start_text()
-        if len(context) - common_prefix_len(self.sequence.tokens, context) <= CATCH_UP_TOKENS:
+        shared = self.target is not None and self.target.sharing > 0
+        if not shared or len(context) - common_prefix_len(self.sequence.tokens, context) <= CATCH_UP_TOKENS:
             self.sequence.sync(context)
 
     def _learn(self, context: Sequence[int]) -> None:

@@ -264,6 +264,7 @@ class SpeculativeEngine:
         measured = policy is not None and policy.measured
         if measured:
             policy.start_text(len(context))
+            policy.share(self.target.sharing)  # as the last pass found it: whether drafters read the prompt
         prompt_logits, reused = self._prefill(context, policy, params, stats)  # (V,): after the prompt
         ties = NearTieWatch.of_run(self.target, params, reused)  # None: not counted
         constrained = ConstrainedRun(params.grammar) if params.grammar is not None else None

@@ -74,6 +74,13 @@ def test_a_draft_that_could_not_pay_were_it_always_right_is_not_probed_in_a_full
     assert lengths_over(shared, 16) == [0] * 16
 
 
+def test_at_the_longest_gap_a_draft_that_could_not_pay_is_probed_all_the_same():
+    """The costs it is judged by are what probes time: each skipped probe doubles the gap (4, 8, ...
+    128 steps), and at 128 a probe goes ahead, re-timing costs a changed batch may have left stale."""
+    lengths = lengths_over(paid_controller_off(1.0, 7, 0.5), 260)
+    assert lengths.count(2) == 1 and lengths.index(2) == 4 + 8 + 16 + 32 + 64 + 128 - 1
+
+
 def test_alone_or_where_a_right_draft_would_pay_the_probes_go_on():
     alone = paid_controller_off(1.0, 0, 0.5)  # alone: probed whatever the costs (they drift with the context)
     assert alone.could_pay()
@@ -145,3 +152,19 @@ def test_a_draft_model_kept_off_by_a_full_batch_reads_no_text_and_the_output_sta
     assert fed_by_text[1:3] == [0, 0] and drafted_by_text[1:3] == [0, 0]
     assert drafted_by_text[3] > 0 and fed_by_text[3] >= len(prompts[3])  # the prompt read on the way
     engine.drafter.close()
+
+
+def test_an_answer_the_draft_did_not_draft_is_read_at_its_end_alone_and_left_unread_in_a_shared_pass():
+    """DraftModelDrafter.finish: alone (a chat), the draft reads the answer between turns, so the next
+    turn's prompt costs it only what follows; beside other slots' sequences it leaves it unread."""
+    from specrun.backends.kv import sequence_for
+
+    context = REPEATING_PROMPT + [5, 6, 7, 8, 9]
+    for others, fed in ((0, len(context)), (7, 0)):
+        target = CostedFake(copying_logits(salt=4), CostClock(), fixed=1.0, per_token=0.0)
+        target.others_in_pass = others
+        draft = FakeBackend(noisy_copy(4), COPYING_VOCAB)
+        drafter = build_drafter("draft", draft, DrafterOptions())
+        drafter.bind(sequence_for(target), CostClock())
+        drafter.finish(context)
+        assert draft.forwarded_tokens == fed
