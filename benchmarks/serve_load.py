@@ -90,7 +90,6 @@ class Phase:
                 "latency_p50": pct(latencies, 0.5), "latency_p95": pct(latencies, 0.95),
                 "ttft_p50": pct(firsts, 0.5), "ttft_p95": pct(firsts, 0.95), **self.server}
 
-
     def steady_rate(self) -> float | None:
         """Tokens/s while every client had a request in flight (before the phase drains: its last
         answers, some clients idle, lower the phase's figure more where answers end unevenly, as
@@ -119,10 +118,8 @@ def stream_answer(port: int, model: str, text: str, max_tokens: int) -> Answer:
     request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", json.dumps(body).encode(),
                                      {"Content-Type": "application/json"})
     sent = time.perf_counter()
-    first = None
     tokens = None
-    chunks = 0
-    times: list[float] = []
+    times: list[float] = []  # each chunk of text's arrival
     with urllib.request.urlopen(request, timeout=REQUEST_TIMEOUT_S) as reply:
         for raw in reply:
             line = raw.decode("utf-8", "replace").strip()
@@ -133,12 +130,9 @@ def stream_answer(port: int, model: str, text: str, max_tokens: int) -> Answer:
                 tokens = event["usage"]["completion_tokens"]
             for choice in event.get("choices") or ():
                 if (choice.get("delta") or {}).get("content"):
-                    chunks += 1
                     times.append(time.perf_counter())
-                    if first is None:
-                        first = time.perf_counter() - sent
     latency = time.perf_counter() - sent
-    return Answer(tokens if tokens is not None else chunks, latency, first if first is not None else latency, times)
+    return Answer(tokens if tokens is not None else len(times), latency, times[0] - sent if times else latency, times)
 
 
 def specrun_metrics(port: int) -> dict[str, float]:
