@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from specrun.heads.mtp import MtpHeads
+from specrun.heads.mtp import MtpHeads, choose_experts
 from specrun.modelkit.folder_tensors import StoredMatrix
 
 
@@ -125,10 +125,7 @@ class MlxMtpLayer:
         mx = self._mx
         turned = self.layout.rope_dims
         half = turned // 2
-        frequencies = self.layout.rope_theta ** (-np.arange(half, dtype=np.float64) / half)
-        angles = np.asarray(positions, np.float64)[:, None] * frequencies
-        cos = mx.array(np.cos(angles).astype(np.float32))[:, None, :]
-        sin = mx.array(np.sin(angles).astype(np.float32))[:, None, :]
+        cos, sin = (mx.array(part.astype(np.float32))[:, None, :] for part in self.layout.rotation(positions))
         rest = x[..., turned:]
         if self.layout.rope_pairs:
             pairs = x[..., :turned].reshape(*x.shape[:-1], half, 2)
@@ -186,7 +183,7 @@ class MlxMtpLayer:
         all_values = mx.concatenate([mx.array(past_values, mx.float32), values])
         grouped = queries.reshape(count, kv_heads, group, -1)
         scores = mx.einsum("nkgd,mkd->kgnm", grouped, all_keys).reshape(layout.num_attention_heads, count, -1)
-        scores = mx.where(mx.array(attend)[None], scores / math.sqrt(hd), -mx.inf)
+        scores = mx.where(mx.array(attend)[None], scores * (layout.score_scale / math.sqrt(hd)), -mx.inf)
         weights = mx.softmax(scores, axis=-1).reshape(kv_heads, group, count, -1)
         attended = mx.einsum("kgnm,mkd->nkgd", weights, all_values).reshape(count, layout.num_attention_heads, -1)
         if layout.kv_lora_rank:  # each head's latent read back up to its values
@@ -211,13 +208,8 @@ class MlxMtpLayer:
             return out
         logits = self._linear(y, "router")
         scores = mx.softmax(logits, axis=-1) if layout.gating == "softmax" else mx.sigmoid(logits)
-        selection = scores + self._w["router_bias"] if "router_bias" in self._w else scores
-        chosen = np.argsort(-np.array(selection), axis=-1, kind="stable")[:, : layout.experts_used]
-        weights = np.take_along_axis(np.array(scores), chosen, axis=-1)
-        if layout.normalize_weights:
-            weights = weights / np.maximum(weights.sum(axis=-1, keepdims=True), 6.103515625e-5)
-        if layout.weights_scale not in (0.0, 1.0):
-            weights = weights * layout.weights_scale
+        bias = np.array(self._w["router_bias"]) if "router_bias" in self._w else None
+        chosen, weights = choose_experts(layout, np.array(scores), bias)
         if not self._gathers:  # MLX's CPU gathers float32 only: each row's experts one by one there
             rows = []
             for row in range(len(chosen)):

@@ -104,12 +104,14 @@ def _random_weights(shapes: dict[str, tuple[int, ...]], hidden: int, seed: int) 
 
 
 def write_glm_gguf(path: Path, shape: GlmShape, weights: dict[str, np.ndarray], dtype: str = "F16",
-                   mtp_layers: int | None = None, arch: str = "glm4moe", split_tensors: int = 0) -> Path:
+                   mtp_layers: int | None = None, arch: str = "glm4moe", split_tensors: int = 0,
+                   keys: dict | None = None) -> Path:
     """The model as llama.cpp's ``glm4moe`` GGUF with the shape's MTP blocks; ``mtp_layers=0``
     writes the trunk alone; ``arch``
     another architecture's name on the same keys and tensors (a layout specrun does not read);
     ``split_tensors``: split into parts of that many tensors as gguf-split names them
-    (NAME-00001-of-0000N.gguf: the path returned is the first part)."""
+    (NAME-00001-of-0000N.gguf: the path returned is the first part); ``keys``: more keys by name,
+    the arch's prefix implied (rotary scaling's)."""
     mtp_layers = shape.mtp_layers if mtp_layers is None else mtp_layers
     writer = gguf.GGUFWriter(path, arch, split_max_tensors=split_tensors)
     writer.add_name("specrun-tiny-glm-mtp")
@@ -136,6 +138,7 @@ def write_glm_gguf(path: Path, shape: GlmShape, weights: dict[str, np.ndarray], 
     writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
     if mtp_layers:
         writer.add_nextn_predict_layers(mtp_layers)
+    _add_keys(writer, arch, keys or {})
     _finish_gguf(writer, shape, shape.kv_heads, weights, mtp_layers, all_float32=dtype == "F32")
     if split_tensors:
         return sorted(path.parent.glob(f"{path.stem}-00001-of-*.gguf"))[0]
@@ -235,11 +238,15 @@ def write_deepseek_gguf(path: Path, shape: DeepseekShape, weights: dict[str, np.
         writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
     if mtp_layers:
         writer.add_nextn_predict_layers(mtp_layers)
-    for key, value in keys.items():
-        (writer.add_float32 if isinstance(value, float) else
-         writer.add_string if isinstance(value, str) else writer.add_uint32)(f"deepseek2.{key}", value)
+    _add_keys(writer, "deepseek2", keys)
     _finish_gguf(writer, shape, 1, weights, mtp_layers)
     return path
+
+
+def _add_keys(writer, arch: str, keys: dict) -> None:
+    for key, value in keys.items():
+        (writer.add_float32 if isinstance(value, float) else
+         writer.add_string if isinstance(value, str) else writer.add_uint32)(f"{arch}.{key}", value)
 
 
 def _tokenizer_config(shape, kv_heads: int) -> ModelConfig:
@@ -286,11 +293,13 @@ _MLX_LATENT_BLOCK = {  # GGUF name within a block -> mlx-lm's glm4_moe_lite name
 }
 
 
-def write_deepseek_mlx_folder(folder: Path, shape: DeepseekShape, weights: dict[str, np.ndarray]) -> Path:
+def write_deepseek_mlx_folder(folder: Path, shape: DeepseekShape, weights: dict[str, np.ndarray],
+                              settings: dict | None = None) -> Path:
     """The same model as a folder mlx-lm loads (``glm4_moe_lite``, GLM-4.7-Flash's type), as the
     checkpoint holds it: every block's k_b and v_b joined into kv_b_proj per head (the trunk's
     split again by mlx-lm's own sanitize), the trunk's experts stacked as mlx-lm stacks them, the
-    MTP block's one by one (model.layers.N, which mlx-lm drops as it loads)."""
+    MTP block's one by one (model.layers.N, which mlx-lm drops as it loads); ``settings``:
+    config.json's entries replaced (a rope_scaling, DeepSeek-V3's expert groups)."""
     from specrun.modelkit.hf_io import tokenizer_config_dict, write_model_files
 
     tensors = {"model.embed_tokens.weight": weights["token_embd.weight"],
@@ -324,7 +333,7 @@ def write_deepseek_mlx_folder(folder: Path, shape: DeepseekShape, weights: dict[
         "num_experts_per_tok": shape.experts_used, "first_k_dense_replace": shape.dense_layers,
         "max_position_embeddings": shape.context, "rms_norm_eps": shape.eps, "rope_theta": shape.rope_theta,
         "rope_scaling": None, "tie_word_embeddings": False, "num_nextn_predict_layers": 1,
-        "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "float32",
+        "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "float32", **(settings or {}),
     }
     tokenizer_json = tiny_tokenizer_json(VOCAB_SIZE)
     tensors = {name: np.ascontiguousarray(value, np.float32) for name, value in tensors.items()}
@@ -439,9 +448,10 @@ def hf_glm_tensors(shape: GlmShape, weights: dict[str, np.ndarray]) -> dict[str,
     return tensors
 
 
-def write_glm_hf_folder(folder: Path, shape: GlmShape, weights: dict[str, np.ndarray], dtype: str = "float32") -> Path:
+def write_glm_hf_folder(folder: Path, shape: GlmShape, weights: dict[str, np.ndarray], dtype: str = "float32",
+                        settings: dict | None = None) -> Path:
     """The model as a Hugging Face folder mlx-lm's glm4_moe loads (its MTP layer stays in the file;
-    mlx-lm drops it as it loads)."""
+    mlx-lm drops it as it loads); ``settings``: config.json's entries replaced (a rope_scaling)."""
     from specrun.modelkit.hf_io import tokenizer_config_dict, write_model_files
 
     tensors = {name: np.ascontiguousarray(value, dtype=dtype) for name, value in hf_glm_tensors(shape, weights).items()}
@@ -456,7 +466,7 @@ def write_glm_hf_folder(folder: Path, shape: GlmShape, weights: dict[str, np.nda
         "rope_theta": shape.rope_theta, "rope_scaling": None, "use_qk_norm": False, "tie_word_embeddings": False,
         "attention_bias": True, "partial_rotary_factor": shape.rope_dims / shape.head_dim,
         "num_nextn_predict_layers": shape.mtp_layers, "hidden_act": "silu", "bos_token_id": 1, "eos_token_id": 2,
-        "torch_dtype": dtype,
+        "torch_dtype": dtype, **(settings or {}),
     }
     tokenizer_json = tiny_tokenizer_json(VOCAB_SIZE)
     return write_model_files(folder, tensors, config, tokenizer_json,

@@ -18,9 +18,10 @@ for a one-layer head (common/speculative.cpp), so a drafter drives it as it driv
 (drafters.heads.eagle.EagleDrafter): both answer ``fuse``, ``layer`` and ``logits`` alike. The
 layer's attention reads every earlier position as the model was trained to (``window`` bounds how
 many a drafter keeps); rotary embeddings turn the first ``rope_dims`` of each head's dims,
-pairs of halves (NeoX's layout, llama.cpp's for these architectures). The routed experts (GLM-4.5's
-and DeepSeek-V3's MTP layers are MoE layers) pick the ``experts_used`` best by their gate's
-scores plus a selection bias, weighted by the unbiased scores.
+pairs of halves (NeoX's layout, llama.cpp's for these architectures), scaled as the model was
+(linear or YaRN: MtpLayout.rope_frequencies). The routed experts (GLM-4.5's and DeepSeek-V3's MTP
+layers are MoE layers) pick the ``experts_used`` best by their gate's scores plus a selection bias
+(DeepSeek-V3's within its best groups of experts), weighted by the unbiased scores.
 
 DeepSeek's multi-head latent attention (MLA: llama.cpp's ``deepseek2``, GLM-4.7-Flash's MTP
 layer) keeps one latent vector a position instead of keys and values, computed as llama.cpp's
@@ -47,7 +48,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from specrun.heads.config import HeadsConfig
-from specrun.heads.layers import rms_norm, rope, silu, softmax
+from specrun.heads.layers import rms_norm, silu, softmax
 
 # How far back a drafter keeps the layer's keys and values: the layer was trained to read the whole
 # context, so a window this long reads all of it for every prompt the tests and most chats hold.
@@ -83,6 +84,37 @@ class MtpLayout:
     gated_attention: bool = False
     kv_lora_rank: int = 0  # MLA where above 0 (head_dim: the query's nope + rope dims, as scaled)
     rope_pairs: bool = False  # rotary embeddings on consecutive pairs, else on halves (NeoX)
+    # Rotary scaling (modelkit.mtp reads it as llama.cpp applies it): angles divided by
+    # ``rope_factor`` (linear interpolation); under YaRN only from pair ``yarn_ramp[1]`` on, the
+    # pairs before ``yarn_ramp[0]`` kept and those between blended; cos and sin scaled by
+    # ``rope_magnitude``, the attention's scores by ``score_scale`` beside 1/sqrt(head_dim)
+    # (DeepSeek's YaRN mscale squared).
+    rope_factor: float = 1.0
+    yarn_ramp: tuple[float, float] | None = None
+    rope_magnitude: float = 1.0
+    score_scale: float = 1.0
+    # Group-limited routing (DeepSeek-V3's): the experts in ``expert_groups`` equal groups, each
+    # scored by its two best selection scores, and chosen within the ``expert_groups_used`` best.
+    expert_groups: int = 0
+    expert_groups_used: int = 0
+
+    def rope_frequencies(self) -> np.ndarray:
+        """(rope_dims/2,) float64: each rotated pair's angle a position, scaled as the layout says
+        (ggml's rope_yarn: ``theta_interp * (1 - ramp) + theta_extrap * ramp``)."""
+        half = self.rope_dims // 2
+        extrapolated = self.rope_theta ** (-np.arange(half, dtype=np.float64) / half)
+        interpolated = extrapolated / self.rope_factor
+        if self.yarn_ramp is None:
+            return interpolated
+        low, high = self.yarn_ramp
+        kept = 1.0 - np.clip((np.arange(half) - low) / max(0.001, high - low), 0.0, 1.0)
+        return interpolated * (1.0 - kept) + extrapolated * kept
+
+    def rotation(self, positions) -> tuple[np.ndarray, np.ndarray]:
+        """cos and sin (N, rope_dims/2) float64 of each pair's angle at ``positions`` (N,), each
+        scaled by ``rope_magnitude``."""
+        angles = np.asarray(positions, np.float64)[:, None] * self.rope_frequencies()
+        return np.cos(angles) * self.rope_magnitude, np.sin(angles) * self.rope_magnitude
 
     @property
     def entry_width(self) -> int:
@@ -226,7 +258,8 @@ def layer(
     group = layout.num_attention_heads // kv_heads  # query heads a key head serves (head h: key h // group)
     grouped = queries.reshape(count, kv_heads, group, -1)
     scores = np.einsum("nkgd,mkd->kgnm", grouped, all_keys).reshape(layout.num_attention_heads, count, -1)
-    weights = softmax(np.where(attend[None], scores / math.sqrt(layout.head_dim), -np.inf))  # (nh, N, C + N)
+    scale = layout.score_scale / math.sqrt(layout.head_dim)
+    weights = softmax(np.where(attend[None], scores * scale, -np.inf))  # (nh, N, C + N)
     attended = np.einsum("kgnm,mkd->nkgd", weights.reshape(kv_heads, group, count, -1), all_values)
     attended = attended.reshape(count, layout.num_attention_heads, -1)
     if layout.kv_lora_rank:  # each head's latent read back up to its values
@@ -284,12 +317,13 @@ def _latent(heads: MtpHeads, x: np.ndarray, positions: np.ndarray):
 
 def _rotated(x: np.ndarray, positions: np.ndarray, layout: MtpLayout) -> np.ndarray:
     """``x`` (N, heads, d) turned whole: on halves (NeoX), or on consecutive pairs (``rope_pairs``)."""
-    if not layout.rope_pairs:
-        return rope(x, positions, layout.rope_theta)
-    pairs = x.reshape(*x.shape[:-1], -1, 2)
-    turned = rope(np.concatenate([pairs[..., 0], pairs[..., 1]], axis=-1), positions, layout.rope_theta)
+    cos, sin = (part.astype(x.dtype)[:, None, :] for part in layout.rotation(positions))
     half = x.shape[-1] // 2
-    return np.stack([turned[..., :half], turned[..., half:]], axis=-1).reshape(x.shape)
+    if layout.rope_pairs:
+        first, second = x[..., 0::2], x[..., 1::2]
+        return np.stack([first * cos - second * sin, first * sin + second * cos], axis=-1).reshape(x.shape)
+    first, second = x[..., :half], x[..., half:]
+    return np.concatenate([first * cos - second * sin, first * sin + second * cos], axis=-1)
 
 
 def _partial_rope(x: np.ndarray, positions: np.ndarray, layout: MtpLayout) -> np.ndarray:
@@ -325,11 +359,26 @@ def route(heads: MtpHeads, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     layout = heads.layout
     logits = y @ heads.router.T  # (N, E)
     scores = softmax(logits) if layout.gating == "softmax" else 1.0 / (1.0 + np.exp(-logits))
-    selection = scores + heads.router_bias if heads.router_bias is not None else scores
+    chosen, weights = choose_experts(layout, scores, heads.router_bias)
+    return chosen, weights.astype(y.dtype)
+
+
+def choose_experts(layout: MtpLayout, scores: np.ndarray, bias: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+    """The ``experts_used`` experts of each row of ``scores`` (N, E) with the best scores plus the
+    selection ``bias`` (within the best groups, for group-limited routing), and their weights
+    (N, k): the unbiased scores, summed to one where the layout says, then scaled."""
+    selection = scores + bias if bias is not None else scores
+    if layout.expert_groups > 1:
+        grouped = selection.reshape(len(selection), layout.expert_groups, -1)
+        group_scores = np.sort(grouped, axis=-1)[..., -2:].sum(axis=-1)  # (N, G): each group's two best
+        best = np.argsort(-group_scores, axis=-1, kind="stable")[:, : layout.expert_groups_used]
+        kept = np.zeros(group_scores.shape, bool)
+        np.put_along_axis(kept, best, True, axis=-1)
+        selection = np.where(np.repeat(kept, grouped.shape[-1], axis=-1), selection, -np.inf)
     chosen = np.argsort(-selection, axis=-1, kind="stable")[:, : layout.experts_used]
     weights = np.take_along_axis(scores, chosen, axis=-1)
     if layout.normalize_weights:
         weights = weights / np.maximum(weights.sum(axis=-1, keepdims=True), 6.103515625e-5)
     if layout.weights_scale not in (0.0, 1.0):
         weights = weights * layout.weights_scale
-    return chosen, weights.astype(y.dtype)
+    return chosen, weights

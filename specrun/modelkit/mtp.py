@@ -15,7 +15,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import dataclasses
 import json
+import math
 import re
 from collections.abc import Mapping
 
@@ -104,29 +106,20 @@ def _gating(arch: str, fields: dict, trunk_layers: int, vocab: int) -> str:
 
 
 def _refuse_routing_unread(name: str, arch: str, fields: dict) -> None:
-    """One line for routed experts scored or grouped in a way the layer does not reproduce: a
-    gating function other than softmax and sigmoid (llama.cpp aborts on unknown ones), or
-    group-limited routing (DeepSeek-V3's n_group/topk_group: experts chosen within the best groups)."""
+    """One line for routed experts scored in a way the layer does not reproduce: a gating
+    function other than softmax and sigmoid (llama.cpp aborts on unknown ones)."""
     func = int(fields.get(f"{arch}.expert_gating_func", 0) or 0)
-    groups = int(fields.get(f"{arch}.expert_group_count", 0) or 0)
-    used = int(fields.get(f"{arch}.expert_group_used_count", 0) or 0)
-    problem = (f"its experts' gating function {func} (specrun reads softmax, 1, and sigmoid, 2)"
-               if func and func not in _GATINGS else
-               f"group-limited expert routing ({used} of {groups} groups), which specrun does not read yet"
-               if groups > 1 and 0 < used < groups else "")
-    if problem:
-        raise ModelFileError(f"{name}: specrun cannot draft with this {arch} model's MTP layer: {problem}",
+    if func and func not in _GATINGS:
+        raise ModelFileError(f"{name}: specrun cannot draft with this {arch} model's MTP layer: its experts' "
+                             f"gating function {func} (specrun reads softmax, 1, and sigmoid, 2)",
                              "use another method with this model")
 
 
 def _refuse_latent_unread(name: str, arch: str, fields: dict, count: int, routed: bool) -> None:
     """One line for a latent-attention (``deepseek2``) MTP block whose layout specrun and llama.cpp's
     MTP context do not run (llama.cpp's graph asserts on each): more than one MTP layer, an older
-    conversion without the split kv_b, no query down-projection (DeepSeek-V2-Lite's), rotary
-    scaling (a factor but ``none``'s) or attention scaling, or a dense MLP there."""
-    scaling = str(fields.get(f"{arch}.rope.scaling.type", "linear") or "linear")
-    factor = float(fields.get(f"{arch}.rope.scaling.factor", 0) or fields.get(f"{arch}.rope.scale_linear", 0) or 1.0)
-    attention_factor = float(fields.get(f"{arch}.rope.scaling.attn_factor", 1.0) or 1.0)
+    conversion without the split kv_b, no query down-projection (DeepSeek-V2-Lite's), attention
+    temperature scaling, or a dense MLP there."""
     problem = (
         f"{count} MTP layers (llama.cpp's MTP context runs one)" if count != 1 else
         "an older conversion (its attention's kv_b not split into k_b and v_b)"
@@ -134,15 +127,125 @@ def _refuse_latent_unread(name: str, arch: str, fields: dict, count: int, routed
                                                                        "kv_lora_rank")) else
         "attention without a query down-projection (q_lora_rank: DeepSeek-V2-Lite's layout)"
         if not fields.get(f"{arch}.attention.q_lora_rank") else
-        f"rotary scaling ({scaling}, factor {factor:g}), which specrun does not read yet"
-        if scaling != "none" and factor != 1.0 else
-        f"rotary attention factor {attention_factor:g}, which specrun does not read yet" if attention_factor != 1.0 else
         "attention temperature scaling" if float(fields.get(f"{arch}.attention.temperature_scale", 0) or 0) else
         "a dense MLP in its MTP block (llama.cpp runs routed experts there)" if not routed else "")
     if problem:
         fix = ("convert the model again with a current llama.cpp" if problem.startswith("an older")
                else "use another method with this model")
         raise ModelFileError(f"{name}: specrun cannot draft with this {arch} model's MTP layer: {problem}", fix)
+
+
+# YaRN's bounds on the rotations a context trained for: llama.cpp's and transformers' defaults.
+YARN_BETA_FAST, YARN_BETA_SLOW = 32.0, 1.0
+_ROTARY_SCALINGS = ("linear", "yarn")
+
+
+def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's attention factor for a context ``factor`` times the trained one (1 at or below it)."""
+    return 1.0 if factor <= 1.0 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def _yarn_ramp(rope_dims: int, original: int, theta: float, fast: float, slow: float,
+               truncate: bool = True) -> tuple[float, float]:
+    """The rotated pairs YaRN blends between (ggml_rope_yarn_corr_dims): a pair before the first
+    turns more than ``fast`` times over the trained context and is kept as trained; one from the
+    second on turns fewer than ``slow`` times and is interpolated."""
+    def pair(turns: float) -> float:
+        return rope_dims * math.log(original / (turns * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = pair(fast), pair(slow)
+    if truncate:
+        low, high = math.floor(low), math.ceil(high)
+    return float(max(0.0, low)), float(min(rope_dims - 1, high))
+
+
+def _refuse_scaling(name: str, arch: str, kind: str) -> ModelFileError:
+    return ModelFileError(f"{name}: specrun cannot draft with this {arch} model's MTP layer: its rotary scaling "
+                          f"{kind!r} (it reads {', '.join(_ROTARY_SCALINGS)})", "use another method with this model")
+
+
+def gguf_rope_scaling(name: str, arch: str, fields: dict, rope_dims: int, theta: float) -> dict:
+    """The MtpLayout fields of a GGUF's rotary scaling, as llama.cpp computes them for the layer
+    (llama_context's yarn_attn_factor, ggml's rope_yarn, deepseek2's kq_scale): {} for none."""
+    kind = str(fields.get(f"{arch}.rope.scaling.type", "linear") or "linear")  # llama.cpp's default
+    if kind not in ("none", *_ROTARY_SCALINGS):
+        raise _refuse_scaling(name, arch, kind)
+    stated = float(fields.get(f"{arch}.rope.scaling.factor", 0) or fields.get(f"{arch}.rope.scale_linear", 0) or 0)
+    factor = 1.0 if kind == "none" or stated == 0 else stated
+    stated_attention = fields.get(f"{arch}.rope.scaling.attn_factor")
+    attention = 1.0 if stated_attention is None else float(stated_attention)
+    # written as 0.1 * mscale_all_dim by the converter; llama.cpp reads it for deepseek2 alone
+    log_multiplier = float(fields.get(f"{arch}.rope.scaling.yarn_log_multiplier", 0) or 0) / 0.1 \
+        if arch in _LATENT_ATTENTION else 0.0
+    if factor == 1.0 and attention == 1.0:
+        return {}
+    yarn = kind == "yarn"
+    if yarn:
+        if log_multiplier:  # llama.cpp takes mscale == mscale_all_dim for deepseek2 (else 1)
+            mscale = log_multiplier if arch in _LATENT_ATTENTION and log_multiplier != 1.0 else 1.0
+            magnitude = _yarn_mscale(factor, mscale) / _yarn_mscale(factor, log_multiplier)
+        else:
+            magnitude = _yarn_mscale(factor)
+        magnitude *= attention
+    else:
+        magnitude = attention
+    fields_out = {"rope_factor": factor, "rope_magnitude": magnitude}
+    if yarn:
+        original = int(fields.get(f"{arch}.rope.scaling.original_context_length", 0) or
+                       fields.get(f"{arch}.context_length", 0) or 0)
+        if original <= 0:
+            raise ModelFileError(f"{name}: its YaRN rotary scaling names no trained context length",
+                                 "convert the model again, or use another method")
+        fields_out["yarn_ramp"] = _yarn_ramp(rope_dims, original, theta, YARN_BETA_FAST, YARN_BETA_SLOW)
+    if arch in _LATENT_ATTENTION:  # deepseek2's kq_scale: its attention factor times log_multiplier's
+        grown = math.log(factor)
+        mscale = (magnitude if yarn else attention * (1.0 + 0.1 * grown)) * (1.0 + 0.1 * log_multiplier * grown)
+        fields_out["score_scale"] = mscale * mscale
+    return fields_out
+
+
+def folder_rope_scaling(name: str, arch: str, config: dict, rope_dims: int, theta: float) -> dict:
+    """The MtpLayout fields of a model folder's ``rope_scaling`` (or ``rope_parameters``) as
+    transformers and mlx-lm compute them: {} for none."""
+    rope = _rope_config(config)
+    kind = str(rope.get("rope_type", rope.get("type", "default")) or "default")
+    if kind in ("default", "none"):
+        return {}
+    if kind not in _ROTARY_SCALINGS:
+        raise _refuse_scaling(name, arch, kind)
+    try:
+        factor = float(rope.get("factor") or 1.0)
+        if not 0 < factor < 1e6:
+            raise ValueError(factor)
+        if kind == "linear":
+            return {"rope_factor": factor} if factor != 1.0 else {}
+        original = int(rope.get("original_max_position_embeddings") or config.get("max_position_embeddings") or 0)
+        fast, slow = float(rope.get("beta_fast") or YARN_BETA_FAST), float(rope.get("beta_slow") or YARN_BETA_SLOW)
+        mscale, all_dims = rope.get("mscale"), rope.get("mscale_all_dim")
+        magnitude = rope.get("attention_factor")
+        if magnitude is None:
+            magnitude = (_yarn_mscale(factor, float(mscale)) / _yarn_mscale(factor, float(all_dims))
+                         if mscale and all_dims else _yarn_mscale(factor))
+        if original <= 0:
+            raise ValueError("no original_max_position_embeddings")
+        fields_out = {"rope_factor": factor, "rope_magnitude": float(magnitude),
+                      "yarn_ramp": _yarn_ramp(rope_dims, original, theta, fast, slow, bool(rope.get("truncate", True)))}
+    except (TypeError, ValueError) as error:
+        raise ModelFileError(f"{name}/config.json has a rope_scaling specrun cannot read ({error})",
+                             "check the model folder") from None
+    if arch in _LATENT_ATTENTION and all_dims:  # DeepSeek's softmax scale
+        fields_out["score_scale"] = _yarn_mscale(factor, float(all_dims)) ** 2
+    return fields_out
+
+
+def _expert_groups(name: str, groups: int, used: int, experts: int) -> dict:
+    """The MtpLayout fields of group-limited routing (none for one group)."""
+    if groups <= 1 or not experts:
+        return {}
+    if experts % groups or not 0 < used <= groups or experts // groups < 2:
+        raise ModelFileError(f"{name}: its {experts} experts cannot be routed in {used} of {groups} groups",
+                             "convert the model again, or use another method")
+    return {"expert_groups": groups, "expert_groups_used": used}
 
 
 _SPLIT_PART = re.compile(r"-(\d{5})-of-(\d{5})\.gguf$")
@@ -266,6 +369,10 @@ def read_mtp_gguf(path: str | Path, depth: int = DEFAULT_DEPTH) -> MtpHeads:
         gated_attention=arch in _GATED_ATTENTION,
         kv_lora_rank=int(fields[f"{arch}.attention.kv_lora_rank"]) if latent else 0, rope_pairs=latent,
     )
+    layout = dataclasses.replace(
+        layout, **gguf_rope_scaling(path.name, arch, fields, layout.rope_dims, layout.rope_theta),
+        **(_expert_groups(path.name, int(fields.get(f"{arch}.expert_group_count", 0) or 0),
+                          int(fields.get(f"{arch}.expert_group_used_count", 0) or 0), layout.experts)))
     embed = tensor(f"{mtp}.nextn.embed_tokens.weight", (vocab, hidden), required=False)
     if embed is None:
         embed = tensor("token_embd.weight", (vocab, hidden))
@@ -356,8 +463,8 @@ def gguf_model_key(path: str | Path) -> str:
 
 # Hugging Face model types whose MTP layers specrun reads from a folder, and the GGUF architecture
 # each is (the refusals name the same models).
-FOLDER_TYPES = {"glm4_moe": "glm4moe", "glm4_moe_lite": "deepseek2", "qwen3_5": "qwen35", "qwen3_5_moe": "qwen35moe",
-                "qwen3_next": "qwen3next"}
+FOLDER_TYPES = {"glm4_moe": "glm4moe", "glm4_moe_lite": "deepseek2", "deepseek_v3": "deepseek2", "qwen3_5": "qwen35",
+                "qwen3_5_moe": "qwen35moe", "qwen3_next": "qwen3next"}
 # Those whose MTP block sits under ``mtp.*`` (Qwen's checkpoints) rather than as model.layers.N.
 _QWEN_MTP = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
 _QWEN_PREFIXES = ("", "model.", "language_model.")  # before "mtp.": checkpoints', llama.cpp's converter's, mlx-lm's
@@ -469,6 +576,14 @@ def read_mtp_folder(folder: str | Path, depth: int = DEFAULT_DEPTH) -> MtpHeads:
         weights_scale=float(config.get("routed_scaling_factor", 1.0) or 1.0),
         kv_lora_rank=int(config["kv_lora_rank"]) if latent else 0, rope_pairs=latent,
     )
+    if routed and config.get("topk_method") == "group_limited_greedy" and int(config.get("n_group") or 0) > 1:
+        raise ModelFileError(f"{folder.name}: specrun cannot draft with this model's MTP layer: its experts' "
+                             f"group_limited_greedy routing (it reads DeepSeek-V3's noaux_tc)",
+                             "use another method with this model")
+    layout = dataclasses.replace(
+        layout, **folder_rope_scaling(folder.name, layout.arch, config, layout.rope_dims, layout.rope_theta),
+        **(_expert_groups(folder.name, int(config.get("n_group") or 0), int(config.get("topk_group") or 0),
+                          layout.experts)))
     own_embed, own_head = f"{mtp}.embed_tokens.weight", f"{mtp}.shared_head.head.weight"
     embed_names = (own_embed, "model.embed_tokens.weight")
     head_names = (own_head, "lm_head.weight", *embed_names)
@@ -545,16 +660,10 @@ def _rope_config(config: dict) -> dict:
 def _folder_fields(config: dict) -> dict:
     """A DeepSeek-style folder's config as the GGUF keys _refuse_latent_unread and
     _refuse_routing_unread read."""
-    rope = _rope_config(config)
-    kind = rope.get("rope_type", rope.get("type", "none"))
     return {"deepseek2.attention.key_length_mla": (config.get("qk_nope_head_dim") or 0) + (config.get("qk_rope_head_dim") or 0),
             "deepseek2.attention.value_length_mla": config.get("v_head_dim"),
             "deepseek2.attention.kv_lora_rank": config.get("kv_lora_rank"),
-            "deepseek2.attention.q_lora_rank": config.get("q_lora_rank"),
-            "deepseek2.rope.scaling.type": kind if kind != "default" else "none",
-            "deepseek2.rope.scaling.factor": rope.get("factor", 1.0),
-            "deepseek2.expert_group_count": config.get("n_group") or 0,
-            "deepseek2.expert_group_used_count": config.get("topk_group") or 0}
+            "deepseek2.attention.q_lora_rank": config.get("q_lora_rank")}
 
 
 def _latent_folder_arrays(reader: FolderTensors, tensor, attention: str, config: dict, hidden: int) -> dict:
@@ -664,6 +773,8 @@ def _qwen_folder(folder: Path, config: dict, arch: str, reader: FolderTensors, c
         experts=experts, experts_used=int(config.get("num_experts_per_tok") or 0) if experts else 0,
         gating="softmax" if experts else "sigmoid", normalize_weights=bool(experts),  # as llama.cpp routes them
     )
+    layout = dataclasses.replace(layout, **folder_rope_scaling(folder.name, arch, config, layout.rope_dims,
+                                                               layout.rope_theta))
     q_width, kv_width = heads_count * head_dim, kv_count * head_dim
     block = "layers.0"
     embed_names = ("model.language_model.embed_tokens.weight", "language_model.model.embed_tokens.weight",

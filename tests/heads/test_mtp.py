@@ -72,14 +72,49 @@ def deepseek_mtp(tmp_path_factory) -> dict[str, Path]:
     return write_fitted_deepseek(tmp_path_factory.mktemp("deepseek"), DeepseekShape())
 
 
+# Rotary scaling as models ship it: GLM/Qwen-style YaRN (a context four times the trained one),
+# linear interpolation, and DeepSeek-V3's (YaRN 40x with its log multiplier, 256 experts in 8 groups
+# of which 4 are searched: here 8 experts in 4 groups, 2 searched).
+YARN_KEYS = {"rope.scaling.type": "yarn", "rope.scaling.factor": 4.0, "rope.scaling.original_context_length": 4096}
+LINEAR_KEYS = {"rope.scaling.type": "linear", "rope.scaling.factor": 2.0}
+DEEPSEEK_V3_KEYS = {"rope.scaling.type": "yarn", "rope.scaling.factor": 40.0,
+                    "rope.scaling.original_context_length": 4096, "rope.scaling.yarn_log_multiplier": 0.1,
+                    "expert_group_count": 4, "expert_group_used_count": 2}
+DEEPSEEK_V3_CONFIG = {"rope_scaling": {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096,
+                                       "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0},
+                      "n_group": 4, "topk_group": 2, "model_type": "deepseek_v3", "topk_method": "noaux_tc",
+                      "architectures": ["DeepseekV3ForCausalLM"]}
+
+
 @pytest.fixture(scope="module")
-def carriers(glm_mtp, qwen_mtp, qwen_moe_mtp, qwen_next_mtp, deepseek_mtp) -> dict[str, Path]:
-    """A GGUF of each layout specrun reads, by name."""
+def scaled_carriers(tmp_path_factory) -> dict[str, Path]:
+    """Random GGUFs whose rotary embeddings are scaled: GLM's layout under YaRN and linear
+    scaling, DeepSeek's under DeepSeek-V3's YaRN and group-limited routing (and that model's
+    folder beside it, "deepseek-v3-folder")."""
+    from mtp_models import (DeepseekShape, GlmShape, deepseek_weights, glm_weights, write_deepseek_gguf,
+                            write_deepseek_mlx_folder, write_glm_gguf)
+
+    folder = tmp_path_factory.mktemp("scaled")
+    glm = GlmShape()
+    deepseek = DeepseekShape(experts=8)
+    weights = deepseek_weights(deepseek, seed=1)  # seed 0's routes one test position between two groups
+    # whose scores are 3e-4 apart, a near-tie float16's rounding decides either way
+    return {"glm-yarn": write_glm_gguf(folder / "glm-yarn.gguf", glm, glm_weights(glm), keys=YARN_KEYS),
+            "glm-linear": write_glm_gguf(folder / "glm-linear.gguf", glm, glm_weights(glm), keys=LINEAR_KEYS),
+            "deepseek-v3": write_deepseek_gguf(folder / "deepseek-v3.gguf", deepseek, weights, keys=DEEPSEEK_V3_KEYS),
+            "deepseek-v3-folder": write_deepseek_mlx_folder(folder / "deepseek-v3-mlx", deepseek, weights,
+                                                            settings=DEEPSEEK_V3_CONFIG)}
+
+
+@pytest.fixture(scope="module")
+def carriers(glm_mtp, qwen_mtp, qwen_moe_mtp, qwen_next_mtp, deepseek_mtp, scaled_carriers) -> dict[str, Path]:
+    """A GGUF of each layout specrun reads, by name, and of each rotary scaling (SCALED)."""
     return {"glm": glm_mtp["gguf"], "qwen35": qwen_mtp["random"], "qwen35moe": qwen_moe_mtp,
-            "qwen3next": qwen_next_mtp, "deepseek2": deepseek_mtp["random"]}
+            "qwen3next": qwen_next_mtp, "deepseek2": deepseek_mtp["random"], **scaled_carriers}
 
 
 LAYOUTS = ["glm", "qwen35", "qwen35moe", "qwen3next", "deepseek2"]
+SCALED = ["glm-yarn", "glm-linear", "deepseek-v3"]
 
 
 @pytest.fixture(scope="module", params=LAYOUTS)
@@ -151,6 +186,133 @@ def test_the_numpy_layer_gives_llama_cpp_s_logits_at_every_position(carrier, car
         states, theirs = carrier_native.pair_logits(tokens)
         relative, agreeing = logit_agreement(numpy_pair_logits(heads, states, tokens), theirs)
         assert relative < 0.02 and agreeing == 1.0, (prompt, relative, agreeing)
+
+
+def _unscaled(heads: MtpHeads) -> MtpHeads:
+    """``heads`` as if their model scaled no rotary embedding and routed without groups (a mutant)."""
+    import dataclasses
+
+    layout = dataclasses.replace(heads.layout, rope_factor=1.0, yarn_ramp=None, rope_magnitude=1.0, score_scale=1.0,
+                                 expert_groups=0, expert_groups_used=0)
+    return dataclasses.replace(heads, layout=layout)
+
+
+@pytest.mark.parametrize("scaled", SCALED)
+def test_scaled_rotary_embeddings_and_expert_groups_give_llama_cpp_s_logits(carriers, scaled):
+    """Rotary scaling read from the GGUF as llama.cpp applies it (YaRN's blend of interpolated
+    and kept rotations, its attention factor on cos and sin, DeepSeek's mscale squared on the
+    scores; linear interpolation) and DeepSeek-V3's group-limited routing: at every position the
+    logits llama.cpp's MTP context computes; the layer read as if unscaled disagrees."""
+    heads = read_mtp_gguf(carriers[scaled])
+    assert heads.layout.rope_factor > 1.0
+    worst = _assert_llama_cpp_s_logits(carriers[scaled], heads, _unscaled(heads))
+    assert worst > 0.1, worst
+
+
+def _assert_llama_cpp_s_logits(path: Path, heads: MtpHeads, mutant: MtpHeads | None = None) -> float:
+    """Asserts that ``heads``' logits are llama.cpp's MTP context's on the GGUF at ``path`` at
+    every position of each of PROMPTS; returns how far ``mutant``'s strayed at most (0: none)."""
+    from mtp_native import NativeMtp
+
+    from specrun.backends.llama import LlamaCppBackend
+
+    native = NativeMtp(path)
+    backend = LlamaCppBackend(path, n_ctx=256, n_threads=1)
+    worst = 0.0
+    try:
+        for prompt in PROMPTS:
+            tokens = backend.tokenize(prompt)
+            states, theirs = native.pair_logits(tokens)
+            relative, agreeing = logit_agreement(numpy_pair_logits(heads, states, tokens), theirs)
+            assert relative < 0.02 and agreeing == 1.0, (prompt, relative, agreeing)
+            if mutant is not None:
+                worst = max(worst, logit_agreement(numpy_pair_logits(mutant, states, tokens), theirs)[0])
+    finally:
+        backend.close()
+        native.close()
+    return worst
+
+
+def test_deepseek_v3_s_scaling_and_groups_read_from_its_folder_as_from_its_gguf(carriers):
+    """DeepSeek-V3's config.json (rope_scaling as transformers reads it, n_group/topk_group) and
+    the GGUF llama.cpp's converter writes from it (yarn_log_multiplier 0.1 * mscale_all_dim):
+    the same layout, scaled."""
+    from specrun.modelkit.mtp import read_mtp_folder
+
+    from_folder, from_gguf = read_mtp_folder(carriers["deepseek-v3-folder"]), read_mtp_gguf(carriers["deepseek-v3"])
+    folder_layout, gguf_layout = from_folder.layout, from_gguf.layout
+    assert (folder_layout.expert_groups, folder_layout.expert_groups_used) == (4, 2)
+    assert folder_layout.yarn_ramp == gguf_layout.yarn_ramp and folder_layout.rope_factor == 40.0
+    assert folder_layout.rope_magnitude == pytest.approx(gguf_layout.rope_magnitude) == 1.0
+    assert folder_layout.score_scale == pytest.approx(gguf_layout.score_scale) == pytest.approx((0.1 * np.log(40) + 1) ** 2)
+    assert _unscaled(from_folder).layout == _unscaled(from_gguf).layout  # and the rest alike
+
+
+def test_a_glm_folder_s_yarn_reads_as_its_gguf_s(glm_mtp, tmp_path):
+    """GLM/Qwen-style YaRN in config.json (rope_type yarn, factor, original context) gives the
+    layout of the GGUF written with the same scaling; linear likewise; a scaling specrun does not
+    read, or one it cannot parse, is one line naming it."""
+    from mtp_models import glm_weights, write_glm_gguf, write_glm_hf_folder
+    from specrun.errors import ModelFileError
+    from specrun.modelkit.mtp import read_mtp_folder
+
+    shape, weights = glm_mtp["shape"], glm_weights(glm_mtp["shape"])
+    for name, keys, scaling in (
+            ("yarn", YARN_KEYS, {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4096}),
+            ("linear", LINEAR_KEYS, {"rope_type": "linear", "factor": 2.0})):
+        folder = write_glm_hf_folder(tmp_path / name, shape, weights, settings={"rope_scaling": scaling})
+        gguf = write_glm_gguf(tmp_path / f"{name}.gguf", shape, weights, keys=keys)
+        folder_layout, gguf_layout = read_mtp_folder(folder).layout, read_mtp_gguf(gguf).layout
+        assert folder_layout.rope_factor == gguf_layout.rope_factor > 1.0, name
+        assert folder_layout.yarn_ramp == gguf_layout.yarn_ramp, name
+        assert folder_layout.rope_magnitude == pytest.approx(gguf_layout.rope_magnitude), name
+        np.testing.assert_allclose(folder_layout.rope_frequencies(), gguf_layout.rope_frequencies())
+    for name, scaling, expected in (("dynamic", {"rope_type": "dynamic", "factor": 2.0}, r"rotary scaling 'dynamic'"),
+                                    ("broken", {"rope_type": "yarn", "factor": "four"}, "rope_scaling specrun cannot read")):
+        folder = write_glm_hf_folder(tmp_path / name, shape, weights, settings={"rope_scaling": scaling})
+        with pytest.raises(ModelFileError, match=expected):
+            read_mtp_folder(folder)
+
+
+def test_yarn_s_frequencies_are_transformers_s():
+    """YaRN's rotations against transformers' formula written out (_compute_yarn_parameters: the
+    correction range from beta_fast 32 and beta_slow 1, a linear ramp between, interpolated
+    frequencies below it), and its attention factor 0.1 ln(factor) + 1."""
+    from specrun.heads.mtp import MtpLayout
+    from specrun.modelkit.mtp import gguf_rope_scaling
+
+    dims, theta, factor, original = 64, 10000.0, 40.0, 4096
+    fields = {"deepseek2.rope.scaling.type": "yarn", "deepseek2.rope.scaling.factor": factor,
+              "deepseek2.rope.scaling.original_context_length": original,
+              "deepseek2.rope.scaling.yarn_log_multiplier": 0.1}
+    layout = MtpLayout(arch="deepseek2", num_attention_heads=1, num_key_value_heads=1, head_dim=dims, rope_dims=dims,
+                       rope_theta=theta, rms_norm_eps=1e-6, **gguf_rope_scaling("m", "deepseek2", fields, dims, theta))
+
+    def correction(turns):
+        return (dims * np.log(original / (turns * 2 * np.pi))) / (2 * np.log(theta))
+
+    low, high = max(np.floor(correction(32)), 0), min(np.ceil(correction(1)), dims - 1)
+    extrapolation = 1.0 / theta ** (np.arange(0, dims, 2) / dims)
+    ramp = np.clip((np.arange(dims // 2) - low) / (high - low), 0, 1)
+    expected = extrapolation / factor * ramp + extrapolation * (1 - ramp)
+    np.testing.assert_allclose(layout.rope_frequencies(), expected, rtol=1e-12)
+    assert layout.rope_magnitude == pytest.approx(1.0)  # DeepSeek's: mscale / mscale_all_dim
+    assert layout.score_scale == pytest.approx((0.1 * np.log(factor) + 1) ** 2)
+    glm = gguf_rope_scaling("m", "glm4moe", {k.replace("deepseek2", "glm4moe"): v for k, v in fields.items()},
+                            dims, theta)
+    assert glm["rope_magnitude"] == pytest.approx(0.1 * np.log(factor) + 1) and "score_scale" not in glm
+
+
+@pytest.mark.parametrize("branches", [0, 3], ids=["chain", "tree"])
+def test_on_deepseek_v3_s_layout_mtp_gives_plain_decoding_s_tokens(carriers, branches):
+    """A target scaled and routed as DeepSeek-V3 is (llama.cpp's MTP context for chains, the
+    NumPy layer for trees): every token plain decoding's."""
+    target = open_target("llama", carriers["deepseek-v3"], tree_paths=8 if branches else 0)
+    try:
+        assert target.native_mtp() is not None
+        _greedy_runs_equal_plain(target, read_mtp_gguf(carriers["deepseek-v3"]), ("def hello(world):",), branches, 32)
+    finally:
+        target.close()
 
 
 def test_a_layer_reading_the_state_of_the_wrong_position_disagrees_with_llama_cpp(glm_mtp, native, backend):
@@ -316,17 +478,17 @@ def test_a_file_with_two_mtp_layers_drafts_with_its_first_in_numpy_not_in_llama_
 
 
 def test_latent_attention_layouts_llama_cpp_cannot_draft_with_are_one_line(tmp_path):
-    """deepseek2 files whose MTP block llama.cpp's MTP graph asserts on (two MTP layers, rotary
-    scaling, an unknown gating function, a dense MLP there) or whose routing specrun does not
-    reproduce (expert groups) are refused by name before llama.cpp sees them, on the command line
-    too."""
+    """deepseek2 files whose MTP block llama.cpp's MTP graph asserts on (two MTP layers, an unknown
+    gating function, a dense MLP there), a rotary scaling specrun does not read (longrope) and
+    expert groups that do not divide the experts are refused by name before llama.cpp sees them,
+    on the command line too."""
     from mtp_models import DeepseekShape, deepseek_weights, write_deepseek_gguf
     from specrun.errors import ModelFileError
 
     shape = DeepseekShape()
-    scaled = write_deepseek_gguf(tmp_path / "yarn.gguf", shape, deepseek_weights(shape),
-                                 keys={"rope.scaling.type": "yarn", "rope.scaling.factor": 40.0})
-    with pytest.raises(ModelFileError, match=r"rotary scaling \(yarn, factor 40\)"):
+    scaled = write_deepseek_gguf(tmp_path / "longrope.gguf", shape, deepseek_weights(shape),
+                                 keys={"rope.scaling.type": "longrope", "rope.scaling.factor": 40.0})
+    with pytest.raises(ModelFileError, match=r"rotary scaling 'longrope' \(it reads linear, yarn\)"):
         read_mtp_gguf(scaled)
     dense_shape = DeepseekShape(dense_layers=3)
     dense = write_deepseek_gguf(tmp_path / "dense.gguf", dense_shape, deepseek_weights(dense_shape))
@@ -334,8 +496,8 @@ def test_latent_attention_layouts_llama_cpp_cannot_draft_with_are_one_line(tmp_p
         read_mtp_gguf(dense)
     for name, keys, layers, expected in (
             ("two", {}, 2, "2 MTP layers"), ("gated", {"expert_gating_func": 9}, 1, "gating function 9"),
-            ("grouped", {"expert_group_count": 2, "expert_group_used_count": 1}, 1, r"group-limited expert routing"),
-            ("linear", {"rope.scaling.factor": 4.0}, 1, r"rotary scaling \(linear, factor 4\)")):
+            ("grouped", {"expert_group_count": 3, "expert_group_used_count": 1}, 1,
+             r"its 4 experts cannot be routed in 1 of 3 groups")):
         weights = deepseek_weights(shape)
         block = f"blk.{shape.trunk_layers}."  # a second MTP block like the first, for two layers
         weights.update({f"blk.{shape.trunk_layers + 1}." + key[len(block):]: value
@@ -346,7 +508,7 @@ def test_latent_attention_layouts_llama_cpp_cannot_draft_with_are_one_line(tmp_p
     result = _cli("generate", "def hello", "-t", str(tmp_path / "two.gguf"), "--method", "mtp", "-n", "4")
     _one_line(result, 1, "two.gguf", "2 MTP layers")  # never llama.cpp's abort
     result = _cli("generate", "def hello", "-t", str(scaled), "--method", "mtp", "-n", "4")
-    _one_line(result, 1, "yarn.gguf", "specrun cannot draft with this deepseek2 model's MTP layer", "rotary scaling")
+    _one_line(result, 1, "longrope.gguf", "specrun cannot draft with this deepseek2 model's MTP layer", "longrope")
 
 
 def test_exact_on_a_latent_attention_target_is_one_line(deepseek_mtp, glm_mtp):
@@ -501,24 +663,11 @@ def test_a_latent_attention_folder_s_mtp_layer_gives_llama_cpp_s_logits(deepseek
     """GLM-4.7-Flash's checkpoint layout (glm4_moe_lite: kv_b_proj joined per head, experts one by
     one), its random block read from the folder: the layout the GGUF of the same weights gives, and
     at every position the logits llama.cpp's MTP context computes from that GGUF."""
-    from mtp_native import NativeMtp
-
-    from specrun.backends.llama import LlamaCppBackend
     from specrun.modelkit.mtp import read_mtp_folder
 
     heads = read_mtp_folder(deepseek_mtp["mlx_random"])
     assert heads.layout == read_mtp_gguf(deepseek_mtp["random"]).layout and heads.layout.kv_lora_rank > 0
-    native = NativeMtp(deepseek_mtp["random"])
-    backend = LlamaCppBackend(deepseek_mtp["random"], n_ctx=256, n_threads=1)
-    try:
-        for prompt in PROMPTS:
-            tokens = backend.tokenize(prompt)
-            states, theirs = native.pair_logits(tokens)
-            relative, agreeing = logit_agreement(numpy_pair_logits(heads, states, tokens), theirs)
-            assert relative < 0.02 and agreeing == 1.0, (prompt, relative, agreeing)
-    finally:
-        backend.close()
-        native.close()
+    _assert_llama_cpp_s_logits(deepseek_mtp["random"], heads)
 
 
 @pytest.mark.parametrize("branches", [0, 3], ids=["chain", "tree"])
@@ -720,11 +869,12 @@ def test_on_mlx_a_hybrid_target_drafts_with_its_mtp_layer_and_gives_plain_decodi
         target.close()
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("layout", LAYOUTS + SCALED)
 def test_the_mlx_layer_computes_what_the_numpy_layer_does(carriers, layout):
     """backends/mtp_mlx.py against heads/mtp.py on the same arrays and inputs: the fused inputs, the
     layer's outputs, keys and values beside earlier entries, and the logits (routed experts with a
-    selection bias and a shared one for GLM's; gated attention and q/k norms for Qwen3.5's)."""
+    selection bias and a shared one for GLM's; gated attention and q/k norms for Qwen3.5's; rotary
+    scaling, and DeepSeek-V3's expert groups)."""
     pytest.importorskip("mlx", reason="the MLX backend is not installed")
     from specrun.backends.mtp_mlx import MlxMtpLayer
 
