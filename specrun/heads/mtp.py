@@ -85,12 +85,13 @@ class MtpLayout:
     kv_lora_rank: int = 0  # MLA where above 0 (head_dim: the query's nope + rope dims, as scaled)
     rope_pairs: bool = False  # rotary embeddings on consecutive pairs, else on halves (NeoX)
     # Rotary scaling (modelkit.mtp reads it as llama.cpp applies it): angles divided by
-    # ``rope_factor`` (linear interpolation); under YaRN only from pair ``yarn_ramp[1]`` on, the
-    # pairs before ``yarn_ramp[0]`` kept and those between blended; cos and sin scaled by
-    # ``rope_magnitude``, the attention's scores by ``score_scale`` beside 1/sqrt(head_dim)
+    # ``rope_factor`` (linear interpolation); under YaRN only from pair ``yarn_corr_dims[1]`` on,
+    # the pairs before ``yarn_corr_dims[0]`` kept and those between blended (ggml's corr_dims);
+    # cos and sin scaled by ``rope_magnitude`` (llama.cpp's effective attn_factor, transformers'
+    # attention_factor), the attention's scores by ``score_scale`` beside 1/sqrt(head_dim)
     # (DeepSeek's YaRN mscale squared).
     rope_factor: float = 1.0
-    yarn_ramp: tuple[float, float] | None = None
+    yarn_corr_dims: tuple[float, float] | None = None
     rope_magnitude: float = 1.0
     score_scale: float = 1.0
     # Group-limited routing (DeepSeek-V3's): the experts in ``expert_groups`` equal groups, each
@@ -104,10 +105,10 @@ class MtpLayout:
         half = self.rope_dims // 2
         extrapolated = self.rope_theta ** (-np.arange(half, dtype=np.float64) / half)
         interpolated = extrapolated / self.rope_factor
-        if self.yarn_ramp is None:
+        if self.yarn_corr_dims is None:
             return interpolated
-        low, high = self.yarn_ramp
-        kept = 1.0 - np.clip((np.arange(half) - low) / max(0.001, high - low), 0.0, 1.0)
+        low, high = self.yarn_corr_dims
+        kept = 1.0 - np.clip((np.arange(half) - low) / max(0.001, high - low), 0.0, 1.0)  # ggml's ramp_mix
         return interpolated * (1.0 - kept) + extrapolated * kept
 
     def rotation(self, positions) -> tuple[np.ndarray, np.ndarray]:

@@ -145,7 +145,7 @@ def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
     return 1.0 if factor <= 1.0 else 0.1 * mscale * math.log(factor) + 1.0
 
 
-def _yarn_ramp(rope_dims: int, original: int, theta: float, fast: float, slow: float,
+def _yarn_corr_dims(rope_dims: int, original: int, theta: float, fast: float, slow: float,
                truncate: bool = True) -> tuple[float, float]:
     """The rotated pairs YaRN blends between (ggml_rope_yarn_corr_dims): a pair before the first
     turns more than ``fast`` times over the trained context and is kept as trained; one from the
@@ -180,13 +180,8 @@ def gguf_rope_scaling(name: str, arch: str, fields: dict, rope_dims: int, theta:
     if factor == 1.0 and attention == 1.0:
         return {}
     yarn = kind == "yarn"
-    if yarn:
-        if log_multiplier:  # llama.cpp takes mscale == mscale_all_dim for deepseek2 (else 1)
-            mscale = log_multiplier if arch in _LATENT_ATTENTION and log_multiplier != 1.0 else 1.0
-            magnitude = _yarn_mscale(factor, mscale) / _yarn_mscale(factor, log_multiplier)
-        else:
-            magnitude = _yarn_mscale(factor)
-        magnitude *= attention
+    if yarn:  # with a log multiplier (deepseek2's alone) llama.cpp takes mscale as mscale_all_dim: 1
+        magnitude = (1.0 if log_multiplier else _yarn_mscale(factor)) * attention
     else:
         magnitude = attention
     fields_out = {"rope_factor": factor, "rope_magnitude": magnitude}
@@ -196,7 +191,7 @@ def gguf_rope_scaling(name: str, arch: str, fields: dict, rope_dims: int, theta:
         if original <= 0:
             raise ModelFileError(f"{name}: its YaRN rotary scaling names no trained context length",
                                  "convert the model again, or use another method")
-        fields_out["yarn_ramp"] = _yarn_ramp(rope_dims, original, theta, YARN_BETA_FAST, YARN_BETA_SLOW)
+        fields_out["yarn_corr_dims"] = _yarn_corr_dims(rope_dims, original, theta, YARN_BETA_FAST, YARN_BETA_SLOW)
     if arch in _LATENT_ATTENTION:  # deepseek2's kq_scale: its attention factor times log_multiplier's
         grown = math.log(factor)
         mscale = (magnitude if yarn else attention * (1.0 + 0.1 * grown)) * (1.0 + 0.1 * log_multiplier * grown)
@@ -206,7 +201,7 @@ def gguf_rope_scaling(name: str, arch: str, fields: dict, rope_dims: int, theta:
 
 def folder_rope_scaling(name: str, arch: str, config: dict, rope_dims: int, theta: float) -> dict:
     """The MtpLayout fields of a model folder's ``rope_scaling`` (or ``rope_parameters``) as
-    transformers and mlx-lm compute them: {} for none."""
+    transformers computes them (_compute_yarn_parameters; DeepSeek's yarn_apply_mscale): {} for none."""
     rope = _rope_config(config)
     kind = str(rope.get("rope_type", rope.get("type", "default")) or "default")
     if kind in ("default", "none"):
@@ -214,37 +209,45 @@ def folder_rope_scaling(name: str, arch: str, config: dict, rope_dims: int, thet
     if kind not in _ROTARY_SCALINGS:
         raise _refuse_scaling(name, arch, kind)
     try:
-        factor = float(rope.get("factor") or 1.0)
+        # a top-level original_max_position_embeddings wins (Phi-3's), as transformers standardizes it
+        original = int(config.get("original_max_position_embeddings") or rope.get("original_max_position_embeddings")
+                       or config.get("max_position_embeddings") or 0)
+        factor = rope.get("factor")
+        if factor is None and kind == "yarn" and original:  # DeepSeek's: the context over the trained one
+            factor = int(config.get("max_position_embeddings") or 0) / original
+        factor = float(1.0 if factor is None else factor)
         if not 0 < factor < 1e6:
-            raise ValueError(factor)
-        if kind == "linear":
-            return {"rope_factor": factor} if factor != 1.0 else {}
-        original = int(rope.get("original_max_position_embeddings") or config.get("max_position_embeddings") or 0)
-        fast, slow = float(rope.get("beta_fast") or YARN_BETA_FAST), float(rope.get("beta_slow") or YARN_BETA_SLOW)
-        mscale, all_dims = rope.get("mscale"), rope.get("mscale_all_dim")
-        magnitude = rope.get("attention_factor")
-        if magnitude is None:
-            magnitude = (_yarn_mscale(factor, float(mscale)) / _yarn_mscale(factor, float(all_dims))
-                         if mscale and all_dims else _yarn_mscale(factor))
-        if original <= 0:
-            raise ValueError("no original_max_position_embeddings")
-        fields_out = {"rope_factor": factor, "rope_magnitude": float(magnitude),
-                      "yarn_ramp": _yarn_ramp(rope_dims, original, theta, fast, slow, bool(rope.get("truncate", True)))}
+            raise ValueError(f"factor {factor}")
+        fields_out = {"rope_factor": factor} if factor != 1.0 else {}
+        if kind == "yarn":
+            if original <= 0:
+                raise ValueError("no original_max_position_embeddings")
+            fast, slow = float(rope.get("beta_fast") or YARN_BETA_FAST), float(rope.get("beta_slow") or YARN_BETA_SLOW)
+            mscale, all_dims = rope.get("mscale"), rope.get("mscale_all_dim")
+            magnitude = rope.get("attention_factor")
+            if magnitude is None:
+                magnitude = (_yarn_mscale(factor, float(mscale)) / _yarn_mscale(factor, float(all_dims))
+                             if mscale and all_dims else _yarn_mscale(factor))
+            fields_out.update(rope_factor=factor, rope_magnitude=float(magnitude), yarn_corr_dims=_yarn_corr_dims(
+                rope_dims, original, theta, fast, slow, bool(rope.get("truncate", True))))
+        all_dims = rope.get("mscale_all_dim")
+        if arch in _LATENT_ATTENTION and all_dims:  # DeepSeek's softmax scale, under any scaling
+            fields_out["score_scale"] = _yarn_mscale(factor, float(all_dims)) ** 2
     except (TypeError, ValueError) as error:
         raise ModelFileError(f"{name}/config.json has a rope_scaling specrun cannot read ({error})",
                              "check the model folder") from None
-    if arch in _LATENT_ATTENTION and all_dims:  # DeepSeek's softmax scale
-        fields_out["score_scale"] = _yarn_mscale(factor, float(all_dims)) ** 2
     return fields_out
 
 
-def _expert_groups(name: str, groups: int, used: int, experts: int) -> dict:
-    """The MtpLayout fields of group-limited routing (none for one group)."""
+def _expert_groups(name: str, groups: int, used: int, layout: MtpLayout, fix: str) -> dict:
+    """The MtpLayout fields of group-limited routing (none for one group, or no routed experts)."""
+    experts = layout.experts
     if groups <= 1 or not experts:
         return {}
-    if experts % groups or not 0 < used <= groups or experts // groups < 2:
-        raise ModelFileError(f"{name}: its {experts} experts cannot be routed in {used} of {groups} groups",
-                             "convert the model again, or use another method")
+    if experts % groups or not 0 < used <= groups or experts // groups < 2 or \
+            used * (experts // groups) < layout.experts_used:
+        raise ModelFileError(f"{name}: its {experts} experts cannot be routed {layout.experts_used} at a time "
+                             f"in {used} of {groups} groups", fix)
     return {"expert_groups": groups, "expert_groups_used": used}
 
 
@@ -371,8 +374,9 @@ def read_mtp_gguf(path: str | Path, depth: int = DEFAULT_DEPTH) -> MtpHeads:
     )
     layout = dataclasses.replace(
         layout, **gguf_rope_scaling(path.name, arch, fields, layout.rope_dims, layout.rope_theta),
-        **(_expert_groups(path.name, int(fields.get(f"{arch}.expert_group_count", 0) or 0),
-                          int(fields.get(f"{arch}.expert_group_used_count", 0) or 0), layout.experts)))
+        **_expert_groups(path.name, int(fields.get(f"{arch}.expert_group_count", 0) or 0),
+                         int(fields.get(f"{arch}.expert_group_used_count", 0) or 0), layout,
+                         "convert the model again, or use another method"))
     embed = tensor(f"{mtp}.nextn.embed_tokens.weight", (vocab, hidden), required=False)
     if embed is None:
         embed = tensor("token_embd.weight", (vocab, hidden))
@@ -576,14 +580,14 @@ def read_mtp_folder(folder: str | Path, depth: int = DEFAULT_DEPTH) -> MtpHeads:
         weights_scale=float(config.get("routed_scaling_factor", 1.0) or 1.0),
         kv_lora_rank=int(config["kv_lora_rank"]) if latent else 0, rope_pairs=latent,
     )
-    if routed and config.get("topk_method") == "group_limited_greedy" and int(config.get("n_group") or 0) > 1:
+    method = config.get("topk_method") or "noaux_tc"  # greedy: the best experts, whatever their group
+    if routed and method not in ("noaux_tc", "greedy") and int(config.get("n_group") or 0) > 1:
         raise ModelFileError(f"{folder.name}: specrun cannot draft with this model's MTP layer: its experts' "
-                             f"group_limited_greedy routing (it reads DeepSeek-V3's noaux_tc)",
-                             "use another method with this model")
+                             f"{method} routing (it reads DeepSeek-V3's noaux_tc)", "use another method with this model")
     layout = dataclasses.replace(
         layout, **folder_rope_scaling(folder.name, layout.arch, config, layout.rope_dims, layout.rope_theta),
-        **(_expert_groups(folder.name, int(config.get("n_group") or 0), int(config.get("topk_group") or 0),
-                          layout.experts)))
+        **_expert_groups(folder.name, int(config.get("n_group") or 0) if method == "noaux_tc" else 0,
+                         int(config.get("topk_group") or 0), layout, "check the folder's config.json"))
     own_embed, own_head = f"{mtp}.embed_tokens.weight", f"{mtp}.shared_head.head.weight"
     embed_names = (own_embed, "model.embed_tokens.weight")
     head_names = (own_head, "lm_head.weight", *embed_names)

@@ -188,13 +188,17 @@ def test_the_numpy_layer_gives_llama_cpp_s_logits_at_every_position(carrier, car
         assert relative < 0.02 and agreeing == 1.0, (prompt, relative, agreeing)
 
 
-def _unscaled(heads: MtpHeads) -> MtpHeads:
-    """``heads`` as if their model scaled no rotary embedding and routed without groups (a mutant)."""
+# What each part of a scaled layout is set to where the model has none of it (the mutants below).
+UNSCALED = {"rotations": {"rope_factor": 1.0, "yarn_corr_dims": None}, "magnitude": {"rope_magnitude": 1.0},
+            "scores": {"score_scale": 1.0}, "groups": {"expert_groups": 0, "expert_groups_used": 0}}
+
+
+def _without(heads: MtpHeads, *parts: str) -> MtpHeads:
+    """``heads`` as if their model had none of ``parts`` of UNSCALED (a mutant; all without any)."""
     import dataclasses
 
-    layout = dataclasses.replace(heads.layout, rope_factor=1.0, yarn_ramp=None, rope_magnitude=1.0, score_scale=1.0,
-                                 expert_groups=0, expert_groups_used=0)
-    return dataclasses.replace(heads, layout=layout)
+    changes = {key: value for part in (parts or UNSCALED) for key, value in UNSCALED[part].items()}
+    return dataclasses.replace(heads, layout=dataclasses.replace(heads.layout, **changes))
 
 
 @pytest.mark.parametrize("scaled", SCALED)
@@ -202,31 +206,34 @@ def test_scaled_rotary_embeddings_and_expert_groups_give_llama_cpp_s_logits(carr
     """Rotary scaling read from the GGUF as llama.cpp applies it (YaRN's blend of interpolated
     and kept rotations, its attention factor on cos and sin, DeepSeek's mscale squared on the
     scores; linear interpolation) and DeepSeek-V3's group-limited routing: at every position the
-    logits llama.cpp's MTP context computes; the layer read as if unscaled disagrees."""
+    logits llama.cpp's MTP context computes; the layer read without any one part the model has
+    disagrees."""
     heads = read_mtp_gguf(carriers[scaled])
     assert heads.layout.rope_factor > 1.0
-    worst = _assert_llama_cpp_s_logits(carriers[scaled], heads, _unscaled(heads))
-    assert worst > 0.1, worst
+    parts = [part for part in UNSCALED if _without(heads, part).layout != heads.layout]
+    assert {"rotations"} <= set(parts) and (scaled != "deepseek-v3" or {"scores", "groups"} <= set(parts))
+    worst = _assert_llama_cpp_s_logits(carriers[scaled], heads, {part: _without(heads, part) for part in parts})
+    assert all(value > 0.1 for value in worst.values()), worst
 
 
-def _assert_llama_cpp_s_logits(path: Path, heads: MtpHeads, mutant: MtpHeads | None = None) -> float:
+def _assert_llama_cpp_s_logits(path: Path, heads: MtpHeads, mutants: dict[str, MtpHeads] | None = None) -> dict:
     """Asserts that ``heads``' logits are llama.cpp's MTP context's on the GGUF at ``path`` at
-    every position of each of PROMPTS; returns how far ``mutant``'s strayed at most (0: none)."""
+    every position of each of PROMPTS; returns how far each of ``mutants`` strayed at most."""
     from mtp_native import NativeMtp
 
     from specrun.backends.llama import LlamaCppBackend
 
     native = NativeMtp(path)
     backend = LlamaCppBackend(path, n_ctx=256, n_threads=1)
-    worst = 0.0
+    worst = dict.fromkeys(mutants or {}, 0.0)
     try:
         for prompt in PROMPTS:
             tokens = backend.tokenize(prompt)
             states, theirs = native.pair_logits(tokens)
             relative, agreeing = logit_agreement(numpy_pair_logits(heads, states, tokens), theirs)
             assert relative < 0.02 and agreeing == 1.0, (prompt, relative, agreeing)
-            if mutant is not None:
-                worst = max(worst, logit_agreement(numpy_pair_logits(mutant, states, tokens), theirs)[0])
+            for name, mutant in (mutants or {}).items():
+                worst[name] = max(worst[name], logit_agreement(numpy_pair_logits(mutant, states, tokens), theirs)[0])
     finally:
         backend.close()
         native.close()
@@ -242,10 +249,31 @@ def test_deepseek_v3_s_scaling_and_groups_read_from_its_folder_as_from_its_gguf(
     from_folder, from_gguf = read_mtp_folder(carriers["deepseek-v3-folder"]), read_mtp_gguf(carriers["deepseek-v3"])
     folder_layout, gguf_layout = from_folder.layout, from_gguf.layout
     assert (folder_layout.expert_groups, folder_layout.expert_groups_used) == (4, 2)
-    assert folder_layout.yarn_ramp == gguf_layout.yarn_ramp and folder_layout.rope_factor == 40.0
-    assert folder_layout.rope_magnitude == pytest.approx(gguf_layout.rope_magnitude) == 1.0
-    assert folder_layout.score_scale == pytest.approx(gguf_layout.score_scale) == pytest.approx((0.1 * np.log(40) + 1) ** 2)
-    assert _unscaled(from_folder).layout == _unscaled(from_gguf).layout  # and the rest alike
+    assert folder_layout.yarn_corr_dims == gguf_layout.yarn_corr_dims and folder_layout.rope_factor == 40.0
+    assert folder_layout.rope_magnitude == gguf_layout.rope_magnitude == 1.0
+    assert folder_layout.score_scale == pytest.approx(gguf_layout.score_scale)
+    assert folder_layout.score_scale == pytest.approx((0.1 * np.log(40) + 1) ** 2)
+    assert _without(from_folder).layout == _without(from_gguf).layout  # and the rest alike
+
+
+def test_a_deepseek_folder_s_routing_specrun_does_not_read_is_one_line(tmp_path):
+    """DeepSeek-V2's group_limited_greedy routing, and groups too few to hold the experts a token
+    uses: one line each; ``greedy`` routing ignores the groups its config names."""
+    from mtp_models import DeepseekShape, deepseek_weights, write_deepseek_mlx_folder
+    from specrun.errors import ModelFileError
+    from specrun.modelkit.mtp import read_mtp_folder
+
+    shape = DeepseekShape(experts=8, experts_used=3)
+    weights = deepseek_weights(shape)
+    for name, settings, expected in (
+            ("v2", {"n_group": 4, "topk_group": 2, "topk_method": "group_limited_greedy"}, "group_limited_greedy routing"),
+            ("few", {"n_group": 4, "topk_group": 1}, "its 8 experts cannot be routed 3 at a time in 1 of 4 groups")):
+        folder = write_deepseek_mlx_folder(tmp_path / name, shape, weights, settings=settings)
+        with pytest.raises(ModelFileError, match=expected):
+            read_mtp_folder(folder)
+    greedy = write_deepseek_mlx_folder(tmp_path / "greedy", shape, weights,
+                                       settings={"n_group": 4, "topk_group": 1, "topk_method": "greedy"})
+    assert read_mtp_folder(greedy).layout.expert_groups == 0
 
 
 def test_a_glm_folder_s_yarn_reads_as_its_gguf_s(glm_mtp, tmp_path):
@@ -264,7 +292,7 @@ def test_a_glm_folder_s_yarn_reads_as_its_gguf_s(glm_mtp, tmp_path):
         gguf = write_glm_gguf(tmp_path / f"{name}.gguf", shape, weights, keys=keys)
         folder_layout, gguf_layout = read_mtp_folder(folder).layout, read_mtp_gguf(gguf).layout
         assert folder_layout.rope_factor == gguf_layout.rope_factor > 1.0, name
-        assert folder_layout.yarn_ramp == gguf_layout.yarn_ramp, name
+        assert folder_layout.yarn_corr_dims == gguf_layout.yarn_corr_dims, name
         assert folder_layout.rope_magnitude == pytest.approx(gguf_layout.rope_magnitude), name
         np.testing.assert_allclose(folder_layout.rope_frequencies(), gguf_layout.rope_frequencies())
     for name, scaling, expected in (("dynamic", {"rope_type": "dynamic", "factor": 2.0}, r"rotary scaling 'dynamic'"),
@@ -274,33 +302,156 @@ def test_a_glm_folder_s_yarn_reads_as_its_gguf_s(glm_mtp, tmp_path):
             read_mtp_folder(folder)
 
 
-def test_yarn_s_frequencies_are_transformers_s():
-    """YaRN's rotations against transformers' formula written out (_compute_yarn_parameters: the
-    correction range from beta_fast 32 and beta_slow 1, a linear ramp between, interpolated
-    frequencies below it), and its attention factor 0.1 ln(factor) + 1."""
+def _layout_with(scaling: dict, dims: int = 64, theta: float = 10000.0, arch: str = "deepseek2"):
     from specrun.heads.mtp import MtpLayout
-    from specrun.modelkit.mtp import gguf_rope_scaling
 
-    dims, theta, factor, original = 64, 10000.0, 40.0, 4096
-    fields = {"deepseek2.rope.scaling.type": "yarn", "deepseek2.rope.scaling.factor": factor,
-              "deepseek2.rope.scaling.original_context_length": original,
-              "deepseek2.rope.scaling.yarn_log_multiplier": 0.1}
-    layout = MtpLayout(arch="deepseek2", num_attention_heads=1, num_key_value_heads=1, head_dim=dims, rope_dims=dims,
-                       rope_theta=theta, rms_norm_eps=1e-6, **gguf_rope_scaling("m", "deepseek2", fields, dims, theta))
+    return MtpLayout(arch=arch, num_attention_heads=1, num_key_value_heads=1, head_dim=dims, rope_dims=dims,
+                     rope_theta=theta, rms_norm_eps=1e-6, **scaling)
 
+
+def _transformers_yarn(dims, theta, factor, original, fast=32.0, slow=1.0, truncate=True) -> np.ndarray:
+    """transformers' _compute_yarn_parameters' frequencies, written out."""
     def correction(turns):
         return (dims * np.log(original / (turns * 2 * np.pi))) / (2 * np.log(theta))
 
-    low, high = max(np.floor(correction(32)), 0), min(np.ceil(correction(1)), dims - 1)
+    low, high = correction(fast), correction(slow)
+    if truncate:
+        low, high = np.floor(low), np.ceil(high)
+    low, high = max(low, 0), min(high, dims - 1)
     extrapolation = 1.0 / theta ** (np.arange(0, dims, 2) / dims)
-    ramp = np.clip((np.arange(dims // 2) - low) / (high - low), 0, 1)
-    expected = extrapolation / factor * ramp + extrapolation * (1 - ramp)
-    np.testing.assert_allclose(layout.rope_frequencies(), expected, rtol=1e-12)
-    assert layout.rope_magnitude == pytest.approx(1.0)  # DeepSeek's: mscale / mscale_all_dim
-    assert layout.score_scale == pytest.approx((0.1 * np.log(factor) + 1) ** 2)
-    glm = gguf_rope_scaling("m", "glm4moe", {k.replace("deepseek2", "glm4moe"): v for k, v in fields.items()},
-                            dims, theta)
-    assert glm["rope_magnitude"] == pytest.approx(0.1 * np.log(factor) + 1) and "score_scale" not in glm
+    ramp = np.clip((np.arange(dims // 2) - low) / (high - low if high != low else 0.001), 0, 1)
+    return extrapolation / factor * ramp + extrapolation * (1 - ramp)
+
+
+@pytest.mark.parametrize("case", ["deepseek-v3", "untruncated", "attention-factor", "betas", "mscales",
+                                  "factor-from-context", "phi3-original", "linear"])
+def test_a_folder_s_rotary_scaling_is_transformers_s(case):
+    """folder_rope_scaling against transformers' YaRN written out (the correction range from
+    beta_fast and beta_slow, truncated or not, a linear ramp, interpolated frequencies below it;
+    attention_factor given, or mscale over mscale_all_dim, or 0.1 ln(factor) + 1; a missing factor
+    as DeepSeek's configs leave it: the context over the trained one; a top-level trained context
+    first, as Phi-3's) and DeepSeek's softmax scale, mscale_all_dim's squared, under any scaling."""
+    from specrun.modelkit.mtp import folder_rope_scaling
+
+    dims, theta = 64, 10000.0
+    yarn = {"rope_type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096}
+    config, arch, expected = {"max_position_embeddings": 163840}, "deepseek2", {}
+    ln = np.log(40.0)
+    if case == "deepseek-v3":
+        scaling = {**yarn, "mscale": 1.0, "mscale_all_dim": 1.0}
+        expected = dict(frequencies=_transformers_yarn(dims, theta, 40.0, 4096), magnitude=1.0,
+                        score=(0.1 * ln + 1) ** 2)
+    elif case == "untruncated":
+        scaling = {**yarn, "truncate": False}
+        expected = dict(frequencies=_transformers_yarn(dims, theta, 40.0, 4096, truncate=False), magnitude=0.1 * ln + 1)
+    elif case == "attention-factor":
+        scaling, arch = {**yarn, "attention_factor": 0.8}, "glm4moe"
+        expected = dict(frequencies=_transformers_yarn(dims, theta, 40.0, 4096), magnitude=0.8)
+    elif case == "betas":
+        scaling = {**yarn, "beta_fast": 16, "beta_slow": 2}
+        expected = dict(frequencies=_transformers_yarn(dims, theta, 40.0, 4096, 16.0, 2.0), magnitude=0.1 * ln + 1)
+    elif case == "mscales":
+        scaling = {**yarn, "mscale": 0.7, "mscale_all_dim": 0.5}
+        expected = dict(magnitude=(0.07 * ln + 1) / (0.05 * ln + 1), score=(0.05 * ln + 1) ** 2)
+    elif case == "factor-from-context":
+        scaling = {"type": "yarn", "original_max_position_embeddings": 4096}
+        expected = dict(frequencies=_transformers_yarn(dims, theta, 40.0, 4096), magnitude=0.1 * ln + 1)
+    elif case == "phi3-original":
+        scaling, config = {**yarn, "original_max_position_embeddings": 1024}, {"original_max_position_embeddings": 4096}
+        expected = dict(frequencies=_transformers_yarn(dims, theta, 40.0, 4096))
+    else:
+        scaling = {"rope_type": "linear", "factor": 4.0, "mscale_all_dim": 1.0}
+        expected = dict(frequencies=1.0 / theta ** (np.arange(0, dims, 2) / dims) / 4.0, magnitude=1.0,
+                        score=(0.1 * np.log(4.0) + 1) ** 2)
+    layout = _layout_with(folder_rope_scaling("m", arch, {**config, "rope_scaling": scaling}, dims, theta), dims, theta, arch)
+    if "frequencies" in expected:
+        np.testing.assert_allclose(layout.rope_frequencies(), expected["frequencies"], rtol=1e-12)
+    if "magnitude" in expected:
+        assert layout.rope_magnitude == pytest.approx(expected["magnitude"])
+    assert layout.score_scale == pytest.approx(expected.get("score", 1.0))
+
+
+# llama.cpp's arithmetic for a GGUF's scaling, transcribed (llama_context's yarn_attn_factor, ggml's
+# rope_yarn, deepseek2's kq_scale), for the cases the tiny models do not exercise.
+def _llama_cpp_scaling(arch, kind, factor, attn_factor=1.0, log_mul=0.0):
+    """(cos/sin magnitude, score scale) as llama.cpp computes them."""
+    ln = np.log(factor)
+    log_mul = log_mul / 0.1 if arch == "deepseek2" else 0.0
+    attention = 1.0
+    if kind == "yarn":
+        def get_mscale(m):
+            return 1.0 if factor <= 1 else 0.1 * m * ln + 1
+
+        if log_mul:
+            mscale = log_mul if arch == "deepseek2" and log_mul != 1.0 else 1.0
+            attention = get_mscale(mscale) / get_mscale(log_mul)
+        else:
+            attention = get_mscale(1.0)
+        attention /= 1 + 0.1 * ln
+    attention *= attn_factor
+    magnitude = attention * (1 + 0.1 * ln) if kind == "yarn" else attention
+    kq = attention * (1 + 0.1 * ln) * (1 + 0.1 * log_mul * ln)
+    return magnitude, kq * kq if arch == "deepseek2" else 1.0
+
+
+@pytest.mark.parametrize("arch,kind,factor,attn_factor,log_mul", [
+    ("deepseek2", "yarn", 40.0, 1.0, 0.1), ("deepseek2", "yarn", 40.0, 1.0, 0.0), ("deepseek2", "yarn", 40.0, 1.0, 0.0707),
+    ("deepseek2", "linear", 2.0, 1.0, 0.0), ("glm4moe", "yarn", 4.0, 0.5, 0.0), ("glm4moe", "linear", 2.0, 1.5, 0.0),
+    ("qwen35", "yarn", 4.0, 1.0, 0.1)])
+def test_a_gguf_s_rotary_scaling_is_llama_cpp_s(arch, kind, factor, attn_factor, log_mul):
+    """gguf_rope_scaling's magnitude and score scale against llama.cpp's arithmetic transcribed,
+    every branch: YaRN with and without deepseek2's log multiplier (1, and DeepSeek-V2's 0.707),
+    deepseek2's linear scaling (llama.cpp scales its scores even then), an attention factor, a log
+    multiplier on an architecture that does not read it."""
+    from specrun.modelkit.mtp import gguf_rope_scaling
+
+    fields = {f"{arch}.rope.scaling.type": kind, f"{arch}.rope.scaling.factor": factor,
+              f"{arch}.rope.scaling.attn_factor": attn_factor, f"{arch}.context_length": 4096}
+    if log_mul:
+        fields[f"{arch}.rope.scaling.yarn_log_multiplier"] = log_mul
+    scaling = gguf_rope_scaling("m", arch, fields, 64, 10000.0)
+    magnitude, score = _llama_cpp_scaling(arch, kind, factor, attn_factor, log_mul)
+    assert scaling["rope_magnitude"] == pytest.approx(magnitude)
+    assert scaling.get("score_scale", 1.0) == pytest.approx(score)
+    assert scaling["rope_factor"] == factor and ("yarn_corr_dims" in scaling) == (kind == "yarn")
+
+
+def test_a_gguf_s_scaling_edges_are_llama_cpp_s():
+    """``none`` ignores a stated factor; a factor without a type is linear (llama.cpp's default);
+    YaRN's trained context falls back to the context length; with neither, one line."""
+    from specrun.errors import ModelFileError
+    from specrun.modelkit.mtp import gguf_rope_scaling
+
+    assert gguf_rope_scaling("m", "glm4moe", {"glm4moe.rope.scaling.type": "none", "glm4moe.rope.scaling.factor": 4.0},
+                             64, 1e4) == {}
+    assert gguf_rope_scaling("m", "glm4moe", {"glm4moe.rope.scaling.factor": 4.0}, 64, 1e4) == {
+        "rope_factor": 4.0, "rope_magnitude": 1.0}
+    yarn = {"glm4moe.rope.scaling.type": "yarn", "glm4moe.rope.scaling.factor": 4.0}
+    by_context = gguf_rope_scaling("m", "glm4moe", {**yarn, "glm4moe.context_length": 4096}, 64, 1e4)
+    stated = gguf_rope_scaling("m", "glm4moe", {**yarn, "glm4moe.rope.scaling.original_context_length": 4096,
+                                                "glm4moe.context_length": 131072}, 64, 1e4)
+    assert by_context == stated
+    with pytest.raises(ModelFileError, match="names no trained context length"):
+        gguf_rope_scaling("m", "glm4moe", yarn, 64, 1e4)
+
+
+def test_group_limited_routing_picks_experts_only_in_the_best_groups():
+    """Hand-made scores: the best expert overall sits in a group whose second best is poor, so
+    DeepSeek-V3's routing (groups scored by their two best) passes it over; without groups it is
+    chosen; weights are the unbiased scores of the chosen, summed to one."""
+    import dataclasses
+
+    from specrun.heads.mtp import choose_experts
+
+    layout = dataclasses.replace(_layout_with({}), experts=8, experts_used=2, normalize_weights=True,
+                                 expert_groups=4, expert_groups_used=2)
+    scores = np.array([[0.95, 0.0, 0.5, 0.46, 0.6, 0.41, 0.1, 0.2]])  # groups (0,1) (2,3) (4,5) (6,7)
+    bias = np.array([0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.3, 0.0])  # group 3: 0.4 + 0.2, below group 0's 0.95
+    chosen, weights = choose_experts(layout, scores, bias)
+    assert sorted(chosen[0].tolist()) == [2, 4]  # in groups 1 (0.96) and 2 (1.01) of the biased scores
+    np.testing.assert_allclose(weights[0], scores[0, chosen[0]] / scores[0, chosen[0]].sum())
+    ungrouped, _ = choose_experts(dataclasses.replace(layout, expert_groups=0, expert_groups_used=0), scores, bias)
+    assert sorted(ungrouped[0].tolist()) == [0, 4]
 
 
 @pytest.mark.parametrize("branches", [0, 3], ids=["chain", "tree"])
@@ -497,7 +648,7 @@ def test_latent_attention_layouts_llama_cpp_cannot_draft_with_are_one_line(tmp_p
     for name, keys, layers, expected in (
             ("two", {}, 2, "2 MTP layers"), ("gated", {"expert_gating_func": 9}, 1, "gating function 9"),
             ("grouped", {"expert_group_count": 3, "expert_group_used_count": 1}, 1,
-             r"its 4 experts cannot be routed in 1 of 3 groups")):
+             r"its 4 experts cannot be routed 2 at a time in 1 of 3 groups")):
         weights = deepseek_weights(shape)
         block = f"blk.{shape.trunk_layers}."  # a second MTP block like the first, for two layers
         weights.update({f"blk.{shape.trunk_layers + 1}." + key[len(block):]: value
