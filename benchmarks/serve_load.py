@@ -8,6 +8,8 @@ Lines, each a server started afresh for each C (127.0.0.1 only) and warmed by on
 - ``specrun auto``: `specrun serve --parallel auto` (slots as memory allows);
 - ``specrun plain``: `specrun serve --parallel C --method none`, the slots without speculation (what
   specrun's batching alone gives, beside llama-server's);
+- ``specrun draft k4``: every slot drafting 4 tokens a step with the draft model (what speculation
+  gives where it never yields to the batch);
 - with ``--llama-bin``: ``llama-server -np C`` without speculation, with ``-md`` (the same draft,
   ``--spec-type draft-simple``) and with ``--spec-type ngram-mod``.
 
@@ -252,6 +254,8 @@ def lines_for(args, target: Path | str, draft: Path | str) -> list[ServerLine]:
         ServerLine("specrun auto", lambda port, c: [*specrun, "--port", str(port), "--parallel", "auto"], str(target)),
         ServerLine("specrun plain", lambda port, c: [*specrun, "--port", str(port), "--parallel", str(c),
                                                      "--method", "none"], str(target)),
+        ServerLine("specrun draft k4", lambda port, c: [*specrun, "--port", str(port), "--parallel", str(c),
+                                                        "--method", "draft", "-k", "4"], str(target)),
     ]
     if args.llama_bin is not None:
         def server(extra):
