@@ -31,7 +31,7 @@ from .config import ARCHITECTURES, ModelConfig, weight_names
 from .gguf_check import check_fields, check_tensors, read_layout
 from .gguf_header import header_values
 from .gguf_convert_qwen35 import ARCHS as QWEN35_ARCHS
-from .gguf_convert_qwen35 import check_qwen35, qwen35_config, qwen35_tensor_plan, token_ids
+from .gguf_convert_qwen35 import check_qwen35, check_qwen35_shapes, qwen35_config, qwen35_tensor_plan, token_ids
 from .gguf_io import from_gguf_layout, gguf_tensor_name, read_config, read_vocab
 from .hf_io import hf_config_dict, vocab_tokenizer_config, write_json, write_model_files
 from .tokenizer import GPT2_PRE_TOKENIZER, ByteBpeVocab, build_tokenizer_json
@@ -137,6 +137,8 @@ def convert_gguf_to_mlx(source: Path, out: Path, *, mlx_dtype: str = "float16") 
         vocab = read_vocab(fields, add_bos_default=pre.add_bos_default)
         if hybrid:
             config_json = qwen35_config(fields, tensors, len(vocab.tokens))
+            check_qwen35_shapes(config_json, {name: tuple(int(n) for n in reversed(tensor.shape.tolist()))
+                                              for name, tensor in tensors.items()})  # before anything is written
             ids = token_ids(fields.get(gguf.Keys.Tokenizer.BOS_ID, 1), fields.get(gguf.Keys.Tokenizer.EOS_ID, 2),
                             config_json["text_config"]["max_position_embeddings"])
         else:
@@ -268,7 +270,11 @@ def _qwen35_weights(tensors: dict, config_json: dict, mlx_dtype: str) -> tuple[d
             groups = _exact_groups(np.asarray(tensor.data), tensor.tensor_type)
         array = _dequantize(tensor) if groups is None else None
         if array is not None and change is not None:
-            array = change(array)
+            try:
+                array = change(array)
+            except ValueError as exc:  # a shape the header's head counts cannot regroup
+                raise ModelFileError(f"its tensor {gguf_name} {array.shape} does not fit the header's head counts "
+                                     f"({exc})", "convert the model again") from None
         if quantized and groups is None and array.ndim in (2, 3):
             groups = _quantize_groups(array, bits=4)
         if groups is None:

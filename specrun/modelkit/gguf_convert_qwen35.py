@@ -208,6 +208,27 @@ def qwen35_tensor_plan(config: dict, tensors: Collection[str]) -> dict[str, tupl
     return plan
 
 
+def check_qwen35_shapes(config: dict, shapes: dict[str, tuple[int, ...]]) -> None:
+    """ValueError naming a tensor whose shape (NumPy's order) the layout cannot hold: the
+    embedding, output head and final norm against the header's sizes, the MTP block's own
+    tensors against the hidden size, and each block tensor against the same tensor of every
+    other block (the MTP block's attention and MLP included: a full-attention layer's)."""
+    text = config["text_config"]
+    hidden, vocab = text["hidden_size"], text["vocab_size"]
+    expected = {"token_embd.weight": (vocab, hidden), "output.weight": (vocab, hidden), "output_norm.weight": (hidden,),
+                "nextn.eh_proj.weight": (hidden, 2 * hidden), "nextn.enorm.weight": (hidden,),
+                "nextn.hnorm.weight": (hidden,), "nextn.shared_head_norm.weight": (hidden,)}
+    seen: dict[str, tuple[str, tuple[int, ...]]] = {}  # a block tensor's kind -> the first one's name and shape
+    for name, shape in sorted(shapes.items()):
+        parts = name.split(".", 2)
+        kind = parts[2] if parts[0] == "blk" and len(parts) == 3 else name
+        if kind in expected and tuple(shape) != expected[kind]:
+            raise ValueError(f"its tensor {name} is {tuple(shape)}, where the header's sizes give {expected[kind]}")
+        first, first_shape = seen.setdefault(kind, (name, tuple(shape)))
+        if tuple(shape) != first_shape:
+            raise ValueError(f"its tensors {first} {first_shape} and {name} {tuple(shape)} differ in shape")
+
+
 def _required(text: dict) -> list[str]:
     """The GGUF tensors every model of ``text``'s shape holds (an MTP block's aside)."""
     ffn = (("ffn_gate_inp.weight", "ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight",

@@ -4,6 +4,8 @@ model's MTP layer as Qwen's checkpoints hold it, which specrun's MTP drafter rea
 
 from __future__ import annotations
 
+import re
+
 from pathlib import Path
 
 import numpy as np
@@ -129,6 +131,25 @@ def test_a_hybrid_file_the_conversion_cannot_express_is_one_line_and_leaves_noth
         errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
         assert len(errors) == 1 and said in errors[0] and "Traceback" not in result.output
     assert sorted(path.name for path in tmp_path.iterdir()) == ["missing.gguf", "own-head.gguf"]
+
+
+@pytest.mark.parametrize("tensor, said", [
+    ("blk.1.ssm_out.weight", "blk.0.ssm_out.weight (128, 64) and blk.1.ssm_out.weight (128, 63) differ in shape"),
+    ("blk.3.attn_q.weight", "blk.3.attn_q.weight (256, 127) and blk.4.attn_q.weight (256, 128) differ in shape"),
+    ("blk.4.nextn.eh_proj.weight", "blk.4.nextn.eh_proj.weight is (128, 255), where the header's sizes give (128, 256)"),
+    ("token_embd.weight", "token_embd.weight is (512, 127), where the header's sizes give (512, 128)"),
+], ids=["a-layer", "the-mtp-layer-s-attention", "the-mtp-projection", "the-embedding"])
+def test_a_mis_shaped_tensor_is_one_line_before_anything_is_written(tmp_path, tensor, said):
+    """A tensor one column short (a linear layer's, where a reshape failed inside the conversion; the
+    MTP block's attention, the embedding and the MTP projection, which converted into a folder
+    mlx-lm would refuse): one line naming it, on the command line too, and nothing written."""
+    path = _rewritten(tmp_path, "short.gguf", lambda weights: weights.update({tensor: weights[tensor][..., :-1].copy()}))
+    with pytest.raises(ModelFileError, match=re.escape(said)):
+        convert_gguf_to_mlx(path, tmp_path / "direct")
+    result = runner.invoke(app, ["models", "convert", str(path), "--to", "mlx"])
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert result.exit_code == 1 and len(errors) == 1 and said in errors[0] and "Traceback" not in result.output
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["short.gguf"]
 
 
 def test_qwen3_next_is_named_as_an_architecture_the_conversion_does_not_handle(tmp_path):
