@@ -146,7 +146,7 @@ def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
 
 
 def _yarn_corr_dims(rope_dims: int, original: int, theta: float, fast: float, slow: float,
-               truncate: bool = True) -> tuple[float, float]:
+                    truncate: bool = True) -> tuple[float, float]:
     """The rotated pairs YaRN blends between (ggml_rope_yarn_corr_dims): a pair before the first
     turns more than ``fast`` times over the trained context and is kept as trained; one from the
     second on turns fewer than ``slow`` times and is interpolated."""
@@ -180,12 +180,11 @@ def gguf_rope_scaling(name: str, arch: str, fields: dict, rope_dims: int, theta:
     if factor == 1.0 and attention == 1.0:
         return {}
     yarn = kind == "yarn"
-    if yarn:  # with a log multiplier (deepseek2's alone) llama.cpp takes mscale as mscale_all_dim: 1
-        magnitude = (1.0 if log_multiplier else _yarn_mscale(factor)) * attention
-    else:
-        magnitude = attention
+    magnitude = attention
     fields_out = {"rope_factor": factor, "rope_magnitude": magnitude}
     if yarn:
+        # with a log multiplier (deepseek2's alone) llama.cpp takes mscale as mscale_all_dim: a ratio of 1
+        magnitude = fields_out["rope_magnitude"] = (1.0 if log_multiplier else _yarn_mscale(factor)) * attention
         original = int(fields.get(f"{arch}.rope.scaling.original_context_length", 0) or
                        fields.get(f"{arch}.context_length", 0) or 0)
         if original <= 0:
@@ -228,7 +227,7 @@ def folder_rope_scaling(name: str, arch: str, config: dict, rope_dims: int, thet
             if magnitude is None:
                 magnitude = (_yarn_mscale(factor, float(mscale)) / _yarn_mscale(factor, float(all_dims))
                              if mscale and all_dims else _yarn_mscale(factor))
-            fields_out.update(rope_factor=factor, rope_magnitude=float(magnitude), yarn_corr_dims=_yarn_corr_dims(
+            fields_out.update(rope_magnitude=float(magnitude), yarn_corr_dims=_yarn_corr_dims(
                 rope_dims, original, theta, fast, slow, bool(rope.get("truncate", True))))
         all_dims = rope.get("mscale_all_dim")
         if arch in _LATENT_ATTENTION and all_dims:  # DeepSeek's softmax scale, under any scaling
