@@ -154,7 +154,9 @@ def mlx_real_pair(smollm2):
 
 @pytest.fixture(scope="session")
 def looping_llama(tiny_llama, tmp_path_factory) -> dict[str, Path]:
-    """tiny_llama with its attention output scaled by 0.05, as {"llama": GGUF, "mlx": HF folder}.
+    """tiny_llama with its attention output scaled by 0.05, as {"llama": F32 GGUF, "mlx": HF folder}
+(float32 both: the greedy tests that use it as a target open it with an F32 KV cache and flash
+attention off, where one-token and batched passes agree to ~1e-5).
 
     The next token then depends mostly on the last one, so greedy output falls into
     cycles that prompt lookup catches, as trained models do on repetitive text (the
@@ -169,7 +171,7 @@ def looping_llama(tiny_llama, tmp_path_factory) -> dict[str, Path]:
     folder = tmp_path_factory.mktemp("looping")
     config, tokenizer = tiny_llama.config, tiny_llama.tokenizer_json
     return {
-        "llama": write_gguf(folder / "looping.gguf", config, weights, tokenizer, DEMO_CHAT_TEMPLATE, dtype="F16"),
+        "llama": write_gguf(folder / "looping.gguf", config, weights, tokenizer, DEMO_CHAT_TEMPLATE, dtype="F32"),
         "mlx": write_hf_folder(folder / "looping-hf", config, weights, tokenizer, DEMO_CHAT_TEMPLATE, dtype="float32"),
     }
 

@@ -185,8 +185,9 @@ ExactOpt = Annotated[
     bool,
     typer.Option(
         "--exact",
-        help="Greedy output bit-identical to plain decoding (F16 and F32 targets; quantized ones can still differ "
-        "where llama.cpp's batched kernels round otherwise, README): on llama.cpp flash attention off and an F32 KV "
+        help="Greedy output bit-identical to plain decoding (F16 and F32 targets, where the CPU's batched and "
+        "one-token kernels sum alike: not on AVX2-only x86; quantized ones can still differ, README): on llama.cpp "
+        "flash attention off and an F32 KV "
         "cache, measured 9-14% slower on memory-bound models on a CPU. Without it outputs can differ only where "
         "the top two logits nearly tie.",
     ),

@@ -322,7 +322,8 @@ def near_tie_note(stats) -> str:
     may choose otherwise there."""
     n = stats.near_ties
     return (f"{n} {'token' if n == 1 else 'tokens'} chosen at near-ties (top two logits within {TIE_MARGIN:g}) "
-            "may differ from plain decoding's; --exact makes the output bit-identical on F16 and F32 targets")
+            "may differ from plain decoding's; --exact makes the output bit-identical on F16 and F32 targets "
+            "where the CPU's kernels allow (README)")
 
 
 def adapts_length(method: str, requested: int | None) -> bool:

@@ -475,13 +475,17 @@ def backend_kind(request: pytest.FixtureRequest) -> str:
 
 
 def source_of(model, kind: str) -> Path:
-    """The file a backend opens for a tiny model: GGUF for llama.cpp, the HF folder for MLX."""
-    return model.gguf_path if kind == "llama" else model.hf_dir
+    """The file a backend opens for a tiny model: the F32 GGUF for llama.cpp, the HF folder for MLX."""
+    return model.gguf_f32_path if kind == "llama" else model.hf_dir
 
 
 def open_real(kind: str, source: Path, tree_paths: int = 0) -> Backend:
     # One thread: the tiny models gain nothing from two, and spinning threads stall on a busy machine.
-    return open_backend(str(source), LoadOptions(backend=kind, n_ctx=512, threads=1, tree_paths=tree_paths), entries={})
+    # Exact (llama.cpp: F32 KV cache, flash attention off) on float32 weights: one-token and
+    # batched passes then agree to ~1e-5 in the logits, so a divergence the harness lets through
+    # is a true near-tie; in F16 they round apart by ~1e-2 on an AVX2-only CPU.
+    options = LoadOptions(backend=kind, n_ctx=512, threads=1, tree_paths=tree_paths, exact=kind == "llama")
+    return open_backend(str(source), options, entries={})
 
 
 @pytest.fixture(scope="module")

@@ -16,8 +16,9 @@ from dataclasses import dataclass, field
 
 SPECRUN = [sys.executable, "-m", "specrun"]
 START_TIMEOUT_S = 60
-# The demo pair under --exact: greedy speculation bit-identical to plain decoding, so answers
-# cannot depend on which requests came before (the cache's prefix, the controllers' state).
+# The demo pair under --exact: greedy speculation bit-identical to plain decoding where the CPU's
+# kernels allow it (AVX-512; on an AVX2-only CPU answers can part at near-ties, docs/methods.md),
+# so answers cannot depend on which requests came before (the cache's prefix, the controllers' state).
 DEMO_ARGS = ("--exact",)
 
 

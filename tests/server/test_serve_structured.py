@@ -1,6 +1,7 @@
 """Structured output through `specrun serve` (issue 52): response_format json_object and
 json_schema, llama-server's grammar and json_schema fields; every answer follows its schema, and
-greedy answers are the same with speculation (auto) and without (--method none)."""
+greedy answers are the same with speculation (auto) and without (--method none), or part only at a
+near-tie of plain decoding's."""
 
 from __future__ import annotations
 
@@ -59,22 +60,48 @@ def plain_server():
     assert stop_server(server) == 0, server.log
 
 
-def _schema_answer(server, prompt: str, schema: dict) -> tuple[str, str]:
+# A top-2 gap of plain decoding's (log-probabilities under the schema) below this is a numerical
+# near-tie. Even under --exact (F32 KV cache, flash attention off) the Q8_0 demo target's one-token
+# and batched passes round apart on an AVX2-only x86 CPU: its activations are quantized to 8 bits,
+# so a float32 difference of ~1e-7 in attention can move a whole quantization step; measured up to
+# 0.052 in the logits over positions 100-300 (docs/design.md, "Exactness").
+NEAR_TIE = 0.1
+MAX_DIVERGING = 5  # of the 50 answers
+
+
+def _schema_answer(server, prompt: str, schema: dict):
     response = server.client().chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": prompt}], max_tokens=MAX_TOKENS, temperature=0,
+        logprobs=True, top_logprobs=2,
         response_format={"type": "json_schema", "json_schema": {"name": "answer", "schema": schema, "strict": True}},
     )
-    return response.choices[0].message.content, response.choices[0].finish_reason
+    return response.choices[0]
+
+
+def _diverges_at_a_near_tie(fast, plain) -> bool:
+    """False where the two answers are the same; True where they part only at a near-tie of
+    plain decoding's: at the first token that differs, the speculative answer took plain's runner-up
+    at a gap below NEAR_TIE (after it the contexts differ, and so may the rest)."""
+    if fast.message.content == plain.message.content:
+        return False
+    fast_tokens, plain_entries = [e.token for e in fast.logprobs.content], plain.logprobs.content
+    at = next(i for i, (a, b) in enumerate(zip(fast_tokens, plain_entries)) if a != b.token)
+    best, runner_up = plain_entries[at].top_logprobs
+    assert fast_tokens[at] == runner_up.token, (at, fast_tokens[at], best.token, runner_up.token)
+    assert best.logprob - runner_up.logprob < NEAR_TIE, (at, best.logprob - runner_up.logprob)
+    return True
 
 
 def test_json_schema_answers_follow_their_schema_and_equal_plain_decoding_s(demo_server, plain_server):
+    diverging = 0
     for prompt, schema_index in CASES:
         schema = SCHEMAS[schema_index]
-        fast, reason = _schema_answer(demo_server, prompt, schema)
-        plain, _ = _schema_answer(plain_server, prompt, schema)
-        assert fast == plain, (prompt, schema_index)
-        assert reason == "stop", (prompt, schema_index, fast)
-        jsonschema.validate(json.loads(fast), schema)
+        fast, plain = _schema_answer(demo_server, prompt, schema), _schema_answer(plain_server, prompt, schema)
+        diverging += _diverges_at_a_near_tie(fast, plain)
+        for choice in (fast, plain):
+            assert choice.finish_reason == "stop", (prompt, schema_index, choice.message.content)
+            jsonschema.validate(json.loads(choice.message.content), schema)
+    assert diverging <= MAX_DIVERGING, f"{diverging} of {len(CASES)} answers parted at near-ties"
 
 
 def test_json_object_answers_are_json_objects_streamed_or_not(demo_server):
