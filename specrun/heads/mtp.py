@@ -41,6 +41,7 @@ output head are the target's unless the layer carries its own.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -114,8 +115,13 @@ class MtpLayout:
     def rotation(self, positions) -> tuple[np.ndarray, np.ndarray]:
         """cos and sin (N, rope_dims/2) float64 of each pair's angle at ``positions`` (N,), each
         scaled by ``rope_magnitude``."""
-        angles = np.asarray(positions, np.float64)[:, None] * self.rope_frequencies()
+        angles = np.asarray(positions, np.float64)[:, None] * self._frequencies
         return np.cos(angles) * self.rope_magnitude, np.sin(angles) * self.rope_magnitude
+
+    @functools.cached_property
+    def _frequencies(self) -> np.ndarray:
+        """rope_frequencies(), worked out once (every drafted token rotates by them)."""
+        return self.rope_frequencies()
 
     @property
     def entry_width(self) -> int:
