@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 from specrun.backends.base import Backend
-from specrun.drafters.draft_model import DraftModelDrafter
+from specrun.drafters.draft_model import WINDOW_NAME, DraftModelDrafter
 from specrun.engine.loop import GenerationParams, SpeculativeEngine
 from specrun.drafters.methods import DrafterOptions, build_drafter
 from specrun.engine.stats import Stats
@@ -83,18 +83,29 @@ class TuneResult:
     window_sinks: int = 0
     window_context: int = 0
     window_speedup: float = 0.0
+    # The windowed cache auto holds beside the draft model's full one (sessions/setup.py
+    # auto_draft_window; drafter WINDOW_NAME), as the runs that held it measured it: seconds to
+    # draft k tokens (a window's do not grow with the context) and the acceptance at each draft
+    # position. Without them every process timed the window afresh from the optimistic prior,
+    # and at a long context drafted from it until its rejections showed (empty: never measured).
+    held_window_costs: dict[int, float] = field(default_factory=dict)
+    held_window_acceptance: dict[int, float] = field(default_factory=dict)
 
     def apply(self, engine: SpeculativeEngine) -> None:
         """Let ``engine``'s controllers start from these measurements (generate, chat, bench):
         the target's and the draft model's costs, and the draft model's measured acceptance
         in place of the optimistic prior its controller would otherwise start from."""
         name = DraftModelDrafter.name
+        held = {WINDOW_NAME: dict(self.held_window_costs)} if self.held_window_costs else {}
+        curves = {name: dict(self.acceptance_by_position)} if self.acceptance_by_position else {}
+        if self.held_window_acceptance:
+            curves[WINDOW_NAME] = dict(self.held_window_acceptance)
         engine.policy.use_tuned(
             self.target_costs,
-            {name: self.draft_costs},
+            {name: self.draft_costs, **held},
             {name: self.first_acceptance} if self.first_acceptance > 0.0 else {},
             {name: self.draft_off_gap} if self.draft_off_gap else {},
-            {name: dict(self.acceptance_by_position)} if self.acceptance_by_position else {},
+            curves,
         )
         engine.policy.target_costs.timed_at(self.costs_context, self.target_per_context)
         if name in engine.policy.draft_costs:
@@ -155,6 +166,7 @@ def learn_from_run(engine: SpeculativeEngine, target: Backend, draft: Backend | 
         off_gap = 0 if controller.speculating else controller.probe_gap
     else:  # the run never asked it (it started off and was never probed): as it was
         off_gap = earlier.draft_off_gap if earlier is not None else 0
+    window_costs, window_curve = _learn_held_window(engine, earlier)
     return TuneResult(
         key=key,
         target=model_id(target),
@@ -171,7 +183,22 @@ def learn_from_run(engine: SpeculativeEngine, target: Backend, draft: Backend | 
         acceptance_by_position=dict(sorted(curve.items())),
         learned=True,
         draft_off_gap=off_gap,
+        held_window_costs=window_costs,
+        held_window_acceptance=window_curve,
     )
+
+
+def _learn_held_window(engine: SpeculativeEngine,
+                       earlier: TuneResult | None) -> tuple[dict[int, float], dict[int, float]]:
+    """The held window's draft costs and acceptance by position, this run's measurements over
+    ``earlier``'s (positions it did not reach, or a run that never drafted from it, keep those)."""
+    costs = dict(earlier.held_window_costs) if earlier is not None else {}
+    curve = dict(earlier.held_window_acceptance) if earlier is not None else {}
+    measured = engine.policy.draft_costs.get(WINDOW_NAME)
+    if measured is not None and measured.seconds:
+        costs.update(measured.snapshot()[0])
+    curve.update(_position_acceptance(*engine.policy.seen_counts(WINDOW_NAME), curve))
+    return dict(sorted(costs.items())), dict(sorted(curve.items()))
 
 
 def _position_acceptance(tried: list[float], accepted: list[float], earlier: dict[int, float]) -> dict[int, float]:
@@ -445,12 +472,12 @@ def _checked_result(raw) -> TuneResult:
         raise TypeError("learned is not true or false")
     if "tokens_per_second" in values:
         values["tokens_per_second"] = _mapping("tokens_per_second", values["tokens_per_second"], str, 0)
-    for name in ("target_costs", "draft_costs"):
+    for name in ("target_costs", "draft_costs", "held_window_costs"):
         if name in values:
             values[name] = _mapping(name, values[name], int, MIN_SECONDS)
-    if "acceptance_by_position" in values:
-        values["acceptance_by_position"] = _mapping("acceptance_by_position", values["acceptance_by_position"],
-                                                    int, 0, 1)
+    for name in ("acceptance_by_position", "held_window_acceptance"):
+        if name in values:
+            values[name] = _mapping(name, values[name], int, 0, 1)
     return TuneResult(**values)  # TypeError names a missing field
 
 

@@ -46,6 +46,11 @@ class CacheCostedFake(FakeBackend):
         self.clock.now += self.base + self.per_token * len(tokens) + self.per_cell * (self.n_past + len(tokens))
         return super().forward(tokens, logit_rows)
 
+    def forward_tree(self, tokens, tree, logit_rows):  # a merged tree's pass costs time too
+        fed = len(tokens) + len(tree)
+        self.clock.now += self.base + self.per_token * fed + self.per_cell * (self.n_past + fed)
+        return super().forward_tree(tokens, tree, logit_rows)
+
     def open_window(self, sinks: int, window: int, owns: bool = False):
         model = self
 
@@ -64,10 +69,14 @@ def far_sighted(salt: int):
     return lambda context: near(context) if len(context) > SINKS + WINDOW + BLOCK else noisy(context)
 
 
-def run_auto(prompt_len: int, new: int, per_cell: float, seed: int = 0, draft_table=None):
+def run_auto(prompt_len: int, new: int, per_cell: float, seed: int = 0, draft_table=None, learning: bool = False):
     """auto on a target whose passes cost 1 s and a draft that costs 0.02 s a token plus
     ``per_cell`` a cached token, holding a window of 64 + 4 sinks beside the full cache: the
-    output, plain decoding's, and the tokens the window read (WindowedBackend.n_past)."""
+    output, plain decoding's, and the tokens the window read (WindowedBackend.n_past).
+    ``learning``: as a CLI run does, starting from what earlier runs of the pair kept
+    (learned.json) and keeping what this one measured."""
+    from specrun.sessions.setup import load_tuned, remember_run
+
     clock = SimClock()
     target_table = local_logits(1)
     target = CacheCostedFake(target_table, clock, 1.0, 0.02, 0.0)
@@ -76,9 +85,14 @@ def run_auto(prompt_len: int, new: int, per_cell: float, seed: int = 0, draft_ta
     drafter = build_drafter("auto", draft, DrafterOptions(draft_window=view))
     assert [member.name for member in drafter.members] == ["lookup", "ngram", WINDOW_NAME, "draft"]
     engine = SpeculativeEngine(target, drafter, method="auto", clock=clock)
+    tuned = load_tuned(target, draft, None) if learning else None
+    if tuned is not None:
+        tuned.apply(engine)
     prompt = [int(t) for t in np.random.default_rng(seed).integers(0, VOCAB, prompt_len)]
     params = GenerationParams(new, draft_len=8, stop_at_eos=False, adaptive=True)
     result = engine.run(prompt, params)
+    if learning:
+        remember_run(engine, target, draft, None, tuned)
     read = view.n_past  # before the drafter closes it
     plain = SpeculativeEngine(FakeBackend(target_table, VOCAB, n_ctx=100_000)).run(
         prompt, GenerationParams(new, draft_len=0, stop_at_eos=False))
@@ -120,6 +134,44 @@ def test_where_reading_the_cache_costs_nothing_the_full_cache_drafts():
     assert result.token_ids == plain.token_ids
     window, full = drafted_by(result, WINDOW_NAME), drafted_by(result, "draft")
     assert full > 2 * window
+
+
+def test_what_the_window_measured_is_kept_for_the_next_process():
+    """A run that drafted from the held window keeps its draft costs and its acceptance by
+    position beside the full cache's (learned.json); the next process starts from them. At 1,500
+    tokens the full cache costs more a draft token than a target pass, and the window is cheap
+    but mostly wrong (far_sighted): the first process learns that by drafting from it; the next
+    ones know it from the start, hardly ask it, and decode faster, with the same output."""
+    from specrun.sessions import tuning
+
+    runs = [run_auto(1500, 160, per_cell=1e-3, draft_table=far_sighted(1), learning=True) for _ in range(3)]
+    for result, plain, _ in runs:
+        assert result.token_ids == plain.token_ids
+    (stored,) = tuning.load_all(tuning.learned_path())
+    assert stored.held_window_costs and all(seconds > 0 for seconds in stored.held_window_costs.values())
+    assert 0 < stored.held_window_acceptance[1] < 0.5  # far_sighted's window is mostly wrong
+    window = [drafted_by(result, WINDOW_NAME) for result, _, _ in runs]
+    assert window[0] >= 16 and window[1] <= window[0] / 4 and window[2] <= window[0] / 4, window
+    rates = [result.stats.new_tokens / result.stats.generation_seconds for result, _, _ in runs]
+    assert min(rates[1:]) > 1.2 * rates[0], rates
+
+
+def test_a_learned_entry_without_the_window_s_figures_still_loads():
+    """Entries kept before the window's figures were (no held_window_* fields) read as before."""
+    import json
+    from dataclasses import asdict
+
+    from specrun.sessions import tuning
+
+    entry = tuning.TuneResult(key="k", target="t", draft="d", machine="m", best_draft_len=0, speedup=0.0,
+                              draft_costs={1: 0.1}, learned=True)
+    raw = {name: value for name, value in json.loads(json.dumps(asdict(entry))).items()
+           if not name.startswith("held_window")}
+    assert tuning._checked_result(raw) == entry
+    for bad in ({"held_window_costs": {"1": -1.0}}, {"held_window_acceptance": {"1": 1.5}},
+                {"held_window_costs": {"x": 0.1}}):
+        with pytest.raises((TypeError, ValueError)):
+            tuning._checked_result({**raw, **bad})
 
 
 def test_greedy_auto_holding_a_window_equals_plain_decoding():

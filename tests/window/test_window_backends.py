@@ -38,36 +38,11 @@ def llama_pair(smollm2):
     target.close()
 
 
-@pytest.fixture(scope="module")
-def mlx_pair(smollm2, tmp_path_factory):
-    """SmolLM2 and its Q4_1 draft on MLX: the target as a float32 copy of its float16 folder (the
-    same function). MLX's CPU kernels run a float32 token 2.3x faster than a float16 one (184 vs
-    422 ms here), which is where these tests spend their time; both are batch-invariant there."""
-    mx = pytest.importorskip("mlx.core")
-    import json
-    import shutil
-
-    from specrun.backends.mlx import MlxBackend
-    from specrun.modelkit.builtin import builtin_mlx_dir
-
-    folder = tmp_path_factory.mktemp("smollm2-f32") / "smollm2-135m-f32-mlx"
-    shutil.copytree(builtin_mlx_dir("smollm2-135m-f16"), folder)
-    weights = mx.load(str(folder / "model.safetensors"))
-    mx.save_safetensors(str(folder / "model.safetensors"), {k: v.astype(mx.float32) for k, v in weights.items()},
-                        metadata={"format": "mlx"})
-    config = json.loads((folder / "config.json").read_text())
-    (folder / "config.json").write_text(json.dumps({**config, "torch_dtype": "float32"}))
-    target = MlxBackend(folder, n_ctx=512)
-    draft = MlxBackend(builtin_mlx_dir("smollm2-135m"), n_ctx=512)
-    yield target, draft
-    target.close()
-    draft.close()
-
-
 @pytest.fixture(params=["llama", "mlx"])
 def pair(request):
-    """SmolLM2 and its Q4_1 draft on each backend (llama.cpp: the F16 file; MLX: mlx_pair)."""
-    return request.getfixturevalue("llama_pair" if request.param == "llama" else "mlx_pair")
+    """SmolLM2 and its Q4_1 draft on each backend (llama.cpp: the F16 file; MLX: conftest's
+    mlx_real_pair, the target in float32)."""
+    return request.getfixturevalue("llama_pair" if request.param == "llama" else "mlx_real_pair")
 
 
 _PLAIN: dict[int, list[int]] = {}
