@@ -123,10 +123,9 @@ def difference_line(method: str, prompt: str, mismatch: Mismatch, exact: bool = 
     verdict = mismatch.verdict(exact)
     if not mismatch.within_rounding:
         verdict += " (the target had a clear choice)"
-    elif exact and mismatch.is_defect(exact):
-        verdict += " (--exact promises identical output)"
     elif exact:
-        verdict += " (--exact cannot hold here: this machine's batched kernels round otherwise)"
+        verdict += (" (--exact promises identical output)" if mismatch.is_defect(exact)
+                    else " (--exact cannot hold here: this machine's batched kernels round otherwise)")
     return (
         f"{method} on {prompt}: differs from plain decoding at token {mismatch.position}: "
         f"plain {_token_label(mismatch.plain_text, mismatch.plain_token)} "

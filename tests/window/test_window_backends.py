@@ -45,21 +45,27 @@ def pair(request):
     return request.getfixturevalue("llama_pair" if request.param == "llama" else "mlx_real_pair")
 
 
-_PLAIN: dict[int, list[int]] = {}
+@pytest.fixture(scope="module")
+def plain_answer():
+    """Plain decoding's 64 tokens after a prompt on a target, decoded once per target and prompt
+    for the module (its tests share their prompt), as a function of both."""
+    answers: dict[tuple[int, tuple[int, ...]], list[int]] = {}
+    targets = []  # held, so no id is reused while the module runs
 
+    def answer(target, prompt: list[int]) -> list[int]:
+        key = (id(target), tuple(prompt))
+        if key not in answers:
+            targets.append(target)
+            params = GenerationParams(64, draft_len=0, stop_at_eos=False)
+            answers[key] = SpeculativeEngine(target).run(prompt, params).token_ids
+            sequence_for(target).reset()
+        return answers[key]
 
-def plain_answer(target, prompt: list[int]) -> list[int]:
-    """Plain decoding's 64 tokens after ``prompt`` on ``target``, decoded once per target (the
-    tests below share their prompt)."""
-    key = id(target)
-    if key not in _PLAIN:
-        _PLAIN[key] = SpeculativeEngine(target).run(prompt, GenerationParams(64, draft_len=0, stop_at_eos=False)).token_ids
-        sequence_for(target).reset()
-    return _PLAIN[key]
+    return answer
 
 
 @pytest.mark.parametrize("who", ["self", "draft model"])
-def test_greedy_output_with_a_windowed_draft_equals_plain_decoding(pair, who):
+def test_greedy_output_with_a_windowed_draft_equals_plain_decoding(pair, who, plain_answer):
     """Windows of 32: the window moves on over the prompt and again over the answer (which copies
     the prompt's first sentences, beyond the window), and the answer is plain decoding's."""
     target, draft_model = pair
@@ -147,7 +153,7 @@ def test_the_cache_holds_sinks_and_run_at_consecutive_positions_through_rewinds(
         windowed.close()
 
 
-def test_auto_holding_a_window_beside_the_full_cache_answers_as_plain_decoding(pair):
+def test_auto_holding_a_window_beside_the_full_cache_answers_as_plain_decoding(pair, plain_answer):
     """auto with the Q4_1 draft's window of 32 held beside its full cache (DrafterOptions.draft_window)
     on a prompt several windows long: the window drafts (first, untimed), and the answer is plain
     decoding's on both backends."""
