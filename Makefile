@@ -10,9 +10,11 @@ JOBS := $(shell nproc 2>/dev/null || echo 2)
 # against each other. TEST_JOBS=0 runs the suite in this process.
 TEST_JOBS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); [ $$n -gt 4 ] && n=4; echo $$n)
 
+SYSTEM := $(VENV)/.specrun-system
+
 .PHONY: demo test install clean
 
-install: $(STAMP)
+install: $(STAMP) $(SYSTEM)
 
 # llama-cpp-python builds from source with llama.cpp's RPC backend (about 6 minutes on 2 cores;
 # only when the installed one is not that), with llama.cpp's ggml-rpc-server beside it.
@@ -21,14 +23,21 @@ $(STAMP): pyproject.toml tools/install_llama_cpp.sh
 	$(PY) -m pip install --quiet --upgrade pip
 	tools/install_llama_cpp.sh $(VENV) $(JOBS)
 	CMAKE_BUILD_PARALLEL_LEVEL=$(JOBS) $(PY) -m pip install --quiet -e '.[llama,mlx,dev]'
-	command -v chromium >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && apt-get update -qq && apt-get install -y -qq chromium; } || true
 	touch $(STAMP)
+
+# Debian's chromium and OpenBLAS for the tests, where root can install them (else a note).
+$(SYSTEM): tools/install_system_packages.sh
+	mkdir -p $(VENV)
+	tools/install_system_packages.sh
+	touch $(SYSTEM)
 
 demo: $(STAMP)
 	$(VENV)/bin/specrun demo
 
-test: $(STAMP)
-	$(PY) -m pytest -q --durations=15 -n $(TEST_JOBS) --dist loadfile
+# On Linux with OpenBLAS preloaded: MLX's Linux wheel multiplies with the reference BLAS
+# (tools/with_openblas.sh says why, and why that is safe).
+test: $(STAMP) $(SYSTEM)
+	tools/with_openblas.sh $(PY) -m pytest -q --durations=15 -n $(TEST_JOBS) --dist loadfile
 
 clean:
 	rm -rf $(VENV) build *.egg-info

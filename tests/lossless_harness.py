@@ -775,7 +775,7 @@ def replay_reference(backend, sampling: SamplingSettings) -> Reference:
     """The target's distributions along an output: read on ``backend`` (a second copy of the
     target, which the engine never drives) in one pass over the prompt and the output, and put
     through the oracle. One pass, not plain decoding's one token at a time (replay_logits): the
-    two round apart by at most ~1e-2 in a logit (F16 on an AVX2 CPU; float32 ~1e-5, MLX 0),
+    two round apart by at most ~1e-2 in a logit (F16 on an AVX2 CPU; float32 ~1e-5, MLX 0 to 4e-5 by its BLAS),
     a shift of a probability no PIT or chi-square over these runs' few thousand tokens can see,
     and a token-by-token replay was a quarter of the MLX sampled tests' time."""
     from specrun.backends.kv import sequence_for

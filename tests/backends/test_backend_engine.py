@@ -513,7 +513,9 @@ def test_mlx_drops_padded_embedding_rows(tiny_llama, tmp_path):
     plain = open_model("mlx", tiny_llama.hf_dir)
     ids = plain.tokenize(PROMPTS[0])
     assert padded.vocab.size == 512
-    np.testing.assert_array_equal(padded.forward(ids, [0, len(ids) - 1]), plain.forward(ids, [0, len(ids) - 1]))
+    # a BLAS may sum by the matrix's shape (OpenBLAS: 2e-6 apart here); a dropped or shifted row is off by units
+    np.testing.assert_allclose(padded.forward(ids, [0, len(ids) - 1]), plain.forward(ids, [0, len(ids) - 1]),
+                               rtol=0, atol=1e-5)
     padded.close()
     plain.close()
 

@@ -139,6 +139,7 @@ class Case:
     arithmetic allows: the head product's error relative to the largest logit, and the gap
     between hidden states of batched and one-token passes relative to the largest state."""
 
+    kind: str
     backend: object
     output_weights: Callable[[], np.ndarray]
     head_tolerance: float
@@ -167,8 +168,9 @@ def mlx_output_weights(backend) -> Callable[[], np.ndarray]:
 
 # Measured here (max error / largest value): head products 3e-7 on float32 weights (tiny F32 GGUF
 # and MLX folders), 2e-4 and 4e-4 on F16 ones (tiny and SmolLM2 GGUFs: llama.cpp rounds the head's
-# input to F16) and 4e-4 on SmolLM2's float16 MLX folder; batched against one-token states 0 on
-# MLX, 2e-4 to 9e-4 on llama.cpp (flash attention and the cache cells a pass lands in change
+# input to F16) and 4e-4 on SmolLM2's float16 MLX folder; batched against one-token states ~1e-6
+# on MLX (0 with MLX's reference BLAS; OpenBLAS, as `make test` runs it, sums by the matrix's
+# shape), 2e-4 to 9e-4 on llama.cpp (flash attention and the cache cells a pass lands in change
 # its sums), the tiny models' included.
 CASES = {  # name: (backend, model, head tolerance, batch tolerance), both relative
     "llama-tiny-llama": ("llama", "llama", 1e-5, 2e-3),
@@ -205,7 +207,7 @@ def case(request) -> Case:
         backend = MlxBackend(source, n_ctx=512)
         weights = mlx_output_weights(backend)
     assert backend.hidden_support.available, backend.hidden_support.reason
-    yield Case(backend, weights, head_tolerance, batch_tolerance)
+    yield Case(kind, backend, weights, head_tolerance, batch_tolerance)
     backend.close()
 
 
@@ -258,6 +260,17 @@ def test_batched_hidden_rows_equal_one_token_passes(case):
     assert np.abs(batched - np.array(one_by_one)).max() <= case.batch_tolerance * np.abs(batched).max()
 
 
+def assert_same_states(case: Case, actual: np.ndarray, expected: np.ndarray) -> None:
+    """States of two multi-token passes of other lengths: equal on llama.cpp (its batched kernels
+    sum each output alike, whatever the count), on MLX up to the batch rounding the case allows
+    (a row of another position or context is off by a whole unit)."""
+    if case.kind == "llama":
+        np.testing.assert_array_equal(actual, expected)
+        return
+    assert actual.shape == expected.shape
+    assert np.abs(actual - expected).max() <= case.batch_tolerance * np.abs(expected).max()
+
+
 def test_tree_node_rows_equal_a_chain_pass_over_their_path(case):
     backend = case.backend
     prompt = backend.tokenize(PROMPT)
@@ -269,8 +282,7 @@ def test_tree_node_rows_equal_a_chain_pass_over_their_path(case):
     for path in tree.paths:
         backend.rewind(len(prompt) - 1)
         backend.forward([prompt[-1], *(tree.tokens[node] for node in path)], [])
-        np.testing.assert_array_equal(in_tree[[0, *(1 + node for node in path)]],
-                                      backend.hidden_rows(range(1 + len(path))))
+        assert_same_states(case, in_tree[[0, *(1 + node for node in path)]], backend.hidden_rows(range(1 + len(path))))
 
 
 def test_a_sequence_keeps_a_real_backends_states_through_keep_path_and_rewind(case):
@@ -286,7 +298,7 @@ def test_a_sequence_keeps_a_real_backends_states_through_keep_path_and_rewind(ca
     sequence.rewind(len(prompt) - 1)
     assert sequence.hidden(len(prompt) - 1, len(prompt)) is None
     sequence.feed([prompt[-1], *(tree.tokens[node] for node in KEPT)])
-    np.testing.assert_array_equal(sequence.hidden(len(prompt) - 1, len(sequence)), kept[len(prompt) - 1 :])
+    assert_same_states(case, sequence.hidden(len(prompt) - 1, len(sequence)), kept[len(prompt) - 1 :])
 
 
 def test_a_llama_pass_longer_than_a_batch_gives_every_rows_state(tiny_llama):

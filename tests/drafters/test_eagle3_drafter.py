@@ -268,7 +268,8 @@ REAL_PROMPTS = ("def fibonacci(n):\n    ", "The capital of France is", "for i in
 @pytest.mark.parametrize("branches", [0, 4])
 def test_greedy_on_the_demo_target_equals_plain_decoding(kind, branches):
     """F32 caches and no flash attention on llama.cpp: tracked and verify passes round as plain
-    decoding's, so the output is plain decoding's exactly (MLX's always is)."""
+    decoding's, so the output is plain decoding's exactly (MLX's too: its passes round within
+    4e-5 of each other, far below these outputs' top-2 gaps)."""
     pytest.importorskip({"llama": "llama_cpp", "mlx": "mlx_lm"}[kind], reason=f"the {kind} backend is not installed")
     from specrun.modelkit.demo import demo_gguf, demo_mlx_dir
 

@@ -183,7 +183,7 @@ def test_lookahead_on_the_real_model_is_bit_identical_on_llama_cpp(exact_tree_pa
 
 @pytest.mark.slow
 def test_tree_generation_on_the_real_model_is_bit_identical_on_mlx(mlx_real_pair):
-    """MLX on a CPU is ~16x slower: one prompt, 24 tokens, lookup+draft (trees from whichever
+    """MLX on a CPU was ~16x slower (its reference BLAS): one prompt, 24 tokens, lookup+draft (trees from whichever
     member drafts: lookup's earlier continuations or the draft model's runner-ups)."""
     pairs, spy = tree_runs(*mlx_real_pair, "lookup+draft", CHAT_PROMPTS[:1], 24)
     assert pairs[0][1] == pairs[0][0]
