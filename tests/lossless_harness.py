@@ -289,15 +289,22 @@ class VerifyRecorder:
         return verdict
 
 
-Reference = Callable[[Sequence[int], Sequence[int]], list[list[float]]]
+Reference = Callable[[Sequence[int], Sequence[int]], list[Sequence[float]]]
 
 
 def oracle_reference(table, sampling: SamplingSettings) -> Reference:
     """The target's distributions along an output, from a fake's logit table and the oracle."""
 
-    def rows(prompt: Sequence[int], output: Sequence[int]) -> list[list[float]]:
+    known: dict[tuple[int, ...], tuple[float, ...]] = {}  # by context: the runs share their outputs' prefixes
+
+    def row(context: tuple[int, ...]) -> tuple[float, ...]:
+        if context not in known:
+            known[context] = tuple(distribution(table(context), sampling))
+        return known[context]
+
+    def rows(prompt: Sequence[int], output: Sequence[int]) -> list[tuple[float, ...]]:
         context = tuple(prompt)
-        return [distribution(table(context + tuple(output[:m])), sampling) for m in range(len(output))]
+        return [row(context + tuple(output[:m])) for m in range(len(output))]
 
     return rows
 
