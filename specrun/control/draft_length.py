@@ -160,10 +160,9 @@ class DraftLengthController:
                 chain *= accept[k]
                 tokens += chain
             verify, draft = costs[k + 1], (draft_costs[k] if k else 0.0)
-            if verify is None or draft is None:
-                rates.append(None)
-            else:
-                rates.append(tokens / (verify + draft + (switch if k else 0.0)))
+            seconds = None if verify is None or draft is None else verify + draft + (switch if k else 0.0)
+            # a step timed at 0 s (a clock too coarse to see it) is no measurement: unknown, as unmeasured
+            rates.append(tokens / seconds if seconds is not None and seconds > 0.0 else None)
         return rates
 
     def could_pay(self) -> bool:

@@ -471,6 +471,20 @@ def test_memoised_rates_follow_every_new_estimate():
 
 
 
+def test_passes_timed_at_zero_seconds_are_no_rate_and_break_no_choice():
+    """A clock too coarse to see a pass (or a fake's uncharged one) times it at 0 s: no length's
+    rate rests on a zero cost (it stays unknown, as an unmeasured one), and choosing goes on."""
+    costs = TargetCosts()
+    costs.preload({1: 0.0, 5: 0.0})
+    controller = DraftLengthController(max_draft_len=4, target_costs=costs, sunk_draft_cost=True)
+    controller.observe(4, 4, 0.0, 0.0)
+    assert all(rate is None for rate in controller.expected_rates(4))
+    assert 0 <= controller.choose(4) <= 4
+    costs.observe(1, 1.0)
+    costs.observe(5, 1.2)  # measured costs bring the rates back
+    assert all(rate is not None and rate > 0 for rate in controller.expected_rates(4))
+
+
 def test_the_cost_table_is_rebuilt_once_a_mean_has_moved_past_the_tolerance():
     """Each pass moves a decayed mean by a few percent of noise; rebuilding the table (and every
     controller's rates) after each one cost ~1% of a tiny-regime step. The table stands while
