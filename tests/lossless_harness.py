@@ -25,6 +25,8 @@ how likely a fresh choice of seeds is to fail correct code): chi-square p < ALPH
 
 from __future__ import annotations
 
+import functools
+
 import itertools
 import math
 from collections import Counter
@@ -295,12 +297,9 @@ Reference = Callable[[Sequence[int], Sequence[int]], list[Sequence[float]]]
 def oracle_reference(table, sampling: SamplingSettings) -> Reference:
     """The target's distributions along an output, from a fake's logit table and the oracle."""
 
-    known: dict[tuple[int, ...], tuple[float, ...]] = {}  # by context: the runs share their outputs' prefixes
-
+    @functools.cache  # by context: the runs share their outputs' prefixes
     def row(context: tuple[int, ...]) -> tuple[float, ...]:
-        if context not in known:
-            known[context] = tuple(distribution(table(context), sampling))
-        return known[context]
+        return tuple(distribution(table(context), sampling))
 
     def rows(prompt: Sequence[int], output: Sequence[int]) -> list[tuple[float, ...]]:
         context = tuple(prompt)
@@ -782,8 +781,8 @@ def replay_reference(backend, sampling: SamplingSettings) -> Reference:
     """The target's distributions along an output: read on ``backend`` (a second copy of the
     target, which the engine never drives) in one pass over the prompt and the output, and put
     through the oracle. One pass, not plain decoding's one token at a time (replay_logits): the
-    two round apart by at most ~1e-2 in a logit (F16 on an AVX2 CPU; float32 ~1e-5, MLX 0 to 4e-5 by its BLAS),
-    a shift of a probability no PIT or chi-square over these runs' few thousand tokens can see,
+    two round apart by at most ~1e-2 in a logit (F16 on an AVX2 CPU; float32 ~1e-5, MLX 0 to 4e-5
+    by its BLAS), a shift of a probability no PIT or chi-square over these runs' few thousand tokens can see,
     and a token-by-token replay was a quarter of the MLX sampled tests' time."""
     from specrun.backends.kv import sequence_for
 
