@@ -8,6 +8,8 @@ import shutil
 import threading
 from pathlib import Path
 
+import numpy as np
+
 from specrun.backends.kv import sequence_for
 from specrun.backends.slots import Rendezvous, Slot
 from specrun.drafters.draft_model import DraftModelDrafter
@@ -52,9 +54,28 @@ def answers_alone(target, draft, prompts, params) -> list:
     return alone
 
 
+NEAR_TIE = 0.1  # a logit gap the shape of a batch may flip where its settings round differently
+
+
+def parting_gap(target, prompt, alone, together) -> float:
+    """Where a greedy answer decoded together first differs from ``alone``: the gap between
+    the lone answer's token and the other's, which must be the lone context's top two (the
+    target replays the lone answer's context on a fresh cache). After it the contexts differ."""
+    at = next((i for i, (a, b) in enumerate(zip(alone, together)) if a != b), None)
+    assert at is not None, f"one answer ends inside the other: {together} against {alone}"
+    sequence = sequence_for(target)
+    sequence.reset()
+    row = sequence.feed(list(prompt) + list(alone[:at]), [len(prompt) + at - 1])[0]
+    sequence.reset()
+    top_two = [int(token) for token in np.argsort(row)[::-1][:2]]
+    assert sorted(top_two) == sorted((alone[at], together[at])), f"parted at {at} off the top two {top_two}"
+    return float(abs(row[alone[at]] - row[together[at]]))
+
+
 def check_answers_together(target, draft, prompts, params, exact: bool, then=None) -> None:
-    """A slot of each model per prompt, decoding ``prompts`` together, give each prompt its answer alone,
-    and their passes were shared (the draft model's too); ``then(slots, target_slots)`` looks at
+    """A slot of each model per prompt, decoding ``prompts`` together, give each prompt its answer alone
+    (without ``exact`` settings, which round alike in any batch, one prompt of them may part from
+    it at a near tie: the shape of the batch moves logits a little), and their passes were shared (the draft model's too); ``then(slots, target_slots)`` looks at
     the target's slots afterwards, before they close."""
     alone = answers_alone(target, draft, prompts, params)
     target_slots, draft_slots = target.open_slots(len(prompts), exact), draft.open_slots(len(prompts), exact)
@@ -65,7 +86,14 @@ def check_answers_together(target, draft, prompts, params, exact: bool, then=Non
                    for i, slot in enumerate(slots)]
         results = together([(rendezvous, lambda e=e, p=p: e.run(p, params)) for e, p in zip(engines, prompts)])
         together_ids = [result.token_ids for result in results]  # (a helper: pytest rewrites no assert here)
-        assert together_ids == alone, f"together {together_ids} against alone {alone}"
+        if exact:
+            assert together_ids == alone, f"together {together_ids} against alone {alone}"
+        else:
+            parted = [i for i, (ids, lone) in enumerate(zip(together_ids, alone)) if ids != lone]
+            assert len(parted) <= 1, f"together {together_ids} against alone {alone}"
+            for i in parted:
+                gap = parting_gap(target, prompts[i], alone[i], together_ids[i])
+                assert gap < NEAR_TIE, f"prompt {i} parted at a top-2 gap of {gap:.3f}: {together_ids[i]} against {alone[i]}"
         counts = {name: (rendezvous.counts[name].sequences, rendezvous.counts[name].passes)
                   for name in ("target", "draft")}
         assert counts["target"][0] > 2 * counts["target"][1], f"(sequences, passes): {counts}"
