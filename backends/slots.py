@@ -81,7 +81,12 @@ class Rendezvous:
 
     The batches run on a thread of the rendezvous' own, always the same one: llama.cpp's CPU
     threads (an OpenMP team) belong to the thread that calls it, and a team per calling slot,
-    each spinning after its pass, left two slots at 0.4x one on a 2-core machine."""
+    each spinning after its pass, left two slots at 0.4x one on a 2-core machine. Even an idle
+    second team slows the first one's passes (likely libgomp's barriers spinning less once a
+    process holds more team threads than cores; GOMP_SPINCOUNT does not help): a 1-token pass
+    of smollm2-135m-x2 on 2 cores, 40 ms after no other thread's pass, 56-95 ms after one on the
+    main thread. So no other thread of a server may run a pass on several CPU threads (checked:
+    `serve --parallel 2` on that pair, loaded, holds no team but this thread's)."""
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
