@@ -18,7 +18,7 @@ PROBE_TIMEOUT_S = 5
 
 def machine_info(backend: str, threads: int | None) -> dict:
     """The machine facts stored with every bench result."""
-    return {
+    info = {
         "cpu": cpu_model(),
         "cores": os.cpu_count(),
         "gpu": gpu_name(),
@@ -27,6 +27,11 @@ def machine_info(backend: str, threads: int | None) -> dict:
         "threads": threads,
         "versions": library_versions(),
     }
+    if backend == "mlx":
+        from specrun.blas import mlx_blas
+
+        info["mlx_blas"] = mlx_blas()  # Linux: "reference" (slow batched passes) or the preloaded BLAS's file
+    return info
 
 
 def library_versions() -> dict[str, str | None]:

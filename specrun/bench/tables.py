@@ -7,6 +7,7 @@ from rich.table import Table
 
 from specrun.bench.figures import ALL_PROMPTS, Figures, by_category, count_of, mismatch_rows, same_output_label
 from specrun.bench.runner import BenchResult
+from specrun.blas import REFERENCE_BLAS_NOTE
 from specrun.sessions.divergence import NEAR_TIE_NOTE, difference_line
 from specrun.drafters.methods import needs_draft_model
 
@@ -109,6 +110,8 @@ def footnotes(result: BenchResult) -> list[str]:
                          "--draft-min-prob sets it")
     elif result.config.use_tuned and any(needs_draft_model(m) for m in result.config.methods):
         notes.append("no `specrun tune` settings for this pair on this machine: controllers started from their priors")
+    if (result.machine or {}).get("mlx_blas") == "reference":
+        notes.append(REFERENCE_BLAS_NOTE)
     for skipped in result.skipped:
         notes.append(f"skipped {skipped.prompt.prompt_id} ({skipped.prompt.category}): {skipped.reason}")
     return notes
