@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from specrun.heads.config import HeadsConfig
-from specrun.heads.layers import rms_norm, silu
+from specrun.heads.layers import rms_norm, rotate_halves, silu, turns
 
 # The positions back a drafter's context entries reach. EAGLE-3 attends to the whole context; a
 # drafter keeps this many (features of more are rarely kept by the target, and an older position
@@ -135,8 +135,10 @@ class Eagle3Heads:
         residual = normed if self.norm_before_residual else features
         x = np.concatenate([rms_norm(embeds, self.input_layernorm, eps), normed], axis=-1)  # (N, 2D)
         heads, groups, width = self.num_attention_heads, self.num_key_value_heads, self.head_dim
-        queries = self._rotate((x @ self.q_proj.T).reshape(count, heads, width), positions)
-        keys = self._rotate((x @ self.k_proj.T).reshape(count, groups, width), positions)
+        queries = (x @ self.q_proj.T).reshape(count, heads, width)
+        keys = (x @ self.k_proj.T).reshape(count, groups, width)
+        cos, sin = turns(self.inverse_frequencies, positions, queries.dtype)  # the same for both
+        queries, keys = rotate_halves(queries, cos, sin), rotate_halves(keys, cos, sin)
         values = (x @ self.v_proj.T).reshape(count, groups, width)
         all_keys = np.concatenate([past_keys, keys])  # (C + N, nkv, hd)
         all_values = np.concatenate([past_values, values])
@@ -151,15 +153,6 @@ class Eagle3Heads:
         y = rms_norm(residual, self.post_attention_layernorm, eps)
         out = residual + (silu(y @ self.gate_proj.T) * (y @ self.up_proj.T)) @ self.down_proj.T
         return out, keys, values
-
-    def _rotate(self, x: np.ndarray, positions: np.ndarray) -> np.ndarray:
-        """Rotary embedding of ``x`` (N, heads, hd) at ``positions`` (N,), Llama's halves layout."""
-        half = self.head_dim // 2
-        angles = np.asarray(positions, np.float64)[:, None] * self.inverse_frequencies  # (N, hd/2)
-        cos = np.cos(angles).astype(x.dtype)[:, None, :]
-        sin = np.sin(angles).astype(x.dtype)[:, None, :]
-        first, second = x[..., :half], x[..., half:]
-        return np.concatenate([first * cos - second * sin, first * sin + second * cos], axis=-1)
 
     @functools.cached_property
     def inverse_frequencies(self) -> np.ndarray:

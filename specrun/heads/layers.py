@@ -47,18 +47,60 @@ def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
     return x / np.sqrt(mean_square) * weight
 
 
-def rope(x: np.ndarray, positions: np.ndarray, theta: float, inverse: bool = False) -> np.ndarray:
+def rope(x: np.ndarray, positions: np.ndarray, theta: float, inverse: bool = False,
+         turn: tuple[np.ndarray, np.ndarray] | None = None) -> np.ndarray:
     """Rotary embedding of ``x`` (N, nh, hd) at ``positions`` (N,), the halves rotated together
-    (Llama's layout); ``inverse`` rotates back (the transpose, for gradients)."""
+    (Llama's layout); ``inverse`` rotates back (the transpose, for gradients). ``turn``: the
+    positions' ``turns`` for x's dtype, where the caller has them (queries and keys share them)."""
     half = x.shape[-1] // 2
-    frequencies = _rope_frequencies(half, theta)  # (hd/2,)
-    angles = np.asarray(positions, np.float64)[:, None] * frequencies  # (N, hd/2)
-    cos = np.cos(angles).astype(x.dtype)[:, None, :]
-    sin = np.sin(angles).astype(x.dtype)[:, None, :]
+    cos, sin = turn if turn is not None else turns(_rope_frequencies(half, theta), positions, x.dtype)
     if inverse:
         sin = -sin
+    return rotate_halves(x, cos, sin)
+
+
+def rotate_halves(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+    """``x`` (N, heads, d) turned on pairs of halves (NeoX's layout) by ``turns``' cos and sin."""
+    half = x.shape[-1] // 2
     first, second = x[..., :half], x[..., half:]
     return np.concatenate([first * cos - second * sin, first * sin + second * cos], axis=-1)
+
+
+# A drafting step rotates a few positions, the same ones for its queries and keys, and the next
+# step mostly the same again: their cos and sin are kept (bounded), as computed the first time.
+_TURNS: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
+_TURNS_KEPT = 4096
+_TURNS_POSITIONS = 16  # longer runs of positions (a prompt's, a training batch's) are worked out each time
+
+
+def turns(frequencies: np.ndarray, positions, dtype, magnitude: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
+    """cos and sin (N, 1, F) in ``dtype`` of each rotated pair's angle (``frequencies`` (F,)
+    float64, a position's) at ``positions`` (N,), each scaled by ``magnitude``."""
+    positions = np.asarray(positions)
+    if len(positions) > _TURNS_POSITIONS:
+        return _turns(frequencies, positions, dtype, magnitude)
+    key = (frequencies.tobytes(), tuple(positions.tolist()), np.dtype(dtype).str, magnitude)
+    found = _TURNS.get(key)
+    if found is None:
+        if len(_TURNS) >= _TURNS_KEPT:
+            _TURNS.clear()
+        found = _TURNS[key] = _turns(frequencies, positions, dtype, magnitude)
+        for part in found:
+            part.setflags(write=False)  # shared by every call
+    return found
+
+
+def _turns(frequencies, positions, dtype, magnitude):
+    angles = np.asarray(positions, np.float64)[:, None] * frequencies  # (N, F)
+    cos, sin = np.cos(angles), np.sin(angles)
+    if magnitude != 1.0:
+        cos, sin = cos * magnitude, sin * magnitude
+    return cos.astype(dtype)[:, None, :], sin.astype(dtype)[:, None, :]
+
+
+def llama_turns(head_dim: int, theta: float, positions, dtype) -> tuple[np.ndarray, np.ndarray]:
+    """``turns`` for ``rope``'s frequencies (heads of ``head_dim``, base ``theta``)."""
+    return turns(_rope_frequencies(head_dim // 2, theta), positions, dtype)
 
 
 @functools.lru_cache(maxsize=16)

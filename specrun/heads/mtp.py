@@ -49,7 +49,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from specrun.heads.config import HeadsConfig
-from specrun.heads.layers import rms_norm, silu, softmax
+from specrun.heads.layers import rms_norm, rotate_halves, silu, softmax, turns
 
 # How far back a drafter keeps the layer's keys and values: the layer was trained to read the whole
 # context, so a window this long reads all of it for every prompt the tests and most chats hold.
@@ -304,7 +304,8 @@ def _project(heads: MtpHeads, fused: np.ndarray, positions: np.ndarray):
     queries = normed(queries, heads.q_norm)
     keys = normed(projected(heads.k_proj, heads.k_bias, layout.num_key_value_heads, hd), heads.k_norm)
     values = projected(heads.v_proj, heads.v_bias, layout.num_key_value_heads, hd)
-    return _partial_rope(queries, positions, layout), _partial_rope(keys, positions, layout), values, gate
+    turn = _turns(layout, positions, queries.dtype)  # the same for both
+    return _partial_rope(queries, turn, layout), _partial_rope(keys, turn, layout), values, gate
 
 
 def _latent(heads: MtpHeads, x: np.ndarray, positions: np.ndarray):
@@ -317,27 +318,32 @@ def _latent(heads: MtpHeads, x: np.ndarray, positions: np.ndarray):
     absorbed = np.einsum("nhd,hrd->nhr", q[..., :nope], heads.k_b)
     latent = x @ heads.kv_a.T
     compressed = rms_norm(latent[:, :rank], heads.kv_a_norm, eps)
-    queries = np.concatenate([absorbed, _rotated(q[..., nope:], positions, layout)], axis=-1)
-    entries = np.concatenate([compressed, _rotated(latent[:, None, rank:], positions, layout)[:, 0]], axis=-1)
+    turn = _turns(layout, positions, q.dtype)  # the same for both
+    queries = np.concatenate([absorbed, _rotated(q[..., nope:], turn, layout)], axis=-1)
+    entries = np.concatenate([compressed, _rotated(latent[:, None, rank:], turn, layout)[:, 0]], axis=-1)
     return queries, entries[:, None, :], entries[:, None, :], None
 
 
-def _rotated(x: np.ndarray, positions: np.ndarray, layout: MtpLayout) -> np.ndarray:
-    """``x`` (N, heads, d) turned whole: on halves (NeoX), or on consecutive pairs (``rope_pairs``)."""
-    cos, sin = (part.astype(x.dtype)[:, None, :] for part in layout.rotation(positions))
-    half = x.shape[-1] // 2
+def _turns(layout: MtpLayout, positions: np.ndarray, dtype) -> tuple[np.ndarray, np.ndarray]:
+    """cos and sin (N, 1, rope_dims/2) in ``dtype`` of ``positions``' angles (MtpLayout.rotation's)."""
+    return turns(layout._frequencies, positions, dtype, layout.rope_magnitude)
+
+
+def _rotated(x: np.ndarray, turn: tuple[np.ndarray, np.ndarray], layout: MtpLayout) -> np.ndarray:
+    """``x`` (N, heads, d) turned whole by ``turn`` (``_turns``'): on halves (NeoX), or on
+    consecutive pairs (``rope_pairs``)."""
+    cos, sin = turn
     if layout.rope_pairs:
         first, second = x[..., 0::2], x[..., 1::2]
         return np.stack([first * cos - second * sin, first * sin + second * cos], axis=-1).reshape(x.shape)
-    first, second = x[..., :half], x[..., half:]
-    return np.concatenate([first * cos - second * sin, first * sin + second * cos], axis=-1)
+    return rotate_halves(x, cos, sin)
 
 
-def _partial_rope(x: np.ndarray, positions: np.ndarray, layout: MtpLayout) -> np.ndarray:
+def _partial_rope(x: np.ndarray, turn: tuple[np.ndarray, np.ndarray], layout: MtpLayout) -> np.ndarray:
     turned = layout.rope_dims
     if turned == x.shape[-1]:
-        return _rotated(x, positions, layout)
-    return np.concatenate([_rotated(x[..., :turned], positions, layout), x[..., turned:]], axis=-1)
+        return _rotated(x, turn, layout)
+    return np.concatenate([_rotated(x[..., :turned], turn, layout), x[..., turned:]], axis=-1)
 
 
 def _ffn(heads: MtpHeads, y: np.ndarray) -> np.ndarray:
