@@ -10,6 +10,8 @@ Lines, each a server started afresh for each C (127.0.0.1 only) and warmed by on
   specrun's batching alone gives, beside llama-server's);
 - ``specrun draft k4``: every slot drafting 4 tokens a step with the draft model (what speculation
   gives where it never yields to the batch);
+- ``specrun lookup``: the slots drafting by prompt lookup alone (no draft model: what costs nothing
+  to draft gives);
 - with ``--llama-bin``: ``llama-server -np C`` without speculation, with ``-md`` (the same draft,
   ``--spec-type draft-simple``) and with ``--spec-type ngram-mod``.
 
@@ -256,6 +258,8 @@ def lines_for(args, target: Path | str, draft: Path | str) -> list[ServerLine]:
                                                      "--method", "none"], str(target)),
         ServerLine("specrun draft k4", lambda port, c: [*specrun, "--port", str(port), "--parallel", str(c),
                                                         "--method", "draft", "-k", "4"], str(target)),
+        ServerLine("specrun lookup", lambda port, c: [*specrun, "--port", str(port), "--parallel", str(c),
+                                                      "--method", "lookup"], str(target)),
     ]
     if args.llama_bin is not None:
         def server(extra):
