@@ -313,7 +313,7 @@ def _encode_tensor(weight: np.ndarray, dtype: str) -> tuple[np.ndarray, gguf.GGM
     if dtype == "Q8_0" and weight.shape[-1] % _Q8_0_BLOCK == 0:
         qtype = gguf.GGMLQuantizationType.Q8_0
         return gguf.quants.quantize(weight, qtype), qtype
-    return weight.astype(np.float16), None
+    return weight.astype(np.float16, copy=False), None
 
 
 def _field_value(field: gguf.ReaderField):

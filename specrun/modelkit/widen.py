@@ -40,22 +40,25 @@ def widened_config(config: ModelConfig, hidden: int, intermediate: int) -> Model
 
 
 def widen(
-    config: ModelConfig, weights: dict[str, np.ndarray], hidden: int, intermediate: int
+    config: ModelConfig, weights: dict[str, np.ndarray], hidden: int, intermediate: int,
+    matrices: type = np.float32,
 ) -> tuple[ModelConfig, dict[str, np.ndarray]]:
     """Zero-pad ``weights`` to ``hidden``/``intermediate`` so the model's logits are unchanged.
 
     Original values keep the leading rows and columns. Because head_dim is fixed and
     new heads are appended, each original head (and each kv group) keeps its rows,
-    so q/k/v/o stay aligned head by head and the GQA grouping is preserved.
+    so q/k/v/o stay aligned head by head and the GQA grouping is preserved. Matrices come
+    out as ``matrices`` (float16 for a file written in it: the same values, padded in half the
+    memory), norms as float32.
     """
     wide_config = widened_config(config, hidden, intermediate)
     norm_scale = math.sqrt(config.hidden_size / hidden)
     wide_weights = {}
     for name, shape in weight_shapes(wide_config).items():
-        padded = _zero_pad(np.asarray(weights[name], dtype=np.float32), shape)
         if _is_norm(name):
-            padded = padded * np.float32(norm_scale)
-        wide_weights[name] = padded
+            wide_weights[name] = _zero_pad(np.asarray(weights[name], dtype=np.float32), shape) * np.float32(norm_scale)
+        else:
+            wide_weights[name] = _zero_pad(np.asarray(weights[name]).astype(matrices, copy=False), shape)
     return wide_config, wide_weights
 
 
@@ -66,7 +69,8 @@ def derive_xl_gguf(
     from .gguf_io import read_gguf, write_gguf
 
     config, weights, tokenizer_json, chat_template = read_gguf(src_gguf)
-    wide_config, wide_weights = widen(config, weights, hidden, intermediate)
+    matrices = np.float16 if dtype == "F16" else np.float32  # what write_gguf stores them as
+    wide_config, wide_weights = widen(config, weights, hidden, intermediate, matrices)
     write_gguf(dst_gguf, wide_config, wide_weights, tokenizer_json, chat_template, dtype=dtype)
     return wide_config
 

@@ -379,6 +379,17 @@ def test_widen_keeps_logits(random_model: TinyModel, hidden: int, intermediate: 
     assert np.abs(wide_logits - narrow_logits).max() <= atol
 
 
+def test_widened_half_matrices_are_the_float32_ones_cast(tiny_qwen2: TinyModel):
+    """derive_xl_gguf pads an F16 file's matrices in float16 (half the memory): the values a cast
+    of the float32 padding gives, norms still float32."""
+    _, wide = widen(tiny_qwen2.config, tiny_qwen2.weights, 192, 400)
+    _, half = widen(tiny_qwen2.config, tiny_qwen2.weights, 192, 400, np.float16)
+    for name, weight in wide.items():
+        expected = weight if name.endswith("norm.weight") else weight.astype(np.float16)
+        assert half[name].dtype == expected.dtype, name
+        np.testing.assert_array_equal(half[name], expected, err_msg=name)
+
+
 def test_widen_rejects_incompatible_sizes(tiny_qwen2: TinyModel):
     with pytest.raises(ValueError, match="shrink"):
         widen(tiny_qwen2.config, tiny_qwen2.weights, 64, 320)
