@@ -7,8 +7,7 @@ JOBS := $(shell nproc 2>/dev/null || echo 2)
 # Test workers: one per core, at most 4 (each loads its own models). Every test file runs on one
 # worker (--dist loadfile), so a file's module fixtures (the real model) load once. A worker runs
 # llama.cpp with one thread (tests/conftest.py), so two workers fill two cores without spinning
-# against each other; files go out longest first (tests/conftest.py: LONGEST_FILES). TEST_JOBS=0
-# runs the suite in this process.
+# against each other. TEST_JOBS=0 runs the suite in this process.
 TEST_JOBS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); [ $$n -gt 4 ] && n=4; echo $$n)
 
 SYSTEM := $(VENV)/.specrun-system
@@ -38,7 +37,7 @@ demo: $(STAMP)
 # On Linux with OpenBLAS preloaded: MLX's Linux wheel multiplies with the reference BLAS
 # (tools/with_openblas.sh says why, and why that is safe).
 test: $(STAMP) $(SYSTEM)
-	tools/with_openblas.sh $(PY) -m pytest -q --durations=15 -n $(TEST_JOBS) --dist loadfile --no-loadscope-reorder
+	tools/with_openblas.sh $(PY) -m pytest -q --durations=15 -n $(TEST_JOBS) --dist loadfile
 
 clean:
 	rm -rf $(VENV) build *.egg-info

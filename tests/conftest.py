@@ -198,44 +198,6 @@ attention off, where one-token and batched passes agree to ~1e-5).
     }
 
 
-# ---- the order files run in ------------------------------------------------------------------
-# `make test` hands whole files to its workers (--dist loadfile) in collection order
-# (--no-loadscope-reorder), so the longest go first and the two workers end together instead of
-# one running a long file alone at the end (longest first: 1723 s against 1804 s for the slower
-# worker, simulated on a full suite's times). CPU seconds each took in the full suite here
-# (test_mtp_sampling's two processes count twice). Order only: a stale figure costs minutes, never
-# a result.
-LONGEST_FILES = {
-    "tests/engine/test_acceptance.py": 582, "tests/backends/test_backend_engine.py": 408,
-    "tests/heads/test_mtp_sampling.py": 374, "tests/sessions/test_real_model.py": 315,
-    "tests/window/test_window_backends.py": 133, "tests/engine/test_mutations.py": 124,
-    "tests/trees/test_tree_verify.py": 101, "tests/trees/test_tree_real_model.py": 100,
-    "tests/registry/test_self_draft.py": 99, "tests/engine/test_block_verification.py": 80,
-    "tests/drafters/test_eagle3_drafter.py": 78, "tests/backends/test_mlx_distributed.py": 72,
-    "tests/sessions/test_gemma3.py": 63, "tests/backends/test_hidden_states.py": 61,
-    "tests/backends/test_rpc.py": 59, "tests/server/test_serve_real_model.py": 56,
-    "tests/hardening/test_derived_models.py": 51,
-}
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """The longest files first (LONGEST_FILES), each file's tests kept together and in order."""
-    root = Path(str(config.rootpath))
-    first_seen: dict[str, int] = {}
-    for item in items:
-        first_seen.setdefault(str(item.path), len(first_seen))
-
-    def key(item: pytest.Item) -> tuple[int, int]:
-        path = str(item.path)
-        try:
-            name = Path(path).relative_to(root).as_posix()
-        except ValueError:
-            name = path
-        return -LONGEST_FILES.get(name, 0), first_seen[path]
-
-    items.sort(key=key)  # stable: a file's tests stay in their order
-
-
 # ---- CI: a skip is a failure ---------------------------------------------------------------
 # With CI=true a missing backend, dataset or browser fails the run instead of skipping
 # silently; only a test marked ci_may_skip (a skip that says nothing is missing) may skip.

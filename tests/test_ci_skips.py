@@ -90,18 +90,3 @@ def test_outside_ci_the_same_skips_are_skips(folder):
     assert run.returncode == 0, run.stdout
     assert "1 passed, 4 skipped" in run.stdout, run.stdout
     assert run_pytest(folder, "test_skips_the_module.py", ci=False).returncode == 5  # nothing collected, no error
-
-
-def test_the_files_run_first_are_files_of_this_suite_and_go_first():
-    """tests/conftest.py's LONGEST_FILES name files that exist (a renamed file would silently
-    fall back to its collection place), and the order they give holds after collection."""
-    from conftest import LONGEST_FILES
-
-    root = TESTS.parent
-    assert [name for name in LONGEST_FILES if not (root / name).is_file()] == []
-    done = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
-                           "tests/heads/test_mtp_sampling.py", "tests/engine/test_acceptance.py", "tests/test_blas.py"],
-                          cwd=root, capture_output=True, text=True, timeout=300)
-    files = [line.split("::")[0] for line in done.stdout.splitlines() if "::" in line]
-    assert list(dict.fromkeys(files)) == ["tests/engine/test_acceptance.py", "tests/heads/test_mtp_sampling.py",
-                                          "tests/test_blas.py"], done.stdout[-2000:]
