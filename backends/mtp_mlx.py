@@ -125,7 +125,7 @@ class MlxMtpLayer:
         mx = self._mx
         turned = self.layout.rope_dims
         half = turned // 2
-        cos, sin = (mx.array(part.astype(np.float32))[:, None, :] for part in self.layout.rotation(positions))
+        cos, sin = (mx.array(part) for part in self.layout.turns(positions, np.float32))
         rest = x[..., turned:]
         if self.layout.rope_pairs:
             pairs = x[..., :turned].reshape(*x.shape[:-1], half, 2)

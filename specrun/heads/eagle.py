@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from specrun.heads.config import HeadsConfig
-from specrun.heads.layers import EmbeddingRows, llama_turns, rms_norm, rope, silu, softmax
+from specrun.heads.layers import EmbeddingRows, llama_turns, rms_norm, rotate_halves, silu, softmax
 
 # The arrays of an EagleHeads, in a fixed order (the trainer's parameters, the file's tensors).
 PARAMETER_NAMES = (
@@ -241,10 +241,8 @@ def _project(heads: EagleHeads, fused: np.ndarray, positions: np.ndarray):
     shape = (len(fused), layout.num_attention_heads, layout.head_dim)
     x = rms_norm(fused, heads.attn_norm, layout.rms_norm_eps)
     queries, keys = (x @ heads.q_proj.T).reshape(shape), (x @ heads.k_proj.T).reshape(shape)
-    turn = llama_turns(layout.head_dim, layout.rope_theta, positions, queries.dtype)  # the same for both
-    queries = rope(queries, positions, layout.rope_theta, turn=turn)
-    keys = rope(keys, positions, layout.rope_theta, turn=turn)
-    return queries, keys, (x @ heads.v_proj.T).reshape(shape)
+    cos, sin = llama_turns(layout.head_dim, layout.rope_theta, positions, queries.dtype)  # the same for both
+    return rotate_halves(queries, cos, sin), rotate_halves(keys, cos, sin), (x @ heads.v_proj.T).reshape(shape)
 
 
 def _finish(heads: EagleHeads, fused: np.ndarray, attended: np.ndarray) -> np.ndarray:

@@ -47,13 +47,10 @@ def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
     return x / np.sqrt(mean_square) * weight
 
 
-def rope(x: np.ndarray, positions: np.ndarray, theta: float, inverse: bool = False,
-         turn: tuple[np.ndarray, np.ndarray] | None = None) -> np.ndarray:
+def rope(x: np.ndarray, positions: np.ndarray, theta: float, inverse: bool = False) -> np.ndarray:
     """Rotary embedding of ``x`` (N, nh, hd) at ``positions`` (N,), the halves rotated together
-    (Llama's layout); ``inverse`` rotates back (the transpose, for gradients). ``turn``: the
-    positions' ``turns`` for x's dtype, where the caller has them (queries and keys share them)."""
-    half = x.shape[-1] // 2
-    cos, sin = turn if turn is not None else turns(_rope_frequencies(half, theta), positions, x.dtype)
+    (Llama's layout); ``inverse`` rotates back (the transpose, for gradients)."""
+    cos, sin = llama_turns(x.shape[-1], theta, positions, x.dtype)
     if inverse:
         sin = -sin
     return rotate_halves(x, cos, sin)

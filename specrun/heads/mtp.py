@@ -112,11 +112,10 @@ class MtpLayout:
         kept = 1.0 - np.clip((np.arange(half) - low) / max(0.001, high - low), 0.0, 1.0)  # ggml's ramp_mix
         return interpolated * (1.0 - kept) + extrapolated * kept
 
-    def rotation(self, positions) -> tuple[np.ndarray, np.ndarray]:
-        """cos and sin (N, rope_dims/2) float64 of each pair's angle at ``positions`` (N,), each
-        scaled by ``rope_magnitude``."""
-        angles = np.asarray(positions, np.float64)[:, None] * self._frequencies
-        return np.cos(angles) * self.rope_magnitude, np.sin(angles) * self.rope_magnitude
+    def turns(self, positions, dtype) -> tuple[np.ndarray, np.ndarray]:
+        """cos and sin (N, 1, rope_dims/2) in ``dtype`` of each pair's angle at ``positions`` (N,),
+        each scaled by ``rope_magnitude`` (heads.layers.turns: kept for a drafting step's few)."""
+        return turns(self._frequencies, positions, dtype, self.rope_magnitude)
 
     @functools.cached_property
     def _frequencies(self) -> np.ndarray:
@@ -304,7 +303,7 @@ def _project(heads: MtpHeads, fused: np.ndarray, positions: np.ndarray):
     queries = normed(queries, heads.q_norm)
     keys = normed(projected(heads.k_proj, heads.k_bias, layout.num_key_value_heads, hd), heads.k_norm)
     values = projected(heads.v_proj, heads.v_bias, layout.num_key_value_heads, hd)
-    turn = _turns(layout, positions, queries.dtype)  # the same for both
+    turn = layout.turns(positions, queries.dtype)  # the same for both
     return _partial_rope(queries, turn, layout), _partial_rope(keys, turn, layout), values, gate
 
 
@@ -318,19 +317,14 @@ def _latent(heads: MtpHeads, x: np.ndarray, positions: np.ndarray):
     absorbed = np.einsum("nhd,hrd->nhr", q[..., :nope], heads.k_b)
     latent = x @ heads.kv_a.T
     compressed = rms_norm(latent[:, :rank], heads.kv_a_norm, eps)
-    turn = _turns(layout, positions, q.dtype)  # the same for both
+    turn = layout.turns(positions, q.dtype)  # the same for both
     queries = np.concatenate([absorbed, _rotated(q[..., nope:], turn, layout)], axis=-1)
     entries = np.concatenate([compressed, _rotated(latent[:, None, rank:], turn, layout)[:, 0]], axis=-1)
     return queries, entries[:, None, :], entries[:, None, :], None
 
 
-def _turns(layout: MtpLayout, positions: np.ndarray, dtype) -> tuple[np.ndarray, np.ndarray]:
-    """cos and sin (N, 1, rope_dims/2) in ``dtype`` of ``positions``' angles (MtpLayout.rotation's)."""
-    return turns(layout._frequencies, positions, dtype, layout.rope_magnitude)
-
-
 def _rotated(x: np.ndarray, turn: tuple[np.ndarray, np.ndarray], layout: MtpLayout) -> np.ndarray:
-    """``x`` (N, heads, d) turned whole by ``turn`` (``_turns``'): on halves (NeoX), or on
+    """``x`` (N, heads, d) turned whole by ``turn`` (MtpLayout.turns'): on halves (NeoX), or on
     consecutive pairs (``rope_pairs``)."""
     cos, sin = turn
     if layout.rope_pairs:
