@@ -388,7 +388,7 @@ def test_layers_a_backend_cannot_give_are_refused_naming_why():
 
 
 def demo_target(kind: str, **kwargs):
-    """The demo target (a Llama of 6 layers, float16 weights alike) on llama.cpp or MLX."""
+    """The demo target (a Llama of 6 layers: the same float16 values, widened to float32 on MLX) on llama.cpp or MLX."""
     pytest.importorskip({"llama": "llama_cpp", "mlx": "mlx_lm"}[kind], reason=f"the {kind} backend is not installed")
     from specrun.modelkit.demo import demo_gguf, demo_mlx_dir
 
@@ -452,7 +452,7 @@ def test_llama_cpp_layer_outputs_are_mlxs_on_the_same_weights():
     size = llama.hidden_support.size
 
     blocks = [slice(slot * size, (slot + 1) * size) for slot in range(len(layers))]
-    for slot, block in enumerate(blocks):  # each layer's block is its own (MLX runs in float16: 0.3% apart)
+    for slot, block in enumerate(blocks):  # each layer's block is its own (F16 weights on both, f32 sums)
         assert apart(got[:, block], expected[:, block]) < 0.01
         assert all(apart(got[:, block], expected[:, other]) > 0.1 for other in blocks if other != block)
     llama.close()
