@@ -18,7 +18,7 @@ install: $(STAMP) $(SYSTEM)
 
 # llama-cpp-python builds from source with llama.cpp's RPC backend (about 6 minutes on 2 cores;
 # only when the installed one is not that), with llama.cpp's ggml-rpc-server beside it.
-$(STAMP): pyproject.toml tools/install_llama_cpp.sh
+$(STAMP): pyproject.toml tools/install_llama_cpp.sh tools/llama_cpp_no_common.cmake
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	tools/install_llama_cpp.sh $(VENV) $(JOBS)

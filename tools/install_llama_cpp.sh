@@ -4,7 +4,9 @@
 # (ggml-rpc-server, built from the same source against that library; the tests start it).
 # A CMAKE_ARGS of the user's (e.g. -DGGML_CUDA=on) is kept. Nothing is rebuilt that is already right.
 # llama-cpp-python's multimodal library (mtmd, for its llava chat handlers) is not built: specrun
-# never loads it, and it is a tenth of the build's minutes on CI's 2 cores.
+# never loads it, and it is a tenth of the build's minutes on CI's 2 cores. Nor is llama.cpp's
+# common library, which llama-cpp-python forces on but never loads: over half the build's minutes
+# (tools/llama_cpp_no_common.cmake).
 # On x86-64 the build leaves out llama.cpp's AMX kernels: they crash on the first quantized matrix
 # product on some Sapphire Rapids machines (llama.cpp issue 20824; backends/llama.py built_with_amx).
 # Usage: tools/install_llama_cpp.sh VENV JOBS
@@ -15,6 +17,7 @@ py="$venv/bin/python"
 server="$venv/bin/ggml-rpc-server"
 version=$(sed -n 's/.*"llama-cpp-python==\([0-9.]*\)".*/\1/p' pyproject.toml)
 src="$venv/src"
+no_common="$(cd "$(dirname "$0")" && pwd)/llama_cpp_no_common.cmake"
 sdist="$src/llama_cpp_python-$version.tar.gz"
 
 fetch_sdist() {
@@ -35,7 +38,8 @@ if ! "$py" -c "import llama_cpp, sys; sys.exit(llama_cpp.__version__ != '$versio
     fetch_sdist
     # never a cached wheel: one built without RPC (or for another device) would be reused
     CFLAGS="${CFLAGS:-} $no_amx" CXXFLAGS="${CXXFLAGS:-} $no_amx" \
-    CMAKE_ARGS="${CMAKE_ARGS:-} -DGGML_RPC=ON -DLLAVA_BUILD=OFF" CMAKE_BUILD_PARALLEL_LEVEL="$jobs" \
+    CMAKE_ARGS="${CMAKE_ARGS:-} -DGGML_RPC=ON -DLLAVA_BUILD=OFF -DCMAKE_PROJECT_llama.cpp_INCLUDE=$no_common" \
+    CMAKE_BUILD_PARALLEL_LEVEL="$jobs" \
         "$py" -m pip install --quiet --no-cache-dir --force-reinstall --no-deps "$sdist"
     rm -f "$server"  # linked against the library just replaced
 fi
