@@ -74,8 +74,9 @@ MaxBodyOpt = Annotated[int, typer.Option("--max-body", help="Largest request bod
 MaxQueueOpt = Annotated[int, typer.Option("--max-queue", help="Requests that may wait (more: 429).")]
 ParallelOpt = Annotated[str, typer.Option(
     "--parallel", help="Requests decoded together, each in a slot of its own sharing every pass (llama.cpp and "
-                       "MLX; methods of lookup, ngram, draft or auto); auto: up to 4 as memory allows, 1 where a "
-                       "slot would draft with less (heads, trees, lookahead) or its model cannot share a pass.")]
+                       "MLX; methods of lookup, ngram, draft or auto); auto (the default): up to 4 as memory "
+                       "allows, 1 where a slot would draft with less (heads, trees, lookahead, --learn) or its model "
+                       "cannot share a pass.")]
 MAX_PARALLEL = 64
 
 
@@ -125,7 +126,7 @@ def serve_command(
     lookahead: LookaheadOpt = None,
     max_body: MaxBodyOpt = 4 * 1024 * 1024,
     max_queue: MaxQueueOpt = 64,
-    parallel: ParallelOpt = "1",
+    parallel: ParallelOpt = "auto",
     verify: VerifyOpt = "block",
     accept: AcceptOpt = "exact",
     epsilon: EpsilonOpt = None,
@@ -161,12 +162,14 @@ def serve_command(
             check_slots_method(method)
             given = next((name for name, value in (("--heads", heads), ("--branches", branches),
                                                    ("--tree-nodes", tree_nodes), ("--lookahead", lookahead),
-                                                   ("--window", window or None)) if value is not None), None)
+                                                   ("--window", window or None), ("--learn", learn or None))
+                          if value is not None), None)
             if given is None and is_window_draft(draft):
                 given = f"--draft {draft}"
             if given is not None:
-                raise UsageError(f"{given} drafts trees, with heads or from a windowed cache, which a pass shared "
-                                 "by --parallel slots cannot hold", f"leave {given} out, or serve with --parallel 1")
+                raise UsageError(f"{given} drafts trees, with heads, from a windowed cache or learning online, "
+                                 "which --parallel slots sharing a pass cannot do",
+                                 f"leave {given} out, or serve with --parallel 1")
         sampling = checked_sampling("serve", temp, top_k, top_p, min_p, None)
         verification = checked_verification("serve", verify, accept, epsilon, delta, margin, exact)
         lookahead_sizes = checked_lookahead(lookahead, (method,))

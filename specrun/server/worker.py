@@ -436,6 +436,8 @@ class PairWorker:
                                      window_alternative=pair.parallel == 1,
                                      on_note=lambda note: self.log(f"note: {note}"))
             self._open_slots()
+            if self.slots is None and pair.parallel is None:  # auto found one at a time: as --parallel 1
+                self.session.hold_window_alternative()
         except BaseException as exc:
             if self.session is not None:
                 self.session.close()
@@ -479,6 +481,8 @@ class PairWorker:
                 self.log(f"note: {wanted} slots could not be opened ({exc}); trying {wanted // 2}")
                 wanted //= 2
         self.parallel = max(wanted, 1)
+        if self.slots is not None and self.session.learns():  # learning by default, not asked for
+            self.log("note: the slots' drafters do not learn online (--parallel 1 learns)")
 
     def _serve(self, session, slot: int) -> None:
         """Answer jobs with ``session`` (slot ``slot``'s) until the queue hands out None (stop)."""

@@ -469,6 +469,19 @@ class ChatSession:
             previous.close()
         self.engine.set_drafter(drafter, method)
 
+    def hold_window_alternative(self) -> None:
+        """From now on auto holds the draft model's windowed cache beside its full one (as with
+        ``window_alternative``): for a server that opened without it in case it would decode in slots
+        (which draft from their own caches) and then found it answers one at a time. Before anything
+        is fed: the drafter is built again."""
+        if self._window_alternative:
+            return
+        self._window_alternative = True
+        drafter = self._drafter_for(self.method)
+        if self.engine.drafter is not None:
+            self.engine.drafter.close()
+        self.engine.set_drafter(drafter, self.method)
+
     def slot_drops(self) -> str:
         """What this session drafts with that a slot's would not (on_slot): "" where nothing."""
         options = self._drafter_options
@@ -483,7 +496,14 @@ class ChatSession:
             return "token trees"
         if options.auto_lookahead:
             return "a lookahead window"
+        if self.learns() and getattr(self._learn, "explicit", True):  # learning asked for, not the default
+            return "learning online (--learn)"
         return ""
+
+    def learns(self) -> bool:
+        """Does a drafter of this session learn online (its heads, or the draft model's adapters)?"""
+        drafter = self.engine.drafter
+        return drafter is not None and any(getattr(member, "learner", None) is not None for member in drafter.members)
 
     def on_slot(self, target: Backend, draft: Backend | None) -> ChatSession:
         """A session answering as this one does (method, draft settings, verification, stored

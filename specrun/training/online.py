@@ -257,6 +257,11 @@ class Learning:
         self._learners: dict[int, tuple[object, Learner, Path | None]] = {}
         self._noted = False
 
+    @property
+    def explicit(self) -> bool:
+        """Did the user ask for learning (--learn, --keep-learned), rather than take the default?"""
+        return self._explicit
+
     def __call__(self, heads, target) -> OnlineLearner | None:
         """The learner of ``heads`` (None: the method drafts with none) on ``target`` (a Backend)."""
         if heads is None:

@@ -22,9 +22,16 @@ def parallel_server():
     assert stop_server(server) == 0, server.log
 
 
-def test_requests_decoded_together_get_their_one_at_a_time_answers(demo_server, parallel_server):
+@pytest.fixture(scope="module")
+def one_at_a_time_server():
+    server = start_server(*DEMO_ARGS, "--parallel", "1")
+    yield server
+    assert stop_server(server) == 0, server.log
+
+
+def test_requests_decoded_together_get_their_one_at_a_time_answers(one_at_a_time_server, parallel_server):
     keys = [(client, request) for client in range(2 * SLOTS) for request in range(2)]
-    sequential = {key: answer(demo_server, messages_for(*key), stream=False) for key in keys}
+    sequential = {key: answer(one_at_a_time_server, messages_for(*key), stream=False) for key in keys}
     before = parallel_server.request("GET", "/health")[1]["served"]
     with ThreadPoolExecutor(2 * SLOTS) as pool:
         together = dict(zip(keys, pool.map(lambda key: answer(parallel_server, messages_for(*key),
@@ -36,18 +43,14 @@ def test_requests_decoded_together_get_their_one_at_a_time_answers(demo_server, 
     assert metrics['specrun_batch_sequences_total{model="target"}'] > 1.5 * metrics['specrun_batches_total{model="target"}']
 
 
-def test_parallel_auto_decodes_several_together_as_memory_allows_and_the_default_one_at_a_time(demo_server):
-    """The demo pair's caches are small beside this machine's memory: 4 slots, said in the log;
-    without --parallel, one (a lone client on a slot runs slower: docs/perf.md 3(r))."""
+def test_auto_is_the_default_and_decodes_several_together_as_memory_allows(demo_server, one_at_a_time_server):
+    """The demo pair's caches are small beside this machine's memory: without --parallel (auto), 4
+    slots, said in the log; --parallel 1 answers one at a time."""
     from specrun.sessions.slots import DEFAULT_SLOTS
 
-    assert metric_values(demo_server)["specrun_slots"] == 1
-    server = start_server(*DEMO_ARGS, "--parallel", "auto")
-    try:
-        assert metric_values(server)["specrun_slots"] == DEFAULT_SLOTS
-        assert any(f"up to {DEFAULT_SLOTS} requests are decoded together" in line for line in server.log)
-    finally:
-        assert stop_server(server) == 0, server.log
+    assert metric_values(demo_server)["specrun_slots"] == DEFAULT_SLOTS
+    assert any(f"up to {DEFAULT_SLOTS} requests are decoded together" in line for line in demo_server.log)
+    assert metric_values(one_at_a_time_server)["specrun_slots"] == 1
 
 
 def test_parallel_auto_answers_one_at_a_time_where_slots_would_drop_its_heads():
@@ -241,6 +244,7 @@ def test_a_full_queue_is_a_429_with_retry_after_and_the_others_are_served():
     (("--parallel", "2", "--method", "lookahead"), 2, "drafts with lookahead"),
     (("--parallel", "2", "--method", "lookup+medusa"), 2, "drafts with medusa"),
     (("--parallel", "2", "--branches", "2"), 2, "--branches"),
+    (("--parallel", "2", "--learn"), 2, "--learn drafts trees, with heads, from a windowed cache or learning"),
 ])
 def test_parallel_options_a_slot_cannot_hold_are_one_line_errors(args, code, message):
     from tests.hardening.cli_checks import assert_one_line_error, run_specrun
