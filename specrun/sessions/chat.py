@@ -477,6 +477,8 @@ class ChatSession:
         if self._window_alternative:
             return
         self._window_alternative = True
+        if not is_adaptive(self.method) or self.draft is None:  # none to hold (setup.auto_draft_window)
+            return
         drafter = self._drafter_for(self.method)
         if self.engine.drafter is not None:
             self.engine.drafter.close()
