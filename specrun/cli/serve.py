@@ -162,7 +162,8 @@ def serve_command(
             check_slots_method(method)
             given = next((name for name, value in (("--heads", heads), ("--branches", branches),
                                                    ("--tree-nodes", tree_nodes), ("--lookahead", lookahead),
-                                                   ("--window", window or None), ("--learn", learn or None))
+                                                   ("--window", window or None), ("--learn", learn or None),
+                                                   ("--keep-learned", keep_learned or None))
                           if value is not None), None)
             if given is None and is_window_draft(draft):
                 given = f"--draft {draft}"
