@@ -17,7 +17,7 @@ py="$venv/bin/python"
 server="$venv/bin/ggml-rpc-server"
 version=$(sed -n 's/.*"llama-cpp-python==\([0-9.]*\)".*/\1/p' pyproject.toml)
 src="$venv/src"
-no_common="$(cd "$(dirname "$0")" && pwd)/llama_cpp_no_common.cmake"
+no_common="$(CDPATH='' cd -- "$(dirname -- "$0")" >/dev/null && pwd)/llama_cpp_no_common.cmake"
 sdist="$src/llama_cpp_python-$version.tar.gz"
 
 fetch_sdist() {
@@ -38,7 +38,8 @@ if ! "$py" -c "import llama_cpp, sys; sys.exit(llama_cpp.__version__ != '$versio
     fetch_sdist
     # never a cached wheel: one built without RPC (or for another device) would be reused
     CFLAGS="${CFLAGS:-} $no_amx" CXXFLAGS="${CXXFLAGS:-} $no_amx" \
-    CMAKE_ARGS="${CMAKE_ARGS:-} -DGGML_RPC=ON -DLLAVA_BUILD=OFF -DCMAKE_PROJECT_llama.cpp_INCLUDE=$no_common" \
+    # single quotes: scikit-build-core splits CMAKE_ARGS as a shell would (a checkout path with spaces)
+    CMAKE_ARGS="${CMAKE_ARGS:-} -DGGML_RPC=ON -DLLAVA_BUILD=OFF '-DCMAKE_PROJECT_llama.cpp_INCLUDE=$no_common'" \
     CMAKE_BUILD_PARALLEL_LEVEL="$jobs" \
         "$py" -m pip install --quiet --no-cache-dir --force-reinstall --no-deps "$sdist"
     rm -f "$server"  # linked against the library just replaced
