@@ -163,7 +163,8 @@ def serve_command(
             given = next((name for name, value in (("--heads", heads), ("--branches", branches),
                                                    ("--tree-nodes", tree_nodes), ("--lookahead", lookahead),
                                                    ("--window", window or None), ("--learn", learn or None),
-                                                   ("--keep-learned", keep_learned or None))
+                                                   ("--keep-learned", keep_learned or None),
+                                                   ("--learn-budget", learn_budget), ("--learn-buffer", learn_buffer))
                           if value is not None), None)
             if given is None and is_window_draft(draft):
                 given = f"--draft {draft}"
