@@ -160,17 +160,20 @@ def serve_command(
         parallel = checked_parallel(parallel)
         if parallel is not None and parallel > 1:
             check_slots_method(method)
-            given = next((name for name, value in (("--heads", heads), ("--branches", branches),
-                                                   ("--tree-nodes", tree_nodes), ("--lookahead", lookahead),
-                                                   ("--window", window or None), ("--learn", learn or None),
-                                                   ("--keep-learned", keep_learned or None),
-                                                   ("--learn-budget", learn_budget), ("--learn-buffer", learn_buffer))
-                          if value is not None), None)
-            if given is None and is_window_draft(draft):
-                given = f"--draft {draft}"
-            if given is not None:
-                raise UsageError(f"{given} drafts trees, with heads, from a windowed cache or learning online, "
-                                 "which --parallel slots sharing a pass cannot do",
+            # what each option asks of a slot that a pass shared by several cannot give
+            asked = (("--heads", heads, "drafts with heads"), ("--branches", branches, "drafts trees"),
+                     ("--tree-nodes", tree_nodes, "drafts trees"),
+                     ("--lookahead", lookahead, "drafts with a lookahead window"),
+                     ("--window", window or None, "drafts from a windowed cache"),
+                     (f"--draft {draft}", True if is_window_draft(draft) else None, "drafts from a windowed cache"),
+                     ("--learn", learn or None, "learns online"),
+                     ("--keep-learned", keep_learned or None, "learns online"),
+                     ("--learn-budget", learn_budget, "sizes online learning"),
+                     ("--learn-buffer", learn_buffer, "sizes online learning"))
+            refused = next(((name, why) for name, value, why in asked if value is not None), None)
+            if refused is not None:
+                given, why = refused
+                raise UsageError(f"{given} {why}, which --parallel slots sharing a pass cannot do",
                                  f"leave {given} out, or serve with --parallel 1")
         sampling = checked_sampling("serve", temp, top_k, top_p, min_p, None)
         verification = checked_verification("serve", verify, accept, epsilon, delta, margin, exact)

@@ -40,7 +40,7 @@ def test_serve_refuses_a_window_beside_parallel_slots(given):
     assert result.exit_code == 2, result.output
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1
-    assert "from a windowed cache or learning online, which --parallel slots sharing a pass cannot do" in lines[0]
+    assert "drafts from a windowed cache, which --parallel slots sharing a pass cannot do" in lines[0]
 
 
 def generate_json(*args: str):
