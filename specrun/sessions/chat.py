@@ -463,6 +463,10 @@ class ChatSession:
         elif is_adaptive(method) and self._load_heads is not None:  # auto's own, as it would open with them
             self._drafter_options = with_auto_heads(self._drafter_options, self._load_heads(kind=None))
         check_trees_for(method, self.target, self._drafter_options.lookahead)
+        self._rebuild_drafter(method)
+
+    def _rebuild_drafter(self, method: str) -> None:
+        """Draft with a drafter of ``method`` built now from the session's options, the old one closed."""
         drafter = self._drafter_for(method)
         previous = self.engine.drafter
         if previous is not None:  # first: a head drafter stops the target's hidden states when closed
@@ -477,12 +481,8 @@ class ChatSession:
         if self._window_alternative:
             return
         self._window_alternative = True
-        if not is_adaptive(self.method) or self.draft is None:  # none to hold (setup.auto_draft_window)
-            return
-        drafter = self._drafter_for(self.method)
-        if self.engine.drafter is not None:
-            self.engine.drafter.close()
-        self.engine.set_drafter(drafter, self.method)
+        if is_adaptive(self.method) and self.draft is not None:  # else none to hold (setup.auto_draft_window)
+            self._rebuild_drafter(self.method)
 
     def slot_drops(self) -> str:
         """What this session drafts with that a slot's would not (on_slot): "" where nothing."""
