@@ -1,6 +1,6 @@
 """A windowed draft cache on both real backends (backends/llama_window.py, backends/mlx_window.py):
-SmolLM2 drafting for itself (MagicDec's set-up) and its Q4_1 file drafting with a window, across
-contexts several windows long. The target verifies with its full cache, so greedy output is plain
+SmolLM2 drafting for itself (MagicDec's set-up; on MLX the demo target, whose tokens cost a twelfth
+of SmolLM2's there) and its Q4_1 file drafting with a window, across contexts several windows long. The target verifies with its full cache, so greedy output is plain
 decoding's; keys moved down as the window moves on still mean what they meant."""
 
 from __future__ import annotations
@@ -38,11 +38,29 @@ def llama_pair(smollm2):
     target.close()
 
 
-@pytest.fixture(params=["llama", "mlx"])
+@pytest.fixture(scope="module")
+def mlx_demo_pair():
+    """The demo pair on MLX (float32 copies): a target token ~12 ms here against SmolLM2's 147 ms."""
+    pytest.importorskip("mlx_lm", reason="the mlx backend is not installed")
+    from specrun.backends.mlx import MlxBackend
+    from specrun.modelkit.demo import demo_mlx_dir
+
+    target = MlxBackend(demo_mlx_dir("demo-target"), n_ctx=1024)
+    draft = MlxBackend(demo_mlx_dir("demo-draft"), n_ctx=1024)
+    yield target, draft
+    draft.close()
+    target.close()
+
+
+# SmolLM2 and its Q4_1 draft on each backend (llama.cpp: the F16 file; MLX: conftest's
+# mlx_real_pair, the target in float32), and the demo pair on MLX, where a case that runs the
+# target's own window (its drafts cost a target step each) would spend most of a minute on SmolLM2.
+PAIRS = {"llama": "llama_pair", "mlx": "mlx_real_pair", "mlx-demo": "mlx_demo_pair"}
+
+
+@pytest.fixture
 def pair(request):
-    """SmolLM2 and its Q4_1 draft on each backend (llama.cpp: the F16 file; MLX: conftest's
-    mlx_real_pair, the target in float32)."""
-    return request.getfixturevalue("llama_pair" if request.param == "llama" else "mlx_real_pair")
+    return request.getfixturevalue(PAIRS[request.param])
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +82,8 @@ def plain_answer():
     return answer
 
 
-@pytest.mark.parametrize("who", ["self", "draft model"])
+@pytest.mark.parametrize(("pair", "who"), [("llama", "self"), ("llama", "draft model"), ("mlx-demo", "self"),
+                                           ("mlx", "draft model")], indirect=["pair"])
 def test_greedy_output_with_a_windowed_draft_equals_plain_decoding(pair, who, plain_answer):
     """Windows of 32: the window moves on over the prompt and again over the answer (which copies
     the prompt's first sentences, beyond the window), and the answer is plain decoding's."""
@@ -153,10 +172,11 @@ def test_the_cache_holds_sinks_and_run_at_consecutive_positions_through_rewinds(
         windowed.close()
 
 
+@pytest.mark.parametrize("pair", ["llama", "mlx-demo"], indirect=True)
 def test_auto_holding_a_window_beside_the_full_cache_answers_as_plain_decoding(pair, plain_answer):
     """auto with the Q4_1 draft's window of 32 held beside its full cache (DrafterOptions.draft_window)
     on a prompt several windows long: the window drafts (first, untimed), and the answer is plain
-    decoding's on both backends."""
+    decoding's on both backends (on MLX, the demo pair)."""
     from specrun.drafters.draft_model import WINDOW_NAME
     from specrun.drafters.methods import DrafterOptions, build_drafter
 
