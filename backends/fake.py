@@ -121,7 +121,7 @@ class FakeBackend(ArgmaxFromLogits, HiddenTracking):
         self.forwarded_tokens += len(tokens)
         self._hidden = self._hidden_of(lambda row: tuple(self.cache[: start + row + 1]), len(tokens))
         rows = [self._row(tuple(self.cache[: start + r + 1])) for r in logit_rows]
-        return np.stack(rows) if rows else np.zeros((0, self.vocab.size), np.float32)
+        return np.array(rows) if rows else np.zeros((0, self.vocab.size), np.float32)  # (R, V) float32
 
     def _row(self, context: tuple[int, ...]) -> np.ndarray:
         row = np.asarray(self.table(context), dtype=np.float32)
@@ -157,7 +157,7 @@ class FakeBackend(ArgmaxFromLogits, HiddenTracking):
 
         self._hidden = self._hidden_of(context_of, len(tokens) + len(tree))
         rows = [self._row(context_of(row)) for row in logit_rows]
-        return np.stack(rows) if rows else np.zeros((0, self.vocab.size), np.float32)
+        return np.array(rows) if rows else np.zeros((0, self.vocab.size), np.float32)  # (R, V) float32
 
     def forward_tree_argmax(self, tokens: Sequence[int], tree: TokenTree, logit_rows: Sequence[int]) -> np.ndarray:
         self._last_logits = self.forward_tree(tokens, tree, logit_rows)

@@ -70,8 +70,9 @@ def probabilities(logits: np.ndarray, settings: SamplingSettings) -> np.ndarray:
     if 0 < settings.top_k < vocab:
         kth = np.partition(scaled, vocab - settings.top_k, axis=-1)[:, vocab - settings.top_k]
         scaled = np.where(scaled >= kth[:, None], scaled, -np.inf)
-    probs = np.exp(scaled - scaled.max(axis=-1, keepdims=True))
-    probs /= probs.sum(axis=-1, keepdims=True)
+    # the reductions called directly (what .max and .sum call): a step samples from small rows too
+    probs = np.exp(scaled - np.maximum.reduce(scaled, axis=-1, keepdims=True))
+    probs /= np.add.reduce(probs, axis=-1, keepdims=True)
     if settings.top_p < 1.0:
         probs = _top_p(probs, settings.top_p)
     if settings.min_p > 0.0:
@@ -107,6 +108,6 @@ def token_logprobs(logits: np.ndarray, token: int, top: int) -> tuple[float, tup
 
 def sample(probs: np.ndarray, rng: np.random.Generator) -> int:
     """Draw one token id from a (vocab,) distribution."""
-    cdf = np.cumsum(probs)
-    index = int(np.searchsorted(cdf, rng.random() * cdf[-1], side="right"))
-    return min(index, len(probs) - 1)
+    cdf = np.asarray(probs).cumsum()  # the array's own methods: np.cumsum's dispatch costs more on a small row
+    index = int(cdf.searchsorted(rng.random() * cdf[-1], side="right"))
+    return min(index, len(cdf) - 1)

@@ -81,6 +81,8 @@ def verify_block(
     norm(max(0, weight_n p_target_n - p_draft_n)); after all k, from p_target_k.
     """
     k = len(draft_tokens)
+    if k == 0:  # a plain step: the target's own draw (rng.random(0) below would draw nothing)
+        return Verdict(0, sample(p_target[0], rng))
     keep, weights = block_keep_chances(draft_tokens, p_target, p_draft)
     kept = np.flatnonzero(rng.random(k) < keep)
     n_accepted = int(kept[-1]) + 1 if len(kept) else 0

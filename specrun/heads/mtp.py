@@ -135,6 +135,7 @@ ARRAY_NAMES = (
     "down_proj", "router", "router_bias", "gate_exps", "up_exps", "down_exps", "shared_gate",
     "q_a", "q_a_norm", "q_b", "kv_a", "kv_a_norm", "k_b", "v_b",
 )
+_ARRAY_NAME_SET = frozenset(ARRAY_NAMES)  # looked up on every array a drafting step reads
 
 
 @dataclass(frozen=True)
@@ -177,7 +178,7 @@ class MtpHeads:
         return cls(config, layout, {name: array for name, array in arrays.items() if array is not None})
 
     def __getattr__(self, name: str):
-        if name in ARRAY_NAMES:
+        if name in _ARRAY_NAME_SET:
             return self.tensors.get(name)
         raise AttributeError(name)
 
