@@ -391,6 +391,9 @@ def independent_run(children: Sequence[int], p_draft: Sequence[np.ndarray | None
 
 # Bisection steps for SpecTr's rho in [1, k]: k 2^-40 is far below any probability that matters.
 RHO_STEPS = 40
+# NumPy sums fewer float64s than this one after another from 0.0 (more, pairwise): a Python loop
+# over so few gives the same bits, without three NumPy calls a bisection step.
+_SEQUENTIAL_SUM = 8
 
 
 def k_sequential_rho(p_target_row: np.ndarray, p_draft_row: np.ndarray, n_drafts: int) -> tuple[float, float]:
@@ -400,9 +403,17 @@ def k_sequential_rho(p_target_row: np.ndarray, p_draft_row: np.ndarray, n_drafts
     some draft is accepted, which falls as rho grows; the right side rises."""
     drawn = p_draft_row > 0.0
     p_target_drawn, p_draft_drawn = p_target_row[drawn], p_draft_row[drawn]
+    if len(p_draft_drawn) < _SEQUENTIAL_SUM:  # a small support (top-k): the bisection in Python floats
+        pairs = list(zip(p_draft_drawn.tolist(), p_target_drawn.tolist()))
 
-    def beta(rho: float) -> float:
-        return float(np.minimum(p_draft_drawn, p_target_drawn / rho).sum())
+        def beta(rho: float) -> float:
+            total = 0.0
+            for q, p in pairs:
+                total += min(q, p / rho)
+            return total
+    else:
+        def beta(rho: float) -> float:
+            return float(np.minimum(p_draft_drawn, p_target_drawn / rho).sum())
 
     low, high = 1.0, float(n_drafts)
     for _ in range(RHO_STEPS):
