@@ -11,8 +11,11 @@ JOBS := $(shell nproc 2>/dev/null || echo 2)
 TEST_JOBS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); [ $$n -gt 4 ] && n=4; echo $$n)
 
 SYSTEM := $(VENV)/.specrun-system
-# The Python install and the Debian packages (mostly downloads) are made side by side.
+# The Python install and the Debian packages (mostly downloads) are made side by side; not where
+# `clean` is asked for too (its goals would run beside the install).
+ifeq ($(filter clean,$(MAKECMDGOALS)),)
 MAKEFLAGS += -j2
+endif
 
 .PHONY: demo test install clean
 
@@ -21,11 +24,13 @@ install: $(STAMP) $(SYSTEM)
 # llama-cpp-python builds from source with llama.cpp's RPC backend (about 3½ minutes on 2 cores;
 # only when the installed one is not that), with llama.cpp's ggml-rpc-server beside it. The rest
 # installs with uv (a wheel from PyPI): its parallel downloads took 14 s here where pip took 92.
+# uv reads UV_INDEX_URL, not pip's configuration: where it fails (a mirror only pip knows), pip.
 $(STAMP): pyproject.toml tools/install_llama_cpp.sh tools/llama_cpp_no_common.cmake
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip 'uv>=0.9'
 	tools/install_llama_cpp.sh $(VENV) $(JOBS)
-	CMAKE_BUILD_PARALLEL_LEVEL=$(JOBS) $(VENV)/bin/uv pip install --quiet --python $(PY) -e '.[llama,mlx,dev]'
+	CMAKE_BUILD_PARALLEL_LEVEL=$(JOBS) $(VENV)/bin/uv pip install --quiet --python $(PY) -e '.[llama,mlx,dev]' \
+		|| CMAKE_BUILD_PARALLEL_LEVEL=$(JOBS) $(PY) -m pip install --quiet -e '.[llama,mlx,dev]'
 	touch $(STAMP)
 
 # Debian's chromium and OpenBLAS for the tests, where root can install them (else a note).

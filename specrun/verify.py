@@ -403,13 +403,14 @@ def k_sequential_rho(p_target_row: np.ndarray, p_draft_row: np.ndarray, n_drafts
     some draft is accepted, which falls as rho grows; the right side rises."""
     drawn = p_draft_row > 0.0
     p_target_drawn, p_draft_drawn = p_target_row[drawn], p_draft_row[drawn]
-    if len(p_draft_drawn) < _SEQUENTIAL_SUM:  # a small support (top-k): the bisection in Python floats
+    small = len(p_draft_drawn) < _SEQUENTIAL_SUM and p_draft_drawn.dtype == p_target_drawn.dtype == np.float64
+    if small:  # a small support (top-k) of float64 rows: the bisection in Python floats
         pairs = list(zip(p_draft_drawn.tolist(), p_target_drawn.tolist()))
 
         def beta(rho: float) -> float:
             total = 0.0
-            for q, p in pairs:
-                total += min(q, p / rho)
+            for draft_p, target_p in pairs:
+                total += min(draft_p, target_p / rho)
             return total
     else:
         def beta(rho: float) -> float:

@@ -13,6 +13,7 @@ if [ "$(id -u)" != 0 ] || ! command -v apt-get >/dev/null; then
     echo "note: not installed: ${wanted[*]} (Debian packages; without them some tests skip or run slower)" >&2
     exit 0
 fi
+export DEBIAN_FRONTEND=noninteractive  # beside the Python install (make -j2) it has no terminal to ask on
 apt-get update -qq || { echo "note: apt-get update failed; not installed: ${wanted[*]}" >&2; exit 0; }
 for package in "${wanted[@]}"; do
     apt-get install -y -qq "$package" >/dev/null || echo "note: apt-get could not install $package" >&2

@@ -160,7 +160,8 @@ def test_greedy_ngram_trees_equal_plain_decoding_and_accept_siblings(monkeypatch
 
 @pytest.mark.parametrize("name", [name for name, scenario in SCENARIOS.items() if scenario.branches])
 def test_sampled_tree_scenarios_verify_trees(monkeypatch, name):
-    """The harness's tree scenarios (chi-square and acceptance checks in test_acceptance) do
+    """The harness's tree scenarios (chi-square and acceptance checks in test_acceptance, the MTP
+    tree's in test_mtp_sampling) do
     verify trees, and take siblings."""
     recorder = TreeRecorder(monkeypatch)
     _, problems = run_scenario(name, runs=300)

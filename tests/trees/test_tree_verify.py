@@ -212,8 +212,8 @@ def test_k_sequential_rho_solves_spectr_s_equation():
     """rho in [1, k] where 1 - (1 - beta)^k = rho beta: 1 for one draft, and the residual left
     non-negative with its mass where the selection's is missing."""
     rng = np.random.default_rng(3)
-    for _ in range(50):
-        p_target, p_draft = _random_rows(rng, 2, 6)
+    for index in range(50):  # supports of 6 (summed in Python floats) and of 12 (in NumPy)
+        p_target, p_draft = _random_rows(rng, 2, 6 if index % 2 else 12)
         for n_drafts in (1, 2, 3, 4):
             rho, beta = specrun.verify.k_sequential_rho(p_target, p_draft, n_drafts)
             assert n_drafts >= rho >= 1.0

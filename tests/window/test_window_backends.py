@@ -1,7 +1,8 @@
 """A windowed draft cache on both real backends (backends/llama_window.py, backends/mlx_window.py):
 SmolLM2 drafting for itself (MagicDec's set-up; on MLX the demo target, whose tokens cost a twelfth
-of SmolLM2's there) and its Q4_1 file drafting with a window, across contexts several windows long. The target verifies with its full cache, so greedy output is plain
-decoding's; keys moved down as the window moves on still mean what they meant."""
+of SmolLM2's there) and its Q4_1 file drafting with a window, across contexts several windows long.
+The target verifies with its full cache, so greedy output is plain decoding's; keys moved down as
+the window moves on still mean what they meant."""
 
 from __future__ import annotations
 
