@@ -214,6 +214,11 @@ class KVSequence:
         return getattr(self.backend, "others_in_pass", 0)
 
     @property
+    def shared_tokens(self) -> int:
+        """The tokens the other sequences fed the backend's last pass (a slot's); 0 alone."""
+        return getattr(self.backend, "others_tokens_in_pass", 0)
+
+    @property
     def can_feed_after(self) -> bool:
         """Can this model queue a pass on another model's deferred ids (``feed_argmax_after``)?"""
         return hasattr(self.backend, "forward_argmax_after")

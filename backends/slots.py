@@ -100,6 +100,7 @@ class Rendezvous:
         self._closed = False
         self.counts: dict[str, RendezvousCounts] = {}  # by model label
         self.last_sequences: dict[int, int] = {}  # id(model) -> sequences its last batch held
+        self.last_tokens: dict[int, int] = {}  # id(model) -> tokens its last batch held, all sequences'
 
     # ---- slots come and go ----------------------------------------------------------
     def join(self) -> None:
@@ -232,6 +233,7 @@ class Rendezvous:
         seconds = perf_counter() - started
         tokens = sum(len(slot_pass.tokens) for slot_pass in passes)
         self.last_sequences[id(model)] = len(passes)
+        self.last_tokens[id(model)] = tokens
         counts = self.counts.setdefault(self._labels[id(model)], RendezvousCounts())
         counts.passes += 1
         counts.sequences += len(passes)
@@ -268,6 +270,7 @@ class Slot(ParentsModel, ArgmaxFromLogits):
         parent_variant = getattr(parent, "variant", "")
         self.variant = f"{parent_variant};slots={model.n_slots}" if parent_variant else f"slots={model.n_slots}"
         self._n_past = 0
+        self._last_fed = 0  # tokens this slot's last pass fed (its last chunk's)
         self._last_logits = np.zeros((0, self.vocab.size), np.float32)
 
     @property
@@ -278,6 +281,13 @@ class Slot(ParentsModel, ArgmaxFromLogits):
     def others_in_pass(self) -> int:
         """The other sequences the last batch of this model held (0 alone)."""
         return max(self.rendezvous.last_sequences.get(id(self.model), 1) - 1, 0)
+
+    @property
+    def others_tokens_in_pass(self) -> int:
+        """The tokens the other sequences fed the last batch of this model (0 alone): what a
+        pass costs is read by the batch's tokens (TargetCosts.others_tokens)."""
+        batch = self.rendezvous.last_tokens.get(id(self.model), self._last_fed)
+        return max(batch - self._last_fed, 0)
 
     # ---- the sequence ------------------------------------------------------------------
     def forward(self, tokens: Sequence[int], logit_rows: Sequence[int]) -> np.ndarray:
@@ -295,6 +305,7 @@ class Slot(ParentsModel, ArgmaxFromLogits):
             wanted = [row - last_start for row in rows] if start == last_start else []
             out = self.rendezvous.submit(self.model, SlotPass(self.seq, self._n_past, chunk, wanted), self.label)
             self._n_past += len(chunk)
+            self._last_fed = len(chunk)
         return out
 
     def rewind(self, n_keep: int) -> None:

@@ -76,6 +76,14 @@ class TargetCosts:
         # each yields a token a pass, and a longer pass delays theirs too, so the tokens a draft
         # brings are weighed against the whole batch's (DraftLengthController._compute_rates).
         self.sharing = 0
+        # The tokens those other sequences feed the pass: a pass costs what all its tokens cost,
+        # so a shared pass is timed, and read, by the batch's tokens (n here and in ``observe``
+        # are this sequence's, n + others_tokens the key). Timed by this sequence's tokens alone,
+        # a slot's table held whatever the others fed when each length was timed: with both slots
+        # plain, a 5-token pass read as dear as the 14-token batches it was timed in while both
+        # drafted, no draft could pay (could_pay), and two clients drafted 0.6 tokens a step.
+        self.others_tokens = 0
+        self._shifted: tuple[int, int, list[float | None]] | None = None  # (others_tokens, version, table)
         # The context the next pass reads (at_context), the mean context each mean was timed at,
         # and what a token of context adds to a pass (the module docstring).
         self.context = 0
@@ -87,6 +95,12 @@ class TargetCosts:
     def switch_charge(self) -> float:
         """Seconds a speculative step is charged for the plain pass it is likely to cause."""
         return self.switch_seconds * self.switch_back
+
+    def share(self, others_tokens: int) -> None:
+        """The pass to come (or just run) holds ``others_tokens`` of other sequences' tokens."""
+        if others_tokens != self.others_tokens:
+            self.others_tokens = others_tokens
+            self.version += 1  # every controller's rates read the table at another offset
 
     def note_pass(self, n_tokens: int, seconds: float, previous: int | None) -> bool:
         """Learn what changing the batch shape costs; True where the pass should also be
@@ -111,7 +125,7 @@ class TargetCosts:
             return n_tokens > 1
         if previous > 1:
             self.switch_back = blend(self.switch_back, 1.0 if n_tokens == 1 else 0.0, self.SWITCH_WEIGHT)
-        plain = self.seconds.get(1)
+        plain = self.seconds.get(1 + self.others_tokens)
         if n_tokens == 1 and previous > 1 and plain is not None:
             excess = min(max(seconds - plain, 0.0), plain * self.SPIKE_CAP)  # a slow pass, not a rebuild
             self.switch_seconds = blend(self.switch_seconds, excess, self.SWITCH_WEIGHT)
@@ -124,7 +138,8 @@ class TargetCosts:
         return counted
 
     def observe(self, n_tokens: int, seconds: float) -> None:
-        """One pass over ``n_tokens`` took ``seconds``."""
+        """One pass over ``n_tokens`` (and the others' ``others_tokens``) took ``seconds``."""
+        n_tokens += self.others_tokens
         if n_tokens in self._preloaded:
             self._check_preload(n_tokens, seconds)
         old = self.seconds.get(n_tokens)
@@ -189,7 +204,7 @@ class TargetCosts:
         self._table = None
 
     def known(self, n_tokens: int) -> bool:
-        return n_tokens in self.seconds
+        return n_tokens + self.others_tokens in self.seconds
 
     def at_context(self, length: int) -> None:
         """The passes to come read ``length`` tokens of context: the table follows once the slope
@@ -234,19 +249,26 @@ class TargetCosts:
 
     def table(self, max_tokens: int) -> list[float | None]:
         """``self(n)`` for n = 0..max_tokens, computed once per change (the controller asks every step)."""
-        if self._table is None or len(self._table) <= max_tokens:
-            self._table = self._estimates(max_tokens)
+        others = self.others_tokens
+        if self._table is None or len(self._table) <= max_tokens + others:
+            self._table = self._estimates(max_tokens + others)
             self._built_from = dict(self.seconds)
             self._passes_since_build = 0
             self._table_context = self.context
-        return self._table
+            self._shifted = None
+        if not others:
+            return self._table
+        if self._shifted is None or self._shifted[:2] != (others, self.version):
+            self._shifted = (others, self.version, self._table[others:])
+        return self._shifted[2]
 
     @property
     def plain(self) -> float | None:
         """T(1), plain decoding's pass, as measured: read on every step (SpeculationGate),
         where building the table after each noisy pass cost more than the rest of a plain
         step's bookkeeping. The table's value where T(1) was never timed."""
-        return self._carried(1) if 1 in self.seconds else self(1)
+        plain = 1 + self.others_tokens
+        return self._carried(plain) if plain in self.seconds else self(1)
 
     def __call__(self, n_tokens: int) -> float | None:
         """Measured where seen, else a line through what was seen (None before any pass)."""

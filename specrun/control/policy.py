@@ -106,8 +106,9 @@ class SpeculationPolicy(Protocol):
         """Should this drafter read the prompt before the text is generated (Drafter.prefill)?"""
         ...
 
-    def share(self, others: int) -> None:
-        """The next pass carries ``others`` other sequences besides this run's (a server's slots)."""
+    def share(self, others: int, others_tokens: int = 0) -> None:
+        """The next pass carries ``others`` other sequences besides this run's (a server's slots),
+        feeding ``others_tokens`` tokens."""
 
     def at_context(self, length: int) -> None:
         """The next pass reads ``length`` tokens of context (TargetCosts.at_context)."""
@@ -154,7 +155,7 @@ class FixedPolicy:
     def reads_prompt(self, drafter: Drafter) -> bool:
         return True  # every step drafts
 
-    def share(self, others: int) -> None:
+    def share(self, others: int, others_tokens: int = 0) -> None:
         """Fixed lengths do not yield to other sequences in the pass."""
 
     def at_context(self, length: int) -> None:
@@ -309,9 +310,11 @@ class AdaptivePolicy:
         # nothing only while its controller has it off, and is then asked on its probes).
         self._idle = IdleBackoff() if self.adaptive else None
 
-    def share(self, others: int) -> None:
-        """The next pass carries ``others`` other sequences (TargetCosts.sharing)."""
+    def share(self, others: int, others_tokens: int = 0) -> None:
+        """The next pass carries ``others`` other sequences feeding ``others_tokens`` tokens
+        (TargetCosts.sharing, TargetCosts.share); called again once a pass has run, with what it held."""
         self.target_costs.sharing = others
+        self.target_costs.share(others_tokens)
 
     def reads_prompt(self, drafter: Drafter) -> bool:
         """A draft model for which no draft could pay, were every token accepted (a server's slots

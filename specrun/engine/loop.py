@@ -264,7 +264,8 @@ class SpeculativeEngine:
         measured = policy is not None and policy.measured
         if measured:
             policy.start_text(len(context))
-            policy.share(self.target.sharing)  # as the last pass found it: whether drafters read the prompt
+            # as the last pass found it: whether drafters read the prompt
+            policy.share(self.target.sharing, self.target.shared_tokens)
         prompt_logits, reused = self._prefill(context, policy, params, stats)  # (V,): after the prompt
         ties = NearTieWatch.of_run(self.target, params, reused)  # None: not counted
         constrained = ConstrainedRun(params.grammar) if params.grammar is not None else None
@@ -299,7 +300,7 @@ class SpeculativeEngine:
                 # tokens the grammar forces are drafted for free, in place of asking the drafters
                 forced = constrained.forced(draft_len) if constrained is not None and policy is not None else None
                 if measured:
-                    policy.share(self.target.sharing)
+                    policy.share(self.target.sharing, self.target.shared_tokens)  # as the last pass found it
                     policy.at_context(context_len)
                 plan = PLAIN if policy is None or forced is not None else policy.plan()
                 drafts = forced or self._draft(policy, plan, context, draft_len, params, rng)
@@ -333,6 +334,7 @@ class SpeculativeEngine:
                     # steps read ahead, every step is timed from then, speculating's as plain
                     # decoding's whole cycle (the caller's time left out of one kind only favoured it)
                     started = clock.yielded_at if reads_ahead else clock.step_started
+                    policy.share(self.target.sharing, self.target.shared_tokens)  # what this pass held
                     policy.observe(StepReport(plan, proposal, tuple(verdict.path), started,
                                               clock.draft_seconds, clock.verify_seconds, context, context_len,
                                               queued))

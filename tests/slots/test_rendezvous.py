@@ -143,3 +143,18 @@ def test_a_rewind_is_run_before_the_model_s_next_batch():
     out = targets[0].forward([9], [0])
     assert target_slots.caches[0] == [1, 2, 9]
     np.testing.assert_array_equal(out[0], table((1, 2, 9)))
+
+
+def test_a_slot_knows_what_the_other_sequences_fed_its_last_pass():
+    """Slot.others_tokens_in_pass: the batch's tokens less the slot's own (what a shared pass's cost
+    is read by: TargetCosts.others_tokens)."""
+    table = hashed_logits(VOCAB, salt=6)
+    rendezvous, target_slots, targets, _ = slot_pair(2, table)
+    fed = [[1, 2, 3, 4, 5], [7, 8]]
+    run_together(rendezvous, [lambda slot=slot, tokens=tokens: slot.forward(tokens, [len(tokens) - 1])
+                              for slot, tokens in zip(targets, fed)])
+    assert target_slots.batches == [((0, 5), (1, 2))] or target_slots.batches == [((1, 2), (0, 5))]
+    assert (targets[0].others_tokens_in_pass, targets[1].others_tokens_in_pass) == (2, 5)
+    assert (targets[0].others_in_pass, targets[1].others_in_pass) == (1, 1)
+    alone = FakeBackend(table, VOCAB)
+    assert getattr(alone, "others_tokens_in_pass", 0) == 0

@@ -4,6 +4,8 @@ on a machine where each token fed costs more time (a compute-bound pass)."""
 
 from __future__ import annotations
 
+import pytest
+
 from specrun.backends.fake import FakeBackend
 from specrun.drafters.methods import DrafterOptions, build_drafter
 from specrun.engine.loop import GenerationParams, SpeculativeEngine
@@ -168,3 +170,46 @@ def test_an_answer_the_draft_did_not_draft_is_read_at_its_end_alone_and_left_unr
         drafter.bind(sequence_for(target), CostClock())
         drafter.finish(context)
         assert draft.forwarded_tokens == fed
+
+
+def test_a_shared_pass_is_timed_and_read_by_the_batch_s_tokens():
+    """TargetCosts.others_tokens: a pass this sequence fed n tokens of, beside the others' m, is
+    timed as a pass of n + m; read with m' others, T(n) is the batch of n + m'."""
+    costs = TargetCosts()
+    costs.share(3)
+    for _ in range(4):
+        costs.observe(2, 5.0)  # 2 of its own, 3 of the others': a 5-token pass
+        costs.observe(1, 4.0)
+    assert costs.known(2) and set(costs.seconds) == {4, 5}
+    assert costs.table(2)[1:] == [4.0, 5.0] and costs.plain == 4.0
+    costs.share(2)
+    assert costs(3) == 5.0 and costs(2) == 4.0 and not costs.known(1)
+    costs.share(0)
+    assert costs.known(4) and costs(5) == 5.0
+
+
+def test_costs_timed_while_the_other_slot_drafted_do_not_keep_a_right_draft_off_once_both_are_plain():
+    """Two slots on a CPU where a pass costs 1 + 0.5 a token of the batch. While the other slot drafted
+    8 a pass, this one timed its own lengths 1..9 in batches of 10..18 tokens; then both went plain
+    (batches of 2). Every draft right, 4 drafts bring (2 + 4) / T(6) = 1.5 tokens a unit against
+    plain decoding's 2 / T(2) = 1: the draft could pay. Read by its own tokens (the others' left in
+    the cost), T(5) said 8 against T(1)'s 2, no draft could pay and the probes were skipped: two
+    clients on the bench-scale pair drafted 0.6 tokens a step in one round, 6 to 7 in another."""
+    costs = TargetCosts()
+    costs.sharing = 1
+    costs.share(9)  # the other slot: a token and 8 drafts
+    for n in range(1, 10):
+        for _ in range(8):
+            costs.observe(n, 1.0 + 0.5 * (n + 9))
+    costs.share(1)  # both plain
+    for _ in range(30):
+        costs.observe(1, 1.0 + 0.5 * 2)
+    draft_costs = DraftCosts()
+    for k in range(1, 9):
+        draft_costs.observe(k, 0.01 * k)
+    controller = DraftLengthController(max_draft_len=8, target_costs=costs, draft_costs=draft_costs,
+                                       prior_accept=0.7, prior_weight=1e6)
+    controller.start_off(4)
+    assert costs(5) == pytest.approx(1.0 + 0.5 * 6) and costs.plain == 2.0
+    assert controller.could_pay()
+    assert 2 in lengths_over(controller, 4)  # probed again
