@@ -36,9 +36,9 @@ fi
 if ! "$py" -c "import llama_cpp, sys; sys.exit(llama_cpp.__version__ != '$version' or not llama_cpp.llama_supports_rpc()
                 or (bool('$no_amx') and b'AMX_INT8 = 1' in llama_cpp.llama_print_system_info()))" 2>/dev/null; then
     fetch_sdist
-    # never a cached wheel: one built without RPC (or for another device) would be reused
-    CFLAGS="${CFLAGS:-} $no_amx" CXXFLAGS="${CXXFLAGS:-} $no_amx" \
+    # never a cached wheel: one built without RPC (or for another device) would be reused;
     # single quotes: scikit-build-core splits CMAKE_ARGS as a shell would (a checkout path with spaces)
+    CFLAGS="${CFLAGS:-} $no_amx" CXXFLAGS="${CXXFLAGS:-} $no_amx" \
     CMAKE_ARGS="${CMAKE_ARGS:-} -DGGML_RPC=ON -DLLAVA_BUILD=OFF '-DCMAKE_PROJECT_llama.cpp_INCLUDE=$no_common'" \
     CMAKE_BUILD_PARALLEL_LEVEL="$jobs" \
         "$py" -m pip install --quiet --no-cache-dir --force-reinstall --no-deps "$sdist"

@@ -83,7 +83,6 @@ class TargetCosts:
         # plain, a 5-token pass read as dear as the 14-token batches it was timed in while both
         # drafted, no draft could pay (could_pay), and two clients drafted 0.6 tokens a step.
         self.others_tokens = 0
-        self._shifted: tuple[int, int, list[float | None]] | None = None  # (others_tokens, version, table)
         # The context the next pass reads (at_context), the mean context each mean was timed at,
         # and what a token of context adds to a pass (the module docstring).
         self.context = 0
@@ -255,12 +254,7 @@ class TargetCosts:
             self._built_from = dict(self.seconds)
             self._passes_since_build = 0
             self._table_context = self.context
-            self._shifted = None
-        if not others:
-            return self._table
-        if self._shifted is None or self._shifted[:2] != (others, self.version):
-            self._shifted = (others, self.version, self._table[others:])
-        return self._shifted[2]
+        return self._table[others:] if others else self._table
 
     @property
     def plain(self) -> float | None:
