@@ -207,8 +207,8 @@ def test_sampled_speculation_with_draft_equal_to_target_accepts_almost_everythin
     draft.close()
 
 
-# Every method, and the n-gram pool's trees, sampled on both backends with the perturbed draft,
-# checked by PIT and acceptance against a second copy of the target (lossless_harness). Methods
+# Every method, and the n-gram pool's trees, sampled on llama.cpp (on MLX: MLX_SAMPLED's) with the
+# perturbed draft, checked by PIT and acceptance against a second copy of the target (lossless_harness). Methods
 # with a draft model at temperature 1 (and once with every option, each cutting tokens the draft
 # may still propose); the drafters that read the context alone at 0.3, where the random model
 # repeats itself, so their one-hot drafts are accepted as well as rejected, over twice the runs.
@@ -283,11 +283,19 @@ def case_target(case: RealCase, kind: str, tiny_llama: TinyModel, looping_llama:
     return looping_llama[kind] if needs_heads(case.method) else source_of(tiny_llama, kind)
 
 
+# The methods sampled on MLX too: each reads something MLX computes in a way of its own there. The
+# draft model's rows (draft; auto, the default, drafts with it), hidden rows and a head's layer
+# over them (eagle; medusa and hydra read the same rows), MLX's MTP layer (mtp), lookahead's
+# window, and tree passes (eagle's and mtp's trees); plain sampling (none).
+MLX_SAMPLED = frozenset({"none", "draft", "auto", "eagle", "mtp", "lookahead"})
+
+
 def sampled_on_mlx(case: RealCase) -> bool:
-    """A method that chains drafters (lookup+draft) is sampled on MLX through its members' cases:
-    what the chain adds (merging proposals, then sampling) is NumPy, checked on llama.cpp here, on
-    the fake pair (lossless_harness) and greedy on MLX below; so are the sampling options."""
-    return not case.llama_only and "+" not in case.method and case.sampling != "every option"
+    """What the other cases add on MLX is NumPy, checked on llama.cpp here, on the fake pair
+    (lossless_harness) and greedy on MLX below: drafters that read the text alone (lookup, ngram:
+    one-hot drafts), medusa and hydra (eagle's rows), a chain of drafters (merging proposals, then
+    sampling), the sampling options. MLX's passes cost ~5x llama.cpp's on these tiny models."""
+    return not case.llama_only and case.method in MLX_SAMPLED and case.sampling != "every option"
 
 
 @pytest.mark.parametrize(**on_backends(REAL_CASES, lambda case: case.id, sampled_on_mlx))
