@@ -11,6 +11,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
+import threading
 import time
 from collections.abc import Sequence
 from functools import cached_property
@@ -356,10 +357,36 @@ class LlamaCppBackend(HiddenTracking):
         the rounds once the whole has taken ``budget_s``; at least 16 tokens of prefill and two
         rounds are always made, so a large model on a small CPU can take longer. (0, {}) where
         nothing can be timed: a recurrent or hybrid model (its cache cannot drop a pass), or a
-        scratch context llama.cpp cannot create (memory). A failed pass raises ContextFullError."""
-        lib = self._lib
+        scratch context llama.cpp cannot create (memory). A failed pass raises ContextFullError.
+
+        The passes run on a thread of their own, which ends with them: llama.cpp's CPU threads (an
+        OpenMP team) belong to the thread that decodes and stay with it, and a team left on the
+        caller (a server's loading thread) slowed every pass the slots' runner thread ran after it
+        (backends/slots.Rendezvous)."""
         if depth < 1 or not counts or min(counts) < 1 or max(counts) > self.n_batch:
             raise ValueError(f"cannot time passes of {list(counts)} tokens after {depth}")
+        outcome: list = []
+
+        def timed() -> None:
+            try:
+                outcome.append(self._time_flash_attn(depth, counts, budget_s, max_rounds))
+            except BaseException as exc:  # noqa: BLE001 - raised again on the caller's thread
+                outcome.append(exc)
+
+        thread = threading.Thread(target=timed, name="specrun-flash-timing", daemon=True)
+        thread.start()
+        try:
+            thread.join()
+        except BaseException:  # Ctrl-C: the passes end within the budget; the model must outlive them
+            thread.join()
+            raise
+        if isinstance(outcome[0], BaseException):
+            raise outcome[0]
+        return outcome[0]
+
+    def _time_flash_attn(self, depth: int, counts: Sequence[int], budget_s: float,
+                         max_rounds: int) -> tuple[int, dict[bool, dict[int, float]]]:
+        lib = self._lib
         if lib.llama_model_is_recurrent(self._model) or lib.llama_model_is_hybrid(self._model):
             return 0, {}
         flags = (True, False)

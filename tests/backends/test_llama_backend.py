@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import ctypes
+import os
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -108,6 +110,31 @@ def test_flash_attention_is_timed_on_and_off_without_touching_the_models_own_cac
     assert model.n_past == len(prompt)  # its own context kept the prompt
     model.rewind(0)
     np.testing.assert_array_equal(model.forward(prompt, [4]), before)
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="counts the process's threads in /proc")
+def test_timing_flash_attention_leaves_no_cpu_threads_behind_on_the_caller(tiny_llama):
+    """llama.cpp's CPU threads (an OpenMP team) belong to the thread that decodes and stay with it:
+    a server's loading thread that timed flash attention kept a team beside the slots' runner's,
+    and every shared pass ran slower (backends/slots.Rendezvous; a fresh server's first clients
+    got ~0.8x a later one's). The timing runs on a thread of its own that ends with it."""
+    import threading
+
+    backend = LlamaCppBackend(tiny_llama.gguf_path, n_ctx=256, n_threads=2)
+    counts = {}
+
+    def caller() -> None:  # a thread that never decoded, as a server's loading thread
+        counts["before"] = len(os.listdir("/proc/self/task"))
+        backend.time_flash_attn(32, (1, 6), budget_s=0.2)
+        counts["after"] = len(os.listdir("/proc/self/task"))
+
+    try:
+        thread = threading.Thread(target=caller)
+        thread.start()
+        thread.join()
+    finally:
+        backend.close()
+    assert counts["after"] == counts["before"], counts
 
 
 def test_a_slow_prefill_stops_early_at_the_same_depth_for_both(model):
