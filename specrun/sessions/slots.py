@@ -19,10 +19,9 @@ from specrun.backends.slots import Rendezvous, Slot
 from specrun.errors import UsageError
 from specrun.sessions.chat import ChatSession
 
-# ``serve --parallel auto``: at most this many slots, their caches within this share of the memory
-# free once the pair is loaded. Not serve's default: a lone client on a slot ran 0.94-0.95x the
-# one-at-a-time server here (a pass handed to the slots' runner thread; docs/perf.md 3(r)), while
-# 2 clients gained 1.04-1.09x and their first tokens came 5x sooner.
+# ``serve --parallel auto`` (serve's default): at most this many slots, their caches within this
+# share of the memory free once the pair is loaded. 2 clients gained 1.04-1.09x over one at a time
+# and their first tokens came 5x sooner; a lone client on a slot ran 0.91-1.02x (docs/perf.md 3(r)).
 DEFAULT_SLOTS = 4
 SLOTS_MEMORY_SHARE = 0.5
 
