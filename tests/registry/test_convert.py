@@ -163,12 +163,13 @@ def _check_tokenizes_as_llama_cpp(model: TinyModel, pre: str, tmp_path: Path, te
 
 # ---- the real model: SmolLM2-135M-Instruct ----------------------------------------------
 @pytest.fixture(scope="session")
-def smollm2_mlx(smollm2) -> dict[str, Path]:
-    """The Q4_1 file as an MLX 4-bit folder and the F16 copy as a float16 one: the builtins' MLX
-    folders, which convert_gguf_to_mlx derives once a machine (modelkit/smollm2.smollm2_mlx_dir)."""
-    from specrun.modelkit.builtin import builtin_mlx_dir
-
-    return {"q4": builtin_mlx_dir("smollm2-135m"), "f16": builtin_mlx_dir("smollm2-135m-f16")}
+def smollm2_mlx(smollm2, tmp_path_factory) -> dict[str, Path]:
+    """The Q4_1 file as an MLX 4-bit folder and the F16 copy as a float16 one, built once."""
+    root = tmp_path_factory.mktemp("smollm2_mlx")
+    return {
+        "q4": _convert(smollm2["smollm2-135m"], root / "q4", "q4"),
+        "f16": _convert(smollm2["smollm2-135m-f16"], root / "f16", "float16"),
+    }
 
 
 @pytest.fixture(scope="module")
