@@ -11,7 +11,6 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
-import threading
 import time
 from collections.abc import Sequence
 from functools import cached_property
@@ -359,33 +358,17 @@ class LlamaCppBackend(HiddenTracking):
         nothing can be timed: a recurrent or hybrid model (its cache cannot drop a pass), or a
         scratch context llama.cpp cannot create (memory). A failed pass raises ContextFullError.
 
-        The passes run on a thread of their own, which ends with them: llama.cpp's CPU threads (an
-        OpenMP team) belong to the thread that decodes and stay with it, and a team left on the
-        caller (a server's loading thread) slowed every pass the slots' runner thread ran after it
-        (backends/slots.Rendezvous)."""
+        The passes run apart from the caller, on a thread that ends with them (backends/apart.py:
+        a team of CPU threads left on a server's loading thread slowed every pass its slots ran);
+        an interrupt stops them at the next pass."""
         if depth < 1 or not counts or min(counts) < 1 or max(counts) > self.n_batch:
             raise ValueError(f"cannot time passes of {list(counts)} tokens after {depth}")
-        outcome: list = []
+        from specrun.backends.apart import run_apart
 
-        def timed() -> None:
-            try:
-                outcome.append(self._time_flash_attn(depth, counts, budget_s, max_rounds))
-            except BaseException as exc:  # noqa: BLE001 - raised again on the caller's thread
-                outcome.append(exc)
+        return run_apart(lambda stop: self._time_flash_attn(depth, counts, budget_s, max_rounds, stop))
 
-        thread = threading.Thread(target=timed, name="specrun-flash-timing", daemon=True)
-        thread.start()
-        try:
-            thread.join()
-        except BaseException:  # Ctrl-C: the passes end within the budget; the model must outlive them
-            thread.join()
-            raise
-        if isinstance(outcome[0], BaseException):
-            raise outcome[0]
-        return outcome[0]
-
-    def _time_flash_attn(self, depth: int, counts: Sequence[int], budget_s: float,
-                         max_rounds: int) -> tuple[int, dict[bool, dict[int, float]]]:
+    def _time_flash_attn(self, depth: int, counts: Sequence[int], budget_s: float, max_rounds: int,
+                         stop) -> tuple[int, dict[bool, dict[int, float]]]:
         lib = self._lib
         if lib.llama_model_is_recurrent(self._model) or lib.llama_model_is_hybrid(self._model):
             return 0, {}
@@ -405,6 +388,8 @@ class LlamaCppBackend(HiddenTracking):
                 contexts[flag] = ctx
 
             def decode(ctx, tokens: Sequence[int], start: int, outputs: bool) -> None:
+                if stop.is_set():  # the caller was interrupted: no more passes
+                    raise InterruptedError("the flash attention timing was stopped")
                 batch.n_tokens = len(tokens)
                 for i, token in enumerate(tokens):
                     batch.token[i], batch.pos[i], batch.n_seq_id[i] = token, start + i, 1

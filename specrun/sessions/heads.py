@@ -138,12 +138,19 @@ PROBE_TEXT = "A first run times a few passes of the target model before it draft
 
 
 def probed_costs(target) -> dict[int, float]:
-    """Median seconds of the target's passes over PROBE_COUNTS tokens (its cache emptied after)."""
+    """Median seconds of the target's passes over PROBE_COUNTS tokens (its cache emptied after),
+    timed apart from the caller (backends/apart.py: a server loads on a thread that may never
+    decode again, its slots' passes running on another)."""
+    from specrun.backends.apart import run_apart
     from specrun.sessions.tuning import time_passes
 
     prompt = list(target.tokenize(PROBE_TEXT))[:12] or [0]
-    time_passes(target, prompt, PROBE_COUNTS, repeats=1)
-    return time_passes(target, prompt, PROBE_COUNTS, PROBE_REPEATS)
+
+    def probe(stop) -> dict[int, float]:
+        time_passes(target, prompt, PROBE_COUNTS, repeats=1)
+        return time_passes(target, prompt, PROBE_COUNTS, PROBE_REPEATS)
+
+    return run_apart(probe)
 
 
 def paying_heads(heads, explicit: str | None, target, stored, on_note: Callable[[str], None] | None = None,
