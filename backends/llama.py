@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
+from specrun.backends.apart import run_apart
 from specrun.backends.base import (
     HeldTree, HiddenSupport, HiddenTracking, TreeSupport, VocabInfo, held_tree_for, near_tie_rows,
 )
@@ -363,8 +364,6 @@ class LlamaCppBackend(HiddenTracking):
         an interrupt stops them at the next pass."""
         if depth < 1 or not counts or min(counts) < 1 or max(counts) > self.n_batch:
             raise ValueError(f"cannot time passes of {list(counts)} tokens after {depth}")
-        from specrun.backends.apart import run_apart
-
         return run_apart(lambda stop: self._time_flash_attn(depth, counts, budget_s, max_rounds, stop))
 
     def _time_flash_attn(self, depth: int, counts: Sequence[int], budget_s: float, max_rounds: int,

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import ctypes
 import os
+import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -118,9 +120,6 @@ def test_timing_flash_attention_leaves_no_cpu_threads_behind_on_the_caller(tiny_
     a server's loading thread that timed flash attention kept a team beside the slots' runner's,
     and every shared pass ran slower (backends/slots.Rendezvous; a fresh server's first clients
     got ~0.8x a later one's). The timing runs on a thread of its own that ends with it."""
-    import threading
-    import time
-
     backend = LlamaCppBackend(tiny_llama.gguf_path, n_ctx=256, n_threads=2)
     before: set[str] = set()
     left: set[str] = set()
