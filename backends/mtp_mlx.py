@@ -61,6 +61,13 @@ class MlxMtpLayer:
         stored = getattr(heads.tensors, "stored", None)
         self._w = {name: self._held(stored(name) if stored is not None else StoredMatrix(heads.tensors[name]))
                    for name in heads.tensors if name not in served}
+        # a model's later layers, one a draft depth (MtpHeads.chained), in MLX arrays too
+        self.chained = tuple(MlxMtpLayer(later, target_embed, target_head) for later in heads.chained)
+
+    @property
+    def layers(self) -> tuple:
+        """The layer of each draft depth in order (MtpHeads.layers), each in MLX arrays."""
+        return (self, *self.chained)
 
     def _held(self, stored: StoredMatrix):
         mx = self._mx
@@ -76,8 +83,8 @@ class MlxMtpLayer:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the weights the layer holds (not the target's tables it uses)."""
-        return sum(int(weight.nbytes) for weight in self._w.values())
+        """Bytes of the weights the layers hold (not the target's tables they use)."""
+        return sum(int(weight.nbytes) for weight in self._w.values()) + sum(later.nbytes for later in self.chained)
 
     def __getattr__(self, name: str):
         return getattr(self._heads, name)

@@ -241,6 +241,15 @@ def oracle_mtp(vocab_size: int, depth: int = 4, sharpness: float = 4.0):
                       head_norm=np.full(size, scale, np.float32), **zeros)
 
 
+def oracle_mtp_chained(vocab_size: int, layers: int, depth: int = 4, sharpness: float = 4.0):
+    """``layers`` oracle MTP layers, one a draft depth (MtpHeads.chained), each less sure than the
+    one before (its head scaled down), so that every depth's rows are its own layer's."""
+    from specrun.modelkit.mtp import chain_layers
+
+    return chain_layers([oracle_mtp(vocab_size, depth, sharpness / (1.0 + 0.25 * index)) for index in range(layers)],
+                        depth)
+
+
 def oracle_heads_for(method: str, vocab_size: int, eagle3: bool = False, sharpness: float | None = None):
     """The oracle heads of ``method``'s kind (it must draft with heads); EAGLE-3's with ``eagle3``;
     ``sharpness``: how sure they are (None: each kind's default, ~0.97 on one token)."""

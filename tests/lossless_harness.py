@@ -449,6 +449,7 @@ class Scenario:
     # drafts from whichever it measures faster (DrafterOptions.draft_window); () none
     window_alternative: tuple[int, int, int] = ()
     learn: bool = False  # the heads learn online as they draft (training/online.py, inline: weights swapped each run)
+    mtp_layers: int = 1  # MTP layers, one a draft depth (MtpHeads.chained), for the mtp method
 
     @property
     def draft_len(self) -> int:
@@ -543,6 +544,9 @@ SCENARIOS = {
     "draft learning": Scenario("draft", learn=True),
     "draft learning top-p": Scenario("draft", "top-p", learn=True),
     **{chain: Scenario(chain) for chain in CHAINS},
+    # A model's MTP layers, one a draft depth, chained as llama.cpp chains them (drafters.heads.mtp)
+    "mtp chained": Scenario("mtp", mtp_layers=DRAFT_LEN),
+    "mtp chained tree": Scenario("mtp", branches=TREE_BRANCHES, mtp_layers=DRAFT_LEN),
 }
 # Scenarios tests/heads/test_mtp_sampling.py runs over 25,000 windows each (issue: at least 50,000
 # samples for MTP chains and trees), seeds 0 on: the sweep's 2,000 are among them, so it skips these.
@@ -555,7 +559,7 @@ def fake_engine(scenario: Scenario) -> SpeculativeEngine:
     and find speculating worth it. Head methods read hidden states that know the target's
     greedy future, partly (heads_factory.oracle_hidden)."""
     from fake_models import CostedFake, SimClock
-    from heads_factory import FAKE_LAYERS, oracle_heads_for, oracle_hidden
+    from heads_factory import FAKE_LAYERS, oracle_heads_for, oracle_hidden, oracle_mtp_chained
 
     clock = SimClock()
     vocab = scenario.vocab
@@ -564,6 +568,8 @@ def fake_engine(scenario: Scenario) -> SpeculativeEngine:
     heads_method = scenario.auto_heads or scenario.method
     heads = (oracle_heads_for(heads_method, vocab, scenario.eagle3, scenario.head_sharpness)
              if needs_heads(heads_method) else None)
+    if scenario.mtp_layers > 1:
+        heads = oracle_mtp_chained(vocab, scenario.mtp_layers)
     hidden = dict(hidden_table=oracle_hidden(table, vocab), hidden_size=heads.config.hidden_size,
                   n_layers=FAKE_LAYERS) if heads else {}
     target = CostedFake(table, clock, 1.0, 0.02, vocab_size=vocab, **hidden)

@@ -15,7 +15,9 @@ state that gives the token at p + 2 through the target's own output head:
 
 Drafting on, the layer reads its own h' and the token it guessed, as llama.cpp's draft-mtp does
 for a one-layer head (common/speculative.cpp), so a drafter drives it as it drives EAGLE's layer
-(drafters.heads.eagle.EagleDrafter): both answer ``fuse``, ``layer`` and ``logits`` alike. The
+(drafters.heads.eagle.EagleDrafter): both answer ``fuse``, ``layer`` and ``logits`` alike. A model
+with several layers, one trained for each depth, holds the later ones in ``MtpHeads.chained``
+(drafters.heads.mtp chains them as llama.cpp does). The
 layer's attention reads every earlier position as the model was trained to (``window`` bounds how
 many a drafter keeps); rotary embeddings turn the first ``rope_dims`` of each head's dims,
 pairs of halves (NeoX's layout, llama.cpp's for these architectures), scaled as the model was
@@ -159,7 +161,8 @@ class MtpHeads:
     which a backend holding the target may use in their place (MlxBackend.mtp_layer: a quantized
     model's own head rather than a float copy of it). ``source``: the GGUF the layer came from,
     so that llama.cpp's own MTP context (which runs the target file's layer) drafts only for heads
-    read from the target's own file.
+    read from the target's own file. ``chained``: the later layers of a model that has one a depth
+    (config.num_heads is then at most their number with this one).
     """
 
     config: HeadsConfig
@@ -168,6 +171,15 @@ class MtpHeads:
     d2t: None = None  # MTP layers draft over the target's whole vocabulary
     target_arrays: frozenset[str] = frozenset()
     source: str = ""  # the resolved GGUF the layer was read from ("" elsewhere): llama.cpp runs a file's own
+    # A model with several MTP layers trained one per draft depth (Step-3.5's, MiMo-V2's): the
+    # layers after this one, which drafts the first token (``layers``; drafters.heads.mtp says how
+    # they chain). Empty for a single layer, which feeds itself at every depth.
+    chained: tuple[MtpHeads, ...] = ()
+
+    @property
+    def layers(self) -> tuple[MtpHeads, ...]:
+        """The layer of each draft depth in order: this one, then ``chained``."""
+        return (self, *self.chained)
 
     @classmethod
     def of(cls, config: HeadsConfig, layout: MtpLayout, **arrays: np.ndarray | None) -> MtpHeads:

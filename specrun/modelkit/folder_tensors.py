@@ -288,12 +288,14 @@ def deferred_matrix(make: Callable[[], StoredMatrix], nbytes: int) -> Deferred:
     return Deferred(lambda: make().floats(), nbytes, make)
 
 
-def tables(reader: FolderTensors, candidates: dict[str, tuple[str, ...]], shape: tuple[int, ...]) -> dict:
+def tables(reader: FolderTensors, candidates: dict[str, tuple[str, ...]], shape: tuple[int, ...],
+           reads: dict[str, Callable[[], np.ndarray]] | None = None) -> dict:
     """For DeferredArrays: each of ``candidates`` (an array's name: the tensor names that may hold
     it, in order) as a Deferred read as float16 (held by DeferredArrays) or as stored (not held),
     checked now and read when first asked for; arrays found under the same tensor share one
-    float16 read. Absent where none is held."""
-    reads: dict[str, Callable[[], np.ndarray]] = {}
+    float16 read (across calls given the same ``reads``: a model's MTP layers share its tables).
+    Absent where none is held."""
+    reads = {} if reads is None else reads
     found = {}
     for key, names in candidates.items():
         name = next((name for name in names if name in reader), None)

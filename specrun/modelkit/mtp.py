@@ -50,18 +50,26 @@ class LazyGgufTensors(Mapping):
     when first asked for: llama.cpp runs the layer natively for chains, and a real model's output
     head alone is gigabytes as float32. The embedding and output head stay float16 where stored so."""
 
-    def __init__(self, infos: dict, vocab: int, hidden: int) -> None:
-        """``infos``: by array name, (the file holding it, its tensor name, its tensor info)."""
+    def __init__(self, infos: dict, vocab: int, hidden: int, read: dict[str, np.ndarray] | None = None) -> None:
+        """``infos``: by array name, (the file holding it, its tensor name, its tensor info); ``read``:
+        the arrays read so far by tensor name, shared by the layers of one file (their tables are
+        the target's, read once)."""
         self._infos, self._vocab, self._hidden = infos, vocab, hidden
-        self._read: dict[str, np.ndarray] = {}
+        self._read: dict[str, np.ndarray] = {} if read is None else read
         self._tensors: dict[Path, dict] = {}  # each file's tensors by name, once one of it is read
 
     def __getitem__(self, key: str) -> np.ndarray:
-        if key not in self._read:
+        name = self._name(key)
+        if name not in self._read:
             data = self._data(key)
             big = data.shape == (self._vocab, self._hidden) and data.dtype == np.float16
-            self._read[key] = data if big else data.astype(np.float32)
-        return self._read[key]
+            self._read[name] = data if big else data.astype(np.float32)
+        return self._read[name]
+
+    def _name(self, key: str) -> str:
+        if key not in self._infos:
+            raise KeyError(key)
+        return self._infos[key][1]
 
     def _data(self, key: str) -> np.ndarray:
         """The tensor as stored (F32 or F16), or dequantized to float32; not held here."""
@@ -77,12 +85,12 @@ class LazyGgufTensors(Mapping):
         return data
 
     def loaded(self, key: str) -> bool:
-        return key in self._read
+        return key in self._infos and self._name(key) in self._read
 
     def stored(self, key: str) -> StoredMatrix:
         """The tensor as the GGUF stores it where that is float (F32, F16), else dequantized to
         float32 (llama.cpp's block quantizations are not MLX's), read afresh: not held here."""
-        return StoredMatrix(self._read[key] if key in self._read else np.array(self._data(key)))
+        return StoredMatrix(self._read[self._name(key)] if self.loaded(key) else np.array(self._data(key)))
 
     def __iter__(self):
         return iter(self._infos)
@@ -313,8 +321,8 @@ def mtp_layer_count(path: str | Path) -> int:
 
 
 def read_mtp_gguf(path: str | Path, depth: int = DEFAULT_DEPTH) -> MtpHeads:
-    """The first MTP layer of the GGUF at ``path`` as heads drafting ``depth`` deep. UsageError
-    where the model carries none; ModelFileError where its layout cannot be read (an architecture
+    """The MTP layers of the GGUF at ``path`` as heads drafting ``depth`` deep (several: one a
+    depth, ``chain_layers``). UsageError where the model carries none; ModelFileError where its layout cannot be read (an architecture
     specrun does not read, a tensor missing or mis-shaped)."""
     path = Path(path)
     reader = gguf.GGUFReader(str(path))
@@ -327,7 +335,26 @@ def read_mtp_gguf(path: str | Path, depth: int = DEFAULT_DEPTH) -> MtpHeads:
         raise ModelFileError(f"{path.name}: specrun cannot read the MTP layers of architecture {arch!r} yet "
                              f"(it reads {', '.join(READABLE)})", "use another method with this model")
     tensors, files = _split_tensors(path, reader, fields)
-    block = int(fields[f"{arch}.block_count"]) - count  # the first MTP block
+    first = int(fields[f"{arch}.block_count"]) - count  # the first MTP block
+    read: dict[str, np.ndarray] = {}  # the arrays read, by tensor: the layers share the target's tables
+    layers = [_gguf_layer(path, fields, tensors, files, first + index, count, depth, read) for index in range(count)]
+    return chain_layers(layers, depth)
+
+
+def chain_layers(layers: list[MtpHeads], depth: int) -> MtpHeads:
+    """The first of ``layers`` (one a draft depth) holding the others as ``chained``, drafting at
+    most as deep as there are layers (as llama.cpp's draft-mtp chains them)."""
+    if len(layers) == 1:
+        return layers[0]
+    config = dataclasses.replace(layers[0].config, num_heads=min(depth, len(layers)))
+    return dataclasses.replace(layers[0], config=config, chained=tuple(layers[1:]))
+
+
+def _gguf_layer(path: Path, fields: dict, tensors: dict, files: dict, block: int, count: int, depth: int,
+                read: dict[str, np.ndarray]) -> MtpHeads:
+    """The MTP layer in block ``block`` of the GGUF at ``path`` (``read_mtp_gguf``'s refusals)."""
+    arch = fields[gguf.Keys.General.ARCHITECTURE]
+    trunk = int(fields[f"{arch}.block_count"]) - count  # the target's own layers
     hidden = int(fields[f"{arch}.embedding_length"])
     heads_count = int(fields[f"{arch}.attention.head_count"])
     kv_count = int(fields.get(f"{arch}.attention.head_count_kv", heads_count))
@@ -365,7 +392,7 @@ def read_mtp_gguf(path: str | Path, depth: int = DEFAULT_DEPTH) -> MtpHeads:
         rms_norm_eps=float(fields[f"{arch}.attention.layer_norm_rms_epsilon"]),
         experts=experts if f"{mtp}.ffn_gate_inp.weight" in tensors else 0,
         experts_used=int(fields.get(f"{arch}.expert_used_count", 0) or 0),
-        gating="softmax" if arch in _SOFTMAX_ROUTED else _gating(arch, fields, block, vocab),
+        gating="softmax" if arch in _SOFTMAX_ROUTED else _gating(arch, fields, trunk, vocab),
         normalize_weights=arch in _SOFTMAX_ROUTED or bool(fields.get(f"{arch}.expert_weights_norm", False)),
         weights_scale=float(fields.get(f"{arch}.expert_weights_scale", 1.0) or 1.0),
         gated_attention=arch in _GATED_ATTENTION,
@@ -446,11 +473,11 @@ def read_mtp_gguf(path: str | Path, depth: int = DEFAULT_DEPTH) -> MtpHeads:
                       up_proj=tensor(f"{mtp}.ffn_up.weight", (width, hidden)),
                       down_proj=tensor(f"{mtp}.ffn_down.weight", (hidden, width)))
     config = HeadsConfig(kind="mtp", num_heads=depth, num_layers=count, hidden_size=hidden, vocab_size=vocab,
-                         draft_vocab_size=vocab, target_name=path.name, target_layers=block)
+                         draft_vocab_size=vocab, target_name=path.name, target_layers=trunk)
     named = {key: name for key, name in arrays.items() if name is not None}
     target_tables = {"token_embd.weight", "output.weight"}
     return MtpHeads(config, layout, LazyGgufTensors({key: (files[name], name, tensors[name]) for key, name in named.items()},
-                                                    vocab, hidden),
+                                                    vocab, hidden, read),
                     target_arrays=frozenset(key for key in ("embed", "lm_head") if named[key] in target_tables),
                     source=gguf_model_key(path))
 
@@ -517,9 +544,9 @@ def _counted_mtp_layers(folder: Path) -> int:
 
 
 def read_mtp_folder(folder: str | Path, depth: int = DEFAULT_DEPTH) -> MtpHeads:
-    """The first MTP layer of the model folder ``folder`` (config.json and safetensors: a float
+    """The MTP layers of the model folder ``folder`` (config.json and safetensors: a float
     checkpoint, or an MLX folder mlx-lm quantized whose MTP tensors were kept) as heads drafting
-    ``depth`` deep; refused in one line as ``read_mtp_gguf`` refuses, and where the folder's
+    ``depth`` deep (several: one a depth, ``chain_layers``); refused in one line as ``read_mtp_gguf`` refuses, and where the folder's
     conversion dropped the layers its config still names."""
     folder = Path(folder)
     try:
@@ -543,8 +570,19 @@ def read_mtp_folder(folder: str | Path, depth: int = DEFAULT_DEPTH) -> MtpHeads:
     block = None if qwen else int(config["num_hidden_layers"])
     if not any(_QWEN_MTP_NAME.match(name) if qwen else name.startswith(f"model.layers.{block}.") for name in files):
         raise _dropped(folder, f"its config says it carries {count}")
+    reads: dict = {}  # the tables read, by tensor: the layers share the target's
     if qwen:
-        return _qwen_folder(folder, _text_config(config), FOLDER_TYPES[model_type], reader, count, depth)
+        return chain_layers([_qwen_folder(folder, _text_config(config), FOLDER_TYPES[model_type], reader, count, depth,
+                                          index, reads) for index in range(count)], depth)
+    return chain_layers([_folder_layer(folder, config, reader, count, depth, block + index, reads)
+                         for index in range(count)], depth)
+
+
+def _folder_layer(folder: Path, config: dict, reader: FolderTensors, count: int, depth: int, block: int,
+                  reads: dict) -> MtpHeads:
+    """The MTP layer ``model.layers.{block}`` of a GLM-4.5 or DeepSeek-V3 folder (``read_mtp_folder``)."""
+    model_type = config.get("model_type", "")
+    trunk = int(config["num_hidden_layers"])
     hidden, vocab = int(config["hidden_size"]), int(config["vocab_size"])
     mtp = f"model.layers.{block}"
 
@@ -590,7 +628,7 @@ def read_mtp_folder(folder: str | Path, depth: int = DEFAULT_DEPTH) -> MtpHeads:
     own_embed, own_head = f"{mtp}.embed_tokens.weight", f"{mtp}.shared_head.head.weight"
     embed_names = (own_embed, "model.embed_tokens.weight")
     head_names = (own_head, "lm_head.weight", *embed_names)
-    deferred = tables(reader, {"embed": embed_names, "lm_head": head_names}, (vocab, hidden))
+    deferred = tables(reader, {"embed": embed_names, "lm_head": head_names}, (vocab, hidden), reads)
     lacking = "model.embed_tokens.weight" if "embed" not in deferred else "lm_head.weight" if not (
         own_head in reader or "lm_head.weight" in reader or config.get("tie_word_embeddings")) else None
     if lacking:
@@ -648,7 +686,7 @@ def read_mtp_folder(folder: str | Path, depth: int = DEFAULT_DEPTH) -> MtpHeads:
                                               (hidden, width) if part == "down" else (width, hidden))
                        for part in ("gate", "up", "down")})
     heads_config = HeadsConfig(kind="mtp", num_heads=depth, num_layers=count, hidden_size=hidden, vocab_size=vocab,
-                               draft_vocab_size=vocab, target_name=folder.name, target_layers=block)
+                               draft_vocab_size=vocab, target_name=folder.name, target_layers=trunk)
     return MtpHeads(heads_config, layout, _held(arrays, deferred), target_arrays=frozenset(target_arrays))
 
 
@@ -746,7 +784,8 @@ def _tensor_files(folder: Path) -> dict[str, Path]:
     return dict.fromkeys(TensorsFile(single).tensors, single)
 
 
-def _qwen_folder(folder: Path, config: dict, arch: str, reader: FolderTensors, count: int, depth: int) -> MtpHeads:
+def _qwen_folder(folder: Path, config: dict, arch: str, reader: FolderTensors, count: int, depth: int,
+                 index: int = 0, reads: dict | None = None) -> MtpHeads:
     """The MTP layer of Qwen3.5, Qwen3.5-MoE or Qwen3-Next (``arch`` qwen35, qwen35moe, qwen3next)
     as their checkpoints hold it (``mtp.*``, or under ``model.`` or mlx-lm's ``language_model.``:
     the names llama.cpp's converter maps: fc the eh_proj, pre_fc_norm_embedding and
@@ -779,11 +818,11 @@ def _qwen_folder(folder: Path, config: dict, arch: str, reader: FolderTensors, c
     layout = dataclasses.replace(layout, **folder_rope_scaling(folder.name, arch, config, layout.rope_dims,
                                                                layout.rope_theta))
     q_width, kv_width = heads_count * head_dim, kv_count * head_dim
-    block = "layers.0"
+    block = f"layers.{index}"  # the fc and the norms around the layers are the module's, shared
     embed_names = ("model.language_model.embed_tokens.weight", "language_model.model.embed_tokens.weight",
                    "model.embed_tokens.weight")
     head_names = embed_names if config.get("tie_word_embeddings") else ("lm_head.weight", "language_model.lm_head.weight")
-    deferred = tables(reader, {"embed": embed_names, "lm_head": head_names}, (vocab, hidden))
+    deferred = tables(reader, {"embed": embed_names, "lm_head": head_names}, (vocab, hidden), reads)
     for key, names in (("embed", embed_names), ("lm_head", head_names)):
         if key not in deferred:
             raise ModelFileError(f"{folder.name} says it carries MTP layers but lacks {names[0]}",

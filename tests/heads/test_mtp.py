@@ -633,10 +633,10 @@ def test_on_a_latent_attention_target_mtp_gives_plain_decoding_s_tokens(deepseek
         target.close()
 
 
-def test_a_file_with_two_mtp_layers_drafts_with_its_first_in_numpy_not_in_llama_cpp(tmp_path):
+def test_a_file_with_two_mtp_layers_drafts_in_numpy_not_in_llama_cpp(tmp_path):
     """llama.cpp's glm4moe MTP graph runs exactly one block (it aborted the whole process making an
-    MTP context for a file with two): such a file drafts with its first layer in NumPy, every token
-    plain decoding's."""
+    MTP context for a file with two): such a file drafts in NumPy, one layer a depth
+    (tests/heads/test_mtp_chained.py), every token plain decoding's."""
     from mtp_models import GlmShape, glm_weights, write_glm_gguf
 
     shape = GlmShape(mtp_layers=2)
@@ -644,6 +644,7 @@ def test_a_file_with_two_mtp_layers_drafts_with_its_first_in_numpy_not_in_llama_
     path = write_glm_gguf(tmp_path / "two-layers.gguf", shape, weights)
     heads = read_mtp_gguf(path)
     np.testing.assert_array_equal(heads.eh_proj, weights[f"blk.{shape.trunk_layers}.nextn.eh_proj.weight"])
+    assert len(heads.layers) == 2
     target = open_target("llama", path)
     try:
         assert target.native_mtp() is None

@@ -40,7 +40,7 @@ VERIFY_ROWS = 65
 
 
 @dataclass
-class _Entries:
+class LayerEntries:
     """The layer's keys and values (C, nh, hd) of context positions first .. first + C - 1, and the
     context they were made from. ``floor``: where they began, the target's features before it
     unknown (the head of a long prompt pass), so entries from there on are all there are; -1
@@ -138,7 +138,7 @@ class EagleDrafter(HeadsDrafter):
         self.top_k = top_k
         # The layer reads the target's features ``window`` positions back (a verify pass's rows at least).
         self.hidden_tail = max(VERIFY_ROWS, heads.window)
-        self._entries = _Entries()
+        self._entries = LayerEntries()
         self._dtype = heads.dtype
 
     def bind(self, target: KVSequence, clock: Callable[[], float]) -> None:
@@ -150,7 +150,7 @@ class EagleDrafter(HeadsDrafter):
             check_heads_target(self.name, self.heads.config, target, self.target_layers(target))  # its own words first
             self.heads = dataclasses.replace(self.heads, embed_tokens=_shared_embedding(self.heads, target.backend))
         super().bind(target, clock)
-        self._entries = _Entries()
+        self._entries = LayerEntries()
 
     def swap_heads(self, heads: EagleHeads | Eagle3Heads) -> None:
         """Newer weights: the context's keys and values are the old layer's, so they are made again
@@ -160,7 +160,7 @@ class EagleDrafter(HeadsDrafter):
             heads = dataclasses.replace(heads, embed_tokens=self.heads.embed_tokens)
         self.heads = heads
         self._dtype = heads.dtype
-        self._entries = _Entries()
+        self._entries = LayerEntries()
 
     def target_layers(self, target: KVSequence) -> tuple[int, ...]:
         """EAGLE-3's: the layers its file names, else those SGLang reads for a target this deep."""
@@ -170,10 +170,15 @@ class EagleDrafter(HeadsDrafter):
     def _root(self, context: Sequence[int]) -> np.ndarray | None:
         """The feature (1, H) the layer predicts at the context's second-to-last position, its
         entries brought up to date on the way; None where the target has no features for it."""
-        heads = self.heads
+        out, self._entries = self._layer_root(context, self.heads, self._entries)
+        return out
+
+    def _layer_root(self, context: Sequence[int], heads,
+                    entries: LayerEntries) -> tuple[np.ndarray | None, LayerEntries]:
+        """``_root`` for the layer ``heads`` keeping ``entries``: its root feature (or None) and its
+        entries as they now are (new ones where they began again)."""
         window = heads.window
         root = len(context) - 2
-        entries = self._entries
         # The root's entry is made again each time: its predicted feature is the draft's first.
         entries.keep_before(min(common_prefix_len(entries.context, context) - 1, root))
         lowest = max(root + 1 - window, 0)
@@ -184,12 +189,11 @@ class EagleDrafter(HeadsDrafter):
         if features is None:
             start = self._first_known(start, root + 1, context)
             if start is None:
-                self._entries = _Entries()
-                return None
+                return None, LayerEntries()
             features = self._features(start, root + 1, context)
         if not reusable or start > entries.end:  # begin again where the features are
-            entries = self._entries = _Entries(start, heads.no_entries(self._dtype), heads.no_entries(self._dtype),
-                                               floor=start if start > lowest else -1)
+            entries = LayerEntries(start, heads.no_entries(self._dtype), heads.no_entries(self._dtype),
+                               floor=start if start > lowest else -1)
         entries.keep_from(root + 1 - window)
         positions = np.arange(start, root + 1)
         following = heads.embedding_rows(np.asarray(context[start + 1 : root + 2]))  # the token after each
@@ -203,7 +207,7 @@ class EagleDrafter(HeadsDrafter):
         entries.keys = np.concatenate([entries.keys, keys])
         entries.values = np.concatenate([entries.values, values])
         entries.context = list(context)
-        return out[-1:]
+        return out[-1:], entries
 
     def _features(self, start: int, stop: int, context: Sequence[int]) -> np.ndarray | None:
         """The target's features at positions [start, stop) as this context's, or None."""
@@ -268,18 +272,28 @@ class EagleDrafter(HeadsDrafter):
         keys, values = self.heads.no_entries(self._dtype), self.heads.no_entries(self._dtype)
         tokens, rows = [], []
         for step in range(depth):
-            logits = self.heads.logits(feature)[0]  # (Vd,)
-            if sampling.greedy:
-                tokens.append(int(self._d2t[logits.argmax()]))
-            else:
-                row = target_rows(logits[None, :], sampling, self._d2t, self._vocab_size)[0]
-                tokens.append(sample(row, rng))
-                rows.append(row)
+            self._draw(self.heads.logits(feature)[0], sampling, rng, tokens, rows)
             if step + 1 == depth:
                 break
             reads = np.ones((1, len(keys)), bool)
             feature, key, value = self._step(feature, np.array(tokens[-1:]), root + 1 + step, keys, values, reads)
             keys, values = np.concatenate([keys, key]), np.concatenate([values, value])
+        return self._chain_proposal(tokens, rows, sampling, rng)
+
+    def _draw(self, logits: np.ndarray, sampling: SamplingSettings, rng: np.random.Generator, tokens: list[int],
+              rows: list[np.ndarray]) -> None:
+        """The next token of a chain from the layer's ``logits`` (Vd,): its first guess (greedy), or a
+        draw with the row it was drawn from (sampled), appended to ``tokens`` (and ``rows``)."""
+        if sampling.greedy:
+            tokens.append(int(self._d2t[logits.argmax()]))
+        else:
+            row = target_rows(logits[None, :], sampling, self._d2t, self._vocab_size)[0]
+            tokens.append(sample(row, rng))
+            rows.append(row)
+
+    def _chain_proposal(self, tokens: list[int], rows: list[np.ndarray], sampling: SamplingSettings,
+                        rng: np.random.Generator) -> Proposal:
+        """The chain drawn, with its rows where sampled and second guesses where the drafter branches."""
         if sampling.greedy:
             return Proposal(tuple(tokens), source=self.name)
         chain = Proposal(tuple(tokens), tuple(rows), source=self.name)
@@ -309,5 +323,5 @@ class EagleDrafter(HeadsDrafter):
 
     def close(self) -> None:
         super().close()
-        self._entries = _Entries()
+        self._entries = LayerEntries()
 

@@ -11,6 +11,14 @@ runs the model's MTP layers itself (Backend.native_mtp: llama.cpp), chains are
 drafted there, the layer's entries held in its own cache and kept in step with the context as
 the NumPy entries are (dropped from where the context changed, the chain's own dropped after each
 proposal); the NumPy layer drafts the trees. Both give the same drafts (tests/heads/test_mtp.py).
+
+A model with several MTP layers, one trained for each draft depth (MtpHeads.chained), drafts as
+llama.cpp's draft-mtp chains such heads (common/speculative.cpp, ``chain_heads``): every layer
+keeps its own entries of the context, made from the target's states as the first layer's are;
+the first layer drafts the first token from the root pair, and layer i the token after the
+i-th from the root pair and the draft so far, its row t reading the state layer t - 1 gave the
+row before and the t-th draft token. A chain is at most as deep as there are layers. Greedy
+trees grow the same way, a node at depth i read by layer i along its own path.
 """
 
 from __future__ import annotations
@@ -20,12 +28,12 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from specrun.backends.kv import KVSequence, common_prefix_len
-from specrun.drafters.base import EMPTY_PROPOSAL, Proposal, second_guesses
-from specrun.drafters.heads.base import target_rows
-from specrun.drafters.heads.eagle import EagleDrafter
+from specrun.drafters.base import EMPTY_PROPOSAL, Proposal
+from specrun.drafters.dynamic_tree import DraftTree, grow_tree
+from specrun.drafters.heads.eagle import EagleDrafter, LayerEntries
 from specrun.heads.mtp import MtpHeads
 from specrun.modelkit.mtp import gguf_model_key
-from specrun.sampling import SamplingSettings, sample
+from specrun.sampling import SamplingSettings
 
 
 class MtpDrafter(EagleDrafter):
@@ -38,6 +46,7 @@ class MtpDrafter(EagleDrafter):
     def bind(self, target: KVSequence, clock: Callable[[], float]) -> None:
         super().bind(target, clock)
         self._native, self._native_context = None, []
+        self._later: list[LayerEntries] = []  # the context's entries of each chained layer after the first
         layer = target.backend.mtp_layer(self._own_heads)  # MLX: the layer in its arrays
         if layer is not None:
             self.heads = layer
@@ -57,6 +66,8 @@ class MtpDrafter(EagleDrafter):
         sampling: SamplingSettings,
         rng: np.random.Generator,
     ) -> Proposal:
+        if self.heads.chained:  # one layer a depth: drafted here (llama.cpp's graphs run one MTP block)
+            return self._propose_chained(context, draft_len, sampling, rng)
         native = self._native_mtp()
         trees = sampling.greedy and self.branches and self.target.backend.tree_support.available
         if native is None or trees:  # a tree the target cannot verify would be its main chain: drafted natively
@@ -71,12 +82,7 @@ class MtpDrafter(EagleDrafter):
             if logits is None:  # fed while tracking was off (a cache from before the heads were in use)
                 return EMPTY_PROPOSAL
             for step in range(depth):
-                if sampling.greedy:
-                    tokens.append(int(logits.argmax()))
-                else:
-                    row = target_rows(logits[None, :], sampling, self._d2t, self._vocab_size)[0]
-                    tokens.append(sample(row, rng))
-                    rows.append(row)
+                self._draw(logits, sampling, rng, tokens, rows)
                 if step + 1 == depth:
                     break
                 logits = native.feed(tokens[-1:], native.own_state()[None, :], logits=True)
@@ -86,10 +92,7 @@ class MtpDrafter(EagleDrafter):
             return EMPTY_PROPOSAL
         finally:
             native.keep(root + 1)  # the chain's own pairs go; the context's stay
-        if sampling.greedy:
-            return Proposal(tuple(tokens), source=self.name)
-        chain = Proposal(tuple(tokens), tuple(rows), source=self.name)
-        return second_guesses(chain, rows, self.branches, sampling, rng) if self.branches else chain
+        return self._chain_proposal(tokens, rows, sampling, rng)
 
     def _native_root(self, native, context: Sequence[int]) -> np.ndarray | None:
         """The native layer's logits (V,) at the root pair (the target's state at the context's
@@ -112,6 +115,76 @@ class MtpDrafter(EagleDrafter):
             native.feed(context[start + 1 : root + 1], features[:-1], at=start)
         return native.feed(context[root + 1 : root + 2], features[-1:], logits=True, at=root)
 
+    # ---- several layers, one a depth ----------------------------------------------------------
+    def _propose_chained(self, context: Sequence[int], draft_len: int, sampling: SamplingSettings,
+                         rng: np.random.Generator) -> Proposal:
+        self.learn(context)
+        layers = self.heads.layers
+        depth = min(draft_len, self.heads.config.num_heads, len(layers))
+        if depth <= 0 or self.target is None or len(context) < 2:
+            return EMPTY_PROPOSAL
+        feature = self._root(context)  # the first layer's
+        if feature is None:  # fed while tracking was off (a cache from before the heads were in use)
+            return EMPTY_PROPOSAL
+        self._later.extend(LayerEntries() for _ in range(len(layers) - 1 - len(self._later)))
+        for index in range(1, depth):  # the context's entries of the layers this depth reads, the root's too
+            _, self._later[index - 1] = self._layer_root(context, layers[index], self._later[index - 1])
+        root = len(context) - 2
+        if sampling.greedy and self.branches:
+            return self._chained_tree(feature, root, depth)
+        return self._chained_chain(feature, root, depth, sampling, rng)
+
+    def _chained_rows(self, index: int, features: np.ndarray, drafts: np.ndarray, positions: np.ndarray,
+                      reads: np.ndarray) -> np.ndarray:
+        """Layer ``index``'s states (N, H) for draft rows: their parents' states ``features`` (N, H)
+        and target ids ``drafts`` (N,) at ``positions`` (N,), each reading the layer's entries of the
+        context in the window and the rows ``reads`` (N, N) marks (its ancestors and itself)."""
+        heads, entries = self.heads.layers[index], self._later[index - 1]
+        earlier = np.arange(entries.first, entries.end)
+        attend = np.concatenate([positions[:, None] - earlier[None, :] < heads.window, reads], axis=1)
+        fused = heads.fuse(features, heads.embedding_rows(drafts))
+        out, _, _ = heads.layer(fused, positions, entries.keys, entries.values, attend)
+        return out
+
+    def _chained_chain(self, feature: np.ndarray, root: int, depth: int, sampling: SamplingSettings,
+                       rng: np.random.Generator) -> Proposal:
+        """The chain of first guesses (greedy) or draws (sampled, with their rows), token i + 1 by
+        layer i over the draft's first i tokens."""
+        layers = self.heads.layers
+        states, tokens, rows = [feature[0]], [], []
+        for step in range(depth):
+            self._draw(layers[step].logits(states[-1][None, :])[0], sampling, rng, tokens, rows)
+            if step + 1 == depth:
+                break
+            count = step + 1  # rows 1 .. count: (the state before, the token drafted there)
+            out = self._chained_rows(count, np.stack(states), np.array(tokens), root + 1 + np.arange(count),
+                                     np.tri(count, dtype=bool))
+            states.append(out[-1])
+        return self._chain_proposal(tokens, rows, sampling, rng)
+
+    def _chained_tree(self, feature: np.ndarray, root: int, depth: int) -> Proposal:
+        """EAGLE-2's dynamic tree (greedy), the nodes at depth i expanded by layer i along their paths."""
+        layers = self.heads.layers
+        states = {-1: feature[0]}
+
+        def expand(tree: DraftTree, chosen: list[int], level: int) -> np.ndarray:
+            rows = sorted({node for each in chosen for node in tree.lineage(each)}, key=lambda node: tree.depths[node])
+            reads = np.array([[other == node or tree.is_ancestor(other, node) for other in rows] for node in rows],
+                             bool).reshape(len(rows), len(rows))
+            out = self._chained_rows(level, np.stack([states[tree.parents[node]] for node in rows]),
+                                     self._d2t[[tree.drafts[node] for node in rows]],
+                                     root + np.array([tree.depths[node] for node in rows]), reads)
+            at = {node: i for i, node in enumerate(rows)}
+            states.update((node, out[at[node]]) for node in chosen)
+            return layers[level].logits(np.stack([states[node] for node in chosen]))
+
+        return grow_tree(layers[0].logits(feature)[0], depth, self.top_k, self.branches, expand, self._d2t, self.name)
+
+    def swap_heads(self, heads) -> None:
+        super().swap_heads(heads)
+        self._later = []
+
     def close(self) -> None:
         super().close()
         self._native, self._native_context = None, []
+        self._later = []
