@@ -403,23 +403,31 @@ def _gguf_layer(path: Path, fields: dict, tensors: dict, files: dict, block: int
         **_expert_groups(path.name, int(fields.get(f"{arch}.expert_group_count", 0) or 0),
                          int(fields.get(f"{arch}.expert_group_used_count", 0) or 0), layout,
                          "convert the model again, or use another method"))
-    embed = tensor(f"{mtp}.nextn.embed_tokens.weight", (vocab, hidden), required=False)
+    def nextn(part: str, shape: tuple[int, ...], required: bool = True) -> str | None:
+        """The block's ``nextn.`` tensor ``part``; a later MTP block without one reads the first
+        block's (Qwen's several MTP layers share one fc and its norms: llama.cpp's converter writes
+        them in the first MTP block alone)."""
+        found = tensor(f"{mtp}.nextn.{part}", shape, required=False)
+        if found is None and block != trunk:
+            found = tensor(f"blk.{trunk}.nextn.{part}", shape, required=False)
+        return found if found is not None or not required else tensor(f"{mtp}.nextn.{part}", shape)
+
+    embed = nextn("embed_tokens.weight", (vocab, hidden), required=False)
     if embed is None:
         embed = tensor("token_embd.weight", (vocab, hidden))
-    lm_head = tensor(f"{mtp}.nextn.shared_head_head.weight", (vocab, hidden), required=False)
+    lm_head = nextn("shared_head_head.weight", (vocab, hidden), required=False)
     if lm_head is None:
         lm_head = tensor("output.weight", (vocab, hidden), required=False)
     if lm_head is None:
         lm_head = embed
-    head_norm = tensor(f"{mtp}.nextn.shared_head_norm.weight", (hidden,), required=False)
+    head_norm = nextn("shared_head_norm.weight", (hidden,), required=False)
     if head_norm is None:
         head_norm = tensor("output_norm.weight", (hidden,))
     q_width, kv_width = heads_count * head_dim, kv_count * head_dim
     arrays = dict(
         embed=embed, lm_head=lm_head, head_norm=head_norm,
-        enorm=tensor(f"{mtp}.nextn.enorm.weight", (hidden,)),
-        hnorm=tensor(f"{mtp}.nextn.hnorm.weight", (hidden,)),
-        eh_proj=tensor(f"{mtp}.nextn.eh_proj.weight", (hidden, 2 * hidden)),
+        enorm=nextn("enorm.weight", (hidden,)), hnorm=nextn("hnorm.weight", (hidden,)),
+        eh_proj=nextn("eh_proj.weight", (hidden, 2 * hidden)),
         attn_norm=tensor(f"{mtp}.attn_norm.weight", (hidden,)),
     )
     if latent:

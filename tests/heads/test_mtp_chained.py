@@ -222,3 +222,20 @@ def test_greedy_output_with_chained_layers_is_plain_decoding_s_and_drafts_are_ac
         assert drafted > 0 and accepted / drafted > 0.3, (accepted, drafted)
     finally:
         target.close()
+
+
+def test_a_qwen_gguf_s_later_mtp_layers_share_the_first_one_s_fc_and_norms(tmp_path):
+    """llama.cpp's converter writes Qwen's several MTP layers (``mtp.layers.N`` under one
+    ``mtp.fc``) as blocks of which only the first holds the ``nextn`` tensors: a later layer reads
+    them from the first, its decoder layer its own."""
+    from hybrid_models import HybridShape, hybrid_weights, write_hybrid_gguf
+
+    shape = HybridShape()
+    weights = hybrid_weights(shape, mtp_layers=2)
+    second = f"blk.{shape.layers + 1}."
+    weights = {name: value for name, value in weights.items() if not name.startswith(second + "nextn.")}
+    heads = read_mtp_gguf(write_hybrid_gguf(tmp_path / "qwen-2mtp.gguf", shape, weights, mtp_layers=2))
+    first, later = heads.layers
+    assert later.eh_proj is first.eh_proj and later.enorm is first.enorm and later.head_norm is first.head_norm
+    np.testing.assert_array_equal(later.q_proj, weights[second + "attn_q.weight"])
+    assert not np.array_equal(later.q_proj, first.q_proj)
