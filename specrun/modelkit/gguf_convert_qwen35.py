@@ -1,6 +1,7 @@
 """Qwen3.5's hybrid layout (llama.cpp's ``qwen35`` and ``qwen35moe``) from a GGUF into the folder
 mlx-lm's ``qwen3_5`` model loads, the model's MTP layer carried along under the names Qwen's
-checkpoints give it (``mtp.*``): mlx-lm ignores it, specrun's MTP drafter reads it
+checkpoints give it (``mtp.*``; several as ``mtp.layers.N`` under the first block's fc and norms,
+where llama.cpp's converter put them): mlx-lm ignores it, specrun's MTP drafter reads it
 (modelkit.mtp.read_mtp_folder). mlx-lm cannot read GGUF, and the folders mlx-lm converts from a
 checkpoint drop the MTP layer, so a GGUF that kept it is the way to an MLX model that drafts
 with its own layer.
@@ -190,14 +191,15 @@ def qwen35_tensor_plan(config: dict, tensors: Collection[str]) -> dict[str, tupl
             else:
                 raise ValueError(f"it holds the tensor {name}, which mlx-lm's qwen3_5 has no place for")
         elif index < layers + mtp_layers:
-            if index > layers:
-                raise ValueError(f"it carries {mtp_layers} MTP layers; Qwen3.5's checkpoints hold one")
             norm = rest.endswith("norm.weight")
             back = (lambda array: array - 1.0) if norm else gate_row
+            if rest in _MTP_OWN and index > layers:  # Qwen's layers share the first block's fc and norms
+                raise ValueError(f"its MTP block {index} holds {rest} of its own, which Qwen's MTP layout, one fc "
+                                 "for every layer, has no place for")
             if rest in _MTP_OWN:
                 plan[name] = (f"mtp.{_MTP_OWN[rest]}", back)
-            elif rest in _SHARED:
-                plan[name] = (f"mtp.layers.0.{_SHARED[rest]}", back)
+            elif rest in _SHARED:  # one layer a draft depth (modelkit.mtp reads them chained)
+                plan[name] = (f"mtp.layers.{index - layers}.{_SHARED[rest]}", back)
             else:
                 raise ValueError(f"its MTP layer holds {name}, which Qwen's MTP layout has no place for")
         else:

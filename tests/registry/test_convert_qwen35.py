@@ -118,6 +118,36 @@ def _rewritten(tmp_path: Path, name: str, change) -> Path:
     return write_hybrid_gguf(tmp_path / name, shape, weights, mtp_layers=1)
 
 
+def test_several_mtp_layers_convert_one_a_depth_under_the_first_one_s_fc(tmp_path):
+    """Qwen's several MTP layers (llama.cpp writes the module's fc and norms in the first MTP block
+    only) become ``mtp.layers.N`` under one ``mtp.fc``: mlx-lm loads the folder, and the layers read
+    from it, one a draft depth, are the GGUF's to the bit; a later block with its own fc, which that
+    layout cannot hold, is one line."""
+    from hybrid_models import HybridShape, hybrid_weights, write_hybrid_gguf
+    from mlx_lm.utils import load_model
+
+    from specrun.modelkit.mtp import read_mtp_folder, read_mtp_gguf
+
+    shape = HybridShape()
+    weights = hybrid_weights(shape, mtp_layers=2)
+    later = f"blk.{shape.layers + 1}.nextn."
+    shared = {name: value for name, value in weights.items() if not name.startswith(later)}
+    path = write_hybrid_gguf(tmp_path / "two.gguf", shape, shared, mtp_layers=2)
+    folder = tmp_path / "mlx"
+    convert_gguf_to_mlx(path, folder)
+    load_model(folder)  # the MTP layers stay out of mlx-lm's model
+    from_gguf, from_folder = read_mtp_gguf(path), read_mtp_folder(folder)
+    assert len(from_gguf.layers) == len(from_folder.layers) == 2
+    for ours, theirs in zip(from_folder.layers, from_gguf.layers):
+        for name in (name for name in MTP_ARRAYS if getattr(theirs, name) is not None):
+            np.testing.assert_array_equal(np.asarray(getattr(ours, name), np.float32),
+                                          np.asarray(getattr(theirs, name), np.float32), err_msg=name)
+    own = write_hybrid_gguf(tmp_path / "own.gguf", shape, weights, mtp_layers=2)
+    with pytest.raises(ModelFileError, match=rf"its MTP block {shape.layers + 1} holds nextn\.\w+\.weight of its own"):
+        convert_gguf_to_mlx(own, tmp_path / "refused")
+    assert not (tmp_path / "refused").exists()
+
+
 def test_a_hybrid_file_the_conversion_cannot_express_is_one_line_and_leaves_nothing(tmp_path):
     missing = _rewritten(tmp_path, "missing.gguf", lambda weights: weights.pop("blk.1.ssm_out.weight"))
     own_head = _rewritten(tmp_path, "own-head.gguf", lambda weights: weights.update(
