@@ -31,7 +31,8 @@ from .config import ARCHITECTURES, ModelConfig, weight_names
 from .gguf_check import check_fields, check_tensors, read_layout
 from .gguf_header import header_values
 from .gguf_convert_qwen35 import ARCHS as QWEN35_ARCHS
-from .gguf_convert_qwen35 import check_qwen35, check_qwen35_shapes, qwen35_config, qwen35_tensor_plan, token_ids
+from .gguf_convert_qwen35 import (MTP_FILE, check_qwen35, check_qwen35_shapes, is_next, next_qkvz, qwen35_config,
+                                  qwen35_tensor_plan, text_config, token_ids)
 from .gguf_io import from_gguf_layout, gguf_tensor_name, read_config, read_vocab
 from .hf_io import hf_config_dict, vocab_tokenizer_config, write_json, write_model_files
 from .tokenizer import GPT2_PRE_TOKENIZER, ByteBpeVocab, build_tokenizer_json
@@ -99,8 +100,8 @@ PRE_TOKENIZERS = {
 
 def convert_gguf_to_mlx(source: Path, out: Path, *, mlx_dtype: str = "float16") -> None:
     """Write an mlx-lm model folder at ``out`` (which must not exist) from the GGUF ``source``:
-    a llama or qwen2 model, or Qwen3.5's hybrid (qwen35, qwen35moe; its MTP layer carried along,
-    modelkit.gguf_convert_qwen35).
+    a llama or qwen2 model, or Qwen3.5's or Qwen3-Next's hybrid (qwen35, qwen35moe, qwen3next; its
+    MTP layers carried along, modelkit.gguf_convert_qwen35).
 
     ``mlx_dtype``: ``float16``, or ``q4`` (MLX affine 4-bit, group size 32; exact for
     Q4_1 tensors). The folder holds config.json, model.safetensors, tokenizer.json,
@@ -140,7 +141,7 @@ def convert_gguf_to_mlx(source: Path, out: Path, *, mlx_dtype: str = "float16") 
             check_qwen35_shapes(config_json, {name: tuple(int(n) for n in reversed(tensor.shape.tolist()))
                                               for name, tensor in tensors.items()})  # before anything is written
             ids = token_ids(fields.get(gguf.Keys.Tokenizer.BOS_ID, 1), fields.get(gguf.Keys.Tokenizer.EOS_ID, 2),
-                            config_json["text_config"]["max_position_embeddings"])
+                            text_config(config_json)["max_position_embeddings"])
         else:
             ids = config = read_config(fields, vocab, tie_embeddings="output.weight" not in tensors)
             check_tensors(infos, config)  # before anything is written
@@ -171,7 +172,15 @@ def convert_gguf_to_mlx(source: Path, out: Path, *, mlx_dtype: str = "float16") 
     tokenizer_json = build_tokenizer_json(vocab, pre.spec, pre.ignore_merges)
     chat_template = fields.get(keys.CHAT_TEMPLATE)
     tokenizer_config = vocab_tokenizer_config(ids, vocab, fields.get(keys.PAD_ID), chat_template)
+    beside = {}
+    if hybrid and is_next(config_json):  # the MTP layers in a file of their own (gguf_convert_qwen35.MTP_FILE)
+        beside = {name: weights.pop(name) for name in list(weights) if name.startswith("mtp.")}
     write_model_files(out, weights, config_json, tokenizer_json, tokenizer_config)
+    if beside:
+        from safetensors.numpy import save_file
+
+        save_file({name: np.ascontiguousarray(array) for name, array in beside.items()}, str(Path(out) / MTP_FILE),
+                  metadata={"format": "pt"})
     generation = {"bos_token_id": ids.bos_token_id, "eos_token_id": config_json.get("eos_token_id", ids.eos_token_id)}
     write_json(Path(out) / "generation_config.json", generation)
 
@@ -261,18 +270,31 @@ def _qwen35_weights(tensors: dict, config_json: dict, mlx_dtype: str) -> tuple[d
     the routers, the convolution and the vectors stay float16 (A_log float32, as mlx-lm keeps it)."""
     weights: dict[str, np.ndarray] = {}
     per_layer_bits: dict[str, dict] = {}
-    for gguf_name, (name, change) in qwen35_tensor_plan(config_json, tensors).items():
+    joining: dict[str, np.ndarray] = {}  # Qwen3-Next: a layer's qkv rows until its z rows come, or the reverse
+    for gguf_name, (name, change) in sorted(qwen35_tensor_plan(config_json, tensors).items()):
         tensor = tensors[gguf_name]
         quantized = mlx_dtype == "q4" and name.endswith(".weight") and not name.endswith(
             ("conv1d.weight", "mlp.gate.weight", "shared_expert_gate.weight", "norm.weight"))
+        joined = is_next(config_json) and name.endswith(("in_proj_qkv.weight", "in_proj_z.weight"))
         groups = None
-        if quantized and change is None and len(tensor.shape) == 2:
+        if quantized and change is None and len(tensor.shape) == 2 and not joined:
             groups = _exact_groups(np.asarray(tensor.data), tensor.tensor_type)
         array = _dequantize(tensor) if groups is None else None
         if array is not None and change is not None:
             try:
                 array = change(array)
             except ValueError as exc:  # a shape the header's head counts cannot regroup
+                raise ModelFileError(f"its tensor {gguf_name} {array.shape} does not fit the header's head counts "
+                                     f"({exc})", "convert the model again") from None
+        if joined:
+            module = name.rsplit(".", 2)[0]
+            if module not in joining:
+                joining[module] = array
+                continue
+            qkv, z = (joining.pop(module), array) if name.endswith("in_proj_z.weight") else (array, joining.pop(module))
+            try:
+                array, name = next_qkvz(config_json, qkv, z), f"{module}.in_proj_qkvz.weight"
+            except ValueError as exc:
                 raise ModelFileError(f"its tensor {gguf_name} {array.shape} does not fit the header's head counts "
                                      f"({exc})", "convert the model again") from None
         if quantized and groups is None and array.ndim in (2, 3):

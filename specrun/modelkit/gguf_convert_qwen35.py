@@ -1,5 +1,5 @@
 """Qwen3.5's hybrid layout (llama.cpp's ``qwen35`` and ``qwen35moe``) from a GGUF into the folder
-mlx-lm's ``qwen3_5`` model loads, the model's MTP layer carried along under the names Qwen's
+mlx-lm's ``qwen3_5`` model loads (Qwen3-Next's, ``qwen3next``, into its ``qwen3_next``: below), the model's MTP layer carried along under the names Qwen's
 checkpoints give it (``mtp.*``; several as ``mtp.layers.N`` under the first block's fc and norms,
 where llama.cpp's converter put them): mlx-lm ignores it, specrun's MTP drafter reads it
 (modelkit.mtp.read_mtp_folder). mlx-lm cannot read GGUF, and the folders mlx-lm converts from a
@@ -19,6 +19,12 @@ changed the checkpoint's tensors on the way in; each change is undone here, into
   value rows of in_proj_qkv, in_proj_z, in_proj_a/b, A_log, dt_bias, the value channels of the
   convolution, the columns of out_proj).
 
+Qwen3-Next (``qwen3next``): the same changes but the value heads' reorder (llama.cpp keeps them
+grouped there), and two more: the checkpoint's in_proj_qkvz, key head by key head its q, k and the
+value heads' v and z, was split into attn_qkv (all q, all k, all v) and attn_gate (z), joined again
+here (``next_qkvz``); its in_proj_ba is stored as it was (ssm_ba). Its config is flat, and the MTP
+layers go to ``MTP_FILE``: mlx-lm's qwen3_next drops ``mtp.*`` only from unstacked experts.
+
 With ``q4``, GGML blocks are carried over exactly only where a matrix is stored unchanged (the
 reordered and the 3-D expert matrices are quantized afresh). transformers builds the tokenizer of a
 ``qwen3_5`` folder as Qwen's own (NFC, its regex) whatever tokenizer.json says, as it does qwen2's
@@ -35,8 +41,20 @@ import numpy as np
 
 from specrun.errors import ModelFileError
 
-ARCHS = ("qwen35", "qwen35moe")
+ARCHS = ("qwen35", "qwen35moe", "qwen3next")
 _TEXT = "language_model.model."  # where mlx-lm's qwen3_5 holds the text model
+# Where Qwen3-Next's MTP layers go: a file mlx-lm does not load (it loads model*.safetensors), as
+# its qwen3_next, unlike qwen3_5, drops ``mtp.*`` only from a checkpoint's unstacked layout.
+MTP_FILE = "mtp.safetensors"
+
+
+def text_config(config: dict) -> dict:
+    """The text model's settings of a config.json: qwen3_5's ``text_config``, or Qwen3-Next's own."""
+    return config.get("text_config", config)
+
+
+def is_next(config: dict) -> bool:
+    return config.get("model_type") == "qwen3_next"
 
 
 def qwen35_config(fields: dict, tensors: Collection[str], vocab_size: int) -> dict:
@@ -77,6 +95,8 @@ def qwen35_config(fields: dict, tensors: Collection[str], vocab_size: int) -> di
     sections = list(key("rope.dimension_sections", [11, 11, 10, 0]))[:3]
     rope = {"type": "default", "mrope_section": sections, "rope_theta": _shortest(key("rope.freq_base", 1e7)),
             "partial_rotary_factor": int(key("rope.dimension_count", head_dim // 4)) / head_dim}
+    if arch == "qwen3next":  # one rotary position a token (no MRoPE sections)
+        del rope["mrope_section"]
     text = {
         "model_type": "qwen3_5_text", "vocab_size": vocab_size, "hidden_size": int(key("embedding_length")),
         "intermediate_size": int(key("feed_forward_length", 0) or 0), "num_hidden_layers": layers,
@@ -90,12 +110,15 @@ def qwen35_config(fields: dict, tensors: Collection[str], vocab_size: int) -> di
         "mtp_num_hidden_layers": mtp_layers, "rope_parameters": rope,
         "partial_rotary_factor": rope["partial_rotary_factor"], "rope_theta": rope["rope_theta"],
     }
-    if arch == "qwen35moe":
+    if arch in ("qwen35moe", "qwen3next"):
         text.update(model_type="qwen3_5_moe_text", num_experts=count("expert_count"),
                     num_experts_per_tok=count("expert_used_count"), decoder_sparse_step=1,
                     moe_intermediate_size=count("expert_feed_forward_length"),
                     shared_expert_intermediate_size=int(key("expert_shared_feed_forward_length", 0) or 0),
                     norm_topk_prob=True, mlp_only_layers=[])  # llama.cpp routes by softmax summed to one
+    if arch == "qwen3next":  # mlx-lm's qwen3_next: a text model of its own, its settings at the top
+        del text["rope_parameters"]
+        return {"architectures": ["Qwen3NextForCausalLM"], **text, "model_type": "qwen3_next"}
     return {"architectures": ["Qwen3_5MoeForConditionalGeneration" if arch == "qwen35moe"
                               else "Qwen3_5ForConditionalGeneration"],
             "model_type": "qwen3_5_moe" if arch == "qwen35moe" else "qwen3_5", "text_config": text,
@@ -130,12 +153,18 @@ _LINEAR = {
     "ssm_a": "linear_attn.A_log", "ssm_dt.bias": "linear_attn.dt_bias", "ssm_conv1d.weight": "linear_attn.conv1d.weight",
     "ssm_norm.weight": "linear_attn.norm.weight", "ssm_out.weight": "linear_attn.out_proj.weight",
 }
+_NEXT_LINEAR = {  # Qwen3-Next's: beta and alpha in one in_proj_ba; q, k, v and z joined (``next_qkvz``)
+    **{name: value for name, value in _LINEAR.items() if not name.startswith(("ssm_beta", "ssm_alpha"))},
+    "ssm_ba.weight": "linear_attn.in_proj_ba.weight",
+}
 _MTP_OWN = {  # the MTP block's own tensors -> Qwen's names under mtp.
     "nextn.eh_proj.weight": "fc.weight", "nextn.enorm.weight": "pre_fc_norm_embedding.weight",
     "nextn.hnorm.weight": "pre_fc_norm_hidden.weight", "nextn.shared_head_norm.weight": "norm.weight",
 }
 _TOP = {"token_embd.weight": f"{_TEXT}embed_tokens.weight", "output_norm.weight": f"{_TEXT}norm.weight",
         "output.weight": "language_model.lm_head.weight"}
+_NEXT_TOP = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+             "output.weight": "lm_head.weight"}
 
 Transform = Callable[[np.ndarray], np.ndarray]
 
@@ -144,14 +173,16 @@ def qwen35_tensor_plan(config: dict, tensors: Collection[str]) -> dict[str, tupl
     """For every GGUF tensor the folder holds: (its name there, the change that undoes llama.cpp's,
     or None where it is stored as it is). ValueError naming a tensor the layout has no place for
     (an MTP block's own embedding or output head, which Qwen's checkpoints do not carry)."""
-    text = config["text_config"]
+    text, qwen3next = text_config(config), is_next(config)
     layers, mtp_layers = text["num_hidden_layers"], text["mtp_num_hidden_layers"]
     k_heads, v_heads = text["linear_num_key_heads"], text["linear_num_value_heads"]
     key_dim, value_dim = text["linear_key_head_dim"], text["linear_value_head_dim"]
+    top, trunk, linear = (_NEXT_TOP, "model.", _NEXT_LINEAR) if qwen3next else (_TOP, _TEXT, _LINEAR)
 
     def grouped(axis: int, width: int) -> Transform | None:
-        """Value heads of ``width`` along ``axis`` back to grouped order (None: nothing was reordered)."""
-        if k_heads == v_heads:
+        """Value heads of ``width`` along ``axis`` back to grouped order (None: nothing was reordered:
+        equal counts, or Qwen3-Next's, which llama.cpp keeps grouped)."""
+        if k_heads == v_heads or qwen3next:
             return None
         return lambda array: _grouped(array, axis, k_heads, v_heads // k_heads, width)
 
@@ -159,22 +190,24 @@ def qwen35_tensor_plan(config: dict, tensors: Collection[str]) -> dict[str, tupl
         qk = 2 * k_heads * key_dim
         return np.concatenate([array[:qk], _grouped(array[qk:], 0, k_heads, v_heads // k_heads, value_dim)])
 
+    regrouped = k_heads != v_heads and not qwen3next
+
     def conv(array: np.ndarray) -> np.ndarray:
-        return (qkv(array) if k_heads != v_heads else array)[:, :, None]
+        return (qkv(array) if regrouped else array)[:, :, None]
 
     def a_log(array: np.ndarray) -> np.ndarray:
         turned = grouped(0, 1)
         return np.log(-(turned(array) if turned else array)).astype(np.float32)
 
     linear_changes: dict[str, Transform | None] = {
-        "attn_qkv.weight": qkv if k_heads != v_heads else None, "attn_gate.weight": grouped(0, value_dim),
+        "attn_qkv.weight": qkv if regrouped else None, "attn_gate.weight": grouped(0, value_dim),
         "ssm_beta.weight": grouped(0, 1), "ssm_alpha.weight": grouped(0, 1), "ssm_a": a_log,
         "ssm_dt.bias": grouped(0, 1), "ssm_conv1d.weight": conv, "ssm_out.weight": grouped(1, value_dim),
     }
     plan: dict[str, tuple[str, Transform | None]] = {}
     for name in tensors:
-        if name in _TOP:
-            plan[name] = (_TOP[name], None)
+        if name in top:
+            plan[name] = (top[name], None)
             continue
         parts = name.split(".", 2)
         if parts[0] != "blk" or len(parts) < 3 or not parts[1].isdecimal():
@@ -182,12 +215,12 @@ def qwen35_tensor_plan(config: dict, tensors: Collection[str]) -> dict[str, tupl
         index, rest = int(parts[1]), parts[2]
         gate_row = (lambda array: array.reshape(1, -1)) if rest == "ffn_gate_inp_shexp.weight" else None
         if index < layers:
-            if rest in _LINEAR and (index + 1) % text["full_attention_interval"] == 0:
+            if rest in linear and (index + 1) % text["full_attention_interval"] == 0:
                 raise ValueError(f"it holds the tensor {name} in a full-attention layer")
-            if rest in _LINEAR:
-                plan[name] = (f"{_TEXT}layers.{index}.{_LINEAR[rest]}", linear_changes.get(rest))
+            if rest in linear:
+                plan[name] = (f"{trunk}layers.{index}.{linear[rest]}", linear_changes.get(rest))
             elif rest in _SHARED:
-                plan[name] = (f"{_TEXT}layers.{index}.{_SHARED[rest]}", gate_row)
+                plan[name] = (f"{trunk}layers.{index}.{_SHARED[rest]}", gate_row)
             else:
                 raise ValueError(f"it holds the tensor {name}, which mlx-lm's qwen3_5 has no place for")
         elif index < layers + mtp_layers:
@@ -204,7 +237,7 @@ def qwen35_tensor_plan(config: dict, tensors: Collection[str]) -> dict[str, tupl
                 raise ValueError(f"its MTP layer holds {name}, which Qwen's MTP layout has no place for")
         else:
             raise ValueError(f"it holds the tensor {name} past its {layers + mtp_layers} blocks")
-    missing = sorted(set(_required(text)) - set(tensors))
+    missing = sorted(set(_required(text, linear)) - set(tensors))
     if missing:
         raise ValueError(f"it lacks the tensor {missing[0]}")
     return plan
@@ -215,7 +248,7 @@ def check_qwen35_shapes(config: dict, shapes: dict[str, tuple[int, ...]]) -> Non
     embedding, output head and final norm against the header's sizes, the MTP block's own
     tensors against the hidden size, and each block tensor against the same tensor of every
     other block (the MTP block's attention and MLP included: a full-attention layer's)."""
-    text = config["text_config"]
+    text = text_config(config)
     hidden, vocab = text["hidden_size"], text["vocab_size"]
     expected = {"token_embd.weight": (vocab, hidden), "output.weight": (vocab, hidden), "output_norm.weight": (hidden,),
                 "nextn.eh_proj.weight": (hidden, 2 * hidden), "nextn.enorm.weight": (hidden,),
@@ -231,17 +264,32 @@ def check_qwen35_shapes(config: dict, shapes: dict[str, tuple[int, ...]]) -> Non
             raise ValueError(f"its tensors {first} {first_shape} and {name} {tuple(shape)} differ in shape")
 
 
-def _required(text: dict) -> list[str]:
-    """The GGUF tensors every model of ``text``'s shape holds (an MTP block's aside)."""
+def _required(text: dict, linear: dict[str, str]) -> list[str]:
+    """The GGUF tensors every model of ``text``'s shape holds (an MTP block's aside); ``linear``: the
+    linear-attention layers' (Qwen3.5's or Qwen3-Next's)."""
     ffn = (("ffn_gate_inp.weight", "ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight",
             "ffn_gate_inp_shexp.weight", "ffn_gate_shexp.weight", "ffn_up_shexp.weight", "ffn_down_shexp.weight")
            if text.get("num_experts") else ("ffn_gate.weight", "ffn_up.weight", "ffn_down.weight"))
     names = ["token_embd.weight", "output_norm.weight"]
     for index in range(text["num_hidden_layers"]):
-        mixer = (_LINEAR if (index + 1) % text["full_attention_interval"] else
+        mixer = (linear if (index + 1) % text["full_attention_interval"] else
                  ("attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_output.weight"))
         names += [f"blk.{index}.{rest}" for rest in (*mixer, *ffn, "attn_norm.weight", "post_attention_norm.weight")]
     return names
+
+
+def next_qkvz(config: dict, qkv: np.ndarray, z: np.ndarray) -> np.ndarray:
+    """Qwen3-Next's in_proj_qkvz from llama.cpp's attn_qkv (every key head's q, then k, then the
+    value heads) and attn_gate (z): the checkpoint's rows again, key head by key head its q, k, and
+    the value heads' v and z grouped under it (llama.cpp's converter split them apart)."""
+    text = text_config(config)
+    k_heads, key_dim = text["linear_num_key_heads"], text["linear_key_head_dim"]
+    per_key = text["linear_num_value_heads"] // k_heads * text["linear_value_head_dim"]
+    q, k, v = np.split(qkv, [k_heads * key_dim, 2 * k_heads * key_dim])
+    parts = [part.reshape(k_heads, -1, *part.shape[1:]) for part in (q, k, v, z)]
+    if parts[2].shape[1] != per_key or parts[3].shape[1] != per_key:
+        raise ValueError(f"its value rows {v.shape[0]} and gate rows {z.shape[0]} are not {k_heads} key heads' worth")
+    return np.concatenate(parts, axis=1).reshape(-1, *qkv.shape[1:])
 
 
 def _grouped(array: np.ndarray, axis: int, k_heads: int, per_key: int, width: int) -> np.ndarray:

@@ -30,6 +30,7 @@ from specrun.heads.config import HeadsConfig
 from specrun.heads.mtp import DEFAULT_DEPTH, GATINGS, MtpHeads, MtpLayout
 from specrun.modelkit.gguf_header import header_values
 from specrun.modelkit.folder_tensors import Deferred, DeferredArrays, FolderTensors, StoredMatrix, deferred_matrix, tables
+from specrun.modelkit.gguf_convert_qwen35 import MTP_FILE as QWEN_MTP_FILE
 from specrun.modelkit.gguf_io import read_fields
 
 # Architectures whose MTP layers specrun reads (those llama.cpp runs its draft-mtp with, too, are
@@ -778,7 +779,7 @@ def _quant_method(config: dict) -> str:
 
 def _tensor_files(folder: Path) -> dict[str, Path]:
     """Where each tensor of the folder's safetensors lives: model.safetensors.index.json's map for
-    a sharded checkpoint, else every name in model.safetensors."""
+    a sharded checkpoint, else every name in model.safetensors (and in the MTP file beside it)."""
     from specrun.heads.files import TensorsFile
 
     index = folder / "model.safetensors.index.json"
@@ -789,7 +790,11 @@ def _tensor_files(folder: Path) -> dict[str, Path]:
         except (OSError, ValueError, KeyError, TypeError) as error:
             raise ModelFileError(f"{index} cannot be read ({error})", "download the model again") from None
     single = folder / "model.safetensors"
-    return dict.fromkeys(TensorsFile(single).tensors, single)
+    found = dict.fromkeys(TensorsFile(single).tensors, single)
+    beside = folder / QWEN_MTP_FILE  # a converted Qwen3-Next's MTP layers, kept where mlx-lm does not load them
+    if beside.is_file():
+        found.update(dict.fromkeys(TensorsFile(beside).tensors, beside))
+    return found
 
 
 def _qwen_folder(folder: Path, config: dict, arch: str, reader: FolderTensors, count: int, depth: int,

@@ -26,13 +26,14 @@ MTP_ARRAYS = ("eh_proj", "enorm", "hnorm", "head_norm", "attn_norm", "post_norm"
               "down_exps", "shared_gate")
 
 
-@pytest.fixture(scope="module", params=["qwen35", "qwen35moe"])
+@pytest.fixture(scope="module", params=["qwen35", "qwen35moe", "qwen3next"])
 def hybrid_gguf(request, tmp_path_factory) -> Path:
     """A random tiny Qwen3.5 (two key heads for four value heads: llama.cpp reorders those) with its
-    MTP layer, dense or with routed experts."""
+    MTP layer, dense or with routed experts, or a Qwen3-Next (routed experts; q, k, v and z joined
+    in one projection, beta and alpha in another, value heads kept grouped)."""
     from hybrid_models import HybridShape, hybrid_weights, write_hybrid_gguf
 
-    shape = HybridShape(experts=4 if request.param == "qwen35moe" else 0)
+    shape = HybridShape(experts=0 if request.param == "qwen35" else 4, next=request.param == "qwen3next")
     folder = tmp_path_factory.mktemp(request.param)
     return write_hybrid_gguf(folder / "hybrid.gguf", shape, hybrid_weights(shape, mtp_layers=1), mtp_layers=1)
 
@@ -90,7 +91,7 @@ def test_a_4_bit_conversion_holds_every_matrix_within_half_a_step_and_drafts_wit
     convert_gguf_to_mlx(hybrid_gguf, half)
     result = runner.invoke(app, ["models", "convert", str(hybrid_gguf), "--to", "mlx", "--dtype", "q4", "--out", str(q4)])
     assert result.exit_code == 0, result.output
-    reference, stored = mx.load(str(half / "model.safetensors")), mx.load(str(q4 / "model.safetensors"))
+    reference, stored = _stored(half), _stored(q4)
     quantized = [name for name in stored if name.endswith(".scales")]
     assert any("linear_attn.out_proj" in name for name in quantized) and any(name.startswith("mtp.") for name in quantized)
     for name in quantized:
@@ -107,6 +108,16 @@ def test_a_4_bit_conversion_holds_every_matrix_within_half_a_step_and_drafts_wit
     assert [result.exit_code for result in generated] == [0, 0], [result.output for result in generated]
     assert generated[0].stdout == generated[1].stdout
     assert "mtp" in generated[1].stderr
+
+
+def _stored(folder: Path) -> dict:
+    """Every array the converted folder holds: model.safetensors, and Qwen3-Next's MTP file beside it."""
+    import mlx.core as mx
+
+    from specrun.modelkit.gguf_convert_qwen35 import MTP_FILE
+
+    files = [folder / "model.safetensors", folder / MTP_FILE]
+    return {name: array for path in files if path.is_file() for name, array in mx.load(str(path)).items()}
 
 
 def _rewritten(tmp_path: Path, name: str, change) -> Path:
@@ -182,15 +193,37 @@ def test_a_mis_shaped_tensor_is_one_line_before_anything_is_written(tmp_path, te
     assert sorted(path.name for path in tmp_path.iterdir()) == ["short.gguf"]
 
 
-def test_qwen3_next_is_named_as_an_architecture_the_conversion_does_not_handle(tmp_path):
+def test_an_architecture_the_conversion_does_not_handle_is_named(tmp_path):
     from hybrid_models import HybridShape, hybrid_weights, write_hybrid_gguf
 
     shape = HybridShape(experts=4, next=True)
-    path = write_hybrid_gguf(tmp_path / "next.gguf", shape, hybrid_weights(shape))
+    weights = hybrid_weights(shape)
+    path = write_hybrid_gguf(tmp_path / "next.gguf", shape, weights)
+    renamed = tmp_path / "other.gguf"
+    renamed.write_bytes(path.read_bytes().replace(b"qwen3next", b"qwen3nexu"))  # the same layout, another name
     with pytest.raises(ModelFileError) as raised:
-        convert_gguf_to_mlx(path, tmp_path / "direct")
-    assert "architecture 'qwen3next' cannot be converted" in raised.value.one_line()
-    assert "llama, qwen2, qwen35, qwen35moe" in raised.value.one_line()
+        convert_gguf_to_mlx(renamed, tmp_path / "direct")
+    assert "architecture 'qwen3nexu' cannot be converted" in raised.value.one_line()
+    assert "llama, qwen2, qwen35, qwen35moe, qwen3next" in raised.value.one_line()
+
+
+def test_qwen3_next_s_mtp_layer_waits_beside_the_weights_mlx_lm_loads(tmp_path):
+    """mlx-lm's qwen3_next drops ``mtp.*`` only from a checkpoint's unstacked experts: the converted
+    folder keeps the layer in a file mlx-lm does not load (a model*.safetensors would fail its
+    strict load), where specrun's drafter reads it."""
+    from hybrid_models import HybridShape, hybrid_weights, write_hybrid_gguf
+    from specrun.modelkit.gguf_convert_qwen35 import MTP_FILE
+    from specrun.modelkit.mtp import folder_mtp_layers
+
+    shape = HybridShape(experts=4, next=True)
+    path = write_hybrid_gguf(tmp_path / "next.gguf", shape, hybrid_weights(shape, mtp_layers=1), mtp_layers=1)
+    folder = tmp_path / "mlx"
+    convert_gguf_to_mlx(path, folder)
+    import mlx.core as mx
+
+    assert not any(name.startswith("mtp.") for name in mx.load(str(folder / "model.safetensors")))
+    assert all(name.startswith("mtp.") for name in mx.load(str(folder / MTP_FILE)))
+    assert folder_mtp_layers(folder) == 1
 
 
 @pytest.mark.parametrize("change, said", [
