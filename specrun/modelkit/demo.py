@@ -19,6 +19,7 @@ import os
 import re
 import secrets
 import shutil
+import time
 from collections.abc import Callable, Iterator
 from importlib import resources
 from pathlib import Path
@@ -97,9 +98,20 @@ def _check_name(name: str) -> None:
 
 # What a derived model depends on besides its source: specrun's code that writes it (a fixed
 # converter must not keep serving the old copy from a warm cache) and the libraries it calls
-# (llama.cpp quantizes, mlx-lm converts, gguf reads and writes).
-DERIVING_MODULES = ("specrun.modelkit", "specrun.heads.eagle3", "specrun.heads.files")
+# (llama.cpp quantizes, mlx-lm converts, gguf reads and writes). Whole modules that write copies,
+# and "module:function" where one function of a larger module does (the backends' quantizers).
+DERIVING_CODE = (
+    "specrun.modelkit.demo", "specrun.modelkit.smollm2", "specrun.modelkit.gemma3", "specrun.modelkit.selfdraft",
+    "specrun.modelkit.widen", "specrun.modelkit.cut", "specrun.modelkit.config", "specrun.modelkit.gguf_io",
+    "specrun.modelkit.gguf_header", "specrun.modelkit.gguf_convert", "specrun.modelkit.gguf_convert_qwen35",
+    "specrun.modelkit.hf_io", "specrun.modelkit.tokenizer", "specrun.heads.eagle3", "specrun.heads.files",
+    "specrun.fileio", "specrun.backends.llama:quantize_gguf", "specrun.backends.mlx:quantize_mlx_folder",
+)
 DERIVING_LIBRARIES = ("gguf", "llama_cpp_python", "mlx", "mlx-lm", "numpy", "safetensors")
+# A copy an older derivation key made is removed once a newer one is derived beside it, unless it
+# was used this recently: two installs sharing a cache would otherwise delete each other's copies.
+KEEP_USED_SECONDS = 7 * 24 * 3600
+USED_STAMP = ".used"  # touched in a derivation key's folder each time a copy in it is used
 
 
 def derived_path(source: Path, filename: str) -> Path:
@@ -112,29 +124,37 @@ def derived_path(source: Path, filename: str) -> Path:
     return cache_dir() / "derived" / digest.hexdigest()[:16] / derivation_key() / filename
 
 
-def deriving_sources() -> list[Path]:
-    """The source files of ``DERIVING_MODULES`` (a package's every module, sorted)."""
+def deriving_sources() -> list[tuple[str, str]]:
+    """(name, source text) of each entry of ``DERIVING_CODE``: a module's file, or one function's
+    (from its ``def`` to the next top-level statement: parsing the backends' modules whole cost
+    ~0.2 s a process)."""
     from importlib.util import find_spec
 
-    files: list[Path] = []
-    for name in DERIVING_MODULES:
-        spec = find_spec(name)
+    found = []
+    for entry in DERIVING_CODE:
+        module, _, function = entry.partition(":")
+        spec = find_spec(module)
         if spec is None or spec.origin is None:
-            raise ModelFileError(f"specrun's module {name} is missing from this install", "reinstall specrun")
-        origin = Path(spec.origin)
-        files.extend(sorted(origin.parent.rglob("*.py")) if spec.submodule_search_locations else [origin])
-    return files
+            raise ModelFileError(f"specrun's module {module} is missing from this install", "reinstall specrun")
+        text = Path(spec.origin).read_text(encoding="utf-8")
+        if function:
+            found_def = re.search(rf"^def {function}\(.*?(?=^\S)", text + "\nEND", re.M | re.S)
+            if found_def is None:
+                raise ModelFileError(f"specrun's {entry} is missing from this install", "reinstall specrun")
+            text = found_def.group(0)
+        found.append((entry, text))
+    return found
 
 
 @functools.cache
 def derivation_key() -> str:
-    """A short key for the code that derives models: its source files' text and the versions of
-    the libraries it calls. A change to either derives each model again on its next use."""
+    """A short key for the code that derives models: its source text and the versions of the
+    libraries it calls. A change to either derives each model again on its next use."""
     from importlib.metadata import PackageNotFoundError, version
 
     digest = hashlib.sha256()
-    for path in deriving_sources():
-        digest.update(f"{path.name}\0".encode() + path.read_bytes() + b"\0")
+    for name, text in deriving_sources():
+        digest.update(f"{name}\0{text}\0".encode())
     for library in DERIVING_LIBRARIES:
         try:
             digest.update(f"{library}=={version(library)}\0".encode())
@@ -143,22 +163,53 @@ def derivation_key() -> str:
     return digest.hexdigest()[:12]
 
 
+def _keyed(target: Path) -> bool:
+    """Is ``target`` at one of ``derived_path``'s places (in the cache, under this derivation key)?"""
+    return (target.parent.name == derivation_key()
+            and (cache_dir() / "derived").resolve() in target.parent.parent.resolve().parents)
+
+
+def _note_use(target: Path) -> None:
+    if _keyed(target):
+        with contextlib.suppress(OSError):  # a read-only cache: nothing to clean there either
+            (target.parent / USED_STAMP).touch()
+
+
 def _forget_older_derivations(target: Path) -> None:
     """Remove the copies of ``target`` that older code derived from the same source (beside it,
-    under another derivation key, or directly in the source's folder as before keys were kept).
-    Only for copies at ``derived_path``'s places; a user's own folder is never touched."""
-    source_dir = target.parent.parent
-    if target.parent.name != derivation_key() or (cache_dir() / "derived").resolve() not in source_dir.resolve().parents:
+    under another derivation key not used for KEEP_USED_SECONDS, or directly in the source's folder
+    as before keys were kept), and key folders left empty. Only at ``derived_path``'s places: a
+    user's own folder is never touched. Each is renamed out of the way before it is deleted, so an
+    interrupted removal never leaves a half-deleted copy where an older install would load it."""
+    if not _keyed(target):
         return
-    keys = (p for p in source_dir.iterdir() if p != target.parent and re.fullmatch(r"[0-9a-f]{12}", p.name))
-    older = [source_dir / target.name, *(key / target.name for key in keys)]
+    source_dir, now = target.parent.parent, time.time()
+    keys = [p for p in source_dir.iterdir() if p != target.parent and re.fullmatch(r"[0-9a-f]{12}", p.name)]
+    older = [source_dir / target.name, *source_dir.glob(".forgetting-*")]  # and removals cut short before
+    for key in keys:
+        stamp = key / USED_STAMP
+        copy = key / target.name
+        used = stamp if stamp.exists() else copy
+        with contextlib.suppress(OSError):
+            if used.exists() and now - used.stat().st_mtime > KEEP_USED_SECONDS:
+                older.append(copy)
     for path in older:
-        with contextlib.suppress(OSError):  # another process's copy in use, or gone already: left
-            if path.is_dir():
-                shutil.rmtree(path)
-            elif path.exists():
-                path.unlink()
+        with contextlib.suppress(OSError):  # gone already, or another process's: left
+            if not path.exists():
+                continue
+            aside = path.with_name(f".forgetting-{secrets.token_hex(8)}")
+            folder = path.is_dir()
+            os.replace(path, aside)
+            if folder:
+                remove_scratch(aside)
+            else:
+                aside.unlink()
                 _sum_path(path).unlink(missing_ok=True)
+    for key in keys:  # a key folder holding nothing but its stamp goes too
+        with contextlib.suppress(OSError):
+            if all(p.name == USED_STAMP for p in key.iterdir()):
+                (key / USED_STAMP).unlink(missing_ok=True)
+                key.rmdir()
 
 
 def derive_once(target: Path, write: Callable[[Path], None]) -> Path:
@@ -171,6 +222,7 @@ def derive_once(target: Path, write: Callable[[Path], None]) -> Path:
     (``derived_file_intact``). No room for the copy is one ModelFileError line, and the scratch
     copy is gone either way."""
     if target.exists() and (target.is_dir() or derived_file_intact(target)):
+        _note_use(target)
         return target
     if target.is_file():  # damaged since it was derived: derive it again
         forget_derived(target)
@@ -197,6 +249,7 @@ def derive_once(target: Path, write: Callable[[Path], None]) -> Path:
                 raise  # not a lost race: a real failure
     finally:
         remove_scratch(scratch)
+    _note_use(target)
     _forget_older_derivations(target)
     return target
 

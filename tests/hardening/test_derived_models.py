@@ -11,6 +11,7 @@ from __future__ import annotations
 import errno
 import os
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -164,7 +165,9 @@ def test_the_bench_scale_real_target_on_a_full_disk_is_one_line_and_leaves_nothi
 
 def test_a_change_to_the_deriving_code_derives_the_model_again_and_drops_the_old_copy(tmp_path, monkeypatch):
     """A warm cache served the copy an older converter wrote: the derived folder was named for
-    the source alone."""
+    the source alone. A copy under an older key goes once a newer one is derived, unless it was
+    used within KEEP_USED_SECONDS (two installs sharing a cache would otherwise delete each other's
+    copies on every run); its key folder goes with it once nothing else is left there."""
     monkeypatch.setenv("SPECRUN_CACHE", str(tmp_path / "cache"))
     source = tmp_path / "model.f16.gguf"
     source.write_bytes(b"source weights")
@@ -174,17 +177,24 @@ def test_a_change_to_the_deriving_code_derives_the_model_again_and_drops_the_old
         writes.append(path)
         path.write_bytes(b"copy %d" % len(writes))
 
-    monkeypatch.setattr(demo, "derivation_key", lambda: "a" * 12)
-    first = derive_once(demo.derived_path(source, "model.q8_0.gguf"), write)
-    assert derive_once(demo.derived_path(source, "model.q8_0.gguf"), write) == first and len(writes) == 1
+    def derived_with(key: str) -> Path:
+        monkeypatch.setattr(demo, "derivation_key", lambda: key)
+        return derive_once(demo.derived_path(source, "model.q8_0.gguf"), write)
+
+    first = derived_with("a" * 12)
+    assert derived_with("a" * 12) == first and len(writes) == 1 and (first.parent / demo.USED_STAMP).exists()
     before_keys = first.parent.parent / "model.q8_0.gguf"  # where a copy lived before keys were kept
     before_keys.write_bytes(b"copy 0")
-    monkeypatch.setattr(demo, "derivation_key", lambda: "b" * 12)  # the converter changed
-    second = derive_once(demo.derived_path(source, "model.q8_0.gguf"), write)
+    second = derived_with("b" * 12)  # another install's converter, while the first is still in use
     assert second != first and len(writes) == 2 and second.read_bytes() == b"copy 2"
-    assert not first.exists() and not demo._sum_path(first).exists() and not before_keys.exists()
-    assert sorted(p.name for p in first.parent.parent.rglob("*")) == ["." + second.name + ".sum", "a" * 12,
-                                                                      "b" * 12, second.name]
+    assert first.read_bytes() == b"copy 1" and not before_keys.exists()  # used lately: kept
+    long_ago = time.time() - demo.KEEP_USED_SECONDS - 60
+    os.utime(first.parent / demo.USED_STAMP, (long_ago, long_ago))
+    third = derived_with("c" * 12)  # the converter changed again; "a" unused for over a week
+    assert len(writes) == 3 and third.read_bytes() == b"copy 3" and second.exists()
+    assert not first.parent.exists()  # its copy, checksum record, stamp and folder gone
+    assert sorted(p.name for p in second.parent.parent.iterdir()) == ["b" * 12, "c" * 12]
+    assert not list(second.parent.parent.rglob(".forgetting-*"))
 
 
 def test_a_converted_copy_outside_the_cache_keeps_its_neighbours(tmp_path, monkeypatch):
@@ -200,19 +210,23 @@ def test_a_converted_copy_outside_the_cache_keeps_its_neighbours(tmp_path, monke
     assert (tmp_path / "models" / "model-mlx").read_text() == "kept"
 
 
-def test_the_derivation_key_reads_every_module_that_derives_a_model(monkeypatch, tmp_path):
-    names = {path.name for path in demo.deriving_sources()}
-    # widening, cutting, GGUF and MLX writing, the GGUF-to-MLX converter, self-draft copies,
-    # the widened EAGLE-3 heads
-    assert {"widen.py", "cut.py", "gguf_io.py", "hf_io.py", "gguf_convert.py", "selfdraft.py", "smollm2.py",
-            "demo.py", "gemma3.py", "eagle3.py", "files.py"} <= names
-    module = tmp_path / "widen.py"
-    module.write_text("FACTOR = 2\n")
-    monkeypatch.setattr(demo, "deriving_sources", lambda: [module])
+def test_the_derivation_key_reads_the_code_that_writes_derived_models(monkeypatch):
+    names = {name for name, _ in demo.deriving_sources()}
+    # widening, cutting, GGUF and MLX writing, the GGUF-to-MLX converters, self-draft copies, the
+    # widened EAGLE-3 heads, and the backends' quantizers (their functions, not their modules)
+    assert {f"specrun.modelkit.{name}" for name in ("widen", "cut", "gguf_io", "hf_io", "gguf_convert",
+                                                     "gguf_convert_qwen35", "selfdraft", "smollm2", "demo",
+                                                     "gemma3")} <= names
+    assert {"specrun.heads.eagle3", "specrun.heads.files", "specrun.backends.llama:quantize_gguf",
+            "specrun.backends.mlx:quantize_mlx_folder"} <= names
+    texts = dict(demo.deriving_sources())
+    assert texts["specrun.backends.llama:quantize_gguf"].startswith("def quantize_gguf(")
+    assert "\ndef " not in texts["specrun.backends.llama:quantize_gguf"]  # that function alone
+    monkeypatch.setattr(demo, "deriving_sources", lambda: [("specrun.modelkit.widen", "FACTOR = 2\n")])
     demo.derivation_key.cache_clear()
     try:
         before = demo.derivation_key()
-        module.write_text("FACTOR = 3\n")
+        monkeypatch.setattr(demo, "deriving_sources", lambda: [("specrun.modelkit.widen", "FACTOR = 3\n")])
         demo.derivation_key.cache_clear()
         assert demo.derivation_key() != before
     finally:

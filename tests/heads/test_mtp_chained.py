@@ -239,3 +239,32 @@ def test_a_qwen_gguf_s_later_mtp_layers_share_the_first_one_s_fc_and_norms(tmp_p
     assert later.eh_proj is first.eh_proj and later.enorm is first.enorm and later.head_norm is first.head_norm
     np.testing.assert_array_equal(later.q_proj, weights[second + "attn_q.weight"])
     assert not np.array_equal(later.q_proj, first.q_proj)
+
+
+def test_one_drafter_s_kept_entries_draft_as_the_reference_over_a_changing_context(three_layers, llama_target):
+    """One drafter through a text that grows, is cut back and grows otherwise, asked for 1 to 3
+    tokens a step (a layer's entries lag where a step did not reach its depth): every chain the
+    reference's, whose layers keep no entries."""
+    heads = read_mtp_gguf(three_layers["gguf"])
+    rng = np.random.default_rng(3)
+    context = llama_target.tokenize(PROMPTS[3])
+    sequence = KVSequence(llama_target)
+    sequence.reset()
+    drafter = MtpDrafter(heads)
+    drafter.bind(sequence, perf_counter)
+    try:
+        for step in range(12):
+            if step == 6:
+                context = context[:-5]  # a rewind past several steps' tokens
+            else:
+                context = context + [int(token) for token in rng.integers(3, 500, size=int(rng.integers(1, 4)))]
+            kept = next((i for i, (a, b) in enumerate(zip(sequence.tokens, context)) if a != b),
+                        min(len(sequence.tokens), len(context) - 1))
+            sequence.rewind(kept)
+            sequence.feed(context[kept:-1])
+            depth = int(rng.integers(1, LAYERS + 1))
+            proposal = drafter.propose(context, depth, SamplingSettings(), rng)
+            expected, _ = reference_chain(heads, sequence.hidden(0, len(context) - 1), context, depth=depth)
+            assert list(proposal.tokens) == expected, (step, depth)
+    finally:
+        drafter.close()
