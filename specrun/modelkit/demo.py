@@ -110,7 +110,7 @@ DERIVING_CODE = (
 DERIVING_LIBRARIES = ("gguf", "llama_cpp_python", "mlx", "mlx-lm", "numpy", "safetensors")
 # A copy an older derivation key made is removed once a newer one is derived beside it, unless it
 # was used this recently: two installs sharing a cache would otherwise delete each other's copies.
-KEEP_USED_SECONDS = 7 * 24 * 3600
+KEEP_USED_SECONDS = 24 * 3600  # a day: passing versions of the converters do not pile up for long
 USED_STAMP = ".used"  # touched in a derivation key's folder each time a copy in it is used
 
 
