@@ -124,13 +124,13 @@ def _refuse_routing_unread(name: str, arch: str, fields: dict) -> None:
                              "use another method with this model")
 
 
-def _refuse_latent_unread(name: str, arch: str, fields: dict, count: int, routed: bool) -> None:
+def _refuse_latent_unread(name: str, arch: str, fields: dict, routed: bool) -> None:
     """One line for a latent-attention (``deepseek2``) MTP block whose layout specrun and llama.cpp's
-    MTP context do not run (llama.cpp's graph asserts on each): more than one MTP layer, an older
-    conversion without the split kv_b, no query down-projection (DeepSeek-V2-Lite's), attention
-    temperature scaling, or a dense MLP there."""
+    MTP context do not run (llama.cpp's graph asserts on each): an older conversion without the
+    split kv_b, no query down-projection (DeepSeek-V2-Lite's), attention temperature scaling, or a
+    dense MLP there. Several MTP layers are drafted in NumPy or MLX, one a depth (llama.cpp's MTP
+    context runs one block: backends/llama._native_mtp_arch makes none for them)."""
     problem = (
-        f"{count} MTP layers (llama.cpp's MTP context runs one)" if count != 1 else
         "an older conversion (its attention's kv_b not split into k_b and v_b)"
         if not all(fields.get(f"{arch}.attention.{key}") for key in ("key_length_mla", "value_length_mla",
                                                                        "kv_lora_rank")) else
@@ -381,7 +381,7 @@ def _gguf_layer(path: Path, fields: dict, tensors: dict, files: dict, block: int
     experts = int(fields.get(f"{arch}.expert_count", 0) or 0)
     latent = arch in _LATENT_ATTENTION
     if latent:
-        _refuse_latent_unread(path.name, arch, fields, count, f"{mtp}.ffn_gate_inp.weight" in tensors)
+        _refuse_latent_unread(path.name, arch, fields, f"{mtp}.ffn_gate_inp.weight" in tensors)
         head_dim = int(fields[f"{arch}.attention.key_length_mla"])  # a query head's nope + rope dims
         kv_count = 1  # one latent key and value a position, as llama.cpp's MLA reads them
     if f"{mtp}.ffn_gate_inp.weight" in tensors:
@@ -612,7 +612,7 @@ def _folder_layer(folder: Path, config: dict, reader: FolderTensors, count: int,
                                  "use another method with this model")
     latent = FOLDER_TYPES[model_type] in _LATENT_ATTENTION
     if latent:  # one latent key and value a position: MQA over the latent, as llama.cpp's converter makes it
-        _refuse_latent_unread(folder.name, "deepseek2", _folder_fields(config), count, bool(routed))
+        _refuse_latent_unread(folder.name, "deepseek2", _folder_fields(config), bool(routed))
         rope_dims, kv_count = int(config["qk_rope_head_dim"]), 1
         head_dim = int(config["qk_nope_head_dim"]) + rope_dims
     layout = MtpLayout(

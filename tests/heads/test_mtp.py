@@ -654,10 +654,11 @@ def test_a_file_with_two_mtp_layers_drafts_in_numpy_not_in_llama_cpp(tmp_path):
 
 
 def test_latent_attention_layouts_llama_cpp_cannot_draft_with_are_one_line(tmp_path):
-    """deepseek2 files whose MTP block llama.cpp's MTP graph asserts on (two MTP layers, an unknown
-    gating function, a dense MLP there), a rotary scaling specrun does not read (longrope) and
-    expert groups that do not divide the experts are refused by name before llama.cpp sees them,
-    on the command line too."""
+    """deepseek2 files whose MTP block llama.cpp's MTP graph asserts on (an unknown gating function,
+    a dense MLP there), a rotary scaling specrun does not read (longrope) and expert groups that do
+    not divide the experts are refused by name before llama.cpp sees them, on the command line too.
+    Two MTP layers, which llama.cpp's MTP context cannot run either, draft in NumPy one a depth
+    (tests/heads/test_mtp_chained.py), every token plain decoding's."""
     from mtp_models import DeepseekShape, deepseek_weights, write_deepseek_gguf
     from specrun.errors import ModelFileError
 
@@ -670,19 +671,25 @@ def test_latent_attention_layouts_llama_cpp_cannot_draft_with_are_one_line(tmp_p
     dense = write_deepseek_gguf(tmp_path / "dense.gguf", dense_shape, deepseek_weights(dense_shape))
     with pytest.raises(ModelFileError, match="a dense MLP in its MTP block"):
         read_mtp_gguf(dense)
-    for name, keys, layers, expected in (
-            ("two", {}, 2, "2 MTP layers"), ("gated", {"expert_gating_func": 9}, 1, "gating function 9"),
-            ("grouped", {"expert_group_count": 3, "expert_group_used_count": 1}, 1,
+    for name, keys, expected in (
+            ("gated", {"expert_gating_func": 9}, "gating function 9"),
+            ("grouped", {"expert_group_count": 3, "expert_group_used_count": 1},
              r"its 4 experts cannot be routed 2 at a time in 1 of 3 groups")):
-        weights = deepseek_weights(shape)
-        block = f"blk.{shape.trunk_layers}."  # a second MTP block like the first, for two layers
-        weights.update({f"blk.{shape.trunk_layers + 1}." + key[len(block):]: value
-                        for key, value in weights.items() if key.startswith(block) and layers == 2})
-        path = write_deepseek_gguf(tmp_path / f"{name}.gguf", shape, weights, mtp_layers=layers, keys=keys)
+        path = write_deepseek_gguf(tmp_path / f"{name}.gguf", shape, deepseek_weights(shape), keys=keys)
         with pytest.raises(ModelFileError, match=expected):
             read_mtp_gguf(path)
-    result = _cli("generate", "def hello", "-t", str(tmp_path / "two.gguf"), "--method", "mtp", "-n", "4")
-    _one_line(result, 1, "two.gguf", "2 MTP layers")  # never llama.cpp's abort
+    weights = deepseek_weights(shape, seed=1)
+    block = f"blk.{shape.trunk_layers}."  # a second MTP block, its own weights
+    weights.update({f"blk.{shape.trunk_layers + 1}." + key[len(block):]: value
+                    for key, value in deepseek_weights(shape, seed=2).items() if key.startswith(block)})
+    two = write_deepseek_gguf(tmp_path / "two.gguf", shape, weights, mtp_layers=2)
+    assert len(read_mtp_gguf(two).layers) == 2
+    drafted = _cli("generate", "def hello", "-t", str(two), "--method", "mtp", "-n", "12", "--kv-type", "f32",
+                   "--flash-attn", "off")
+    plain = _cli("generate", "def hello", "-t", str(two), "--method", "none", "-n", "12", "--kv-type", "f32",
+                 "--flash-attn", "off")
+    assert drafted.exit_code == plain.exit_code == 0, drafted.output  # never llama.cpp's abort
+    assert drafted.stdout == plain.stdout and "method mtp" in drafted.stderr
     result = _cli("generate", "def hello", "-t", str(scaled), "--method", "mtp", "-n", "4")
     _one_line(result, 1, "longrope.gguf", "specrun cannot draft with this deepseek2 model's MTP layer", "longrope")
 
