@@ -89,9 +89,14 @@ class LazyGgufTensors(Mapping):
         return key in self._infos and self._name(key) in self._read
 
     def stored(self, key: str) -> StoredMatrix:
-        """The tensor as the GGUF stores it where that is float (F32, F16), else dequantized to
-        float32 (llama.cpp's block quantizations are not MLX's), read afresh: not held here."""
-        return StoredMatrix(self._read[self._name(key)] if self.loaded(key) else np.array(self._data(key)))
+        """The tensor as the GGUF stores it where that is float (F32, F16), read afresh (not held
+        here: a float16 matrix read into NumPy already is held there as float32, twice the bytes),
+        else dequantized to float32 (llama.cpp's block quantizations are not MLX's): the NumPy copy
+        where there is one, the same numbers without dequantizing again."""
+        quantized = self._infos[key][2].tensor_type not in _PLAIN_TYPES if key in self._infos else False
+        if quantized and self.loaded(key):
+            return StoredMatrix(self._read[self._name(key)])
+        return StoredMatrix(np.array(self._data(key)))
 
     def __iter__(self):
         return iter(self._infos)

@@ -268,3 +268,14 @@ def test_one_drafter_s_kept_entries_draft_as_the_reference_over_a_changing_conte
             assert list(proposal.tokens) == expected, (step, depth)
     finally:
         drafter.close()
+
+
+def test_a_float16_matrix_read_into_numpy_by_one_layer_reaches_mlx_as_stored(three_layers):
+    """The layers share one cache of NumPy reads (float32 copies): MLX, asking for a matrix as the
+    file stores it, still gets float16, not the float32 copy another layer's NumPy pass made."""
+    heads = read_mtp_gguf(three_layers["gguf"])
+    first, later = heads.layers[0], heads.layers[1]
+    assert first.lm_head is later.lm_head and first.eh_proj.dtype == np.float32  # read into NumPy
+    for layer in (first, later):
+        assert layer.tensors.stored("eh_proj").values.dtype == np.float16
+        assert layer.tensors.stored("lm_head").values.dtype == np.float16
