@@ -59,7 +59,8 @@ MIN_CHECKPOINTS = 4
 CHECKPOINT_BYTES = 256 * 2**20
 REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 # What mlx_lm.load reads, minus model code (*.py): specrun never runs code from a model repo.
-MLX_ALLOW_PATTERNS = ["*.json", "model*.safetensors", "tokenizer.model", "*.tiktoken", "*.txt", "*.jinja"]
+MLX_ALLOW_PATTERNS = ["*.json", "model*.safetensors", "mtp.safetensors", "tokenizer.model", "*.tiktoken", "*.txt",
+                      "*.jinja"]  # mtp.safetensors: MTP layers kept beside the weights (modelkit.gguf_convert_qwen35)
 # Caches whose trim() is always exact; any other cache type is checkpointed.
 ALWAYS_TRIMMABLE = ("KVCache", "QuantizedKVCache", "ConcatenateKVCache")
 
@@ -470,7 +471,9 @@ class MlxBackend(HiddenTracking):
         self.model = model
         self.tokenizer = tokenizer
         self._hf = getattr(tokenizer, "_tokenizer", tokenizer)  # the Hugging Face tokenizer inside the wrapper
-        trained = self.n_ctx_train = int(config.get("max_position_embeddings") or 0)  # 0: not said
+        text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}  # qwen3_5's
+        trained = self.n_ctx_train = int(config.get("max_position_embeddings") or text.get("max_position_embeddings")
+                                         or 0)  # 0: not said
         self.n_ctx = n_ctx or (min(DEFAULT_CTX, trained) if trained > 0 else DEFAULT_CTX)
         self.vocab = self._read_vocab_info()
         self._token_bytes = TokenBytes(self._hf)

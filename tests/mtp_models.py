@@ -294,17 +294,17 @@ _MLX_LATENT_BLOCK = {  # GGUF name within a block -> mlx-lm's glm4_moe_lite name
 
 
 def write_deepseek_mlx_folder(folder: Path, shape: DeepseekShape, weights: dict[str, np.ndarray],
-                              settings: dict | None = None) -> Path:
+                              settings: dict | None = None, mtp_layers: int = 1) -> Path:
     """The same model as a folder mlx-lm loads (``glm4_moe_lite``, GLM-4.7-Flash's type), as the
     checkpoint holds it: every block's k_b and v_b joined into kv_b_proj per head (the trunk's
     split again by mlx-lm's own sanitize), the trunk's experts stacked as mlx-lm stacks them, the
     MTP block's one by one (model.layers.N, which mlx-lm drops as it loads); ``settings``:
-    config.json's entries replaced (a rope_scaling, DeepSeek-V3's expert groups)."""
+    config.json's entries replaced (a rope_scaling, DeepSeek-V3's expert groups); ``mtp_layers``: the
+    MTP blocks ``weights`` hold (mlx-lm loads a folder with one: drop the others to load it)."""
     from specrun.modelkit.hf_io import tokenizer_config_dict, write_model_files
 
     tensors = {"model.embed_tokens.weight": weights["token_embd.weight"],
                "model.norm.weight": weights["output_norm.weight"], "lm_head.weight": weights["output.weight"]}
-    mtp = f"blk.{shape.trunk_layers}."
     for name, value in weights.items():
         if not name.startswith("blk."):
             continue
@@ -312,13 +312,13 @@ def write_deepseek_mlx_folder(folder: Path, shape: DeepseekShape, weights: dict[
         target = f"model.layers.{index}."
         if rest in ("attn_k_b.weight", "attn_v_b.weight"):
             continue
-        if name.startswith(mtp) and rest.endswith("_exps.weight"):
+        if int(index) >= shape.trunk_layers and rest.endswith("_exps.weight"):
             part = rest.split("_")[1]  # gate, up, down
             for expert in range(shape.experts):
                 tensors[f"{target}mlp.experts.{expert}.{part}_proj.weight"] = value[expert]
             continue
         tensors[target + _MLX_LATENT_BLOCK[rest]] = value
-    for index in range(shape.trunk_layers + 1):
+    for index in range(shape.trunk_layers + mtp_layers):
         k_b, v_b = weights[f"blk.{index}.attn_k_b.weight"], weights[f"blk.{index}.attn_v_b.weight"]  # (nh, r, nope), (nh, v, r)
         joined = np.concatenate([k_b.transpose(0, 2, 1), v_b], axis=1)  # per head: nope rows, then v rows
         tensors[f"model.layers.{index}.self_attn.kv_b_proj.weight"] = joined.reshape(-1, shape.kv_rank)
@@ -332,7 +332,7 @@ def write_deepseek_mlx_folder(folder: Path, shape: DeepseekShape, weights: dict[
         "topk_method": "noaux_tc", "scoring_func": "sigmoid", "norm_topk_prob": True, "n_group": 1, "topk_group": 1,
         "num_experts_per_tok": shape.experts_used, "first_k_dense_replace": shape.dense_layers,
         "max_position_embeddings": shape.context, "rms_norm_eps": shape.eps, "rope_theta": shape.rope_theta,
-        "rope_scaling": None, "tie_word_embeddings": False, "num_nextn_predict_layers": 1,
+        "rope_scaling": None, "tie_word_embeddings": False, "num_nextn_predict_layers": mtp_layers,
         "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "float32", **(settings or {}),
     }
     tokenizer_json = tiny_tokenizer_json(VOCAB_SIZE)

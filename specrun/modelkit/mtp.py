@@ -38,6 +38,8 @@ from specrun.modelkit.gguf_io import read_fields
 READABLE = ("deepseek2", "glm4moe", "qwen35", "qwen35moe", "qwen3next")
 _LATENT_ATTENTION = ("deepseek2",)  # DeepSeek's MLA (GLM-4.7-Flash converts to it), rotary on consecutive pairs
 _GATED_ATTENTION = ("qwen35", "qwen35moe", "qwen3next")  # q_proj gives each head's queries and its gate
+# The nextn tensors Qwen's MTP layers share (mtp.fc, mtp.pre_fc_norm_*, mtp.norm), kept in the first block
+_QWEN_SHARED_NEXTN = ("eh_proj.weight", "enorm.weight", "hnorm.weight", "shared_head_norm.weight")
 # Architectures whose MTP block's experts llama.cpp routes by softmax with weights summed to one,
 # whatever the file says (its graph_mtp hard-codes them), and whose shared expert is gated.
 _SOFTMAX_ROUTED = ("qwen35moe", "qwen3next")
@@ -96,7 +98,7 @@ class LazyGgufTensors(Mapping):
         quantized = self._infos[key][2].tensor_type not in _PLAIN_TYPES if key in self._infos else False
         if quantized and self.loaded(key):
             return StoredMatrix(self._read[self._name(key)])
-        return StoredMatrix(np.array(self._data(key)))
+        return StoredMatrix(np.asarray(self._data(key)))  # the file's mapped bytes: the backend copies them
 
     def __iter__(self):
         return iter(self._infos)
@@ -306,7 +308,8 @@ def no_layers_refusal(target: str, candidates=(), detail: str = ""):
             config = _folder_config(folder) if folder.is_dir() else None
         except (ModelFileError, ValueError, RecursionError):
             config = None
-        if isinstance(config, dict) and config.get("model_type") == "qwen3_next" and config.get("quantization"):
+        if (isinstance(config, dict) and config.get("model_type") == "qwen3_next" and config.get("quantization")
+                and "mtp_num_hidden_layers" not in config):  # specrun's conversion says how many it kept
             return _dropped(folder, "Qwen3-Next carries one")
     return carriers_refusal(target, detail)
 
@@ -410,11 +413,11 @@ def _gguf_layer(path: Path, fields: dict, tensors: dict, files: dict, block: int
                          int(fields.get(f"{arch}.expert_group_used_count", 0) or 0), layout,
                          "convert the model again, or use another method"))
     def nextn(part: str, shape: tuple[int, ...], required: bool = True) -> str | None:
-        """The block's ``nextn.`` tensor ``part``; a later MTP block without one reads the first
-        block's (Qwen's several MTP layers share one fc and its norms: llama.cpp's converter writes
-        them in the first MTP block alone)."""
+        """The block's ``nextn.`` tensor ``part``; a later MTP block of Qwen's without its fc or
+        norms reads the first block's (its several MTP layers share them: llama.cpp's converter
+        writes them in the first MTP block alone). Anything else missing is missing."""
         found = tensor(f"{mtp}.nextn.{part}", shape, required=False)
-        if found is None and block != trunk:
+        if found is None and block != trunk and arch in _GATED_ATTENTION and part in _QWEN_SHARED_NEXTN:
             found = tensor(f"blk.{trunk}.nextn.{part}", shape, required=False)
         return found if found is not None or not required else tensor(f"{mtp}.nextn.{part}", shape)
 
@@ -791,11 +794,12 @@ def _tensor_files(folder: Path) -> dict[str, Path]:
     if index.is_file():
         try:
             mapping = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-            return {name: folder / shard for name, shard in mapping.items()}
+            found = {name: folder / shard for name, shard in mapping.items()}
         except (OSError, ValueError, KeyError, TypeError) as error:
             raise ModelFileError(f"{index} cannot be read ({error})", "download the model again") from None
-    single = folder / "model.safetensors"
-    found = dict.fromkeys(TensorsFile(single).tensors, single)
+    else:
+        single = folder / "model.safetensors"
+        found = dict.fromkeys(TensorsFile(single).tensors, single)
     beside = folder / QWEN_MTP_FILE  # a converted Qwen3-Next's MTP layers, kept where mlx-lm does not load them
     if beside.is_file():
         found.update(dict.fromkeys(TensorsFile(beside).tensors, beside))

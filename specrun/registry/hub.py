@@ -45,7 +45,8 @@ from specrun.registry.catalog import HUB_ID_ORIGIN, ModelEntry
 
 SPLIT_GGUF = re.compile(r"-(?P<index>\d{5})-of-(?P<count>\d{5})\.gguf$")
 # What an MLX model needs (as mlx_lm.load fetches it), minus model code: never run it.
-MLX_FILES = ["*.json", "model*.safetensors", "tokenizer.model", "*.tiktoken", "tiktoken.model", "*.txt", "*.jinja"]
+MLX_FILES = ["*.json", "model*.safetensors", "mtp.safetensors", "tokenizer.model", "*.tiktoken", "tiktoken.model",
+             "*.txt", "*.jinja"]  # mtp.safetensors: MTP layers beside the weights (modelkit.gguf_convert_qwen35)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "config.json")
 SOURCE_KINDS = ("gguf", "mlx")
 

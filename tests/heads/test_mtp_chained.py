@@ -279,3 +279,40 @@ def test_a_float16_matrix_read_into_numpy_by_one_layer_reaches_mlx_as_stored(thr
     for layer in (first, later):
         assert layer.tensors.stored("eh_proj").values.dtype == np.float16
         assert layer.tensors.stored("lm_head").values.dtype == np.float16
+
+
+def test_a_latent_attention_model_s_several_mtp_layers_read_alike_from_its_gguf_and_its_folder(tmp_path):
+    """GLM-4.7-Flash's layout (DeepSeek's latent attention) with two MTP layers, each its own
+    weights: the folder's layers (``model.layers.N``, kv_b joined per head, experts one by one) are
+    the GGUF's, one a depth."""
+    from mtp_models import DeepseekShape, deepseek_weights, write_deepseek_gguf, write_deepseek_mlx_folder
+
+    shape = DeepseekShape()
+    weights = deepseek_weights(shape, seed=1)
+    block = f"blk.{shape.trunk_layers}."
+    weights.update({f"blk.{shape.trunk_layers + 1}." + key[len(block):]: value
+                    for key, value in deepseek_weights(shape, seed=2).items() if key.startswith(block)})
+    weights = {name: value.astype(np.float16).astype(np.float32) for name, value in weights.items()}
+    from_gguf = read_mtp_gguf(write_deepseek_gguf(tmp_path / "two.gguf", shape, weights, mtp_layers=2))
+    from_folder = read_mtp_folder(write_deepseek_mlx_folder(tmp_path / "two-hf", shape, weights, mtp_layers=2))
+    assert len(from_gguf.layers) == len(from_folder.layers) == 2 and from_folder.layout == from_gguf.layout
+    for ours, theirs in zip(from_folder.layers, from_gguf.layers):
+        for name in ("eh_proj", "q_a", "q_b", "kv_a", "k_b", "v_b", "o_proj", "router", "gate_exps", "down_exps"):
+            np.testing.assert_allclose(np.asarray(getattr(ours, name), np.float32),
+                                       np.asarray(getattr(theirs, name), np.float32), atol=1e-6, err_msg=name)
+    assert not np.array_equal(from_folder.layers[1].q_b, from_folder.layers[0].q_b)
+
+
+def test_a_later_mtp_block_missing_its_own_projection_is_one_line_outside_qwen(three_layers, tmp_path):
+    """Only Qwen's later MTP blocks read the first block's fc and norms: a GLM file whose second
+    block lacks its eh_proj is refused by name, not drafted with the first block's."""
+    from mtp_models import write_glm_gguf
+
+    from specrun.errors import ModelFileError
+
+    shape = three_layers["shape"]
+    missing = f"blk.{shape.trunk_layers + 1}.nextn.eh_proj.weight"
+    weights = {name: value for name, value in three_layers["weights"].items() if name != missing}
+    path = write_glm_gguf(tmp_path / "lacking.gguf", shape, weights)
+    with pytest.raises(ModelFileError, match=f"lacks {missing}"):
+        read_mtp_gguf(path)

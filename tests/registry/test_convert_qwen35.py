@@ -224,6 +224,15 @@ def test_qwen3_next_s_mtp_layer_waits_beside_the_weights_mlx_lm_loads(tmp_path):
     assert not any(name.startswith("mtp.") for name in mx.load(str(folder / "model.safetensors")))
     assert all(name.startswith("mtp.") for name in mx.load(str(folder / MTP_FILE)))
     assert folder_mtp_layers(folder) == 1
+    import json
+
+    from specrun.modelkit.mtp import read_mtp_folder
+
+    alone = read_mtp_folder(folder)
+    names = mx.load(str(folder / "model.safetensors"))  # the same folder as a sharded one's index lists it
+    (folder / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": dict.fromkeys(names, "model.safetensors")}))
+    np.testing.assert_array_equal(np.asarray(read_mtp_folder(folder).eh_proj), np.asarray(alone.eh_proj))
 
 
 @pytest.mark.parametrize("change, said", [
