@@ -138,6 +138,9 @@ class Drafter(Protocol):
     # A chain takes a member's proposal once it has this many tokens (0: a lone drafter's
     # proposal is taken whatever its length).
     min_tokens: int = 0
+    # The deepest a proposal of this drafter's goes whatever the length asked (heads: their depth;
+    # a model's MTP layers chained one a depth: their number); None: as deep as asked.
+    most_tokens: int | None = None
     # Of the latest call, seconds spent reading context this drafter did not draft: a cost
     # of switching to it, not of the length asked (a draft model's catch-up).
     catch_up_seconds: float = 0.0

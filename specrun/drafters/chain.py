@@ -55,6 +55,12 @@ class ChainDrafter(Drafter):
     def members(self) -> tuple[Drafter, ...]:
         return self.drafters
 
+    @property
+    def most_tokens(self) -> int | None:
+        """The deepest member's bound (None where any member goes as deep as asked)."""
+        bounds = [drafter.most_tokens for drafter in self.drafters]
+        return None if None in bounds else max(bounds)
+
     def ask(
         self,
         member: int,

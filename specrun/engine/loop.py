@@ -85,6 +85,15 @@ def check_prompt(prompt: Sequence[int], n_ctx: int) -> None:
         )
 
 
+def _deepest(draft_len: int, drafter: Drafter | None) -> int:
+    """The draft length a run's statistics report: the length asked, or the drafter's own bound
+    where it is lower (MTP heads asked for 16 draft at most their depth)."""
+    if drafter is None:
+        return 0
+    bound = drafter.most_tokens
+    return draft_len if bound is None else min(draft_len, bound)
+
+
 def _emit(
     context: list[int], proposal: Proposal, verdict: Verdict | TreeVerdict, room: int, eos_ids: Collection[int]
 ) -> bool:
@@ -450,7 +459,7 @@ class SpeculativeEngine:
         stats = Stats(
             method=self.method,
             drafters="+".join(member.name for member in self.drafter.members) if self.drafter is not None else "",
-            draft_len=params.draft_len if self.drafter is not None else 0,
+            draft_len=_deepest(params.draft_len, self.drafter),
             adaptive=self._adapts(params),
             draft_min_prob=min_prob,
             acceptance=self.passes.verification.label,

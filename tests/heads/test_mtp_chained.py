@@ -316,3 +316,19 @@ def test_a_later_mtp_block_missing_its_own_projection_is_one_line_outside_qwen(t
     path = write_glm_gguf(tmp_path / "lacking.gguf", shape, weights)
     with pytest.raises(ModelFileError, match=f"lacks {missing}"):
         read_mtp_gguf(path)
+
+
+def test_a_run_reports_the_depth_its_chained_layers_draft_to(three_layers, llama_target):
+    """Asked for 16, three chained layers draft at most 3 a step: the statistics say 3, a chain with
+    prompt lookup (as deep as asked) 16."""
+    from specrun.drafters.methods import DrafterOptions, build_drafter
+    from specrun.engine.loop import GenerationParams, SpeculativeEngine
+
+    heads = read_mtp_gguf(three_layers["gguf"])
+    engine = SpeculativeEngine(llama_target, None)
+    for method, deepest in (("mtp", LAYERS), ("lookup+mtp", 16)):
+        drafter = build_drafter(method, None, DrafterOptions(heads=heads))
+        engine.set_drafter(drafter, method)
+        stats = engine.run(llama_target.tokenize(PROMPTS[0]), GenerationParams(8, 16, adaptive=True)).stats
+        drafter.close()
+        assert stats.draft_len == deepest and f"draft_len adaptive up to {deepest}," in stats.summary(), method

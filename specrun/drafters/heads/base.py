@@ -97,6 +97,10 @@ class HeadsDrafter(Drafter):
         self._learned_version = 0  # of the learner's weights drafted with
         self._harvested = -1  # the first position whose state the learner has not had; -1 before a text
 
+    @property
+    def most_tokens(self) -> int:
+        return self.heads.config.num_heads  # a head a depth, or the depth a layer is chained to
+
     def bind(self, target: KVSequence, clock: Callable[[], float]) -> None:
         """Read the target's hidden states from now on: turns its tracking on."""
         layers = self.target_layers(target)
