@@ -95,8 +95,7 @@ class LazyGgufTensors(Mapping):
         here: a float16 matrix read into NumPy already is held there as float32, twice the bytes),
         else dequantized to float32 (llama.cpp's block quantizations are not MLX's): the NumPy copy
         where there is one, the same numbers without dequantizing again."""
-        quantized = self._infos[key][2].tensor_type not in _PLAIN_TYPES if key in self._infos else False
-        if quantized and self.loaded(key):
+        if self._infos[key][2].tensor_type not in _PLAIN_TYPES and self.loaded(key):  # KeyError: none by that name
             return StoredMatrix(self._read[self._name(key)])
         return StoredMatrix(np.asarray(self._data(key)))  # the file's mapped bytes: the backend copies them
 

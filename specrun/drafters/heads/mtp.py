@@ -66,11 +66,11 @@ class MtpDrafter(EagleDrafter):
         sampling: SamplingSettings,
         rng: np.random.Generator,
     ) -> Proposal:
-        if self.heads.chained:  # one layer a depth: drafted here (llama.cpp's graphs run one MTP block)
-            return self._propose_chained(context, draft_len, sampling, rng)
         native = self._native_mtp()
         trees = sampling.greedy and self.branches and self.target.backend.tree_support.available
-        if native is None or trees:  # a tree the target cannot verify would be its main chain: drafted natively
+        # a tree the target cannot verify would be its main chain: drafted natively; layers chained
+        # one a depth are drafted here (llama.cpp's graphs for these layouts run one MTP block)
+        if native is None or trees or self.heads.chained:
             return super().propose(context, draft_len, sampling, rng)
         depth = min(draft_len, self.heads.config.num_heads)
         if depth <= 0 or len(context) < 2:
@@ -116,23 +116,27 @@ class MtpDrafter(EagleDrafter):
         return native.feed(context[root + 1 : root + 2], features[-1:], logits=True, at=root)
 
     # ---- several layers, one a depth ----------------------------------------------------------
-    def _propose_chained(self, context: Sequence[int], draft_len: int, sampling: SamplingSettings,
-                         rng: np.random.Generator) -> Proposal:
-        self.learn(context)
+    def _root(self, context: Sequence[int]) -> np.ndarray | None:
+        """The first layer's root feature (EagleDrafter's); with chained layers, every later layer's
+        entries of the context (the root pair's too) brought up to date beside it."""
+        feature = super()._root(context)
         layers = self.heads.layers
-        depth = min(draft_len, self.heads.config.num_heads, len(layers))
-        if depth <= 0 or self.target is None or len(context) < 2:
-            return EMPTY_PROPOSAL
-        feature = self._root(context)  # the first layer's
-        if feature is None:  # fed while tracking was off (a cache from before the heads were in use)
-            return EMPTY_PROPOSAL
-        self._later.extend(LayerEntries() for _ in range(len(layers) - 1 - len(self._later)))
-        for index in range(1, depth):  # the context's entries of the layers this depth reads, the root's too
-            _, self._later[index - 1] = self._layer_root(context, layers[index], self._later[index - 1])
-        root = len(context) - 2
-        if sampling.greedy and self.branches:
+        if feature is not None and len(layers) > 1:
+            self._later.extend(LayerEntries() for _ in range(len(layers) - 1 - len(self._later)))
+            for index in range(1, len(layers)):
+                _, self._later[index - 1] = self._layer_root(context, layers[index], self._later[index - 1])
+        return feature
+
+    def _chain(self, feature: np.ndarray, root: int, depth: int, sampling: SamplingSettings,
+               rng: np.random.Generator) -> Proposal:
+        if self.heads.chained:
+            return self._chained_chain(feature, root, depth, sampling, rng)
+        return super()._chain(feature, root, depth, sampling, rng)
+
+    def _tree(self, feature: np.ndarray, root: int, depth: int) -> Proposal:
+        if self.heads.chained:
             return self._chained_tree(feature, root, depth)
-        return self._chained_chain(feature, root, depth, sampling, rng)
+        return super()._tree(feature, root, depth)
 
     def _chained_rows(self, index: int, features: np.ndarray, drafts: np.ndarray, positions: np.ndarray,
                       reads: np.ndarray) -> np.ndarray:
