@@ -256,6 +256,12 @@ class TargetCosts:
             self._table_context = self.context
         return self._table[others:] if others else self._table
 
+    def batch_table(self, max_total: int) -> list[float | None]:
+        """A pass's seconds by every sequence's tokens together (this one's and the others'),
+        n = 0..max_total: what a batch of slots drafting alike pays (control/batch.py)."""
+        self.table(max(max_total - self.others_tokens, 0))
+        return self._table[: max_total + 1]
+
     @property
     def plain(self) -> float | None:
         """T(1), plain decoding's pass, as measured: read on every step (SpeculationGate),

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from time import perf_counter
 from typing import Protocol
 
+from specrun.control.batch import BatchDrafts, expected_tokens
 from specrun.control.costs import DraftCosts, TargetCosts
 from specrun.control.draft_length import CHEAP_PROBE_LEN, PAID_PROBE_LEN, DraftLengthController, ProposalScores
 from specrun.control.gate import IdleBackoff, SpeculationGate
@@ -196,6 +197,8 @@ class AdaptivePolicy:
         self._context_len = 0  # of the step being planned
         self._picks: dict[str, AlternativePick] = {}  # by alternative drafter: which of the two drafts
         self._resting: set[str] = set()  # paid drafters not asked this step (an alternative's other)
+        # a server's slots decoding together: the ceiling on a draft model's length they share
+        self.batch: BatchDrafts | None = None
 
     # ---- what earlier texts and processes measured (memory.py) ---------------------------
     @property
@@ -255,6 +258,8 @@ class AdaptivePolicy:
         members = self.drafter.members if self.drafter is not None else ()
         paid = {m.name for m in members if m.pays_per_token} if len(members) > 1 else set()
         self.memory.end_text(self.controllers, paid)
+        if self.batch is not None:
+            self.batch.drop(id(self))  # this slot's curve belonged to its text
         if self.memory.gate_off is None and self.gate_off_gap:  # a window left off starts the next text off
             self.memory.gate_off = self.gate_off_gap
         self.controllers.clear()
@@ -362,7 +367,16 @@ class AdaptivePolicy:
             return draft_len
         if drafter.name in self._resting:
             return 0
-        return self._controller_for(drafter.name, fixed=not self.adaptive).choose(draft_len)
+        controller = self._controller_for(drafter.name, fixed=not self.adaptive)
+        chosen = controller.choose(draft_len)
+        if self.batch is None or not self.adaptive or not self.target_costs.sharing:
+            return chosen
+        # slots decoding together: at most the length the whole batch gains by (control/batch.py)
+        limit = controller.max_draft_len
+        self.batch.post(id(self), expected_tokens(controller.acceptances(limit), limit))
+        ceiling = self.batch.ceiling(self.target_costs.sharing + 1, limit, self.target_costs,
+                                     controller.draft_costs.table(limit))
+        return chosen if ceiling is None else min(chosen, ceiling)
 
     def takes(self, proposal: Proposal, member: int, draft_len: int) -> bool:
         """Adaptive, with a draft model behind: a cheap proposal is taken when it promises more

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from specrun.backends.slots import Rendezvous, Slot
+from specrun.control.batch import BatchDrafts
 from specrun.errors import UsageError
 from specrun.sessions.chat import ChatSession
 
@@ -46,6 +47,9 @@ class SlotSessions:
                 target = Slot(target_slots, seq, self.rendezvous, session.target, "target")
                 draft = Slot(draft_slots, seq, self.rendezvous, session.draft, "draft") if draft_slots else None
                 self.sessions.append(session.on_slot(target, draft))
+            batch = BatchDrafts()  # one ceiling on the draft model's length for every slot's policy
+            for each in self.sessions:
+                each.engine.policy.batch = batch
         except BaseException:
             self.close()
             raise
