@@ -323,12 +323,15 @@ class AdaptivePolicy:
 
     def reads_prompt(self, drafter: Drafter) -> bool:
         """A draft model for which no draft could pay, were every token accepted (a server's slots
-        filling the machine: DraftLengthController.could_pay), leaves the prompt unread: it drafts
-        nothing until that changes, and then catches up on the text. Read at once, 16 answers
-        with 8 slots had the draft model read ~7 tokens a token it drafted."""
+        filling the machine: DraftLengthController.could_pay), or whose batch drafts nothing
+        (``_batch_ceiling`` 0), leaves the prompt unread: it drafts nothing until that changes, and
+        then catches up on the text. Read at once, 16 answers with 8 slots had the draft model read
+        ~7 tokens a token it drafted; with 4 slots whose batch drafted nothing, each prompt read
+        held the other slots' passes back (a tenth of a Spec-Bench phase)."""
         if not (self.adaptive and drafter.name in self.paid and drafter.defers_prompt):
             return True
-        return self._controller_for(drafter.name).could_pay()
+        controller = self._controller_for(drafter.name)
+        return controller.could_pay() and self._batch_ceiling(controller) != 0
 
     def at_context(self, length: int) -> None:
         """The next pass reads ``length`` tokens of context: the target's costs and every drafter's
@@ -369,14 +372,18 @@ class AdaptivePolicy:
             return 0
         controller = self._controller_for(drafter.name, fixed=not self.adaptive)
         chosen = controller.choose(draft_len)
+        ceiling = self._batch_ceiling(controller)
+        return chosen if ceiling is None else min(chosen, ceiling)
+
+    def _batch_ceiling(self, controller: DraftLengthController) -> int | None:
+        """Slots decoding together (``batch``): the longest draft the whole batch gains by, this
+        slot's expected tokens posted first (control/batch.py); None alone or where not yet told."""
         if self.batch is None or not self.adaptive or not self.target_costs.sharing:
-            return chosen
-        # slots decoding together: at most the length the whole batch gains by (control/batch.py)
+            return None
         limit = controller.max_draft_len
         self.batch.post(id(self), expected_tokens(controller.acceptances(limit), limit))
-        ceiling = self.batch.ceiling(self.target_costs.sharing + 1, limit, self.target_costs,
-                                     controller.draft_costs.table(limit))
-        return chosen if ceiling is None else min(chosen, ceiling)
+        return self.batch.ceiling(self.target_costs.sharing + 1, limit, self.target_costs,
+                                  controller.draft_costs.table(limit))
 
     def takes(self, proposal: Proposal, member: int, draft_len: int) -> bool:
         """Adaptive, with a draft model behind: a cheap proposal is taken when it promises more

@@ -113,13 +113,13 @@ class SlotFake(CostedFake):
         return FakeBackend.forward(self, tokens, logit_rows)
 
 
-def drafted_by_text(batch: BatchDrafts | None) -> tuple[list[int], list[list[int]]]:
+def drafted_by_text(batch: BatchDrafts | None) -> tuple[list[int], list[int], list[list[int]]]:
     """A slot among 4 whose others draft 8 a step (9 tokens each in every pass), on a CPU where a
     pass costs 1 + 1 a token of the batch and the draft model 2 a token: alone, pricing its step
     against the others' 27 tokens, drafting 8 always right yields (4 + 8) / (37 + 16) = 0.23
     tokens a unit against plain's 4 / 29 = 0.14, so it drafts; the batch drafting alike yields at
     most 4 (1 + k) / (5 + 6 k) against plain batching's 4 / 5: it goes plain. Drafted tokens by
-    text, and every output."""
+    text, tokens the draft model read by text, and every output."""
     clock = CostClock()
     target = SlotFake(copying_logits(salt=4), clock, fixed=1.0, per_token=1.0, others=3, per_other=9)
     draft = CostedFake(noisy_copy(4), clock, fixed=2.0, per_token=0.0)
@@ -127,23 +127,28 @@ def drafted_by_text(batch: BatchDrafts | None) -> tuple[list[int], list[list[int
     engine.policy.batch = batch
     params = GenerationParams(40, draft_len=8, stop_at_eos=False, adaptive=True)
     prompts = [REPEATING_PROMPT, REPEATING_PROMPT[::-1] + [20, 21, 22], [7, 8, 9, 7, 8] * 3, REPEATING_PROMPT[3:]]
-    drafted, outputs = [], []
+    drafted, read, outputs = [], [], []
     for prompt in prompts:
         engine.policy.forget_acceptance()  # a server's next request (ChatSession.new_text)
+        before = draft.forwarded_tokens
         result = engine.run(prompt, params)
         drafted.append(result.stats.drafted)
+        read.append(draft.forwarded_tokens - before)
         outputs.append(result.token_ids)
     engine.drafter.close()
-    return drafted, outputs
+    return drafted, read, outputs
 
 
 def test_a_slot_whose_batch_gains_nothing_by_drafting_stops_drafting_where_alone_it_would_not():
+    """…and its draft model reads no prompt (AdaptivePolicy.reads_prompt): a prompt read is a
+    draft pass the other slots' passes wait for."""
     plain = SpeculativeEngine(FakeBackend(copying_logits(salt=4), COPYING_VOCAB))
-    alone_drafted, alone_outputs = drafted_by_text(None)
-    batch_drafted, batch_outputs = drafted_by_text(BatchDrafts(CostClock()))
+    alone_drafted, alone_read, alone_outputs = drafted_by_text(None)
+    batch_drafted, batch_read, batch_outputs = drafted_by_text(BatchDrafts(CostClock()))
     assert all(count > 20 for count in alone_drafted[1:])  # the slot's own rule keeps drafting
+    assert all(count > 20 for count in alone_read[1:])
     assert batch_drafted[0] > 0  # the first text times the draft model's costs…
-    assert batch_drafted[1:] == [0, 0, 0]  # …then the batch's ceiling keeps it plain
+    assert batch_drafted[1:] == [0, 0, 0] and batch_read[1:] == [0, 0, 0]  # …then the batch's ceiling keeps it plain
     prompts = [REPEATING_PROMPT, REPEATING_PROMPT[::-1] + [20, 21, 22], [7, 8, 9, 7, 8] * 3, REPEATING_PROMPT[3:]]
     expected = [plain.run(prompt, GenerationParams(40, draft_len=0, stop_at_eos=False)).token_ids
                 for prompt in prompts]
