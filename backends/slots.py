@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from time import perf_counter
 from typing import Protocol
@@ -101,6 +101,8 @@ class Rendezvous:
         self.counts: dict[str, RendezvousCounts] = {}  # by model label
         self.last_sequences: dict[int, int] = {}  # id(model) -> sequences its last batch held
         self.last_tokens: dict[int, int] = {}  # id(model) -> tokens its last batch held, all sequences'
+        # told of each batch that ran whole, on the runner's thread: (its model's label, tokens, seconds)
+        self.observer: Callable[[str, int, float], None] | None = None
 
     # ---- slots come and go ----------------------------------------------------------
     def join(self) -> None:
@@ -218,9 +220,11 @@ class Rendezvous:
         """One batch of ``model``; where it fails as a whole, each pass alone, so that only the
         pass at fault fails (a sequence whose cache is full, say) and the others' go on."""
         started = perf_counter()
+        whole = True
         try:
             model.run(passes)
         except Exception:  # noqa: BLE001 - the batch failed: find the pass that did
+            whole = False
             if len(passes) == 1:
                 passes[0].error = _failure()
             else:
@@ -239,6 +243,8 @@ class Rendezvous:
         counts.sequences += len(passes)
         counts.tokens += tokens
         counts.seconds += seconds
+        if whole and self.observer is not None:
+            self.observer(self._labels[id(model)], tokens, seconds)
 
 
 def _failure() -> BaseException:

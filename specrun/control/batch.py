@@ -10,11 +10,14 @@ slot started, even where the whole batch decodes faster plainly. Four slots on a
 (a 4-sequence pass compute-bound) ran 0.80x plain batching so (docs/perf.md 3(r)).
 
 ``BatchDrafts`` prices the batch as a whole, as vLLM chooses one draft length per batch: every
-slot drafting k in step, the batch yields m (1 + E(k)) tokens in k draft rounds and one verify
-pass over m (k + 1) tokens, E(k) the slots' mean expected accepted drafts at k (each slot posts
-its own from its acceptance estimates). The best k is a ceiling on each slot's own choice: 0
-where no length beats plain batching (nobody drafts with the model, probes included), none
-where the batch's costs are not yet timed (the slots' own rules run, and time them).
+slot drafting k in step, the batch yields m (1 + E(k)) tokens in k draft rounds over m sequences
+and one verify pass over m (k + 1) tokens, E(k) the slots' mean expected accepted drafts at k
+(each slot posts its own from its acceptance estimates). Both costs are the batches' own, timed
+where they run (the rendezvous reports each one, ``timed``) by the tokens in them: a slot's own
+draft timings are rounds of whatever drafted beside it, one sequence's where it drafted alone.
+The best k is a ceiling on each slot's own choice: 0 where no length beats plain batching
+(nobody drafts with the model, probes included), none where the batches are not yet timed (the
+slots' own rules run, and time them).
 """
 
 from __future__ import annotations
@@ -50,6 +53,14 @@ class BatchDrafts:
         self.clock = clock
         self._lock = threading.Lock()
         self._curves: dict[int, tuple[tuple[float, ...], float]] = {}  # slot -> (1 + E(k) by k, when posted)
+        self.verify = TargetCosts()  # the target's batches: seconds by their tokens, every sequence's
+        self.rounds = TargetCosts()  # the draft model's batches, alike
+
+    def timed(self, verifying: bool, tokens: int, seconds: float) -> None:
+        """A batch of ``tokens`` (every sequence's) ran in ``seconds``: the target's verify pass
+        (``verifying``) or a round of the draft model's."""
+        with self._lock:
+            (self.verify if verifying else self.rounds).observe(tokens, seconds)
 
     def post(self, slot: int, expected: Sequence[float]) -> None:
         """Slot ``slot``'s expected tokens a verify pass yields after a draft of k = 0, 1, ..."""
@@ -70,27 +81,27 @@ class BatchDrafts:
         limit = min(limit, *(len(curve) - 1 for curve in curves))
         return [sum(curve[k] for curve in curves) / len(curves) for k in range(limit + 1)]
 
-    def ceiling(self, sequences: int, limit: int, target_costs: TargetCosts,
-                draft_seconds: Sequence[float | None]) -> int | None:
+    def ceiling(self, sequences: int, limit: int) -> int | None:
         """The draft length, at most ``limit``, at which ``sequences`` slots drafting alike
         yield the most tokens a second (0: plain batching), or None where it cannot be told:
-        one sequence alone, no curve posted, or the costs of plain batching or of any length
-        not yet timed. ``target_costs``: a pass's seconds by the batch's tokens;
-        ``draft_seconds``: seconds to draft k tokens (k draft rounds), k = 0..limit."""
+        one sequence alone, no curve posted, no verify pass or draft round timed yet."""
         if sequences < 2 or limit <= 0:
             return None
         curve = self.mean_curve(limit)
         if curve is None:
             return None
-        limit = min(limit, len(curve) - 1, len(draft_seconds) - 1)
-        passes = target_costs.batch_table(sequences * (limit + 1))
+        limit = min(limit, len(curve) - 1)
+        with self._lock:
+            passes = self.verify.batch_table(sequences * (limit + 1))
+            round_seconds = self.rounds.batch_table(sequences)[sequences]
+        if round_seconds is None:
+            return None
         best, best_rate = 0, None
         for k in range(limit + 1):
             verify = passes[sequences * (k + 1)]
-            draft = draft_seconds[k] if k else 0.0
-            if verify is None or draft is None:
+            if verify is None:
                 return None
-            seconds = verify + draft
+            seconds = verify + k * round_seconds
             if seconds <= 0.0:
                 return None
             rate = sequences * curve[k] / seconds

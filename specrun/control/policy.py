@@ -323,15 +323,17 @@ class AdaptivePolicy:
 
     def reads_prompt(self, drafter: Drafter) -> bool:
         """A draft model for which no draft could pay, were every token accepted (a server's slots
-        filling the machine: DraftLengthController.could_pay), or whose batch drafts nothing
-        (``_batch_ceiling`` 0), leaves the prompt unread: it drafts nothing until that changes, and
-        then catches up on the text. Read at once, 16 answers with 8 slots had the draft model read
-        ~7 tokens a token it drafted; with 4 slots whose batch drafted nothing, each prompt read
-        held the other slots' passes back (a tenth of a Spec-Bench phase)."""
+        filling the machine: DraftLengthController.could_pay), leaves the prompt unread: it drafts
+        nothing until that changes, and then catches up on the text. Read at once, 16 answers
+        with 8 slots had the draft model read ~7 tokens a token it drafted. On slots sharing a
+        ceiling (``batch``) it reads it when first asked to draft, if ever: the read is a draft
+        pass every other slot's pass waits for, and with 4 slots whose batch then drafted nothing
+        the reads took a tenth of a Spec-Bench phase."""
         if not (self.adaptive and drafter.name in self.paid and drafter.defers_prompt):
             return True
-        controller = self._controller_for(drafter.name)
-        return controller.could_pay() and self._batch_ceiling(controller) != 0
+        if self.batch is not None and self.target_costs.sharing:
+            return False
+        return self._controller_for(drafter.name).could_pay()
 
     def at_context(self, length: int) -> None:
         """The next pass reads ``length`` tokens of context: the target's costs and every drafter's
@@ -382,8 +384,7 @@ class AdaptivePolicy:
             return None
         limit = controller.max_draft_len
         self.batch.post(id(self), expected_tokens(controller.acceptances(limit), limit))
-        return self.batch.ceiling(self.target_costs.sharing + 1, limit, self.target_costs,
-                                  controller.draft_costs.table(limit))
+        return self.batch.ceiling(self.target_costs.sharing + 1, limit)
 
     def takes(self, proposal: Proposal, member: int, draft_len: int) -> bool:
         """Adaptive, with a draft model behind: a cheap proposal is taken when it promises more

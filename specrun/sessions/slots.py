@@ -15,7 +15,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from specrun.backends.slots import Rendezvous, Slot
+from specrun.backends.slots import VERIFIER, Rendezvous, Slot
 from specrun.control.batch import BatchDrafts
 from specrun.errors import UsageError
 from specrun.sessions.chat import ChatSession
@@ -48,6 +48,7 @@ class SlotSessions:
                 draft = Slot(draft_slots, seq, self.rendezvous, session.draft, "draft") if draft_slots else None
                 self.sessions.append(session.on_slot(target, draft))
             batch = BatchDrafts()  # one ceiling on the draft model's length for every slot's policy
+            self.rendezvous.observer = lambda label, tokens, seconds: batch.timed(label == VERIFIER, tokens, seconds)
             for each in self.sessions:
                 each.engine.policy.batch = batch
         except BaseException:

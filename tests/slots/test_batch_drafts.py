@@ -16,15 +16,6 @@ from tests.fake_models import COPYING_VOCAB, REPEATING_PROMPT, copying_logits, n
 from tests.slots.test_sharing_policy import CostClock, CostedFake
 
 
-def batch_costs(fixed: float, per_token: float, totals=range(1, 40)) -> TargetCosts:
-    """Passes of a batch of n tokens (every sequence's) costing ``fixed + per_token * n``."""
-    costs = TargetCosts()
-    for n in totals:
-        for _ in range(4):
-            costs.observe(n, fixed + per_token * n)
-    return costs
-
-
 class Clock:
     def __init__(self) -> None:
         self.now = 0.0
@@ -33,96 +24,142 @@ class Clock:
         return self.now
 
 
+def timed_batch(fixed: float, per_token: float, round_fixed: float, round_per_token: float,
+                clock: Clock | None = None) -> BatchDrafts:
+    """A batch whose verify passes cost ``fixed + per_token * n`` for n tokens (every sequence's)
+    and whose draft rounds ``round_fixed + round_per_token * n``, as the rendezvous times them."""
+    batch = BatchDrafts(clock or Clock())
+    for n in range(1, 40):
+        for _ in range(4):
+            batch.timed(True, n, fixed + per_token * n)
+    for n in range(1, 9):
+        for _ in range(4):
+            batch.timed(False, n, round_fixed + round_per_token * n)
+    return batch
+
+
 def test_expected_tokens_multiply_the_acceptances_along_the_draft():
     assert expected_tokens([1.0, 0.5, 0.5, 1.0], 3) == [1.0, 1.5, 1.75, 2.0]
 
 
 def test_a_worked_batch_drafts_the_length_that_yields_most_tokens_a_second():
-    """2 slots, passes 10 + n for n tokens of the batch, a draft round 1 a token, each draft
-    right half the time at every position: k = 0: 2 / 12 = 0.167; k = 1: 2 * 1.5 / (1 + 14) = 0.2;
-    k = 2: 2 * 1.75 / (2 + 16) = 0.194; k = 3: 2 * 1.875 / (3 + 18) = 0.179: 1."""
-    batch = BatchDrafts(Clock())
+    """2 slots, passes 10 + n for n tokens of the batch, a draft round over both 2, each draft
+    right half the time at every position: k = 0: 2 / 12 = 0.167; k = 1: 2 * 1.5 / (2 + 14) =
+    0.1875; k = 2: 2 * 1.75 / (4 + 16) = 0.175; k = 3: 2 * 1.875 / (6 + 18) = 0.156: 1."""
+    batch = timed_batch(10.0, 1.0, 0.0, 1.0)
     batch.post(1, expected_tokens([1.0] + [0.5] * 8, 8))
-    draft_seconds = [0.0] + [float(k) for k in range(1, 9)]
-    assert batch.ceiling(2, 8, batch_costs(10.0, 1.0), draft_seconds) == 1
+    assert batch.ceiling(2, 8) == 1
 
 
-def test_a_compute_bound_batch_of_four_goes_plain_where_two_draft():
-    """The bench-scale pair's costs at 4 slots on a 2-core CPU (docs/perf.md 3(r)): a pass 23 +
-    15.7 n ms, a draft round over the slots 35 ms, drafts right 90% of the time. Four slots plain:
-    4 / 85.8 ms = 46.6 tokens/s; drafting 1: 4 * 1.9 / (35 + 148.6) ms = 41.4; longer lose more:
-    0. On a memory-bound machine (a pass 40 + 0.5 n ms, a round 8 ms) the same batch drafts."""
+def test_a_compute_bound_batch_of_four_goes_plain_where_a_memory_bound_one_drafts():
+    """Costs like the bench-scale pair's at 4 slots on a 2-core CPU (docs/perf.md 3(r)): a pass
+    23 + 15.7 n ms, a draft round 5 + 3.5 n ms (19 ms over 4 sequences), drafts right 90% of the
+    time. Four slots plain: 4 / 85.8 ms = 46.6 tokens/s; drafting 1: 4 * 1.9 / (19 + 148.6) ms =
+    45.3; longer lose more: 0. Memory-bound (a pass 40 + 0.5 n ms, a round 8 + 0.1 n) it drafts."""
+    compute_bound = timed_batch(0.023, 0.0157, 0.005, 0.0035)
+    compute_bound.post(1, expected_tokens([1.0] + [0.9] * 8, 8))
+    assert compute_bound.ceiling(4, 8) == 0
+    memory_bound = timed_batch(0.040, 0.0005, 0.008, 0.0001)
+    memory_bound.post(1, expected_tokens([1.0] + [0.9] * 8, 8))
+    assert memory_bound.ceiling(4, 8) >= 4
+
+
+def test_a_round_is_priced_at_the_batch_s_sequences_not_one_slot_s():
+    """Rounds of 1 sequence 8 ms, of 4 sequences 20 ms: 4 slots
+    right 90% of the time on passes 30 + 7.5 n ms. Priced at one sequence's round, drafting 1 would
+    read 4 * 1.9 / (8 + 90) = 77.6 tokens/s against plain's 66.7; at four's, 7.6 / (20 + 90) = 69.1;
+    both draft 1 here, but 2 only at one sequence's: 4 * 2.71 / (16 + 120) = 79.7 against 77.6."""
     batch = BatchDrafts(Clock())
+    for n in range(1, 40):
+        for _ in range(4):
+            batch.timed(True, n, 0.030 + 0.0075 * n)
+    for _ in range(4):
+        batch.timed(False, 1, 0.008)
+        batch.timed(False, 4, 0.020)
     batch.post(1, expected_tokens([1.0] + [0.9] * 8, 8))
-    rounds = [0.0] + [0.035 * k for k in range(1, 9)]
-    assert batch.ceiling(4, 8, batch_costs(0.023, 0.0157), rounds) == 0
-    assert batch.ceiling(4, 8, batch_costs(0.040, 0.0005), [0.0] + [0.008 * k for k in range(1, 9)]) >= 4
+    assert batch.rounds.batch_table(4)[4] == pytest.approx(0.020)
+    assert batch.ceiling(4, 8) == 1
 
 
-def test_no_ceiling_alone_before_a_curve_or_before_the_costs_are_timed():
-    batch = BatchDrafts(Clock())
-    rounds = [0.0] + [1.0] * 8
-    costs = batch_costs(10.0, 1.0)
-    assert batch.ceiling(2, 8, costs, rounds) is None  # no slot has posted
-    batch.post(1, expected_tokens([1.0] + [0.5] * 8, 8))
-    assert batch.ceiling(1, 8, costs, rounds) is None  # alone: the slot's own rule
-    assert batch.ceiling(2, 8, TargetCosts(), rounds) is None  # no pass timed
-    assert batch.ceiling(2, 8, costs, [0.0, 1.0, None, None]) is None  # a length not yet drafted
-    assert batch.ceiling(2, 8, costs, [0.0] + [1.0] * 8) is not None
+def test_no_ceiling_alone_before_a_curve_or_before_the_batches_are_timed():
+    timed = timed_batch(10.0, 1.0, 0.0, 1.0)
+    assert timed.ceiling(2, 8) is None  # no slot has posted
+    timed.post(1, expected_tokens([1.0] + [0.5] * 8, 8))
+    assert timed.ceiling(1, 8) is None  # alone: the slot's own rule
+    assert timed.ceiling(2, 8) is not None
+    untimed = BatchDrafts(Clock())
+    untimed.post(1, expected_tokens([1.0] + [0.5] * 8, 8))
+    assert untimed.ceiling(2, 8) is None  # nothing timed
+    untimed.timed(True, 2, 12.0)
+    assert untimed.ceiling(2, 8) is None  # no draft round timed
+    untimed.timed(False, 2, 2.0)
+    assert untimed.ceiling(2, 8) is not None
 
 
 def test_the_batch_reads_the_mean_of_its_fresh_curves():
-    """A slot right every time and one never right: their mean, 1 + k / 2 (at most... k = 8 here),
-    on passes costing nothing but their fixed part and free drafts, drafts the longest; the sure
-    slot's curve alone as well; once it goes stale (not posted for FRESH_SECONDS) only the
-    never-right curve counts: 0. A dropped curve counts no more."""
+    """A slot right every time and one never right: their mean, 1 + k / 2, on passes costing only
+    their fixed part and free rounds, drafts the longest; once the sure slot's curve goes stale
+    (not posted for FRESH_SECONDS) only the never-right curve counts, and with rounds that cost
+    something: 0. A dropped curve counts no more."""
     clock = Clock()
-    batch = BatchDrafts(clock)
-    costs, free = batch_costs(1.0, 0.0), [0.0] * 9
-    batch.post(1, expected_tokens([1.0] * 9, 8))
-    batch.post(2, expected_tokens([1.0] + [0.0] * 8, 8))
-    assert batch.mean_curve(2) == [1.0, 1.5, 2.0]
-    assert batch.ceiling(2, 8, costs, free) == 8
-    clock.now = BatchDrafts.FRESH_SECONDS / 2
-    batch.post(2, expected_tokens([1.0] + [0.0] * 8, 8))
+    free = timed_batch(1.0, 0.0, 0.0, 0.0, clock)
+    free.post(1, expected_tokens([1.0] * 9, 8))
+    free.post(2, expected_tokens([1.0] + [0.0] * 8, 8))
+    assert free.mean_curve(2) == [1.0, 1.5, 2.0]
+    assert free.ceiling(2, 8) == 8
+    dear = timed_batch(1.0, 0.0, 0.1, 0.0, clock)
+    dear.post(1, expected_tokens([1.0] * 9, 8))
+    dear.post(2, expected_tokens([1.0] + [0.0] * 8, 8))
+    assert dear.ceiling(2, 8) == 8  # (1 + 8 / 2) / (1 + 0.8) against 1 / 1
+    clock.now = 2.0
+    dear.post(2, expected_tokens([1.0] + [0.0] * 8, 8))
     clock.now = BatchDrafts.FRESH_SECONDS + 1.0
-    assert batch.mean_curve(2) == [1.0, 1.0, 1.0]
-    assert batch.ceiling(2, 8, costs, [0.0] + [0.1] * 8) == 0
-    batch.drop(2)
-    assert batch.mean_curve(2) is None
+    assert dear.mean_curve(2) == [1.0, 1.0, 1.0]
+    assert dear.ceiling(2, 8) == 0
+    dear.drop(2)
+    assert dear.mean_curve(2) is None
 
 
-def test_the_batch_costs_are_read_by_every_sequence_s_tokens():
-    costs = batch_costs(10.0, 1.0)
+def test_a_slot_s_costs_are_read_by_every_sequence_s_tokens_as_a_batch():
+    costs = TargetCosts()
+    for n in range(1, 40):
+        costs.observe(n, 10.0 + n)
     costs.share(7)  # read by this slot's tokens, 7 of the others' beside them
     assert costs(1) == pytest.approx(18.0)
     assert costs.batch_table(12)[4] == pytest.approx(14.0) and len(costs.batch_table(12)) == 13
 
 
 class SlotFake(CostedFake):
-    """A slot's target: ``others`` other sequences in each pass, each feeding ``per_other`` tokens."""
+    """A slot's model: ``others`` other sequences in each pass, each feeding ``per_other`` tokens,
+    a pass costing ``fixed + per_token`` a token of the batch; each pass reported to ``batch`` as
+    the rendezvous reports the batches it runs (``verifying``: the target's)."""
 
-    def __init__(self, table, clock, fixed, per_token, others: int, per_other: int) -> None:
+    def __init__(self, table, clock, fixed, per_token, others: int, per_other: int,
+                 batch: BatchDrafts | None, verifying: bool) -> None:
         super().__init__(table, clock, fixed, per_token)
         self.others_in_pass = others
         self.others_tokens_in_pass = others * per_other
-        self.per_other = per_other
+        self.batch, self.verifying = batch, verifying
 
     def forward(self, tokens, logit_rows):
-        self.clock.now += self.fixed + self.per_token * (len(tokens) + self.others_tokens_in_pass)
+        batch_tokens = len(tokens) + self.others_tokens_in_pass
+        seconds = self.fixed + self.per_token * batch_tokens
+        self.clock.now += seconds
+        if self.batch is not None:
+            self.batch.timed(self.verifying, batch_tokens, seconds)
         return FakeBackend.forward(self, tokens, logit_rows)
 
 
 def drafted_by_text(batch: BatchDrafts | None) -> tuple[list[int], list[int], list[list[int]]]:
-    """A slot among 4 whose others draft 8 a step (9 tokens each in every pass), on a CPU where a
-    pass costs 1 + 1 a token of the batch and the draft model 2 a token: alone, pricing its step
-    against the others' 27 tokens, drafting 8 always right yields (4 + 8) / (37 + 16) = 0.23
-    tokens a unit against plain's 4 / 29 = 0.14, so it drafts; the batch drafting alike yields at
-    most 4 (1 + k) / (5 + 6 k) against plain batching's 4 / 5: it goes plain. Drafted tokens by
-    text, tokens the draft model read by text, and every output."""
+    """A slot among 4 whose others draft 8 a step (9 tokens each in every pass, one each in every
+    draft round), on a CPU where a pass costs 1 + 1 a token of the batch and a draft round 2:
+    alone, pricing its step against the others' 27 tokens, drafting 8 always right yields
+    (4 + 8) / (37 + 16) = 0.23 tokens a unit against plain's 4 / 29 = 0.14, so it drafts; the
+    batch drafting alike yields at most 4 (1 + k) / (5 + 6 k) against plain batching's 4 / 5: it
+    goes plain. Drafted tokens by text, tokens the draft model read by text, and every output."""
     clock = CostClock()
-    target = SlotFake(copying_logits(salt=4), clock, fixed=1.0, per_token=1.0, others=3, per_other=9)
-    draft = CostedFake(noisy_copy(4), clock, fixed=2.0, per_token=0.0)
+    target = SlotFake(copying_logits(salt=4), clock, 1.0, 1.0, others=3, per_other=9, batch=batch, verifying=True)
+    draft = SlotFake(noisy_copy(4), clock, 2.0, 0.0, others=3, per_other=1, batch=batch, verifying=False)
     engine = SpeculativeEngine(target, build_drafter("draft", draft, DrafterOptions()), method="draft", clock=clock)
     engine.policy.batch = batch
     params = GenerationParams(40, draft_len=8, stop_at_eos=False, adaptive=True)
@@ -141,7 +178,7 @@ def drafted_by_text(batch: BatchDrafts | None) -> tuple[list[int], list[int], li
 
 def test_a_slot_whose_batch_gains_nothing_by_drafting_stops_drafting_where_alone_it_would_not():
     """…and its draft model reads no prompt (AdaptivePolicy.reads_prompt): a prompt read is a
-    draft pass the other slots' passes wait for."""
+    draft pass the other slots' passes wait for; read when first asked to draft, if ever."""
     plain = SpeculativeEngine(FakeBackend(copying_logits(salt=4), COPYING_VOCAB))
     alone_drafted, alone_read, alone_outputs = drafted_by_text(None)
     batch_drafted, batch_read, batch_outputs = drafted_by_text(BatchDrafts(CostClock()))
