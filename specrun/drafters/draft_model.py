@@ -278,6 +278,11 @@ class DraftModelDrafter(Drafter):
     def defers_prompt(self) -> bool:
         return self.learner is None  # what it skipped, _catch_up reads; a learner starts a text here
 
+    def behind(self, context_len: int) -> int:
+        """What ``_catch_up`` would read first (its cache less any tail a rewind will drop: about)."""
+        behind = context_len - 1 - len(self.sequence.tokens)
+        return behind if behind > CATCH_UP_TOKENS else 0
+
     def prefill(self, context: Sequence[int]) -> None:
         """Read the prompt before generation starts (the engine times it as prefill, as it does
         the target's): all of it but the last token, which the first draft pass feeds. An

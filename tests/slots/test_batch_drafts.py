@@ -81,6 +81,32 @@ def test_a_round_is_priced_at_the_batch_s_sequences_not_one_slot_s():
     assert batch.ceiling(4, 8) == 1
 
 
+def test_a_draft_model_behind_the_text_drafts_only_where_the_rest_of_the_text_pays_for_its_reading():
+    """The worked batch above (2 slots, passes 10 + n, rounds n, drafts right half the time: 1 a
+    step): a token costs this slot a 12-unit pass plain, 16 / 1.5 = 10.67 drafting, 1.33 saved.
+    A backlog of 20 tokens costs a 20-unit round to read: 16 tokens left save 21.3, worth it; 14
+    save 18.7, not; nothing to read drafts whatever is left."""
+    batch = timed_batch(10.0, 1.0, 0.0, 1.0)
+    batch.post(1, expected_tokens([1.0] + [0.5] * 8, 8))
+    assert batch.rounds.batch_table(20)[20] == pytest.approx(20.0)
+    assert batch.ceiling(2, 8, backlog=20, remaining=16) == 1
+    assert batch.ceiling(2, 8, backlog=20, remaining=14) == 0
+    assert batch.ceiling(2, 8, backlog=0, remaining=1) == 1
+
+
+def test_a_draft_model_is_behind_by_the_text_it_left_unread():
+    from specrun.backends.kv import sequence_for
+
+    drafter = build_drafter("draft", FakeBackend(noisy_copy(4), COPYING_VOCAB), DrafterOptions())
+    drafter.bind(sequence_for(FakeBackend(copying_logits(salt=4), COPYING_VOCAB)), CostClock())
+    prompt = REPEATING_PROMPT
+    assert drafter.behind(len(prompt)) == len(prompt) - 1  # the prompt unread (AdaptivePolicy.reads_prompt)
+    drafter.prefill(prompt)
+    assert drafter.behind(len(prompt)) == 0 and drafter.behind(len(prompt) + 2) == 0  # read, or close enough
+    assert drafter.behind(len(prompt) + 10) == 10
+    drafter.close()
+
+
 def test_no_ceiling_alone_before_a_curve_or_before_the_batches_are_timed():
     timed = timed_batch(10.0, 1.0, 0.0, 1.0)
     assert timed.ceiling(2, 8) is None  # no slot has posted
