@@ -101,8 +101,9 @@ class Rendezvous:
         self.counts: dict[str, RendezvousCounts] = {}  # by model label
         self.last_sequences: dict[int, int] = {}  # id(model) -> sequences its last batch held
         self.last_tokens: dict[int, int] = {}  # id(model) -> tokens its last batch held, all sequences'
-        # told of each batch that ran whole, on the runner's thread: (its model's label, tokens, seconds)
-        self.observer: Callable[[str, int, float], None] | None = None
+        # told of each batch that ran whole, on the runner's thread: its model's label, each pass's
+        # tokens (one pass a sequence), seconds
+        self.observer: Callable[[str, list[int], float], None] | None = None
 
     # ---- slots come and go ----------------------------------------------------------
     def join(self) -> None:
@@ -244,7 +245,7 @@ class Rendezvous:
         counts.tokens += tokens
         counts.seconds += seconds
         if whole and self.observer is not None:
-            self.observer(self._labels[id(model)], tokens, seconds)
+            self.observer(self._labels[id(model)], [len(slot_pass.tokens) for slot_pass in passes], seconds)
 
 
 def _failure() -> BaseException:

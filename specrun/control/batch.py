@@ -1,4 +1,4 @@
-"""One ceiling on the draft model's length for a server's slots decoding together (issue 51).
+"""One draft length for the draft model of a server's slots decoding together (issue 51).
 
 Slots share each pass (backends/slots.py), and a draft model's passes run in rounds every slot
 waits for: while one slot drafts k tokens, every other slot's next verify pass waits k draft
@@ -9,15 +9,15 @@ cost it only their verify tokens, so every slot drafting 8 is where a batch sett
 slot started, even where the whole batch decodes faster plainly. Four slots on a 2-core CPU
 (a 4-sequence pass compute-bound) ran 0.80x plain batching so (docs/perf.md 3(r)).
 
-``BatchDrafts`` prices the batch as a whole, as vLLM chooses one draft length per batch: every
-slot drafting k in step, the batch yields m (1 + E(k)) tokens in k draft rounds over m sequences
+``BatchDrafts`` chooses one length for the whole batch, as vLLM does: every slot drafting k in
+the same rounds, the batch yields m (1 + E(k)) tokens in k draft rounds over its m sequences
 and one verify pass over m (k + 1) tokens, E(k) the slots' mean expected accepted drafts at k
 (each slot posts its own from its acceptance estimates). Both costs are the batches' own, timed
-where they run (the rendezvous reports each one, ``timed``) by the tokens in them: a slot's own
-draft timings are rounds of whatever drafted beside it, one sequence's where it drafted alone.
-The best k is a ceiling on each slot's own choice: 0 where no length beats plain batching
-(nobody drafts with the model, probes included), none where the batches are not yet timed (the
-slots' own rules run, and time them).
+where they run (the rendezvous reports each one, ``timed``), by the sequences in them as well as
+the tokens: on that CPU a round over 4 sequences cost 31 ms where one sequence's 4-token pass
+cost 19 and one token 10, and a target pass over 4 sequences of 5 tokens 197 ms where a prompt's
+chunk read 3.7 ms a token. Every slot then drafts that length (0: plain batching, probes
+included); where the batch's passes are not yet timed, each slot's own rule runs and times them.
 """
 
 from __future__ import annotations
@@ -27,6 +27,13 @@ from collections.abc import Callable, Sequence
 from time import perf_counter
 
 from specrun.control.costs import TargetCosts
+
+# Passes that price decoding: a verify pass of at most the longest draft auto chooses (16,
+# sessions/setup.py) and its root; a draft round feeding each sequence one token (two after a
+# draft accepted whole: its last token and the bonus). A longer pass reads a prompt or catches
+# up on text: priced by its tokens alone (``reads``).
+VERIFY_LONGEST = 17
+ROUND_LONGEST = 2
 
 
 def expected_tokens(accept: Sequence[float], limit: int) -> list[float]:
@@ -41,11 +48,10 @@ def expected_tokens(accept: Sequence[float], limit: int) -> list[float]:
 
 
 class BatchDrafts:
-    """The slots' shared ceiling on their draft model's length (module docstring). Each slot's
-    policy ``post``s its expected tokens by length from its own thread and asks ``ceiling`` with
-    its own measured costs (the same machine's, timed by the batch's tokens); a slot whose text
-    ended ``drop``s its curve, and a curve not posted for ``FRESH_SECONDS`` (a slot reading a
-    long prompt, a thread gone) is left out."""
+    """The slots' shared draft length (module docstring). Each slot's policy ``post``s its
+    expected tokens by length from its own thread and asks ``length``; a slot whose text ended
+    ``drop``s its curve, and a curve not posted for ``FRESH_SECONDS`` (a slot reading a long
+    prompt, a thread gone) is left out."""
 
     FRESH_SECONDS = 5.0
 
@@ -53,14 +59,24 @@ class BatchDrafts:
         self.clock = clock
         self._lock = threading.Lock()
         self._curves: dict[int, tuple[tuple[float, ...], float]] = {}  # slot -> (1 + E(k) by k, when posted)
-        self.verify = TargetCosts()  # the target's batches: seconds by their tokens, every sequence's
-        self.rounds = TargetCosts()  # the draft model's batches, alike
+        self.verify: dict[int, TargetCosts] = {}  # by sequences: the target's decoding passes by their tokens
+        self.rounds = TargetCosts()  # the draft model's rounds by the sequences in them
+        self.reads = TargetCosts()  # the draft model's batches reading text, by their tokens (a backlog's)
 
-    def timed(self, verifying: bool, tokens: int, seconds: float) -> None:
-        """A batch of ``tokens`` (every sequence's) ran in ``seconds``: the target's verify pass
-        (``verifying``) or a round of the draft model's."""
+    def timed(self, verifying: bool, lengths: Sequence[int], seconds: float) -> None:
+        """A batch of passes of these ``lengths`` (one a sequence) ran in ``seconds``: the
+        target's (``verifying``) or the draft model's."""
+        if not lengths:
+            return
         with self._lock:
-            (self.verify if verifying else self.rounds).observe(tokens, seconds)
+            if verifying:
+                if max(lengths) <= VERIFY_LONGEST:
+                    self.verify.setdefault(len(lengths), TargetCosts()).observe(sum(lengths), seconds)
+                return
+            if max(lengths) <= ROUND_LONGEST:
+                self.rounds.observe(len(lengths), seconds)
+            else:
+                self.reads.observe(sum(lengths), seconds)
 
     def post(self, slot: int, expected: Sequence[float]) -> None:
         """Slot ``slot``'s expected tokens a verify pass yields after a draft of k = 0, 1, ..."""
@@ -81,17 +97,30 @@ class BatchDrafts:
         limit = min(limit, *(len(curve) - 1 for curve in curves))
         return [sum(curve[k] for curve in curves) / len(curves) for k in range(limit + 1)]
 
-    def ceiling(self, sequences: int, limit: int, backlog: int = 0, remaining: int = 0) -> int | None:
+    def round_seconds(self, sequences: int) -> float | None:
+        """A draft round over ``sequences`` sequences: as timed, or where rounds were timed over one
+        sequence only, that round scaled as the target's decoding pass scales from one sequence to
+        this many (a machine whose passes cost by their bytes, a GPU's, batches rounds as freely as
+        passes; a CPU's pays by the token); None before any round."""
+        rounds = self.rounds
+        if set(rounds.seconds) == {1} and sequences > 1:
+            alone, together = self.verify.get(1), self.verify.get(sequences)
+            if alone is not None and together is not None and alone.known(1) and together.known(sequences):
+                return rounds(1) * together(sequences) / alone(1)
+        return rounds(sequences)
+
+    def length(self, sequences: int, limit: int, backlog: int = 0, remaining: int = 0) -> int | None:
         """The draft length, at most ``limit``, at which ``sequences`` slots drafting alike
         yield the most tokens a second (0: plain batching), or None where it cannot be told:
-        one sequence alone, no curve posted, no verify pass or draft round timed yet.
+        one sequence alone, no curve posted, no decoding pass over this many sequences or no
+        draft round timed yet.
 
         ``backlog``: tokens the asking slot's draft model must read before it drafts (a prompt
         left unread, an answer other drafters made): a draft pass every slot waits for, paid
-        once. It is 0 where that read costs more than drafting saves the batch over the text's
-        ``remaining`` tokens: a pass of the batch a token plain, the cycle over 1 + E(k) drafting
-        (with 4 slots on a 2-core CPU, where drafting at best tied, catching up on prompts and
-        answers held the others back a tenth of the time)."""
+        once. Its length is 0 where that read costs more than drafting saves the batch over the
+        text's ``remaining`` tokens: a pass of the batch a token plain, the cycle over 1 + E(k)
+        drafting (4 slots on a 2-core CPU, where drafting at best tied, spent a tenth of their
+        time catching up on prompts and answers)."""
         if sequences < 2 or limit <= 0:
             return None
         curve = self.mean_curve(limit)
@@ -99,9 +128,12 @@ class BatchDrafts:
             return None
         limit = min(limit, len(curve) - 1)
         with self._lock:
-            passes = self.verify.batch_table(sequences * (limit + 1))
-            rounds = self.rounds.batch_table(max(sequences, backlog))
-        round_seconds = rounds[sequences]
+            costs = self.verify.get(sequences)
+            if costs is None or not costs.known(sequences):
+                return None
+            passes = costs.batch_table(sequences * (limit + 1))
+            round_seconds = self.round_seconds(sequences)
+            read = self.reads(backlog) if backlog > 0 else 0.0
         if round_seconds is None:
             return None
         best, best_rate, best_seconds = 0, None, 0.0
@@ -116,7 +148,8 @@ class BatchDrafts:
             if best_rate is None or rate > best_rate:
                 best, best_rate, best_seconds = k, rate, seconds
         if best and backlog > 0:
-            saved = remaining * (passes[sequences] - best_seconds / curve[best])
-            if saved < rounds[backlog]:
+            if read is None:  # no text read yet beside the slots: priced as rounds of one sequence
+                read = backlog * round_seconds / sequences
+            if remaining * (passes[sequences] - best_seconds / curve[best]) < read:
                 return 0
         return best

@@ -199,7 +199,7 @@ class AdaptivePolicy:
         self._remaining = 0  # tokens left to generate of the text, at most
         self._picks: dict[str, AlternativePick] = {}  # by alternative drafter: which of the two drafts
         self._resting: set[str] = set()  # paid drafters not asked this step (an alternative's other)
-        # a server's slots decoding together: the ceiling on a draft model's length they share
+        # a server's slots decoding together: the draft model's length they share
         self.batch: BatchDrafts | None = None
 
     # ---- what earlier texts and processes measured (memory.py) ---------------------------
@@ -328,7 +328,7 @@ class AdaptivePolicy:
         filling the machine: DraftLengthController.could_pay), leaves the prompt unread: it drafts
         nothing until that changes, and then catches up on the text. Read at once, 16 answers
         with 8 slots had the draft model read ~7 tokens a token it drafted. On slots sharing a
-        ceiling (``batch``) it reads it when first asked to draft, if ever: the read is a draft
+        draft length (``batch``) it reads it when first asked to draft, if ever: the read is a draft
         pass every other slot's pass waits for, and with 4 slots whose batch then drafted nothing
         the reads took a tenth of a Spec-Bench phase."""
         if not (self.adaptive and drafter.name in self.paid and drafter.defers_prompt):
@@ -340,7 +340,7 @@ class AdaptivePolicy:
     def at_context(self, length: int, remaining: int = 0) -> None:
         """The next pass reads ``length`` tokens of context: the target's costs and every drafter's
         follow it (TargetCosts.at_context). ``remaining``: tokens left to generate, at most (what a
-        draft model catching up on a shared pass has to pay for itself over: ``_batch_ceiling``)."""
+        draft model catching up on a shared pass has to pay for itself over: ``_batch_length``)."""
         self._context_len = length
         self._remaining = remaining
         self.target_costs.at_context(length)
@@ -377,20 +377,21 @@ class AdaptivePolicy:
         if drafter.name in self._resting:
             return 0
         controller = self._controller_for(drafter.name, fixed=not self.adaptive)
-        chosen = controller.choose(draft_len)
-        ceiling = self._batch_ceiling(controller, drafter.behind(self._context_len))
-        return chosen if ceiling is None else min(chosen, ceiling)
+        shared = self._batch_length(controller, drafter.behind(self._context_len))
+        if shared is not None:
+            return min(shared, draft_len)
+        return controller.choose(draft_len)
 
-    def _batch_ceiling(self, controller: DraftLengthController, backlog: int) -> int | None:
-        """Slots decoding together (``batch``): the longest draft the whole batch gains by, this
-        slot's expected tokens posted first, 0 where its draft model's ``backlog`` (the text it
-        has not read) costs more to read than drafting would save over the rest of the text
-        (control/batch.py); None alone or where not yet told."""
+    def _batch_length(self, controller: DraftLengthController, backlog: int) -> int | None:
+        """Slots decoding together (``batch``): the length every slot drafts, the one the whole
+        batch gains most by (this slot's expected tokens posted first), 0 where this slot's draft
+        model's ``backlog`` (the text it has not read) costs more to read than drafting would
+        save over the rest of the text (control/batch.py); None alone or where not yet told."""
         if self.batch is None or not self.adaptive or not self.target_costs.sharing:
             return None
         limit = controller.max_draft_len
         self.batch.post(id(self), expected_tokens(controller.acceptances(limit), limit))
-        return self.batch.ceiling(self.target_costs.sharing + 1, limit, backlog, self._remaining)
+        return self.batch.length(self.target_costs.sharing + 1, limit, backlog, self._remaining)
 
     def takes(self, proposal: Proposal, member: int, draft_len: int) -> bool:
         """Adaptive, with a draft model behind: a cheap proposal is taken when it promises more

@@ -47,8 +47,8 @@ class SlotSessions:
                 target = Slot(target_slots, seq, self.rendezvous, session.target, "target")
                 draft = Slot(draft_slots, seq, self.rendezvous, session.draft, "draft") if draft_slots else None
                 self.sessions.append(session.on_slot(target, draft))
-            batch = BatchDrafts()  # one ceiling on the draft model's length for every slot's policy
-            self.rendezvous.observer = lambda label, tokens, seconds: batch.timed(label == VERIFIER, tokens, seconds)
+            batch = BatchDrafts()  # one draft model's length for every slot's policy
+            self.rendezvous.observer = lambda label, lengths, seconds: batch.timed(label == VERIFIER, lengths, seconds)
             for each in self.sessions:
                 each.engine.policy.batch = batch
         except BaseException:

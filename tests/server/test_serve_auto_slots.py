@@ -51,17 +51,17 @@ def test_auto_with_slots_drafts_from_the_slots_own_caches(monkeypatch):
         worker.stop()
 
 
-def test_the_slots_share_one_ceiling_on_their_draft_model_timed_by_their_batches(monkeypatch):
+def test_the_slots_share_one_draft_length_timed_by_their_batches(monkeypatch):
     """control/batch.py: every slot's policy reads one BatchDrafts, which the slots' rendezvous tells
-    of each batch it runs (the target's as verify passes, the draft model's as rounds)."""
+    of each batch it runs (the target's as decoding passes, the draft model's as rounds)."""
     worker = _opened(None, monkeypatch, slots=2)
     try:
         batches = {id(session.engine.policy.batch) for session in worker.slots.sessions}
         assert len(batches) == 1 and worker.session.engine.policy.batch is None
         batch = worker.slots.sessions[0].engine.policy.batch
-        worker.slots.rendezvous.observer("target", 3, 0.01)
-        worker.slots.rendezvous.observer("draft", 2, 0.004)
-        assert batch.verify.seconds == {3: 0.01} and batch.rounds.seconds == {2: 0.004}
+        worker.slots.rendezvous.observer("target", [1, 2], 0.01)
+        worker.slots.rendezvous.observer("draft", [1, 1], 0.004)
+        assert batch.verify[2].seconds == {3: 0.01} and batch.rounds.seconds == {2: 0.004}
     finally:
         worker.stop()
 

@@ -161,18 +161,18 @@ def test_a_slot_knows_what_the_other_sequences_fed_its_last_pass():
 
 
 def test_the_rendezvous_tells_its_observer_of_every_batch_that_ran_whole():
-    """What slots sharing a ceiling price the batch by (control/batch.py, BatchDrafts.timed): each
-    batch by its model's label and every sequence's tokens; a batch that failed (run again a pass at
-    a time) is no batch's cost, and is not told."""
+    """What slots sharing a draft length price the batch by (control/batch.py, BatchDrafts.timed):
+    each batch by its model's label and each sequence's tokens; a batch that failed (run again a
+    pass at a time) is no batch's cost, and is not told."""
     table = hashed_logits(VOCAB, salt=6)
     rendezvous, target_slots, targets, drafts = slot_pair(2, table, hashed_logits(VOCAB, salt=8))
     seen = []
-    rendezvous.observer = lambda label, tokens, seconds: seen.append((label, tokens, seconds >= 0.0))
+    rendezvous.observer = lambda label, lengths, seconds: seen.append((label, sorted(lengths), seconds >= 0.0))
     run_together(rendezvous, [lambda: targets[0].forward([1, 2, 3], [2]), lambda: targets[1].forward([7, 8], [1])])
     run_together(rendezvous, [lambda: drafts[0].forward([1], [0]), lambda: drafts[1].forward([7], [0])])
-    assert seen == [("target", 5, True), ("draft", 2, True)]
+    assert seen == [("target", [2, 3], True), ("draft", [1, 1], True)]
     target_slots.slot_ctx = 5  # the next batch overflows slot 1's sequence: it fails as a whole
     results = run_together(rendezvous, [lambda: targets[0].forward([4], [0]),
                                         lambda: targets[1].forward([9, 9, 9, 9], [3])])
     assert isinstance(results[1], ValueError) and not isinstance(results[0], BaseException)
-    assert seen == [("target", 5, True), ("draft", 2, True)]
+    assert seen == [("target", [2, 3], True), ("draft", [1, 1], True)]
