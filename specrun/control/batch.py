@@ -34,6 +34,12 @@ from specrun.control.costs import TargetCosts
 # up on text: priced by its tokens alone (``reads``).
 VERIFY_LONGEST = 17
 ROUND_LONGEST = 2
+# What a draft length must beat plain batching by: a pass's timing noise (3%: TargetCosts'
+# STALE_TOLERANCE) and the hand-off before each extra batch the rates leave out (2-3 ms before a
+# 63 ms pass of 4 sequences on a 2-core CPU: the slots' Python between passes). Within it, plain
+# batching stands: 4 slots there chose 1 token on a predicted 0.2% gain, and the one slot caught
+# up drafted alone while the others waited its rounds.
+MARGIN = 0.05
 
 
 def expected_tokens(accept: Sequence[float], limit: int) -> list[float]:
@@ -147,6 +153,8 @@ class BatchDrafts:
             rate = sequences * curve[k] / seconds
             if best_rate is None or rate > best_rate:
                 best, best_rate, best_seconds = k, rate, seconds
+        if best and best_rate < (1.0 + MARGIN) * sequences * curve[0] / passes[sequences]:
+            return 0
         if best and backlog > 0:
             if read is None:  # no text read yet beside the slots: priced as rounds of one sequence
                 read = backlog * round_seconds / sequences
