@@ -104,6 +104,7 @@ class Rendezvous:
         # told of each batch that ran whole, on the runner's thread: its model's label, each pass's
         # tokens (one pass a sequence), seconds
         self.observer: Callable[[str, list[int], float], None] | None = None
+        self.observer_error: BaseException | None = None  # what stopped it being told, if anything
 
     # ---- slots come and go ----------------------------------------------------------
     def join(self) -> None:
@@ -245,7 +246,10 @@ class Rendezvous:
         counts.tokens += tokens
         counts.seconds += seconds
         if whole and self.observer is not None:
-            self.observer(self._labels[id(model)], [len(slot_pass.tokens) for slot_pass in passes], seconds)
+            try:
+                self.observer(self._labels[id(model)], [len(slot_pass.tokens) for slot_pass in passes], seconds)
+            except Exception as exc:  # noqa: BLE001 - what prices drafts must never stop every slot's passes
+                self.observer, self.observer_error = None, exc
 
 
 def _failure() -> BaseException:

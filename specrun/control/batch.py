@@ -26,7 +26,7 @@ import threading
 from collections.abc import Callable, Sequence
 from time import perf_counter
 
-from specrun.control.costs import TargetCosts
+from specrun.control.costs import DraftCosts, TargetCosts
 
 # Passes that price decoding: a verify pass of at most the longest draft auto chooses (16,
 # sessions/setup.py) and its root; a draft round feeding each sequence one token (two after a
@@ -56,8 +56,8 @@ def expected_tokens(accept: Sequence[float], limit: int) -> list[float]:
 class BatchDrafts:
     """The slots' shared draft length (module docstring). Each slot's policy ``post``s its
     expected tokens by length from its own thread and asks ``length``; a slot whose text ended
-    ``drop``s its curve, and a curve not posted for ``FRESH_SECONDS`` (a slot reading a long
-    prompt, a thread gone) is left out."""
+    ``drop``s its curve (AdaptivePolicy.end_text), and a curve not posted for ``FRESH_SECONDS``
+    (a slot reading a long prompt, a thread gone) is left out."""
 
     FRESH_SECONDS = 5.0
 
@@ -67,7 +67,7 @@ class BatchDrafts:
         self._curves: dict[int, tuple[tuple[float, ...], float]] = {}  # slot -> (1 + E(k) by k, when posted)
         self.verify: dict[int, TargetCosts] = {}  # by sequences: the target's decoding passes by their tokens
         self.rounds = TargetCosts()  # the draft model's rounds by the sequences in them
-        self.reads = TargetCosts()  # the draft model's batches reading text, by their tokens (a backlog's)
+        self.reads = DraftCosts()  # the draft model's batches reading text, by their tokens (a backlog's)
 
     def timed(self, verifying: bool, lengths: Sequence[int], seconds: float) -> None:
         """A batch of passes of these ``lengths`` (one a sequence) ran in ``seconds``: the
@@ -104,22 +104,29 @@ class BatchDrafts:
         return [sum(curve[k] for curve in curves) / len(curves) for k in range(limit + 1)]
 
     def round_seconds(self, sequences: int) -> float | None:
-        """A draft round over ``sequences`` sequences: as timed, or where rounds were timed over one
-        sequence only, that round scaled as the target's decoding pass scales from one sequence to
-        this many (a machine whose passes cost by their bytes, a GPU's, batches rounds as freely as
-        passes; a CPU's pays by the token); None before any round."""
+        """A draft round over ``sequences`` sequences: as timed, or where never timed over this
+        many, the round over the most sequences timed below it scaled as the target's decoding
+        pass scales between the two counts (a machine whose passes cost by their bytes, a GPU's,
+        batches rounds as freely as passes; a CPU's pays by the token); None before any round.
+        Called under the lock."""
         rounds = self.rounds
-        if set(rounds.seconds) == {1} and sequences > 1:
-            alone, together = self.verify.get(1), self.verify.get(sequences)
-            if alone is not None and together is not None and alone.known(1) and together.known(sequences):
-                return rounds(1) * together(sequences) / alone(1)
+        if rounds.known(sequences) or not rounds.seconds:
+            return rounds(sequences)
+        together = self.verify.get(sequences)
+        for fewer in sorted((n for n in rounds.seconds if n < sequences), reverse=True):
+            alone = self.verify.get(fewer)
+            if alone is not None and together is not None and alone.known(fewer) and together.known(sequences):
+                base = alone(fewer)
+                if base > 0.0:
+                    return rounds(fewer) * together(sequences) / base
         return rounds(sequences)
 
     def length(self, sequences: int, limit: int, backlog: int = 0, remaining: int = 0) -> int | None:
         """The draft length, at most ``limit``, at which ``sequences`` slots drafting alike
         yield the most tokens a second (0: plain batching), or None where it cannot be told:
         one sequence alone, no curve posted, no decoding pass over this many sequences or no
-        draft round timed yet.
+        draft round timed yet (a length never timed over them is read off the line through those
+        that were).
 
         ``backlog``: tokens the asking slot's draft model must read before it drafts (a prompt
         left unread, an answer other drafters made): a draft pass every slot waits for, paid
@@ -135,7 +142,7 @@ class BatchDrafts:
         limit = min(limit, len(curve) - 1)
         with self._lock:
             costs = self.verify.get(sequences)
-            if costs is None or not costs.known(sequences):
+            if costs is None:
                 return None
             passes = costs.batch_table(sequences * (limit + 1))
             round_seconds = self.round_seconds(sequences)

@@ -88,6 +88,10 @@ class SpeculationPolicy(Protocol):
 
     def start_text(self, context_len: int) -> None: ...
 
+    def end_text(self) -> None:
+        """The text's last step has run (or it was interrupted)."""
+        ...
+
     def plan(self) -> Plan: ...
 
     def plain_next(self) -> bool:
@@ -134,6 +138,9 @@ class FixedPolicy:
         self._plan = Plan(draft=True, fused=fusable)
 
     def start_text(self, context_len: int) -> None:
+        pass
+
+    def end_text(self) -> None:
         pass
 
     def plan(self) -> Plan:
@@ -317,6 +324,12 @@ class AdaptivePolicy:
         # nothing only while its controller has it off, and is then asked on its probes).
         self._idle = IdleBackoff() if self.adaptive else None
 
+    def end_text(self) -> None:
+        """The text's steps are over: a slot's curve leaves the batch's mean at once (an idle
+        slot's would stand in it for FRESH_SECONDS while the batch no longer counts it)."""
+        if self.batch is not None:
+            self.batch.drop(id(self))
+
     def share(self, others: int, others_tokens: int = 0) -> None:
         """The next pass carries ``others`` other sequences feeding ``others_tokens`` tokens
         (TargetCosts.sharing, TargetCosts.share); called again once a pass has run, with what it held."""
@@ -377,20 +390,21 @@ class AdaptivePolicy:
         if drafter.name in self._resting:
             return 0
         controller = self._controller_for(drafter.name, fixed=not self.adaptive)
-        shared = self._batch_length(controller, drafter.behind(self._context_len))
+        shared = self._batch_length(controller, drafter)
         if shared is not None:
             return min(shared, draft_len)
         return controller.choose(draft_len)
 
-    def _batch_length(self, controller: DraftLengthController, backlog: int) -> int | None:
+    def _batch_length(self, controller: DraftLengthController, drafter: Drafter) -> int | None:
         """Slots decoding together (``batch``): the length every slot drafts, the one the whole
-        batch gains most by (this slot's expected tokens posted first), 0 where this slot's draft
-        model's ``backlog`` (the text it has not read) costs more to read than drafting would
-        save over the rest of the text (control/batch.py); None alone or where not yet told."""
+        batch gains most by (this slot's expected tokens posted first), 0 where the text this
+        slot's draft model has not read (``Drafter.behind``) costs more to read than drafting
+        would save over the rest of the text (control/batch.py); None alone or where not yet told."""
         if self.batch is None or not self.adaptive or not self.target_costs.sharing:
             return None
         limit = controller.max_draft_len
         self.batch.post(id(self), expected_tokens(controller.acceptances(limit), limit))
+        backlog = drafter.behind(self._context_len)
         return self.batch.length(self.target_costs.sharing + 1, limit, backlog, self._remaining)
 
     def takes(self, proposal: Proposal, member: int, draft_len: int) -> bool:

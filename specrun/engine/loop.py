@@ -358,6 +358,8 @@ class SpeculativeEngine:
             # Rewind is explicit, also on interruption: the cache never holds rejected drafts.
             self.target.rewind_to_prefix_of(context, limit=len(context) - 1)
             stats.generation_seconds = clock.elapsed()
+            if measured:
+                policy.end_text()
         self.last_context = context
 
     def _prefill(

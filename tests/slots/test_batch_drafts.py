@@ -104,17 +104,18 @@ def test_a_length_within_the_margin_of_plain_batching_leaves_the_batch_plain():
 
 def test_a_round_never_timed_over_the_batch_scales_as_the_target_s_passes_do():
     """Rounds timed over one sequence only (10 ms): over 4, what the target's decoding pass costs
-    more over 4 sequences than one (60 against 30 ms): 20 ms. Once a round over 2 is timed the
-    rounds' own line stands."""
+    more over 4 sequences than one (60 against 30 ms): 20 ms. Once a round over 2 is timed, from
+    that one, as the target's pass over 4 costs more than over 2."""
     batch = BatchDrafts(Clock())
     for _ in range(4):
         batch.timed(True, [1], 0.030)
         batch.timed(True, [1] * 4, 0.060)
         batch.timed(False, [1], 0.010)
     assert batch.round_seconds(4) == pytest.approx(0.020)
-    for _ in range(4):
+    for _ in range(4):  # rounds over 2 (22 ms) beside passes over 2 (40 ms): over 4, 22 * 60 / 40
         batch.timed(False, [1, 1], 0.022)
-    assert batch.round_seconds(2) == pytest.approx(0.022) and batch.round_seconds(4) != pytest.approx(0.020)
+        batch.timed(True, [1, 1], 0.040)
+    assert batch.round_seconds(2) == pytest.approx(0.022) and batch.round_seconds(4) == pytest.approx(0.033)
 
 
 def test_passes_reading_text_do_not_price_decoding():
@@ -126,6 +127,27 @@ def test_passes_reading_text_do_not_price_decoding():
     assert batch.verify == {} and not batch.rounds.seconds and batch.reads.known(41)
     batch.timed(True, [5, 17], 0.3)
     assert batch.verify[2].known(22)
+
+
+def test_a_read_timed_once_is_priced_by_its_tokens():
+    """One read of 200 tokens in 0.4 s: 1,000 tokens cost 2 s (DraftCosts' proportional line), not
+    the memory-bound guess a pass's table would make (10% more a token)."""
+    batch = BatchDrafts(Clock())
+    batch.timed(False, [200], 0.4)
+    assert batch.reads(1000) == pytest.approx(2.0)
+
+
+def test_an_ended_text_leaves_the_batch_s_mean_at_once():
+    """AdaptivePolicy.end_text (the engine's last step, or an interruption): the slot's curve goes."""
+    from specrun.control.policy import AdaptivePolicy
+
+    batch = BatchDrafts(Clock())
+    policy = AdaptivePolicy()
+    policy.batch = batch
+    batch.post(id(policy), HALF_RIGHT)
+    batch.post(0, MOSTLY_RIGHT)
+    policy.end_text()
+    assert batch.mean_curve(2) == MOSTLY_RIGHT[:3]
 
 
 def test_a_draft_model_behind_the_text_drafts_only_where_the_rest_of_the_text_pays_for_its_reading():
@@ -141,16 +163,30 @@ def test_a_draft_model_behind_the_text_drafts_only_where_the_rest_of_the_text_pa
     assert batch.length(2, 8, backlog=0, remaining=1) == 1
 
 
-def test_a_draft_model_is_behind_by_the_text_it_left_unread():
+def test_a_draft_model_is_behind_by_what_its_catch_up_would_read():
+    """Drafter.behind: what _catch_up reads in a pass of its own before drafting (the target's cache
+    holds the context less its last token between passes): nothing where a rewind keeps all but
+    the last two tokens; a previous request's longer text in the draft's cache counts for nothing
+    of a new prompt; rejected drafts beyond the shared part are read again."""
     from specrun.backends.kv import sequence_for
 
+    target = sequence_for(FakeBackend(copying_logits(salt=4), COPYING_VOCAB))
     drafter = build_drafter("draft", FakeBackend(noisy_copy(4), COPYING_VOCAB), DrafterOptions())
-    drafter.bind(sequence_for(FakeBackend(copying_logits(salt=4), COPYING_VOCAB)), CostClock())
+    drafter.bind(target, CostClock())
     prompt = REPEATING_PROMPT
+    target.feed(prompt[:-1], [])
     assert drafter.behind(len(prompt)) == len(prompt) - 1  # the prompt unread (AdaptivePolicy.reads_prompt)
     drafter.prefill(prompt)
-    assert drafter.behind(len(prompt)) == 0 and drafter.behind(len(prompt) + 2) == 0  # read, or close enough
-    assert drafter.behind(len(prompt) + 10) == 10
+    assert drafter.behind(len(prompt)) == 0
+    answer = [5, 6, 7, 8, 9, 10]
+    target.feed([prompt[-1]], [])  # a token on: 2 pending, fed with the first draft pass (CATCH_UP_TOKENS)
+    assert drafter.behind(len(prompt) + 1) == 0
+    target.feed(answer[:4], [])
+    assert drafter.behind(len(prompt) + 5) == 5  # 6 pending: 5 read first, the last with the draft
+    other = [40, 41, 42, 43, 44, 45, 46]  # a new request whose prompt shares nothing with the cache
+    target.rewind(0)
+    target.feed(other[:-1], [])
+    assert drafter.behind(len(other)) == len(other) - 1
     drafter.close()
 
 

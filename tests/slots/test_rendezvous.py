@@ -176,3 +176,18 @@ def test_the_rendezvous_tells_its_observer_of_every_batch_that_ran_whole():
                                         lambda: targets[1].forward([9, 9, 9, 9], [3])])
     assert isinstance(results[1], ValueError) and not isinstance(results[0], BaseException)
     assert seen == [("target", [2, 3], True), ("draft", [1, 1], True)]
+
+
+def test_an_observer_that_fails_is_let_go_and_the_slots_go_on():
+    table = hashed_logits(VOCAB, salt=6)
+    rendezvous, _, targets, _ = slot_pair(2, table)
+
+    def failing(label, lengths, seconds):
+        raise RuntimeError("a broken observer")
+
+    rendezvous.observer = failing
+    first = run_together(rendezvous, [lambda: targets[0].forward([1, 2], [1]), lambda: targets[1].forward([3], [0])])
+    second = run_together(rendezvous, [lambda: targets[0].forward([4], [0]), lambda: targets[1].forward([5], [0])])
+    assert not any(isinstance(result, BaseException) for result in first + second)
+    np.testing.assert_array_equal(second[0][0], table((1, 2, 4)))
+    assert rendezvous.observer is None and "broken observer" in str(rendezvous.observer_error)
