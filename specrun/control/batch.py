@@ -26,12 +26,12 @@ import threading
 from collections.abc import Callable, Sequence
 from time import perf_counter
 
-from specrun.control.costs import DraftCosts, TargetCosts
+from specrun.control.costs import TargetCosts
 
 # Passes that price decoding: a verify pass of at most the longest draft auto chooses (16,
 # sessions/setup.py) and its root; a draft round feeding each sequence one token (two after a
 # draft accepted whole: its last token and the bonus). A longer pass reads a prompt or catches
-# up on text: priced by its tokens alone (``reads``).
+# up on text, and prices neither.
 VERIFY_LONGEST = 17
 ROUND_LONGEST = 2
 # What a draft length must beat plain batching by: a pass's timing noise (3%: TargetCosts'
@@ -67,7 +67,6 @@ class BatchDrafts:
         self._curves: dict[int, tuple[tuple[float, ...], float]] = {}  # slot -> (1 + E(k) by k, when posted)
         self.verify: dict[int, TargetCosts] = {}  # by sequences: the target's decoding passes by their tokens
         self.rounds = TargetCosts()  # the draft model's rounds by the sequences in them
-        self.reads = DraftCosts()  # the draft model's batches reading text, by their tokens (a backlog's)
 
     def timed(self, verifying: bool, lengths: Sequence[int], seconds: float) -> None:
         """A batch of passes of these ``lengths`` (one a sequence) ran in ``seconds``: the
@@ -81,8 +80,6 @@ class BatchDrafts:
                 return
             if max(lengths) <= ROUND_LONGEST:
                 self.rounds.observe(len(lengths), seconds)
-            else:
-                self.reads.observe(sum(lengths), seconds)
 
     def post(self, slot: int, expected: Sequence[float]) -> None:
         """Slot ``slot``'s expected tokens a verify pass yields after a draft of k = 0, 1, ..."""
@@ -121,19 +118,12 @@ class BatchDrafts:
                     return rounds(fewer) * together(sequences) / base
         return rounds(sequences)
 
-    def length(self, sequences: int, limit: int, backlog: int = 0, remaining: int = 0) -> int | None:
+    def length(self, sequences: int, limit: int) -> int | None:
         """The draft length, at most ``limit``, at which ``sequences`` slots drafting alike
         yield the most tokens a second (0: plain batching), or None where it cannot be told:
         one sequence alone, no curve posted, no decoding pass over this many sequences or no
         draft round timed yet (a length never timed over them is read off the line through those
-        that were).
-
-        ``backlog``: tokens the asking slot's draft model must read before it drafts (a prompt
-        left unread, an answer other drafters made): a draft pass every slot waits for, paid
-        once. Its length is 0 where that read costs more than drafting saves the batch over the
-        text's ``remaining`` tokens: a pass of the batch a token plain, the cycle over 1 + E(k)
-        drafting (4 slots on a 2-core CPU, where drafting at best tied, spent a tenth of their
-        time catching up on prompts and answers)."""
+        that were)."""
         if sequences < 2 or limit <= 0:
             return None
         curve = self.mean_curve(limit)
@@ -146,10 +136,9 @@ class BatchDrafts:
                 return None
             passes = costs.batch_table(sequences * (limit + 1))
             round_seconds = self.round_seconds(sequences)
-            read = self.reads(backlog) if backlog > 0 else 0.0
         if round_seconds is None:
             return None
-        best, best_rate, best_seconds = 0, None, 0.0
+        best, best_rate = 0, None
         for k in range(limit + 1):
             verify = passes[sequences * (k + 1)]
             if verify is None:
@@ -159,12 +148,7 @@ class BatchDrafts:
                 return None
             rate = sequences * curve[k] / seconds
             if best_rate is None or rate > best_rate:
-                best, best_rate, best_seconds = k, rate, seconds
+                best, best_rate = k, rate
         if best and best_rate < (1.0 + MARGIN) * sequences * curve[0] / passes[sequences]:
             return 0
-        if best and backlog > 0:
-            if read is None:  # no text read yet beside the slots: priced as rounds of one sequence
-                read = backlog * round_seconds / sequences
-            if remaining * (passes[sequences] - best_seconds / curve[best]) < read:
-                return 0
         return best

@@ -33,15 +33,13 @@ def timed_batch(fixed: float, per_token: float, round_fixed: float, round_per_se
                 clock: Clock | None = None, sequences=(1, 2, 3, 4)) -> BatchDrafts:
     """A batch as the rendezvous times it: verify passes over m sequences of t tokens each cost
     ``fixed + per_token * m t``; draft rounds over m sequences ``round_fixed + round_per_sequence
-    * m``, and one sequence's read of n tokens the same by its n tokens."""
+    * m``."""
     batch = BatchDrafts(clock or Clock())
     for _ in range(4):
         for m in sequences:
             for t in range(1, 6):
                 batch.timed(True, [t] * m, fixed + per_token * m * t)
             batch.timed(False, [1] * m, round_fixed + round_per_sequence * m)
-        for n in (10, 50, 100):
-            batch.timed(False, [n], round_fixed + round_per_sequence * n)
     return batch
 
 
@@ -119,22 +117,14 @@ def test_a_round_never_timed_over_the_batch_scales_as_the_target_s_passes_do():
 
 
 def test_passes_reading_text_do_not_price_decoding():
-    """A verify pass beside another slot's prompt chunk, a draft pass catching up: read by their
-    tokens for a backlog's cost, never as a decoding pass or a round."""
+    """A verify pass beside another slot's prompt chunk, a draft pass catching up: never priced as
+    a decoding pass or a round."""
     batch = BatchDrafts(Clock())
     batch.timed(True, [1, 256], 2.0)
     batch.timed(False, [1, 40], 0.2)
-    assert batch.verify == {} and not batch.rounds.seconds and batch.reads.known(41)
+    assert batch.verify == {} and not batch.rounds.seconds
     batch.timed(True, [5, 17], 0.3)
     assert batch.verify[2].known(22)
-
-
-def test_a_read_timed_once_is_priced_by_its_tokens():
-    """One read of 200 tokens in 0.4 s: 1,000 tokens cost 2 s (DraftCosts' proportional line), not
-    the memory-bound guess a pass's table would make (10% more a token)."""
-    batch = BatchDrafts(Clock())
-    batch.timed(False, [200], 0.4)
-    assert batch.reads(1000) == pytest.approx(2.0)
 
 
 def test_an_ended_text_leaves_the_batch_s_mean_at_once():
@@ -148,46 +138,6 @@ def test_an_ended_text_leaves_the_batch_s_mean_at_once():
     batch.post(0, MOSTLY_RIGHT)
     policy.end_text()
     assert batch.mean_curve(2) == MOSTLY_RIGHT[:3]
-
-
-def test_a_draft_model_behind_the_text_drafts_only_where_the_rest_of_the_text_pays_for_its_reading():
-    """The worked batch above (2 slots, passes 10 + n, rounds 2, drafts right half the time: 1 a
-    step): a token costs this slot a 12-unit pass plain, 16 / 1.5 = 10.67 drafting, 1.33 saved.
-    A backlog of 20 tokens costs a 20-unit read: 16 tokens left save 21.3, worth it; 14 save 18.7,
-    not; nothing to read drafts whatever is left."""
-    batch = timed_batch(10.0, 1.0, 0.0, 1.0)
-    batch.post(1, HALF_RIGHT)
-    assert batch.reads(20) == pytest.approx(20.0)
-    assert batch.length(2, 8, backlog=20, remaining=16) == 1
-    assert batch.length(2, 8, backlog=20, remaining=14) == 0
-    assert batch.length(2, 8, backlog=0, remaining=1) == 1
-
-
-def test_a_draft_model_is_behind_by_what_its_catch_up_would_read():
-    """Drafter.behind: what _catch_up reads in a pass of its own before drafting (the target's cache
-    holds the context less its last token between passes): nothing where a rewind keeps all but
-    the last two tokens; a previous request's longer text in the draft's cache counts for nothing
-    of a new prompt; rejected drafts beyond the shared part are read again."""
-    from specrun.backends.kv import sequence_for
-
-    target = sequence_for(FakeBackend(copying_logits(salt=4), COPYING_VOCAB))
-    drafter = build_drafter("draft", FakeBackend(noisy_copy(4), COPYING_VOCAB), DrafterOptions())
-    drafter.bind(target, CostClock())
-    prompt = REPEATING_PROMPT
-    target.feed(prompt[:-1], [])
-    assert drafter.behind(len(prompt)) == len(prompt) - 1  # the prompt unread (AdaptivePolicy.reads_prompt)
-    drafter.prefill(prompt)
-    assert drafter.behind(len(prompt)) == 0
-    answer = [5, 6, 7, 8, 9, 10]
-    target.feed([prompt[-1]], [])  # a token on: 2 pending, fed with the first draft pass (CATCH_UP_TOKENS)
-    assert drafter.behind(len(prompt) + 1) == 0
-    target.feed(answer[:4], [])
-    assert drafter.behind(len(prompt) + 5) == 5  # 6 pending: 5 read first, the last with the draft
-    other = [40, 41, 42, 43, 44, 45, 46]  # a new request whose prompt shares nothing with the cache
-    target.rewind(0)
-    target.feed(other[:-1], [])
-    assert drafter.behind(len(other)) == len(other) - 1
-    drafter.close()
 
 
 def test_no_length_alone_before_a_curve_or_before_the_batches_are_timed():
@@ -204,11 +154,6 @@ def test_no_length_alone_before_a_curve_or_before_the_batches_are_timed():
     assert untimed.length(2, 8) is None  # no draft round timed
     untimed.timed(False, [1, 1], 2.0)
     assert untimed.length(2, 8) is not None
-    # no read timed: a backlog of 30 priced as 30 rounds' share of one sequence, 30 units; drafting 1
-    # saves 12 - (13.2 + 2) / 1.5 = 1.87 a token (passes over 2 sequences timed at one length only
-    # grow 10% a token: TargetCosts._one_point_line)
-    assert untimed.length(2, 8, backlog=30, remaining=100) == 1
-    assert untimed.length(2, 8, backlog=30, remaining=10) == 0
 
 
 def test_the_batch_reads_the_mean_of_its_fresh_curves():
