@@ -42,17 +42,6 @@ ROUND_LONGEST = 2
 MARGIN = 0.05
 
 
-def expected_tokens(accept: Sequence[float], limit: int) -> list[float]:
-    """1 + E(k) for k = 0..limit: tokens a verify pass yields after a draft of k, from the
-    acceptance of each position given the ones before it (index 0 unused)."""
-    tokens, chain, total = [1.0], 1.0, 1.0
-    for k in range(1, limit + 1):
-        chain *= accept[k]
-        total += chain
-        tokens.append(total)
-    return tokens
-
-
 class BatchDrafts:
     """The slots' shared draft length (module docstring). Each slot's policy ``post``s its
     expected tokens by length from its own thread and asks ``length``; a slot whose text ended
@@ -71,8 +60,6 @@ class BatchDrafts:
     def timed(self, verifying: bool, lengths: Sequence[int], seconds: float) -> None:
         """A batch of passes of these ``lengths`` (one a sequence) ran in ``seconds``: the
         target's (``verifying``) or the draft model's."""
-        if not lengths:
-            return
         with self._lock:
             if verifying:
                 if max(lengths) <= VERIFY_LONGEST:
@@ -138,17 +125,11 @@ class BatchDrafts:
             round_seconds = self.round_seconds(sequences)
         if round_seconds is None:
             return None
-        best, best_rate = 0, None
+        rates = []
         for k in range(limit + 1):
             verify = passes[sequences * (k + 1)]
-            if verify is None:
+            if verify is None or verify + k * round_seconds <= 0.0:
                 return None
-            seconds = verify + k * round_seconds
-            if seconds <= 0.0:
-                return None
-            rate = sequences * curve[k] / seconds
-            if best_rate is None or rate > best_rate:
-                best, best_rate = k, rate
-        if best and best_rate < (1.0 + MARGIN) * sequences * curve[0] / passes[sequences]:
-            return 0
-        return best
+            rates.append(sequences * curve[k] / (verify + k * round_seconds))
+        best = max(range(limit + 1), key=lambda k: (rates[k], -k))
+        return best if rates[best] >= (1.0 + MARGIN) * rates[0] else 0

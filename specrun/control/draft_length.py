@@ -28,6 +28,18 @@ PAID_PROBE_LEN = 2
 CHEAP_PROBE_LEN = 4
 
 
+def expected_tokens(accept: Sequence[float], limit: int, base: float = 1.0) -> list[float]:
+    """E[tokens](k) for k = 0..limit (the module docstring's, plus ``base - 1``: other sequences'
+    tokens in the pass), from the acceptance of each position given the ones before it (index 0
+    unused)."""
+    tokens, chain, total = [base], 1.0, base
+    for k in range(1, limit + 1):
+        chain *= accept[k]
+        total += chain
+        tokens.append(total)
+    return tokens
+
+
 @dataclass
 class DraftLengthController:
     """Chooses the draft length each step from decayed acceptance and cost estimates.
@@ -154,11 +166,7 @@ class DraftLengthController:
         # as this sequence's passes are, the batch around them included) grows with this one's
         # drafts: tokens per second of the whole batch, so that speculation yields to the batch
         # where the extra tokens slow the others more than they bring.
-        tokens, chain = 1.0 + self.target_costs.sharing, 1.0
-        for k in range(limit + 1):
-            if k:
-                chain *= accept[k]
-                tokens += chain
+        for k, tokens in enumerate(expected_tokens(accept, limit, 1.0 + self.target_costs.sharing)):
             verify, draft = costs[k + 1], (draft_costs[k] if k else 0.0)
             seconds = None if verify is None or draft is None else verify + draft + (switch if k else 0.0)
             # a step timed at 0 s (a clock too coarse to see it) is no measurement: unknown, as unmeasured

@@ -23,9 +23,11 @@ from dataclasses import dataclass
 from time import perf_counter
 from typing import Protocol
 
-from specrun.control.batch import BatchDrafts, expected_tokens
+from specrun.control.batch import BatchDrafts
 from specrun.control.costs import DraftCosts, TargetCosts
-from specrun.control.draft_length import CHEAP_PROBE_LEN, PAID_PROBE_LEN, DraftLengthController, ProposalScores
+from specrun.control.draft_length import (
+    CHEAP_PROBE_LEN, PAID_PROBE_LEN, DraftLengthController, ProposalScores, expected_tokens,
+)
 from specrun.control.gate import IdleBackoff, SpeculationGate
 from specrun.control.memory import PolicyMemory
 from specrun.control.trees import BranchRates, TreeScores, merged_values, node_values, select_merged, shape_tree
@@ -265,8 +267,6 @@ class AdaptivePolicy:
         members = self.drafter.members if self.drafter is not None else ()
         paid = {m.name for m in members if m.pays_per_token} if len(members) > 1 else set()
         self.memory.end_text(self.controllers, paid)
-        if self.batch is not None:
-            self.batch.drop(id(self))  # this slot's curve belonged to its text
         if self.memory.gate_off is None and self.gate_off_gap:  # a window left off starts the next text off
             self.memory.gate_off = self.gate_off_gap
         self.controllers.clear()

@@ -9,8 +9,9 @@ from __future__ import annotations
 import pytest
 
 from specrun.backends.fake import FakeBackend
-from specrun.control.batch import BatchDrafts, expected_tokens
+from specrun.control.batch import BatchDrafts
 from specrun.control.costs import TargetCosts
+from specrun.control.draft_length import expected_tokens
 from specrun.drafters.methods import DrafterOptions, build_drafter
 from specrun.engine.loop import GenerationParams, SpeculativeEngine
 from tests.fake_models import COPYING_VOCAB, REPEATING_PROMPT, copying_logits, noisy_copy
