@@ -18,6 +18,14 @@ the tokens: on that CPU a round over 4 sequences cost 31 ms where one sequence's
 cost 19 and one token 10, and a target pass over 4 sequences of 5 tokens 197 ms where a prompt's
 chunk read 3.7 ms a token. Every slot then drafts that length (0: plain batching, probes
 included); where the batch's passes are not yet timed, each slot's own rule runs and times them.
+
+Drafting also costs the draft model a read of every request's prompt (AdaptivePolicy.reads_prompt
+leaves it to the first draft), and of whatever the slot decoded plainly before its batch drafted:
+passes every slot waits for. With 4 slots they held the batch ~9% of a Spec-Bench phase, and
+`draft k4`, whose rounds cost what the rates said, ran 0.95x plain batching where the rates
+promised 1.10x. So a drafted token is also priced at the reads' share: their seconds over the
+tokens the slots' draft-model steps yielded (``read_price``), counted once ``READ_SAMPLE`` tokens
+were, over about the last ``READ_WINDOW``.
 """
 
 from __future__ import annotations
@@ -40,6 +48,11 @@ ROUND_LONGEST = 2
 # batching stands: 4 slots there chose 1 token on a predicted 0.2% gain, and the one slot caught
 # up drafted alone while the others waited its rounds.
 MARGIN = 0.05
+# Tokens the slots' draft-model steps yield before the reads are priced (until then the first
+# reads, every slot catching up at once over a few drafted tokens, would price one out for good:
+# a batch at 0 reads nothing more), and about how many the price follows.
+READ_SAMPLE = 512
+READ_WINDOW = 4096
 
 
 class BatchDrafts:
@@ -56,6 +69,8 @@ class BatchDrafts:
         self._curves: dict[int, tuple[tuple[float, ...], float]] = {}  # slot -> (1 + E(k) by k, when posted)
         self.verify: dict[int, TargetCosts] = {}  # by sequences: the target's decoding passes by their tokens
         self.rounds = TargetCosts()  # the draft model's rounds by the sequences in them
+        self._reading = 0.0  # seconds of the draft model's passes reading text (prompts, catch-ups)…
+        self._drafted = 0.0  # …and the tokens the slots' steps drafting with it yielded meanwhile
 
     def timed(self, verifying: bool, lengths: Sequence[int], seconds: float) -> None:
         """A batch of passes of these ``lengths`` (one a sequence) ran in ``seconds``: the
@@ -67,6 +82,23 @@ class BatchDrafts:
                 return
             if max(lengths) <= ROUND_LONGEST:
                 self.rounds.observe(len(lengths), seconds)
+                return
+            riding = sum(length <= ROUND_LONGEST for length in lengths)  # others' rounds beside the read
+            beside = self.round_seconds(riding) if riding else None
+            self._reading += max(0.0, seconds - (beside or 0.0))
+
+    def drafted(self, tokens: int) -> None:
+        """A slot's step that drafted with the draft model yielded ``tokens``."""
+        with self._lock:
+            self._drafted += tokens
+            if self._drafted > READ_WINDOW:  # the older half weighs half
+                self._drafted /= 2.0
+                self._reading /= 2.0
+
+    def read_price(self) -> float:
+        """Seconds of the draft model's reading a drafted token bears (0 before ``READ_SAMPLE``)."""
+        with self._lock:
+            return self._reading / self._drafted if self._drafted >= READ_SAMPLE else 0.0
 
     def post(self, slot: int, expected: Sequence[float]) -> None:
         """Slot ``slot``'s expected tokens a verify pass yields after a draft of k = 0, 1, ..."""
@@ -107,7 +139,8 @@ class BatchDrafts:
 
     def length(self, sequences: int, limit: int) -> int | None:
         """The draft length, at most ``limit``, at which ``sequences`` slots drafting alike
-        yield the most tokens a second (0: plain batching), or None where it cannot be told:
+        yield the most tokens a second, the reads' share of each drafted token counted
+        (``read_price``; 0: plain batching), or None where it cannot be told:
         one sequence alone, no curve posted, no decoding pass over this many sequences or no
         draft round timed yet (a length never timed over them is read off the line through those
         that were)."""
@@ -125,11 +158,13 @@ class BatchDrafts:
             round_seconds = self.round_seconds(sequences)
         if round_seconds is None:
             return None
+        reading = self.read_price()
         rates = []
         for k in range(limit + 1):
             verify = passes[sequences * (k + 1)]
             if verify is None or verify + k * round_seconds <= 0.0:
                 return None
-            rates.append(sequences * curve[k] / (verify + k * round_seconds))
+            tokens = sequences * curve[k]
+            rates.append(tokens / (verify + k * round_seconds + (tokens * reading if k else 0.0)))
         best = max(range(limit + 1), key=lambda k: (rates[k], -k))
         return best if rates[best] >= (1.0 + MARGIN) * rates[0] else 0

@@ -511,11 +511,13 @@ class AdaptivePolicy:
 
     def observe(self, report: StepReport) -> None:
         self._observe_pass(report)
-        if self._picks and report.proposal.tokens:
-            proposal = report.proposal
-            parts = proposal.parts if isinstance(proposal, MergedProposal) else (proposal,)
+        proposal = report.proposal
+        parts = proposal.parts if isinstance(proposal, MergedProposal) else (proposal,)
+        if self._picks and proposal.tokens:
             for pick in self._picks.values():
                 pick.drafted({part.source for part in parts})
+        if self.batch is not None and any(part.tokens and part.source in self.paid for part in parts):
+            self.batch.drafted(len(report.context) - report.context_len)  # what the reads bought (read_price)
         self._scores.score(report.context)
         self._tree_scores.score(report.context)
         if not self.adaptive:

@@ -214,6 +214,25 @@ class SlotFake(CostedFake):
 PROMPTS = [REPEATING_PROMPT, REPEATING_PROMPT[::-1] + [20, 21, 22], [7, 8, 9, 7, 8] * 3, REPEATING_PROMPT[3:]]
 
 
+def texts_on_a_slot(target, draft, clock, batch: BatchDrafts | None) -> tuple[list[int], list[int], list[list[int]]]:
+    """PROMPTS answered in turn by a slot's engine drafting with ``draft`` (each a server's next
+    request: ChatSession.new_text): drafted tokens by text, tokens the draft model read by text,
+    and every output."""
+    engine = SpeculativeEngine(target, build_drafter("draft", draft, DrafterOptions()), method="draft", clock=clock)
+    engine.policy.batch = batch
+    params = GenerationParams(40, draft_len=8, stop_at_eos=False, adaptive=True)
+    drafted, read, outputs = [], [], []
+    for prompt in PROMPTS:
+        engine.policy.forget_acceptance()
+        before = draft.forwarded_tokens
+        result = engine.run(prompt, params)
+        drafted.append(result.stats.drafted)
+        read.append(draft.forwarded_tokens - before)
+        outputs.append(result.token_ids)
+    engine.drafter.close()
+    return drafted, read, outputs
+
+
 def drafted_by_text(batch: BatchDrafts | None) -> tuple[list[int], list[int], list[list[int]]]:
     """A slot among 4 whose others draft 8 a step (9 tokens each in every pass, one each in every
     draft round), on a CPU where a pass costs 1 + 1 a token of the batch and a draft round 2, in
@@ -230,19 +249,7 @@ def drafted_by_text(batch: BatchDrafts | None) -> tuple[list[int], list[int], li
             batch.timed(False, [1, 1, 1, 1], 2.0)
     target = SlotFake(copying_logits(salt=4), clock, 1.0, 1.0, others=3, per_other=9, batch=batch, verifying=True)
     draft = SlotFake(noisy_copy(4), clock, 2.0, 0.0, others=3, per_other=1, batch=batch, verifying=False)
-    engine = SpeculativeEngine(target, build_drafter("draft", draft, DrafterOptions()), method="draft", clock=clock)
-    engine.policy.batch = batch
-    params = GenerationParams(40, draft_len=8, stop_at_eos=False, adaptive=True)
-    drafted, read, outputs = [], [], []
-    for prompt in PROMPTS:
-        engine.policy.forget_acceptance()  # a server's next request (ChatSession.new_text)
-        before = draft.forwarded_tokens
-        result = engine.run(prompt, params)
-        drafted.append(result.stats.drafted)
-        read.append(draft.forwarded_tokens - before)
-        outputs.append(result.token_ids)
-    engine.drafter.close()
-    return drafted, read, outputs
+    return texts_on_a_slot(target, draft, clock, batch)
 
 
 def test_a_slot_whose_batch_gains_nothing_by_drafting_drafts_nothing_where_alone_it_would():
@@ -257,3 +264,60 @@ def test_a_slot_whose_batch_gains_nothing_by_drafting_drafts_nothing_where_alone
     expected = [plain.run(prompt, GenerationParams(40, draft_len=0, stop_at_eos=False)).token_ids
                 for prompt in PROMPTS]
     assert alone_outputs == expected and batch_outputs == expected
+
+
+def test_the_draft_model_s_reads_are_priced_into_each_drafted_token(monkeypatch):
+    """Passes 10 + n over 2 sequences, rounds 1 a sequence, each draft right half the time:
+    drafting 1 yields 3 / 16 = 0.1875 against plain's 2 / 12 = 0.167 (12.5% more): 1. A prompt
+    read of 300 (a round over the other sequence beside it, 1, left out) over 512 drafted tokens
+    adds 0.586 to each: 3 / 17.76 = 0.169, within MARGIN: 0. Before READ_SAMPLE drafted tokens the
+    reads are not priced yet; more tokens drafted without reading bring the price down again."""
+    batch = timed_batch(10.0, 1.0, 0.0, 1.0)
+    batch.post(1, HALF_RIGHT)
+    batch.timed(False, [200, 1], 301.0)
+    batch.drafted(511)
+    assert batch.read_price() == 0.0 and batch.length(2, 8) == 1
+    batch.drafted(1)
+    assert batch.read_price() == pytest.approx(300.0 / 512)
+    assert batch.length(2, 8) == 0
+    batch.drafted(4000)  # the window halves both, keeping their ratio
+    assert batch.read_price() == pytest.approx(300.0 / 4512)
+    assert batch.length(2, 8) == 1
+
+
+def texts_on_a_drafting_batch(batch: BatchDrafts) -> tuple[list[int], list[int], list[list[int]]]:
+    """A slot among 4, on a machine whose passes cost by their weights (1 + 0.02 a token of the
+    batch, a draft pass 0.1 + 0.001 a token, a batch that decoded alike timed over passes of 4 to 36 tokens):
+    drafting 4 right 70% of the time yields 4 * 3 / (1.4 + 0.4) against plain's 4 / 1.08, so it drafts.
+    Drafted tokens by text, tokens the draft model read by text, and every output."""
+    clock = CostClock()
+    for _ in range(4):
+        for t in range(1, 10):
+            batch.timed(True, [t] * 4, 1.0 + 0.08 * t)
+        batch.timed(False, [1, 1, 1, 1], 0.1)
+    target = SlotFake(copying_logits(salt=4), clock, 1.0, 0.02, others=3, per_other=1, batch=batch, verifying=True)
+    draft = SlotFake(noisy_copy(4), clock, 0.1, 0.001, others=3, per_other=1, batch=batch, verifying=False)
+    return texts_on_a_slot(target, draft, clock, batch)
+
+
+def test_a_batch_whose_reads_cost_more_than_its_drafts_gain_reads_and_drafts_nothing(monkeypatch):
+    """Engine level: the batch above drafts, its slot's draft-model steps counted as the tokens
+    they yielded and its prompt reads timed (read_price, READ_SAMPLE lowered to 1 to read it);
+    the same batch once reads have cost 1,000 over 512 drafted tokens (2 a token, where a plain
+    token costs 0.27) drafts nothing and reads no prompt. Every output is plain decoding's."""
+    import specrun.control.batch as batch_module
+
+    monkeypatch.setattr(batch_module, "READ_SAMPLE", 1)
+    plain = SpeculativeEngine(FakeBackend(copying_logits(salt=4), COPYING_VOCAB))
+    expected = [plain.run(prompt, GenerationParams(40, draft_len=0, stop_at_eos=False)).token_ids
+                for prompt in PROMPTS]
+    cheap = BatchDrafts(CostClock())
+    drafted, read, outputs = texts_on_a_drafting_batch(cheap)
+    assert all(count > 20 for count in drafted) and outputs == expected
+    assert 0.0 < cheap.read_price() and cheap._drafted <= 4 * 40  # the reads' seconds, over what drafting yielded
+    dear = BatchDrafts(CostClock())
+    dear.timed(False, [300, 1, 1, 1], 1000.0)
+    dear.drafted(512)
+    drafted, read, outputs = texts_on_a_drafting_batch(dear)
+    assert drafted == [0, 0, 0, 0] and read == [0, 0, 0, 0] and outputs == expected
+    assert dear._drafted == 512
