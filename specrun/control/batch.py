@@ -24,8 +24,8 @@ leaves it to the first draft), and of whatever the slot decoded plainly before i
 passes every slot waits for. With 4 slots they held the batch ~9% of a Spec-Bench phase, and
 `draft k4`, whose rounds cost what the rates said, ran 0.95x plain batching where the rates
 promised 1.10x. So a drafted token is also priced at the reads' share: their seconds over the
-tokens the slots' draft-model steps yielded (``read_price``), counted once ``READ_SAMPLE`` tokens
-were, over about the last ``READ_WINDOW``.
+tokens the slots' draft-model steps yielded (``read_price``; over at least ``READ_SAMPLE``, and
+about the last ``READ_WINDOW``).
 """
 
 from __future__ import annotations
@@ -48,9 +48,10 @@ ROUND_LONGEST = 2
 # batching stands: 4 slots there chose 1 token on a predicted 0.2% gain, and the one slot caught
 # up drafted alone while the others waited its rounds.
 MARGIN = 0.05
-# Tokens the slots' draft-model steps yield before the reads are priced (until then the first
-# reads, every slot catching up at once over a few drafted tokens, would price one out for good:
-# a batch at 0 reads nothing more), and about how many the price follows.
+# The fewest drafted tokens the reads' seconds are spread over: the first reads, every slot's
+# prompt at once over a few drafted tokens, would otherwise price drafting out for good (a batch
+# at 0 reads nothing more); 4 prompts read over 512 tokens is about a 128-token answer's share
+# each. And about how many drafted tokens the price follows.
 READ_SAMPLE = 512
 READ_WINDOW = 4096
 
@@ -96,9 +97,9 @@ class BatchDrafts:
                 self._reading /= 2.0
 
     def read_price(self) -> float:
-        """Seconds of the draft model's reading a drafted token bears (0 before ``READ_SAMPLE``)."""
+        """Seconds of the draft model's reading a drafted token bears."""
         with self._lock:
-            return self._reading / self._drafted if self._drafted >= READ_SAMPLE else 0.0
+            return self._reading / max(self._drafted, READ_SAMPLE)
 
     def post(self, slot: int, expected: Sequence[float]) -> None:
         """Slot ``slot``'s expected tokens a verify pass yields after a draft of k = 0, 1, ..."""
