@@ -19,13 +19,15 @@ cost 19 and one token 10, and a target pass over 4 sequences of 5 tokens 197 ms 
 chunk read 3.7 ms a token. Every slot then drafts that length (0: plain batching, probes
 included); where the batch's passes are not yet timed, each slot's own rule runs and times them.
 
-Drafting also costs the draft model a read of every request's prompt (AdaptivePolicy.reads_prompt
-leaves it to the first draft), and of whatever the slot decoded plainly before its batch drafted:
-passes every slot waits for. With 4 slots they held the batch ~9% of a Spec-Bench phase, and
-`draft k4`, whose rounds cost what the rates said, ran 0.95x plain batching where the rates
-promised 1.10x. So a drafted token is also priced at the reads' share: their seconds over the
-tokens the slots' draft-model steps yielded (``read_price``; over at least ``READ_SAMPLE``, and
-about the last ``READ_WINDOW``).
+Drafting also costs the draft model reads, passes every slot waits for: each request's prompt
+(AdaptivePolicy.reads_prompt leaves it to the first draft) and whatever a slot decoded plainly
+before its batch drafted. Each slot posts what its draft model has not read (Drafter.behind) and
+the tokens its text has left at most, and a length k > 0 must pay for reading the slots' unread
+text, at the draft model's measured seconds a token read, out of what it saves over the tokens
+the slots have left (``length``). A batch drafting reads little more than new prompts; a batch
+decoding plainly falls further behind every step, so it turns to drafting only for a clear gain.
+Unpriced, 4 slots whose rates sat within a few percent of plain batching flipped between the
+two, each flip to drafting reading every slot's plain stretch (0.72-0.87x plain batching).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Sequence
 from time import perf_counter
+from typing import NamedTuple
 
 from specrun.control.costs import TargetCosts
 
@@ -48,30 +51,33 @@ ROUND_LONGEST = 2
 # batching stands: 4 slots there chose 1 token on a predicted 0.2% gain, and the one slot caught
 # up drafted alone while the others waited its rounds.
 MARGIN = 0.05
-# The fewest drafted tokens the reads' seconds are spread over: the first reads, every slot's
-# prompt at once over a few drafted tokens, would otherwise price drafting out for good (a batch
-# at 0 reads nothing more); 4 prompts read over 512 tokens is about a 128-token answer's share
-# each. And about how many drafted tokens the price follows.
-READ_SAMPLE = 512
-READ_WINDOW = 4096
+
+
+class SlotPost(NamedTuple):
+    """What a slot last told the batch (``BatchDrafts.post``), and when."""
+
+    curve: tuple[float, ...]  # 1 + E(k), by k
+    unread: int  # tokens its draft model would read before drafting
+    left: int  # tokens its text has left, at most
+    posted: float
 
 
 class BatchDrafts:
     """The slots' shared draft length (module docstring). Each slot's policy ``post``s its
-    expected tokens by length from its own thread and asks ``length``; a slot whose text ended
-    ``drop``s its curve (AdaptivePolicy.end_text), and a curve not posted for ``FRESH_SECONDS``
-    (a slot reading a long prompt, a thread gone) is left out."""
+    expected tokens by length, its draft model's unread text and its tokens left, from its own
+    thread, and asks ``length``; a slot whose text ended ``drop``s its post
+    (AdaptivePolicy.end_text), and a post not renewed for ``FRESH_SECONDS`` (a slot reading a long
+    prompt, a thread gone) is left out."""
 
     FRESH_SECONDS = 5.0
 
     def __init__(self, clock: Callable[[], float] = perf_counter) -> None:
         self.clock = clock
         self._lock = threading.Lock()
-        self._curves: dict[int, tuple[tuple[float, ...], float]] = {}  # slot -> (1 + E(k) by k, when posted)
+        self._posts: dict[int, SlotPost] = {}  # by slot
         self.verify: dict[int, TargetCosts] = {}  # by sequences: the target's decoding passes by their tokens
         self.rounds = TargetCosts()  # the draft model's rounds by the sequences in them
-        self._reading = 0.0  # seconds of the draft model's passes reading text (prompts, catch-ups)…
-        self._drafted = 0.0  # …and the tokens the slots' steps drafting with it yielded meanwhile
+        self._reading = [0.0, 0]  # the draft model's passes reading text: seconds, tokens read
 
     def timed(self, verifying: bool, lengths: Sequence[int], seconds: float) -> None:
         """A batch of passes of these ``lengths`` (one a sequence) ran in ``seconds``: the
@@ -84,37 +90,36 @@ class BatchDrafts:
             if max(lengths) <= ROUND_LONGEST:
                 self.rounds.observe(len(lengths), seconds)
                 return
-            riding = sum(length <= ROUND_LONGEST for length in lengths)  # others' rounds beside the read
+            riding = sum(length <= ROUND_LONGEST for length in lengths)  # others' rounds beside the reads
             beside = self.round_seconds(riding) if riding else None
-            self._reading += max(0.0, seconds - (beside or 0.0))
+            self._reading[0] += max(0.0, seconds - (beside or 0.0))
+            self._reading[1] += sum(length for length in lengths if length > ROUND_LONGEST)
 
-    def drafted(self, tokens: int) -> None:
-        """A slot's step that drafted with the draft model yielded ``tokens``."""
+    def read_seconds(self) -> float:
+        """The draft model's seconds a token read (0 before any read was timed)."""
         with self._lock:
-            self._drafted += tokens
-            if self._drafted > READ_WINDOW:  # the older half weighs half
-                self._drafted /= 2.0
-                self._reading /= 2.0
+            seconds, tokens = self._reading
+            return seconds / tokens if tokens else 0.0
 
-    def read_price(self) -> float:
-        """Seconds of the draft model's reading a drafted token bears."""
+    def post(self, slot: int, expected: Sequence[float], unread: int = 0, left: int = 0) -> None:
+        """Slot ``slot``'s expected tokens a verify pass yields after a draft of k = 0, 1, ...;
+        the tokens its draft model would read before drafting (``unread``) and at most how many
+        it has ``left`` to generate."""
         with self._lock:
-            return self._reading / max(self._drafted, READ_SAMPLE)
-
-    def post(self, slot: int, expected: Sequence[float]) -> None:
-        """Slot ``slot``'s expected tokens a verify pass yields after a draft of k = 0, 1, ..."""
-        with self._lock:
-            self._curves[slot] = (tuple(expected), self.clock())
+            self._posts[slot] = SlotPost(tuple(expected), unread, left, self.clock())
 
     def drop(self, slot: int) -> None:
         with self._lock:
-            self._curves.pop(slot, None)
+            self._posts.pop(slot, None)
+
+    def _fresh(self) -> list[SlotPost]:
+        now = self.clock()
+        with self._lock:
+            return [post for post in self._posts.values() if now - post.posted <= self.FRESH_SECONDS]
 
     def mean_curve(self, limit: int) -> list[float] | None:
         """The fresh curves' mean for k = 0..limit (each cut to the shortest posted); None if none."""
-        now = self.clock()
-        with self._lock:
-            curves = [curve for curve, posted in self._curves.values() if now - posted <= self.FRESH_SECONDS]
+        curves = [post.curve for post in self._fresh()]
         if not curves:
             return None
         limit = min(limit, *(len(curve) - 1 for curve in curves))
@@ -140,8 +145,8 @@ class BatchDrafts:
 
     def length(self, sequences: int, limit: int) -> int | None:
         """The draft length, at most ``limit``, at which ``sequences`` slots drafting alike
-        yield the most tokens a second, the reads' share of each drafted token counted
-        (``read_price``; 0: plain batching), or None where it cannot be told:
+        yield the most tokens a second over the tokens they have left, reading their unread
+        text first (0: plain batching), or None where it cannot be told:
         one sequence alone, no curve posted, no decoding pass over this many sequences or no
         draft round timed yet (a length never timed over them is read off the line through those
         that were)."""
@@ -159,13 +164,17 @@ class BatchDrafts:
             round_seconds = self.round_seconds(sequences)
         if round_seconds is None:
             return None
-        reading = self.read_price()
+        posts = self._fresh()
+        unread, left = sum(post.unread for post in posts), sum(post.left for post in posts)
+        catching_up = unread * self.read_seconds()
         rates = []
         for k in range(limit + 1):
             verify = passes[sequences * (k + 1)]
             if verify is None or verify + k * round_seconds <= 0.0:
                 return None
-            tokens = sequences * curve[k]
-            rates.append(tokens / (verify + k * round_seconds + (tokens * reading if k else 0.0)))
+            rate = sequences * curve[k] / (verify + k * round_seconds)
+            if k and catching_up and left:  # the tokens left, drafted after the reads
+                rate = left / (left / rate + catching_up)
+            rates.append(rate)
         best = max(range(limit + 1), key=lambda k: (rates[k], -k))
         return best if rates[best] >= (1.0 + MARGIN) * rates[0] else 0

@@ -287,7 +287,7 @@ def test_rpc_server_stops_on_ctrl_c(servers):
     # specrun's last word; llama.cpp's server thread may still log the fixture's readiness probe
     # ("Accepted client connection") after it (a CI run saw that order under load)
     ours = [line for line in stderr.splitlines() if line.startswith("specrun rpc-server:")]
-    assert ours[-1] == "specrun rpc-server: stopped"
+    assert ours[-1] == "specrun rpc-server: stopped", stderr  # once (of many runs) it was missing: show what came
     after = stderr.splitlines()[stderr.splitlines().index(ours[-1]) + 1:]
     assert all("client connection" in line.lower() for line in after), after  # nothing else after it
     assert "Traceback" not in stderr

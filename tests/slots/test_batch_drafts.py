@@ -266,30 +266,31 @@ def test_a_slot_whose_batch_gains_nothing_by_drafting_drafts_nothing_where_alone
     assert alone_outputs == expected and batch_outputs == expected
 
 
-def test_the_draft_model_s_reads_are_priced_into_each_drafted_token(monkeypatch):
+def test_a_length_pays_for_reading_the_slots_unread_text_out_of_their_tokens_left():
     """Passes 10 + n over 2 sequences, rounds 1 a sequence, each draft right half the time:
-    drafting 1 yields 3 / 16 = 0.1875 against plain's 2 / 12 = 0.167 (12.5% more): 1. A prompt
-    read of 300 (a round over the other sequence beside it, 1, left out) over 512 drafted tokens
-    adds 0.586 to each: 3 / 17.76 = 0.169, within MARGIN: 0. Spread over READ_SAMPLE drafted tokens
-    while fewer were; more tokens drafted without reading bring the price down again."""
+    drafting 1 yields 3 / 16 = 0.1875 a unit against plain's 2 / 12 = 0.167 (12.5% more). The
+    draft model read 200 tokens in 301 units beside a round over one other sequence (1): 1.5 a
+    token. 20 tokens unread and 100 left: 100 / (100 / 0.1875 + 30) = 0.178, 6.5% more: 1; 40
+    unread: 0.1685, 1.1% more, within MARGIN: 0; the same 40 over 1,000 left: 0.185: 1. Two slots'
+    posts add up."""
     batch = timed_batch(10.0, 1.0, 0.0, 1.0)
-    batch.post(1, HALF_RIGHT)
-    assert batch.read_price() == 0.0 and batch.length(2, 8) == 1
+    batch.post(1, HALF_RIGHT, 40, 100)
+    assert batch.read_seconds() == 0.0 and batch.length(2, 8) == 1  # no read timed: not priced
     batch.timed(False, [200, 1], 301.0)
-    assert batch.read_price() == pytest.approx(300.0 / 512)
+    assert batch.read_seconds() == pytest.approx(1.5)
+    for unread, left, length in ((20, 100, 1), (40, 100, 0), (40, 1000, 1), (0, 100, 1)):
+        batch.post(1, HALF_RIGHT, unread, left)
+        assert batch.length(2, 8) == length, (unread, left)
+    batch.post(1, HALF_RIGHT, 20, 50)
+    batch.post(2, HALF_RIGHT, 20, 50)
     assert batch.length(2, 8) == 0
-    batch.drafted(512)
-    assert batch.read_price() == pytest.approx(300.0 / 512)
-    batch.drafted(4000)  # the window halves both, keeping their ratio
-    assert batch.read_price() == pytest.approx(300.0 / 4512)
-    assert batch.length(2, 8) == 1
 
 
 def texts_on_a_drafting_batch(batch: BatchDrafts) -> tuple[list[int], list[int], list[list[int]]]:
     """A slot among 4, on a machine whose passes cost by their weights (1 + 0.02 a token of the
-    batch, a draft pass 0.1 + 0.001 a token, a batch that decoded alike timed over passes of 4 to 36 tokens):
-    drafting 4 right 70% of the time yields 4 * 3 / (1.4 + 0.4) against plain's 4 / 1.08, so it drafts.
-    Drafted tokens by text, tokens the draft model read by text, and every output."""
+    batch, a draft pass 0.1 + 0.001 a token, a batch that decoded alike timed over passes of 4 to
+    36 tokens): drafting 4 right 70% of the time yields about 4 * 2.8 / (1.4 + 0.4) against plain's
+    4 / 1.08, so it drafts. Drafted tokens by text, tokens the draft model read by text, and every output."""
     clock = CostClock()
     for _ in range(4):
         for t in range(1, 10):
@@ -300,24 +301,20 @@ def texts_on_a_drafting_batch(batch: BatchDrafts) -> tuple[list[int], list[int],
     return texts_on_a_slot(target, draft, clock, batch)
 
 
-def test_a_batch_whose_reads_cost_more_than_its_drafts_gain_reads_and_drafts_nothing(monkeypatch):
-    """Engine level: the batch above drafts, its slot's draft-model steps counted as the tokens
-    they yielded and its prompt reads timed (read_price, READ_SAMPLE lowered to 1 to read both);
-    the same batch once reads have cost 1,000 over 512 drafted tokens (2 a token, where a plain
-    token costs 0.27) drafts nothing and reads no prompt. Every output is plain decoding's."""
-    import specrun.control.batch as batch_module
-
-    monkeypatch.setattr(batch_module, "READ_SAMPLE", 1)
+def test_a_batch_whose_reads_cost_more_than_its_drafts_save_reads_and_drafts_nothing():
+    """Engine level: the batch above drafts, its draft model reading each prompt when first asked
+    (timed: BatchDrafts.read_seconds). The same batch where reading has cost 3.3 a token (a
+    prompt of ~20 tokens 66, where plain decoding's 40 tokens cost ~11) drafts nothing and reads
+    no prompt: the slot posts its draft model's unread prompt and its tokens left. Every output
+    is plain decoding's."""
     plain = SpeculativeEngine(FakeBackend(copying_logits(salt=4), COPYING_VOCAB))
     expected = [plain.run(prompt, GenerationParams(40, draft_len=0, stop_at_eos=False)).token_ids
                 for prompt in PROMPTS]
     cheap = BatchDrafts(CostClock())
     drafted, read, outputs = texts_on_a_drafting_batch(cheap)
     assert all(count > 20 for count in drafted) and outputs == expected
-    assert 0.0 < cheap.read_price() and 100 <= cheap._drafted <= 4 * 40  # the reads' seconds, over what drafting yielded
+    assert cheap.read_seconds() > 0.0  # the prompts' reads
     dear = BatchDrafts(CostClock())
     dear.timed(False, [300, 1, 1, 1], 1000.0)
-    dear.drafted(512)
     drafted, read, outputs = texts_on_a_drafting_batch(dear)
     assert drafted == [0, 0, 0, 0] and read == [0, 0, 0, 0] and outputs == expected
-    assert dear._drafted == 512
