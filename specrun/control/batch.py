@@ -18,16 +18,6 @@ the tokens: on that CPU a round over 4 sequences cost 31 ms where one sequence's
 cost 19 and one token 10, and a target pass over 4 sequences of 5 tokens 197 ms where a prompt's
 chunk read 3.7 ms a token. Every slot then drafts that length (0: plain batching, probes
 included); where the batch's passes are not yet timed, each slot's own rule runs and times them.
-
-Drafting also costs the draft model reads, passes every slot waits for: each request's prompt
-(AdaptivePolicy.reads_prompt leaves it to the first draft) and whatever a slot decoded plainly
-before its batch drafted. Each slot posts what its draft model has not read (Drafter.behind) and
-the tokens its text has left at most, and a length k > 0 must pay for reading the slots' unread
-text, at the draft model's measured seconds a token read, out of what it saves over the tokens
-the slots have left (``length``). A batch drafting reads little more than new prompts; a batch
-decoding plainly falls further behind every step, so it turns to drafting only for a clear gain.
-Unpriced, 4 slots whose rates sat within a few percent of plain batching flipped between the
-two, each flip to drafting reading every slot's plain stretch (0.72-0.87x plain batching).
 """
 
 from __future__ import annotations
@@ -35,7 +25,6 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Sequence
 from time import perf_counter
-from typing import NamedTuple
 
 from specrun.control.costs import TargetCosts
 
@@ -53,31 +42,20 @@ ROUND_LONGEST = 2
 MARGIN = 0.05
 
 
-class SlotPost(NamedTuple):
-    """What a slot last told the batch (``BatchDrafts.post``), and when."""
-
-    curve: tuple[float, ...]  # 1 + E(k), by k
-    unread: int  # tokens its draft model would read before drafting
-    left: int  # tokens its text has left, at most
-    posted: float
-
-
 class BatchDrafts:
     """The slots' shared draft length (module docstring). Each slot's policy ``post``s its
-    expected tokens by length, its draft model's unread text and its tokens left, from its own
-    thread, and asks ``length``; a slot whose text ended ``drop``s its post
-    (AdaptivePolicy.end_text), and a post not renewed for ``FRESH_SECONDS`` (a slot reading a long
-    prompt, a thread gone) is left out."""
+    expected tokens by length from its own thread and asks ``length``; a slot whose text ended
+    ``drop``s its curve (AdaptivePolicy.end_text), and a curve not posted for ``FRESH_SECONDS``
+    (a slot reading a long prompt, a thread gone) is left out."""
 
     FRESH_SECONDS = 5.0
 
     def __init__(self, clock: Callable[[], float] = perf_counter) -> None:
         self.clock = clock
         self._lock = threading.Lock()
-        self._posts: dict[int, SlotPost] = {}  # by slot
+        self._curves: dict[int, tuple[tuple[float, ...], float]] = {}  # slot -> (1 + E(k) by k, when posted)
         self.verify: dict[int, TargetCosts] = {}  # by sequences: the target's decoding passes by their tokens
         self.rounds = TargetCosts()  # the draft model's rounds by the sequences in them
-        self._reading = [0.0, 0]  # the draft model's passes reading text: seconds, tokens read
 
     def timed(self, verifying: bool, lengths: Sequence[int], seconds: float) -> None:
         """A batch of passes of these ``lengths`` (one a sequence) ran in ``seconds``: the
@@ -89,37 +67,21 @@ class BatchDrafts:
                 return
             if max(lengths) <= ROUND_LONGEST:
                 self.rounds.observe(len(lengths), seconds)
-                return
-            riding = sum(length <= ROUND_LONGEST for length in lengths)  # others' rounds beside the reads
-            beside = self.round_seconds(riding) if riding else None
-            self._reading[0] += max(0.0, seconds - (beside or 0.0))
-            self._reading[1] += sum(length for length in lengths if length > ROUND_LONGEST)
 
-    def read_seconds(self) -> float:
-        """The draft model's seconds a token read (0 before any read was timed)."""
+    def post(self, slot: int, expected: Sequence[float]) -> None:
+        """Slot ``slot``'s expected tokens a verify pass yields after a draft of k = 0, 1, ..."""
         with self._lock:
-            seconds, tokens = self._reading
-            return seconds / tokens if tokens else 0.0
-
-    def post(self, slot: int, expected: Sequence[float], unread: int = 0, left: int = 0) -> None:
-        """Slot ``slot``'s expected tokens a verify pass yields after a draft of k = 0, 1, ...;
-        the tokens its draft model would read before drafting (``unread``) and at most how many
-        it has ``left`` to generate."""
-        with self._lock:
-            self._posts[slot] = SlotPost(tuple(expected), unread, left, self.clock())
+            self._curves[slot] = (tuple(expected), self.clock())
 
     def drop(self, slot: int) -> None:
         with self._lock:
-            self._posts.pop(slot, None)
-
-    def _fresh(self) -> list[SlotPost]:
-        now = self.clock()
-        with self._lock:
-            return [post for post in self._posts.values() if now - post.posted <= self.FRESH_SECONDS]
+            self._curves.pop(slot, None)
 
     def mean_curve(self, limit: int) -> list[float] | None:
         """The fresh curves' mean for k = 0..limit (each cut to the shortest posted); None if none."""
-        curves = [post.curve for post in self._fresh()]
+        now = self.clock()
+        with self._lock:
+            curves = [curve for curve, posted in self._curves.values() if now - posted <= self.FRESH_SECONDS]
         if not curves:
             return None
         limit = min(limit, *(len(curve) - 1 for curve in curves))
@@ -145,8 +107,7 @@ class BatchDrafts:
 
     def length(self, sequences: int, limit: int) -> int | None:
         """The draft length, at most ``limit``, at which ``sequences`` slots drafting alike
-        yield the most tokens a second over the tokens they have left, reading their unread
-        text first (0: plain batching), or None where it cannot be told:
+        yield the most tokens a second (0: plain batching), or None where it cannot be told:
         one sequence alone, no curve posted, no decoding pass over this many sequences or no
         draft round timed yet (a length never timed over them is read off the line through those
         that were)."""
@@ -164,17 +125,11 @@ class BatchDrafts:
             round_seconds = self.round_seconds(sequences)
         if round_seconds is None:
             return None
-        posts = self._fresh()
-        unread, left = sum(post.unread for post in posts), sum(post.left for post in posts)
-        catching_up = unread * self.read_seconds()
         rates = []
         for k in range(limit + 1):
             verify = passes[sequences * (k + 1)]
             if verify is None or verify + k * round_seconds <= 0.0:
                 return None
-            rate = sequences * curve[k] / (verify + k * round_seconds)
-            if k and catching_up and left:  # the tokens left, drafted after the reads
-                rate = left / (left / rate + catching_up)
-            rates.append(rate)
+            rates.append(sequences * curve[k] / (verify + k * round_seconds))
         best = max(range(limit + 1), key=lambda k: (rates[k], -k))
         return best if rates[best] >= (1.0 + MARGIN) * rates[0] else 0

@@ -117,9 +117,8 @@ class SpeculationPolicy(Protocol):
         """The next pass carries ``others`` other sequences besides this run's (a server's slots),
         feeding ``others_tokens`` tokens."""
 
-    def at_context(self, length: int, remaining: int = 0) -> None:
-        """The next pass reads ``length`` tokens of context (TargetCosts.at_context); ``remaining``
-        tokens are left to generate of this text, at most."""
+    def at_context(self, length: int) -> None:
+        """The next pass reads ``length`` tokens of context (TargetCosts.at_context)."""
 
 
 def takes_at_least(proposal: Proposal, drafter: Drafter, draft_len: int) -> bool:
@@ -169,7 +168,7 @@ class FixedPolicy:
     def share(self, others: int, others_tokens: int = 0) -> None:
         """Fixed lengths do not yield to other sequences in the pass."""
 
-    def at_context(self, length: int, remaining: int = 0) -> None:
+    def at_context(self, length: int) -> None:
         """Fixed lengths do not follow the context."""
 
 
@@ -205,7 +204,6 @@ class AdaptivePolicy:
         self._idle: IdleBackoff | None = None
         self._plain_timing = 0  # plain steps left to time plain decoding at this text's context
         self._context_len = 0  # of the step being planned
-        self._remaining = 0  # tokens left to generate of the text, at most
         self._picks: dict[str, AlternativePick] = {}  # by alternative drafter: which of the two drafts
         self._resting: set[str] = set()  # paid drafters not asked this step (an alternative's other)
         # a server's slots decoding together: the draft model's length they share
@@ -350,12 +348,10 @@ class AdaptivePolicy:
             return False
         return self._controller_for(drafter.name).could_pay()
 
-    def at_context(self, length: int, remaining: int = 0) -> None:
+    def at_context(self, length: int) -> None:
         """The next pass reads ``length`` tokens of context: the target's costs and every drafter's
-        follow it (TargetCosts.at_context). ``remaining``: tokens left to generate, at most (what
-        reading a draft model's backlog on a shared pass pays itself back over: ``_batch_length``)."""
+        follow it (TargetCosts.at_context)."""
         self._context_len = length
-        self._remaining = remaining
         self.target_costs.at_context(length)
         for costs in self.memory.draft_costs.values():
             costs.at_context(length)
@@ -390,20 +386,19 @@ class AdaptivePolicy:
         if drafter.name in self._resting:
             return 0
         controller = self._controller_for(drafter.name, fixed=not self.adaptive)
-        shared = self._batch_length(controller, drafter)
+        shared = self._batch_length(controller)
         if shared is not None:
             return min(shared, draft_len)
         return controller.choose(draft_len)
 
-    def _batch_length(self, controller: DraftLengthController, drafter: Drafter) -> int | None:
+    def _batch_length(self, controller: DraftLengthController) -> int | None:
         """Slots decoding together (``batch``): the length every slot drafts, the one the whole
-        batch gains most by, this slot's expected tokens, unread text (``Drafter.behind``) and
-        tokens left posted first (control/batch.py); None alone or where not yet told."""
+        batch gains most by, this slot's expected tokens posted first (control/batch.py); None
+        alone or where not yet told."""
         if self.batch is None or not self.adaptive or not self.target_costs.sharing:
             return None
         limit = controller.max_draft_len
-        self.batch.post(id(self), expected_tokens(controller.acceptances(limit), limit),
-                        drafter.behind(self._context_len), self._remaining)
+        self.batch.post(id(self), expected_tokens(controller.acceptances(limit), limit))
         return self.batch.length(self.target_costs.sharing + 1, limit)
 
     def takes(self, proposal: Proposal, member: int, draft_len: int) -> bool:

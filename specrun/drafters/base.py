@@ -169,12 +169,6 @@ class Drafter(Protocol):
         about to draft), read by the drafter itself when next asked? (A draft model's catch-up.)"""
         return False
 
-    def behind(self, context_len: int) -> int:
-        """Tokens of a context this long that the drafter would read in a pass of its own before
-        drafting from it (a draft model's unread text: ``defers_prompt``, a stretch decoded
-        plainly or drafted by others); 0 for drafters that read nothing."""
-        return 0
-
     @property
     def members(self) -> tuple["Drafter", ...]:
         """The drafters the engine asks in turn: a chain's members, else this drafter."""

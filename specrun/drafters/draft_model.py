@@ -278,16 +278,6 @@ class DraftModelDrafter(Drafter):
     def defers_prompt(self) -> bool:
         return self.learner is None  # what it skipped, _catch_up reads; a learner starts a text here
 
-    def behind(self, context_len: int) -> int:
-        """What ``_catch_up`` would read in a pass of its own before drafting from a context this
-        long: the target's cache holds the context less its last token between passes, so what
-        this cache shares of it is what a rewind keeps (a previous request's text, rejected
-        drafts and all beyond it are read again)."""
-        known = self.target.tokens if self.target is not None else ()
-        keep = min(common_prefix_len(self.sequence.tokens, known), context_len - 1)
-        pending = context_len - keep
-        return pending - 1 if pending > CATCH_UP_TOKENS else 0
-
     def prefill(self, context: Sequence[int]) -> None:
         """Read the prompt before generation starts (the engine times it as prefill, as it does
         the target's): all of it but the last token, which the first draft pass feeds. An

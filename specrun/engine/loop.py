@@ -310,7 +310,7 @@ class SpeculativeEngine:
                 forced = constrained.forced(draft_len) if constrained is not None and policy is not None else None
                 if measured:
                     policy.share(self.target.sharing, self.target.shared_tokens)  # as the last pass found it
-                    policy.at_context(context_len, remaining)
+                    policy.at_context(context_len)
                 plan = PLAIN if policy is None or forced is not None else policy.plan()
                 drafts = forced or self._draft(policy, plan, context, draft_len, params, rng)
                 allowed = None

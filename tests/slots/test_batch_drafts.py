@@ -214,25 +214,6 @@ class SlotFake(CostedFake):
 PROMPTS = [REPEATING_PROMPT, REPEATING_PROMPT[::-1] + [20, 21, 22], [7, 8, 9, 7, 8] * 3, REPEATING_PROMPT[3:]]
 
 
-def texts_on_a_slot(target, draft, clock, batch: BatchDrafts | None) -> tuple[list[int], list[int], list[list[int]]]:
-    """PROMPTS answered in turn by a slot's engine drafting with ``draft`` (each a server's next
-    request: ChatSession.new_text): drafted tokens by text, tokens the draft model read by text,
-    and every output."""
-    engine = SpeculativeEngine(target, build_drafter("draft", draft, DrafterOptions()), method="draft", clock=clock)
-    engine.policy.batch = batch
-    params = GenerationParams(40, draft_len=8, stop_at_eos=False, adaptive=True)
-    drafted, read, outputs = [], [], []
-    for prompt in PROMPTS:
-        engine.policy.forget_acceptance()
-        before = draft.forwarded_tokens
-        result = engine.run(prompt, params)
-        drafted.append(result.stats.drafted)
-        read.append(draft.forwarded_tokens - before)
-        outputs.append(result.token_ids)
-    engine.drafter.close()
-    return drafted, read, outputs
-
-
 def drafted_by_text(batch: BatchDrafts | None) -> tuple[list[int], list[int], list[list[int]]]:
     """A slot among 4 whose others draft 8 a step (9 tokens each in every pass, one each in every
     draft round), on a CPU where a pass costs 1 + 1 a token of the batch and a draft round 2, in
@@ -249,7 +230,19 @@ def drafted_by_text(batch: BatchDrafts | None) -> tuple[list[int], list[int], li
             batch.timed(False, [1, 1, 1, 1], 2.0)
     target = SlotFake(copying_logits(salt=4), clock, 1.0, 1.0, others=3, per_other=9, batch=batch, verifying=True)
     draft = SlotFake(noisy_copy(4), clock, 2.0, 0.0, others=3, per_other=1, batch=batch, verifying=False)
-    return texts_on_a_slot(target, draft, clock, batch)
+    engine = SpeculativeEngine(target, build_drafter("draft", draft, DrafterOptions()), method="draft", clock=clock)
+    engine.policy.batch = batch
+    params = GenerationParams(40, draft_len=8, stop_at_eos=False, adaptive=True)
+    drafted, read, outputs = [], [], []
+    for prompt in PROMPTS:
+        engine.policy.forget_acceptance()  # a server's next request (ChatSession.new_text)
+        before = draft.forwarded_tokens
+        result = engine.run(prompt, params)
+        drafted.append(result.stats.drafted)
+        read.append(draft.forwarded_tokens - before)
+        outputs.append(result.token_ids)
+    engine.drafter.close()
+    return drafted, read, outputs
 
 
 def test_a_slot_whose_batch_gains_nothing_by_drafting_drafts_nothing_where_alone_it_would():
@@ -264,57 +257,3 @@ def test_a_slot_whose_batch_gains_nothing_by_drafting_drafts_nothing_where_alone
     expected = [plain.run(prompt, GenerationParams(40, draft_len=0, stop_at_eos=False)).token_ids
                 for prompt in PROMPTS]
     assert alone_outputs == expected and batch_outputs == expected
-
-
-def test_a_length_pays_for_reading_the_slots_unread_text_out_of_their_tokens_left():
-    """Passes 10 + n over 2 sequences, rounds 1 a sequence, each draft right half the time:
-    drafting 1 yields 3 / 16 = 0.1875 a unit against plain's 2 / 12 = 0.167 (12.5% more). The
-    draft model read 200 tokens in 301 units beside a round over one other sequence (1): 1.5 a
-    token. 20 tokens unread and 100 left: 100 / (100 / 0.1875 + 30) = 0.178, 6.5% more: 1; 40
-    unread: 0.1685, 1.1% more, within MARGIN: 0; the same 40 over 1,000 left: 0.185: 1. Two slots'
-    posts add up."""
-    batch = timed_batch(10.0, 1.0, 0.0, 1.0)
-    batch.post(1, HALF_RIGHT, 40, 100)
-    assert batch.read_seconds() == 0.0 and batch.length(2, 8) == 1  # no read timed: not priced
-    batch.timed(False, [200, 1], 301.0)
-    assert batch.read_seconds() == pytest.approx(1.5)
-    for unread, left, length in ((20, 100, 1), (40, 100, 0), (40, 1000, 1), (0, 100, 1)):
-        batch.post(1, HALF_RIGHT, unread, left)
-        assert batch.length(2, 8) == length, (unread, left)
-    batch.post(1, HALF_RIGHT, 20, 50)
-    batch.post(2, HALF_RIGHT, 20, 50)
-    assert batch.length(2, 8) == 0
-
-
-def texts_on_a_drafting_batch(batch: BatchDrafts) -> tuple[list[int], list[int], list[list[int]]]:
-    """A slot among 4, on a machine whose passes cost by their weights (1 + 0.02 a token of the
-    batch, a draft pass 0.1 + 0.001 a token, a batch that decoded alike timed over passes of 4 to
-    36 tokens): drafting 4 right 70% of the time yields about 4 * 2.8 / (1.4 + 0.4) against plain's
-    4 / 1.08, so it drafts. Drafted tokens by text, tokens the draft model read by text, and every output."""
-    clock = CostClock()
-    for _ in range(4):
-        for t in range(1, 10):
-            batch.timed(True, [t] * 4, 1.0 + 0.08 * t)
-        batch.timed(False, [1, 1, 1, 1], 0.1)
-    target = SlotFake(copying_logits(salt=4), clock, 1.0, 0.02, others=3, per_other=1, batch=batch, verifying=True)
-    draft = SlotFake(noisy_copy(4), clock, 0.1, 0.001, others=3, per_other=1, batch=batch, verifying=False)
-    return texts_on_a_slot(target, draft, clock, batch)
-
-
-def test_a_batch_whose_reads_cost_more_than_its_drafts_save_reads_and_drafts_nothing():
-    """Engine level: the batch above drafts, its draft model reading each prompt when first asked
-    (timed: BatchDrafts.read_seconds). The same batch where reading has cost 3.3 a token (a
-    prompt of ~20 tokens 66, where plain decoding's 40 tokens cost ~11) drafts nothing and reads
-    no prompt: the slot posts its draft model's unread prompt and its tokens left. Every output
-    is plain decoding's."""
-    plain = SpeculativeEngine(FakeBackend(copying_logits(salt=4), COPYING_VOCAB))
-    expected = [plain.run(prompt, GenerationParams(40, draft_len=0, stop_at_eos=False)).token_ids
-                for prompt in PROMPTS]
-    cheap = BatchDrafts(CostClock())
-    drafted, read, outputs = texts_on_a_drafting_batch(cheap)
-    assert all(count > 20 for count in drafted) and outputs == expected
-    assert cheap.read_seconds() > 0.0  # the prompts' reads
-    dear = BatchDrafts(CostClock())
-    dear.timed(False, [300, 1, 1, 1], 1000.0)
-    drafted, read, outputs = texts_on_a_drafting_batch(dear)
-    assert drafted == [0, 0, 0, 0] and read == [0, 0, 0, 0] and outputs == expected
