@@ -5,8 +5,12 @@ room for ``n_slots`` sequences of ``slot_ctx`` tokens each. A batch carries ever
 tokens, each at its own sequence's positions, in one ``llama_decode``; the logits of the rows
 asked for come back contiguous in batch order and are split by slot.
 
-The KV cache is unified (one pool of cells, llama-server's default with several slots): a batch
-mixing a 1-token plain step with a 5-token verify pass runs as one graph. With ``exact`` (F32
+The KV cache is unified (one pool of cells; llama-server's with `-np auto`, where `-np N` gives
+each sequence a stream): a batch mixing a 1-token plain step with a 5-token verify pass runs as
+one graph, where streams split a batch into equal shares of consecutive sequences, a graph each.
+Measured on a server (bench-scale pair, Spec-Bench, session 58), streams ran plain batching
+0.91x at 2 slots and 0.65x at 4, speculation 0.93x and 0.83x: though one 2-sequence pass alone
+ran 6% faster on streams (52 against 56 ms; 68 against 70 at 4). With ``exact`` (F32
 cache, flash attention off: ``--exact``) each sequence gets a cache stream of its own instead, so
 a sequence's attention reads its cells at the positions they would hold alone and sums them in
 the same order: its logits are the ones it gets alone, bit for bit, whatever shares the batch
