@@ -23,6 +23,7 @@ included); where the batch's passes are not yet timed, each slot's own rule runs
 from __future__ import annotations
 
 import threading
+from collections import Counter
 from collections.abc import Callable, Sequence
 from time import perf_counter
 
@@ -56,6 +57,10 @@ class BatchDrafts:
         self._curves: dict[int, tuple[tuple[float, ...], float]] = {}  # slot -> (1 + E(k) by k, when posted)
         self.verify: dict[int, TargetCosts] = {}  # by sequences: the target's decoding passes by their tokens
         self.rounds = TargetCosts()  # the draft model's rounds by the sequences in them
+        # what it chose, for /metrics: how often each length, by the sequences decoding together;
+        # the latest choice's tokens a second over plain batching's, as the rates predicted them
+        self.chosen: Counter[tuple[int, int]] = Counter()
+        self.gain: dict[int, float] = {}
 
     def timed(self, verifying: bool, lengths: Sequence[int], seconds: float) -> None:
         """A batch of passes of these ``lengths`` (one a sequence) ran in ``seconds``: the
@@ -72,6 +77,12 @@ class BatchDrafts:
         """Slot ``slot``'s expected tokens a verify pass yields after a draft of k = 0, 1, ..."""
         with self._lock:
             self._curves[slot] = (tuple(expected), self.clock())
+
+    def choices(self) -> tuple[list[tuple[tuple[int, int], int]], list[tuple[int, float]]]:
+        """How often each length was chosen, by (sequences, length); the latest choice's predicted
+        gain over plain batching, by sequences (/metrics)."""
+        with self._lock:
+            return sorted(self.chosen.items()), sorted(self.gain.items())
 
     def drop(self, slot: int) -> None:
         with self._lock:
@@ -132,4 +143,8 @@ class BatchDrafts:
                 return None
             rates.append(sequences * curve[k] / (verify + k * round_seconds))
         best = max(range(limit + 1), key=lambda k: (rates[k], -k))
-        return best if rates[best] >= (1.0 + MARGIN) * rates[0] else 0
+        chosen = best if rates[best] >= (1.0 + MARGIN) * rates[0] else 0
+        with self._lock:
+            self.chosen[sequences, chosen] += 1
+            self.gain[sequences] = rates[chosen] / rates[0] if rates[0] > 0.0 else 1.0
+        return chosen

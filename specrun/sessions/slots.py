@@ -38,6 +38,7 @@ class SlotSessions:
 
     def __init__(self, session: ChatSession, n_slots: int, exact: bool) -> None:
         self.rendezvous = Rendezvous()
+        self.batch: BatchDrafts | None = None
         self.models = []
         self.sessions: list[ChatSession] = []
         try:
@@ -47,7 +48,7 @@ class SlotSessions:
                 target = Slot(target_slots, seq, self.rendezvous, session.target, "target")
                 draft = Slot(draft_slots, seq, self.rendezvous, session.draft, "draft") if draft_slots else None
                 self.sessions.append(session.on_slot(target, draft))
-            batch = BatchDrafts()  # one draft model's length for every slot's policy
+            batch = self.batch = BatchDrafts()  # one draft model's length for every slot's policy
             self.rendezvous.observer = lambda label, lengths, seconds: batch.timed(label == VERIFIER, lengths, seconds)
             for each in self.sessions:
                 each.engine.policy.batch = batch

@@ -56,6 +56,8 @@ def test_a_worked_batch_drafts_the_length_that_yields_most_tokens_a_second():
     batch.post(1, HALF_RIGHT)
     assert batch.length(2, 8) == 1
     assert batch.length(2, 8) == 1 and batch.length(2, 0) is None
+    chosen, gains = batch.choices()  # for /metrics: each choice counted, the latest's predicted gain
+    assert chosen == [((2, 1), 2)] and gains == [(2, pytest.approx(0.1875 / (2 / 12)))]
 
 
 def test_a_compute_bound_batch_of_four_goes_plain_where_a_memory_bound_one_drafts():
@@ -67,6 +69,7 @@ def test_a_compute_bound_batch_of_four_goes_plain_where_a_memory_bound_one_draft
     compute_bound.post(1, MOSTLY_RIGHT)
     assert compute_bound.round_seconds(4) == pytest.approx(0.031)
     assert compute_bound.length(4, 8) == 0
+    assert compute_bound.choices() == ([((4, 0), 1)], [(4, 1.0)])
     memory_bound = timed_batch(0.040, 0.0005, 0.008, 0.0001)
     memory_bound.post(1, MOSTLY_RIGHT)
     assert memory_bound.length(4, 8) >= 4
