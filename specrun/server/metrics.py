@@ -56,10 +56,11 @@ def render(worker) -> str:
     batch = worker.slots.batch if worker.slots is not None else None
     chosen, gains = batch.choices() if batch is not None else ([], [])
     _family(lines, "specrun_batch_draft_lengths_total", "counter",
-            "Draft lengths the slots' draft model was given, by the slots decoding together (0: plain batching).",
+            "Draft lengths the slots' batch chose, once a slot a step it was asked, by the slots decoding together "
+            "(0: plain batching).",
             [({"sequences": m, "length": k}, count) for (m, k), count in chosen])
     _family(lines, "specrun_batch_draft_gain", "gauge",
-            "The latest length's tokens a second over plain batching's as its measured costs predicted them, "
-            "by the slots decoding together (1: plain).",
+            "The latest choice's tokens a second over plain batching's as its measured costs predicted them, "
+            "by the slots decoding together, kept until that many decode together again (1: plain).",
             [({"sequences": m}, gain) for m, gain in gains])
     return "\n".join(lines) + "\n"

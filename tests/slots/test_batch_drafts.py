@@ -102,6 +102,7 @@ def test_a_length_within_the_margin_of_plain_batching_leaves_the_batch_plain():
         batch = timed_batch(10.0, 1.0, round_seconds, 0.0)
         batch.post(1, expected_tokens([1.0] + [0.6] * 8, 8))
         assert batch.length(2, 1) == length, round_seconds
+    assert batch.choices() == ([((2, 0), 1)], [(2, 1.0)])  # what was chosen, not the best rate
 
 
 def test_a_round_never_timed_over_the_batch_scales_as_the_target_s_passes_do():
