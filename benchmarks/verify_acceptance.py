@@ -14,6 +14,9 @@ Carlo estimate for siblings drawn without replacement.
     .venv/bin/python benchmarks/verify_acceptance.py                                   # fake pair
     .venv/bin/python benchmarks/verify_acceptance.py --target demo-target-xl --draft demo-draft
     .venv/bin/python benchmarks/verify_acceptance.py --target smollm2-135m-f16 --draft smollm2-135m
+
+With ``--spec-bench PATH --per-category N`` the prompts are N Spec-Bench questions a category,
+and a second table gives the same-passes figures by category (issue 54: block never lower in any).
 """
 
 from __future__ import annotations
@@ -128,6 +131,9 @@ def main() -> None:
     parser.add_argument("-n", type=int, default=64)
     parser.add_argument("--prompts", type=int, default=21)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--spec-bench", type=Path, default=None, help="Spec-Bench's question.jsonl: its prompts")
+    parser.add_argument("--per-category", type=int, default=1, help="with --spec-bench: questions a category")
+    parser.add_argument("--no-siblings", action="store_true", help="leave out the siblings' table (slow)")
     args = parser.parse_args()
 
     if args.target:
@@ -138,17 +144,26 @@ def main() -> None:
     else:
         target, draft = fake_pair()
         label = "fake pair (64 tokens)"
-    prompts = BUILTIN_SUITE[: args.prompts]
+    if args.spec_bench is not None:
+        from _llama_tools import spec_bench
+
+        prompts = spec_bench(args.spec_bench, args.per_category)
+        named = f"{len(prompts)} Spec-Bench prompts"
+    else:
+        prompts = BUILTIN_SUITE[: args.prompts]
+        named = f"{len(prompts)} built-in prompts"
     rng = np.random.default_rng(0)
-    print(f"{label}, {len(prompts)} built-in prompts, {args.n} tokens, -k {args.k}")
+    print(f"{label}, {named}, {args.n} tokens, -k {args.k}")
     print("| method | T | live tokens/pass block | token | same passes: drafts kept block | token | gain | passes |")
     print("|---|---|---|---|---|---|---|---|")
     sibling_rows = []
+    by_category: list[tuple[str, float, str, list[float], list[float]]] = []  # method, T, category, block, token
     for method in args.methods.split(","):
         drafter = build_drafter(method, draft if needs_draft_model(method) else None, DrafterOptions())
         engine = SpeculativeEngine(target, drafter, method=method)
         for temperature in (float(t) for t in args.temperatures.split(",")):
             live = {rule: [0, 0] for rule in RULES}
+            categories: list[str] = []  # of each recorded pass
             with Recorder() as recorder:
                 for index, prompt in enumerate(prompts):
                     ids = target.tokenize(prompt.text, add_bos=target.vocab.add_bos) if args.target \
@@ -160,16 +175,29 @@ def main() -> None:
                         drafting = [counts for source, counts in result.stats.by_source.items() if counts.drafted]
                         live[rule][0] += sum(counts.steps + counts.accepted for counts in drafting)
                         live[rule][1] += sum(counts.steps for counts in drafting)
+                    categories += [prompt.category] * (len(recorder.passes) - len(categories))
             block = [block_expected(*each) for each in recorder.passes]
             token = [token_expected(*each) for each in recorder.passes]
             gain = (sum(block) - sum(token)) / sum(token) if sum(token) else 0.0
             per_pass = {rule: live[rule][0] / max(live[rule][1], 1) for rule in RULES}
             print(f"| {method} | {temperature} | {per_pass['block']:.3f} | {per_pass['token']:.3f} | "
                   f"{np.mean(block):.3f} | {np.mean(token):.3f} | {gain:+.1%} | {len(block)} |")
+            for category in dict.fromkeys(categories):
+                mine = [i for i, each in enumerate(categories) if each == category]
+                by_category.append((method, temperature, category, [block[i] for i in mine], [token[i] for i in mine]))
             if needs_draft_model(method):
                 sibling_rows += [(each[1][0], each[2][0], temperature) for each in recorder.passes]
         drafter.close()
-    if sibling_rows:
+    if len({row[2] for row in by_category}) > 1:
+        print()
+        print("By category, same passes: drafts kept a pass")
+        print("| method | T | category | block | token | gain | passes |")
+        print("|---|---|---|---|---|---|---|")
+        for method, temperature, category, block, token in by_category:
+            gain = (sum(block) - sum(token)) / sum(token) if sum(token) else 0.0
+            print(f"| {method} | {temperature} | {category} | {np.mean(block):.3f} | {np.mean(token):.3f} | "
+                  f"{gain:+.1%} | {len(block)} |")
+    if sibling_rows and not args.no_siblings:
         print()
         print("Independent siblings at the first drafted position: the chance one of k is accepted")
         print("| T | k | k-sequential | multi-round rejection | without replacement, multi-round | rows |")
