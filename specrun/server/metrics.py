@@ -2,7 +2,18 @@
 
 from __future__ import annotations
 
+import math
+
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+def sample_value(value: float) -> str:
+    """A sample's value as Prometheus reads it back exactly: a whole number as one (a counter past a
+    million written "1.23457e+06" lost its last digits, and rate() over it jumped), else every digit."""
+    value = float(value)
+    if math.isnan(value) or math.isinf(value):
+        return "NaN" if math.isnan(value) else ("+Inf" if value > 0 else "-Inf")
+    return str(int(value)) if value.is_integer() and abs(value) < 2**53 else repr(value)
 
 
 def _family(lines: list[str], name: str, kind: str, help_text: str, samples) -> None:
@@ -11,7 +22,7 @@ def _family(lines: list[str], name: str, kind: str, help_text: str, samples) -> 
     lines.append(f"# TYPE {name} {kind}")
     for labels, value in samples:
         shown = "{" + ",".join(f'{key}="{val}"' for key, val in labels.items()) + "}" if labels else ""
-        lines.append(f"{name}{shown} {float(value):.6g}")
+        lines.append(f"{name}{shown} {sample_value(value)}")
 
 
 def render(worker) -> str:
@@ -33,10 +44,10 @@ def render(worker) -> str:
     _family(lines, "specrun_accepted_tokens_total", "counter", "Draft tokens accepted.", [({}, metrics.accepted)])
     _family(lines, "specrun_time_to_first_token_seconds", "summary", "From a request queued to its first text.",
             [])
-    lines.append(f"specrun_time_to_first_token_seconds_sum {metrics.first_token_seconds:.6g}")
+    lines.append(f"specrun_time_to_first_token_seconds_sum {sample_value(metrics.first_token_seconds)}")
     lines.append(f"specrun_time_to_first_token_seconds_count {metrics.first_tokens}")
     _family(lines, "specrun_request_seconds", "summary", "From a request queued to its answer's end.", [])
-    lines.append(f"specrun_request_seconds_sum {metrics.answer_seconds:.6g}")
+    lines.append(f"specrun_request_seconds_sum {sample_value(metrics.answer_seconds)}")
     lines.append(f"specrun_request_seconds_count {metrics.answers}")
     _family(lines, "specrun_queued_requests", "gauge", "Requests waiting for a slot.", [({}, worker.jobs.qsize())])
     _family(lines, "specrun_active_requests", "gauge", "Requests being answered.", [({}, len(worker.active))])
