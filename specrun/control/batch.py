@@ -59,8 +59,8 @@ class BatchDrafts:
         self.rounds = TargetCosts()  # the draft model's rounds by the sequences in them
         # what it chose, for /metrics: how often each length, by the sequences decoding together;
         # the latest choice's tokens a second over plain batching's, as the rates predicted them
-        self.chosen: Counter[tuple[int, int]] = Counter()
-        self.gain: dict[int, float] = {}
+        self._chosen: Counter[tuple[int, int]] = Counter()
+        self._gain: dict[int, float] = {}
 
     def timed(self, verifying: bool, lengths: Sequence[int], seconds: float) -> None:
         """A batch of passes of these ``lengths`` (one a sequence) ran in ``seconds``: the
@@ -82,7 +82,7 @@ class BatchDrafts:
         """How often each length was chosen, by (sequences, length); the latest choice's predicted
         gain over plain batching, by sequences (/metrics)."""
         with self._lock:
-            return sorted(self.chosen.items()), sorted(self.gain.items())
+            return sorted(self._chosen.items()), sorted(self._gain.items())
 
     def drop(self, slot: int) -> None:
         with self._lock:
@@ -145,6 +145,6 @@ class BatchDrafts:
         best = max(range(limit + 1), key=lambda k: (rates[k], -k))
         chosen = best if rates[best] >= (1.0 + MARGIN) * rates[0] else 0
         with self._lock:
-            self.chosen[sequences, chosen] += 1
-            self.gain[sequences] = rates[chosen] / rates[0] if rates[0] > 0.0 else 1.0
+            self._chosen[sequences, chosen] += 1
+            self._gain[sequences] = rates[chosen] / rates[0]  # rates[0] > 0: its pass was timed above 0
         return chosen
