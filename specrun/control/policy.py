@@ -474,8 +474,8 @@ class AdaptivePolicy:
                 forced[node] = True
         values, fixed = None, 0.0
         if self.adaptive:
-            part_values = [node_values(part.tree, self._controller_for(part.source, kind=part.kind).acceptances(
-                self.max_draft_len), self._branch_rates(part.source)) for part in parts]
+            part_values = [node_values(part.tree, self._acceptances(self._controller_for(part.source, kind=part.kind)),
+                                       self._branch_rates(part.source)) for part in parts]
             values = merged_values(merged, part_values)
             fixed = self.target_costs.switch_charge
             for part in parts:
@@ -498,13 +498,19 @@ class AdaptivePolicy:
         it (control/trees.py); a chain where trees are off."""
         if proposal.is_chain or not self.max_nodes:
             return proposal.main_chain.prefix(chain_len)
-        values = node_values(proposal.tree, controller.acceptances(self.max_draft_len), self._branch_rates(proposal.source))
+        values = node_values(proposal.tree, self._acceptances(controller), self._branch_rates(proposal.source))
         drafting = 0.0
         if proposal.source in self.paid:  # spent whatever is verified: it dilutes the pass's cost
             drafting = controller.draft_costs.table(chain_len)[chain_len] or 0.0
         costs = self.target_costs.table(self.max_nodes + 1)
         fixed = self.target_costs.switch_charge + drafting
         return shape_tree(proposal, chain_len, values, costs, fixed, self.max_nodes, self.max_paths)
+
+    @staticmethod
+    def _acceptances(controller: DraftLengthController) -> list[float]:
+        """A controller's acceptance by depth, as deep as it plans (a drafter's own depth where
+        that is less than the run's: ``_longest``)."""
+        return controller.acceptances(controller.max_draft_len)
 
     def _branch_rates(self, source: str) -> BranchRates:
         return self.branch_rates.setdefault(source, BranchRates())
@@ -660,20 +666,29 @@ class AdaptivePolicy:
         sunk before its proposal is cut (a cheap drafter)?"""
         return source in self.paid
 
+    def _longest(self, member: Drafter | None) -> int:
+        """The longest draft a source's controller plans: the run's, or the drafter's own depth where
+        that is less (heads: a head a depth). Planned to the run's 16, a controller weighed depths its
+        drafter never reaches at the acceptance it presumes there, inherited from the positions it
+        had drafted, and its gate kept drafting on the strength of drafts no step could make."""
+        bound = member.most_tokens if member is not None else None
+        return self.max_draft_len if bound is None else min(self.max_draft_len, bound)
+
     def _controller_for(self, source: str, fixed: bool = False, kind: str = "") -> DraftLengthController:
         """The controller of a source's proposals of one kind (Proposal.kind), made on first use."""
         key = f"{source}:{kind}" if kind else source
         controller = self.controllers.get(key)
-        if controller is None or (controller.max_draft_len, controller.fixed) != (self.max_draft_len, fixed):
+        member = self._member(source)
+        longest = self._longest(member)
+        if controller is None or (controller.max_draft_len, controller.fixed) != (longest, fixed):
             if controller is not None:  # other settings: what it saw stays counted
                 self.memory.keep_seen(key, controller)
                 del self.controllers[key]
             paid = self._counts_draft_time(source)
-            member = self._member(source)
             # the drafter's priors by kind, else measured ones (PolicyMemory.prior)
             prior, measured, curve = self.memory.prior(source, kind, member.kind_priors if member is not None else {})
             controller = DraftLengthController(
-                max_draft_len=self.max_draft_len,
+                max_draft_len=longest,
                 fixed=fixed,
                 target_costs=self.target_costs,
                 draft_costs=self.memory.draft_costs_of(source),

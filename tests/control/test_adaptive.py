@@ -1128,3 +1128,53 @@ def test_one_slow_first_step_does_not_end_speculating_that_pays():
     for _ in range(2 * SpeculationGate.MIN_STEPS):
         gate.record(tokens=3, seconds=1.5, engaged=True, plain_pass=1.0)  # twice plain's rate
         assert gate.speculating  # never off, not even for a while
+
+
+# ---- a drafter's own depth ----------------------------------------------------------------
+def _bounded_draft_policy(depth: int | None):
+    """A policy over a paid drafter that drafts at most ``depth`` tokens (heads: a head a depth),
+    planned to 16, whose every call costs 3 s besides 0.05 s a token, right 95% of the time
+    (measured), beside a target whose passes cost 1 s and 0.02 s a token more."""
+    from specrun.control.policy import AdaptivePolicy
+
+    table = hashed_logits(VOCAB, salt=5)
+    drafter = DraftModelDrafter(FakeBackend(table, VOCAB))
+    drafter.most_tokens = depth
+    policy = AdaptivePolicy(SimClock())
+    policy.set_drafter(drafter)
+    policy.configure(max_draft_len=16, adaptive=True)
+    policy.use_tuned({n: 1.0 + 0.02 * (n - 1) for n in range(1, 18)},
+                     {drafter.name: {k: 3.0 + 0.05 * k for k in (1, 2, 3)}}, prior_accepts={drafter.name: 0.95})
+    policy.start_text(10)
+    return policy, drafter
+
+
+def test_a_drafter_s_controller_plans_no_deeper_than_the_drafter_drafts():
+    """Heads draft at most their depth (Drafter.most_tokens) whatever the run asks. Planned to 16,
+    the controller weighed depths 4-16 at the acceptance it presumed there: here 16 tokens at 95%
+    would pay the 3 s a call (11.6 tokens for 4.1 s of passes and drafting against 1 s a plain token),
+    3 cannot (3.7 tokens for 4.2 s), so drafting went on where every step lost to plain decoding."""
+    policy, drafter = _bounded_draft_policy(3)
+    controller = policy._controller_for(drafter.name)
+    assert controller.max_draft_len == 3
+    assert not controller.speculating
+    assert policy.budget(drafter, 16) == 0
+    unbounded, drafter = _bounded_draft_policy(None)  # a draft model goes as deep as asked: 16 is its to weigh
+    assert unbounded._controller_for(drafter.name).max_draft_len == 16
+    assert unbounded._controller_for(drafter.name).speculating
+
+
+def test_a_bounded_drafter_s_length_never_passes_its_depth():
+    """Where drafting pays, the length a bounded drafter is asked for stays within its depth, and
+    a run that asks for less than the depth keeps its own bound."""
+    policy, drafter = _bounded_draft_policy(3)
+    policy.use_tuned({n: 1.0 + 0.02 * (n - 1) for n in range(1, 18)},
+                     {drafter.name: {k: 0.05 * k for k in (1, 2, 3)}}, prior_accepts={drafter.name: 0.95})
+    policy.start_text(10)
+    controller = policy._controller_for(drafter.name)
+    for _ in range(8):  # every token it drafts is right: the evidence would carry a longer draft
+        controller.observe(3, 3, 0.15, 1.06)
+        assert 0 < policy.budget(drafter, 16) <= 3
+    policy.configure(max_draft_len=2, adaptive=True)
+    assert policy._controller_for(drafter.name).max_draft_len == 2
+    assert 0 < policy.budget(drafter, 2) <= 2

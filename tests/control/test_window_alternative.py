@@ -233,6 +233,7 @@ def test_a_paid_member_before_the_draft_model_is_weighed_unless_it_is_an_alterna
         kind_priors = {}
         alternative_to = None
         alike_below = 0
+        most_tokens = None
 
         def __init__(self, name, alternative_to=None):
             self.name, self.alternative_to = name, alternative_to
