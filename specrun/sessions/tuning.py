@@ -5,8 +5,9 @@ per prompt); a second round tries confidence stops (drafting ends before a token
 draft is less sure of than a threshold) at the best length and at the longest, again
 side by side with plain decoding. It records the tokens/s of each, the target's verify
 cost T(n), the draft model's drafting cost per length, its overall acceptance and how
-often its first token is accepted, and how often each draft position is (given the ones
-before it were). The result is saved in the user config, keyed by the two model files and
+often its first token is accepted, how often each draft position is (given the ones
+before it were), and what a token of context adds to the target's passes and to the draft
+model's steps, timed after several contexts (``time_context_costs``). The result is saved in the user config, keyed by the two model files and
 this machine; a later ``--method draft`` run uses the best draft length when none is given
 (a chain keeps its own), and controllers (``--method auto``, a fixed chain's gate) start
 from the measured target and draft costs instead of exploring them, and from the measured
@@ -285,6 +286,7 @@ def calibrate(
         best_min_prob = 0.0
         speedup = 1.0
     costs = _verify_costs(target, prompts[0])
+    context = _context_costs(target, draft, best_k or max(DRAFT_LENGTHS) // 2)
     drafting = [stats for name, stats in totals.items() if lengths[name][0]]
     accepted = sum(stats.accepted for stats in drafting)
     drafted = sum(stats.drafted for stats in drafting)
@@ -302,7 +304,21 @@ def calibrate(
         draft_costs={lengths[name][0]: cost for name, stats in totals.items() if (cost := _draft_cost(stats))},
         first_acceptance=_first_acceptance(drafting),
         acceptance_by_position=_acceptance_by_position(drafting),
+        costs_context=len(prompts[0]),
+        target_per_context=context.target_per_context if context is not None else 0.0,
+        draft_per_context=context.draft_per_context if context is not None else 0.0,
     )
+
+
+def _context_costs(target: Backend, draft: Backend, draft_len: int) -> ContextCosts | None:
+    """The pair's passes timed at the CONTEXT_DEPTHS its contexts hold (None where fewer than two
+    fit), over a long document asked about as a user would (window_tuning.long_prompt)."""
+    from specrun.sessions.window_tuning import long_prompt
+
+    depths = context_depths(min(target.n_ctx, draft.n_ctx), draft_len + 2)
+    if not depths:
+        return None
+    return time_context_costs(target, draft, long_prompt(target, max(depths)), draft_len, depths)
 
 
 def _drafting_steps(stats: Stats) -> int:
@@ -378,25 +394,119 @@ def _verify_costs(target: Backend, prompt: list[int], repeats: int = 7) -> dict[
 def time_passes(target: Backend, prompt: list[int], counts, repeats: int = 7) -> dict[int, float]:
     """Median seconds of a target pass over n tokens after ``prompt``, for each n of ``counts``
     (the prompt's tokens again, as many as needed: what a pass costs does not depend on them)."""
-    from time import perf_counter
-
     from specrun.backends.kv import sequence_for
 
     sequence = sequence_for(target)
     sequence.reset()
     sequence.feed(prompt)
-    costs = {}
-    for n in counts:
-        tokens = (prompt * (n // max(len(prompt), 1) + 1))[:n]
-        samples = []
-        for _ in range(repeats):
-            started = perf_counter()
-            sequence.feed_argmax(tokens, range(n))
-            samples.append(perf_counter() - started)
-            sequence.rewind(len(prompt))
-        costs[n] = statistics.median(samples)
+    costs = {n: _timed_pass(sequence, prompt, n, repeats) for n in counts}
     sequence.reset()
     return costs
+
+
+def _timed_pass(sequence, context: list[int], n: int, repeats: int, clock=None) -> float:
+    """Median seconds of a pass over n tokens after the ``context`` the sequence holds, each
+    rewound (the context's tokens again, as many as needed: what a pass costs does not depend on them)."""
+    from time import perf_counter
+
+    clock = clock or perf_counter
+    tokens = (context * (n // max(len(context), 1) + 1))[:n]
+    samples = []
+    for _ in range(repeats):
+        started = clock()
+        sequence.feed_argmax(tokens, range(n))
+        samples.append(clock() - started)
+        sequence.rewind(len(context))
+    return statistics.median(samples)
+
+
+def _timed_draft(sequence, context: list[int], k: int, repeats: int, clock=None) -> float:
+    """Median seconds of drafting ``k`` tokens after the ``context`` the sequence holds: k passes
+    of one token, as a draft model drafts greedily, each draft rewound."""
+    from time import perf_counter
+
+    clock = clock or perf_counter
+    samples = []
+    for _ in range(repeats):
+        started = clock()
+        for i in range(k):
+            sequence.feed_argmax([context[i % len(context)]], [0])
+        samples.append(clock() - started)
+        sequence.rewind(len(context))
+    return statistics.median(samples)
+
+
+# Contexts (tokens) tune times passes after, as the context allows: what a token of context adds
+# to a pass of the target's and to a draft model's step, fitted through them (control/costs.py
+# ContextSlope). Left to the runs, the slope came only from prompts of different lengths, and a
+# first long run weighed drafting at the short contexts' costs (at 4k tokens a 9-token pass of
+# the bench-scale target cost 5.5 plain ones, 2.2 at 1k: docs/perf.md 3(s)).
+CONTEXT_DEPTHS = (256, 1024, 2048)
+CONTEXT_REPEATS = 5
+
+
+@dataclass(frozen=True)
+class ContextCosts:
+    """Passes timed at several contexts (``time_context_costs``): by context, the target's plain
+    pass and its pass over ``draft_len`` + 1 tokens, the draft model's ``draft_len`` tokens drafted;
+    the seconds a token of context adds to each, fitted through them."""
+
+    draft_len: int
+    target: dict[int, dict[int, float]]  # context -> tokens fed -> seconds
+    draft: dict[int, float]  # context -> seconds to draft draft_len tokens
+    target_per_context: float
+    draft_per_context: float
+
+
+def context_depths(n_ctx: int, room: int) -> tuple[int, ...]:
+    """The CONTEXT_DEPTHS a context of ``n_ctx`` tokens holds with ``room`` tokens after them, and
+    the context itself less that room where it falls short of the deepest but lies far enough past
+    the last to move a slope (twice ContextSlope.MIN_SPREAD): () where fewer than two fit, as no
+    slope is fitted through one."""
+    from specrun.control.costs import ContextSlope
+
+    top = n_ctx - room
+    depths = [depth for depth in CONTEXT_DEPTHS if depth <= top]
+    if depths and top < CONTEXT_DEPTHS[-1] and top - depths[-1] >= 2 * ContextSlope.MIN_SPREAD:
+        depths.append(top)
+    return tuple(depths) if len(depths) >= 2 else ()
+
+
+def time_context_costs(target: Backend, draft: Backend, document: list[int], draft_len: int,
+                       depths: tuple[int, ...], repeats: int = CONTEXT_REPEATS, clock=None) -> ContextCosts | None:
+    """Time the target's passes (1 and ``draft_len`` + 1 tokens) and the draft model's drafting of
+    ``draft_len`` tokens after each context of ``depths`` tokens of ``document`` (read once,
+    deepest last), and fit what a token of context adds to each (ContextSlope, as runs fit it:
+    a draft model's slope is its step's at this length, the length runs draft most). None where
+    the document is shorter than the deepest context or fewer than two contexts are given."""
+    from specrun.backends.kv import sequence_for
+    from specrun.control.costs import ContextSlope
+
+    if len(depths) < 2 or len(document) < max(depths):
+        return None
+    target_slope, draft_slope = ContextSlope(), ContextSlope()
+    target_costs: dict[int, dict[int, float]] = {}
+    draft_costs: dict[int, float] = {}
+    sequences = [sequence_for(target), sequence_for(draft)]
+    for sequence in sequences:
+        sequence.reset()
+    try:
+        read = 0
+        for depth in sorted(depths):
+            for sequence in sequences:
+                sequence.feed(document[read:depth])
+            read = depth
+            context = document[:depth]
+            passes = {n: _timed_pass(sequences[0], context, n, repeats, clock) for n in (1, draft_len + 1)}
+            target_costs[depth] = passes
+            draft_costs[depth] = _timed_draft(sequences[1], context, draft_len, repeats, clock)
+            for n, seconds in passes.items():
+                target_slope.observe(n, depth, seconds)
+            draft_slope.observe(draft_len, depth, draft_costs[depth])
+    finally:
+        for sequence in sequences:
+            sequence.reset()
+    return ContextCosts(draft_len, target_costs, draft_costs, target_slope.per_token, draft_slope.per_token)
 
 
 def save(result: TuneResult, path: Path | None = None) -> Path:

@@ -46,6 +46,11 @@ def test_tune_saves_and_generate_uses_the_best_settings(config_home, tiny_llama)
     costs = {int(k): seconds for k, seconds in entry["draft_costs"].items()}
     assert set(costs) == {1, 2, 3, 4, 6, 8} and all(seconds > 0 for seconds in costs.values())
     assert costs[8] > costs[1]
+    # …and what a token of context adds to a pass and to a draft step, timed after several contexts
+    # (the tiny model's passes barely grow: a slope of 0 is a measurement too), from the context the
+    # costs above were timed at
+    assert entry["costs_context"] > 0
+    assert entry["target_per_context"] >= 0.0 and entry["draft_per_context"] >= 0.0
 
     shown = runner.invoke(app, ["tune", "--show"])
     assert shown.exit_code == 0
@@ -156,6 +161,13 @@ def test_calibration_picks_the_fastest_length_then_the_fastest_stop(monkeypatch,
 
     monkeypatch.setattr(tuning, "_interleaved", measured)
     monkeypatch.setattr(tuning, "_verify_costs", lambda target, prompt: {1: 0.001})
+    asked = []
+
+    def context_costs(target, draft, draft_len):
+        asked.append(draft_len)
+        return tuning.ContextCosts(draft_len, {}, {}, 2e-6, 5e-6)
+
+    monkeypatch.setattr(tuning, "_context_costs", context_costs)
     path = str(tiny_llama.gguf_path)
     target, draft = open_pair(path, path, LoadOptions(threads=1))
     result = tuning.calibrate(target, draft, [[1, 2, 3]], 8, "key")
@@ -163,6 +175,9 @@ def test_calibration_picks_the_fastest_length_then_the_fastest_stop(monkeypatch,
     draft.close()
     assert seen[2]["draft k=8 p>=0.5"] == (8, 0.5) and seen[2]["draft k=2"] == (2, 0.0)
     assert (result.best_draft_len, result.best_min_prob) == (8, 0.5)
+    # the context's costs timed at the length chosen, from the context the target's were timed at
+    assert asked == [8]
+    assert (result.costs_context, result.target_per_context, result.draft_per_context) == (3, 2e-6, 5e-6)
     assert result.speedup == pytest.approx(150.0 / 95.0)  # against round 2's own plain decoding
     assert result.tokens_per_second["none (round 2)"] == 95.0
     assert result.acceptance == pytest.approx((0 + 1 + 2 + 3 + 5 + 7) / (1 + 2 + 3 + 4 + 6 + 8))
@@ -429,3 +444,63 @@ def test_bench_s_draft_lines_read_through_the_window_tune_kept_unless_untuned(ti
     assert note in " ".join(windowed.stderr.split())
     full = CliRunner().invoke(app, [*bench, "--untuned"])
     assert full.exit_code == 0 and note not in " ".join(full.stderr.split())
+
+
+# ---- costs at several contexts --------------------------------------------------------
+class ContextCostedFake:
+    """A fake whose pass costs 10 ms, 1 ms a token fed and ``per_cell`` a token its cache holds
+    (reading the KV cache), on a simulated clock."""
+
+    @staticmethod
+    def make(clock, per_cell: float, n_ctx: int = 4096):
+        from fake_models import VOCAB, hashed_logits
+        from specrun.backends.fake import FakeBackend
+
+        class Costed(FakeBackend):
+            def forward(self, tokens, logit_rows):
+                clock.now += 0.010 + 0.001 * len(tokens) + per_cell * (self.n_past + len(tokens))
+                return super().forward(tokens, logit_rows)
+
+        return Costed(hashed_logits(VOCAB, salt=3), VOCAB, n_ctx=n_ctx)
+
+
+def test_tune_fits_what_a_token_of_context_adds_to_a_pass_and_to_a_draft_step():
+    """Timed after 256, 1,024 and 2,048 tokens: a target pass whose every cached token costs 10 us
+    grows 10 us a token of context, whatever its length; drafting 4 tokens, 4 passes, grows 4 times
+    what the draft model's own pass does. Each length's timings are kept by context."""
+    from fake_models import SimClock
+    from specrun.sessions import tuning
+
+    clock = SimClock()
+    target, draft = ContextCostedFake.make(clock, 1e-5), ContextCostedFake.make(clock, 2e-6)
+    document = list(range(1, 3000))
+    costs = tuning.time_context_costs(target, draft, document, 4, (256, 1024, 2048), repeats=3, clock=clock)
+    assert costs.target_per_context == pytest.approx(1e-5)
+    assert costs.draft_per_context == pytest.approx(4 * 2e-6)
+    assert set(costs.target) == set(costs.draft) == {256, 1024, 2048}
+    assert costs.target[1024][5] == pytest.approx(0.010 + 0.005 + 1e-5 * (1024 + 5))
+    assert costs.draft[256] == pytest.approx(sum(0.011 + 2e-6 * (256 + i) for i in range(1, 5)))
+    assert target.n_past == draft.n_past == 0  # both left empty
+
+
+@pytest.mark.parametrize("n_ctx, depths", [
+    (8192, (256, 1024, 2048)), (2048, (256, 1024, 2038)), (1100, (256, 1024)), (600, (256, 590)), (512, ()),
+    (300, ()),
+])
+def test_tune_times_the_contexts_the_pair_s_context_holds(n_ctx, depths):
+    """With room for a draft after the deepest (here 10 tokens); the context itself where it lies
+    256 tokens past the last (two contexts 246 apart spread too little to fit a slope); no slope
+    through one context."""
+    from specrun.sessions import tuning
+
+    assert tuning.context_depths(n_ctx, 10) == depths
+
+
+def test_no_slope_where_the_document_is_shorter_than_the_deepest_context():
+    from fake_models import SimClock
+    from specrun.sessions import tuning
+
+    clock = SimClock()
+    pair = ContextCostedFake.make(clock, 1e-5), ContextCostedFake.make(clock, 1e-5)
+    assert tuning.time_context_costs(*pair, list(range(1, 500)), 4, (256, 1024), clock=clock) is None
+    assert tuning.time_context_costs(*pair, list(range(1, 500)), 4, (256,), clock=clock) is None
