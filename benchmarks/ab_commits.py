@@ -73,6 +73,8 @@ print("ready", flush=True)
 for line in sys.stdin:
     text, method = json.loads(line)
     engine = engines[method]
+    if needs_heads(method):  # the engines share the target, which tracks the last bound heads' layers
+        engine.drafter.bind(engine.target, engine.clock)
     forget = getattr(engine, "policy", engine).forget_acceptance
     forget()
     ids = target.tokenize(text, add_bos=target.vocab.add_bos)
