@@ -103,7 +103,7 @@ def write_atomically(
     temporary: Path | None = None
     try:
         _make_folder(path, what, instead, error)
-        handle, temporary = _create_beside(path)
+        handle, temporary = create_beside(path)
         with os.fdopen(handle, "wb") as stream:
             stream.write(payload)
             stream.flush()
@@ -112,7 +112,7 @@ def write_atomically(
             os.chmod(temporary, stat.S_IMODE(path.stat().st_mode))
         os.replace(temporary, path)
     except OSError as exc:
-        raise _write_error(path, what, instead, error, exc) from exc
+        raise write_error(path, what, instead, error, exc) from exc
     finally:
         if temporary is not None and temporary.exists():
             temporary.unlink(missing_ok=True)
@@ -129,11 +129,11 @@ def check_writable_folder(
         raise error(f"the {what} {path} is a folder", f"name a file, or {instead}")
     try:
         _make_folder(path, what, instead, error)
-        handle, temporary = _create_beside(path)
+        handle, temporary = create_beside(path)
         os.close(handle)
         temporary.unlink()
     except OSError as exc:
-        raise _write_error(path, what, instead, error, exc) from exc
+        raise write_error(path, what, instead, error, exc) from exc
 
 
 def _through_symlink(path: Path) -> Path:
@@ -151,7 +151,7 @@ def _make_folder(path: Path, what: str, instead: str, error: type[SpecrunError])
     path.parent.mkdir(parents=True, exist_ok=True)
 
 
-def _create_beside(path: Path) -> tuple[int, Path]:
+def create_beside(path: Path) -> tuple[int, Path]:
     """A new, empty file in ``path``'s folder (mode 0666 less the umask, as open() would give)."""
     while True:
         temporary = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
@@ -161,7 +161,7 @@ def _create_beside(path: Path) -> tuple[int, Path]:
             continue
 
 
-def _write_error(path: Path, what: str, instead: str, error: type[SpecrunError], exc: OSError) -> SpecrunError:
+def write_error(path: Path, what: str, instead: str, error: type[SpecrunError], exc: OSError) -> SpecrunError:
     if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
         advice = "free some disk space"
     else:

@@ -77,6 +77,7 @@ from specrun.cli.options import (
     MethodOpt,
     MinPOpt,
     NgramCacheOpt,
+    TraceOpt,
     RegistryOpt,
     RpcOpt,
     SeedOpt,
@@ -156,6 +157,7 @@ def generate(
     learn_budget: LearnBudgetOpt = None,
     learn_buffer: LearnBufferOpt = None,
     keep_learned: KeepLearnedOpt = False,
+    trace: TraceOpt = None,
 ) -> None:
     """Answer PROMPT as a chat message (with --raw, or for a completion model, continue it):
     text to stdout, statistics to stderr."""
@@ -163,6 +165,7 @@ def generate(
         from specrun.sessions.generation import GenerateRequest, generate_text
         from specrun.registry.loading import LoadOptions, choose_pair
         from specrun.drafters.methods import DrafterOptions, needs_draft_model
+        from specrun.sessions.trace import TraceFile
 
         check_method(method)
         check_generation_options(max_tokens, draft_len, draft_min_prob, ctx, threads)
@@ -188,6 +191,7 @@ def generate(
         learning = checked_learning("generate", learn, learn_budget, learn_buffer, keep_learned, target, heads,
                                     lambda note: typer.echo(f"note: {note}", err=True))
         bar = None if json_output else PrefillBar()  # a long prompt's reading, on a terminal
+        tracing = TraceFile(trace) if trace is not None else None  # a path it cannot write: refused now
         request = GenerateRequest(
             prompt=text,
             target=target,
@@ -212,9 +216,11 @@ def generate(
             on_note=lambda note: typer.echo(f"note: {note}", err=True),
             on_prefill=bar,
             learn=learning,
+            trace=tracing,
         )
         kept = None  # the answer is printed even when the n-gram cache could not be saved after it
         learned = []
+        stopped: BaseException | None = None
         try:
             if json_output:
                 try:
@@ -241,9 +247,14 @@ def generate(
                 learned = learning.finish() if learning is not None else []
                 for report in learned:
                     typer.echo(report.summary(), err=True)
+        except BaseException as exc:
+            stopped = exc
+            raise
         finally:
             if learning is not None:
                 learning.finish()  # stopped on an error or Ctrl-C too (a second finish finds nothing)
+            if tracing is not None:
+                tracing.close(stopped)
         if kept is not None:
             raise kept
 

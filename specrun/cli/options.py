@@ -236,6 +236,11 @@ ChatOpt = Annotated[
     ),
 ]
 RegistryOpt = Annotated[Optional[Path], typer.Option("--registry", help="Extra models.toml.")]
+TraceOpt = Annotated[
+    Optional[Path],
+    typer.Option("--trace", help="Write each step to FILE as JSON Lines: what was drafted and kept, its "
+                 "milliseconds, and why the policy chose it (its gate and each drafter's estimates)."),
+]
 
 
 # ---- one alias per variant: options of one name that differ between commands -----------

@@ -256,6 +256,16 @@ class TargetCosts:
             self._table_context = self.context
         return self._table[others:] if others else self._table
 
+    def peek(self, max_tokens: int) -> list[float | None]:
+        """``table(max_tokens)`` as it reads now, neither built nor kept: a trace (`--trace`) reads
+        the costs without moving when the table is next rebuilt, so a traced run decides as an
+        untraced one."""
+        others = self.others_tokens
+        table = self._table
+        if table is None or len(table) <= max_tokens + others:
+            table = self._estimates(max_tokens + others)
+        return table[others:] if others else table
+
     def batch_table(self, max_total: int) -> list[float | None]:
         """A pass's seconds by every sequence's tokens together (this one's and the others'),
         n = 0..max_total: what a batch of slots drafting alike pays (control/batch.py)."""

@@ -154,12 +154,15 @@ class DraftLengthController:
     def _compute_rates(self, limit: int) -> list[float | None]:
         return self._rates_for(self.acceptances(limit), limit)
 
-    def _rates_for(self, accept: Sequence[float], limit: int) -> list[float | None]:
-        """Tokens per second at each draft length 0..limit, at these acceptances (index 0 unused)."""
+    def _rates_for(self, accept: Sequence[float], limit: int, peek: bool = False) -> list[float | None]:
+        """Tokens per second at each draft length 0..limit, at these acceptances (index 0 unused).
+        ``peek``: from the cost tables as they read now, none built (TargetCosts.peek)."""
         # A cheap drafter proposes every step whatever is kept of it: its time is spent before
         # the choice, for every k alike (0 included), so it weighs on none of them.
-        draft_costs = [0.0] * (limit + 1) if self.sunk_draft_cost else self.draft_costs.table(limit)
-        costs = self.target_costs.table(limit + 1)
+        draft_table, target_table = (self.draft_costs.peek, self.target_costs.peek) if peek else (
+            self.draft_costs.table, self.target_costs.table)
+        draft_costs = [0.0] * (limit + 1) if self.sunk_draft_cost else draft_table(limit)
+        costs = target_table(limit + 1)
         switch = self.target_costs.switch_charge  # the plain pass a speculative step may cause
         rates: list[float | None] = []
         # A pass shared with other sequences yields their tokens too (one each), and its cost (timed
@@ -190,6 +193,23 @@ class DraftLengthController:
         if None in rates:
             return True
         return max(rates[1:]) > rates[0]
+
+    def describe(self, positions: int = 8) -> dict:
+        """What the controller holds now, for a trace (`--trace`): on or off (as last settled: reading
+        it settles nothing, so a traced run decides as an untraced one), the steps before its next
+        probe while off, its acceptance estimates at the first ``positions`` draft positions, and
+        the tokens per second it expects of plain decoding and of the best length (None: untimed)."""
+        rates = self._rates_for(self.acceptances(self.max_draft_len), self.max_draft_len, peek=True)
+        timed = None not in rates
+        best = max(range(len(rates)), key=lambda k: (rates[k], -k)) if timed else None
+        return {
+            "on": self._speculating,
+            "probe_in": 0 if self._speculating else max(self.probe_gap - self.steps_since_probe, 0),
+            "acceptance": [round(a, 4) for a in self.acceptances(min(positions, self.max_draft_len))[1:]],
+            "best_length": best,
+            "expected_tokens_per_second": round(rates[best], 3) if timed else None,
+            "plain_tokens_per_second": round(rates[0], 3) if rates[0] is not None else None,
+        }
 
     # ---- decisions ----------------------------------------------------------------
     def choose(self, limit: int) -> int:

@@ -280,6 +280,15 @@ class AdaptivePolicy:
         kind over every text since the drafter or the priors were set, undecayed."""
         return self.memory.seen_counts(key, self.controllers.get(key))
 
+    def explain(self) -> dict:
+        """Why the next step does what it does, for a trace (`--trace`): the gate on realised speed
+        (on, or the plain steps left in its stretch off) and each drafter's controller
+        (DraftLengthController.describe), keyed by source (and kind). Reads, never decides."""
+        return {
+            "gate": {"on": self.gate.speculating, "plain_steps_left": self.gate.plain_steps_left()},
+            "drafters": {key: controller.describe() for key, controller in self.controllers.items()},
+        }
+
     # ---- one text -----------------------------------------------------------------------
     def set_drafter(self, drafter: Drafter | None) -> None:
         """Speculate with ``drafter`` from the next text on (what the old one left off is dropped)."""

@@ -25,7 +25,7 @@ from specrun.drafters.methods import is_adaptive
 from specrun.engine.constrained import GRAMMAR_SOURCE, ConstrainedRun
 from specrun.engine.events import Finished, GenerationResult, Step, TextChunk, TokenLogprob
 from specrun.engine.passes import DeferredDrafts, TargetPasses, Verification
-from specrun.engine.stats import Stats
+from specrun.engine.stats import PLAIN as PLAIN_SOURCE, Stats
 from specrun.errors import ContextFullError, UsageError
 from specrun.grammar import Grammar
 from specrun.sampling import SamplingSettings, token_logprobs
@@ -111,6 +111,25 @@ def _logprobs(rows: np.ndarray, indices: Sequence[int], tokens: Sequence[int], t
     """Each emitted token's log-probability under the pass's row it was chosen from (``indices``:
     the root's row, then each accepted node's), with the ``top`` likeliest tokens'."""
     return tuple(TokenLogprob(token, *token_logprobs(rows[index], token, top)) for index, token in zip(indices, tokens))
+
+
+def trace_record(step: Step, context_len: int, plan: str, policy: SpeculationPolicy | None) -> dict:
+    """A step as `--trace` writes it: the context it began at, what was planned ("prefill" for the
+    first token, "draft", or "plain": the policy asked no drafter), who drafted, what was drafted
+    and kept, its two clocks in milliseconds, and the adaptive policy's state after it (its gate
+    and each drafter's controller: AdaptivePolicy.explain), which says why the next step does what
+    it does."""
+    return {
+        "context": context_len,
+        "plan": plan,
+        "source": step.source or PLAIN_SOURCE,
+        "drafted": step.n_drafted,
+        "accepted": step.n_accepted,
+        "emitted": len(step.tokens),
+        "draft_ms": round(1e3 * step.draft_seconds, 3),
+        "verify_ms": round(1e3 * step.verify_seconds, 3),
+        "policy": policy.explain() if isinstance(policy, AdaptivePolicy) else None,
+    }
 
 
 class StepClock:
@@ -231,6 +250,9 @@ class SpeculativeEngine:
         self.policy = AdaptivePolicy(clock)
         # told (tokens read, prompt tokens) as a long prompt is read: a progress bar (TargetPasses.prefill)
         self.on_prefill: Callable[[int, int], None] | None = None
+        # told each step's record (``trace_record``: what it did and the policy's state after it), for
+        # `--trace`; tracing reads the policy, never moves it
+        self.on_trace: Callable[[dict], None] | None = None
         self.set_drafter(drafter, method)
 
     def set_drafter(self, drafter: Drafter | None, method: str | None = None) -> None:
@@ -299,6 +321,8 @@ class SpeculativeEngine:
                 if ties is not None:
                     stats.near_ties += ties.in_prefill(prompt_logits)
                 stats.generation_seconds = clock.yielding()
+                if self.on_trace is not None:
+                    self.on_trace(trace_record(step, len(context) - len(step.tokens), "prefill", policy))
                 yield step
             while (not hit_eos and not self.grammar_blocked
                    and (produced := len(context) - len(prompt)) < params.max_new_tokens and len(context) < n_ctx):
@@ -353,6 +377,8 @@ class SpeculativeEngine:
                 step = Step(emitted, len(proposal), verdict.n_accepted, clock.draft_seconds, clock.verify_seconds,
                             proposal.source, logprobs)
                 stats.generation_seconds = clock.yielding()
+                if self.on_trace is not None:
+                    self.on_trace(trace_record(step, context_len, "draft" if plan.draft else "plain", policy))
                 yield step
         finally:
             # Rewind is explicit, also on interruption: the cache never holds rejected drafts.

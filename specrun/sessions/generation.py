@@ -23,6 +23,7 @@ from specrun.control.gate import SpeculationGate
 from specrun.errors import AnswerKeptError, SpecrunError
 from specrun.grammar import Grammar, GrammarSpec
 from specrun.sessions.templates import ChatTemplate, tokenize_rendered
+from specrun.sessions.trace import TraceFile
 from specrun.sessions.tools import Tool, ToolChoice, render_conversation, style_for
 from specrun.sampling import SamplingSettings
 from specrun.sessions.heads import heads_for_auto, load_target_heads, paying_heads, with_auto_heads, with_learner
@@ -69,6 +70,8 @@ class GenerateRequest:
     on_prefill: Callable[[int, int], None] | None = None  # (tokens read, prompt tokens) of a long prompt
     # --learn: the learner of the heads drafted with (heads, target) -> HeadsLearner (training/online.py)
     learn: Callable | None = None
+    # --trace: where each step goes (sessions/trace.TraceFile); the caller closes it
+    trace: TraceFile | None = None
 
 
 def tool_prompt(target, request: GenerateRequest) -> tuple[list[int], GrammarSpec | None]:
@@ -157,6 +160,13 @@ def generate_text(request: GenerateRequest, on_text: Callable[[str], None] | Non
             request.on_note(f"token trees are off: {target.tree_support.reason}; verifying chains")
         engine = SpeculativeEngine(target, drafter, method=request.method, verification=request.verification)
         engine.on_prefill = request.on_prefill
+        if request.trace is not None:
+            request.trace.header(target=request.target, draft=draft_spec, method=request.method,
+                                 drafters=drafter.name if drafter is not None else "none",
+                                 temperature=request.sampling.temperature, prompt_tokens=len(prompt_ids),
+                                 max_new_tokens=request.max_new_tokens, adaptive=params.adaptive,
+                                 draft_len=params.draft_len)
+            engine.on_trace = request.trace.step
         if tuned is not None:
             tuned.apply(engine)  # the controllers start from measured costs
         if choice is not None:
@@ -168,6 +178,8 @@ def generate_text(request: GenerateRequest, on_text: Callable[[str], None] | Non
             if isinstance(event, TextChunk) and on_text is not None and event.text:
                 on_text(event.text)
             elif isinstance(event, Finished):
+                if request.trace is not None:
+                    request.trace.finish(event.result.stats)
                 remember_run(engine, target, draft, request.load.threads, tuned)
                 if drafter is not None:
                     drafter.finish(engine.last_context)  # the n-gram pool learns the last tokens too

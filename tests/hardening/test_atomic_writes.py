@@ -93,7 +93,7 @@ def test_atomic_write_names_the_file_when_the_folder_cannot_be_written(tmp_path,
     def refuse(path):
         raise PermissionError(errno.EACCES, "Permission denied", str(path.parent))
 
-    monkeypatch.setattr(specrun.fileio, "_create_beside", refuse)
+    monkeypatch.setattr(specrun.fileio, "create_beside", refuse)
     with pytest.raises(FileAccessError, match="cannot write the report") as caught:
         write_atomically(tmp_path / "r.html", "x", "report")
     assert str(tmp_path / "r.html") in caught.value.one_line() and caught.value.fix

@@ -1,0 +1,80 @@
+"""`--trace FILE`: a generation step by step, as JSON Lines, to see why it ran as fast as it did.
+
+The first line says what ran (``"trace": "specrun"``, the version, the models and the method);
+then one line a verify pass (engine/loop.trace_record: the context, what was planned, who drafted
+what and how much was kept, the step's drafting and verifying milliseconds, and the adaptive
+policy's state after it: its gate and each drafter's controller, on or off, acceptance by draft
+position, the tokens per second it expects of plain decoding and of its best length); the last
+line is the run's statistics (``"summary"``), or why it stopped (``"stopped"``: an error, Ctrl-C).
+
+Lines go to a file beside FILE as they come and FILE appears, whole, when the run ends: a reader
+never finds a trace cut off mid-line, a run refused before its first step leaves none. Tracing
+reads the policy, never moves it: a traced run decides and writes what an untraced one does.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from specrun.engine.stats import Stats
+from specrun.errors import FileAccessError
+from specrun.fileio import create_beside, write_error, check_writable_folder
+
+TRACE_VERSION = 1
+WHAT = "trace"
+INSTEAD = "give --trace a path in a writable folder"
+
+
+class TraceFile:
+    """One run's trace, written to a file beside ``path`` and renamed onto it by ``close``."""
+
+    def __init__(self, path: Path | str) -> None:
+        self.path = Path(path)
+        check_writable_folder(self.path, WHAT, INSTEAD)
+        try:
+            handle, self._temporary = create_beside(self.path)
+        except OSError as exc:
+            raise write_error(self.path, WHAT, INSTEAD, FileAccessError, exc) from exc
+        self._file = os.fdopen(handle, "w", encoding="utf-8")
+        self.steps = 0
+        self._wrote = False  # anything beyond the header: a run that never started leaves no file
+
+    def header(self, **fields) -> None:
+        """What ran: models, method, sampling, prompt length."""
+        self._line({"trace": "specrun", "version": TRACE_VERSION, **fields})
+
+    def step(self, record: dict) -> None:
+        """One step's record (engine/loop.trace_record), numbered from 1."""
+        self.steps += 1
+        self._wrote = True
+        self._line({"step": self.steps, **record})
+
+    def finish(self, stats: Stats) -> None:
+        """The run ended: its statistics close the trace."""
+        self._line({"summary": stats.to_dict()})
+
+    def close(self, stopped: BaseException | None = None) -> None:
+        """Put the trace in place (with why the run stopped, where it did not finish), or, where no
+        step ran, remove it. A second call does nothing."""
+        if self._file is None:
+            return
+        try:
+            if stopped is not None and self._wrote:
+                self._line({"stopped": type(stopped).__name__ + (f": {stopped}" if str(stopped) else "")})
+            self._file.close()
+            if self._wrote:
+                os.replace(self._temporary, self.path)
+        except OSError as exc:
+            raise write_error(self.path, WHAT, INSTEAD, FileAccessError, exc) from exc
+        finally:
+            self._file = None
+            if self._temporary.exists():
+                self._temporary.unlink()
+
+    def _line(self, record: dict) -> None:
+        try:
+            self._file.write(json.dumps(record, separators=(",", ":")) + "\n")
+        except OSError as exc:  # a full disk: the run goes on untraced is not what was asked
+            raise write_error(self.path, WHAT, INSTEAD, FileAccessError, exc) from exc

@@ -1,0 +1,167 @@
+"""`--trace`: each step's record, and the policy's state behind it, without moving the policy."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from fake_models import VOCAB, CostedFake, SimClock, agreeing_draft, hashed_logits
+from specrun.drafters.chain import ChainDrafter
+from specrun.drafters.draft_model import DraftModelDrafter
+from specrun.drafters.lookup import PromptLookupDrafter
+from specrun.engine.loop import GenerationParams, SpeculativeEngine
+
+
+def traced_run(alpha: float, trace: bool, n: int = 400):
+    """A lookup + draft chain, adaptive, on a target whose passes cost 1 s and 0.05 s a token, with
+    a draft model right ``alpha`` of the time at 0.3 s a token: the result and the records."""
+    clock = SimClock()
+    table = hashed_logits(VOCAB, salt=5, spread=3.0)
+    target = CostedFake(table, clock, 1.0, 0.05)
+    draft = CostedFake(agreeing_draft(table, alpha), clock, 0.3, 0.0)
+    engine = SpeculativeEngine(target, ChainDrafter([PromptLookupDrafter(), DraftModelDrafter(draft)]), clock=clock)
+    records = []
+    if trace:
+        engine.on_trace = records.append
+    result = engine.run([1, 2, 3, 1, 2], GenerationParams(n, draft_len=8, adaptive=True), complete_cache=False)
+    return result, records
+
+
+@pytest.mark.parametrize("alpha", [0.1, 0.9])
+def test_a_traced_run_decides_and_writes_what_an_untraced_one_does(alpha):
+    """Reading the controllers' estimates builds no cost table and settles no gate (describe,
+    TargetCosts.peek): on simulated clocks every figure of the two runs is the same."""
+    traced, records = traced_run(alpha, trace=True)
+    plain, _ = traced_run(alpha, trace=False)
+    assert traced.token_ids == plain.token_ids
+    assert traced.stats.to_dict() == plain.stats.to_dict()
+    assert records
+
+
+def test_the_records_add_up_to_the_run_s_statistics():
+    """One record a step (the prefill's token first, as the statistics count it); what they drafted, kept and
+    emitted is the run's, and each pass's clocks are the step's."""
+    result, records = traced_run(0.9, trace=True)
+    stats = result.stats
+    assert [r["plan"] for r in records[:1]] == ["prefill"] and len(records) == stats.steps
+    assert sum(r["emitted"] for r in records) == stats.new_tokens
+    assert sum(r["drafted"] for r in records) == stats.drafted
+    assert sum(r["accepted"] for r in records) == stats.accepted
+    assert sum(r["verify_ms"] for r in records) == pytest.approx(1e3 * stats.verify_seconds, rel=1e-3)
+    assert [r["context"] for r in records] == sorted(r["context"] for r in records)
+    drafting = [r for r in records if r["source"] == "draft"]
+    assert drafting and all(r["plan"] == "draft" and r["drafted"] >= r["accepted"] for r in drafting)
+    last = records[-1]["policy"]["drafters"]["draft"]
+    # a draft right 90% of the time: on, its estimates near that, and a best length that beats plain decoding
+    assert last["on"] and last["probe_in"] == 0 and last["acceptance"][0] > 0.75
+    assert last["expected_tokens_per_second"] > last["plain_tokens_per_second"] > 0
+    assert records[-1]["policy"]["gate"] == {"on": True, "plain_steps_left": 0}
+
+
+def test_a_draft_that_does_not_pay_is_seen_switched_off_with_its_next_probe():
+    """Right 10% of the time at 0.3 s a token: the draft model's controller turns it off, and the
+    trace says so, with the steps before its next probe and its expected rate below plain's."""
+    _, records = traced_run(0.1, trace=True)
+    off = [r["policy"]["drafters"]["draft"] for r in records if "draft" in r["policy"]["drafters"]
+           and not r["policy"]["drafters"]["draft"]["on"]]
+    assert off and all(d["probe_in"] >= 1 for d in off)
+    assert all(d["expected_tokens_per_second"] is None or d["best_length"] == 0 for d in off)
+
+
+def test_a_run_without_an_adaptive_policy_traces_no_policy():
+    clock = SimClock()
+    table = hashed_logits(VOCAB, salt=5, spread=3.0)
+    engine = SpeculativeEngine(CostedFake(table, clock, 1.0, 0.05), PromptLookupDrafter(), clock=clock)
+    records = []
+    engine.on_trace = records.append
+    result = engine.run([1, 2, 3, 1, 2], GenerationParams(40, draft_len=4), complete_cache=False)
+    assert len(records) == result.stats.steps and all(r["policy"] is None for r in records)
+
+
+# ---- the file -------------------------------------------------------------------------------
+def test_a_trace_file_appears_whole_when_the_run_ends(tmp_path):
+    from specrun.sessions.trace import TraceFile
+
+    path = tmp_path / "run.jsonl"
+    trace = TraceFile(path)
+    trace.header(method="auto")
+    trace.step({"plan": "plain"})
+    assert not path.exists()  # lines go beside it until the run ends
+    trace.close(KeyboardInterrupt())
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert lines[0]["trace"] == "specrun" and lines[1] == {"step": 1, "plan": "plain"}
+    assert lines[-1] == {"stopped": "KeyboardInterrupt"}
+    assert [p.name for p in tmp_path.iterdir()] == ["run.jsonl"]
+    trace.close()  # a second close does nothing
+
+
+def test_a_run_refused_before_its_first_step_leaves_no_trace(tmp_path):
+    from specrun.sessions.trace import TraceFile
+
+    trace = TraceFile(tmp_path / "run.jsonl")
+    trace.header(method="auto")
+    trace.close(ValueError("the prompt is empty"))
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_generate_writes_the_trace_and_its_summary_is_the_run_s(tiny_llama, tmp_path):
+    pytest.importorskip("llama_cpp")
+    from specrun.cli.app import app
+
+    path = str(tiny_llama.gguf_path)
+    out = tmp_path / "t.jsonl"
+    result = CliRunner().invoke(app, ["generate", "def f():", "-t", path, "-d", path, "-n", "12", "--json",
+                                      "--trace", str(out)])
+    assert result.exit_code == 0, result.output
+    stats = json.loads(result.stdout)["stats"]
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    assert lines[0]["trace"] == "specrun" and lines[0]["method"] == "auto" and lines[0]["prompt_tokens"] > 0
+    assert lines[-1]["summary"]["new_tokens"] == stats["new_tokens"] == 12
+    steps = lines[1:-1]
+    assert [s["step"] for s in steps] == list(range(1, stats["steps"] + 1))
+    assert sum(s["emitted"] for s in steps) == 12
+
+
+@pytest.mark.parametrize("where", ["folder", "under_a_file"])
+def test_a_trace_path_that_cannot_be_written_is_one_line_before_anything_runs(tiny_llama, tmp_path, where):
+    pytest.importorskip("llama_cpp")
+    from specrun.cli.app import app
+
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    target = tmp_path if where == "folder" else blocker / "t.jsonl"
+    result = CliRunner().invoke(app, ["generate", "def f():", "-t", str(tiny_llama.gguf_path), "-n", "4",
+                                      "--trace", str(target)])
+    assert result.exit_code == 1
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and "trace" in lines[0] and "Traceback" not in result.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]
+
+
+def test_describing_a_controller_leaves_it_and_its_costs_as_they_were():
+    """What a traced step reads: no cost table built (it would move when the next one is, and
+    with it the lengths chosen) and no gate settled (it would switch a drafter on or off a step
+    before an untraced run does)."""
+    import copy
+
+    from specrun.control.costs import DraftCosts, TargetCosts
+    from specrun.control.draft_length import DraftLengthController
+
+    costs, drafting = TargetCosts(), DraftCosts()
+    for n, seconds in ((1, 1.0), (5, 1.2)):
+        costs.observe(n, seconds)
+    drafting.observe(4, 2.0)
+    controller = DraftLengthController(max_draft_len=8, target_costs=costs, draft_costs=drafting)
+    controller.observe(4, 0, 2.0, 1.2)  # evidence that would switch it off, not yet settled
+    def state(value):  # every field, through the objects it holds
+        if hasattr(value, "__dict__"):
+            return {name: state(field) for name, field in vars(value).items()}
+        return copy.deepcopy(value)
+
+    before = state(controller)
+    described = controller.describe()
+    assert state(controller) == before
+    assert described["on"] is True and described["best_length"] == 0  # as last settled; plain is best now
+    assert not controller.speculating  # settled by the run itself, as an untraced run would
