@@ -1178,3 +1178,46 @@ def test_a_bounded_drafter_s_length_never_passes_its_depth():
     policy.configure(max_draft_len=2, adaptive=True)
     assert policy._controller_for(drafter.name).max_draft_len == 2
     assert 0 < policy.budget(drafter, 2) <= 2
+
+
+# ---- a position never drafted is never measured ----------------------------------------------
+def _curve_controller(draft_per_token: float, target_per_token: float, at_eight: float):
+    """A draft model whose earlier runs left it 95% sure at positions 1-7 and ``at_eight`` at 8
+    (learned.json's curve), with costs preloaded: drafting 0.1-0.2 s a token, passes 1 s and
+    0.1-0.2 s a token."""
+    target, drafting = TargetCosts(), DraftCosts()
+    target.preload({n: 1.0 + target_per_token * n for n in range(1, 18)})
+    drafting.preload({k: draft_per_token * k for k in range(1, 17)})
+    curve = {position: 0.95 for position in range(1, 8)} | {8: at_eight}
+    return DraftLengthController(max_draft_len=16, target_costs=target, draft_costs=drafting, ramp_up=True,
+                                 prior_accept=0.95, prior_measured=True, prior_curve=curve)
+
+
+@pytest.mark.parametrize("draft_per_token, target_per_token, at_eight", [
+    (0.1, 0.1, 0.6), (0.1, 0.2, 0.6), (0.15, 0.1, 0.6), (0.2, 0.1, 0.6), (0.2, 0.2, 0.8)])
+def test_a_length_held_short_by_a_low_estimate_past_it_is_tried_one_deeper(draft_per_token, target_per_token,
+                                                                           at_eight):
+    """Every draft accepted, yet position 8 is presumed 60-80% right: the best length is 7 and 8 is
+    never drafted, so never measured (7 for good before the one-deeper rule, in each of these
+    cases). Where 8 is expected within EXPLORE_MARGIN of 7, it is drafted; right, it earns its
+    place and the lengths go on growing."""
+    controller = _curve_controller(draft_per_token, target_per_token, at_eight)
+    lengths = []
+    for _ in range(60):
+        k = controller.choose(16)
+        lengths.append(k)
+        controller.observe(k, k, draft_per_token * k, 1.0 + target_per_token * (k + 1))
+    assert lengths[-1] > 8 and sum(k > 7 for k in lengths[-20:]) == 20, lengths
+
+
+def test_where_the_position_past_the_best_is_as_bad_as_presumed_it_is_tried_seldom():
+    """Position 8 always wrong: a try costs at most EXPLORE_MARGIN of a step's rate, and its
+    evidence stands for ~14 drafts (EXPLORE_EVIDENCE): 8 is drafted on a few of 60 steps."""
+    controller = _curve_controller(0.1, 0.1, 0.6)
+    lengths = []
+    for _ in range(60):
+        k = controller.choose(16)
+        lengths.append(k)
+        controller.observe(k, min(k, 7), 0.1 * k, 1.0 + 0.1 * (k + 1))
+    assert 1 <= sum(k > 7 for k in lengths[5:]) <= 5, lengths
+    assert lengths[-1] == 7
