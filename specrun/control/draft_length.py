@@ -235,28 +235,7 @@ class DraftLengthController:
             return self._explore(limit)
         if self.ramp_up:
             limit = min(limit, self.evidenced_len())
-        best = max(range(limit + 1), key=lambda k: (rates[k], -k))
-        return self._one_deeper(best, limit, rates)
-
-    # A length one deeper than the best is drafted where it is expected within this share of the
-    # best's rate, the best's own last position has evidence (a fresh controller ramps up instead:
-    # evidenced_len) and the position it adds has had next to no evidence lately (decayed tries):
-    # what is never drafted is never measured, so an estimate left low there stood for good. A
-    # draft model's acceptance at position 8 kept at 0.82 from nine tries of an earlier run
-    # (learned.json's curve) held every later run at 7 tokens, right ~95% of the time there, and
-    # `-k 8` ran 1.04x it (traced with `--trace`, bench-scale pair). Each such try costs at most
-    # this share of a step's rate; the evidence it brings ages out in ~14 drafts (0.95^14 < 0.5).
-    EXPLORE_MARGIN = 0.05
-    EXPLORE_EVIDENCE = 0.5
-
-    def _one_deeper(self, best: int, limit: int, rates: Sequence[float | None]) -> int:
-        deeper = best + 1
-        if self.sunk_draft_cost:  # a cheap drafter's whole proposals are scored for free (ProposalScores)
-            return best
-        if 0 < best < limit and self.tried[best] >= 1.0 and self.tried[deeper] < self.EXPLORE_EVIDENCE \
-                and rates[deeper] >= (1.0 - self.EXPLORE_MARGIN) * rates[best]:
-            return deeper
-        return best
+        return max(range(limit + 1), key=lambda k: (rates[k], -k))
 
     def may_pass(self) -> bool:
         """May this controller's drafter go unasked on this step (IdleBackoff)? Not while it
