@@ -23,6 +23,7 @@ from specrun.engine.loop import GenerationParams
 from specrun.engine.passes import Verification
 from specrun.errors import UsageError
 from specrun.sessions.heads import comparison_heads
+from specrun.sessions.trace import TraceFile
 from specrun.sessions.setup import (
     ADAPTIVE_MAX_DRAFT_LEN,
     DEFAULT_DRAFT_LEN,
@@ -150,8 +151,10 @@ class Progress(Protocol):
     def advance(self, prompt: BenchPrompt, variant: str) -> None: ...
 
 
-def run_bench(config: BenchConfig, prompts: Sequence[BenchPrompt], progress: Progress | None = None) -> BenchResult:
-    """Load the pair, run the bench and close the models again."""
+def run_bench(config: BenchConfig, prompts: Sequence[BenchPrompt], progress: Progress | None = None,
+              trace: TraceFile | None = None) -> BenchResult:
+    """Load the pair, run the bench and close the models again; ``trace``: every run's steps
+    (`bench --trace`, sessions/trace.py)."""
     if not prompts:
         raise UsageError("no prompts to run", "check --categories and --per-category")
     started_at = datetime.now(timezone.utc).isoformat(timespec="seconds")
@@ -220,6 +223,7 @@ def run_bench(config: BenchConfig, prompts: Sequence[BenchPrompt], progress: Pro
                 draft_window=lambda: setup.auto_draft_window(
                     "auto", draft, tuned if config.use_tuned else None, config.load.window,
                     max(len(ids) for _, ids in kept) + config.max_new_tokens),
+                trace=trace,
             )
         finally:
             if native is not None:

@@ -57,6 +57,7 @@ from specrun.cli.options import (
     ThreadsOpt,
     TreeNodesOpt,
     VerifyOpt,
+    TraceOpt,
 )
 from specrun.errors import UsageError
 from specrun.fileio import check_writable_folder, write_atomically
@@ -125,6 +126,7 @@ def bench(
     epsilon: EpsilonOpt = None,
     delta: DeltaOpt = None,
     margin: MarginOpt = None,
+    trace: TraceOpt = None,
 ) -> None:
     """Which speculation method is fastest on this machine? Tables to stdout, progress to stderr.
 
@@ -194,7 +196,21 @@ def bench(
                              rpc=rpc_servers, registry=registry, kv_type=kv_type,
                              flash_attn=flash_attn, exact=exact, window=window, sinks=sinks, tree_paths=trees.paths),
         )
-        run_and_show(config, bench_prompts, json_out, report_out)
+        from specrun.sessions.trace import TraceFile
+
+        tracing = TraceFile(trace) if trace is not None else None  # a path it cannot write: refused now
+        stopped: BaseException | None = None
+        try:
+            if tracing is not None:
+                tracing.header(target=target, draft=draft, methods=list(method_list), prompts=len(bench_prompts),
+                               max_new_tokens=max_tokens, temperature=sampling.temperature, repeat=repeat)
+            run_and_show(config, bench_prompts, json_out, report_out, tracing)
+        except BaseException as exc:
+            stopped = exc
+            raise
+        finally:
+            if tracing is not None:
+                tracing.close(stopped)
 
 
 def suggested_draft(target: str, registry: Path | None) -> str | None:
@@ -288,7 +304,7 @@ def choose_prompts(suite: str | None, prompts_file: Path | None, categories: str
     return select(prompts, wanted, per_category), str(prompts_file) if prompts_file is not None else BUILTIN
 
 
-def run_and_show(config, prompts, json_out: Path | None, report_out: Path | None) -> None:
+def run_and_show(config, prompts, json_out: Path | None, report_out: Path | None, trace=None) -> None:
     """Run the bench with a progress bar on a terminal; print tables; write the JSON and report."""
     import json
     import sys
@@ -312,7 +328,7 @@ def run_and_show(config, prompts, json_out: Path | None, report_out: Path | None
         highlight=False,
     )
     with _ProgressBar(err) as progress:
-        result = run_bench(config, prompts, progress)
+        result = run_bench(config, prompts, progress, trace)
     for note in result.notes:
         err.print(f"note: {note}", highlight=False)
     if config.lookahead is None and result.config.lookahead is not None:

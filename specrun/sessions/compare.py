@@ -25,6 +25,7 @@ from specrun.sampling import token_logprobs
 from specrun.verify import EXACT
 from specrun.drafters.methods import DrafterOptions, build_drafter, is_adaptive
 from specrun.sessions.divergence import Mismatch, find_mismatch
+from specrun.sessions.trace import TraceFile
 
 WARMUP_TOKENS = 8
 
@@ -223,6 +224,7 @@ def compare_variants(
     native=None,
     verification: Verification = Verification(),
     draft_window: Callable[[], Backend | None] | None = None,
+    trace: TraceFile | None = None,
 ) -> Comparison:
     """Run every variant ``repeat`` times on every prompt, interleaved; the first variant is the baseline.
 
@@ -237,6 +239,8 @@ def compare_variants(
     (``Comparison.quality``) and only the baseline's outputs are compared token for token.
     ``draft_window``: opens the draft model's windowed cache an adaptive line holds beside the
     full one (DrafterOptions.draft_window; None: none), one for each such line.
+    ``trace``: every run's steps (not the warm-up's), each marked with its prompt, line and repeat,
+    and each run's statistics (`bench --trace`, sessions/trace.py).
     """
     drafters = []
     try:
@@ -259,11 +263,17 @@ def compare_variants(
         figures = {v.name: MethodFigures(v.name) for v in variants}
         native_rates: dict[int, list[float]] = {}
         for index, prompt in enumerate(prompts):
-            for _ in range(repeat):
+            for run in range(repeat):
                 for name, engine in engines.items():
                     forget_learned(engine)
                     track_as_drafted(engine)
+                    where = {"prompt": index, "line": name, "repeat": run}
+                    if trace is not None:
+                        engine.on_trace = lambda record, where=where: trace.step({**where, **record})
                     result = engine.run(prompt, variant_params[name], complete_cache=False)
+                    if trace is not None:
+                        engine.on_trace = None
+                        trace.finish(result.stats, **where)
                     figures[name].by_prompt.setdefault(index, []).append(result)
                     if on_result is not None:
                         on_result(index, name, result)

@@ -6,6 +6,8 @@ what and how much was kept, the step's drafting and verifying milliseconds, and 
 policy's state after it: its gate and each drafter's controller, on or off, acceptance by draft
 position, the tokens per second it expects of plain decoding and of its best length); the last
 line is the run's statistics (``"summary"``), or why it stopped (``"stopped"``: an error, Ctrl-C).
+`bench --trace` holds every run of the bench: each step and each ``summary`` line says which
+(``prompt``: its index in the bench's prompts, ``line``: the method line, ``repeat``).
 
 Lines go to a file beside FILE as they come and FILE appears, whole, when the run ends: a reader
 never finds a trace cut off mid-line, a run refused before its first step leaves none. Tracing
@@ -51,9 +53,10 @@ class TraceFile:
         self._wrote = True
         self._line({"step": self.steps, **record})
 
-    def finish(self, stats: Stats) -> None:
-        """The run ended: its statistics close the trace."""
-        self._line({"summary": stats.to_dict()})
+    def finish(self, stats: Stats, **where) -> None:
+        """A run ended: its statistics (``where``: which run, where a trace holds several: bench's
+        prompt, line and repeat)."""
+        self._line({**where, "summary": stats.to_dict()})
 
     def close(self, stopped: BaseException | None = None) -> None:
         """Put the trace in place (with why the run stopped, where it did not finish), or, where no

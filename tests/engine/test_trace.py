@@ -165,3 +165,26 @@ def test_describing_a_controller_leaves_it_and_its_costs_as_they_were():
     assert state(controller) == before
     assert described["on"] is True and described["best_length"] == 0  # as last settled; plain is best now
     assert not controller.speculating  # settled by the run itself, as an untraced run would
+
+
+def test_bench_traces_every_run_and_says_which_run_each_line_is(tiny_llama, tmp_path):
+    """Each step and each run's statistics name the prompt, the line and the repeat; what a run's
+    steps emitted is what the bench counted for it; the warm-up is not traced."""
+    pytest.importorskip("llama_cpp")
+    from specrun.cli.app import app
+
+    path = str(tiny_llama.gguf_path)
+    out, report = tmp_path / "b.jsonl", tmp_path / "b.json"
+    result = CliRunner().invoke(app, ["bench", "-t", path, "-d", path, "--methods", "none,draft", "--categories",
+                                      "chat", "--per-category", "2", "-n", "8", "--trace", str(out),
+                                      "--json", str(report)])
+    assert result.exit_code == 0, result.output
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    assert lines[0]["trace"] == "specrun" and lines[0]["methods"] == ["none", "draft"] and lines[0]["prompts"] == 2
+    summaries = {(s["prompt"], s["line"], s["repeat"]): s["summary"] for s in lines if "summary" in s}
+    runs = {(r["prompt_index"], r["variant"], r["repeat"]): r["stats"] for r in json.loads(report.read_text())["runs"]}
+    assert summaries.keys() == runs.keys() == {(p, line, 0) for p in (0, 1) for line in ("none", "draft")}
+    for key, stats in runs.items():
+        steps = [s for s in lines if "step" in s and (s["prompt"], s["line"], s["repeat"]) == key]
+        assert summaries[key]["new_tokens"] == stats["new_tokens"] == sum(s["emitted"] for s in steps) == 8
+        assert len(steps) == stats["steps"]
