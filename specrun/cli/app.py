@@ -251,10 +251,12 @@ def generate(
             stopped = exc
             raise
         finally:
-            if learning is not None:
-                learning.finish()  # stopped on an error or Ctrl-C too (a second finish finds nothing)
-            if tracing is not None:
-                tracing.close(stopped)
+            try:
+                if learning is not None:
+                    learning.finish()  # stopped on an error or Ctrl-C too (a second finish finds nothing)
+            finally:
+                if tracing is not None:
+                    tracing.close(stopped)
         if kept is not None:
             raise kept
 

@@ -261,9 +261,9 @@ def render(results) -> Group:
                     f"{result.window_speedup:.2f}× the full cache" if result.window else "its full cache (no window beat every round of it)")
             blocks.append(Text(f"  draft cache after {result.window_context:,} tokens: {kept}"))
         if result.target_per_context or result.draft_per_context:
-            blocks.append(Text(f"  a 1,000 tokens more of context: +{1e6 * result.target_per_context:.1f} ms a target "
-                               f"pass, +{1e6 * result.draft_per_context:.1f} ms a draft step (later runs weigh "
-                               "drafting at the context they reach)"))
+            blocks.append(Text(f"  1,000 more tokens of context: +{1e6 * result.target_per_context:.1f} ms a target "
+                               f"pass, +{1e6 * result.draft_per_context:.1f} ms a step drafting "
+                               f"{result.best_draft_len or 4} tokens (later runs weigh drafting at the context they reach)"))
         if result.acceptance_by_position:
             curve = " ".join(f"{100 * share:.0f}%" for _, share in sorted(result.acceptance_by_position.items()))
             blocks.append(Text(f"  accepted by draft position (the ones before it accepted): {curve}"))

@@ -115,7 +115,8 @@ def _logprobs(rows: np.ndarray, indices: Sequence[int], tokens: Sequence[int], t
 
 def trace_record(step: Step, context_len: int, plan: str, policy: SpeculationPolicy | None) -> dict:
     """A step as `--trace` writes it: the context it began at, what was planned ("prefill" for the
-    first token, "draft", or "plain": the policy asked no drafter), who drafted, what was drafted
+    first token, "draft", "plain": the policy asked no drafter, or "forced": a grammar's forced
+    tokens drafted in the drafters' place), who drafted, what was drafted
     and kept, its two clocks in milliseconds, and the adaptive policy's state after it (its gate
     and each drafter's controller: AdaptivePolicy.explain), which says why the next step does what
     it does."""
@@ -155,6 +156,15 @@ class StepClock:
         the seconds since generation started."""
         self.yielded_at = self.clock()
         return self.yielded_at - self.started
+
+    def left_out(self, work: Callable[[], None]) -> None:
+        """Run ``work`` on no clock of the run's: generation's seconds and the cycle the next step is
+        timed from (``yielded_at``, where plain steps read ahead) move on past it (a trace's record)."""
+        before = self.clock()
+        work()
+        took = self.clock() - before
+        self.started += took
+        self.yielded_at += took
 
     def verifying(self) -> None:
         self.verify_started = self.clock()
@@ -322,7 +332,8 @@ class SpeculativeEngine:
                     stats.near_ties += ties.in_prefill(prompt_logits)
                 stats.generation_seconds = clock.yielding()
                 if self.on_trace is not None:
-                    self.on_trace(trace_record(step, len(context) - len(step.tokens), "prefill", policy))
+                    prompt_len = len(context) - len(step.tokens)
+                    clock.left_out(lambda: self.on_trace(trace_record(step, prompt_len, "prefill", policy)))
                 yield step
             while (not hit_eos and not self.grammar_blocked
                    and (produced := len(context) - len(prompt)) < params.max_new_tokens and len(context) < n_ctx):
@@ -378,7 +389,8 @@ class SpeculativeEngine:
                             proposal.source, logprobs)
                 stats.generation_seconds = clock.yielding()
                 if self.on_trace is not None:
-                    self.on_trace(trace_record(step, context_len, "draft" if plan.draft else "plain", policy))
+                    planned = "forced" if forced is not None else "draft" if plan.draft else "plain"
+                    clock.left_out(lambda: self.on_trace(trace_record(step, context_len, planned, policy)))
                 yield step
         finally:
             # Rewind is explicit, also on interruption: the cache never holds rejected drafts.

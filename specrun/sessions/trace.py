@@ -10,7 +10,8 @@ line is the run's statistics (``"summary"``), or why it stopped (``"stopped"``: 
 (``prompt``: its index in the bench's prompts, ``line``: the method line, ``repeat``).
 
 Lines go to a file beside FILE as they come and FILE appears, whole, when the run ends: a reader
-never finds a trace cut off mid-line, a run refused before its first step leaves none. Tracing
+never finds a trace cut off mid-line, a run refused before it began leaves none. The time a
+record takes is left out of the run's clocks (engine/loop.StepClock.left_out). Tracing
 reads the policy, never moves it: a traced run decides and writes what an untraced one does.
 """
 
@@ -33,7 +34,8 @@ class TraceFile:
     """One run's trace, written to a file beside ``path`` and renamed onto it by ``close``."""
 
     def __init__(self, path: Path | str) -> None:
-        self.path = Path(path)
+        path = Path(path)
+        self.path = Path(os.path.realpath(path)) if path.is_symlink() else path  # the link's file, not the link
         check_writable_folder(self.path, WHAT, INSTEAD)
         try:
             handle, self._temporary = create_beside(self.path)
@@ -55,24 +57,31 @@ class TraceFile:
 
     def finish(self, stats: Stats, **where) -> None:
         """A run ended: its statistics (``where``: which run, where a trace holds several: bench's
-        prompt, line and repeat)."""
+        prompt, line and repeat). A run that ended before any step (a grammar that allows no first
+        token) is traced too."""
+        self._wrote = True
         self._line({**where, "summary": stats.to_dict()})
 
     def close(self, stopped: BaseException | None = None) -> None:
         """Put the trace in place (with why the run stopped, where it did not finish), or, where no
-        step ran, remove it. A second call does nothing."""
-        if self._file is None:
+        run began, remove it. Where the run stopped on an error, a trace that cannot be written goes
+        and that error stands. A second call does nothing."""
+        file, self._file = self._file, None
+        if file is None:
             return
         try:
-            if stopped is not None and self._wrote:
-                self._line({"stopped": type(stopped).__name__ + (f": {stopped}" if str(stopped) else "")})
-            self._file.close()
+            try:
+                if stopped is not None and self._wrote:
+                    name = type(stopped).__name__
+                    file.write(json.dumps({"stopped": f"{name}: {stopped}" if str(stopped) else name}) + "\n")
+            finally:
+                file.close()
             if self._wrote:
                 os.replace(self._temporary, self.path)
         except OSError as exc:
-            raise write_error(self.path, WHAT, INSTEAD, FileAccessError, exc) from exc
+            if stopped is None:
+                raise write_error(self.path, WHAT, INSTEAD, FileAccessError, exc) from exc
         finally:
-            self._file = None
             if self._temporary.exists():
                 self._temporary.unlink()
 

@@ -28,6 +28,7 @@ from specrun.drafters.draft_model import WINDOW_NAME, DraftModelDrafter
 from specrun.engine.loop import GenerationParams, SpeculativeEngine
 from specrun.drafters.methods import DrafterOptions, build_drafter
 from specrun.engine.stats import Stats
+from specrun.errors import SpecrunError
 from specrun.fileio import (
     MiB, checked_number, machine_id, read_settings_document, stored_entry, updating, write_atomically,
 )
@@ -318,7 +319,10 @@ def _context_costs(target: Backend, draft: Backend, draft_len: int) -> ContextCo
     depths = context_depths(min(target.n_ctx, draft.n_ctx), draft_len + 2)
     if not depths:
         return None
-    return time_context_costs(target, draft, long_prompt(target, max(depths)), draft_len, depths)
+    try:
+        return time_context_costs(target, draft, long_prompt(target, max(depths)), draft_len, depths)
+    except (SpecrunError, RuntimeError, MemoryError):  # a context that cannot be read that deep here:
+        return None  # no slope (0, as files from before it), not a lost calibration
 
 
 def _drafting_steps(stats: Stats) -> int:

@@ -188,3 +188,86 @@ def test_bench_traces_every_run_and_says_which_run_each_line_is(tiny_llama, tmp_
         steps = [s for s in lines if "step" in s and (s["prompt"], s["line"], s["repeat"]) == key]
         assert summaries[key]["new_tokens"] == stats["new_tokens"] == sum(s["emitted"] for s in steps) == 8
         assert len(steps) == stats["steps"]
+
+
+def test_the_time_a_record_takes_is_left_out_of_the_run_s_clocks():
+    """Where plain steps read ahead, each step is timed from when the last one was handed over, and
+    that is what the gate weighs: a trace that takes 0.2 s a record (against 1 s passes) must not
+    read as slower steps. Decisions, outputs and every figure match the untraced run's."""
+    def run(trace_seconds):
+        clock = SimClock()
+        table = hashed_logits(VOCAB, salt=5, spread=3.0)
+        target = CostedFake(table, clock, 1.0, 0.05, reads_ahead=True)
+        draft = CostedFake(agreeing_draft(table, 0.5), clock, 0.3, 0.0)
+        engine = SpeculativeEngine(target, ChainDrafter([PromptLookupDrafter(), DraftModelDrafter(draft)]),
+                                   clock=clock)
+        records = []
+
+        def record(line):
+            clock.now += trace_seconds
+            records.append(line)
+
+        if trace_seconds is not None:
+            engine.on_trace = record
+        return engine.run([1, 2, 3, 1, 2], GenerationParams(300, draft_len=8, adaptive=True), complete_cache=False)
+
+    untraced, traced = run(None), run(0.2)
+    assert traced.token_ids == untraced.token_ids
+    assert traced.stats.to_dict() == untraced.stats.to_dict()
+
+
+def test_a_run_ended_before_any_step_is_traced_too(tmp_path):
+    from specrun.engine.stats import Stats
+    from specrun.sessions.trace import TraceFile
+
+    trace = TraceFile(tmp_path / "t.jsonl")
+    trace.header(method="auto")
+    trace.finish(Stats())
+    trace.close()
+    assert [list(json.loads(line))[0] for line in (tmp_path / "t.jsonl").read_text().splitlines()] == [
+        "trace", "summary"]
+
+
+def test_a_trace_that_cannot_be_written_leaves_the_run_s_own_error_standing(tmp_path):
+    """A full disk while Ctrl-C stops the run: the trace goes, nothing is left beside it, and the
+    interruption is what the run ends with; without an error of the run's, the write error is one."""
+    import errno
+
+    from specrun.errors import FileAccessError
+    from specrun.sessions.trace import TraceFile
+
+    class Full:
+        def write(self, text):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        def close(self):
+            pass
+
+    from specrun.engine.stats import Stats
+
+    for interrupted in (True, False):
+        trace = TraceFile(tmp_path / "t.jsonl")
+        trace.step({"plan": "plain"})
+        trace._file.close()
+        trace._file = Full()
+        if interrupted:
+            trace.close(KeyboardInterrupt())  # no error of its own: the caller re-raises the interruption
+        else:  # the disk fills as the run's statistics are written: that is the run's error
+            with pytest.raises(FileAccessError, match="No space left") as raised:
+                trace.finish(Stats())
+            trace.close(raised.value)
+        assert list(tmp_path.iterdir()) == []
+
+
+def test_a_trace_given_through_a_link_is_written_to_the_linked_file(tmp_path):
+    (tmp_path / "logs").mkdir()
+    real = tmp_path / "logs" / "run.jsonl"
+    real.write_text("old\n")
+    link = tmp_path / "run.jsonl"
+    link.symlink_to(real)
+    from specrun.sessions.trace import TraceFile
+
+    trace = TraceFile(link)
+    trace.step({"plan": "plain"})
+    trace.close()
+    assert link.is_symlink() and json.loads(real.read_text()) == {"step": 1, "plan": "plain"}
