@@ -80,6 +80,7 @@ from specrun.cli.options import (
     ToolChoiceOpt,
     ToolsOpt,
     VerifyOpt,
+    TraceOpt,
 )
 from specrun.errors import SpecrunError, UsageError
 
@@ -161,6 +162,7 @@ def chat_command(
     learn_budget: LearnBudgetOpt = None,
     learn_buffer: LearnBufferOpt = None,
     keep_learned: KeepLearnedOpt = False,
+    trace: TraceOpt = None,
 ) -> None:
     """Chat with the target model: a REPL on a terminal; on a pipe, stdin is the message and stdout the answer."""
     with cli_errors():
@@ -194,6 +196,10 @@ def chat_command(
         tool_list, choice = checked_tools(tools, tool_choice)
         target, draft = choose_pair(target, draft, registry)
         learning = checked_learning("chat", learn, learn_budget, learn_buffer, keep_learned, target, heads, view.note)
+        from specrun.sessions.trace import TraceFile
+
+        tracing = TraceFile(trace) if trace is not None else None  # a path it cannot write: refused now
+        stopped: BaseException | None = None
         try:
             with open_chat(target, draft, method, options,
                            system_prompt=None if system is None else checked_text(system, "--system"),
@@ -201,13 +207,24 @@ def chat_command(
                            branches=trees.branches, heads=heads, lookahead=lookahead_sizes,
                            chain=trees.chain, tree_nodes=trees.nodes, on_note=view.note, tools=tool_list,
                            tool_choice=choice, verification=verification, learn=learning) as session:
+                if tracing is not None:
+                    tracing.header(target=target, draft=draft, method=method, temperature=params.sampling.temperature,
+                                   max_new_tokens=max_tokens)
+                    session.trace = tracing
                 if messages is None:
                     ChatRepl(session, params, view).run()
                 else:
                     answer_each(session, messages, params, view, new_conversation_each=each_line)
+        except BaseException as exc:
+            stopped = exc
+            raise
         finally:  # the learners stop, and write the heads where asked, however the chat ended
-            for report in learning.finish() if learning is not None else []:
-                print(report.summary(), file=sys.stderr, flush=True)
+            try:
+                for report in learning.finish() if learning is not None else []:
+                    print(report.summary(), file=sys.stderr, flush=True)
+            finally:
+                if tracing is not None:
+                    tracing.close(stopped)
 
 
 def _piped_messages(text: str, each_line: bool) -> list[str]:

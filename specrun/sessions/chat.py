@@ -74,6 +74,7 @@ from specrun.drafters.methods import (
 from specrun.engine.stats import Stats
 from specrun.grammar import Grammar
 from specrun.sessions.templates import ChatTemplate, tokenize_rendered
+from specrun.sessions.trace import TraceFile
 from specrun.sessions.tools import Tool, ToolCall, ToolChoice, render_conversation, style_for
 
 # What a lookahead window's pass-cost probe feeds first where the chat has no system prompt.
@@ -219,6 +220,8 @@ class ChatSession:
         self._on_note = on_note
         self._window_alternative = window_alternative  # auto holds a window beside the draft's full cache
         self._tuned = None
+        self.trace: TraceFile | None = None  # `chat --trace`: where each answer's steps go (the caller closes it)
+        self.traced_answers = 0
         self.engine = SpeculativeEngine(target, None, method, verification=verification)
         self._use_tuned(tuned)
         check_trees_for(method, target, self._drafter_options.lookahead)
@@ -349,12 +352,22 @@ class ChatSession:
             tree_nodes=max(params.tree_nodes, self._window_nodes),
         )
         stream = self.engine.stream(prompt_ids, params)
+        trace = self.trace
+        if trace is not None:  # `chat --trace`: each answer's steps, numbered by answer
+            self.traced_answers += 1
+            where = {"answer": self.traced_answers}
+            self.engine.on_trace = lambda record: trace.step({**where, **record})
         try:
-            yield from stream
+            for event in stream:
+                if trace is not None and isinstance(event, Finished):
+                    trace.finish(event.result.stats, **where)
+                yield event
         except BaseException:
             stream.close()  # the engine rewinds in its finally (a no-op if the error came from inside it)
             self._repair_caches()
             raise
+        finally:
+            self.engine.on_trace = None
 
     def reset(self) -> None:
         """Forget the conversation (the system prompt stays) and empty both caches; the next

@@ -7,7 +7,8 @@ policy's state after it: its gate and each drafter's controller, on or off, acce
 position, the tokens per second it expects of plain decoding and of its best length); the last
 line is the run's statistics (``"summary"``), or why it stopped (``"stopped"``: an error, Ctrl-C).
 `bench --trace` holds every run of the bench: each step and each ``summary`` line says which
-(``prompt``: its index in the bench's prompts, ``line``: the method line, ``repeat``).
+(``prompt``: its index in the bench's prompts, ``line``: the method line, ``repeat``); `chat
+--trace` every answer (``answer``: its number in the chat).
 
 Lines go to a file beside FILE as they come and FILE appears, whole, when the run ends: a reader
 never finds a trace cut off mid-line, a run refused before it began leaves none. The time a

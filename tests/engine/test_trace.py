@@ -271,3 +271,23 @@ def test_a_trace_given_through_a_link_is_written_to_the_linked_file(tmp_path):
     trace.step({"plan": "plain"})
     trace.close()
     assert link.is_symlink() and json.loads(real.read_text()) == {"step": 1, "plan": "plain"}
+
+
+def test_chat_traces_each_answer_by_its_number(tiny_llama, tmp_path):
+    """Two messages on a pipe, one answer each: every step and each answer's statistics say which
+    answer; each answer's steps emit what its statistics count."""
+    pytest.importorskip("llama_cpp")
+    from specrun.cli.app import app
+
+    path = str(tiny_llama.gguf_path)
+    out = tmp_path / "c.jsonl"
+    result = CliRunner().invoke(app, ["chat", "-t", path, "-d", path, "-n", "6", "--each-line",
+                                      "--trace", str(out)], input="def f():\nclass A:\n")
+    assert result.exit_code == 0, result.output
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    assert lines[0]["trace"] == "specrun" and lines[0]["method"] == "auto"
+    summaries = {line["answer"]: line["summary"] for line in lines if "summary" in line}
+    assert sorted(summaries) == [1, 2]
+    for answer, stats in summaries.items():
+        steps = [line for line in lines if "step" in line and line["answer"] == answer]
+        assert len(steps) == stats["steps"] and sum(s["emitted"] for s in steps) == stats["new_tokens"] == 6
