@@ -165,7 +165,7 @@ def generate(
         from specrun.sessions.generation import GenerateRequest, generate_text
         from specrun.registry.loading import LoadOptions, choose_pair
         from specrun.drafters.methods import DrafterOptions, needs_draft_model
-        from specrun.sessions.trace import TraceFile
+        from specrun.sessions.trace import open_trace
 
         check_method(method)
         check_generation_options(max_tokens, draft_len, draft_min_prob, ctx, threads)
@@ -191,72 +191,66 @@ def generate(
         learning = checked_learning("generate", learn, learn_budget, learn_buffer, keep_learned, target, heads,
                                     lambda note: typer.echo(f"note: {note}", err=True))
         bar = None if json_output else PrefillBar()  # a long prompt's reading, on a terminal
-        tracing = TraceFile(trace) if trace is not None else None  # a path it cannot write: refused now
-        request = GenerateRequest(
-            prompt=text,
-            target=target,
-            draft=draft if needs_draft_model(method) else None,
-            method=method,
-            max_new_tokens=max_tokens,
-            draft_len=draft_len,
-            draft_min_prob=draft_min_prob,
-            sampling=sampling,
-            load=LoadOptions(backend=backend, n_ctx=ctx, threads=threads, gpu_layers=gpu_layers,
-                             rpc=rpc_servers, registry=registry, kv_type=kv_type,
-                             flash_attn=flash_attn, exact=exact, window=window, sinks=sinks,
-                             tree_paths=trees.paths),
-            drafter_options=DrafterOptions(ngram_cache=ngram_cache, branches=trees.branches, lookahead=lookahead_sizes),
-            chat=chat,
-            trees=trees,
-            heads=heads,
-            grammar=grammar_spec,
-            tools=tool_list,
-            tool_choice=choice,
-            verification=verification,
-            on_note=lambda note: typer.echo(f"note: {note}", err=True),
-            on_prefill=bar,
-            learn=learning,
-            trace=tracing,
-        )
-        kept = None  # the answer is printed even when the n-gram cache could not be saved after it
-        learned = []
-        stopped: BaseException | None = None
-        try:
-            if json_output:
-                try:
-                    result = generate_text(request)
-                except AnswerKeptError as exc:
-                    result, kept = exc.result, exc
-                learned = learning.finish() if learning is not None else []
-                answer = {"text": result.text, "finish_reason": result.finish_reason, "stats": result.stats.to_dict()}
-                if tool_list:
-                    answer["tool_calls"] = [call.as_openai() for call in result.tool_calls]
-                if learning is not None:
-                    answer["learning"] = [report.to_dict() for report in learned]
-                typer.echo(json.dumps(answer))
-            else:
-                try:
-                    result = generate_text(request, on_text=_write_stdout)
-                except AnswerKeptError as exc:
-                    result, kept = exc.result, exc
-                finally:
-                    bar.close()  # an error or Ctrl-C while the prompt was read: the bar goes before the message
-                sys.stdout.write("\n" if result.text and not result.text.endswith("\n") else "")
-                sys.stdout.flush()
-                typer.echo(result.stats.summary(), err=True)
-                learned = learning.finish() if learning is not None else []
-                for report in learned:
-                    typer.echo(report.summary(), err=True)
-        except BaseException as exc:
-            stopped = exc
-            raise
-        finally:
+        with open_trace(trace) as tracing:  # closed after the learners, however the run ends
+            request = GenerateRequest(
+                prompt=text,
+                target=target,
+                draft=draft if needs_draft_model(method) else None,
+                method=method,
+                max_new_tokens=max_tokens,
+                draft_len=draft_len,
+                draft_min_prob=draft_min_prob,
+                sampling=sampling,
+                load=LoadOptions(backend=backend, n_ctx=ctx, threads=threads, gpu_layers=gpu_layers,
+                                 rpc=rpc_servers, registry=registry, kv_type=kv_type,
+                                 flash_attn=flash_attn, exact=exact, window=window, sinks=sinks,
+                                 tree_paths=trees.paths),
+                drafter_options=DrafterOptions(ngram_cache=ngram_cache, branches=trees.branches,
+                                               lookahead=lookahead_sizes),
+                chat=chat,
+                trees=trees,
+                heads=heads,
+                grammar=grammar_spec,
+                tools=tool_list,
+                tool_choice=choice,
+                verification=verification,
+                on_note=lambda note: typer.echo(f"note: {note}", err=True),
+                on_prefill=bar,
+                learn=learning,
+                trace=tracing,
+            )
+            kept = None  # the answer is printed even when the n-gram cache could not be saved after it
+            learned = []
             try:
+                if json_output:
+                    try:
+                        result = generate_text(request)
+                    except AnswerKeptError as exc:
+                        result, kept = exc.result, exc
+                    learned = learning.finish() if learning is not None else []
+                    answer = {"text": result.text, "finish_reason": result.finish_reason,
+                              "stats": result.stats.to_dict()}
+                    if tool_list:
+                        answer["tool_calls"] = [call.as_openai() for call in result.tool_calls]
+                    if learning is not None:
+                        answer["learning"] = [report.to_dict() for report in learned]
+                    typer.echo(json.dumps(answer))
+                else:
+                    try:
+                        result = generate_text(request, on_text=_write_stdout)
+                    except AnswerKeptError as exc:
+                        result, kept = exc.result, exc
+                    finally:
+                        bar.close()  # an error or Ctrl-C while the prompt was read: the bar goes before the message
+                    sys.stdout.write("\n" if result.text and not result.text.endswith("\n") else "")
+                    sys.stdout.flush()
+                    typer.echo(result.stats.summary(), err=True)
+                    learned = learning.finish() if learning is not None else []
+                    for report in learned:
+                        typer.echo(report.summary(), err=True)
+            finally:
                 if learning is not None:
                     learning.finish()  # stopped on an error or Ctrl-C too (a second finish finds nothing)
-            finally:
-                if tracing is not None:
-                    tracing.close(stopped)
         if kept is not None:
             raise kept
 

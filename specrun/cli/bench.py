@@ -196,21 +196,13 @@ def bench(
                              rpc=rpc_servers, registry=registry, kv_type=kv_type,
                              flash_attn=flash_attn, exact=exact, window=window, sinks=sinks, tree_paths=trees.paths),
         )
-        from specrun.sessions.trace import TraceFile
+        from specrun.sessions.trace import open_trace
 
-        tracing = TraceFile(trace) if trace is not None else None  # a path it cannot write: refused now
-        stopped: BaseException | None = None
-        try:
+        with open_trace(trace) as tracing:
             if tracing is not None:
                 tracing.header(target=target, draft=draft, methods=list(method_list), prompts=len(bench_prompts),
                                max_new_tokens=max_tokens, temperature=sampling.temperature, repeat=repeat)
             run_and_show(config, bench_prompts, json_out, report_out, tracing)
-        except BaseException as exc:
-            stopped = exc
-            raise
-        finally:
-            if tracing is not None:
-                tracing.close(stopped)
 
 
 def suggested_draft(target: str, registry: Path | None) -> str | None:

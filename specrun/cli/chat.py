@@ -196,35 +196,27 @@ def chat_command(
         tool_list, choice = checked_tools(tools, tool_choice)
         target, draft = choose_pair(target, draft, registry)
         learning = checked_learning("chat", learn, learn_budget, learn_buffer, keep_learned, target, heads, view.note)
-        from specrun.sessions.trace import TraceFile
+        from specrun.sessions.trace import open_trace
 
-        tracing = TraceFile(trace) if trace is not None else None  # a path it cannot write: refused now
-        stopped: BaseException | None = None
-        try:
-            with open_chat(target, draft, method, options,
-                           system_prompt=None if system is None else checked_text(system, "--system"),
-                           draft_len=draft_len, draft_min_prob=draft_min_prob, ngram_cache=ngram_cache,
-                           branches=trees.branches, heads=heads, lookahead=lookahead_sizes,
-                           chain=trees.chain, tree_nodes=trees.nodes, on_note=view.note, tools=tool_list,
-                           tool_choice=choice, verification=verification, learn=learning) as session:
-                if tracing is not None:
-                    tracing.header(target=target, draft=draft, method=method, temperature=params.sampling.temperature,
-                                   max_new_tokens=max_tokens)
-                    session.trace = tracing
-                if messages is None:
-                    ChatRepl(session, params, view).run()
-                else:
-                    answer_each(session, messages, params, view, new_conversation_each=each_line)
-        except BaseException as exc:
-            stopped = exc
-            raise
-        finally:  # the learners stop, and write the heads where asked, however the chat ended
+        with open_trace(trace) as tracing:  # closed after the learners, however the chat ends
             try:
+                with open_chat(target, draft, method, options,
+                               system_prompt=None if system is None else checked_text(system, "--system"),
+                               draft_len=draft_len, draft_min_prob=draft_min_prob, ngram_cache=ngram_cache,
+                               branches=trees.branches, heads=heads, lookahead=lookahead_sizes,
+                               chain=trees.chain, tree_nodes=trees.nodes, on_note=view.note, tools=tool_list,
+                               tool_choice=choice, verification=verification, learn=learning) as session:
+                    if tracing is not None:
+                        tracing.header(target=target, draft=draft, method=method,
+                                       temperature=params.sampling.temperature, max_new_tokens=max_tokens)
+                        session.trace = tracing
+                    if messages is None:
+                        ChatRepl(session, params, view).run()
+                    else:
+                        answer_each(session, messages, params, view, new_conversation_each=each_line)
+            finally:  # the learners stop, and write the heads where asked, however the chat ended
                 for report in learning.finish() if learning is not None else []:
                     print(report.summary(), file=sys.stderr, flush=True)
-            finally:
-                if tracing is not None:
-                    tracing.close(stopped)
 
 
 def _piped_messages(text: str, each_line: bool) -> list[str]:

@@ -263,7 +263,8 @@ def render(results) -> Group:
         if result.target_per_context or result.draft_per_context:
             blocks.append(Text(f"  1,000 more tokens of context: +{1e6 * result.target_per_context:.1f} ms a target "
                                f"pass, +{1e6 * result.draft_per_context:.1f} ms a step drafting "
-                               f"{result.best_draft_len or 4} tokens (later runs weigh drafting at the context they reach)"))
+                               f"{result.best_draft_len or 4} tokens (later runs weigh drafting at the context "
+                               "they reach)"))
         if result.acceptance_by_position:
             curve = " ".join(f"{100 * share:.0f}%" for _, share in sorted(result.acceptance_by_position.items()))
             blocks.append(Text(f"  accepted by draft position (the ones before it accepted): {curve}"))

@@ -356,7 +356,7 @@ class ChatSession:
         if trace is not None:  # `chat --trace`: each answer's steps, numbered by answer
             self.traced_answers += 1
             where = {"answer": self.traced_answers}
-            self.engine.on_trace = lambda record: trace.step({**where, **record})
+            self.engine.on_trace = trace.recorder(**where)
         try:
             for event in stream:
                 if trace is not None and isinstance(event, Finished):

@@ -269,7 +269,7 @@ def compare_variants(
                     track_as_drafted(engine)
                     where = {"prompt": index, "line": name, "repeat": run}
                     if trace is not None:
-                        engine.on_trace = lambda record, where=where: trace.step({**where, **record})
+                        engine.on_trace = trace.recorder(**where)
                     result = engine.run(prompt, variant_params[name], complete_cache=False)
                     if trace is not None:
                         engine.on_trace = None

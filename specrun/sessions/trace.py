@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+from contextlib import nullcontext
 from pathlib import Path
 
 from specrun.engine.stats import Stats
@@ -49,6 +50,11 @@ class TraceFile:
     def header(self, **fields) -> None:
         """What ran: models, method, sampling, prompt length."""
         self._line({"trace": "specrun", "version": TRACE_VERSION, **fields})
+
+    def recorder(self, **where):
+        """An engine's ``on_trace`` writing each step with ``where`` (bench's prompt, line and
+        repeat; chat's answer)."""
+        return lambda record: self.step({**where, **record})
 
     def step(self, record: dict) -> None:
         """One step's record (engine/loop.trace_record), numbered from 1."""
@@ -86,8 +92,20 @@ class TraceFile:
             if self._temporary.exists():
                 self._temporary.unlink()
 
+    def __enter__(self) -> TraceFile:
+        return self
+
+    def __exit__(self, kind, error, traceback) -> None:
+        self.close(error)
+
     def _line(self, record: dict) -> None:
         try:
             self._file.write(json.dumps(record, separators=(",", ":")) + "\n")
         except OSError as exc:  # a full disk: the run goes on untraced is not what was asked
             raise write_error(self.path, WHAT, INSTEAD, FileAccessError, exc) from exc
+
+
+def open_trace(path: Path | str | None):
+    """``--trace``'s file as a context manager that closes it however the command ends (a path it
+    cannot write refused now, before anything loads), or one that holds None where none was asked."""
+    return TraceFile(path) if path is not None else nullcontext()

@@ -7,11 +7,12 @@ side by side with plain decoding. It records the tokens/s of each, the target's 
 cost T(n), the draft model's drafting cost per length, its overall acceptance and how
 often its first token is accepted, how often each draft position is (given the ones
 before it were), and what a token of context adds to the target's passes and to the draft
-model's steps, timed after several contexts (``time_context_costs``). The result is saved in the user config, keyed by the two model files and
-this machine; a later ``--method draft`` run uses the best draft length when none is given
-(a chain keeps its own), and controllers (``--method auto``, a fixed chain's gate) start
-from the measured target and draft costs instead of exploring them, and from the measured
-acceptance by position instead of an optimistic prior.
+model's steps, timed after several contexts (``time_context_costs``). The result is saved in
+the user config, keyed by the two model files and this machine; a later ``--method draft`` run
+uses the best draft length when none is given (a chain keeps its own), and controllers
+(``--method auto``, a fixed chain's gate) start from the measured target and draft costs
+instead of exploring them, and from the measured acceptance by position instead of an
+optimistic prior.
 """
 
 from __future__ import annotations
@@ -409,32 +410,31 @@ def time_passes(target: Backend, prompt: list[int], counts, repeats: int = 7) ->
 
 
 def _timed_pass(sequence, context: list[int], n: int, repeats: int, clock=None) -> float:
-    """Median seconds of a pass over n tokens after the ``context`` the sequence holds, each
-    rewound (the context's tokens again, as many as needed: what a pass costs does not depend on them)."""
-    from time import perf_counter
-
-    clock = clock or perf_counter
+    """Median seconds of a pass over n tokens after the ``context`` the sequence holds (the
+    context's tokens again, as many as needed: what a pass costs does not depend on them)."""
     tokens = (context * (n // max(len(context), 1) + 1))[:n]
-    samples = []
-    for _ in range(repeats):
-        started = clock()
-        sequence.feed_argmax(tokens, range(n))
-        samples.append(clock() - started)
-        sequence.rewind(len(context))
-    return statistics.median(samples)
+    return _median_seconds(sequence, context, lambda: sequence.feed_argmax(tokens, range(n)), repeats, clock)
 
 
 def _timed_draft(sequence, context: list[int], k: int, repeats: int, clock=None) -> float:
     """Median seconds of drafting ``k`` tokens after the ``context`` the sequence holds: k passes
-    of one token, as a draft model drafts greedily, each draft rewound."""
+    of one token, as a draft model drafts greedily."""
+    def draft() -> None:
+        for i in range(k):
+            sequence.feed_argmax([context[i % len(context)]], [0])
+
+    return _median_seconds(sequence, context, draft, repeats, clock)
+
+
+def _median_seconds(sequence, context: list[int], work, repeats: int, clock=None) -> float:
+    """Median seconds of ``work`` over ``repeats`` runs, the sequence rewound to ``context`` after each."""
     from time import perf_counter
 
     clock = clock or perf_counter
     samples = []
     for _ in range(repeats):
         started = clock()
-        for i in range(k):
-            sequence.feed_argmax([context[i % len(context)]], [0])
+        work()
         samples.append(clock() - started)
         sequence.rewind(len(context))
     return statistics.median(samples)
