@@ -4,11 +4,17 @@ The index maps every n-gram of the context (n from ``min_ngram`` to ``max_ngram`
 to the position right after its most recent occurrence. It is updated as tokens
 arrive: a step costs O(new tokens × orders + draft_len), whatever the context's
 length (llama-cpp-python's prompt lookup rescans the whole context every step).
+A long read (a prompt, a document, a chat turn's history) is indexed in bulk with
+NumPy — its n-grams packed and grouped by a sort, the table updated in one C-level
+call — instead of a Python loop over its tokens; the result is the same index.
 """
 
 from __future__ import annotations
 
+import operator
+from collections import deque
 from collections.abc import Sequence
+from itertools import compress, repeat
 
 import numpy as np
 
@@ -25,6 +31,9 @@ MAX_OCCURRENCES = 16
 # An n-gram is one int: its token ids side by side in this many bits each (token ids are
 # below 2**32 in every vocabulary), built incrementally; no tuple per order per token.
 TOKEN_BITS = 32
+# Reads (and forgets) of at least this many tokens go through NumPy (``packed_windows``): below it
+# the per-token path is as fast (a step reads 1 to 17 tokens).
+BULK_TOKENS = 64
 
 
 def _pack(tokens: Sequence[int]) -> int:
@@ -32,6 +41,53 @@ def _pack(tokens: Sequence[int]) -> int:
     for token in tokens:
         key = (key << TOKEN_BITS) | int(token)
     return key
+
+
+def key_columns(tokens: np.ndarray, n: int) -> list[np.ndarray]:
+    """Every n-token window of ``tokens`` (window i: tokens[i:i + n]) as uint64 columns, two tokens
+    a column (the first column one token when n is odd): keys NumPy can sort and compare."""
+    count = len(tokens) - n + 1
+    columns: list[np.ndarray] = []
+    start = 0
+    for width in [1] * (n % 2) + [2] * (n // 2):
+        column = tokens[start : start + count].astype(np.uint64)
+        if width == 2:
+            column = (column << np.uint64(TOKEN_BITS)) | tokens[start + 1 : start + 1 + count].astype(np.uint64)
+        columns.append(column)
+        start += width
+    return columns
+
+
+def sorted_rows(columns: list[np.ndarray]) -> np.ndarray:
+    """Row indices ordered by key (spread over ``columns``, first column first), equal keys by row."""
+    if len(columns) == 1:
+        return np.argsort(columns[0], kind="stable")
+    return np.lexsort(tuple(reversed(columns)))  # lexsort is stable
+
+
+def packed_windows(tokens: np.ndarray, n: int) -> tuple[list[int], list[np.ndarray]]:
+    """``_pack`` of every n-token window of ``tokens``, as Python ints, and ``key_columns``. No
+    Python loop over the windows: keys wider than 64 bits are read from each window's bytes by
+    ``map`` over a C-level call."""
+    columns = key_columns(tokens, n)
+    if len(columns) == 1:
+        return columns[0].tolist(), columns
+    windows = np.lib.stride_tricks.sliding_window_view(tokens.astype(">u4"), n)  # TOKEN_BITS each
+    rows = np.ascontiguousarray(windows).view(f"V{4 * n}").ravel().tolist()
+    return list(map(int.from_bytes, rows, repeat("big"))), columns
+
+
+def previous_equal(columns: list[np.ndarray]) -> np.ndarray:
+    """For each row (its key spread over ``columns``), the index of the nearest earlier row with the
+    same key, -1 for a key's first row: one stable sort, no loop over the rows."""
+    order = sorted_rows(columns)
+    same = np.ones(max(len(order) - 1, 0), dtype=bool)
+    for column in columns:
+        ordered = column[order]
+        same &= ordered[1:] == ordered[:-1]
+    previous = np.full(len(order), -1, dtype=np.int64)
+    previous[order[1:][same]] = order[:-1][same]
+    return previous
 
 
 class ContextMirror:
@@ -200,9 +256,42 @@ class PromptLookupDrafter(Drafter):
             self._read_token(int(context[keep]))
         else:
             self._forget_from(keep)
-            for token in context[keep:]:
-                self._read_token(int(token))
+            if len(context) - keep >= BULK_TOKENS:
+                self._read_bulk(context[keep:])
+            else:
+                for token in context[keep:]:
+                    self._read_token(int(token))
         self.mirror.follow(context)
+
+    def _read_bulk(self, new: Sequence[int]) -> None:
+        """``_read_token`` of every token of ``new`` in turn, done by NumPy: for each order, the keys
+        of the windows ending before each new position, the position each replaces (the nearest
+        earlier window with its key; before the first, what the table held), then the table
+        updated in one call (of equal keys the latest position is the one kept)."""
+        tokens = self.mirror.tokens
+        start = len(tokens)
+        longest = self.orders[0]
+        held = tokens[max(0, start - longest) :]  # what the first new windows reach back into
+        offset = start - len(held)  # position of seq[0]
+        seq = np.concatenate([np.asarray(held, dtype=np.int64), np.asarray(new, dtype=np.int64)])
+        end = offset + len(seq)
+        for j, n in enumerate(self.orders):
+            first = max(start, n)  # the first new position an n-gram ends before
+            self._replaced[j].extend(repeat(-1, min(first, end) - start))
+            if first >= end:
+                continue
+            keys, columns = packed_windows(seq[first - n - offset : end - 1 - offset], n)
+            positions = np.arange(first, end)
+            previous = previous_equal(columns)
+            replaced = np.where(previous >= 0, positions[np.maximum(previous, 0)], -1)
+            latest = self._latest[j]
+            firsts = np.flatnonzero(previous < 0)  # each key's first new window: what the table held
+            replaced[firsts] = list(map(latest.get, map(keys.__getitem__, firsts.tolist()), repeat(-1)))
+            self._replaced[j].extend(replaced.tolist())
+            latest.update(zip(keys, positions.tolist()))
+            self._index_ops += len(keys)
+        tokens.extend(seq[start - offset :].tolist())
+        self._tails = [_pack(tokens[-n:]) & mask for n, mask in zip(self.orders, self._masks)]
 
     def _read_token(self, token: int) -> None:
         """Append ``token`` at position c: every n-gram ending just before c now has c as its continuation."""
@@ -226,6 +315,9 @@ class PromptLookupDrafter(Drafter):
         tokens = self.mirror.tokens
         if n_keep >= len(tokens):
             return
+        if len(tokens) - n_keep >= BULK_TOKENS:
+            self._forget_bulk(n_keep)
+            return
         for position in range(len(tokens) - 1, n_keep - 1, -1):
             for j, n in enumerate(self.orders):
                 if n > position:
@@ -241,6 +333,27 @@ class PromptLookupDrafter(Drafter):
             del replaced[n_keep:]
         self.mirror.truncate(n_keep)
         self._tails = [_pack(tokens[-n:]) for n in self.orders]  # shorter while fewer were read
+
+    def _forget_bulk(self, n_keep: int) -> None:
+        """``_forget_from`` by NumPy: undoing positions newest first leaves each key what its
+        earliest forgotten position replaced (deleted where that was nothing)."""
+        tokens = self.mirror.tokens
+        end = len(tokens)
+        seq = np.asarray(tokens[max(0, n_keep - self.orders[0]) :], dtype=np.int64)
+        offset = end - len(seq)
+        for j, n in enumerate(self.orders):
+            first = max(n_keep, n)
+            if first < end:
+                keys, _ = packed_windows(seq[first - n - offset : end - 1 - offset], n)
+                # Of equal keys the earliest position's record is the one kept (reversed: it comes last).
+                restore = dict(zip(reversed(keys), reversed(self._replaced[j][first:end])))
+                latest = self._latest[j]
+                latest.update(restore)
+                deque(map(latest.pop, compress(restore, map(operator.gt, repeat(0), restore.values()))), maxlen=0)
+                self._index_ops += len(keys)
+            del self._replaced[j][n_keep:]
+        self.mirror.truncate(n_keep)
+        self._tails = [_pack(tokens[-n:]) for n in self.orders]
 
     def _match(self) -> tuple[int, int] | None:
         """Start of the continuation of the longest tail n-gram seen before, and its n; if any."""

@@ -35,15 +35,16 @@ from __future__ import annotations
 import hashlib
 import json
 import struct
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Sequence
+from itertools import compress, repeat
 from pathlib import Path
 
 import numpy as np
 
 from specrun.backends.base import Backend
 from specrun.drafters.base import EMPTY_PROPOSAL, Drafter, Proposal
-from specrun.drafters.lookup import ContextMirror
+from specrun.drafters.lookup import BULK_TOKENS, ContextMirror, key_columns, sorted_rows
 from specrun.errors import SpecrunError
 from specrun.fileio import MiB, check_writable_folder, read_limited, write_atomically
 from specrun.sampling import SamplingSettings
@@ -260,9 +261,58 @@ class NgramPoolDrafter(Drafter):
         """Learn from the tokens of ``context`` not read before (the pool keeps what it learned)."""
         keep = self.mirror.shared_prefix(context)
         self.mirror.truncate(keep)
-        for token in context[keep:]:
-            self._learn_next(int(token))
+        if len(context) - keep >= BULK_TOKENS:
+            self._learn_bulk(context[keep:])
+        else:
+            for token in context[keep:]:
+                self._learn_next(int(token))
         self.mirror.follow(context)
+
+    def _learn_bulk(self, new: Sequence[int]) -> None:
+        """Learn a long read (a prompt, a document) at once: NumPy counts each (context, follower)
+        sighting of every order, then the pool takes one merge a distinct context, no Python loop
+        over the tokens. The pool ends as token-by-token learning leaves it (followers in order of
+        first sighting; contexts in order of last use, each order's n after n - 1 at a position)
+        wherever no context holds more than ``max_followers`` followers and nothing is evicted.
+        Otherwise a context keeps its strongest followers by their counts (ties: the earlier
+        sighted; Space-Saving's replacements are for learning a token at a time), and evictions
+        take the least recently used contexts once the read is counted."""
+        tokens = self.mirror.tokens
+        start = len(tokens)
+        held = tokens[max(0, start - self.max_order) :]
+        offset = start - len(held)  # position of seq[0]
+        seq = np.concatenate([np.asarray(held, dtype=np.int64), np.asarray(new, dtype=np.int64)])
+        end = offset + len(seq)
+        keys: list[tuple[int, ...]] = []
+        learned: list[Followers] = []
+        last_use: list[np.ndarray] = []
+        sightings = 0
+        for n in range(1, self.max_order + 1):
+            first = max(start, n)  # the first position with n tokens before it
+            if first >= end:
+                continue
+            order_keys, order_learned, last_row = _count_windows(seq[first - n - offset : end - offset], n + 1)
+            keys += order_keys
+            learned += order_learned
+            last_use.append((first + last_row) * (self.max_order + 1) + n)
+            sightings += end - first
+        recency = np.argsort(np.concatenate(last_use), kind="stable").tolist() if last_use else []
+        keys = list(map(keys.__getitem__, recency))
+        learned = list(map(learned.__getitem__, recency))
+        pool = self._pool
+        for i in compress(range(len(keys)), map(pool.__contains__, keys)):  # contexts held before
+            learned[i] = _merge_followers(pool[keys[i]], learned[i])
+        for i in [i for i, followers in enumerate(learned) if len(followers) > self.max_followers]:
+            learned[i] = _keep_strongest(learned[i], self.max_followers)
+        self._pool_ops += sightings
+        self._dirty = True
+        pool.update(zip(keys, learned))  # whole entries only: a Ctrl-C leaves no context empty
+        deque(map(pool.move_to_end, keys), maxlen=0)  # most recently used last
+        over = len(pool) - self.max_contexts
+        if over > 0:
+            deque(map(pool.popitem, repeat(False, over)), maxlen=0)
+            self.evictions += over
+        tokens.extend(seq[start - offset :].tolist())
 
     def _learn_next(self, token: int) -> None:
         """Count ``token`` as the follower of each of the 1..max_order tokens before it."""
@@ -340,6 +390,52 @@ class NgramPoolDrafter(Drafter):
             if len(key) <= self.max_order:
                 self._pool[key] = _strongest(followers, self.max_followers)
         self._dirty = False
+
+
+def _count_windows(tokens: np.ndarray, width: int) -> tuple[list[tuple[int, ...]], list[Followers], np.ndarray]:
+    """Each distinct context of the ``width``-token windows of ``tokens`` (a window: its context,
+    then the follower): the context's key, its followers with their counts in order of first
+    sighting, and the last window it was sighted in."""
+    rows = np.lib.stride_tricks.sliding_window_view(tokens, width)
+    count = len(rows)
+    order = sorted_rows(key_columns(tokens, width))  # by context, then follower, then window
+    ordered = rows[order]
+    changed = ordered[1:] != ordered[:-1]
+    context_starts = np.flatnonzero(np.concatenate(([True], changed[:, :-1].any(axis=1))))
+    pair_starts = np.flatnonzero(np.concatenate(([True], changed.any(axis=1))))
+    pair_counts = np.diff(np.append(pair_starts, count))
+    pair_first = order[pair_starts]  # rows are sorted within a pair: its first sighting
+    pair_context = np.searchsorted(context_starts, pair_starts, side="right") - 1
+    by_sighting = np.lexsort((pair_first, pair_context))  # a context's followers, first sighted first
+    followers = ordered[pair_starts, -1][by_sighting].tolist()
+    counts = pair_counts[by_sighting].tolist()
+    bounds = np.append(np.searchsorted(pair_context[by_sighting], np.arange(len(context_starts))), len(pair_starts))
+    sizes = np.diff(bounds)
+    # Most contexts of a text have one follower: a dict each, built without slicing.
+    learned = [{token: count} for token, count in zip(ordered[context_starts, -1].tolist(),
+                                                      np.diff(np.append(context_starts, count)).tolist())]
+    for i in np.flatnonzero(sizes > 1).tolist():
+        a, b = int(bounds[i]), int(bounds[i + 1])
+        learned[i] = dict(zip(followers[a:b], counts[a:b]))
+    keys = list(map(tuple, ordered[context_starts, :-1].tolist()))
+    last_row = np.maximum.reduceat(order, context_starts)
+    return keys, learned, last_row
+
+
+def _merge_followers(held: Followers, learned: Followers) -> Followers:
+    """``held`` with ``learned``'s counts added (new followers after the held ones)."""
+    merged = dict(held)
+    for token, count in learned.items():
+        merged[token] = merged.get(token, 0) + count
+    return merged
+
+
+def _keep_strongest(followers: Followers, max_followers: int) -> Followers:
+    """The ``max_followers`` most counted followers (ties: the earlier), in their order."""
+    if len(followers) <= max_followers:
+        return followers
+    kept = {token for token, _ in sorted(followers.items(), key=lambda item: -item[1])[:max_followers]}
+    return {token: count for token, count in followers.items() if token in kept}
 
 
 def _add_follower(followers: Followers, token: int, max_followers: int) -> None:

@@ -615,3 +615,99 @@ def test_bad_chains_are_usage_errors_naming_the_fix(method, problem, fix):
     with pytest.raises(UsageError) as caught:
         check_method(method)
     assert problem in caught.value.problem and fix in caught.value.fix
+
+
+# ---- long reads indexed in bulk (NumPy) --------------------------------------------
+def index_state(drafter: PromptLookupDrafter) -> tuple:
+    return (drafter.mirror.tokens, drafter._latest, drafter._replaced, drafter._tails, drafter._index_ops)
+
+
+@pytest.mark.parametrize("orders", [(1, 1), (2, 4), (1, 5), (3, 6)])
+def test_lookup_bulk_reads_and_rewinds_build_the_token_by_token_index(monkeypatch, orders):
+    """Long reads (prompts, a chat's history) and long rewinds go through NumPy: the index,
+    its undo records, tails and operation count are those of reading a token at a time, over
+    repetitive and random text, large token ids (packed keys past 64 bits) and n-gram orders
+    of odd and even length."""
+    import specrun.drafters.lookup as lookup_module
+
+    min_ngram, max_ngram = orders
+    rng = np.random.default_rng(sum(orders))
+    bulk = PromptLookupDrafter(max_ngram=max_ngram, min_ngram=min_ngram)
+    stepwise = PromptLookupDrafter(max_ngram=max_ngram, min_ngram=min_ngram)
+    motif = [int(t) for t in rng.integers(2**32 - 9, 2**32, 12)]
+    context: list[int] = []
+    for round_ in range(30):
+        keep = int(rng.integers(0, len(context) + 1)) if round_ % 3 else len(context)
+        grown = int(rng.integers(0, 300))
+        fresh = [motif[i % len(motif)] if rng.random() < 0.7 else int(rng.integers(2**32 - 9, 2**32))
+                 for i in range(int(rng.integers(0, 12)), grown)]
+        context = context[:keep] + fresh
+        got = bulk.propose(context, 5, GREEDY, RNG)
+        monkeypatch.setattr(lookup_module, "BULK_TOKENS", 10**9)
+        expected = stepwise.propose(context, 5, GREEDY, RNG)
+        monkeypatch.undo()
+        assert got == expected
+        assert index_state(bulk) == index_state(stepwise)
+    assert bulk.propose(context + motif[:4], 5, GREEDY, RNG) == stepwise.propose(context + motif[:4], 5, GREEDY, RNG)
+
+
+def test_a_long_prompt_is_indexed_without_a_python_step_a_token(monkeypatch):
+    """The per-token updates (lookup's _read_token, the pool's _learn_next) are not called for a
+    long read; a step's few tokens still take them."""
+    from specrun.drafters import ngram as ngram_module
+
+    def per_token(*_):
+        raise AssertionError("a long read went token by token")
+
+    prompt = [int(t) for t in np.random.default_rng(5).integers(0, 50, 8192)]
+    for drafter, method in ((PromptLookupDrafter(), "_read_token"), (NgramPoolDrafter(), "_learn_next")):
+        monkeypatch.setattr(type(drafter), method, per_token)
+        drafter.propose(prompt, 4, GREEDY, RNG)
+        assert drafter.mirror.tokens == prompt
+        monkeypatch.undo()
+        drafter.propose(prompt + [7, 8], 4, GREEDY, RNG)  # a step: token by token
+        assert drafter.mirror.tokens == prompt + [7, 8]
+    assert ngram_module.BULK_TOKENS <= 256
+
+
+def pool_state(pool: NgramPoolDrafter) -> list:
+    return [(key, list(followers.items())) for key, followers in pool._pool.items()]
+
+
+@pytest.mark.parametrize("max_order", [1, 3, 4])
+def test_pool_bulk_learning_equals_token_by_token_learning(monkeypatch, max_order):
+    """Without a full context or an eviction, a long read leaves the pool exactly as learning a
+    token at a time does: contexts in order of last use, followers in order of first sighting,
+    counts; learned on top of what the pool held, across chat turns that repeat the history."""
+    import specrun.drafters.ngram as ngram_module
+
+    rng = np.random.default_rng(max_order)
+    settings = {"max_order": max_order, "max_followers": 64, "max_contexts": 10**6}
+    bulk, stepwise = NgramPoolDrafter(**settings), NgramPoolDrafter(**settings)
+    context: list[int] = []
+    for _ in range(12):
+        context = context + [int(t) for t in rng.integers(0, 12, int(rng.integers(60, 400)))]
+        bulk.propose(context, 4, GREEDY, RNG)
+        monkeypatch.setattr(ngram_module, "BULK_TOKENS", 10**9)
+        stepwise.propose(context, 4, GREEDY, RNG)
+        monkeypatch.undo()
+        assert pool_state(bulk) == pool_state(stepwise)
+        assert bulk.ops == stepwise.ops and bulk.mirror.tokens == stepwise.mirror.tokens
+    other = [int(t) for t in rng.integers(0, 12, 300)]  # a new conversation: the pool keeps learning
+    bulk.finish(other)
+    monkeypatch.setattr(ngram_module, "BULK_TOKENS", 10**9)
+    stepwise.finish(other)
+    assert pool_state(bulk) == pool_state(stepwise)
+
+
+def test_pool_bulk_learning_keeps_the_strongest_followers_and_evicts_the_least_recent():
+    """Past the caps a long read keeps each context's most counted followers (ties: the first
+    sighted, in their order) and the most recently used contexts."""
+    text = [1, 2] * 40 + [1, 3] * 30 + [1, 4] * 30 + [1, 5, 6, 7]
+    pool = NgramPoolDrafter(max_order=1, max_followers=2)
+    pool.finish(text)
+    assert pool.followers([1]) == {2: 40, 3: 30}  # 4 (30 as well) was sighted after 3
+    capped = NgramPoolDrafter(max_order=1, max_contexts=3)
+    capped.finish(text)
+    assert list(capped._pool) == [(1,), (5,), (6,)]  # 1 last followed by 5, then 5 and 6
+    assert capped.evictions == 3 and capped.followers([1]) == {2: 40, 3: 30, 4: 30, 5: 1}
