@@ -242,6 +242,12 @@ TraceOpt = Annotated[
                  "milliseconds, and why the policy chose it (its gate and each drafter's estimates)."),
 ]
 
+ServeTraceOpt = Annotated[
+    Optional[Path],
+    typer.Option("--trace", help="Write every request's steps to FILE as JSON Lines, a request at a time as "
+                 "each ends (read it live): what was drafted and kept, its milliseconds, and why."),
+]
+
 
 # ---- one alias per variant: options of one name that differ between commands -----------
 # --target and --draft: demo and heads train name a model of their own by default.

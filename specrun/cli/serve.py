@@ -35,6 +35,7 @@ from specrun.cli.options import (
     DraftOpt,
     EpsilonOpt,
     ExactOpt,
+    ServeTraceOpt,
     SinksOpt,
     WindowOpt,
     FlashAttnOpt,
@@ -136,6 +137,7 @@ def serve_command(
     learn_budget: LearnBudgetOpt = None,
     learn_buffer: LearnBufferOpt = None,
     keep_learned: KeepLearnedOpt = False,
+    trace: ServeTraceOpt = None,
 ) -> None:
     """Serve the pair over an OpenAI-compatible API (/v1/chat/completions, /v1/completions,
     /v1/models, /health) until Ctrl-C. --temp, --top-k, --top-p, --min-p and -n are the defaults
@@ -190,6 +192,9 @@ def serve_command(
         target, draft = choose_pair(target, draft, registry)
         learning = checked_learning("serve", learn, learn_budget, learn_buffer, keep_learned, target, heads,
                                     lambda note: _log(f"note: {note}"))
+        from specrun.sessions.trace import open_server_trace
+
+        tracing = open_server_trace(trace)  # an unwritable FILE refused before anything loads
         pair = PairOptions(
             target=target,
             draft=draft if needs_draft_model(method) else None,
@@ -206,14 +211,16 @@ def serve_command(
             verification=verification,
             parallel=parallel,
             learn=learning,
+            trace=tracing if trace is not None else None,
         )
         http = HttpOptions(host=host, port=port, api_key=api_key, max_body_bytes=max_body,
                            max_queue=max_queue, model_names=(target,))
-        try:
-            serve(pair, http, ServeDefaults(max_tokens, sampling), log=_log)
-        finally:  # the learners stop, and write the heads where asked, however the server ended
-            for report in learning.finish() if learning is not None else []:
-                _log(report.summary())
+        with tracing:
+            try:
+                serve(pair, http, ServeDefaults(max_tokens, sampling), log=_log)
+            finally:  # the learners stop, and write the heads where asked, however the server ended
+                for report in learning.finish() if learning is not None else []:
+                    _log(report.summary())
 
 
 def _log(line: str) -> None:

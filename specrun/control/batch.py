@@ -61,6 +61,7 @@ class BatchDrafts:
         # the latest choice's tokens a second over plain batching's, as the rates predicted them
         self._chosen: Counter[tuple[int, int]] = Counter()
         self._gain: dict[int, float] = {}
+        self._latest: dict[int, int] = {}  # sequences -> the length chosen last for that many
 
     def timed(self, verifying: bool, lengths: Sequence[int], seconds: float) -> None:
         """A batch of passes of these ``lengths`` (one a sequence) ran in ``seconds``: the
@@ -147,4 +148,14 @@ class BatchDrafts:
         with self._lock:
             self._chosen[sequences, chosen] += 1
             self._gain[sequences] = rates[chosen] / rates[0]  # rates[0] > 0: its pass was timed above 0
+            self._latest[sequences] = chosen
         return chosen
+
+    def describe(self, sequences: int) -> dict | None:
+        """The latest choice for ``sequences`` slots decoding together, for a trace: the length
+        every slot drafted and its predicted tokens/s over plain batching's; None before any."""
+        with self._lock:
+            if sequences not in self._latest:
+                return None
+            return {"sequences": sequences, "length": self._latest[sequences],
+                    "gain": round(self._gain[sequences], 4)}

@@ -283,11 +283,15 @@ class AdaptivePolicy:
     def explain(self) -> dict:
         """Why the next step does what it does, for a trace (`--trace`): the gate on realised speed
         (on, or the plain steps left in its stretch off) and each drafter's controller
-        (DraftLengthController.describe), keyed by source (and kind). Reads, never decides."""
-        return {
+        (DraftLengthController.describe), keyed by source (and kind); where slots decode together,
+        the batch's latest length for as many (BatchDrafts.describe). Reads, never decides."""
+        explained = {
             "gate": {"on": self.gate.speculating, "plain_steps_left": self.gate.plain_steps_left()},
             "drafters": {key: controller.describe() for key, controller in self.controllers.items()},
         }
+        if self.batch is not None and self.target_costs.sharing:
+            explained["batch"] = self.batch.describe(self.target_costs.sharing + 1)
+        return explained
 
     # ---- one text -----------------------------------------------------------------------
     def set_drafter(self, drafter: Drafter | None) -> None:

@@ -48,6 +48,7 @@ from specrun.server.dispatch import Jobs
 from specrun.server.requests import CompletionRequest, RequestError, invalid_value
 from specrun.sessions.setup import TreeSettings
 from specrun.sessions.tools import ToolCall, ToolStyle, ToolTemplateError, render_conversation, style_for
+from specrun.sessions.trace import RequestTrace, ServerTrace
 
 DEFAULT_MAX_QUEUE = 64
 DISCONNECT_POLL_SECONDS = 0.25
@@ -318,6 +319,7 @@ class PairOptions:
     verification: Verification = field(default_factory=Verification)  # --verify, --accept: exact by default
     parallel: int | None = 1  # --parallel: requests decoded together, each in a slot of its own (None: auto)
     learn: Callable | None = None  # --learn: the heads' learner (sessions/heads.with_learner); None: none learn
+    trace: ServerTrace | None = None  # --trace: every request's steps (sessions/trace.py); None: untraced
 
 
 class PairWorker:
@@ -438,6 +440,10 @@ class PairWorker:
             self._open_slots()
             if self.slots is None and pair.parallel is None:  # auto found one at a time: as --parallel 1
                 self.session.hold_window_alternative()
+            if pair.trace is not None:
+                pair.trace.log = self.log
+                pair.trace.header(target=pair.target, draft=pair.draft, method=self.session.method,
+                                  slots=self.parallel)
         except BaseException as exc:
             if self.session is not None:
                 self.session.close()
@@ -492,7 +498,7 @@ class PairWorker:
                 continue
             self._current.add(job)
             try:
-                self._answer(job, session)
+                self._answer(job, session, slot)
             except Exception as exc:  # noqa: BLE001 - one request failed; the server keeps serving
                 self.metrics.finished(job, "error", None)
                 self.log(f"{job.id}: failed: {type(exc).__name__}: {exc}")
@@ -501,7 +507,7 @@ class PairWorker:
             finally:
                 self._current.discard(job)
 
-    def _answer(self, job: Job, session) -> None:
+    def _answer(self, job: Job, session, slot: int = 0) -> None:
         try:
             prompt_ids = job.prompt_ids if job.prompt_ids is not None else self._prompt_ids(job.request)
             grammar = self._grammar(job.request)
@@ -524,6 +530,14 @@ class PairWorker:
         logprobs: list = []  # the tokens' since the last Delta
         params = GenerationParams(job.request.max_tokens, 0, job.request.sampling, tree_nodes=self.pair.trees.nodes,
                                   grammar=grammar, logprobs=job.request.logprobs)
+        trace = None
+        if self.pair.trace is not None:
+            sampling = job.request.sampling
+            trace = session.trace = self.pair.trace.request(  # the id the client was given
+                f"{'chatcmpl' if job.request.is_chat else 'cmpl'}-{job.id}", slot=slot, prompt_tokens=len(prompt_ids), cached_tokens=reused,
+                max_tokens=job.request.max_tokens, temperature=sampling.temperature, top_k=sampling.top_k,
+                top_p=sampling.top_p, grammar=grammar is not None)
+        stopped = "ended before it finished"
         stream = session.stream(prompt_ids, params)
         rendezvous = self.slots.rendezvous if self.slots is not None else None
         if rendezvous is not None:
@@ -531,8 +545,8 @@ class PairWorker:
         try:
             for event in stream:
                 if job.cancelled.is_set():
-                    why = "the server is shutting down" if self.closing else "the client left"
-                    self.log(f"{job.id}: {why}; stopped after the pass in progress")
+                    stopped = "the server is shutting down" if self.closing else "the client left"
+                    self.log(f"{job.id}: {stopped}; stopped after the pass in progress")
                     return
                 if isinstance(event, TextChunk):
                     tokens += len(event.token_ids)
@@ -549,7 +563,7 @@ class PairWorker:
                         tokens = from_draft = 0
                         logprobs.clear()
                     if cut.stopped:
-                        self._finish(job, "stop", event.stats, tool_cut)
+                        self._finish(job, "stop", event.stats, tool_cut, trace)
                         return
                 elif isinstance(event, Finished):
                     tail = cut.flush()
@@ -557,18 +571,24 @@ class PairWorker:
                         tail = tool_cut.feed(tail)
                     if tail or tokens:
                         job.emit(Delta(tail, tokens, from_draft, tuple(logprobs)))
-                    self._finish(job, _FINISH_REASONS[event.result.finish_reason], event.result.stats, tool_cut)
+                    self._finish(job, _FINISH_REASONS[event.result.finish_reason], event.result.stats, tool_cut,
+                                 trace)
         except Exception as exc:  # noqa: BLE001 - the server keeps serving; the request learns what failed
             self.metrics.finished(job, "error", None)
             message = exc.one_line() if isinstance(exc, SpecrunError) else f"{type(exc).__name__}: {exc}"
+            stopped = f"generation failed: {message}"
             job.emit(Failed(RequestError(f"generation failed: {message}", status=500, code="internal_error",
                                          kind="server_error")))
         finally:
             stream.close()  # stops the engine at this pass; the caches stay exact
             if rendezvous is not None:
                 rendezvous.leave()
+            if trace is not None:
+                session.trace = None
+                trace.end(stopped=stopped)  # nothing where _finish ended it
 
-    def _finish(self, job: Job, finish_reason: str, stats: Stats, tool_cut: ToolCallCut | None = None) -> None:
+    def _finish(self, job: Job, finish_reason: str, stats: Stats, tool_cut: ToolCallCut | None = None,
+                trace: RequestTrace | None = None) -> None:
         if tool_cut is not None:
             tail, calls = tool_cut.finish()
             if tail:
@@ -576,6 +596,8 @@ class PairWorker:
             if calls:
                 job.emit(Calls(calls))
                 finish_reason = TOOL_CALLS
+        if trace is not None:
+            trace.end(finish_reason, stats)
         self.served += 1
         self.metrics.finished(job, finish_reason, stats)
         job.emit(Done(finish_reason, stats))

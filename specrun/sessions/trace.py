@@ -14,12 +14,22 @@ Lines go to a file beside FILE as they come and FILE appears, whole, when the ru
 never finds a trace cut off mid-line, a run refused before it began leaves none. The time a
 record takes is left out of the run's clocks (engine/loop.StepClock.left_out). Tracing
 reads the policy, never moves it: a traced run decides and writes what an untraced one does.
+
+`serve --trace` (``ServerTrace``) runs until stopped, so its FILE is written as it goes, to be
+read live (``tail -f``): a first line says what serves (models, method, slots), then each
+request's lines — what was asked (``request``: its id, ``slot``, prompt and cached tokens, the
+sampling), its steps, and its ``summary`` with the finish reason, or why it ``stopped`` (the client
+left, an error) — appended in one write when the request ends, so the requests that slots decode
+together never interleave. A file that cannot be written stops the tracing, with a line on the
+server's log, not the serving.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import threading
+from collections.abc import Callable
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -109,3 +119,106 @@ def open_trace(path: Path | str | None):
     """``--trace``'s file as a context manager that closes it however the command ends (a path it
     cannot write refused now, before anything loads), or one that holds None where none was asked."""
     return TraceFile(path) if path is not None else nullcontext()
+
+
+class ServerTrace:
+    """`serve --trace FILE`: every request's steps, appended request by request as each ends."""
+
+    def __init__(self, path: Path | str) -> None:
+        path = Path(path)
+        self.path = Path(os.path.realpath(path)) if path.is_symlink() else path
+        check_writable_folder(self.path, WHAT, INSTEAD)
+        try:
+            self._file = open(self.path, "w", encoding="utf-8")  # noqa: SIM115 - closed by close()
+        except OSError as exc:
+            raise write_error(self.path, WHAT, INSTEAD, FileAccessError, exc) from exc
+        self._lock = threading.Lock()
+        self.log: Callable[[str], None] = lambda line: None  # where a failed write is said (the server's log)
+        self.requests = 0
+
+    def header(self, **fields) -> None:
+        """What serves: models, method, slots."""
+        self._append([{"trace": "specrun", "version": TRACE_VERSION, "serve": True, **fields}])
+
+    def request(self, request: str, **fields) -> RequestTrace:
+        """A request's trace (its id, then ``fields``: slot, prompt tokens, sampling), written by its ``end``."""
+        return RequestTrace(self, request, fields)
+
+    def close(self) -> None:
+        with self._lock:
+            file, self._file = self._file, None
+        if file is not None:
+            try:
+                file.close()
+            except OSError:
+                pass
+
+    def __enter__(self) -> ServerTrace:
+        return self
+
+    def __exit__(self, kind, error, traceback) -> None:
+        self.close()
+
+    def _append(self, records: list[dict]) -> None:
+        text = "".join(json.dumps(record, separators=(",", ":")) + "\n" for record in records)
+        with self._lock:
+            if self._file is None:
+                return
+            try:
+                self._file.write(text)
+                self._file.flush()
+                self.requests += any("summary" in record or "stopped" in record for record in records)
+                return
+            except OSError as exc:
+                file, self._file = self._file, None
+                why = exc.strerror or str(exc)
+        self.log(f"warning: the trace {self.path} cannot be written ({why}); tracing stops, serving goes on")
+        try:
+            file.close()
+        except OSError:
+            pass
+
+
+class RequestTrace:
+    """One request's lines, kept until ``end`` appends them to the server's trace. An engine's
+    ``on_trace`` and ``finish`` as a chat session calls them (``ChatSession.trace``); each line
+    carries the request's id in place of chat's answer number."""
+
+    def __init__(self, server: ServerTrace, request: str, fields: dict) -> None:
+        self._server = server
+        self.request = request
+        self._records: list[dict] | None = [{"request": request, **fields}]
+        self._stats: Stats | None = None
+        self.steps = 0
+
+    def recorder(self, **_where):
+        return self.step
+
+    def step(self, record: dict) -> None:
+        self.steps += 1
+        if self._records is not None:
+            self._records.append({"request": self.request, "step": self.steps, **record})
+
+    def finish(self, stats: Stats, **_where) -> None:
+        """The generation ended (a stop string or a tool call may still end the answer sooner:
+        ``end`` says how it ended)."""
+        self._stats = stats
+
+    def end(self, finish_reason: str | None = None, stats: Stats | None = None, stopped: str | None = None) -> None:
+        """Append the request's lines with its summary and finish reason, or with why it stopped.
+        A second call does nothing."""
+        records, self._records = self._records, None
+        if records is None:
+            return
+        stats = stats if stats is not None else self._stats
+        if stopped is None and stats is not None:
+            records.append({"request": self.request, "summary": stats.to_dict(), "finish_reason": finish_reason})
+        else:
+            records.append({"request": self.request, "stopped": stopped or "ended before it finished"})
+        self._server._append(records)
+
+
+def open_server_trace(path: Path | str | None):
+    """``serve --trace``'s file as a context manager (a path it cannot write refused now, before
+    anything loads), or one that holds None."""
+    return ServerTrace(path) if path is not None else nullcontext()

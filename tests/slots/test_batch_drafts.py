@@ -58,6 +58,9 @@ def test_a_worked_batch_drafts_the_length_that_yields_most_tokens_a_second():
     assert batch.length(2, 8) == 1 and batch.length(2, 0) is None
     chosen, gains = batch.choices()  # for /metrics: each choice counted, the latest's predicted gain
     assert chosen == [((2, 1), 2)] and gains == [(2, pytest.approx(0.1875 / (2 / 12)))]
+    # for a trace: the latest choice for as many slots, none for a count never chosen for
+    assert batch.describe(2) == {"sequences": 2, "length": 1, "gain": round(0.1875 / (2 / 12), 4)}
+    assert batch.describe(3) is None
 
 
 def test_a_compute_bound_batch_of_four_goes_plain_where_a_memory_bound_one_drafts():
