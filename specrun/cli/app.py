@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
@@ -286,6 +287,24 @@ def demo(
         check_range("--draft-len", draft_len, 0, MAX_DRAFT_LEN)
         run_demo(target, draft, method_list, prompts, max_tokens, draft_len, backend, threads, console=PipeConsole,
                  exact=exact)
+
+
+@app.command("trace")
+def trace_command(
+    file: Annotated[Path, typer.Argument(help="A file written by --trace (generate, bench, chat or serve).")],
+    events: Annotated[int, typer.Option("--events", help="Turns of the policy shown a run (0: none).")] = 12,
+) -> None:
+    """Tell a --trace file in words: each run's passes, who drafted and how much was kept, where the
+    time went, when and why the policy switched a drafter off or on, and how the run ended."""
+    with cli_errors():
+        from specrun.sessions.trace_reading import describe_header, explain, read_trace
+
+        check_range("--events", events, 0, 1_000_000)
+        header, runs = read_trace(file)
+        lines = [describe_header(header)]
+        for run in runs:
+            lines.extend(explain(run, events))
+        _write_stdout("\n".join(lines) + "\n")
 
 
 def _write_stdout(text: str) -> None:

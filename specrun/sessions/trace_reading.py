@@ -1,0 +1,213 @@
+"""`specrun trace FILE`: a `--trace` file read back and told in words, run by run.
+
+A trace holds one run (generate), every run of a bench (by prompt, line and repeat), a chat's
+answers or a server's requests (sessions/trace.py writes them). For each run: what it made in how
+many passes, who drafted and how much of it was kept, where the time went, the moments the policy
+changed its mind (a drafter switched off, with the rates it compared, or probed again; the gate on
+realised speed turning speculation off or on; the length a batch of slots chose), and how it ended.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from specrun.errors import FileAccessError
+from specrun.sessions.trace import TRACE_VERSION
+
+# The fields that tell the runs of one trace apart, in the order they are named.
+WHERE = ("request", "answer", "prompt", "line", "repeat")
+FIX = "pass a file written by --trace"
+
+
+@dataclass
+class RunTrace:
+    """One run's lines: where it was (``WHERE`` fields), its opening (a server's request), steps, end."""
+
+    where: dict
+    opening: dict = field(default_factory=dict)
+    steps: list[dict] = field(default_factory=list)
+    summary: dict | None = None
+    finish_reason: str | None = None
+    stopped: str | None = None
+
+
+def read_trace(path: Path) -> tuple[dict, list[RunTrace]]:
+    """The trace's first line (what ran) and its runs in the order they began; a file that is not a
+    trace, a newer one, or a line that is not JSON is refused naming the line."""
+    path = Path(path)
+
+    def refuse(reason: str, fix: str = FIX) -> FileAccessError:
+        return FileAccessError(f"cannot read the trace {path}: {reason}", fix)
+
+    if not path.is_file():
+        raise refuse("no such file" if not path.exists() else "it is not a regular file")
+    runs: dict[tuple, RunTrace] = {}
+    header: dict | None = None
+    try:
+        with path.open(encoding="utf-8") as lines:
+            for number, line in enumerate(lines, 1):
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                except ValueError as exc:
+                    if not line.endswith("\n"):  # the last line of a trace still being written
+                        break
+                    raise refuse(f"line {number} is not JSON ({exc})") from exc
+                if not isinstance(record, dict):
+                    raise refuse(f"line {number} is not a JSON object")
+                if header is None:
+                    if record.get("trace") != "specrun":
+                        raise refuse("it is not a specrun trace (its first line does not say so)")
+                    version = record.get("version")
+                    if not isinstance(version, int) or version > TRACE_VERSION:
+                        raise refuse(f"it has trace version {version}, newer than this specrun reads "
+                                     f"({TRACE_VERSION})", "upgrade specrun")
+                    header = record
+                    continue
+                _add(runs, record)
+    except UnicodeDecodeError as exc:
+        raise refuse(f"it is not text ({exc.reason})") from exc
+    except OSError as exc:
+        raise refuse(exc.strerror or str(exc)) from exc
+    if header is None:
+        raise refuse("it is empty")
+    return header, list(runs.values())
+
+
+def _add(runs: dict[tuple, RunTrace], record: dict) -> None:
+    where = {key: record[key] for key in WHERE if key in record}
+    run = runs.get(key := tuple(where.items()))
+    if run is None:
+        run = runs[key] = RunTrace(where)
+    if "step" in record:
+        run.steps.append(record)
+    elif "summary" in record:
+        run.summary = record["summary"]
+        run.finish_reason = record.get("finish_reason")
+    elif "stopped" in record:
+        run.stopped = str(record["stopped"])
+    else:  # a server's request: what was asked
+        run.opening = {k: v for k, v in record.items() if k not in WHERE}
+
+
+def describe_header(header: dict) -> str:
+    """The trace's first line in words."""
+    draft = f" with {header['draft']}" if header.get("draft") else ""
+    what = "serve" if header.get("serve") else "run"
+    slots = f", {header['slots']} slots" if header.get("slots", 1) > 1 else ""
+    prompt = f", a prompt of {header['prompt_tokens']} tokens" if "prompt_tokens" in header else ""
+    methods = header.get("method") or ", ".join(header.get("methods") or ()) or "?"
+    return f"{what}: {header.get('target', '?')}{draft}, method {methods}{slots}{prompt}"
+
+
+def explain(run: RunTrace, most_events: int = 12) -> list[str]:
+    """The run in a few lines: its name, its passes, its drafters, its time, the policy's turns
+    (at most ``most_events``, then how many more), its end."""
+    lines = [_title(run)]
+    steps = run.steps
+    if steps:
+        emitted = sum(step.get("emitted", 0) for step in steps)
+        plans: dict[str, int] = {}
+        for step in steps:
+            plans[step.get("plan", "?")] = plans.get(step.get("plan", "?"), 0) + 1
+        kinds = ", ".join(f"{count} {plan}" for plan, count in sorted(plans.items(), key=lambda item: -item[1]))
+        lines.append(f"  {emitted} tokens in {len(steps)} passes ({emitted / len(steps):.2f} a pass): {kinds}")
+        lines.extend(f"  {line}" for line in _by_source(steps))
+        draft_ms = sum(step.get("draft_ms", 0.0) for step in steps)
+        verify_ms = sum(step.get("verify_ms", 0.0) for step in steps)
+        if draft_ms + verify_ms > 0:
+            share = draft_ms / (draft_ms + verify_ms)
+            lines.append(f"  time: drafting {draft_ms:.0f} ms ({share:.0%}), verifying {verify_ms:.0f} ms")
+        events = _events(steps)
+        lines.extend(f"  {event}" for event in events[:most_events])
+        if len(events) > most_events:
+            lines.append(f"  … and {len(events) - most_events} more turns of the policy (--events to see them)")
+    lines.append(f"  {_ending(run)}")
+    return lines
+
+
+def _title(run: RunTrace) -> str:
+    where = run.where
+    if "request" in where:
+        opening = run.opening
+        said = [f"slot {opening['slot']}"] if "slot" in opening else []
+        if "prompt_tokens" in opening:
+            said.append(f"{opening['prompt_tokens']} prompt tokens, {opening.get('cached_tokens', 0)} cached")
+        if "temperature" in opening:
+            said.append(f"temperature {opening['temperature']:g}")
+        return f"request {where['request']}" + (f" ({', '.join(said)})" if said else "")
+    if "answer" in where:
+        return f"answer {where['answer']}"
+    if "prompt" in where:
+        return f"prompt {where['prompt']}, {where.get('line', '?')}, repeat {where.get('repeat', '?')}"
+    return "the run"
+
+
+def _by_source(steps: list[dict]) -> list[str]:
+    sources: dict[str, list[int]] = {}
+    for step in steps:
+        if step.get("drafted", 0) > 0:
+            counts = sources.setdefault(step.get("source", "?"), [0, 0, 0])
+            counts[0] += 1
+            counts[1] += step["drafted"]
+            counts[2] += step.get("accepted", 0)
+    return [f"{source}: {n} pass{'es' if n != 1 else ''}, {drafted} drafted, {kept} kept ({kept / drafted:.0%})"
+            for source, (n, drafted, kept) in sorted(sources.items(), key=lambda item: -item[1][1])]
+
+
+def _rate(value) -> str:
+    return f"{value:.1f}" if isinstance(value, (int, float)) else "?"
+
+
+def _events(steps: list[dict]) -> list[str]:
+    """Where the policy changed its mind, step by step."""
+    events: list[str] = []
+    before: dict | None = None
+    for step in steps:
+        policy = step.get("policy")
+        if not isinstance(policy, dict):
+            continue
+        at = f"step {step.get('step', '?')} (context {step.get('context', '?')})"
+        gate, was_gate = policy.get("gate") or {}, (before or {}).get("gate") or {}
+        if before is not None and gate.get("on") != was_gate.get("on"):
+            events.append(f"{at}: speculation back on" if gate.get("on") else
+                          f"{at}: the gate on realised speed turned speculation off for "
+                          f"{gate.get('plain_steps_left', '?')} plain steps")
+        drafters, was_drafters = policy.get("drafters") or {}, (before or {}).get("drafters") or {}
+        for name, state in drafters.items():
+            was = was_drafters.get(name)
+            if was is None or state.get("on") == was.get("on"):
+                continue
+            if state.get("on"):
+                events.append(f"{at}: {name} on again (best length {state.get('best_length')}, expected "
+                              f"{_rate(state.get('expected_tokens_per_second'))} tok/s against plain "
+                              f"{_rate(state.get('plain_tokens_per_second'))})")
+            else:
+                plain = _rate(state.get("plain_tokens_per_second"))
+                why = (f"no draft length beats plain decoding's {plain} tok/s" if not state.get("best_length") else
+                       f"expected {_rate(state.get('expected_tokens_per_second'))} tok/s at its best length "
+                       f"{state['best_length']} against plain {plain}")
+                events.append(f"{at}: {name} off: {why}; probed again in {state.get('probe_in', '?')} steps")
+        batch, was_batch = policy.get("batch"), (before or {}).get("batch")
+        if isinstance(batch, dict) and (not isinstance(was_batch, dict) or batch.get("length") != was_batch.get("length")
+                                        or batch.get("sequences") != was_batch.get("sequences")):
+            events.append(f"{at}: {batch.get('sequences')} slots together draft {batch.get('length')} each "
+                          f"({batch.get('gain', 1.0):.2f}x plain batching's tokens/s, predicted)")
+        before = policy
+    return events
+
+
+def _ending(run: RunTrace) -> str:
+    if run.summary is not None:
+        summary = run.summary
+        reason = f" ({run.finish_reason})" if run.finish_reason else ""
+        speed = summary.get("tokens_per_second")
+        rate = f", {speed:.1f} tok/s" if isinstance(speed, (int, float)) else ""
+        return f"finished{reason}: {summary.get('new_tokens', '?')} tokens{rate}, " \
+               f"{summary.get('mean_tokens_per_step', 0):.2f} a verify pass"
+    if run.stopped is not None:
+        return f"stopped: {run.stopped}"
+    return "not ended (the trace was cut off, or is still being written)"

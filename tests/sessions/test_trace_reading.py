@@ -1,0 +1,143 @@
+"""`specrun trace FILE`: a --trace file told in words, run by run, and files that are not traces
+refused in one line."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from specrun.cli.app import app
+from specrun.errors import FileAccessError
+from specrun.sessions.trace_reading import explain, read_trace
+
+
+def policy(draft_on: bool, gate_on: bool = True, best: int | None = 3, batch: dict | None = None) -> dict:
+    explained = {"gate": {"on": gate_on, "plain_steps_left": 0 if gate_on else 8},
+                 "drafters": {"draft": {"on": draft_on, "probe_in": 0 if draft_on else 7, "acceptance": [0.5],
+                                        "best_length": best, "expected_tokens_per_second": 40.0,
+                                        "plain_tokens_per_second": 50.0}}}
+    if batch is not None:
+        explained["batch"] = batch
+    return explained
+
+
+def step(n: int, plan: str, drafted: int, accepted: int, explained: dict, **where) -> dict:
+    return {**where, "step": n, "context": 10 + n, "plan": plan, "source": "draft" if drafted else "none",
+            "drafted": drafted, "accepted": accepted, "emitted": accepted + 1, "draft_ms": 2.0 if drafted else 0.0,
+            "verify_ms": 8.0, "policy": explained}
+
+
+def write(path, records) -> None:
+    path.write_text("".join(json.dumps(record) + "\n" for record in records))
+
+
+def test_a_run_is_told_with_its_drafters_time_turns_and_end(tmp_path):
+    path = tmp_path / "t.jsonl"
+    write(path, [{"trace": "specrun", "version": 1, "target": "t", "draft": "d", "method": "auto", "prompt_tokens": 5},
+                 step(1, "prefill", 0, 0, policy(True)),
+                 step(2, "draft", 4, 3, policy(True)),
+                 step(3, "draft", 4, 0, policy(False, best=0)),
+                 step(4, "plain", 0, 0, policy(False, gate_on=False, best=0)),
+                 step(5, "draft", 2, 2, policy(True, gate_on=True)),
+                 {"summary": {"new_tokens": 10, "tokens_per_second": 31.25, "mean_tokens_per_step": 2.0}}])
+    header, runs = read_trace(path)
+    assert header["target"] == "t" and len(runs) == 1
+    told = explain(runs[0])
+    assert told == [
+        "the run",
+        "  10 tokens in 5 passes (2.00 a pass): 3 draft, 1 prefill, 1 plain",
+        "  draft: 3 passes, 10 drafted, 5 kept (50%)",
+        "  time: drafting 6 ms (13%), verifying 40 ms",
+        "  step 3 (context 13): draft off: no draft length beats plain decoding's 50.0 tok/s; probed again in 7 steps",
+        "  step 4 (context 14): the gate on realised speed turned speculation off for 8 plain steps",
+        "  step 5 (context 15): speculation back on",
+        "  step 5 (context 15): draft on again (best length 3, expected 40.0 tok/s against plain 50.0)",
+        "  finished: 10 tokens, 31.2 tok/s, 2.00 a verify pass",
+    ]
+    assert explain(runs[0], most_events=1)[4:] == [
+        "  step 3 (context 13): draft off: no draft length beats plain decoding's 50.0 tok/s; probed again in 7 steps",
+        "  … and 3 more turns of the policy (--events to see them)",
+        "  finished: 10 tokens, 31.2 tok/s, 2.00 a verify pass"]
+
+
+def test_a_server_s_requests_are_told_apart_with_the_batch_s_choices_and_how_each_ended(tmp_path):
+    path = tmp_path / "serve.jsonl"
+    batch = {"sequences": 2, "length": 3, "gain": 1.12}
+    write(path, [{"trace": "specrun", "version": 1, "serve": True, "target": "t", "draft": None, "method": "auto",
+                  "slots": 2},
+                 {"request": "cmpl-a", "slot": 1, "prompt_tokens": 40, "cached_tokens": 32, "temperature": 0.7},
+                 step(1, "prefill", 0, 0, policy(True), request="cmpl-a"),
+                 step(2, "draft", 3, 3, policy(True, batch=batch), request="cmpl-a"),
+                 {"request": "cmpl-a", "summary": {"new_tokens": 5, "mean_tokens_per_step": 2.5},
+                  "finish_reason": "stop"},
+                 {"request": "cmpl-b", "slot": 0, "prompt_tokens": 9, "cached_tokens": 0, "temperature": 0.0},
+                 {"request": "cmpl-b", "stopped": "the client left"}])
+    result = CliRunner().invoke(app, ["trace", str(path)])
+    assert result.exit_code == 0, result.output
+    assert result.stdout.splitlines() == [
+        "serve: t, method auto, 2 slots",
+        "request cmpl-a (slot 1, 40 prompt tokens, 32 cached, temperature 0.7)",
+        "  5 tokens in 2 passes (2.50 a pass): 1 prefill, 1 draft",
+        "  draft: 1 pass, 3 drafted, 3 kept (100%)",
+        "  time: drafting 2 ms (11%), verifying 16 ms",
+        "  step 2 (context 12): 2 slots together draft 3 each (1.12x plain batching's tokens/s, predicted)",
+        "  finished (stop): 5 tokens, 2.50 a verify pass",
+        "request cmpl-b (slot 0, 9 prompt tokens, 0 cached, temperature 0)",
+        "  stopped: the client left",
+    ]
+
+
+def test_generate_s_trace_is_told_by_the_trace_command(tiny_llama, tmp_path):
+    pytest.importorskip("llama_cpp")
+    path = str(tiny_llama.gguf_path)
+    out = tmp_path / "t.jsonl"
+    ran = CliRunner().invoke(app, ["generate", "def f():", "-t", path, "-d", path, "-n", "12", "--trace", str(out)])
+    assert ran.exit_code == 0, ran.output
+    told = CliRunner().invoke(app, ["trace", str(out)])
+    assert told.exit_code == 0, told.output
+    lines = told.stdout.splitlines()
+    assert lines[0].startswith("run: ") and "method auto" in lines[0] and lines[1] == "the run"
+    assert lines[2].startswith("  12 tokens in ") and lines[-1].startswith("  finished: 12 tokens")
+
+
+def test_a_trace_still_being_written_is_told_as_far_as_it_goes(tmp_path):
+    path = tmp_path / "t.jsonl"
+    write(path, [{"trace": "specrun", "version": 1}, step(1, "prefill", 0, 0, policy(True))])
+    with path.open("a") as file:
+        file.write('{"step": 2, "cont')  # a line cut off mid-write
+    _, runs = read_trace(path)
+    assert len(runs[0].steps) == 1
+    assert explain(runs[0])[-1] == "  not ended (the trace was cut off, or is still being written)"
+
+
+@pytest.mark.parametrize("content, said", [
+    (None, "no such file"),
+    ("", "it is empty"),
+    ('{"hello": 1}\n', "it is not a specrun trace"),
+    ('{"trace": "specrun", "version": 99}\n', "trace version 99, newer than this specrun reads"),
+    ('{"trace": "specrun", "version": 1}\nnot json\n{"step": 1}\n', "line 2 is not JSON"),
+    ('{"trace": "specrun", "version": 1}\n[1, 2]\n', "line 2 is not a JSON object"),
+    (b'{"trace": "specrun", "version": 1}\n\xff\xfe\n', "it is not text"),
+])
+def test_a_file_that_is_not_a_trace_is_one_line_naming_why(tmp_path, content, said):
+    path = tmp_path / "t.jsonl"
+    if isinstance(content, bytes):
+        path.write_bytes(content)
+    elif content is not None:
+        path.write_text(content)
+    with pytest.raises(FileAccessError, match=said):
+        read_trace(path)
+    result = CliRunner().invoke(app, ["trace", str(path)])
+    assert result.exit_code == 1
+    assert len(result.output.strip().splitlines()) == 1 and said.split(",")[0] in result.output
+    assert "Traceback" not in result.output
+
+
+def test_a_folder_is_not_a_trace_and_events_out_of_range_is_a_usage_error(tmp_path):
+    result = CliRunner().invoke(app, ["trace", str(tmp_path)])
+    assert result.exit_code == 1 and "not a regular file" in result.output
+    path = tmp_path / "t.jsonl"
+    write(path, [{"trace": "specrun", "version": 1}])
+    assert CliRunner().invoke(app, ["trace", str(path), "--events", "-1"]).exit_code == 2
