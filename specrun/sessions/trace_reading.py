@@ -147,15 +147,25 @@ def _title(run: RunTrace) -> str:
 
 
 def _by_source(steps: list[dict]) -> list[str]:
-    sources: dict[str, list[int]] = {}
+    """Each drafter's passes, drafted and kept tokens, and what a drafted token cost it (where that
+    is a tenth of a millisecond or more: a draft model, heads); then a plain pass's median cost."""
+    sources: dict[str, list[float]] = {}
     for step in steps:
         if step.get("drafted", 0) > 0:
-            counts = sources.setdefault(step.get("source", "?"), [0, 0, 0])
+            counts = sources.setdefault(step.get("source", "?"), [0, 0, 0, 0.0])
             counts[0] += 1
             counts[1] += step["drafted"]
             counts[2] += step.get("accepted", 0)
-    return [f"{source}: {n} pass{'es' if n != 1 else ''}, {drafted} drafted, {kept} kept ({kept / drafted:.0%})"
-            for source, (n, drafted, kept) in sorted(sources.items(), key=lambda item: -item[1][1])]
+            counts[3] += step.get("draft_ms", 0.0)
+    told = []
+    for source, (n, drafted, kept, draft_ms) in sorted(sources.items(), key=lambda item: -item[1][1]):
+        cost = f", {draft_ms / drafted:.1f} ms a drafted token" if draft_ms / drafted >= 0.1 else ""
+        told.append(f"{source}: {n} pass{'es' if n != 1 else ''}, {drafted} drafted, {kept} kept "
+                    f"({kept / drafted:.0%}){cost}")
+    plain = sorted(step["verify_ms"] for step in steps if step.get("plan") == "plain" and "verify_ms" in step)
+    if plain:
+        told.append(f"a plain pass: {plain[len(plain) // 2]:.1f} ms (the median of {len(plain)})")
+    return told
 
 
 def _rate(value) -> str:

@@ -48,7 +48,8 @@ def test_a_run_is_told_with_its_drafters_time_turns_and_end(tmp_path):
     assert told == [
         "the run",
         "  10 tokens in 5 passes (2.00 a pass): 3 draft, 1 prefill, 1 plain",
-        "  draft: 3 passes, 10 drafted, 5 kept (50%)",
+        "  draft: 3 passes, 10 drafted, 5 kept (50%), 0.6 ms a drafted token",
+        "  a plain pass: 8.0 ms (the median of 1)",
         "  time: drafting 6 ms (13%), verifying 40 ms",
         "  step 3 (context 13): draft off: no draft length beats plain decoding's 50.0 tok/s; probed again in 7 steps",
         "  step 4 (context 14): the gate on realised speed turned speculation off for 8 plain steps",
@@ -56,7 +57,7 @@ def test_a_run_is_told_with_its_drafters_time_turns_and_end(tmp_path):
         "  step 5 (context 15): draft on again (best length 3, expected 40.0 tok/s against plain 50.0)",
         "  finished: 10 tokens, 31.2 tok/s, 2.00 a verify pass",
     ]
-    assert explain(runs[0], most_events=1)[4:] == [
+    assert explain(runs[0], most_events=1)[5:] == [
         "  step 3 (context 13): draft off: no draft length beats plain decoding's 50.0 tok/s; probed again in 7 steps",
         "  … and 3 more turns of the policy (--events to see them)",
         "  finished: 10 tokens, 31.2 tok/s, 2.00 a verify pass"]
@@ -80,7 +81,7 @@ def test_a_server_s_requests_are_told_apart_with_the_batch_s_choices_and_how_eac
         "serve: t, method auto, 2 slots",
         "request cmpl-a (slot 1, 40 prompt tokens, 32 cached, temperature 0.7)",
         "  5 tokens in 2 passes (2.50 a pass): 1 prefill, 1 draft",
-        "  draft: 1 pass, 3 drafted, 3 kept (100%)",
+        "  draft: 1 pass, 3 drafted, 3 kept (100%), 0.7 ms a drafted token",
         "  time: drafting 2 ms (11%), verifying 16 ms",
         "  step 2 (context 12): 2 slots together draft 3 each (1.12x plain batching's tokens/s, predicted)",
         "  finished (stop): 5 tokens, 2.50 a verify pass",
