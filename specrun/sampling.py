@@ -67,11 +67,16 @@ def probabilities(logits: np.ndarray, settings: SamplingSettings) -> np.ndarray:
 
     scaled = rows / settings.temperature  # (n, V)
     vocab = scaled.shape[-1]
+    # the reductions called directly (what .max and .sum call): a step samples from small rows too
+    highest = np.maximum.reduce(scaled, axis=-1, keepdims=True)
     if 0 < settings.top_k < vocab:
         kth = np.partition(scaled, vocab - settings.top_k, axis=-1)[:, vocab - settings.top_k]
-        scaled = np.where(scaled >= kth[:, None], scaled, -np.inf)
-    # the reductions called directly (what .max and .sum call): a step samples from small rows too
-    probs = np.exp(scaled - np.maximum.reduce(scaled, axis=-1, keepdims=True))
+        # exp only where top-k keeps a token (exp(-inf) takes a slow path: 9 ms for 9 rows of 49k)
+        kept = scaled >= kth[:, None]
+        probs = np.zeros_like(scaled)
+        probs[kept] = np.exp(scaled[kept] - np.broadcast_to(highest, scaled.shape)[kept])
+    else:
+        probs = np.exp(scaled - highest)
     probs /= np.add.reduce(probs, axis=-1, keepdims=True)
     if settings.top_p < 1.0:
         probs = _top_p(probs, settings.top_p)
@@ -83,15 +88,46 @@ def probabilities(logits: np.ndarray, settings: SamplingSettings) -> np.ndarray:
 
 
 def _top_p(probs: np.ndarray, top_p: float) -> np.ndarray:
-    """Keep the smallest set of most likely tokens whose mass reaches top_p."""
-    order = np.argsort(-probs, axis=-1, kind="stable")  # (n, V)
-    sorted_probs = np.take_along_axis(probs, order, axis=-1)
-    mass_before = np.cumsum(sorted_probs, axis=-1) - sorted_probs
-    keep_sorted = mass_before < top_p  # the token that crosses top_p is kept
-    keep = np.zeros_like(keep_sorted)
-    np.put_along_axis(keep, order, keep_sorted, axis=-1)
+    """Keep the smallest set of most likely tokens whose mass reaches top_p.
+
+    Exactly what sorting each whole row (stable, likeliest first) and summing it in that order
+    keeps, without sorting a whole vocabulary: the tokens kept are a prefix of that order, so each
+    row sorts only its likeliest candidates (``_kept_prefix``), widening them until the mass before
+    the last one reaches top_p."""
+    keep = np.zeros(probs.shape, dtype=bool)
+    for row, kept in zip(probs.reshape(-1, probs.shape[-1]), keep.reshape(-1, probs.shape[-1])):
+        kept[_kept_prefix(row, top_p)] = True
     kept = np.where(keep, probs, 0.0)
     return kept / kept.sum(axis=-1, keepdims=True)
+
+
+TOP_P_CANDIDATES = 64  # a row's likeliest tokens sorted first; eight times more each time they fall short
+
+
+def _kept_prefix(row: np.ndarray, top_p: float) -> np.ndarray:
+    """The indices of ``row`` (V,) that top-p keeps. The candidates are every token at least as
+    likely as the m-th likeliest (ties included), in index order: the first tokens of the row's
+    stable descending order, in that order once sorted stably, with the same running sums (a
+    cumulative sum adds left to right). The mass before a token never falls along that order (it
+    adds non-negative terms, each no larger than the last), so once the last candidate's reaches
+    top_p no later token is kept. Zero tokens come last and weigh nothing: never candidates."""
+    positive = np.flatnonzero(row > 0.0)
+    values = row[positive]
+    wanted = TOP_P_CANDIDATES
+    while True:
+        if wanted * 8 <= len(values):  # else the next widening would sort most of the row anyway
+            kth = np.partition(values, len(values) - wanted)[len(values) - wanted]
+            chosen = np.flatnonzero(values >= kth)
+        else:
+            chosen = np.arange(len(values))
+        candidates = values[chosen]
+        order = np.argsort(-candidates, kind="stable")
+        ranked = candidates[order]
+        mass_before = np.cumsum(ranked) - ranked
+        kept = mass_before < top_p  # the token that crosses top_p is kept
+        if not kept[-1] or len(chosen) == len(values):
+            return positive[chosen[order[kept]]]
+        wanted *= 8
 
 
 def token_logprobs(logits: np.ndarray, token: int, top: int) -> tuple[float, tuple[tuple[int, float], ...]]:

@@ -1,0 +1,101 @@
+"""specrun.sampling.probabilities without sorting a whole vocabulary: top-p sorts a row's likeliest
+candidates only, and top-k takes exp only where it keeps a token. The rows must be bit for bit
+what sorting each whole row (and exp over the masked row) gives, since plain decoding and every
+verify pass draw from them."""
+
+import numpy as np
+import pytest
+
+import specrun.sampling
+from oracle import distribution
+from specrun.sampling import SamplingSettings, probabilities
+
+
+def whole_row_probabilities(logits: np.ndarray, settings: SamplingSettings) -> np.ndarray:
+    """The reference: every row sorted whole (stable, likeliest first), exp over the masked row."""
+    logits = np.asarray(logits, dtype=np.float64)
+    rows = np.atleast_2d(logits)
+    scaled = rows / settings.temperature
+    vocab = scaled.shape[-1]
+    if 0 < settings.top_k < vocab:
+        kth = np.partition(scaled, vocab - settings.top_k, axis=-1)[:, vocab - settings.top_k]
+        scaled = np.where(scaled >= kth[:, None], scaled, -np.inf)
+    probs = np.exp(scaled - np.maximum.reduce(scaled, axis=-1, keepdims=True))
+    probs /= np.add.reduce(probs, axis=-1, keepdims=True)
+    if settings.top_p < 1.0:
+        order = np.argsort(-probs, axis=-1, kind="stable")
+        ranked = np.take_along_axis(probs, order, axis=-1)
+        keep = np.zeros(probs.shape, dtype=bool)
+        np.put_along_axis(keep, order, np.cumsum(ranked, axis=-1) - ranked < settings.top_p, axis=-1)
+        kept = np.where(keep, probs, 0.0)
+        probs = kept / kept.sum(axis=-1, keepdims=True)
+    if settings.min_p > 0.0:
+        probs = np.where(probs >= settings.min_p * probs.max(axis=-1, keepdims=True), probs, 0.0)
+        probs /= probs.sum(axis=-1, keepdims=True)
+    return probs[0] if logits.ndim == 1 else probs
+
+
+def random_rows(rng: np.random.Generator, vocab: int, rows: int) -> np.ndarray:
+    logits = rng.normal(size=(rows, vocab)) * rng.choice([0.1, 1.0, 3.0, 10.0])
+    if rng.random() < 0.4:  # ties, at the candidates' edge too
+        logits = np.round(logits, int(rng.integers(0, 2)))
+    if rng.random() < 0.2:  # a grammar's mask
+        logits[:, rng.integers(0, vocab, size=vocab // 2)] = -np.inf
+        logits[:, 0] = 1.0
+    return logits
+
+
+@pytest.mark.parametrize("vocab", [3, 8, 100, 2000, 20_000])
+def test_rows_equal_whole_row_sorting_bit_for_bit(vocab):
+    rng = np.random.default_rng(vocab)
+    for _ in range(150 if vocab < 20_000 else 25):
+        logits = random_rows(rng, vocab, int(rng.integers(1, 4)))
+        settings = SamplingSettings(
+            temperature=float(rng.choice([0.3, 0.7, 1.0, 1.5])),
+            top_k=int(rng.choice([0, 0, 2, 40, vocab])),
+            top_p=float(rng.choice([0.1, 0.5, 0.9, 0.95, 0.999, 1.0])),
+            min_p=float(rng.choice([0.0, 0.0, 0.05])),
+        )
+        assert np.array_equal(probabilities(logits, settings), whole_row_probabilities(logits, settings)), settings
+        assert np.array_equal(probabilities(logits[0], settings), whole_row_probabilities(logits[0], settings))
+
+
+@pytest.mark.parametrize("spread", [0.05, 0.3, 8.0])
+def test_a_row_that_needs_many_candidates_widens_them_and_keeps_what_sorting_keeps(spread, monkeypatch):
+    """Flat rows keep thousands of tokens: the candidates widen (64, 512, 4,096, then the whole
+    row) and each round's cut must agree; a peaked row stops at the first."""
+    widths = []
+    partition = np.partition
+
+    def counted(values, kth, *args, **kwargs):
+        widths.append(len(values) - kth)
+        return partition(values, kth, *args, **kwargs)
+
+    monkeypatch.setattr(specrun.sampling.np, "partition", counted)
+    logits = np.random.default_rng(7).normal(size=(2, 49_152)) * spread
+    settings = SamplingSettings(temperature=1.0, top_p=0.95)
+    assert np.array_equal(probabilities(logits, settings), whole_row_probabilities(logits, settings))
+    if spread < 1.0:
+        assert max(widths) >= 512, widths  # rounds beyond the first ran
+    else:
+        assert set(widths) == {specrun.sampling.TOP_P_CANDIDATES}, widths
+
+
+def test_ties_at_the_candidates_edge_come_in_whole():
+    """The 64th likeliest token tied with hundreds more: every tied token is a candidate, so the
+    candidates stay a prefix of the stable order and top-p keeps the tied tokens with the lowest
+    ids (an arbitrary 64 of them, as a partition leaves them, kept others)."""
+    logits = np.zeros(1_000)
+    logits[:30] = 5.0  # 57% of the mass
+    logits[30:400] = 2.0  # ties across the 64th place, 0.1% each
+    for top_p in (0.58, 0.7, 0.95):
+        settings = SamplingSettings(temperature=1.0, top_p=top_p)
+        assert np.array_equal(probabilities(logits, settings), whole_row_probabilities(logits, settings))
+
+
+def test_rows_follow_the_oracle_s_definition():
+    rng = np.random.default_rng(3)
+    for _ in range(40):
+        logits = random_rows(rng, 300, 1)[0]
+        settings = SamplingSettings(temperature=0.8, top_k=int(rng.choice([0, 20])), top_p=0.9, min_p=0.02)
+        assert np.allclose(probabilities(logits, settings), distribution(logits, settings), atol=1e-12)
