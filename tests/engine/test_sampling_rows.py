@@ -56,8 +56,12 @@ def test_rows_equal_whole_row_sorting_bit_for_bit(vocab):
             top_p=float(rng.choice([0.1, 0.5, 0.9, 0.95, 0.999, 1.0])),
             min_p=float(rng.choice([0.0, 0.0, 0.05])),
         )
+        given = logits.copy()
         assert np.array_equal(probabilities(logits, settings), whole_row_probabilities(logits, settings)), settings
         assert np.array_equal(probabilities(logits[0], settings), whole_row_probabilities(logits[0], settings))
+        assert np.array_equal(logits, given)  # the caller's logits untouched (the work is done in place)
+        as_float32 = logits.astype(np.float32)  # as llama.cpp hands them over
+        assert np.array_equal(probabilities(as_float32, settings), whole_row_probabilities(as_float32, settings))
 
 
 @pytest.mark.parametrize("spread", [0.05, 0.3, 8.0])
