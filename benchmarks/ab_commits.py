@@ -9,7 +9,7 @@ interval, and checks that both sides emit the same tokens.
 
     .venv/bin/python benchmarks/ab_commits.py --before 99931c8 [--after HEAD] \
         [--target demo-target --draft demo-draft] [--spec-bench-per-category 5] [-n 128] \
-        [--repeats 1] [--methods none,lookup,...]
+        [--repeats 1] [--methods none,lookup,...] [--sampling 0.7,40,0.95,0.05]
 
 Head methods (medusa, hydra, eagle) draft with the heads found for the target, as `specrun
 generate` finds them (the demo target's ship in the package).
@@ -50,7 +50,7 @@ except ImportError:  # the layout before issue 27
     from specrun.engine import GenerationParams, SpeculativeEngine
     from specrun.methods import build_drafter, is_adaptive
     from specrun.loading import LoadOptions, open_pair
-target_name, draft_name, methods, n_new, threads, patch = json.loads(sys.argv[1])
+target_name, draft_name, methods, n_new, threads, patch, sampling = json.loads(sys.argv[1])
 if patch:  # an experiment: this side runs the file first (e.g. a rule switched off)
     exec(open(patch).read())
 target, draft = open_pair(target_name, draft_name, LoadOptions(threads=threads))
@@ -78,7 +78,14 @@ for line in sys.stdin:
     forget = getattr(engine, "policy", engine).forget_acceptance
     forget()
     ids = target.tokenize(text, add_bos=target.vocab.add_bos)
-    result = engine.run(ids, GenerationParams(n_new, 16 if is_adaptive(method) else 4, adaptive=method != "none"))
+    settings = {}
+    if sampling:  # seeded alike on both sides: equal rows draw equal texts
+        from specrun.sampling import SamplingSettings
+        temperature, top_k, top_p, min_p = sampling
+        settings["sampling"] = SamplingSettings(temperature=temperature, top_k=int(top_k), top_p=top_p,
+                                                min_p=min_p, seed=zlib.crc32(text.encode()))
+    result = engine.run(ids, GenerationParams(n_new, 16 if is_adaptive(method) else 4, adaptive=method != "none",
+                                              **settings))
     s = result.stats
     print(json.dumps([s.new_tokens / s.generation_seconds, zlib.crc32(repr(result.token_ids).encode())]), flush=True)
 '''
@@ -98,7 +105,8 @@ def worktree(rev: str) -> Path:
 
 class Worker:
     def __init__(self, tree: Path, args, patch: str | None = None) -> None:
-        spec = json.dumps([args.target, args.draft, list(args.methods), args.max_tokens, args.threads, patch])
+        spec = json.dumps([args.target, args.draft, list(args.methods), args.max_tokens, args.threads, patch,
+                           args.sampling])
         self.proc = subprocess.Popen([sys.executable, "-c", WORKER, spec], cwd=tree, text=True,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      env={**os.environ, "PYTHONPATH": str(tree)})
@@ -151,6 +159,8 @@ def main() -> int:
     parser.add_argument("--no-builtin", action="store_true", help="Spec-Bench only")
     parser.add_argument("--repeats", type=int, default=1, help="runs of every prompt a side")
     parser.add_argument("--patch-after", help="a Python file side B runs before loading (an experiment)")
+    parser.add_argument("--sampling", type=lambda v: [float(x) for x in v.split(",")],
+                        help="TEMPERATURE,TOP_K,TOP_P,MIN_P, each prompt seeded alike on both sides (default greedy)")
     args = parser.parse_args()
     args.methods = tuple(args.methods.split(","))
     if args.patch_after:  # the workers run in their own checkouts
