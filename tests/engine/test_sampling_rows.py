@@ -8,7 +8,7 @@ import pytest
 
 import specrun.sampling
 from oracle import distribution
-from specrun.sampling import SamplingSettings, probabilities
+from specrun.sampling import SamplingSettings, probabilities, token_logprobs
 
 
 def whole_row_probabilities(logits: np.ndarray, settings: SamplingSettings) -> np.ndarray:
@@ -103,3 +103,19 @@ def test_rows_follow_the_oracle_s_definition():
         logits = random_rows(rng, 300, 1)[0]
         settings = SamplingSettings(temperature=0.8, top_k=int(rng.choice([0, 20])), top_p=0.9, min_p=0.02)
         assert np.allclose(probabilities(logits, settings), distribution(logits, settings), atol=1e-12)
+
+
+def test_top_logprobs_are_the_whole_row_s_likeliest_in_its_stable_order():
+    """token_logprobs' ``top`` alternatives without sorting the vocabulary: the first ``top`` of a
+    stable descending sort of the whole row, ties (lower id first) and a grammar's -inf included."""
+    rng = np.random.default_rng(11)
+    for _ in range(300):
+        vocab = int(rng.choice([5, 50, 3_000]))
+        logits = random_rows(rng, vocab, 1)[0]
+        token, top = int(rng.integers(0, vocab)), int(rng.choice([0, 1, 5, 20]))
+        logprob, alternatives = token_logprobs(logits, token, top)
+        finite = logits[np.isfinite(logits)].max()
+        log_probs = logits - (finite + np.log(np.exp(logits - finite).sum()))
+        whole = np.argsort(-log_probs, kind="stable")[:top]
+        assert [t for t, _ in alternatives] == whole.tolist()
+        assert [v for _, v in alternatives] == log_probs[whole].tolist() and logprob == log_probs[token]
