@@ -306,13 +306,15 @@ class NgramPoolDrafter(Drafter):
             learned[i] = _keep_strongest(learned[i], self.max_followers)
         self._pool_ops += sightings
         self._dirty = True
+        # the read marked read first: a Ctrl-C in the update below loses some of its counts rather
+        # than have the next read count all of them again (into a pool that is saved)
+        tokens.extend(seq[start - offset :].tolist())
         pool.update(zip(keys, learned))  # whole entries only: a Ctrl-C leaves no context empty
         deque(map(pool.move_to_end, keys), maxlen=0)  # most recently used last
         over = len(pool) - self.max_contexts
         if over > 0:
             deque(map(pool.popitem, repeat(False, over)), maxlen=0)
             self.evictions += over
-        tokens.extend(seq[start - offset :].tolist())
 
     def _learn_next(self, token: int) -> None:
         """Count ``token`` as the follower of each of the 1..max_order tokens before it."""

@@ -711,3 +711,29 @@ def test_pool_bulk_learning_keeps_the_strongest_followers_and_evicts_the_least_r
     capped.finish(text)
     assert list(capped._pool) == [(1,), (5,), (6,)]  # 1 last followed by 5, then 5 and 6
     assert capped.evictions == 3 and capped.followers([1]) == {2: 40, 3: 30, 4: 30, 5: 1}
+
+
+def test_a_long_read_interrupted_in_the_pool_s_update_is_never_counted_twice():
+    """Ctrl-C once the pool holds a long read's counts (while it orders them by use): the read is
+    marked read before, so the next read does not count it all again into a pool that is saved."""
+    from collections import OrderedDict
+
+    class Interrupting(OrderedDict):
+        armed = True
+
+        def move_to_end(self, *args, **kwargs):
+            if Interrupting.armed:
+                Interrupting.armed = False
+                raise KeyboardInterrupt
+            super().move_to_end(*args, **kwargs)
+
+    text = [1, 2, 3] * 100
+    pool = NgramPoolDrafter(max_order=2)
+    pool._pool = Interrupting()
+    with pytest.raises(KeyboardInterrupt):
+        pool.finish(text)
+    pool.finish(text + [1, 2])
+    whole = NgramPoolDrafter(max_order=2)
+    whole.finish(text + [1, 2])
+    for context in ([1], [2], [1, 2], [3, 1]):
+        assert sum(pool.followers(context).values()) <= sum(whole.followers(context).values())
