@@ -303,7 +303,7 @@ def trace_command(
         header, runs = read_trace(file)
         lines = [describe_header(header)]
         for run in runs:
-            lines.extend(explain(run, events))
+            lines.extend(explain(run, events, live=bool(header.get("serve"))))
         _write_stdout("\n".join(lines) + "\n")
 
 

@@ -512,12 +512,10 @@ class PairWorker:
             prompt_ids = job.prompt_ids if job.prompt_ids is not None else self._prompt_ids(job.request)
             grammar = self._grammar(job.request)
         except RequestError as exc:
-            self.metrics.finished(job, "error", None)
-            job.emit(Failed(exc))
+            self._refused(job, exc, slot)
             return
         except SpecrunError as exc:  # a chat template that refuses the conversation
-            self.metrics.finished(job, "error", None)
-            job.emit(Failed(RequestError(exc.one_line(), "messages" if job.request.is_chat else "prompt")))
+            self._refused(job, RequestError(exc.one_line(), "messages" if job.request.is_chat else "prompt"), slot)
             return
         session.new_text()  # each request is a text of its own: its acceptance is measured afresh
         reused = min(common_prefix_len(session.engine.target.tokens, prompt_ids), len(prompt_ids) - 1)
@@ -530,18 +528,18 @@ class PairWorker:
         logprobs: list = []  # the tokens' since the last Delta
         params = GenerationParams(job.request.max_tokens, 0, job.request.sampling, tree_nodes=self.pair.trees.nodes,
                                   grammar=grammar, logprobs=job.request.logprobs)
-        trace = None
-        if self.pair.trace is not None:
-            sampling = job.request.sampling
-            trace = session.trace = self.pair.trace.request(  # the id the client was given
-                f"{'chatcmpl' if job.request.is_chat else 'cmpl'}-{job.id}", slot=slot, prompt_tokens=len(prompt_ids), cached_tokens=reused,
-                max_tokens=job.request.max_tokens, temperature=sampling.temperature, top_k=sampling.top_k,
-                top_p=sampling.top_p, grammar=grammar is not None)
         stopped = "ended before it finished"
         stream = session.stream(prompt_ids, params)
         rendezvous = self.slots.rendezvous if self.slots is not None else None
         if rendezvous is not None:
             rendezvous.join()  # the other slots' passes wait for this one's from now on
+        trace = None
+        if self.pair.trace is not None:  # begun here, ended in the finally below
+            sampling = job.request.sampling
+            trace = session.trace = self.pair.trace.request(
+                self._trace_id(job), slot=slot, prompt_tokens=len(prompt_ids), cached_tokens=reused,
+                max_tokens=job.request.max_tokens, temperature=sampling.temperature, top_k=sampling.top_k,
+                top_p=sampling.top_p, grammar=grammar is not None)
         try:
             for event in stream:
                 if job.cancelled.is_set():
@@ -586,6 +584,18 @@ class PairWorker:
             if trace is not None:
                 session.trace = None
                 trace.end(stopped=stopped)  # nothing where _finish ended it
+
+    @staticmethod
+    def _trace_id(job: Job) -> str:
+        """The request's id as its client was given it."""
+        return f"{'chatcmpl' if job.request.is_chat else 'cmpl'}-{job.id}"
+
+    def _refused(self, job: Job, error: RequestError, slot: int) -> None:
+        """A request its prompt or grammar refused: a 4xx to its client, two lines in the trace."""
+        self.metrics.finished(job, "error", None)
+        if self.pair.trace is not None:
+            self.pair.trace.request(self._trace_id(job), slot=slot).end(stopped=f"refused: {error}")
+        job.emit(Failed(error))
 
     def _finish(self, job: Job, finish_reason: str, stats: Stats, tool_cut: ToolCallCut | None = None,
                 trace: RequestTrace | None = None) -> None:

@@ -128,16 +128,24 @@ class ServerTrace:
         path = Path(path)
         self.path = Path(os.path.realpath(path)) if path.is_symlink() else path
         check_writable_folder(self.path, WHAT, INSTEAD)
-        try:
-            self._file = open(self.path, "w", encoding="utf-8")  # noqa: SIM115 - closed by close()
+        self._existed = self.path.exists()
+        try:  # emptied by the header, once the server starts: one that fails to leaves FILE as it was
+            self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - closed by close()
         except OSError as exc:
             raise write_error(self.path, WHAT, INSTEAD, FileAccessError, exc) from exc
+        self._wrote = False
         self._lock = threading.Lock()
         self.log: Callable[[str], None] = lambda line: None  # where a failed write is said (the server's log)
         self.requests = 0
 
     def header(self, **fields) -> None:
-        """What serves: models, method, slots."""
+        """What serves: models, method, slots (FILE emptied first)."""
+        with self._lock:
+            if self._file is not None:
+                try:
+                    self._file.truncate(0)
+                except OSError:
+                    pass  # the write below says it
         self._append([{"trace": "specrun", "version": TRACE_VERSION, "serve": True, **fields}])
 
     def request(self, request: str, **fields) -> RequestTrace:
@@ -152,6 +160,8 @@ class ServerTrace:
                 file.close()
             except OSError:
                 pass
+            if not self._wrote and not self._existed:  # the server never started: no file left
+                self.path.unlink(missing_ok=True)
 
     def __enter__(self) -> ServerTrace:
         return self
@@ -160,18 +170,19 @@ class ServerTrace:
         self.close()
 
     def _append(self, records: list[dict]) -> None:
-        text = "".join(json.dumps(record, separators=(",", ":")) + "\n" for record in records)
         with self._lock:
             if self._file is None:
                 return
             try:
+                text = "".join(json.dumps(record, separators=(",", ":")) + "\n" for record in records)
                 self._file.write(text)
                 self._file.flush()
+                self._wrote = True
                 self.requests += any("summary" in record or "stopped" in record for record in records)
                 return
-            except OSError as exc:
+            except (OSError, TypeError, ValueError) as exc:  # a value JSON cannot hold stops tracing too
                 file, self._file = self._file, None
-                why = exc.strerror or str(exc)
+                why = (exc.strerror or str(exc)) if isinstance(exc, OSError) else f"{type(exc).__name__}: {exc}"
         self.log(f"warning: the trace {self.path} cannot be written ({why}); tracing stops, serving goes on")
         try:
             file.close()

@@ -53,8 +53,10 @@ def read_trace(path: Path) -> tuple[dict, list[RunTrace]]:
                 try:
                     record = json.loads(line)
                 except ValueError as exc:
-                    if not line.endswith("\n"):  # the last line of a trace still being written
+                    if header is not None and not line.endswith("\n"):  # a trace's last line, still being written
                         break
+                    if header is None:
+                        raise refuse("it is not a specrun trace (its first line is not JSON)") from exc
                     raise refuse(f"line {number} is not JSON ({exc})") from exc
                 if not isinstance(record, dict):
                     raise refuse(f"line {number} is not a JSON object")
@@ -79,6 +81,11 @@ def read_trace(path: Path) -> tuple[dict, list[RunTrace]]:
 
 def _add(runs: dict[tuple, RunTrace], record: dict) -> None:
     where = {key: record[key] for key in WHERE if key in record}
+    if not where and "stopped" in record:  # a run stopped by Ctrl-C or an error: the last one not ended
+        unended = [run for run in runs.values() if run.summary is None and run.stopped is None]
+        if unended:
+            unended[-1].stopped = str(record["stopped"])
+            return
     run = runs.get(key := tuple(where.items()))
     if run is None:
         run = runs[key] = RunTrace(where)
@@ -103,9 +110,10 @@ def describe_header(header: dict) -> str:
     return f"{what}: {header.get('target', '?')}{draft}, method {methods}{slots}{prompt}"
 
 
-def explain(run: RunTrace, most_events: int = 12) -> list[str]:
+def explain(run: RunTrace, most_events: int = 12, live: bool = False) -> list[str]:
     """The run in a few lines: its name, its passes, its drafters, its time, the policy's turns
-    (at most ``most_events``, then how many more), its end."""
+    (at most ``most_events``, then how many more), its end. ``live``: a server's trace, written
+    as it goes (a run without an end may still be going); other traces are put in place whole."""
     lines = [_title(run)]
     steps = run.steps
     if steps:
@@ -114,7 +122,8 @@ def explain(run: RunTrace, most_events: int = 12) -> list[str]:
         for step in steps:
             plans[step.get("plan", "?")] = plans.get(step.get("plan", "?"), 0) + 1
         kinds = ", ".join(f"{count} {plan}" for plan, count in sorted(plans.items(), key=lambda item: -item[1]))
-        lines.append(f"  {emitted} tokens in {len(steps)} passes ({emitted / len(steps):.2f} a pass): {kinds}")
+        passes = f"{len(steps)} pass{'' if len(steps) == 1 else 'es'}"
+        lines.append(f"  {emitted} tokens in {passes} ({emitted / len(steps):.2f} a pass): {kinds}")
         lines.extend(f"  {line}" for line in _by_source(steps))
         draft_ms = sum(step.get("draft_ms", 0.0) for step in steps)
         verify_ms = sum(step.get("verify_ms", 0.0) for step in steps)
@@ -125,7 +134,7 @@ def explain(run: RunTrace, most_events: int = 12) -> list[str]:
         lines.extend(f"  {event}" for event in events[:most_events])
         if len(events) > most_events:
             lines.append(f"  … and {len(events) - most_events} more turns of the policy (--events to see them)")
-    lines.append(f"  {_ending(run)}")
+    lines.append(f"  {_ending(run, live)}")
     return lines
 
 
@@ -210,7 +219,7 @@ def _events(steps: list[dict]) -> list[str]:
     return events
 
 
-def _ending(run: RunTrace) -> str:
+def _ending(run: RunTrace, live: bool) -> str:
     if run.summary is not None:
         summary = run.summary
         reason = f" ({run.finish_reason})" if run.finish_reason else ""
@@ -220,4 +229,6 @@ def _ending(run: RunTrace) -> str:
                f"{summary.get('mean_tokens_per_step', 0):.2f} a verify pass"
     if run.stopped is not None:
         return f"stopped: {run.stopped}"
-    return "not ended (the trace was cut off, or is still being written)"
+    if live:
+        return "not ended (the trace was cut off, or is still being written)"
+    return "not ended: interrupted before its statistics (a chat's Ctrl-C ends the answer, not the chat)"

@@ -11,6 +11,9 @@ import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import openai
+import pytest
+
 from server_harness import DEMO_ARGS, SPECRUN, start_server, stop_server
 from test_serve_load import MODEL, answer, messages_for
 
@@ -70,6 +73,11 @@ def test_a_traced_server_writes_every_request_whole_with_its_steps_and_ending(de
         deadline = time.monotonic() + 30
         while left not in path.read_text() and time.monotonic() < deadline:
             time.sleep(0.2)
+        # A request refused once it reaches a slot (its prompt outgrows the context): a 400 to its
+        # client, its id and why in the trace.
+        with pytest.raises(openai.BadRequestError):
+            client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "tea " * 20_000}],
+                                           max_tokens=4)
     finally:
         assert stop_server(server) == 0, server.log
 
@@ -77,7 +85,9 @@ def test_a_traced_server_writes_every_request_whole_with_its_steps_and_ending(de
     assert header["trace"] == "specrun" and header["serve"] is True and header["slots"] == 2
     assert header["target"] == "demo-target" and header["method"] == "auto"
     requests = by_request(records)
-    assert set(requests) == {answers[key][0] for key in keys} | {left}
+    refused = [lines for lines in requests.values() if lines[-1].get("stopped", "").startswith("refused: ")]
+    assert len(refused) == 1 and len(refused[0]) == 2 and "context" in refused[0][-1]["stopped"]
+    assert set(requests) == {answers[key][0] for key in keys} | {left, refused[0][0]["request"]}
     for key in keys:
         opening, *steps, ending = requests[answers[key][0]]
         assert opening["slot"] in (0, 1) and opening["prompt_tokens"] > 0 and opening["temperature"] == 0
@@ -126,6 +136,33 @@ def test_a_trace_that_cannot_be_written_stops_tracing_with_one_log_line(tmp_path
     assert full.closed and len(logged) == 1
     assert "cannot be written (No space left on device); tracing stops, serving goes on" in logged[0]
     assert read_trace(tmp_path / "t.jsonl")[0]["serve"] is True  # what was written stays
+
+
+def test_a_value_json_cannot_hold_stops_tracing_not_serving(tmp_path):
+    logged: list[str] = []
+    with ServerTrace(tmp_path / "t.jsonl") as trace:
+        trace.log = logged.append
+        trace.header(target="t", method="auto", slots=1)
+        request = trace.request("cmpl-1", slot=0)
+        request.step({"plan": "prefill", "emitted": 1, "odd": object()})
+        request.end(stopped="the client left")  # raises nothing
+        trace.request("cmpl-2", slot=0).end(stopped="the client left")
+    assert len(logged) == 1 and "TypeError" in logged[0] and "serving goes on" in logged[0]
+    assert len(read_trace(tmp_path / "t.jsonl")) == 1
+
+
+def test_a_server_that_never_starts_leaves_an_earlier_trace_as_it_was_and_no_new_file(tmp_path):
+    earlier = tmp_path / "earlier.jsonl"
+    earlier.write_text('{"trace": "specrun", "version": 1, "serve": true}\n')
+    with ServerTrace(earlier):
+        pass  # the model failed to load: no header
+    assert earlier.read_text() == '{"trace": "specrun", "version": 1, "serve": true}\n'
+    with ServerTrace(tmp_path / "new.jsonl"):
+        pass
+    assert not (tmp_path / "new.jsonl").exists()
+    with ServerTrace(earlier) as trace:  # one that starts empties it first
+        trace.header(target="t", method="none", slots=1)
+    assert [record["target"] for record in read_trace(earlier)] == ["t"]
 
 
 def test_a_request_trace_ends_once(tmp_path):

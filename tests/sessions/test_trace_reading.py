@@ -105,18 +105,41 @@ def test_generate_s_trace_is_told_by_the_trace_command(tiny_llama, tmp_path):
 
 def test_a_trace_still_being_written_is_told_as_far_as_it_goes(tmp_path):
     path = tmp_path / "t.jsonl"
-    write(path, [{"trace": "specrun", "version": 1}, step(1, "prefill", 0, 0, policy(True))])
+    write(path, [{"trace": "specrun", "version": 1, "serve": True},
+                 {"request": "cmpl-1", "slot": 0}, step(1, "prefill", 0, 0, policy(True), request="cmpl-1")])
     with path.open("a") as file:
-        file.write('{"step": 2, "cont')  # a line cut off mid-write
-    _, runs = read_trace(path)
+        file.write('{"request": "cmpl-1", "step": 2, "cont')  # a line cut off mid-write
+    header, runs = read_trace(path)
     assert len(runs[0].steps) == 1
-    assert explain(runs[0])[-1] == "  not ended (the trace was cut off, or is still being written)"
+    assert explain(runs[0], live=True)[-1] == "  not ended (the trace was cut off, or is still being written)"
+    result = CliRunner().invoke(app, ["trace", str(path)])
+    assert result.stdout.splitlines()[-1] == "  not ended (the trace was cut off, or is still being written)"
+
+
+def test_a_run_stopped_by_ctrl_c_is_told_as_stopped_where_it_stopped(tmp_path):
+    """bench's and chat's Ctrl-C line names no run: it ends the last run not ended (not a run of
+    its own); a run without an end in a trace put in place whole was interrupted, not cut off."""
+    path = tmp_path / "t.jsonl"
+    where = {"prompt": 0, "line": "auto", "repeat": 0}
+    write(path, [{"trace": "specrun", "version": 1, "methods": ["none", "auto"]},
+                 step(1, "prefill", 0, 0, policy(True), prompt=0, line="none", repeat=0),
+                 {"prompt": 0, "line": "none", "repeat": 0, "summary": {"new_tokens": 1}},
+                 step(1, "prefill", 0, 0, policy(True), **where), {"stopped": "KeyboardInterrupt"}])
+    _, runs = read_trace(path)
+    assert [run.where for run in runs] == [{"prompt": 0, "line": "none", "repeat": 0}, where]
+    assert runs[1].stopped == "KeyboardInterrupt" and explain(runs[1])[-1] == "  stopped: KeyboardInterrupt"
+    told = CliRunner().invoke(app, ["trace", str(path)]).stdout
+    assert "the run" not in told and "1 tokens in 1 pass (" in told
+    write(path, [{"trace": "specrun", "version": 1}, step(1, "prefill", 0, 0, policy(True), answer=1)])
+    _, runs = read_trace(path)  # a chat answer ended by Ctrl-C, the chat going on
+    assert explain(runs[0])[-1].startswith("  not ended: interrupted before its statistics")
 
 
 @pytest.mark.parametrize("content, said", [
     (None, "no such file"),
     ("", "it is empty"),
     ('{"hello": 1}\n', "it is not a specrun trace"),
+    ("hello", "it is not a specrun trace"),  # one line, unfinished: not taken for an empty trace
     ('{"trace": "specrun", "version": 99}\n', "trace version 99, newer than this specrun reads"),
     ('{"trace": "specrun", "version": 1}\nnot json\n{"step": 1}\n', "line 2 is not JSON"),
     ('{"trace": "specrun", "version": 1}\n[1, 2]\n', "line 2 is not a JSON object"),
