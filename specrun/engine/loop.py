@@ -113,14 +113,16 @@ def _logprobs(rows: np.ndarray, indices: Sequence[int], tokens: Sequence[int], t
     return tuple(TokenLogprob(token, *token_logprobs(rows[index], token, top)) for index, token in zip(indices, tokens))
 
 
-def trace_record(step: Step, context_len: int, plan: str, policy: SpeculationPolicy | None) -> dict:
+def trace_record(step: Step, context_len: int, plan: str, policy: SpeculationPolicy | None,
+                 queued: bool = False) -> dict:
     """A step as `--trace` writes it: the context it began at, what was planned ("prefill" for the
     first token, "draft", "plain": the policy asked no drafter, or "forced": a grammar's forced
     tokens drafted in the drafters' place), who drafted, what was drafted
     and kept, its two clocks in milliseconds, and the adaptive policy's state after it (its gate
     and each drafter's controller: AdaptivePolicy.explain), which says why the next step does what
-    it does."""
-    return {
+    it does. ``queued``: the pass was queued by the step before (a backend reading ahead), so its
+    verify_ms is the wait for it, not its cost; said only where true."""
+    record = {
         "context": context_len,
         "plan": plan,
         "source": step.source or PLAIN_SOURCE,
@@ -131,6 +133,9 @@ def trace_record(step: Step, context_len: int, plan: str, policy: SpeculationPol
         "verify_ms": round(1e3 * step.verify_seconds, 3),
         "policy": policy.explain() if isinstance(policy, AdaptivePolicy) else None,
     }
+    if queued:
+        record["queued"] = True
+    return record
 
 
 class StepClock:
@@ -390,7 +395,7 @@ class SpeculativeEngine:
                 stats.generation_seconds = clock.yielding()
                 if self.on_trace is not None:
                     planned = "forced" if forced is not None else "draft" if plan.draft else "plain"
-                    clock.left_out(lambda: self.on_trace(trace_record(step, context_len, planned, policy)))
+                    clock.left_out(lambda: self.on_trace(trace_record(step, context_len, planned, policy, queued)))
                 yield step
         finally:
             # Rewind is explicit, also on interruption: the cache never holds rejected drafts.

@@ -171,9 +171,15 @@ def _by_source(steps: list[dict]) -> list[str]:
         cost = f", {draft_ms / drafted:.1f} ms a drafted token" if draft_ms / drafted >= 0.1 else ""
         told.append(f"{source}: {n} pass{'es' if n != 1 else ''}, {drafted} drafted, {kept} kept "
                     f"({kept / drafted:.0%}){cost}")
-    plain = sorted(step["verify_ms"] for step in steps if step.get("plan") == "plain" and "verify_ms" in step)
+    plain, waited = [], []  # a pass queued by the step before (read ahead): its wait, not its cost
+    for step in steps:
+        if step.get("plan") == "plain" and "verify_ms" in step:
+            (waited if step.get("queued") else plain).append(step["verify_ms"])
     if plain:
-        told.append(f"a plain pass: {plain[len(plain) // 2]:.1f} ms (the median of {len(plain)})")
+        told.append(f"a plain pass: {sorted(plain)[len(plain) // 2]:.1f} ms (the median of {len(plain)})")
+    elif waited:
+        told.append(f"a plain step waited {sorted(waited)[len(waited) // 2]:.1f} ms for its pass, queued by the "
+                    f"step before (the median of {len(waited)})")
     return told
 
 

@@ -291,3 +291,20 @@ def test_chat_traces_each_answer_by_its_number(tiny_llama, tmp_path):
     for answer, stats in summaries.items():
         steps = [line for line in lines if "step" in line and line["answer"] == answer]
         assert len(steps) == stats["steps"] and sum(s["emitted"] for s in steps) == stats["new_tokens"] == 6
+
+
+def test_plain_passes_queued_by_the_step_before_say_so():
+    """A target reading ahead queues the next plain pass while the caller holds the last tokens: such
+    a step's record says `queued` (its verify_ms is a wait, not a cost; `specrun trace` leaves it out
+    of a plain pass's median); a pass timed whole does not."""
+    clock = SimClock()
+    table = hashed_logits(VOCAB, salt=5, spread=3.0)
+    target = CostedFake(table, clock, 1.0, 0.05, reads_ahead=True)
+    draft = CostedFake(agreeing_draft(table, 0.0), clock, 0.5, 0.0)  # never right: the gate goes plain
+    engine = SpeculativeEngine(target, DraftModelDrafter(draft), clock=clock)
+    records = []
+    engine.on_trace = records.append
+    engine.run([1, 2, 3, 1, 2], GenerationParams(200, draft_len=8, adaptive=True), complete_cache=False)
+    queued = [line for line in records if "queued" in line]
+    assert len(queued) > 50 and all(line["queued"] is True and line["plan"] == "plain" for line in queued)
+    assert any(line["plan"] == "plain" and "queued" not in line for line in records)  # the first of a stretch

@@ -165,3 +165,17 @@ def test_a_folder_is_not_a_trace_and_events_out_of_range_is_a_usage_error(tmp_pa
     path = tmp_path / "t.jsonl"
     write(path, [{"trace": "specrun", "version": 1}])
     assert CliRunner().invoke(app, ["trace", str(path), "--events", "-1"]).exit_code == 2
+
+
+def test_plain_passes_queued_ahead_are_told_as_waits_not_as_costs(tmp_path):
+    """A backend reading ahead queues the next plain pass while the caller holds the last tokens:
+    such a step's verify_ms is its wait (`queued`), left out of a plain pass's median cost."""
+    path = tmp_path / "t.jsonl"
+    plain = [{**step(n, "plain", 0, 0, policy(False)), "verify_ms": 30.0} for n in (1, 2, 3)]
+    queued = [{**step(n, "plain", 0, 0, policy(False)), "verify_ms": 2.0, "queued": True} for n in (4, 5, 6, 7)]
+    write(path, [{"trace": "specrun", "version": 1}, *plain, *queued])
+    _, runs = read_trace(path)
+    assert "  a plain pass: 30.0 ms (the median of 3)" in explain(runs[0])
+    write(path, [{"trace": "specrun", "version": 1}, *queued])
+    _, runs = read_trace(path)
+    assert any(line.startswith("  a plain step waited 2.0 ms for its pass") for line in explain(runs[0]))
