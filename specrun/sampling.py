@@ -41,6 +41,30 @@ class SamplingSettings:
             problems.append(f"--seed must be non-negative, got {self.seed}")
         return problems
 
+    def describe(self) -> str:
+        """In words, for a table's footnote: ``greedy``, or the temperature and each option that is on."""
+        if self.greedy:
+            return "greedy"
+        said = [f"temperature {self.temperature:g}"]
+        if self.top_k:
+            said.append(f"top-k {self.top_k}")
+        if self.top_p < 1.0:
+            said.append(f"top-p {self.top_p:g}")
+        if self.min_p > 0.0:
+            said.append(f"min-p {self.min_p:g}")
+        if self.seed is not None:
+            said.append(f"seed {self.seed}")
+        return ", ".join(said)
+
+    def fields(self) -> dict:
+        """For a trace's header: the temperature, and the options that are on."""
+        fields = {"temperature": self.temperature}
+        if not self.greedy:
+            fields.update({name: value for name, value, off in (("top_k", self.top_k, 0), ("top_p", self.top_p, 1.0),
+                                                                ("min_p", self.min_p, 0.0), ("seed", self.seed, None))
+                           if value != off})
+        return fields
+
 
 def top_probability(logits: np.ndarray) -> float:
     """The largest probability of softmax(logits) at temperature 1: the model's confidence."""

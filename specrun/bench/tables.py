@@ -82,7 +82,7 @@ def footnotes(result: BenchResult) -> list[str]:
     repeats = f"median of {config.repeat} repeats" if config.repeat > 1 else "one run"
     notes = [
         f"{config.target} + {config.draft or 'no draft model'}, {config.max_new_tokens} new tokens, "
-        f"temperature {config.sampling.temperature:g}; generation time only (prefill excluded); methods "
+        f"{config.sampling.describe()}; generation time only (prefill excluded); methods "
         f"interleaved per prompt; speed-up per prompt = {repeats} vs the baseline, geometric mean over prompts",
         "draft/verify: share of generation time spent drafting and in the target's verify passes",
     ]

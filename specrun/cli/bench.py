@@ -49,12 +49,15 @@ from specrun.cli.options import (
     LookaheadOpt,
     MarginOpt,
     MaxTokensOpt,
+    MinPOpt,
     RegistryOpt,
     RpcOpt,
     SeedOpt,
     TargetOpt,
     TempOpt,
     ThreadsOpt,
+    TopKOpt,
+    TopPOpt,
     TreeNodesOpt,
     VerifyOpt,
     TraceOpt,
@@ -98,6 +101,9 @@ def bench(
     sweep_draft_len: SweepOpt = None,
     draft_min_prob: BenchMinProbOpt = None,
     temp: TempOpt = 0.0,
+    top_k: TopKOpt = 0,
+    top_p: TopPOpt = 1.0,
+    min_p: MinPOpt = 0.0,
     seed: SeedOpt = None,
     repeat: RepeatOpt = 1,
     chat: ChatOpt = None,
@@ -153,7 +159,7 @@ def bench(
         if native and rpc_servers:
             raise UsageError("--native runs llama-cpp-python's own loop on a copy of the target here, and --rpc "
                              "sends the target to other machines", "drop --native or --rpc")
-        sampling = checked_sampling("bench", temp, 0, 1.0, 0.0, seed)
+        sampling = checked_sampling("bench", temp, top_k, top_p, min_p, seed)
         verification = checked_verification("bench", verify, accept, epsilon, delta, margin, exact)
         target = target or DEFAULT_TARGET
         draft = draft or suggested_draft(target, registry)
@@ -201,7 +207,7 @@ def bench(
         with open_trace(trace) as tracing:
             if tracing is not None:
                 tracing.header(target=target, draft=draft, methods=list(method_list), prompts=len(bench_prompts),
-                               max_new_tokens=max_tokens, temperature=sampling.temperature, repeat=repeat)
+                               max_new_tokens=max_tokens, repeat=repeat, **sampling.fields())
             run_and_show(config, bench_prompts, json_out, report_out, tracing)
 
 

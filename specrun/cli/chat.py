@@ -208,7 +208,7 @@ def chat_command(
                                tool_choice=choice, verification=verification, learn=learning) as session:
                     if tracing is not None:
                         tracing.header(target=target, draft=draft, method=method,
-                                       temperature=params.sampling.temperature, max_new_tokens=max_tokens)
+                                       max_new_tokens=max_tokens, **params.sampling.fields())
                         session.trace = tracing
                     if messages is None:
                         ChatRepl(session, params, view).run()

@@ -163,7 +163,7 @@ def generate_text(request: GenerateRequest, on_text: Callable[[str], None] | Non
         if request.trace is not None:
             request.trace.header(target=request.target, draft=draft_spec, method=request.method,
                                  drafters=drafter.name if drafter is not None else "none",
-                                 temperature=request.sampling.temperature, prompt_tokens=len(prompt_ids),
+                                 **request.sampling.fields(), prompt_tokens=len(prompt_ids),
                                  max_new_tokens=request.max_new_tokens, adaptive=params.adaptive,
                                  draft_len=params.draft_len)
             engine.on_trace = request.trace.step

@@ -107,7 +107,21 @@ def describe_header(header: dict) -> str:
     slots = f", {header['slots']} slots" if header.get("slots", 1) > 1 else ""
     prompt = f", a prompt of {header['prompt_tokens']} tokens" if "prompt_tokens" in header else ""
     methods = header.get("method") or ", ".join(header.get("methods") or ()) or "?"
-    return f"{what}: {header.get('target', '?')}{draft}, method {methods}{slots}{prompt}"
+    return f"{what}: {header.get('target', '?')}{draft}, method {methods}{slots}{prompt}{_sampled(header)}"
+
+
+def _sampled(header: dict) -> str:
+    """", sampled at temperature T, top-k K, ..." where the run sampled (none for greedy or a
+    header that does not say)."""
+    from specrun.sampling import SamplingSettings
+
+    try:
+        sampling = SamplingSettings(float(header.get("temperature", 0.0)), int(header.get("top_k", 0)),
+                                    float(header.get("top_p", 1.0)), float(header.get("min_p", 0.0)),
+                                    header.get("seed"))
+    except (TypeError, ValueError):
+        return ""
+    return "" if sampling.greedy else f", sampled at {sampling.describe()}"
 
 
 def explain(run: RunTrace, most_events: int = 12, live: bool = False) -> list[str]:

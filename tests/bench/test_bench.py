@@ -259,6 +259,55 @@ def test_a_wrong_verifier_is_flagged_as_a_real_mismatch(tiny_llama, tiny_qwen2, 
     assert "NO: 1 prompt" in table_row
 
 
+@needs_llama
+def test_a_sampled_bench_runs_with_every_sampling_option(tiny_llama, tiny_qwen2, tmp_path):
+    """--top-k/--top-p/--min-p reach the runs: each at its narrowest (top-k 1, top-p 0.01, min-p 0.99)
+    makes a sampled run greedy decoding, step for step (a disagreeing draft model at a fixed length
+    drafts and keeps what the greedy run does), where the same seed without them samples another
+    text; the JSON, the table's footnote and the trace's header say what was sampled."""
+    path, draft = str(tiny_llama.gguf_path), str(tiny_qwen2.gguf_path)
+
+    def bench(tag: str, *sampling: str) -> tuple[dict, str, dict]:
+        out, trace = tmp_path / f"{tag}.json", tmp_path / f"{tag}.jsonl"
+        result = run_cli("-t", path, "-d", draft, "--methods", "none,draft", "--categories", "code-editing",
+                         "--per-category", "2", "-n", "16", "-k", "3", "--json", str(out), "--trace", str(trace),
+                         *sampling)
+        assert result.exit_code == 0, result.output
+        notes = " ".join(result.stderr.split())  # the footnotes, on stderr (wrapped to the terminal)
+        return json.loads(out.read_text()), notes, json.loads(trace.read_text().splitlines()[0])
+
+    def steps(doc: dict) -> list[tuple]:
+        return [(run["prompt_index"], run["variant"], run["stats"]["new_tokens"], run["stats"]["steps"],
+                 run["stats"]["drafted"], run["stats"]["accepted"]) for run in doc["runs"]]
+
+    greedy = steps(bench("greedy")[0])
+    drafted = [(count, kept) for _, variant, _, _, count, kept in greedy if variant == "draft"]
+    assert all(count > 0 for count, _ in drafted) and any(kept < count for count, kept in drafted), drafted
+    assert steps(bench("temp", "--temp", "1.5", "--seed", "3")[0]) != greedy
+    for option, narrowest in (("--top-k", "1"), ("--top-p", "0.01"), ("--min-p", "0.99")):
+        assert steps(bench(option, "--temp", "1.5", "--seed", "3", option, narrowest)[0]) == greedy, option
+
+    doc, notes, header = bench("every", "--temp", "0.7", "--top-k", "40", "--top-p", "0.9", "--min-p", "0.05",
+                               "--seed", "3")
+    config = doc["config"]
+    assert (config["temperature"], config["top_k"], config["top_p"], config["min_p"], config["seed"]) == (
+        0.7, 40, 0.9, 0.05, 3)
+    assert "temperature 0.7, top-k 40, top-p 0.9, min-p 0.05, seed 3; generation time only" in notes
+    assert {k: header[k] for k in ("temperature", "top_k", "top_p", "min_p", "seed")} == {
+        "temperature": 0.7, "top_k": 40, "top_p": 0.9, "min_p": 0.05, "seed": 3}
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--top-k", "-1"], "--top-k must be 0 (off) or positive"),
+    (["--top-p", "0"], "--top-p must be in (0, 1]"),
+    (["--min-p", "1"], "--min-p must be in [0, 1)"),
+])
+def test_bad_sampling_options_exit_2_with_one_line(args, message):
+    result = run_cli("--temp", "0.7", *args)
+    assert result.exit_code == 2, result.output
+    assert message in result.stderr and len(result.stderr.strip().splitlines()) == 1
+
+
 # ---- the HTML report in a real browser -------------------------------------------------
 
 

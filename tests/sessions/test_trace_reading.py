@@ -103,6 +103,29 @@ def test_generate_s_trace_is_told_by_the_trace_command(tiny_llama, tmp_path):
     assert lines[2].startswith("  12 tokens in ") and lines[-1].startswith("  finished: 12 tokens")
 
 
+def test_a_sampled_run_s_trace_says_how_it_sampled(tiny_llama, tmp_path):
+    pytest.importorskip("llama_cpp")
+    path = str(tiny_llama.gguf_path)
+    out = tmp_path / "t.jsonl"
+    ran = CliRunner().invoke(app, ["generate", "def f():", "-t", path, "-n", "6", "--temp", "0.8", "--top-k", "5",
+                                   "--min-p", "0.1", "--seed", "1", "--trace", str(out)])
+    assert ran.exit_code == 0, ran.output
+    header = json.loads(out.read_text().splitlines()[0])
+    assert (header["temperature"], header["top_k"], header["min_p"], header["seed"]) == (0.8, 5, 0.1, 1)
+    assert "top_p" not in header  # off
+    told = CliRunner().invoke(app, ["trace", str(out)]).stdout.splitlines()[0]
+    assert told.endswith(", sampled at temperature 0.8, top-k 5, min-p 0.1, seed 1"), told
+
+
+@pytest.mark.parametrize("header", [{"temperature": 0.0, "top_k": 5}, {"temperature": "hot"}, {"top_k": [1]}, {}])
+def test_a_header_that_says_no_sampling_is_told_without_it(tmp_path, header):
+    path = tmp_path / "t.jsonl"
+    write(path, [{"trace": "specrun", "version": 1, "method": "draft", **header}, step(1, "prefill", 0, 0, policy(True))])
+    told = CliRunner().invoke(app, ["trace", str(path)])
+    assert told.exit_code == 0, told.output
+    assert told.stdout.splitlines()[0] == "run: ?, method draft"
+
+
 def test_a_trace_still_being_written_is_told_as_far_as_it_goes(tmp_path):
     path = tmp_path / "t.jsonl"
     write(path, [{"trace": "specrun", "version": 1, "serve": True},
