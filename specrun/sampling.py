@@ -121,12 +121,22 @@ def _top_p(probs: np.ndarray, top_p: float) -> None:
     Exactly what sorting each whole row (stable, likeliest first) and summing it in that order
     keeps, without sorting a whole vocabulary: the tokens kept are a prefix of that order, so each
     row sorts only its likeliest candidates (``_kept_prefix``), widening them until the mass before
-    the last one reaches top_p."""
-    for row in probs:
-        kept = _kept_prefix(row, top_p)
-        weights = row[kept]
-        row.fill(0.0)
-        row[kept] = weights
+    the last one reaches top_p. Rows no longer than the candidates' first widening are sorted
+    whole, all at once (a small vocabulary: the per-row calls would cost more than the sort)."""
+    if probs.shape[-1] <= TOP_P_CANDIDATES * 8:
+        # zero tokens sort last and weigh nothing: kept or not, they stay 0
+        order = np.argsort(-probs, axis=-1, kind="stable")
+        at = (np.arange(len(probs))[:, None], order)  # indexed directly: take_along_axis's own set-up costs more
+        ranked = probs[at]
+        mass_before = ranked.cumsum(axis=-1) - ranked
+        ranked[mass_before >= top_p] = 0.0
+        probs[at] = ranked
+    else:
+        for row in probs:
+            kept = _kept_prefix(row, top_p)
+            weights = row[kept]
+            row.fill(0.0)
+            row[kept] = weights
     probs /= probs.sum(axis=-1, keepdims=True)
 
 

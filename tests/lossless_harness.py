@@ -628,17 +628,24 @@ def _draft_table(vocab: int = VOCAB):
     return hashed_logits(vocab, salt=2, spread=1.2 if vocab == VOCAB else LONG_TAIL_SPREAD)
 
 
+@functools.cache
+def _oracle(vocab: int, setting: str, window: int) -> tuple[Reference, dict[tuple[int, ...], float]]:
+    """The oracle's rows along an output and its exact joint over ``window`` tokens, for the target
+    every scenario of this vocabulary runs (fake_engine's): computed once, shared by the scenarios
+    (and the mutants) that sample alike."""
+    table, sampling = _target_table(vocab), SETTINGS[setting]
+    return oracle_reference(table, sampling), exact_joint(table, PROMPT, window, sampling)
+
+
 def run_scenario(name: str, runs: int = RUNS, first_seed: int = 0) -> tuple[Sampled, list[str]]:
     """``runs`` seeded windows of a scenario, and everything in them that contradicts losslessness."""
     scenario = SCENARIOS[name]
     engine = fake_engine(scenario)
     sampling = SETTINGS[scenario.setting]
-    table = engine.target.backend.table
-    reference = oracle_reference(table, sampling)
+    reference, joint = _oracle(scenario.vocab, scenario.setting, scenario.window)
     sampled = sample_runs(
         engine, PROMPT, scenario.window, sampling, runs, scenario.draft_len, reference, scenario.adaptive, first_seed
     )
-    joint = exact_joint(table, PROMPT, scenario.window, sampling)
     problems = lossless_problems(sampled, joint)
     if scenario.learn:  # the weights drafted with changed during the runs, many times
         learned = engine.drafter.learner.report()
