@@ -45,13 +45,13 @@ class SamplingSettings:
         """In words, for a table's footnote: ``greedy``, or the temperature and each option that is on."""
         if self.greedy:
             return "greedy"
-        said = [f"temperature {self.temperature:g}"]
+        said = [f"temperature {self.temperature:.10g}"]
         if self.top_k:
             said.append(f"top-k {self.top_k}")
         if self.top_p < 1.0:
-            said.append(f"top-p {self.top_p:g}")
+            said.append(f"top-p {self.top_p:.10g}")
         if self.min_p > 0.0:
-            said.append(f"min-p {self.min_p:g}")
+            said.append(f"min-p {self.min_p:.10g}")
         if self.seed is not None:
             said.append(f"seed {self.seed}")
         return ", ".join(said)
@@ -125,10 +125,10 @@ def _top_p(probs: np.ndarray, top_p: float) -> None:
     whole, all at once (a small vocabulary: the per-row calls would cost more than the sort)."""
     if probs.shape[-1] <= TOP_P_CANDIDATES * 8:
         # zero tokens sort last and weigh nothing: kept or not, they stay 0
-        order = np.argsort(-probs, axis=-1, kind="stable")
+        order = np.argsort(-probs, axis=-1, kind="stable")  # (n, V)
         at = (np.arange(len(probs))[:, None], order)  # indexed directly: take_along_axis's own set-up costs more
-        ranked = probs[at]
-        mass_before = ranked.cumsum(axis=-1) - ranked
+        ranked = probs[at]  # (n, V), likeliest first
+        mass_before = ranked.cumsum(axis=-1) - ranked  # (n, V)
         ranked[mass_before >= top_p] = 0.0
         probs[at] = ranked
     else:
@@ -158,7 +158,8 @@ def _kept_prefix(row: np.ndarray, top_p: float) -> np.ndarray:
         ranked = values[order]
         mass_before = np.cumsum(ranked) - ranked
         kept = mass_before < top_p  # the token that crosses top_p is kept
-        if not kept[-1] or len(order) == len(values):
+        # a row with no positive token (all NaN) keeps nothing: NaN after renormalising, as above
+        if len(order) == len(values) or not kept[-1]:
             return positive[order[kept]]
         wanted *= 8
 

@@ -111,17 +111,34 @@ def describe_header(header: dict) -> str:
 
 
 def _sampled(header: dict) -> str:
-    """", sampled at temperature T, top-k K, ..." where the run sampled (none for greedy or a
-    header that does not say)."""
+    """", sampled at temperature T, top-k K, ..." where the run sampled (none for greedy, or for a
+    header whose sampling fields are not numbers a run could have used)."""
+    names = ("temperature", "top_k", "top_p", "min_p", "seed")
+    if not any(name in header for name in names):
+        return ""
     from specrun.sampling import SamplingSettings
 
-    try:
-        sampling = SamplingSettings(float(header.get("temperature", 0.0)), int(header.get("top_k", 0)),
-                                    float(header.get("top_p", 1.0)), float(header.get("min_p", 0.0)),
-                                    header.get("seed"))
-    except (TypeError, ValueError):
+    values = [header.get(name) for name in names]
+    numbers = values[:4]
+    if any(value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)))
+           for value in numbers):
         return ""
-    return "" if sampling.greedy else f", sampled at {sampling.describe()}"
+    seed = values[4]
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        return ""
+    temperature, top_k, top_p, min_p = numbers
+    try:
+        if top_k is not None and top_k != int(top_k):
+            return ""
+        sampling = SamplingSettings(float(0.0 if temperature is None else temperature),
+                                    int(0 if top_k is None else top_k),
+                                    float(1.0 if top_p is None else top_p),
+                                    float(0.0 if min_p is None else min_p), seed)
+    except (OverflowError, ValueError):  # an infinite top-k, a float too large
+        return ""
+    if sampling.validate() or sampling.greedy:
+        return ""
+    return f", sampled at {sampling.describe()}"
 
 
 def explain(run: RunTrace, most_events: int = 12, live: bool = False) -> list[str]:

@@ -308,6 +308,15 @@ def test_bad_sampling_options_exit_2_with_one_line(args, message):
     assert message in result.stderr and len(result.stderr.strip().splitlines()) == 1
 
 
+def test_the_footnote_never_rounds_an_option_into_another():
+    """top-p 0.9999999 is on (it cuts the tail): the footnote must not print it as 1."""
+    from specrun.sampling import SamplingSettings
+
+    assert SamplingSettings(0.7, top_p=0.9999999, min_p=1e-7).describe() == (
+        "temperature 0.7, top-p 0.9999999, min-p 1e-07")
+    assert SamplingSettings(0.0, top_k=40, seed=1).describe() == "greedy"
+
+
 # ---- the HTML report in a real browser -------------------------------------------------
 
 

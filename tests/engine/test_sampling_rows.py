@@ -97,6 +97,17 @@ def test_ties_at_the_candidates_edge_come_in_whole():
         assert np.array_equal(probabilities(logits, settings), whole_row_probabilities(logits, settings))
 
 
+def test_a_small_row_s_tie_at_exactly_top_p_stops_where_sorting_stops():
+    """Eight equal tokens, top-p 0.5: the mass before the 5th is exactly 0.5, so the first four
+    (lowest ids, the stable order) are kept and the rest are not, on the small rows' path too."""
+    settings = SamplingSettings(temperature=1.0, top_p=0.5)
+    rows = np.zeros((3, 8))
+    expected = np.array([0.25] * 4 + [0.0] * 4)
+    for got in (probabilities(rows[0], settings), *probabilities(rows, settings)):
+        assert np.array_equal(got, expected)
+    assert np.array_equal(probabilities(rows, settings), whole_row_probabilities(rows, settings))
+
+
 def test_rows_follow_the_oracle_s_definition():
     rng = np.random.default_rng(3)
     for _ in range(40):

@@ -117,7 +117,12 @@ def test_a_sampled_run_s_trace_says_how_it_sampled(tiny_llama, tmp_path):
     assert told.endswith(", sampled at temperature 0.8, top-k 5, min-p 0.1, seed 1"), told
 
 
-@pytest.mark.parametrize("header", [{"temperature": 0.0, "top_k": 5}, {"temperature": "hot"}, {"top_k": [1]}, {}])
+@pytest.mark.parametrize("header", [
+    {"temperature": 0.0, "top_k": 5}, {"temperature": "hot"}, {"top_k": [1]}, {},
+    {"temperature": True}, {"temperature": 10**400}, {"temperature": float("nan")},
+    {"temperature": 0.8, "top_k": float("inf")}, {"temperature": 0.8, "top_k": 2.5},
+    {"temperature": 0.8, "top_p": 0}, {"temperature": 0.8, "seed": [1]}, {"temperature": 0.8, "seed": True},
+    {"temperature": 0.8, "seed": 1.5}])
 def test_a_header_that_says_no_sampling_is_told_without_it(tmp_path, header):
     path = tmp_path / "t.jsonl"
     write(path, [{"trace": "specrun", "version": 1, "method": "draft", **header}, step(1, "prefill", 0, 0, policy(True))])
