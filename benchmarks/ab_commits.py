@@ -9,7 +9,10 @@ interval, and checks that both sides emit the same tokens.
 
     .venv/bin/python benchmarks/ab_commits.py --before 99931c8 [--after HEAD] \
         [--target demo-target --draft demo-draft] [--spec-bench-per-category 5] [-n 128] \
-        [--repeats 1] [--methods none,lookup,...] [--sampling 0.7,40,0.95,0.05]
+        [--repeats 1] [--methods none,lookup,...] [--sampling 0.7,40,0.95,0.05] [--raw]
+
+Prompts go in the target's chat template where it has one, as `specrun bench` sends them
+(--raw: as raw text, as they went before; the demo pair is a completion model either way).
 
 Head methods (medusa, hydra, eagle) draft with the heads found for the target, as `specrun
 generate` finds them (the demo target's ship in the package).
@@ -50,7 +53,7 @@ except ImportError:  # the layout before issue 27
     from specrun.engine import GenerationParams, SpeculativeEngine
     from specrun.methods import build_drafter, is_adaptive
     from specrun.loading import LoadOptions, open_pair
-target_name, draft_name, methods, n_new, threads, patch, sampling = json.loads(sys.argv[1])
+target_name, draft_name, methods, n_new, threads, patch, sampling, chat = json.loads(sys.argv[1])
 if patch:  # an experiment: this side runs the file first (e.g. a rule switched off)
     exec(open(patch).read())
 target, draft = open_pair(target_name, draft_name, LoadOptions(threads=threads))
@@ -69,7 +72,16 @@ def options_for(method):
 
 
 engines = {m: SpeculativeEngine(target, build_drafter(m, draft, options_for(m)), m) for m in methods}
-print("ready", flush=True)
+render = None
+if chat is not False:  # as `specrun bench` sends a prompt: a user message in the target's template
+    try:
+        from specrun.registry.loading import prompts_as_chat
+        from specrun.sessions.templates import render_user_prompt
+        if prompts_as_chat(target_name, None, target, chat):
+            render = render_user_prompt
+    except ImportError:  # a tree from before chat templates: raw text (the other side must say so too)
+        pass
+print(json.dumps({"ready": True, "chat": render is not None}), flush=True)
 for line in sys.stdin:
     text, method = json.loads(line)
     engine = engines[method]
@@ -77,7 +89,7 @@ for line in sys.stdin:
         engine.drafter.bind(engine.target, engine.clock)
     forget = getattr(engine, "policy", engine).forget_acceptance
     forget()
-    ids = target.tokenize(text, add_bos=target.vocab.add_bos)
+    ids = render(target, text)[1] if render else target.tokenize(text, add_bos=target.vocab.add_bos)
     settings = {}
     if sampling:  # seeded alike on both sides: equal rows draw equal texts
         from specrun.sampling import SamplingSettings
@@ -106,11 +118,13 @@ def worktree(rev: str) -> Path:
 class Worker:
     def __init__(self, tree: Path, args, patch: str | None = None) -> None:
         spec = json.dumps([args.target, args.draft, list(args.methods), args.max_tokens, args.threads, patch,
-                           args.sampling])
+                           args.sampling, False if args.raw else None])
         self.proc = subprocess.Popen([sys.executable, "-c", WORKER, spec], cwd=tree, text=True,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      env={**os.environ, "PYTHONPATH": str(tree)})
-        assert self.proc.stdout.readline().strip() == "ready"
+        ready = json.loads(self.proc.stdout.readline())
+        assert ready["ready"]
+        self.chat = ready["chat"]  # prompts sent in the target's chat template
 
     def run(self, text: str, method: str) -> tuple[float, int]:
         self.proc.stdin.write(json.dumps([text, method]) + "\n")
@@ -158,6 +172,8 @@ def main() -> int:
     parser.add_argument("--mix", action="store_true", help="Spec-Bench prompts round robin over the categories")
     parser.add_argument("--no-builtin", action="store_true", help="Spec-Bench only")
     parser.add_argument("--repeats", type=int, default=1, help="runs of every prompt a side")
+    parser.add_argument("--raw", action="store_true", help="prompts as raw text (default: as `specrun bench` "
+                        "sends them, in the target's chat template where it has one)")
     parser.add_argument("--patch-after", help="a Python file side B runs before loading (an experiment)")
     parser.add_argument("--sampling", type=lambda v: [float(x) for x in v.split(",")],
                         help="TEMPERATURE,TOP_K,TOP_P,MIN_P, each prompt seeded alike on both sides (default greedy)")
@@ -167,6 +183,10 @@ def main() -> int:
         args.patch_after = str(Path(args.patch_after).resolve())
     sides = {"A": worktree(args.before), "B": worktree(args.after)}
     workers = {name: Worker(tree, args, args.patch_after if name == "B" else None) for name, tree in sides.items()}
+    if workers["A"].chat != workers["B"].chat:
+        print("A and B send prompts differently (one tree predates chat templates): pass --raw", file=sys.stderr)
+        return 2
+    print(f"prompts {'in the chat template' if workers['A'].chat else 'as raw text'}")
     raw, mismatches = [], 0
     try:
         for suite, texts in prompts(args).items():
