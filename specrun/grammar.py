@@ -127,6 +127,14 @@ class GrammarSpec:
             raise _refused(self.kind, problem)
 
 
+def matcher_problem(error: str) -> str:
+    """llguidance's error in a line, its name for a dead end said in words."""
+    line = _first_line(error)
+    if line == "NoExtensionBias":  # nothing but an end of text it does not accept may follow
+        return "no token of the model's vocabulary continues it"
+    return line
+
+
 def _first_line(text: str) -> str:
     text = text.strip()
     return text.splitlines()[0][:300] if text else "no reason given"
@@ -189,6 +197,10 @@ class Grammar:
             functools.partial(llguidance.LLMatcher, log_level=0), vocabulary.tokenizer, spec.llguidance_grammar())
         if self._start.is_error():
             raise _refused(spec.kind, self._start.get_error())
+        first = self._start.deep_copy()  # some grammars fail only once a mask is asked ({"$ref": "#"})
+        first.compute_bitmask()
+        if first.is_error():
+            raise _refused(spec.kind, f"{matcher_problem(first.get_error())} (at its first token)")
 
     @classmethod
     def compile(cls, spec: GrammarSpec, backend) -> "Grammar":
@@ -224,6 +236,8 @@ class GrammarState:
         if self._matcher.is_error():
             return np.zeros(self.size, dtype=bool)
         bits = np.frombuffer(self._matcher.compute_bitmask(), dtype=np.uint8)
+        if self._matcher.is_error():  # failed computing it (past a limit): its bits mean nothing
+            return np.zeros(self.size, dtype=bool)
         return np.unpackbits(bits, bitorder="little")[: self.size].astype(bool)
 
     def forced(self) -> list[int]:

@@ -94,7 +94,7 @@ from specrun.cli.rpc import rpc_server_command
 from specrun.cli.serve import serve_command
 from specrun.cli.tune import tune
 from specrun.drafters.methods import check_method
-from specrun.errors import AnswerKeptError, UsageError
+from specrun.errors import AnswerKeptError, SpecrunError, UsageError
 
 app = typer.Typer(
     name="specrun",
@@ -231,6 +231,8 @@ def generate(
                     learned = learning.finish() if learning is not None else []
                     answer = {"text": result.text, "finish_reason": result.finish_reason,
                               "stats": result.stats.to_dict()}
+                    if result.grammar_problem:
+                        answer["grammar_problem"] = result.grammar_problem
                     if tool_list:
                         answer["tool_calls"] = [call.as_openai() for call in result.tool_calls]
                     if learning is not None:
@@ -254,6 +256,10 @@ def generate(
                     learning.finish()  # stopped on an error or Ctrl-C too (a second finish finds nothing)
         if kept is not None:
             raise kept
+        if result.finish_reason == "grammar":  # the text so far follows no grammar: not an answer
+            count = result.stats.new_tokens
+            raise SpecrunError(f"the grammar stopped the answer after {count} token{'' if count == 1 else 's'}: "
+                               f"{result.grammar_problem}", "simplify the grammar (what was printed does not follow it)")
 
 
 @app.command()

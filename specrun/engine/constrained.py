@@ -23,7 +23,7 @@ import dataclasses
 import numpy as np
 
 from specrun.drafters.base import Proposal
-from specrun.grammar import Grammar, GrammarState, mask_logits, mask_row
+from specrun.grammar import Grammar, GrammarState, mask_logits, mask_row, matcher_problem
 from specrun.sampling import SamplingSettings
 
 GRAMMAR_SOURCE = "grammar"  # the source of a proposal of forced tokens
@@ -35,6 +35,13 @@ class ConstrainedRun:
     def __init__(self, grammar: Grammar) -> None:
         self.state: GrammarState = grammar.start()
         self.failed = ""  # why the grammar failed on a kept token (past llguidance's limits), if it did
+
+    @property
+    def problem(self) -> str:
+        """Why the grammar stopped the answer, in a line: llguidance's error past its limits, or
+        that it allowed no token (asked only once it did)."""
+        error = self.failed or self.state.error
+        return matcher_problem(error) if error.strip() else "the grammar allows no token here"
 
     def masked(self, logits: np.ndarray) -> np.ndarray | None:
         """The row (V,) after the context with forbidden tokens at -inf, or None where the grammar

@@ -262,6 +262,7 @@ class SpeculativeEngine:
         self.clock = clock  # injectable so tests can give fake models exact costs
         self.last_context: list[int] = []  # prompt + output of the latest run
         self.grammar_blocked = False  # did the latest run end where its grammar allowed no token?
+        self.grammar_problem = ""  # why, where it did: llguidance's error, or that no token was allowed
         self.policy = AdaptivePolicy(clock)
         # told (tokens read, prompt tokens) as a long prompt is read: a progress bar (TargetPasses.prefill)
         self.on_prefill: Callable[[int, int], None] | None = None
@@ -316,6 +317,7 @@ class SpeculativeEngine:
         ties = NearTieWatch.of_run(self.target, params, reused)  # None: not counted
         constrained = ConstrainedRun(params.grammar) if params.grammar is not None else None
         self.grammar_blocked = False
+        self.grammar_problem = ""
         self.passes.keep_rows = params.logprobs is not None
         # plain greedy steps read one token ahead where the target can (KVSequence.feed_argmax_ahead)
         reads_ahead = (self.target.can_read_ahead and sampling.greedy and constrained is None
@@ -403,6 +405,8 @@ class SpeculativeEngine:
             stats.generation_seconds = clock.elapsed()
             if measured:
                 policy.end_text()
+            if self.grammar_blocked:
+                self.grammar_problem = constrained.problem
         self.last_context = context
 
     def _prefill(
@@ -526,7 +530,8 @@ class SpeculativeEngine:
             yield TextChunk(tail, (), (), stats)
         if complete_cache:
             self.complete_caches()
-        yield Finished(GenerationResult("".join(pieces), output, stats, self._finish_reason(prompt, output, params)))
+        yield Finished(GenerationResult("".join(pieces), output, stats, self._finish_reason(prompt, output, params),
+                                        grammar_problem=self.grammar_problem))
 
     def complete_caches(self) -> None:
         """Feed the pending last token so both caches hold exactly the full context."""

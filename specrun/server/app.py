@@ -21,7 +21,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from specrun.engine.stats import Stats
-from specrun.errors import UsageError
+from specrun.errors import SpecrunError, UsageError
 from specrun.fileio import json_problem
 from specrun.server.connections import QuietAcceptErrors, connection_cap, guarded_protocol
 from specrun.server.requests import (
@@ -86,18 +86,27 @@ def is_loopback(host: str) -> bool:
 async def read_json_body(request, limit: int) -> dict:
     """The request's JSON object, refused (413) as soon as it is known to exceed ``limit`` bytes:
     from Content-Length before reading anything, else while it streams in."""
+    encoding = request.headers.get("content-encoding", "identity").strip().lower()
+    if encoding not in ("", "identity"):  # read as it is, a compressed body would be "not JSON"
+        raise RequestError(f"Content-Encoding {encoding} is not supported: send the body uncompressed", status=415,
+                           code="unsupported_media_type")
     declared = request.headers.get("content-length")
     if declared is not None:
         if not declared.isdigit():
             raise RequestError("Content-Length is not a number", code="invalid_header")
         if int(declared) > limit:
             raise _too_large(limit)
+    from starlette.requests import ClientDisconnect
+
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise _too_large(limit)
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise _too_large(limit)
+            chunks.append(chunk)
+    except ClientDisconnect:  # the connection closed before the body was whole
+        raise ClientGone("a client left before sending its whole request; dropped") from None
     try:
         body = json.loads(b"".join(chunks))
     except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
@@ -134,6 +143,7 @@ class OpenAIServer:
             Route("/health", self.health, methods=["GET"]),
             Route("/metrics", self._endpoint(self.metrics), methods=["GET"]),
             Route("/v1/models", self._endpoint(self.models), methods=["GET"]),
+            Route("/v1/models/{model:path}", self._endpoint(self.model), methods=["GET"]),
             Route("/v1/chat/completions", self._endpoint(self.chat_completions), methods=["POST"]),
             Route("/v1/completions", self._endpoint(self.completions), methods=["POST"]),
         ]
@@ -150,9 +160,11 @@ class OpenAIServer:
                 return await handler(request)
             except RequestError as exc:
                 return _error_response(exc)
-            except ClientGone:
+            except ClientGone as gone:
                 from starlette.responses import Response
 
+                if gone.args:  # said where it was raised; a job's own departure the worker logs
+                    self.worker.log(gone.args[0])
                 return Response(status_code=499)  # nobody reads it: the client has gone
 
         return endpoint
@@ -167,8 +179,11 @@ class OpenAIServer:
                                code="invalid_api_key")
 
     async def _http_error(self, request, exc):
-        return _error_response(RequestError(str(exc.detail), status=exc.status_code,
-                                            code="not_found" if exc.status_code == 404 else None))
+        codes = {404: "not_found", 405: "method_not_allowed"}
+        response = _error_response(RequestError(str(exc.detail), status=exc.status_code,
+                                                code=codes.get(exc.status_code)))
+        response.headers.update(exc.headers or {})  # a 405's Allow
+        return response
 
     async def _internal_error(self, request, exc):
         return _error_response(RequestError(f"internal error: {type(exc).__name__}: {exc}", status=500,
@@ -193,9 +208,20 @@ class OpenAIServer:
     async def models(self, request):
         from starlette.responses import JSONResponse
 
-        return JSONResponse({"object": "list", "data": [
-            {"id": self.model_id, "object": "model", "created": self.started, "owned_by": "specrun"}
-        ]})
+        return JSONResponse({"object": "list", "data": [self._model_object()]})
+
+    async def model(self, request):
+        """GET /v1/models/{id} (the openai client's models.retrieve): the served model, else 404."""
+        from starlette.responses import JSONResponse
+
+        asked = request.path_params["model"]
+        if asked not in self.http.model_names:
+            raise RequestError(f"the model {asked!r} is not served here; this server serves {self.model_id!r}",
+                               "model", status=404, code="model_not_found")
+        return JSONResponse({**self._model_object(), "id": asked})
+
+    def _model_object(self) -> dict:
+        return {"id": self.model_id, "object": "model", "created": self.started, "owned_by": "specrun"}
 
     # A request is checked on a thread: a grammar, schema or tool definition compiles in it (up to
     # seconds for a large one), and the event loop keeps serving everyone else meanwhile.
@@ -356,7 +382,10 @@ def _error_response(error: RequestError):
 
 # ---- running it ------------------------------------------------------------------------------
 def bind(host: str, port: int) -> socket.socket:
-    """A listening socket for ``host:port`` (port 0: any free one), or a UsageError saying why not."""
+    """A listening socket for ``host:port`` (port 0: any free one), or one line saying why not: a
+    port taken or forbidden is the machine's state (exit 1, as rpc-server's), a host that names no
+    address of this machine a usage error (exit 2)."""
+    import errno
     try:
         infos = socket.getaddrinfo(host.strip("[]"), port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
         family, kind, proto, _, address = infos[0]
@@ -364,8 +393,9 @@ def bind(host: str, port: int) -> socket.socket:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(address)
     except OSError as exc:
-        raise UsageError(f"cannot listen on {host}:{port}: {exc.strerror or exc}",
-                         "pick another --port (or --host)") from None
+        error = SpecrunError if exc.errno in (errno.EADDRINUSE, errno.EACCES) else UsageError
+        raise error(f"cannot listen on {host}:{port}: {exc.strerror or exc}",
+                    "pick another --port (or --host)") from None
     sock.set_inheritable(True)
     return sock
 

@@ -153,6 +153,10 @@ def _parse_common(body: dict, defaults: ServeDefaults, n_ctx: int, max_tokens_fi
     if n != 1:
         raise RequestError(f"n must be 1: specrun serve returns one choice per request, got {n}", "n",
                            code="unsupported_value")
+    if max_tokens_field != "max_tokens" and body.get(max_tokens_field) is not None \
+            and body.get("max_tokens") is not None:
+        raise RequestError(f"max_tokens and {max_tokens_field} both set the answer's length: send one",
+                           max_tokens_field, code="invalid_value")
     max_tokens = _number(body, max_tokens_field, None, integer=True)
     if max_tokens is None and max_tokens_field != "max_tokens":
         max_tokens_field = "max_tokens"
@@ -182,6 +186,13 @@ def _parse_common(body: dict, defaults: ServeDefaults, n_ctx: int, max_tokens_fi
     if not isinstance(options, dict) or not isinstance(options.get("include_usage", False), bool):
         raise RequestError("stream_options must be an object like {\"include_usage\": true}", "stream_options",
                            code="invalid_type")
+    if set(options) - {"include_usage"}:
+        unknown = ", ".join(sorted(set(options) - {"include_usage"}))
+        raise RequestError(f"stream_options takes include_usage only, not {unknown}", "stream_options",
+                           code="invalid_value")
+    if options and not stream:
+        raise RequestError("stream_options is only allowed with stream: true", "stream_options",
+                           code="invalid_value")
     grammar, grammar_field = _parse_grammar(body)
     return dict(
         model=model,
@@ -341,6 +352,8 @@ def _parse_messages(messages) -> tuple[dict[str, str], ...]:
         if role not in ROLES:
             raise invalid_value(f"{where}.role", f"must be one of {', '.join(ROLES)}, got {_shown(role)}")
         content = _message_text(message.get("content"), f"{where}.content", optional=role == "assistant")
+        if message.get("name") is not None and not isinstance(message["name"], str):
+            raise RequestError(f"{where}.name must be a string", f"{where}.name", code="invalid_type")
         entry = {"role": "system" if role == "developer" else role, "content": content}
         if role == "assistant" and message.get("tool_calls"):
             entry["tool_calls"] = _earlier_calls(message["tool_calls"], f"{where}.tool_calls")

@@ -244,8 +244,8 @@ class Failed:
 
 
 JobEvent = Started | Delta | Calls | Done | Failed
-# OpenAI's reasons; a grammar that allows no token at all ends the answer as a length would
-_FINISH_REASONS = {"eos": "stop", "length": "length", "context": "length", "grammar": "length"}
+# OpenAI's reasons (an answer its grammar stopped is a 400: PairWorker._grammar_failed)
+_FINISH_REASONS = {"eos": "stop", "length": "length", "context": "length"}
 TOOL_CALLS = "tool_calls"  # the finish reason of an answer that made calls
 
 
@@ -569,6 +569,9 @@ class PairWorker:
                         tail = tool_cut.feed(tail)
                     if tail or tokens:
                         job.emit(Delta(tail, tokens, from_draft, tuple(logprobs)))
+                    if event.result.finish_reason == "grammar":
+                        stopped = self._grammar_failed(job, event.result)
+                        return
                     self._finish(job, _FINISH_REASONS[event.result.finish_reason], event.result.stats, tool_cut,
                                  trace)
         except Exception as exc:  # noqa: BLE001 - the server keeps serving; the request learns what failed
@@ -596,6 +599,21 @@ class PairWorker:
         if self.pair.trace is not None:
             self.pair.trace.request(self._trace_id(job), slot=slot).end(stopped=f"refused: {error}")
         job.emit(Failed(error))
+
+    def _grammar_failed(self, job: Job, result) -> str:
+        """An answer its grammar stopped (past llguidance's limits, or allowing no token): the text
+        so far does not follow the grammar, so the client gets a 400 naming the field and the
+        reason (a stream: an error event after what it was sent), not a finish reason. Returns what
+        the trace records."""
+        request = job.request
+        field_name = "tools" if request.tools and request.tool_choice.forces_a_call else request.grammar_field
+        count = result.stats.new_tokens
+        message = (f"{field_name}: the grammar stopped the answer after {count} token{'' if count == 1 else 's'}: "
+                   f"{result.grammar_problem}")
+        self.metrics.finished(job, "error", None)
+        self.log(f"{job.id}: {message}")
+        job.emit(Failed(RequestError(f"{message} (simplify the grammar)", field_name, code="grammar_failed")))
+        return message
 
     def _finish(self, job: Job, finish_reason: str, stats: Stats, tool_cut: ToolCallCut | None = None,
                 trace: RequestTrace | None = None) -> None:

@@ -67,6 +67,34 @@ def test_a_grammar_file_that_cannot_be_used_is_one_usage_error(tiny_llama, tmp_p
     assert len(lines) == 1 and words in lines[0] and str(path) in lines[0], result.output
 
 
+def test_a_schema_that_fails_at_its_first_token_is_one_usage_error(tiny_llama, tmp_path):
+    """{"$ref": "#"} compiles; llguidance fails only once asked for a first mask, where it would
+    have allowed the end of text alone (an empty answer, not JSON)."""
+    path = tmp_path / "s.json"
+    path.write_text('{"$ref": "#"}')
+    result = invoke("generate", "x", "-t", str(tiny_llama.gguf_path), "--json-schema", str(path))
+    assert result.exit_code == 2, result.output
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and "JSON schema that cannot be used" in lines[0] and "first token" in lines[0], lines
+
+
+def test_a_grammar_past_llguidance_s_limits_mid_answer_is_one_error_after_the_text(tiny_llama, tmp_path):
+    """The grammar lets a first token through, then exceeds llguidance's limits: the text printed
+    so far, then one line saying the grammar stopped it and why, exit 1 (--json: the reason too)."""
+    path = tmp_path / "g.gbnf"
+    path.write_text('root ::= "a"{100000}\n')
+    for json_output in ([], ["--json"]):
+        result = invoke("generate", "x", "-t", str(tiny_llama.gguf_path), "--raw", "-n", "12", "--grammar", str(path),
+                        *json_output)
+        assert result.exit_code == 1, result.output
+        last = result.stderr.strip().splitlines()[-1]
+        assert last.startswith("error: the grammar stopped the answer after ") and "Too many items" in last, last
+        if json_output:
+            answer = json.loads(result.stdout.strip().splitlines()[-1])
+            assert answer["finish_reason"] == "grammar" and "Too many items" in answer["grammar_problem"]
+            assert answer["text"].startswith("a")
+
+
 def test_a_missing_grammar_file_and_both_options_are_usage_errors(tiny_llama, tmp_path):
     missing = invoke("generate", "x", "-t", str(tiny_llama.gguf_path), "--json-schema", str(tmp_path / "no.json"))
     assert missing.exit_code == 2 and "cannot use the --json-schema file" in missing.output

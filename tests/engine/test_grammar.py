@@ -166,13 +166,16 @@ def test_tokens_the_grammar_forces_are_drafted_for_free_and_accepted():
 
 
 def test_a_grammar_no_text_can_satisfy_ends_the_answer_and_never_hangs():
-    """A grammar whose only text needs a letter no token has: after "a", llguidance allows only the
-    end of text, so the answer ends there, speculating or not."""
+    """A grammar whose only text needs a letter no token has: after "a", llguidance's mask allows
+    only the end of text while its matcher is in an error state (the text so far cannot be
+    finished). The answer ends there with finish reason "grammar" and says why, speculating or not,
+    rather than taking that end of text as a finished answer the grammar accepts."""
     target = letters(1)
     grammar = Grammar.compile(GrammarSpec("lark", 'start: "a" "z"'), target)
     for method in ("none", "draft", "lookup"):
         result = run(engine_for(method, target), grammar, SamplingSettings(), tokens=50, stop_at_eos=True)
-        assert (result.token_ids, result.finish_reason) == ([0, EOS], "eos")
+        assert (result.token_ids, result.finish_reason) == ([0], "grammar")
+        assert result.grammar_problem == "no token of the model's vocabulary continues it"
 
 
 def test_a_grammar_that_allows_no_token_at_all_ends_the_answer_as_such(monkeypatch):
@@ -207,6 +210,7 @@ def test_a_grammar_that_allows_no_token_at_all_ends_the_answer_as_such(monkeypat
     (GrammarSpec("lark", "start: ("), "Lark"),
     (GrammarSpec("regex", "a(b"), "regular expression"),
     (GrammarSpec("json_schema", "[1, 2]"), "not an object"),
+    (GrammarSpec("json_schema", '{"$ref": "#"}'), "at its first token"),  # compiles, then fails a mask
 ])
 def test_a_grammar_that_does_not_compile_is_one_usage_error_naming_it(spec, words):
     with pytest.raises(GrammarError) as caught:
@@ -240,6 +244,7 @@ def test_a_grammar_past_llguidance_s_limits_mid_answer_ends_it_as_such():
     for method in ("none", "draft"):
         result = run(engine_for(method, target), grammar, SamplingSettings(), tokens=30, stop_at_eos=True)
         assert (result.token_ids, result.finish_reason) == ([4], "grammar")  # "{", then the limit
+        assert "items; max is" in result.grammar_problem and "\n" not in result.grammar_problem, result.grammar_problem
 
 
 def test_a_deep_chain_of_references_compiles_without_overflowing_the_stack():

@@ -160,6 +160,8 @@ BAD = [
     (_chat(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {
         "type": "object", "properties": {"a": {"$ref": "#/missing"}}}}}),
      "response_format.json_schema.schema", "invalid_value"),
+    (_chat(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#"}}}),
+     "response_format.json_schema.schema", "invalid_value"),  # compiles, then fails at its first token
     (_chat(grammar='root ::= "a" | ('), "grammar", "invalid_value"),
     (_chat(grammar=""), "grammar", "invalid_type"),
     (_chat(json_schema=[1]), "json_schema", "invalid_type"),
@@ -192,6 +194,30 @@ def test_a_deep_schema_neither_kills_the_server_nor_stalls_its_other_clients(dem
 @pytest.mark.parametrize(("body", "param", "code"), BAD, ids=[f"{i}-{row[1]}" for i, row in enumerate(BAD)])
 def test_a_grammar_that_cannot_be_used_is_a_400_naming_its_field(demo_server, body, param, code):
     assert_refused(demo_server, "/v1/chat/completions", body, param, code)
+
+
+def test_a_grammar_past_llguidance_s_limits_mid_answer_is_a_400_not_a_length(demo_server):
+    """A grammar that compiles and lets the first token through, then exceeds llguidance's limits:
+    the text so far follows no grammar, so the client gets a 400 naming the field and why (streamed:
+    an error event after the text sent), not an answer cut short as "length"; others are served."""
+    import openai
+
+    body = _chat(max_tokens=12, temperature=0, grammar='root ::= "a"{100000}')
+    status, got = demo_server.post("/v1/chat/completions", body)
+    assert status == 400, got
+    assert (got["error"]["param"], got["error"]["code"]) == ("grammar", "grammar_failed"), got
+    message = got["error"]["message"]
+    assert "the grammar stopped the answer after" in message and "Too many items" in message, message
+    assert "\n" not in message
+    demo_server.wait_for_log("grammar: the grammar stopped the answer after")
+    stream = demo_server.client().chat.completions.create(
+        model=MODEL, messages=body["messages"], max_tokens=12, temperature=0, stream=True,
+        extra_body={"grammar": body["grammar"]})
+    with pytest.raises(openai.APIError, match="the grammar stopped the answer after"):
+        for _ in stream:
+            pass
+    status, fine = demo_server.post("/v1/chat/completions", _chat(max_tokens=4, temperature=0))
+    assert status == 200 and fine["choices"][0]["finish_reason"] in ("stop", "length"), fine
 
 
 # ---- log-probabilities ------------------------------------------------------------------------
