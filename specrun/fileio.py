@@ -95,11 +95,20 @@ def write_atomically(
     """Write ``data`` to ``path`` through a temporary file beside it, then rename it into place.
 
     A symlink at ``path`` is kept: its target is replaced. An existing file keeps its
-    permissions; a new one gets the umask's. Raises ``error`` naming ``what``, the path
-    and a fix that fits the failure (ending in ``instead``); nothing is left behind.
+    permissions; a new one gets the umask's. A device, FIFO or terminal (``/dev/stdout``, a
+    reader's pipe) is written through, never replaced by a file. Raises ``error`` naming
+    ``what``, the path and a fix that fits the failure (ending in ``instead``); nothing is left
+    behind.
     """
-    path = _through_symlink(path)
     payload = data.encode("utf-8") if isinstance(data, str) else data
+    if is_special(path):
+        try:
+            with open(path, "wb") as stream:
+                stream.write(payload)
+        except OSError as exc:
+            raise write_error(Path(path), what, instead, error, exc) from exc
+        return Path(path)
+    path = _through_symlink(path)
     temporary: Path | None = None
     try:
         _make_folder(path, what, instead, error)
@@ -123,7 +132,12 @@ def check_writable_folder(
     path: Path, what: str = "file", instead: str = "choose another path", error: type[SpecrunError] = FileAccessError
 ) -> None:
     """Fail now, not after a long run, when ``path`` could not be written: it is no folder,
-    and its folder (created if missing) accepts a new file."""
+    and its folder (created if missing) accepts a new file; a device or FIFO (written through)
+    is writable."""
+    if is_special(path):
+        if not os.access(path, os.W_OK):
+            raise error(f"cannot write the {what} {path}: permission denied", instead)
+        return
     path = _through_symlink(path)
     if path.is_dir():
         raise error(f"the {what} {path} is a folder", f"name a file, or {instead}")
@@ -134,6 +148,16 @@ def check_writable_folder(
         temporary.unlink()
     except OSError as exc:
         raise write_error(path, what, instead, error, exc) from exc
+
+
+def is_special(path: Path | str) -> bool:
+    """Is ``path`` (links followed) an existing file that is neither regular nor a folder: a
+    device, a FIFO, a socket, a terminal? Such a file is written through, never replaced."""
+    try:
+        mode = os.stat(path).st_mode
+    except (OSError, ValueError):
+        return False
+    return not stat.S_ISREG(mode) and not stat.S_ISDIR(mode)
 
 
 def _through_symlink(path: Path) -> Path:

@@ -35,7 +35,7 @@ from pathlib import Path
 
 from specrun.engine.stats import Stats
 from specrun.errors import FileAccessError
-from specrun.fileio import create_beside, write_error, check_writable_folder
+from specrun.fileio import check_writable_folder, create_beside, is_special, write_error
 
 TRACE_VERSION = 1
 WHAT = "trace"
@@ -43,17 +43,24 @@ INSTEAD = "give --trace a path in a writable folder"
 
 
 class TraceFile:
-    """One run's trace, written to a file beside ``path`` and renamed onto it by ``close``."""
+    """One run's trace, written to a file beside ``path`` and renamed onto it by ``close`` (a
+    device or FIFO, such as /dev/stdout or a reader's pipe, is written through as it goes)."""
 
     def __init__(self, path: Path | str) -> None:
         path = Path(path)
-        self.path = Path(os.path.realpath(path)) if path.is_symlink() else path  # the link's file, not the link
-        check_writable_folder(self.path, WHAT, INSTEAD)
+        self._temporary: Path | None = None
         try:
-            handle, self._temporary = create_beside(self.path)
+            if is_special(path):
+                check_writable_folder(path, WHAT, INSTEAD)
+                self.path = path
+                self._file = open(path, "w", encoding="utf-8")  # noqa: SIM115 - closed by close()
+            else:
+                self.path = Path(os.path.realpath(path)) if path.is_symlink() else path  # the link's file
+                check_writable_folder(self.path, WHAT, INSTEAD)
+                handle, self._temporary = create_beside(self.path)
+                self._file = os.fdopen(handle, "w", encoding="utf-8")
         except OSError as exc:
-            raise write_error(self.path, WHAT, INSTEAD, FileAccessError, exc) from exc
-        self._file = os.fdopen(handle, "w", encoding="utf-8")
+            raise write_error(path, WHAT, INSTEAD, FileAccessError, exc) from exc
         self.steps = 0
         self._wrote = False  # anything beyond the header: a run that never started leaves no file
 
@@ -93,13 +100,13 @@ class TraceFile:
                     file.write(json.dumps({"stopped": f"{name}: {stopped}" if str(stopped) else name}) + "\n")
             finally:
                 file.close()
-            if self._wrote:
+            if self._wrote and self._temporary is not None:
                 os.replace(self._temporary, self.path)
         except OSError as exc:
             if stopped is None:
                 raise write_error(self.path, WHAT, INSTEAD, FileAccessError, exc) from exc
         finally:
-            if self._temporary.exists():
+            if self._temporary is not None and self._temporary.exists():
                 self._temporary.unlink()
 
     def __enter__(self) -> TraceFile:

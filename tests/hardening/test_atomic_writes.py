@@ -123,3 +123,48 @@ def test_an_answer_survives_an_ngram_cache_that_cannot_be_saved(llama_model, tmp
     else:
         assert result.stdout.strip()
     assert os.listdir(tmp_path) == []  # no cache, no temporary file
+
+
+def _fifo_reader(path):
+    """A FIFO at ``path`` and a thread reading it whole (what a `--json >(jq .)` reader does)."""
+    import threading
+
+    os.mkfifo(path)
+    read: list[bytes] = []
+    thread = threading.Thread(target=lambda: read.append(open(path, "rb").read()), daemon=True)  # noqa: SIM115
+    thread.start()
+    return read, thread
+
+
+def test_a_fifo_is_written_through_and_stays_a_fifo(tmp_path):
+    """A device or FIFO (/dev/stdout, a reader's pipe) was replaced by a regular file renamed over
+    it, the reader getting nothing (as root, `bench --json /dev/full` deleted /dev/full)."""
+    fifo = tmp_path / "out"
+    read, thread = _fifo_reader(fifo)
+    write_atomically(fifo, '{"ok": true}\n', "--json file")
+    thread.join(10)
+    assert read == [b'{"ok": true}\n']
+    assert stat.S_ISFIFO(os.stat(fifo).st_mode) and sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+def test_a_trace_to_a_fifo_is_written_through_as_it_goes(tmp_path):
+    from specrun.sessions.trace import TraceFile
+
+    fifo = tmp_path / "trace"
+    read, thread = _fifo_reader(fifo)
+    with TraceFile(fifo) as trace:
+        trace.step({"plan": "plain"})
+    thread.join(10)
+    assert json.loads(read[0]) == {"step": 1, "plan": "plain"}
+    assert stat.S_ISFIFO(os.stat(fifo).st_mode) and sorted(p.name for p in tmp_path.iterdir()) == ["trace"]
+
+
+@pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() != 0, reason="mknod of a device needs root")
+def test_a_full_device_is_one_line_and_stays_a_device(tmp_path):
+    """A copy of /dev/full (char 1, 7) made in tmp_path: written through, ENOSPC is the error."""
+    device = tmp_path / "full"
+    os.mknod(device, 0o666 | stat.S_IFCHR, os.makedev(1, 7))
+    with pytest.raises(FileAccessError, match="No space left on device") as raised:
+        write_atomically(device, "x" * 10, "--json file")
+    assert "\n" not in raised.value.one_line() and str(device) in raised.value.one_line()
+    assert stat.S_ISCHR(os.stat(device).st_mode) and sorted(p.name for p in tmp_path.iterdir()) == ["full"]
