@@ -291,6 +291,7 @@ def demo(
         check_range("--prompts", prompts, 1, 100)
         check_range("--max-tokens", max_tokens, 1, 4096)
         check_range("--draft-len", draft_len, 0, MAX_DRAFT_LEN)
+        check_range("--threads", threads, 1, 1024)
         run_demo(target, draft, method_list, prompts, max_tokens, draft_len, backend, threads, console=PipeConsole,
                  exact=exact)
 

@@ -80,6 +80,8 @@ def tune(
             return
         check_range("--prompts", prompts, 1, 50)
         check_range("--max-tokens", max_tokens, 8, 4096)
+        check_range("--threads", threads, 1, 1024)  # before anything is timed or saved under it
+        check_range("--ctx", ctx, 16, 1 << 20)
         rpc_servers = checked_rpc(rpc)
         flash_attn = checked_flash_attn(flash_attn, exact)
         if is_tuned_layer_draft(draft):

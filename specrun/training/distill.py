@@ -140,6 +140,8 @@ def check_request(request: DistillRequest) -> None:
     positive_int(request.prompt_tokens, "--prompt-tokens", MAX_TOKENS, "64")
     positive_int(request.sample_tokens, "--sample-tokens", MAX_TOKENS, "64")
     positive_int(request.held_out, "--held-out", 4096, "32")
+    if request.threads is not None:
+        positive_int(request.threads, "--threads", 1024, "2")
     if not (math.isfinite(request.temperature) and 0 <= request.temperature <= 10):
         raise UsageError(f"--temperature must be between 0 and 10, got {request.temperature}",
                          "pass e.g. --temperature 1 (the student's own samples), or 0 for its greedy ones")

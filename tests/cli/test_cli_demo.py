@@ -63,6 +63,13 @@ def test_demo_gives_each_method_its_default_length_as_generate_does(tiny_llama, 
     assert [figures.by_prompt[0][0].stats.adaptive for figures in chosen.figures.values()] == [False, False, True]
 
 
+def test_demo_rejects_threads_out_of_range_before_loading(tiny_llama):
+    path = str(tiny_llama.gguf_path)
+    for threads in ("-3", "0", "5000"):
+        result = CliRunner().invoke(app, ["demo", "-t", path, "-d", path, "--threads", threads])
+        assert result.exit_code == 2 and "--threads must be between 1 and 1024" in result.stderr, result.output
+
+
 def test_demo_rejects_an_unknown_method(tiny_llama):
     path = str(tiny_llama.gguf_path)
     result = CliRunner().invoke(app, ["demo", "-t", path, "-d", path, "--methods", "none,warp"])

@@ -354,6 +354,20 @@ def test_a_kept_window_is_what_later_runs_draft_with_unless_they_choose(tmp_path
         tuning.load("k", path)
 
 
+@pytest.mark.parametrize(("args", "fragment"), [
+    (["--threads", "-3"], "--threads must be between 1 and 1024"), (["--threads", "0"], "--threads"),
+    (["--threads", "5000"], "--threads"), (["--ctx", "5"], "--ctx must be between 16"),
+])
+def test_threads_and_ctx_out_of_range_are_usage_errors_before_anything_is_saved(config_home, tiny_llama, args,
+                                                                                   fragment):
+    """tune --threads -3 timed a pass and saved kernel costs "measured" at -3 threads, a kernels.json
+    every later run refused; --ctx 5 failed only once a prompt did not fit."""
+    path = str(tiny_llama.gguf_path)
+    refused = CliRunner().invoke(app, ["tune", "-t", path, "-d", path, "--prompts", "1", "-n", "8", *args])
+    assert refused.exit_code == 2 and fragment in refused.stderr, refused.output
+    assert not any(config_home.rglob("*.json")), list(config_home.rglob("*"))
+
+
 def test_tune_window_search_saves_the_draft_cache_it_timed(config_home, tiny_llama):
     path = str(tiny_llama.gguf_path)
     runner = CliRunner()

@@ -335,6 +335,7 @@ def test_no_room_for_the_result_is_one_error_that_keeps_the_checkpoint_to_write_
     (["--gguf-type", "Q5_K"], "--gguf-type"),
     (["--seed", "-1"], "--seed"),
     (["--backend", "cuda"], "unknown backend"),
+    (["--threads", "-3"], "--threads must be between 1 and 1024"),
 ])
 def test_options_out_of_range_are_one_line(args, fragment, tmp_path):
     result = invoke("distill", "--out", str(tmp_path / "out"), *args)
