@@ -10,6 +10,7 @@ realised speed turning speculation off or on; the length a batch of slots chose)
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -52,7 +53,7 @@ def read_trace(path: Path) -> tuple[dict, list[RunTrace]]:
                     continue
                 try:
                     record = json.loads(line)
-                except ValueError as exc:
+                except (ValueError, RecursionError) as exc:
                     if header is not None and not line.endswith("\n"):  # a trace's last line, still being written
                         break
                     if header is None:
@@ -64,11 +65,16 @@ def read_trace(path: Path) -> tuple[dict, list[RunTrace]]:
                     if record.get("trace") != "specrun":
                         raise refuse("it is not a specrun trace (its first line does not say so)")
                     version = record.get("version")
-                    if not isinstance(version, int) or version > TRACE_VERSION:
+                    if isinstance(version, bool) or not isinstance(version, int) or version < 1:
+                        raise refuse(f"its first line's version is {_shown(version)}, not a trace version")
+                    if version > TRACE_VERSION:
                         raise refuse(f"it has trace version {version}, newer than this specrun reads "
                                      f"({TRACE_VERSION})", "upgrade specrun")
                     header = record
                     continue
+                problem = record_problem(record)
+                if problem:
+                    raise refuse(f"line {number}: {problem}, which no run writes")
                 _add(runs, record)
     except UnicodeDecodeError as exc:
         raise refuse(f"it is not text ({exc.reason})") from exc
@@ -77,6 +83,80 @@ def read_trace(path: Path) -> tuple[dict, list[RunTrace]]:
     if header is None:
         raise refuse("it is empty")
     return header, list(runs.values())
+
+
+# What each field of a line may hold (sessions/trace.py and engine/loop.trace_record write them):
+# a count, milliseconds, a name, or an object. A line holding anything else is refused by name
+# rather than told as fact or failing inside the telling.
+MOST = 2**40  # larger than any count or time a run writes (a count is also at most this many tokens)
+COUNTS = ("step", "context", "drafted", "accepted", "emitted", "slot", "prompt_tokens", "cached_tokens",
+          "max_tokens", "answer", "prompt", "repeat")
+TIMES = ("draft_ms", "verify_ms")
+NAMES = ("plan", "source", "finish_reason", "request", "line")
+SUMMARY_COUNTS = ("new_tokens", "steps", "drafted", "accepted")
+SUMMARY_NUMBERS = ("tokens_per_second", "mean_tokens_per_step", "temperature")
+
+
+def _shown(value) -> str:
+    text = json.dumps(value) if isinstance(value, (str, bool, type(None))) else repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _count_problem(name: str, value) -> str:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MOST:
+        return f"'{name}' is {_shown(value)}, not a count"
+    return ""
+
+
+def _number_problem(name: str, value) -> str:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+            math.isfinite(value) and 0 <= value <= MOST):
+        return f"'{name}' is {_shown(value)}, not a non-negative number"
+    return ""
+
+
+def record_problem(record: dict) -> str:
+    """Why a line after the header holds what no run writes ("" where it could be a run's)."""
+    for name in COUNTS:
+        if name in record and (problem := _count_problem(name, record[name])):
+            return problem
+    for name in TIMES:
+        if name in record and (problem := _number_problem(name, record[name])):
+            return problem
+    if "temperature" in record and (problem := _number_problem("temperature", record["temperature"])):
+        return problem
+    for name in NAMES:
+        if name in record and not isinstance(record[name], (str, type(None))):
+            return f"'{name}' is {_shown(record[name])}, not a name"
+    if record.get("accepted", 0) > record.get("drafted", record.get("accepted", 0)):
+        return f"{record['accepted']} tokens kept of {record['drafted']} drafted"
+    if "queued" in record and not isinstance(record["queued"], bool):
+        return f"'queued' is {_shown(record['queued'])}, not true or false"
+    if "summary" in record:
+        summary = record["summary"]
+        if not isinstance(summary, dict):
+            return f"'summary' is {_shown(summary)}, not an object"
+        for name in SUMMARY_COUNTS:
+            if name in summary and (problem := _count_problem(f"summary.{name}", summary[name])):
+                return problem
+        for name in SUMMARY_NUMBERS:
+            if name in summary and (problem := _number_problem(f"summary.{name}", summary[name])):
+                return problem
+    policy = record.get("policy")
+    if policy is not None:
+        if not isinstance(policy, dict):
+            return f"'policy' is {_shown(policy)}, not an object"
+        for name in ("gate", "batch"):
+            if policy.get(name) is not None and not isinstance(policy[name], dict):
+                return f"'policy.{name}' is {_shown(policy[name])}, not an object"
+        drafters = policy.get("drafters")
+        if drafters is not None and not (isinstance(drafters, dict)
+                                         and all(isinstance(state, dict) for state in drafters.values())):
+            return f"'policy.drafters' is {_shown(drafters)}, not an object of drafters' states"
+        batch = policy.get("batch") or {}
+        if "gain" in batch and (problem := _number_problem("policy.batch.gain", batch["gain"])):
+            return problem
+    return ""
 
 
 def _add(runs: dict[tuple, RunTrace], record: dict) -> None:
@@ -104,9 +184,11 @@ def describe_header(header: dict) -> str:
     """The trace's first line in words."""
     draft = f" with {header['draft']}" if header.get("draft") else ""
     what = "serve" if header.get("serve") else "run"
-    slots = f", {header['slots']} slots" if header.get("slots", 1) > 1 else ""
+    count = header.get("slots", 1)
+    slots = f", {count} slots" if isinstance(count, int) and not isinstance(count, bool) and count > 1 else ""
     prompt = f", a prompt of {header['prompt_tokens']} tokens" if "prompt_tokens" in header else ""
-    methods = header.get("method") or ", ".join(header.get("methods") or ()) or "?"
+    listed = header.get("methods")
+    methods = header.get("method") or (", ".join(map(str, listed)) if isinstance(listed, list) else listed) or "?"
     return f"{what}: {header.get('target', '?')}{draft}, method {methods}{slots}{prompt}{_sampled(header)}"
 
 

@@ -174,13 +174,80 @@ def test_a_run_stopped_by_ctrl_c_is_told_as_stopped_where_it_stopped(tmp_path):
     (b'{"trace": "specrun", "version": 1}\n\xff\xfe\n', "it is not text"),
 ])
 def test_a_file_that_is_not_a_trace_is_one_line_naming_why(tmp_path, content, said):
+    _assert_refused(tmp_path, content, said)
+
+
+GOOD = step(1, "draft", 4, 2, policy(True))
+
+
+@pytest.mark.parametrize("changed, said", [
+    ({"drafted": None}, "'drafted' is null, not a count"),
+    ({"drafted": "4"}, "'drafted' is \"4\", not a count"),
+    ({"accepted": [1]}, "'accepted' is [1], not a count"),
+    ({"emitted": -3}, "'emitted' is -3, not a count"),
+    ({"drafted": 10**400}, "'drafted' is 1000000"),
+    ({"drafted": True}, "'drafted' is true, not a count"),
+    ({"draft_ms": {}}, "'draft_ms' is {}, not a non-negative number"),
+    ({"verify_ms": float("nan")}, "'verify_ms' is nan, not a non-negative number"),
+    ({"verify_ms": float("inf")}, "'verify_ms' is inf"),
+    ({"plan": ["draft"]}, "'plan' is ['draft'], not a name"),
+    ({"source": 5}, "'source' is 5, not a name"),
+    ({"drafted": 1, "accepted": 9}, "9 tokens kept of 1 drafted"),
+    ({"policy": [1]}, "'policy' is [1], not an object"),
+    ({"policy": {"gate": "x", "drafters": {}}}, "'policy.gate' is \"x\", not an object"),
+    ({"policy": {"drafters": 5}}, "'policy.drafters' is 5"),
+    ({"policy": {"drafters": {"draft": [1]}}}, "'policy.drafters'"),
+    ({"policy": {"batch": {"gain": "big"}}}, "'policy.batch.gain'"),
+    ({"prompt": [0], "line": "none", "repeat": 0}, "'prompt' is [0], not a count"),
+    ({"prompt": 0, "line": ["none"], "repeat": 0}, "'line' is ['none'], not a name"),
+    ({"queued": "yes"}, "'queued' is \"yes\", not true or false"),
+])
+def test_a_line_no_run_writes_is_one_line_naming_the_field(tmp_path, changed, said):
+    """Wrong types were internal errors (TypeError, OverflowError, AttributeError), impossible
+    numbers told as fact ("-48 tokens", "9 kept (900%)", "a plain pass: nan ms")."""
+    content = "".join(json.dumps(record) + "\n" for record in (
+        {"trace": "specrun", "version": 1}, {**GOOD, **changed}))
+    _assert_refused(tmp_path, content, f"line 2: {said}")
+
+
+@pytest.mark.parametrize("summary, said", [
+    ("fast", "'summary' is \"fast\", not an object"),
+    ({"new_tokens": -1}, "'summary.new_tokens' is -1, not a count"),
+    ({"mean_tokens_per_step": "x"}, "'summary.mean_tokens_per_step' is \"x\""),
+])
+def test_a_summary_no_run_writes_is_refused(tmp_path, summary, said):
+    content = "".join(json.dumps(record) + "\n" for record in (
+        {"trace": "specrun", "version": 1}, GOOD, {"summary": summary}))
+    _assert_refused(tmp_path, content, f"line 3: {said}")
+
+
+@pytest.mark.parametrize("version", [None, [1], {"a": 1}, True, 0, -5, "1"])
+def test_a_first_line_without_a_trace_version_says_so_not_newer(tmp_path, version):
+    content = json.dumps({"trace": "specrun", "version": version}) + "\n"
+    _assert_refused(tmp_path, content, "not a trace version")
+
+
+def test_a_deeply_nested_line_is_refused_not_an_internal_error(tmp_path):
+    content = '{"trace": "specrun", "version": 1}\n' + "[" * 100_000 + "]" * 100_000 + "\n"
+    _assert_refused(tmp_path, content, "line 2 is not JSON")
+
+
+def test_a_header_of_odd_types_is_still_told(tmp_path):
+    path = tmp_path / "t.jsonl"
+    write(path, [{"trace": "specrun", "version": 1, "serve": True, "slots": "x", "methods": 5}])
+    told = CliRunner().invoke(app, ["trace", str(path)])
+    assert told.exit_code == 0 and told.stdout.splitlines()[0] == "serve: ?, method 5", told.output
+
+
+def _assert_refused(tmp_path, content, said: str) -> None:
     path = tmp_path / "t.jsonl"
     if isinstance(content, bytes):
         path.write_bytes(content)
     elif content is not None:
         path.write_text(content)
-    with pytest.raises(FileAccessError, match=said):
+    with pytest.raises(FileAccessError) as refused:
         read_trace(path)
+    assert said in refused.value.one_line(), refused.value.one_line()
     result = CliRunner().invoke(app, ["trace", str(path)])
     assert result.exit_code == 1
     assert len(result.output.strip().splitlines()) == 1 and said.split(",")[0] in result.output
