@@ -355,9 +355,10 @@ def load_jsonl(path: Path) -> list[BenchPrompt]:
     # a regular file only: a FIFO was read for ever
     data = read_limited(path, MAX_PROMPT_FILE_BYTES, "prompt file", fix, error=PromptFileError)
     try:
-        lines = data.decode("utf-8").splitlines()
+        lines = data.decode("utf-8-sig").splitlines()  # a leading BOM (some editors write one) is no text
     except UnicodeDecodeError as exc:
-        raise PromptFileError(f"cannot use the prompt file {path}: {exc}", fix) from None
+        raise PromptFileError(f"cannot use the prompt file {path}: it is not UTF-8 text (byte {exc.start + 1} "
+                              f"is {data[exc.start]:#04x})", "save it as UTF-8 (iconv -t UTF-8)") from None
     prompts = [_parse_line(path, number, line) for number, line in enumerate(lines, 1) if line.strip()]
     if not prompts:
         raise PromptFileError(f"prompt file {path} holds no prompts", "give one JSON object per line")

@@ -19,7 +19,7 @@ from rich.table import Table
 from specrun.cli.common import PipeConsole, cli_errors
 from specrun.cli.interrupts import terminate_as_interrupt
 from specrun.cli.options import BackendOpt, DraftOpt, JsonOpt, RegistryOpt, TargetOpt
-from specrun.errors import FileAccessError, SpecrunError, UsageError
+from specrun.errors import FileAccessError, ModelFileError, SpecrunError, UsageError
 from specrun.fileio import check_writable_folder
 from specrun.registry.hub import (
     SOURCE_KINDS,
@@ -32,7 +32,7 @@ from specrun.registry.hub import (
     remove_cached,
 )
 from specrun.registry.loading import BACKENDS, DEFAULT_TARGET, choose_backend, check_layer_draft_pair, draft_entry_for
-from specrun.registry.catalog import ModelEntry, entry_for, load_registry
+from specrun.registry.catalog import LOCAL_ORIGIN, ModelEntry, entry_for, load_registry
 
 models_app = typer.Typer(
     help="The model registry (models.toml) and downloads from the Hugging Face Hub.",
@@ -60,6 +60,9 @@ def info(model: ModelArg, json_output: JsonOpt = False, registry: RegistryOpt = 
     """Everything the registry knows about MODEL, and where its cached files are."""
     with cli_errors():
         entry = entry_for(model, load_registry(registry))
+        local = entry.gguf_path or entry.mlx_path
+        if entry.origin == LOCAL_ORIGIN and local and not Path(local).expanduser().exists():
+            raise ModelFileError(f"model file not found: {local}", "check the path or run `specrun models list`")
         details = _summary(entry, cache_status(entry))
         details["gguf_files"] = gguf_parts(entry.gguf_file) if entry.gguf_file else []
         if json_output:
@@ -145,6 +148,10 @@ def convert(
             raise UsageError(f"cannot convert to {to!r}", "use --to mlx")
         if dtype not in MLX_DTYPES:
             raise UsageError(f"unknown --dtype {dtype!r}", f"use one of: {', '.join(MLX_DTYPES)}")
+        if not model_file.exists():  # an alias, say: convert reads a file
+            raise ModelFileError(f"model file not found: {model_file}",
+                                 "models convert takes a .gguf file's path (`specrun models info ALIAS` shows an "
+                                 "alias's gguf_path)")
         check_gguf_file(model_file)
         dest = out or model_file.with_name(f"{model_file.stem}-mlx")
         _check_out_folder(dest)

@@ -59,6 +59,12 @@ def test_malformed_jsonl_names_the_file_and_line(tmp_path):
         load_jsonl(path)
 
 
+def test_a_prompt_file_saved_with_a_byte_order_mark_reads_as_without(tmp_path):
+    path = tmp_path / "prompts.jsonl"
+    path.write_bytes(b'\xef\xbb\xbf{"question_id": 1, "category": "qa", "turns": ["Hi?"]}\n')
+    assert [prompt.text for prompt in load_jsonl(path)] == ["Hi?"]
+
+
 def test_a_fifo_as_the_prompt_file_is_refused_without_waiting_for_a_writer(tmp_path):
     """It was read for ever (issue 56: special files are refused before reading)."""
     import os
@@ -80,11 +86,14 @@ def test_a_fifo_as_the_prompt_file_is_refused_without_waiting_for_a_writer(tmp_p
         # internal errors ending in Python's advice (sys.set_int_max_str_digits) or a RecursionError
         ('{"turns": ["ok"], "question_id": ' + "9" * 5000 + "}\n", "a number in it has thousands of digits"),
         ("[" * 100_000 + "\n", "line 1: not valid JSON (it nests too deeply)"),
+        (b'{"turns": ["caf\xe9"]}\n', "it is not UTF-8 text (byte 16 is 0xe9); save it as UTF-8"),  # Latin-1
     ],
 )
 def test_bad_prompt_files_exit_1_with_one_line(tmp_path, content, message):
     path = tmp_path / "prompts.jsonl"
-    if content is not None:
+    if isinstance(content, bytes):
+        path.write_bytes(content)
+    elif content is not None:
         path.write_text(content)
     result = run_cli("--prompts", str(path))
     assert result.exit_code == 1, result.output

@@ -156,6 +156,18 @@ def test_models_info_unknown_alias_is_one_line_exit_1():
     assert "unknown model 'no-such-model'" in result.stderr and "specrun models list" in result.stderr
 
 
+def test_models_info_and_convert_of_a_missing_file_are_one_line_exit_1(tmp_path):
+    """info printed a missing path's entry as 'verified: True', exit 0; convert of an alias said
+    only 'model file not found' (it takes a file)."""
+    missing = tmp_path / "nosuch.gguf"
+    for args in (["models", "info", str(missing)], ["models", "convert", "demo-draft", "--to", "mlx", "--out", str(tmp_path / "o")]):
+        result = runner.invoke(app, args)
+        assert result.exit_code == 1, result.output
+        lines = result.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error: model file not found: "), lines
+    assert "gguf_path" in result.stderr and not (tmp_path / "o").exists()
+
+
 # ---- specrun models check ---------------------------------------------------------------
 def write_variant(folder: Path, name: str, tokenizer_json: str | None = None, **config_changes) -> Path:
     """A tiny Llama GGUF whose vocabulary (or special ids) differ from the shared test tokenizer's."""
