@@ -91,17 +91,22 @@ def write_atomically(
     what: str = "file",
     instead: str = "choose another path",
     error: type[SpecrunError] = FileAccessError,
+    through_special: bool = False,
 ) -> Path:
     """Write ``data`` to ``path`` through a temporary file beside it, then rename it into place.
 
     A symlink at ``path`` is kept: its target is replaced. An existing file keeps its
-    permissions; a new one gets the umask's. A device, FIFO or terminal (``/dev/stdout``, a
-    reader's pipe) is written through, never replaced by a file. Raises ``error`` naming
-    ``what``, the path and a fix that fits the failure (ending in ``instead``); nothing is left
-    behind.
+    permissions; a new one gets the umask's. A device, FIFO or terminal at ``path`` is never
+    replaced by a file: an output the user named (``through_special``: ``--json /dev/stdout``, a
+    reader's pipe) is written through; specrun's own state (a cache, a checkpoint) is refused, as
+    a FIFO nobody reads would hang the write and a device would swallow the state. Raises
+    ``error`` naming ``what``, the path and a fix that fits the failure (ending in ``instead``);
+    nothing is left behind.
     """
     payload = data.encode("utf-8") if isinstance(data, str) else data
     if is_special(path):
+        if not through_special:
+            raise not_regular_error(Path(path), what, instead, error)
         try:
             with open(path, "wb") as stream:
                 stream.write(payload)
@@ -129,12 +134,18 @@ def write_atomically(
 
 
 def check_writable_folder(
-    path: Path, what: str = "file", instead: str = "choose another path", error: type[SpecrunError] = FileAccessError
+    path: Path,
+    what: str = "file",
+    instead: str = "choose another path",
+    error: type[SpecrunError] = FileAccessError,
+    through_special: bool = False,
 ) -> None:
     """Fail now, not after a long run, when ``path`` could not be written: it is no folder,
-    and its folder (created if missing) accepts a new file; a device or FIFO (written through)
-    is writable."""
+    and its folder (created if missing) accepts a new file; a device or FIFO is writable only
+    ``through_special`` (as write_atomically)."""
     if is_special(path):
+        if not through_special:
+            raise not_regular_error(Path(path), what, instead, error)
         if not os.access(path, os.W_OK):
             raise error(f"cannot write the {what} {path}: permission denied", instead)
         return
@@ -148,6 +159,12 @@ def check_writable_folder(
         temporary.unlink()
     except OSError as exc:
         raise write_error(path, what, instead, error, exc) from exc
+
+
+def not_regular_error(path: Path, what: str, instead: str, error: type[SpecrunError]) -> SpecrunError:
+    """The refusal of a device, FIFO or socket where specrun keeps a file of its own."""
+    return error(f"cannot write the {what} {path}: it is not a regular file (a FIFO, a device or a socket)",
+                 f"remove it, or {instead}")
 
 
 def is_special(path: Path | str) -> bool:

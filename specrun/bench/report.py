@@ -39,7 +39,7 @@ svg .chart-title { font-size: 15px; font-weight: bold; }
 
 def write_html_report(result: BenchResult, path: Path) -> None:
     """Write the report to ``path`` (atomically: a full disk leaves the old file, not half a report)."""
-    write_atomically(path, html_report(result), "report")
+    write_atomically(path, html_report(result), "report", through_special=True)
 
 
 def html_report(result: BenchResult) -> str:

@@ -284,7 +284,7 @@ def check_writable(path: Path | None, option: str) -> None:
         raise UsageError(f"{option} {path} is a folder", f"give a file name for {option}")
     if not path.parent.is_dir():
         raise UsageError(f"{option}: the folder {path.parent} does not exist", "create it or pick another path")
-    check_writable_folder(path, f"{option} file")
+    check_writable_folder(path, f"{option} file", through_special=True)
 
 
 def choose_prompts(suite: str | None, prompts_file: Path | None, categories: str | None, per_category: int | None):
@@ -354,7 +354,7 @@ def run_and_show(config, prompts, json_out: Path | None, report_out: Path | None
         if json_to_stdout:
             sys.stdout.write(document + "\n")
         else:
-            write_atomically(json_out, document + "\n", "--json file")
+            write_atomically(json_out, document + "\n", "--json file", through_special=True)
             err.print(f"wrote {json_out}")
     if report_out is not None:
         write_html_report(result, report_out)

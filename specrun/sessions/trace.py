@@ -34,12 +34,19 @@ from contextlib import nullcontext
 from pathlib import Path
 
 from specrun.engine.stats import Stats
-from specrun.errors import FileAccessError
+from specrun.errors import FileAccessError, UsageError
 from specrun.fileio import check_writable_folder, create_beside, is_special, write_error
 
 TRACE_VERSION = 1
 WHAT = "trace"
 INSTEAD = "give --trace a path in a writable folder"
+
+
+def _folder_exists(path: Path) -> None:
+    """--trace into a folder that does not exist is refused, as bench's --json and --report are
+    (a mistyped folder is not made)."""
+    if not path.parent.exists():
+        raise UsageError(f"--trace: the folder {path.parent} does not exist", "create it or pick another path")
 
 
 class TraceFile:
@@ -51,11 +58,12 @@ class TraceFile:
         self._temporary: Path | None = None
         try:
             if is_special(path):
-                check_writable_folder(path, WHAT, INSTEAD)
+                check_writable_folder(path, WHAT, INSTEAD, through_special=True)
                 self.path = path
                 self._file = open(path, "w", encoding="utf-8")  # noqa: SIM115 - closed by close()
             else:
                 self.path = Path(os.path.realpath(path)) if path.is_symlink() else path  # the link's file
+                _folder_exists(self.path)
                 check_writable_folder(self.path, WHAT, INSTEAD)
                 handle, self._temporary = create_beside(self.path)
                 self._file = os.fdopen(handle, "w", encoding="utf-8")
@@ -134,7 +142,9 @@ class ServerTrace:
     def __init__(self, path: Path | str) -> None:
         path = Path(path)
         self.path = Path(os.path.realpath(path)) if path.is_symlink() else path
-        check_writable_folder(self.path, WHAT, INSTEAD)
+        if not is_special(self.path):
+            _folder_exists(self.path)
+        check_writable_folder(self.path, WHAT, INSTEAD, through_special=True)
         self._existed = self.path.exists()
         try:  # emptied by the header, once the server starts: one that fails to leaves FILE as it was
             self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - closed by close()

@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 
 from specrun.errors import FileAccessError, SpecrunError, UsageError
-from specrun.fileio import check_writable_folder, in_use, write_atomically
+from specrun.fileio import check_writable_folder, in_use, is_special, write_atomically
 from specrun.heads.config import HeadsConfig, training_layer_ids
 from specrun.heads.kinds import BY_NAME, TRAINABLE_KINDS, WINDOW_KINDS
 from specrun.training.data import (
@@ -377,6 +377,7 @@ class _Run:
             data = self._gather(texts, prompts)
             held_out = self._hold_out(len(data.tokens))
             trainer = self._fresh_trainer(data, held_out)
+            _remove_special(self.checkpoints)  # a FIFO or device the last run's files were replaced by
             self._write_data(data, held_out)
             self._checkpoint(trainer, settings, source)
         resumed_at = self.step if resumed is not None else None
@@ -800,6 +801,14 @@ def remove_checkpoint(folder: Path, files: tuple[str, ...] = CHECKPOINT_FILES) -
             path.unlink(missing_ok=True)
     with contextlib.suppress(OSError):
         folder.rmdir()
+
+
+def _remove_special(folder: Path, files: tuple[str, ...] = CHECKPOINT_FILES) -> None:
+    """Unlink a checkpoint file of the run's own folder that is a FIFO, a device or a socket (the
+    resume refused it): a fresh start writes its files there, and writing into a FIFO hangs."""
+    for name in files:
+        if is_special(folder / name):
+            (folder / name).unlink()
 
 
 def _check_plain_files(*paths: Path) -> None:

@@ -140,6 +140,20 @@ def test_a_trace_path_that_cannot_be_written_is_one_line_before_anything_runs(ti
     assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]
 
 
+def test_a_trace_in_a_folder_that_does_not_exist_is_a_usage_error_and_makes_no_folder(tiny_llama, tmp_path):
+    """As bench's --json and --report: a mistyped folder was made (with the trace in it)."""
+    pytest.importorskip("llama_cpp")
+    from specrun.cli.app import app
+
+    missing = tmp_path / "no" / "such"
+    result = CliRunner().invoke(app, ["generate", "def f():", "-t", str(tiny_llama.gguf_path), "-n", "4",
+                                      "--trace", str(missing / "t.jsonl")])
+    assert result.exit_code == 2
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and str(missing) in lines[0] and "does not exist" in lines[0], result.output
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_describing_a_controller_leaves_it_and_its_costs_as_they_were():
     """What a traced step reads: no cost table built (it would move when the next one is, and
     with it the lengths chosen) and no gate settled (it would switch a drafter on or off a step

@@ -16,7 +16,7 @@ import pytest
 from cli_checks import assert_one_line_error, run_specrun
 from specrun.drafters.ngram import NgramPoolDrafter
 from specrun.errors import FileAccessError
-from specrun.fileio import write_atomically
+from specrun.fileio import check_writable_folder, write_atomically
 from specrun.sessions import tuning
 
 OLD = "the previous contents\n"
@@ -141,10 +141,26 @@ def test_a_fifo_is_written_through_and_stays_a_fifo(tmp_path):
     it, the reader getting nothing (as root, `bench --json /dev/full` deleted /dev/full)."""
     fifo = tmp_path / "out"
     read, thread = _fifo_reader(fifo)
-    write_atomically(fifo, '{"ok": true}\n', "--json file")
+    write_atomically(fifo, '{"ok": true}\n', "--json file", through_special=True)
     thread.join(10)
     assert read == [b'{"ok": true}\n']
     assert stat.S_ISFIFO(os.stat(fifo).st_mode) and sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+@pytest.mark.parametrize("check_first", [True, False], ids=["checked", "written"])
+def test_specrun_s_own_state_at_a_fifo_is_refused_in_one_line_at_once(tmp_path, check_first):
+    """A cache or checkpoint path that is a FIFO nobody reads: writing through it hung for good (a
+    training run's data checkpoint did, in CI). Refused at once, the FIFO left as it was."""
+    fifo = tmp_path / "pool.ngram"
+    os.mkfifo(fifo)
+    with pytest.raises(FileAccessError, match="not a regular file") as raised:
+        if check_first:
+            check_writable_folder(fifo, "n-gram cache")
+        else:
+            write_atomically(fifo, b"state", "n-gram cache")
+    line = raised.value.one_line()
+    assert "\n" not in line and str(fifo) in line and "remove it" in line
+    assert stat.S_ISFIFO(os.stat(fifo).st_mode) and sorted(p.name for p in tmp_path.iterdir()) == ["pool.ngram"]
 
 
 def test_a_trace_to_a_fifo_is_written_through_as_it_goes(tmp_path):
@@ -165,6 +181,6 @@ def test_a_full_device_is_one_line_and_stays_a_device(tmp_path):
     device = tmp_path / "full"
     os.mknod(device, 0o666 | stat.S_IFCHR, os.makedev(1, 7))
     with pytest.raises(FileAccessError, match="No space left on device") as raised:
-        write_atomically(device, "x" * 10, "--json file")
+        write_atomically(device, "x" * 10, "--json file", through_special=True)
     assert "\n" not in raised.value.one_line() and str(device) in raised.value.one_line()
     assert stat.S_ISCHR(os.stat(device).st_mode) and sorted(p.name for p in tmp_path.iterdir()) == ["full"]

@@ -109,6 +109,15 @@ def test_serve_trace_into_a_folder_is_one_line_before_anything_loads(tmp_path):
     assert done.stderr.strip().count("\n") == 0 and "is a folder" in done.stderr and "Traceback" not in done.stderr
 
 
+def test_serve_trace_in_a_folder_that_does_not_exist_is_a_usage_error_and_makes_no_folder(tmp_path):
+    missing = tmp_path / "no" / "such"
+    done = subprocess.run([*SPECRUN, "serve", "--port", "0", *DEMO_ARGS, "--trace", str(missing / "t.jsonl")],
+                          capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip().count("\n") == 0 and "does not exist" in done.stderr and str(missing) in done.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
 class FullDisk:
     def __init__(self) -> None:
         self.closed = False
