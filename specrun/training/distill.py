@@ -40,7 +40,7 @@ from pathlib import Path
 import numpy as np
 
 from specrun.errors import FileAccessError, ModelFileError, RegistryError, SpecrunError, UsageError
-from specrun.fileio import check_writable_folder, write_atomically
+from specrun.fileio import check_writable_folder, is_special, write_atomically
 from specrun.modelkit.config import ModelConfig
 from specrun.training.data import builtin_python_prompts, builtin_questions, read_prompts_file
 from specrun.training.run import (
@@ -563,9 +563,15 @@ class _Run:
 
     def _resume(self, settings: dict):
         """(held-out data, report before) from a checkpoint made with ``settings``; None without one."""
-        from specrun.training.run import checked_progress
+        from specrun.training.run import checked_progress, remove_special
 
         folder = self.checkpoints
+        special = [name for name in CHECKPOINT_FILES if is_special(folder / name)]
+        if special:  # a FIFO would hang the reader now and the fresh start's writer next
+            self.on_note(f"the checkpoint in {folder} cannot be read ({special[0]} is not a regular file): "
+                         "starting afresh")
+            remove_special(folder, CHECKPOINT_FILES)
+            return None
         if not all((folder / name).is_file() for name in CHECKPOINT_FILES):
             return None
         try:

@@ -377,7 +377,7 @@ class _Run:
             data = self._gather(texts, prompts)
             held_out = self._hold_out(len(data.tokens))
             trainer = self._fresh_trainer(data, held_out)
-            _remove_special(self.checkpoints)  # a FIFO or device the last run's files were replaced by
+            remove_special(self.checkpoints)  # a FIFO or device the last run's files were replaced by
             self._write_data(data, held_out)
             self._checkpoint(trainer, settings, source)
         resumed_at = self.step if resumed is not None else None
@@ -803,7 +803,7 @@ def remove_checkpoint(folder: Path, files: tuple[str, ...] = CHECKPOINT_FILES) -
         folder.rmdir()
 
 
-def _remove_special(folder: Path, files: tuple[str, ...] = CHECKPOINT_FILES) -> None:
+def remove_special(folder: Path, files: tuple[str, ...] = CHECKPOINT_FILES) -> None:
     """Unlink a checkpoint file of the run's own folder that is a FIFO, a device or a socket (the
     resume refused it): a fresh start writes its files there, and writing into a FIFO hangs."""
     for name in files:

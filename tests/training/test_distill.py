@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import errno
 import json
+import os
 
 import numpy as np
 import pytest
@@ -238,6 +239,7 @@ def test_ctrl_c_while_distilling_keeps_the_checkpoint_and_says_where(tiny_llama,
     assert not [path for path in tmp_path.iterdir() if path.name.startswith(".distilling-")]
 
 
+@pytest.mark.timeout(300)  # a hang on the FIFO below fails here, not at the suite's 600 s
 def test_a_damaged_or_other_checkpoint_is_a_note_and_a_fresh_start(tiny_llama, prompts_file, tmp_path):
     out = tmp_path / "run"
 
@@ -273,6 +275,17 @@ def test_a_damaged_or_other_checkpoint_is_a_note_and_a_fresh_start(tiny_llama, p
     notes = []
     torn = distill(request_for(tiny_llama, prompts_file, out), on_note=notes.append, max_steps=1)
     assert torn.resumed_at is None and any("was written at step 1, the record says 0" in note for note in notes)
+
+    out = tmp_path / "fifo"  # a FIFO where the held-out data were: writing a fresh start's into it hung
+    with pytest.raises(TrainingInterrupted):
+        distill(request_for(tiny_llama, prompts_file, out), on_progress=stop_at_step_2, max_steps=3,
+                checkpoint_seconds=0.0)
+    held = checkpoint_folder(out) / "held_out.npz"
+    held.unlink()
+    os.mkfifo(held)
+    notes = []
+    after_fifo = distill(request_for(tiny_llama, prompts_file, out), on_note=notes.append, max_steps=1)
+    assert after_fifo.resumed_at is None and any("not a regular file" in note for note in notes), notes
 
 
 def test_an_interrupt_between_the_two_renames_leaves_neither_output(tiny_llama, prompts_file, tmp_path, monkeypatch):
