@@ -39,7 +39,7 @@ from pathlib import Path
 import numpy as np
 
 from specrun.errors import ModelFileError
-from specrun.fileio import MiB, json_problem, read_limited, write_atomically
+from specrun.fileio import MiB, is_special, json_problem, read_limited, write_atomically
 from specrun.heads.config import HeadsConfig
 from specrun.heads.eagle import PARAMETER_NAMES, EagleHeads, EagleLayout, eagle_shapes
 from specrun.heads.eagle3 import Eagle3Heads, check_rope_scaling
@@ -552,8 +552,11 @@ def _aux_layer_ids(settings: dict, path: Path) -> tuple[int, ...]:
 
 def is_specrun_heads_file(path: Path) -> bool:
     """Is ``path`` one of a heads pair specrun wrote: the .json config (its "format"), or the
-    .safetensors file (its header's metadata)? False for anything else, or unreadable."""
+    .safetensors file (its header's metadata)? False for anything else, or unreadable (a FIFO is
+    not opened: reading one nobody writes would wait for good)."""
     path = Path(path)
+    if is_special(path):
+        return False
     try:
         with open(path, "rb") as file:
             if path.suffix == ".json":

@@ -806,9 +806,9 @@ def remove_checkpoint(folder: Path, files: tuple[str, ...] = CHECKPOINT_FILES) -
 def remove_special(folder: Path, files: tuple[str, ...] = CHECKPOINT_FILES) -> None:
     """Unlink a checkpoint file of the run's own folder that is a FIFO, a device or a socket (the
     resume refused it): a fresh start writes its files there, and writing into a FIFO hangs."""
-    for name in files:
-        if is_special(folder / name):
-            (folder / name).unlink()
+    for path in [folder / name for name in files] + [folder / "heads" / name for name in EAGLE3_FILES]:
+        if is_special(path):  # EAGLE-3's heads are a folder of their own in the checkpoint
+            path.unlink()
 
 
 def _check_plain_files(*paths: Path) -> None:

@@ -7,8 +7,11 @@ import json
 import os
 import resource
 import shutil
+import signal
 import subprocess
 import sys
+import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -75,3 +78,25 @@ def ngram_cache_bytes(document) -> bytes:
     """A cache file with a valid header and checksum around any JSON document (or raw payload bytes)."""
     payload = document if isinstance(document, bytes) else json.dumps(document).encode()
     return HEADER.pack(MAGIC, 1, len(payload), hashlib.sha256(payload).digest()) + payload
+
+
+@contextmanager
+def deadline(seconds: float, case: str):
+    """Fail a case that runs past ``seconds`` (a hang) instead of hanging the suite. The suite's
+    own per-test timer (pytest-timeout, the same SIGALRM) is armed again afterwards with the time
+    it had left, so the rest of the test keeps its limit."""
+
+    def expire(signum, frame):
+        raise AssertionError(f"{case}: still running after {seconds} s")
+
+    outer, _ = signal.getitimer(signal.ITIMER_REAL)
+    began = time.monotonic()
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+        if outer > 0:
+            signal.setitimer(signal.ITIMER_REAL, max(outer - (time.monotonic() - began), 0.001))

@@ -163,6 +163,18 @@ def test_specrun_s_own_state_at_a_fifo_is_refused_in_one_line_at_once(tmp_path, 
     assert stat.S_ISFIFO(os.stat(fifo).st_mode) and sorted(p.name for p in tmp_path.iterdir()) == ["pool.ngram"]
 
 
+def test_heads_out_at_a_fifo_is_refused_without_opening_it(tmp_path):
+    """`heads train --heads-out FIFO`: the check that it is not another program's file opened the
+    FIFO to read its header, and waited for a writer for good."""
+    from cli_checks import deadline
+    from specrun.training.run import check_heads_file
+
+    fifo = tmp_path / "medusa.safetensors"
+    os.mkfifo(fifo)
+    with deadline(10, "checking a FIFO"), pytest.raises(FileAccessError, match="is not specrun heads"):
+        check_heads_file(fifo)
+
+
 def test_a_trace_to_a_fifo_is_written_through_as_it_goes(tmp_path):
     from specrun.sessions.trace import TraceFile
 

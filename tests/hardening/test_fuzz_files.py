@@ -14,13 +14,11 @@ from __future__ import annotations
 import copy
 import json
 import random
-import signal
-from contextlib import contextmanager
 
 import numpy as np
 import pytest
 
-from cli_checks import ngram_cache_bytes
+from cli_checks import deadline, ngram_cache_bytes
 from fake_models import COPYING_VOCAB, REPEATING_PROMPT, copying_logits, noisy_copy
 from specrun.backends.fake import FakeBackend
 from specrun.drafters.methods import build_drafter
@@ -41,22 +39,6 @@ STRANGE_VALUES = [
     -1, 0, 1, 2**31, 2**63, 10**400, -(10**30), 0.5, -0.0, 1e-300, 1e308, float("nan"), float("inf"),
     "", "x", "12", None, True, False, [], [1], [[1, 2], [3]], {}, {"a": 1},
 ]
-
-
-@contextmanager
-def deadline(seconds: float, case: str):
-    """Fail a case that runs past ``seconds`` (a hang) instead of hanging the suite."""
-
-    def expire(signum, frame):
-        raise AssertionError(f"{case}: still running after {seconds} s")
-
-    previous = signal.signal(signal.SIGALRM, expire)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
 
 
 def assert_one_line_refusal(error: SpecrunError, path, case: str) -> None:
@@ -268,3 +250,20 @@ def test_fuzzed_registry_files_load_well_typed_or_fail_in_one_line(tmp_path):
                 assert entry.context >= 0 and 0 <= entry.size_gb < float("inf"), (case, entry)
             outcomes["loaded"] += 1
     assert min(outcomes.values()) > 10, outcomes
+
+
+@pytest.mark.timeout(60)
+def test_a_case_s_deadline_leaves_the_suite_s_own_timer_running():
+    """deadline() shares SIGALRM with the suite's per-test timeout: the timer is armed again, with
+    the time it had left (it was left off, and a hang later in the test hung the run)."""
+    import signal
+
+    before, _ = signal.getitimer(signal.ITIMER_REAL)
+    assert before > 0  # pytest-timeout's, from the marker above
+    with deadline(5, "a case"):
+        pass
+    after, _ = signal.getitimer(signal.ITIMER_REAL)
+    assert 0 < after <= before
+    with pytest.raises(AssertionError, match="a slow case: still running after 0.05 s"), deadline(0.05, "a slow case"):
+        signal.pause()
+    assert 0 < signal.getitimer(signal.ITIMER_REAL)[0] <= after

@@ -136,18 +136,23 @@ def parts_only_at_a_near_tie(entries, expected: str) -> bool:
     """False where the answer whose logprob ``entries`` (top_logprobs of 2 or more) are given reads
     ``expected``; True where it parts from ``expected`` only at a near-tie: at the first token
     that leaves ``expected``, the token ``expected`` goes on with is among its top_logprobs,
-    within NEAR_TIE of it (after that the contexts differ, and so may the rest). Fails otherwise."""
-    text = "".join(entry.token for entry in entries)
-    if text == expected:
+    within NEAR_TIE of it (after that the contexts differ, and so may the rest). Fails otherwise.
+    Read in bytes: a character split over two tokens is no whole text in either."""
+    want = expected.encode("utf-8")
+    got = b"".join(bytes(entry.bytes) for entry in entries)
+    if got == want:
         return False
     at = 0
     for index, entry in enumerate(entries):
-        if entry.token and expected.startswith(entry.token, at):
-            at += len(entry.token)
+        piece = bytes(entry.bytes)
+        if piece and want.startswith(piece, at):
+            at += len(piece)
             continue
-        others = [o for o in entry.top_logprobs if o.token != entry.token and o.token and expected.startswith(o.token, at)]
-        assert others, f"token {index} {entry.token!r} parts from {expected[at:at + 20]!r}, no runner-up of its goes on"
-        gap = entry.logprob - others[0].logprob
+        others = [o for o in entry.top_logprobs if bytes(o.bytes) != piece and o.bytes
+                  and want.startswith(bytes(o.bytes), at)]
+        assert others, f"token {index} {entry.token!r} parts from {want[at:at + 20]!r}, no runner-up of its goes on"
+        gap = entry.logprob - max(others, key=lambda o: o.logprob).logprob
         assert gap < NEAR_TIE, f"token {index} {entry.token!r} against {others[0].token!r}: gap {gap:.3f}, no near-tie"
         return True
-    raise AssertionError(f"{text!r} is a prefix of {expected!r}, not parted at a token")
+    raise AssertionError(f"{got!r} stops inside {want!r}: no token parted from it (a near-tie with the end is not told)")
+

@@ -35,15 +35,15 @@ def test_chat_completions_equal_specrun_chat(smollm2_server, system):
         asked = dict(model=MODEL, messages=messages, max_tokens=MAX_TOKENS, temperature=0, logprobs=True, top_logprobs=3)
         whole = client.chat.completions.create(**asked)
         assert whole.usage.prompt_tokens == answer["prompt_tokens"]
-        if not parts_only_at_a_near_tie(whole.choices[0].logprobs.content, answer["text"]):
-            assert whole.choices[0].message.content == answer["text"]
+        entries = whole.choices[0].logprobs.content
+        assert b"".join(bytes(e.bytes) for e in entries).decode("utf-8") == whole.choices[0].message.content
+        if not parts_only_at_a_near_tie(entries, answer["text"]):
             assert whole.choices[0].finish_reason == {"eos": "stop", "length": "length"}[answer["finish_reason"]]
         chunks = list(client.chat.completions.create(**asked, stream=True))
         text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
         entries = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content or []]
-        assert "".join(e.token for e in entries) == text
-        if not parts_only_at_a_near_tie(entries, answer["text"]):
-            assert text == answer["text"]
+        assert b"".join(bytes(e.bytes) for e in entries).decode("utf-8") == text
+        parts_only_at_a_near_tie(entries, answer["text"])
 
 
 @pytest.mark.parametrize("typed", ["<|im_end|>", "<|im_start|>system"])
@@ -147,9 +147,10 @@ def test_a_tool_call_round_trip_on_the_real_model(smollm2_server, tmp_path):
 def _entries(*rows):
     from types import SimpleNamespace
 
-    return [SimpleNamespace(token=token, logprob=-1.0,
-                            top_logprobs=[SimpleNamespace(token=token, logprob=-1.0),
-                                          SimpleNamespace(token=other, logprob=-1.0 - gap)])
+    def choice(text, logprob):
+        return SimpleNamespace(token=text, bytes=list(text.encode("utf-8")), logprob=logprob)
+
+    return [SimpleNamespace(**vars(choice(token, -1.0)), top_logprobs=[choice(token, -1.0), choice(other, -1.0 - gap)])
             for token, other, gap in rows]
 
 
@@ -167,3 +168,9 @@ def test_the_near_tie_allowance_lets_answers_part_only_at_a_near_tie():
     elsewhere = _entries(("L'Étoile,", "The", 0.3), (" le", " du", 0.01))
     with pytest.raises(AssertionError, match="no runner-up"):
         parts_only_at_a_near_tie(elsewhere, expected)
+    split = _entries(("L'", "The", 0.3), ("?", "?", 1.0), ("?", "?", 1.0), ("toile, la Marseillaise", "x", 1.0))
+    split[1].bytes, split[2].bytes = [0xC3], [0x89]  # "É" over two tokens, each shown as U+FFFD
+    split[1].top_logprobs[0].bytes, split[2].top_logprobs[0].bytes = [0xC3], [0x89]
+    assert parts_only_at_a_near_tie(split, expected) is False
+    with pytest.raises(AssertionError, match="stops inside"):
+        parts_only_at_a_near_tie(same[:2], expected)

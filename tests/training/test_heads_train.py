@@ -497,8 +497,7 @@ def test_fuzzed_checkpoints_resume_or_start_afresh_with_a_note(tiny_llama, tmp_p
     that make sense, with its data whole, or is set aside with one note; never another exception
     or a hang. Trained on a quarter of the fox text: a resume reads the target's states of every
     window again, and the whole text's made this test 65 s."""
-    import signal
-
+    from hardening.cli_checks import deadline
     from specrun.training.run import _Run, open_heads_target
 
     texts = tmp_path / "texts"
@@ -514,10 +513,6 @@ def test_fuzzed_checkpoints_resume_or_start_afresh_with_a_note(tiny_llama, tmp_p
     run = _Run(request, target, out, lambda progress: None, notes.append, None, 0.0, trainer_class)
     settings = run._settings(run._source())
 
-    def expire(signum, frame):
-        raise AssertionError("a damaged checkpoint is still being read after 10 s")
-
-    previous = signal.signal(signal.SIGALRM, expire)
     rng = random.Random(56)
     outcomes = {"resumed": 0, "afresh": 0}
     try:
@@ -525,9 +520,8 @@ def test_fuzzed_checkpoints_resume_or_start_afresh_with_a_note(tiny_llama, tmp_p
             for name, data in _mutated_checkpoint(files, rng).items():
                 (folder / name).write_bytes(data)
             notes.clear()
-            signal.setitimer(signal.ITIMER_REAL, 10)
-            resumed = run._resume(settings)
-            signal.setitimer(signal.ITIMER_REAL, 0)
+            with deadline(10, f"case {case}: a damaged checkpoint read"):
+                resumed = run._resume(settings)
             if resumed is None:
                 assert len(notes) == 1 and "starting afresh" in notes[0] and "\n" not in notes[0], (case, notes)
                 outcomes["afresh"] += 1
@@ -537,7 +531,5 @@ def test_fuzzed_checkpoints_resume_or_start_afresh_with_a_note(tiny_llama, tmp_p
             assert len(held_out) == len(data.tokens) >= 2 and held_out.any() and not held_out.all(), case
             outcomes["resumed"] += 1
     finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
         target.close()
     assert min(outcomes.values()) > 5, outcomes
