@@ -106,7 +106,7 @@ def write_atomically(
     payload = data.encode("utf-8") if isinstance(data, str) else data
     if is_special(path):
         if not through_special:
-            raise not_regular_error(Path(path), what, instead, error)
+            raise _not_regular_error(Path(path), what, instead, error)
         try:
             with open(path, "wb") as stream:
                 stream.write(payload)
@@ -145,7 +145,7 @@ def check_writable_folder(
     ``through_special`` (as write_atomically)."""
     if is_special(path):
         if not through_special:
-            raise not_regular_error(Path(path), what, instead, error)
+            raise _not_regular_error(Path(path), what, instead, error)
         if not os.access(path, os.W_OK):
             raise error(f"cannot write the {what} {path}: permission denied", instead)
         return
@@ -161,7 +161,7 @@ def check_writable_folder(
         raise write_error(path, what, instead, error, exc) from exc
 
 
-def not_regular_error(path: Path, what: str, instead: str, error: type[SpecrunError]) -> SpecrunError:
+def _not_regular_error(path: Path, what: str, instead: str, error: type[SpecrunError]) -> SpecrunError:
     """The refusal of a device, FIFO or socket where specrun keeps a file of its own."""
     return error(f"cannot write the {what} {path}: it is not a regular file (a FIFO, a device or a socket)",
                  f"remove it, or {instead}")
@@ -169,7 +169,8 @@ def not_regular_error(path: Path, what: str, instead: str, error: type[SpecrunEr
 
 def is_special(path: Path | str) -> bool:
     """Is ``path`` (links followed) an existing file that is neither regular nor a folder: a
-    device, a FIFO, a socket, a terminal? Such a file is written through, never replaced."""
+    device, a FIFO, a socket, a terminal? Such a file is never replaced (write_atomically writes
+    through it or refuses it)."""
     try:
         mode = os.stat(path).st_mode
     except (OSError, ValueError):

@@ -142,8 +142,7 @@ class ServerTrace:
     def __init__(self, path: Path | str) -> None:
         path = Path(path)
         self.path = Path(os.path.realpath(path)) if path.is_symlink() else path
-        if not is_special(self.path):
-            _folder_exists(self.path)
+        _folder_exists(self.path)
         check_writable_folder(self.path, WHAT, INSTEAD, through_special=True)
         self._existed = self.path.exists()
         try:  # emptied by the header, once the server starts: one that fails to leaves FILE as it was

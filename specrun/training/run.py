@@ -377,7 +377,8 @@ class _Run:
             data = self._gather(texts, prompts)
             held_out = self._hold_out(len(data.tokens))
             trainer = self._fresh_trainer(data, held_out)
-            remove_special(self.checkpoints)  # a FIFO or device the last run's files were replaced by
+            # a FIFO or device the last run's files were replaced by (EAGLE-3's heads: a folder of their own)
+            remove_special(self.checkpoints, CHECKPOINT_FILES + tuple(f"heads/{name}" for name in EAGLE3_FILES))
             self._write_data(data, held_out)
             self._checkpoint(trainer, settings, source)
         resumed_at = self.step if resumed is not None else None
@@ -803,12 +804,12 @@ def remove_checkpoint(folder: Path, files: tuple[str, ...] = CHECKPOINT_FILES) -
         folder.rmdir()
 
 
-def remove_special(folder: Path, files: tuple[str, ...] = CHECKPOINT_FILES) -> None:
-    """Unlink a checkpoint file of the run's own folder that is a FIFO, a device or a socket (the
-    resume refused it): a fresh start writes its files there, and writing into a FIFO hangs."""
-    for path in [folder / name for name in files] + [folder / "heads" / name for name in EAGLE3_FILES]:
-        if is_special(path):  # EAGLE-3's heads are a folder of their own in the checkpoint
-            path.unlink()
+def remove_special(folder: Path, files: tuple[str, ...]) -> None:
+    """Unlink each of ``files`` in the run's own checkpoint folder that is a FIFO, a device or a
+    socket (the resume refused it): a fresh start writes its files there, and writing into a FIFO hangs."""
+    for name in files:
+        if is_special(folder / name):
+            (folder / name).unlink()
 
 
 def _check_plain_files(*paths: Path) -> None:
