@@ -18,13 +18,22 @@ the tokens: on that CPU a round over 4 sequences cost 31 ms where one sequence's
 cost 19 and one token 10, and a target pass over 4 sequences of 5 tokens 197 ms where a prompt's
 chunk read 3.7 ms a token. Every slot then drafts that length (0: plain batching, probes
 included); where the batch's passes are not yet timed, each slot's own rule runs and times them.
+
+The rates leave out what no pass's cost shows: a draft model catching up on the text its slot
+decoded plainly, prompts read while the others wait, slots finishing unevenly. At 4 slots on that
+CPU the length they chose ran 0.73-0.98x plain batching. So the batch also measures what it gets
+(``Realised``): stretches of about EPOCH_SECONDS at one occupancy, under the rates' choice or held
+plain, each one's tokens over its seconds; the rates' choice stands only where it was measured at
+least as fast as plain batching at that occupancy, and the arm left aside is tried again after a
+gap that doubles while the measurements keep agreeing.
 """
 
 from __future__ import annotations
 
 import threading
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from time import perf_counter
 
 from specrun.control.costs import TargetCosts
@@ -41,6 +50,18 @@ ROUND_LONGEST = 2
 # batching stands: 4 slots there chose 1 token on a predicted 0.2% gain, and the one slot caught
 # up drafted alone while the others waited its rounds.
 MARGIN = 0.05
+# Realised throughput (``Realised``): a stretch measured at one occupancy under one arm, at least
+# EPOCH_SECONDS unless the occupancy changes first (one shorter than SHORTEST_EPOCH is not kept:
+# a few passes); each arm's rate is its last KEPT_EPOCHS stretches' tokens over their seconds;
+# the arm left aside runs again after FIRST_GAP stretches of the other, the gap doubling up to
+# LAST_GAP while each try agrees with the standing choice. The rates' choice after a plain stretch
+# first reads what its slots decoded meanwhile: that stretch is settling, not kept.
+EPOCH_SECONDS = 1.5
+SHORTEST_EPOCH = 0.3
+KEPT_EPOCHS = 4
+FIRST_GAP = 2
+LAST_GAP = 16
+RATES, PLAIN = "rates", "plain"
 
 
 class BatchDrafts:
@@ -62,6 +83,7 @@ class BatchDrafts:
         self._chosen: Counter[tuple[int, int]] = Counter()
         self._gain: dict[int, float] = {}
         self._latest: dict[int, int] = {}  # sequences -> the length chosen last for that many
+        self.realised = Realised(clock)
 
     def timed(self, verifying: bool, lengths: Sequence[int], seconds: float) -> None:
         """A batch of passes of these ``lengths`` (one a sequence) ran in ``seconds``: the
@@ -70,6 +92,8 @@ class BatchDrafts:
             if verifying:
                 if max(lengths) <= VERIFY_LONGEST:
                     self.verify.setdefault(len(lengths), TargetCosts()).observe(sum(lengths), seconds)
+                else:  # a prompt read: every arm pays it alike, so no stretch is measured by it
+                    self.realised.left_out(seconds * sum(n for n in lengths if n > VERIFY_LONGEST) / sum(lengths))
                 return
             if max(lengths) <= ROUND_LONGEST:
                 self.rounds.observe(len(lengths), seconds)
@@ -84,6 +108,11 @@ class BatchDrafts:
         gain over plain batching, by sequences (/metrics)."""
         with self._lock:
             return sorted(self._chosen.items()), sorted(self._gain.items())
+
+    def emitted(self, sequences: int, tokens: int) -> None:
+        """A slot's step among ``sequences`` decoding together gave ``tokens`` tokens."""
+        with self._lock:
+            self.realised.emitted(sequences, tokens)
 
     def drop(self, slot: int) -> None:
         with self._lock:
@@ -126,26 +155,27 @@ class BatchDrafts:
         if sequences < 2 or limit <= 0:
             return None
         curve = self.mean_curve(limit)
-        if curve is None:
-            return None
-        limit = min(limit, len(curve) - 1)
         with self._lock:
             costs = self.verify.get(sequences)
-            if costs is None:
-                return None
-            passes = costs.batch_table(sequences * (limit + 1))
             round_seconds = self.round_seconds(sequences)
-        if round_seconds is None:
-            return None
+            if curve is None or costs is None or round_seconds is None:
+                self.realised.untold(sequences)  # the slots choose alone: the stretch tells neither arm
+                return None
+            limit = min(limit, len(curve) - 1)
+            passes = costs.batch_table(sequences * (limit + 1))
         rates = []
         for k in range(limit + 1):
             verify = passes[sequences * (k + 1)]
             if verify is None or verify + k * round_seconds <= 0.0:
+                with self._lock:
+                    self.realised.untold(sequences)
                 return None
             rates.append(sequences * curve[k] / (verify + k * round_seconds))
         best = max(range(limit + 1), key=lambda k: (rates[k], -k))
         chosen = best if rates[best] >= (1.0 + MARGIN) * rates[0] else 0
         with self._lock:
+            if self.realised.arm(sequences, drafting=chosen > 0) == PLAIN:
+                chosen = 0
             self._chosen[sequences, chosen] += 1
             self._gain[sequences] = rates[chosen] / rates[0]  # rates[0] > 0: its pass was timed above 0
             self._latest[sequences] = chosen
@@ -153,9 +183,151 @@ class BatchDrafts:
 
     def describe(self, sequences: int) -> dict | None:
         """The latest choice for ``sequences`` slots decoding together, for a trace: the length
-        every slot drafted and its predicted tokens/s over plain batching's; None before any."""
+        every slot drafted, its predicted tokens/s over plain batching's and, once both were
+        measured, each arm's realised tokens/s and whether plain batching is held; None before any."""
         with self._lock:
             if sequences not in self._latest:
                 return None
-            return {"sequences": sequences, "length": self._latest[sequences],
-                    "gain": round(self._gain[sequences], 4)}
+            described = {"sequences": sequences, "length": self._latest[sequences],
+                         "gain": round(self._gain[sequences], 4)}
+            described.update(self.realised.describe(sequences))
+            return described
+
+    def measured(self) -> list[tuple[int, str, float]]:
+        """Each arm's realised tokens a second, by the sequences decoding together (/metrics)."""
+        with self._lock:
+            return self.realised.measured()
+
+    def held_plain(self) -> list[tuple[int, bool]]:
+        """Where plain batching is held over the rates' choice, by sequences (/metrics)."""
+        with self._lock:
+            return self.realised.held_plain()
+
+
+@dataclass
+class _Arms:
+    """Stretches measured at one occupancy: (tokens, seconds) under the rates' choice and plain."""
+
+    rates: deque = field(default_factory=lambda: deque(maxlen=KEPT_EPOCHS))
+    plain: deque = field(default_factory=lambda: deque(maxlen=KEPT_EPOCHS))
+    held: bool = False  # plain batching held: the rates' choice measured slower
+    gap: int = FIRST_GAP  # stretches the standing arm runs before the other is tried again
+    since: int = 0  # stretches of the standing arm since the other last ran
+    trying: int = 0  # stretches left of a try of the other arm
+
+    def rate(self, arm: str) -> float | None:
+        kept = self.rates if arm == RATES else self.plain
+        seconds = sum(each for _, each in kept)
+        return sum(tokens for tokens, _ in kept) / seconds if kept and seconds > 0.0 else None
+
+
+@dataclass
+class _Epoch:
+    sequences: int
+    arm: str
+    started: float
+    trial: bool  # a try of the arm left aside
+    settling: bool  # the rates' choice after plain stretches: its draft model catches up first
+    tokens: int = 0
+    left_out: float = 0.0
+    drafted: bool = False
+
+
+class Realised:
+    """The tokens a second a batch gets at each occupancy under the rates' choice and held
+    plain (module docstring); called under BatchDrafts' lock."""
+
+    def __init__(self, clock: Callable[[], float]) -> None:
+        self.clock = clock
+        self._arms: dict[int, _Arms] = {}
+        self._epoch: _Epoch | None = None
+        self._last_arm = RATES
+
+    def arm(self, sequences: int, drafting: bool) -> str:
+        """The arm ``sequences`` slots decode under now: RATES (the rates' choice, ``drafting``
+        or not) or PLAIN."""
+        epoch = self._tick(sequences)
+        if epoch is None:
+            return RATES
+        epoch.drafted |= drafting and epoch.arm == RATES
+        return epoch.arm
+
+    def emitted(self, sequences: int, tokens: int) -> None:
+        """A step that just ended gave ``tokens``: the stretch it ran in counts them, then ends
+        where its time is up."""
+        epoch = self._epoch
+        if epoch is not None and epoch.sequences == sequences:
+            epoch.tokens += tokens
+        self._tick(sequences)
+
+    def untold(self, sequences: int) -> None:
+        """The slots chose their lengths alone this step: the stretch under way tells neither arm."""
+        epoch = self._tick(sequences)
+        if epoch is not None:
+            epoch.settling = True
+
+    def left_out(self, seconds: float) -> None:
+        if self._epoch is not None:
+            self._epoch.left_out += seconds
+
+    def _tick(self, sequences: int) -> _Epoch | None:
+        """The stretch under way at ``sequences`` decoding together: the last one ended where the
+        occupancy changed or its time is up, and a new one begun (none for one sequence alone)."""
+        now = self.clock()
+        epoch = self._epoch
+        if epoch is not None and (epoch.sequences != sequences or now - epoch.started >= EPOCH_SECONDS):
+            self._close(epoch, now)
+            epoch = self._epoch = None
+        if epoch is None and sequences >= 2:
+            arm, trial = self._next_arm(sequences)
+            epoch = self._epoch = _Epoch(sequences, arm, now, trial, settling=arm == RATES and self._last_arm == PLAIN)
+            self._last_arm = arm
+        return epoch
+
+    def _next_arm(self, sequences: int) -> tuple[str, bool]:
+        """The arm the next stretch at ``sequences`` runs, and whether it tries the one left aside."""
+        arms = self._arms.setdefault(sequences, _Arms())
+        if not arms.rates:
+            return RATES, False  # the rates' choice first; where it never drafts it is plain batching
+        if not arms.plain:
+            return PLAIN, False
+        standing, other = (PLAIN, RATES) if arms.held else (RATES, PLAIN)
+        if arms.trying:
+            arms.trying -= 1
+            return other, True
+        if arms.since >= arms.gap:
+            arms.since = 0
+            arms.trying = 1 if other == RATES else 0  # the first stretch back under the rates settles
+            return other, True
+        arms.since += 1
+        return standing, False
+
+    def _close(self, epoch: _Epoch, now: float) -> None:
+        arms = self._arms.setdefault(epoch.sequences, _Arms())
+        seconds = now - epoch.started - epoch.left_out
+        if epoch.settling or seconds < SHORTEST_EPOCH or epoch.tokens == 0:
+            return
+        # a stretch under the rates' choice that drafted nothing was plain batching
+        (arms.rates if epoch.arm == RATES and epoch.drafted else arms.plain).append((epoch.tokens, seconds))
+        rates, plain = arms.rate(RATES), arms.rate(PLAIN)
+        if rates is None or plain is None or arms.trying:
+            return
+        held = plain > rates
+        if held != arms.held:
+            arms.held, arms.gap = held, FIRST_GAP
+        elif epoch.trial:  # a try of the arm left aside agreed with the standing choice
+            arms.gap = min(2 * arms.gap, LAST_GAP)
+
+    def describe(self, sequences: int) -> dict:
+        arms = self._arms.get(sequences)
+        if arms is None or arms.rate(RATES) is None or arms.rate(PLAIN) is None:
+            return {}
+        return {"held_plain": arms.held, "realised": {RATES: round(arms.rate(RATES), 2),
+                                                      PLAIN: round(arms.rate(PLAIN), 2)}}
+
+    def measured(self) -> list[tuple[int, str, float]]:
+        return [(m, arm, rate) for m, arms in sorted(self._arms.items())
+                for arm in (RATES, PLAIN) if (rate := arms.rate(arm)) is not None]
+
+    def held_plain(self) -> list[tuple[int, bool]]:
+        return [(m, arms.held) for m, arms in sorted(self._arms.items())]

@@ -544,6 +544,8 @@ class AdaptivePolicy:
         engaged = bool(report.proposal.tokens) or (plain is not None and proposing > PROPOSING_SHARE * plain)
         emitted = len(report.context) - report.context_len
         self.gate.record(emitted, self.clock() - report.started, engaged, plain)
+        if self.batch is not None:  # what the batch gets, measured (control/batch.Realised)
+            self.batch.emitted(self.target_costs.sharing + 1, emitted)
 
     # ---- the controllers ----------------------------------------------------------------
     def _observe_pass(self, report: StepReport) -> None:

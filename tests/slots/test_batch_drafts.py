@@ -264,3 +264,127 @@ def test_a_slot_whose_batch_gains_nothing_by_drafting_drafts_nothing_where_alone
     expected = [plain.run(prompt, GenerationParams(40, draft_len=0, stop_at_eos=False)).token_ids
                 for prompt in PROMPTS]
     assert alone_outputs == expected and batch_outputs == expected
+
+
+# ---- what the batch gets, measured (control/batch.Realised) --------------------------------
+
+STEP = 0.125  # a step of the simulated batch, in seconds (exact in binary: stretches end on a step)
+
+
+def decode(batch: BatchDrafts, clock: Clock, stretches: float, drafting_tokens: int, plain_tokens: int,
+           sequences: int = 4, curve=MOSTLY_RIGHT) -> list[bool]:
+    """``sequences`` slots decode together for ``stretches`` times EPOCH_SECONDS: each STEP the
+    batch is asked its length and gets ``drafting_tokens`` where it drafted, ``plain_tokens``
+    where plain. Whether each stretch drafted (all its steps alike, or the test fails)."""
+    from specrun.control.batch import EPOCH_SECONDS
+
+    per_stretch = round(EPOCH_SECONDS / STEP)
+    drafted = []
+    for _ in range(round(stretches * per_stretch)):
+        batch.post(1, curve)  # as each slot does before asking
+        length = batch.length(sequences, 8)
+        drafted.append(bool(length))
+        clock.now += STEP
+        batch.emitted(sequences, drafting_tokens if length else plain_tokens)
+    parts = [drafted[i:i + per_stretch] for i in range(0, len(drafted), per_stretch)]
+    assert all(len(set(part)) == 1 for part in parts), parts
+    return [part[0] for part in parts]
+
+
+def drafting_batch(clock: Clock) -> BatchDrafts:
+    """A memory-bound batch whose rates choose long drafts at 4 sequences (as above)."""
+    batch = timed_batch(0.040, 0.0005, 0.008, 0.0001, clock)
+    batch.post(1, MOSTLY_RIGHT)
+    return batch
+
+
+def test_where_the_rates_choice_measures_slower_than_plain_batching_the_batch_holds_plain():
+    """The rates choose drafting, but the batch gets 4 tokens a step drafting against 5 plain
+    (what the passes' costs do not show: catching up, prompts, uneven finishing). First a stretch
+    under the rates' choice, then one plain; from then on plain, the rates' choice tried again
+    after FIRST_GAP stretches (its first stretch back settling, not measured) and, still slower,
+    after a gap twice as long."""
+    from specrun.control.batch import FIRST_GAP
+
+    clock = Clock()
+    batch = drafting_batch(clock)
+    assert decode(batch, clock, 2, 4, 5) == [True, False]  # the rates' choice first, then plain to compare
+    assert batch.describe(4)["held_plain"] is True
+    assert batch.describe(4)["realised"] == {"rates": 32.0, "plain": 40.0}
+    assert decode(batch, clock, FIRST_GAP + 2, 4, 5) == [False] * FIRST_GAP + [True, True]  # settling, measured
+    assert decode(batch, clock, 2 * FIRST_GAP + 1, 4, 5) == [False] * 2 * FIRST_GAP + [True]  # the gap doubled
+    assert batch.held_plain() == [(4, True)]
+    assert batch.measured() == [(4, "rates", 32.0), (4, "plain", 40.0)]
+
+
+def test_where_the_rates_choice_measures_faster_it_stands_and_plain_is_tried_less_and_less():
+    from specrun.control.batch import FIRST_GAP
+
+    clock = Clock()
+    batch = drafting_batch(clock)
+    assert decode(batch, clock, 2, 7, 5) == [True, False]
+    assert batch.describe(4)["held_plain"] is False
+    # back to drafting (its first stretch settling, not measured) for FIRST_GAP stretches, then
+    # plain once more; agreeing, the gap doubles
+    assert decode(batch, clock, FIRST_GAP + 1, 7, 5) == [True] * FIRST_GAP + [False]
+    assert decode(batch, clock, 2 * FIRST_GAP + 1, 7, 5) == [True] * 2 * FIRST_GAP + [False]
+    assert batch.held_plain() == [(4, False)]
+
+
+def stretches_until(batch: BatchDrafts, clock: Clock, held: bool, drafting_tokens: int) -> int:
+    """Stretches decoded (5 tokens a step plain) until plain batching is ``held`` or not."""
+    for count in range(1, 100):
+        decode(batch, clock, 1, drafting_tokens, 5)
+        if batch.held_plain() == [(4, held)]:
+            return count
+    raise AssertionError("never")
+
+
+def test_a_batch_that_turns_slower_under_drafting_goes_plain_and_back_when_it_turns_faster():
+    """The measurements follow the machine: drafting faster, then slower (held plain once its kept
+    stretches say so), then faster again (drafting at the next try of the rates' choice), each
+    within a gap's stretches and the kept ones."""
+    from specrun.control.batch import KEPT_EPOCHS, LAST_GAP
+
+    clock = Clock()
+    batch = drafting_batch(clock)
+    decode(batch, clock, 8, 7, 5)
+    assert batch.held_plain() == [(4, False)]
+    assert stretches_until(batch, clock, True, 3) <= KEPT_EPOCHS + 1
+    assert stretches_until(batch, clock, False, 9) <= LAST_GAP + 2
+
+
+def test_a_rates_choice_that_drafts_nothing_is_plain_batching_and_never_tried_against_itself():
+    """A compute-bound batch whose rates choose 0: its stretches are measured as plain batching
+    and no other arm is ever run."""
+    clock = Clock()
+    batch = timed_batch(0.023, 0.0157, 0.005, 0.0065, clock)
+    batch.post(1, MOSTLY_RIGHT)
+    assert decode(batch, clock, 12, 4, 5) == [False] * 12
+    assert batch.held_plain() == [(4, False)]
+    assert batch.measured() == [(4, "plain", 40.0)]
+
+
+def test_prompt_reads_and_short_stretches_tell_neither_arm():
+    """A prompt read (a verify batch with a long pass) is left out of the stretch's seconds by the
+    long passes' share of its tokens; a stretch cut short by the occupancy changing is not kept;
+    nor one whose slots chose alone (the batch could not tell them a length)."""
+    from specrun.control.batch import EPOCH_SECONDS
+
+    clock = Clock()
+    batch = drafting_batch(clock)
+    batch.length(4, 8)
+    batch.timed(True, [1, 1, 1, 97], 1.0)  # 0.97 s of it the read
+    clock.now += EPOCH_SECONDS
+    batch.emitted(4, 60)  # the stretch ends: 60 tokens over 0.53 s, not 1.5 s
+    assert batch.measured() == [(4, "rates", pytest.approx(60 / 0.53))]
+    clock.now += 0.125
+    batch.emitted(4, 100)
+    batch.length(3, 8)  # the occupancy changed after 0.125 s: that stretch is not kept
+    assert batch.measured() == [(4, "rates", pytest.approx(60 / 0.53))]
+    untold = BatchDrafts(clock)
+    untold.post(1, MOSTLY_RIGHT)
+    assert untold.length(4, 8) is None  # nothing timed: each slot's own rule
+    clock.now += EPOCH_SECONDS
+    untold.emitted(4, 100)
+    assert untold.measured() == []
