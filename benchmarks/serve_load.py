@@ -174,7 +174,13 @@ def explained(before: dict[str, float], after: dict[str, float], seconds: float)
             "draft_busy": delta('specrun_batch_seconds_total{model="draft"}') / seconds if batches else None,
             # tokens the draft model read a token it drafted: 1 where it reads only its own drafts and
             # the tokens verified after them, more where it also reads prompts and text it did not draft
-            "draft_reads": delta('specrun_batch_tokens_total{model="draft"}') / drafted if drafted else None}
+            "draft_reads": delta('specrun_batch_tokens_total{model="draft"}') / drafted if drafted else None,
+            # the batch's measured tokens/s by arm and where it held plain (control/batch.Realised), at
+            # the phase's end; the lengths it gave the slots over the phase, by sequences and length
+            "realised": {name: value for name, value in after.items()
+                         if name.startswith(("specrun_batch_realised", "specrun_batch_held_plain"))},
+            "lengths": {name: delta(name) for name in after if name.startswith("specrun_batch_draft_lengths_total")
+                        and delta(name)}}
 
 
 def run_phase(port: int, line: ServerLine, clients: int, prompts: list[BenchPrompt], prompt_set: str,
@@ -323,7 +329,11 @@ def main() -> None:
                           + (f"(steady {steady:.1f})  " if steady is not None else "")
                           + f"p50 {s['latency_p50']:.2f}s p95 {s['latency_p95']:.2f}s  "
                           f"ttft p50 {s['ttft_p50']:.2f}s  ({s['requests']} answers, {s['failures']} failed)"
-                          + "".join(f"  {key} {value:.2f}" for key, value in phase.server.items() if value is not None),
+                          + "".join(f"  {key} {value:.2f}" for key, value in phase.server.items()
+                                    if isinstance(value, float))
+                          + "".join(f"\n    {key}: " + " ".join(f"{name.removeprefix('specrun_batch_')}={number:g}"
+                                                                 for name, number in value.items())
+                                    for key, value in phase.server.items() if isinstance(value, dict) and value),
                           file=sys.stderr)
     report = {"target": args.target, "draft": args.draft, "threads": args.threads, "machine": machine_note(),
               "phases": [phase.summary() for phase in phases]}

@@ -72,8 +72,11 @@ class BatchDrafts:
 
     FRESH_SECONDS = 5.0
 
-    def __init__(self, clock: Callable[[], float] = perf_counter) -> None:
+    def __init__(self, clock: Callable[[], float] = perf_counter, occupancy: Callable[[], int] | None = None) -> None:
         self.clock = clock
+        # slots generating (Rendezvous.joined): what the measured stretches are kept by. A pass's
+        # own sequences move from pass to pass (slots drafting while others verify, prompts read).
+        self.occupancy = occupancy
         self._lock = threading.Lock()
         self._curves: dict[int, tuple[tuple[float, ...], float]] = {}  # slot -> (1 + E(k) by k, when posted)
         self.verify: dict[int, TargetCosts] = {}  # by sequences: the target's decoding passes by their tokens
@@ -111,8 +114,12 @@ class BatchDrafts:
 
     def emitted(self, sequences: int, tokens: int) -> None:
         """A slot's step among ``sequences`` decoding together gave ``tokens`` tokens."""
+        occupied = self._occupied(sequences)
         with self._lock:
-            self.realised.emitted(sequences, tokens)
+            self.realised.emitted(occupied, tokens)
+
+    def _occupied(self, sequences: int) -> int:
+        return self.occupancy() if self.occupancy is not None else sequences
 
     def drop(self, slot: int) -> None:
         with self._lock:
@@ -155,11 +162,12 @@ class BatchDrafts:
         if sequences < 2 or limit <= 0:
             return None
         curve = self.mean_curve(limit)
+        occupied = self._occupied(sequences)
         with self._lock:
             costs = self.verify.get(sequences)
             round_seconds = self.round_seconds(sequences)
             if curve is None or costs is None or round_seconds is None:
-                self.realised.untold(sequences)  # the slots choose alone: the stretch tells neither arm
+                self.realised.untold(occupied)  # the slots choose alone: the stretch tells neither arm
                 return None
             limit = min(limit, len(curve) - 1)
             passes = costs.batch_table(sequences * (limit + 1))
@@ -168,13 +176,13 @@ class BatchDrafts:
             verify = passes[sequences * (k + 1)]
             if verify is None or verify + k * round_seconds <= 0.0:
                 with self._lock:
-                    self.realised.untold(sequences)
+                    self.realised.untold(occupied)
                 return None
             rates.append(sequences * curve[k] / (verify + k * round_seconds))
         best = max(range(limit + 1), key=lambda k: (rates[k], -k))
         chosen = best if rates[best] >= (1.0 + MARGIN) * rates[0] else 0
         with self._lock:
-            if self.realised.arm(sequences, drafting=chosen > 0) == PLAIN:
+            if self.realised.arm(occupied, drafting=chosen > 0) == PLAIN:
                 chosen = 0
             self._chosen[sequences, chosen] += 1
             self._gain[sequences] = rates[chosen] / rates[0]  # rates[0] > 0: its pass was timed above 0
@@ -190,7 +198,7 @@ class BatchDrafts:
                 return None
             described = {"sequences": sequences, "length": self._latest[sequences],
                          "gain": round(self._gain[sequences], 4)}
-            described.update(self.realised.describe(sequences))
+            described.update(self.realised.describe(self._occupied(sequences)))
             return described
 
     def measured(self) -> list[tuple[int, str, float]]:

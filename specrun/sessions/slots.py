@@ -48,7 +48,8 @@ class SlotSessions:
                 target = Slot(target_slots, seq, self.rendezvous, session.target, "target")
                 draft = Slot(draft_slots, seq, self.rendezvous, session.draft, "draft") if draft_slots else None
                 self.sessions.append(session.on_slot(target, draft))
-            batch = self.batch = BatchDrafts()  # one draft model's length for every slot's policy
+            # one draft model's length for every slot's policy; what it gets kept by the slots generating
+            batch = self.batch = BatchDrafts(occupancy=lambda: self.rendezvous.joined)
             self.rendezvous.observer = lambda label, lengths, seconds: batch.timed(label == VERIFIER, lengths, seconds)
             for each in self.sessions:
                 each.engine.policy.batch = batch

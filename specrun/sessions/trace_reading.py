@@ -156,6 +156,12 @@ def record_problem(record: dict) -> str:
         batch = policy.get("batch") or {}
         if "gain" in batch and (problem := _number_problem("policy.batch.gain", batch["gain"])):
             return problem
+        realised = batch.get("realised", {})
+        if not isinstance(realised, dict):
+            return f"'policy.batch.realised' is {_shown(realised)}, not an object"
+        for arm, rate in realised.items():
+            if problem := _number_problem(f"policy.batch.realised.{arm}", rate):
+                return problem
     return ""
 
 
@@ -330,10 +336,15 @@ def _events(steps: list[dict]) -> list[str]:
                        f"{state['best_length']} against plain {plain}")
                 events.append(f"{at}: {name} off: {why}; probed again in {state.get('probe_in', '?')} steps")
         batch, was_batch = policy.get("batch"), (before or {}).get("batch")
-        if isinstance(batch, dict) and (not isinstance(was_batch, dict) or batch.get("length") != was_batch.get("length")
-                                        or batch.get("sequences") != was_batch.get("sequences")):
+        if isinstance(batch, dict) and (not isinstance(was_batch, dict) or any(
+                batch.get(key) != was_batch.get(key) for key in ("length", "sequences", "held_plain"))):
+            held = ""
+            if batch.get("held_plain"):
+                realised = batch.get("realised", {})
+                held = (f"; plain held: {_rate(realised.get('rates'))} tok/s measured under the rates' choice "
+                        f"against {_rate(realised.get('plain'))} plain")
             events.append(f"{at}: {batch.get('sequences')} slots together draft {batch.get('length')} each "
-                          f"({batch.get('gain', 1.0):.2f}x plain batching's tokens/s, predicted)")
+                          f"({batch.get('gain', 1.0):.2f}x plain batching's tokens/s, predicted{held})")
         before = policy
     return events
 

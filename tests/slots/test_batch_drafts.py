@@ -388,3 +388,20 @@ def test_prompt_reads_and_short_stretches_tell_neither_arm():
     clock.now += EPOCH_SECONDS
     untold.emitted(4, 100)
     assert untold.measured() == []
+
+
+def test_stretches_are_kept_by_the_slots_generating_not_by_each_pass_s_sequences():
+    """Slots drafting while others verify make passes of 2, 3 and 4 sequences out of 4 slots
+    generating: with the rendezvous' count as occupancy a stretch runs its full time (a pass's
+    own count would cut it at every change, and nothing would be measured)."""
+    from specrun.control.batch import EPOCH_SECONDS
+
+    clock = Clock()
+    batch = timed_batch(0.040, 0.0005, 0.008, 0.0001, clock, sequences=(1, 2, 3, 4))
+    batch.occupancy = lambda: 4
+    for step in range(round(EPOCH_SECONDS / STEP) + 1):
+        batch.post(1, MOSTLY_RIGHT)
+        batch.length(2 + step % 3, 8)
+        clock.now += STEP
+        batch.emitted(2 + (step + 1) % 3, 4)
+    assert batch.measured() == [(4, "rates", 32.0)]
