@@ -25,11 +25,13 @@ CPU the length they chose ran 0.73-0.98x plain batching. So the batch also measu
 (``Realised``): stretches of about EPOCH_SECONDS at one occupancy, under the rates' choice or held
 plain, each one's tokens over its seconds; the rates' choice stands only where it was measured at
 least as fast as plain batching at that occupancy, and the arm left aside is tried again after a
-gap that doubles while the measurements keep agreeing.
+gap that doubles while the measurements keep agreeing, and is long enough that the tries cost at
+most TRY_BUDGET of what the standing arm gets.
 """
 
 from __future__ import annotations
 
+import math
 import threading
 from collections import Counter, deque
 from collections.abc import Callable, Sequence
@@ -56,11 +58,16 @@ MARGIN = 0.05
 # the arm left aside runs again after FIRST_GAP stretches of the other, the gap doubling up to
 # LAST_GAP while each try agrees with the standing choice. The rates' choice after a plain stretch
 # first reads what its slots decoded meanwhile: that stretch is settling, not kept.
+# A try costs what the arm left aside loses over the standing one, for its stretches (two under
+# the rates: one settling): the gap is at least long enough that tries cost TRY_BUDGET of the
+# standing arm's tokens (at 4 slots on a 2-core CPU the rates' choice measured 0.44x plain batching:
+# tries every 2-16 stretches cost more than a tenth of its tokens).
 EPOCH_SECONDS = 1.5
 SHORTEST_EPOCH = 0.3
 KEPT_EPOCHS = 4
 FIRST_GAP = 2
-LAST_GAP = 16
+LAST_GAP = 64
+TRY_BUDGET = 0.03
 RATES, PLAIN = "rates", "plain"
 
 
@@ -155,14 +162,17 @@ class BatchDrafts:
 
     def length(self, sequences: int, limit: int) -> int | None:
         """The draft length, at most ``limit``, at which ``sequences`` slots drafting alike
-        yield the most tokens a second (0: plain batching), or None where it cannot be told:
-        one sequence alone, no curve posted, no decoding pass over this many sequences or no
+        yield the most tokens a second (0: plain batching; also where the slots generating are
+        held plain, ``Realised``), or None where it cannot be told: a pass alone, no curve posted, no decoding pass over this many sequences or no
         draft round timed yet (a length never timed over them is read off the line through those
         that were)."""
-        if sequences < 2 or limit <= 0:
+        if limit <= 0:
             return None
-        curve = self.mean_curve(limit)
         occupied = self._occupied(sequences)
+        if sequences < 2:  # a pass alone (the others drafting or reading) among slots held plain: plain
+            with self._lock:
+                return 0 if occupied >= 2 and self.realised.holds_plain(occupied) else None
+        curve = self.mean_curve(limit)
         with self._lock:
             costs = self.verify.get(sequences)
             round_seconds = self.round_seconds(sequences)
@@ -268,6 +278,11 @@ class Realised:
             epoch.tokens += tokens
         self._tick(sequences)
 
+    def holds_plain(self, sequences: int) -> bool:
+        """Do ``sequences`` slots generating decode plainly now (the stretch under way held plain)?"""
+        epoch = self._tick(sequences)
+        return epoch is not None and epoch.arm == PLAIN
+
     def untold(self, sequences: int) -> None:
         """The slots chose their lengths alone this step: the stretch under way tells neither arm."""
         epoch = self._tick(sequences)
@@ -324,7 +339,10 @@ class Realised:
         if held != arms.held:
             arms.held, arms.gap = held, FIRST_GAP
         elif epoch.trial:  # a try of the arm left aside agreed with the standing choice
-            arms.gap = min(2 * arms.gap, LAST_GAP)
+            arms.gap = 2 * arms.gap
+        loss = 1.0 - min(rates, plain) / max(rates, plain)  # a stretch of the arm left aside, against the other
+        try_stretches = 2 if held else 1
+        arms.gap = min(LAST_GAP, max(arms.gap, math.ceil(try_stretches * loss / TRY_BUDGET)))
 
     def describe(self, sequences: int) -> dict:
         arms = self._arms.get(sequences)

@@ -406,12 +406,13 @@ class AdaptivePolicy:
 
     def _batch_length(self, controller: DraftLengthController) -> int | None:
         """Slots decoding together (``batch``): the length every slot drafts, the one the whole
-        batch gains most by, this slot's expected tokens posted first (control/batch.py); None
-        alone or where not yet told."""
-        if self.batch is None or not self.adaptive or not self.target_costs.sharing:
+        batch gains most by, this slot's expected tokens posted first (control/batch.py); 0 where
+        the slots generating are held plain, even on a pass alone; None alone or where not yet told."""
+        if self.batch is None or not self.adaptive:
             return None
         limit = controller.max_draft_len
-        self.batch.post(id(self), expected_tokens(controller.acceptances(limit), limit))
+        if self.target_costs.sharing:
+            self.batch.post(id(self), expected_tokens(controller.acceptances(limit), limit))
         return self.batch.length(self.target_costs.sharing + 1, limit)
 
     def takes(self, proposal: Proposal, member: int, draft_len: int) -> bool:

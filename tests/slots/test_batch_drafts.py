@@ -6,6 +6,8 @@ goes plain where plain batching is faster, and drafts in step where drafting is.
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from specrun.backends.fake import FakeBackend
@@ -302,33 +304,46 @@ def test_where_the_rates_choice_measures_slower_than_plain_batching_the_batch_ho
     """The rates choose drafting, but the batch gets 4 tokens a step drafting against 5 plain
     (what the passes' costs do not show: catching up, prompts, uneven finishing). First a stretch
     under the rates' choice, then one plain; from then on plain, the rates' choice tried again
-    after FIRST_GAP stretches (its first stretch back settling, not measured) and, still slower,
-    after a gap twice as long."""
-    from specrun.control.batch import FIRST_GAP
+    (its first stretch back settling, not measured) after a gap long enough that its tries, two
+    stretches at 0.8x, cost TRY_BUDGET of plain's tokens; still slower, after twice that gap."""
+    from specrun.control.batch import FIRST_GAP, TRY_BUDGET
 
     clock = Clock()
     batch = drafting_batch(clock)
     assert decode(batch, clock, 2, 4, 5) == [True, False]  # the rates' choice first, then plain to compare
     assert batch.describe(4)["held_plain"] is True
     assert batch.describe(4)["realised"] == {"rates": 32.0, "plain": 40.0}
-    assert decode(batch, clock, FIRST_GAP + 2, 4, 5) == [False] * FIRST_GAP + [True, True]  # settling, measured
-    assert decode(batch, clock, 2 * FIRST_GAP + 1, 4, 5) == [False] * 2 * FIRST_GAP + [True]  # the gap doubled
+    gap = max(FIRST_GAP, math.ceil(2 * 0.2 / TRY_BUDGET))
+    assert decode(batch, clock, gap + 2, 4, 5) == [False] * gap + [True, True]  # settling, measured
+    assert decode(batch, clock, 2 * gap + 1, 4, 5) == [False] * 2 * gap + [True]  # the gap doubled
     assert batch.held_plain() == [(4, True)]
     assert batch.measured() == [(4, "rates", 32.0), (4, "plain", 40.0)]
 
 
 def test_where_the_rates_choice_measures_faster_it_stands_and_plain_is_tried_less_and_less():
-    from specrun.control.batch import FIRST_GAP
+    from specrun.control.batch import FIRST_GAP, TRY_BUDGET
 
     clock = Clock()
     batch = drafting_batch(clock)
     assert decode(batch, clock, 2, 7, 5) == [True, False]
     assert batch.describe(4)["held_plain"] is False
-    # back to drafting (its first stretch settling, not measured) for FIRST_GAP stretches, then
-    # plain once more; agreeing, the gap doubles
-    assert decode(batch, clock, FIRST_GAP + 1, 7, 5) == [True] * FIRST_GAP + [False]
-    assert decode(batch, clock, 2 * FIRST_GAP + 1, 7, 5) == [True] * 2 * FIRST_GAP + [False]
+    # back to drafting (its first stretch settling, not measured) for as many stretches as a
+    # plain try (1 - 5/7 of a stretch) may cost TRY_BUDGET of, then plain once more; agreeing,
+    # the gap doubles
+    gap = max(FIRST_GAP, math.ceil((1 - 5 / 7) / TRY_BUDGET))
+    assert decode(batch, clock, gap + 1, 7, 5) == [True] * gap + [False]
+    assert decode(batch, clock, 2 * gap + 1, 7, 5) == [True] * 2 * gap + [False]
     assert batch.held_plain() == [(4, False)]
+
+
+def test_the_gaps_between_tries_are_bounded():
+    """However much slower the arm left aside, it is tried again within LAST_GAP stretches."""
+    from specrun.control.batch import LAST_GAP
+
+    clock = Clock()
+    batch = drafting_batch(clock)
+    assert decode(batch, clock, 2, 1, 30) == [True, False]  # 0.97 slower: 2 * 0.97 / TRY_BUDGET > LAST_GAP
+    assert decode(batch, clock, LAST_GAP + 1, 1, 30) == [False] * LAST_GAP + [True]
 
 
 def stretches_until(batch: BatchDrafts, clock: Clock, held: bool, drafting_tokens: int) -> int:
@@ -351,7 +366,7 @@ def test_a_batch_that_turns_slower_under_drafting_goes_plain_and_back_when_it_tu
     decode(batch, clock, 8, 7, 5)
     assert batch.held_plain() == [(4, False)]
     assert stretches_until(batch, clock, True, 3) <= KEPT_EPOCHS + 1
-    assert stretches_until(batch, clock, False, 9) <= LAST_GAP + 2
+    assert stretches_until(batch, clock, False, 9) <= 2 * (LAST_GAP + 2)
 
 
 def test_a_rates_choice_that_drafts_nothing_is_plain_batching_and_never_tried_against_itself():
@@ -405,3 +420,19 @@ def test_stretches_are_kept_by_the_slots_generating_not_by_each_pass_s_sequences
         clock.now += STEP
         batch.emitted(2 + (step + 1) % 3, 4)
     assert batch.measured() == [(4, "rates", 32.0)]
+
+
+def test_a_pass_alone_among_slots_held_plain_is_plain_too():
+    """Where the slots generating are held plain, a slot whose last pass ran alone (the others were
+    drafting or reading) gets 0 rather than its own rule, which, alone, would draft; with one slot
+    generating, or the rates' choice standing, its own rule as before."""
+    clock = Clock()
+    batch = drafting_batch(clock)
+    generating = [4]
+    batch.occupancy = lambda: generating[0]
+    assert batch.length(1, 8) is None  # nothing measured yet: the slot's own rule
+    assert decode(batch, clock, 2, 4, 5) == [True, False]
+    assert batch.held_plain() == [(4, True)]
+    assert batch.length(1, 8) == 0
+    generating[0] = 1
+    assert batch.length(1, 8) is None
