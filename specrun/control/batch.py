@@ -57,7 +57,9 @@ MARGIN = 0.05
 # a few passes); each arm's rate is its last KEPT_EPOCHS stretches' tokens over their seconds;
 # the arm left aside runs again after FIRST_GAP stretches of the other, the gap doubling up to
 # LAST_GAP while each try agrees with the standing choice. The rates' choice after a plain stretch
-# first reads what its slots decoded meanwhile: that stretch is settling, not kept.
+# first reads what its slots decoded meanwhile, and its first stretch at an occupancy reads every
+# slot's prompt at once (a cost a request pays once, spread over its answer after that): such a
+# stretch is settling, not kept.
 # A try costs what the arm left aside loses over the standing one, for its stretches (two under
 # the rates: one settling): the gap is at least long enough that tries cost TRY_BUDGET of the
 # standing arm's tokens (at 4 slots on a 2-core CPU the rates' choice measured 0.44x plain batching:
@@ -65,6 +67,7 @@ MARGIN = 0.05
 EPOCH_SECONDS = 1.5
 SHORTEST_EPOCH = 0.3
 KEPT_EPOCHS = 4
+MIN_KEPT = 2  # stretches of each arm kept before the first comparison
 FIRST_GAP = 2
 LAST_GAP = 64
 TRY_BUDGET = 0.03
@@ -232,6 +235,7 @@ class _Arms:
     gap: int = FIRST_GAP  # stretches the standing arm runs before the other is tried again
     since: int = 0  # stretches of the standing arm since the other last ran
     trying: int = 0  # stretches left of a try of the other arm
+    opened: bool = False  # a stretch under the rates' choice began here
 
     def rate(self, arm: str) -> float | None:
         kept = self.rates if arm == RATES else self.plain
@@ -303,16 +307,19 @@ class Realised:
             epoch = self._epoch = None
         if epoch is None and sequences >= 2:
             arm, trial = self._next_arm(sequences)
-            epoch = self._epoch = _Epoch(sequences, arm, now, trial, settling=arm == RATES and self._last_arm == PLAIN)
+            arms = self._arms[sequences]
+            settling = arm == RATES and (self._last_arm == PLAIN or not arms.opened)
+            arms.opened |= arm == RATES
+            epoch = self._epoch = _Epoch(sequences, arm, now, trial, settling)
             self._last_arm = arm
         return epoch
 
     def _next_arm(self, sequences: int) -> tuple[str, bool]:
         """The arm the next stretch at ``sequences`` runs, and whether it tries the one left aside."""
         arms = self._arms.setdefault(sequences, _Arms())
-        if not arms.rates:
+        if len(arms.rates) < MIN_KEPT:
             return RATES, False  # the rates' choice first; where it never drafts it is plain batching
-        if not arms.plain:
+        if len(arms.plain) < MIN_KEPT:
             return PLAIN, False
         standing, other = (PLAIN, RATES) if arms.held else (RATES, PLAIN)
         if arms.trying:
@@ -332,9 +339,9 @@ class Realised:
             return
         # a stretch under the rates' choice that drafted nothing was plain batching
         (arms.rates if epoch.arm == RATES and epoch.drafted else arms.plain).append((epoch.tokens, seconds))
-        rates, plain = arms.rate(RATES), arms.rate(PLAIN)
-        if rates is None or plain is None or arms.trying:
+        if len(arms.rates) < MIN_KEPT or len(arms.plain) < MIN_KEPT or arms.trying:
             return
+        rates, plain = arms.rate(RATES), arms.rate(PLAIN)
         held = plain > rates
         if held != arms.held:
             arms.held, arms.gap = held, FIRST_GAP

@@ -293,6 +293,14 @@ def decode(batch: BatchDrafts, clock: Clock, stretches: float, drafting_tokens: 
     return [part[0] for part in parts]
 
 
+def opening() -> list[bool]:
+    """The first stretches at an occupancy: the rates' choice (the first settling: every slot's
+    prompt read), then plain batching, MIN_KEPT kept of each before they are compared."""
+    from specrun.control.batch import MIN_KEPT
+
+    return [True] * (1 + MIN_KEPT) + [False] * MIN_KEPT
+
+
 def drafting_batch(clock: Clock) -> BatchDrafts:
     """A memory-bound batch whose rates choose long drafts at 4 sequences (as above)."""
     batch = timed_batch(0.040, 0.0005, 0.008, 0.0001, clock)
@@ -310,7 +318,7 @@ def test_where_the_rates_choice_measures_slower_than_plain_batching_the_batch_ho
 
     clock = Clock()
     batch = drafting_batch(clock)
-    assert decode(batch, clock, 2, 4, 5) == [True, False]  # the rates' choice first, then plain to compare
+    assert decode(batch, clock, len(opening()), 4, 5) == opening()
     assert batch.describe(4)["held_plain"] is True
     assert batch.describe(4)["realised"] == {"rates": 32.0, "plain": 40.0}
     gap = max(FIRST_GAP, math.ceil(2 * 0.2 / TRY_BUDGET))
@@ -325,7 +333,7 @@ def test_where_the_rates_choice_measures_faster_it_stands_and_plain_is_tried_les
 
     clock = Clock()
     batch = drafting_batch(clock)
-    assert decode(batch, clock, 2, 7, 5) == [True, False]
+    assert decode(batch, clock, len(opening()), 7, 5) == opening()
     assert batch.describe(4)["held_plain"] is False
     # back to drafting (its first stretch settling, not measured) for as many stretches as a
     # plain try (1 - 5/7 of a stretch) may cost TRY_BUDGET of, then plain once more; agreeing,
@@ -342,7 +350,7 @@ def test_the_gaps_between_tries_are_bounded():
 
     clock = Clock()
     batch = drafting_batch(clock)
-    assert decode(batch, clock, 2, 1, 30) == [True, False]  # 0.97 slower: 2 * 0.97 / TRY_BUDGET > LAST_GAP
+    assert decode(batch, clock, len(opening()), 1, 30) == opening()  # 0.97 slower: 2 * 0.97 / TRY_BUDGET > LAST_GAP
     assert decode(batch, clock, LAST_GAP + 1, 1, 30) == [False] * LAST_GAP + [True]
 
 
@@ -388,6 +396,8 @@ def test_prompt_reads_and_short_stretches_tell_neither_arm():
 
     clock = Clock()
     batch = drafting_batch(clock)
+    assert decode(batch, clock, 1, 4, 5) == [True]  # the first stretch settles: not kept
+    assert batch.measured() == []
     batch.length(4, 8)
     batch.timed(True, [1, 1, 1, 97], 1.0)  # 0.97 s of it the read
     clock.now += EPOCH_SECONDS
@@ -414,7 +424,7 @@ def test_stretches_are_kept_by_the_slots_generating_not_by_each_pass_s_sequences
     clock = Clock()
     batch = timed_batch(0.040, 0.0005, 0.008, 0.0001, clock, sequences=(1, 2, 3, 4))
     batch.occupancy = lambda: 4
-    for step in range(round(EPOCH_SECONDS / STEP) + 1):
+    for step in range(2 * round(EPOCH_SECONDS / STEP) + 1):  # the first stretch settles
         batch.post(1, MOSTLY_RIGHT)
         batch.length(2 + step % 3, 8)
         clock.now += STEP
@@ -431,7 +441,7 @@ def test_a_pass_alone_among_slots_held_plain_is_plain_too():
     generating = [4]
     batch.occupancy = lambda: generating[0]
     assert batch.length(1, 8) is None  # nothing measured yet: the slot's own rule
-    assert decode(batch, clock, 2, 4, 5) == [True, False]
+    assert decode(batch, clock, len(opening()), 4, 5) == opening()
     assert batch.held_plain() == [(4, True)]
     assert batch.length(1, 8) == 0
     generating[0] = 1
