@@ -237,6 +237,9 @@ class _Arms:
     trying: int = 0  # stretches left of a try of the other arm
     opened: bool = False  # a stretch under the rates' choice began here
 
+    def compared(self) -> bool:
+        return len(self.rates) >= MIN_KEPT and len(self.plain) >= MIN_KEPT
+
     def rate(self, arm: str) -> float | None:
         kept = self.rates if arm == RATES else self.plain
         seconds = sum(each for _, each in kept)
@@ -264,6 +267,7 @@ class Realised:
         self._arms: dict[int, _Arms] = {}
         self._epoch: _Epoch | None = None
         self._last_arm = RATES
+        self._last_sequences = 0  # the occupancy of the last stretch begun
 
     def arm(self, sequences: int, drafting: bool) -> str:
         """The arm ``sequences`` slots decode under now: RATES (the rates' choice, ``drafting``
@@ -306,12 +310,18 @@ class Realised:
             self._close(epoch, now)
             epoch = self._epoch = None
         if epoch is None and sequences >= 2:
-            arm, trial = self._next_arm(sequences)
-            arms = self._arms[sequences]
+            arms = self._arms.setdefault(sequences, _Arms())
+            if self._last_sequences != sequences and not arms.compared():
+                # an occupancy not yet compared, come to from another: carry on as before (one
+                # slot's request ending and the next one's prompt read pass through 3 of 4 slots
+                # for a second or so; opening there read every slot's text at each such dip)
+                arm, trial = self._last_arm, False
+            else:
+                arm, trial = self._next_arm(sequences)
             settling = arm == RATES and (self._last_arm == PLAIN or not arms.opened)
             arms.opened |= arm == RATES
             epoch = self._epoch = _Epoch(sequences, arm, now, trial, settling)
-            self._last_arm = arm
+            self._last_arm, self._last_sequences = arm, sequences
         return epoch
 
     def _next_arm(self, sequences: int) -> tuple[str, bool]:
@@ -339,7 +349,7 @@ class Realised:
             return
         # a stretch under the rates' choice that drafted nothing was plain batching
         (arms.rates if epoch.arm == RATES and epoch.drafted else arms.plain).append((epoch.tokens, seconds))
-        if len(arms.rates) < MIN_KEPT or len(arms.plain) < MIN_KEPT or arms.trying:
+        if not arms.compared() or arms.trying:
             return
         rates, plain = arms.rate(RATES), arms.rate(PLAIN)
         held = plain > rates

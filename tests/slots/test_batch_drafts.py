@@ -446,3 +446,29 @@ def test_a_pass_alone_among_slots_held_plain_is_plain_too():
     assert batch.length(1, 8) == 0
     generating[0] = 1
     assert batch.length(1, 8) is None
+
+
+def test_an_occupancy_passed_through_carries_on_as_before_and_opens_only_once_it_stays():
+    """4 slots held plain; a request ends and the next one's prompt is read: 3 slots generate for
+    a moment, plainly as before (not the rates' choice, which would read every slot's text); where
+    3 slots stay for a whole stretch, their own comparison opens."""
+    clock = Clock()
+    batch = drafting_batch(clock)
+    generating = [4]
+    batch.occupancy = lambda: generating[0]
+    decode(batch, clock, len(opening()), 4, 5)
+    assert batch.held_plain() == [(4, True)]
+    for _ in range(3):  # dips of a quarter of a stretch
+        generating[0] = 3
+        for _ in range(3):
+            batch.post(1, MOSTLY_RIGHT)
+            assert batch.length(3, 8) == 0
+            clock.now += STEP
+            batch.emitted(3, 4)
+        generating[0] = 4
+        assert decode(batch, clock, 1, 4, 5) == [False]
+    generating[0] = 3
+    # its plain stretches so far (the dips' too) count: the rates' choice runs, settling first,
+    # until MIN_KEPT of its own are kept, and, faster there, stands
+    assert decode(batch, clock, 1 + len(opening()), 6, 5, sequences=3) == [False] + [True] * len(opening())
+    assert batch.held_plain() == [(3, False), (4, True)]
