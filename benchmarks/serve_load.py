@@ -299,6 +299,8 @@ def main() -> None:
     parser.add_argument("--llama-bin", type=Path, default=None)
     parser.add_argument("--lines", nargs="*", default=None, help="only these lines (names as reported)")
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--trace", type=Path, default=None,
+                        help="a folder: each specrun server writes its `serve --trace` there (`specrun trace FILE`)")
     args = parser.parse_args()
     if args.llama_bin is not None and args.backend == "mlx":
         parser.error("--llama-bin compares llama-server with specrun on llama.cpp: leave it out with --backend mlx")
@@ -321,7 +323,12 @@ def main() -> None:
                     return [run_phase(port, line, clients, sets[name], name, max(args.requests, clients),
                                       args.budget, args.max_tokens) for name in args.sets]
 
-                for phase in with_server(line, clients, work):
+                traced = line
+                if args.trace is not None and line.name.startswith("specrun"):  # serve --trace, a file a server
+                    where = args.trace / f"{line.name.replace(' ', '-')}-c{clients}-r{round_index + 1}.jsonl"
+                    traced = ServerLine(line.name, lambda port, c, line=line, where=where: [
+                        *line.command(port, c), "--trace", str(where)], line.model)
+                for phase in with_server(traced, clients, work):
                     phases.append(phase)
                     s = phase.summary()
                     steady = s["steady_tokens_per_s"]
