@@ -314,6 +314,8 @@ def main() -> None:
     lines = lines_for(args, target, draft)
     print(f"# serve load: {args.target} + {args.draft}, {args.threads} threads, {machine_note()}", file=sys.stderr)
     phases: list[Phase] = []
+    if args.trace is not None:
+        args.trace.mkdir(parents=True, exist_ok=True)
     for clients in args.clients:
         for round_index in range(args.rounds):
             shift = round_index % len(lines)

@@ -56,13 +56,13 @@ MARGIN = 0.05
 # EPOCH_SECONDS unless the occupancy changes first (one shorter than SHORTEST_EPOCH is not kept:
 # a few passes); each arm's rate is its last KEPT_EPOCHS stretches' tokens over their seconds;
 # the arm left aside runs again after FIRST_GAP stretches of the other, the gap doubling up to
-# LAST_GAP while each try agrees with the standing choice. The rates' choice after a plain stretch
-# first reads what its slots decoded meanwhile, and its first stretch at an occupancy reads every
-# slot's prompt at once (a cost a request pays once, spread over its answer after that): such a
-# stretch is settling, not kept.
-# A try costs what the arm left aside loses over the standing one, for its stretches (two under
-# the rates: one settling): the gap is at least long enough that tries cost TRY_BUDGET of the
-# standing arm's tokens (at 4 slots on a 2-core CPU the rates' choice measured 0.44x plain batching:
+# LAST_GAP while each try agrees with the standing choice. A stretch after a switch of arms
+# settles, not kept: steps begun under the other arm end in it, and the rates' draft model first
+# reads what its slot decoded plainly; so does the first stretch under the rates at an occupancy
+# (every slot's prompt read at once, a cost a request pays once).
+# A try costs what the arm left aside loses over the standing one, for its stretches (two: one
+# settling, priced here as the measured one, though a switch back to the rates' choice costs more
+# there): the gap is at least long enough that tries cost about TRY_BUDGET of the standing arm's tokens (at 4 slots on a 2-core CPU the rates' choice measured 0.44x plain batching:
 # tries every 2-16 stretches cost more than a tenth of its tokens).
 EPOCH_SECONDS = 1.5
 SHORTEST_EPOCH = 0.3
@@ -71,6 +71,7 @@ MIN_KEPT = 2  # stretches of each arm kept before the first comparison
 FIRST_GAP = 2
 LAST_GAP = 64
 TRY_BUDGET = 0.03
+TRY_STRETCHES = 2  # a try: a stretch settling, then one measured
 RATES, PLAIN = "rates", "plain"
 
 
@@ -165,22 +166,27 @@ class BatchDrafts:
 
     def length(self, sequences: int, limit: int) -> int | None:
         """The draft length, at most ``limit``, at which ``sequences`` slots drafting alike
-        yield the most tokens a second (0: plain batching; also where the slots generating are
-        held plain, ``Realised``), or None where it cannot be told: a pass alone, no curve posted, no decoding pass over this many sequences or no
+        yield the most tokens a second (0: plain batching; also wherever the slots generating
+        are held plain, ``Realised``), or None where it cannot be told: a pass alone, no curve posted, no decoding pass over this many sequences or no
         draft round timed yet (a length never timed over them is read off the line through those
         that were)."""
         if limit <= 0:
             return None
         occupied = self._occupied(sequences)
-        if sequences < 2:  # a pass alone (the others drafting or reading) among slots held plain: plain
-            with self._lock:
-                return 0 if occupied >= 2 and self.realised.holds_plain(occupied) else None
+        with self._lock:  # slots held plain: plain, whatever the pass held (alone, or a count never timed)
+            if occupied >= 2 and self.realised.holds_plain(occupied):
+                self._chosen[sequences, 0] += 1
+                self._latest[sequences], self._gain[sequences] = 0, 1.0
+                return 0
+            if sequences < 2:
+                self.realised.own_rule(occupied)
+                return None
         curve = self.mean_curve(limit)
         with self._lock:
             costs = self.verify.get(sequences)
             round_seconds = self.round_seconds(sequences)
             if curve is None or costs is None or round_seconds is None:
-                self.realised.untold(occupied)  # the slots choose alone: the stretch tells neither arm
+                self.realised.own_rule(occupied)
                 return None
             limit = min(limit, len(curve) - 1)
             passes = costs.batch_table(sequences * (limit + 1))
@@ -189,7 +195,7 @@ class BatchDrafts:
             verify = passes[sequences * (k + 1)]
             if verify is None or verify + k * round_seconds <= 0.0:
                 with self._lock:
-                    self.realised.untold(occupied)
+                    self.realised.own_rule(occupied)
                 return None
             rates.append(sequences * curve[k] / (verify + k * round_seconds))
         best = max(range(limit + 1), key=lambda k: (rates[k], -k))
@@ -206,12 +212,13 @@ class BatchDrafts:
         """The latest choice for ``sequences`` slots decoding together, for a trace: the length
         every slot drafted, its predicted tokens/s over plain batching's and, once both were
         measured, each arm's realised tokens/s and whether plain batching is held; None before any."""
+        occupied = self._occupied(sequences)
         with self._lock:
             if sequences not in self._latest:
                 return None
             described = {"sequences": sequences, "length": self._latest[sequences],
                          "gain": round(self._gain[sequences], 4)}
-            described.update(self.realised.describe(self._occupied(sequences)))
+            described.update(self.realised.describe(occupied))
             return described
 
     def measured(self) -> list[tuple[int, str, float]]:
@@ -236,6 +243,7 @@ class _Arms:
     since: int = 0  # stretches of the standing arm since the other last ran
     trying: int = 0  # stretches left of a try of the other arm
     opened: bool = False  # a stretch under the rates' choice began here
+    decided: bool = False  # compared once at least
 
     def compared(self) -> bool:
         return len(self.rates) >= MIN_KEPT and len(self.plain) >= MIN_KEPT
@@ -291,11 +299,12 @@ class Realised:
         epoch = self._tick(sequences)
         return epoch is not None and epoch.arm == PLAIN
 
-    def untold(self, sequences: int) -> None:
-        """The slots chose their lengths alone this step: the stretch under way tells neither arm."""
+    def own_rule(self, sequences: int) -> None:
+        """A slot chose its length by its own rule this step (the batch could not tell it one),
+        which may draft: the stretch under way is the rates' choice's, not plain batching's."""
         epoch = self._tick(sequences)
-        if epoch is not None:
-            epoch.settling = True
+        if epoch is not None and epoch.arm == RATES:
+            epoch.drafted = True
 
     def left_out(self, seconds: float) -> None:
         if self._epoch is not None:
@@ -318,7 +327,10 @@ class Realised:
                 arm, trial = self._last_arm, False
             else:
                 arm, trial = self._next_arm(sequences)
-            settling = arm == RATES and (self._last_arm == PLAIN or not arms.opened)
+            # a stretch after a switch of arms settles: the slots' steps under way when it began
+            # end in it under the other arm's lengths (and the rates' draft model reads what its
+            # slot decoded plainly); so does the first under the rates (every slot's prompt read)
+            settling = arm != self._last_arm or (arm == RATES and not arms.opened)
             arms.opened |= arm == RATES
             epoch = self._epoch = _Epoch(sequences, arm, now, trial, settling)
             self._last_arm, self._last_sequences = arm, sequences
@@ -337,9 +349,8 @@ class Realised:
             return other, True
         if arms.since >= arms.gap:
             arms.since = 0
-            arms.trying = 1 if other == RATES else 0  # the first stretch back under the rates settles
+            arms.trying = 1  # the first stretch of a try settles
             return other, True
-        arms.since += 1
         return standing, False
 
     def _close(self, epoch: _Epoch, now: float) -> None:
@@ -349,24 +360,25 @@ class Realised:
             return
         # a stretch under the rates' choice that drafted nothing was plain batching
         (arms.rates if epoch.arm == RATES and epoch.drafted else arms.plain).append((epoch.tokens, seconds))
+        if not epoch.trial:
+            arms.since += 1  # stretches kept of the standing arm (or of the opening) since the last try
         if not arms.compared() or arms.trying:
             return
         rates, plain = arms.rate(RATES), arms.rate(PLAIN)
         held = plain > rates
-        if held != arms.held:
-            arms.held, arms.gap = held, FIRST_GAP
+        if held != arms.held or not arms.decided:  # the first comparison, or a turn: the gap from the start
+            arms.held, arms.gap, arms.since, arms.decided = held, FIRST_GAP, 0, True
         elif epoch.trial:  # a try of the arm left aside agreed with the standing choice
             arms.gap = 2 * arms.gap
         loss = 1.0 - min(rates, plain) / max(rates, plain)  # a stretch of the arm left aside, against the other
-        try_stretches = 2 if held else 1
-        arms.gap = min(LAST_GAP, max(arms.gap, math.ceil(try_stretches * loss / TRY_BUDGET)))
+        arms.gap = min(LAST_GAP, max(arms.gap, math.ceil(TRY_STRETCHES * loss / TRY_BUDGET)))
 
     def describe(self, sequences: int) -> dict:
         arms = self._arms.get(sequences)
         if arms is None or arms.rate(RATES) is None or arms.rate(PLAIN) is None:
             return {}
-        return {"held_plain": arms.held, "realised": {RATES: round(arms.rate(RATES), 2),
-                                                      PLAIN: round(arms.rate(PLAIN), 2)}}
+        return {"slots": sequences, "held_plain": arms.held,
+                "realised": {RATES: round(arms.rate(RATES), 2), PLAIN: round(arms.rate(PLAIN), 2)}}
 
     def measured(self) -> list[tuple[int, str, float]]:
         return [(m, arm, rate) for m, arms in sorted(self._arms.items())

@@ -75,10 +75,11 @@ def render(worker) -> str:
             "by the slots decoding together, kept until that many decode together again (1: plain).",
             [({"sequences": m}, gain) for m, gain in gains])
     _family(lines, "specrun_batch_realised_tokens_per_second", "gauge",
-            "Tokens a second the slots' batch got over its latest measured stretches, by the slots decoding "
-            "together, under the rates' choice (arm \"rates\") and held plain (arm \"plain\").",
-            [({"sequences": m, "arm": arm}, rate) for m, arm, rate in (batch.measured() if batch is not None else [])])
+            "Tokens a second the slots' batch got over its latest measured stretches, by the slots generating, "
+            "under the rates' choice (arm \"rates\") and plain (arm \"plain\": held plain, or the rates "
+            "choosing 0 all the stretch).",
+            [({"slots": m, "arm": arm}, rate) for m, arm, rate in (batch.measured() if batch is not None else [])])
     _family(lines, "specrun_batch_held_plain", "gauge",
-            "1 where plain batching is held because the rates' choice measured slower, by the slots decoding together.",
-            [({"sequences": m}, int(held)) for m, held in (batch.held_plain() if batch is not None else [])])
+            "1 where plain batching is held because the rates' choice measured slower, by the slots generating.",
+            [({"slots": m}, int(held)) for m, held in (batch.held_plain() if batch is not None else [])])
     return "\n".join(lines) + "\n"

@@ -156,6 +156,8 @@ def record_problem(record: dict) -> str:
         batch = policy.get("batch") or {}
         if "gain" in batch and (problem := _number_problem("policy.batch.gain", batch["gain"])):
             return problem
+        if "held_plain" in batch and not isinstance(batch["held_plain"], bool):
+            return f"'policy.batch.held_plain' is {_shown(batch['held_plain'])}, not true or false"
         realised = batch.get("realised", {})
         if not isinstance(realised, dict):
             return f"'policy.batch.realised' is {_shown(realised)}, not an object"
@@ -341,8 +343,8 @@ def _events(steps: list[dict]) -> list[str]:
             held = ""
             if batch.get("held_plain"):
                 realised = batch.get("realised", {})
-                held = (f"; plain held: {_rate(realised.get('rates'))} tok/s measured under the rates' choice "
-                        f"against {_rate(realised.get('plain'))} plain")
+                held = (f"; plain held at {batch.get('slots', '?')} slots: {_rate(realised.get('rates'))} tok/s "
+                        f"measured under the rates' choice against {_rate(realised.get('plain'))} plain")
             events.append(f"{at}: {batch.get('sequences')} slots together draft {batch.get('length')} each "
                           f"({batch.get('gain', 1.0):.2f}x plain batching's tokens/s, predicted{held})")
         before = policy

@@ -51,6 +51,11 @@ def test_requests_decoded_together_get_their_one_at_a_time_answers(one_at_a_time
     assert all(value == 1.0 or value >= 1.0 + MARGIN - 1e-4 for value in gains.values()), gains
     assert {re.search(r'sequences="(\d+)"', key)[1] for key in gains} <= {
         re.search(r'sequences="(\d+)"', key)[1] for key in chosen}
+    # what the batch measured, where a stretch of it was kept (control/batch.Realised), by slots generating
+    realised = {key: value for key, value in metrics.items() if key.startswith("specrun_batch_realised_tokens_per_second{")}
+    held = {key: value for key, value in metrics.items() if key.startswith("specrun_batch_held_plain{")}
+    assert all(value > 0 for value in realised.values()) and all(value in (0.0, 1.0) for value in held.values())
+    assert all(2 <= int(re.search(r'slots="(\d+)"', key)[1]) <= SLOTS for key in (*realised, *held)), (realised, held)
 
 
 def test_auto_is_the_default_and_decodes_several_together_as_memory_allows(demo_server, one_at_a_time_server):

@@ -92,10 +92,13 @@ def test_a_server_s_requests_are_told_apart_with_the_batch_s_choices_and_how_eac
 
 def test_a_batch_held_plain_says_what_it_measured(tmp_path):
     """The batch's measured tokens a second under the rates' choice and plain (control/batch.Realised):
-    a step where plain is held says both; a change of the hold alone is a turn of its own."""
+    a step where plain is held says both; a change of the hold alone (the length 0 both times) is a
+    turn of its own."""
     path = tmp_path / "serve.jsonl"
-    drafting = {"sequences": 4, "length": 2, "gain": 1.08, "held_plain": False, "realised": {"rates": 52.0, "plain": 48.5}}
-    held = {"sequences": 4, "length": 0, "gain": 1.0, "held_plain": True, "realised": {"rates": 38.25, "plain": 49.5}}
+    drafting = {"sequences": 4, "length": 0, "gain": 1.0, "slots": 4, "held_plain": False,
+                "realised": {"rates": 52.0, "plain": 48.5}}
+    held = {"sequences": 4, "length": 0, "gain": 1.0, "slots": 4, "held_plain": True,
+            "realised": {"rates": 38.25, "plain": 49.5}}
     write(path, [{"trace": "specrun", "version": 1, "serve": True, "target": "t", "draft": None, "method": "auto",
                   "slots": 4},
                  {"request": "cmpl-a", "slot": 0, "prompt_tokens": 9, "cached_tokens": 0, "temperature": 0.0},
@@ -106,9 +109,9 @@ def test_a_batch_held_plain_says_what_it_measured(tmp_path):
     result = CliRunner().invoke(app, ["trace", str(path)])
     assert result.exit_code == 0, result.output
     assert [line for line in result.stdout.splitlines() if "slots together" in line] == [
-        "  step 1 (context 11): 4 slots together draft 2 each (1.08x plain batching's tokens/s, predicted)",
+        "  step 1 (context 11): 4 slots together draft 0 each (1.00x plain batching's tokens/s, predicted)",
         "  step 2 (context 12): 4 slots together draft 0 each (1.00x plain batching's tokens/s, predicted; "
-        "plain held: 38.2 tok/s measured under the rates' choice against 49.5 plain)"]
+        "plain held at 4 slots: 38.2 tok/s measured under the rates' choice against 49.5 plain)"]
 
 
 def test_generate_s_trace_is_told_by_the_trace_command(tiny_llama, tmp_path):
@@ -221,6 +224,7 @@ GOOD = step(1, "draft", 4, 2, policy(True))
     ({"policy": {"batch": {"gain": "big"}}}, "'policy.batch.gain'"),
     ({"policy": {"batch": {"realised": [1]}}}, "'policy.batch.realised' is [1], not an object"),
     ({"policy": {"batch": {"realised": {"plain": -2}}}}, "'policy.batch.realised.plain' is -2"),
+    ({"policy": {"batch": {"held_plain": "yes"}}}, "'policy.batch.held_plain' is \"yes\", not true or false"),
     ({"prompt": [0], "line": "none", "repeat": 0}, "'prompt' is [0], not a count"),
     ({"prompt": 0, "line": ["none"], "repeat": 0}, "'line' is ['none'], not a name"),
     ({"queued": "yes"}, "'queued' is \"yes\", not true or false"),

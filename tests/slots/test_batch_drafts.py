@@ -268,6 +268,40 @@ def test_a_slot_whose_batch_gains_nothing_by_drafting_drafts_nothing_where_alone
     assert alone_outputs == expected and batch_outputs == expected
 
 
+def test_a_slot_among_slots_held_plain_drafts_nothing_and_its_tokens_are_counted():
+    """Engine level: a slot among 4 held plain (the rates' choice measured slower) on passes where
+    drafting is cheap and its rates would draft long; alone in its passes (the others reading)
+    and sharing them alike, it drafts nothing, its tokens reach the batch's measurement and its
+    output is plain decoding's."""
+    from collections import deque
+
+    from specrun.control.batch import PLAIN, _Arms
+
+    plain = SpeculativeEngine(FakeBackend(copying_logits(salt=4), COPYING_VOCAB))
+    for others in (0, 3):
+        clock = CostClock()
+        batch = BatchDrafts(clock, occupancy=lambda: 4)
+        for _ in range(4):  # memory-bound: drafting is cheap
+            for m in (1, 4):
+                for t in (1, 5, 9):
+                    batch.timed(True, [t] * m, 0.040 + 0.0001 * m * t)
+                batch.timed(False, [1] * m, 0.001)
+        realised = batch.realised
+        realised._arms[4] = _Arms(rates=deque([(10, 1.0)] * 2), plain=deque([(20, 1.0)] * 2), held=True,
+                                  gap=64, decided=True, opened=True)
+        realised._last_arm, realised._last_sequences = PLAIN, 4
+        target = SlotFake(copying_logits(salt=4), clock, 40.0, 0.1, others=others, per_other=1, batch=batch,
+                          verifying=True)
+        draft = SlotFake(noisy_copy(4), clock, 1.0, 0.0, others=others, per_other=1, batch=batch, verifying=False)
+        engine = SpeculativeEngine(target, build_drafter("draft", draft, DrafterOptions()), method="draft", clock=clock)
+        engine.policy.batch = batch
+        result = engine.run(PROMPTS[0], GenerationParams(40, draft_len=8, stop_at_eos=False, adaptive=True))
+        engine.drafter.close()
+        expected = plain.run(PROMPTS[0], GenerationParams(40, draft_len=0, stop_at_eos=False)).token_ids
+        assert result.stats.drafted == 0 and result.token_ids == expected, others
+        assert sum(tokens for tokens, _ in realised._arms[4].plain) > 40 or realised._epoch.tokens > 0, others
+
+
 # ---- what the batch gets, measured (control/batch.Realised) --------------------------------
 
 STEP = 0.125  # a step of the simulated batch, in seconds (exact in binary: stretches end on a step)
@@ -294,11 +328,12 @@ def decode(batch: BatchDrafts, clock: Clock, stretches: float, drafting_tokens: 
 
 
 def opening() -> list[bool]:
-    """The first stretches at an occupancy: the rates' choice (the first settling: every slot's
-    prompt read), then plain batching, MIN_KEPT kept of each before they are compared."""
+    """The first stretches at an occupancy: the rates' choice, then plain batching, each first
+    stretch settling (every slot's prompt read; steps begun under the other arm), MIN_KEPT kept
+    of each before they are compared."""
     from specrun.control.batch import MIN_KEPT
 
-    return [True] * (1 + MIN_KEPT) + [False] * MIN_KEPT
+    return [True] * (1 + MIN_KEPT) + [False] * (1 + MIN_KEPT)
 
 
 def drafting_batch(clock: Clock) -> BatchDrafts:
@@ -323,7 +358,8 @@ def test_where_the_rates_choice_measures_slower_than_plain_batching_the_batch_ho
     assert batch.describe(4)["realised"] == {"rates": 32.0, "plain": 40.0}
     gap = max(FIRST_GAP, math.ceil(2 * 0.2 / TRY_BUDGET))
     assert decode(batch, clock, gap + 2, 4, 5) == [False] * gap + [True, True]  # settling, measured
-    assert decode(batch, clock, 2 * gap + 1, 4, 5) == [False] * 2 * gap + [True]  # the gap doubled
+    # the gap doubled, counted in kept stretches (the first back under plain settles)
+    assert decode(batch, clock, 1 + 2 * gap + 1, 4, 5) == [False] * (1 + 2 * gap) + [True]
     assert batch.held_plain() == [(4, True)]
     assert batch.measured() == [(4, "rates", 32.0), (4, "plain", 40.0)]
 
@@ -335,12 +371,12 @@ def test_where_the_rates_choice_measures_faster_it_stands_and_plain_is_tried_les
     batch = drafting_batch(clock)
     assert decode(batch, clock, len(opening()), 7, 5) == opening()
     assert batch.describe(4)["held_plain"] is False
-    # back to drafting (its first stretch settling, not measured) for as many stretches as a
-    # plain try (1 - 5/7 of a stretch) may cost TRY_BUDGET of, then plain once more; agreeing,
-    # the gap doubles
-    gap = max(FIRST_GAP, math.ceil((1 - 5 / 7) / TRY_BUDGET))
-    assert decode(batch, clock, gap + 1, 7, 5) == [True] * gap + [False]
-    assert decode(batch, clock, 2 * gap + 1, 7, 5) == [True] * 2 * gap + [False]
+    # back to drafting (its first stretch settling, not kept), for as many kept stretches as a
+    # plain try (two stretches at 5/7) may cost TRY_BUDGET of; then plain once more (a stretch
+    # settling, one measured); agreeing, the gap doubles
+    gap = max(FIRST_GAP, math.ceil(2 * (1 - 5 / 7) / TRY_BUDGET))
+    assert decode(batch, clock, 1 + gap + 2, 7, 5) == [True] * (1 + gap) + [False, False]
+    assert decode(batch, clock, 1 + 2 * gap + 1, 7, 5) == [True] * (1 + 2 * gap) + [False]
     assert batch.held_plain() == [(4, False)]
 
 
@@ -373,8 +409,46 @@ def test_a_batch_that_turns_slower_under_drafting_goes_plain_and_back_when_it_tu
     batch = drafting_batch(clock)
     decode(batch, clock, 8, 7, 5)
     assert batch.held_plain() == [(4, False)]
-    assert stretches_until(batch, clock, True, 3) <= KEPT_EPOCHS + 1
-    assert stretches_until(batch, clock, False, 9) <= 2 * (LAST_GAP + 2)
+    assert stretches_until(batch, clock, True, 3) <= KEPT_EPOCHS + 3  # a plain try may come between
+    assert stretches_until(batch, clock, False, 9) <= 2 * (LAST_GAP + 3)
+
+
+def test_a_turn_to_plain_waits_its_gap_before_trying_the_rates_again():
+    """Drafting stood long (its gap grown), then turned slower: plain is held, and the rates'
+    choice is not tried again at once (the count of stretches starts afresh at the turn)."""
+    from specrun.control.batch import FIRST_GAP
+
+    clock = Clock()
+    batch = drafting_batch(clock)
+    decode(batch, clock, 60, 7, 5)
+    assert batch.held_plain() == [(4, False)]
+    stretches_until(batch, clock, True, 4)  # a little slower: a short gap (its floor 2 * 0.05 / TRY_BUDGET)
+    assert decode(batch, clock, 1 + FIRST_GAP, 4, 5) == [False] * (1 + FIRST_GAP)
+
+
+def test_slots_held_plain_are_plain_whatever_their_pass_held():
+    """Held plain at 4 slots: a slot whose pass held 3 sequences (a count never timed) or itself
+    alone gets 0, not its own rule."""
+    clock = Clock()
+    batch = timed_batch(0.040, 0.0005, 0.008, 0.0001, clock, sequences=(1, 4))
+    batch.occupancy = lambda: 4
+    assert decode(batch, clock, len(opening()), 4, 5) == opening()
+    assert batch.held_plain() == [(4, True)]
+    batch.post(1, MOSTLY_RIGHT)
+    assert batch.length(3, 8) == 0 and batch.length(1, 8) == 0 and batch.length(4, 8) == 0
+
+
+def test_stretches_where_slots_chose_by_their_own_rule_are_the_rates_arm_s():
+    """Where the batch cannot tell a length (nothing timed), each slot's own rule runs and may
+    draft: those stretches are measured as the rates' choice's, never as plain batching's."""
+    clock = Clock()
+    batch = BatchDrafts(clock, occupancy=lambda: 4)
+    for _ in range(2 * 12):
+        batch.post(1, MOSTLY_RIGHT)
+        assert batch.length(4, 8) is None
+        clock.now += STEP
+        batch.emitted(4, 6)
+    assert batch.measured() == [(4, "rates", 48.0)]  # the first stretch settled
 
 
 def test_a_rates_choice_that_drafts_nothing_is_plain_batching_and_never_tried_against_itself():
@@ -470,5 +544,7 @@ def test_an_occupancy_passed_through_carries_on_as_before_and_opens_only_once_it
     generating[0] = 3
     # its plain stretches so far (the dips' too) count: the rates' choice runs, settling first,
     # until MIN_KEPT of its own are kept, and, faster there, stands
-    assert decode(batch, clock, 1 + len(opening()), 6, 5, sequences=3) == [False] + [True] * len(opening())
+    from specrun.control.batch import MIN_KEPT
+
+    assert decode(batch, clock, 1 + 1 + MIN_KEPT + 2, 6, 5, sequences=3) == [False] + [True] * (1 + MIN_KEPT + 2)
     assert batch.held_plain() == [(3, False), (4, True)]

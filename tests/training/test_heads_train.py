@@ -177,6 +177,28 @@ def test_a_checkpoint_edited_or_replaced_starts_afresh_naming_what_is_wrong(dama
     assert load_heads(out).config.training["steps"] == 4  # the training kept
 
 
+def test_an_eagle3_checkpoint_whose_heads_file_is_a_fifo_starts_afresh_without_hanging(tiny_llama, text_folder,
+                                                                                        tmp_path):
+    """EAGLE-3 keeps its heads in a folder of their own inside the checkpoint (heads/model.safetensors):
+    a FIFO there is refused by the resume and unlinked by the fresh start, whose first write into
+    it would block for good."""
+    from hardening.cli_checks import deadline
+
+    out = tmp_path / "eagle3"
+    request = request_for(tiny_llama, out, kind="eagle3", num_heads=3, text_dir=text_folder)
+    stopped_with_a_checkpoint(request)
+    heads = checkpoint_folder(out) / "heads" / "model.safetensors"
+    assert heads.is_file()
+    heads.unlink()
+    os.mkfifo(heads)
+    notes = []
+    with deadline(120, "a fresh EAGLE-3 start over a FIFO"):
+        result = train_heads(request, on_note=notes.append, max_steps=4)
+    assert result.resumed_at is None and result.steps == 4
+    assert any("not a regular file" in note and "starting afresh" in note for note in notes), notes
+    assert load_heads(out).config.training["steps"] == 4
+
+
 def test_a_loss_that_diverges_keeps_the_training(tiny_llama, text_folder, tmp_path, monkeypatch):
     """Every step's loss NaN (a run that diverged): the checkpoints and the heads are still written,
     the loss recorded as none, where JSON's 'NaN not JSON compliant' lost the whole training."""
