@@ -62,8 +62,9 @@ MARGIN = 0.05
 # (every slot's prompt read at once, a cost a request pays once).
 # A try costs what the arm left aside loses over the standing one, for its stretches (two: one
 # settling, priced here as the measured one, though a switch back to the rates' choice costs more
-# there): the gap is at least long enough that tries cost about TRY_BUDGET of the standing arm's tokens (at 4 slots on a 2-core CPU the rates' choice measured 0.44x plain batching:
-# tries every 2-16 stretches cost more than a tenth of its tokens).
+# there): the gap is at least long enough that tries cost about TRY_BUDGET of the standing arm's
+# tokens (at 4 slots on a 2-core CPU the rates' choice measured 0.44x plain batching: tries every
+# 2-16 stretches cost more than a tenth of its tokens).
 EPOCH_SECONDS = 1.5
 SHORTEST_EPOCH = 0.3
 KEPT_EPOCHS = 4
@@ -167,9 +168,9 @@ class BatchDrafts:
     def length(self, sequences: int, limit: int) -> int | None:
         """The draft length, at most ``limit``, at which ``sequences`` slots drafting alike
         yield the most tokens a second (0: plain batching; also wherever the slots generating
-        are held plain, ``Realised``), or None where it cannot be told: a pass alone, no curve posted, no decoding pass over this many sequences or no
-        draft round timed yet (a length never timed over them is read off the line through those
-        that were)."""
+        are held plain, ``Realised``), or None where it cannot be told: a pass alone, no curve
+        posted, no decoding pass over this many sequences or no draft round timed yet (a length
+        never timed over them is read off the line through those that were)."""
         if limit <= 0:
             return None
         occupied = self._occupied(sequences)
