@@ -25,8 +25,8 @@ CPU the length they chose ran 0.73-0.98x plain batching. So the batch also measu
 (``Realised``): stretches of about EPOCH_SECONDS at one occupancy, under the rates' choice or held
 plain, each one's tokens over its seconds; the rates' choice stands only where it was measured at
 least as fast as plain batching at that occupancy, and the arm left aside is tried again after a
-gap that doubles while the measurements keep agreeing, and is long enough that the tries cost at
-most TRY_BUDGET of what the standing arm gets.
+gap that doubles while the measurements keep agreeing, and is long enough that the tries cost
+about TRY_BUDGET of what the standing arm gets.
 """
 
 from __future__ import annotations
@@ -180,14 +180,14 @@ class BatchDrafts:
                 self._latest[sequences], self._gain[sequences] = 0, 1.0
                 return 0
             if sequences < 2:
-                self.realised.own_rule(occupied)
+                self.realised.drafts(occupied)  # its own rule
                 return None
         curve = self.mean_curve(limit)
         with self._lock:
             costs = self.verify.get(sequences)
             round_seconds = self.round_seconds(sequences)
             if curve is None or costs is None or round_seconds is None:
-                self.realised.own_rule(occupied)
+                self.realised.drafts(occupied)  # its own rule
                 return None
             limit = min(limit, len(curve) - 1)
             passes = costs.batch_table(sequences * (limit + 1))
@@ -196,13 +196,13 @@ class BatchDrafts:
             verify = passes[sequences * (k + 1)]
             if verify is None or verify + k * round_seconds <= 0.0:
                 with self._lock:
-                    self.realised.own_rule(occupied)
+                    self.realised.drafts(occupied)  # its own rule
                 return None
             rates.append(sequences * curve[k] / (verify + k * round_seconds))
         best = max(range(limit + 1), key=lambda k: (rates[k], -k))
         chosen = best if rates[best] >= (1.0 + MARGIN) * rates[0] else 0
         with self._lock:
-            if self.realised.arm(occupied, drafting=chosen > 0) == PLAIN:
+            if chosen and not self.realised.drafts(occupied):  # the stretch turned plain meanwhile
                 chosen = 0
             self._chosen[sequences, chosen] += 1
             self._gain[sequences] = rates[chosen] / rates[0]  # rates[0] > 0: its pass was timed above 0
@@ -223,12 +223,12 @@ class BatchDrafts:
             return described
 
     def measured(self) -> list[tuple[int, str, float]]:
-        """Each arm's realised tokens a second, by the sequences decoding together (/metrics)."""
+        """Each arm's realised tokens a second, by the slots generating (/metrics)."""
         with self._lock:
             return self.realised.measured()
 
     def held_plain(self) -> list[tuple[int, bool]]:
-        """Where plain batching is held over the rates' choice, by sequences (/metrics)."""
+        """Where plain batching is held over the rates' choice, by the slots generating (/metrics)."""
         with self._lock:
             return self.realised.held_plain()
 
@@ -241,7 +241,7 @@ class _Arms:
     plain: deque = field(default_factory=lambda: deque(maxlen=KEPT_EPOCHS))
     held: bool = False  # plain batching held: the rates' choice measured slower
     gap: int = FIRST_GAP  # stretches the standing arm runs before the other is tried again
-    since: int = 0  # stretches of the standing arm since the other last ran
+    since: int = 0  # kept stretches of the standing arm since the last try (or the last turn)
     trying: int = 0  # stretches left of a try of the other arm
     opened: bool = False  # a stretch under the rates' choice began here
     decided: bool = False  # compared once at least
@@ -261,7 +261,7 @@ class _Epoch:
     arm: str
     started: float
     trial: bool  # a try of the arm left aside
-    settling: bool  # the rates' choice after plain stretches: its draft model catches up first
+    settling: bool  # not kept: after a switch of arms, or the first under the rates at an occupancy
     tokens: int = 0
     left_out: float = 0.0
     drafted: bool = False
@@ -278,15 +278,6 @@ class Realised:
         self._last_arm = RATES
         self._last_sequences = 0  # the occupancy of the last stretch begun
 
-    def arm(self, sequences: int, drafting: bool) -> str:
-        """The arm ``sequences`` slots decode under now: RATES (the rates' choice, ``drafting``
-        or not) or PLAIN."""
-        epoch = self._tick(sequences)
-        if epoch is None:
-            return RATES
-        epoch.drafted |= drafting and epoch.arm == RATES
-        return epoch.arm
-
     def emitted(self, sequences: int, tokens: int) -> None:
         """A step that just ended gave ``tokens``: the stretch it ran in counts them, then ends
         where its time is up."""
@@ -300,12 +291,16 @@ class Realised:
         epoch = self._tick(sequences)
         return epoch is not None and epoch.arm == PLAIN
 
-    def own_rule(self, sequences: int) -> None:
-        """A slot chose its length by its own rule this step (the batch could not tell it one),
-        which may draft: the stretch under way is the rates' choice's, not plain batching's."""
+    def drafts(self, sequences: int) -> bool:
+        """A slot may draft this step (the rates chose a length, or the batch could not tell it one
+        and its own rule runs): False where the stretch under way holds plain; else the stretch is
+        the rates' choice's, not plain batching's."""
         epoch = self._tick(sequences)
-        if epoch is not None and epoch.arm == RATES:
+        if epoch is not None and epoch.arm == PLAIN:
+            return False
+        if epoch is not None:
             epoch.drafted = True
+        return True
 
     def left_out(self, seconds: float) -> None:
         if self._epoch is not None:
