@@ -4,12 +4,16 @@ Heads are trained on the target's own tokens. Text files are cut into windows of
 are continued greedily by the target (self-distillation), so the labels are exactly what the
 target would say. Without a prompts file a completion model (the demo target, which writes
 Python) gets snippets of the Python standard library, idlelib/ left out since the demo and the
-benchmarks hold it out (sessions/prompts.py); an instruct model gets questions in its chat
-template, made from the topics and kinds of request below.
+benchmarks hold it out (sessions/prompts.py); an instruct model gets requests in its chat
+template: questions made from the topics and kinds of request below, and the work users bring
+about a passage (summarise it, answer from it, extract from it, translate or rewrite it, edit a
+function) with passages from the standard library's docstrings and code, and arithmetic. Each
+request is unique: the target continues greedily, so a repeated prompt would add no data.
 """
 
 from __future__ import annotations
 
+import functools
 import random
 import sysconfig
 from pathlib import Path
@@ -45,6 +49,34 @@ TOPICS = (
     "running a marathon", "the printing press", "budgeting", "earthquakes", "music theory",
     "cooking pasta", "cybersecurity", "the human brain",
 )
+# Work about a passage, the passage a docstring of the standard library (prose) or a function of it
+# (code), idlelib/ and the tests left out as for the Python prompts.
+PASSAGE_FORMS = (
+    "Summarise this passage in two sentences.\n\n{passage}",
+    "Summarize the following text as a bulleted list of its main points.\n\n{passage}",
+    "Answer using only the passage: what is it about, and what does it warn about, if anything?\n\n{passage}",
+    "Extract every technical term from this text and explain each in a few words.\n\n{passage}",
+    "Translate this text into French.\n\n{passage}",
+    "Translate this text into German.\n\n{passage}",
+    "Rewrite this text so a beginner can understand it.\n\n{passage}",
+    "Write three questions a student could answer from this text, with their answers.\n\n{passage}",
+)
+CODE_FORMS = (
+    "Explain what this function does.\n\n```python\n{code}```",
+    "Add type hints to this function and change nothing else.\n\n```python\n{code}```",
+    "Write two unit tests for this function with pytest.\n\n```python\n{code}```",
+    "Find a possible bug or edge case in this code and fix it.\n\n```python\n{code}```",
+    "Rewrite this function to be shorter, keeping its behaviour.\n\n```python\n{code}```",
+)
+ARITHMETIC_FORMS = (
+    "What is {a} times {b}? Show your working.",
+    "A shop sells {a} apples a day for {b} days. How many apples does it sell? Explain step by step.",
+    "If a train travels {a} kilometres in {b} hours, what is its average speed? Show the steps.",
+    "Solve for x: {a}x + {b} = {c}. Explain each step.",
+    "A class has {a} students and {b} of them are absent. What percentage is present? Show your working.",
+)
+PASSAGE_CHARS = (200, 700)  # a docstring shorter is not a passage; a longer one is cut at a paragraph
+CODE_LINES = (4, 20)  # a function this many lines long, from its def
 
 
 def read_text_folder(folder: Path) -> list[str]:
@@ -105,10 +137,64 @@ def builtin_python_prompts(count: int, seed: int) -> list[str]:
 
 
 def builtin_questions(count: int, seed: int) -> list[str]:
-    """``count`` questions for an instruct model: every kind of request about every topic, shuffled."""
+    """``count`` requests for an instruct model, shuffled by ``seed``: every kind of question about
+    every topic, a passage or function of the standard library with one kind of work asked about it,
+    arithmetic. Unique until they run out (about 4,000), then repeated."""
+    rng = random.Random(seed)
     questions = [form.format(topic=topic) for topic in TOPICS for form in QUESTION_FORMS]
-    random.Random(seed).shuffle(questions)
+    passages, functions = _stdlib_passages_and_functions()
+    for k, passage in enumerate(passages):
+        questions.append(PASSAGE_FORMS[k % len(PASSAGE_FORMS)].format(passage=passage))
+    for k, code in enumerate(functions):
+        questions.append(CODE_FORMS[k % len(CODE_FORMS)].format(code=code))
+    numbers = random.Random(0)  # the same sums whatever the order's seed
+    for k in range(len(ARITHMETIC_FORMS) * 40):
+        a, b = numbers.randint(3, 999), numbers.randint(2, 99)
+        questions.append(ARITHMETIC_FORMS[k % len(ARITHMETIC_FORMS)].format(a=a, b=b, c=a + b * numbers.randint(2, 9)))
+    questions = list(dict.fromkeys(questions))  # a docstring repeated across modules asks once
+    rng.shuffle(questions)
     return [questions[i % len(questions)] for i in range(count)]
+
+
+@functools.cache
+def _stdlib_passages_and_functions() -> tuple[list[str], list[str]]:
+    """Docstrings of the standard library long enough to be passages (cut to whole paragraphs:
+    its modules', classes' and their methods', top-level functions'), and its top-level functions
+    of a readable length, as written. Read once a process (~3 s)."""
+    import ast
+
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    paths = sorted(
+        path for path in stdlib.rglob("*.py")
+        if not any(part in HELD_OUT_STDLIB for part in path.relative_to(stdlib).parts)
+    )
+    passages, functions = [], []
+    for path in paths:
+        text = path.read_text(encoding="utf-8", errors="replace")
+        try:
+            tree = ast.parse(text)
+        except (SyntaxError, ValueError):
+            continue
+        lines = text.splitlines(keepends=True)
+        for node in tree.body:
+            if isinstance(node, ast.FunctionDef) and CODE_LINES[0] <= node.end_lineno - node.lineno + 1 <= CODE_LINES[1]:
+                functions.append("".join(lines[node.lineno - 1 : node.end_lineno]))
+        documented = [tree, *tree.body]
+        documented += [node for klass in tree.body if isinstance(klass, ast.ClassDef) for node in klass.body]
+        for node in documented:
+            if not isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            doc = ast.get_docstring(node)
+            if not doc or len(doc) < PASSAGE_CHARS[0]:
+                continue
+            kept = ""
+            for paragraph in doc.split("\n\n"):
+                if kept and len(kept) + len(paragraph) > PASSAGE_CHARS[1]:
+                    break
+                kept = f"{kept}\n\n{paragraph}" if kept else paragraph
+            if PASSAGE_CHARS[0] <= len(kept) <= PASSAGE_CHARS[1]:
+                passages.append(kept)
+    return passages, functions
 
 
 def cut_windows(tokens: list[int], length: int, shortest: int) -> list[list[int]]:

@@ -54,12 +54,12 @@ TEXT_WINDOW_TOKENS = 128
 SHORTEST_WINDOW = 8
 TEXT_PIECE_CHARS = 256  # text is tokenized in pieces of lines: a tokenizer warns about long inputs, and is slow on them
 CONTINUATION_TOKENS = 96  # new tokens per prompt when the target continues it
-MAX_PROMPT_TOKENS = 192  # a longer prompt keeps its last tokens (a chat prompt ends in the assistant's turn)
+MAX_PROMPT_TOKENS = 320  # a longer prompt keeps its last tokens (a chat prompt ends in the assistant's turn)
 GENERATION_BATCH = 32  # prompts continued together (one left-padded batch)
 STATES_BATCH = 8  # text windows per hidden-state pass
 BATCH_POSITIONS = 128  # positions per training step (Medusa, Hydra)
 BATCH_WINDOWS = 4  # windows per training step (EAGLE)
-BUILTIN_PROMPTS = 2048
+BUILTIN_PROMPTS = 4096
 LOSS_WINDOW = 20  # steps the reported loss is averaged over
 
 

@@ -1,0 +1,65 @@
+"""The built-in requests `heads train` and `distill` have an instruct target continue: many, unique,
+of every kind, and none from the parts of the standard library the benchmarks hold out."""
+
+from __future__ import annotations
+
+import sysconfig
+
+import pytest
+
+from specrun.training import data
+
+PROSE = "This paragraph explains what the helper does, why it exists and what its callers must know. " * 3
+
+
+@pytest.fixture
+def fake_stdlib(tmp_path, monkeypatch):
+    """A standard library of three modules: one kept, one in idlelib/, one in test/ (what is read of
+    it is cached a process: cleared before and after)."""
+    def module(folder, word):
+        folder.mkdir(parents=True, exist_ok=True)
+        body = "\n".join(f"    x_{k} = {k}" for k in range(5))
+        (folder / f"{word}.py").write_text(
+            f'"""{word.upper()} {PROSE}"""\n\n\ndef {word}_function():\n    """{word} helper."""\n{body}\n    return x_0\n'
+        )
+
+    module(tmp_path / "email", "kept")
+    module(tmp_path / "idlelib", "idle")
+    module(tmp_path / "test", "tested")
+    (tmp_path / "broken.py").write_text("def (:\n")  # a file Python cannot parse is passed over
+    monkeypatch.setattr(sysconfig, "get_paths", lambda: {"stdlib": str(tmp_path)})
+    data._stdlib_passages_and_functions.cache_clear()
+    yield
+    data._stdlib_passages_and_functions.cache_clear()
+
+
+def test_requests_are_unique_until_they_run_out_and_the_order_follows_the_seed(fake_stdlib):
+    unique = len(set(data.builtin_questions(10_000, seed=3)))
+    assert unique > len(data.TOPICS) * len(data.QUESTION_FORMS) + 2 + len(data.ARITHMETIC_FORMS) * 39
+    first = data.builtin_questions(unique, seed=3)
+    assert len(set(first)) == unique  # every request once before any repeats
+    assert data.builtin_questions(unique, seed=3) == first
+    assert data.builtin_questions(unique, seed=4) != first
+    assert sorted(data.builtin_questions(unique, seed=4)) == sorted(first)  # the same requests, reordered
+    more = data.builtin_questions(unique + 5, seed=3)
+    assert len(set(more)) == unique and more[:unique] == first
+
+
+def test_every_kind_of_request_is_asked_and_held_out_modules_are_not_read(fake_stdlib):
+    requests = set(data.builtin_questions(10_000, seed=0))
+    passages = [r for r in requests if PROSE.strip() in r]
+    functions = [r for r in requests if "```python" in r and "_function" in r]
+    assert len(passages) == 1 and "KEPT" in passages[0]
+    assert passages[0].split("\n\n", 1)[0] in {form.split("\n\n")[0] for form in data.PASSAGE_FORMS}
+    assert len(functions) == 1 and "def kept_function" in functions[0]
+    assert not any("IDLE" in r or "idle_function" in r or "TESTED" in r or "tested_function" in r for r in requests)
+    assert any("Solve for x" in r for r in requests) and any("photosynthesis" in r for r in requests)
+
+
+def test_the_real_standard_library_gives_thousands_of_requests():
+    requests = data.builtin_questions(20_000, seed=0)
+    unique = set(requests)
+    assert len(unique) > 3000  # was 400 questions, repeated: a greedy target added no data past them
+    passages, functions = data._stdlib_passages_and_functions()
+    assert all(data.PASSAGE_CHARS[0] <= len(p) <= data.PASSAGE_CHARS[1] for p in passages)
+    assert all(data.CODE_LINES[0] <= f.count("\n") <= data.CODE_LINES[1] for f in functions)
