@@ -26,12 +26,13 @@ input rows of the draft vocabulary, projected on their first E principal directi
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
 
 from specrun.heads.config import HeadsConfig
-from specrun.heads.layers import EmbeddingRows, silu
+from specrun.heads.layers import EmbeddingRows, silu, widened_columns, zero_padded
 
 DEFAULT_EMBEDDING_SIZE = 64
 
@@ -132,3 +133,18 @@ def chain_guesses(heads: HydraHeads, hidden: np.ndarray, next_tokens: np.ndarray
         guesses[head] = d2t[drafts]
         rows = np.concatenate([rows, drafts[:, None]], axis=1)
     return guesses
+
+
+def widened_hydra(heads: HydraHeads, target_hidden: int, target_name: str) -> HydraHeads:
+    """``heads`` for a target widened with zeros (as ``heads.medusa.widened_medusa``): each first
+    layer reads the original columns of the state and its own embedding rows as before, every
+    layer keeps the zeros zero. They draft exactly what they drafted for the original."""
+    size, width = heads.config.hidden_size, target_hidden
+    inputs = tuple((zero_padded(widened_columns(weight, size, width), (width, width + weight.shape[1] - size)),
+                    zero_padded(bias, (width,))) for weight, bias in heads.inputs)
+    blocks = tuple(tuple((zero_padded(weight, (width, width)), zero_padded(bias, (width,))) for weight, bias in head)
+                   for head in heads.blocks)
+    lm_heads = tuple(zero_padded(projection, (projection.shape[0], width)) for projection in heads.lm_heads)
+    config = dataclasses.replace(heads.config, hidden_size=width, target_name=target_name)
+    return dataclasses.replace(heads, config=config, inputs=inputs, blocks=blocks, lm_heads=lm_heads)
+

@@ -11,12 +11,13 @@ has its drafter, its trainer where it trains, and its reader and writer.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
-from specrun.heads.eagle import EagleHeads
-from specrun.heads.eagle3 import Eagle3Heads
-from specrun.heads.hydra import HydraHeads
-from specrun.heads.medusa import MedusaHeads
+from specrun.heads.eagle import EagleHeads, widened_eagle
+from specrun.heads.eagle3 import Eagle3Heads, widened_eagle3
+from specrun.heads.hydra import HydraHeads, widened_hydra
+from specrun.heads.medusa import MedusaHeads, widened_medusa
 from specrun.heads.mtp import MtpHeads
 
 
@@ -37,7 +38,11 @@ class HeadKind:
     auto_rank: auto drafts with the method of the lowest rank found (a model's own MTP layers, trained
     with it, ahead of heads trained after it; Spec-Bench ranks EAGLE ahead of Hydra, Hydra ahead of
     Medusa). found_rank: among the kinds of one method, the lower is
-    looked for first at each place heads are found.
+    looked for first at each place heads are found. widen: ``widen(heads, target_hidden,
+    target_name, embedding)``, the heads for a target widened with zeros (modelkit/widen.py: the
+    same function at a larger cost) that draft what ``heads`` drafted for the original;
+    ``embedding`` is the original's input rows (read by heads that embed with the target's).
+    None for heads inside a model.
     """
 
     name: str
@@ -49,13 +54,18 @@ class HeadKind:
     embeds: str
     auto_rank: int
     found_rank: int = 0
+    widen: Callable | None = None
 
 
 KINDS = (
-    HeadKind("medusa", "medusa", MedusaHeads, "file", "positions", "hidden", "", auto_rank=3),
-    HeadKind("hydra", "hydra", HydraHeads, "file", "positions", "hidden", "own", auto_rank=2),
-    HeadKind("eagle", "eagle", EagleHeads, "file", "windows", "hidden", "own", auto_rank=1, found_rank=1),
-    HeadKind("eagle3", "eagle", Eagle3Heads, "folder", "windows", "layers", "target", auto_rank=1, found_rank=0),
+    HeadKind("medusa", "medusa", MedusaHeads, "file", "positions", "hidden", "", auto_rank=3,
+             widen=lambda heads, hidden, name, _: widened_medusa(heads, hidden, name)),
+    HeadKind("hydra", "hydra", HydraHeads, "file", "positions", "hidden", "own", auto_rank=2,
+             widen=lambda heads, hidden, name, _: widened_hydra(heads, hidden, name)),
+    HeadKind("eagle", "eagle", EagleHeads, "file", "windows", "hidden", "own", auto_rank=1, found_rank=1,
+             widen=lambda heads, hidden, name, _: widened_eagle(heads, hidden, name)),
+    HeadKind("eagle3", "eagle", Eagle3Heads, "folder", "windows", "layers", "target", auto_rank=1, found_rank=0,
+             widen=lambda heads, hidden, name, embedding: widened_eagle3(heads, hidden, embedding, name)),
     HeadKind("mtp", "mtp", MtpHeads, "model", "", "hidden", "target", auto_rank=0),
 )
 

@@ -115,3 +115,22 @@ def softmax(scores: np.ndarray) -> np.ndarray:
     scores = scores - scores.max(axis=-1, keepdims=True)
     weights = np.exp(scores)
     return weights / weights.sum(axis=-1, keepdims=True)
+
+
+def zero_padded(array: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    """``array`` in the leading corner of a zero array of ``shape`` (heads for a target widened
+    with zeros: modelkit/widen.py)."""
+    padded = np.zeros(shape, array.dtype)
+    padded[tuple(slice(0, n) for n in array.shape)] = array
+    return padded
+
+
+def widened_columns(weight: np.ndarray, width: int, target_hidden: int) -> np.ndarray:
+    """``weight`` (R, width + extra), whose first ``width`` columns read the target's state, with
+    those columns moved to the front of ``target_hidden`` (zeros after them) and the rest after."""
+    rows = weight.shape[0]
+    wide = np.zeros((rows, target_hidden + weight.shape[1] - width), weight.dtype)
+    wide[:, :width] = weight[:, :width]
+    wide[:, target_hidden:] = weight[:, width:]
+    return wide
+

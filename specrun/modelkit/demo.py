@@ -68,29 +68,6 @@ def demo_mlx_dir(name: str) -> Path:
     return derive_once(target, lambda tmp: _write_mlx_variant(source, tmp, name))
 
 
-def demo_eagle3_heads(name: str) -> Path | None:
-    """The EAGLE-3 heads folder of a demo model: the demo target's ships in the package; the
-    bench-scale target's is derived from it on first use (heads.eagle3.widened_eagle3: it
-    drafts what the demo target's heads draft, at their cost a depth). None for the draft model,
-    or where the package has none."""
-    shipped = Path(str(resources.files("specrun.demo").joinpath("demo-target.eagle3")))
-    if name == "demo-target-xl" and (shipped / "model.safetensors").exists():
-        target = derived_path(shipped / "model.safetensors", "demo-target-xl.eagle3")
-        return derive_once(target, lambda tmp: _write_xl_eagle3(shipped, tmp))
-    return shipped if name == "demo-target" else None
-
-
-def _write_xl_eagle3(shipped: Path, folder: Path) -> None:
-    from specrun.heads.eagle3 import widened_eagle3
-    from specrun.modelkit.gguf_io import read_gguf_tensor
-    from specrun.heads.files import load_heads, save_eagle3
-
-    heads = load_heads(shipped)
-    embedding = read_gguf_tensor(demo_gguf("demo-target"), "token_embd.weight")  # the rows it was trained on
-    widened = widened_eagle3(heads, heads.config.hidden_size * XL_WIDEN_FACTOR, embedding, "demo-target-xl")
-    save_eagle3(widened, folder)
-
-
 def _check_name(name: str) -> None:
     if name not in DEMO_MODELS:
         raise RegistryError(f"unknown builtin model {name!r}", f"use one of: {', '.join(DEMO_MODELS)}")
@@ -104,7 +81,8 @@ DERIVING_CODE = (
     "specrun.modelkit.demo", "specrun.modelkit.smollm2", "specrun.modelkit.gemma3", "specrun.modelkit.selfdraft",
     "specrun.modelkit.widen", "specrun.modelkit.cut", "specrun.modelkit.config", "specrun.modelkit.gguf_io",
     "specrun.modelkit.gguf_header", "specrun.modelkit.gguf_convert", "specrun.modelkit.gguf_convert_qwen35",
-    "specrun.modelkit.hf_io", "specrun.modelkit.tokenizer", "specrun.heads.eagle3", "specrun.heads.files",
+    "specrun.modelkit.hf_io", "specrun.modelkit.tokenizer", "specrun.modelkit.widened_heads", "specrun.heads.eagle3",
+    "specrun.heads.eagle", "specrun.heads.hydra", "specrun.heads.medusa", "specrun.heads.layers", "specrun.heads.files",
     "specrun.fileio", "specrun.backends.llama:quantize_gguf", "specrun.backends.mlx:quantize_mlx_folder",
 )
 DERIVING_LIBRARIES = ("gguf", "llama_cpp_python", "mlx", "mlx-lm", "numpy", "safetensors")

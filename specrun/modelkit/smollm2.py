@@ -22,7 +22,7 @@ leave a draft: without 4 middle layers a quarter of its drafts are accepted, wit
 
 from __future__ import annotations
 
-from importlib import metadata, resources
+from importlib import metadata
 from pathlib import Path
 
 from specrun.errors import ModelFileError, RegistryError
@@ -97,34 +97,3 @@ def _check_name(name: str) -> str:
     if name not in SMOLLM2_MODELS:
         raise RegistryError(f"unknown builtin model {name!r}", f"use one of: {', '.join(SMOLLM2_MODELS)}")
     return SMOLLM2_MODELS[name]
-
-
-def shipped_eagle3_folder() -> Path:
-    """Where the F16 copy's EAGLE-3 heads ship in the package (absent until trained heads pay)."""
-    return Path(str(resources.files("specrun.demo").joinpath("smollm2-135m-f16.eagle3")))
-
-
-def smollm2_eagle3_heads(name: str) -> Path | None:
-    """The EAGLE-3 heads folder of a SmolLM2 builtin: those of the F16 copy ship in the package
-    (trained here: `specrun heads train --target smollm2-135m-f16 --kind eagle3`); the widened
-    copy's are derived from them on first use (heads.eagle3.widened_eagle3: they draft what the
-    F16 copy's heads draft, at their cost a depth). None for the other copies, or where the
-    package has none."""
-    shipped = shipped_eagle3_folder()
-    if not (shipped / "model.safetensors").exists():
-        return None
-    if name in WIDENED and WIDENED[name][0] == "smollm2-135m-f16":
-        target = derived_path(shipped / "model.safetensors", f"{name}.eagle3")
-        return derive_once(target, lambda tmp: _write_widened_eagle3(shipped, tmp, name))
-    return shipped if name == "smollm2-135m-f16" else None
-
-
-def _write_widened_eagle3(shipped: Path, folder: Path, name: str) -> None:
-    from specrun.heads.eagle3 import widened_eagle3
-    from specrun.heads.files import load_heads, save_eagle3
-    from specrun.modelkit.gguf_io import read_gguf_tensor
-
-    base, hidden, _ = WIDENED[name]
-    heads = load_heads(shipped)
-    embedding = read_gguf_tensor(smollm2_gguf(base), "token_embd.weight")  # the rows they were trained on
-    save_eagle3(widened_eagle3(heads, hidden, embedding, name), folder)

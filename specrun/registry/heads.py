@@ -1,5 +1,5 @@
 """Where a target's self-drafting heads are found: --heads, beside the model, specrun's cache,
-or shipped with the package (the demo target's)."""
+or shipped with the package (the demo target's; a widened builtin's derived from its original's)."""
 
 from __future__ import annotations
 
@@ -31,19 +31,18 @@ def heads_cache_path(target_spec: str, kind: str) -> Path:
 
 def shipped_heads_path(builtin: str, kind: str) -> Path:
     """Heads that ship in the package for a builtin model (specrun/demo/<model>.<kind>.safetensors,
-    or the folder <model>.eagle3); the bench-scale demo target's EAGLE-3 heads are derived from
-    the demo target's on first use (modelkit.demo.demo_eagle3_heads), as smollm2-135m-x2's are from
-    smollm2-135m-f16's (modelkit.smollm2.smollm2_eagle3_heads)."""
+    or the folder <model>.eagle3); a builtin widened with zeros (demo-target-xl, smollm2-135m-x2)
+    has its original's, widened on first use (modelkit.widened_heads)."""
     import specrun.demo
-    from specrun.modelkit.demo import DEMO_MODELS, demo_eagle3_heads
-    from specrun.modelkit.smollm2 import SMOLLM2_MODELS, smollm2_eagle3_heads
+    from specrun.modelkit.widened_heads import widened_heads, widened_original
 
-    shipped = Path(specrun.demo.__file__).parent / f"{builtin}.{_stored_name(kind)}"
-    if kind == "eagle3" and builtin in DEMO_MODELS:
-        return demo_eagle3_heads(builtin) or shipped
-    if kind == "eagle3" and builtin in SMOLLM2_MODELS:  # the F16 copy's ship; the widened copy's derive
-        return smollm2_eagle3_heads(builtin) or shipped
-    return shipped
+    package = Path(specrun.demo.__file__).parent
+    shipped = package / f"{builtin}.{_stored_name(kind)}"
+    original = widened_original(builtin)
+    if original is None:
+        return shipped
+    originals = package / f"{original}.{_stored_name(kind)}"
+    return widened_heads(originals, builtin, kind) if _present(originals, kind) else shipped
 
 
 def heads_candidates(target_spec: str, kind: str, entries: dict[str, ModelEntry]) -> list[Path]:
@@ -87,7 +86,9 @@ def _present(path: Path, kind: str) -> bool:
             return path.is_file() and mtp_layer_count(path) > 0
         except (OSError, ValueError, KeyError):  # not a GGUF it can read: the target's loading says why
             return False
-    return (path / "config.json").is_file() if path.is_dir() else path.exists()
+    if path.is_dir():  # a published folder, or one holding specrun's pair (a widened builtin's)
+        return (path / "config.json").is_file() or any(p.with_suffix(".json").is_file() for p in path.glob("*.safetensors"))
+    return path.exists()
 
 
 def find_all_heads(target_spec: str, explicit: str | None, kind: str, registry: Path | None = None) -> list[Path]:

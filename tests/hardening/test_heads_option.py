@@ -339,6 +339,32 @@ def test_the_shipped_eagle3_heads_draft_for_the_demo_target_and_derive_for_the_b
     assert accepted[0] > 0 and accepted[0] == accepted[1]  # the same drafts on the widened target
 
 
+@pytest.mark.parametrize("kind", ["medusa", "eagle"])
+def test_the_demo_target_s_other_heads_derive_for_the_bench_scale_one_and_draft_the_same(kind):
+    """The demo target's Medusa and EAGLE-1 heads (files) derive for the bench-scale target too,
+    padded with zeros into folders of specrun's pair: the same drafts accepted on both targets,
+    the output plain decoding's."""
+    pytest.importorskip("llama_cpp", reason="the llama backend is not installed")
+    from specrun.heads.files import load_heads
+    from specrun.heads.kinds import kind_of
+    from specrun.registry.heads import find_all_heads
+
+    found = {target: [path for path in find_all_heads(target, None, kind)
+                      if kind_of(load_heads(path)).name == kind][0] for target in ("demo-target", "demo-target-xl")}
+    narrow, wide = load_heads(found["demo-target"]), load_heads(found["demo-target-xl"])
+    assert found["demo-target-xl"].is_dir() and wide.config.hidden_size == 4 * narrow.config.hidden_size
+    prompt = "def parse_args(argv):\n"
+    accepted = []
+    for target, heads in found.items():
+        drafted = invoke("generate", prompt, "-t", target, "-m", kind, "--heads", str(heads), "-n", "40", "-k", "4",
+                         "--exact", "--json")
+        plain = invoke("generate", prompt, "-t", target, "-m", "none", "-n", "40", "--exact", "--json")
+        assert drafted.exit_code == plain.exit_code == 0, drafted.output
+        assert json.loads(drafted.stdout)["text"] == json.loads(plain.stdout)["text"]
+        accepted.append(json.loads(drafted.stdout)["stats"]["accepted"])
+    assert accepted[0] > 0 and accepted[0] == accepted[1]  # the same drafts on the widened target
+
+
 def test_a_bench_switches_the_target_between_layer_outputs_and_the_head_input(tmp_path):
     """EAGLE-3 reads three layers, Medusa the output head's input: lines of both on one target,
     prompt by prompt, each line's drafts accepted and its output plain decoding's."""

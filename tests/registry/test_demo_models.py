@@ -11,6 +11,7 @@ from test_modelkit import PARITY_STRINGS  # noqa: E402
 from specrun.backends.llama import LlamaCppBackend  # noqa: E402
 from specrun.sessions.compare import find_mismatch  # noqa: E402
 from specrun.engine.loop import GenerationParams, SpeculativeEngine  # noqa: E402
+from specrun.errors import SpecrunError  # noqa: E402
 from specrun.modelkit import demo  # noqa: E402
 from specrun.sessions.prompts import heldout_code_prompts  # noqa: E402
 
@@ -98,22 +99,28 @@ def test_exact_settings_make_greedy_speculation_bit_identical(derived):
 
 
 @pytest.mark.slow
-def test_the_widened_real_target_s_eagle3_heads_derive_from_the_f16_copy_s(smollm2, tmp_path, monkeypatch):
-    """Where EAGLE-3 heads of smollm2-135m-f16 ship, smollm2-135m-x2's are derived from them: fc
-    reads each layer's first 576 columns as before (zeros after them), with the F16 copy's
-    embedding rows of their own, made for the widened target."""
-    from heads_factory import eagle3_heads
+def test_the_widened_real_target_s_heads_derive_from_the_f16_copy_s(smollm2, tmp_path, monkeypatch):
+    """Where heads of smollm2-135m-f16 ship, smollm2-135m-x2's are derived from them, every kind:
+    EAGLE-3's fc reads each layer's first 576 columns as before (zeros after them), with the F16
+    copy's embedding rows of their own; Medusa's are padded with zeros. Both made for the widened
+    target, found where heads are looked for; other copies get none."""
+    import specrun.demo
+    from heads_factory import eagle3_heads, random_heads
     from specrun.heads.eagle3 import Eagle3Heads
-    from specrun.heads.files import load_heads, save_eagle3
+    from specrun.heads.files import load_heads, save_eagle3, save_heads
     from specrun.modelkit import smollm2 as real
     from specrun.modelkit.gguf_io import read_gguf_tensor
-    from specrun.registry.heads import shipped_heads_path
+    from specrun.registry.heads import find_heads, shipped_heads_path
 
     monkeypatch.setenv("SPECRUN_CACHE", str(tmp_path / "cache"))
-    shipped = tmp_path / "package" / "smollm2-135m-f16.eagle3"
+    package = tmp_path / "package"
+    package.mkdir()
+    monkeypatch.setattr(specrun.demo, "__file__", str(package / "__init__.py"))
+    shipped = package / "smollm2-135m-f16.eagle3"
     trained = eagle3_heads(576, 49152, draft_vocab=range(64), aux=(1, 14, 26), embed_tokens=None)
     save_eagle3(trained, shipped)
-    monkeypatch.setattr(real, "shipped_eagle3_folder", lambda: shipped)
+    medusa = random_heads(576, 49152, num_heads=2, draft_vocab=range(64))
+    save_heads(medusa, package / "smollm2-135m-f16.medusa.safetensors")
     assert shipped_heads_path("smollm2-135m-f16", "eagle3") == shipped
     derived = shipped_heads_path("smollm2-135m-x2", "eagle3")
     assert derived != shipped and derived.is_relative_to(tmp_path / "cache")
@@ -127,4 +134,13 @@ def test_the_widened_real_target_s_eagle3_heads_derive_from_the_f16_copy_s(smoll
         assert not wide.fc[:, slot * 1152 + 576:(slot + 1) * 1152].any()
     embedding = read_gguf_tensor(real.smollm2_gguf("smollm2-135m-f16"), "token_embd.weight")
     np.testing.assert_allclose(wide.embed_tokens, embedding, atol=1e-3)
-    assert real.smollm2_eagle3_heads("smollm2-135m") is None  # only the F16 copy's and its widening
+    wide_medusa = find_heads("smollm2-135m-x2", None, "medusa")
+    assert wide_medusa.is_relative_to(tmp_path / "cache") and wide_medusa.is_dir()
+    loaded = load_heads(wide_medusa)
+    assert loaded.config.hidden_size == 1152 and loaded.config.target_name == "smollm2-135m-x2"
+    np.testing.assert_allclose(loaded.lm_heads[0][:, :576], medusa.lm_heads[0], atol=1e-2, rtol=1e-3)
+    assert not loaded.lm_heads[0][:, 576:].any()
+    assert find_heads("smollm2-135m-x2", None, "medusa") == wide_medusa  # derived once
+    assert not shipped_heads_path("smollm2-135m", "eagle3").exists()  # only the F16 copy's and its widening
+    with pytest.raises(SpecrunError, match="no hydra heads"):
+        find_heads("smollm2-135m-x2", None, "hydra")  # none shipped, none derived
