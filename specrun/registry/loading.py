@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -443,6 +444,11 @@ def open_draft(
     draft = open_backend(draft_spec, draft_options, entries, target_spec=target_spec)
     try:
         check_compatible(target, draft, target_spec, draft_spec)
+        if _same_model_file(target, draft):  # lossless, but it cannot save a step: say so
+            (on_note or _note_to_stderr)(
+                f"--draft {draft_spec} is the target's own model file: its drafts cost what the target's steps "
+                "do, so it saves no step (auto stops asking it; a fixed method runs slower than plain "
+                "decoding): pass a smaller model, --draft self:q4, or no --draft")
         if options.window:  # 0: the full cache, and auto holds no window beside it
             return open_window_draft(draft, options, owns=True, on_note=on_note)
     except BaseException:
@@ -489,6 +495,17 @@ def open_window_draft(model: Backend, options: LoadOptions, owns: bool,
                          "use --draft self:q4 or a draft model") from None
     (on_note or _note_to_stderr)(f"{reason}; the draft reads its full cache")
     return full
+
+
+def _same_model_file(target: Backend, draft: Backend) -> bool:
+    """Are ``target`` and ``draft`` loaded from one file or folder?"""
+    paths = getattr(target, "path", None), getattr(draft, "path", None)
+    if None in paths:
+        return False
+    try:
+        return os.path.samefile(*paths)
+    except (OSError, TypeError):
+        return False
 
 
 def _note_to_stderr(text: str) -> None:

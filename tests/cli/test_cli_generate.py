@@ -173,7 +173,7 @@ def test_mlx_backend_errors_are_one_line(tmp_path, tiny_llama):
     assert_one_line_error(missing, 1, "model folder not found", "nope")
     gguf = invoke("generate", "hi", "-t", str(tiny_llama.gguf_path), "-d", source, "--backend", "mlx")
     assert_one_line_error(gguf, 1, "is a file, not an MLX model folder", "use --backend llama")
-    too_long = invoke("generate", "word " * 200, "-t", source, "-d", source, "--backend", "mlx", "--ctx", "64")
+    too_long = invoke("generate", "word " * 200, "-t", source, "--backend", "mlx", "--ctx", "64")
     assert_one_line_error(too_long, 1, "the prompt has", "context holds 64", "--ctx")
     kv = invoke("generate", "hi", "-t", source, "-d", source, "--backend", "mlx", "--kv-type", "f32")
     assert_one_line_error(kv, 2, "--kv-type f32 applies to the llama.cpp backend only", "--backend llama")

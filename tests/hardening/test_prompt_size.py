@@ -53,7 +53,7 @@ def test_generate_refuses_a_prompt_of_megabytes_by_its_size(tiny_llama):
     from cli_checks import assert_one_line_error, run_specrun
 
     model = str(tiny_llama.gguf_path)
-    result = run_specrun("generate", "-", "-t", model, "-d", model, "-n", "2", input=b"xyzzy " * 400_000)
+    result = run_specrun("generate", "-", "-t", model, "-n", "2", input=b"xyzzy " * 400_000)
     assert_one_line_error(result.returncode, result.stderr, 1, "2,400,000 bytes", "--ctx")
 
 

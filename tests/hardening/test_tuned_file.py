@@ -79,7 +79,9 @@ def test_generate_with_a_broken_tuned_file_fails_in_one_line(tiny_llama, tmp_pat
     path.parent.mkdir()
     write(path, {"version": 2, "pairs": []})
     model = str(tiny_llama.gguf_path)
-    result = invoke("generate", "def f():", "-t", model, "-d", model, "--backend", "llama", "-n", "4")
+    draft = tmp_path / "draft.gguf"  # another file (the target's own as draft is noted: a second line)
+    draft.write_bytes(tiny_llama.gguf_path.read_bytes())
+    result = invoke("generate", "def f():", "-t", model, "-d", str(draft), "--backend", "llama", "-n", "4")
     assert_one_line_error(result.exit_code, result.stderr, 1, str(path), "specrun tune")
 
 

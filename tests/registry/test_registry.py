@@ -246,3 +246,35 @@ def test_padding_only_size_difference_gets_a_note():
     padded, plain = vocabulary(8, range(6, 8)), vocabulary(6, range(0))
     assert "2 extra ids" in _padding_notes(padded, plain)[0]
     assert _padding_notes(vocabulary(8, range(7, 8)), plain) == []
+
+
+def test_a_draft_that_is_the_target_s_own_file_is_said_to_save_no_step(tiny_llama, tmp_path):
+    """Lossless but never faster: the run goes on, with one note naming it and what to pass;
+    another file as draft (a copy of the same weights is a real, if pointless, choice) gets none."""
+    pytest.importorskip("llama_cpp", reason="the llama backend is not installed")
+    from specrun.registry.loading import LoadOptions, open_pair
+
+    notes: list[str] = []
+    target, draft = open_pair(str(tiny_llama.gguf_path), str(tiny_llama.gguf_path), LoadOptions(threads=1),
+                              notes.append)
+    target.close()
+    draft.close()
+    assert len(notes) == 1 and "the target's own model file" in notes[0] and "self:q4" in notes[0]
+    linked = tmp_path / "same.gguf"
+    linked.symlink_to(tiny_llama.gguf_path)
+    notes.clear()
+    target, draft = open_pair(str(tiny_llama.gguf_path), str(linked), LoadOptions(threads=1), notes.append)
+    target.close()
+    draft.close()
+    assert len(notes) == 1  # the same file by another name
+    copy = tmp_path / "copy.gguf"
+    copy.write_bytes(tiny_llama.gguf_path.read_bytes())
+    notes.clear()
+    target, draft = open_pair(str(tiny_llama.gguf_path), str(copy), LoadOptions(threads=1), notes.append)
+    target.close()
+    draft.close()
+    assert notes == []
+    result = CliRunner().invoke(app, ["generate", "hello", "-t", str(tiny_llama.gguf_path), "-d",
+                                      str(tiny_llama.gguf_path), "-m", "draft", "-n", "4", "--threads", "1"])
+    assert result.exit_code == 0, result.output
+    assert "note: --draft" in result.stderr and "saves no step" in result.stderr
