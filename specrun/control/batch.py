@@ -59,10 +59,7 @@ MARGIN = 0.05
 # LAST_GAP while each try agrees with the standing choice. A stretch after a switch of arms
 # settles, not kept: steps begun under the other arm end in it, and the rates' draft model first
 # reads what its slot decoded plainly; so does the first stretch under the rates at an occupancy
-# (every slot's prompt read at once, a cost a request pays once). The passes that read a prompt or
-# catch up on text, the target's or the draft model's, are left out of a stretch's seconds by
-# their share of the pass: the arms compare decoding (a draft model's read of a new request's
-# prompt, 0.5-1.5 s on a 2-core CPU, fell inside the rates' stretches alone).
+# (every slot's prompt read at once, a cost a request pays once).
 # A try costs what the arm left aside loses over the standing one, for its stretches (two: one
 # settling, priced here as the measured one, though a switch back to the rates' choice costs more
 # there): the gap is at least long enough that tries cost about TRY_BUDGET of the standing arm's
@@ -115,8 +112,6 @@ class BatchDrafts:
                 return
             if max(lengths) <= ROUND_LONGEST:
                 self.rounds.observe(len(lengths), seconds)
-            else:  # the draft model reading a new prompt or catching up: left out alike, as the rates price neither
-                self.realised.left_out(seconds * sum(n for n in lengths if n > ROUND_LONGEST) / sum(lengths))
 
     def post(self, slot: int, expected: Sequence[float]) -> None:
         """Slot ``slot``'s expected tokens a verify pass yields after a draft of k = 0, 1, ..."""

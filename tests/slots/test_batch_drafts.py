@@ -463,8 +463,8 @@ def test_a_rates_choice_that_drafts_nothing_is_plain_batching_and_never_tried_ag
 
 
 def test_prompt_reads_and_short_stretches_tell_neither_arm():
-    """A prompt read (a verify batch with a long pass, or the draft model's batch with one) is left
-    out of the stretch's seconds by the long passes' share of its tokens; a stretch cut short by the occupancy changing is not kept;
+    """A prompt read (a verify batch with a long pass) is left out of the stretch's seconds by the
+    long passes' share of its tokens; a stretch cut short by the occupancy changing is not kept;
     nor one whose slots chose alone (the batch could not tell them a length)."""
     from specrun.control.batch import EPOCH_SECONDS
 
@@ -473,15 +473,14 @@ def test_prompt_reads_and_short_stretches_tell_neither_arm():
     assert decode(batch, clock, 1, 4, 5) == [True]  # the first stretch settles: not kept
     assert batch.measured() == []
     batch.length(4, 8)
-    batch.timed(True, [1, 1, 1, 97], 0.8)  # 0.776 s of it the read
-    batch.timed(False, [1, 1, 2, 36], 0.25)  # the draft model reading it: 0.225 s (its rounds of 1 and 2 kept)
+    batch.timed(True, [1, 1, 1, 97], 1.0)  # 0.97 s of it the read
     clock.now += EPOCH_SECONDS
-    batch.emitted(4, 60)  # the stretch ends: 60 tokens over 0.499 s, not 1.5 s
-    assert batch.measured() == [(4, "rates", pytest.approx(60 / 0.499))]
+    batch.emitted(4, 60)  # the stretch ends: 60 tokens over 0.53 s, not 1.5 s
+    assert batch.measured() == [(4, "rates", pytest.approx(60 / 0.53))]
     clock.now += 0.125
     batch.emitted(4, 100)
     batch.length(3, 8)  # the occupancy changed after 0.125 s: that stretch is not kept
-    assert batch.measured() == [(4, "rates", pytest.approx(60 / 0.499))]
+    assert batch.measured() == [(4, "rates", pytest.approx(60 / 0.53))]
     untold = BatchDrafts(clock)
     untold.post(1, MOSTLY_RIGHT)
     assert untold.length(4, 8) is None  # nothing timed: each slot's own rule
