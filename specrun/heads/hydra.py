@@ -138,13 +138,12 @@ def chain_guesses(heads: HydraHeads, hidden: np.ndarray, next_tokens: np.ndarray
 def widened_hydra(heads: HydraHeads, target_hidden: int, target_name: str) -> HydraHeads:
     """``heads`` for a target widened with zeros (as ``heads.medusa.widened_medusa``): each first
     layer reads the original columns of the state and its own embedding rows as before, every
-    layer keeps the zeros zero. They draft exactly what they drafted for the original."""
-    size, width = heads.config.hidden_size, target_hidden
-    inputs = tuple((zero_padded(widened_columns(weight, size, width), (width, width + weight.shape[1] - size)),
-                    zero_padded(bias, (width,))) for weight, bias in heads.inputs)
-    blocks = tuple(tuple((zero_padded(weight, (width, width)), zero_padded(bias, (width,))) for weight, bias in head)
+    layer keeps the zeros zero. They draft what they drafted for the original."""
+    hidden, wide = heads.config.hidden_size, target_hidden
+    inputs = tuple((zero_padded(widened_columns(weight, hidden, wide), (wide, wide + weight.shape[1] - hidden)),
+                    zero_padded(bias, (wide,))) for weight, bias in heads.inputs)
+    blocks = tuple(tuple((zero_padded(weight, (wide, wide)), zero_padded(bias, (wide,))) for weight, bias in head)
                    for head in heads.blocks)
-    lm_heads = tuple(zero_padded(projection, (projection.shape[0], width)) for projection in heads.lm_heads)
-    config = dataclasses.replace(heads.config, hidden_size=width, target_name=target_name)
+    lm_heads = tuple(zero_padded(projection, (projection.shape[0], wide)) for projection in heads.lm_heads)
+    config = dataclasses.replace(heads.config, hidden_size=wide, target_name=target_name)
     return dataclasses.replace(heads, config=config, inputs=inputs, blocks=blocks, lm_heads=lm_heads)
-

@@ -125,12 +125,10 @@ def zero_padded(array: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
     return padded
 
 
-def widened_columns(weight: np.ndarray, width: int, target_hidden: int) -> np.ndarray:
-    """``weight`` (R, width + extra), whose first ``width`` columns read the target's state, with
-    those columns moved to the front of ``target_hidden`` (zeros after them) and the rest after."""
-    rows = weight.shape[0]
-    wide = np.zeros((rows, target_hidden + weight.shape[1] - width), weight.dtype)
-    wide[:, :width] = weight[:, :width]
-    wide[:, target_hidden:] = weight[:, width:]
-    return wide
-
+def widened_columns(weight: np.ndarray, hidden: int, wide: int) -> np.ndarray:
+    """``weight`` (R, hidden + extra), whose first ``hidden`` columns read the target's state, with
+    those columns at the front of ``wide`` ones (zeros after them) and the rest after."""
+    padded = np.zeros((weight.shape[0], wide + weight.shape[1] - hidden), weight.dtype)
+    padded[:, :hidden] = weight[:, :hidden]
+    padded[:, wide:] = weight[:, hidden:]
+    return padded

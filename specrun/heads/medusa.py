@@ -39,13 +39,15 @@ class MedusaHeads:
 def widened_medusa(heads: MedusaHeads, target_hidden: int, target_name: str) -> MedusaHeads:
     """``heads`` for a target widened with zeros (modelkit.widen: its final state is the original's
     with zeros after it, ``target_hidden`` wide), padded with zeros: each block keeps the zeros
-    zero (silu(0) = 0), each projection reads the original columns. They draft exactly what they
-    drafted for the original, at the wider state's cost."""
-    width = target_hidden
-    blocks = tuple(tuple((zero_padded(weight, (width, width)), zero_padded(bias, (width,))) for weight, bias in head)
+    zero (silu(0) = 0), each projection reads the original columns. They draft what they drafted
+    for the original (the same arithmetic on the same numbers), at the wider state's cost."""
+    wide = target_hidden
+    blocks = tuple(tuple((zero_padded(weight, (wide, wide)), zero_padded(bias, (wide,))) for weight, bias in head)
                    for head in heads.blocks)
-    shared = {}  # a projection the heads share stays shared
-    lm_heads = tuple(shared.setdefault(id(p), zero_padded(p, (p.shape[0], width))) for p in heads.lm_heads)
-    config = dataclasses.replace(heads.config, hidden_size=width, target_name=target_name)
+    padded = {}  # a projection the heads share stays shared
+    for projection in heads.lm_heads:
+        if id(projection) not in padded:
+            padded[id(projection)] = zero_padded(projection, (projection.shape[0], wide))
+    lm_heads = tuple(padded[id(projection)] for projection in heads.lm_heads)
+    config = dataclasses.replace(heads.config, hidden_size=wide, target_name=target_name)
     return dataclasses.replace(heads, config=config, blocks=blocks, lm_heads=lm_heads)
-

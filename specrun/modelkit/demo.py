@@ -82,7 +82,9 @@ DERIVING_CODE = (
     "specrun.modelkit.widen", "specrun.modelkit.cut", "specrun.modelkit.config", "specrun.modelkit.gguf_io",
     "specrun.modelkit.gguf_header", "specrun.modelkit.gguf_convert", "specrun.modelkit.gguf_convert_qwen35",
     "specrun.modelkit.hf_io", "specrun.modelkit.tokenizer", "specrun.modelkit.widened_heads", "specrun.heads.eagle3",
-    "specrun.heads.eagle", "specrun.heads.hydra", "specrun.heads.medusa", "specrun.heads.layers", "specrun.heads.files",
+    "specrun.heads.eagle:widened_eagle", "specrun.heads.hydra:widened_hydra", "specrun.heads.medusa:widened_medusa",
+    "specrun.heads.layers:zero_padded", "specrun.heads.layers:widened_columns", "specrun.heads.kinds",
+    "specrun.heads.files",
     "specrun.fileio", "specrun.backends.llama:quantize_gguf", "specrun.backends.mlx:quantize_mlx_folder",
 )
 DERIVING_LIBRARIES = ("gguf", "llama_cpp_python", "mlx", "mlx-lm", "numpy", "safetensors")

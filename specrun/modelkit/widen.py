@@ -16,6 +16,8 @@ from pathlib import Path
 
 import numpy as np
 
+from specrun.heads.layers import zero_padded
+
 from .config import ModelConfig, weight_shapes
 
 
@@ -56,9 +58,9 @@ def widen(
     wide_weights = {}
     for name, shape in weight_shapes(wide_config).items():
         if _is_norm(name):
-            wide_weights[name] = _zero_pad(np.asarray(weights[name], dtype=np.float32), shape) * np.float32(norm_scale)
+            wide_weights[name] = zero_padded(np.asarray(weights[name], dtype=np.float32), shape) * np.float32(norm_scale)
         else:
-            wide_weights[name] = _zero_pad(np.asarray(weights[name]).astype(matrices, copy=False), shape)
+            wide_weights[name] = zero_padded(np.asarray(weights[name]).astype(matrices, copy=False), shape)
     return wide_config, wide_weights
 
 
@@ -77,10 +79,3 @@ def derive_xl_gguf(
 
 def _is_norm(name: str) -> bool:
     return name.endswith("norm.weight")
-
-
-def _zero_pad(weight: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
-    """``weight`` in the leading corner of a zero array of ``shape``."""
-    padded = np.zeros(shape, dtype=weight.dtype)
-    padded[tuple(slice(0, n) for n in weight.shape)] = weight
-    return padded

@@ -19,7 +19,9 @@ from specrun.modelkit.smollm2 import WIDENED, smollm2_gguf
 def _widened_builtins() -> dict[str, tuple[str, Callable[[], Path], Callable[[int], int]]]:
     """builtin -> (the builtin it widens, that one's GGUF, the width of a state the original's
     is ``H`` wide)."""
-    builtins = {"demo-target-xl": ("demo-target", lambda: demo_gguf("demo-target"), lambda size: XL_WIDEN_FACTOR * size)}
+    builtins = {
+        "demo-target-xl": ("demo-target", lambda: demo_gguf("demo-target"), lambda size: XL_WIDEN_FACTOR * size),
+    }
     for name, (base, hidden, _) in WIDENED.items():
         builtins[name] = (base, lambda base=base: smollm2_gguf(base), lambda size, hidden=hidden: hidden)
     return builtins
@@ -34,7 +36,9 @@ def widened_original(builtin: str) -> str | None:
 def widened_heads(shipped: Path, builtin: str, kind: str) -> Path:
     """``kind`` heads for ``builtin`` (a widened builtin) derived from ``shipped``, its original's
     shipped heads (a file of specrun's pair or an EAGLE-3 folder), on first use."""
-    source = shipped / "model.safetensors" if shipped.is_dir() else shipped
+    # what the copy is keyed by: specrun's .json names its tensors' SHA-256 beside its layout and
+    # training record, so it covers the pair; a folder's weights
+    source = shipped / "model.safetensors" if shipped.is_dir() else shipped.with_suffix(".json")
     target = derived_path(source, f"{builtin}.{kind}")
     return derive_once(target, lambda folder: _write_widened(shipped, folder, builtin))
 

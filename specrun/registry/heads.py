@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from specrun.errors import SpecrunError, UsageError
+from specrun.errors import ModelFileError, SpecrunError, UsageError
 from specrun.heads.kinds import BY_NAME, HEAD_METHODS, kinds_of_method
 from specrun.registry.catalog import ModelEntry, load_registry
 
@@ -45,10 +45,13 @@ def shipped_heads_path(builtin: str, kind: str) -> Path:
     return widened_heads(originals, builtin, kind) if _present(originals, kind) else shipped
 
 
-def heads_candidates(target_spec: str, kind: str, entries: dict[str, ModelEntry]) -> list[Path]:
+def heads_candidates(target_spec: str, kind: str, entries: dict[str, ModelEntry],
+                     failures: list[SpecrunError] | None = None) -> list[Path]:
     """Where ``kind`` heads for ``target_spec`` are looked for, first found first used: beside
     a model file or in a model folder, specrun's cache, the package (at each place, EAGLE-3's
-    folder before EAGLE-1's file for the eagle method)."""
+    folder before EAGLE-1's file for the eagle method). A widened builtin's that cannot be
+    derived (no room in the cache) are left out, the error added to ``failures``: another kind
+    may serve."""
     candidates = []
     entry = entries.get(target_spec)
     local = [Path(target_spec).expanduser()] if entry is None else [
@@ -69,7 +72,12 @@ def heads_candidates(target_spec: str, kind: str, entries: dict[str, ModelEntry]
                 candidates.append(path.with_suffix(f".{_stored_name(each)}"))
     candidates.extend(heads_cache_path(target_spec, each) for each in stored)
     if entry is not None and entry.builtin:
-        candidates.extend(shipped_heads_path(entry.builtin, each) for each in stored)
+        for each in stored:
+            try:
+                candidates.append(shipped_heads_path(entry.builtin, each))
+            except ModelFileError as exc:
+                if failures is not None:
+                    failures.append(exc)
     return candidates
 
 
@@ -86,8 +94,9 @@ def _present(path: Path, kind: str) -> bool:
             return path.is_file() and mtp_layer_count(path) > 0
         except (OSError, ValueError, KeyError):  # not a GGUF it can read: the target's loading says why
             return False
-    if path.is_dir():  # a published folder, or one holding specrun's pair (a widened builtin's)
-        return (path / "config.json").is_file() or any(p.with_suffix(".json").is_file() for p in path.glob("*.safetensors"))
+    if path.is_dir():  # a published folder, or one holding specrun's pair KIND.safetensors (a widened builtin's)
+        pair = path / f"{kind}{HEADS_SUFFIX}"
+        return (path / "config.json").is_file() or (pair.is_file() and pair.with_suffix(".json").is_file())
     return path.exists()
 
 
@@ -99,8 +108,11 @@ def find_all_heads(target_spec: str, explicit: str | None, kind: str, registry: 
         if not path.exists():
             raise UsageError(f"--heads {explicit}: no such file or folder", "pass the path of a heads file")
         return [path]
-    candidates = heads_candidates(target_spec, kind, load_registry(registry))
+    failures: list[SpecrunError] = []
+    candidates = heads_candidates(target_spec, kind, load_registry(registry), failures)
     found = [path for path in candidates if _present(path, kind)]
+    if not found and failures:
+        raise failures[0]  # the heads that ship could not be derived: say why
     if not found and BY_NAME[kind].stored == "model":
         from specrun.modelkit.mtp import no_layers_refusal
 

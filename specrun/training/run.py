@@ -23,6 +23,7 @@ import contextlib
 import io
 import math
 import os
+import platform
 import shutil
 import time
 import zipfile
@@ -416,8 +417,10 @@ class _Run:
             return f"text files in {Path(request.text_dir).expanduser().resolve()}"
         if request.prompts_file is not None:
             return f"the target's continuations of the prompts in {Path(request.prompts_file).expanduser().resolve()}"
-        kind = "Python snippets" if self._completion() else "questions"
-        return f"the target's continuations of built-in {kind}"
+        kind = "Python snippets" if self._completion() else "requests"
+        # made from the standard library, which differs between Python versions: said, and a
+        # checkpoint made on another version gathers afresh
+        return f"the target's continuations of built-in {kind} (Python {platform.python_version()})"
 
     def _settings(self, source: str) -> dict:
         """What a checkpoint must match to be resumed (not the budget: a larger one trains on)."""

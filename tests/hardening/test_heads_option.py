@@ -434,3 +434,20 @@ def test_serve_refuses_an_empty_api_key(key):
     """An empty key let in every client that sent an empty bearer token."""
     result = invoke("serve", "--api-key", key)
     assert_one_line_error(result.exit_code, result.stderr, 2, "--api-key (or SPECRUN_API_KEY) is empty")
+
+
+def test_heads_that_cannot_be_derived_for_the_bench_scale_target_are_one_line_naming_the_cache(tmp_path, monkeypatch):
+    """No room in the cache for the widened copy of the demo target's Medusa heads: the error says
+    so (not "no medusa heads"), and nothing is left behind; a cache with room derives them."""
+    from specrun.errors import ModelFileError
+    from specrun.registry.heads import find_all_heads, heads_available
+
+    blocked = tmp_path / "file"
+    blocked.write_text("")
+    monkeypatch.setenv("SPECRUN_CACHE", str(blocked / "cache"))  # under a file: nothing can be made there
+    with pytest.raises(ModelFileError) as raised:
+        find_all_heads("demo-target-xl", None, "medusa")
+    assert "demo-target-xl.medusa" in raised.value.one_line() and "SPECRUN_CACHE" in raised.value.one_line()
+    assert not heads_available("demo-target-xl", "medusa")
+    monkeypatch.setenv("SPECRUN_CACHE", str(tmp_path / "cache"))
+    assert find_all_heads("demo-target-xl", None, "medusa")[0].is_relative_to(tmp_path / "cache")

@@ -16,7 +16,7 @@ from specrun.heads import eagle, hydra
 from specrun.heads.files import load_heads, save_heads
 from specrun.heads.kinds import BY_NAME, KINDS, kind_of
 
-NARROW, WIDE, VOCAB = 24, 72, 50
+NARROW, WIDE, VOCAB = 24, 96, 50  # 4x: the norms' scale, 1/2, is exact in float16 too
 DRAFT_VOCAB = range(3, 43)
 
 
@@ -57,8 +57,9 @@ def test_hydra_heads_widened_draft_the_same_chains_with_the_same_logits():
     tokens = rng.integers(0, VOCAB, 16)
     np.testing.assert_array_equal(hydra.chain_guesses(wide, _wide(states), tokens, 3),
                                   hydra.chain_guesses(heads, states, tokens, 3))
-    rows = heads.draft_ids(tokens)[:, None]
-    for head in (0,):
+    paths = np.concatenate([heads.draft_ids(tokens)[:, None], rng.integers(0, len(DRAFT_VOCAB), (16, 2))], axis=1)
+    for head in range(3):  # each head over its path: the token after the state and the drafts before its own
+        rows = paths[:, : head + 1]
         narrow = hydra.head_logits(heads, head, states, hydra.root_terms(heads, head, states), rows)
         widened = hydra.head_logits(wide, head, _wide(states), hydra.root_terms(wide, head, _wide(states)), rows)
         np.testing.assert_allclose(widened, narrow, rtol=1e-5, atol=1e-4)
@@ -99,12 +100,26 @@ def test_eagle3_heads_widened_read_the_leading_columns_with_the_original_s_embed
     lambda: random_eagle(NARROW, VOCAB, depth=4, seed=3, draft_vocab=DRAFT_VOCAB),
 ], ids=["medusa", "hydra", "eagle"])
 def test_widened_heads_are_saved_and_loaded_as_heads_for_the_wider_target(make, tmp_path):
-    wide = _widen(make())
+    """Stored in float16 as every heads file is: widened from the stored original, saved and loaded,
+    they draft what the original loaded drafts."""
+    save_heads(make(), tmp_path / "narrow.safetensors")
+    narrow = load_heads(tmp_path / "narrow.safetensors")
+    wide = _widen(narrow)
     path = tmp_path / "wide.safetensors"
     save_heads(wide, path)
     loaded = load_heads(path)
     assert kind_of(loaded) is kind_of(wide)
     assert loaded.config.hidden_size == WIDE and loaded.config.target_name == "wide-target"
+    rng = np.random.default_rng(5)
+    states, tokens = rng.normal(0, 1, (20, NARROW)).astype(np.float32), rng.integers(0, VOCAB, 20)
+    if kind_of(loaded).name == "medusa":
+        for state in states:
+            np.testing.assert_array_equal(MedusaDrafter.head_logits(SimpleNamespace(heads=loaded), _wide(state), 3),
+                                          MedusaDrafter.head_logits(SimpleNamespace(heads=narrow), state, 3))
+    else:
+        module = hydra if kind_of(loaded).name == "hydra" else eagle
+        np.testing.assert_array_equal(module.chain_guesses(loaded, _wide(states), tokens, 3),
+                                      module.chain_guesses(narrow, states, tokens, 3))
     folder = tmp_path / "folder"
     folder.mkdir()
     save_heads(wide, folder / f"{kind_of(wide).name}.safetensors")

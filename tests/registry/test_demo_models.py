@@ -140,7 +140,9 @@ def test_the_widened_real_target_s_heads_derive_from_the_f16_copy_s(smollm2, tmp
     assert loaded.config.hidden_size == 1152 and loaded.config.target_name == "smollm2-135m-x2"
     np.testing.assert_allclose(loaded.lm_heads[0][:, :576], medusa.lm_heads[0], atol=1e-2, rtol=1e-3)
     assert not loaded.lm_heads[0][:, 576:].any()
-    assert find_heads("smollm2-135m-x2", None, "medusa") == wide_medusa  # derived once
+    made = (wide_medusa / "medusa.safetensors").stat().st_mtime_ns
+    assert find_heads("smollm2-135m-x2", None, "medusa") == wide_medusa
+    assert (wide_medusa / "medusa.safetensors").stat().st_mtime_ns == made  # derived once, then used
     assert not shipped_heads_path("smollm2-135m", "eagle3").exists()  # only the F16 copy's and its widening
     with pytest.raises(SpecrunError, match="no hydra heads"):
         find_heads("smollm2-135m-x2", None, "hydra")  # none shipped, none derived

@@ -26,6 +26,7 @@ def fake_stdlib(tmp_path, monkeypatch):
     module(tmp_path / "email", "kept")
     module(tmp_path / "idlelib", "idle")
     module(tmp_path / "test", "tested")
+    module(tmp_path / "lib2to3" / "tests", "tested")  # a package's own tests too
     (tmp_path / "broken.py").write_text("def (:\n")  # a file Python cannot parse is passed over
     monkeypatch.setattr(sysconfig, "get_paths", lambda: {"stdlib": str(tmp_path)})
     data._stdlib_passages_and_functions.cache_clear()
@@ -54,6 +55,17 @@ def test_every_kind_of_request_is_asked_and_held_out_modules_are_not_read(fake_s
     assert len(functions) == 1 and "def kept_function" in functions[0]
     assert not any("IDLE" in r or "idle_function" in r or "TESTED" in r or "tested_function" in r for r in requests)
     assert any("Solve for x" in r for r in requests) and any("photosynthesis" in r for r in requests)
+
+
+def test_the_sums_have_whole_answers_and_classes_hold_their_absent(fake_stdlib):
+    import re
+
+    requests = data.builtin_questions(10_000, seed=0)
+    equations = [re.search(r"Solve for x: (\d+)x \+ (\d+) = (\d+)", r) for r in requests]
+    solved = [tuple(map(int, m.groups())) for m in equations if m]
+    assert solved and all((c - b) % a == 0 for a, b, c in solved)
+    classes = [re.search(r"A class has (\d+) students and (\d+) of them", r) for r in requests]
+    assert all(int(m[2]) < int(m[1]) for m in classes if m) and any(classes)
 
 
 def test_the_real_standard_library_gives_thousands_of_requests():
