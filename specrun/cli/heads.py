@@ -40,6 +40,9 @@ def train(
     text: Annotated[Optional[Path], typer.Option(
         "--text", help="Learn from the text files in this folder (default: the target's own continuations).")] = None,
     prompts: HeadsPromptsOpt = None,
+    eval_prompts: Annotated[Optional[Path], typer.Option(
+        "--eval-prompts", help="Also report on these prompts, one a line, never trained on (the kind you will "
+        "draft for, unlike the data): auto then expects what they show.")] = None,
     lr: Annotated[float, typer.Option("--lr", help="AdamW learning rate.")] = 1e-3,
     seed: HeadsSeedOpt = 0,
     registry: RegistryOpt = None,
@@ -55,7 +58,7 @@ def train(
         request = HeadsTrainRequest(
             target=target, kind=kind, out=heads_out, num_heads=num_heads, num_layers=num_layers,
             draft_vocab=draft_vocab, minutes=minutes, text_dir=text, prompts_file=prompts,
-            learning_rate=lr, seed=seed, registry=registry, backend=backend, threads=threads,
+            eval_prompts_file=eval_prompts, learning_rate=lr, seed=seed, registry=registry, backend=backend, threads=threads,
         )
         check_request(request)
         result = run_training(lambda **shown: train_heads(request, **shown), max_steps)
@@ -134,10 +137,15 @@ def render(result) -> Group:
     table.add_column("in the chain", justify="right")
     for i, (alone, chained) in enumerate(zip(report.head_accuracy, report.chain_accuracy)):
         table.add_row(str(i), f"p+{i + 2}", f"{100 * alone:.1f}%", f"{100 * chained:.1f}%")
+    other = result.other
+    unseen = [] if other is None else [Text(
+        f"on the --eval-prompts: {other.positions} positions, {other.tokens_per_pass:.2f} tokens per verify pass "
+        f"(chain {', '.join(f'{100 * value:.1f}%' for value in other.chain_accuracy)}); auto expects these")]
     return Group(
         Text(f"held out: {report.positions} positions, {report.tokens_per_pass:.2f} tokens per verify pass "
              "with the heads' top-1 chain"),
         table,
+        *unseen,
         Text(f"{result.steps} steps in {result.seconds / 60:.1f} min, loss {result.final_loss:.3f}; "
              f"data: {result.source}"),
     )

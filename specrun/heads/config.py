@@ -39,9 +39,11 @@ class HeadsConfig:
 
 def held_out_acceptance(config: HeadsConfig) -> tuple[float, ...] | None:
     """Each depth's acceptance given the depths before it accepted, as `specrun heads train`
-    measured it on held-out text (its report's ``chain_accuracy``); None where the file carries
-    no such report (published heads) or a malformed one."""
-    report = config.training.get("held_out") if isinstance(config.training, dict) else None
+    measured it (its report's ``chain_accuracy``): on the --eval-prompts where it was given them
+    (prompts unlike the data, a closer guess at other prompts), else on held-out data; None where
+    the file carries no such report (published heads) or a malformed one."""
+    training = config.training if isinstance(config.training, dict) else {}
+    report = training.get("other_prompts") if isinstance(training.get("other_prompts"), dict) else training.get("held_out")
     values = report.get("chain_accuracy") if isinstance(report, dict) else None
     if not isinstance(values, list) or not values or len(values) > config.num_heads:
         return None

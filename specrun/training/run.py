@@ -61,13 +61,16 @@ STATES_BATCH = 8  # text windows per hidden-state pass
 BATCH_POSITIONS = 128  # positions per training step (Medusa, Hydra)
 BATCH_WINDOWS = 4  # windows per training step (EAGLE)
 BUILTIN_PROMPTS = 4096
+MAX_EVAL_PROMPTS = 256  # --eval-prompts continued for the report on unlike prompts, at most
 LOSS_WINDOW = 20  # steps the reported loss is averaged over
 
 
 @dataclass(frozen=True)
 class HeadsTrainRequest:
     """What to train. ``out``: the heads file (None: specrun's cache for the target).
-    ``text_dir`` or ``prompts_file``: the data (neither: built-in prompts)."""
+    ``text_dir`` or ``prompts_file``: the data (neither: built-in prompts). ``eval_prompts_file``:
+    prompts unlike the data, never trained on, the finished heads are also reported on (the
+    target's continuations of them): what auto then expects of the heads."""
 
     target: str
     kind: str = "medusa"
@@ -78,6 +81,7 @@ class HeadsTrainRequest:
     minutes: float = 10.0
     text_dir: Path | None = None
     prompts_file: Path | None = None
+    eval_prompts_file: Path | None = None
     learning_rate: float = 1e-3
     seed: int = 0
     registry: Path | None = None
@@ -131,6 +135,7 @@ class HeadsTrainResult:
     report: HeldOutReport
     source: str
     resumed_at: int | None = None  # the checkpoint's step when the run resumed
+    other: HeldOutReport | None = None  # on the eval prompts, where given
 
 
 class TrainingInterrupted(KeyboardInterrupt):
@@ -272,6 +277,7 @@ def train_heads(
     check_request(request)
     texts = read_text_folder(request.text_dir) if request.text_dir is not None else None
     prompts = read_prompts_file(request.prompts_file) if request.prompts_file is not None else None
+    evaluated = read_prompts_file(request.eval_prompts_file) if request.eval_prompts_file is not None else None
     out = Path(request.out).expanduser() if request.out is not None else default_heads_path(request.target, request.kind)
     if BY_NAME[request.kind].stored == "folder":
         check_eagle3_folder(out)
@@ -284,7 +290,7 @@ def train_heads(
         try:
             run = _Run(request, target, out, on_progress or (lambda progress: None), on_note or (lambda note: None),
                        max_steps, checkpoint_seconds, trainer_class)
-            return run.train(texts, prompts)
+            return run.train(texts, prompts, evaluated)
         finally:
             target.close()
 
@@ -360,14 +366,15 @@ class _Run:
     def elapsed(self) -> float:
         return self.spent_before + time.monotonic() - self.started
 
-    def train(self, texts: list[str] | None, prompts: list[str] | None) -> HeadsTrainResult:
+    def train(self, texts: list[str] | None, prompts: list[str] | None,
+              evaluated: list[str] | None = None) -> HeadsTrainResult:
         try:
-            return self._train(texts, prompts)
+            return self._train(texts, prompts, evaluated)
         except KeyboardInterrupt:
             kept = self.checkpoints if self.saved_step is not None else None
             raise TrainingInterrupted(kept, self.saved_step or 0) from None
 
-    def _train(self, texts, prompts) -> HeadsTrainResult:
+    def _train(self, texts, prompts, evaluated=None) -> HeadsTrainResult:
         source = self._source()
         settings = self._settings(source)
         resumed = self._resume(settings)
@@ -387,27 +394,32 @@ class _Run:
         held_rows = [i for i in range(len(data.tokens)) if held_out[i]]
         if self.request.kind in WINDOW_KINDS:
             self._fit_windows(trainer, [_window(data, i) for i in train_rows], settings, source)
-            report = self._report_chains(trainer, [_window(data, i) for i in held_rows])
         elif BY_NAME[self.request.kind].embeds == "own":  # each head reads the tokens drafted before its own
             states, labels = self._positions(data, train_rows, trainer.d2t)
             self._fit_positions(trainer, states, labels, settings, source, _next_tokens(data, train_rows, self.request.num_heads))
-            report = self._report_hydra(trainer, data, held_rows)
         else:
             states, labels = self._positions(data, train_rows, trainer.d2t)
             self._fit_positions(trainer, states, labels, settings, source)
-            report = self._report(trainer, data, held_rows)
+        report = self._report_on(trainer, data, held_rows)
+        other = None
+        if evaluated:
+            unseen = _Data()
+            self._gather_continuations(unseen, evaluated[:MAX_EVAL_PROMPTS], math.inf, progress=False)
+            other = self._report_on(trainer, unseen, list(range(len(unseen.tokens))))
         # The heads' own record names the target's file, not where it lay on this machine (heads
         # are shared, and shipped: the path was the trainer's cache); the checkpoint kept the path.
         spec = self.request.target  # a local model by its name; an alias or a Hub repo as given
         published = {**settings, "target": Path(settings["target"]).name if Path(spec).expanduser().exists() else spec}
         training = self._record(published, source, report, len(data.tokens), data.token_count)
+        if other is not None:
+            training["other_prompts"] = {**other.to_dict(), "prompts": min(len(evaluated), MAX_EVAL_PROMPTS)}
         from specrun.heads.files import save_heads
 
         save_heads(trainer.heads(training), self.out, training)
         remove_checkpoint(self.checkpoints)
         return HeadsTrainResult(
             path=self.out, steps=self.step, seconds=self.elapsed(), final_loss=self._final_loss(),
-            report=report, source=source, resumed_at=resumed_at,
+            report=report, source=source, resumed_at=resumed_at, other=other,
         )
 
     # ---- settings and checkpoints --------------------------------------------------------
@@ -563,7 +575,8 @@ class _Run:
             first = label_from[row] if label_from is not None else 0
             data.add(window, states[row, : len(window)], following[row, : len(window)], first)
 
-    def _gather_continuations(self, data: _Data, prompts: list[str] | None, deadline: float) -> None:
+    def _gather_continuations(self, data: _Data, prompts: list[str] | None, deadline: float,
+                              progress: bool = True) -> None:
         completion = self._completion()
         if prompts is None:
             seed = self.request.seed
@@ -581,7 +594,8 @@ class _Run:
             before = len(data.tokens)
             for prompt, (tokens, states, following) in zip(batch, results):
                 data.add(tokens, states, following, label_from=len(prompt) - 1)
-            self._report_data(data)
+            if progress:
+                self._report_data(data)
             if time.monotonic() >= deadline and len(data.tokens) == before:
                 break  # past the deadline a continuation stops at once: the rest would add nothing either
 
@@ -713,6 +727,14 @@ class _Run:
         return self.elapsed() >= self.budget
 
     # ---- the report ------------------------------------------------------------------------
+    def _report_on(self, trainer, data: _Data, rows: list[int]) -> HeldOutReport:
+        """The heads' report on ``rows`` of ``data``, as their kind drafts."""
+        if self.request.kind in WINDOW_KINDS:
+            return self._report_chains(trainer, [_window(data, i) for i in rows])
+        if BY_NAME[self.request.kind].embeds == "own":
+            return self._report_hydra(trainer, data, rows)
+        return self._report(trainer, data, rows)
+
     def _report_hydra(self, trainer, data: _Data, rows: list[int]) -> HeldOutReport:
         """Hydra: the greedy chain the heads draft from each held-out position, on their own."""
         depth = self.request.num_heads

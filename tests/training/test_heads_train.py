@@ -266,6 +266,29 @@ def test_self_distillation_from_a_prompts_file(tiny_llama, tmp_path):
     assert "continuations" in result.source and load_heads(out).config.training["data"]["windows"] == 3
 
 
+@pytest.mark.parametrize("kind", ["medusa", "eagle"])
+def test_heads_are_also_reported_on_eval_prompts_and_auto_expects_that_report(kind, tiny_llama, text_folder, tmp_path):
+    """--eval-prompts: the finished heads reported on the target's continuations of prompts never
+    trained on, recorded beside the held-out report; the acceptance auto reads is that one."""
+    from specrun.heads.config import held_out_acceptance
+
+    evaluated = tmp_path / "eval.txt"
+    evaluated.write_text("def main():\\n    \nclass Point:\n", encoding="utf-8")
+    out = tmp_path / f"{kind}.safetensors"
+    result = train_heads(request_for(tiny_llama, out, kind=kind, text_dir=text_folder, eval_prompts_file=evaluated),
+                         max_steps=2)
+    assert result.other is not None and result.other.positions > 0
+    training = load_heads(out).config.training
+    assert training["other_prompts"]["prompts"] == 2
+    assert training["other_prompts"]["chain_accuracy"] == [round(v, 4) for v in result.other.chain_accuracy]
+    assert held_out_acceptance(load_heads(out).config) == tuple(training["other_prompts"]["chain_accuracy"])
+    assert training["held_out"]["positions"] == result.report.positions  # the held-out report kept beside it
+    plain = tmp_path / f"plain-{kind}.safetensors"
+    train_heads(request_for(tiny_llama, plain, kind=kind, text_dir=text_folder), max_steps=2)
+    assert "other_prompts" not in load_heads(plain).config.training
+    assert held_out_acceptance(load_heads(plain).config) == tuple(load_heads(plain).config.training["held_out"]["chain_accuracy"])
+
+
 def test_a_continued_prompt_labels_only_the_generated_tokens():
     from specrun.training.run import _Data, target_labels
 
@@ -309,8 +332,15 @@ def test_the_command_trains_and_prints_the_report(tiny_llama, text_folder, tmp_p
                     "--num-heads", "2", "--draft-vocab", "32", "--max-steps", "2")
     assert result.exit_code == 0, result.output
     assert "tokens per verify pass" in result.stdout and "p+3" in result.stdout
+    assert "--eval-prompts" not in result.stdout
     assert f"wrote {out}" in result.stderr
     assert load_heads(out).config.num_heads == 2
+    evaluated = tmp_path / "eval.txt"
+    evaluated.write_text("def main():\n", encoding="utf-8")
+    again = invoke("-t", str(tiny_llama.hf_dir), "--text", str(text_folder), "--heads-out", str(tmp_path / "e.safetensors"),
+                   "--num-heads", "2", "--draft-vocab", "32", "--max-steps", "2", "--eval-prompts", str(evaluated))
+    assert again.exit_code == 0, again.output
+    assert "on the --eval-prompts:" in again.stdout and "auto expects these" in again.stdout
 
 
 @pytest.mark.parametrize(
@@ -326,6 +356,7 @@ def test_the_command_trains_and_prints_the_report(tiny_llama, text_folder, tmp_p
         (["--lr", "0"], 2, "--lr must be more than 0"),
         (["--text", ".", "--prompts", "p.txt"], 2, "pass one of them"),
         (["--prompts", "/nonexistent/prompts.txt"], 1, "prompts file"),
+        (["--eval-prompts", "/nonexistent/eval.txt"], 1, "prompts file"),
         (["--minutes", "inf"], 2, "at most 10080 (a week)"),  # ran for ever
         (["--seed", "-1"], 2, "--seed must be a non-negative"),  # failed after gathering the data
         (["--threads", "100000"], 2, "--threads must be between 1 and 1024"),  # a segfault
