@@ -42,7 +42,7 @@ def train(
     prompts: HeadsPromptsOpt = None,
     eval_prompts: Annotated[Optional[Path], typer.Option(
         "--eval-prompts", help="Also report on these prompts, one a line, never trained on (the kind you will "
-        "draft for, unlike the data): auto then expects what they show.")] = None,
+        "draft for, unlike the data; continued after training, at most 256): auto then expects what they show.")] = None,
     lr: Annotated[float, typer.Option("--lr", help="AdamW learning rate.")] = 1e-3,
     seed: HeadsSeedOpt = 0,
     registry: RegistryOpt = None,
