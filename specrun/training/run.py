@@ -405,7 +405,11 @@ class _Run:
         if evaluated:
             unseen = _Data()
             self._gather_continuations(unseen, evaluated[:MAX_EVAL_PROMPTS], math.inf, progress=False)
-            other = self._report_on(trainer, unseen, list(range(len(unseen.tokens))))
+            other = self._report_on(trainer, unseen, list(range(len(unseen.tokens)))) if unseen.tokens else None
+            if other is None or other.positions == 0:  # continuations too short for a chain: nothing to tell
+                other = None
+                self.on_note("the --eval-prompts gave no position to report on (their continuations ended at "
+                             "once): auto expects the held-out report")
         # The heads' own record names the target's file, not where it lay on this machine (heads
         # are shared, and shipped: the path was the trainer's cache); the checkpoint kept the path.
         spec = self.request.target  # a local model by its name; an alias or a Hub repo as given

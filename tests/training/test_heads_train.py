@@ -267,7 +267,8 @@ def test_self_distillation_from_a_prompts_file(tiny_llama, tmp_path):
 
 
 @pytest.mark.parametrize("kind", ["medusa", "eagle"])
-def test_heads_are_also_reported_on_eval_prompts_and_auto_expects_that_report(kind, tiny_llama, text_folder, tmp_path):
+def test_heads_are_also_reported_on_eval_prompts_and_auto_expects_that_report(kind, tiny_llama, text_folder, tmp_path,
+                                                                              monkeypatch):
     """--eval-prompts: the finished heads reported on the target's continuations of prompts never
     trained on, recorded beside the held-out report; the acceptance auto reads is that one."""
     from specrun.heads.config import held_out_acceptance
@@ -283,6 +284,20 @@ def test_heads_are_also_reported_on_eval_prompts_and_auto_expects_that_report(ki
     assert training["other_prompts"]["chain_accuracy"] == [round(v, 4) for v in result.other.chain_accuracy]
     assert held_out_acceptance(load_heads(out).config) == tuple(training["other_prompts"]["chain_accuracy"])
     assert training["held_out"]["positions"] == result.report.positions  # the held-out report kept beside it
+    notes = []
+    nothing = tmp_path / f"nothing-{kind}.safetensors"
+    from specrun.backends.heads_llama import LlamaHeadsTarget
+    from specrun.backends.heads_mlx import MlxHeadsTarget
+
+    with monkeypatch.context() as patched:  # continuations of one token: no position to report on
+        for target_class in (LlamaHeadsTarget, MlxHeadsTarget):
+            patched.setattr(target_class, "continue_greedily",
+                            lambda self, batch, count, stop=None, real=target_class.continue_greedily:
+                            real(self, batch, 1, stop=stop))
+        train_heads(request_for(tiny_llama, nothing, kind=kind, text_dir=text_folder, eval_prompts_file=evaluated),
+                    max_steps=2, on_note=notes.append)
+    assert "other_prompts" not in load_heads(nothing).config.training
+    assert any("--eval-prompts gave no position" in note for note in notes)
     plain = tmp_path / f"plain-{kind}.safetensors"
     train_heads(request_for(tiny_llama, plain, kind=kind, text_dir=text_folder), max_steps=2)
     assert "other_prompts" not in load_heads(plain).config.training
