@@ -118,11 +118,7 @@ def read_prompts_file(path: Path) -> list[str]:
 def builtin_python_prompts(count: int, seed: int) -> list[str]:
     """``count`` snippets of the Python standard library (2-8 lines from a random line of a
     random file), idlelib/ and the tests left out."""
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
-    files = sorted(
-        path for path in stdlib.rglob("*.py")
-        if not any(part in HELD_OUT_STDLIB for part in path.relative_to(stdlib).parts)
-    )
+    files = _stdlib_files()
     rng = random.Random(seed)
     prompts: list[str] = []
     while files and len(prompts) < count:
@@ -158,6 +154,13 @@ def builtin_questions(count: int, seed: int) -> list[str]:
     return [questions[i % len(questions)] for i in range(count)]
 
 
+def _stdlib_files() -> list[Path]:
+    """The standard library's Python files, sorted, the parts held out (``HELD_OUT_STDLIB``) left out."""
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    return sorted(path for path in stdlib.rglob("*.py")
+                  if not any(part in HELD_OUT_STDLIB for part in path.relative_to(stdlib).parts))
+
+
 @functools.cache
 def _stdlib_passages_and_functions() -> tuple[list[str], list[str]]:
     """Docstrings of the standard library long enough to be passages (cut to whole paragraphs:
@@ -166,13 +169,8 @@ def _stdlib_passages_and_functions() -> tuple[list[str], list[str]]:
     follow the Python version (4,300-4,600 requests on 3.11-3.13): a training run records it."""
     import ast
 
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
-    paths = sorted(
-        path for path in stdlib.rglob("*.py")
-        if not any(part in HELD_OUT_STDLIB for part in path.relative_to(stdlib).parts)
-    )
     passages, functions = [], []
-    for path in paths:
+    for path in _stdlib_files():
         try:
             text = path.read_text(encoding="utf-8", errors="replace")
             tree = ast.parse(text)

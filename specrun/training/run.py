@@ -401,15 +401,7 @@ class _Run:
             states, labels = self._positions(data, train_rows, trainer.d2t)
             self._fit_positions(trainer, states, labels, settings, source)
         report = self._report_on(trainer, data, held_rows)
-        other = None
-        if evaluated:
-            unseen = _Data()
-            self._gather_continuations(unseen, evaluated[:MAX_EVAL_PROMPTS], math.inf, progress=False)
-            other = self._report_on(trainer, unseen, list(range(len(unseen.tokens)))) if unseen.tokens else None
-            if other is None or other.positions == 0:  # continuations too short for a chain: nothing to tell
-                other = None
-                self.on_note("the --eval-prompts gave no position to report on (their continuations ended at "
-                             "once): auto expects the held-out report")
+        other = self._report_unseen(trainer, evaluated) if evaluated else None
         # The heads' own record names the target's file, not where it lay on this machine (heads
         # are shared, and shipped: the path was the trainer's cache); the checkpoint kept the path.
         spec = self.request.target  # a local model by its name; an alias or a Hub repo as given
@@ -738,6 +730,18 @@ class _Run:
         if BY_NAME[self.request.kind].embeds == "own":
             return self._report_hydra(trainer, data, rows)
         return self._report(trainer, data, rows)
+
+    def _report_unseen(self, trainer, prompts: list[str]) -> HeldOutReport | None:
+        """The report on the target's continuations of ``prompts`` (--eval-prompts), never trained
+        on; None, said in a note, where they are too short for a chain."""
+        unseen = _Data()
+        self._gather_continuations(unseen, prompts[:MAX_EVAL_PROMPTS], math.inf, progress=False)
+        report = self._report_on(trainer, unseen, list(range(len(unseen.tokens)))) if unseen.tokens else None
+        if report is None or report.positions == 0:
+            self.on_note("the --eval-prompts gave no position to report on (their continuations ended at "
+                         "once): auto expects the held-out report")
+            return None
+        return report
 
     def _report_hydra(self, trainer, data: _Data, rows: list[int]) -> HeldOutReport:
         """Hydra: the greedy chain the heads draft from each held-out position, on their own."""
