@@ -121,21 +121,29 @@ def _extend_prefix_function(table: list[int], stop: str) -> None:
 class ToolCallCut:
     """Streams an answer's content and keeps its tool calls back, to be read whole at the end.
 
-    In a style whose calls begin with text (Hermes' ``<tool_call>``), the content before that
-    text streams as it comes and everything from it on is held; in a style whose calls may
-    begin the answer as bare JSON (their opener a control token without text), the whole answer
-    is held. Text held that turns out not to be a call goes out as content at the end."""
+    Content streams as it comes and everything from the style's opener on (Hermes'
+    ``<tool_call>``, a ```` ```tool_code ```` block) is held. In a style whose calls may also
+    begin the answer bare (Llama 3's JSON, Mistral's and the pythonic list: their openers are
+    control tokens without text, or none), an answer that begins as a call could ("{", "[") is
+    held whole. Text held that turns out not to be a call goes out as content at the end."""
 
     def __init__(self, style: ToolStyle, names: Sequence[str]) -> None:
         self.style = style
         self.names = tuple(names)  # the functions defined: JSON naming another is text
-        self._opener = StopCut([style.opener]) if style.name == "hermes" else None
+        self._opener = StopCut([style.opener])
+        self._holding = None  # None until the answer's first visible character says
         self._text: list[str] = []
         self._sent = 0  # characters of the answer sent as content
 
     def feed(self, text: str) -> str:
         self._text.append(text)
-        if self._opener is None or self._opener.stopped:
+        if self._holding is None:
+            begun = "".join(self._text).lstrip()
+            if not begun:
+                return ""
+            self._holding = begun[0] in self.style.bare_starts
+            text = "".join(self._text)  # the whitespace waited on goes out with the rest
+        if self._holding or self._opener.stopped:
             return ""
         out = self._opener.feed(text)
         self._sent += len(out)

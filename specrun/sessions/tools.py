@@ -1,10 +1,12 @@
 """Tool calls: tool definitions rendered into the prompt, and calls read back out of the answer.
 
 A template that takes ``tools`` (Qwen, Llama 3.1+, Mistral) renders them itself, and the calls
-come back in the format its model was trained on. A template that does not (SmolLM2, Gemma, the
-demo models) gets the definitions in its system message, in the Hermes format most small
-instruct models know (``<tool_call>{"name": ..., "arguments": ...}</tool_call>``), and so do the
-calls and results of earlier turns; the answer is read in that format.
+come back in the format its model was trained on. A template that does not (SmolLM2, the demo
+models) gets the definitions in its system message, in the Hermes format most small instruct
+models know (``<tool_call>{"name": ..., "arguments": ...}</tool_call>``), and so do the calls and
+results of earlier turns; the answer is read in that format. Gemma's templates take no tools
+either, and Google's guide prompts Gemma to call functions as Python: it gets the pythonic style
+(``[get_weather(city="Oslo")]``, results back as ```` ```tool_output ```` blocks).
 
 Where the caller requires a call (``tool_choice`` "required" or a named function), a grammar in
 the style's format forces one, its arguments following their function's JSON schema
@@ -13,18 +15,21 @@ format forces for free.
 
 Formats read (``STYLES``): Hermes/Qwen ``<tool_call>`` JSON; Llama 3's bare JSON object
 (``{"name": ..., "parameters": ...}``, after ``<|python_tag|>`` where the model writes it);
-Mistral's ``[TOOL_CALLS]`` JSON list. Control tokens (``<|python_tag|>``, ``[TOOL_CALLS]``) have
+Mistral's ``[TOOL_CALLS]`` JSON list; Python calls with literal keyword arguments, in a list or a
+```` ```tool_code ```` block (read with ``ast``, never run). Control tokens (``<|python_tag|>``, ``[TOOL_CALLS]``) have
 no text, so a call may also begin the answer without them.
 """
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import json
 import re
 import secrets
 import string
 import uuid
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -210,8 +215,9 @@ class ToolStyle:
     back from), and how the calls are read and forced."""
 
     name: str
-    opener: str  # the text a call begins with ("" where calls begin the answer as bare JSON)
+    opener: str  # the text a call begins with where it follows content
     arguments_key: str = "arguments"
+    bare_starts: str = ""  # the characters a call begun without its opener may begin the answer with
 
     def parse(self, text: str, names: Sequence[str] | None = None) -> tuple[str, list[ToolCall]]:
         """The answer's content (the text before any call) and the calls it makes; with ``names``,
@@ -269,6 +275,14 @@ class ToolStyle:
                    for call in calls]
         return "\n".join(f"<tool_call>\n{json.dumps(each, ensure_ascii=False)}\n</tool_call>" for each in objects)
 
+    def instructions(self, tools: Sequence[Tool]) -> str:
+        """What a system message says of the tools, for a template that does not render them."""
+        return SYSTEM_TOOLS.format(tools="\n".join(json.dumps(tool.as_openai(), ensure_ascii=False) for tool in tools))
+
+    def result(self, content: str) -> str:
+        """A tool's result as a user message carries it back, for a template that takes no tool role."""
+        return f"<tool_response>\n{content}\n</tool_response>"
+
 
 # the body is stripped after matching: \s* on both sides of a lazy body backtracks quadratically
 HERMES_CALL = re.compile(r"<tool_call>(.*?)(?:</tool_call>|\Z)", re.DOTALL)
@@ -289,10 +303,174 @@ def _parse_hermes(text: str) -> tuple[str, list[ToolCall]]:
     return text[:start].strip(), calls
 
 
+# ---- the pythonic style: calls written as Python (Gemma's prompted format) -------------------
+TOOL_CODE = re.compile(r"```tool_code[ \t]*\n?(.*?)(?:```|\Z)", re.DOTALL)
+IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+JSON_NAMES = {"true": True, "false": False, "null": None}  # JSON's literals, as a model may write them in Python
+
+
+class NotACall(ValueError):
+    """Python text that is not a list of calls with literal keyword arguments."""
+
+
+def _function_name(node) -> str:
+    """``f`` or ``tools.f``: a call's function as its name."""
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute):
+        return f"{_function_name(node.value)}.{node.attr}"
+    raise NotACall("not a function's name")
+
+
+def _literal(node, source: str):
+    """A keyword argument's value: JSON where its text is JSON (so ``"a\\/b"`` reads as JSON reads
+    it), else a Python literal (``'x'``, ``True``, ``(1, 2)``), JSON's true/false/null taken too."""
+    text = ast.get_source_segment(source, node)
+    if text is not None:
+        try:
+            return json.loads(text)
+        except ValueError:
+            pass
+    if isinstance(node, ast.Constant) and (node.value is None or isinstance(node.value, (str, int, float, bool))):
+        return node.value
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)) and isinstance(
+            node.operand, ast.Constant) and type(node.operand.value) in (int, float):
+        return -node.operand.value if isinstance(node.op, ast.USub) else node.operand.value
+    if isinstance(node, ast.Name) and node.id in JSON_NAMES:
+        return JSON_NAMES[node.id]
+    if isinstance(node, (ast.List, ast.Tuple)):
+        return [_literal(item, source) for item in node.elts]
+    if isinstance(node, ast.Dict):
+        keys = [_literal(key, source) if key is not None else None for key in node.keys]
+        if not all(isinstance(key, str) for key in keys):
+            raise NotACall("a dict with a key that is not a string")
+        return {key: _literal(value, source) for key, value in zip(keys, node.values)}
+    raise NotACall("an argument that is not a literal")
+
+
+def _pythonic_call(node, source: str) -> ToolCall:
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "print" and len(
+            node.args) == 1 and not node.keywords:
+        node = node.args[0]  # print(f(x=1)), as some of Gemma's examples write it
+    if not isinstance(node, ast.Call) or node.args or any(keyword.arg is None for keyword in node.keywords):
+        raise NotACall("not a call with keyword arguments only")
+    arguments = {keyword.arg: _literal(keyword.value, source) for keyword in node.keywords}
+    return ToolCall(_function_name(node.func), json.dumps(arguments, ensure_ascii=False))
+
+
+def _pythonic_calls(source: str) -> list[ToolCall]:
+    """The calls of ``[f(a=1), g()]``, of one call alone, or of one call a line; NotACall otherwise."""
+    try:
+        with warnings.catch_warnings():  # JSON's "\\/" is an invalid escape to Python, and warned of
+            warnings.simplefilter("ignore")
+            module = ast.parse(source.strip())
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
+        raise NotACall("not Python") from None
+    if not module.body or not all(isinstance(statement, ast.Expr) for statement in module.body):
+        raise NotACall("not expressions")
+    nodes = [statement.value for statement in module.body]
+    if len(nodes) == 1 and isinstance(nodes[0], (ast.List, ast.Tuple)):
+        nodes = nodes[0].elts
+    try:
+        return [_pythonic_call(node, source) for node in nodes] if nodes else []
+    except RecursionError:
+        raise NotACall("nested too deeply") from None
+
+
+@dataclass(frozen=True)
+class PythonicStyle(ToolStyle):
+    """Calls written as a Python list, keyword arguments only (``[get_weather(city="Oslo")]``), as
+    Google's function-calling guide prompts Gemma to write them; also read inside a
+    ```` ```tool_code ```` block (the guide's other form) and one call a line. Gemma's templates
+    render no tools: the definitions go into the prompt with this instruction, and results come
+    back as ```` ```tool_output ```` blocks."""
+
+    def _read(self, text: str) -> tuple[str, list[ToolCall]]:
+        fenced = TOOL_CODE.search(text)
+        content, body = (text[:fenced.start()], fenced.group(1)) if fenced else ("", text)
+        if not fenced and not body.lstrip().startswith("["):
+            return text, []  # a bare call must be the whole answer as a list: prose naming f(x) stays prose
+        try:
+            calls = _pythonic_calls(body)
+        except NotACall:
+            return text, []
+        return (content.strip(), calls) if calls else (text, [])
+
+    def grammar(self, tools: Sequence[Tool], choice: ToolChoice, parallel: bool = False) -> GrammarSpec:
+        """A list of calls in Python: each function's keyword arguments in its schema's order,
+        the required ones always, each value JSON following its property's schema (which the
+        reader takes as Python). Names must be Python's: GrammarError otherwise."""
+        allowed = [tool for tool in tools if choice.mode != "function" or tool.name == choice.function]
+        rules, calls = [], []
+        for index, tool in enumerate(allowed):
+            if not all(IDENTIFIER.fullmatch(part) for part in tool.name.split(".")):
+                raise GrammarError(f"the function name {tool.name!r} cannot be written as a Python call, the "
+                                   "format this model calls functions in",
+                                   "name it with letters, digits and '_' only")
+            arguments = _keyword_rules(f"a{index}", tool.parameters or {}, rules)
+            calls.append(f'"{tool.name}(" {arguments} ")"' if arguments else f'"{tool.name}()"')
+        start = 'start: "[" call (", " call)* "]"' if parallel else 'start: "[" call "]"'
+        return GrammarSpec("lark", "\n".join([start, f"call: {' | '.join(calls)}", *rules]) + "\n")
+
+    def written(self, calls: Sequence[dict]) -> str:
+        written = [f"{call['function']['name']}(" + ", ".join(
+            f"{key}={json.dumps(value, ensure_ascii=False)}"
+            for key, value in _arguments_object(call["function"]["arguments"]).items()) + ")" for call in calls]
+        return f"[{', '.join(written)}]"
+
+    def instructions(self, tools: Sequence[Tool]) -> str:
+        return SYSTEM_TOOLS_PYTHONIC.format(tools=json.dumps([tool.as_openai()["function"] for tool in tools],
+                                                             ensure_ascii=False, indent=1))
+
+    def result(self, content: str) -> str:
+        return f"```tool_output\n{content}\n```"
+
+
+def _keyword_rules(prefix: str, schema: dict, rules: list[str]) -> str:
+    """The grammar of a call's keyword arguments (rules appended to ``rules``): the schema's
+    properties in order, each written ``name=value`` with ", " between, the required ones never
+    left out; a schema without properties takes any names. "" where the call takes no arguments."""
+    value_options = {"x-guidance": CALL_JSON_OPTIONS}
+    shared = {key: schema[key] for key in ("$defs", "definitions") if key in schema}  # what $refs point into
+    properties = schema.get("properties")
+    if not isinstance(properties, dict):
+        if schema.get("additionalProperties") is False:
+            return ""
+        any_value = json.dumps({**value_options, **shared})
+        rules.append(f"{prefix}_kw: /[A-Za-z_][A-Za-z0-9_]*/ \"=\" %json {any_value}")
+        return f"({prefix}_kw (\", \" {prefix}_kw)*)?"
+    names = list(properties)
+    bad = next((name for name in names if not IDENTIFIER.fullmatch(name)), None)
+    if bad is not None:
+        raise GrammarError(f"the argument name {bad!r} cannot be written as a Python keyword, the format this "
+                           "model calls functions in", "name arguments with letters, digits and '_' only")
+    if not names:
+        return ""
+    required = set(schema.get("required") or ())
+    pairs = []
+    for name in names:
+        value = properties[name] if isinstance(properties[name], dict) else {}
+        pairs.append(f'"{name}=" %json {json.dumps({**shared, **value, **value_options})}')
+    # {prefix}_r{i}: the arguments from the i-th on after one was written; {prefix}_f{i}: the first written is the i-th or later
+    last, can_be_first = len(names) - 1, True  # can the i-th be the first written? (those before it optional)
+    for i, pair in enumerate(pairs):
+        rest = f" {prefix}_r{i + 1}" if i < last else ""
+        optional = names[i] not in required
+        if i > 0:
+            rules.append(f'{prefix}_r{i}: (", " {pair})?{rest}' if optional else f'{prefix}_r{i}: ", " {pair}{rest}')
+        if can_be_first:
+            later = f" | {prefix}_f{i + 1}" if optional and i < last else ""
+            rules.append(f"{prefix}_f{i}: {pair}{rest}{later}")
+        can_be_first = can_be_first and optional
+    nothing_required = not required.intersection(names)
+    return f"{prefix}_f0?" if nothing_required else f"{prefix}_f0"
+
+
 STYLES = {
     "hermes": ToolStyle("hermes", "<tool_call>"),
-    "llama3": ToolStyle("llama3", "<|python_tag|>", arguments_key="parameters"),
-    "mistral": ToolStyle("mistral", "[TOOL_CALLS]"),
+    "llama3": ToolStyle("llama3", "<|python_tag|>", arguments_key="parameters", bare_starts="{["),
+    "mistral": ToolStyle("mistral", "[TOOL_CALLS]", bare_starts="["),
+    "pythonic": PythonicStyle("pythonic", "```tool_code", bare_starts="["),
 }
 
 
@@ -314,11 +492,14 @@ def renders_tools(template: ChatTemplate) -> bool:
 
 
 def style_for(template: ChatTemplate) -> ToolStyle:
-    """The format the template's model writes calls in."""
-    source = template.source if renders_tools(template) else ""
-    if "[TOOL_CALLS]" in source:
+    """The format the template's model writes calls in: its own where the template renders tools;
+    else Python calls for Gemma (its turns ``<start_of_turn>``: what Google's guide prompts it with)
+    and Hermes for the others."""
+    if not renders_tools(template):
+        return STYLES["pythonic"] if "<start_of_turn>" in template.source else STYLES["hermes"]
+    if "[TOOL_CALLS]" in template.source:
         return STYLES["mistral"]
-    if "<|python_tag|>" in source or "ipython" in source:
+    if "<|python_tag|>" in template.source or "ipython" in template.source:
         return STYLES["llama3"]
     return STYLES["hermes"]
 
@@ -329,6 +510,12 @@ SYSTEM_TOOLS = (
     "To call one, answer with a JSON object of its name and arguments inside tags:\n"
     "<tool_call>\n{{\"name\": <function-name>, \"arguments\": <arguments-object>}}\n</tool_call>"
 )
+SYSTEM_TOOLS_PYTHONIC = (
+    "You may call functions to help with the user's request. To call them, answer with nothing but a "
+    "Python list of calls, each with keyword arguments:\n"
+    "[function_name(argument=value, other_argument=value), other_function(argument=value)]\n"
+    "The functions, as JSON schemas:\n{tools}"
+)
 
 
 def tool_conversation(template: ChatTemplate, messages: Sequence[dict], tools: Sequence[Tool],
@@ -337,7 +524,8 @@ def tool_conversation(template: ChatTemplate, messages: Sequence[dict], tools: S
     are, with ``tools`` (and earlier calls' arguments as objects), for a template that renders
     tools; else with the definitions in the system message (``system_role`` false: at the head of
     the first user message, for a template without a system role such as Gemma's) and earlier
-    calls and results written out in the Hermes format, a turn's results in one user message."""
+    calls and results written out in the style the model is read in (``style_for``), a turn's
+    results in one user message."""
     if renders_tools(template):
         rendered = []
         for message in messages:
@@ -348,24 +536,26 @@ def tool_conversation(template: ChatTemplate, messages: Sequence[dict], tools: S
                 message = {**message, "tool_calls": calls}
             rendered.append(message)
         return rendered, {"tools": [tool.as_openai() for tool in tools]} if tools else {}
-    style = STYLES["hermes"]
-    plain = []
+    style = style_for(template)
+    plain, after_results = [], False  # after_results: the last message holds tool results
     for message in messages:
         role, content = message["role"], message.get("content") or ""
         if role == "tool":
-            response = f"<tool_response>\n{content}\n</tool_response>"
-            if plain and plain[-1]["role"] == "user" and plain[-1]["content"].endswith("</tool_response>"):
+            response = style.result(content)
+            if after_results:
                 plain[-1] = {"role": "user", "content": f"{plain[-1]['content']}\n{response}"}  # roles alternate
             else:
                 plain.append({"role": "user", "content": response})
-        elif message.get("tool_calls"):
+            after_results = True
+            continue
+        after_results = False
+        if message.get("tool_calls"):
             written = style.written(message["tool_calls"])
             plain.append({"role": "assistant", "content": f"{content}\n{written}".strip()})
         else:
             plain.append({"role": role, "content": content})
     if tools:
-        described = SYSTEM_TOOLS.format(tools="\n".join(json.dumps(tool.as_openai(), ensure_ascii=False)
-                                                       for tool in tools))
+        described = style.instructions(tools)
         if system_role and plain and plain[0]["role"] == "system":
             plain[0] = {"role": "system", "content": f"{plain[0]['content']}\n\n{described}"}
         elif system_role:

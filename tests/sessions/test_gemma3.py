@@ -242,3 +242,36 @@ def test_the_mlx_backend_refuses_gemma3_in_one_line(gemma3, tmp_path):
         "error: gemma3-270m (architecture 'gemma3') cannot be converted to MLX: specrun converts llama, qwen2; "
         "run it on llama.cpp: --backend llama"
     ]
+
+
+def test_a_tool_call_round_trip_in_python_calls_is_the_same_with_speculation(gemma3):
+    """Gemma's template takes no tools: the definitions go into its first user message with the
+    pythonic instruction, a required call is forced as a Python list and read back, the draft
+    model's speculation gives the call plain decoding gives, and the result goes back as a
+    ```tool_output block the model answers."""
+    from specrun.registry.loading import LoadOptions
+    from specrun.sessions.chat import AnswerDone, open_chat
+    from specrun.sessions.tools import STYLES, ToolChoice, render_conversation, style_for, tool_definitions
+
+    tools = tool_definitions([{"type": "function", "function": {
+        "name": "get_weather", "description": "The weather in a city", "parameters": {
+            "type": "object", "properties": {"city": {"type": "string", "maxLength": 20}, "unit": {"enum": ["C", "F"]}},
+            "required": ["city"], "additionalProperties": False}}}])
+    params = GenerationParams(max_new_tokens=40)
+    calls = {}
+    for method, draft in (("none", None), ("draft", "gemma3-270m")):
+        with open_chat("gemma3-270m-f16", draft, method, LoadOptions(threads=2, exact=True), tools=tools,
+                       tool_choice=ToolChoice("required")) as session:
+            assert style_for(session.template) is STYLES["pythonic"]
+            done = [e for e in session.ask("What is the weather in Oslo?", params) if isinstance(e, AnswerDone)][0]
+            assert done.text.startswith("[get_weather(") and done.text.endswith(")]")
+            calls[method] = [(call.name, json.loads(call.arguments)) for call in done.tool_calls]
+            if method == "draft":
+                assert done.stats.by_source["grammar"].accepted > 0  # the forced text drafted for free
+                answer = [e for e in session.ask('{"temperature": 21}', params, role="tool")
+                          if isinstance(e, AnswerDone)][0]
+                assert answer.text and not answer.tool_calls
+                rendered = render_conversation(session.template, session.transcript.messages, tools)[0]
+                assert '<start_of_turn>user\n```tool_output\n{"temperature": 21}\n```<end_of_turn>' in rendered
+    assert calls["draft"] == calls["none"]
+    assert calls["none"][0][0] == "get_weather" and isinstance(calls["none"][0][1]["city"], str)

@@ -1,6 +1,6 @@
 """Tool calls (issue 52): definitions rendered through a template that takes them or through the
-system message, calls read back in the Hermes, Llama 3 and Mistral formats, and the grammar that
-forces a call whose arguments follow their schema."""
+system message, calls read back in the Hermes, Llama 3, Mistral and pythonic (Gemma's) formats,
+and the grammar that forces a call whose arguments follow their schema."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import pytest
 from specrun.backends.fake import FakeBackend
 
 from specrun.errors import ChatTemplateError
-from specrun.grammar import Grammar, Vocabulary
+from specrun.grammar import Grammar, GrammarError, Vocabulary
 from specrun.sessions.templates import ChatTemplate
 from specrun.sessions.tools import (
     STYLES, Tool, ToolCall, ToolChoice, ToolTemplateError, render_conversation, renders_tools, style_for,
@@ -65,6 +65,18 @@ CONVERSATION = [
     ("mistral", '[TOOL_CALLS][{"name": "get_time", "arguments": {"zone": "CET"}}]', "", [("get_time", {"zone": "CET"})]),
     ("mistral", '[{"name": "a", "arguments": {}}, {"name": "b", "arguments": {}}]', "", [("a", {}), ("b", {})]),
     ("mistral", "[1, 2, 3]", "[1, 2, 3]", []),  # JSON that is not calls stays the answer
+    ("pythonic", '[get_weather(city="Oslo", unit="C")]', "", [("get_weather", {"city": "Oslo", "unit": "C"})]),
+    ("pythonic", "[a(), b(x=-2.5, y=True, z=None, w=null, v=('p', 'q'), d={'k': [false]})]", "",
+     [("a", {}), ("b", {"x": -2.5, "y": True, "z": None, "w": None, "v": ["p", "q"], "d": {"k": [False]}})]),
+    ("pythonic", 'Let me check.\n```tool_code\nprint(get_time(zone="UTC"))\n```', "Let me check.",
+     [("get_time", {"zone": "UTC"})]),
+    ("pythonic", '```tool_code\na(s="x\\/y")\nb(n=1)\n```', "", [("a", {"s": "x/y"}), ("b", {"n": 1})]),  # JSON's escapes
+    ("pythonic", '[get_time(zone="UTC")', '[get_time(zone="UTC")', []),  # cut short: not a call
+    ("pythonic", "Call f(x=1) when ready.", "Call f(x=1) when ready.", []),  # prose naming a call stays prose
+    ("pythonic", "[f(1)]", "[f(1)]", []),  # positional arguments: the names are unknown
+    ("pythonic", "[f(x=g())]", "[f(x=g())]", []),  # only literals: nothing is run
+    ("pythonic", "[f(**k)]", "[f(**k)]", []),
+    ("pythonic", "[1, 2]", "[1, 2]", []),
 ])
 def test_calls_are_read_in_each_style(style, text, content, calls):
     got_content, got_calls = STYLES[style].parse(text)
@@ -102,7 +114,8 @@ def test_a_template_without_tools_gets_them_in_its_system_message_and_earlier_ca
 
 def test_a_template_without_a_system_role_gets_the_tools_in_the_first_user_message():
     """Gemma 2's template refuses a system message: the tools head the first user message instead,
-    and a turn's tool results go back as one user message, so roles still alternate."""
+    and a turn's tool results go back as one user message, so roles still alternate (in the
+    pythonic style, Gemma's)."""
     gemma_like = ChatTemplate(
         "{% for m in messages %}{% if m.role == 'system' %}{{ raise_exception('System role not supported') }}"
         "{% endif %}{% if (m.role == 'user') != (loop.index0 % 2 == 0) %}"
@@ -115,7 +128,7 @@ def test_a_template_without_a_system_role_gets_the_tools_in_the_first_user_messa
     assert text.startswith("<start_of_turn>user\nYou may call functions")
     assert text.rstrip().endswith("<start_of_turn>model")
     assert text.count("<start_of_turn>user") == 2  # the question, then both results in one message
-    assert '{"temperature": 21}\n</tool_response>\n<tool_response>\n{"humidity": 40}' in text
+    assert '```tool_output\n{"temperature": 21}\n```\n```tool_output\n{"humidity": 40}\n```' in text
 
 
 def test_a_template_that_fails_on_tools_is_one_error_saying_so():
@@ -160,6 +173,8 @@ def test_a_required_call_s_grammar_accepts_exactly_calls_whose_arguments_follow_
 
     def written(call: dict) -> str:
         body = json.dumps(call)
+        if style == "pythonic":
+            return STYLES[style].written([{"function": call}])
         return {"hermes": f"<tool_call>\n{body}\n</tool_call>", "mistral": f"[{body}]"}.get(style, body)
 
     def accepted(text: str) -> bool:
@@ -179,7 +194,8 @@ def test_a_required_call_is_one_call_unless_parallel_calls_are_asked_for(style):
     key = STYLES[style].arguments_key
     one = json.dumps({"name": "get_time", key: {"zone": "UTC"}})
     two = {"hermes": f"<tool_call>\n{one}\n</tool_call>\n<tool_call>\n{one}\n</tool_call>",
-           "mistral": f"[{one}, {one}]", "llama3": f"{one}; {one}"}[style]
+           "mistral": f"[{one}, {one}]", "llama3": f"{one}; {one}",
+           "pythonic": '[get_time(zone="UTC"), get_time(zone="UTC")]'}[style]
 
     def accepted(parallel: bool) -> bool:
         grammar = Grammar.compile(STYLES[style].grammar((TIME,), ToolChoice("required"), parallel), backend)
@@ -188,6 +204,83 @@ def test_a_required_call_is_one_call_unless_parallel_calls_are_asked_for(style):
 
     assert accepted(parallel=True) and not accepted(parallel=False)
     assert len(STYLES[style].parse(two)[1]) == 2
+
+
+GEMMA_LIKE = ChatTemplate(
+    "{{ bos_token }}{% for m in messages %}<start_of_turn>{{ 'model' if m.role == 'assistant' else m.role }}\n"
+    "{{ m.content }}<end_of_turn>\n{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}")
+
+
+def test_gemma_s_template_gets_calls_in_python_and_results_as_tool_output_blocks():
+    """Gemma's templates take no tools; Google's guide prompts it to call functions as a Python
+    list: the instruction says so, earlier calls are written that way (and read back the same),
+    results come back in ```tool_output blocks."""
+    assert style_for(GEMMA_LIKE) is STYLES["pythonic"]
+    text, _ = render_conversation(GEMMA_LIKE, CONVERSATION, (WEATHER,))
+    assert "Python list of calls" in text and '"name": "get_weather"' in text
+    assert '<start_of_turn>model\n[get_weather(city="Paris", unit="C")]<end_of_turn>' in text
+    assert '<start_of_turn>user\n```tool_output\n{"temperature": 21}\n```<end_of_turn>' in text
+    (call,) = STYLES["pythonic"].parse('[get_weather(city="Paris", unit="C")]', ["get_weather"])[1]
+    assert json.loads(call.arguments) == json.loads(CONVERSATION[1]["tool_calls"][0]["function"]["arguments"])
+    assert call.id.startswith("call_")
+
+
+def test_a_python_call_s_grammar_writes_arguments_in_schema_order_the_required_ones_always():
+    backend = FakeBackend(lambda context: np.zeros(257, dtype=np.float32), 257, eos_ids=[256])
+    forecast = Tool("forecast", "", {"type": "object", "properties": {
+        "city": {"type": "string", "maxLength": 8}, "days": {"type": "integer", "minimum": 1},
+        "unit": {"enum": ["C", "F"]}, "hourly": {"type": "boolean"}}, "required": ["days"]})
+    anything = Tool("note", "", {"type": "object"})  # no properties: any keyword arguments
+    spec = STYLES["pythonic"].grammar((forecast, anything), ToolChoice("required"))
+    grammar = Grammar.compile(spec, backend)
+
+    def accepted(text: str) -> bool:
+        matcher = llguidance.LLMatcher(Vocabulary.of(backend).tokenizer, grammar.spec.llguidance_grammar(), log_level=0)
+        return matcher.consume_tokens(list(text.encode())) and matcher.is_accepting()
+
+    good = ['[forecast(days=3)]', '[forecast(city="Oslo", days=2)]', '[forecast(days=1, unit="F", hourly=true)]',
+            '[forecast(city="Rome", days=5, unit="C", hourly=false)]', '[note()]', '[note(text="hi", n=2)]']
+    bad = ['[forecast()]', '[forecast(city="Oslo")]', '[forecast(days=0)]', '[forecast(unit="C", days=2)]',
+           '[forecast(days=2, unit="K")]', '[forecast(days=2, extra=1)]', '[forecast(days=2), note()]']
+    assert [text for text in good if not accepted(text)] == []
+    assert [text for text in bad if accepted(text)] == []
+    for text in good:  # what the grammar writes reads back as the call, arguments valid
+        (call,) = STYLES["pythonic"].parse(text)[1]
+        if call.name == "forecast":
+            jsonschema.validate(json.loads(call.arguments), forecast.parameters)
+
+
+@pytest.mark.parametrize("tool", [Tool("get-weather"), Tool("f", "", {"type": "object",
+                                                                      "properties": {"first-name": {}}})])
+def test_a_name_python_cannot_write_is_one_error_where_a_python_call_is_required(tool):
+    with pytest.raises(GrammarError) as caught:
+        STYLES["pythonic"].grammar((tool,), ToolChoice("required"))
+    assert "Python" in caught.value.one_line() and ("get-weather" in caught.value.one_line()
+                                                   or "first-name" in caught.value.one_line())
+
+
+@pytest.mark.parametrize(("style", "chunks", "streamed", "calls"), [
+    # content streams, the call is held from its opener on
+    ("hermes", ["Let me ", "look.<tool", '_call>{"name": "f", "arguments": {}}</tool_call>'], "Let me look.", ["f"]),
+    ("pythonic", ["Sure.\n``", "`tool_code\nf(x=1)\n```"], "Sure.\n", ["f"]),
+    # an answer that begins as a bare call could is held whole, whitespace and all
+    ("pythonic", ["  ", "[f(x=", "1)]"], "", ["f"]),
+    ("llama3", ['{"name": "f", ', '"parameters": {}}'], "", ["f"]),
+    ("mistral", ["[1, 2]"], "", []),  # held, then not a call after all: it goes out at the end
+    # an answer that cannot be a bare call streams at once
+    ("pythonic", ["\nThe weather ", "is fine."], "\nThe weather is fine.", []),
+    ("llama3", ["It is ", "4."], "It is 4.", []),
+])
+def test_a_stream_sends_content_as_it_comes_and_holds_calls_back(style, chunks, streamed, calls):
+    from specrun.server.worker import ToolCallCut
+
+    cut = ToolCallCut(STYLES[style], ["f"])
+    sent = "".join(cut.feed(chunk) for chunk in chunks)
+    assert sent == streamed
+    rest, found = cut.finish()
+    assert [call.name for call in found] == calls
+    if not calls:
+        assert sent + rest == "".join(chunks)
 
 
 # ---- specrun chat with tools ----------------------------------------------------------------
