@@ -23,6 +23,7 @@ from rich.text import Text
 
 from specrun.cli.common import (
     PipeConsole,
+    PrefillBar,
     check_generation_options,
     checked_learning,
     checked_flash_attn,
@@ -210,11 +211,13 @@ def chat_command(
                         tracing.header(target=target, draft=draft, method=method,
                                        max_new_tokens=max_tokens, **params.sampling.fields())
                         session.trace = tracing
+                    session.engine.on_prefill = view.prefill
                     if messages is None:
                         ChatRepl(session, params, view).run()
                     else:
                         answer_each(session, messages, params, view, new_conversation_each=each_line)
             finally:  # the learners stop, and write the heads where asked, however the chat ended
+                view.stop_prefill()
                 for report in learning.finish() if learning is not None else []:
                     print(report.summary(), file=sys.stderr, flush=True)
 
@@ -238,6 +241,8 @@ class AnswerView:
         # Marked text goes through Rich (styled even on a pipe when asked for); plain text is written as is.
         self.out = _console(force_terminal=True) if show_accept else None
         self.err = _console(stderr=True)
+        # a long message's reading (a pasted document), on a terminal
+        self.prefill = None if json_output else PrefillBar(self.err)
         self._ends_with_newline = True
         self._notes: list[str] = []  # what loading measured (sessions/kernels.py): after the first answer
 
@@ -291,16 +296,23 @@ class AnswerView:
             self._write("\n", None)
 
     def interrupted(self) -> None:
+        self.stop_prefill()
         sys.stdout.flush()  # what the interrupted answer wrote shows before the notice, not in the next answer
         self.end_line()
         self.err.print("interrupted: the answer and its question are dropped from the conversation", style="yellow")
 
     def error(self, exc: SpecrunError) -> None:
+        self.stop_prefill()
         self.end_line()
         self.err.print(f"error: {exc.one_line()}", style="red")
 
     def info(self, text: str) -> None:
         self.err.print(text)
+
+    def stop_prefill(self) -> None:
+        """The prompt's progress bar gone (an answer interrupted or failed while its prompt was read)."""
+        if self.prefill is not None:
+            self.prefill.close()
 
 
 def _console(**options) -> Console:

@@ -57,3 +57,38 @@ def test_the_bar_shows_on_a_terminal_for_long_prompts_only_and_goes():
     piped = PrefillBar(Console(file=io.StringIO(), force_terminal=False))
     piped(0, PREFILL_BAR_MIN * 4)
     assert piped._progress is None and piped.console.file.getvalue() == ""
+
+
+def test_chat_shows_a_long_message_s_reading_and_closes_the_bar(monkeypatch):
+    """`specrun chat` hands its view's bar to the engine: a long piped message is told as read
+    (the bar itself keeps to terminals, above); --json has none."""
+    import pytest
+    from typer.testing import CliRunner
+
+    import specrun.cli.chat as chat_cli
+    from specrun.cli.app import app
+
+    pytest.importorskip("llama_cpp", reason="the llama backend (llama-cpp-python) is not installed")
+    bars: list[list[tuple[int, int]]] = []
+
+    class RecordingBar:
+        def __init__(self, console) -> None:
+            self.told: list[tuple[int, int]] = []
+            bars.append(self.told)
+
+        def __call__(self, fed: int, total: int) -> None:
+            self.told.append((fed, total))
+
+        def close(self) -> None:
+            pass
+
+    monkeypatch.setattr(chat_cli, "PrefillBar", RecordingBar)
+    message = " ".join(f"line {i} of the notes says the pump is fine." for i in range(120))
+    args = ["chat", "-t", "demo-target", "--method", "none", "-n", "2", "--threads", "1"]
+    result = CliRunner().invoke(app, args, input=message + "\n")
+    assert result.exit_code == 0, result.output
+    (told,) = bars
+    assert len(told) >= 2 and told[-1][0] == told[-1][1] > 512  # read in steps, to the end
+    bars.clear()
+    assert CliRunner().invoke(app, [*args, "--json"], input=message + "\n").exit_code == 0
+    assert bars == []
