@@ -149,6 +149,11 @@ def _keyed(target: Path) -> bool:
             and (cache_dir() / "derived").resolve() in target.parent.parent.resolve().parents)
 
 
+def _in_cache(target: Path) -> bool:
+    """Is ``target`` inside specrun's cache of derived models (where it may keep records beside copies)?"""
+    return (cache_dir() / "derived").resolve() in target.resolve().parents
+
+
 def _note_use(target: Path) -> None:
     if _keyed(target):
         with contextlib.suppress(OSError):  # a read-only cache: nothing to clean there either
@@ -184,7 +189,7 @@ def _forget_older_derivations(target: Path) -> None:
                 remove_scratch(aside)
             else:
                 aside.unlink()
-                _sum_path(path).unlink(missing_ok=True)
+            _sum_path(path).unlink(missing_ok=True)
     for key in keys:  # a key folder holding nothing but its stamp goes too
         with contextlib.suppress(OSError):
             if all(p.name == USED_STAMP for p in key.iterdir()):
@@ -197,14 +202,19 @@ def derive_once(target: Path, write: Callable[[Path], None]) -> Path:
 
     Processes deriving the same target at once each write their own; the first to finish
     moves its copy into place and the others use it (a folder cannot be renamed over a
-    full one: that failed with "Directory not empty"). A derived file keeps a record of its
-    checksum beside it (``.NAME.sum``); a file that no longer matches it is derived again
+    full one: that failed with "Directory not empty"). A derived file or folder keeps a record
+    of its checksums beside it (``.NAME.sum``); one that no longer matches it is derived again
     (``derived_file_intact``). No room for the copy is one ModelFileError line, and the scratch
     copy is gone either way."""
-    if target.exists() and (target.is_dir() or derived_file_intact(target)):
+    if target.exists() and derived_file_intact(target):
         _note_use(target)
         return target
-    if target.is_file():  # damaged since it was derived: derive it again
+    if target.is_dir():  # damaged since it was derived (its record says so: it is ours), moved aside whole
+        aside = target.with_name(f".forgetting-{secrets.token_hex(8)}")
+        with contextlib.suppress(OSError):  # another process's already
+            os.replace(target, aside)
+        remove_scratch(aside)
+    elif target.exists():  # damaged since it was derived: derive it again
         forget_derived(target)
     # Named before it exists and made inside the try: an interrupt that lands just after the
     # folder is made (mkdtemp's return, on a busy machine) still removes it.
@@ -218,12 +228,18 @@ def derive_once(target: Path, write: Callable[[Path], None]) -> Path:
         tmp = scratch / target.name
         with write_errors_as(lambda exc: _no_room(target, exc)):
             write(tmp)
-            if tmp.is_file():
+            # a folder's record only in the cache: a user's folder (models convert --out) gets no file beside it
+            recorded = tmp.is_file() or _in_cache(target)
+            if recorded:
                 _write_record(tmp, _sum_path(tmp))
         try:
             if tmp.is_file():
                 os.replace(_sum_path(tmp), _sum_path(target))  # the record first: a file never lacks one
-            os.replace(tmp, target)  # atomic: nothing half-written is ever visible
+                os.replace(tmp, target)  # atomic: nothing half-written is ever visible
+            else:  # a folder is not renamed over another's: its record goes only with it (a rename keeps times)
+                os.replace(tmp, target)
+                if recorded:
+                    os.replace(_sum_path(tmp), _sum_path(target))
         except OSError:
             if not target.exists():
                 raise  # not a lost race: a real failure
@@ -296,12 +312,24 @@ def _sum_path(path: Path) -> Path:
     return path.with_name(f".{path.name}.sum")
 
 
-def _write_record(path: Path, record: Path, sha256: str | None = None) -> None:
-    """What ``derived_file_intact`` checks ``path`` against: its size, its time and its SHA-256
-    (``sha256`` where it was just taken)."""
+def _write_record(path: Path, record: Path, sha256: str | dict | None = None) -> None:
+    """What ``derived_file_intact`` checks ``path`` against: a file's size, time and SHA-256
+    (``sha256`` where it was just taken); a folder's, each of its files' (by relative path;
+    ``sha256``: those just taken)."""
+    if path.is_dir():
+        taken = sha256 if isinstance(sha256, dict) else {}
+        files = {}
+        for file in sorted(p for p in path.rglob("*") if p.is_file()):
+            name = file.relative_to(path).as_posix()
+            files[name] = _file_record(file, taken.get(name))
+        record.write_text(json.dumps({"files": files}))
+        return
+    record.write_text(json.dumps(_file_record(path, sha256)))
+
+
+def _file_record(path: Path, sha256: str | None) -> dict:
     info = path.stat()
-    record.write_text(json.dumps({"size": info.st_size, "mtime_ns": info.st_mtime_ns,
-                                  "sha256": sha256 or _sha256(path)}))
+    return {"size": info.st_size, "mtime_ns": info.st_mtime_ns, "sha256": sha256 or _sha256(path)}
 
 
 def _sha256(path: Path) -> str:
@@ -313,21 +341,30 @@ def _sha256(path: Path) -> str:
 
 
 def derived_file_intact(path: Path) -> bool:
-    """Is the derived file ``path`` what was written? Its size and time as recorded: yes, at the
-    cost of a stat (a checksum of a 1 GB target costs ~1.5 s a load here). Changed since: its
-    SHA-256 against the record's decides, and an intact file's record is brought up to date, so
-    the checksum runs once a change. No record, or a damaged one (a file derived before records
-    were kept): taken as it is, and recorded (a load that fails still derives it again)."""
+    """Is the derived file or folder ``path`` what was written? Its size and time as recorded
+    (a folder's: each recorded file's): yes, at the cost of a stat (a checksum of a 1 GB target
+    costs ~1.5 s a load here). Changed since: the SHA-256 against the record's decides, and an
+    intact copy's record is brought up to date, so the checksum runs once a change. A recorded
+    file of a folder gone: not intact (files added since are not the record's to judge). No
+    record, or a damaged one (a copy derived before records were kept): taken as it is, and
+    recorded (a load that fails still derives it again)."""
     record_path = _sum_path(path)
     checksum = None
     try:
         record = json.loads(record_path.read_text())
-        info = path.stat()
-        if (record["size"], record["mtime_ns"]) == (info.st_size, info.st_mtime_ns):
-            return True
-        checksum = _sha256(path)
-        intact = record["sha256"] == checksum
-    except (OSError, ValueError, KeyError, TypeError):  # no record, or a damaged one: the file as it is
+        if path.is_dir():
+            intact, checksum = _folder_intact(path, record["files"])
+            if intact and checksum is None:
+                return True
+        else:
+            info = path.stat()
+            if (record["size"], record["mtime_ns"]) == (info.st_size, info.st_mtime_ns):
+                return True
+            checksum = _sha256(path)
+            intact = record["sha256"] == checksum
+    except FileNotFoundError:
+        intact = not record_path.exists()  # a recorded file gone is damage; no record, the copy as it is
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):  # a damaged record: the copy as it is
         intact = True
     if intact:
         try:
@@ -337,18 +374,32 @@ def derived_file_intact(path: Path) -> bool:
     return intact
 
 
+def _folder_intact(path: Path, files: dict) -> tuple[bool, dict | None]:
+    """Does each of a folder's recorded ``files`` match its record? And the checksums taken of
+    those whose size or time moved (None where none did). FileNotFoundError for a file gone."""
+    taken = {}
+    for name, entry in files.items():
+        file = path / name
+        info = file.stat()
+        if (entry["size"], entry["mtime_ns"]) == (info.st_size, info.st_mtime_ns):
+            continue
+        taken[name] = _sha256(file)
+        if taken[name] != entry["sha256"]:
+            return False, taken
+    return True, taken or None
+
+
 def forget_derived(path: Path) -> bool:
     """Delete ``path`` if it is a model derived into the cache (to be derived again), with its
     checksum record; False otherwise."""
-    derived_root = (cache_dir() / "derived").resolve()
     path = Path(path).resolve()
-    if derived_root not in path.parents or not path.exists():
+    if not _in_cache(path) or not path.exists():
         return False
     if path.is_dir():
         shutil.rmtree(path)
     else:
         path.unlink()
-        _sum_path(path).unlink(missing_ok=True)
+    _sum_path(path).unlink(missing_ok=True)
     return True
 
 

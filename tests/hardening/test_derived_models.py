@@ -51,8 +51,9 @@ def test_simultaneous_first_uses_all_get_the_derived_model(tmp_path, kind):
     for thread in threads:
         thread.join(timeout=30)
     assert failures == [] and results == [target] * RUNS_AT_ONCE
-    record = [] if kind == "folder" else [f".{target.name}.sum"]  # a derived file's checksum record
-    assert sorted(p.name for p in target.parent.iterdir()) == [*record, target.name]  # no scratch folders left
+    # the copy and its checksum record (a folder's only in the cache), no scratch folders left
+    record = [f".{target.name}.sum"] if kind == "file" else []
+    assert sorted(p.name for p in target.parent.iterdir()) == [*record, target.name]
     if kind == "folder":
         assert sorted(p.name for p in target.iterdir()) == ["config.json", "model.safetensors"]
 
@@ -84,6 +85,80 @@ def test_a_derived_file_damaged_in_place_is_found_by_its_checksum_and_derived_ag
     target.write_bytes(bytes(damaged))
     assert derive_once(target, write) == target and len(writes) == 2
     assert target.read_bytes() == b"weights " * 1000
+
+
+def _write_folder(writes: list):
+    def write(path):
+        writes.append(path)
+        (path / "sub").mkdir(parents=True)
+        (path / "config.json").write_text('{"a": 1}')
+        (path / "sub" / "weights.safetensors").write_bytes(b"weights " * 1000)
+    return write
+
+
+@pytest.mark.parametrize("damage", ["bit", "cut", "gone"])
+def test_a_derived_folder_damaged_in_place_is_found_and_derived_again(tmp_path, monkeypatch, damage):
+    """Derived heads and MLX copies are folders: a file of one changed (one bit: only its
+    checksum tells), cut short or gone since it was derived is derived again, not loaded."""
+    monkeypatch.setenv("SPECRUN_CACHE", str(tmp_path))
+    target = tmp_path / "derived" / "source" / "heads.medusa"
+    writes = []
+    assert derive_once(target, _write_folder(writes)) == target and len(writes) == 1
+    assert derive_once(target, _write_folder(writes)) == target and len(writes) == 1  # intact: used as it is
+    weights = target / "sub" / "weights.safetensors"
+    if damage == "bit":
+        damaged = bytearray(weights.read_bytes())
+        damaged[100] ^= 1
+        weights.write_bytes(bytes(damaged))
+    elif damage == "cut":
+        weights.write_bytes(weights.read_bytes()[:10])
+    else:
+        weights.unlink()
+    assert not demo.derived_file_intact(target)
+    assert derive_once(target, _write_folder(writes)) == target and len(writes) == 2
+    assert weights.read_bytes() == b"weights " * 1000 and demo.derived_file_intact(target)
+
+
+def test_a_derived_folder_touched_or_added_to_is_intact_and_one_derived_before_records_is_recorded(
+        tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECRUN_CACHE", str(tmp_path))
+    target = tmp_path / "derived" / "source" / "model-mlx"
+    writes = []
+    derive_once(target, _write_folder(writes))
+    os.utime(target / "config.json", ns=(1, 1))  # touched, not changed
+    (target / "notes.txt").write_text("a file the record does not name")
+    assert demo.derived_file_intact(target) and derive_once(target, _write_folder(writes)) == target
+    assert len(writes) == 1
+    demo._sum_path(target).unlink()  # derived before folders had records: taken as it is, and recorded
+    assert demo.derived_file_intact(target) and demo._sum_path(target).exists()
+    (target / "config.json").write_text('{"a": 2}')
+    assert not demo.derived_file_intact(target)
+
+
+def test_a_folder_derived_outside_the_cache_gets_no_record_beside_it(tmp_path, monkeypatch):
+    """`models convert --out DIR` writes through derive_once too: the user's folder stands alone."""
+    monkeypatch.setenv("SPECRUN_CACHE", str(tmp_path / "cache"))
+    target = tmp_path / "mine" / "model-mlx"
+    derive_once(target, _write_folder([]))
+    assert sorted(p.name for p in target.parent.iterdir()) == ["model-mlx"]
+
+
+def test_a_damaged_derived_heads_folder_is_derived_again_and_drafts(tmp_path, monkeypatch):
+    """Issue 49's bad input for what is derived for the bench-scale targets: the demo target's
+    Medusa heads widened for demo-target-xl, one weight changed in the cache, are derived again."""
+    from specrun.heads.files import load_heads
+    from specrun.registry.heads import find_all_heads
+
+    monkeypatch.setenv("SPECRUN_CACHE", str(tmp_path / "cache"))
+    (folder,) = [p for p in find_all_heads("demo-target-xl", None, "medusa") if p.is_dir()]
+    (weights,) = folder.glob("*.safetensors")
+    good = weights.read_bytes()
+    damaged = bytearray(good)
+    damaged[-5] ^= 0x40  # a weight's byte: the file still loads, with a wrong weight
+    weights.write_bytes(bytes(damaged))
+    (again,) = [p for p in find_all_heads("demo-target-xl", None, "medusa") if p.is_dir()]
+    assert again == folder and weights.read_bytes() == good
+    load_heads(again)
 
 
 def test_an_intact_derived_file_is_checked_by_its_size_and_time_not_read_again(tmp_path, monkeypatch):
