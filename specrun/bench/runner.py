@@ -38,8 +38,8 @@ from specrun.sessions.setup import (
 from specrun.sessions import setup
 from specrun.control.forecasts import SizeChoice
 from specrun.sessions.tuning import TuneResult
-from specrun.registry.loading import LoadOptions, prompts_as_chat
-from specrun.sessions.kernels import open_settled_pair
+from specrun.registry.loading import LoadOptions, open_pair, prompts_as_chat
+from specrun.sessions.kernels import settle_pair
 from specrun.drafters.lookahead import LookaheadSizes
 from specrun.drafters.methods import is_adaptive, needs_draft_model, uses_lookahead
 from specrun.sampling import SamplingSettings
@@ -161,7 +161,7 @@ def run_bench(config: BenchConfig, prompts: Sequence[BenchPrompt], progress: Pro
     wall_start = time.perf_counter()
     uses_draft = any(needs_draft_model(m) for m in config.methods)
     notes: list[str] = []
-    target, draft = open_settled_pair(config.target, config.draft if uses_draft else None, config.load, notes.append)
+    target, draft = open_pair(config.target, config.draft if uses_draft else None, config.load, notes.append)
     try:
         chat = prompts_as_chat(config.target, config.load.registry, target, config.chat)
         config = dataclasses.replace(config, chat=chat)  # the result records what was done
@@ -172,6 +172,9 @@ def run_bench(config: BenchConfig, prompts: Sequence[BenchPrompt], progress: Pro
                 f"no prompt fits the context of {target.n_ctx} tokens with {config.max_new_tokens} new tokens",
                 "raise --ctx or lower -n",
             )
+        # flash attention chosen for the context the longest prompt reaches, as generate chooses it
+        reached = max(len(ids) for _, ids in kept) + config.max_new_tokens
+        settle_pair(target, draft, config.load, notes.append, reached)
         tuned = load_tuned(target, draft, config.load.threads) if config.use_tuned else None
         draft = tuned_window(draft, tuned, config.load, notes.append)  # the draft cache tune kept, as generate's
         variants = config.variants()

@@ -16,7 +16,8 @@ where the timing fails: measuring never costs a run.
 Which wins depends on the context too: on this project's 2-core Xeon, after 256 tokens on and off
 run within a few percent, while after 4,096 tokens of the bench-scale target off ran a plain step
 in 94 ms against 176 and a 5-token pass in 166 ms against 619 (docs/perf.md 3(s)). A run that
-knows its context will pass ``DEEP_FROM`` tokens (a long prompt to `specrun generate`) chooses by
+knows its context will pass ``DEEP_FROM`` tokens (a long prompt to `specrun generate`, a bench whose
+longest prompt does) chooses by
 a probe after ``DEEP_DEPTH`` tokens instead, kept under a key of its own: it costs two prefills of
 that depth once (tens of seconds for a large model on a small CPU), against a decode up to twice
 as fast at every later long prompt.

@@ -231,3 +231,20 @@ def test_the_processor_is_named_from_python_or_cpuinfo(monkeypatch, tmp_path, py
 
     monkeypatch.setattr(builtins, "open", fake_open)
     assert fileio.processor_name() == expected
+
+
+def test_a_bench_chooses_flash_attention_for_the_context_its_longest_prompt_reaches(monkeypatch):
+    """As generate passes its prompt's length and new tokens, bench passes its longest prompt's:
+    a long-context bench (benchmarks/long_context.py) runs the kernels generate would."""
+    pytest.importorskip("llama_cpp", reason="the llama backend is not installed")
+    import specrun.bench.runner as runner
+    from specrun.bench.suite import BUILTIN_SUITE
+
+    told = []
+    monkeypatch.setattr(runner, "settle_pair", lambda target, draft, options, on_note, context=None: told.append(
+        (target.name, draft, context)))
+    load = LoadOptions(backend="llama", threads=1)
+    bench = runner.run_bench(runner.BenchConfig("demo-target", None, ("none",), max_new_tokens=8, load=load),
+                             BUILTIN_SUITE[:3])
+    longest = max(bench.prompt_tokens)
+    assert told == [(told[0][0], None, longest + 8)]
