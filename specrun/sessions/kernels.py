@@ -17,10 +17,9 @@ Which wins depends on the context too: on this project's 2-core Xeon, after 256 
 run within a few percent, while after 4,096 tokens of the bench-scale target off ran a plain step
 in 94 ms against 176 and a 5-token pass in 166 ms against 619 (docs/perf.md 3(s)). A run that
 knows its context will pass ``DEEP_FROM`` tokens (a long prompt to `specrun generate`, a bench whose
-longest prompt does) chooses by
-a probe after ``DEEP_DEPTH`` tokens instead, kept under a key of its own: it costs two prefills of
-that depth once (tens of seconds for a large model on a small CPU), against a decode up to twice
-as fast at every later long prompt.
+longest prompt does) chooses by a probe after ``DEEP_DEPTH`` tokens instead, kept under a key of
+its own: it costs two prefills of that depth once (tens of seconds for a large model on a small
+CPU), against a decode up to twice as fast at every later long prompt.
 
 The setting whose one-token pass and 6-token pass together cost less wins (a plain step and
 a verify pass: what plain decoding and speculation pay); off must be ``MARGIN`` faster to
