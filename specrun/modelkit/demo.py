@@ -25,6 +25,7 @@ from importlib import resources
 from pathlib import Path
 
 from specrun.errors import ModelFileError, RegistryError, SpecrunError
+from specrun.fileio import is_special
 
 DEMO_MODELS = ("demo-target", "demo-draft", "demo-target-xl")
 XL_WIDEN_FACTOR = 4  # hidden 384 -> 1536, MLP 1024 -> 4096, heads 6 -> 24
@@ -349,6 +350,11 @@ def derived_file_intact(path: Path) -> bool:
     record, or a damaged one (a copy derived before records were kept): taken as it is, and
     recorded (a load that fails still derives it again)."""
     record_path = _sum_path(path)
+    if is_special(path):  # a FIFO or device where the copy was (its checksum would wait on it for good)
+        return False
+    if is_special(record_path):  # the record's place, in the cache: a FIFO there would hang its read
+        with contextlib.suppress(OSError):
+            record_path.unlink()
     checksum = None
     try:
         record = json.loads(record_path.read_text())
@@ -380,6 +386,8 @@ def _folder_intact(path: Path, files: dict) -> tuple[bool, dict | None]:
     taken = {}
     for name, entry in files.items():
         file = path / name
+        if is_special(file):
+            return False, taken
         info = file.stat()
         if (entry["size"], entry["mtime_ns"]) == (info.st_size, info.st_mtime_ns):
             continue

@@ -306,3 +306,24 @@ def test_the_derivation_key_reads_the_code_that_writes_derived_models(monkeypatc
         assert demo.derivation_key() != before
     finally:
         demo.derivation_key.cache_clear()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("where", ["record", "file", "folder's file"])
+def test_a_fifo_in_a_derived_copy_s_place_or_its_record_s_never_hangs(tmp_path, monkeypatch, where):
+    """A FIFO where a derived copy, one of its folder's files or its checksum record was: reading
+    it would wait for a writer for good. The record's place is cleared and written again; a copy
+    that is a FIFO is derived again."""
+    monkeypatch.setenv("SPECRUN_CACHE", str(tmp_path))
+    folder = where == "folder's file"
+    target = tmp_path / "derived" / "source" / ("model-mlx" if folder else "model.gguf")
+    writes = []
+    write = _write_folder(writes) if folder else (lambda path: writes.append(path) or path.write_bytes(b"w" * 100))
+    derive_once(target, write)
+    fifo = {"record": demo._sum_path(target), "file": target,
+            "folder's file": target / "sub" / "weights.safetensors"}[where]
+    fifo.unlink()
+    os.mkfifo(fifo)
+    assert derive_once(target, write) == target
+    assert len(writes) == (1 if where == "record" else 2)
+    assert not demo.is_special(fifo) and demo.derived_file_intact(target)
