@@ -322,10 +322,29 @@ def _function_name(node) -> str:
     raise NotACall("not a function's name")
 
 
-def _literal(node, source: str):
+class _Source:
+    """Python text whose nodes' text is sliced by their positions (``ast.get_source_segment``
+    splits the whole text at every call: quadratic over a list of thousands of calls)."""
+
+    def __init__(self, text: str) -> None:
+        self.data = text.encode("utf-8")  # ast's columns count UTF-8 bytes
+        self.starts = [0]  # each line's first byte; lines end as ast ends them (\r\n, \r or \n)
+        self.starts.extend(match.end() for match in LINE_END.finditer(self.data))
+
+    def segment(self, node) -> str | None:
+        if getattr(node, "end_lineno", None) is None:
+            return None
+        begin = self.starts[node.lineno - 1] + node.col_offset
+        return self.data[begin:self.starts[node.end_lineno - 1] + node.end_col_offset].decode("utf-8", "replace")
+
+
+LINE_END = re.compile(rb"\r\n|\r|\n")
+
+
+def _literal(node, source: _Source):
     """A keyword argument's value: JSON where its text is JSON (so ``"a\\/b"`` reads as JSON reads
     it), else a Python literal (``'x'``, ``True``, ``(1, 2)``), JSON's true/false/null taken too."""
-    text = ast.get_source_segment(source, node)
+    text = source.segment(node)
     if text is not None:
         try:
             return json.loads(text)
@@ -348,7 +367,7 @@ def _literal(node, source: str):
     raise NotACall("an argument that is not a literal")
 
 
-def _pythonic_call(node, source: str) -> ToolCall:
+def _pythonic_call(node, source: _Source) -> ToolCall:
     if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "print" and len(
             node.args) == 1 and not node.keywords:
         node = node.args[0]  # print(f(x=1)), as some of Gemma's examples write it
@@ -358,12 +377,13 @@ def _pythonic_call(node, source: str) -> ToolCall:
     return ToolCall(_function_name(node.func), json.dumps(arguments, ensure_ascii=False))
 
 
-def _pythonic_calls(source: str) -> list[ToolCall]:
+def _pythonic_calls(text: str) -> list[ToolCall]:
     """The calls of ``[f(a=1), g()]``, of one call alone, or of one call a line; NotACall otherwise."""
+    text = text.strip()  # the text parsed is the text its nodes' positions index
     try:
         with warnings.catch_warnings():  # JSON's "\\/" is an invalid escape to Python, and warned of
             warnings.simplefilter("ignore")
-            module = ast.parse(source.strip())
+            module = ast.parse(text)
     except (SyntaxError, ValueError, RecursionError, MemoryError):
         raise NotACall("not Python") from None
     if not module.body or not all(isinstance(statement, ast.Expr) for statement in module.body):
@@ -371,6 +391,7 @@ def _pythonic_calls(source: str) -> list[ToolCall]:
     nodes = [statement.value for statement in module.body]
     if len(nodes) == 1 and isinstance(nodes[0], (ast.List, ast.Tuple)):
         nodes = nodes[0].elts
+    source = _Source(text)
     try:
         return [_pythonic_call(node, source) for node in nodes] if nodes else []
     except RecursionError:

@@ -71,6 +71,7 @@ CONVERSATION = [
     ("pythonic", 'Let me check.\n```tool_code\nprint(get_time(zone="UTC"))\n```', "Let me check.",
      [("get_time", {"zone": "UTC"})]),
     ("pythonic", '```tool_code\na(s="x\\/y")\nb(n=1)\n```', "", [("a", {"s": "x/y"}), ("b", {"n": 1})]),  # JSON's escapes
+    ("pythonic", '  \n [a(s="x\\/y", t="\u00e9")]', "", [("a", {"s": "x/y", "t": "\u00e9"})]),  # read where parsed
     ("pythonic", '[get_time(zone="UTC")', '[get_time(zone="UTC")', []),  # cut short: not a call
     ("pythonic", "Call f(x=1) when ready.", "Call f(x=1) when ready.", []),  # prose naming a call stays prose
     ("pythonic", "[f(1)]", "[f(1)]", []),  # positional arguments: the names are unknown
@@ -148,6 +149,17 @@ def test_reading_calls_from_hostile_text_is_quick_and_finds_none(text):
         started = time.perf_counter()
         assert style.parse(text, ["get_weather"])[1] == []
         assert time.perf_counter() - started < 1.0
+
+
+@pytest.mark.parametrize("text", ["[" + ", ".join(["f(x=1)"] * 20_000) + "]", "```tool_code\n" + "f(x=1)\n" * 20_000])
+def test_thousands_of_python_calls_are_read_in_linear_time(text):
+    """Each argument's text is sliced by its position: ast.get_source_segment split the whole
+    answer at every argument (20,000 calls: minutes)."""
+    import time
+
+    started = time.perf_counter()
+    assert len(STYLES["pythonic"].parse(text, ["f"])[1]) == 20_000
+    assert time.perf_counter() - started < 10.0
 
 
 def test_only_calls_to_defined_functions_count_and_mistral_ids_are_nine_letters_or_digits():
