@@ -664,12 +664,12 @@ class PairWorker:
         """The request's grammar compiled for the target's vocabulary (checked without one already);
         where a call is required, the grammar of calls in the format the model writes them."""
         spec, field_name = request.grammar, request.grammar_field
-        if request.tools and request.tool_choice.forces_a_call:
-            spec = self._style().grammar(request.tools, request.tool_choice, request.parallel_tool_calls)
-            field_name = "tools"
-        if spec is None:
-            return None
         try:
+            if request.tools and request.tool_choice.forces_a_call:
+                field_name = "tools"  # a name the model's call format cannot write, too
+                spec = self._style().grammar(request.tools, request.tool_choice, request.parallel_tool_calls)
+            if spec is None:
+                return None
             return Grammar.compile(spec, self.session.target)
         except GrammarError as exc:
             raise invalid_value(field_name, exc.problem) from None

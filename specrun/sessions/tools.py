@@ -25,6 +25,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import json
+import keyword
 import re
 import secrets
 import string
@@ -309,6 +310,11 @@ IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 JSON_NAMES = {"true": True, "false": False, "null": None}  # JSON's literals, as a model may write them in Python
 
 
+def _python_name(name: str) -> bool:
+    """Can ``name`` be written as a name in Python (not ``from``, ``class``: keywords do not parse)?"""
+    return IDENTIFIER.fullmatch(name) is not None and not keyword.iskeyword(name)
+
+
 class NotACall(ValueError):
     """Python text that is not a list of calls with literal keyword arguments."""
 
@@ -424,7 +430,7 @@ class PythonicStyle(ToolStyle):
         allowed = [tool for tool in tools if choice.mode != "function" or tool.name == choice.function]
         rules, calls = [], []
         for index, tool in enumerate(allowed):
-            if not all(IDENTIFIER.fullmatch(part) for part in tool.name.split(".")):
+            if not all(_python_name(part) for part in tool.name.split(".")):
                 raise GrammarError(f"the function name {tool.name!r} cannot be written as a Python call, the "
                                    "format this model calls functions in",
                                    "name it with letters, digits and '_' only")
@@ -461,7 +467,7 @@ def _keyword_rules(prefix: str, schema: dict, rules: list[str]) -> str:
         rules.append(f"{prefix}_kw: /[A-Za-z_][A-Za-z0-9_]*/ \"=\" %json {any_value}")
         return f"({prefix}_kw (\", \" {prefix}_kw)*)?"
     names = list(properties)
-    bad = next((name for name in names if not IDENTIFIER.fullmatch(name)), None)
+    bad = next((name for name in names if not _python_name(name)), None)
     if bad is not None:
         raise GrammarError(f"the argument name {bad!r} cannot be written as a Python keyword, the format this "
                            "model calls functions in", "name arguments with letters, digits and '_' only")

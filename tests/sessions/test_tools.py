@@ -262,13 +262,15 @@ def test_a_python_call_s_grammar_writes_arguments_in_schema_order_the_required_o
             jsonschema.validate(json.loads(call.arguments), forecast.parameters)
 
 
-@pytest.mark.parametrize("tool", [Tool("get-weather"), Tool("f", "", {"type": "object",
-                                                                      "properties": {"first-name": {}}})])
-def test_a_name_python_cannot_write_is_one_error_where_a_python_call_is_required(tool):
+@pytest.mark.parametrize(("tool", "named"), [
+    (Tool("get-weather"), "get-weather"), (Tool("import"), "import"),
+    (Tool("f", "", {"type": "object", "properties": {"first-name": {}}}), "first-name"),
+    (Tool("f", "", {"type": "object", "properties": {"from": {}}}), "from"),  # a keyword: `from=1` does not parse
+])
+def test_a_name_python_cannot_write_is_one_error_where_a_python_call_is_required(tool, named):
     with pytest.raises(GrammarError) as caught:
         STYLES["pythonic"].grammar((tool,), ToolChoice("required"))
-    assert "Python" in caught.value.one_line() and ("get-weather" in caught.value.one_line()
-                                                   or "first-name" in caught.value.one_line())
+    assert "Python" in caught.value.one_line() and repr(named) in caught.value.one_line()
 
 
 @pytest.mark.parametrize(("style", "chunks", "streamed", "calls"), [
@@ -352,3 +354,21 @@ def test_piped_chat_with_tools_prints_the_calls_in_its_json(tmp_path):
     assert result.exit_code == 0, result.output
     answer = json.loads(result.stdout.strip().splitlines()[-1])
     assert answer["tool_calls"][0]["function"]["name"] == "get_weather"
+
+
+def test_a_server_answers_a_required_call_python_cannot_write_with_a_400_naming_tools():
+    """The server builds the required call's grammar inside its refusal of bad grammars: a
+    function Gemma's format cannot name is a 400 on `tools`, not a failed request."""
+    from types import SimpleNamespace
+
+    from specrun.server.requests import CompletionRequest, RequestError
+    from specrun.server.worker import PairWorker
+
+    worker = SimpleNamespace(_style=lambda: STYLES["pythonic"], session=SimpleNamespace(target=None))
+    request = CompletionRequest.__new__(CompletionRequest)
+    for name, value in {"grammar": None, "grammar_field": None, "tools": (Tool("get-weather"),),
+                        "tool_choice": ToolChoice("required"), "parallel_tool_calls": False}.items():
+        object.__setattr__(request, name, value)
+    with pytest.raises(RequestError) as refused:
+        PairWorker._grammar(worker, request)
+    assert refused.value.param == "tools" and "get-weather" in str(refused.value)
