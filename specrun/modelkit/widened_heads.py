@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
+from specrun.errors import ModelFileError
 from specrun.modelkit.demo import XL_WIDEN_FACTOR, demo_gguf, derive_once, derived_path
 from specrun.modelkit.smollm2 import WIDENED, smollm2_gguf
 
@@ -39,6 +40,9 @@ def widened_heads(shipped: Path, builtin: str, kind: str) -> Path:
     # what the copy is keyed by: specrun's .json names its tensors' SHA-256 beside its layout and
     # training record, so it covers the pair; a folder's weights
     source = shipped / "model.safetensors" if shipped.is_dir() else shipped.with_suffix(".json")
+    if not source.is_file():  # the install is damaged: another kind may still serve (registry.heads)
+        raise ModelFileError(f"specrun's shipped heads {shipped.name} lack {source.name}",
+                             "reinstall specrun")
     target = derived_path(source, f"{builtin}.{kind}")
     return derive_once(target, lambda folder: _write_widened(shipped, folder, builtin))
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -451,3 +452,24 @@ def test_heads_that_cannot_be_derived_for_the_bench_scale_target_are_one_line_na
     assert not heads_available("demo-target-xl", "medusa")
     monkeypatch.setenv("SPECRUN_CACHE", str(tmp_path / "cache"))
     assert find_all_heads("demo-target-xl", None, "medusa")[0].is_relative_to(tmp_path / "cache")
+
+
+def test_a_shipped_heads_file_without_its_json_leaves_that_kind_out_not_the_listing(tmp_path, monkeypatch):
+    """A damaged install (a shipped .safetensors without its .json): the widened target's
+    candidates leave that kind out with the error kept, instead of raising mid-listing."""
+    import shutil
+
+    import specrun.demo
+    from specrun.errors import ModelFileError
+    from specrun.registry.catalog import load_registry
+    from specrun.registry.heads import heads_candidates
+
+    package = tmp_path / "demo"
+    shutil.copytree(Path(specrun.demo.__file__).parent, package)
+    (package / "demo-target.medusa.json").unlink()
+    monkeypatch.setattr(specrun.demo, "__file__", str(package / "__init__.py"))
+    monkeypatch.setenv("SPECRUN_CACHE", str(tmp_path / "cache"))
+    failures = []
+    heads_candidates("demo-target-xl", "medusa", load_registry(), failures)
+    assert len(failures) == 1 and isinstance(failures[0], ModelFileError)
+    assert "demo-target.medusa.json" in failures[0].one_line() and "reinstall" in failures[0].one_line()
