@@ -152,9 +152,9 @@ class ToolCallCut:
     def finish(self) -> tuple[str, tuple[ToolCall, ...]]:
         """The content not sent yet, and the calls the answer made."""
         answer = "".join(self._text)
-        _, calls = self.style.parse(answer, self.names)
-        if calls:
-            return "", tuple(calls)
+        content, calls = self.style.parse(answer, self.names)
+        if calls:  # streamed, the content went out before the call's opener; held whole, it goes now
+            return ("" if self._sent else content), tuple(calls)
         return answer[self._sent:], ()
 
 

@@ -232,6 +232,8 @@ class ToolStyle:
         if self.name == "hermes":
             return _parse_hermes(text)
         start = text.find(self.opener) if self.opener else -1
+        if start < 0 and text.lstrip()[:1] not in tuple(self.bare_starts):
+            return text, []  # a call without its opener begins the answer as bare_starts say (a stream sent it)
         body = text[start + len(self.opener):] if start >= 0 else text
         content = text[:start] if start >= 0 else ""
         values = _json_values(body.strip())
@@ -315,6 +317,13 @@ def _python_name(name: str) -> bool:
     return IDENTIFIER.fullmatch(name) is not None and not keyword.iskeyword(name)
 
 
+# JSON's "\\/" is an invalid escape to Python, warned of as the text compiles: silenced for this
+# text alone (catch_warnings swaps the process's filters, and the server's threads raced on them)
+CALL_FILENAME = "<tool-call>"
+for _category in (SyntaxWarning, DeprecationWarning):
+    warnings.filterwarnings("ignore", category=_category, module=re.escape(CALL_FILENAME) + r"\Z")
+
+
 class NotACall(ValueError):
     """Python text that is not a list of calls with literal keyword arguments."""
 
@@ -379,7 +388,10 @@ def _pythonic_call(node, source: _Source) -> ToolCall:
         node = node.args[0]  # print(f(x=1)), as some of Gemma's examples write it
     if not isinstance(node, ast.Call) or node.args or any(keyword.arg is None for keyword in node.keywords):
         raise NotACall("not a call with keyword arguments only")
-    arguments = {keyword.arg: _literal(keyword.value, source) for keyword in node.keywords}
+    names = [each.arg for each in node.keywords]
+    if len(set(names)) < len(names):  # f(a=1, a=2) parses; which one was meant cannot be told
+        raise NotACall("an argument given twice")
+    arguments = {each.arg: _literal(each.value, source) for each in node.keywords}
     return ToolCall(_function_name(node.func), json.dumps(arguments, ensure_ascii=False))
 
 
@@ -387,9 +399,7 @@ def _pythonic_calls(text: str) -> list[ToolCall]:
     """The calls of ``[f(a=1), g()]``, of one call alone, or of one call a line; NotACall otherwise."""
     text = text.strip()  # the text parsed is the text its nodes' positions index
     try:
-        with warnings.catch_warnings():  # JSON's "\\/" is an invalid escape to Python, and warned of
-            warnings.simplefilter("ignore")
-            module = ast.parse(text)
+        module = ast.parse(text, CALL_FILENAME)
     except (SyntaxError, ValueError, RecursionError, MemoryError):
         raise NotACall("not Python") from None
     if not module.body or not all(isinstance(statement, ast.Expr) for statement in module.body):
@@ -496,7 +506,7 @@ def _keyword_rules(prefix: str, schema: dict, rules: list[str]) -> str:
 STYLES = {
     "hermes": ToolStyle("hermes", "<tool_call>"),
     "llama3": ToolStyle("llama3", "<|python_tag|>", arguments_key="parameters", bare_starts="{["),
-    "mistral": ToolStyle("mistral", "[TOOL_CALLS]", bare_starts="["),
+    "mistral": ToolStyle("mistral", "[TOOL_CALLS]", bare_starts="[{"),
     "pythonic": PythonicStyle("pythonic", "```tool_code", bare_starts="["),
 }
 

@@ -5,6 +5,7 @@ and the grammar that forces a call whose arguments follow their schema."""
 from __future__ import annotations
 
 import json
+import re
 
 import jsonschema
 import llguidance
@@ -17,7 +18,7 @@ from specrun.errors import ChatTemplateError
 from specrun.grammar import Grammar, GrammarError, Vocabulary
 from specrun.sessions.templates import ChatTemplate
 from specrun.sessions.tools import (
-    STYLES, Tool, ToolCall, ToolChoice, ToolTemplateError, render_conversation, renders_tools, style_for,
+    CALL_FILENAME, STYLES, Tool, ToolCall, ToolChoice, ToolTemplateError, render_conversation, renders_tools, style_for,
 )
 
 WEATHER = Tool("get_weather", "The weather in a city", {
@@ -77,6 +78,9 @@ CONVERSATION = [
     ("pythonic", "[f(1)]", "[f(1)]", []),  # positional arguments: the names are unknown
     ("pythonic", "[f(x=g())]", "[f(x=g())]", []),  # only literals: nothing is run
     ("pythonic", "[f(**k)]", "[f(**k)]", []),
+    ("pythonic", "[f(a=1, a=2)]", "[f(a=1, a=2)]", []),  # an argument twice: which was meant is unknown
+    ("llama3", '; {"name": "a", "parameters": {}}', '; {"name": "a", "parameters": {}}', []),  # not how a call begins
+    ("mistral", '{"name": "a", "arguments": {}}', "", [("a", {})]),
     ("pythonic", "[1, 2]", "[1, 2]", []),
 ])
 def test_calls_are_read_in_each_style(style, text, content, calls):
@@ -273,6 +277,36 @@ def test_a_name_python_cannot_write_is_one_error_where_a_python_call_is_required
     assert "Python" in caught.value.one_line() and repr(named) in caught.value.one_line()
 
 
+def test_an_answer_held_whole_keeps_its_content_before_the_call():
+    from specrun.server.worker import ToolCallCut
+
+    cut = ToolCallCut(STYLES["pythonic"], ["f"])
+    assert cut.feed("[Note] I will check.\n") + cut.feed("```tool_code\nf(x=1)\n```") == ""
+    rest, (call,) = cut.finish()
+    assert rest == "[Note] I will check." and call.name == "f"
+
+
+def test_reading_python_calls_in_threads_leaves_the_process_s_warning_filters_alone():
+    """JSON's "\\/" warns as Python compiles it: silenced by a filter for the calls' text alone
+    (catch_warnings in the server's threads left an "ignore everything" filter behind)."""
+    import threading
+    import warnings
+
+    before = list(warnings.filters)
+    threads = [threading.Thread(target=lambda: [STYLES["pythonic"].parse('[f(s="x\\/y")]') for _ in range(200)])
+               for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert warnings.filters == before
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("default")
+        warnings.filterwarnings("ignore", module=re.escape(CALL_FILENAME) + r"\Z")  # what the module sets
+        STYLES["pythonic"].parse('[f(s="x\\/y")]')
+    assert caught == []
+
+
 @pytest.mark.parametrize(("style", "chunks", "streamed", "calls"), [
     # content streams, the call is held from its opener on
     ("hermes", ["Let me ", "look.<tool", '_call>{"name": "f", "arguments": {}}</tool_call>'], "Let me look.", ["f"]),
@@ -281,6 +315,8 @@ def test_a_name_python_cannot_write_is_one_error_where_a_python_call_is_required
     ("pythonic", ["  ", "[f(x=", "1)]"], "", ["f"]),
     ("llama3", ['{"name": "f", ', '"parameters": {}}'], "", ["f"]),
     ("mistral", ["[1, 2]"], "", []),  # held, then not a call after all: it goes out at the end
+    ("mistral", ['{"name": "f", ', '"arguments": {}}'], "", ["f"]),  # a bare object is held too
+    ("llama3", ["; ", '{"name": "f", "parameters": {}}'], '; {"name": "f", "parameters": {}}', []),  # sent: text
     # an answer that cannot be a bare call streams at once
     ("pythonic", ["\nThe weather ", "is fine."], "\nThe weather is fine.", []),
     ("llama3", ["It is ", "4."], "It is 4.", []),
