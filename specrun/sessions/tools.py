@@ -189,7 +189,10 @@ def _call_of(value) -> ToolCall | None:
             return None
     if not isinstance(arguments, dict):
         return None
-    return ToolCall(value["name"], json.dumps(arguments, ensure_ascii=False))
+    try:  # 1e400 reads as infinity, which JSON cannot write: not arguments a client can read
+        return ToolCall(value["name"], json.dumps(arguments, ensure_ascii=False, allow_nan=False))
+    except ValueError:
+        return None
 
 
 SEPARATORS = re.compile(r"[ \t\r\n;,]*")
@@ -392,7 +395,10 @@ def _pythonic_call(node, source: _Source) -> ToolCall:
     if len(set(names)) < len(names):  # f(a=1, a=2) parses; which one was meant cannot be told
         raise NotACall("an argument given twice")
     arguments = {each.arg: _literal(each.value, source) for each in node.keywords}
-    return ToolCall(_function_name(node.func), json.dumps(arguments, ensure_ascii=False))
+    try:  # 1e400 reads as infinity, which JSON cannot write
+        return ToolCall(_function_name(node.func), json.dumps(arguments, ensure_ascii=False, allow_nan=False))
+    except ValueError:
+        raise NotACall("a number JSON cannot write") from None
 
 
 def _pythonic_calls(text: str) -> list[ToolCall]:

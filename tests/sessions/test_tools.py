@@ -79,6 +79,9 @@ CONVERSATION = [
     ("pythonic", "[f(x=g())]", "[f(x=g())]", []),  # only literals: nothing is run
     ("pythonic", "[f(**k)]", "[f(**k)]", []),
     ("pythonic", "[f(a=1, a=2)]", "[f(a=1, a=2)]", []),  # an argument twice: which was meant is unknown
+    ("pythonic", "[f(v=1E400)]", "[f(v=1E400)]", []),  # infinity: JSON cannot write it back
+    ("hermes", '<tool_call>{"name": "f", "arguments": {"v": -1e999}}</tool_call>',
+     '<tool_call>{"name": "f", "arguments": {"v": -1e999}}</tool_call>', []),
     ("llama3", '; {"name": "a", "parameters": {}}', '; {"name": "a", "parameters": {}}', []),  # not how a call begins
     ("mistral", '{"name": "a", "arguments": {}}', "", [("a", {})]),
     ("pythonic", "[1, 2]", "[1, 2]", []),
