@@ -214,6 +214,7 @@ def derive_once(target: Path, write: Callable[[Path], None]) -> Path:
         aside = target.with_name(f".forgetting-{secrets.token_hex(8)}")
         with contextlib.suppress(OSError):  # another process's already
             os.replace(target, aside)
+            _sum_path(target).unlink(missing_ok=True)  # its record goes with it, never judging the next copy
         remove_scratch(aside)
     elif target.exists():  # damaged since it was derived: derive it again
         forget_derived(target)
@@ -372,10 +373,10 @@ def derived_file_intact(path: Path) -> bool:
         intact = not record_path.exists()  # a recorded file gone is damage; no record, the copy as it is
     except (OSError, ValueError, KeyError, TypeError, AttributeError):  # a damaged record: the copy as it is
         intact = True
-    if intact:
+    if intact and os.access(record_path.parent, os.W_OK):  # a read-only cache: nothing hashed to be lost
         try:
             _write_record(path, record_path, checksum)
-        except OSError:  # a read-only cache: checked again next time
+        except OSError:  # checked again next time
             pass
     return intact
 

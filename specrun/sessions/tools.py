@@ -261,9 +261,13 @@ class ToolStyle:
         max_tokens cuts it off."""
         allowed = [tool for tool in tools if choice.mode != "function" or tool.name == choice.function]
         schemas = [{"type": "object", "additionalProperties": False, "required": ["name", self.arguments_key],
-                    "properties": {"name": {"const": tool.name},
-                                   self.arguments_key: tool.parameters or {"type": "object"}},
-                    "x-guidance": CALL_JSON_OPTIONS} for tool in allowed]
+                    "properties": {"name": {"const": tool.name}, self.arguments_key: {"$ref": f"#/$defs/{PARAMETERS_DEF}"}},
+                    "$defs": _rerooted({}, tool.parameters)["$defs"],
+                    "x-guidance": CALL_JSON_OPTIONS} if tool.parameters and "$ref" in json.dumps(tool.parameters)
+                   else {"type": "object", "additionalProperties": False, "required": ["name", self.arguments_key],
+                         "properties": {"name": {"const": tool.name},
+                                        self.arguments_key: tool.parameters or {"type": "object"}},
+                         "x-guidance": CALL_JSON_OPTIONS} for tool in allowed]
         call = " | ".join(f"%json {json.dumps(schema)}" for schema in schemas)
         if self.name == "hermes":
             block = '"<tool_call>\\n" call "\\n</tool_call>"'
@@ -307,6 +311,28 @@ def _parse_hermes(text: str) -> tuple[str, list[ToolCall]]:
             return text, []  # not a call after all: the text stays the answer
         calls.extend(found)
     return text[:start].strip(), calls
+
+
+PARAMETERS_DEF = "__parameters"  # where a schema placed inside another keeps the arguments' whole schema
+
+
+def _rerooted(value, parameters: dict):
+    """``value`` (a part of the arguments' schema ``parameters``) as a schema of its own root: its
+    ``$ref``s into the arguments' schema ("#", "#/$defs/P", "#/properties/a") pointed at a copy
+    of it under $defs. Schemas without $ref come back as they are."""
+    if "$ref" not in json.dumps(parameters):
+        return value
+
+    def moved(node):
+        if isinstance(node, dict):
+            return {key: (f"#/$defs/{PARAMETERS_DEF}{item[1:]}" if key == "$ref" and isinstance(item, str)
+                          and item.startswith("#") else moved(item)) for key, item in node.items()}
+        if isinstance(node, list):
+            return [moved(item) for item in node]
+        return node
+
+    placed = moved(value) if isinstance(value, dict) else {}
+    return {**placed, "$defs": {**placed.get("$defs", {}), PARAMETERS_DEF: moved(parameters)}}
 
 
 # ---- the pythonic style: calls written as Python (Gemma's prompted format) -------------------
@@ -429,12 +455,15 @@ class PythonicStyle(ToolStyle):
     back as ```` ```tool_output ```` blocks."""
 
     def _read(self, text: str) -> tuple[str, list[ToolCall]]:
-        fenced = TOOL_CODE.search(text)
-        content, body = (text[:fenced.start()], fenced.group(1)) if fenced else ("", text)
-        if not fenced and not body.lstrip().startswith("["):
+        blocks = list(TOOL_CODE.finditer(text))
+        if not blocks and not text.lstrip().startswith("["):
             return text, []  # a bare call must be the whole answer as a list: prose naming f(x) stays prose
+        between = [text[a.end():b.start()] for a, b in zip(blocks, blocks[1:])]
+        if any(part.strip() for part in between):
+            return text, []  # text between blocks: not an answer of calls alone after its content
+        content = text[:blocks[0].start()] if blocks else ""
         try:
-            calls = _pythonic_calls(body)
+            calls = [call for body in ([b.group(1) for b in blocks] or [text]) for call in _pythonic_calls(body)]
         except NotACall:
             return text, []
         return (content.strip(), calls) if calls else (text, [])
@@ -474,14 +503,21 @@ def _keyword_rules(prefix: str, schema: dict, rules: list[str]) -> str:
     properties in order, each written ``name=value`` with ", " between, the required ones never
     left out; a schema without properties takes any names. "" where the call takes no arguments."""
     value_options = {"x-guidance": CALL_JSON_OPTIONS}
-    shared = {key: schema[key] for key in ("$defs", "definitions") if key in schema}  # what $refs point into
     properties = schema.get("properties")
-    if not isinstance(properties, dict):
-        if schema.get("additionalProperties") is False:
-            return ""
-        any_value = json.dumps({**value_options, **shared})
-        rules.append(f"{prefix}_kw: /[A-Za-z_][A-Za-z0-9_]*/ \"=\" %json {any_value}")
-        return f"({prefix}_kw (\", \" {prefix}_kw)*)?"
+    extra = schema.get("additionalProperties", True)
+    if not isinstance(properties, dict):  # names the schema requires, else any
+        properties = {name: extra if isinstance(extra, dict) else {} for name in schema.get("required") or ()}
+        if not properties:
+            if extra is False:
+                return ""
+            any_value = json.dumps({**_rerooted(extra if isinstance(extra, dict) else {}, schema), **value_options})
+            # a name of Python's, not a keyword (``from=1`` does not parse)
+            keywords = "|".join(sorted(keyword.kwlist, key=len, reverse=True))
+            rules.append(f"{prefix.upper()}_NAME: /[A-Za-z_][A-Za-z0-9_]*/ & ~/({keywords})/")
+            rules.append(f"{prefix}_kw: {prefix.upper()}_NAME \"=\" %json {any_value}")
+            return f"({prefix}_kw (\", \" {prefix}_kw)*)?"
+    required = set(schema.get("required") or ())
+    properties = {name: value for name, value in properties.items() if value is not False or name in required}
     names = list(properties)
     bad = next((name for name in names if not _python_name(name)), None)
     if bad is not None:
@@ -489,11 +525,13 @@ def _keyword_rules(prefix: str, schema: dict, rules: list[str]) -> str:
                            "model calls functions in", "name arguments with letters, digits and '_' only")
     if not names:
         return ""
-    required = set(schema.get("required") or ())
+    if any(value is False for value in properties.values()):
+        raise GrammarError("the function's schema requires an argument it allows no value for",
+                           "fix the tool's parameters schema")
     pairs = []
     for name in names:
         value = properties[name] if isinstance(properties[name], dict) else {}
-        pairs.append(f'"{name}=" %json {json.dumps({**shared, **value, **value_options})}')
+        pairs.append(f'"{name}=" %json {json.dumps({**_rerooted(value, schema), **value_options})}')
     # {prefix}_r{i}: the arguments from the i-th on after one was written; {prefix}_f{i}: the first written is the i-th or later
     last, can_be_first = len(names) - 1, True  # can the i-th be the first written? (those before it optional)
     for i, pair in enumerate(pairs):

@@ -79,6 +79,9 @@ CONVERSATION = [
     ("pythonic", "[f(x=g())]", "[f(x=g())]", []),  # only literals: nothing is run
     ("pythonic", "[f(**k)]", "[f(**k)]", []),
     ("pythonic", "[f(a=1, a=2)]", "[f(a=1, a=2)]", []),  # an argument twice: which was meant is unknown
+    ("pythonic", "Ok.\n```tool_code\nf(y=2)\n```\n```tool_code\ng(z=3)\n```", "Ok.", [("f", {"y": 2}), ("g", {"z": 3})]),
+    ("pythonic", "```tool_code\nf(y=2)\n``` and ```tool_code\ng(z=3)\n```",
+     "```tool_code\nf(y=2)\n``` and ```tool_code\ng(z=3)\n```", []),  # text between: none dropped silently
     ("pythonic", "[f(v=1E400)]", "[f(v=1E400)]", []),  # infinity: JSON cannot write it back
     ("hermes", '<tool_call>{"name": "f", "arguments": {"v": -1e999}}</tool_call>',
      '<tool_call>{"name": "f", "arguments": {"v": -1e999}}</tool_call>', []),
@@ -267,6 +270,51 @@ def test_a_python_call_s_grammar_writes_arguments_in_schema_order_the_required_o
         (call,) = STYLES["pythonic"].parse(text)[1]
         if call.name == "forecast":
             jsonschema.validate(json.loads(call.arguments), forecast.parameters)
+
+
+@pytest.mark.parametrize(("parameters", "good", "bad"), [
+    ({"type": "object"}, ['[f()]', '[f(a=1, b="x")]', '[f(from_=1)]'], ['[f(from=1)]', '[f(True=1)]', '[f(None=2)]']),
+    ({"type": "object", "additionalProperties": {"type": "integer"}}, ['[f(a=1)]'], ['[f(a="s")]']),
+    ({"type": "object", "required": ["a"]}, ['[f(a=[1])]'], ['[f()]', '[f(b=1)]']),
+    ({"type": "object", "properties": {"a": {"type": "integer"}, "b": False}}, ['[f(a=1)]', '[f()]'], ['[f(b=1)]']),
+    ({"type": "object", "properties": {"name": {"type": "string"}, "child": {"$ref": "#"}}, "required": ["name"]},
+     ['[f(name="a", child={"name": "b", "child": {"name": "c"}})]', '[f(name="a")]'],
+     ['[f(child={"name": "b"})]', '[f(name="a", child={"name": 5})]']),
+    ({"type": "object", "properties": {"p": {"$ref": "#/$defs/P"}, "q": {"$ref": "#/properties/p"}},
+      "$defs": {"P": {"type": "integer"}}}, ['[f(p=1, q=2)]'], ['[f(q="x")]']),
+])
+def test_a_python_call_s_grammar_reads_back_what_it_writes_whatever_the_schema(parameters, good, bad):
+    """Schemas without properties, extra properties, required names only, a property that takes
+    nothing, $refs into the whole schema: every call the grammar writes is read back as written."""
+    backend = FakeBackend(lambda context: np.zeros(257, dtype=np.float32), 257, eos_ids=[256])
+    grammar = Grammar.compile(STYLES["pythonic"].grammar((Tool("f", "", parameters),), ToolChoice("required")), backend)
+
+    def accepted(text: str) -> bool:
+        matcher = llguidance.LLMatcher(Vocabulary.of(backend).tokenizer, grammar.spec.llguidance_grammar(), log_level=0)
+        return matcher.consume_tokens(list(text.encode())) and matcher.is_accepting()
+
+    assert [text for text in good if not accepted(text)] == []
+    assert [text for text in bad if accepted(text)] == []
+    for text in good:
+        (call,) = STYLES["pythonic"].parse(text, ["f"])[1]
+        jsonschema.validate(json.loads(call.arguments), parameters)
+
+
+@pytest.mark.parametrize("style", ["hermes", "mistral"])
+def test_a_json_call_s_grammar_follows_arguments_that_refer_into_their_schema(style):
+    """Pydantic's schemas refer to their own $defs: inside the call's object they pointed nowhere."""
+    backend = FakeBackend(lambda context: np.zeros(257, dtype=np.float32), 257, eos_ids=[256])
+    parameters = {"type": "object", "properties": {"p": {"$ref": "#/$defs/P"}}, "required": ["p"],
+                  "$defs": {"P": {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}}}
+    grammar = Grammar.compile(STYLES[style].grammar((Tool("f", "", parameters),), ToolChoice("required")), backend)
+
+    def accepted(arguments: dict) -> bool:
+        body = json.dumps({"name": "f", "arguments": arguments})
+        text = f"<tool_call>\n{body}\n</tool_call>" if style == "hermes" else f"[{body}]"
+        matcher = llguidance.LLMatcher(Vocabulary.of(backend).tokenizer, grammar.spec.llguidance_grammar(), log_level=0)
+        return matcher.consume_tokens(list(text.encode())) and matcher.is_accepting()
+
+    assert accepted({"p": {"n": 1}}) and not accepted({"p": {"n": "x"}}) and not accepted({})
 
 
 @pytest.mark.parametrize(("tool", "named"), [
