@@ -260,15 +260,7 @@ class ToolStyle:
         default, as llama-server does: a small model told it may call again calls again until
         max_tokens cuts it off."""
         allowed = [tool for tool in tools if choice.mode != "function" or tool.name == choice.function]
-        schemas = [{"type": "object", "additionalProperties": False, "required": ["name", self.arguments_key],
-                    "properties": {"name": {"const": tool.name}, self.arguments_key: {"$ref": f"#/$defs/{PARAMETERS_DEF}"}},
-                    "$defs": _rerooted({}, tool.parameters)["$defs"],
-                    "x-guidance": CALL_JSON_OPTIONS} if tool.parameters and "$ref" in json.dumps(tool.parameters)
-                   else {"type": "object", "additionalProperties": False, "required": ["name", self.arguments_key],
-                         "properties": {"name": {"const": tool.name},
-                                        self.arguments_key: tool.parameters or {"type": "object"}},
-                         "x-guidance": CALL_JSON_OPTIONS} for tool in allowed]
-        call = " | ".join(f"%json {json.dumps(schema)}" for schema in schemas)
+        call = " | ".join(f"%json {json.dumps(self._call_schema(tool))}" for tool in allowed)
         if self.name == "hermes":
             block = '"<tool_call>\\n" call "\\n</tool_call>"'
             rules = f'start: {block} ("\\n" {block})*\n' if parallel else f"start: {block}\n"
@@ -277,6 +269,17 @@ class ToolStyle:
         else:
             rules = 'start: call ("; " call)*\n' if parallel else "start: call\n"
         return GrammarSpec("lark", rules + f"call: {call}\n")
+
+    def _call_schema(self, tool: Tool) -> dict:
+        """The JSON object of a call to ``tool``: its name, and arguments following its schema
+        (kept as a root of their own under $defs where they refer into themselves)."""
+        arguments, defs = tool.parameters or {"type": "object"}, {}
+        if "$ref" in json.dumps(arguments):  # "#": the arguments' schema, kept under the call's $defs
+            arguments = _rerooted({"$ref": "#"}, arguments)
+            defs = {"$defs": arguments.pop("$defs")}
+        return {"type": "object", "additionalProperties": False, "required": ["name", self.arguments_key],
+                "properties": {"name": {"const": tool.name}, self.arguments_key: arguments},
+                **defs, "x-guidance": CALL_JSON_OPTIONS}
 
     def written(self, calls: Sequence[dict]) -> str:
         """Earlier calls (OpenAI's ``tool_calls`` of an assistant message) as this style writes them,
@@ -415,7 +418,7 @@ def _pythonic_call(node, source: _Source) -> ToolCall:
     if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "print" and len(
             node.args) == 1 and not node.keywords:
         node = node.args[0]  # print(f(x=1)), as some of Gemma's examples write it
-    if not isinstance(node, ast.Call) or node.args or any(keyword.arg is None for keyword in node.keywords):
+    if not isinstance(node, ast.Call) or node.args or any(each.arg is None for each in node.keywords):
         raise NotACall("not a call with keyword arguments only")
     names = [each.arg for each in node.keywords]
     if len(set(names)) < len(names):  # f(a=1, a=2) parses; which one was meant cannot be told
