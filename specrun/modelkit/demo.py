@@ -146,8 +146,7 @@ def derivation_key() -> str:
 
 def _keyed(target: Path) -> bool:
     """Is ``target`` at one of ``derived_path``'s places (in the cache, under this derivation key)?"""
-    return (target.parent.name == derivation_key()
-            and (cache_dir() / "derived").resolve() in target.parent.parent.resolve().parents)
+    return target.parent.name == derivation_key() and _in_cache(target.parent.parent)
 
 
 def _in_cache(target: Path) -> bool:
@@ -181,16 +180,8 @@ def _forget_older_derivations(target: Path) -> None:
                 older.append(copy)
     for path in older:
         with contextlib.suppress(OSError):  # gone already, or another process's: left
-            if not path.exists():
-                continue
-            aside = path.with_name(f".forgetting-{secrets.token_hex(8)}")
-            folder = path.is_dir()
-            os.replace(path, aside)
-            if folder:
-                remove_scratch(aside)
-            else:
-                aside.unlink()
-            _sum_path(path).unlink(missing_ok=True)
+            if path.exists():
+                _remove_aside(path)
     for key in keys:  # a key folder holding nothing but its stamp goes too
         with contextlib.suppress(OSError):
             if all(p.name == USED_STAMP for p in key.iterdir()):
@@ -210,14 +201,9 @@ def derive_once(target: Path, write: Callable[[Path], None]) -> Path:
     if target.exists() and derived_file_intact(target):
         _note_use(target)
         return target
-    if target.is_dir():  # damaged since it was derived (its record says so: it is ours), moved aside whole
-        aside = target.with_name(f".forgetting-{secrets.token_hex(8)}")
-        with contextlib.suppress(OSError):  # another process's already
-            os.replace(target, aside)
-            _sum_path(target).unlink(missing_ok=True)  # its record goes with it, never judging the next copy
-        remove_scratch(aside)
-    elif target.exists():  # damaged since it was derived: derive it again
-        forget_derived(target)
+    if target.exists():  # damaged since it was derived (its record says so: it is ours): derive it again
+        with contextlib.suppress(OSError):  # moved aside by another process already
+            forget_derived(target)
     # Named before it exists and made inside the try: an interrupt that lands just after the
     # folder is made (mkdtemp's return, on a busy machine) still removes it.
     scratch = target.parent / f".deriving-{secrets.token_hex(8)}"
@@ -404,12 +390,22 @@ def forget_derived(path: Path) -> bool:
     path = Path(path).resolve()
     if not _in_cache(path) or not path.exists():
         return False
-    if path.is_dir():
-        shutil.rmtree(path)
-    else:
-        path.unlink()
-    _sum_path(path).unlink(missing_ok=True)
+    _remove_aside(path)
     return True
+
+
+def _remove_aside(path: Path) -> None:
+    """A copy and its record removed, the copy renamed out of the way first: an interrupted or
+    concurrent removal never leaves a half-deleted copy where a load would find it, and the
+    record never judges the next copy."""
+    aside = path.with_name(f".forgetting-{secrets.token_hex(8)}")
+    folder = path.is_dir()
+    os.replace(path, aside)
+    _sum_path(path).unlink(missing_ok=True)
+    if folder:
+        remove_scratch(aside)
+    else:
+        aside.unlink()
 
 
 def _load(source: Path, name: str):
