@@ -11,6 +11,7 @@ def main() -> None:
     The handler goes in before anything is imported: ``signal`` alone imports ``enum`` and
     ``functools``, ~3 ms of start-up in which Ctrl-C printed a traceback."""
     _signal.signal(_signal.SIGINT, exit_interrupted)
+    trace_native_crashes()
     from specrun.cli.app import main as run_app
 
     try:
@@ -19,6 +20,16 @@ def main() -> None:
         from specrun.backends.mlx_common import release_thread_streams
 
         release_thread_streams()
+
+
+def trace_native_crashes() -> None:
+    """With SPECRUN_DEBUG=1, a crash inside llama.cpp or MLX (a segmentation fault, an abort)
+    prints the Python stack that called in, where it would otherwise end the process without a
+    word (the CUDA load in docs/perf.md 3(v) did just that)."""
+    if os.environ.get("SPECRUN_DEBUG") == "1":
+        import faulthandler  # built in
+
+        faulthandler.enable(all_threads=True)
 
 
 def exit_interrupted(signum, frame) -> None:
