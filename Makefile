@@ -11,6 +11,13 @@ JOBS := $(shell nproc 2>/dev/null || echo 2)
 TEST_JOBS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); [ $$n -gt 4 ] && n=4; echo $$n)
 
 SYSTEM := $(VENV)/.specrun-system
+# A CMAKE_ARGS of the user's (-DGGML_CUDA=on) always reaches tools/install_llama_cpp.sh, which
+# rebuilds llama-cpp-python only where the installed build is not what it asks for.
+ifneq ($(strip $(CMAKE_ARGS)),)
+$(STAMP): cmake-args-given
+endif
+.PHONY: cmake-args-given
+cmake-args-given:
 # The Python install and the Debian packages (mostly downloads) are made side by side; not where
 # `clean` is asked for too (its goals would run beside the install).
 ifeq ($(filter clean,$(MAKECMDGOALS)),)

@@ -2,7 +2,8 @@
 # Installs into the virtual environment VENV the llama-cpp-python version pyproject.toml pins,
 # built from source with llama.cpp's RPC backend (--rpc), and llama.cpp's own RPC server program
 # (ggml-rpc-server, built from the same source against that library; the tests start it).
-# A CMAKE_ARGS of the user's (e.g. -DGGML_CUDA=on) is kept. Nothing is rebuilt that is already right.
+# A CMAKE_ARGS of the user's (e.g. -DGGML_CUDA=on) is kept. Nothing is rebuilt that is already right;
+# a build without a GPU backend CMAKE_ARGS asks for is not.
 # llama-cpp-python's multimodal library (mtmd, for its llava chat handlers) is not built: specrun
 # never loads it, and it is a tenth of the build's minutes on CI's 2 cores. Nor is llama.cpp's
 # common library, which llama-cpp-python forces on but never loads: over half the build's minutes
@@ -33,8 +34,15 @@ if [ "$(uname -m)" = x86_64 ] && echo | "${CC:-cc}" -mno-amx-int8 -x c -E - >/de
     no_amx="-mno-amx-int8"
 fi
 
-if ! "$py" -c "import llama_cpp, sys; sys.exit(llama_cpp.__version__ != '$version' or not llama_cpp.llama_supports_rpc()
-                or (bool('$no_amx') and b'AMX_INT8 = 1' in llama_cpp.llama_print_system_info()))" 2>/dev/null; then
+# The GPU backends the user's CMAKE_ARGS turn on (-DGGML_CUDA=on, -DGGML_VULKAN=ON, ...): an installed
+# build without one of their libraries is rebuilt (it was made before CMAKE_ARGS asked for a GPU).
+gpu_backends=$(printf '%s\n' "${CMAKE_ARGS:-}" | grep -o -i -E 'GGML_(CUDA|VULKAN|HIP|SYCL|MUSA|OPENCL)=(ON|1|TRUE|YES)\b' \
+    | sed -E 's/^GGML_([A-Za-z]+)=.*/\1/' | tr 'A-Z' 'a-z' | sort -u | tr '\n' ' ' || true)
+
+if ! "$py" -c "import llama_cpp, pathlib, sys; lib = pathlib.Path(llama_cpp.__file__).parent / 'lib'
+sys.exit(llama_cpp.__version__ != '$version' or not llama_cpp.llama_supports_rpc()
+         or (bool('$no_amx') and b'AMX_INT8 = 1' in llama_cpp.llama_print_system_info())
+         or any(not any(lib.glob('libggml-' + name + '.*')) for name in '$gpu_backends'.split()))" 2>/dev/null; then
     fetch_sdist
     # never a cached wheel: one built without RPC (or for another device) would be reused;
     # single quotes: scikit-build-core splits CMAKE_ARGS as a shell would (a checkout path with spaces)
