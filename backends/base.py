@@ -118,6 +118,11 @@ class HiddenTracking:
             self.hidden_support.check()
         self._tracking = on
 
+    @property
+    def tracking_hidden(self) -> bool:
+        """Do its passes record hidden states now (heads drafting from them)?"""
+        return self._tracking
+
     def hidden_layers(self, layers: Sequence[int]) -> None:
         if tuple(layers) == self._layers:
             return

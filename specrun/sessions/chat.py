@@ -57,7 +57,7 @@ from specrun.sessions.setup import (
 from specrun.backends.kv import common_prefix_len, sequence_for
 from specrun.drafters.lookahead import LookaheadSizes
 from specrun.registry.loading import LoadOptions, open_pair
-from specrun.sessions.kernels import open_settled_draft, settle_pair
+from specrun.sessions.kernels import DEEP_FROM, open_settled_draft, settle_for_context, settle_pair
 from specrun.drafters.methods import (
     DrafterOptions,
     build_drafter,
@@ -196,8 +196,12 @@ class ChatSession:
         verification: Verification = Verification(),
         learn: Callable | None = None,
         window_alternative: bool = False,
+        settle_context: Callable[[int, tuple, Callable[[], None]], None] | None = None,
     ) -> None:
         self.target = target
+        # open_chat's: flash attention chosen again once the conversation's context reaches
+        # kernels.DEEP_FROM tokens (sessions/kernels.settle_for_context), at most once a session
+        self._settle_context = settle_context
         self._learn = learn  # --learn: the learner of the heads drafted with (sessions/heads.with_learner)
         self.tools = tuple(tools)  # functions the model may call, rendered into every prompt
         self.tool_choice = tool_choice  # a required call is forced on each user turn, not after a result
@@ -311,6 +315,7 @@ class ChatSession:
         messages = [*self.transcript.messages, {"role": role, "content": text}]
         prompt_text, prompt_ids = self._prompt(messages)
         self._check_fits(prompt_ids)
+        self._settle_for(len(prompt_ids) + params.max_new_tokens)
         reused = min(common_prefix_len(self.engine.target.tokens, prompt_ids), len(prompt_ids) - 1)
         decoder = _SpanDecoder(self.target)
         result: GenerationResult | None = None
@@ -334,6 +339,20 @@ class ChatSession:
         names = [tool.name for tool in self.tools]
         calls = tuple(style_for(self.template).parse(result.text, names)[1]) if self.tools else ()
         yield AnswerDone(result.text, result.finish_reason, result.stats, len(prompt_ids), reused, calls)
+
+    def _settle_for(self, context: int) -> None:
+        """Once an answer's context may reach DEEP_FROM tokens: flash attention as the deep probe
+        chooses it (the chat opened with the short probe's choice, right for a short chat); where that
+        differs, both caches are emptied and this prompt is read again in full, once a session."""
+        if self._settle_context is None or context < DEEP_FROM:
+            return
+        settle, self._settle_context = self._settle_context, None
+        settle(context, (self.target, self.draft), self._empty_caches)
+
+    def _empty_caches(self) -> None:
+        sequence_for(self.target).reset()
+        if self.draft is not None:
+            sequence_for(self.draft).reset()
 
     def _required_call(self) -> Grammar:
         """The grammar of a call in the model's format to the tools ``tool_choice`` allows (compiled once)."""
@@ -373,9 +392,7 @@ class ChatSession:
         """Forget the conversation (the system prompt stays) and empty both caches; the next
         answer is a text of its own (``new_text``)."""
         self.transcript = Transcript()
-        sequence_for(self.target).reset()
-        if self.draft is not None:
-            sequence_for(self.draft).reset()
+        self._empty_caches()
         self.new_text()
 
     def new_text(self) -> None:
@@ -640,7 +657,9 @@ def open_chat(
                            find_tuned=lambda loaded: load_tuned(target, tuned_key_model(loaded), options.threads),
                            threads=options.threads, chain=chain, tree_nodes=tree_nodes, on_note=on_note,
                            tools=tools, tool_choice=tool_choice, verification=verification, learn=learn,
-                           window_alternative=window_alternative and options.window is None)
+                           window_alternative=window_alternative and options.window is None,
+                           settle_context=lambda context, backends, empty: settle_for_context(
+                               backends, options, context, empty, on_note))
     except BaseException:
         target.close()
         if draft is not None:

@@ -19,7 +19,11 @@ in 94 ms against 176 and a 5-token pass in 166 ms against 619 (docs/perf.md 3(s)
 knows its context will pass ``DEEP_FROM`` tokens (a long prompt to `specrun generate`, a bench whose
 longest prompt does) chooses by a probe after ``DEEP_DEPTH`` tokens instead, kept under a key of
 its own: it costs two prefills of that depth once (tens of seconds for a large model on a small
-CPU), against a decode up to twice as fast at every later long prompt.
+CPU), against a decode up to twice as fast at every later long prompt. A chat cannot know its
+length when it opens: it settles by the short probe, and once an answer's context may reach
+``DEEP_FROM`` tokens chooses again by the deep one (``settle_for_context``, once a conversation);
+where that choice differs, both caches are emptied, the contexts made again and the prompt read
+again in full — one prefill, against every later step of a long conversation.
 
 The setting whose one-token pass and 6-token pass together cost less wins (a plain step and
 a verify pass: what plain decoding and speculation pay); off must be ``MARGIN`` faster to
@@ -32,6 +36,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -148,33 +153,83 @@ def settle_flash_attn(backend, options: LoadOptions, context: int | None = None,
     chosen for by the deep probe). ``again``: settle a backend settled before, for another
     context (its cache empty). Returns a note saying what was measured, when it measured;
     None otherwise."""
+    if backend.flash_attn is not None and not again:
+        return None
+    costs, note = flash_costs(backend, options, context)
+    if costs is None:
+        return None
+    try:
+        backend.set_flash_attn(costs.flash_on())
+    except SpecrunError:
+        return None  # a context that failed (memory): the run goes on with llama.cpp's choice
+    return note
+
+
+def flash_costs(backend, options: LoadOptions, context: int | None = None) -> tuple[FlashCosts | None, str | None]:
+    """What flash attention costs ``backend`` here, for a run whose context reaches ``context``
+    (the deep probe's key from DEEP_FROM tokens), and a note where it was measured now: stored,
+    else probed and stored. (None, None) where the choice is not specrun's (a GPU, RPC, --exact,
+    --flash-attn given, not llama.cpp) or nothing could be timed."""
     if getattr(backend, "name", None) != "llama" or options.flash_attn is not None or options.exact:
-        return None
-    if (backend.flash_attn is not None and not again) or not backend.runs_on_cpu:
-        return None
+        return None, None
+    if not backend.runs_on_cpu:
+        return None, None
     deep = context is not None and context >= DEEP_FROM
     probe_depth, budget = (DEEP_DEPTH, DEEP_BUDGET_S) if deep else (PROBE_DEPTH, PROBE_BUDGET_S)
     model, machine, threads = _unsettled_id(backend), machine_id(), backend.n_threads
     settings = f"kv={backend.kv_type}|{backend.library_version}" + (f"|depth={DEEP_DEPTH}" if deep else "")
     key = costs_key(model, machine, threads, settings)
     costs = load_costs(key)
-    note = None
+    if costs is not None:
+        return costs, None
     try:
-        if costs is None:
-            # The scratch contexts are sized for the timing alone: --ctx does not limit the depth.
-            depth, measured = backend.time_flash_attn(probe_depth, PROBE_COUNTS, budget)
-            if not measured:
-                return None  # nothing can be timed on this model here: llama.cpp's choice stands
-            costs = FlashCosts(model, machine, threads, depth, measured[True], measured[False])
-            try:
-                save_costs(key, costs)
-            except SpecrunError:
-                pass  # a read-only config folder: the next run measures again (nothing half-written)
-            note = costs.describe()
-        backend.set_flash_attn(costs.flash_on())
+        # The scratch contexts are sized for the timing alone: --ctx does not limit the depth.
+        depth, measured = backend.time_flash_attn(probe_depth, PROBE_COUNTS, budget)
     except SpecrunError:
-        return None  # a pass or a context that failed (memory): the run goes on with llama.cpp's choice
-    return note
+        return None, None  # a pass or a context that failed (memory): llama.cpp's choice stands
+    if not measured:
+        return None, None  # nothing can be timed on this model here: llama.cpp's choice stands
+    costs = FlashCosts(model, machine, threads, depth, measured[True], measured[False])
+    try:
+        save_costs(key, costs)
+    except SpecrunError:
+        pass  # a read-only config folder: the next run measures again (nothing half-written)
+    return costs, costs.describe()
+
+
+def settle_for_context(backends, options: LoadOptions, context: int, empty_caches: Callable[[], None],
+                       on_note=None) -> list[str]:
+    """A conversation settled at the open (a short chat's probe) whose context now reaches
+    ``context`` (from DEEP_FROM tokens): each llama.cpp model's flash attention chosen again by the
+    deep probe's costs (stored, else measured now: two prefills of DEEP_DEPTH tokens, once per
+    model and machine), and where that choice differs from the one it runs with, the caches
+    emptied (``empty_caches``, once: the next prompt is read again in full) and its context made
+    again with it. A windowed draft (its few cells) and a model whose context cannot be made again
+    now (heads reading its states) keep theirs. Returns the names of the models switched."""
+    switched: list[str] = []
+    for backend in backends:
+        if backend is None or hasattr(backend, "reopen") or backend.flash_attn is None:
+            continue
+        costs, note = flash_costs(backend, options, context)
+        if note is not None and on_note is not None:
+            on_note(note)
+        if costs is None or costs.flash_on() == backend.flash_attn:
+            continue
+        if getattr(backend, "tracking_hidden", False):
+            continue  # heads read its states: its context is not made again mid-conversation
+        if not switched:
+            empty_caches()
+        previous = backend.flash_attn
+        try:
+            backend.set_flash_attn(costs.flash_on())
+        except SpecrunError:
+            continue  # a context that failed (memory): it keeps the one it had
+        if on_note is not None:
+            on_note(f"this answer's context may pass {DEEP_FROM} tokens: flash attention "
+                    f"{'on' if backend.flash_attn else 'off'} (was {'on' if previous else 'off'}), as measured "
+                    f"after {costs.depth} tokens here; the conversation is read again once")
+        switched.append(str(getattr(backend, "path", backend)))
+    return switched
 
 
 def _unsettled_id(backend) -> str:

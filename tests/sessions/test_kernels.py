@@ -248,3 +248,107 @@ def test_a_bench_chooses_flash_attention_for_the_context_its_longest_prompt_reac
                              BUILTIN_SUITE[:3])
     longest = max(bench.prompt_tokens)
     assert told == [(told[0][0], None, longest + 8)]
+
+
+# ---- a conversation that grows past DEEP_FROM (sessions/kernels.settle_for_context) ----------------
+
+NEAR_EVEN = ({1: 0.0100, 6: 0.0200}, {1: 0.0102, 6: 0.0203})  # after 256 tokens: on (llama.cpp's choice)
+DEEP_OFF = ({1: 0.176, 6: 0.619}, {1: 0.094, 6: 0.166})  # after 4,096: off far faster (docs/perf.md 3(s))
+
+
+def settled_short(**kwargs) -> StubLlama:
+    backend = StubLlama(*NEAR_EVEN, deep=DEEP_OFF, **kwargs)
+    settle_flash_attn(backend, LoadOptions())
+    assert backend.flash_attn is True
+    return backend
+
+
+def test_a_conversation_past_deep_from_switches_to_the_deep_choice_emptying_the_caches_once():
+    target, draft = settled_short(), settled_short()
+    draft.n_threads = 1  # measured apart
+    emptied, notes = [], []
+    switched = kernels.settle_for_context((target, draft), LoadOptions(), kernels.DEEP_FROM + 10,
+                                          lambda: emptied.append(1), notes.append)
+    assert len(switched) == 2 and emptied == [1]  # both models made again, the caches emptied once
+    assert target.flash_attn is False and draft.flash_attn is False
+    assert target.probes[-1] == (kernels.DEEP_DEPTH, kernels.DEEP_BUDGET_S)
+    assert sum("flash attention off (was on)" in note for note in notes) == 2
+    assert any(note.startswith("flash attention off for") for note in notes)  # what the probe measured
+
+
+def test_a_deep_choice_that_agrees_changes_nothing():
+    target = StubLlama(*NEAR_EVEN, deep=NEAR_EVEN)
+    settle_flash_attn(target, LoadOptions())
+    emptied = []
+    assert kernels.settle_for_context((target, None), LoadOptions(), 5000, lambda: emptied.append(1)) == []
+    assert emptied == [] and target.flash_attn is True
+
+
+def test_models_whose_context_is_not_specruns_to_make_again_keep_theirs():
+    gpu = StubLlama(*NEAR_EVEN, deep=DEEP_OFF, runs_on_cpu=False, flash_attn=True)  # a GPU's own choice
+    unsettled = StubLlama(*NEAR_EVEN, deep=DEEP_OFF)  # llama.cpp's choice, never measured (flash_attn None)
+    heads = settled_short()
+    heads.tracking_hidden = True  # heads read its states
+    window = settled_short()
+    window.reopen = lambda: None  # a windowed draft: its few cells
+    emptied = []
+    for backend in (gpu, unsettled, heads, window):
+        assert kernels.settle_for_context((backend,), LoadOptions(), 5000, lambda: emptied.append(1)) == []
+    assert emptied == [] and gpu.flash_attn is True and unsettled.flash_attn is None
+    assert heads.flash_attn is True and window.flash_attn is True
+    for options in (LoadOptions(flash_attn="on"), LoadOptions(exact=True)):  # the user's choice
+        backend = settled_short()
+        assert kernels.settle_for_context((backend,), options, 5000, lambda: emptied.append(1)) == []
+
+
+def test_a_context_that_cannot_be_made_again_keeps_the_one_it_had():
+    class Refusing(StubLlama):
+        def set_flash_attn(self, on):
+            if self.flash_attn is not None:
+                raise ModelFileError("llama.cpp could not create a context of 4096 tokens", "free memory")
+            super().set_flash_attn(on)
+
+    backend = Refusing(*NEAR_EVEN, deep=DEEP_OFF)
+    settle_flash_attn(backend, LoadOptions())
+    assert kernels.settle_for_context((backend,), LoadOptions(), 5000, lambda: None) == []
+    assert backend.flash_attn is True
+
+
+def test_a_chat_switches_once_its_context_may_reach_deep_from_and_answers_as_a_fresh_session(monkeypatch):
+    """The real backend: a chat opened on the short probe's choice (on) reaches DEEP_FROM tokens in
+    its second answer, switches to the deep choice (off) once, reads that prompt again in full, and
+    answers exactly as a session running with off from the start answers the same conversation."""
+    pytest.importorskip("llama_cpp", reason="the llama backend is not installed")
+    import copy
+
+    from specrun.engine.loop import GenerationParams
+    from specrun.sessions.chat import open_chat
+
+    asked = []
+
+    def costs(backend, options, context=None):  # the choices without the probes' minutes
+        if options.flash_attn is not None or options.exact:
+            return None, None
+        deep = context is not None and context >= kernels.DEEP_FROM
+        asked.append(deep)
+        return FlashCosts("m", "machine", 1, 4096 if deep else 256, *(DEEP_OFF if deep else NEAR_EVEN)), None
+
+    monkeypatch.setattr(kernels, "flash_costs", costs)
+    notes: list[str] = []
+    with open_chat("demo-target", None, "none", LoadOptions(backend="llama", threads=1), on_note=notes.append) as chat:
+        assert chat.target.flash_attn is True
+        list(chat.ask("def add(a, b):", GenerationParams(8, 0)))
+        assert chat.target.flash_attn is True  # a short context: no probe, no switch
+        before = copy.deepcopy(chat.transcript)
+        long_text = "\n".join(f"value_{i} = compute({i}, {i * 7 % 13})" for i in range(135))
+        assert 1700 < len(chat.target.tokenize(long_text, add_bos=False)) < 1900
+        *_, switched = chat.ask(long_text, GenerationParams(260, 0))
+        assert chat.target.flash_attn is False and switched.reused_tokens == 0
+        assert [note for note in notes if "(was on)" in note] == [notes[-1]]
+        chat.reset()
+        list(chat.ask(long_text, GenerationParams(260, 0)))
+        assert asked == [False, True]  # once a session: the open's short probe, then the deep one
+    with open_chat("demo-target", None, "none", LoadOptions(backend="llama", threads=1, flash_attn="off")) as fresh:
+        fresh.transcript = before
+        *_, again = fresh.ask(long_text, GenerationParams(260, 0))
+    assert again.text == switched.text and again.prompt_tokens == switched.prompt_tokens
