@@ -11,9 +11,10 @@ JOBS := $(shell nproc 2>/dev/null || echo 2)
 TEST_JOBS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); [ $$n -gt 4 ] && n=4; echo $$n)
 
 SYSTEM := $(VENV)/.specrun-system
-# A CMAKE_ARGS of the user's (-DGGML_CUDA=on) always reaches tools/install_llama_cpp.sh, which
-# rebuilds llama-cpp-python only where the installed build is not what it asks for.
-ifneq ($(strip $(CMAKE_ARGS)),)
+# `CMAKE_ARGS=-DGGML_CUDA=on make install` always reaches tools/install_llama_cpp.sh, which rebuilds
+# llama-cpp-python only where the installed build is not what it asks for (make test and demo
+# with CMAKE_ARGS exported do not reinstall: offline, as the suite runs, they could not).
+ifneq ($(and $(strip $(CMAKE_ARGS)),$(filter install,$(MAKECMDGOALS))),)
 $(STAMP): cmake-args-given
 endif
 .PHONY: cmake-args-given

@@ -77,9 +77,11 @@ def install(venv: Path, cmake_args: str | None) -> list[str]:
 def test_a_build_that_is_right_is_kept(venv):
     assert install(venv, None) == []
     assert install(venv, "-DGGML_RPC=ON -DGGML_CUDA=off") == []
+    assert install(venv, "-DGGML_CUDA_FA=ON -Dggml_cuda=on") == []  # not a backend; a name CMake ignores
 
 
-@pytest.mark.parametrize("asked", ["-DGGML_CUDA=on", "-DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90", "-DGGML_VULKAN=1"])
+@pytest.mark.parametrize("asked", ["-DGGML_CUDA=on", "-DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90", "-DGGML_VULKAN=1",
+                                   "-DGGML_CUDA:BOOL=True"])
 def test_a_cpu_build_is_rebuilt_for_the_gpu_backend_cmake_args_ask_for(venv, asked):
     calls = install(venv, asked)
     assert len(calls) == 1 and "install" in calls[0] and f"llama_cpp_python-{VERSION}.tar.gz" in calls[0]
@@ -90,3 +92,22 @@ def test_a_build_with_that_backend_is_kept(venv):
     (lib / "libggml-cuda.so").write_bytes(b"")
     assert install(venv, "-DGGML_CUDA=on") == []
     assert len(install(venv, "-DGGML_CUDA=on -DGGML_VULKAN=on")) == 1  # Vulkan's library is missing
+
+
+def test_make_hands_a_cmake_args_to_the_script_on_install_only(tmp_path):
+    """`CMAKE_ARGS=-DGGML_CUDA=on make install` reaches the script even where the install is
+    up to date; `make test` with CMAKE_ARGS exported does not reinstall (offline, it could not)."""
+    venv = tmp_path / "venv"
+    venv.mkdir()
+    for stamp in (".specrun-installed", ".specrun-system"):
+        (venv / stamp).touch()  # newer than every file they depend on
+    env = {**os.environ, "CMAKE_ARGS": "-DGGML_CUDA=on"}
+
+    def planned(goal: str) -> str:
+        done = subprocess.run(["make", "-n", "-C", str(ROOT), f"VENV={venv}", goal], env=env,
+                              capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, done.stderr
+        return done.stdout
+
+    assert "install_llama_cpp.sh" in planned("install")
+    assert "install_llama_cpp.sh" not in planned("test") and "pytest" in planned("test")

@@ -36,8 +36,10 @@ fi
 
 # The GPU backends the user's CMAKE_ARGS turn on (-DGGML_CUDA=on, -DGGML_VULKAN=ON, ...): an installed
 # build without one of their libraries is rebuilt (it was made before CMAKE_ARGS asked for a GPU).
-gpu_backends=$(printf '%s\n' "${CMAKE_ARGS:-}" | grep -o -i -E 'GGML_(CUDA|VULKAN|HIP|SYCL|MUSA|OPENCL)=(ON|1|TRUE|YES)\b' \
-    | sed -E 's/^GGML_([A-Za-z]+)=.*/\1/' | tr 'A-Z' 'a-z' | sort -u | tr '\n' ' ' || true)
+# (CMake's names are case-sensitive, its true values not: ON, on, 1, TRUE, YES; -DX:BOOL=ON too.)
+gpu_backends=$(printf '%s\n' "${CMAKE_ARGS:-}" | tr ' ' '\n' \
+    | grep -E '^-DGGML_(CUDA|VULKAN|HIP|SYCL|MUSA|OPENCL)(:BOOL)?=' | grep -i -E '=(on|1|true|yes)$' \
+    | sed -E 's/^-DGGML_([A-Z]+).*/\1/' | tr 'A-Z' 'a-z' | sort -u | tr '\n' ' ' || true)
 
 if ! "$py" -c "import llama_cpp, pathlib, sys; lib = pathlib.Path(llama_cpp.__file__).parent / 'lib'
 sys.exit(llama_cpp.__version__ != '$version' or not llama_cpp.llama_supports_rpc()

@@ -196,12 +196,14 @@ class ChatSession:
         verification: Verification = Verification(),
         learn: Callable | None = None,
         window_alternative: bool = False,
-        settle_context: Callable[[int, tuple, Callable[[], None]], None] | None = None,
+        settle_context: Callable[[int, tuple, Callable[[], None]], list[str]] | None = None,
+        find_settled_tuned: Callable[[Backend | None], object] | None = None,
     ) -> None:
         self.target = target
         # open_chat's: flash attention chosen again once the conversation's context reaches
         # kernels.DEEP_FROM tokens (sessions/kernels.settle_for_context), at most once a session
         self._settle_context = settle_context
+        self._find_settled_tuned = find_settled_tuned  # what tune saved under the models' keys as they are now
         self._learn = learn  # --learn: the learner of the heads drafted with (sessions/heads.with_learner)
         self.tools = tuple(tools)  # functions the model may call, rendered into every prompt
         self.tool_choice = tool_choice  # a required call is forced on each user turn, not after a result
@@ -315,7 +317,7 @@ class ChatSession:
         messages = [*self.transcript.messages, {"role": role, "content": text}]
         prompt_text, prompt_ids = self._prompt(messages)
         self._check_fits(prompt_ids)
-        self._settle_for(len(prompt_ids) + params.max_new_tokens)
+        self._settle_for(min(len(prompt_ids) + params.max_new_tokens, self.target.n_ctx))
         reused = min(common_prefix_len(self.engine.target.tokens, prompt_ids), len(prompt_ids) - 1)
         decoder = _SpanDecoder(self.target)
         result: GenerationResult | None = None
@@ -341,13 +343,17 @@ class ChatSession:
         yield AnswerDone(result.text, result.finish_reason, result.stats, len(prompt_ids), reused, calls)
 
     def _settle_for(self, context: int) -> None:
-        """Once an answer's context may reach DEEP_FROM tokens: flash attention as the deep probe
-        chooses it (the chat opened with the short probe's choice, right for a short chat); where that
-        differs, both caches are emptied and this prompt is read again in full, once a session."""
+        """Once an answer's context may reach DEEP_FROM tokens (within the context): flash attention
+        as the deep probe chooses it (the chat opened with the short probe's choice, right for a short
+        chat); where that differs, both caches are emptied and this prompt is read again in full,
+        once a session (a /reset does not ask again)."""
         if self._settle_context is None or context < DEEP_FROM:
             return
         settle, self._settle_context = self._settle_context, None
-        settle(context, (self.target, self.draft), self._empty_caches)
+        if settle(context, (self.target, self.draft), self._empty_caches) and self._find_settled_tuned is not None:
+            # the flash setting keys what tune and earlier runs stored: the costs the controllers
+            # start from, and what the session's runs are remembered with, are the new setting's
+            self._use_tuned(self._find_settled_tuned(self.draft))
 
     def _empty_caches(self) -> None:
         sequence_for(self.target).reset()
@@ -659,7 +665,9 @@ def open_chat(
                            tools=tools, tool_choice=tool_choice, verification=verification, learn=learn,
                            window_alternative=window_alternative and options.window is None,
                            settle_context=lambda context, backends, empty: settle_for_context(
-                               backends, options, context, empty, on_note))
+                               backends, options, context, empty, on_note),
+                           find_settled_tuned=lambda loaded: load_tuned(
+                               target, None if loaded is None else tuned_key_model(loaded), options.threads))
     except BaseException:
         target.close()
         if draft is not None:

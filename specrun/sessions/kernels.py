@@ -21,7 +21,7 @@ longest prompt does) chooses by a probe after ``DEEP_DEPTH`` tokens instead, kep
 its own: it costs two prefills of that depth once (tens of seconds for a large model on a small
 CPU), against a decode up to twice as fast at every later long prompt. A chat cannot know its
 length when it opens: it settles by the short probe, and once an answer's context may reach
-``DEEP_FROM`` tokens chooses again by the deep one (``settle_for_context``, once a conversation);
+``DEEP_FROM`` tokens chooses again by the deep one (``settle_for_context``, once a session);
 where that choice differs, both caches are emptied, the contexts made again and the prompt read
 again in full — one prefill, against every later step of a long conversation.
 
@@ -153,7 +153,7 @@ def settle_flash_attn(backend, options: LoadOptions, context: int | None = None,
     chosen for by the deep probe). ``again``: settle a backend settled before, for another
     context (its cache empty). Returns a note saying what was measured, when it measured;
     None otherwise."""
-    if backend.flash_attn is not None and not again:
+    if getattr(backend, "flash_attn", None) is not None and not again:  # MLX's have none
         return None
     costs, note = flash_costs(backend, options, context)
     if costs is None:
@@ -205,20 +205,22 @@ def settle_for_context(backends, options: LoadOptions, context: int, empty_cache
     model and machine), and where that choice differs from the one it runs with, the caches
     emptied (``empty_caches``, once: the next prompt is read again in full) and its context made
     again with it. A windowed draft (its few cells) and a model whose context cannot be made again
-    now (heads reading its states) keep theirs. Returns the names of the models switched."""
+    now (heads reading its states) keep theirs, unmeasured. Returns the names of the models switched."""
     switched: list[str] = []
+    emptied = False
     for backend in backends:
-        if backend is None or hasattr(backend, "reopen") or backend.flash_attn is None:
+        if backend is None or hasattr(backend, "reopen") or getattr(backend, "flash_attn", None) is None:
             continue
+        if getattr(backend, "tracking_hidden", False):
+            continue  # heads read its states: its context is not made again mid-conversation
         costs, note = flash_costs(backend, options, context)
         if note is not None and on_note is not None:
             on_note(note)
         if costs is None or costs.flash_on() == backend.flash_attn:
             continue
-        if getattr(backend, "tracking_hidden", False):
-            continue  # heads read its states: its context is not made again mid-conversation
-        if not switched:
+        if not emptied:
             empty_caches()
+            emptied = True
         previous = backend.flash_attn
         try:
             backend.set_flash_attn(costs.flash_on())

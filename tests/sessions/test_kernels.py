@@ -3,6 +3,7 @@ model, machine and thread count, stored, read back, and never where the user cho
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -314,19 +315,43 @@ def test_a_context_that_cannot_be_made_again_keeps_the_one_it_had():
     assert backend.flash_attn is True
 
 
-def test_a_chat_switches_once_its_context_may_reach_deep_from_and_answers_as_a_fresh_session(monkeypatch):
-    """The real backend: a chat opened on the short probe's choice (on) reaches DEEP_FROM tokens in
-    its second answer, switches to the deep choice (off) once, reads that prompt again in full, and
-    answers exactly as a session running with off from the start answers the same conversation."""
-    pytest.importorskip("llama_cpp", reason="the llama backend is not installed")
-    import copy
+def test_backends_without_flash_attention_are_left_alone():
+    class Mlx:  # MLX's backend (and the fake one) have no flash attention setting at all
+        name = "mlx"
 
-    from specrun.engine.loop import GenerationParams
-    from specrun.sessions.chat import open_chat
+    assert settle_flash_attn(Mlx(), LoadOptions()) is None
+    assert kernels.settle_for_context((Mlx(),), LoadOptions(), 5000, lambda: None) == []
 
-    asked = []
 
-    def costs(backend, options, context=None):  # the choices without the probes' minutes
+def test_a_model_whose_states_heads_read_is_not_even_probed():
+    heads = settled_short()
+    heads.tracking_hidden = True
+    kernels.settle_for_context((heads,), LoadOptions(), 5000, lambda: None)
+    assert heads.probes == [(kernels.PROBE_DEPTH, kernels.PROBE_BUDGET_S)]  # the open's only
+
+
+def test_the_caches_are_emptied_once_when_the_first_model_cannot_switch():
+    class Refusing(StubLlama):
+        def set_flash_attn(self, on):
+            if self.flash_attn is not None:
+                raise ModelFileError("llama.cpp could not create a context of 4096 tokens", "free memory")
+            super().set_flash_attn(on)
+
+    target = Refusing(*NEAR_EVEN, deep=DEEP_OFF)
+    settle_flash_attn(target, LoadOptions())
+    draft = settled_short()
+    draft.n_threads = 1
+    emptied = []
+    assert len(kernels.settle_for_context((target, draft), LoadOptions(), 5000, lambda: emptied.append(1))) == 1
+    assert emptied == [1] and target.flash_attn is True and draft.flash_attn is False
+
+
+def deep_off_costs(monkeypatch) -> list[bool]:
+    """kernels.flash_costs answering as NEAR_EVEN / DEEP_OFF without the probes' minutes; returns
+    the list of its answers (True: the deep one)."""
+    asked: list[bool] = []
+
+    def costs(backend, options, context=None):
         if options.flash_attn is not None or options.exact:
             return None, None
         deep = context is not None and context >= kernels.DEEP_FROM
@@ -334,21 +359,62 @@ def test_a_chat_switches_once_its_context_may_reach_deep_from_and_answers_as_a_f
         return FlashCosts("m", "machine", 1, 4096 if deep else 256, *(DEEP_OFF if deep else NEAR_EVEN)), None
 
     monkeypatch.setattr(kernels, "flash_costs", costs)
+    return asked
+
+
+LONG_TEXT = "\n".join(f"value_{i} = compute({i}, {i * 7 % 13})" for i in range(135))
+
+
+@pytest.mark.parametrize(("method", "draft", "kv_type"), [("none", None, None), ("draft", "demo-draft", "f32")])
+def test_a_chat_switches_once_its_context_may_reach_deep_from_and_answers_as_a_fresh_session(
+        monkeypatch, method, draft, kv_type):
+    """The real backend: a chat opened on the short probe's choice (on) reaches DEEP_FROM tokens in
+    its second answer, switches its models to the deep choice (off) once, reads that prompt again in
+    full, takes what tune stored under the new setting's key, and answers exactly as a session running
+    with off from the start answers the same conversation (with a draft model: an F32 cache, so that
+    the batch shapes of two sessions drafting differently round alike)."""
+    pytest.importorskip("llama_cpp", reason="the llama backend is not installed")
+    import copy
+
+    import specrun.sessions.chat as chat_module
+    from specrun.engine.loop import GenerationParams
+
+    asked = deep_off_costs(monkeypatch)
+    tuned_for = []  # the target's flash setting each time the session looked up what tune stored
+    real_load_tuned = chat_module.load_tuned
+    monkeypatch.setattr(chat_module, "load_tuned", lambda target, loaded, threads: (
+        tuned_for.append(target.flash_attn), real_load_tuned(target, loaded, threads))[1])
     notes: list[str] = []
-    with open_chat("demo-target", None, "none", LoadOptions(backend="llama", threads=1), on_note=notes.append) as chat:
+    load = LoadOptions(backend="llama", threads=1, kv_type=kv_type)
+    with chat_module.open_chat("demo-target", draft, method, load, on_note=notes.append) as chat:
         assert chat.target.flash_attn is True
         list(chat.ask("def add(a, b):", GenerationParams(8, 0)))
         assert chat.target.flash_attn is True  # a short context: no probe, no switch
         before = copy.deepcopy(chat.transcript)
-        long_text = "\n".join(f"value_{i} = compute({i}, {i * 7 % 13})" for i in range(135))
-        assert 1700 < len(chat.target.tokenize(long_text, add_bos=False)) < 1900
-        *_, switched = chat.ask(long_text, GenerationParams(260, 0))
+        assert 1700 < len(chat.target.tokenize(LONG_TEXT, add_bos=False)) < 1900
+        *_, switched = chat.ask(LONG_TEXT, GenerationParams(260, 0))
         assert chat.target.flash_attn is False and switched.reused_tokens == 0
-        assert [note for note in notes if "(was on)" in note] == [notes[-1]]
+        models = [chat.target] + ([chat.draft] if draft else [])
+        assert all(model.flash_attn is False for model in models)
+        assert len([note for note in notes if "(was on)" in note]) == len(models)
+        assert tuned_for[-1] is False  # what tune stored under the new setting's key
         chat.reset()
-        list(chat.ask(long_text, GenerationParams(260, 0)))
-        assert asked == [False, True]  # once a session: the open's short probe, then the deep one
-    with open_chat("demo-target", None, "none", LoadOptions(backend="llama", threads=1, flash_attn="off")) as fresh:
+        list(chat.ask(LONG_TEXT, GenerationParams(260, 0)))
+        assert asked == [False] * len(models) + [True] * len(models)  # the open's, then the deep, once
+    off = dataclasses.replace(load, flash_attn="off")
+    with chat_module.open_chat("demo-target", draft, method, off) as fresh:
         fresh.transcript = before
-        *_, again = fresh.ask(long_text, GenerationParams(260, 0))
+        *_, again = fresh.ask(LONG_TEXT, GenerationParams(260, 0))
     assert again.text == switched.text and again.prompt_tokens == switched.prompt_tokens
+
+
+def test_a_context_that_cannot_reach_deep_from_asks_for_no_deep_probe(monkeypatch):
+    pytest.importorskip("llama_cpp", reason="the llama backend is not installed")
+    from specrun.engine.loop import GenerationParams
+    from specrun.sessions.chat import open_chat
+
+    asked = deep_off_costs(monkeypatch)
+    with open_chat("demo-target", None, "none", LoadOptions(backend="llama", threads=1, n_ctx=1024)) as chat:
+        list(chat.ask("def add(a, b):", GenerationParams(4000, 0)))  # more than the context holds
+        assert chat.target.flash_attn is True
+    assert asked == [False]
