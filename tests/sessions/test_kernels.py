@@ -257,6 +257,15 @@ NEAR_EVEN = ({1: 0.0100, 6: 0.0200}, {1: 0.0102, 6: 0.0203})  # after 256 tokens
 DEEP_OFF = ({1: 0.176, 6: 0.619}, {1: 0.094, 6: 0.166})  # after 4,096: off far faster (docs/perf.md 3(s))
 
 
+class RefusingAgain(StubLlama):
+    """A model whose context can be made once, not again (memory)."""
+
+    def set_flash_attn(self, on):
+        if self.flash_attn is not None:
+            raise ModelFileError("llama.cpp could not create a context of 4096 tokens", "free memory")
+        super().set_flash_attn(on)
+
+
 def settled_short(**kwargs) -> StubLlama:
     backend = StubLlama(*NEAR_EVEN, deep=DEEP_OFF, **kwargs)
     settle_flash_attn(backend, LoadOptions())
@@ -303,13 +312,7 @@ def test_models_whose_context_is_not_specruns_to_make_again_keep_theirs():
 
 
 def test_a_context_that_cannot_be_made_again_keeps_the_one_it_had():
-    class Refusing(StubLlama):
-        def set_flash_attn(self, on):
-            if self.flash_attn is not None:
-                raise ModelFileError("llama.cpp could not create a context of 4096 tokens", "free memory")
-            super().set_flash_attn(on)
-
-    backend = Refusing(*NEAR_EVEN, deep=DEEP_OFF)
+    backend = RefusingAgain(*NEAR_EVEN, deep=DEEP_OFF)
     settle_flash_attn(backend, LoadOptions())
     assert kernels.settle_for_context((backend,), LoadOptions(), 5000, lambda: None) == []
     assert backend.flash_attn is True
@@ -331,13 +334,7 @@ def test_a_model_whose_states_heads_read_is_not_even_probed():
 
 
 def test_the_caches_are_emptied_once_when_the_first_model_cannot_switch():
-    class Refusing(StubLlama):
-        def set_flash_attn(self, on):
-            if self.flash_attn is not None:
-                raise ModelFileError("llama.cpp could not create a context of 4096 tokens", "free memory")
-            super().set_flash_attn(on)
-
-    target = Refusing(*NEAR_EVEN, deep=DEEP_OFF)
+    target = RefusingAgain(*NEAR_EVEN, deep=DEEP_OFF)
     settle_flash_attn(target, LoadOptions())
     draft = settled_short()
     draft.n_threads = 1
