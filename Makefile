@@ -14,7 +14,8 @@ SYSTEM := $(VENV)/.specrun-system
 # `CMAKE_ARGS=-DGGML_CUDA=on make install` always reaches tools/install_llama_cpp.sh, which rebuilds
 # llama-cpp-python only where the installed build is not what it asks for (make test and demo
 # with CMAKE_ARGS exported do not reinstall: offline, as the suite runs, they could not).
-ifneq ($(and $(strip $(CMAKE_ARGS)),$(filter install,$(MAKECMDGOALS))),)
+.DEFAULT_GOAL := install
+ifneq ($(and $(strip $(CMAKE_ARGS)),$(filter install,$(or $(MAKECMDGOALS),install))),)
 $(STAMP): cmake-args-given
 endif
 .PHONY: cmake-args-given

@@ -11,6 +11,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -94,20 +95,34 @@ def test_a_build_with_that_backend_is_kept(venv):
     assert len(install(venv, "-DGGML_CUDA=on -DGGML_VULKAN=on")) == 1  # Vulkan's library is missing
 
 
+@pytest.mark.parametrize("asked", ["'-DGGML_CUDA=on'", "-D GGML_HIP=2", "-DGGML_RPC=ON\t-DGGML_SYCL=y"])
+def test_cmake_args_are_read_as_a_shell_and_cmake_read_them(venv, asked):
+    assert len(install(venv, asked)) == 1
+
+
+def test_the_last_value_of_a_name_is_the_one_cmake_keeps(venv):
+    assert install(venv, "-DGGML_CUDA=on -DGGML_CUDA=off") == []
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="no make on this machine")
 def test_make_hands_a_cmake_args_to_the_script_on_install_only(tmp_path):
-    """`CMAKE_ARGS=-DGGML_CUDA=on make install` reaches the script even where the install is
-    up to date; `make test` with CMAKE_ARGS exported does not reinstall (offline, it could not)."""
+    """`CMAKE_ARGS=-DGGML_CUDA=on make install` (or plain `make`) reaches the script even where the
+    install is up to date; `make test` with CMAKE_ARGS exported does not reinstall (offline, it could
+    not)."""
     venv = tmp_path / "venv"
     venv.mkdir()
     for stamp in (".specrun-installed", ".specrun-system"):
-        (venv / stamp).touch()  # newer than every file they depend on
-    env = {**os.environ, "CMAKE_ARGS": "-DGGML_CUDA=on"}
+        (venv / stamp).touch()
+        os.utime(venv / stamp, (time.time() + 3600,) * 2)  # newer than every file they depend on
+    env = {key: value for key, value in os.environ.items() if key not in ("MAKEFLAGS", "MAKELEVEL", "MFLAGS")}
+    env["CMAKE_ARGS"] = "-DGGML_CUDA=on"
 
-    def planned(goal: str) -> str:
-        done = subprocess.run(["make", "-n", "-C", str(ROOT), f"VENV={venv}", goal], env=env,
+    def planned(*goal: str) -> str:
+        done = subprocess.run(["make", "-n", "-C", str(ROOT), f"VENV={venv}", *goal], env=env,
                               capture_output=True, text=True, timeout=60)
         assert done.returncode == 0, done.stderr
         return done.stdout
 
     assert "install_llama_cpp.sh" in planned("install")
+    assert "install_llama_cpp.sh" in planned()  # the default goal is install
     assert "install_llama_cpp.sh" not in planned("test") and "pytest" in planned("test")

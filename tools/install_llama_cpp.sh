@@ -36,10 +36,27 @@ fi
 
 # The GPU backends the user's CMAKE_ARGS turn on (-DGGML_CUDA=on, -DGGML_VULKAN=ON, ...): an installed
 # build without one of their libraries is rebuilt (it was made before CMAKE_ARGS asked for a GPU).
-# (CMake's names are case-sensitive, its true values not: ON, on, 1, TRUE, YES; -DX:BOOL=ON too.)
-gpu_backends=$(printf '%s\n' "${CMAKE_ARGS:-}" | tr ' ' '\n' \
-    | grep -E '^-DGGML_(CUDA|VULKAN|HIP|SYCL|MUSA|OPENCL)(:BOOL)?=' | grep -i -E '=(on|1|true|yes)$' \
-    | sed -E 's/^-DGGML_([A-Z]+).*/\1/' | tr 'A-Z' 'a-z' | sort -u | tr '\n' ' ' || true)
+# Read as scikit-build-core and CMake read them: split as a shell would, `-D NAME=V` and
+# `-DNAME:BOOL=V` too, the last value of a name kept, CMake's true values (ON, YES, TRUE, Y, a
+# non-zero number, in any case); a CMAKE_ARGS that cannot be split names none (the build says why).
+gpu_backends=$("$py" - <<'PY'
+import os, re, shlex
+try:
+    words = shlex.split(os.environ.get("CMAKE_ARGS", ""))
+except ValueError:
+    words = []
+values = {}
+for word, following in zip(words, [*words[1:], ""]):
+    setting = "-D" + following if word == "-D" else word
+    found = re.fullmatch(r"-DGGML_(CUDA|VULKAN|HIP|SYCL|MUSA|OPENCL)(?::[A-Za-z]+)?=(.*)", setting)
+    if found:
+        values[found[1].lower()] = found[2].strip()
+def true(value):
+    number = re.fullmatch(r"[+-]?\d+(\.\d*)?", value)
+    return value.upper() in ("ON", "YES", "TRUE", "Y") or bool(number and float(value) != 0)
+print(" ".join(sorted(name for name, value in values.items() if true(value))))
+PY
+)
 
 if ! "$py" -c "import llama_cpp, pathlib, sys; lib = pathlib.Path(llama_cpp.__file__).parent / 'lib'
 sys.exit(llama_cpp.__version__ != '$version' or not llama_cpp.llama_supports_rpc()

@@ -203,6 +203,7 @@ class ChatSession:
         # open_chat's: flash attention chosen again once the conversation's context reaches
         # kernels.DEEP_FROM tokens (sessions/kernels.settle_for_context), at most once a session
         self._settle_context = settle_context
+        self._deep_context = 0  # the context _settle_for chose again for (0: not yet): a later draft's too
         self._find_settled_tuned = find_settled_tuned  # what tune saved under the models' keys as they are now
         self._learn = learn  # --learn: the learner of the heads drafted with (sessions/heads.with_learner)
         self.tools = tuple(tools)  # functions the model may call, rendered into every prompt
@@ -345,15 +346,22 @@ class ChatSession:
     def _settle_for(self, context: int) -> None:
         """Once an answer's context may reach DEEP_FROM tokens (within the context): flash attention
         as the deep probe chooses it (the chat opened with the short probe's choice, right for a short
-        chat); where that differs, both caches are emptied and this prompt is read again in full,
-        once a session (a /reset does not ask again)."""
-        if self._settle_context is None or context < DEEP_FROM:
+        chat); where that differs, the models' caches are emptied and this prompt is read again in
+        full, once a session (a /reset does not ask again; a draft model loaded later by /method is
+        settled the same way)."""
+        if self._settle_context is None or self._deep_context or context < DEEP_FROM:
             return
-        settle, self._settle_context = self._settle_context, None
-        if settle(context, (self.target, self.draft), self._empty_caches) and self._find_settled_tuned is not None:
-            # the flash setting keys what tune and earlier runs stored: the costs the controllers
-            # start from, and what the session's runs are remembered with, are the new setting's
-            self._use_tuned(self._find_settled_tuned(self.draft))
+        self._deep_context = context
+        if self._settle_context(context, (self.target, self.draft), self._empty_caches):
+            self._remember_under_new_keys()
+
+    def _remember_under_new_keys(self) -> None:
+        """The flash setting keys what tune and earlier runs stored: what this session's runs are
+        remembered with on close (``remember_run``) becomes the new setting's entry. The running
+        controllers keep what they measured in this conversation (acceptance does not follow the
+        kernels; the pass costs they learn online do)."""
+        if self._find_settled_tuned is not None:
+            self._tuned = self._find_settled_tuned(self.draft)
 
     def _empty_caches(self) -> None:
         sequence_for(self.target).reset()
@@ -487,6 +495,9 @@ class ChatSession:
             if self._load_draft is None:
                 raise UsageError(f"method {method!r} needs a draft model", "start specrun chat with --draft MODEL")
             self.draft = self._load_draft()
+            if self._deep_context and self._settle_context is not None:  # as the target chose again
+                draft = self.draft  # (then tune's entry below is read under the keys as they are now)
+                self._settle_context(self._deep_context, (draft,), lambda: sequence_for(draft).reset())
             if self._tuned is None and self._find_tuned is not None:
                 self._use_tuned(self._find_tuned(self.draft))
         kind = heads_kind(method)

@@ -22,8 +22,8 @@ its own: it costs two prefills of that depth once (tens of seconds for a large m
 CPU), against a decode up to twice as fast at every later long prompt. A chat cannot know its
 length when it opens: it settles by the short probe, and once an answer's context may reach
 ``DEEP_FROM`` tokens chooses again by the deep one (``settle_for_context``, once a session);
-where that choice differs, both caches are emptied, the contexts made again and the prompt read
-again in full — one prefill, against every later step of a long conversation.
+where that choice differs, the models' caches are emptied, their contexts made again and the
+prompt read again in full — one prefill, against every later step of a long conversation.
 
 The setting whose one-token pass and 6-token pass together cost less wins (a plain step and
 a verify pass: what plain decoding and speculation pay); off must be ``MARGIN`` faster to

@@ -377,10 +377,15 @@ def test_a_chat_switches_once_its_context_may_reach_deep_from_and_answers_as_a_f
     from specrun.engine.loop import GenerationParams
 
     asked = deep_off_costs(monkeypatch)
-    tuned_for = []  # the target's flash setting each time the session looked up what tune stored
+    tuned_for = []  # (the target's flash setting, what was found) each time the session read tune's entry
     real_load_tuned = chat_module.load_tuned
-    monkeypatch.setattr(chat_module, "load_tuned", lambda target, loaded, threads: (
-        tuned_for.append(target.flash_attn), real_load_tuned(target, loaded, threads))[1])
+
+    def load_tuned(target, loaded, threads):
+        found = real_load_tuned(target, loaded, threads)
+        tuned_for.append((target.flash_attn, found))
+        return found
+
+    monkeypatch.setattr(chat_module, "load_tuned", load_tuned)
     notes: list[str] = []
     load = LoadOptions(backend="llama", threads=1, kv_type=kv_type)
     with chat_module.open_chat("demo-target", draft, method, load, on_note=notes.append) as chat:
@@ -394,7 +399,7 @@ def test_a_chat_switches_once_its_context_may_reach_deep_from_and_answers_as_a_f
         models = [chat.target] + ([chat.draft] if draft else [])
         assert all(model.flash_attn is False for model in models)
         assert len([note for note in notes if "(was on)" in note]) == len(models)
-        assert tuned_for[-1] is False  # what tune stored under the new setting's key
+        assert tuned_for[-1][0] is False and chat._tuned is tuned_for[-1][1]  # remembered under the new key
         chat.reset()
         list(chat.ask(LONG_TEXT, GenerationParams(260, 0)))
         assert asked == [False] * len(models) + [True] * len(models)  # the open's, then the deep, once
@@ -415,3 +420,21 @@ def test_a_context_that_cannot_reach_deep_from_asks_for_no_deep_probe(monkeypatc
         list(chat.ask("def add(a, b):", GenerationParams(4000, 0)))  # more than the context holds
         assert chat.target.flash_attn is True
     assert asked == [False]
+
+
+def test_a_draft_model_loaded_after_the_switch_is_settled_for_the_long_context_too(monkeypatch):
+    """A chat that began without its draft model (method none) and switched: the draft a later
+    /method draft loads runs with the deep choice too, without the target's cache emptied again."""
+    pytest.importorskip("llama_cpp", reason="the llama backend is not installed")
+    from specrun.engine.loop import GenerationParams
+    from specrun.sessions.chat import open_chat
+
+    asked = deep_off_costs(monkeypatch)
+    with open_chat("demo-target", "demo-draft", "none", LoadOptions(backend="llama", threads=1)) as chat:
+        assert chat.draft is None
+        list(chat.ask(LONG_TEXT, GenerationParams(300, 0)))  # 1,772 prompt tokens: the context may fill
+        assert chat.target.flash_attn is False and asked == [False, True]
+        cached = chat.target.n_past
+        chat.set_method("draft")
+        assert chat.draft.flash_attn is False and asked == [False, True, False, True]  # its open's, then deep
+        assert chat.target.n_past == cached
