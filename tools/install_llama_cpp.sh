@@ -34,13 +34,17 @@ if [ "$(uname -m)" = x86_64 ] && echo | "${CC:-cc}" -mno-amx-int8 -x c -E - >/de
     no_amx="-mno-amx-int8"
 fi
 
-# The GPU backends the user's CMAKE_ARGS turn on (-DGGML_CUDA=on, -DGGML_VULKAN=ON, ...): an installed
-# build without one of their libraries is rebuilt (it was made before CMAKE_ARGS asked for a GPU).
-# Read as scikit-build-core and CMake read them: split as a shell would, `-D NAME=V` and
-# `-DNAME:BOOL=V` too, the last value of a name kept, CMake's true values (ON, YES, TRUE, Y, a
-# non-zero number, in any case); a CMAKE_ARGS that cannot be split names none (the build says why).
-gpu_backends=$("$py" - <<'PY'
-import os, re, shlex
+# Is the installed build already right: this version, RPC, no AMX kernels where they are left out, and
+# every GPU backend the user's CMAKE_ARGS turn on (-DGGML_CUDA=on, ...) among its libraries (a build
+# made before CMAKE_ARGS asked for a GPU is not)? CMAKE_ARGS is read as scikit-build-core and CMake
+# read it: split as a shell would, `-D NAME=V` and `-DNAME:BOOL=V` too, the last value of a name kept,
+# CMake's true values (ON, YES, TRUE, Y, a non-zero number, in any case); one that cannot be split
+# names none (the build says why).
+if ! "$py" - "$version" "$no_amx" 2>/dev/null <<'PY'; then
+import os, pathlib, re, shlex, sys
+import llama_cpp
+
+version, no_amx = sys.argv[1:]
 try:
     words = shlex.split(os.environ.get("CMAKE_ARGS", ""))
 except ValueError:
@@ -54,14 +58,11 @@ for word, following in zip(words, [*words[1:], ""]):
 def true(value):
     number = re.fullmatch(r"[+-]?\d+(\.\d*)?", value)
     return value.upper() in ("ON", "YES", "TRUE", "Y") or bool(number and float(value) != 0)
-print(" ".join(sorted(name for name, value in values.items() if true(value))))
+lib = pathlib.Path(llama_cpp.__file__).parent / "lib"
+sys.exit(llama_cpp.__version__ != version or not llama_cpp.llama_supports_rpc()
+         or (bool(no_amx) and b"AMX_INT8 = 1" in llama_cpp.llama_print_system_info())
+         or any(not any(lib.glob(f"libggml-{name}.*")) for name, value in values.items() if true(value)))
 PY
-)
-
-if ! "$py" -c "import llama_cpp, pathlib, sys; lib = pathlib.Path(llama_cpp.__file__).parent / 'lib'
-sys.exit(llama_cpp.__version__ != '$version' or not llama_cpp.llama_supports_rpc()
-         or (bool('$no_amx') and b'AMX_INT8 = 1' in llama_cpp.llama_print_system_info())
-         or any(not any(lib.glob('libggml-' + name + '.*')) for name in '$gpu_backends'.split()))" 2>/dev/null; then
     fetch_sdist
     # never a cached wheel: one built without RPC (or for another device) would be reused;
     # single quotes: scikit-build-core splits CMAKE_ARGS as a shell would (a checkout path with spaces)
