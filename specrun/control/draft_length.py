@@ -235,7 +235,16 @@ class DraftLengthController:
             return self._explore(limit)
         if self.ramp_up:
             limit = min(limit, self.evidenced_len())
-        return max(range(limit + 1), key=lambda k: (rates[k], -k))
+        best = max(range(limit + 1), key=lambda k: (rates[k], -k))
+        if best == 0 and not self.target_costs.sharing:
+            # Plain decoding is expected faster: off, and probed like any controller that is. Left
+            # on, it chose 0 from costs it never timed again (a preload, or a draft's first passes
+            # on a GPU): drafting nothing, it learned nothing, and the gate never settled. (A pass
+            # shared with other slots stays on: its 0 yields to the batch, and drafting resumes as
+            # soon as the batch's costs allow, measured in docs/perf.md 3(r).)
+            self._speculating = False
+            self.steps_since_probe = 0
+        return best
 
     def may_pass(self) -> bool:
         """May this controller's drafter go unasked on this step (IdleBackoff)? Not while it

@@ -1178,3 +1178,22 @@ def test_a_bounded_drafter_s_length_never_passes_its_depth():
     policy.configure(max_draft_len=2, adaptive=True)
     assert policy._controller_for(drafter.name).max_draft_len == 2
     assert 0 < policy.budget(drafter, 2) <= 2
+
+
+def test_costs_that_say_plain_decoding_wins_are_probed_not_trusted_for_ever():
+    # Costs preloaded (an earlier run's, or a draft's first passes on a GPU) that make every
+    # length lose: the controller once stayed on choosing 0, drafting nothing and so learning
+    # nothing. Off, it probes after its gap; the draft is in fact cheap and always right.
+    target, draft = TargetCosts(), DraftCosts()
+    target.preload({1: 1.0, 2: 1.02, 3: 1.04, 4: 1.06})
+    draft.preload({1: 1.5, 2: 3.0})
+    controller = DraftLengthController(max_draft_len=16, target_costs=target, draft_costs=draft, ramp_up=True)
+    lengths = []
+    for _ in range(60):
+        k = controller.choose(16)
+        lengths.append(k)
+        controller.observe(k, k, 0.05 * k, 1.0 + 0.02 * k)
+    first = next(i for i, k in enumerate(lengths) if k)
+    assert lengths[0] == 0 and first == controller.first_probe_gap
+    assert lengths[first] == PAID_PROBE_LEN
+    assert controller.speculating and lengths[-1] > PAID_PROBE_LEN  # re-timed: drafting pays, and grows
