@@ -69,6 +69,16 @@ class Proposal:
             self.kind,
         )
 
+    def followed_by(self, after: "Proposal") -> "Proposal":
+        """This chain, then ``after`` (a chain or a tree) drafted from its last token on; the
+        source names both (``grammar+draft``) and the kind is ``after``'s."""
+        if not self.is_chain:
+            raise ValueError("only a chain can be followed by another proposal")
+        base = len(self.tokens)
+        parents = tuple(parent + base if parent >= 0 else base - 1 for parent in after.parents)
+        return Proposal(self.tokens + after.tokens, self.p_draft + after.p_draft,
+                        f"{self.source}+{after.source}", self.parents + parents, after.kind)
+
     @functools.cached_property
     def is_chain(self) -> bool:
         return self.parents == tuple(range(-1, len(self.tokens) - 1))

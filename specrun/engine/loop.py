@@ -353,8 +353,11 @@ class SpeculativeEngine:
                 if measured:
                     policy.share(self.target.sharing, self.target.shared_tokens)  # as the last pass found it
                     policy.at_context(context_len)
-                plan = PLAIN if policy is None or forced is not None else policy.plan()
-                drafts = forced or self._draft(policy, plan, context, draft_len, params, rng)
+                plan = PLAIN if policy is None else policy.plan()
+                if forced is None:
+                    drafts = self._draft(policy, plan, context, draft_len, params, rng)
+                else:  # the drafters continue after them, as if they were accepted (they will be)
+                    drafts = self._after_forced(forced, policy, plan, context, draft_len, params, rng)
                 allowed = None
                 if constrained is not None:
                     drafts, allowed = constrained.prune(drafts, sampling)
@@ -380,7 +383,7 @@ class SpeculativeEngine:
                 if ties is not None:
                     stats.near_ties += ties.in_pass(proposal, verdict, len(context) - context_len,
                                                     self.passes.last_rows)
-                if measured and proposal.source != GRAMMAR_SOURCE:
+                if measured and not proposal.source.startswith(GRAMMAR_SOURCE):  # (see _after_forced)
                     # a queued pass runs while the caller has the last step's tokens: where plain
                     # steps read ahead, every step is timed from then, speculating's as plain
                     # decoding's whole cycle (the caller's time left out of one kind only favoured it)
@@ -454,6 +457,24 @@ class SpeculativeEngine:
             return EMPTY_PROPOSAL if deferred is None else DeferredDrafts(deferred, self.drafter.name)
         proposal = self._ask_drafters(policy, plan, context, draft_len, params.sampling, rng)
         return proposal if proposal.is_chain else self._verifiable(proposal, params)
+
+    def _after_forced(
+        self, forced: Proposal, policy: SpeculationPolicy, plan: Plan, context: list[int], draft_len: int,
+        params: GenerationParams, rng: np.random.Generator,
+    ) -> Proposal:
+        """The tokens a grammar forces, then what the planned drafters propose after them, in
+        the room ``draft_len`` leaves (a tree's nodes within the run's cap). The step is not
+        reported to the policy: its pass verifies tokens no drafter was charged for, which would
+        price the drafters' lengths wrongly, as forced steps alone never were."""
+        room = draft_len - len(forced)
+        if room <= 0 or not plan.draft:
+            return forced
+        after = [*context, *forced.tokens]
+        more = self._ask_drafters(policy, plan, after, room, params.sampling, rng)
+        if not more.is_chain:
+            nodes = self._tree_nodes(params) - len(forced)
+            more = self._verifiable(more, dataclasses.replace(params, tree_nodes=max(nodes, 0)))
+        return forced.followed_by(more) if more.tokens else forced
 
     def _ask_drafters(self, policy, plan: Plan, context, draft_len: int, sampling, rng) -> Proposal:
         """Ask the planned drafters in turn, each for the length the policy gives it; the first

@@ -165,6 +165,40 @@ def test_tokens_the_grammar_forces_are_drafted_for_free_and_accepted():
     assert fast.stats.steps < plain.stats.steps
 
 
+def test_the_drafters_continue_after_the_forced_tokens_in_the_same_pass():
+    # After the first letter ":ab:" is forced (3 tokens); the draft model (the target's own table)
+    # drafts the letters after it in the same pass, and they are accepted with the forced ones.
+    prompt = [0, 9, 3, 9, 1, 0, 3, 0, 5]  # "a:ab:baaba}"
+    spec = GrammarSpec("lark", 'start: /[ab]/ ":ab:" /[ab]+/ "}"')
+    past_forced = 0
+    for salt in range(3, 9):
+        target = letters(salt)
+        grammar = Grammar.compile(spec, target)
+        plain = run(engine_for("none", target), grammar, SamplingSettings(), tokens=12, stop_at_eos=True,
+                    prompt=prompt)
+        fast = run(engine_for("draft", target, draft_salt=salt), grammar, SamplingSettings(), tokens=12,
+                   draft_len=6, stop_at_eos=True, prompt=prompt)
+        assert fast.token_ids == plain.token_ids
+        chained = fast.stats.by_source["grammar+draft"]
+        assert chained.steps == 1 and chained.accepted >= 3
+        past_forced += chained.accepted - 3
+    # the draft's own tokens, accepted in the forced tokens' pass (where its guess was one the
+    # grammar allows: the draft reads the target's table unconstrained)
+    assert past_forced >= 3
+
+
+def test_a_chain_followed_by_a_tree_keeps_the_tree_under_its_last_token():
+    from specrun.drafters.base import Proposal
+
+    forced = Proposal((4, 3), source="grammar")
+    tree = Proposal((0, 1, 7), source="draft", parents=(-1, 0, -1), kind="k")
+    both = forced.followed_by(tree)
+    assert (both.tokens, both.parents, both.source, both.kind) == ((4, 3, 0, 1, 7), (-1, 0, 1, 2, 1), "grammar+draft", "k")
+    assert both.main_chain.tokens == (4, 3, 0, 1)
+    with pytest.raises(ValueError):
+        tree.followed_by(forced)
+
+
 def test_a_grammar_no_text_can_satisfy_ends_the_answer_and_never_hangs():
     """A grammar whose only text needs a letter no token has: after "a", llguidance's mask allows
     only the end of text while its matcher is in an error state (the text so far cannot be
