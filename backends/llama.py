@@ -24,6 +24,7 @@ from specrun.backends.base import (
 )
 from specrun.backends.llama_rpc import silence_logs
 from specrun.errors import BackendUnavailableError, ContextFullError, ModelFileError
+from specrun.native_order import share_cxx_runtime
 from specrun.tree import TokenTree
 
 GGUF_MAGIC = b"GGUF"
@@ -35,6 +36,7 @@ MAX_TREE_PATHS = 64
 
 
 def _import_llama_cpp():
+    share_cxx_runtime()  # sentencepiece loaded first crashed llama.cpp's first model load (native_order)
     try:
         import llama_cpp
     except ImportError as exc:  # pragma: no cover - depends on the install

@@ -14,10 +14,4 @@ if not _GIVEN and "numpy" in sys.modules:  # loaded first (a script's own import
 
     use_one_thread()
 
-# The C++ runtime goes into the process's global scope before any extension module (see
-# specrun/native_order.py: sentencepiece, which gguf imports, crashed llama.cpp's first model load).
-from specrun.native_order import load_cxx_runtime_first
-
-load_cxx_runtime_first()
-
 __version__ = "0.1.0"

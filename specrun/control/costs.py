@@ -38,10 +38,8 @@ class TargetCosts:
     # plain decoding read 1.3 ms against 0.56 ms, and auto drafted where it lost).
     SEPARATE_PLAIN = True
     SPIKE_CAP = 1.25  # once timed twice, one pass moves the mean as if at most this much slower
-    # Noise only slows a pass; one this many times faster than the mean shows the mean stale, and
-    # replaces it. A GPU's first passes of each shape pay for building its kernels' graphs (on
-    # the lent H200 the draft model's warm-up passes priced it out: it drafted nothing in any
-    # text, docs/perf.md 3(v)), and blended at 0.3 such a start took ~9 passes to fade.
+    # Noise only slows a pass: one this many times faster than the mean replaces it (a GPU's first
+    # passes build its graphs; blended, they took ~9 passes to fade: docs/perf.md 3(v)).
     DIP = 2.0
     MAX_COUNT = 8.0  # passes remembered per n: old ones fade as new ones come
     # Each pass at one n ages the others' counts: a mean left unvisited (a length the
@@ -151,7 +149,10 @@ class TargetCosts:
             # a spike against the mean carried to this context (a longer context is no spike)
             seconds = min(seconds, self._carried(n_tokens) * self.SPIKE_CAP)
         if old is not None and seconds * self.DIP < self._carried(n_tokens):
-            old = None  # the mean was the slow start's, not this machine's: it starts again here
+            # the mean was a slow start's: it starts again here, at this context, from one pass
+            old = None
+            self.contexts.pop(n_tokens, None)
+            self.counts[n_tokens] = 0.0
         mean = self.seconds[n_tokens] = blend(old, seconds, 0.3)
         self.contexts[n_tokens] = blend(self.contexts.get(n_tokens), float(self.context), 0.3)
         # the slope moved: every mean carries to the context now otherwise, so the table is redone

@@ -233,18 +233,23 @@ class DraftLengthController:
         rates = self.expected_rates(limit)
         if None in rates:
             return self._explore(limit)
-        if self.ramp_up:
-            limit = min(limit, self.evidenced_len())
-        best = max(range(limit + 1), key=lambda k: (rates[k], -k))
-        if best == 0 and not self.target_costs.sharing:
-            # Plain decoding is expected faster: off, and probed like any controller that is. Left
-            # on, it chose 0 from costs it never timed again (a preload, or a draft's first passes
-            # on a GPU): drafting nothing, it learned nothing, and the gate never settled. (A pass
-            # shared with other slots stays on: its 0 yields to the batch, and drafting resumes as
-            # soon as the batch's costs allow, measured in docs/perf.md 3(r).)
+        cap = min(self.evidenced_len(), self.max_draft_len) if self.ramp_up else self.max_draft_len
+        if not self.target_costs.sharing and self._plain_wins(cap):
+            # off, and probed as any controller that is: left on choosing 0 from costs it never
+            # timed again (a draft's first GPU passes), it never drafted (docs/perf.md 3(v))
             self._speculating = False
             self.steps_since_probe = 0
-        return best
+            return 0
+        limit = min(limit, cap)
+        return max(range(limit + 1), key=lambda k: (rates[k], -k))
+
+    def _plain_wins(self, cap: int) -> bool:
+        """Is plain decoding expected faster than every length up to ``cap``, whatever this
+        step's limit (the end of an answer, room after forced tokens) allows? A pass shared with
+        other slots is judged by its caller: there 0 yields to the batch, and drafting resumes
+        when the batch's costs allow (docs/perf.md 3(r))."""
+        rates = self.expected_rates(cap)
+        return max((rate or 0.0) for rate in rates[1:]) <= (rates[0] or 0.0)
 
     def may_pass(self) -> bool:
         """May this controller's drafter go unasked on this step (IdleBackoff)? Not while it

@@ -60,7 +60,8 @@ class StepReport:
     the proposal; verify_seconds: the pass and the rewind after it. context: prompt and
     output so far, this step's tokens included; context_len: its length before them.
     queued: a plain step whose pass the step before queued (it read ahead): its verify time
-    is what was left of the pass, not a pass's cost.
+    is what was left of the pass, not a pass's cost. forced: the grammar's tokens the pass held
+    before the proposal (engine/loop.py ``_after_forced``); ``context_len`` is then after them.
     """
 
     plan: Plan
@@ -72,6 +73,7 @@ class StepReport:
     context: Sequence[int]
     context_len: int
     queued: bool = False
+    forced: int = 0  # tokens a grammar forced ahead of the proposal, in the same pass (accepted)
 
     @property
     def n_accepted(self) -> int:
@@ -95,6 +97,17 @@ class SpeculationPolicy(Protocol):
         ...
 
     def plan(self) -> Plan: ...
+
+    def plan_after_forced(self) -> Plan:
+        """``plan`` for a step that verifies a grammar's forced tokens first: the drafters may
+        continue after them, but a plain step that would time plain decoding waits for a step
+        without them (its pass would not be a plain one)."""
+        ...
+
+    def skip_pass(self, n_fed: int) -> None:
+        """A pass of ``n_fed`` tokens the policy is not told of (forced tokens alone): the next
+        pass is judged against its shape."""
+        ...
 
     def plain_next(self) -> bool:
         """After a plain step: will the next step be plain too, whatever this one shows? Then this
@@ -146,6 +159,12 @@ class FixedPolicy:
 
     def plan(self) -> Plan:
         return self._plan
+
+    def plan_after_forced(self) -> Plan:
+        return self._plan
+
+    def skip_pass(self, n_fed: int) -> None:
+        pass
 
     def plain_next(self) -> bool:
         return False  # every step drafts
@@ -381,6 +400,12 @@ class AdaptivePolicy:
             return PLAIN
         return Plan(draft=True)
 
+    def plan_after_forced(self) -> Plan:
+        return PLAIN if self._plain_timing else self.plan()
+
+    def skip_pass(self, n_fed: int) -> None:
+        self._previous_pass = n_fed
+
     def plain_next(self) -> bool:
         # Not where the next step times plain decoding (a queued pass is not a pass's cost:
         # ``StepReport.queued``); within the gate's plain stretch, not its last step; or where the
@@ -551,7 +576,7 @@ class AdaptivePolicy:
     # ---- the controllers ----------------------------------------------------------------
     def _observe_pass(self, report: StepReport) -> None:
         proposal = report.proposal
-        n_fed = len(proposal.tokens) + 1
+        n_fed = report.forced + len(proposal.tokens) + 1
         previous, self._previous_pass = self._previous_pass, n_fed
         if not self.target_costs.note_pass(n_fed, report.verify_seconds, previous):
             return  # a plain pass that paid for the speculative one before it: timed as switching back
@@ -566,7 +591,8 @@ class AdaptivePolicy:
         else:
             controller = self._controller_for(proposal.source, fixed=not self.adaptive, kind=proposal.kind)
             if self.adaptive and proposal.source not in self.paid:  # its acceptance comes from ProposalScores
-                controller.observe_costs(len(proposal.tokens), report.draft_seconds, report.verify_seconds)
+                controller.observe_costs(len(proposal.tokens), report.draft_seconds, report.verify_seconds,
+                                         n_fed - 1)
             else:
                 # T_draft(k) is what drafting k tokens costs. A draft model skipped for a while
                 # first reads what it missed, whatever k: charged to k, that made one draft call
@@ -575,7 +601,7 @@ class AdaptivePolicy:
                 drafting = report.draft_seconds - self._member(proposal.source).catch_up_seconds
                 # a tree: acceptance and drafting by its main chain, the pass by all its nodes
                 chain = len(proposal.main_chain)
-                controller.observe(chain, report.chain_accepted, drafting, report.verify_seconds, len(proposal))
+                controller.observe(chain, report.chain_accepted, drafting, report.verify_seconds, n_fed - 1)
 
     def _observe_merged(self, report: StepReport, proposal: MergedProposal) -> None:
         """A merged tree's pass: each draft model among its parts learns from the nodes of its

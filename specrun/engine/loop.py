@@ -22,7 +22,7 @@ from specrun.backends.kv import KVSequence, sequence_for
 from specrun.control.policy import PLAIN, AdaptivePolicy, FixedPolicy, Plan, SpeculationPolicy, StepReport
 from specrun.drafters.base import EMPTY_PROPOSAL, Drafter, Proposal
 from specrun.drafters.methods import is_adaptive
-from specrun.engine.constrained import GRAMMAR_SOURCE, ConstrainedRun
+from specrun.engine.constrained import ConstrainedRun
 from specrun.engine.events import Finished, GenerationResult, Step, TextChunk, TokenLogprob
 from specrun.engine.passes import DeferredDrafts, TargetPasses, Verification
 from specrun.engine.stats import PLAIN as PLAIN_SOURCE, Stats
@@ -92,6 +92,18 @@ def _deepest(draft_len: int, drafter: Drafter | None) -> int:
         return 0
     bound = drafter.most_tokens
     return draft_len if bound is None else min(draft_len, bound)
+
+
+def _drafters_part(report: StepReport, n_forced: int, more: Proposal | None) -> StepReport | None:
+    """The step as the policy learns from it where a grammar forced ``n_forced`` tokens first:
+    the drafters' chain after them (what pruning kept of ``more``), its accepted part and the
+    context from after them. None where the pass alone is noted (``skip_pass``): forced tokens
+    alone, a tree or merged proposals after them, or forced tokens the target did not all take."""
+    kept = len(report.proposal) - n_forced
+    if more is None or kept <= 0 or type(more) is not Proposal or not more.is_chain or report.n_accepted < n_forced:
+        return None
+    return dataclasses.replace(report, proposal=more.prefix(kept), path=tuple(range(report.n_accepted - n_forced)),
+                               context_len=report.context_len + n_forced, forced=n_forced)
 
 
 def _emit(
@@ -353,11 +365,13 @@ class SpeculativeEngine:
                 if measured:
                     policy.share(self.target.sharing, self.target.shared_tokens)  # as the last pass found it
                     policy.at_context(context_len)
-                plan = PLAIN if policy is None else policy.plan()
+                after_forced = None  # what the drafters proposed after forced tokens
                 if forced is None:
+                    plan = PLAIN if policy is None else policy.plan()
                     drafts = self._draft(policy, plan, context, draft_len, params, rng)
-                else:  # the drafters continue after them, as if they were accepted (they will be)
-                    drafts = self._after_forced(forced, policy, plan, context, draft_len, params, rng)
+                else:  # the drafters continue after them, from the context the grammar leads to
+                    plan = PLAIN if policy is None else policy.plan_after_forced()
+                    drafts, after_forced = self._after_forced(forced, policy, plan, context, draft_len, params, rng)
                 allowed = None
                 if constrained is not None:
                     drafts, allowed = constrained.prune(drafts, sampling)
@@ -383,15 +397,20 @@ class SpeculativeEngine:
                 if ties is not None:
                     stats.near_ties += ties.in_pass(proposal, verdict, len(context) - context_len,
                                                     self.passes.last_rows)
-                if measured and not proposal.source.startswith(GRAMMAR_SOURCE):  # (see _after_forced)
+                if measured:
                     # a queued pass runs while the caller has the last step's tokens: where plain
                     # steps read ahead, every step is timed from then, speculating's as plain
                     # decoding's whole cycle (the caller's time left out of one kind only favoured it)
                     started = clock.yielded_at if reads_ahead else clock.step_started
                     policy.share(self.target.sharing, self.target.shared_tokens)  # what this pass held
-                    policy.observe(StepReport(plan, proposal, tuple(verdict.path), started,
-                                              clock.draft_seconds, clock.verify_seconds, context, context_len,
-                                              queued))
+                    report = StepReport(plan, proposal, tuple(verdict.path), started, clock.draft_seconds,
+                                        clock.verify_seconds, context, context_len, queued)
+                    if forced is not None:
+                        report = _drafters_part(report, len(forced), after_forced)
+                    if report is None:
+                        policy.skip_pass(len(proposal) + 1)
+                    else:
+                        policy.observe(report)
                 emitted = tuple(context[context_len:])
                 logprobs = () if params.logprobs is None else _logprobs(
                     self.passes.last_rows, [0, *(1 + node for node in verdict.path)], emitted, params.logprobs)
@@ -461,20 +480,18 @@ class SpeculativeEngine:
     def _after_forced(
         self, forced: Proposal, policy: SpeculationPolicy, plan: Plan, context: list[int], draft_len: int,
         params: GenerationParams, rng: np.random.Generator,
-    ) -> Proposal:
-        """The tokens a grammar forces, then what the planned drafters propose after them, in
-        the room ``draft_len`` leaves (a tree's nodes within the run's cap). The step is not
-        reported to the policy: its pass verifies tokens no drafter was charged for, which would
-        price the drafters' lengths wrongly, as forced steps alone never were."""
+    ) -> tuple[Proposal, Proposal | None]:
+        """The tokens a grammar forces, then what the planned drafters propose after them in the
+        room ``draft_len`` leaves (a tree's nodes within the run's cap), for one pass; and that
+        proposal of the drafters' (None: none asked). Not lookahead: it reads its own pass whole."""
         room = draft_len - len(forced)
-        if room <= 0 or not plan.draft:
-            return forced
-        after = [*context, *forced.tokens]
-        more = self._ask_drafters(policy, plan, after, room, params.sampling, rng)
+        if room <= 0 or not plan.draft or self.drafter.reads_pass:
+            return forced, None
+        more = self._ask_drafters(policy, plan, [*context, *forced.tokens], room, params.sampling, rng)
         if not more.is_chain:
             nodes = self._tree_nodes(params) - len(forced)
-            more = self._verifiable(more, dataclasses.replace(params, tree_nodes=max(nodes, 0)))
-        return forced.followed_by(more) if more.tokens else forced
+            more = more.main_chain if nodes <= 0 else self._verifiable(more, dataclasses.replace(params, tree_nodes=nodes))
+        return (forced.followed_by(more), more) if more.tokens else (forced, None)
 
     def _ask_drafters(self, policy, plan: Plan, context, draft_len: int, sampling, rng) -> Proposal:
         """Ask the planned drafters in turn, each for the length the policy gives it; the first

@@ -1235,3 +1235,35 @@ def test_a_draft_priced_out_by_its_warm_up_drafts_in_the_texts_after_it():
     result = engine.run(list(range(1, 60)), GenerationParams(128, draft_len=16, adaptive=True), complete_cache=False)
     assert result.stats.drafted > 100
     assert result.stats.new_tokens / result.stats.generation_seconds > 1.5 / 1.003  # plain: 1 token a 1.003 s pass
+
+
+def test_a_step_s_short_limit_does_not_switch_a_paying_controller_off():
+    # one token loses (a draft model's fixed cost per call), four win: near the end of an answer,
+    # or in the room left after forced tokens, the step drafts nothing, and the controller stays on
+    target, draft = TargetCosts(), DraftCosts()
+    target.preload({n: 1.0 + 0.01 * n for n in range(1, 6)})
+    draft.preload({1: 1.05, 2: 1.10})
+    controller = DraftLengthController(max_draft_len=4, target_costs=target, draft_costs=draft)
+    assert controller.choose(1) == 0 and controller.speculating
+    assert controller.choose(4) == 4
+
+
+def test_a_dip_restarts_the_mean_at_this_context():
+    costs = TargetCosts()
+    costs.at_context(100)
+    for _ in range(3):
+        costs.observe(2, 30.0)
+    costs.at_context(400)
+    costs.observe(2, 1.0)
+    assert (costs.seconds[2], costs.counts[2], costs.contexts[2]) == (1.0, 1.0, 400.0)
+    costs.observe(2, 2.0)  # a second pass moves it as a young mean's, not capped as a spike
+    assert costs.seconds[2] == pytest.approx(1.3)
+
+
+def test_forced_tokens_leave_plain_decoding_s_timing_steps_to_plain_steps():
+    from specrun.control.policy import PLAIN, AdaptivePolicy
+
+    policy = AdaptivePolicy()
+    policy._plain_timing = 2
+    assert policy.plan_after_forced() == PLAIN and policy._plain_timing == 2
+    assert policy.plan() == PLAIN and policy._plain_timing == 1

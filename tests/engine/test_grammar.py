@@ -15,7 +15,7 @@ import llguidance
 import numpy as np
 import pytest
 
-from fake_models import hashed_logits
+from fake_models import SimClock, hashed_logits
 from lossless_harness import ALPHA, chi_square_p, impossible
 from oracle import exact_joint
 from specrun.backends.fake import FakeBackend
@@ -185,6 +185,57 @@ def test_the_drafters_continue_after_the_forced_tokens_in_the_same_pass():
     # the draft's own tokens, accepted in the forced tokens' pass (where its guess was one the
     # grammar allows: the draft reads the target's table unconstrained)
     assert past_forced >= 3
+
+
+class _TimedLetters(LetterFake):
+    """Letters whose passes cost simulated seconds (a memory-bound target, a cheap draft)."""
+
+    def __init__(self, salt: int, clock: SimClock, base: float) -> None:
+        super().__init__(hashed_logits(VOCAB, salt=salt, spread=1.5), VOCAB, eos_ids=[EOS])
+        self.clock, self.base = clock, base
+
+    def forward(self, tokens, logit_rows):
+        self.clock.now += self.base + 0.01 * len(tokens)
+        return super().forward(tokens, logit_rows)
+
+
+def test_the_policy_learns_from_the_drafters_part_of_a_forced_pass():
+    prompt = [0, 9, 3, 9, 1, 0, 3, 0, 5]
+    spec = GrammarSpec("lark", 'start: /[ab]/ ":ab:" /[ab]+/ "}"')
+    clock = SimClock()
+    target = _TimedLetters(4, clock, 1.0)
+    engine = SpeculativeEngine(target, build_drafter("draft", _TimedLetters(4, clock, 0.1), DrafterOptions()),
+                               method="draft", clock=clock)
+    reports, skipped = [], []
+    policy = engine.policy
+    observe, skip = policy.observe, policy.skip_pass
+    policy.observe = lambda report: (reports.append(report), observe(report))[1]
+    policy.skip_pass = lambda n_fed: (skipped.append(n_fed), skip(n_fed))[1]
+    grammar = Grammar.compile(spec, target)
+    params = GenerationParams(max_new_tokens=12, draft_len=6, sampling=SamplingSettings(), stop_at_eos=True,
+                              grammar=grammar, adaptive=True)
+    engine.run(prompt, params, complete_cache=False)  # a first text times the passes
+    reports.clear()
+    result = engine.run(prompt, params, complete_cache=False)
+    chained = [report for report in reports if report.forced]
+    assert result.stats.by_source["grammar+draft"].steps == len(chained) == 1
+    (report,) = chained
+    assert report.forced == 3 and report.proposal.source == "draft"
+    assert report.context[report.context_len - 3:report.context_len] == target.tokenize(":ab:")
+    assert report.n_accepted == result.stats.by_source["grammar+draft"].accepted - 3
+
+
+def test_sampled_drafts_and_trees_continue_after_forced_tokens():
+    # the chi-square tests above cover these steps' distribution; here, that they occur
+    target = letters(1)
+    grammar = Grammar.compile(GRAMMARS["braces"], target)
+    for branches in (0, 3):
+        engine = engine_for("draft", target, branches)
+        sources = Counter()
+        for seed in range(40):
+            result = run(engine, grammar, SamplingSettings(temperature=1.0, seed=seed), tokens=6)
+            sources.update({source: counts.steps for source, counts in result.stats.by_source.items()})
+        assert sources["grammar+draft"] > 0, sources
 
 
 def test_a_chain_followed_by_a_tree_keeps_the_tree_under_its_last_token():
