@@ -23,6 +23,8 @@ def share_cxx_runtime() -> bool:
     Idempotent. SPECRUN_SHARE_CXX=0 leaves the process as it is."""
     if not sys.platform.startswith("linux") or os.environ.get("SPECRUN_SHARE_CXX") == "0":
         return False
+    if not hasattr(os, "RTLD_NOLOAD"):  # without it dlopen would load a runtime, not promote one
+        return False
     try:
         ctypes.CDLL(CXX_RUNTIME, mode=os.RTLD_GLOBAL | os.RTLD_NOLOAD)
     except OSError:

@@ -153,6 +153,7 @@ class TargetCosts:
             old = None
             self.contexts.pop(n_tokens, None)
             self.counts[n_tokens] = 0.0
+            self.slope.sums.pop(n_tokens, None)
         mean = self.seconds[n_tokens] = blend(old, seconds, 0.3)
         self.contexts[n_tokens] = blend(self.contexts.get(n_tokens), float(self.context), 0.3)
         # the slope moved: every mean carries to the context now otherwise, so the table is redone

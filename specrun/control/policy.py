@@ -105,8 +105,8 @@ class SpeculationPolicy(Protocol):
         ...
 
     def skip_pass(self, n_fed: int) -> None:
-        """A pass of ``n_fed`` tokens the policy is not told of (forced tokens alone): the next
-        pass is judged against its shape."""
+        """A pass of ``n_fed`` tokens the policy is not told of (forced tokens alone): the shape
+        change it causes the next pass is charged to no choice of the policy's."""
         ...
 
     def plain_next(self) -> bool:
@@ -404,7 +404,7 @@ class AdaptivePolicy:
         return PLAIN if self._plain_timing else self.plan()
 
     def skip_pass(self, n_fed: int) -> None:
-        self._previous_pass = n_fed
+        self._previous_pass = None  # the next pass's shape change is no choice's (TargetCosts.note_pass)
 
     def plain_next(self) -> bool:
         # Not where the next step times plain decoding (a queued pass is not a pass's cost:
@@ -563,8 +563,8 @@ class AdaptivePolicy:
                 pick.drafted({part.source for part in parts})
         self._scores.score(report.context)
         self._tree_scores.score(report.context)
-        if not self.adaptive:
-            return
+        if not self.adaptive or report.forced:  # the gate weighs speculating against plain steps,
+            return  # not against passes of forced tokens, which run whatever it decides
         plain = self.target_costs.plain
         proposing = report.draft_seconds  # asking the drafters (about none where nothing is asked)
         engaged = bool(report.proposal.tokens) or (plain is not None and proposing > PROPOSING_SHARE * plain)
@@ -577,7 +577,8 @@ class AdaptivePolicy:
     def _observe_pass(self, report: StepReport) -> None:
         proposal = report.proposal
         n_fed = report.forced + len(proposal.tokens) + 1
-        previous, self._previous_pass = self._previous_pass, n_fed
+        # after forced tokens the next pass's shape change is the grammar's, charged to no choice
+        previous, self._previous_pass = self._previous_pass, None if report.forced else n_fed
         if not self.target_costs.note_pass(n_fed, report.verify_seconds, previous):
             return  # a plain pass that paid for the speculative one before it: timed as switching back
         if isinstance(proposal, MergedProposal):
