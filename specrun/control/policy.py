@@ -104,9 +104,9 @@ class SpeculationPolicy(Protocol):
         without them (its pass would not be a plain one)."""
         ...
 
-    def skip_pass(self, n_fed: int) -> None:
-        """A pass of ``n_fed`` tokens the policy is not told of (forced tokens alone): the shape
-        change it causes the next pass is charged to no choice of the policy's."""
+    def skip_pass(self) -> None:
+        """A pass the policy is not told of (forced tokens alone): the shape change it causes
+        the next pass is charged to no choice of the policy's."""
         ...
 
     def plain_next(self) -> bool:
@@ -163,7 +163,7 @@ class FixedPolicy:
     def plan_after_forced(self) -> Plan:
         return self._plan
 
-    def skip_pass(self, n_fed: int) -> None:
+    def skip_pass(self) -> None:
         pass
 
     def plain_next(self) -> bool:
@@ -403,7 +403,7 @@ class AdaptivePolicy:
     def plan_after_forced(self) -> Plan:
         return PLAIN if self._plain_timing else self.plan()
 
-    def skip_pass(self, n_fed: int) -> None:
+    def skip_pass(self) -> None:
         self._previous_pass = None  # the next pass's shape change is no choice's (TargetCosts.note_pass)
 
     def plain_next(self) -> bool:

@@ -408,7 +408,7 @@ class SpeculativeEngine:
                     if forced is not None:
                         report = _drafters_part(report, len(forced), after_forced)
                     if report is None:
-                        policy.skip_pass(len(proposal) + 1)
+                        policy.skip_pass()
                     else:
                         policy.observe(report)
                 emitted = tuple(context[context_len:])
