@@ -236,6 +236,9 @@ def llama_generate_line(model: Path, n: int, threads: int, n_ctx: int, sampling:
 
 def _llama_generate(request: dict) -> dict:
     """The child process: load the model, generate greedily, time from the first token to the last."""
+    from specrun.native_order import share_cxx_runtime
+
+    share_cxx_runtime()  # as the backend does before importing llama_cpp (specrun/native_order.py)
     import llama_cpp
 
     sampling = Sampling(**request["sampling"])

@@ -44,6 +44,9 @@ def time_llama_generate(llm, prompt_ids: list[int], n_new: int) -> tuple[list[in
 
 
 def bench_against_llama_generate(target_path: Path, prompts: list[list[int]], n_new: int, threads: int) -> dict:
+    from specrun.native_order import share_cxx_runtime
+
+    share_cxx_runtime()  # as the backend does before importing llama_cpp (specrun/native_order.py)
     from llama_cpp import Llama
 
     llm = Llama(str(target_path), n_ctx=2048, n_threads=threads, n_threads_batch=threads, verbose=False)
