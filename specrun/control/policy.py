@@ -221,7 +221,8 @@ class AdaptivePolicy:
         self.max_draft_len = 0
         self.paid: set[str] = set()  # drafters whose length this policy chooses before they draft
         self._idle: IdleBackoff | None = None
-        self._plain_timing = 0  # plain steps left to time plain decoding at this text's context
+        self._plain_timing = 0  # timed plain passes still wanted at this text's context
+        self._plain_timing_steps = 0  # plain steps left to get them in (a pass may go untimed)
         self._context_len = 0  # of the step being planned
         self._picks: dict[str, AlternativePick] = {}  # by alternative drafter: which of the two drafts
         self._resting: set[str] = set()  # paid drafters not asked this step (an alternative's other)
@@ -326,9 +327,13 @@ class AdaptivePolicy:
         self.max_draft_len, self.adaptive = max_draft_len, adaptive
         self.max_nodes, self.max_paths = max_nodes, max_paths
 
-    # Plain steps a text starts with where plain decoding's cost is stale (TargetCosts.plain_stale_at):
-    # the first plain pass after the prompt's pays a graph rebuild and is not timed (note_pass)
-    PLAIN_TIMING_STEPS = 2
+    # Where plain decoding's cost is stale (TargetCosts.plain_stale_at) a text starts plain until
+    # one plain pass is timed as T(1). The first after the prompt's pays a graph rebuild and is not
+    # (note_pass), nor one after a grammar's forced tokens or a queued one: the text stays plain
+    # for at most PLAIN_TIMING_CAP steps waiting (alternating forced and plain passes could
+    # otherwise leave T(1) stale, or keep the drafters off).
+    PLAIN_TIMING_STEPS = 1
+    PLAIN_TIMING_CAP = 4
 
     def start_text(self, context_len: int) -> None:
         self._context_len = context_len
@@ -343,6 +348,7 @@ class AdaptivePolicy:
         # the draft model ran 0.84x plain decoding at 4k tokens, drafting every step.
         stale = self.adaptive and self.target_costs.plain_stale_at(context_len)
         self._plain_timing = self.PLAIN_TIMING_STEPS if stale else 0
+        self._plain_timing_steps = self.PLAIN_TIMING_CAP
         if self.adaptive:
             carried, self.memory.gate_off = self.memory.gate_off, None
             if carried is None and self.gate_off_gap:
@@ -390,8 +396,8 @@ class AdaptivePolicy:
 
     def plan(self) -> Plan:
         self._rest_alternatives()
-        if self._plain_timing:
-            self._plain_timing -= 1
+        if self._timing_plain():
+            self._plain_timing_steps -= 1
             return PLAIN
         if (
             (self.adaptive and not self.gate.speculating)
@@ -401,7 +407,11 @@ class AdaptivePolicy:
         return Plan(draft=True)
 
     def plan_after_forced(self) -> Plan:
-        return PLAIN if self._plain_timing else self.plan()
+        return PLAIN if self._timing_plain() else self.plan()
+
+    def _timing_plain(self) -> bool:
+        """Is plain decoding still to be timed at this text's context (start_text), within the cap?"""
+        return bool(self._plain_timing and self._plain_timing_steps > 0)
 
     def skip_pass(self) -> None:
         self._previous_pass = None  # the next pass's shape change is no choice's (TargetCosts.note_pass)
@@ -410,7 +420,7 @@ class AdaptivePolicy:
         # Not where the next step times plain decoding (a queued pass is not a pass's cost:
         # ``StepReport.queued``); within the gate's plain stretch, not its last step; or where the
         # idle drafters wait another step and no draft model is due.
-        if self._plain_timing:
+        if self._timing_plain():
             return False
         if self.adaptive and self.gate.plain_steps_left() > 1:
             return True
@@ -586,6 +596,7 @@ class AdaptivePolicy:
         elif not proposal.tokens:
             if not report.queued:  # a queued pass ran beside the step before: the gate sees it whole
                 self.target_costs.observe(1, report.verify_seconds)  # what speculating must beat
+                self._plain_timing = max(self._plain_timing - 1, 0)
         elif not self.adaptive and proposal.source not in self.paid:
             # A fixed chain's cheap drafter is not gated: its pass only times T_target(n).
             self.target_costs.observe(n_fed, report.verify_seconds)

@@ -1264,6 +1264,49 @@ def test_forced_tokens_leave_plain_decoding_s_timing_steps_to_plain_steps():
     from specrun.control.policy import PLAIN, AdaptivePolicy
 
     policy = AdaptivePolicy()
-    policy._plain_timing = 2
-    assert policy.plan_after_forced() == PLAIN and policy._plain_timing == 2
-    assert policy.plan() == PLAIN and policy._plain_timing == 1
+    policy.target_costs.at_context(1000)
+    for _ in range(4):
+        policy.target_costs.observe(1, 0.09)
+    policy.start_text(4000)  # plain decoding's cost is stale there: timed first
+    assert policy._plain_timing == 1 and policy._plain_timing_steps == AdaptivePolicy.PLAIN_TIMING_CAP
+    assert policy.plan_after_forced() == PLAIN and policy._plain_timing_steps == AdaptivePolicy.PLAIN_TIMING_CAP
+    assert policy.plan() == PLAIN and policy._plain_timing_steps == AdaptivePolicy.PLAIN_TIMING_CAP - 1
+
+
+def _plain_pass(policy, context_len: int):
+    from specrun.control.policy import PLAIN, StepReport
+    from specrun.drafters.base import EMPTY_PROPOSAL
+
+    policy.observe(StepReport(PLAIN, EMPTY_PROPOSAL, (), 0.0, 0.0, 0.2, list(range(context_len + 1)), context_len))
+
+
+def test_plain_decoding_is_timed_by_a_timed_plain_pass_not_by_a_count_of_plain_steps():
+    """A stale T(1) is timed again first; a plain pass that is not timed (the first after the
+    prompt's, or one after a grammar's forced tokens) does not count, and the text stays plain
+    at most PLAIN_TIMING_CAP steps waiting for one."""
+    from specrun.control.policy import PLAIN, AdaptivePolicy
+
+    def stale_policy():
+        policy = AdaptivePolicy()
+        policy.target_costs.at_context(1000)
+        for _ in range(4):
+            policy.target_costs.observe(1, 0.09)
+        policy.start_text(4000)
+        return policy
+
+    policy = stale_policy()
+    assert policy.plan() == PLAIN
+    _plain_pass(policy, 4000)  # after the prompt's pass: a rebuild, not timed
+    assert policy.plan() == PLAIN
+    _plain_pass(policy, 4001)  # plain after plain: timed as T(1) at this context
+    assert policy.target_costs.seconds[1] != pytest.approx(0.09)
+    assert policy._plain_timing == 0 and not policy._timing_plain()  # then the drafters as ever
+
+    policy = stale_policy()  # a grammar's forced tokens between the plain steps: none is timed
+    plans = []
+    for step in range(AdaptivePolicy.PLAIN_TIMING_CAP + 1):
+        plans.append(policy.plan())
+        _plain_pass(policy, 4000 + 3 * step)
+        policy.skip_pass()  # the forced tokens' pass, which the policy is not told of
+    assert plans[:-1] == [PLAIN] * AdaptivePolicy.PLAIN_TIMING_CAP and policy._plain_timing == 1
+    assert not policy._timing_plain()  # the cap spent: speculation is weighed again

@@ -18,6 +18,14 @@ def timed(costs: TargetCosts, contexts, lengths=(1, 5), per_token: float = PER_T
             costs.observe(n, BASE * (1 + 0.1 * (n - 1)) + per_token * context)
 
 
+def plain_report(context_len: int):
+    """A plain step's report: one token out, its pass 0.2 s."""
+    from specrun.control.policy import PLAIN, StepReport
+    from specrun.drafters.base import EMPTY_PROPOSAL
+
+    return StepReport(PLAIN, EMPTY_PROPOSAL, (), 0.0, 0.0, 0.2, list(range(context_len + 1)), context_len)
+
+
 def test_a_slope_across_prompts_prices_a_longer_context():
     costs = TargetCosts()
     timed(costs, [200 + i for i in range(40)] + [2000 + i for i in range(40)])
@@ -103,7 +111,11 @@ def test_a_text_far_from_where_plain_decoding_was_timed_times_it_again_first():
     assert policy.target_costs.plain_stale_at(1200) is False
     assert policy.target_costs.plain_stale_at(4000) is True
     policy.start_text(4000)
-    assert [policy.plan() for _ in range(2)] == [PLAIN, PLAIN]
+    plans = []
+    for step in range(2):
+        plans.append(policy.plan())
+        policy.observe(plain_report(4000 + step))
+    assert plans == [PLAIN, PLAIN]
     assert policy._plain_timing == 0  # then the drafters as ever
     policy.start_text(1100)
     assert policy._plain_timing == 0
