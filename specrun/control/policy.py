@@ -224,6 +224,7 @@ class AdaptivePolicy:
         self._plain_timing = 0  # timed plain passes still wanted at this text's context
         self._plain_timing_steps = 0  # plain steps left to get them in (a pass may go untimed)
         self._context_len = 0  # of the step being planned
+        self._prompt_len = 0  # the context the text started from (start_text)
         self._picks: dict[str, AlternativePick] = {}  # by alternative drafter: which of the two drafts
         self._resting: set[str] = set()  # paid drafters not asked this step (an alternative's other)
         # a server's slots decoding together: the draft model's length they share
@@ -336,7 +337,7 @@ class AdaptivePolicy:
     PLAIN_TIMING_CAP = 4
 
     def start_text(self, context_len: int) -> None:
-        self._context_len = context_len
+        self._context_len = self._prompt_len = context_len
         self._picks.clear()  # which cache drafts faster belongs to the text and its length
         self._scores.clear()
         self._tree_scores.clear()
@@ -664,8 +665,15 @@ class AdaptivePolicy:
     def _rest_alternatives(self) -> None:
         """For each drafter that is an alternative to another (the draft model with a windowed
         cache beside its full one: Drafter.alternative_to), which of the two rests this step:
-        the alternative while the context is short enough for both to read the same tokens,
-        else the one AlternativePick does not choose."""
+        the alternative while the context is short enough for both to read the same tokens, and
+        for the rest of a text whose prompt was (the alternative then read no prompt:
+        DraftModelDrafter.prefill); else the one AlternativePick does not choose.
+
+        An answer that outgrows the window does not turn to it: its first draft would read the
+        window's tokens (sinks + window) where it saves only the few the context has passed them
+        by. On the bench-scale pair a forced tool call's ~500-token prompt crossed 580 tokens
+        mid-answer and that first window draft took 1.25 s, a third of the answer's time. The
+        next text (a chat's next turn, its prompt the whole conversation) reads it in its prefill."""
         self._resting = set()
         if self.drafter is None:
             return
@@ -673,7 +681,7 @@ class AdaptivePolicy:
             other = member.alternative_to
             if other is None or self._member(other) is None:
                 continue
-            if self._context_len <= member.alike_below:
+            if self._prompt_len <= member.alike_below or self._context_len <= member.alike_below:
                 self._resting.add(member.name)
                 continue
             pick = self._picks.setdefault(member.name, AlternativePick(member.name, other))

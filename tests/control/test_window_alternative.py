@@ -126,6 +126,17 @@ def test_a_context_the_window_holds_whole_never_asks_it():
     assert read == 0
 
 
+def test_an_answer_that_outgrows_the_window_keeps_the_full_cache():
+    """A prompt the window holds whole, an answer that carries the context past it: the window
+    would first read sinks + window to save the few tokens past them, so it rests for the text
+    (it read no prompt), reads nothing, and the answer is plain decoding's."""
+    span = SINKS + WINDOW + BLOCK
+    result, plain, read = run_auto(span - 10, 120, per_cell=1e-3)
+    assert result.token_ids == plain.token_ids
+    assert drafted_by(result, WINDOW_NAME) == 0 and drafted_by(result, "draft") > 0
+    assert read == 0
+
+
 def test_where_reading_the_cache_costs_nothing_the_full_cache_drafts():
     """A draft whose cost does not grow with its cache and which is right only with the whole
     context: the full cache drafts nearly every step (the window's first tries and its retries
