@@ -129,6 +129,15 @@ def second_guesses(
     return Proposal(tuple(tokens), tuple(rows), chain.source, tuple(parents), chain.kind)
 
 
+class GrammarView(Protocol):
+    """A run's grammar as a drafter that follows it reads it (engine/constrained.py, DraftGrammar)."""
+
+    def allowed(self, context: Sequence[int], drafted: Sequence[int]) -> np.ndarray | None:
+        """The tokens the grammar allows after ``context`` and then ``drafted`` (size,) bool; None
+        where a token of theirs is one it forbids."""
+        ...
+
+
 class Drafter(Protocol):
     """Proposes up to ``draft_len`` tokens that may follow ``context``.
 
@@ -172,6 +181,11 @@ class Drafter(Protocol):
     # and the context length up to which both read the same tokens (the original drafts alone).
     alternative_to: str | None = None
     alike_below: int = 0
+    # Does it draft within a run's grammar (a draft model: each token from its row masked by what
+    # the grammar allows after the drafts before it)? The engine then hands it ``grammar`` for the
+    # run (engine/constrained.py, DraftGrammar), and takes it back at the end.
+    follows_grammar: ClassVar[bool] = False
+    grammar: "GrammarView | None" = None
 
     @property
     def defers_prompt(self) -> bool:

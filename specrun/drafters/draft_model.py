@@ -14,6 +14,7 @@ from specrun.drafters.dynamic_tree import TOP_K, DraftTree, grow_tree
 from specrun.backends.kv import KVSequence, common_prefix_len, sequence_for
 from specrun.sampling import SamplingSettings, probabilities, sample, top_probability
 from specrun.errors import SpecrunError
+from specrun.grammar import mask_logits
 from specrun.tree import TokenTree
 
 
@@ -70,6 +71,7 @@ class DraftModelDrafter(Drafter):
 
     name = "draft"
     pays_per_token = True
+    follows_grammar = True
 
     def __init__(self, backend: Backend, min_prob: float = 0.0, branches: int = 0) -> None:
         self.backend = backend
@@ -147,17 +149,26 @@ class DraftModelDrafter(Drafter):
             return EMPTY_PROPOSAL
         pending = self._catch_up(context)
         exact_vocab = self.target_vocab_size == self.backend.vocab.size
-        if sampling.greedy and exact_vocab and self.min_prob <= 0.0 and not self.branches:
+        grammar = self.grammar  # each token then drafted from its row masked by the grammar
+        if grammar is None and sampling.greedy and exact_vocab and self.min_prob <= 0.0 and not self.branches:
             # Greedy verification needs no draft distribution: argmax stays in the backend.
             return Proposal(self._greedy_ids(pending, draft_len), source=self.name)
         room = len(context) + (self.top_k + 1) * (draft_len - 1) <= self.backend.n_ctx  # its widest tree pass
-        if sampling.greedy and self.min_prob <= 0.0 and room and self.grows_trees:
+        if grammar is None and sampling.greedy and self.min_prob <= 0.0 and room and self.grows_trees:
             return self._dynamic_tree(pending, draft_len)
         tokens: list[int] = []
         rows: list[np.ndarray | None] = []
         distributions: list[np.ndarray] = []  # the draft's own, for second guesses
         for _ in range(draft_len):
             logits = self._target_sized(self.sequence.feed(pending, [len(pending) - 1])[0])  # (V_target,)
+            if grammar is not None:
+                # Drafted as the grammar allows (the target's rows are masked the same way): a
+                # draft that wrote a line break where the schema takes none was cut there whole.
+                # Sampled, the masked row is the one its token was drawn from: verification's q.
+                allowed = grammar.allowed(context, tokens)
+                if allowed is None or not allowed.any():
+                    break
+                logits = mask_logits(logits[None], allowed[None])[0]
             if sampling.greedy:
                 token = int(logits.argmax())
                 if self.min_prob > 0.0 and top_probability(logits) < self.min_prob:

@@ -106,6 +106,23 @@ class ConstrainedRun:
         return not self.failed
 
 
+class DraftGrammar:
+    """A run's grammar as drafters that follow it read it (Drafter.follows_grammar): the tokens
+    allowed after a step's context and the drafts made so far. ``base``: the context's length the
+    grammar's state stands at, the step's start (the loop sets it each step; drafters asked after
+    forced tokens get a context that holds them)."""
+
+    def __init__(self, run: ConstrainedRun) -> None:
+        self.run = run
+        self.base = 0
+
+    def allowed(self, context, drafted) -> np.ndarray | None:
+        try:
+            return self.run.state.allowed_after([*context[self.base:], *drafted])
+        except ValueError:  # a token on the way the grammar forbids: nothing can follow it
+            return None
+
+
 def masked_rows(logits: np.ndarray, allowed: np.ndarray | None) -> np.ndarray:
     """A pass's logits (n, V) under its rows' grammar, or as they are without one."""
     return logits if allowed is None else mask_logits(logits, allowed)

@@ -22,7 +22,7 @@ from specrun.backends.kv import KVSequence, sequence_for
 from specrun.control.policy import PLAIN, AdaptivePolicy, FixedPolicy, Plan, SpeculationPolicy, StepReport
 from specrun.drafters.base import EMPTY_PROPOSAL, Drafter, Proposal
 from specrun.drafters.methods import is_adaptive
-from specrun.engine.constrained import ConstrainedRun
+from specrun.engine.constrained import ConstrainedRun, DraftGrammar
 from specrun.engine.events import Finished, GenerationResult, Step, TextChunk, TokenLogprob
 from specrun.engine.passes import DeferredDrafts, TargetPasses, Verification
 from specrun.engine.stats import PLAIN as PLAIN_SOURCE, Stats
@@ -328,6 +328,12 @@ class SpeculativeEngine:
         prompt_logits, reused = self._prefill(context, policy, params, stats)  # (V,): after the prompt
         ties = NearTieWatch.of_run(self.target, params, reused)  # None: not counted
         constrained = ConstrainedRun(params.grammar) if params.grammar is not None else None
+        # drafters that draft within the grammar read it, from the step's context on
+        followers = [member for member in self.drafter.members if member.follows_grammar] if (
+            constrained is not None and policy is not None) else []
+        draft_grammar = DraftGrammar(constrained) if followers else None
+        for member in followers:
+            member.grammar = draft_grammar
         self.grammar_blocked = False
         self.grammar_problem = ""
         self.passes.keep_rows = params.logprobs is not None
@@ -360,6 +366,8 @@ class SpeculativeEngine:
                 context_len = len(context)
                 clock.start_step()
                 draft_len = min(params.draft_len, remaining - 1, n_ctx - context_len - 1)
+                if draft_grammar is not None:
+                    draft_grammar.base = context_len
                 # tokens the grammar forces are drafted for free, in place of asking the drafters
                 forced = constrained.forced(draft_len) if constrained is not None and policy is not None else None
                 if measured:
@@ -424,6 +432,8 @@ class SpeculativeEngine:
         finally:
             # Rewind is explicit, also on interruption: the cache never holds rejected drafts.
             self.target.rewind_to_prefix_of(context, limit=len(context) - 1)
+            for member in followers:
+                member.grammar = None
             stats.generation_seconds = clock.elapsed()
             if measured:
                 policy.end_text()

@@ -120,9 +120,12 @@ def test_sampled_speculation_under_a_grammar_is_distributed_as_constrained_plain
 
 def test_a_draft_row_left_unrestricted_after_pruning_is_caught(monkeypatch):
     """The mutant the design notes warn of: a sampled chain cut at its first forbidden token,
-    its kept tokens verified against the drafter's own rows rather than the allowed part of them."""
+    its kept tokens verified against the drafter's own rows rather than the allowed part of them.
+    (A drafter that ignores the grammar: the draft model follows it, and is made not to here.)"""
     import specrun.engine.constrained as constrained
+    from specrun.drafters.draft_model import DraftModelDrafter
 
+    monkeypatch.setattr(DraftModelDrafter, "follows_grammar", False)
     monkeypatch.setattr(constrained, "mask_row", lambda p_draft, allowed: p_draft)
     target = letters(1)
     spec = GRAMMARS["letters then c"]
@@ -134,6 +137,44 @@ def test_a_draft_row_left_unrestricted_after_pruning_is_caught(monkeypatch):
     counts: Counter = Counter(tuple(run(engine, grammar, SamplingSettings(1.0, seed=seed)).token_ids)
                               for seed in range(runs))
     assert chi_square_p(counts, joint, runs) < ALPHA or impossible(counts, joint)
+
+
+def _draft_tokens_cut(monkeypatch, temperature: float) -> tuple[int, int]:
+    """Tokens the draft model drafted over 40 runs under "letters then c", and how many of them
+    the pruning after drafting cut (ConstrainedRun.prune) before the grammar's end (an end-of-text
+    token drafted after it is cut too, the mask allowing it: the answer ends with the target's)."""
+    import specrun.engine.constrained as constrained
+
+    made, cut = [0], [0]
+    prune = constrained.ConstrainedRun.prune
+
+    def counting(self, proposal, sampling):
+        kept, allowed = prune(self, proposal, sampling)
+        if "draft" in proposal.source.split("+") and not self.state.stopped:
+            made[0] += len(proposal)
+            cut[0] += len(proposal) - len(kept)
+        return kept, allowed
+
+    monkeypatch.setattr(constrained.ConstrainedRun, "prune", counting)
+    target = letters(1)
+    grammar = Grammar.compile(GRAMMARS["letters then c"], target)
+    engine = engine_for("draft", target)
+    for seed in range(40):
+        run(engine, grammar, SamplingSettings(temperature=temperature, seed=seed), tokens=8, draft_len=4,
+            stop_at_eos=True)
+    return made[0], cut[0]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_the_draft_model_drafts_within_the_grammar(monkeypatch, temperature):
+    """Each token it drafts comes from its row masked by what the grammar allows after the drafts
+    before it: pruning cuts none of them, where the same draft ignoring the grammar is cut."""
+    from specrun.drafters.draft_model import DraftModelDrafter
+
+    made, cut = _draft_tokens_cut(monkeypatch, temperature)
+    assert made > 40 and cut == 0
+    monkeypatch.setattr(DraftModelDrafter, "follows_grammar", False)
+    assert _draft_tokens_cut(monkeypatch, temperature)[1] > 0
 
 
 @pytest.mark.parametrize("method,branches", [("draft", 0), ("draft", 3), ("lookup", 0), ("ngram", 3), ("auto", 0)])
@@ -225,8 +266,13 @@ def test_the_policy_learns_from_the_drafters_part_of_a_forced_pass():
     assert report.n_accepted == result.stats.by_source["grammar+draft"].accepted - 3
 
 
-def test_sampled_drafts_and_trees_continue_after_forced_tokens():
-    # the chi-square tests above cover these steps' distribution; here, that they occur
+def test_sampled_drafts_and_trees_continue_after_forced_tokens(monkeypatch):
+    # the chi-square tests above cover these steps' distribution; here, that they occur. A draft
+    # model that follows the grammar drafts through most forced tokens itself (steps seldom start
+    # at one): made not to here, as a drafter without a grammar of its own drafts (heads, n-grams).
+    from specrun.drafters.draft_model import DraftModelDrafter
+
+    monkeypatch.setattr(DraftModelDrafter, "follows_grammar", False)
     target = letters(1)
     grammar = Grammar.compile(GRAMMARS["braces"], target)
     for branches in (0, 3):
