@@ -254,8 +254,9 @@ def test_bench_chooses_lookahead_s_sizes_as_generate_does_and_records_them(relat
 def test_auto_reopens_a_chains_only_llama_context_for_a_window_that_pays(chain, monkeypatch):
     """llama.cpp sizes a context's sequences when it creates it: a target opened for chains (no
     tree options) is re-created for the window's paths where stored costs predict it pays, before
-    anything is fed; the window then drafts, and greedy output stays plain decoding's. --chain
-    keeps chains."""
+    anything is fed, and auto drafts with the window beside its other drafters; greedy output
+    stays plain decoding's. --chain keeps chains. (Whether the window's proposal is the one a step
+    takes is timing: beside the demo target's EAGLE heads it was in 5 runs of 8 here.)"""
     pytest.importorskip("llama_cpp")
     from specrun.registry.loading import LoadOptions
     from specrun.sessions import generation
@@ -266,13 +267,25 @@ def test_auto_reopens_a_chains_only_llama_context_for_a_window_that_pays(chain, 
                         learned=True)
     monkeypatch.setattr(generation, "load_target_entry", lambda target, threads: stored)
     monkeypatch.setattr(generation, "remember_run", lambda *args: None)  # the test's costs are not this machine's
+    from specrun.backends.llama import LlamaCppBackend
+
+    reopened = []
+    open_for_trees = LlamaCppBackend.open_for_trees
+
+    def counted(self, paths):
+        reopened.append(paths)
+        return open_for_trees(self, paths)
+
+    monkeypatch.setattr(LlamaCppBackend, "open_for_trees", counted)
+    notes = []
     request = GenerateRequest(PROMPT, "demo-target", None, method="auto", max_new_tokens=48,
-                              load=LoadOptions(backend="llama", exact=True), trees=TreeSettings(chain=chain))
+                              load=LoadOptions(backend="llama", exact=True), trees=TreeSettings(chain=chain),
+                              on_note=notes.append)
     plain = generate_text(dataclasses.replace(request, method="none"))
     result = generate_text(request)
     assert result.token_ids == plain.token_ids
-    window = result.stats.by_source.get("lookahead")
-    assert (window is not None and window.steps > 0) is not chain
+    chosen = [note for note in notes if note.startswith("lookahead ")]
+    assert bool(chosen) is not chain and bool(reopened) is not chain, notes
 
 
 def test_a_context_that_cannot_be_re_created_for_trees_keeps_chains(monkeypatch):
