@@ -139,8 +139,35 @@ def test_a_draft_row_left_unrestricted_after_pruning_is_caught(monkeypatch):
     assert chi_square_p(counts, joint, runs) < ALPHA or impossible(counts, joint)
 
 
-def _draft_tokens_cut(monkeypatch, temperature: float) -> tuple[int, int]:
-    """Tokens the draft model drafted over 40 runs under "letters then c", and how many of them
+def heads_engine(method: str, salt: int = 1):
+    """A letters target whose hidden states know its greedy future (heads_factory.oracle_hidden),
+    drafted for by ``method``'s oracle heads (EAGLE's layer, MTP's)."""
+    from heads_factory import FAKE_LAYERS, oracle_heads_for, oracle_hidden
+
+    heads = oracle_heads_for(method, VOCAB)
+    table = hashed_logits(VOCAB, salt=salt, spread=1.5)
+    target = LetterFake(table, VOCAB, eos_ids=[EOS], hidden_table=oracle_hidden(table, VOCAB),
+                        hidden_size=heads.config.hidden_size, n_layers=FAKE_LAYERS)
+    return target, SpeculativeEngine(target, build_drafter(method, None, DrafterOptions(heads=heads)), method=method)
+
+
+@pytest.mark.parametrize("grammar_name", list(GRAMMARS))
+@pytest.mark.parametrize("method", ["eagle", "mtp"])
+def test_sampled_heads_drafting_within_a_grammar_are_distributed_as_constrained_plain_decoding(grammar_name, method):
+    """Heads chains drawn from their rows masked by the grammar: the masked row is each token's q."""
+    target, engine = heads_engine(method)
+    spec = GRAMMARS[grammar_name]
+    grammar = Grammar.compile(spec, target)
+    joint = exact_joint(constrained_table(target, spec, PROMPT), PROMPT, WINDOW, SamplingSettings(temperature=1.0))
+    counts: Counter = Counter(tuple(run(engine, grammar, SamplingSettings(temperature=1.0, seed=seed)).token_ids)
+                              for seed in range(RUNS))
+    assert not impossible(counts, joint)
+    assert chi_square_p(counts, joint, RUNS) > ALPHA
+    assert engine.drafter.grammar is None  # handed back at the run's end
+
+
+def _draft_tokens_cut(monkeypatch, temperature: float, method: str = "draft") -> tuple[int, int]:
+    """Tokens ``method``'s drafter drafted over 40 runs under "letters then c", and how many of them
     the pruning after drafting cut (ConstrainedRun.prune) before the grammar's end (an end-of-text
     token drafted after it is cut too, the mask allowing it: the answer ends with the target's)."""
     import specrun.engine.constrained as constrained
@@ -150,15 +177,18 @@ def _draft_tokens_cut(monkeypatch, temperature: float) -> tuple[int, int]:
 
     def counting(self, proposal, sampling):
         kept, allowed = prune(self, proposal, sampling)
-        if "draft" in proposal.source.split("+") and not self.state.stopped:
+        if method in proposal.source.split("+") and not self.state.stopped:
             made[0] += len(proposal)
             cut[0] += len(proposal) - len(kept)
         return kept, allowed
 
     monkeypatch.setattr(constrained.ConstrainedRun, "prune", counting)
-    target = letters(1)
+    if method == "draft":
+        target = letters(1)
+        engine = engine_for("draft", target)
+    else:
+        target, engine = heads_engine(method)
     grammar = Grammar.compile(GRAMMARS["letters then c"], target)
-    engine = engine_for("draft", target)
     for seed in range(40):
         run(engine, grammar, SamplingSettings(temperature=temperature, seed=seed), tokens=8, draft_len=4,
             stop_at_eos=True)
@@ -166,15 +196,17 @@ def _draft_tokens_cut(monkeypatch, temperature: float) -> tuple[int, int]:
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_the_draft_model_drafts_within_the_grammar(monkeypatch, temperature):
-    """Each token it drafts comes from its row masked by what the grammar allows after the drafts
-    before it: pruning cuts none of them, where the same draft ignoring the grammar is cut."""
+@pytest.mark.parametrize("method", ["draft", "eagle", "mtp"])
+def test_a_draft_model_and_heads_chains_draft_within_the_grammar(monkeypatch, method, temperature):
+    """Each token drafted comes from its row masked by what the grammar allows after the drafts
+    before it: pruning cuts none of them, where the same drafter ignoring the grammar is cut."""
     from specrun.drafters.draft_model import DraftModelDrafter
+    from specrun.drafters.heads.eagle import EagleDrafter
 
-    made, cut = _draft_tokens_cut(monkeypatch, temperature)
+    made, cut = _draft_tokens_cut(monkeypatch, temperature, method)
     assert made > 40 and cut == 0
-    monkeypatch.setattr(DraftModelDrafter, "follows_grammar", False)
-    assert _draft_tokens_cut(monkeypatch, temperature)[1] > 0
+    monkeypatch.setattr(DraftModelDrafter if method == "draft" else EagleDrafter, "follows_grammar", False)
+    assert _draft_tokens_cut(monkeypatch, temperature, method)[1] > 0
 
 
 @pytest.mark.parametrize("method,branches", [("draft", 0), ("draft", 3), ("lookup", 0), ("ngram", 3), ("auto", 0)])

@@ -131,6 +131,8 @@ class EagleDrafter(HeadsDrafter):
 
     name = "eagle"
     heads: EagleHeads | Eagle3Heads
+    follows_grammar = True  # its chains (MTP's too); greedy trees are pruned as ever
+    _drafting_after: Sequence[int] = ()  # the context of the proposal being drafted (_draw's grammar)
 
     def __init__(self, heads: EagleHeads | Eagle3Heads, branches: int = 0, top_k: int = TOP_K) -> None:
         super().__init__(heads, branches)
@@ -239,6 +241,7 @@ class EagleDrafter(HeadsDrafter):
         rng: np.random.Generator,
     ) -> Proposal:
         self.learn(context)
+        self._drafting_after = context
         depth = min(draft_len, self.heads.config.num_heads)
         if depth <= 0 or self.target is None or len(context) < 2:
             return EMPTY_PROPOSAL
@@ -272,7 +275,8 @@ class EagleDrafter(HeadsDrafter):
         keys, values = self.heads.no_entries(self._dtype), self.heads.no_entries(self._dtype)
         tokens, rows = [], []
         for step in range(depth):
-            self._draw(self.heads.logits(feature)[0], sampling, rng, tokens, rows)
+            if not self._draw(self.heads.logits(feature)[0], sampling, rng, tokens, rows):
+                break
             if step + 1 == depth:
                 break
             reads = np.ones((1, len(keys)), bool)
@@ -281,15 +285,29 @@ class EagleDrafter(HeadsDrafter):
         return self._chain_proposal(tokens, rows, sampling, rng)
 
     def _draw(self, logits: np.ndarray, sampling: SamplingSettings, rng: np.random.Generator, tokens: list[int],
-              rows: list[np.ndarray]) -> None:
+              rows: list[np.ndarray]) -> bool:
         """The next token of a chain from the layer's ``logits`` (Vd,): its first guess (greedy), or a
-        draw with the row it was drawn from (sampled), appended to ``tokens`` (and ``rows``)."""
+        draw with the row it was drawn from (sampled), appended to ``tokens`` (and ``rows``). Under a
+        run's grammar (``follows_grammar``) the logits are masked by what it allows after the chain so
+        far, and False (nothing drawn) where it allows none of the heads' tokens: the chain ends."""
+        if self.grammar is not None:
+            if tokens and tokens[-1] in self.target.backend.vocab.eos_ids:
+                return False  # the grammar's end was drafted: nothing follows it
+            allowed = self.grammar.allowed(self._drafting_after, tokens)
+            if allowed is None:
+                return False
+            in_vocab = self._d2t < len(allowed)  # (Vd,): each draft id's target id, then whether allowed
+            allowed = in_vocab & allowed[np.where(in_vocab, self._d2t, 0)]
+            if not allowed.any():
+                return False
+            logits = np.where(allowed, logits, -np.inf).astype(np.float32)
         if sampling.greedy:
             tokens.append(int(self._d2t[logits.argmax()]))
         else:
             row = target_rows(logits[None, :], sampling, self._d2t, self._vocab_size)[0]
             tokens.append(sample(row, rng))
             rows.append(row)
+        return True
 
     def _chain_proposal(self, tokens: list[int], rows: list[np.ndarray], sampling: SamplingSettings,
                         rng: np.random.Generator) -> Proposal:

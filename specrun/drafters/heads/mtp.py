@@ -66,6 +66,7 @@ class MtpDrafter(EagleDrafter):
         sampling: SamplingSettings,
         rng: np.random.Generator,
     ) -> Proposal:
+        self._drafting_after = context
         native = self._native_mtp()
         trees = sampling.greedy and self.branches and self.target.backend.tree_support.available
         # a tree the target cannot verify would be its main chain: drafted natively; layers chained
@@ -82,7 +83,8 @@ class MtpDrafter(EagleDrafter):
             if logits is None:  # fed while tracking was off (a cache from before the heads were in use)
                 return EMPTY_PROPOSAL
             for step in range(depth):
-                self._draw(logits, sampling, rng, tokens, rows)
+                if not self._draw(logits, sampling, rng, tokens, rows):
+                    break
                 if step + 1 == depth:
                     break
                 logits = native.feed(tokens[-1:], native.own_state()[None, :], logits=True)
@@ -157,7 +159,8 @@ class MtpDrafter(EagleDrafter):
         layers = self.heads.layers
         states, tokens, rows = [feature[0]], [], []
         for step in range(depth):
-            self._draw(layers[step].logits(states[-1][None, :])[0], sampling, rng, tokens, rows)
+            if not self._draw(layers[step].logits(states[-1][None, :])[0], sampling, rng, tokens, rows):
+                break
             if step + 1 == depth:
                 break
             count = step + 1  # rows 1 .. count: (the state before, the token drafted there)
