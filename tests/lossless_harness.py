@@ -584,6 +584,9 @@ def fake_engine(scenario: Scenario) -> SpeculativeEngine:
                              draft_window=windowed_fake(draft, *scenario.window_alternative)
                              if scenario.window_alternative else None)
     drafter = build_drafter(scenario.method, draft if uses_draft else None, options)
+    for member in drafter.members:  # the window drafts once the context outgrows it: what is sampled
+        if member.alternative_to is not None:  # is its drafting, not when a real prompt engages it
+            member.engages_from = member.alike_below + 1
     engine = SpeculativeEngine(target, drafter, method=scenario.method, clock=clock)
     engine.passes.chain_rule = scenario.chain_rule
     return engine

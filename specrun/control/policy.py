@@ -666,8 +666,8 @@ class AdaptivePolicy:
         """For each drafter that is an alternative to another (the draft model with a windowed
         cache beside its full one: Drafter.alternative_to), which of the two rests this step:
         the alternative while the context is short enough for both to read the same tokens, and
-        for the rest of a text whose prompt was (the alternative then read no prompt:
-        DraftModelDrafter.prefill); else the one AlternativePick does not choose.
+        for the rest of a text whose prompt is shorter than it engages from (it then read no
+        prompt: DraftModelDrafter.prefill); else the one AlternativePick does not choose.
 
         An answer that outgrows the window does not turn to it: its first draft would read the
         window's tokens (sinks + window) where it saves only the few the context has passed them
@@ -681,7 +681,7 @@ class AdaptivePolicy:
             other = member.alternative_to
             if other is None or self._member(other) is None:
                 continue
-            if self._prompt_len <= member.alike_below or self._context_len <= member.alike_below:
+            if self._prompt_len < member.engages_from or self._context_len <= member.alike_below:
                 self._resting.add(member.name)
                 continue
             pick = self._picks.setdefault(member.name, AlternativePick(member.name, other))

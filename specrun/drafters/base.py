@@ -179,8 +179,10 @@ class Drafter(Protocol):
     # The drafter this one may draft in place of, a step at a time (auto's draft model with a
     # windowed cache beside its full one: control/policy.py, AdaptivePolicy._rest_alternatives),
     # and the context length up to which both read the same tokens (the original drafts alone).
+    # ``engages_from``: the prompt length from which it reads a text's prompt and may draft for it.
     alternative_to: str | None = None
     alike_below: int = 0
+    engages_from: int = 0
     # Does it draft within a run's grammar (a draft model: each token from its row masked by what
     # the grammar allows after the drafts before it)? The engine then hands it ``grammar`` for the
     # run (engine/constrained.py, DraftGrammar), and takes it back at the end.

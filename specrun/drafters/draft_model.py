@@ -292,12 +292,12 @@ class DraftModelDrafter(Drafter):
     def prefill(self, context: Sequence[int]) -> None:
         """Read the prompt before generation starts (the engine times it as prefill, as it does
         the target's): all of it but the last token, which the first draft pass feeds. An
-        alternative reads a prompt only where the prompt outgrows the window (a shorter one never
-        drafts with it until the answer does, and it then catches up when first asked): reading
-        sinks + window of a long prompt costs a fraction of the full cache's reading it all, and
-        at the first draft it cost more than the window saved on the rest of a 64-token answer
-        (2,000 tokens of context, the bench-scale pair: 1.8 s)."""
-        if self.alternative_to is not None and len(context) <= self.alike_below:
+        alternative reads a prompt only from ``engages_from`` tokens (ENGAGE_SPANS): with a shorter
+        one it never drafts for the text (AdaptivePolicy._rest_alternatives). Reading sinks + window
+        of a long prompt costs a fraction of the full cache's reading it all; read at its first
+        draft instead it cost more than the window saved on the rest of a 64-token answer (2,000
+        tokens of context, the bench-scale pair: 1.8 s)."""
+        if self.alternative_to is not None and len(context) < self.engages_from:
             return
         if self.learner is not None:  # a text begins: the target's tokens are those after its prompt
             self.learner.start_text()
@@ -355,10 +355,17 @@ def window_alternative(view: Backend, min_prob: float = 0.0, branches: int = 0,
     drafter.name = WINDOW_NAME
     drafter.alternative_to = full
     drafter.alike_below = view.sinks + view.window + view.block
+    drafter.engages_from = ENGAGE_SPANS * drafter.alike_below
     return drafter
 
 
 WINDOW_NAME = "draft-window"
+# A windowed alternative reads a prompt (and drafts for its text) from this many times what it holds.
+# Reading it costs sinks + window tokens of prefill; what the window saves a draft pass is the cache
+# past them. A 694-token prompt (window 512) took 1.1 s longer to read for nothing (the window never
+# drafted); at 1,000 tokens it drafted nothing either, at 4,000 it ran 1.07x the full cache (perf.md
+# 3(s)). Four spans: a judgment between, not tuned on those prompts.
+ENGAGE_SPANS = 4
 
 
 class _PassTiming:

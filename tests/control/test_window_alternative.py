@@ -137,6 +137,21 @@ def test_an_answer_that_outgrows_the_window_keeps_the_full_cache():
     assert read == 0
 
 
+def test_a_prompt_a_few_windows_long_keeps_the_full_cache():
+    """Past the window but short of ENGAGE_SPANS of it, reading the prompt into the window would
+    cost sinks + window tokens to save a draft pass the few past them: the window reads nothing
+    and never drafts; from ENGAGE_SPANS on it reads the prompt in the prefill."""
+    from specrun.drafters.draft_model import ENGAGE_SPANS
+
+    span = SINKS + WINDOW + BLOCK
+    result, plain, read = run_auto(ENGAGE_SPANS * span - 1, 60, per_cell=1e-3)
+    assert result.token_ids == plain.token_ids
+    assert drafted_by(result, WINDOW_NAME) == 0 and read == 0
+    result, plain, read = run_auto(ENGAGE_SPANS * span, 60, per_cell=1e-3)
+    assert result.token_ids == plain.token_ids
+    assert read >= SINKS + WINDOW  # the prompt's sinks and last window, in the prefill
+
+
 def test_where_reading_the_cache_costs_nothing_the_full_cache_drafts():
     """A draft whose cost does not grow with its cache and which is right only with the whole
     context: the full cache drafts nearly every step (the window's first tries and its retries
