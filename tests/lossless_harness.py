@@ -584,8 +584,10 @@ def fake_engine(scenario: Scenario) -> SpeculativeEngine:
                              draft_window=windowed_fake(draft, *scenario.window_alternative)
                              if scenario.window_alternative else None)
     drafter = build_drafter(scenario.method, draft if uses_draft else None, options)
-    for member in drafter.members:  # the window drafts once the context outgrows it: what is sampled
-        if member.alternative_to is not None:  # is its drafting, not when a real prompt engages it
+    # a window alternative drafts once the context outgrows it: what is sampled is its drafting,
+    # not when a real prompt engages it (ENGAGE_SPANS)
+    for member in drafter.members if drafter is not None else ():
+        if member.alternative_to is not None:
             member.engages_from = member.alike_below + 1
     engine = SpeculativeEngine(target, drafter, method=scenario.method, clock=clock)
     engine.passes.chain_rule = scenario.chain_rule

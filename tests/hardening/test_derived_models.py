@@ -223,7 +223,6 @@ def test_a_second_interrupt_while_the_scratch_folder_is_removed_still_removes_it
     assert list(tmp_path.iterdir()) == []
 
 
-@pytest.mark.slow
 def _seeded_with(cache: Path, copy: Path) -> None:
     """``copy``, a file of specrun's cache of derived models, and its checksum record at the same
     place under ``cache`` (linked where they can be): a fresh cache that need not derive it again."""
@@ -239,6 +238,7 @@ def _seeded_with(cache: Path, copy: Path) -> None:
             shutil.copy2(source, placed)
 
 
+@pytest.mark.slow
 def test_the_bench_scale_real_target_on_a_full_disk_is_one_line_and_leaves_nothing(tmp_path, smollm2):
     """smollm2-135m-x2 is ~918 MiB: its F16 source in the cache already (~270 MB) and no room for
     it, the first use is one line naming the cache and the fix, and no scratch copy stays. (Room
