@@ -271,7 +271,9 @@ class GrammarState:
             for token in tokens:
                 if self._matcher.is_stopped():  # an end-of-text token after the end: the end again
                     break
-                if not self._matcher.consume_token(int(token)):
+                # checked first: a token the matcher refuses leaves it in its error state for good,
+                # which no rollback undoes (a drafter's look-ahead would end the answer)
+                if self._matcher.validate_tokens([int(token)]) < 1 or not self._matcher.consume_token(int(token)):
                     raise ValueError(f"token {token} is not allowed here")
                 consumed += 1
             return self.allowed()

@@ -169,6 +169,8 @@ class DraftModelDrafter(Drafter):
                 if allowed is None or not allowed.any():
                     break
                 logits = mask_logits(logits[None], allowed[None])[0]
+                if not np.isfinite(logits).any():  # it allows only ids past the draft's vocabulary
+                    break
             if sampling.greedy:
                 token = int(logits.argmax())
                 if self.min_prob > 0.0 and top_probability(logits) < self.min_prob:

@@ -328,10 +328,11 @@ class SpeculativeEngine:
         prompt_logits, reused = self._prefill(context, policy, params, stats)  # (V,): after the prompt
         ties = NearTieWatch.of_run(self.target, params, reused)  # None: not counted
         constrained = ConstrainedRun(params.grammar) if params.grammar is not None else None
-        # drafters that draft within the grammar read it, from the step's context on
+        # drafters that draft within the grammar read it, from the step's context on (every run
+        # sets it, None without a grammar: a run left unfinished cannot hand its own to the next)
         followers = [member for member in self.drafter.members if member.follows_grammar] if (
-            constrained is not None and policy is not None) else []
-        draft_grammar = DraftGrammar(constrained) if followers else None
+            self.drafter is not None) else []
+        draft_grammar = DraftGrammar(constrained) if constrained is not None and policy is not None else None
         for member in followers:
             member.grammar = draft_grammar
         self.grammar_blocked = False
@@ -433,7 +434,8 @@ class SpeculativeEngine:
             # Rewind is explicit, also on interruption: the cache never holds rejected drafts.
             self.target.rewind_to_prefix_of(context, limit=len(context) - 1)
             for member in followers:
-                member.grammar = None
+                if member.grammar is draft_grammar:  # its own (a later run's stays)
+                    member.grammar = None
             stats.generation_seconds = clock.elapsed()
             if measured:
                 policy.end_text()

@@ -9,6 +9,7 @@ compared with it by chi-square; greedy runs must equal constrained plain decodin
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 
 import llguidance
@@ -428,3 +429,61 @@ def test_a_grammar_text_past_its_size_limit_is_refused_before_compiling():
     rules = "".join(f'r{i} ::= "a"\n' for i in range(MAX_GRAMMAR_CHARS // 10))
     with pytest.raises(GrammarError, match="more than the"):
         GrammarSpec("gbnf", 'root ::= r0\n' + rules).check()
+
+
+TRUNCATED = SamplingSettings(temperature=1.0, top_k=3, top_p=0.9)
+
+
+@pytest.mark.parametrize("method", ["draft", "eagle"])
+def test_drafting_within_a_grammar_under_top_k_and_top_p_is_constrained_plain_decoding(method):
+    """The row a drafted token was drawn from is the grammar's mask, then the truncation: where
+    the mask and top-k/top-p interact, any other row leaves the distribution."""
+    if method == "draft":
+        target = letters(1)
+        engine = engine_for("draft", target)
+    else:
+        target, engine = heads_engine(method)
+    spec = GRAMMARS["letters then c"]
+    grammar = Grammar.compile(spec, target)
+    joint = exact_joint(constrained_table(target, spec, PROMPT), PROMPT, WINDOW, TRUNCATED)
+    counts: Counter = Counter(
+        tuple(run(engine, grammar, dataclasses.replace(TRUNCATED, seed=seed)).token_ids) for seed in range(RUNS))
+    assert not impossible(counts, joint)
+    assert chi_square_p(counts, joint, RUNS) > ALPHA
+
+
+def test_a_token_the_grammar_forbids_on_a_look_ahead_leaves_the_state_as_it_was():
+    """A drafter asks what the grammar allows after its drafts (GrammarState.allowed_after): a
+    forbidden token among them is refused before the matcher consumes it, which would have left it
+    in its error state for good (the answer would end there)."""
+    target = letters(1)
+    state = Grammar.compile(GRAMMARS["braces"], target).start()
+    before = state.allowed()
+    forbidden = int(np.flatnonzero(~before)[0])
+    with pytest.raises(ValueError):
+        state.allowed_after([forbidden])
+    assert state.error == "" and (state.allowed() == before).all()
+    brace = PIECES.index(b"{")
+    assert state.advance([brace]) and state.allowed()[PIECES.index(b"a")]
+
+
+def test_each_run_hands_its_drafters_its_own_grammar():
+    """Set at a run's start (None without one) and taken back at its end only where still its own:
+    a run left unfinished never hands its grammar to the next, nor clears a later run's."""
+    target = letters(1)
+    grammar = Grammar.compile(GRAMMARS["letters then c"], target)
+    engine = engine_for("draft", target)
+    params = GenerationParams(max_new_tokens=WINDOW, draft_len=3, sampling=SamplingSettings(), stop_at_eos=False,
+                              grammar=grammar)
+    first = engine.steps(PROMPT, params, Stats())
+    next(first)
+    assert engine.drafter.grammar is not None
+    run(engine, None, SamplingSettings())
+    assert engine.drafter.grammar is None
+    second = engine.steps(PROMPT, params, Stats())
+    next(second)
+    own = engine.drafter.grammar
+    first.close()
+    assert own is not None and engine.drafter.grammar is own
+    second.close()
+    assert engine.drafter.grammar is None
