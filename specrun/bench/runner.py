@@ -225,7 +225,7 @@ def run_bench(config: BenchConfig, prompts: Sequence[BenchPrompt], progress: Pro
                 # auto's window beside the draft's full cache, one for each auto line, as generate's
                 draft_window=lambda: setup.auto_draft_window(
                     "auto", draft, tuned if config.use_tuned else None, config.load.window,
-                    max(len(ids) for _, ids in kept) + config.max_new_tokens),
+                    max(len(ids) for _, ids in kept)),
                 trace=trace,
             )
         finally:

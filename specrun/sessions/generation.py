@@ -154,7 +154,7 @@ def generate_text(request: GenerateRequest, on_text: Callable[[str], None] | Non
         options = with_learner(options, request.method, target, request.learn, draft)
         if options.draft_learner is None:  # a draft learning online drafts from the cache it learns with
             options = dataclasses.replace(options, draft_window=auto_draft_window(
-                request.method, draft, tuned, request.load.window, len(prompt_ids) + request.max_new_tokens))
+                request.method, draft, tuned, request.load.window, len(prompt_ids)))
         drafter = build_drafter(request.method, draft, options)
         if request.trees.paths and not target.tree_support.available and request.on_note is not None:
             request.on_note(f"token trees are off: {target.tree_support.reason}; verifying chains")

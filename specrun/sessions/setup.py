@@ -136,15 +136,17 @@ def tuned_window(draft, tuned, options, on_note=None):
     return windowed
 
 
-def auto_draft_window(method, draft, tuned, window, longest):
+def auto_draft_window(method, draft, tuned, window, longest_prompt):
     """The draft model's windowed cache (its first SINKS tokens and its last DEFAULT_WINDOW) that
     auto holds beside its full cache and drafts from wherever it measures it faster (a long
     context: AdaptivePolicy._rest_alternatives), else None: not auto, no draft model, a window
     already chosen (``window``: --window, 0 for the full cache alone; or `specrun tune
     --window-search`, which also may have kept the full cache), a backend or cache that cannot
-    keep one, or a text of at most ``longest`` tokens (None: a chat's, unbounded) that never
-    outgrows the window. The caller closes it, or hands it to the drafter that does."""
+    keep one, or prompts of at most ``longest_prompt`` tokens (None: a chat's, unbounded) shorter
+    than it engages from (draft_model.ENGAGE_SPANS), or a draft context shorter. The caller closes
+    it, or hands it to the drafter that does."""
     from specrun.backends.window import DEFAULT_WINDOW, SINKS, block_for
+    from specrun.drafters.draft_model import ENGAGE_SPANS
 
     if not is_adaptive(method) or draft is None or window is not None:
         return None
@@ -152,8 +154,8 @@ def auto_draft_window(method, draft, tuned, window, longest):
         return None
     if not hasattr(draft, "open_window") or hasattr(draft, "parent") or getattr(draft, "recurrent", False):
         return None
-    alike = SINKS + DEFAULT_WINDOW + block_for(DEFAULT_WINDOW)
-    if (longest is not None and longest <= alike) or draft.n_ctx <= alike:
+    engages = ENGAGE_SPANS * (SINKS + DEFAULT_WINDOW + block_for(DEFAULT_WINDOW))
+    if (longest_prompt is not None and longest_prompt < engages) or draft.n_ctx <= engages:
         return None
     try:
         return draft.open_window(SINKS, DEFAULT_WINDOW, owns=False)

@@ -74,24 +74,39 @@ def test_a_windowed_draft_answers_as_plain_decoding(tiny_llama, perturbed):
         assert not any("full cache" in line for line in lines)
 
 
-def test_auto_holds_a_window_where_a_text_can_outgrow_it_and_window_0_keeps_the_full_cache(tiny_llama, perturbed,
-                                                                                            monkeypatch):
-    """auto with a draft model and a text that can outgrow the window (64 here: the tiny model's
-    context of 512 holds no window of 512) holds the draft's windowed cache beside its full one
-    (its drafters say so); --window 0 keeps the full cache alone. Both answer as plain decoding."""
+def test_auto_holds_a_window_for_a_prompt_long_enough_and_window_0_keeps_the_full_cache(
+        tiny_llama, perturbed, monkeypatch):
+    """auto with a draft model and a prompt long enough for the window to engage (ENGAGE_SPANS of
+    4 sinks + 32 + 16: 208 tokens; the tiny model's context of 512 holds no window of 512) holds the
+    draft's windowed cache beside its full one (its drafters say so); a shorter prompt, or --window
+    0, keeps the full cache alone. Every answer is plain decoding's."""
     import specrun.backends.window as window
+    from specrun.backends.llama import LlamaCppBackend
+    from specrun.drafters.draft_model import ENGAGE_SPANS
 
-    monkeypatch.setattr(window, "DEFAULT_WINDOW", 64)
+    monkeypatch.setattr(window, "DEFAULT_WINDOW", 32)
+    engages = ENGAGE_SPANS * (window.SINKS + 32 + window.block_for(32))
+    model = LlamaCppBackend(tiny_llama.gguf_path, n_ctx=512, n_threads=1)
+    try:
+        short = "def fib(n):"
+        long = short + "".join(f"\n    x{i} = fib(n - {i})" for i in range(200))
+        while len(model.tokenize(long)) > engages + 40:
+            long = long[: len(long) * 9 // 10]
+        assert engages <= len(model.tokenize(long)) and len(model.tokenize(short)) < engages
+    finally:
+        model.close()
 
-    def generate(*args):
-        result = invoke("generate", "-t", str(tiny_llama.gguf_path), "--ctx", "512", "-n", "200", "--json",
-                        "--threads", "1", "--exact", *args, "def fib(n):")
+    def generate(prompt, *args):
+        result = invoke("generate", "-t", str(tiny_llama.gguf_path), "--ctx", "512", "-n", "160", "--json",
+                        "--threads", "1", "--exact", "--raw", *args, prompt)
         assert result.exit_code == 0, result.output
         return json.loads(result.stdout)
 
-    plain = generate("--method", "none")
-    held = generate("-d", str(perturbed["llama"]), "--method", "auto")
-    alone = generate("-d", str(perturbed["llama"]), "--method", "auto", "--window", "0")
+    plain = generate(long, "--method", "none")
+    held = generate(long, "-d", str(perturbed["llama"]), "--method", "auto")
+    alone = generate(long, "-d", str(perturbed["llama"]), "--method", "auto", "--window", "0")
     assert held["stats"]["drafters"].split("+")[-2:] == ["draft-window", "draft"]
     assert "draft-window" not in alone["stats"]["drafters"].split("+")
     assert held["text"] == alone["text"] == plain["text"]
+    assert "draft-window" not in generate(short, "-d", str(perturbed["llama"]), "--method", "auto")[
+        "stats"]["drafters"].split("+")

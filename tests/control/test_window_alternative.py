@@ -150,6 +150,7 @@ def test_a_prompt_a_few_windows_long_keeps_the_full_cache():
     result, plain, read = run_auto(ENGAGE_SPANS * span, 60, per_cell=1e-3)
     assert result.token_ids == plain.token_ids
     assert read >= SINKS + WINDOW  # the prompt's sinks and last window, in the prefill
+    assert drafted_by(result, WINDOW_NAME) > 0
 
 
 def test_where_reading_the_cache_costs_nothing_the_full_cache_drafts():
@@ -281,18 +282,19 @@ def test_a_paid_member_before_the_draft_model_is_weighed_unless_it_is_an_alterna
 
 
 class TestWhenAutoHoldsAWindow:
-    """setup.auto_draft_window: auto with a draft model whose text can outgrow the window."""
+    """setup.auto_draft_window: auto with a draft model whose prompt is long enough for the window
+    to engage (ENGAGE_SPANS of its span: 2,320 tokens at the default 512 + 4 sinks)."""
 
-    def draft(self, n_ctx=4096, **attributes):
+    def draft(self, n_ctx=8192, **attributes):
         model = FakeBackend(local_logits(1), VOCAB, n_ctx=n_ctx)
         for name, value in attributes.items():
             setattr(model, name, value)
         return model
 
-    def test_auto_with_a_long_text_holds_one(self):
+    def test_auto_with_a_long_prompt_holds_one(self):
         from specrun.sessions.setup import auto_draft_window
 
-        view = auto_draft_window("auto", self.draft(), None, None, 2000)
+        view = auto_draft_window("auto", self.draft(), None, None, 2320)
         assert isinstance(view, WindowedBackend) and (view.sinks, view.window) == (4, 512)
         view.close()
         view = auto_draft_window("auto", self.draft(), None, None, None)  # a chat: unbounded
@@ -300,7 +302,7 @@ class TestWhenAutoHoldsAWindow:
         view.close()
 
     @pytest.mark.parametrize("case", ["draft method", "no draft", "--window 0", "--window 64", "tuned window",
-                                      "searched, full kept", "short text", "small context", "windowed draft",
+                                      "searched, full kept", "short prompt", "small context", "windowed draft",
                                       "recurrent", "cannot open"])
     def test_otherwise_none(self, case):
         from types import SimpleNamespace
@@ -308,7 +310,7 @@ class TestWhenAutoHoldsAWindow:
         from specrun.errors import ModelFileError
         from specrun.sessions.setup import auto_draft_window
 
-        method, draft, tuned, window, longest = "auto", self.draft(), None, None, 2000
+        method, draft, tuned, window, longest = "auto", self.draft(), None, None, 2320
         if case == "draft method":
             method = "draft"
         elif case == "no draft":
@@ -321,10 +323,10 @@ class TestWhenAutoHoldsAWindow:
             tuned = SimpleNamespace(window=256, window_context=4096)
         elif case == "searched, full kept":
             tuned = SimpleNamespace(window=0, window_context=4096)
-        elif case == "short text":
-            longest = 500
+        elif case == "short prompt":  # past the window, short of what engages it
+            longest = 2319
         elif case == "small context":
-            draft = self.draft(n_ctx=512)
+            draft = self.draft(n_ctx=2048)
         elif case == "windowed draft":
             draft = draft.open_window(4, 64)
         elif case == "recurrent":
