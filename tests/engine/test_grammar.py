@@ -142,7 +142,7 @@ def test_a_draft_row_left_unrestricted_after_pruning_is_caught(monkeypatch):
 
 def heads_engine(method: str, salt: int = 1):
     """A letters target whose hidden states know its greedy future (heads_factory.oracle_hidden),
-    drafted for by ``method``'s oracle heads (EAGLE's layer, MTP's)."""
+    drafted for by ``method``'s oracle heads."""
     from heads_factory import FAKE_LAYERS, oracle_heads_for, oracle_hidden
 
     heads = oracle_heads_for(method, VOCAB)
@@ -153,7 +153,7 @@ def heads_engine(method: str, salt: int = 1):
 
 
 @pytest.mark.parametrize("grammar_name", list(GRAMMARS))
-@pytest.mark.parametrize("method", ["eagle", "mtp"])
+@pytest.mark.parametrize("method", ["eagle", "mtp", "medusa", "hydra"])
 def test_sampled_heads_drafting_within_a_grammar_are_distributed_as_constrained_plain_decoding(grammar_name, method):
     """Heads chains drawn from their rows masked by the grammar: the masked row is each token's q."""
     target, engine = heads_engine(method)
@@ -197,16 +197,16 @@ def _draft_tokens_cut(monkeypatch, temperature: float, method: str = "draft") ->
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
-@pytest.mark.parametrize("method", ["draft", "eagle", "mtp"])
+@pytest.mark.parametrize("method", ["draft", "eagle", "mtp", "medusa", "hydra"])
 def test_a_draft_model_and_heads_chains_draft_within_the_grammar(monkeypatch, method, temperature):
     """Each token drafted comes from its row masked by what the grammar allows after the drafts
     before it: pruning cuts none of them, where the same drafter ignoring the grammar is cut."""
     from specrun.drafters.draft_model import DraftModelDrafter
-    from specrun.drafters.heads.eagle import EagleDrafter
+    from specrun.drafters.heads.base import HeadsDrafter
 
     made, cut = _draft_tokens_cut(monkeypatch, temperature, method)
     assert made > 40 and cut == 0
-    monkeypatch.setattr(DraftModelDrafter if method == "draft" else EagleDrafter, "follows_grammar", False)
+    monkeypatch.setattr(DraftModelDrafter if method == "draft" else HeadsDrafter, "follows_grammar", False)
     assert _draft_tokens_cut(monkeypatch, temperature, method)[1] > 0
 
 

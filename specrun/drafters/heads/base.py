@@ -84,6 +84,7 @@ class HeadsDrafter(Drafter):
     # grows with the length asked, so the policy chooses the length first, weighing its measured cost.
     pays_per_token = True
     hidden_tail = HIDDEN_TAIL  # the positions whose hidden states the drafter reads, back from the last
+    follows_grammar = True  # its chains draw within a run's grammar (grammar_allows)
 
     def __init__(self, heads, branches: int = 0) -> None:
         self.heads = heads
@@ -177,6 +178,22 @@ class HeadsDrafter(Drafter):
         if hidden is None:  # fed while tracking was off (a cache from before the heads were in use)
             return None
         return depth, hidden[0]
+
+    def grammar_allows(self, context: Sequence[int], drafted: Sequence[int]) -> np.ndarray | None:
+        """Under a run's grammar (``follows_grammar``: their chains; greedy trees are pruned as
+        ever), the draft ids (Vd,) it allows after ``context`` and the chain ``drafted`` so far, as
+        the heads' logits are masked by before a token is drawn: all False where nothing can follow
+        (a token it forbids, or the grammar's end drafted: the chain ends). None without one."""
+        if self.grammar is None:
+            return None
+        nothing = np.zeros(len(self._d2t), dtype=bool)
+        if drafted and drafted[-1] in self.target.backend.vocab.eos_ids:
+            return nothing
+        allowed = self.grammar.allowed(context, drafted)
+        if allowed is None:
+            return nothing
+        in_vocab = self._d2t < len(allowed)  # each draft id's target id, then whether it is allowed
+        return in_vocab & allowed[np.where(in_vocab, self._d2t, 0)]
 
     def close(self) -> None:
         if self.learner is not None:

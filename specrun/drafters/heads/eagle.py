@@ -131,7 +131,6 @@ class EagleDrafter(HeadsDrafter):
 
     name = "eagle"
     heads: EagleHeads | Eagle3Heads
-    follows_grammar = True  # its chains (MTP's too); greedy trees are pruned as ever
     _drafting_after: Sequence[int] = ()  # the context of the proposal being drafted (_draw's grammar)
 
     def __init__(self, heads: EagleHeads | Eagle3Heads, branches: int = 0, top_k: int = TOP_K) -> None:
@@ -290,14 +289,8 @@ class EagleDrafter(HeadsDrafter):
         draw with the row it was drawn from (sampled), appended to ``tokens`` (and ``rows``). Under a
         run's grammar (``follows_grammar``) the logits are masked by what it allows after the chain so
         far, and False (nothing drawn) where it allows none of the heads' tokens: the chain ends."""
-        if self.grammar is not None:
-            if tokens and tokens[-1] in self.target.backend.vocab.eos_ids:
-                return False  # the grammar's end was drafted: nothing follows it
-            allowed = self.grammar.allowed(self._drafting_after, tokens)
-            if allowed is None:
-                return False
-            in_vocab = self._d2t < len(allowed)  # (Vd,): each draft id's target id, then whether allowed
-            allowed = in_vocab & allowed[np.where(in_vocab, self._d2t, 0)]
+        allowed = self.grammar_allows(self._drafting_after, tokens)
+        if allowed is not None:
             if not allowed.any():
                 return False
             logits = np.where(allowed, logits, -np.inf).astype(np.float32)

@@ -50,18 +50,24 @@ class HydraDrafter(HeadsDrafter):
         last = int(self.heads.draft_ids(np.array([context[-1]]))[0])
         if sampling.greedy and self.branches:
             return self._tree(state, last, depth)
-        return self._chain(state, last, depth, sampling, rng)
+        return self._chain(state, last, depth, sampling, rng, context)
 
     def _logits(self, head: int, state: np.ndarray, paths: np.ndarray) -> np.ndarray:
         """Head ``head``'s logits (N, Vd) for the embedding rows ``paths`` (N, head + 1)."""
         return head_logits(self.heads, head, state, root_terms(self.heads, head, state), paths)
 
     def _chain(self, state: np.ndarray, last: int, depth: int, sampling: SamplingSettings,
-               rng: np.random.Generator) -> Proposal:
-        """The chain of first guesses (greedy) or draws (sampled, with their rows)."""
+               rng: np.random.Generator, context: Sequence[int] = ()) -> Proposal:
+        """The chain of first guesses (greedy) or draws (sampled, with their rows), within a run's
+        grammar where it has one (grammar_allows, after ``context``)."""
         path, tokens, rows = [last], [], []
         for head in range(depth):
             logits = self._logits(head, state, np.array([path]))[0]  # (Vd,)
+            allowed = self.grammar_allows(context, tokens)
+            if allowed is not None:
+                if not allowed.any():
+                    break
+                logits = np.where(allowed, logits, -np.inf).astype(np.float32)
             if sampling.greedy:
                 draft = int(logits.argmax())
             else:
