@@ -357,8 +357,14 @@ def window_alternative(view: Backend, min_prob: float = 0.0, branches: int = 0,
     drafter.name = WINDOW_NAME
     drafter.alternative_to = full
     drafter.alike_below = view.sinks + view.window + view.block
-    drafter.engages_from = ENGAGE_SPANS * drafter.alike_below
+    drafter.engages_from = window_engages_from(view.sinks, view.window, view.block)
     return drafter
+
+
+def window_engages_from(sinks: int, window: int, block: int) -> int:
+    """The prompt length from which a windowed alternative of these sizes reads a prompt and
+    drafts for its text (ENGAGE_SPANS of what it holds)."""
+    return ENGAGE_SPANS * (sinks + window + block)
 
 
 WINDOW_NAME = "draft-window"

@@ -143,10 +143,10 @@ def auto_draft_window(method, draft, tuned, window, longest_prompt):
     already chosen (``window``: --window, 0 for the full cache alone; or `specrun tune
     --window-search`, which also may have kept the full cache), a backend or cache that cannot
     keep one, or prompts of at most ``longest_prompt`` tokens (None: a chat's, unbounded) shorter
-    than it engages from (draft_model.ENGAGE_SPANS), or a draft context shorter. The caller closes
+    than it engages from (draft_model.window_engages_from), or a draft context shorter. The caller closes
     it, or hands it to the drafter that does."""
     from specrun.backends.window import DEFAULT_WINDOW, SINKS, block_for
-    from specrun.drafters.draft_model import ENGAGE_SPANS
+    from specrun.drafters.draft_model import window_engages_from
 
     if not is_adaptive(method) or draft is None or window is not None:
         return None
@@ -154,7 +154,7 @@ def auto_draft_window(method, draft, tuned, window, longest_prompt):
         return None
     if not hasattr(draft, "open_window") or hasattr(draft, "parent") or getattr(draft, "recurrent", False):
         return None
-    engages = ENGAGE_SPANS * (SINKS + DEFAULT_WINDOW + block_for(DEFAULT_WINDOW))
+    engages = window_engages_from(SINKS, DEFAULT_WINDOW, block_for(DEFAULT_WINDOW))
     if (longest_prompt is not None and longest_prompt < engages) or draft.n_ctx <= engages:
         return None
     try:

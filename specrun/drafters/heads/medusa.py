@@ -57,33 +57,28 @@ class MedusaDrafter(HeadsDrafter):
             return EMPTY_PROPOSAL
         n_heads, hidden = found
         logits = self.head_logits(hidden, n_heads)  # (n, Vd)
-        if self.grammar is not None and not (sampling.greedy and self.branches):
-            return self._within_grammar(context, logits, sampling, rng)
-        if sampling.greedy and not self.branches:
-            return Proposal(tuple(int(self._d2t[i]) for i in logits.argmax(axis=-1)), source=self.name)
-        if sampling.greedy:  # every node at depth `level` reads head `level`'s row
+        if sampling.greedy and self.branches:  # every node at depth `level` reads head `level`'s row
             return grow_tree(logits[0], n_heads, TOP_K, self.branches,
                              lambda tree, chosen, level: np.repeat(logits[level][None], len(chosen), axis=0),
                              self._d2t, self.name)
-        rows = list(target_rows(logits, sampling, self._d2t, self._vocab_size))
-        tokens = tuple(sample(row, rng) for row in rows)
-        chain = Proposal(tokens, tuple(rows), source=self.name)
-        return second_guesses(chain, rows, self.branches, sampling, rng) if self.branches else chain
+        return self._chain(context, logits, sampling, rng)
 
-    def _within_grammar(self, context: Sequence[int], logits: np.ndarray, sampling: SamplingSettings,
-                        rng: np.random.Generator) -> Proposal:
-        """The chain with each head's row masked by what the run's grammar allows after the heads
-        before it (grammar_allows), until it allows none of the heads' tokens."""
+    def _chain(self, context: Sequence[int], logits: np.ndarray, sampling: SamplingSettings,
+               rng: np.random.Generator) -> Proposal:
+        """Each head's first guess (greedy) or draw (sampled, with its row), its row masked under a
+        run's grammar by what it allows after the heads before it (grammar_allows), until it allows
+        none of the heads' tokens."""
         tokens, rows = [], []
         for head_logits in logits:
             allowed = self.grammar_allows(context, tokens)
-            if not allowed.any():
-                break
-            masked = np.where(allowed, head_logits, -np.inf).astype(np.float32)
+            if allowed is not None:
+                if not allowed.any():
+                    break
+                head_logits = np.where(allowed, head_logits, -np.inf).astype(np.float32)
             if sampling.greedy:
-                tokens.append(int(self._d2t[masked.argmax()]))
+                tokens.append(int(self._d2t[head_logits.argmax()]))
                 continue
-            row = target_rows(masked[None, :], sampling, self._d2t, self._vocab_size)[0]
+            row = target_rows(head_logits[None, :], sampling, self._d2t, self._vocab_size)[0]
             tokens.append(sample(row, rng))
             rows.append(row)
         if sampling.greedy:
