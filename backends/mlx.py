@@ -16,7 +16,10 @@ mlx-lm's generate loop:
   Caches that cannot (``RotatingKVCache`` for sliding-window layers, recurrent
   ``ArraysCache`` state) are restored from a checkpoint taken before each forward,
   and the tokens between the checkpoint and the rewind point are fed again: such
-  models speculate losslessly, at the price of re-feeding accepted tokens.
+  models speculate losslessly, at the price of re-feeding accepted tokens. A Gated
+  DeltaNet's state (Qwen3.5, Qwen3-Next) is
+  rolled back within the last pass instead (backends/mlx_snapshots.py): only its recurrence
+  runs again, on what the pass computed, and no token is fed.
 - Vocabulary facts and token bytes come from the Hugging Face tokenizer, so text
   is rebuilt byte-exactly from ids (byte-level BPE and SentencePiece alike).
 """
@@ -43,6 +46,7 @@ from specrun.errors import BackendUnavailableError, ContextFullError, ModelFileE
 from specrun.fileio import json_problem
 from specrun.tree import TokenTree
 from specrun.backends.mlx_common import MODEL_CALLS, PREFILL_CHUNK, packed_pass, packed_problem
+from specrun.backends.mlx_snapshots import SNAPSHOT_TOKENS, PassStates, Snapshotter
 
 DEFAULT_CTX = 4096
 # Tokens forward_greedy feeds with its first pass; longer inputs (a prompt) go unread first,
@@ -450,6 +454,9 @@ class MlxBackend(HiddenTracking):
     """
 
     name = "mlx"
+    # Roll a Gated DeltaNet's state back within the last pass where the model allows it
+    # (backends/mlx_snapshots.py); False: every rewind of such a cache replays (benchmarks compare).
+    snapshots = True
 
     def __init__(self, path_or_repo: str | os.PathLike, n_ctx: int | None = None) -> None:
         """Load a local MLX folder or a Hugging Face repo id (downloaded into huggingface_hub's cache)."""
@@ -544,6 +551,7 @@ class MlxBackend(HiddenTracking):
         self._cache = self._lm_cache.make_prompt_cache(self.model)
         self._needs_checkpoints = any(type(layer).__name__ not in ALWAYS_TRIMMABLE for layer in self._cache)
         self._checkpoints: list[Checkpoint] = []  # oldest first
+        self._pass_states = None  # PassStates: recurrent states after each token since the newest checkpoint
         self._tokens.clear()
 
     def forward(self, tokens: Sequence[int], logit_rows: Sequence[int]) -> np.ndarray:
@@ -742,8 +750,14 @@ class MlxBackend(HiddenTracking):
         """The model on ``inputs`` (1, T) at the cache: lazy (1, T, V) logits. In a tracked
         pass it runs as body and head, and the body's (T, H) output joins the pass's."""
         self._ahead = None
+        states = self._pass_states
         with MODEL_CALLS:
-            return self._run_model(inputs)
+            if states is None or states.count < 0:
+                return self._run_model(inputs)
+            if states.count + inputs.shape[1] > SNAPSHOT_TOKENS:  # a prompt's chunk: rewinds into it replay
+                states.count = -1
+                return self._run_model(inputs)
+            return self._snapshotter.record(lambda: self._run_model(inputs), states, inputs.shape[1])
 
     def _run_model(self, inputs):
         if self._pass_hidden is None:
@@ -771,6 +785,8 @@ class MlxBackend(HiddenTracking):
         """What a pass evaluates besides its result: every layer's cache, and in a tracked pass
         the hidden states so far (evaluated with the graph they share)."""
         states = [layer.state for layer in self._cache]
+        if self._pass_states is not None and self._pass_states.count > 0:
+            states += self._pass_states.arrays()  # kept past the pass: evaluated with it
         return states if self._pass_hidden is None else states + self._pass_hidden
 
     def _fit_vocab(self, logits):
@@ -808,6 +824,7 @@ class MlxBackend(HiddenTracking):
         )
         checkpoints = self._checkpoints
         checkpoints.append(Checkpoint(self.n_past, states, _state_bytes(states)))
+        self._pass_states = PassStates(self.n_past) if self.snapshots and self._snapshotter is not None else None
 
         def over(share: float) -> bool:
             return len(checkpoints) > MIN_CHECKPOINTS and (
@@ -817,8 +834,45 @@ class MlxBackend(HiddenTracking):
             while over(0.75):
                 del checkpoints[checkpoint_to_drop([c.n_past for c in checkpoints], self.n_past)]
 
+    @cached_property
+    def _snapshotter(self) -> Snapshotter | None:
+        """What keeps this model's recurrent states token by token, None where it cannot (no such
+        cache, a sliding window's beside it, another recurrent layer than a Gated DeltaNet): its
+        rewinds replay from checkpoints, as every model's do with ``snapshots`` off."""
+        if not self.needs_checkpoints:
+            return None
+        try:
+            return Snapshotter.for_model(self._mx, self._lm_cache, self.model)
+        except Exception:  # noqa: BLE001 - an mlx-lm model laid out otherwise: replay is always exact
+            return None
+
+    def _restore_kept_states(self, n_keep: int) -> bool:
+        """Rewind into the passes since the newest checkpoint by what they kept: recurrent caches
+        set to their state after ``n_keep`` tokens (the recurrence run again over those rows),
+        the others trimmed, nothing fed. False where nothing is kept for ``n_keep`` (before or at
+        the checkpoint, a long pass)."""
+        states = self._pass_states
+        if states is None or states.count < 0 or states.start + states.count != self.n_past:
+            return False
+        kept = n_keep - states.start
+        if not 1 <= kept <= states.count:
+            return False
+        recurrent = set(self._snapshotter.recurrent)
+        for index, layer in enumerate(self._cache):
+            if index in recurrent:
+                layer.cache = self._snapshotter.cache_state(states, index, kept)
+            else:
+                layer.trim(self.n_past - n_keep)
+        del self._tokens[n_keep:]
+        states.cut(kept)
+        return True
+
     def _restore(self, n_keep: int) -> None:
-        """Go back to the newest checkpoint at or before ``n_keep``, then feed the tokens after it again."""
+        """Go back to the newest checkpoint at or before ``n_keep``, then feed the tokens after it
+        again; within the passes since the newest checkpoint, to their kept states where kept."""
+        if self._restore_kept_states(n_keep):
+            return
+        self._pass_states = None
         while self._checkpoints and self._checkpoints[-1].n_past > n_keep:
             self._checkpoints.pop()
         kept_tokens = self._tokens[:n_keep]

@@ -8,9 +8,17 @@ each method), generation time only (from the first new token to the last, prefil
     .venv/bin/python benchmarks/mlx_hybrid_vs_mlx_lm.py --make DIR -n 64
     .venv/bin/python benchmarks/mlx_hybrid_vs_mlx_lm.py --target FOLDER --methods none,lookup -n 64 \
         --prompts ../shared/data/spec_bench/question.jsonl --per-category 2
+    .venv/bin/python benchmarks/mlx_hybrid_vs_mlx_lm.py --target FOLDER --methods mtp,mtp:replay --fixed 3
+    .venv/bin/python benchmarks/mtp_vs_llama.py --make DIR --layout qwen35 --hidden 1024 --layers 8 ...
+    specrun models convert DIR/hybrid.gguf --to mlx --out DIR/f16
+    specrun models convert DIR/hybrid.gguf --to mlx --dtype q4 --out DIR/q4
+    .venv/bin/python benchmarks/mlx_hybrid_vs_mlx_lm.py --target DIR/f16 --draft DIR/q4 \
+        --methods none,draft,draft:replay [--fixed 4]
 
 A method named ``NAME:sync`` runs NAME with plain steps that do not read ahead (each step's pass
-queued only once the host has its id), beside NAME in the same interleaved run.
+queued only once the host has its id), beside NAME in the same interleaved run; ``NAME:replay``
+runs it with rollback within a pass off (``MlxBackend.snapshots``, backends/mlx_snapshots.py): every
+rewind of a recurrent cache restores a checkpoint and feeds the kept tokens again.
 
 ``--target``: an MLX folder (the tests' Qwen3.5 folder: tests/hybrid_models.write_qwen35_mlx_folder,
 written by ``--make DIR``). ``--prompts``: a Spec-Bench-style JSONL file instead of the built-in suite.
@@ -47,9 +55,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--target", type=Path)
     parser.add_argument("--make", type=Path, help="write the tests' Qwen3.5 folder here and use it")
+    parser.add_argument("--draft", type=Path, help="an MLX folder the methods that take a draft model draft with")
     parser.add_argument("--methods", default="none,lookup,mtp,lookup+ngram+mtp",
                         help="specrun methods, each adaptive (none: plain decoding through specrun's engine)")
     parser.add_argument("-n", type=int, default=64)
+    parser.add_argument("--fixed", type=int, metavar="K",
+                        help="draft K tokens every step (default: adaptive lengths up to 16)")
     parser.add_argument("--prompts", type=Path, help="a Spec-Bench-style JSONL file (default: the built-in suite)")
     parser.add_argument("--per-category", type=int, help="at most this many prompts of each category")
     args = parser.parse_args()
@@ -68,6 +79,7 @@ def main() -> None:
     from specrun.sessions.heads import read_heads
 
     backend = MlxBackend(target)
+    draft = MlxBackend(args.draft) if args.draft else None
     methods = args.methods.split(",")
     heads = read_heads(target, None) if any(needs_heads(m) for m in methods) else None
     # an engine a method: what a method's policy learns on one prompt carries to its next, never
@@ -78,21 +90,31 @@ def main() -> None:
     prompts = select(load_jsonl(args.prompts) if args.prompts else BUILTIN_SUITE, per_category=args.per_category)
     for prompt in prompts:
         ids = backend.tokenize(prompt.text)
+        if len(ids) + args.n > backend.n_ctx:  # the tests' folders hold 512 tokens
+            print(f"skipped {prompt.prompt_id}: {len(ids)} tokens and {args.n} more pass the context of {backend.n_ctx}")
+            continue
         plain_tokens, plain_rate = mlx_lm_plain(backend.model, backend.tokenizer, ids, args.n)
         if not plain_rate:  # ended at once (an end-of-text first): nothing to time
             continue
         for method in methods:
             name, _, variant = method.partition(":")
-            drafter = build_drafter(name, None, DrafterOptions(heads=heads if needs_heads(name) else None))
+            drafter = build_drafter(name, draft, DrafterOptions(heads=heads if needs_heads(name) else None))
             engine = engines[method]
             engine.set_drafter(drafter, name)
             reads_ahead = MlxBackend.reads_ahead
             if variant == "sync":
                 MlxBackend.reads_ahead = property(lambda self: False)
+            for model in (backend, draft):
+                if model is not None:
+                    model.snapshots = variant != "replay"
             try:
-                result = engine.run(ids, GenerationParams(args.n, 16 if drafter else 0, adaptive=drafter is not None))
+                length = (args.fixed or 16) if drafter else 0
+                result = engine.run(ids, GenerationParams(args.n, length, adaptive=drafter is not None and not args.fixed))
             finally:
                 MlxBackend.reads_ahead = reads_ahead
+                for model in (backend, draft):
+                    if model is not None:
+                        model.snapshots = True
             if drafter is not None:
                 drafter.close()
             rate = max(len(result.token_ids) - 1, 0) / result.stats.generation_seconds

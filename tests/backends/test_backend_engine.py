@@ -612,6 +612,15 @@ def test_mlx_caches_that_cannot_be_trimmed_rewind_through_checkpoints(uncuttable
 
 
 @pytest.mark.parametrize("arch", ["sliding", "mamba"])
+def test_mlx_caches_no_gated_deltanet_holds_are_not_rolled_back_within_a_pass(uncuttable_models, arch):
+    """A sliding window's cache beside attention, Mamba's recurrent state: no snapshotter
+    (backends/mlx_snapshots.py reads Gated DeltaNet mixers only), so their rewinds replay."""
+    model = open_model("mlx", uncuttable_models[arch])
+    assert model.needs_checkpoints and model._snapshotter is None
+    model.close()
+
+
+@pytest.mark.parametrize("arch", ["sliding", "mamba"])
 def test_mlx_checkpoints_are_bounded_in_bytes_and_rewinds_past_the_thinned_ones_stay_exact(
         uncuttable_models, arch, monkeypatch):
     """A real model's checkpoint weighs 100s of MB: the kept ones are bounded by CHECKPOINT_BYTES

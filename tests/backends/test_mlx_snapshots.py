@@ -1,0 +1,219 @@
+"""A Gated DeltaNet's state rolled back within a short pass on MLX (backends/mlx_snapshots.py): a
+rewind into the last pass feeds nothing and leaves every logit a fresh cache's; a rewind past it,
+or into a prompt's long pass, replays from a checkpoint as before; a model whose probe disagrees
+replays (Mamba, sliding windows: tests/backends/test_backend_engine.py); speculation on a hybrid,
+MTP, lookup or a hybrid draft model, gives plain decoding's tokens."""
+
+from __future__ import annotations
+
+import shutil
+
+import numpy as np
+import pytest
+
+pytest.importorskip("mlx_lm", reason="the MLX backend is not installed")
+
+LAYOUTS = ("qwen35", "qwen35moe", "qwen3next")
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    from hybrid_models import HybridShape, hybrid_weights, write_qwen35_mlx_folder
+
+    root = tmp_path_factory.mktemp("snapshots")
+    shapes = {"qwen35": HybridShape(), "qwen35moe": HybridShape(experts=4),
+              "qwen3next": HybridShape(experts=4, next=True)}
+    return {name: write_qwen35_mlx_folder(root / name, shape, hybrid_weights(shape, mtp_layers=1))
+            for name, shape in shapes.items()}
+
+
+def open_mlx(folder, **options):
+    from specrun.backends.mlx import MlxBackend
+
+    backend = MlxBackend(folder, n_ctx=512)
+    for name, value in options.items():
+        setattr(backend, name, value)
+    return backend
+
+
+class CountedPasses:
+    """How many model calls a backend makes (a replay is one or more)."""
+
+    def __init__(self, backend, monkeypatch) -> None:
+        self.calls = 0
+        run = backend._run_model
+
+        def counted(inputs):
+            self.calls += 1
+            return run(inputs)
+
+        monkeypatch.setattr(backend, "_run_model", counted)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_a_rewind_into_the_last_pass_feeds_nothing_and_leaves_a_fresh_cache_s_logits(folders, layout, monkeypatch):
+    target, fresh = open_mlx(folders[layout]), open_mlx(folders[layout])
+    ids = [(7 * i + 3) % 200 + 5 for i in range(48)]
+    full = fresh.forward(ids, range(len(ids)))  # (48, V): one pass, longer than any kept
+    target.forward(ids[:30], [0])  # a prompt: past SNAPSHOT_TOKENS, so nothing kept for it
+    assert target._snapshotter is not None and target._snapshotter.recurrent == [0, 1, 2]
+    passes = CountedPasses(target, monkeypatch)
+    for n_keep in (35, 33, 31):  # each rejects more of what the verify pass fed
+        target.forward(ids[30:36], range(6))  # a verify pass of six
+        target.rewind(n_keep)
+        assert target.n_past == n_keep and passes.calls == 1
+        np.testing.assert_allclose(target.forward(ids[n_keep : n_keep + 2], [0, 1]), full[n_keep : n_keep + 2],
+                                   atol=1e-5, rtol=0)
+        target.rewind(n_keep + 1)  # into the pass of two just fed
+        target.rewind(30)  # the verify pass's checkpoint: nothing fed either
+        assert target.n_past == 30 and passes.calls == 2
+        passes.calls = 0
+    target.forward(ids[30:36], range(6))
+    target.rewind(29)  # into the prompt's pass: from its checkpoint, 29 tokens fed again
+    assert target.n_past == 29 and passes.calls > 1
+    np.testing.assert_allclose(target.forward(ids[29:31], [0, 1]), full[29:31], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_plain_decoding_and_rewinds_keep_the_cache_a_fresh_one_fed_the_kept_tokens(folders, layout):
+    """One token a pass (a draft's drafting, plain decoding), then rewinds of 1-3 tokens back
+    through passes of 1: each lands in the newest pass or at its checkpoint."""
+    target, fresh = open_mlx(folders[layout]), open_mlx(folders[layout])
+    ids = [(11 * i + 1) % 180 + 7 for i in range(30)]
+    full = fresh.forward(ids, range(len(ids)))
+    target.forward(ids[:8], [7])
+    for at in range(8, 20):
+        target.forward(ids[at : at + 1], [0])
+    for n_keep in (19, 17, 14):
+        target.rewind(n_keep)
+        np.testing.assert_allclose(target.forward(ids[n_keep:22], range(22 - n_keep)), full[n_keep:22],
+                                   atol=1e-5, rtol=0)
+
+
+def test_the_recorders_leave_the_model_s_parameters_and_its_unrecorded_calls_as_they_were(folders):
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_lm import load
+
+    model, _ = load(str(folders["qwen35"]))
+    tokens = mx.array([[5, 9, 13, 17, 21]])
+    from mlx_lm.models.cache import make_prompt_cache
+
+    before = model(tokens, cache=make_prompt_cache(model))
+    names = sorted(name for name, _ in tree_flatten(model.parameters()))
+    from specrun.backends.mlx_snapshots import Snapshotter
+    from mlx_lm.models import cache as lm_cache
+
+    assert Snapshotter.for_model(mx, lm_cache, model) is not None
+    assert sorted(name for name, _ in tree_flatten(model.parameters())) == names  # conv1d still a child
+    assert type(model.layers[0].linear_attn.conv1d).__name__ == "_ConvRecorder"
+    assert mx.array_equal(model(tokens, cache=make_prompt_cache(model)), before).item()
+
+
+def test_a_probe_that_disagrees_leaves_the_model_to_replay(folders, monkeypatch):
+    """A layout read wrongly (here: the recurrence run a token too far) fails the probe: no
+    snapshotter, and rewinds stay exact by replay."""
+    from specrun.backends import mlx_snapshots
+
+    real = mlx_snapshots.Snapshotter.cache_state
+
+    def a_row_late(self, states, index, n_tokens):
+        conv, _ = real(self, states, index, n_tokens)
+        first, _, update = states.calls[index][-1]
+        return [conv, update.state_after(min(n_tokens - first + 1, update.timed[0].shape[1]))]
+
+    monkeypatch.setattr(mlx_snapshots.Snapshotter, "cache_state", a_row_late)
+    target, fresh = open_mlx(folders["qwen35"]), open_mlx(folders["qwen35"])
+    assert target.needs_checkpoints and target._snapshotter is None
+    ids = list(range(20, 40))
+    full = fresh.forward(ids, range(len(ids)))
+    target.forward(ids[:10], [0])
+    target.forward(ids[10:15], range(5))
+    target.rewind(12)
+    np.testing.assert_allclose(target.forward(ids[12:14], [0, 1]), full[12:14], atol=1e-5, rtol=0)
+
+
+def test_snapshots_off_replays(folders, monkeypatch):
+    target = open_mlx(folders["qwen35"], snapshots=False)
+    target.forward(list(range(5, 15)), [0])
+    passes = CountedPasses(target, monkeypatch)
+    target.forward([20, 21, 22, 23], range(4))
+    target.rewind(12)
+    assert target._pass_states is None and passes.calls == 2  # the pass, then two tokens fed again
+
+
+@pytest.mark.parametrize("layout", ["qwen35", "qwen3next"])
+def test_speculation_on_a_hybrid_rewinds_by_its_kept_states_and_gives_plain_decoding_s_tokens(folders, layout):
+    """Lookup and the model's own MTP layer drafting on the hybrid, greedy and adaptive: the tokens
+    plain decoding gives, and rejected drafts rolled back without a replay."""
+    from specrun.drafters.methods import DrafterOptions, build_drafter
+    from specrun.engine.loop import GenerationParams, SpeculativeEngine
+    from specrun.sessions.heads import read_heads
+
+    target = open_mlx(folders[layout])
+    kept = {"count": 0}
+    restore = target._restore_kept_states
+
+    def counted(n_keep):
+        used = restore(n_keep)
+        kept["count"] += used
+        return used
+
+    target._restore_kept_states = counted
+    heads = read_heads(folders[layout], None)
+    engine = SpeculativeEngine(target, None)
+    drafted = 0
+    for prompt in ("def hello(world):", "import os\nimport sys\nimport os\nimport sys\n"):
+        ids = target.tokenize(prompt)
+        engine.set_drafter(None, "none")
+        plain = engine.run(ids, GenerationParams(40, 0)).token_ids
+        for method in ("mtp", "lookup"):
+            drafter = build_drafter(method, None, DrafterOptions(heads=heads))
+            engine.set_drafter(drafter, method)
+            result = engine.run(ids, GenerationParams(40, 3))
+            drafter.close()
+            assert result.token_ids == plain, (prompt, method)
+            drafted += result.stats.drafted
+    assert drafted > 0 and kept["count"] > 0
+    target.close()
+
+
+@pytest.fixture(scope="module")
+def nudged_draft(folders, tmp_path_factory):
+    """The Qwen3.5 folder with every matrix nudged: a hybrid draft that agrees with it often."""
+    import mlx.core as mx
+
+    folder = tmp_path_factory.mktemp("nudged") / "qwen35"
+    shutil.copytree(folders["qwen35"], folder)
+    for path in folder.glob("model*.safetensors"):
+        weights = mx.load(str(path))
+        mx.random.seed(3)
+        nudged = {name: value + 0.15 * mx.std(value) * mx.random.normal(value.shape) if value.ndim == 2 else value
+                  for name, value in weights.items()}
+        mx.save_safetensors(str(path), nudged)
+    return folder
+
+
+def test_a_hybrid_draft_model_for_a_hybrid_target_gives_plain_decoding_s_tokens(folders, nudged_draft):
+    """Both sides recurrent (a small Qwen3.5 drafting for a large one): the target's rejected
+    drafts rolled back by its kept states, the draft's by its checkpoints; greedy, and fixed and
+    adaptive lengths."""
+    from specrun.drafters.methods import DrafterOptions, build_drafter
+    from specrun.engine.loop import GenerationParams, SpeculativeEngine
+
+    target, draft = open_mlx(folders["qwen35"]), open_mlx(nudged_draft)
+    engine = SpeculativeEngine(target, None)
+    accepted = rejected = 0
+    for prompt in ("def hello(world):", "The list of numbers"):
+        ids = target.tokenize(prompt)
+        engine.set_drafter(None, "none")
+        plain = engine.run(ids, GenerationParams(40, 0)).token_ids
+        for params in (GenerationParams(40, 4), GenerationParams(40, 8, adaptive=True)):
+            drafter = build_drafter("draft", draft, DrafterOptions())
+            engine.set_drafter(drafter, "draft")
+            result = engine.run(ids, params)
+            drafter.close()
+            assert result.token_ids == plain, (prompt, params)
+            accepted += result.stats.accepted
+            rejected += result.stats.drafted - result.stats.accepted
+    assert accepted > 0 and rejected > 0
