@@ -5,7 +5,7 @@ its state from a checkpoint after a rejected draft. Plain decoding (``none``) is
 must never trail mlx-lm. One process, one loaded model, prompts interleaved (mlx-lm plain, then
 each method), generation time only (from the first new token to the last, prefill excluded), greedy.
 
-    .venv/bin/python benchmarks/mlx_hybrid_vs_mlx_lm.py --make DIR -n 64
+    .venv/bin/python benchmarks/mlx_hybrid_vs_mlx_lm.py --make DIR -n 64 [--hidden 512] [--in-sample]
     .venv/bin/python benchmarks/mlx_hybrid_vs_mlx_lm.py --target FOLDER --methods none,lookup -n 64 \
         --prompts ../shared/data/spec_bench/question.jsonl --per-category 2
     .venv/bin/python benchmarks/mlx_hybrid_vs_mlx_lm.py --target FOLDER --methods mtp,mtp:replay --fixed 3
@@ -20,8 +20,8 @@ queued only once the host has its id), beside NAME in the same interleaved run; 
 runs it with rollback within a pass off (``MlxBackend.snapshots``, backends/mlx_snapshots.py): every
 rewind of a recurrent cache restores a checkpoint and feeds the kept tokens again.
 
-``--target``: an MLX folder (the tests' Qwen3.5 folder: tests/hybrid_models.write_qwen35_mlx_folder,
-written by ``--make DIR``). ``--prompts``: a Spec-Bench-style JSONL file instead of the built-in suite.
+``--target``: an MLX folder (the tests' Qwen3.5 folder with a fitted MTP layer:
+tests/hybrid_models.write_fitted_qwen35_mlx_folder, written by ``--make DIR``). ``--prompts``: a Spec-Bench-style JSONL file instead of the built-in suite.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
-from specrun.bench.suite import BUILTIN_SUITE, load_jsonl, select  # noqa: E402
+from specrun.bench.suite import BUILTIN_SUITE, BenchPrompt, load_jsonl, select  # noqa: E402
 
 
 def mlx_lm_plain(model, tokenizer, ids, n: int) -> tuple[list[int], float]:
@@ -54,7 +54,11 @@ def mlx_lm_plain(model, tokenizer, ids, n: int) -> tuple[list[int], float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--target", type=Path)
-    parser.add_argument("--make", type=Path, help="write the tests' Qwen3.5 folder here and use it")
+    parser.add_argument("--make", type=Path, help="write the tests' Qwen3.5 folder here (its MTP layer fitted on its "
+                        "continuations of tests/mtp_models.TRAINING_PROMPTS) and use it")
+    parser.add_argument("--hidden", type=int, help="--make's width (default: the tests' 128; 4 layers)")
+    parser.add_argument("--layers", type=int, default=8, help="--make's depth where --hidden is given")
+    parser.add_argument("--in-sample", action="store_true", help="the prompts --make's MTP layer was fitted on")
     parser.add_argument("--draft", type=Path, help="an MLX folder the methods that take a draft model draft with")
     parser.add_argument("--methods", default="none,lookup,mtp,lookup+ngram+mtp",
                         help="specrun methods, each adaptive (none: plain decoding through specrun's engine)")
@@ -68,10 +72,15 @@ def main() -> None:
         parser.error("give --target or --make")
     target = args.target
     if args.make is not None:
-        from hybrid_models import HybridShape, hybrid_weights, write_qwen35_mlx_folder
+        from hybrid_models import HybridShape, write_fitted_qwen35_mlx_folder
 
         shape = HybridShape()
-        target = write_qwen35_mlx_folder(args.make, shape, hybrid_weights(shape, mtp_layers=1))
+        if args.hidden:  # mtp_vs_llama.make_model's proportions
+            heads = max(args.hidden // 64, 1)
+            shape = HybridShape(hidden=args.hidden, layers=args.layers, heads=heads, kv_heads=max(heads // 4, 1),
+                                head_dim=64, rope_dims=32, ffn=3 * args.hidden, state=64, k_heads=max(heads // 2, 1),
+                                v_heads=heads, context=4096)
+        target = write_fitted_qwen35_mlx_folder(args.make, shape)
 
     from specrun.backends.mlx import MlxBackend
     from specrun.drafters.methods import DrafterOptions, build_drafter, needs_heads
@@ -87,7 +96,12 @@ def main() -> None:
     engines = {method: SpeculativeEngine(backend, None) for method in methods}
     ratios: dict[str, list[float]] = {method: [] for method in methods}
     same: dict[str, int] = dict.fromkeys(methods, 0)
-    prompts = select(load_jsonl(args.prompts) if args.prompts else BUILTIN_SUITE, per_category=args.per_category)
+    if args.in_sample:
+        from mtp_models import TRAINING_PROMPTS
+
+        prompts = [BenchPrompt(f"fitted-{i}", "fitted", text) for i, text in enumerate(TRAINING_PROMPTS)]
+    else:
+        prompts = select(load_jsonl(args.prompts) if args.prompts else BUILTIN_SUITE, per_category=args.per_category)
     for prompt in prompts:
         ids = backend.tokenize(prompt.text)
         if len(ids) + args.n > backend.n_ctx:  # the tests' folders hold 512 tokens

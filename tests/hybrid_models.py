@@ -309,6 +309,56 @@ def write_qwen35_mlx_folder(folder: Path, shape: HybridShape, weights: dict[str,
     return folder
 
 
+def write_fitted_qwen35_mlx_folder(folder: Path, shape: HybridShape, n_new: int = 160) -> Path:
+    """write_qwen35_mlx_folder's model with its MTP block fitted on the MLX model's own greedy
+    continuations of mtp_models.TRAINING_PROMPTS, as Qwen's layout allows (the target's embedding
+    and output head shared, no head of its own): ``mtp.fc`` a ridge regression from [normed
+    embedding of the token at p + 1; normed state at p] to the normed state at p + 1, whose
+    direction the target's head reads as the token at p + 2; the block's attention and MLP add
+    nothing, its norms one. The trunk is the seeded one either way."""
+    import mlx.core as mx
+
+    from mtp_models import TRAINING_PROMPTS
+
+    from specrun.backends.mlx import MlxBackend
+    from specrun.engine.loop import GenerationParams, SpeculativeEngine
+    from specrun.heads.layers import rms_norm
+
+    weights = hybrid_weights(shape, mtp_layers=1)
+    write_qwen35_mlx_folder(folder, shape, weights)
+    target = MlxBackend(folder)
+    engine = SpeculativeEngine(target, None)
+    sequences = []
+    for prompt in TRAINING_PROMPTS:
+        ids = target.tokenize(prompt)
+        sequences.append(ids + list(engine.run(ids, GenerationParams(n_new, 0)).token_ids))
+    ones, eps = np.ones(shape.hidden), shape.eps
+    stored = mx.load(str(folder / "model.safetensors"))
+    head = np.array(next(value for name, value in stored.items() if name.endswith("lm_head.weight")), np.float64)
+    head = head / np.linalg.norm(head, axis=1, keepdims=True)  # (V, H)
+    joined, following = [], []
+    for ids in sequences:
+        target.rewind(0)
+        target.track_hidden(True)
+        target.forward(ids, [len(ids) - 1])
+        states = rms_norm(target.hidden_rows(range(len(ids))).astype(np.float64), ones, eps)  # (n, H)
+        target.track_hidden(False)
+        embedded = rms_norm(target.token_embeddings(ids[1:-1]).astype(np.float64), ones, eps)
+        joined.append(np.concatenate([embedded, states[:-2]], axis=1))
+        following.append(head[np.asarray(ids[2:])])
+    target.close()
+    joined, following = np.concatenate(joined), np.concatenate(following)
+    ridge = 1e-3 * len(joined)
+    eh_proj = np.linalg.solve(joined.T @ joined + ridge * np.eye(2 * shape.hidden), joined.T @ following).T
+    block = f"blk.{shape.layers}"
+    weights[f"{block}.nextn.eh_proj.weight"] = eh_proj.astype(np.float32)
+    for norm in ("enorm", "hnorm", "shared_head_norm"):
+        weights[f"{block}.nextn.{norm}.weight"] = np.ones(shape.hidden, np.float32)
+    for name in (f"{block}.attn_output.weight", f"{block}.ffn_down.weight"):
+        weights[name] = np.zeros_like(weights[name])
+    return write_qwen35_mlx_folder(folder, shape, weights)
+
+
 def quantized_mlx_folder(source: Path, folder: Path, keep_mtp: bool, bits: int = 4, group: int = 64) -> Path:
     """``source`` (a folder write_qwen35_mlx_folder wrote) quantized by mlx-lm's own converter, as
     mlx-community's folders are: its config still names the MTP layer, its weights hold none. With
