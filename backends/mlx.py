@@ -589,32 +589,40 @@ class MlxBackend(HiddenTracking):
         n_new - 1 ids. Caches that need checkpoints take that slower path instead.
         """
         self._check_untracked("forward_greedy")
-        if self.needs_checkpoints:
+        if not self._rolls_back:
             return self._greedy_one_by_one(_greedy_input(tokens, n_new), n_new)
         return self.forward_greedy_deferred(tokens, n_new).resolve()
 
     @property
     def can_defer(self) -> bool:
-        """Whether ``forward_greedy_deferred`` works here (not for caches that need checkpoints)."""
-        return not self.needs_checkpoints
+        """Whether ``forward_greedy_deferred`` works here: a cache that can be cut, or a hybrid
+        whose passes keep what a rollback within them reads (not a sliding window's, not Mamba's)."""
+        return self._rolls_back
+
+    @property
+    def _rolls_back(self) -> bool:
+        """A rewind into the passes since the last checkpoint feeds nothing again: every cache
+        can be cut, or the recurrent ones roll back by what the passes kept (mlx_snapshots.py)."""
+        return not self.needs_checkpoints or (self.snapshots and self._snapshotter is not None)
 
     def forward_greedy_deferred(self, tokens: Sequence[int], n_new: int) -> DeferredIds:
         """``forward_greedy`` without its host sync: the ids stay on the device until resolved,
         by a target's ``forward_argmax_after`` or by the next use of this backend."""
         tokens = _greedy_input(tokens, n_new)
         self._check_untracked("forward_greedy_deferred")
-        if self.needs_checkpoints:
-            raise ValueError("a cache that needs checkpoints cannot defer its greedy ids")
+        if not self._rolls_back:
+            raise ValueError("a cache that needs checkpoints and keeps no states cannot defer its greedy ids")
         self._ahead = None
         self._check_room(len(tokens) + n_new - 1)
+        if self.needs_checkpoints:  # one for all the passes below: a rewind into them rolls back
+            self._checkpoint()
         mx = self._mx
         joined = len(tokens) if len(tokens) <= GREEDY_JOIN_TOKENS else 1
         self._feed_unread(tokens[:-joined])
         step_input = mx.array(tokens[-joined:])  # (J,), then (1,)
         ids = []
         for _ in range(n_new):
-            with MODEL_CALLS:
-                logits = self.model(step_input[None], cache=self._cache)  # (1, J or 1, V)
+            logits = self._run(step_input[None])  # (1, J or 1, V)
             step_input = mx.argmax(self._fit_vocab(logits[0, -1:]), axis=-1)  # (1,), left on the device
             mx.async_eval(step_input)
             ids.append(step_input)
@@ -629,13 +637,14 @@ class MlxBackend(HiddenTracking):
         tokens = [int(t) for t in tokens]
         self._check_untracked("forward_argmax_after")
         self._check_room(len(tokens) + len(deferred))
-        if self.needs_checkpoints:  # replays after a restore need the ids on the host first
+        if not self._rolls_back:  # replays after a restore need the ids on the host first
             return self._argmax_after_resolved(tokens, deferred)
         mx = self._mx
         self._ahead = None
+        if self.needs_checkpoints:
+            self._checkpoint()
         fed = mx.concatenate([mx.array(tokens, dtype=deferred.array.dtype), deferred.array])  # (T + n,)
-        with MODEL_CALLS:
-            logits = self.model(fed[None], cache=self._cache)  # (1, T + n, V)
+        logits = self._run(fed[None])  # (1, T + n, V)
         argmax = self._kept_argmax(self._fit_vocab(logits[0]))  # (T + n,)
         mx.eval(argmax, deferred.array)
         ids = deferred.resolve()

@@ -31,10 +31,11 @@ import sys
 import threading
 from dataclasses import dataclass, field
 
-# A pass feeding more tokens than this keeps nothing (a prompt's chunks: their activations would
-# be held to the next pass): a rewind into it replays from its checkpoint as before. A verify pass
-# is a draft and its bonus token; llama.cpp keeps as many states (n_rs_seq).
-SNAPSHOT_TOKENS = 16
+# Passes since a checkpoint feeding more tokens than this keep nothing (a prompt's chunks: their
+# activations would be held to the next pass): a rewind into them replays from the checkpoint as
+# before. A verify pass is a draft of up to 16 and its bonus token; a draft model's greedy passes,
+# its catch-up and up to 16 drafts; Qwen3.5-27B keeps ~1 MB a token.
+SNAPSHOT_TOKENS = 32
 PROBE = (3, 17, 29, 41)
 _WRAPPED = "_specrun_recording"
 _recording = threading.local()  # .sink: the _Recording of the model call building its graph, or None

@@ -57,26 +57,31 @@ class CountedPasses:
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_a_rewind_into_the_last_pass_feeds_nothing_and_leaves_a_fresh_cache_s_logits(folders, layout, monkeypatch):
+    from specrun.backends.mlx_snapshots import SNAPSHOT_TOKENS
+
     target, fresh = open_mlx(folders[layout]), open_mlx(folders[layout])
-    ids = [(7 * i + 3) % 200 + 5 for i in range(48)]
-    full = fresh.forward(ids, range(len(ids)))  # (48, V): one pass, longer than any kept
-    target.forward(ids[:30], [0])  # a prompt: past SNAPSHOT_TOKENS, so nothing kept for it
+    ids = [(7 * i + 3) % 200 + 5 for i in range(SNAPSHOT_TOKENS + 20)]
+    prompt = SNAPSHOT_TOKENS + 8  # past what a pass keeps
+    full = fresh.forward(ids, range(len(ids)))  # (n, V): one pass, longer than any kept
+    target.forward(ids[:prompt], [0])
     assert target._snapshotter is not None and target._snapshotter.recurrent == [0, 1, 2]
     passes = CountedPasses(target, monkeypatch)
-    for n_keep in (35, 33, 31):  # each rejects more of what the verify pass fed
-        target.forward(ids[30:36], range(6))  # a verify pass of six
+    for kept in (5, 3, 1):  # each rejects more of what the verify pass fed
+        target.forward(ids[prompt : prompt + 6], range(6))  # a verify pass of six
+        n_keep = prompt + kept
         target.rewind(n_keep)
         assert target.n_past == n_keep and passes.calls == 1
         np.testing.assert_allclose(target.forward(ids[n_keep : n_keep + 2], [0, 1]), full[n_keep : n_keep + 2],
                                    atol=1e-5, rtol=0)
         target.rewind(n_keep + 1)  # into the pass of two just fed
-        target.rewind(30)  # the verify pass's checkpoint: nothing fed either
-        assert target.n_past == 30 and passes.calls == 2
+        target.rewind(prompt)  # the verify pass's checkpoint: nothing fed either
+        assert target.n_past == prompt and passes.calls == 2
         passes.calls = 0
-    target.forward(ids[30:36], range(6))
-    target.rewind(29)  # into the prompt's pass: from its checkpoint, 29 tokens fed again
-    assert target.n_past == 29 and passes.calls > 1
-    np.testing.assert_allclose(target.forward(ids[29:31], [0, 1]), full[29:31], atol=1e-5, rtol=0)
+    target.forward(ids[prompt : prompt + 6], range(6))
+    target.rewind(prompt - 1)  # into the prompt's pass: from its checkpoint, its tokens fed again
+    assert target.n_past == prompt - 1 and passes.calls > 1
+    np.testing.assert_allclose(target.forward(ids[prompt - 1 : prompt + 1], [0, 1]), full[prompt - 1 : prompt + 1],
+                               atol=1e-5, rtol=0)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -207,14 +212,29 @@ def nudged_draft(folders, tmp_path_factory):
     return folder
 
 
-def test_a_hybrid_draft_model_for_a_hybrid_target_gives_plain_decoding_s_tokens(folders, nudged_draft):
-    """Both sides recurrent (a small Qwen3.5 drafting for a large one): the target's rejected
-    drafts rolled back by its kept states, the draft's by its checkpoints; greedy, and fixed and
-    adaptive lengths."""
+@pytest.mark.parametrize("snapshots", [True, False])
+def test_a_hybrid_draft_model_for_a_hybrid_target_gives_plain_decoding_s_tokens(folders, nudged_draft, monkeypatch,
+                                                                                snapshots):
+    """Both sides recurrent (a small Qwen3.5 drafting for a large one), greedy, fixed and adaptive
+    lengths: plain decoding's tokens. Rolling back within passes, the draft drafts on the device
+    with one sync and a fixed length's verify pass is queued on its ids (as for a cache that can be
+    cut); replaying, a token at a time with the ids on the host first."""
+    from specrun.backends.mlx import MlxBackend
     from specrun.drafters.methods import DrafterOptions, build_drafter
     from specrun.engine.loop import GenerationParams, SpeculativeEngine
 
-    target, draft = open_mlx(folders["qwen35"]), open_mlx(nudged_draft)
+    target, draft = open_mlx(folders["qwen35"], snapshots=snapshots), open_mlx(nudged_draft, snapshots=snapshots)
+    assert target.can_defer == draft.can_defer == snapshots
+    calls = {"deferred": 0, "after": 0, "one by one": 0}
+    for name, method in (("deferred", "forward_greedy_deferred"), ("after", "forward_argmax_after"),
+                         ("one by one", "_greedy_one_by_one")):
+        real = getattr(MlxBackend, method)
+
+        def counted(self, *args, real=real, name=name, **kwargs):
+            calls[name] += 1
+            return real(self, *args, **kwargs)
+
+        monkeypatch.setattr(MlxBackend, method, counted)
     engine = SpeculativeEngine(target, None)
     accepted = rejected = 0
     for prompt in ("def hello(world):", "The list of numbers"):
@@ -230,3 +250,23 @@ def test_a_hybrid_draft_model_for_a_hybrid_target_gives_plain_decoding_s_tokens(
             accepted += result.stats.accepted
             rejected += result.stats.drafted - result.stats.accepted
     assert accepted > 0 and rejected > 0
+    if snapshots:
+        assert calls["deferred"] > 0 and calls["after"] > 0 and calls["one by one"] == 0
+    else:
+        assert calls["deferred"] == calls["after"] == 0 and calls["one by one"] > 0
+
+
+def test_greedy_ids_on_the_device_leave_a_hybrid_s_cache_as_one_at_a_time_does(folders, monkeypatch):
+    """``forward_greedy`` on a hybrid, the ids chained on the device: the ids and, after a rewind
+    into its passes (nothing fed again), the logits that passes one token at a time give."""
+    target, reference = open_mlx(folders["qwen35"]), open_mlx(folders["qwen35"], snapshots=False)
+    prompt = target.tokenize("def hello(world): return the sum of")
+    ids = target.forward_greedy(prompt, 6)
+    assert list(ids) == list(reference.forward_greedy(prompt, 6))
+    passes = CountedPasses(target, monkeypatch)
+    target.rewind(len(prompt) + 2)
+    assert passes.calls == 0
+    fed = [*prompt, *ids[:2].tolist()]
+    reference.rewind(0)
+    np.testing.assert_allclose(target.forward([int(ids[2])], [0]), reference.forward([*fed, int(ids[2])], [len(fed)]),
+                               atol=1e-5, rtol=0)
