@@ -432,6 +432,8 @@ class _LayerRecorder:
         return out
 
     def __getattr__(self, name: str):
+        if name.startswith("__") or name == "_layer":  # copy's probes of a bare instance: no recursion
+            raise AttributeError(name)
         return getattr(self._layer, name)
 
 
@@ -764,7 +766,7 @@ class MlxBackend(HiddenTracking):
             if states is None or states.count < 0:
                 return self._run_model(inputs)
             if states.count + inputs.shape[1] > SNAPSHOT_TOKENS:  # a prompt's chunk: rewinds into it replay
-                states.count = -1
+                states.drop()
                 return self._run_model(inputs)
             return self._snapshotter.record(lambda: self._run_model(inputs), states, inputs.shape[1])
 
@@ -851,7 +853,8 @@ class MlxBackend(HiddenTracking):
         if not self.needs_checkpoints:
             return None
         try:
-            return Snapshotter.for_model(self._mx, self._lm_cache, self.model)
+            with MODEL_CALLS:
+                return Snapshotter.for_model(self._mx, self._lm_cache, self.model)
         except Exception:  # noqa: BLE001 - an mlx-lm model laid out otherwise: replay is always exact
             return None
 
@@ -874,6 +877,8 @@ class MlxBackend(HiddenTracking):
                 layer.trim(self.n_past - n_keep)
         del self._tokens[n_keep:]
         states.cut(kept)
+        # computed now, on this thread's stream, as a replay's states were: not left to the next pass
+        self._mx.async_eval([self._cache[index].cache for index in recurrent])
         return True
 
     def _restore(self, n_keep: int) -> None:
@@ -1088,11 +1093,11 @@ class MlxBackend(HiddenTracking):
         if len(kinds) > 1 or getattr(body, "swa_idx", None) is not None or hasattr(body, "sliding_window_pattern"):
             raise ModelFileError(f"mlx-lm's {arch} model mixes sliding-window and full attention by layer position, "
                                  "so a part of its layers cannot run apart", fix)
-        view_body = copy.copy(body)
-        view_body.layers = [body.layers[index] for index in kept]
-        view = copy.copy(self.model)
-        view.model = view_body
         try:
+            view_body = copy.copy(body)
+            view_body.layers = [body.layers[index] for index in kept]
+            view = copy.copy(self.model)
+            view.model = view_body  # a wrapper whose .model is a property (Qwen3.5's) refuses it
             self._mx.eval(view(self._mx.array(SPLIT_PROBE), cache=self._lm_cache.make_prompt_cache(view)))  # (1, 4, V)
         except Exception as exc:  # a body that indexes its layers some other way
             raise ModelFileError(f"mlx-lm's {arch} model cannot run a part of its layers ({type(exc).__name__})",
@@ -1156,4 +1161,5 @@ class MlxBackend(HiddenTracking):
         self._ahead = None
         self._cache = []
         self._checkpoints.clear()
+        self._pass_states = None
         self._tokens.clear()

@@ -83,6 +83,9 @@ class DistributedMlxBackend(MlxBackend):
     group = None
     tree_support = TreeSupport(False, REASON)
     hidden_support = HiddenSupport(False, reason=REASON)
+    # every rank rewinds alike: a rollback within a pass (no model call) on one rank and a replay
+    # (collective calls) on another, each probing its own shard, would leave the others waiting
+    snapshots = False
 
     @property
     def can_defer(self) -> bool:

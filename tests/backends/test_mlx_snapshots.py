@@ -87,7 +87,7 @@ def test_a_rewind_into_the_last_pass_feeds_nothing_and_leaves_a_fresh_cache_s_lo
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_plain_decoding_and_rewinds_keep_the_cache_a_fresh_one_fed_the_kept_tokens(folders, layout):
     """One token a pass (a draft's drafting, plain decoding), then rewinds of 1-3 tokens back
-    through passes of 1: each lands in the newest pass or at its checkpoint."""
+    through passes of 1: each lands at a pass's checkpoint (nothing kept is read, nothing fed)."""
     target, fresh = open_mlx(folders[layout]), open_mlx(folders[layout])
     ids = [(11 * i + 1) % 180 + 7 for i in range(30)]
     full = fresh.forward(ids, range(len(ids)))
@@ -98,6 +98,38 @@ def test_plain_decoding_and_rewinds_keep_the_cache_a_fresh_one_fed_the_kept_toke
         target.rewind(n_keep)
         np.testing.assert_allclose(target.forward(ids[n_keep:22], range(22 - n_keep)), full[n_keep:22],
                                    atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("layout", ["qwen35", "qwen3next"])
+def test_a_rewind_into_any_call_of_a_pass_reads_that_call_s_rows(folders, layout, monkeypatch):
+    """A pass whose rows start after its first tokens is three model calls (the tokens before the
+    first row fed unread, the rows, the tokens after): a rewind into each call rolls back by its
+    own rows and state before it, nothing fed again."""
+    target, fresh = open_mlx(folders[layout]), open_mlx(folders[layout])
+    ids = [(5 * i + 2) % 190 + 9 for i in range(24)]
+    full = fresh.forward(ids, range(len(ids)))
+    target.forward(ids[:10], [0])
+    passes = CountedPasses(target, monkeypatch)
+    for n_keep in (11, 12, 13, 14, 15):  # in the first call (10-11), the second (12), the third (13-15)
+        target.forward(ids[10:16], [2])  # calls of 2, 1 and 3 tokens
+        target.rewind(n_keep)
+        assert target._pass_states is not None and passes.calls == 3
+        np.testing.assert_allclose(target.forward(ids[n_keep : n_keep + 2], [0, 1]), full[n_keep : n_keep + 2],
+                                   atol=1e-5, rtol=0)
+        target.rewind(10)
+        passes.calls = 0
+
+
+def test_a_model_with_recorders_still_copies(folders):
+    """copy.deepcopy of the model (a draft's online LoRA trainer copies it) with the conv recorders
+    installed: no recursion through their attribute lookup."""
+    import copy
+
+    target = open_mlx(folders["qwen35"])
+    target.forward([5, 6, 7, 8], [3])
+    assert target._snapshotter is not None
+    copied = copy.deepcopy(target.model)
+    assert type(copied.layers[0].linear_attn.conv1d).__name__ == "_ConvRecorder"
 
 
 def test_the_recorders_leave_the_model_s_parameters_and_its_unrecorded_calls_as_they_were(folders):
@@ -135,6 +167,7 @@ def test_a_probe_that_disagrees_leaves_the_model_to_replay(folders, monkeypatch)
     monkeypatch.setattr(mlx_snapshots.Snapshotter, "cache_state", a_row_late)
     target, fresh = open_mlx(folders["qwen35"]), open_mlx(folders["qwen35"])
     assert target.needs_checkpoints and target._snapshotter is None
+    assert type(target.model.layers[0].linear_attn.conv1d).__name__ == "Conv1d"  # the recorders taken off
     ids = list(range(20, 40))
     full = fresh.forward(ids, range(len(ids)))
     target.forward(ids[:10], [0])
@@ -270,3 +303,15 @@ def test_greedy_ids_on_the_device_leave_a_hybrid_s_cache_as_one_at_a_time_does(f
     reference.rewind(0)
     np.testing.assert_allclose(target.forward([int(ids[2])], [0]), reference.forward([*fed, int(ids[2])], [len(fed)]),
                                atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("layout", ["qwen35", "qwen3next"])
+def test_a_layer_draft_of_a_hybrid_is_one_line_not_a_crash(folders, layout):
+    """self:layers=N on a hybrid: Qwen3.5's wrapper keeps its body behind a property, Qwen3-Next's
+    body indexes its attention layer by position; each is a ModelFileError naming the fix."""
+    from specrun.errors import ModelFileError
+
+    target = open_mlx(folders[layout])
+    with pytest.raises(ModelFileError, match="cannot run a part of its layers") as error:
+        target.layer_draft([0, 1])
+    assert "self:q4 or a draft model" in error.value.fix
