@@ -526,6 +526,8 @@ class PairWorker:
             self._refused(job, RequestError(exc.one_line(), "messages" if job.request.is_chat else "prompt"), slot)
             return
         session.new_text()  # each request is a text of its own: its acceptance is measured afresh
+        if self.slots is None:  # one sequence: its models' flash attention follows a long request's context
+            session.settle_for(min(len(prompt_ids) + job.request.max_tokens, session.target.n_ctx))
         reused = min(common_prefix_len(session.engine.target.tokens, prompt_ids), len(prompt_ids) - 1)
         self.metrics.started(reused)
         job.emit(Started(len(prompt_ids), reused))

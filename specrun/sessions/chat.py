@@ -203,7 +203,7 @@ class ChatSession:
         # open_chat's: flash attention chosen again once the conversation's context reaches
         # kernels.DEEP_FROM tokens (sessions/kernels.settle_for_context), at most once a session
         self._settle_context = settle_context
-        self._deep_context = 0  # the context _settle_for chose again for (0: not yet): a later draft's too
+        self._deep_context = 0  # the context settle_for chose again for (0: not yet): a later draft's too
         self._find_settled_tuned = find_settled_tuned  # what tune saved under the models' keys as they are now
         self._learn = learn  # --learn: the learner of the heads drafted with (sessions/heads.with_learner)
         self.tools = tuple(tools)  # functions the model may call, rendered into every prompt
@@ -318,7 +318,7 @@ class ChatSession:
         messages = [*self.transcript.messages, {"role": role, "content": text}]
         prompt_text, prompt_ids = self._prompt(messages)
         self._check_fits(prompt_ids)
-        self._settle_for(min(len(prompt_ids) + params.max_new_tokens, self.target.n_ctx))
+        self.settle_for(min(len(prompt_ids) + params.max_new_tokens, self.target.n_ctx))
         reused = min(common_prefix_len(self.engine.target.tokens, prompt_ids), len(prompt_ids) - 1)
         decoder = _SpanDecoder(self.target)
         result: GenerationResult | None = None
@@ -343,12 +343,12 @@ class ChatSession:
         calls = tuple(style_for(self.template).parse(result.text, names)[1]) if self.tools else ()
         yield AnswerDone(result.text, result.finish_reason, result.stats, len(prompt_ids), reused, calls)
 
-    def _settle_for(self, context: int) -> None:
+    def settle_for(self, context: int) -> None:
         """Once an answer's context may reach DEEP_FROM tokens (within the context): flash attention
         as the deep probe chooses it (the chat opened with the short probe's choice, right for a short
         chat); where that differs, the models' caches are emptied and this prompt is read again in
         full, once a session (a /reset does not ask again; a draft model loaded later by /method is
-        settled the same way)."""
+        settled the same way). A server with one sequence at a time asks before each request."""
         if self._settle_context is None or self._deep_context or context < DEEP_FROM:
             return
         self._deep_context = context

@@ -438,3 +438,49 @@ def test_a_draft_model_loaded_after_the_switch_is_settled_for_the_long_context_t
         chat.set_method("draft")
         assert chat.draft.flash_attn is False and asked == [False, True, False, True]  # its open's, then deep
         assert chat.target.n_past == cached
+
+
+def test_a_server_with_one_sequence_switches_for_a_long_request_and_answers_as_one_running_off(monkeypatch):
+    """`specrun serve --parallel 1` opened on the short probe's choice (on): a short request keeps
+    it; a request whose context may reach DEEP_FROM switches the model to the deep choice (off) once,
+    and is answered as a server running with off from the start answers it."""
+    pytest.importorskip("llama_cpp", reason="the llama backend is not installed")
+    import asyncio
+
+    from specrun.sampling import SamplingSettings
+    from specrun.server.requests import CompletionRequest
+    from specrun.server.worker import Delta, Done, Failed, Job, PairOptions, PairWorker
+
+    asked = deep_off_costs(monkeypatch)
+
+    def answer(worker, prompt: tuple[int, ...], max_tokens: int) -> str:
+        async def ask():
+            job = Job(CompletionRequest("demo", max_tokens, SamplingSettings(), prompt=prompt),
+                      asyncio.get_running_loop())
+            worker.submit(job)
+            text = ""
+            while not isinstance(event := await job.next_event(), (Done, Failed)):
+                text += event.text if isinstance(event, Delta) else ""
+            return event, text
+
+        done, text = asyncio.run(ask())
+        assert isinstance(done, Done), done
+        return text
+
+    texts = {}
+    for flash in (None, "off"):
+        worker = PairWorker(PairOptions("demo-target", None, method="none", parallel=1,
+                                        load=LoadOptions(backend="llama", threads=1, flash_attn=flash)))
+        worker.start()
+        try:
+            target = worker.session.target
+            long_prompt = tuple(target.tokenize(LONG_TEXT))
+            if flash is None:
+                assert target.flash_attn is True
+                answer(worker, tuple(target.tokenize("def add(a, b):")), 8)
+                assert target.flash_attn is True and asked == [False]  # a short request: no deep probe
+            texts[flash] = answer(worker, long_prompt, 290)  # 1,764 + 290: past DEEP_FROM
+            assert target.flash_attn is False
+        finally:
+            worker.stop()
+    assert asked == [False, True] and texts[None] == texts["off"]
