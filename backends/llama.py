@@ -162,6 +162,8 @@ def layer_input_functions(llama_cpp):
 # after each of the last pass's final RS_SNAPSHOTS tokens (``n_rs_seq``), so a rejected draft of up
 # to that many tokens rolls back in place; a longer or older rewind feeds the kept tokens again.
 RS_SNAPSHOTS = 16
+# keep_state's: the recurrent part of a sequence's state alone, left on the device
+_KEPT_STATE_FLAGS = 1 | 2  # LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY | LLAMA_STATE_SEQ_FLAGS_ON_DEVICE
 
 
 def _native_mtp_arch(path: Path) -> str | None:
@@ -278,6 +280,7 @@ class LlamaCppBackend(HiddenTracking):
         self._fed: list[int] = []  # a recurrent model's cached tokens: what a long rewind feeds again
         self._last_pass = 0  # tokens of the last chunk fed: the positions its snapshots cover
         self._rolled_back = False  # a rollback is pending until the next decode (llama.cpp: one at a time)
+        self._kept_state: tuple[int, object, int] | None = None  # keep_state's: (position, buffer, size)
 
         if n_ctx is None:  # default: the training context, capped to keep the KV cache modest
             n_ctx_train = llama_cpp.llama_model_n_ctx_train(self._model)
@@ -663,10 +666,26 @@ class LlamaCppBackend(HiddenTracking):
             )
         self._n_past = min(self._n_past, n_keep)
 
+    def keep_state(self) -> None:
+        """A recurrent or hybrid model: keep its recurrent state as it is now (on the device, the
+        attention cache aside: llama.cpp's partial sequence state), so that a later rewind to here
+        or after, past the last pass's snapshots, feeds only the tokens since. A draft model keeps
+        it before it drafts: its drafts are a pass each, so a rejected one lies before the last
+        pass, where without it the draft reads its whole text again. One is kept; nothing happens
+        for other models."""
+        if not self.recurrent:
+            return
+        lib, flags = self._lib, _KEPT_STATE_FLAGS
+        size = lib.llama_state_seq_get_size_ext(self._ctx, _SEQ, flags)
+        buffer = (ctypes.c_uint8 * max(size, 1))()
+        written = lib.llama_state_seq_get_data_ext(self._ctx, buffer, size, _SEQ, flags) if size else 0
+        self._kept_state = (self._n_past, buffer, written) if written else None
+
     def _rewind_recurrent(self, n_keep: int) -> None:
         """A recurrent state cannot drop positions: dropping the last pass's final few rolls back to
-        llama.cpp's snapshot of the state after the kept ones; any other rewind starts the state
-        again and feeds the kept tokens."""
+        llama.cpp's snapshot of the state after the kept ones; a rewind to or after the kept state
+        (keep_state) restores it and feeds the tokens since; any other starts the state again and
+        feeds the kept tokens."""
         drop = self._n_past - n_keep
         if drop <= 0:
             return
@@ -676,9 +695,24 @@ class LlamaCppBackend(HiddenTracking):
             self._n_past, self._rolled_back = n_keep, True
             del self._fed[n_keep:]
             return
-        kept = self._fed[:n_keep]
-        lib.llama_memory_seq_rm(self._memory, _SEQ, 0, -1)  # always possible: the whole sequence
-        self._n_past, self._fed, self._last_pass, self._rolled_back = 0, [], 0, False
+        start = 0
+        kept_state = self._kept_state
+        if kept_state is not None and kept_state[0] > n_keep:
+            self._kept_state = kept_state = None  # the text it was kept in is gone
+        if kept_state is not None:
+            at, buffer, size = kept_state
+            # the recurrent part back to position at - 1, then the attention cells from at dropped
+            # (the hybrid's removal asks the recurrent part first, which now holds nothing past them)
+            if (lib.llama_state_seq_set_data_ext(self._ctx, buffer, size, _SEQ, _KEPT_STATE_FLAGS)
+                    and lib.llama_memory_seq_rm(self._memory, _SEQ, at, -1)):
+                start = at
+            else:
+                self._kept_state = None
+        kept = self._fed[start:n_keep]
+        if not start:
+            lib.llama_memory_seq_rm(self._memory, _SEQ, 0, -1)  # always possible: the whole sequence
+        self._n_past, self._last_pass, self._rolled_back = start, 0, False
+        del self._fed[start:]
         if kept:
             tracking = self._tracking
             self._tracking = False  # what is fed again was read before: its states are not asked for

@@ -232,12 +232,17 @@ class DraftModelDrafter(Drafter):
         # Keep at least the last context token unfed so its logits come out of this pass.
         keep = self.sequence.rewind_to_prefix_of(context, limit=len(context) - 1)
         pending = list(context[keep:])  # always includes the last context token
-        if len(pending) <= CATCH_UP_TOKENS:
-            return pending
-        started = self.clock()
-        self.sequence.feed(pending[:-1])
-        self.catch_up_seconds = self.clock() - started
-        return pending[-1:]
+        if len(pending) > CATCH_UP_TOKENS:
+            started = self.clock()
+            self.sequence.feed(pending[:-1])
+            self.catch_up_seconds = self.clock() - started
+            pending = pending[-1:]
+        # A recurrent model (llama.cpp) keeps its state here: the drafts after it are a pass each,
+        # and the next step's rewind into them restores it rather than reading the whole text again.
+        keep_state = getattr(self.backend, "keep_state", None)
+        if keep_state is not None:
+            keep_state()
+        return pending
 
     def can_defer(self, sampling: SamplingSettings) -> bool:
         """Can ``propose_deferred`` draft for these settings: greedy, the full length, no

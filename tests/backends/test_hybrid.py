@@ -141,3 +141,46 @@ def test_a_slot_of_a_hybrid_rewound_past_its_last_pass_reads_as_one_fed_afresh(h
     finally:
         slots.close()
         model.close()
+
+
+def test_a_rewind_to_the_kept_state_feeds_only_the_tokens_since(hybrid, monkeypatch):
+    """A draft model's drafting (a pass a token) after keep_state, then a rewind past the last
+    pass: the kept recurrent state restored, only the tokens since it fed again, every logit a fresh
+    context's; a rewind before it starts again from nothing."""
+    target, fresh = open_llama(hybrid["target"]), open_llama(hybrid["target"])
+    try:
+        ids = target.tokenize("def hello(world): return the sum of all the numbers in the list")
+        fed_again = []
+        decode = target._decode
+
+        def counted(chunk, wanted, *args, **kwargs):
+            fed_again.append(len(chunk))
+            return decode(chunk, wanted, *args, **kwargs)
+
+        target.forward(ids[:12], [])
+        target.keep_state()
+        for at in range(12, 17):  # five drafts, a pass each
+            target.forward(ids[at : at + 1], [0])
+        monkeypatch.setattr(target, "_decode", counted)
+        target.rewind(14)  # three rejected: two of the passes since the kept state are fed again
+        assert fed_again == [2]
+        monkeypatch.setattr(target, "_decode", decode)
+
+        def reference(*passes):
+            """A fresh context's logits for the last pass's final token, fed in the same passes (a
+            one-token pass and a batched one round apart: test_rewinds_of_a_hybrid_cache_...)."""
+            fresh.rewind(0)
+            for tokens in passes[:-1]:
+                fresh.forward(tokens, [])
+            return fresh.forward(passes[-1], [len(passes[-1]) - 1])[0]
+
+        np.testing.assert_array_equal(target.forward(ids[14:15], [0])[0],
+                                      reference(ids[:12], ids[12:14], ids[14:15]))
+        target.rewind(13)  # past the one-token last pass: the kept state again, one token fed
+        np.testing.assert_array_equal(target.forward(ids[13:15], [1])[0], reference(ids[:12], ids[12:13], ids[13:15]))
+        target.rewind(10)  # before the kept state: the whole text again, the kept state let go
+        assert target._kept_state is None
+        np.testing.assert_array_equal(target.forward(ids[10:12], [1])[0], reference(ids[:10], ids[10:12]))
+    finally:
+        target.close()
+        fresh.close()
