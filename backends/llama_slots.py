@@ -29,7 +29,6 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from specrun.backends.llama import RS_SNAPSHOTS
 from specrun.backends.slots import SlotPass
 from specrun.errors import ContextFullError, ModelFileError
 
@@ -50,6 +49,7 @@ class LlamaSlots:
         self.slot_ctx = slot_ctx or parent.n_ctx
         self.n_vocab = parent.n_vocab
         params = type(parent._ctx_params).from_buffer_copy(parent._ctx_params)
+        self._snapshots = int(getattr(params, "n_rs_seq", 0)) if self.recurrent else 0  # the parent's n_rs_seq
         params.n_seq_max = n_slots
         params.kv_unified = not exact
         params.n_ctx = self.slot_ctx * n_slots
@@ -125,7 +125,7 @@ class LlamaSlots:
         drop = len(fed) - n_keep
         if drop <= 0:
             return
-        if (drop < self._last_pass.get(seq, 0) and drop <= RS_SNAPSHOTS and not self._rolled_back.get(seq)
+        if (drop < self._last_pass.get(seq, 0) and drop <= self._snapshots and not self._rolled_back.get(seq)
                 and self._lib.llama_memory_seq_rm(self._memory, seq, n_keep, -1)):
             del fed[n_keep:]
             self._rolled_back[seq] = True

@@ -5,7 +5,7 @@ hybrid as target, a copy with every matrix nudged as draft (most drafts rejected
 ``draft -k 4``, greedy, 64 tokens, prompts of several lengths; the two lines alternated, speed
 ratio of the means.
 
-    .venv/bin/python benchmarks/hybrid_draft_rewinds.py --dir /tmp/hybrid --lengths 100 1000 3000
+    .venv/bin/python benchmarks/hybrid_draft_rewinds.py --dir DIR --lengths 100 1000 3000
 """
 
 from __future__ import annotations

@@ -14,6 +14,9 @@ import pytest
 pytest.importorskip("mlx_lm", reason="the MLX backend is not installed")
 
 LAYOUTS = ("qwen35", "qwen35moe", "qwen3next")
+# Logits compared with a fresh cache's fed in other batch shapes: OpenBLAS rounds them up to ~3e-4
+# apart here (tools/with_openblas.sh; the MoE layouts' most), a state one token off by ~1.
+ATOL = 1e-3
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +75,7 @@ def test_a_rewind_into_the_last_pass_feeds_nothing_and_leaves_a_fresh_cache_s_lo
         target.rewind(n_keep)
         assert target.n_past == n_keep and passes.calls == 1
         np.testing.assert_allclose(target.forward(ids[n_keep : n_keep + 2], [0, 1]), full[n_keep : n_keep + 2],
-                                   atol=1e-5, rtol=0)
+                                   atol=ATOL, rtol=0)
         target.rewind(n_keep + 1)  # into the pass of two just fed
         target.rewind(prompt)  # the verify pass's checkpoint: nothing fed either
         assert target.n_past == prompt and passes.calls == 2
@@ -81,7 +84,7 @@ def test_a_rewind_into_the_last_pass_feeds_nothing_and_leaves_a_fresh_cache_s_lo
     target.rewind(prompt - 1)  # into the prompt's pass: from its checkpoint, its tokens fed again
     assert target.n_past == prompt - 1 and passes.calls > 1
     np.testing.assert_allclose(target.forward(ids[prompt - 1 : prompt + 1], [0, 1]), full[prompt - 1 : prompt + 1],
-                               atol=1e-5, rtol=0)
+                               atol=ATOL, rtol=0)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -97,7 +100,7 @@ def test_plain_decoding_and_rewinds_keep_the_cache_a_fresh_one_fed_the_kept_toke
     for n_keep in (19, 17, 14):
         target.rewind(n_keep)
         np.testing.assert_allclose(target.forward(ids[n_keep:22], range(22 - n_keep)), full[n_keep:22],
-                                   atol=1e-5, rtol=0)
+                                   atol=ATOL, rtol=0)
 
 
 @pytest.mark.parametrize("layout", ["qwen35", "qwen3next"])
@@ -115,7 +118,7 @@ def test_a_rewind_into_any_call_of_a_pass_reads_that_call_s_rows(folders, layout
         target.rewind(n_keep)
         assert target._pass_states is not None and passes.calls == 3
         np.testing.assert_allclose(target.forward(ids[n_keep : n_keep + 2], [0, 1]), full[n_keep : n_keep + 2],
-                                   atol=1e-5, rtol=0)
+                                   atol=ATOL, rtol=0)
         target.rewind(10)
         passes.calls = 0
 
@@ -173,7 +176,7 @@ def test_a_probe_that_disagrees_leaves_the_model_to_replay(folders, monkeypatch)
     target.forward(ids[:10], [0])
     target.forward(ids[10:15], range(5))
     target.rewind(12)
-    np.testing.assert_allclose(target.forward(ids[12:14], [0, 1]), full[12:14], atol=1e-5, rtol=0)
+    np.testing.assert_allclose(target.forward(ids[12:14], [0, 1]), full[12:14], atol=ATOL, rtol=0)
 
 
 def test_snapshots_off_replays(folders, monkeypatch):
@@ -302,7 +305,7 @@ def test_greedy_ids_on_the_device_leave_a_hybrid_s_cache_as_one_at_a_time_does(f
     fed = [*prompt, *ids[:2].tolist()]
     reference.rewind(0)
     np.testing.assert_allclose(target.forward([int(ids[2])], [0]), reference.forward([*fed, int(ids[2])], [len(fed)]),
-                               atol=1e-5, rtol=0)
+                               atol=ATOL, rtol=0)
 
 
 @pytest.mark.parametrize("layout", ["qwen35", "qwen3next"])
