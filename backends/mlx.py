@@ -553,7 +553,7 @@ class MlxBackend(HiddenTracking):
         self._cache = self._lm_cache.make_prompt_cache(self.model)
         self._needs_checkpoints = any(type(layer).__name__ not in ALWAYS_TRIMMABLE for layer in self._cache)
         self._checkpoints: list[Checkpoint] = []  # oldest first
-        self._pass_states = None  # PassStates: recurrent states after each token since the newest checkpoint
+        self._pass_states = None  # PassStates: what the passes since the newest checkpoint kept for a rollback
         self._tokens.clear()
 
     def forward(self, tokens: Sequence[int], logit_rows: Sequence[int]) -> np.ndarray:
@@ -588,7 +588,8 @@ class MlxBackend(HiddenTracking):
         the first greedy pass rather than in a pass of their own: the extra logits rows
         cost less than a separate forward and its host sync. The cache ends as n_new
         successive ``forward_argmax`` calls leave it: ``tokens`` plus the first
-        n_new - 1 ids. Caches that need checkpoints take that slower path instead.
+        n_new - 1 ids. Caches that need checkpoints and cannot roll back within passes take
+        a token at a time instead.
         """
         self._check_untracked("forward_greedy")
         if not self._rolls_back:
