@@ -673,7 +673,8 @@ class LlamaCppBackend(HiddenTracking):
         it before it drafts: its drafts are a pass each, so a rejected one lies before the last
         pass, where without it the draft reads its whole text again. One is kept; nothing happens
         for other models."""
-        if not self.recurrent:
+        if not self.recurrent or not self._n_past:  # nothing to keep: a rewind to 0 starts afresh
+            self._kept_state = None
             return
         lib, flags = self._lib, _KEPT_STATE_FLAGS
         size = lib.llama_state_seq_get_size_ext(self._ctx, _SEQ, flags)
@@ -808,6 +809,9 @@ class LlamaCppBackend(HiddenTracking):
         lib = self._lib
         ctx, batch, tree_batch = self._ctx, self._batch, self._tree_batch
         self._ctx = self._batch = self._tree_batch = None
+        # a recurrent model's bookkeeping was of this context's memory (its kept state on its device
+        # storage: restored into another context, llama.cpp aborts)
+        self._kept_state, self._fed, self._last_pass, self._rolled_back = None, [], 0, False
         if batch is not None:
             lib.llama_batch_free(batch)
         if tree_batch is not None:

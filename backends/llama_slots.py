@@ -15,11 +15,6 @@ cache, flash attention off: ``--exact``) each sequence gets a cache stream of it
 a sequence's attention reads its cells at the positions they would hold alone and sums them in
 the same order: its logits are the ones it gets alone, bit for bit, whatever shares the batch
 (llama.cpp then splits a batch of unequal shares into several graphs).
-
-A recurrent or hybrid model (Qwen3.5's Gated DeltaNet) keeps a state per sequence, with
-llama.cpp's snapshots after each of its last pass's final tokens (``n_rs_seq``): a slot's rejected
-draft rolls back to one; an older rewind starts that sequence's state again and feeds its kept
-tokens, alone, before the next batch (llama.cpp splits a batch of such sequences into equal shares).
 """
 
 from __future__ import annotations
@@ -37,19 +32,15 @@ class LlamaSlots:
     """``n_slots`` sequences of ``slot_ctx`` tokens on the model of ``parent`` (a LlamaCppBackend)."""
 
     def __init__(self, parent, n_slots: int, slot_ctx: int | None = None, exact: bool = False) -> None:
+        if parent.recurrent:
+            raise ModelFileError(f"{parent.path.name} keeps a recurrent state per sequence, which slots cannot share "
+                                 "yet", "serve it with --parallel 1")
         lib = self._lib = parent._lib
-        # a recurrent model's per sequence: its cached tokens (what an older rewind feeds again),
-        # its last pass's length and whether a rollback into it is pending (llama.cpp takes one)
-        self.recurrent = parent.recurrent
-        self._fed: dict[int, list[int]] = {}
-        self._last_pass: dict[int, int] = {}
-        self._rolled_back: dict[int, bool] = {}
         self.parent = parent
         self.n_slots = n_slots
         self.slot_ctx = slot_ctx or parent.n_ctx
         self.n_vocab = parent.n_vocab
         params = type(parent._ctx_params).from_buffer_copy(parent._ctx_params)
-        self._snapshots = int(getattr(params, "n_rs_seq", 0)) if self.recurrent else 0  # the parent's n_rs_seq
         params.n_seq_max = n_slots
         params.kv_unified = not exact
         params.n_ctx = self.slot_ctx * n_slots
@@ -96,12 +87,6 @@ class LlamaSlots:
         if status != 0:
             raise ContextFullError(f"llama.cpp decode failed with status {status} in a batch of {i} tokens",
                                    "lower --parallel or raise --ctx")
-        if self.recurrent:
-            for slot_pass in passes:
-                fed = self._fed.setdefault(slot_pass.seq, [])
-                del fed[slot_pass.start :]
-                fed.extend(int(token) for token in slot_pass.tokens)
-                self._last_pass[slot_pass.seq], self._rolled_back[slot_pass.seq] = len(slot_pass.tokens), False
         n_rows = sum(len(slot_pass.rows) for slot_pass in passes)
         outputs = np.zeros((0, self.n_vocab), np.float32)
         if n_rows:
@@ -118,23 +103,7 @@ class LlamaSlots:
             first += len(rows)
 
     def remove(self, seq: int, n_keep: int) -> None:
-        if not self.recurrent:
-            self._lib.llama_memory_seq_rm(self._memory, seq, n_keep, -1)
-            return
-        fed = self._fed.setdefault(seq, [])
-        drop = len(fed) - n_keep
-        if drop <= 0:
-            return
-        if (drop < self._last_pass.get(seq, 0) and drop <= self._snapshots and not self._rolled_back.get(seq)
-                and self._lib.llama_memory_seq_rm(self._memory, seq, n_keep, -1)):
-            del fed[n_keep:]
-            self._rolled_back[seq] = True
-            return
-        kept = fed[:n_keep]
-        self._lib.llama_memory_seq_rm(self._memory, seq, 0, -1)  # always possible: the whole sequence
-        self._fed[seq], self._last_pass[seq], self._rolled_back[seq] = [], 0, False
-        for start in range(0, len(kept), self.n_batch):  # fed again, this sequence alone
-            self._decode([SlotPass(seq, start, kept[start : start + self.n_batch], [])])
+        self._lib.llama_memory_seq_rm(self._memory, seq, n_keep, -1)
 
     def close(self) -> None:
         ctx, batch = self._ctx, self._batch

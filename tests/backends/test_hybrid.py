@@ -100,49 +100,6 @@ def test_speculation_on_a_hybrid_target_gives_plain_decoding_s_tokens(hybrid, me
             draft.close()
 
 
-@pytest.mark.parametrize("exact", [True, False])
-def test_slots_of_a_hybrid_decode_together_the_answers_each_gets_alone(hybrid, exact):
-    """Slots on a hybrid target and a hybrid draft (their states one per sequence): lookup on two,
-    the draft model on two, passes shared, each answer the one it gets alone; rejected drafts
-    rolled back to llama.cpp's snapshots of that sequence, older rewinds fed again alone."""
-    from slots.slot_runs import check_answers_together
-    from specrun.engine.loop import GenerationParams
-
-    options = dict(kv_type="f32", flash_attn=False) if exact else {}
-    target, draft = open_llama(hybrid["target"], **options), open_llama(hybrid["draft"], **options)
-    try:
-        texts = ["def hello(world):", "the cat sat on the mat. the cat sat on the", "import os\nimport sys\n",
-                 "Once upon a time"]
-        prompts = [target.tokenize(text) for text in texts]
-        check_answers_together(target, draft, prompts, GenerationParams(40, draft_len=4, stop_at_eos=False), exact)
-    finally:
-        target.close()
-        draft.close()
-
-
-def test_a_slot_of_a_hybrid_rewound_past_its_last_pass_reads_as_one_fed_afresh(hybrid):
-    from slots.slot_runs import two_slots
-
-    model = open_llama(hybrid["target"], kv_type="f32", flash_attn=False)
-    slots, (first, second) = two_slots(model)
-    try:
-        second.forward([5, 6, 7, 8, 9], [])
-        first.forward([1, 2, 3, 4, 5, 6], [])
-        first.forward([7, 8, 9], [])
-        first.rewind(7)  # into the last pass: llama.cpp's snapshot of sequence 0
-        np.testing.assert_array_equal(first.forward([9, 9], [0, 1]), model.forward([1, 2, 3, 4, 5, 6, 7, 9, 9], [7, 8]))
-        first.rewind(3)  # past it: sequence 0 started again, its three tokens fed again
-        model.rewind(0)
-        np.testing.assert_array_equal(first.forward([9, 9], [0, 1]), model.forward([1, 2, 3, 9, 9], [3, 4]))
-        second.rewind(4)
-        model.rewind(0)
-        np.testing.assert_array_equal(second.forward([1], [0]), model.forward([5, 6, 7, 8, 1], [4]))
-        assert (first.n_past, second.n_past) == (5, 5)
-    finally:
-        slots.close()
-        model.close()
-
-
 def test_a_rewind_to_the_kept_state_feeds_only_the_tokens_since(hybrid, monkeypatch):
     """A draft model's drafting (a pass a token) after keep_state, then a rewind past the last
     pass: the kept recurrent state restored, only the tokens since it fed again, every logit a fresh
@@ -184,3 +141,28 @@ def test_a_rewind_to_the_kept_state_feeds_only_the_tokens_since(hybrid, monkeypa
     finally:
         target.close()
         fresh.close()
+
+
+def test_no_kept_state_outlives_its_context_or_is_kept_of_nothing(hybrid):
+    """A state kept at position 0 is nothing (a rewind to 0 starts afresh); one kept before the
+    context is made again (flash attention chosen again) is let go with it: restored into the new
+    context, llama.cpp aborts the process."""
+    target = open_llama(hybrid["target"], flash_attn=False)
+    try:
+        target.keep_state()
+        assert target._kept_state is None
+        target.forward([5, 6, 7], [2])
+        target.keep_state()
+        assert target._kept_state is not None
+        target.rewind(0)
+        target.set_flash_attn(True)
+        assert target._kept_state is None and target._fed == []
+        ids = [5, 6, 7, 8, 9, 10, 11]
+        target.forward(ids[:3], [])
+        target.keep_state()
+        for at in range(3, 7):
+            target.forward(ids[at : at + 1], [0])
+        target.rewind(4)  # the kept state of this context, restored
+        assert target.n_past == 4
+    finally:
+        target.close()

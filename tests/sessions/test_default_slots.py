@@ -1,6 +1,6 @@
 """How many slots `specrun serve --parallel auto` opens (sessions/slots.default_slots): one where
 a slot would draft with less than the session, its backend has none, the draft reads a windowed
-cache or keeps a recurrent state, else up to DEFAULT_SLOTS as half the free memory holds
+cache or the model keeps a recurrent state, else up to DEFAULT_SLOTS as half the free memory holds
 their caches; and what a slot's cache weighs."""
 
 from __future__ import annotations
@@ -48,10 +48,8 @@ def test_one_slot_where_a_slot_would_draft_with_less_or_cannot_be_opened():
     assert chosen == 1 and "demo-draft drafts from a windowed cache" in note
     recurrent = _Model("qwen35")
     recurrent.recurrent = True
-    chosen, note = default_slots(_session(target=_Model(), draft=recurrent), lambda: 1 << 40)
-    assert chosen == 1 and "the draft qwen35 keeps a recurrent state" in note
-    chosen, _ = default_slots(_session(target=recurrent), lambda: 1 << 40)  # its slots roll back alone
-    assert chosen == DEFAULT_SLOTS
+    chosen, note = default_slots(_session(target=recurrent), lambda: 1 << 40)
+    assert chosen == 1 and "qwen35 keeps a recurrent state" in note
 
 
 def test_a_slot_s_cache_is_every_layer_s_keys_and_values_for_the_context():

@@ -9,8 +9,9 @@ import pytest
 pytest.importorskip("llama_cpp", reason="the llama backend is not installed")
 
 from specrun.backends.llama import LlamaCppBackend  # noqa: E402
+from specrun.backends.slots import Rendezvous, Slot  # noqa: E402
 from specrun.engine.loop import GenerationParams  # noqa: E402
-from tests.slots.slot_runs import check_answers_together, two_slots  # noqa: E402
+from tests.slots.slot_runs import check_answers_together  # noqa: E402
 
 EXACT = dict(kv_type="f32", flash_attn=False)
 
@@ -36,8 +37,10 @@ def test_greedy_answers_decoded_together_are_the_ones_decoded_alone(smollm2, exa
 
 def test_a_rewound_slot_reads_as_one_fed_afresh(tiny_models):
     model = LlamaCppBackend(tiny_models["llama"].gguf_f32_path, n_ctx=128, n_threads=1, **EXACT)
-    slots, (first, second) = two_slots(model)
+    slots = model.open_slots(2, exact=True)
     try:
+        rendezvous = Rendezvous()
+        first, second = (Slot(slots, seq, rendezvous, model, "target") for seq in range(2))
         second.forward([5, 6, 7, 8, 9], [])
         first.forward([1, 2, 3, 4, 5, 6], [])
         first.rewind(3)
