@@ -733,8 +733,8 @@ class LlamaCppBackend(HiddenTracking):
 
     def slot_cache_bytes(self) -> int:
         """What a slot's sequence of ``n_ctx`` tokens holds in keys and values (every layer's, as
-        the model's metadata gives their widths: an upper bound for a hybrid, whose recurrent
-        layers keep a small state instead)."""
+        the model's metadata gives their widths: an upper bound for a hybrid's attention), and a
+        recurrent model's state with llama.cpp's snapshots of it (``n_rs_seq``)."""
         lib, model = self._lib, self._model
         arch = self.metadata("general.architecture") or ""
         heads, kv_heads = lib.llama_model_n_head(model), lib.llama_model_n_head_kv(model)
@@ -745,7 +745,21 @@ class LlamaCppBackend(HiddenTracking):
             return int(value) if value and value.isdigit() else width
 
         per_token = lib.llama_model_n_layer(model) * kv_heads * (length("key_length") + length("value_length"))
-        return per_token * (4 if self.kv_type == "f32" else 2) * self.n_ctx
+        return per_token * (4 if self.kv_type == "f32" else 2) * self.n_ctx + self._state_bytes() * (1 + RS_SNAPSHOTS)
+
+    def _state_bytes(self) -> int:
+        """A recurrent model's state of one sequence, as llama.cpp writes it (0 for other models);
+        an empty context is fed a token to have one, and emptied again."""
+        if not self.recurrent:
+            return 0
+        flags = _KEPT_STATE_FLAGS & 1  # the recurrent part, written out
+        if self._n_past:
+            return int(self._lib.llama_state_seq_get_size_ext(self._ctx, _SEQ, flags))
+        self._decode([0], [])
+        try:
+            return int(self._lib.llama_state_seq_get_size_ext(self._ctx, _SEQ, flags))
+        finally:
+            self.rewind(0)
 
     # ---- a windowed cache --------------------------------------------------------------
     def open_window(self, sinks: int, window: int, owns: bool = False):

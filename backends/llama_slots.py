@@ -15,12 +15,27 @@ cache, flash attention off: ``--exact``) each sequence gets a cache stream of it
 a sequence's attention reads its cells at the positions they would hold alone and sums them in
 the same order: its logits are the ones it gets alone, bit for bit, whatever shares the batch
 (llama.cpp then splits a batch of unequal shares into several graphs).
+
+A recurrent or hybrid model (Qwen3.5's Gated DeltaNet) keeps one state per sequence in a cell of
+its own, with llama.cpp's snapshots after each of the last pass's final tokens (``n_rs_seq``): a
+slot's rejected draft rolls back to one. Those snapshots stay where their cell is, and llama.cpp
+moves cells to gather a batch's sequences side by side: a moved sequence loses them, and its
+rollback then reads another's state (seen with three slots started at different times). So the
+slots keep sequence i in cell i: opening them feeds one token to every sequence in one batch
+(cells taken in order), and from then on every sequence always holds its cell. One started again
+(a rewind past its snapshots and its kept state, a new text) is emptied only just before its next
+pass, which runs alone: its cell is then the only empty one, and it takes it back. With every
+sequence in its own cell, a batch of consecutive sequences (llama.cpp's split of them) never
+moves one. A draft model's slot keeps its state before drafting (``keep``, as LlamaCppBackend's
+keep_state): a rewind to it restores that state, and the tokens since are fed again at the head
+of the slot's next pass.
 """
 
 from __future__ import annotations
 
 import ctypes
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -28,14 +43,33 @@ from specrun.backends.slots import SlotPass
 from specrun.errors import ContextFullError, ModelFileError
 
 
+# keep's: the recurrent part of a sequence's state alone, left on the device (LlamaCppBackend's flags)
+_KEPT_STATE_FLAGS = 1 | 2  # LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY | LLAMA_STATE_SEQ_FLAGS_ON_DEVICE
+_HOLDING_TOKEN = 0  # what opening feeds each sequence so that it takes its own cell
+
+
+@dataclass
+class _Recurrent:
+    """A recurrent model's sequence: what its state has read and how it may go back."""
+
+    fed: list[int] = field(default_factory=list)  # the tokens its state has read
+    again: list[int] = field(default_factory=list)  # kept tokens to feed again at the head of its next pass
+    fresh: bool = True  # its state starts again at its next pass (emptied then, the pass run alone)
+    last_pass: int = 0  # the tokens its last pass fed (its snapshots' reach)
+    rolled_back: bool = False  # llama.cpp takes one rollback between passes
+    kept: tuple[int, object, int] | None = None  # keep's: (position, buffer, size)
+
+    @property
+    def length(self) -> int:
+        return len(self.fed) + len(self.again)
+
+
 class LlamaSlots:
     """``n_slots`` sequences of ``slot_ctx`` tokens on the model of ``parent`` (a LlamaCppBackend)."""
 
     def __init__(self, parent, n_slots: int, slot_ctx: int | None = None, exact: bool = False) -> None:
-        if parent.recurrent:
-            raise ModelFileError(f"{parent.path.name} keeps a recurrent state per sequence, which slots cannot share "
-                                 "yet", "serve it with --parallel 1")
         lib = self._lib = parent._lib
+        self.recurrent = parent.recurrent
         self.parent = parent
         self.n_slots = n_slots
         self.slot_ctx = slot_ctx or parent.n_ctx
@@ -54,9 +88,25 @@ class LlamaSlots:
         self._memory = lib.llama_get_memory(self._ctx)
         self._batch = lib.llama_batch_init(self.n_batch, 0, 1)
         self._logits_address = parent._logits_address
+        self._snapshots = int(getattr(params, "n_rs_seq", 0)) if self.recurrent else 0  # the parent's n_rs_seq
+        self._sequences = [_Recurrent() for _ in range(n_slots)] if self.recurrent else []
+        if self.recurrent:
+            try:  # sequence i in cell i (the cells are taken in order), each to start again at its first pass
+                self._decode([SlotPass(seq, 0, [_HOLDING_TOKEN], []) for seq in range(n_slots)])
+            except ContextFullError:
+                self.close()
+                raise
+            for sequence in self._sequences:
+                self._start_again(sequence, 0)
 
     def run(self, passes: Sequence[SlotPass]) -> None:
         """One llama_decode per n_batch tokens, the passes packed in order (each fits one)."""
+        if self.recurrent:
+            self._run_recurrent(passes)
+            return
+        self._run_packed(passes)
+
+    def _run_packed(self, passes: Sequence[SlotPass]) -> None:
         group: list[SlotPass] = []
         fill = 0
         for slot_pass in passes:
@@ -101,9 +151,130 @@ class LlamaSlots:
             order = np.argsort(np.argsort(rows)) if rows != sorted(rows) else slice(None)
             slot_pass.logits = mine[order].copy()
             first += len(rows)
+            if self.recurrent:
+                self._fed(slot_pass)
 
     def remove(self, seq: int, n_keep: int) -> None:
+        if self.recurrent:
+            self._remove_recurrent(self._sequences[seq], seq, n_keep)
+            return
         self._lib.llama_memory_seq_rm(self._memory, seq, n_keep, -1)
+
+    # ---- recurrent and hybrid models (module docstring) --------------------------------
+    def _run_recurrent(self, passes: Sequence[SlotPass]) -> None:
+        """Each pass with its sequence's kept tokens at its head; a sequence started again first,
+        alone (emptied just before: it takes its own cell back), the others packed as ever."""
+        full = {}
+        for slot_pass in passes:
+            sequence = self._sequences[slot_pass.seq]
+            if slot_pass.start != sequence.length:
+                raise RuntimeError(f"sequence {slot_pass.seq} holds {sequence.length} tokens, its pass starts at "
+                                   f"{slot_pass.start}")
+            again = sequence.again
+            full[id(slot_pass)] = SlotPass(slot_pass.seq, len(sequence.fed), [*again, *slot_pass.tokens],
+                                           [row + len(again) for row in slot_pass.rows])
+        alone = sorted((p for p in passes if self._sequences[p.seq].fresh), key=lambda p: p.seq)
+        together = [p for p in passes if not self._sequences[p.seq].fresh]
+        for slot_pass in alone:
+            self._lib.llama_memory_seq_rm(self._memory, slot_pass.seq, 0, -1)  # the only empty cell: its own
+            self._run_alone(full[id(slot_pass)])
+            slot_pass.logits = full[id(slot_pass)].logits
+        long = [p for p in together if len(full[id(p)].tokens) > self.n_batch]
+        for slot_pass in long:
+            self._run_alone(full[id(slot_pass)])
+            slot_pass.logits = full[id(slot_pass)].logits
+        packed = [p for p in together if len(full[id(p)].tokens) <= self.n_batch]
+        try:
+            self._run_packed([full[id(p)] for p in packed])
+        except Exception:
+            for slot_pass in packed:  # how far a failed batch got is unknown: each starts again
+                self._start_again(self._sequences[slot_pass.seq], self._sequences[slot_pass.seq].length)
+            raise
+        for slot_pass in packed:
+            slot_pass.logits = full[id(slot_pass)].logits
+
+    def _run_alone(self, slot_pass: SlotPass) -> None:
+        """One sequence's pass in n_batch chunks, its rows in the last; if it fails, the sequence
+        starts again, holding its cell (a token fed alone takes it back)."""
+        sequence = self._sequences[slot_pass.seq]
+        before = sequence.fed + sequence.again  # what the sequence holds before the pass
+        tokens, rows = list(slot_pass.tokens), list(slot_pass.rows)
+        last_start = max(len(tokens) - self.n_batch, 0)
+        try:
+            for start in [*range(0, last_start, self.n_batch), last_start]:
+                end = len(tokens) if start == last_start else min(start + self.n_batch, last_start)
+                chunk = SlotPass(slot_pass.seq, slot_pass.start + start, tokens[start:end],
+                                 [row - last_start for row in rows] if start == last_start else [])
+                self._decode([chunk])
+            slot_pass.logits = chunk.logits
+        except Exception:
+            self._lib.llama_memory_seq_rm(self._memory, slot_pass.seq, 0, -1)
+            self._decode([SlotPass(slot_pass.seq, 0, [_HOLDING_TOKEN], [])])  # its cell held again
+            sequence.fed, sequence.again = before, []
+            self._start_again(sequence, len(before))
+            raise
+
+    def _fed(self, slot_pass: SlotPass) -> None:
+        """Bookkeeping of a recurrent sequence's pass that ran."""
+        sequence = self._sequences[slot_pass.seq]
+        del sequence.fed[slot_pass.start :]
+        sequence.fed.extend(int(token) for token in slot_pass.tokens)
+        sequence.again, sequence.fresh = [], False
+        sequence.last_pass, sequence.rolled_back = len(slot_pass.tokens), False
+
+    def _start_again(self, sequence: _Recurrent, n_keep: int) -> None:
+        """The sequence's state starts again at its next pass, which feeds its first n_keep tokens first."""
+        kept = (sequence.fed + sequence.again)[:n_keep]
+        sequence.fed, sequence.again, sequence.fresh = [], kept, True
+        sequence.last_pass, sequence.rolled_back, sequence.kept = 0, False, None
+
+    def _remove_recurrent(self, sequence: _Recurrent, seq: int, n_keep: int) -> None:
+        """Drop to n_keep tokens: within the kept tokens not yet fed again, cut them; within the
+        last pass's snapshots, llama.cpp's rollback; else the kept state, the tokens since fed
+        again; else the sequence starts again."""
+        if n_keep >= sequence.length:
+            return
+        if sequence.fresh or (sequence.again and n_keep >= len(sequence.fed)):
+            del sequence.again[n_keep - len(sequence.fed) :]
+            return
+        sequence.again = []  # below the restored state: what it restored is dropped too
+        lib = self._lib
+        drop = len(sequence.fed) - n_keep
+        if (drop < sequence.last_pass and drop <= self._snapshots and not sequence.rolled_back
+                and lib.llama_memory_seq_rm(self._memory, seq, n_keep, -1)):
+            del sequence.fed[n_keep:]
+            sequence.rolled_back = True
+            return
+        kept = sequence.kept
+        if kept is not None and kept[0] <= n_keep:
+            at, buffer, size = kept
+            # the recurrent part back to position at - 1 (llama.cpp empties the sequence's cell and
+            # fills the only empty one: its own), then the attention cells from at dropped
+            if (lib.llama_state_seq_set_data_ext(self._ctx, buffer, size, seq, _KEPT_STATE_FLAGS)
+                    and lib.llama_memory_seq_rm(self._memory, seq, at, -1)):
+                sequence.again = sequence.fed[at:n_keep]
+                del sequence.fed[at:]
+                sequence.last_pass, sequence.rolled_back = 0, False
+                return
+        self._start_again(sequence, n_keep)
+
+    def keep(self, seq: int) -> None:
+        """A recurrent sequence keeps its state as it is now (module docstring); nothing happens for
+        other models, or while the sequence's next pass will feed kept tokens again (the state it
+        holds is older than its text: its kept state, if any, still stands)."""
+        if not self.recurrent:
+            return
+        sequence = self._sequences[seq]
+        if sequence.fresh or sequence.again:
+            return
+        if not sequence.fed:
+            sequence.kept = None
+            return
+        lib = self._lib
+        size = lib.llama_state_seq_get_size_ext(self._ctx, seq, _KEPT_STATE_FLAGS)
+        buffer = (ctypes.c_uint8 * max(size, 1))()
+        written = lib.llama_state_seq_get_data_ext(self._ctx, buffer, size, seq, _KEPT_STATE_FLAGS) if size else 0
+        sequence.kept = (len(sequence.fed), buffer, written) if written else None
 
     def close(self) -> None:
         ctx, batch = self._ctx, self._batch

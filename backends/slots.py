@@ -13,7 +13,8 @@ A long prompt is fed in chunks of ``PREFILL_CHUNK`` tokens, each a pass of its o
 other slots keep decoding beside it instead of waiting for the whole prompt.
 
 Rewinds are recorded, not run, while other threads may be decoding: a slot's dropped cells are
-removed just before the next batch of its model runs, under the rendezvous' lock.
+removed just before the next batch of its model runs, under the rendezvous' lock; so is a recurrent
+model's kept state (``keep_state``: a draft model keeps it before drafting), after the removals.
 """
 
 from __future__ import annotations
@@ -66,6 +67,15 @@ class SlotModel(Protocol):
     def close(self) -> None: ...
 
 
+class KeepingSlotModel(SlotModel, Protocol):
+    """A SlotModel of a recurrent model, whose sequences keep their state to rewind to."""
+
+    recurrent: bool
+
+    def keep(self, seq: int) -> None:
+        """Sequence ``seq`` keeps its state as it is now."""
+
+
 @dataclass
 class RendezvousCounts:
     """Totals for /metrics: batched passes run, the sequences and tokens they held."""
@@ -93,6 +103,7 @@ class Rendezvous:
         self._joined = 0  # slots generating: each will hand in a pass or leave
         self._waiting: list[tuple[SlotModel, SlotPass]] = []
         self._removals: dict[int, dict[int, int]] = {}  # id(model) -> seq -> n_keep, run before its next batch
+        self._keeps: dict[int, set[int]] = {}  # id(model) -> seqs keeping their state, after the removals
         self._models: dict[int, SlotModel] = {}
         self._labels: dict[int, str] = {}  # id(model) -> what /metrics calls it
         self._local = threading.local()
@@ -170,6 +181,12 @@ class Rendezvous:
             removals[seq] = min(n_keep, removals.get(seq, n_keep))
             self._models[id(model)] = model
 
+    def keep(self, model: KeepingSlotModel, seq: int) -> None:
+        """Record that ``seq`` keeps its state as it will be before its model's next batch."""
+        with self._cond:
+            self._keeps.setdefault(id(model), set()).add(seq)
+            self._models[id(model)] = model
+
     def _run(self) -> None:
         """The runner: once every joined slot waits, run the waiting passes, model by model (each
         model's recorded removals first), outside the lock, then wake the slots. Once closed, the
@@ -191,11 +208,14 @@ class Rendezvous:
                 for model, slot_pass in waiting:
                     by_model.setdefault(id(model), []).append(slot_pass)
                 removals = {key: self._removals.pop(key, {}) for key in by_model}
+                keeps = {key: self._keeps.pop(key, set()) for key in by_model}
             try:
                 for key, passes in by_model.items():
                     model = self._models[key]
                     for seq, n_keep in removals[key].items():
                         model.remove(seq, n_keep)
+                    for seq in sorted(keeps[key]):
+                        model.keep(seq)
                     self._run_batch(model, passes)
             finally:  # whatever happened, no slot waits for good
                 with self._cond:
@@ -323,6 +343,12 @@ class Slot(ParentsModel, ArgmaxFromLogits):
         # always recorded, even at n_past: a pass cut short may have left cells n_past does not count
         self.rendezvous.remove(self.model, self.seq, n_keep)
         self._n_past = min(self._n_past, n_keep)
+
+    def keep_state(self) -> None:
+        """A recurrent model's slot keeps its state as it is now (LlamaCppBackend.keep_state); for
+        other models nothing happens."""
+        if getattr(self.model, "recurrent", False):
+            self.rendezvous.keep(self.model, self.seq)
 
     def forward_tree(self, tokens, tree, logit_rows):
         raise ValueError(f"this backend cannot verify trees: {SLOTS_REASON}")

@@ -109,8 +109,8 @@ def vm_stat_free(text: str) -> int | None:
 def default_slots(session: ChatSession, measure: Callable[[], int | None] = available_memory) -> tuple[int, str]:
     """How many slots ``serve --parallel auto`` opens, and a note saying why: one where a slot
     would draft with less than the session does (heads, trees, a lookahead window), its backend
-    has none or its model cannot share a pass (a recurrent state; on MLX, a cache or RoPE a packed
-    pass cannot hold); else up to DEFAULT_SLOTS, as many as
+    has none or its model cannot share a pass (on MLX, a cache or RoPE a packed pass cannot hold:
+    a recurrent state among them); else up to DEFAULT_SLOTS, as many as
     SLOTS_MEMORY_SHARE of the free memory (``measure``d once the pair is loaded) holds caches for."""
     models = [model for model in (session.target, session.draft) if model is not None]
     windowed = next((model for model in models if hasattr(model, "parent") and getattr(model, "window", 0)), None)
@@ -120,10 +120,6 @@ def default_slots(session: ChatSession, measure: Callable[[], int | None] = avai
     lacking = next((model for model in models if getattr(model, "open_slots", None) is None), None)
     if lacking is not None:
         return 1, f"requests are answered one at a time (the {lacking.name} backend decodes one at a time)"
-    recurrent = next((model for model in models if getattr(model, "recurrent", False)), None)
-    if recurrent is not None:
-        return 1, (f"requests are answered one at a time ({recurrent.name} keeps a recurrent state per "
-                   f"sequence, which slots cannot share yet)")
     for model in models:
         problem = getattr(model, "slots_problem", lambda: None)()
         if problem:

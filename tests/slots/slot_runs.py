@@ -39,6 +39,13 @@ def together(runs) -> list:
     return results
 
 
+def two_slots(model):
+    """Two slots of ``model`` (exact), sequences 0 and 1 of one rendezvous, fed by the caller's thread."""
+    slots = model.open_slots(2, exact=True)
+    rendezvous = Rendezvous()
+    return slots, [Slot(slots, seq, rendezvous, model, "target") for seq in range(2)]
+
+
 def drafter(index, draft_backend):
     """Lookup on odd slots, the draft model on even ones."""
     return PromptLookupDrafter() if index % 2 else DraftModelDrafter(draft_backend)
