@@ -212,11 +212,14 @@ class Rendezvous:
             try:
                 for key, passes in by_model.items():
                     model = self._models[key]
-                    for seq, n_keep in removals[key].items():
-                        model.remove(seq, n_keep)
-                    for seq in sorted(keeps[key]):
-                        model.keep(seq)
-                    self._run_batch(model, passes)
+                    ready = self._prepared(model, passes, removals[key], keeps[key])
+                    if ready:
+                        self._run_batch(model, ready)
+            except Exception:  # noqa: BLE001 - the runner outlives any failure: the passes fail, not every slot
+                error = _failure()
+                for _, slot_pass in waiting:
+                    if slot_pass.logits is None and slot_pass.error is None:
+                        slot_pass.error = error
             finally:  # whatever happened, no slot waits for good
                 with self._cond:
                     for _, slot_pass in waiting:
@@ -224,6 +227,26 @@ class Rendezvous:
                             slot_pass.error = RuntimeError("the slots' pass did not run")
                         slot_pass.done = True
                     self._cond.notify_all()
+
+    @staticmethod
+    def _prepared(model: SlotModel, passes: list[SlotPass], removals: dict[int, int], keeps: set[int]) -> list[SlotPass]:
+        """Run ``model``'s recorded removals, then its keeps; the passes whose sequence's came
+        through (one whose removal or keep failed fails with it: what its cache holds is unknown)."""
+        failed: dict[int, BaseException] = {}
+        for seq, n_keep in removals.items():
+            try:
+                model.remove(seq, n_keep)
+            except Exception:  # noqa: BLE001 - this sequence's request fails, not the others'
+                failed[seq] = _failure()
+        for seq in sorted(keeps - failed.keys()):
+            try:
+                model.keep(seq)
+            except Exception:  # noqa: BLE001
+                failed[seq] = _failure()
+        for slot_pass in passes:
+            if slot_pass.seq in failed:
+                slot_pass.error = failed[slot_pass.seq]
+        return [slot_pass for slot_pass in passes if slot_pass.seq not in failed]
 
     def _take_waiting(self) -> list[tuple[SlotModel, SlotPass]]:
         """Under the lock: the passes to run now. The target's passes wait while any draft model's
@@ -251,8 +274,8 @@ class Rendezvous:
                 passes[0].error = _failure()
             else:
                 for slot_pass in passes:
-                    model.remove(slot_pass.seq, slot_pass.start)  # whatever the failed batch wrote of it
                     try:
+                        model.remove(slot_pass.seq, slot_pass.start)  # whatever the failed batch wrote of it
                         model.run([slot_pass])
                     except Exception:  # noqa: BLE001 - this request alone fails
                         slot_pass.error = _failure()

@@ -123,6 +123,31 @@ def test_a_slot_whose_pass_fails_fails_alone_and_the_others_go_on():
         assert results[index].token_ids == alone.token_ids
 
 
+def test_a_removal_that_fails_fails_its_slot_alone_and_the_runner_goes_on():
+    """A model's removal raising (its cache in an unknown state): that slot's pass fails with the
+    error; the other slot's pass runs in the same batch, and the runner thread takes later passes."""
+    table = hashed_logits(VOCAB, salt=5)
+    rendezvous, target_slots, targets, _ = slot_pair(2, table)
+    removal = target_slots.remove
+
+    def failing(seq, n_keep):
+        if seq == 1:
+            raise OSError("the cache could not drop its cells")
+        removal(seq, n_keep)
+
+    target_slots.remove = failing
+    for target in targets:
+        target.forward([1, 2, 3], [])
+        target.rewind(2)
+    results = run_together(rendezvous, [lambda t=t: t.forward([7], [0]) for t in targets])
+    np.testing.assert_array_equal(results[0][0], table((1, 2, 7)))
+    assert isinstance(results[1], OSError) and "could not drop" in str(results[1])
+    target_slots.remove = removal
+    targets[1].rewind(0)
+    np.testing.assert_array_equal(targets[1].forward([4, 5], [1])[0], table((4, 5)))
+    assert target_slots.batches[-2] == ((0, 1),)  # the failed slot's pass was not in the batch
+
+
 def test_a_thread_outside_any_generation_runs_its_pass_at_once():
     """A probe or a warm-up on a slot (no join) does not wait for slots that are generating."""
     table = hashed_logits(VOCAB, salt=5)
