@@ -1126,17 +1126,21 @@ class MlxBackend(HiddenTracking):
 
     def slot_cache_bytes(self) -> int:
         """What a slot's sequence of ``n_ctx`` tokens holds in keys and values: every layer's
-        width per token, read off a one-token pass on a cache of its own."""
+        width per token, read off a one-token pass on a cache of its own; a recurrent layer's state
+        three times (the slot's, the one before its last pass, a draft's kept one: mlx_slots.py)."""
         mx = self._mx
         cache = self._lm_cache.make_prompt_cache(self.model)
         with MODEL_CALLS:
             self.model(mx.array([[0]]), cache=cache)
-        mx.eval([layer.state for layer in cache])
+        recurrent = [array for layer in cache if isinstance(layer, self._lm_cache.ArraysCache)
+                     for array in layer.cache if array is not None]
+        attention = [layer for layer in cache if not isinstance(layer, self._lm_cache.ArraysCache)]
+        mx.eval([layer.state for layer in attention] + recurrent)
         per_token = 0
-        for layer in cache:
+        for layer in attention:
             keys, values = layer.state[:2]
             per_token += keys.shape[1] * keys.shape[-1] * keys.itemsize + values.shape[1] * values.shape[-1] * values.itemsize
-        return per_token * self.n_ctx
+        return per_token * self.n_ctx + 3 * sum(array.nbytes for array in recurrent)
 
     def online_trainer(self, learning_rate: float, seed: int = 0):
         """A trainer of LoRA adapters for this model as a draft (backends/mlx_lora.py). Not for a

@@ -40,15 +40,18 @@ class RowRope:
         return self.rope(rows_first, offset=self.offsets).transpose(2, 1, 0, 3)  # (1, H, L, D)
 
 
-def packed_problem(model, caches, what: str, kinds: tuple[str, ...] = ("KVCache",)) -> str | None:
+def packed_problem(model, caches, what: str, kinds: tuple[str, ...] = ("KVCache",),
+                   apart: frozenset[int] = frozenset()) -> str | None:
     """Why ``model`` cannot run a packed pass over ``caches`` (layers whose cache is of ``kinds``,
     plain KVCache where not said, their mask from ``make_mask``, and RoPE modules that take one
-    offset per row) holding ``what`` (a tree, several sequences); None where it can."""
-    for layer_cache in caches:
-        if type(layer_cache).__name__ not in kinds:
+    offset per row) holding ``what`` (a tree, several sequences); None where it can. Layers in
+    ``apart`` (a recurrent mixer run sequence by sequence: backends/mlx_slots.py) are not asked."""
+    for index, layer_cache in enumerate(caches):
+        if index not in apart and type(layer_cache).__name__ not in kinds:
             return (f"its {type(layer_cache).__name__} cache (sliding-window, quantized or recurrent state) "
                     f"cannot hold {what}")
-    attentions = [getattr(layer, "self_attn", None) for layer in getattr(model, "layers", ())]
+    layers = getattr(model, "layers", ())
+    attentions = [getattr(layer, "self_attn", None) for index, layer in enumerate(layers) if index not in apart]
     if not attentions or any(type(getattr(a, "rope", None)).__name__ not in ROW_OFFSET_ROPES for a in attentions):
         return "its attention does not use a standard RoPE call"
     return None
@@ -61,7 +64,7 @@ def packed_pass(model, caches, mask, offsets) -> Iterator[None]:
     ``offsets[i]`` (an (L,) array)."""
     masks = mask if isinstance(mask, list) else [mask] * len(caches)
     with MODEL_CALLS:
-        attentions = [layer.self_attn for layer in model.layers]
+        attentions = [layer.self_attn for layer in model.layers if hasattr(layer, "self_attn")]  # a hybrid's
         ropes = [attention.rope for attention in attentions]
         try:
             for layer_cache, layer_mask in zip(caches, masks):

@@ -12,15 +12,28 @@ own position. The weights are read once for every slot's tokens.
 A removed cell leaves a hole. Before the next batch the cells after the first hole move down over
 it: mostly the last batch's rejected drafts, so a short move at the end of the cache; a slot
 emptied for its next request moves the cells after it once.
+
+A hybrid's Gated DeltaNet layers (Qwen3.5's, Qwen3-Next's) keep a recurrent state, which a packed
+row cannot share: there each sequence's tokens run through the layer's mixer on a state of the
+sequence's own (an ``ArraysCache`` per sequence and layer; the mixer shadowed on the layer for the
+call), while the attention layers run the packed row as ever. MLX arrays are never written into,
+so a sequence keeps, for nothing, its state before its last pass's own tokens, and where its draft
+model's slot asks (``keep``), its state then. A rewind restores the newest of them at or before
+where it goes, drops the attention cells from there and feeds the tokens between at the head of the
+sequence's next pass, whose mixer call runs them apart first (the state after them is the next
+one kept); with neither, the sequence starts again and its kept tokens are fed so.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
 
 import numpy as np
 
 from specrun.backends.mlx_common import MODEL_CALLS, packed_pass, packed_problem
+from specrun.backends.mlx_snapshots import mixer_of
 from specrun.backends.slots import SlotPass
 from specrun.errors import ContextFullError, ModelFileError
 
@@ -32,9 +45,76 @@ SLOTS_FIX = "serve it with --parallel 1"
 SLOT_CACHES = ("KVCache", "RotatingKVCache")
 
 
+def recurrent_mixers(parent) -> dict[int, str]:
+    """The layers of ``parent``'s model whose cache is a recurrent state (ArraysCache) run by a Gated
+    DeltaNet mixer: layer index -> the mixer's name on its layer."""
+    found = {}
+    layers = getattr(parent.model, "layers", ())
+    for index, layer_cache in enumerate(parent._cache):
+        if type(layer_cache).__name__ == "ArraysCache" and index < len(layers):
+            mixer = mixer_of(layers[index])
+            name = next((key for key, child in layers[index].children().items() if child is mixer), None)
+            if mixer is not None and name is not None:
+                found[index] = name
+    return found
+
+
 def slots_problem(parent) -> str | None:
     """Why the model of ``parent`` (an MlxBackend) cannot decode several sequences together."""
-    return packed_problem(parent.model, parent._cache, "several sequences", SLOT_CACHES)
+    return packed_problem(parent.model, parent._cache, "several sequences", SLOT_CACHES,
+                          apart=frozenset(recurrent_mixers(parent)))
+
+
+class _RecurrentLayer:
+    """What a recurrent layer's cache is in the packed call: nothing of its own (each sequence's
+    state is elsewhere); ``make_mask`` is set by the packed pass (None: no mask)."""
+
+
+@dataclass
+class _Segment:
+    """One pass's rows in the packed call: ``first`` to ``end``, the first ``again`` of them kept
+    tokens fed again."""
+
+    seq: int
+    first: int
+    end: int
+    again: int
+
+
+class _SegmentedMixer:
+    """A recurrent layer's mixer for one packed call: each segment's rows on its sequence's own
+    state, kept tokens first and apart (the state after them noted in ``before``)."""
+
+    def __init__(self, mx, mixer, layer: int, segments: list[_Segment], states, before) -> None:
+        self._mx, self._mixer, self._layer = mx, mixer, layer
+        self._segments, self._states, self._before = segments, states, before
+
+    def __call__(self, x, mask=None, cache=None):  # noqa: ARG002 - the packed row's: each sequence has its own
+        outputs = []
+        for segment in self._segments:
+            state = self._states[segment.seq][self._layer]
+            split = segment.first + segment.again
+            if segment.again:
+                outputs.append(self._mixer(x[:, segment.first : split], None, state))
+            self._before.setdefault(segment.seq, {})[self._layer] = (state[0], state[1])
+            if segment.end > split:
+                outputs.append(self._mixer(x[:, split : segment.end], None, state))
+        return self._mx.concatenate(outputs, axis=1)
+
+
+@contextmanager
+def _mixers_apart(mx, model, mixers: dict[int, str], segments, states, before) -> Iterator[None]:
+    """During one packed call (MODEL_CALLS held): each recurrent layer's mixer runs sequence by
+    sequence (_SegmentedMixer shadows it on the layer instance; the parameter tree is untouched)."""
+    layers = model.layers
+    try:
+        for index, name in mixers.items():
+            mixer = getattr(layers[index], name)
+            object.__setattr__(layers[index], name, _SegmentedMixer(mx, mixer, index, segments, states, before))
+        yield
+    finally:
+        for index, name in mixers.items():
+            layers[index].__dict__.pop(name, None)
 
 
 class MlxSlots:
@@ -49,7 +129,17 @@ class MlxSlots:
         self.n_slots = n_slots
         self.slot_ctx = slot_ctx or parent.n_ctx
         self.n_vocab = parent.vocab.size
-        self._cache = [parent._lm_cache.KVCache() for _ in parent._cache]
+        self._mixers = recurrent_mixers(parent)
+        self.recurrent = bool(self._mixers)
+        self._cache = [_RecurrentLayer() if index in self._mixers else parent._lm_cache.KVCache()
+                       for index in range(len(parent._cache))]
+        # a hybrid's, per sequence: its recurrent states by layer, the tokens they read, kept
+        # tokens to feed again, and the states kept (before its last pass's own tokens; keep's)
+        self._states = [{index: parent._lm_cache.ArraysCache(2) for index in self._mixers} for _ in range(n_slots)]
+        self._fed: list[list[int]] = [[] for _ in range(n_slots)]
+        self._again: list[list[int]] = [[] for _ in range(n_slots)]
+        self._before_pass: list[tuple[int, dict] | None] = [None] * n_slots
+        self._kept: list[tuple[int, dict] | None] = [None] * n_slots
         # per layer: (window, kept first positions) of a sliding-window layer, None for a full one
         self._windows = [(layer.max_size, layer.keep) if type(layer).__name__ == "RotatingKVCache" else None
                          for layer in parent._cache]
@@ -68,7 +158,23 @@ class MlxSlots:
 
     def run(self, passes: Sequence[SlotPass]) -> None:
         """Every pass in one model call: their tokens one after another in one row (none: the
-        holes closed only)."""
+        holes closed only); a hybrid's passes with their kept tokens at their head."""
+        if not self.recurrent:
+            self._run(passes, [])
+            return
+        full = []
+        for slot_pass in passes:
+            fed, again = self._fed[slot_pass.seq], self._again[slot_pass.seq]
+            if slot_pass.start != len(fed) + len(again):
+                raise ValueError(f"sequence {slot_pass.seq} holds {len(fed) + len(again)} tokens, not the "
+                                 f"{slot_pass.start} its pass continues from")
+            full.append(SlotPass(slot_pass.seq, len(fed), [*again, *slot_pass.tokens],
+                                 [row + len(again) for row in slot_pass.rows]))
+        self._run(full, [len(self._again[slot_pass.seq]) for slot_pass in passes])
+        for slot_pass, ran in zip(passes, full):
+            slot_pass.logits = ran.logits
+
+    def _run(self, passes: Sequence[SlotPass], again: list[int]) -> None:
         for slot_pass in passes:
             if slot_pass.start + len(slot_pass.tokens) > self.slot_ctx:
                 raise ContextFullError(f"the context of {self.slot_ctx} tokens is full", "shorten the prompt or raise --ctx")
@@ -95,16 +201,33 @@ class MlxSlots:
         firsts = np.cumsum([0] + [len(p.tokens) for p in passes])
         wanted = [int(first + row) for p, first in zip(passes, firsts) for row in p.rows]
         n_cells = self.cells
+        segments = [_Segment(p.seq, int(first), int(first) + len(p.tokens), kept)
+                    for p, first, kept in zip(passes, firsts, again)]
+        states = {p.seq: {index: (state[0], state[1]) for index, state in self._states[p.seq].items()} for p in passes}
+        before: dict[int, dict] = {}  # per sequence: its states before its pass's own tokens
+        attention = [layer for layer in self._cache if not isinstance(layer, _RecurrentLayer)]
         try:
             with packed_pass(parent.model, self._cache, [masks[window] for window in self._windows], mx.array(positions)):
-                logits = parent.model(mx.array(ids)[None], cache=self._cache)  # (1, L, V)
+                with _mixers_apart(mx, parent.model, self._mixers, segments, self._states, before):
+                    logits = parent.model(mx.array(ids)[None], cache=self._cache)  # (1, L, V)
             picked = parent._fit_vocab(logits[0, mx.array(wanted)]).astype(mx.float32) if wanted else None
-            mx.eval([layer.state for layer in self._cache] + ([picked] if picked is not None else []))
+            recurrent = [array for p in passes for state in self._states[p.seq].values() for array in state.cache
+                         if array is not None]
+            mx.eval([layer.state for layer in attention] + recurrent + ([picked] if picked is not None else []))
         except BaseException:  # a failure mid-pass: the cells as before it (what the pass wrote lies past
-            # each layer's offset; a graph left unevaluated only rewrites those columns)
-            for layer in self._cache:
+            # each layer's offset; a graph left unevaluated only rewrites those columns), and the states
+            for layer in attention:
                 layer.trim(layer.offset - n_cells)
+            for seq, layers in states.items():
+                for index, (conv, recurrence) in layers.items():
+                    self._states[seq][index][0], self._states[seq][index][1] = conv, recurrence
             raise
+        for segment, slot_pass in zip(segments, passes):
+            if self.recurrent:
+                fed = self._fed[slot_pass.seq]
+                fed.extend(int(token) for token in slot_pass.tokens)
+                self._again[slot_pass.seq] = []
+                self._before_pass[slot_pass.seq] = (slot_pass.start + segment.again, before[slot_pass.seq])
         self._seqs, self._positions = all_seqs, all_positions
         outputs = np.array(picked) if picked is not None else np.zeros((0, self.n_vocab), np.float32)
         first_row = 0
@@ -113,7 +236,41 @@ class MlxSlots:
             first_row += len(slot_pass.rows)
 
     def remove(self, seq: int, n_keep: int) -> None:
+        if self.recurrent:
+            n_keep = self._rewind_recurrent(seq, n_keep)
+            if n_keep is None:
+                return
         self._seqs[(self._seqs == seq) & (self._positions >= n_keep)] = -1
+
+    def _rewind_recurrent(self, seq: int, n_keep: int) -> int | None:
+        """A hybrid's sequence back to n_keep tokens (module docstring): its states as the newest
+        kept at or before n_keep, the tokens after them to feed again; the position from which its
+        attention cells go (None: nothing to drop)."""
+        fed, again = self._fed[seq], self._again[seq]
+        if n_keep >= len(fed) + len(again):
+            return None
+        if again and n_keep >= len(fed):
+            del again[n_keep - len(fed) :]
+            return None
+        kept = [state for state in (self._before_pass[seq], self._kept[seq]) if state is not None and state[0] <= n_keep]
+        if self._before_pass[seq] is not None and self._before_pass[seq][0] > n_keep:
+            self._before_pass[seq] = None
+        if self._kept[seq] is not None and self._kept[seq][0] > n_keep:
+            self._kept[seq] = None
+        at, layers = max(kept, key=lambda state: state[0]) if kept else (0, {})
+        for index, state in self._states[seq].items():
+            state[0], state[1] = layers.get(index, (None, None))
+        self._again[seq] = fed[at:n_keep]
+        del fed[at:]
+        return at
+
+    def keep(self, seq: int) -> None:
+        """A hybrid's sequence keeps its states as they are now (a draft model's slot, before it
+        drafts); nothing while its next pass will feed kept tokens again (its states are older than
+        its text: what it kept still stands)."""
+        if not self.recurrent or self._again[seq]:
+            return
+        self._kept[seq] = (len(self._fed[seq]), {index: (state[0], state[1]) for index, state in self._states[seq].items()})
 
     def _close_holes(self) -> None:
         """Move the cells after the first removed one down over the holes."""
@@ -126,6 +283,8 @@ class MlxSlots:
         moved = mx.array(kept)
         with MODEL_CALLS:
             for layer in self._cache:
+                if isinstance(layer, _RecurrentLayer):
+                    continue
                 if len(kept):
                     layer.keys[..., first : first + len(kept), :] = layer.keys[..., moved, :]
                     layer.values[..., first : first + len(kept), :] = layer.values[..., moved, :]
@@ -134,8 +293,11 @@ class MlxSlots:
             # retried by the next one, never a second move over cells already moved
             self._seqs = np.concatenate([self._seqs[:first], self._seqs[kept]])
             self._positions = np.concatenate([self._positions[:first], self._positions[kept]])
-            mx.eval([layer.state for layer in self._cache])
+            mx.eval([layer.state for layer in self._cache if not isinstance(layer, _RecurrentLayer)])
 
     def close(self) -> None:
         self._cache = []
+        self._states = [{} for _ in self._states]
+        self._before_pass = [None] * len(self._before_pass)
+        self._kept = [None] * len(self._kept)
         self._seqs = self._positions = np.zeros(0, np.int64)

@@ -102,7 +102,7 @@ def _recording_update(update):
     return recording_update
 
 
-def _mixer_of(layer):
+def mixer_of(layer):
     """The Gated DeltaNet mixer of an mlx-lm decoder layer (a child module with ``conv1d`` and
     ``conv_kernel_size`` whose module runs ``gated_delta_update``), or None."""
     for child in layer.children().values():
@@ -168,7 +168,7 @@ class Snapshotter:
         mixers = {}
         for index, (layer, cache) in enumerate(zip(layers, caches)):
             if isinstance(cache, lm_cache.ArraysCache):
-                mixer = _mixer_of(layer)
+                mixer = mixer_of(layer)
                 if mixer is None or len(cache.cache) != 2:
                     return None
                 mixers[index] = mixer

@@ -173,3 +173,112 @@ def test_a_model_whose_cache_a_packed_pass_cannot_hold_is_one_line(pair, monkeyp
     with pytest.raises(ModelFileError) as raised:
         model.open_slots(2, False)
     assert "cannot hold several sequences" in str(raised.value) and "--parallel 1" in raised.value.fix
+
+
+@pytest.fixture(scope="module")
+def hybrid_pair(tmp_path_factory):
+    """The tests' Qwen3.5 hybrid (Gated DeltaNet beside attention) as an MLX folder, and a copy with
+    every matrix nudged: a hybrid draft that agrees with it part of the time."""
+    import shutil
+
+    import mlx.core as mx
+    from hybrid_models import HybridShape, hybrid_weights, write_qwen35_mlx_folder
+
+    root = tmp_path_factory.mktemp("hybrid-slots")
+    shape = HybridShape()
+    target_folder = write_qwen35_mlx_folder(root / "qwen35", shape, hybrid_weights(shape))
+    draft_folder = root / "nudged"
+    shutil.copytree(target_folder, draft_folder)
+    for path in draft_folder.glob("model*.safetensors"):
+        weights = mx.load(str(path))
+        mx.random.seed(3)
+        mx.save_safetensors(str(path), {name: value + 0.05 * mx.std(value) * mx.random.normal(value.shape)
+                                        if value.ndim == 2 else value for name, value in weights.items()})
+    target, draft = MlxBackend(target_folder, n_ctx=256), MlxBackend(draft_folder, n_ctx=256)
+    yield target, draft
+    target.close()
+    draft.close()
+
+
+HYBRID_ROUNDING = dict(rtol=0, atol=2e-3)  # OpenBLAS rounds a packed pass's rows apart by ~1e-4 here
+
+
+def test_greedy_answers_of_a_hybrid_decoded_together_are_the_ones_decoded_alone(hybrid_pair):
+    """Four slots of a hybrid target and a hybrid draft (their recurrent states one per sequence):
+    lookup on two, the draft model on two, passes shared, each answer the one it gets alone (one
+    may part from it at a near tie: a packed pass rounds apart)."""
+    target, draft = hybrid_pair
+    assert target.slots_problem() is None and target.open_slots(1, False).recurrent
+    prompts = [target.tokenize(text) for text in ("def hello(world):", "the cat sat on the mat. the cat sat on the",
+                                                  "import os\nimport sys\n", "Once upon a time")]
+    check_answers_together(target, draft, prompts, GenerationParams(32, draft_len=4, stop_at_eos=False), False)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_hybrid_slots_started_apart_batched_unequally_and_rewound_read_as_fed_alone(hybrid_pair, seed):
+    """Three slots of a hybrid started one at a time in a random order, then packed batches of
+    unequal passes in any order, with rejected drafts rewound, kept states rewound to, far rewinds
+    and a sequence emptied: every logit of every pass is a fresh cache's fed the same text (a state
+    another sequence's, or one token off, is off by far more than the rounding)."""
+    from specrun.backends.slots import SlotPass
+
+    target, _ = hybrid_pair
+    slots = target.open_slots(3, False)
+    rng = np.random.default_rng(seed)
+    texts: dict[int, list[int]] = {seq: [] for seq in range(3)}
+    kept = dict.fromkeys(range(3), 0)
+    restored = []
+    rewind = slots._rewind_recurrent
+
+    def watched(seq, n_keep):
+        before = slots._kept[seq]
+        at = rewind(seq, n_keep)
+        restored.append(before is not None and at == before[0] and at > 0)
+        return at
+
+    slots._rewind_recurrent = watched
+
+    def step(passes):
+        handed = [SlotPass(seq, len(texts[seq]), tokens, list(range(len(tokens)))) for seq, tokens in passes]
+        slots.run(handed)
+        for slot_pass in handed:
+            alone = _fresh(target, texts[slot_pass.seq] + list(slot_pass.tokens),
+                           [len(texts[slot_pass.seq]) + row for row in range(len(slot_pass.tokens))])
+            np.testing.assert_allclose(slot_pass.logits, alone, **HYBRID_ROUNDING)
+            texts[slot_pass.seq] += list(slot_pass.tokens)
+
+    def some(n):
+        return [int(token) for token in rng.integers(5, 200, n)]
+
+    try:
+        for seq in rng.permutation(3):
+            step([(int(seq), some(int(rng.integers(2, 7))))])
+        for _ in range(16):
+            lengths = [int(rng.integers(1, 6)) for _ in range(3)]
+            present = [seq for seq in range(3) if rng.random() < 0.8] or [0]
+            step([(int(seq), some(lengths[seq])) for seq in rng.permutation(present)])
+            for seq in present:
+                draw = rng.random()
+                n_keep = (len(texts[seq]) - int(rng.integers(1, lengths[seq])) if lengths[seq] > 1 and draw < 0.6
+                          else int(rng.integers(kept[seq] if draw > 0.95 else 0, len(texts[seq]))) if draw > 0.85
+                          else None)
+                if n_keep is not None:
+                    slots.remove(seq, n_keep)
+                    del texts[seq][n_keep:]
+                    kept[seq] = min(kept[seq], n_keep)
+                elif draw < 0.75:
+                    slots.keep(seq)
+                    kept[seq] = len(texts[seq])
+        slots.keep(0)  # as a draft's slot before drafting: its passes a token each beside the others'
+        at = len(texts[0])
+        for _ in range(3):
+            step([(int(seq), some(1 if seq == 0 else 3)) for seq in rng.permutation(3)])
+        slots.remove(0, at + 1)  # past its last pass: its kept state, its first draft fed again
+        del texts[0][at + 1 :]
+        slots.remove(1, 0)  # emptied, as for its next request
+        texts[1] = []
+        step([(int(seq), some(2)) for seq in rng.permutation(3)])
+        assert any(restored), "no rewind went back to a kept state"
+        assert slots.cells == sum(len(text) for text in texts.values())
+    finally:
+        slots.close()
