@@ -183,9 +183,19 @@ class LlamaSlots:
         for slot_pass in long:
             self._run_alone(full[id(slot_pass)])
             slot_pass.logits = full[id(slot_pass)].logits
-        packed = [p for p in together if len(full[id(p)].tokens) <= self.n_batch]
+        packed = sorted((p for p in together if len(full[id(p)].tokens) <= self.n_batch), key=lambda p: p.seq)
         try:
-            self._run_packed([full[id(p)] for p in packed])
+            # a run of consecutive sequences, ascending, a batch each: with one unified cache llama.cpp
+            # gathers any sequences of a batch into cells side by side from the lowest of theirs, and a
+            # gap or another order would move a sequence outside the batch away from its snapshots
+            run: list[SlotPass] = []
+            for slot_pass in packed:
+                if run and slot_pass.seq != run[-1].seq + 1:
+                    self._run_packed(run)
+                    run = []
+                run.append(full[id(slot_pass)])
+            if run:
+                self._run_packed(run)
         except Exception:
             for slot_pass in packed:  # how far a failed batch got is unknown: each starts again
                 self._start_again(self._sequences[slot_pass.seq], self._sequences[slot_pass.seq].length)

@@ -165,16 +165,20 @@ class _Counting:
 MOVED_CELLS_SEED = 5
 
 
-@pytest.mark.parametrize("seed", [MOVED_CELLS_SEED, 0, 1, 2, 3])
-def test_hybrid_slots_started_apart_batched_unequally_and_rolled_back_read_as_fed_alone(hybrid, seed):
+@pytest.mark.parametrize("seed,exact", [(MOVED_CELLS_SEED, True), (0, True), (1, True), (6, False), (2, False),
+                                        (3, False)])
+def test_hybrid_slots_started_apart_batched_unequally_and_rolled_back_read_as_fed_alone(hybrid, seed, exact):
     """Three slots started one at a time in a random order, then batches of unequal passes handed
     in any order, with rollbacks into the last pass, kept states rewound to and far rewinds: every
     logit of every pass is a fresh context's fed the same text, the last pass alike (llama.cpp's
     kernels round batched rows apart by ~1e-2 here; a state another sequence's is off by ~20)."""
     from specrun.backends.slots import SlotPass
 
-    model, fresh = open_llama(hybrid["target"], kv_type="f32", flash_attn=False), open_llama(hybrid["target"])
-    slots = model.open_slots(3, exact=True)
+    options = dict(kv_type="f32", flash_attn=False) if exact else {}
+    model, fresh = open_llama(hybrid["target"], **options), open_llama(hybrid["target"], **options)
+    # unified cache (not exact): seed 6 read a state 17.8 off before batches became runs of
+    # consecutive sequences (reviewer's reproduction)
+    slots = model.open_slots(3, exact=exact)
     counting = slots._lib = _Counting(slots._lib)
     rng = np.random.default_rng(seed)
     texts: dict[int, list[int]] = {seq: [] for seq in range(3)}
