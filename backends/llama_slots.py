@@ -269,14 +269,15 @@ class LlamaSlots:
         self._start_again(sequence, n_keep)
 
     def keep(self, seq: int) -> None:
-        """A recurrent sequence keeps its state as it is now (module docstring); nothing happens for
-        other models, or while the sequence's next pass will feed kept tokens again (the state it
-        holds is older than its text: its kept state, if any, still stands)."""
+        """A recurrent sequence keeps its state as it is now (module docstring), its kept tokens fed
+        first; nothing happens for other models, or while the sequence starts again."""
         if not self.recurrent:
             return
         sequence = self._sequences[seq]
-        if sequence.fresh or sequence.again:
+        if sequence.fresh:
             return
+        if sequence.again:  # fed now, alone (its cell held: nothing moves), so that what is kept advances
+            self._run_alone(SlotPass(seq, len(sequence.fed), list(sequence.again), []))
         if not sequence.fed:
             sequence.kept = None
             return

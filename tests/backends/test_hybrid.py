@@ -325,3 +325,29 @@ def test_a_hybrid_slot_s_cache_counts_its_state_and_llama_cpp_s_snapshots_of_it(
         assert target.n_past == 0  # the token fed to measure it is gone
     finally:
         target.close()
+
+
+def test_a_draft_slot_s_kept_state_advances_round_after_round(hybrid):
+    """A draft model's slot: keep, a pass, one-token drafts, a rewind into them (one accepted), keep
+    again: each keep first feeds what the rewind left to feed again, so the kept state is where the
+    round starts and its first pass feeds its own token alone (else each round re-fed all since)."""
+    from specrun.backends.slots import SlotPass
+
+    model = open_llama(hybrid["target"], kv_type="f32", flash_attn=False)
+    slots = model.open_slots(2, exact=True)
+    try:
+        slots.run([SlotPass(0, 0, list(range(5, 24)), [])])
+        sequence, pending = slots._sequences[0], [30]
+        for _ in range(6):
+            slots.keep(0)
+            start = sequence.length
+            assert sequence.kept is not None and sequence.kept[0] == start and not sequence.again
+            slots.run([SlotPass(0, start, pending, [0])])
+            for token in (40, 41, 42):
+                slots.run([SlotPass(0, sequence.length, [token], [0])])
+            slots.remove(0, start + 2)  # the pending token and one draft kept: past the last pass
+            assert len(sequence.again) == 2  # the kept state restored, two tokens to feed again
+            pending = [31]
+    finally:
+        slots.close()
+        model.close()
