@@ -172,7 +172,7 @@ def test_hybrid_slots_started_apart_batched_unequally_and_rolled_back_read_as_fe
     in any order, with rollbacks into the last pass, kept states rewound to and far rewinds: every
     logit of every pass is a fresh context's fed the same text, the last pass alike (llama.cpp's
     kernels round batched rows apart by ~1e-2 here; a state another sequence's is off by ~20)."""
-    from specrun.backends.slots import SlotPass
+    from slots.slot_runs import random_schedule
 
     options = dict(kv_type="f32", flash_attn=False) if exact else {}
     model, fresh = open_llama(hybrid["target"], **options), open_llama(hybrid["target"], **options)
@@ -180,9 +180,6 @@ def test_hybrid_slots_started_apart_batched_unequally_and_rolled_back_read_as_fe
     # consecutive sequences (reviewer's reproduction)
     slots = model.open_slots(3, exact=exact)
     counting = slots._lib = _Counting(slots._lib)
-    rng = np.random.default_rng(seed)
-    texts: dict[int, list[int]] = {seq: [] for seq in range(3)}
-    kept = dict.fromkeys(range(3), 0)  # where each sequence last kept its state
 
     def alone(kept, last):
         fresh.rewind(0)
@@ -190,42 +187,8 @@ def test_hybrid_slots_started_apart_batched_unequally_and_rolled_back_read_as_fe
             fresh.forward(kept, [])
         return fresh.forward(last, list(range(len(last))))
 
-    def step(passes):
-        handed = [SlotPass(seq, len(texts[seq]), tokens, list(range(len(tokens)))) for seq, tokens in passes]
-        slots.run(handed)
-        for slot_pass in handed:
-            np.testing.assert_allclose(slot_pass.logits, alone(texts[slot_pass.seq], list(slot_pass.tokens)), atol=0.1)
-            texts[slot_pass.seq] += list(slot_pass.tokens)
-
-    def some(n):
-        return [int(token) for token in rng.integers(5, 200, n)]
-
     try:
-        for seq in rng.permutation(3):
-            step([(int(seq), some(int(rng.integers(2, 7))))])
-        for _ in range(25):
-            lengths = [int(rng.integers(1, 6)) for _ in range(3)]
-            present = [seq for seq in range(3) if rng.random() < 0.8] or [0]
-            step([(int(seq), some(lengths[seq])) for seq in rng.permutation(present)])
-            for seq in present:
-                draw = rng.random()
-                n_keep = (len(texts[seq]) - int(rng.integers(1, lengths[seq])) if lengths[seq] > 1 and draw < 0.6
-                          else int(rng.integers(kept[seq] if draw > 0.95 else 0, len(texts[seq]))) if draw > 0.85
-                          else None)
-                if n_keep is not None:
-                    slots.remove(seq, n_keep)
-                    del texts[seq][n_keep:]
-                    kept[seq] = min(kept[seq], n_keep)
-                elif draw < 0.75:
-                    slots.keep(seq)
-                    kept[seq] = len(texts[seq])
-        slots.keep(0)  # as a draft's slot before drafting: its passes a token each beside the others'
-        at = len(texts[0])
-        for _ in range(3):
-            step([(int(seq), some(1 if seq == 0 else 3)) for seq in rng.permutation(3)])
-        slots.remove(0, at + 1)  # past its last pass: the kept state, its first draft fed again
-        del texts[0][at + 1 :]
-        step([(int(seq), some(2)) for seq in rng.permutation(3)])
+        random_schedule(slots, alone, seed, 25, dict(atol=0.1))
         calls = counting.calls
         assert calls.get("llama_state_seq_set_data_ext", 0) > 0, calls  # kept states restored
         assert calls["llama_memory_seq_rm"] > 10, calls  # rollbacks and sequences started again

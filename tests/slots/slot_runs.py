@@ -113,6 +113,61 @@ def check_answers_together(target, draft, prompts, params, exact: bool, then=Non
         draft_slots.close()
 
 
+def random_schedule(slots, alone, seed: int, rounds: int, tolerance: dict, empty_one: bool = False) -> dict[int, list[int]]:
+    """Three sequences of ``slots`` (a SlotModel of a recurrent model) started one at a time in a
+    random order, then ``rounds`` batches of unequal passes in any order, each followed by rejected
+    drafts rewound, kept states (``keep``) and far rewinds, some to a kept state; then a draft's
+    round (a keep, one-token passes beside the others', a rewind past them) and, with ``empty_one``,
+    sequence 1 emptied. Every pass's logits, every row, against ``alone(text before, tokens)``
+    within ``tolerance``; the texts the sequences hold at the end."""
+    from specrun.backends.slots import SlotPass
+
+    rng = np.random.default_rng(seed)
+    texts: dict[int, list[int]] = {seq: [] for seq in range(3)}
+    kept = dict.fromkeys(range(3), 0)  # where each sequence last kept its state
+
+    def step(passes):
+        handed = [SlotPass(seq, len(texts[seq]), tokens, list(range(len(tokens)))) for seq, tokens in passes]
+        slots.run(handed)
+        for slot_pass in handed:
+            np.testing.assert_allclose(slot_pass.logits, alone(texts[slot_pass.seq], list(slot_pass.tokens)),
+                                       **tolerance)
+            texts[slot_pass.seq] += list(slot_pass.tokens)
+
+    def some(n):
+        return [int(token) for token in rng.integers(5, 200, n)]
+
+    for seq in rng.permutation(3):
+        step([(int(seq), some(int(rng.integers(2, 7))))])
+    for _ in range(rounds):
+        lengths = [int(rng.integers(1, 6)) for _ in range(3)]
+        present = [seq for seq in range(3) if rng.random() < 0.8] or [0]
+        step([(int(seq), some(lengths[seq])) for seq in rng.permutation(present)])
+        for seq in present:
+            draw = rng.random()
+            n_keep = (len(texts[seq]) - int(rng.integers(1, lengths[seq])) if lengths[seq] > 1 and draw < 0.6
+                      else int(rng.integers(kept[seq] if draw > 0.95 else 0, len(texts[seq]))) if draw > 0.85
+                      else None)
+            if n_keep is not None:
+                slots.remove(seq, n_keep)
+                del texts[seq][n_keep:]
+                kept[seq] = min(kept[seq], n_keep)
+            elif draw < 0.75:
+                slots.keep(seq)
+                kept[seq] = len(texts[seq])
+    slots.keep(0)  # as a draft's slot before drafting: its passes a token each beside the others'
+    at = len(texts[0])
+    for _ in range(3):
+        step([(int(seq), some(1 if seq == 0 else 3)) for seq in rng.permutation(3)])
+    slots.remove(0, at + 1)  # past its last pass: its kept state, its first draft fed again
+    del texts[0][at + 1 :]
+    if empty_one:
+        slots.remove(1, 0)  # emptied, as for its next request
+        texts[1] = []
+    step([(int(seq), some(2)) for seq in rng.permutation(3)])
+    return texts
+
+
 def write_tiny_gemma3_mlx(folder: Path, tokenizer_from: Path, window: int = 8, seed: int = 0) -> Path:
     """A random Gemma 3 text model mlx-lm loads, every other layer sliding over ``window`` positions
     (a RotatingKVCache alone), with the tokenizer of the folder ``tokenizer_from``."""

@@ -220,13 +220,10 @@ def test_hybrid_slots_started_apart_batched_unequally_and_rewound_read_as_fed_al
     unequal passes in any order, with rejected drafts rewound, kept states rewound to, far rewinds
     and a sequence emptied: every logit of every pass is a fresh cache's fed the same text (a state
     another sequence's, or one token off, is off by far more than the rounding)."""
-    from specrun.backends.slots import SlotPass
+    from tests.slots.slot_runs import random_schedule
 
     target, _ = hybrid_pair
     slots = target.open_slots(3, False)
-    rng = np.random.default_rng(seed)
-    texts: dict[int, list[int]] = {seq: [] for seq in range(3)}
-    kept = dict.fromkeys(range(3), 0)
     restored = []
     rewind = slots._rewind_recurrent
 
@@ -238,46 +235,11 @@ def test_hybrid_slots_started_apart_batched_unequally_and_rewound_read_as_fed_al
 
     slots._rewind_recurrent = watched
 
-    def step(passes):
-        handed = [SlotPass(seq, len(texts[seq]), tokens, list(range(len(tokens)))) for seq, tokens in passes]
-        slots.run(handed)
-        for slot_pass in handed:
-            alone = _fresh(target, texts[slot_pass.seq] + list(slot_pass.tokens),
-                           [len(texts[slot_pass.seq]) + row for row in range(len(slot_pass.tokens))])
-            np.testing.assert_allclose(slot_pass.logits, alone, **HYBRID_ROUNDING)
-            texts[slot_pass.seq] += list(slot_pass.tokens)
-
-    def some(n):
-        return [int(token) for token in rng.integers(5, 200, n)]
+    def alone(kept, last):
+        return _fresh(target, kept + last, [len(kept) + row for row in range(len(last))])
 
     try:
-        for seq in rng.permutation(3):
-            step([(int(seq), some(int(rng.integers(2, 7))))])
-        for _ in range(16):
-            lengths = [int(rng.integers(1, 6)) for _ in range(3)]
-            present = [seq for seq in range(3) if rng.random() < 0.8] or [0]
-            step([(int(seq), some(lengths[seq])) for seq in rng.permutation(present)])
-            for seq in present:
-                draw = rng.random()
-                n_keep = (len(texts[seq]) - int(rng.integers(1, lengths[seq])) if lengths[seq] > 1 and draw < 0.6
-                          else int(rng.integers(kept[seq] if draw > 0.95 else 0, len(texts[seq]))) if draw > 0.85
-                          else None)
-                if n_keep is not None:
-                    slots.remove(seq, n_keep)
-                    del texts[seq][n_keep:]
-                    kept[seq] = min(kept[seq], n_keep)
-                elif draw < 0.75:
-                    slots.keep(seq)
-                    kept[seq] = len(texts[seq])
-        slots.keep(0)  # as a draft's slot before drafting: its passes a token each beside the others'
-        at = len(texts[0])
-        for _ in range(3):
-            step([(int(seq), some(1 if seq == 0 else 3)) for seq in rng.permutation(3)])
-        slots.remove(0, at + 1)  # past its last pass: its kept state, its first draft fed again
-        del texts[0][at + 1 :]
-        slots.remove(1, 0)  # emptied, as for its next request
-        texts[1] = []
-        step([(int(seq), some(2)) for seq in rng.permutation(3)])
+        texts = random_schedule(slots, alone, seed, 16, HYBRID_ROUNDING, empty_one=True)
         assert any(restored), "no rewind went back to a kept state"
         assert slots.cells == sum(len(text) for text in texts.values())
     finally:
