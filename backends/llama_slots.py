@@ -24,9 +24,9 @@ rollback then reads another's state (seen with three slots started at different 
 slots keep sequence i in cell i: opening them feeds one token to every sequence in one batch
 (cells taken in order), and from then on every sequence always holds its cell. One started again
 (a rewind past its snapshots and its kept state, a new text) is emptied only just before its next
-pass, which runs alone: its cell is then the only empty one, and it takes it back. With every
-sequence in its own cell, a batch of consecutive sequences (llama.cpp's split of them) never
-moves one. A draft model's slot keeps its state before drafting (``keep``, as LlamaCppBackend's
+pass, which runs alone: its cell is then the only empty one, and it takes it back. The passes go
+to llama.cpp as runs of consecutive sequences, ascending, a batch each (a unified cache gathers a
+batch's sequences from the lowest cell of theirs): with every sequence in its own cell, none moves. A draft model's slot keeps its state before drafting (``keep``, as LlamaCppBackend's
 keep_state): a rewind to it restores that state, and the tokens since are fed again at the head
 of the slot's next pass.
 """
