@@ -228,16 +228,21 @@ class Rendezvous:
                         slot_pass.done = True
                     self._cond.notify_all()
 
-    @staticmethod
-    def _prepared(model: SlotModel, passes: list[SlotPass], removals: dict[int, int], keeps: set[int]) -> list[SlotPass]:
+    def _prepared(self, model: SlotModel, passes: list[SlotPass], removals: dict[int, int],
+                  keeps: set[int]) -> list[SlotPass]:
         """Run ``model``'s recorded removals, then its keeps; the passes whose sequence's came
-        through (one whose removal or keep failed fails with it: what its cache holds is unknown)."""
+        through (one whose removal or keep failed fails with it: what its cache holds is unknown).
+        A removal that failed is recorded again, to be tried before the sequence's next pass (its
+        slot already counts the tokens as gone), whether or not the sequence had a pass in this batch."""
         failed: dict[int, BaseException] = {}
         for seq, n_keep in removals.items():
             try:
                 model.remove(seq, n_keep)
             except Exception:  # noqa: BLE001 - this sequence's request fails, not the others'
                 failed[seq] = _failure()
+                with self._cond:
+                    later = self._removals.setdefault(id(model), {})
+                    later[seq] = min(n_keep, later.get(seq, n_keep))
         for seq in sorted(keeps - failed.keys()):
             try:
                 model.keep(seq)

@@ -148,6 +148,29 @@ def test_a_removal_that_fails_fails_its_slot_alone_and_the_runner_goes_on():
     assert target_slots.batches[-2] == ((0, 1),)  # the failed slot's pass was not in the batch
 
 
+def test_a_removal_that_fails_beside_another_slot_s_pass_is_tried_again_before_its_own():
+    """A slot rewinds; its removal runs, and fails, before another slot's batch: it is recorded
+    again, so the slot's own next pass starts where the slot says (before, the cells stayed and its
+    pass failed: the sequence held a token its slot had let go)."""
+    table = hashed_logits(VOCAB, salt=5)
+    _, target_slots, targets, _ = slot_pair(2, table)
+    removal, failures = target_slots.remove, []
+
+    def failing_once(seq, n_keep):
+        if seq == 1 and not failures:
+            failures.append(n_keep)
+            raise OSError("the cache could not drop its cells")
+        removal(seq, n_keep)
+
+    target_slots.remove = failing_once
+    for target in targets:
+        target.forward([1, 2, 3], [])
+    targets[1].rewind(2)
+    np.testing.assert_array_equal(targets[0].forward([7], [0])[0], table((1, 2, 3, 7)))
+    assert failures == [2] and target_slots.caches[1] == [1, 2, 3]
+    np.testing.assert_array_equal(targets[1].forward([9], [0])[0], table((1, 2, 9)))
+
+
 def test_a_thread_outside_any_generation_runs_its_pass_at_once():
     """A probe or a warm-up on a slot (no join) does not wait for slots that are generating."""
     table = hashed_logits(VOCAB, salt=5)
