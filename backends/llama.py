@@ -734,7 +734,7 @@ class LlamaCppBackend(HiddenTracking):
     def slot_cache_bytes(self) -> int:
         """What a slot's sequence of ``n_ctx`` tokens holds in keys and values (every layer's, as
         the model's metadata gives their widths: an upper bound for a hybrid's attention), and a
-        recurrent model's state with llama.cpp's snapshots of it (``n_rs_seq``)."""
+        recurrent model's state with llama.cpp's snapshots of it (``n_rs_seq``) and a kept copy."""
         lib, model = self._lib, self._model
         arch = self.metadata("general.architecture") or ""
         heads, kv_heads = lib.llama_model_n_head(model), lib.llama_model_n_head_kv(model)
@@ -745,7 +745,8 @@ class LlamaCppBackend(HiddenTracking):
             return int(value) if value and value.isdigit() else width
 
         per_token = lib.llama_model_n_layer(model) * kv_heads * (length("key_length") + length("value_length"))
-        return per_token * (4 if self.kv_type == "f32" else 2) * self.n_ctx + self._state_bytes() * (1 + RS_SNAPSHOTS)
+        states = 2 + RS_SNAPSHOTS  # the state, its snapshots, and a draft slot's kept copy (LlamaSlots.keep)
+        return per_token * (4 if self.kv_type == "f32" else 2) * self.n_ctx + self._state_bytes() * states
 
     def _state_bytes(self) -> int:
         """A recurrent model's state of one sequence, as llama.cpp writes it (0 for other models);

@@ -93,7 +93,7 @@ class LlamaSlots:
         if self.recurrent:
             try:  # sequence i in cell i (the cells are taken in order), each to start again at its first pass
                 self._decode([SlotPass(seq, 0, [_HOLDING_TOKEN], []) for seq in range(n_slots)])
-            except ContextFullError:
+            except Exception:
                 self.close()
                 raise
             for sequence in self._sequences:
@@ -167,6 +167,8 @@ class LlamaSlots:
         full = {}
         for slot_pass in passes:
             sequence = self._sequences[slot_pass.seq]
+            if slot_pass.start + len(slot_pass.tokens) > self.slot_ctx:  # before any cell is emptied
+                raise ContextFullError(f"the context of {self.slot_ctx} tokens is full", "shorten the prompt or raise --ctx")
             if slot_pass.start != sequence.length:
                 raise RuntimeError(f"sequence {slot_pass.seq} holds {sequence.length} tokens, its pass starts at "
                                    f"{slot_pass.start}")
@@ -197,8 +199,9 @@ class LlamaSlots:
             if run:
                 self._run_packed(run)
         except Exception:
-            for slot_pass in packed:  # how far a failed batch got is unknown: each starts again
-                self._start_again(self._sequences[slot_pass.seq], self._sequences[slot_pass.seq].length)
+            for slot_pass in packed:  # how far the failed batch got is unknown: its sequences start again
+                if full[id(slot_pass)].logits is None:
+                    self._start_again(self._sequences[slot_pass.seq], self._sequences[slot_pass.seq].length)
             raise
         for slot_pass in packed:
             slot_pass.logits = full[id(slot_pass)].logits
@@ -218,10 +221,7 @@ class LlamaSlots:
                 self._decode([chunk])
             slot_pass.logits = chunk.logits
         except Exception:
-            self._lib.llama_memory_seq_rm(self._memory, slot_pass.seq, 0, -1)
-            self._decode([SlotPass(slot_pass.seq, 0, [_HOLDING_TOKEN], [])])  # its cell held again
-            sequence.fed, sequence.again = before, []
-            self._start_again(sequence, len(before))
+            self._hold(slot_pass.seq, before)
             raise
 
     def _fed(self, slot_pass: SlotPass) -> None:
@@ -231,6 +231,22 @@ class LlamaSlots:
         sequence.fed.extend(int(token) for token in slot_pass.tokens)
         sequence.again, sequence.fresh = [], False
         sequence.last_pass, sequence.rolled_back = len(slot_pass.tokens), False
+
+    def _hold(self, seq: int, text: list[int]) -> None:
+        """After a failure that may have emptied the sequence's cell (a decode, a restore): it starts
+        again at its next pass with ``text``, and holds its cell until then, emptied and fed one
+        token alone. Two empty cells at once would let a sequence started again take the other's
+        cell, out of order. If that feed fails too, its cell stays empty: its next pass, alone,
+        takes it back (the only empty one)."""
+        sequence = self._sequences[seq]
+        try:
+            self._lib.llama_memory_seq_rm(self._memory, seq, 0, -1)
+            self._decode([SlotPass(seq, 0, [_HOLDING_TOKEN], [])])
+        except ContextFullError:
+            pass
+        finally:
+            sequence.fed, sequence.again = list(text), []
+            self._start_again(sequence, len(text))
 
     def _start_again(self, sequence: _Recurrent, n_keep: int) -> None:
         """The sequence's state starts again at its next pass, which feeds its first n_keep tokens first."""
@@ -266,6 +282,8 @@ class LlamaSlots:
                 del sequence.fed[at:]
                 sequence.last_pass, sequence.rolled_back = 0, False
                 return
+            self._hold(seq, sequence.fed[:n_keep])  # a failed restore empties the cell
+            return
         self._start_again(sequence, n_keep)
 
     def keep(self, seq: int) -> None:

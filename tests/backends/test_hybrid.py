@@ -110,11 +110,24 @@ def test_slots_of_a_hybrid_decode_together_the_answers_each_gets_alone(hybrid, e
 
     options = dict(kv_type="f32", flash_attn=False) if exact else {}
     target, draft = open_llama(hybrid["target"], **options), open_llama(hybrid["draft"], **options)
+    opened = []  # the draft's slots, their library's calls counted
+    open_slots = draft.open_slots
+
+    def counted_slots(*args, **kwargs):
+        slots = open_slots(*args, **kwargs)
+        slots._lib = _Counting(slots._lib)
+        opened.append(slots)
+        return slots
+
+    draft.open_slots = counted_slots
     try:
         texts = ["def hello(world):", "the cat sat on the mat. the cat sat on the", "import os\nimport sys\n",
                  "Once upon a time"]
         prompts = [target.tokenize(text) for text in texts]
         check_answers_together(target, draft, prompts, GenerationParams(40, draft_len=4, stop_at_eos=False), exact)
+        calls = opened[0]._lib.calls
+        # the draft model's slots kept their states before drafting (Slot.keep_state) and went back to them
+        assert calls.get("llama_state_seq_get_data_ext", 0) > 0 and calls.get("llama_state_seq_set_data_ext", 0) > 0, calls
     finally:
         target.close()
         draft.close()
@@ -131,6 +144,7 @@ def test_a_slot_of_a_hybrid_rewound_past_its_last_pass_reads_as_one_fed_afresh(h
         first.forward([7, 8, 9], [])
         first.rewind(7)  # into the last pass: llama.cpp's snapshot of sequence 0
         np.testing.assert_array_equal(first.forward([9, 9], [0, 1]), model.forward([1, 2, 3, 4, 5, 6, 7, 9, 9], [7, 8]))
+        assert slots._sequences[0].last_pass == 2  # rolled back: only the pass fed
         first.rewind(3)  # past it: sequence 0 started again, its three tokens fed at the head of its next pass
         model.rewind(0)
         np.testing.assert_array_equal(first.forward([9, 9], [0, 1]), model.forward([1, 2, 3, 9, 9], [3, 4]))
@@ -269,7 +283,7 @@ def test_no_kept_state_outlives_its_context_or_is_kept_of_nothing(hybrid):
 def test_a_hybrid_slot_s_cache_counts_its_state_and_llama_cpp_s_snapshots_of_it(hybrid):
     """What `serve --parallel auto` budgets a slot of a hybrid: every layer's keys and values (an
     upper bound: three of its four layers are recurrent) and the recurrent state with its
-    RS_SNAPSHOTS snapshots: Gated DeltaNet's (state x state per value head) and the convolution's
+    RS_SNAPSHOTS snapshots and a draft slot's kept copy: Gated DeltaNet's (state x state per value head) and the convolution's
     last kernel - 1 inputs, in F32, for each recurrent layer, with llama.cpp's few header bytes."""
     from hybrid_models import HybridShape
 
@@ -283,8 +297,8 @@ def test_a_hybrid_slot_s_cache_counts_its_state_and_llama_cpp_s_snapshots_of_it(
         recurrent_layers = shape.layers - shape.layers // shape.full_attention_interval
         state = recurrent_layers * 4 * (shape.v_heads * shape.state * shape.state + (shape.conv_kernel - 1) * conv_channels)
         snapshots = target.slot_cache_bytes() - keys_values
-        assert snapshots % (1 + RS_SNAPSHOTS) == 0
-        assert state <= snapshots // (1 + RS_SNAPSHOTS) <= state + 256
+        assert snapshots % (2 + RS_SNAPSHOTS) == 0
+        assert state <= snapshots // (2 + RS_SNAPSHOTS) <= state + 256
         assert target.n_past == 0  # the token fed to measure it is gone
     finally:
         target.close()
@@ -314,3 +328,155 @@ def test_a_draft_slot_s_kept_state_advances_round_after_round(hybrid):
     finally:
         slots.close()
         model.close()
+
+
+class _Scripted:
+    """Passes handed to hybrid slots by a test, every logit checked against a fresh context fed
+    the sequence's text alone (as random_schedule's are)."""
+
+    def __init__(self, slots, fresh) -> None:
+        self.slots, self.fresh = slots, fresh
+        self.texts: dict[int, list[int]] = {seq: [] for seq in range(slots.n_slots)}
+
+    def step(self, *passes) -> None:
+        from specrun.backends.slots import SlotPass
+
+        handed = [SlotPass(seq, len(self.texts[seq]), tokens, list(range(len(tokens)))) for seq, tokens in passes]
+        self.slots.run(handed)
+        for slot_pass in handed:
+            self.fresh.rewind(0)
+            if self.texts[slot_pass.seq]:
+                self.fresh.forward(self.texts[slot_pass.seq], [])
+            expected = self.fresh.forward(list(slot_pass.tokens), list(slot_pass.rows))
+            np.testing.assert_allclose(slot_pass.logits, expected, atol=0.1)
+            self.texts[slot_pass.seq] += list(slot_pass.tokens)
+
+    def remove(self, seq: int, n_keep: int) -> None:
+        self.slots.remove(seq, n_keep)
+        del self.texts[seq][n_keep:]
+
+
+def test_hybrid_slots_hold_their_own_cells_from_the_start(hybrid):
+    """First passes in the order 1, 0, 2; then 0's pass, a batch of 1 and 2, and 0 rolled back into
+    its pass: it reads its own state. Opening the slots feeds every sequence a token in one batch,
+    so that sequence i holds cell i from the start: else 1 would take cell 0 and 0 cell 1, and
+    llama.cpp, gathering the batch of 1 and 2 from cell 0, would move 0 away from its snapshots."""
+    model, fresh = (open_llama(hybrid["target"], kv_type="f32", flash_attn=False) for _ in range(2))
+    slots = model.open_slots(3, exact=True)
+    try:
+        script = _Scripted(slots, fresh)
+        for seq in (1, 0, 2):
+            script.step((seq, [10 + seq, 20, 30, 40]))
+        script.step((0, [50, 51, 52, 53]))
+        script.step((1, [60, 61]), (2, [62, 63]))
+        script.remove(0, 6)
+        script.step((0, [70]))
+        assert slots._sequences[0].last_pass == 1  # rolled back, not started again
+    finally:
+        slots.close()
+        model.close()
+        fresh.close()
+
+
+def test_a_failed_restore_leaves_its_sequence_holding_its_cell(hybrid):
+    """A draft slot's kept state that llama.cpp cannot restore (its state read fails and empties the
+    sequence's cell, as llama.cpp does): the sequence starts again, but holds its cell meanwhile. Else
+    sequence 2, started again, would take 0's cell, 0 then 2's; a batch of 2 and 3 gathered from
+    cell 0 would move 1 away from its last pass's snapshots, and 1's rollback read a wrong state."""
+    model, fresh = (open_llama(hybrid["target"], kv_type="f32", flash_attn=False) for _ in range(2))
+    slots = model.open_slots(4, exact=True)
+    lib = slots._lib
+
+    class FailingRestore:
+        def __getattr__(self, name):
+            return getattr(lib, name)
+
+        def llama_state_seq_set_data_ext(self, ctx, buffer, size, seq, flags):
+            lib.llama_memory_seq_rm(slots._memory, seq, -1, -1)
+            return 0
+
+    try:
+        script = _Scripted(slots, fresh)
+        script.step(*[(seq, [11 + 10 * seq, 12, 13]) for seq in range(4)])
+        slots.keep(0)
+        script.step((0, [14, 15, 16]))
+        script.step((0, [17, 18, 19]))
+        slots._lib = FailingRestore()
+        script.remove(0, 4)  # past the last pass, to the kept state: its restore fails
+        slots._lib = lib
+        assert slots._sequences[0].fresh and slots._sequences[0].again == [11, 12, 13, 14]
+        script.remove(2, 0)  # started again: at its next pass, alone, it takes the one empty cell
+        script.step((2, [34, 35]))
+        script.step((0, [40]))
+        script.step((1, [41, 42, 43]))
+        script.step((2, [44]), (3, [45]))
+        script.remove(1, len(script.texts[1]) - 2)
+        script.step((1, [50]))
+        assert slots._sequences[1].last_pass == 1  # rolled back, not started again
+    finally:
+        slots.close()
+        model.close()
+        fresh.close()
+
+
+def test_a_pass_past_the_slot_s_context_fails_before_its_cell_is_emptied(hybrid):
+    """A sequence started again whose next pass would overflow its slot: one line, raised before
+    its cell is emptied (nothing in llama.cpp touched); a pass that fits then reads as fed alone."""
+    from specrun.backends.llama_slots import LlamaSlots
+    from specrun.errors import ContextFullError
+
+    model, fresh = (open_llama(hybrid["target"], kv_type="f32", flash_attn=False) for _ in range(2))
+    slots = LlamaSlots(model, 2, slot_ctx=16, exact=True)
+    try:
+        script = _Scripted(slots, fresh)
+        script.step((0, list(range(20, 26))), (1, [5, 6, 7]))
+        script.step((0, list(range(26, 30))))
+        script.remove(0, 2)  # past its last pass: it starts again, its two tokens fed at its next pass
+        counting = slots._lib = _Counting(slots._lib)
+        with pytest.raises(ContextFullError, match="16 tokens is full"):
+            script.step((0, list(range(40, 55))))
+        assert counting.calls == {} and slots._sequences[0].again == [20, 21]
+        script.step((0, [60, 61]), (1, [62]))
+    finally:
+        slots.close()
+        model.close()
+        fresh.close()
+
+
+def test_a_failed_batch_starts_again_only_the_sequences_it_carried(hybrid):
+    """Packed passes go as runs of consecutive sequences, a decode each: where the second fails,
+    the sequences of the first ran and keep their states (and their rollbacks), those of the
+    failed one start again; every later pass reads as fed alone."""
+    model, fresh = (open_llama(hybrid["target"], kv_type="f32", flash_attn=False) for _ in range(2))
+    slots = model.open_slots(3, exact=True)
+    lib = slots._lib
+
+    class SecondDecodeFails:
+        decodes = 0
+
+        def __getattr__(self, name):
+            return getattr(lib, name)
+
+        def llama_decode(self, ctx, batch):
+            self.decodes += 1
+            return 1 if self.decodes == 2 else lib.llama_decode(ctx, batch)
+
+    from specrun.backends.slots import SlotPass
+    from specrun.errors import ContextFullError
+
+    try:
+        script = _Scripted(slots, fresh)
+        script.step(*[(seq, [10 + seq, 11, 12]) for seq in range(3)])
+        slots._lib = SecondDecodeFails()
+        with pytest.raises(ContextFullError, match="decode failed"):
+            slots.run([SlotPass(0, 3, [13, 14, 15], [2]), SlotPass(2, 3, [16, 17, 18], [2])])
+        slots._lib = lib
+        script.texts[0] += [13, 14, 15]
+        assert not slots._sequences[0].fresh and slots._sequences[2].fresh
+        script.remove(0, 5)  # a rollback into the pass that ran
+        script.step((0, [20]), (1, [21, 22]), (2, [23]))
+        assert slots._sequences[0].last_pass == 1
+    finally:
+        slots.close()
+        model.close()
+        fresh.close()
