@@ -140,6 +140,7 @@ class MlxSlots:
         self._again: list[list[int]] = [[] for _ in range(n_slots)]
         self._before_pass: list[tuple[int, dict] | None] = [None] * n_slots
         self._kept: list[tuple[int, dict] | None] = [None] * n_slots
+        self._keep_after_again = [False] * n_slots  # keep's, once the next pass has fed the tokens again
         # per layer: (window, kept first positions) of a sliding-window layer, None for a full one
         self._windows = [(layer.max_size, layer.keep) if type(layer).__name__ == "RotatingKVCache" else None
                          for layer in parent._cache]
@@ -228,6 +229,9 @@ class MlxSlots:
                 fed.extend(int(token) for token in slot_pass.tokens)
                 self._again[slot_pass.seq] = []
                 self._before_pass[slot_pass.seq] = (slot_pass.start + segment.again, before[slot_pass.seq])
+                if self._keep_after_again[slot_pass.seq]:
+                    self._kept[slot_pass.seq] = self._before_pass[slot_pass.seq]
+                    self._keep_after_again[slot_pass.seq] = False
         self._seqs, self._positions = all_seqs, all_positions
         outputs = np.array(picked) if picked is not None else np.zeros((0, self.n_vocab), np.float32)
         first_row = 0
@@ -249,6 +253,7 @@ class MlxSlots:
         fed, again = self._fed[seq], self._again[seq]
         if n_keep >= len(fed) + len(again):
             return None
+        self._keep_after_again[seq] = False  # what keep asked for is gone
         if again and n_keep >= len(fed):
             del again[n_keep - len(fed) :]
             return None
@@ -266,9 +271,14 @@ class MlxSlots:
 
     def keep(self, seq: int) -> None:
         """A hybrid's sequence keeps its states as they are now (a draft model's slot, before it
-        drafts); nothing while its next pass will feed kept tokens again (its states are older than
-        its text: what it kept still stands)."""
-        if not self.recurrent or self._again[seq]:
+        drafts). While a rewind has left tokens to feed again, the states after them are kept
+        instead, once its next pass has fed them (its mixers keep them anyway, before the pass's own
+        tokens): what is kept is where the round starts, at no model call of its own (else each
+        round's first pass would feed again every token since the first keep)."""
+        if not self.recurrent:
+            return
+        if self._again[seq]:
+            self._keep_after_again[seq] = True
             return
         self._kept[seq] = (len(self._fed[seq]), {index: (state[0], state[1]) for index, state in self._states[seq].items()})
 

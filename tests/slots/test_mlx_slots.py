@@ -244,3 +244,33 @@ def test_hybrid_slots_started_apart_batched_unequally_and_rewound_read_as_fed_al
         assert slots.cells == sum(len(text) for text in texts.values())
     finally:
         slots.close()
+
+
+def test_a_hybrid_draft_slot_s_kept_state_advances_round_after_round(hybrid_pair):
+    """A draft model's slot: keep, a pass, one-token drafts, a rewind into them (one accepted), keep
+    again: each keep takes the states after what the rewind left to feed again (its next pass feeds
+    them), so the kept state is where the round starts and each rewind feeds two tokens again (else
+    each round re-fed all since the first keep); every logit a fresh cache's."""
+    from specrun.backends.slots import SlotPass
+
+    target, _ = hybrid_pair
+    slots = target.open_slots(2, False)
+    text = list(range(5, 24))
+    try:
+        slots.run([SlotPass(0, 0, list(text), [])])
+        pending = [30]
+        for _ in range(4):
+            slots.keep(0)
+            start = len(text)
+            first = SlotPass(0, start, pending, [0])
+            slots.run([first])
+            assert slots._kept[0][0] == start and not slots._again[0]
+            np.testing.assert_allclose(first.logits, _fresh(target, text + pending, [start]), **HYBRID_ROUNDING)
+            for token in (40, 41, 42):
+                slots.run([SlotPass(0, start + 1 + token - 40, [token], [0])])
+            slots.remove(0, start + 2)  # the pending token and one draft kept: past the last pass
+            assert slots._again[0] == [*pending, 40]  # the kept state restored, two tokens to feed again
+            text += [*pending, 40]
+            pending = [31]
+    finally:
+        slots.close()
