@@ -418,12 +418,23 @@ def _pythonic_call(node, source: _Source) -> ToolCall:
     if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "print" and len(
             node.args) == 1 and not node.keywords:
         node = node.args[0]  # print(f(x=1)), as some of Gemma's examples write it
-    if not isinstance(node, ast.Call) or node.args or any(each.arg is None for each in node.keywords):
+    if not isinstance(node, ast.Call) or node.args:
         raise NotACall("not a call with keyword arguments only")
-    names = [each.arg for each in node.keywords]
+    pairs = []  # (name, value) in order; ``**{"user-id": 1}`` gives names Python's cannot (``written``)
+    for each in node.keywords:
+        if each.arg is not None:
+            pairs.append((each.arg, _literal(each.value, source)))
+        elif isinstance(each.value, ast.Dict):
+            unpacked = _literal(each.value, source)
+            pairs.extend(unpacked.items())
+            if len(unpacked) < len(each.value.keys):
+                raise NotACall("an argument given twice")
+        else:
+            raise NotACall("not a call with literal keyword arguments only")
+    names = [name for name, _ in pairs]
     if len(set(names)) < len(names):  # f(a=1, a=2) parses; which one was meant cannot be told
         raise NotACall("an argument given twice")
-    arguments = {each.arg: _literal(each.value, source) for each in node.keywords}
+    arguments = dict(pairs)
     try:  # 1e400 reads as infinity, which JSON cannot write
         return ToolCall(_function_name(node.func), json.dumps(arguments, ensure_ascii=False, allow_nan=False))
     except ValueError:
@@ -488,9 +499,17 @@ class PythonicStyle(ToolStyle):
         return GrammarSpec("lark", "\n".join([start, f"call: {' | '.join(calls)}", *rules]) + "\n")
 
     def written(self, calls: Sequence[dict]) -> str:
-        written = [f"{call['function']['name']}(" + ", ".join(
-            f"{key}={json.dumps(value, ensure_ascii=False)}"
-            for key, value in _arguments_object(call["function"]["arguments"]).items()) + ")" for call in calls]
+        """Earlier calls as the model writes them; arguments whose names Python cannot write as
+        keywords (``user-id``, ``from``) go last in one ``**{...}``, which the reader takes too."""
+        written = []
+        for call in calls:
+            arguments = _arguments_object(call["function"]["arguments"])
+            parts = [f"{key}={json.dumps(value, ensure_ascii=False)}" for key, value in arguments.items()
+                     if _python_name(key)]
+            others = {key: value for key, value in arguments.items() if not _python_name(key)}
+            if others:
+                parts.append(f"**{json.dumps(others, ensure_ascii=False)}")
+            written.append(f"{call['function']['name']}({', '.join(parts)})")
         return f"[{', '.join(written)}]"
 
     def instructions(self, tools: Sequence[Tool]) -> str:

@@ -4,6 +4,7 @@ and the grammar that forces a call whose arguments follow their schema."""
 
 from __future__ import annotations
 
+import ast
 import json
 import re
 
@@ -78,6 +79,10 @@ CONVERSATION = [
     ("pythonic", "[f(1)]", "[f(1)]", []),  # positional arguments: the names are unknown
     ("pythonic", "[f(x=g())]", "[f(x=g())]", []),  # only literals: nothing is run
     ("pythonic", "[f(**k)]", "[f(**k)]", []),
+    ("pythonic", '[f(a=1, **{"user-id": 2, "from": null})]', "", [("f", {"a": 1, "user-id": 2, "from": None})]),
+    ("pythonic", '[f(a=1, **{"a": 2})]', '[f(a=1, **{"a": 2})]', []),  # twice, one of them unpacked
+    ("pythonic", '[f(**{"a": 1, "a": 2})]', '[f(**{"a": 1, "a": 2})]', []),
+    ("pythonic", "[f(**{1: 2})]", "[f(**{1: 2})]", []),
     ("pythonic", "[f(a=1, a=2)]", "[f(a=1, a=2)]", []),  # an argument twice: which was meant is unknown
     ("pythonic", "Ok.\n```tool_code\nf(y=2)\n```\n```tool_code\ng(z=3)\n```", "Ok.", [("f", {"y": 2}), ("g", {"z": 3})]),
     ("pythonic", "```tool_code\nf(y=2)\n``` and ```tool_code\ng(z=3)\n```",
@@ -93,6 +98,19 @@ def test_calls_are_read_in_each_style(style, text, content, calls):
     got_content, got_calls = STYLES[style].parse(text)
     assert got_content == content
     assert [(call.name, json.loads(call.arguments)) for call in got_calls] == calls
+
+
+def test_earlier_pythonic_calls_are_written_as_python_that_reads_back_as_the_same_calls():
+    """A client's earlier calls written into Gemma's prompt: valid Python the reader takes back,
+    argument names Python cannot write as keywords (``user-id``, ``from``) among them."""
+    calls = [{"function": {"name": "f", "arguments": json.dumps({"user-id": 7, "a": "x", "from": None})}},
+             {"function": {"name": "g", "arguments": "{}"}}]
+    text = STYLES["pythonic"].written(calls)
+    assert text == '[f(a="x", **{"user-id": 7, "from": null}), g()]'
+    assert ast.parse(text).body  # Python takes it (null is a name there)
+    _, read = STYLES["pythonic"].parse(text)
+    assert [(call.name, json.loads(call.arguments)) for call in read] == [
+        ("f", {"a": "x", "user-id": 7, "from": None}), ("g", {})]
 
 
 def test_a_call_in_openai_s_shape_carries_its_arguments_as_json_text():
