@@ -165,11 +165,13 @@ def settle_flash_attn(backend, options: LoadOptions, context: int | None = None,
     return note
 
 
-def flash_costs(backend, options: LoadOptions, context: int | None = None) -> tuple[FlashCosts | None, str | None]:
+def flash_costs(backend, options: LoadOptions, context: int | None = None,
+                on_start: Callable[[str], None] | None = None) -> tuple[FlashCosts | None, str | None]:
     """What flash attention costs ``backend`` here, for a run whose context reaches ``context``
     (the deep probe's key from DEEP_FROM tokens), and a note where it was measured now: stored,
     else probed and stored. (None, None) where the choice is not specrun's (a GPU, RPC, --exact,
-    --flash-attn given, not llama.cpp) or nothing could be timed."""
+    --flash-attn given, not llama.cpp) or nothing could be timed. ``on_start`` is told before the
+    deep probe runs (two prefills of DEEP_DEPTH tokens: what a request waiting for it waits for)."""
     if getattr(backend, "name", None) != "llama" or options.flash_attn is not None or options.exact:
         return None, None
     if not backend.runs_on_cpu:
@@ -182,6 +184,9 @@ def flash_costs(backend, options: LoadOptions, context: int | None = None) -> tu
     costs = load_costs(key)
     if costs is not None:
         return costs, None
+    if deep and on_start is not None:
+        on_start(f"timing flash attention after {DEEP_DEPTH} tokens for {model.split(':')[0]}, once on this "
+                 f"machine (up to {DEEP_BUDGET_S:.0f} s; stored for later runs): this answer waits for it")
     try:
         # The scratch contexts are sized for the timing alone: --ctx does not limit the depth.
         depth, measured = backend.time_flash_attn(probe_depth, PROBE_COUNTS, budget)
@@ -213,7 +218,7 @@ def settle_for_context(backends, options: LoadOptions, context: int, empty_cache
             continue
         if getattr(backend, "tracking_hidden", False):
             continue  # heads read its states: its context is not made again mid-conversation
-        costs, note = flash_costs(backend, options, context)
+        costs, note = flash_costs(backend, options, context, on_start=on_note)
         if note is not None and on_note is not None:
             on_note(note)
         if costs is None or costs.flash_on() == backend.flash_attn:

@@ -284,6 +284,13 @@ def test_a_conversation_past_deep_from_switches_to_the_deep_choice_emptying_the_
     assert target.probes[-1] == (kernels.DEEP_DEPTH, kernels.DEEP_BUDGET_S)
     assert sum("flash attention off (was on)" in note for note in notes) == 2
     assert any(note.startswith("flash attention off for") for note in notes)  # what the probe measured
+    # said before each deep probe ran (an answer waits for it): once a model, ahead of what it measured
+    timing = [i for i, note in enumerate(notes) if note.startswith(f"timing flash attention after {kernels.DEEP_DEPTH}")]
+    measured = [i for i, note in enumerate(notes) if note.startswith("flash attention off for")]
+    assert len(timing) == 2 and timing[0] < measured[0] and "this answer waits for it" in notes[timing[0]]
+    notes.clear()
+    kernels.settle_for_context((settled_short(),), LoadOptions(), kernels.DEEP_FROM + 10, lambda: None, notes.append)
+    assert not any(note.startswith("timing") for note in notes)  # stored: nothing timed, nothing said
 
 
 def test_a_deep_choice_that_agrees_changes_nothing():
@@ -348,7 +355,7 @@ def deep_off_costs(monkeypatch) -> list[bool]:
     the list of its answers (True: the deep one)."""
     asked: list[bool] = []
 
-    def costs(backend, options, context=None):
+    def costs(backend, options, context=None, on_start=None):
         if options.flash_attn is not None or options.exact:
             return None, None
         deep = context is not None and context >= kernels.DEEP_FROM
