@@ -480,3 +480,25 @@ def test_a_failed_batch_starts_again_only_the_sequences_it_carried(hybrid):
         slots.close()
         model.close()
         fresh.close()
+
+
+def test_a_window_on_a_hybrid_is_refused_for_the_target_and_a_note_for_a_draft_model(hybrid):
+    """A recurrent state cannot drop the tokens a window drops: ``--draft self:window`` on a hybrid
+    target is one usage line; a hybrid draft model given --window drafts from its full cache, one
+    note saying why, the answer plain decoding's."""
+    import json
+
+    from tests.cli.test_cli_accept import invoke
+
+    common = ("generate", "-t", str(hybrid["target"]), "-n", "12", "--json", "--threads", "1", "--ctx", "512")
+    result = invoke(*common, "--draft", "self:window", "def hello(world):")
+    assert result.exit_code == 2, result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "keeps a recurrent state" in lines[0], result.stderr
+    plain = invoke(*common, "--method", "none", "def hello(world):")
+    windowed = invoke(*common, "-d", str(hybrid["draft"]), "--method", "draft", "-k", "3", "--window", "64",
+                      "def hello(world):")
+    assert plain.exit_code == 0 and windowed.exit_code == 0, windowed.output
+    notes = [line for line in windowed.stderr.splitlines() if "the draft reads its full cache" in line]
+    assert len(notes) == 1 and "recurrent state" in notes[0], windowed.stderr
+    assert json.loads(windowed.stdout)["text"] == json.loads(plain.stdout)["text"]
