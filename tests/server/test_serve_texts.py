@@ -71,3 +71,34 @@ def test_a_request_that_fails_unexpectedly_fails_alone():
         assert isinstance(served, Done)
     finally:
         worker.stop()
+
+
+def test_a_template_that_cannot_render_the_tools_is_a_400_naming_them_and_the_worker_goes_on():
+    """A model's chat template that fails on a request's tools (raise_exception in the template):
+    that request is a 400 naming ``tools`` and the template's own words; the next request is served."""
+    from specrun.sessions.templates import ChatTemplate
+    from specrun.sessions.tools import Tool
+
+    worker = PairWorker(PairOptions("demo-target", None, method="none", load=LoadOptions(threads=1)))
+    worker.start()
+    try:
+        worker.session.template = ChatTemplate(
+            "{% for m in messages %}{% if 'get_weather' in m.content %}{{ raise_exception('no functions here') }}"
+            "{% endif %}{{ m.role }}: {{ m.content }}\n{% endfor %}assistant: ")
+        question = ({"role": "user", "content": "Weather in Paris?"},)
+
+        async def ask(tools):
+            request = CompletionRequest("demo", 8, SamplingSettings(), messages=question, tools=tools)
+            job = Job(request, asyncio.get_running_loop())
+            worker.submit(job)
+            while not isinstance(event := await job.next_event(), (Done, Failed)):
+                pass
+            return event
+
+        refused = asyncio.run(ask((Tool("get_weather", "The weather", {"type": "object", "properties": {}}),)))
+        assert isinstance(refused, Failed) and refused.error.status == 400
+        error = refused.error.body()["error"]
+        assert error["param"] == "tools" and "no functions here" in error["message"], error
+        assert isinstance(asyncio.run(ask(())), Done)
+    finally:
+        worker.stop()
