@@ -180,6 +180,36 @@ def test_a_request_running_into_its_slot_s_context_end_leaves_the_others_intact(
     assert parallel_server.healthy()
 
 
+def test_a_stream_failing_mid_answer_ends_with_an_error_event_and_the_others_are_their_own(parallel_server):
+    """One slot's request fails after its first tokens were sent (a grammar past llguidance's limits
+    mid-answer): its stream ends with an error event naming why; the streams decoded beside it
+    get the answers they get alone."""
+    import openai
+
+    keys = [(client_id, 1) for client_id in range(3)]
+    expected = [answer(parallel_server, messages_for(*key), stream=False) for key in keys]
+
+    def failing():
+        stream = parallel_server.client().chat.completions.create(
+            model=MODEL, messages=messages_for(5, 0), max_tokens=12, temperature=0, stream=True,
+            extra_body={"grammar": 'root ::= "a"{100000}'})
+        received = 0
+        try:
+            for _ in stream:
+                received += 1
+        except openai.APIError as error:
+            return received, str(error)
+        return received, None
+
+    with ThreadPoolExecutor(4) as pool:
+        failed = pool.submit(failing)
+        others = list(pool.map(lambda key: answer(parallel_server, messages_for(*key), stream=True), keys))
+        received, error = failed.result()
+    assert error is not None and "the grammar stopped the answer after" in error, (received, error)
+    assert others == expected
+    assert parallel_server.healthy()
+
+
 CONTEXT = 2048  # the demo target's
 
 
