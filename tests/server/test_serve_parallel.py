@@ -129,15 +129,17 @@ PROMPT = "def load(path):\n    with open(path) as"
 SAMPLES = 480
 
 
-def top2_continuations(prompt: str, length: int) -> dict[str, float]:
+def top2_continuations(prompt: str, length: int, target=None) -> dict[str, float]:
     """The demo target's exact distribution over the texts of its next ``length`` tokens sampled at
-    temperature 1 from its two likeliest (the server's top-k 2), as plain decoding computes it."""
+    temperature 1 from its two likeliest (the server's top-k 2), as plain decoding computes it
+    (``target``: on that backend, closed after; else llama.cpp's)."""
     import numpy as np
 
     from specrun.backends.llama import LlamaCppBackend
     from specrun.modelkit.demo import demo_gguf
 
-    target = LlamaCppBackend(demo_gguf("demo-target"), n_ctx=256, n_threads=1, kv_type="f32", flash_attn=False)
+    if target is None:
+        target = LlamaCppBackend(demo_gguf("demo-target"), n_ctx=256, n_threads=1, kv_type="f32", flash_attn=False)
     try:
         ids = target.tokenize(prompt)
         texts: dict[str, float] = {}

@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from server_harness import start_server, stop_server
 from test_serve_load import answer, messages_for
-from test_serve_parallel import metric_values
+from test_serve_parallel import PROMPT, metric_values, top2_continuations
 
 pytest.importorskip("mlx_lm", reason="the mlx backend is not installed")
 
@@ -46,3 +46,35 @@ def test_mlx_parallel_auto_opens_slots_as_memory_allows():
         assert any(f"up to {DEFAULT_SLOTS} requests are decoded together" in line for line in server.log)
     finally:
         assert stop_server(server) == 0, server.log
+
+
+def test_mlx_sampled_answers_decoded_together_follow_the_target_s_distribution():
+    """Three tokens at temperature 1, top-k 2, from six clients at once on three MLX slots (the
+    draft model's chains verified by rejection sampling beside the other slots' packed rows): the
+    texts' frequencies against the MLX target's exact distribution over its 8 continuations."""
+    from collections import Counter
+
+    from specrun.backends.mlx import MlxBackend
+    from specrun.modelkit.demo import demo_mlx_dir
+    from tests.lossless_harness import ALPHA, chi_square_p
+
+    expected = top2_continuations(PROMPT, 3, MlxBackend(demo_mlx_dir("demo-target"), n_ctx=256))
+    server = start_server("--backend", "mlx", "--method", "draft", "-k", "3", "--parallel", str(SLOTS))
+    try:
+        client = server.client()
+
+        def sampled(_: int) -> str:
+            return client.completions.create(model="demo-target", prompt=PROMPT, max_tokens=3, temperature=1.0,
+                                             extra_body={"top_k": 2}).choices[0].text
+
+        with ThreadPoolExecutor(2 * SLOTS) as pool:
+            counts = Counter(pool.map(sampled, range(SAMPLES)))
+        metrics = metric_values(server)
+    finally:
+        assert stop_server(server) == 0, server.log
+    assert set(counts) <= set(expected), set(counts) - set(expected)
+    assert chi_square_p(counts, expected, SAMPLES) > ALPHA, (counts, expected)
+    assert metrics['specrun_batch_sequences_total{model="target"}'] > 1.5 * metrics['specrun_batches_total{model="target"}']
+
+
+SAMPLES = 360
