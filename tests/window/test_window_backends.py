@@ -144,22 +144,32 @@ def test_moving_keys_composes_rotations_on_mlx():
         np.testing.assert_allclose(np.array(moved), np.array(rope(x, offset=40 + delta)), atol=1e-4)
 
 
-def test_the_cache_holds_sinks_and_run_at_consecutive_positions_through_rewinds(llama_pair):
-    target, _ = llama_pair
+@pytest.mark.parametrize("pair", ["llama", "mlx-demo"], indirect=True)
+def test_the_cache_holds_sinks_and_run_at_consecutive_positions_through_rewinds(pair):
+    """Drafting a token at a time, a rewind within the run and one into what was dropped: the
+    cache holds the sinks and the run at consecutive positions (llama.cpp's cells, MLX's offset),
+    and after the rebuild reads as a cache built afresh from the kept tokens."""
+    target, _ = pair
+
+    def consecutive(windowed) -> bool:
+        if target.name == "llama":
+            return cache_positions(windowed) == (0, len(windowed.held()) - 1)
+        return windowed.cache.held == len(windowed.held())
+
     windowed = target.open_window(SINKS, WINDOW)
     try:
         tokens = target.tokenize(TEXT)
         windowed.forward(tokens[:10], [])
         for token in tokens[10:]:
             windowed.forward([token], [0])
-            assert cache_positions(windowed) == (0, len(windowed.held()) - 1)
+            assert consecutive(windowed)
         windowed.rewind(len(tokens) - 3)  # a rejected draft: within the run
-        assert cache_positions(windowed) == (0, len(windowed.held()) - 1)
+        assert consecutive(windowed)
         assert windowed.held_tokens() == [*tokens[:SINKS], *tokens[windowed.run_start : len(tokens) - 3]]
         assert windowed.run_start > 45
         windowed.rewind(45)  # into what was dropped: rebuilt from the kept tokens
         assert windowed.rebuilds == 1
-        assert cache_positions(windowed) == (0, len(windowed.held()) - 1)
+        assert consecutive(windowed)
         rebuilt = windowed.forward(tokens[45:47], [1])[0]
         fresh = target.open_window(SINKS, WINDOW)
         try:
