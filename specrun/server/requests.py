@@ -208,7 +208,8 @@ def _parse_common(body: dict, defaults: ServeDefaults, n_ctx: int, max_tokens_fi
 
 def _parse_grammar(body: dict) -> tuple[GrammarSpec | None, str | None]:
     """What the answer must follow, and the field that said so: OpenAI's ``response_format``
-    (``json_object``, ``json_schema``), or llama-server's ``grammar`` (GBNF) and ``json_schema``.
+    (``json_object``, ``json_schema``), or llama-server's ``grammar`` (GBNF; Lark after a first line
+    ``%llguidance {}``, which llguidance reads as llama.cpp's llguidance builds do) and ``json_schema``.
     The grammar is compiled here, before the request queues, so one that cannot be used is a 400
     naming its field."""
     asked = []
@@ -218,7 +219,8 @@ def _parse_grammar(body: dict) -> tuple[GrammarSpec | None, str | None]:
     grammar = body.get("grammar")
     if grammar is not None:
         if not isinstance(grammar, str) or not grammar.strip():
-            raise RequestError("grammar must be a non-empty string of GBNF rules", "grammar", code="invalid_type")
+            raise RequestError("grammar must be a non-empty string of GBNF rules (or Lark after %llguidance {})",
+                               "grammar", code="invalid_type")
         asked.append((GrammarSpec("gbnf", _text(grammar, "grammar")), "grammar"))
     schema = body.get("json_schema")
     if schema is not None:

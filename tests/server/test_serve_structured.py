@@ -135,6 +135,12 @@ def test_a_gbnf_grammar_and_a_json_schema_field_on_completions(demo_server):
         "grammar": 'root ::= " " ("yes" | "no") "."'})
     assert status == 200, body
     assert body["choices"][0]["text"] in (" yes.", " no.")
+    # Lark, as llguidance takes it inside a grammar field (llama.cpp's convention: %llguidance first)
+    status, body = demo_server.post("/v1/completions", {
+        "model": MODEL, "prompt": "The answer is", "max_tokens": 20, "temperature": 0,
+        "grammar": '%llguidance {}\nstart: " " ANSWER "."\nANSWER: /(yes|no)/'})
+    assert status == 200, body
+    assert body["choices"][0]["text"] in (" yes.", " no.")
     schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 1, "maximum": 5}},
               "required": ["n"], "additionalProperties": False}
     status, body = demo_server.post("/v1/completions", {
@@ -162,6 +168,7 @@ BAD = [
      "response_format.json_schema.schema", "invalid_value"),  # compiles, then fails at its first token
     (_chat(grammar='root ::= "a" | ('), "grammar", "invalid_value"),
     (_chat(grammar=""), "grammar", "invalid_type"),
+    (_chat(grammar="%llguidance {}\nstart: ANSWER"), "grammar", "invalid_value"),  # Lark naming no rule
     (_chat(json_schema=[1]), "json_schema", "invalid_type"),
     (_chat(grammar='root ::= "a"', response_format={"type": "json_object"}), "grammar", "invalid_value"),
 ]
