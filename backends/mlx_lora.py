@@ -130,6 +130,46 @@ class LoraTrainer:
         return published
 
 
+    def adapter_arrays(self) -> dict[str, np.ndarray]:
+        """The adapters as they stand, every LoRA layer's ``lora_a`` and ``lora_b`` (float32) by
+        path: what ``--keep-learned`` writes, and ``load_adapter_arrays`` takes back."""
+        from mlx_lm.tuner.lora import LoRALinear
+
+        mx = self._mx
+        arrays = {}
+        with mx.stream(self._stream()):
+            for path, module in self.model.named_modules():
+                if isinstance(module, LoRALinear):
+                    for name in ("lora_a", "lora_b"):
+                        arrays[f"{path}.{name}"] = np.array(getattr(module, name).astype(mx.float32))
+        return arrays
+
+    def load_adapter_arrays(self, arrays: dict[str, np.ndarray]) -> None:
+        """Adapters an earlier run kept (``adapter_arrays``) put back on the trainer's copy; the
+        drafting model takes them with the next ``weights``. ValueError naming what does not fit
+        (another model's adapters, another rank), nothing changed then."""
+        from mlx_lm.tuner.lora import LoRALinear
+
+        mx = self._mx
+        wanted = {f"{path}.{name}": getattr(module, name).shape for path, module in self.model.named_modules()
+                  if isinstance(module, LoRALinear) for name in ("lora_a", "lora_b")}
+        missing, extra = sorted(wanted.keys() - arrays.keys()), sorted(arrays.keys() - wanted.keys())
+        if missing or extra:
+            raise ValueError(f"they are another model's: {len(missing)} adapters missing, {len(extra)} unknown "
+                             f"({(missing or extra)[0]})")
+        for name, shape in wanted.items():
+            array = arrays[name]
+            if tuple(array.shape) != tuple(shape) or not np.isfinite(array).all():
+                raise ValueError(f"{name} is {array.shape} where {tuple(shape)} of finite numbers was expected")
+        modules = dict(self.model.named_modules())
+        with mx.stream(self._stream()):
+            for name, array in arrays.items():
+                path, which = name.rsplit(".", 1)
+                dtype = getattr(modules[path], which).dtype
+                setattr(modules[path], which, mx.array(np.asarray(array, np.float32)).astype(dtype))
+            mx.eval(self.model.parameters())
+
+
 def load_published(model, weights: dict) -> None:
     """``weights`` (LoraTrainer.weights) into the drafting ``model``: fused float maps assigned,
     LoRA layers put over quantized maps the first time their adapters come."""

@@ -421,7 +421,17 @@ def checked_learning(command: str, learn: bool | None, budget: float | None, buf
             raise UsageError(f"{given} sizes online learning, which is off for this run", f"add --learn, or drop {given}")
         return None
     return Learning(LearnSettings(share, tokens, keep), lambda found: learned_heads_path(found, target, heads),
-                    on_note, explicit=bool(learn) or keep)
+                    on_note, explicit=bool(learn) or keep,
+                    draft_keep_path=lambda draft: learned_adapters_path(target, draft))
+
+
+def learned_adapters_path(target: str, draft) -> Path:
+    """Where --keep-learned keeps a draft model's adapters, learned against ``target``: specrun's
+    cache for the target, beside its heads, named for the draft."""
+    from specrun.registry.heads import adapters_cache_path
+    from specrun.training.online import draft_name
+
+    return adapters_cache_path(target, draft_name(draft))
 
 
 def learned_heads_path(heads, target: str, explicit: str | None) -> Path:

@@ -139,8 +139,8 @@ LearnBufferOpt = Annotated[
 KeepLearnedOpt = Annotated[
     bool,
     typer.Option("--keep-learned", help="Write the heads as learned at the end: back to the --heads file, else to "
-                 "specrun's cache for the target (found first from then on); a draft model's adapters last the "
-                 "run. Turns --learn on."),
+                 "specrun's cache for the target (found first from then on); an MLX draft model's adapters to "
+                 "that cache, where the next --keep-learned run starts from them. Turns --learn on."),
 ]
 GpuLayersOpt = Annotated[Optional[int], typer.Option("--gpu-layers", help="Layers on the GPU (default: all).")]
 RpcOpt = Annotated[

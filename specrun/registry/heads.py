@@ -29,6 +29,16 @@ def heads_cache_path(target_spec: str, kind: str) -> Path:
     return cache_dir() / "heads" / name / _stored_name(kind)
 
 
+def adapters_cache_path(target_spec: str, draft_name: str) -> Path:
+    """Where ``--keep-learned`` keeps the adapters a draft model learned against a target:
+    <cache>/heads/<target>/draft-<draft>.adapters.safetensors."""
+    from specrun.modelkit.demo import cache_dir
+
+    target = re.sub(r"[^A-Za-z0-9._-]+", "_", Path(target_spec).name if "/" in target_spec else target_spec)
+    draft = re.sub(r"[^A-Za-z0-9._-]+", "_", draft_name)
+    return cache_dir() / "heads" / target / f"draft-{draft}.adapters.safetensors"
+
+
 def shipped_heads_path(builtin: str, kind: str) -> Path:
     """Heads that ship in the package for a builtin model (specrun/demo/<model>.<kind>.safetensors,
     or the folder <model>.eagle3); a builtin widened with zeros (demo-target-xl, smollm2-135m-x2)

@@ -146,7 +146,7 @@ class Learner:
     step_positions = BATCH_POSITIONS  # about what a step trains on (``caught_up``)
     # At ``close``, the windows still waiting are scored and trained on within the budget and the
     # weights published once more (heads: cheap, and they may be kept). False: they are only
-    # counted (a draft model's adapters last the run; each of those would cost seconds on a CPU).
+    # counted (a draft model's: each of those steps would cost seconds on a CPU).
     finish_at_close = True
 
     def __init__(self, settings: LearnSettings, depth: int, *, seed: int = 0, inline: bool = False,

@@ -23,7 +23,7 @@ import numpy as np
 
 from specrun.heads.kinds import kind_of, TRAINABLE_KINDS
 from specrun.training.learner import BATCH_POSITIONS, LearnReport, LearnSettings, Learner
-from specrun.training.online_draft import DraftLearner, draft_cannot_learn
+from specrun.training.online_draft import DraftLearner, draft_cannot_learn, load_adapters, save_adapters
 from specrun.training.run import next_tokens, target_labels, trainer_class
 
 WINDOW_POSITIONS = 64  # positions per window, as the buffer keeps them and the report scores them
@@ -242,16 +242,19 @@ class Learning:
     """A command's online learning: a learner for the heads each run drafts with (one per heads
     object, so a chat's turns and a server's requests keep teaching the same one) and for its draft
     model where that can learn (``draft``: training/online_draft.py), and at the end the learners
-    stopped, the learned heads written where ``keep_path`` says (with ``settings.keep``; a draft's
-    adapters last the command) and their reports. ``explicit``: the user asked for learning
+    stopped, the learned heads written where ``keep_path`` says and a draft model's adapters where
+    ``draft_keep_path`` says (with ``settings.keep``: a draft then starts from the adapters it kept
+    before), and their reports. ``explicit``: the user asked for learning
     (--learn), so a run with nothing to learn says why in a note; chat and serve learn by default
     and say nothing then."""
 
     def __init__(self, settings: LearnSettings, keep_path: Callable[[object], Path] | None = None,
-                 on_note: Callable[[str], None] | None = None, explicit: bool = False, **learner_options) -> None:
+                 on_note: Callable[[str], None] | None = None, explicit: bool = False,
+                 draft_keep_path: Callable[[object], Path] | None = None, **learner_options) -> None:
         self.settings = settings
         self._learner_options = learner_options  # OnlineLearner's own (tests: inline, window)
         self._keep_path = keep_path
+        self._draft_keep_path = draft_keep_path
         self._on_note = on_note
         self._explicit = explicit
         self._learners: dict[int, tuple[object, Learner, Path | None]] = {}
@@ -296,16 +299,33 @@ class Learning:
         found = self._learners.get(id(draft))
         if found is not None:
             return found[1]
-        if self.settings.keep and self._on_note is not None:
-            self._on_note("--keep-learned: the draft model's adapters last this run (only heads are written)")
+        path = None
+        if self.settings.keep and self._draft_keep_path is not None:
+            path = self._draft_keep_path(draft)
+            check_adapters_path(path)
         options = {key: value for key, value in self._learner_options.items() if key != "embedding"}
         try:
             learner = DraftLearner(draft, self.settings, **options)
         except Exception as error:  # noqa: BLE001 — a model mlx-lm cannot put adapters on still drafts
             self._note(f"the draft model does not learn: {error}")
             return None
-        self._learners[id(draft)] = (draft, learner, None)  # a draft's adapters are not written
+        if path is not None and path.exists():
+            self._start_from_kept(draft, learner, path)
+        self._learners[id(draft)] = (draft, learner, path)
         return learner
+
+    def _start_from_kept(self, draft, learner: DraftLearner, path: Path) -> None:
+        """The draft drafts, and goes on learning, from the adapters an earlier run kept at
+        ``path``; where they cannot be used, from none (a note says why; the end writes the file anew)."""
+        say = self._on_note or (lambda _: None)
+        try:
+            learner.trainer.load_adapter_arrays(load_adapters(path, draft_name(draft)))
+        except ValueError as error:
+            say(f"--keep-learned: the draft's adapters in {path} cannot be used ({error}); it learns afresh, "
+                "and they are written anew at the end")
+            return
+        draft.adapt(learner.trainer.weights())
+        say(f"--keep-learned: the draft model drafts with the adapters it learned in earlier runs ({path})")
 
     @property
     def learners(self) -> list[Learner]:
@@ -323,16 +343,38 @@ class Learning:
 
         reports = []
         with interrupts_held():  # every learner stopped (a step applied whole) and written, then Ctrl-C
-            for heads, learner, path in self._learners.values():
+            for model, learner, path in self._learners.values():
                 learner.close()
                 kept = None
-                learned = learner.learned_heads() if path is not None else None
-                if learned is not None:
-                    save_heads(learned, path, learned.config.training)
-                    kept = path
+                if isinstance(learner, DraftLearner):
+                    if path is not None:
+                        save_adapters(path, learner.trainer.adapter_arrays(), draft_name(model))
+                        kept = path
+                else:
+                    learned = learner.learned_heads() if path is not None else None
+                    if learned is not None:
+                        save_heads(learned, path, learned.config.training)
+                        kept = path
                 reports.append(learner.report(kept))
             self._learners.clear()
         return reports
+
+
+def draft_name(draft) -> str:
+    """The name a draft model's kept adapters are written for and checked against."""
+    return Path(getattr(draft, "path", "") or type(draft).__name__).name
+
+
+def check_adapters_path(path: Path) -> None:
+    """Fail before the run where a draft's learned adapters could not be written to ``path``."""
+    from specrun.errors import FileAccessError
+    from specrun.fileio import check_writable_folder
+
+    try:
+        check_writable_folder(path, "draft adapters file")
+    except FileAccessError as error:
+        raise FileAccessError(f"--keep-learned: {error.problem}",
+                              "free the place in specrun's cache, or drop --keep-learned") from None
 
 
 def check_keep_path(path: Path, stored: str) -> None:

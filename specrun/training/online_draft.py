@@ -27,10 +27,12 @@ which would miss the computing; the report's "CPU" seconds are those.
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
@@ -160,6 +162,45 @@ class DraftLearner(Learner):
 
     def _snapshot(self):
         return self.trainer.weights()
+
+
+# ---- adapters kept between runs (--keep-learned) ---------------------------------------------------
+ADAPTERS_FORMAT = "specrun-draft-adapters"
+
+
+def save_adapters(path: Path, arrays: dict[str, np.ndarray], draft_name: str) -> None:
+    """Write a draft model's adapters (LoraTrainer.adapter_arrays) to ``path`` atomically, with
+    the draft's name and a checksum of the tensors in the file's metadata."""
+    from safetensors.numpy import save
+
+    from specrun.errors import ModelFileError
+    from specrun.fileio import write_atomically
+
+    tensors = {name: np.ascontiguousarray(array, np.float32) for name, array in sorted(arrays.items())}
+    digest = hashlib.sha256(b"".join(name.encode() + tensors[name].tobytes() for name in tensors)).hexdigest()
+    payload = save(tensors, metadata={"format": ADAPTERS_FORMAT, "draft": draft_name, "sha256": digest})
+    write_atomically(path, payload, "draft adapters", error=ModelFileError)
+
+
+def load_adapters(path: Path, draft_name: str) -> dict[str, np.ndarray]:
+    """What ``save_adapters`` wrote for ``draft_name``; ValueError saying why it cannot be used
+    (not such a file, another draft's, a checksum that disagrees)."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), framework="numpy") as opened:
+            metadata = opened.metadata() or {}
+            tensors = {name: opened.get_tensor(name) for name in opened.keys()}
+    except (OSError, SafetensorError) as exc:
+        raise ValueError(f"not a safetensors file ({exc})") from None
+    if metadata.get("format") != ADAPTERS_FORMAT:
+        raise ValueError("not specrun's draft adapters")
+    if metadata.get("draft") != draft_name:
+        raise ValueError(f"they were learned by {metadata.get('draft')!r}, not {draft_name!r}")
+    digest = hashlib.sha256(b"".join(name.encode() + tensors[name].tobytes() for name in sorted(tensors))).hexdigest()
+    if digest != metadata.get("sha256"):
+        raise ValueError("their checksum disagrees (the file was changed or cut short)")
+    return tensors
 
 
 def _by_depth(values: np.ndarray, start: int, count: int, depth: int) -> np.ndarray:

@@ -101,10 +101,12 @@ def test_chat_learns_by_default_from_every_answer(medusa_run):
     assert quiet.exit_code == 0 and "learning (" not in quiet.stderr
 
 
-def test_an_mlx_draft_model_learns_in_chat_and_the_answers_are_plain_decoding_s(tiny_llama, looping_llama):
+def test_an_mlx_draft_model_learns_in_chat_and_the_answers_are_plain_decoding_s(tiny_llama, looping_llama,
+                                                                               tmp_path, monkeypatch):
     """chat on MLX with a draft model: its adapters learn from both answers (reported in the stats;
     the whole of generation's time its budget, so that two short answers see steps) and the texts
-    are plain decoding's; --keep-learned says the adapters last the run."""
+    are plain decoding's; --keep-learned writes the adapters to specrun's cache, where the next
+    --keep-learned run starts from them (a note says so), its text plain decoding's too."""
     pytest.importorskip("mlx_lm", reason="the mlx backend is not installed")
     args = ["-t", str(tiny_llama.hf_dir), "-d", str(looping_llama["mlx"]), "--backend", "mlx", "-n", "40", "-k", "3"]
     messages = "def f(x):\n    return x\nWrite it again.\n"
@@ -118,7 +120,15 @@ def test_an_mlx_draft_model_learns_in_chat_and_the_answers_are_plain_decoding_s(
     line = next(line for line in learned.stderr.splitlines() if line.startswith("learning (draft):"))
     assert int(line.split(" steps on ")[1].split(" positions")[0]) >= 2 * 30, line  # both answers
     assert int(line.split(": ")[1].split(" steps")[0]) > 0 and "stopped" not in line, line
-    kept = invoke("generate", "def f(x):\n", *args, "--raw", "--method", "draft", "--keep-learned")
+    monkeypatch.setenv("SPECRUN_CACHE", str(tmp_path / "cache"))
+    plain_generate = invoke("generate", "def f(x):\n", *args, "--raw", "--method", "none")
+    kept = invoke("generate", "def f(x):\n", *args, "--raw", "--method", "draft", "--keep-learned",
+                  "--learn-budget", "1")
     assert kept.exit_code == 0, kept.output
-    assert "note: --keep-learned: the draft model's adapters last this run (only heads are written)" in kept.stderr
-    assert "learning (draft):" in kept.stderr
+    (written,) = (tmp_path / "cache" / "heads").glob("*/draft-*.adapters.safetensors")
+    assert f"kept in {written}" in kept.stderr and "earlier runs" not in kept.stderr
+    again = invoke("generate", "def f(x):\n", *args, "--raw", "--method", "draft", "--keep-learned")
+    assert again.exit_code == 0, again.output
+    assert f"note: --keep-learned: the draft model drafts with the adapters it learned in earlier runs ({written})" \
+        in again.stderr
+    assert kept.stdout == again.stdout == plain_generate.stdout

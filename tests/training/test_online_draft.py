@@ -361,3 +361,101 @@ def test_weights_made_on_the_worker_thread_are_swapped_in_mid_generation(mlx_pai
     learner.close()
     report = learner.report()
     assert report.steps > 0 and report.swaps > 0 and not report.stopped, report.summary()
+
+
+# ---- adapters kept between runs (--keep-learned) ---------------------------------------------------
+def test_kept_adapters_come_back_as_they_were_learned(mlx_pair, tmp_path):
+    """A trainer's adapters written and read into a second trainer of the same draft: the second's
+    copy computes what the first's does, and the drafting model takes the same weights."""
+    from specrun.backends.mlx import MlxBackend
+    from specrun.training.online_draft import load_adapters, save_adapters
+
+    draft = MlxBackend(mlx_pair[1])
+    tokens = np.asarray(draft.tokenize("the cat sat on the mat. " * 6), np.int64)
+    first = draft.online_trainer(1e-2, seed=0)
+    for _ in range(4):
+        first.step([(tokens, 1)])
+    path = tmp_path / "draft.adapters.safetensors"
+    save_adapters(path, first.adapter_arrays(), "looping")
+    second = draft.online_trainer(1e-2, seed=1)  # other A matrices, B zero: another model until loaded
+    assert not np.array_equal(second.predict(tokens), first.predict(tokens))
+    second.load_adapter_arrays(load_adapters(path, "looping"))
+    assert np.array_equal(second.predict(tokens), first.predict(tokens))
+    weights, again = first.weights(), second.weights()
+    assert weights.keys() == again.keys()
+    assert all(np.array_equal(np.array(weights[name]), np.array(again[name])) for name in weights)
+
+
+def test_kept_adapters_that_cannot_be_used_are_refused_saying_why(mlx_pair, tmp_path):
+    from specrun.backends.mlx import MlxBackend
+    from specrun.training.online_draft import load_adapters, save_adapters
+
+    draft = MlxBackend(mlx_pair[1])
+    trainer = draft.online_trainer(1e-2)
+    arrays = trainer.adapter_arrays()
+    path = tmp_path / "draft.adapters.safetensors"
+    save_adapters(path, arrays, "looping")
+    with pytest.raises(ValueError, match="learned by 'looping', not 'other'"):
+        load_adapters(path, "other")
+    data = bytearray(path.read_bytes())
+    data[-3] ^= 0xFF  # a tensor's byte changed
+    path.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match="checksum disagrees"):
+        load_adapters(path, "looping")
+    path.write_bytes(b"not a safetensors file")
+    with pytest.raises(ValueError, match="not a safetensors file"):
+        load_adapters(path, "looping")
+    before = trainer.adapter_arrays()
+    name = next(iter(arrays))
+    with pytest.raises(ValueError, match="adapters missing"):
+        trainer.load_adapter_arrays({key: value for key, value in arrays.items() if key != name})
+    with pytest.raises(ValueError, match=f"{name} is"):
+        trainer.load_adapter_arrays({**arrays, name: np.zeros((1, 1), np.float32)})
+    with pytest.raises(ValueError, match="finite"):
+        trainer.load_adapter_arrays({**arrays, name: np.full(arrays[name].shape, np.nan, np.float32)})
+    after = trainer.adapter_arrays()
+    assert all(np.array_equal(before[key], after[key]) for key in before)  # nothing changed
+
+
+def test_keep_learned_starts_a_draft_from_kept_adapters_and_a_damaged_file_afresh(mlx_pair, tmp_path):
+    """Learning with keep: a draft's adapters written at the end; the next run's draft starts from
+    them (its drafting model takes them at once, a note says so); a damaged file is a note, learning
+    starts afresh and the end writes a good file over it; a place that cannot take the file is one
+    line before anything runs."""
+    from specrun.backends.mlx import MlxBackend
+    from specrun.errors import FileAccessError
+    from specrun.training.online_draft import load_adapters
+
+    path = tmp_path / "kept" / "draft.adapters.safetensors"
+    tokens = np.asarray(MlxBackend(mlx_pair[1]).tokenize("one two three four five " * 8), np.int64)
+
+    def run(learn_steps: int) -> tuple[list[str], object]:
+        notes: list[str] = []
+        draft = MlxBackend(mlx_pair[1])
+        learning = Learning(LearnSettings(keep=True), on_note=notes.append, explicit=True,
+                            draft_keep_path=lambda _: path, inline=True)
+        learner = learning.draft(draft)
+        for _ in range(learn_steps):
+            learner.trainer.step([(tokens, 1)])
+        drafted = draft.forward(list(tokens), [len(tokens) - 2])[0]
+        (report,) = learning.finish()
+        assert report.kept == path
+        return notes, drafted
+
+    fresh_notes, untrained = run(4)
+    assert not any("earlier runs" in note for note in fresh_notes)
+    learned = load_adapters(path, Path(mlx_pair[1]).name)
+    notes, drafted = run(0)
+    assert any(f"drafts with the adapters it learned in earlier runs ({path})" in note for note in notes), notes
+    assert not np.array_equal(drafted, untrained)  # the drafting model took the kept adapters at once
+    kept_again = load_adapters(path, Path(mlx_pair[1]).name)
+    assert all(np.array_equal(learned[key], kept_again[key]) for key in learned)  # no step: kept as they were
+    path.write_bytes(b"damaged")
+    notes, drafted = run(0)
+    assert any("cannot be used (not a safetensors file" in note for note in notes), notes
+    np.testing.assert_array_equal(drafted, untrained)
+    load_adapters(path, Path(mlx_pair[1]).name)  # written anew, good
+    path.unlink()
+    path.mkdir()
+    with pytest.raises(FileAccessError, match="--keep-learned"):
+        Learning(LearnSettings(keep=True), draft_keep_path=lambda _: path).draft(MlxBackend(mlx_pair[1]))
