@@ -70,7 +70,9 @@ def test_shutdown_answers_the_queued_with_a_json_503_and_ends_the_stream_with_a_
 
     from server_harness import start_server
 
-    server = start_server("--target", "smollm2-135m-f16", "--method", "none", "--parallel", "1")
+    # flash attention given: the stream's context may pass DEEP_FROM, and the deep probe it would
+    # run first (two 4,096-token prefills) took past the 60 s below on a busy machine
+    server = start_server("--target", "smollm2-135m-f16", "--method", "none", "--parallel", "1", "--flash-attn", "off")
     host, port = server.host_port
     started, stream_lines, queued = threading.Event(), [], []
 
