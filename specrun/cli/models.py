@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import struct
 import sys
 from pathlib import Path
 from typing import Annotated, Optional
@@ -60,10 +61,11 @@ def info(model: ModelArg, json_output: JsonOpt = False, registry: RegistryOpt = 
     """Everything the registry knows about MODEL, and where its cached files are."""
     with cli_errors():
         entry = entry_for(model, load_registry(registry))
-        local = entry.gguf_path or entry.mlx_path
-        if entry.origin == LOCAL_ORIGIN and local and not Path(local).expanduser().exists():
-            raise ModelFileError(f"model file not found: {local}", "check the path or run `specrun models list`")
+        if entry.origin == LOCAL_ORIGIN:
+            _check_local_model(entry)
         details = _summary(entry, cache_status(entry))
+        if entry.origin == LOCAL_ORIGIN:
+            details["verified"] = None  # what the registry checked of its entries: a path was not
         details["gguf_files"] = gguf_parts(entry.gguf_file) if entry.gguf_file else []
         if json_output:
             typer.echo(json.dumps(details))
@@ -71,6 +73,27 @@ def info(model: ModelArg, json_output: JsonOpt = False, registry: RegistryOpt = 
         for key, value in details.items():
             if value not in ("", [], None, 0):
                 typer.echo(f"{key:>12}: {', '.join(value) if isinstance(value, list) else value}")
+
+
+def _check_local_model(entry: ModelEntry) -> None:
+    """A path given to `models info` holds a model: a GGUF file whose header fits the file, or a
+    folder with an MLX model's config.json; else ModelFileError naming what it is."""
+    from specrun.backends.llama import check_gguf_file
+    from specrun.modelkit.gguf_check import read_layout
+
+    if entry.gguf_path:
+        path = Path(entry.gguf_path).expanduser()
+        check_gguf_file(path)
+        try:
+            read_layout(path)
+        except (ValueError, OSError, struct.error) as exc:
+            raise ModelFileError(f"{path} is not a whole GGUF file: {exc}",
+                                 "download it again, or pass another .gguf file") from None
+        return
+    folder = Path(entry.mlx_path or "").expanduser()
+    if not (folder / "config.json").is_file():
+        raise ModelFileError(f"{folder} is not an MLX model folder (it holds no config.json)",
+                             "pass an MLX model's folder or a .gguf file")
 
 
 @models_app.command("pull")

@@ -168,6 +168,27 @@ def test_models_info_and_convert_of_a_missing_file_are_one_line_exit_1(tmp_path)
     assert "gguf_path" in result.stderr and not (tmp_path / "o").exists()
 
 
+def test_models_info_of_a_path_that_holds_no_model_is_one_line_exit_1(tmp_path):
+    """info of a path printed its entry with "verified: True", exit 0, whatever the file held: now
+    the file's GGUF header is read (against the file's size) and a folder must hold a config.json."""
+    from specrun.modelkit.demo import demo_gguf
+
+    whole = demo_gguf("demo-draft").read_bytes()
+    (tmp_path / "random.gguf").write_bytes(bytes(range(256)))
+    (tmp_path / "cut.gguf").write_bytes(whole[:100])
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "good.gguf").write_bytes(whole)
+    for name, problem in (("random.gguf", "is not a GGUF file"), ("cut.gguf", "is not a whole GGUF file: "),
+                          ("empty", "is not an MLX model folder (it holds no config.json)")):
+        result = runner.invoke(app, ["models", "info", str(tmp_path / name)])
+        assert result.exit_code == 1, result.output
+        lines = result.stderr.strip().splitlines()
+        assert len(lines) == 1 and problem in lines[0], lines
+    good = runner.invoke(app, ["models", "info", str(tmp_path / "good.gguf"), "--json"])
+    assert good.exit_code == 0, good.output
+    assert json.loads(good.stdout)["verified"] is None  # the registry's word on its entries, not on a path
+
+
 # ---- specrun models check ---------------------------------------------------------------
 def write_variant(folder: Path, name: str, tokenizer_json: str | None = None, **config_changes) -> Path:
     """A tiny Llama GGUF whose vocabulary (or special ids) differ from the shared test tokenizer's."""
