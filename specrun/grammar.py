@@ -80,8 +80,12 @@ def _on_large_stack(function, *args):
     return outcome["value"]
 
 
+FIXES = {"json_schema": "fix the schema", "json_object": "fix the schema", "regex": "fix the regular expression"}
+
+
 def _refused(spec_kind: str, problem: str) -> GrammarError:
-    return GrammarError(f"{KINDS[spec_kind]} that cannot be used: {_first_line(problem)}", "fix the grammar")
+    return GrammarError(f"{KINDS[spec_kind]} that cannot be used: {_first_line(problem)}",
+                        FIXES.get(spec_kind, "fix the grammar"))
 
 
 @dataclass(frozen=True)
@@ -136,8 +140,15 @@ def matcher_problem(error: str) -> str:
 
 
 def _first_line(text: str) -> str:
-    text = text.strip()
-    return text.splitlines()[0][:300] if text else "no reason given"
+    """llguidance's error in one line: its first, and where that only heads what follows (``regex
+    parse error:``, then the text and a caret under it, then the reason), the lines after it too."""
+    lines = [line.strip() for line in text.strip().splitlines()]
+    if not lines or not lines[0]:
+        return "no reason given"
+    if lines[0].endswith(":") and len(lines) > 1:
+        rest = [line for line in lines[1:] if line and set(line) - set("^~ ")]
+        return " ".join([lines[0], "; ".join(rest)])[:300]
+    return lines[0][:300]
 
 
 class Vocabulary:

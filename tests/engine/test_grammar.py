@@ -10,6 +10,7 @@ compared with it by chi-square; greedy runs must equal constrained plain decodin
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections import Counter
 
 import llguidance
@@ -398,7 +399,6 @@ def test_a_grammar_past_llguidance_s_limits_mid_answer_ends_it_as_such():
     llguidance keeps: the matcher refuses (it does not raise), and the answer ends with finish
     reason "grammar" instead of an internal error."""
     import itertools
-    import json
 
     target = letters(1)
     keys = ["".join(p) for p in itertools.product("ab", repeat=12)][:2500]
@@ -414,8 +414,6 @@ def test_a_grammar_past_llguidance_s_limits_mid_answer_ends_it_as_such():
 def test_a_deep_chain_of_references_compiles_without_overflowing_the_stack():
     """1,000 chained $refs (75 kB) overflowed an 8 MB thread stack inside llguidance and killed the
     process; compiling runs on a thread with a large stack."""
-    import json
-
     defs = {f"a{i}": {"type": "object", "properties": {"x": {"$ref": f"#/$defs/a{i + 1}"}}} for i in range(1000)}
     defs["a1000"] = {"enum": ["ab"]}
     spec = GrammarSpec("json_schema", json.dumps({"$defs": defs, "$ref": "#/$defs/a0"}))
@@ -429,6 +427,19 @@ def test_a_grammar_text_past_its_size_limit_is_refused_before_compiling():
     rules = "".join(f'r{i} ::= "a"\n' for i in range(MAX_GRAMMAR_CHARS // 10))
     with pytest.raises(GrammarError, match="more than the"):
         GrammarSpec("gbnf", 'root ::= r0\n' + rules).check()
+
+
+def test_a_refusal_says_llguidance_s_reason_in_one_line_and_the_fix_for_its_kind():
+    """A pattern that does not parse: llguidance's message heads a caret display and names the
+    reason on a later line; the refusal keeps both in one line (it said "regex parse error:" alone)."""
+    with pytest.raises(GrammarError) as caught:
+        GrammarSpec("json_schema", json.dumps({"type": "string", "pattern": "(["})).check()
+    line = caught.value.one_line()
+    assert "\n" not in line and "regex parse error: ([; error: unclosed character class" in line, line
+    assert line.endswith("fix the schema"), line
+    with pytest.raises(GrammarError) as caught:
+        GrammarSpec("gbnf", 'root ::= "a" | (').check()
+    assert caught.value.one_line().endswith("fix the grammar's syntax")
 
 
 TRUNCATED = SamplingSettings(temperature=1.0, top_k=3, top_p=0.9)
