@@ -177,13 +177,30 @@ def convert(
                                  "alias's gguf_path)")
         check_gguf_file(model_file)
         dest = out or model_file.with_name(f"{model_file.stem}-mlx")
+        missing = [folder for folder in dest.parents if not folder.exists()]  # made for it, deepest first
+        emptied = dest.is_dir() and not dest.is_symlink()
         _check_out_folder(dest)
         typer.echo(f"converting {model_file} to MLX ({dtype})", err=True)
         # Written beside dest and renamed at the end: a failure, Ctrl-C or SIGTERM leaves no
-        # half-written folder.
-        with terminate_as_interrupt():
-            derive_once(dest, lambda scratch: convert_gguf_to_mlx(model_file, scratch, mlx_dtype=dtype))
+        # half-written folder, and what was there before as it was (the user's empty folder, no
+        # folders made for it).
+        try:
+            with terminate_as_interrupt():
+                derive_once(dest, lambda scratch: convert_gguf_to_mlx(model_file, scratch, mlx_dtype=dtype))
+        except BaseException:
+            _put_back(dest, emptied, missing)
+            raise
         typer.echo(str(dest))
+
+
+def _put_back(dest: Path, emptied: bool, missing: list[Path]) -> None:
+    """A conversion that failed: the empty folder ``dest`` was made again where it was, the
+    folders made for it (``missing``, deepest first) removed where still empty."""
+    with contextlib.suppress(OSError):
+        if emptied and not dest.exists():
+            dest.mkdir()
+        for folder in missing:
+            folder.rmdir()
 
 
 def _check_out_folder(dest: Path) -> None:

@@ -75,3 +75,16 @@ def test_sigterm_while_converting_leaves_no_scratch_folder(smollm2, tmp_path):
     assert process.returncode == 130, stderr
     assert stderr.decode().strip().splitlines()[-1] == "interrupted"
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_failed_conversion_leaves_the_places_as_they_were(tiny_llama, tmp_path):
+    """A GGUF cut short fails mid-conversion: an empty --out folder the user made is still there
+    (it was removed), and folders made for a deeper --out are gone (they were left)."""
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(tiny_llama.gguf_path.read_bytes()[:-4096])
+    (tmp_path / "empty").mkdir()
+    for out in (tmp_path / "empty", tmp_path / "a" / "b" / "c"):
+        result = convert(cut, out)
+        assert result.returncode == 1 and b"is damaged" in result.stderr, result.stderr
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["cut.gguf", "empty"]
+    assert not list((tmp_path / "empty").iterdir())
