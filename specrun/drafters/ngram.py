@@ -483,6 +483,8 @@ def _read_cache_file(path: Path, vocab_size: int | None) -> dict:
     if version != FORMAT_VERSION:
         raise refuse(f"it has unknown format version {version}")
     payload = data[HEADER.size :]
+    if length > MAX_CACHE_BYTES:  # no cache this reads could hold it: the header itself is damaged
+        raise refuse(f"it is corrupt (its header claims {length:,} payload bytes)")
     if len(payload) < length:
         raise refuse(f"it is truncated ({len(payload)} of {length} payload bytes)")
     if len(payload) > length or hashlib.sha256(payload).digest() != checksum:

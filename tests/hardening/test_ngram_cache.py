@@ -154,3 +154,19 @@ def test_generate_json_with_an_unwritable_cache_fails_in_one_line(llama_pair, tm
     result = invoke("generate", "def f():\n", *llama_pair, "-n", "8", "-m", "ngram", "--json", "--ngram-cache", str(cache))
     assert_one_line_error(result.exit_code, result.stderr, 1, str(cache), "--ngram-cache")
     assert result.stdout == ""
+
+
+def test_a_damaged_header_is_told_from_a_file_cut_short(tmp_path, fingerprint):
+    """A length field past anything a cache could hold is a damaged header, not a truncated file
+    ("476 of 18446744073709551615 payload bytes" was shown); a file really cut short still says so."""
+    whole = ngram_cache_bytes({"max_order": 3, "vocabulary": fingerprint, "contexts": [[[3], [4, 5]]]})
+    path = tmp_path / "crafted.ngram"
+    damaged = bytearray(whole)
+    length_at = ngram.HEADER.size - 32 - 8  # the header ends with the payload's length, then its sha256
+    damaged[length_at : length_at + 8] = b"\xff" * 8
+    path.write_bytes(bytes(damaged))
+    with pytest.raises(NgramCacheError, match="its header claims 18,446,744,073,709,551,615 payload bytes"):
+        NgramPoolDrafter.open(path, vocabulary=fingerprint)
+    path.write_bytes(whole[:-5])
+    with pytest.raises(NgramCacheError, match="truncated"):
+        NgramPoolDrafter.open(path, vocabulary=fingerprint)
