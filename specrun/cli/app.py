@@ -248,6 +248,10 @@ def generate(
                     sys.stdout.write("\n" if result.text and not result.text.endswith("\n") else "")
                     sys.stdout.flush()
                     typer.echo(result.stats.summary(), err=True)
+                    if result.finish_reason == "context":  # -n asked for more than the context holds
+                        size = f" of {request.load.n_ctx} tokens" if request.load.n_ctx else ""
+                        typer.echo(f"note: the context{size} is full, so the answer stops here; raise --ctx for a "
+                                   "longer one", err=True)
                     learned = learning.finish() if learning is not None else []
                     for report in learned:
                         typer.echo(report.summary(), err=True)

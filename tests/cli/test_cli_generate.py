@@ -50,6 +50,18 @@ def test_prompt_argument_text_to_stdout_stats_to_stderr(backend_pair):
     assert "tokens" not in result.stdout
 
 
+def test_an_answer_the_context_stops_says_so_after_the_stats(pair):
+    """-n past what --ctx holds: the answer ends at the context's end, exit 0, and a note after the
+    stats line says why and how to get more (only --json's finish_reason said it)."""
+    result = invoke("generate", "def main():", *pair, "--ctx", "32", "-n", "1000")
+    assert result.exit_code == 0, result.output
+    lines = result.stderr.strip().splitlines()
+    assert lines[-1] == "note: the context of 32 tokens is full, so the answer stops here; raise --ctx for a longer one"
+    assert "tok/s" in lines[-2]
+    short = invoke("generate", "def main():", *pair, "--ctx", "64", "-n", "8")
+    assert "is full" not in short.stderr
+
+
 def test_piped_prompt_equals_argument_prompt(backend_pair):
     piped = invoke("generate", *backend_pair, "-n", "16", input="import os\n")
     dashed = invoke("generate", "-", *backend_pair, "-n", "16", input="import os\n")
