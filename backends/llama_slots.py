@@ -26,7 +26,10 @@ slots keep sequence i in cell i: opening them feeds one token to every sequence 
 (a rewind past its snapshots and its kept state, a new text) is emptied only just before its next
 pass, which runs alone: its cell is then the only empty one, and it takes it back. The passes go
 to llama.cpp as runs of consecutive sequences, ascending, a batch each (a unified cache gathers a
-batch's sequences from the lowest cell of theirs): with every sequence in its own cell, none moves. A draft model's slot keeps its state before drafting (``keep``, as LlamaCppBackend's
+batch's sequences from the lowest cell of theirs): with every sequence in its own cell, none
+moves. A failure that may have emptied a sequence's cell (a decode, a restore) has it take its
+cell back at once, a token fed alone: two empty cells would let a sequence started again take
+the other's. A draft model's slot keeps its state before drafting (``keep``, as LlamaCppBackend's
 keep_state): a rewind to it restores that state, and the tokens since are fed again at the head
 of the slot's next pass.
 """
