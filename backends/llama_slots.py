@@ -202,9 +202,13 @@ class LlamaSlots:
             if run:
                 self._run_packed(run)
         except Exception:
-            for slot_pass in packed:  # how far the failed batch got is unknown: its sequences start again
+            # how far the failed run got is unknown, and llama.cpp empties the cells of the sequences
+            # of a batch whose compute failed: each of them holds its cell again at once, ascending
+            # (a cell taken alone is the next empty one from the failed batch's lowest: its own)
+            for slot_pass in packed:
                 if full[id(slot_pass)].logits is None:
-                    self._start_again(self._sequences[slot_pass.seq], self._sequences[slot_pass.seq].length)
+                    sequence = self._sequences[slot_pass.seq]
+                    self._hold(slot_pass.seq, sequence.fed + sequence.again)
             raise
         for slot_pass in packed:
             slot_pass.logits = full[id(slot_pass)].logits

@@ -443,6 +443,53 @@ def test_a_pass_past_the_slot_s_context_fails_before_its_cell_is_emptied(hybrid)
         fresh.close()
 
 
+@pytest.mark.parametrize("order", [(2, 1), (1, 2)])
+def test_a_failed_batch_whose_cells_llama_cpp_emptied_leaves_each_sequence_its_own(hybrid, order):
+    """A batch of sequences 1 and 2 whose compute fails: llama.cpp removes the batch's entries of
+    each (emptying one-token passes' cells). Each takes its cell back at once, in order; so their
+    passes retried alone in either order (the rendezvous' fallback) and a later rollback read each
+    one's own state (before: two empty cells, and 2 retried first took 1's: 18 off; reviewer's)."""
+    from specrun.backends.slots import SlotPass
+    from specrun.errors import ContextFullError
+
+    model, fresh = (open_llama(hybrid["target"], kv_type="f32", flash_attn=False) for _ in range(2))
+    slots = model.open_slots(4, exact=True)
+    lib = slots._lib
+
+    class FailingCompute:
+        failed = False
+
+        def __getattr__(self, name):
+            return getattr(lib, name)
+
+        def llama_decode(self, ctx, batch):
+            if self.failed:  # the holding feeds after it decode
+                return lib.llama_decode(ctx, batch)
+            self.failed = True
+            for seq in {batch.seq_id[i][0] for i in range(batch.n_tokens)}:
+                lib.llama_memory_seq_rm(slots._memory, seq, 0, -1)
+            return -3
+
+    try:
+        script = _Scripted(slots, fresh)
+        script.step(*[(seq, [11 + 10 * seq, 12, 13]) for seq in range(4)])
+        slots._lib = FailingCompute()
+        with pytest.raises(ContextFullError):
+            slots.run([SlotPass(1, 3, [14], [0]), SlotPass(2, 3, [15], [0])])
+        slots._lib = lib
+        for seq in order:
+            script.step((seq, [40 + seq]))
+        script.step((0, [50]), (1, [51, 52, 53]), (2, [54]), (3, [55]))
+        script.step((2, [56]), (3, [57]))
+        script.remove(1, len(script.texts[1]) - 2)
+        script.step((1, [60]))
+        assert slots._sequences[1].last_pass == 1
+    finally:
+        slots.close()
+        model.close()
+        fresh.close()
+
+
 def test_a_failed_batch_starts_again_only_the_sequences_it_carried(hybrid):
     """Packed passes go as runs of consecutive sequences, a decode each: where the second fails,
     the sequences of the first ran and keep their states (and their rollbacks), those of the
