@@ -11,6 +11,7 @@ learner is training/online_draft.py's; ``Learning`` keeps a command's learners o
 
 from __future__ import annotations
 
+import hashlib
 import threading
 import time
 from collections import deque
@@ -322,9 +323,15 @@ class Learning:
             learner.trainer.load_adapter_arrays(load_adapters(path, draft_name(draft)))
         except ValueError as error:
             say(f"--keep-learned: the draft's adapters in {path} cannot be used ({error}); it learns afresh, "
-                "and they are written anew at the end")
+                "and what it learns is written there at the end")
             return
-        draft.adapt(learner.trainer.weights())
+        try:
+            draft.adapt(learner.trainer.weights())
+        except Exception as error:  # noqa: BLE001 - weights the drafting model cannot take: it drafts as shipped
+            learner.fail(f"the draft model could not take the kept adapters ({error})")
+            say(f"--keep-learned: the draft model could not take the adapters in {path} ({error}); it drafts "
+                "as shipped and learns nothing this run")
+            return
         say(f"--keep-learned: the draft model drafts with the adapters it learned in earlier runs ({path})")
 
     @property
@@ -341,28 +348,37 @@ class Learning:
         until both files are written; their reports."""
         from specrun.heads.files import save_heads
 
-        reports = []
+        reports, failures = [], []
         with interrupts_held():  # every learner stopped (a step applied whole) and written, then Ctrl-C
             for model, learner, path in self._learners.values():
                 learner.close()
                 kept = None
-                if isinstance(learner, DraftLearner):
-                    if path is not None:
-                        save_adapters(path, learner.trainer.adapter_arrays(), draft_name(model))
-                        kept = path
-                else:
-                    learned = learner.learned_heads() if path is not None else None
-                    if learned is not None:
-                        save_heads(learned, path, learned.config.training)
-                        kept = path
+                try:  # one file that cannot be written leaves the others' to be
+                    if isinstance(learner, DraftLearner):
+                        adapters = learner.learned_adapters() if path is not None else None
+                        if adapters is not None:
+                            save_adapters(path, adapters, draft_name(model))
+                            kept = path
+                    else:
+                        learned = learner.learned_heads() if path is not None else None
+                        if learned is not None:
+                            save_heads(learned, path, learned.config.training)
+                            kept = path
+                except Exception as error:  # noqa: BLE001 - raised once every learner is done
+                    failures.append(error)
                 reports.append(learner.report(kept))
             self._learners.clear()
+        if failures:
+            raise failures[0]
         return reports
 
 
 def draft_name(draft) -> str:
-    """The name a draft model's kept adapters are written for and checked against."""
-    return Path(getattr(draft, "path", "") or type(draft).__name__).name
+    """The name a draft model's kept adapters are written for and checked against: its folder's
+    name and a digest of where it is (two drafts in folders both named ``mlx`` are two drafts)."""
+    where = Path(getattr(draft, "path", "") or type(draft).__name__)
+    digest = hashlib.sha256(str(where.expanduser().resolve()).encode()).hexdigest()[:8]
+    return f"{where.name}-{digest}"
 
 
 def check_adapters_path(path: Path) -> None:

@@ -163,6 +163,14 @@ class DraftLearner(Learner):
     def _snapshot(self):
         return self.trainer.weights()
 
+    def learned_adapters(self) -> dict[str, np.ndarray] | None:
+        """The adapters as learned, for --keep-learned; None before a step (what a file held stays)
+        or where a step left them not finite (a loss that was not: the file keeps its last good ones)."""
+        if not self._steps:
+            return None
+        arrays = self.trainer.adapter_arrays()
+        return arrays if all(np.isfinite(array).all() for array in arrays.values()) else None
+
 
 # ---- adapters kept between runs (--keep-learned) ---------------------------------------------------
 ADAPTERS_FORMAT = "specrun-draft-adapters"
@@ -190,13 +198,15 @@ def load_adapters(path: Path, draft_name: str) -> dict[str, np.ndarray]:
     try:
         with safe_open(str(path), framework="numpy") as opened:
             metadata = opened.metadata() or {}
+            if metadata.get("format") != ADAPTERS_FORMAT:
+                raise ValueError("not specrun's draft adapters")
+            if metadata.get("draft") != draft_name:
+                raise ValueError(f"they were learned by {metadata.get('draft')!r}, not {draft_name!r}")
             tensors = {name: opened.get_tensor(name) for name in opened.keys()}
-    except (OSError, SafetensorError) as exc:
-        raise ValueError(f"not a safetensors file ({exc})") from None
-    if metadata.get("format") != ADAPTERS_FORMAT:
-        raise ValueError("not specrun's draft adapters")
-    if metadata.get("draft") != draft_name:
-        raise ValueError(f"they were learned by {metadata.get('draft')!r}, not {draft_name!r}")
+    except OSError as exc:
+        raise ValueError(f"it cannot be read ({exc.strerror or exc})") from None
+    except (SafetensorError, TypeError) as exc:  # TypeError: a dtype NumPy has not (bfloat16)
+        raise ValueError(f"not a safetensors file NumPy reads ({exc})") from None
     digest = hashlib.sha256(b"".join(name.encode() + tensors[name].tobytes() for name in sorted(tensors))).hexdigest()
     if digest != metadata.get("sha256"):
         raise ValueError("their checksum disagrees (the file was changed or cut short)")

@@ -418,43 +418,54 @@ def test_kept_adapters_that_cannot_be_used_are_refused_saying_why(mlx_pair, tmp_
 
 
 def test_keep_learned_starts_a_draft_from_kept_adapters_and_a_damaged_file_afresh(mlx_pair, tmp_path):
-    """Learning with keep: a draft's adapters written at the end; the next run's draft starts from
-    them (its drafting model takes them at once, a note says so); a damaged file is a note, learning
-    starts afresh and the end writes a good file over it; a place that cannot take the file is one
-    line before anything runs."""
+    """Learning with keep: a draft's adapters written at the end of a run that learned; the next
+    run's draft starts from them (its drafting model takes them at once, a note says so); a run
+    that took no step, or whose loss went not finite, leaves the file as it was; a damaged file is
+    a note, learning starts afresh and writes a good file over it; a place that cannot take the
+    file is one line before anything runs."""
+    import mlx.nn as nn
+
     from specrun.backends.mlx import MlxBackend
     from specrun.errors import FileAccessError
+    from specrun.training.online import draft_name
     from specrun.training.online_draft import load_adapters
 
     path = tmp_path / "kept" / "draft.adapters.safetensors"
-    tokens = np.asarray(MlxBackend(mlx_pair[1]).tokenize("one two three four five " * 8), np.int64)
+    text = MlxBackend(mlx_pair[1]).tokenize("one two three four five " * 8)
 
-    def run(learn_steps: int) -> tuple[list[str], object]:
+    def run(learn: bool, poisoned: bool = False) -> tuple[list[str], np.ndarray, object]:
         notes: list[str] = []
         draft = MlxBackend(mlx_pair[1])
         learning = Learning(LearnSettings(keep=True), on_note=notes.append, explicit=True,
-                            draft_keep_path=lambda _: path, inline=True)
+                            draft_keep_path=lambda _: path, inline=True, window=8, inline_steps=3)
         learner = learning.draft(draft)
-        for _ in range(learn_steps):
-            learner.trainer.step([(tokens, 1)])
-        drafted = draft.forward(list(tokens), [len(tokens) - 2])[0]
+        drafted = draft.forward(list(text), [len(text) - 2])[0]
+        if poisoned:  # a step whose loss is not finite (as a float16 overflow gives)
+            loss = learner.trainer._loss
+            learner.trainer._loss_and_grad = nn.value_and_grad(learner.trainer.model,
+                                                               lambda *args: loss(*args) * float("nan"))
+        if learn:
+            learner.observe(1, list(text))
         (report,) = learning.finish()
-        assert report.kept == path
-        return notes, drafted
+        return notes, drafted, report
 
-    fresh_notes, untrained = run(4)
+    fresh_notes, untrained, report = run(learn=True)
+    assert report.steps > 0 and report.kept == path
     assert not any("earlier runs" in note for note in fresh_notes)
-    learned = load_adapters(path, Path(mlx_pair[1]).name)
-    notes, drafted = run(0)
+    name = draft_name(MlxBackend(mlx_pair[1]))
+    learned = load_adapters(path, name)
+    written = path.read_bytes()
+    notes, drafted, report = run(learn=False)
     assert any(f"drafts with the adapters it learned in earlier runs ({path})" in note for note in notes), notes
     assert not np.array_equal(drafted, untrained)  # the drafting model took the kept adapters at once
-    kept_again = load_adapters(path, Path(mlx_pair[1]).name)
-    assert all(np.array_equal(learned[key], kept_again[key]) for key in learned)  # no step: kept as they were
+    assert report.kept is None and path.read_bytes() == written  # no step: the file as it was
+    _, _, report = run(learn=True, poisoned=True)
+    assert report.stopped and report.kept is None and path.read_bytes() == written  # never written back bad
     path.write_bytes(b"damaged")
-    notes, drafted = run(0)
+    notes, drafted, report = run(learn=True)
     assert any("cannot be used (not a safetensors file" in note for note in notes), notes
     np.testing.assert_array_equal(drafted, untrained)
-    load_adapters(path, Path(mlx_pair[1]).name)  # written anew, good
+    assert report.kept == path and load_adapters(path, name).keys() == learned.keys()  # written anew, good
     path.unlink()
     path.mkdir()
     with pytest.raises(FileAccessError, match="--keep-learned"):
