@@ -76,7 +76,8 @@ def info(model: ModelArg, json_output: JsonOpt = False, registry: RegistryOpt = 
 
 
 def _check_local_model(entry: ModelEntry) -> None:
-    """A path given to `models info` holds a model: a GGUF file whose header fits the file, or a
+    """A path given to `models info` holds a model: a GGUF file whose metadata fits the file (its
+    tensors are left to loading: a type this gguf-py does not know may be llama.cpp's), or a
     folder with an MLX model's config.json; else ModelFileError naming what it is."""
     from specrun.backends.llama import check_gguf_file
     from specrun.modelkit.gguf_check import read_layout
@@ -85,7 +86,7 @@ def _check_local_model(entry: ModelEntry) -> None:
         path = Path(entry.gguf_path).expanduser()
         check_gguf_file(path)
         try:
-            read_layout(path)
+            read_layout(path, tensors=False)
         except (ValueError, OSError, struct.error) as exc:
             raise ModelFileError(f"{path} is not a whole GGUF file: {exc}",
                                  "download it again, or pass another .gguf file") from None

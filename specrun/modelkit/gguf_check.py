@@ -45,9 +45,10 @@ class TensorInfo:
         return math.prod(self.shape) // block * size
 
 
-def read_layout(path: Path) -> tuple[dict[str, object], list[TensorInfo]]:
+def read_layout(path: Path, tensors: bool = True) -> tuple[dict[str, object], list[TensorInfo]]:
     """Every metadata key's value (arrays as lists) and every tensor's info, each count, length
-    and offset checked against the file; ValueError naming the first that does not fit."""
+    and offset checked against the file; ValueError naming the first that does not fit.
+    ``tensors`` False: the metadata alone (no tensor list: types this gguf-py does not know pass)."""
     data = Path(path).read_bytes() if Path(path).stat().st_size < (1 << 26) else None
     with Path(path).open("rb") as handle:
         reader = _Bounded(handle, Path(path).stat().st_size, data)
@@ -61,7 +62,9 @@ def read_layout(path: Path) -> tuple[dict[str, object], list[TensorInfo]]:
             if key in fields:
                 raise ValueError(f"the metadata key {key!r} appears twice")
             fields[key] = reader.value(struct.unpack("<I", reader.read(4))[0], key)
-        reader.fits(n_tensors, 33, "tensors")  # name length, a byte of name, dims, one dim, type, offset
+        reader.fits(n_tensors, 33, "tensors")
+        if not tensors:
+            return fields, []  # name length, a byte of name, dims, one dim, type, offset
         infos = [_tensor_info(reader) for _ in range(n_tensors)]
         alignment = fields.get(gguf.Keys.General.ALIGNMENT, 32)
         if isinstance(alignment, bool) or not isinstance(alignment, int) or not 1 <= alignment <= 1 << 16 \
