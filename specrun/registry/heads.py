@@ -25,8 +25,12 @@ def heads_cache_path(target_spec: str, kind: str) -> Path:
     (``kind``: a stored kind, "eagle3" among them)."""
     from specrun.modelkit.demo import cache_dir
 
-    name = re.sub(r"[^A-Za-z0-9._-]+", "_", Path(target_spec).name if "/" in target_spec else target_spec)
-    return cache_dir() / "heads" / name / _stored_name(kind)
+    return cache_dir() / "heads" / _cache_name(target_spec) / _stored_name(kind)
+
+
+def _cache_name(spec: str) -> str:
+    """A model named in specrun's cache: an alias as it is, a path by its last part, made safe."""
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", Path(spec).name if "/" in spec else spec)
 
 
 def adapters_cache_path(target_spec: str, draft_name: str) -> Path:
@@ -34,9 +38,7 @@ def adapters_cache_path(target_spec: str, draft_name: str) -> Path:
     <cache>/heads/<target>/draft-<draft>.adapters.safetensors."""
     from specrun.modelkit.demo import cache_dir
 
-    target = re.sub(r"[^A-Za-z0-9._-]+", "_", Path(target_spec).name if "/" in target_spec else target_spec)
-    draft = re.sub(r"[^A-Za-z0-9._-]+", "_", draft_name)
-    return cache_dir() / "heads" / target / f"draft-{draft}.adapters.safetensors"
+    return cache_dir() / "heads" / _cache_name(target_spec) / f"draft-{_cache_name(draft_name)}.adapters.safetensors"
 
 
 def shipped_heads_path(builtin: str, kind: str) -> Path:

@@ -184,9 +184,8 @@ def save_adapters(path: Path, arrays: dict[str, np.ndarray], draft_name: str) ->
     from specrun.errors import ModelFileError
     from specrun.fileio import write_atomically
 
-    tensors = {name: np.ascontiguousarray(array, np.float32) for name, array in sorted(arrays.items())}
-    digest = hashlib.sha256(b"".join(name.encode() + tensors[name].tobytes() for name in tensors)).hexdigest()
-    payload = save(tensors, metadata={"format": ADAPTERS_FORMAT, "draft": draft_name, "sha256": digest})
+    tensors = {name: np.ascontiguousarray(array, np.float32) for name, array in arrays.items()}
+    payload = save(tensors, metadata={"format": ADAPTERS_FORMAT, "draft": draft_name, "sha256": _digest(tensors)})
     write_atomically(path, payload, "draft adapters", error=ModelFileError)
 
 
@@ -207,10 +206,14 @@ def load_adapters(path: Path, draft_name: str) -> dict[str, np.ndarray]:
         raise ValueError(f"it cannot be read ({exc.strerror or exc})") from None
     except (SafetensorError, TypeError) as exc:  # TypeError: a dtype NumPy has not (bfloat16)
         raise ValueError(f"not a safetensors file NumPy reads ({exc})") from None
-    digest = hashlib.sha256(b"".join(name.encode() + tensors[name].tobytes() for name in sorted(tensors))).hexdigest()
-    if digest != metadata.get("sha256"):
+    if _digest(tensors) != metadata.get("sha256"):
         raise ValueError("their checksum disagrees (the file was changed or cut short)")
     return tensors
+
+
+def _digest(tensors: dict[str, np.ndarray]) -> str:
+    """sha256 over the tensors' names and bytes, in name order."""
+    return hashlib.sha256(b"".join(name.encode() + tensors[name].tobytes() for name in sorted(tensors))).hexdigest()
 
 
 def _by_depth(values: np.ndarray, start: int, count: int, depth: int) -> np.ndarray:
