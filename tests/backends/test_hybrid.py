@@ -6,6 +6,8 @@ in one line, chains used."""
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import numpy as np
 import pytest
 
@@ -356,15 +358,28 @@ class _Scripted:
         del self.texts[seq][n_keep:]
 
 
+@contextmanager
+def scripted_slots(hybrid, n_slots: int, slot_ctx: int | None = None):
+    """``n_slots`` exact slots of the hybrid target (``slot_ctx`` tokens each) and a _Scripted on
+    them, checked against a fresh context of the same settings; all closed after."""
+    from specrun.backends.llama_slots import LlamaSlots
+
+    model, fresh = (open_llama(hybrid["target"], kv_type="f32", flash_attn=False) for _ in range(2))
+    slots = LlamaSlots(model, n_slots, slot_ctx, exact=True)
+    try:
+        yield slots, _Scripted(slots, fresh)
+    finally:
+        slots.close()
+        model.close()
+        fresh.close()
+
+
 def test_hybrid_slots_hold_their_own_cells_from_the_start(hybrid):
     """First passes in the order 1, 0, 2; then 0's pass, a batch of 1 and 2, and 0 rolled back into
     its pass: it reads its own state. Opening the slots feeds every sequence a token in one batch,
     so that sequence i holds cell i from the start: else 1 would take cell 0 and 0 cell 1, and
     llama.cpp, gathering the batch of 1 and 2 from cell 0, would move 0 away from its snapshots."""
-    model, fresh = (open_llama(hybrid["target"], kv_type="f32", flash_attn=False) for _ in range(2))
-    slots = model.open_slots(3, exact=True)
-    try:
-        script = _Scripted(slots, fresh)
+    with scripted_slots(hybrid, 3) as (slots, script):
         for seq in (1, 0, 2):
             script.step((seq, [10 + seq, 20, 30, 40]))
         script.step((0, [50, 51, 52, 53]))
@@ -372,10 +387,6 @@ def test_hybrid_slots_hold_their_own_cells_from_the_start(hybrid):
         script.remove(0, 6)
         script.step((0, [70]))
         assert slots._sequences[0].last_pass == 1  # rolled back, not started again
-    finally:
-        slots.close()
-        model.close()
-        fresh.close()
 
 
 def test_a_failed_restore_leaves_its_sequence_holding_its_cell(hybrid):
@@ -383,20 +394,17 @@ def test_a_failed_restore_leaves_its_sequence_holding_its_cell(hybrid):
     sequence's cell, as llama.cpp does): the sequence starts again, but holds its cell meanwhile. Else
     sequence 2, started again, would take 0's cell, 0 then 2's; a batch of 2 and 3 gathered from
     cell 0 would move 1 away from its last pass's snapshots, and 1's rollback read a wrong state."""
-    model, fresh = (open_llama(hybrid["target"], kv_type="f32", flash_attn=False) for _ in range(2))
-    slots = model.open_slots(4, exact=True)
-    lib = slots._lib
+    with scripted_slots(hybrid, 4) as (slots, script):
+        lib = slots._lib
 
-    class FailingRestore:
-        def __getattr__(self, name):
-            return getattr(lib, name)
+        class FailingRestore:
+            def __getattr__(self, name):
+                return getattr(lib, name)
 
-        def llama_state_seq_set_data_ext(self, ctx, buffer, size, seq, flags):
-            lib.llama_memory_seq_rm(slots._memory, seq, -1, -1)
-            return 0
+            def llama_state_seq_set_data_ext(self, ctx, buffer, size, seq, flags):
+                lib.llama_memory_seq_rm(slots._memory, seq, -1, -1)
+                return 0
 
-    try:
-        script = _Scripted(slots, fresh)
         script.step(*[(seq, [11 + 10 * seq, 12, 13]) for seq in range(4)])
         slots.keep(0)
         script.step((0, [14, 15, 16]))
@@ -413,22 +421,14 @@ def test_a_failed_restore_leaves_its_sequence_holding_its_cell(hybrid):
         script.remove(1, len(script.texts[1]) - 2)
         script.step((1, [50]))
         assert slots._sequences[1].last_pass == 1  # rolled back, not started again
-    finally:
-        slots.close()
-        model.close()
-        fresh.close()
 
 
 def test_a_pass_past_the_slot_s_context_fails_before_its_cell_is_emptied(hybrid):
     """A sequence started again whose next pass would overflow its slot: one line, raised before
     its cell is emptied (nothing in llama.cpp touched); a pass that fits then reads as fed alone."""
-    from specrun.backends.llama_slots import LlamaSlots
     from specrun.errors import ContextFullError
 
-    model, fresh = (open_llama(hybrid["target"], kv_type="f32", flash_attn=False) for _ in range(2))
-    slots = LlamaSlots(model, 2, slot_ctx=16, exact=True)
-    try:
-        script = _Scripted(slots, fresh)
+    with scripted_slots(hybrid, 2, slot_ctx=16) as (slots, script):
         script.step((0, list(range(20, 26))), (1, [5, 6, 7]))
         script.step((0, list(range(26, 30))))
         script.remove(0, 2)  # past its last pass: it starts again, its two tokens fed at its next pass
@@ -437,10 +437,6 @@ def test_a_pass_past_the_slot_s_context_fails_before_its_cell_is_emptied(hybrid)
             script.step((0, list(range(40, 55))))
         assert counting.calls == {} and slots._sequences[0].again == [20, 21]
         script.step((0, [60, 61]), (1, [62]))
-    finally:
-        slots.close()
-        model.close()
-        fresh.close()
 
 
 @pytest.mark.parametrize("order", [(2, 1), (1, 2)])
@@ -452,26 +448,23 @@ def test_a_failed_batch_whose_cells_llama_cpp_emptied_leaves_each_sequence_its_o
     from specrun.backends.slots import SlotPass
     from specrun.errors import ContextFullError
 
-    model, fresh = (open_llama(hybrid["target"], kv_type="f32", flash_attn=False) for _ in range(2))
-    slots = model.open_slots(4, exact=True)
-    lib = slots._lib
+    with scripted_slots(hybrid, 4) as (slots, script):
+        lib = slots._lib
 
-    class FailingCompute:
-        failed = False
+        class FailingCompute:
+            failed = False
 
-        def __getattr__(self, name):
-            return getattr(lib, name)
+            def __getattr__(self, name):
+                return getattr(lib, name)
 
-        def llama_decode(self, ctx, batch):
-            if self.failed:  # the holding feeds after it decode
-                return lib.llama_decode(ctx, batch)
-            self.failed = True
-            for seq in {batch.seq_id[i][0] for i in range(batch.n_tokens)}:
-                lib.llama_memory_seq_rm(slots._memory, seq, 0, -1)
-            return -3
+            def llama_decode(self, ctx, batch):
+                if self.failed:  # the holding feeds after it decode
+                    return lib.llama_decode(ctx, batch)
+                self.failed = True
+                for seq in {batch.seq_id[i][0] for i in range(batch.n_tokens)}:
+                    lib.llama_memory_seq_rm(slots._memory, seq, 0, -1)
+                return -3
 
-    try:
-        script = _Scripted(slots, fresh)
         script.step(*[(seq, [11 + 10 * seq, 12, 13]) for seq in range(4)])
         slots._lib = FailingCompute()
         with pytest.raises(ContextFullError):
@@ -484,35 +477,28 @@ def test_a_failed_batch_whose_cells_llama_cpp_emptied_leaves_each_sequence_its_o
         script.remove(1, len(script.texts[1]) - 2)
         script.step((1, [60]))
         assert slots._sequences[1].last_pass == 1
-    finally:
-        slots.close()
-        model.close()
-        fresh.close()
 
 
 def test_a_failed_batch_starts_again_only_the_sequences_it_carried(hybrid):
     """Packed passes go as runs of consecutive sequences, a decode each: where the second fails,
     the sequences of the first ran and keep their states (and their rollbacks), those of the
     failed one start again; every later pass reads as fed alone."""
-    model, fresh = (open_llama(hybrid["target"], kv_type="f32", flash_attn=False) for _ in range(2))
-    slots = model.open_slots(3, exact=True)
-    lib = slots._lib
-
-    class SecondDecodeFails:
-        decodes = 0
-
-        def __getattr__(self, name):
-            return getattr(lib, name)
-
-        def llama_decode(self, ctx, batch):
-            self.decodes += 1
-            return 1 if self.decodes == 2 else lib.llama_decode(ctx, batch)
-
     from specrun.backends.slots import SlotPass
     from specrun.errors import ContextFullError
 
-    try:
-        script = _Scripted(slots, fresh)
+    with scripted_slots(hybrid, 3) as (slots, script):
+        lib = slots._lib
+
+        class SecondDecodeFails:
+            decodes = 0
+
+            def __getattr__(self, name):
+                return getattr(lib, name)
+
+            def llama_decode(self, ctx, batch):
+                self.decodes += 1
+                return 1 if self.decodes == 2 else lib.llama_decode(ctx, batch)
+
         script.step(*[(seq, [10 + seq, 11, 12]) for seq in range(3)])
         slots._lib = SecondDecodeFails()
         with pytest.raises(ContextFullError, match="decode failed"):
@@ -523,10 +509,6 @@ def test_a_failed_batch_starts_again_only_the_sequences_it_carried(hybrid):
         script.remove(0, 5)  # a rollback into the pass that ran
         script.step((0, [20]), (1, [21, 22]), (2, [23]))
         assert slots._sequences[0].last_pass == 1
-    finally:
-        slots.close()
-        model.close()
-        fresh.close()
 
 
 def test_a_window_on_a_hybrid_is_refused_for_the_target_and_a_note_for_a_draft_model(hybrid):
