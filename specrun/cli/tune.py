@@ -63,7 +63,9 @@ def tune(
 
     With --draft self:layers (MLX targets): search which of the target's layers its
     layer-skip draft keeps, within --budget seconds; --draft self:layers then uses them.
-    --flash-attn and --exact tune for runs with those settings (their costs differ)."""
+    --flash-attn and --exact tune for runs with those settings (their costs differ). On a
+    CPU, llama.cpp's flash attention is timed after 4,096 tokens too (once per model and machine),
+    so that long runs and requests choose by it rather than wait for it."""
     with cli_errors():
         from specrun.errors import UsageError
         from specrun.modelkit.layer_choice import load_choices
@@ -119,7 +121,7 @@ def run_tune(target, draft, n_prompts, max_tokens, load, window_context: int | N
     from specrun.sessions import tuning
     from specrun.errors import UsageError
     from specrun.registry.loading import choose_pair
-    from specrun.sessions.kernels import open_settled_pair
+    from specrun.sessions.kernels import measure_deep, open_settled_pair
     from specrun.sessions.prompts import CODE_PROMPTS
 
     target, draft = choose_pair(target, draft, load.registry)
@@ -129,6 +131,8 @@ def run_tune(target, draft, n_prompts, max_tokens, load, window_context: int | N
     target_backend, draft_backend = open_settled_pair(target, draft, load,
                                                       lambda note: err.print(f"note: {note}", highlight=False))
     try:
+        # what long runs and requests read rather than wait for (sessions/kernels.py)
+        measure_deep((target_backend, draft_backend), load, lambda note: err.print(f"note: {note}", highlight=False))
         prompts = [target_backend.tokenize(text) for text in CODE_PROMPTS[:n_prompts]]
         key = tuning.pair_key(target_backend, draft_backend, load.threads)
         result = tuning.calibrate(

@@ -10,7 +10,7 @@ from specrun.engine.events import Finished, GenerationResult, TextChunk
 from specrun.engine.loop import TIE_MARGIN, GenerationParams, SpeculativeEngine, check_prompt
 from specrun.engine.passes import Verification
 from specrun.registry.loading import LoadOptions, open_pair, prompts_as_chat
-from specrun.sessions.kernels import settle_pair
+from specrun.sessions.kernels import DEEP_WAIT_S, settle_pair
 from specrun.drafters.methods import (
     DrafterOptions,
     build_drafter,
@@ -117,7 +117,8 @@ def generate_text(request: GenerateRequest, on_text: Callable[[str], None] | Non
         # The input is good: flash attention by what it costs here (a first run measures it and
         # notes so after the answer), which also picks the tuning key of the run's stored costs.
         kernel_notes: list[str] = []
-        settle_pair(target, draft, request.load, kernel_notes.append, len(prompt_ids) + request.max_new_tokens)
+        settle_pair(target, draft, request.load, kernel_notes.append, len(prompt_ids) + request.max_new_tokens,
+                    wait_s=DEEP_WAIT_S)
         tuned = load_tuned(target, draft, request.load.threads)
         draft = tuned_window(draft, tuned, request.load, request.on_note)
         options = dataclasses.replace(options, draft_min_prob=resolve_min_prob(request.draft_min_prob, tuned))

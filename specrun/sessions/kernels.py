@@ -24,6 +24,10 @@ length when it opens: it settles by the short probe, and once an answer's contex
 ``DEEP_FROM`` tokens chooses again by the deep one (``settle_for_context``, once a session);
 where that choice differs, the models' caches are emptied, their contexts made again and the
 prompt read again in full — one prefill, against every later step of a long conversation.
+A run or a request never waits more than ``DEEP_WAIT_S`` for the deep probe: where the short
+probe's costs put it above that (two prefills of DEEP_DEPTH tokens, each token at the 6-token
+pass's cost: minutes for an 8B model on a laptop CPU), the run keeps the short probe's choice and
+says that `specrun tune` measures it once; tune (and a bench, itself a measurement) waits for it.
 
 The setting whose one-token pass and 6-token pass together cost less wins (a plain step and
 a verify pass: what plain decoding and speculation pay); off must be ``MARGIN`` faster to
@@ -54,6 +58,9 @@ PROBE_BUDGET_S = 2.0
 DEEP_FROM = 2048  # a run whose context will reach this many tokens chooses by the deep probe
 DEEP_DEPTH = 4096
 DEEP_BUDGET_S = 600.0  # its prefill may take a quarter of this: a 4,096-token prefill on a slow CPU
+DEEP_ROUNDS = 9  # the deep probe's timed rounds: its budget never cuts them short (backends' max_rounds)
+DEEP_SLOWDOWN = 4.0  # a pass after DEEP_DEPTH tokens against one after PROBE_DEPTH: 2-11x measured here
+DEEP_WAIT_S = 30.0  # the longest a run or a request waits for the deep probe; `specrun tune` waits for any
 MARGIN = 0.03
 MAX_KERNELS_BYTES = 4 * MiB
 MAX_SECONDS = 1e6
@@ -146,18 +153,19 @@ def _checked(raw) -> FlashCosts:
     return FlashCosts(raw["model"], raw["machine"], threads, depth, by_setting["on"], by_setting["off"])
 
 
-def settle_flash_attn(backend, options: LoadOptions, context: int | None = None, again: bool = False) -> str | None:
+def settle_flash_attn(backend, options: LoadOptions, context: int | None = None, again: bool = False,
+                      wait_s: float | None = None) -> str | None:
     """Turn flash attention on or off for ``backend`` by what it costs here, where the user
     left it to llama.cpp (module docstring): the stored costs, else a probe stored for the
     next run. ``context``: the tokens the run's context will reach, where known (a long one is
     chosen for by the deep probe). ``again``: settle a backend settled before, for another
-    context (its cache empty). Returns a note saying what was measured, when it measured;
-    None otherwise."""
+    context (its cache empty). ``wait_s``: the longest the deep probe may take (``flash_costs``).
+    Returns a note saying what was measured, when it measured, or why it did not; None otherwise."""
     if getattr(backend, "flash_attn", None) is not None and not again:  # MLX's have none
         return None
-    costs, note = flash_costs(backend, options, context)
+    costs, note = flash_costs(backend, options, context, wait_s=wait_s)
     if costs is None:
-        return None
+        return note
     try:
         backend.set_flash_attn(costs.flash_on())
     except SpecrunError:
@@ -166,12 +174,16 @@ def settle_flash_attn(backend, options: LoadOptions, context: int | None = None,
 
 
 def flash_costs(backend, options: LoadOptions, context: int | None = None,
-                on_start: Callable[[str], None] | None = None) -> tuple[FlashCosts | None, str | None]:
+                on_start: Callable[[str], None] | None = None,
+                wait_s: float | None = None) -> tuple[FlashCosts | None, str | None]:
     """What flash attention costs ``backend`` here, for a run whose context reaches ``context``
     (the deep probe's key from DEEP_FROM tokens), and a note where it was measured now: stored,
     else probed and stored. (None, None) where the choice is not specrun's (a GPU, RPC, --exact,
     --flash-attn given, not llama.cpp) or nothing could be timed. ``on_start`` is told before the
-    deep probe runs (two prefills of DEEP_DEPTH tokens: what a request waiting for it waits for)."""
+    deep probe runs (two prefills of DEEP_DEPTH tokens: what a request waiting for it waits for).
+    ``wait_s``: where the deep probe is not stored and would take longer than this by the short
+    probe's costs (``deep_probe_seconds``), the short probe's costs and a note saying so and what
+    measures it."""
     if getattr(backend, "name", None) != "llama" or options.flash_attn is not None or options.exact:
         return None, None
     if not backend.runs_on_cpu:
@@ -179,11 +191,19 @@ def flash_costs(backend, options: LoadOptions, context: int | None = None,
     deep = context is not None and context >= DEEP_FROM
     probe_depth, budget = (DEEP_DEPTH, DEEP_BUDGET_S) if deep else (PROBE_DEPTH, PROBE_BUDGET_S)
     model, machine, threads = _unsettled_id(backend), machine_id(), backend.n_threads
-    settings = f"kv={backend.kv_type}|{backend.library_version}" + (f"|depth={DEEP_DEPTH}" if deep else "")
-    key = costs_key(model, machine, threads, settings)
-    costs = load_costs(key)
+    costs = load_costs(_key(backend, deep))
     if costs is not None:
         return costs, None
+    if deep and wait_s is not None:
+        short, _ = flash_costs(backend, options)  # stored by the run's open; else measured now (seconds)
+        if short is None:
+            return None, None  # nothing can be timed on this model here
+        seconds = deep_probe_seconds(short)
+        if seconds > wait_s:
+            return short, (f"flash attention {'on' if short.flash_on() else 'off'} for {model.split(':')[0]} as "
+                           f"measured after {short.depth} tokens, in this long context too: timing it after "
+                           f"{DEEP_DEPTH} tokens would take about {seconds:.0f} s here; `specrun tune` measures it "
+                           f"once for later runs (or pass --flash-attn on|off)")
     if deep and on_start is not None:
         on_start(f"timing flash attention after {DEEP_DEPTH} tokens for {model.split(':')[0]}, once on this "
                  f"machine (up to {DEEP_BUDGET_S:.0f} s; stored for later runs): this answer waits for it")
@@ -196,10 +216,39 @@ def flash_costs(backend, options: LoadOptions, context: int | None = None,
         return None, None  # nothing can be timed on this model here: llama.cpp's choice stands
     costs = FlashCosts(model, machine, threads, depth, measured[True], measured[False])
     try:
-        save_costs(key, costs)
+        save_costs(_key(backend, deep), costs)
     except SpecrunError:
         pass  # a read-only config folder: the next run measures again (nothing half-written)
     return costs, costs.describe()
+
+
+def _key(backend, deep: bool) -> str:
+    """The key of ``backend``'s costs here: the short probe's, or the deep one's."""
+    settings = f"kv={backend.kv_type}|{backend.library_version}" + (f"|depth={DEEP_DEPTH}" if deep else "")
+    return costs_key(_unsettled_id(backend), machine_id(), backend.n_threads, settings)
+
+
+def deep_probe_seconds(short: FlashCosts) -> float:
+    """About how long the deep probe takes, by the short probe's costs: both settings' contexts
+    fed DEEP_DEPTH tokens, each token at the slower setting's 6-token pass per token (the prefill
+    stops at a quarter of DEEP_BUDGET_S), then its timed rounds, each pass DEEP_SLOWDOWN times
+    what it cost after PROBE_DEPTH tokens. Measured here: demo-target (2 threads) 2.9 s estimated,
+    3.3 s taken; SmolLM2-135M F16 (1 thread) 29.0 s estimated, 28.6 s taken."""
+    per_token = max(short.on[6], short.off[6]) / 6
+    passes = sum(short.on[n] + short.off[n] for n in PROBE_COUNTS)
+    return min(2 * DEEP_DEPTH * per_token, DEEP_BUDGET_S / 4) + DEEP_ROUNDS * DEEP_SLOWDOWN * passes
+
+
+def measure_deep(backends, options: LoadOptions, on_note: Callable[[str], None]) -> None:
+    """The deep probe for each llama.cpp model of ``backends`` whose context can reach DEEP_FROM
+    tokens, measured now however long it takes, and stored (`specrun tune`: later long runs and
+    requests then read it rather than wait). A windowed draft decodes in its window's few cells."""
+    for backend in backends:
+        if backend is None or hasattr(backend, "reopen") or getattr(backend, "n_ctx", 0) < DEEP_FROM:
+            continue
+        _, note = flash_costs(backend, options, DEEP_DEPTH, on_start=on_note)
+        if note is not None:
+            on_note(note)
 
 
 def settle_for_context(backends, options: LoadOptions, context: int, empty_caches: Callable[[], None],
@@ -218,7 +267,7 @@ def settle_for_context(backends, options: LoadOptions, context: int, empty_cache
             continue
         if getattr(backend, "tracking_hidden", False):
             continue  # heads read its states: its context is not made again mid-conversation
-        costs, note = flash_costs(backend, options, context, on_start=on_note)
+        costs, note = flash_costs(backend, options, context, on_start=on_note, wait_s=DEEP_WAIT_S)
         if note is not None and on_note is not None:
             on_note(note)
         if costs is None or costs.flash_on() == backend.flash_attn:
@@ -261,26 +310,28 @@ def open_settled_pair(target_spec: str, draft_spec: str | None, options: LoadOpt
 
 
 def settle_pair(target, draft, options: LoadOptions, on_note=None, context: int | None = None,
-                again: bool = False) -> None:
+                again: bool = False, wait_s: float | None = None) -> None:
     """``settle_flash_attn`` for the target and a draft model (each measured apart); ``on_note``
-    is told what was measured; ``context``: the tokens the run's context will reach, where known.
+    is told what was measured; ``context``: the tokens the run's context will reach, where known;
+    ``wait_s``: the longest a deep probe may take (None: any, as a bench and tune wait).
     Before anything is fed (``again``: or with the caches emptied, settled once before)."""
     for backend in (target, draft):
         if backend is None:
             continue
-        note = _settle(backend, options, context, again)
+        note = _settle(backend, options, context, again, wait_s)
         if note is not None and on_note is not None:
             on_note(note)
 
 
-def _settle(backend, options: LoadOptions, context: int | None = None, again: bool = False) -> str | None:
+def _settle(backend, options: LoadOptions, context: int | None = None, again: bool = False,
+            wait_s: float | None = None) -> str | None:
     """``settle_flash_attn``; a windowed draft's model is settled for its window's few cells, then
     its window cache made again with the model's settings (backends/window.py)."""
     if hasattr(backend, "reopen"):
         note = settle_flash_attn(backend.parent, options, again=again)
         backend.reopen()
         return note
-    return settle_flash_attn(backend, options, context, again)
+    return settle_flash_attn(backend, options, context, again, wait_s)
 
 
 def open_settled_draft(target, target_spec: str, draft_spec: str, options: LoadOptions, on_note=None):

@@ -251,9 +251,27 @@ def test_a_bench_chooses_flash_attention_for_the_context_its_longest_prompt_reac
     assert told == [(told[0][0], None, longest + 8)]
 
 
+def test_a_generate_waits_a_bounded_time_for_the_deep_probe_a_bench_any(monkeypatch):
+    """generate passes its prompt's length and new tokens with DEEP_WAIT_S (a run the user waits
+    on); the bench above passes no wait (a measurement, as tune)."""
+    pytest.importorskip("llama_cpp", reason="the llama backend is not installed")
+    from typer.testing import CliRunner
+
+    import specrun.sessions.generation as generation
+    from specrun.cli.app import app
+
+    told = []
+    monkeypatch.setattr(generation, "settle_pair", lambda target, draft, options, on_note, context=None,
+                        wait_s=None: told.append((context, wait_s)))
+    result = CliRunner().invoke(app, ["generate", "-t", "demo-target", "--backend", "llama", "--threads", "1",
+                                      "-n", "8", "--method", "none", "hello there"])
+    assert result.exit_code == 0, result.output
+    assert len(told) == 1 and told[0][0] > 8 and told[0][1] == kernels.DEEP_WAIT_S
+
+
 # ---- a conversation that grows past DEEP_FROM (sessions/kernels.settle_for_context) ----------------
 
-NEAR_EVEN = ({1: 0.0100, 6: 0.0200}, {1: 0.0102, 6: 0.0203})  # after 256 tokens: on (llama.cpp's choice)
+NEAR_EVEN = ({1: 0.0050, 6: 0.0100}, {1: 0.0051, 6: 0.01015})  # after 256 tokens: on (llama.cpp's choice)
 DEEP_OFF = ({1: 0.176, 6: 0.619}, {1: 0.094, 6: 0.166})  # after 4,096: off far faster (docs/perf.md 3(s))
 
 
@@ -291,6 +309,70 @@ def test_a_conversation_past_deep_from_switches_to_the_deep_choice_emptying_the_
     notes.clear()
     kernels.settle_for_context((settled_short(),), LoadOptions(), kernels.DEEP_FROM + 10, lambda: None, notes.append)
     assert not any(note.startswith("timing") for note in notes)  # stored: nothing timed, nothing said
+
+
+SLOW_MODEL = ({1: 0.100, 6: 0.200}, {1: 0.102, 6: 0.203})  # an 8B model on a small CPU: on, near even
+
+
+def test_a_deep_probe_estimated_past_the_wait_is_not_run_the_short_choice_stands_with_a_note():
+    """Two prefills of 4,096 tokens at a 6-token pass of 200 ms: about 3 minutes (the prefill stops
+    at a quarter of the deep budget), then the timed rounds. A chat's answer
+    or a request does not wait for it: the short probe's choice stands, said once with the
+    estimate and what measures it; nothing deep is stored, so tune measures it later."""
+    assert kernels.deep_probe_seconds(FlashCosts("m", "x", 2, 256, *NEAR_EVEN)) < kernels.DEEP_WAIT_S
+    slow = FlashCosts("m", "x", 2, 256, *SLOW_MODEL)
+    assert kernels.DEEP_BUDGET_S / 4 < kernels.deep_probe_seconds(slow) < 200
+    backend = StubLlama(*SLOW_MODEL, deep=DEEP_OFF)
+    settle_flash_attn(backend, LoadOptions())
+    emptied, notes = [], []
+    assert kernels.settle_for_context((backend,), LoadOptions(), 8000, lambda: emptied.append(1), notes.append) == []
+    assert backend.probes == [(kernels.PROBE_DEPTH, kernels.PROBE_BUDGET_S)] and backend.flash_attn is True
+    assert emptied == [] and len(notes) == 1
+    assert notes[0].startswith("flash attention on for") and "in this long context too" in notes[0]
+    assert f"would take about {kernels.deep_probe_seconds(slow):.0f} s here" in notes[0]
+    assert "`specrun tune` measures it once" in notes[0]
+    assert len(json.loads(kernels_path().read_text())["flash_attn"]) == 1  # the short probe's only
+
+    # a long generate opening on it: the short probe's choice (measured now), not llama.cpp's
+    fresh = StubLlama(*SLOW_ON)
+    fresh.costs = {True: {1: 0.2, 6: 0.5}, False: {1: 0.1, 6: 0.3}}  # off, and slow
+    fresh.n_threads = 4  # measured apart from the one above
+    note = settle_flash_attn(fresh, LoadOptions(), context=8000, wait_s=kernels.DEEP_WAIT_S)
+    assert fresh.probes == [(kernels.PROBE_DEPTH, kernels.PROBE_BUDGET_S)] and fresh.flash_attn is False
+    assert note.startswith("flash attention off for") and "in this long context too" in note
+    # without a wait (a bench, tune) the deep probe runs however long it takes
+    waited = StubLlama(*SLOW_MODEL, deep=DEEP_OFF)
+    waited.n_threads = 3
+    settle_flash_attn(waited, LoadOptions(), context=8000)
+    assert waited.probes == [(kernels.DEEP_DEPTH, kernels.DEEP_BUDGET_S)] and waited.flash_attn is False
+
+
+def test_tune_measures_the_deep_probe_for_models_whose_context_reaches_deep_from():
+    """`specrun tune` (kernels.measure_deep): a deep probe for each llama.cpp model that can reach
+    DEEP_FROM tokens, however long, stored; a later long request reads it and switches at once."""
+    target, draft = settled_short(), settled_short()
+    target.costs = draft.costs = dict(zip((True, False), SLOW_MODEL))  # past the wait
+    draft.n_threads = 1
+    short_context = settled_short()
+    short_context.n_ctx = kernels.DEEP_FROM - 1
+    short_context.n_threads = 5
+    window = settled_short()
+    window.reopen = lambda: None
+    notes = []
+    kernels.measure_deep((target, draft, None, short_context, window), LoadOptions(), notes.append)
+    for backend in (target, draft):
+        assert backend.probes[-1] == (kernels.DEEP_DEPTH, kernels.DEEP_BUDGET_S)
+        assert backend.flash_attn is True  # measured and stored, not switched: tune calibrates as opened
+    for unprobed in (short_context, window):  # the open's probe at most
+        assert all(depth == kernels.PROBE_DEPTH for depth, _ in unprobed.probes)
+    assert sum(note.startswith("timing flash attention after") for note in notes) == 2
+    assert sum(note.startswith("flash attention off for") for note in notes) == 2
+    notes.clear()
+    kernels.measure_deep((target,), LoadOptions(), notes.append)
+    assert notes == [] and target.probes[-1][0] == kernels.DEEP_DEPTH and target.timed == 2  # stored: once
+    emptied = []
+    assert len(kernels.settle_for_context((target,), LoadOptions(), 8000, lambda: emptied.append(1))) == 1
+    assert target.flash_attn is False and emptied == [1] and target.timed == 2  # read, not measured
 
 
 def test_a_deep_choice_that_agrees_changes_nothing():
@@ -355,7 +437,7 @@ def deep_off_costs(monkeypatch) -> list[bool]:
     the list of its answers (True: the deep one)."""
     asked: list[bool] = []
 
-    def costs(backend, options, context=None, on_start=None):
+    def costs(backend, options, context=None, on_start=None, wait_s=None):
         if options.flash_attn is not None or options.exact:
             return None, None
         deep = context is not None and context >= kernels.DEEP_FROM
