@@ -731,10 +731,11 @@ class LlamaCppBackend(HiddenTracking):
 
         return LlamaSlots(self, n_slots, self.n_ctx, exact=exact)
 
-    def slot_cache_bytes(self) -> int:
+    def slot_cache_bytes(self, keeping: bool = True) -> int:
         """What a slot's sequence of ``n_ctx`` tokens holds in keys and values (every layer's, as
         the model's metadata gives their widths: an upper bound for a hybrid's attention), and a
-        recurrent model's state with llama.cpp's snapshots of it (``n_rs_seq``) and a kept copy."""
+        recurrent model's state with llama.cpp's snapshots of it (``n_rs_seq``) and, ``keeping``
+        (a draft model's slot: LlamaSlots.keep), a kept copy."""
         lib, model = self._lib, self._model
         arch = self.metadata("general.architecture") or ""
         heads, kv_heads = lib.llama_model_n_head(model), lib.llama_model_n_head_kv(model)
@@ -745,7 +746,7 @@ class LlamaCppBackend(HiddenTracking):
             return int(value) if value and value.isdigit() else width
 
         per_token = lib.llama_model_n_layer(model) * kv_heads * (length("key_length") + length("value_length"))
-        states = 2 + RS_SNAPSHOTS  # the state, its snapshots, and a draft slot's kept copy (LlamaSlots.keep)
+        states = 1 + RS_SNAPSHOTS + keeping  # the state, its snapshots, a draft slot's kept copy
         return per_token * (4 if self.kv_type == "f32" else 2) * self.n_ctx + self._state_bytes() * states
 
     def _state_bytes(self) -> int:

@@ -1124,10 +1124,11 @@ class MlxBackend(HiddenTracking):
 
         return MlxSlots(self, n_slots, self.n_ctx)
 
-    def slot_cache_bytes(self) -> int:
+    def slot_cache_bytes(self, keeping: bool = True) -> int:
         """What a slot's sequence of ``n_ctx`` tokens holds in keys and values: every layer's
         width per token, read off a one-token pass on a cache of its own; a recurrent layer's state
-        three times (the slot's, the one before its last pass, a draft's kept one: mlx_slots.py)."""
+        twice (the slot's, the one before its last pass: mlx_slots.py), three times ``keeping`` (a
+        draft model's slot keeps one more)."""
         mx = self._mx
         cache = self._lm_cache.make_prompt_cache(self.model)
         with MODEL_CALLS:
@@ -1140,7 +1141,7 @@ class MlxBackend(HiddenTracking):
         for layer in attention:
             keys, values = layer.state[:2]
             per_token += keys.shape[1] * keys.shape[-1] * keys.itemsize + values.shape[1] * values.shape[-1] * values.itemsize
-        return per_token * self.n_ctx + 3 * sum(array.nbytes for array in recurrent)
+        return per_token * self.n_ctx + (2 + keeping) * sum(array.nbytes for array in recurrent)
 
     def online_trainer(self, learning_rate: float, seed: int = 0):
         """A trainer of LoRA adapters for this model as a draft (backends/mlx_lora.py). Not for a

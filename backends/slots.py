@@ -15,6 +15,9 @@ other slots keep decoding beside it instead of waiting for the whole prompt.
 Rewinds are recorded, not run, while other threads may be decoding: a slot's dropped cells are
 removed just before the next batch of its model runs, under the rendezvous' lock; so is a recurrent
 model's kept state (``keep_state``: a draft model keeps it before drafting), after the removals.
+A removal that fails is tried once more, before the sequence's next pass; failing again (or failing
+to clear what a failed batch wrote), the sequence is emptied whole and its slot told: its request
+fails, and the next one reads its prompt afresh — never a pass over cells its slot let go.
 """
 
 from __future__ import annotations
@@ -104,6 +107,8 @@ class Rendezvous:
         self._waiting: list[tuple[SlotModel, SlotPass]] = []
         self._removals: dict[int, dict[int, int]] = {}  # id(model) -> seq -> n_keep, run before its next batch
         self._keeps: dict[int, set[int]] = {}  # id(model) -> seqs keeping their state, after the removals
+        self._failed_removals: set[tuple[int, int]] = set()  # (id(model), seq) whose last removal failed
+        self._emptied: set[tuple[int, int]] = set()  # (id(model), seq) emptied whole: its slot not told yet
         self._models: dict[int, SlotModel] = {}
         self._labels: dict[int, str] = {}  # id(model) -> what /metrics calls it
         self._local = threading.local()
@@ -233,13 +238,21 @@ class Rendezvous:
         """Run ``model``'s recorded removals, then its keeps; the passes whose sequence's came
         through (one whose removal or keep failed fails with it: what its cache holds is unknown).
         A removal that failed is recorded again, to be tried before the sequence's next pass (its
-        slot already counts the tokens as gone), whether or not the sequence had a pass in this batch."""
+        slot already counts the tokens as gone), whether or not the sequence had a pass in this
+        batch; failing a second time, the sequence is emptied whole (``_empty``)."""
         failed: dict[int, BaseException] = {}
         for seq, n_keep in removals.items():
+            key = (id(model), seq)
             try:
                 model.remove(seq, n_keep)
+                self._failed_removals.discard(key)
             except Exception:  # noqa: BLE001 - this sequence's request fails, not the others'
                 failed[seq] = _failure()
+                if key in self._failed_removals:
+                    self._failed_removals.discard(key)
+                    self._empty(model, seq)
+                    continue
+                self._failed_removals.add(key)
                 with self._cond:
                     later = self._removals.setdefault(id(model), {})
                     later[seq] = min(n_keep, later.get(seq, n_keep))
@@ -252,6 +265,26 @@ class Rendezvous:
             if slot_pass.seq in failed:
                 slot_pass.error = failed[slot_pass.seq]
         return [slot_pass for slot_pass in passes if slot_pass.seq not in failed]
+
+    def _empty(self, model: SlotModel, seq: int) -> None:
+        """``seq`` emptied whole, where a removal of part of it failed (what its cells hold is
+        unknown), and its slot told at its next pass (``take_emptied``). Where even that fails, the
+        whole removal is recorded, to be tried before the sequence's next pass."""
+        try:
+            model.remove(seq, 0)
+        except Exception:  # noqa: BLE001 - the model is failing: its next pass tries again
+            with self._cond:
+                self._removals.setdefault(id(model), {})[seq] = 0
+        with self._cond:
+            self._emptied.add((id(model), seq))
+
+    def take_emptied(self, model: SlotModel, seq: int) -> bool:
+        """Whether ``seq`` of ``model`` was emptied whole since its slot last asked (``_empty``)."""
+        with self._cond:
+            key = (id(model), seq)
+            emptied = key in self._emptied
+            self._emptied.discard(key)
+            return emptied
 
     def _take_waiting(self) -> list[tuple[SlotModel, SlotPass]]:
         """Under the lock: the passes to run now. The target's passes wait while any draft model's
@@ -281,6 +314,11 @@ class Rendezvous:
                 for slot_pass in passes:
                     try:
                         model.remove(slot_pass.seq, slot_pass.start)  # whatever the failed batch wrote of it
+                    except Exception:  # noqa: BLE001 - what its cells hold is unknown: emptied, it fails
+                        slot_pass.error = _failure()
+                        self._empty(model, slot_pass.seq)
+                        continue
+                    try:
                         model.run([slot_pass])
                     except Exception:  # noqa: BLE001 - this request alone fails
                         slot_pass.error = _failure()
@@ -358,11 +396,20 @@ class Slot(ParentsModel, ArgmaxFromLogits):
         last_start = (len(tokens) - 1) // PREFILL_CHUNK * PREFILL_CHUNK
         if rows and min(rows) < last_start:
             raise ValueError(f"logit rows must fall in the last {PREFILL_CHUNK} tokens of a slot's forward")
+        if self.rendezvous.take_emptied(self.model, self.seq):
+            self._n_past = 0
+            raise RuntimeError("this slot's cache was emptied after a rewind of it failed: this request fails, "
+                               "the next one reads its prompt afresh")
         out = None
         for start in range(0, len(tokens), PREFILL_CHUNK):
             chunk = tokens[start : start + PREFILL_CHUNK]
             wanted = [row - last_start for row in rows] if start == last_start else []
-            out = self.rendezvous.submit(self.model, SlotPass(self.seq, self._n_past, chunk, wanted), self.label)
+            try:
+                out = self.rendezvous.submit(self.model, SlotPass(self.seq, self._n_past, chunk, wanted), self.label)
+            except BaseException:
+                if self.rendezvous.take_emptied(self.model, self.seq):  # emptied as its pass failed
+                    self._n_past = 0
+                raise
             self._n_past += len(chunk)
             self._last_fed = len(chunk)
         return out
@@ -371,6 +418,8 @@ class Slot(ParentsModel, ArgmaxFromLogits):
         # always recorded, even at n_past: a pass cut short may have left cells n_past does not count
         self.rendezvous.remove(self.model, self.seq, n_keep)
         self._n_past = min(self._n_past, n_keep)
+        if n_keep == 0:
+            self.rendezvous.take_emptied(self.model, self.seq)  # empty either way: nothing to tell
 
     def keep_state(self) -> None:
         """A recurrent model's slot keeps its state as it is now (LlamaCppBackend.keep_state); for

@@ -128,7 +128,8 @@ def default_slots(session: ChatSession, measure: Callable[[], int | None] = avai
     if dropped:
         return 1, (f"requests are answered one at a time: slots would draft without {dropped}; "
                    f"--parallel N decodes several together with chains")
-    per_slot = sum(model.slot_cache_bytes() for model in models)
+    # a draft model's slot keeps one more recurrent state than the target's (before drafting)
+    per_slot = sum(model.slot_cache_bytes(keeping=model is not session.target) for model in models)
     free = measure()
     if free is None:
         return 1, "requests are answered one at a time (free memory unknown); --parallel N decodes several together"

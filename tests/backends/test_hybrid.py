@@ -301,6 +301,8 @@ def test_a_hybrid_slot_s_cache_counts_its_state_and_llama_cpp_s_snapshots_of_it(
         snapshots = target.slot_cache_bytes() - keys_values
         assert snapshots % (2 + RS_SNAPSHOTS) == 0
         assert state <= snapshots // (2 + RS_SNAPSHOTS) <= state + 256
+        # a target's slot keeps no copy before drafting: one state fewer
+        assert target.slot_cache_bytes(keeping=False) == keys_values + snapshots // (2 + RS_SNAPSHOTS) * (1 + RS_SNAPSHOTS)
         assert target.n_past == 0  # the token fed to measure it is gone
     finally:
         target.close()

@@ -20,7 +20,8 @@ class _Model:
         if slots:
             self.open_slots = lambda n, exact: None
 
-    def slot_cache_bytes(self) -> int:
+    def slot_cache_bytes(self, keeping: bool = True) -> int:
+        self.asked_keeping = keeping
         return self._cache
 
 
@@ -30,8 +31,11 @@ def _session(target=None, draft=None, drops: str = ""):
 
 @pytest.mark.parametrize("free_mib, slots", [(4096, DEFAULT_SLOTS), (500, 2), (300, 1), (0, 1)])
 def test_slots_are_as_many_as_half_the_free_memory_holds_caches_for(free_mib, slots):
-    chosen, note = default_slots(_session(draft=_Model(cache=25 * MIB)), lambda: free_mib * MIB)
+    session = _session(draft=_Model(cache=25 * MIB))
+    chosen, note = default_slots(session, lambda: free_mib * MIB)
     assert chosen == slots
+    # a draft model's slot keeps a recurrent state before drafting; a target's keeps none
+    assert session.target.asked_keeping is False and session.draft.asked_keeping is True
     assert "125 MiB" in note and ("--parallel 1" in note if slots > 1 else "one at a time" in note)
 
 

@@ -171,6 +171,89 @@ def test_a_removal_that_fails_beside_another_slot_s_pass_is_tried_again_before_i
     np.testing.assert_array_equal(targets[1].forward([9], [0])[0], table((1, 2, 9)))
 
 
+def failing_partial_removals(target_slots, seq: int) -> list[int]:
+    """``seq``'s removals of part of its cells fail (a state that cannot be restored); emptying it
+    whole works. Returns the n_keep of each removal that failed."""
+    removal, failures = target_slots.remove, []
+
+    def failing(at, n_keep):
+        if at == seq and n_keep > 0:
+            failures.append(n_keep)
+            raise OSError("the cache could not drop its cells")
+        removal(at, n_keep)
+
+    target_slots.remove = failing
+    return failures
+
+
+def test_a_removal_that_fails_twice_empties_the_sequence_and_its_slot_starts_afresh():
+    """Not tried for ever: failing again before the slot's next pass, the sequence is emptied
+    whole, that pass fails, and the slot counts nothing cached; its next request reads it all."""
+    table = hashed_logits(VOCAB, salt=5)
+    rendezvous, target_slots, targets, _ = slot_pair(2, table)
+    for target in targets:
+        target.forward([1, 2, 3], [])
+    failures = failing_partial_removals(target_slots, 1)
+    targets[1].rewind(2)
+    results = run_together(rendezvous, [lambda t=t: t.forward([7], [0]) for t in targets])
+    assert isinstance(results[1], OSError) and failures == [2] and targets[1].n_past == 2  # tried again next
+    with pytest.raises(OSError, match="could not drop"):
+        targets[1].forward([7], [0])
+    assert failures == [2, 2] and target_slots.caches[1] == [] and targets[1].n_past == 0
+    np.testing.assert_array_equal(targets[1].forward([4, 5], [1])[0], table((4, 5)))
+    np.testing.assert_array_equal(results[0][0], table((1, 2, 3, 7)))
+
+
+def test_a_slot_whose_sequence_was_emptied_between_its_passes_is_told_at_its_next():
+    """The removal fails twice in other slots' batches: the slot's next pass fails (it would read
+    cells it counts as cached, gone) and counts nothing cached; a request after reads afresh."""
+    table = hashed_logits(VOCAB, salt=5)
+    _, target_slots, targets, _ = slot_pair(2, table)
+    for target in targets:
+        target.forward([1, 2, 3], [])
+    failures = failing_partial_removals(target_slots, 1)
+    targets[1].rewind(2)
+    targets[0].forward([7], [0])
+    targets[0].forward([8], [0])
+    assert failures == [2, 2] and target_slots.caches[1] == []
+    with pytest.raises(RuntimeError, match="emptied after a rewind of it failed"):
+        targets[1].forward([9], [0])
+    assert targets[1].n_past == 0 and target_slots.caches[1] == []
+    np.testing.assert_array_equal(targets[1].forward([4, 5], [1])[0], table((4, 5)))
+    targets[1].rewind(0)  # a slot that rewinds to nothing is not told later: empty either way
+    failures.clear()
+    target_slots.caches[1] = [4, 5]
+    targets[1].rewind(1)
+    targets[0].forward([1], [0])
+    targets[0].forward([1], [0])
+    targets[1].rewind(0)
+    np.testing.assert_array_equal(targets[1].forward([6], [0])[0], table((6,)))
+
+
+def test_a_sequence_whose_cells_a_failed_batch_wrote_is_emptied_when_they_cannot_be_dropped():
+    """A batch fails whole after writing cells; retried alone, each pass first drops what it wrote.
+    Where that fails the sequence is emptied (never a pass over stray cells) and its pass fails."""
+    table = hashed_logits(VOCAB, salt=5)
+    rendezvous, target_slots, targets, _ = slot_pair(2, table)
+    for target in targets:
+        target.forward([1, 2, 3], [])
+    run = target_slots.run
+
+    def writing_then_failing(passes):
+        if len(passes) > 1:
+            target_slots.caches[1].append(99)  # the stray cell of a batch whose compute failed
+            raise RuntimeError("the batch's compute failed")
+        run(passes)
+
+    target_slots.run = writing_then_failing
+    failures = failing_partial_removals(target_slots, 1)
+    results = run_together(rendezvous, [lambda t=t: t.forward([7], [0]) for t in targets])
+    np.testing.assert_array_equal(results[0][0], table((1, 2, 3, 7)))
+    assert isinstance(results[1], OSError) and failures == [3]
+    assert target_slots.caches[1] == [] and targets[1].n_past == 0
+    np.testing.assert_array_equal(targets[1].forward([4], [0])[0], table((4,)))
+
+
 def test_a_thread_outside_any_generation_runs_its_pass_at_once():
     """A probe or a warm-up on a slot (no join) does not wait for slots that are generating."""
     table = hashed_logits(VOCAB, salt=5)
