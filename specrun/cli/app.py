@@ -193,6 +193,7 @@ def generate(
                                     lambda note: typer.echo(f"note: {note}", err=True))
         bar = None if json_output else PrefillBar()  # a long prompt's reading, on a terminal
         with open_trace(trace) as tracing:  # closed after the learners, however the run ends
+            answer_out = _AnswerOut()  # notes made while the answer streams start a line of their own
             request = GenerateRequest(
                 prompt=text,
                 target=target,
@@ -215,7 +216,7 @@ def generate(
                 tools=tool_list,
                 tool_choice=choice,
                 verification=verification,
-                on_note=lambda note: typer.echo(f"note: {note}", err=True),
+                on_note=answer_out.note,
                 on_prefill=bar,
                 learn=learning,
                 trace=tracing,
@@ -240,13 +241,12 @@ def generate(
                     typer.echo(json.dumps(answer))
                 else:
                     try:
-                        result = generate_text(request, on_text=_write_stdout)
+                        result = generate_text(request, on_text=answer_out.write)
                     except AnswerKeptError as exc:
                         result, kept = exc.result, exc
                     finally:
                         bar.close()  # an error or Ctrl-C while the prompt was read: the bar goes before the message
-                    sys.stdout.write("\n" if result.text and not result.text.endswith("\n") else "")
-                    sys.stdout.flush()
+                    answer_out.end_line()
                     typer.echo(result.stats.summary(), err=True)
                     if result.finish_reason == "context":  # -n asked for more than the context holds
                         size = f" of {request.load.n_ctx} tokens" if request.load.n_ctx else ""
@@ -321,6 +321,29 @@ def trace_command(
 def _write_stdout(text: str) -> None:
     sys.stdout.write(text)
     sys.stdout.flush()
+
+
+class _AnswerOut:
+    """The answer streamed to stdout, and notes to stderr that never share its last line: a note
+    made before the answer ended (a first run's kernel timing, a near tie) starts on a line of its
+    own where a terminal shows both streams."""
+
+    def __init__(self) -> None:
+        self.open_line = False  # the answer's last line not ended yet
+
+    def write(self, text: str) -> None:
+        if text:
+            _write_stdout(text)
+            self.open_line = not text.endswith("\n")
+
+    def end_line(self) -> None:
+        if self.open_line:
+            _write_stdout("\n")
+            self.open_line = False
+
+    def note(self, note: str) -> None:
+        self.end_line()
+        typer.echo(f"note: {note}", err=True)
 
 
 # Sub-command groups from their own modules are registered here, one line each.

@@ -241,6 +241,8 @@ def test_the_first_run_on_a_cpu_measures_flash_attention_once_and_says_so(tiny_l
     assert first.exit_code == 0, first.output
     notes = [line for line in first.stderr.splitlines() if line.startswith("note: flash attention")]
     assert len(notes) == 1 and re.search(r"measured once after \d+ tokens", notes[0]) and "--flash-attn on|off" in notes[0]
+    # made before the answer ended, the note starts a line of its own where both streams are shown
+    assert notes[0] in first.output.splitlines() and first.stdout.endswith("\n")
     stored = json.loads(kernels_path().read_text())["flash_attn"]
     assert [entry["model"].split(":")[0] for entry in stored.values()] == [tiny_llama.gguf_path.name]
     second = invoke("generate", "x = 1\n", "-t", path, "-n", "8", "-m", "none")
