@@ -246,9 +246,10 @@ class FakeSlots:
 
     name = "fake"
 
-    def __init__(self, parent: FakeBackend, n_slots: int, slot_ctx: int | None = None) -> None:
+    def __init__(self, parent: FakeBackend, n_slots: int, slot_ctx: int | None = None, hidden: bool = False) -> None:
         self.parent = parent
         self.n_slots = n_slots
+        self.hidden = hidden and parent.hidden_support.available  # passes give the parent's hidden table
         self.slot_ctx = slot_ctx or parent.n_ctx
         self.caches: list[list[int]] = [[] for _ in range(n_slots)]
         self.batches: list[tuple[tuple[int, int], ...]] = []
@@ -267,6 +268,9 @@ class FakeSlots:
             rows = [np.asarray(self.parent.table(tuple(cache[: slot_pass.start + r + 1])), np.float32)
                     for r in slot_pass.rows]
             slot_pass.logits = np.stack(rows) if rows else np.zeros((0, self.parent.vocab.size), np.float32)
+            if self.hidden:
+                slot_pass.hidden = np.array([self.parent.hidden_table(tuple(cache[: slot_pass.start + r + 1]))
+                                             for r in range(len(slot_pass.tokens))], np.float32)
 
     def remove(self, seq: int, n_keep: int) -> None:
         del self.caches[seq][n_keep:]

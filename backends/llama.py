@@ -723,13 +723,19 @@ class LlamaCppBackend(HiddenTracking):
                 self._tracking = tracking
 
     # ---- slots -----------------------------------------------------------------------
-    def open_slots(self, n_slots: int, exact: bool):
+    def open_slots(self, n_slots: int, exact: bool, hidden: bool = False):
         """A second context on this model holding ``n_slots`` sequences of ``n_ctx`` tokens each,
         decoded together (backends/llama_slots.LlamaSlots); ``exact``: each sequence's logits are
-        the ones it gets alone, bit for bit."""
+        the ones it gets alone, bit for bit; ``hidden``: its passes give hidden states too (heads
+        drafting for the slots), where this model gives them (``slots_hidden``)."""
         from specrun.backends.llama_slots import LlamaSlots
 
-        return LlamaSlots(self, n_slots, self.n_ctx, exact=exact)
+        return LlamaSlots(self, n_slots, self.n_ctx, exact=exact, hidden=hidden and self.slots_hidden)
+
+    @property
+    def slots_hidden(self) -> bool:
+        """Can slots on this model give hidden states (the output head's input)?"""
+        return self.hidden_support.available
 
     def slot_cache_bytes(self, keeping: bool = True) -> int:
         """What a slot's sequence of ``n_ctx`` tokens holds in keys and values (every layer's, as

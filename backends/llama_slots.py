@@ -68,11 +68,16 @@ class _Recurrent:
 
 
 class LlamaSlots:
-    """``n_slots`` sequences of ``slot_ctx`` tokens on the model of ``parent`` (a LlamaCppBackend)."""
+    """``n_slots`` sequences of ``slot_ctx`` tokens on the model of ``parent`` (a LlamaCppBackend).
+    ``hidden``: every pass gives the hidden state of each token it feeds too (the output head's
+    input, as the parent's tracked passes: embeddings on, so llama.cpp outputs every row of every
+    batch), for heads drafting for the slots."""
 
-    def __init__(self, parent, n_slots: int, slot_ctx: int | None = None, exact: bool = False) -> None:
+    def __init__(self, parent, n_slots: int, slot_ctx: int | None = None, exact: bool = False,
+                 hidden: bool = False) -> None:
         lib = self._lib = parent._lib
         self.recurrent = parent.recurrent
+        self.hidden = hidden
         self.parent = parent
         self.n_slots = n_slots
         self.slot_ctx = slot_ctx or parent.n_ctx
@@ -91,6 +96,9 @@ class LlamaSlots:
         self._memory = lib.llama_get_memory(self._ctx)
         self._batch = lib.llama_batch_init(self.n_batch, 0, 1)
         self._logits_address = parent._logits_address
+        if hidden:
+            self._embeddings_address, self._hidden_size = parent._embeddings_address, parent.hidden_support.size
+            lib.llama_set_embeddings(self._ctx, True)
         self._snapshots = int(getattr(params, "n_rs_seq", 0)) if self.recurrent else 0  # the parent's n_rs_seq
         self._sequences = [_Recurrent() for _ in range(n_slots)] if self.recurrent else []
         if self.recurrent:
@@ -133,29 +141,43 @@ class LlamaSlots:
                 batch.pos[i] = slot_pass.start + offset
                 batch.n_seq_id[i] = 1
                 batch.seq_id[i][0] = slot_pass.seq
-                batch.logits[i] = offset in wanted
+                batch.logits[i] = self.hidden or offset in wanted  # embeddings on: llama.cpp outputs every row
                 i += 1
         batch.n_tokens = i
         status = self._lib.llama_decode(self._ctx, batch)
         if status != 0:
             raise ContextFullError(f"llama.cpp decode failed with status {status} in a batch of {i} tokens",
                                    "lower --parallel or raise --ctx")
-        n_rows = sum(len(slot_pass.rows) for slot_pass in passes)
+        n_rows = i if self.hidden else sum(len(slot_pass.rows) for slot_pass in passes)
         outputs = np.zeros((0, self.n_vocab), np.float32)
         if n_rows:
             address = self._logits_address(self._ctx)
             outputs = np.frombuffer((ctypes.c_float * (n_rows * self.n_vocab)).from_address(address),
                                     dtype=np.float32).reshape(n_rows, self.n_vocab)
+        states = self._output_hidden(i) if self.hidden else None
         first = 0
         for slot_pass in passes:
             rows = list(slot_pass.rows)
-            # the outputs of a pass's flagged rows, in position order; back to the order asked for
-            mine = outputs[first : first + len(rows)]
-            order = np.argsort(np.argsort(rows)) if rows != sorted(rows) else slice(None)
-            slot_pass.logits = mine[order].copy()
-            first += len(rows)
+            if self.hidden:  # every row an output, in batch order: the pass's rows where asked
+                slot_pass.logits = outputs[[first + row for row in rows]] if rows else outputs[:0].copy()
+                slot_pass.hidden = states[first : first + len(slot_pass.tokens)]
+                first += len(slot_pass.tokens)
+            else:
+                # the outputs of a pass's flagged rows, in position order; back to the order asked for
+                mine = outputs[first : first + len(rows)]
+                order = np.argsort(np.argsort(rows)) if rows != sorted(rows) else slice(None)
+                slot_pass.logits = mine[order].copy()
+                first += len(rows)
             if self.recurrent:
                 self._fed(slot_pass)
+
+    def _output_hidden(self, n_rows: int) -> np.ndarray:
+        """A copy of the last decode's hidden states (n_rows, H), every row an output in batch order."""
+        address = self._embeddings_address(self._ctx, 0)
+        if not address:
+            raise RuntimeError("llama.cpp returned no embeddings for a slots' decode")
+        buffer = (ctypes.c_float * (n_rows * self._hidden_size)).from_address(address)
+        return np.frombuffer(buffer, dtype=np.float32).reshape(n_rows, self._hidden_size).copy()
 
     def remove(self, seq: int, n_keep: int) -> None:
         if self.recurrent:
@@ -183,11 +205,11 @@ class LlamaSlots:
         for slot_pass in alone:
             self._lib.llama_memory_seq_rm(self._memory, slot_pass.seq, 0, -1)  # the only empty cell: its own
             self._run_alone(full[id(slot_pass)])
-            slot_pass.logits = full[id(slot_pass)].logits
+            self._results(slot_pass, full[id(slot_pass)])
         long = [p for p in together if len(full[id(p)].tokens) > self.n_batch]
         for slot_pass in long:
             self._run_alone(full[id(slot_pass)])
-            slot_pass.logits = full[id(slot_pass)].logits
+            self._results(slot_pass, full[id(slot_pass)])
         packed = sorted((p for p in together if len(full[id(p)].tokens) <= self.n_batch), key=lambda p: p.seq)
         try:
             # a run of consecutive sequences, ascending, a batch each: with one unified cache llama.cpp
@@ -211,7 +233,14 @@ class LlamaSlots:
                     self._hold(slot_pass.seq, sequence.fed + sequence.again)
             raise
         for slot_pass in packed:
-            slot_pass.logits = full[id(slot_pass)].logits
+            self._results(slot_pass, full[id(slot_pass)])
+
+    @staticmethod
+    def _results(slot_pass: SlotPass, full: SlotPass) -> None:
+        """A slot's pass given what its full pass (its kept tokens fed again at its head) gave."""
+        slot_pass.logits = full.logits
+        if full.hidden is not None:
+            slot_pass.hidden = full.hidden[len(full.tokens) - len(slot_pass.tokens):]
 
     def _run_alone(self, slot_pass: SlotPass) -> None:
         """One sequence's pass in n_batch chunks, its rows in the last; if it fails, the sequence
@@ -220,13 +249,17 @@ class LlamaSlots:
         before = sequence.fed + sequence.again  # what the sequence holds before the pass
         tokens, rows = list(slot_pass.tokens), list(slot_pass.rows)
         last_start = max(len(tokens) - self.n_batch, 0)
+        states = []
         try:
             for start in [*range(0, last_start, self.n_batch), last_start]:
                 end = len(tokens) if start == last_start else min(start + self.n_batch, last_start)
                 chunk = SlotPass(slot_pass.seq, slot_pass.start + start, tokens[start:end],
                                  [row - last_start for row in rows] if start == last_start else [])
                 self._decode([chunk])
+                states.append(chunk.hidden)
             slot_pass.logits = chunk.logits
+            if self.hidden:
+                slot_pass.hidden = states[0] if len(states) == 1 else np.concatenate(states)
         except Exception:
             self._hold(slot_pass.seq, before)
             raise

@@ -1117,9 +1117,11 @@ class MlxBackend(HiddenTracking):
 
         return slots_problem(self)
 
-    def open_slots(self, n_slots: int, exact: bool):  # noqa: ARG002 - MLX has no --exact mode to follow
+    slots_hidden = False  # MlxSlots' batched passes give no hidden states
+
+    def open_slots(self, n_slots: int, exact: bool, hidden: bool = False):  # noqa: ARG002 - no --exact on MLX
         """``n_slots`` sequences of ``n_ctx`` tokens each in one cache on this model's weights,
-        decoded together (backends/mlx_slots.MlxSlots)."""
+        decoded together (backends/mlx_slots.MlxSlots); no hidden states (``slots_hidden``)."""
         from specrun.backends.mlx_slots import MlxSlots
 
         return MlxSlots(self, n_slots, self.n_ctx)

@@ -127,6 +127,7 @@ class MlxSlots:
         self._mx = parent._mx
         self.parent = parent
         self.n_slots = n_slots
+        self.hidden = False  # its batched passes give no hidden states (heads draft for one sequence only)
         self.slot_ctx = slot_ctx or parent.n_ctx
         self.n_vocab = parent.vocab.size
         self._mixers = recurrent_mixers(parent)

@@ -31,13 +31,26 @@ from typing import Protocol
 
 import numpy as np
 
-from specrun.backends.base import ArgmaxFromLogits, HiddenSupport, ParentsModel, TreeSupport
+import dataclasses
+
+from specrun.backends.base import ArgmaxFromLogits, HiddenSupport, HiddenTracking, ParentsModel, TreeSupport
 from specrun.backends.mlx_common import release_thread_streams
 from specrun.errors import ContextFullError
 
 PREFILL_CHUNK = 256  # prompt tokens per pass while other slots decode
 VERIFIER = "target"  # the label of the model whose passes verify (the others draft for it)
 SLOTS_REASON = "a slot shares each pass with the other slots' sequences"
+# where slots give hidden states: the output head's input only (heads reading layers, EAGLE-3's, do not)
+SLOT_LAYERS_REASON = "slots give the output head's input, not the outputs of layers"
+
+
+def slot_hidden_support(model, parent) -> HiddenSupport:
+    """What a slot of ``model`` gives of hidden states: its parent's output-head input where the
+    model was opened with ``hidden`` (every pass fills them), else none, saying why."""
+    support = getattr(parent, "hidden_support", None)
+    if not getattr(model, "hidden", False) or support is None or not support.available:
+        return HiddenSupport(False, reason=f"{SLOTS_REASON}, and these slots give no hidden states")
+    return dataclasses.replace(support, layer_outputs=0, layer_reason=SLOT_LAYERS_REASON)
 
 
 @dataclass
@@ -50,6 +63,7 @@ class SlotPass:
     tokens: Sequence[int]
     rows: Sequence[int]
     logits: np.ndarray | None = None  # (len(rows), V), once run
+    hidden: np.ndarray | None = None  # (len(tokens), H), once run on a model opened with ``hidden``
     error: BaseException | None = None
     done: bool = False
 
@@ -59,10 +73,13 @@ class SlotModel(Protocol):
 
     n_slots: int
     slot_ctx: int  # the tokens each slot's sequence may hold
+    # every pass fills its hidden states too (the output head's input at each token fed: heads
+    # drafting for the slots); the model's whole context outputs every row then
+    hidden: bool
 
     def run(self, passes: Sequence[SlotPass]) -> None:
-        """Run every pass (at most one per sequence) as one batch, filling each one's logits;
-        raise if the batch failed as a whole (each pass is then tried alone)."""
+        """Run every pass (at most one per sequence) as one batch, filling each one's logits (and
+        hidden states, ``hidden``); raise if the batch failed as a whole (each pass is then tried alone)."""
 
     def remove(self, seq: int, n_keep: int) -> None:
         """Drop sequence ``seq``'s cached tokens from position n_keep on."""
@@ -343,16 +360,17 @@ def _failure() -> BaseException:
     return sys.exc_info()[1]
 
 
-class Slot(ParentsModel, ArgmaxFromLogits):
+class Slot(ParentsModel, ArgmaxFromLogits, HiddenTracking):
     """One slot of a SlotModel as a Backend: its sequence, fed through the rendezvous.
 
     ``parent``: the model opened as a single sequence, which answers everything about the model
     (vocabulary, template, tokenizing) and names it to the stored costs with ``variant`` telling
-    slots apart: a slot's passes cost what the batch around them costs.
+    slots apart: a slot's passes cost what the batch around them costs. Where the model was
+    opened with ``hidden``, a tracking slot keeps its last forward's hidden states (``hidden_rows``)
+    for heads drafting from them; trees and layer outputs stay the single sequence's.
     """
 
     tree_support = TreeSupport(False, SLOTS_REASON)
-    hidden_support = HiddenSupport(False, reason=SLOTS_REASON)
 
     def __init__(self, model: SlotModel, seq: int, rendezvous: Rendezvous, parent, label: str) -> None:
         self.model = model
@@ -369,6 +387,7 @@ class Slot(ParentsModel, ArgmaxFromLogits):
         self._n_past = 0
         self._last_fed = 0  # tokens this slot's last pass fed (its last chunk's)
         self._last_logits = np.zeros((0, self.vocab.size), np.float32)
+        self.hidden_support = slot_hidden_support(model, parent)
 
     @property
     def n_past(self) -> int:
@@ -392,6 +411,7 @@ class Slot(ParentsModel, ArgmaxFromLogits):
         if self._n_past + len(tokens) > self.n_ctx:
             raise ContextFullError(f"the context of {self.n_ctx} tokens is full", "shorten the prompt or raise --ctx")
         if not tokens:
+            self._hidden = np.zeros((0, self.hidden_support.size), np.float32) if self._tracking else None
             return np.zeros((0, self.vocab.size), np.float32)
         last_start = (len(tokens) - 1) // PREFILL_CHUNK * PREFILL_CHUNK
         if rows and min(rows) < last_start:
@@ -401,17 +421,24 @@ class Slot(ParentsModel, ArgmaxFromLogits):
             raise RuntimeError("this slot's cache was emptied after a rewind of it failed: this request fails, "
                                "the next one reads its prompt afresh")
         out = None
+        self._hidden = None
+        states = []  # each chunk's hidden states, while tracking
         for start in range(0, len(tokens), PREFILL_CHUNK):
             chunk = tokens[start : start + PREFILL_CHUNK]
             wanted = [row - last_start for row in rows] if start == last_start else []
+            slot_pass = SlotPass(self.seq, self._n_past, chunk, wanted)
             try:
-                out = self.rendezvous.submit(self.model, SlotPass(self.seq, self._n_past, chunk, wanted), self.label)
+                out = self.rendezvous.submit(self.model, slot_pass, self.label)
             except BaseException:
                 if self.rendezvous.take_emptied(self.model, self.seq):  # emptied as its pass failed
                     self._n_past = 0
                 raise
             self._n_past += len(chunk)
             self._last_fed = len(chunk)
+            if self._tracking:
+                states.append(slot_pass.hidden)
+        if self._tracking:
+            self._hidden = states[0] if len(states) == 1 else np.concatenate(states)
         return out
 
     def rewind(self, n_keep: int) -> None:
@@ -435,19 +462,9 @@ class Slot(ParentsModel, ArgmaxFromLogits):
     def keep_path(self, path) -> None:
         raise ValueError(f"this backend cannot verify trees: {SLOTS_REASON}")
 
-    def track_hidden(self, on: bool) -> None:
-        if on:
-            self.hidden_support.check()
-
-    def hidden_layers(self, layers) -> None:
-        if layers:
-            self.hidden_support.check()
-
-    def hidden_rows(self, rows):
-        self.hidden_support.check()
-
     def token_embeddings(self, ids):
-        raise ValueError(f"this backend gives no hidden states: {SLOTS_REASON}")
+        self.hidden_support.check()
+        return self.parent.token_embeddings(ids)
 
     def close(self) -> None:
         """The slot's sequence is emptied; the model is closed by whoever opened the slots."""

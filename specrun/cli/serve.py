@@ -163,7 +163,8 @@ def serve_command(
         if parallel is not None and parallel > 1:
             check_slots_method(method)
             # what each option asks of a slot that a pass shared by several cannot give
-            asked = (("--heads", heads, "drafts with heads"), ("--branches", branches, "drafts trees"),
+            # (heads of a kind slots draft with read the target slots' hidden states: checked once loaded)
+            asked = (("--branches", branches, "drafts trees"),
                      ("--tree-nodes", tree_nodes, "drafts trees"),
                      ("--lookahead", lookahead, "drafts with a lookahead window"),
                      ("--window", window or None, "drafts from a windowed cache"),

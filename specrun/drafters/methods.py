@@ -24,7 +24,7 @@ from specrun.drafters.lookup import PromptLookupDrafter
 from specrun.drafters.ngram import NgramPoolDrafter
 from specrun.errors import UsageError
 from specrun.heads.eagle import EagleHeads
-from specrun.heads.kinds import HEAD_METHODS, kinds_of_method
+from specrun.heads.kinds import BY_NAME, HEAD_METHODS, SLOT_KINDS, kinds_of_method
 from specrun.heads.medusa import MedusaHeads
 from specrun.heads.hydra import HydraHeads
 
@@ -126,19 +126,31 @@ def needs_heads(method: str) -> bool:
 
 
 # What a slot of a server decoding several requests together drafts with (backends/slots.py): a
-# slot's pass shares its batch, which holds chains only and gives no hidden states.
+# slot's pass shares its batch, which holds chains only. Where the target's slots give hidden states
+# (llama.cpp: the output head's input), heads reading them draft chains on slots too: Medusa,
+# Hydra and EAGLE (not EAGLE-3's files, which read layer outputs, nor MTP layers, which llama.cpp
+# runs in a context of its own).
 SLOT_PARTS = ("lookup", "ngram", "draft")
+SLOT_HEAD_KINDS = tuple(dict.fromkeys(BY_NAME[kind].method for kind in SLOT_KINDS))  # their methods
 
 
-def check_slots_method(method: str) -> None:
-    """UsageError where ``method`` needs what a slot cannot give (heads, a lookahead window)."""
+def check_slots_method(method: str, hidden: bool = True) -> None:
+    """UsageError where ``method`` needs what a slot cannot give (a lookahead window; heads other
+    than SLOT_HEAD_KINDS; any heads where the slots give no hidden states: ``hidden`` False)."""
     if method in ("auto", "none"):
         return
-    others = [part for part in method.split("+") if part not in SLOT_PARTS]
-    if others:
-        raise UsageError(f"--parallel decodes requests together as chains: method {method!r} drafts with "
-                         f"{others[0]}, which a shared pass cannot hold",
-                         f"use --parallel 1 with it, or a method of {', '.join(SLOT_PARTS)} (or auto) with --parallel")
+    allowed = SLOT_PARTS + (SLOT_HEAD_KINDS if hidden else ())
+    others = [part for part in method.split("+") if part not in allowed]
+    if not others:
+        return
+    if others[0] in SLOT_HEAD_KINDS:
+        raise UsageError(f"--parallel decodes requests together, and these slots give no hidden states for "
+                         f"method {method!r}'s {others[0]} heads (llama.cpp's slots do)",
+                         "use --parallel 1 with it, or a method without heads (or auto) with --parallel")
+    raise UsageError(f"--parallel decodes requests together as chains: method {method!r} drafts with "
+                     f"{others[0]}, which a shared pass cannot hold",
+                     f"use --parallel 1 with it, or a method of {', '.join(SLOT_PARTS + SLOT_HEAD_KINDS)} "
+                     "(or auto) with --parallel")
 
 
 def check_method(method: str) -> None:

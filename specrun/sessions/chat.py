@@ -57,11 +57,13 @@ from specrun.sessions.setup import (
 from specrun.backends.kv import common_prefix_len, sequence_for
 from specrun.drafters.lookahead import LookaheadSizes
 from specrun.registry.loading import LoadOptions, open_pair
+from specrun.heads.kinds import SLOT_KINDS, kind_of
 from specrun.sessions.kernels import DEEP_FROM, open_settled_draft, settle_for_context, settle_pair
 from specrun.drafters.methods import (
     DrafterOptions,
     build_drafter,
     check_method,
+    SLOT_HEAD_KINDS,
     SLOT_PARTS,
     check_slots_method,
     heads_kind,
@@ -534,12 +536,14 @@ class ChatSession:
     def slot_drops(self) -> str:
         """What this session drafts with that a slot's would not (on_slot): "" where nothing."""
         options = self._drafter_options
+        hidden = bool(getattr(self.target, "slots_hidden", False))
         try:
-            check_slots_method(self.method)
+            check_slots_method(self.method, hidden)
         except UsageError:
-            return next(part for part in self.method.split("+") if part not in SLOT_PARTS)
+            allowed = SLOT_PARTS + (SLOT_HEAD_KINDS if hidden else ())
+            return next(part for part in self.method.split("+") if part not in allowed)
         heads = options.heads[0] if isinstance(options.heads, tuple) else options.heads
-        if heads is not None or options.auto_heads:
+        if (heads is not None or options.auto_heads) and self._slot_heads_problem():
             return f"the {options.auto_heads or heads.config.kind} heads"
         if options.branches:
             return "token trees"
@@ -554,16 +558,46 @@ class ChatSession:
         drafter = self.engine.drafter
         return drafter is not None and any(getattr(member, "learner", None) is not None for member in drafter.members)
 
+    def slot_heads(self):
+        """The heads this session's slots draft with (on_slot), None where none: its own, where
+        the target's slots give hidden states and the heads read the output head's input
+        (heads.kinds.SLOT_KINDS: chains on slots, their weights shared, their states each slot's)."""
+        heads = self._drafter_options.heads
+        return None if heads is None or self._slot_heads_problem() else heads
+
+    def _slot_heads_problem(self) -> str:
+        """Why this session's heads cannot draft on its target's slots ("" where they can)."""
+        heads = self._drafter_options.heads
+        if heads is None:
+            return ""
+        if isinstance(heads, tuple):
+            return "slots draft with one kind of heads"
+        if not getattr(self.target, "slots_hidden", False):
+            return f"the {self.target.name} backend's slots give no hidden states"
+        kind = kind_of(heads)
+        if kind.name in SLOT_KINDS:
+            return ""
+        if kind.reads == "layers":
+            return f"its {kind.name} heads read layer outputs, which slots do not give"
+        return f"its {kind.name} heads run beside one sequence only"
+
     def on_slot(self, target: Backend, draft: Backend | None) -> ChatSession:
         """A session answering as this one does (method, draft settings, verification, stored
         costs) on a slot of the same models (backends/slots.py), for a server decoding several
         requests together. Its drafters are the ones a slot can feed (check_slots_method): chains
-        from prompt lookup, an n-gram pool of its own (the pool file stays this session's) and the
-        draft model's slot."""
+        from prompt lookup, an n-gram pool of its own (the pool file stays this session's), the
+        draft model's slot and heads reading the target slot's hidden states (``slot_heads``);
+        none of them learns online."""
         method = self.method
-        check_slots_method(method)
-        options = dataclasses.replace(self._drafter_options, ngram_cache=None, branches=0, heads=None,
-                                      auto_heads=None, lookahead=None, auto_lookahead=False)
+        check_slots_method(method, bool(getattr(self.target, "slots_hidden", False)))
+        problem = self._slot_heads_problem()
+        if problem and needs_heads(method):
+            raise UsageError(f"--parallel decodes requests together, and method {method!r} cannot draft on slots: "
+                             f"{problem}", "use --parallel 1 with it, or a method without heads (or auto)")
+        heads = self.slot_heads()
+        options = dataclasses.replace(self._drafter_options, ngram_cache=None, branches=0, heads=heads,
+                                      auto_heads=self._drafter_options.auto_heads if heads is not None else None,
+                                      lookahead=None, auto_lookahead=False, learner=None, draft_learner=None)
         return ChatSession(target, draft, method, system_prompt=self.system_prompt, drafter_options=options,
                            draft_len=self._draft_len, draft_min_prob=self._draft_min_prob, tuned=self._tuned,
                            threads=self._threads, chain=True, tools=self.tools, tool_choice=self.tool_choice,

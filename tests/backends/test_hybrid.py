@@ -159,6 +159,29 @@ def test_a_slot_of_a_hybrid_rewound_past_its_last_pass_reads_as_one_fed_afresh(h
         model.close()
 
 
+def test_a_hybrid_slot_with_hidden_states_gives_its_own_rows_after_its_kept_tokens_fed_again(hybrid):
+    """A hybrid's slot started again feeds its kept tokens at the head of its next pass: the hidden
+    states it gives are its pass's own rows, as the sequence fed alone gives them."""
+    from slots.slot_runs import fed_alone, two_slots
+
+    model = open_llama(hybrid["target"], kv_type="f32", flash_attn=False)
+    slots, (first, second) = two_slots(model, hidden=True)
+    try:
+        second.forward([5, 6, 7, 8, 9], [])
+        first.forward([1, 2, 3, 4, 5, 6], [])
+        first.forward([7, 8, 9], [])
+        first.rewind(3)  # past its last pass: started again, three tokens fed again at its next pass's head
+        logits = first.forward([9, 9], [0, 1])
+        alone_logits, alone_states = fed_alone(model, [1, 2, 3, 9, 9], [3, 4])
+        np.testing.assert_array_equal(logits, alone_logits)
+        assert first.hidden_rows(range(2)).shape == (2, alone_states.shape[1])
+        np.testing.assert_array_equal(first.hidden_rows(range(2)), alone_states[3:])
+        np.testing.assert_array_equal(second.hidden_rows(range(5)), fed_alone(model, [5, 6, 7, 8, 9], [])[1])
+    finally:
+        slots.close()
+        model.close()
+
+
 class _Counting:
     """A library whose calls are counted by name."""
 

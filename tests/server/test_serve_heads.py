@@ -56,3 +56,39 @@ def test_serve_heads_learn_across_requests_and_are_kept_at_shutdown(tiny_llama, 
     seen = int(learned[0].split(" steps on ")[1].split(" positions")[0])
     assert seen >= 2 * 40  # both answers, less a few positions at each end
     assert heads.read_bytes() != before and load_heads(heads).config.training["online"]
+
+
+@pytest.mark.parametrize("kind", ["medusa", "hydra"])
+def test_heads_draft_for_requests_decoded_together_on_slots(tiny_llama, tmp_path, kind):
+    """`--parallel 2` with heads reading the output head's input: each slot's heads read its own
+    sequence's states from the shared passes (llama.cpp's slots give them), every answer is the
+    plain answer, the heads drafted, and the passes were shared."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from test_serve_parallel import metric_values
+
+    config = tiny_llama.config
+    heads = tmp_path / "heads.safetensors"
+    made = random_hydra if kind == "hydra" else random_heads
+    save_heads(made(config.hidden_size, config.vocab_size), heads)
+    args = ("-t", str(tiny_llama.gguf_path), "--heads", str(heads), "--threads", "1")
+    prompts = ("hello there", "tell me about the sea", "count to ten", "what is a river")
+    expected = [specrun_json("chat", "-n", "24", "-m", "none", *args, stdin=prompt)[0]["text"] for prompt in prompts]
+    server = start_server("-m", kind, "-k", "3", "--parallel", "2", *args)
+    try:
+        def ask(prompt):
+            return server.post("/v1/chat/completions", {
+                "model": str(tiny_llama.gguf_path), "max_tokens": 24, "temperature": 0,
+                "messages": [{"role": "user", "content": prompt}]})
+
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            answers = list(pool.map(ask, prompts))
+        metrics = metric_values(server)
+    finally:
+        assert stop_server(server) == 0, server.log
+    assert [status for status, _ in answers] == [200] * len(prompts), answers
+    assert [body["choices"][0]["message"]["content"] for _, body in answers] == expected
+    assert all(body["speculation"]["method"] == kind for _, body in answers)
+    assert sum(body["speculation"]["drafted"] for _, body in answers) > 0
+    assert metrics["specrun_slots"] == 2
+    assert metrics['specrun_batch_sequences_total{model="target"}'] > metrics['specrun_batches_total{model="target"}']

@@ -83,6 +83,56 @@ def test_slots_decoded_together_give_what_each_gives_alone(method, temperature):
     assert max(len(batch) for batch in target_slots.batches) == len(PROMPTS)
 
 
+@pytest.mark.parametrize("method", ["medusa", "hydra", "eagle"])
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_heads_draft_for_slots_from_the_hidden_states_their_shared_passes_give(method, temperature):
+    """Slots of a model opened with hidden states: each slot's heads drafter reads its own
+    sequence's states from the batches it shares, and drafts, accepts and answers exactly as
+    the same heads on the model alone (a state from another slot's rows would draft otherwise)."""
+    from heads_factory import oracle_heads_for, oracle_hidden
+    from specrun.drafters.methods import DrafterOptions, build_drafter
+
+    table = copying_logits(salt=7, vocab_size=VOCAB)
+    hidden = oracle_hidden(table, VOCAB)
+    heads = oracle_heads_for(method, VOCAB)
+    size = heads.config.hidden_size
+
+    def model() -> FakeBackend:
+        return FakeBackend(table, VOCAB, hidden_table=hidden, hidden_size=size)
+
+    params = GenerationParams(32, draft_len=3, sampling=SamplingSettings(temperature=temperature, seed=5),
+                              stop_at_eos=False)
+    alone = [SpeculativeEngine(model(), build_drafter(method, None, DrafterOptions(heads=heads))).run(prompt, params)
+             for prompt in PROMPTS]
+    target = model()
+    target_slots, rendezvous = FakeSlots(target, len(PROMPTS), hidden=True), Rendezvous()
+    slots = [Slot(target_slots, seq, rendezvous, target, "target") for seq in range(len(PROMPTS))]
+    assert slots[0].hidden_support.available and not slots[0].hidden_support.layer_outputs
+    engines = [SpeculativeEngine(slot, build_drafter(method, None, DrafterOptions(heads=heads))) for slot in slots]
+    together = run_together(rendezvous, [lambda e=e, p=p: e.run(p, params) for e, p in zip(engines, PROMPTS)])
+    assert [result.token_ids for result in together] == [result.token_ids for result in alone]
+    assert [(r.stats.drafted, r.stats.accepted) for r in together] == [(r.stats.drafted, r.stats.accepted)
+                                                                      for r in alone]
+    assert sum(result.stats.accepted for result in together) > 0
+    assert max(len(batch) for batch in target_slots.batches) > 1  # the passes were shared
+
+
+def test_slots_opened_without_hidden_states_refuse_heads_saying_why():
+    table = copying_logits(salt=7, vocab_size=VOCAB)
+    target = FakeBackend(table, VOCAB, hidden_table=lambda context: np.zeros(4, np.float32), hidden_size=4)
+    slot = Slot(FakeSlots(target, 2), 0, Rendezvous(), target, "target")
+    with pytest.raises(ValueError, match="these slots give no hidden states"):
+        slot.track_hidden(True)
+    with pytest.raises(ValueError, match="no hidden states"):
+        slot.token_embeddings([1])
+    opened = Slot(FakeSlots(target, 2, hidden=True), 0, Rendezvous(), target, "target")
+    with pytest.raises(ValueError, match="output head's input, not the outputs of layers"):
+        opened.hidden_layers([0])
+    opened.track_hidden(True)
+    opened.forward([1, 2, 3], [2])
+    assert opened.hidden_rows(range(3)).shape == (3, 4)
+
+
 def test_a_long_prompt_is_fed_in_chunks_beside_the_slots_already_decoding():
     table = hashed_logits(VOCAB, salt=3)
     rendezvous, target_slots, targets, _ = slot_pair(2, table)
