@@ -246,10 +246,12 @@ class FakeSlots:
 
     name = "fake"
 
-    def __init__(self, parent: FakeBackend, n_slots: int, slot_ctx: int | None = None, hidden: bool = False) -> None:
+    def __init__(self, parent: FakeBackend, n_slots: int, slot_ctx: int | None = None, hidden: bool = False,
+                 layers: Sequence[int] = ()) -> None:
         self.parent = parent
         self.n_slots = n_slots
         self.hidden = hidden and parent.hidden_support.available  # passes give the parent's hidden table
+        self.layers = tuple(layers) if self.hidden else ()  # its layers' outputs, as FakeBackend's
         self.slot_ctx = slot_ctx or parent.n_ctx
         self.caches: list[list[int]] = [[] for _ in range(n_slots)]
         self.batches: list[tuple[tuple[int, int], ...]] = []
@@ -269,8 +271,10 @@ class FakeSlots:
                     for r in slot_pass.rows]
             slot_pass.logits = np.stack(rows) if rows else np.zeros((0, self.parent.vocab.size), np.float32)
             if self.hidden:
-                slot_pass.hidden = np.array([self.parent.hidden_table(tuple(cache[: slot_pass.start + r + 1]))
-                                             for r in range(len(slot_pass.tokens))], np.float32)
+                states = np.array([self.parent.hidden_table(tuple(cache[: slot_pass.start + r + 1]))
+                                   for r in range(len(slot_pass.tokens))], np.float32)
+                scales = [(layer + 1) / self.parent.hidden_support.layers for layer in self.layers]
+                slot_pass.hidden = np.concatenate([states * np.float32(s) for s in scales], axis=1) if scales else states
 
     def remove(self, seq: int, n_keep: int) -> None:
         del self.caches[seq][n_keep:]

@@ -723,14 +723,16 @@ class LlamaCppBackend(HiddenTracking):
                 self._tracking = tracking
 
     # ---- slots -----------------------------------------------------------------------
-    def open_slots(self, n_slots: int, exact: bool, hidden: bool = False):
+    def open_slots(self, n_slots: int, exact: bool, hidden: bool = False, layers: Sequence[int] = ()):
         """A second context on this model holding ``n_slots`` sequences of ``n_ctx`` tokens each,
         decoded together (backends/llama_slots.LlamaSlots); ``exact``: each sequence's logits are
         the ones it gets alone, bit for bit; ``hidden``: its passes give hidden states too (heads
-        drafting for the slots), where this model gives them (``slots_hidden``)."""
+        drafting for the slots), where this model gives them (``slots_hidden``): the outputs of
+        ``layers`` where given (ValueError naming why where it cannot), else the output head's input."""
         from specrun.backends.llama_slots import LlamaSlots
 
-        return LlamaSlots(self, n_slots, self.n_ctx, exact=exact, hidden=hidden and self.slots_hidden)
+        hidden = hidden and self.slots_hidden
+        return LlamaSlots(self, n_slots, self.n_ctx, exact=exact, hidden=hidden, layers=layers if hidden else ())
 
     @property
     def slots_hidden(self) -> bool:

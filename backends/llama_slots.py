@@ -69,15 +69,18 @@ class _Recurrent:
 
 class LlamaSlots:
     """``n_slots`` sequences of ``slot_ctx`` tokens on the model of ``parent`` (a LlamaCppBackend).
-    ``hidden``: every pass gives the hidden state of each token it feeds too (the output head's
-    input, as the parent's tracked passes: embeddings on, so llama.cpp outputs every row of every
-    batch), for heads drafting for the slots."""
+    ``hidden``: every pass gives the hidden state of each token it feeds too, for heads drafting
+    for the slots: the output head's input (as the parent's tracked passes: embeddings on, so
+    llama.cpp outputs every row of every batch), or with ``layers`` those layers' outputs side by
+    side (llama.cpp's layer-input extension copies them out for every row fed; logits only where
+    asked), as EAGLE-3 reads them."""
 
     def __init__(self, parent, n_slots: int, slot_ctx: int | None = None, exact: bool = False,
-                 hidden: bool = False) -> None:
+                 hidden: bool = False, layers: Sequence[int] = ()) -> None:
         lib = self._lib = parent._lib
         self.recurrent = parent.recurrent
         self.hidden = hidden
+        self.layers = tuple(layers) if hidden else ()
         self.parent = parent
         self.n_slots = n_slots
         self.slot_ctx = slot_ctx or parent.n_ctx
@@ -98,6 +101,12 @@ class LlamaSlots:
         self._logits_address = parent._logits_address
         if hidden:
             self._embeddings_address, self._hidden_size = parent._embeddings_address, parent.hidden_support.size
+        if self.layers:
+            parent.hidden_support.check_layers(self.layers)  # ValueError naming why where it cannot
+            self._layer_input = parent._layer_input
+            for layer in self.layers:  # the inputs of the layers after them, for every row fed
+                parent._set_layer_input(self._ctx, layer + 1, True)
+        elif hidden:
             lib.llama_set_embeddings(self._ctx, True)
         self._snapshots = int(getattr(params, "n_rs_seq", 0)) if self.recurrent else 0  # the parent's n_rs_seq
         self._sequences = [_Recurrent() for _ in range(n_slots)] if self.recurrent else []
@@ -131,6 +140,7 @@ class LlamaSlots:
 
     def _decode(self, passes: list[SlotPass]) -> None:
         batch = self._batch
+        every_row = self.hidden and not self.layers
         i = 0
         for slot_pass in passes:
             if slot_pass.start + len(slot_pass.tokens) > self.slot_ctx:
@@ -141,33 +151,34 @@ class LlamaSlots:
                 batch.pos[i] = slot_pass.start + offset
                 batch.n_seq_id[i] = 1
                 batch.seq_id[i][0] = slot_pass.seq
-                batch.logits[i] = self.hidden or offset in wanted  # embeddings on: llama.cpp outputs every row
+                batch.logits[i] = every_row or offset in wanted  # embeddings on: llama.cpp outputs every row
                 i += 1
         batch.n_tokens = i
         status = self._lib.llama_decode(self._ctx, batch)
         if status != 0:
             raise ContextFullError(f"llama.cpp decode failed with status {status} in a batch of {i} tokens",
                                    "lower --parallel or raise --ctx")
-        n_rows = i if self.hidden else sum(len(slot_pass.rows) for slot_pass in passes)
+        n_rows = i if every_row else sum(len(slot_pass.rows) for slot_pass in passes)
         outputs = np.zeros((0, self.n_vocab), np.float32)
         if n_rows:
             address = self._logits_address(self._ctx)
             outputs = np.frombuffer((ctypes.c_float * (n_rows * self.n_vocab)).from_address(address),
                                     dtype=np.float32).reshape(n_rows, self.n_vocab)
-        states = self._output_hidden(i) if self.hidden else None
-        first = 0
+        states = self._output_layers(i) if self.layers else self._output_hidden(i) if self.hidden else None
+        first = fed = 0  # the outputs and the tokens before this pass's
         for slot_pass in passes:
             rows = list(slot_pass.rows)
-            if self.hidden:  # every row an output, in batch order: the pass's rows where asked
-                slot_pass.logits = outputs[[first + row for row in rows]] if rows else outputs[:0].copy()
-                slot_pass.hidden = states[first : first + len(slot_pass.tokens)]
-                first += len(slot_pass.tokens)
+            if every_row:  # every row an output, in batch order: the pass's rows where asked
+                slot_pass.logits = outputs[[fed + row for row in rows]] if rows else outputs[:0].copy()
             else:
                 # the outputs of a pass's flagged rows, in position order; back to the order asked for
                 mine = outputs[first : first + len(rows)]
                 order = np.argsort(np.argsort(rows)) if rows != sorted(rows) else slice(None)
                 slot_pass.logits = mine[order].copy()
                 first += len(rows)
+            if states is not None:
+                slot_pass.hidden = states[fed : fed + len(slot_pass.tokens)]
+            fed += len(slot_pass.tokens)
             if self.recurrent:
                 self._fed(slot_pass)
 
@@ -178,6 +189,18 @@ class LlamaSlots:
             raise RuntimeError("llama.cpp returned no embeddings for a slots' decode")
         buffer = (ctypes.c_float * (n_rows * self._hidden_size)).from_address(address)
         return np.frombuffer(buffer, dtype=np.float32).reshape(n_rows, self._hidden_size).copy()
+
+    def _output_layers(self, n_rows: int) -> np.ndarray:
+        """A copy of the last decode's layer outputs (n_rows, len(layers) * H), every row fed in batch order."""
+        size = self._hidden_size
+        states = np.empty((n_rows, size * len(self.layers)), np.float32)
+        for column, layer in enumerate(self.layers):
+            address = self._layer_input(self._ctx, layer + 1)
+            if not address:
+                raise RuntimeError(f"llama.cpp returned no output of layer {layer} for a slots' decode")
+            buffer = (ctypes.c_float * (n_rows * size)).from_address(address)
+            states[:, column * size : (column + 1) * size] = np.frombuffer(buffer, np.float32).reshape(n_rows, size)
+        return states
 
     def remove(self, seq: int, n_keep: int) -> None:
         if self.recurrent:

@@ -40,17 +40,24 @@ from specrun.errors import ContextFullError
 PREFILL_CHUNK = 256  # prompt tokens per pass while other slots decode
 VERIFIER = "target"  # the label of the model whose passes verify (the others draft for it)
 SLOTS_REASON = "a slot shares each pass with the other slots' sequences"
-# where slots give hidden states: the output head's input only (heads reading layers, EAGLE-3's, do not)
-SLOT_LAYERS_REASON = "slots give the output head's input, not the outputs of layers"
+# slots opened for the output head's input give no layer outputs (those opened for layers, EAGLE-3's, do)
+SLOT_LAYERS_REASON = "slots opened for the output head's input give no layer outputs"
 
 
 def slot_hidden_support(model, parent) -> HiddenSupport:
-    """What a slot of ``model`` gives of hidden states: its parent's output-head input where the
-    model was opened with ``hidden`` (every pass fills them), else none, saying why."""
+    """What a slot of ``model`` gives of hidden states where the model was opened with ``hidden``
+    (every pass fills them): its parent's, the layers it was opened for (``layers``) or the output
+    head's input alone; else none, saying why."""
     support = getattr(parent, "hidden_support", None)
     if not getattr(model, "hidden", False) or support is None or not support.available:
         return HiddenSupport(False, reason=f"{SLOTS_REASON}, and these slots give no hidden states")
+    if getattr(model, "layers", ()):
+        return support
     return dataclasses.replace(support, layer_outputs=0, layer_reason=SLOT_LAYERS_REASON)
+
+
+def _named(layers: tuple[int, ...]) -> str:
+    return f"the outputs of layers {', '.join(map(str, layers))}" if layers else "the output head's input"
 
 
 @dataclass
@@ -461,6 +468,25 @@ class Slot(ParentsModel, ArgmaxFromLogits, HiddenTracking):
 
     def keep_path(self, path) -> None:
         raise ValueError(f"this backend cannot verify trees: {SLOTS_REASON}")
+
+    def hidden_layers(self, layers) -> None:
+        """What the slot's passes give is what its model was opened for: other layers are a ValueError."""
+        layers, opened = tuple(layers), tuple(getattr(self.model, "layers", ()))
+        if layers == self._layers:
+            return
+        if self._tracking:
+            raise ValueError("choose the layers tracked passes record before tracking (track_hidden(False) first)")
+        if layers:
+            self.hidden_support.check_layers(layers)
+        if layers != opened:
+            raise ValueError(f"these slots give {_named(opened)}, not {_named(layers)}")
+        self._layers = layers
+
+    def track_hidden(self, on: bool) -> None:
+        opened = tuple(getattr(self.model, "layers", ()))
+        if on and self.hidden_support.available and self._layers != opened:
+            raise ValueError(f"these slots give {_named(opened)}: ask for them (hidden_layers) before tracking")
+        super().track_hidden(on)
 
     def token_embeddings(self, ids):
         self.hidden_support.check()

@@ -57,6 +57,7 @@ from specrun.sessions.setup import (
 from specrun.backends.kv import common_prefix_len, sequence_for
 from specrun.drafters.lookahead import LookaheadSizes
 from specrun.registry.loading import LoadOptions, open_pair
+from specrun.drafters.heads.eagle import eagle3_layers
 from specrun.heads.kinds import SLOT_KINDS, kind_of
 from specrun.sessions.kernels import DEEP_FROM, open_settled_draft, settle_for_context, settle_pair
 from specrun.drafters.methods import (
@@ -575,11 +576,21 @@ class ChatSession:
         if not getattr(self.target, "slots_hidden", False):
             return f"the {self.target.name} backend's slots give no hidden states"
         kind = kind_of(heads)
-        if kind.name in SLOT_KINDS:
-            return ""
+        if kind.name not in SLOT_KINDS:
+            return f"its {kind.name} heads run beside one sequence only"
         if kind.reads == "layers":
-            return f"its {kind.name} heads read layer outputs, which slots do not give"
-        return f"its {kind.name} heads run beside one sequence only"
+            try:
+                self.target.hidden_support.check_layers(self.slot_layers(heads))
+            except ValueError as exc:
+                return f"its {kind.name} heads read layer outputs: {exc}"
+        return ""
+
+    def slot_layers(self, heads=None) -> tuple[int, ...]:
+        """The target layers the slots' heads read (EAGLE-3's); () the output head's input."""
+        heads = heads if heads is not None else self._drafter_options.heads
+        if heads is None or isinstance(heads, tuple) or kind_of(heads).reads != "layers":
+            return ()
+        return eagle3_layers(heads, self.target)
 
     def on_slot(self, target: Backend, draft: Backend | None) -> ChatSession:
         """A session answering as this one does (method, draft settings, verification, stored

@@ -43,7 +43,8 @@ class SlotSessions:
         self.sessions: list[ChatSession] = []
         try:
             # heads drafting for the slots read the target's hidden states: its passes give them too
-            target_slots = self._open(session.target, n_slots, exact, "target", session.slot_heads() is not None)
+            heads = session.slot_heads() is not None
+            target_slots = self._open(session.target, n_slots, exact, "target", heads, session.slot_layers() if heads else ())
             draft_slots = self._open(session.draft, n_slots, exact, "draft") if session.draft is not None else None
             for seq in range(n_slots):
                 target = Slot(target_slots, seq, self.rendezvous, session.target, "target")
@@ -58,11 +59,11 @@ class SlotSessions:
             self.close()
             raise
 
-    def _open(self, backend, n_slots: int, exact: bool, label: str, hidden: bool = False):
+    def _open(self, backend, n_slots: int, exact: bool, label: str, hidden: bool = False, layers=()):
         open_slots = getattr(backend, "open_slots", None)
         if open_slots is None:
             raise one_at_a_time(backend.name)
-        model = open_slots(n_slots, exact, hidden=True) if hidden else open_slots(n_slots, exact)
+        model = open_slots(n_slots, exact, hidden=True, layers=layers) if hidden else open_slots(n_slots, exact)
         self.models.append(model)
         return model
 

@@ -68,16 +68,38 @@ def test_auto_is_the_default_and_decodes_several_together_as_memory_allows(demo_
     assert metric_values(one_at_a_time_server)["specrun_slots"] == 1
 
 
-def test_parallel_auto_answers_one_at_a_time_where_slots_would_drop_its_heads():
-    server = start_server(*DEMO_ARGS, "--parallel", "auto", "--method", "eagle")
+def test_parallel_auto_answers_one_at_a_time_where_slots_would_draft_with_less():
+    server = start_server(*DEMO_ARGS, "--parallel", "auto", "--method", "lookup+lookahead")
     try:
         assert metric_values(server)["specrun_slots"] == 1
-        # demo-target's EAGLE-3 heads (found first for --method eagle) read layer outputs: slots give none
-        assert any("one at a time: slots would draft without the eagle heads" in line for line in server.log)
+        assert any("one at a time: slots would draft without lookahead" in line for line in server.log)
         assert server.client().completions.create(model=MODEL, prompt="def f(x):", max_tokens=4,
                                                   temperature=0).choices[0].text
     finally:
         assert stop_server(server) == 0, server.log
+
+
+def test_eagle3_heads_draft_on_slots_reading_the_layers_they_read():
+    """demo-target's EAGLE-3 heads (found first for --method eagle) read three layers' outputs:
+    the slots' context copies them out for every row fed, so auto opens slots for them, every
+    slot drafts with them, and the answers decoded together are the one-at-a-time server's."""
+    from specrun.sessions.slots import DEFAULT_SLOTS
+
+    server = start_server(*DEMO_ARGS, "--parallel", "auto", "--method", "eagle", "-k", "3")
+    lone = start_server(*DEMO_ARGS, "--parallel", "1", "--method", "eagle", "-k", "3")
+    try:
+        assert metric_values(server)["specrun_slots"] == DEFAULT_SLOTS
+        keys = [(client, 0) for client in range(DEFAULT_SLOTS)]
+        alone = {key: answer(lone, messages_for(*key), stream=False) for key in keys}
+        with ThreadPoolExecutor(DEFAULT_SLOTS) as pool:
+            together = dict(zip(keys, pool.map(lambda key: answer(server, messages_for(*key), stream=False), keys)))
+        assert together == alone
+        metrics = metric_values(server)
+        assert metrics["specrun_drafted_tokens_total"] > 0, metrics
+        assert metrics['specrun_batch_sequences_total{model="target"}'] > metrics['specrun_batches_total{model="target"}']
+    finally:
+        assert stop_server(server) == 0, server.log
+        assert stop_server(lone) == 0, lone.log
 
 
 def test_a_conversation_s_next_turn_returns_to_the_slot_that_holds_it(parallel_server):

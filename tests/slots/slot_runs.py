@@ -39,25 +39,29 @@ def together(runs) -> list:
     return results
 
 
-def two_slots(model, hidden: bool = False):
+def two_slots(model, hidden: bool = False, layers=()):
     """Two slots of ``model`` (exact), sequences 0 and 1 of one rendezvous, fed by the caller's thread;
-    ``hidden``: opened with hidden states, both slots tracking them."""
-    slots = model.open_slots(2, exact=True, hidden=True) if hidden else model.open_slots(2, exact=True)
+    ``hidden``: opened with hidden states (``layers``' outputs where given), both slots tracking them."""
+    slots = model.open_slots(2, exact=True, hidden=True, layers=layers) if hidden else model.open_slots(2, exact=True)
     rendezvous = Rendezvous()
     made = [Slot(slots, seq, rendezvous, model, "target") for seq in range(2)]
     for slot in made if hidden else ():
+        slot.hidden_layers(layers)
         slot.track_hidden(True)
     return slots, made
 
 
-def fed_alone(model, tokens, rows):
-    """``model``'s logits at ``rows`` and hidden states at every row for ``tokens`` fed on an empty cache."""
+def fed_alone(model, tokens, rows, layers=()):
+    """``model``'s logits at ``rows`` and hidden states (``layers``' outputs where given) at every
+    row for ``tokens`` fed on an empty cache."""
     model.rewind(0)
+    model.hidden_layers(layers)
     model.track_hidden(True)
     try:
         return model.forward(tokens, rows), model.hidden_rows(range(len(tokens)))
     finally:
         model.track_hidden(False)
+        model.hidden_layers(())
         model.rewind(0)
 
 

@@ -83,31 +83,35 @@ def test_slots_decoded_together_give_what_each_gives_alone(method, temperature):
     assert max(len(batch) for batch in target_slots.batches) == len(PROMPTS)
 
 
-@pytest.mark.parametrize("method", ["medusa", "hydra", "eagle"])
+@pytest.mark.parametrize(("method", "eagle3"), [("medusa", False), ("hydra", False), ("eagle", False),
+                                                ("eagle", True)])
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
-def test_heads_draft_for_slots_from_the_hidden_states_their_shared_passes_give(method, temperature):
-    """Slots of a model opened with hidden states: each slot's heads drafter reads its own
-    sequence's states from the batches it shares, and drafts, accepts and answers exactly as
-    the same heads on the model alone (a state from another slot's rows would draft otherwise)."""
-    from heads_factory import oracle_heads_for, oracle_hidden
+def test_heads_draft_for_slots_from_the_hidden_states_their_shared_passes_give(method, eagle3, temperature):
+    """Slots of a model opened with hidden states (EAGLE-3's: the layers it reads): each slot's
+    heads drafter reads its own sequence's states from the batches it shares, and drafts, accepts
+    and answers exactly as the same heads on the model alone (a state from another slot's rows
+    would draft otherwise)."""
+    from heads_factory import FAKE_LAYERS, oracle_heads_for, oracle_hidden
+    from specrun.drafters.heads.eagle import eagle3_layers
     from specrun.drafters.methods import DrafterOptions, build_drafter
 
     table = copying_logits(salt=7, vocab_size=VOCAB)
     hidden = oracle_hidden(table, VOCAB)
-    heads = oracle_heads_for(method, VOCAB)
+    heads = oracle_heads_for(method, VOCAB, eagle3=eagle3)
     size = heads.config.hidden_size
 
     def model() -> FakeBackend:
-        return FakeBackend(table, VOCAB, hidden_table=hidden, hidden_size=size)
+        return FakeBackend(table, VOCAB, hidden_table=hidden, hidden_size=size, n_layers=FAKE_LAYERS)
 
     params = GenerationParams(32, draft_len=3, sampling=SamplingSettings(temperature=temperature, seed=5),
                               stop_at_eos=False)
     alone = [SpeculativeEngine(model(), build_drafter(method, None, DrafterOptions(heads=heads))).run(prompt, params)
              for prompt in PROMPTS]
     target = model()
-    target_slots, rendezvous = FakeSlots(target, len(PROMPTS), hidden=True), Rendezvous()
+    layers = eagle3_layers(heads, target) if eagle3 else ()
+    target_slots, rendezvous = FakeSlots(target, len(PROMPTS), hidden=True, layers=layers), Rendezvous()
     slots = [Slot(target_slots, seq, rendezvous, target, "target") for seq in range(len(PROMPTS))]
-    assert slots[0].hidden_support.available and not slots[0].hidden_support.layer_outputs
+    assert slots[0].hidden_support.available and bool(slots[0].hidden_support.layer_outputs) == eagle3
     engines = [SpeculativeEngine(slot, build_drafter(method, None, DrafterOptions(heads=heads))) for slot in slots]
     together = run_together(rendezvous, [lambda e=e, p=p: e.run(p, params) for e, p in zip(engines, PROMPTS)])
     assert [result.token_ids for result in together] == [result.token_ids for result in alone]
@@ -126,7 +130,7 @@ def test_slots_opened_without_hidden_states_refuse_heads_saying_why():
     with pytest.raises(ValueError, match="no hidden states"):
         slot.token_embeddings([1])
     opened = Slot(FakeSlots(target, 2, hidden=True), 0, Rendezvous(), target, "target")
-    with pytest.raises(ValueError, match="output head's input, not the outputs of layers"):
+    with pytest.raises(ValueError, match="opened for the output head's input give no layer outputs"):
         opened.hidden_layers([0])
     opened.track_hidden(True)
     opened.forward([1, 2, 3], [2])
