@@ -1117,14 +1117,19 @@ class MlxBackend(HiddenTracking):
 
         return slots_problem(self)
 
-    slots_hidden = False  # MlxSlots' batched passes give no hidden states
-
-    def open_slots(self, n_slots: int, exact: bool, hidden: bool = False):  # noqa: ARG002 - no --exact on MLX
+    def open_slots(self, n_slots: int, exact: bool, hidden: bool = False,  # noqa: ARG002 - no --exact on MLX
+                   layers: Sequence[int] = ()):
         """``n_slots`` sequences of ``n_ctx`` tokens each in one cache on this model's weights,
-        decoded together (backends/mlx_slots.MlxSlots); no hidden states (``slots_hidden``)."""
+        decoded together (backends/mlx_slots.MlxSlots); ``hidden``: its passes give hidden states
+        too (``layers``' outputs where given), where this model gives them (``slots_hidden``)."""
         from specrun.backends.mlx_slots import MlxSlots
 
-        return MlxSlots(self, n_slots, self.n_ctx)
+        return MlxSlots(self, n_slots, self.n_ctx, hidden=hidden, layers=layers)
+
+    @property
+    def slots_hidden(self) -> bool:
+        """Can slots on this model give hidden states (its body split from its head)?"""
+        return self.hidden_support.available
 
     def slot_cache_bytes(self, keeping: bool = True) -> int:
         """What a slot's sequence of ``n_ctx`` tokens holds in keys and values: every layer's

@@ -22,6 +22,10 @@ model's slot asks (``keep``), its state then. A rewind restores the newest of th
 where it goes, drops the attention cells from there and feeds the tokens between at the head of the
 sequence's next pass, whose mixer call runs them apart first (the state after them is the next
 one kept); with neither, the sequence starts again and its kept tokens are fed so.
+
+Opened with ``hidden`` (heads drafting for the slots), the body runs the packed row and the head
+only the rows asked for, and each pass gets its tokens' hidden states (or the layers' outputs
+EAGLE-3 reads, recorded as the body calls them); a hybrid's kept tokens fed again are cut off.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from specrun.backends.mlx import recording_body
 from specrun.backends.mlx_common import MODEL_CALLS, packed_pass, packed_problem
 from specrun.backends.mlx_snapshots import mixer_of
 from specrun.backends.slots import SlotPass
@@ -118,16 +123,26 @@ def _mixers_apart(mx, model, mixers: dict[int, str], segments, states, before) -
 
 
 class MlxSlots:
-    """``n_slots`` sequences of ``slot_ctx`` tokens on the model of ``parent`` (an MlxBackend)."""
+    """``n_slots`` sequences of ``slot_ctx`` tokens on the model of ``parent`` (an MlxBackend).
+    ``hidden``: every pass gives the hidden state of each token it feeds too, for heads drafting
+    for the slots: the model's body run and its head applied to the rows asked for (as the parent's
+    tracked passes: backends/mlx.split_model), or with ``layers`` those layers' outputs side by side."""
 
-    def __init__(self, parent, n_slots: int, slot_ctx: int | None = None) -> None:
+    def __init__(self, parent, n_slots: int, slot_ctx: int | None = None, hidden: bool = False,
+                 layers: Sequence[int] = ()) -> None:
         problem = slots_problem(parent)
         if problem:
             raise ModelFileError(f"{parent.path.name}: {problem}", SLOTS_FIX)
         self._mx = parent._mx
         self.parent = parent
         self.n_slots = n_slots
-        self.hidden = False  # its batched passes give no hidden states (heads draft for one sequence only)
+        self.hidden = hidden and parent.hidden_support.available
+        self.layers = tuple(layers) if self.hidden else ()
+        self._sink: list = []  # the recorded layers' outputs of a pass
+        self._body = None
+        if self.hidden:
+            parent.hidden_support.check_layers(self.layers) if self.layers else None
+            self._body = recording_body(parent._split.body, self.layers, self._sink) if self.layers else parent._split.body
         self.slot_ctx = slot_ctx or parent.n_ctx
         self.n_vocab = parent.vocab.size
         self._mixers = recurrent_mixers(parent)
@@ -175,6 +190,8 @@ class MlxSlots:
         self._run(full, [len(self._again[slot_pass.seq]) for slot_pass in passes])
         for slot_pass, ran in zip(passes, full):
             slot_pass.logits = ran.logits
+            if ran.hidden is not None:  # the pass's own rows: its kept tokens fed again are cut off
+                slot_pass.hidden = ran.hidden[len(ran.tokens) - len(slot_pass.tokens):]
 
     def _run(self, passes: Sequence[SlotPass], again: list[int]) -> None:
         for slot_pass in passes:
@@ -211,11 +228,24 @@ class MlxSlots:
         try:
             with packed_pass(parent.model, self._cache, [masks[window] for window in self._windows], mx.array(positions)):
                 with _mixers_apart(mx, parent.model, self._mixers, segments, self._states, before):
-                    logits = parent.model(mx.array(ids)[None], cache=self._cache)  # (1, L, V)
-            picked = parent._fit_vocab(logits[0, mx.array(wanted)]).astype(mx.float32) if wanted else None
+                    if self.hidden:  # the body, its head on the rows asked for only
+                        self._sink.clear()
+                        body = self._body(mx.array(ids)[None], cache=self._cache)  # (1, L, H)
+                        recorded = dict(self._sink)
+                        self._sink.clear()
+                        rows = (mx.concatenate([recorded[layer][0] for layer in self.layers], axis=-1)
+                                if self.layers else body[0])
+                        logits = parent._split.head(body[:, mx.array(wanted)]) if wanted else None
+                    else:
+                        rows = None
+                        logits = parent.model(mx.array(ids)[None], cache=self._cache)  # (1, L, V)
+                        logits = logits[:, mx.array(wanted)] if wanted else None
+            picked = parent._fit_vocab(logits[0]).astype(mx.float32) if wanted else None
+            rows = rows.astype(mx.float32) if rows is not None else None
             recurrent = [array for p in passes for state in self._states[p.seq].values() for array in state.cache
                          if array is not None]
-            mx.eval([layer.state for layer in attention] + recurrent + ([picked] if picked is not None else []))
+            mx.eval([layer.state for layer in attention] + recurrent + [array for array in (picked, rows)
+                                                                          if array is not None])
         except BaseException:  # a failure mid-pass: the cells as before it (what the pass wrote lies past
             # each layer's offset; a graph left unevaluated only rewrites those columns), and the states
             for layer in attention:
@@ -235,10 +265,13 @@ class MlxSlots:
                     self._keep_after_again[slot_pass.seq] = False
         self._seqs, self._positions = all_seqs, all_positions
         outputs = np.array(picked) if picked is not None else np.zeros((0, self.n_vocab), np.float32)
+        fed = np.array(rows) if rows is not None else None  # (L, H): every token's, in pass order
         first_row = 0
-        for slot_pass in passes:
+        for slot_pass, first in zip(passes, firsts):
             slot_pass.logits = outputs[first_row : first_row + len(slot_pass.rows)]
             first_row += len(slot_pass.rows)
+            if fed is not None:
+                slot_pass.hidden = fed[first : first + len(slot_pass.tokens)]
 
     def remove(self, seq: int, n_keep: int) -> None:
         if self.recurrent:

@@ -537,7 +537,8 @@ class ChatSession:
     def slot_drops(self) -> str:
         """What this session drafts with that a slot's would not (on_slot): "" where nothing."""
         options = self._drafter_options
-        hidden = bool(getattr(self.target, "slots_hidden", False))
+        # asked only of a method with heads (MLX's answer runs the model once, splitting its head off)
+        hidden = needs_heads(self.method) and bool(getattr(self.target, "slots_hidden", False))
         try:
             check_slots_method(self.method, hidden)
         except UsageError:

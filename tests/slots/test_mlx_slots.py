@@ -57,6 +57,36 @@ def _fresh(model, tokens, rows):
         model.rewind(0)
 
 
+@pytest.mark.parametrize("layers", [(), (0,)])
+def test_slots_opened_with_hidden_states_give_each_sequence_its_own(pair, layers):
+    """The body run on the packed row, the head on the rows asked for: each slot gets its own
+    rows' states (the output head's input, or layer outputs as EAGLE-3 reads them) and logits, as
+    its sequence fed alone gives them, before and after a rewind."""
+    from tests.slots.slot_runs import fed_alone, together, two_slots
+
+    model, _ = pair
+    assert model.slots_hidden
+    slots, (first, second) = two_slots(model, hidden=True, layers=layers)
+    try:
+        rendezvous = first.rendezvous
+        logits = together([(rendezvous, lambda: first.forward([1, 2, 3, 4, 5, 6], [5, 2])),
+                           (rendezvous, lambda: second.forward([5, 6, 7, 8, 9], [4]))])
+        alone_logits, alone_states = fed_alone(model, [1, 2, 3, 4, 5, 6], [5, 2], layers)
+        assert alone_states.shape == (6, model.hidden_support.size * max(len(layers), 1))
+        np.testing.assert_allclose(logits[0], alone_logits, **ROUNDING)
+        np.testing.assert_allclose(first.hidden_rows(range(6)), alone_states, **ROUNDING)
+        np.testing.assert_allclose(second.hidden_rows([4, 0]),
+                                   fed_alone(model, [5, 6, 7, 8, 9], [4], layers)[1][[4, 0]], **ROUNDING)
+        first.rewind(3)
+        rewound = first.forward([9, 9], [0, 1])
+        alone_logits, alone_states = fed_alone(model, [1, 2, 3, 9, 9], [3, 4], layers)
+        np.testing.assert_allclose(rewound, alone_logits, **ROUNDING)
+        np.testing.assert_allclose(first.hidden_rows(range(2)), alone_states[3:], **ROUNDING)
+        assert np.abs(first.hidden_rows(range(2)) - second.hidden_rows(range(2))).max() > 1e-2
+    finally:
+        slots.close()
+
+
 def test_a_rewound_or_emptied_slot_reads_as_one_fed_afresh(pair):
     model, _ = pair
     slots = model.open_slots(3, False)
@@ -212,6 +242,31 @@ def test_greedy_answers_of_a_hybrid_decoded_together_are_the_ones_decoded_alone(
     prompts = [target.tokenize(text) for text in ("def hello(world):", "the cat sat on the mat. the cat sat on the",
                                                   "import os\nimport sys\n", "Once upon a time")]
     check_answers_together(target, draft, prompts, GenerationParams(32, draft_len=4, stop_at_eos=False), False)
+
+
+def test_a_hybrid_slot_with_hidden_states_gives_its_own_rows_after_its_kept_tokens_fed_again(hybrid_pair):
+    """A hybrid's slot rewound past what it kept feeds those tokens at the head of its next pass:
+    the hidden states it gives are that pass's own rows, as the sequence fed alone gives them."""
+    from tests.slots.slot_runs import fed_alone, two_slots
+
+    target, _ = hybrid_pair
+    if not target.slots_hidden:
+        pytest.skip(f"this hybrid gives no hidden states: {target.hidden_support.reason}")
+    slots, (first, second) = two_slots(target, hidden=True)
+    try:
+        second.forward([5, 6, 7, 8, 9], [])
+        first.forward([1, 2, 3, 4, 5, 6], [])
+        first.forward([7, 8, 9], [])
+        first.rewind(2)  # before its last pass's state: its kept tokens fed again at its next pass's head
+        logits = first.forward([9, 9], [0, 1])
+        alone_logits, alone_states = fed_alone(target, [1, 2, 9, 9], [2, 3])
+        np.testing.assert_allclose(logits, alone_logits, **HYBRID_ROUNDING)
+        assert first.hidden_rows(range(2)).shape == (2, alone_states.shape[1])
+        np.testing.assert_allclose(first.hidden_rows(range(2)), alone_states[2:], **HYBRID_ROUNDING)
+        np.testing.assert_allclose(second.hidden_rows(range(5)), fed_alone(target, [5, 6, 7, 8, 9], [])[1],
+                                   **HYBRID_ROUNDING)
+    finally:
+        slots.close()
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
