@@ -12,6 +12,8 @@ Lines, each a server started afresh for each C (127.0.0.1 only) and warmed by on
   gives where it never yields to the batch);
 - ``specrun lookup``: the slots drafting by prompt lookup alone (no draft model: what costs nothing
   to draft gives);
+- ``specrun eagle``, ``specrun eagle fifo``: the target's EAGLE heads drafting on every slot, and
+  answering one request at a time (``--parallel 1``);
 - with ``--llama-bin``: ``llama-server -np C`` without speculation, with ``-md`` (the same draft,
   ``--spec-type draft-simple``) and with ``--spec-type ngram-mod``.
 
@@ -256,6 +258,7 @@ def lines_for(args, target: Path | str, draft: Path | str) -> list[ServerLine]:
     specrun = [sys.executable, "-m", "specrun", "serve", "--target", str(target), "--draft", str(draft),
                "--threads", str(args.threads), "--ctx", str(args.ctx), "--max-queue", "256", "--host", "127.0.0.1",
                "--backend", args.backend]
+    named = [*specrun[:5], args.target, *specrun[6:]]
     lines = [
         ServerLine("specrun fifo", lambda port, c: [*specrun, "--port", str(port), "--parallel", "1"], str(target)),
         ServerLine("specrun", lambda port, c: [*specrun, "--port", str(port), "--parallel", str(c)], str(target)),
@@ -266,6 +269,12 @@ def lines_for(args, target: Path | str, draft: Path | str) -> list[ServerLine]:
                                                         "--method", "draft", "-k", "4"], str(target)),
         ServerLine("specrun lookup", lambda port, c: [*specrun, "--port", str(port), "--parallel", str(c),
                                                       "--method", "lookup"], str(target)),
+        # the target's heads (--method eagle: EAGLE-3's where found) drafting on every slot, and one at a
+        # time: the target by its registry name, under which its heads are found
+        ServerLine("specrun eagle", lambda port, c: [*named, "--port", str(port), "--parallel", str(c),
+                                                     "--method", "eagle"], args.target),
+        ServerLine("specrun eagle fifo", lambda port, c: [*named, "--port", str(port), "--parallel", "1",
+                                                          "--method", "eagle"], args.target),
     ]
     if args.llama_bin is not None:
         def server(extra):
