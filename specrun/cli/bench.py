@@ -11,6 +11,7 @@ from specrun.cli.common import (
     MAX_DRAFT_LEN,
     MAX_NEW_TOKENS,
     PipeConsole,
+    checked_chat,
     checked_flash_attn,
     check_kv_type,
     check_window_use,
@@ -50,6 +51,7 @@ from specrun.cli.options import (
     MarginOpt,
     MaxTokensOpt,
     MinPOpt,
+    RawOpt,
     RegistryOpt,
     RpcOpt,
     SeedOpt,
@@ -106,7 +108,8 @@ def bench(
     min_p: MinPOpt = 0.0,
     seed: SeedOpt = None,
     repeat: RepeatOpt = 1,
-    chat: ChatOpt = None,
+    chat: ChatOpt = False,
+    raw: RawOpt = False,
     json_out: BenchJsonOpt = None,
     report_out: ReportOpt = None,
     untuned: UntunedOpt = False,
@@ -154,6 +157,7 @@ def bench(
         check_range("--threads", threads, 1, 1024)
         check_range("--draft-min-prob", draft_min_prob, 0.0, 1.0)
         check_kv_type(kv_type, exact)
+        chat_template = checked_chat(chat, raw)
         flash_attn = checked_flash_attn(flash_attn, exact)
         rpc_servers = checked_rpc(rpc)
         if native and rpc_servers:
@@ -190,7 +194,7 @@ def bench(
             max_new_tokens=max_tokens,
             sampling=sampling,
             repeat=repeat,
-            chat=chat,
+            chat=chat_template,
             suite=suite_name,
             use_tuned=not untuned,
             native=native,

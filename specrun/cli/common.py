@@ -124,6 +124,14 @@ def checked_text(text: str, where: str) -> str:
     return text
 
 
+def checked_chat(chat: bool, raw: bool) -> bool | None:
+    """--chat and --raw as one choice: True (the chat template), False (as typed), or None (the
+    model's kind decides); a usage error when both are given."""
+    if chat and raw:
+        raise UsageError("--chat and --raw contradict each other", "drop one of them")
+    return True if chat else False if raw else None
+
+
 def check_range(name: str, value: int | float | None, low: float, high: float) -> None:
     if value is not None and not (low <= value <= high):
         raise UsageError(f"{name} must be between {_bound(low)} and {_bound(high)}, got {value}", f"pass a valid {name}")

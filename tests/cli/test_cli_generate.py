@@ -172,6 +172,31 @@ def test_usage_errors_exit_2(pair, args, fragment):
     assert_one_line_error(invoke("generate", "hi", *pair, *args), 2, fragment)
 
 
+@pytest.mark.parametrize("command", ["generate", "bench"])
+@pytest.mark.parametrize("flags", [("--chat", "--raw"), ("--raw", "--chat")])
+def test_chat_and_raw_together_are_a_usage_error(command, flags):
+    """As one --chat/--raw pair the last one given won, silently."""
+    args = [command, *flags] + (["hello"] if command == "generate" else [])
+    assert_one_line_error(invoke(*args), 2, "--chat and --raw contradict each other", "drop one of them")
+
+
+@pytest.mark.parametrize(("flags", "chat"), [((), None), (("--chat",), True), (("--raw",), False)])
+def test_chat_or_raw_alone_reaches_the_request(tiny_llama, monkeypatch, flags, chat):
+    import specrun.sessions.generation as generation
+    from specrun.errors import SpecrunError
+
+    asked = []
+
+    def stop_before_loading(request, on_text=None):
+        asked.append(request.chat)
+        raise SpecrunError("stopped before loading")
+
+    monkeypatch.setattr(generation, "generate_text", stop_before_loading)
+    result = invoke("generate", "hi", "-t", str(tiny_llama.gguf_path), "--method", "none", *flags)
+    assert result.exit_code == 1 and "stopped before loading" in result.stderr, result.output
+    assert asked == [chat]
+
+
 def test_debug_shows_a_traceback(tmp_path, llama_installed):
     result = invoke("generate", "hi", "-t", str(tmp_path / "x.gguf"), env={"SPECRUN_DEBUG": "1"})
     assert result.exit_code == 1
