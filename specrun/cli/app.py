@@ -20,6 +20,7 @@ from specrun.cli.heads import heads_app
 from specrun.cli.common import (
     MAX_DRAFT_LEN,
     PipeConsole,
+    check_draft_len_use,
     check_generation_options,
     checked_chat,
     checked_learning,
@@ -173,6 +174,7 @@ def generate(
 
         check_method(method)
         check_generation_options(max_tokens, draft_len, draft_min_prob, ctx, threads)
+        check_draft_len_use(draft_len, (method,))
         check_kv_type(kv_type, exact)
         chat_template = checked_chat(chat, raw)
         check_window_use(window, (method,), draft)
@@ -299,6 +301,7 @@ def demo(
         check_range("--prompts", prompts, 1, 100)
         check_range("--max-tokens", max_tokens, 1, 4096)
         check_range("--draft-len", draft_len, 0, MAX_DRAFT_LEN)
+        check_draft_len_use(draft_len, method_list, "--methods")
         check_range("--threads", threads, 1, 1024)
         run_demo(target, draft, method_list, prompts, max_tokens, draft_len, backend, threads, console=PipeConsole,
                  exact=exact)

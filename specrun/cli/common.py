@@ -372,6 +372,14 @@ def check_window_use(window: int | None, methods: Sequence[str], draft: str | No
                          f"drop {given}, or pass --method draft (or auto)")
 
 
+def check_draft_len_use(draft_len: int | None, methods: Sequence[str], flag: str = "--method") -> None:
+    """-k where every method named is plain decoding (none): it would be ignored. Not in chat, whose
+    /method may turn to a method that drafts later."""
+    if draft_len is not None and all(method == "none" for method in methods):
+        raise UsageError(f"--draft-len (-k) sets the draft length, and {flag} none drafts nothing",
+                         f"drop --draft-len, or choose a method that drafts ({flag} auto, say)")
+
+
 def check_kv_type(kv_type: str | None, exact: bool = False) -> None:
     if kv_type is not None and kv_type not in ("f16", "f32"):
         raise UsageError(f"unknown KV cache type {kv_type!r}", "use --kv-type f16 or --kv-type f32")

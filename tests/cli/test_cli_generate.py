@@ -197,6 +197,31 @@ def test_chat_or_raw_alone_reaches_the_request(tiny_llama, monkeypatch, flags, c
     assert asked == [chat]
 
 
+@pytest.mark.parametrize(("command", "methods"), [
+    (("generate", "hi"), ("--method", "none")),
+    (("serve",), ("-m", "none")),
+    (("bench",), ("--methods", "none")),
+    (("demo",), ("--methods", "none")),
+])
+def test_a_draft_length_where_nothing_drafts_is_a_usage_error(command, methods):
+    """-k was ignored where every method is plain decoding. (chat takes it: /method may turn to one that drafts.)"""
+    flag = "--methods" if methods[0] == "--methods" else "--method"
+    result = invoke(*command, *methods, "-k", "4")
+    assert_one_line_error(result, 2, f"--draft-len (-k) sets the draft length, and {flag} none drafts nothing",
+                          "drop --draft-len, or choose a method that drafts")
+
+
+def test_bench_takes_a_draft_length_beside_its_plain_baseline(tiny_llama, monkeypatch):
+    """bench always runs none as its baseline: -k is refused only where no other method is named."""
+    import specrun.cli.bench
+
+    configs = []
+    monkeypatch.setattr(specrun.cli.bench, "run_and_show", lambda config, *rest: configs.append(config))
+    result = invoke("bench", "-t", str(tiny_llama.gguf_path), "--methods", "none,lookup", "-k", "4")
+    assert result.exit_code == 0, result.output
+    assert [(config.methods, config.draft_lens) for config in configs] == [(("none", "lookup"), (4,))]
+
+
 def test_debug_shows_a_traceback(tmp_path, llama_installed):
     result = invoke("generate", "hi", "-t", str(tmp_path / "x.gguf"), env={"SPECRUN_DEBUG": "1"})
     assert result.exit_code == 1
