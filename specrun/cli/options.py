@@ -44,7 +44,7 @@ TempOpt = Annotated[float, typer.Option("--temp", help="Temperature; 0 is greedy
 TopKOpt = Annotated[int, typer.Option("--top-k", help="Top-k (0: off).")]
 TopPOpt = Annotated[float, typer.Option("--top-p", help="Top-p (1: off).")]
 MinPOpt = Annotated[float, typer.Option("--min-p", help="Min-p (0: off).")]
-SeedOpt = Annotated[Optional[int], typer.Option("--seed", help="Random seed for sampling.")]
+SeedOpt = Annotated[Optional[int], typer.Option("--seed", help="Random seed for sampling, from 0 to 2^63 - 1.")]
 DraftLenOpt = Annotated[
     Optional[int],
     typer.Option(

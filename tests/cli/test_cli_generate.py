@@ -180,21 +180,47 @@ def test_chat_and_raw_together_are_a_usage_error(command, flags):
     assert_one_line_error(invoke(*args), 2, "--chat and --raw contradict each other", "drop one of them")
 
 
-@pytest.mark.parametrize(("flags", "chat"), [((), None), (("--chat",), True), (("--raw",), False)])
-def test_chat_or_raw_alone_reaches_the_request(tiny_llama, monkeypatch, flags, chat):
+@pytest.fixture
+def request_made(tiny_llama, monkeypatch):
+    """``request_made(*options)``: the GenerateRequest `specrun generate` makes of them for the tiny
+    llama, taken where the model would be loaded."""
     import specrun.sessions.generation as generation
     from specrun.errors import SpecrunError
 
     asked = []
 
     def stop_before_loading(request, on_text=None):
-        asked.append(request.chat)
+        asked.append(request)
         raise SpecrunError("stopped before loading")
 
     monkeypatch.setattr(generation, "generate_text", stop_before_loading)
-    result = invoke("generate", "hi", "-t", str(tiny_llama.gguf_path), "--method", "none", *flags)
-    assert result.exit_code == 1 and "stopped before loading" in result.stderr, result.output
-    assert asked == [chat]
+
+    def made(*options: str):
+        asked.clear()
+        result = invoke("generate", "hi", "-t", str(tiny_llama.gguf_path), "--method", "none", *options)
+        assert result.exit_code == 1 and "stopped before loading" in result.stderr, result.output
+        (request,) = asked
+        return request
+
+    return made
+
+
+@pytest.mark.parametrize(("flags", "chat"), [((), None), (("--chat",), True), (("--raw",), False)])
+def test_chat_or_raw_alone_reaches_the_request(request_made, flags, chat):
+    assert request_made(*flags).chat is chat
+
+
+@pytest.mark.parametrize("command", ["generate", "chat", "bench"])
+@pytest.mark.parametrize("seed", ["-1", "9223372036854775808", "99999999999999999999999"])
+def test_a_seed_out_of_range_is_a_usage_error_naming_the_range(command, seed):
+    """A seed past 64 bits was taken (numpy takes any size); the server refuses it in a request."""
+    args = [command, "--temp", "1", "--seed", seed] + (["hello"] if command == "generate" else [])
+    assert_one_line_error(invoke(*args, input="hi\n"), 2, f"--seed must be between 0 and {2**63 - 1}, got {seed}")
+
+
+@pytest.mark.parametrize("seed", [0, 2**63 - 1])
+def test_a_seed_at_either_end_of_the_range_reaches_the_sampler(request_made, seed):
+    assert request_made("--temp", "1", "--seed", str(seed)).sampling.seed == seed
 
 
 @pytest.mark.parametrize(("command", "methods"), [
