@@ -11,6 +11,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+# The largest --seed: a signed 64-bit integer, what the server's "seed" field and heads train take
+# (numpy's generator would take any size; a seed one command takes, the others should take too).
+MAX_SEED = 2**63 - 1
+
 
 @dataclass(frozen=True)
 class SamplingSettings:
@@ -37,8 +41,8 @@ class SamplingSettings:
             problems.append(f"--top-p must be in (0, 1], got {self.top_p}")
         if not (0.0 <= self.min_p < 1.0):
             problems.append(f"--min-p must be in [0, 1), got {self.min_p}")
-        if self.seed is not None and self.seed < 0:
-            problems.append(f"--seed must be non-negative, got {self.seed}")
+        if self.seed is not None and not 0 <= self.seed <= MAX_SEED:
+            problems.append(f"--seed must be between 0 and {MAX_SEED}, got {self.seed}")
         return problems
 
     def describe(self) -> str:

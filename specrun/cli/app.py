@@ -20,7 +20,9 @@ from specrun.cli.heads import heads_app
 from specrun.cli.common import (
     MAX_DRAFT_LEN,
     PipeConsole,
+    check_draft_len_use,
     check_generation_options,
+    checked_chat,
     checked_learning,
     checked_flash_attn,
     PrefillBar,
@@ -78,6 +80,7 @@ from specrun.cli.options import (
     MethodOpt,
     MinPOpt,
     NgramCacheOpt,
+    RawOpt,
     TraceOpt,
     RegistryOpt,
     RpcOpt,
@@ -139,7 +142,8 @@ def generate(
     sinks: SinksOpt = None,
     registry: RegistryOpt = None,
     ngram_cache: NgramCacheOpt = None,
-    chat: ChatOpt = None,
+    chat: ChatOpt = False,
+    raw: RawOpt = False,
     branches: BranchesOpt = None,
     tree_nodes: TreeNodesOpt = None,
     chain_only: ChainOpt = False,
@@ -170,7 +174,9 @@ def generate(
 
         check_method(method)
         check_generation_options(max_tokens, draft_len, draft_min_prob, ctx, threads)
+        check_draft_len_use(draft_len, (method,))
         check_kv_type(kv_type, exact)
+        chat_template = checked_chat(chat, raw)
         check_window_use(window, (method,), draft)
         flash_attn = checked_flash_attn(flash_attn, exact)
         rpc_servers = checked_rpc(rpc)
@@ -181,7 +187,7 @@ def generate(
         verification = checked_verification("generate", verify, accept, epsilon, delta, margin, exact)
         grammar_spec = checked_grammar(grammar, json_schema)
         tool_list, choice = checked_tools(tools, tool_choice)
-        if tool_list and chat is False:
+        if tool_list and chat_template is False:
             raise UsageError("--tools renders the tools through the chat template, which --raw leaves out",
                              "drop --raw")
         if choice.forces_a_call and grammar_spec is not None:
@@ -209,7 +215,7 @@ def generate(
                                  tree_paths=trees.paths),
                 drafter_options=DrafterOptions(ngram_cache=ngram_cache, branches=trees.branches,
                                                lookahead=lookahead_sizes),
-                chat=chat,
+                chat=chat_template,
                 trees=trees,
                 heads=heads,
                 grammar=grammar_spec,
@@ -295,6 +301,7 @@ def demo(
         check_range("--prompts", prompts, 1, 100)
         check_range("--max-tokens", max_tokens, 1, 4096)
         check_range("--draft-len", draft_len, 0, MAX_DRAFT_LEN)
+        check_draft_len_use(draft_len, method_list, "--methods")
         check_range("--threads", threads, 1, 1024)
         run_demo(target, draft, method_list, prompts, max_tokens, draft_len, backend, threads, console=PipeConsole,
                  exact=exact)

@@ -11,6 +11,8 @@ from specrun.cli.common import (
     MAX_DRAFT_LEN,
     MAX_NEW_TOKENS,
     PipeConsole,
+    checked_chat,
+    check_draft_len_use,
     checked_flash_attn,
     check_kv_type,
     check_window_use,
@@ -50,6 +52,7 @@ from specrun.cli.options import (
     MarginOpt,
     MaxTokensOpt,
     MinPOpt,
+    RawOpt,
     RegistryOpt,
     RpcOpt,
     SeedOpt,
@@ -106,7 +109,8 @@ def bench(
     min_p: MinPOpt = 0.0,
     seed: SeedOpt = None,
     repeat: RepeatOpt = 1,
-    chat: ChatOpt = None,
+    chat: ChatOpt = False,
+    raw: RawOpt = False,
     json_out: BenchJsonOpt = None,
     report_out: ReportOpt = None,
     untuned: UntunedOpt = False,
@@ -154,6 +158,7 @@ def bench(
         check_range("--threads", threads, 1, 1024)
         check_range("--draft-min-prob", draft_min_prob, 0.0, 1.0)
         check_kv_type(kv_type, exact)
+        chat_template = checked_chat(chat, raw)
         flash_attn = checked_flash_attn(flash_attn, exact)
         rpc_servers = checked_rpc(rpc)
         if native and rpc_servers:
@@ -172,6 +177,7 @@ def bench(
         check_window_use(window, method_list, draft, "--methods")
         check_heads_used(heads, method_list)
         trees = checked_trees(chain_only, tree_nodes, branches, lookahead_sizes, window=uses_window(method_list))
+        check_draft_len_use(draft_len, method_list, "--methods")
         draft_lens = parse_draft_lens(draft_len, sweep_draft_len)
         if len(draft_lens) > 1 and not any(m != "none" and not is_adaptive(m) for m in method_list):
             raise UsageError(
@@ -190,7 +196,7 @@ def bench(
             max_new_tokens=max_tokens,
             sampling=sampling,
             repeat=repeat,
-            chat=chat,
+            chat=chat_template,
             suite=suite_name,
             use_tuned=not untuned,
             native=native,

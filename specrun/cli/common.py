@@ -124,6 +124,14 @@ def checked_text(text: str, where: str) -> str:
     return text
 
 
+def checked_chat(chat: bool, raw: bool) -> bool | None:
+    """--chat and --raw as one choice: True (the chat template), False (as typed), or None (the
+    model's kind decides); a usage error when both are given."""
+    if chat and raw:
+        raise UsageError("--chat and --raw contradict each other", "drop one of them")
+    return True if chat else False if raw else None
+
+
 def check_range(name: str, value: int | float | None, low: float, high: float) -> None:
     if value is not None and not (low <= value <= high):
         raise UsageError(f"{name} must be between {_bound(low)} and {_bound(high)}, got {value}", f"pass a valid {name}")
@@ -362,6 +370,14 @@ def check_window_use(window: int | None, methods: Sequence[str], draft: str | No
         given = "--window" if window is not None else f"--draft {draft}"
         raise UsageError(f"{given} sets up a draft model's cache, and {flag} {','.join(methods)} drafts without one",
                          f"drop {given}, or pass --method draft (or auto)")
+
+
+def check_draft_len_use(draft_len: int | None, methods: Sequence[str], flag: str = "--method") -> None:
+    """-k where every method named is plain decoding (none): it would be ignored. Not in chat, whose
+    /method may turn to a method that drafts later."""
+    if draft_len is not None and all(method == "none" for method in methods):
+        raise UsageError(f"--draft-len (-k) sets the draft length, and {flag} none drafts nothing",
+                         f"drop --draft-len, or choose a method that drafts ({flag} auto, say)")
 
 
 def check_kv_type(kv_type: str | None, exact: bool = False) -> None:

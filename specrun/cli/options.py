@@ -44,7 +44,7 @@ TempOpt = Annotated[float, typer.Option("--temp", help="Temperature; 0 is greedy
 TopKOpt = Annotated[int, typer.Option("--top-k", help="Top-k (0: off).")]
 TopPOpt = Annotated[float, typer.Option("--top-p", help="Top-p (1: off).")]
 MinPOpt = Annotated[float, typer.Option("--min-p", help="Min-p (0: off).")]
-SeedOpt = Annotated[Optional[int], typer.Option("--seed", help="Random seed for sampling.")]
+SeedOpt = Annotated[Optional[int], typer.Option("--seed", help="Random seed for sampling, from 0 to 2^63 - 1.")]
 DraftLenOpt = Annotated[
     Optional[int],
     typer.Option(
@@ -227,14 +227,17 @@ VerifyOpt = Annotated[
 NgramCacheOpt = Annotated[
     Optional[Path], typer.Option("--ngram-cache", help="File the n-gram pool is loaded from and saved to.")
 ]
+# --chat and --raw are two flags, not one --chat/--raw pair: a pair keeps only the last one given, so
+# giving both could not be refused (common.checked_chat turns them into one choice).
 ChatOpt = Annotated[
-    Optional[bool],
+    bool,
     typer.Option(
-        "--chat/--raw",
-        help="Send the prompt as a user message in the model's chat template, or as is "
-        "(default: --chat when the model has a template and is not a completion model such as the demo pair).",
+        "--chat",
+        help="Send the prompt as a user message in the model's chat template (the default when the model has "
+        "a template and is not a completion model such as the demo pair).",
     ),
 ]
+RawOpt = Annotated[bool, typer.Option("--raw", help="Send the prompt as typed, without the chat template.")]
 RegistryOpt = Annotated[Optional[Path], typer.Option("--registry", help="Extra models.toml.")]
 TraceOpt = Annotated[
     Optional[Path],

@@ -8,6 +8,7 @@ from typing import Annotated, Optional
 import typer
 
 from specrun.cli.common import (
+    check_draft_len_use,
     check_generation_options,
     checked_learning,
     checked_flash_attn,
@@ -152,6 +153,7 @@ def serve_command(
 
         check_method(method)
         check_generation_options(max_tokens, draft_len, draft_min_prob, ctx, threads)
+        check_draft_len_use(draft_len, (method,))
         check_kv_type(kv_type, exact)
         check_window_use(window, (method,), draft)
         flash_attn = checked_flash_attn(flash_attn, exact)

@@ -172,6 +172,82 @@ def test_usage_errors_exit_2(pair, args, fragment):
     assert_one_line_error(invoke("generate", "hi", *pair, *args), 2, fragment)
 
 
+@pytest.mark.parametrize("command", ["generate", "bench"])
+@pytest.mark.parametrize("flags", [("--chat", "--raw"), ("--raw", "--chat")])
+def test_chat_and_raw_together_are_a_usage_error(command, flags):
+    """As one --chat/--raw pair the last one given won, silently."""
+    args = [command, *flags] + (["hello"] if command == "generate" else [])
+    assert_one_line_error(invoke(*args), 2, "--chat and --raw contradict each other", "drop one of them")
+
+
+@pytest.fixture
+def request_made(tiny_llama, monkeypatch):
+    """``request_made(*options)``: the GenerateRequest `specrun generate` makes of them for the tiny
+    llama, taken where the model would be loaded."""
+    import specrun.sessions.generation as generation
+    from specrun.errors import SpecrunError
+
+    asked = []
+
+    def stop_before_loading(request, on_text=None):
+        asked.append(request)
+        raise SpecrunError("stopped before loading")
+
+    monkeypatch.setattr(generation, "generate_text", stop_before_loading)
+
+    def made(*options: str):
+        asked.clear()
+        result = invoke("generate", "hi", "-t", str(tiny_llama.gguf_path), "--method", "none", *options)
+        assert result.exit_code == 1 and "stopped before loading" in result.stderr, result.output
+        (request,) = asked
+        return request
+
+    return made
+
+
+@pytest.mark.parametrize(("flags", "chat"), [((), None), (("--chat",), True), (("--raw",), False)])
+def test_chat_or_raw_alone_reaches_the_request(request_made, flags, chat):
+    assert request_made(*flags).chat is chat
+
+
+@pytest.mark.parametrize("command", ["generate", "chat", "bench"])
+@pytest.mark.parametrize("seed", ["-1", "9223372036854775808", "99999999999999999999999"])
+def test_a_seed_out_of_range_is_a_usage_error_naming_the_range(command, seed):
+    """A seed past 64 bits was taken (numpy takes any size); the server refuses it in a request."""
+    args = [command, "--temp", "1", "--seed", seed] + (["hello"] if command == "generate" else [])
+    assert_one_line_error(invoke(*args, input="hi\n"), 2, f"--seed must be between 0 and {2**63 - 1}, got {seed}")
+
+
+@pytest.mark.parametrize("seed", [0, 2**63 - 1])
+def test_a_seed_at_either_end_of_the_range_reaches_the_sampler(request_made, seed):
+    assert request_made("--temp", "1", "--seed", str(seed)).sampling.seed == seed
+
+
+@pytest.mark.parametrize(("command", "methods"), [
+    (("generate", "hi"), ("--method", "none")),
+    (("serve",), ("-m", "none")),
+    (("bench",), ("--methods", "none")),
+    (("demo",), ("--methods", "none")),
+])
+def test_a_draft_length_where_nothing_drafts_is_a_usage_error(command, methods):
+    """-k was ignored where every method is plain decoding. (chat takes it: /method may turn to one that drafts.)"""
+    flag = "--methods" if methods[0] == "--methods" else "--method"
+    result = invoke(*command, *methods, "-k", "4")
+    assert_one_line_error(result, 2, f"--draft-len (-k) sets the draft length, and {flag} none drafts nothing",
+                          "drop --draft-len, or choose a method that drafts")
+
+
+def test_bench_takes_a_draft_length_beside_its_plain_baseline(tiny_llama, monkeypatch):
+    """bench always runs none as its baseline: -k is refused only where no other method is named."""
+    import specrun.cli.bench
+
+    configs = []
+    monkeypatch.setattr(specrun.cli.bench, "run_and_show", lambda config, *rest: configs.append(config))
+    result = invoke("bench", "-t", str(tiny_llama.gguf_path), "--methods", "none,lookup", "-k", "4")
+    assert result.exit_code == 0, result.output
+    assert [(config.methods, config.draft_lens) for config in configs] == [(("none", "lookup"), (4,))]
+
+
 def test_debug_shows_a_traceback(tmp_path, llama_installed):
     result = invoke("generate", "hi", "-t", str(tmp_path / "x.gguf"), env={"SPECRUN_DEBUG": "1"})
     assert result.exit_code == 1

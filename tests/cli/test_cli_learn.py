@@ -58,7 +58,8 @@ def test_a_learning_run_prints_plain_decoding_s_text_and_keeps_the_heads(medusa_
 
     args, path = medusa_run
     before = path.read_bytes()
-    plain = invoke("generate", PROMPT, *args, "--method", "none", "--json")
+    plain_args = [arg for arg in args if arg not in ("-k", "4")]  # -k: refused with none, which drafts nothing
+    plain = invoke("generate", PROMPT, *plain_args, "--method", "none", "--json")
     args = [*args, "--heads", str(path)]
     assert plain.exit_code == 0, plain.output
     learned = invoke("generate", PROMPT, *args, "--method", "medusa", "--keep-learned", "--learn-budget", "1",
@@ -108,7 +109,8 @@ def test_an_mlx_draft_model_learns_in_chat_and_the_answers_are_plain_decoding_s(
     are plain decoding's; --keep-learned writes the adapters to specrun's cache, where the next
     --keep-learned run starts from them (a note says so), its text plain decoding's too."""
     pytest.importorskip("mlx_lm", reason="the mlx backend is not installed")
-    args = ["-t", str(tiny_llama.hf_dir), "-d", str(looping_llama["mlx"]), "--backend", "mlx", "-n", "40", "-k", "3"]
+    pair = ["-t", str(tiny_llama.hf_dir), "-d", str(looping_llama["mlx"]), "--backend", "mlx", "-n", "40"]
+    args = [*pair, "-k", "3"]
     messages = "def f(x):\n    return x\nWrite it again.\n"
     plain = invoke("chat", *args, "--method", "none", "--each-line", "--json", input=messages)
     assert plain.exit_code == 0, plain.output
@@ -121,7 +123,8 @@ def test_an_mlx_draft_model_learns_in_chat_and_the_answers_are_plain_decoding_s(
     assert int(line.split(" steps on ")[1].split(" positions")[0]) >= 2 * 30, line  # both answers
     assert int(line.split(": ")[1].split(" steps")[0]) > 0 and "stopped" not in line, line
     monkeypatch.setenv("SPECRUN_CACHE", str(tmp_path / "cache"))
-    plain_generate = invoke("generate", "def f(x):\n", *args, "--raw", "--method", "none")
+    plain_generate = invoke("generate", "def f(x):\n", *pair, "--raw", "--method", "none")  # -k: refused with none
+    assert plain_generate.exit_code == 0, plain_generate.output
     kept = invoke("generate", "def f(x):\n", *args, "--raw", "--method", "draft", "--keep-learned",
                   "--learn-budget", "1")
     assert kept.exit_code == 0, kept.output
