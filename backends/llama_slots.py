@@ -81,6 +81,8 @@ class LlamaSlots:
         self.recurrent = parent.recurrent
         self.hidden = hidden
         self.layers = tuple(layers) if hidden else ()
+        if self.layers:  # before any context is made: ValueError naming why where it cannot
+            parent.hidden_support.check_layers(self.layers)
         self.parent = parent
         self.n_slots = n_slots
         self.slot_ctx = slot_ctx or parent.n_ctx
@@ -102,7 +104,6 @@ class LlamaSlots:
         if hidden:
             self._embeddings_address, self._hidden_size = parent._embeddings_address, parent.hidden_support.size
         if self.layers:
-            parent.hidden_support.check_layers(self.layers)  # ValueError naming why where it cannot
             self._layer_input = parent._layer_input
             for layer in self.layers:  # the inputs of the layers after them, for every row fed
                 parent._set_layer_input(self._ctx, layer + 1, True)

@@ -1036,7 +1036,8 @@ class MlxBackend(HiddenTracking):
         if embeddings is None:
             raise ValueError("this mlx-lm model keeps no model.embed_tokens")
         mx = self._mx
-        return np.array(embeddings(mx.array(list(ids))).astype(mx.float32))
+        with MODEL_CALLS:  # a slot's heads may ask on their own thread while the slots' runner decodes
+            return np.array(embeddings(mx.array(list(ids))).astype(mx.float32))
 
     def _choose_layers(self, layers: tuple[int, ...]) -> None:
         self._layer_sink: list = []

@@ -302,6 +302,11 @@ class Rendezvous:
         with self._cond:
             self._emptied.add((id(model), seq))
 
+    def emptied(self, model: SlotModel, seq: int) -> bool:
+        """Was ``seq`` of ``model`` emptied whole since its slot last asked (``take_emptied``)?"""
+        with self._cond:
+            return (id(model), seq) in self._emptied
+
     def take_emptied(self, model: SlotModel, seq: int) -> bool:
         """Whether ``seq`` of ``model`` was emptied whole since its slot last asked (``_empty``)."""
         with self._cond:
@@ -418,7 +423,8 @@ class Slot(ParentsModel, ArgmaxFromLogits, HiddenTracking):
         if self._n_past + len(tokens) > self.n_ctx:
             raise ContextFullError(f"the context of {self.n_ctx} tokens is full", "shorten the prompt or raise --ctx")
         if not tokens:
-            self._hidden = np.zeros((0, self.hidden_support.size), np.float32) if self._tracking else None
+            width = self.hidden_support.size * max(len(self._layers), 1)
+            self._hidden = np.zeros((0, width), np.float32) if self._tracking else None
             return np.zeros((0, self.vocab.size), np.float32)
         last_start = (len(tokens) - 1) // PREFILL_CHUNK * PREFILL_CHUNK
         if rows and min(rows) < last_start:
@@ -447,6 +453,12 @@ class Slot(ParentsModel, ArgmaxFromLogits, HiddenTracking):
         if self._tracking:
             self._hidden = states[0] if len(states) == 1 else np.concatenate(states)
         return out
+
+    @property
+    def emptied(self) -> bool:
+        """Was this slot's sequence emptied whole while it waited (a rewind of it that failed twice)?
+        Its next request starts afresh (ChatSession.new_text empties its account) rather than fail."""
+        return self.rendezvous.emptied(self.model, self.seq)
 
     def rewind(self, n_keep: int) -> None:
         # always recorded, even at n_past: a pass cut short may have left cells n_past does not count

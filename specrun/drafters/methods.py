@@ -127,9 +127,9 @@ def needs_heads(method: str) -> bool:
 
 # What a slot of a server decoding several requests together drafts with (backends/slots.py): a
 # slot's pass shares its batch, which holds chains only. Where the target's slots give hidden states
-# (llama.cpp: the output head's input), heads reading them draft chains on slots too: Medusa,
-# Hydra and EAGLE (not EAGLE-3's files, which read layer outputs, nor MTP layers, which llama.cpp
-# runs in a context of its own).
+# (the output head's input, or the layers EAGLE-3 reads), heads reading them draft chains on slots
+# too: Medusa, Hydra and EAGLE (heads.kinds.SLOT_KINDS; not a model's own MTP layers, which run
+# beside one sequence).
 SLOT_PARTS = ("lookup", "ngram", "draft")
 SLOT_HEAD_KINDS = tuple(dict.fromkeys(BY_NAME[kind].method for kind in SLOT_KINDS))  # their methods
 
@@ -144,8 +144,8 @@ def check_slots_method(method: str, hidden: bool = True) -> None:
     if not others:
         return
     if others[0] in SLOT_HEAD_KINDS:
-        raise UsageError(f"--parallel decodes requests together, and these slots give no hidden states for "
-                         f"method {method!r}'s {others[0]} heads (llama.cpp's slots do)",
+        raise UsageError(f"--parallel decodes requests together, and slots on this model give no hidden states "
+                         f"for method {method!r}'s {others[0]} heads",
                          "use --parallel 1 with it, or a method without heads (or auto) with --parallel")
     raise UsageError(f"--parallel decodes requests together as chains: method {method!r} drafts with "
                      f"{others[0]}, which a shared pass cannot hold",

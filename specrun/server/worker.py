@@ -463,7 +463,7 @@ class PairWorker:
             if self.slots is None:
                 self._serve(self.session, 0)
             else:
-                others = [threading.Thread(target=self._serve, args=(session, seq), name=f"specrun-serve-slot-{seq}",
+                others = [threading.Thread(target=self._serve_slot, args=(session, seq), name=f"specrun-serve-slot-{seq}",
                                            daemon=True) for seq, session in enumerate(self.slots.sessions[1:], 1)]
                 for thread in others:
                     thread.start()
@@ -497,6 +497,14 @@ class PairWorker:
         self.parallel = max(wanted, 1)
         if self.slots is not None and self.session.learns():  # learning by default, not asked for
             self.log("note: the slots' drafters do not learn online (--parallel 1 learns)")
+
+    def _serve_slot(self, session, slot: int) -> None:
+        """``_serve`` on a slot's own thread: heads drafting there may compute in MLX (EAGLE-3's
+        embedding rows), whose streams go with the thread."""
+        try:
+            self._serve(session, slot)
+        finally:
+            release_thread_streams()
 
     def _serve(self, session, slot: int) -> None:
         """Answer jobs with ``session`` (slot ``slot``'s) until the queue hands out None (stop)."""

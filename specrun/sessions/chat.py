@@ -418,8 +418,12 @@ class ChatSession:
         belongs to a text, and keeps the machine's pass costs and a gated-off draft model's
         probe gap, as bench does between prompts and learned.json between generate's processes.
         Carried over instead, a server probed its idle draft model every 128 steps, each probe
-        reading all it had skipped (docs/perf.md 3(k))."""
+        reading all it had skipped (docs/perf.md 3(k)). A slot whose sequence was emptied while it
+        waited (backends/slots.py: a rewind that failed twice) reads the next text afresh."""
         self.engine.policy.forget_acceptance()
+        for backend in (self.target, self.draft):
+            if getattr(backend, "emptied", False):
+                sequence_for(backend).reset()
 
     def set_system_prompt(self, text: str | None) -> None:
         """Use ``text`` from the next answer on; the conversation so far is kept."""

@@ -269,9 +269,10 @@ def test_a_slot_whose_sequence_was_emptied_between_its_passes_is_told_at_its_nex
     targets[1].rewind(2)
     targets[0].forward([7], [0])
     targets[0].forward([8], [0])
-    assert failures == [2, 2] and target_slots.caches[1] == []
+    assert failures == [2, 2] and target_slots.caches[1] == [] and targets[1].emptied
     with pytest.raises(RuntimeError, match="emptied after a rewind of it failed"):
         targets[1].forward([9], [0])
+    assert not targets[1].emptied
     assert targets[1].n_past == 0 and target_slots.caches[1] == []
     np.testing.assert_array_equal(targets[1].forward([4, 5], [1])[0], table((4, 5)))
     targets[1].rewind(0)  # a slot that rewinds to nothing is not told later: empty either way
@@ -282,6 +283,28 @@ def test_a_slot_whose_sequence_was_emptied_between_its_passes_is_told_at_its_nex
     targets[0].forward([1], [0])
     targets[1].rewind(0)
     np.testing.assert_array_equal(targets[1].forward([6], [0])[0], table((6,)))
+
+
+def test_a_request_after_its_slot_was_emptied_while_idle_reads_its_prompt_afresh():
+    """The slot's sequence emptied while it waited between requests: its session's next text
+    (ChatSession.new_text) empties the slot's account too, so the request reads its whole prompt
+    and answers as alone, where its first pass would otherwise have failed."""
+    from specrun.backends.kv import sequence_for
+    from specrun.sessions.chat import ChatSession
+
+    table = hashed_logits(VOCAB, salt=5)
+    _, target_slots, targets, _ = slot_pair(2, table)
+    session = ChatSession(targets[1], None, "lookup")
+    sequence = sequence_for(targets[1])
+    sequence.feed([1, 2, 3])
+    failures = failing_partial_removals(target_slots, 1)
+    sequence.rewind(2)
+    targets[0].forward([7], [0])
+    targets[0].forward([8], [0])
+    assert failures == [2, 2] and targets[1].emptied
+    session.new_text()
+    assert not targets[1].emptied and sequence.tokens == [] and targets[1].n_past == 0
+    np.testing.assert_array_equal(sequence.feed([1, 2, 9], [2])[0], table((1, 2, 9)))
 
 
 def test_a_sequence_whose_cells_a_failed_batch_wrote_is_emptied_when_they_cannot_be_dropped():
