@@ -64,7 +64,7 @@ class MlxHeadsTarget:
     def use_layers(self, layers: tuple[int, ...]) -> None:
         """From now on states are the outputs of ``layers`` side by side (EAGLE-3's), not the
         output head's input; ModelFileError naming why where MLX cannot give them."""
-        from specrun.backends.mlx import recording_body
+        from specrun.backends.mlx_common import recording_body
 
         try:
             self.backend.hidden_support.check_layers(layers)

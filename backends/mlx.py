@@ -45,7 +45,7 @@ from specrun.backends.base import HeldTree, HiddenSupport, HiddenTracking, TreeS
 from specrun.errors import BackendUnavailableError, ContextFullError, ModelFileError
 from specrun.fileio import json_problem
 from specrun.tree import TokenTree
-from specrun.backends.mlx_common import MODEL_CALLS, PREFILL_CHUNK, packed_pass, packed_problem
+from specrun.backends.mlx_common import MODEL_CALLS, PREFILL_CHUNK, packed_pass, packed_problem, recording_body
 from specrun.backends.mlx_snapshots import SNAPSHOT_TOKENS, PassStates, Snapshotter
 
 DEFAULT_CTX = 4096
@@ -417,35 +417,6 @@ def split_model(mx, lm_cache, model) -> ModelSplit:
             return ModelSplit(body, head, int(hidden.shape[-1]))
     raise ValueError(f"mlx-lm's {arch} model does not give its logits as lm_head (or tied embeddings) "
                      "of its body's output")
-
-
-class _LayerRecorder:
-    """A layer of an mlx-lm body that, called, also hands its output to ``sink`` (index, output);
-    anything else asked of it is the layer's own."""
-
-    def __init__(self, layer, index: int, sink: list) -> None:
-        self._layer, self._index, self._sink = layer, index, sink
-
-    def __call__(self, *args, **kwargs):
-        out = self._layer(*args, **kwargs)
-        self._sink.append((self._index, out))
-        return out
-
-    def __getattr__(self, name: str):
-        if name.startswith("__") or name == "_layer":  # copy's probes of a bare instance: no recursion
-            raise AttributeError(name)
-        return getattr(self._layer, name)
-
-
-def recording_body(body, layers: Sequence[int], sink: list):
-    """A view of an mlx-lm body (a shallow copy, its layers this body's objects) whose ``layers``
-    hand their outputs to ``sink`` as it runs."""
-    import copy
-
-    view = copy.copy(body)
-    view.layers = [_LayerRecorder(layer, index, sink) if index in layers else layer
-                   for index, layer in enumerate(body.layers)]
-    return view
 
 
 class MlxBackend(HiddenTracking):

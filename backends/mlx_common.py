@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
 PREFILL_CHUNK = 512  # tokens per forward when no logits are wanted (bounds activation memory)
@@ -77,3 +77,32 @@ def packed_pass(model, caches, mask, offsets) -> Iterator[None]:
                 layer_cache.__dict__.pop("make_mask", None)
             for attention, rope in zip(attentions, ropes):
                 attention.rope = rope  # a Module: mlx's __setattr__ puts it back in the module's dict
+
+
+class _LayerRecorder:
+    """A layer of an mlx-lm body that, called, also hands its output to ``sink`` (index, output);
+    anything else asked of it is the layer's own."""
+
+    def __init__(self, layer, index: int, sink: list) -> None:
+        self._layer, self._index, self._sink = layer, index, sink
+
+    def __call__(self, *args, **kwargs):
+        out = self._layer(*args, **kwargs)
+        self._sink.append((self._index, out))
+        return out
+
+    def __getattr__(self, name: str):
+        if name.startswith("__") or name == "_layer":  # copy's probes of a bare instance: no recursion
+            raise AttributeError(name)
+        return getattr(self._layer, name)
+
+
+def recording_body(body, layers: Sequence[int], sink: list):
+    """A view of an mlx-lm body (a shallow copy, its layers this body's objects) whose ``layers``
+    hand their outputs to ``sink`` as it runs."""
+    import copy
+
+    view = copy.copy(body)
+    view.layers = [_LayerRecorder(layer, index, sink) if index in layers else layer
+                   for index, layer in enumerate(body.layers)]
+    return view

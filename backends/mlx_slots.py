@@ -36,8 +36,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from specrun.backends.mlx import recording_body
-from specrun.backends.mlx_common import MODEL_CALLS, packed_pass, packed_problem
+from specrun.backends.mlx_common import MODEL_CALLS, packed_pass, packed_problem, recording_body
 from specrun.backends.mlx_snapshots import mixer_of
 from specrun.backends.slots import SlotPass
 from specrun.errors import ContextFullError, ModelFileError
