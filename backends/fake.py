@@ -247,14 +247,16 @@ class FakeSlots:
     name = "fake"
 
     def __init__(self, parent: FakeBackend, n_slots: int, slot_ctx: int | None = None, hidden: bool = False,
-                 layers: Sequence[int] = ()) -> None:
+                 layers: Sequence[int] = (), trees: bool = False) -> None:
         self.parent = parent
         self.n_slots = n_slots
+        self.tree_support = TreeSupport(True) if trees else TreeSupport(False, "these fake slots hold chains")
         self.hidden = hidden and parent.hidden_support.available  # passes give the parent's hidden table
         self.layers = tuple(layers) if self.hidden else ()  # its layers' outputs, as FakeBackend's
         self.slot_ctx = slot_ctx or parent.n_ctx
         self.caches: list[list[int]] = [[] for _ in range(n_slots)]
         self.batches: list[tuple[tuple[int, int], ...]] = []
+        self.kept_paths: list[tuple[int, int, tuple[int, ...]]] = []  # (seq, tree size, path) of each tree pass
 
     def run(self, passes) -> None:
         for slot_pass in passes:
@@ -263,21 +265,36 @@ class FakeSlots:
                 raise ValueError(f"sequence {slot_pass.seq} holds {len(cache)} tokens, not {slot_pass.start}")
             if slot_pass.start + len(slot_pass.tokens) > self.slot_ctx:
                 raise ValueError("fake slot context overflow")
-        self.batches.append(tuple((p.seq, len(p.tokens)) for p in passes))
+            if slot_pass.tree is not None:
+                self.tree_support.check(slot_pass.tree)
+        self.batches.append(tuple((p.seq, len(p.tokens) + (len(p.tree) if p.tree is not None else 0)) for p in passes))
         for slot_pass in passes:
             cache = self.caches[slot_pass.seq]
             cache.extend(int(t) for t in slot_pass.tokens)
-            rows = [np.asarray(self.parent.table(tuple(cache[: slot_pass.start + r + 1])), np.float32)
-                    for r in slot_pass.rows]
+            tree, fed = slot_pass.tree, len(slot_pass.tokens)
+
+            def context(row: int, cache=cache, start=slot_pass.start, tree=tree, fed=fed) -> tuple[int, ...]:
+                if row < fed:  # a token's: the cache up to it
+                    return tuple(cache[: start + row + 1])
+                node = row - fed  # a node's: the cache, then its path from the root
+                return (*cache[: start + fed], *(tree.tokens[n] for n in tree.path_to(node)))
+
+            rows = [np.asarray(self.parent.table(context(r)), np.float32) for r in slot_pass.rows]
             slot_pass.logits = np.stack(rows) if rows else np.zeros((0, self.parent.vocab.size), np.float32)
             if self.hidden:
-                states = np.array([self.parent.hidden_table(tuple(cache[: slot_pass.start + r + 1]))
-                                   for r in range(len(slot_pass.tokens))], np.float32)
+                n_rows = fed + (len(tree) if tree is not None else 0)
+                states = np.array([self.parent.hidden_table(context(r)) for r in range(n_rows)], np.float32)
                 scales = [(layer + 1) / self.parent.hidden_support.layers for layer in self.layers]
                 slot_pass.hidden = np.concatenate([states * np.float32(s) for s in scales], axis=1) if scales else states
 
     def remove(self, seq: int, n_keep: int) -> None:
         del self.caches[seq][n_keep:]
+
+    def keep_path(self, seq: int, start: int, tree, path) -> None:
+        if len(self.caches[seq]) != start:
+            raise ValueError(f"sequence {seq} holds {len(self.caches[seq])} tokens, not the {start} its tree follows")
+        self.caches[seq].extend(int(tree.tokens[node]) for node in path)
+        self.kept_paths.append((seq, len(tree), tuple(path)))
 
     def close(self) -> None:
         self.caches = [[] for _ in range(self.n_slots)]

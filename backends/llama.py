@@ -723,16 +723,27 @@ class LlamaCppBackend(HiddenTracking):
                 self._tracking = tracking
 
     # ---- slots -----------------------------------------------------------------------
-    def open_slots(self, n_slots: int, exact: bool, hidden: bool = False, layers: Sequence[int] = ()):
+    def open_slots(self, n_slots: int, exact: bool, hidden: bool = False, layers: Sequence[int] = (),
+                   tree_paths: int = 0):
         """A second context on this model holding ``n_slots`` sequences of ``n_ctx`` tokens each,
         decoded together (backends/llama_slots.LlamaSlots); ``exact``: each sequence's logits are
         the ones it gets alone, bit for bit; ``hidden``: its passes give hidden states too (heads
         drafting for the slots), where this model gives them (``slots_hidden``): the outputs of
-        ``layers`` where given (ValueError naming why where it cannot), else the output head's input."""
+        ``layers`` where given (ValueError naming why where it cannot), else the output head's input;
+        ``tree_paths``: a slot's pass may hold a tree of that many paths (not with ``exact``)."""
         from specrun.backends.llama_slots import LlamaSlots
 
         hidden = hidden and self.slots_hidden
-        return LlamaSlots(self, n_slots, self.n_ctx, exact=exact, hidden=hidden, layers=layers if hidden else ())
+        return LlamaSlots(self, n_slots, self.n_ctx, exact=exact, hidden=hidden, layers=layers if hidden else (),
+                          tree_paths=tree_paths)
+
+    def slots_tree_problem(self, exact: bool) -> str:
+        """Why slots on this model cannot hold trees ("" where they can: LlamaSlots' tree_paths)."""
+        if self.recurrent:
+            return "a recurrent or hybrid model's state cannot hold a tree's branches"
+        if exact:
+            return "--exact gives each sequence a cache stream of its own, which a tree's paths cannot share"
+        return ""
 
     @property
     def slots_hidden(self) -> bool:

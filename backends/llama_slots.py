@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from specrun.backends.base import TreeSupport
 from specrun.backends.slots import SlotPass
 from specrun.errors import ContextFullError, ModelFileError
 
@@ -76,7 +77,7 @@ class LlamaSlots:
     asked), as EAGLE-3 reads them."""
 
     def __init__(self, parent, n_slots: int, slot_ctx: int | None = None, exact: bool = False,
-                 hidden: bool = False, layers: Sequence[int] = ()) -> None:
+                 hidden: bool = False, layers: Sequence[int] = (), tree_paths: int = 0) -> None:
         lib = self._lib = parent._lib
         self.recurrent = parent.recurrent
         self.hidden = hidden
@@ -87,19 +88,29 @@ class LlamaSlots:
         self.n_slots = n_slots
         self.slot_ctx = slot_ctx or parent.n_ctx
         self.n_vocab = parent.n_vocab
+        # trees: path p of slot s's tree is sequence n_slots + s * tree_paths + p (as a single sequence's
+        # are 1 + p), its nodes' cells beside the slots' in the unified cache; not with --exact (a
+        # stream a sequence: a path would copy its whole stream) nor a recurrent model
+        self.tree_paths, self.tree_support = 0, TreeSupport(False, "these slots were opened for chains")
+        if tree_paths and (exact or self.recurrent):
+            why = ("--exact gives each sequence a cache stream of its own, which a tree's paths cannot share"
+                   if exact else "a recurrent or hybrid model's state cannot hold a tree's branches")
+            self.tree_support = TreeSupport(False, why)
+        elif tree_paths:
+            self.tree_paths, self.tree_support = tree_paths, TreeSupport(True, max_paths=tree_paths)
         params = type(parent._ctx_params).from_buffer_copy(parent._ctx_params)
-        params.n_seq_max = n_slots
+        params.n_seq_max = n_slots * (1 + self.tree_paths)
         params.kv_unified = not exact
-        params.n_ctx = self.slot_ctx * n_slots
         # a batch: every slot's verify pass, or a prompt chunk beside the others' steps
         self.n_batch = max(parent.n_batch, 512)
+        params.n_ctx = self.slot_ctx * n_slots + (self.n_batch if self.tree_paths else 0)  # a batch's nodes
         params.n_batch = params.n_ubatch = self.n_batch
         self._ctx = lib.llama_init_from_model(parent._model, params)
         if not self._ctx:
             raise ModelFileError(f"llama.cpp could not create a context of {n_slots} slots of {self.slot_ctx} tokens "
                                  f"for {parent.path.name}", "lower --parallel or --ctx, or free memory")
         self._memory = lib.llama_get_memory(self._ctx)
-        self._batch = lib.llama_batch_init(self.n_batch, 0, 1)
+        self._batch = lib.llama_batch_init(self.n_batch, 0, 1 + self.tree_paths)
         self._logits_address = parent._logits_address
         if hidden:
             self._embeddings_address, self._hidden_size = parent._embeddings_address, parent.hidden_support.size
@@ -131,11 +142,12 @@ class LlamaSlots:
         group: list[SlotPass] = []
         fill = 0
         for slot_pass in passes:
-            if fill + len(slot_pass.tokens) > self.n_batch and group:
+            size = len(slot_pass.tokens) + (len(slot_pass.tree) if slot_pass.tree is not None else 0)
+            if fill + size > self.n_batch and group:
                 self._decode(group)
                 group, fill = [], 0
             group.append(slot_pass)
-            fill += len(slot_pass.tokens)
+            fill += size
         if group:
             self._decode(group)
 
@@ -147,11 +159,12 @@ class LlamaSlots:
             if slot_pass.start + len(slot_pass.tokens) > self.slot_ctx:
                 raise ContextFullError(f"the context of {self.slot_ctx} tokens is full", "shorten the prompt or raise --ctx")
             wanted = set(slot_pass.rows)
-            for offset, token in enumerate(slot_pass.tokens):
+            for offset, (token, position, seqs) in enumerate(self._entries(slot_pass)):
                 batch.token[i] = token
-                batch.pos[i] = slot_pass.start + offset
-                batch.n_seq_id[i] = 1
-                batch.seq_id[i][0] = slot_pass.seq
+                batch.pos[i] = position
+                batch.n_seq_id[i] = len(seqs)
+                for slot, seq in enumerate(seqs):
+                    batch.seq_id[i][slot] = seq
                 batch.logits[i] = every_row or offset in wanted  # embeddings on: llama.cpp outputs every row
                 i += 1
         batch.n_tokens = i
@@ -177,11 +190,49 @@ class LlamaSlots:
                 order = np.argsort(np.argsort(rows)) if rows != sorted(rows) else slice(None)
                 slot_pass.logits = mine[order].copy()
                 first += len(rows)
+            n_fed = len(slot_pass.tokens) + (len(slot_pass.tree) if slot_pass.tree is not None else 0)
             if states is not None:
-                slot_pass.hidden = states[fed : fed + len(slot_pass.tokens)]
-            fed += len(slot_pass.tokens)
+                slot_pass.hidden = states[fed : fed + n_fed]
+            fed += n_fed
             if self.recurrent:
                 self._fed(slot_pass)
+
+    def _path_seq(self, seq: int, path: int) -> int:
+        return self.n_slots + seq * self.tree_paths + path
+
+    def _entries(self, slot_pass: SlotPass) -> list[tuple[int, int, list[int]]]:
+        """(token, position, sequence ids) of each row a pass feeds: its tokens, in its sequence
+        (and every path of its tree, which sees them), then its tree's nodes, each in the paths
+        through it at its depth after the tokens. A tree's paths first hold the sequence's cells
+        before the pass (shared, not copied: one unified cache)."""
+        tokens, tree, seq, start = slot_pass.tokens, slot_pass.tree, slot_pass.seq, slot_pass.start
+        if tree is None:
+            return [(int(token), start + offset, [seq]) for offset, token in enumerate(tokens)]
+        self.tree_support.check(tree)
+        paths = [self._path_seq(seq, path) for path in range(len(tree.paths))]
+        for path_seq in (self._path_seq(seq, path) for path in range(self.tree_paths)):
+            self._lib.llama_memory_seq_rm(self._memory, path_seq, 0, -1)  # a tree left unkept before
+        for path_seq in paths:
+            self._lib.llama_memory_seq_cp(self._memory, seq, path_seq, 0, start)
+        entries = [(int(token), start + offset, [seq, *paths]) for offset, token in enumerate(tokens)]
+        after = start + len(tokens)
+        for node in range(len(tree)):
+            through = [paths[path] for path in np.flatnonzero(tree.path_mask[:, node]).tolist()]
+            entries.append((int(tree.tokens[node]), after + int(tree.depth[node]), through))
+        return entries
+
+    def keep_path(self, seq: int, start: int, tree, path: Sequence[int]) -> None:
+        """The cells of ``path``'s nodes given to the sequence (a path through its last node holds
+        them at their positions), then every path's cells freed."""
+        lib = self._lib
+        if path:
+            through = int(np.flatnonzero(tree.path_mask[:, path[-1]])[0])
+            lib.llama_memory_seq_cp(self._memory, self._path_seq(seq, through), seq, start, start + len(path))
+        self._drop_paths(seq)
+
+    def _drop_paths(self, seq: int) -> None:
+        for path in range(self.tree_paths):
+            self._lib.llama_memory_seq_rm(self._memory, self._path_seq(seq, path), 0, -1)
 
     def _output_hidden(self, n_rows: int) -> np.ndarray:
         """A copy of the last decode's hidden states (n_rows, H), every row an output in batch order."""
@@ -208,6 +259,7 @@ class LlamaSlots:
             self._remove_recurrent(self._sequences[seq], seq, n_keep)
             return
         self._lib.llama_memory_seq_rm(self._memory, seq, n_keep, -1)
+        self._drop_paths(seq)  # a tree the slot let go
 
     # ---- recurrent and hybrid models (module docstring) --------------------------------
     def _run_recurrent(self, passes: Sequence[SlotPass]) -> None:

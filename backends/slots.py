@@ -33,7 +33,10 @@ import numpy as np
 
 import dataclasses
 
-from specrun.backends.base import ArgmaxFromLogits, HiddenSupport, HiddenTracking, ParentsModel, TreeSupport
+from specrun.backends.base import (
+    ArgmaxFromLogits, HeldTree, HiddenSupport, HiddenTracking, ParentsModel, TreeSupport, held_tree_for,
+)
+from specrun.tree import TokenTree
 from specrun.backends.mlx_common import release_thread_streams
 from specrun.errors import ContextFullError
 
@@ -69,6 +72,7 @@ class SlotPass:
     start: int
     tokens: Sequence[int]
     rows: Sequence[int]
+    tree: TokenTree | None = None  # held after the tokens (rows index the tokens, then the nodes)
     logits: np.ndarray | None = None  # (len(rows), V), once run
     hidden: np.ndarray | None = None  # (len(tokens), H), once run on a model opened with ``hidden``
     error: BaseException | None = None
@@ -89,9 +93,19 @@ class SlotModel(Protocol):
         hidden states, ``hidden``); raise if the batch failed as a whole (each pass is then tried alone)."""
 
     def remove(self, seq: int, n_keep: int) -> None:
-        """Drop sequence ``seq``'s cached tokens from position n_keep on."""
+        """Drop sequence ``seq``'s cached tokens from position n_keep on (and any tree it holds)."""
 
     def close(self) -> None: ...
+
+
+class TreeSlotModel(SlotModel, Protocol):
+    """A SlotModel whose passes may hold a token tree after their tokens (``tree_support``)."""
+
+    tree_support: TreeSupport
+
+    def keep_path(self, seq: int, start: int, tree: TokenTree, path: Sequence[int]) -> None:
+        """Sequence ``seq`` keeps the nodes ``path`` of the tree its last pass held at ``start``;
+        every other node goes."""
 
 
 class KeepingSlotModel(SlotModel, Protocol):
@@ -131,6 +145,8 @@ class Rendezvous:
         self._waiting: list[tuple[SlotModel, SlotPass]] = []
         self._removals: dict[int, dict[int, int]] = {}  # id(model) -> seq -> n_keep, run before its next batch
         self._keeps: dict[int, set[int]] = {}  # id(model) -> seqs keeping their state, after the removals
+        # id(model) -> seq -> (start, tree, path): a tree's accepted path, kept before the removals
+        self._paths: dict[int, dict[int, tuple[int, TokenTree, tuple[int, ...]]]] = {}
         self._failed_removals: set[tuple[int, int]] = set()  # (id(model), seq) whose last removal failed
         self._emptied: set[tuple[int, int]] = set()  # (id(model), seq) emptied whole: its slot not told yet
         self._models: dict[int, SlotModel] = {}
@@ -210,6 +226,12 @@ class Rendezvous:
             removals[seq] = min(n_keep, removals.get(seq, n_keep))
             self._models[id(model)] = model
 
+    def keep_path(self, model: TreeSlotModel, seq: int, start: int, tree: TokenTree, path: Sequence[int]) -> None:
+        """Record that ``seq`` keeps ``path`` of the tree its last pass held, before its model's next batch."""
+        with self._cond:
+            self._paths.setdefault(id(model), {})[seq] = (start, tree, tuple(path))
+            self._models[id(model)] = model
+
     def keep(self, model: KeepingSlotModel, seq: int) -> None:
         """Record that ``seq`` keeps its state as it will be before its model's next batch."""
         with self._cond:
@@ -238,10 +260,11 @@ class Rendezvous:
                     by_model.setdefault(id(model), []).append(slot_pass)
                 removals = {key: self._removals.pop(key, {}) for key in by_model}
                 keeps = {key: self._keeps.pop(key, set()) for key in by_model}
+                paths = {key: self._paths.pop(key, {}) for key in by_model}
             try:
                 for key, passes in by_model.items():
                     model = self._models[key]
-                    ready = self._prepared(model, passes, removals[key], keeps[key])
+                    ready = self._prepared(model, passes, removals[key], keeps[key], paths[key])
                     if ready:
                         self._run_batch(model, ready)
             except Exception:  # noqa: BLE001 - the runner outlives any failure: the passes fail, not every slot
@@ -258,14 +281,23 @@ class Rendezvous:
                     self._cond.notify_all()
 
     def _prepared(self, model: SlotModel, passes: list[SlotPass], removals: dict[int, int],
-                  keeps: set[int]) -> list[SlotPass]:
-        """Run ``model``'s recorded removals, then its keeps; the passes whose sequence's came
-        through (one whose removal or keep failed fails with it: what its cache holds is unknown).
-        A removal that failed is recorded again, to be tried before the sequence's next pass (its
-        slot already counts the tokens as gone), whether or not the sequence had a pass in this
-        batch; failing a second time, the sequence is emptied whole (``_empty``)."""
+                  keeps: set[int], paths: dict | None = None) -> list[SlotPass]:
+        """Run ``model``'s recorded tree paths kept, its removals, then its keeps; the passes whose
+        sequence's came through (one whose removal or keep failed fails with it: what its cache
+        holds is unknown). A removal that failed is recorded again, to be tried before the
+        sequence's next pass (its slot already counts the tokens as gone), whether or not the
+        sequence had a pass in this batch; failing a second time, the sequence is emptied whole
+        (``_empty``), as one whose path could not be kept is at once."""
         failed: dict[int, BaseException] = {}
+        for seq, (start, tree, path) in (paths or {}).items():
+            try:
+                model.keep_path(seq, start, tree, path)
+            except Exception:  # noqa: BLE001 - its cells are unknown: emptied, its request fails
+                failed[seq] = _failure()
+                self._empty(model, seq)
         for seq, n_keep in removals.items():
+            if seq in failed:
+                continue
             key = (id(model), seq)
             try:
                 model.remove(seq, n_keep)
@@ -379,10 +411,10 @@ class Slot(ParentsModel, ArgmaxFromLogits, HiddenTracking):
     (vocabulary, template, tokenizing) and names it to the stored costs with ``variant`` telling
     slots apart: a slot's passes cost what the batch around them costs. Where the model was
     opened with ``hidden``, a tracking slot keeps its last forward's hidden states (``hidden_rows``)
-    for heads drafting from them; trees and layer outputs stay the single sequence's.
+    for heads drafting from them. Where it holds trees (``tree_support``), a slot's verify pass may
+    carry a tree after its tokens, in the same shared batch; the path it keeps is recorded and
+    kept before the model's next batch, as rewinds are.
     """
-
-    tree_support = TreeSupport(False, SLOTS_REASON)
 
     def __init__(self, model: SlotModel, seq: int, rendezvous: Rendezvous, parent, label: str) -> None:
         self.model = model
@@ -400,6 +432,8 @@ class Slot(ParentsModel, ArgmaxFromLogits, HiddenTracking):
         self._last_fed = 0  # tokens this slot's last pass fed (its last chunk's)
         self._last_logits = np.zeros((0, self.vocab.size), np.float32)
         self.hidden_support = slot_hidden_support(model, parent)
+        self.tree_support = getattr(model, "tree_support", None) or TreeSupport(False, SLOTS_REASON)
+        self._held_tree: HeldTree | None = None
 
     @property
     def n_past(self) -> int:
@@ -422,6 +456,7 @@ class Slot(ParentsModel, ArgmaxFromLogits, HiddenTracking):
         rows = list(logit_rows)
         if self._n_past + len(tokens) > self.n_ctx:
             raise ContextFullError(f"the context of {self.n_ctx} tokens is full", "shorten the prompt or raise --ctx")
+        self._held_tree = None
         if not tokens:
             width = self.hidden_support.size * max(len(self._layers), 1)
             self._hidden = np.zeros((0, width), np.float32) if self._tracking else None
@@ -464,6 +499,7 @@ class Slot(ParentsModel, ArgmaxFromLogits, HiddenTracking):
         # always recorded, even at n_past: a pass cut short may have left cells n_past does not count
         self.rendezvous.remove(self.model, self.seq, n_keep)
         self._n_past = min(self._n_past, n_keep)
+        self._held_tree = None  # the model's removal drops the tree's cells too
         if n_keep == 0:
             self.rendezvous.take_emptied(self.model, self.seq)  # empty either way: nothing to tell
 
@@ -473,13 +509,46 @@ class Slot(ParentsModel, ArgmaxFromLogits, HiddenTracking):
         if getattr(self.model, "recurrent", False):
             self.rendezvous.keep(self.model, self.seq)
 
-    def forward_tree(self, tokens, tree, logit_rows):
-        raise ValueError(f"this backend cannot verify trees: {SLOTS_REASON}")
+    def forward_tree(self, tokens: Sequence[int], tree: TokenTree, logit_rows: Sequence[int]) -> np.ndarray:
+        """``tokens`` appended and ``tree`` held after them in one pass of the shared batch (rows
+        index the tokens, then the nodes); ``keep_path`` commits a path of it."""
+        self.tree_support.check(tree)
+        rows, n_fed = list(logit_rows), len(tokens) + len(tree)
+        if n_fed > PREFILL_CHUNK:
+            raise ValueError(f"a tree pass feeds {n_fed} tokens; a slot's pass holds {PREFILL_CHUNK}")
+        if self._n_past + n_fed > self.n_ctx:
+            raise ContextFullError(f"the context of {self.n_ctx} tokens is full", "shorten the prompt or raise --ctx")
+        if any(not 0 <= row < n_fed for row in rows):
+            raise ValueError(f"logit rows {rows} fall outside the {n_fed} tokens and nodes fed")
+        if self.rendezvous.take_emptied(self.model, self.seq):
+            self._n_past = 0
+            raise RuntimeError("this slot's cache was emptied after a rewind of it failed: this request fails, "
+                               "the next one reads its prompt afresh")
+        self._held_tree, self._hidden = None, None
+        slot_pass = SlotPass(self.seq, self._n_past, [int(token) for token in tokens], rows, tree=tree)
+        try:
+            out = self.rendezvous.submit(self.model, slot_pass, self.label)
+        except BaseException:
+            if self.rendezvous.take_emptied(self.model, self.seq):
+                self._n_past = 0
+            raise
+        self._n_past += len(tokens)
+        self._last_fed = n_fed
+        self._held_tree = HeldTree(self._n_past, tree)
+        if self._tracking:
+            self._hidden = slot_pass.hidden  # (len(tokens) + nodes, H)
+        return out
 
-    forward_tree_argmax = forward_tree
+    def forward_tree_argmax(self, tokens: Sequence[int], tree: TokenTree, logit_rows: Sequence[int]) -> np.ndarray:
+        self._last_logits = self.forward_tree(tokens, tree, logit_rows)
+        return self._last_logits.argmax(axis=-1)
 
-    def keep_path(self, path) -> None:
-        raise ValueError(f"this backend cannot verify trees: {SLOTS_REASON}")
+    def keep_path(self, path: Sequence[int]) -> None:
+        """Commit the held tree's nodes ``path`` (recorded: run before the model's next batch)."""
+        tree = held_tree_for(self._held_tree, self._n_past, path)
+        self._held_tree = None
+        self.rendezvous.keep_path(self.model, self.seq, self._n_past, tree, path)
+        self._n_past += len(path)
 
     def hidden_layers(self, layers) -> None:
         """What the slot's passes give is what its model was opened for: other layers are a ValueError."""

@@ -165,9 +165,10 @@ def serve_command(
         if parallel is not None and parallel > 1:
             check_slots_method(method)
             # what each option asks of a slot that a pass shared by several cannot give
-            # (heads of a kind slots draft with read the target slots' hidden states: checked once loaded)
-            asked = (("--branches", branches, "drafts trees"),
-                     ("--tree-nodes", tree_nodes, "drafts trees"),
+            # (heads of a kind slots draft with read the target slots' hidden states, and llama.cpp's slots
+            # hold trees: checked once loaded; --exact gives each sequence a cache stream a tree cannot share)
+            asked = (("--branches", branches if exact else None, "drafts trees with --exact"),
+                     ("--tree-nodes", tree_nodes if exact else None, "drafts trees with --exact"),
                      ("--lookahead", lookahead, "drafts with a lookahead window"),
                      ("--window", window or None, "drafts from a windowed cache"),
                      (f"--draft {draft}", True if is_window_draft(draft) else None, "drafts from a windowed cache"),

@@ -483,7 +483,7 @@ class PairWorker:
 
         wanted = self.pair.parallel
         if wanted is None:
-            wanted, why = default_slots(self.session)
+            wanted, why = default_slots(self.session, exact=self.pair.load.exact)
             self.log(f"note: {why}")
         while wanted > 1:
             try:
@@ -495,6 +495,9 @@ class PairWorker:
                 self.log(f"note: {wanted} slots could not be opened ({exc}); trying {wanted // 2}")
                 wanted //= 2
         self.parallel = max(wanted, 1)
+        dropped = self.session.slot_drops(self.pair.load.exact) if self.slots is not None else ""
+        if dropped and not dropped.startswith("learning"):  # --parallel N asked for: what the slots leave out
+            self.log(f"note: the slots draft without {dropped}")
         if self.slots is not None and self.session.learns():  # learning by default, not asked for
             self.log("note: the slots' drafters do not learn online (--parallel 1 learns)")
 

@@ -538,8 +538,9 @@ class ChatSession:
         if is_adaptive(self.method) and self.draft is not None:  # else none to hold (setup.auto_draft_window)
             self._rebuild_drafter(self.method)
 
-    def slot_drops(self) -> str:
-        """What this session drafts with that a slot's would not (on_slot): "" where nothing."""
+    def slot_drops(self, exact: bool = False) -> str:
+        """What this session drafts with that a slot's would not (on_slot; ``exact``: slots
+        opened for --exact): "" where nothing."""
         options = self._drafter_options
         # asked only of a method with heads (MLX's answer runs the model once, splitting its head off)
         hidden = needs_heads(self.method) and bool(getattr(self.target, "slots_hidden", False))
@@ -551,7 +552,7 @@ class ChatSession:
         heads = options.heads[0] if isinstance(options.heads, tuple) else options.heads
         if (heads is not None or options.auto_heads) and self._slot_heads_problem():
             return f"the {options.auto_heads or heads.config.kind} heads"
-        if options.branches:
+        if options.branches and not self.slot_tree_paths(exact):
             return "token trees"
         if options.auto_lookahead:
             return "a lookahead window"
@@ -563,6 +564,15 @@ class ChatSession:
         """Does a drafter of this session learn online (its heads, or the draft model's adapters)?"""
         drafter = self.engine.drafter
         return drafter is not None and any(getattr(member, "learner", None) is not None for member in drafter.members)
+
+    def slot_tree_paths(self, exact: bool = False) -> int:
+        """The paths a slot's tree may have (the target's, opened for trees): where this session
+        drafts trees and its target's slots can hold them (llama.cpp's, not with ``exact``); else 0."""
+        problem = getattr(self.target, "slots_tree_problem", None)
+        support = self.target.tree_support
+        if not self._drafter_options.branches or problem is None or problem(exact) or not support.available:
+            return 0
+        return support.max_paths
 
     def slot_heads(self):
         """The heads this session's slots draft with (on_slot), None where none: its own, where
@@ -597,13 +607,13 @@ class ChatSession:
             return ()
         return eagle3_layers(heads, self.target)
 
-    def on_slot(self, target: Backend, draft: Backend | None) -> ChatSession:
+    def on_slot(self, target: Backend, draft: Backend | None, exact: bool = False) -> ChatSession:
         """A session answering as this one does (method, draft settings, verification, stored
         costs) on a slot of the same models (backends/slots.py), for a server decoding several
         requests together. Its drafters are the ones a slot can feed (check_slots_method): chains
         from prompt lookup, an n-gram pool of its own (the pool file stays this session's), the
-        draft model's slot and heads reading the target slot's hidden states (``slot_heads``);
-        none of them learns online."""
+        draft model's slot and heads reading the target slot's hidden states (``slot_heads``); trees
+        where the slots hold them (``slot_tree_paths``), else chains; none of them learns online."""
         method = self.method
         check_slots_method(method, bool(getattr(self.target, "slots_hidden", False)))
         problem = self._slot_heads_problem()
@@ -611,12 +621,15 @@ class ChatSession:
             raise UsageError(f"--parallel decodes requests together, and method {method!r} cannot draft on slots: "
                              f"{problem}", "use --parallel 1 with it, or a method without heads (or auto)")
         heads = self.slot_heads()
-        options = dataclasses.replace(self._drafter_options, ngram_cache=None, branches=0, heads=heads,
+        trees = bool(self.slot_tree_paths(exact))
+        options = dataclasses.replace(self._drafter_options, ngram_cache=None, heads=heads,
+                                      branches=self._drafter_options.branches if trees else 0,
                                       auto_heads=self._drafter_options.auto_heads if heads is not None else None,
                                       lookahead=None, auto_lookahead=False, learner=None, draft_learner=None)
         return ChatSession(target, draft, method, system_prompt=self.system_prompt, drafter_options=options,
                            draft_len=self._draft_len, draft_min_prob=self._draft_min_prob, tuned=self._tuned,
-                           threads=self._threads, chain=True, tools=self.tools, tool_choice=self.tool_choice,
+                           threads=self._threads, chain=self._chain if trees else True,
+                           tree_nodes=self._tree_nodes if trees else 0, tools=self.tools, tool_choice=self.tool_choice,
                            verification=self.engine.passes.verification)
 
     def total_stats(self) -> Stats:

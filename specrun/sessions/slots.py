@@ -44,12 +44,13 @@ class SlotSessions:
         try:
             # heads drafting for the slots read the target's hidden states: its passes give them too
             heads = session.slot_heads() is not None
-            target_slots = self._open(session.target, n_slots, exact, "target", heads, session.slot_layers() if heads else ())
+            target_slots = self._open(session.target, n_slots, exact, "target", heads, session.slot_layers() if heads else (),
+                                      session.slot_tree_paths(exact))
             draft_slots = self._open(session.draft, n_slots, exact, "draft") if session.draft is not None else None
             for seq in range(n_slots):
                 target = Slot(target_slots, seq, self.rendezvous, session.target, "target")
                 draft = Slot(draft_slots, seq, self.rendezvous, session.draft, "draft") if draft_slots else None
-                self.sessions.append(session.on_slot(target, draft))
+                self.sessions.append(session.on_slot(target, draft, exact))
             # one draft model's length for every slot's policy; what it gets kept by the slots generating
             batch = self.batch = BatchDrafts(occupancy=lambda: self.rendezvous.joined)
             self.rendezvous.observer = lambda label, lengths, seconds: batch.timed(label == VERIFIER, lengths, seconds)
@@ -59,11 +60,12 @@ class SlotSessions:
             self.close()
             raise
 
-    def _open(self, backend, n_slots: int, exact: bool, label: str, hidden: bool = False, layers=()):
+    def _open(self, backend, n_slots: int, exact: bool, label: str, hidden: bool = False, layers=(), tree_paths=0):
         open_slots = getattr(backend, "open_slots", None)
         if open_slots is None:
             raise one_at_a_time(backend.name)
-        model = open_slots(n_slots, exact, hidden=True, layers=layers) if hidden else open_slots(n_slots, exact)
+        asked = {**({"hidden": True, "layers": layers} if hidden else {}), **({"tree_paths": tree_paths} if tree_paths else {})}
+        model = open_slots(n_slots, exact, **asked)
         self.models.append(model)
         return model
 
@@ -108,7 +110,8 @@ def vm_stat_free(text: str) -> int | None:
     return int(page.group(1)) * sum(counts) if page and counts else None
 
 
-def default_slots(session: ChatSession, measure: Callable[[], int | None] = available_memory) -> tuple[int, str]:
+def default_slots(session: ChatSession, measure: Callable[[], int | None] = available_memory,
+                  exact: bool = False) -> tuple[int, str]:
     """How many slots ``serve --parallel auto`` opens, and a note saying why: one where a slot
     would draft with less than the session does (heads, trees, a lookahead window), its backend
     has none or its model cannot share a pass (on MLX, a cache or RoPE a packed pass cannot hold:
@@ -126,7 +129,7 @@ def default_slots(session: ChatSession, measure: Callable[[], int | None] = avai
         problem = getattr(model, "slots_problem", lambda: None)()
         if problem:
             return 1, f"requests are answered one at a time ({model.path.name}: {problem})"
-    dropped = session.slot_drops()
+    dropped = session.slot_drops(exact)
     if dropped:
         return 1, (f"requests are answered one at a time: slots would draft without {dropped}; "
                    f"--parallel N decodes several together with chains")

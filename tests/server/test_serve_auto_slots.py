@@ -20,7 +20,7 @@ def _members(session) -> list[str]:
 
 def _opened(parallel: int | None, monkeypatch=None, slots: int | None = None) -> PairWorker:
     if slots is not None:  # what default_slots finds, whatever this machine's memory
-        monkeypatch.setattr("specrun.sessions.slots.default_slots", lambda session: (slots, f"{slots} slots"))
+        monkeypatch.setattr("specrun.sessions.slots.default_slots", lambda session, exact=False: (slots, f"{slots} slots"))
     worker = PairWorker(PairOptions("demo-target", "demo-draft", parallel=parallel,
                                     load=LoadOptions(threads=1, n_ctx=1024)))
     worker.start()

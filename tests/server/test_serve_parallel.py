@@ -79,6 +79,38 @@ def test_parallel_auto_answers_one_at_a_time_where_slots_would_draft_with_less()
         assert stop_server(server) == 0, server.log
 
 
+def test_trees_are_verified_on_slots_sharing_each_pass():
+    """`--branches 2` with `--parallel 2` (no --exact: a unified cache, where a tree's paths are
+    sequences beside the slots'): the slots draft trees (no note saying they leave them out), and
+    each answer decoded together is the one-at-a-time server's, or parts from it only where the
+    lone answer's top two tokens are a near tie (an F32 cache, flash attention off: a shared pass
+    rounds apart from a lone one by ~1e-4; client 0's second token is a 0.002 tie)."""
+    from server_harness import parts_only_at_a_near_tie
+
+    args = ("--method", "draft", "-k", "3", "--branches", "2", "--kv-type", "f32", "--flash-attn", "off")
+    lone = start_server(*args, "--parallel", "1")
+    server = start_server(*args, "--parallel", "2")
+    try:
+        keys = [(client, 0) for client in range(4)]
+        alone = {key: answer(lone, messages_for(*key), stream=False, max_tokens=16)[0] for key in keys}
+
+        def ask(key):
+            return server.client().chat.completions.create(
+                model=MODEL, messages=messages_for(*key), max_tokens=16, temperature=0, logprobs=True,
+                top_logprobs=2).choices[0].logprobs.content
+
+        with ThreadPoolExecutor(4) as pool:
+            together = dict(zip(keys, pool.map(ask, keys)))
+        for key in keys:
+            parts_only_at_a_near_tie(together[key], alone[key])  # equal, or parted at a near tie
+        assert not any("without token trees" in line for line in server.log), server.log
+        metrics = metric_values(server)
+        assert metrics["specrun_slots"] == 2 and metrics["specrun_drafted_tokens_total"] > 0
+    finally:
+        assert stop_server(server) == 0, server.log
+        assert stop_server(lone) == 0, lone.log
+
+
 def test_eagle3_heads_draft_on_slots_reading_the_layers_they_read():
     """demo-target's EAGLE-3 heads (found first for --method eagle) read three layers' outputs:
     the slots' context copies them out for every row fed, so auto opens slots for them, every
@@ -313,7 +345,7 @@ def test_a_full_queue_is_a_429_with_retry_after_and_the_others_are_served():
     (("--parallel", "many"), 2, "--parallel 'many' is neither a number of slots nor auto"),
     (("--parallel", "2", "--method", "lookahead"), 2, "drafts with lookahead"),
     (("--parallel", "2", "--method", "lookup+mtp"), 2, "drafts with mtp"),
-    (("--parallel", "2", "--branches", "2"), 2, "--branches"),
+    (("--parallel", "2", "--branches", "2", "--exact"), 2, "--branches drafts trees with --exact"),
     (("--parallel", "2", "--learn"), 2, "--learn learns online, which --parallel slots sharing a pass cannot do"),
     (("--parallel", "2", "--keep-learned"), 2, "--keep-learned learns online"),
     (("--parallel", "2", "--learn-budget", "0.2"), 2, "--learn-budget sizes online learning"),

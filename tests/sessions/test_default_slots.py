@@ -26,7 +26,7 @@ class _Model:
 
 
 def _session(target=None, draft=None, drops: str = ""):
-    return SimpleNamespace(target=target or _Model(), draft=draft, slot_drops=lambda: drops)
+    return SimpleNamespace(target=target or _Model(), draft=draft, slot_drops=lambda exact=False: drops)
 
 
 @pytest.mark.parametrize("free_mib, slots", [(4096, DEFAULT_SLOTS), (500, 2), (300, 1), (0, 1)])

@@ -71,6 +71,53 @@ def test_slots_opened_with_hidden_states_give_each_sequence_its_own(tiny_models,
         model.close()
 
 
+def test_trees_in_a_shared_batch_read_as_the_model_alone_reads_them(tiny_models):
+    """Two slots, each a tree after its tokens in one batch (paths are sequences of their own beside
+    the slots'): every node's logits are the ones the model alone gives its path (exact settings,
+    a unified cache: within rounding); a kept path, and a tree let go, read on as if fed."""
+    from specrun.tree import TokenTree
+    from tests.slots.slot_runs import together
+
+    model = LlamaCppBackend(tiny_models["llama"].gguf_f32_path, n_ctx=128, n_threads=1, tree_paths=3, **EXACT)
+    slots = model.open_slots(2, exact=False, tree_paths=3)
+    exact = model.open_slots(1, exact=True, tree_paths=3)
+    try:
+        assert not exact.tree_support.available and "stream of its own" in exact.tree_support.reason
+        rendezvous = Rendezvous()
+        first, second = (Slot(slots, seq, rendezvous, model, "target") for seq in range(2))
+        assert first.tree_support.available
+        tree = TokenTree((7, 8, 9, 4), (-1, 0, 0, 2))  # 7 -> 8; 7 -> 9 -> 4
+        other = TokenTree((3, 5), (-1, -1))
+        first.forward([1, 2, 3], [])
+        second.forward([6, 5, 4, 3], [])
+        got = together([(rendezvous, lambda: first.forward_tree([5], tree, [0, 1, 2, 3, 4])),
+                        (rendezvous, lambda: second.forward_tree([2, 1], other, [1, 2, 3]))])
+
+        def alone(tokens, held, rows):
+            model.rewind(0)
+            try:
+                return model.forward_tree(tokens, held, rows)
+            finally:
+                model.keep_path([])
+                model.rewind(0)
+
+        np.testing.assert_allclose(got[0], alone([1, 2, 3, 5], tree, [3, 4, 5, 6, 7]), rtol=0, atol=1e-4)
+        np.testing.assert_allclose(got[1], alone([6, 5, 4, 3, 2, 1], other, [5, 6, 7]), rtol=0, atol=1e-4)
+        assert (first.n_past, second.n_past) == (4, 6)
+        first.keep_path([0, 2, 3])  # 7, 9, 4
+        second.keep_path([])
+        assert (first.n_past, second.n_past) == (7, 6)
+        got = together([(rendezvous, lambda: first.forward([6], [0])), (rendezvous, lambda: second.forward([9], [0]))])
+        np.testing.assert_allclose(got[0], model.forward([1, 2, 3, 5, 7, 9, 4, 6], [7]), rtol=0, atol=1e-4)
+        model.rewind(0)
+        np.testing.assert_allclose(got[1], model.forward([6, 5, 4, 3, 2, 1, 9], [6]), rtol=0, atol=1e-4)
+        model.rewind(0)
+    finally:
+        slots.close()
+        exact.close()
+        model.close()
+
+
 def test_a_rewound_slot_reads_as_one_fed_afresh(tiny_models):
     model = LlamaCppBackend(tiny_models["llama"].gguf_f32_path, n_ctx=128, n_threads=1, **EXACT)
     slots = model.open_slots(2, exact=True)

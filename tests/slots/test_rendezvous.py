@@ -121,6 +121,48 @@ def test_heads_draft_for_slots_from_the_hidden_states_their_shared_passes_give(m
     assert max(len(batch) for batch in target_slots.batches) > 1  # the passes were shared
 
 
+@pytest.mark.parametrize(("method", "temperature"), [("draft", 0.0), ("draft", 0.8), ("eagle", 0.0), ("eagle", 0.8)])
+def test_trees_drafted_for_slots_are_verified_in_their_shared_passes_as_alone(method, temperature):
+    """Slots whose model holds trees: each slot's draft model (or EAGLE heads) drafts a tree, the
+    shared batch carries every slot's tokens and nodes, the accepted path is kept before the next
+    batch, and each answer, and what it drafted and accepted, is the one it gets alone."""
+    from heads_factory import oracle_heads_for, oracle_hidden
+    from specrun.drafters.methods import DrafterOptions, build_drafter
+
+    table, draft_table = copying_logits(salt=7, vocab_size=VOCAB), hashed_logits(VOCAB, salt=9, spread=1.0)
+    hidden = oracle_hidden(table, VOCAB)
+    heads = oracle_heads_for("eagle", VOCAB)
+
+    def model() -> FakeBackend:
+        return FakeBackend(table, VOCAB, hidden_table=hidden, hidden_size=heads.config.hidden_size)
+
+    def drafter(draft):
+        if method == "draft":
+            return DraftModelDrafter(draft, branches=2)
+        return build_drafter("eagle", None, DrafterOptions(heads=heads, branches=2))
+
+    params = GenerationParams(32, draft_len=3, sampling=SamplingSettings(temperature=temperature, seed=3),
+                              stop_at_eos=False, tree_nodes=12)
+    alone = [SpeculativeEngine(model(), drafter(FakeBackend(draft_table, VOCAB))).run(prompt, params)
+             for prompt in PROMPTS]
+    target, draft = model(), FakeBackend(draft_table, VOCAB)
+    target_slots = FakeSlots(target, len(PROMPTS), hidden=method == "eagle", trees=True)
+    draft_slots, rendezvous = FakeSlots(draft, len(PROMPTS)), Rendezvous()
+    targets = [Slot(target_slots, seq, rendezvous, target, "target") for seq in range(len(PROMPTS))]
+    drafts = [Slot(draft_slots, seq, rendezvous, draft, "draft") for seq in range(len(PROMPTS))]
+    assert targets[0].tree_support.available
+    engines = [SpeculativeEngine(t, drafter(d)) for t, d in zip(targets, drafts)]
+    together = run_together(rendezvous, [lambda e=e, p=p: e.run(p, params) for e, p in zip(engines, PROMPTS)])
+    assert [result.token_ids for result in together] == [result.token_ids for result in alone]
+    assert [(r.stats.drafted, r.stats.accepted) for r in together] == [(r.stats.drafted, r.stats.accepted)
+                                                                      for r in alone]
+    trees = target_slots.kept_paths
+    assert any(size > len(path) for _, size, path in trees) and any(path for _, _, path in trees)  # branches, kept
+    assert max(len(batch) for batch in target_slots.batches) > 1  # the passes were shared
+    for target_slot, result, prompt in zip(targets, together, PROMPTS):  # the caches hold the texts
+        assert target_slots.caches[target_slot.seq][: target_slot.n_past] == [*prompt, *result.token_ids][: target_slot.n_past]
+
+
 def test_slots_opened_without_hidden_states_refuse_heads_saying_why():
     table = copying_logits(salt=7, vocab_size=VOCAB)
     target = FakeBackend(table, VOCAB, hidden_table=lambda context: np.zeros(4, np.float32), hidden_size=4)
