@@ -51,6 +51,26 @@ def two_slots(model, hidden: bool = False, layers=()):
     return slots, made
 
 
+def check_hidden_slots(model, first, second, layers, same) -> None:
+    """Two slots of ``model`` opened with hidden states (``two_slots``): each gets its own rows' states
+    and its logits from a shared batch, as its sequence fed alone gives them (``same(got, expected)``
+    asserts it), before and after a rewind; the two slots' states differ."""
+    rendezvous = first.rendezvous
+    logits = together([(rendezvous, lambda: first.forward([1, 2, 3, 4, 5, 6], [5, 2])),
+                       (rendezvous, lambda: second.forward([5, 6, 7, 8, 9], [4]))])
+    alone_logits, alone_states = fed_alone(model, [1, 2, 3, 4, 5, 6], [5, 2], layers)
+    assert alone_states.shape == (6, model.hidden_support.size * max(len(layers), 1))
+    same(logits[0], alone_logits)
+    same(first.hidden_rows(range(6)), alone_states)
+    same(second.hidden_rows([4, 0]), fed_alone(model, [5, 6, 7, 8, 9], [4], layers)[1][[4, 0]])
+    first.rewind(3)
+    rewound = first.forward([9, 9], [0, 1])
+    alone_logits, alone_states = fed_alone(model, [1, 2, 3, 9, 9], [3, 4], layers)
+    same(rewound, alone_logits)
+    same(first.hidden_rows(range(2)), alone_states[3:])
+    assert np.abs(first.hidden_rows(range(2)) - second.hidden_rows(range(2))).max() > 1e-2
+
+
 def fed_alone(model, tokens, rows, layers=()):
     """``model``'s logits at ``rows`` and hidden states (``layers``' outputs where given) at every
     row for ``tokens`` fed on an empty cache."""

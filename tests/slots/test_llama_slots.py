@@ -40,27 +40,13 @@ def test_slots_opened_with_hidden_states_give_each_sequence_its_own(tiny_models,
     """Each slot gets its own rows' states from a shared batch (the output head's input: every row
     an output, embeddings on; or layer outputs, as EAGLE-3 reads them, logits only where asked) and
     the logits it asked for, as its sequence fed alone gives them, before and after a rewind."""
-    from tests.slots.slot_runs import fed_alone, together, two_slots
+    from tests.slots.slot_runs import check_hidden_slots, two_slots
 
     model = LlamaCppBackend(tiny_models["llama"].gguf_f32_path, n_ctx=128, n_threads=1, **EXACT)
     assert model.slots_hidden
     slots, (first, second) = two_slots(model, hidden=True, layers=layers)
     try:
-        rendezvous = first.rendezvous
-        logits = together([(rendezvous, lambda: first.forward([1, 2, 3, 4, 5, 6], [5, 2])),
-                           (rendezvous, lambda: second.forward([5, 6, 7, 8, 9], [4]))])
-        alone_logits, alone_states = fed_alone(model, [1, 2, 3, 4, 5, 6], [5, 2], layers)
-        assert alone_states.shape == (6, model.hidden_support.size * max(len(layers), 1))
-        np.testing.assert_array_equal(logits[0], alone_logits)
-        np.testing.assert_array_equal(first.hidden_rows(range(6)), alone_states)
-        np.testing.assert_array_equal(second.hidden_rows([4, 0]),
-                                      fed_alone(model, [5, 6, 7, 8, 9], [4], layers)[1][[4, 0]])
-        first.rewind(3)
-        rewound = first.forward([9, 9], [0, 1])
-        alone_logits, alone_states = fed_alone(model, [1, 2, 3, 9, 9], [3, 4], layers)
-        np.testing.assert_array_equal(rewound, alone_logits)
-        np.testing.assert_array_equal(first.hidden_rows(range(2)), alone_states[3:])
-        assert np.abs(first.hidden_rows(range(2)) - second.hidden_rows(range(2))).max() > 0
+        check_hidden_slots(model, first, second, layers, np.testing.assert_array_equal)
         np.testing.assert_array_equal(first.token_embeddings([3, 1]), model.token_embeddings([3, 1]))
         first.track_hidden(False)
         with pytest.raises(ValueError, match="these slots give the outputs of layers 0, not the output head's|"

@@ -62,27 +62,14 @@ def test_slots_opened_with_hidden_states_give_each_sequence_its_own(pair, layers
     """The body run on the packed row, the head on the rows asked for: each slot gets its own
     rows' states (the output head's input, or layer outputs as EAGLE-3 reads them) and logits, as
     its sequence fed alone gives them, before and after a rewind."""
-    from tests.slots.slot_runs import fed_alone, together, two_slots
+    from tests.slots.slot_runs import check_hidden_slots, two_slots
 
     model, _ = pair
     assert model.slots_hidden
     slots, (first, second) = two_slots(model, hidden=True, layers=layers)
     try:
-        rendezvous = first.rendezvous
-        logits = together([(rendezvous, lambda: first.forward([1, 2, 3, 4, 5, 6], [5, 2])),
-                           (rendezvous, lambda: second.forward([5, 6, 7, 8, 9], [4]))])
-        alone_logits, alone_states = fed_alone(model, [1, 2, 3, 4, 5, 6], [5, 2], layers)
-        assert alone_states.shape == (6, model.hidden_support.size * max(len(layers), 1))
-        np.testing.assert_allclose(logits[0], alone_logits, **ROUNDING)
-        np.testing.assert_allclose(first.hidden_rows(range(6)), alone_states, **ROUNDING)
-        np.testing.assert_allclose(second.hidden_rows([4, 0]),
-                                   fed_alone(model, [5, 6, 7, 8, 9], [4], layers)[1][[4, 0]], **ROUNDING)
-        first.rewind(3)
-        rewound = first.forward([9, 9], [0, 1])
-        alone_logits, alone_states = fed_alone(model, [1, 2, 3, 9, 9], [3, 4], layers)
-        np.testing.assert_allclose(rewound, alone_logits, **ROUNDING)
-        np.testing.assert_allclose(first.hidden_rows(range(2)), alone_states[3:], **ROUNDING)
-        assert np.abs(first.hidden_rows(range(2)) - second.hidden_rows(range(2))).max() > 1e-2
+        check_hidden_slots(model, first, second, layers,
+                           lambda got, expected: np.testing.assert_allclose(got, expected, **ROUNDING))
     finally:
         slots.close()
 
