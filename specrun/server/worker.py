@@ -149,11 +149,21 @@ class ToolCallCut:
         self._sent += len(out)
         return out
 
-    def finish(self) -> tuple[str, tuple[ToolCall, ...]]:
-        """The content not sent yet, and the calls the answer made."""
+    def finish(self, cut: bool = False) -> tuple[str, tuple[ToolCall, ...]]:
+        """The content not sent yet, and the calls the answer made. ``cut``: the answer stopped at
+        max_tokens, maybe inside a call: the calls whole before it count, and what was held of the
+        call cut off (from its opener, or the part of the opener written) is dropped, not sent as
+        content."""
         answer = "".join(self._text)
         content, calls = self.style.parse(answer, self.names)
-        if calls:  # streamed, the content went out before the call's opener; held whole, it goes now
+        if not calls and cut:
+            held = answer[self._sent:]
+            if self._holding or self._opener.stopped:
+                content, calls = self.style.parse_cut(answer, self.names)
+            elif held.strip() and self.style.opener.startswith(held.strip()):
+                return "", ()  # the opener's first characters, held back from the stream
+        if calls or (cut and (self._holding or self._opener.stopped)):
+            # streamed, the content went out before the call's opener; held whole, it goes now
             return ("" if self._sent else content), tuple(calls)
         return answer[self._sent:], ()
 
@@ -639,12 +649,13 @@ class PairWorker:
     def _finish(self, job: Job, finish_reason: str, stats: Stats, tool_cut: ToolCallCut | None = None,
                 trace: RequestTrace | None = None) -> None:
         if tool_cut is not None:
-            tail, calls = tool_cut.finish()
+            cut = finish_reason == "length"
+            tail, calls = tool_cut.finish(cut)
             if tail:
                 job.emit(Delta(tail, 0, 0))
             if calls:
                 job.emit(Calls(calls))
-                finish_reason = TOOL_CALLS
+                finish_reason = finish_reason if cut else TOOL_CALLS  # cut: the calls whole before max_tokens
         if trace is not None:
             trace.end(finish_reason, stats)
         self.served += 1

@@ -231,6 +231,17 @@ class ToolStyle:
             return text, []
         return content, [dataclasses.replace(call, id=self.new_id()) for call in calls]
 
+    def parse_cut(self, text: str, names: Sequence[str] | None = None) -> tuple[str, list[ToolCall]]:
+        """An answer cut short (max_tokens) inside its calls: the calls whole before the cut (Hermes'
+        closed ``<tool_call>`` blocks) and the content before the first; the call cut off is
+        dropped, never handed back as content."""
+        if self.name == "hermes" and (end := text.rfind("</tool_call>")) >= 0:
+            content, calls = self.parse(text[: end + len("</tool_call>")], names)
+            if calls:
+                return content, calls
+        start = text.find(self.opener) if self.opener else -1
+        return (text[:start].strip() if start >= 0 else ""), []
+
     def _read(self, text: str) -> tuple[str, list[ToolCall]]:
         if self.name == "hermes":
             return _parse_hermes(text)

@@ -80,6 +80,31 @@ def test_streamed_calls_arrive_as_tool_call_deltas(demo_server):
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_calls_cut_at_max_tokens_come_back_whole_and_no_markup_as_content(demo_server, stream):
+    """A forced call cut by max_tokens: the calls closed before the cut are tool_calls, the one cut
+    off is dropped (its markup never content), finish_reason "length"; one cut before any call
+    closed gives nothing, not "<tool_call"."""
+    def ask(max_tokens: int, choice):
+        fields = dict(model=MODEL, temperature=0, messages=QUESTION, tools=[WEATHER, TIME], tool_choice=choice,
+                      max_tokens=max_tokens, parallel_tool_calls=True)
+        if not stream:
+            done = demo_server.client().chat.completions.create(**fields).choices[0]
+            calls = [(c.function.name, c.function.arguments) for c in done.message.tool_calls or ()]
+            return done.message.content or "", calls, done.finish_reason
+        chunks = [c for c in demo_server.client().chat.completions.create(stream=True, **fields) if c.choices]
+        deltas = [c.choices[0].delta for c in chunks]
+        calls = [(c.function.name, c.function.arguments) for d in deltas for c in (d.tool_calls or ())]
+        return "".join(d.content or "" for d in deltas), calls, chunks[-1].choices[0].finish_reason
+
+    content, calls, reason = ask(400, "required")
+    assert reason == "length" and len(calls) >= 2 and "<tool" not in content and not content.strip()
+    for name, arguments in calls:
+        jsonschema.validate(json.loads(arguments), {"get_weather": WEATHER, "get_time": TIME}[name]["function"]["parameters"])
+    for max_tokens in (1, 5):
+        assert ask(max_tokens, {"type": "function", "function": {"name": "get_weather"}}) == ("", [], "length")
+
+
 def test_with_tools_on_auto_an_answer_without_a_call_is_text(demo_server):
     choice = _call(demo_server, messages=[{"role": "user", "content": "Say hello."}], tools=[WEATHER]).choices[0]
     if choice.message.tool_calls is None:

@@ -355,6 +355,35 @@ def test_an_answer_held_whole_keeps_its_content_before_the_call():
     assert rest == "[Note] I will check." and call.name == "f"
 
 
+@pytest.mark.parametrize(("style", "chunks", "content", "calls"), [
+    # two calls whole, the third cut off by max_tokens: the two, the third's markup dropped
+    ("hermes", ['<tool_call>{"name": "f", "arguments": {"x": 1}}</tool_call>\n',
+                '<tool_call>{"name": "g", "arguments": {}}</tool_call>\n<tool_call>{"name": "f", "argu'], "",
+     ["f", "g"]),
+    ("hermes", ["Let me check.", '<tool_call>{"name": "f", "argu'], "", []),  # the content went out already
+    ("hermes", ["<tool_call"], "", []),  # the opener itself cut short
+    ("hermes", ["<"], "", []),
+    ("pythonic", ["[f(x=1), g(y="], "", []),  # a bare call held whole, cut: nothing of it sent
+    ("llama3", ['{"name": "f", "param'], "", []),
+])
+def test_an_answer_cut_inside_its_calls_gives_the_calls_whole_and_no_markup(style, chunks, content, calls):
+    """max_tokens reached inside a call (the server's tool_choice required, a named function, or
+    a model calling on its own): the calls closed before the cut are calls, and nothing of the one
+    cut off reaches the client as content."""
+    from specrun.server.worker import ToolCallCut
+
+    cut = ToolCallCut(STYLES[style], ["f", "g"])
+    sent = "".join(cut.feed(chunk) for chunk in chunks)
+    rest, found = cut.finish(cut=True)
+    assert "<tool" not in sent + rest and "{" not in sent + rest and "[" not in sent + rest
+    assert rest == content and [call.name for call in found] == calls
+    whole = ToolCallCut(STYLES[style], ["f", "g"])  # not cut: what was held and not a call is the answer
+    sent = "".join(whole.feed(chunk) for chunk in chunks)
+    rest, found = whole.finish()
+    if not [c for c in found]:
+        assert sent + rest == "".join(chunks)
+
+
 def test_reading_python_calls_in_threads_leaves_the_process_s_warning_filters_alone():
     """JSON's "\\/" warns as Python compiles it: silenced by a filter for the calls' text alone
     (catch_warnings in the server's threads left an "ignore everything" filter behind)."""
