@@ -221,7 +221,9 @@ def _parse_grammar(body: dict) -> tuple[GrammarSpec | None, str | None]:
         if not isinstance(grammar, str) or not grammar.strip():
             raise RequestError("grammar must be a non-empty string of GBNF rules (or Lark after %llguidance {})",
                                "grammar", code="invalid_type")
-        asked.append((GrammarSpec("gbnf", _text(grammar, "grammar")), "grammar"))
+        # Lark after %llguidance {} (llguidance reads it either way; its errors then say Lark)
+        kind = "lark" if grammar.lstrip().startswith("%llguidance") else "gbnf"
+        asked.append((GrammarSpec(kind, _text(grammar, "grammar")), "grammar"))
     schema = body.get("json_schema")
     if schema is not None:
         if not isinstance(schema, dict):

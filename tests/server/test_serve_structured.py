@@ -201,6 +201,13 @@ def test_a_grammar_that_cannot_be_used_is_a_400_naming_its_field(demo_server, bo
     assert_refused(demo_server, "/v1/chat/completions", body, param, code)
 
 
+def test_a_lark_grammar_s_error_names_lark_and_a_gbnf_one_gbnf(demo_server):
+    _, lark = demo_server.post("/v1/chat/completions", _chat(grammar="%llguidance {}\nstart: foo"))
+    assert lark["error"]["message"].startswith("grammar: a Lark grammar (llguidance's) that cannot be used"), lark
+    _, gbnf = demo_server.post("/v1/chat/completions", _chat(grammar='root ::= "a" | ('))
+    assert gbnf["error"]["message"].startswith("grammar: a GBNF grammar (llama.cpp's)"), gbnf
+
+
 def test_a_grammar_past_llguidance_s_limits_mid_answer_is_a_400_not_a_length(demo_server):
     """A grammar that compiles and lets the first token through, then exceeds llguidance's limits:
     the text so far follows no grammar, so the client gets a 400 naming the field and why (streamed:
