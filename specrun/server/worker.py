@@ -576,6 +576,7 @@ class PairWorker:
                 if job.cancelled.is_set():
                     stopped = "the server is shutting down" if self.closing else "the client left"
                     self.log(f"{job.id}: {stopped}; stopped after the pass in progress")
+                    self.metrics.finished(job, "cancelled", None)  # counted, as every request is
                     return
                 if isinstance(event, TextChunk):
                     tokens += len(event.token_ids)

@@ -94,9 +94,13 @@ def test_a_client_killed_mid_stream_disturbs_no_one(demo_server):
         victim.kill()
         victim.wait()
     assert results == expected
-    # The server noticed and stopped the victim's generation early (1500 tokens were asked for).
+    # The server noticed and stopped the victim's generation early (1500 tokens were asked for),
+    # and counted it (/metrics: requests by finish reason).
     demo_server.wait_for_log("the client left")
     assert demo_server.healthy()
+    from test_serve_parallel import metric_values
+
+    assert metric_values(demo_server).get('specrun_requests_total{finish_reason="cancelled"}', 0) >= 1
     # The caches were left exact: the victim's prompt still gets its answer.
     assert answer(demo_server, victim_messages, stream=True) == victim_start
 
