@@ -221,7 +221,10 @@ class OpenAIServer:
         return JSONResponse({**self._model_object(), "id": asked})
 
     def _model_object(self) -> dict:
-        return {"id": self.model_id, "object": "model", "created": self.started, "owned_by": "specrun"}
+        """OpenAI's model object, with the context a request's prompt and answer share (``meta``'s
+        ``n_ctx``, where llama-server says it) so that a client can size max_tokens."""
+        return {"id": self.model_id, "object": "model", "created": self.started, "owned_by": "specrun",
+                "meta": {"n_ctx": self.worker.n_ctx}}
 
     # A request is checked on a thread: a grammar, schema or tool definition compiles in it (up to
     # seconds for a large one), and the event loop keeps serving everyone else meanwhile.

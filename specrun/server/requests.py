@@ -143,6 +143,9 @@ def _check_fields(body: dict, known: Sequence[str]) -> None:
         raise RequestError(f"unrecognized request argument supplied: {name}", name, code="unknown_parameter")
 
 
+MAX_ANSWER_TOKENS = 2**31 - 1  # max_tokens above it is a 400 (above the context, the context ends the answer)
+
+
 def _parse_common(body: dict, defaults: ServeDefaults, n_ctx: int, max_tokens_field: str) -> dict:
     """The fields both endpoints share, validated; each error names its field."""
     model = body.get("model")
@@ -163,7 +166,10 @@ def _parse_common(body: dict, defaults: ServeDefaults, n_ctx: int, max_tokens_fi
         max_tokens = _number(body, "max_tokens", None, integer=True)
     if max_tokens is None:
         max_tokens = min(defaults.max_tokens, n_ctx)
-    _check_range(max_tokens_field, max_tokens, 1, n_ctx)
+    # Editors send 4,096 or 8,192 whatever the model's context: taken, the answer stops where the
+    # context is full (finish_reason "length"), as llama-server and ollama do; past int32 is no length
+    _check_range(max_tokens_field, max_tokens, 1, MAX_ANSWER_TOKENS)
+    max_tokens = min(max_tokens, n_ctx)
     base = defaults.sampling
     temperature = _number(body, "temperature", base.temperature)
     _check_range("temperature", temperature, 0.0, max(MAX_TEMPERATURE, base.temperature))

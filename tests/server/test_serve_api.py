@@ -123,7 +123,7 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", _chat_body(messages=[{"role": "user", "content": 5}]), 400, "messages[0].content",
      "invalid_type"),
     ("/v1/chat/completions", _chat_body(max_tokens=0), 400, "max_tokens", "invalid_value"),
-    ("/v1/chat/completions", _chat_body(max_tokens=10**9), 400, "max_tokens", "invalid_value"),
+    ("/v1/chat/completions", _chat_body(max_tokens=2**31), 400, "max_tokens", "invalid_value"),
     ("/v1/chat/completions", _chat_body(max_completion_tokens="many"), 400, "max_completion_tokens",
      "invalid_type"),
     ("/v1/chat/completions", _chat_body(temperature="hot"), 400, "temperature", "invalid_type"),
@@ -389,3 +389,22 @@ def test_a_host_that_cannot_be_bound_is_one_line_without_the_public_host_warning
                           check=False)
     assert done.returncode == 2
     assert done.stderr.startswith("error: cannot listen on 999.1.1.1:") and len(done.stderr.splitlines()) == 1
+
+
+def test_max_tokens_past_the_context_is_taken_and_the_context_ends_the_answer():
+    """Editors send max_tokens 4096 or 8192 whatever the model: taken (up to int32), the answer
+    stops where the context is full, finish_reason "length"; the context's size is in /v1/models."""
+    from server_harness import start_server, stop_server
+
+    server = start_server(*DEMO_ARGS, "--ctx", "128", "--method", "none")
+    try:
+        status, body = server.post("/v1/chat/completions", _chat_body(max_tokens=8192, temperature=0))
+        assert status == 200, body
+        usage = body["usage"]
+        assert body["choices"][0]["finish_reason"] == "length"
+        assert usage["prompt_tokens"] + usage["completion_tokens"] <= 128 < usage["prompt_tokens"] + 8192
+        assert usage["completion_tokens"] > 64
+        status, models = server.request("GET", "/v1/models")
+        assert status == 200 and models["data"][0]["meta"]["n_ctx"] == 128
+    finally:
+        assert stop_server(server) == 0, server.log
