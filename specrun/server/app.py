@@ -83,9 +83,15 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+# A body Content-Length declares over --max-body but under this is read and dropped before the 413:
+# a client that sends its whole body before it reads (Python's http.client, httpx, the openai
+# SDK) otherwise meets a reset connection, not the answer. A larger one is refused at once.
+DRAIN_BYTES = 64 * 1024 * 1024
+
+
 async def read_json_body(request, limit: int) -> dict:
     """The request's JSON object, refused (413) as soon as it is known to exceed ``limit`` bytes:
-    from Content-Length before reading anything, else while it streams in."""
+    from Content-Length (its body up to DRAIN_BYTES read and dropped first), else while it streams in."""
     encoding = request.headers.get("content-encoding", "identity").strip().lower()
     if encoding not in ("", "identity"):  # read as it is, a compressed body would be "not JSON"
         raise RequestError(f"Content-Encoding {encoding} is not supported: send the body uncompressed", status=415,
@@ -94,9 +100,16 @@ async def read_json_body(request, limit: int) -> dict:
     if declared is not None:
         if not declared.isdigit():
             raise RequestError("Content-Length is not a number", code="invalid_header")
-        if int(declared) > limit:
-            raise _too_large(limit)
     from starlette.requests import ClientDisconnect
+
+    if declared is not None and int(declared) > limit:
+        if int(declared) <= DRAIN_BYTES:
+            try:
+                async for _ in request.stream():
+                    pass
+            except ClientDisconnect:
+                pass  # gone: the answer goes nowhere
+        raise _too_large(limit)
 
     chunks, size = [], 0
     try:

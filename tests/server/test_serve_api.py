@@ -285,6 +285,24 @@ def test_a_body_over_the_limit_is_refused_before_it_is_read(demo_server):
     assert demo_server.healthy()
 
 
+def test_a_client_that_sends_its_whole_body_first_reads_the_413(demo_server):
+    """Python's http.client (as httpx and the openai SDK) sends all of a 5 MiB body before reading:
+    the server reads and drops it, then answers 413 (answered before it, the client met a reset)."""
+    import http.client
+
+    host, port = demo_server.host_port
+    connection = http.client.HTTPConnection(host, port, timeout=60)
+    try:
+        body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "x" * (5 << 20)}]})
+        connection.request("POST", "/v1/chat/completions", body, {"Content-Type": "application/json"})
+        response = connection.getresponse()
+        assert response.status == 413
+        assert json.loads(response.read())["error"]["code"] == "request_too_large"
+    finally:
+        connection.close()
+    assert demo_server.healthy()
+
+
 # ---- seeds and auth: a fixed draft length (seeds repeat a text only there; README) ---------------
 KEY = "test-key-123"
 
