@@ -96,8 +96,12 @@ class LlamaSlots:
             why = ("--exact gives each sequence a cache stream of its own, which a tree's paths cannot share"
                    if exact else "a recurrent or hybrid model's state cannot hold a tree's branches")
             self.tree_support = TreeSupport(False, why)
+        elif n_slots * (1 + tree_paths) > lib.llama_max_parallel_sequences():
+            self.tree_support = TreeSupport(False, f"{n_slots} slots' trees of {tree_paths} paths need more sequences "
+                                                   f"than llama.cpp's {lib.llama_max_parallel_sequences()}")
         elif tree_paths:
             self.tree_paths, self.tree_support = tree_paths, TreeSupport(True, max_paths=tree_paths)
+        self._held_paths = [0] * n_slots  # the path sequences each slot's last tree used (0: none held)
         params = type(parent._ctx_params).from_buffer_copy(parent._ctx_params)
         params.n_seq_max = n_slots * (1 + self.tree_paths)
         params.kv_unified = not exact
@@ -210,8 +214,8 @@ class LlamaSlots:
             return [(int(token), start + offset, [seq]) for offset, token in enumerate(tokens)]
         self.tree_support.check(tree)
         paths = [self._path_seq(seq, path) for path in range(len(tree.paths))]
-        for path_seq in (self._path_seq(seq, path) for path in range(self.tree_paths)):
-            self._lib.llama_memory_seq_rm(self._memory, path_seq, 0, -1)  # a tree left unkept before
+        self._drop_paths(seq)  # a tree left unkept before
+        self._held_paths[seq] = len(paths)
         for path_seq in paths:
             self._lib.llama_memory_seq_cp(self._memory, seq, path_seq, 0, start)
         entries = [(int(token), start + offset, [seq, *paths]) for offset, token in enumerate(tokens)]
@@ -231,8 +235,12 @@ class LlamaSlots:
         self._drop_paths(seq)
 
     def _drop_paths(self, seq: int) -> None:
-        for path in range(self.tree_paths):
+        """The path sequences of ``seq``'s last tree freed (each removal scans the whole cache: only
+        those its tree used, none where it holds no tree)."""
+        for path in range(self._held_paths[seq] if self.tree_paths else 0):
             self._lib.llama_memory_seq_rm(self._memory, self._path_seq(seq, path), 0, -1)
+        if self.tree_paths:
+            self._held_paths[seq] = 0
 
     def _output_hidden(self, n_rows: int) -> np.ndarray:
         """A copy of the last decode's hidden states (n_rows, H), every row an output in batch order."""

@@ -74,9 +74,14 @@ class SlotPass:
     rows: Sequence[int]
     tree: TokenTree | None = None  # held after the tokens (rows index the tokens, then the nodes)
     logits: np.ndarray | None = None  # (len(rows), V), once run
-    hidden: np.ndarray | None = None  # (len(tokens), H), once run on a model opened with ``hidden``
+    hidden: np.ndarray | None = None  # (rows fed, H), once run on a model opened with ``hidden``
     error: BaseException | None = None
     done: bool = False
+
+    @property
+    def fed(self) -> int:
+        """The rows the pass feeds: its tokens, and its tree's nodes."""
+        return len(self.tokens) + (len(self.tree) if self.tree is not None else 0)
 
 
 class SlotModel(Protocol):
@@ -384,7 +389,7 @@ class Rendezvous:
                     except Exception:  # noqa: BLE001 - this request alone fails
                         slot_pass.error = _failure()
         seconds = perf_counter() - started
-        tokens = sum(len(slot_pass.tokens) for slot_pass in passes)
+        tokens = sum(slot_pass.fed for slot_pass in passes)  # a tree's nodes are rows the pass computes
         self.last_sequences[id(model)] = len(passes)
         self.last_tokens[id(model)] = tokens
         counts = self.counts.setdefault(self._labels[id(model)], RendezvousCounts())
@@ -394,7 +399,7 @@ class Rendezvous:
         counts.seconds += seconds
         if whole and self.observer is not None:
             try:
-                self.observer(self._labels[id(model)], [len(slot_pass.tokens) for slot_pass in passes], seconds)
+                self.observer(self._labels[id(model)], [slot_pass.fed for slot_pass in passes], seconds)
             except Exception as exc:  # noqa: BLE001 - what prices drafts must never stop every slot's passes
                 self.observer, self.observer_error = None, exc
 

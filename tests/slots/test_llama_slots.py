@@ -11,6 +11,8 @@ pytest.importorskip("llama_cpp", reason="the llama backend is not installed")
 from specrun.backends.llama import LlamaCppBackend  # noqa: E402
 from specrun.backends.slots import Rendezvous, Slot  # noqa: E402
 from specrun.engine.loop import GenerationParams  # noqa: E402
+from specrun.tree import TokenTree  # noqa: E402
+from tests.slots.slot_runs import together  # noqa: E402
 from tests.slots.slot_runs import check_answers_together  # noqa: E402
 
 EXACT = dict(kv_type="f32", flash_attn=False)
@@ -101,6 +103,131 @@ def test_trees_in_a_shared_batch_read_as_the_model_alone_reads_them(tiny_models)
     finally:
         slots.close()
         exact.close()
+        model.close()
+
+
+def _tree_alone(model, tokens, tree, rows):
+    model.rewind(0)
+    try:
+        return model.forward_tree(tokens, tree, rows)
+    finally:
+        model.keep_path([])
+        model.rewind(0)
+
+
+
+def test_a_second_tree_reads_as_alone_and_every_path_is_freed(tiny_models):
+    """Trees after kept paths read as the model alone reads them, and once the slots go on, no path
+    sequence holds a cell (a mutant that never freed them passed the first test)."""
+    model = LlamaCppBackend(tiny_models["llama"].gguf_f32_path, n_ctx=128, n_threads=1, tree_paths=3, **EXACT)
+    slots = model.open_slots(2, exact=False, tree_paths=3)
+    lib = slots._lib
+    try:
+        rendezvous = Rendezvous()
+        first, second = (Slot(slots, seq, rendezvous, model, "target") for seq in range(2))
+        tree = TokenTree((7, 8, 9, 4), (-1, 0, 0, 2))
+        other = TokenTree((3, 5), (-1, -1))
+        first.forward([1, 2, 3], [])
+        second.forward([6, 5, 4, 3], [])
+        together([(rendezvous, lambda: first.forward_tree([5], tree, [0])),
+                  (rendezvous, lambda: second.forward_tree([2, 1], other, [0]))])
+        first.keep_path([0, 2, 3])
+        second.keep_path([1])
+        # a second tree pass each, after the kept paths
+        tree2 = TokenTree((11, 12, 13), (-1, -1, 0))
+        got = together([(rendezvous, lambda: first.forward_tree([6], tree2, [0, 1, 2, 3])),
+                        (rendezvous, lambda: second.forward_tree([9], tree2, [0, 1, 2, 3]))])
+        np.testing.assert_allclose(got[0], _tree_alone(model, [1, 2, 3, 5, 7, 9, 4, 6], tree2, [7, 8, 9, 10]), rtol=0, atol=1e-4)
+        np.testing.assert_allclose(got[1], _tree_alone(model, [6, 5, 4, 3, 2, 1, 5, 9], tree2, [7, 8, 9, 10]), rtol=0, atol=1e-4)
+        first.keep_path([1])
+        second.keep_path([0, 2])
+        together([(rendezvous, lambda: first.forward([1], [0])), (rendezvous, lambda: second.forward([1], [0]))])
+        # every path sequence is empty after the next batch
+        for seq in range(slots.n_slots, slots.n_slots * (1 + slots.tree_paths)):
+            assert lib.llama_memory_seq_pos_max(slots._memory, seq) == -1, seq
+        # and the cache holds no cells but the slots'
+        assert lib.llama_memory_seq_pos_max(slots._memory, 0) == first.n_past - 1
+    finally:
+        slots.close()
+        model.close()
+
+
+def test_a_kept_path_then_a_rewind_into_it_run_in_that_order(tiny_models):
+    """keep_path recorded, then a rewind inside the kept path before the next batch: the path is
+    kept first, then cut (the other order left the path's cells in place)."""
+    model = LlamaCppBackend(tiny_models["llama"].gguf_f32_path, n_ctx=128, n_threads=1, tree_paths=3, **EXACT)
+    slots = model.open_slots(1, exact=False, tree_paths=3)
+    try:
+        rendezvous = Rendezvous()
+        slot = Slot(slots, 0, rendezvous, model, "target")
+        slot.forward([1, 2, 3], [])
+        slot.forward_tree([5], TokenTree((7, 8), (-1, 0)), [0])
+        slot.keep_path([0, 1])
+        slot.rewind(5)  # inside the kept path: 7 stays, 8 goes
+        got = slot.forward([9, 9], [1])
+        model.rewind(0)
+        np.testing.assert_allclose(got, model.forward([1, 2, 3, 5, 7, 9, 9], [6]), rtol=0, atol=1e-4)
+    finally:
+        slots.close()
+        model.close()
+
+
+def test_more_slots_trees_than_llama_cpp_has_sequences_keep_chains_saying_why(tiny_models):
+    """llama.cpp takes at most llama_max_parallel_sequences() (256) sequences: 42 slots with trees of
+    5 paths fit (252), 43 draft chains, their tree_support saying why (not a context that fails)."""
+    model = LlamaCppBackend(tiny_models["llama"].gguf_f32_path, n_ctx=64, n_threads=1, tree_paths=5, **EXACT)
+    try:
+        fits = model.open_slots(42, exact=False, tree_paths=5)
+        assert fits.tree_support.available
+        fits.close()
+        chains = model.open_slots(43, exact=False, tree_paths=5)
+        assert not chains.tree_support.available and "sequences than llama.cpp's" in chains.tree_support.reason
+        chains.close()
+    finally:
+        model.close()
+
+
+@pytest.mark.parametrize("layers", [(), (0,)])
+def test_a_tree_s_nodes_give_their_hidden_states_on_slots(tiny_models, layers):
+    """Heads drafting trees read the nodes' states: each slot's (head input or layer outputs) equal
+    the model's alone for its tokens and nodes."""
+    model = LlamaCppBackend(tiny_models["llama"].gguf_f32_path, n_ctx=128, n_threads=1, tree_paths=3, **EXACT)
+    slots = model.open_slots(2, exact=False, hidden=True, layers=layers, tree_paths=3)
+    try:
+        rendezvous = Rendezvous()
+        first, second = (Slot(slots, seq, rendezvous, model, "target") for seq in range(2))
+        for slot in (first, second):
+            slot.hidden_layers(layers)
+            slot.track_hidden(True)
+        tree = TokenTree((7, 8, 9, 4), (-1, 0, 0, 2))
+        other = TokenTree((3, 5), (-1, -1))
+        first.forward([1, 2, 3], [])
+        second.forward([6, 5, 4, 3], [])
+        got = together([(rendezvous, lambda: first.forward_tree([5], tree, [0, 1, 2, 3, 4])),
+                        (rendezvous, lambda: second.forward_tree([2, 1], other, [0, 1, 2, 3]))])
+        states = [first.hidden_rows(range(5)), second.hidden_rows(range(4))]
+
+        def alone(prefix, tokens, held, rows):
+            model.rewind(0)
+            model.hidden_layers(layers)
+            model.track_hidden(False)
+            model.forward(prefix, [])
+            model.track_hidden(True)
+            try:
+                out = model.forward_tree(tokens, held, rows)
+                return out, model.hidden_rows(range(len(tokens) + len(held)))
+            finally:
+                model.keep_path([])
+                model.track_hidden(False)
+                model.rewind(0)
+
+        for index, (prefix, tokens, held, rows) in enumerate([([1, 2, 3], [5], tree, [0, 1, 2, 3, 4]),
+                                                              ([6, 5, 4, 3], [2, 1], other, [0, 1, 2, 3])]):
+            logits, hidden = alone(prefix, tokens, held, rows)
+            np.testing.assert_allclose(got[index], logits, rtol=0, atol=1e-4)
+            np.testing.assert_allclose(states[index], hidden, rtol=0, atol=1e-4)
+    finally:
+        slots.close()
         model.close()
 
 

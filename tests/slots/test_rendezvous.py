@@ -163,6 +163,24 @@ def test_trees_drafted_for_slots_are_verified_in_their_shared_passes_as_alone(me
         assert target_slots.caches[target_slot.seq][: target_slot.n_past] == [*prompt, *result.token_ids][: target_slot.n_past]
 
 
+def test_a_tree_s_nodes_count_in_what_the_other_slots_fed():
+    """A pass of 1 token and 4 nodes beside one of 2 tokens: each slot reads the other's rows as
+    the batch's (what prices a shared pass: TargetCosts.others_tokens)."""
+    from specrun.tree import TokenTree
+    from tests.slots.slot_runs import together
+
+    target = FakeBackend(copying_logits(salt=7, vocab_size=VOCAB), VOCAB)
+    fake = FakeSlots(target, 2, trees=True)
+    rendezvous = Rendezvous()
+    a, b = (Slot(fake, seq, rendezvous, target, "target") for seq in range(2))
+    a.forward([1, 2], [])
+    b.forward([1, 2], [])
+    tree = TokenTree((3, 4, 5, 6), (-1, 0, 1, 2))
+    together([(rendezvous, lambda: a.forward_tree([3], tree, [0])), (rendezvous, lambda: b.forward([3, 4], [0]))])
+    assert a.others_tokens_in_pass == 2
+    assert b.others_tokens_in_pass == 5
+
+
 def test_slots_opened_without_hidden_states_refuse_heads_saying_why():
     table = copying_logits(salt=7, vocab_size=VOCAB)
     target = FakeBackend(table, VOCAB, hidden_table=lambda context: np.zeros(4, np.float32), hidden_size=4)
