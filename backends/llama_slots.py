@@ -92,10 +92,8 @@ class LlamaSlots:
         # are 1 + p), its nodes' cells beside the slots' in the unified cache; not with --exact (a
         # stream a sequence: a path would copy its whole stream) nor a recurrent model
         self.tree_paths, self.tree_support = 0, TreeSupport(False, "these slots were opened for chains")
-        if tree_paths and (exact or self.recurrent):
-            why = ("--exact gives each sequence a cache stream of its own, which a tree's paths cannot share"
-                   if exact else "a recurrent or hybrid model's state cannot hold a tree's branches")
-            self.tree_support = TreeSupport(False, why)
+        if tree_paths and parent.slots_tree_problem(exact):
+            self.tree_support = TreeSupport(False, parent.slots_tree_problem(exact))
         elif n_slots * (1 + tree_paths) > lib.llama_max_parallel_sequences():
             self.tree_support = TreeSupport(False, f"{n_slots} slots' trees of {tree_paths} paths need more sequences "
                                                    f"than llama.cpp's {lib.llama_max_parallel_sequences()}")
@@ -107,7 +105,9 @@ class LlamaSlots:
         params.kv_unified = not exact
         # a batch: every slot's verify pass, or a prompt chunk beside the others' steps
         self.n_batch = max(parent.n_batch, 512)
-        params.n_ctx = self.slot_ctx * n_slots + (self.n_batch if self.tree_paths else 0)  # a batch's nodes
+        # spare cells for trees left unkept before a slot's next pass frees them (a slot's own tree
+        # fits its slot_ctx: Slot.forward_tree checks it)
+        params.n_ctx = self.slot_ctx * n_slots + (self.n_batch if self.tree_paths else 0)
         params.n_batch = params.n_ubatch = self.n_batch
         self._ctx = lib.llama_init_from_model(parent._model, params)
         if not self._ctx:

@@ -286,7 +286,8 @@ class Rendezvous:
                     self._cond.notify_all()
 
     def _prepared(self, model: SlotModel, passes: list[SlotPass], removals: dict[int, int],
-                  keeps: set[int], paths: dict | None = None) -> list[SlotPass]:
+                  keeps: set[int], paths: dict[int, tuple[int, TokenTree, tuple[int, ...]]] | None = None
+                  ) -> list[SlotPass]:
         """Run ``model``'s recorded tree paths kept, its removals, then its keeps; the passes whose
         sequence's came through (one whose removal or keep failed fails with it: what its cache
         holds is unknown). A removal that failed is recorded again, to be tried before the

@@ -64,7 +64,11 @@ class SlotSessions:
         open_slots = getattr(backend, "open_slots", None)
         if open_slots is None:
             raise one_at_a_time(backend.name)
-        asked = {**({"hidden": True, "layers": layers} if hidden else {}), **({"tree_paths": tree_paths} if tree_paths else {})}
+        asked = {}  # only what is asked: MLX's open_slots takes no tree_paths
+        if hidden:
+            asked.update(hidden=True, layers=layers)
+        if tree_paths:
+            asked["tree_paths"] = tree_paths
         model = open_slots(n_slots, exact, **asked)
         self.models.append(model)
         return model
