@@ -242,6 +242,8 @@ def generate(
                         answer["grammar_problem"] = result.grammar_problem
                     if tool_list:
                         answer["tool_calls"] = [call.as_openai() for call in result.tool_calls]
+                        if result.tool_call_cut:
+                            answer["tool_call_cut"] = True
                     if learning is not None:
                         answer["learning"] = [report.to_dict() for report in learned]
                     typer.echo(json.dumps(answer))
@@ -258,6 +260,10 @@ def generate(
                         size = f" of {request.load.n_ctx} tokens" if request.load.n_ctx else ""
                         typer.echo(f"note: the context{size} is full, so the answer stops here; raise --ctx for a "
                                    "longer one", err=True)
+                    if result.tool_call_cut:
+                        from specrun.sessions.tools import TOOL_CALL_CUT_NOTE
+
+                        typer.echo(f"note: {TOOL_CALL_CUT_NOTE}", err=True)
                     learned = learning.finish() if learning is not None else []
                     for report in learned:
                         typer.echo(report.summary(), err=True)

@@ -267,6 +267,10 @@ class AnswerView:
             for call in event.tool_calls:
                 self.err.print(f"tool call: {call.name} {call.arguments} (answer it with /tool RESULT)",
                                style="cyan", highlight=False)
+            if event.tool_call_cut:
+                from specrun.sessions.tools import TOOL_CALL_CUT_NOTE
+
+                self.err.print(f"note: {TOOL_CALL_CUT_NOTE}", style="yellow", highlight=False)
             self.err.print(stats_line(event), style="dim")
             if event.stats.near_ties and event.stats.drafted:
                 from specrun.sessions.setup import near_tie_note

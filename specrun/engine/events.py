@@ -61,6 +61,7 @@ class GenerationResult:
     finish_reason: str  # "length", "eos", "context" or "grammar" (it allowed no next token)
     # the tool calls a session read out of the text (sessions/tools.py), where the run had tools
     tool_calls: list = field(default_factory=list)
+    tool_call_cut: bool = False  # the answer stopped (max tokens, context) inside a call, which was left out
     grammar_problem: str = ""  # finish_reason "grammar": why the grammar stopped the answer
 
 

@@ -78,7 +78,7 @@ from specrun.engine.stats import Stats
 from specrun.grammar import Grammar
 from specrun.sessions.templates import ChatTemplate, tokenize_rendered
 from specrun.sessions.trace import TraceFile
-from specrun.sessions.tools import Tool, ToolCall, ToolChoice, render_conversation, style_for
+from specrun.sessions.tools import CUT_REASONS, Tool, ToolCall, ToolChoice, render_conversation, style_for
 
 # What a lookahead window's pass-cost probe feeds first where the chat has no system prompt.
 PROBE_TEXT = "You are a helpful assistant. Answer the question below clearly and briefly."
@@ -109,6 +109,7 @@ class AnswerDone:
     prompt_tokens: int
     reused_tokens: int
     tool_calls: tuple[ToolCall, ...] = ()  # the calls the answer made (a session with tools)
+    tool_call_cut: bool = False  # max tokens or the context stopped the answer inside a call (left out)
 
     def to_dict(self) -> dict:
         answer = {
@@ -120,6 +121,8 @@ class AnswerDone:
         }
         if self.tool_calls:
             answer["tool_calls"] = [call.as_openai() for call in self.tool_calls]
+        if self.tool_call_cut:
+            answer["tool_call_cut"] = True
         return answer
 
 
@@ -343,8 +346,10 @@ class ChatSession:
         self._record(messages, prompt_text, prompt_ids, result)
         self.answers.append(result.stats)
         names = [tool.name for tool in self.tools]
-        calls = tuple(style_for(self.template).parse(result.text, names)[1]) if self.tools else ()
-        yield AnswerDone(result.text, result.finish_reason, result.stats, len(prompt_ids), reused, calls)
+        calls, call_cut = (style_for(self.template).read_answer(result.text, names, result.finish_reason in CUT_REASONS)
+                           if self.tools else ((), False))
+        yield AnswerDone(result.text, result.finish_reason, result.stats, len(prompt_ids), reused, tuple(calls),
+                         call_cut)
 
     def settle_for(self, context: int) -> None:
         """Once an answer's context may reach DEEP_FROM tokens (within the context): flash attention

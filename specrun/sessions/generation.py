@@ -24,7 +24,7 @@ from specrun.errors import AnswerKeptError, SpecrunError
 from specrun.grammar import Grammar, GrammarSpec
 from specrun.sessions.templates import ChatTemplate, tokenize_rendered
 from specrun.sessions.trace import TraceFile
-from specrun.sessions.tools import Tool, ToolChoice, render_conversation, style_for
+from specrun.sessions.tools import CUT_REASONS, Tool, ToolChoice, render_conversation, style_for
 from specrun.sampling import SamplingSettings
 from specrun.sessions.heads import heads_for_auto, load_target_heads, paying_heads, with_auto_heads, with_learner
 from specrun.sessions.setup import (
@@ -197,7 +197,8 @@ def generate_text(request: GenerateRequest, on_text: Callable[[str], None] | Non
                 if request.tools and request.tool_choice.mode != "none":
                     template = ChatTemplate.for_backend(target)
                     names = [tool.name for tool in request.tools]
-                    event.result.tool_calls = style_for(template).parse(event.result.text, names)[1]
+                    event.result.tool_calls, event.result.tool_call_cut = style_for(template).read_answer(
+                        event.result.text, names, cut=event.result.finish_reason in CUT_REASONS)
                 return event.result
         raise AssertionError("stream ended without Finished")
     finally:

@@ -79,6 +79,10 @@ class ToolChoice:
         return self.mode in ("required", "function")
 
 
+CUT_REASONS = ("length", "context")  # an answer's finish reasons where it stopped short, maybe inside a call
+TOOL_CALL_CUT_NOTE = ("the answer stopped inside its tool calls (max tokens or the context), so only the calls "
+                      "written whole count; raise --max-tokens (-n) for the rest")
+
 # A call is one line of JSON, as the formats' examples write it: at most a space between items
 # (a small model given room for line breaks and indentation fills max_tokens with them).
 CALL_JSON_OPTIONS = {"whitespace_pattern": r"\x20?"}
@@ -213,6 +217,23 @@ def _json_values(text: str) -> list:
         values.append(value)
 
 
+def _values_before_cut(text: str) -> list:
+    """The JSON values written whole in ``text`` before one cut off at its end: one after another
+    (as ``_json_values`` reads them) or the items of a list left open; [] where what follows them
+    is not the beginning of an object (not a call cut short)."""
+    decoder, values = json.JSONDecoder(), []
+    at = 1 if text.startswith("[") else 0
+    while True:
+        at = SEPARATORS.match(text, at).end()
+        if at >= len(text) or text[at] != "{":
+            return values if at >= len(text) else []
+        try:
+            value, at = decoder.raw_decode(text, at)
+        except (ValueError, RecursionError):
+            return values
+        values.append(value)
+
+
 @dataclass(frozen=True)
 class ToolStyle:
     """How one family's models write calls: where a call begins (``opener``, which a stream holds
@@ -233,14 +254,43 @@ class ToolStyle:
 
     def parse_cut(self, text: str, names: Sequence[str] | None = None) -> tuple[str, list[ToolCall]]:
         """An answer cut short (max_tokens) inside its calls: the calls whole before the cut (Hermes'
-        closed ``<tool_call>`` blocks) and the content before the first; the call cut off is
-        dropped, never handed back as content."""
-        if self.name == "hermes" and (end := text.rfind("</tool_call>")) >= 0:
-            content, calls = self.parse(text[: end + len("</tool_call>")], names)
-            if calls:
-                return content, calls
+        closed ``<tool_call>`` blocks, a JSON list's or a sequence's whole objects, Python calls
+        closed before it) and the content before the first; the call cut off is dropped, never
+        handed back as content."""
+        content, calls = self._read_cut(text)
+        if calls and (names is None or all(call.name in names for call in calls)):
+            return content, [dataclasses.replace(call, id=self.new_id()) for call in calls]
         start = text.find(self.opener) if self.opener else -1
         return (text[:start].strip() if start >= 0 else ""), []
+
+    def read_answer(self, text: str, names: Sequence[str] | None, cut: bool) -> tuple[list[ToolCall], bool]:
+        """The calls an answer made, and whether a call cut off by max_tokens (``cut``: the answer
+        stopped there) was dropped: the calls whole before it still count."""
+        calls = self.parse(text, names)[1]
+        if calls or not cut or not self.begins_call(text):
+            return calls, False
+        return self.parse_cut(text, names)[1], True
+
+    def begins_call(self, text: str) -> bool:
+        """Does ``text`` begin a call somewhere: the opener (or its first characters at the end), or
+        an answer that begins as a bare call may?"""
+        tail = text.rstrip()
+        if self.opener and (self.opener in text or any(tail.endswith(self.opener[:n])
+                                                       for n in range(1, len(self.opener)))):
+            return True
+        return text.lstrip()[:1] in tuple(self.bare_starts)
+
+    def _read_cut(self, text: str) -> tuple[str, list[ToolCall]]:
+        if self.name == "hermes":
+            end = text.rfind("</tool_call>")
+            return _parse_hermes(text[: end + len("</tool_call>")]) if end >= 0 else (text, [])
+        start = text.find(self.opener) if self.opener else -1
+        if start < 0 and text.lstrip()[:1] not in tuple(self.bare_starts):
+            return text, []
+        body = text[start + len(self.opener):] if start >= 0 else text
+        values = _values_before_cut(body.strip())
+        calls = [_call_of(value) for value in values]
+        return ((text[:start].strip() if start >= 0 else ""), calls) if values and all(calls) else (text, [])
 
     def _read(self, text: str) -> tuple[str, list[ToolCall]]:
         if self.name == "hermes":
@@ -471,6 +521,23 @@ def _pythonic_calls(text: str) -> list[ToolCall]:
         raise NotACall("nested too deeply") from None
 
 
+CUT_TRIES = 16  # closing parentheses tried from the end of a cut answer: each try parses it all
+
+
+def _python_calls_before_cut(body: str) -> list[ToolCall]:
+    """The calls of a list (or of lines) that max_tokens cut short: the longest text ending at a
+    call's closing parenthesis that reads as calls, the list closed after it; [] if none does."""
+    body = body.strip()
+    closing = "]" if body.startswith("[") else ""
+    ends = [match.start() for match in re.finditer(r"\)", body)][-CUT_TRIES:]
+    for end in reversed(ends):
+        try:
+            return _pythonic_calls(body[: end + 1] + closing)
+        except NotACall:
+            continue
+    return []
+
+
 @dataclass(frozen=True)
 class PythonicStyle(ToolStyle):
     """Calls written as a Python list, keyword arguments only (``[get_weather(city="Oslo")]``), as
@@ -492,6 +559,25 @@ class PythonicStyle(ToolStyle):
         except NotACall:
             return text, []
         return (content.strip(), calls) if calls else (text, [])
+
+    def _read_cut(self, text: str) -> tuple[str, list[ToolCall]]:
+        """The calls closed before the cut: in a list left open, or in the last ```` ```tool_code ````
+        block left open (the blocks before it whole); a second block's opener cut short is dropped."""
+        blocks = list(TOOL_CODE.finditer(text))
+        if blocks and blocks[-1].group(0).endswith("```") and len(blocks[-1].group(0)) > len(self.opener):
+            tail = text[blocks[-1].end():].strip()
+            if tail and self.opener.startswith(tail):  # the next block's opener, cut short
+                return self._read(text[:blocks[-1].end()])
+            return text, []
+        if not blocks:
+            if not text.lstrip().startswith("["):
+                return text, []
+            return "", _python_calls_before_cut(text)
+        content, whole = self._read(text[:blocks[-1].start()]) if len(blocks) > 1 else (text[:blocks[0].start()], [])
+        if len(blocks) > 1 and not whole:
+            return text, []
+        calls = _python_calls_before_cut(blocks[-1].group(1).rstrip("`"))
+        return (content.strip(), whole + calls) if whole + calls else (text, [])
 
     def grammar(self, tools: Sequence[Tool], choice: ToolChoice, parallel: bool = False) -> GrammarSpec:
         """A list of calls in Python: each function's keyword arguments in its schema's order,

@@ -131,6 +131,24 @@ def test_generate_with_tools_makes_the_call_required_and_names_it(tmp_path, choi
     assert fast["stats"]["by_source"]["grammar"]["accepted"] > 0  # the call's forced text drafted for free
 
 
+def test_generate_cut_inside_its_call_gives_no_call_and_says_why(tmp_path):
+    """-n reached inside the required call: no call in the JSON, a flag saying one was cut off, and
+    the printed answer followed by a note naming the fix."""
+    pytest.importorskip("llama_cpp", reason="the llama backend (llama-cpp-python) is not installed")
+    from specrun.sessions.tools import TOOL_CALL_CUT_NOTE
+
+    tools = tmp_path / "tools.json"
+    tools.write_text(json.dumps({"tools": TOOLS}))
+    options = ["--method", "draft", "--tools", str(tools), "--tool-choice", "required"]
+    answer = _answer(DEMO_PAIR, *options, "--max-tokens", "6")
+    assert answer["finish_reason"] == "length" and answer["tool_calls"] == [] and answer["tool_call_cut"]
+    whole = _answer(DEMO_PAIR, *options)
+    assert whole["tool_calls"] and "tool_call_cut" not in whole
+    printed = invoke("generate", "Say something.", *DEMO_PAIR, *options, "--max-tokens", "6")
+    assert printed.exit_code == 0, printed.output
+    assert TOOL_CALL_CUT_NOTE[:40] in " ".join(printed.stderr.split())
+
+
 @pytest.mark.parametrize(("content", "choice", "words"), [
     ("[1, 2]", "auto", "tools[0] must be"),
     ('[{"type": "function", "function": {"name": "a b"}}]', "auto", "tools[0].function.name"),

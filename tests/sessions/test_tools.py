@@ -363,8 +363,11 @@ def test_an_answer_held_whole_keeps_its_content_before_the_call():
     ("hermes", ["Let me check.", '<tool_call>{"name": "f", "argu'], "", []),  # the content went out already
     ("hermes", ["<tool_call"], "", []),  # the opener itself cut short
     ("hermes", ["<"], "", []),
-    ("pythonic", ["[f(x=1), g(y="], "", []),  # a bare call held whole, cut: nothing of it sent
+    ("pythonic", ["[f(x=1), g(y="], "", ["f"]),  # a bare list held whole, cut: the call closed before it
+    ("pythonic", ["[f(x=", "1"], "", []),
     ("llama3", ['{"name": "f", "param'], "", []),
+    ("llama3", ['{"name": "f", "parameters": {}}; {"name": "g", "param'], "", ["f"]),
+    ("mistral", ['[{"name": "g", "arguments": {}}, {"name": "f", "argu'], "", ["g"]),
 ])
 def test_an_answer_cut_inside_its_calls_gives_the_calls_whole_and_no_markup(style, chunks, content, calls):
     """max_tokens reached inside a call (the server's tool_choice required, a named function, or
@@ -431,6 +434,40 @@ def test_a_stream_sends_content_as_it_comes_and_holds_calls_back(style, chunks, 
         assert sent + rest == "".join(chunks)
 
 
+@pytest.mark.parametrize(("style", "text", "content", "calls"), [
+    ("mistral", '[TOOL_CALLS][{"name": "f", "arguments": {"x": 1}}, {"name": "g", "arguments": {}}, {"name": "f", '
+     '"argu', "", ["f", "g"]),
+    ("mistral", 'Checking. [TOOL_CALLS][{"name": "f", "arguments": {"x": 1}}, {"na', "Checking.", ["f"]),
+    ("llama3", '<|python_tag|>{"name": "f", "parameters": {"x": 1}}; {"name": "g", "parameters": {"y": [1, ',
+     "", ["f"]),
+    ("llama3", '{"name": "f", "parameters": {"x": 1}}\n{"name": "g"', "", ["f"]),
+    ("pythonic", '[f(x=(1, 2)), g(y=(3', "", ["f"]),
+    ("pythonic", 'I will.\n```tool_code\nf(x=1)\ng(y=', "I will.", ["f"]),
+    ("pythonic", '```tool_code\nf(x=1)\n```\n```tool_code\ng(y=2)\nf(', "", ["f", "g"]),
+    ("pythonic", '```tool_code\nf(x=1)\n`', "", ["f"]),  # the closing fence cut short
+    # not calls before the cut: nothing counts, and the call begun is not content
+    ("pythonic", '[f(s="a)b', "", []),
+    ("mistral", '[TOOL_CALLS][{"name": "h", "arguments": {}}, {"na', "", []),  # h is not defined
+    ("mistral", '[TOOL_CALLS][{"name": "f", "arguments": {}}] and then {"na', "", []),  # closed, then text
+    ("hermes", 'Sure.<tool_call>{"name": "f", "arguments": {}}</tool_call>\n<tool_call>{"na', "Sure.", ["f"]),
+])
+def test_an_answer_cut_inside_its_calls_keeps_the_calls_written_whole_in_every_style(style, text, content, calls):
+    """generate --tools and chat read a cut answer (-n reached inside a call) as the server does:
+    the calls closed before the cut, in each family's format, and it says a call was left out."""
+    found, dropped = STYLES[style].read_answer(text, ["f", "g"], cut=True)
+    assert [call.name for call in found] == calls and dropped
+    assert STYLES[style].parse_cut(text, ["f", "g"])[0] == content
+    assert STYLES[style].read_answer(text, ["f", "g"], cut=False) == ([], False)  # not cut: not calls
+
+
+def test_an_answer_cut_outside_any_call_drops_nothing():
+    text = '<tool_call>{"name": "f", "arguments": {}}</tool_call>'
+    (call,), dropped = STYLES["hermes"].read_answer(text, ["f"], cut=True)
+    assert call.name == "f" and not dropped
+    assert STYLES["hermes"].read_answer("It is sunny in", ["f"], cut=True) == ([], False)
+    assert STYLES["hermes"].read_answer("It is sunny <tool_", ["f"], cut=True) == ([], True)  # the opener begun
+
+
 # ---- specrun chat with tools ----------------------------------------------------------------
 CHAT_TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
                                                  "parameters": {"type": "object", "properties": {
@@ -461,6 +498,25 @@ def test_a_chat_with_tools_calls_takes_the_result_and_answers(tmp_path):
         assert [m["role"] for m in session.transcript.messages] == ["user", "assistant", "tool", "assistant"]
         rendered = render_conversation(session.template, session.transcript.messages, tools)[0]
         assert '<tool_response>\n{"temperature": 21}\n</tool_response>' in rendered
+
+
+def test_a_chat_answer_cut_inside_its_call_says_so_and_shows_no_call(tmp_path):
+    """-n reached inside a required call: no call to answer with /tool, a note saying why."""
+    pytest.importorskip("llama_cpp", reason="the llama backend (llama-cpp-python) is not installed")
+    from typer.testing import CliRunner
+
+    from specrun.cli.app import app
+    from specrun.sessions.tools import TOOL_CALL_CUT_NOTE
+
+    path = tmp_path / "tools.json"
+    path.write_text(json.dumps(CHAT_TOOLS))
+    result = CliRunner().invoke(app, ["chat", "--tools", str(path), "--tool-choice", "required", "--json",
+                                      "-n", "6", "--threads", "1"], input="Weather in Rome?\n")
+    assert result.exit_code == 0, result.output
+    answer = json.loads(result.stdout.strip().splitlines()[-1])
+    assert answer["finish_reason"] == "length" and answer["tool_call_cut"] and "tool_calls" not in answer
+    assert answer["text"].startswith("<tool_call>")
+    assert TOOL_CALL_CUT_NOTE[:40] in " ".join(result.stderr.split())
 
 
 def test_chat_answers_a_tool_result_only_with_tools():
