@@ -9,11 +9,17 @@ token at p + 1) at MTP position p + 1, in its own KV cache. Drafting on, a row c
 own output state (``llama_get_embeddings_nextn``, an extension llama.cpp declares without extern
 "C", so bound by its mangled name). That state is the first row's of the last batch (llama.cpp
 copies the rows from the start), so a row whose state is read next is fed alone.
+
+A server's slots (backends/llama_slots.py) share one such context made against theirs, a
+sequence a slot (``n_seq``; ``sequence(seq)``: one slot's view, as a lone target's drafter uses
+the context): the slots' threads draft at once, so a drafter holds ``lock`` from its first feed
+to its last state read, and the state read is its own batch's.
 """
 
 from __future__ import annotations
 
 import ctypes
+import threading
 from collections.abc import Sequence
 
 import numpy as np
@@ -37,15 +43,18 @@ def nextn_functions(llama_cpp):
 
 
 class NativeMtp:
-    """An MTP context against one target context (one sequence). ``end``: the MTP positions
-    1 .. end hold pairs; ``keep`` drops those after a position."""
+    """An MTP context against one target context: ``n_seq`` sequences (a lone target's one, a slot's
+    each). ``end``: sequence 0's MTP positions 1 .. end hold pairs (``ends``: each sequence's);
+    ``keep`` drops those after a position."""
 
-    def __init__(self, llama_cpp, model, target_ctx, ctx_params, hidden_size: int, vocab_size: int) -> None:
+    def __init__(self, llama_cpp, model, target_ctx, ctx_params, hidden_size: int, vocab_size: int,
+                 n_seq: int = 1) -> None:
         self._lib = llama_cpp
         self._set_nextn, self._get_nextn = nextn_functions(llama_cpp)
         params = type(ctx_params).from_buffer_copy(ctx_params)
         params.ctx_type, params.n_rs_seq, params.ctx_other = llama_cpp.LLAMA_CONTEXT_TYPE_MTP, 0, target_ctx
-        params.n_seq_max, params.kv_unified = 1, False
+        # the slots' cells in one pool, as their target's (a stream a sequence would split n_ctx)
+        params.n_seq_max, params.kv_unified = n_seq, n_seq > 1
         self._ctx = llama_cpp.llama_init_from_model(model, params)
         if not self._ctx:
             raise RuntimeError("llama.cpp could not create an MTP context")
@@ -54,32 +63,44 @@ class NativeMtp:
         self._batch = llama_cpp.llama_batch_ext_init(self._ctx)
         self.hidden_size, self.vocab_size = hidden_size, vocab_size
         self.n_batch = params.n_batch
-        self.end = 0
+        self.ends = [0] * n_seq
+        self.lock = threading.RLock()  # a drafter's feeds and state reads, one slot at a time
+        self._views = [MtpSequence(self, seq) for seq in range(n_seq)]
         self._position = (ctypes.c_int32 * 4)()
         self._embd = llama_cpp.llama_embd()
         self._embd.n_rows, self._embd.n_embd = 1, hidden_size
 
-    def keep(self, end: int) -> None:
-        """Keep the pairs at MTP positions 1 .. ``end`` (of those held)."""
-        if end < self.end:
-            self._lib.llama_memory_seq_rm(self._memory, 0, end + 1, -1)
-            self.end = end
+    @property
+    def end(self) -> int:
+        return self.ends[0]
+
+    def sequence(self, seq: int) -> MtpSequence:
+        """Sequence ``seq`` as a context of its own (the same object each time)."""
+        return self._views[seq]
+
+    def keep(self, end: int, seq: int = 0) -> None:
+        """Keep the pairs at MTP positions 1 .. ``end`` (of those held) of sequence ``seq``."""
+        with self.lock:
+            if end < self.ends[seq]:
+                self._lib.llama_memory_seq_rm(self._memory, seq, end + 1, -1)
+                self.ends[seq] = end
 
     def feed(self, tokens: Sequence[int], states: np.ndarray, logits: bool = False,
-             at: int | None = None) -> np.ndarray | None:
+             at: int | None = None, seq: int = 0) -> np.ndarray | None:
         """The pairs (``states`` (N, H) row i, ``tokens`` i) at MTP positions at + 1 .. at + N (``at``
         at least ``end``, its default: the positions between hold nothing), in batches of n_batch;
         the last pair's logits (V,) where ``logits``."""
-        if at is not None and at > self.end:
-            self.end = at
-        states = np.ascontiguousarray(states, dtype=np.float32)
-        for start in range(0, len(tokens), self.n_batch):
-            stop = min(start + self.n_batch, len(tokens))
-            self._process(tokens[start:stop], states[start:stop], logits and stop == len(tokens))
-        if not logits:
-            return None
-        address = self._lib.llama_get_logits_ith(self._ctx, -1)
-        return np.ctypeslib.as_array(address, shape=(self.vocab_size,)).copy()
+        with self.lock:
+            if at is not None and at > self.ends[seq]:
+                self.ends[seq] = at
+            states = np.ascontiguousarray(states, dtype=np.float32)
+            for start in range(0, len(tokens), self.n_batch):
+                stop = min(start + self.n_batch, len(tokens))
+                self._process(tokens[start:stop], states[start:stop], logits and stop == len(tokens), seq)
+            if not logits:
+                return None
+            address = self._lib.llama_get_logits_ith(self._ctx, -1)
+            return np.ctypeslib.as_array(address, shape=(self.vocab_size,)).copy()
 
     def own_state(self) -> np.ndarray:
         """(H,) the layer's output state for the first row of the last batch fed."""
@@ -88,12 +109,13 @@ class NativeMtp:
             raise RuntimeError("llama.cpp returned no MTP state")
         return np.frombuffer((ctypes.c_float * self.hidden_size).from_address(address), np.float32).copy()
 
-    def _process(self, tokens: Sequence[int], states: np.ndarray, last_logits: bool) -> None:
+    def _process(self, tokens: Sequence[int], states: np.ndarray, last_logits: bool, seq: int) -> None:
         lib, batch = self._lib, self._batch
         lib.llama_batch_ext_clear(batch)
+        end = self.ends[seq]
         for i, token in enumerate(tokens):
-            index = lib.llama_batch_ext_add_token(batch, 0, int(token))
-            self._position[0] = self.end + 1 + i
+            index = lib.llama_batch_ext_add_token(batch, seq, int(token))
+            self._position[0] = end + 1 + i
             lib.llama_batch_ext_set_pos(batch, index, self._position)
             self._embd.data = states[i].ctypes.data_as(ctypes.POINTER(ctypes.c_float))
             if not lib.llama_batch_ext_set_embd_token(batch, index, self._embd):
@@ -101,9 +123,9 @@ class NativeMtp:
             lib.llama_batch_ext_set_output_logits(batch, index, last_logits and i == len(tokens) - 1)
         code = lib.llama_process(self._ctx, lib.LLAMA_PROCESS_TYPE_DECODE, batch)
         if code != 0:
-            lib.llama_memory_seq_rm(self._memory, 0, self.end + 1, -1)  # what it held before
+            lib.llama_memory_seq_rm(self._memory, seq, end + 1, -1)  # what it held before
             raise RuntimeError(f"llama.cpp's MTP pass failed (code {code})")
-        self.end += len(tokens)
+        self.ends[seq] = end + len(tokens)
 
     def close(self) -> None:
         lib, ctx, batch = self._lib, self._ctx, self._batch
@@ -112,3 +134,26 @@ class NativeMtp:
             lib.llama_batch_ext_free(batch)
         if ctx is not None:
             lib.llama_free(ctx)
+
+
+class MtpSequence:
+    """One sequence of a shared NativeMtp, answering a drafter as a context of its own does."""
+
+    def __init__(self, native: NativeMtp, seq: int) -> None:
+        self.native, self.seq = native, seq
+        self.lock = native.lock
+
+    @property
+    def end(self) -> int:
+        return self.native.ends[self.seq]
+
+    def keep(self, end: int) -> None:
+        self.native.keep(end, self.seq)
+
+    def feed(self, tokens: Sequence[int], states: np.ndarray, logits: bool = False,
+             at: int | None = None) -> np.ndarray | None:
+        return self.native.feed(tokens, states, logits, at, seq=self.seq)
+
+    def own_state(self) -> np.ndarray:
+        """The layer's output state for this sequence's last row fed (hold ``lock`` since that feed)."""
+        return self.native.own_state()

@@ -37,6 +37,7 @@ of the slot's next pass.
 from __future__ import annotations
 
 import ctypes
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -115,6 +116,8 @@ class LlamaSlots:
                                  f"for {parent.path.name}", "lower --parallel or --ctx, or free memory")
         self._memory = lib.llama_get_memory(self._ctx)
         self._batch = lib.llama_batch_init(self.n_batch, 0, 1 + self.tree_paths)
+        self._params = params
+        self._mtp, self._mtp_tried, self._mtp_lock = None, False, threading.Lock()
         self._logits_address = parent._logits_address
         if hidden:
             self._embeddings_address, self._hidden_size = parent._embeddings_address, parent.hidden_support.size
@@ -429,7 +432,29 @@ class LlamaSlots:
         written = lib.llama_state_seq_get_data_ext(self._ctx, buffer, size, seq, _KEPT_STATE_FLAGS) if size else 0
         sequence.kept = (len(sequence.fed), buffer, written) if written else None
 
+    def native_mtp(self, seq: int):
+        """Slot ``seq``'s sequence of llama.cpp's MTP context against these slots (llama_mtp.NativeMtp,
+        a sequence a slot, made on first use), where the parent drafts with its model's own MTP
+        layers natively (LlamaCppBackend.native_mtp) and the slots give hidden states; None else (a
+        slot's MTP drafter then runs the layer in NumPy)."""
+        with self._mtp_lock:  # the slots' threads ask at once
+            if not self._mtp_tried and self.hidden and not self.layers and self._ctx:
+                self._mtp_tried = True
+                if getattr(self.parent, "_mtp_arch", None) is not None:
+                    from specrun.backends.llama_mtp import NativeMtp
+
+                    try:
+                        self._mtp = NativeMtp(self._lib, self.parent._model, self._ctx, self._params,
+                                              self._lib.llama_model_n_embd(self.parent._model), self.n_vocab,
+                                              n_seq=self.n_slots)
+                    except (AttributeError, RuntimeError):  # no nextn extension, or no memory for it
+                        self._mtp = None
+            return self._mtp.sequence(seq) if self._mtp is not None else None
+
     def close(self) -> None:
+        if self._mtp is not None:  # made against this context: freed first
+            native, self._mtp = self._mtp, None
+            native.close()
         ctx, batch = self._ctx, self._batch
         self._ctx = self._batch = None
         free_context(self._lib, ctx, batch)

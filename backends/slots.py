@@ -579,6 +579,13 @@ class Slot(ParentsModel, ArgmaxFromLogits, HiddenTracking):
         self.hidden_support.check()
         return self.parent.token_embeddings(ids)
 
+    def native_mtp(self):
+        """This slot's sequence of the MTP context the slots' model runs natively (llama.cpp's:
+        LlamaSlots.native_mtp), or None: the MTP drafter then runs the layer in NumPy (MLX's
+        slots too: its MTP layer is not run from the slots' threads)."""
+        opened = getattr(self.model, "native_mtp", None)
+        return opened(self.seq) if opened is not None and self.hidden_support.available else None
+
     def close(self) -> None:
         """The slot's sequence is emptied; the model is closed by whoever opened the slots."""
         self.rewind(0)

@@ -128,8 +128,7 @@ def needs_heads(method: str) -> bool:
 # What a slot of a server decoding several requests together drafts with (backends/slots.py): a
 # slot's pass shares its batch, which holds chains only. Where the target's slots give hidden states
 # (the output head's input, or the layers EAGLE-3 reads), heads reading them draft chains on slots
-# too: Medusa, Hydra and EAGLE (heads.kinds.SLOT_KINDS; not a model's own MTP layers, which run
-# beside one sequence).
+# too: Medusa, Hydra, EAGLE and a model's own MTP layers (heads.kinds.SLOT_KINDS).
 SLOT_PARTS = ("lookup", "ngram", "draft")
 SLOT_HEAD_KINDS = tuple(dict.fromkeys(BY_NAME[kind].method for kind in SLOT_KINDS))  # their methods
 

@@ -74,9 +74,9 @@ HEAD_METHODS = tuple(dict.fromkeys(kind.method for kind in KINDS))  # the head m
 FILE_KINDS = tuple(kind.name for kind in KINDS if kind.stored == "file")  # what specrun's own heads files hold
 MODEL_KINDS = tuple(kind.name for kind in KINDS if kind.stored == "model")  # found inside the target
 # what drafts on a server's slots, where they give hidden states (backends/slots.py: the output head's
-# input, or the layers EAGLE-3 reads where the target gives them); a model's own MTP layers run in
-# llama.cpp's context of their own, which slots do not share
-SLOT_KINDS = tuple(kind.name for kind in KINDS if kind.stored != "model")
+# input, or the layers EAGLE-3 reads where the target gives them): every kind (a model's own MTP
+# layers in llama.cpp's MTP context made against the slots', a sequence a slot; in NumPy on MLX)
+SLOT_KINDS = tuple(kind.name for kind in KINDS)
 TRAINABLE_KINDS = tuple(kind.name for kind in KINDS if kind.trains_on)
 WINDOW_KINDS = tuple(kind.name for kind in KINDS if kind.trains_on == "windows")
 AUTO_HEADS_ORDER = tuple(sorted(HEAD_METHODS, key=lambda method: min(k.auto_rank for k in KINDS if k.method == method)))

@@ -1414,3 +1414,61 @@ def test_a_converted_qwen3_next_folder_says_its_conversion_dropped_the_layer(tmp
     result = _cli("generate", "def hello", "-t", str(dropped), "--backend", "mlx", "--method", "mtp", "-n", "4")
     _one_line(result, 1, "Qwen3-Next-4bit: Qwen3-Next carries one MTP layer but the folder's weights hold none",
               "--heads")
+
+
+@pytest.mark.parametrize("kind", ["llama", "mlx"])
+def test_slots_draft_with_the_model_s_own_mtp_layer_and_each_answer_is_the_one_alone(glm_mtp_trained, kind,
+                                                                                     monkeypatch):
+    """A server's slots (three, exact, decoded together) each drafting with the target's own MTP
+    layer: llama.cpp's MTP context made against the slots, a sequence a slot (the slots' threads
+    take turns in it), MLX's slots in NumPy. Each answer is the one its prompt gets alone, and so
+    is what it drafted and accepted: each slot's drafts read its own sequence's states and pairs."""
+    from specrun.backends.kv import sequence_for
+    from specrun.backends.slots import Rendezvous, Slot
+    from specrun.drafters.methods import DrafterOptions, build_drafter
+    from specrun.engine.loop import GenerationParams, SpeculativeEngine
+    from specrun.sessions.heads import read_heads
+    from tests.slots.slot_runs import together
+
+    if kind == "mlx":
+        pytest.importorskip("mlx_lm", reason="the MLX backend is not installed")
+    target = open_target(kind, glm_mtp_trained[kind])
+    heads = read_heads(glm_mtp_trained[kind], None)
+    texts = ("def hello(world):", "Ελληνικά: Καλημέρα κόσμε.", "import os\nimport sys\n")
+    prompts = [target.tokenize(text) for text in texts]
+    params = GenerationParams(40, 4)
+    fed_seqs = []
+    if kind == "llama":
+        from specrun.backends.llama_mtp import NativeMtp
+
+        feed = NativeMtp.feed
+        monkeypatch.setattr(NativeMtp, "feed", lambda self, *a, **k: fed_seqs.append(k.get("seq", 0)) or feed(
+            self, *a, **k))
+    try:
+        alone = []
+        for prompt in prompts:
+            sequence_for(target).reset()  # each answer on a fresh cache, as each slot's is
+            drafter = build_drafter("mtp", None, DrafterOptions(heads=heads))
+            result = SpeculativeEngine(target, drafter).run(prompt, params)
+            drafter.close()
+            alone.append((result.token_ids, result.stats.drafted, result.stats.accepted))
+        fed_seqs.clear()
+        slots = target.open_slots(len(prompts), True, hidden=True)
+        rendezvous = Rendezvous()
+        try:
+            engines = [SpeculativeEngine(Slot(slots, i, rendezvous, target, "target"),
+                                         build_drafter("mtp", None, DrafterOptions(heads=heads)))
+                       for i in range(len(prompts))]
+            results = together([(rendezvous, lambda e=e, p=p: e.run(p, params)) for e, p in zip(engines, prompts)])
+            for engine in engines:
+                engine.drafter.close()
+        finally:
+            rendezvous.close()
+            slots.close()
+        assert [(r.token_ids, r.stats.drafted, r.stats.accepted) for r in results] == alone
+        assert sum(r.stats.accepted for r in results) > 0.3 * sum(r.stats.drafted for r in results)
+        assert rendezvous.counts["target"].sequences > 2 * rendezvous.counts["target"].passes
+        if kind == "llama":  # natively, every slot in its own sequence of the shared MTP context
+            assert set(fed_seqs) == set(range(len(prompts)))
+    finally:
+        target.close()

@@ -92,3 +92,36 @@ def test_heads_draft_for_requests_decoded_together_on_slots(tiny_llama, tmp_path
     assert sum(body["speculation"]["drafted"] for _, body in answers) > 0
     assert metrics["specrun_slots"] == 2
     assert metrics['specrun_batch_sequences_total{model="target"}'] > metrics['specrun_batches_total{model="target"}']
+
+
+def test_a_model_s_own_mtp_layer_drafts_for_requests_decoded_together_on_slots(glm_mtp_trained):
+    """`--parallel 2 --method mtp` on a target carrying a trained MTP layer: every slot drafts with
+    it (llama.cpp's MTP context against the slots, a sequence a slot), each answer is the plain
+    one, the passes were shared, and the drafts were accepted well above chance."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from test_serve_parallel import metric_values
+
+    target = str(glm_mtp_trained["llama"])
+    args = ("-t", target, "--threads", "1", "--backend", "llama")
+    prompts = ("def hello(world):", "import os\nimport sys\n", "Ελληνικά: Καλημέρα κόσμε.", "def hello(x):")
+    expected = [specrun_json("generate", prompt, "--raw", "-n", "32", "-m", "none", *args)[0]["text"]
+                for prompt in prompts]
+    server = start_server("-m", "mtp", "-k", "3", "--parallel", "2", *args)
+    try:
+        def ask(prompt):
+            return server.post("/v1/completions", {"model": target, "prompt": prompt, "max_tokens": 32,
+                                                   "temperature": 0})
+
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            answers = list(pool.map(ask, prompts))
+        metrics = metric_values(server)
+    finally:
+        assert stop_server(server) == 0, server.log
+    assert [status for status, _ in answers] == [200] * len(prompts), answers
+    assert [body["choices"][0]["text"] for _, body in answers] == expected
+    assert all(body["speculation"]["method"] == "mtp" for _, body in answers)
+    drafted = sum(body["speculation"]["drafted"] for _, body in answers)
+    assert sum(body["speculation"]["accepted"] for _, body in answers) > 0.3 * drafted > 0
+    assert metrics["specrun_slots"] == 2
+    assert metrics['specrun_batch_sequences_total{model="target"}'] > metrics['specrun_batches_total{model="target"}']

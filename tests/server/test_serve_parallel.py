@@ -344,7 +344,7 @@ def test_a_full_queue_is_a_429_with_retry_after_and_the_others_are_served():
     (("--parallel", "0"), 2, "--parallel must be between 1 and 64"),
     (("--parallel", "many"), 2, "--parallel 'many' is neither a number of slots nor auto"),
     (("--parallel", "2", "--method", "lookahead"), 2, "drafts with lookahead"),
-    (("--parallel", "2", "--method", "lookup+mtp"), 2, "drafts with mtp"),
+    (("--parallel", "2", "--method", "lookup+mtp"), 2, "carries no MTP layers"),  # slots draft with MTP where it is
     (("--parallel", "2", "--branches", "2", "--exact"), 2, "--branches drafts trees with --exact"),
     (("--parallel", "2", "--learn"), 2, "--learn learns online, which --parallel slots sharing a pass cannot do"),
     (("--parallel", "2", "--keep-learned"), 2, "--keep-learned learns online"),

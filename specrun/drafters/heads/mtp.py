@@ -78,22 +78,23 @@ class MtpDrafter(EagleDrafter):
             return EMPTY_PROPOSAL
         root = len(context) - 2
         tokens, rows = [], []
-        try:
-            logits = self._native_root(native, context)
-            if logits is None:  # fed while tracking was off (a cache from before the heads were in use)
+        with native.lock:  # a server's slots share the context: the state read is this chain's own
+            try:
+                logits = self._native_root(native, context)
+                if logits is None:  # fed while tracking was off (a cache from before the heads were in use)
+                    return EMPTY_PROPOSAL
+                for step in range(depth):
+                    if not self._draw(logits, sampling, rng, tokens, rows):
+                        break
+                    if step + 1 == depth:
+                        break
+                    logits = native.feed(tokens[-1:], native.own_state()[None, :], logits=True)
+            except RuntimeError:  # llama.cpp refused a pass (memory): draft nothing now, catch up afresh next time
+                native.keep(0)
+                self._native_context = []
                 return EMPTY_PROPOSAL
-            for step in range(depth):
-                if not self._draw(logits, sampling, rng, tokens, rows):
-                    break
-                if step + 1 == depth:
-                    break
-                logits = native.feed(tokens[-1:], native.own_state()[None, :], logits=True)
-        except RuntimeError:  # llama.cpp refused a pass (memory): draft nothing now, catch up afresh next time
-            native.keep(0)
-            self._native_context = []
-            return EMPTY_PROPOSAL
-        finally:
-            native.keep(root + 1)  # the chain's own pairs go; the context's stay
+            finally:
+                native.keep(root + 1)  # the chain's own pairs go; the context's stay
         return self._chain_proposal(tokens, rows, sampling, rng)
 
     def _native_root(self, native, context: Sequence[int]) -> np.ndarray | None:
