@@ -1416,12 +1416,13 @@ def test_a_converted_qwen3_next_folder_says_its_conversion_dropped_the_layer(tmp
               "--heads")
 
 
-@pytest.mark.parametrize("kind", ["llama", "mlx"])
-def test_slots_draft_with_the_model_s_own_mtp_layer_and_each_answer_is_the_one_alone(glm_mtp_trained, kind,
-                                                                                     monkeypatch):
+@pytest.mark.parametrize(("kind", "layout"), [("llama", "glm"), ("mlx", "glm"), ("llama", "qwen35")])
+def test_slots_draft_with_the_model_s_own_mtp_layer_and_each_answer_is_the_one_alone(glm_mtp_trained, qwen_mtp,
+                                                                                     kind, layout, monkeypatch):
     """A server's slots (three, exact, decoded together) each drafting with the target's own MTP
     layer: llama.cpp's MTP context made against the slots, a sequence a slot (the slots' threads
-    take turns in it), MLX's slots in NumPy. Each answer is the one its prompt gets alone, and so
+    take turns in it), MLX's slots in NumPy; GLM's dense trunk and Qwen3.5's hybrid (each slot's
+    recurrent state rolled back on its own). Each answer is the one its prompt gets alone, and so
     is what it drafted and accepted: each slot's drafts read its own sequence's states and pairs."""
     from specrun.backends.kv import sequence_for
     from specrun.backends.slots import Rendezvous, Slot
@@ -1432,8 +1433,9 @@ def test_slots_draft_with_the_model_s_own_mtp_layer_and_each_answer_is_the_one_a
 
     if kind == "mlx":
         pytest.importorskip("mlx_lm", reason="the MLX backend is not installed")
-    target = open_target(kind, glm_mtp_trained[kind])
-    heads = read_heads(glm_mtp_trained[kind], None)
+    source = glm_mtp_trained[kind] if layout == "glm" else qwen_mtp["trained"]
+    target = open_target(kind, source)
+    heads = read_heads(source, None)
     texts = ("def hello(world):", "Ελληνικά: Καλημέρα κόσμε.", "import os\nimport sys\n")
     prompts = [target.tokenize(text) for text in texts]
     params = GenerationParams(40, 4)
