@@ -235,9 +235,10 @@ class OpenAIServer:
 
     def _model_object(self) -> dict:
         """OpenAI's model object, with the context a request's prompt and answer share (``meta``'s
-        ``n_ctx``, where llama-server says it) so that a client can size max_tokens."""
+        ``n_ctx``, where llama-server says it, and ``max_model_len``, where vLLM and SGLang do) so
+        that a client can size max_tokens."""
         return {"id": self.model_id, "object": "model", "created": self.started, "owned_by": "specrun",
-                "meta": {"n_ctx": self.worker.n_ctx}}
+                "max_model_len": self.worker.n_ctx, "meta": {"n_ctx": self.worker.n_ctx}}
 
     # A request is checked on a thread: a grammar, schema or tool definition compiles in it (up to
     # seconds for a large one), and the event loop keeps serving everyone else meanwhile.

@@ -32,6 +32,9 @@ def render(worker) -> str:
     _family(lines, "specrun_requests_total", "counter", "Requests answered, by finish reason (error: failed).",
             [({"finish_reason": reason}, count) for reason, count in sorted(metrics.requests.items())]
             or [({"finish_reason": "stop"}, 0)])
+    _family(lines, "specrun_requests_refused_total", "counter",
+            "Requests refused unanswered: busy (429, the queue full), shutting_down (503, queued or sent then).",
+            [({"reason": why}, metrics.refused.get(why, 0)) for why in ("busy", "shutting_down")])
     _family(lines, "specrun_prompt_tokens_total", "counter", "Prompt tokens of the answers.", [({}, metrics.prompt_tokens)])
     _family(lines, "specrun_prompt_tokens_cached_total", "counter",
             "Prompt tokens found in the slot's cache, not prefilled (a conversation's earlier turns).",

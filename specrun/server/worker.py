@@ -185,6 +185,11 @@ class Metrics:
         self.first_tokens = 0
         self.answer_seconds = 0.0  # summed over answers: queued to done
         self.answers = 0
+        self.refused: dict[str, int] = {}  # requests never answered, by why: "busy" (429), "shutting_down" (503)
+
+    def refuse(self, why: str) -> None:
+        with self._lock:
+            self.refused[why] = self.refused.get(why, 0) + 1
 
     def started(self, reused: int) -> None:
         with self._lock:
@@ -387,11 +392,13 @@ class PairWorker:
 
     def submit(self, job: Job) -> None:
         if self.closing:
+            self.metrics.refuse("shutting_down")
             raise shutting_down()
         with self._submitting:
             if self.jobs.qsize() < self.max_queue:
                 self.jobs.put(job)
                 return
+        self.metrics.refuse("busy")
         # the queue drains at about one answer per slot per mean answer time
         wait = math.ceil(self.metrics.mean_answer_seconds() * self.max_queue / self.parallel)
         raise RequestError(f"the server is busy: {self.max_queue} requests are waiting already; retry later",
@@ -402,6 +409,7 @@ class PairWorker:
         JSON 503 at once (they were a bare 500 once the shutdown's grace period ran out)."""
         self.closing = True
         for job in self._take_queued():
+            self.metrics.refuse("shutting_down")
             job.emit(Failed(shutting_down()))
             job.cancel()
 

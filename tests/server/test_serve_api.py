@@ -423,6 +423,6 @@ def test_max_tokens_past_the_context_is_taken_and_the_context_ends_the_answer():
         assert usage["prompt_tokens"] + usage["completion_tokens"] <= 128 < usage["prompt_tokens"] + 8192
         assert usage["completion_tokens"] > 64
         status, models = server.request("GET", "/v1/models")
-        assert status == 200 and models["data"][0]["meta"]["n_ctx"] == 128
+        assert status == 200 and models["data"][0]["meta"]["n_ctx"] == 128 == models["data"][0]["max_model_len"]
     finally:
         assert stop_server(server) == 0, server.log

@@ -336,6 +336,8 @@ def test_a_full_queue_is_a_429_with_retry_after_and_the_others_are_served():
         answered = sum(value for name, value in metrics.items()
                        if name.startswith("specrun_requests_total") and "error" not in name)
         assert answered == len(served)
+        assert metrics['specrun_requests_refused_total{reason="busy"}'] == len(busy)
+        assert metrics['specrun_requests_refused_total{reason="shutting_down"}'] == 0
     finally:
         assert stop_server(server) == 0, server.log
 
