@@ -174,7 +174,8 @@ def generate(
 
         check_method(method)
         check_generation_options(max_tokens, draft_len, draft_min_prob, ctx, threads)
-        check_draft_len_use(draft_len, (method,))
+        check_draft_len_use(draft_len, (method,), draft_min_prob=draft_min_prob, branches=branches,
+                            tree_nodes=tree_nodes)
         check_kv_type(kv_type, exact)
         chat_template = checked_chat(chat, raw)
         check_window_use(window, (method,), draft)

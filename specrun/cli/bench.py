@@ -177,7 +177,8 @@ def bench(
         check_window_use(window, method_list, draft, "--methods")
         check_heads_used(heads, method_list)
         trees = checked_trees(chain_only, tree_nodes, branches, lookahead_sizes, window=uses_window(method_list))
-        check_draft_len_use(draft_len, method_list, "--methods")
+        check_draft_len_use(draft_len, method_list, "--methods", draft_min_prob=draft_min_prob, branches=branches,
+                            tree_nodes=tree_nodes)
         draft_lens = parse_draft_lens(draft_len, sweep_draft_len)
         if len(draft_lens) > 1 and not any(m != "none" and not is_adaptive(m) for m in method_list):
             raise UsageError(

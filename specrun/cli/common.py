@@ -372,12 +372,22 @@ def check_window_use(window: int | None, methods: Sequence[str], draft: str | No
                          f"drop {given}, or pass --method draft (or auto)")
 
 
-def check_draft_len_use(draft_len: int | None, methods: Sequence[str], flag: str = "--method") -> None:
-    """-k where every method named is plain decoding (none): it would be ignored. Not in chat, whose
-    /method may turn to a method that drafts later."""
-    if draft_len is not None and all(method == "none" for method in methods):
-        raise UsageError(f"--draft-len (-k) sets the draft length, and {flag} none drafts nothing",
-                         f"drop --draft-len, or choose a method that drafts ({flag} auto, say)")
+def check_draft_len_use(draft_len: int | None, methods: Sequence[str], flag: str = "--method", *,
+                        draft_min_prob: float | None = None, branches: int | None = None,
+                        tree_nodes: int | None = None) -> None:
+    """-k (or --draft-min-prob, --branches, --tree-nodes) where every method named is plain decoding
+    (none): it would be ignored. Not in chat, whose /method may turn to a method that drafts later."""
+    if not all(method == "none" for method in methods):
+        return
+    given = [(name, what) for name, what, value in (
+        ("--draft-len (-k)", "sets the draft length", draft_len),
+        ("--draft-min-prob", "cuts drafts at a probability", draft_min_prob),
+        ("--branches", "drafts trees", branches),
+        ("--tree-nodes", "sizes the draft trees", tree_nodes)) if value is not None]
+    if given:
+        name, what = given[0]
+        raise UsageError(f"{name} {what}, and {flag} none drafts nothing",
+                         f"drop {name.split()[0]}, or choose a method that drafts ({flag} auto, say)")
 
 
 def check_kv_type(kv_type: str | None, exact: bool = False) -> None:

@@ -153,7 +153,8 @@ def serve_command(
 
         check_method(method)
         check_generation_options(max_tokens, draft_len, draft_min_prob, ctx, threads)
-        check_draft_len_use(draft_len, (method,))
+        check_draft_len_use(draft_len, (method,), draft_min_prob=draft_min_prob, branches=branches,
+                            tree_nodes=tree_nodes)
         check_kv_type(kv_type, exact)
         check_window_use(window, (method,), draft)
         flash_attn = checked_flash_attn(flash_attn, exact)

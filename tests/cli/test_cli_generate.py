@@ -237,6 +237,21 @@ def test_a_draft_length_where_nothing_drafts_is_a_usage_error(command, methods):
                           "drop --draft-len, or choose a method that drafts")
 
 
+@pytest.mark.parametrize("command", [("generate", "hi", "--method", "none"), ("serve", "-m", "none"),
+                                     ("bench", "--methods", "none")])
+@pytest.mark.parametrize(("option", "words"), [
+    (("--draft-min-prob", "0.5"), "--draft-min-prob cuts drafts at a probability"),
+    (("--branches", "2"), "--branches drafts trees"),
+    (("--tree-nodes", "16"), "--tree-nodes sizes the draft trees"),
+])
+def test_a_drafting_option_where_nothing_drafts_is_a_usage_error(command, option, words):
+    """--draft-min-prob, --branches and --tree-nodes were ignored as -k was where nothing drafts."""
+    flag = "--methods" if "--methods" in command else "--method"
+    result = invoke(*command, *option)
+    assert_one_line_error(result, 2, f"{words}, and {flag} none drafts nothing",
+                          f"drop {option[0]}, or choose a method that drafts")
+
+
 def test_bench_takes_a_draft_length_beside_its_plain_baseline(tiny_llama, monkeypatch):
     """bench always runs none as its baseline: -k is refused only where no other method is named."""
     import specrun.cli.bench
