@@ -24,11 +24,13 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import io
 import json
 import keyword
 import re
 import secrets
 import string
+import tokenize
 import uuid
 import warnings
 from collections.abc import Sequence
@@ -200,6 +202,8 @@ def _call_of(value) -> ToolCall | None:
 
 
 SEPARATORS = re.compile(r"[ \t\r\n;,]*")
+BARE_JSON_CALL = re.compile(r'\s*\[?\s*\{\s*"name"')  # a JSON call begun bare, alone or in a list
+BARE_PYTHON_CALL = re.compile(r"\s*\[\s*[A-Za-z_][\w.]*\s*\(")  # a list of Python calls begun bare
 
 
 def _json_values(text: str) -> list:
@@ -217,20 +221,24 @@ def _json_values(text: str) -> list:
         values.append(value)
 
 
-def _values_before_cut(text: str) -> list:
+def _values_before_cut(text: str) -> tuple[list, bool]:
     """The JSON values written whole in ``text`` before one cut off at its end: one after another
     (as ``_json_values`` reads them) or the items of a list left open; [] where what follows them
-    is not the beginning of an object (not a call cut short)."""
+    is not the beginning of an object (not a call cut short). And whether the text ends inside
+    them: an object cut off, or a list still open."""
     decoder, values = json.JSONDecoder(), []
-    at = 1 if text.startswith("[") else 0
+    listed = text.startswith("[")
+    at = 1 if listed else 0
     while True:
         at = SEPARATORS.match(text, at).end()
-        if at >= len(text) or text[at] != "{":
-            return values if at >= len(text) else []
+        if at >= len(text):
+            return values, listed
+        if text[at] != "{":
+            return [], False
         try:
             value, at = decoder.raw_decode(text, at)
         except (ValueError, RecursionError):
-            return values
+            return values, True
         values.append(value)
 
 
@@ -257,9 +265,9 @@ class ToolStyle:
         closed ``<tool_call>`` blocks, a JSON list's or a sequence's whole objects, Python calls
         closed before it) and the content before the first; the call cut off is dropped, never
         handed back as content."""
-        content, calls = self._read_cut(text)
-        if calls and (names is None or all(call.name in names for call in calls)):
-            return content, [dataclasses.replace(call, id=self.new_id()) for call in calls]
+        content, calls, _ = self._salvaged(text, names)
+        if calls:
+            return content, calls
         start = text.find(self.opener) if self.opener else -1
         return (text[:start].strip() if start >= 0 else ""), []
 
@@ -267,30 +275,49 @@ class ToolStyle:
         """The calls an answer made, and whether a call cut off by max_tokens (``cut``: the answer
         stopped there) was dropped: the calls whole before it still count."""
         calls = self.parse(text, names)[1]
-        if calls or not cut or not self.begins_call(text):
-            return calls, False
-        return self.parse_cut(text, names)[1], True
+        if calls:  # whole; cut, the next call's opener may have begun after them
+            return calls, cut and self._next_call_begun(text)
+        if not cut:
+            return [], False
+        _, calls, inside = self._salvaged(text, names)
+        return calls, inside
 
-    def begins_call(self, text: str) -> bool:
-        """Does ``text`` begin a call somewhere: the opener (or its first characters at the end), or
-        an answer that begins as a bare call may?"""
-        tail = text.rstrip()
-        if self.opener and (self.opener in text or any(tail.endswith(self.opener[:n])
-                                                       for n in range(1, len(self.opener)))):
-            return True
-        return text.lstrip()[:1] in tuple(self.bare_starts)
+    def _salvaged(self, text: str, names: Sequence[str] | None) -> tuple[str, list[ToolCall], bool]:
+        """``_read_cut``'s, the calls given ids, none where one names a function not defined."""
+        content, calls, inside = self._read_cut(text)
+        if not calls or (names is not None and not all(call.name in names for call in calls)):
+            return text, [], inside
+        return content, [dataclasses.replace(call, id=self.new_id()) for call in calls], inside
 
-    def _read_cut(self, text: str) -> tuple[str, list[ToolCall]]:
+    def _next_call_begun(self, text: str) -> bool:
+        """After the last closed block (Hermes' ``</tool_call>``, a ```` ```tool_code ```` block's
+        fence), the first characters of another's opener (what parse reads past)."""
         if self.name == "hermes":
             end = text.rfind("</tool_call>")
-            return _parse_hermes(text[: end + len("</tool_call>")]) if end >= 0 else (text, [])
+            end = end + len("</tool_call>") if end >= 0 else -1
+        else:
+            blocks = list(TOOL_CODE.finditer(text)) if self.name == "pythonic" else []
+            end = blocks[-1].end() if blocks and blocks[-1].group(0).endswith("```") else -1
+        tail = text[end:].strip() if end >= 0 else ""
+        return bool(tail) and (self.opener.startswith(tail) or tail.startswith(self.opener))
+
+    def _read_cut(self, text: str) -> tuple[str, list[ToolCall], bool]:
+        """A cut answer's content, the calls whole before the cut, and whether the cut lies inside
+        a call (an opener not closed, a JSON object or a list of them left open)."""
+        if self.name == "hermes":
+            end = text.rfind("</tool_call>")
+            inside = text.rfind("<tool_call>") > end
+            content, calls = _parse_hermes(text[: end + len("</tool_call>")]) if end >= 0 else (text, [])
+            return content, calls, inside
         start = text.find(self.opener) if self.opener else -1
-        if start < 0 and text.lstrip()[:1] not in tuple(self.bare_starts):
-            return text, []
+        if start < 0 and BARE_JSON_CALL.match(text) is None:
+            return text, [], False
         body = text[start + len(self.opener):] if start >= 0 else text
-        values = _values_before_cut(body.strip())
+        values, inside = _values_before_cut(body.strip())
         calls = [_call_of(value) for value in values]
-        return ((text[:start].strip() if start >= 0 else ""), calls) if values and all(calls) else (text, [])
+        if values and all(calls):
+            return (text[:start].strip() if start >= 0 else ""), calls, inside
+        return text, [], inside and not values
 
     def _read(self, text: str) -> tuple[str, list[ToolCall]]:
         if self.name == "hermes":
@@ -521,21 +548,55 @@ def _pythonic_calls(text: str) -> list[ToolCall]:
         raise NotACall("nested too deeply") from None
 
 
-CUT_TRIES = 16  # closing parentheses tried from the end of a cut answer: each try parses it all
+MAX_CUT_TRIES = 64  # calls' ends tried from the last of a cut answer back: each try parses it all
 
 
-def _python_calls_before_cut(body: str) -> list[ToolCall]:
-    """The calls of a list (or of lines) that max_tokens cut short: the longest text ending at a
-    call's closing parenthesis that reads as calls, the list closed after it; [] if none does."""
+def _call_ends(body: str, listed: bool) -> tuple[list[int], bool]:
+    """Where the calls of a cut answer end at its top level (Python's tokenizer: strings and
+    brackets skipped): after a call's ``)`` that a ``,`` follows in a list (a newline in lines), or
+    that ends the text; not one a list's ``]`` closes, which prose may follow. And whether the
+    text ends inside the calls: the list never closed (lines: a bracket left open)."""
+    starts = [0] + [match.end() for match in re.finditer(r"\r\n|\r|\n", body)]
+    level = 1 if listed else 0  # the depth a call's own parentheses open from
+    depth, ends, closed, list_closed = 0, [], None, False
+    try:
+        for token in tokenize.generate_tokens(io.StringIO(body).readline):
+            if token.type == tokenize.ERRORTOKEN:  # a string left open (the tokenizer reads on past it)
+                break
+            if closed is not None and token.type not in (tokenize.COMMENT, tokenize.NL):
+                if (token.string == "," if listed else token.type == tokenize.NEWLINE) or \
+                        token.type == tokenize.ENDMARKER:
+                    ends.append(closed)
+                closed = None
+            if token.type != tokenize.OP:
+                continue
+            if token.string in "([{":
+                depth += 1
+            elif token.string in ")]}":
+                depth -= 1
+                if depth == level and token.string == ")":
+                    closed = starts[token.end[0] - 1] + token.end[1]
+                list_closed = list_closed or (listed and depth == 0)
+    except (tokenize.TokenError, IndentationError, SyntaxError):
+        pass  # the cut: what was read before it stands
+    if closed is not None:
+        ends.append(closed)
+    return ends, (not list_closed if listed else depth > 0)
+
+
+def _python_calls_before_cut(body: str) -> tuple[list[ToolCall], bool]:
+    """The calls of a list (or of lines) that max_tokens cut short: the longest text ending where
+    a call ends at the top level that reads as calls, the list closed after it; [] if none does.
+    And whether the cut lies inside them (``_call_ends``)."""
     body = body.strip()
-    closing = "]" if body.startswith("[") else ""
-    ends = [match.start() for match in re.finditer(r"\)", body)][-CUT_TRIES:]
-    for end in reversed(ends):
+    listed = body.startswith("[")
+    ends, inside = _call_ends(body, listed)
+    for end in reversed(ends[-MAX_CUT_TRIES:]):
         try:
-            return _pythonic_calls(body[: end + 1] + closing)
+            return _pythonic_calls(body[:end] + ("]" if listed else "")), inside
         except NotACall:
             continue
-    return []
+    return [], inside
 
 
 @dataclass(frozen=True)
@@ -560,24 +621,22 @@ class PythonicStyle(ToolStyle):
             return text, []
         return (content.strip(), calls) if calls else (text, [])
 
-    def _read_cut(self, text: str) -> tuple[str, list[ToolCall]]:
+    def _read_cut(self, text: str) -> tuple[str, list[ToolCall], bool]:
         """The calls closed before the cut: in a list left open, or in the last ```` ```tool_code ````
-        block left open (the blocks before it whole); a second block's opener cut short is dropped."""
+        block left open (the blocks before it whole); and whether the cut lies inside them."""
         blocks = list(TOOL_CODE.finditer(text))
         if blocks and blocks[-1].group(0).endswith("```") and len(blocks[-1].group(0)) > len(self.opener):
-            tail = text[blocks[-1].end():].strip()
-            if tail and self.opener.startswith(tail):  # the next block's opener, cut short
-                return self._read(text[:blocks[-1].end()])
-            return text, []
+            return text, [], False  # every block closed: not cut inside one
         if not blocks:
-            if not text.lstrip().startswith("["):
-                return text, []
-            return "", _python_calls_before_cut(text)
+            if BARE_PYTHON_CALL.match(text) is None:
+                return text, [], False
+            calls, inside = _python_calls_before_cut(text)
+            return ("", calls, inside) if calls else (text, [], inside)
         content, whole = self._read(text[:blocks[-1].start()]) if len(blocks) > 1 else (text[:blocks[0].start()], [])
         if len(blocks) > 1 and not whole:
-            return text, []
-        calls = _python_calls_before_cut(blocks[-1].group(1).rstrip("`"))
-        return (content.strip(), whole + calls) if whole + calls else (text, [])
+            return text, [], True
+        calls, _ = _python_calls_before_cut(blocks[-1].group(1).rstrip("`"))
+        return (content.strip(), whole + calls, True) if whole + calls else (text, [], True)
 
     def grammar(self, tools: Sequence[Tool], choice: ToolChoice, parallel: bool = False) -> GrammarSpec:
         """A list of calls in Python: each function's keyword arguments in its schema's order,

@@ -438,18 +438,22 @@ def test_a_stream_sends_content_as_it_comes_and_holds_calls_back(style, chunks, 
     ("mistral", '[TOOL_CALLS][{"name": "f", "arguments": {"x": 1}}, {"name": "g", "arguments": {}}, {"name": "f", '
      '"argu', "", ["f", "g"]),
     ("mistral", 'Checking. [TOOL_CALLS][{"name": "f", "arguments": {"x": 1}}, {"na', "Checking.", ["f"]),
+    ("mistral", '[{"name": "f", "arguments": {"x": 1}}, ', "", ["f"]),  # the list left open between calls
     ("llama3", '<|python_tag|>{"name": "f", "parameters": {"x": 1}}; {"name": "g", "parameters": {"y": [1, ',
      "", ["f"]),
     ("llama3", '{"name": "f", "parameters": {"x": 1}}\n{"name": "g"', "", ["f"]),
     ("pythonic", '[f(x=(1, 2)), g(y=(3', "", ["f"]),
+    # more closing parentheses inside the cut call's string than any count of tries would reach
+    ("pythonic", '[f(x=1), g(code="print(0)\\nprint(1)' + ")" * 40, "", ["f"]),
+    ("pythonic", '[f(x=1), g(s="""a\nb)))', "", ["f"]),
     ("pythonic", 'I will.\n```tool_code\nf(x=1)\ng(y=', "I will.", ["f"]),
     ("pythonic", '```tool_code\nf(x=1)\n```\n```tool_code\ng(y=2)\nf(', "", ["f", "g"]),
     ("pythonic", '```tool_code\nf(x=1)\n`', "", ["f"]),  # the closing fence cut short
+    ("hermes", 'Sure.<tool_call>{"name": "f", "arguments": {}}</tool_call>\n<tool_call>{"na', "Sure.", ["f"]),
     # not calls before the cut: nothing counts, and the call begun is not content
     ("pythonic", '[f(s="a)b', "", []),
     ("mistral", '[TOOL_CALLS][{"name": "h", "arguments": {}}, {"na', "", []),  # h is not defined
-    ("mistral", '[TOOL_CALLS][{"name": "f", "arguments": {}}] and then {"na', "", []),  # closed, then text
-    ("hermes", 'Sure.<tool_call>{"name": "f", "arguments": {}}</tool_call>\n<tool_call>{"na', "Sure.", ["f"]),
+    ("hermes", 'It is sunny <tool_call>{"na', "It is sunny", []),
 ])
 def test_an_answer_cut_inside_its_calls_keeps_the_calls_written_whole_in_every_style(style, text, content, calls):
     """generate --tools and chat read a cut answer (-n reached inside a call) as the server does:
@@ -460,12 +464,23 @@ def test_an_answer_cut_inside_its_calls_keeps_the_calls_written_whole_in_every_s
     assert STYLES[style].read_answer(text, ["f", "g"], cut=False) == ([], False)  # not cut: not calls
 
 
-def test_an_answer_cut_outside_any_call_drops_nothing():
-    text = '<tool_call>{"name": "f", "arguments": {}}</tool_call>'
-    (call,), dropped = STYLES["hermes"].read_answer(text, ["f"], cut=True)
-    assert call.name == "f" and not dropped
-    assert STYLES["hermes"].read_answer("It is sunny in", ["f"], cut=True) == ([], False)
-    assert STYLES["hermes"].read_answer("It is sunny <tool_", ["f"], cut=True) == ([], True)  # the opener begun
+@pytest.mark.parametrize(("style", "text", "calls", "dropped"), [
+    ("hermes", '<tool_call>{"name": "f", "arguments": {}}</tool_call>', ["f"], False),  # whole, then cut
+    ("hermes", '<tool_call>{"name": "f", "arguments": {}}</tool_call>\n<tool_c', ["f"], True),  # the next opener
+    ("pythonic", '```tool_code\nf(x=1)\n```\n```tool_co', ["f"], True),
+    # cut outside any call: prose that merely looks like a call's beginning, or follows closed calls
+    ("hermes", "It is sunny in", [], False),
+    ("hermes", "It holds when a <", [], False),
+    ("llama3", "[1, 2, 3, 4", [], False),
+    ("llama3", '{"name": "f", "parameters": {}} and then I', [], False),
+    ("mistral", '[TOOL_CALLS][{"name": "f", "arguments": {}}] and then {"na', [], False),
+    ("pythonic", "Run it:\n```python\nprint(1)\n```", [], False),
+    ("pythonic", '[f(x=1)] is the call I would make, but first (as you asked', [], False),
+    ("pythonic", '[get_weather(city="Oslo")] done\n```tool_output\n{"temperature":', [], False),
+])
+def test_a_cut_answer_says_a_call_was_left_out_only_where_one_was(style, text, calls, dropped):
+    found, left_out = STYLES[style].read_answer(text, ["f", "get_weather"], cut=True)
+    assert [call.name for call in found] == calls and left_out == dropped
 
 
 # ---- specrun chat with tools ----------------------------------------------------------------
