@@ -128,12 +128,13 @@ class NativeMtp:
         self.ends[seq] = end + len(tokens)
 
     def close(self) -> None:
-        lib, ctx, batch = self._lib, self._ctx, self._batch
-        self._ctx = self._batch = None
-        if batch is not None:
-            lib.llama_batch_ext_free(batch)
-        if ctx is not None:
-            lib.llama_free(ctx)
+        with self.lock:  # not while a slot's drafter is in it
+            lib, ctx, batch = self._lib, self._ctx, self._batch
+            self._ctx = self._batch = None
+            if batch is not None:
+                lib.llama_batch_ext_free(batch)
+            if ctx is not None:
+                lib.llama_free(ctx)
 
 
 class MtpSequence:

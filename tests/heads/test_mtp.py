@@ -1439,13 +1439,29 @@ def test_slots_draft_with_the_model_s_own_mtp_layer_and_each_answer_is_the_one_a
     texts = ("def hello(world):", "Ελληνικά: Καλημέρα κόσμε.", "import os\nimport sys\n")
     prompts = [target.tokenize(text) for text in texts]
     params = GenerationParams(40, 4)
-    fed_seqs = []
-    if kind == "llama":
+    fed_seqs, foreign_reads, last_feeder = [], [], {}
+    if kind == "llama":  # each feed slowed, so that slots drafting at once would interleave without the lock
+        import threading
+        import time
+
         from specrun.backends.llama_mtp import NativeMtp
 
-        feed = NativeMtp.feed
-        monkeypatch.setattr(NativeMtp, "feed", lambda self, *a, **k: fed_seqs.append(k.get("seq", 0)) or feed(
-            self, *a, **k))
+        feed, own_state = NativeMtp.feed, NativeMtp.own_state
+
+        def slow_feed(self, *args, **kwargs):
+            fed_seqs.append(kwargs.get("seq", 0))
+            out = feed(self, *args, **kwargs)
+            last_feeder[id(self)] = threading.get_ident()
+            time.sleep(0.002)
+            return out
+
+        def checked_state(self):  # the state read is of the reader's own last batch
+            if last_feeder.get(id(self)) != threading.get_ident():
+                foreign_reads.append(threading.get_ident())
+            return own_state(self)
+
+        monkeypatch.setattr(NativeMtp, "feed", slow_feed)
+        monkeypatch.setattr(NativeMtp, "own_state", checked_state)
     try:
         alone = []
         for prompt in prompts:
@@ -1471,6 +1487,6 @@ def test_slots_draft_with_the_model_s_own_mtp_layer_and_each_answer_is_the_one_a
         assert sum(r.stats.accepted for r in results) > 0.3 * sum(r.stats.drafted for r in results)
         assert rendezvous.counts["target"].sequences > 2 * rendezvous.counts["target"].passes
         if kind == "llama":  # natively, every slot in its own sequence of the shared MTP context
-            assert set(fed_seqs) == set(range(len(prompts)))
+            assert set(fed_seqs) == set(range(len(prompts))) and not foreign_reads
     finally:
         target.close()

@@ -95,9 +95,10 @@ def test_heads_draft_for_requests_decoded_together_on_slots(tiny_llama, tmp_path
 
 
 def test_a_model_s_own_mtp_layer_drafts_for_requests_decoded_together_on_slots(glm_mtp_trained):
-    """`--parallel 2 --method mtp` on a target carrying a trained MTP layer: every slot drafts with
-    it (llama.cpp's MTP context against the slots, a sequence a slot), each answer is the plain
-    one, the passes were shared, and the drafts were accepted well above chance."""
+    """`--parallel 2 --method mtp` on a target carrying a trained MTP layer: the server opens slots
+    for it (before, MTP kept one slot) and every slot drafts with it, each answer is the plain one,
+    the passes were shared, and the drafts were accepted well above chance (that the slots draft
+    in llama.cpp's MTP context, a sequence a slot: tests/heads/test_mtp.py)."""
     from concurrent.futures import ThreadPoolExecutor
 
     from test_serve_parallel import metric_values
