@@ -1090,13 +1090,25 @@ class MlxBackend(HiddenTracking):
         return slots_problem(self)
 
     def open_slots(self, n_slots: int, exact: bool, hidden: bool = False,  # noqa: ARG002 - no --exact on MLX
-                   layers: Sequence[int] = ()):
+                   layers: Sequence[int] = (), tree_paths: int = 0):
         """``n_slots`` sequences of ``n_ctx`` tokens each in one cache on this model's weights,
         decoded together (backends/mlx_slots.MlxSlots); ``hidden``: its passes give hidden states
-        too (``layers``' outputs where given), where this model gives them (``slots_hidden``)."""
+        too (``layers``' outputs where given), where this model gives them (``slots_hidden``);
+        ``tree_paths``: a slot's pass may hold a tree (any number of paths), where
+        ``slots_tree_problem`` says nothing."""
         from specrun.backends.mlx_slots import MlxSlots
 
-        return MlxSlots(self, n_slots, self.n_ctx, hidden=hidden, layers=layers)
+        return MlxSlots(self, n_slots, self.n_ctx, hidden=hidden, layers=layers,
+                        trees=bool(tree_paths) and not self.slots_tree_problem(exact))
+
+    def slots_tree_problem(self, exact: bool) -> str:  # noqa: ARG002 - no --exact on MLX
+        """Why slots on this model cannot hold trees ("" where they can)."""
+        from specrun.backends.mlx_slots import recurrent_mixers
+
+        if recurrent_mixers(self):
+            return "a recurrent or hybrid model's state cannot hold a tree's branches"
+        support = self.tree_support
+        return "" if support.available else support.reason
 
     @property
     def slots_hidden(self) -> bool:

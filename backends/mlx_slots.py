@@ -23,6 +23,12 @@ where it goes, drops the attention cells from there and feeds the tokens between
 sequence's next pass, whose mixer call runs them apart first (the state after them is the next
 one kept); with neither, the sequence starts again and its kept tokens are fed so.
 
+Opened with ``trees``, a slot's verify pass may carry a token tree after its tokens in the same
+packed call: its nodes' cells belong to no sequence yet (tagged ``TREE_TAG - seq``), each node's
+row sees its sequence's cells and its own ancestors among the nodes, at its depth's position;
+``keep_path`` gives the kept path's cells to the sequence at the positions they were computed at,
+and the other nodes' become holes the next batch closes (a hybrid's state holds one path: chains).
+
 Opened with ``hidden`` (heads drafting for the slots), the body runs the packed row and the head
 only the rows asked for, and each pass gets its tokens' hidden states (or the layers' outputs
 EAGLE-3 reads, recorded as the body calls them); a hybrid's kept tokens fed again are cut off.
@@ -36,6 +42,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from specrun.backends.base import TreeSupport
 from specrun.backends.mlx_common import MODEL_CALLS, packed_pass, packed_problem, recording_body
 from specrun.backends.mlx_snapshots import mixer_of
 from specrun.backends.slots import SlotPass
@@ -67,6 +74,13 @@ def slots_problem(parent) -> str | None:
     """Why the model of ``parent`` (an MlxBackend) cannot decode several sequences together."""
     return packed_problem(parent.model, parent._cache, "several sequences", SLOT_CACHES,
                           apart=frozenset(recurrent_mixers(parent)))
+
+
+TREE_TAG = -2  # a cell of sequence s's tree not kept yet is tagged TREE_TAG - s (-1: a hole)
+
+
+def _nodes(slot_pass: SlotPass) -> int:
+    return len(slot_pass.tree) if slot_pass.tree is not None else 0
 
 
 class _RecurrentLayer:
@@ -128,10 +142,12 @@ class MlxSlots:
     tracked passes: backends/mlx.split_model), or with ``layers`` those layers' outputs side by side."""
 
     def __init__(self, parent, n_slots: int, slot_ctx: int | None = None, hidden: bool = False,
-                 layers: Sequence[int] = ()) -> None:
+                 layers: Sequence[int] = (), trees: bool = False) -> None:
         problem = slots_problem(parent)
         if problem:
             raise ModelFileError(f"{parent.path.name}: {problem}", SLOTS_FIX)
+        # trees: a slot's pass may hold one after its tokens (not a hybrid's: MlxBackend.slots_tree_problem)
+        self.tree_support = TreeSupport(True) if trees else TreeSupport(False, "these slots were opened for chains")
         self._mx = parent._mx
         self.parent = parent
         self.n_slots = n_slots
@@ -205,21 +221,38 @@ class MlxSlots:
         if not passes:
             return
         mx, parent = self._mx, self.parent
-        seqs = np.concatenate([np.full(len(p.tokens), p.seq, np.int64) for p in passes])
-        positions = np.concatenate([p.start + np.arange(len(p.tokens), dtype=np.int64) for p in passes])
+        for slot_pass in passes:
+            if slot_pass.tree is not None:
+                self.tree_support.check(slot_pass.tree)
+        # a tree's nodes are cells of no sequence (tagged TREE_TAG - seq) until keep_path gives the
+        # kept path's to it; each node sees its sequence's cells and its own ancestors in the tree
+        seqs = np.concatenate([np.concatenate([np.full(len(p.tokens), p.seq, np.int64),
+                                               np.full(_nodes(p), TREE_TAG - p.seq, np.int64)]) for p in passes])
+        positions = np.concatenate([np.concatenate([p.start + np.arange(len(p.tokens), dtype=np.int64),
+                                                    p.start + len(p.tokens) + (p.tree.depth if p.tree is not None
+                                                                               else np.zeros(0, np.int64))])
+                                    for p in passes])
         all_seqs = np.concatenate([self._seqs, seqs])
         all_positions = np.concatenate([self._positions, positions])
-        visible = (all_seqs[None, :] == seqs[:, None]) & (all_positions[None, :] <= positions[:, None])  # (L, cells + L)
+        owners = np.concatenate([np.full(p.fed, p.seq, np.int64) for p in passes])  # each row's sequence
+        visible = (all_seqs[None, :] == owners[:, None]) & (all_positions[None, :] <= positions[:, None])  # (L, cells + L)
+        row = 0
+        for slot_pass in passes:
+            if slot_pass.tree is not None:  # its nodes' rows: their ancestors and themselves among its nodes
+                nodes = row + len(slot_pass.tokens) + np.arange(len(slot_pass.tree))
+                visible[np.ix_(nodes, self.cells + nodes)] = slot_pass.tree.ancestor_mask
+            row += slot_pass.fed
         masks = {None: mx.array(visible)}
         for window in set(self._windows) - {None}:
             size, keep = window
             recent = positions[:, None] - all_positions[None, :] < size
             masks[window] = mx.array(visible & (recent | (all_positions[None, :] < keep)))
-        ids = [int(token) for p in passes for token in p.tokens]
-        firsts = np.cumsum([0] + [len(p.tokens) for p in passes])
+        ids = [int(token) for p in passes
+               for token in [*p.tokens, *(p.tree.tokens if p.tree is not None else ())]]
+        firsts = np.cumsum([0] + [p.fed for p in passes])
         wanted = [int(first + row) for p, first in zip(passes, firsts) for row in p.rows]
         n_cells = self.cells
-        segments = [_Segment(p.seq, int(first), int(first) + len(p.tokens), kept)
+        segments = [_Segment(p.seq, int(first), int(first) + p.fed, kept)
                     for p, first, kept in zip(passes, firsts, again)]
         states = {p.seq: {index: (state[0], state[1]) for index, state in self._states[p.seq].items()} for p in passes}
         before: dict[int, dict] = {}  # per sequence: its states before its pass's own tokens
@@ -269,15 +302,28 @@ class MlxSlots:
         for slot_pass, first in zip(passes, firsts):
             slot_pass.logits = outputs[first_row : first_row + len(slot_pass.rows)]
             first_row += len(slot_pass.rows)
-            if fed is not None:
-                slot_pass.hidden = fed[first : first + len(slot_pass.tokens)]
+            if fed is not None:  # its tokens', then its tree's nodes'
+                slot_pass.hidden = fed[first : first + slot_pass.fed]
+
+    def keep_path(self, seq: int, start: int, tree, path: Sequence[int]) -> None:
+        """Sequence ``seq`` keeps the nodes ``path`` of the tree its last pass held at ``start``: their
+        cells become its own at start, start + 1, ... (each was computed there, reading its
+        ancestors); every other node's cell is a hole the next batch closes."""
+        nodes = np.flatnonzero(self._seqs == TREE_TAG - seq)
+        if len(nodes) != len(tree):  # its pass failed, or a removal went first: nothing of it is held
+            self._seqs[nodes] = -1
+            return
+        for index, node in enumerate(path):
+            cell = nodes[int(node)]
+            self._seqs[cell], self._positions[cell] = seq, start + index
+        self._seqs[self._seqs == TREE_TAG - seq] = -1
 
     def remove(self, seq: int, n_keep: int) -> None:
         if self.recurrent:
             n_keep = self._rewind_recurrent(seq, n_keep)
             if n_keep is None:
                 return
-        self._seqs[(self._seqs == seq) & (self._positions >= n_keep)] = -1
+        self._seqs[((self._seqs == seq) & (self._positions >= n_keep)) | (self._seqs == TREE_TAG - seq)] = -1
 
     def _rewind_recurrent(self, seq: int, n_keep: int) -> int | None:
         """A hybrid's sequence back to n_keep tokens (module docstring): its states as the newest

@@ -55,6 +55,7 @@ from specrun.sessions.setup import (
     resolve_min_prob,
 )
 from specrun.backends.kv import common_prefix_len, sequence_for
+from specrun.backends.slots import PREFILL_CHUNK
 from specrun.drafters.lookahead import LookaheadSizes
 from specrun.registry.loading import LoadOptions, open_pair
 from specrun.drafters.heads.eagle import eagle3_layers
@@ -572,12 +573,13 @@ class ChatSession:
 
     def slot_tree_paths(self, exact: bool = False) -> int:
         """The paths a slot's tree may have (the target's, opened for trees): where this session
-        drafts trees and its target's slots can hold them (llama.cpp's, not with ``exact``); else 0."""
+        drafts trees and its target's slots can hold them (llama.cpp's, not with ``exact``; MLX's,
+        not on a hybrid); else 0. No limit (MLX's): a path a node of the most a slot's pass holds."""
         problem = getattr(self.target, "slots_tree_problem", None)
         support = self.target.tree_support
         if not self._drafter_options.branches or problem is None or problem(exact) or not support.available:
             return 0
-        return support.max_paths
+        return support.max_paths or PREFILL_CHUNK
 
     def slot_heads(self):
         """The heads this session's slots draft with (on_slot), None where none: its own, where

@@ -64,7 +64,7 @@ class SlotSessions:
         open_slots = getattr(backend, "open_slots", None)
         if open_slots is None:
             raise one_at_a_time(backend.name)
-        asked = {}  # only what is asked: MLX's open_slots takes no tree_paths
+        asked = {}  # only what is asked
         if hidden:
             asked.update(hidden=True, layers=layers)
         if tree_paths:

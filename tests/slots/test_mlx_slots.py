@@ -74,6 +74,71 @@ def test_slots_opened_with_hidden_states_give_each_sequence_its_own(pair, layers
         slots.close()
 
 
+def _tree_alone(model, tokens, tree, rows):
+    model.rewind(0)
+    try:
+        return model.forward_tree(tokens, tree, rows)
+    finally:
+        model.keep_path([])
+        model.rewind(0)
+
+
+def test_trees_in_a_shared_batch_read_as_the_model_alone_reads_them(pair):
+    """Two slots, each a tree after its tokens in one packed call (a node sees its sequence's cells
+    and its own ancestors): every node's logits and hidden state are the ones the model alone gives
+    its path; a kept path, a tree let go, a second tree and a rewind into a kept path read on as
+    if fed, and once the slots go on the cache holds their tokens alone."""
+    from specrun.tree import TokenTree
+    from tests.slots.slot_runs import together
+
+    model, _ = pair
+    assert model.slots_tree_problem(False) == ""
+    slots = model.open_slots(2, False, hidden=True, tree_paths=3)
+    chains = model.open_slots(1, False)
+    try:
+        assert slots.tree_support.available and not chains.tree_support.available
+        rendezvous = Rendezvous()
+        first, second = (Slot(slots, seq, rendezvous, model, "target") for seq in range(2))
+        for slot in (first, second):
+            slot.track_hidden(True)
+        tree = TokenTree((7, 8, 9, 4), (-1, 0, 0, 2))  # 7 -> 8; 7 -> 9 -> 4
+        other = TokenTree((3, 5), (-1, -1))
+        together([(rendezvous, lambda: first.forward([1, 2, 3], [])), (rendezvous, lambda: second.forward([6, 5, 4, 3], []))])
+        got = together([(rendezvous, lambda: first.forward_tree([5], tree, [0, 1, 2, 3, 4])),
+                        (rendezvous, lambda: second.forward_tree([2, 1], other, [1, 2, 3]))])
+        np.testing.assert_allclose(got[0], _tree_alone(model, [1, 2, 3, 5], tree, [3, 4, 5, 6, 7]), **ROUNDING)
+        np.testing.assert_allclose(got[1], _tree_alone(model, [6, 5, 4, 3, 2, 1], other, [5, 6, 7]), **ROUNDING)
+        # the deepest node's state is the one its path fed alone gives
+        model.rewind(0)
+        model.track_hidden(True)
+        model.forward([1, 2, 3, 5, 7, 9, 4], [6])
+        path_state = model.hidden_rows([6])
+        model.track_hidden(False)
+        model.rewind(0)
+        np.testing.assert_allclose(first.hidden_rows([4]), path_state, **ROUNDING)
+        first.keep_path([0, 2, 3])  # 7, 9, 4
+        second.keep_path([])
+        assert (first.n_past, second.n_past) == (7, 6)
+        tree2 = TokenTree((11, 12, 13), (-1, -1, 0))
+        got = together([(rendezvous, lambda: first.forward_tree([6], tree2, [0, 1, 2, 3])),
+                        (rendezvous, lambda: second.forward_tree([9], tree2, [0, 1, 2, 3]))])
+        np.testing.assert_allclose(got[0], _tree_alone(model, [1, 2, 3, 5, 7, 9, 4, 6], tree2, [7, 8, 9, 10]),
+                                   **ROUNDING)
+        np.testing.assert_allclose(got[1], _tree_alone(model, [6, 5, 4, 3, 2, 1, 9], tree2, [6, 7, 8, 9]),
+                                   **ROUNDING)
+        first.keep_path([1])  # 12
+        second.keep_path([0, 2])  # 11, 13
+        first.rewind(first.n_past - 1)  # into the kept path: 12 goes again
+        got = together([(rendezvous, lambda: first.forward([1], [0])), (rendezvous, lambda: second.forward([1], [0]))])
+        np.testing.assert_allclose(got[0], _fresh(model, [1, 2, 3, 5, 7, 9, 4, 6, 1], [8]), **ROUNDING)
+        np.testing.assert_allclose(got[1], _fresh(model, [6, 5, 4, 3, 2, 1, 9, 11, 13, 1], [9]), **ROUNDING)
+        together([(rendezvous, lambda: first.forward([2], [])), (rendezvous, lambda: second.forward([2], []))])
+        assert slots.cells == first.n_past + second.n_past  # no node's cell left behind
+    finally:
+        slots.close()
+        chains.close()
+
+
 def test_a_rewound_or_emptied_slot_reads_as_one_fed_afresh(pair):
     model, _ = pair
     slots = model.open_slots(3, False)
@@ -226,6 +291,9 @@ def test_greedy_answers_of_a_hybrid_decoded_together_are_the_ones_decoded_alone(
     may part from it at a near tie: a packed pass rounds apart)."""
     target, draft = hybrid_pair
     assert target.slots_problem() is None and target.open_slots(1, False).recurrent
+    # a recurrent state holds one path: its slots keep chains, saying why
+    assert "recurrent or hybrid" in target.slots_tree_problem(False)
+    assert not target.open_slots(1, False, tree_paths=2).tree_support.available
     prompts = [target.tokenize(text) for text in ("def hello(world):", "the cat sat on the mat. the cat sat on the",
                                                   "import os\nimport sys\n", "Once upon a time")]
     check_answers_together(target, draft, prompts, GenerationParams(32, draft_len=4, stop_at_eos=False), False)
