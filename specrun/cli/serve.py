@@ -76,9 +76,9 @@ MaxBodyOpt = Annotated[int, typer.Option("--max-body", help="Largest request bod
 MaxQueueOpt = Annotated[int, typer.Option("--max-queue", help="Requests that may wait (more: 429).")]
 ParallelOpt = Annotated[str, typer.Option(
     "--parallel", help="Requests decoded together, each in a slot of its own sharing every pass (llama.cpp and "
-                       "MLX; methods of lookup, ngram, draft or auto); auto (the default): up to 4 as memory "
-                       "allows, 1 where a slot would draft with less (heads, trees, lookahead, --learn) or its model "
-                       "cannot share a pass.")]
+                       "MLX; lookup, ngram, draft, heads, MTP or auto); auto (the default): up to 4 as memory "
+                       "allows, 1 where a slot would draft with less (a lookahead window, trees where slots hold "
+                       "none, a draft model learning with --learn) or its model cannot share a pass.")]
 MAX_PARALLEL = 64
 
 
@@ -172,11 +172,7 @@ def serve_command(
                      ("--tree-nodes", tree_nodes if exact else None, "drafts trees with --exact"),
                      ("--lookahead", lookahead, "drafts with a lookahead window"),
                      ("--window", window or None, "drafts from a windowed cache"),
-                     (f"--draft {draft}", True if is_window_draft(draft) else None, "drafts from a windowed cache"),
-                     ("--learn", learn or None, "learns online"),
-                     ("--keep-learned", keep_learned or None, "learns online"),
-                     ("--learn-budget", learn_budget, "sizes online learning"),
-                     ("--learn-buffer", learn_buffer, "sizes online learning"))
+                     (f"--draft {draft}", True if is_window_draft(draft) else None, "drafts from a windowed cache"))
             refused = next(((name, why) for name, value, why in asked if value is not None), None)
             if refused is not None:
                 given, why = refused

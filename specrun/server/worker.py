@@ -514,10 +514,10 @@ class PairWorker:
                 wanted //= 2
         self.parallel = max(wanted, 1)
         dropped = self.session.slot_drops(self.pair.load.exact) if self.slots is not None else ""
-        if dropped and not dropped.startswith("learning"):  # --parallel N asked for: what the slots leave out
+        if dropped:  # --parallel N asked for: what the slots leave out
             self.log(f"note: the slots draft without {dropped}")
-        if self.slots is not None and self.session.learns():  # learning by default, not asked for
-            self.log("note: the slots' drafters do not learn online (--parallel 1 learns)")
+        elif self.slots is not None and self.session.draft_learns():  # learning by default, not asked for
+            self.log("note: the slots' draft model does not learn online (--parallel 1 learns; heads learn on slots)")
 
     def _serve_slot(self, session, slot: int) -> None:
         """``_serve`` on a slot's own thread: heads drafting there may compute in MLX (EAGLE-3's

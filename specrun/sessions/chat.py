@@ -56,6 +56,7 @@ from specrun.sessions.setup import (
 )
 from specrun.backends.kv import common_prefix_len, sequence_for
 from specrun.backends.slots import PREFILL_CHUNK
+from specrun.drafters.draft_model import DraftModelDrafter
 from specrun.drafters.lookahead import LookaheadSizes
 from specrun.registry.loading import LoadOptions, open_pair
 from specrun.drafters.heads.eagle import eagle3_layers
@@ -562,14 +563,32 @@ class ChatSession:
             return "token trees"
         if options.auto_lookahead:
             return "a lookahead window"
-        if self.learns() and getattr(self._learn, "explicit", True):  # learning asked for, not the default
-            return "learning online (--learn)"
+        if self.draft_learns() and getattr(self._learn, "explicit", True):  # asked for, not the default
+            return "the draft model's learning online (--learn)"
         return ""
 
     def learns(self) -> bool:
         """Does a drafter of this session learn online (its heads, or the draft model's adapters)?"""
         drafter = self.engine.drafter
         return drafter is not None and any(getattr(member, "learner", None) is not None for member in drafter.members)
+
+    def draft_learns(self) -> bool:
+        """Does this session's draft model learn online (its adapters, which slots' drafts do not)?"""
+        drafter = self.engine.drafter
+        return drafter is not None and any(getattr(member, "learner", None) is not None and
+                                           isinstance(member, DraftModelDrafter) for member in drafter.members)
+
+    def _slot_learner(self, heads, method: str):
+        """A slot's reader of the learner this session's heads learn with (one learner: every
+        slot's text teaches it, every slot drafts with its latest weights); None where they do not
+        learn (no --learn default or flag, heads that cannot)."""
+        reader_for = getattr(self._learn, "reader_for", None)  # training/online.Learning's
+        if reader_for is None or heads is None:
+            return None
+        kind = heads_kind(method) if needs_heads(method) else (
+            self._drafter_options.auto_heads if is_adaptive(method) else None)
+        chosen = heads_of_kind(heads, kind) if kind is not None else None
+        return reader_for(chosen, self.target) if chosen is not None else None
 
     def slot_tree_paths(self, exact: bool = False) -> int:
         """The paths a slot's tree may have (the target's, opened for trees): where this session
@@ -620,7 +639,9 @@ class ChatSession:
         requests together. Its drafters are the ones a slot can feed (check_slots_method): chains
         from prompt lookup, an n-gram pool of its own (the pool file stays this session's), the
         draft model's slot and heads reading the target slot's hidden states (``slot_heads``); trees
-        where the slots hold them (``slot_tree_paths``), else chains; none of them learns online."""
+        where the slots hold them (``slot_tree_paths``), else chains. Heads that learn online go on
+        learning, every slot's text teaching the one learner (``_slot_learner``); the draft model's
+        adapters do not learn on slots."""
         method = self.method
         check_slots_method(method, bool(getattr(self.target, "slots_hidden", False)))
         problem = self._slot_heads_problem()
@@ -632,7 +653,8 @@ class ChatSession:
         options = dataclasses.replace(self._drafter_options, ngram_cache=None, heads=heads,
                                       branches=self._drafter_options.branches if trees else 0,
                                       auto_heads=self._drafter_options.auto_heads if heads is not None else None,
-                                      lookahead=None, auto_lookahead=False, learner=None, draft_learner=None)
+                                      lookahead=None, auto_lookahead=False, learner=self._slot_learner(heads, method),
+                                      draft_learner=None)
         return ChatSession(target, draft, method, system_prompt=self.system_prompt, drafter_options=options,
                            draft_len=self._draft_len, draft_min_prob=self._draft_min_prob, tuned=self._tuned,
                            threads=self._threads, chain=self._chain if trees else True,

@@ -165,6 +165,7 @@ class Learner:
         self._windows_seen = 0
         self._last_seen: float | None = None  # the last sign of generation
         self._progress: Callable[[], int] | None = None
+        self._also: list[Callable[[], int]] = []  # slots' caches (watch_also)
         self._last_progress: int | None = None
         self._gaps: deque = deque(maxlen=8)  # seconds between the latest signs of generation
         self._busy_seconds = 0.0
@@ -195,6 +196,11 @@ class Learner:
     # ---- the kind's own ------------------------------------------------------------------------
     def _flush(self) -> None:
         raise NotImplementedError
+
+    def _flush_all(self) -> None:
+        """At close: what every drafter handing it windows read last (a kind whose slots' drafters
+        read too says so)."""
+        self._flush()
 
     def _size(self, window) -> int:
         return len(window.tokens)
@@ -242,6 +248,11 @@ class Learner:
         it to tell generation (busy: the budget applies) from idle, whether or not its drafter drafts."""
         self._progress = progress
 
+    def watch_also(self, progress: Callable[[], int]) -> None:
+        """One more cache whose passes count as generation (a server slot's drafter's)."""
+        with self._lock:
+            self._also = [*self._also, progress]
+
     def _active(self, now: float) -> None:
         """Generation went on at ``now``: the time since the last sign counts as generation's
         (the drafter's thread and the worker both tell, so once under the lock)."""
@@ -265,7 +276,8 @@ class Learner:
         return min(max(IDLE_AFTER, 3.0 * typical), MAX_IDLE_AFTER)
 
     def _tick(self) -> None:
-        progress = self._progress() if self._progress is not None else None
+        watched = [each for each in (self._progress, *self._also) if each is not None]
+        progress = sum(each() for each in watched) if watched else None
         if progress is not None and progress != self._last_progress:
             self._last_progress = progress
             self._active(self._clock())
@@ -275,7 +287,8 @@ class Learner:
         published = self._published
         if published is None or published[0] <= version:
             return None
-        self._swaps += 1
+        with self._lock:  # a server's slots swap from their own threads
+            self._swaps += 1
         return published
 
     # ---- the worker ----------------------------------------------------------------------------
@@ -441,7 +454,7 @@ class Learner:
         if self._closed:
             return
         self._closed = True
-        self._flush()
+        self._flush_all()
         started = self._cpu_clock()
         finish = self.finish_at_close or self._inline  # the class attribute's comment says why not
         self._take_windows(score=finish)

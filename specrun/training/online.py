@@ -96,6 +96,81 @@ def not_learnable(heads) -> str:
     return ""
 
 
+class _Reader:
+    """One text's run of positions read (its drafter's), cut into windows for a learner's worker."""
+
+    def __init__(self, learner: OnlineLearner) -> None:
+        self.learner = learner
+        self.run = _Run()
+
+    def observe(self, first: int, states: np.ndarray | None, context: Sequence[int]) -> None:
+        learner = self.learner
+        learner._active(learner._clock())
+        if learner._stopped:
+            return
+        if states is None or len(states) == 0:
+            if states is None:
+                self.flush()
+            return
+        if self.run.count and first != self.run.end:
+            self.flush()
+        run = self.run
+        if not run.count:
+            run.first = first
+            run.tokens = [int(context[first])]
+        run.states.append(np.asarray(states, np.float32))
+        run.tokens.extend(int(token) for token in context[run.end + 1 : run.end + len(states) + 1])
+        run.count += len(states)
+        while self.run.count >= learner.window:
+            self._cut(learner.window)
+        if learner._inline:
+            learner._work_inline()
+
+    def _cut(self, count: int) -> None:
+        """The run's first ``count`` positions as a window, to the worker."""
+        from specrun.training.eagle import EagleWindow
+
+        run = self.run
+        states = np.concatenate(run.states)
+        tokens = np.asarray(run.tokens, np.int64)
+        if len(tokens) > count:
+            self.learner._hand(EagleWindow(states[:count], tokens[:count], tokens[1 : count + 1]))
+        rest = states[count:]
+        self.run = _Run(run.first + count, [rest] if len(rest) else [], len(rest), run.tokens[count:])
+
+    def flush(self) -> None:
+        run, self.run = self.run, _Run()  # taken first: a slot's thread and the closing one may both flush
+        if run.count >= 2:
+            self.run = run
+            self._cut(run.count)
+            self.run = _Run()
+
+
+class SlotReader:
+    """A server slot's drafter's view of a learner its slots share (OnlineLearner.reader): what
+    it reads goes to the one worker through a run of its own; the weights it drafts with are the
+    learner's latest; each slot's cache counts towards the generation the budget is a share of."""
+
+    def __init__(self, learner: OnlineLearner, reader: _Reader) -> None:
+        self._learner, self._reader = learner, reader
+        self.source = learner.source
+
+    def observe(self, first: int, states: np.ndarray | None, context: Sequence[int]) -> None:
+        self._reader.observe(first, states, context)
+
+    def start_text(self) -> None:
+        self._reader.flush()
+
+    def watch(self, progress: Callable[[], int]) -> None:
+        self._learner.watch_also(progress)
+
+    def latest(self, version: int):
+        return self._learner.latest(version)
+
+    def fail(self, why: str) -> None:
+        self._learner.fail(why)
+
+
 class OnlineLearner(Learner):
     """One heads object learning from what the target verifies (see the module's docstring): its
     drafter hands it the target's states (``observe``)."""
@@ -129,7 +204,8 @@ class OnlineLearner(Learner):
         if heads.d2t is not None:  # a target id (and -1, last) to its draft id, -1 outside the draft vocabulary
             self._t2d = np.full(int(heads.config.vocab_size) + 1, -1, np.int64)
             self._t2d[heads.d2t] = np.arange(len(heads.d2t))
-        self._run = _Run()
+        self._reader = _Reader(self)  # its own drafter's (observe)
+        self._readers: list[_Reader] = []  # the slots' drafters' (reader)
         self._start()
 
     # ---- the drafter's side ------------------------------------------------------------------
@@ -137,47 +213,27 @@ class OnlineLearner(Learner):
         """The target's states (n, H) at the positions first .. first + n - 1 of ``context``, all
         of them verified (the target's own tokens follow each); None where they could not be read.
         Called between verify passes."""
-        self._active(self._clock())
-        if self._stopped:
-            return
-        if states is None or len(states) == 0:
-            if states is None:
-                self._flush()
-            return
-        if self._run.count and first != self._run.end:
-            self._flush()
-        run = self._run
-        if not run.count:
-            run.first = first
-            run.tokens = [int(context[first])]
-        run.states.append(np.asarray(states, np.float32))
-        run.tokens.extend(int(token) for token in context[run.end + 1 : run.end + len(states) + 1])
-        run.count += len(states)
-        while self._run.count >= self.window:
-            self._cut(self.window)
-        if self._inline:
-            self._work_inline()
+        self._reader.observe(first, states, context)
+
+    def reader(self) -> SlotReader:
+        """What one more drafter of these heads hands its text's states through (a server's slot:
+        each reads a text of its own, all of them teach these weights)."""
+        reader = _Reader(self)
+        with self._lock:
+            self._readers.append(reader)
+        return SlotReader(self, reader)
 
     @property
     def buffered_positions(self) -> int:
         return self._buffered if self._windows_kind else self._positions.size
 
-    def _cut(self, count: int) -> None:
-        """The run's first ``count`` positions as a window, to the worker."""
-        from specrun.training.eagle import EagleWindow
-
-        run = self._run
-        states = np.concatenate(run.states)
-        tokens = np.asarray(run.tokens, np.int64)
-        if len(tokens) > count:
-            self._hand(EagleWindow(states[:count], tokens[:count], tokens[1 : count + 1]))
-        rest = states[count:]
-        self._run = _Run(run.first + count, [rest] if len(rest) else [], len(rest), run.tokens[count:])
-
     def _flush(self) -> None:
-        if self._run.count >= 2:
-            self._cut(self._run.count)
-        self._run = _Run()
+        self._reader.flush()
+
+    def _flush_all(self) -> None:
+        """Every reader's unfinished run to the worker (the learner closes)."""
+        for reader in [self._reader, *self._readers]:
+            reader.flush()
 
     # ---- the worker's ----------------------------------------------------------------------------
     def _keep(self, window) -> None:
@@ -289,6 +345,15 @@ class Learning:
         learner = OnlineLearner(heads, self.settings, embedding=embedding, **self._learner_options)
         self._learners[id(heads)] = (heads, learner, path)  # the heads kept alive: their id stays theirs
         return learner
+
+    def reader_for(self, heads, target) -> SlotReader | None:
+        """A server slot's reader of the learner of ``heads`` (made once, as ``self(heads, target)``
+        makes it), through which its drafter's text teaches the same weights; None (and no note)
+        where the heads do not learn."""
+        if heads is None or not_learnable(heads):
+            return None
+        learner = self(heads, target)
+        return learner.reader() if learner is not None else None
 
     def draft(self, draft, alone: bool = True):
         """The learner of ``draft`` (a Backend: the draft model), None where it cannot learn (a

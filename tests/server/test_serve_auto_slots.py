@@ -71,10 +71,10 @@ def test_the_slots_share_one_draft_length_timed_by_their_batches(monkeypatch):
 
 @pytest.mark.parametrize("asked", [True, False])
 def test_learning_keeps_auto_at_one_slot_only_where_the_user_asked_for_it(asked):
-    """Slots draft without the session's learners (ChatSession.on_slot). The MLX draft model learns
-    (LoRA adapters) by default in serve: there auto opens slots all the same and says they do not
-    learn; with --learn asked for, auto keeps one slot that learns and says why (--parallel 2
-    --learn is a usage error: test_serve_parallel.py)."""
+    """Slots draft without the draft model's learner (ChatSession.on_slot; heads go on learning on
+    slots: test_serve_heads.py). The MLX draft model learns (LoRA adapters) by default in serve:
+    there auto opens slots all the same and says the draft model does not learn on them; with
+    --learn asked for, auto keeps one slot that learns and says why."""
     pytest.importorskip("mlx_lm", reason="the mlx backend is not installed")
     from specrun.training.learner import LearnSettings
     from specrun.training.online import Learning
@@ -88,10 +88,11 @@ def test_learning_keeps_auto_at_one_slot_only_where_the_user_asked_for_it(asked)
         assert worker.session.learns()
         if asked:
             assert worker.parallel == 1 and worker.slots is None
-            assert any("slots would draft without learning online (--learn)" in line for line in log), log
+            assert any("slots would draft without the draft model's learning online (--learn)" in line
+                       for line in log), log
         else:
             assert worker.parallel > 1
-            assert any("the slots' drafters do not learn online" in line for line in log), log
+            assert any("the slots' draft model does not learn online" in line for line in log), log
     finally:
         worker.stop()
         learning.finish()

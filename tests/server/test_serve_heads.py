@@ -126,3 +126,35 @@ def test_a_model_s_own_mtp_layer_drafts_for_requests_decoded_together_on_slots(g
     assert sum(body["speculation"]["accepted"] for _, body in answers) > 0.3 * drafted > 0
     assert metrics["specrun_slots"] == 2
     assert metrics['specrun_batch_sequences_total{model="target"}'] > metrics['specrun_batches_total{model="target"}']
+
+
+def test_heads_learn_from_every_slot_s_answers_and_are_kept_at_shutdown(tiny_llama, tmp_path):
+    """`--parallel 2` with heads that learn (serve's default, --keep-learned): every slot's drafter
+    hands its own text to the one learner and drafts with its latest weights; the answers decoded
+    together stay plain decoding's, the learner saw both texts, and the heads are written at the end."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from specrun.heads.files import load_heads
+
+    config = tiny_llama.config
+    heads = tmp_path / "heads.safetensors"
+    save_heads(random_heads(config.hidden_size, config.vocab_size), heads)
+    before = heads.read_bytes()
+    args = ("-t", str(tiny_llama.gguf_path), "--heads", str(heads), "--threads", "1")
+    prompts = ("hello there", "tell me about the sea", "count to ten", "what is a river")
+    expected = [specrun_json("chat", "-n", "48", "-m", "none", *args, stdin=prompt)[0]["text"] for prompt in prompts]
+    server = start_server("-m", "medusa", "-k", "4", "--parallel", "2", "--keep-learned", "--learn-budget", "1", *args)
+    try:
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            answers = list(pool.map(lambda prompt: server.post("/v1/chat/completions", {
+                "model": str(tiny_llama.gguf_path), "max_tokens": 48, "temperature": 0,
+                "messages": [{"role": "user", "content": prompt}]}), prompts))
+    finally:
+        assert stop_server(server) == 0, server.log
+    assert [body["choices"][0]["message"]["content"] for _, body in answers] == expected
+    assert not any("do not learn" in line or "does not learn" in line for line in server.log), server.log
+    learned = [line for line in server.log if line.startswith("learning (medusa):")]
+    assert learned and f"kept in {heads}" in learned[0], server.log
+    seen = int(learned[0].split(" steps on ")[1].split(" positions")[0])
+    assert seen >= 4 * 40  # every answer, less a few positions at each end
+    assert heads.read_bytes() != before and load_heads(heads).config.training["online"]

@@ -348,9 +348,6 @@ def test_a_full_queue_is_a_429_with_retry_after_and_the_others_are_served():
     (("--parallel", "2", "--method", "lookahead"), 2, "drafts with lookahead"),
     (("--parallel", "2", "--method", "lookup+mtp"), 2, "carries no MTP layers"),  # slots draft with MTP where it is
     (("--parallel", "2", "--branches", "2", "--exact"), 2, "--branches drafts trees with --exact"),
-    (("--parallel", "2", "--learn"), 2, "--learn learns online, which --parallel slots sharing a pass cannot do"),
-    (("--parallel", "2", "--keep-learned"), 2, "--keep-learned learns online"),
-    (("--parallel", "2", "--learn-budget", "0.2"), 2, "--learn-budget sizes online learning"),
 ])
 def test_parallel_options_a_slot_cannot_hold_are_one_line_errors(args, code, message):
     from tests.hardening.cli_checks import assert_one_line_error, run_specrun

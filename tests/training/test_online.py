@@ -88,6 +88,48 @@ def _projections(trainer) -> list[np.ndarray]:
     return [head[-1] for head in trainer.params]
 
 
+def test_slots_readers_hand_one_learner_windows_of_their_own_texts(monkeypatch):
+    """A server's slots, each reading a text of its own from its own thread through a reader of the
+    one learner: every window handed is consecutive positions of one text (the runs never mix),
+    every reader's last run reaches the worker at close, and every slot's cache counts as
+    generation for the budget."""
+    learner = OnlineLearner(fresh_heads("eagle"), window=8, inline=False)
+    handed = []
+    hand = learner._hand
+    monkeypatch.setattr(learner, "_hand", lambda window: handed.append(window) or hand(window))
+    readers = [learner.reader() for _ in range(3)]
+    assert all(reader.source is learner.source for reader in readers)
+    texts = [text(61, start) for start in (1, 2, 5)]
+    grown = [0, 0, 0]
+    for index, reader in enumerate(readers):
+        reader.watch(lambda index=index: grown[index])
+    start = threading.Barrier(3)
+
+    def read(index: int) -> None:
+        tokens, reader = texts[index], readers[index]
+        reader.start_text()
+        start.wait()
+        for stop in range(1, len(tokens) - 1, 3):
+            first = max(stop - 3, 0)
+            reader.observe(first, TABLE[tokens[first:stop]], tokens[: stop + 1])
+            grown[index] = stop
+            time.sleep(0.0005)
+
+    threads = [threading.Thread(target=read, args=(i,)) for i in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    learner._tick()
+    assert learner._last_progress == sum(grown)  # every slot's cache watched
+    learner.close()
+    assert sum(len(window.tokens) for window in handed) >= 3 * 56  # every text, its last run included
+    for window in handed:
+        tokens = [int(t) for t in window.tokens]
+        assert any(tokens == whole[i : i + len(tokens)] for whole in texts for i in range(len(whole))), tokens
+        assert [int(t) for t in window.following[:-1]] == tokens[1:]
+
+
 def test_only_the_latest_positions_are_kept():
     learner = OnlineLearner(fresh_heads("medusa"), LearnSettings(buffer_tokens=64), window=8, inline=True)
     feed(learner, 10)
