@@ -996,10 +996,16 @@ class MlxBackend(HiddenTracking):
         where the layer shares them."""
         from specrun.backends.mtp_mlx import MlxMtpLayer
 
+        held = getattr(self, "_mtp_layers", {})
+        if id(heads) in held:  # one copy of a layer's weights, however many drafters (a server's slots) use it
+            return held[id(heads)][1]
         if not self.hidden_support.available:
-            return MlxMtpLayer(heads)
-        split = self._split
-        return MlxMtpLayer(heads, target_embed=getattr(split.body, "embed_tokens", None), target_head=split.head)
+            layer = MlxMtpLayer(heads)
+        else:
+            split = self._split
+            layer = MlxMtpLayer(heads, target_embed=getattr(split.body, "embed_tokens", None), target_head=split.head)
+        self._mtp_layers = {**held, id(heads): (heads, layer)}  # the heads kept alive: their id stays theirs
+        return layer
 
     def token_embeddings(self, ids: Sequence[int]) -> np.ndarray:
         """Rows of the body's ``embed_tokens`` (dequantized where the table is quantized)."""
@@ -1156,6 +1162,7 @@ class MlxBackend(HiddenTracking):
     def close(self) -> None:
         self._deferred = None
         self._ahead = None
+        self._mtp_layers = {}
         self._cache = []
         self._checkpoints.clear()
         self._pass_states = None

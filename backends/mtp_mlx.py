@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from specrun.backends.mlx_common import MODEL_CALLS
 from specrun.heads.mtp import MtpHeads, choose_experts
 from specrun.modelkit.folder_tensors import StoredMatrix
 
@@ -89,6 +90,20 @@ class MlxMtpLayer:
     def __getattr__(self, name: str):
         return getattr(self._heads, name)
 
+    # ---- the drafter's calls: each under MODEL_CALLS (a server's slots draft from their own threads
+    # with the one layer, beside the slots' model calls) -------------------------------------------
+    def fuse(self, features: np.ndarray, token_ids: np.ndarray) -> np.ndarray:
+        with MODEL_CALLS:
+            return self._fuse(features, token_ids)
+
+    def layer(self, fused, positions, past_keys, past_values, attend):
+        with MODEL_CALLS:
+            return self._layer(fused, positions, past_keys, past_values, attend)
+
+    def logits(self, out: np.ndarray) -> np.ndarray:
+        with MODEL_CALLS:
+            return self._logits(out)
+
     # ---- the math, as heads/mtp.py's ---------------------------------------------------------
     def _norm(self, x, name: str):
         mx = self._mx
@@ -118,7 +133,7 @@ class MlxMtpLayer:
                                  bits=table.bits)
         return table[ids].astype(mx.float32)
 
-    def fuse(self, features: np.ndarray, token_ids: np.ndarray) -> np.ndarray:
+    def _fuse(self, features: np.ndarray, token_ids: np.ndarray) -> np.ndarray:
         mx = self._mx
         ids = mx.array(np.asarray(token_ids, dtype=np.int64))
         rows = (self._embed(ids) if self._embed is not None else self._rows(ids)).astype(mx.float32)
@@ -162,7 +177,7 @@ class MlxMtpLayer:
         return self._mx.dequantize(weight.words, weight.scales, weight.biases, group_size=weight.group,
                                    bits=weight.bits)
 
-    def layer(self, fused, positions, past_keys, past_values, attend):
+    def _layer(self, fused, positions, past_keys, past_values, attend):
         mx, layout = self._mx, self.layout
         hd, count = layout.head_dim, len(fused)
         h = mx.array(fused, mx.float32)
@@ -251,7 +266,7 @@ class MlxMtpLayer:
                                  group_size=weight.group, bits=weight.bits)
         return mx.gather_mm(x.astype(weight.dtype), weight.swapaxes(-1, -2), rhs_indices=experts).astype(mx.float32)
 
-    def logits(self, out: np.ndarray) -> np.ndarray:
+    def _logits(self, out: np.ndarray) -> np.ndarray:
         mx = self._mx
         if self._head is not None:
             return np.array(self._head(mx.array(out, mx.float32)).astype(mx.float32))

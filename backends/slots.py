@@ -581,10 +581,14 @@ class Slot(ParentsModel, ArgmaxFromLogits, HiddenTracking):
 
     def native_mtp(self):
         """This slot's sequence of the MTP context the slots' model runs natively (llama.cpp's:
-        LlamaSlots.native_mtp), or None: the MTP drafter then runs the layer in NumPy (MLX's
-        slots too: its MTP layer is not run from the slots' threads)."""
+        LlamaSlots.native_mtp), or None."""
         opened = getattr(self.model, "native_mtp", None)
         return opened(self.seq) if opened is not None and self.hidden_support.available else None
+
+    def mtp_layer(self, heads):
+        """The MTP layer in the model's own arrays (MLX's, one the slots share, its calls under
+        MODEL_CALLS), or None: the drafter then runs it in NumPy."""
+        return self.parent.mtp_layer(heads) if self.hidden_support.available else None
 
     def close(self) -> None:
         """The slot's sequence is emptied; the model is closed by whoever opened the slots."""

@@ -75,7 +75,7 @@ FILE_KINDS = tuple(kind.name for kind in KINDS if kind.stored == "file")  # what
 MODEL_KINDS = tuple(kind.name for kind in KINDS if kind.stored == "model")  # found inside the target
 # what drafts on a server's slots, where they give hidden states (backends/slots.py: the output head's
 # input, or the layers EAGLE-3 reads where the target gives them): every kind (a model's own MTP
-# layers in llama.cpp's MTP context made against the slots', a sequence a slot; in NumPy on MLX)
+# layers in llama.cpp's MTP context made against the slots', a sequence a slot; one MLX layer on MLX)
 SLOT_KINDS = tuple(kind.name for kind in KINDS)
 TRAINABLE_KINDS = tuple(kind.name for kind in KINDS if kind.trains_on)
 WINDOW_KINDS = tuple(kind.name for kind in KINDS if kind.trains_on == "windows")

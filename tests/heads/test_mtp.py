@@ -1421,7 +1421,7 @@ def test_slots_draft_with_the_model_s_own_mtp_layer_and_each_answer_is_the_one_a
                                                                                      kind, layout, monkeypatch):
     """A server's slots (three, exact, decoded together) each drafting with the target's own MTP
     layer: llama.cpp's MTP context made against the slots, a sequence a slot (the slots' threads
-    take turns in it), MLX's slots in NumPy; GLM's dense trunk and Qwen3.5's hybrid (each slot's
+    take turns in it), MLX's slots with the one MLX layer (its calls under MODEL_CALLS); GLM's dense trunk and Qwen3.5's hybrid (each slot's
     recurrent state rolled back on its own). Each answer is the one its prompt gets alone, and so
     is what it drafted and accepted: each slot's drafts read its own sequence's states and pairs."""
     from specrun.backends.kv import sequence_for
@@ -1440,6 +1440,16 @@ def test_slots_draft_with_the_model_s_own_mtp_layer_and_each_answer_is_the_one_a
     prompts = [target.tokenize(text) for text in texts]
     params = GenerationParams(40, 4)
     fed_seqs, foreign_reads, last_feeder = [], [], {}
+    made, slot_calls = [], []
+    if kind == "mlx":  # one MLX layer, made once, run by the slots' threads
+        import threading
+
+        from specrun.backends.mtp_mlx import MlxMtpLayer
+
+        init, logits = MlxMtpLayer.__init__, MlxMtpLayer.logits
+        monkeypatch.setattr(MlxMtpLayer, "__init__", lambda self, *a, **k: made.append(self) or init(self, *a, **k))
+        monkeypatch.setattr(MlxMtpLayer, "logits", lambda self, out: slot_calls.append(
+            threading.current_thread() is not threading.main_thread()) or logits(self, out))
     if kind == "llama":  # each feed slowed, so that slots drafting at once would interleave without the lock
         import threading
         import time
@@ -1488,5 +1498,7 @@ def test_slots_draft_with_the_model_s_own_mtp_layer_and_each_answer_is_the_one_a
         assert rendezvous.counts["target"].sequences > 2 * rendezvous.counts["target"].passes
         if kind == "llama":  # natively, every slot in its own sequence of the shared MTP context
             assert set(fed_seqs) == set(range(len(prompts))) and not foreign_reads
+        else:  # in MLX arrays, the slots' drafters sharing the one layer
+            assert len(made) == 1 and any(slot_calls)
     finally:
         target.close()
