@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from specrun.grammar import GrammarError, GrammarSpec
-from specrun.sampling import SamplingSettings
+from specrun.sampling import MAX_SEED, SamplingSettings
 from specrun.sessions.tools import Tool, ToolChoice, ToolDefinitionError, tool_choice_of, tool_definitions
 
 MAX_STOP_STRINGS = 4  # as OpenAI's API
@@ -181,7 +181,7 @@ def _parse_common(body: dict, defaults: ServeDefaults, n_ctx: int, max_tokens_fi
     min_p = _number(body, "min_p", base.min_p)
     _check_range("min_p", min_p, 0.0, 1.0, high_open=True)
     seed = _number(body, "seed", base.seed, integer=True)
-    if seed is not None and not (0 <= seed < 2**63):
+    if seed is not None and not (0 <= seed <= MAX_SEED):
         raise invalid_value("seed", f"must be a non-negative 64-bit integer, got {seed}")
     stream = body.get("stream", False)
     if stream is None:

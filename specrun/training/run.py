@@ -37,6 +37,7 @@ from specrun.errors import FileAccessError, SpecrunError, UsageError
 from specrun.fileio import check_writable_folder, in_use, is_special, write_atomically
 from specrun.heads.config import HeadsConfig, training_layer_ids
 from specrun.heads.kinds import BY_NAME, TRAINABLE_KINDS, WINDOW_KINDS
+from specrun.sampling import MAX_SEED
 from specrun.training.data import (
     builtin_python_prompts,
     builtin_questions,
@@ -193,7 +194,7 @@ def check_request(request: HeadsTrainRequest) -> None:
             raise UsageError(f"{name} must be between {low} and {high}, got {value}", f"pass a valid {name}")
     if not 0 < request.learning_rate <= 1:
         raise UsageError(f"--lr must be more than 0 and at most 1, got {request.learning_rate:g}", "pass e.g. --lr 1e-3")
-    if not 0 <= request.seed < 2**63:
+    if not 0 <= request.seed <= MAX_SEED:
         raise UsageError(f"--seed must be a non-negative 64-bit integer, got {request.seed}", "pass e.g. --seed 0")
     if request.threads is not None and not 1 <= request.threads <= 1024:
         raise UsageError(f"--threads must be between 1 and 1024, got {request.threads}", "pass a valid --threads")
