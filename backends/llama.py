@@ -782,6 +782,18 @@ class LlamaCppBackend(HiddenTracking):
         finally:
             self.rewind(0)
 
+    def slots_shared_bytes(self, hidden: bool, layers: Sequence[int] = ()) -> int:
+        """What slots opened with ``hidden`` hold besides their sequences' caches: llama.cpp's output
+        buffer for a batch whose every row is an output (embeddings on: each row's logits and its
+        state, ~300 MB at a 150k vocabulary), or with ``layers`` their outputs for every row fed."""
+        if not hidden:
+            return 0
+        rows = max(self.n_batch, 512)  # LlamaSlots' batch
+        width = self._lib.llama_model_n_embd(self._model)
+        if layers:
+            return rows * width * len(layers) * 4
+        return rows * (self.n_vocab + width) * 4
+
     # ---- a windowed cache --------------------------------------------------------------
     def open_window(self, sinks: int, window: int, owns: bool = False):
         """This model drafting from a second, small cache of the context's first ``sinks`` tokens

@@ -139,13 +139,18 @@ def default_slots(session: ChatSession, measure: Callable[[], int | None] = avai
                    f"--parallel N decodes several together with chains")
     # a draft model's slot keeps one more recurrent state than the target's (before drafting)
     per_slot = sum(model.slot_cache_bytes(keeping=model is not session.target) for model in models)
+    heads = session.slot_heads() is not None  # the target's slots opened for hidden states (llama.cpp's output buffer)
+    shared = getattr(session.target, "slots_shared_bytes", lambda hidden, layers: 0)(
+        heads, session.slot_layers() if heads else ())
     free = measure()
     if free is None:
         return 1, "requests are answered one at a time (free memory unknown); --parallel N decodes several together"
-    fits = int(free * SLOTS_MEMORY_SHARE // max(per_slot, 1))
+    fits = int(max(free * SLOTS_MEMORY_SHARE - shared, 0) // max(per_slot, 1))
     slots = max(1, min(DEFAULT_SLOTS, fits))
     mib = 1 << 20
     shown = f"each slot's cache {per_slot / mib:.0f} MiB, {free / mib:.0f} MiB free"
+    if shared:
+        shown += f", {shared / mib:.0f} MiB for the heads' hidden states"
     if slots == 1:
         return 1, f"requests are answered one at a time ({shown}); --parallel N decodes several together"
     return slots, f"up to {slots} requests are decoded together ({shown}); --parallel 1 answers one at a time"

@@ -25,8 +25,9 @@ class _Model:
         return self._cache
 
 
-def _session(target=None, draft=None, drops: str = ""):
-    return SimpleNamespace(target=target or _Model(), draft=draft, slot_drops=lambda exact=False: drops)
+def _session(target=None, draft=None, drops: str = "", heads=None, layers=()):
+    return SimpleNamespace(target=target or _Model(), draft=draft, slot_drops=lambda exact=False: drops,
+                           slot_heads=lambda: heads, slot_layers=lambda: layers)
 
 
 @pytest.mark.parametrize("free_mib, slots", [(4096, DEFAULT_SLOTS), (500, 2), (300, 1), (0, 1)])
@@ -37,6 +38,33 @@ def test_slots_are_as_many_as_half_the_free_memory_holds_caches_for(free_mib, sl
     # a draft model's slot keeps a recurrent state before drafting; a target's keeps none
     assert session.target.asked_keeping is False and session.draft.asked_keeping is True
     assert "125 MiB" in note and ("--parallel 1" in note if slots > 1 else "one at a time" in note)
+
+
+def test_heads_on_slots_count_the_output_buffer_hidden_states_need():
+    """Slots opened for heads' hidden states hold llama.cpp's output buffer of a batch of rows (every
+    row's logits and state) besides the sequences' caches: fewer slots fit, and the note says why."""
+    target = _Model()
+    asked = []
+    target.slots_shared_bytes = lambda hidden, layers: asked.append((hidden, layers)) or (300 * MIB if hidden else 0)
+    chosen, _ = default_slots(_session(target=target), lambda: 1000 * MIB)
+    assert chosen == DEFAULT_SLOTS and asked[-1] == (False, ())
+    chosen, note = default_slots(_session(target=target, heads=object(), layers=(1, 5)), lambda: 1000 * MIB)
+    assert chosen == 2 and asked[-1] == (True, (1, 5)) and "300 MiB for the heads' hidden states" in note
+
+
+def test_a_llama_target_s_output_buffer_for_hidden_states_is_a_batch_of_logits_and_states():
+    pytest.importorskip("llama_cpp", reason="the llama backend (llama-cpp-python) is not installed")
+    from specrun.backends.llama import LlamaCppBackend
+    from specrun.modelkit.demo import demo_gguf
+
+    backend = LlamaCppBackend(demo_gguf("demo-target"), n_ctx=256, n_threads=1)
+    try:
+        width = backend.hidden_support.size
+        assert backend.slots_shared_bytes(False) == 0
+        assert backend.slots_shared_bytes(True) == 512 * (backend.n_vocab + width) * 4
+        assert backend.slots_shared_bytes(True, (1, 2, 3)) == 512 * width * 3 * 4
+    finally:
+        backend.close()
 
 
 def test_one_slot_where_a_slot_would_draft_with_less_or_cannot_be_opened():
