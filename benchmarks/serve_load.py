@@ -12,6 +12,8 @@ Lines, each a server started afresh for each C (127.0.0.1 only) and warmed by on
   gives where it never yields to the batch);
 - ``specrun lookup``: the slots drafting by prompt lookup alone (no draft model: what costs nothing
   to draft gives);
+- ``specrun trees``: ``specrun`` with ``--branches 2``, each slot's verify pass carrying its tree in
+  the shared batch;
 - ``specrun eagle``, ``specrun eagle fifo``: the target's EAGLE heads drafting on every slot, and
   answering one request at a time (``--parallel 1``);
 - with ``--llama-bin``: ``llama-server -np C`` without speculation, with ``-md`` (the same draft,
@@ -269,6 +271,8 @@ def lines_for(args, target: Path | str, draft: Path | str) -> list[ServerLine]:
                                                         "--method", "draft", "-k", "4"], str(target)),
         ServerLine("specrun lookup", lambda port, c: [*specrun, "--port", str(port), "--parallel", str(c),
                                                       "--method", "lookup"], str(target)),
+        ServerLine("specrun trees", lambda port, c: [*specrun, "--port", str(port), "--parallel", str(c),
+                                                     "--branches", "2"], str(target)),
         # the target's heads (--method eagle: EAGLE-3's where found) drafting on every slot, and one at a
         # time: the target by its registry name, under which its heads are found
         ServerLine("specrun eagle", lambda port, c: [*named, "--port", str(port), "--parallel", str(c),

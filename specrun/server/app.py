@@ -90,8 +90,9 @@ DRAIN_BYTES = 64 * 1024 * 1024
 
 
 async def read_json_body(request, limit: int) -> dict:
-    """The request's JSON object, refused (413) as soon as it is known to exceed ``limit`` bytes:
-    from Content-Length (its body up to DRAIN_BYTES read and dropped first), else while it streams in."""
+    """The request's JSON object, refused (413) once it is known to exceed ``limit`` bytes: from
+    Content-Length, else while it streams in (chunked); its body up to DRAIN_BYTES read and dropped
+    first, so that a client sending it whole before it reads gets the answer, not a reset."""
     encoding = request.headers.get("content-encoding", "identity").strip().lower()
     if encoding not in ("", "identity"):  # read as it is, a compressed body would be "not JSON"
         raise RequestError(f"Content-Encoding {encoding} is not supported: send the body uncompressed", status=415,
@@ -112,14 +113,29 @@ async def read_json_body(request, limit: int) -> dict:
         raise _too_large(limit)
 
     chunks, size = [], 0
+    stream = request.stream().__aiter__()
     try:
-        async for chunk in request.stream():
+        while True:
+            try:  # past the limit, read on and dropped while the client keeps sending (as a declared
+                # length is), so that one sending its whole body first reads the 413, not a reset
+                chunk = await asyncio.wait_for(stream.__anext__(), DRAIN_IDLE_S if chunks is None else None)
+            except StopAsyncIteration:
+                break
+            except asyncio.TimeoutError:  # a client waiting for the answer mid-body gets it now
+                raise _too_large(limit) from None
             size += len(chunk)
-            if size > limit:
+            if size > DRAIN_BYTES:  # past what is worth reading: refused at once
                 raise _too_large(limit)
-            chunks.append(chunk)
+            if size > limit:
+                chunks = None
+            elif chunks is not None:
+                chunks.append(chunk)
     except ClientDisconnect:  # the connection closed before the body was whole
+        if chunks is None:
+            raise _too_large(limit) from None
         raise ClientGone("a client left before sending its whole request; dropped") from None
+    if chunks is None:
+        raise _too_large(limit)
     try:
         body = json.loads(b"".join(chunks))
     except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
@@ -127,6 +143,9 @@ async def read_json_body(request, limit: int) -> dict:
     if not isinstance(body, dict):
         raise RequestError("the request body must be a JSON object", code="invalid_type")
     return body
+
+
+DRAIN_IDLE_S = 1.0  # a chunked body past the limit: read on while chunks come this often
 
 
 def _too_large(limit: int) -> RequestError:

@@ -276,7 +276,8 @@ def test_a_body_over_the_limit_is_refused_before_it_is_read(demo_server):
     answer = _raw_exchange(demo_server, head, [b" " * 1024])
     assert answer.startswith(b"HTTP/1.1 413")
     assert json.loads(answer.split(b"\r\n\r\n", 1)[1])["error"]["code"] == "request_too_large"
-    # Chunked, with no length given: refused once the chunks pass the limit (64 KiB here).
+    # Chunked, with no length given: refused once the chunks pass the limit (64 KiB here) and the
+    # client sends no more for a while (DRAIN_IDLE_S: one sending on is read to the end first).
     head = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
             b"Transfer-Encoding: chunked\r\n\r\n")
     chunk = b"%x\r\n%s\r\n" % (16384, b" " * 16384)
@@ -286,8 +287,9 @@ def test_a_body_over_the_limit_is_refused_before_it_is_read(demo_server):
 
 
 def test_a_client_that_sends_its_whole_body_first_reads_the_413(demo_server):
-    """Python's http.client (as httpx and the openai SDK) sends all of a 5 MiB body before reading:
-    the server reads and drops it, then answers 413 (answered before it, the client met a reset)."""
+    """Python's http.client (as httpx and the openai SDK) sends all of a 5 MiB body before reading,
+    with its length or chunked: the server reads and drops it, then answers 413 (answered before it,
+    the client met a reset)."""
     import http.client
 
     host, port = demo_server.host_port
@@ -295,6 +297,17 @@ def test_a_client_that_sends_its_whole_body_first_reads_the_413(demo_server):
     try:
         body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "x" * (5 << 20)}]})
         connection.request("POST", "/v1/chat/completions", body, {"Content-Type": "application/json"})
+        response = connection.getresponse()
+        assert response.status == 413
+        assert json.loads(response.read())["error"]["code"] == "request_too_large"
+    finally:
+        connection.close()
+    # the same body chunked (no length given): read on past the limit, dropped, then the 413
+    connection = http.client.HTTPConnection(host, port, timeout=60)
+    try:
+        pieces = (body[i : i + (1 << 16)].encode() for i in range(0, len(body), 1 << 16))
+        connection.request("POST", "/v1/chat/completions", pieces, {"Content-Type": "application/json"},
+                           encode_chunked=True)
         response = connection.getresponse()
         assert response.status == 413
         assert json.loads(response.read())["error"]["code"] == "request_too_large"
