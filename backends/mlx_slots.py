@@ -27,7 +27,8 @@ Opened with ``trees``, a slot's verify pass may carry a token tree after its tok
 packed call: its nodes' cells belong to no sequence yet (tagged ``TREE_TAG - seq``), each node's
 row sees its sequence's cells and its own ancestors among the nodes, at its depth's position;
 ``keep_path`` gives the kept path's cells to the sequence at the positions they were computed at,
-and the other nodes' become holes the next batch closes (a hybrid's state holds one path: chains).
+and the other nodes' become holes the next batch closes; a tree no path was kept of goes as its
+slot's next pass runs (a hybrid's state holds one path: chains).
 
 Opened with ``hidden`` (heads drafting for the slots), the body runs the packed row and the head
 only the rows asked for, and each pass gets its tokens' hidden states (or the layers' outputs
@@ -212,6 +213,8 @@ class MlxSlots:
         for slot_pass in passes:
             if slot_pass.start + len(slot_pass.tokens) > self.slot_ctx:
                 raise ContextFullError(f"the context of {self.slot_ctx} tokens is full", "shorten the prompt or raise --ctx")
+        for slot_pass in passes:  # a tree its slot let go (no path kept before this pass of its own)
+            self._seqs[self._seqs == TREE_TAG - slot_pass.seq] = -1
         self._close_holes()
         for slot_pass in passes:
             held = int(np.count_nonzero(self._seqs == slot_pass.seq))
@@ -310,9 +313,9 @@ class MlxSlots:
         cells become its own at start, start + 1, ... (each was computed there, reading its
         ancestors); every other node's cell is a hole the next batch closes."""
         nodes = np.flatnonzero(self._seqs == TREE_TAG - seq)
-        if len(nodes) != len(tree):  # its pass failed, or a removal went first: nothing of it is held
+        if len(nodes) != len(tree):  # the rendezvous empties the sequence and tells its slot
             self._seqs[nodes] = -1
-            return
+            raise RuntimeError(f"sequence {seq} holds {len(nodes)} cells of its last tree, not its {len(tree)} nodes")
         for index, node in enumerate(path):
             cell = nodes[int(node)]
             self._seqs[cell], self._positions[cell] = seq, start + index
@@ -362,12 +365,13 @@ class MlxSlots:
         self._kept[seq] = (len(self._fed[seq]), {index: (state[0], state[1]) for index, state in self._states[seq].items()})
 
     def _close_holes(self) -> None:
-        """Move the cells after the first removed one down over the holes."""
-        holes = np.flatnonzero(self._seqs < 0)
+        """Move the cells after the first removed one down over the holes (not over a tree's cells,
+        whose path its slot may still keep: a batch retried pass by pass runs others' passes first)."""
+        holes = np.flatnonzero(self._seqs == -1)
         if not len(holes):
             return
         first = int(holes[0])
-        kept = first + np.flatnonzero(self._seqs[first:] >= 0)
+        kept = first + np.flatnonzero(self._seqs[first:] != -1)
         mx = self._mx
         moved = mx.array(kept)
         with MODEL_CALLS:

@@ -139,6 +139,47 @@ def test_trees_in_a_shared_batch_read_as_the_model_alone_reads_them(pair):
         chains.close()
 
 
+def test_a_tree_s_cells_outlive_a_batch_retried_pass_by_pass(pair):
+    """A shared batch that fails is retried a pass at a time: another slot's pass run before this
+    slot keeps its tree's path must not close the tree's cells as holes (they were, and the kept
+    path was lost: the slot's next pass found 4 tokens where 6 were); a tree no path was kept of
+    goes with its slot's next pass."""
+    import time
+
+    from specrun.tree import TokenTree
+    from tests.slots.slot_runs import together
+
+    model, _ = pair
+    slots = model.open_slots(2, False, tree_paths=3)
+    rendezvous = Rendezvous()
+    try:
+        first, second = (Slot(slots, seq, rendezvous, model, "target") for seq in range(2))
+        together([(rendezvous, lambda: first.forward([1, 2, 3], [])), (rendezvous, lambda: second.forward([6, 5, 4], []))])
+        run, failed = slots.run, []
+
+        def fails_once_together(passes):
+            if len(passes) > 1 and not failed:
+                failed.append(True)
+                raise RuntimeError("a batch that fails as a whole")
+            return run(passes)
+
+        slots.run = fails_once_together
+        tree = TokenTree((7, 8, 9), (-1, 0, 0))
+        together([(rendezvous, lambda: first.forward_tree([5], tree, [0, 1, 2, 3])),
+                  (rendezvous, lambda: (time.sleep(0.3), second.forward([2], [0]))[1])])
+        assert failed
+        first.keep_path([0, 1])  # 7, 8
+        second.forward_tree([1], tree, [0])  # a tree its slot lets go
+        got = together([(rendezvous, lambda: first.forward([1], [0])), (rendezvous, lambda: second.forward([3], [0]))])
+        np.testing.assert_allclose(got[0], _fresh(model, [1, 2, 3, 5, 7, 8, 1], [6]), **ROUNDING)
+        np.testing.assert_allclose(got[1], _fresh(model, [6, 5, 4, 2, 1, 3], [5]), **ROUNDING)
+        together([(rendezvous, lambda: first.forward([2], [])), (rendezvous, lambda: second.forward([2], []))])
+        assert slots.cells == first.n_past + second.n_past
+    finally:
+        rendezvous.close()
+        slots.close()
+
+
 def test_a_rewound_or_emptied_slot_reads_as_one_fed_afresh(pair):
     model, _ = pair
     slots = model.open_slots(3, False)

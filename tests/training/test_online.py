@@ -123,7 +123,15 @@ def test_slots_readers_hand_one_learner_windows_of_their_own_texts(monkeypatch):
     learner._tick()
     assert learner._last_progress == sum(grown)  # every slot's cache watched
     learner.close()
-    assert sum(len(window.tokens) for window in handed) >= 3 * 56  # every text, its last run included
+    assert sum(len(window.tokens) for window in handed) == 3 * 58  # every text, each reader's last run included
+    # the weights published reach every slot's drafter, each swap counted (a step and a publish
+    # forced: the budget of so short a generation allows none)
+    assert learner._step()
+    learner._publish()
+    version, weights = learner._published
+    assert all(reader.latest(0) == (version, weights) for reader in readers)
+    assert all(reader.latest(version) is None for reader in readers)
+    assert learner.report().swaps == 3
     for window in handed:
         tokens = [int(t) for t in window.tokens]
         assert any(tokens == whole[i : i + len(tokens)] for whole in texts for i in range(len(whole))), tokens
