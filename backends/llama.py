@@ -738,11 +738,14 @@ class LlamaCppBackend(HiddenTracking):
                           tree_paths=tree_paths)
 
     def slots_tree_problem(self, exact: bool) -> str:
-        """Why slots on this model cannot hold trees ("" where they can: LlamaSlots' tree_paths)."""
+        """Why slots on this model cannot hold trees ("" where they can: LlamaSlots' tree_paths, as
+        many paths as this model was opened for)."""
         if self.recurrent:
             return "a recurrent or hybrid model's state cannot hold a tree's branches"
         if exact:
             return "--exact gives each sequence a cache stream of its own, which a tree's paths cannot share"
+        if not self.tree_support.available:
+            return self.tree_support.reason
         return ""
 
     @property

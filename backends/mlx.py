@@ -1108,13 +1108,14 @@ class MlxBackend(HiddenTracking):
                         trees=bool(tree_paths) and not self.slots_tree_problem(exact))
 
     def slots_tree_problem(self, exact: bool) -> str:  # noqa: ARG002 - no --exact on MLX
-        """Why slots on this model cannot hold trees ("" where they can)."""
-        from specrun.backends.mlx_slots import recurrent_mixers
+        """Why slots on this model cannot hold trees ("" where they can): a packed pass holds them
+        where it holds the slots (a sliding-window layer's too: the mask keeps its window, where a
+        lone sequence's RotatingKVCache cannot hold a tree), but not a recurrent state's branches."""
+        from specrun.backends.mlx_slots import recurrent_mixers, slots_problem
 
         if recurrent_mixers(self):
             return "a recurrent or hybrid model's state cannot hold a tree's branches"
-        support = self.tree_support
-        return "" if support.available else support.reason
+        return slots_problem(self) or ""
 
     @property
     def slots_hidden(self) -> bool:

@@ -595,10 +595,9 @@ class ChatSession:
         drafts trees and its target's slots can hold them (llama.cpp's, not with ``exact``; MLX's,
         not on a hybrid); else 0. No limit (MLX's): a path a node of the most a slot's pass holds."""
         problem = getattr(self.target, "slots_tree_problem", None)
-        support = self.target.tree_support
-        if not self._drafter_options.branches or problem is None or problem(exact) or not support.available:
+        if not self._drafter_options.branches or problem is None or problem(exact):
             return 0
-        return support.max_paths or PREFILL_CHUNK
+        return self.target.tree_support.max_paths or PREFILL_CHUNK
 
     def slot_heads(self):
         """The heads this session's slots draft with (on_slot), None where none: its own, where

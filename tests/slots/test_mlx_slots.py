@@ -229,7 +229,8 @@ def test_one_packed_batch_of_sequences_at_different_places_reads_as_each_alone(p
 
 def test_sliding_window_layers_decode_together_as_alone(pair, tmp_path):
     """Gemma 3's sliding layers (a RotatingKVCache alone) share the slots' plain cache, their window
-    kept by the mask: answers far longer than the window, and a slot rewound past it, read as alone."""
+    kept by the mask: answers far longer than the window, a slot rewound past it, and a tree's nodes
+    (which a lone sequence's rotating cache cannot hold) read as alone."""
     from specrun.backends.slots import SlotPass
 
     target, _ = pair
@@ -250,6 +251,26 @@ def test_sliding_window_layers_decode_together_as_alone(pair, tmp_path):
             slots.run(batch)
             np.testing.assert_allclose(batch[0].logits, _fresh(gemma, long[:15] + [7, 7], [15, 16]), **ROUNDING)
             np.testing.assert_allclose(batch[1].logits, _fresh(gemma, long, [19]), **ROUNDING)
+        finally:
+            slots.close()
+        # trees on its slots, past the window too: each node reads what its path fed alone reads
+        from specrun.tree import TokenTree
+
+        assert gemma.slots_tree_problem(False) == ""
+        slots = gemma.open_slots(2, False, tree_paths=4)
+        try:
+            assert slots.tree_support.available
+            tree = TokenTree((7, 8, 9, 4), (-1, 0, 0, 2))  # 7 -> 8; 7 -> 9 -> 4
+            batch = [SlotPass(0, 0, long, [19, 20, 21, 22, 23], tree=tree), SlotPass(1, 0, long[:5], [4])]
+            slots.run(batch)
+            for row, path in zip(range(1, 5), ([7], [7, 8], [7, 9], [7, 9, 4])):
+                np.testing.assert_allclose(batch[0].logits[row], _fresh(gemma, long + path, [19 + len(path)])[0],
+                                           **ROUNDING)
+            slots.keep_path(0, 20, tree, [0, 2, 3])  # 7, 9, 4
+            follow = [SlotPass(0, 23, [5], [0]), SlotPass(1, 5, [6], [0])]
+            slots.run(follow)
+            np.testing.assert_allclose(follow[0].logits, _fresh(gemma, long + [7, 9, 4, 5], [23]), **ROUNDING)
+            np.testing.assert_allclose(follow[1].logits, _fresh(gemma, long[:5] + [6], [5]), **ROUNDING)
         finally:
             slots.close()
     finally:
