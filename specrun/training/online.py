@@ -162,7 +162,14 @@ class SlotReader:
         self._reader.flush()
 
     def watch(self, progress: Callable[[], int]) -> None:
+        self._watched = progress
         self._learner.watch_also(progress)
+
+    def release(self) -> None:
+        """Its slot is closed: what it read last goes to the worker, and the learner lets go of
+        it (its run, and the cache it watched)."""
+        self._reader.flush()
+        self._learner.let_go(self._reader, getattr(self, "_watched", None))
 
     def latest(self, version: int):
         return self._learner.latest(version)
@@ -229,6 +236,12 @@ class OnlineLearner(Learner):
 
     def _flush(self) -> None:
         self._reader.flush()
+
+    def let_go(self, reader: _Reader, progress: Callable[[], int] | None) -> None:
+        """A slot's reader, and the cache it watched, no longer held (its slot closed)."""
+        with self._lock:
+            self._readers = [each for each in self._readers if each is not reader]
+            self._also = [each for each in self._also if each is not progress]
 
     def _flush_all(self) -> None:
         """Every reader's unfinished run to the worker (the learner closes)."""

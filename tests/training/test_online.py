@@ -132,6 +132,9 @@ def test_slots_readers_hand_one_learner_windows_of_their_own_texts(monkeypatch):
     assert all(reader.latest(0) == (version, weights) for reader in readers)
     assert all(reader.latest(version) is None for reader in readers)
     assert learner.report().swaps == 3
+    for reader in readers:  # their slots closed: the learner holds neither their runs nor their caches
+        reader.release()
+    assert learner._readers == [] and learner._also == []
     for window in handed:
         tokens = [int(t) for t in window.tokens]
         assert any(tokens == whole[i : i + len(tokens)] for whole in texts for i in range(len(whole))), tokens

@@ -200,6 +200,9 @@ class HeadsDrafter(Drafter):
             self._harvest_cached()
             self.learner.start_text()  # what was read of the text goes to the learner's worker
             self._harvested = -1
+            release = getattr(self.learner, "release", None)  # a slot's reader of a shared learner
+            if release is not None:
+                release()
         if self.target is not None:
             self.target.track_hidden(False)
             self.target = None
