@@ -840,11 +840,12 @@ class LlamaCppBackend(HiddenTracking):
         if self._mtp_arch is None:
             return None
         if self._native_mtp is None:
-            from specrun.backends.llama_mtp import NativeMtp
+            from specrun.backends.llama_mtp import TREE_SEQS, NativeMtp
 
             try:
                 self._native_mtp = NativeMtp(self._lib, self._model, self._ctx, self._ctx_params,
-                                             self._lib.llama_model_n_embd(self._model), self.n_vocab)
+                                             self._lib.llama_model_n_embd(self._model), self.n_vocab,
+                                             tree_seqs=TREE_SEQS)
             except (AttributeError, RuntimeError):  # a library without the nextn extension or the context
                 self._mtp_arch = None
         return self._native_mtp

@@ -26,6 +26,11 @@ import numpy as np
 
 _SET_NEXTN = "_Z26llama_set_embeddings_nextnP13llama_contextbb"
 _GET_NEXTN = "_Z26llama_get_embeddings_nextnP13llama_context"
+_GET_NEXTN_ITH = "_Z30llama_get_embeddings_nextn_ithP13llama_contexti"
+# A lone target's MTP context grows draft trees in sequences of their own, one a node expanded (its
+# path: its parent's sequence, copied, then its own row), beside the context's sequence 0: as many
+# as llama.cpp holds (LLAMA_MAX_SEQ, 256), the cells shared (a deeper, wider tree grows in NumPy).
+TREE_SEQS = 255
 # Architectures whose MTP layers specrun drives through llama.cpp: those whose state llama.cpp
 # gives the MTP layer is the target's final normed state, the one specrun's hidden-state tracking
 # records (GLM-4.5's, Qwen3.5's, Qwen3-Next's and DeepSeek's latent attention, GLM-4.7-Flash's;
@@ -48,13 +53,20 @@ class NativeMtp:
     ``keep`` drops those after a position."""
 
     def __init__(self, llama_cpp, model, target_ctx, ctx_params, hidden_size: int, vocab_size: int,
-                 n_seq: int = 1) -> None:
+                 n_seq: int = 1, tree_seqs: int = 0) -> None:
         self._lib = llama_cpp
         self._set_nextn, self._get_nextn = nextn_functions(llama_cpp)
+        library = llama_cpp.llama_cpp._lib
+        self._get_nextn_ith = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int32)(
+            (_GET_NEXTN_ITH, library)) if tree_seqs else None
         params = type(ctx_params).from_buffer_copy(ctx_params)
         params.ctx_type, params.n_rs_seq, params.ctx_other = llama_cpp.LLAMA_CONTEXT_TYPE_MTP, 0, target_ctx
-        # the slots' cells in one pool, as their target's (a stream a sequence would split n_ctx)
-        params.n_seq_max, params.kv_unified = n_seq, n_seq > 1
+        # the slots' cells in one pool, as their target's (a stream a sequence would split n_ctx); a
+        # tree's sequences share the context's cells so (``tree_seqs``: a lone target's), with room
+        # for a tree's rows beside a full context
+        self.tree_seqs = tree_seqs
+        params.n_seq_max, params.kv_unified = n_seq + tree_seqs, n_seq + tree_seqs > 1
+        params.n_ctx += tree_seqs
         self._ctx = llama_cpp.llama_init_from_model(model, params)
         if not self._ctx:
             raise RuntimeError("llama.cpp could not create an MTP context")
@@ -102,6 +114,45 @@ class NativeMtp:
             address = self._lib.llama_get_logits_ith(self._ctx, -1)
             return np.ctypeslib.as_array(address, shape=(self.vocab_size,)).copy()
 
+    def tree_rows(self, parents: Sequence[int], seqs: Sequence[int], tokens: Sequence[int], states: np.ndarray,
+                  position: int) -> tuple[np.ndarray, np.ndarray]:
+        """A level of a draft tree: row i the pair (``states`` row i, ``tokens`` i) at MTP position
+        ``position`` in sequence ``seqs[i]`` (1 .. tree_seqs), which first takes its parent's
+        sequence ``parents[i]`` (0: the context) as it is, so each row reads the context and its
+        own ancestors; the rows' logits (N, V) and the layer's output states (N, H)."""
+        lib, batch, memory = self._lib, self._batch, self._memory
+        with self.lock:
+            for parent, seq in zip(parents, seqs):
+                lib.llama_memory_seq_cp(memory, int(parent), int(seq), -1, -1)
+            states = np.ascontiguousarray(states, dtype=np.float32)
+            lib.llama_batch_ext_clear(batch)
+            for i, (seq, token) in enumerate(zip(seqs, tokens)):
+                index = lib.llama_batch_ext_add_token(batch, int(seq), int(token))
+                self._position[0] = position
+                lib.llama_batch_ext_set_pos(batch, index, self._position)
+                self._embd.data = states[i].ctypes.data_as(ctypes.POINTER(ctypes.c_float))
+                if not lib.llama_batch_ext_set_embd_token(batch, index, self._embd):
+                    raise RuntimeError("llama.cpp refused an MTP row")
+                lib.llama_batch_ext_set_output_logits(batch, index, True)
+            code = lib.llama_process(self._ctx, lib.LLAMA_PROCESS_TYPE_DECODE, batch)
+            if code != 0:
+                raise RuntimeError(f"llama.cpp's MTP pass failed (code {code})")
+            logits = np.stack([np.ctypeslib.as_array(lib.llama_get_logits_ith(self._ctx, i), shape=(self.vocab_size,))
+                               for i in range(len(seqs))]).copy()
+            rows = []
+            for i in range(len(seqs)):
+                address = self._get_nextn_ith(self._ctx, i)
+                if not address:
+                    raise RuntimeError("llama.cpp returned no MTP state")
+                rows.append(np.frombuffer((ctypes.c_float * self.hidden_size).from_address(address), np.float32))
+            return logits, np.stack(rows).copy()
+
+    def drop_tree(self, seqs: Sequence[int]) -> None:
+        """A tree's sequences emptied (the context's cells they shared stay the context's)."""
+        with self.lock:
+            for seq in seqs:
+                self._lib.llama_memory_seq_rm(self._memory, int(seq), -1, -1)
+
     def own_state(self) -> np.ndarray:
         """(H,) the layer's output state for the first row of the last batch fed."""
         address = self._get_nextn(self._ctx)
@@ -139,6 +190,8 @@ class NativeMtp:
 
 class MtpSequence:
     """One sequence of a shared NativeMtp, answering a drafter as a context of its own does."""
+
+    tree_seqs = 0  # a slot's drafter grows its trees in NumPy (the slots' sequences leave no room for theirs)
 
     def __init__(self, native: NativeMtp, seq: int) -> None:
         self.native, self.seq = native, seq

@@ -519,6 +519,54 @@ def test_the_drafter_s_greedy_chains_are_llama_cpp_s_draft_mtp_chains(carrier, c
         assert len(ours) == 5 and ours == theirs
 
 
+def _trees_of(backend, path, branches: int = 3):
+    """The drafter's greedy trees (tokens, parents) from contexts of every prompt, as chains_against_llama_cpp feeds them."""
+    trees = []
+    for prompt in PROMPTS:
+        context = backend.tokenize(prompt)
+        sequence = KVSequence(backend)
+        sequence.reset()
+        drafter = MtpDrafter(read_mtp_gguf(path), branches=branches)
+        drafter.bind(sequence, perf_counter)
+        try:
+            for cut in (len(context) - 3, len(context)):
+                sequence.rewind(0)
+                sequence.feed(context[: cut - 1])
+                proposal = drafter.propose(context[:cut], 5, SamplingSettings(), np.random.default_rng(0))
+                trees.append((list(proposal.tokens), list(proposal.parents or ())))
+        finally:
+            drafter.close()
+    return trees
+
+
+def test_native_trees_are_the_numpy_layer_s_trees(carrier, monkeypatch):
+    """Greedy trees grown in llama.cpp's MTP context (each node in a sequence of its own, made from
+    its parent's) are the NumPy layer's, node for node; its tree sequences are emptied after each."""
+    from specrun.backends.llama import LlamaCppBackend
+    from specrun.backends.llama_mtp import NativeMtp
+
+    backend = LlamaCppBackend(carrier, n_ctx=256, n_threads=1, tree_paths=8)
+    rows = []
+    tree_rows = NativeMtp.tree_rows
+    monkeypatch.setattr(NativeMtp, "tree_rows", lambda self, *a, **k: rows.append(len(a[1])) or tree_rows(self, *a, **k))
+    try:
+        native = backend.native_mtp()
+        assert native is not None and native.tree_seqs > 0
+        natively = _trees_of(backend, carrier)
+        if not backend.tree_support.available:  # a hybrid's state holds no tree: chains, natively
+            assert not rows and all(len(tokens) <= 5 for tokens, _ in natively)
+            return
+        assert rows and max(rows) > 1  # levels of several nodes, each in one batch
+        lib = native._lib
+        assert all(lib.llama_memory_seq_pos_max(native._memory, seq) == -1 for seq in range(1, 40))
+        monkeypatch.setattr(backend, "native_mtp", lambda: None)
+        in_numpy = _trees_of(backend, carrier)
+    finally:
+        backend.close()
+    assert all(len(tokens) > 5 for tokens, _ in natively)  # trees, not chains
+    assert natively == in_numpy
+
+
 # How far the native layer's rows (F16 weights in llama.cpp's kernels) and the NumPy layer's
 # (float32) may lie apart, in total variation: up to 0.015 measured on an AVX-512 CPU (top-k's
 # cut moves with rounding); a layer reading a wrong state parts rows by far more.

@@ -10,7 +10,12 @@ On MLX the layer runs in MLX arrays (Backend.mtp_layer: backends/mtp_mlx.py). Wh
 runs the model's MTP layers itself (Backend.native_mtp: llama.cpp), chains are
 drafted there, the layer's entries held in its own cache and kept in step with the context as
 the NumPy entries are (dropped from where the context changed, the chain's own dropped after each
-proposal); the NumPy layer drafts the trees. Both give the same drafts (tests/heads/test_mtp.py).
+proposal). Greedy trees grow there too, a level's chosen nodes in one batch, each node in a
+sequence of its own copied from its parent's (the context's sequence 0 for the root's children),
+so it reads the context and its ancestors, its own state read back by its row
+(``llama_get_embeddings_nextn_ith``); the tree's sequences are emptied after. The NumPy layer
+grows the trees of a server slot's drafter (the slots' sequences leave none spare) and of layers
+chained one a depth. Both give the same drafts (tests/heads/test_mtp.py).
 
 A model with several MTP layers, one trained for each draft depth (MtpHeads.chained), drafts as
 llama.cpp's draft-mtp chains such heads (common/speculative.cpp, ``chain_heads``): every layer
@@ -34,6 +39,10 @@ from specrun.drafters.heads.eagle import EagleDrafter, LayerEntries
 from specrun.heads.mtp import MtpHeads
 from specrun.modelkit.mtp import gguf_model_key
 from specrun.sampling import SamplingSettings
+
+
+class _NoSequences(Exception):
+    """A native tree would need more sequences than its MTP context holds."""
 
 
 class MtpDrafter(EagleDrafter):
@@ -70,12 +79,17 @@ class MtpDrafter(EagleDrafter):
         native = self._native_mtp()
         trees = sampling.greedy and self.branches and self.target.backend.tree_support.available
         # a tree the target cannot verify would be its main chain: drafted natively; layers chained
-        # one a depth are drafted here (llama.cpp's graphs for these layouts run one MTP block)
-        if native is None or trees or self.heads.chained:
+        # one a depth are drafted here (llama.cpp's graphs for these layouts run one MTP block), and
+        # trees where the context has no sequences for them (a server slot's)
+        native_trees = trees and native is not None and getattr(native, "tree_seqs", 0) > 0
+        if native is None or (trees and not native_trees) or self.heads.chained:
             return super().propose(context, draft_len, sampling, rng)
         depth = min(draft_len, self.heads.config.num_heads)
         if depth <= 0 or len(context) < 2:
             return EMPTY_PROPOSAL
+        if native_trees:
+            tree = self._native_tree(native, context, depth)
+            return tree if tree is not None else super().propose(context, draft_len, sampling, rng)
         root = len(context) - 2
         tokens, rows = [], []
         with native.lock:  # a server's slots share the context: the state read is this chain's own
@@ -96,6 +110,46 @@ class MtpDrafter(EagleDrafter):
             finally:
                 native.keep(root + 1)  # the chain's own pairs go; the context's stay
         return self._chain_proposal(tokens, rows, sampling, rng)
+
+    def _native_tree(self, native, context: Sequence[int], depth: int) -> Proposal | None:
+        """EAGLE-2's dynamic tree (greedy) in llama.cpp's MTP context: the root pair as a chain's,
+        then each level's chosen nodes in one batch, every node in a sequence of its own made from
+        its parent's (the context's for the root's children), so it reads the context and its own
+        ancestors; the tree's sequences emptied after. None where the tree would need more
+        sequences than the context has (the NumPy layer grows it then)."""
+        root = len(context) - 2
+        made: list[int] = []
+        with native.lock:
+            try:
+                logits = self._native_root(native, context)
+                if logits is None:
+                    return EMPTY_PROPOSAL
+                states, seqs = {-1: native.own_state()}, {-1: 0}
+
+                def expand(tree: DraftTree, chosen: list[int], level: int) -> np.ndarray:
+                    first = len(made) + 1
+                    if first + len(chosen) - 1 > native.tree_seqs:
+                        raise _NoSequences
+                    ids = list(range(first, first + len(chosen)))
+                    parents = [tree.parents[node] for node in chosen]
+                    rows, out = native.tree_rows([seqs[parent] for parent in parents], ids,
+                                                 self._d2t[[tree.drafts[node] for node in chosen]],
+                                                 np.stack([states[parent] for parent in parents]), root + 1 + level)
+                    made.extend(ids)
+                    seqs.update(zip(chosen, ids))
+                    states.update(zip(chosen, out))
+                    return rows
+
+                return grow_tree(logits, depth, self.top_k, self.branches, expand, self._d2t, self.name)
+            except _NoSequences:
+                return None
+            except RuntimeError:  # llama.cpp refused a pass (memory): draft nothing now, catch up afresh next time
+                native.keep(0)
+                self._native_context = []
+                return EMPTY_PROPOSAL
+            finally:
+                native.drop_tree(made)
+                native.keep(root + 1)  # the context's pairs stay
 
     def _native_root(self, native, context: Sequence[int]) -> np.ndarray | None:
         """The native layer's logits (V,) at the root pair (the target's state at the context's
