@@ -85,6 +85,16 @@ def fed_alone(model, tokens, rows, layers=()):
         model.rewind(0)
 
 
+def tree_alone(model, tokens, tree, rows):
+    """``model``'s logits at ``rows`` for ``tokens`` and ``tree`` fed alone on an empty cache (left empty)."""
+    model.rewind(0)
+    try:
+        return model.forward_tree(tokens, tree, rows)
+    finally:
+        model.keep_path([])
+        model.rewind(0)
+
+
 def drafter(index, draft_backend):
     """Lookup on odd slots, the draft model on even ones."""
     return PromptLookupDrafter() if index % 2 else DraftModelDrafter(draft_backend)

@@ -13,7 +13,7 @@ from specrun.backends.slots import Rendezvous, Slot  # noqa: E402
 from specrun.engine.loop import GenerationParams  # noqa: E402
 from specrun.tree import TokenTree  # noqa: E402
 from tests.slots.slot_runs import together  # noqa: E402
-from tests.slots.slot_runs import check_answers_together  # noqa: E402
+from tests.slots.slot_runs import check_answers_together, tree_alone  # noqa: E402
 
 EXACT = dict(kv_type="f32", flash_attn=False)
 
@@ -81,16 +81,8 @@ def test_trees_in_a_shared_batch_read_as_the_model_alone_reads_them(tiny_models)
         got = together([(rendezvous, lambda: first.forward_tree([5], tree, [0, 1, 2, 3, 4])),
                         (rendezvous, lambda: second.forward_tree([2, 1], other, [1, 2, 3]))])
 
-        def alone(tokens, held, rows):
-            model.rewind(0)
-            try:
-                return model.forward_tree(tokens, held, rows)
-            finally:
-                model.keep_path([])
-                model.rewind(0)
-
-        np.testing.assert_allclose(got[0], alone([1, 2, 3, 5], tree, [3, 4, 5, 6, 7]), rtol=0, atol=1e-4)
-        np.testing.assert_allclose(got[1], alone([6, 5, 4, 3, 2, 1], other, [5, 6, 7]), rtol=0, atol=1e-4)
+        np.testing.assert_allclose(got[0], tree_alone(model, [1, 2, 3, 5], tree, [3, 4, 5, 6, 7]), rtol=0, atol=1e-4)
+        np.testing.assert_allclose(got[1], tree_alone(model, [6, 5, 4, 3, 2, 1], other, [5, 6, 7]), rtol=0, atol=1e-4)
         assert (first.n_past, second.n_past) == (4, 6)
         first.keep_path([0, 2, 3])  # 7, 9, 4
         second.keep_path([])
@@ -106,13 +98,6 @@ def test_trees_in_a_shared_batch_read_as_the_model_alone_reads_them(tiny_models)
         model.close()
 
 
-def _tree_alone(model, tokens, tree, rows):
-    model.rewind(0)
-    try:
-        return model.forward_tree(tokens, tree, rows)
-    finally:
-        model.keep_path([])
-        model.rewind(0)
 
 
 
@@ -137,8 +122,8 @@ def test_a_second_tree_reads_as_alone_and_every_path_is_freed(tiny_models):
         tree2 = TokenTree((11, 12, 13), (-1, -1, 0))
         got = together([(rendezvous, lambda: first.forward_tree([6], tree2, [0, 1, 2, 3])),
                         (rendezvous, lambda: second.forward_tree([9], tree2, [0, 1, 2, 3]))])
-        np.testing.assert_allclose(got[0], _tree_alone(model, [1, 2, 3, 5, 7, 9, 4, 6], tree2, [7, 8, 9, 10]), rtol=0, atol=1e-4)
-        np.testing.assert_allclose(got[1], _tree_alone(model, [6, 5, 4, 3, 2, 1, 5, 9], tree2, [7, 8, 9, 10]), rtol=0, atol=1e-4)
+        np.testing.assert_allclose(got[0], tree_alone(model, [1, 2, 3, 5, 7, 9, 4, 6], tree2, [7, 8, 9, 10]), rtol=0, atol=1e-4)
+        np.testing.assert_allclose(got[1], tree_alone(model, [6, 5, 4, 3, 2, 1, 5, 9], tree2, [7, 8, 9, 10]), rtol=0, atol=1e-4)
         first.keep_path([1])
         second.keep_path([0, 2])
         together([(rendezvous, lambda: first.forward([1], [0])), (rendezvous, lambda: second.forward([1], [0]))])

@@ -16,7 +16,7 @@ from specrun.backends.mlx import MlxBackend  # noqa: E402
 from specrun.backends.slots import Rendezvous, Slot  # noqa: E402
 from specrun.engine.loop import GenerationParams  # noqa: E402
 from specrun.errors import ModelFileError  # noqa: E402
-from tests.slots.slot_runs import check_answers_together, write_tiny_gemma3_mlx  # noqa: E402
+from tests.slots.slot_runs import check_answers_together, tree_alone, write_tiny_gemma3_mlx  # noqa: E402
 
 ROUNDING = dict(rtol=0, atol=2e-4)  # float32: a packed pass sums in another order than a lone one
 
@@ -74,13 +74,6 @@ def test_slots_opened_with_hidden_states_give_each_sequence_its_own(pair, layers
         slots.close()
 
 
-def _tree_alone(model, tokens, tree, rows):
-    model.rewind(0)
-    try:
-        return model.forward_tree(tokens, tree, rows)
-    finally:
-        model.keep_path([])
-        model.rewind(0)
 
 
 def test_trees_in_a_shared_batch_read_as_the_model_alone_reads_them(pair):
@@ -106,8 +99,8 @@ def test_trees_in_a_shared_batch_read_as_the_model_alone_reads_them(pair):
         together([(rendezvous, lambda: first.forward([1, 2, 3], [])), (rendezvous, lambda: second.forward([6, 5, 4, 3], []))])
         got = together([(rendezvous, lambda: first.forward_tree([5], tree, [0, 1, 2, 3, 4])),
                         (rendezvous, lambda: second.forward_tree([2, 1], other, [1, 2, 3]))])
-        np.testing.assert_allclose(got[0], _tree_alone(model, [1, 2, 3, 5], tree, [3, 4, 5, 6, 7]), **ROUNDING)
-        np.testing.assert_allclose(got[1], _tree_alone(model, [6, 5, 4, 3, 2, 1], other, [5, 6, 7]), **ROUNDING)
+        np.testing.assert_allclose(got[0], tree_alone(model, [1, 2, 3, 5], tree, [3, 4, 5, 6, 7]), **ROUNDING)
+        np.testing.assert_allclose(got[1], tree_alone(model, [6, 5, 4, 3, 2, 1], other, [5, 6, 7]), **ROUNDING)
         # the deepest node's state is the one its path fed alone gives
         model.rewind(0)
         model.track_hidden(True)
@@ -122,9 +115,9 @@ def test_trees_in_a_shared_batch_read_as_the_model_alone_reads_them(pair):
         tree2 = TokenTree((11, 12, 13), (-1, -1, 0))
         got = together([(rendezvous, lambda: first.forward_tree([6], tree2, [0, 1, 2, 3])),
                         (rendezvous, lambda: second.forward_tree([9], tree2, [0, 1, 2, 3]))])
-        np.testing.assert_allclose(got[0], _tree_alone(model, [1, 2, 3, 5, 7, 9, 4, 6], tree2, [7, 8, 9, 10]),
+        np.testing.assert_allclose(got[0], tree_alone(model, [1, 2, 3, 5, 7, 9, 4, 6], tree2, [7, 8, 9, 10]),
                                    **ROUNDING)
-        np.testing.assert_allclose(got[1], _tree_alone(model, [6, 5, 4, 3, 2, 1, 9], tree2, [6, 7, 8, 9]),
+        np.testing.assert_allclose(got[1], tree_alone(model, [6, 5, 4, 3, 2, 1, 9], tree2, [6, 7, 8, 9]),
                                    **ROUNDING)
         first.keep_path([1])  # 12
         second.keep_path([0, 2])  # 11, 13
