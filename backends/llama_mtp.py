@@ -8,7 +8,9 @@ carry a token and a state (``llama_batch_ext_set_embd_token``): the pair (target
 token at p + 1) at MTP position p + 1, in its own KV cache. Drafting on, a row carries the layer's
 own output state (``llama_get_embeddings_nextn``, an extension llama.cpp declares without extern
 "C", so bound by its mangled name). That state is the first row's of the last batch (llama.cpp
-copies the rows from the start), so a row whose state is read next is fed alone.
+copies the rows from the start), so a row whose state is read next is fed alone. A draft tree's
+level is one batch whose every row is an output, each row's state read by its index
+(``llama_get_embeddings_nextn_ith``), each node in a sequence of its own (``tree_rows``).
 
 A server's slots (backends/llama_slots.py) share one such context made against theirs, a
 sequence a slot (``n_seq``; ``sequence(seq)``: one slot's view, as a lone target's drafter uses
@@ -28,9 +30,12 @@ _SET_NEXTN = "_Z26llama_set_embeddings_nextnP13llama_contextbb"
 _GET_NEXTN = "_Z26llama_get_embeddings_nextnP13llama_context"
 _GET_NEXTN_ITH = "_Z30llama_get_embeddings_nextn_ithP13llama_contexti"
 # A lone target's MTP context grows draft trees in sequences of their own, one a node expanded (its
-# path: its parent's sequence, copied, then its own row), beside the context's sequence 0: as many
-# as llama.cpp holds (LLAMA_MAX_SEQ, 256), the cells shared (a deeper, wider tree grows in NumPy).
-TREE_SEQS = 255
+# path: its parent's sequence, copied, then its own row), beside the context's sequence 0, the
+# cells shared: as many as a tree of ``depth`` expands (EAGLE-2's top-k nodes a level and the main
+# chain's), no more: llama.cpp reserves an output row of the vocabulary a sequence (~1 MB at 250k)
+# and checks every batch against every sequence: 40 holds a tree 8 deep at EAGLE-2's 4 nodes a level
+# and the main chain's (5 x 7, drafters/dynamic_tree.TOP_K). A larger tree grows in NumPy.
+TREE_SEQS = 40
 # Architectures whose MTP layers specrun drives through llama.cpp: those whose state llama.cpp
 # gives the MTP layer is the target's final normed state, the one specrun's hidden-state tracking
 # records (GLM-4.5's, Qwen3.5's, Qwen3-Next's and DeepSeek's latent attention, GLM-4.7-Flash's;
@@ -57,8 +62,11 @@ class NativeMtp:
         self._lib = llama_cpp
         self._set_nextn, self._get_nextn = nextn_functions(llama_cpp)
         library = llama_cpp.llama_cpp._lib
-        self._get_nextn_ith = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int32)(
-            (_GET_NEXTN_ITH, library)) if tree_seqs else None
+        try:  # without the per-row read, chains alone
+            self._get_nextn_ith = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int32)(
+                (_GET_NEXTN_ITH, library)) if tree_seqs else None
+        except AttributeError:
+            self._get_nextn_ith, tree_seqs = None, 0
         params = type(ctx_params).from_buffer_copy(ctx_params)
         params.ctx_type, params.n_rs_seq, params.ctx_other = llama_cpp.LLAMA_CONTEXT_TYPE_MTP, 0, target_ctx
         # the slots' cells in one pool, as their target's (a stream a sequence would split n_ctx); a
@@ -123,6 +131,7 @@ class NativeMtp:
         lib, batch, memory = self._lib, self._batch, self._memory
         with self.lock:
             for parent, seq in zip(parents, seqs):
+                lib.llama_memory_seq_rm(memory, int(seq), -1, -1)  # seq_cp adds to what a sequence holds
                 lib.llama_memory_seq_cp(memory, int(parent), int(seq), -1, -1)
             states = np.ascontiguousarray(states, dtype=np.float32)
             lib.llama_batch_ext_clear(batch)

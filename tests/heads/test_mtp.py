@@ -551,7 +551,8 @@ def test_native_trees_are_the_numpy_layer_s_trees(carrier, monkeypatch):
     monkeypatch.setattr(NativeMtp, "tree_rows", lambda self, *a, **k: rows.append(len(a[1])) or tree_rows(self, *a, **k))
     try:
         native = backend.native_mtp()
-        assert native is not None and native.tree_seqs > 0
+        # sequences for trees only where the target holds trees (a hybrid's does not: none reserved)
+        assert native is not None and (native.tree_seqs > 0) == backend.tree_support.available
         natively = _trees_of(backend, carrier)
         if not backend.tree_support.available:  # a hybrid's state holds no tree: chains, natively
             assert not rows and all(len(tokens) <= 5 for tokens, _ in natively)
@@ -565,6 +566,47 @@ def test_native_trees_are_the_numpy_layer_s_trees(carrier, monkeypatch):
         backend.close()
     assert all(len(tokens) > 5 for tokens, _ in natively)  # trees, not chains
     assert natively == in_numpy
+
+
+def test_a_native_tree_whose_pass_fails_leaves_no_sequence_behind(glm_mtp, monkeypatch):
+    """llama.cpp refusing a tree's second level: nothing drafted then, every tree sequence emptied
+    (a level's sequences were left holding the context's cells, and later trees read them twice),
+    and the trees after it are the NumPy layer's again."""
+    from types import SimpleNamespace
+
+    from specrun.backends.llama import LlamaCppBackend
+
+    backend = LlamaCppBackend(glm_mtp["gguf"], n_ctx=256, n_threads=1, tree_paths=8)
+    try:
+        native = backend.native_mtp()
+        lib, levels = native._lib, []
+
+        def process(ctx, kind, batch):
+            levels.append(1)
+            return -3 if len(levels) == 3 else lib.llama_process(ctx, kind, batch)  # root, level 1, then level 2 fails
+
+        proxy = SimpleNamespace(**{name: getattr(lib, name) for name in dir(lib) if not name.startswith("__")})
+        proxy.llama_process = process
+        context = backend.tokenize(PROMPTS[0])
+        sequence = KVSequence(backend)
+        sequence.reset()
+        drafter = MtpDrafter(read_mtp_gguf(glm_mtp["gguf"]), branches=3)
+        drafter.bind(sequence, perf_counter)
+        try:
+            sequence.feed(context[:-1])
+            monkeypatch.setattr(native, "_lib", proxy)
+            failed = drafter.propose(context, 5, SamplingSettings(), np.random.default_rng(0))
+            monkeypatch.setattr(native, "_lib", lib)
+            assert len(levels) >= 3 and failed.tokens == ()
+            assert all(lib.llama_memory_seq_pos_max(native._memory, seq) == -1 for seq in range(1, native.tree_seqs + 1))
+            again = drafter.propose(context, 5, SamplingSettings(), np.random.default_rng(0))
+        finally:
+            drafter.close()
+        assert len(again.tokens) > 5
+        monkeypatch.setattr(backend, "native_mtp", lambda: None)
+        assert _trees_of(backend, glm_mtp["gguf"])[1] == (list(again.tokens), list(again.parents))
+    finally:
+        backend.close()
 
 
 # How far the native layer's rows (F16 weights in llama.cpp's kernels) and the NumPy layer's

@@ -132,10 +132,10 @@ class MtpDrafter(EagleDrafter):
                         raise _NoSequences
                     ids = list(range(first, first + len(chosen)))
                     parents = [tree.parents[node] for node in chosen]
+                    made.extend(ids)  # before the pass: a level that fails is emptied with the rest
                     rows, out = native.tree_rows([seqs[parent] for parent in parents], ids,
                                                  self._d2t[[tree.drafts[node] for node in chosen]],
                                                  np.stack([states[parent] for parent in parents]), root + 1 + level)
-                    made.extend(ids)
                     seqs.update(zip(chosen, ids))
                     states.update(zip(chosen, out))
                     return rows
