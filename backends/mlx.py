@@ -463,6 +463,7 @@ class MlxBackend(HiddenTracking):
         self._held_kv: list = []  # per layer: the held nodes' (keys, values), each (B, H, n, D)
         self._pass_hidden: list | None = None  # during a tracked pass: (T, H) per model call
         self.shares_layers = False  # a layer draft's layers are the target's (layer_draft)
+        self._mtp_layers: dict[int, tuple] = {}  # id(heads) -> (heads, its MLX layer): mtp_layer's one copy
         self._new_cache()
 
     # ---- vocabulary ---------------------------------------------------------------
@@ -996,7 +997,7 @@ class MlxBackend(HiddenTracking):
         where the layer shares them."""
         from specrun.backends.mtp_mlx import MlxMtpLayer
 
-        held = getattr(self, "_mtp_layers", {})
+        held = self._mtp_layers
         if id(heads) in held:  # one copy of a layer's weights, however many drafters (a server's slots) use it
             return held[id(heads)][1]
         if not self.hidden_support.available:

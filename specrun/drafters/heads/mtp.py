@@ -88,68 +88,68 @@ class MtpDrafter(EagleDrafter):
         if depth <= 0 or len(context) < 2:
             return EMPTY_PROPOSAL
         if native_trees:
-            tree = self._native_tree(native, context, depth)
+            tree = self._natively(native, context, lambda logits: self._native_tree(native, context, depth, logits))
             return tree if tree is not None else super().propose(context, draft_len, sampling, rng)
-        root = len(context) - 2
-        tokens, rows = [], []
-        with native.lock:  # a server's slots share the context: the state read is this chain's own
-            try:
-                logits = self._native_root(native, context)
-                if logits is None:  # fed while tracking was off (a cache from before the heads were in use)
-                    return EMPTY_PROPOSAL
-                for step in range(depth):
-                    if not self._draw(logits, sampling, rng, tokens, rows):
-                        break
-                    if step + 1 == depth:
-                        break
-                    logits = native.feed(tokens[-1:], native.own_state()[None, :], logits=True)
-            except RuntimeError:  # llama.cpp refused a pass (memory): draft nothing now, catch up afresh next time
-                native.keep(0)
-                self._native_context = []
-                return EMPTY_PROPOSAL
-            finally:
-                native.keep(root + 1)  # the chain's own pairs go; the context's stay
-        return self._chain_proposal(tokens, rows, sampling, rng)
 
-    def _native_tree(self, native, context: Sequence[int], depth: int) -> Proposal | None:
-        """EAGLE-2's dynamic tree (greedy) in llama.cpp's MTP context: the root pair as a chain's,
-        then each level's chosen nodes in one batch, every node in a sequence of its own made from
-        its parent's (the context's for the root's children), so it reads the context and its own
-        ancestors; the tree's sequences emptied after. None where the tree would need more
-        sequences than the context has (the NumPy layer grows it then)."""
+        def chain(logits: np.ndarray) -> Proposal:
+            tokens, rows = [], []
+            for step in range(depth):
+                if not self._draw(logits, sampling, rng, tokens, rows):
+                    break
+                if step + 1 == depth:
+                    break
+                logits = native.feed(tokens[-1:], native.own_state()[None, :], logits=True)
+            return self._chain_proposal(tokens, rows, sampling, rng)
+
+        return self._natively(native, context, chain)
+
+    def _natively(self, native, context: Sequence[int], draft: Callable[[np.ndarray], Proposal | None]):
+        """``draft(the root's logits)`` in llama.cpp's MTP context, under its lock (a server's slots
+        share it: the states read are this draft's own). Nothing drafted where the target has no
+        states (fed while tracking was off) or llama.cpp refuses a pass (memory: the context catches
+        up afresh next time); the pairs drafted after the root go, the context's stay."""
         root = len(context) - 2
-        made: list[int] = []
         with native.lock:
             try:
                 logits = self._native_root(native, context)
-                if logits is None:
-                    return EMPTY_PROPOSAL
-                states, seqs = {-1: native.own_state()}, {-1: 0}
-
-                def expand(tree: DraftTree, chosen: list[int], level: int) -> np.ndarray:
-                    first = len(made) + 1
-                    if first + len(chosen) - 1 > native.tree_seqs:
-                        raise _NoSequences
-                    ids = list(range(first, first + len(chosen)))
-                    parents = [tree.parents[node] for node in chosen]
-                    made.extend(ids)  # before the pass: a level that fails is emptied with the rest
-                    rows, out = native.tree_rows([seqs[parent] for parent in parents], ids,
-                                                 self._d2t[[tree.drafts[node] for node in chosen]],
-                                                 np.stack([states[parent] for parent in parents]), root + 1 + level)
-                    seqs.update(zip(chosen, ids))
-                    states.update(zip(chosen, out))
-                    return rows
-
-                return grow_tree(logits, depth, self.top_k, self.branches, expand, self._d2t, self.name)
-            except _NoSequences:
-                return None
-            except RuntimeError:  # llama.cpp refused a pass (memory): draft nothing now, catch up afresh next time
+                return EMPTY_PROPOSAL if logits is None else draft(logits)
+            except RuntimeError:
                 native.keep(0)
                 self._native_context = []
                 return EMPTY_PROPOSAL
             finally:
-                native.drop_tree(made)
-                native.keep(root + 1)  # the context's pairs stay
+                native.keep(root + 1)
+
+    def _native_tree(self, native, context: Sequence[int], depth: int, logits: np.ndarray) -> Proposal | None:
+        """EAGLE-2's dynamic tree (greedy) from the root's ``logits`` in llama.cpp's MTP context (held
+        by ``_natively``): each level's chosen nodes in one batch, every node in a sequence of its own
+        made from its parent's (the context's for the root's children), so it reads the context and
+        its own ancestors; the tree's sequences emptied after. None where the tree would need more
+        sequences than the context has (the NumPy layer grows it then)."""
+        root = len(context) - 2
+        made: list[int] = []
+        states, seqs = {-1: native.own_state()}, {-1: 0}
+
+        def expand(tree: DraftTree, chosen: list[int], level: int) -> np.ndarray:
+            first = len(made) + 1
+            if first + len(chosen) - 1 > native.tree_seqs:
+                raise _NoSequences
+            ids = list(range(first, first + len(chosen)))
+            parents = [tree.parents[node] for node in chosen]
+            made.extend(ids)  # before the pass: a level that fails is emptied with the rest
+            rows, out = native.tree_rows([seqs[parent] for parent in parents], ids,
+                                         self._d2t[[tree.drafts[node] for node in chosen]],
+                                         np.stack([states[parent] for parent in parents]), root + 1 + level)
+            seqs.update(zip(chosen, ids))
+            states.update(zip(chosen, out))
+            return rows
+
+        try:
+            return grow_tree(logits, depth, self.top_k, self.branches, expand, self._d2t, self.name)
+        except _NoSequences:
+            return None
+        finally:
+            native.drop_tree(made)
 
     def _native_root(self, native, context: Sequence[int]) -> np.ndarray | None:
         """The native layer's logits (V,) at the root pair (the target's state at the context's
