@@ -4,7 +4,10 @@ Requests wait first come, first served. A job goes to an idle slot, and where se
 to the one whose cache already holds the longest start of the job's prompt (``affinity``: an
 agent's or a chat's next turn returns to the slot that holds its conversation, and prefills only
 what is new), else to the slot idle longest (whose cache is the least recent), as llama-server
-picks its slots by prompt similarity. With one slot this is a plain FIFO queue.
+picks its slots by prompt similarity. A slot counts as idle from the moment its answer is
+complete (``answered``), before its client is told: a client sending its next turn the moment the
+last answer arrives finds its conversation's slot idle, not still closing the answer on its thread.
+With one slot this is a plain FIFO queue.
 """
 
 from __future__ import annotations
@@ -59,6 +62,15 @@ class Jobs(Generic[Job]):
             self._given.clear()
             self._waiting.clear()
             return taken
+
+    def answered(self, slot: int) -> None:
+        """``slot``'s answer is complete (its cache holds all it will of it): it is idle from now
+        on, and takes what is handed to it once its thread next asks (``get``)."""
+        with self._lock:
+            if slot in self._idle or slot in self._given:
+                return
+            self._idle[slot] = next(self._ticks)
+            self._lock.notify_all()  # a slot waiting in get prepares what waits and hands it out
 
     def close(self) -> None:
         """Slots asking for a job from now on get None (stop), once what was handed them is taken."""

@@ -601,7 +601,7 @@ class PairWorker:
                         tokens = from_draft = 0
                         logprobs.clear()
                     if cut.stopped:
-                        self._finish(job, "stop", event.stats, tool_cut, trace)
+                        self._finish(job, "stop", event.stats, tool_cut, trace, slot)
                         return
                 elif isinstance(event, Finished):
                     tail = cut.flush()
@@ -613,7 +613,7 @@ class PairWorker:
                         stopped = self._grammar_failed(job, event.result)
                         return
                     self._finish(job, _FINISH_REASONS[event.result.finish_reason], event.result.stats, tool_cut,
-                                 trace)
+                                 trace, slot)
         except Exception as exc:  # noqa: BLE001 - the server keeps serving; the request learns what failed
             self.metrics.finished(job, "error", None)
             message = exc.one_line() if isinstance(exc, SpecrunError) else f"{type(exc).__name__}: {exc}"
@@ -656,7 +656,7 @@ class PairWorker:
         return message
 
     def _finish(self, job: Job, finish_reason: str, stats: Stats, tool_cut: ToolCallCut | None = None,
-                trace: RequestTrace | None = None) -> None:
+                trace: RequestTrace | None = None, slot: int = 0) -> None:
         if tool_cut is not None:
             cut = finish_reason == "length"
             tail, calls = tool_cut.finish(cut)
@@ -669,6 +669,7 @@ class PairWorker:
             trace.end(finish_reason, stats)
         self.served += 1
         self.metrics.finished(job, finish_reason, stats)
+        self.jobs.answered(slot)  # idle before its client hears: a next turn sent at once finds this slot
         job.emit(Done(finish_reason, stats))
         self.log(f"{job.id}: {finish_reason}; {stats.summary()}")
 

@@ -142,3 +142,23 @@ def test_jobs_taken_back_from_a_slot_leave_it_idle_for_the_next():
     jobs.put("next")
     jobs.put("after")
     assert jobs.get(1) == "next" and jobs.get(0) == "after"  # slot 1 idle longest, then slot 0
+
+
+def test_a_slot_whose_answer_is_complete_takes_the_next_turn_before_its_thread_asks():
+    """A client's next turn, sent the moment its answer arrives, goes to the slot holding the
+    conversation even while that slot's thread is still closing the answer (not yet in get)."""
+    jobs, got = Jobs(2, lambda slot, job: 10 if slot == 0 else 0), {}
+    other = _waiting(jobs, 1, got)
+    _idle(jobs, 1)
+    jobs.answered(0)  # slot 0 answered; its thread has not asked for a job yet
+    jobs.answered(0)  # said twice: still one idle slot, its place unchanged
+    jobs.put("next turn")
+    deadline = time.monotonic() + 5
+    while "next turn" not in jobs._given.values():
+        assert time.monotonic() < deadline
+        time.sleep(0.001)
+    assert jobs._given == {0: "next turn"} and got == {}
+    assert jobs.get(0) == "next turn"
+    jobs.close()
+    other.join(5)
+    assert got == {1: None}
