@@ -321,6 +321,12 @@ class Backend(Protocol):
         them (unscaled), for heads that share it (EAGLE-3 files without their own); ValueError
         naming why where this backend cannot."""
 
+    def output_rows(self, ids: Sequence[int]) -> np.ndarray:
+        """Float32 rows (len(ids), H) of the model's output head (the tied embedding's where it
+        has none of its own), before any final soft-capping: the final-normed hidden state times
+        their transpose is the target's logits over ``ids``, as online heads learn from them
+        (training/online.py); ValueError naming why where this backend cannot."""
+
     def hidden_rows(self, rows: Sequence[int]) -> np.ndarray:
         """Float32 hidden states (len(rows), H) of the last pass, ``rows`` indexing the fed
         tokens followed by the tree's nodes as ``logit_rows`` do (row len(tokens) + i is node

@@ -187,6 +187,14 @@ class FakeBackend(ArgmaxFromLogits, HiddenTracking):
         size = self.hidden_support.size
         return np.array([np.random.default_rng(1000 + int(token)).normal(0, 1, size) for token in ids], np.float32)
 
+    def output_rows(self, ids: Sequence[int]) -> np.ndarray:
+        """The fake's output head: a row of normal draws seeded by each id (its logits do not come
+        from its states: the distributions these give its states are the fake's made-up teacher)."""
+        if not self.hidden_support.available:
+            raise ValueError("this fake backend has no hidden table")
+        size = self.hidden_support.size
+        return np.array([np.random.default_rng(2000 + int(token)).normal(0, 1, size) for token in ids], np.float32)
+
     def open_window(self, sinks: int, window: int, owns: bool = False):
         """This fake drafting from a FakeWindowCache of its first tokens and a recent window."""
         from specrun.backends.window import WindowedBackend

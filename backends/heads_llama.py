@@ -51,13 +51,7 @@ class LlamaHeadsTarget:
     def output_rows(self, token_ids: np.ndarray) -> np.ndarray:
         """(len(token_ids), H) float32: the output head's rows (the tied embedding where the
         file has no output matrix)."""
-        from specrun.modelkit.gguf_io import read_gguf_tensor
-
-        try:
-            weights = read_gguf_tensor(self.folder, "output.weight")
-        except KeyError:
-            weights = read_gguf_tensor(self.folder, "token_embd.weight")
-        return np.asarray(weights[np.asarray(token_ids)], np.float32)
+        return self.backend.output_rows(np.asarray(token_ids))
 
     def input_rows(self, token_ids: np.ndarray) -> np.ndarray:
         """(len(token_ids), H) float32: the input embedding's rows (token_embd, dequantized)."""

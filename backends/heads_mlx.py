@@ -92,16 +92,9 @@ class MlxHeadsTarget:
         return self._mx.argmax(logits, axis=-1)
 
     def output_rows(self, token_ids: np.ndarray) -> np.ndarray:
-        """(len(token_ids), H) float32: the output head's rows for ``token_ids`` (read through the
-        linear map itself, so quantized heads work: head(I) - head(0) is W transposed)."""
-        mx = self._mx
-        model = self.model
-        linear = model.lm_head if "lm_head" in model.children() else model.model.embed_tokens.as_linear
-        eye = mx.eye(self.hidden_size, dtype=mx.float32)
-        bias = linear(mx.zeros((1, self.hidden_size)))
-        weights_t = (linear(eye) - bias).astype(mx.float32)  # (H, V_model), before any soft-capping
-        ids = mx.array(np.asarray(token_ids, dtype=np.int32))
-        return np.array(weights_t[:, ids].T)  # (n, H)
+        """(len(token_ids), H) float32: the output head's rows for ``token_ids`` (dequantized
+        where quantized), before any soft-capping."""
+        return self.backend.output_rows(np.asarray(token_ids))
 
     def input_rows(self, token_ids: np.ndarray) -> np.ndarray:
         """(len(token_ids), H) float32: the input embedding's rows for ``token_ids`` (dequantized

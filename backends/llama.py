@@ -335,7 +335,7 @@ class LlamaCppBackend(HiddenTracking):
         )
         self._first_output = 0  # the fed row of the tracked decode's first logits row
         self._every_row = False  # did the last decode output every row (embeddings on)?
-        self._embedding_table = None  # token_embeddings' (the GGUF's tensor, memory-mapped), once asked for
+        self._gguf_tensors = None  # the file's tensors by name (memory-mapped), once rows are asked for
         self._layer_states: list[np.ndarray] = []  # a tracked decode's layer outputs, chunk by chunk
 
     def _set_variant(self) -> None:
@@ -1019,14 +1019,22 @@ class LlamaCppBackend(HiddenTracking):
     def token_embeddings(self, ids: Sequence[int]) -> np.ndarray:
         """Rows of the file's ``token_embd.weight``, dequantized (gguf's own dequantization, only
         the rows asked for: the table is memory-mapped)."""
+        return self._table_rows(("token_embd.weight",), ids)
+
+    def output_rows(self, ids: Sequence[int]) -> np.ndarray:
+        """Rows of the file's ``output.weight`` (``token_embd.weight`` where the output is tied),
+        dequantized as ``token_embeddings``'."""
+        return self._table_rows(("output.weight", "token_embd.weight"), ids)
+
+    def _table_rows(self, names: tuple[str, ...], ids: Sequence[int]) -> np.ndarray:
+        """Float32 rows ``ids`` of the first of the tensors ``names`` the file holds."""
         import gguf
 
-        if self._embedding_table is None:
-            tensors = {tensor.name: tensor for tensor in gguf.GGUFReader(str(self.path)).tensors}
-            if "token_embd.weight" not in tensors:
-                raise ValueError(f"{self.path} holds no token_embd.weight")
-            self._embedding_table = tensors["token_embd.weight"]
-        table = self._embedding_table
+        if self._gguf_tensors is None:  # memory-mapped: only the rows asked for are read
+            self._gguf_tensors = {tensor.name: tensor for tensor in gguf.GGUFReader(str(self.path)).tensors}
+        table = next((self._gguf_tensors[name] for name in names if name in self._gguf_tensors), None)
+        if table is None:
+            raise ValueError(f"{self.path} holds no {' or '.join(names)}")
         rows = np.asarray(table.data[np.asarray(ids, dtype=np.int64)])
         return gguf.quants.dequantize(rows, table.tensor_type).astype(np.float32).reshape(len(ids), -1)
 

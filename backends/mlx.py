@@ -384,6 +384,7 @@ class ModelSplit:
     body: Any
     head: Any
     size: int  # H
+    linear: Any = None  # the head's linear map (``lm_head`` or the tied embedding's), before any soft-capping
 
 
 def split_model(mx, lm_cache, model) -> ModelSplit:
@@ -414,7 +415,7 @@ def split_model(mx, lm_cache, model) -> ModelSplit:
         head = linear if not cap else (lambda h, linear=linear: mx.tanh(linear(h) / cap) * cap)
         logits = head(hidden)
         if logits.shape == expected.shape and mx.allclose(logits, expected, rtol=1e-4, atol=1e-4).item():
-            return ModelSplit(body, head, int(hidden.shape[-1]))
+            return ModelSplit(body, head, int(hidden.shape[-1]), linear)
     raise ValueError(f"mlx-lm's {arch} model does not give its logits as lm_head (or tied embeddings) "
                      "of its body's output")
 
@@ -1016,6 +1017,28 @@ class MlxBackend(HiddenTracking):
         mx = self._mx
         with MODEL_CALLS:  # a slot's heads may ask on their own thread while the slots' runner decodes
             return np.array(embeddings(mx.array(list(ids))).astype(mx.float32))
+
+    def output_rows(self, ids: Sequence[int]) -> np.ndarray:
+        """Rows of the output head's linear map (the tied embedding's rows where it is tied),
+        dequantized where quantized."""
+        support = self.hidden_support
+        if not support.available:
+            raise ValueError(f"this model's output head cannot be read: {support.reason}")
+        linear, mx = self._split.linear, self._mx
+        picked = mx.array(np.asarray(ids, dtype=np.int32))
+        with MODEL_CALLS:
+            if getattr(linear, "__self__", None) is not None:  # embed_tokens.as_linear: the embedding's rows
+                rows = linear.__self__(picked)
+            elif hasattr(linear, "scales"):  # a QuantizedLinear
+                rows = mx.dequantize(linear.weight[picked], linear.scales[picked],
+                                     linear["biases"][picked] if "biases" in linear else None,
+                                     group_size=linear.group_size, bits=linear.bits,
+                                     **({"mode": linear.mode} if hasattr(linear, "mode") else {}))
+            elif hasattr(linear, "weight"):
+                rows = linear.weight[picked]
+            else:
+                raise ValueError(f"this model's output head ({type(linear).__name__}) keeps no rows to read")
+            return np.array(rows.astype(mx.float32))
 
     def _choose_layers(self, layers: tuple[int, ...]) -> None:
         self._layer_sink: list = []

@@ -579,6 +579,10 @@ class Slot(ParentsModel, ArgmaxFromLogits, HiddenTracking):
         self.hidden_support.check()
         return self.parent.token_embeddings(ids)
 
+    def output_rows(self, ids):
+        self.hidden_support.check()
+        return self.parent.output_rows(ids)
+
     def native_mtp(self):
         """This slot's sequence of the MTP context the slots' model runs natively (llama.cpp's:
         LlamaSlots.native_mtp), or None."""

@@ -221,6 +221,9 @@ class WindowedBackend(ParentsModel, ArgmaxFromLogits):
     def token_embeddings(self, ids):
         return self.parent.token_embeddings(ids)
 
+    def output_rows(self, ids):
+        return self.parent.output_rows(ids)
+
     def close(self) -> None:
         cache, self.cache = self.cache, None
         if cache is not None:

@@ -24,6 +24,10 @@ and the learner's own report (steps, CPU while generating as a share of generati
         --heads runs/chat.medusa.safetensors --suite --prompts ../shared/data/spec_bench/question.jsonl \
         --categories code-completion code-editing coding --tokens 2000
 
+Heads that read the target's final state learn its distributions there (soft labels); ``--labels
+tokens`` has them learn its tokens only, ``--labels both`` runs a third line, ``learning-tokens``,
+so the two are compared in one interleaved run.
+
 A draft model that learns (MLX: LoRA adapters, training/online_draft.py), ``--method draft``:
 
     .venv/bin/python benchmarks/online_learning.py --target demo-target --draft demo-draft \
@@ -103,6 +107,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--think", type=float, default=0.0,
                         help="after each prompt's two answers, wait up to this many seconds (a user reading) while "
                         "learning trains on what it read (implies --idle)")
+    parser.add_argument("--labels", choices=["distributions", "tokens", "both"], default="distributions",
+                        help="what heads learn of the target's (both: a line of each)")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
 
@@ -119,14 +125,18 @@ def main(argv: list[str] | None = None) -> int:
     if draft is None and args.heads is None:
         parser.error("pass --heads (heads that learn) or --draft (a draft model that learns)")
     load = LoadOptions(backend=args.backend, threads=args.threads)
-    learning = Learning(LearnSettings(share=args.learn_budget, idle=args.idle or args.think > 0), explicit=True,
-                        on_note=lambda note: print(f"note: {note}", file=sys.stderr))
-    params = GenerationParams(args.max_new, args.draft_len, SamplingSettings())
-    lines = {
-        "static": open_chat(target, draft, args.method, load, heads=args.heads, draft_len=args.draft_len),
-        "learning": open_chat(target, draft, args.method, load, heads=args.heads, draft_len=args.draft_len,
-                              learn=learning),
+    settings = LearnSettings(share=args.learn_budget, idle=args.idle or args.think > 0)
+    learnings = {  # the learning lines: each its own learners
+        name: Learning(settings, explicit=True, soft_labels=soft, on_note=lambda note: print(f"note: {note}", file=sys.stderr))
+        for name, soft in (("learning", args.labels != "tokens"), ("learning-tokens", False))
+        if name == "learning" or args.labels == "both"
     }
+    params = GenerationParams(args.max_new, args.draft_len, SamplingSettings())
+    lines = {"static": open_chat(target, draft, args.method, load, heads=args.heads, draft_len=args.draft_len)}
+    for name, learning in learnings.items():
+        lines[name] = open_chat(target, draft, args.method, load, heads=args.heads, draft_len=args.draft_len,
+                                learn=learning)
+    learners = lambda: [learner for learning in learnings.values() for learner in learning.learners]  # noqa: E731
     bounds = sorted(set([*args.segments, args.tokens]))
     totals = {name: {bound: Stats() for bound in bounds} for name in lines}
     done_tokens, answers, differ, thought = 0, 0, 0, 0.0
@@ -138,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
             # with --think, learning answers last: its idle training then runs in the pause, never beside static
             order = list(lines) if index % 2 == 0 or args.think > 0 else list(lines)[::-1]
             results = {name: answer(lines[name], prompt, params) for name in order}
-            differ += results["static"][1] != results["learning"][1]
+            differ += any(results[name][1] != results["static"][1] for name in learnings)
             segment = next(bound for bound in bounds if done_tokens < bound)
             for name, (stats, _) in results.items():
                 totals[name][segment].add(stats)
@@ -146,40 +156,46 @@ def main(argv: list[str] | None = None) -> int:
             answers += 1
             if args.think > 0:  # the user reads: learning trains until it has caught up, both lines idle
                 waited = time.monotonic()
-                while time.monotonic() - waited < args.think and not all(l.caught_up for l in learning.learners):
+                while time.monotonic() - waited < args.think and not all(l.caught_up for l in learners()):
                     time.sleep(0.05)
                 thought += time.monotonic() - waited
-            print(f"{answers:3d} {done_tokens:5d} tokens  static {results['static'][0].accepted:4d}/"
-                  f"{results['static'][0].drafted:<4d} learning {results['learning'][0].accepted:4d}/"
-                  f"{results['learning'][0].drafted:<4d}", file=sys.stderr, flush=True)
+            counts = "  ".join(f"{name} {results[name][0].accepted:4d}/{results[name][0].drafted:<4d}" for name in lines)
+            print(f"{answers:3d} {done_tokens:5d} tokens  {counts}", file=sys.stderr, flush=True)
     finally:
         for session in lines.values():  # first: a drafter hands the learner the rest of its last text
             session.close()
-        reports = learning.finish()
+        reports = {name: learning.finish() for name, learning in learnings.items()}
     report = {
         "target": args.target, "heads": args.heads, "draft": args.draft, "method": args.method, "draft_len": args.draft_len,
         "prompts": [*(["built-in suite"] if args.suite else []), *([args.prompts] if args.prompts else [])],
         "categories": args.categories,
         "answers": answers, "tokens": done_tokens, "texts_differing": differ, "seconds": round(time.monotonic() - started, 1),
         "learn_budget": args.learn_budget, "idle": args.idle or args.think > 0, "think_seconds": round(thought, 1),
-        "segments": {}, "learner": [r.to_dict() for r in reports],
+        "labels": args.labels, "segments": {},
+        "learner": {name: [r.to_dict() for r in made] for name, made in reports.items()},
     }
     previous = 0
     for bound in bounds:
-        static, learned = summary(totals["static"][bound]), summary(totals["learning"][bound])
+        static = summary(totals["static"][bound])
         if not static["tokens"]:
             continue
-        ratio = {key: round(learned[key] / static[key], 3) if static[key] else None
-                 for key in ("tokens_per_pass", "tokens_per_second")}
-        ratio["acceptance_by_depth"] = [round(b / a, 3) if a else None
-                                        for a, b in zip(static["acceptance_by_depth"], learned["acceptance_by_depth"])]
-        report["segments"][f"{previous}-{bound}"] = {"static": static, "learning": learned, "ratio": ratio}
+        segment = report["segments"][f"{previous}-{bound}"] = {"static": static}
         print(f"tokens {previous}-{bound}: static {static['acceptance_by_depth']} {static['tokens_per_pass']} "
-              f"tok/pass {static['tokens_per_second']} tok/s | learning {learned['acceptance_by_depth']} "
-              f"{learned['tokens_per_pass']} tok/pass {learned['tokens_per_second']} tok/s | ratio {ratio}")
+              f"tok/pass {static['tokens_per_second']} tok/s")
+        for name in learnings:
+            learned = summary(totals[name][bound])
+            ratio = {key: round(learned[key] / static[key], 3) if static[key] else None
+                     for key in ("tokens_per_pass", "tokens_per_second")}
+            ratio["acceptance_by_depth"] = [round(b / a, 3) if a else None
+                                            for a, b in zip(static["acceptance_by_depth"], learned["acceptance_by_depth"])]
+            segment[name] = learned
+            segment["ratio" if name == "learning" else f"ratio-{name}"] = ratio
+            print(f"    {name} {learned['acceptance_by_depth']} {learned['tokens_per_pass']} tok/pass "
+                  f"{learned['tokens_per_second']} tok/s | ratio {ratio}")
         previous = bound
-    for learned_report in reports:
-        print(learned_report.summary())
+    for made in reports.values():
+        for learned_report in made:
+            print(learned_report.summary())
     if differ:
         print(f"texts differing: {differ} of {answers} (learning must never change a greedy text)")
     write_report(args.json, report)

@@ -598,16 +598,14 @@ LEARNING_RATE = 0.05  # large: each run's step moves the fake's small heads visi
 
 
 def learning_heads(heads, target):
-    """An inline learner of ``heads``: each window of two or more verified positions is trained on
-    at once and the weights published, so the drafter swaps them in at its next proposal."""
+    """An inline learner of ``heads`` as a command makes it (the target's distributions its labels
+    where the heads read its output head's input, EAGLE-3's embedding the target's): each window
+    of two or more verified positions is trained on at once and the weights published, so the
+    drafter swaps them in at its next proposal."""
     from specrun.training.learner import LearnSettings
-    from specrun.training.online import OnlineLearner
+    from specrun.training.online import Learning
 
-    embedding = None
-    if getattr(heads, "embed_tokens", 0) is None:  # EAGLE-3 heads reading the target's embedding
-        embedding = target.token_embeddings(range(heads.config.vocab_size))
-    return OnlineLearner(heads, LearnSettings(learning_rate=LEARNING_RATE), embedding=embedding, window=2,
-                         inline=True)
+    return Learning(LearnSettings(learning_rate=LEARNING_RATE), window=2, inline=True)(heads, target)
 
 
 def learning_draft(draft):

@@ -117,6 +117,26 @@ def softmax(scores: np.ndarray) -> np.ndarray:
     return weights / weights.sum(axis=-1, keepdims=True)
 
 
+def cross_entropy(probabilities: np.ndarray, picked: np.ndarray, soft: np.ndarray | None = None) -> tuple[float, np.ndarray]:
+    """The summed cross-entropy of rows of probabilities (n, V) against the labels ``picked``
+    (n,) or, where ``soft`` (n, V) is given, against those distributions (the target's own: soft
+    labels); and its gradient with respect to the rows' logits, written over ``probabilities``."""
+    if soft is None:
+        rows = np.arange(len(probabilities))
+        loss = float(-np.log(probabilities[rows, picked] + 1e-30).sum())
+        probabilities[rows, picked] -= 1.0
+        return loss, probabilities
+    loss = float(-(soft * np.log(probabilities + 1e-30)).sum())
+    probabilities -= soft
+    return loss, probabilities
+
+
+def teacher_distributions(states: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """(n, V) the target's distributions at final-normed ``states`` (n, H) over the vocabulary
+    whose output-head rows are ``rows`` (V, H): its soft labels over a draft vocabulary."""
+    return softmax(states @ rows.T)
+
+
 def zero_padded(array: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
     """``array`` in the leading corner of a zero array of ``shape`` (heads for a target widened
     with zeros: modelkit/widen.py)."""

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from specrun.heads.eagle import PARAMETER_NAMES, EagleHeads, EagleLayout, causal_window, chain_guesses, eagle_shapes
-from specrun.heads.layers import draft_id_map, rope
+from specrun.heads.layers import cross_entropy, draft_id_map, rope, softmax, teacher_distributions
 from specrun.heads.config import HeadsConfig
 from specrun.training.optimizer import NamedAdamW
 
@@ -136,11 +136,14 @@ def _forward(heads: EagleHeads, inputs: np.ndarray, tokens: np.ndarray, batch: i
                     attended, normed2, inv2, x2, gate, up, sig, activated, mixed, out)
 
 
-def batch_loss(heads: EagleHeads, windows: list[EagleWindow],
-               noise: list[np.ndarray] | None = None) -> tuple[float, dict[str, np.ndarray]]:
+def batch_loss(heads: EagleHeads, windows: list[EagleWindow], noise: list[np.ndarray] | None = None,
+               teacher: np.ndarray | None = None) -> tuple[float, dict[str, np.ndarray]]:
     """The loss over ``windows`` (the regression's mean over their positions, the cross-entropy's
     over their labelled positions) and its gradient for each array of ``heads`` (by name).
-    ``noise``: per window (T - 1, H), added to the input features (None: none)."""
+    ``noise``: per window (T - 1, H), added to the input features (None: none). ``teacher``: the
+    target's output rows over the draft vocabulary (Vd, H); where given, a labelled position
+    learns the target's distribution at the feature it regresses to (which chose its label:
+    soft labels, as EAGLE trains) instead of the label."""
     layout = heads.layout
     size = heads.config.hidden_size
     inputs, tokens, targets, following, valid, length = _padded(windows, noise, heads.fc.dtype)
@@ -158,18 +161,15 @@ def batch_loss(heads: EagleHeads, windows: list[EagleWindow],
     labels = draft_id_map(heads.config, heads.d2t)[np.maximum(following, 0)]
     labelled = (following >= 0) & (labels < heads.config.draft_vocab_size)
     label_rows = np.flatnonzero(labelled)
-    logits = logits - logits.max(axis=-1, keepdims=True)
-    probabilities = np.exp(logits)
-    probabilities /= probabilities.sum(axis=-1, keepdims=True)
+    probabilities = softmax(logits[label_rows])
     ce_count = max(len(label_rows), 1)
-    cross_entropy = float(-np.log(probabilities[label_rows, labels[label_rows]] + 1e-30).sum()) / ce_count
-    loss = REGRESSION_WEIGHT * regression + CE_WEIGHT * cross_entropy
+    soft = None if teacher is None else teacher_distributions(targets[label_rows], teacher)
+    label_loss, d_labelled = cross_entropy(probabilities, labels[label_rows], soft)
+    loss = REGRESSION_WEIGHT * regression + CE_WEIGHT * label_loss / ce_count
 
     grads: dict[str, np.ndarray] = {}
-    d_logits = probabilities
-    d_logits[label_rows, labels[label_rows]] -= 1.0
-    d_logits[~labelled] = 0.0
-    d_logits *= CE_WEIGHT / ce_count
+    d_logits = np.zeros_like(logits)
+    d_logits[label_rows] = d_labelled * (CE_WEIGHT / ce_count)
     grads["lm_head"] = d_logits.T @ out
     d_out = d_logits @ heads.lm_head + (REGRESSION_WEIGHT / regression_count) * np.clip(diff, -1.0, 1.0)
     grads["down_proj"] = d_out.T @ f.mixed
@@ -263,8 +263,9 @@ class NumpyEagleTrainer(NamedAdamW):
     def current(self) -> EagleHeads:
         return EagleHeads(self.config, self.layout, d2t=self.d2t, **self.params)
 
-    def step_windows(self, windows: list[EagleWindow]) -> float:
-        """One AdamW step on ``windows`` (one padded batch); the loss before the step."""
+    def step_windows(self, windows: list[EagleWindow], teacher: np.ndarray | None = None) -> float:
+        """One AdamW step on ``windows`` (one padded batch), with the target's distributions as
+        labels where its output rows ``teacher`` (Vd, H) are given; the loss before the step."""
         windows = [window for window in windows if len(window.tokens) >= 2]
         if not windows:
             return float("nan")
@@ -273,7 +274,7 @@ class NumpyEagleTrainer(NamedAdamW):
             rms = float(np.sqrt(np.mean(np.square(window.features, dtype=np.float32))))
             shape = (len(window.tokens) - 1, self.config.hidden_size)
             noise.append((self.rng.random(shape, np.float32) - 0.5) * (NOISE * rms))
-        loss, grads = batch_loss(self.current(), windows, noise)
+        loss, grads = batch_loss(self.current(), windows, noise, teacher)
         self.apply(grads)
         return loss
 

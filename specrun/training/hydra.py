@@ -16,6 +16,7 @@ import numpy as np
 
 from specrun.heads.hydra import DEFAULT_EMBEDDING_SIZE, HydraHeads, chain_guesses, hydra_shapes
 from specrun.heads.config import HeadsConfig
+from specrun.heads.layers import cross_entropy
 from specrun.training.medusa import HEAD_LOSS_DECAY
 from specrun.training.optimizer import NamedAdamW
 
@@ -24,12 +25,14 @@ def _sigmoid(z: np.ndarray) -> np.ndarray:
     return 0.5 * (1.0 + np.tanh(0.5 * z))
 
 
-def batch_loss(heads: HydraHeads, hidden: np.ndarray, rows: np.ndarray,
-               labels: np.ndarray) -> tuple[float, dict[str, np.ndarray]]:
+def batch_loss(heads: HydraHeads, hidden: np.ndarray, rows: np.ndarray, labels: np.ndarray,
+               soft: np.ndarray | None = None) -> tuple[float, dict[str, np.ndarray]]:
     """The weighted loss over N positions and its gradient for each array of ``heads`` (by the
     names ``HydraHeads.arrays`` gives). ``hidden`` (N, H): the target's states; ``rows`` (N, K):
     the embedding rows of the tokens at p + 1 .. p + K; ``labels`` (K, N): head i's label as a
-    draft id, -1 where it has none (its loss is the mean over the positions that have one)."""
+    draft id, -1 where it has none (its loss is the mean over the positions that have one);
+    ``soft`` (K, N, Vd): where given, the target's distribution each labelled position learns
+    instead of its label (soft labels)."""
     size = heads.config.hidden_size
     embedding_size = heads.embedding_size
     grads: dict[str, np.ndarray] = {}
@@ -59,10 +62,8 @@ def batch_loss(heads: HydraHeads, hidden: np.ndarray, rows: np.ndarray,
         logits = logits - logits.max(axis=1, keepdims=True)
         probabilities = np.exp(logits)
         probabilities /= probabilities.sum(axis=1, keepdims=True)
-        picked = labels[i][labelled]
-        total += scale * float(-np.log(probabilities[np.arange(count), picked] + 1e-30).sum())
-        d_logits = probabilities
-        d_logits[np.arange(count), picked] -= 1.0
+        loss, d_logits = cross_entropy(probabilities, labels[i][labelled], None if soft is None else soft[i][labelled])
+        total += scale * loss
         d_logits *= scale
         grads[f"{i}.lm_head"] = d_logits.T @ x
         d_x = d_logits @ projection  # (n, H)
@@ -124,11 +125,14 @@ class NumpyHydraTrainer(NamedAdamW):
         """The embedding rows of target ids (any shape), -1 (no token) the shared row."""
         return self._rows[np.asarray(token_ids, np.int64)]
 
-    def step(self, hidden: np.ndarray, labels: np.ndarray, next_tokens: np.ndarray) -> float:
+    def step(self, hidden: np.ndarray, labels: np.ndarray, next_tokens: np.ndarray,
+             soft: np.ndarray | None = None) -> float:
         """One AdamW step on positions ``hidden`` (N, H) whose next tokens are ``next_tokens``
-        (N, K) target ids (-1: none), with draft-id labels (K, N), -1 where a head has none.
-        Returns the weighted loss before the step."""
-        loss, grads = batch_loss(self.current(), np.asarray(hidden, np.float32), self.input_rows(next_tokens), labels)
+        (N, K) target ids (-1: none), with draft-id labels (K, N), -1 where a head has none, or
+        the target's distributions ``soft`` (K, N, Vd) at the labelled ones. Returns the weighted
+        loss before the step."""
+        loss, grads = batch_loss(self.current(), np.asarray(hidden, np.float32), self.input_rows(next_tokens), labels,
+                                 soft)
         self.apply(grads)
         return loss
 

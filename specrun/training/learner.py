@@ -93,6 +93,7 @@ class LearnReport:
     latest_positions: int
     stopped: str = ""
     kept: Path | None = None
+    labels: str = "tokens"  # what it learned: the target's "tokens" or its "distributions" (soft labels)
 
     @property
     def overhead(self) -> float:
@@ -107,6 +108,7 @@ class LearnReport:
             "acceptance_first": [round(value, 4) for value in self.first], "first_positions": self.first_positions,
             "acceptance_latest": [round(value, 4) for value in self.latest], "latest_positions": self.latest_positions,
             "stopped": self.stopped, "kept": str(self.kept) if self.kept is not None else None,
+            "labels": self.labels,
         }
 
     def summary(self) -> str:
@@ -114,7 +116,8 @@ class LearnReport:
         def depths(values: tuple[float, ...]) -> str:
             return "/".join(f"{value:.2f}" for value in values) if values else "-"
 
-        line = (f"learning ({self.kind}): {self.steps} steps on {self.seen} positions, "
+        line = (f"learning ({self.kind}): {self.steps} steps on {self.seen} positions (labels: the target's "
+                f"{self.labels}), "
                 f"{self.busy_cpu:.2f} s CPU while generating ({100 * self.overhead:.1f}% of "
                 f"{self.busy_seconds:.1f} s) and {self.idle_cpu:.2f} s idle, {self.swaps} swaps; "
                 f"acceptance by depth {depths(self.first)} over the first {self.first_positions} positions, "
@@ -143,6 +146,7 @@ class Learner:
     published); it calls ``_start`` last in its constructor."""
 
     kind = ""
+    labels = "tokens"  # what it learns of the target's: its "tokens", or its "distributions"
     step_positions = BATCH_POSITIONS  # about what a step trains on (``caught_up``)
     # At ``close``, the windows still waiting are scored and trained on within the budget and the
     # weights published once more (heads: cheap, and they may be kept). False: they are only
@@ -477,4 +481,4 @@ class Learner:
         latest, latest_positions = chain(list(self._latest))
         return LearnReport(self.kind, self._steps, self._seen, self._trained, self._busy_cpu, self._busy_seconds,
                            self._idle_cpu, self._swaps, first, latest, first_positions, latest_positions,
-                           self._stopped, kept)
+                           self._stopped, kept, self.labels)

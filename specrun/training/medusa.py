@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from specrun.heads.config import HeadsConfig
+from specrun.heads.layers import cross_entropy
 from specrun.heads.medusa import MedusaHeads
 from specrun.training.optimizer import BETAS, EPS, WEIGHT_DECAY, write_optimizer_state
 
@@ -75,9 +76,11 @@ class NumpyHeadsTrainer:
             x = x + z * _sigmoid(z)
         return x @ head[-1].T, x, kept
 
-    def step(self, hidden: np.ndarray, labels: np.ndarray) -> float:
+    def step(self, hidden: np.ndarray, labels: np.ndarray, soft: np.ndarray | None = None) -> float:
         """One AdamW step on positions ``hidden`` (N, H) with draft-id labels (num_heads, N), -1
-        where a head has none. Returns the weighted loss before the step."""
+        where a head has none; with ``soft`` (num_heads, N, Vd), each labelled position learns
+        the target's distribution there instead of its token (soft labels). Returns the weighted
+        loss before the step."""
         x0 = np.asarray(hidden, np.float32)
         self.step_count += 1
         total = 0.0
@@ -90,11 +93,10 @@ class NumpyHeadsTrainer:
             probs /= probs.sum(axis=1, keepdims=True)
             rows = np.flatnonzero(labelled)
             weight = HEAD_LOSS_DECAY**i
-            total += weight * float(-np.log(probs[rows, labels[i][rows]] + 1e-30).sum() / count)
-            grad_logits = probs
-            grad_logits[rows, labels[i][rows]] -= 1.0
-            grad_logits[~labelled] = 0.0
-            grad_logits *= weight / count  # (N, Vd)
+            loss, picked = cross_entropy(probs[rows], labels[i][rows], None if soft is None else soft[i][rows])
+            total += weight * loss / count
+            grad_logits = np.zeros_like(probs)
+            grad_logits[rows] = picked * (weight / count)  # (N, Vd)
             grads = [None] * len(head)
             grads[-1] = None if self.projections_frozen else grad_logits.T @ y  # (Vd, H)
             grad_x = grad_logits @ head[-1]  # (N, H)

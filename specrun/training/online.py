@@ -5,8 +5,13 @@ text's end, what the target verified: its hidden states at the positions it gene
 tokens it chose. The learner cuts them into windows of WINDOW_POSITIONS consecutive positions
 (what `specrun heads train` trains on: training/run.py); the worker (training/learner.py, with its
 budget, buffer and swaps) takes small AdamW steps on batches drawn from them, the projections over
-the draft vocabulary left as they are (their update was most of a step's cost). A draft model's
-learner is training/online_draft.py's; ``Learning`` keeps a command's learners of both.
+the draft vocabulary left as they are (their update was most of a step's cost). Heads that read
+the state the target's output head reads (Medusa, Hydra, EAGLE) learn the target's distributions
+there, not only the tokens it chose (soft labels, as OSD and DistillSpec distil): the state times
+the target's output rows over the draft vocabulary (``teacher_rows``) is the distribution that
+chose each label, computed for a step's batch only. EAGLE-3 heads read other layers and learn the
+tokens. A draft model's learner is training/online_draft.py's; ``Learning`` keeps a command's
+learners of both.
 """
 
 from __future__ import annotations
@@ -23,12 +28,16 @@ from pathlib import Path
 import numpy as np
 
 from specrun.heads.kinds import kind_of, TRAINABLE_KINDS
+from specrun.heads.layers import teacher_distributions
 from specrun.training.learner import BATCH_POSITIONS, LearnReport, LearnSettings, Learner
 from specrun.training.online_draft import DraftLearner, draft_cannot_learn, load_adapters, save_adapters
 from specrun.training.run import next_tokens, target_labels, trainer_class
 
 WINDOW_POSITIONS = 64  # positions per window, as the buffer keeps them and the report scores them
 BATCH_WINDOWS = 1  # windows per step (EAGLE, EAGLE-3)
+# The target's output rows kept for soft labels at most (SmolLM2's whole vocabulary at 576 wide is
+# 108 MiB; specrun's heads draft over 4,096 tokens): past it, heads learn the target's tokens.
+TEACHER_MAX_BYTES = 128 << 20
 
 
 @dataclass
@@ -183,6 +192,7 @@ class OnlineLearner(Learner):
     drafter hands it the target's states (``observe``)."""
 
     def __init__(self, heads, settings: LearnSettings = LearnSettings(), *, embedding: np.ndarray | None = None,
+                 teacher: np.ndarray | None = None,
                  seed: int = 0, window: int = WINDOW_POSITIONS, inline: bool = False, inline_steps: int = 1,
                  clock: Callable[[], float] = time.monotonic, cpu_clock: Callable[[], float] = time.thread_time) -> None:
         kind = kind_of(heads)
@@ -202,6 +212,12 @@ class OnlineLearner(Learner):
         else:
             self.trainer = cls(heads, settings.learning_rate, seed)
         self.trainer.freeze_projections()  # the blocks and layers learn; the big projections stay
+        if teacher is not None and kind.reads != "hidden":
+            raise ValueError(f"{kind.name} heads read the target's layers, not the state its output head reads: "
+                             "they learn its tokens")
+        self._teacher = None if teacher is None else np.asarray(teacher, np.float32)
+        if self._teacher is not None:
+            self.labels = "distributions"
         self.window = window
         self._windows_kind = kind.trains_on == "windows"
         self._buffer: deque = deque()  # EAGLE's windows (EagleWindow), oldest first
@@ -285,7 +301,9 @@ class OnlineLearner(Learner):
             windows = self._buffer
             chosen = [windows[i] for i in self._rng.choice(len(windows), min(BATCH_WINDOWS, len(windows)), replace=False)]
             self._trained += sum(len(window.tokens) for window in chosen)
-            return float(self.trainer.step_windows(chosen))
+            if self._teacher is None:
+                return float(self.trainer.step_windows(chosen))
+            return float(self.trainer.step_windows(chosen, self._teacher))
         buffer = self._positions
         labelled = buffer.labelled()
         if not len(labelled):
@@ -293,9 +311,23 @@ class OnlineLearner(Learner):
             return 0.0
         rows = self._rng.choice(labelled, min(BATCH_POSITIONS, len(labelled)), replace=False)
         self._trained += len(rows)
+        soft = self._soft_labels(rows)
         if self.kind == "hydra":
-            return float(self.trainer.step(buffer.states[rows], buffer.labels[:, rows], buffer.following[rows]))
-        return float(self.trainer.step(buffer.states[rows], buffer.labels[:, rows]))
+            return float(self.trainer.step(buffer.states[rows], buffer.labels[:, rows], buffer.following[rows], soft))
+        return float(self.trainer.step(buffer.states[rows], buffer.labels[:, rows], soft))
+
+    def _soft_labels(self, rows: np.ndarray) -> np.ndarray | None:
+        """(depth, len(rows), Vd): head i's soft label at each of the buffer's ``rows``, the
+        target's distribution at position p + 1 + i (the state that chose its label: the row 1 + i
+        on in the ring, as a window's rows are kept in order and each while an older one is; taken
+        modulo the arrays' length, which is the ring's once full and past every labelled row's
+        before; what it gives where a head has no label goes unread); None without a teacher."""
+        if self._teacher is None:
+            return None
+        buffer = self._positions
+        rows_kept = len(buffer.states)
+        return np.stack([teacher_distributions(buffer.states[(rows + 1 + i) % rows_kept], self._teacher)
+                         for i in range(self.depth)])
 
     def learned_heads(self):
         """The heads as learned, their training record noting this run; None before a step."""
@@ -316,12 +348,15 @@ class Learning:
     ``draft_keep_path`` says (with ``settings.keep``: a draft then starts from the adapters it kept
     before), and their reports. ``explicit``: the user asked for learning
     (--learn), so a run with nothing to learn says why in a note; chat and serve learn by default
-    and say nothing then."""
+    and say nothing then. ``soft_labels``: heads learn the target's distributions where they can
+    (False: its tokens only; benchmarks/online_learning.py compares the two)."""
 
     def __init__(self, settings: LearnSettings, keep_path: Callable[[object], Path] | None = None,
                  on_note: Callable[[str], None] | None = None, explicit: bool = False,
-                 draft_keep_path: Callable[[object], Path] | None = None, **learner_options) -> None:
+                 draft_keep_path: Callable[[object], Path] | None = None, soft_labels: bool = True,
+                 **learner_options) -> None:
         self.settings = settings
+        self._soft_labels = soft_labels
         self._learner_options = learner_options  # OnlineLearner's own (tests: inline, window)
         self._keep_path = keep_path
         self._draft_keep_path = draft_keep_path
@@ -355,7 +390,8 @@ class Learning:
         embedding = None
         if kind.embeds == "target" and heads.embed_tokens is None:  # EAGLE-3 reading the target's, frozen
             embedding = target.token_embeddings(range(heads.config.vocab_size))
-        learner = OnlineLearner(heads, self.settings, embedding=embedding, **self._learner_options)
+        teacher = teacher_rows(heads, target) if kind.reads == "hidden" and self._soft_labels else None
+        learner = OnlineLearner(heads, self.settings, embedding=embedding, teacher=teacher, **self._learner_options)
         self._learners[id(heads)] = (heads, learner, path)  # the heads kept alive: their id stays theirs
         return learner
 
@@ -449,6 +485,20 @@ class Learning:
         if failures:
             raise failures[0]
         return reports
+
+
+def teacher_rows(heads, target) -> np.ndarray | None:
+    """The target's output rows over the heads' draft vocabulary (Vd, H): heads that read the
+    state its output head reads learn its distributions from them (soft labels). None where the
+    backend cannot read them (or there is none), or they would weigh more than TEACHER_MAX_BYTES:
+    the heads learn its tokens (the report says which)."""
+    ids = heads.d2t if heads.d2t is not None else np.arange(heads.config.vocab_size)
+    if target is None or len(ids) * heads.config.hidden_size * 4 > TEACHER_MAX_BYTES:
+        return None
+    try:
+        return target.output_rows(ids)
+    except ValueError:
+        return None
 
 
 def draft_name(draft) -> str:

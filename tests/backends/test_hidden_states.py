@@ -4,7 +4,6 @@ cache position."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -135,35 +134,13 @@ def test_sequence_refuses_greedy_feeds_while_tracking():
 # ---- llama.cpp and MLX -----------------------------------------------------------------------
 @dataclass
 class Case:
-    """A real backend with hidden states, its output head's weights (V, H), and what its
-    arithmetic allows: the head product's error relative to the largest logit, and the gap
+    """A real backend with hidden states, and what its arithmetic allows: the head product's error relative to the largest logit, and the gap
     between hidden states of batched and one-token passes relative to the largest state."""
 
     kind: str
     backend: object
-    output_weights: Callable[[], np.ndarray]
     head_tolerance: float
     batch_tolerance: float
-
-
-def gguf_output_weights(path) -> Callable[[], np.ndarray]:
-    """The output head (V, H) of a GGUF: ``output.weight``, or the tied ``token_embd.weight``."""
-    from specrun.modelkit.gguf_io import read_gguf_tensor
-
-    def read() -> np.ndarray:
-        try:
-            return read_gguf_tensor(path, "output.weight")
-        except KeyError:
-            return read_gguf_tensor(path, "token_embd.weight")
-
-    return read
-
-
-def mlx_output_weights(backend) -> Callable[[], np.ndarray]:
-    """The output head (V, H) of an mlx-lm model: ``lm_head``, or the tied embedding."""
-    model = backend.model
-    head = model.lm_head if "lm_head" in model else model.model.embed_tokens
-    return lambda: np.array(head.weight.astype(backend._mx.float32))
 
 
 # Measured here (max error / largest value): head products 3e-7 on float32 weights (tiny F32 GGUF
@@ -199,26 +176,26 @@ def case(request) -> Case:
         from specrun.backends.llama import LlamaCppBackend
 
         backend = LlamaCppBackend(source, n_ctx=512, tree_paths=4)
-        weights = gguf_output_weights(source)
     else:
         from specrun.backends.mlx import MlxBackend
 
         backend = MlxBackend(source, n_ctx=512)
-        weights = mlx_output_weights(backend)
     assert backend.hidden_support.available, backend.hidden_support.reason
-    yield Case(kind, backend, weights, head_tolerance, batch_tolerance)
+    yield Case(kind, backend, head_tolerance, batch_tolerance)
     backend.close()
 
 
 def test_hidden_rows_times_the_output_head_give_the_logits(case):
+    """The output head's rows as the backend reads them (``output_rows``: what online heads learn
+    the target's distributions from) times the tracked states are the pass's logits."""
     backend = case.backend
     prompt = backend.tokenize(PROMPT)
     backend.track_hidden(True)
     logits = backend.forward(prompt, range(len(prompt)))
     hidden = backend.hidden_rows(range(len(prompt)))
     assert hidden.dtype == np.float32 and hidden.shape == (len(prompt), backend.hidden_support.size)
-    product = hidden @ case.output_weights().T  # (T, V)
-    error = np.abs(product[:, : backend.vocab.size] - logits).max()
+    product = hidden @ backend.output_rows(range(backend.vocab.size)).T  # (T, V)
+    error = np.abs(product - logits).max()
     assert error <= case.head_tolerance * np.abs(logits).max()
 
 
@@ -514,3 +491,31 @@ def test_token_embeddings_are_the_models_input_rows_on_both_backends():
     mlx.close()
     fake = hidden_fake()
     np.testing.assert_array_equal(fake.token_embeddings([3, 3])[0], fake.token_embeddings([5, 3])[1])
+
+
+@pytest.mark.parametrize("model", ["tiny-llama-4bit", "smollm2-135m"])
+def test_a_quantized_mlx_models_output_rows_give_its_logits(model, tiny_models, tmp_path):
+    """Output rows dequantized from a QuantizedLinear head (the tiny Llama quantized by mlx-lm's
+    own converter) and from a tied QuantizedEmbedding (SmolLM2's 4-bit folder), times the
+    tracked states, are the quantized model's logits."""
+    pytest.importorskip("mlx_lm", reason="the mlx backend is not installed")
+    from specrun.backends.mlx import MlxBackend
+
+    if model == "smollm2-135m":
+        from specrun.modelkit.builtin import builtin_mlx_dir
+
+        folder = builtin_mlx_dir(model)
+    else:
+        from mlx_lm import convert
+
+        folder = tmp_path / "quantized"
+        convert(str(tiny_models["llama"].hf_dir), str(folder), quantize=True, q_group_size=32, q_bits=4)
+    backend = MlxBackend(folder, n_ctx=256)
+    linear = backend.hidden_support.available and backend._split.linear
+    assert hasattr(linear, "scales") if model != "smollm2-135m" else hasattr(linear.__self__, "scales")
+    prompt = backend.tokenize(PROMPT)
+    backend.track_hidden(True)
+    logits = backend.forward(prompt, range(len(prompt)))
+    product = backend.hidden_rows(range(len(prompt))) @ backend.output_rows(range(backend.vocab.size)).T
+    assert np.abs(product - logits).max() <= 1e-3 * np.abs(logits).max()
+    backend.close()

@@ -39,13 +39,17 @@ def small_window(seed: int = 1, length: int = 7) -> EagleWindow:
     return EagleWindow(rng.normal(0, 1.5, (length, SIZE)), rng.integers(0, VOCAB, length), following)
 
 
+@pytest.mark.parametrize("soft", [False, True], ids=["labels", "soft-labels"])
 @pytest.mark.parametrize("name", PARAMETER_NAMES)
-def test_every_gradient_matches_finite_differences(name):
-    """Two windows of different lengths in one padded batch: the padding adds nothing."""
+def test_every_gradient_matches_finite_differences(name, soft):
+    """Two windows of different lengths in one padded batch: the padding adds nothing. Against
+    labels, and against the distributions a teacher's output rows give the target features
+    (soft labels)."""
     heads, windows = small_heads(), [small_window(), small_window(seed=4, length=5)]
     rng = np.random.default_rng(2)
     noise = [rng.normal(0, 0.1, (len(window.tokens) - 1, SIZE)) for window in windows]
-    _, grads = batch_loss(heads, windows, noise)
+    teacher = rng.normal(0, 1, (DRAFT_VOCAB, SIZE)) if soft else None
+    _, grads = batch_loss(heads, windows, noise, teacher)
     array = getattr(heads, name)
     for flat_index in np.random.default_rng(3).choice(array.size, size=min(6, array.size), replace=False):
         index = np.unravel_index(flat_index, array.shape)
@@ -54,7 +58,7 @@ def test_every_gradient_matches_finite_differences(name):
         for sign in (1, -1):
             changed = array.copy()
             changed[index] += sign * step
-            values.append(batch_loss(dataclasses.replace(heads, **{name: changed}), windows, noise)[0])
+            values.append(batch_loss(dataclasses.replace(heads, **{name: changed}), windows, noise, teacher)[0])
         numeric = (values[0] - values[1]) / (2 * step)
         assert grads[name][index] == pytest.approx(numeric, rel=1e-4, abs=1e-8), (name, index)
 
@@ -63,6 +67,26 @@ def test_a_padded_window_predicts_as_it_does_alone():
     heads, short, long = small_heads(), small_window(seed=4, length=5), small_window()
     together = batch_forward(heads, [long, short]).out.reshape(2, len(long.tokens) - 1, SIZE)
     assert np.allclose(together[1, : len(short.tokens) - 1], batch_forward(heads, [short]).out, atol=1e-12)
+
+
+def test_with_a_teacher_each_label_is_the_targets_distribution_at_the_feature_that_chose_it():
+    """The loss with a teacher's output rows is the one with labels but for the token term: the
+    cross-entropy against softmax(feature at p + 1 times the rows), the distribution that chose
+    the label at p (the token after p + 1)."""
+    from specrun.heads.layers import softmax
+    from specrun.training.eagle import CE_WEIGHT
+
+    heads, window = small_heads(), small_window()
+    teacher = np.random.default_rng(5).normal(0, 1, (DRAFT_VOCAB, SIZE))
+    out = batch_forward(heads, [window]).out
+    log_probs = np.log(softmax(out @ heads.lm_head.T))
+    labels = heads.draft_ids(np.maximum(window.following[1:], 0))
+    rows = np.flatnonzero((window.following[1:] >= 0) & (labels < DRAFT_VOCAB))
+    hard = -log_probs[rows, labels[rows]].mean()
+    soft = -(softmax(window.features[1:][rows] @ teacher.T) * log_probs[rows]).sum(axis=1).mean()
+    with_labels, with_teacher = batch_loss(heads, [window])[0], batch_loss(heads, [window], None, teacher)[0]
+    assert with_teacher - with_labels == pytest.approx(CE_WEIGHT * (soft - hard), rel=1e-9)
+    assert abs(soft - hard) > 0.1
 
 
 def test_a_training_step_lowers_the_loss_it_is_taken_on():

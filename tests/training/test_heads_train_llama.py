@@ -16,36 +16,43 @@ from specrun.training.medusa import NumpyHeadsTrainer
 REPEATING_TEXT = "the quick brown fox jumps over the lazy dog, and then it runs home again. " * 120
 
 
-def weighted_loss(trainer: NumpyHeadsTrainer, x: np.ndarray, labels: np.ndarray) -> float:
-    """The loss ``step`` minimises, computed directly in float64."""
+def weighted_loss(trainer: NumpyHeadsTrainer, x: np.ndarray, labels: np.ndarray, soft: np.ndarray | None = None) -> float:
+    """The loss ``step`` minimises, computed directly in float64: each head's cross-entropy
+    against its labels, or against the distributions ``soft`` at the labelled positions."""
     total = 0.0
     for i, head in enumerate(trainer.params):
         labelled = np.flatnonzero(labels[i] >= 0)
         logits = trainer._forward([p.astype(np.float64) for p in head], x.astype(np.float64))[0]
         logits -= logits.max(axis=1, keepdims=True)
         log_probs = logits - np.log(np.exp(logits).sum(axis=1, keepdims=True))
-        total += 0.8**i * -log_probs[labelled, labels[i][labelled]].sum() / max(len(labelled), 1)
+        if soft is None:
+            head_loss = -log_probs[labelled, labels[i][labelled]].sum()
+        else:
+            head_loss = -(soft[i][labelled] * log_probs[labelled]).sum()
+        total += 0.8**i * head_loss / max(len(labelled), 1)
     return total
 
 
-def test_the_hand_written_gradients_are_the_loss_s():
+@pytest.mark.parametrize("soft", [False, True], ids=["labels", "soft-labels"])
+def test_the_hand_written_gradients_are_the_loss_s(soft):
     rng = np.random.default_rng(0)
     heads = random_heads(6, 7, num_heads=2, seed=2)
     trainer = NumpyHeadsTrainer(heads, 0.0, 0)
     x = rng.normal(0, 1, (5, 6)).astype(np.float32)
     labels = np.array([[0, 3, -1, 6, 2], [1, -1, -1, 4, 5]])
+    distributions = rng.dirichlet(np.ones(7), (2, 5)) if soft else None
     captured = {}
     trainer._update = lambda i, grads: captured.setdefault(i, grads)
-    loss = trainer.step(x, labels)
-    assert loss == pytest.approx(weighted_loss(trainer, x, labels), rel=1e-5)
+    loss = trainer.step(x, labels, distributions)
+    assert loss == pytest.approx(weighted_loss(trainer, x, labels, distributions), rel=1e-5)
     for i in range(2):
         for k, parameter in enumerate(trainer.params[i]):
             for index in [(0,) * parameter.ndim, tuple(d - 1 for d in parameter.shape)]:
                 old = parameter[index]
                 parameter[index] = old + 1e-3
-                above = weighted_loss(trainer, x, labels)
+                above = weighted_loss(trainer, x, labels, distributions)
                 parameter[index] = old - 1e-3
-                below = weighted_loss(trainer, x, labels)
+                below = weighted_loss(trainer, x, labels, distributions)
                 parameter[index] = old
                 assert captured[i][k][index] == pytest.approx((above - below) / 2e-3, rel=2e-3, abs=1e-5)
 

@@ -35,15 +35,18 @@ def small_case(seed: int = 0):
     return heads, hidden, rows, labels
 
 
-def loss_with(heads: HydraHeads, name: str, array: np.ndarray, hidden, rows, labels) -> float:
+def loss_with(heads: HydraHeads, name: str, array: np.ndarray, hidden, rows, labels, soft=None) -> float:
     changed = {**heads.arrays(), name: array}
-    return batch_loss(HydraHeads.from_arrays(heads.config, changed, heads.d2t), hidden, rows, labels)[0]
+    return batch_loss(HydraHeads.from_arrays(heads.config, changed, heads.d2t), hidden, rows, labels, soft)[0]
 
 
+@pytest.mark.parametrize("soft", [False, True], ids=["labels", "soft-labels"])
 @pytest.mark.parametrize("name", list(random_hydra(SIZE, VOCAB, num_heads=HEADS, num_layers=2).arrays()))
-def test_every_gradient_matches_finite_differences(name):
+def test_every_gradient_matches_finite_differences(name, soft):
+    """Against labels, and against the target's distributions (soft labels: random ones here)."""
     heads, hidden, rows, labels = small_case()
-    _, grads = batch_loss(heads, hidden, rows, labels)
+    soft = np.random.default_rng(7).dirichlet(np.ones(DRAFT_VOCAB), (HEADS, len(hidden))) if soft else None
+    _, grads = batch_loss(heads, hidden, rows, labels, soft)
     array = heads.arrays()[name]
     assert grads[name].shape == array.shape
     for flat_index in np.random.default_rng(3).choice(array.size, size=min(6, array.size), replace=False):
@@ -52,21 +55,27 @@ def test_every_gradient_matches_finite_differences(name):
         for sign in (1, -1):
             changed = array.copy()
             changed[index] += sign * 1e-6
-            values.append(loss_with(heads, name, changed, hidden, rows, labels))
+            values.append(loss_with(heads, name, changed, hidden, rows, labels, soft))
         numeric = (values[0] - values[1]) / 2e-6
         assert grads[name][index] == pytest.approx(numeric, rel=1e-4, abs=1e-8), (name, index)
 
 
-def test_the_loss_is_each_head_s_cross_entropy_weighted_by_its_depth():
+@pytest.mark.parametrize("soft", [False, True], ids=["labels", "soft-labels"])
+def test_the_loss_is_each_head_s_cross_entropy_weighted_by_its_depth(soft):
+    """Against each labelled position's label, or its distribution in ``soft`` (soft labels)."""
     heads, hidden, rows, labels = small_case(seed=4)
+    distributions = np.random.default_rng(5).dirichlet(np.ones(DRAFT_VOCAB), (HEADS, len(hidden))) if soft else None
     expected = 0.0
     for i in range(HEADS):
         labelled = np.flatnonzero(labels[i] >= 0)
         logits = head_logits(heads, i, hidden[labelled], root_terms(heads, i, hidden[labelled]), rows[labelled, : i + 1])
         log_probs = logits - np.log(np.exp(logits - logits.max(axis=1, keepdims=True)).sum(axis=1, keepdims=True)) \
             - logits.max(axis=1, keepdims=True)
-        expected += 0.8**i * -log_probs[np.arange(len(labelled)), labels[i][labelled]].mean()
-    assert batch_loss(heads, hidden, rows, labels)[0] == pytest.approx(expected, rel=1e-9)
+        if soft:
+            expected += 0.8**i * -(distributions[i][labelled] * log_probs).sum(axis=1).mean()
+        else:
+            expected += 0.8**i * -log_probs[np.arange(len(labelled)), labels[i][labelled]].mean()
+    assert batch_loss(heads, hidden, rows, labels, distributions)[0] == pytest.approx(expected, rel=1e-9)
 
 
 def test_fresh_heads_start_as_the_target_s_own_head_whatever_the_path():

@@ -81,6 +81,99 @@ def test_heads_learn_a_stream_they_did_not_know(kind):
     assert learned.first_positions > 0 and learned.latest_positions > 0
 
 
+def own_head() -> np.ndarray:
+    """The stream's target's output rows (VOCAB, SIZE): the state of a token gives the token after
+    it (row v is the state of the token v follows), as ``fresh_heads``' projections start."""
+    before = {following(token): token for token in range(VOCAB)}
+    return TABLE[[before[token] for token in range(VOCAB)]]
+
+
+@pytest.mark.parametrize("kind", ["medusa", "hydra", "eagle"])
+def test_with_the_targets_output_rows_heads_learn_its_distributions(kind, monkeypatch):
+    """A learner given the target's output rows (``teacher``) trains each labelled position on the
+    target's distribution at the position that chose its label: for Medusa's and Hydra's head i at
+    p, the state at p + 1 + i (checked row by row against the stream); EAGLE's batch loss gets the
+    rows (its loss test checks the positions). It learns the stream as well as from labels."""
+    from specrun.heads.layers import softmax
+
+    teacher = own_head()
+    learner = OnlineLearner(fresh_heads(kind), LearnSettings(learning_rate=0.02), teacher=teacher, window=8,
+                            inline=True, inline_steps=4)
+    assert learner.labels == "distributions"
+    checked = []
+    if kind == "eagle":
+        step = learner.trainer.step_windows
+        monkeypatch.setattr(learner.trainer, "step_windows",
+                            lambda windows, rows=None: checked.append(rows is teacher or np.array_equal(rows, teacher))
+                            or step(windows, rows))
+    else:
+        step = learner.trainer.step
+        token_of = {TABLE[token].tobytes(): token for token in range(VOCAB)}
+
+        def spy(states, labels, *rest):
+            soft = rest[-1]
+            assert soft.shape == (DEPTH, len(states), VOCAB)
+            for row, state in enumerate(states):
+                token = token_of[np.asarray(state, np.float32).tobytes()]
+                for i in range(DEPTH):
+                    token = following(token)  # the token at p + 1 + i, whose state chose head i's label
+                    if labels[i, row] >= 0:
+                        assert labels[i, row] == following(token)
+                        assert np.allclose(soft[i, row], softmax(TABLE[token] @ teacher.T), atol=1e-6)
+                        checked.append(True)
+            return step(states, labels, *rest)
+
+        monkeypatch.setattr(learner.trainer, "step", spy)
+    feed(learner, 24)
+    learner.close()
+    report = learner.report()
+    assert checked and all(checked) and report.steps > 0
+    assert report.latest[0] >= 0.95 and report.to_dict()["labels"] == "distributions", report.summary()
+    assert "(labels: the target's distributions)" in report.summary()
+
+
+def test_a_command_learns_the_targets_distributions_where_the_heads_read_its_output_heads_input():
+    """Learning reads the target's output rows over the heads' draft vocabulary for Medusa, Hydra
+    and EAGLE; EAGLE-3 heads (other layers), a target that cannot give them, and rows past
+    TEACHER_MAX_BYTES leave the heads learning its tokens."""
+    from heads_factory import eagle3_heads
+    from specrun.training import online
+
+    class Target:
+        def __init__(self, fails: bool = False) -> None:
+            self.fails, self.asked = fails, []
+
+        def output_rows(self, ids):
+            self.asked.append(list(ids))
+            if self.fails:
+                raise ValueError("this backend reads no output rows")
+            return own_head()[np.asarray(ids)]
+
+        def token_embeddings(self, ids):
+            return np.ones((len(ids), 8), np.float32)
+
+    for kind in ("medusa", "hydra", "eagle"):
+        target = Target()
+        learner = Learning(LearnSettings(), inline=True)(fresh_heads(kind), target)
+        assert learner.labels == "distributions" and target.asked == [list(range(VOCAB))], kind
+        learner.close()
+    assert Learning(LearnSettings(), inline=True)(fresh_heads("medusa"), Target(fails=True)).labels == "tokens"
+    target = Target()
+    assert Learning(LearnSettings(), soft_labels=False, inline=True)(fresh_heads("eagle"), target).labels == "tokens"
+    assert target.asked == []
+    heads = eagle3_heads(8, 10, aux=(1, 3), heads=4, kv_heads=2, head_dim=4, intermediate=16)
+    target = Target()
+    assert Learning(LearnSettings(), inline=True)(heads, target).labels == "tokens" and target.asked == []
+    with pytest.raises(ValueError, match="read the target's layers"):
+        OnlineLearner(heads, teacher=np.ones((10, 8), np.float32), inline=True)
+    target = Target()
+    small = VOCAB * SIZE * 4 - 1
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(online, "TEACHER_MAX_BYTES", small)
+        assert Learning(LearnSettings(), inline=True)(fresh_heads("medusa"), target).labels == "tokens"
+    assert target.asked == []
+
+
 def _projections(trainer) -> list[np.ndarray]:
     """The arrays over the draft vocabulary, which online learning leaves as they are."""
     if hasattr(trainer, "frozen"):
@@ -264,7 +357,7 @@ def test_greedy_with_learning_is_plain_decoding_on_the_fake(method, monkeypatch)
     problems, drafted, accepted = lossless_harness.greedy_scenario(method, learn=True)
     assert problems == [] and drafted > 0
     report = made[0].report()
-    assert report.steps > 10 and report.swaps > 10, report.summary()
+    assert report.steps > 10 and report.swaps > 10 and report.labels == "distributions", report.summary()
 
 
 @pytest.fixture(params=["llama", "mlx"])
@@ -276,12 +369,14 @@ def real_target(request, tiny_llama):
 
 @pytest.mark.parametrize("method", ["medusa", "eagle"])
 def test_greedy_with_learning_is_plain_decoding_on_both_backends(real_target, method, tiny_llama, tmp_path):
-    """Heads made for the tiny llama learn from its output as it is generated, their weights
-    swapped in every 32 positions (HARVEST_POSITIONS): the text is plain decoding's."""
+    """Heads made for the tiny llama learn from its output as it is generated (the target's
+    distributions, from the backend's output rows), their weights swapped in every 32 positions
+    (HARVEST_POSITIONS): the text is plain decoding's."""
     from heads_factory import random_eagle, random_heads
     from specrun.heads.files import save_heads
     from specrun.registry.loading import LoadOptions
     from specrun.sessions.generation import GenerateRequest, generate_text
+    from specrun.training.online import teacher_rows
 
     backend, target = real_target
     config = tiny_llama.config
@@ -290,7 +385,8 @@ def test_greedy_with_learning_is_plain_decoding_on_both_backends(real_target, me
     made = []
 
     def learn(heads, backend_):
-        made.append(OnlineLearner(heads, LearnSettings(learning_rate=0.05), window=4, inline=True))
+        made.append(OnlineLearner(heads, LearnSettings(learning_rate=0.05), teacher=teacher_rows(heads, backend_),
+                                  window=4, inline=True))
         return made[-1]
 
     def run(method_: str, learn_=None) -> str:
@@ -303,6 +399,7 @@ def test_greedy_with_learning_is_plain_decoding_on_both_backends(real_target, me
     report = made[0].report()
     made[0].close()
     assert report.steps > 3 and report.swaps >= 2 and not report.stopped, report.summary()
+    assert report.labels == "distributions"
 
 
 # ---- what a command keeps ----------------------------------------------------------------------
