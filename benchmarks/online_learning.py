@@ -107,6 +107,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--think", type=float, default=0.0,
                         help="after each prompt's two answers, wait up to this many seconds (a user reading) while "
                         "learning trains on what it read (implies --idle)")
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="sample at this temperature (each line's answers then differ by chance)")
+    parser.add_argument("--seed", type=int, default=0, help="the sampling seed of every answer")
     parser.add_argument("--labels", choices=["distributions", "tokens", "both"], default="distributions",
                         help="what heads learn of the target's (both: a line of each)")
     parser.add_argument("--json", type=Path, default=None)
@@ -131,7 +134,8 @@ def main(argv: list[str] | None = None) -> int:
         for name, soft in (("learning", args.labels != "tokens"), ("learning-tokens", False))
         if name == "learning" or args.labels == "both"
     }
-    params = GenerationParams(args.max_new, args.draft_len, SamplingSettings())
+    sampling = SamplingSettings(args.temperature, seed=args.seed if args.temperature > 0 else None)
+    params = GenerationParams(args.max_new, args.draft_len, sampling)
     lines = {"static": open_chat(target, draft, args.method, load, heads=args.heads, draft_len=args.draft_len)}
     for name, learning in learnings.items():
         lines[name] = open_chat(target, draft, args.method, load, heads=args.heads, draft_len=args.draft_len,
@@ -148,7 +152,8 @@ def main(argv: list[str] | None = None) -> int:
             # with --think, learning answers last: its idle training then runs in the pause, never beside static
             order = list(lines) if index % 2 == 0 or args.think > 0 else list(lines)[::-1]
             results = {name: answer(lines[name], prompt, params) for name in order}
-            differ += any(results[name][1] != results["static"][1] for name in learnings)
+            if sampling.greedy:  # sampled, drafts that differ draw differently: the texts may differ
+                differ += any(results[name][1] != results["static"][1] for name in learnings)
             segment = next(bound for bound in bounds if done_tokens < bound)
             for name, (stats, _) in results.items():
                 totals[name][segment].add(stats)
@@ -170,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
         "prompts": [*(["built-in suite"] if args.suite else []), *([args.prompts] if args.prompts else [])],
         "categories": args.categories,
         "answers": answers, "tokens": done_tokens, "texts_differing": differ, "seconds": round(time.monotonic() - started, 1),
-        "learn_budget": args.learn_budget, "idle": args.idle or args.think > 0, "think_seconds": round(thought, 1),
+        "temperature": args.temperature, "learn_budget": args.learn_budget, "idle": args.idle or args.think > 0, "think_seconds": round(thought, 1),
         "labels": args.labels, "segments": {},
         "learner": {name: [r.to_dict() for r in made] for name, made in reports.items()},
     }

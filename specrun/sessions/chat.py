@@ -567,11 +567,6 @@ class ChatSession:
             return "the draft model's learning online (--learn)"
         return ""
 
-    def learns(self) -> bool:
-        """Does a drafter of this session learn online (its heads, or the draft model's adapters)?"""
-        drafter = self.engine.drafter
-        return drafter is not None and any(getattr(member, "learner", None) is not None for member in drafter.members)
-
     def draft_learns(self) -> bool:
         """Does this session's draft model learn online (its adapters, which slots' drafts do not)?"""
         drafter = self.engine.drafter

@@ -85,7 +85,7 @@ def test_learning_keeps_auto_at_one_slot_only_where_the_user_asked_for_it(asked)
                                     load=LoadOptions(backend="mlx", n_ctx=1024)), log=log.append)
     worker.start()
     try:
-        assert worker.session.learns()
+        assert worker.session.draft_learns()
         if asked:
             assert worker.parallel == 1 and worker.slots is None
             assert any("slots would draft without the draft model's learning online (--learn)" in line
