@@ -323,9 +323,14 @@ class Backend(Protocol):
 
     def output_rows(self, ids: Sequence[int]) -> np.ndarray:
         """Float32 rows (len(ids), H) of the model's output head (the tied embedding's where it
-        has none of its own), before any final soft-capping: the final-normed hidden state times
-        their transpose is the target's logits over ``ids``, as online heads learn from them
-        (training/online.py); ValueError naming why where this backend cannot."""
+        has none of its own), as its weights hold them; ValueError naming why where this backend
+        cannot. Where ``logits_beyond_rows`` says nothing, the final-normed hidden state times
+        their transpose is the model's logits over ``ids`` (online heads learn the target's
+        distributions so: training/online.py)."""
+
+    def logits_beyond_rows(self) -> str:
+        """What the model does to its logits after the output rows' product (a final soft-cap, a
+        logit scale, an output bias), "" where nothing."""
 
     def hidden_rows(self, rows: Sequence[int]) -> np.ndarray:
         """Float32 hidden states (len(rows), H) of the last pass, ``rows`` indexing the fed

@@ -195,6 +195,9 @@ class FakeBackend(ArgmaxFromLogits, HiddenTracking):
         size = self.hidden_support.size
         return np.array([np.random.default_rng(2000 + int(token)).normal(0, 1, size) for token in ids], np.float32)
 
+    def logits_beyond_rows(self) -> str:
+        return ""
+
     def open_window(self, sinks: int, window: int, owns: bool = False):
         """This fake drafting from a FakeWindowCache of its first tokens and a recent window."""
         from specrun.backends.window import WindowedBackend

@@ -132,6 +132,13 @@ def quantize_gguf(source: Path, dest: Path, dtype: str) -> None:
         )
 
 
+# llama.cpp's graphs that change the logits after the output head where the file does not say
+# otherwise (src/models/*.cpp, Oct 2026): the key whose default does it, or None where no key
+# turns it off. Others do it only by a key (logit_scale, final_logit_softcapping) or a tensor.
+LOGITS_CHANGED_BY_DEFAULT = {"gemma2": "final_logit_softcapping", "gemma4": "final_logit_softcapping",
+                             "muse-glimmer": "final_logit_softcapping", "grok": "logit_scale",
+                             "gemma3n": None, "minicpm3": None}
+
 # ggml element types of the KV cache (ggml.h: GGML_TYPE_F32 = 0, GGML_TYPE_F16 = 1)
 KV_TYPES = {"f16": 1, "f32": 0}
 
@@ -1026,13 +1033,37 @@ class LlamaCppBackend(HiddenTracking):
         dequantized as ``token_embeddings``'."""
         return self._table_rows(("output.weight", "token_embd.weight"), ids)
 
+    def logits_beyond_rows(self) -> str:
+        """What llama.cpp's graph does to this model's logits after the output rows' product (""
+        nothing): scale or soft-cap them by a metadata key or by default, or add a bias or a scale
+        tensor to the output matrix (read in its src/models/*.cpp, Oct 2026)."""
+        arch = self.metadata("general.architecture") or ""
+        defaulted = LOGITS_CHANGED_BY_DEFAULT.get(arch, "")
+        for key, plain in (("logit_scale", 1.0), ("final_logit_softcapping", 0.0)):
+            value = self.metadata(f"{arch}.{key}")
+            if value not in (None, "") and float(value) != plain:
+                return f"{arch}'s logits are changed after its output head ({arch}.{key} = {value})"
+            if value in (None, "") and defaulted == key:
+                return f"{arch}'s logits are changed after its output head (its {key} by default)"
+        if defaulted is None:
+            return f"{arch}'s logits are changed after its output head (always, in llama.cpp's graph)"
+        extra = sorted(name for name in self._tensors() if name.startswith("output.") and name != "output.weight")
+        return f"{arch}'s output head adds {extra[0]}" if extra else ""
+
+    def _tensors(self) -> dict:
+        """The file's tensors by name, memory-mapped (only the rows asked for are read)."""
+        if self._gguf_tensors is None:
+            import gguf
+
+            self._gguf_tensors = {tensor.name: tensor for tensor in gguf.GGUFReader(str(self.path)).tensors}
+        return self._gguf_tensors
+
     def _table_rows(self, names: tuple[str, ...], ids: Sequence[int]) -> np.ndarray:
         """Float32 rows ``ids`` of the first of the tensors ``names`` the file holds."""
         import gguf
 
-        if self._gguf_tensors is None:  # memory-mapped: only the rows asked for are read
-            self._gguf_tensors = {tensor.name: tensor for tensor in gguf.GGUFReader(str(self.path)).tensors}
-        table = next((self._gguf_tensors[name] for name in names if name in self._gguf_tensors), None)
+        tensors = self._tensors()
+        table = next((tensors[name] for name in names if name in tensors), None)
         if table is None:
             raise ValueError(f"{self.path} holds no {' or '.join(names)}")
         rows = np.asarray(table.data[np.asarray(ids, dtype=np.int64)])

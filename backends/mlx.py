@@ -385,6 +385,7 @@ class ModelSplit:
     head: Any
     size: int  # H
     linear: Any = None  # the head's linear map (``lm_head`` or the tied embedding's), before any soft-capping
+    cap: float = 0.0  # the final soft-cap's (0: none)
 
 
 def split_model(mx, lm_cache, model) -> ModelSplit:
@@ -415,7 +416,7 @@ def split_model(mx, lm_cache, model) -> ModelSplit:
         head = linear if not cap else (lambda h, linear=linear: mx.tanh(linear(h) / cap) * cap)
         logits = head(hidden)
         if logits.shape == expected.shape and mx.allclose(logits, expected, rtol=1e-4, atol=1e-4).item():
-            return ModelSplit(body, head, int(hidden.shape[-1]), linear)
+            return ModelSplit(body, head, int(hidden.shape[-1]), linear, float(cap or 0.0))
     raise ValueError(f"mlx-lm's {arch} model does not give its logits as lm_head (or tied embeddings) "
                      "of its body's output")
 
@@ -1039,6 +1040,18 @@ class MlxBackend(HiddenTracking):
             else:
                 raise ValueError(f"this model's output head ({type(linear).__name__}) keeps no rows to read")
             return np.array(rows.astype(mx.float32))
+
+    def logits_beyond_rows(self) -> str:
+        """A final soft-cap or an output bias ("" neither; a model whose head is neither those nor a
+        plain linear map gives no hidden states at all: split_model)."""
+        if not self.hidden_support.available:
+            return self.hidden_support.reason
+        split = self._split
+        if split.cap:
+            return f"its logits are soft-capped at {split.cap:g} after its output head"
+        if "bias" in getattr(split.linear, "__self__", split.linear):
+            return "its output head adds a bias"
+        return ""
 
     def _choose_layers(self, layers: tuple[int, ...]) -> None:
         self._layer_sink: list = []

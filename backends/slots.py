@@ -583,6 +583,9 @@ class Slot(ParentsModel, ArgmaxFromLogits, HiddenTracking):
         self.hidden_support.check()
         return self.parent.output_rows(ids)
 
+    def logits_beyond_rows(self) -> str:
+        return self.parent.logits_beyond_rows()
+
     def native_mtp(self):
         """This slot's sequence of the MTP context the slots' model runs natively (llama.cpp's:
         LlamaSlots.native_mtp), or None."""

@@ -224,6 +224,9 @@ class WindowedBackend(ParentsModel, ArgmaxFromLogits):
     def output_rows(self, ids):
         return self.parent.output_rows(ids)
 
+    def logits_beyond_rows(self) -> str:
+        return self.parent.logits_beyond_rows()
+
     def close(self) -> None:
         cache, self.cache = self.cache, None
         if cache is not None:

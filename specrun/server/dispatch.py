@@ -64,8 +64,9 @@ class Jobs(Generic[Job]):
             return taken
 
     def answered(self, slot: int) -> None:
-        """``slot``'s answer is complete (its cache holds all it will of it): it is idle from now
-        on, and takes what is handed to it once its thread next asks (``get``)."""
+        """``slot``'s answer is complete (what its thread does after only trims its cache back to
+        the text): it is idle from now on, and takes what is handed to it once its thread next
+        asks (``get``), busy from then."""
         with self._lock:
             if slot in self._idle or slot in self._given:
                 return
@@ -81,7 +82,8 @@ class Jobs(Generic[Job]):
     def get(self, slot: int) -> Job | None:
         """The next job for ``slot`` (blocks until there is one); None once closed."""
         with self._lock:
-            self._idle.setdefault(slot, next(self._ticks))
+            if slot not in self._given:  # handed a job since its answer was complete: busy once it takes it
+                self._idle.setdefault(slot, next(self._ticks))
         while True:
             with self._lock:
                 if slot in self._given:

@@ -490,15 +490,19 @@ class Learning:
 def teacher_rows(heads, target) -> np.ndarray | None:
     """The target's output rows over the heads' draft vocabulary (Vd, H): heads that read the
     state its output head reads learn its distributions from them (soft labels). None where the
-    backend cannot read them (or there is none), or they would weigh more than TEACHER_MAX_BYTES:
-    the heads learn its tokens (the report says which)."""
+    state times them is not the target's logits (``logits_beyond_rows``: a soft-cap, a scale, a
+    bias), where the backend cannot read them (or there is none), or where they would weigh more
+    than TEACHER_MAX_BYTES: the heads learn its tokens (the report says which)."""
     ids = heads.d2t if heads.d2t is not None else np.arange(heads.config.vocab_size)
     if target is None or len(ids) * heads.config.hidden_size * 4 > TEACHER_MAX_BYTES:
         return None
     try:
-        return target.output_rows(ids)
-    except ValueError:
+        if target.logits_beyond_rows() or int(np.max(ids)) >= target.vocab.size:
+            return None
+        rows = np.asarray(target.output_rows(ids), np.float32)
+    except Exception:  # noqa: BLE001 - rows it cannot read (a quantization gguf cannot undo): tokens, never a failed run
         return None
+    return rows if rows.shape == (len(ids), heads.config.hidden_size) else None
 
 
 def draft_name(draft) -> str:

@@ -519,3 +519,67 @@ def test_a_quantized_mlx_models_output_rows_give_its_logits(model, tiny_models, 
     product = backend.hidden_rows(range(len(prompt))) @ backend.output_rows(range(backend.vocab.size)).T
     assert np.abs(product - logits).max() <= 1e-3 * np.abs(logits).max()
     backend.close()
+
+
+def test_gemma3s_quantized_tied_head_gives_its_logits_within_its_quantization(gemma3):
+    """Gemma 3 270M (Q4_K_M, tied embedding, sliding windows): nothing is done to its logits after
+    the head, and the tracked states times its output rows give them within what llama.cpp's
+    quantized product moves (~1% of the largest), every row's top choice the target's or within
+    that of it (a near-tie: one row of ten here)."""
+    pytest.importorskip("llama_cpp", reason="the llama backend is not installed")
+    from specrun.backends.llama import LlamaCppBackend
+
+    backend = LlamaCppBackend(gemma3["gemma3-270m"], n_ctx=256)
+    assert backend.logits_beyond_rows() == ""
+    prompt = backend.tokenize(PROMPT)
+    backend.track_hidden(True)
+    logits = backend.forward(prompt, range(len(prompt)))
+    product = backend.hidden_rows(range(len(prompt))) @ backend.output_rows(range(backend.vocab.size)).T
+    moved = 0.02 * np.abs(logits).max()
+    assert np.abs(product - logits).max() <= moved
+    chosen = logits[np.arange(len(prompt)), product.argmax(axis=1)]
+    assert np.all(chosen >= logits.max(axis=1) - moved)
+    backend.close()
+
+
+@pytest.mark.parametrize("key, value, said", [
+    ("llama.logit_scale", "0.5", "llama.logit_scale = 0.5"),
+    ("llama.final_logit_softcapping", "30.0", "llama.final_logit_softcapping = 30.0"),
+    ("llama.final_logit_softcapping", "0", ""),
+    ("llama.logit_scale", "1.0", ""),
+])
+def test_logits_a_gguf_says_are_scaled_or_capped_are_not_the_rows_product(key, value, said, tiny_llama, tmp_path):
+    """A GGUF whose metadata scales or soft-caps the logits after the head (Granite's, Cohere's,
+    Gemma 2's keys) says so (online heads then learn tokens); a key at its neutral value does not."""
+    pytest.importorskip("llama_cpp", reason="the llama backend is not installed")
+    from specrun.backends.llama import LlamaCppBackend
+    from specrun.modelkit.gguf_header import copy_with_string_key
+
+    path = tmp_path / "keyed.gguf"
+    copy_with_string_key(tiny_llama.gguf_f32_path, path, key, value)
+    backend = LlamaCppBackend(path, n_ctx=128)
+    problem = backend.logits_beyond_rows()
+    assert (said in problem and "after its output head" in problem) if said else problem == ""
+    backend.close()
+    plain = LlamaCppBackend(tiny_llama.gguf_f32_path, n_ctx=128)
+    assert plain.logits_beyond_rows() == ""
+    plain.close()
+
+
+def test_an_mlx_head_soft_capped_or_with_a_bias_is_not_the_rows_product(tiny_llama):
+    """MLX: split_model's soft-cap (Gemma 2's) or an lm_head with a bias is named."""
+    pytest.importorskip("mlx_lm", reason="the mlx backend is not installed")
+    import dataclasses
+
+    import mlx.nn as nn
+
+    from specrun.backends.mlx import MlxBackend
+
+    backend = MlxBackend(tiny_llama.hf_dir, n_ctx=128)
+    assert backend.logits_beyond_rows() == ""
+    split = backend._split
+    backend._split = dataclasses.replace(split, cap=30.0)
+    assert backend.logits_beyond_rows() == "its logits are soft-capped at 30 after its output head"
+    backend._split = dataclasses.replace(split, linear=nn.Linear(4, 8, bias=True))
+    assert backend.logits_beyond_rows() == "its output head adds a bias"
+    backend.close()

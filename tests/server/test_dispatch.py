@@ -159,6 +159,9 @@ def test_a_slot_whose_answer_is_complete_takes_the_next_turn_before_its_thread_a
         time.sleep(0.001)
     assert jobs._given == {0: "next turn"} and got == {}
     assert jobs.get(0) == "next turn"
-    jobs.close()
+    assert 0 not in jobs._idle  # busy with it: the next job goes to the idle slot
+    jobs.put("another conversation")
     other.join(5)
-    assert got == {1: None}
+    assert got == {1: "another conversation"}
+    jobs.close()
+    assert jobs.get(1) is None

@@ -134,19 +134,26 @@ def test_with_the_targets_output_rows_heads_learn_its_distributions(kind, monkey
 
 def test_a_command_learns_the_targets_distributions_where_the_heads_read_its_output_heads_input():
     """Learning reads the target's output rows over the heads' draft vocabulary for Medusa, Hydra
-    and EAGLE; EAGLE-3 heads (other layers), a target that cannot give them, and rows past
+    and EAGLE; EAGLE-3 heads (other layers), a target that cannot give them, one that does more to
+    its logits than their product (a soft-cap), rows the heads' vocabulary outgrows, and rows past
     TEACHER_MAX_BYTES leave the heads learning its tokens."""
+    from types import SimpleNamespace
+
     from heads_factory import eagle3_heads
     from specrun.training import online
 
     class Target:
-        def __init__(self, fails: bool = False) -> None:
-            self.fails, self.asked = fails, []
+        def __init__(self, fails: type[Exception] | None = None, beyond: str = "", vocab: int = VOCAB) -> None:
+            self.fails, self.asked, self.beyond = fails, [], beyond
+            self.vocab = SimpleNamespace(size=vocab)
+
+        def logits_beyond_rows(self) -> str:
+            return self.beyond
 
         def output_rows(self, ids):
             self.asked.append(list(ids))
-            if self.fails:
-                raise ValueError("this backend reads no output rows")
+            if self.fails is not None:
+                raise self.fails("this backend reads no output rows")
             return own_head()[np.asarray(ids)]
 
         def token_embeddings(self, ids):
@@ -157,7 +164,11 @@ def test_a_command_learns_the_targets_distributions_where_the_heads_read_its_out
         learner = Learning(LearnSettings(), inline=True)(fresh_heads(kind), target)
         assert learner.labels == "distributions" and target.asked == [list(range(VOCAB))], kind
         learner.close()
-    assert Learning(LearnSettings(), inline=True)(fresh_heads("medusa"), Target(fails=True)).labels == "tokens"
+    for fails in (ValueError, NotImplementedError):  # NotImplementedError: a quantization gguf cannot undo
+        assert Learning(LearnSettings(), inline=True)(fresh_heads("medusa"), Target(fails)).labels == "tokens"
+    for target in (Target(beyond="its logits are soft-capped at 30 after its output head"), Target(vocab=VOCAB - 1)):
+        assert Learning(LearnSettings(), inline=True)(fresh_heads("hydra"), target).labels == "tokens"
+        assert target.asked == []
     target = Target()
     assert Learning(LearnSettings(), soft_labels=False, inline=True)(fresh_heads("eagle"), target).labels == "tokens"
     assert target.asked == []
