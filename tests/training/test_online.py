@@ -88,17 +88,19 @@ def own_head() -> np.ndarray:
     return TABLE[[before[token] for token in range(VOCAB)]]
 
 
+@pytest.mark.parametrize("buffer", [4096, 100], ids=["growing", "wrapping"])
 @pytest.mark.parametrize("kind", ["medusa", "hydra", "eagle"])
-def test_with_the_targets_output_rows_heads_learn_its_distributions(kind, monkeypatch):
+def test_with_the_targets_output_rows_heads_learn_its_distributions(kind, buffer, monkeypatch):
     """A learner given the target's output rows (``teacher``) trains each labelled position on the
     target's distribution at the position that chose its label: for Medusa's and Hydra's head i at
-    p, the state at p + 1 + i (checked row by row against the stream); EAGLE's batch loss gets the
-    rows (its loss test checks the positions). It learns the stream as well as from labels."""
+    p, the state at p + 1 + i (checked row by row against the stream, in a ring still growing and
+    in one wrapping many times, windows straddling its end); EAGLE's batch loss gets the rows (its
+    loss test checks the positions). It learns the stream as well as from labels."""
     from specrun.heads.layers import softmax
 
     teacher = own_head()
-    learner = OnlineLearner(fresh_heads(kind), LearnSettings(learning_rate=0.02), teacher=teacher, window=8,
-                            inline=True, inline_steps=4)
+    learner = OnlineLearner(fresh_heads(kind), LearnSettings(learning_rate=0.02, buffer_tokens=buffer),
+                            teacher=teacher, window=8, inline=True, inline_steps=4)
     assert learner.labels == "distributions"
     checked = []
     if kind == "eagle":
