@@ -24,9 +24,10 @@ and the learner's own report (steps, CPU while generating as a share of generati
         --heads runs/chat.medusa.safetensors --suite --prompts ../shared/data/spec_bench/question.jsonl \
         --categories code-completion code-editing coding --tokens 2000
 
-Heads that read the target's final state learn its distributions there (soft labels); ``--labels
-tokens`` has them learn its tokens only, ``--labels both`` runs a third line, ``learning-tokens``,
-so the two are compared in one interleaved run.
+Heads learn the target's tokens; ``--labels distributions`` has those that read its final state
+learn its distributions there (soft labels, --learn-labels distributions), ``--labels both`` runs
+the two side by side: ``learning`` (distributions) and a third line, ``learning-tokens``, in one
+interleaved run.
 
 A draft model that learns (MLX: LoRA adapters, training/online_draft.py), ``--method draft``:
 
@@ -110,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--temperature", type=float, default=0.0,
                         help="sample at this temperature (each line's answers then differ by chance)")
     parser.add_argument("--seed", type=int, default=0, help="the sampling seed of every answer")
-    parser.add_argument("--labels", choices=["distributions", "tokens", "both"], default="distributions",
+    parser.add_argument("--labels", choices=["distributions", "tokens", "both"], default="tokens",
                         help="what heads learn of the target's (both: a line of each)")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)

@@ -598,14 +598,15 @@ LEARNING_RATE = 0.05  # large: each run's step moves the fake's small heads visi
 
 
 def learning_heads(heads, target):
-    """An inline learner of ``heads`` as a command makes it (the target's distributions its labels
-    where the heads read its output head's input, EAGLE-3's embedding the target's): each window
+    """An inline learner of ``heads`` as a command makes it with --learn-labels distributions (the
+    target's distributions its labels where the heads read its output head's input, EAGLE-3's
+    embedding the target's): each window
     of two or more verified positions is trained on at once and the weights published, so the
     drafter swaps them in at its next proposal."""
     from specrun.training.learner import LearnSettings
     from specrun.training.online import Learning
 
-    return Learning(LearnSettings(learning_rate=LEARNING_RATE), window=2, inline=True)(heads, target)
+    return Learning(LearnSettings(learning_rate=LEARNING_RATE), soft_labels=True, window=2, inline=True)(heads, target)
 
 
 def learning_draft(draft):

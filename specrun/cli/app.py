@@ -48,6 +48,7 @@ from specrun.cli.options import (
     MarginOpt,
     LearnOpt,
     LearnBudgetOpt,
+    LearnLabelsOpt,
     LearnBufferOpt,
     KeepLearnedOpt,
     VerifyOpt,
@@ -161,6 +162,7 @@ def generate(
     learn: LearnOpt = None,
     learn_budget: LearnBudgetOpt = None,
     learn_buffer: LearnBufferOpt = None,
+    learn_labels: LearnLabelsOpt = None,
     keep_learned: KeepLearnedOpt = False,
     trace: TraceOpt = None,
 ) -> None:
@@ -197,7 +199,7 @@ def generate(
         text = read_prompt(prompt)
         target, draft = choose_pair(target, draft, registry)
         learning = checked_learning("generate", learn, learn_budget, learn_buffer, keep_learned, target, heads,
-                                    lambda note: typer.echo(f"note: {note}", err=True))
+                                    lambda note: typer.echo(f"note: {note}", err=True), learn_labels)
         bar = None if json_output else PrefillBar()  # a long prompt's reading, on a terminal
         with open_trace(trace) as tracing:  # closed after the learners, however the run ends
             answer_out = _AnswerOut()  # notes made while the answer streams start a line of their own

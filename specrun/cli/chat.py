@@ -63,6 +63,7 @@ from specrun.cli.options import (
     MarginOpt,
     LearnOpt,
     LearnBudgetOpt,
+    LearnLabelsOpt,
     LearnBufferOpt,
     KeepLearnedOpt,
     MaxTokensOpt,
@@ -162,6 +163,7 @@ def chat_command(
     learn: LearnOpt = None,
     learn_budget: LearnBudgetOpt = None,
     learn_buffer: LearnBufferOpt = None,
+    learn_labels: LearnLabelsOpt = None,
     keep_learned: KeepLearnedOpt = False,
     trace: TraceOpt = None,
 ) -> None:
@@ -196,7 +198,8 @@ def chat_command(
                               flash_attn=flash_attn, exact=exact, window=window, sinks=sinks, tree_paths=trees.paths)
         tool_list, choice = checked_tools(tools, tool_choice)
         target, draft = choose_pair(target, draft, registry)
-        learning = checked_learning("chat", learn, learn_budget, learn_buffer, keep_learned, target, heads, view.note)
+        learning = checked_learning("chat", learn, learn_budget, learn_buffer, keep_learned, target, heads, view.note,
+                                    learn_labels)
         from specrun.sessions.trace import open_trace
 
         with open_trace(trace) as tracing:  # closed after the learners, however the chat ends

@@ -426,13 +426,16 @@ def check_generation_options(
 
 
 def checked_learning(command: str, learn: bool | None, budget: float | None, buffer: int | None, keep: bool,
-                     target: str, heads: str | None, on_note):
+                     target: str, heads: str | None, on_note, labels: str | None = None):
     """The learning a command runs with (training/online.py's Learning), or None: --learn/--no-learn,
     by default on for chat and serve (they read much text of one user) and off for generate;
-    --keep-learned turns it on. Usage errors for a budget or buffer out of range, or given with
-    learning off."""
+    --keep-learned turns it on. Usage errors for a budget or buffer out of range, labels unknown,
+    or any of them given with learning off."""
     from specrun.training.learner import DEFAULT_BUFFER, DEFAULT_SHARE, LearnSettings, check_learn_settings
-    from specrun.training.online import Learning
+    from specrun.training.online import LEARN_LABELS, Learning
+
+    if labels is not None and labels not in LEARN_LABELS:
+        raise UsageError(f"unknown --learn-labels {labels!r}", f"use --learn-labels {' or '.join(LEARN_LABELS)}")
 
     if keep and learn is False:
         raise UsageError("--keep-learned keeps what learning learned, and --no-learn turns learning off",
@@ -442,13 +445,15 @@ def checked_learning(command: str, learn: bool | None, budget: float | None, buf
     check_learn_settings(share, tokens)
     on = learn if learn is not None else keep or command in ("chat", "serve")
     if not on:
-        given = "--learn-budget" if budget is not None else "--learn-buffer" if buffer is not None else None
+        given = ("--learn-budget" if budget is not None else "--learn-buffer" if buffer is not None
+                 else "--learn-labels" if labels is not None else None)
         if given is not None:
-            raise UsageError(f"{given} sizes online learning, which is off for this run", f"add --learn, or drop {given}")
+            raise UsageError(f"{given} shapes online learning, which is off for this run", f"add --learn, or drop {given}")
         return None
     return Learning(LearnSettings(share, tokens, keep), lambda found: learned_heads_path(found, target, heads),
                     on_note, explicit=bool(learn) or keep,
-                    draft_keep_path=lambda draft: learned_adapters_path(target, draft))
+                    draft_keep_path=lambda draft: learned_adapters_path(target, draft),
+                    soft_labels=labels == "distributions")
 
 
 def learned_adapters_path(target: str, draft) -> Path:

@@ -136,6 +136,13 @@ LearnBufferOpt = Annotated[
     Optional[int],
     typer.Option("--learn-buffer", help="Positions of verified text learning keeps, the latest (default 4096)."),
 ]
+LearnLabelsOpt = Annotated[
+    Optional[str],
+    typer.Option("--learn-labels", help="What heads learning online learn of the target's: tokens (the default: the "
+                 "token it chose at each position) or distributions (its whole distribution there, as soft labels; "
+                 "Medusa, Hydra and EAGLE heads, where its logits are its output rows times its state). Measured "
+                 "here, distributions raised acceptance no more than tokens (docs/perf.md)."),
+]
 KeepLearnedOpt = Annotated[
     bool,
     typer.Option("--keep-learned", help="Write the heads as learned at the end: back to the --heads file, else to "

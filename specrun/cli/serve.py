@@ -47,6 +47,7 @@ from specrun.cli.options import (
     MarginOpt,
     LearnOpt,
     LearnBudgetOpt,
+    LearnLabelsOpt,
     LearnBufferOpt,
     KeepLearnedOpt,
     MethodOpt,
@@ -137,6 +138,7 @@ def serve_command(
     learn: LearnOpt = None,
     learn_budget: LearnBudgetOpt = None,
     learn_buffer: LearnBufferOpt = None,
+    learn_labels: LearnLabelsOpt = None,
     keep_learned: KeepLearnedOpt = False,
     trace: ServeTraceOpt = None,
 ) -> None:
@@ -192,7 +194,7 @@ def serve_command(
                              "choose a key of printable ASCII characters")
         target, draft = choose_pair(target, draft, registry)
         learning = checked_learning("serve", learn, learn_budget, learn_buffer, keep_learned, target, heads,
-                                    lambda note: _log(f"note: {note}"))
+                                    lambda note: _log(f"note: {note}"), learn_labels)
         from specrun.sessions.trace import open_server_trace
 
         tracing = open_server_trace(trace)  # an unwritable FILE refused before anything loads

@@ -5,12 +5,12 @@ text's end, what the target verified: its hidden states at the positions it gene
 tokens it chose. The learner cuts them into windows of WINDOW_POSITIONS consecutive positions
 (what `specrun heads train` trains on: training/run.py); the worker (training/learner.py, with its
 budget, buffer and swaps) takes small AdamW steps on batches drawn from them, the projections over
-the draft vocabulary left as they are (their update was most of a step's cost). Heads that read
-the state the target's output head reads (Medusa, Hydra, EAGLE) learn the target's distributions
-there, not only the tokens it chose (soft labels, as OSD and DistillSpec distil): the state times
-the target's output rows over the draft vocabulary (``teacher_rows``) is the distribution that
-chose each label, computed for a step's batch only. EAGLE-3 heads read other layers and learn the
-tokens. A draft model's learner is training/online_draft.py's; ``Learning`` keeps a command's
+the draft vocabulary left as they are (their update was most of a step's cost). The labels are
+the tokens the target chose; with --learn-labels distributions, heads that read the state the
+target's output head reads (Medusa, Hydra, EAGLE) learn its distribution behind each instead
+(soft labels, as OSD and DistillSpec distil): the state times the target's output rows over the
+draft vocabulary (``teacher_rows``) is the distribution that chose the label, computed for a
+step's batch only. EAGLE-3 heads read other layers and learn the tokens. A draft model's learner is training/online_draft.py's; ``Learning`` keeps a command's
 learners of both.
 """
 
@@ -38,6 +38,9 @@ BATCH_WINDOWS = 1  # windows per step (EAGLE, EAGLE-3)
 # The target's output rows kept for soft labels at most (SmolLM2's whole vocabulary at 576 wide is
 # 108 MiB; specrun's heads draft over 4,096 tokens): past it, heads learn the target's tokens.
 TEACHER_MAX_BYTES = 128 << 20
+# What heads may learn of the target's (--learn-labels): the tokens it chose (the default: measured
+# here, its distributions raised acceptance no more, at ~1.4x a Medusa step: docs/perf.md 3(t)).
+LEARN_LABELS = ("tokens", "distributions")
 
 
 @dataclass
@@ -349,11 +352,12 @@ class Learning:
     before), and their reports. ``explicit``: the user asked for learning
     (--learn), so a run with nothing to learn says why in a note; chat and serve learn by default
     and say nothing then. ``soft_labels``: heads learn the target's distributions where they can
-    (False: its tokens only; benchmarks/online_learning.py compares the two)."""
+    (--learn-labels distributions; False, the default: its tokens; benchmarks/online_learning.py
+    compares the two)."""
 
     def __init__(self, settings: LearnSettings, keep_path: Callable[[object], Path] | None = None,
                  on_note: Callable[[str], None] | None = None, explicit: bool = False,
-                 draft_keep_path: Callable[[object], Path] | None = None, soft_labels: bool = True,
+                 draft_keep_path: Callable[[object], Path] | None = None, soft_labels: bool = False,
                  **learner_options) -> None:
         self.settings = settings
         self._soft_labels = soft_labels

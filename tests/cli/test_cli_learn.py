@@ -1,6 +1,7 @@
-"""--learn, --no-learn, --learn-budget, --learn-buffer and --keep-learned through the CLI: bad
-values are one-line usage errors before anything loads; a run that learns prints the same text as
-plain decoding, reports what it learned, and writes the heads back where asked."""
+"""--learn, --no-learn, --learn-budget, --learn-buffer, --learn-labels and --keep-learned through
+the CLI: bad values are one-line usage errors before anything loads; a run that learns (tokens or
+distributions) prints the same text as plain decoding, reports what it learned, and writes the
+heads back where asked."""
 
 from __future__ import annotations
 
@@ -19,7 +20,9 @@ COMMANDS = ("generate", "chat", "serve")
     (("--learn", "--learn-budget", "1.5"), "--learn-budget must be more than 0 and at most 1"),
     (("--learn", "--learn-buffer", "10"), "--learn-buffer must be between 64 and 131072 tokens, got 10"),
     (("--keep-learned", "--no-learn"), "--keep-learned keeps what learning learned, and --no-learn turns"),
-    (("--no-learn", "--learn-budget", "0.5"), "--learn-budget sizes online learning, which is off for this run"),
+    (("--no-learn", "--learn-budget", "0.5"), "--learn-budget shapes online learning, which is off for this run"),
+    (("--learn", "--learn-labels", "logits"), "unknown --learn-labels 'logits'"),
+    (("--no-learn", "--learn-labels", "tokens"), "--learn-labels shapes online learning, which is off for this run"),
 ])
 def test_bad_learning_options_are_one_line_usage_errors(command, options, message):
     args = [command, *(["x"] if command == "generate" else []), "-t", "/nonexistent.gguf", *options]
@@ -31,7 +34,7 @@ def test_bad_learning_options_are_one_line_usage_errors(command, options, messag
 
 def test_generate_learns_only_when_asked():
     result = invoke("generate", "x", "-t", "/nonexistent.gguf", "--learn-buffer", "128")
-    assert result.exit_code == 2 and "--learn-buffer sizes online learning" in result.stderr
+    assert result.exit_code == 2 and "--learn-buffer shapes online learning" in result.stderr
 
 
 @pytest.fixture
@@ -71,8 +74,15 @@ def test_a_learning_run_prints_plain_decoding_s_text_and_keeps_the_heads(medusa_
     assert report["kind"] == "medusa" and report["steps"] > 0 and report["kept"] == str(path), report
     assert path.read_bytes() != before
     assert load_heads(path).config.training["online"][-1]["steps"] == report["steps"]
+    assert report["labels"] == "tokens"
     as_text = invoke("generate", PROMPT, *args, "--method", "medusa", "--learn")
     assert as_text.exit_code == 0 and "learning (medusa):" in as_text.stderr
+    soft = invoke("generate", PROMPT, *args, "--method", "medusa", "--learn", "--learn-labels", "distributions",
+                  "--learn-budget", "1", "--json")
+    assert soft.exit_code == 0, soft.output
+    answer = json.loads(soft.stdout)
+    assert answer["text"] == json.loads(plain.stdout)["text"]
+    assert answer["learning"][0]["labels"] == "distributions" and answer["learning"][0]["steps"] > 0
 
 
 def test_learning_with_nothing_that_learns_says_why_in_a_note(tiny_llama, llama_installed):

@@ -135,10 +135,11 @@ def test_with_the_targets_output_rows_heads_learn_its_distributions(kind, buffer
 
 
 def test_a_command_learns_the_targets_distributions_where_the_heads_read_its_output_heads_input():
-    """Learning reads the target's output rows over the heads' draft vocabulary for Medusa, Hydra
-    and EAGLE; EAGLE-3 heads (other layers), a target that cannot give them, one that does more to
-    its logits than their product (a soft-cap), rows the heads' vocabulary outgrows, and rows past
-    TEACHER_MAX_BYTES leave the heads learning its tokens."""
+    """With --learn-labels distributions, Learning reads the target's output rows over the heads'
+    draft vocabulary for Medusa, Hydra and EAGLE; EAGLE-3 heads (other layers), a target that
+    cannot give them, one that does more to its logits than their product (a soft-cap), rows the
+    heads' vocabulary outgrows, and rows past TEACHER_MAX_BYTES leave the heads learning its
+    tokens, as does learning without --learn-labels distributions."""
     from types import SimpleNamespace
 
     from heads_factory import eagle3_heads
@@ -161,29 +162,33 @@ def test_a_command_learns_the_targets_distributions_where_the_heads_read_its_out
         def token_embeddings(self, ids):
             return np.ones((len(ids), 8), np.float32)
 
+    def soft(heads, target):
+        return Learning(LearnSettings(), soft_labels=True, inline=True)(heads, target)
+
     for kind in ("medusa", "hydra", "eagle"):
         target = Target()
-        learner = Learning(LearnSettings(), inline=True)(fresh_heads(kind), target)
+        learner = soft(fresh_heads(kind), target)
         assert learner.labels == "distributions" and target.asked == [list(range(VOCAB))], kind
         learner.close()
     for fails in (ValueError, NotImplementedError):  # NotImplementedError: a quantization gguf cannot undo
-        assert Learning(LearnSettings(), inline=True)(fresh_heads("medusa"), Target(fails)).labels == "tokens"
+        assert soft(fresh_heads("medusa"), Target(fails)).labels == "tokens"
     for target in (Target(beyond="its logits are soft-capped at 30 after its output head"), Target(vocab=VOCAB - 1)):
-        assert Learning(LearnSettings(), inline=True)(fresh_heads("hydra"), target).labels == "tokens"
+        assert soft(fresh_heads("hydra"), target).labels == "tokens"
         assert target.asked == []
-    target = Target()
-    assert Learning(LearnSettings(), soft_labels=False, inline=True)(fresh_heads("eagle"), target).labels == "tokens"
-    assert target.asked == []
+    for asked in ({"soft_labels": False}, {}):  # tokens unless --learn-labels distributions
+        target = Target()
+        assert Learning(LearnSettings(), inline=True, **asked)(fresh_heads("eagle"), target).labels == "tokens"
+        assert target.asked == []
     heads = eagle3_heads(8, 10, aux=(1, 3), heads=4, kv_heads=2, head_dim=4, intermediate=16)
     target = Target()
-    assert Learning(LearnSettings(), inline=True)(heads, target).labels == "tokens" and target.asked == []
+    assert soft(heads, target).labels == "tokens" and target.asked == []
     with pytest.raises(ValueError, match="read the target's layers"):
         OnlineLearner(heads, teacher=np.ones((10, 8), np.float32), inline=True)
     target = Target()
     small = VOCAB * SIZE * 4 - 1
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(online, "TEACHER_MAX_BYTES", small)
-        assert Learning(LearnSettings(), inline=True)(fresh_heads("medusa"), target).labels == "tokens"
+        assert soft(fresh_heads("medusa"), target).labels == "tokens"
     assert target.asked == []
 
 
