@@ -209,7 +209,9 @@ class NearTieWatch:
     for bit: no choice can part from it, and near-ties are looked for (0.1-0.2 ms a step of a
     49k vocabulary, ~1% of a plain step) only from then on; from the start where the text
     began on a cache earlier passes wrote (a chat's next turn), or where passes keep hidden
-    states (head drafters: llama.cpp then outputs every row, the prompt's too).
+    states (head drafters: llama.cpp then outputs every row, the prompt's too); and from the
+    first pass that carried other sequences beside this one (a server's slots: the batch's shape
+    moves its rounding, so a lone plain run may choose otherwise at a near-tie).
     """
 
     def __init__(self, target: KVSequence, margin: float, rounded_apart: bool) -> None:
@@ -222,7 +224,7 @@ class NearTieWatch:
         """The watch of a run whose prefill ``reused`` a cached prefix, or None where near-ties
         are not counted (sampling, or no margin)."""
         if params.tie_margin > 0 and params.sampling.greedy:
-            return cls(target, params.tie_margin, reused or target.tracking)
+            return cls(target, params.tie_margin, reused or target.tracking or target.sharing > 0)
         return None
 
     def in_prefill(self, prompt_logits: np.ndarray) -> int:
@@ -236,7 +238,7 @@ class NearTieWatch:
         """How many of a step's ``n_kept`` tokens were chosen at a near-tie of the pass's rows they
         came from (the root's, then each accepted node's): ``rows`` where the pass read them (under a
         grammar, masked: the choice was among the tokens it allows), else the backend's last argmax pass."""
-        self.rounded_apart = self.rounded_apart or len(proposal) > 0
+        self.rounded_apart = self.rounded_apart or len(proposal) > 0 or self.target.sharing > 0
         if not self.rounded_apart:
             return 0
         indices = [0, *(1 + node for node in verdict.path)][:n_kept]

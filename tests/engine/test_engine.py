@@ -416,6 +416,21 @@ def test_near_ties_are_watched_from_the_first_pass_of_several_tokens():
     assert second.stats.near_ties == ties_in(follow_up, second.token_ids) > 5
 
 
+def test_near_ties_are_watched_from_the_first_pass_shared_with_other_sequences():
+    """A server's slot decoding plainly: its passes carry other slots' sequences, whose batch
+    shape moves the rounding (a lone plain run may choose otherwise at a near-tie), so near-ties
+    are counted from the first shared pass; alone, the same plain text counts none."""
+    params = GenerationParams(30, 0, tie_margin=0.05)
+    prompt = [1, 2]
+    alone = SpeculativeEngine(FakeBackend(tied_every_third, VOCAB)).run(prompt, params)
+    assert alone.stats.near_ties == 0 and ties_in(prompt, alone.token_ids) > 5
+    shared = FakeBackend(tied_every_third, VOCAB)
+    shared.others_in_pass = 2  # as a slot's backend says of its last pass
+    beside = SpeculativeEngine(shared).run(prompt, params)
+    assert beside.token_ids == alone.token_ids
+    assert beside.stats.near_ties == ties_in(prompt, beside.token_ids) > 5
+
+
 def test_near_ties_are_not_counted_when_sampling():
     target = FakeBackend(tied_every_third, VOCAB)
     params = GenerationParams(20, 4, SamplingSettings(temperature=0.7, seed=1), tie_margin=0.05)
