@@ -47,6 +47,7 @@ from specrun.cli.options import (
     EpsilonOpt,
     MarginOpt,
     LearnOpt,
+    NoLearnOpt,
     LearnBudgetOpt,
     LearnLabelsOpt,
     LearnBufferOpt,
@@ -159,7 +160,8 @@ def generate(
     epsilon: EpsilonOpt = None,
     delta: DeltaOpt = None,
     margin: MarginOpt = None,
-    learn: LearnOpt = None,
+    learn: LearnOpt = False,
+    no_learn: NoLearnOpt = False,
     learn_budget: LearnBudgetOpt = None,
     learn_buffer: LearnBufferOpt = None,
     learn_labels: LearnLabelsOpt = None,
@@ -198,8 +200,8 @@ def generate(
                              "give one of them")
         text = read_prompt(prompt)
         target, draft = choose_pair(target, draft, registry)
-        learning = checked_learning("generate", learn, learn_budget, learn_buffer, keep_learned, target, heads,
-                                    lambda note: typer.echo(f"note: {note}", err=True), learn_labels)
+        learning = checked_learning("generate", learn, no_learn, learn_budget, learn_buffer, keep_learned, target,
+                                    heads, lambda note: typer.echo(f"note: {note}", err=True), learn_labels)
         bar = None if json_output else PrefillBar()  # a long prompt's reading, on a terminal
         with open_trace(trace) as tracing:  # closed after the learners, however the run ends
             answer_out = _AnswerOut()  # notes made while the answer streams start a line of their own

@@ -62,6 +62,7 @@ from specrun.cli.options import (
     LookaheadOpt,
     MarginOpt,
     LearnOpt,
+    NoLearnOpt,
     LearnBudgetOpt,
     LearnLabelsOpt,
     LearnBufferOpt,
@@ -160,7 +161,8 @@ def chat_command(
     epsilon: EpsilonOpt = None,
     delta: DeltaOpt = None,
     margin: MarginOpt = None,
-    learn: LearnOpt = None,
+    learn: LearnOpt = False,
+    no_learn: NoLearnOpt = False,
     learn_budget: LearnBudgetOpt = None,
     learn_buffer: LearnBufferOpt = None,
     learn_labels: LearnLabelsOpt = None,
@@ -198,8 +200,8 @@ def chat_command(
                               flash_attn=flash_attn, exact=exact, window=window, sinks=sinks, tree_paths=trees.paths)
         tool_list, choice = checked_tools(tools, tool_choice)
         target, draft = choose_pair(target, draft, registry)
-        learning = checked_learning("chat", learn, learn_budget, learn_buffer, keep_learned, target, heads, view.note,
-                                    learn_labels)
+        learning = checked_learning("chat", learn, no_learn, learn_budget, learn_buffer, keep_learned, target, heads,
+                                    view.note, learn_labels)
         from specrun.sessions.trace import open_trace
 
         with open_trace(trace) as tracing:  # closed after the learners, however the chat ends

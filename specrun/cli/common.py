@@ -425,14 +425,18 @@ def check_generation_options(
 
 
 
-def checked_learning(command: str, learn: bool | None, budget: float | None, buffer: int | None, keep: bool,
-                     target: str, heads: str | None, on_note, labels: str | None = None):
-    """The learning a command runs with (training/online.py's Learning), or None: --learn/--no-learn,
-    by default on for chat and serve (they read much text of one user) and off for generate;
-    --keep-learned turns it on. Usage errors for a budget or buffer out of range, labels unknown,
-    or any of them given with learning off."""
+def checked_learning(command: str, learn: bool, no_learn: bool, budget: float | None, buffer: int | None,
+                     keep: bool, target: str, heads: str | None, on_note, labels: str | None = None):
+    """The learning a command runs with (training/online.py's Learning), or None: --learn or
+    --no-learn, by default on for chat and serve (they read much text of one user) and off for
+    generate; --keep-learned turns it on. Usage errors for both flags, a budget or buffer out of
+    range, labels unknown, or any of them given with learning off."""
     from specrun.training.learner import DEFAULT_BUFFER, DEFAULT_SHARE, LearnSettings, check_learn_settings
     from specrun.training.online import LEARN_LABELS, Learning
+
+    if learn and no_learn:
+        raise UsageError("--learn and --no-learn contradict each other", "drop one of them")
+    learn = True if learn else False if no_learn else None
 
     if labels is not None and labels not in LEARN_LABELS:
         raise UsageError(f"unknown --learn-labels {labels!r}", f"use --learn-labels {' or '.join(LEARN_LABELS)}")

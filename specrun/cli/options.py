@@ -117,15 +117,20 @@ HeadsOpt = Annotated[
         "shipped with it.",
     ),
 ]
+# --learn and --no-learn are two flags, not one --learn/--no-learn pair: a pair keeps only the last
+# one given, so giving both could not be refused (common.checked_learning refuses them).
 LearnOpt = Annotated[
-    Optional[bool],
+    bool,
     typer.Option(
-        "--learn/--no-learn",
+        "--learn",
         help="Heads, and MLX draft models (LoRA adapters), learn online from what the target verifies (OSD): a "
         "background thread takes small training steps within --learn-budget and the drafter takes its weights "
         "between verify passes. It never changes an answer (every draft is verified), so --exact keeps it. "
         "Default: on for chat and serve, off for generate.",
     ),
+]
+NoLearnOpt = Annotated[
+    bool, typer.Option("--no-learn", help="Learn nothing online (chat and serve learn by default)."),
 ]
 LearnBudgetOpt = Annotated[
     Optional[float],

@@ -46,6 +46,7 @@ from specrun.cli.options import (
     LookaheadOpt,
     MarginOpt,
     LearnOpt,
+    NoLearnOpt,
     LearnBudgetOpt,
     LearnLabelsOpt,
     LearnBufferOpt,
@@ -135,7 +136,8 @@ def serve_command(
     epsilon: EpsilonOpt = None,
     delta: DeltaOpt = None,
     margin: MarginOpt = None,
-    learn: LearnOpt = None,
+    learn: LearnOpt = False,
+    no_learn: NoLearnOpt = False,
     learn_budget: LearnBudgetOpt = None,
     learn_buffer: LearnBufferOpt = None,
     learn_labels: LearnLabelsOpt = None,
@@ -193,7 +195,7 @@ def serve_command(
                              "HTTP headers carry ASCII, so no client could send it",
                              "choose a key of printable ASCII characters")
         target, draft = choose_pair(target, draft, registry)
-        learning = checked_learning("serve", learn, learn_budget, learn_buffer, keep_learned, target, heads,
+        learning = checked_learning("serve", learn, no_learn, learn_budget, learn_buffer, keep_learned, target, heads,
                                     lambda note: _log(f"note: {note}"), learn_labels)
         from specrun.sessions.trace import open_server_trace
 

@@ -22,6 +22,8 @@ COMMANDS = ("generate", "chat", "serve")
     (("--keep-learned", "--no-learn"), "--keep-learned keeps what learning learned, and --no-learn turns"),
     (("--no-learn", "--learn-budget", "0.5"), "--learn-budget shapes online learning, which is off for this run"),
     (("--learn", "--learn-labels", "logits"), "unknown --learn-labels 'logits'"),
+    (("--learn", "--no-learn"), "--learn and --no-learn contradict each other"),
+    (("--no-learn", "--learn"), "--learn and --no-learn contradict each other"),
     (("--no-learn", "--learn-labels", "tokens"), "--learn-labels shapes online learning, which is off for this run"),
 ])
 def test_bad_learning_options_are_one_line_usage_errors(command, options, message):
