@@ -131,7 +131,8 @@ def main(argv: list[str] | None = None) -> int:
     load = LoadOptions(backend=args.backend, threads=args.threads)
     settings = LearnSettings(share=args.learn_budget, idle=args.idle or args.think > 0)
     learnings = {  # the learning lines: each its own learners
-        name: Learning(settings, explicit=True, soft_labels=soft, on_note=lambda note: print(f"note: {note}", file=sys.stderr))
+        name: Learning(settings, explicit=True, soft_labels=soft,
+                       on_note=lambda note: print(f"note: {note}", file=sys.stderr))
         for name, soft in (("learning", args.labels != "tokens"), ("learning-tokens", False))
         if name == "learning" or args.labels == "both"
     }
@@ -165,7 +166,8 @@ def main(argv: list[str] | None = None) -> int:
                 while time.monotonic() - waited < args.think and not all(l.caught_up for l in learners()):
                     time.sleep(0.05)
                 thought += time.monotonic() - waited
-            counts = "  ".join(f"{name} {results[name][0].accepted:4d}/{results[name][0].drafted:<4d}" for name in lines)
+            counts = "  ".join(f"{name} {results[name][0].accepted:4d}/{results[name][0].drafted:<4d}"
+                               for name in lines)
             print(f"{answers:3d} {done_tokens:5d} tokens  {counts}", file=sys.stderr, flush=True)
     finally:
         for session in lines.values():  # first: a drafter hands the learner the rest of its last text
@@ -176,7 +178,8 @@ def main(argv: list[str] | None = None) -> int:
         "prompts": [*(["built-in suite"] if args.suite else []), *([args.prompts] if args.prompts else [])],
         "categories": args.categories,
         "answers": answers, "tokens": done_tokens, "texts_differing": differ, "seconds": round(time.monotonic() - started, 1),
-        "temperature": args.temperature, "learn_budget": args.learn_budget, "idle": args.idle or args.think > 0, "think_seconds": round(thought, 1),
+        "temperature": args.temperature, "learn_budget": args.learn_budget, "idle": args.idle or args.think > 0,
+        "think_seconds": round(thought, 1),
         "labels": args.labels, "segments": {},
         "learner": {name: [r.to_dict() for r in made] for name, made in reports.items()},
     }
@@ -192,8 +195,8 @@ def main(argv: list[str] | None = None) -> int:
             learned = summary(totals[name][bound])
             ratio = {key: round(learned[key] / static[key], 3) if static[key] else None
                      for key in ("tokens_per_pass", "tokens_per_second")}
-            ratio["acceptance_by_depth"] = [round(b / a, 3) if a else None
-                                            for a, b in zip(static["acceptance_by_depth"], learned["acceptance_by_depth"])]
+            pairs = zip(static["acceptance_by_depth"], learned["acceptance_by_depth"])
+            ratio["acceptance_by_depth"] = [round(b / a, 3) if a else None for a, b in pairs]
             segment[name] = learned
             segment["ratio" if name == "learning" else f"ratio-{name}"] = ratio
             print(f"    {name} {learned['acceptance_by_depth']} {learned['tokens_per_pass']} tok/pass "

@@ -449,6 +449,7 @@ class Scenario:
     # drafts from whichever it measures faster (DrafterOptions.draft_window); () none
     window_alternative: tuple[int, int, int] = ()
     learn: bool = False  # the heads learn online as they draft (training/online.py, inline: weights swapped each run)
+    soft_labels: bool = True  # ... the target's distributions (--learn-labels distributions), else its tokens
     mtp_layers: int = 1  # MTP layers, one a draft depth (MtpHeads.chained), for the mtp method
 
     @property
@@ -537,6 +538,7 @@ SCENARIOS = {
     "merged chain": Scenario("lookup+ngram+draft", "top-k", adaptive=True, chain_rule="token"),
     # Heads that learn from what the target verified, their weights swapped between runs (OSD)
     "medusa learning": Scenario("medusa", learn=True),
+    "medusa learning tokens": Scenario("medusa", learn=True, soft_labels=False),  # the default labels
     "hydra learning top-p": Scenario("hydra", "top-p", learn=True, reaches_deep=False),  # its steps blunt the heads
     "eagle learning": Scenario("eagle", learn=True),
     "eagle3 learning top-k": Scenario("eagle", "top-k", eagle3=True, learn=True),
@@ -579,7 +581,8 @@ def fake_engine(scenario: Scenario) -> SpeculativeEngine:
     uses_draft = needs_draft_model(scenario.method) or scenario.method == "auto"
     options = DrafterOptions(draft_min_prob=scenario.draft_min_prob, branches=scenario.branches, heads=heads,
                              auto_lookahead=scenario.auto_lookahead, auto_heads=scenario.auto_heads,
-                             learner=learning_heads(heads, target) if scenario.learn and heads else None,
+                             learner=learning_heads(heads, target, scenario.soft_labels) if scenario.learn and heads
+                             else None,
                              draft_learner=learning_draft(draft) if scenario.learn and uses_draft else None,
                              draft_window=windowed_fake(draft, *scenario.window_alternative)
                              if scenario.window_alternative else None)
@@ -597,16 +600,17 @@ def fake_engine(scenario: Scenario) -> SpeculativeEngine:
 LEARNING_RATE = 0.05  # large: each run's step moves the fake's small heads visibly
 
 
-def learning_heads(heads, target):
-    """An inline learner of ``heads`` as a command makes it with --learn-labels distributions (the
-    target's distributions its labels where the heads read its output head's input, EAGLE-3's
-    embedding the target's): each window
-    of two or more verified positions is trained on at once and the weights published, so the
-    drafter swaps them in at its next proposal."""
+def learning_heads(heads, target, soft_labels: bool = True):
+    """An inline learner of ``heads`` as a command makes it, with --learn-labels distributions
+    (``soft_labels``: the target's distributions its labels where the heads read its output head's
+    input) or tokens, EAGLE-3's embedding the target's: each window of two or more verified
+    positions is trained on at once and the weights published, so the drafter swaps them in at its
+    next proposal."""
     from specrun.training.learner import LearnSettings
     from specrun.training.online import Learning
 
-    return Learning(LearnSettings(learning_rate=LEARNING_RATE), soft_labels=True, window=2, inline=True)(heads, target)
+    learning = Learning(LearnSettings(learning_rate=LEARNING_RATE), soft_labels=soft_labels, window=2, inline=True)
+    return learning(heads, target)
 
 
 def learning_draft(draft):

@@ -201,7 +201,8 @@ def generate(
         text = read_prompt(prompt)
         target, draft = choose_pair(target, draft, registry)
         learning = checked_learning("generate", learn, no_learn, learn_budget, learn_buffer, keep_learned, target,
-                                    heads, lambda note: typer.echo(f"note: {note}", err=True), learn_labels)
+                                    heads, lambda note: typer.echo(f"note: {note}", err=True),
+                                    labels=learn_labels)
         bar = None if json_output else PrefillBar()  # a long prompt's reading, on a terminal
         with open_trace(trace) as tracing:  # closed after the learners, however the run ends
             answer_out = _AnswerOut()  # notes made while the answer streams start a line of their own

@@ -201,7 +201,7 @@ def chat_command(
         tool_list, choice = checked_tools(tools, tool_choice)
         target, draft = choose_pair(target, draft, registry)
         learning = checked_learning("chat", learn, no_learn, learn_budget, learn_buffer, keep_learned, target, heads,
-                                    view.note, learn_labels)
+                                    view.note, labels=learn_labels)
         from specrun.sessions.trace import open_trace
 
         with open_trace(trace) as tracing:  # closed after the learners, however the chat ends

@@ -426,7 +426,7 @@ def check_generation_options(
 
 
 def checked_learning(command: str, learn: bool, no_learn: bool, budget: float | None, buffer: int | None,
-                     keep: bool, target: str, heads: str | None, on_note, labels: str | None = None):
+                     keep: bool, target: str, heads: str | None, on_note, *, labels: str | None = None):
     """The learning a command runs with (training/online.py's Learning), or None: --learn or
     --no-learn, by default on for chat and serve (they read much text of one user) and off for
     generate; --keep-learned turns it on. Usage errors for both flags, a budget or buffer out of
@@ -452,7 +452,8 @@ def checked_learning(command: str, learn: bool, no_learn: bool, budget: float | 
         given = ("--learn-budget" if budget is not None else "--learn-buffer" if buffer is not None
                  else "--learn-labels" if labels is not None else None)
         if given is not None:
-            raise UsageError(f"{given} shapes online learning, which is off for this run", f"add --learn, or drop {given}")
+            raise UsageError(f"{given} shapes online learning, which is off for this run",
+                             f"add --learn, or drop {given}")
         return None
     return Learning(LearnSettings(share, tokens, keep), lambda found: learned_heads_path(found, target, heads),
                     on_note, explicit=bool(learn) or keep,

@@ -144,9 +144,10 @@ LearnBufferOpt = Annotated[
 LearnLabelsOpt = Annotated[
     Optional[str],
     typer.Option("--learn-labels", help="What heads learning online learn of the target's: tokens (the default: the "
-                 "token it chose at each position) or distributions (its whole distribution there, as soft labels; "
-                 "Medusa, Hydra and EAGLE heads, where its logits are its output rows times its state). Measured "
-                 "here, distributions raised acceptance no more than tokens (docs/perf.md)."),
+                 "token it chose at each position) or distributions (its distribution there over the heads' draft "
+                 "vocabulary, as soft labels: Medusa, Hydra and EAGLE heads, not EAGLE-3, where the target's logits "
+                 "are its output rows times its state; otherwise tokens, and a note says why). Distributions raised "
+                 "acceptance no more than tokens (docs/perf.md 3(t))."),
 ]
 KeepLearnedOpt = Annotated[
     bool,

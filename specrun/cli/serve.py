@@ -196,7 +196,7 @@ def serve_command(
                              "choose a key of printable ASCII characters")
         target, draft = choose_pair(target, draft, registry)
         learning = checked_learning("serve", learn, no_learn, learn_budget, learn_buffer, keep_learned, target, heads,
-                                    lambda note: _log(f"note: {note}"), learn_labels)
+                                    lambda note: _log(f"note: {note}"), labels=learn_labels)
         from specrun.sessions.trace import open_server_trace
 
         tracing = open_server_trace(trace)  # an unwritable FILE refused before anything loads

@@ -117,7 +117,8 @@ def softmax(scores: np.ndarray) -> np.ndarray:
     return weights / weights.sum(axis=-1, keepdims=True)
 
 
-def cross_entropy(probabilities: np.ndarray, picked: np.ndarray, soft: np.ndarray | None = None) -> tuple[float, np.ndarray]:
+def cross_entropy(probabilities: np.ndarray, picked: np.ndarray,
+                  soft: np.ndarray | None = None) -> tuple[float, np.ndarray]:
     """The summed cross-entropy of rows of probabilities (n, V) against the labels ``picked``
     (n,) or, where ``soft`` (n, V) is given, against those distributions (the target's own: soft
     labels); and its gradient with respect to the rows' logits, written over ``probabilities``."""

@@ -10,8 +10,8 @@ the tokens the target chose; with --learn-labels distributions, heads that read 
 target's output head reads (Medusa, Hydra, EAGLE) learn its distribution behind each instead
 (soft labels, as OSD and DistillSpec distil): the state times the target's output rows over the
 draft vocabulary (``teacher_rows``) is the distribution that chose the label, computed for a
-step's batch only. EAGLE-3 heads read other layers and learn the tokens. A draft model's learner is training/online_draft.py's; ``Learning`` keeps a command's
-learners of both.
+step's batch only. EAGLE-3 heads read other layers and learn the tokens. A draft model's learner
+is training/online_draft.py's; ``Learning`` keeps a command's learners of both.
 """
 
 from __future__ import annotations
@@ -394,7 +394,12 @@ class Learning:
         embedding = None
         if kind.embeds == "target" and heads.embed_tokens is None:  # EAGLE-3 reading the target's, frozen
             embedding = target.token_embeddings(range(heads.config.vocab_size))
-        teacher = teacher_rows(heads, target) if kind.reads == "hidden" and self._soft_labels else None
+        teacher = None
+        if self._soft_labels:  # asked for (--learn-labels distributions): where it cannot be, a note says why
+            teacher, why = teacher_rows(heads, target) if kind.reads == "hidden" else (
+                None, f"{kind.name} heads read the target's layers, not the state its output head reads")
+            if teacher is None and self._on_note is not None:
+                self._on_note(f"--learn-labels distributions: the {kind.name} heads learn the target's tokens: {why}")
         learner = OnlineLearner(heads, self.settings, embedding=embedding, teacher=teacher, **self._learner_options)
         self._learners[id(heads)] = (heads, learner, path)  # the heads kept alive: their id stays theirs
         return learner
@@ -491,22 +496,31 @@ class Learning:
         return reports
 
 
-def teacher_rows(heads, target) -> np.ndarray | None:
-    """The target's output rows over the heads' draft vocabulary (Vd, H): heads that read the
-    state its output head reads learn its distributions from them (soft labels). None where the
-    state times them is not the target's logits (``logits_beyond_rows``: a soft-cap, a scale, a
-    bias), where the backend cannot read them (or there is none), or where they would weigh more
-    than TEACHER_MAX_BYTES: the heads learn its tokens (the report says which)."""
+def teacher_rows(heads, target) -> tuple[np.ndarray | None, str]:
+    """The target's output rows over the heads' draft vocabulary (Vd, H), from which heads that
+    read the state its output head reads learn its distributions (soft labels), and ""; or None
+    and why not: the state times them is not the target's logits (``logits_beyond_rows``: a
+    soft-cap, a scale, a bias), the backend cannot read them (or there is none), or they would
+    weigh more than TEACHER_MAX_BYTES. The heads then learn its tokens."""
     ids = heads.d2t if heads.d2t is not None else np.arange(heads.config.vocab_size)
-    if target is None or len(ids) * heads.config.hidden_size * 4 > TEACHER_MAX_BYTES:
-        return None
+    weight = len(ids) * heads.config.hidden_size * 4
+    if target is None:
+        return None, "there is no target to read them from"
+    if weight > TEACHER_MAX_BYTES:
+        return None, (f"its output rows over the heads' {len(ids)} draft tokens would take {weight >> 20} MiB "
+                      f"(at most {TEACHER_MAX_BYTES >> 20})")
     try:
-        if target.logits_beyond_rows() or int(np.max(ids)) >= target.vocab.size:
-            return None
+        beyond = target.logits_beyond_rows()
+        if beyond:
+            return None, beyond
+        if int(np.max(ids)) >= target.vocab.size:
+            return None, "the heads' vocabulary is larger than the target's"
         rows = np.asarray(target.output_rows(ids), np.float32)
-    except Exception:  # noqa: BLE001 - rows it cannot read (a quantization gguf cannot undo): tokens, never a failed run
-        return None
-    return rows if rows.shape == (len(ids), heads.config.hidden_size) else None
+    except Exception as error:  # noqa: BLE001 - rows it cannot read (a quantization gguf cannot undo): tokens
+        return None, f"its output rows cannot be read ({error})"
+    if rows.shape != (len(ids), heads.config.hidden_size):
+        return None, f"its output rows are {rows.shape[-1]} wide, the heads {heads.config.hidden_size}"
+    return rows, ""
 
 
 def draft_name(draft) -> str:

@@ -134,8 +134,9 @@ def test_sequence_refuses_greedy_feeds_while_tracking():
 # ---- llama.cpp and MLX -----------------------------------------------------------------------
 @dataclass
 class Case:
-    """A real backend with hidden states, and what its arithmetic allows: the head product's error relative to the largest logit, and the gap
-    between hidden states of batched and one-token passes relative to the largest state."""
+    """A real backend with hidden states, and what its arithmetic allows: the head product's error
+    relative to the largest logit, and the gap between hidden states of batched and one-token
+    passes relative to the largest state."""
 
     kind: str
     backend: object

@@ -16,7 +16,8 @@ from specrun.training.medusa import NumpyHeadsTrainer
 REPEATING_TEXT = "the quick brown fox jumps over the lazy dog, and then it runs home again. " * 120
 
 
-def weighted_loss(trainer: NumpyHeadsTrainer, x: np.ndarray, labels: np.ndarray, soft: np.ndarray | None = None) -> float:
+def weighted_loss(trainer: NumpyHeadsTrainer, x: np.ndarray, labels: np.ndarray,
+                  soft: np.ndarray | None = None) -> float:
     """The loss ``step`` minimises, computed directly in float64: each head's cross-entropy
     against its labels, or against the distributions ``soft`` at the labelled positions."""
     total = 0.0

@@ -162,8 +162,10 @@ def test_a_command_learns_the_targets_distributions_where_the_heads_read_its_out
         def token_embeddings(self, ids):
             return np.ones((len(ids), 8), np.float32)
 
+    notes = []
+
     def soft(heads, target):
-        return Learning(LearnSettings(), soft_labels=True, inline=True)(heads, target)
+        return Learning(LearnSettings(), soft_labels=True, on_note=notes.append, inline=True)(heads, target)
 
     for kind in ("medusa", "hydra", "eagle"):
         target = Target()
@@ -175,6 +177,11 @@ def test_a_command_learns_the_targets_distributions_where_the_heads_read_its_out
     for target in (Target(beyond="its logits are soft-capped at 30 after its output head"), Target(vocab=VOCAB - 1)):
         assert soft(fresh_heads("hydra"), target).labels == "tokens"
         assert target.asked == []
+    said = "--learn-labels distributions: the {} heads learn the target's tokens: "
+    unread = said.format("medusa") + "its output rows cannot be read (this backend reads no output rows)"
+    assert notes == [unread, unread, said.format("hydra") + "its logits are soft-capped at 30 after its output head",
+                     said.format("hydra") + "the heads' vocabulary is larger than the target's"]
+    notes.clear()
     for asked in ({"soft_labels": False}, {}):  # tokens unless --learn-labels distributions
         target = Target()
         assert Learning(LearnSettings(), inline=True, **asked)(fresh_heads("eagle"), target).labels == "tokens"
@@ -182,6 +189,8 @@ def test_a_command_learns_the_targets_distributions_where_the_heads_read_its_out
     heads = eagle3_heads(8, 10, aux=(1, 3), heads=4, kv_heads=2, head_dim=4, intermediate=16)
     target = Target()
     assert soft(heads, target).labels == "tokens" and target.asked == []
+    layers = "eagle3 heads read the target's layers, not the state its output head reads"
+    assert notes == [said.format("eagle3") + layers]
     with pytest.raises(ValueError, match="read the target's layers"):
         OnlineLearner(heads, teacher=np.ones((10, 8), np.float32), inline=True)
     target = Target()
@@ -403,8 +412,8 @@ def test_greedy_with_learning_is_plain_decoding_on_both_backends(real_target, me
     made = []
 
     def learn(heads, backend_):
-        made.append(OnlineLearner(heads, LearnSettings(learning_rate=0.05), teacher=teacher_rows(heads, backend_),
-                                  window=4, inline=True))
+        teacher = teacher_rows(heads, backend_)[0]
+        made.append(OnlineLearner(heads, LearnSettings(learning_rate=0.05), teacher=teacher, window=4, inline=True))
         return made[-1]
 
     def run(method_: str, learn_=None) -> str:
