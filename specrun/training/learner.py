@@ -73,7 +73,8 @@ def check_learn_settings(share: float, buffer_tokens: int) -> None:
 @dataclass(frozen=True)
 class LearnReport:
     """What one learner did: its steps, the positions it saw and trained on, its CPU seconds while
-    text was generated (``busy_cpu``, against ``busy_seconds`` of generation) and while idle, the
+    text was generated (``busy_cpu``, against ``busy_seconds`` of generation), while idle, and at
+    its close (``closing_cpu``: the last windows, after the text, charged to generation's budget), the
     weights the drafter took (``swaps``), and the heads' acceptance by depth (each depth's given
     the depths before it were right, as `heads train` reports it) over the first and the latest
     REPORT_TOKENS positions seen, each scored before it was trained on. ``stopped``: why learning
@@ -94,6 +95,7 @@ class LearnReport:
     stopped: str = ""
     kept: Path | None = None
     labels: str = "tokens"  # what it learned: the target's "tokens" or its "distributions" (soft labels)
+    closing_cpu: float = 0.0
 
     @property
     def overhead(self) -> float:
@@ -104,7 +106,8 @@ class LearnReport:
         return {
             "kind": self.kind, "steps": self.steps, "positions_seen": self.seen, "positions_trained": self.trained,
             "busy_cpu_seconds": round(self.busy_cpu, 3), "generation_seconds": round(self.busy_seconds, 3),
-            "idle_cpu_seconds": round(self.idle_cpu, 3), "overhead": round(self.overhead, 4), "swaps": self.swaps,
+            "idle_cpu_seconds": round(self.idle_cpu, 3), "closing_cpu_seconds": round(self.closing_cpu, 3),
+            "overhead": round(self.overhead, 4), "swaps": self.swaps,
             "acceptance_first": [round(value, 4) for value in self.first], "first_positions": self.first_positions,
             "acceptance_latest": [round(value, 4) for value in self.latest], "latest_positions": self.latest_positions,
             "stopped": self.stopped, "kept": str(self.kept) if self.kept is not None else None,
@@ -119,7 +122,8 @@ class LearnReport:
         line = (f"learning ({self.kind}): {self.steps} steps on {self.seen} positions (labels: the target's "
                 f"{self.labels}), "
                 f"{self.busy_cpu:.2f} s CPU while generating ({100 * self.overhead:.1f}% of "
-                f"{self.busy_seconds:.1f} s) and {self.idle_cpu:.2f} s idle, {self.swaps} swaps; "
+                f"{self.busy_seconds:.1f} s), {self.idle_cpu:.2f} s idle and {self.closing_cpu:.2f} s after it, "
+                f"{self.swaps} swaps; "
                 f"acceptance by depth {depths(self.first)} over the first {self.first_positions} positions, "
                 f"{depths(self.latest)} over the latest {self.latest_positions}")
         if self.stopped:
@@ -175,6 +179,7 @@ class Learner:
         self._busy_seconds = 0.0
         self._busy_cpu = 0.0
         self._idle_cpu = 0.0
+        self._closing_cpu = 0.0  # close's: after the text, within generation's budget
         self._steps = 0
         self._seen = 0
         self._trained = 0
@@ -372,7 +377,7 @@ class Learner:
         if idle:
             return self.settings.idle
         expected = self._costs.get(kind, 0.0) if kind is not None else 0.0
-        return self._busy_cpu + expected < self.settings.share * self._busy_seconds
+        return self._busy_cpu + self._closing_cpu + expected < self.settings.share * self._busy_seconds
 
     def _take_windows(self, limit: int | None = None, score: bool = True) -> bool:
         """Score the windows the drafter completed (the oldest ``limit``; None: all; ``score``
@@ -449,7 +454,8 @@ class Learner:
     # ---- the end -------------------------------------------------------------------------------
     def close(self) -> None:
         """Stop the worker (its current step ends first), then take in what the drafter read last
-        (a text's unfinished window) and train on it while the budget of the generation allows."""
+        (a text's unfinished window) and train on it while the budget of the generation allows
+        (charged to that budget, reported apart: the text is done by now)."""
         self._stop.set()
         self._wake.set()
         if self._thread is not None:
@@ -463,9 +469,9 @@ class Learner:
         finish = self.finish_at_close or self._inline  # the class attribute's comment says why not
         self._take_windows(score=finish)
         while finish and self._may_step(idle=False) and self._step():
-            self._busy_cpu += self._cpu_clock() - started
+            self._closing_cpu += self._cpu_clock() - started
             started = self._cpu_clock()
-        self._busy_cpu += self._cpu_clock() - started
+        self._closing_cpu += self._cpu_clock() - started
         if finish:
             self._publish()
 
@@ -481,4 +487,4 @@ class Learner:
         latest, latest_positions = chain(list(self._latest))
         return LearnReport(self.kind, self._steps, self._seen, self._trained, self._busy_cpu, self._busy_seconds,
                            self._idle_cpu, self._swaps, first, latest, first_positions, latest_positions,
-                           self._stopped, kept, self.labels)
+                           self._stopped, kept, self.labels, self._closing_cpu)

@@ -321,6 +321,38 @@ def test_the_worker_keeps_within_its_share_while_generating_then_trains_when_idl
     assert idle.trained <= EPOCHS * idle.seen + 64  # it stops once each position was trained on EPOCHS times
 
 
+def test_what_close_does_after_the_text_is_reported_apart_within_generation_s_budget():
+    """The windows waiting when the learner closes are scored after the text: their CPU is
+    reported as the close's (the summary's "after it"), not as generation's, and still counts
+    against generation's budget (a step at close only where it stays within it)."""
+    spent, now = [0.0], [0.0]
+    learner = OnlineLearner(fresh_heads("medusa"), LearnSettings(share=0.001), window=8,
+                            clock=lambda: now[0], cpu_clock=lambda: spent[0])
+    predicted = learner.trainer.predict
+
+    def costly(*args):  # scoring a window reads the heads' guesses
+        spent[0] += 0.01
+        return predicted(*args)
+
+    learner.trainer.predict = costly
+    tokens = text(200, 0)
+    learner.start_text()
+    for stop in range(4, 196, 4):
+        now[0] += 0.1
+        learner.observe(stop - 4, TABLE[tokens[stop - 4 : stop]], tokens[: stop + 1])
+    deadline = time.monotonic() + 10
+    while learner.report().busy_cpu == 0 and time.monotonic() < deadline:  # the first window scored
+        time.sleep(0.005)
+    before = learner.report()  # 0.01 s spent: past 0.1% of 4.7 s, so nothing more while generating
+    learner.close()
+    after = learner.report()
+    assert before.busy_cpu == after.busy_cpu == pytest.approx(0.01)
+    assert after.closing_cpu == pytest.approx(0.01 * (after.seen // 8 - 1))  # every other window, at close
+    assert after.steps == 0  # past the budget: no step at close either
+    assert "0.01 s CPU while generating" in after.summary() and f"{after.closing_cpu:.2f} s after it" in after.summary()
+    assert after.to_dict()["closing_cpu_seconds"] == pytest.approx(after.closing_cpu, abs=1e-3)
+
+
 def test_generation_is_told_by_the_target_growing_whether_or_not_the_heads_draft():
     """No state handed over (auto drafted with another member): the worker still counts the time as
     generation's, the target's cache growing, so the budget applies and it does not train as if idle."""
