@@ -142,7 +142,10 @@ def main(argv: list[str] | None = None) -> int:
     for name, learning in learnings.items():
         lines[name] = open_chat(target, draft, args.method, load, heads=args.heads, draft_len=args.draft_len,
                                 learn=learning)
-    learners = lambda: [learner for learning in learnings.values() for learner in learning.learners]  # noqa: E731
+
+    def learners() -> list:
+        return [learner for learning in learnings.values() for learner in learning.learners]
+
     bounds = sorted(set([*args.segments, args.tokens]))
     totals = {name: {bound: Stats() for bound in bounds} for name in lines}
     done_tokens, answers, differ, thought = 0, 0, 0, 0.0

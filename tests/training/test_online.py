@@ -285,20 +285,26 @@ def test_the_positions_ring_holds_the_latest_rows_growing_to_its_capacity():
     assert np.array_equal(ring.following[:, 0], ring.labels[0]) and len(ring.labelled()) == 1500
 
 
+def clocked_learner(share: float, charged: str, cost: float) -> tuple[OnlineLearner, list[float], list[float]]:
+    """A Medusa learner on clocks the test moves (``now[0]``, and ``spent[0]`` its worker's CPU), each
+    call of its trainer's ``charged`` method costing ``cost`` seconds of that CPU."""
+    spent, now = [0.0], [0.0]
+    learner = OnlineLearner(fresh_heads("medusa"), LearnSettings(share=share), window=8,
+                            clock=lambda: now[0], cpu_clock=lambda: spent[0])
+    work = getattr(learner.trainer, charged)
+
+    def costly(*args):
+        spent[0] += cost
+        return work(*args)
+
+    setattr(learner.trainer, charged, costly)
+    return learner, spent, now
+
+
 def test_the_worker_keeps_within_its_share_while_generating_then_trains_when_idle():
     """Clocks the test moves: each step costs 0.05 s of the worker's CPU; 100 passes 0.1 s apart
     are 10 s of generation, so a share of 5% allows ten steps (the one that crosses it included)."""
-    spent = [0.0]
-    now = [0.0]
-    learner = OnlineLearner(fresh_heads("medusa"), LearnSettings(share=0.05), window=8,
-                            clock=lambda: now[0], cpu_clock=lambda: spent[0])
-    stepped = learner.trainer.step
-
-    def costly(*args):
-        spent[0] += 0.05
-        return stepped(*args)
-
-    learner.trainer.step = costly
+    learner, spent, now = clocked_learner(0.05, "step", 0.05)
     tokens = text(400, 0)
     learner.start_text()
     for stop in range(4, 404, 4):
@@ -325,16 +331,7 @@ def test_what_close_does_after_the_text_is_reported_apart_within_generation_s_bu
     """The windows waiting when the learner closes are scored after the text: their CPU is
     reported as the close's (the summary's "after it"), not as generation's, and still counts
     against generation's budget (a step at close only where it stays within it)."""
-    spent, now = [0.0], [0.0]
-    learner = OnlineLearner(fresh_heads("medusa"), LearnSettings(share=0.001), window=8,
-                            clock=lambda: now[0], cpu_clock=lambda: spent[0])
-    predicted = learner.trainer.predict
-
-    def costly(*args):  # scoring a window reads the heads' guesses
-        spent[0] += 0.01
-        return predicted(*args)
-
-    learner.trainer.predict = costly
+    learner, spent, now = clocked_learner(0.001, "predict", 0.01)  # scoring a window reads the heads' guesses
     tokens = text(200, 0)
     learner.start_text()
     for stop in range(4, 196, 4):
