@@ -233,16 +233,22 @@ class FakeAdapterTrainer:
         return np.array([int(self._logits(tokens, at).argmax()) for at in range(len(tokens) - 1)], np.int64)
 
     def step(self, windows) -> float:
+        """Each window (tokens, first) or (tokens, first, soft), as LoraTrainer.step takes them."""
         gradient = np.zeros_like(self._adapter)
         losses = []
-        for tokens, first in windows:
+        for tokens, first, *rest in windows:
+            soft = rest[0] if rest else None
             for at in range(first - 1, len(tokens) - 1):
                 logits = self._logits(tokens, at)
                 probabilities = np.exp(logits - logits.max())
                 probabilities /= probabilities.sum()
-                losses.append(-np.log(max(float(probabilities[tokens[at + 1]]), 1e-30)))
-                probabilities[tokens[at + 1]] -= 1.0
-                gradient[tokens[at]] += probabilities
+                label = np.zeros_like(probabilities)  # the target's token, or its soft label there
+                if soft is None:
+                    label[tokens[at + 1]] = 1.0
+                else:
+                    np.add.at(label, soft[0][at + 1 - first], soft[1][at + 1 - first])
+                losses.append(-float((label * np.log(np.maximum(probabilities, 1e-30))).sum()))
+                gradient[tokens[at]] += probabilities - label
         self._adapter = self._adapter - self._rate * gradient / max(len(losses), 1)
         return float(np.mean(losses)) if losses else 0.0
 

@@ -48,8 +48,9 @@ def add_adapters(model, seed: int = 0) -> None:
 
 
 class LoraTrainer:
-    """Adapters on a copy of ``model``, trained with AdamW on the cross-entropy of the tokens a
-    window's labelled positions hold (the target's choices), gradients clipped to CLIP_NORM."""
+    """Adapters on a copy of ``model``, trained with AdamW on the cross-entropy of a window's
+    labelled positions against the target's choices there (its token, or its distribution over a
+    few tokens: soft labels), gradients clipped to CLIP_NORM."""
 
     def __init__(self, model, learning_rate: float, seed: int = 0) -> None:
         import mlx.nn as nn
@@ -82,26 +83,40 @@ class LoraTrainer:
             ids = mx.argmax(self.model(mx.array(np.asarray(tokens, np.int64)[None, :-1])), axis=-1)[0]
             return np.array(ids, dtype=np.int64)
 
-    def _loss(self, model, inputs, targets, mask):
-        import mlx.nn as nn
-
-        logits = model(inputs).astype(self._mx.float32)
-        losses = nn.losses.cross_entropy(logits, targets)
+    def _loss(self, model, inputs, ids, weights, mask):
+        """The mean over the labelled positions of -sum_k weights[k] log q(ids[k]): a token's
+        cross-entropy where one id weighs 1, a soft label's where they are a distribution."""
+        mx = self._mx
+        logits = model(inputs).astype(mx.float32)
+        log_q = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        losses = -(mx.take_along_axis(log_q, ids, axis=-1) * weights).sum(axis=-1)
         return (losses * mask).sum() / mask.sum()
 
-    def step(self, windows: Sequence[tuple[np.ndarray, int]]) -> float:
-        """One step on ``windows``: each (tokens, first), positions first .. end labelled (first >= 1)."""
+    def step(self, windows: Sequence[tuple]) -> float:
+        """One step on ``windows``: each (tokens, first) or (tokens, first, soft), positions first ..
+        end labelled (first >= 1) with their tokens or, where ``soft`` is given, its labels ((ids,
+        probabilities), each (end - first + 1, K): training/online_draft.py's TokenWindow.soft)."""
         import mlx.optimizers as optim
 
         mx = self._mx
-        longest = max(len(tokens) for tokens, _ in windows)
+        windows = [(tokens, first, rest[0] if rest else None) for tokens, first, *rest in windows]
+        longest = max(len(tokens) for tokens, _, _ in windows)
+        width = max((soft[0].shape[1] for _, _, soft in windows if soft is not None), default=1)
         batch = np.zeros((len(windows), longest), np.int64)
+        ids = np.zeros((len(windows), longest - 1, width), np.int64)
+        weights = np.zeros((len(windows), longest - 1, width), np.float32)
         mask = np.zeros((len(windows), longest - 1), np.float32)
-        for row, (tokens, first) in enumerate(windows):
+        for row, (tokens, first, soft) in enumerate(windows):
             batch[row, : len(tokens)] = tokens
-            mask[row, first - 1 : len(tokens) - 1] = 1.0  # the guess at i is of token i + 1
+            ids[row, : len(tokens) - 1, 0] = tokens[1:]  # the guess at i is of token i + 1
+            weights[row, : len(tokens) - 1, 0] = 1.0
+            if soft is not None:
+                labelled = slice(first - 1, len(tokens) - 1)
+                ids[row, labelled], weights[row, labelled] = 0, 0.0
+                ids[row, labelled, : soft[0].shape[1]], weights[row, labelled, : soft[1].shape[1]] = soft
+            mask[row, first - 1 : len(tokens) - 1] = 1.0
         with mx.stream(self._stream()):
-            loss, grads = self._loss_and_grad(self.model, mx.array(batch[:, :-1]), mx.array(batch[:, 1:]),
+            loss, grads = self._loss_and_grad(self.model, mx.array(batch[:, :-1]), mx.array(ids), mx.array(weights),
                                               mx.array(mask))
             grads, _ = optim.clip_grad_norm(grads, CLIP_NORM)
             self._optimizer.update(self.model, grads)

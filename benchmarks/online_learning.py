@@ -29,7 +29,8 @@ learn its distributions there (soft labels, --learn-labels distributions), ``--l
 the two side by side: ``learning`` (distributions) and a third line, ``learning-tokens``, in one
 interleaved run.
 
-A draft model that learns (MLX: LoRA adapters, training/online_draft.py), ``--method draft``:
+A draft model that learns (MLX: LoRA adapters, training/online_draft.py), ``--method draft``
+(``--labels distributions``: soft labels from the rows of sampled passes, so with ``--temperature``):
 
     .venv/bin/python benchmarks/online_learning.py --target demo-target --draft demo-draft \
         --method draft --backend mlx --suite --categories code --tokens 2000

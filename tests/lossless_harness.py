@@ -448,7 +448,7 @@ class Scenario:
     # auto holds the draft model's windowed cache (sinks, window, block) beside its full one and
     # drafts from whichever it measures faster (DrafterOptions.draft_window); () none
     window_alternative: tuple[int, int, int] = ()
-    learn: bool = False  # the heads learn online as they draft (training/online.py, inline: weights swapped each run)
+    learn: bool = False  # heads or the draft learn online as they draft (training/, inline: weights swapped each run)
     soft_labels: bool = True  # ... the target's distributions (--learn-labels distributions), else its tokens
     mtp_layers: int = 1  # MTP layers, one a draft depth (MtpHeads.chained), for the mtp method
 
@@ -545,6 +545,7 @@ SCENARIOS = {
     # A draft model learning adapters from what the target verified, swapped in between runs
     "draft learning": Scenario("draft", learn=True),
     "draft learning top-p": Scenario("draft", "top-p", learn=True),
+    "draft learning tokens": Scenario("draft", learn=True, soft_labels=False),  # the default labels
     **{chain: Scenario(chain) for chain in CHAINS},
     # A model's MTP layers, one a draft depth, chained as llama.cpp chains them (drafters.heads.mtp)
     "mtp chained": Scenario("mtp", mtp_layers=DRAFT_LEN),
@@ -583,7 +584,8 @@ def fake_engine(scenario: Scenario) -> SpeculativeEngine:
                              auto_lookahead=scenario.auto_lookahead, auto_heads=scenario.auto_heads,
                              learner=learning_heads(heads, target, scenario.soft_labels) if scenario.learn and heads
                              else None,
-                             draft_learner=learning_draft(draft) if scenario.learn and uses_draft else None,
+                             draft_learner=learning_draft(draft, scenario.soft_labels) if scenario.learn and uses_draft
+                             else None,
                              draft_window=windowed_fake(draft, *scenario.window_alternative)
                              if scenario.window_alternative else None)
     drafter = build_drafter(scenario.method, draft if uses_draft else None, options)
@@ -613,13 +615,15 @@ def learning_heads(heads, target, soft_labels: bool = True):
     return learning(heads, target)
 
 
-def learning_draft(draft):
+def learning_draft(draft, soft_labels: bool = True):
     """An inline learner of the fake draft's adapter (backends/fake.FakeAdapterTrainer): each window
-    of two verified positions is trained on at once and the adapter published."""
+    of two verified positions is trained on at once and the adapter published; with ``soft_labels``,
+    on the target's distributions where its passes bring them (--learn-labels distributions)."""
     from specrun.training.learner import LearnSettings
     from specrun.training.online_draft import DraftLearner
 
-    return DraftLearner(draft, LearnSettings(), learning_rate=LEARNING_RATE * 20, window=2, inline=True)
+    return DraftLearner(draft, LearnSettings(), learning_rate=LEARNING_RATE * 20, window=2, inline=True,
+                        soft_labels=soft_labels)
 
 
 def windowed_fake(draft, sinks: int, window: int, block: int):

@@ -143,11 +143,13 @@ LearnBufferOpt = Annotated[
 ]
 LearnLabelsOpt = Annotated[
     Optional[str],
-    typer.Option("--learn-labels", help="What heads learning online learn of the target's: tokens (the default: the "
-                 "token it chose at each position) or distributions (its distribution there over the heads' draft "
-                 "vocabulary, as soft labels: Medusa, Hydra and EAGLE heads, not EAGLE-3, where the target's logits "
-                 "are its output rows times its state; otherwise tokens, and a note says why). Distributions raised "
-                 "acceptance no more than tokens (docs/perf.md 3(t))."),
+    typer.Option("--learn-labels", help="What heads and draft models learning online learn of the target's: tokens "
+                 "(the default: the token it chose at each position) or distributions (its distribution there, as "
+                 "soft labels: Medusa, Hydra and EAGLE heads over their draft vocabulary, not EAGLE-3, where the "
+                 "target's logits are its output rows times its state, otherwise tokens and a note says why; an MLX "
+                 "draft model over its 32 likeliest tokens where the verify pass brings them to the host: "
+                 "sampling (--temp above 0), --logprobs, a grammar; greedy passes teach tokens). For heads, "
+                 "distributions raised acceptance no more than tokens (docs/perf.md 3(t))."),
 ]
 KeepLearnedOpt = Annotated[
     bool,

@@ -169,6 +169,9 @@ class Drafter(Protocol):
     # (``whole_proposals``): an adaptive policy verifies all of one or speculates not at all.
     reads_pass: ClassVar[bool] = False
     whole_proposals: ClassVar[bool] = False
+    # Does it learn from the target's distributions at the text's positions (``observe_rows``)? A
+    # draft model learning online from soft labels (--learn-labels distributions) does.
+    reads_rows: bool = False
     # The target's hidden states this drafter reads, as the positions back from the last whose
     # states it needs (``KVSequence.track_hidden``'s tail; 0: none): heads drafters' (bound,
     # they turn tracking on; engines sharing one target re-assert theirs before a run).
@@ -230,6 +233,11 @@ class Drafter(Protocol):
         """After a verify pass over ``proposal`` (as verified: the drafter's, or a part of it),
         the target's greedy choice after the last context token and after each node ((1 + n,)).
         Called only for drafters that declare ``reads_pass`` (a chain: when a member does)."""
+
+    def observe_rows(self, first: int, logits: np.ndarray) -> None:
+        """After a verify pass whose rows came to the host (sampling, --logprobs, a grammar): the
+        target's logits (n, V), as verified, that chose the tokens now at text positions ``first``
+        .. first + n - 1. Called only for drafters that declare ``reads_rows``."""
 
     def can_defer(self, sampling: SamplingSettings) -> bool:
         """Can ``propose_deferred`` draft for these settings (greedy drafts left on the device)?"""

@@ -36,12 +36,15 @@ class DraftModelLearner(Protocol):
 
     kind: str
     source: object  # the draft model (a Backend) it trains adapters for
+    soft: bool  # does it learn the target's distributions too (observe_rows)?
 
     def watch(self, progress: Callable[[], int]) -> None: ...
 
     def start_text(self) -> None: ...
 
     def observe(self, first: int, context: Sequence[int]) -> None: ...
+
+    def observe_rows(self, first: int, logits: np.ndarray) -> None: ...
 
     def latest(self, version: int) -> tuple[int, object] | None: ...
 
@@ -121,6 +124,14 @@ class DraftModelDrafter(Drafter):
                 self.backend.open_for_trees(self.top_k + 1)
             except SpecrunError:  # no memory for the wider cache: leaves beside the chain, as before
                 pass
+
+    @property
+    def reads_rows(self) -> bool:
+        """It learns the target's distributions where its passes bring them (the learner's soft labels)."""
+        return self.learner is not None and self.learner.soft
+
+    def observe_rows(self, first: int, logits: np.ndarray) -> None:
+        self.learner.observe_rows(first, logits)
 
     @property
     def grows_trees(self) -> bool:

@@ -337,6 +337,9 @@ class SpeculativeEngine:
         draft_grammar = DraftGrammar(constrained) if constrained is not None and policy is not None else None
         for member in followers:
             member.grammar = draft_grammar
+        # drafters learning the target's distributions read every pass's rows that come to the host
+        row_readers = [member for member in self.drafter.members if member.reads_rows] if (
+            self.drafter is not None) else []
         self.grammar_blocked = False
         self.grammar_problem = ""
         self.passes.keep_rows = params.logprobs is not None
@@ -405,6 +408,10 @@ class SpeculativeEngine:
                 hit_eos = _emit(context, proposal, verdict, remaining, eos_ids)
                 if constrained is not None:
                     self.grammar_blocked = not constrained.advance(context[context_len:])
+                if row_readers and self.passes.last_rows is not None:
+                    kept_rows = [0, *(1 + node for node in verdict.path)][: len(context) - context_len]
+                    for member in row_readers:
+                        member.observe_rows(context_len, self.passes.last_rows[kept_rows])
                 if ties is not None:
                     stats.near_ties += ties.in_pass(proposal, verdict, len(context) - context_len,
                                                     self.passes.last_rows)

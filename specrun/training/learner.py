@@ -180,6 +180,9 @@ class Learner:
         self._busy_cpu = 0.0
         self._idle_cpu = 0.0
         self._closing_cpu = 0.0  # close's: after the text, within generation's budget
+        # the drafter's, on the generating thread (a draft model's soft labels read from the target's
+        # rows: ``charge``), within generation's budget and reported with the worker's while generating
+        self._drafter_cpu = 0.0
         self._steps = 0
         self._seen = 0
         self._trained = 0
@@ -235,6 +238,11 @@ class Learner:
         self._flush()
         if self._inline:
             self._work_inline()
+
+    def charge(self, seconds: float) -> None:
+        """Work for learning the drafter's thread did while generating (``cpu_clock`` seconds):
+        within generation's budget, as the worker's is. Only the drafter's thread calls it."""
+        self._drafter_cpu += seconds
 
     def _hand(self, window) -> None:
         """A window the drafter completed, to the worker."""
@@ -377,7 +385,8 @@ class Learner:
         if idle:
             return self.settings.idle
         expected = self._costs.get(kind, 0.0) if kind is not None else 0.0
-        return self._busy_cpu + self._closing_cpu + expected < self.settings.share * self._busy_seconds
+        spent = self._busy_cpu + self._drafter_cpu + self._closing_cpu
+        return spent + expected < self.settings.share * self._busy_seconds
 
     def _take_windows(self, limit: int | None = None, score: bool = True) -> bool:
         """Score the windows the drafter completed (the oldest ``limit``; None: all; ``score``
@@ -485,6 +494,7 @@ class Learner:
 
         first, first_positions = chain(self._first)
         latest, latest_positions = chain(list(self._latest))
-        return LearnReport(self.kind, self._steps, self._seen, self._trained, self._busy_cpu, self._busy_seconds,
+        return LearnReport(self.kind, self._steps, self._seen, self._trained, self._busy_cpu + self._drafter_cpu,
+                           self._busy_seconds,
                            self._idle_cpu, self._swaps, first, latest, first_positions, latest_positions,
                            self._stopped, kept, self.labels, self._closing_cpu)

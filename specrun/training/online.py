@@ -353,7 +353,7 @@ class Learning:
     (--learn), so a run with nothing to learn says why in a note; chat and serve learn by default
     and say nothing then. ``soft_labels``: heads learn the target's distributions where they can
     (--learn-labels distributions; False, the default: its tokens; benchmarks/online_learning.py
-    compares the two)."""
+    compares the two), and a draft model where its passes bring them (online_draft.py)."""
 
     def __init__(self, settings: LearnSettings, keep_path: Callable[[object], Path] | None = None,
                  on_note: Callable[[str], None] | None = None, explicit: bool = False,
@@ -429,7 +429,7 @@ class Learning:
             check_adapters_path(path)
         options = {key: value for key, value in self._learner_options.items() if key != "embedding"}
         try:
-            learner = DraftLearner(draft, self.settings, **options)
+            learner = DraftLearner(draft, self.settings, soft_labels=self._soft_labels, **options)
         except Exception as error:  # noqa: BLE001 — a model mlx-lm cannot put adapters on still drafts
             self._note(f"the draft model does not learn: {error}")
             return None

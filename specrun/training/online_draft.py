@@ -13,8 +13,14 @@ publishes what the drafting model takes between two passes (MLX: float maps with
 fused in, quantized maps' adapters). The draft's cache keeps what it read with the weights before;
 a draft is a proposal, so that costs acceptance at most, never an answer.
 
-Only the target's tokens are learned from, not its distributions: greedy verification keeps them
-on the device, and the tokens are what acceptance at temperature 0 asks the draft to match. The
+The labels are the target's tokens; with --learn-labels distributions (``soft_labels``), also its
+distributions where its verify pass brought them to the host: every pass at temperature > 0 (and
+passes whose rows are kept for --logprobs or masked by a grammar), not greedy ones, whose argmax
+stays on the device. The engine hands the drafter each pass's rows at the positions it kept
+(``observe_rows``); the learner keeps the SOFT_TOP likeliest tokens of each (the draft's vocabulary's,
+at temperature 1, renormalised over them: their cost, on the generating thread, is charged to
+generation's budget), and the trainer's loss is the cross-entropy against them (DistillSpec's
+forward KL, up to the target's entropy); positions without rows keep their token. The
 acceptance by depth reported scores greedy chains as the draft would draft them from the window's
 context: a chain's token at depth d is the draft's guess given the text so far only where the d
 before it were right, so teacher-forced guesses score it (the score of the depth given those
@@ -44,6 +50,8 @@ REPORT_DEPTH = 4  # acceptance by depth reported to this depth
 # AdamW's on the adapters: mlx-lm's LoRA default. On the demo pair (built-in suite, 3,200 tokens,
 # docs/perf.md 3(t)) no rate raised acceptance (Adam 3e-6 to 1e-4, SGD 0.01 to 1); 3e-5 and up lowered it.
 LEARNING_RATE = 1e-5
+SOFT_TOP = 32  # the target's likeliest tokens a position's soft label keeps
+ROWS_HELD = 4 * WINDOW_TOKENS  # soft labels held for positions not yet handed over, at most
 
 # Why a draft model cannot learn online, by its backend's name (the rest: it has no trainer).
 CANNOT_LEARN = {
@@ -71,10 +79,25 @@ class TokenWindow:
 
     tokens: np.ndarray
     first: int
+    # the target's distributions at the labelled positions where its rows were read: (size, K) token
+    # ids and their probabilities, a position without one holding its token at probability 1; None: tokens
+    soft: tuple[np.ndarray, np.ndarray] | None = None
 
     @property
     def size(self) -> int:
         return len(self.tokens) - self.first
+
+
+def top_distributions(logits: np.ndarray, top: int) -> tuple[np.ndarray, np.ndarray]:
+    """Of each row of ``logits`` (n, V): its ``top`` likeliest ids (n, top), in no order, and their
+    probabilities at temperature 1 renormalised over them (n, top). Ids a row masks (-inf) get 0."""
+    top = min(top, logits.shape[1])
+    ids = np.argpartition(-logits, top - 1, axis=1)[:, :top]
+    values = np.take_along_axis(logits, ids, axis=1).astype(np.float64)
+    values -= values.max(axis=1, keepdims=True)
+    weights = np.exp(values)
+    weights /= weights.sum(axis=1, keepdims=True)
+    return ids.astype(np.int64), weights.astype(np.float32)
 
 
 class DraftLearner(Learner):
@@ -85,7 +108,7 @@ class DraftLearner(Learner):
 
     def __init__(self, draft, settings: LearnSettings = LearnSettings(), *, learning_rate: float = LEARNING_RATE,
                  seed: int = 0, window: int = WINDOW_TOKENS, inline: bool = False, inline_steps: int = 1,
-                 clock: Callable[[], float] = time.monotonic,
+                 soft_labels: bool = False, clock: Callable[[], float] = time.monotonic,
                  cpu_clock: Callable[[], float] = time.perf_counter) -> None:
         problem = draft_cannot_learn(draft)
         if problem:
@@ -101,6 +124,9 @@ class DraftLearner(Learner):
         self._tokens: list[int] = []  # the run: context, then the labelled positions from _label_from
         self._label_from = 0
         self._end = -1  # the text position after the run's last token; -1: no run
+        self.soft = soft_labels  # learn the target's distributions where its rows come (observe_rows)
+        self._vocab = draft.vocab.size  # the target's ids past the draft's vocabulary are left out
+        self._rows_at: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # text position -> (ids, probabilities)
         self._start()
 
     # ---- the drafter's side ------------------------------------------------------------------
@@ -124,23 +150,68 @@ class DraftLearner(Learner):
         if self._inline:
             self._work_inline()
 
+    def observe_rows(self, first: int, logits: np.ndarray) -> None:
+        """The target's logits (n, V) at text positions ``first`` .. first + n - 1, the rows its
+        pass verified the tokens there with: their soft labels, kept until ``observe`` hands the
+        positions over. Called on the generating thread after a pass; its cost is charged."""
+        if not self.soft or self._stopped or not len(logits):
+            return
+        started = self._cpu_clock()
+        ids, probabilities = top_distributions(np.asarray(logits)[:, : self._vocab], SOFT_TOP)
+        for offset in range(len(ids)):
+            self._rows_at[first + offset] = (ids[offset], probabilities[offset])
+        if len(self._rows_at) > ROWS_HELD:  # positions never handed over (a text cut short): the oldest go
+            for position in sorted(self._rows_at)[: len(self._rows_at) - ROWS_HELD]:
+                del self._rows_at[position]
+        self.charge(self._cpu_clock() - started)
+
+    def start_text(self) -> None:
+        super().start_text()
+        self._rows_at.clear()  # positions count from a new text's start
+
     def _cut(self, count: int) -> None:
         stop = self._label_from + count
-        self._hand(TokenWindow(np.asarray(self._tokens[:stop], np.int64), self._label_from))
+        soft = None
+        if self._rows_at:
+            start = self._end - len(self._tokens)  # the text position of the run's first token
+            soft = self._soft_labels(start + self._label_from, self._tokens[self._label_from : stop])
+        self._hand(TokenWindow(np.asarray(self._tokens[:stop], np.int64), self._label_from, soft))
         kept = max(0, stop - self.window)
         self._tokens = self._tokens[kept:]
         self._label_from = stop - kept
 
+    def _soft_labels(self, position: int, tokens: Sequence[int]) -> tuple[np.ndarray, np.ndarray] | None:
+        """The soft labels of ``tokens`` at text positions ``position`` on, taken from those held
+        (a position without one: its token at probability 1); None where none is held."""
+        rows = [self._rows_at.pop(position + offset, None) for offset in range(len(tokens))]
+        held = [row for row in rows if row is not None]
+        if not held:
+            return None
+        width = max(len(row_ids) for row_ids, _ in held)
+        ids = np.zeros((len(tokens), width), np.int64)
+        probabilities = np.zeros((len(tokens), width), np.float32)
+        for offset, row in enumerate(rows):
+            if row is None:
+                ids[offset, 0], probabilities[offset, 0] = tokens[offset], 1.0
+            else:
+                ids[offset, : len(row[0])], probabilities[offset, : len(row[1])] = row
+        return ids, probabilities
+
     def _flush(self) -> None:
+        end = self._end
         if len(self._tokens) > self._label_from:
             self._cut(len(self._tokens) - self._label_from)
         self._tokens, self._label_from, self._end = [], 0, -1
+        for position in [position for position in self._rows_at if position < end]:  # the run's, never handed
+            del self._rows_at[position]
 
     # ---- the worker's ----------------------------------------------------------------------------
     def _size(self, window: TokenWindow) -> int:
         return window.size
 
     def _keep(self, window: TokenWindow) -> None:
+        if window.soft is not None:
+            self.labels = "distributions"
         self._buffer.append(window)
         self._buffered += window.size
         while self._buffered - self._buffer[0].size >= self.settings.buffer_tokens:
@@ -158,7 +229,7 @@ class DraftLearner(Learner):
         buffer = self._buffer
         chosen = [buffer[i] for i in self._rng.choice(len(buffer), min(BATCH_WINDOWS, len(buffer)), replace=False)]
         self._trained += sum(window.size for window in chosen)
-        return float(self.trainer.step([(window.tokens, window.first) for window in chosen]))
+        return float(self.trainer.step([(window.tokens, window.first, window.soft) for window in chosen]))
 
     def _snapshot(self):
         return self.trainer.weights()

@@ -147,3 +147,19 @@ def test_an_mlx_draft_model_learns_in_chat_and_the_answers_are_plain_decoding_s(
     assert f"note: --keep-learned: the draft model drafts with the adapters it learned in earlier runs ({written})" \
         in again.stderr
     assert kept.stdout == again.stdout == plain_generate.stdout
+
+
+def test_an_mlx_draft_model_learns_the_target_s_distributions_where_sampling_brings_them(tiny_llama, looping_llama):
+    """--learn-labels distributions: a draft model learns soft labels from the rows of sampled
+    passes (the report says "distributions"); greedy passes keep their rows on the device, so a
+    greedy run learns tokens, and says so."""
+    pytest.importorskip("mlx_lm", reason="the mlx backend is not installed")
+    args = ["-t", str(tiny_llama.hf_dir), "-d", str(looping_llama["mlx"]), "--backend", "mlx", "-n", "48", "-k", "3",
+            "--raw", "--method", "draft", "--learn", "--learn-labels", "distributions", "--learn-budget", "1", "--json"]
+    sampled = invoke("generate", "def f(x):\n", *args, "--temp", "0.8", "--seed", "3")
+    assert sampled.exit_code == 0, sampled.output
+    (report,) = json.loads(sampled.stdout)["learning"]
+    assert report["kind"] == "draft" and report["labels"] == "distributions" and report["steps"] > 0, report
+    greedy = invoke("generate", "def f(x):\n", *args)
+    assert greedy.exit_code == 0, greedy.output
+    assert json.loads(greedy.stdout)["learning"][0]["labels"] == "tokens"

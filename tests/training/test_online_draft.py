@@ -192,7 +192,7 @@ def test_greedy_with_a_learning_draft_is_plain_decoding_on_the_fake():
 
     made = []
     learning_draft = lossless_harness.learning_draft
-    lossless_harness.learning_draft = lambda draft: made.append(learning_draft(draft)) or made[-1]
+    lossless_harness.learning_draft = lambda draft, soft=True: made.append(learning_draft(draft, soft)) or made[-1]
     try:
         problems, drafted, accepted = lossless_harness.greedy_scenario("draft", learn=True)
     finally:
@@ -200,6 +200,143 @@ def test_greedy_with_a_learning_draft_is_plain_decoding_on_the_fake():
     assert problems == [] and drafted > 0
     report = made[0].report()
     assert report.steps > 10 and report.swaps > 10, report.summary()
+
+
+# ---- soft labels: the target's distributions (--learn-labels distributions) ----------------------
+def test_soft_labels_hold_the_target_s_likeliest_tokens_at_the_positions_its_rows_chose():
+    from specrun.training.online_draft import SOFT_TOP, top_distributions
+
+    learner = Recorder(wrong_draft(), window=4, inline=True, soft_labels=True)
+    learner.handed = []
+    rng = np.random.default_rng(0)
+    tokens = [(5 * i + 1) % VOCAB for i in range(12)]
+    rows = {position: rng.normal(0, 2, VOCAB).astype(np.float32) for position in range(3, 12)}
+    learner.start_text()
+    learner.observe_rows(3, np.stack([rows[3], rows[4]]))  # a pass kept positions 3 and 4
+    learner.observe(3, tokens[:5])
+    # position 5 came from a pass whose rows stayed on the device (greedy): no row
+    learner.observe_rows(6, np.stack([rows[p] for p in range(6, 12)]))
+    learner.observe(5, tokens[:12])
+    learner.start_text()
+    assert [(window.first, window.size) for window in learner.handed] == [(3, 4), (4, 4), (4, 1)]
+    expected_ids, expected_p = top_distributions(np.stack([rows[p] for p in range(3, 12)]), SOFT_TOP)
+    assert expected_ids.shape == (9, VOCAB)  # fewer tokens than SOFT_TOP: every one
+
+    def dense(ids, probabilities):
+        label = np.zeros(VOCAB)
+        np.add.at(label, ids, probabilities)
+        return label
+
+    labels = [dense(ids, p) for window in learner.handed for ids, p in zip(*window.soft)]
+    positions = range(3, 12)
+    for position, label in zip(positions, labels):
+        if position == 5:  # its token, at probability 1
+            assert label[tokens[5]] == 1.0 and label.sum() == 1.0
+        else:
+            row = rows[position].astype(np.float64)
+            softmax = np.exp(row - row.max()) / np.exp(row - row.max()).sum()
+            assert np.allclose(label, softmax, atol=1e-6)
+    assert learner._rows_at == {}
+
+
+def test_top_distributions_keep_the_likeliest_renormalised_and_masked_ids_at_zero():
+    from specrun.training.online_draft import top_distributions
+
+    logits = np.array([[0.0, 2.0, -np.inf, 1.0, -1.0]], np.float32)
+    ids, probabilities = top_distributions(logits, 2)
+    order = np.argsort(ids[0])
+    assert ids[0][order].tolist() == [1, 3]
+    assert np.allclose(probabilities[0][order], np.exp([2.0, 1.0]) / np.exp([2.0, 1.0]).sum())
+    ids, probabilities = top_distributions(logits, 5)
+    assert probabilities[0][ids[0] == 2] == 0.0 and np.isclose(probabilities.sum(), 1.0)
+
+
+def stream_with_rows(learner: DraftLearner, texts: int, second: float, length: int = 60, stride: int = 3) -> None:
+    """``feed``'s stream, each pass's rows handed first: the target puts 1 - ``second`` on the
+    stream's next token and ``second`` on the token after that one."""
+    for k in range(texts):
+        tokens = stream(length, (2, 7, 6, 3)[k % 4])
+        learner.start_text()
+        for stop in range(4 + stride, length + 1, stride):
+            rows = np.full((stride, VOCAB), -np.inf, np.float32)
+            for offset, position in enumerate(range(stop - stride, stop)):
+                before = tokens[position - 1]
+                rows[offset, following(before)] = np.log(1.0 - second)
+                rows[offset, following(following(before))] = np.log(second)
+            learner.observe_rows(stop - stride, rows)
+            learner.observe(stop - stride, tokens[:stop])
+    learner.start_text()
+
+
+def test_a_draft_model_learns_the_target_s_distribution_from_soft_labels_and_only_its_token_without():
+    """Tokens teach the draft the target's likeliest token; soft labels teach it the odds too, which
+    is what acceptance at T > 0 (the sum of min(p, q)) rewards."""
+    learned = {}
+    for soft in (False, True):
+        learner = DraftLearner(wrong_draft(), learning_rate=1.0, window=8, inline=True, inline_steps=4,
+                               soft_labels=soft)
+        stream_with_rows(learner, 12, second=0.3)
+        learner.close()
+        assert learner.report().labels == ("distributions" if soft else "tokens")
+        logits = learner.trainer._logits(np.array([2]), 0)  # after 2: the stream's 7 (0.7), then 6 (0.3)
+        q = np.exp(logits - logits.max())
+        learned[soft] = q / q.sum()
+    assert learned[False][7] > 0.9 and learned[False][6] < 0.05
+    assert abs(learned[True][7] - 0.7) < 0.1 and abs(learned[True][6] - 0.3) < 0.1, learned[True]
+
+
+def test_the_engine_hands_a_learning_draft_the_rows_of_its_sampled_passes_and_none_of_greedy_ones():
+    from specrun.drafters.methods import DrafterOptions, build_drafter
+    from specrun.engine.loop import GenerationParams, SpeculativeEngine
+    from specrun.sampling import SamplingSettings
+
+    rng = np.random.default_rng(5)
+    noise = rng.normal(0, 1, (VOCAB, VOCAB)).astype(np.float32)
+
+    def table(context):
+        return noise[context[-1]] + 2.0 * (np.arange(VOCAB) == following(context[-1]))
+
+    for temperature in (0.0, 0.8):
+        learner = Recorder(wrong_draft(), window=4, inline=True, soft_labels=True)
+        learner.handed = []
+        drafter = build_drafter("draft", learner.source, DrafterOptions(draft_learner=learner))
+        engine = SpeculativeEngine(FakeBackend(table, VOCAB), drafter, method="draft")
+        sampling = SamplingSettings(temperature=temperature, seed=1)
+        engine.run([1, 2, 3], GenerationParams(30, draft_len=3, stop_at_eos=False, sampling=sampling))
+        drafter.finish(engine.last_context)
+        text = engine.last_context
+        windows = learner.handed
+        assert sum(window.size for window in windows) == 30
+        if temperature == 0.0:
+            assert all(window.soft is None for window in windows)
+            continue
+        position = 3
+        for window in windows:
+            for offset in range(window.size):
+                ids, p = window.soft[0][offset], window.soft[1][offset]
+                label = np.zeros(VOCAB)
+                np.add.at(label, ids, p)
+                if position == 3:  # the first token comes from the prompt's pass: its token
+                    assert label[text[3]] == 1.0
+                else:
+                    row = table(tuple(text[:position])).astype(np.float64)
+                    assert np.allclose(label, np.exp(row) / np.exp(row).sum(), atol=1e-6), position
+                position += 1
+
+
+def test_soft_labels_cost_the_generating_thread_within_the_budget():
+    """What reading a pass's rows costs the drafter's thread counts as the learner's while generating."""
+    spent = [0.0]
+
+    def clock():
+        spent[0] += 0.001
+        return spent[0]
+
+    learner = DraftLearner(wrong_draft(), window=4, inline=True, soft_labels=True, cpu_clock=clock)
+    learner.start_text()
+    before = learner.report().busy_cpu
+    learner.observe_rows(3, np.zeros((2, VOCAB), np.float32))
+    assert learner.report().busy_cpu - before == pytest.approx(0.001)  # one reading of the clock to the next
 
 
 # ---- MLX: LoRA adapters ------------------------------------------------------------------------
@@ -228,6 +365,42 @@ def test_adapters_learn_on_a_copy_and_the_drafting_model_takes_them(mlx_pair):
     adapted = draft.forward(list(tokens), rows).argmax(axis=-1)
     assert np.array_equal(adapted, trainer.predict(tokens))
     assert (adapted == tokens[1:]).mean() > (before.argmax(axis=-1) == tokens[1:]).mean()
+
+
+def test_a_soft_label_step_is_the_token_step_where_a_label_is_one_token_and_learns_a_distribution(mlx_pair):
+    """The trainer's loss is mlx's cross-entropy of the tokens; against soft labels, a label of one
+    token at probability 1 takes the step its token does (the same loss, the same adapters after);
+    labels that put 0.4 on a token the text never holds teach the adapted draft those odds, where the
+    text's tokens teach it none (DistillSpec's forward KL)."""
+    import mlx.nn as nn
+
+    from specrun.backends.mlx import MlxBackend
+
+    draft = MlxBackend(mlx_pair[1])
+    tokens = np.asarray(draft.tokenize("the cat sat on the mat. " * 4), np.int64)
+    first = 3
+    hard, soft_one = draft.online_trainer(1e-2, seed=0), draft.online_trainer(1e-2, seed=0)
+    mx = hard._mx
+    logits = hard.model(mx.array(tokens[None, :-1])).astype(mx.float32)
+    expected = float(nn.losses.cross_entropy(logits, mx.array(tokens[None, 1:]))[0, first - 1 :].mean().item())
+    one = (tokens[first:, None], np.ones((len(tokens) - first, 1), np.float32))
+    losses = [(hard.step([(tokens, first)]), soft_one.step([(tokens, first, one)])) for _ in range(3)]
+    assert losses[0][0] == pytest.approx(expected, rel=1e-5)  # the loss before the first step
+    assert all(token == pytest.approx(soft, rel=1e-5) for token, soft in losses)
+    for name, array in hard.adapter_arrays().items():
+        assert np.allclose(array, soft_one.adapter_arrays()[name], atol=1e-6), name
+
+    labelled = len(tokens) - first
+    ids = np.stack([tokens[first:], np.full(labelled, 5)], axis=1)  # the text's token 0.6, token 5 0.4
+    odds = np.tile(np.array([0.6, 0.4], np.float32), (labelled, 1))
+    spread = {}
+    for soft in (False, True):  # the token a label puts 0.4 on: soft labels teach it, tokens do not
+        trainer = draft.online_trainer(1e-2, seed=0)
+        for _ in range(40):
+            trainer.step([(tokens, first, (ids, odds) if soft else None)])
+        q = mx.softmax(trainer.model(mx.array(tokens[None, :-1])).astype(mx.float32), axis=-1)
+        spread[soft] = float(np.asarray(q)[0, first - 1 :, 5].mean())
+    assert spread[False] < 0.01 and abs(spread[True] - 0.4) < 0.1, spread
 
 
 def test_adapters_train_in_a_thread_while_the_draft_model_drafts(mlx_pair):
