@@ -89,7 +89,9 @@ class LoraTrainer:
         mx = self._mx
         logits = model(inputs).astype(mx.float32)
         log_q = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        losses = -(mx.take_along_axis(log_q, ids, axis=-1) * weights).sum(axis=-1)
+        inside = ids < logits.shape[-1]  # ids past the model's output (a tokenizer larger than it) weigh 0
+        picked = mx.take_along_axis(log_q, mx.where(inside, ids, 0), axis=-1)
+        losses = -(picked * mx.where(inside, weights, 0.0)).sum(axis=-1)
         return (losses * mask).sum() / mask.sum()
 
     def step(self, windows: Sequence[tuple]) -> float:

@@ -338,8 +338,11 @@ class SpeculativeEngine:
         for member in followers:
             member.grammar = draft_grammar
         # drafters learning the target's distributions read every pass's rows that come to the host
+        # (the first token's, the prompt's last row, where the passes' will: not greedy chains')
         row_readers = [member for member in self.drafter.members if member.reads_rows] if (
             self.drafter is not None) else []
+        rows_come = (not sampling.greedy or params.logprobs is not None or constrained is not None
+                     or self.passes.acceptance is not None)
         self.grammar_blocked = False
         self.grammar_problem = ""
         self.passes.keep_rows = params.logprobs is not None
@@ -359,6 +362,9 @@ class SpeculativeEngine:
                                                                          params.logprobs))
                 if constrained is not None:
                     self.grammar_blocked = not constrained.advance(step.tokens)
+                if row_readers and rows_come:  # the first token's row: the prompt's last
+                    for member in row_readers:
+                        member.observe_rows(len(context) - 1, prompt_logits[None])
                 if ties is not None:
                     stats.near_ties += ties.in_prefill(prompt_logits)
                 stats.generation_seconds = clock.yielding()

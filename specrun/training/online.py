@@ -490,6 +490,12 @@ class Learning:
                 except Exception as error:  # noqa: BLE001 - raised once every learner is done
                     failures.append(error)
                 reports.append(learner.report(kept))
+                said = reports[-1]
+                if isinstance(learner, DraftLearner) and learner.soft and said.labels == "tokens" and said.seen:
+                    if self._on_note is not None:
+                        self._on_note("--learn-labels distributions: the draft model had the target's tokens only: no "
+                                      "pass brought its distributions to the host (greedy passes keep them on the "
+                                      "device; sampling with --temp above 0 brings them)")
             self._learners.clear()
         if failures:
             raise failures[0]

@@ -19,7 +19,7 @@ passes whose rows are kept for --logprobs or masked by a grammar), not greedy on
 stays on the device. The engine hands the drafter each pass's rows at the positions it kept
 (``observe_rows``); the learner keeps the SOFT_TOP likeliest tokens of each (the draft's vocabulary's,
 at temperature 1, renormalised over them: their cost, on the generating thread, is charged to
-generation's budget), and the trainer's loss is the cross-entropy against them (DistillSpec's
+generation's budget, and none is read past it), and the trainer's loss is the cross-entropy against them (DistillSpec's
 forward KL, up to the target's entropy); positions without rows keep their token. The
 acceptance by depth reported scores greedy chains as the draft would draft them from the window's
 context: a chain's token at depth d is the draft's guess given the text so far only where the d
@@ -141,6 +141,8 @@ class DraftLearner(Learner):
             return
         if first != self._end:
             self._flush()
+            for position in [position for position in self._rows_at if position < first]:  # never to be handed over
+                del self._rows_at[position]
             self._tokens = [int(token) for token in context[max(0, first - self.window) : first]]
             self._label_from = len(self._tokens)
         self._tokens.extend(int(token) for token in context[first:])
@@ -153,12 +155,17 @@ class DraftLearner(Learner):
     def observe_rows(self, first: int, logits: np.ndarray) -> None:
         """The target's logits (n, V) at text positions ``first`` .. first + n - 1, the rows its
         pass verified the tokens there with: their soft labels, kept until ``observe`` hands the
-        positions over. Called on the generating thread after a pass; its cost is charged."""
+        positions over. Called on the generating thread after a pass; its cost (wall seconds: what
+        generation waits) is charged to the budget, and past the budget it reads none."""
         if not self.soft or self._stopped or not len(logits):
             return
+        if not self._inline and not self._within_budget(idle=False):
+            return  # past the budget: those positions learn their tokens
         started = self._cpu_clock()
-        ids, probabilities = top_distributions(np.asarray(logits)[:, : self._vocab], SOFT_TOP)
-        for offset in range(len(ids)):
+        rows = np.asarray(logits)[:, : self._vocab]
+        ids, probabilities = top_distributions(rows, SOFT_TOP)
+        finite = np.isfinite(rows.max(axis=1))  # a row masking all the draft's ids (a grammar's) teaches its token
+        for offset in np.flatnonzero(finite).tolist():
             self._rows_at[first + offset] = (ids[offset], probabilities[offset])
         if len(self._rows_at) > ROWS_HELD:  # positions never handed over (a text cut short): the oldest go
             for position in sorted(self._rows_at)[: len(self._rows_at) - ROWS_HELD]:
@@ -198,12 +205,9 @@ class DraftLearner(Learner):
         return ids, probabilities
 
     def _flush(self) -> None:
-        end = self._end
         if len(self._tokens) > self._label_from:
             self._cut(len(self._tokens) - self._label_from)
         self._tokens, self._label_from, self._end = [], 0, -1
-        for position in [position for position in self._rows_at if position < end]:  # the run's, never handed
-            del self._rows_at[position]
 
     # ---- the worker's ----------------------------------------------------------------------------
     def _size(self, window: TokenWindow) -> int:

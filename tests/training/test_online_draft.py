@@ -285,43 +285,117 @@ def test_a_draft_model_learns_the_target_s_distribution_from_soft_labels_and_onl
     assert abs(learned[True][7] - 0.7) < 0.1 and abs(learned[True][6] - 0.3) < 0.1, learned[True]
 
 
-def test_the_engine_hands_a_learning_draft_the_rows_of_its_sampled_passes_and_none_of_greedy_ones():
+ENGINE_VOCAB = 12
+
+
+def engine_table(context):
+    noise = np.random.default_rng(5).normal(0, 1, (ENGINE_VOCAB, ENGINE_VOCAB)).astype(np.float32)
+    return noise[context[-1]] + 2.0 * (np.arange(ENGINE_VOCAB) == (3 * context[-1] + 1) % ENGINE_VOCAB)
+
+
+@pytest.mark.parametrize("temperature, branches, lossy, eos", [
+    (0.8, 0, None, False),  # chains
+    (0.8, 0, None, True),  # answers cut by an EOS inside a pass's kept tokens
+    (0.8, 3, None, True),  # trees: each accepted node's row
+    (0.0, 0, "typical", False),  # a lossy rule brings its rows at T = 0 too
+    (0.8, 3, "margin", False),
+])
+def test_the_engine_hands_a_learning_draft_the_row_that_chose_each_token(temperature, branches, lossy, eos):
+    """Every position's soft label is the target's distribution given the text before it (the first
+    token's: the prompt's row), whatever the pass's shape."""
     from specrun.drafters.methods import DrafterOptions, build_drafter
     from specrun.engine.loop import GenerationParams, SpeculativeEngine
     from specrun.sampling import SamplingSettings
+    from specrun.verify import LossyAcceptance
 
-    rng = np.random.default_rng(5)
-    noise = rng.normal(0, 1, (VOCAB, VOCAB)).astype(np.float32)
-
-    def table(context):
-        return noise[context[-1]] + 2.0 * (np.arange(VOCAB) == following(context[-1]))
-
-    for temperature in (0.0, 0.8):
-        learner = Recorder(wrong_draft(), window=4, inline=True, soft_labels=True)
+    target = FakeBackend(engine_table, ENGINE_VOCAB, eos_ids=[11])
+    labelled = hard = 0
+    for seed in range(4):
+        draft = FakeBackend(lambda context: 1.2 * engine_table(context), ENGINE_VOCAB, eos_ids=[11])
+        learner = Recorder(draft, window=4, inline=True, soft_labels=True)
         learner.handed = []
-        drafter = build_drafter("draft", learner.source, DrafterOptions(draft_learner=learner))
-        engine = SpeculativeEngine(FakeBackend(table, VOCAB), drafter, method="draft")
-        sampling = SamplingSettings(temperature=temperature, seed=1)
-        engine.run([1, 2, 3], GenerationParams(30, draft_len=3, stop_at_eos=False, sampling=sampling))
+        drafter = build_drafter("draft", draft, DrafterOptions(draft_learner=learner, branches=branches))
+        engine = SpeculativeEngine(target, drafter, method="draft")
+        if lossy is not None:
+            engine.passes.acceptance = LossyAcceptance(lossy, factor=2.0) if lossy == "margin" else LossyAcceptance(lossy)
+        sampling = SamplingSettings(temperature=temperature, seed=seed)
+        engine.run([1, 2, 3], GenerationParams(37, draft_len=4, stop_at_eos=eos, sampling=sampling))
         drafter.finish(engine.last_context)
         text = engine.last_context
-        windows = learner.handed
-        assert sum(window.size for window in windows) == 30
-        if temperature == 0.0:
-            assert all(window.soft is None for window in windows)
-            continue
         position = 3
-        for window in windows:
+        for window in learner.handed:
             for offset in range(window.size):
-                ids, p = window.soft[0][offset], window.soft[1][offset]
-                label = np.zeros(VOCAB)
-                np.add.at(label, ids, p)
-                if position == 3:  # the first token comes from the prompt's pass: its token
-                    assert label[text[3]] == 1.0
+                assert window.tokens[window.first + offset] == text[position]
+                if window.soft is None or window.soft[1][offset].max() == 1.0:  # its token: a pass without rows
+                    hard += 1
                 else:
-                    row = table(tuple(text[:position])).astype(np.float64)
-                    assert np.allclose(label, np.exp(row) / np.exp(row).sum(), atol=1e-6), position
+                    label = np.zeros(ENGINE_VOCAB)
+                    np.add.at(label, window.soft[0][offset], window.soft[1][offset])
+                    row = engine_table(tuple(text[:position])).astype(np.float64)
+                    softmax = np.exp(row - row.max()) / np.exp(row - row.max()).sum()
+                    assert np.allclose(label, softmax, atol=1e-6), position
+                    labelled += 1
                 position += 1
+        assert position == len(text) and learner._rows_at == {}
+    # sampled, every pass brings its rows; greedy, the plain steps do not (a text's last token's, here)
+    assert hard == 0 if temperature > 0 else hard <= 4 and labelled >= 4 * 30
+    assert labelled >= 4 * 10
+
+
+def test_greedy_passes_bring_no_rows_and_the_learning_says_so():
+    from specrun.drafters.methods import DrafterOptions, build_drafter
+    from specrun.engine.loop import GenerationParams, SpeculativeEngine
+
+    notes = []
+    learning = Learning(LearnSettings(), on_note=notes.append, explicit=True, soft_labels=True, inline=True)
+    draft = FakeBackend(lambda context: 1.2 * engine_table(context), ENGINE_VOCAB)
+    learner = learning.draft(draft)
+    drafter = build_drafter("draft", draft, DrafterOptions(draft_learner=learner))
+    engine = SpeculativeEngine(FakeBackend(engine_table, ENGINE_VOCAB), drafter, method="draft")
+    engine.run([1, 2, 3], GenerationParams(30, draft_len=3, stop_at_eos=False))
+    drafter.finish(engine.last_context)
+    assert learner._rows_at == {}
+    (report,) = learning.finish()
+    assert report.labels == "tokens" and report.seen == 30
+    assert notes == ["--learn-labels distributions: the draft model had the target's tokens only: no pass brought "
+                     "its distributions to the host (greedy passes keep them on the device; sampling with --temp "
+                     "above 0 brings them)"]
+
+
+def test_rows_of_a_text_cut_short_never_label_the_next_one():
+    learner = Recorder(wrong_draft(), window=4, inline=True, soft_labels=True)
+    learner.handed = []
+    learner.start_text()
+    learner.observe(3, stream(5, 2))
+    learner.observe_rows(5, np.zeros((3, VOCAB), np.float32))  # a pass whose tokens the text never got (cut)
+    learner.start_text()
+    learner.observe(3, stream(9, 7))  # the next text: positions 5-7 again, no rows for them
+    learner.start_text()
+    assert all(window.soft is None for window in learner.handed) and learner._rows_at == {}
+    learner.observe(3, stream(5, 2))
+    learner.observe_rows(5, np.zeros((3, VOCAB), np.float32))
+    learner.observe(8, stream(12, 6))  # a new run of the same text further on: its rows before it go
+    assert learner._rows_at == {}
+
+
+def test_past_the_budget_the_generating_thread_reads_no_rows():
+    """The worker's spending leaves none of the budget: the drafter's thread reads no rows (their
+    positions learn tokens) rather than add to it."""
+    now = [0.0]
+    learner = DraftLearner(wrong_draft(), LearnSettings(share=0.05), window=4, soft_labels=True,
+                           clock=lambda: now[0], cpu_clock=lambda: now[0])
+    learner.start_text()
+    learner.observe(3, stream(5, 2))
+    for stop in (7, 9):  # a second of generation: 0.05 s of budget
+        now[0] += 0.5
+        learner.observe(stop - 2, stream(stop, 2))
+    assert learner.report().busy_seconds == pytest.approx(1.0)
+    learner.observe_rows(9, np.zeros((1, VOCAB), np.float32))
+    assert 9 in learner._rows_at
+    learner._busy_cpu = 0.06  # as the worker's steps would have spent it
+    learner.observe_rows(10, np.zeros((1, VOCAB), np.float32))
+    assert 10 not in learner._rows_at
+    learner.close()
 
 
 def test_soft_labels_cost_the_generating_thread_within_the_budget():
