@@ -16,6 +16,8 @@ Lines, each a server started afresh for each C (127.0.0.1 only) and warmed by on
   the shared batch;
 - ``specrun eagle``, ``specrun eagle fifo``: the target's EAGLE heads drafting on every slot, and
   answering one request at a time (``--parallel 1``);
+- with ``--before REV``: ``specrun REV``, ``specrun`` served from that commit's checkout (a git
+  worktree, as ab_commits.py makes), to compare a change under load in one interleaved run;
 - with ``--llama-bin``: ``llama-server -np C`` without speculation, with ``-md`` (the same draft,
   ``--spec-type draft-simple``) and with ``--spec-type ngram-mod``.
 
@@ -113,11 +115,13 @@ class Phase:
 
 @dataclass
 class ServerLine:
-    """A server to start for ``clients``: its command, and the model name requests give."""
+    """A server to start for ``clients``: its command, and the model name requests give; ``env``:
+    variables it runs with besides ours (``--before``: PYTHONPATH naming another checkout)."""
 
     name: str
     command: object  # (port, clients) -> argv
     model: str
+    env: dict | None = None
 
 
 def stream_answer(port: int, model: str, text: str, max_tokens: int) -> Answer:
@@ -244,7 +248,7 @@ def with_server(line: ServerLine, clients: int, work):
     port = _free_port()
     with tempfile.TemporaryFile("w+", errors="replace") as log:
         process = subprocess.Popen(line.command(port, clients), stdin=subprocess.DEVNULL, stdout=log,
-                                   stderr=subprocess.STDOUT)
+                                   stderr=subprocess.STDOUT, env={**os.environ, **(line.env or {})})
         try:
             wait_ready(process, port)
             return work(port)
@@ -280,6 +284,13 @@ def lines_for(args, target: Path | str, draft: Path | str) -> list[ServerLine]:
         ServerLine("specrun eagle fifo", lambda port, c: [*named, "--port", str(port), "--parallel", "1",
                                                           "--method", "eagle"], args.target),
     ]
+    if args.before is not None:  # the same slots as ``specrun``, from another commit's checkout (ab_commits.py's)
+        from ab_commits import worktree
+
+        tree = str(worktree(args.before))
+        lines.append(ServerLine(f"specrun {args.before}", lambda port, c: [*specrun, "--port", str(port),
+                                                                           "--parallel", str(c)], str(target),
+                                {"PYTHONPATH": tree}))
     if args.llama_bin is not None:
         def server(extra):
             return lambda port, c: [str(args.llama_bin / "llama-server"), "-m", str(target), "-t", str(args.threads),
@@ -312,6 +323,8 @@ def main() -> None:
     parser.add_argument("--llama-bin", type=Path, default=None)
     parser.add_argument("--lines", nargs="*", default=None, help="only these lines (names as reported)")
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--before", default=None,
+                        help="a commit: a line `specrun REV` serves as `specrun` does, from that commit's checkout")
     parser.add_argument("--trace", type=Path, default=None,
                         help="a folder: each specrun server writes its `serve --trace` there (`specrun trace FILE`)")
     args = parser.parse_args()
@@ -342,7 +355,7 @@ def main() -> None:
                 if args.trace is not None and line.name.startswith("specrun"):  # serve --trace, a file a server
                     where = args.trace / f"{line.name.replace(' ', '-')}-c{clients}-r{round_index + 1}.jsonl"
                     traced = ServerLine(line.name, lambda port, c, line=line, where=where: [
-                        *line.command(port, c), "--trace", str(where)], line.model)
+                        *line.command(port, c), "--trace", str(where)], line.model, line.env)
                 for phase in with_server(traced, clients, work):
                     phases.append(phase)
                     s = phase.summary()
