@@ -115,13 +115,15 @@ class Phase:
 
 @dataclass
 class ServerLine:
-    """A server to start for ``clients``: its command, and the model name requests give; ``env``:
-    variables it runs with besides ours (``--before``: PYTHONPATH naming another checkout)."""
+    """A server to start for ``clients``: its command, and the model name requests give; ``env``
+    and ``cwd``: variables it runs with besides ours and the folder it starts in (``--before``:
+    another checkout, whose specrun ``python -m`` then imports)."""
 
     name: str
     command: object  # (port, clients) -> argv
     model: str
     env: dict | None = None
+    cwd: str | None = None  # where it starts (``python -m`` puts it first on the import path)
 
 
 def stream_answer(port: int, model: str, text: str, max_tokens: int) -> Answer:
@@ -248,7 +250,7 @@ def with_server(line: ServerLine, clients: int, work):
     port = _free_port()
     with tempfile.TemporaryFile("w+", errors="replace") as log:
         process = subprocess.Popen(line.command(port, clients), stdin=subprocess.DEVNULL, stdout=log,
-                                   stderr=subprocess.STDOUT, env={**os.environ, **(line.env or {})})
+                                   stderr=subprocess.STDOUT, env={**os.environ, **(line.env or {})}, cwd=line.cwd)
         try:
             wait_ready(process, port)
             return work(port)
@@ -290,7 +292,7 @@ def lines_for(args, target: Path | str, draft: Path | str) -> list[ServerLine]:
         tree = str(worktree(args.before))
         lines.append(ServerLine(f"specrun {args.before}", lambda port, c: [*specrun, "--port", str(port),
                                                                            "--parallel", str(c)], str(target),
-                                {"PYTHONPATH": tree}))
+                                {"PYTHONPATH": tree}, tree))
     if args.llama_bin is not None:
         def server(extra):
             return lambda port, c: [str(args.llama_bin / "llama-server"), "-m", str(target), "-t", str(args.threads),
@@ -302,7 +304,8 @@ def lines_for(args, target: Path | str, draft: Path | str) -> list[ServerLine]:
             ServerLine("llama-server -md", server(["-md", str(draft), "--spec-type", "draft-simple"]), "model"),
             ServerLine("llama-server ngram-mod", server(["--spec-type", "ngram-mod"]), "model"),
         ]
-    return [line for line in lines if not args.lines or line.name in args.lines]
+    wanted = args.lines and [*args.lines, *([f"specrun {args.before}"] if args.before is not None else [])]
+    return [line for line in lines if not wanted or line.name in wanted]
 
 
 def main() -> None:
@@ -324,7 +327,8 @@ def main() -> None:
     parser.add_argument("--lines", nargs="*", default=None, help="only these lines (names as reported)")
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--before", default=None,
-                        help="a commit: a line `specrun REV` serves as `specrun` does, from that commit's checkout")
+                        help="a commit: a line `specrun REV` serves as `specrun` does, from that commit's checkout "
+                        "(kept whatever --lines names)")
     parser.add_argument("--trace", type=Path, default=None,
                         help="a folder: each specrun server writes its `serve --trace` there (`specrun trace FILE`)")
     args = parser.parse_args()
@@ -353,9 +357,10 @@ def main() -> None:
 
                 traced = line
                 if args.trace is not None and line.name.startswith("specrun"):  # serve --trace, a file a server
-                    where = args.trace / f"{line.name.replace(' ', '-')}-c{clients}-r{round_index + 1}.jsonl"
+                    named = line.name.replace(' ', '-').replace('/', '-')
+                    where = args.trace.resolve() / f"{named}-c{clients}-r{round_index + 1}.jsonl"
                     traced = ServerLine(line.name, lambda port, c, line=line, where=where: [
-                        *line.command(port, c), "--trace", str(where)], line.model, line.env)
+                        *line.command(port, c), "--trace", str(where)], line.model, line.env, line.cwd)
                 for phase in with_server(traced, clients, work):
                     phases.append(phase)
                     s = phase.summary()

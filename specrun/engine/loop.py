@@ -338,7 +338,7 @@ class SpeculativeEngine:
         for member in followers:
             member.grammar = draft_grammar
         # drafters learning the target's distributions read every pass's rows that come to the host
-        # (the first token's, the prompt's last row, where the passes' will: not greedy chains')
+        # (the first token's, the prompt's last row, where the passes' will: not plain greedy passes')
         row_readers = [member for member in self.drafter.members if member.reads_rows] if (
             self.drafter is not None) else []
         rows_come = (not sampling.greedy or params.logprobs is not None or constrained is not None

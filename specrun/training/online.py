@@ -491,11 +491,11 @@ class Learning:
                     failures.append(error)
                 reports.append(learner.report(kept))
                 said = reports[-1]
-                if isinstance(learner, DraftLearner) and learner.soft and said.labels == "tokens" and said.seen:
-                    if self._on_note is not None:
-                        self._on_note("--learn-labels distributions: the draft model had the target's tokens only: no "
-                                      "pass brought its distributions to the host (greedy passes keep them on the "
-                                      "device; sampling with --temp above 0 brings them)")
+                if (isinstance(learner, DraftLearner) and learner.soft and said.seen and not said.stopped
+                        and not learner.rows_offered and self._on_note is not None):
+                    self._on_note("--learn-labels distributions: the draft model had the target's tokens only: no "
+                                  "pass brought its distributions to the host (greedy passes keep them on the "
+                                  "device; sampling with --temp above 0 brings them)")
             self._learners.clear()
         if failures:
             raise failures[0]

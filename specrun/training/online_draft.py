@@ -14,9 +14,9 @@ fused in, quantized maps' adapters). The draft's cache keeps what it read with t
 a draft is a proposal, so that costs acceptance at most, never an answer.
 
 The labels are the target's tokens; with --learn-labels distributions (``soft_labels``), also its
-distributions where its verify pass brought them to the host: every pass at temperature > 0 (and
-passes whose rows are kept for --logprobs or masked by a grammar), not greedy ones, whose argmax
-stays on the device. The engine hands the drafter each pass's rows at the positions it kept
+distributions where its verify pass brought them to the host: every pass at temperature > 0, and
+greedy ones whose rows are kept for --logprobs, masked by a grammar or judged by a lossy rule; not
+other greedy passes, whose argmax stays on the device. The engine hands the drafter each pass's rows at the positions it kept
 (``observe_rows``); the learner keeps the SOFT_TOP likeliest tokens of each (the draft's vocabulary's,
 at temperature 1, renormalised over them: their cost, on the generating thread, is charged to
 generation's budget, and none is read past it), and the trainer's loss is the cross-entropy against them (DistillSpec's
@@ -51,7 +51,9 @@ REPORT_DEPTH = 4  # acceptance by depth reported to this depth
 # docs/perf.md 3(t)) no rate raised acceptance (Adam 3e-6 to 1e-4, SGD 0.01 to 1); 3e-5 and up lowered it.
 LEARNING_RATE = 1e-5
 SOFT_TOP = 32  # the target's likeliest tokens a position's soft label keeps
-ROWS_HELD = 4 * WINDOW_TOKENS  # soft labels held for positions not yet handed over, at most
+# soft labels held for positions not yet handed over, at most (the draft not asked for a long stretch:
+# auto drafting with others, or plain; a text cut short)
+ROWS_HELD = 4 * WINDOW_TOKENS
 
 # Why a draft model cannot learn online, by its backend's name (the rest: it has no trainer).
 CANNOT_LEARN = {
@@ -94,9 +96,10 @@ def top_distributions(logits: np.ndarray, top: int) -> tuple[np.ndarray, np.ndar
     top = min(top, logits.shape[1])
     ids = np.argpartition(-logits, top - 1, axis=1)[:, :top]
     values = np.take_along_axis(logits, ids, axis=1).astype(np.float64)
-    values -= values.max(axis=1, keepdims=True)
-    weights = np.exp(values)
-    weights /= weights.sum(axis=1, keepdims=True)
+    with np.errstate(invalid="ignore"):  # a row masked whole (-inf less -inf): NaN, its caller's to leave out
+        values -= values.max(axis=1, keepdims=True)
+        weights = np.exp(values)
+        weights /= weights.sum(axis=1, keepdims=True)
     return ids.astype(np.int64), weights.astype(np.float32)
 
 
@@ -127,6 +130,7 @@ class DraftLearner(Learner):
         self.soft = soft_labels  # learn the target's distributions where its rows come (observe_rows)
         self._vocab = draft.vocab.size  # the target's ids past the draft's vocabulary are left out
         self._rows_at: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # text position -> (ids, probabilities)
+        self.rows_offered = 0  # passes whose rows it was handed (read or, past the budget, not)
         self._start()
 
     # ---- the drafter's side ------------------------------------------------------------------
@@ -159,7 +163,8 @@ class DraftLearner(Learner):
         generation waits) is charged to the budget, and past the budget it reads none."""
         if not self.soft or self._stopped or not len(logits):
             return
-        if not self._inline and not self._within_budget(idle=False):
+        self.rows_offered += 1
+        if not self._inline and self._busy_seconds > 0 and not self._within_budget(idle=False):
             return  # past the budget: those positions learn their tokens
         started = self._cpu_clock()
         rows = np.asarray(logits)[:, : self._vocab]

@@ -362,6 +362,29 @@ def test_greedy_passes_bring_no_rows_and_the_learning_says_so():
                      "above 0 brings them)"]
 
 
+def test_rows_refused_by_the_budget_are_not_said_to_be_missing():
+    """Sampled passes hand their rows even where the budget leaves them unread: the run's end says
+    nothing of passes that brought none."""
+    from specrun.drafters.methods import DrafterOptions, build_drafter
+    from specrun.engine.loop import GenerationParams, SpeculativeEngine
+    from specrun.sampling import SamplingSettings
+
+    notes = []
+    learning = Learning(LearnSettings(share=1e-9), on_note=notes.append, explicit=True, soft_labels=True)
+    draft = FakeBackend(lambda context: 1.2 * engine_table(context), ENGINE_VOCAB)
+    learner = learning.draft(draft)
+    learner._busy_seconds, learner._busy_cpu = 1.0, 1.0  # the budget spent already: every row refused
+    drafter = build_drafter("draft", draft, DrafterOptions(draft_learner=learner))
+    engine = SpeculativeEngine(FakeBackend(engine_table, ENGINE_VOCAB), drafter, method="draft")
+    engine.run([1, 2, 3], GenerationParams(30, draft_len=3, stop_at_eos=False,
+                                           sampling=SamplingSettings(temperature=0.8, seed=2)))
+    drafter.finish(engine.last_context)
+    assert learner.rows_offered > 5 and learner._rows_at == {}
+    (report,) = learning.finish()
+    assert report.labels == "tokens" and report.seen == 30
+    assert not any("tokens only" in note for note in notes), notes
+
+
 def test_rows_of_a_text_cut_short_never_label_the_next_one():
     learner = Recorder(wrong_draft(), window=4, inline=True, soft_labels=True)
     learner.handed = []
