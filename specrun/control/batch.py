@@ -209,6 +209,19 @@ class BatchDrafts:
             self._latest[sequences] = chosen
         return chosen
 
+    def saving(self, sequences: int) -> float | None:
+        """Seconds of the batch's time a token of one slot saves where ``sequences`` slots draft the
+        length chosen last for that many: the batch yields ``sequences`` tokens a plain pass P, and
+        gain g times as many drafting, so a slot's token drafted adds 1 - 1/g tokens, worth
+        P (1 - 1/g) / sequences of the batch's time; 0 where the length chosen was plain, None
+        where none was chosen for that many or no plain pass over them was timed."""
+        with self._lock:
+            gain, costs = self._gain.get(sequences), self.verify.get(sequences)
+            if gain is None or costs is None or gain <= 1.0:
+                return None if gain is None or costs is None else 0.0
+            plain = costs.batch_table(sequences)[sequences]
+        return None if plain is None else plain * (1.0 - 1.0 / gain) / sequences
+
     def describe(self, sequences: int) -> dict | None:
         """The latest choice for ``sequences`` slots decoding together, for a trace: the length
         every slot drafted, its predicted tokens/s over plain batching's and, once both were

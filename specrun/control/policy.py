@@ -130,7 +130,7 @@ class SpeculationPolicy(Protocol):
         """The next pass carries ``others`` other sequences besides this run's (a server's slots),
         feeding ``others_tokens`` tokens."""
 
-    def at_context(self, length: int) -> None:
+    def at_context(self, length: int, text: Sequence[int] | None = None, remaining: int | None = None) -> None:
         """The next pass reads ``length`` tokens of context (TargetCosts.at_context)."""
 
 
@@ -187,7 +187,7 @@ class FixedPolicy:
     def share(self, others: int, others_tokens: int = 0) -> None:
         """Fixed lengths do not yield to other sequences in the pass."""
 
-    def at_context(self, length: int) -> None:
+    def at_context(self, length: int, text: Sequence[int] | None = None, remaining: int | None = None) -> None:
         """Fixed lengths do not follow the context."""
 
 
@@ -224,6 +224,8 @@ class AdaptivePolicy:
         self._plain_timing = 0  # timed plain passes still wanted at this text's context
         self._plain_timing_steps = 0  # plain steps left to get them in (a pass may go untimed)
         self._context_len = 0  # of the step being planned
+        self._text: Sequence[int] | None = None  # its context, and the tokens the run may still generate
+        self._remaining: int | None = None
         self._prompt_len = 0  # the context the text started from (start_text)
         self._picks: dict[str, AlternativePick] = {}  # by alternative drafter: which of the two drafts
         self._resting: set[str] = set()  # paid drafters not asked this step (an alternative's other)
@@ -387,10 +389,12 @@ class AdaptivePolicy:
             return False
         return self._controller_for(drafter.name).could_pay()
 
-    def at_context(self, length: int) -> None:
+    def at_context(self, length: int, text: Sequence[int] | None = None, remaining: int | None = None) -> None:
         """The next pass reads ``length`` tokens of context: the target's costs and every drafter's
-        follow it (TargetCosts.at_context)."""
+        follow it (TargetCosts.at_context). ``text``: that context, and ``remaining``: the tokens
+        the run may still generate (a draft model's catch-up on slots is priced against them)."""
         self._context_len = length
+        self._text, self._remaining = text, remaining
         self.target_costs.at_context(length)
         for costs in self.memory.draft_costs.values():
             costs.at_context(length)
@@ -437,8 +441,26 @@ class AdaptivePolicy:
         controller = self._controller_for(drafter.name, fixed=not self.adaptive)
         shared = self._batch_length(controller)
         if shared is not None:
-            return min(shared, draft_len)
+            return min(shared, draft_len) if shared and self._catch_up_pays(drafter) else 0
         return controller.choose(draft_len)
+
+    def _catch_up_pays(self, drafter: Drafter) -> bool:
+        """On slots decoding together: does the rest of this text repay what the draft model reads
+        before it drafts (the text decoded while it was not asked, a new text's prompt left
+        unread: ``reads_prompt``)? The read is a pass every other slot waits for: the batch loses
+        its seconds, at the draft's measured seconds a token; drafting the batch's length, each
+        token left of this text saves the batch its share of a plain pass's gain (BatchDrafts.saving),
+        the run's token limit bounding the tokens left. A read whose cost is not known yet is made
+        (and timed)."""
+        behind = getattr(drafter, "behind", None)
+        if behind is None or self._text is None or self._remaining is None or not self.target_costs.sharing:
+            return True
+        unread = behind(self._text)
+        per_token = drafter.read_seconds
+        saving = self.batch.saving(self.target_costs.sharing + 1)
+        if unread <= 0 or per_token is None or saving is None:
+            return True
+        return unread * per_token <= self._remaining * saving
 
     def _batch_length(self, controller: DraftLengthController) -> int | None:
         """Slots decoding together (``batch``): the length every slot drafts, the one the whole

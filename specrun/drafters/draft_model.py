@@ -21,6 +21,7 @@ from specrun.tree import TokenTree
 # Between its own steps a draft model reads one token (the target's correction) or two
 # (its last draft and the bonus token); more is catching up on context it did not draft.
 CATCH_UP_TOKENS = 2
+TIMED_READ = 16  # a catch-up of more tokens times what reading costs a token (fewer: per-pass costs weigh)
 # A dynamic tree costs the draft a tree pass a level where a chain costs a one-token pass a
 # position. It is grown while a tree pass costs at most this many one-token passes (a memory-
 # bound draft); dearer (a CPU: demo-draft grew 1.08x the chain's tokens a pass at 0.69x its
@@ -102,6 +103,8 @@ class DraftModelDrafter(Drafter):
         self.token_pass = _PassTiming()
         self.target_trees = False  # does the target verify trees (bind)? Else a tree is wasted
         self.target: KVSequence | None = None  # the engine's (bind): is its pass shared?
+        # seconds a token of reading text it did not draft costs (a decayed mean over catch-ups)
+        self.read_timing = _PassTiming()
         self.learner: DraftModelLearner | None = None  # set by build_drafter where the draft learns online
         self._learned_version = 0  # of the learner's adapters drafted with
         self._harvested = -1  # the first position of the text the learner has not had; -1: none to hand
@@ -247,6 +250,8 @@ class DraftModelDrafter(Drafter):
             started = self.clock()
             self.sequence.feed(pending[:-1])
             self.catch_up_seconds = self.clock() - started
+            if len(pending) > TIMED_READ:
+                self.read_timing.add(self.catch_up_seconds / (len(pending) - 1))
             pending = pending[-1:]
         # A recurrent model (llama.cpp) keeps its state here: the drafts after it are a pass each,
         # and the next step's rewind into them restores it rather than reading the whole text again.
@@ -254,6 +259,16 @@ class DraftModelDrafter(Drafter):
         if keep_state is not None:
             keep_state()
         return pending
+
+    def behind(self, context: Sequence[int]) -> int:
+        """Tokens of ``context`` it would read before its first draft pass: what it did not read
+        (the text decoded while it was not asked, a new text's prompt left unread)."""
+        return max(len(context) - 1 - common_prefix_len(self.sequence.tokens, context), 0)
+
+    @property
+    def read_seconds(self) -> float | None:
+        """Seconds a token of catching up costs it, as measured (None before enough reads)."""
+        return self.read_timing.mean
 
     def can_defer(self, sampling: SamplingSettings) -> bool:
         """Can ``propose_deferred`` draft for these settings: greedy, the full length, no

@@ -384,7 +384,7 @@ class SpeculativeEngine:
                 forced = constrained.forced(draft_len) if constrained is not None and policy is not None else None
                 if measured:
                     policy.share(self.target.sharing, self.target.shared_tokens)  # as the last pass found it
-                    policy.at_context(context_len)
+                    policy.at_context(context_len, context, remaining)
                 after_forced = None  # what the drafters proposed after forced tokens
                 if forced is None:
                     plan = PLAIN if policy is None else policy.plan()

@@ -302,6 +302,51 @@ def test_a_slot_among_slots_held_plain_drafts_nothing_and_its_tokens_are_counted
         assert sum(tokens for tokens, _ in realised._arms[4].plain) > 40 or realised._epoch.tokens > 0, others
 
 
+def test_the_time_a_slot_s_token_saves_the_batch_is_its_share_of_a_pass_s_gain():
+    """The worked batch above: 2 slots drafting 1 gain 0.1875 / (2 / 12) = 1.125 on a plain pass of
+    12: a slot's token adds 1 - 1 / 1.125 tokens, worth 12 (1 - 1 / 1.125) / 2 of the batch's time."""
+    batch = timed_batch(10.0, 1.0, 0.0, 1.0)
+    assert batch.saving(2) is None  # no length chosen yet
+    batch.post(1, HALF_RIGHT)
+    assert batch.length(2, 8) == 1
+    assert batch.saving(2) == pytest.approx(12.0 * (1.0 - 1.0 / 1.125) / 2)
+    compute_bound = timed_batch(0.023, 0.0157, 0.005, 0.0065)
+    compute_bound.post(1, MOSTLY_RIGHT)
+    assert compute_bound.length(4, 8) == 0 and compute_bound.saving(4) == 0.0
+
+
+@pytest.mark.parametrize("read_seconds, drafts", [(1e-6, True), (1.0, False)])
+def test_a_slot_whose_draft_would_read_more_than_the_rest_of_its_text_saves_drafts_nothing(read_seconds, drafts):
+    """Slots sharing a memory-bound batch that drafts: a slot's draft model, its prompt left unread
+    (the others share the pass), reads it at its first draft, a pass every slot waits for. Where
+    reading costs a second a token, the 40 tokens left of the text save the batch less than that:
+    it drafts nothing and reads nothing; where a read is nearly free it reads (timing it) and
+    drafts. Each output is plain decoding's."""
+    from specrun.drafters.draft_model import _PassTiming
+
+    plain = SpeculativeEngine(FakeBackend(copying_logits(salt=4), COPYING_VOCAB))
+    clock = CostClock()
+    batch = BatchDrafts(clock)
+    for _ in range(4):  # memory-bound: drafting pays
+        for t in (1, 5, 9):
+            batch.timed(True, [t] * 4, 0.040 + 0.0001 * 4 * t)
+        batch.timed(False, [1] * 4, 0.001)
+    target = SlotFake(copying_logits(salt=4), clock, 40.0, 0.1, others=3, per_other=1, batch=batch, verifying=True)
+    draft = SlotFake(noisy_copy(4), clock, 1.0, 0.0, others=3, per_other=1, batch=batch, verifying=False)
+    drafter = build_drafter("draft", draft, DrafterOptions())
+    drafter.read_timing = _PassTiming()
+    for _ in range(4):  # as its earlier catch-ups timed it
+        drafter.read_timing.add(read_seconds)
+    engine = SpeculativeEngine(target, drafter, method="draft", clock=clock)
+    engine.policy.batch = batch
+    result = engine.run(PROMPTS[0], GenerationParams(40, draft_len=8, stop_at_eos=False, adaptive=True))
+    engine.drafter.close()
+    expected = plain.run(PROMPTS[0], GenerationParams(40, draft_len=0, stop_at_eos=False)).token_ids
+    assert result.token_ids == expected
+    assert (result.stats.drafted > 0) == drafts and (draft.forwarded_tokens > 0) == drafts
+    assert drafter.read_timing.passes == (5 if drafts else 4)  # the prompt read at the first draft: timed
+
+
 # ---- what the batch gets, measured (control/batch.Realised) --------------------------------
 
 STEP = 0.125  # a step of the simulated batch, in seconds (exact in binary: stretches end on a step)
