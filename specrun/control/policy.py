@@ -452,10 +452,9 @@ class AdaptivePolicy:
         token left of this text saves the batch its share of a plain pass's gain (BatchDrafts.saving),
         the run's token limit bounding the tokens left. A read whose cost is not known yet is made
         (and timed)."""
-        behind = getattr(drafter, "behind", None)
-        if behind is None or self._text is None or self._remaining is None or not self.target_costs.sharing:
+        if self._text is None or self._remaining is None or not self.target_costs.sharing:
             return True
-        unread = behind(self._text)
+        unread = drafter.behind(self._text)
         per_token = drafter.read_seconds
         saving = self.batch.saving(self.target_costs.sharing + 1)
         if unread <= 0 or per_token is None or saving is None:

@@ -163,6 +163,8 @@ class Drafter(Protocol):
     # Of the latest call, seconds spent reading context this drafter did not draft: a cost
     # of switching to it, not of the length asked (a draft model's catch-up).
     catch_up_seconds: float = 0.0
+    # What such reading costs it a token, as measured (None: not known; see ``behind``).
+    read_seconds: float | None = None
     # Does the drafter learn from the target's choice at every verified node, accepted or not
     # (``observe_pass``)? Lookahead's Jacobi window does. Such a drafter's nodes are worth more
     # than their own odds of acceptance, so it may also ask for its proposals whole
@@ -238,6 +240,11 @@ class Drafter(Protocol):
         """After a verify pass whose rows came to the host (sampling, --logprobs, a grammar): the
         target's logits (n, V), as verified, that chose the tokens now at text positions ``first``
         .. first + n - 1. Called only for drafters that declare ``reads_rows``."""
+
+    def behind(self, context: Sequence[int]) -> int:
+        """Tokens of ``context`` it would read before drafting beyond what a step feeds it (a draft
+        model's catch-up: AdaptivePolicy prices it on a server's slots); 0 for a drafter that reads none."""
+        return 0
 
     def can_defer(self, sampling: SamplingSettings) -> bool:
         """Can ``propose_deferred`` draft for these settings (greedy drafts left on the device)?"""
