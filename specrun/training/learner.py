@@ -154,7 +154,7 @@ class Learner:
     step_positions = BATCH_POSITIONS  # about what a step trains on (``caught_up``)
     # At ``close``, the windows still waiting are scored and trained on within the budget and the
     # weights published once more (heads: cheap, and they may be kept). False: they are only
-    # counted (a draft model's: each of those steps would cost seconds on a CPU).
+    # counted (a draft model's unless its adapters are kept: each step costs seconds on a CPU).
     finish_at_close = True
 
     def __init__(self, settings: LearnSettings, depth: int, *, seed: int = 0, inline: bool = False,
@@ -477,12 +477,19 @@ class Learner:
         started = self._cpu_clock()
         finish = self.finish_at_close or self._inline  # the class attribute's comment says why not
         self._take_windows(score=finish)
-        while finish and self._may_step(idle=False) and self._step():
-            self._closing_cpu += self._cpu_clock() - started
-            started = self._cpu_clock()
         self._closing_cpu += self._cpu_clock() - started
+        while finish and self._may_step(idle=False):  # each step expected to cost what the last did
+            started = self._cpu_clock()
+            stepped = self._step()
+            spent = self._cpu_clock() - started
+            self._closing_cpu += spent
+            if not stepped:
+                break
+            self._expect("step", spent)
         if finish:
+            started = self._cpu_clock()
             self._publish()
+            self._closing_cpu += self._cpu_clock() - started
 
     def report(self, kept: Path | None = None) -> LearnReport:
         def chain(pairs) -> tuple[tuple[float, ...], int]:

@@ -107,7 +107,12 @@ class DraftLearner(Learner):
     """One draft model learning from what the target verifies (see the module's docstring)."""
 
     kind = "draft"
-    finish_at_close = False  # no drafter takes its weights any more, and nothing keeps them
+
+    @property
+    def finish_at_close(self) -> bool:
+        """Where its adapters are kept (--keep-learned), the last windows are trained on within the
+        budget as heads' are; otherwise no drafter takes the weights any more, and nothing keeps them."""
+        return self.settings.keep
 
     def __init__(self, draft, settings: LearnSettings = LearnSettings(), *, learning_rate: float = LEARNING_RATE,
                  seed: int = 0, window: int = WINDOW_TOKENS, inline: bool = False, inline_steps: int = 1,

@@ -171,6 +171,34 @@ def test_the_budget_expects_a_step_to_cost_what_the_last_one_did():
     learner.close()
 
 
+@pytest.mark.parametrize("keep", [False, True])
+def test_a_kept_draft_learns_its_last_window_at_close_within_the_budget(keep):
+    """A text shorter than a window hands the worker nothing while it is generated; at close its
+    window is trained on within the budget where the adapters are kept (--keep-learned: what the
+    run learned is written), and only counted where nothing would keep them."""
+    spent, now = [0.0], [0.0]
+    learner = DraftLearner(wrong_draft(), LearnSettings(share=0.05, keep=keep, idle=False), window=400,
+                           clock=lambda: now[0], cpu_clock=lambda: spent[0])
+    stepped = learner.trainer.step
+
+    def costly(windows):
+        spent[0] += 0.2
+        return stepped(windows)
+
+    learner.trainer.step = costly
+    tokens = stream(204, 0)
+    learner.start_text()
+    for stop in range(4, 204, 4):
+        now[0] += 0.1
+        learner.observe(stop - 4, tokens[:stop])
+    assert learner.report().steps == 0
+    learner.close()
+    report = learner.report()
+    assert report.seen == 199 and report.busy_seconds == pytest.approx(4.9)
+    assert report.steps == (1 if keep else 0), report.summary()  # 0.245 s allowed: one 0.2 s step, not two
+    assert (learner.latest(0) is not None) == keep  # the step's weights published, for --keep-learned
+
+
 def test_learning_keeps_one_learner_per_draft_model_and_says_why_one_cannot_learn():
     notes = []
     learning = Learning(LearnSettings(), on_note=notes.append, explicit=True, inline=True)
