@@ -450,12 +450,15 @@ class AdaptivePolicy:
         unread: ``reads_prompt``)? The read is a pass every other slot waits for: the batch loses
         its seconds, at the draft's measured seconds a token; drafting the batch's length, each
         token left of this text saves the batch its share of a plain pass's gain (BatchDrafts.saving),
-        the run's token limit bounding the tokens left. A read whose cost is not known yet is made
-        (and timed)."""
+        the run's token limit bounding the tokens left. A token's read costs what the batch timed
+        of the draft model's reads (BatchDrafts.read_seconds), or before it knows, what this
+        drafter's own catch-ups took; a read whose cost neither knows yet is made (and timed)."""
         if self._text is None or self._remaining is None or not self.target_costs.sharing:
             return True
         unread = drafter.behind(self._text)
-        per_token = drafter.read_seconds
+        per_token = self.batch.read_seconds()
+        if per_token is None:
+            per_token = drafter.read_seconds
         saving = self.batch.saving(self.target_costs.sharing + 1)
         if unread <= 0 or per_token is None or saving is None:
             return True

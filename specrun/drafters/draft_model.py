@@ -99,12 +99,12 @@ class DraftModelDrafter(Drafter):
         self.catch_up_seconds = 0.0
         # Measured seconds of a tree pass (one level of a dynamic tree) and of a one-token pass,
         # which decide whether trees are grown (grows_trees).
-        self.tree_pass = _PassTiming()
-        self.token_pass = _PassTiming()
+        self.tree_pass = PassTiming()
+        self.token_pass = PassTiming()
         self.target_trees = False  # does the target verify trees (bind)? Else a tree is wasted
         self.target: KVSequence | None = None  # the engine's (bind): is its pass shared?
         # seconds a token of reading text it did not draft costs (a decayed mean over catch-ups)
-        self.read_timing = _PassTiming()
+        self.read_timing = PassTiming()
         self.learner: DraftModelLearner | None = None  # set by build_drafter where the draft learns online
         self._learned_version = 0  # of the learner's adapters drafted with
         self._harvested = -1  # the first position of the text the learner has not had; -1: none to hand
@@ -407,7 +407,7 @@ WINDOW_NAME = "draft-window"
 ENGAGE_SPANS = 4
 
 
-class _PassTiming:
+class PassTiming:
     """A decayed mean of a kind of pass's seconds, None until it stands on ``MIN_PASSES`` passes
     after the first (which pays for building the batch shape's graph: a cold start)."""
 

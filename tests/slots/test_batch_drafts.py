@@ -315,14 +315,18 @@ def test_the_time_a_slot_s_token_saves_the_batch_is_its_share_of_a_pass_s_gain()
     assert compute_bound.length(4, 8) == 0 and compute_bound.saving(4) == 0.0
 
 
+@pytest.mark.parametrize("timed_by", ["drafter", "batch"])
 @pytest.mark.parametrize("read_seconds, drafts", [(1e-6, True), (1.0, False)])
-def test_a_slot_whose_draft_would_read_more_than_the_rest_of_its_text_saves_drafts_nothing(read_seconds, drafts):
+def test_a_slot_whose_draft_would_read_more_than_the_rest_of_its_text_saves_drafts_nothing(read_seconds, drafts,
+                                                                                           timed_by):
     """Slots sharing a memory-bound batch that drafts: a slot's draft model, its prompt left unread
     (the others share the pass), reads it at its first draft, a pass every slot waits for. Where
     reading costs a second a token, the 40 tokens left of the text save the batch less than that:
     it drafts nothing and reads nothing; where a read is nearly free it reads (timing it) and
-    drafts. Each output is plain decoding's."""
-    from specrun.drafters.draft_model import _PassTiming
+    drafts. The cost is what the batch timed of the draft model's long batches where it timed
+    them (every slot's reads, no slot's wait for the others), else the drafter's own catch-ups':
+    each time the other says the opposite. Each output is plain decoding's."""
+    from specrun.drafters.draft_model import PassTiming
 
     plain = SpeculativeEngine(FakeBackend(copying_logits(salt=4), COPYING_VOCAB))
     clock = CostClock()
@@ -334,9 +338,13 @@ def test_a_slot_whose_draft_would_read_more_than_the_rest_of_its_text_saves_draf
     target = SlotFake(copying_logits(salt=4), clock, 40.0, 0.1, others=3, per_other=1, batch=batch, verifying=True)
     draft = SlotFake(noisy_copy(4), clock, 1.0, 0.0, others=3, per_other=1, batch=batch, verifying=False)
     drafter = build_drafter("draft", draft, DrafterOptions())
-    drafter.read_timing = _PassTiming()
-    for _ in range(4):  # as its earlier catch-ups timed it
-        drafter.read_timing.add(read_seconds)
+    drafter.read_timing = PassTiming()
+    opposite = 1.0 if read_seconds < 1.0 else 1e-6
+    for _ in range(4):  # as its earlier catch-ups timed it, and the batch every slot's reads
+        drafter.read_timing.add(read_seconds if timed_by == "drafter" else opposite)
+        if timed_by == "batch":
+            batch.timed(False, [1, 300, 1], 302 * read_seconds)
+    assert (batch.read_seconds() == pytest.approx(read_seconds)) == (timed_by == "batch")
     engine = SpeculativeEngine(target, drafter, method="draft", clock=clock)
     engine.policy.batch = batch
     result = engine.run(PROMPTS[0], GenerationParams(40, draft_len=8, stop_at_eos=False, adaptive=True))
@@ -345,6 +353,7 @@ def test_a_slot_whose_draft_would_read_more_than_the_rest_of_its_text_saves_draf
     assert result.token_ids == expected
     assert (result.stats.drafted > 0) == drafts and (draft.forwarded_tokens > 0) == drafts
     assert drafter.read_timing.passes == (5 if drafts else 4)  # the prompt read at the first draft: timed
+    assert batch.read_seconds() is None if timed_by == "drafter" else batch.reads.passes == 4 + drafts
 
 
 # ---- what the batch gets, measured (control/batch.Realised) --------------------------------

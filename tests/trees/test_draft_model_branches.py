@@ -11,7 +11,7 @@ import pytest
 from specrun.backends.base import TreeSupport
 from specrun.backends.fake import FakeBackend
 from specrun.backends.kv import sequence_for
-from specrun.drafters.draft_model import WIDE_TREE_BRANCHES, DraftModelDrafter, _PassTiming
+from specrun.drafters.draft_model import WIDE_TREE_BRANCHES, DraftModelDrafter, PassTiming
 from specrun.drafters.dynamic_tree import TOP_K, DraftTree
 from specrun.sampling import SamplingSettings
 
@@ -159,7 +159,7 @@ def test_the_draft_grows_trees_only_while_a_tree_pass_costs_about_a_one_token_pa
         leaves = all(parent < 5 for parent in proposal.parents)
         shapes.append("tree" if grown else "leaves" if leaves else "?")
         context = [*context, *proposal.main_chain.tokens, 7]
-    untimed = _PassTiming.MIN_PASSES + 1  # calls before a one-token pass is timed enough
+    untimed = PassTiming.MIN_PASSES + 1  # calls before a one-token pass is timed enough
     assert shapes == ["tree"] * 6 if grows else ["tree"] * untimed + ["leaves"] * (6 - untimed)
     assert drafter.grows_trees is grows
 
