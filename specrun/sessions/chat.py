@@ -345,11 +345,12 @@ class ChatSession:
                 f"the context of {self.target.n_ctx} tokens is full, so the answer stops here; "
                 "/reset starts a new conversation (or raise --ctx)"
             )
-        self._record(messages, prompt_text, prompt_ids, result)
-        self.answers.append(result.stats)
         names = [tool.name for tool in self.tools]
         calls, call_cut = (style_for(self.template).read_answer(result.text, names, result.finish_reason in CUT_REASONS)
                            if self.tools else ((), False))
+        self._record(messages, prompt_text, prompt_ids, result, self._cut_answer(result.text, names, calls)
+                     if call_cut else None)
+        self.answers.append(result.stats)
         yield AnswerDone(result.text, result.finish_reason, result.stats, len(prompt_ids), reused, tuple(calls),
                          call_cut)
 
@@ -465,10 +466,20 @@ class ChatSession:
             "shorten it or raise --ctx",
         )
 
+    def _cut_answer(self, text: str, names: list[str], calls: Sequence[ToolCall]) -> dict:
+        """The message a transcript keeps of an answer cut inside its calls, as a client sends one
+        back: the content before the calls and the calls written whole (``calls``), never the
+        markup of the call cut off, which the next turn's prompt would carry as if it were written."""
+        message = {"role": "assistant", "content": style_for(self.template).parse_cut(text, names)[0]}
+        if calls:
+            message["tool_calls"] = [call.as_openai() for call in calls]
+        return message
+
     def _record(self, messages: list[dict[str, str]], prompt_text: str, prompt_ids: list[int],
-                result: GenerationResult) -> None:
-        """Append the answer to the transcript, keeping the ids the target generated where the template agrees."""
-        messages = [*messages, {"role": "assistant", "content": result.text}]
+                result: GenerationResult, cut: dict | None = None) -> None:
+        """Append the answer to the transcript (``cut``: the message kept of an answer cut inside its
+        calls, ``_cut_answer``), keeping the ids the target generated where the template agrees."""
+        messages = [*messages, cut if cut is not None else {"role": "assistant", "content": result.text}]
         rendered = render_conversation(self.template, self._with_system(messages), self.tools,
                                        add_generation_prompt=False)[0]
         ids = prompt_ids + result.token_ids

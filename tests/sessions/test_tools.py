@@ -534,6 +534,39 @@ def test_a_chat_answer_cut_inside_its_call_says_so_and_shows_no_call(tmp_path):
     assert TOOL_CALL_CUT_NOTE[:40] in " ".join(result.stderr.split())
 
 
+def test_a_chat_keeps_no_markup_of_a_call_cut_off_and_the_calls_written_whole(tmp_path):
+    """An answer cut inside its call (-n) is kept in the transcript as a client sends one back: the
+    content before the calls, the calls written whole as tool_calls, and none of the cut call's
+    markup, which the next turn's prompt would otherwise carry; that next turn answers."""
+    pytest.importorskip("llama_cpp", reason="the llama backend (llama-cpp-python) is not installed")
+    from specrun.engine.loop import GenerationParams
+    from specrun.registry.loading import LoadOptions
+    from specrun.sessions.chat import AnswerDone, open_chat
+    from specrun.sessions.tools import tool_definitions
+
+    tools = tool_definitions(CHAT_TOOLS)
+    with open_chat("demo-target", None, "none", LoadOptions(threads=1), tools=tools,
+                   tool_choice=ToolChoice("required")) as session:
+        cut = [e for e in session.ask("Weather in Rome?", GenerationParams(max_new_tokens=6))
+               if isinstance(e, AnswerDone)][0]
+        assert cut.tool_call_cut and not cut.tool_calls and cut.text.startswith("<tool_call>")
+        assert session.transcript.messages[-1] == {"role": "assistant", "content": ""}
+        rendered = render_conversation(session.template, session.transcript.messages, tools)[0]
+        assert "<tool_call>" not in rendered.split("Weather in Rome?")[1]  # the instructions show one
+        after = [e for e in session.ask("And in Oslo?", GenerationParams(max_new_tokens=6))
+                 if isinstance(e, AnswerDone)][0]
+        assert after.prompt_tokens > cut.prompt_tokens and after.text
+        whole = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+        text = f'Checking.\n{whole}\n<tool_call>\n{{"name": "get_weather", "argu'
+        calls, dropped = style_for(session.template).read_answer(text, ["get_weather"], True)
+        assert dropped and [call.name for call in calls] == ["get_weather"]
+        kept = session._cut_answer(text, ["get_weather"], calls)
+        assert kept["content"] == "Checking." and kept["tool_calls"] == [call.as_openai() for call in calls]
+        rendered = render_conversation(session.template, [{"role": "user", "content": "Weather?"}, kept], tools)[0]
+        answered = rendered.split("Weather?")[1]
+        assert answered.count("<tool_call>") == 1 and '"city": "Oslo"' in answered, answered
+
+
 def test_chat_answers_a_tool_result_only_with_tools():
     pytest.importorskip("llama_cpp", reason="the llama backend (llama-cpp-python) is not installed")
     from specrun.engine.loop import GenerationParams
