@@ -273,6 +273,8 @@ def lines_for(args, target: Path | str, draft: Path | str) -> list[ServerLine]:
         ServerLine("specrun auto", lambda port, c: [*specrun, "--port", str(port), "--parallel", "auto"], str(target)),
         ServerLine("specrun plain", lambda port, c: [*specrun, "--port", str(port), "--parallel", str(c),
                                                      "--method", "none"], str(target)),
+        ServerLine("specrun draft", lambda port, c: [*specrun, "--port", str(port), "--parallel", str(c),
+                                                     "--method", "draft"], str(target)),
         ServerLine("specrun draft k4", lambda port, c: [*specrun, "--port", str(port), "--parallel", str(c),
                                                         "--method", "draft", "-k", "4"], str(target)),
         ServerLine("specrun lookup", lambda port, c: [*specrun, "--port", str(port), "--parallel", str(c),

@@ -34,7 +34,7 @@ from specrun.drafters.ngram import vocabulary_fingerprints
 from specrun.engine.events import Finished, GenerationResult, TextChunk
 from specrun.engine.loop import GenerationParams, SpeculativeEngine
 from specrun.engine.passes import Verification
-from specrun.errors import ContextFullError, UsageError
+from specrun.errors import ChatTemplateError, ContextFullError, UsageError
 from specrun.sessions.heads import heads_for_auto, load_target_heads, paying_heads, with_auto_heads, with_learner
 from specrun.sessions.setup import (
     TreeSettings,
@@ -348,8 +348,8 @@ class ChatSession:
         names = [tool.name for tool in self.tools]
         calls, call_cut = (style_for(self.template).read_answer(result.text, names, result.finish_reason in CUT_REASONS)
                            if self.tools else ((), False))
-        self._record(messages, prompt_text, prompt_ids, result, self._cut_answer(result.text, names, calls)
-                     if call_cut else None)
+        self._record(messages, prompt_text, prompt_ids, result,
+                     self._cut_answer(messages, result.text, names, calls) if call_cut else None)
         self.answers.append(result.stats)
         yield AnswerDone(result.text, result.finish_reason, result.stats, len(prompt_ids), reused, tuple(calls),
                          call_cut)
@@ -466,13 +466,20 @@ class ChatSession:
             "shorten it or raise --ctx",
         )
 
-    def _cut_answer(self, text: str, names: list[str], calls: Sequence[ToolCall]) -> dict:
+    def _cut_answer(self, messages: list[dict], text: str, names: list[str], calls: Sequence[ToolCall]) -> dict:
         """The message a transcript keeps of an answer cut inside its calls, as a client sends one
         back: the content before the calls and the calls written whole (``calls``), never the
-        markup of the call cut off, which the next turn's prompt would carry as if it were written."""
-        message = {"role": "assistant", "content": style_for(self.template).parse_cut(text, names)[0]}
-        if calls:
-            message["tool_calls"] = [call.as_openai() for call in calls]
+        markup of the call cut off, which the next turn's prompt would carry as if it were written.
+        A template that cannot take those calls back (Llama 3's, one call a turn) gets the content."""
+        content = {"role": "assistant", "content": style_for(self.template).parse_cut(text, names)[0]}
+        if not calls:
+            return content
+        message = {**content, "tool_calls": [call.as_openai() for call in calls]}
+        try:
+            render_conversation(self.template, self._with_system([*messages, message]), self.tools,
+                                add_generation_prompt=False)
+        except ChatTemplateError:
+            return content
         return message
 
     def _record(self, messages: list[dict[str, str]], prompt_text: str, prompt_ids: list[int],

@@ -41,6 +41,7 @@ EPOCHS = 4.0  # steps stop once the positions trained on reach this many times t
 WAIT_SECONDS = 0.05  # the worker's nap when it may not step
 REPORT_TOKENS = 256  # acceptance by depth over the first and the latest this many positions
 SCORE_EVERY = 4  # past the first REPORT_TOKENS, one window in this many is scored (a third of a step's cost each)
+STEP_PER_SCORE = 3.0  # a step over a window against scoring it, where no step was timed yet (close)
 LEARNING_RATE = 5e-4  # heads' AdamW's, a half of `heads train`'s: small batches of one domain, noisier steps
 DEFAULT_SHARE = 0.02
 DEFAULT_BUFFER = 4096
@@ -156,6 +157,8 @@ class Learner:
     # weights published once more (heads: cheap, and they may be kept). False: they are only
     # counted (a draft model's unless its adapters are kept: each step costs seconds on a CPU).
     finish_at_close = True
+    publishes_at_close = True  # False: nothing takes the weights after close (a draft's adapters are kept apart)
+    windows_a_step = 1  # windows a step trains on, against the one a score reads
 
     def __init__(self, settings: LearnSettings, depth: int, *, seed: int = 0, inline: bool = False,
                  inline_steps: int = 1, clock: Callable[[], float] = time.monotonic,
@@ -388,9 +391,10 @@ class Learner:
         spent = self._busy_cpu + self._drafter_cpu + self._closing_cpu
         return spent + expected < self.settings.share * self._busy_seconds
 
-    def _take_windows(self, limit: int | None = None, score: bool = True) -> bool:
+    def _take_windows(self, limit: int | None = None, score: bool = True, within_budget: bool = False) -> bool:
         """Score the windows the drafter completed (the oldest ``limit``; None: all; ``score``
-        False: none is), then buffer them; whether there were any."""
+        False: none is; ``within_budget``: only while generation's budget allows, as at close),
+        then buffer them; whether there were any."""
         with self._lock:
             windows = [self._inbox.popleft() for _ in range(len(self._inbox) if limit is None
                                                              else min(limit, len(self._inbox)))]
@@ -399,7 +403,7 @@ class Learner:
             if self._stopped:
                 break
             try:
-                if score and self._next_scored():
+                if score and self._next_scored() and (not within_budget or self._within_budget(False, "score")):
                     started = self._cpu_clock()
                     self._score(window)
                     self._expect("score", self._cpu_clock() - started)
@@ -476,9 +480,11 @@ class Learner:
         self._flush_all()
         started = self._cpu_clock()
         finish = self.finish_at_close or self._inline  # the class attribute's comment says why not
-        self._take_windows(score=finish)
+        self._take_windows(score=finish, within_budget=not self._inline)
         self._closing_cpu += self._cpu_clock() - started
-        while finish and self._may_step(idle=False):  # each step expected to cost what the last did
+        if "step" not in self._costs and "score" in self._costs:  # no step timed yet: what a score says
+            self._costs["step"] = STEP_PER_SCORE * self.windows_a_step * self._costs["score"]
+        while finish and self._may_step(idle=False):  # each step expected to cost what the ones before did
             started = self._cpu_clock()
             stepped = self._step()
             spent = self._cpu_clock() - started
@@ -486,7 +492,7 @@ class Learner:
             if not stepped:
                 break
             self._expect("step", spent)
-        if finish:
+        if finish and (self.publishes_at_close or self._inline):
             started = self._cpu_clock()
             self._publish()
             self._closing_cpu += self._cpu_clock() - started

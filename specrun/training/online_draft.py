@@ -107,6 +107,8 @@ class DraftLearner(Learner):
     """One draft model learning from what the target verifies (see the module's docstring)."""
 
     kind = "draft"
+    publishes_at_close = False  # no drafter takes its weights then; --keep-learned writes learned_adapters
+    windows_a_step = BATCH_WINDOWS
 
     @property
     def finish_at_close(self) -> bool:

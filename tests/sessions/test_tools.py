@@ -534,10 +534,11 @@ def test_a_chat_answer_cut_inside_its_call_says_so_and_shows_no_call(tmp_path):
     assert TOOL_CALL_CUT_NOTE[:40] in " ".join(result.stderr.split())
 
 
-def test_a_chat_keeps_no_markup_of_a_call_cut_off_and_the_calls_written_whole(tmp_path):
+def test_a_chat_keeps_no_markup_of_a_call_cut_off_and_the_calls_written_whole(monkeypatch):
     """An answer cut inside its call (-n) is kept in the transcript as a client sends one back: the
     content before the calls, the calls written whole as tool_calls, and none of the cut call's
-    markup, which the next turn's prompt would otherwise carry; that next turn answers."""
+    markup, which the next turn's prompt would otherwise carry; that next turn answers. A template
+    that cannot take the calls back keeps the content alone."""
     pytest.importorskip("llama_cpp", reason="the llama backend (llama-cpp-python) is not installed")
     from specrun.engine.loop import GenerationParams
     from specrun.registry.loading import LoadOptions
@@ -560,11 +561,18 @@ def test_a_chat_keeps_no_markup_of_a_call_cut_off_and_the_calls_written_whole(tm
         text = f'Checking.\n{whole}\n<tool_call>\n{{"name": "get_weather", "argu'
         calls, dropped = style_for(session.template).read_answer(text, ["get_weather"], True)
         assert dropped and [call.name for call in calls] == ["get_weather"]
-        kept = session._cut_answer(text, ["get_weather"], calls)
+        asked = [{"role": "user", "content": "Weather?"}]
+        kept = session._cut_answer(asked, text, ["get_weather"], calls)
         assert kept["content"] == "Checking." and kept["tool_calls"] == [call.as_openai() for call in calls]
-        rendered = render_conversation(session.template, [{"role": "user", "content": "Weather?"}, kept], tools)[0]
+        rendered = render_conversation(session.template, [*asked, kept], tools)[0]
         answered = rendered.split("Weather?")[1]
         assert answered.count("<tool_call>") == 1 and '"city": "Oslo"' in answered, answered
+
+        def refusing(template, messages, tools=(), add_generation_prompt=True):  # Llama 3's: one call a turn
+            raise ChatTemplateError("This model only supports single tool-calls at once!", "")
+
+        monkeypatch.setattr("specrun.sessions.chat.render_conversation", refusing)
+        assert session._cut_answer(asked, text, ["get_weather"], calls) == {"role": "assistant", "content": "Checking."}
 
 
 def test_chat_answers_a_tool_result_only_with_tools():

@@ -171,21 +171,31 @@ def test_the_budget_expects_a_step_to_cost_what_the_last_one_did():
     learner.close()
 
 
-@pytest.mark.parametrize("keep", [False, True])
-def test_a_kept_draft_learns_its_last_window_at_close_within_the_budget(keep):
+@pytest.mark.parametrize("keep, share, score_cost, steps", [
+    (False, 0.05, 0.0, 0),  # nothing keeps the adapters: the last window is only counted
+    (True, 0.05, 0.0, 1),  # 0.245 s allowed: one 0.2 s step, not two
+    (True, 0.05, 0.05, 0),  # no step timed: 3 x 2 windows x the 0.05 s score would cross it
+    (True, 1.0, 0.05, 4),  # 4.9 s allowed: the window's positions trained on EPOCHS (4) times
+])
+def test_a_kept_draft_learns_its_last_window_at_close_within_the_budget(keep, share, score_cost, steps):
     """A text shorter than a window hands the worker nothing while it is generated; at close its
-    window is trained on within the budget where the adapters are kept (--keep-learned: what the
-    run learned is written), and only counted where nothing would keep them."""
+    window is scored and trained on within the budget where the adapters are kept (--keep-learned:
+    what the run learned is written), a step never timed expected to cost what scoring says, and
+    only counted where nothing would keep them. No weights are published then: no drafter takes them."""
     spent, now = [0.0], [0.0]
-    learner = DraftLearner(wrong_draft(), LearnSettings(share=0.05, keep=keep, idle=False), window=400,
+    learner = DraftLearner(wrong_draft(), LearnSettings(share=share, keep=keep, idle=False), window=400,
                            clock=lambda: now[0], cpu_clock=lambda: spent[0])
-    stepped = learner.trainer.step
+    stepped, guessed = learner.trainer.step, learner._guesses
 
     def costly(windows):
         spent[0] += 0.2
         return stepped(windows)
 
-    learner.trainer.step = costly
+    def scored(window):
+        spent[0] += score_cost
+        return guessed(window)
+
+    learner.trainer.step, learner._guesses = costly, scored
     tokens = stream(204, 0)
     learner.start_text()
     for stop in range(4, 204, 4):
@@ -195,8 +205,8 @@ def test_a_kept_draft_learns_its_last_window_at_close_within_the_budget(keep):
     learner.close()
     report = learner.report()
     assert report.seen == 199 and report.busy_seconds == pytest.approx(4.9)
-    assert report.steps == (1 if keep else 0), report.summary()  # 0.245 s allowed: one 0.2 s step, not two
-    assert (learner.latest(0) is not None) == keep  # the step's weights published, for --keep-learned
+    assert report.steps == steps, report.summary()
+    assert report.closing_cpu <= share * report.busy_seconds and learner.latest(0) is None
 
 
 def test_learning_keeps_one_learner_per_draft_model_and_says_why_one_cannot_learn():
