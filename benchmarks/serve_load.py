@@ -325,6 +325,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--sets", nargs="+", default=["builtin", "spec-bench"], choices=["builtin", "spec-bench"])
     parser.add_argument("--spec-bench", type=Path, default=SPEC_BENCH)
+    parser.add_argument("--per-category", type=int, default=2,
+                        help="Spec-Bench questions a category (a phase cycles its prompts: the n-gram pool "
+                             "learns an answer asked again, so a long phase wants as many prompts as requests)")
     parser.add_argument("--llama-bin", type=Path, default=None)
     parser.add_argument("--lines", nargs="*", default=None, help="only these lines (names as reported)")
     parser.add_argument("--out", type=Path, default=None)
@@ -341,7 +344,7 @@ def main() -> None:
     # MLX: the registry's names, which specrun resolves to their MLX copies
     target, draft = (model_path(args.target), model_path(args.draft)) if args.backend == "llama" else (args.target,
                                                                                                      args.draft)
-    sets = {"builtin": list(BUILTIN_SUITE), "spec-bench": spec_bench(args.spec_bench, 2) if "spec-bench" in args.sets
+    sets = {"builtin": list(BUILTIN_SUITE), "spec-bench": spec_bench(args.spec_bench, args.per_category) if "spec-bench" in args.sets
             else []}
     lines = lines_for(args, target, draft)
     print(f"# serve load: {args.target} + {args.draft}, {args.threads} threads, {machine_note()}", file=sys.stderr)
