@@ -158,6 +158,9 @@ class Learner:
     # counted (a draft model's unless its adapters are kept: each step costs seconds on a CPU).
     finish_at_close = True
     publishes_at_close = True  # False: nothing takes the weights after close (a draft's adapters are kept apart)
+    # The windows waiting at close are all scored, for the report (heads: cheap); False: only
+    # within the budget (a draft model's: a pass each, which would leave no budget for a step)
+    scores_all_at_close = True
     windows_a_step = 1  # windows a step trains on, against the one a score reads
 
     def __init__(self, settings: LearnSettings, depth: int, *, seed: int = 0, inline: bool = False,
@@ -480,7 +483,7 @@ class Learner:
         self._flush_all()
         started = self._cpu_clock()
         finish = self.finish_at_close or self._inline  # the class attribute's comment says why not
-        self._take_windows(score=finish, within_budget=not self._inline)
+        self._take_windows(score=finish, within_budget=not (self.scores_all_at_close or self._inline))
         self._closing_cpu += self._cpu_clock() - started
         if "step" not in self._costs and "score" in self._costs:  # no step timed yet: what a score says
             self._costs["step"] = STEP_PER_SCORE * self.windows_a_step * self._costs["score"]

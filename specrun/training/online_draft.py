@@ -108,6 +108,7 @@ class DraftLearner(Learner):
 
     kind = "draft"
     publishes_at_close = False  # no drafter takes its weights then; --keep-learned writes learned_adapters
+    scores_all_at_close = False
     windows_a_step = BATCH_WINDOWS
 
     @property
