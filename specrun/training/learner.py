@@ -153,7 +153,8 @@ class Learner:
     kind = ""
     labels = "tokens"  # what it learns of the target's: its "tokens", or its "distributions"
     step_positions = BATCH_POSITIONS  # about what a step trains on (``caught_up``)
-    # At ``close``, the windows still waiting are scored and trained on within the budget and the
+    # At ``close``, the windows still waiting are scored (all, or within the budget:
+    # ``scores_all_at_close``), trained on within the budget and, where ``publishes_at_close``, the
     # weights published once more (heads: cheap, and they may be kept). False: they are only
     # counted (a draft model's unless its adapters are kept: each step costs seconds on a CPU).
     finish_at_close = True
@@ -481,11 +482,15 @@ class Learner:
             return
         self._closed = True
         self._flush_all()
-        started = self._cpu_clock()
         finish = self.finish_at_close or self._inline  # the class attribute's comment says why not
-        self._take_windows(score=finish, within_budget=not (self.scores_all_at_close or self._inline))
-        self._closing_cpu += self._cpu_clock() - started
-        if "step" not in self._costs and "score" in self._costs:  # no step timed yet: what a score says
+        within_budget = not (self.scores_all_at_close or self._inline)
+        while True:  # a window at a time, each one's scoring charged before the next is weighed
+            started = self._cpu_clock()
+            taken = self._take_windows(limit=1, score=finish, within_budget=within_budget)
+            self._closing_cpu += self._cpu_clock() - started
+            if not taken:
+                break
+        if finish and "step" not in self._costs and "score" in self._costs:  # no step timed yet: a score says
             self._costs["step"] = STEP_PER_SCORE * self.windows_a_step * self._costs["score"]
         while finish and self._may_step(idle=False):  # each step expected to cost what the ones before did
             started = self._cpu_clock()

@@ -149,13 +149,17 @@ def test_an_mlx_draft_model_learns_in_chat_and_the_answers_are_plain_decoding_s(
     assert kept.stdout == again.stdout == plain_generate.stdout
 
 
-def test_an_mlx_draft_model_learns_the_target_s_distributions_where_sampling_brings_them(tiny_llama, looping_llama):
+def test_an_mlx_draft_model_learns_the_target_s_distributions_where_sampling_brings_them(tiny_llama, looping_llama,
+                                                                                         tmp_path, monkeypatch):
     """--learn-labels distributions: a draft model learns soft labels from the rows of sampled
     passes (the report says "distributions"); greedy passes keep their rows on the device, so a
-    greedy run learns tokens, and says so."""
+    greedy run learns tokens, and says so. Kept (--keep-learned), the 48 tokens' one window is
+    trained on at close however busy the machine left the worker while generating."""
     pytest.importorskip("mlx_lm", reason="the mlx backend is not installed")
+    monkeypatch.setenv("SPECRUN_CACHE", str(tmp_path / "cache"))
     args = ["-t", str(tiny_llama.hf_dir), "-d", str(looping_llama["mlx"]), "--backend", "mlx", "-n", "48", "-k", "3",
-            "--raw", "--method", "draft", "--learn", "--learn-labels", "distributions", "--learn-budget", "1", "--json"]
+            "--raw", "--method", "draft", "--learn", "--learn-labels", "distributions", "--learn-budget", "1", "--json",
+            "--keep-learned"]
     sampled = invoke("generate", "def f(x):\n", *args, "--temp", "0.8", "--seed", "3")
     assert sampled.exit_code == 0, sampled.output
     (report,) = json.loads(sampled.stdout)["learning"]
