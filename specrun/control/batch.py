@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from time import perf_counter
 
 from specrun.control.costs import TargetCosts
-from specrun.drafters.draft_model import PassTiming
+from specrun.drafters.draft_model import TIMED_READ, PassTiming
 
 # Passes that price decoding: a verify pass of at most the longest draft auto chooses (16,
 # sessions/setup.py) and its root; a draft round feeding each sequence one token (two after a
@@ -47,9 +47,6 @@ from specrun.drafters.draft_model import PassTiming
 # up on text, and prices neither.
 VERIFY_LONGEST = 17
 ROUND_LONGEST = 2
-# A draft model's batch of more tokens than this, not a round, times what its reading costs a
-# token (a prompt, or text its slot decoded plainly: drafters/draft_model.TIMED_READ's length).
-TIMED_READ = 16
 # What a draft length must beat plain batching by: a pass's timing noise (3%: TargetCosts'
 # STALE_TOLERANCE) and the hand-off before each extra batch the rates leave out (2-3 ms before a
 # 63 ms pass of 4 sequences on a 2-core CPU: the slots' Python between passes). Within it, plain
@@ -97,7 +94,8 @@ class BatchDrafts:
         self._curves: dict[int, tuple[tuple[float, ...], float]] = {}  # slot -> (1 + E(k) by k, when posted)
         self.verify: dict[int, TargetCosts] = {}  # by sequences: the target's decoding passes by their tokens
         self.rounds = TargetCosts()  # the draft model's rounds by the sequences in them
-        # seconds a token of the draft model's reads cost the batch (its batches past TIMED_READ)
+        # seconds a token of the draft model's reads cost the batch: its batches of more than
+        # TIMED_READ tokens, not rounds (a prompt, or text a slot decoded plainly), as a drafter times its own
         self.reads = PassTiming()
         # what it chose, for /metrics: how often each length, by the sequences decoding together;
         # the latest choice's tokens a second over plain batching's, as the rates predicted them
