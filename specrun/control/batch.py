@@ -97,6 +97,9 @@ class BatchDrafts:
         # seconds a token of the draft model's reads cost the batch: its batches of more than
         # TIMED_READ tokens, not rounds (a prompt, or text a slot decoded plainly), as a drafter times its own
         self.reads = PassTiming()
+        # seconds a token of the target's prompt reads cost (its batches longer than VERIFY_LONGEST):
+        # what a token adds to a pass where nothing else says (``_per_token``)
+        self.prompt_reads = PassTiming()
         # what it chose, for /metrics: how often each length, by the sequences decoding together;
         # the latest choice's tokens a second over plain batching's, as the rates predicted them
         self._chosen: Counter[tuple[int, int]] = Counter()
@@ -113,6 +116,7 @@ class BatchDrafts:
                     self.verify.setdefault(len(lengths), TargetCosts()).observe(sum(lengths), seconds)
                 else:  # a prompt read: every arm pays it alike, so no stretch is measured by it
                     self.realised.left_out(seconds * sum(n for n in lengths if n > VERIFY_LONGEST) / sum(lengths))
+                    self.prompt_reads.add(seconds / sum(lengths))
                 return
             if max(lengths) <= ROUND_LONGEST:
                 self.rounds.observe(len(lengths), seconds)
@@ -178,6 +182,20 @@ class BatchDrafts:
                     return rounds(fewer) * together(sequences) / base
         return rounds(sequences)
 
+    def _per_token(self, sequences: int) -> float | None:
+        """What a token adds to a decoding pass over ``sequences`` sequences while one length alone
+        was timed over them (often plain batching's, where every slot opened plain): the slope
+        timed over the nearest count of sequences (ties: the more), else a token of the prompts'
+        reads; None where neither was timed. Assumed memory-bound instead (10% of the pass a
+        sequence's token), 8 slots on a 2-core CPU predicted drafting 6 twice as fast as plain
+        batching, and drafted, read every prompt and ran 0.86x it (docs/perf.md 3(r)). Under the lock."""
+        nearest = sorted((abs(m - sequences), -m) for m, costs in self.verify.items() if m != sequences)
+        for _, minus_m in nearest:
+            per_token = self.verify[-minus_m].per_token()
+            if per_token is not None:
+                return per_token
+        return self.prompt_reads.mean
+
     def length(self, sequences: int, limit: int) -> int | None:
         """The draft length, at most ``limit``, at which ``sequences`` slots drafting alike
         yield the most tokens a second (0: plain batching; also wherever the slots generating
@@ -203,6 +221,8 @@ class BatchDrafts:
                 self.realised.drafts(occupied)  # its own rule
                 return None
             limit = min(limit, len(curve) - 1)
+            if len(costs.seconds) == 1:
+                costs.assume_per_token(self._per_token(sequences))
             passes = costs.batch_table(sequences * (limit + 1))
         rates = []
         for k in range(limit + 1):

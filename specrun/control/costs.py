@@ -92,6 +92,8 @@ class TargetCosts:
         self.contexts: dict[int, float] = {}
         self.slope = ContextSlope()
         self._table_context = 0  # the context the table was built for
+        # seconds a token adds to a pass, where one length alone is timed (assume_per_token)
+        self.assumed_per_token: float | None = None
 
     @property
     def switch_charge(self) -> float:
@@ -326,11 +328,20 @@ class TargetCosts:
     def _line(self, max_tokens: int, points: dict[int, float]) -> list[float]:
         """A line through the means ``points``, weighted by their counts; n = 0..max_tokens.
         Through the batched passes only where there are some (SEPARATE_PLAIN)."""
-        if self.SEPARATE_PLAIN and len(points) > 1 and 1 in points:
-            points = {n: t for n, t in points.items() if n != 1}
+        points = self._line_points(points)
         if len(points) == 1:
             ((n0, t0),) = points.items()
             return self._one_point_line(n0, t0, max_tokens)
+        intercept, slope = self._fit(points)
+        return [max(intercept + slope * n, 1e-9) for n in range(max_tokens + 1)]
+
+    def _line_points(self, points: dict[int, float]) -> dict[int, float]:
+        if self.SEPARATE_PLAIN and len(points) > 1 and 1 in points:
+            return {n: t for n, t in points.items() if n != 1}
+        return points
+
+    def _fit(self, points: dict[int, float]) -> tuple[float, float]:
+        """The weighted least-squares line through two or more means: (intercept, slope)."""
         total = sum_n = sum_t = sum_nn = sum_nt = 0.0  # weighted sums, one pass (runs every step)
         counts = self.counts
         for n, t in points.items():
@@ -350,11 +361,31 @@ class TargetCosts:
             # (a first draft at k = 4 after two plain steps, against k = 3 without). The
             # least-squares line through the origin instead.
             slope, intercept = sum_nt / sum_nn, 0.0
-        return [max(intercept + slope * n, 1e-9) for n in range(max_tokens + 1)]
+        return intercept, slope
 
-    @staticmethod
-    def _one_point_line(n0: int, t0: float, max_tokens: int) -> list[float]:
-        """Before a second length is timed: assume a memory-bound pass, each extra token ~10% more."""
+    def per_token(self) -> float | None:
+        """Seconds a token adds to a pass here: the slope of the line through the lengths timed
+        (plain decoding's kept apart, as the line keeps it); None before two lengths were timed."""
+        points = self._line_points(self._carried_means())
+        return self._fit(points)[1] if len(points) > 1 else None
+
+    def assume_per_token(self, seconds: float | None) -> None:
+        """While one length alone is timed, price the others at ``seconds`` a token more or less
+        (what passes of this machine measured elsewhere: control/batch.py) instead of assuming a
+        memory-bound pass; None: the assumption again."""
+        old = self.assumed_per_token
+        if old == seconds or (old and seconds and abs(seconds - old) <= self.STALE_TOLERANCE * old):
+            return
+        self.assumed_per_token = seconds
+        if len(self._line_points(self.seconds)) == 1:
+            self.version += 1
+            self._table = None
+
+    def _one_point_line(self, n0: int, t0: float, max_tokens: int) -> list[float]:
+        """Before a second length is timed: ``assumed_per_token`` a token where it is known, else
+        assume a memory-bound pass, each extra token ~10% more."""
+        if self.assumed_per_token is not None:
+            return [max(t0 + self.assumed_per_token * (n - n0), 1e-9) for n in range(max_tokens + 1)]
         return [t0 * (1.0 + 0.1 * (n - n0) / max(n0, 1)) for n in range(max_tokens + 1)]
 
 
@@ -371,8 +402,7 @@ class DraftCosts(TargetCosts):
 
     SEPARATE_PLAIN = False
 
-    @staticmethod
-    def _one_point_line(n0: int, t0: float, max_tokens: int) -> list[float]:
+    def _one_point_line(self, n0: int, t0: float, max_tokens: int) -> list[float]:
         return [t0 * n / n0 for n in range(max_tokens + 1)]
 
 

@@ -80,6 +80,41 @@ def test_a_compute_bound_batch_of_four_goes_plain_where_a_memory_bound_one_draft
     assert memory_bound.length(4, 8) >= 4
 
 
+def test_a_count_of_sequences_timed_only_plain_is_priced_by_what_a_token_costs_elsewhere():
+    """Eight slots that opened plain have one length timed over them, 8 tokens: 23 + 15.7 * 8 =
+    148.6 ms, compute-bound as the 2-core CPU's passes (docs/perf.md 3(r)); a round over 8 costs
+    31 ms over 4 scaled as the target's pass (148.6 / 85.8). Priced as memory-bound (10% of the
+    pass a sequence's token; rounds 54 ms) drafting 3 read 1.44x plain batching, and the batch drafted;
+    at the 15.7 ms a token that passes over 4 sequences (or, before any, the prompts' reads)
+    measured, drafting 1 yields 8 * 1.9 / (274 + 53.7) ms = 46 tokens/s against 53.8: plain."""
+    batch = timed_batch(0.023, 0.0157, 0.005, 0.0065)  # 1-4 sequences, 1-5 tokens each
+    for _ in range(4):
+        batch.timed(True, [1] * 8, 0.023 + 0.0157 * 8)
+    batch.post(1, MOSTLY_RIGHT)
+    assert batch._per_token(8) == pytest.approx(0.0157)
+    assert batch.length(8, 8) == 0
+    # nothing else timed: the memory-bound guess, and the same batch drafts long
+    guessed = BatchDrafts(Clock())
+    for _ in range(4):
+        guessed.timed(True, [1] * 8, 0.023 + 0.0157 * 8)
+        guessed.timed(False, [1] * 8, 0.054)
+    guessed.post(1, MOSTLY_RIGHT)
+    assert guessed._per_token(8) is None
+    assert guessed.length(8, 8) == 3
+    assert guessed.choices()[1] == [(8, pytest.approx(8 * 3.439 / (0.1486 * 1.3 + 3 * 0.054) / (8 / 0.1486)))]
+    assert guessed.verify[8].batch_table(16)[16] == pytest.approx(0.1486 * 1.1)
+    # no other count timed: the prompts' reads, each token 15.7 ms of a 256-token chunk
+    alone = BatchDrafts(Clock())
+    for _ in range(4):
+        alone.timed(True, [1] * 8, 0.023 + 0.0157 * 8)
+        alone.timed(False, [1] * 8, 0.054)
+        alone.timed(True, [256, 1], 0.0157 * 257)
+    alone.post(1, MOSTLY_RIGHT)
+    assert alone._per_token(8) == pytest.approx(0.0157)
+    assert alone.length(8, 8) == 0
+    assert alone.verify[8].batch_table(16)[16] == pytest.approx(0.1486 + 8 * 0.0157)
+
+
 def test_a_round_is_priced_by_its_sequences_not_its_tokens():
     """A round over 4 sequences 31 ms, one sequence's 4-token read 19 ms (its tokens batch, the
     sequences' do not: llama.cpp on a CPU); passes 30 + 5 n ms, drafts right 90% of the time.
