@@ -98,8 +98,9 @@ class BatchDrafts:
         # TIMED_READ tokens, not rounds (a prompt, or text a slot decoded plainly), as a drafter times its own
         self.reads = PassTiming()
         # seconds a token of the target's prompt reads cost (its batches longer than VERIFY_LONGEST):
-        # what a token adds to a pass where nothing else says (``_per_token``)
-        self.prompt_reads = PassTiming()
+        # what a token adds to a pass where nothing else says (``_per_token``). From the first: 8
+        # slots opening together read every prompt in one batch, and chose their first length next.
+        self.prompt_reads = PassTiming(cold_start=False)
         # what it chose, for /metrics: how often each length, by the sequences decoding together;
         # the latest choice's tokens a second over plain batching's, as the rates predicted them
         self._chosen: Counter[tuple[int, int]] = Counter()
@@ -146,6 +147,10 @@ class BatchDrafts:
         occupied = self._occupied(sequences)
         with self._lock:
             self.realised.emitted(occupied, tokens)
+
+    def generating(self) -> int:
+        """Slots generating now (0 where the batch is not told)."""
+        return self.occupancy() if self.occupancy is not None else 0
 
     def _occupied(self, sequences: int) -> int:
         return self.occupancy() if self.occupancy is not None else sequences

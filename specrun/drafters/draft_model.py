@@ -409,19 +409,22 @@ ENGAGE_SPANS = 4
 
 class PassTiming:
     """A decayed mean of a kind of pass's seconds, None until it stands on ``MIN_PASSES`` passes
-    after the first (which pays for building the batch shape's graph: a cold start)."""
+    after the first (which pays for building the batch shape's graph: a cold start). Passes long
+    enough that building their graph is lost in them (``cold_start`` False): from the first."""
 
     MIN_PASSES = 2
 
-    def __init__(self) -> None:
+    def __init__(self, cold_start: bool = True) -> None:
         self.passes = 0
         self._mean: float | None = None
+        self._skipped = 1 if cold_start else 0
+        self._needed = self.MIN_PASSES if cold_start else 0
 
     def add(self, seconds: float) -> None:
         self.passes += 1
-        if self.passes > 1:
+        if self.passes > self._skipped:
             self._mean = seconds if self._mean is None else 0.7 * self._mean + 0.3 * seconds
 
     @property
     def mean(self) -> float | None:
-        return self._mean if self.passes > self.MIN_PASSES else None
+        return self._mean if self.passes > self._needed else None

@@ -103,12 +103,12 @@ def test_a_count_of_sequences_timed_only_plain_is_priced_by_what_a_token_costs_e
     assert guessed.length(8, 8) == 3
     assert guessed.choices()[1] == [(8, pytest.approx(8 * 3.439 / (0.1486 * 1.3 + 3 * 0.054) / (8 / 0.1486)))]
     assert guessed.verify[8].batch_table(16)[16] == pytest.approx(0.1486 * 1.1)
-    # no other count timed: the prompts' reads, each token 15.7 ms of a 256-token chunk
+    # no other count timed: the prompts' reads, each token 15.7 ms, from the first batch of them
     alone = BatchDrafts(Clock())
+    alone.timed(True, [100] * 8, 0.0157 * 800)  # the eight prompts, read in one batch
     for _ in range(4):
         alone.timed(True, [1] * 8, 0.023 + 0.0157 * 8)
         alone.timed(False, [1] * 8, 0.054)
-        alone.timed(True, [256, 1], 0.0157 * 257)
     alone.post(1, MOSTLY_RIGHT)
     assert alone._per_token(8) == pytest.approx(0.0157)
     assert alone.length(8, 8) == 0
@@ -637,3 +637,19 @@ def test_an_occupancy_passed_through_carries_on_as_before_and_opens_only_once_it
 
     assert decode(batch, clock, 1 + 1 + MIN_KEPT + 2, 6, 5, sequences=3) == [False] + [True] * (1 + MIN_KEPT + 2)
     assert batch.held_plain() == [(3, False), (4, True)]
+
+
+@pytest.mark.parametrize("generating, reads", [(1, True), (4, False)])
+def test_a_slot_opening_beside_other_slots_leaves_its_prompt_unread_before_any_pass_is_shared(generating, reads):
+    """Requests opening together: no pass shared yet (``sharing`` 0), but other slots generating
+    (the rendezvous's ``joined``): the draft model leaves the prompt unread, to be read when first
+    asked to draft, if ever (8 slots opening so read every prompt before the target's first pass:
+    first tokens 3.5 s later than plain batching's, docs/perf.md 3(r)). A slot alone reads it."""
+    batch = BatchDrafts(CostClock(), occupancy=lambda: generating)
+    draft = FakeBackend(noisy_copy(4), COPYING_VOCAB)
+    engine = SpeculativeEngine(FakeBackend(copying_logits(salt=4), COPYING_VOCAB),
+                               build_drafter("draft", draft, DrafterOptions()), method="draft")
+    engine.policy.batch = batch
+    engine.policy.configure(8, True)
+    assert engine.policy.target_costs.sharing == 0
+    assert engine.policy.reads_prompt(engine.drafter.members[0]) is reads
