@@ -92,7 +92,7 @@ HELP = """\
 /reset          start a new conversation (the system prompt stays)
 /system TEXT    set the system prompt (/system alone shows it, /system - removes it)
 /method NAME    switch the speculation method (/method alone lists them)
-/tool RESULT    answer the tool call the last answer made with its RESULT (a chat with --tools)
+/tool RESULT    answer the first tool call still open with its RESULT, by its id (a chat with --tools)
 /help           this list
 /exit           leave (so do Ctrl-D and Ctrl-C at the prompt)
 A line ending in \\ continues on the next line; \"\"\" opens a block that ends at a line ending in \"\"\".

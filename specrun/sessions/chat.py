@@ -221,6 +221,10 @@ class ChatSession:
         self.template = ChatTemplate.for_backend(target)
         self.system_prompt = system_prompt
         self.transcript = Transcript()
+        # the calls answers made and no tool message answered yet, oldest first: a result typed back
+        # (ask with role "tool") answers the first, and carries its id as OpenAI's tool messages do
+        # (Mistral's templates refuse a result without one)
+        self.unanswered: list[ToolCall] = []
         self.answers: list[Stats] = []
         self._load_draft = load_draft
         self._load_heads = load_heads  # a head method's heads, for a /method that needs them
@@ -323,7 +327,10 @@ class ChatSession:
             raise UsageError("there is no tool call to answer: this chat has no tools", "start it with --tools FILE")
         if role == "user" and self.tool_choice.forces_a_call:
             params = dataclasses.replace(params, grammar=self._required_call())
-        messages = [*self.transcript.messages, {"role": role, "content": text}]
+        message = {"role": role, "content": text}
+        if role == "tool" and self.unanswered:
+            message["tool_call_id"] = self.unanswered[0].id
+        messages = [*self.transcript.messages, message]
         prompt_text, prompt_ids = self._prompt(messages)
         self._check_fits(prompt_ids)
         self.settle_for(min(len(prompt_ids) + params.max_new_tokens, self.target.n_ctx))
@@ -350,6 +357,8 @@ class ChatSession:
                            if self.tools else ((), False))
         self._record(messages, prompt_text, prompt_ids, result,
                      self._cut_answer(messages, result.text, names, calls) if call_cut else None)
+        # a user's turn leaves earlier calls behind; a result answers the first still open
+        self.unanswered = [*(self.unanswered[1:] if role == "tool" else ()), *calls]
         self.answers.append(result.stats)
         yield AnswerDone(result.text, result.finish_reason, result.stats, len(prompt_ids), reused, tuple(calls),
                          call_cut)
@@ -417,6 +426,7 @@ class ChatSession:
         """Forget the conversation (the system prompt stays) and empty both caches; the next
         answer is a text of its own (``new_text``)."""
         self.transcript = Transcript()
+        self.unanswered = []
         self._empty_caches()
         self.new_text()
 

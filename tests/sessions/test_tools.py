@@ -42,6 +42,22 @@ QWEN_LIKE = (
     "{%- else %}<|im_start|>{{ message.role }}\n{{ message.content }}<|im_end|>\n{%- endif %}{%- endfor %}"
     "{%- if add_generation_prompt %}<|im_start|>assistant\n{%- endif %}"
 )
+# Mistral's templates refuse a call or a result whose id is not nine letters or digits
+_NINE = ("{%- if {0} is not defined or {0} | length != 9 %}"
+         "{{ raise_exception('Tool call IDs should be alphanumeric strings with length 9!') }}{%- endif %}")
+MISTRAL_LIKE = (
+    "{%- for message in messages %}"
+    "{%- if message.role == 'user' %}[INST]{%- if loop.last and tools %}[AVAILABLE_TOOLS]{{ tools | tojson }}"
+    "[/AVAILABLE_TOOLS]{%- endif %}{{ message.content }}[/INST]"
+    "{%- elif message.role == 'tool' %}" + _NINE.replace("{0}", "message.tool_call_id")
+    + '[TOOL_RESULTS]{"content": {{ message.content | tojson }}, "call_id": "{{ message.tool_call_id }}"}'
+    "[/TOOL_RESULTS]"
+    "{%- elif message.tool_calls %}[TOOL_CALLS][{%- for call in message.tool_calls %}"
+    + _NINE.replace("{0}", "call.id")
+    + '{"name": "{{ call.function.name }}", "arguments": {{ call.function.arguments | tojson }}, '
+    '"id": "{{ call.id }}"}{%- if not loop.last %}, {% endif %}{%- endfor %}]</s>'
+    "{%- else %}{{ message.content }}</s>{%- endif %}{%- endfor %}"
+)
 PLAIN = "{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n{% endfor %}assistant: "
 CONVERSATION = [
     {"role": "user", "content": "Weather in Paris?"},
@@ -511,8 +527,44 @@ def test_a_chat_with_tools_calls_takes_the_result_and_answers(tmp_path):
         second = [e for e in session.ask('{"temperature": 21}', params, role="tool") if isinstance(e, AnswerDone)][0]
         assert second.reused_tokens > first.prompt_tokens  # the call and its answer stayed in the cache
         assert [m["role"] for m in session.transcript.messages] == ["user", "assistant", "tool", "assistant"]
+        # the result answers the call by its id, as a client's tool message does
+        assert session.transcript.messages[2]["tool_call_id"] == first.tool_calls[0].id
+        assert session.unanswered == list(second.tool_calls)
         rendered = render_conversation(session.template, session.transcript.messages, tools)[0]
         assert '<tool_response>\n{"temperature": 21}\n</tool_response>' in rendered
+
+
+def test_a_chat_answers_a_call_by_its_id_where_the_template_requires_one():
+    """A Mistral-style template (a result without its call's nine-letter id is an error): the demo
+    target under it, a required call forced in that style, then the result typed back (``/tool``)
+    renders and is answered; a second result, with no call left open, goes without an id and the
+    template says so as one error, the conversation as it was."""
+    pytest.importorskip("llama_cpp", reason="the llama backend (llama-cpp-python) is not installed")
+    from specrun.engine.loop import GenerationParams
+    from specrun.registry.loading import LoadOptions
+    from specrun.sessions.chat import AnswerDone, open_chat
+    from specrun.sessions.tools import tool_definitions
+
+    tools = tool_definitions(CHAT_TOOLS)
+    params = GenerationParams(max_new_tokens=40)
+    with open_chat("demo-target", None, "none", LoadOptions(threads=1), tools=tools,
+                   tool_choice=ToolChoice("required")) as session:
+        session.template = ChatTemplate(MISTRAL_LIKE)
+        first = [e for e in session.ask("Weather in Oslo?", params) if isinstance(e, AnswerDone)][0]
+        assert [call.name for call in first.tool_calls] == ["get_weather"]  # the style's call, forced
+        (call,) = first.tool_calls
+        assert session.unanswered == [call] and len(call.id) == 9
+        answer = [e for e in session.ask('{"temperature": 21}', GenerationParams(max_new_tokens=4), role="tool")
+                  if isinstance(e, AnswerDone)][0]
+        assert session.transcript.messages[2] == {"role": "tool", "content": '{"temperature": 21}', "tool_call_id": call.id}
+        assert session.unanswered == list(answer.tool_calls)
+        rendered = render_conversation(session.template, session.transcript.messages, tools)[0]
+        assert f'"call_id": "{call.id}"' in rendered
+        if not answer.tool_calls:
+            kept = session.transcript
+            with pytest.raises(ChatTemplateError, match="length 9"):
+                list(session.ask('{"temperature": 22}', GenerationParams(max_new_tokens=4), role="tool"))
+            assert session.transcript is kept
 
 
 def test_a_chat_answer_cut_inside_its_call_says_so_and_shows_no_call(tmp_path):
