@@ -21,7 +21,7 @@ included); where the batch's passes are not yet timed, each slot's own rule runs
 
 The rates leave out what no pass's cost shows: a draft model catching up on the text its slot
 decoded plainly, prompts read while the others wait, slots finishing unevenly. At 4 slots on that
-CPU the length they chose ran 0.73-0.98x plain batching. So the batch also measures what it gets
+CPU the length they chose ran 0.73-0.98x plain batching (sessions 57-66). So the batch also measures what it gets
 (``Realised``): stretches of about EPOCH_SECONDS at one occupancy, under the rates' choice or held
 plain, each one's tokens over its seconds; the rates' choice stands only where it was measured at
 least as fast as plain batching at that occupancy, and the arm left aside is tried again after a
@@ -187,18 +187,18 @@ class BatchDrafts:
                     return rounds(fewer) * together(sequences) / base
         return rounds(sequences)
 
-    def _per_token(self, sequences: int) -> float | None:
+    def _token_slope(self, sequences: int) -> float | None:
         """What a token adds to a decoding pass over ``sequences`` sequences while one length alone
         was timed over them (often plain batching's, where every slot opened plain): the slope
         timed over the nearest count of sequences (ties: the more), else a token of the prompts'
         reads; None where neither was timed. Assumed memory-bound instead (10% of the pass a
-        sequence's token), 8 slots on a 2-core CPU predicted drafting 6 twice as fast as plain
-        batching, and drafted, read every prompt and ran 0.86x it (docs/perf.md 3(r)). Under the lock."""
-        nearest = sorted((abs(m - sequences), -m) for m, costs in self.verify.items() if m != sequences)
-        for _, minus_m in nearest:
-            per_token = self.verify[-minus_m].per_token()
-            if per_token is not None:
-                return per_token
+        sequence's token), 8 slots on a 2-core CPU drafted 6 a slot off their first plain pass and
+        read every prompt (docs/perf.md 3(r)). The table caps it at the timed pass's own seconds a
+        token (TargetCosts._one_point_line). Under the lock."""
+        for m in sorted((m for m in self.verify if m != sequences), key=lambda m: (abs(m - sequences), -m)):
+            slope = self.verify[m].token_slope()
+            if slope is not None:
+                return slope
         return self.prompt_reads.mean
 
     def length(self, sequences: int, limit: int) -> int | None:
@@ -226,8 +226,8 @@ class BatchDrafts:
                 self.realised.drafts(occupied)  # its own rule
                 return None
             limit = min(limit, len(curve) - 1)
-            if len(costs.seconds) == 1:
-                costs.assume_per_token(self._per_token(sequences))
+            if costs.one_length_timed():
+                costs.assume_token_slope(self._token_slope(sequences))
             passes = costs.batch_table(sequences * (limit + 1))
         rates = []
         for k in range(limit + 1):

@@ -92,8 +92,8 @@ class TargetCosts:
         self.contexts: dict[int, float] = {}
         self.slope = ContextSlope()
         self._table_context = 0  # the context the table was built for
-        # seconds a token adds to a pass, where one length alone is timed (assume_per_token)
-        self.assumed_per_token: float | None = None
+        # seconds a token adds to a pass, where one length alone is timed (assume_token_slope)
+        self.assumed_token_slope: float | None = None
 
     @property
     def switch_charge(self) -> float:
@@ -363,29 +363,36 @@ class TargetCosts:
             slope, intercept = sum_nt / sum_nn, 0.0
         return intercept, slope
 
-    def per_token(self) -> float | None:
+    def token_slope(self) -> float | None:
         """Seconds a token adds to a pass here: the slope of the line through the lengths timed
         (plain decoding's kept apart, as the line keeps it); None before two lengths were timed."""
         points = self._line_points(self._carried_means())
         return self._fit(points)[1] if len(points) > 1 else None
 
-    def assume_per_token(self, seconds: float | None) -> None:
+    def one_length_timed(self) -> bool:
+        """Is the line through one length alone (``_one_point_line``)?"""
+        return len(self._line_points(self.seconds)) == 1
+
+    def assume_token_slope(self, seconds: float | None) -> None:
         """While one length alone is timed, price the others at ``seconds`` a token more or less
         (what passes of this machine measured elsewhere: control/batch.py) instead of assuming a
         memory-bound pass; None: the assumption again."""
-        old = self.assumed_per_token
+        old = self.assumed_token_slope
         if old == seconds or (old and seconds and abs(seconds - old) <= self.STALE_TOLERANCE * old):
             return
-        self.assumed_per_token = seconds
-        if len(self._line_points(self.seconds)) == 1:
+        self.assumed_token_slope = seconds
+        if self.one_length_timed():
             self.version += 1
             self._table = None
 
     def _one_point_line(self, n0: int, t0: float, max_tokens: int) -> list[float]:
-        """Before a second length is timed: ``assumed_per_token`` a token where it is known, else
-        assume a memory-bound pass, each extra token ~10% more."""
-        if self.assumed_per_token is not None:
-            return [max(t0 + self.assumed_per_token * (n - n0), 1e-9) for n in range(max_tokens + 1)]
+        """Before a second length is timed: ``assumed_token_slope`` a token where it is known, at
+        most the timed pass's own seconds a token (a pass wholly compute-bound: the line meets 0
+        at n = 0, never below; a drafted pass timed first must not price plain decoding at
+        nothing); else assume a memory-bound pass, each extra token ~10% more."""
+        if self.assumed_token_slope is not None:
+            slope = min(self.assumed_token_slope, t0 / max(n0, 1))
+            return [max(t0 + slope * (n - n0), 1e-9) for n in range(max_tokens + 1)]
         return [t0 * (1.0 + 0.1 * (n - n0) / max(n0, 1)) for n in range(max_tokens + 1)]
 
 
@@ -403,6 +410,7 @@ class DraftCosts(TargetCosts):
     SEPARATE_PLAIN = False
 
     def _one_point_line(self, n0: int, t0: float, max_tokens: int) -> list[float]:
+        # a draft's calls: proportional to k (the class docstring); no slope is ever assumed for them
         return [t0 * n / n0 for n in range(max_tokens + 1)]
 
 

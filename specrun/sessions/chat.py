@@ -222,8 +222,8 @@ class ChatSession:
         self.system_prompt = system_prompt
         self.transcript = Transcript()
         # the calls answers made and no tool message answered yet, oldest first: a result typed back
-        # (ask with role "tool") answers the first, and carries its id as OpenAI's tool messages do
-        # (Mistral's templates refuse a result without one)
+        # (ask with role "tool") answers the first and carries its id, which a template may require
+        # (Mistral's refuse a result without one; the answer itself is kept as the text it was)
         self.unanswered: list[ToolCall] = []
         self.answers: list[Stats] = []
         self._load_draft = load_draft
@@ -314,8 +314,8 @@ class ChatSession:
 
     # ---- the conversation ---------------------------------------------------------
     def ask(self, text: str, params: GenerationParams, role: str = "user") -> Iterator[ChatEvent]:
-        """Answer ``text`` as the next user turn (``role`` "tool": the result of the call the last answer
-        made): AnswerText events, maybe a ContextFullNotice, AnswerDone.
+        """Answer ``text`` as the next user turn (``role`` "tool": the result of the first call still
+        open, ``unanswered``, carrying its id): AnswerText events, maybe a ContextFullNotice, AnswerDone.
 
         Raises ContextFullError (before generating) when the conversation no longer
         fits, ChatTemplateError when the template refuses it.

@@ -296,25 +296,30 @@ def test_a_mean_left_unvisited_yields_to_the_line_through_the_lengths_in_use():
     assert costs(4) < 1.05 * 1.4 + 0.1 < stale  # near the line (1.4 at n = 4)
     assert costs(3) == pytest.approx(1.3, rel=0.02)  # lengths in use keep their own means
 
+
 def test_one_length_timed_prices_the_others_at_a_token_s_cost_measured_elsewhere():
     """One length timed: a memory-bound guess (10% of the pass a token, over n0 tokens), or the
-    seconds a token that passes elsewhere measured (``assume_per_token``); a second length timed
+    seconds a token that passes elsewhere measured (``assume_token_slope``); a second length timed
     draws the line itself and the assumption no longer counts."""
     costs = TargetCosts()
     costs.observe(8, 0.2)
-    assert costs.per_token() is None
+    assert costs.token_slope() is None
     assert costs(16) == pytest.approx(0.2 * 1.1)
     version = costs.version
-    costs.assume_per_token(0.015)
+    costs.assume_token_slope(0.015)
     assert costs.version > version and costs(16) == pytest.approx(0.2 + 8 * 0.015)
     assert costs(4) == pytest.approx(0.2 - 4 * 0.015)
     version = costs.version
-    costs.assume_per_token(0.0151)  # within the table's tolerance: nothing rebuilt
+    costs.assume_token_slope(0.0151)  # within the table's tolerance: nothing rebuilt
     assert costs.version == version
+    costs.assume_token_slope(0.05)  # more than the timed pass's own 0.025 a token: capped there
+    assert costs(4) == pytest.approx(0.1) and costs(0) == pytest.approx(0.0, abs=1e-8)
+    costs.assume_token_slope(None)  # the memory-bound guess again
+    assert costs(16) == pytest.approx(0.2 * 1.1)
     for _ in range(4):
         costs.observe(8, 0.2)
         costs.observe(16, 0.3)
-    assert costs.per_token() == pytest.approx(0.1 / 8)
+    assert costs.token_slope() == pytest.approx(0.1 / 8)
     assert costs(24) == pytest.approx(0.4, rel=0.02)
 
 

@@ -91,7 +91,7 @@ def test_a_count_of_sequences_timed_only_plain_is_priced_by_what_a_token_costs_e
     for _ in range(4):
         batch.timed(True, [1] * 8, 0.023 + 0.0157 * 8)
     batch.post(1, MOSTLY_RIGHT)
-    assert batch._per_token(8) == pytest.approx(0.0157)
+    assert batch._token_slope(8) == pytest.approx(0.0157)
     assert batch.length(8, 8) == 0
     # nothing else timed: the memory-bound guess, and the same batch drafts long
     guessed = BatchDrafts(Clock())
@@ -99,7 +99,7 @@ def test_a_count_of_sequences_timed_only_plain_is_priced_by_what_a_token_costs_e
         guessed.timed(True, [1] * 8, 0.023 + 0.0157 * 8)
         guessed.timed(False, [1] * 8, 0.054)
     guessed.post(1, MOSTLY_RIGHT)
-    assert guessed._per_token(8) is None
+    assert guessed._token_slope(8) is None
     assert guessed.length(8, 8) == 3
     assert guessed.choices()[1] == [(8, pytest.approx(8 * 3.439 / (0.1486 * 1.3 + 3 * 0.054) / (8 / 0.1486)))]
     assert guessed.verify[8].batch_table(16)[16] == pytest.approx(0.1486 * 1.1)
@@ -110,9 +110,23 @@ def test_a_count_of_sequences_timed_only_plain_is_priced_by_what_a_token_costs_e
         alone.timed(True, [1] * 8, 0.023 + 0.0157 * 8)
         alone.timed(False, [1] * 8, 0.054)
     alone.post(1, MOSTLY_RIGHT)
-    assert alone._per_token(8) == pytest.approx(0.0157)
+    assert alone._token_slope(8) == pytest.approx(0.0157)
     assert alone.length(8, 8) == 0
     assert alone.verify[8].batch_table(16)[16] == pytest.approx(0.1486 + 8 * 0.0157)
+
+
+def test_the_token_slope_borrowed_is_the_nearest_count_s_the_more_on_a_tie():
+    """Counts 2, 4 and 6 timed at slopes of 1, 2 and 3 ms a token: 5 slots borrow 6's (as near
+    as 4's, more sequences), 3 slots 4's (as near as 2's), 8 slots 6's; a count's own timed
+    lengths are never borrowed for itself."""
+    batch = BatchDrafts(Clock())
+    for _ in range(4):
+        for m, slope in ((2, 0.001), (4, 0.002), (6, 0.003)):
+            for t in (1, 3, 5):
+                batch.timed(True, [t] * m, 0.02 + slope * m * t)
+        batch.timed(True, [1] * 5, 0.03)
+    assert [batch._token_slope(m) for m in (5, 3, 8, 2)] == [
+        pytest.approx(0.003), pytest.approx(0.002), pytest.approx(0.003), pytest.approx(0.002)]
 
 
 def test_a_round_is_priced_by_its_sequences_not_its_tokens():
@@ -644,7 +658,7 @@ def test_a_slot_opening_beside_other_slots_leaves_its_prompt_unread_before_any_p
     """Requests opening together: no pass shared yet (``sharing`` 0), but other slots generating
     (the rendezvous's ``joined``): the draft model leaves the prompt unread, to be read when first
     asked to draft, if ever (8 slots opening so read every prompt before the target's first pass:
-    first tokens 3.5 s later than plain batching's, docs/perf.md 3(r)). A slot alone reads it."""
+    first tokens at 8.2 s against plain batching's 4.5, docs/perf.md 3(r)). A slot alone reads it."""
     batch = BatchDrafts(CostClock(), occupancy=lambda: generating)
     draft = FakeBackend(noisy_copy(4), COPYING_VOCAB)
     engine = SpeculativeEngine(FakeBackend(copying_logits(salt=4), COPYING_VOCAB),
