@@ -270,7 +270,8 @@ def parse_draft_lens(draft_len: int | None, sweep: str | None) -> tuple[int, ...
     try:
         if ".." in text:
             first, last = (int(part) for part in text.split(".."))
-            lengths = tuple(range(first, last + 1))
+            # checked before the range is built: 1..100000000 took 4 GB and 22 s to refuse
+            lengths = tuple(range(first, last + 1)) if 1 <= first <= last <= MAX_DRAFT_LEN else ()
         else:
             lengths = tuple(sorted({int(part) for part in text.split(",")}))
     except ValueError:

@@ -105,6 +105,14 @@ def pull_model(model: ModelArg, backend: BackendOpt = "auto", registry: Registry
         entry = entry_for(model, entries)
         kind = _kind_for(backend, model, entry, entries)
         path = pull(entry, kind, progress=sys.stderr.isatty())
+        if entry.origin == LOCAL_ORIGIN:  # a path given: nothing to download, but it must be a model
+            if not path.exists():
+                raise ModelFileError(f"model file not found: {path}",
+                                     "give a .gguf file's or an MLX folder's path, or an alias (`specrun models list`)")
+            if kind == "gguf":
+                from specrun.backends.llama import check_gguf_file
+
+                check_gguf_file(path)
         typer.echo(str(path))
         typer.echo(f"{entry.alias}: {kind.upper()} ready", err=True)
 

@@ -205,8 +205,11 @@ def derive_once(target: Path, write: Callable[[Path], None]) -> Path:
         with contextlib.suppress(OSError):  # moved aside by another process already
             forget_derived(target)
     # Named before it exists and made inside the try: an interrupt that lands just after the
-    # folder is made (mkdtemp's return, on a busy machine) still removes it.
-    scratch = target.parent / f".deriving-{secrets.token_hex(8)}"
+    # folder is made (mkdtemp's return, on a busy machine) still removes it. Named by the process
+    # writing it: one killed outright (SIGKILL, the OOM killer, a power cut) leaves its copy, which
+    # the next derivation beside it removes (``_remove_abandoned``).
+    _remove_abandoned(target.parent)
+    scratch = target.parent / f"{SCRATCH_PREFIX}{os.getpid()}-{secrets.token_hex(8)}"
     try:
         try:
             target.parent.mkdir(parents=True, exist_ok=True)
@@ -236,6 +239,35 @@ def derive_once(target: Path, write: Callable[[Path], None]) -> Path:
     _note_use(target)
     _forget_older_derivations(target)
     return target
+
+
+SCRATCH_PREFIX = ".deriving-"
+ABANDONED_SECONDS = 24 * 3600  # a scratch copy named by no process (an older version's) counts as abandoned after this
+
+
+def _remove_abandoned(folder: Path) -> None:
+    """Remove scratch copies in ``folder`` whose process is gone (killed while deriving)."""
+    for scratch in folder.glob(f"{SCRATCH_PREFIX}*") if folder.is_dir() else ():
+        pid, _, _ = scratch.name[len(SCRATCH_PREFIX):].partition("-")
+        try:
+            if pid.isdigit():
+                if _alive(int(pid)):
+                    continue
+            elif time.time() - scratch.stat().st_mtime < ABANDONED_SECONDS:
+                continue
+        except OSError:
+            continue  # removed meanwhile
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # another user's process (PermissionError): alive
+        return True
+    return True
 
 
 def remove_scratch(scratch: Path) -> None:

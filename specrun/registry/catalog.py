@@ -148,6 +148,18 @@ def _check_value(path: Path, alias: str, key: str, value: object) -> None:
         )
     if key == "drafts" and not all(isinstance(item, str) for item in value):
         raise RegistryError(f"{path}: alias {alias!r} key 'drafts' must list aliases as strings", "fix its value")
+    if key in ("gguf_repo", "mlx_repo") and value:
+        from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+        try:
+            validate_repo_id(value)
+        except HFValidationError:  # otherwise an internal error at the first download, in every command
+            raise RegistryError(f"{path}: alias {alias!r} key {key!r} is not a Hugging Face repo id: {value!r}",
+                                "write it as OWNER/NAME, e.g. bartowski/Llama-3.2-1B-Instruct-GGUF") from None
+    escapes = key == "gguf_file" and (value.startswith(("/", "\\")) or ".." in value.replace("\\", "/").split("/"))
+    if escapes:
+        raise RegistryError(f"{path}: alias {alias!r} key 'gguf_file' must be a file's path inside its repo, "
+                            f"not {value!r}", "give it as the repo lists it, e.g. model-Q4_K_M.gguf")
     if key in ("context", "size_gb") and not (0 <= value < math.inf):
         raise RegistryError(
             f"{path}: alias {alias!r} key {key!r} must be a positive number or 0 (unknown), not {value!r}",

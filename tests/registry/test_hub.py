@@ -254,6 +254,17 @@ def test_cli_pull_list_rm_round_trip(hub_env, tmp_path):
     assert not Path(pulled.stdout.strip()).exists()
 
 
+@pytest.mark.parametrize("given", ["/no/such/model.gguf", "garbage.gguf"])
+def test_cli_pull_of_a_path_that_is_no_model_is_one_line_exit_1(hub_env, tmp_path, given):
+    """A path needs no download, but `models pull` must not call a missing or garbage file ready."""
+    if given == "garbage.gguf":
+        given = str(tmp_path / given)
+        Path(given).write_bytes(b"not a model at all")
+    result = runner.invoke(app, ["models", "pull", given])
+    assert result.exit_code == 1 and result.stderr.count("\n") == 1 and "ready" not in result.stderr
+    assert given in result.stderr and ("not found" in result.stderr or "not a GGUF file" in result.stderr)
+
+
 def test_cli_pull_offline_is_one_line_exit_1(hub_env, monkeypatch):
     go_offline(monkeypatch)
     entries = parse_registry(Path(__file__).parents[2] / "models.toml")

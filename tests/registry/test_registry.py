@@ -73,6 +73,12 @@ MALFORMED = {
     "unknown key": ('[models.m]\ngguf_path = "a.gguf"\nsize = 3\n', ["'m'", "unknown key 'size'"]),
     "missing source": ('[models.m]\nfamily = "llama3"\n', ["'m'", "missing a source", "gguf_repo"]),
     "repo without file": ('[models.m]\ngguf_repo = "a/b"\n', ["'m'", "'gguf_repo'", "'gguf_file'"]),
+    # refused here, not as an internal error at the first download (in every command)
+    "not a repo id": ('[models.m]\ngguf_repo = "not a repo!!"\ngguf_file = "m.gguf"\n',
+                      ["'m'", "'gguf_repo'", "OWNER/NAME"]),
+    "mlx repo id": ('[models.m]\nmlx_repo = "bad repo"\n', ["'m'", "'mlx_repo'", "Hugging Face repo id"]),
+    "file outside its repo": ('[models.m]\ngguf_repo = "a/b"\ngguf_file = "../../etc/passwd"\n',
+                              ["'m'", "'gguf_file'", "inside its repo"]),
     "wrong type": ('[models.m]\ngguf_path = "a.gguf"\ncontext = "4k"\n', ["'m'", "'context'", "an integer"]),
     "bool for int": ('[models.m]\ngguf_path = "a.gguf"\ncontext = true\n', ["'m'", "'context'"]),
     "draft not a string": ('[models.m]\ngguf_path = "a.gguf"\ndrafts = [1]\n', ["'m'", "'drafts'"]),
