@@ -118,8 +118,8 @@ class GrammarSpec:
         except GrammarError:
             raise
         except (ValueError, TypeError, RecursionError) as error:  # json's and llguidance's parse errors
-            raise GrammarError(f"{KINDS[self.kind]} that does not parse: {_first_line(str(error))}",
-                               "fix the grammar's syntax") from None
+            fix = "fix the schema's JSON" if self.kind == "json_schema" else "fix the grammar's syntax"
+            raise GrammarError(f"{KINDS[self.kind]} that does not parse: {_first_line(str(error))}", fix) from None
 
     def check(self) -> None:
         """Raise GrammarError if the spec does not compile, before any vocabulary is at hand (a

@@ -129,7 +129,12 @@ def _check_range(name: str, value, low, high, low_open: bool = False, high_open:
     above = value >= high if high_open else value > high
     if below or above:
         lo, hi = "(" if low_open else "[", ")" if high_open else "]"
-        raise invalid_value(name, f"must be in {lo}{low:g}, {high:g}{hi}, got {value}")
+        raise invalid_value(name, f"must be in {lo}{_bound(low)}, {_bound(high)}{hi}, got {value}")
+
+
+def _bound(value) -> str:
+    """A range's end as written: an integer whole (2147483647, not 2.14748e+09), a float short."""
+    return str(value) if isinstance(value, int) else f"{value:g}"
 
 
 def _check_fields(body: dict, known: Sequence[str]) -> None:

@@ -180,6 +180,11 @@ class Student:
         return int(sum(weight.size for weight in self.weights.values()))
 
 
+def _student_fix(fix: str) -> str:
+    """A self-draft's fix, said of --student (where the tuned layers are no choice)."""
+    return fix.replace("--draft", "--student").replace(" or self:layers (the tuned ones)", "")
+
+
 def load_student(spec: str, target: str, entries: dict) -> Student:
     """The student's float32 weights: a draft model's GGUF, or ``self:layers=...`` of the target's."""
     from specrun.modelkit.cut import keep_layers
@@ -189,10 +194,13 @@ def load_student(spec: str, target: str, entries: dict) -> Student:
 
     layers = None
     if is_self_draft(spec):
-        layers = parse_self_draft(spec)
+        try:
+            layers = parse_self_draft(spec)
+        except UsageError as exc:  # said of --draft, where the spec is usually given
+            raise UsageError(exc.problem.replace("--draft", "--student"), _student_fix(exc.fix)) from None
         if not isinstance(layers, LayerDraft) or layers.tuned:
             raise UsageError(f"--student {spec}: a distilled student is a copy of some of the target's layers",
-                             LAYERS_FIX.replace("--draft", "--student").replace(" or self:layers (the tuned ones)", ""))
+                             _student_fix(LAYERS_FIX))
     try:
         source = resolve_gguf(target if layers is not None else spec, entries)
     except RegistryError as exc:
@@ -208,7 +216,10 @@ def load_student(spec: str, target: str, entries: dict) -> Student:
 
     def kept_layers(num_layers: int) -> tuple[int, ...]:
         nonlocal kept
-        kept = layers.kept(num_layers)  # a UsageError where they are out of range
+        try:
+            kept = layers.kept(num_layers)  # a UsageError where they are out of range
+        except UsageError as exc:
+            raise UsageError(exc.problem.replace("--draft", "--student"), _student_fix(exc.fix)) from None
         return kept
 
     try:

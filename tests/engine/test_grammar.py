@@ -440,6 +440,9 @@ def test_a_refusal_says_llguidance_s_reason_in_one_line_and_the_fix_for_its_kind
     with pytest.raises(GrammarError) as caught:
         GrammarSpec("gbnf", 'root ::= "a" | (').check()
     assert caught.value.one_line().endswith("fix the grammar's syntax")
+    with pytest.raises(GrammarError) as caught:  # a schema that is no JSON: its fix says so, not "grammar"
+        GrammarSpec("json_schema", '{"type": ').check()
+    assert caught.value.one_line().endswith("fix the schema's JSON")
 
 
 TRUNCATED = SamplingSettings(temperature=1.0, top_k=3, top_p=0.9)

@@ -439,3 +439,13 @@ def test_max_tokens_past_the_context_is_taken_and_the_context_ends_the_answer():
         assert status == 200 and models["data"][0]["meta"]["n_ctx"] == 128 == models["data"][0]["max_model_len"]
     finally:
         assert stop_server(server) == 0, server.log
+
+
+def test_a_range_refused_names_its_integer_ends_whole():
+    """max_tokens past 2**31 - 1: the range as written (it read "[1, 2.14748e+09]")."""
+    from specrun.server.requests import MAX_ANSWER_TOKENS, RequestError, _check_range
+
+    with pytest.raises(RequestError, match=r"must be in \[1, 2147483647\], got 2147483648"):
+        _check_range("max_tokens", 2**31, 1, MAX_ANSWER_TOKENS)
+    with pytest.raises(RequestError, match=r"must be in \(0, 1\], got 1.5"):
+        _check_range("top_p", 1.5, 0.0, 1.0, low_open=True)

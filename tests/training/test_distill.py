@@ -353,6 +353,7 @@ def test_no_room_for_the_result_is_one_error_that_keeps_the_checkpoint_to_write_
 def test_options_out_of_range_are_one_line(args, fragment, tmp_path):
     result = invoke("distill", "--out", str(tmp_path / "out"), *args)
     assert_one_line_error(result.exit_code, result.stderr, 2, fragment)
+    assert "--draft" not in result.stderr  # said of the option given
     assert list(tmp_path.iterdir()) == []
 
 
@@ -385,10 +386,12 @@ def test_a_locked_folder_is_one_line_before_any_model_loads(tmp_path):
     ("self:layers", "some of the target's layers"),
     ("self:layers=2", "keeps all 2"),
     ("self:layers=5", "does not have"),
+    ("self:layers=abc", "--student self:layers=abc: 'abc' is not a layer number"),
 ])
 def test_a_student_that_is_no_layer_copy_of_the_target_is_one_line(tiny_llama, tmp_path, student, fragment):
     result = invoke("distill", "--target", str(tiny_llama.gguf_path), "--student", student, "--out", str(tmp_path / "o"))
     assert_one_line_error(result.exit_code, result.stderr, 2, fragment)
+    assert "--draft" not in result.stderr  # said of the option given
     assert list(tmp_path.iterdir()) == []
 
 
