@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 import threading
 import weakref
 from collections.abc import Sequence
@@ -114,7 +115,8 @@ class GrammarSpec:
                 if not isinstance(schema, dict):
                     raise GrammarError("the JSON schema is not an object", "give a schema such as {\"type\": \"object\"}")
                 return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
-            return _on_large_stack(llguidance.grammar_from, self.kind, self.text)
+            text = _unicode_escapes(self.text) if self.kind == "gbnf" else self.text
+            return _on_large_stack(llguidance.grammar_from, self.kind, text)
         except GrammarError:
             raise
         except (ValueError, TypeError, RecursionError) as error:  # json's and llguidance's parse errors
@@ -333,3 +335,26 @@ def mask_row(p_draft: np.ndarray, allowed: np.ndarray) -> np.ndarray:
     width = p_draft.shape[-1]
     kept = np.where(np.pad(allowed, (0, max(0, width - allowed.shape[-1])))[:width], p_draft, 0.0)
     return kept / kept.sum()
+
+
+_GBNF_ESCAPE = re.compile(r"\\(\\|u[0-9a-fA-F]{4}|U[0-9a-fA-F]{8})")
+
+
+def _unicode_escapes(gbnf: str) -> str:
+    """llama.cpp's ``\\uXXXX`` and ``\\UXXXXXXXX`` escapes as llguidance's GBNF reader takes them:
+    it drops their leading zeros (``"\\u0041"`` became ``"\\u41"``, a lexer error), so an ASCII one
+    is written ``\\xNN`` and any other as its character (never special in GBNF); an escaped
+    backslash stays as it is."""
+
+    def written(match: re.Match) -> str:
+        escape = match.group(1)
+        if escape == "\\":
+            return match.group(0)
+        code = int(escape[1:], 16)
+        if code < 0x80:
+            return f"\\x{code:02x}"
+        if 0xD800 <= code <= 0xDFFF or code > 0x10FFFF:
+            return match.group(0)  # no character: llguidance says what is wrong with it
+        return chr(code)
+
+    return _GBNF_ESCAPE.sub(written, gbnf)

@@ -501,3 +501,23 @@ def test_each_run_hands_its_drafters_its_own_grammar():
     assert own is not None and engine.drafter.grammar is own
     second.close()
     assert engine.drafter.grammar is None
+
+
+@pytest.mark.parametrize("gbnf", ['root ::= "\\u0061" [\\u0062-\\u0063]+ "\\U0000007D"',
+                                  'root ::= "\\x61" [\\x62-\\x63]+ "}"'])
+def test_llama_cpp_s_unicode_escapes_in_gbnf_mean_their_characters(gbnf):
+    """``\\u0061`` is "a" in llama.cpp's GBNF; llguidance's reader dropped the leading zeros and
+    refused it (a lexer error, an invalid regex): the escapes are written as it takes them."""
+    spec = GrammarSpec("gbnf", gbnf)
+    spec.check()
+    matcher = llguidance.LLMatcher(Vocabulary.of(letters(1)).tokenizer, spec.llguidance_grammar(), log_level=0)
+    assert all(matcher.consume_token(PIECES.index(piece)) for piece in (b"a", b"b", b"c", b"}"))
+    assert matcher.is_accepting()
+    refusing = llguidance.LLMatcher(Vocabulary.of(letters(1)).tokenizer, spec.llguidance_grammar(), log_level=0)
+    assert not refusing.consume_token(PIECES.index(b"x"))
+
+
+def test_an_escaped_backslash_before_u_stays_a_backslash():
+    from specrun.grammar import _unicode_escapes
+
+    assert _unicode_escapes('root ::= "\\\\u0061" "\\u00e9" "\\ud800"') == 'root ::= "\\\\u0061" "é" "\\ud800"'
