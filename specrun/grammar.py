@@ -115,7 +115,9 @@ class GrammarSpec:
                 if not isinstance(schema, dict):
                     raise GrammarError("the JSON schema is not an object", "give a schema such as {\"type\": \"object\"}")
                 return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
-            text = _unicode_escapes(self.text) if self.kind == "gbnf" else self.text
+            text = self.text
+            if self.kind == "gbnf" and not llguidance.gbnf_to_lark.is_lark_syntax(text):  # Lark passes as it is
+                text = _unicode_escapes(text)
             return _on_large_stack(llguidance.grammar_from, self.kind, text)
         except GrammarError:
             raise

@@ -75,14 +75,15 @@ def info(model: ModelArg, json_output: JsonOpt = False, registry: RegistryOpt = 
                 typer.echo(f"{key:>12}: {', '.join(value) if isinstance(value, list) else value}")
 
 
-def _check_local_model(entry: ModelEntry) -> None:
+def _check_local_model(entry: ModelEntry, kind: str | None = None) -> None:
     """A path given to `models info` holds a model: a GGUF file whose metadata fits the file (its
     tensors are left to loading: a type this gguf-py does not know may be llama.cpp's), or a
-    folder with an MLX model's config.json; else ModelFileError naming what it is."""
+    folder with an MLX model's config.json; else ModelFileError naming what it is. ``kind``
+    ("gguf", "mlx"): that one of the entry's paths (None: its GGUF where it has one)."""
     from specrun.backends.llama import check_gguf_file
     from specrun.modelkit.gguf_check import read_layout
 
-    if entry.gguf_path:
+    if entry.gguf_path and kind != "mlx":
         path = Path(entry.gguf_path).expanduser()
         check_gguf_file(path)
         try:
@@ -105,14 +106,12 @@ def pull_model(model: ModelArg, backend: BackendOpt = "auto", registry: Registry
         entry = entry_for(model, entries)
         kind = _kind_for(backend, model, entry, entries)
         path = pull(entry, kind, progress=sys.stderr.isatty())
-        if entry.origin == LOCAL_ORIGIN:  # a path given: nothing to download, but it must be a model
+        # a path (given, or a registry's gguf_path / mlx_path): nothing to download, but it must be a model
+        if (entry.gguf_path and not entry.gguf_repo) if kind == "gguf" else (entry.mlx_path and not entry.mlx_repo):
             if not path.exists():
                 raise ModelFileError(f"model file not found: {path}",
                                      "give a .gguf file's or an MLX folder's path, or an alias (`specrun models list`)")
-            if kind == "gguf":
-                from specrun.backends.llama import check_gguf_file
-
-                check_gguf_file(path)
+            _check_local_model(entry, kind)
         typer.echo(str(path))
         typer.echo(f"{entry.alias}: {kind.upper()} ready", err=True)
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import functools
 import hashlib
 import json
@@ -205,15 +206,17 @@ def derive_once(target: Path, write: Callable[[Path], None]) -> Path:
         with contextlib.suppress(OSError):  # moved aside by another process already
             forget_derived(target)
     # Named before it exists and made inside the try: an interrupt that lands just after the
-    # folder is made (mkdtemp's return, on a busy machine) still removes it. Named by the process
-    # writing it: one killed outright (SIGKILL, the OOM killer, a power cut) leaves its copy, which
-    # the next derivation beside it removes (``_remove_abandoned``).
+    # folder is made (mkdtemp's return, on a busy machine) still removes it. Locked while it is
+    # written: one whose process was killed outright (SIGKILL, the OOM killer) holds no lock, and
+    # the next derivation beside it removes it (``_remove_abandoned``).
     _remove_abandoned(target.parent)
-    scratch = target.parent / f"{SCRATCH_PREFIX}{os.getpid()}-{secrets.token_hex(8)}"
+    scratch = target.parent / f"{SCRATCH_PREFIX}{secrets.token_hex(8)}"
+    held = None
     try:
         try:
             target.parent.mkdir(parents=True, exist_ok=True)
             scratch.mkdir(mode=0o700)
+            held = _hold(scratch)
         except OSError as exc:
             raise _no_room(target, exc) from None
         tmp = scratch / target.name
@@ -236,37 +239,58 @@ def derive_once(target: Path, write: Callable[[Path], None]) -> Path:
                 raise  # not a lost race: a real failure
     finally:
         remove_scratch(scratch)
+        if held is not None:
+            os.close(held)  # the lock goes with it, after the copy
     _note_use(target)
     _forget_older_derivations(target)
     return target
 
 
 SCRATCH_PREFIX = ".deriving-"
-ABANDONED_SECONDS = 24 * 3600  # a scratch copy named by no process (an older version's) counts as abandoned after this
+SCRATCH_LOCK = ".lock"  # held (flock) by the process writing the scratch copy, while it does
+ABANDONED_SECONDS = 24 * 3600  # a scratch copy without a lock (an older version's) counts as abandoned after this
+
+
+def _hold(scratch: Path) -> int | None:
+    """Lock ``scratch`` for the process writing it (the kernel drops the lock when the process
+    dies, however it dies; it holds across containers sharing the cache): the descriptor to close
+    after the copy, or None where the file system locks nothing (then no lock file stays: the
+    copy is judged by its age)."""
+    lock = scratch / SCRATCH_LOCK
+    handle = os.open(lock, os.O_CREAT | os.O_WRONLY, 0o600)
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(handle)
+        lock.unlink(missing_ok=True)
+        return None
+    return handle
 
 
 def _remove_abandoned(folder: Path) -> None:
-    """Remove scratch copies in ``folder`` whose process is gone (killed while deriving)."""
-    for scratch in folder.glob(f"{SCRATCH_PREFIX}*") if folder.is_dir() else ():
-        pid, _, _ = scratch.name[len(SCRATCH_PREFIX):].partition("-")
-        try:
-            if pid.isdigit():
-                if _alive(int(pid)):
-                    continue
-            elif time.time() - scratch.stat().st_mtime < ABANDONED_SECONDS:
-                continue
-        except OSError:
-            continue  # removed meanwhile
-        shutil.rmtree(scratch, ignore_errors=True)
-
-
-def _alive(pid: int) -> bool:
+    """Remove scratch copies in ``folder`` that no living process holds (killed while deriving);
+    whatever cannot be read or removed is left (the derivation goes on)."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        found = list(folder.glob(f"{SCRATCH_PREFIX}*"))
+    except OSError:
+        return
+    for scratch in found:
+        with contextlib.suppress(OSError):  # gone meanwhile, or not ours to read
+            if _abandoned(scratch):
+                shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _abandoned(scratch: Path) -> bool:
+    try:
+        handle = os.open(scratch / SCRATCH_LOCK, os.O_RDONLY)
+    except FileNotFoundError:  # an older version's, one whose lock failed, or one being made
+        return time.time() - scratch.stat().st_mtime >= ABANDONED_SECONDS
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:  # held: its process is writing it (or no lock can be told)
         return False
-    except OSError:  # another user's process (PermissionError): alive
-        return True
+    finally:
+        os.close(handle)
     return True
 
 

@@ -45,6 +45,25 @@ SOURCE_KEYS = ("builtin", "gguf_repo", "gguf_path", "mlx_repo", "mlx_path")
 LOCAL_ORIGIN = "a local path"  # the origin of entries made from what a user typed
 HUB_ID_ORIGIN = "a Hugging Face id"
 
+REPO_ID_FIX = "write it as OWNER/NAME, e.g. bartowski/Llama-3.2-1B-Instruct-GGUF"
+REPO_FILE_FIX = "give it as the repo lists it, e.g. model-Q4_K_M.gguf"
+# huggingface_hub's validate_repo_id, written out: importing it costs every command that reads the
+# registry its HTTP client (tests/registry/test_registry.py checks the two agree)
+_REPO_ID = re.compile(r"(?:[\w.-]+/)?[\w.-]{1,96}", re.ASCII)
+
+
+def is_repo_id(repo: str) -> bool:
+    """Would the Hub take ``repo`` as a repo id (OWNER/NAME or NAME)?"""
+    return (bool(_REPO_ID.fullmatch(repo)) and "--" not in repo and ".." not in repo
+            and not repo.endswith(".git") and not repo.startswith(("-", ".")) and not repo.endswith(("-", "."))
+            and "/-" not in repo and "/." not in repo and "-/" not in repo and "./" not in repo)
+
+
+def is_repo_file(name: str) -> bool:
+    """Is ``name`` a path inside a repo (not absolute, no ``..``)?"""
+    return bool(name) and not name.startswith(("/", "\\")) and ".." not in name.replace("\\", "/").split("/")
+
+
 _REPO_PART = r"[A-Za-z0-9][\w.-]*"
 HUB_REPO_ID = re.compile(rf"(?P<repo>{_REPO_PART}/{_REPO_PART})")
 HUB_GGUF_ID = re.compile(rf"(?P<repo>{_REPO_PART}/{_REPO_PART})/(?P<file>[^\s]+\.gguf)")
@@ -148,18 +167,13 @@ def _check_value(path: Path, alias: str, key: str, value: object) -> None:
         )
     if key == "drafts" and not all(isinstance(item, str) for item in value):
         raise RegistryError(f"{path}: alias {alias!r} key 'drafts' must list aliases as strings", "fix its value")
-    if key in ("gguf_repo", "mlx_repo") and value:
-        from huggingface_hub.utils import HFValidationError, validate_repo_id
-
-        try:
-            validate_repo_id(value)
-        except HFValidationError:  # otherwise an internal error at the first download, in every command
-            raise RegistryError(f"{path}: alias {alias!r} key {key!r} is not a Hugging Face repo id: {value!r}",
-                                "write it as OWNER/NAME, e.g. bartowski/Llama-3.2-1B-Instruct-GGUF") from None
-    escapes = key == "gguf_file" and (value.startswith(("/", "\\")) or ".." in value.replace("\\", "/").split("/"))
-    if escapes:
+    # checked here, not an internal error at the first download (in every command that reads the file)
+    if key in ("gguf_repo", "mlx_repo") and value and not is_repo_id(value):
+        raise RegistryError(f"{path}: alias {alias!r} key {key!r} is not a Hugging Face repo id: {value!r}",
+                            REPO_ID_FIX)
+    if key == "gguf_file" and not is_repo_file(value):
         raise RegistryError(f"{path}: alias {alias!r} key 'gguf_file' must be a file's path inside its repo, "
-                            f"not {value!r}", "give it as the repo lists it, e.g. model-Q4_K_M.gguf")
+                            f"not {value!r}", REPO_FILE_FIX)
     if key in ("context", "size_gb") and not (0 <= value < math.inf):
         raise RegistryError(
             f"{path}: alias {alias!r} key {key!r} must be a positive number or 0 (unknown), not {value!r}",
@@ -244,11 +258,17 @@ def entry_for(spec: str, entries: dict[str, ModelEntry]) -> ModelEntry:
         return entries[spec]
     hub_file = HUB_GGUF_ID.fullmatch(spec)
     if hub_file:
+        if not is_repo_id(hub_file["repo"]):
+            raise RegistryError(f"{spec}: {hub_file['repo']!r} is not a Hugging Face repo id", REPO_ID_FIX)
+        if not is_repo_file(hub_file["file"]):
+            raise RegistryError(f"{spec}: {hub_file['file']!r} is not a file's path inside its repo", REPO_FILE_FIX)
         return ModelEntry(
             alias=spec, origin=HUB_ID_ORIGIN, gguf_repo=hub_file["repo"], gguf_file=hub_file["file"]
         )
     if spec.endswith(".gguf"):
         return ModelEntry(alias=spec, origin=LOCAL_ORIGIN, gguf_path=str(path))
     if HUB_REPO_ID.fullmatch(spec):
+        if not is_repo_id(spec):
+            raise RegistryError(f"{spec!r} is not a Hugging Face repo id", REPO_ID_FIX)
         return ModelEntry(alias=spec, origin=HUB_ID_ORIGIN, mlx_repo=spec)
     return lookup(spec, entries)

@@ -196,8 +196,8 @@ def load_student(spec: str, target: str, entries: dict) -> Student:
     if is_self_draft(spec):
         try:
             layers = parse_self_draft(spec)
-        except UsageError as exc:  # said of --draft, where the spec is usually given
-            raise UsageError(exc.problem.replace("--draft", "--student"), _student_fix(exc.fix)) from None
+        except UsageError as exc:  # said of --draft, where the spec is usually given, and its other kinds
+            raise UsageError(exc.problem.replace("--draft", "--student"), _student_fix(LAYERS_FIX)) from None
         if not isinstance(layers, LayerDraft) or layers.tuned:
             raise UsageError(f"--student {spec}: a distilled student is a copy of some of the target's layers",
                              _student_fix(LAYERS_FIX))

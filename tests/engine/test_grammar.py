@@ -521,3 +521,37 @@ def test_an_escaped_backslash_before_u_stays_a_backslash():
     from specrun.grammar import _unicode_escapes
 
     assert _unicode_escapes('root ::= "\\\\u0061" "\\u00e9" "\\ud800"') == 'root ::= "\\\\u0061" "é" "\\ud800"'
+
+
+class ByteBackend:
+    """A vocabulary of the 256 bytes and an end of text."""
+
+    class vocab:  # noqa: N801 - the backend's attribute, as FakeBackend's
+        size, eos_ids, bos_id = 257, (256,), None
+
+    def token_bytes(self, token: int) -> bytes:
+        return bytes([token]) if token < 256 else b""
+
+    def token_text(self, token: int) -> str:
+        return "</s>" if token == 256 else bytes([token]).decode("latin-1")
+
+    def tokenize(self, text: str, add_bos: bool = False) -> list[int]:
+        return list(text.encode())
+
+
+@pytest.mark.parametrize(("gbnf", "accepted", "refused"), [
+    ('root ::= "\\u00e9"', "é", "e"),
+    ('root ::= [\\u00e0-\\u00ff]', "é", "a"),
+    ('root ::= [^\\u00e0]', "é", "à"),
+    ('root ::= "\\U0001F600"', "😀", "a"),
+    ('root ::= "\\\\\\u0041"', "\\A", "A"),  # an escaped backslash, then an escape
+    ('%llguidance {}\nstart: "\\u0041"', "A", "B"),  # Lark given as GBNF passes as it is
+])
+def test_escapes_match_their_characters_and_nothing_else(gbnf, accepted, refused):
+    """Matched byte by byte (a vocabulary of the 256 bytes): each escape means its character."""
+    grammar = GrammarSpec("gbnf", gbnf).llguidance_grammar()
+    tokenizer = Vocabulary.of(ByteBackend()).tokenizer
+    for text, expected in ((accepted, True), (refused, False)):
+        matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
+        ok = all(matcher.consume_token(byte) for byte in text.encode())
+        assert (ok and matcher.is_accepting()) is expected, (gbnf, text)

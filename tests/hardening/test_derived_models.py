@@ -346,23 +346,28 @@ def test_a_fifo_in_a_derived_copy_s_place_or_its_record_s_never_hangs(tmp_path, 
 
 
 def test_a_scratch_copy_left_by_a_process_killed_while_deriving_is_removed_by_the_next_derivation(tmp_path):
-    """A derivation killed outright (SIGKILL: no finally runs) leaves its scratch copy; the next one
-    beside it removes copies whose process is gone, and an unnamed one (an older version's) once a
-    day old, and leaves a living process's own alone."""
-    import subprocess
-    import sys
+    """A derivation killed outright (SIGKILL: no finally runs) leaves its scratch copy and the lock
+    file its process held; the next derivation beside it removes copies no process holds, and one
+    without a lock (an older version's) once a day old, and leaves a copy being written alone
+    (its lock held: a process in another container sharing the cache, say)."""
+    import fcntl
 
     folder = tmp_path / "derived"
-    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
-                          text=True, check=True)
-    dead = folder / f"{demo.SCRATCH_PREFIX}{gone.stdout.strip()}-00ff"
-    living = folder / f"{demo.SCRATCH_PREFIX}{os.getpid()}-11ee"
-    old, young = folder / f"{demo.SCRATCH_PREFIX}0123456789abcdef", folder / f"{demo.SCRATCH_PREFIX}fedcba9876543210"
-    for scratch in (dead, living, old, young):
+    names = {kind: folder / f"{demo.SCRATCH_PREFIX}{kind}" for kind in ("killed", "writing", "old", "young", "1234")}
+    for scratch in names.values():
         scratch.mkdir(parents=True)
         (scratch / "model.gguf").write_bytes(b"half a model")
+    for kind in ("killed", "writing"):
+        (names[kind] / demo.SCRATCH_LOCK).touch()
+    held = os.open(names["writing"] / demo.SCRATCH_LOCK, os.O_RDONLY)
+    fcntl.flock(held, fcntl.LOCK_EX)
     a_day_ago = time.time() - demo.ABANDONED_SECONDS - 60
-    os.utime(old, (a_day_ago, a_day_ago))
-    target = folder / "model.gguf"
-    assert derive_once(target, lambda path: path.write_bytes(b"weights")) == target
-    assert sorted(path.name for path in folder.glob(f"{demo.SCRATCH_PREFIX}*")) == sorted([living.name, young.name])
+    for kind in ("old", "1234"):  # an all-digit name is no process id
+        os.utime(names[kind], (a_day_ago, a_day_ago))
+    try:
+        target = folder / "model.gguf"
+        assert derive_once(target, lambda path: path.write_bytes(b"weights")) == target
+        left = sorted(path.name for path in folder.glob(f"{demo.SCRATCH_PREFIX}*"))
+        assert left == sorted([names["writing"].name, names["young"].name])
+    finally:
+        os.close(held)

@@ -254,15 +254,29 @@ def test_cli_pull_list_rm_round_trip(hub_env, tmp_path):
     assert not Path(pulled.stdout.strip()).exists()
 
 
-@pytest.mark.parametrize("given", ["/no/such/model.gguf", "garbage.gguf"])
-def test_cli_pull_of_a_path_that_is_no_model_is_one_line_exit_1(hub_env, tmp_path, given):
-    """A path needs no download, but `models pull` must not call a missing or garbage file ready."""
+@pytest.mark.parametrize(("given", "message"), [("/no/such/model.gguf", "model file not found"),
+                                                ("garbage.gguf", "is not a GGUF file"),
+                                                ("empty-folder", "is not an MLX model folder"),
+                                                ("registered", "model file not found")])
+def test_cli_pull_of_a_path_that_is_no_model_is_one_line_exit_1(hub_env, tmp_path, given, message):
+    """A path (given, or a registry's gguf_path) needs no download, but `models pull` must not call
+    a missing file, a garbage one or a folder without a model ready."""
+    args = []
     if given == "garbage.gguf":
         given = str(tmp_path / given)
         Path(given).write_bytes(b"not a model at all")
-    result = runner.invoke(app, ["models", "pull", given])
+    elif given == "empty-folder":
+        given = str(tmp_path / given)
+        Path(given).mkdir()
+        args = ["--backend", "mlx"]
+    elif given == "registered":
+        registry = tmp_path / "models.toml"
+        registry.write_text(f'[models.gone]\ngguf_path = "{tmp_path / "gone.gguf"}"\n')
+        args = ["--registry", str(registry)]
+        given = "gone"
+    result = runner.invoke(app, ["models", "pull", given, *args])
     assert result.exit_code == 1 and result.stderr.count("\n") == 1 and "ready" not in result.stderr
-    assert given in result.stderr and ("not found" in result.stderr or "not a GGUF file" in result.stderr)
+    assert message in result.stderr, result.stderr
 
 
 def test_cli_pull_offline_is_one_line_exit_1(hub_env, monkeypatch):

@@ -91,6 +91,34 @@ MALFORMED = {
 }
 
 
+REPO_IDS = ["a/b", "bartowski/Llama-3.2-1B-Instruct-GGUF", "mlx-community/Qwen2.5-0.5B-Instruct-4bit", "gpt2",
+            "a_b/c.d", "not a repo!!", "bad repo", "a--b/c", "a/b.", "a/b.git", "a..b/c", "-a/b", "a/-b", ".a/b",
+            "a/" + "x" * 96, "a/" + "x" * 97, "a/b/c", "a//b", "/a", "a/", "", "é/b"]
+
+
+@pytest.mark.parametrize("repo", REPO_IDS)
+def test_a_repo_id_is_checked_as_the_hub_s_own_check_does(repo):
+    """The registry checks repo ids without importing huggingface_hub (its HTTP client, in every
+    command): the two must agree, here and on every id models.toml ships."""
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    from specrun.registry.catalog import is_repo_id
+
+    try:
+        validate_repo_id(repo)
+        valid = True
+    except HFValidationError:
+        valid = False
+    assert is_repo_id(repo) is valid
+
+
+def test_every_shipped_repo_id_is_one():
+    from specrun.registry.catalog import is_repo_id
+
+    shipped = parse_registry(Path(__file__).parents[2] / "models.toml").values()
+    assert all(is_repo_id(repo) for entry in shipped for repo in (entry.gguf_repo, entry.mlx_repo) if repo)
+
+
 @pytest.mark.parametrize("case", MALFORMED, ids=list(MALFORMED))
 def test_malformed_registry_names_file_alias_and_key(tmp_path, case):
     text, expected = MALFORMED[case]

@@ -387,6 +387,7 @@ def test_a_locked_folder_is_one_line_before_any_model_loads(tmp_path):
     ("self:layers=2", "keeps all 2"),
     ("self:layers=5", "does not have"),
     ("self:layers=abc", "--student self:layers=abc: 'abc' is not a layer number"),
+    ("self:foo", "pass --student self:layers=N"),
 ])
 def test_a_student_that_is_no_layer_copy_of_the_target_is_one_line(tiny_llama, tmp_path, student, fragment):
     result = invoke("distill", "--target", str(tiny_llama.gguf_path), "--student", student, "--out", str(tmp_path / "o"))
