@@ -21,12 +21,12 @@ included); where the batch's passes are not yet timed, each slot's own rule runs
 
 The rates leave out what no pass's cost shows: a draft model catching up on the text its slot
 decoded plainly, prompts read while the others wait, slots finishing unevenly. At 4 slots on that
-CPU the length they chose ran 0.73-0.98x plain batching (sessions 57-66). So the batch also measures what it gets
-(``Realised``): stretches of about EPOCH_SECONDS at one occupancy, under the rates' choice or held
-plain, each one's tokens over its seconds; the rates' choice stands only where it was measured at
-least as fast as plain batching at that occupancy, and the arm left aside is tried again after a
-gap that doubles while the measurements keep agreeing, and is long enough that the tries cost
-about TRY_BUDGET of what the standing arm gets.
+CPU the length they chose ran 0.73-0.98x plain batching (sessions 57-66). So the batch also
+measures what it gets (``Realised``): stretches of about EPOCH_SECONDS at one occupancy, under the
+rates' choice or held plain, each one's tokens over its seconds; the rates' choice stands only
+where it was measured at least as fast as plain batching at that occupancy, and the arm left aside
+is tried again after a gap that doubles while the measurements keep agreeing, and is long enough
+that the tries cost about TRY_BUDGET of what the standing arm gets.
 """
 
 from __future__ import annotations
@@ -98,7 +98,7 @@ class BatchDrafts:
         # TIMED_READ tokens, not rounds (a prompt, or text a slot decoded plainly), as a drafter times its own
         self.reads = PassTiming()
         # seconds a token of the target's prompt reads cost (its batches longer than VERIFY_LONGEST):
-        # what a token adds to a pass where nothing else says (``_per_token``). From the first: 8
+        # what a token adds to a pass where nothing else says (``_token_slope``). From the first: 8
         # slots opening together read every prompt in one batch, and chose their first length next.
         self.prompt_reads = PassTiming(cold_start=False)
         # what it chose, for /metrics: how often each length, by the sequences decoding together;
