@@ -183,7 +183,8 @@ def _forget_older_derivations(target: Path) -> None:
         with contextlib.suppress(OSError):  # gone already, or another process's: left
             if path.exists():
                 _remove_aside(path)
-    for key in keys:  # a key folder holding nothing but its stamp goes too
+    for key in keys:  # a key folder holding nothing but its stamp goes too (copies no process writes first)
+        _remove_abandoned(key)
         with contextlib.suppress(OSError):
             if all(p.name == USED_STAMP for p in key.iterdir()):
                 (key / USED_STAMP).unlink(missing_ok=True)
@@ -256,14 +257,17 @@ def _hold(scratch: Path) -> int | None:
     dies, however it dies; it holds across containers sharing the cache): the descriptor to close
     after the copy, or None where the file system locks nothing (then no lock file stays: the
     copy is judged by its age)."""
-    lock = scratch / SCRATCH_LOCK
-    handle = os.open(lock, os.O_CREAT | os.O_WRONLY, 0o600)
+    # locked under another name and renamed: a lock file seen is a locked one (made and locked in
+    # two steps, another derivation starting between them found it unlocked and removed the copy)
+    locking, lock = scratch / f"{SCRATCH_LOCK}-{secrets.token_hex(4)}", scratch / SCRATCH_LOCK
+    handle = os.open(locking, os.O_CREAT | os.O_WRONLY, 0o600)
     try:
         fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
         os.close(handle)
-        lock.unlink(missing_ok=True)
+        locking.unlink(missing_ok=True)
         return None
+    os.replace(locking, lock)
     return handle
 
 

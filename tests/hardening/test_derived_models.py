@@ -281,9 +281,12 @@ def test_a_change_to_the_deriving_code_derives_the_model_again_and_drops_the_old
     assert first.read_bytes() == b"copy 1" and not before_keys.exists()  # used lately: kept
     long_ago = time.time() - demo.KEEP_USED_SECONDS - 60
     os.utime(first.parent / demo.USED_STAMP, (long_ago, long_ago))
+    killed = first.parent / f"{demo.SCRATCH_PREFIX}0f0f"  # a copy whose process was killed, in "a"'s folder
+    killed.mkdir()
+    (killed / demo.SCRATCH_LOCK).touch()
     third = derived_with("c" * 12)  # the converter changed again; "a" unused for over a week
     assert len(writes) == 3 and third.read_bytes() == b"copy 3" and second.exists()
-    assert not first.parent.exists()  # its copy, checksum record, stamp and folder gone
+    assert not first.parent.exists()  # its copy, checksum record, stamp, abandoned scratch and folder gone
     assert sorted(p.name for p in second.parent.parent.iterdir()) == ["b" * 12, "c" * 12]
     assert not list(second.parent.parent.rglob(".forgetting-*"))
 
@@ -371,3 +374,23 @@ def test_a_scratch_copy_left_by_a_process_killed_while_deriving_is_removed_by_th
         assert left == sorted([names["writing"].name, names["young"].name])
     finally:
         os.close(held)
+
+
+def test_a_derivation_starting_while_another_locks_its_copy_leaves_that_copy_alone(tmp_path, monkeypatch):
+    """Another derivation beside it looks for abandoned copies just as this one locks its own: made
+    and locked in two steps, its lock file was there unlocked and the copy was removed under it."""
+    import fcntl
+
+    folder = tmp_path / "derived"
+    locking, real_flock = [], fcntl.flock
+
+    def flock(handle, operation):
+        if not locking:  # this derivation's own lock: the other one looks first
+            locking.append(handle)
+            demo._remove_abandoned(folder)
+        return real_flock(handle, operation)
+
+    monkeypatch.setattr(demo.fcntl, "flock", flock)
+    target = folder / "model.gguf"
+    assert derive_once(target, lambda path: path.write_bytes(b"weights")) == target
+    assert locking and target.read_bytes() == b"weights"
