@@ -150,7 +150,7 @@ class BatchDrafts:
 
     def generating(self) -> int:
         """Slots generating now (0 where the batch is not told)."""
-        return self.occupancy() if self.occupancy is not None else 0
+        return self._occupied(0)
 
     def _occupied(self, sequences: int) -> int:
         return self.occupancy() if self.occupancy is not None else sequences

@@ -185,6 +185,11 @@ def _student_fix(fix: str) -> str:
     return fix.replace("--draft", "--student").replace(" or self:layers (the tuned ones)", "")
 
 
+def _of_student(exc: UsageError, fix: str) -> UsageError:
+    """A self-draft's refusal (said of --draft, where the spec is usually given) said of --student."""
+    return UsageError(exc.problem.replace("--draft", "--student"), _student_fix(fix))
+
+
 def load_student(spec: str, target: str, entries: dict) -> Student:
     """The student's float32 weights: a draft model's GGUF, or ``self:layers=...`` of the target's."""
     from specrun.modelkit.cut import keep_layers
@@ -196,8 +201,8 @@ def load_student(spec: str, target: str, entries: dict) -> Student:
     if is_self_draft(spec):
         try:
             layers = parse_self_draft(spec)
-        except UsageError as exc:  # said of --draft, where the spec is usually given, and its other kinds
-            raise UsageError(exc.problem.replace("--draft", "--student"), _student_fix(LAYERS_FIX)) from None
+        except UsageError as exc:  # its fix names the other self-drafts too: the layers' alone
+            raise _of_student(exc, LAYERS_FIX) from None
         if not isinstance(layers, LayerDraft) or layers.tuned:
             raise UsageError(f"--student {spec}: a distilled student is a copy of some of the target's layers",
                              _student_fix(LAYERS_FIX))
@@ -219,7 +224,7 @@ def load_student(spec: str, target: str, entries: dict) -> Student:
         try:
             kept = layers.kept(num_layers)  # a UsageError where they are out of range
         except UsageError as exc:
-            raise UsageError(exc.problem.replace("--draft", "--student"), _student_fix(exc.fix)) from None
+            raise _of_student(exc, exc.fix) from None
         return kept
 
     try:
