@@ -29,6 +29,7 @@ from specrun.cli.common import (
     check_kv_type,
     check_window_use,
     check_range,
+    comma_list,
     checked_grammar,
     checked_tools,
     checked_sampling,
@@ -307,7 +308,7 @@ def demo(
             found = head_kinds_available(target)
             best = [kind for kind in AUTO_HEADS_ORDER if kind in found][:1]
             methods = ",".join(["none", "draft", *best, "auto"])
-        method_list = [m.strip() for m in methods.split(",") if m.strip()]
+        method_list = comma_list("--methods", methods, "none,draft,auto")
         for method in method_list:
             check_method(method)
         check_range("--prompts", prompts, 1, 100)

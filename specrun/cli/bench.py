@@ -17,6 +17,7 @@ from specrun.cli.common import (
     check_kv_type,
     check_window_use,
     check_range,
+    comma_list,
     checked_lookahead,
     check_heads_used,
     uses_window,
@@ -248,9 +249,7 @@ def parse_methods(methods: str | None, has_draft: bool, head_kinds: tuple[str, .
     if methods is None:
         chosen = [m for m in METHODS if default(m)]
     else:
-        chosen = list(dict.fromkeys(m.strip() for m in methods.split(",") if m.strip()))
-        if not chosen:
-            raise UsageError("--methods is empty", f"use some of: {', '.join(METHODS)}")
+        chosen = comma_list("--methods", methods, "none,draft")
         for method in chosen:
             check_method(method)
             if not runnable(method):
@@ -304,9 +303,7 @@ def choose_prompts(suite: str | None, prompts_file: Path | None, categories: str
     if suite not in (None, BUILTIN):
         raise UsageError(f"unknown suite {suite!r}", f"use --suite {BUILTIN} or --prompts FILE.jsonl")
     prompts = load_jsonl(prompts_file) if prompts_file is not None else list(BUILTIN_SUITE)
-    wanted = [c.strip() for c in categories.split(",") if c.strip()] if categories is not None else None
-    if categories is not None and not wanted:
-        raise UsageError("--categories is empty", "name at least one category")
+    wanted = comma_list("--categories", categories, "chat,qa") if categories is not None else None
     return select(prompts, wanted, per_category), str(prompts_file) if prompts_file is not None else BUILTIN
 
 

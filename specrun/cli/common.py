@@ -137,6 +137,18 @@ def check_range(name: str, value: int | float | None, low: float, high: float) -
         raise UsageError(f"{name} must be between {_bound(low)} and {_bound(high)}, got {value}", f"pass a valid {name}")
 
 
+def comma_list(name: str, text: str, example: str) -> list[str]:
+    """A comma-separated option's items, stripped and in order, duplicates dropped; an empty list
+    or item (``none,,draft``, a trailing comma: a name lost in the shell) is a usage error."""
+    items = [item.strip() for item in text.split(",")]
+    if not any(items):
+        raise UsageError(f"{name} is empty", f"name at least one, e.g. {name} {example}")
+    if not all(items):
+        raise UsageError(f"{name} {text!r} has an empty name between its commas",
+                         f"separate the names with single commas, e.g. {name} {example}")
+    return list(dict.fromkeys(items))
+
+
 def _bound(value: float) -> str:
     """A range's end as written: 1048576, not 1.04858e+06."""
     return str(int(value)) if float(value).is_integer() else f"{value:g}"

@@ -77,6 +77,16 @@ def test_demo_rejects_an_unknown_method(tiny_llama):
     assert "unknown method 'warp'" in result.stderr
 
 
+@pytest.mark.parametrize(("methods", "message"), [
+    ("", "--methods is empty"),
+    ("none,,draft", "--methods 'none,,draft' has an empty name between its commas"),
+])
+def test_demo_refuses_an_empty_method_name_before_loading(methods, message):
+    result = CliRunner().invoke(app, ["demo", "-t", "/no/such.gguf", "--methods", methods])
+    assert result.exit_code == 2, result.output
+    assert message in result.stderr and len(result.stderr.strip().splitlines()) == 1
+
+
 def test_mismatch_is_located_and_measured(tiny_llama):
     from specrun.backends.llama import LlamaCppBackend
     from specrun.sessions.compare import find_mismatch
