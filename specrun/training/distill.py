@@ -48,6 +48,7 @@ from specrun.training.run import (
     TrainingInterrupted,
     TrainProgress,
     check_checkpoint_folder,
+    no_step_taken,
     remove_checkpoint,
 )
 
@@ -505,6 +506,8 @@ class _Run:
             if time.monotonic() - last_checkpoint >= self.checkpoint_seconds:
                 self._checkpoint(settings, held, before)
                 last_checkpoint = time.monotonic()
+        if self.step == 0:
+            raise no_step_taken(request.minutes, self.elapsed(), self.checkpoints)
         after = self._report(held)
         record = {"target": request.target, "student": self.student.described, "settings": settings,
                   "steps": self.step, "seconds": round(self.elapsed(), 1),

@@ -139,6 +139,16 @@ class HeadsTrainResult:
     other: HeldOutReport | None = None  # on the eval prompts, where given
 
 
+def no_step_taken(minutes: float, elapsed: float, checkpoints: Path) -> SpecrunError:
+    """The refusal of a budget that ran out before the first training step: what it would write
+    never trained (the checkpoint stays, so a larger --minutes resumes past the work done)."""
+    return SpecrunError(
+        f"--minutes {minutes:g} ran out before the first training step ({elapsed:.0f} s went to preparing it): "
+        "nothing written",
+        f"pass a larger --minutes, e.g. --minutes {max(10, math.ceil(2 * elapsed / 60))}; the same command resumes "
+        f"from {checkpoints}")
+
+
 class TrainingInterrupted(KeyboardInterrupt):
     """Ctrl-C during training: ``checkpoint`` (None before the first) is kept, at ``step``."""
 
@@ -401,6 +411,8 @@ class _Run:
         else:
             states, labels = self._positions(data, train_rows, trainer.d2t)
             self._fit_positions(trainer, states, labels, settings, source)
+        if self.step == 0:
+            raise no_step_taken(self.request.minutes, self.elapsed(), self.checkpoints)
         report = self._report_on(trainer, data, held_rows)
         other = self._report_unseen(trainer, evaluated) if evaluated else None
         # The heads' own record names the target's file, not where it lay on this machine (heads

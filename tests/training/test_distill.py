@@ -24,6 +24,7 @@ from specrun.training.distill import (  # noqa: E402
     student_width,
     token_batches,
 )
+from specrun.errors import SpecrunError  # noqa: E402
 from specrun.training.run import TrainingInterrupted  # noqa: E402
 
 PROMPTS = [f"def function_{i}(value):\n    return value * {i} + len('{'x' * (i % 7)}')" for i in range(24)]
@@ -334,6 +335,18 @@ def test_no_room_for_the_result_is_one_error_that_keeps_the_checkpoint_to_write_
     notes = []
     result = distill(request_for(tiny_llama, prompts_file, tmp_path / "out"), on_note=notes.append, max_steps=2)
     assert result.resumed_at == 2 and result.steps == 2, notes  # with room, the same command writes it
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["out", "out.gguf", "prompts.txt"]
+
+
+def test_a_budget_spent_before_the_first_step_writes_nothing_and_a_larger_one_resumes(tiny_llama, prompts_file,
+                                                                                      tmp_path):
+    out = tmp_path / "out"
+    with pytest.raises(SpecrunError, match=r"--minutes 1e-06 ran out before the first training step") as refused:
+        distill(request_for(tiny_llama, prompts_file, out, minutes=1e-6))
+    assert "pass a larger --minutes" in refused.value.fix and str(checkpoint_folder(out)) in refused.value.fix
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["out.ckpt", "prompts.txt"]  # no untrained draft
+    result = distill(request_for(tiny_llama, prompts_file, out), max_steps=2)
+    assert result.resumed_at == 0 and result.steps == 2  # the held-out report was kept, not made again
     assert sorted(path.name for path in tmp_path.iterdir()) == ["out", "out.gguf", "prompts.txt"]
 
 

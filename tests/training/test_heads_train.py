@@ -14,6 +14,7 @@ import pytest
 from typer.testing import CliRunner
 
 from specrun.cli.app import app
+from specrun.errors import SpecrunError
 from specrun.heads.files import load_heads
 from specrun.heads.medusa import MedusaHeads
 from specrun.training.run import (
@@ -104,6 +105,18 @@ def test_a_stopped_run_resumes_from_its_checkpoint(tiny_llama, text_folder, tmp_
     assert result.resumed_at == 4 and result.steps == 8
     assert any("resuming" in note for note in notes)
     assert load_heads(out).config.training["steps"] == 8
+
+
+def test_a_budget_spent_before_the_first_step_writes_no_heads_and_a_larger_one_resumes(tiny_llama, text_folder,
+                                                                                       tmp_path):
+    out = tmp_path / "medusa.safetensors"
+    with pytest.raises(SpecrunError, match=r"--minutes 1e-06 ran out before the first training step") as refused:
+        train_heads(request_for(tiny_llama, out, text_dir=text_folder, minutes=1e-6))
+    assert str(checkpoint_folder(out)) in refused.value.fix
+    assert not out.exists() and checkpoint_folder(out).is_dir()  # untrained heads would draft noise
+    result = train_heads(request_for(tiny_llama, out, text_dir=text_folder), max_steps=2)
+    assert result.resumed_at == 0 and result.steps == 2  # the data gathered was kept
+    assert load_heads(out).config.training["steps"] == 2
 
 
 def stopped_with_a_checkpoint(request) -> None:
