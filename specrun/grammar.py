@@ -84,9 +84,38 @@ def _on_large_stack(function, *args):
 FIXES = {"json_schema": "fix the schema", "json_object": "fix the schema", "regex": "fix the regular expression"}
 
 
-def _refused(spec_kind: str, problem: str) -> GrammarError:
-    return GrammarError(f"{KINDS[spec_kind]} that cannot be used: {_first_line(problem)}",
-                        FIXES.get(spec_kind, "fix the grammar"))
+def _refused(spec: GrammarSpec, problem: str) -> GrammarError:
+    return GrammarError(f"{KINDS[spec.kind]} that cannot be used: {_first_line(_in_gbnf_terms(spec, problem))}",
+                        FIXES.get(spec.kind, "fix the grammar"))
+
+
+_AT_LINE = re.compile(r"at (\d+)\(\d+\): ")
+_LARK_RULE = re.compile(r"^([A-Za-z_]\w*)\s*:")
+_GBNF_RULE = re.compile(r"^\s*([A-Za-z0-9_-]+)\s*::=", re.MULTILINE)
+_SNIPPET_LINE = re.compile(r"^\s*(\d+ \|.*|\^+)\s*$")
+
+
+def _in_gbnf_terms(spec: GrammarSpec, problem: str) -> str:
+    """llguidance's problem with a GBNF grammar it converted to Lark says where in the Lark text
+    (``at 9(6):``, then that text's lines), which the user never wrote: said instead as the GBNF
+    line and rule it came from (``at line 4, rule num:``). Lark, and a problem that names no
+    position, pass as they are."""
+    import llguidance
+
+    at = _AT_LINE.match(problem)
+    if spec.kind != "gbnf" or at is None or llguidance.gbnf_to_lark.is_lark_syntax(spec.text):
+        return problem
+    lark_lines = llguidance.gbnf_to_lark.gbnf_to_lark(_unicode_escapes(spec.text)).splitlines()
+    rule = next((found.group(1) for line in reversed(lark_lines[: int(at.group(1))])
+                 if (found := _LARK_RULE.match(line))), None)
+    rest = problem[at.end():].splitlines()
+    said = "\n".join(line.strip() for line in rest if line.strip() and not _SNIPPET_LINE.match(line))
+    for found in _GBNF_RULE.finditer(spec.text):
+        name = found.group(1)
+        if rule is not None and (name == "root" if rule == "start" else name.replace("-", "_").lower() == rule.lower()):
+            line = spec.text.count("\n", 0, found.start(1)) + 1
+            return f"at line {line}, rule {name}: {said}"
+    return said
 
 
 @dataclass(frozen=True)
@@ -132,7 +161,7 @@ class GrammarSpec:
 
         problem = _on_large_stack(llguidance.LLMatcher.validate_grammar, self.llguidance_grammar())
         if problem:
-            raise _refused(self.kind, problem)
+            raise _refused(self, problem)
 
 
 def matcher_problem(error: str) -> str:
@@ -211,11 +240,11 @@ class Grammar:
         self._start = _on_large_stack(
             functools.partial(llguidance.LLMatcher, log_level=0), vocabulary.tokenizer, spec.llguidance_grammar())
         if self._start.is_error():
-            raise _refused(spec.kind, self._start.get_error())
+            raise _refused(spec, self._start.get_error())
         first = self._start.deep_copy()  # some grammars fail only once a mask is asked ({"$ref": "#"})
         first.compute_bitmask()
         if first.is_error():
-            raise _refused(spec.kind, f"{matcher_problem(first.get_error())} (at its first token)")
+            raise _refused(spec, f"{matcher_problem(first.get_error())} (at its first token)")
 
     @classmethod
     def compile(cls, spec: GrammarSpec, backend) -> "Grammar":
