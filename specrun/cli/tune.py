@@ -107,7 +107,8 @@ def tune(
         load = LoadOptions(backend=backend, threads=threads, registry=registry, rpc=rpc_servers,
                            flash_attn=flash_attn, exact=exact, n_ctx=ctx)
         search = (window_context or window_tuning.DEFAULT_CONTEXT) if window_search else None
-        results = run_tune(target, draft, prompts, max_tokens, load, search, sinks)
+        results = run_tune(target, draft, prompts, max_tokens, load, search, sinks,
+                           context_given=window_context is not None)
         for result in results:
             path = tuning.save(result)
         out.print(render(results))
@@ -115,7 +116,7 @@ def tune(
 
 
 def run_tune(target, draft, n_prompts, max_tokens, load, window_context: int | None = None,
-             sinks: int | None = None) -> list:
+             sinks: int | None = None, context_given: bool = False) -> list:
     """The pair's tune entries: its calibration; with a window search, the entry long runs read
     too (``with_window``: under its own key where their kernels differ, else in the same one)."""
     from specrun.sessions import tuning
@@ -147,20 +148,23 @@ def run_tune(target, draft, n_prompts, max_tokens, load, window_context: int | N
         )
         if window_context is None:
             return [result]
-        windowed = with_window(result, target_backend, draft_backend, window_context, max_tokens, err, load, sinks)
+        windowed = with_window(result, target_backend, draft_backend, window_context, max_tokens, err, load, sinks,
+                               context_given)
         return [windowed] if windowed.key == result.key else [result, windowed]
     finally:
         target_backend.close()
         draft_backend.close()
 
 
-def with_window(result, target, draft, context: int, max_tokens: int, err, load, sinks: int | None = None):
+def with_window(result, target, draft, context: int, max_tokens: int, err, load, sinks: int | None = None,
+                context_given: bool = False):
     """``result`` with the windowed cache the draft drafts fastest with after ``context`` tokens
     (sessions/window_tuning.py), at most the context less ``max_tokens``, keeping ``sinks`` first
     tokens (None: StreamingLLM's 4, then the other counts of SINK_CANDIDATES at the window kept).
     The search runs on the kernels a run reaching that context settles on (flash attention by the
     deep probe, sessions/kernels.py), and the result is keyed as such a run looks it up: where
-    they differ from calibration's, a long run would otherwise never find the window."""
+    they differ from calibration's, a long run would otherwise never find the window. A
+    ``context_given`` (--window-context) the context cannot hold is said as it is cut."""
     import dataclasses
 
     from specrun.backends.kv import sequence_for
@@ -176,6 +180,10 @@ def with_window(result, target, draft, context: int, max_tokens: int, err, load,
                else f"the {draft.name} backend keeps no windowed cache")
         raise UsageError(f"--window-search times windowed caches after a long prompt, and {why}",
                          "pass --ctx 8192 (or more), or drop --window-search")
+    if context_given and context > room:
+        err.print(f"note: --window-context {context:,} is more than a context of {min(target.n_ctx, draft.n_ctx):,} "
+                  f"holds beside --max-tokens {max_tokens}: searching after {room:,} tokens (pass a larger --ctx "
+                  "for more)", highlight=False)
     prompt = long_prompt(target, min(context, room))
     for backend in (target, draft):
         sequence_for(backend).reset()  # flash attention is chosen with an empty cache
