@@ -61,11 +61,15 @@ MARGIN = 0.05
 # settles, not kept: steps begun under the other arm end in it, and the rates' draft model first
 # reads what its slot decoded plainly; so does the first stretch under the rates at an occupancy
 # (every slot's prompt read at once, a cost a request pays once).
-# A try costs what the arm left aside loses over the standing one, for its stretches (two: one
-# settling, priced here as the measured one, though a switch back to the rates' choice costs more
-# there): the gap is at least long enough that tries cost about TRY_BUDGET of the standing arm's
+# A try costs what its stretches lose against the standing arm: the arm left aside settling, then
+# measured, and the standing arm settling back. A switch to the rates' choice has every slot's
+# draft model read what it decoded plainly since, a pass each of the others waits for, so the
+# settling stretches are measured too (not kept for the verdict) and a try is priced at what they
+# lost, where measured (else a settling stretch as its arm's measured ones, the settling back as
+# nothing): the gap is at least long enough that tries cost about TRY_BUDGET of the standing arm's
 # tokens (at 4 slots on a 2-core CPU the rates' choice measured 0.44x plain batching: tries every
-# 2-16 stretches cost more than a tenth of its tokens).
+# 2-16 stretches cost more than a tenth of its tokens; at 8 slots its tries' catch-ups cost more
+# than their measured stretches lost: draft busy 9% of a phase for a choice realised at 0.99x).
 EPOCH_SECONDS = 1.5
 SHORTEST_EPOCH = 0.3
 KEPT_EPOCHS = 4
@@ -73,7 +77,6 @@ MIN_KEPT = 2  # stretches of each arm kept before the first comparison
 FIRST_GAP = 2
 LAST_GAP = 64
 TRY_BUDGET = 0.03
-TRY_STRETCHES = 2  # a try: a stretch settling, then one measured
 RATES, PLAIN = "rates", "plain"
 
 
@@ -290,6 +293,9 @@ class _Arms:
 
     rates: deque = field(default_factory=lambda: deque(maxlen=KEPT_EPOCHS))
     plain: deque = field(default_factory=lambda: deque(maxlen=KEPT_EPOCHS))
+    # stretches settling after a switch to each arm (not the occupancy's opening): what a try costs
+    settling: dict = field(default_factory=lambda: {RATES: deque(maxlen=KEPT_EPOCHS),
+                                                    PLAIN: deque(maxlen=KEPT_EPOCHS)})
     held: bool = False  # plain batching held: the rates' choice measured slower
     gap: int = FIRST_GAP  # stretches the standing arm runs before the other is tried again
     since: int = 0  # kept stretches of the standing arm since the last try (or the last turn)
@@ -301,9 +307,27 @@ class _Arms:
         return len(self.rates) >= MIN_KEPT and len(self.plain) >= MIN_KEPT
 
     def rate(self, arm: str) -> float | None:
-        kept = self.rates if arm == RATES else self.plain
-        seconds = sum(each for _, each in kept)
-        return sum(tokens for tokens, _ in kept) / seconds if kept and seconds > 0.0 else None
+        return _rate(self.rates if arm == RATES else self.plain)
+
+    def try_cost(self, standing: str) -> float:
+        """What a try of the arm left aside costs, in stretches of the standing arm's tokens: the
+        other arm's settling stretch and its measured one, and the standing arm's settling back,
+        each by what it fell short of the standing arm's rate."""
+        other = PLAIN if standing == RATES else RATES
+        best = self.rate(standing)
+        measured = self.rate(other)
+        if not best or measured is None:
+            return 0.0
+        arriving = _rate(self.settling[other])
+        returning = _rate(self.settling[standing])
+        return sum(max(0.0, 1.0 - rate / best) for rate in (
+            measured if arriving is None else arriving, measured, best if returning is None else returning))
+
+
+def _rate(kept) -> float | None:
+    """Stretches' tokens over their seconds; None where none were kept."""
+    seconds = sum(each for _, each in kept)
+    return sum(tokens for tokens, _ in kept) / seconds if kept and seconds > 0.0 else None
 
 
 @dataclass
@@ -313,6 +337,7 @@ class _Epoch:
     started: float
     trial: bool  # a try of the arm left aside
     settling: bool  # not kept: after a switch of arms, or the first under the rates at an occupancy
+    opening: bool  # the first under the rates at an occupancy (every slot's prompt read: once)
     tokens: int = 0
     left_out: float = 0.0
     drafted: bool = False
@@ -377,9 +402,10 @@ class Realised:
             # a stretch after a switch of arms settles: the slots' steps under way when it began
             # end in it under the other arm's lengths (and the rates' draft model reads what its
             # slot decoded plainly); so does the first under the rates (every slot's prompt read)
-            settling = arm != self._last_arm or (arm == RATES and not arms.opened)
+            opening = arm == RATES and not arms.opened
+            settling = arm != self._last_arm or opening
             arms.opened |= arm == RATES
-            epoch = self._epoch = _Epoch(sequences, arm, now, trial, settling)
+            epoch = self._epoch = _Epoch(sequences, arm, now, trial, settling, opening)
             self._last_arm, self._last_sequences = arm, sequences
         return epoch
 
@@ -403,7 +429,11 @@ class Realised:
     def _close(self, epoch: _Epoch, now: float) -> None:
         arms = self._arms.setdefault(epoch.sequences, _Arms())
         seconds = now - epoch.started - epoch.left_out
-        if epoch.settling or seconds < SHORTEST_EPOCH or epoch.tokens == 0:
+        if seconds < SHORTEST_EPOCH or epoch.tokens == 0:
+            return
+        if epoch.settling:  # what a switch to its arm costs, for the gap between tries
+            if not epoch.opening:
+                arms.settling[epoch.arm].append((epoch.tokens, seconds))
             return
         # a stretch under the rates' choice that drafted nothing was plain batching
         (arms.rates if epoch.arm == RATES and epoch.drafted else arms.plain).append((epoch.tokens, seconds))
@@ -417,8 +447,8 @@ class Realised:
             arms.held, arms.gap, arms.since, arms.decided = held, FIRST_GAP, 0, True
         elif epoch.trial:  # a try of the arm left aside agreed with the standing choice
             arms.gap = 2 * arms.gap
-        loss = 1.0 - min(rates, plain) / max(rates, plain)  # a stretch of the arm left aside, against the other
-        arms.gap = min(LAST_GAP, max(arms.gap, math.ceil(TRY_STRETCHES * loss / TRY_BUDGET)))
+        cost = arms.try_cost(PLAIN if held else RATES)
+        arms.gap = min(LAST_GAP, max(arms.gap, math.ceil(cost / TRY_BUDGET)))
 
     def describe(self, sequences: int) -> dict:
         arms = self._arms.get(sequences)

@@ -467,6 +467,41 @@ def test_where_the_rates_choice_measures_slower_than_plain_batching_the_batch_ho
     assert batch.measured() == [(4, "rates", 32.0), (4, "plain", 40.0)]
 
 
+def test_a_try_is_priced_at_what_its_switch_cost_not_its_measured_stretch_alone():
+    """Held plain (4 tokens a step drafting, 5 plain), where each switch to the rates' choice also
+    has every slot's draft model read the text it decoded plainly (8 slots on a 2-core CPU: the
+    catch-ups of one switch took seconds every slot waited): its settling stretch yields 1 token a
+    step. Priced by its measured stretches alone a try cost 0.4 stretches of plain's tokens and came
+    again after 2 * 14; priced at what its settling lost too (0.8 + 0.2, plain settling back as
+    plain) it comes after ceil(1.0 / TRY_BUDGET) = 34."""
+    from specrun.control.batch import EPOCH_SECONDS, FIRST_GAP, TRY_BUDGET
+
+    clock = Clock()
+    batch = drafting_batch(clock)
+    per_stretch = round(EPOCH_SECONDS / STEP)
+    arms: list[bool] = []
+
+    def stretches(count: int) -> list[bool]:
+        start = len(arms)
+        for step in range(count * per_stretch):
+            batch.post(1, MOSTLY_RIGHT)
+            drafting = bool(batch.length(4, 8))
+            if step % per_stretch == 0:
+                arms.append(drafting)
+            switched = len(arms) > 1 and arms[-1] and not arms[-2]
+            clock.now += STEP
+            batch.emitted(4, (1 if switched else 4) if drafting else 5)
+        return arms[start:]
+
+    assert stretches(len(opening())) == opening()
+    gap = max(FIRST_GAP, math.ceil(2 * 0.2 / TRY_BUDGET))  # nothing settled under the rates yet
+    assert stretches(gap + 2) == [False] * gap + [True, True]
+    priced = math.ceil((1 - 8 / 40 + 0.2) / TRY_BUDGET)
+    assert priced > 2 * gap
+    assert stretches(1 + priced + 1) == [False] * (1 + priced) + [True]
+    assert batch.held_plain() == [(4, True)]
+
+
 def test_where_the_rates_choice_measures_faster_it_stands_and_plain_is_tried_less_and_less():
     from specrun.control.batch import FIRST_GAP, TRY_BUDGET
 
