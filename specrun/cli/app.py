@@ -169,8 +169,9 @@ def generate(
     keep_learned: KeepLearnedOpt = False,
     trace: TraceOpt = None,
 ) -> None:
-    """Answer PROMPT as a chat message (with --raw, or for a completion model, continue it):
-    text to stdout, statistics to stderr."""
+    """Answer PROMPT: text to stdout, statistics to stderr.
+
+    PROMPT is a chat message; with --raw, or for a completion model, it is continued as it is."""
     with cli_errors():
         from specrun.sessions.generation import GenerateRequest, generate_text
         from specrun.registry.loading import LoadOptions, choose_pair
@@ -325,8 +326,10 @@ def trace_command(
     file: Annotated[Path, typer.Argument(help="A file written by --trace (generate, bench, chat or serve).")],
     events: Annotated[int, typer.Option("--events", help="Turns of the policy shown a run (0: none).")] = 12,
 ) -> None:
-    """Tell a --trace file in words: each run's passes, who drafted and how much was kept, where the
-    time went, when and why the policy switched a drafter off or on, and how the run ended."""
+    """Tell a --trace file in words: what drafted, what was kept, where the time went.
+
+    Each run's passes, who drafted and how much was kept, where the time went, when and why the
+    policy switched a drafter off or on, and how the run ended."""
     with cli_errors():
         from specrun.sessions.trace_reading import describe_header, explain, read_trace
 

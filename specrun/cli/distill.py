@@ -48,9 +48,11 @@ def distill_command(
     threads: ThreadsOpt = None,
     max_steps: Annotated[Optional[int], typer.Option("--max-steps", hidden=True)] = None,
 ) -> None:
-    """Distill a draft from the target on MLX: the student writes, the target scores, the student
-    learns the target's distributions; reports held-out acceptance before and after and writes an
-    MLX folder and a GGUF, both loadable as --draft. A second run with the same options resumes."""
+    """Distill a draft model from the target's own distributions (on MLX); a second run resumes.
+
+    The student writes, the target scores, the student learns the target's distributions; reports
+    held-out acceptance before and after and writes an MLX folder and a GGUF, both loadable as
+    --draft. A second run with the same options resumes."""
     with cli_errors():
         from specrun.training.distill import DistillRequest, check_request, distill
 

@@ -144,9 +144,10 @@ def serve_command(
     keep_learned: KeepLearnedOpt = False,
     trace: ServeTraceOpt = None,
 ) -> None:
-    """Serve the pair over an OpenAI-compatible API (/v1/chat/completions, /v1/completions,
-    /v1/models, /health) until Ctrl-C. --temp, --top-k, --top-p, --min-p and -n are the defaults
-    of requests that do not set them."""
+    """Serve the pair over an OpenAI-compatible API until Ctrl-C.
+
+    /v1/chat/completions, /v1/completions, /v1/models, /health and /metrics. --temp, --top-k,
+    --top-p, --min-p and -n are the defaults of requests that do not set them."""
     with cli_errors():
         from specrun.drafters.methods import check_method, check_slots_method, needs_draft_model
         from specrun.registry.loading import LoadOptions, choose_pair
