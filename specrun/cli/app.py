@@ -5,6 +5,7 @@ Data goes to stdout; progress, warnings and statistics go to stderr.
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import sys
@@ -378,6 +379,20 @@ app.add_typer(models_app, name="models")
 app.command("serve")(serve_command)
 app.command("rpc-server")(rpc_server_command)
 app.command("tune")(tune)
+
+
+def _reflow_help(group: typer.Typer) -> None:
+    """Each command's help as its docstring's paragraphs, each one line: Typer's rich help keeps a
+    docstring's line breaks, which break its sentences wherever the source wrapped them."""
+    for info in group.registered_commands:
+        if info.help is None and info.callback is not None and info.callback.__doc__:
+            paragraphs = inspect.getdoc(info.callback).split("\n\n")
+            info.help = "\n\n".join(" ".join(line.strip() for line in each.splitlines()) for each in paragraphs)
+    for sub in group.registered_groups:
+        _reflow_help(sub.typer_instance)
+
+
+_reflow_help(app)
 
 
 def main() -> None:

@@ -1,0 +1,33 @@
+"""Every command's --help reads as prose: its docstring's paragraphs are reflowed, so a sentence
+is not broken wherever the source wrapped it (Typer's rich help keeps a docstring's line breaks)."""
+
+from __future__ import annotations
+
+import pytest
+import typer.main
+from typer.testing import CliRunner
+
+from specrun.cli.app import app
+
+
+def commands(group=None, path=()):
+    group = group or typer.main.get_command(app)
+    for name, command in sorted(getattr(group, "commands", {}).items()):
+        yield (*path, name), command
+        yield from commands(command, (*path, name))
+
+
+@pytest.mark.parametrize(("path", "command"), list(commands()),
+                         ids=lambda each: " ".join(each) if isinstance(each, tuple) else "")
+def test_a_command_s_help_paragraphs_are_each_one_line(path, command):
+    paragraphs = (command.help or "").split("\n\n")
+    assert paragraphs[0], path  # every command says what it does
+    assert all("\n" not in paragraph for paragraph in paragraphs), (path, paragraphs)
+
+
+def test_serve_s_help_wraps_its_paragraphs_where_the_terminal_ends_not_where_the_source_did():
+    result = CliRunner().invoke(app, ["serve", "--help"], env={"COLUMNS": "80", "TERMINAL_WIDTH": None})
+    assert result.exit_code == 0
+    lines = [line.strip() for line in result.output.splitlines()]
+    # the paragraph fills the 80 columns: its source's break after "--top-k," is gone
+    assert "--temp, --top-k, --top-p, --min-p and -n are the defaults of requests that do" in lines
