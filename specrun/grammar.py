@@ -98,24 +98,35 @@ _SNIPPET_LINE = re.compile(r"^\s*(\d+ \|.*|\^+)\s*$")
 def _in_gbnf_terms(spec: GrammarSpec, problem: str) -> str:
     """llguidance's problem with a GBNF grammar it converted to Lark says where in the Lark text
     (``at 9(6):``, then that text's lines), which the user never wrote: said instead as the GBNF
-    line and rule it came from (``at line 4, rule num:``). Lark, and a problem that names no
-    position, pass as they are."""
+    rule it came from and the line that rule begins on (``in rule num (line 4):``). Lark, a
+    problem that names no position, and one no GBNF rule can be found for pass as they are."""
     import llguidance
 
     at = _AT_LINE.match(problem)
     if spec.kind != "gbnf" or at is None or llguidance.gbnf_to_lark.is_lark_syntax(spec.text):
         return problem
-    lark_lines = llguidance.gbnf_to_lark.gbnf_to_lark(_unicode_escapes(spec.text)).splitlines()
-    rule = next((found.group(1) for line in reversed(lark_lines[: int(at.group(1))])
+    try:  # as the grammar was converted, on the large stack (a deep grammar recurses)
+        lark = _on_large_stack(llguidance.gbnf_to_lark.gbnf_to_lark, _unicode_escapes(spec.text))
+    except Exception:  # noqa: BLE001 - it converted once: a second failure is no reason to lose the problem
+        return problem
+    rule = next((found.group(1) for line in reversed(lark.splitlines()[: int(at.group(1))])
                  if (found := _LARK_RULE.match(line))), None)
-    rest = problem[at.end():].splitlines()
-    said = "\n".join(line.strip() for line in rest if line.strip() and not _SNIPPET_LINE.match(line))
     for found in _GBNF_RULE.finditer(spec.text):
         name = found.group(1)
-        if rule is not None and (name == "root" if rule == "start" else name.replace("-", "_").lower() == rule.lower()):
+        if rule is not None and _lark_name(name) == rule.lower():
+            said = "\n".join(line.strip() for line in problem[at.end():].splitlines()
+                             if line.strip() and not _SNIPPET_LINE.match(line))
             line = spec.text.count("\n", 0, found.start(1)) + 1
-            return f"at line {line}, rule {name}: {said}"
-    return said
+            return f"in rule {name} (line {line}): {said}"
+    return problem
+
+
+def _lark_name(gbnf_name: str) -> str:
+    """A GBNF rule's name as llguidance's converter writes it, lower-cased: root is Lark's start,
+    dashes become underscores and camelCase snake_case (``itemList``: ``item_list``)."""
+    if gbnf_name == "root":
+        return "start"
+    return re.sub(r"([a-z])([A-Z])", r"\1_\2", gbnf_name.replace("-", "_")).lower()
 
 
 @dataclass(frozen=True)

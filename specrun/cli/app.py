@@ -329,8 +329,7 @@ def trace_command(
 ) -> None:
     """Tell a --trace file in words: what drafted, what was kept, where the time went.
 
-    Each run's passes, who drafted and how much was kept, where the time went, when and why the
-    policy switched a drafter off or on, and how the run ended."""
+    Each run's passes, when and why the policy switched a drafter off or on, and how the run ended."""
     with cli_errors():
         from specrun.sessions.trace_reading import describe_header, explain, read_trace
 
@@ -383,11 +382,13 @@ app.command("tune")(tune)
 
 def _reflow_help(group: typer.Typer) -> None:
     """Each command's help as its docstring's paragraphs, each one line: Typer's rich help keeps a
-    docstring's line breaks, which break its sentences wherever the source wrapped them."""
+    docstring's line breaks, which break its sentences wherever the source wrapped them (a
+    paragraph marked ``\\b``, Click's "keep as written", stays as written)."""
     for info in group.registered_commands:
         if info.help is None and info.callback is not None and info.callback.__doc__:
             paragraphs = inspect.getdoc(info.callback).split("\n\n")
-            info.help = "\n\n".join(" ".join(line.strip() for line in each.splitlines()) for each in paragraphs)
+            info.help = "\n\n".join(each if each.startswith("\b") else " ".join(map(str.strip, each.splitlines()))
+                                    for each in paragraphs)
     for sub in group.registered_groups:
         _reflow_help(sub.typer_instance)
 

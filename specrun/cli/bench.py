@@ -249,7 +249,7 @@ def parse_methods(methods: str | None, has_draft: bool, head_kinds: tuple[str, .
     if methods is None:
         chosen = [m for m in METHODS if default(m)]
     else:
-        chosen = comma_list("--methods", methods, "none,draft")
+        chosen = comma_list("--methods", methods, "none,draft", METHODS)
         for method in chosen:
             check_method(method)
             if not runnable(method):

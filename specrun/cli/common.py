@@ -137,14 +137,16 @@ def check_range(name: str, value: int | float | None, low: float, high: float) -
         raise UsageError(f"{name} must be between {_bound(low)} and {_bound(high)}, got {value}", f"pass a valid {name}")
 
 
-def comma_list(name: str, text: str, example: str) -> list[str]:
+def comma_list(name: str, text: str, example: str, known: Sequence[str] = ()) -> list[str]:
     """A comma-separated option's items, stripped and in order, duplicates dropped; an empty list
-    or item (``none,,draft``, a trailing comma: a name lost in the shell) is a usage error."""
+    or item (``none,,draft``, a trailing comma: a name lost in the shell) is a usage error, whose
+    fix lists the ``known`` names where given."""
     items = [item.strip() for item in text.split(",")]
+    some = f"use some of: {', '.join(known)}" if known else f"name at least one, e.g. {name} {example}"
     if not any(items):
-        raise UsageError(f"{name} is empty", f"name at least one, e.g. {name} {example}")
+        raise UsageError(f"{name} is empty", some)
     if not all(items):
-        raise UsageError(f"{name} {text!r} has an empty name between its commas",
+        raise UsageError(f"{name} {text!r} has an empty name (two commas together, or one at an end)",
                          f"separate the names with single commas, e.g. {name} {example}")
     return list(dict.fromkeys(items))
 

@@ -52,7 +52,7 @@ def distill_command(
 
     The student writes, the target scores, the student learns the target's distributions; reports
     held-out acceptance before and after and writes an MLX folder and a GGUF, both loadable as
-    --draft. A second run with the same options resumes."""
+    --draft. The second run takes the same options."""
     with cli_errors():
         from specrun.training.distill import DistillRequest, check_request, distill
 

@@ -50,7 +50,7 @@ def train(
     threads: ThreadsOpt = None,
     max_steps: Annotated[Optional[int], typer.Option("--max-steps", hidden=True)] = None,
 ) -> None:
-    """Train heads that guess the target's next tokens from its hidden states; a second run resumes.
+    """Train heads that guess the target's next tokens from its hidden states.
 
     A second run with the same options resumes from the checkpoint a stopped one left."""
     with cli_errors():

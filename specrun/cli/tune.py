@@ -28,6 +28,9 @@ from specrun.cli.options import (
     TunePromptsOpt,
 )
 
+# tokens a window search leaves free beside its prompt and --max-tokens: slack for drafts running ahead
+ROOM_MARGIN = 16
+
 
 def tune(
     target: TargetOpt = None,
@@ -174,16 +177,16 @@ def with_window(result, target, draft, context: int, max_tokens: int, err, load,
     from specrun.sessions.kernels import settle_pair
     from specrun.sessions.window_tuning import SINK_CANDIDATES, long_prompt, search_window
 
-    room = min(target.n_ctx, draft.n_ctx) - max_tokens - 16
+    room = min(target.n_ctx, draft.n_ctx) - max_tokens - ROOM_MARGIN
     if room < 256 or not hasattr(draft, "open_window"):
         why = (f"a context of {target.n_ctx} leaves no long prompt" if room < 256
                else f"the {draft.name} backend keeps no windowed cache")
         raise UsageError(f"--window-search times windowed caches after a long prompt, and {why}",
                          "pass --ctx 8192 (or more), or drop --window-search")
     if context_given and context > room:
-        err.print(f"note: --window-context {context:,} is more than a context of {min(target.n_ctx, draft.n_ctx):,} "
-                  f"holds beside --max-tokens {max_tokens}: searching after {room:,} tokens (pass a larger --ctx "
-                  "for more)", highlight=False)
+        err.print(f"note: --window-context {context} is more than a context of {min(target.n_ctx, draft.n_ctx)} "
+                  f"holds beside --max-tokens {max_tokens} and {ROOM_MARGIN} tokens of margin: searching after "
+                  f"{room:,} tokens (pass a larger --ctx for more)", highlight=False)
     prompt = long_prompt(target, min(context, room))
     for backend in (target, draft):
         sequence_for(backend).reset()  # flash attention is chosen with an empty cache

@@ -429,11 +429,13 @@ class Realised:
     def _close(self, epoch: _Epoch, now: float) -> None:
         arms = self._arms.setdefault(epoch.sequences, _Arms())
         seconds = now - epoch.started - epoch.left_out
-        if seconds < SHORTEST_EPOCH or epoch.tokens == 0:
+        if seconds < SHORTEST_EPOCH:
             return
-        if epoch.settling:  # what a switch to its arm costs, for the gap between tries
+        if epoch.settling:  # what a switch to its arm costs, for the gap between tries (none: a stall)
             if not epoch.opening:
                 arms.settling[epoch.arm].append((epoch.tokens, seconds))
+            return
+        if epoch.tokens == 0:
             return
         # a stretch under the rates' choice that drafted nothing was plain batching
         (arms.rates if epoch.arm == RATES and epoch.drafted else arms.plain).append((epoch.tokens, seconds))

@@ -106,8 +106,8 @@ def test_bad_prompt_files_exit_1_with_one_line(tmp_path, content, message):
     [
         (["--methods", "none,warp"], "unknown method 'warp'"),
         (["--methods", ","], "--methods is empty"),
-        (["--methods", "none,,draft"], "--methods 'none,,draft' has an empty name between its commas"),
-        (["--methods", "none,draft,"], "has an empty name between its commas"),
+        (["--methods", "none,,draft"], "--methods 'none,,draft' has an empty name (two commas together"),
+        (["--methods", "none,draft,"], "has an empty name (two commas together, or one at an end)"),
         (["--categories", " , "], "--categories is empty"),
         (["--categories", "chat,,qa"], "--categories 'chat,,qa' has an empty name"),
         (["--draft-len", "3", "--sweep-draft-len", "1..4"], "exclude each other"),

@@ -79,7 +79,7 @@ def test_demo_rejects_an_unknown_method(tiny_llama):
 
 @pytest.mark.parametrize(("methods", "message"), [
     ("", "--methods is empty"),
-    ("none,,draft", "--methods 'none,,draft' has an empty name between its commas"),
+    ("none,,draft", "--methods 'none,,draft' has an empty name (two commas together, or one at an end)"),
 ])
 def test_demo_refuses_an_empty_method_name_before_loading(methods, message):
     result = CliRunner().invoke(app, ["demo", "-t", "/no/such.gguf", "--methods", methods])

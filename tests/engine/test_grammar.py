@@ -525,14 +525,17 @@ def test_an_escaped_backslash_before_u_stays_a_backslash():
 
 @pytest.mark.parametrize(("text", "said"), [
     ('root ::= item-list ws\nitem-list ::= item ("," item)*\nitem ::= [a-z]+ | num\nnum ::= [0-9]{3,2}\n'
-     'ws ::= [ \\t]*\n', "cannot be used: at line 4, rule num: range end must be >= start, got (3, 2)"),
-    ('root ::= x\n\n\nx ::= "a" [z-a]\n', 'cannot be used: at line 4, rule x: invalid regex "[z-a]" (in regex): '
+     'ws ::= [ \\t]*\n', "cannot be used: in rule num (line 4): range end must be >= start, got (3, 2)"),
+    ('root ::= x\n\n\nx ::= "a" [z-a]\n', 'cannot be used: in rule x (line 4): invalid regex "[z-a]" (in regex): '
      "regex parse error: [z-a]; error: invalid character class range"),
-    ("root ::= [0-9]{3,2}", "cannot be used: at line 1, rule root: range end"),
+    ("root ::= [0-9]{3,2}", "cannot be used: in rule root (line 1): range end"),
+    ("root ::= itemList\nitemList ::= [0-9]{3,2}", "cannot be used: in rule itemList (line 2): range end"),
+    ('root ::= x\nx ::= "a" |\n  "b" |\n  [0-9]{3,2}', "cannot be used: in rule x (line 2): range end"),
 ])
 def test_a_gbnf_grammar_s_problem_is_placed_in_its_own_lines_not_the_lark_it_became(text, said):
     """llguidance checks the Lark text it converted GBNF to (a header, rules renamed and regrouped):
-    its position is said as the GBNF line and rule, and its quotation of Lark lines dropped."""
+    its position is said as the GBNF rule and the line it begins on (camelCase and dashed names
+    as the converter renames them), and its quotation of Lark lines dropped."""
     with pytest.raises(GrammarError) as refused:
         GrammarSpec("gbnf", text).check()
     assert said in refused.value.problem and " | " not in refused.value.problem, refused.value.problem

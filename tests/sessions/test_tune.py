@@ -380,8 +380,8 @@ def test_tune_window_search_saves_the_draft_cache_it_timed(config_home, tiny_lla
                                  "--window-context", "600", "--sinks", "8"])
     assert result.exit_code == 0, result.output
     # the tiny model's context is 512 tokens: the prompt is what is left beside 8 new ones, and said so
-    assert ("note: --window-context 600 is more than a context of 512 holds beside --max-tokens 8: searching after "
-            "488 tokens (pass a larger --ctx for more)") in " ".join(result.output.split())
+    assert ("note: --window-context 600 is more than a context of 512 holds beside --max-tokens 8 and 16 tokens of "
+            "margin: searching after 488 tokens (pass a larger --ctx for more)") in " ".join(result.output.split())
     assert "window search: 488 tokens of prompt; full cache, windows 128-1024, 8 sinks" in result.output
     assert "draft cache after 488 tokens:" in result.output
     (entry,) = json.loads((config_home / "specrun" / "tuned.json").read_text())["pairs"].values()

@@ -496,10 +496,33 @@ def test_a_try_is_priced_at_what_its_switch_cost_not_its_measured_stretch_alone(
     assert stretches(len(opening())) == opening()
     gap = max(FIRST_GAP, math.ceil(2 * 0.2 / TRY_BUDGET))  # nothing settled under the rates yet
     assert stretches(gap + 2) == [False] * gap + [True, True]
-    priced = math.ceil((1 - 8 / 40 + 0.2) / TRY_BUDGET)
+    priced = math.ceil((1 - 1 / 5 + 0.2) / TRY_BUDGET)  # settling at 1 token a step against plain's 5
     assert priced > 2 * gap
     assert stretches(1 + priced + 1) == [False] * (1 + priced) + [True]
     assert batch.held_plain() == [(4, True)]
+
+
+def test_a_try_s_cost_sums_what_each_of_its_stretches_fell_short_of_the_standing_arm():
+    """Plain standing at 40 tokens/s, the rates' choice measured at 32: a try costs 0.2 of a stretch
+    for each of its two stretches where no switch was measured (the settling back costs nothing);
+    a switch to the rates that stalled (0 tokens) costs a whole stretch, and a slow settling back
+    its shortfall; nothing where an arm is unmeasured or the standing arm got nothing."""
+    from specrun.control.batch import PLAIN, RATES, _Arms
+
+    arms = _Arms()
+    assert arms.try_cost(PLAIN) == 0.0  # nothing measured
+    arms.plain.append((60, 1.5))
+    arms.rates.append((48, 1.5))
+    assert arms.try_cost(PLAIN) == pytest.approx(0.4)
+    assert arms.try_cost(RATES) == 0.0  # the rates' choice "standing" below plain: no shortfall
+    arms.settling[RATES].append((0, 1.5))
+    assert arms.try_cost(PLAIN) == pytest.approx(1.2)
+    arms.settling[PLAIN].append((30, 1.5))
+    assert arms.try_cost(PLAIN) == pytest.approx(1.7)
+    stalled = _Arms()
+    stalled.plain.append((0, 1.5))
+    stalled.rates.append((48, 1.5))
+    assert stalled.try_cost(PLAIN) == 0.0
 
 
 def test_where_the_rates_choice_measures_faster_it_stands_and_plain_is_tried_less_and_less():
