@@ -359,6 +359,7 @@ def _parse_messages(messages) -> tuple[dict[str, str], ...]:
     if not messages:
         raise invalid_value("messages", "must hold at least one message")
     parsed = []
+    unanswered: list[str] = []  # the ids of the last assistant turn's calls no tool message answered yet
     for index, message in enumerate(messages):
         where = f"messages[{index}]"
         if not isinstance(message, dict):
@@ -372,12 +373,19 @@ def _parse_messages(messages) -> tuple[dict[str, str], ...]:
         entry = {"role": "system" if role == "developer" else role, "content": content}
         if role == "assistant" and message.get("tool_calls"):
             entry["tool_calls"] = _earlier_calls(message["tool_calls"], f"{where}.tool_calls")
+        if role in ("user", "assistant"):
+            unanswered = [call["id"] for call in entry.get("tool_calls", ()) if call["id"]]
         if role == "tool":
             call_id = message.get("tool_call_id")
             if call_id is not None and not isinstance(call_id, str):
                 raise RequestError(f"{where}.tool_call_id must be a string", f"{where}.tool_call_id",
                                    code="invalid_type")
-            entry["tool_call_id"] = _text(call_id or "", f"{where}.tool_call_id")
+            # a result sent without its call's id (some clients leave it out) answers the first call still
+            # open, as `chat`'s /tool does: a template that writes ids back (Mistral's) needs one
+            call_id = _text(call_id or (unanswered[0] if unanswered else ""), f"{where}.tool_call_id")
+            if call_id in unanswered:
+                unanswered.remove(call_id)
+            entry["tool_call_id"] = call_id
             name = message.get("name")
             if name is not None:
                 if not isinstance(name, str):

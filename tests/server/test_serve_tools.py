@@ -160,3 +160,26 @@ def test_tool_choice_none_leaves_the_tools_out_of_the_prompt(demo_server):
     none = _call(demo_server, messages=QUESTION, tools=[WEATHER, TIME], tool_choice="none")
     plain = _call(demo_server, messages=QUESTION)
     assert none.usage.prompt_tokens == plain.usage.prompt_tokens < with_tools.usage.prompt_tokens
+
+
+def test_a_tool_result_sent_without_its_call_s_id_answers_the_first_call_still_open():
+    """Some clients send a tool's result without ``tool_call_id``; a template that writes the id
+    back (Mistral's) needs one: each such result answers the last assistant turn's first call no
+    result answered yet, as `chat`'s /tool does. A result with its id answers that call; after a
+    user turn (or an assistant turn without calls) no call is open and none is given."""
+    from specrun.server.requests import ServeDefaults, parse_chat_request
+
+    def call(call_id, name):
+        return {"id": call_id, "type": "function", "function": {"name": name, "arguments": "{}"}}
+
+    messages = [*QUESTION, {"role": "assistant", "content": "", "tool_calls": [call("c1", "get_weather"),
+                                                                               call("c2", "get_time")]},
+                {"role": "tool", "content": "21 C"},
+                {"role": "tool", "content": "noon"},
+                {"role": "assistant", "content": "", "tool_calls": [call("c3", "get_weather"), call("c4", "get_time")]},
+                {"role": "tool", "content": "noon", "tool_call_id": "c4"},
+                {"role": "tool", "content": "18 C"},
+                {"role": "user", "content": "thanks"},
+                {"role": "tool", "content": "stray"}]
+    parsed = parse_chat_request({"model": MODEL, "messages": messages}, ServeDefaults(), 4096).messages
+    assert [each.get("tool_call_id") for each in parsed if each["role"] == "tool"] == ["c1", "c2", "c4", "c3", ""]
