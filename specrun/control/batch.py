@@ -38,7 +38,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from time import perf_counter
 
-from specrun.control.costs import TargetCosts
+from specrun.control.costs import SHARED_MARGIN, TargetCosts
 from specrun.drafters.draft_model import TIMED_READ, PassTiming
 
 # Passes that price decoding: a verify pass of at most the longest draft auto chooses (16,
@@ -47,12 +47,12 @@ from specrun.drafters.draft_model import TIMED_READ, PassTiming
 # up on text, and prices neither.
 VERIFY_LONGEST = 17
 ROUND_LONGEST = 2
-# What a draft length must beat plain batching by: a pass's timing noise (3%: TargetCosts'
-# STALE_TOLERANCE) and the hand-off before each extra batch the rates leave out (2-3 ms before a
-# 63 ms pass of 4 sequences on a 2-core CPU: the slots' Python between passes). Within it, plain
-# batching stands: 4 slots there chose 1 token on a predicted 0.2% gain, and the one slot caught
-# up drafted alone while the others waited its rounds.
-MARGIN = 0.05
+# What a draft length must beat plain batching by (costs.SHARED_MARGIN): a pass's timing noise
+# and the hand-off before each extra batch the rates leave out (2-3 ms before a 63 ms pass of 4
+# sequences on a 2-core CPU: the slots' Python between passes). Within it, plain batching stands:
+# 4 slots there chose 1 token on a predicted 0.2% gain, and the one slot caught up drafted alone
+# while the others waited its rounds.
+MARGIN = SHARED_MARGIN
 # Realised throughput (``Realised``): a stretch measured at one occupancy under one arm, at least
 # EPOCH_SECONDS unless the occupancy changes first (one shorter than SHORTEST_EPOCH is not kept:
 # a few passes); each arm's rate is its last KEPT_EPOCHS stretches' tokens over their seconds;

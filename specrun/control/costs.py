@@ -14,6 +14,17 @@ a draft whose cost does not grow (a windowed cache, prompt lookup) fits no slope
 
 from __future__ import annotations
 
+# What a draft length must beat plain decoding by where the pass is shared (a server's slots:
+# ``TargetCosts.sharing``): its drafted tokens cost every sequence in the pass, and a gain within
+# the tables' noise (a pass's 3%: STALE_TOLERANCE) is chosen on the noise, the best of noisy
+# estimates reading high. Alone, a length is chosen on any gain: a probe there is cheap, and the
+# gate on realised speed catches a loss. 8 slots on a 2-core CPU (s. 81): lookups chosen on
+# predicted gains of 0-9% kept 47% of 541 drafted tokens, each costing the batch ~0.6 of a
+# sequence's token. The slots' shared draft length (control/batch.py) and cheap drafters' cuts
+# (DraftLengthController.choose) take it; a paid drafter choosing alone does not: its estimates
+# learn only from what it drafts, and a margin would leave it at 0 for good.
+SHARED_MARGIN = 0.05
+
 
 class TargetCosts:
     """T_target(n): seconds of a verify pass over n tokens, shared by every drafter.

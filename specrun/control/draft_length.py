@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from specrun.control.costs import DraftCosts, TargetCosts
+from specrun.control.costs import SHARED_MARGIN, DraftCosts, TargetCosts
 
 
 # Lengths of first tries and probes. A draft model pays per token drafted, so its tries are
@@ -240,7 +240,11 @@ class DraftLengthController:
             self._speculating = False
             self.steps_since_probe = 0
             return 0
-        limit = min(limit, cap)
+        if self.sunk_draft_cost and self.target_costs.sharing and max(rates) < (1.0 + SHARED_MARGIN) * rates[0]:
+            # a shared pass: a gain within the tables' noise is no gain (costs.SHARED_MARGIN); a cheap
+            # drafter's proposals are scored whether kept or not, so its estimates go on learning
+            return 0
+        limit = min(limit, cap)  # the ramp: up to the lengths evidenced, even where those gain less
         return max(range(limit + 1), key=lambda k: (rates[k], -k))
 
     def _plain_wins(self, cap: int) -> bool:
