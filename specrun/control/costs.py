@@ -21,8 +21,8 @@ from __future__ import annotations
 # gate on realised speed catches a loss. 8 slots on a 2-core CPU (s. 81): lookups chosen on
 # predicted gains of 0-9% kept 47% of 541 drafted tokens, each costing the batch ~0.6 of a
 # sequence's token. The slots' shared draft length (control/batch.py) and cheap drafters' cuts
-# (DraftLengthController.choose) take it; a paid drafter choosing alone does not: its estimates
-# learn only from what it drafts, and a margin would leave it at 0 for good.
+# (DraftLengthController.choose) take it; a paid drafter choosing by its own controller does not:
+# its estimates learn only from what it drafts, and a margin would leave it at 0 for good.
 SHARED_MARGIN = 0.05
 
 

@@ -240,12 +240,14 @@ class DraftLengthController:
             self._speculating = False
             self.steps_since_probe = 0
             return 0
-        if self.sunk_draft_cost and self.target_costs.sharing and max(rates) < (1.0 + SHARED_MARGIN) * rates[0]:
+        limit = min(limit, cap)
+        best = max(range(limit + 1), key=lambda k: (rates[k], -k))
+        if self.sunk_draft_cost and self.target_costs.sharing and rates[best] < (1.0 + SHARED_MARGIN) * rates[0]:
             # a shared pass: a gain within the tables' noise is no gain (costs.SHARED_MARGIN); a cheap
-            # drafter's proposals are scored whether kept or not, so its estimates go on learning
+            # drafter's proposals are scored whether kept or not, so its estimates (and the ramp's
+            # evidence) go on growing
             return 0
-        limit = min(limit, cap)  # the ramp: up to the lengths evidenced, even where those gain less
-        return max(range(limit + 1), key=lambda k: (rates[k], -k))
+        return best
 
     def _plain_wins(self, cap: int) -> bool:
         """Is plain decoding expected faster than every length up to ``cap``, whatever this

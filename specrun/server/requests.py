@@ -373,15 +373,15 @@ def _parse_messages(messages) -> tuple[dict[str, str], ...]:
         entry = {"role": "system" if role == "developer" else role, "content": content}
         if role == "assistant" and message.get("tool_calls"):
             entry["tool_calls"] = _earlier_calls(message["tool_calls"], f"{where}.tool_calls")
-        if role in ("user", "assistant"):
-            unanswered = [call["id"] for call in entry.get("tool_calls", ()) if call["id"]]
+        if role in ("user", "assistant"):  # by position: a call sent without an id keeps its place
+            unanswered = [call["id"] for call in entry.get("tool_calls", ())]
         if role == "tool":
             call_id = message.get("tool_call_id")
             if call_id is not None and not isinstance(call_id, str):
                 raise RequestError(f"{where}.tool_call_id must be a string", f"{where}.tool_call_id",
                                    code="invalid_type")
-            # a result sent without its call's id (some clients leave it out) answers the first call still
-            # open, as `chat`'s /tool does: a template that writes ids back (Mistral's) needs one
+            # a result sent without its call's id (some clients leave it out) answers the last assistant
+            # turn's first call no result answered yet: a template that writes ids back (Mistral's) needs one
             call_id = _text(call_id or (unanswered[0] if unanswered else ""), f"{where}.tool_call_id")
             if call_id in unanswered:
                 unanswered.remove(call_id)

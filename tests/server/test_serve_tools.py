@@ -165,8 +165,9 @@ def test_tool_choice_none_leaves_the_tools_out_of_the_prompt(demo_server):
 def test_a_tool_result_sent_without_its_call_s_id_answers_the_first_call_still_open():
     """Some clients send a tool's result without ``tool_call_id``; a template that writes the id
     back (Mistral's) needs one: each such result answers the last assistant turn's first call no
-    result answered yet, as `chat`'s /tool does. A result with its id answers that call; after a
-    user turn (or an assistant turn without calls) no call is open and none is given."""
+    result answered yet (by position: a call sent without an id keeps its place). A result with an
+    id answers that call, one not open is kept as sent; a system message changes nothing; after a
+    user turn or an assistant turn without calls no call is open and none is given."""
     from specrun.server.requests import ServeDefaults, parse_chat_request
 
     def call(call_id, name):
@@ -180,6 +181,14 @@ def test_a_tool_result_sent_without_its_call_s_id_answers_the_first_call_still_o
                 {"role": "tool", "content": "noon", "tool_call_id": "c4"},
                 {"role": "tool", "content": "18 C"},
                 {"role": "user", "content": "thanks"},
-                {"role": "tool", "content": "stray"}]
+                {"role": "tool", "content": "stray"},
+                {"role": "assistant", "content": "", "tool_calls": [call("", "get_weather"), call("c6", "get_time")]},
+                {"role": "system", "content": "be brief"},
+                {"role": "tool", "content": "rain", "tool_call_id": "zz"},
+                {"role": "tool", "content": "19 C"},
+                {"role": "tool", "content": "one"},
+                {"role": "assistant", "content": "ok"},
+                {"role": "tool", "content": "late"}]
     parsed = parse_chat_request({"model": MODEL, "messages": messages}, ServeDefaults(), 4096).messages
-    assert [each.get("tool_call_id") for each in parsed if each["role"] == "tool"] == ["c1", "c2", "c4", "c3", ""]
+    assert [each.get("tool_call_id") for each in parsed if each["role"] == "tool"] == [
+        "c1", "c2", "c4", "c3", "", "zz", "", "c6", ""]

@@ -36,6 +36,19 @@ def test_alone_a_cheap_pass_drafts_and_a_shared_one_drafts_less_then_none():
     assert chosen == [3, 3, 2, 0, 0]
 
 
+def test_alone_a_cheap_draft_is_taken_on_a_gain_within_the_shared_margin():
+    """The margin is a shared pass's (the test above: 1.4% with 7 others, held plain). Alone a probe
+    is cheap and the gate catches a loss, so a small gain is taken: passes 1 + 0.66 (n - 1), a draft
+    right 70% of the time: k = 1 brings 1.7 / 1.66, 2.4% over plain; k = 2 2.19 / 2.32, less."""
+    costs = TargetCosts()
+    for n in range(1, 10):
+        for _ in range(8):
+            costs.observe(n, 1.0 + 0.66 * (n - 1))
+    controller = DraftLengthController(max_draft_len=8, target_costs=costs, prior_accept=0.7, prior_weight=1e6,
+                                       sunk_draft_cost=True)
+    assert controller.choose(8) == 1
+
+
 def test_a_pass_whose_cost_does_not_grow_with_its_tokens_drafts_as_long_shared_as_alone():
     """Memory-bound (a big model on a GPU): drafts cost the batch nothing, so they stay."""
     assert controller_on(0.0, 7).choose(8) == controller_on(0.0, 0).choose(8) > 0
