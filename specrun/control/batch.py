@@ -47,12 +47,6 @@ from specrun.drafters.draft_model import TIMED_READ, PassTiming
 # up on text, and prices neither.
 VERIFY_LONGEST = 17
 ROUND_LONGEST = 2
-# What a draft length must beat plain batching by (costs.SHARED_MARGIN): a pass's timing noise
-# and the hand-off before each extra batch the rates leave out (2-3 ms before a 63 ms pass of 4
-# sequences on a 2-core CPU: the slots' Python between passes). Within it, plain batching stands:
-# 4 slots there chose 1 token on a predicted 0.2% gain, and the one slot caught up drafted alone
-# while the others waited its rounds.
-MARGIN = SHARED_MARGIN
 # Realised throughput (``Realised``): a stretch measured at one occupancy under one arm, at least
 # EPOCH_SECONDS unless the occupancy changes first (one shorter than SHORTEST_EPOCH is not kept:
 # a few passes); each arm's rate is its last KEPT_EPOCHS stretches' tokens over their seconds;
@@ -241,7 +235,11 @@ class BatchDrafts:
                 return None
             rates.append(sequences * curve[k] / (verify + k * round_seconds))
         best = max(range(limit + 1), key=lambda k: (rates[k], -k))
-        chosen = best if rates[best] >= (1.0 + MARGIN) * rates[0] else 0
+        # within costs.SHARED_MARGIN of plain batching, plain stands: besides the tables' noise, the
+        # rates leave out the hand-off before each extra batch (2-3 ms before a 63 ms pass of 4
+        # sequences on a 2-core CPU: the slots' Python between passes); 4 slots there chose 1 token
+        # on a predicted 0.2% gain, and the one slot caught up drafted alone while the others waited
+        chosen = best if rates[best] >= (1.0 + SHARED_MARGIN) * rates[0] else 0
         with self._lock:
             if chosen and not self.realised.drafts(occupied):  # the stretch turned plain meanwhile
                 chosen = 0

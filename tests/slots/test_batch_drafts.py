@@ -151,7 +151,7 @@ def test_a_length_within_the_margin_of_plain_batching_leaves_the_batch_plain():
     """Passes 10 + n over 2 sequences, rounds 2, every draft right 60% of the time: drafting 1
     yields 2 * 1.6 / 16 = 0.2 against plain's 2 / 12 = 0.167 (20% more): 1. Rounds of 3.5:
     3.2 / 17.5 = 0.183, 9.7% more: still 1; of 4.5: 3.2 / 18.5 = 0.173, 3.8% more, within
-    MARGIN: 0."""
+    SHARED_MARGIN: 0."""
     for round_seconds, length in ((2.0, 1), (3.5, 1), (4.5, 0)):
         batch = timed_batch(10.0, 1.0, round_seconds, 0.0)
         batch.post(1, expected_tokens([1.0] + [0.6] * 8, 8))
