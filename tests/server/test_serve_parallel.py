@@ -42,13 +42,13 @@ def test_requests_decoded_together_get_their_one_at_a_time_answers(one_at_a_time
     # the passes were shared: more sequences than passes
     assert metrics['specrun_batch_sequences_total{model="target"}'] > 1.5 * metrics['specrun_batches_total{model="target"}']
     # the draft lengths the slots' batch chose, by how many decoded together, and why (control/batch.py)
-    from specrun.control.batch import MARGIN
+    from specrun.control.costs import SHARED_MARGIN
 
     chosen = {key: value for key, value in metrics.items() if key.startswith("specrun_batch_draft_lengths_total{")}
     gains = {key: value for key, value in metrics.items() if key.startswith("specrun_batch_draft_gain{")}
-    # plain batching (1), or a length chosen for beating it by MARGIN
+    # plain batching (1), or a length chosen for beating it by the shared pass's margin
     assert sum(chosen.values()) > 0 and gains, (chosen, gains)
-    assert all(value == 1.0 or value >= 1.0 + MARGIN - 1e-4 for value in gains.values()), gains
+    assert all(value == 1.0 or value >= 1.0 + SHARED_MARGIN - 1e-4 for value in gains.values()), gains
     assert {re.search(r'sequences="(\d+)"', key)[1] for key in gains} <= {
         re.search(r'sequences="(\d+)"', key)[1] for key in chosen}
     # what the batch measured, where a stretch of it was kept (control/batch.Realised), by slots generating
