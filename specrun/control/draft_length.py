@@ -192,7 +192,20 @@ class DraftLengthController:
         rates = self._rates_for([1.0] * (self.max_draft_len + 1), self.max_draft_len)
         if None in rates:
             return True
-        return max(rates[1:]) > rates[0]
+        return max(rates[1:]) > self._margin() * rates[0]
+
+    def _margin(self) -> float:
+        """What a length must beat plain decoding by: in a shared pass, a cheap drafter's gain within
+        the tables' noise is no gain (costs.SHARED_MARGIN); a paid drafter's estimates learn only from
+        what it drafts, so a margin would hold it at 0 for good (1: any gain)."""
+        return 1.0 + SHARED_MARGIN if self.sunk_draft_cost and self.target_costs.sharing else 1.0
+
+    def _best(self, rates: Sequence[float], limit: int) -> int:
+        """The length up to ``limit`` with the most tokens a second (ties: the shorter), 0 where it
+        does not beat plain decoding by the margin (``_margin``): a cheap drafter's proposals are
+        scored whether kept or not, so its estimates (and the ramp's evidence) go on growing."""
+        best = max(range(limit + 1), key=lambda k: (rates[k], -k))
+        return best if rates[best] >= self._margin() * rates[0] else 0
 
     def describe(self, positions: int = 8) -> dict:
         """What the controller holds now, for a trace (`--trace`): on or off (as last settled: reading
@@ -201,7 +214,8 @@ class DraftLengthController:
         the tokens per second it expects of plain decoding and of the best length (None: untimed)."""
         rates = self._rates_for(self.acceptances(self.max_draft_len), self.max_draft_len, peek=True)
         timed = None not in rates
-        best = max(range(len(rates)), key=lambda k: (rates[k], -k)) if timed else None
+        # as ``choose`` would take it now: within the ramp's evidence, held to the shared margin
+        best = self._best(rates, self._cap()) if timed else None
         return {
             "on": self._speculating,
             "probe_in": 0 if self._speculating else max(self.probe_gap - self.steps_since_probe, 0),
@@ -233,21 +247,18 @@ class DraftLengthController:
         rates = self.expected_rates(limit)
         if None in rates:
             return self._explore(limit)
-        cap = min(self.evidenced_len(), self.max_draft_len) if self.ramp_up else self.max_draft_len
+        cap = self._cap()
         if not self.target_costs.sharing and self._plain_wins(cap):
             # off, and probed as any controller that is: left on choosing 0 from costs it never
             # timed again (a draft's first GPU passes), it never drafted (docs/perf.md 3(v))
             self._speculating = False
             self.steps_since_probe = 0
             return 0
-        limit = min(limit, cap)
-        best = max(range(limit + 1), key=lambda k: (rates[k], -k))
-        if self.sunk_draft_cost and self.target_costs.sharing and rates[best] < (1.0 + SHARED_MARGIN) * rates[0]:
-            # a shared pass: a gain within the tables' noise is no gain (costs.SHARED_MARGIN); a cheap
-            # drafter's proposals are scored whether kept or not, so its estimates (and the ramp's
-            # evidence) go on growing
-            return 0
-        return best
+        return self._best(rates, min(limit, cap))
+
+    def _cap(self) -> int:
+        """The longest length the evidence allows (``evidenced_len`` where ramping up)."""
+        return min(self.evidenced_len(), self.max_draft_len) if self.ramp_up else self.max_draft_len
 
     def _plain_wins(self, cap: int) -> bool:
         """Is plain decoding expected faster than every length up to ``cap``, whatever this

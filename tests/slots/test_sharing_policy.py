@@ -34,6 +34,19 @@ def test_alone_a_cheap_pass_drafts_and_a_shared_one_drafts_less_then_none():
     others at k = 0."""
     chosen = [controller_on(0.15, others).choose(8) for others in (0, 1, 3, 7, 15)]
     assert chosen == [3, 3, 2, 0, 0]
+    # a trace says what was chosen: the length within the margin is no best length
+    assert [controller_on(0.15, others).describe()["best_length"] for others in (0, 1, 3, 7, 15)] == chosen
+
+
+def test_no_probe_in_a_shared_pass_where_even_a_draft_always_right_is_within_the_margin():
+    """A cheap drafter switched off in a shared pass probes only where a draft always right could
+    beat plain decoding by the margin its choice must clear (costs.SHARED_MARGIN): with 15 others on
+    passes costing 0.3 a token more, the longest draft always right (k = 8, the best) brings 24 / 7.9
+    tokens a unit against plain's 16 / 5.5, 4.4% more."""
+    controller = controller_on(0.3, 15)
+    assert controller.choose(8) == 0 and not controller.could_pay()
+    controller.sunk_draft_cost = False  # a paid drafter's probe asks any gain: its estimates learn from drafting
+    assert controller.could_pay()
 
 
 def test_alone_a_cheap_draft_is_taken_on_a_gain_within_the_shared_margin():
