@@ -737,7 +737,8 @@ class AdaptivePolicy:
             # there is (and weighing it cost ~25 us a step, 2% of a tiny-regime step).
             return True
         cheap = self._controller_for(proposal.source, kind=proposal.kind)
-        cheap_rates = cheap.expected_rates(min(len(proposal), self.max_draft_len))
+        # a tree's lengths as the cut reads them (``chosen``): its main chain's
+        cheap_rates = cheap.expected_rates(min(len(proposal.main_chain), self.max_draft_len))
         paid_rates = [controller.expected_rates(self.max_draft_len) for controller in paid_controllers]
         if None in cheap_rates:
             return True
