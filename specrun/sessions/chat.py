@@ -355,8 +355,8 @@ class ChatSession:
         names = [tool.name for tool in self.tools]
         calls, call_cut = (style_for(self.template).read_answer(result.text, names, result.finish_reason in CUT_REASONS)
                            if self.tools else ((), False))
-        self._record(messages, prompt_text, prompt_ids, result,
-                     self._cut_answer(messages, result.text, names, calls) if call_cut else None)
+        cut, rendered = self._cut_answer(messages, result.text, names, calls) if call_cut else (None, None)
+        self._record(messages, prompt_text, prompt_ids, result, cut, rendered)
         # a user's turn leaves earlier calls behind; a result answers the first still open
         self.unanswered = [*(self.unanswered[1:] if role == "tool" else ()), *calls]
         self.answers.append(result.stats)
@@ -476,29 +476,34 @@ class ChatSession:
             "shorten it or raise --ctx",
         )
 
-    def _cut_answer(self, messages: list[dict], text: str, names: list[str], calls: Sequence[ToolCall]) -> dict:
+    def _cut_answer(self, messages: list[dict], text: str, names: list[str],
+                    calls: Sequence[ToolCall]) -> tuple[dict, str | None]:
         """The message a transcript keeps of an answer cut inside its calls, as a client sends one
         back: the content before the calls and the calls written whole (``calls``), never the
         markup of the call cut off, which the next turn's prompt would carry as if it were written.
-        A template that cannot take those calls back (Llama 3's, one call a turn) gets the content."""
+        A template that cannot take those calls back (Llama 3's, one call a turn) gets the content.
+        With it, the conversation rendered closed where this had to render it to know (else None):
+        the record's rendering."""
         content = {"role": "assistant", "content": style_for(self.template).parse_cut(text, names)[0]}
         if not calls:
-            return content
+            return content, None
         message = {**content, "tool_calls": [call.as_openai() for call in calls]}
         try:
-            render_conversation(self.template, self._with_system([*messages, message]), self.tools,
-                                add_generation_prompt=False)
+            rendered = render_conversation(self.template, self._with_system([*messages, message]), self.tools,
+                                           add_generation_prompt=False)[0]
         except ChatTemplateError:
-            return content
-        return message
+            return content, None
+        return message, rendered
 
     def _record(self, messages: list[dict[str, str]], prompt_text: str, prompt_ids: list[int],
-                result: GenerationResult, cut: dict | None = None) -> None:
+                result: GenerationResult, cut: dict | None = None, rendered: str | None = None) -> None:
         """Append the answer to the transcript (``cut``: the message kept of an answer cut inside its
-        calls, ``_cut_answer``), keeping the ids the target generated where the template agrees."""
+        calls, ``_cut_answer``, with ``rendered``, the conversation with it as that rendered it where it
+        did), keeping the ids the target generated where the template agrees."""
         messages = [*messages, cut if cut is not None else {"role": "assistant", "content": result.text}]
-        rendered = render_conversation(self.template, self._with_system(messages), self.tools,
-                                       add_generation_prompt=False)[0]
+        if rendered is None:
+            rendered = render_conversation(self.template, self._with_system(messages), self.tools,
+                                           add_generation_prompt=False)[0]
         ids = prompt_ids + result.token_ids
         text = prompt_text + result.text
         if result.finish_reason == "eos":

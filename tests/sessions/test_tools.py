@@ -614,8 +614,10 @@ def test_a_chat_keeps_no_markup_of_a_call_cut_off_and_the_calls_written_whole(mo
         calls, dropped = style_for(session.template).read_answer(text, ["get_weather"], True)
         assert dropped and [call.name for call in calls] == ["get_weather"]
         asked = [{"role": "user", "content": "Weather?"}]
-        kept = session._cut_answer(asked, text, ["get_weather"], calls)
+        kept, closed = session._cut_answer(asked, text, ["get_weather"], calls)
         assert kept["content"] == "Checking." and kept["tool_calls"] == [call.as_openai() for call in calls]
+        # what it rendered to know the template takes the calls is the record's rendering (one, not two)
+        assert closed == render_conversation(session.template, [*asked, kept], tools, add_generation_prompt=False)[0]
         rendered = render_conversation(session.template, [*asked, kept], tools)[0]
         answered = rendered.split("Weather?")[1]
         assert answered.count("<tool_call>") == 1 and '"city": "Oslo"' in answered, answered
@@ -624,7 +626,8 @@ def test_a_chat_keeps_no_markup_of_a_call_cut_off_and_the_calls_written_whole(mo
             raise ChatTemplateError("This model only supports single tool-calls at once!", "")
 
         monkeypatch.setattr("specrun.sessions.chat.render_conversation", refusing)
-        assert session._cut_answer(asked, text, ["get_weather"], calls) == {"role": "assistant", "content": "Checking."}
+        assert session._cut_answer(asked, text, ["get_weather"], calls) == (
+            {"role": "assistant", "content": "Checking."}, None)
 
 
 def test_chat_answers_a_tool_result_only_with_tools():
