@@ -404,7 +404,7 @@ class NumpyEagle3Trainer(NamedAdamW):
         guesses = math_.chain_guesses(data, depth)  # (depth, T - 1), step k at p
         d2t = self.d2t if self.d2t is not None else np.arange(self.config.vocab_size)
         chains = np.full_like(guesses, -1)
-        for k in range(depth):
+        for k in range(min(depth, data.length)):  # deeper than the window: -1 (a short answer's)
             chains[k, : data.length - k] = d2t[guesses[k, k:]]
         return chains
 

@@ -120,10 +120,14 @@ class LearnReport:
         def depths(values: tuple[float, ...]) -> str:
             return "/".join(f"{value:.2f}" for value in values) if values else "-"
 
+        # a share of a generation shorter than its printed tenth says nothing (a 4-token answer's
+        # first window read 6,500% of "0.0 s")
+        share = (f"{100 * self.overhead:.1f}% of {self.busy_seconds:.1f} s" if self.busy_seconds >= 0.05
+                 else "a generation under 0.1 s")
         line = (f"learning ({self.kind}): {self.steps} steps on {self.seen} positions (labels: the target's "
                 f"{self.labels}), "
-                f"{self.busy_cpu:.2f} s CPU while generating ({100 * self.overhead:.1f}% of "
-                f"{self.busy_seconds:.1f} s), {self.idle_cpu:.2f} s idle and {self.closing_cpu:.2f} s after it, "
+                f"{self.busy_cpu:.2f} s CPU while generating ({share}), "
+                f"{self.idle_cpu:.2f} s idle and {self.closing_cpu:.2f} s after it, "
                 f"{self.swaps} swaps; "
                 f"acceptance by depth {depths(self.first)} over the first {self.first_positions} positions, "
                 f"{depths(self.latest)} over the latest {self.latest_positions}")

@@ -150,6 +150,19 @@ def test_its_chains_are_what_the_drafter_drafts_from_the_same_heads(grouped, eps
     drafter.close()
 
 
+@pytest.mark.parametrize("length", [2, 3, 4])
+def test_a_window_shorter_than_the_chain_scores_what_it_holds(length):
+    """A short answer's only window, scored 6 deep: the chain's steps past its end are -1, none
+    raises (a 4-token answer's learning stopped on it: 'could not broadcast')."""
+    trainer = tiny_trainer()
+    (window,) = windows(np.random.default_rng(5), lengths=(length,))
+    chains = trainer.predict_chain(window, 6)
+    assert chains.shape == (6, length - 1)
+    for k in range(6):
+        held = max(length - 1 - k, 0)  # positions whose chain reaches step k within the window
+        assert (chains[k, held:] == -1).all() and (chains[k, :held] >= 0).all()
+
+
 def test_steps_lower_the_loss_on_what_they_train_on():
     trainer = tiny_trainer()
     batch = windows(np.random.default_rng(4), lengths=(16, 12, 9))

@@ -556,6 +556,19 @@ def test_the_report_reads_as_json():
     assert document["kind"] == "medusa" and document["steps"] > 0 and len(document["acceptance_latest"]) == DEPTH
 
 
+def test_the_report_gives_no_share_of_a_generation_too_short_to_print():
+    """A 4-token answer's generation took 0.0001 s: its share read 6,500% of "0.0 s"."""
+    import dataclasses
+
+    learner = OnlineLearner(fresh_heads("medusa"), window=8, inline=True)
+    feed(learner, 1)
+    report = learner.report()
+    short = dataclasses.replace(report, busy_cpu=0.01, busy_seconds=0.0001).summary()
+    assert "(a generation under 0.1 s)" in short and "%" not in short.split("acceptance")[0]
+    long = dataclasses.replace(report, busy_cpu=0.1, busy_seconds=2.0).summary()
+    assert "(5.0% of 2.0 s)" in long
+
+
 def test_positions_verified_while_the_heads_drafted_nothing_are_learned_from():
     """A text whose steps never asked the heads (auto drafting with another member, or not at all):
     the drafter hands the learner every verified position when the text ends."""
