@@ -19,6 +19,7 @@ from specrun.cli.chat import chat_command
 from specrun.cli.distill import distill_command
 from specrun.cli.heads import heads_app
 from specrun.cli.common import (
+    check_outputs_apart,
     MAX_DRAFT_LEN,
     PipeConsole,
     check_draft_len_use,
@@ -121,6 +122,7 @@ def _root() -> None:
 
 @app.command()
 def generate(
+    context: typer.Context,
     prompt: Annotated[Optional[str], typer.Argument(help="Prompt text, or - to read stdin.")] = None,
     target: TargetOpt = None,
     draft: DraftOpt = None,
@@ -174,6 +176,7 @@ def generate(
 
     PROMPT is a chat message; with --raw, or for a completion model, it is continued as it is."""
     with cli_errors():
+        check_outputs_apart(context, "trace", "ngram_cache")
         from specrun.sessions.generation import GenerateRequest, generate_text
         from specrun.registry.loading import LoadOptions, choose_pair
         from specrun.drafters.methods import DrafterOptions, needs_draft_model

@@ -8,6 +8,7 @@ from typing import Annotated, Optional
 import typer
 
 from specrun.cli.common import (
+    check_outputs_apart,
     MAX_DRAFT_LEN,
     MAX_NEW_TOKENS,
     PipeConsole,
@@ -93,6 +94,7 @@ UntunedOpt = Annotated[
 
 
 def bench(
+    context: typer.Context,
     target: TargetOpt = None,
     draft: DraftOpt = None,
     methods: BenchMethodsOpt = None,
@@ -146,6 +148,7 @@ def bench(
     code-completion, code-editing, chat, summarisation, qa, rewriting.
     """
     with cli_errors():
+        check_outputs_apart(context, "json_out", "report_out", "trace")
         from specrun.bench.runner import BenchConfig
         from specrun.sessions.setup import ADAPTIVE_MAX_DRAFT_LEN
         from specrun.registry.loading import DEFAULT_TARGET, LoadOptions

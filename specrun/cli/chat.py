@@ -22,6 +22,7 @@ from rich.console import Console
 from rich.text import Text
 
 from specrun.cli.common import (
+    check_outputs_apart,
     PipeConsole,
     PrefillBar,
     check_generation_options,
@@ -122,6 +123,7 @@ SystemOpt = Annotated[Optional[str], typer.Option("--system", "-s", help="System
 
 
 def chat_command(
+    context: typer.Context,
     target: TargetOpt = None,
     draft: DraftOpt = None,
     backend: BackendOpt = "auto",
@@ -171,6 +173,7 @@ def chat_command(
 ) -> None:
     """Chat with the target model: a REPL on a terminal; on a pipe, stdin is the message and stdout the answer."""
     with cli_errors():
+        check_outputs_apart(context, "trace", "ngram_cache")
         from specrun.sessions.chat import open_chat
         from specrun.engine.loop import TIE_MARGIN, GenerationParams
         from specrun.registry.loading import LoadOptions, choose_pair

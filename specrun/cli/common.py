@@ -67,6 +67,41 @@ class PipeConsole(Console):
         raise BrokenPipeError
 
 
+# Options naming a model: a file where they name one (an alias names none), read by the command
+MODEL_OPTIONS = ("target", "draft", "heads", "student")
+
+
+def check_outputs_apart(context: typer.Context, *outputs: str) -> None:
+    """Before anything runs: no file an option of this command writes (``outputs``, its
+    parameters' names) is one another of its options names, read or written. A --trace on the
+    model or the tools file, --json on the --prompts file, --json and --report on one file: each
+    overwrote the other in silence, exit 0. Read from the command's own context, so an option
+    added later is covered (a str option counts where it names a model, ``MODEL_OPTIONS``)."""
+    flags = {param.name: max(param.opts, key=len) for param in context.command.params
+             if param.param_type_name == "option"}
+    named = {name: Path(value) for name, value in context.params.items() if name in flags and value and (
+        isinstance(value, Path) or (name in MODEL_OPTIONS and isinstance(value, str))) and str(value) != "-"}
+    for output in outputs:
+        path = named.get(output)
+        if path is None:
+            continue
+        for other, read in named.items():
+            # another output is written whether it exists or not; an input only where it is a file
+            if other != output and (other in outputs or read.is_file()) and _same_file(path, read):
+                raise UsageError(f"{flags[output]} and {flags[other]} name one file, {read}: writing one "
+                                 "would overwrite the other", f"give {flags[output]} a file of its own")
+
+
+def _same_file(one: Path, other: Path) -> bool:
+    """Do two paths name one file (through links; either may not exist yet)?"""
+    try:
+        if one.exists() and other.exists():
+            return os.path.samefile(one, other)
+    except OSError:
+        pass
+    return os.path.realpath(one) == os.path.realpath(other)
+
+
 def check_environment() -> None:
     """Settings taken from the environment are input too: refuse one that would be ignored."""
     threads = os.environ.get("SPECRUN_THREADS", "")

@@ -12,12 +12,13 @@ from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
-from specrun.cli.common import PipeConsole, cli_errors
+from specrun.cli.common import PipeConsole, check_outputs_apart, cli_errors
 from specrun.cli.heads import run_training
 from specrun.cli.options import RegistryOpt, ThreadsOpt
 
 
 def distill_command(
+    context: typer.Context,
     out: Annotated[Path, typer.Option(
         "--out", help="The MLX folder to write; the GGUF goes beside it as OUT.gguf (neither may exist).")],
     target: Annotated[str, typer.Option("--target", help="The model the student learns to draft for.")] = "demo-target",
@@ -54,6 +55,7 @@ def distill_command(
     held-out acceptance before and after and writes an MLX folder and a GGUF, both loadable as
     --draft. The second run takes the same options."""
     with cli_errors():
+        check_outputs_apart(context, "out")
         from specrun.training.distill import DistillRequest, check_request, distill
 
         request = DistillRequest(

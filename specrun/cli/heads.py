@@ -13,7 +13,7 @@ from rich.console import Console, Group
 from rich.table import Table
 from rich.text import Text
 
-from specrun.cli.common import PipeConsole, cli_errors
+from specrun.cli.common import PipeConsole, check_outputs_apart, cli_errors
 from specrun.cli.options import BackendOpt, HeadsPromptsOpt, HeadsSeedOpt, HeadsTargetOpt, RegistryOpt, ThreadsOpt
 from specrun.cli.interrupts import INTERRUPTED_EXIT, say_interrupted
 from specrun.errors import UsageError
@@ -23,6 +23,7 @@ heads_app = typer.Typer(help="Self-drafting heads for a target: train them on th
 
 @heads_app.command("train")
 def train(
+    context: typer.Context,
     target: HeadsTargetOpt = "demo-target",
     kind: Annotated[str, typer.Option("--kind", help=(
         "Heads to train: medusa, hydra, eagle, or eagle3 (for --method eagle: EAGLE-3 over three of the target's "
@@ -54,6 +55,7 @@ def train(
 
     A second run with the same options resumes from the checkpoint a stopped one left."""
     with cli_errors():
+        check_outputs_apart(context, "heads_out")
         from specrun.training.run import HeadsTrainRequest, check_request, train_heads
 
         request = HeadsTrainRequest(

@@ -8,6 +8,7 @@ from typing import Annotated, Optional
 import typer
 
 from specrun.cli.common import (
+    check_outputs_apart,
     check_draft_len_use,
     check_generation_options,
     checked_learning,
@@ -98,6 +99,7 @@ def checked_parallel(value: str) -> int | None:
 
 
 def serve_command(
+    context: typer.Context,
     target: TargetOpt = None,
     draft: DraftOpt = None,
     backend: BackendOpt = "auto",
@@ -149,6 +151,7 @@ def serve_command(
     /v1/chat/completions, /v1/completions, /v1/models, /health and /metrics. --temp, --top-k,
     --top-p, --min-p and -n are the defaults of requests that do not set them."""
     with cli_errors():
+        check_outputs_apart(context, "trace", "ngram_cache")
         from specrun.drafters.methods import check_method, check_slots_method, needs_draft_model
         from specrun.registry.loading import LoadOptions, choose_pair
         from specrun.server.app import HttpOptions, serve

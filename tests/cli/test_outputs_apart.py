@@ -1,0 +1,73 @@
+"""A file one option writes is never a file another option names: each overwrote the other in
+silence, exit 0 (a --trace on the model file left a 1 KB trace of a 15 MB model). A usage error
+naming both options, before anything is loaded or written."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from typer.testing import CliRunner
+
+from specrun.cli.app import app
+
+TOOLS = '[{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}]'
+
+
+def run(*args: str):
+    return CliRunner().invoke(app, list(args))
+
+
+@pytest.fixture
+def files(tmp_path, monkeypatch):
+    """A model-like file, a tools file and a prompts file, each with content that must survive."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "model.gguf").write_bytes(b"GGUF" + bytes(64))
+    (tmp_path / "tools.json").write_text(TOOLS)
+    (tmp_path / "prompts.jsonl").write_text('{"question_id": 1, "category": "x", "turns": ["hi"]}\n')
+    return tmp_path
+
+
+CASES = {
+    "a trace on the target": (["generate", "-t", "model.gguf", "--trace", "model.gguf", "hi"], "--trace and --target"),
+    "a trace on the tools": (["generate", "--tools", "tools.json", "--trace", "tools.json", "hi"], "--trace and --tools"),
+    "a trace on the n-gram cache": (["generate", "--ngram-cache", "cache.bin", "--trace", "cache.bin", "hi"],
+                                    "--trace and --ngram-cache"),
+    "chat's trace on its heads": (["chat", "--heads", "model.gguf", "--trace", "model.gguf"], "--trace and --heads"),
+    "a server's trace on its draft": (["serve", "-d", "model.gguf", "--trace", "model.gguf"], "--trace and --draft"),
+    "bench's JSON on its prompts": (["bench", "--prompts", "prompts.jsonl", "--json", "./prompts.jsonl"],
+                                    "--json and --prompts"),
+    "bench's JSON and report on one file": (["bench", "--json", "out", "--report", "out"], "--json and --report"),
+    "heads written over the target": (["heads", "train", "-t", "model.gguf", "--heads-out", "model.gguf"],
+                                      "--heads-out and --target"),
+    "a student distilled over itself": (["distill", "--student", "model.gguf", "--out", "model.gguf"],
+                                        "--out and --student"),
+}
+
+
+@pytest.mark.parametrize("case", CASES, ids=list(CASES))
+def test_an_output_on_a_file_another_option_names_is_a_usage_error(files, case):
+    args, named = CASES[case]
+    before = {path.name: path.read_bytes() for path in files.iterdir()}
+    result = run(*args)
+    assert result.exit_code == 2, result.output
+    assert f"error: {named} name one file" in result.output and "give --" in result.output
+    assert len(result.output.strip().splitlines()) == 1
+    assert {path.name: path.read_bytes() for path in files.iterdir()} == before  # nothing written
+
+
+def test_a_link_to_the_file_is_the_file(files):
+    os.symlink("tools.json", files / "link.json")
+    result = run("generate", "--tools", "tools.json", "--trace", "link.json", "hi")
+    assert result.exit_code == 2 and "--trace and --tools name one file" in result.output
+    assert (files / "tools.json").read_text() == TOOLS
+
+
+def test_an_alias_is_no_file_to_overwrite(files):
+    """-t demo-target names a model by its alias: a trace file of that name in the working folder
+    is the trace's own (refused only where both name one file)."""
+    from specrun.cli.common import _same_file
+
+    assert _same_file(files / "x", files / "." / "x") and not _same_file(files / "x", files / "y")
+    result = run("generate", "-t", "demo-target", "--trace", "demo-target", "--max-tokens", "0", "hi")
+    assert "name one file" not in result.output
