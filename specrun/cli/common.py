@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import sys
 import traceback
@@ -23,6 +24,7 @@ MAX_TREE_NODES = 64
 FLASH_ATTN_CHOICES = ("auto", "on", "off")  # --flash-attn
 # What a shell reports for a command a closed pipe stopped (128 + SIGPIPE): `specrun … | head`.
 BROKEN_PIPE_EXIT = 141
+FULL_DISK = (errno.ENOSPC, errno.EDQUOT)  # no room left for what a command writes
 
 
 @contextlib.contextmanager
@@ -46,14 +48,28 @@ def cli_errors():
         raise typer.Exit(BROKEN_PIPE_EXIT) from None
     except (typer.Exit, typer.Abort):
         raise
-    except Exception as exc:  # an unexpected failure: still one line unless debugging
+    except OSError as exc:
+        if exc.errno not in FULL_DISK:
+            _internal_error(exc)
         if os.environ.get("SPECRUN_DEBUG") == "1":
             traceback.print_exc()
-        typer.echo(
-            f"error: internal error: {type(exc).__name__}: {exc}; rerun with SPECRUN_DEBUG=1 for a traceback",
-            err=True,
-        )
+        # what no file's own check caught: the output itself (stdout on a full disk, > /dev/full);
+        # stdout is pointed at /dev/null, as for a closed pipe, so the exit's flush says nothing more
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        typer.echo(f"error: cannot write the output: {os.strerror(exc.errno).lower()}; free some space, or send "
+                   "the output elsewhere", err=True)
         raise typer.Exit(1) from None
+    except Exception as exc:  # noqa: BLE001 - an unexpected failure: still one line unless debugging
+        _internal_error(exc)
+
+
+def _internal_error(exc: Exception) -> None:
+    """An unexpected failure (called while it is handled): one line unless debugging, exit 1."""
+    if os.environ.get("SPECRUN_DEBUG") == "1":
+        traceback.print_exc()
+    typer.echo(f"error: internal error: {type(exc).__name__}: {exc}; rerun with SPECRUN_DEBUG=1 for a traceback",
+               err=True)
+    raise typer.Exit(1) from None
 
 
 class PipeConsole(Console):

@@ -71,3 +71,18 @@ def test_an_alias_is_no_file_to_overwrite(files):
     assert _same_file(files / "x", files / "." / "x") and not _same_file(files / "x", files / "y")
     result = run("generate", "-t", "demo-target", "--trace", "demo-target", "--max-tokens", "0", "hi")
     assert "name one file" not in result.output
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="no /dev/full here (Linux has one)")
+def test_an_output_on_a_full_disk_is_one_line():
+    """stdout on a full disk (> /dev/full): the error says so in one line, exit 1 (it was an
+    'internal error: OSError'), and the exit's flush adds nothing."""
+    import subprocess
+    import sys
+
+    with open("/dev/full", "w") as full:
+        done = subprocess.run([sys.executable, "-m", "specrun", "models", "list"], stdout=full,
+                              stderr=subprocess.PIPE, text=True, timeout=120)
+    assert done.returncode == 1
+    assert done.stderr.strip().splitlines() == [
+        "error: cannot write the output: no space left on device; free some space, or send the output elsewhere"]
