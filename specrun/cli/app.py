@@ -9,6 +9,8 @@ import inspect
 import json
 import os
 import sys
+import typing
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -399,6 +401,60 @@ def _reflow_help(group: typer.Typer) -> None:
 _reflow_help(app)
 
 
+# A command's options naming a model by alias or path (its parameters' names)
+MODEL_PARAMETERS = ("target", "draft", "heads", "student")
+
+
+def empty_option(argv: Sequence[str]) -> str | None:
+    """What to say of the first option of the command in ``argv`` naming a file or a model that
+    was given an empty value (``''``, ``--out=``: an unset shell variable), None where none was:
+    Typer reads an empty path as the current folder ('the trace . is a folder'), and an empty -d
+    went unnoticed as no draft at all."""
+    words, group, callback = list(argv), app, None
+    while words and callback is None:  # the command's path: generate, models convert
+        name = words.pop(0)
+        callback = next((info.callback for info in group.registered_commands
+                         if (info.name or info.callback.__name__.replace("_", "-")) == name), None)
+        if callback is None:
+            sub = next((each for each in group.registered_groups if each.name == name), None)
+            if sub is None:
+                return None  # Typer's own usage error says what is wrong
+            group = sub.typer_instance
+    if callback is None:
+        return None
+    options = _named_options(callback)
+    for at, word in enumerate(words):
+        flag, equals, value = word.partition("=")
+        if word.startswith("--") and equals and flag in options and not value.strip():
+            return options[flag].format(flag)
+        if word in options and at + 1 < len(words) and not words[at + 1].strip():
+            return options[word].format(word)
+    return None
+
+
+def _named_options(callback) -> dict[str, str]:
+    """A command's options that take a path (annotated ``Path``) or name a model, by each flag:
+    what an empty value of it gets told ({} the flag)."""
+    defaults = inspect.signature(callback).parameters
+    said = {}
+    for name, hint in typing.get_type_hints(callback, include_extras=True).items():
+        if typing.get_origin(hint) is not Annotated:
+            continue
+        base, *declared = typing.get_args(hint)
+        model = name in MODEL_PARAMETERS
+        if not model and Path not in (base, *typing.get_args(base)):
+            continue
+        fix = "name a model (an alias, a .gguf path or an MLX folder)" if model else "give it a file name"
+        if defaults[name].default is not inspect.Parameter.empty:
+            fix += ", or leave the option out"
+        for option in declared:
+            if isinstance(option, typer.models.OptionInfo):
+                for decl in (option.default, *(option.param_decls or ())):
+                    if isinstance(decl, str) and decl.startswith("-"):
+                        said[decl] = "{} is empty; " + fix
+    return said
+
+
 def main() -> None:
     """The console script: Typer's usage errors in one line, as every other error is."""
     from rich.console import Console
@@ -407,6 +463,10 @@ def main() -> None:
     from specrun.cli.interrupts import INTERRUPTED_EXIT, raise_on_interrupt, say_interrupted_once
 
     raise_on_interrupt()
+    empty = empty_option(sys.argv[1:])
+    if empty is not None:
+        typer.echo(f"error: {empty}", err=True)
+        raise SystemExit(2)
     # Typer's help is printed by a Rich console of its own, whose closed pipe exits 1
     # (`specrun generate --help | head -c 5`): every console's ends as cli_errors ends ours.
     Console.on_broken_pipe = PipeConsole.on_broken_pipe

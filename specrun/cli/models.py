@@ -33,7 +33,7 @@ from specrun.registry.hub import (
     remove_cached,
 )
 from specrun.registry.loading import BACKENDS, DEFAULT_TARGET, choose_backend, check_layer_draft_pair, draft_entry_for
-from specrun.registry.catalog import LOCAL_ORIGIN, ModelEntry, entry_for, load_registry
+from specrun.registry.catalog import HUB_ID_ORIGIN, LOCAL_ORIGIN, ModelEntry, entry_for, load_registry
 
 models_app = typer.Typer(
     help="The model registry (models.toml) and downloads from the Hugging Face Hub.",
@@ -64,13 +64,16 @@ def info(model: ModelArg, json_output: JsonOpt = False, registry: RegistryOpt = 
         if entry.origin == LOCAL_ORIGIN:
             _check_local_model(entry)
         details = _summary(entry, cache_status(entry))
-        if entry.origin == LOCAL_ORIGIN:
-            details["verified"] = None  # what the registry checked of its entries: a path was not
+        if entry.origin in (LOCAL_ORIGIN, HUB_ID_ORIGIN):
+            # what the registry checked of its own entries: a path or an id typed was not checked
+            details["verified"] = None
         details["gguf_files"] = gguf_parts(entry.gguf_file) if entry.gguf_file else []
         if json_output:
             typer.echo(json.dumps(details))
             return
         for key, value in details.items():
+            if key == "verified" and value is False:  # said, not left out as an empty field
+                value = "no (its repository or file names were not checked against the Hub)"
             if value not in ("", [], None, 0):
                 typer.echo(f"{key:>12}: {', '.join(value) if isinstance(value, list) else value}")
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
-from specrun.errors import ModelFileError, RegistryError
+from specrun.errors import ModelFileError, RegistryError, UsageError
 from specrun.fileio import MiB, read_limited
 
 NUMBER = (int, float)
@@ -245,6 +245,9 @@ def entry_for(spec: str, entries: dict[str, ModelEntry]) -> ModelEntry:
     is one GGUF file on the Hub, ``owner/name`` an MLX repo. Any other spec ending in
     .gguf is taken as a (missing) local file, so the error names that file.
     """
+    if not spec.strip():  # an unset shell variable: Path("") is the working folder
+        raise UsageError("the model's name is empty",
+                         "name a model: an alias (`specrun models list`), a .gguf path, an MLX folder or a Hub id")
     path = Path(spec).expanduser()
     if path.is_dir() and path.suffix.lower() == ".gguf" and not (path / "config.json").exists():
         raise ModelFileError(f"{path} is a folder, not a GGUF file", "pass the .gguf file inside it")

@@ -223,6 +223,28 @@ def test_models_info_of_a_path_that_holds_no_model_is_one_line_exit_1(tmp_path):
     assert json.loads(good.stdout)["verified"] is None  # the registry's word on its entries, not on a path
 
 
+def test_models_info_says_what_was_verified_and_what_was_not():
+    """A Hub id typed (nothing checked) printed "verified: True"; an entry marked unverified printed
+    no line at all (False read as an empty field)."""
+    typed = runner.invoke(app, ["models", "info", "nobody/nothing", "--json"])
+    assert typed.exit_code == 0 and json.loads(typed.stdout)["verified"] is None
+    assert "verified" not in runner.invoke(app, ["models", "info", "nobody/nothing"]).stdout
+    unverified = next(entry.alias for entry in load_registry(None).values() if not entry.verified)
+    shown = runner.invoke(app, ["models", "info", unverified])
+    assert shown.exit_code == 0 and "verified: no (its repository or file names were not checked" in shown.stdout
+    assert "verified: True" in runner.invoke(app, ["models", "info", "demo-target"]).stdout
+
+
+@pytest.mark.parametrize("command", ["info", "pull", "rm"])
+def test_an_empty_model_name_is_a_usage_error(command):
+    """An unset shell variable: '' read as the working folder, and `models rm ''` said 'nothing of
+    is in the cache', exit 0."""
+    result = runner.invoke(app, ["models", command, " "])
+    assert result.exit_code == 2, result.output
+    assert result.stderr.strip() == ("error: the model's name is empty; name a model: an alias (`specrun models "
+                                     "list`), a .gguf path, an MLX folder or a Hub id")
+
+
 # ---- specrun models check ---------------------------------------------------------------
 def write_variant(folder: Path, name: str, tokenizer_json: str | None = None, **config_changes) -> Path:
     """A tiny Llama GGUF whose vocabulary (or special ids) differ from the shared test tokenizer's."""
