@@ -333,7 +333,11 @@ def read_mtp_gguf(path: str | Path, depth: int = DEFAULT_DEPTH) -> MtpHeads:
     depth, ``chain_layers``). UsageError where the model carries none; ModelFileError where its layout cannot be read (an architecture
     specrun does not read, a tensor missing or mis-shaped)."""
     path = Path(path)
-    reader = gguf.GGUFReader(str(path))
+    try:
+        reader = gguf.GGUFReader(str(path))
+    except (ValueError, OSError) as exc:  # not a GGUF ("GGUF magic invalid"), cut short, unreadable
+        raise ModelFileError(f"{path} is not a readable GGUF file: {exc}",
+                             "pass a .gguf model that carries MTP layers, or download it again") from None
     fields = read_fields(reader)
     arch = fields.get(gguf.Keys.General.ARCHITECTURE, "")
     count = int(fields.get(f"{arch}.nextn_predict_layers", 0) or 0)

@@ -27,6 +27,12 @@ def load_target_heads(target_spec: str, explicit: str | None, target, registry=N
     first cannot serve (damaged, made for another model) and later ones can, ``on_note`` says why."""
     from specrun.registry.heads import find_all_heads
 
+    if explicit is not None and kind != "mtp" and Path(explicit).suffix.lower() == ".gguf":
+        # a GGUF given to --heads is read for the MTP layers it carries: another kind's refusal
+        # named MTP carriers, or a GGUF reader's error
+        raise UsageError(f"--heads {explicit} is a GGUF model, not {kind} heads",
+                         f"pass {kind} heads ({'an EAGLE-3 folder or ' if kind == 'eagle' else ''}a .safetensors "
+                         "file); a GGUF's own MTP layers draft with --method mtp")
     errors = []
     for path in find_all_heads(target_spec, explicit, kind, registry):  # yours, then shipped; EAGLE-3's first
         try:

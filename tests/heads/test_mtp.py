@@ -1026,6 +1026,20 @@ def test_mtp_on_a_target_without_mtp_layers_is_one_line_naming_the_models_that_c
         _one_line(result, 2, str(target), "carries no MTP layers", "GLM-4.5", "glm4moe", "use another method")
 
 
+def test_a_gguf_given_as_heads_is_one_line_naming_what_it_is(tiny_llama, glm_mtp, tmp_path):
+    """A text file named .gguf as --heads was an internal error ('GGUF magic invalid'); a model file
+    given as eagle heads was refused as a target without MTP layers."""
+    (tmp_path / "text.gguf").write_text("hello")
+    result = _cli("generate", "hi", "-t", str(tiny_llama.gguf_path), "--method", "mtp", "--heads",
+                  str(tmp_path / "text.gguf"), "-n", "4")
+    _one_line(result, 1, "text.gguf is not a readable GGUF file: GGUF magic invalid", "pass a .gguf model")
+    for method in ("medusa", "eagle", "lookup+hydra"):
+        result = _cli("generate", "hi", "-t", str(tiny_llama.gguf_path), "--method", method, "--heads",
+                      str(glm_mtp["gguf"]), "-n", "4")
+        kind = method.split("+")[-1]
+        _one_line(result, 2, "is a GGUF model, not", f"{kind} heads;", "--method mtp")
+
+
 def _rewritten(glm_mtp, tmp_path, name: str, change) -> Path:
     from mtp_models import write_glm_gguf
 
