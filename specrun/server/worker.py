@@ -560,7 +560,10 @@ class PairWorker:
         reused = min(common_prefix_len(session.engine.target.tokens, prompt_ids), len(prompt_ids) - 1)
         self.metrics.started(reused)
         job.emit(Started(len(prompt_ids), reused))
-        cut = StopCut(job.request.stop)
+        # a forced call (tool_choice "required" or a named function): its grammar ends the answer at
+        # the call, and a stop string matching its markup ("<") left a 200 with neither call nor text
+        forced = bool(job.request.tools) and job.request.tool_choice.forces_a_call
+        cut = StopCut(() if forced else job.request.stop)
         tool_cut = self._tool_cut(job.request)
         tokens = from_draft = 0
         first_sent = False

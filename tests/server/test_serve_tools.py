@@ -67,6 +67,22 @@ def test_a_named_function_is_the_one_called(demo_server):
             jsonschema.validate(json.loads(c.function.arguments), TIME["function"]["parameters"])
 
 
+def test_a_forced_call_is_answered_whatever_the_stop_strings(demo_server):
+    """A stop string the call's markup holds ("<", a client's default stop list) cut a required
+    call at its first character: a 200 with neither call nor text. The forced call's grammar ends
+    the answer; with tool_choice auto the stop strings apply as asked."""
+    forced = _call(demo_server, messages=QUESTION, tools=[WEATHER], tool_choice="required").choices[0]
+    for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
+        stopped = _call(demo_server, messages=QUESTION, tools=[WEATHER], tool_choice=choice, stop=["<", "{"]).choices[0]
+        assert stopped.finish_reason == "tool_calls"
+        assert [(c.function.name, c.function.arguments) for c in stopped.message.tool_calls] == \
+            [(c.function.name, c.function.arguments) for c in forced.message.tool_calls]
+    free = _call(demo_server, messages=QUESTION, tools=[WEATHER], tool_choice="auto").choices[0].message.content
+    word = free.split()[2]
+    cut = _call(demo_server, messages=QUESTION, tools=[WEATHER], tool_choice="auto", stop=[word]).choices[0]
+    assert cut.finish_reason == "stop" and cut.message.content == free[:free.index(word)]
+
+
 def test_streamed_calls_arrive_as_tool_call_deltas(demo_server):
     whole = _call(demo_server, messages=QUESTION, tools=[WEATHER], tool_choice="required").choices[0]
     chunks = list(demo_server.client().chat.completions.create(
