@@ -9,6 +9,7 @@ token when every draft was accepted. See docs/design.md, "Acceptance".
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -203,8 +204,8 @@ class LossyAcceptance:
             problems.append(f"--epsilon must be in (0, 1), got {self.epsilon:g}")
         if not 0.0 < self.delta < 1.0:  # below 1, the target's top token always passes
             problems.append(f"--delta must be in (0, 1), got {self.delta:g}")
-        if not self.factor >= 1.0:
-            problems.append(f"--margin must be at least 1, got {self.factor:g}")
+        if not 1.0 <= self.factor < math.inf:  # an infinite margin accepts every draft: no target left
+            problems.append(f"--margin must be at least 1 and finite, got {self.factor:g}")
         return problems
 
     def accepts(self, tokens: Sequence[int], p_target: np.ndarray) -> np.ndarray:

@@ -25,6 +25,7 @@ from specrun.errors import UsageError
 from specrun.sessions.heads import comparison_heads
 from specrun.sessions.trace import TraceFile
 from specrun.sessions.setup import (
+    ctx_fix,
     ADAPTIVE_MAX_DRAFT_LEN,
     DEFAULT_DRAFT_LEN,
     TreeChoice,
@@ -170,7 +171,7 @@ def run_bench(config: BenchConfig, prompts: Sequence[BenchPrompt], progress: Pro
         if not kept:
             raise UsageError(
                 f"no prompt fits the context of {target.n_ctx} tokens with {config.max_new_tokens} new tokens",
-                "raise --ctx or lower -n",
+                ctx_fix(target, "lower -n or leave the longest prompts out"),
             )
         # flash attention chosen for the context the longest prompt reaches, as generate chooses it
         reached = max(len(ids) for _, ids in kept) + config.max_new_tokens

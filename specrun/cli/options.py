@@ -148,7 +148,7 @@ LearnLabelsOpt = Annotated[
                  "soft labels: Medusa, Hydra and EAGLE heads over their draft vocabulary, not EAGLE-3, where the "
                  "target's logits are its output rows times its state, otherwise tokens and a note says why; an MLX "
                  "draft model over its 32 likeliest tokens where the verify pass brings them to the host: "
-                 "sampling (--temp above 0), --logprobs, a grammar, --accept; plain greedy passes teach tokens). For heads, "
+                 "sampling (--temp above 0), a server request's logprobs, a grammar, --accept; plain greedy passes teach tokens). For heads, "
                  "distributions raised acceptance no more than tokens (docs/perf.md 3(t))."),
 ]
 KeepLearnedOpt = Annotated[

@@ -74,15 +74,13 @@ class GenerationParams:
     logprobs: int | None = None
 
 
-def check_prompt(prompt: Sequence[int], n_ctx: int) -> None:
-    """A prompt the engine can start from: not empty, and leaving room for a token."""
+def check_prompt(prompt: Sequence[int], n_ctx: int, fix: str = "shorten the prompt, or raise --ctx") -> None:
+    """A prompt the engine can start from: not empty, and leaving room for a token (``fix``: what a
+    prompt too long is told, sessions/setup.ctx_fix)."""
     if not prompt:
         raise UsageError("the prompt is empty", "give a prompt as an argument or on stdin")
     if len(prompt) >= n_ctx:
-        raise ContextFullError(
-            f"the prompt has {len(prompt)} tokens but the context holds {n_ctx}",
-            "shorten the prompt or raise --ctx",
-        )
+        raise ContextFullError(f"the prompt has {len(prompt)} tokens but the context holds {n_ctx}", fix)
 
 
 def _deepest(draft_len: int, drafter: Drafter | None) -> int:

@@ -37,6 +37,7 @@ from specrun.engine.passes import Verification
 from specrun.errors import ChatTemplateError, ContextFullError, UsageError
 from specrun.sessions.heads import heads_for_auto, load_target_heads, paying_heads, with_auto_heads, with_learner
 from specrun.sessions.setup import (
+    ctx_fix,
     TreeSettings,
     adapts_length,
     auto_draft_window,
@@ -350,7 +351,7 @@ class ChatSession:
         if result.finish_reason == "context":
             yield ContextFullNotice(
                 f"the context of {self.target.n_ctx} tokens is full, so the answer stops here; "
-                "/reset starts a new conversation (or raise --ctx)"
+                + ctx_fix(self.target, "/reset starts a new conversation")
             )
         names = [tool.name for tool in self.tools]
         calls, call_cut = (style_for(self.template).read_answer(result.text, names, result.finish_reason in CUT_REASONS)
@@ -469,11 +470,11 @@ class ChatSession:
         if self.transcript.messages:
             raise ContextFullError(
                 f"the conversation has {len(prompt_ids)} tokens but the context holds {n_ctx}",
-                "type /reset to start a new conversation, or raise --ctx",
+                ctx_fix(self.target, "type /reset to start a new conversation"),
             )
         raise ContextFullError(
             f"the message needs {len(prompt_ids)} tokens but the context holds {n_ctx}",
-            "shorten it or raise --ctx",
+            ctx_fix(self.target, "shorten it"),
         )
 
     def _cut_answer(self, messages: list[dict], text: str, names: list[str],

@@ -28,6 +28,7 @@ from specrun.sessions.tools import CUT_REASONS, Tool, ToolChoice, render_convers
 from specrun.sampling import SamplingSettings
 from specrun.sessions.heads import heads_for_auto, load_target_heads, paying_heads, with_auto_heads, with_learner
 from specrun.sessions.setup import (
+    ctx_fix,
     TreeSettings,
     adapts_length,
     auto_draft_window,
@@ -113,7 +114,7 @@ def generate_text(request: GenerateRequest, on_text: Callable[[str], None] | Non
         else:
             prompt_ids = prompt_token_ids(target, request.prompt, chat)
             grammar = request.grammar
-        check_prompt(prompt_ids, target.n_ctx)
+        check_prompt(prompt_ids, target.n_ctx, ctx_fix(target, "shorten the prompt"))
         # The input is good: flash attention by what it costs here (a first run measures it and
         # notes so after the answer), which also picks the tuning key of the run's stored costs.
         kernel_notes: list[str] = []

@@ -373,6 +373,17 @@ CHEAP_BYTES_PER_TOKEN = 16
 _longest_tokens: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # target -> its longest token in bytes
 
 
+def ctx_fix(target, instead: str) -> str:
+    """What a context too small for the text is told: ``instead`` (shorten the prompt, /reset),
+    and to raise --ctx where the model takes more than it holds (its training context, where its
+    files say it); where --ctx already holds all of it, that it does ("raise --ctx" sent users to a
+    refusal)."""
+    trained = getattr(target, "n_ctx_train", 0) or 0
+    if trained and target.n_ctx >= trained:
+        return f"{instead} (--ctx already holds the {trained:,} tokens the model was trained with)"
+    return f"{instead}, or raise --ctx" + (f" (up to {trained:,})" if trained else "")
+
+
 def check_prompt_size(target, text: str) -> None:
     """Refuse, before tokenizing it, a prompt that cannot fit the context whatever tokens it
     becomes: even cut into the vocabulary's longest tokens it would fill the context (tokenizing
@@ -389,5 +400,5 @@ def check_prompt_size(target, text: str) -> None:
         raise ContextFullError(
             f"the prompt is {size:,} bytes, at least {fewest:,} tokens (the model's longest token is {longest} "
             f"bytes), but the context holds {target.n_ctx:,}",
-            "shorten the prompt or raise --ctx",
+            ctx_fix(target, "shorten the prompt"),
         )

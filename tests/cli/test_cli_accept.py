@@ -24,7 +24,7 @@ def invoke(*args: str, input: str | None = None):
     (("--accept", "typical", "--epsilon", "1.5"), "--epsilon must be in (0, 1), got 1.5"),
     (("--accept", "typical", "--epsilon", "0"), "--epsilon must be in (0, 1), got 0"),
     (("--accept", "typical", "--delta", "1"), "--delta must be in (0, 1), got 1"),
-    (("--accept", "margin", "--margin", "0.5"), "--margin must be at least 1, got 0.5"),
+    (("--accept", "margin", "--margin", "0.5"), "--margin must be at least 1 and finite, got 0.5"),
     (("--accept", "margin", "--epsilon", "0.1"), "--epsilon sets --accept typical, and the acceptance here is margin"),
     (("--margin", "2"), "--margin sets --accept margin, and the acceptance here is exact"),
     (("--accept", "greedy"), "unknown --accept 'greedy'"),

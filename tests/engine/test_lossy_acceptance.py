@@ -86,8 +86,9 @@ def test_a_tree_keeps_the_deepest_path_the_rule_accepts():
     (LossyAcceptance("typical", epsilon=0.0), "--epsilon must be in (0, 1), got 0"),
     (LossyAcceptance("typical", epsilon=1.0), "--epsilon must be in (0, 1), got 1"),
     (LossyAcceptance("typical", delta=1.0), "--delta must be in (0, 1), got 1"),
-    (LossyAcceptance("margin", factor=0.5), "--margin must be at least 1, got 0.5"),
-    (LossyAcceptance("margin", factor=float("nan")), "--margin must be at least 1, got nan"),
+    (LossyAcceptance("margin", factor=0.5), "--margin must be at least 1 and finite, got 0.5"),
+    (LossyAcceptance("margin", factor=float("nan")), "--margin must be at least 1 and finite, got nan"),
+    (LossyAcceptance("margin", factor=float("inf")), "--margin must be at least 1 and finite, got inf"),
 ])
 def test_settings_out_of_range_are_named(acceptance, problem):
     assert acceptance.validate() == [problem]

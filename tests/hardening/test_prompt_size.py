@@ -84,3 +84,30 @@ def test_endless_stdin_is_refused_once_past_any_context():
         endless.kill()
         endless.wait()
     assert_one_line_error(result.returncode, result.stderr, 1, "stdin holds more than 256 MiB", "shorter prompt")
+
+
+def test_a_context_too_small_says_to_raise_ctx_only_where_the_model_takes_more():
+    """A 3,000-token prompt at demo-target's full 2,048 was told to raise --ctx, which the next run
+    refused (more than the model was trained with)."""
+    from types import SimpleNamespace
+
+    from specrun.sessions.setup import ctx_fix
+
+    assert ctx_fix(SimpleNamespace(n_ctx=512, n_ctx_train=2048), "shorten the prompt") == \
+        "shorten the prompt, or raise --ctx (up to 2,048)"
+    assert ctx_fix(SimpleNamespace(n_ctx=2048, n_ctx_train=2048), "shorten the prompt") == \
+        "shorten the prompt (--ctx already holds the 2,048 tokens the model was trained with)"
+    assert ctx_fix(SimpleNamespace(n_ctx=2048, n_ctx_train=0), "shorten it") == "shorten it, or raise --ctx"
+    assert ctx_fix(NeverTokenizes(), "shorten it") == "shorten it, or raise --ctx"  # no training context said
+
+
+def test_a_prompt_past_the_model_s_whole_context_is_told_to_shorten_only(tiny_llama):
+    from typer.testing import CliRunner
+
+    from specrun.cli.app import app
+
+    result = CliRunner().invoke(app, ["generate", "-t", str(tiny_llama.gguf_path), "--method", "none", "-n", "2",
+                                      "--threads", "1", "word " * 5000])
+    assert result.exit_code == 1, result.output
+    line = result.stderr.strip().splitlines()[-1]
+    assert "but the context holds" in line and "--ctx already holds the" in line and "raise --ctx" not in line
