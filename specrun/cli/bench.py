@@ -293,7 +293,8 @@ def check_writable(path: Path | None, option: str) -> None:
     if path.is_dir():
         raise UsageError(f"{option} {path} is a folder", f"give a file name for {option}")
     if not path.parent.is_dir():
-        raise UsageError(f"{option}: the folder {path.parent} does not exist", "create it or pick another path")
+        state = "is a file, not a folder" if path.parent.exists() else "does not exist"
+        raise UsageError(f"{option}: the folder {path.parent} {state}", "create it or pick another path")
     check_writable_folder(path, f"{option} file", through_special=True)
 
 

@@ -161,7 +161,8 @@ def check_request(request: DistillRequest) -> None:
     out = Path(request.out).expanduser()
     for path, what in ((out, "folder"), (gguf_path(out), "file")):
         if path.exists() or path.is_symlink():
-            raise UsageError(f"--out: the {what} {path} already exists", "remove it, or pass another --out")
+            found = what if path.is_dir() == (what == "folder") else ("folder" if path.is_dir() else "file")
+            raise UsageError(f"--out: a {found} {path} already exists", "remove it, or pass another --out")
     check_writable_folder(out, "output folder", "pass another --out")
     check_checkpoint_folder(checkpoint_folder(out), CHECKPOINT_FILES, "move it away, or pass another --out")
 

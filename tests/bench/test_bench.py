@@ -124,6 +124,7 @@ def test_bad_prompt_files_exit_1_with_one_line(tmp_path, content, message):
         (["--suite", "builtin", "--prompts", "x.jsonl"], "exclude each other"),
         (["--categories", "poetry"], "unknown category 'poetry'"),
         (["--json", "/no/such/folder/out.json"], "does not exist"),
+        (["--json", f"{__file__}/out.json"], "test_bench.py is a file, not a folder"),
         (["--report", "/"], "is a folder"),
     ],
 )

@@ -373,7 +373,11 @@ def test_options_out_of_range_are_one_line(args, fragment, tmp_path):
 def test_an_output_that_exists_or_cannot_be_written_is_one_line(tmp_path):
     (tmp_path / "taken").mkdir()
     result = invoke("distill", "--out", str(tmp_path / "taken"))
-    assert_one_line_error(result.exit_code, result.stderr, 2, "taken", "already exists")
+    assert_one_line_error(result.exit_code, result.stderr, 2, "a folder", "taken", "already exists")
+    (tmp_path / "a-file").write_text("x")  # named as the folder to write: said to be a file
+    result = invoke("distill", "--out", str(tmp_path / "a-file"))
+    assert_one_line_error(result.exit_code, result.stderr, 2, "a file", "a-file already exists")
+    (tmp_path / "a-file").unlink()
     (tmp_path / "beside.gguf").write_bytes(b"x")
     result = invoke("distill", "--out", str(tmp_path / "beside"))
     assert_one_line_error(result.exit_code, result.stderr, 2, "beside.gguf", "already exists")
