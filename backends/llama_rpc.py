@@ -266,13 +266,18 @@ def serve(host: str, port: int, threads: int, cache_dir: str | None, started=Non
                             "check the address and that the port is free")
 
 
-def _check_port_free(host: str, port: int) -> None:
-    """llama.cpp's server listens on a dotted IPv4 address only; the port must be free."""
+def check_host(host: str) -> None:
+    """llama.cpp's server listens on a dotted IPv4 address only."""
     try:
         ipaddress.IPv4Address(host)
     except ValueError:
         raise UsageError(f"--host {host!r} is not an IPv4 address (llama.cpp's RPC server takes no names)",
                          "pass 127.0.0.1, 0.0.0.0 or one of this machine's addresses") from None
+
+
+def _check_port_free(host: str, port: int) -> None:
+    """A host llama.cpp's server can listen on, and the port free there."""
+    check_host(host)
     try:
         with socket.create_server((host, port)):
             pass
