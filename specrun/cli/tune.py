@@ -78,6 +78,10 @@ def tune(
 
         out = PipeConsole(file=sys.stdout)
         if show:
+            given = [flag for flag, value in (("--target", target), ("--draft", draft)) if value is not None]
+            if given:  # it printed every pair, the one named or not, exit 0
+                raise UsageError(f"--show prints every pair's saved settings; it takes no {given[0]}",
+                                 f"leave {given[0]} out")
             results, choices = tuning.load_all(), load_choices()  # both read before anything is printed
             out.print(render(results))
             if choices:

@@ -137,6 +137,15 @@ def test_a_corrupt_tune_file_is_one_line(config_home, tiny_llama):
     assert "cannot read tuned settings" in result.stderr and "specrun tune" in result.stderr
 
 
+@pytest.mark.parametrize("flag", ["-t", "--draft"])
+def test_show_with_a_model_named_is_a_usage_error(config_home, flag):
+    """`tune -t nosuch --show` printed every pair's settings, exit 0, the model never looked at."""
+    result = CliRunner().invoke(app, ["tune", flag, "nosuch", "--show"])
+    assert result.exit_code == 2, result.output
+    long = {"-t": "--target", "--draft": "--draft"}[flag]
+    assert result.stderr.strip() == f"error: --show prints every pair's saved settings; it takes no {long}; leave {long} out"
+
+
 def test_calibration_picks_the_fastest_length_then_the_fastest_stop(monkeypatch, tiny_llama):
     """The choice itself, with the measured rates set: round 1 picks k, round 2 a stop at k or at 8."""
     from specrun.sessions import tuning
