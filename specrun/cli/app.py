@@ -329,7 +329,7 @@ def demo(
 
 @app.command("trace")
 def trace_command(
-    file: Annotated[Path, typer.Argument(help="A file written by --trace (generate, bench, chat or serve).")],
+    file: Annotated[Path, typer.Argument(help="A file written by --trace (generate, bench, chat or serve); - reads stdin.")],
     events: Annotated[int, typer.Option("--events", help="Turns of the policy shown a run (0: none).")] = 12,
 ) -> None:
     """Tell a --trace file in words: what drafted, what was kept, where the time went.

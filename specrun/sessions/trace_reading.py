@@ -9,8 +9,11 @@ realised speed turning speculation off or on; the length a batch of slots chose)
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import math
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -36,18 +39,23 @@ class RunTrace:
 
 def read_trace(path: Path) -> tuple[dict, list[RunTrace]]:
     """The trace's first line (what ran) and its runs in the order they began; a file that is not a
-    trace, a newer one, or a line that is not JSON is refused naming the line."""
+    trace, a newer one, or a line that is not JSON is refused naming the line. ``-``: stdin."""
     path = Path(path)
+    stdin = str(path) == "-"
+    where = "on stdin" if stdin else str(path)
 
     def refuse(reason: str, fix: str = FIX) -> FileAccessError:
-        return FileAccessError(f"cannot read the trace {path}: {reason}", fix)
+        return FileAccessError(f"cannot read the trace {where}: {reason}", fix)
 
-    if not path.is_file():
+    if not stdin and not path.is_file():
         raise refuse("no such file" if not path.exists() else "it is not a regular file")
     runs: dict[tuple, RunTrace] = {}
     header: dict | None = None
     try:
-        with path.open(encoding="utf-8") as lines:
+        # stdin as UTF-8 whatever the locale says, left open (the command's, not this reader's)
+        source = (contextlib.nullcontext(io.TextIOWrapper(sys.stdin.buffer, encoding="utf-8")) if stdin
+                  else path.open(encoding="utf-8"))
+        with source as lines:
             for number, line in enumerate(lines, 1):
                 if not line.strip():
                     continue

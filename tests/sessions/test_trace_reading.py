@@ -125,6 +125,12 @@ def test_generate_s_trace_is_told_by_the_trace_command(tiny_llama, tmp_path):
     lines = told.stdout.splitlines()
     assert lines[0].startswith("run: ") and "method auto" in lines[0] and lines[1] == "the run"
     assert lines[2].startswith("  12 tokens in ") and lines[-1].startswith("  finished: 12 tokens")
+    # - reads the trace from stdin, told alike
+    piped = CliRunner().invoke(app, ["trace", "-"], input=out.read_bytes())
+    assert piped.exit_code == 0 and piped.stdout == told.stdout, piped.output
+    for given, problem in ((b"junk\n", "it is not a specrun trace"), (b"\xff\xfe", "it is not text"), (b"", "it is empty")):
+        refused = CliRunner().invoke(app, ["trace", "-"], input=given)
+        assert refused.exit_code == 1 and refused.stderr.startswith(f"error: cannot read the trace on stdin: {problem}")
 
 
 def test_a_sampled_run_s_trace_says_how_it_sampled(tiny_llama, tmp_path):
