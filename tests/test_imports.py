@@ -1,6 +1,8 @@
 """Every name imported from the project exists: the imports inside functions too, which nothing
 runs until their test or command does (a tidy that removed ``control.batch.MARGIN`` failed CI
-18 minutes in, on a test's import of it)."""
+18 minutes in, on a test's import of it). ``from specrun…`` and ``from tests…`` forms only: plain
+``import specrun.x`` and the tests' helpers imported by their bare names (``from mtp_models
+import …``) are left to the runs that use them."""
 
 from __future__ import annotations
 

@@ -21,6 +21,7 @@ from specrun.cli.chat import chat_command
 from specrun.cli.distill import distill_command
 from specrun.cli.heads import heads_app
 from specrun.cli.common import (
+    MODEL_OPTIONS,
     check_outputs_apart,
     MAX_DRAFT_LEN,
     PipeConsole,
@@ -401,10 +402,6 @@ def _reflow_help(group: typer.Typer) -> None:
 _reflow_help(app)
 
 
-# A command's options naming a model by alias or path (its parameters' names)
-MODEL_PARAMETERS = ("target", "draft", "heads", "student")
-
-
 def empty_option(argv: Sequence[str]) -> str | None:
     """What to say of the first option of the command in ``argv`` naming a file or a model that
     was given an empty value (``''``, ``--out=``: an unset shell variable), None where none was:
@@ -423,6 +420,8 @@ def empty_option(argv: Sequence[str]) -> str | None:
     if callback is None:
         return None
     options = _named_options(callback)
+    if "--" in words:  # what follows is arguments, not options
+        words = words[: words.index("--")]
     for at, word in enumerate(words):
         flag, equals, value = word.partition("=")
         if word.startswith("--") and equals and flag in options and not value.strip():
@@ -441,10 +440,14 @@ def _named_options(callback) -> dict[str, str]:
         if typing.get_origin(hint) is not Annotated:
             continue
         base, *declared = typing.get_args(hint)
-        model = name in MODEL_PARAMETERS
-        if not model and Path not in (base, *typing.get_args(base)):
+        if name == "heads":
+            fix = "name the heads' file or folder"
+        elif name in MODEL_OPTIONS:
+            fix = "name a model (an alias, a .gguf path or an MLX folder)"
+        elif Path in (base, *typing.get_args(base)):
+            fix = "give it a path"
+        else:
             continue
-        fix = "name a model (an alias, a .gguf path or an MLX folder)" if model else "give it a file name"
         if defaults[name].default is not inspect.Parameter.empty:
             fix += ", or leave the option out"
         for option in declared:
@@ -463,7 +466,10 @@ def main() -> None:
     from specrun.cli.interrupts import INTERRUPTED_EXIT, raise_on_interrupt, say_interrupted_once
 
     raise_on_interrupt()
-    empty = empty_option(sys.argv[1:])
+    try:
+        empty = empty_option(sys.argv[1:])
+    except Exception:  # noqa: BLE001 - a scan that cannot read a command's options leaves it to Typer
+        empty = None
     if empty is not None:
         typer.echo(f"error: {empty}", err=True)
         raise SystemExit(2)

@@ -10,6 +10,7 @@ import sys
 import traceback
 from collections.abc import Sequence
 from pathlib import Path
+from typing import NoReturn
 
 import typer
 from rich.console import Console
@@ -53,17 +54,21 @@ def cli_errors():
             _internal_error(exc)
         if os.environ.get("SPECRUN_DEBUG") == "1":
             traceback.print_exc()
-        # what no file's own check caught: the output itself (stdout on a full disk, > /dev/full);
-        # stdout is pointed at /dev/null, as for a closed pipe, so the exit's flush says nothing more
+        problem = os.strerror(exc.errno).lower()
+        if exc.filename is not None:  # a file no check of its own caught
+            typer.echo(f"error: cannot write {exc.filename}: {problem}; free some space, or write it elsewhere", err=True)
+            raise typer.Exit(1) from None
+        # the output itself (stdout on a full disk, > /dev/full): stdout is pointed at /dev/null,
+        # as for a closed pipe, so the exit's flush says nothing more
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        typer.echo(f"error: cannot write the output: {os.strerror(exc.errno).lower()}; free some space, or send "
-                   "the output elsewhere", err=True)
+        typer.echo(f"error: cannot write the output: {problem}; free some space, or send the output elsewhere",
+                   err=True)
         raise typer.Exit(1) from None
     except Exception as exc:  # noqa: BLE001 - an unexpected failure: still one line unless debugging
         _internal_error(exc)
 
 
-def _internal_error(exc: Exception) -> None:
+def _internal_error(exc: Exception) -> NoReturn:
     """An unexpected failure (called while it is handled): one line unless debugging, exit 1."""
     if os.environ.get("SPECRUN_DEBUG") == "1":
         traceback.print_exc()
@@ -83,7 +88,8 @@ class PipeConsole(Console):
         raise BrokenPipeError
 
 
-# Options naming a model: a file where they name one (an alias names none), read by the command
+# Options naming a model (or heads): a file where they name one (an alias names none), read by the
+# command; an empty value of one is refused by name (cli/app.empty_option)
 MODEL_OPTIONS = ("target", "draft", "heads", "student")
 
 
@@ -99,7 +105,7 @@ def check_outputs_apart(context: typer.Context, *outputs: str) -> None:
         isinstance(value, Path) or (name in MODEL_OPTIONS and isinstance(value, str))) and str(value) != "-"}
     for output in outputs:
         path = named.get(output)
-        if path is None:
+        if path is None or (path.exists() and not path.is_file()):  # /dev/null, /dev/stdout: written through
             continue
         for other, read in named.items():
             # another output is written whether it exists or not; an input only where it is a file

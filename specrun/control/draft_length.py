@@ -192,7 +192,7 @@ class DraftLengthController:
         rates = self._rates_for([1.0] * (self.max_draft_len + 1), self.max_draft_len)
         if None in rates:
             return True
-        return max(rates[1:]) > self._margin() * rates[0]
+        return max(rates[1:]) >= self._margin() * rates[0]  # as ``_best`` takes a length
 
     def _margin(self) -> float:
         """What a length must beat plain decoding by: in a shared pass, a cheap drafter's gain within

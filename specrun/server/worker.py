@@ -46,7 +46,7 @@ from specrun.grammar import Grammar, GrammarError
 from specrun.registry.loading import LoadOptions
 from specrun.server.dispatch import Jobs
 from specrun.server.requests import CompletionRequest, RequestError, invalid_value
-from specrun.sessions.setup import TreeSettings
+from specrun.sessions.setup import TreeSettings, ctx_fix
 from specrun.sessions.tools import ToolCall, ToolStyle, ToolTemplateError, render_conversation, style_for
 from specrun.sessions.trace import RequestTrace, ServerTrace
 
@@ -749,7 +749,7 @@ class PairWorker:
         if len(prompt_ids) >= target.n_ctx:
             raise RequestError(
                 f"{param}: the prompt has {len(prompt_ids)} tokens but the context holds {target.n_ctx}; "
-                "shorten it, or restart the server with a larger --ctx",
+                + ctx_fix(target, "shorten it").replace("raise --ctx", "restart the server with a larger --ctx"),
                 param,
                 code="context_length_exceeded",
             )

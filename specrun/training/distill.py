@@ -159,10 +159,10 @@ def check_request(request: DistillRequest) -> None:
     if request.divergence not in DIVERGENCES:
         raise UsageError(f"unknown --divergence {request.divergence!r}", f"use one of: {', '.join(DIVERGENCES)}")
     out = Path(request.out).expanduser()
-    for path, what in ((out, "folder"), (gguf_path(out), "file")):
+    for path in (out, gguf_path(out)):
         if path.exists() or path.is_symlink():
-            found = what if path.is_dir() == (what == "folder") else ("folder" if path.is_dir() else "file")
-            raise UsageError(f"--out: a {found} {path} already exists", "remove it, or pass another --out")
+            raise UsageError(f"--out: a {'folder' if path.is_dir() else 'file'} {path} already exists",
+                             "remove it, or pass another --out")
     check_writable_folder(out, "output folder", "pass another --out")
     check_checkpoint_folder(checkpoint_folder(out), CHECKPOINT_FILES, "move it away, or pass another --out")
 

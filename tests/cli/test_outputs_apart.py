@@ -69,8 +69,35 @@ def test_an_alias_is_no_file_to_overwrite(files):
     from specrun.cli.common import _same_file
 
     assert _same_file(files / "x", files / "." / "x") and not _same_file(files / "x", files / "y")
-    result = run("generate", "-t", "demo-target", "--trace", "demo-target", "--max-tokens", "0", "hi")
-    assert "name one file" not in result.output
+    result = run("generate", "-t", "demo-target", "--trace", "demo-target", "--method", "none", "-n", "2",
+                 "--threads", "1", "hi")
+    assert result.exit_code == 0, result.output
+    assert (files / "demo-target").read_text().startswith('{"trace":"specrun"')
+
+
+def test_outputs_written_through_one_special_file_are_no_clash(files):
+    """/dev/null (or /dev/stdout) for two outputs is written through, each its own writes: not
+    refused as one file (the run stops later, on -n 0)."""
+    for args in (["bench", "--json", os.devnull, "--report", os.devnull, "-n", "0"],
+                 ["generate", "--trace", os.devnull, "--ngram-cache", os.devnull, "-n", "0", "hi"]):
+        result = run(*args)
+        assert result.exit_code == 2 and "name one file" not in result.output and "--max-tokens" in result.output
+
+
+def test_a_full_disk_names_the_file_it_could_not_write(capsys):
+    """A full disk under a file no check of its own caught: that file named, stdout left as it is."""
+    import errno
+
+    import typer
+
+    from specrun.cli.common import cli_errors
+
+    with pytest.raises(typer.Exit) as ended:
+        with cli_errors():
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), "/tmp/somewhere/cache.bin")
+    assert ended.value.exit_code == 1
+    assert capsys.readouterr().err.strip() == (
+        "error: cannot write /tmp/somewhere/cache.bin: no space left on device; free some space, or write it elsewhere")
 
 
 @pytest.mark.skipif(not os.path.exists("/dev/full"), reason="no /dev/full here (Linux has one)")
