@@ -273,8 +273,8 @@ def generate(
                     typer.echo(result.stats.summary(), err=True)
                     if result.finish_reason == "context":  # -n asked for more than the context holds
                         size = f" of {request.load.n_ctx} tokens" if request.load.n_ctx else ""
-                        typer.echo(f"note: the context{size} is full, so the answer stops here; raise --ctx for a "
-                                   "longer one", err=True)
+                        typer.echo(f"note: the context{size} is full, so the answer stops here; {result.context_fix}",
+                                   err=True)
                     if result.tool_call_cut:
                         from specrun.sessions.tools import TOOL_CALL_CUT_NOTE
 

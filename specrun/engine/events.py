@@ -63,6 +63,7 @@ class GenerationResult:
     tool_calls: list = field(default_factory=list)
     tool_call_cut: bool = False  # the answer stopped (max tokens, context) inside a call, which was left out
     grammar_problem: str = ""  # finish_reason "grammar": why the grammar stopped the answer
+    context_fix: str = ""  # finish_reason "context": how a longer answer gets room (sessions/setup.ctx_fix)
 
 
 @dataclass(frozen=True)

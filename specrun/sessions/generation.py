@@ -200,6 +200,8 @@ def generate_text(request: GenerateRequest, on_text: Callable[[str], None] | Non
                     names = [tool.name for tool in request.tools]
                     event.result.tool_calls, event.result.tool_call_cut = style_for(template).read_answer(
                         event.result.text, names, cut=event.result.finish_reason in CUT_REASONS)
+                if event.result.finish_reason == "context":
+                    event.result.context_fix = ctx_fix(target, "a shorter prompt leaves room for more")
                 return event.result
         raise AssertionError("stream ended without Finished")
     finally:

@@ -56,8 +56,12 @@ def test_an_answer_the_context_stops_says_so_after_the_stats(pair):
     result = invoke("generate", "def main():", *pair, "--ctx", "32", "-n", "1000")
     assert result.exit_code == 0, result.output
     lines = result.stderr.strip().splitlines()
-    assert lines[-1] == "note: the context of 32 tokens is full, so the answer stops here; raise --ctx for a longer one"
+    assert lines[-1] == ("note: the context of 32 tokens is full, so the answer stops here; a shorter prompt leaves "
+                         "room for more, or raise --ctx (up to 512)")  # what the model was trained with
     assert "tok/s" in lines[-2]
+    full = invoke("generate", "def main():", *pair, "--ctx", "512", "-n", "1000")
+    assert full.stderr.strip().splitlines()[-1].endswith(
+        "a shorter prompt leaves room for more (--ctx already holds the 512 tokens the model was trained with)")
     short = invoke("generate", "def main():", *pair, "--ctx", "64", "-n", "8")
     assert "is full" not in short.stderr
 
