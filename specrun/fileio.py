@@ -203,6 +203,19 @@ def create_beside(path: Path) -> tuple[int, Path]:
             continue
 
 
+def with_new_file_mode(path: Path) -> None:
+    """Give ``path`` the mode open() gives a new file beside it (0666 less the umask): safetensors'
+    writer makes its files owner-only (0600), so a converted model's weights were unreadable to
+    anyone else where its other files were not. The mode is read off a file made the same way
+    (the umask itself can only be read by setting it, for the whole process)."""
+    handle, probe = create_beside(Path(path))
+    os.close(handle)
+    try:
+        os.chmod(path, stat.S_IMODE(os.stat(probe).st_mode))
+    finally:
+        probe.unlink(missing_ok=True)
+
+
 def write_error(path: Path, what: str, instead: str, error: type[SpecrunError], exc: OSError) -> SpecrunError:
     if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
         advice = "free some disk space"

@@ -26,6 +26,7 @@ import gguf
 import numpy as np
 
 from specrun.errors import ModelFileError
+from specrun.fileio import with_new_file_mode
 
 from .config import ARCHITECTURES, ModelConfig, weight_names
 from .gguf_check import check_fields, check_tensors, read_layout
@@ -181,6 +182,7 @@ def convert_gguf_to_mlx(source: Path, out: Path, *, mlx_dtype: str = "float16") 
 
         save_file({name: np.ascontiguousarray(array) for name, array in beside.items()}, str(Path(out) / MTP_FILE),
                   metadata={"format": "pt"})
+        with_new_file_mode(Path(out) / MTP_FILE)
     generation = {"bos_token_id": ids.bos_token_id, "eos_token_id": config_json.get("eos_token_id", ids.eos_token_id)}
     write_json(Path(out) / "generation_config.json", generation)
 

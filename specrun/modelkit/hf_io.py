@@ -7,6 +7,8 @@ from pathlib import Path
 
 import numpy as np
 
+from specrun.fileio import with_new_file_mode
+
 from .config import ModelConfig, weight_names
 from .gguf_io import pad_token_id
 from .tokenizer import ByteBpeVocab, parse_tokenizer_json
@@ -105,6 +107,7 @@ def write_model_files(
     # would be stored scrambled without a word.
     stored = {name: np.ascontiguousarray(array) for name, array in tensors.items()}
     save_file(stored, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    with_new_file_mode(folder / "model.safetensors")
     write_json(folder / "config.json", config_json)
     (folder / "tokenizer.json").write_text(tokenizer_json, encoding="utf-8")
     write_json(folder / "tokenizer_config.json", tokenizer_config)

@@ -107,6 +107,19 @@ def test_q4_requantizes_float_weights_within_half_a_step(tiny_llama: TinyModel, 
         assert np.all(np.abs(weight - expected) <= step / 2 + 1e-3)
 
 
+def test_a_converted_folder_s_files_are_readable_as_its_others_are(tiny_llama: TinyModel, tmp_path):
+    """safetensors' writer made the weights owner-only (0600) beside 0644 JSON files: another user,
+    or a container under another uid, could not load the folder."""
+    import os
+    import stat
+
+    for dtype in ("float16", "q4"):
+        folder = _convert(tiny_llama.gguf_path, tmp_path / dtype, dtype)
+        modes = {path.name: stat.S_IMODE(os.stat(path).st_mode) for path in folder.iterdir()}
+        assert len(set(modes.values())) == 1 and modes["model.safetensors"] == modes["config.json"], modes
+        assert not [path for path in folder.iterdir() if path.name.endswith(".tmp")]
+
+
 def test_q8_0_blocks_become_exact_8_bit_groups(tiny_qwen2: TinyModel, tmp_path):
     import mlx.core as mx
 
