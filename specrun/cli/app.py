@@ -191,7 +191,7 @@ def generate(
                             tree_nodes=tree_nodes)
         check_kv_type(kv_type, exact)
         chat_template = checked_chat(chat, raw)
-        check_window_use(window, (method,), draft)
+        check_window_use(window, (method,), draft, sinks=sinks)
         flash_attn = checked_flash_attn(flash_attn, exact)
         rpc_servers = checked_rpc(rpc)
         lookahead_sizes = checked_lookahead(lookahead, (method,))

@@ -178,7 +178,7 @@ def bench(
         method_list = parse_methods(methods, has_draft=draft is not None,
                                     head_kinds=head_kinds_available(target, heads, registry))
         lookahead_sizes = checked_lookahead(lookahead, method_list)
-        check_window_use(window, method_list, draft, "--methods")
+        check_window_use(window, method_list, draft, "--methods", sinks=sinks)
         check_heads_used(heads, method_list)
         trees = checked_trees(chain_only, tree_nodes, branches, lookahead_sizes, window=uses_window(method_list))
         check_draft_len_use(draft_len, method_list, "--methods", draft_min_prob=draft_min_prob, branches=branches,

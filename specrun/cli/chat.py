@@ -182,7 +182,7 @@ def chat_command(
         check_method(method)
         check_generation_options(max_tokens, draft_len, draft_min_prob, ctx, threads)
         check_kv_type(kv_type, exact)
-        check_window_use(window, (method,), draft)
+        check_window_use(window, (method,), draft, sinks=sinks)
         flash_attn = checked_flash_attn(flash_attn, exact)
         rpc_servers = checked_rpc(rpc)
         # The session fills in the draft length: the user's, else the longest an adaptive run may choose.

@@ -426,12 +426,17 @@ class PrefillBar:
             progress.stop()
 
 
-def check_window_use(window: int | None, methods: Sequence[str], draft: str | None, flag: str = "--method") -> None:
+def check_window_use(window: int | None, methods: Sequence[str], draft: str | None, flag: str = "--method",
+                     sinks: int | None = None) -> None:
     """--window sizes a draft model's cache (or the target's own with --draft self:window): refused
-    where no method named drafts with a draft model. Its range is LoadOptions'."""
+    where no method named drafts with a draft model; --sinks where no cache is windowed (--draft
+    self:window is, at its default window). Their ranges are LoadOptions'."""
     from specrun.drafters.methods import is_adaptive, needs_draft_model
     from specrun.modelkit.selfdraft import is_window_draft
 
+    if sinks is not None and window is None and not is_window_draft(draft):
+        raise UsageError("--sinks sizes a windowed draft cache, and there is none",
+                         "pass --window N (or --draft self:window), or drop --sinks")
     if window is None and not is_window_draft(draft):
         return
     if window == 0 and is_window_draft(draft):

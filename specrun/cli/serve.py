@@ -164,7 +164,7 @@ def serve_command(
         check_draft_len_use(draft_len, (method,), draft_min_prob=draft_min_prob, branches=branches,
                             tree_nodes=tree_nodes)
         check_kv_type(kv_type, exact)
-        check_window_use(window, (method,), draft)
+        check_window_use(window, (method,), draft, sinks=sinks)
         flash_attn = checked_flash_attn(flash_attn, exact)
         rpc_servers = checked_rpc(rpc)
         check_range("--port", port, 0, 65535)

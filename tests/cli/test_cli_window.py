@@ -74,6 +74,15 @@ def test_a_windowed_draft_answers_as_plain_decoding(tiny_llama, perturbed):
         assert not any("full cache" in line for line in lines)
 
 
+def test_self_window_takes_sinks_at_its_default_window(tiny_llama):
+    """--draft self:window keeps a window of its own (512) without --window: its --sinks were refused
+    as sizing no window, the fix offered naming the draft already given."""
+    answer, lines = generate_json("-t", str(tiny_llama.gguf_path), "-d", "self:window", "--method", "draft",
+                                  "--sinks", "2", "-k", "3")
+    assert answer["stats"]["drafted"] > 0
+    assert not any(line.startswith("error") for line in lines)
+
+
 def test_auto_holds_a_window_for_a_prompt_long_enough_and_window_0_keeps_the_full_cache(
         tiny_llama, perturbed, monkeypatch):
     """auto with a draft model and a prompt long enough for the window to engage (ENGAGE_SPANS of
