@@ -445,8 +445,21 @@ class ChatSession:
                 sequence_for(backend).reset()
 
     def set_system_prompt(self, text: str | None) -> None:
-        """Use ``text`` from the next answer on; the conversation so far is kept."""
+        """Use ``text`` from the next answer on; the conversation so far is kept. A system prompt
+        that alone fills the context is refused here (every later message was, blamed on itself)."""
+        if text:
+            check_prompt_size(self.target, text)
+            tokens = self._system_tokens(text)
+            if tokens >= self.target.n_ctx:
+                raise ContextFullError(f"the system prompt has {tokens} tokens but the context holds "
+                                       f"{self.target.n_ctx}", ctx_fix(self.target, "shorten it"))
         self.system_prompt = text or None
+
+    def _system_tokens(self, text: str | None = None) -> int:
+        """The system prompt's tokens (``text``, else the one in use), as text alone: near what it
+        adds to a rendered prompt (the template's markers aside)."""
+        text = self.system_prompt if text is None else text
+        return len(self.target.tokenize(text, add_bos=False)) if text else 0
 
     def _with_system(self, messages: Sequence[dict[str, str]]) -> list[dict[str, str]]:
         system = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
@@ -467,6 +480,13 @@ class ChatSession:
         n_ctx = self.target.n_ctx
         if len(prompt_ids) < n_ctx:
             return
+        system = self._system_tokens()
+        if system and len(prompt_ids) - system < n_ctx:  # it would fit without the system prompt
+            raise ContextFullError(
+                f"the system prompt ({system} tokens) and the {'conversation' if self.transcript.messages else 'message'} "
+                f"need {len(prompt_ids)} tokens but the context holds {n_ctx}",
+                ctx_fix(self.target, "shorten the system prompt (--system, or /system in a chat; /system - removes it)"),
+            )
         if self.transcript.messages:
             raise ContextFullError(
                 f"the conversation has {len(prompt_ids)} tokens but the context holds {n_ctx}",

@@ -216,6 +216,24 @@ def test_full_context_stops_the_answer_then_asks_for_reset(tiny_llama):
         assert answer(session, "more?").finish_reason == "length"
 
 
+def test_a_system_prompt_too_long_is_named_not_the_message(tiny_llama):
+    """A system prompt that filled the context was blamed on each message ('the message needs ...;
+    shorten it'), /reset did not help, and /system accepted one that alone could never fit."""
+    path = str(tiny_llama.gguf_path)
+    with open_chat(path, None, "none", LoadOptions(threads=1, n_ctx=64)) as session:
+        with pytest.raises(ContextFullError, match="the system prompt has .* tokens but the context holds 64"):
+            session.set_system_prompt("word " * 100)
+        assert session.system_prompt is None  # refused: the chat goes on without it
+        session.set_system_prompt("word " * 50)  # fits alone, not with a message
+        with pytest.raises(ContextFullError) as refused:
+            list(session.ask("hello there, how are you today?", PARAMS))
+        line = refused.value.one_line()
+        assert line.startswith("the system prompt (") and "and the message need" in line
+        assert "shorten the system prompt" in line and "/system - removes it" in line
+        session.set_system_prompt(None)
+        assert answer(session, "hello there, how are you today?").text
+
+
 def test_method_switch_loads_the_draft_when_first_needed_and_stays_lossless(tiny_llama, perturbed_draft):
     path = str(tiny_llama.gguf_path)
     with open_chat(path, perturbed_draft, "none", OPTIONS, draft_len=4) as session:
