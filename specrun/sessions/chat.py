@@ -326,6 +326,9 @@ class ChatSession:
         check_prompt_size(self.target, text)
         if role == "tool" and not self.tools:
             raise UsageError("there is no tool call to answer: this chat has no tools", "start it with --tools FILE")
+        if role == "tool" and not self.unanswered:  # a result of no call: sent without an id, or taken as text
+            raise UsageError("there is no tool call to answer: the last answer called none (or its calls are answered)",
+                             "type your message as it is")
         if role == "user" and self.tool_choice.forces_a_call:
             params = dataclasses.replace(params, grammar=self._required_call())
         message = {"role": role, "content": text}
