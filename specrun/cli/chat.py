@@ -448,7 +448,8 @@ class ChatRepl:
 
         if argument:
             self.session.set_method(argument)
-        self.view.info(f"method {self.session.method} (available: {', '.join(METHODS)})")
+        self.view.info(f"method {self.session.method} (methods: {', '.join(METHODS)}; those drafting with a draft "
+                       "model, heads or MTP layers where this chat has them)")
 
     def _tool(self, argument: str) -> None:
         if not argument:
