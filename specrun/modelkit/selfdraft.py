@@ -131,6 +131,8 @@ def _parse_layers(spec: str, text: str) -> LayerDraft:
         return LayerDraft(spec, first=first)
     named: list[int] = []
     for part in text.split(","):
+        if part.startswith("-"):  # "-1": no layer is numbered below 0 (it read as '' and 1)
+            raise UsageError(f"--draft {spec}: {part!r} is not a layer number (they count from 0)", LAYERS_FIX)
         low, dash, high = part.partition("-")
         start, stop = number(low), number(high) if dash else number(low)
         if stop < start:

@@ -74,6 +74,8 @@ def test_layer_specs_parse(spec, kept):
     ("self:layers=x", "'x' is not a layer number"),
     ("self:layers=3-", "'' is not a layer number"),
     ("self:layers=3-1", "the range '3-1' runs backwards"),
+    ("self:layers=-1", "'-1' is not a layer number (they count from 0)"),  # was read as '' and 1
+    ("self:layers=0,-3", "'-3' is not a layer number"),
     ("self:layers=2,1", "names layers out of order or twice"),
     ("self:layers=1,1", "names layers out of order or twice"),
 ])
