@@ -244,6 +244,25 @@ class TestAlternativePick:
             pick.drafted({"full"})
 
 
+class ChainMember:
+    """A chain's member as the policy reads it: its name, whether it pays a token (a draft model,
+    heads) and what it stands in for (an alternative to the draft model)."""
+
+    min_prob = 0.0
+    reads_pass = False
+    whole_proposals = False
+    kind_priors = {}
+    alike_below = 0
+    most_tokens = None
+
+    def __init__(self, name, alternative_to=None, pays=True):
+        self.name, self.alternative_to, self.pays_per_token = name, alternative_to, pays
+
+    @property
+    def members(self):
+        return (self,)
+
+
 def test_a_paid_member_before_the_draft_model_is_weighed_unless_it_is_an_alternative():
     """Heads before the draft model (auto's lookup+ngram+eagle+draft) are weighed against asking
     it, not taken whole as the window alternative is: with the draft model not yet timed, the
@@ -252,26 +271,9 @@ def test_a_paid_member_before_the_draft_model_is_weighed_unless_it_is_an_alterna
     from specrun.drafters.base import Proposal
     from specrun.drafters.chain import ChainDrafter
 
-    class Paid:
-        pays_per_token = True
-        min_prob = 0.0
-        reads_pass = False
-        whole_proposals = False
-        kind_priors = {}
-        alternative_to = None
-        alike_below = 0
-        most_tokens = None
-
-        def __init__(self, name, alternative_to=None):
-            self.name, self.alternative_to = name, alternative_to
-
-        @property
-        def members(self):
-            return (self,)
-
-    for first, taken in ((Paid("eagle"), False), (Paid(WINDOW_NAME, alternative_to="draft"), True)):
+    for first, taken in ((ChainMember("eagle"), False), (ChainMember(WINDOW_NAME, alternative_to="draft"), True)):
         policy = AdaptivePolicy()
-        policy.set_drafter(ChainDrafter([first, Paid("draft")]))
+        policy.set_drafter(ChainDrafter([first, ChainMember("draft")]))
         policy.configure(8, adaptive=True)
         policy.start_text(10)
         for n_tokens, seconds in ((1, 0.1), (4, 0.12)):
@@ -381,24 +383,8 @@ def test_a_cheap_tree_is_weighed_against_the_draft_model_by_its_main_chain():
     from specrun.drafters.base import Proposal
     from specrun.drafters.chain import ChainDrafter
 
-    class Member:
-        min_prob = 0.0
-        reads_pass = False
-        whole_proposals = False
-        kind_priors = {}
-        alternative_to = None
-        alike_below = 0
-        most_tokens = None
-
-        def __init__(self, name, pays):
-            self.name, self.pays_per_token = name, pays
-
-        @property
-        def members(self):
-            return (self,)
-
     policy = AdaptivePolicy()
-    policy.set_drafter(ChainDrafter([Member("lookup", False), Member("draft", True)]))
+    policy.set_drafter(ChainDrafter([ChainMember("lookup", pays=False), ChainMember("draft")]))
     policy.configure(8, adaptive=True)
     policy.start_text(10)
     for n_tokens in range(1, 10):  # a pass: 0.1 s and 5 ms a token more; a drafted token 5 ms
