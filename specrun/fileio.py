@@ -208,12 +208,15 @@ def with_new_file_mode(path: Path) -> None:
     writer makes its files owner-only (0600), so a converted model's weights were unreadable to
     anyone else where its other files were not. The mode is read off a file made the same way
     (the umask itself can only be read by setting it, for the whole process)."""
-    handle, probe = create_beside(Path(path))
-    os.close(handle)
-    try:
-        os.chmod(path, stat.S_IMODE(os.stat(probe).st_mode))
-    finally:
-        probe.unlink(missing_ok=True)
+    try:  # best effort: the file is written whole either way (a file system may refuse chmod)
+        handle, probe = create_beside(Path(path))
+        os.close(handle)
+        try:
+            os.chmod(path, stat.S_IMODE(os.stat(probe).st_mode))
+        finally:
+            probe.unlink(missing_ok=True)
+    except OSError:
+        pass
 
 
 def write_error(path: Path, what: str, instead: str, error: type[SpecrunError], exc: OSError) -> SpecrunError:

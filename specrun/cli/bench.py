@@ -278,7 +278,7 @@ def parse_draft_lens(draft_len: int | None, sweep: str | None) -> tuple[int, ...
             lengths = tuple(sorted({int(part) for part in text.split(",")}))
     except ValueError:
         raise UsageError(f"--sweep-draft-len {sweep!r} is not A..B or A,B,C", "e.g. --sweep-draft-len 1..8") from None
-    if ".." in text and first > last:
+    if ".." in text and 1 <= last < first <= MAX_DRAFT_LEN:
         raise UsageError(f"--sweep-draft-len {sweep!r} runs backwards", f"e.g. --sweep-draft-len {last}..{first}")
     if not lengths or min(lengths) < 1 or max(lengths) > MAX_DRAFT_LEN:
         raise UsageError(

@@ -448,8 +448,8 @@ class ChatRepl:
 
         if argument:
             self.session.set_method(argument)
-        self.view.info(f"method {self.session.method} (methods: {', '.join(METHODS)}; those drafting with a draft "
-                       "model, heads or MTP layers where this chat has them)")
+        self.view.info(f"method {self.session.method} (methods: {', '.join(METHODS)}; those needing a draft model, "
+                       "heads or MTP layers only where this chat has them)")
 
     def _tool(self, argument: str) -> None:
         if not argument:

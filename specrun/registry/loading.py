@@ -59,7 +59,9 @@ class LoadOptions:
         if self.sinks is not None and not 0 <= self.sinks <= MAX_SINKS:
             raise UsageError(f"--sinks must be between 0 and {MAX_SINKS}, got {self.sinks}",
                              "pass the first tokens a windowed cache keeps (4, StreamingLLM's), or leave it out")
-        if self.sinks is not None and self.window == 0:  # no --window at all: cli/common.check_window_use
+        # sinks without any window given are refused by the commands (cli/common.check_window_use, which
+        # knows --draft self:window keeps one of its own); given here alone, they size nothing
+        if self.sinks is not None and self.window == 0:
             raise UsageError("--sinks sizes a windowed draft cache, and there is none",
                              "pass --window N (or --draft self:window), or drop --sinks")
         if self.rpc and self.gpu_layers == 0:

@@ -220,7 +220,8 @@ class ChatSession:
         self._call_grammar: Grammar | None = None
         self.draft = draft
         self.template = ChatTemplate.for_backend(target)
-        self.system_prompt = system_prompt
+        self.system_prompt = None
+        self.set_system_prompt(system_prompt)  # --system: refused at the start where it alone fills the context
         self.transcript = Transcript()
         # the calls answers made and no tool message answered yet, oldest first: a result typed back
         # (ask with role "tool") answers the first and carries its id, which a template may require
@@ -484,16 +485,18 @@ class ChatSession:
         if len(prompt_ids) < n_ctx:
             return
         system = self._system_tokens()
-        if system and len(prompt_ids) - system < n_ctx:  # it would fit without the system prompt
+        if system and not self.transcript.messages and len(prompt_ids) - system < n_ctx:
+            # the message alone would fit: the system prompt is what to shorten (a /reset keeps it)
             raise ContextFullError(
-                f"the system prompt ({system} tokens) and the {'conversation' if self.transcript.messages else 'message'} "
-                f"need {len(prompt_ids)} tokens but the context holds {n_ctx}",
+                f"the system prompt ({system} tokens) and the message need {len(prompt_ids)} tokens but the "
+                f"context holds {n_ctx}",
                 ctx_fix(self.target, "shorten the system prompt (--system, or /system in a chat; /system - removes it)"),
             )
         if self.transcript.messages:
+            also = ", or shorten the system prompt" if system else ""
             raise ContextFullError(
                 f"the conversation has {len(prompt_ids)} tokens but the context holds {n_ctx}",
-                ctx_fix(self.target, "type /reset to start a new conversation"),
+                ctx_fix(self.target, f"type /reset to start a new conversation{also}"),
             )
         raise ContextFullError(
             f"the message needs {len(prompt_ids)} tokens but the context holds {n_ctx}",

@@ -183,6 +183,8 @@ def generate_text(request: GenerateRequest, on_text: Callable[[str], None] | Non
                 if request.trace is not None:
                     request.trace.finish(event.result.stats)
                 remember_run(engine, target, draft, request.load.threads, tuned)
+                if event.result.finish_reason == "context":  # said before a save below can fail
+                    event.result.context_fix = ctx_fix(target, "a shorter prompt leaves room for more")
                 if drafter is not None:
                     drafter.finish(engine.last_context)  # the n-gram pool learns the last tokens too
                     closing, drafter = drafter, None
@@ -200,8 +202,6 @@ def generate_text(request: GenerateRequest, on_text: Callable[[str], None] | Non
                     names = [tool.name for tool in request.tools]
                     event.result.tool_calls, event.result.tool_call_cut = style_for(template).read_answer(
                         event.result.text, names, cut=event.result.finish_reason in CUT_REASONS)
-                if event.result.finish_reason == "context":
-                    event.result.context_fix = ctx_fix(target, "a shorter prompt leaves room for more")
                 return event.result
         raise AssertionError("stream ended without Finished")
     finally:

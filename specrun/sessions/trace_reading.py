@@ -37,6 +37,16 @@ class RunTrace:
     stopped: str | None = None
 
 
+@contextlib.contextmanager
+def _stdin_text():
+    """stdin as UTF-8 whatever the locale says, left open when done (the command's, not this reader's)."""
+    text = io.TextIOWrapper(sys.stdin.buffer, encoding="utf-8")
+    try:
+        yield text
+    finally:
+        text.detach()
+
+
 def read_trace(path: Path) -> tuple[dict, list[RunTrace]]:
     """The trace's first line (what ran) and its runs in the order they began; a file that is not a
     trace, a newer one, or a line that is not JSON is refused naming the line. ``-``: stdin."""
@@ -47,15 +57,14 @@ def read_trace(path: Path) -> tuple[dict, list[RunTrace]]:
     def refuse(reason: str, fix: str = FIX) -> FileAccessError:
         return FileAccessError(f"cannot read the trace {where}: {reason}", fix)
 
+    if stdin and sys.stdin.isatty():  # it would wait for a trace typed in
+        raise refuse("stdin is a terminal", "pipe a trace in (specrun trace - < run.jsonl), or pass its file")
     if not stdin and not path.is_file():
         raise refuse("no such file" if not path.exists() else "it is not a regular file")
     runs: dict[tuple, RunTrace] = {}
     header: dict | None = None
     try:
-        # stdin as UTF-8 whatever the locale says, left open (the command's, not this reader's)
-        source = (contextlib.nullcontext(io.TextIOWrapper(sys.stdin.buffer, encoding="utf-8")) if stdin
-                  else path.open(encoding="utf-8"))
-        with source as lines:
+        with (_stdin_text() if stdin else path.open(encoding="utf-8")) as lines:
             for number, line in enumerate(lines, 1):
                 if not line.strip():
                     continue

@@ -114,6 +114,7 @@ def test_bad_prompt_files_exit_1_with_one_line(tmp_path, content, message):
         (["--sweep-draft-len", "4..x"], "is not A..B or A,B,C"),
         (["--sweep-draft-len", "0..3"], "from 1 to"),
         (["--sweep-draft-len", "8..1"], "'8..1' runs backwards; e.g. --sweep-draft-len 1..8"),
+        (["--sweep-draft-len", "0..-3"], "from 1 to"),  # backwards, and no range either way
         (["--sweep-draft-len", "1..1000000000000"], "from 1 to"),  # refused before the range is built
         (["--methods", "none,auto", "--sweep-draft-len", "1..3"], "needs a method with a fixed draft length"),
         (["--draft-len", "0"], "--draft-len must be between"),

@@ -113,11 +113,15 @@ def test_a_converted_folder_s_files_are_readable_as_its_others_are(tiny_llama: T
     import os
     import stat
 
-    for dtype in ("float16", "q4"):
-        folder = _convert(tiny_llama.gguf_path, tmp_path / dtype, dtype)
-        modes = {path.name: stat.S_IMODE(os.stat(path).st_mode) for path in folder.iterdir()}
-        assert len(set(modes.values())) == 1 and modes["model.safetensors"] == modes["config.json"], modes
-        assert not [path for path in folder.iterdir() if path.name.endswith(".tmp")]
+    umask = os.umask(0o022)  # a common umask: 0644 files (under 077 every file is 0600 anyway)
+    try:
+        for dtype in ("float16", "q4"):
+            folder = _convert(tiny_llama.gguf_path, tmp_path / dtype, dtype)
+            modes = {path.name: stat.S_IMODE(os.stat(path).st_mode) for path in folder.iterdir()}
+            assert set(modes.values()) == {0o644}, modes
+            assert not [path for path in folder.iterdir() if path.name.endswith(".tmp")]
+    finally:
+        os.umask(umask)
 
 
 def test_q8_0_blocks_become_exact_8_bit_groups(tiny_qwen2: TinyModel, tmp_path):

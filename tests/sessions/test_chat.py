@@ -232,6 +232,19 @@ def test_a_system_prompt_too_long_is_named_not_the_message(tiny_llama):
         assert "shorten the system prompt" in line and "/system - removes it" in line
         session.set_system_prompt(None)
         assert answer(session, "hello there, how are you today?").text
+    with pytest.raises(ContextFullError, match="the system prompt has"):  # --system: refused at the start
+        open_chat(path, None, "none", LoadOptions(threads=1, n_ctx=64), system_prompt="word " * 100)
+
+
+def test_a_full_conversation_with_a_short_system_prompt_asks_for_reset(tiny_llama):
+    """The conversation filled the context, not the 3-token system prompt: /reset is the fix (it was
+    blamed on the system prompt wherever the overflow was smaller than it)."""
+    path = str(tiny_llama.gguf_path)
+    with open_chat(path, None, "none", LoadOptions(threads=1, n_ctx=64), system_prompt="be brief") as session:
+        list(session.ask("hello there", GenerationParams(max_new_tokens=500)))
+        with pytest.raises(ContextFullError, match="conversation has") as refused:
+            list(session.ask("more?", PARAMS))
+        assert "/reset" in refused.value.one_line() and "or shorten the system prompt" in refused.value.one_line()
 
 
 def test_method_switch_loads_the_draft_when_first_needed_and_stays_lossless(tiny_llama, perturbed_draft):

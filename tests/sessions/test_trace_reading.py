@@ -128,6 +128,16 @@ def test_generate_s_trace_is_told_by_the_trace_command(tiny_llama, tmp_path):
     # - reads the trace from stdin, told alike
     piped = CliRunner().invoke(app, ["trace", "-"], input=out.read_bytes())
     assert piped.exit_code == 0 and piped.stdout == told.stdout, piped.output
+    import specrun.sessions.trace_reading as reading
+
+    class Terminal:
+        def isatty(self):
+            return True
+
+    with pytest.MonkeyPatch.context() as patch:  # on a terminal it would wait for a trace typed in
+        patch.setattr(reading.sys, "stdin", Terminal())
+        with pytest.raises(FileAccessError, match="cannot read the trace on stdin: stdin is a terminal"):
+            read_trace("-")
     for given, problem in ((b"junk\n", "it is not a specrun trace"), (b"\xff\xfe", "it is not text"), (b"", "it is empty")):
         refused = CliRunner().invoke(app, ["trace", "-"], input=given)
         assert refused.exit_code == 1 and refused.stderr.startswith(f"error: cannot read the trace on stdin: {problem}")
