@@ -100,18 +100,20 @@ def read_text_folder(folder: Path) -> list[str]:
     return texts
 
 
-def read_prompts_file(path: Path) -> list[str]:
-    """One prompt per non-empty line of ``path``; "\\n" in a line stands for a newline."""
+def read_prompts_file(path: Path, option: str = "--prompts") -> list[str]:
+    """One prompt per non-empty line of ``path`` (given as ``option``, which errors name); "\\n" in
+    a line stands for a newline."""
     path = Path(path).expanduser()
     fix = "pass a UTF-8 text file with one prompt per line"
-    data = read_limited(path, PROMPTS_FILE_LIMIT, "prompts file", fix)
+    what = f"{option} file"
+    data = read_limited(path, PROMPTS_FILE_LIMIT, what, fix)
     try:
         lines = data.decode("utf-8").splitlines()
     except UnicodeDecodeError:
-        raise FileAccessError(f"cannot use the prompts file {path}: it is not UTF-8 text", fix) from None
+        raise FileAccessError(f"cannot use the {what} {path}: it is not UTF-8 text", fix) from None
     prompts = [line.replace("\\n", "\n") for line in lines if line.strip()]
     if not prompts:
-        raise FileAccessError(f"cannot use the prompts file {path}: it holds no prompts", fix)
+        raise FileAccessError(f"cannot use the {what} {path}: it holds no prompts", fix)
     return prompts
 
 

@@ -288,7 +288,8 @@ def train_heads(
     check_request(request)
     texts = read_text_folder(request.text_dir) if request.text_dir is not None else None
     prompts = read_prompts_file(request.prompts_file) if request.prompts_file is not None else None
-    evaluated = read_prompts_file(request.eval_prompts_file) if request.eval_prompts_file is not None else None
+    evaluated = (read_prompts_file(request.eval_prompts_file, "--eval-prompts") if request.eval_prompts_file is not None
+                 else None)
     out = Path(request.out).expanduser() if request.out is not None else default_heads_path(request.target, request.kind)
     if BY_NAME[request.kind].stored == "folder":
         check_eagle3_folder(out)

@@ -383,8 +383,8 @@ def test_the_command_trains_and_prints_the_report(tiny_llama, text_folder, tmp_p
         (["--num-heads", "0"], 2, "--num-heads must be between 1"),
         (["--lr", "0"], 2, "--lr must be more than 0"),
         (["--text", ".", "--prompts", "p.txt"], 2, "pass one of them"),
-        (["--prompts", "/nonexistent/prompts.txt"], 1, "prompts file"),
-        (["--eval-prompts", "/nonexistent/eval.txt"], 1, "prompts file"),
+        (["--prompts", "/nonexistent/prompts.txt"], 1, "the --prompts file /nonexistent/prompts.txt"),
+        (["--eval-prompts", "/nonexistent/eval.txt"], 1, "the --eval-prompts file /nonexistent/eval.txt"),  # named
         (["--minutes", "inf"], 2, "at most 10080 (a week)"),  # ran for ever
         (["--seed", "-1"], 2, "--seed must be a non-negative"),  # failed after gathering the data
         (["--threads", "100000"], 2, "--threads must be between 1 and 1024"),  # a segfault
