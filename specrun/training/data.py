@@ -211,13 +211,17 @@ def cut_windows(tokens: list[int], length: int, shortest: int) -> list[list[int]
 
 def text_pieces(text: str, chars: int) -> list[str]:
     """``text`` as consecutive pieces of at most ``chars`` characters: runs of whole lines, a
-    longer line cut after a space (or anywhere, if it has none in its second half)."""
+    longer line cut after a space (or anywhere, if it has none in its second half). Linear in the
+    text: a long line is cut at a moving start, never copied whole for each piece (a 16 MB line
+    took 39 s before training began)."""
     pieces, current = [], ""
     for line in text.splitlines(keepends=True):
-        while len(line) > chars:
-            cut = line.rfind(" ", chars // 2, chars) + 1 or chars
-            pieces.extend([current, line[:cut]] if current else [line[:cut]])
-            current, line = "", line[cut:]
+        start = 0
+        while len(line) - start > chars:
+            cut = line.rfind(" ", start + chars // 2, start + chars) + 1 or start + chars
+            pieces.extend([current, line[start:cut]] if current else [line[start:cut]])
+            current, start = "", cut
+        line = line[start:]
         if current and len(current) + len(line) > chars:
             pieces.append(current)
             current = ""

@@ -75,3 +75,23 @@ def test_the_real_standard_library_gives_thousands_of_requests():
     passages, functions = data._stdlib_passages_and_functions()
     assert all(data.PASSAGE_CHARS[0] <= len(p) <= data.PASSAGE_CHARS[1] for p in passages)
     assert all(data.CODE_LINES[0] <= f.count("\n") <= data.CODE_LINES[1] for f in functions)
+
+
+@pytest.mark.parametrize("chars", [1, 3, 16, 256])
+def test_text_is_cut_into_pieces_that_join_back_to_it(chars):
+    """Runs of whole lines, a longer line cut after a space in its second half (else anywhere): every
+    piece within ``chars`` and the pieces the text again, a line of a megabyte among them (it was
+    cut by copying its rest for each piece: a 16 MB line took 39 s)."""
+    import random
+
+    from specrun.training.data import text_pieces
+
+    rng = random.Random(chars)
+    texts = ["", "a\n", "one line\nand another\n", "word " * 200_000 + "\nend",
+             "".join(rng.choice("ab \n") for _ in range(5000)), "x" * 1000]
+    for text in texts:
+        pieces = text_pieces(text, chars)
+        assert "".join(pieces) == text and all(0 < len(piece) <= chars for piece in pieces)
+    long = text_pieces("word " * 1000, 256)
+    assert all(piece.endswith(" ") for piece in long)  # cut after a space, never inside a word
+    assert text_pieces("line one\nline two\n", 256) == ["line one\nline two\n"]  # whole lines stay together
