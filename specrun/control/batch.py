@@ -38,7 +38,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from time import perf_counter
 
-from specrun.control.costs import SHARED_MARGIN, TargetCosts
+from specrun.control.costs import SHARED_MARGIN, TargetCosts, best_beating
 from specrun.drafters.draft_model import TIMED_READ, PassTiming
 
 # Passes that price decoding: a verify pass of at most the longest draft auto chooses (16,
@@ -234,12 +234,11 @@ class BatchDrafts:
                     self.realised.drafts(occupied)  # its own rule
                 return None
             rates.append(sequences * curve[k] / (verify + k * round_seconds))
-        best = max(range(limit + 1), key=lambda k: (rates[k], -k))
         # within costs.SHARED_MARGIN of plain batching, plain stands: besides the tables' noise, the
         # rates leave out the hand-off before each extra batch (2-3 ms before a 63 ms pass of 4
         # sequences on a 2-core CPU: the slots' Python between passes); 4 slots there chose 1 token
         # on a predicted 0.2% gain, and the one slot caught up drafted alone while the others waited
-        chosen = best if rates[best] >= (1.0 + SHARED_MARGIN) * rates[0] else 0
+        chosen = best_beating(rates, limit, 1.0 + SHARED_MARGIN)
         with self._lock:
             if chosen and not self.realised.drafts(occupied):  # the stretch turned plain meanwhile
                 chosen = 0

@@ -26,6 +26,13 @@ from __future__ import annotations
 SHARED_MARGIN = 0.05
 
 
+def best_beating(rates, limit: int, margin: float) -> int:
+    """The draft length up to ``limit`` with the most tokens a second (``rates`` by length, 0 plain
+    decoding; ties: the shorter), or 0 where it does not beat plain decoding ``margin`` times over."""
+    best = max(range(limit + 1), key=lambda k: (rates[k], -k))
+    return best if rates[best] >= margin * rates[0] else 0
+
+
 class TargetCosts:
     """T_target(n): seconds of a verify pass over n tokens, shared by every drafter.
 

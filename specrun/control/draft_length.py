@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from specrun.control.costs import SHARED_MARGIN, DraftCosts, TargetCosts
+from specrun.control.costs import SHARED_MARGIN, DraftCosts, TargetCosts, best_beating
 
 
 # Lengths of first tries and probes. A draft model pays per token drafted, so its tries are
@@ -204,8 +204,7 @@ class DraftLengthController:
         """The length up to ``limit`` with the most tokens a second (ties: the shorter), 0 where it
         does not beat plain decoding by the margin (``_margin``): a cheap drafter's proposals are
         scored whether kept or not, so its estimates (and the ramp's evidence) go on growing."""
-        best = max(range(limit + 1), key=lambda k: (rates[k], -k))
-        return best if rates[best] >= self._margin() * rates[0] else 0
+        return best_beating(rates, limit, self._margin())
 
     def describe(self, positions: int = 8) -> dict:
         """What the controller holds now, for a trace (`--trace`): on or off (as last settled: reading
