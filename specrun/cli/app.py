@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import inspect
 import json
-import os
 import sys
 import typing
 from collections.abc import Sequence
@@ -462,7 +461,7 @@ def main() -> None:
     """The console script: Typer's usage errors in one line, as every other error is."""
     from rich.console import Console
 
-    from specrun.cli.common import BROKEN_PIPE_EXIT
+    from specrun.cli.common import BROKEN_PIPE_EXIT, silence_stdout
     from specrun.cli.interrupts import INTERRUPTED_EXIT, raise_on_interrupt, say_interrupted_once
 
     raise_on_interrupt()
@@ -480,8 +479,8 @@ def main() -> None:
         status = app(prog_name="specrun", standalone_mode=False)
     except KeyboardInterrupt:  # while Typer builds the command, before its own handler
         status = INTERRUPTED_EXIT
-    except BrokenPipeError:  # the reader has gone: quietly, stdout pointed at /dev/null for the exit flush
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except BrokenPipeError:  # the reader has gone: quietly
+        silence_stdout()
         status = BROKEN_PIPE_EXIT
     except typer.Abort:
         typer.echo("error: aborted", err=True)

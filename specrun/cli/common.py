@@ -43,9 +43,7 @@ def cli_errors():
         say_interrupted()
         raise typer.Exit(INTERRUPTED_EXIT) from None
     except BrokenPipeError:
-        # The reader has gone (`| head`): stop quietly. Python flushes stdout again at exit, so
-        # point it at /dev/null first, or that flush prints "Exception ignored … BrokenPipeError".
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        silence_stdout()  # the reader has gone (`| head`): stop quietly
         raise typer.Exit(BROKEN_PIPE_EXIT) from None
     except (typer.Exit, typer.Abort):
         raise
@@ -58,14 +56,18 @@ def cli_errors():
         if exc.filename is not None:  # a file no check of its own caught
             typer.echo(f"error: cannot write {exc.filename}: {problem}; free some space, or write it elsewhere", err=True)
             raise typer.Exit(1) from None
-        # the output itself (stdout on a full disk, > /dev/full): stdout is pointed at /dev/null,
-        # as for a closed pipe, so the exit's flush says nothing more
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        silence_stdout()  # the output itself (stdout on a full disk, > /dev/full)
         typer.echo(f"error: cannot write the output: {problem}; free some space, or send the output elsewhere",
                    err=True)
         raise typer.Exit(1) from None
     except Exception as exc:  # noqa: BLE001 - an unexpected failure: still one line unless debugging
         _internal_error(exc)
+
+
+def silence_stdout() -> None:
+    """stdout pointed at /dev/null: it can take nothing more (a closed pipe, a full disk), and Python
+    flushes it again at exit, which would print "Exception ignored … BrokenPipeError" (or OSError)."""
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
 
 def _internal_error(exc: Exception) -> NoReturn:

@@ -749,7 +749,7 @@ class PairWorker:
         if len(prompt_ids) >= target.n_ctx:
             raise RequestError(
                 f"{param}: the prompt has {len(prompt_ids)} tokens but the context holds {target.n_ctx}; "
-                + ctx_fix(target, "shorten it").replace("raise --ctx", "restart the server with a larger --ctx"),
+                + ctx_fix(target, "shorten it", "restart the server with a larger --ctx"),
                 param,
                 code="context_length_exceeded",
             )

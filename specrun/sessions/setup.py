@@ -373,15 +373,15 @@ CHEAP_BYTES_PER_TOKEN = 16
 _longest_tokens: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # target -> its longest token in bytes
 
 
-def ctx_fix(target, instead: str) -> str:
+def ctx_fix(target, instead: str, raise_it: str = "raise --ctx") -> str:
     """What a context too small for the text is told: ``instead`` (shorten the prompt, /reset),
-    and to raise --ctx where the model takes more than it holds (its training context, where its
-    files say it); where --ctx already holds all of it, that it does ("raise --ctx" sent users to a
-    refusal)."""
+    and ``raise_it`` (a server: restart it with a larger --ctx) where the model takes more than it
+    holds (its training context, where its files say it); where --ctx already holds all of it,
+    that it does ("raise --ctx" sent users to a refusal)."""
     trained = getattr(target, "n_ctx_train", 0) or 0
     if trained and target.n_ctx >= trained:
         return f"{instead} (--ctx already holds the {trained:,} tokens the model was trained with)"
-    return f"{instead}, or raise --ctx" + (f" (up to {trained:,})" if trained else "")
+    return f"{instead}, or {raise_it}" + (f" (up to {trained:,})" if trained else "")
 
 
 def check_prompt_size(target, text: str) -> None:
