@@ -203,6 +203,16 @@ def create_beside(path: Path) -> tuple[int, Path]:
             continue
 
 
+def same_file(one: Path | str, other: Path | str) -> bool:
+    """Do two paths name one file or folder (through links; either may not exist yet)?"""
+    try:
+        if os.path.exists(one) and os.path.exists(other):
+            return os.path.samefile(one, other)
+    except OSError:
+        pass
+    return os.path.realpath(one) == os.path.realpath(other)
+
+
 def with_new_file_mode(path: Path) -> None:
     """Give ``path`` the mode open() gives a new file beside it (0666 less the umask): safetensors'
     writer makes its files owner-only (0600), so a converted model's weights were unreadable to

@@ -17,6 +17,7 @@ from rich.console import Console
 
 from specrun.cli.interrupts import INTERRUPTED_EXIT, say_interrupted
 from specrun.errors import SpecrunError, UsageError
+from specrun.fileio import same_file
 
 MAX_NEW_TOKENS = 1_000_000
 MAX_DRAFT_LEN = 64
@@ -111,19 +112,9 @@ def check_outputs_apart(context: typer.Context, *outputs: str) -> None:
             continue
         for other, read in named.items():
             # another output is written whether it exists or not; an input only where it is a file
-            if other != output and (other in outputs or read.is_file()) and _same_file(path, read):
+            if other != output and (other in outputs or read.is_file()) and same_file(path, read):
                 raise UsageError(f"{flags[output]} and {flags[other]} name one file, {read}: writing one "
                                  "would overwrite the other", f"give {flags[output]} a file of its own")
-
-
-def _same_file(one: Path, other: Path) -> bool:
-    """Do two paths name one file (through links; either may not exist yet)?"""
-    try:
-        if one.exists() and other.exists():
-            return os.path.samefile(one, other)
-    except OSError:
-        pass
-    return os.path.realpath(one) == os.path.realpath(other)
 
 
 def check_environment() -> None:

@@ -66,9 +66,9 @@ def test_a_link_to_the_file_is_the_file(files):
 def test_an_alias_is_no_file_to_overwrite(files):
     """-t demo-target names a model by its alias: a trace file of that name in the working folder
     is the trace's own (refused only where both name one file)."""
-    from specrun.cli.common import _same_file
+    from specrun.fileio import same_file
 
-    assert _same_file(files / "x", files / "." / "x") and not _same_file(files / "x", files / "y")
+    assert same_file(files / "x", files / "." / "x") and not same_file(files / "x", files / "y")
     result = run("generate", "-t", "demo-target", "--trace", "demo-target", "--method", "none", "-n", "2",
                  "--threads", "1", "hi")
     assert result.exit_code == 0, result.output
