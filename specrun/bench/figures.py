@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass
 from specrun.bench.runner import BenchResult
 from specrun.sessions.compare import Comparison
 from specrun.sessions.divergence import Mismatch
+from specrun.wording import count_of
 
 ALL_PROMPTS = "all prompts"  # the overall group, after the categories
 
@@ -127,6 +128,3 @@ def same_output_label(figures: Figures, outputs_compared: bool, baseline: bool) 
     return f"yes* ({near_ties})" if figures.near_ties else "yes"
 
 
-def count_of(n: int, noun: str) -> str:
-    """'1 prompt', '2 prompts'."""
-    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"

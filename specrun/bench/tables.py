@@ -5,11 +5,12 @@ from __future__ import annotations
 from rich import box
 from rich.table import Table
 
-from specrun.bench.figures import ALL_PROMPTS, Figures, by_category, count_of, mismatch_rows, same_output_label
+from specrun.bench.figures import ALL_PROMPTS, Figures, by_category, mismatch_rows, same_output_label
 from specrun.bench.runner import BenchResult
 from specrun.blas import REFERENCE_BLAS_NOTE
 from specrun.sessions.divergence import NEAR_TIE_NOTE, difference_line
 from specrun.drafters.methods import needs_draft_model
+from specrun.wording import count_of
 
 COLUMNS = ("method", "tok/s", "speed-up", "accepted", "tokens/step", "draft/verify", "same output")
 

@@ -105,6 +105,7 @@ from specrun.cli.serve import serve_command
 from specrun.cli.tune import tune
 from specrun.drafters.methods import check_method
 from specrun.errors import AnswerKeptError, SpecrunError, UsageError
+from specrun.wording import count_of
 
 app = typer.Typer(
     name="specrun",
@@ -288,7 +289,7 @@ def generate(
             raise kept
         if result.finish_reason == "grammar":  # the text so far follows no grammar: not an answer
             count = result.stats.new_tokens
-            raise SpecrunError(f"the grammar stopped the answer after {count} token{'' if count == 1 else 's'}: "
+            raise SpecrunError(f"the grammar stopped the answer after {count_of(count, 'token')}: "
                                f"{result.grammar_problem}", "simplify the grammar (what was printed does not follow it)")
 
 

@@ -321,7 +321,7 @@ def run_and_show(config, prompts, json_out: Path | None, report_out: Path | None
     from rich.console import Console
 
     from specrun.bench.export import bench_to_dict
-    from specrun.bench.figures import count_of
+    from specrun.wording import count_of
     from specrun.bench.report import write_html_report
     from specrun.bench.runner import run_bench
     from specrun.bench.tables import category_tables, difference_lines, footnotes

@@ -87,6 +87,7 @@ from specrun.cli.options import (
     TraceOpt,
 )
 from specrun.errors import SpecrunError, UsageError
+from specrun.wording import count_of
 
 HELP = """\
 /stats          statistics of the last answer and of the whole chat
@@ -430,7 +431,7 @@ class ChatRepl:
             f"{last.steps} verify steps (by drafts accepted, 0 1 2 …: {last.accepted_hist})"
         )
         count = len(session.answers)
-        self.view.info(f"whole chat, {count} answer{'s' if count != 1 else ''}: {session.total_stats().summary()}")
+        self.view.info(f"whole chat, {count_of(count, 'answer')}: {session.total_stats().summary()}")
 
     def _reset(self, _argument: str) -> None:
         self.session.reset()

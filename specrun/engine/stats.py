@@ -6,6 +6,7 @@ import itertools
 from dataclasses import dataclass, field
 
 from specrun.verify import EXACT
+from specrun.wording import count_of
 
 PLAIN = "none"  # the source of a step that verified no drafts
 
@@ -147,7 +148,7 @@ class Stats:
 
     def summary(self) -> str:
         """One line for stderr."""
-        line = f"{self.new_tokens} tokens, {self.tokens_per_second:.1f} tok/s, method {self.method}"
+        line = f"{count_of(self.new_tokens, 'token')}, {self.tokens_per_second:.1f} tok/s, method {self.method}"
         if self.drafters and self.drafters != self.method:  # what auto drafted with here
             line += f" ({self.drafters})"
         if self.drafted:

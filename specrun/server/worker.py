@@ -49,6 +49,7 @@ from specrun.server.requests import CompletionRequest, RequestError, invalid_val
 from specrun.sessions.setup import TreeSettings, ctx_fix
 from specrun.sessions.tools import ToolCall, ToolStyle, ToolTemplateError, render_conversation, style_for
 from specrun.sessions.trace import RequestTrace, ServerTrace
+from specrun.wording import count_of
 
 DEFAULT_MAX_QUEUE = 64
 DISCONNECT_POLL_SECONDS = 0.25
@@ -651,7 +652,7 @@ class PairWorker:
         request = job.request
         field_name = "tools" if request.tools and request.tool_choice.forces_a_call else request.grammar_field
         count = result.stats.new_tokens
-        message = (f"{field_name}: the grammar stopped the answer after {count} token{'' if count == 1 else 's'}: "
+        message = (f"{field_name}: the grammar stopped the answer after {count_of(count, 'token')}: "
                    f"{result.grammar_problem}")
         self.metrics.finished(job, "error", None)
         self.log(f"{job.id}: {message}")

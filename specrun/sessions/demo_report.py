@@ -18,6 +18,7 @@ from specrun.sessions.kernels import open_settled_pair
 from specrun.drafters.methods import needs_draft_model
 from specrun.sessions.prompts import CODE_PROMPTS, INSTRUCT_PROMPTS
 from specrun.sessions.templates import render_user_prompt
+from specrun.wording import count_of
 
 # The pair `specrun demo` runs: the bench-scale real pair where its package is installed (the dev
 # extra; memory-bound here, as a large model is anywhere), else the shipped demo pair's.
@@ -101,7 +102,7 @@ def run_demo(
                                    lambda line: err.print(f"note: {line}"))
         if options.auto_heads is not None:
             err.print(f"note: auto drafts with the target's {options.auto_heads} heads too")
-        err.print(f"{len(prompts)} prompts × {len(methods)} methods, {max_tokens} tokens each, greedy, interleaved")
+        err.print(f"{count_of(len(prompts), 'prompt')} × {count_of(len(methods), 'method')}, {count_of(max_tokens, 'token')} each, greedy, interleaved")
         comparison = compare_variants(
             target_backend,
             draft_backend,
@@ -166,5 +167,5 @@ def sameness(mismatches: list[Mismatch], exact: bool = False) -> str:
         return "yes"
     real = [m for m in mismatches if m.is_defect(exact)]
     if real:
-        return f"NO ({len(real)} prompts)"
+        return f"NO ({count_of(len(real), 'prompt')})"
     return f"yes*: {len(mismatches)} near-tie"

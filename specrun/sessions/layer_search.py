@@ -38,6 +38,7 @@ from specrun.errors import UsageError
 from specrun.modelkit.layer_choice import MAX_DRAFT_LEN, LayerChoice, machine_id
 from specrun.modelkit.selfdraft import fingerprint
 from specrun.sessions.tuning import _interleaved, _verify_costs
+from specrun.wording import count_of
 
 DEFAULT_BUDGET = 120  # seconds
 MIN_BUDGET, MAX_BUDGET = 1, 24 * 3600
@@ -240,7 +241,7 @@ def tune_layers(
     calibration = calibrate_text(target, prompts, max_new_tokens)
     costs = _verify_costs(target, prompts[0])
     draft_cost = measure_draft_cost(target, prompts[0])
-    report(f"calibration text: {len(prompts)} prompt{'s' if len(prompts) > 1 else ''} and the target's continuations, "
+    report(f"calibration text: {count_of(len(prompts), 'prompt')} and the target's continuations, "
            f"{calibration.positions} positions scored per set")
     report(draft_cost.describe())
 

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from specrun.errors import FileAccessError
 from specrun.sessions.trace import TRACE_VERSION
+from specrun.wording import count_of
 
 # The fields that tell the runs of one trace apart, in the order they are named.
 WHERE = ("request", "answer", "prompt", "line", "repeat")
@@ -146,7 +147,7 @@ def record_problem(record: dict) -> str:
         if name in record and not isinstance(record[name], (str, type(None))):
             return f"'{name}' is {_shown(record[name])}, not a name"
     if record.get("accepted", 0) > record.get("drafted", record.get("accepted", 0)):
-        return f"{record['accepted']} tokens kept of {record['drafted']} drafted"
+        return f"{count_of(record['accepted'], 'token')} kept of {record['drafted']} drafted"
     if "queued" in record and not isinstance(record["queued"], bool):
         return f"'queued' is {_shown(record['queued'])}, not true or false"
     if "summary" in record:
@@ -261,7 +262,7 @@ def explain(run: RunTrace, most_events: int = 12, live: bool = False) -> list[st
             plans[step.get("plan", "?")] = plans.get(step.get("plan", "?"), 0) + 1
         kinds = ", ".join(f"{count} {plan}" for plan, count in sorted(plans.items(), key=lambda item: -item[1]))
         passes = f"{len(steps)} pass{'' if len(steps) == 1 else 'es'}"
-        lines.append(f"  {emitted} tokens in {passes} ({emitted / len(steps):.2f} a pass): {kinds}")
+        lines.append(f"  {count_of(emitted, 'token')} in {passes} ({emitted / len(steps):.2f} a pass): {kinds}")
         lines.extend(f"  {line}" for line in _by_source(steps))
         draft_ms = sum(step.get("draft_ms", 0.0) for step in steps)
         verify_ms = sum(step.get("verify_ms", 0.0) for step in steps)

@@ -197,7 +197,7 @@ def test_a_run_stopped_by_ctrl_c_is_told_as_stopped_where_it_stopped(tmp_path):
     assert [run.where for run in runs] == [{"prompt": 0, "line": "none", "repeat": 0}, where]
     assert runs[1].stopped == "KeyboardInterrupt" and explain(runs[1])[-1] == "  stopped: KeyboardInterrupt"
     told = CliRunner().invoke(app, ["trace", str(path)]).stdout
-    assert "the run" not in told and "1 tokens in 1 pass (" in told
+    assert "the run" not in told and "1 token in 1 pass (" in told
     write(path, [{"trace": "specrun", "version": 1}, step(1, "prefill", 0, 0, policy(True), answer=1)])
     _, runs = read_trace(path)  # a chat answer ended by Ctrl-C, the chat going on
     assert explain(runs[0])[-1].startswith("  not ended: interrupted before its statistics")
