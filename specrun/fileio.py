@@ -25,64 +25,107 @@ MiB = 1 << 20
 _READ_CHUNK = MiB
 
 
-def _lock_file(path: Path) -> int | None:
-    """An open handle on ``path``'s lock file (``.NAME.lock`` beside it), or None where no lock can
-    be taken (a read-only folder, a system without flock): callers then go on unlocked."""
+def _lock_path(path: Path) -> Path:
+    return path.with_name(f".{path.name}.lock")
+
+
+def _take_lock(path: Path, wait: bool) -> int | None:
+    """An open handle on ``path``'s lock file (``.NAME.lock`` beside it), locked (flock), or None
+    where no lock can be taken (a read-only folder, a system without flock): callers then go on
+    unlocked. Without ``wait``, a lock another process holds raises _HeldBy with its PID.
+
+    The lock file goes when its holder lets go (``_let_go``: removed while still locked), so none
+    is left beside the user's files. A process that opened it before then and locks it after finds
+    its handle no longer the file at that name, and opens the one there now."""
     try:
-        import fcntl  # noqa: F401 - only where flock exists
+        import fcntl
 
         path.parent.mkdir(parents=True, exist_ok=True)
-        return os.open(path.with_name(f".{path.name}.lock"), os.O_RDWR | os.O_CREAT, 0o666)
     except (ImportError, OSError):
         return None
+    lock_path = _lock_path(path)
+    while True:
+        try:
+            handle = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o666)
+        except OSError:
+            return None
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+        except BlockingIOError:
+            holder = os.pread(handle, 32, 0).decode("ascii", "replace").strip() or "unknown"
+            os.close(handle)
+            raise _HeldBy(holder) from None
+        except BaseException:
+            os.close(handle)
+            raise
+        try:
+            now = os.stat(lock_path)
+            mine = os.fstat(handle)
+            if (now.st_dev, now.st_ino) == (mine.st_dev, mine.st_ino):
+                return handle
+        except OSError:
+            pass  # removed by the holder before us as it let go
+        os.close(handle)
+
+
+def _let_go(path: Path, handle: int) -> None:
+    """Remove ``path``'s lock file while still holding it, then release it (see _take_lock)."""
+    try:
+        os.unlink(_lock_path(path))
+    except OSError:
+        pass  # a read-only folder's lock file stays: harmless
+    os.close(handle)
+
+
+class _HeldBy(Exception):
+    """The lock is held by another process (its PID as it wrote it)."""
+
+    def __init__(self, holder: str) -> None:
+        super().__init__(holder)
+        self.holder = holder
 
 
 @contextmanager
 def updating(path: Path):
-    """Hold an exclusive lock on ``path`` (through ``.NAME.lock`` beside it) while the caller reads
-    it, changes it and writes it back: two processes saving a settings file at once (learned.json
-    after two runs) each keep the other's entries, where both read the old file and the second
-    rename dropped the first's (250 of 400 kept). Where no lock can be taken it goes on unlocked:
-    the write reports its own failure."""
-    handle = _lock_file(_through_symlink(Path(path)))
+    """Hold an exclusive lock on ``path`` (through ``.NAME.lock`` beside it while held) while the
+    caller reads it, changes it and writes it back: two processes saving a settings file at once
+    (learned.json after two runs) each keep the other's entries, where both read the old file and
+    the second rename dropped the first's (250 of 400 kept). Where no lock can be taken it goes on
+    unlocked: the write reports its own failure."""
+    path = _through_symlink(Path(path))
+    handle = _take_lock(path, wait=True)
     if handle is None:
         yield
         return
-    import fcntl
-
     try:
-        fcntl.flock(handle, fcntl.LOCK_EX)
         yield
     finally:
-        os.close(handle)  # and the lock with it
+        _let_go(path, handle)
 
 
 @contextmanager
 def in_use(path: Path, what: str, fix: str):
     """Hold ``path`` for this process while it runs (a lock on ``.NAME.lock`` beside it, holding
-    the PID): a second process asking meanwhile is refused at once, one UsageError line naming the
-    first's PID, instead of both writing the same files (two `heads train` runs into one
-    --heads-out resumed each other's live checkpoint). Where no lock can be taken it goes on."""
+    the PID, removed as it ends): a second process asking meanwhile is refused at once, one
+    UsageError line naming the first's PID, instead of both writing the same files (two `heads
+    train` runs into one --heads-out resumed each other's live checkpoint). Where no lock can be
+    taken it goes on."""
     from specrun.errors import UsageError
 
     path = Path(path)
-    handle = _lock_file(path)
+    try:
+        handle = _take_lock(path, wait=False)
+    except _HeldBy as held:
+        raise UsageError(f"{what} {path} is in use by another specrun (PID {held.holder})", fix) from None
     if handle is None:
         yield
         return
-    import fcntl
-
     try:
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(handle, 32, 0).decode("ascii", "replace").strip() or "unknown"
-            raise UsageError(f"{what} {path} is in use by another specrun (PID {holder})", fix) from None
         os.ftruncate(handle, 0)
         os.pwrite(handle, str(os.getpid()).encode(), 0)
         yield
     finally:
-        os.close(handle)  # and the lock with it
+        _let_go(path, handle)
 
 
 def write_atomically(

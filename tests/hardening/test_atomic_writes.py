@@ -16,7 +16,7 @@ import pytest
 from cli_checks import assert_one_line_error, run_specrun
 from specrun.drafters.ngram import NgramPoolDrafter
 from specrun.errors import FileAccessError
-from specrun.fileio import check_writable_folder, write_atomically
+from specrun.fileio import check_writable_folder, in_use, updating, write_atomically
 from specrun.sessions import tuning
 
 OLD = "the previous contents\n"
@@ -63,8 +63,7 @@ def test_tune_on_a_full_disk_leaves_no_temporary_file(tmp_path, monkeypatch, sav
     assert str(path) in caught.value.one_line() and "No space left" in caught.value.one_line()
     assert "free some disk space" in caught.value.fix
     assert path.read_bytes() == before
-    assert sorted(os.listdir(tmp_path)) == [f".{saved}.lock", saved]  # no temporary file (the lock's stays: empty)
-    assert (tmp_path / f".{saved}.lock").stat().st_size == 0
+    assert sorted(os.listdir(tmp_path)) == [saved]  # no temporary file, and the lock file went with the lock
 
 
 def test_a_symlinked_ngram_cache_is_written_through_and_keeps_its_mode(tmp_path):
@@ -196,3 +195,35 @@ def test_a_full_device_is_one_line_and_stays_a_device(tmp_path):
         write_atomically(device, "x" * 10, "--json file", through_special=True)
     assert "\n" not in raised.value.one_line() and str(device) in raised.value.one_line()
     assert stat.S_ISCHR(os.stat(device).st_mode) and sorted(p.name for p in tmp_path.iterdir()) == ["full"]
+
+
+def test_a_lock_leaves_no_file_beside_the_one_it_guards_and_still_excludes(tmp_path):
+    """`heads train` left `.NAME.lock` beside --heads-out for good (and every settings file its
+    own). The lock file now goes as the lock is let go, removed while still held: a process that
+    opened it before and locks it after opens the file there now, so two never hold it at once
+    (without that check, read-change-write rounds from threads lost updates)."""
+    import threading
+    import time
+
+    guarded = tmp_path / "count.txt"
+    guarded.write_text("0")
+
+    def add_ones(rounds: int) -> None:
+        for _ in range(rounds):
+            with updating(guarded):
+                value = int(guarded.read_text())
+                time.sleep(0.001)  # another thread, locked out, is waiting now
+                guarded.write_text(str(value + 1))
+
+    threads = [threading.Thread(target=add_ones, args=(25,)) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert guarded.read_text() == "100"
+    assert sorted(os.listdir(tmp_path)) == ["count.txt"]
+
+    out = tmp_path / "heads.safetensors"
+    with in_use(out, "--heads-out", "wait"):
+        assert (tmp_path / ".heads.safetensors.lock").read_text() == str(os.getpid())
+    assert sorted(os.listdir(tmp_path)) == ["count.txt"]
