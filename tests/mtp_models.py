@@ -43,6 +43,11 @@ class GlmShape:
     eps: float = 1e-5
     context: int = 512
     mtp_layers: int = 1  # MTP blocks after the trunk (several: one per draft depth, chained)
+    dense_layers: int | None = None  # leading trunk blocks with a dense MLP, routed experts after (None: all)
+
+    @property
+    def dense_blocks(self) -> int:
+        return self.trunk_layers if self.dense_layers is None else self.dense_layers
 
 
 def _block_shapes(shape: GlmShape, index: int, mtp: bool) -> dict[str, tuple[int, ...]]:
@@ -54,7 +59,7 @@ def _block_shapes(shape: GlmShape, index: int, mtp: bool) -> dict[str, tuple[int
         f"{b}.attn_k.weight": (kv, h), f"{b}.attn_k.bias": (kv,), f"{b}.attn_v.weight": (kv, h),
         f"{b}.attn_v.bias": (kv,), f"{b}.attn_output.weight": (h, q), f"{b}.post_attention_norm.weight": (h,),
     }
-    if not mtp:
+    if index < shape.dense_blocks:
         shapes.update({f"{b}.ffn_gate.weight": (shape.dense_ffn, h), f"{b}.ffn_up.weight": (shape.dense_ffn, h),
                        f"{b}.ffn_down.weight": (h, shape.dense_ffn)})
         return shapes
@@ -64,9 +69,10 @@ def _block_shapes(shape: GlmShape, index: int, mtp: bool) -> dict[str, tuple[int
         f"{b}.ffn_gate_exps.weight": (e, f, h), f"{b}.ffn_up_exps.weight": (e, f, h),
         f"{b}.ffn_down_exps.weight": (e, h, f),
         f"{b}.ffn_gate_shexp.weight": (f, h), f"{b}.ffn_up_shexp.weight": (f, h), f"{b}.ffn_down_shexp.weight": (h, f),
-        f"{b}.nextn.eh_proj.weight": (h, 2 * h), f"{b}.nextn.enorm.weight": (h,), f"{b}.nextn.hnorm.weight": (h,),
-        f"{b}.nextn.shared_head_norm.weight": (h,),
     })
+    if mtp:
+        shapes.update({f"{b}.nextn.eh_proj.weight": (h, 2 * h), f"{b}.nextn.enorm.weight": (h,),
+                       f"{b}.nextn.hnorm.weight": (h,), f"{b}.nextn.shared_head_norm.weight": (h,)})
     return shapes
 
 
@@ -132,7 +138,7 @@ def write_glm_gguf(path: Path, shape: GlmShape, weights: dict[str, np.ndarray], 
     writer.add_expert_used_count(shape.experts_used)
     writer.add_expert_feed_forward_length(shape.expert_ffn)
     writer.add_expert_shared_count(1)
-    writer.add_leading_dense_block_count(shape.trunk_layers)
+    writer.add_leading_dense_block_count(shape.dense_blocks)
     writer.add_expert_weights_scale(shape.weights_scale)
     writer.add_expert_weights_norm(True)
     writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
@@ -461,7 +467,7 @@ def write_glm_hf_folder(folder: Path, shape: GlmShape, weights: dict[str, np.nda
         "moe_intermediate_size": shape.expert_ffn, "norm_topk_prob": True, "num_attention_heads": shape.heads,
         "n_group": 1, "topk_group": 1, "head_dim": shape.head_dim, "n_shared_experts": 1,
         "n_routed_experts": shape.experts, "routed_scaling_factor": shape.weights_scale,
-        "num_experts_per_tok": shape.experts_used, "first_k_dense_replace": shape.trunk_layers,
+        "num_experts_per_tok": shape.experts_used, "first_k_dense_replace": shape.dense_blocks,
         "num_hidden_layers": shape.trunk_layers, "num_key_value_heads": shape.kv_heads, "rms_norm_eps": shape.eps,
         "rope_theta": shape.rope_theta, "rope_scaling": None, "use_qk_norm": False, "tie_word_embeddings": False,
         "attention_bias": True, "partial_rotary_factor": shape.rope_dims / shape.head_dim,

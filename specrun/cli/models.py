@@ -163,7 +163,7 @@ def check(
 
 @models_app.command()
 def convert(
-    model_file: Annotated[Path, typer.Argument(help="The .gguf file: llama, qwen2, Qwen3.5's qwen35/qwen35moe or qwen3next (MTP kept).")],
+    model_file: Annotated[Path, typer.Argument(help="The .gguf file: llama, qwen2, Qwen3.5's qwen35/qwen35moe, qwen3next, glm4moe or deepseek2 (MTP kept).")],
     to: Annotated[str, typer.Option("--to", help="The format to write: mlx.")],
     out: Annotated[
         Optional[Path], typer.Option("--out", help="The folder to write (default: <stem>-mlx beside the file).")

@@ -83,6 +83,7 @@ DERIVING_CODE = (
     "specrun.modelkit.demo", "specrun.modelkit.smollm2", "specrun.modelkit.gemma3", "specrun.modelkit.selfdraft",
     "specrun.modelkit.widen", "specrun.modelkit.cut", "specrun.modelkit.config", "specrun.modelkit.gguf_io",
     "specrun.modelkit.gguf_header", "specrun.modelkit.gguf_convert", "specrun.modelkit.gguf_convert_qwen35",
+    "specrun.modelkit.gguf_convert_glm", "specrun.modelkit.mtp:expert_gating",
     "specrun.modelkit.hf_io", "specrun.modelkit.tokenizer", "specrun.modelkit.widened_heads", "specrun.heads.eagle3",
     "specrun.heads.eagle:widened_eagle", "specrun.heads.hydra:widened_hydra", "specrun.heads.medusa:widened_medusa",
     "specrun.heads.layers:zero_padded", "specrun.heads.layers:widened_columns", "specrun.heads.kinds",

@@ -1,4 +1,6 @@
-"""Convert a llama-family GGUF file into a model folder that mlx-lm loads (mlx-lm cannot read GGUF).
+"""Convert a llama-family GGUF file into a model folder that mlx-lm loads (mlx-lm cannot read GGUF);
+Qwen3.5's hybrids in modelkit.gguf_convert_qwen35, GLM-4.5's and DeepSeek's latent attention with
+their MTP layers in modelkit.gguf_convert_glm.
 
 Weights are written as float16, or as MLX affine quantized groups of 32 (``q4``). A
 GGML Q4_1 block (32 values, ``x = d * q + m``) is exactly an MLX 4-bit group
@@ -30,6 +32,8 @@ from specrun.fileio import with_new_file_mode
 
 from .config import ARCHITECTURES, ModelConfig, weight_names
 from .gguf_check import check_fields, check_tensors, read_layout
+from .gguf_convert_glm import ARCHS as GLM_ARCHS
+from .gguf_convert_glm import SELECTION_BIAS, check_glm, check_glm_shapes, glm_config, glm_tensor_plan
 from .gguf_header import header_values
 from .gguf_convert_qwen35 import ARCHS as QWEN35_ARCHS
 from .gguf_convert_qwen35 import (MTP_FILE, check_qwen35, check_qwen35_shapes, is_next, next_qkvz, qwen35_config,
@@ -101,8 +105,10 @@ PRE_TOKENIZERS = {
 
 def convert_gguf_to_mlx(source: Path, out: Path, *, mlx_dtype: str = "float16") -> None:
     """Write an mlx-lm model folder at ``out`` (which must not exist) from the GGUF ``source``:
-    a llama or qwen2 model, or Qwen3.5's or Qwen3-Next's hybrid (qwen35, qwen35moe, qwen3next; its
-    MTP layers carried along, modelkit.gguf_convert_qwen35).
+    a llama or qwen2 model, Qwen3.5's or Qwen3-Next's hybrid (qwen35, qwen35moe, qwen3next; its
+    MTP layers carried along, modelkit.gguf_convert_qwen35), or GLM-4.5's or DeepSeek's latent
+    attention (glm4moe, deepseek2; float16 only, their MTP layers carried along,
+    modelkit.gguf_convert_glm).
 
     ``mlx_dtype``: ``float16``, or ``q4`` (MLX affine 4-bit, group size 32; exact for
     Q4_1 tensors). The folder holds config.json, model.safetensors, tokenizer.json,
@@ -119,6 +125,10 @@ def convert_gguf_to_mlx(source: Path, out: Path, *, mlx_dtype: str = "float16") 
     arch = _header_architecture(source)
     if arch is not None:  # a header that does not parse is named by read_layout below
         _check_architecture(source, arch)  # before a whole vocabulary is parsed
+    if arch in GLM_ARCHS and mlx_dtype != "float16":
+        raise ModelFileError(f"{source}: specrun converts {arch} models to float16 only (4-bit groups of "
+                             "their stacked experts and latent attention are not written yet)",
+                             "convert it with --dtype float16")
     damaged = "download or convert the file again"
     try:
         fields, infos = read_layout(source)  # every count, length and offset against the file, first
@@ -135,22 +145,29 @@ def convert_gguf_to_mlx(source: Path, out: Path, *, mlx_dtype: str = "float16") 
     tensors = {tensor.name: tensor for tensor in reader.tensors}
     pre = PRE_TOKENIZERS[fields[gguf.Keys.Tokenizer.PRE]]
     hybrid = fields[gguf.Keys.General.ARCHITECTURE] in QWEN35_ARCHS
+    glm = fields[gguf.Keys.General.ARCHITECTURE] in GLM_ARCHS
+    shapes = {name: tuple(int(n) for n in reversed(tensor.shape.tolist())) for name, tensor in tensors.items()}
     try:
         vocab = read_vocab(fields, add_bos_default=pre.add_bos_default)
         if hybrid:
             config_json = qwen35_config(fields, tensors, len(vocab.tokens))
-            check_qwen35_shapes(config_json, {name: tuple(int(n) for n in reversed(tensor.shape.tolist()))
-                                              for name, tensor in tensors.items()})  # before anything is written
-            ids = token_ids(fields.get(gguf.Keys.Tokenizer.BOS_ID, 1), fields.get(gguf.Keys.Tokenizer.EOS_ID, 2),
-                            text_config(config_json)["max_position_embeddings"])
+            check_qwen35_shapes(config_json, shapes)  # before anything is written
+        elif glm:
+            config_json = glm_config(fields, tensors, len(vocab.tokens))
+            check_glm_shapes(config_json, shapes)  # before anything is written
         else:
             ids = config = read_config(fields, vocab, tie_embeddings="output.weight" not in tensors)
             check_tensors(infos, config)  # before anything is written
+        if hybrid or glm:
+            ids = token_ids(fields.get(gguf.Keys.Tokenizer.BOS_ID, 1), fields.get(gguf.Keys.Tokenizer.EOS_ID, 2),
+                            text_config(config_json)["max_position_embeddings"])
     except (ValueError, TypeError, KeyError) as exc:
         raise ModelFileError(f"{source} cannot be converted: {exc}", damaged) from None
 
     if hybrid:
         weights, per_layer_bits = _qwen35_weights(tensors, config_json, mlx_dtype)
+    elif glm:
+        weights, per_layer_bits = _glm_weights(tensors, config_json), {}
     else:
         weights, per_layer_bits = {}, {}
         for hf_name in weight_names(config):
@@ -196,10 +213,10 @@ def _eos_ids(fields: dict, vocab: ByteBpeVocab) -> list[int]:
 
 
 def _check_architecture(source: Path, arch: str | None) -> None:
-    if arch not in ARCHITECTURES + QWEN35_ARCHS:
+    if arch not in ARCHITECTURES + QWEN35_ARCHS + GLM_ARCHS:
         raise ModelFileError(
             f"{source}: architecture {arch!r} cannot be converted to MLX",
-            f"supported architectures: {', '.join(ARCHITECTURES + QWEN35_ARCHS)}",
+            f"supported architectures: {', '.join(ARCHITECTURES + QWEN35_ARCHS + GLM_ARCHS)}",
         )
 
 
@@ -232,6 +249,9 @@ def _check_supported(source: Path, fields: dict, tensors: Collection[str]) -> No
     check_fields(fields, arch)  # before the sizes below are read from them (an embedding length of -128)
     if arch in QWEN35_ARCHS:
         check_qwen35(source, fields, tensors)
+        return
+    if arch in GLM_ARCHS:
+        check_glm(source, fields, tensors)
         return
     heads = fields.get(gguf.Keys.Attention.HEAD_COUNT.format(arch=arch))
     head_dim = fields.get(gguf.Keys.LLM.EMBEDDING_LENGTH.format(arch=arch), 0) // (heads or 1)
@@ -308,6 +328,16 @@ def _qwen35_weights(tensors: dict, config_json: dict, mlx_dtype: str) -> tuple[d
         if groups[3] != 4:
             per_layer_bits[name.removesuffix(".weight")] = {"group_size": GROUP_SIZE, "bits": groups[3]}
     return weights, per_layer_bits
+
+
+def _glm_weights(tensors: dict, config_json: dict) -> dict[str, np.ndarray]:
+    """The folder's tensors from a glm4moe/deepseek2 GGUF's, each renamed (modelkit.gguf_convert_glm)
+    and float16 but the experts' selection bias, float32 as the checkpoints hold it."""
+    weights = {}
+    for gguf_name, name in sorted(glm_tensor_plan(config_json, tensors).items()):
+        array = _dequantize(tensors[gguf_name])
+        weights[name] = array if name.endswith(SELECTION_BIAS) else array.astype(np.float16)
+    return weights
 
 
 def _packed(name: str, groups: Groups) -> dict[str, np.ndarray]:

@@ -93,7 +93,7 @@ def qwen35_config(fields: dict, tensors: Collection[str], vocab_size: int) -> di
         raise ValueError(f"its {value_heads} value heads are not a multiple of its {key_heads} key heads, "
                          f"or its ssm.inner_size {key('ssm.inner_size')} not a multiple of them")
     sections = list(key("rope.dimension_sections", [11, 11, 10, 0]))[:3]
-    rope = {"type": "default", "mrope_section": sections, "rope_theta": _shortest(key("rope.freq_base", 1e7)),
+    rope = {"type": "default", "mrope_section": sections, "rope_theta": shortest_decimal(key("rope.freq_base", 1e7)),
             "partial_rotary_factor": int(key("rope.dimension_count", head_dim // 4)) / head_dim}
     if arch == "qwen3next":  # one rotary position a token (no MRoPE sections)
         del rope["mrope_section"]
@@ -101,7 +101,7 @@ def qwen35_config(fields: dict, tensors: Collection[str], vocab_size: int) -> di
         "model_type": "qwen3_5_text", "vocab_size": vocab_size, "hidden_size": int(key("embedding_length")),
         "intermediate_size": int(key("feed_forward_length", 0) or 0), "num_hidden_layers": layers,
         "num_attention_heads": heads, "num_key_value_heads": int(key("attention.head_count_kv", heads)),
-        "head_dim": head_dim, "rms_norm_eps": _shortest(key("attention.layer_norm_rms_epsilon")),
+        "head_dim": head_dim, "rms_norm_eps": shortest_decimal(key("attention.layer_norm_rms_epsilon")),
         "linear_num_value_heads": value_heads, "linear_num_key_heads": key_heads,
         "linear_key_head_dim": int(key("ssm.state_size")),
         "linear_value_head_dim": int(key("ssm.inner_size")) // value_heads,
@@ -125,7 +125,7 @@ def qwen35_config(fields: dict, tensors: Collection[str], vocab_size: int) -> di
             "tie_word_embeddings": text["tie_word_embeddings"]}
 
 
-def _shortest(value) -> float:
+def shortest_decimal(value) -> float:
     """A GGUF's float32 as the shortest decimal that is that float32 (1e-06, not 9.99999997e-07),
     as the checkpoint's config said it."""
     return float(str(np.float32(value)))

@@ -111,7 +111,7 @@ class LazyGgufTensors(Mapping):
         return 0 if info is None else int(info[2].n_bytes)
 
 
-def _gating(arch: str, fields: dict, trunk_layers: int, vocab: int) -> str:
+def expert_gating(arch: str, fields: dict, trunk_layers: int, vocab: int) -> str:
     """How the MTP block's experts are scored: as the file says, else as llama.cpp defaults
     (sigmoid; deepseek2's softmax, but for GLM-4.7-Flash's 47 layers over 154,880 tokens)."""
     func = int(fields.get(f"{arch}.expert_gating_func", 0) or 0)
@@ -404,7 +404,7 @@ def _gguf_layer(path: Path, fields: dict, tensors: dict, files: dict, block: int
         rms_norm_eps=float(fields[f"{arch}.attention.layer_norm_rms_epsilon"]),
         experts=experts if f"{mtp}.ffn_gate_inp.weight" in tensors else 0,
         experts_used=int(fields.get(f"{arch}.expert_used_count", 0) or 0),
-        gating="softmax" if arch in _SOFTMAX_ROUTED else _gating(arch, fields, trunk, vocab),
+        gating="softmax" if arch in _SOFTMAX_ROUTED else expert_gating(arch, fields, trunk, vocab),
         normalize_weights=arch in _SOFTMAX_ROUTED or bool(fields.get(f"{arch}.expert_weights_norm", False)),
         weights_scale=float(fields.get(f"{arch}.expert_weights_scale", 1.0) or 1.0),
         gated_attention=arch in _GATED_ATTENTION,
