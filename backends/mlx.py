@@ -210,6 +210,21 @@ def _widen_embeddings(model) -> None:
             module.update(tree_map(widen, module.parameters()))
 
 
+def _widen_experts(model) -> None:
+    """On the CPU, store a mixture of experts' float16/bfloat16 expert weights as float32: MLX's
+    CPU gathers experts' products in float32 only (a converted MoE folder ended every pass in
+    "[GatherMM::eval] Currently only supports float32"); mixed with half-precision activations
+    the products come out in float32. Quantized experts and any on the GPU are left as they are."""
+    import mlx.core as mx
+    from mlx_lm.models.switch_layers import SwitchLinear
+
+    if mx.default_device() != mx.cpu:
+        return
+    for _, module in model.named_modules():
+        if isinstance(module, SwitchLinear) and module.weight.dtype in (mx.float16, mx.bfloat16):
+            module.update({name: value.astype(mx.float32) for name, value in module.parameters().items()})
+
+
 # ---- token bytes ---------------------------------------------------------------------
 def byte_level_decoder() -> dict[str, int]:
     """GPT-2's byte-level alphabet inverted: the printable character standing for each byte.
@@ -466,6 +481,7 @@ class MlxBackend(HiddenTracking):
         self._pass_hidden: list | None = None  # during a tracked pass: (T, H) per model call
         self.shares_layers = False  # a layer draft's layers are the target's (layer_draft)
         self._mtp_layers: dict[int, tuple] = {}  # id(heads) -> (heads, its MLX layer): mtp_layer's one copy
+        _widen_experts(model)
         self._new_cache()
 
     # ---- vocabulary ---------------------------------------------------------------

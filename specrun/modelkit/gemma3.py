@@ -113,14 +113,14 @@ def gemma3_gguf(name: str) -> Path:
 
 
 def gemma3_mlx_dir(name: str) -> Path:
-    """Gemma 3 has no MLX folder: specrun's GGUF-to-MLX conversion handles llama-family files only
+    """Gemma 3 has no MLX folder: specrun's GGUF-to-MLX conversion does not handle Gemma
     (Gemma's SentencePiece vocabulary, offset norms, two RoPE bases and sliding-window layers are
     not mapped). Raises that as one line, after checking the name."""
-    from specrun.modelkit.config import ARCHITECTURES
+    from specrun.modelkit.gguf_convert import CONVERTIBLE
 
     _check_name(name)
     raise ModelFileError(
-        f"{name} (architecture 'gemma3') cannot be converted to MLX: specrun converts {', '.join(ARCHITECTURES)}",
+        f"{name} (architecture 'gemma3') cannot be converted to MLX: specrun converts {', '.join(CONVERTIBLE)}",
         "run it on llama.cpp: --backend llama",
     )
 

@@ -43,6 +43,7 @@ from .hf_io import hf_config_dict, vocab_tokenizer_config, write_json, write_mod
 from .tokenizer import GPT2_PRE_TOKENIZER, ByteBpeVocab, build_tokenizer_json
 
 MLX_DTYPES = ("float16", "q4")
+CONVERTIBLE = ARCHITECTURES + QWEN35_ARCHS + GLM_ARCHS  # what `models convert` turns into an MLX folder
 # Control tokens llama.cpp ends generation on by their text whatever the metadata says
 # (llama-vocab.cpp): listed as EOS in the folder too, so MLX stops where llama.cpp stops.
 _EOG_TEXTS = frozenset(
@@ -213,10 +214,10 @@ def _eos_ids(fields: dict, vocab: ByteBpeVocab) -> list[int]:
 
 
 def _check_architecture(source: Path, arch: str | None) -> None:
-    if arch not in ARCHITECTURES + QWEN35_ARCHS + GLM_ARCHS:
+    if arch not in CONVERTIBLE:
         raise ModelFileError(
             f"{source}: architecture {arch!r} cannot be converted to MLX",
-            f"supported architectures: {', '.join(ARCHITECTURES + QWEN35_ARCHS + GLM_ARCHS)}",
+            f"supported architectures: {', '.join(CONVERTIBLE)}",
         )
 
 

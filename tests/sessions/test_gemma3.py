@@ -239,8 +239,8 @@ def test_the_mlx_backend_refuses_gemma3_in_one_line(gemma3, tmp_path):
     result = runner.invoke(app, ["generate", "Hi", "--target", "gemma3-270m", "--backend", "mlx", "-n", "2"])
     assert result.exit_code == 1
     assert result.stderr.strip().splitlines() == [
-        "error: gemma3-270m (architecture 'gemma3') cannot be converted to MLX: specrun converts llama, qwen2; "
-        "run it on llama.cpp: --backend llama"
+        "error: gemma3-270m (architecture 'gemma3') cannot be converted to MLX: specrun converts llama, qwen2, "
+        "qwen35, qwen35moe, qwen3next, glm4moe, deepseek2; run it on llama.cpp: --backend llama"
     ]
 
 
