@@ -454,16 +454,33 @@ class ChatSession:
         if text:
             check_prompt_size(self.target, text)
             tokens = self._system_tokens(text)
-            if tokens >= self.target.n_ctx:
+            if tokens + self._rendered_tokens() >= self.target.n_ctx:  # no message could follow it
                 raise ContextFullError(f"the system prompt has {tokens} tokens but the context holds "
                                        f"{self.target.n_ctx}", ctx_fix(self.target, "shorten it"))
         self.system_prompt = text or None
 
     def _system_tokens(self, text: str | None = None) -> int:
-        """The system prompt's tokens (``text``, else the one in use), as text alone: near what it
-        adds to a rendered prompt (the template's markers aside)."""
+        """The tokens the system prompt (``text``, else the one in use) adds to a rendered prompt,
+        the template's markers around it included: an empty message rendered with it and without.
+        (Counted as its text alone, a prompt the markers took past the context passed /system and
+        was refused at the next message.)"""
         text = self.system_prompt if text is None else text
-        return len(self.target.tokenize(text, add_bos=False)) if text else 0
+        if not text:
+            return 0
+        alone = len(self.target.tokenize(text, add_bos=False))
+        with_it = self._rendered_tokens(text)
+        return max(with_it - self._rendered_tokens(), alone) if with_it else alone
+
+    def _rendered_tokens(self, system: str | None = None) -> int:
+        """The tokens of an empty user message rendered, after ``system`` as the system prompt if
+        given; 0 where the template refuses it (the next message's rendering says why)."""
+        conversation = [{"role": "system", "content": system}] if system else []
+        try:
+            text, spans = render_conversation(self.template, [*conversation, {"role": "user", "content": ""}],
+                                              self.tools)
+        except ChatTemplateError:
+            return 0
+        return len(tokenize_rendered(self.target, self.template, text, spans))
 
     def _with_system(self, messages: Sequence[dict[str, str]]) -> list[dict[str, str]]:
         system = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []

@@ -224,7 +224,12 @@ def test_a_system_prompt_too_long_is_named_not_the_message(tiny_llama):
         with pytest.raises(ContextFullError, match="the system prompt has .* tokens but the context holds 64"):
             session.set_system_prompt("word " * 100)
         assert session.system_prompt is None  # refused: the chat goes on without it
-        session.set_system_prompt("word " * 50)  # fits alone, not with a message
+        # 52 tokens of text in a context of 64, but 58 with the template's markers around it, and
+        # an empty message after it 72: counted as its text alone it passed /system and was
+        # refused at the next message
+        with pytest.raises(ContextFullError, match="the system prompt has 58 tokens but the context holds 64"):
+            session.set_system_prompt("word " * 50)
+        session.set_system_prompt("word " * 40)  # fits alone (62 with an empty message), not with this message
         with pytest.raises(ContextFullError) as refused:
             list(session.ask("hello there, how are you today?", PARAMS))
         line = refused.value.one_line()
