@@ -464,7 +464,9 @@ class ChatRepl:
 def read_message() -> str | None:
     """One message from the terminal; None when a multi-line message was cancelled with Ctrl-C.
 
-    EOFError or KeyboardInterrupt at the first prompt mean: leave.
+    EOFError or KeyboardInterrupt at the first prompt mean: leave. Ctrl-D inside a multi-line
+    message leaves too (it was read as Ctrl-C, and the chat went on), saying the message was not
+    sent.
     """
     line = _input(PROMPT)
     try:
@@ -475,9 +477,12 @@ def read_message() -> str | None:
             lines.append(line[:-1])
             line = _input(CONTINUE_PROMPT)
         return "\n".join([*lines, line])
-    except (KeyboardInterrupt, EOFError):
+    except KeyboardInterrupt:
         print(file=sys.stderr)
         return None
+    except EOFError:
+        print("\nthe unfinished message was not sent", file=sys.stderr)
+        raise
 
 
 def _input(prompt: str) -> str:

@@ -105,7 +105,10 @@ def test_multi_line_messages(tiny_llama, tmp_path):
     continued, continued_stats = ask(child, "first\\", "second")
     assert plain(block) == plain(continued)
     assert block_stats.group(1, 3) == continued_stats.group(1, 3)
-    child.sendeof()
+    child.sendline("unfinished\\")
+    child.expect_exact("... ")
+    child.sendeof()  # inside the open message: leaves, as at the prompt (it only cancelled the message)
+    child.expect_exact("the unfinished message was not sent")
     exits_cleanly(child)
 
     path = str(tiny_llama.gguf_path)
