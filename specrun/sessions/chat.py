@@ -34,7 +34,7 @@ from specrun.drafters.ngram import vocabulary_fingerprints
 from specrun.engine.events import Finished, GenerationResult, TextChunk
 from specrun.engine.loop import GenerationParams, SpeculativeEngine
 from specrun.engine.passes import Verification
-from specrun.errors import ChatTemplateError, ContextFullError, UsageError
+from specrun.errors import ChatTemplateError, ContextFullError, SpecrunError, UsageError
 from specrun.sessions.heads import heads_for_auto, load_target_heads, paying_heads, with_auto_heads, with_learner
 from specrun.sessions.setup import (
     ctx_fix,
@@ -48,6 +48,7 @@ from specrun.sessions.setup import (
     default_trees,
     load_target_entry,
     load_tuned,
+    method_trees,
     remember_probe,
     tuned_key_model,
     tuned_window,
@@ -600,8 +601,27 @@ class ChatSession:
                                                         auto_heads=None)  # a later /method auto looks again
         elif is_adaptive(method) and self._load_heads is not None:  # auto's own, as it would open with them
             self._drafter_options = with_auto_heads(self._drafter_options, self._load_heads(kind=None))
-        check_trees_for(method, self.target, self._drafter_options.lookahead)
+        self._open_for_trees(method)
+        check_trees_for(method, self.target, self._drafter_options.lookahead, switch="/method")
         self._rebuild_drafter(method)
+
+    def _open_for_trees(self, method: str) -> None:
+        """A lookahead window's trees asked of a target opened for chains (a llama.cpp context sizes
+        its sequences when made): the context made again for them, the conversation read again once
+        (`/method lookahead` in a chat opened for chains was refused, the fix to start again). Not
+        where heads read the target's states (check_trees_for then says why)."""
+        paths = method_trees(method, self._drafter_options.lookahead).paths
+        support = self.target.tree_support
+        if not paths or support.available or not support.reopenable or getattr(self.target, "tracking_hidden", False):
+            return
+        self._empty_caches()
+        try:
+            self.target.open_for_trees(paths)
+        except SpecrunError:
+            return  # a context that failed (memory): it keeps the one it had, and check_trees_for says so
+        if self._on_note is not None:
+            self._on_note(f"the target's context is made again for the lookahead window's trees ({paths} paths); "
+                          "the conversation is read again once")
 
     def _rebuild_drafter(self, method: str) -> None:
         """Draft with a drafter of ``method`` built now from the session's options, the old one closed."""

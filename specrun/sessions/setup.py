@@ -74,20 +74,22 @@ def method_trees(method: str, lookahead: LookaheadSizes | None = None) -> TreeSe
     return resolve_trees(False, None, None, window_room(lookahead))
 
 
-def check_trees_for(method: str, target, lookahead: LookaheadSizes | None = None) -> None:
+def check_trees_for(method: str, target, lookahead: LookaheadSizes | None = None, switch: str = "--method") -> None:
     """A UsageError where ``method`` drafts with a lookahead window and ``target`` cannot verify
     its tree (a model whose cache holds no trees, or a llama.cpp context opened for fewer paths):
-    verified as a chain, its window would learn nothing and every pass would cost more for it."""
+    verified as a chain, its window would learn nothing and every pass would cost more for it.
+    ``switch``: how the user picks another method where they are (a chat's /method)."""
     needed = method_trees(method, lookahead or LADDER[0]).paths
     if not needed:
         return
     support = target.tree_support
     if not support.available:
         raise UsageError(f"method {method!r} verifies a token tree, and this target cannot: {support.reason}",
-                         "pick another --method")
+                         f"pick another {switch}")
     if support.max_paths and support.max_paths < needed:
         raise UsageError(f"method {method!r} verifies a token tree of up to {needed} paths, and this target "
-                         f"was opened for {support.max_paths}", f"start with --method {method}")
+                         f"was opened for {support.max_paths}",
+                         f"start with --method {method}" + (f", or pick another {switch}" if switch != "--method" else ""))
 
 
 DEFAULT_DRAFT_LEN = 4

@@ -13,7 +13,7 @@ from model_factory import perturbed_copy
 from specrun.sessions.chat import AnswerDone, AnswerText, ChatSession, ContextFullNotice, open_chat
 from specrun.cli.app import app
 from specrun.engine.loop import GenerationParams
-from specrun.errors import ChatTemplateError, ContextFullError
+from specrun.errors import ChatTemplateError, ContextFullError, UsageError
 from specrun.sessions.setup import ADAPTIVE_MAX_DRAFT_LEN
 from specrun.registry.loading import LoadOptions, open_pair
 from specrun.sessions.kernels import open_settled_pair
@@ -594,3 +594,21 @@ def test_what_the_first_chat_measured_is_noted_once_after_the_first_answer(pair_
     assert stats[0] < notes[0] < notes[1] < stats[1]
     again = invoke(*pair_args, "-n", "6", input="hello\n")
     assert again.exit_code == 0 and "flash attention" not in again.stderr
+
+
+def test_a_lookahead_method_in_a_chat_opened_for_chains_makes_the_context_again(tiny_llama):
+    """`/method lookahead` in a chat whose llama.cpp context was opened for chains was refused, the
+    fix to start the chat again: the context is made again for the window's trees, the conversation
+    read again once, and the answers stay the target's own."""
+    path = str(tiny_llama.gguf_path)
+    notes = []
+    with open_chat(path, None, "none", LoadOptions(threads=1, n_ctx=256), on_note=notes.append) as session:
+        first = answer(session, "hello there")
+        assert not session.target.tree_support.available
+        session.set_method("lookahead")
+        assert session.method == "lookahead" and session.target.tree_support.available
+        assert any("made again for the lookahead window's trees" in note for note in notes)
+        second = answer(session, "and then?")
+    with open_chat(path, None, "none", LoadOptions(threads=1, n_ctx=256)) as plain:
+        assert answer(plain, "hello there").text == first.text
+        assert answer(plain, "and then?").text == second.text
