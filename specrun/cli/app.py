@@ -419,16 +419,38 @@ def empty_option(argv: Sequence[str]) -> str | None:
             group = sub.typer_instance
     if callback is None:
         return None
-    options = _named_options(callback)
+    options, taking_values = _named_options(callback), _options_taking_values(callback)
     if "--" in words:  # what follows is arguments, not options
         words = words[: words.index("--")]
-    for at, word in enumerate(words):
+    at = 0
+    while at < len(words):
+        word = words[at]
         flag, equals, value = word.partition("=")
         if word.startswith("--") and equals and flag in options and not value.strip():
             return options[flag].format(flag)
-        if word in options and at + 1 < len(words) and not words[at + 1].strip():
-            return options[word].format(word)
+        if word in taking_values:  # its value is the next word, whatever it looks like (--system -t)
+            if word in options and at + 1 < len(words) and not words[at + 1].strip():
+                return options[word].format(word)
+            at += 1
+        at += 1
     return None
+
+
+def _options_taking_values(callback) -> set[str]:
+    """The command's option flags that take a value (not a bool's flags, not a count)."""
+    taking = set()
+    for hint in typing.get_type_hints(callback, include_extras=True).values():
+        if typing.get_origin(hint) is not Annotated:
+            continue
+        base, *declared = typing.get_args(hint)
+        if bool in (base, *typing.get_args(base)):
+            continue
+        for option in declared:
+            if isinstance(option, typer.models.OptionInfo) and not option.count:
+                for decl in (option.default, *(option.param_decls or ())):
+                    if isinstance(decl, str) and decl.startswith("-"):
+                        taking.add(decl)
+    return taking
 
 
 def _named_options(callback) -> dict[str, str]:

@@ -55,6 +55,8 @@ def test_every_command_s_options_are_read():
     ("generate", ""),  # an empty prompt: the prompt's own check says so
     ("generate", "-m", "", "hi"),  # no file: --method's own check names the methods
     ("chat", "--system", ""),  # an empty system prompt is none
+    ("chat", "--system", "-t", ""),  # -t is the system prompt (it was read as an empty -t)
+    ("generate", "-m", "--trace", ""),  # --trace is the method given (its own check), the prompt empty
     ("bench", "--json"),  # the option's value missing: Typer's usage error
     ("nosuch", "--trace", ""),  # no such command: Typer's
     ("models",),
