@@ -25,14 +25,19 @@ def load_target_heads(target_spec: str, explicit: str | None, target, registry=N
     found by alias (registry/heads.py), checked against the target before anything drafts with them.
     ``loaded``: heads already read, by path, which this adds to (see ``read_heads``). Where heads found
     first cannot serve (damaged, made for another model) and later ones can, ``on_note`` says why."""
+    from specrun.modelkit.mtp import folder_mtp_layers
     from specrun.registry.heads import find_all_heads
 
-    if explicit is not None and kind != "mtp" and Path(explicit).suffix.lower() == ".gguf":
-        # a GGUF given to --heads is read for the MTP layers it carries: another kind's refusal
-        # named MTP carriers, or a GGUF reader's error
-        raise UsageError(f"--heads {explicit} is a GGUF model, not {kind} heads",
-                         f"pass {kind} heads ({'an EAGLE-3 folder or ' if kind == 'eagle' else ''}a .safetensors "
-                         "file); a GGUF's own MTP layers draft with --method mtp")
+    if explicit is not None and kind != "mtp":
+        # a GGUF or a model folder given to --heads is read for the MTP layers it carries: another
+        # kind's refusal named MTP carriers, a GGUF reader's error, or "holds mtp heads"
+        model = ("a GGUF model" if Path(explicit).suffix.lower() == ".gguf"
+                 else "a model folder carrying MTP layers" if Path(explicit).is_dir() and folder_mtp_layers(explicit)
+                 else None)
+        if model is not None:
+            raise UsageError(f"--heads {explicit} is {model}, not {kind} heads",
+                             f"pass {kind} heads ({'an EAGLE-3 folder or ' if kind == 'eagle' else ''}a .safetensors "
+                             "file); a model's own MTP layers draft with --method mtp")
     errors = []
     for path in find_all_heads(target_spec, explicit, kind, registry):  # yours, then shipped; EAGLE-3's first
         try:

@@ -1038,6 +1038,10 @@ def test_a_gguf_given_as_heads_is_one_line_naming_what_it_is(tiny_llama, glm_mtp
                       str(glm_mtp["gguf"]), "-n", "4")
         kind = method.split("+")[-1]
         _one_line(result, 2, "is a GGUF model, not", f"{kind} heads;", "--method mtp")
+    # a model folder carrying MTP layers, the same (it read as "holds mtp heads, not medusa heads")
+    result = _cli("generate", "hi", "-t", str(tiny_llama.gguf_path), "--method", "medusa", "--heads",
+                  str(glm_mtp["hf"]), "-n", "4")
+    _one_line(result, 2, "is a model folder carrying MTP layers, not medusa heads;", "--method mtp")
 
 
 def _rewritten(glm_mtp, tmp_path, name: str, change) -> Path:
