@@ -111,13 +111,14 @@ def _random_weights(shapes: dict[str, tuple[int, ...]], hidden: int, seed: int) 
 
 def write_glm_gguf(path: Path, shape: GlmShape, weights: dict[str, np.ndarray], dtype: str = "F16",
                    mtp_layers: int | None = None, arch: str = "glm4moe", split_tensors: int = 0,
-                   keys: dict | None = None) -> Path:
+                   keys: dict | None = None, quantized: dict | None = None) -> Path:
     """The model as llama.cpp's ``glm4moe`` GGUF with the shape's MTP blocks; ``mtp_layers=0``
     writes the trunk alone; ``arch``
     another architecture's name on the same keys and tensors (a layout specrun does not read);
     ``split_tensors``: split into parts of that many tensors as gguf-split names them
     (NAME-00001-of-0000N.gguf: the path returned is the first part); ``keys``: more keys by name,
-    the arch's prefix implied (rotary scaling's)."""
+    the arch's prefix implied (rotary scaling's); ``quantized``: GGML types by tensor name, those
+    tensors stored in them (gguf-py's quantize: Q8_0, Q4_0, Q4_1, Q5_0...)."""
     mtp_layers = shape.mtp_layers if mtp_layers is None else mtp_layers
     writer = gguf.GGUFWriter(path, arch, split_max_tensors=split_tensors)
     writer.add_name("specrun-tiny-glm-mtp")
@@ -145,7 +146,7 @@ def write_glm_gguf(path: Path, shape: GlmShape, weights: dict[str, np.ndarray], 
     if mtp_layers:
         writer.add_nextn_predict_layers(mtp_layers)
     _add_keys(writer, arch, keys or {})
-    _finish_gguf(writer, shape, shape.kv_heads, weights, mtp_layers, all_float32=dtype == "F32")
+    _finish_gguf(writer, shape, shape.kv_heads, weights, mtp_layers, all_float32=dtype == "F32", quantized=quantized)
     if split_tensors:
         return sorted(path.parent.glob(f"{path.stem}-00001-of-*.gguf"))[0]
     return path
@@ -209,10 +210,10 @@ def deepseek_weights(shape: DeepseekShape, seed: int = 0) -> dict[str, np.ndarra
 
 
 def write_deepseek_gguf(path: Path, shape: DeepseekShape, weights: dict[str, np.ndarray], mtp_layers: int = 1,
-                        keys: dict | None = None) -> Path:
+                        keys: dict | None = None, quantized: dict | None = None) -> Path:
     """The model as llama.cpp's ``deepseek2`` GGUF (float16 matrices), as a current conversion of
     GLM-4.7-Flash writes its keys; ``keys``: more keys by name, the arch's prefix implied (the
-    gating function's in place of sigmoid's)."""
+    gating function's in place of sigmoid's); ``quantized`` as write_glm_gguf's."""
     writer = gguf.GGUFWriter(path, "deepseek2")
     writer.add_name("specrun-tiny-deepseek-mtp")
     writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
@@ -245,7 +246,7 @@ def write_deepseek_gguf(path: Path, shape: DeepseekShape, weights: dict[str, np.
     if mtp_layers:
         writer.add_nextn_predict_layers(mtp_layers)
     _add_keys(writer, "deepseek2", keys)
-    _finish_gguf(writer, shape, 1, weights, mtp_layers)
+    _finish_gguf(writer, shape, 1, weights, mtp_layers, quantized=quantized)
     return path
 
 
@@ -264,13 +265,23 @@ def _tokenizer_config(shape, kv_heads: int) -> ModelConfig:
 
 
 def _finish_gguf(writer, shape, kv_heads: int, weights: dict[str, np.ndarray], mtp_layers: int,
-                 all_float32: bool = False) -> None:
+                 all_float32: bool = False, quantized: dict | None = None) -> None:
     """The tiny tokenizer and ``weights`` (norms and biases float32, matrices float16 unless
-    ``all_float32``; the MTP blocks, blk.{trunk_layers} on, only with ``mtp_layers``), then the file."""
+    ``all_float32``, or of the GGML type ``quantized`` gives by name, blocks along each row; the
+    MTP blocks, blk.{trunk_layers} on, only with ``mtp_layers``), then the file."""
     add_tokenizer(writer, _tokenizer_config(shape, kv_heads), parse_tokenizer_json(tiny_tokenizer_json(VOCAB_SIZE)),
                   DEMO_CHAT_TEMPLATE, "gpt-2")
     for name, value in weights.items():
         if name.startswith("blk.") and int(name.split(".")[1]) >= shape.trunk_layers + mtp_layers:
+            continue
+        if name in (quantized or {}):
+            qtype = quantized[name]
+            try:
+                data = gguf.quants.quantize(value.astype(np.float32), qtype)
+            except NotImplementedError:  # a type gguf-py neither writes nor reads (Q8_1): zero blocks
+                block, size = gguf.GGML_QUANT_SIZES[qtype]
+                data = np.zeros((*value.shape[:-1], value.shape[-1] // block * size), np.uint8)
+            writer.add_tensor(name, data, raw_dtype=qtype)
             continue
         plain = name.endswith("norm.weight") or name.endswith(".bias") or all_float32
         writer.add_tensor(name, value.astype(np.float32 if plain else np.float16))
