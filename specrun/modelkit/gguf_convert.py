@@ -31,7 +31,7 @@ from specrun.errors import ModelFileError
 from specrun.fileio import with_new_file_mode
 
 from .config import ARCHITECTURES, ModelConfig, weight_names
-from .gguf_check import check_fields, check_tensors, read_layout
+from .gguf_check import READABLE_TYPES, check_fields, check_tensors, read_layout
 from .gguf_convert_glm import ARCHS as GLM_ARCHS
 from .gguf_convert_glm import SELECTION_BIAS, check_glm, check_glm_shapes, glm_config, glm_tensor_plan
 from .gguf_header import header_values
@@ -108,8 +108,7 @@ def convert_gguf_to_mlx(source: Path, out: Path, *, mlx_dtype: str = "float16") 
     """Write an mlx-lm model folder at ``out`` (which must not exist) from the GGUF ``source``:
     a llama or qwen2 model, Qwen3.5's or Qwen3-Next's hybrid (qwen35, qwen35moe, qwen3next; its
     MTP layers carried along, modelkit.gguf_convert_qwen35), or GLM-4.5's or DeepSeek's latent
-    attention (glm4moe, deepseek2; float16 only, their MTP layers carried along,
-    modelkit.gguf_convert_glm).
+    attention (glm4moe, deepseek2; their MTP layers carried along, modelkit.gguf_convert_glm).
 
     ``mlx_dtype``: ``float16``, or ``q4`` (MLX affine 4-bit, group size 32; exact for
     Q4_1 tensors). The folder holds config.json, model.safetensors, tokenizer.json,
@@ -126,10 +125,6 @@ def convert_gguf_to_mlx(source: Path, out: Path, *, mlx_dtype: str = "float16") 
     arch = _header_architecture(source)
     if arch is not None:  # a header that does not parse is named by read_layout below
         _check_architecture(source, arch)  # before a whole vocabulary is parsed
-    if arch in GLM_ARCHS and mlx_dtype != "float16":
-        raise ModelFileError(f"{source}: specrun converts {arch} models to float16 only (4-bit groups of "
-                             "their stacked experts and latent attention are not written yet)",
-                             "convert it with --dtype float16")
     damaged = "download or convert the file again"
     try:
         fields, infos = read_layout(source)  # every count, length and offset against the file, first
@@ -156,6 +151,7 @@ def convert_gguf_to_mlx(source: Path, out: Path, *, mlx_dtype: str = "float16") 
         elif glm:
             config_json = glm_config(fields, tensors, len(vocab.tokens))
             check_glm_shapes(config_json, shapes)  # before anything is written
+            _check_readable(infos)
         else:
             ids = config = read_config(fields, vocab, tie_embeddings="output.weight" not in tensors)
             check_tensors(infos, config)  # before anything is written
@@ -168,7 +164,7 @@ def convert_gguf_to_mlx(source: Path, out: Path, *, mlx_dtype: str = "float16") 
     if hybrid:
         weights, per_layer_bits = _qwen35_weights(tensors, config_json, mlx_dtype)
     elif glm:
-        weights, per_layer_bits = _glm_weights(tensors, config_json), {}
+        weights, per_layer_bits = _glm_weights(tensors, config_json, mlx_dtype)
     else:
         weights, per_layer_bits = {}, {}
         for hf_name in weight_names(config):
@@ -331,14 +327,53 @@ def _qwen35_weights(tensors: dict, config_json: dict, mlx_dtype: str) -> tuple[d
     return weights, per_layer_bits
 
 
-def _glm_weights(tensors: dict, config_json: dict) -> dict[str, np.ndarray]:
-    """The folder's tensors from a glm4moe/deepseek2 GGUF's, each renamed (modelkit.gguf_convert_glm)
-    and float16 but the experts' selection bias, float32 as the checkpoints hold it."""
-    weights = {}
+def _glm_weights(tensors: dict, config_json: dict, mlx_dtype: str) -> tuple[dict[str, np.ndarray], dict]:
+    """The folder's tensors from a glm4moe/deepseek2 GGUF's, each renamed (modelkit.gguf_convert_glm),
+    and the per-layer bits of those quantized to other than 4. float16 but the experts' selection
+    bias, float32 as the checkpoints hold it. With ``q4`` every matrix whose rows divide into groups
+    of 32 is MLX groups as mlx-lm's quantize would make them (its rule: a module whose input width
+    the group divides), GGML's own blocks where they are exact (``_exact_groups``), else 4 bits
+    afresh: the stacked experts (experts, rows, columns) expert by expert as mlx-lm's
+    QuantizedSwitchLinear holds them, k_b and v_b head by head as its QuantizedMultiLinear, the
+    embedding and output head, and the MTP block's matrices (modelkit.mtp.read_mtp_folder reads
+    them as stored, and MLX's MTP layer computes with them quantized). The norms and the router (a module mlx-lm does not quantize)
+    stay as the float16 folder holds them."""
+    weights: dict[str, np.ndarray] = {}
+    per_layer_bits: dict[str, dict] = {}
     for gguf_name, name in sorted(glm_tensor_plan(config_json, tensors).items()):
-        array = _dequantize(tensors[gguf_name])
-        weights[name] = array if name.endswith(SELECTION_BIAS) else array.astype(np.float16)
-    return weights
+        tensor = tensors[gguf_name]
+        data = np.asarray(tensor.data)
+        groups = None
+        if mlx_dtype == "q4" and len(tensor.shape) in (2, 3) and name.endswith(".weight") and not name.endswith(
+                ("norm.weight", "mlp.gate.weight")):
+            groups = _stacked_exact_groups(data, tensor.tensor_type) or _quantize_groups(_dequantize(tensor), bits=4)
+        if groups is None:
+            array = _dequantize(tensor)
+            weights[name] = array if name.endswith(SELECTION_BIAS) else array.astype(np.float16)
+            continue
+        weights.update(_packed(name, groups))
+        if groups[3] != 4:
+            per_layer_bits[name.removesuffix(".weight")] = {"group_size": GROUP_SIZE, "bits": groups[3]}
+    return weights, per_layer_bits
+
+
+def _stacked_exact_groups(data: np.ndarray, qtype: gguf.GGMLQuantizationType) -> Groups | None:
+    """``_exact_groups`` of a tensor of any rank: GGML stores a stacked tensor's blocks along its
+    rows (the last dimension), expert after expert, so each leading index keeps its own groups."""
+    groups = _exact_groups(data.reshape(-1, data.shape[-1]), qtype)
+    if groups is None:
+        return None
+    values, scales, biases, bits = groups
+    lead = data.shape[:-1]
+    return (values.reshape(*lead, -1), scales.reshape(*lead, -1), biases.reshape(*lead, -1), bits)
+
+
+def _check_readable(infos) -> None:
+    """ValueError naming the first tensor of a type gguf-py cannot dequantize (Q8_1, integers)."""
+    for info in infos:
+        if gguf.GGMLQuantizationType(info.kind) not in READABLE_TYPES:
+            raise ValueError(f"the tensor {info.name} is of type {gguf.GGMLQuantizationType(info.kind).name}, "
+                             "which the conversion cannot read")
 
 
 def _packed(name: str, groups: Groups) -> dict[str, np.ndarray]:

@@ -15,10 +15,12 @@ would move their near ties.
 What the conversion does not express is refused in one line: routing other than sigmoid (mlx-lm's
 two models route by sigmoid), RoPE scaling (DeepSeek-V3's YaRN is not mapped to a rope_scaling
 yet), attention temperature scaling, DeepSeek-V2's layouts (no query down-projection, kv_b not
-split), several MTP blocks in glm4_moe (mlx-lm's drops the first alone); ``--dtype q4`` is refused
-in modelkit.gguf_convert (4-bit groups of the stacked experts and of k_b and v_b are not written
-yet). The folder is float16: MLX's CPU gathers experts in float32 only, so its experts run on a
-Mac's GPU.
+split), several MTP blocks in glm4_moe (mlx-lm's drops the first alone). The folder is float16
+(its float16 experts widened to float32 on the CPU by the MLX backend: MLX's CPU gathers
+unquantized experts in float32 only), or with ``--dtype q4`` 4-bit groups (modelkit.gguf_convert's
+_glm_weights): the stacked experts quantized expert by expert as mlx-lm's QuantizedSwitchLinear
+holds them, k_b and v_b head by head as its QuantizedMultiLinear, both gathered or multiplied
+quantized on the CPU too.
 """
 
 from __future__ import annotations

@@ -9,6 +9,7 @@ import re
 from pathlib import Path
 from time import perf_counter
 
+import gguf
 import numpy as np
 import pytest
 from typer.testing import CliRunner
@@ -23,6 +24,12 @@ pytest.importorskip("mlx_lm", reason="the MLX backend is not installed")
 runner = CliRunner()
 TOKENS = list(range(5, 45))
 PROMPTS = ("def hello(world):", "Grüße aus München! Ça va", "import os\nimport sys\n")
+# A 4-bit folder's logits against the float16 folder's, in the logits' std: min-max groups of 32 put
+# each weight within half a step (~1/30 of its group's range) of its float16 value, and these random
+# tiny models carry such noise through every matrix of three blocks (measured: median 0.32 of a
+# std for both layouts, correlation 0.85); the bound says only that nothing else moved them. That
+# every group sits where mlx-lm reads it is the comparison with the folder of the dequantized weights.
+APART_4_BIT, CORRELATION_4_BIT = 0.5, 0.75
 
 
 @pytest.fixture(scope="module", params=["glm4moe", "deepseek2"])
@@ -211,12 +218,15 @@ def test_fields_the_conversion_cannot_use_are_one_line_before_anything_is_read(m
     assert said in raised.value.one_line() and raised.value.one_line().startswith("model.gguf cannot be converted")
 
 
-def test_layouts_and_dtypes_the_conversion_cannot_carry_are_one_line(model, tmp_path):
-    """--dtype q4 (not written for these layouts), a block tensor mlx-lm's
-    model has no place for, and (GLM) two MTP blocks, of which mlx-lm's glm4_moe drops only the first."""
+def test_layouts_the_conversion_cannot_carry_are_one_line(model, tmp_path):
+    """A block tensor mlx-lm's model has no place for, an expert tensor of a type gguf-py cannot
+    read (Q8_1), and (GLM) two MTP blocks, of which mlx-lm's glm4_moe drops only the first."""
     import mtp_models
 
-    cases = [(["--dtype", "q4"], model["gguf"], "models to float16 only")]
+    unread = _write(model, tmp_path / "q8_1.gguf", model["weights"],
+                    quantized={"blk.1.ffn_up_exps.weight": gguf.GGMLQuantizationType.Q8_1})
+    cases = [(["--dtype", dtype], unread, "the tensor blk.1.ffn_up_exps.weight is of type Q8_1, which the "
+              "conversion cannot read") for dtype in ("float16", "q4")]
     extra = _write(model, tmp_path / "extra.gguf", {**model["weights"], "blk.0.attn_output.bias": np.zeros(128)})
     cases.append(([], extra, "blk.0.attn_output.bias, which mlx-lm's"))
     if model["arch"] == "glm4moe":
@@ -229,3 +239,193 @@ def test_layouts_and_dtypes_the_conversion_cannot_carry_are_one_line(model, tmp_
         errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
         assert result.exit_code == 1 and len(errors) == 1 and said in errors[0], result.output
         assert not (tmp_path / "out").exists()
+
+
+# ---- --dtype q4 ----------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def folders(model, tmp_path_factory) -> dict[str, Path]:
+    """The model converted to float16 and, by the command, to q4."""
+    out = tmp_path_factory.mktemp(f"{model['arch']}-folders")
+    convert_gguf_to_mlx(model["gguf"], out / "f16")
+    result = runner.invoke(app, ["models", "convert", str(model["gguf"]), "--to", "mlx", "--dtype", "q4",
+                                 "--out", str(out / "q4")])
+    assert result.exit_code == 0, result.output
+    return {"f16": out / "f16", "q4": out / "q4"}
+
+
+def _stored(folder: Path) -> dict:
+    import mlx.core as mx
+
+    return mx.load(str(folder / "model.safetensors"))
+
+
+def _bits(stored: dict, module: str) -> int:
+    """A quantized module's bits, from its words' and scales' widths (groups of 32)."""
+    return stored[f"{module}.weight"].shape[-1] // stored[f"{module}.scales"].shape[-1]
+
+
+def _dequantized(stored: dict, module: str):
+    """A stored quantized weight as float32, computed in float32 (exact for GGML's blocks)."""
+    import mlx.core as mx
+
+    scales, biases = (stored[f"{module}.{part}"].astype(mx.float32) for part in ("scales", "biases"))
+    return mx.dequantize(stored[f"{module}.weight"], scales, biases, group_size=32, bits=_bits(stored, module))
+
+
+def _dequantized_folder(folder: Path, out: Path) -> Path:
+    """A float32 copy of the quantized ``folder`` holding its weights dequantized: what the 4-bit
+    folder must compute, to float rounding, were its groups placed right."""
+    import json
+    import shutil
+
+    import mlx.core as mx
+
+    shutil.copytree(folder, out)
+    stored = _stored(folder)
+    modules = [name.removesuffix(".scales") for name in stored if name.endswith(".scales")]
+    floats = {name: array.astype(mx.float32) for name, array in stored.items()
+              if not name.endswith((".scales", ".biases"))}
+    floats.update({f"{module}.weight": _dequantized(stored, module) for module in modules})
+    mx.save_safetensors(str(out / "model.safetensors"), floats, metadata={"format": "pt"})
+    config = json.loads((out / "config.json").read_text())
+    del config["quantization"], config["quantization_config"]
+    (out / "config.json").write_text(json.dumps(config))
+    return out
+
+
+def test_a_4_bit_folder_holds_every_matrix_within_half_a_step_and_computes_its_dequantized_weights(model, folders,
+                                                                                                tmp_path):
+    """``--dtype q4``: the stacked experts expert by expert (weight (E, out, in/8) words, scales and
+    biases (E, out, in/32)), the attention, the shared expert, the embedding, the output head and the
+    MTP block's matrices within half a step of the float16 folder's; DeepSeek's v_b (unembed_out)
+    head by head, its k_b (embed_q: 16 columns, which mlx-lm's quantize leaves) float16; norms and
+    the router as the float16 folder holds them. mlx-lm loads the experts as QuantizedSwitchLinear
+    and computes on the CPU what a float32 folder of the dequantized weights computes: every
+    difference from the float16 folder's logits is the weights' 4-bit rounding."""
+    import json
+
+    import mlx.core as mx
+    from mlx_lm.models.switch_layers import QuantizedSwitchLinear
+    from mlx_lm.utils import load_model
+
+    reference, stored = _stored(folders["f16"]), _stored(folders["q4"])
+    config = json.loads((folders["q4"] / "config.json").read_text())
+    assert config["quantization"] == {"group_size": 32, "bits": 4, "mode": "affine"}
+    trunk, experts = config["num_hidden_layers"], config["n_routed_experts"]
+    quantized = sorted(name.removesuffix(".scales") for name in stored if name.endswith(".scales"))
+    mtp = f"model.layers.{trunk}"
+    wanted = [f"model.layers.1.mlp.switch_mlp.{part}_proj" for part in ("gate", "up", "down")] + [
+        "model.embed_tokens", "lm_head", f"{mtp}.eh_proj", f"{mtp}.mlp.switch_mlp.down_proj",
+        "model.layers.1.mlp.shared_experts.up_proj", "model.layers.0.self_attn.o_proj"]
+    if model["arch"] == "deepseek2":
+        wanted.append("model.layers.1.self_attn.unembed_out")
+        assert reference["model.layers.1.self_attn.embed_q.weight"].shape[-1] % 32
+        assert stored["model.layers.1.self_attn.embed_q.weight"].dtype == mx.float16
+    assert set(wanted) <= set(quantized), sorted(set(wanted) - set(quantized))
+    gate = stored["model.layers.1.mlp.switch_mlp.gate_proj.weight"]
+    columns = reference["model.layers.1.mlp.switch_mlp.gate_proj.weight"].shape[-1]
+    assert gate.dtype == mx.uint32 and gate.shape == (experts, config["moe_intermediate_size"], columns // 8)
+    assert stored["model.layers.1.mlp.switch_mlp.gate_proj.scales"].shape == (*gate.shape[:2], columns // 32)
+    for module in quantized:
+        scales = stored[f"{module}.scales"]
+        assert _bits(stored, module) == 4 and scales.dtype == (mx.float32 if module.endswith("embed_tokens")
+                                                              else mx.float16), module
+        step = mx.repeat(scales.astype(mx.float32), 32, axis=-1)
+        apart = mx.abs(_dequantized(stored, module) - reference[f"{module}.weight"].astype(mx.float32))
+        assert bool(mx.all(apart <= step / 2 + 1e-3)), module
+    for name, array in reference.items():
+        if name.removesuffix(".weight") not in quantized:
+            assert stored[name].dtype == array.dtype and bool(mx.array_equal(stored[name], array)), name
+    assert stored["model.layers.1.mlp.gate.e_score_correction_bias"].dtype == mx.float32
+    assert not any(f"{part}.scales" in stored for part in ("model.layers.1.mlp.gate", "model.norm"))
+
+    loaded, _ = load_model(folders["q4"])
+    assert isinstance(loaded.model.layers[1].mlp.switch_mlp.gate_proj, QuantizedSwitchLinear)
+    ours = np.array(loaded(mx.array([TOKENS]))[0].astype(mx.float32))  # float32 activations: the embedding's scales
+    dequantized = _mlx_logits(_dequantized_folder(folders["q4"], tmp_path / "dequantized"))
+    np.testing.assert_allclose(ours, dequantized, rtol=0, atol=1e-3 * dequantized.std())
+    half = _mlx_logits(folders["f16"])
+    apart = np.abs(ours - half) / half.std()
+    assert np.median(apart) < APART_4_BIT and np.corrcoef(ours.ravel(), half.ravel())[0, 1] > CORRELATION_4_BIT, (
+        np.median(apart), np.corrcoef(ours.ravel(), half.ravel())[0, 1])
+
+
+def test_the_4_bit_folder_generates_and_drafts_with_its_mtp_layer_on_the_cpu(model, folders, tmp_path):
+    """MLX's CPU gathers quantized experts (gather_qmm) as they are stored: the 4-bit folder
+    generates greedily by ``specrun generate --backend mlx``, and drafting with its MTP layer read
+    from it (quantized, held so by the MLX layer) changes no token. The drafter's chains are
+    5 long and those it drafts over the folder of the dequantized weights (the same numbers in
+    float32). Not the float16 folder's: on these random models 4-bit rounding moves the logits by
+    more than their top two's usual gap (measured: a median gap of 0.22-0.31 of a std against a
+    median move of 0.32), and the 15 chained tokens agreed with the float16 folder's in none."""
+    generated = [runner.invoke(app, ["generate", PROMPTS[0], "-t", str(folders["q4"]), "--backend", "mlx", "-n", "12",
+                                     "--method", method, "--temp", "0", "--threads", "1"]) for method in ("none", "mtp")]
+    assert [result.exit_code for result in generated] == [0, 0], [result.output for result in generated]
+    assert "Traceback" not in generated[1].output and "mtp" in generated[1].stderr
+    assert generated[0].stdout == generated[1].stdout and generated[0].stdout.strip()
+    ours = _greedy_chains(folders["q4"])
+    assert all(len(chain) == 5 for chain in ours)
+    assert ours == _greedy_chains(_dequantized_folder(folders["q4"], tmp_path / "dequantized"))
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1"])
+def test_experts_stored_in_ggml_blocks_mlx_groups_express_are_carried_exactly(model, qtype, tmp_path):
+    """Every expert stack (the trunk's and the MTP block's) and the shared expert stored as Q8_0,
+    Q4_0 or Q4_1 (DeepSeek's v_b too): their MLX groups dequantize to gguf-py's values bit for bit
+    (Q8_0 as 8-bit groups, named per layer in config.json), mlx-lm loads the folder and computes
+    what the folder of its dequantized weights computes, and the MTP layer read from the folder
+    holds the GGUF's experts to the bit. A type no MLX group expresses (Q5_0) is quantized afresh
+    within half a step of its own values (the next test)."""
+    import json
+
+    from specrun.modelkit.gguf_convert_glm import glm_tensor_plan
+    from specrun.modelkit.mtp import read_mtp_folder, read_mtp_gguf
+
+    stacks = [name for name in model["weights"] if name.endswith(("_exps.weight", "_shexp.weight", "attn_v_b.weight"))]
+    chosen = getattr(gguf.GGMLQuantizationType, qtype)
+    path = _write(model, tmp_path / f"{qtype}.gguf", model["weights"], quantized=dict.fromkeys(stacks, chosen))
+    folder = tmp_path / "q4"
+    convert_gguf_to_mlx(path, folder, mlx_dtype="q4")
+    reader = gguf.GGUFReader(str(path))
+    tensors = {tensor.name: tensor for tensor in reader.tensors}
+    config = json.loads((folder / "config.json").read_text())
+    plan = glm_tensor_plan(config, tensors)
+    stored, bits = _stored(folder), 8 if qtype == "Q8_0" else 4
+    for name in stacks:
+        module = plan[name].removesuffix(".weight")
+        assert tensors[name].tensor_type == chosen and _bits(stored, module) == bits, name
+        expected = gguf.quants.dequantize(np.asarray(tensors[name].data), chosen).astype(np.float32)
+        np.testing.assert_array_equal(np.array(_dequantized(stored, module)), expected, name)  # Q4_0's 0 may be -0
+        if bits != 4:
+            assert config["quantization"][module] == {"group_size": 32, "bits": bits}, module
+    dequantized = _mlx_logits(_dequantized_folder(folder, tmp_path / "dequantized"))
+    np.testing.assert_allclose(_mlx_logits(folder), dequantized, rtol=0, atol=1e-3 * dequantized.std())
+    from_gguf, from_folder = read_mtp_gguf(path), read_mtp_folder(folder)
+    for name in ("gate_exps", "up_exps", "down_exps"):
+        np.testing.assert_array_equal(np.asarray(from_folder.tensors[name], np.float32),
+                                      np.asarray(from_gguf.tensors[name], np.float32), name)
+
+
+def test_experts_of_a_type_mlx_groups_do_not_express_are_quantized_afresh(model, tmp_path):
+    """Q5_0 experts: no MLX 4-bit group holds their 5-bit values, so they are dequantized and
+    quantized to 4 bits, each within half a step of gguf-py's values."""
+    import json
+
+    import mlx.core as mx
+
+    from specrun.modelkit.gguf_convert_glm import glm_tensor_plan
+
+    stacks = [name for name in model["weights"] if name.endswith("_exps.weight")]
+    path = _write(model, tmp_path / "q5.gguf", model["weights"],
+                  quantized=dict.fromkeys(stacks, gguf.GGMLQuantizationType.Q5_0))
+    folder = tmp_path / "q4"
+    convert_gguf_to_mlx(path, folder, mlx_dtype="q4")
+    config = json.loads((folder / "config.json").read_text())
+    tensors = {tensor.name: tensor for tensor in gguf.GGUFReader(str(path)).tensors}
+    plan, stored = glm_tensor_plan(config, tensors), _stored(folder)
+    for name in stacks:
+        module = plan[name].removesuffix(".weight")
+        assert _bits(stored, module) == 4 and module not in config["quantization"], name
+        expected = gguf.quants.dequantize(np.asarray(tensors[name].data), gguf.GGMLQuantizationType.Q5_0)
+        step = mx.repeat(stored[f"{module}.scales"].astype(mx.float32), 32, axis=-1)
+        assert bool(mx.all(mx.abs(_dequantized(stored, module) - mx.array(expected, mx.float32)) <= step / 2 + 1e-3))
