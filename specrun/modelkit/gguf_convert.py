@@ -336,8 +336,8 @@ def _glm_weights(tensors: dict, config_json: dict, mlx_dtype: str) -> tuple[dict
     afresh: the stacked experts (experts, rows, columns) expert by expert as mlx-lm's
     QuantizedSwitchLinear holds them, k_b and v_b head by head as its QuantizedMultiLinear, the
     embedding and output head, and the MTP block's matrices (modelkit.mtp.read_mtp_folder reads
-    them as stored, and MLX's MTP layer computes with them quantized). The norms and the router (a module mlx-lm does not quantize)
-    stay as the float16 folder holds them."""
+    them as stored, and MLX's MTP layer computes with them quantized). The norms and the router
+    (a module mlx-lm does not quantize) stay as the float16 folder holds them."""
     weights: dict[str, np.ndarray] = {}
     per_layer_bits: dict[str, dict] = {}
     for gguf_name, name in sorted(glm_tensor_plan(config_json, tensors).items()):

@@ -359,7 +359,8 @@ def test_the_4_bit_folder_generates_and_drafts_with_its_mtp_layer_on_the_cpu(mod
     more than their top two's usual gap (measured: a median gap of 0.22-0.31 of a std against a
     median move of 0.32), and the 15 chained tokens agreed with the float16 folder's in none."""
     generated = [runner.invoke(app, ["generate", PROMPTS[0], "-t", str(folders["q4"]), "--backend", "mlx", "-n", "12",
-                                     "--method", method, "--temp", "0", "--threads", "1"]) for method in ("none", "mtp")]
+                                     "--method", method, "--temp", "0", "--threads", "1"])
+                 for method in ("none", "mtp")]
     assert [result.exit_code for result in generated] == [0, 0], [result.output for result in generated]
     assert "Traceback" not in generated[1].output and "mtp" in generated[1].stderr
     assert generated[0].stdout == generated[1].stdout and generated[0].stdout.strip()
@@ -429,3 +430,36 @@ def test_experts_of_a_type_mlx_groups_do_not_express_are_quantized_afresh(model,
         expected = gguf.quants.dequantize(np.asarray(tensors[name].data), gguf.GGMLQuantizationType.Q5_0)
         step = mx.repeat(stored[f"{module}.scales"].astype(mx.float32), 32, axis=-1)
         assert bool(mx.all(mx.abs(_dequantized(stored, module) - mx.array(expected, mx.float32)) <= step / 2 + 1e-3))
+
+
+def test_deepseek_s_k_b_is_quantized_head_by_head_where_its_columns_divide_into_groups(tmp_path):
+    """With 32 nope dimensions (GLM-4.7-Flash has 192) k_b is 4-bit too, head by head as mlx-lm's
+    QuantizedMultiLinear holds it (which multiplies it both ways: queries in, latent keys out):
+    within half a step of the float16 folder's, the folder computes what its dequantized weights
+    compute, and the MTP drafter, its k_b quantized, drafts their chains."""
+    import mlx.core as mx
+    import mtp_models
+    from mlx_lm.models.mla import QuantizedMultiLinear
+    from mlx_lm.utils import load_model
+
+    shape = mtp_models.DeepseekShape(nope=32)
+    path = mtp_models.write_deepseek_gguf(tmp_path / "deepseek.gguf", shape, mtp_models.deepseek_weights(shape))
+    convert_gguf_to_mlx(path, tmp_path / "f16")
+    convert_gguf_to_mlx(path, tmp_path / "q4", mlx_dtype="q4")
+    reference, stored = _stored(tmp_path / "f16"), _stored(tmp_path / "q4")
+    for block in range(shape.trunk_layers + 1):
+        module = f"model.layers.{block}.self_attn.embed_q"
+        assert stored[f"{module}.scales"].shape == (shape.heads, shape.kv_rank, 1), module
+        step = mx.repeat(stored[f"{module}.scales"].astype(mx.float32), 32, axis=-1)
+        apart = mx.abs(_dequantized(stored, module) - reference[f"{module}.weight"].astype(mx.float32))
+        assert bool(mx.all(apart <= step / 2 + 1e-3)), module
+    loaded, _ = load_model(tmp_path / "q4")
+    assert isinstance(loaded.model.layers[0].self_attn.embed_q, QuantizedMultiLinear)
+    dequantized = _dequantized_folder(tmp_path / "q4", tmp_path / "dequantized")
+    expected = _mlx_logits(dequantized)
+    np.testing.assert_allclose(_mlx_logits(tmp_path / "q4"), expected, rtol=0, atol=1e-3 * expected.std())
+    chains = _greedy_chains(tmp_path / "q4")
+    assert chains == _greedy_chains(dequantized) and all(len(chain) == 5 for chain in chains)
+    generated = runner.invoke(app, ["generate", PROMPTS[0], "-t", str(tmp_path / "q4"), "--backend", "mlx", "-n", "6",
+                                    "--method", "none", "--temp", "0", "--threads", "1"])  # a token a pass
+    assert generated.exit_code == 0 and "Traceback" not in generated.output, generated.output
