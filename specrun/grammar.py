@@ -84,6 +84,17 @@ def _on_large_stack(function, *args):
 FIXES = {"json_schema": "fix the schema", "json_object": "fix the schema", "regex": "fix the regular expression"}
 
 
+def _check_unicode(kind: str, text: str) -> None:
+    """A GrammarError where ``text`` holds half of a surrogate pair alone (JSON's \\ud800 reads as
+    one): llguidance took it, and the text it let through (a property name of a schema, rendered
+    into a tool prompt too) was no UTF-8, an internal error or an answer of invalid bytes."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise GrammarError(f"{KINDS[kind]} holding a lone surrogate (half of a UTF-16 pair, "
+                           f"{text[exc.start]!r}) at character {exc.start}", "write the character whole") from None
+
+
 def _refused(spec: GrammarSpec, problem: str) -> GrammarError:
     return GrammarError(f"{KINDS[spec.kind]} that cannot be used: {_first_line(_in_gbnf_terms(spec, problem))}",
                         FIXES.get(spec.kind, "fix the grammar"))
@@ -147,6 +158,7 @@ class GrammarSpec:
         if len(self.text) > limit:
             raise GrammarError(f"{KINDS[self.kind]} of {len(self.text):,} characters, more than the {limit:,} taken",
                                "shorten it")
+        _check_unicode(self.kind, self.text)
         try:
             if self.kind == "json_object":
                 return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS)
@@ -154,6 +166,7 @@ class GrammarSpec:
                 schema = json.loads(self.text)
                 if not isinstance(schema, dict):
                     raise GrammarError("the JSON schema is not an object", "give a schema such as {\"type\": \"object\"}")
+                _check_unicode(self.kind, json.dumps(schema, ensure_ascii=False))  # its \\ud800 escapes read
                 return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
             text = self.text
             if self.kind == "gbnf" and not llguidance.gbnf_to_lark.is_lark_syntax(text):  # Lark passes as it is

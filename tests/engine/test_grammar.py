@@ -376,6 +376,10 @@ def test_a_grammar_that_allows_no_token_at_all_ends_the_answer_as_such(monkeypat
     (GrammarSpec("regex", "a(b"), "regular expression"),
     (GrammarSpec("json_schema", "[1, 2]"), "not an object"),
     (GrammarSpec("json_schema", '{"$ref": "#"}'), "at its first token"),  # compiles, then fails a mask
+    # half a UTF-16 pair alone: llguidance took it, and let an answer of invalid UTF-8 through
+    (GrammarSpec("json_schema", '{"type": "object", "properties": {"\\ud800": {"type": "string"}}}'),
+     "lone surrogate"),
+    (GrammarSpec("lark", 'start: "\ud800"'), "lone surrogate"),
 ])
 def test_a_grammar_that_does_not_compile_is_one_usage_error_naming_it(spec, words):
     with pytest.raises(GrammarError) as caught:

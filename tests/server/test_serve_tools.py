@@ -164,6 +164,10 @@ BAD = [
      "messages[1].tool_calls[0].id", "invalid_type"),
     (_body(messages=[*QUESTION, {"role": "tool", "content": "x", "tool_call_id": "\udfff"}]),
      "messages[1].tool_call_id", "invalid_value"),
+    # ... as a property name of a tool's parameters: the schema compiled, and rendering the prompt was a 500
+    (_body(tools=[{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"\ud800": {"type": "string"}}}}}]), "tools[0].function.parameters",
+     "invalid_value"),
 ]
 
 
