@@ -202,7 +202,12 @@ class ChatTemplate:
         internals = _internals_named(parsed)
         if internals:
             raise _refusal(", ".join(sorted(set(internals))))
-        self._template = env.from_string(parsed)
+        try:  # compiling finds what parsing does not: a filter or test no environment has
+            self._template = env.from_string(parsed)
+        except TemplateError as exc:
+            raise ChatTemplateError(
+                f"the model's chat template does not compile: {exc}", "use a model with a working chat template"
+            ) from None
 
     @classmethod
     def for_backend(cls, backend: Backend) -> ChatTemplate:

@@ -61,3 +61,16 @@ def test_filters_that_take_the_environment_or_context_still_work():
               "{{ messages | selectattr('role', 'equalto', 'user') | list | length }}")
     rendered = ChatTemplate(source).render(MESSAGES + [{"role": "assistant", "content": "Hi"}])
     assert rendered == "Hello,Hi|abc..|1"
+
+
+@pytest.mark.parametrize("source, said", [
+    ("{{ messages[0].content | nofilter }}", "does not compile: No filter named 'nofilter'"),
+    ("{% for m in messages %}", "is not valid Jinja"),
+])
+def test_a_template_that_does_not_compile_is_one_line_blaming_it(source, said):
+    """A filter or test no environment has passes Jinja's parse and fails its compile: that was an
+    internal error in every command, and `specrun serve` died as it opened."""
+    with pytest.raises(ChatTemplateError) as caught:
+        ChatTemplate(source)
+    line = caught.value.one_line()
+    assert "chat template" in line and said in line and "\n" not in line
