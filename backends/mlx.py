@@ -145,8 +145,12 @@ def _download(repo_id: str) -> Path:
 def _load(folder: Path, lazy: bool = False):
     """mlx_lm.load with its failures turned into one-line ModelFileErrors."""
     _, lm_utils, _ = _import_mlx()
+    _check_settings(folder)
     try:
         return lm_utils.load(str(folder), return_config=True, lazy=lazy)
+    except (TypeError, AttributeError, ZeroDivisionError) as exc:  # a setting of a shape no check above knows
+        raise ModelFileError(f"mlx-lm could not load {folder}: a setting it read is not what it expects "
+                             f"({type(exc).__name__}: {exc})", "download the model again") from exc
     except (json.JSONDecodeError, RecursionError) as exc:  # a RuntimeError too: first
         raise ModelFileError(f"{folder} has an unreadable JSON file: {json_problem(exc)}",
                              "download the model again") from exc
@@ -160,6 +164,92 @@ def _load(folder: Path, lazy: bool = False):
             f"mlx-lm could not load {folder}: {json_problem(exc)}",  # never Python's advice on digits
             "check that this mlx-lm version supports the model, or download it again",
         ) from exc
+
+
+# A model's sizes in config.json (its text model's, where it has one): whole numbers above 0. A
+# layer count of a million built a million layers before any weight was read (a hang); a head
+# count of 0 divided by it; "2" for 2 failed deep inside mlx-lm.
+_COUNTS = ("num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads", "vocab_size", "head_dim",
+           "max_position_embeddings")
+_REALS = ("rope_theta", "rms_norm_eps", "layer_norm_eps", "partial_rotary_factor")  # finite (NaN decoded to nothing)
+_LAYER_NAME = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+_SETTINGS_BYTES = 16 << 20
+
+
+def _check_settings(folder: Path) -> None:
+    """A ModelFileError naming the file and the setting where config.json (its sizes), the
+    generation config (its end tokens) or the tokenizer's config (its special tokens) holds what
+    mlx-lm cannot build a model from; a file that is no JSON at all is left to mlx-lm's load,
+    whose error says so."""
+    def bad(name: str, what: str) -> ModelFileError:
+        return ModelFileError(f"{folder / name} {what}", "download the model again, or fix the file")
+
+    config = _json_file(folder / "config.json")
+    if config is not None and not isinstance(config, dict):
+        raise bad("config.json", "is not a JSON object")
+    if isinstance(config, dict):
+        text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+        for key in _COUNTS:
+            value = text.get(key)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise bad("config.json", f"gives {key} as {json.dumps(value)[:40]}, not a whole number above 0")
+        for key in _REALS:
+            value = text.get(key)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                      or not np.isfinite(value) or value < 0):
+                raise bad("config.json", f"gives {key} as {json.dumps(value)[:40]}, not a finite number")
+        layers, held = text.get("num_hidden_layers"), _weight_layers(folder)
+        if isinstance(layers, int) and held and layers > held:
+            raise bad("config.json", f"says the model has {layers} layers, and its weights hold {held}")
+    generation = _json_file(folder / "generation_config.json")
+    if generation is not None:
+        if not isinstance(generation, dict):
+            raise bad("generation_config.json", "is not a JSON object")
+        ends = generation.get("eos_token_id")
+        ids = ends if isinstance(ends, list) else [ends]
+        if ends is not None and not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+            raise bad("generation_config.json", f"gives eos_token_id as {json.dumps(ends)[:40]}, not token ids")
+    tokenizer = _json_file(folder / "tokenizer_config.json")
+    if tokenizer is not None:
+        if not isinstance(tokenizer, dict):
+            raise bad("tokenizer_config.json", "is not a JSON object")
+        for key in ("bos_token", "eos_token", "pad_token", "unk_token"):
+            value = tokenizer.get(key)
+            if not (value is None or isinstance(value, str)
+                    or (isinstance(value, dict) and isinstance(value.get("content"), str))):
+                raise bad("tokenizer_config.json", f"gives {key} as {json.dumps(value)[:40]}, not a token's text")
+
+
+def _json_file(path: Path):
+    """The JSON in ``path``; None where there is no such file or it does not parse (or is too large
+    for a settings file): mlx-lm's load says what is wrong with it then."""
+    try:
+        if not path.is_file() or path.stat().st_size > _SETTINGS_BYTES:
+            return None
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError):
+        return None
+
+
+def _weight_layers(folder: Path) -> int:
+    """How many decoder layers the folder's weights hold (the highest ``layers.N.`` plus one), read
+    from the safetensors headers alone; 0 where none can be read."""
+    highest = -1
+    for path in folder.glob("model*.safetensors"):
+        try:
+            with path.open("rb") as handle:
+                size = int.from_bytes(handle.read(8), "little")
+                if not 0 < size <= 100 << 20:
+                    continue
+                names = json.loads(handle.read(size))
+        except (OSError, ValueError, RecursionError):
+            continue
+        if isinstance(names, dict):
+            for name in names:
+                found = _LAYER_NAME.search(name)
+                if found:
+                    highest = max(highest, int(found.group(1)))
+    return highest + 1
 
 
 # ---- a quantized copy (--draft self:q4) ----------------------------------------------

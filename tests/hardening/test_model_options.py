@@ -97,6 +97,35 @@ def test_a_model_folder_s_damaged_json_is_one_line_naming_it(damage, command, mo
     assert "sys.set_int_max_str_digits" not in line and "weights" not in line
 
 
+DAMAGED_SETTINGS = [
+    # (file, change to its JSON, what the line says): a hang, an empty answer, or an internal error each
+    ("config.json", {"num_hidden_layers": 10**6}, "says the model has 1000000 layers, and its weights hold 2"),
+    ("config.json", {"num_hidden_layers": "2"}, 'gives num_hidden_layers as "2", not a whole number above 0'),
+    ("config.json", {"num_attention_heads": 0}, "gives num_attention_heads as 0, not a whole number above 0"),
+    ("config.json", {"rope_theta": float("nan")}, "gives rope_theta as NaN, not a finite number"),
+    ("config.json", [], "is not a JSON object"),
+    ("generation_config.json", [], "is not a JSON object"),
+    ("generation_config.json", {"eos_token_id": "x"}, 'gives eos_token_id as "x", not token ids'),
+    ("tokenizer_config.json", {"eos_token": 5}, "gives eos_token as 5, not a token's text"),
+    ("tokenizer_config.json", {"bos_token": {}}, "gives bos_token as {}, not a token's text"),
+]
+
+
+@pytest.mark.parametrize("name, change, said", DAMAGED_SETTINGS, ids=[f"{i}-{row[0]}" for i, row in
+                                                                      enumerate(DAMAGED_SETTINGS)])
+def test_an_mlx_folder_s_impossible_setting_is_one_line_naming_it(name, change, said, tiny_llama, tmp_path):
+    import json
+    import shutil
+
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_llama.hf_dir, folder)
+    path = folder / name
+    settings = json.loads(path.read_text()) if path.exists() else {}
+    path.write_text(json.dumps({**settings, **change} if isinstance(change, dict) else change))
+    result = invoke("generate", "hi", "-n", "2", "--backend", "mlx", "--method", "none", "-t", str(folder))
+    assert_one_line_error(result.exit_code, result.stderr, 1, str(path), said)
+
+
 @pytest.mark.parametrize("layers", ["-5", "-2", "1000001"])
 def test_impossible_gpu_layers_are_a_usage_error(model, layers):
     result = invoke("generate", "hi", "-t", model, "-d", model, "-n", "2", "--gpu-layers", layers)
