@@ -194,6 +194,9 @@ def serve_command(
         if api_key is not None and not api_key.strip():
             raise UsageError("--api-key (or SPECRUN_API_KEY) is empty: every client would be let in",
                              "pass a key of some length, or leave it unset on a loopback host")
+        if api_key is not None and api_key != api_key.strip():  # a header's value loses them: no client got in
+            raise UsageError("--api-key (or SPECRUN_API_KEY) begins or ends with a space, which no client's header "
+                             "can carry, so every request would be refused", "remove the spaces around the key")
         if api_key is not None and not (api_key.isascii() and api_key.isprintable()):
             raise UsageError("--api-key (or SPECRUN_API_KEY) holds characters other than printable ASCII: "
                              "HTTP headers carry ASCII, so no client could send it",

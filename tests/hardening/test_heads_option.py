@@ -437,6 +437,14 @@ def test_serve_refuses_an_empty_api_key(key):
     assert_one_line_error(result.exit_code, result.stderr, 2, "--api-key (or SPECRUN_API_KEY) is empty")
 
 
+@pytest.mark.parametrize("key", [" secret ", "secret\t"])
+def test_serve_refuses_an_api_key_with_spaces_around_it(key):
+    """The server compares the key with the header's value, which loses the spaces around it: every
+    request was refused (401), whatever the client sent."""
+    result = invoke("serve", "--api-key", key)
+    assert_one_line_error(result.exit_code, result.stderr, 2, "begins or ends with a space", "remove the spaces")
+
+
 def test_heads_that_cannot_be_derived_for_the_bench_scale_target_are_one_line_naming_the_cache(tmp_path, monkeypatch):
     """No room in the cache for the widened copy of the demo target's Medusa heads: the error says
     so (not "no medusa heads"), and nothing is left behind; a cache with room derives them."""
