@@ -225,7 +225,7 @@ def check_eagle3_folder(out: Path) -> None:
     """EAGLE-3 heads are a folder (heads.files.save_eagle3): fail now where ``out`` is a file,
     holds anything but earlier heads' two files (a model's own folder would lose its config.json),
     or cannot be written."""
-    fix = "name a new folder (or one that holds EAGLE-3 heads) for --heads-out"
+    fix = f"{_delete_if_cached(out)}name a new folder (or one that holds EAGLE-3 heads) for --heads-out"
     if out.exists() and not out.is_dir():
         raise FileAccessError(f"the heads folder {out} is a file", fix)
     others = sorted(path.name for path in out.iterdir() if path.name not in EAGLE3_FILES) if out.is_dir() else []
@@ -273,7 +273,19 @@ def check_heads_file(out: Path) -> None:
     for path in (out, out.with_suffix(".json")):
         if path.exists() and not is_specrun_heads_file(path):
             raise FileAccessError(f"{path} exists and is not specrun heads: training would write over it",
-                                  "name a new file (or earlier heads) for --heads-out")
+                                  f"{_delete_if_cached(path)}name a new file (or earlier heads) for --heads-out")
+
+
+def _delete_if_cached(path: Path) -> str:
+    """"delete PATH ..., or " where ``path`` is in specrun's cache (a damaged copy of specrun's own,
+    which no message told how to get rid of), else ""."""
+    from specrun.modelkit.demo import cache_dir
+
+    try:
+        cached = path.resolve().is_relative_to(cache_dir().resolve())
+    except OSError:
+        return ""
+    return f"delete {path} (a damaged file in specrun's cache), or " if cached else ""
 
 
 def train_heads(

@@ -496,6 +496,29 @@ def test_heads_are_kept_only_where_a_file_of_heads_or_nothing_is(tmp_path):
     check_keep_path(tmp_path / "new.safetensors", "file")  # nothing there yet: fine
 
 
+def test_a_damaged_heads_file_in_specrun_s_cache_is_said_to_be_deleted(tmp_path, monkeypatch):
+    """Garbage where specrun's cache keeps a target's heads: heads train and --keep-learned refused
+    it, each fix naming a path option (--heads-out, --heads) the user had not given; none said to
+    delete the damaged copy. A file of the user's outside the cache is never offered for deletion."""
+    from specrun.errors import FileAccessError
+    from specrun.training.online import check_keep_path
+    from specrun.training.run import check_heads_file
+
+    monkeypatch.setenv("SPECRUN_CACHE", str(tmp_path / "cache"))
+    damaged = tmp_path / "cache" / "heads" / "demo-target" / "medusa.safetensors"
+    damaged.parent.mkdir(parents=True)
+    damaged.write_text("garbage")
+    for check in (check_heads_file, lambda path: check_keep_path(path, "file")):
+        with pytest.raises(FileAccessError) as refused:
+            check(damaged)
+        assert refused.value.fix.startswith(f"delete {damaged} (a damaged file in specrun's cache), or ")
+    mine = tmp_path / "mine.safetensors"
+    mine.write_text("garbage")
+    with pytest.raises(FileAccessError) as refused:
+        check_heads_file(mine)
+    assert "delete" not in refused.value.fix
+
+
 def test_a_run_with_nothing_to_learn_says_so_when_learning_was_asked_for():
     notes = []
     Learning(LearnSettings(), on_note=notes.append, explicit=False)(None, None)
