@@ -11,6 +11,7 @@ def main() -> None:
     The handler goes in before anything is imported: ``signal`` alone imports ``enum`` and
     ``functools``, ~3 ms of start-up in which Ctrl-C printed a traceback."""
     _signal.signal(_signal.SIGINT, exit_interrupted)
+    open_closed_streams()
     trace_native_crashes()
     from specrun.cli.app import main as run_app
 
@@ -20,6 +21,27 @@ def main() -> None:
         from specrun.backends.mlx_common import release_thread_streams
 
         release_thread_streams()
+
+
+def open_closed_streams() -> None:
+    """A standard stream the caller closed (``specrun generate ... >&-``) reads and writes
+    /dev/null, as with ``>/dev/null``: Python left sys.stdout None (every command's first print an
+    internal error), and the next file opened would take the free descriptor, so that what native
+    code prints went into it (a trace, a model being derived)."""
+    import sys
+
+    for fd, name, mode in ((0, "stdin", "r"), (1, "stdout", "w"), (2, "stderr", "w")):
+        try:
+            os.fstat(fd)
+            continue
+        except OSError:
+            pass
+        null = os.open(os.devnull, os.O_RDWR)
+        if null != fd:
+            os.dup2(null, fd)
+            os.close(null)
+        if getattr(sys, name) is None:
+            setattr(sys, name, open(fd, mode, encoding="utf-8", errors="backslashreplace", closefd=False))
 
 
 def trace_native_crashes() -> None:

@@ -71,3 +71,22 @@ def test_models_list_into_a_closed_pipe():
 def test_help_into_a_closed_pipe(command):
     """Typer prints help through a Rich console of its own, which exited 1 on a closed pipe."""
     assert_quiet(*run_with_closed_stdout(*command))
+
+
+@pytest.mark.parametrize("command", [["generate", "def f():", "-n", "4"], ["models", "list"]])
+def test_a_stdout_closed_from_the_start_reads_as_dev_null(model, command, tmp_path):
+    """`specrun generate ... >&-`: Python starts with sys.stdout None, and every command's first
+    print was an internal error; the free descriptor would also have gone to the next file opened
+    (a trace), taking what native code prints. Now the run goes as with >/dev/null, and the trace
+    holds only the trace."""
+    trace = tmp_path / "t.jsonl"
+    extra = ["-t", model, "--backend", "llama", "--trace", str(trace)] if command[0] == "generate" else []
+    process = subprocess.run(
+        [sys.executable, "-m", "specrun", *command, *extra], stdin=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=120, preexec_fn=lambda: os.close(1),
+    )
+    assert process.returncode == 0, process.stderr.decode()
+    assert b"error" not in process.stderr and b"Traceback" not in process.stderr, process.stderr.decode()
+    if extra:
+        lines = trace.read_text().splitlines()
+        assert lines and all(line.startswith("{") for line in lines)
