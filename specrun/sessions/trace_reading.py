@@ -90,6 +90,9 @@ def read_trace(path: Path) -> tuple[dict, list[RunTrace]]:
                                      f"({TRACE_VERSION})", "upgrade specrun")
                     header = record
                     continue
+                if "trace" in record:  # a second trace's first line: two traces joined (cat a b)
+                    raise refuse(f"line {number} begins another trace (two traces joined into one file)",
+                                 "read each trace on its own")
                 problem = record_problem(record)
                 if problem:
                     raise refuse(f"line {number}: {problem}, which no run writes")

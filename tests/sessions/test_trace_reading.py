@@ -317,3 +317,15 @@ def test_plain_passes_queued_ahead_are_told_as_waits_not_as_costs(tmp_path):
     write(path, [{"trace": "specrun", "version": 1}, *queued])
     _, runs = read_trace(path)
     assert any(line.startswith("  a plain step waited 2.0 ms for its pass") for line in explain(runs[0]))
+
+
+def test_two_traces_joined_into_one_file_are_refused_naming_the_line(tmp_path):
+    """`cat a.jsonl b.jsonl > two.jsonl` read as one trace: the second's run reported as a second
+    answer of the first, under the first's models and method."""
+    path = tmp_path / "two.jsonl"
+    where = {"prompt": 0, "line": "none", "repeat": 0}
+    write(path, [{"trace": "specrun", "version": 1, "methods": ["none"]}, step(1, "prefill", 0, 0, policy(True), **where),
+                 {"trace": "specrun", "version": 1, "methods": ["auto"]}, step(1, "prefill", 0, 0, policy(True), **where)])
+    with pytest.raises(FileAccessError) as refused:
+        read_trace(path)
+    assert "line 3 begins another trace" in refused.value.one_line() and "each trace on its own" in refused.value.fix
