@@ -156,8 +156,8 @@ def read_stdin_text() -> str:
     if len(data) > MAX_STDIN_BYTES:
         raise SpecrunError(f"stdin holds more than {MAX_STDIN_BYTES >> 20} MiB, more text than a model's context holds",
                            "pipe in a shorter prompt (head -c 1M FILE keeps its first megabyte)")
-    try:
-        return data.decode("utf-8")
+    try:  # a byte-order mark a Windows editor wrote is no part of the prompt (it changed the answer)
+        return data.decode("utf-8-sig")
     except UnicodeDecodeError as exc:
         raise SpecrunError(f"stdin is not UTF-8 text (byte 0x{data[exc.start]:02x} at offset {exc.start})",
                            NOT_UTF8_FIX) from None
@@ -290,7 +290,7 @@ def checked_grammar(grammar: Path | None, json_schema: Path | None):
     data = read_limited(Path(path), MAX_GRAMMAR_BYTES, f"{option} file", f"give {option} a text file",
                         error=UsageError)
     try:
-        text = data.decode("utf-8")
+        text = data.decode("utf-8-sig")  # a byte-order mark is no part of the grammar
     except UnicodeDecodeError as exc:
         raise UsageError(f"the {option} file {path} is not UTF-8 text (byte {exc.start})",
                          "save it as UTF-8") from None
@@ -320,7 +320,7 @@ def checked_tools(path: Path | None, choice: str):
         return (), ToolChoice()
     data = read_limited(Path(path), MAX_TOOLS_BYTES, "--tools file", "give --tools a JSON file", error=UsageError)
     try:
-        value = json.loads(data.decode("utf-8"))
+        value = json.loads(data.decode("utf-8-sig"))  # a byte-order mark, as bench --prompts takes it
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise UsageError(f"the --tools file {path} is not JSON: {json_problem(exc)}",
                          "give a JSON list of tool definitions") from None

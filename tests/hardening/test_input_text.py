@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -39,3 +40,15 @@ def test_utf8_stdin_still_works(llama_pair):
     result = run_specrun("generate", *llama_pair, input="Grüße aus Köln\n".encode())
     assert result.returncode == 0, result.stderr.decode()
     assert result.stdout.strip()
+
+
+@pytest.mark.parametrize("command", ["generate", "chat"])
+def test_a_byte_order_mark_before_piped_text_is_no_part_of_the_prompt(llama_pair, command):
+    """A BOM (a Windows editor's file piped in) was kept in the prompt: its tokens changed the answer."""
+    text = "Grüße aus Köln\n".encode()
+    plain = run_specrun(command, *llama_pair, "--method", "none", "--json", input=text)
+    marked = run_specrun(command, *llama_pair, "--method", "none", "--json", input=b"\xef\xbb\xbf" + text)
+    assert plain.returncode == marked.returncode == 0, marked.stderr.decode()
+    said = [(json.loads(line)["text"], json.loads(line)["stats"]["prompt_tokens"])
+            for result in (plain, marked) for line in result.stdout.splitlines()]
+    assert said[0] == said[1] and "\ufeff" not in said[1][0]
