@@ -391,4 +391,9 @@ def _parse_line(path: Path, number: int, line: str) -> BenchPrompt:
     question_id = record.get("question_id", number)
     if not isinstance(question_id, (str, int)) or isinstance(question_id, bool):
         raise bad("'question_id' must be a string or an integer")
+    for key, value in (("turns", turns[0]), ("category", category), ("question_id", str(question_id))):
+        try:  # JSON's \ud800 escapes half a surrogate pair alone: no model reads it, no report writes it
+            value.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise bad(f"'{key}' holds a lone surrogate (half of a UTF-16 pair) at character {exc.start}") from None
     return BenchPrompt(str(question_id), category.strip(), turns[0])

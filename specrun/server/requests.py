@@ -283,6 +283,11 @@ def _response_format(response_format) -> tuple[GrammarSpec | None, str]:
         if not isinstance(described, dict):
             raise RequestError('response_format.json_schema must be an object like {"name": ..., "schema": {...}}',
                                "response_format.json_schema", code="invalid_type")
+        for key, kind_of_value, wanted in (("name", str, "a string"), ("description", str, "a string"),
+                                           ("strict", bool, "true or false")):
+            if described.get(key) is not None and not isinstance(described[key], kind_of_value):
+                raise RequestError(f"response_format.json_schema.{key} must be {wanted}, got {_shown(described[key])}",
+                                   f"response_format.json_schema.{key}", code="invalid_type")
         schema = described.get("schema")
         if not isinstance(schema, dict):
             raise RequestError("response_format.json_schema.schema must be a JSON schema object",

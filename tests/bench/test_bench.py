@@ -87,6 +87,9 @@ def test_a_fifo_as_the_prompt_file_is_refused_without_waiting_for_a_writer(tmp_p
         ('{"turns": ["ok"], "question_id": ' + "9" * 5000 + "}\n", "a number in it has thousands of digits"),
         ("[" * 100_000 + "\n", "line 1: not valid JSON (it nests too deeply)"),
         (b'{"turns": ["caf\xe9"]}\n', "it is not UTF-8 text (byte 16 is 0xe9); save it as UTF-8"),  # Latin-1
+        # half a surrogate pair alone: an internal error at the first prompt, or after the run in --report
+        ('{"turns": ["\\ud800"]}\n', "line 1: 'turns' holds a lone surrogate"),
+        ('{"turns": ["ok"], "category": "a\\udfffb"}\n', "line 1: 'category' holds a lone surrogate"),
     ],
 )
 def test_bad_prompt_files_exit_1_with_one_line(tmp_path, content, message):

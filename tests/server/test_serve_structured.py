@@ -171,6 +171,16 @@ BAD = [
     (_chat(grammar="%llguidance {}\nstart: ANSWER"), "grammar", "invalid_value"),  # Lark naming no rule
     (_chat(json_schema=[1]), "json_schema", "invalid_type"),
     (_chat(grammar='root ::= "a"', response_format={"type": "json_object"}), "grammar", "invalid_value"),
+    # the schema's description: each was taken whatever its type (OpenAI refuses them)
+    (_chat(response_format={"type": "json_schema", "json_schema": {"name": 5, "schema": {"type": "object"}}}),
+     "response_format.json_schema.name", "invalid_type"),
+    (_chat(response_format={"type": "json_schema", "json_schema": {"name": "x", "strict": "yes",
+                                                                    "schema": {"type": "object"}}}),
+     "response_format.json_schema.strict", "invalid_type"),
+    # half a surrogate pair alone as a property name: the answer held invalid UTF-8
+    (_chat(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "object", "properties": {"\ud800": {"type": "string"}}}}}),
+     "response_format.json_schema.schema", "invalid_value"),
 ]
 
 
