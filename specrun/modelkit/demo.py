@@ -317,16 +317,34 @@ def _no_room(target: Path, exc: OSError) -> ModelFileError:
     """The one line for a derived model that cannot be written (a full disk, a read-only cache;
     outside the cache, `models convert --out`, a read-only or full folder of the user's)."""
     cache = cache_dir()
-    in_cache = target.resolve().is_relative_to(cache.resolve())
+    # (by name too: a broken link inside the cache resolves to somewhere outside it)
+    in_cache = target.resolve().is_relative_to(cache.resolve()) or target.absolute().is_relative_to(cache.absolute())
     where = cache if in_cache else target.parent
     elsewhere = "set SPECRUN_CACHE to a folder with room" if in_cache else "write it to another folder"
     short_write = exc.errno is None and re.fullmatch(r"\d+ requested and \d+ written", str(exc))  # NumPy's tofile
     if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG) or short_write:
         return ModelFileError(f"no room to write {target.name} in {where} ({exc.strerror or exc})",
                               f"free some disk space, or {elsewhere}")
+    blocker = _in_the_way(target.parent.absolute(), cache.absolute()) if in_cache and exc.errno in (errno.ENOTDIR, errno.EEXIST) else None
+    if blocker is not None:  # a file or a broken link where a folder of the cache goes: named, not the cache
+        return ModelFileError(f"cannot write {target.name}: {blocker} is in the way (a file or a broken link "
+                              "where specrun keeps a folder)", f"remove {blocker}")
     writable = "set SPECRUN_CACHE to one that is" if in_cache else "write it to another folder"
     return ModelFileError(f"cannot write {target.name} in {where}: {exc.strerror or exc}",
                           f"check that the folder is writable, or {writable}")
+
+
+def _in_the_way(folder: Path, cache: Path) -> Path | None:
+    """The first of ``folder`` and its parents inside ``cache`` (below it: never a path of the
+    user's) that is there but no folder (a file, a dangling link); None where none is."""
+    for path in [*reversed(folder.parents), folder]:
+        if not (path != cache and path.is_relative_to(cache)):
+            continue
+        if path.is_symlink() and not path.exists():
+            return path
+        if path.exists() and not path.is_dir():
+            return path
+    return None
 
 
 @contextlib.contextmanager

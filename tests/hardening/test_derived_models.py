@@ -187,6 +187,24 @@ def test_a_derived_file_with_no_room_is_one_line_and_leaves_nothing(tmp_path, mo
     assert list(target.parent.iterdir()) == []  # no scratch folder, no half-written file
 
 
+@pytest.mark.parametrize("blocker", ["file", "dangling link"])
+def test_a_file_where_the_cache_keeps_a_folder_is_named_as_in_the_way(tmp_path, monkeypatch, blocker):
+    """A file (or a broken link) where a folder of derived copies goes was told as "cannot write
+    ... in $SPECRUN_CACHE: Not a directory; check that the folder is writable" (or "File exists
+    ... write it to another folder"): the path in the way is named, and removing it is the fix."""
+    monkeypatch.setenv("SPECRUN_CACHE", str(tmp_path / "cache"))
+    in_the_way = tmp_path / "cache" / "derived"
+    in_the_way.parent.mkdir()
+    if blocker == "file":
+        in_the_way.write_text("")
+    else:
+        in_the_way.symlink_to(tmp_path / "gone")
+    with pytest.raises(demo.ModelFileError) as raised:
+        derive_once(in_the_way / "abc" / "model.gguf", lambda path: path.write_bytes(b"model"))
+    line = raised.value.one_line()
+    assert f"{in_the_way} is in the way" in line and line.endswith(f"remove {in_the_way}")
+
+
 def test_an_interrupt_just_after_the_scratch_folder_is_made_leaves_nothing(tmp_path, monkeypatch):
     """SIGTERM on a busy machine landed in mkdtemp's return, before the try that removes the folder (CI)."""
     made = Path.mkdir
