@@ -13,6 +13,7 @@ message in its own conversation); answers go to stdout, statistics to stderr.
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Annotated, Optional
@@ -222,7 +223,7 @@ def chat_command(
                         session.trace = tracing
                     session.engine.on_prefill = view.prefill
                     if messages is None:
-                        ChatRepl(session, params, view).run()
+                        ChatRepl(session, params, view, model=Path(target).name if os.sep in target else target).run()
                     else:
                         answer_each(session, messages, params, view, new_conversation_each=each_line)
             finally:  # the learners stop, and write the heads where asked, however the chat ended
@@ -350,8 +351,9 @@ def answer_each(session, messages: list[str], params, view: AnswerView, *, new_c
 class ChatRepl:
     """The interactive loop: read a message or a slash command, stream the answer, repeat."""
 
-    def __init__(self, session, params, view: AnswerView) -> None:
+    def __init__(self, session, params, view: AnswerView, model: str = "") -> None:
         self.session = session
+        self.model = model  # the target as the user named it (the banner's; the backend is said beside it)
         self.params = params
         self.view = view
         self.commands = {
@@ -389,7 +391,8 @@ class ChatRepl:
         draft = "" if session.method == "none" else f", draft_len {session.draft_len}"
         marking = f"; text the drafter got right is {DRAFTED_STYLE}" if self.view.show_accept else ""
         self.view.info(
-            f"specrun chat on {session.target.name}: method {session.method}{draft}{marking}. "
+            f"specrun chat with {self.model or 'the target'} on {session.target.name}: method {session.method}"
+            f"{draft}{marking}. "
             "/help lists commands; Ctrl-D exits."
         )
 
