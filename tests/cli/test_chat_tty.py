@@ -41,6 +41,7 @@ def spawn(model, tmp_path, *args: str):
     child = pexpect.spawn(str(SPECRUN), ["chat", "-t", path, "-d", path, *args], env=env, encoding="utf-8",
                           timeout=TIMEOUT, dimensions=(24, 200), preexec_fn=terminal_signals)
     child.expect_exact("Ctrl-D exits.")
+    child.banner = child.before
     child.expect_exact("> ")
     return child
 
@@ -76,6 +77,8 @@ def test_answers_stream_with_drafts_marked_and_every_command_works(tiny_llama, t
     # A fixed draft length (auto's cap): whether a chosen length pays is timing, and under a
     # busy suite the draft alone could choose to draft nothing.
     child = spawn(tiny_llama, tmp_path, "-n", "24", "-k", "4")
+    # the target as named (a path: its file's name), then the backend (it said "specrun chat on llama")
+    assert f"specrun chat with {tiny_llama.gguf_path.name} on llama: method auto" in plain(child.banner)
     shown, stats = ask(child, "hello there")
     assert stats.group(1, 2, 4) == ("24", "auto", "0")  # auto: the default method
     assert DRAFTED in shown and plain(shown).strip()
