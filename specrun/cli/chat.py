@@ -99,6 +99,7 @@ HELP = """\
 /help           this list
 /exit           leave (so do Ctrl-D and Ctrl-C at the prompt)
 A line ending in \\ continues on the next line; \"\"\" opens a block that ends at a line ending in \"\"\".
+Ctrl-C inside such a message drops it; Ctrl-D there drops it and leaves.
 Ctrl-C during an answer stops it; the answer and its question are dropped from the conversation.
 Start a message with // to send a line that begins with /."""
 
