@@ -13,6 +13,7 @@ import gguf
 import numpy as np
 
 from model_factory import VOCAB_SIZE, tiny_tokenizer_json
+from mtp_models import quantized_blocks
 from specrun.modelkit.config import ModelConfig
 from specrun.modelkit.gguf_io import add_tokenizer
 from specrun.modelkit.tokenizer import DEMO_CHAT_TEMPLATE, parse_tokenizer_json
@@ -117,9 +118,11 @@ def hybrid_weights(shape: HybridShape, seed: int = 0, mtp_layers: int = 0) -> di
     return weights
 
 
-def write_hybrid_gguf(path: Path, shape: HybridShape, weights: dict[str, np.ndarray], mtp_layers: int = 0) -> Path:
+def write_hybrid_gguf(path: Path, shape: HybridShape, weights: dict[str, np.ndarray], mtp_layers: int = 0,
+                      quantized: dict | None = None) -> Path:
     """The model as llama.cpp's ``qwen35`` GGUF (``qwen35moe`` with experts, ``qwen3next`` for
-    Qwen3-Next's); with ``mtp_layers`` its MTP block(s) too (the weights must hold them)."""
+    Qwen3-Next's); with ``mtp_layers`` its MTP block(s) too (the weights must hold them);
+    ``quantized``: GGML types by tensor name, as mtp_models.write_glm_gguf's."""
     assert shape.experts or not shape.next, "Qwen3-Next's layers are MoE layers"
     arch = shape.arch
     writer = gguf.GGUFWriter(path, arch)
@@ -160,6 +163,9 @@ def write_hybrid_gguf(path: Path, shape: HybridShape, weights: dict[str, np.ndar
     add_tokenizer(writer, ids, vocab, DEMO_CHAT_TEMPLATE, "gpt-2")
     for name, value in weights.items():
         if not mtp_layers and int(name.split(".")[1] if name.startswith("blk.") else 0) >= shape.layers:
+            continue
+        if name in (quantized or {}):
+            writer.add_tensor(name, quantized_blocks(value, quantized[name]), raw_dtype=quantized[name])
             continue
         plain = value.ndim == 1 or name.endswith("ssm_conv1d.weight")
         writer.add_tensor(name, value.astype(np.float32 if plain else np.float16))

@@ -264,6 +264,16 @@ def _tokenizer_config(shape, kv_heads: int) -> ModelConfig:
                        tie_embeddings=False)
 
 
+def quantized_blocks(value: np.ndarray, qtype) -> np.ndarray:
+    """``value`` as GGML blocks of ``qtype`` along each row (gguf-py's quantize); zero blocks for a
+    type gguf-py neither writes nor reads (Q8_1)."""
+    try:
+        return gguf.quants.quantize(value.astype(np.float32), qtype)
+    except NotImplementedError:
+        block, size = gguf.GGML_QUANT_SIZES[qtype]
+        return np.zeros((*value.shape[:-1], value.shape[-1] // block * size), np.uint8)
+
+
 def _finish_gguf(writer, shape, kv_heads: int, weights: dict[str, np.ndarray], mtp_layers: int,
                  all_float32: bool = False, quantized: dict | None = None) -> None:
     """The tiny tokenizer and ``weights`` (norms and biases float32, matrices float16 unless
@@ -275,13 +285,7 @@ def _finish_gguf(writer, shape, kv_heads: int, weights: dict[str, np.ndarray], m
         if name.startswith("blk.") and int(name.split(".")[1]) >= shape.trunk_layers + mtp_layers:
             continue
         if name in (quantized or {}):
-            qtype = quantized[name]
-            try:
-                data = gguf.quants.quantize(value.astype(np.float32), qtype)
-            except NotImplementedError:  # a type gguf-py neither writes nor reads (Q8_1): zero blocks
-                block, size = gguf.GGML_QUANT_SIZES[qtype]
-                data = np.zeros((*value.shape[:-1], value.shape[-1] // block * size), np.uint8)
-            writer.add_tensor(name, data, raw_dtype=qtype)
+            writer.add_tensor(name, quantized_blocks(value, quantized[name]), raw_dtype=quantized[name])
             continue
         plain = name.endswith("norm.weight") or name.endswith(".bias") or all_float32
         writer.add_tensor(name, value.astype(np.float32 if plain else np.float16))

@@ -148,6 +148,7 @@ def convert_gguf_to_mlx(source: Path, out: Path, *, mlx_dtype: str = "float16") 
         if hybrid:
             config_json = qwen35_config(fields, tensors, len(vocab.tokens))
             check_qwen35_shapes(config_json, shapes)  # before anything is written
+            _check_readable(infos)
         elif glm:
             config_json = glm_config(fields, tensors, len(vocab.tokens))
             check_glm_shapes(config_json, shapes)  # before anything is written

@@ -120,13 +120,13 @@ def _stored(folder: Path) -> dict:
     return {name: array for path in files if path.is_file() for name, array in mx.load(str(path)).items()}
 
 
-def _rewritten(tmp_path: Path, name: str, change) -> Path:
+def _rewritten(tmp_path: Path, name: str, change, **options) -> Path:
     from hybrid_models import HybridShape, hybrid_weights, write_hybrid_gguf
 
     shape = HybridShape()
     weights = hybrid_weights(shape, mtp_layers=1)
     change(weights)
-    return write_hybrid_gguf(tmp_path / name, shape, weights, mtp_layers=1)
+    return write_hybrid_gguf(tmp_path / name, shape, weights, mtp_layers=1, **options)
 
 
 def test_several_mtp_layers_convert_one_a_depth_under_the_first_one_s_fc(tmp_path):
@@ -160,18 +160,24 @@ def test_several_mtp_layers_convert_one_a_depth_under_the_first_one_s_fc(tmp_pat
 
 
 def test_a_hybrid_file_the_conversion_cannot_express_is_one_line_and_leaves_nothing(tmp_path):
+    import gguf
+
     missing = _rewritten(tmp_path, "missing.gguf", lambda weights: weights.pop("blk.1.ssm_out.weight"))
     own_head = _rewritten(tmp_path, "own-head.gguf", lambda weights: weights.update(
         {"blk.4.nextn.shared_head_head.weight": weights["output.weight"].copy()}))
+    # a type gguf-py cannot read (the GLM conversion refused it; this one had no check)
+    unread = _rewritten(tmp_path, "q8_1.gguf", lambda weights: None,
+                        quantized={"blk.1.ssm_out.weight": gguf.GGMLQuantizationType.Q8_1})
     for path, said in ((missing, "lacks the tensor blk.1.ssm_out.weight"),
-                       (own_head, "blk.4.nextn.shared_head_head.weight")):
+                       (own_head, "blk.4.nextn.shared_head_head.weight"),
+                       (unread, "the tensor blk.1.ssm_out.weight is of type Q8_1, which the conversion cannot read")):
         with pytest.raises(ModelFileError, match=said):
             convert_gguf_to_mlx(path, tmp_path / "direct")
         result = runner.invoke(app, ["models", "convert", str(path), "--to", "mlx"])
         assert result.exit_code == 1
         errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
         assert len(errors) == 1 and said in errors[0] and "Traceback" not in result.output
-    assert sorted(path.name for path in tmp_path.iterdir()) == ["missing.gguf", "own-head.gguf"]
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["missing.gguf", "own-head.gguf", "q8_1.gguf"]
 
 
 @pytest.mark.parametrize("tensor, said", [
