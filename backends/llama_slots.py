@@ -10,7 +10,10 @@ each sequence a stream): a batch mixing a 1-token plain step with a 5-token veri
 one graph, where streams split a batch into equal shares of consecutive sequences, a graph each.
 Measured on a server (bench-scale pair, Spec-Bench, session 58), streams ran plain batching
 0.91x at 2 slots and 0.65x at 4, speculation 0.93x and 0.83x: though one 2-sequence pass alone
-ran 6% faster on streams (52 against 56 ms; 68 against 70 at 4). With ``exact`` (F32
+ran 6% faster on streams (52 against 56 ms; 68 against 70 at 4). benchmarks/kv_streams.py shows
+both sides at 8 sequences of 512 tokens (session 83): a step of single tokens 0.83x on streams
+(each token reads its own sequence's cells, not all 4,096), but one 5-token pass beside seven
+single tokens 3.56x (a graph a share). With ``exact`` (F32
 cache, flash attention off: ``--exact``) each sequence gets a cache stream of its own instead, so
 a sequence's attention reads its cells at the positions they would hold alone and sums them in
 the same order: its logits are the ones it gets alone, bit for bit, whatever shares the batch

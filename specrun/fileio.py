@@ -55,6 +55,9 @@ def _take_lock(path: Path, wait: bool) -> int | None:
             holder = os.pread(handle, 32, 0).decode("ascii", "replace").strip() or "unknown"
             os.close(handle)
             raise _HeldBy(holder) from None
+        except OSError:  # a file system that locks nothing (ENOLCK): unlocked, as without flock
+            os.close(handle)
+            return None
         except BaseException:
             os.close(handle)
             raise

@@ -61,12 +61,14 @@ class PreTokenizer:
     add_bos_default: bool = False  # llama.cpp's add_bos when the file does not say
 
 
-def _split_then_bytes(pattern: str) -> dict:
-    """A regex split (matches kept as pieces, as llama.cpp does) followed by the byte mapping."""
+def _split_then_bytes(*patterns: str) -> dict:
+    """Regex splits (matches kept as pieces, as llama.cpp does; each regex splitting the pieces the
+    one before made, as llama.cpp applies several) followed by the byte mapping."""
     return {
         "type": "Sequence",
         "pretokenizers": [
-            {"type": "Split", "pattern": {"Regex": pattern}, "behavior": "Isolated", "invert": False},
+            *({"type": "Split", "pattern": {"Regex": pattern}, "behavior": "Isolated", "invert": False}
+              for pattern in patterns),
             {**GPT2_PRE_TOKENIZER, "use_regex": False},
         ],
     }
@@ -83,6 +85,13 @@ _LLAMA3_REGEX = _QWEN2_REGEX.replace(r"|\p{N}|", r"|\p{N}{1,3}|")
 _QWEN35_REGEX = (
     r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
     r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+# DeepSeek-V3's three, applied in turn: digits in threes, CJK runs, then a GPT-4-like split
+_DEEPSEEK3_REGEXES = (
+    r"\p{N}{1,3}",
+    r"[一-龥぀-ゟ゠-ヿ]+",
+    r"[!\"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+"
+    r"| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
 )
 _GPT2 = PreTokenizer(GPT2_PRE_TOKENIZER)
 _DIGITS_THEN_GPT2 = PreTokenizer(
@@ -101,6 +110,11 @@ PRE_TOKENIZERS = {
     "llama-bpe": _LLAMA3,
     "llama3": _LLAMA3,
     "llama-v3": _LLAMA3,
+    # GLM-4.5's and GLM-4.7-Flash's (llama.cpp's CHATGLM4: Llama 3's regex, merges kept, no BOS of
+    # its own: the chat template writes [gMASK]<sop>)
+    "glm4": PreTokenizer(_split_then_bytes(_LLAMA3_REGEX)),
+    "chatglm-bpe": PreTokenizer(_split_then_bytes(_LLAMA3_REGEX)),
+    "deepseek-v3": PreTokenizer(_split_then_bytes(*_DEEPSEEK3_REGEXES)),
 }
 
 

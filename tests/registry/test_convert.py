@@ -140,11 +140,30 @@ def test_q8_0_blocks_become_exact_8_bit_groups(tiny_qwen2: TinyModel, tmp_path):
         assert _dequantized(stored, hf_name, bits=8).tobytes() == expected.astype(np.float32).tobytes()
 
 
-@pytest.mark.parametrize("pre", ["smollm", "qwen2", "qwen35", "llama-bpe"])
+@pytest.mark.parametrize("pre", ["smollm", "qwen2", "qwen35", "llama-bpe", "glm4", "deepseek-v3"])
 def test_each_pre_tokenizer_splits_text_as_llama_cpp_does(pre, tiny_llama: TinyModel, tmp_path):
     """The tiny vocabulary under another pre-tokenizer: llama.cpp applies that regex, the
     converted tokenizer.json must split identically (gpt-2 is the tiny models' own)."""
     _check_tokenizes_as_llama_cpp(tiny_llama, pre, tmp_path)
+
+
+def test_deepseek_v3_s_three_regexes_split_in_turn():
+    """DeepSeek-V3's pre-tokenizer is three regexes applied in turn (llama.cpp's DEEPSEEK3_LLM; the
+    tiny vocabulary has no merge that tells it from Llama 3's): digits in threes, then CJK runs
+    apart from the space before them, then the rest."""
+    import json
+
+    from tokenizers import Tokenizer
+
+    from specrun.backends.mlx import byte_level_decoder
+
+    byte_of = byte_level_decoder()
+    spec = PRE_TOKENIZERS["deepseek-v3"].spec
+    tokenizer = Tokenizer.from_str(json.dumps({"version": "1.0", "model": {"type": "BPE", "vocab": {}, "merges": []},
+                                               "pre_tokenizer": spec}))
+    pieces = [bytes(byte_of[c] for c in piece).decode() for piece, _ in
+              tokenizer.pre_tokenizer.pre_tokenize_str("x.y 1234 東京の")]
+    assert pieces == ["x", ".y", " ", "123", "4", " ", "東京の"]  # Llama 3's: ... "4", " 東京の"
 
 
 def test_the_pre_tokenizer_table_names_llama_cpp_s_names():
