@@ -34,9 +34,10 @@ def _take_lock(path: Path, wait: bool) -> int | None:
     where no lock can be taken (a read-only folder, a system without flock): callers then go on
     unlocked. Without ``wait``, a lock another process holds raises _HeldBy with its PID.
 
-    The lock file goes when its holder lets go (``_let_go``: removed while still locked), so none
-    is left beside the user's files. A process that opened it before then and locks it after finds
-    its handle no longer the file at that name, and opens the one there now."""
+    A lock beside the user's files goes when its holder lets go (``_let_go``: removed while still
+    locked). A process that opened it before then and locks it after finds its handle no longer the
+    file at that name, and opens the one there now (a few times at most: a file system whose stat
+    never agrees with fstat goes on unlocked)."""
     try:
         import fcntl
 
@@ -44,7 +45,7 @@ def _take_lock(path: Path, wait: bool) -> int | None:
     except (ImportError, OSError):
         return None
     lock_path = _lock_path(path)
-    while True:
+    for _ in range(_LOCK_TRIES):
         try:
             handle = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o666)
         except OSError:
@@ -69,15 +70,22 @@ def _take_lock(path: Path, wait: bool) -> int | None:
         except OSError:
             pass  # removed by the holder before us as it let go
         os.close(handle)
+    return None
 
 
-def _let_go(path: Path, handle: int) -> None:
-    """Remove ``path``'s lock file while still holding it, then release it (see _take_lock)."""
+_LOCK_TRIES = 100
+
+
+def _let_go(path: Path, handle: int, remove: bool) -> None:
+    """Release the lock; with ``remove``, remove ``path``'s lock file first, while still holding it
+    (see _take_lock)."""
     try:
-        os.unlink(_lock_path(path))
+        if remove:
+            os.unlink(_lock_path(path))
     except OSError:
         pass  # a read-only folder's lock file stays: harmless
-    os.close(handle)
+    finally:
+        os.close(handle)
 
 
 class _HeldBy(Exception):
@@ -90,8 +98,8 @@ class _HeldBy(Exception):
 
 @contextmanager
 def updating(path: Path):
-    """Hold an exclusive lock on ``path`` (through ``.NAME.lock`` beside it while held) while the
-    caller reads it, changes it and writes it back: two processes saving a settings file at once
+    """Hold an exclusive lock on ``path`` (through ``.NAME.lock`` beside it) while the caller
+    reads it, changes it and writes it back: two processes saving a settings file at once
     (learned.json after two runs) each keep the other's entries, where both read the old file and
     the second rename dropped the first's (250 of 400 kept). Where no lock can be taken it goes on
     unlocked: the write reports its own failure."""
@@ -103,7 +111,9 @@ def updating(path: Path):
     try:
         yield
     finally:
-        _let_go(path, handle)
+        # kept: specrun's own settings and caches (another install's specrun sharing them, waiting
+        # on this file, would lock a removed one beside a newer specrun locking a new one)
+        _let_go(path, handle, remove=False)
 
 
 @contextmanager
@@ -128,7 +138,7 @@ def in_use(path: Path, what: str, fix: str):
         os.pwrite(handle, str(os.getpid()).encode(), 0)
         yield
     finally:
-        _let_go(path, handle)
+        _let_go(path, handle, remove=True)  # none left beside the user's files (--heads-out)
 
 
 def write_atomically(

@@ -553,18 +553,18 @@ def check_keep_path(path: Path, stored: str) -> None:
     """Fail before the run where the learned heads could not be written to ``path``."""
     from specrun.errors import FileAccessError
     from specrun.fileio import check_writable_folder
-    from specrun.training.run import _delete_if_cached, check_eagle3_folder, check_heads_file
+    from specrun.training.run import check_eagle3_folder, check_heads_file
 
+    instead = "pass --heads with specrun's own heads file (or none: the cache), or drop --keep-learned"
     try:
         if stored == "folder":
             check_eagle3_folder(path)
         else:
-            check_heads_file(path)
+            check_heads_file(path, instead)
             check_writable_folder(path, "heads file")
     except FileAccessError as error:  # heads train's fix names --heads-out, which these commands lack
-        raise FileAccessError(f"--keep-learned: {error.problem}",
-                              f"{_delete_if_cached(path)}pass --heads with specrun's own heads file (or none: the "
-                              "cache), or drop --keep-learned") from None
+        fix = error.fix if error.fix.endswith(instead) else instead
+        raise FileAccessError(f"--keep-learned: {error.problem}", fix) from None
 
 
 @contextmanager

@@ -225,7 +225,7 @@ def check_eagle3_folder(out: Path) -> None:
     """EAGLE-3 heads are a folder (heads.files.save_eagle3): fail now where ``out`` is a file,
     holds anything but earlier heads' two files (a model's own folder would lose its config.json),
     or cannot be written."""
-    fix = f"{_delete_if_cached(out)}name a new folder (or one that holds EAGLE-3 heads) for --heads-out"
+    fix = "name a new folder (or one that holds EAGLE-3 heads) for --heads-out"
     if out.exists() and not out.is_dir():
         raise FileAccessError(f"the heads folder {out} is a file", fix)
     others = sorted(path.name for path in out.iterdir() if path.name not in EAGLE3_FILES) if out.is_dir() else []
@@ -265,20 +265,21 @@ def check_checkpoint_folder(folder: Path, files: tuple[str, ...] = CHECKPOINT_FI
                                   f"({_first_of(others)})", fix)
 
 
-def check_heads_file(out: Path) -> None:
+def check_heads_file(out: Path, instead: str = "name a new file (or earlier heads) for --heads-out") -> None:
     """Fail where ``out`` or the .json beside it exists and is not specrun heads': a run would
-    write over another file (a model's weights, a project's package.json)."""
+    write over another file (a model's weights, a project's package.json). The fix ends in
+    ``instead``; where the file is in specrun's cache (a damaged copy of specrun's own, which no
+    message told how to get rid of) it says to delete that file first."""
     from specrun.heads.files import is_specrun_heads_file
 
     for path in (out, out.with_suffix(".json")):
         if path.exists() and not is_specrun_heads_file(path):
             raise FileAccessError(f"{path} exists and is not specrun heads: training would write over it",
-                                  f"{_delete_if_cached(path)}name a new file (or earlier heads) for --heads-out")
+                                  f"{_delete_if_cached(path)}{instead}")
 
 
 def _delete_if_cached(path: Path) -> str:
-    """"delete PATH ..., or " where ``path`` is in specrun's cache (a damaged copy of specrun's own,
-    which no message told how to get rid of), else ""."""
+    """"delete PATH ..., or " where the file ``path`` is in specrun's cache, else ""."""
     from specrun.modelkit.demo import cache_dir
 
     try:

@@ -63,7 +63,8 @@ def test_tune_on_a_full_disk_leaves_no_temporary_file(tmp_path, monkeypatch, sav
     assert str(path) in caught.value.one_line() and "No space left" in caught.value.one_line()
     assert "free some disk space" in caught.value.fix
     assert path.read_bytes() == before
-    assert sorted(os.listdir(tmp_path)) == [saved]  # no temporary file, and the lock file went with the lock
+    assert sorted(os.listdir(tmp_path)) == [f".{saved}.lock", saved]  # no temporary file (the lock's stays: empty)
+    assert (tmp_path / f".{saved}.lock").stat().st_size == 0
 
 
 def test_a_symlinked_ngram_cache_is_written_through_and_keeps_its_mode(tmp_path):
@@ -197,33 +198,47 @@ def test_a_full_device_is_one_line_and_stays_a_device(tmp_path):
     assert stat.S_ISCHR(os.stat(device).st_mode) and sorted(p.name for p in tmp_path.iterdir()) == ["full"]
 
 
-def test_a_lock_leaves_no_file_beside_the_one_it_guards_and_still_excludes(tmp_path):
-    """`heads train` left `.NAME.lock` beside --heads-out for good (and every settings file its
-    own). The lock file now goes as the lock is let go, removed while still held: a process that
-    opened it before and locks it after opens the file there now, so two never hold it at once
-    (without that check, read-change-write rounds from threads lost updates)."""
+def test_a_run_s_lock_leaves_no_file_beside_the_one_it_guards_and_still_excludes(tmp_path):
+    """`heads train` left `.NAME.lock` beside --heads-out for good. The lock file now goes as the
+    lock is let go, removed while still held: a process that opened it before and locks it after
+    opens the file there now, so two never hold it at once (without that check, threads taking it
+    in turn found two holders). Settings files' locks (``updating``) stay, as another install's
+    specrun sharing them may wait on one."""
     import threading
     import time
 
-    guarded = tmp_path / "count.txt"
-    guarded.write_text("0")
+    from specrun.errors import UsageError
 
-    def add_ones(rounds: int) -> None:
+    out = tmp_path / "heads.safetensors"
+    holding, most, taken = [0], [0], [0]
+    count = threading.Lock()
+
+    def take_turns(rounds: int) -> None:
         for _ in range(rounds):
-            with updating(guarded):
-                value = int(guarded.read_text())
-                time.sleep(0.001)  # another thread, locked out, is waiting now
-                guarded.write_text(str(value + 1))
+            try:
+                with in_use(out, "--heads-out", "wait"):
+                    with count:
+                        holding[0] += 1
+                        most[0] = max(most[0], holding[0])
+                        taken[0] += 1
+                    time.sleep(0.0005)
+                    with count:
+                        holding[0] -= 1
+            except UsageError:
+                time.sleep(0.0001)
 
-    threads = [threading.Thread(target=add_ones, args=(25,)) for _ in range(4)]
+    threads = [threading.Thread(target=take_turns, args=(300,)) for _ in range(4)]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join()
-    assert guarded.read_text() == "100"
-    assert sorted(os.listdir(tmp_path)) == ["count.txt"]
+    assert most[0] == 1 and taken[0] > 50
+    assert os.listdir(tmp_path) == []
 
-    out = tmp_path / "heads.safetensors"
     with in_use(out, "--heads-out", "wait"):
         assert (tmp_path / ".heads.safetensors.lock").read_text() == str(os.getpid())
-    assert sorted(os.listdir(tmp_path)) == ["count.txt"]
+    assert os.listdir(tmp_path) == []
+    settings = tmp_path / "learned.json"
+    with updating(settings):
+        pass
+    assert os.listdir(tmp_path) == [".learned.json.lock"]

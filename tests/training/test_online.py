@@ -512,6 +512,11 @@ def test_a_damaged_heads_file_in_specrun_s_cache_is_said_to_be_deleted(tmp_path,
         with pytest.raises(FileAccessError) as refused:
             check(damaged)
         assert refused.value.fix.startswith(f"delete {damaged} (a damaged file in specrun's cache), or ")
+    damaged.unlink()  # the .json beside intact heads damaged: that file is named, not the heads (review)
+    damaged.with_suffix(".json").write_text("garbage")
+    with pytest.raises(FileAccessError) as refused:
+        check_keep_path(damaged, "file")
+    assert refused.value.fix.startswith(f"delete {damaged.with_suffix('.json')} (a damaged file")
     mine = tmp_path / "mine.safetensors"
     mine.write_text("garbage")
     with pytest.raises(FileAccessError) as refused:
