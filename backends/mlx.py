@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import io
 import json
+import math
 import os
 import re
 import shutil
@@ -44,6 +45,7 @@ import numpy as np
 from specrun.backends.base import HeldTree, HiddenSupport, HiddenTracking, TreeSupport, VocabInfo, held_tree_for
 from specrun.errors import BackendUnavailableError, ContextFullError, ModelFileError
 from specrun.fileio import json_problem
+from specrun.modelkit.mtp import text_config_of
 from specrun.tree import TokenTree
 from specrun.backends.mlx_common import MODEL_CALLS, PREFILL_CHUNK, packed_pass, packed_problem, recording_body
 from specrun.backends.mlx_snapshots import SNAPSHOT_TOKENS, PassStates, Snapshotter
@@ -150,7 +152,8 @@ def _load(folder: Path, lazy: bool = False):
         return lm_utils.load(str(folder), return_config=True, lazy=lazy)
     except (TypeError, AttributeError, ZeroDivisionError) as exc:  # a setting of a shape no check above knows
         raise ModelFileError(f"mlx-lm could not load {folder}: a setting it read is not what it expects "
-                             f"({type(exc).__name__}: {exc})", "download the model again") from exc
+                             f"({type(exc).__name__}: {exc})",
+                             "check that this mlx-lm version supports the model, or download it again") from exc
     except (json.JSONDecodeError, RecursionError) as exc:  # a RuntimeError too: first
         raise ModelFileError(f"{folder} has an unreadable JSON file: {json_problem(exc)}",
                              "download the model again") from exc
@@ -169,8 +172,7 @@ def _load(folder: Path, lazy: bool = False):
 # A model's sizes in config.json (its text model's, where it has one): whole numbers above 0. A
 # layer count of a million built a million layers before any weight was read (a hang); a head
 # count of 0 divided by it; "2" for 2 failed deep inside mlx-lm.
-_COUNTS = ("num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads", "vocab_size", "head_dim",
-           "max_position_embeddings")
+_COUNTS = ("num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads", "vocab_size", "head_dim")
 _REALS = ("rope_theta", "rms_norm_eps", "layer_norm_eps", "partial_rotary_factor")  # finite (NaN decoded to nothing)
 _LAYER_NAME = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 _SETTINGS_BYTES = 16 << 20
@@ -188,16 +190,15 @@ def _check_settings(folder: Path) -> None:
     if config is not None and not isinstance(config, dict):
         raise bad("config.json", "is not a JSON object")
     if isinstance(config, dict):
-        text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+        text = text_config_of(config)
         for key in _COUNTS:
             value = text.get(key)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise bad("config.json", f"gives {key} as {json.dumps(value)[:40]}, not a whole number above 0")
         for key in _REALS:
             value = text.get(key)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
-                                      or not np.isfinite(value) or value < 0):
-                raise bad("config.json", f"gives {key} as {json.dumps(value)[:40]}, not a finite number")
+            if value is not None and not _finite_at_least_0(value):
+                raise bad("config.json", f"gives {key} as {json.dumps(value)[:40]}, not a finite number of 0 or more")
         layers, held = text.get("num_hidden_layers"), _weight_layers(folder)
         if isinstance(layers, int) and held and layers > held:
             raise bad("config.json", f"says the model has {layers} layers, and its weights hold {held}")
@@ -220,6 +221,15 @@ def _check_settings(folder: Path) -> None:
                 raise bad("tokenizer_config.json", f"gives {key} as {json.dumps(value)[:40]}, not a token's text")
 
 
+def _finite_at_least_0(value) -> bool:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    try:
+        return math.isfinite(float(value)) and value >= 0
+    except OverflowError:  # an integer of hundreds of digits
+        return False
+
+
 def _json_file(path: Path):
     """The JSON in ``path``; None where there is no such file or it does not parse (or is too large
     for a settings file): mlx-lm's load says what is wrong with it then."""
@@ -233,7 +243,12 @@ def _json_file(path: Path):
 
 def _weight_layers(folder: Path) -> int:
     """How many decoder layers the folder's weights hold (the highest ``layers.N.`` plus one), read
-    from the safetensors headers alone; 0 where none can be read."""
+    from the weights' index where there is one, else the safetensors headers; 0 where none can be
+    read."""
+    index = _json_file(folder / "model.safetensors.index.json")
+    if isinstance(index, dict) and isinstance(index.get("weight_map"), dict):
+        found = [int(match.group(1)) for name in index["weight_map"] if (match := _LAYER_NAME.search(name))]
+        return max(found, default=-1) + 1
     highest = -1
     for path in folder.glob("model*.safetensors"):
         try:
@@ -558,7 +573,7 @@ class MlxBackend(HiddenTracking):
         self.model = model
         self.tokenizer = tokenizer
         self._hf = getattr(tokenizer, "_tokenizer", tokenizer)  # the Hugging Face tokenizer inside the wrapper
-        text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}  # qwen3_5's
+        text = text_config_of(config)  # qwen3_5's
         trained = self.n_ctx_train = int(config.get("max_position_embeddings") or text.get("max_position_embeddings")
                                          or 0)  # 0: not said
         self.n_ctx = n_ctx or (min(DEFAULT_CTX, trained) if trained > 0 else DEFAULT_CTX)

@@ -126,5 +126,3 @@ def same_output_label(figures: Figures, outputs_compared: bool, baseline: bool) 
         label = f"NO: {count_of(figures.mismatches, 'prompt')}"
         return f"{label} (+{near_ties})" if figures.near_ties else label
     return f"yes* ({near_ties})" if figures.near_ties else "yes"
-
-

@@ -361,10 +361,10 @@ def _glm_weights(tensors: dict, config_json: dict, mlx_dtype: str) -> tuple[dict
         groups = None
         if mlx_dtype == "q4" and len(tensor.shape) in (2, 3) and name.endswith(".weight") and not name.endswith(
                 ("norm.weight", "mlp.gate.weight")):
-            groups = _stacked_exact_groups(data, tensor.tensor_type) or _quantize_groups(_dequantize(tensor), bits=4)
+            groups = _stacked_exact_groups(data, tensor.tensor_type) or _each_expert_quantized(tensor)
         if groups is None:
-            array = _dequantize(tensor)
-            weights[name] = array if name.endswith(SELECTION_BIAS) else array.astype(np.float16)
+            weights[name] = (_dequantize(tensor) if name.endswith(SELECTION_BIAS)
+                             else _each_expert_dequantized(tensor, np.float16))
             continue
         weights.update(_packed(name, groups))
         if groups[3] != 4:
@@ -404,7 +404,31 @@ def _packed(name: str, groups: Groups) -> dict[str, np.ndarray]:
 
 
 def _dequantize(tensor: gguf.ReaderTensor) -> np.ndarray:
-    return gguf.quants.dequantize(np.asarray(tensor.data), tensor.tensor_type).astype(np.float32)
+    return gguf.quants.dequantize(np.asarray(tensor.data), tensor.tensor_type).astype(np.float32, copy=False)
+
+
+# A stacked tensor (routed experts: GLM-4.5-Air's hold ~0.5 GB each as Q4_K) is dequantized one
+# expert at a time: the whole stack in float32 at once, and its temporaries, was several times
+# the file's size in memory.
+def _each_expert_dequantized(tensor: gguf.ReaderTensor, dtype) -> np.ndarray:
+    data = np.asarray(tensor.data)
+    if data.ndim < 3:
+        return _dequantize(tensor).astype(dtype, copy=False)
+    return np.stack([gguf.quants.dequantize(data[expert], tensor.tensor_type).astype(dtype, copy=False)
+                     for expert in range(data.shape[0])])
+
+
+def _each_expert_quantized(tensor: gguf.ReaderTensor) -> Groups | None:
+    """``_quantize_groups`` of the tensor in 4 bits, a stacked one expert at a time."""
+    data = np.asarray(tensor.data)
+    if data.ndim < 3:
+        return _quantize_groups(_dequantize(tensor), bits=4)
+    each = [_quantize_groups(gguf.quants.dequantize(data[expert], tensor.tensor_type).astype(np.float32, copy=False),
+                             bits=4) for expert in range(data.shape[0])]
+    if any(groups is None for groups in each):
+        return None
+    return (np.stack([groups[0] for groups in each]), np.stack([groups[1] for groups in each]),
+            np.stack([groups[2] for groups in each]), 4)
 
 
 Groups = tuple[np.ndarray, np.ndarray, np.ndarray, int]

@@ -112,8 +112,9 @@ class LazyGgufTensors(Mapping):
 
 
 def expert_gating(arch: str, fields: dict, trunk_layers: int, vocab: int) -> str:
-    """How the MTP block's experts are scored: as the file says, else as llama.cpp defaults
-    (sigmoid; deepseek2's softmax, but for GLM-4.7-Flash's 47 layers over 154,880 tokens)."""
+    """How a block's experts are scored (the MTP block's, and a converted trunk's): as the file
+    says, else as llama.cpp defaults (sigmoid; deepseek2's softmax, but for GLM-4.7-Flash's 47
+    layers over 154,880 tokens)."""
     func = int(fields.get(f"{arch}.expert_gating_func", 0) or 0)
     if not func:
         func = 1 if arch == "deepseek2" and not (trunk_layers in (47, 48) and vocab == 154880) else 2
@@ -523,7 +524,7 @@ _QWEN_MTP_LAYER = re.compile(r"^(?:model\.|language_model\.)?mtp\.layers\.(\d+)\
 MAX_FOLDER_CONFIG_BYTES = 16 * MiB
 
 
-def _text_config(config: dict) -> dict:
+def text_config_of(config: dict) -> dict:
     """A multimodal config's text model's settings (Qwen3.5's ``text_config``), else the config."""
     text = config.get("text_config")
     return text if isinstance(text, dict) else config
@@ -545,7 +546,7 @@ def folder_mtp_layers(folder: str | Path) -> int:
         return 0
     if not isinstance(config, dict):
         return 0
-    text = _text_config(config)
+    text = text_config_of(config)
     count = text.get("num_nextn_predict_layers") or text.get("mtp_num_hidden_layers") or 0
     if not count and config.get("model_type") == "qwen3_next":
         count = _counted_mtp_layers(Path(folder))
@@ -592,7 +593,7 @@ def read_mtp_folder(folder: str | Path, depth: int = DEFAULT_DEPTH) -> MtpHeads:
         raise _dropped(folder, f"its config says it carries {count}")
     reads: dict = {}  # the tables read, by tensor: the layers share the target's
     if qwen:
-        return chain_layers([_qwen_folder(folder, _text_config(config), FOLDER_TYPES[model_type], reader, count, depth,
+        return chain_layers([_qwen_folder(folder, text_config_of(config), FOLDER_TYPES[model_type], reader, count, depth,
                                           index, reads) for index in range(count)], depth)
     return chain_layers([_folder_layer(folder, config, reader, count, depth, block + index, reads)
                          for index in range(count)], depth)

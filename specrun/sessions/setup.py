@@ -11,6 +11,7 @@ from specrun.drafters.lookahead import LADDER, LookaheadSizes
 from specrun.drafters.methods import DrafterOptions, is_adaptive, uses_lookahead
 from specrun.engine.loop import DEFAULT_TREE_NODES, TIE_MARGIN, GenerationParams
 from specrun.errors import ContextFullError, ModelFileError, SpecrunError, UsageError
+from specrun.wording import count_of
 
 
 # Token trees, once asked for (--tree-nodes or --branches): the second guesses a drafter may add.
@@ -325,7 +326,7 @@ def near_tie_note(stats) -> str:
     verify passes of several tokens round differently from one-token decoding, so plain decoding
     may choose otherwise there."""
     n = stats.near_ties
-    return (f"{n} {'token' if n == 1 else 'tokens'} chosen at near-ties (top two logits within {TIE_MARGIN:g}) "
+    return (f"{count_of(n, 'token')} chosen at near-ties (top two logits within {TIE_MARGIN:g}) "
             "may differ from plain decoding's; --exact makes the output bit-identical on F16 and F32 targets "
             "where the CPU's kernels allow (README)")
 

@@ -103,6 +103,7 @@ DAMAGED_SETTINGS = [
     ("config.json", {"num_hidden_layers": "2"}, 'gives num_hidden_layers as "2", not a whole number above 0'),
     ("config.json", {"num_attention_heads": 0}, "gives num_attention_heads as 0, not a whole number above 0"),
     ("config.json", {"rope_theta": float("nan")}, "gives rope_theta as NaN, not a finite number"),
+    ("config.json", {"rope_theta": 10**400}, "gives rope_theta as 1000000000"),  # the check's own TypeError (review)
     ("config.json", [], "is not a JSON object"),
     ("generation_config.json", [], "is not a JSON object"),
     ("generation_config.json", {"eos_token_id": "x"}, 'gives eos_token_id as "x", not token ids'),
