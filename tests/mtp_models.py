@@ -493,3 +493,46 @@ def write_glm_hf_folder(folder: Path, shape: GlmShape, weights: dict[str, np.nda
     return write_model_files(folder, tensors, config, tokenizer_json,
                              tokenizer_config_dict(_tokenizer_config(shape, shape.kv_heads), tokenizer_json,
                                                    DEMO_CHAT_TEMPLATE))
+
+
+# ---- what the conversion tests compare -------------------------------------------------------
+def llama_logits(path: Path, tokens: list[int]) -> np.ndarray:
+    """llama.cpp's logits at every position of ``tokens`` on the GGUF ``path``."""
+    from specrun.backends.llama import LlamaCppBackend
+
+    backend = LlamaCppBackend(path, n_ctx=256, n_threads=1)
+    try:
+        return backend.forward(tokens, list(range(len(tokens))))
+    finally:
+        backend.close()
+
+
+def mlx_logits(folder: Path, tokens: list[int]) -> np.ndarray:
+    """mlx-lm's own model over the folder, in float32 (MLX's CPU gathers experts in float32 only)."""
+    import mlx.core as mx
+    from mlx_lm.utils import load_model
+
+    model, _ = load_model(folder)
+    model.set_dtype(mx.float32)
+    return np.array(model(mx.array([tokens]))[0].astype(mx.float32))
+
+
+def greedy_chains(target, heads, prompts) -> list[list[int]]:
+    """The MTP drafter's greedy 5-token chain with ``heads`` on ``target`` after each of ``prompts``."""
+    from time import perf_counter
+
+    from specrun.backends.kv import KVSequence
+    from specrun.drafters.heads.mtp import MtpDrafter
+    from specrun.sampling import SamplingSettings
+
+    found = []
+    for prompt in prompts:
+        context = target.tokenize(prompt)
+        sequence = KVSequence(target)
+        sequence.reset()
+        drafter = MtpDrafter(heads)
+        drafter.bind(sequence, perf_counter)
+        sequence.feed(context[:-1])
+        found.append(list(drafter.propose(context, 5, SamplingSettings(), np.random.default_rng(0)).tokens))
+        drafter.close()
+    return found

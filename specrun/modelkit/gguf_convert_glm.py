@@ -31,7 +31,7 @@ import gguf
 
 from specrun.errors import ModelFileError
 
-from .gguf_convert_qwen35 import shortest_decimal
+from .gguf_convert_qwen35 import arch_readers, shortest_decimal
 from .mtp import expert_gating
 
 ARCHS = ("glm4moe", "deepseek2")
@@ -76,23 +76,7 @@ SELECTION_BIAS = "e_score_correction_bias"
 def glm_config(fields: dict, tensors: Collection[str], vocab_size: int) -> dict:
     """mlx-lm's config.json for the GGUF's ``fields``; ValueError naming a key it lacks or holds
     out of range, or what mlx-lm's glm4_moe or glm4_moe_lite cannot express."""
-    arch = fields[gguf.Keys.General.ARCHITECTURE]
-
-    def key(name: str, default=None):
-        value = fields.get(f"{arch}.{name}", default)
-        if value is None:
-            raise ValueError(f"the GGUF file lacks the key {arch}.{name}")
-        return value
-
-    def count(name: str, default=None, least: int = 1) -> int:
-        value = key(name, default)
-        if isinstance(value, bool) or not isinstance(value, int) or value < least:
-            raise ValueError(f"{arch}.{name} is {value!r}, not a count of at least {least}")
-        return value
-
-    scaling = fields.get(f"{arch}.rope.scaling.type", "none") or "none"
-    if scaling != "none" or "rope_freqs.weight" in tensors:
-        raise ValueError(f"it uses RoPE scaling ({scaling}), which the MLX conversion does not handle")
+    arch, key, count = arch_readers(fields, tensors)
     mtp_layers = count("nextn_predict_layers", 0, least=0)
     layers = count("block_count") - mtp_layers
     if layers < 1:

@@ -57,10 +57,11 @@ def is_next(config: dict) -> bool:
     return config.get("model_type") == "qwen3_next"
 
 
-def qwen35_config(fields: dict, tensors: Collection[str], vocab_size: int) -> dict:
-    """mlx-lm's config.json for the GGUF's ``fields``; ValueError naming a key it lacks or a layout
-    mlx-lm's qwen3_5 cannot express (a layer pattern other than every interval-th layer full
-    attention)."""
+def arch_readers(fields: dict, tensors: Collection[str]) -> tuple[str, Callable, Callable]:
+    """The GGUF's architecture and its readers of the architecture's keys: ``key(name, default)``
+    and ``count(name, default, least=1)``, each a ValueError naming a key the file lacks or holds
+    out of range. A ValueError first where the file uses RoPE scaling, which no MLX conversion of
+    specrun's handles."""
     arch = fields[gguf.Keys.General.ARCHITECTURE]
 
     def key(name: str, default=None):
@@ -69,15 +70,23 @@ def qwen35_config(fields: dict, tensors: Collection[str], vocab_size: int) -> di
             raise ValueError(f"the GGUF file lacks the key {arch}.{name}")
         return value
 
-    def count(name: str, default=None) -> int:
+    def count(name: str, default=None, least: int = 1) -> int:
         value = key(name, default)
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{arch}.{name} is {value!r}, not a count of at least 1")
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            raise ValueError(f"{arch}.{name} is {value!r}, not a count of at least {least}")
         return value
 
     scaling = fields.get(f"{arch}.rope.scaling.type", "none") or "none"
     if scaling != "none" or "rope_freqs.weight" in tensors:
         raise ValueError(f"it uses RoPE scaling ({scaling}), which the MLX conversion does not handle")
+    return arch, key, count
+
+
+def qwen35_config(fields: dict, tensors: Collection[str], vocab_size: int) -> dict:
+    """mlx-lm's config.json for the GGUF's ``fields``; ValueError naming a key it lacks or a layout
+    mlx-lm's qwen3_5 cannot express (a layer pattern other than every interval-th layer full
+    attention)."""
+    arch, key, count = arch_readers(fields, tensors)
     mtp_layers = int(key("nextn_predict_layers", 0) or 0)
     layers = count("block_count") - mtp_layers
     interval = count("full_attention_interval", 4)

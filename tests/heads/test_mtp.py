@@ -908,17 +908,9 @@ def test_on_mlx_the_drafter_s_chains_are_llama_cpp_s_draft_mtp_chains(glm_mtp, n
 
 def _greedy_chains(target, heads) -> list[list[int]]:
     """The drafter's greedy 5-token chain with ``heads`` on ``target`` after each of PROMPTS."""
-    found = []
-    for prompt in PROMPTS:
-        context = target.tokenize(prompt)
-        sequence = KVSequence(target)
-        sequence.reset()
-        drafter = MtpDrafter(heads)
-        drafter.bind(sequence, perf_counter)
-        sequence.feed(context[:-1])
-        found.append(list(drafter.propose(context, 5, SamplingSettings(), np.random.default_rng(0)).tokens))
-        drafter.close()
-    return found
+    from mtp_models import greedy_chains
+
+    return greedy_chains(target, heads, PROMPTS)
 
 
 def _chains_equal_native(target, heads, native, first: bool = False) -> int:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from time import perf_counter
 
 import gguf
 import numpy as np
@@ -63,23 +62,15 @@ def _write(model: dict, path: Path, weights: dict, **options) -> Path:
 
 
 def _llama_logits(path: Path) -> np.ndarray:
-    from specrun.backends.llama import LlamaCppBackend
+    from mtp_models import llama_logits
 
-    backend = LlamaCppBackend(path, n_ctx=256, n_threads=1)
-    try:
-        return backend.forward(TOKENS, list(range(len(TOKENS))))
-    finally:
-        backend.close()
+    return llama_logits(path, TOKENS)
 
 
 def _mlx_logits(folder: Path) -> np.ndarray:
-    """mlx-lm's own model over the folder, in float32 (MLX's CPU gathers experts in float32 only)."""
-    import mlx.core as mx
-    from mlx_lm.utils import load_model
+    from mtp_models import mlx_logits
 
-    model, _ = load_model(folder)
-    model.set_dtype(mx.float32)
-    return np.array(model(mx.array([TOKENS]))[0].astype(mx.float32))
+    return mlx_logits(folder, TOKENS)
 
 
 def test_the_converted_folder_computes_what_llama_cpp_and_the_hand_written_folder_compute(model, tmp_path):
@@ -107,28 +98,15 @@ def test_the_converted_folder_computes_what_llama_cpp_and_the_hand_written_folde
 def _greedy_chains(folder: Path) -> list[list[int]]:
     """The MTP drafter's greedy 5-token chain on the MLX target ``folder``, with the MTP layer read
     from it, after each of PROMPTS."""
-    from specrun.backends.kv import KVSequence
-    from specrun.drafters.heads.mtp import MtpDrafter
+    from mtp_models import greedy_chains
     from specrun.modelkit.mtp import read_mtp_folder
     from specrun.registry.loading import LoadOptions, open_backend
-    from specrun.sampling import SamplingSettings
 
     target = open_backend(str(folder), LoadOptions(backend="mlx", n_ctx=512, threads=1), entries={})
-    heads = read_mtp_folder(folder)
-    chains = []
     try:
-        for prompt in PROMPTS:
-            context = target.tokenize(prompt)
-            sequence = KVSequence(target)
-            sequence.reset()
-            drafter = MtpDrafter(heads)
-            drafter.bind(sequence, perf_counter)
-            sequence.feed(context[:-1])
-            chains.append(list(drafter.propose(context, 5, SamplingSettings(), np.random.default_rng(0)).tokens))
-            drafter.close()
+        return greedy_chains(target, read_mtp_folder(folder), PROMPTS)
     finally:
         target.close()
-    return chains
 
 
 def _widened(folder: Path) -> Path:

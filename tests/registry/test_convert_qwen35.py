@@ -39,23 +39,15 @@ def hybrid_gguf(request, tmp_path_factory) -> Path:
 
 
 def _llama_logits(path: Path) -> np.ndarray:
-    from specrun.backends.llama import LlamaCppBackend
+    from mtp_models import llama_logits
 
-    backend = LlamaCppBackend(path, n_ctx=256, n_threads=1)
-    try:
-        return backend.forward(TOKENS, list(range(len(TOKENS))))
-    finally:
-        backend.close()
+    return llama_logits(path, TOKENS)
 
 
 def _mlx_logits(folder: Path) -> np.ndarray:
-    """mlx-lm's own model over the folder, in float32 (MLX's CPU gathers experts in float32 only)."""
-    import mlx.core as mx
-    from mlx_lm.utils import load_model
+    from mtp_models import mlx_logits
 
-    model, _ = load_model(folder)
-    model.set_dtype(mx.float32)
-    return np.array(model(mx.array([TOKENS]))[0].astype(mx.float32))
+    return mlx_logits(folder, TOKENS)
 
 
 def test_the_converted_folder_computes_what_llama_cpp_computes_and_holds_the_mtp_layer(hybrid_gguf, tmp_path):
