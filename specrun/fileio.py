@@ -25,6 +25,11 @@ MiB = 1 << 20
 _READ_CHUNK = MiB
 
 
+def config_dir() -> Path:
+    """Where specrun keeps its settings (tuned.json, learned.json, models.toml): XDG's config home."""
+    return Path(os.environ.get("XDG_CONFIG_HOME") or str(Path.home() / ".config")) / "specrun"
+
+
 def _lock_path(path: Path) -> Path:
     return path.with_name(f".{path.name}.lock")
 

@@ -17,7 +17,7 @@ from rich.console import Console
 
 from specrun.cli.interrupts import INTERRUPTED_EXIT, say_interrupted
 from specrun.errors import SpecrunError, UsageError
-from specrun.fileio import same_file
+from specrun.fileio import config_dir, same_file
 
 MAX_NEW_TOKENS = 1_000_000
 MAX_DRAFT_LEN = 64
@@ -100,8 +100,9 @@ def check_outputs_apart(context: typer.Context, *outputs: str) -> None:
     """Before anything runs: no file an option of this command writes (``outputs``, its
     parameters' names) is one another of its options names, read or written. A --trace on the
     model or the tools file, --json on the --prompts file, --json and --report on one file: each
-    overwrote the other in silence, exit 0. Read from the command's own context, so an option
-    added later is covered (a str option counts where it names a model, ``MODEL_OPTIONS``)."""
+    overwrote the other in silence, exit 0; nor a file inside a model's or heads' folder, the .json
+    beside heads' weights, or specrun's own settings. Read from the command's own context, so an
+    option added later is covered (a str option counts where it names a model, ``MODEL_OPTIONS``)."""
     flags = {param.name: max(param.opts, key=len) for param in context.command.params
              if param.param_type_name == "option"}
     named = {name: Path(value) for name, value in context.params.items() if name in flags and value and (
@@ -110,11 +111,34 @@ def check_outputs_apart(context: typer.Context, *outputs: str) -> None:
         path = named.get(output)
         if path is None or (path.exists() and not path.is_file()):  # /dev/null, /dev/stdout: written through
             continue
+        fix = f"give {flags[output]} a file of its own"
+        if _within(path, config_dir()):  # a --trace on learned.json poisoned every later run
+            raise UsageError(f"{flags[output]} names {path}, in the folder of specrun's own settings "
+                             f"({config_dir()}): writing it would overwrite them", fix)
         for other, read in named.items():
+            if other == output:
+                continue
             # another output is written whether it exists or not; an input only where it is a file
-            if other != output and (other in outputs or read.is_file()) and same_file(path, read):
+            if (other in outputs or read.is_file()) and same_file(path, read):
                 raise UsageError(f"{flags[output]} and {flags[other]} name one file, {read}: writing one "
-                                 "would overwrite the other", f"give {flags[output]} a file of its own")
+                                 "would overwrite the other", fix)
+            if other not in MODEL_OPTIONS:
+                continue
+            # a model's or heads' folder (its config.json), and the .json beside heads' weights
+            if read.is_dir() and _within(path, read):
+                raise UsageError(f"{flags[output]} names {path}, inside the folder {flags[other]} names: writing "
+                                 "it would change what that folder holds", fix)
+            if read.suffix == ".safetensors" and read.is_file() and same_file(path, read.with_suffix(".json")):
+                raise UsageError(f"{flags[output]} names {path}, the file beside the weights {flags[other]} "
+                                 "names that describes them: writing it would overwrite it", fix)
+
+
+def _within(path: Path, folder: Path) -> bool:
+    """Is ``path`` (there or not) inside ``folder``, through links?"""
+    try:
+        return path.resolve().is_relative_to(folder.resolve())
+    except OSError:
+        return False
 
 
 def check_environment() -> None:

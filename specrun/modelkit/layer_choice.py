@@ -12,12 +12,11 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 from specrun.errors import SpecrunError, UsageError
-from specrun.fileio import MiB, checked_number, machine_id, read_settings_document, updating, write_atomically
+from specrun.fileio import MiB, checked_number, config_dir, machine_id, read_settings_document, updating, write_atomically
 from specrun.modelkit.selfdraft import LAYERS, SELF_PREFIX, fingerprint
 
 CHOICES_VERSION = 1
@@ -77,8 +76,7 @@ def choice_key(target_fingerprint: str, machine: str) -> str:
 
 
 def choices_path() -> Path:
-    base = os.environ.get("XDG_CONFIG_HOME") or str(Path.home() / ".config")
-    return Path(base) / "specrun" / "layers.json"
+    return config_dir() / "layers.json"
 
 
 def _fix(path: Path) -> str:

@@ -11,7 +11,6 @@ each into a :class:`ModelEntry`.
 from __future__ import annotations
 
 import math
-import os
 import re
 import tomllib
 from dataclasses import dataclass, field
@@ -19,7 +18,7 @@ from importlib import resources
 from pathlib import Path
 
 from specrun.errors import ModelFileError, RegistryError, UsageError
-from specrun.fileio import MiB, read_limited
+from specrun.fileio import MiB, config_dir, read_limited
 
 NUMBER = (int, float)
 # A registry lists models, a few hundred bytes each.
@@ -100,8 +99,7 @@ def shipped_registry_path() -> Path:
 
 
 def user_registry_path() -> Path:
-    base = os.environ.get("XDG_CONFIG_HOME") or str(Path.home() / ".config")
-    return Path(base) / "specrun" / "models.toml"
+    return config_dir() / "models.toml"
 
 
 def parse_registry(path: Path) -> dict[str, ModelEntry]:

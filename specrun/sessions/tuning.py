@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import statistics
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
@@ -31,7 +30,7 @@ from specrun.drafters.methods import DrafterOptions, build_drafter
 from specrun.engine.stats import Stats
 from specrun.errors import SpecrunError
 from specrun.fileio import (
-    MiB, checked_number, machine_id, read_settings_document, stored_entry, updating, write_atomically,
+    MiB, checked_number, config_dir, machine_id, read_settings_document, stored_entry, updating, write_atomically,
 )
 
 TUNE_VERSION = 2
@@ -118,8 +117,7 @@ class TuneResult:
 
 
 def config_path() -> Path:
-    base = os.environ.get("XDG_CONFIG_HOME") or str(Path.home() / ".config")
-    return Path(base) / "specrun" / "tuned.json"
+    return config_dir() / "tuned.json"
 
 
 def learned_path() -> Path:

@@ -56,6 +56,38 @@ def test_an_output_on_a_file_another_option_names_is_a_usage_error(files, case):
     assert {path.name: path.read_bytes() for path in files.iterdir()} == before  # nothing written
 
 
+INSIDE = {
+    "a trace on a model folder's config": (["generate", "-t", "folder", "--trace", "folder/config.json", "hi"],
+                                           "--trace names folder/config.json, inside the folder --target names"),
+    "a trace on an EAGLE-3 folder's config": (["chat", "--heads", "folder", "--trace", "folder/config.json"],
+                                              "inside the folder --heads names"),
+    "a trace on the heads' description": (["generate", "--heads", "heads.safetensors", "--trace", "heads.json", "hi"],
+                                          "the file beside the weights --heads names that describes them"),
+    "a trace on specrun's learned settings": (["generate", "--trace", "config/specrun/learned.json", "hi"],
+                                              "in the folder of specrun's own settings"),
+}
+
+
+@pytest.mark.parametrize("case", INSIDE, ids=list(INSIDE))
+def test_an_output_inside_a_model_s_folder_beside_its_heads_or_in_the_settings_is_a_usage_error(
+        files, case, monkeypatch):
+    """--trace on a model folder's config.json, on heads' .json, on specrun's learned.json: each was
+    written over, exit 0, and the next run could not read the model, the heads or the settings."""
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(files / "config"))
+    (files / "folder").mkdir()
+    (files / "folder" / "config.json").write_text("{}")
+    (files / "heads.safetensors").write_bytes(b"weights")
+    (files / "heads.json").write_text("{}")
+    (files / "config" / "specrun").mkdir(parents=True)
+    (files / "config" / "specrun" / "learned.json").write_text("{}")
+    before = {path: path.read_bytes() for path in files.rglob("*") if path.is_file()}
+    args, said = INSIDE[case]
+    result = run(*args)
+    assert result.exit_code == 2 and said in result.output, result.output
+    assert len(result.output.strip().splitlines()) == 1
+    assert {path: path.read_bytes() for path in files.rglob("*") if path.is_file()} == before
+
+
 def test_a_link_to_the_file_is_the_file(files):
     os.symlink("tools.json", files / "link.json")
     result = run("generate", "--tools", "tools.json", "--trace", "link.json", "hi")
