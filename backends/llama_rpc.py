@@ -181,7 +181,7 @@ def _check_reachable(endpoint: str) -> None:
     try:
         with socket.create_connection((host, int(port)), timeout=5):
             pass
-    except socket.gaierror:
+    except (socket.gaierror, UnicodeError):  # UnicodeError: a name with an empty or too long label (bad..x)
         raise RemoteServerError(f"--rpc host {host!r} is unknown", "check the name, or pass its address") from None
     except OSError as exc:
         raise RemoteServerError(
@@ -198,7 +198,7 @@ def _check_distinct(endpoints: tuple[str, ...]) -> None:
         host, _, port = endpoint.partition(":")
         try:
             address = socket.gethostbyname(host)  # IPv4, as llama.cpp's client resolves it
-        except OSError:
+        except (OSError, UnicodeError):  # UnicodeError: a name with an empty or too long label (bad..x)
             raise RemoteServerError(f"--rpc host {host!r} is unknown", "check the name, or pass its address") from None
         if (address, port) in seen:
             raise UsageError(f"--rpc names one server twice: {seen[address, port]} and {endpoint}",

@@ -428,6 +428,9 @@ def bind(host: str, port: int) -> socket.socket:
         sock = socket.socket(family, kind, proto)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(address)
+    except UnicodeError:  # a name with an empty label or one past 63 characters (bad..x)
+        raise UsageError(f"--host {host!r} is not a valid host name", "pass an address, or a name such as "
+                         "localhost") from None
     except OSError as exc:
         error = SpecrunError if exc.errno in (errno.EADDRINUSE, errno.EACCES) else UsageError
         raise error(f"cannot listen on {host}:{port}: {exc.strerror or exc}",

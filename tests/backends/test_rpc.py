@@ -184,9 +184,10 @@ def test_bench_native_and_rpc_contradict():
 
 
 @needs_rpc
-def test_an_unknown_host_is_one_line():
-    done = run_specrun("generate", "x", "--rpc", "no-such-host.invalid:50052")
-    assert_one_line_error(done.returncode, done.stderr, 1, "--rpc host 'no-such-host.invalid' is unknown")
+@pytest.mark.parametrize("host", ["no-such-host.invalid", "bad..x"])  # bad..x: an internal error (idna's UnicodeError)
+def test_an_unknown_host_is_one_line(host):
+    done = run_specrun("generate", "x", "--rpc", f"{host}:50052")
+    assert_one_line_error(done.returncode, done.stderr, 1, f"--rpc host {host!r} is unknown")
 
 
 @needs_rpc

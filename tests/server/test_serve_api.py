@@ -422,6 +422,16 @@ def test_a_host_that_cannot_be_bound_is_one_line_without_the_public_host_warning
     assert done.stderr.startswith("error: cannot listen on 999.1.1.1:") and len(done.stderr.splitlines()) == 1
 
 
+@pytest.mark.parametrize("host", ["bad..x", "a" * 70 + ".example"])
+def test_a_host_name_no_resolver_takes_is_a_usage_error(host):
+    """A name with an empty label, or one of more than 63 characters, was an internal error
+    (UnicodeError from the idna codec) before anything was served."""
+    done = subprocess.run([*SPECRUN, "serve", "--host", host], capture_output=True, text=True, timeout=60,
+                          check=False)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.startswith(f"error: --host {host!r} is not a valid host name") and len(done.stderr.splitlines()) == 1
+
+
 def test_max_tokens_past_the_context_is_taken_and_the_context_ends_the_answer():
     """Editors send max_tokens 4096 or 8192 whatever the model: taken (up to int32), the answer
     stops where the context is full, finish_reason "length"; the context's size is in /v1/models."""
