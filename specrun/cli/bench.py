@@ -189,6 +189,9 @@ def bench(
                 "--sweep-draft-len needs a method with a fixed draft length", "add one with --methods, e.g. none,draft"
             )
         check_writable(json_out, "--json")
+        if report_out is not None and str(report_out) == "-":  # it wrote an HTML file named "-"
+            raise UsageError("--report writes an HTML file, and - (stdout) is for --json alone",
+                             "give --report a file name, e.g. --report bench.html")
         check_writable(report_out, "--report")
         bench_prompts, suite_name = choose_prompts(suite, prompts_file, categories, per_category)
         config = BenchConfig(

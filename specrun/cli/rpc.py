@@ -9,6 +9,7 @@ import typer
 
 from specrun.cli.common import check_range, cli_errors
 from specrun.cli.options import RpcServerHostOpt, RpcServerPortOpt, ThreadsOpt
+from specrun.errors import FileAccessError
 
 
 def rpc_server_command(
@@ -42,7 +43,11 @@ def rpc_server_command(
         folder = None
         if cache:
             folder = cache_dir() / "rpc"
-            folder.mkdir(parents=True, exist_ok=True)
+            try:
+                folder.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:  # a file where the folder goes was an internal error (FileExistsError)
+                raise FileAccessError(f"cannot keep the RPC cache in {folder}: {exc.strerror or exc}",
+                                      f"remove {folder} if it is a file, or run without --cache") from None
 
         def started(devices: list[str]) -> None:
             typer.echo(f"specrun rpc-server: lending {', '.join(devices)} on {host}:{port}; Ctrl-C stops it", err=True)

@@ -303,6 +303,15 @@ def test_rpc_server_on_a_port_in_use_is_one_line():
 
 
 @needs_rpc
+def test_rpc_server_s_cache_where_a_file_is_in_the_way_is_one_line(tmp_path):
+    """$SPECRUN_CACHE/rpc a file: an internal error (FileExistsError) before anything was served."""
+    (tmp_path / "rpc").write_text("")
+    done = run_specrun("rpc-server", "--port", str(free_port()), "--cache", env={"SPECRUN_CACHE": str(tmp_path)})
+    assert_one_line_error(done.returncode, done.stderr, 1, f"cannot keep the RPC cache in {tmp_path / 'rpc'}",
+                          "or run without --cache")
+
+
+@needs_rpc
 def test_rpc_server_takes_an_ipv4_address_only():
     """A name that is not this machine's got the warning for a reachable server first: one line."""
     for host in ("localhost", "bad.example"):

@@ -77,6 +77,14 @@ def test_a_fifo_as_the_prompt_file_is_refused_without_waiting_for_a_writer(tmp_p
                                      "pass an existing JSONL file")
 
 
+def test_a_report_to_stdout_is_a_usage_error(tmp_path, monkeypatch):
+    """--report - wrote an HTML file named "-" in the working folder ("-" is stdout for --json)."""
+    monkeypatch.chdir(tmp_path)
+    result = run_cli("--report", "-")
+    assert result.exit_code == 2 and "--report writes an HTML file" in result.stderr, result.output
+    assert list(tmp_path.iterdir()) == []
+
+
 @pytest.mark.parametrize(
     ("content", "message"),
     [
