@@ -380,27 +380,31 @@ def training_context(path: Path) -> int | None:
 
 def read_gguf_vocabulary(path: Path) -> FileVocabulary:
     """Tokens, token types and BOS/EOS ids from a GGUF's metadata (the first part of a split one)."""
+    import struct
+
     import gguf
 
-    # The gguf package parses untrusted bytes: a corrupt file can raise anything
-    # (IndexError, KeyError, UnicodeDecodeError…) from the reader or from a field's contents.
+    from specrun.modelkit.gguf_check import read_layout
+
+    # Every count, length and offset of the metadata checked against the file first, as `models
+    # info` reads it: gguf-py's reader told a truncated file as "When changing to a larger dtype..."
     try:
-        reader = gguf.GGUFReader(str(path))
-
-        def field(key: str):
-            found = reader.fields.get(key)
-            return found.contents() if found is not None else None
-
-        keys = gguf.Keys.Tokenizer
-        tokens = tuple(field(keys.LIST) or ())
-        types = field(keys.TOKEN_TYPE) or ()
-        eos_ids = {field(key) for key in (keys.EOS_ID, keys.EOT_ID, keys.EOM_ID)} - {None}
-        bos_id, add_bos = field(keys.BOS_ID), field(keys.ADD_BOS)
-    except Exception as exc:  # noqa: BLE001 (see above)
-        raise ModelFileError(
-            f"cannot read GGUF metadata from {path} ({type(exc).__name__}: {exc})",
-            "check the file; if it is corrupt or truncated, download it again",
-        ) from exc
+        fields, _ = read_layout(path, tensors=False)
+    except (ValueError, struct.error, OSError) as exc:
+        raise ModelFileError(f"{path} is damaged: {exc}",
+                             "check the file; if it is corrupt or truncated, download it again") from None
+    keys = gguf.Keys.Tokenizer
+    tokens, types = fields.get(keys.LIST) or [], fields.get(keys.TOKEN_TYPE) or []
+    ids = {key: fields.get(key) for key in (keys.BOS_ID, keys.EOS_ID, keys.EOT_ID, keys.EOM_ID)}
+    if (not isinstance(tokens, list) or not all(isinstance(token, str) for token in tokens)
+            or not isinstance(types, list) or not all(isinstance(kind, int) for kind in types)
+            or not all(value is None or (isinstance(value, int) and not isinstance(value, bool))
+                       for value in ids.values())):
+        raise ModelFileError(f"{path}'s tokenizer metadata has values of the wrong types",
+                             "check the file; if it is corrupt, download it again")
+    tokens = tuple(tokens)
+    eos_ids = {ids[key] for key in (keys.EOS_ID, keys.EOT_ID, keys.EOM_ID)} - {None}
+    bos_id, add_bos = ids[keys.BOS_ID], fields.get(keys.ADD_BOS)
     if not tokens:
         raise ModelFileError(f"{path} has no tokenizer in its metadata", "use a GGUF converted with its tokenizer")
     return FileVocabulary(
