@@ -128,13 +128,23 @@ def read_gguf(
     dequantized to float32 in HF naming and layout. ``layers(num_layers)``: the decoder layers
     whose weights are read (the others' are left out: a few layers of a large model fit in memory).
     """
+    import struct
+
+    from .gguf_check import check_fields, check_tensors, read_layout
+
+    try:  # every count, length and offset against the file, and the fields read_config reads, first
+        checked, infos = read_layout(path)
+    except (ValueError, struct.error) as exc:
+        raise ValueError(f"the file is damaged: {exc}") from None
+    if checked.get(gguf.Keys.Tokenizer.MODEL) != "gpt2":
+        raise ValueError(f"{path}: only byte-level BPE vocabularies (tokenizer.ggml.model gpt2) can be read")
+    check_fields(checked, checked.get(gguf.Keys.General.ARCHITECTURE))
     reader = gguf.GGUFReader(str(path))
     fields = read_fields(reader)
     tensors = {tensor.name: tensor for tensor in reader.tensors}
-    if fields.get(gguf.Keys.Tokenizer.MODEL) != "gpt2":
-        raise ValueError(f"{path}: only byte-level BPE vocabularies (tokenizer.ggml.model gpt2) can be read")
     vocab = read_vocab(fields)
     config = read_config(fields, vocab, tie_embeddings="output.weight" not in tensors)
+    check_tensors(infos, config)  # each tensor there, of its shape and a type this reads
     wanted = set(layers(config.num_layers)) if layers is not None else None
     weights = {}
     for hf_name in weight_names(config):

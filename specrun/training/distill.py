@@ -232,8 +232,9 @@ def load_student(spec: str, target: str, entries: dict) -> Student:
     try:
         config, weights, tokenizer_json, chat_template = read_gguf(source, kept_layers if layers else None)
     except (ValueError, KeyError, TypeError) as exc:
-        raise ModelFileError(f"cannot distill into {source.name}: {exc}",
-                             "distill a Llama or Qwen2 model with a byte-level BPE vocabulary") from None
+        raise ModelFileError(f"cannot distill into {source}: {exc}",
+                             "distill a Llama or Qwen2 model with a byte-level BPE vocabulary; a damaged file: "
+                             "download or convert it again") from None
     if layers is None:
         return Student(config, weights, tokenizer_json, chat_template, f"{source.name} ({config.num_layers} layers)",
                        source)

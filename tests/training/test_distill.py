@@ -425,12 +425,19 @@ def test_a_student_as_large_as_the_target_or_of_another_vocabulary_is_one_line(t
 
 def test_a_missing_or_damaged_student_or_target_file_is_one_line(tiny_llama, tmp_path):
     (tmp_path / "notes.gguf").write_text("not a model")
+    data = tiny_llama.gguf_path.read_bytes()
+    # cut short in its tensors, and in its vocabulary: an internal error (IndexError, "cannot
+    # reshape") or Python's words, where models convert says the file is damaged
+    (tmp_path / "cut.gguf").write_bytes(data[: len(data) - 4096])
+    (tmp_path / "header.gguf").write_bytes(data[:5000])
     for target, student, fragment in ((str(tiny_llama.gguf_path), str(tmp_path / "missing.gguf"), "missing.gguf"),
                                       (str(tiny_llama.gguf_path), str(tmp_path / "notes.gguf"), "notes.gguf"),
+                                      (str(tiny_llama.gguf_path), str(tmp_path / "cut.gguf"), "cut.gguf: the file is damaged"),
+                                      (str(tiny_llama.gguf_path), str(tmp_path / "header.gguf"), "header.gguf: the file is damaged"),
                                       (str(tmp_path / "missing.gguf"), "self:layers=1", "missing.gguf")):
         result = invoke("distill", "--target", target, "--student", student, "--out", str(tmp_path / "o"))
         assert_one_line_error(result.exit_code, result.stderr, 1, fragment)
-    assert sorted(path.name for path in tmp_path.iterdir()) == ["notes.gguf"]
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["cut.gguf", "header.gguf", "notes.gguf"]
 
 
 def test_too_few_prompts_for_the_held_out_share_is_one_line(tiny_llama, prompts_file, tmp_path):
