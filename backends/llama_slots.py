@@ -10,10 +10,12 @@ each sequence a stream): a batch mixing a 1-token plain step with a 5-token veri
 one graph, where streams split a batch into equal shares of consecutive sequences, a graph each.
 Measured on a server (bench-scale pair, Spec-Bench, session 58), streams ran plain batching
 0.91x at 2 slots and 0.65x at 4, speculation 0.93x and 0.83x: though one 2-sequence pass alone
-ran 6% faster on streams (52 against 56 ms; 68 against 70 at 4). benchmarks/kv_streams.py shows
-both sides at 8 sequences of 512 tokens (session 83): a step of single tokens 0.83x on streams
-(each token reads its own sequence's cells, not all 4,096), but one 5-token pass beside seven
-single tokens 3.56x (a graph a share). With ``exact`` (F32
+ran 6% faster on streams (52 against 56 ms; 68 against 70 at 4). benchmarks/kv_streams.py times
+one step alone at 8 sequences of 512 tokens (session 83, bench-scale target, the machine quiet):
+single tokens 0.93x on streams (each token reads its own sequence's cells, not all 4,096), one
+5-token pass beside seven single tokens 0.99x; runs beside other work read anything from 0.83x
+to 4.9x (llama.cpp's spinning threads): a server-level run at C = 8 would have to show streams
+paying before the choice changes. With ``exact`` (F32
 cache, flash attention off: ``--exact``) each sequence gets a cache stream of its own instead, so
 a sequence's attention reads its cells at the positions they would hold alone and sums them in
 the same order: its logits are the ones it gets alone, bit for bit, whatever shares the batch
