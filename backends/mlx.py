@@ -199,6 +199,10 @@ def _check_settings(folder: Path) -> None:
             value = text.get(key)
             if value is not None and not _finite_at_least_0(value):
                 raise bad("config.json", f"gives {key} as {json.dumps(value)[:40]}, not a finite number of 0 or more")
+        trained = text.get("max_position_embeddings")  # 0 in some recurrent models' configs: not said
+        if trained is not None and (not isinstance(trained, int) or isinstance(trained, bool) or trained < 0):
+            raise bad("config.json", f"gives max_position_embeddings as {json.dumps(trained)[:40]}, not a whole "
+                      "number of 0 or more")
         layers, held = text.get("num_hidden_layers"), _weight_layers(folder)
         if isinstance(layers, int) and held and layers > held:
             raise bad("config.json", f"says the model has {layers} layers, and its weights hold {held}")

@@ -34,6 +34,9 @@ def _lock_path(path: Path) -> Path:
     return path.with_name(f".{path.name}.lock")
 
 
+_LOCK_TRIES = 100  # identity checks a lock takes before it goes on unlocked (see _take_lock)
+
+
 def _take_lock(path: Path, wait: bool) -> int | None:
     """An open handle on ``path``'s lock file (``.NAME.lock`` beside it), locked (flock), or None
     where no lock can be taken (a read-only folder, a system without flock): callers then go on
@@ -76,9 +79,6 @@ def _take_lock(path: Path, wait: bool) -> int | None:
             pass  # removed by the holder before us as it let go
         os.close(handle)
     return None
-
-
-_LOCK_TRIES = 100
 
 
 def _let_go(path: Path, handle: int, remove: bool) -> None:

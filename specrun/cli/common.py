@@ -112,9 +112,10 @@ def check_outputs_apart(context: typer.Context, *outputs: str) -> None:
         if path is None or (path.exists() and not path.is_file()):  # /dev/null, /dev/stdout: written through
             continue
         fix = f"give {flags[output]} a file of its own"
-        if _within(path, config_dir()):  # a --trace on learned.json poisoned every later run
-            raise UsageError(f"{flags[output]} names {path}, in the folder of specrun's own settings "
-                             f"({config_dir()}): writing it would overwrite them", fix)
+        if _within(path, config_dir()) and (path.exists() or path.name in SETTINGS_FILES):
+            # a --trace on learned.json poisoned every later run
+            raise UsageError(f"{flags[output]} names {path}, a file of specrun's own settings: writing it would "
+                             "overwrite it", fix)
         for other, read in named.items():
             if other == output:
                 continue
@@ -124,13 +125,22 @@ def check_outputs_apart(context: typer.Context, *outputs: str) -> None:
                                  "would overwrite the other", fix)
             if other not in MODEL_OPTIONS:
                 continue
-            # a model's or heads' folder (its config.json), and the .json beside heads' weights
-            if read.is_dir() and _within(path, read):
-                raise UsageError(f"{flags[output]} names {path}, inside the folder {flags[other]} names: writing "
-                                 "it would change what that folder holds", fix)
+            # a file a model's or heads' folder holds (its config.json), not a new one beside them
+            if read.is_dir() and _within(path, read) and (path.exists() or _model_file(path.name)):
+                raise UsageError(f"{flags[output]} names {path}, a file of the folder {flags[other]} names: "
+                                 "writing it would change that model", fix)
             if read.suffix == ".safetensors" and read.is_file() and same_file(path, read.with_suffix(".json")):
                 raise UsageError(f"{flags[output]} names {path}, the file beside the weights {flags[other]} "
                                  "names that describes them: writing it would overwrite it", fix)
+
+
+# specrun's own settings files (fileio.config_dir), and the names a model folder's loader reads
+SETTINGS_FILES = ("tuned.json", "learned.json", "layers.json", "kernels.json", "models.toml")
+
+
+def _model_file(name: str) -> bool:
+    return (name in ("config.json", "generation_config.json", "chat_template.jinja") or name.startswith("tokenizer")
+            or name.endswith((".safetensors", ".safetensors.index.json", ".gguf")))
 
 
 def _within(path: Path, folder: Path) -> bool:

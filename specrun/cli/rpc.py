@@ -46,8 +46,9 @@ def rpc_server_command(
             try:
                 folder.mkdir(parents=True, exist_ok=True)
             except OSError as exc:  # a file where the folder goes was an internal error (FileExistsError)
-                raise FileAccessError(f"cannot keep the RPC cache in {folder}: {exc.strerror or exc}",
-                                      f"remove {folder} if it is a file, or run without --cache") from None
+                fix = (f"remove the file {folder}, or run without --cache" if folder.is_file() else
+                       "set SPECRUN_CACHE to a folder you can write, or run without --cache")
+                raise FileAccessError(f"cannot keep the RPC cache in {folder}: {exc.strerror or exc}", fix) from None
 
         def started(devices: list[str]) -> None:
             typer.echo(f"specrun rpc-server: lending {', '.join(devices)} on {host}:{port}; Ctrl-C stops it", err=True)

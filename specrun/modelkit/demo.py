@@ -327,9 +327,10 @@ def _no_room(target: Path, exc: OSError) -> ModelFileError:
                               f"free some disk space, or {elsewhere}")
     blocker = _in_the_way(target.parent.absolute(), cache.absolute()) if in_cache and exc.errno in (errno.ENOTDIR, errno.EEXIST) else None
     if blocker is not None:  # a file or a broken link where a folder of the cache goes: named, not the cache
-        if blocker.is_symlink():  # a link to a disk not mounted now, perhaps
-            return ModelFileError(f"cannot write {target.name}: {blocker} links to {os.readlink(blocker)}, which "
-                                  "is not there", f"make {os.readlink(blocker)} a folder again, or remove the link")
+        if blocker.is_symlink() and not blocker.exists():  # a link to a disk not mounted now, perhaps
+            points_to = blocker.parent / os.readlink(blocker)
+            return ModelFileError(f"cannot write {target.name}: {blocker} links to {points_to}, which is not there",
+                                  f"make {points_to} a folder again, or remove the link")
         return ModelFileError(f"cannot write {target.name}: {blocker} is a file where specrun keeps a folder",
                               f"remove {blocker}")
     writable = "set SPECRUN_CACHE to one that is" if in_cache else "write it to another folder"

@@ -142,6 +142,11 @@ def read_gguf(
     reader = gguf.GGUFReader(str(path))
     fields = read_fields(reader)
     tensors = {tensor.name: tensor for tensor in reader.tensors}
+    arch = checked.get(gguf.Keys.General.ARCHITECTURE)
+    scaling = checked.get(f"{arch}.rope.scaling.type", "none") or "none"
+    if scaling != "none" or "rope_freqs.weight" in tensors:  # Llama 3.1's: the copy would compute without it
+        raise ValueError(f"it uses RoPE scaling ({scaling if scaling != 'none' else 'rope_freqs'}), which "
+                         "specrun's copy of a model does not keep")
     vocab = read_vocab(fields)
     config = read_config(fields, vocab, tie_embeddings="output.weight" not in tensors)
     check_tensors(infos, config)  # each tensor there, of its shape and a type this reads

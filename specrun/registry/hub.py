@@ -389,7 +389,12 @@ def read_gguf_vocabulary(path: Path) -> FileVocabulary:
     # Every count, length and offset of the metadata checked against the file first, as `models
     # info` reads it: gguf-py's reader told a truncated file as "When changing to a larger dtype..."
     try:
-        fields, _ = read_layout(path, tensors=False)
+        try:
+            fields, _ = read_layout(path)  # the tensors' offsets too: a file cut short in its data
+        except ValueError as exc:
+            if "unknown type" not in str(exc):
+                raise
+            fields, _ = read_layout(path, tensors=False)  # a type newer than this gguf-py: its metadata alone
     except (ValueError, struct.error, OSError) as exc:
         raise ModelFileError(f"{path} is damaged: {exc}",
                              "check the file; if it is corrupt or truncated, download it again") from None

@@ -233,8 +233,8 @@ def load_student(spec: str, target: str, entries: dict) -> Student:
         config, weights, tokenizer_json, chat_template = read_gguf(source, kept_layers if layers else None)
     except (ValueError, KeyError, TypeError) as exc:
         raise ModelFileError(f"cannot distill into {source}: {exc}",
-                             "distill a Llama or Qwen2 model with a byte-level BPE vocabulary; a damaged file: "
-                             "download or convert it again") from None
+                             "distill a Llama or Qwen2 model (a byte-level BPE vocabulary, no RoPE scaling); a "
+                             "damaged file: download or convert it again") from None
     if layers is None:
         return Student(config, weights, tokenizer_json, chat_template, f"{source.name} ({config.num_layers} layers)",
                        source)

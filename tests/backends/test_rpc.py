@@ -308,7 +308,7 @@ def test_rpc_server_s_cache_where_a_file_is_in_the_way_is_one_line(tmp_path):
     (tmp_path / "rpc").write_text("")
     done = run_specrun("rpc-server", "--port", str(free_port()), "--cache", env={"SPECRUN_CACHE": str(tmp_path)})
     assert_one_line_error(done.returncode, done.stderr, 1, f"cannot keep the RPC cache in {tmp_path / 'rpc'}",
-                          "or run without --cache")
+                          f"remove the file {tmp_path / 'rpc'}, or run without --cache")
 
 
 @needs_rpc

@@ -58,13 +58,13 @@ def test_an_output_on_a_file_another_option_names_is_a_usage_error(files, case):
 
 INSIDE = {
     "a trace on a model folder's config": (["generate", "-t", "folder", "--trace", "folder/config.json", "hi"],
-                                           "--trace names folder/config.json, inside the folder --target names"),
+                                           "--trace names folder/config.json, a file of the folder --target names"),
     "a trace on an EAGLE-3 folder's config": (["chat", "--heads", "folder", "--trace", "folder/config.json"],
-                                              "inside the folder --heads names"),
+                                              "a file of the folder --heads names"),
     "a trace on the heads' description": (["generate", "--heads", "heads.safetensors", "--trace", "heads.json", "hi"],
                                           "the file beside the weights --heads names that describes them"),
     "a trace on specrun's learned settings": (["generate", "--trace", "config/specrun/learned.json", "hi"],
-                                              "in the folder of specrun's own settings"),
+                                              "a file of specrun's own settings"),
 }
 
 
@@ -86,6 +86,23 @@ def test_an_output_inside_a_model_s_folder_beside_its_heads_or_in_the_settings_i
     assert result.exit_code == 2 and said in result.output, result.output
     assert len(result.output.strip().splitlines()) == 1
     assert {path: path.read_bytes() for path in files.rglob("*") if path.is_file()} == before
+
+
+@pytest.mark.parametrize("args", [
+    ["generate", "-t", "folder", "--trace", "folder/new-trace.jsonl", "hi"],  # a new file beside the model
+    ["generate", "-t", ".", "--trace", "t.jsonl", "hi"],  # the model folder is the working folder
+    ["generate", "--ngram-cache", "config/specrun/ngram.bin", "hi"],  # a new file in the settings folder
+])
+def test_a_new_file_beside_a_model_or_in_the_settings_folder_is_no_clash(files, args, monkeypatch):
+    """The check refuses what would overwrite a model's or specrun's own files, not every path
+    inside their folders (review: `-t . --trace t.jsonl` was refused)."""
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(files / "config"))
+    (files / "folder").mkdir()
+    (files / "folder" / "config.json").write_text("{}")
+    (files / "config.json").write_text("{}")
+    result = run(*args)
+    assert "--trace names" not in result.output and "--ngram-cache names" not in result.output, result.output
+    assert "name one file" not in result.output
 
 
 def test_a_link_to_the_file_is_the_file(files):

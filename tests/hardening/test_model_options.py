@@ -104,6 +104,7 @@ DAMAGED_SETTINGS = [
     ("config.json", {"num_attention_heads": 0}, "gives num_attention_heads as 0, not a whole number above 0"),
     ("config.json", {"rope_theta": float("nan")}, "gives rope_theta as NaN, not a finite number"),
     ("config.json", {"rope_theta": 10**400}, "gives rope_theta as 1000000000"),  # the check's own TypeError (review)
+    ("config.json", {"max_position_embeddings": True}, "gives max_position_embeddings as true"),  # a context of 1
     ("config.json", [], "is not a JSON object"),
     ("generation_config.json", [], "is not a JSON object"),
     ("generation_config.json", {"eos_token_id": "x"}, 'gives eos_token_id as "x", not token ids'),

@@ -271,12 +271,14 @@ def test_check_tokenizer_folders_is_compatible(tiny_llama, tiny_qwen2):
     assert verdict["compatible"] and "tokenizer.json" in verdict["draft_source"]
 
 
-@pytest.mark.parametrize("cut", [24, 1000])
+@pytest.mark.parametrize("cut", [24, 1000, -4096])
 def test_check_a_truncated_draft_says_it_is_damaged(tiny_llama, tmp_path, cut):
     """gguf-py's reader told a truncated file as its own error ("When changing to a larger dtype",
-    "index 0 is out of bounds"); now what models info says of it: damaged, and where."""
+    "index 0 is out of bounds"); now what models info says of it: damaged, and where (a cut in the
+    tensors' data too: its metadata alone read well, review)."""
     cut_short = tmp_path / "cut.gguf"
-    cut_short.write_bytes(tiny_llama.gguf_path.read_bytes()[:cut])
+    data = tiny_llama.gguf_path.read_bytes()
+    cut_short.write_bytes(data[:cut] if cut > 0 else data[:len(data) + cut])
     result = check("-t", str(tiny_llama.gguf_path), "-d", str(cut_short))
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert result.exit_code == 1 and len(errors) == 1 and f"{cut_short} is damaged" in errors[0], result.output

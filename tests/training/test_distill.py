@@ -440,6 +440,19 @@ def test_a_missing_or_damaged_student_or_target_file_is_one_line(tiny_llama, tmp
     assert sorted(path.name for path in tmp_path.iterdir()) == ["cut.gguf", "header.gguf", "notes.gguf"]
 
 
+def test_a_student_with_rope_scaling_is_one_line_not_a_damaged_file(tiny_llama, tmp_path):
+    """A Llama 3.1 student (RoPE scaling) would train without its scaling: refused, and said so
+    rather than as a file with a tensor of no place (review)."""
+    from specrun.modelkit.gguf_header import copy_with_string_key
+
+    scaled = tmp_path / "scaled.gguf"
+    copy_with_string_key(tiny_llama.gguf_path, scaled, "llama.rope.scaling.type", "linear")
+    result = invoke("distill", "--target", str(tiny_llama.gguf_path), "--student", str(scaled),
+                    "--out", str(tmp_path / "o"))
+    assert_one_line_error(result.exit_code, result.stderr, 1, "it uses RoPE scaling (linear)", "no RoPE scaling")
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["scaled.gguf"]
+
+
 def test_too_few_prompts_for_the_held_out_share_is_one_line(tiny_llama, prompts_file, tmp_path):
     result = invoke("distill", "--target", str(tiny_llama.gguf_path), "--student", "self:layers=1",
                     "--prompts", str(prompts_file), "--held-out", "24", "--out", str(tmp_path / "o"))
