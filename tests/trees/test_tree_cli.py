@@ -180,11 +180,11 @@ def test_a_lookahead_method_turns_trees_on_for_its_window_alone():
 
 
 @pytest.mark.parametrize("tree_paths, message", [
-    (0, "method 'lookahead' verifies a token tree, and this target cannot: "),
     (2, "method 'lookahead' verifies a token tree of up to 5 paths, and this target was opened for 2"),
 ])
 def test_switching_a_chat_to_lookahead_on_a_target_opened_for_fewer_paths_is_refused(tree_paths, message):
-    """Verified as a chain, the window would learn nothing and every pass would cost more."""
+    """Verified as a chain, the window would learn nothing and every pass would cost more. (A
+    target opened for chains alone is made again for the window's trees: tests/sessions/test_chat.py.)"""
     pytest.importorskip("llama_cpp")
     from specrun.errors import UsageError
     from specrun.registry.loading import LoadOptions
