@@ -112,7 +112,7 @@ def check_outputs_apart(context: typer.Context, *outputs: str) -> None:
         if path is None or (path.exists() and not path.is_file()):  # /dev/null, /dev/stdout: written through
             continue
         fix = f"give {flags[output]} a file of its own"
-        if _within(path, config_dir()) and (path.exists() or path.name in SETTINGS_FILES):
+        if _within(path, config_dir()) and path.name in SETTINGS_FILES:
             # a --trace on learned.json poisoned every later run
             raise UsageError(f"{flags[output]} names {path}, a file of specrun's own settings: writing it would "
                              "overwrite it", fix)
@@ -125,8 +125,9 @@ def check_outputs_apart(context: typer.Context, *outputs: str) -> None:
                                  "would overwrite the other", fix)
             if other not in MODEL_OPTIONS:
                 continue
-            # a file a model's or heads' folder holds (its config.json), not a new one beside them
-            if read.is_dir() and _within(path, read) and (path.exists() or _model_file(path.name)):
+            # a file a model's or heads' folder is read from (its config.json), not another beside them
+            # (a trace written again into a folder that is the working folder, -t .)
+            if read.is_dir() and _within(path, read) and _model_file(path.name):
                 raise UsageError(f"{flags[output]} names {path}, a file of the folder {flags[other]} names: "
                                  "writing it would change that model", fix)
             if read.suffix == ".safetensors" and read.is_file() and same_file(path, read.with_suffix(".json")):

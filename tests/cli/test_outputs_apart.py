@@ -91,6 +91,7 @@ def test_an_output_inside_a_model_s_folder_beside_its_heads_or_in_the_settings_i
 @pytest.mark.parametrize("args", [
     ["generate", "-t", "folder", "--trace", "folder/new-trace.jsonl", "hi"],  # a new file beside the model
     ["generate", "-t", ".", "--trace", "t.jsonl", "hi"],  # the model folder is the working folder
+    ["generate", "-t", ".", "--trace", "prompts.jsonl", "hi"],  # ... and a file there already (not the model's)
     ["generate", "--ngram-cache", "config/specrun/ngram.bin", "hi"],  # a new file in the settings folder
 ])
 def test_a_new_file_beside_a_model_or_in_the_settings_folder_is_no_clash(files, args, monkeypatch):
