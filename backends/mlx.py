@@ -43,9 +43,9 @@ from typing import Any
 import numpy as np
 
 from specrun.backends.base import HeldTree, HiddenSupport, HiddenTracking, TreeSupport, VocabInfo, held_tree_for
-from specrun.errors import BackendUnavailableError, ContextFullError, ModelFileError
+from specrun.errors import BackendUnavailableError, ContextFullError, ModelFileError, SpecrunError
 from specrun.fileio import json_problem
-from specrun.modelkit.mtp import text_config_of
+from specrun.modelkit.mtp import tensor_files, text_config_of
 from specrun.tree import TokenTree
 from specrun.backends.mlx_common import MODEL_CALLS, PREFILL_CHUNK, packed_pass, packed_problem, recording_body
 from specrun.backends.mlx_snapshots import SNAPSHOT_TOKENS, PassStates, Snapshotter
@@ -247,28 +247,14 @@ def _json_file(path: Path):
 
 def _weight_layers(folder: Path) -> int:
     """How many decoder layers the folder's weights hold (the highest ``layers.N.`` plus one), read
-    from the weights' index where there is one, else the safetensors headers; 0 where none can be
-    read."""
-    index = _json_file(folder / "model.safetensors.index.json")
-    if isinstance(index, dict) and isinstance(index.get("weight_map"), dict):
-        found = [int(match.group(1)) for name in index["weight_map"] if (match := _LAYER_NAME.search(name))]
-        return max(found, default=-1) + 1
-    highest = -1
-    for path in folder.glob("model*.safetensors"):
-        try:
-            with path.open("rb") as handle:
-                size = int.from_bytes(handle.read(8), "little")
-                if not 0 < size <= 100 << 20:
-                    continue
-                names = json.loads(handle.read(size))
-        except (OSError, ValueError, RecursionError):
-            continue
-        if isinstance(names, dict):
-            for name in names:
-                found = _LAYER_NAME.search(name)
-                if found:
-                    highest = max(highest, int(found.group(1)))
-    return highest + 1
+    from the weights' index or the safetensors headers; 0 where they cannot be read (mlx-lm's
+    load says why)."""
+    try:
+        names = tensor_files(folder)
+    except (SpecrunError, OSError, ValueError):
+        return 0
+    found = [int(match.group(1)) for name in names if (match := _LAYER_NAME.search(name))]
+    return max(found, default=-1) + 1
 
 
 # ---- a quantized copy (--draft self:q4) ----------------------------------------------

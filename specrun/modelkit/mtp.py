@@ -557,7 +557,7 @@ def _counted_mtp_layers(folder: Path) -> int:
     """How many ``mtp.layers.N`` blocks the folder's safetensors hold (Qwen3-Next's config names
     none; llama.cpp's converter counts them the same way); 0 where they cannot be listed."""
     try:
-        names = _tensor_files(folder)
+        names = tensor_files(folder)
     except (ModelFileError, OSError, ValueError):
         return 0
     found = [int(match.group(1)) for match in map(_QWEN_MTP_LAYER.match, names) if match]
@@ -585,7 +585,7 @@ def read_mtp_folder(folder: str | Path, depth: int = DEFAULT_DEPTH) -> MtpHeads:
         raise ModelFileError(f"{folder.name} is quantized for transformers ({_quant_method(config)}): specrun reads "
                              f"the MTP layers of float checkpoints and of mlx-lm's quantized folders",
                              "use the model's float checkpoint, or another method")
-    files = _tensor_files(folder)
+    files = tensor_files(folder)
     reader = FolderTensors(folder, files, config.get("quantization"))
     qwen = model_type in _QWEN_MTP
     block = None if qwen else int(config["num_hidden_layers"])
@@ -789,7 +789,7 @@ def _quant_method(config: dict) -> str:
     return str(method.get("quant_method", "unknown")) if isinstance(method, dict) else "unknown"
 
 
-def _tensor_files(folder: Path) -> dict[str, Path]:
+def tensor_files(folder: Path) -> dict[str, Path]:
     """Where each tensor of the folder's safetensors lives: model.safetensors.index.json's map for
     a sharded checkpoint, else every name in model.safetensors (and in the MTP file beside it)."""
     from specrun.heads.files import TensorsFile
