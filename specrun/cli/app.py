@@ -25,6 +25,7 @@ from specrun.cli.common import (
     MAX_DRAFT_LEN,
     PipeConsole,
     check_draft_len_use,
+    check_drafter_options_used,
     check_generation_options,
     checked_chat,
     checked_learning,
@@ -192,6 +193,7 @@ def generate(
         check_kv_type(kv_type, exact)
         chat_template = checked_chat(chat, raw)
         check_window_use(window, (method,), draft, sinks=sinks)
+        check_drafter_options_used((method,), draft_min_prob=draft_min_prob, ngram_cache=ngram_cache)
         flash_attn = checked_flash_attn(flash_attn, exact)
         rpc_servers = checked_rpc(rpc)
         lookahead_sizes = checked_lookahead(lookahead, (method,))

@@ -14,6 +14,7 @@ from specrun.cli.common import (
     PipeConsole,
     checked_chat,
     check_draft_len_use,
+    check_drafter_options_used,
     checked_flash_attn,
     check_kv_type,
     check_window_use,
@@ -183,6 +184,7 @@ def bench(
         trees = checked_trees(chain_only, tree_nodes, branches, lookahead_sizes, window=uses_window(method_list))
         check_draft_len_use(draft_len, method_list, "--methods", draft_min_prob=draft_min_prob, branches=branches,
                             tree_nodes=tree_nodes)
+        check_drafter_options_used(method_list, "--methods", draft_min_prob=draft_min_prob)
         draft_lens = parse_draft_lens(draft_len, sweep_draft_len)
         if len(draft_lens) > 1 and not any(m != "none" and not is_adaptive(m) for m in method_list):
             raise UsageError(

@@ -494,6 +494,27 @@ def check_draft_len_use(draft_len: int | None, methods: Sequence[str], flag: str
                          f"drop {name.split()[0]}, or choose a method that drafts ({flag} auto, say)")
 
 
+def check_drafter_options_used(methods: Sequence[str], flag: str = "--method", *,
+                               draft_min_prob: float | None = None, ngram_cache: Path | None = None) -> None:
+    """--draft-min-prob (a draft model's confidence stop) or --ngram-cache (the n-gram pool's file)
+    where no method of ``methods`` drafts with what they shape: each would be ignored, as --window,
+    --heads and --lookahead would be. Not in chat, whose /method may turn to such a method later.
+    --draft itself is taken with any method: it names the pair (a script runs one pair through
+    several methods), and the draft model is loaded only for a method that drafts with it."""
+    from specrun.drafters.methods import is_adaptive, needs_draft_model, resolve_method
+
+    named = ",".join(methods)
+    verb = "drafts" if len(methods) == 1 else "draft"
+    if draft_min_prob is not None and not any(needs_draft_model(method) or is_adaptive(method) for method in methods):
+        raise UsageError(f"--draft-min-prob cuts a draft model's drafts at a probability, and {flag} {named} {verb} "
+                         "without one", f"drop --draft-min-prob, or choose a method with a draft model ({flag} draft "
+                         "or auto, say)")
+    if ngram_cache is not None and not any(
+            "ngram" in resolve_method(method).split("+") or is_adaptive(method) for method in methods):
+        raise UsageError(f"--ngram-cache keeps the n-gram pool's counts, and {flag} {named} {verb} without the pool",
+                         f"drop --ngram-cache, or choose a method with the pool ({flag} ngram or auto, say)")
+
+
 def check_kv_type(kv_type: str | None, exact: bool = False) -> None:
     if kv_type is not None and kv_type not in ("f16", "f32"):
         raise UsageError(f"unknown KV cache type {kv_type!r}", "use --kv-type f16 or --kv-type f32")

@@ -10,6 +10,7 @@ import typer
 from specrun.cli.common import (
     check_outputs_apart,
     check_draft_len_use,
+    check_drafter_options_used,
     check_generation_options,
     checked_learning,
     checked_flash_attn,
@@ -165,6 +166,7 @@ def serve_command(
                             tree_nodes=tree_nodes)
         check_kv_type(kv_type, exact)
         check_window_use(window, (method,), draft, sinks=sinks)
+        check_drafter_options_used((method,), draft_min_prob=draft_min_prob, ngram_cache=ngram_cache)
         flash_attn = checked_flash_attn(flash_attn, exact)
         rpc_servers = checked_rpc(rpc)
         check_range("--port", port, 0, 65535)

@@ -1,0 +1,72 @@
+"""An option that shapes a drafter no method of the run drafts with (--draft-min-prob,
+--ngram-cache) is a one-line usage error naming it, before anything loads: it was taken and
+ignored. Chat takes them: its /method may turn to a method that uses them. --draft names the
+pair, taken with any method (a script runs one pair through several)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.cli.test_cli_accept import invoke
+
+CASES = [
+    (("--method", "lookup", "--draft-min-prob", "0.5"),
+     "--draft-min-prob cuts a draft model's drafts at a probability, and --method lookup drafts without one"),
+    (("--method", "lookup", "--ngram-cache", "pool.bin"),
+     "--ngram-cache keeps the n-gram pool's counts, and --method lookup drafts without the pool; "
+     "drop --ngram-cache, or choose a method with the pool"),
+    (("--method", "lookup+draft", "--ngram-cache", "pool.bin"),
+     "--ngram-cache keeps the n-gram pool's counts, and --method lookup+draft drafts without the pool"),
+]
+
+
+def one_line_usage_error(result, message: str) -> None:
+    assert result.exit_code == 2, result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: {message}"), result.stderr
+
+
+@pytest.mark.parametrize("command", ["generate", "serve"])
+@pytest.mark.parametrize(("options", "message"), CASES)
+def test_an_option_no_method_uses_is_refused(command, options, message, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    result = invoke(command, "-t", "demo-target", *options, *(["hello"] if command == "generate" else []))
+    one_line_usage_error(result, message)
+    assert list(tmp_path.iterdir()) == []  # no pool file written
+
+
+@pytest.mark.parametrize(("options", "message"), [
+    (("--methods", "none,lookup", "--draft-min-prob", "0.3"),
+     "--draft-min-prob cuts a draft model's drafts at a probability, and --methods none,lookup draft without one"),
+    (("--methods", "ngram,lookup+ngram", "--draft-min-prob", "0.3"),
+     "--draft-min-prob cuts a draft model's drafts at a probability, and --methods none,ngram,lookup+ngram draft "
+     "without one"),
+])
+def test_bench_refuses_them_where_no_method_in_its_list_uses_them(options, message):
+    one_line_usage_error(invoke("bench", "-t", "demo-target", *options), message)
+
+
+@pytest.mark.parametrize("options", [
+    ("--method", "auto", "--draft", "demo-draft", "--draft-min-prob", "0.2", "--ngram-cache", "pool.bin"),
+    ("--method", "ngram+draft", "--draft", "demo-draft", "--draft-min-prob", "0.2", "--ngram-cache", "pool.bin"),
+])
+def test_methods_that_use_them_run(options, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    result = invoke("generate", "-t", "demo-target", *options, "-n", "4", "--threads", "1", "hello")
+    assert result.exit_code == 0, result.output
+    assert (tmp_path / "pool.bin").is_file()  # the pool was kept where asked
+
+
+def test_chat_takes_them_for_a_later_method():
+    result = invoke("chat", "-t", "demo-target", "--method", "lookup", "-d", "demo-draft", "--draft-min-prob", "0.2",
+                    "-n", "4", "--threads", "1", input="hi\n/method draft\nhello\n")
+    assert result.exit_code == 0, result.output
+    assert "error" not in result.stderr
+
+
+@pytest.mark.parametrize("method", ["lookup", "medusa", "none"])
+def test_a_draft_is_taken_with_any_method(method):
+    """The pair through several methods: --draft beside a method without a draft model runs."""
+    result = invoke("generate", "-t", "demo-target", "-d", "demo-draft", "--method", method, "-n", "4",
+                    "--threads", "1", "hello")
+    assert result.exit_code == 0, result.output
