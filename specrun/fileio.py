@@ -146,6 +146,26 @@ def in_use(path: Path, what: str, fix: str):
         _let_go(path, handle, remove=True)  # none left beside the user's files (--heads-out)
 
 
+@contextmanager
+def interrupts_held():
+    """Ctrl-C waits until the block ends (then raises): files written in it are written whole, as a set
+    (heads and their .json, a checkpoint's files). In the main thread only, where signals arrive."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught = []
+    previous = signal.signal(signal.SIGINT, lambda *_: caught.append(True))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if caught:
+            raise KeyboardInterrupt
+
+
 def write_atomically(
     path: Path,
     data: bytes | str,

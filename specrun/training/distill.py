@@ -40,7 +40,7 @@ from pathlib import Path
 import numpy as np
 
 from specrun.errors import FileAccessError, ModelFileError, RegistryError, SpecrunError, UsageError
-from specrun.fileio import check_writable_folder, is_special, write_atomically
+from specrun.fileio import check_writable_folder, interrupts_held, is_special, write_atomically
 from specrun.modelkit.config import ModelConfig
 from specrun.training.data import builtin_python_prompts, builtin_questions, read_prompts_file
 from specrun.training.run import (
@@ -638,7 +638,6 @@ def write_outputs(out: Path, weights: dict, student: Student, record: dict, gguf
     from specrun.modelkit.gguf_convert import convert_gguf_to_mlx
     from specrun.modelkit.gguf_io import write_gguf
     from specrun.modelkit.hf_io import write_json
-    from specrun.training.online import interrupts_held
 
     out = Path(out)
     scratch = out.parent / f".distilling-{secrets.token_hex(8)}"

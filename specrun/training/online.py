@@ -17,16 +17,15 @@ is training/online_draft.py's; ``Learning`` keeps a command's learners of both.
 from __future__ import annotations
 
 import hashlib
-import threading
 import time
 from collections import deque
-from contextlib import contextmanager
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
+from specrun.fileio import interrupts_held
 from specrun.heads.kinds import kind_of, TRAINABLE_KINDS
 from specrun.heads.layers import teacher_distributions
 from specrun.training.learner import BATCH_POSITIONS, LearnReport, LearnSettings, Learner
@@ -565,21 +564,3 @@ def check_keep_path(path: Path, stored: str) -> None:
     except FileAccessError as error:  # heads train's fix names --heads-out, which these commands lack
         fix = error.fix if error.fix.endswith(instead) else instead
         raise FileAccessError(f"--keep-learned: {error.problem}", fix) from None
-
-
-@contextmanager
-def interrupts_held():
-    """Ctrl-C waits until the block ends (then raises): the heads and their .json are written as a pair."""
-    import signal
-
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    caught = []
-    previous = signal.signal(signal.SIGINT, lambda *_: caught.append(True))
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
-        if caught:
-            raise KeyboardInterrupt

@@ -34,7 +34,7 @@ from pathlib import Path
 import numpy as np
 
 from specrun.errors import FileAccessError, SpecrunError, UsageError
-from specrun.fileio import check_writable_folder, in_use, is_special, write_atomically
+from specrun.fileio import check_writable_folder, in_use, interrupts_held, is_special, write_atomically
 from specrun.heads.config import HeadsConfig, training_layer_ids
 from specrun.heads.kinds import BY_NAME, TRAINABLE_KINDS, WINDOW_KINDS
 from specrun.sampling import MAX_SEED
@@ -410,10 +410,11 @@ class _Run:
             data = self._gather(texts, prompts)
             held_out = self._hold_out(len(data.tokens))
             trainer = self._fresh_trainer(data, held_out)
-            # a FIFO or device the last run's files were replaced by (EAGLE-3's heads: a folder of their own)
-            remove_special(self.checkpoints, CHECKPOINT_FILES + tuple(f"heads/{name}" for name in EAGLE3_FILES))
-            self._write_data(data, held_out)
-            self._checkpoint(trainer, settings, source)
+            with interrupts_held():  # the data and the first checkpoint whole, then Ctrl-C: it resumes there
+                # a FIFO or device the last run's files were replaced by (EAGLE-3's heads: a folder of their own)
+                remove_special(self.checkpoints, CHECKPOINT_FILES + tuple(f"heads/{name}" for name in EAGLE3_FILES))
+                self._write_data(data, held_out)
+                self._checkpoint(trainer, settings, source)
         resumed_at = self.step if resumed is not None else None
         train_rows = [i for i in range(len(data.tokens)) if not held_out[i]]
         held_rows = [i for i in range(len(data.tokens)) if held_out[i]]
@@ -705,7 +706,8 @@ class _Run:
                 self.on_progress(TrainProgress("train", self.elapsed(), self.budget, step=self.step,
                                                loss=self._final_loss(), max_steps=self.max_steps))
                 if time.monotonic() - last_checkpoint >= self.checkpoint_seconds:
-                    self._checkpoint(trainer, settings, source)
+                    with interrupts_held():  # a checkpoint written whole, then Ctrl-C
+                        self._checkpoint(trainer, settings, source)
                     last_checkpoint = time.monotonic()
 
     def _blas_threads(self):

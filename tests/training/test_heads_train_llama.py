@@ -106,6 +106,35 @@ def test_a_stopped_llama_run_resumes_with_its_optimizer(gguf, text_folder, tmp_p
     assert result.resumed_at == 3 and result.steps == 6
 
 
+@pytest.mark.parametrize("during", ["_write_data", "_checkpoint"])
+def test_ctrl_c_while_the_first_checkpoint_is_written_keeps_it_whole(gguf, text_folder, tmp_path, monkeypatch,
+                                                                     during):
+    """Ctrl-C while the gathered data or the first checkpoint is being written: the write ends,
+    then the run stops saying where the checkpoint is, and the same command resumes from it (it
+    once said none was written beside a half-written folder)."""
+    import os
+    import signal
+
+    from specrun.training import run
+
+    original = getattr(run._Run, during)
+
+    def interrupted(self, *args):
+        os.kill(os.getpid(), signal.SIGINT)  # arrives while the files are written
+        return original(self, *args)
+
+    out = tmp_path / "medusa.safetensors"
+    request = request_for(gguf, out, text_dir=text_folder)
+    monkeypatch.setattr(run._Run, during, interrupted)
+    with pytest.raises(TrainingInterrupted) as stopped:
+        train_heads(request, max_steps=3)
+    assert stopped.value.checkpoint is not None and "the checkpoint at step 0 is kept" in stopped.value.where()
+    monkeypatch.undo()
+    notes = []
+    result = train_heads(request, on_note=notes.append, max_steps=3)
+    assert result.resumed_at == 0 and result.steps == 3 and any("resuming the checkpoint" in n for n in notes)
+
+
 def test_continuations_through_llama_cpp_label_only_generated_tokens(gguf, tmp_path):
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("def main():\nclass Point:\nimport os\n", encoding="utf-8")

@@ -15,7 +15,8 @@ import pytest
 
 from specrun.heads.config import HeadsConfig
 from specrun.training.learner import EPOCHS, LearnSettings, check_learn_settings
-from specrun.training.online import Learning, OnlineLearner, interrupts_held
+from specrun.fileio import interrupts_held
+from specrun.training.online import Learning, OnlineLearner
 
 SIZE, VOCAB, DEPTH = 16, 8, 3
 TABLE = np.random.default_rng(0).normal(0, 1, (VOCAB, SIZE)).astype(np.float32)
