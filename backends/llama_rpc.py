@@ -35,7 +35,7 @@ import sys
 import threading
 from dataclasses import dataclass
 
-from specrun.errors import BackendUnavailableError, RemoteServerError, UsageError
+from specrun.errors import BackendUnavailableError, RemoteServerError, UsageError, cannot_listen
 
 DEFAULT_PORT = 50052  # llama.cpp's rpc-server default
 MAX_SERVERS = 16  # GGML_RPC_MAX_SERVERS
@@ -233,7 +233,7 @@ def serve(host: str, port: int, threads: int, cache_dir: str | None, started=Non
     llama.cpp's server prints its banner and each client to stdout: they go to stderr here."""
     import llama_cpp
 
-    _check_port_free(host, port)
+    check_listening(host, port)
     ggml = _Ggml(llama_cpp)
     devices = ggml.local_accelerators()
     if not devices:
@@ -275,15 +275,14 @@ def check_host(host: str) -> None:
                          "pass 127.0.0.1, 0.0.0.0 or one of this machine's addresses") from None
 
 
-def _check_port_free(host: str, port: int) -> None:
-    """A host llama.cpp's server can listen on, and the port free there."""
+def check_listening(host: str, port: int) -> None:
+    """A host llama.cpp's server can listen on (an address of this machine), and the port free there."""
     check_host(host)
     try:
         with socket.create_server((host, port)):
             pass
     except OSError as exc:
-        raise RemoteServerError(f"cannot listen on {host}:{port} ({exc.strerror or exc})",
-                                "pass another --port, or stop what uses it") from None
+        raise cannot_listen(host, port, exc, busy=RemoteServerError) from None
 
 
 _log_callback = None  # kept alive for as long as llama.cpp may call it

@@ -66,3 +66,20 @@ class AnswerKeptError(SpecrunError):
 
 class FileAccessError(SpecrunError):
     """A file specrun cannot read or write (full disk, no permission, not a regular file, too big)."""
+
+
+def cannot_listen(host: str, port: int, exc: OSError, busy: type[SpecrunError] = SpecrunError) -> SpecrunError:
+    """One line for a socket that cannot listen on ``host:port``, named by its cause: a port in use
+    or below 1024 is the machine's state (``busy``, exit 1), a host that is no address of this
+    machine (or one it cannot listen on) a usage error."""
+    import errno
+
+    where = f"cannot listen on {host}:{port}"
+    if exc.errno == errno.EADDRINUSE:
+        return busy(f"{where}: something else listens on port {port}", "pass another --port, or stop what uses it")
+    if exc.errno == errno.EACCES:
+        return busy(f"{where}: ports below 1024 need administrator rights", "pass a --port of 1024 or more")
+    if exc.errno == errno.EADDRNOTAVAIL:
+        return UsageError(f"{where}: {host} is not an address of this machine",
+                          "pass 127.0.0.1 (this machine only), 0.0.0.0 (every network) or one of its addresses")
+    return UsageError(f"{where}: {exc.strerror or exc}", "pass another --host or --port")

@@ -29,13 +29,13 @@ def rpc_server_command(
     installed), so clients of the same llama.cpp version can use it too."""
     with cli_errors():
         from specrun.backends.llama import default_threads
-        from specrun.backends.llama_rpc import check_host, serve
+        from specrun.backends.llama_rpc import check_listening, serve
         from specrun.modelkit.demo import cache_dir
         from specrun.server.app import is_loopback
 
         check_range("--port", port, 1, 65535)
         check_range("--threads", threads, 1, 1024)
-        check_host(host)  # a bad address is refused before the warning about a good one
+        check_listening(host, port)  # a bad address or a taken port is refused before the warning about a good one
         if not is_loopback(host):
             typer.echo(f"warning: --host {host} lets anyone who can reach this machine run code on its devices and "
                        "read what they hold; llama.cpp's RPC protocol has no authentication. Use it on a trusted "

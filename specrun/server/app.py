@@ -21,7 +21,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from specrun.engine.stats import Stats
-from specrun.errors import SpecrunError, UsageError
+from specrun.errors import SpecrunError, UsageError, cannot_listen
 from specrun.fileio import json_problem
 from specrun.server.connections import QuietAcceptErrors, connection_cap, guarded_protocol
 from specrun.server.requests import (
@@ -421,7 +421,6 @@ def bind(host: str, port: int) -> socket.socket:
     """A listening socket for ``host:port`` (port 0: any free one), or one line saying why not: a
     port taken or forbidden is the machine's state (exit 1, as rpc-server's), a host that names no
     address of this machine a usage error (exit 2)."""
-    import errno
     try:
         infos = socket.getaddrinfo(host.strip("[]"), port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
         family, kind, proto, _, address = infos[0]
@@ -432,9 +431,7 @@ def bind(host: str, port: int) -> socket.socket:
         raise UsageError(f"--host {host!r} is not a valid host name", "pass an address, or a name such as "
                          "localhost") from None
     except OSError as exc:
-        error = SpecrunError if exc.errno in (errno.EADDRINUSE, errno.EACCES) else UsageError
-        raise error(f"cannot listen on {host}:{port}: {exc.strerror or exc}",
-                    "pick another --port (or --host)") from None
+        raise cannot_listen(host, port, exc) from None
     sock.set_inheritable(True)
     return sock
 

@@ -312,6 +312,14 @@ def test_rpc_server_s_cache_where_a_file_is_in_the_way_is_one_line(tmp_path):
 
 
 @needs_rpc
+def test_rpc_server_on_an_address_of_another_machine_is_one_usage_error():
+    """8.8.8.8 was blamed on the port ("pass another --port"), after the warning for a reachable host."""
+    done = run_specrun("rpc-server", "--host", "8.8.8.8", "--port", str(free_port()))
+    assert_one_line_error(done.returncode, done.stderr, 2, "cannot listen on 8.8.8.8:",
+                          "8.8.8.8 is not an address of this machine; pass 127.0.0.1")
+
+
+@needs_rpc
 def test_rpc_server_takes_an_ipv4_address_only():
     """A name that is not this machine's got the warning for a reachable server first: one line."""
     for host in ("localhost", "bad.example"):

@@ -422,6 +422,15 @@ def test_a_host_that_cannot_be_bound_is_one_line_without_the_public_host_warning
     assert done.stderr.startswith("error: cannot listen on 999.1.1.1:") and len(done.stderr.splitlines()) == 1
 
 
+def test_a_host_of_another_machine_is_a_usage_error_naming_the_host():
+    done = subprocess.run([*SPECRUN, "serve", "--host", "8.8.8.8", "--port", "0"], capture_output=True, text=True,
+                          timeout=60, check=False)
+    assert done.returncode == 2
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: cannot listen on 8.8.8.8:0: 8.8.8.8 is not an address of "
+                                                   "this machine; pass 127.0.0.1"), done.stderr
+
+
 @pytest.mark.parametrize("host", ["bad..x", "a" * 70 + ".example"])
 def test_a_host_name_no_resolver_takes_is_a_usage_error(host):
     """A name with an empty label, or one of more than 63 characters, was an internal error
