@@ -20,6 +20,7 @@ from specrun.cli.chat import chat_command
 from specrun.cli.distill import distill_command
 from specrun.cli.heads import heads_app
 from specrun.cli.common import (
+    check_backend,
     MODEL_OPTIONS,
     check_outputs_apart,
     MAX_DRAFT_LEN,
@@ -181,6 +182,7 @@ def generate(
     PROMPT is a chat message; with --raw, or for a completion model, it is continued as it is."""
     with cli_errors():
         check_outputs_apart(context, "trace", "ngram_cache")
+        check_backend(backend)
         from specrun.sessions.generation import GenerateRequest, generate_text
         from specrun.registry.loading import LoadOptions, choose_pair
         from specrun.drafters.methods import DrafterOptions, needs_draft_model
@@ -309,6 +311,7 @@ def demo(
 ) -> None:
     """Plain vs speculative decoding on a real pair, side by side: is it faster, identical, and why."""
     with cli_errors():
+        check_backend(backend)
         from specrun.heads.kinds import AUTO_HEADS_ORDER
         from specrun.registry.heads import head_kinds_available
         from specrun.sessions.demo_report import default_pair, run_demo

@@ -8,6 +8,7 @@ from typing import Annotated, Optional
 import typer
 
 from specrun.cli.common import (
+    check_backend,
     check_outputs_apart,
     MAX_DRAFT_LEN,
     MAX_NEW_TOKENS,
@@ -150,6 +151,7 @@ def bench(
     """
     with cli_errors():
         check_outputs_apart(context, "json_out", "report_out", "trace")
+        check_backend(backend)
         from specrun.bench.runner import BenchConfig
         from specrun.sessions.setup import ADAPTIVE_MAX_DRAFT_LEN
         from specrun.registry.loading import DEFAULT_TARGET, LoadOptions

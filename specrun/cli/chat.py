@@ -23,6 +23,7 @@ from rich.console import Console
 from rich.text import Text
 
 from specrun.cli.common import (
+    check_backend,
     check_outputs_apart,
     PipeConsole,
     PrefillBar,
@@ -177,6 +178,7 @@ def chat_command(
     """Chat with the target model: a REPL on a terminal; on a pipe, stdin is the message and stdout the answer."""
     with cli_errors():
         check_outputs_apart(context, "trace", "ngram_cache")
+        check_backend(backend)
         from specrun.sessions.chat import open_chat
         from specrun.engine.loop import TIE_MARGIN, GenerationParams
         from specrun.registry.loading import LoadOptions, choose_pair

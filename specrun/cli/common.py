@@ -515,6 +515,15 @@ def check_drafter_options_used(methods: Sequence[str], flag: str = "--method", *
                          f"drop --ngram-cache, or choose a method with the pool ({flag} ngram or auto, say)")
 
 
+def check_backend(backend: str) -> None:
+    """--backend auto, llama or mlx: refused before anything is said or loaded (demo and bench
+    printed their pair and prompts first)."""
+    from specrun.registry.loading import BACKENDS
+
+    if backend not in BACKENDS:
+        raise UsageError(f"unknown backend {backend!r}", f"use one of: {', '.join(BACKENDS)}")
+
+
 def check_kv_type(kv_type: str | None, exact: bool = False) -> None:
     if kv_type is not None and kv_type not in ("f16", "f32"):
         raise UsageError(f"unknown KV cache type {kv_type!r}", "use --kv-type f16 or --kv-type f32")

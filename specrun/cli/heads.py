@@ -13,7 +13,7 @@ from rich.console import Console, Group
 from rich.table import Table
 from rich.text import Text
 
-from specrun.cli.common import PipeConsole, check_outputs_apart, cli_errors
+from specrun.cli.common import check_backend, PipeConsole, check_outputs_apart, cli_errors
 from specrun.cli.options import BackendOpt, HeadsPromptsOpt, HeadsSeedOpt, HeadsTargetOpt, RegistryOpt, ThreadsOpt
 from specrun.cli.interrupts import INTERRUPTED_EXIT, say_interrupted
 from specrun.errors import UsageError
@@ -56,6 +56,7 @@ def train(
     A second run with the same options resumes from the checkpoint a stopped one left."""
     with cli_errors():
         check_outputs_apart(context, "heads_out")
+        check_backend(backend)
         from specrun.training.run import HeadsTrainRequest, check_request, train_heads
 
         request = HeadsTrainRequest(

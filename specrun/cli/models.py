@@ -17,7 +17,7 @@ from typing import Annotated, Optional
 import typer
 from rich.table import Table
 
-from specrun.cli.common import PipeConsole, cli_errors
+from specrun.cli.common import PipeConsole, check_backend, cli_errors
 from specrun.cli.interrupts import terminate_as_interrupt
 from specrun.cli.options import BackendOpt, DraftOpt, JsonOpt, RegistryOpt, TargetOpt
 from specrun.errors import FileAccessError, ModelFileError, SpecrunError, UsageError
@@ -32,7 +32,7 @@ from specrun.registry.hub import (
     pull,
     remove_cached,
 )
-from specrun.registry.loading import BACKENDS, DEFAULT_TARGET, choose_backend, check_layer_draft_pair, draft_entry_for
+from specrun.registry.loading import DEFAULT_TARGET, choose_backend, check_layer_draft_pair, draft_entry_for
 from specrun.registry.catalog import HUB_ID_ORIGIN, LOCAL_ORIGIN, ModelEntry, entry_for, load_registry
 
 models_app = typer.Typer(
@@ -123,10 +123,9 @@ def pull_model(model: ModelArg, backend: BackendOpt = "auto", registry: Registry
 def remove_model(model: ModelArg, backend: BackendOpt = "auto", registry: RegistryOpt = None) -> None:
     """Delete MODEL's files from the Hugging Face cache (--backend llama: only the GGUF, mlx: only MLX)."""
     with cli_errors():
+        check_backend(backend)
         entry = entry_for(model, load_registry(registry))
-        kinds = {"auto": SOURCE_KINDS, "llama": ("gguf",), "mlx": ("mlx",)}.get(backend)
-        if kinds is None:
-            raise UsageError(f"unknown backend {backend!r}", "use one of: auto, llama, mlx")
+        kinds = {"auto": SOURCE_KINDS, "llama": ("gguf",), "mlx": ("mlx",)}[backend]
         removed = remove_cached(entry, kinds)
         for label, size in removed:
             typer.echo(f"removed {label} ({_gigabytes(size)})", err=True)
@@ -233,8 +232,7 @@ def _check_out_folder(dest: Path) -> None:
 
 def _kind_for(backend: str, spec: str, entry: ModelEntry, entries: dict[str, ModelEntry]) -> str:
     """'gguf' or 'mlx': what ``--backend`` loads; for auto, what `specrun chat` would pick here."""
-    if backend not in BACKENDS:
-        raise UsageError(f"unknown backend {backend!r}", f"use one of: {', '.join(BACKENDS)}")
+    check_backend(backend)
     if backend == "auto":
         with contextlib.suppress(SpecrunError):  # no backend installed: still fetch what exists
             backend = choose_backend("auto", spec, entries)

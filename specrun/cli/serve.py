@@ -8,6 +8,7 @@ from typing import Annotated, Optional
 import typer
 
 from specrun.cli.common import (
+    check_backend,
     check_outputs_apart,
     check_draft_len_use,
     check_drafter_options_used,
@@ -153,6 +154,7 @@ def serve_command(
     --top-p, --min-p and -n are the defaults of requests that do not set them."""
     with cli_errors():
         check_outputs_apart(context, "trace", "ngram_cache")
+        check_backend(backend)
         from specrun.drafters.methods import check_method, check_slots_method, needs_draft_model
         from specrun.registry.loading import LoadOptions, choose_pair
         from specrun.server.app import HttpOptions, serve

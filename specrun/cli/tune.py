@@ -12,7 +12,7 @@ from rich.console import Console, Group
 from rich.table import Table
 from rich.text import Text
 
-from specrun.cli.common import PipeConsole, checked_flash_attn, check_range, checked_rpc, cli_errors
+from specrun.cli.common import check_backend, PipeConsole, checked_flash_attn, check_range, checked_rpc, cli_errors
 from specrun.cli.options import (
     BackendOpt,
     CtxOpt,
@@ -70,6 +70,7 @@ def tune(
     CPU, llama.cpp's flash attention is timed after 4,096 tokens too (once per model and machine),
     so that long runs and requests choose by it rather than wait for it."""
     with cli_errors():
+        check_backend(backend)
         from specrun.errors import UsageError
         from specrun.modelkit.layer_choice import load_choices
         from specrun.modelkit.selfdraft import is_tuned_layer_draft
