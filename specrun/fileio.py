@@ -269,7 +269,8 @@ def _make_folder(path: Path, what: str, instead: str, error: type[SpecrunError])
     for ancestor in path.parents:
         if ancestor.exists():
             if not ancestor.is_dir():
-                raise error(f"cannot write the {what} {path}: {ancestor} is not a folder", instead)
+                raise error(f"cannot write the {what} {path}: {ancestor} is a file, not a folder",
+                            f"remove the file {ancestor}, or {instead}")
             break
     path.parent.mkdir(parents=True, exist_ok=True)
 

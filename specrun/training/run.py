@@ -308,7 +308,7 @@ def train_heads(
         check_eagle3_folder(out)
     else:
         check_heads_file(out)
-        check_writable_folder(out, "heads file")
+        check_writable_folder(out, "heads file", "pass another --heads-out")
     with in_use(out, "--heads-out", "wait for that run to end, or pass another --heads-out"):
         check_checkpoint_folder(checkpoint_folder(out))
         target, trainer_class = open_heads_target(request)

@@ -470,6 +470,15 @@ def test_a_text_file_for_a_folder_is_one_line(tmp_path):
     assert "is a file, not a folder" in line  # said "no such folder"
 
 
+def test_a_file_where_the_cache_s_heads_folder_goes_is_named_with_its_fix(tmp_path, monkeypatch):
+    """$SPECRUN_CACHE/heads a file: the line named the file but no fix ("choose another path")."""
+    (tmp_path / "heads").write_text("")
+    monkeypatch.setenv("SPECRUN_CACHE", str(tmp_path))
+    line = one_line_error(invoke("-t", "demo-target", "--minutes", "0.05"), 1)
+    assert line.endswith(f"{tmp_path / 'heads'} is a file, not a folder; remove the file {tmp_path / 'heads'}, or "
+                         "pass another --heads-out"), line
+
+
 def test_an_empty_text_folder_is_one_line(tmp_path):
     empty = tmp_path / "empty"
     empty.mkdir()
