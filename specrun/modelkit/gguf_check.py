@@ -109,6 +109,13 @@ def check_fields(fields: dict, arch: str) -> None:
         value = fields.get(key)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < len(tokens)):
             raise ValueError(f"{key} is {value!r}, not one of the {len(tokens)} token ids")
+    for key in (keys.ADD_BOS, keys.ADD_EOS):  # a string "yes" read as true, an integer 0 as false
+        value = fields.get(key)
+        if value is not None and not isinstance(value, bool):
+            raise ValueError(f"{key} is {value!r}, not true or false")
+    template = fields.get(keys.CHAT_TEMPLATE)  # an integer was copied into tokenizer_config.json
+    if template is not None and not isinstance(template, str):
+        raise ValueError(f"{keys.CHAT_TEMPLATE} is {template!r}, not a template's text")
 
 
 def check_tensors(infos: list[TensorInfo], config: ModelConfig) -> None:

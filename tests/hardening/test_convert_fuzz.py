@@ -122,6 +122,30 @@ def test_an_embedding_length_written_as_text_is_one_line(tiny_llama, tmp_path, m
                     "download or convert the file again")
 
 
+@pytest.mark.parametrize(("method", "written", "said"), [
+    ("add_add_bos_token", lambda writer, value: writer.add_string("tokenizer.ggml.add_bos_token", "yes"),
+     "tokenizer.ggml.add_bos_token is 'yes', not true or false"),
+    ("add_add_bos_token", lambda writer, value: writer.add_uint32("tokenizer.ggml.add_bos_token", 0),
+     "tokenizer.ggml.add_bos_token is 0, not true or false"),
+    ("add_chat_template", lambda writer, value: writer.add_uint32("tokenizer.chat_template", 7),
+     "tokenizer.chat_template is 7, not a template's text"),
+])
+def test_a_tokenizer_flag_or_template_of_the_wrong_type_is_one_line(tmp_path, monkeypatch, method, written, said):
+    """A string "yes" for add_bos_token was read as true, an integer template copied into
+    tokenizer_config.json: each is a damaged field, named, and no folder is written."""
+    from model_factory import tiny_config, tiny_tokenizer_json, random_weights
+    from specrun.modelkit.gguf_io import write_gguf
+
+    monkeypatch.setattr(gguf.GGUFWriter, method, written)
+    config = tiny_config("llama")
+    path = write_gguf(tmp_path / "typed.gguf", config, random_weights(config, 0), tiny_tokenizer_json(config.vocab_size),
+                      chat_template="{{ messages }}")
+    monkeypatch.undo()
+    line = convert_case(path, tmp_path)
+    assert line == f"{path} cannot be converted: {said}; download or convert the file again", line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["typed.gguf"]
+
+
 def mutate(data: bytes, end: int, rng: random.Random) -> bytes:
     """One of: bytes flipped in the header, a count or length overwritten with an absurd number,
     the file cut short."""
