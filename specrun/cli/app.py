@@ -109,6 +109,23 @@ from specrun.drafters.methods import check_method
 from specrun.errors import AnswerKeptError, SpecrunError, UsageError
 from specrun.wording import count_of
 
+def _flags_show_no_value() -> None:
+    """Typer (0.29) shows a flag's type in the help as if it took a value (``--exact <bool>``),
+    which it refuses ("unexpected extra argument"): a flag, --help too, shows none."""
+    option = getattr(typer.core, "TyperOption", None)
+    shown = getattr(option, "display_type_rich", None)
+    if shown is None or getattr(shown, "flags_show_none", False):
+        return
+
+    def display_type_rich(self, ctx):
+        return None if getattr(self, "is_flag", False) or getattr(self, "count", False) else shown(self, ctx)
+
+    display_type_rich.flags_show_none = True
+    option.display_type_rich = display_type_rich
+
+
+_flags_show_no_value()
+
 app = typer.Typer(
     name="specrun",
     help="Lossless speculative decoding for local LLMs (llama.cpp and MLX).",
@@ -519,7 +536,7 @@ def main() -> None:
         if message:  # empty when Typer has shown the help instead (no arguments)
             context = getattr(exc, "ctx", None)
             command = context.command_path if context is not None else "specrun"
-            typer.echo(f"error: {message}; see `{command} --help`", err=True)
+            typer.echo(f"error: {message.rstrip('.')}; see `{command} --help`", err=True)
     if status == INTERRUPTED_EXIT:
         say_interrupted_once()
     raise SystemExit(status if isinstance(status, int) else 0)

@@ -31,3 +31,16 @@ def test_serve_s_help_wraps_its_paragraphs_where_the_terminal_ends_not_where_the
     lines = [line.strip() for line in result.output.splitlines()]
     # the paragraph fills the 80 columns: its source's break after "--top-k," is gone
     assert "--temp, --top-k, --top-p, --min-p and -n are the defaults of requests that do" in lines
+
+
+@pytest.mark.parametrize(("path", "command"), [(path, command) for path, command in commands()
+                                               if not getattr(command, "commands", None)],
+                         ids=lambda each: " ".join(each) if isinstance(each, tuple) else "")
+def test_a_flag_shows_no_value_in_the_help(path, command):
+    """Typer showed `--exact <bool>`, `--help <bool>`: a value the flag refuses."""
+    result = CliRunner().invoke(app, [*path, "--help"], env={"COLUMNS": "120"})
+    assert result.exit_code == 0, result.output
+    flags = [line for line in result.output.splitlines() if "--help" in line or "<bool>" in line]
+    assert flags and all("<bool>" not in line for line in flags), (path, flags)
+    if "--threads" in result.output:  # an option taking a value still shows its type
+        assert any("--threads" in line and "<int>" in line for line in result.output.splitlines()), path
