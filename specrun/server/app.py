@@ -359,7 +359,10 @@ class OpenAIServer:
             choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
         else:
             choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
-        return {**self._header(job, chunk=True), "choices": [choice]}
+        chunk = {**self._header(job, chunk=True), "choices": [choice]}
+        if job.request.include_usage:  # OpenAI's every chunk but the usage one: a null usage field
+            chunk["usage"] = None
+        return chunk
 
     async def _sse(self, job: Job, started: Started) -> AsyncIterator[str]:
         """Server-sent events: a chunk per stretch of text (with the tokens drafted in it),

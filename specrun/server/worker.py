@@ -56,6 +56,34 @@ DISCONNECT_POLL_SECONDS = 0.25
 
 
 # ---- stop strings ---------------------------------------------------------------------
+class _HeldLogprobs:
+    """A request's token log-probabilities, each held until text it began goes out: a stop
+    string's cut drops those of the tokens past it (the logprobs of " help" and " you" went out
+    after an answer cut at "help"). A token's place is where its bytes begin in the answer."""
+
+    def __init__(self) -> None:
+        self._held: list[tuple[int, tuple]] = []  # (where its bytes begin, the entry)
+        self._seen = 0  # bytes of the tokens so far
+        self._out = 0  # bytes of the answer the stop strings let through so far
+
+    def add(self, entries) -> None:
+        for entry in entries:
+            self._held.append((self._seen, entry))
+            self._seen += len(entry[0].bytes)
+
+    def passed(self, text: str) -> str:
+        """``text`` as it passes the stop strings, counted."""
+        self._out += len(text.encode("utf-8"))
+        return text
+
+    def release(self, everything: bool = False) -> tuple:
+        """The entries of the tokens whose text began inside what went out (``everything``: the
+        answer ended without a stop string, all of them)."""
+        count = len(self._held) if everything else sum(1 for start, _ in self._held if start < self._out)
+        out, self._held = self._held[:count], self._held[count:]
+        return tuple(entry for _, entry in out)
+
+
 class StopCut:
     """Cuts streamed text before the first stop string, holding back what may begin one.
 
@@ -568,7 +596,7 @@ class PairWorker:
         tool_cut = self._tool_cut(job.request)
         tokens = from_draft = 0
         first_sent = False
-        logprobs: list = []  # the tokens' since the last Delta
+        logprobs = _HeldLogprobs()  # the tokens' since the last Delta, each sent with the text it began
         params = GenerationParams(job.request.max_tokens, 0, job.request.sampling, tree_nodes=self.pair.trees.nodes,
                                   grammar=grammar, logprobs=job.request.logprobs)
         stopped = "ended before it finished"
@@ -593,17 +621,16 @@ class PairWorker:
                 if isinstance(event, TextChunk):
                     tokens += len(event.token_ids)
                     from_draft += sum(event.from_draft)
-                    logprobs.extend(self._shown(entry) for entry in event.logprobs)
-                    text = cut.feed(event.text)
+                    logprobs.add(self._shown(entry) for entry in event.logprobs)
+                    text = logprobs.passed(cut.feed(event.text))
                     if tool_cut is not None:
                         text = tool_cut.feed(text)
                     if text:
                         if not first_sent:
                             first_sent = True
                             self.metrics.first_token(job)
-                        job.emit(Delta(text, tokens, from_draft, tuple(logprobs)))
+                        job.emit(Delta(text, tokens, from_draft, logprobs.release()))
                         tokens = from_draft = 0
-                        logprobs.clear()
                     if cut.stopped:
                         self._finish(job, "stop", event.stats, tool_cut, trace, slot)
                         return
@@ -612,7 +639,7 @@ class PairWorker:
                     if tool_cut is not None:
                         tail = tool_cut.feed(tail)
                     if tail or tokens:
-                        job.emit(Delta(tail, tokens, from_draft, tuple(logprobs)))
+                        job.emit(Delta(tail, tokens, from_draft, logprobs.release(everything=True)))
                     if event.result.finish_reason == "grammar":
                         stopped = self._grammar_failed(job, event.result)
                         return

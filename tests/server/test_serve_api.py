@@ -56,6 +56,30 @@ def test_chat_completions_equal_specrun_chat(demo_server):
         assert sum(s["from_draft"] for s in per_chunk) == finish[0].model_extra["speculation"]["accepted"]
 
 
+@pytest.mark.parametrize("usage", [True, False])
+def test_with_include_usage_every_other_chunk_has_a_null_usage(demo_server, usage):
+    """OpenAI: with include_usage "all other chunks will also include a usage field, but with a
+    null value" (a typed client may require the key); without it no chunk has one."""
+    import http.client
+
+    body = {"model": MODEL, "messages": [{"role": "user", "content": MESSAGES[0]}], "max_tokens": 8,
+            "temperature": 0, "stream": True, **({"stream_options": {"include_usage": True}} if usage else {})}
+    host, port = demo_server.host_port
+    connection = http.client.HTTPConnection(host, port, timeout=60)
+    try:
+        connection.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
+        lines = connection.getresponse().read().decode().splitlines()
+    finally:
+        connection.close()
+    chunks = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
+    assert len(chunks) >= 3
+    if usage:
+        assert all("usage" in chunk and chunk["usage"] is None for chunk in chunks[:-1]), chunks
+        assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] > 0
+    else:
+        assert all("usage" not in chunk for chunk in chunks)
+
+
 def test_completions_equal_specrun_generate(demo_server):
     expected = specrun_json("generate", "-n", str(MAX_TOKENS), *DEMO_ARGS, PROMPT)[0]
     client = demo_server.client()

@@ -268,6 +268,32 @@ def test_chat_logprobs_are_the_tokens_of_the_answer_with_their_alternatives(demo
     assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in entries]
 
 
+def test_logprobs_end_with_the_text_a_stop_string_cut(demo_server):
+    """The tokens past a stop string are cut from the answer and from its logprobs (" help" and
+    " you" were listed after an answer cut at "help"); the token the stop string begins inside
+    is listed, as its text begins the cut."""
+    def asked(stream=False, **fields):
+        return demo_server.client().chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": PROMPTS[0]}], max_tokens=40, temperature=0,
+            logprobs=True, top_logprobs=1, stream=stream, **fields)
+
+    whole = asked().choices[0]
+    tokens = [entry.token for entry in whole.logprobs.content]
+    text = whole.message.content
+    starts = [len("".join(tokens[:i]).encode()) for i in range(len(tokens))]
+    at = next(i for i in range(4, len(tokens)) if len(tokens[i].strip()) >= 2
+              and text.find(tokens[i].strip()) == len("".join(tokens[:i])) + tokens[i].index(tokens[i].strip()))
+    stop = tokens[at].strip()
+    cut = asked(stop=[stop]).choices[0]
+    assert cut.message.content == text[:text.find(stop)] and cut.finish_reason == "stop"
+    kept = len(cut.message.content.encode())
+    expected = [token for token, start in zip(tokens, starts) if start < kept]
+    assert [entry.token for entry in cut.logprobs.content] == expected == tokens[:at + 1]
+    streamed = [entry.token for chunk in asked(stream=True, stop=[stop]) if chunk.choices and chunk.choices[0].logprobs
+                for entry in chunk.choices[0].logprobs.content]
+    assert streamed == expected
+
+
 def test_logprobs_under_a_schema_list_only_tokens_it_allows(demo_server):
     schema = SCHEMAS[3]
     response = demo_server.client().chat.completions.create(
