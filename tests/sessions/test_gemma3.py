@@ -205,7 +205,9 @@ def test_the_q4_k_m_file_at_default_settings_differs_only_within_batch_rounding(
         target.close()
 
 
-def test_generate_applies_gemma_s_template_unless_raw(gemma3):
+def test_generate_continues_the_base_model_s_prompt_as_typed_unless_chat(gemma3):
+    """The shipped file is the base model: its answer to a question in Gemma's chat template was
+    the question echoed (README's example): it is a completion model; --chat renders the template."""
     def generate(*extra: str) -> dict:
         completed = subprocess.run(
             [sys.executable, "-m", "specrun", "generate", "What is the capital of France?", "--target",
@@ -215,7 +217,8 @@ def test_generate_applies_gemma_s_template_unless_raw(gemma3):
         assert completed.returncode == 0, completed.stderr
         return json.loads(completed.stdout)
 
-    chat, raw = generate(), generate("--raw")
+    typed, chat, raw = generate(), generate("--chat"), generate("--raw")
+    assert typed["stats"]["prompt_tokens"] == raw["stats"]["prompt_tokens"]
     # <bos> <start_of_turn> user \n … <end_of_turn> \n <start_of_turn> model \n: 8 more than BOS + text
     assert chat["stats"]["prompt_tokens"] == raw["stats"]["prompt_tokens"] + 8
 
