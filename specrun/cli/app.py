@@ -27,6 +27,7 @@ from specrun.cli.common import (
     PipeConsole,
     check_draft_len_use,
     check_drafter_options_used,
+    unused_draft_note,
     check_generation_options,
     checked_chat,
     checked_learning,
@@ -229,6 +230,7 @@ def generate(
             raise UsageError("a required tool call and --grammar/--json-schema both constrain the answer",
                              "give one of them")
         text = read_prompt(prompt)
+        draft_note = unused_draft_note(draft, (method,))  # said after the answer: an error stays one line
         target, draft = choose_pair(target, draft, registry)
         learning = checked_learning("generate", learn, no_learn, learn_budget, learn_buffer, keep_learned, target,
                                     heads, lambda note: typer.echo(f"note: {note}", err=True),
@@ -283,6 +285,8 @@ def generate(
                     if learning is not None:
                         answer["learning"] = [report.to_dict() for report in learned]
                     typer.echo(json.dumps(answer))
+                    if draft_note is not None:
+                        typer.echo(draft_note, err=True)
                 else:
                     try:
                         result = generate_text(request, on_text=answer_out.write)
@@ -292,6 +296,8 @@ def generate(
                         bar.close()  # an error or Ctrl-C while the prompt was read: the bar goes before the message
                     answer_out.end_line()
                     typer.echo(result.stats.summary(), err=True)
+                    if draft_note is not None:
+                        typer.echo(draft_note, err=True)
                     if result.finish_reason == "context":  # -n asked for more than the context holds
                         size = f" of {request.load.n_ctx} tokens" if request.load.n_ctx else ""
                         typer.echo(f"note: the context{size} is full, so the answer stops here; {result.context_fix}",
@@ -333,6 +339,7 @@ def demo(
         from specrun.registry.heads import head_kinds_available
         from specrun.sessions.demo_report import default_pair, run_demo
 
+        given_draft = draft
         target, draft = default_pair(target, draft)
         if methods is None:  # plain, the draft model, the best heads the target has, auto
             found = head_kinds_available(target)
@@ -346,8 +353,11 @@ def demo(
         check_range("--draft-len", draft_len, 0, MAX_DRAFT_LEN)
         check_draft_len_use(draft_len, method_list, "--methods")
         check_range("--threads", threads, 1, 1024)
+        draft_note = unused_draft_note(given_draft, method_list, "--methods")
         run_demo(target, draft, method_list, prompts, max_tokens, draft_len, backend, threads, console=PipeConsole,
                  exact=exact)
+        if draft_note is not None:  # after the table: an error stays one line
+            typer.echo(draft_note, err=True)
 
 
 @app.command("trace")

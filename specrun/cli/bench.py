@@ -16,6 +16,7 @@ from specrun.cli.common import (
     checked_chat,
     check_draft_len_use,
     check_drafter_options_used,
+    unused_draft_note,
     checked_flash_attn,
     check_kv_type,
     check_window_use,
@@ -174,6 +175,7 @@ def bench(
         sampling = checked_sampling("bench", temp, top_k, top_p, min_p, seed)
         verification = checked_verification("bench", verify, accept, epsilon, delta, margin, exact)
         target = target or DEFAULT_TARGET
+        given_draft = draft
         draft = draft or suggested_draft(target, registry)
         from specrun.registry.loading import check_draft_spec
 
@@ -198,6 +200,7 @@ def bench(
                              "give --report a file name, e.g. --report bench.html")
         check_writable(report_out, "--report")
         bench_prompts, suite_name = choose_prompts(suite, prompts_file, categories, per_category)
+        draft_note = unused_draft_note(given_draft, method_list, "--methods")  # after the tables
         config = BenchConfig(
             target=target,
             draft=draft,
@@ -227,6 +230,8 @@ def bench(
                 tracing.header(target=target, draft=draft, methods=list(method_list), prompts=len(bench_prompts),
                                max_new_tokens=max_tokens, repeat=repeat, **sampling.fields())
             run_and_show(config, bench_prompts, json_out, report_out, tracing)
+        if draft_note is not None:
+            typer.echo(draft_note, err=True)
 
 
 def suggested_draft(target: str, registry: Path | None) -> str | None:

@@ -499,8 +499,7 @@ def check_drafter_options_used(methods: Sequence[str], flag: str = "--method", *
     """--draft-min-prob (a draft model's confidence stop) or --ngram-cache (the n-gram pool's file)
     where no method of ``methods`` drafts with what they shape: each would be ignored, as --window,
     --heads and --lookahead would be. Not in chat, whose /method may turn to such a method later.
-    --draft itself is taken with any method: it names the pair (a script runs one pair through
-    several methods), and the draft model is loaded only for a method that drafts with it."""
+    --draft itself is taken with any method, with a note (unused_draft_note)."""
     from specrun.drafters.methods import is_adaptive, needs_draft_model, resolve_method
 
     named = ",".join(methods)
@@ -513,6 +512,19 @@ def check_drafter_options_used(methods: Sequence[str], flag: str = "--method", *
             "ngram" in resolve_method(method).split("+") or is_adaptive(method) for method in methods):
         raise UsageError(f"--ngram-cache keeps the n-gram pool's counts, and {flag} {named} {verb} without the pool",
                          f"drop --ngram-cache, or choose a method with the pool ({flag} ngram or auto, say)")
+
+
+def unused_draft_note(draft: str | None, methods: Sequence[str], flag: str = "--method") -> str | None:
+    """A note where --draft names a model no method of the run drafts with: it is not loaded (a
+    script runs one pair through several methods, --method none among them, so it is no error;
+    nor is it checked: a name on the Hub would be downloaded). Not in chat, whose /method may
+    turn to it later."""
+    from specrun.drafters.methods import is_adaptive, needs_draft_model
+
+    if draft is None or any(needs_draft_model(method) or is_adaptive(method) for method in methods):
+        return None
+    verb = "drafts" if len(methods) == 1 else "draft"
+    return f"note: --draft {draft} is not loaded: {flag} {','.join(methods)} {verb} without a draft model"
 
 
 def check_backend(backend: str) -> None:

@@ -12,6 +12,7 @@ from specrun.cli.common import (
     check_outputs_apart,
     check_draft_len_use,
     check_drafter_options_used,
+    unused_draft_note,
     check_generation_options,
     checked_learning,
     checked_flash_attn,
@@ -205,6 +206,8 @@ def serve_command(
             raise UsageError("--api-key (or SPECRUN_API_KEY) holds characters other than printable ASCII: "
                              "HTTP headers carry ASCII, so no client could send it",
                              "choose a key of printable ASCII characters")
+        if (note := unused_draft_note(draft, (method,))) is not None:
+            _log(note)
         target, draft = choose_pair(target, draft, registry)
         learning = checked_learning("serve", learn, no_learn, learn_budget, learn_buffer, keep_learned, target, heads,
                                     lambda note: _log(f"note: {note}"), labels=learn_labels)

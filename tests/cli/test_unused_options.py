@@ -65,8 +65,21 @@ def test_chat_takes_them_for_a_later_method():
 
 
 @pytest.mark.parametrize("method", ["lookup", "medusa", "none"])
-def test_a_draft_is_taken_with_any_method(method):
-    """The pair through several methods: --draft beside a method without a draft model runs."""
-    result = invoke("generate", "-t", "demo-target", "-d", "demo-draft", "--method", method, "-n", "4",
+def test_a_draft_is_taken_with_any_method_and_a_note_says_it_is_not_loaded(method):
+    """The pair through several methods: --draft beside a method without a draft model runs, a
+    note saying so (it was ignored in silence, a file that does not exist too)."""
+    result = invoke("generate", "-t", "demo-target", "-d", "/nowhere/draft.gguf", "--method", method, "-n", "4",
                     "--threads", "1", "hello")
     assert result.exit_code == 0, result.output
+    assert (f"note: --draft /nowhere/draft.gguf is not loaded: --method {method} drafts without a draft model"
+            in result.stderr.splitlines())
+    used = invoke("generate", "-t", "demo-target", "-d", "demo-draft", "--method", "draft", "-n", "4",
+                  "--threads", "1", "hello")
+    assert used.exit_code == 0 and "not loaded" not in used.stderr
+
+
+def test_bench_notes_a_draft_none_of_its_methods_loads():
+    result = invoke("bench", "-t", "demo-target", "-d", "demo-draft", "--methods", "none,lookup", "-n", "2",
+                    "--per-category", "1", "--threads", "1", "--categories", "chat")
+    assert result.exit_code == 0, result.output
+    assert "note: --draft demo-draft is not loaded: --methods none,lookup draft without a draft model" in result.stderr
