@@ -17,7 +17,9 @@ import typer
 from specrun.cli.common import MAX_BRANCHES, MAX_TREE_NODES
 
 # ---- shared: one declaration for every command that takes the option -------------------
-TargetOpt = Annotated[Optional[str], typer.Option("--target", "-t", help="Target model: alias or .gguf path.")]
+TargetOpt = Annotated[Optional[str], typer.Option(
+    "--target", "-t", help="Target model: an alias (specrun models list), a .gguf path, an MLX folder or a Hub name "
+                           "(owner/name/FILE.gguf). Default: demo-target.")]
 DraftOpt = Annotated[
     Optional[str],
     typer.Option("--draft", "-d", help="Draft model: alias, .gguf path or MLX folder; self:q4 / self:q8 (a "

@@ -22,7 +22,6 @@ from specrun.cli.options import (
     MaxTokensOpt,
     RegistryOpt,
     RpcOpt,
-    SinksOpt,
     TargetOpt,
     ThreadsOpt,
     TunePromptsOpt,
@@ -60,7 +59,9 @@ def tune(
         typer.Option("--window-context", help="With --window-search: the prompt's tokens (default 4096, at most the "
                      "context less --max-tokens)."),
     ] = None,
-    sinks: SinksOpt = None,
+    sinks: Annotated[Optional[int], typer.Option(
+        "--sinks", help="With --window-search: the context's first tokens every windowed cache keeps (default 4)."
+    )] = None,
 ) -> None:
     """Measure plain decoding, each draft length and confidence stops on this machine; later runs start from them.
 

@@ -266,7 +266,7 @@ def open_backend(
     if self_draft:
         resolve = functools.partial(resolve_self_draft, target_spec=target_spec, backend=backend)
     path = resolve(spec, entries)
-    _check_context(path, options.n_ctx)
+    _check_context(path, options.n_ctx, spec)
     if backend != "mlx" and target_spec is None:  # a draft's passes never make an answer inexact
         _check_latent_attention(path, options)
     if split and not self_draft:
@@ -307,8 +307,9 @@ def _check_latent_attention(path: str | Path, options: LoadOptions) -> None:
                          "or of the experts' router)")
 
 
-def _check_context(path: str | Path, n_ctx: int | None) -> None:
-    """Refuse a --ctx past the model's training context (its output degrades there)."""
+def _check_context(path: str | Path, n_ctx: int | None, spec: str) -> None:
+    """Refuse a --ctx past the model's training context (its output degrades there), naming the
+    model as the user did (``spec``), not the file it resolved to in specrun's cache."""
     if n_ctx is None:
         return
     from specrun.registry.hub import training_context
@@ -316,7 +317,7 @@ def _check_context(path: str | Path, n_ctx: int | None) -> None:
     trained = training_context(Path(path))
     if trained is not None and n_ctx > trained:
         raise UsageError(
-            f"--ctx {n_ctx} is more than the {trained} tokens {path} was trained with",
+            f"--ctx {n_ctx} is more than the {trained:,} tokens {spec} was trained with",
             f"pass --ctx {trained} or less",
         )
 

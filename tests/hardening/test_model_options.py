@@ -164,5 +164,8 @@ def test_a_context_past_the_training_context_is_a_usage_error(tiny_llama, backen
     source = str(tiny_llama.gguf_path if backend == "llama" else tiny_llama.hf_dir)
     result = invoke("generate", "hi", "-t", source, "-m", "none", "--backend", backend, "-n", "2", "--ctx", "100000")
     assert_one_line_error(result.exit_code, result.stderr, 2, "--ctx 100000", "trained with", "--ctx 512 or less")
+    alias = invoke("generate", "hi", "-t", "demo-target", "-m", "none", "-n", "2", "--ctx", "100000")
+    # the model as the user named it, not its file in specrun's cache
+    assert_one_line_error(alias.exit_code, alias.stderr, 2, "the 2,048 tokens demo-target was trained with")
     fits = invoke("generate", "hi", "-t", source, "-m", "none", "--backend", backend, "-n", "2", "--ctx", "512")
     assert fits.exit_code == 0, fits.output
