@@ -261,8 +261,10 @@ def explain(run: RunTrace, most_events: int = 12, live: bool = False) -> list[st
     if steps:
         emitted = sum(step.get("emitted", 0) for step in steps)
         plans: dict[str, int] = {}
-        for step in steps:
-            plans[step.get("plan", "?")] = plans.get(step.get("plan", "?"), 0) + 1
+        for step in steps:  # a pass that asked for a draft and got none verified one token: said so
+            plan = step.get("plan", "?")
+            plan = "asked for a draft and got none" if plan == "draft" and step.get("drafted", 1) == 0 else plan
+            plans[plan] = plans.get(plan, 0) + 1
         kinds = ", ".join(f"{count} {plan}" for plan, count in sorted(plans.items(), key=lambda item: -item[1]))
         passes = f"{len(steps)} pass{'' if len(steps) == 1 else 'es'}"
         lines.append(f"  {count_of(emitted, 'token')} in {passes} ({emitted / len(steps):.2f} a pass): {kinds}")

@@ -33,6 +33,17 @@ def write(path, records) -> None:
     path.write_text("".join(json.dumps(record) + "\n" for record in records))
 
 
+def test_passes_that_asked_for_a_draft_and_got_none_are_not_counted_as_drafted(tmp_path):
+    """A server's trace read "12 draft" where 2 passes drafted: the others asked, got nothing, and
+    verified a plain token."""
+    path = tmp_path / "t.jsonl"
+    write(path, [{"trace": "specrun", "version": 1, "method": "auto"}, step(1, "prefill", 0, 0, policy(True)),
+                 step(2, "draft", 4, 3, policy(True)), step(3, "draft", 0, 0, policy(True)),
+                 step(4, "draft", 0, 0, policy(True)), step(5, "plain", 0, 0, policy(True))])
+    told = explain(read_trace(path)[1][0])
+    assert told[1] == "  8 tokens in 5 passes (1.60 a pass): 2 asked for a draft and got none, 1 prefill, 1 draft, 1 plain"
+
+
 def test_a_run_is_told_with_its_drafters_time_turns_and_end(tmp_path):
     path = tmp_path / "t.jsonl"
     write(path, [{"trace": "specrun", "version": 1, "target": "t", "draft": "d", "method": "auto", "prompt_tokens": 5},
