@@ -7,7 +7,8 @@ Schema ``specrun.bench/1`` (keys in order):
   the length chosen as it went, draft_len its longest), draft_lens (as asked: empty when
   each method ran as generate runs it), draft_min_prob (as run), sweep,
   max_new_tokens, temperature, top_k, top_p, min_p, seed, repeat, chat, suite,
-  n_ctx, baseline, timing, tuned (the `specrun tune` key the controllers started from, or null),
+  n_ctx, baseline, timing, tuned (the key of the stored settings the controllers started from, or null),
+  tuned_by ("specrun tune", "earlier runs" (learned.json), or null),
   verify (how exact sampled chains were verified: block or token), acceptance ("exact", or a lossy
   rule's label such as "typical (lossy)": the drafting lines' texts are then not the target's own)
   and acceptance_settings (the lossy rule's rule, epsilon, delta and factor, or null)
@@ -134,6 +135,7 @@ def _config(result: BenchResult) -> dict:
         "baseline": result.comparison.baseline,
         "timing": "generation only (prefill excluded); methods interleaved per prompt",
         "tuned": result.tuned,
+        "tuned_by": None if result.tuned is None else "earlier runs" if result.tuned_by_runs else "specrun tune",
         "native": _native(result.comparison),
         "verify": config.verification.chain_rule,
         "acceptance": result.comparison.acceptance,

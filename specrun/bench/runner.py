@@ -130,6 +130,7 @@ class BenchResult:
     # the target's flash attention: "on", "off", or "auto" (llama.cpp's choice: GPUs, MLX)
     flash_attn: str = "auto"
     notes: tuple[str, ...] = ()  # what the run measured of this machine first (sessions/kernels.py)
+    tuned_by_runs: bool = False  # ``tuned`` is what earlier runs measured (learned.json), not `specrun tune`
 
     @property
     def exact(self) -> bool:
@@ -254,6 +255,7 @@ def run_bench(config: BenchConfig, prompts: Sequence[BenchPrompt], progress: Pro
         min_prob,
         flash_attn,
         tuple(notes),
+        tuned_by_runs=tuned is not None and tuned.learned,
     )
 
 

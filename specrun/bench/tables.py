@@ -103,12 +103,13 @@ def footnotes(result: BenchResult) -> list[str]:
         reason = "under --exact (identical output promised)" if result.exact else "where the target had a clear choice"
         notes.append(f"NO: an output differs from plain decoding {reason}: a DEFECT, located above")
     if result.tuned is not None:
-        notes.append(f"controllers started from `specrun tune`'s measurements for this pair ({result.tuned}); "
-                     "--untuned starts them from their priors")
+        source = ("what earlier runs of this pair measured on this machine (learned.json)" if result.tuned_by_runs
+                  else "`specrun tune`'s measurements for this pair")
+        notes.append(f"controllers started from {source} ({result.tuned}); --untuned starts them from their priors")
         tuned_lines = _tuned_settings(result)
         if tuned_lines:
-            notes.append(f"as `specrun generate` runs them, with tune's settings: {tuned_lines}; "
-                         "--draft-min-prob sets it")
+            whose = "the settings earlier runs learned" if result.tuned_by_runs else "tune's settings"
+            notes.append(f"as `specrun generate` runs them, with {whose}: {tuned_lines}; --draft-min-prob sets it")
     elif result.config.use_tuned and any(needs_draft_model(m) for m in result.config.methods):
         notes.append("no `specrun tune` settings for this pair on this machine: controllers started from their priors")
     if (result.machine or {}).get("mlx_blas") == "reference":

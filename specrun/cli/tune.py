@@ -85,7 +85,12 @@ def tune(
                 raise UsageError(f"--show prints every pair's saved settings; it takes no {given[0]}",
                                  f"leave {given[0]} out")
             results, choices = tuning.load_all(), load_choices()  # both read before anything is printed
-            out.print(render(results))
+            if not results and not choices:  # it printed a heading over nothing
+                out.print("no tuned settings on this machine yet: `specrun tune --target MODEL --draft DRAFT` "
+                          "measures a pair and saves its settings")
+                return
+            if results or not choices:
+                out.print(render(results))
             if choices:
                 out.print(render_layer_choices(choices))
             return
@@ -263,6 +268,28 @@ def render_layer_choices(choices) -> Group:
     return Group(*blocks)
 
 
+def _model_shown(model_id: str) -> str:
+    """A tuned model as a reader names it: its file, with what else tells its entry apart (flash
+    attention, a layer draft's layers), not the file size its key holds."""
+    name, _, variant = model_id.partition("|")
+    shown = name.rsplit(":", 1)[0] if name.rsplit(":", 1)[-1].isdigit() else name
+    if variant.startswith("flash="):
+        return f"{shown} (flash attention {variant.removeprefix('flash=')})"
+    return f"{shown} ({variant})" if variant else shown
+
+
+def _round_one_best(rates: dict[str, float]) -> tuple[str, float] | None:
+    """Round 1's fastest draft length and its ratio to round 1's plain decoding, where it beat it."""
+    from specrun.sessions.tuning import baseline_of
+
+    plain = rates.get("none")
+    first = {name: rate for name, rate in rates.items() if name != "none" and baseline_of(name) == "none"}
+    if not plain or not first:
+        return None
+    name = max(first, key=first.get)
+    return (name, first[name] / plain) if first[name] > plain else None
+
+
 def render(results) -> Group:
     """Each tuned pair: its chosen settings on a few lines, then every setting's rate in a
     narrow table of its own (one long cell of rates wrapped into an unreadable column at 80)."""
@@ -275,9 +302,13 @@ def render(results) -> Group:
         acceptance = f"{100 * result.acceptance:.0f}%" + (
             f" (first token {100 * result.first_acceptance:.0f}%)" if result.first_acceptance else ""
         )
-        blocks.append(Text(f"\n{result.target}  +  {result.draft}", style="bold"))
+        blocks.append(Text(f"\n{_model_shown(result.target)}  +  {_model_shown(result.draft)}", style="bold"))
         blocks.append(Text(f"  machine {result.machine}"))
         blocks.append(Text(f"  best fixed draft length (-k) {best}, confidence stop {stop}, speed-up {result.speedup:.2f}×"))
+        if not result.best_draft_len and (round_one := _round_one_best(result.tokens_per_second)) is not None:
+            name, ratio = round_one
+            blocks.append(Text(f"  ({name} read {ratio:.2f}× in round 1, but not when timed again beside plain "
+                               "decoding in round 2, which decides)"))
         blocks.append(Text(f"  draft tokens accepted {acceptance}"))
         if result.window_context:
             kept = (f"its first {result.window_sinks} tokens and the last {result.window}, "

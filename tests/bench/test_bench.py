@@ -213,7 +213,7 @@ def test_json_holds_every_figure_and_the_machine(bench_outputs):
     config = doc["config"]
     assert config["methods"] == ["none", "draft", "lookup"] and config["draft_lens"] == [1, 2] and config["sweep"]
     assert config["draft_min_prob"] == 0.0
-    assert config["tuned"] is None  # no `specrun tune` settings in the tests' own config
+    assert config["tuned"] is None and config["tuned_by"] is None  # no stored settings in the tests' own config
     assert [v["name"] for v in config["variants"]] == ["none", "draft k=1", "draft k=2", "lookup k=1", "lookup k=2"]
     assert config["repeat"] == 2 and config["max_new_tokens"] == 8 and config["baseline"] == "none"
     assert config["flash_attn"] in ("on", "off")  # measured: the suite's llama.cpp runs on a CPU (sessions/kernels.py)
@@ -428,3 +428,21 @@ def assert_png_rows_vary(data: bytes) -> None:
     after_first_pixel = rows[:, 1 + channels :]  # (height, (width - 1) * channels)
     varying = (after_first_pixel != after_first_pixel[:, :1]).any(axis=1)  # (height,)
     assert varying.mean() > 0.05, f"only {varying.sum()} of {height} rows show anything: the screenshot is blank"
+
+
+def test_settings_earlier_runs_learned_are_credited_to_them_not_to_tune(tmp_path, monkeypatch):
+    """After generate alone (learned.json, no tuned.json) bench said its controllers started
+    from `specrun tune`'s measurements."""
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
+    learned = CliRunner().invoke(app, ["generate", "-t", "demo-target", "-d", "demo-draft", "--method", "draft", "-n", "48",
+                      "--threads", "1", "def parse(line):"])
+    assert learned.exit_code == 0 and (tmp_path / "specrun" / "learned.json").is_file(), learned.output
+    out = tmp_path / "bench.json"
+    result = run_cli("-t", "demo-target", "-d", "demo-draft", "--methods", "none,draft", "-n", "8",
+                     "--per-category", "1", "--categories", "chat", "--threads", "1", "--json", str(out))
+    assert result.exit_code == 0, result.output
+    said = " ".join(result.output.split())
+    assert "controllers started from what earlier runs of this pair measured on this machine (learned.json)" in said
+    assert "specrun tune`'s measurements" not in said
+    config = json.loads(out.read_text())["config"]
+    assert config["tuned"] and config["tuned_by"] == "earlier runs"

@@ -109,7 +109,7 @@ def test_tune_table_shows_each_setting_beside_its_rounds_plain_decoding_in_80_co
 
     rates = {"none": 200.0, "draft k=1": 250.0, "draft k=8": 150.0,
              "none (round 2)": 210.0, "draft k=1 (round 2)": 252.0, "draft k=8 p>=0.5": 189.0}
-    result = TuneResult("k", "target-model.q4_k_m.gguf:4920000000", "draft-model.q4_k_m.gguf:700000000",
+    result = TuneResult("k", "target-model.q4_k_m.gguf:4920000000", "draft-model.q4_k_m.gguf:700000000|flash=off",
                         "host|x86_64|2 cpus|?", best_draft_len=1, speedup=1.2, tokens_per_second=rates,
                         acceptance=0.4, first_acceptance=0.66, acceptance_by_position={1: 0.66, 2: 0.5, 3: 0.25})
     console = Console(width=80, record=True, color_system=None)
@@ -126,7 +126,25 @@ def test_tune_table_shows_each_setting_beside_its_rounds_plain_decoding_in_80_co
     assert "best fixed draft length (-k) 1, confidence stop none, speed-up 1.20×" in text
     assert "draft tokens accepted 40% (first token 66%)" in text
     assert "accepted by draft position (the ones before it accepted): 66% 50% 25%" in text
-    assert "target-model.q4_k_m.gguf:4920000000  +  draft-model.q4_k_m.gguf:700000000" in text
+    assert "target-model.q4_k_m.gguf  +  draft-model.q4_k_m.gguf (flash attention off)" in text
+    assert "round 1" not in text  # round 2 confirmed round 1's choice
+
+
+def test_tune_s_report_says_why_round_one_s_best_was_not_chosen():
+    """It printed "-k 0 (plain is fastest)" above draft k=2 at 1.18×, without a word on round 2."""
+    from rich.console import Console
+
+    from specrun.cli.tune import render
+    from specrun.sessions.tuning import TuneResult
+
+    rates = {"none": 100.0, "draft k=2": 118.0, "none (round 2)": 110.0, "draft k=2 (round 2)": 104.0}
+    result = TuneResult("k", "t.gguf:10", "d.gguf:5", "host", best_draft_len=0, speedup=1.0, tokens_per_second=rates)
+    console = Console(width=120, record=True, color_system=None)
+    console.print(render([result]))
+    text = console.export_text()
+    assert "best fixed draft length (-k) 0 (plain is fastest)" in text
+    assert ("(draft k=2 read 1.18× in round 1, but not when timed again beside plain decoding in round 2, which "
+            "decides)") in text
 
 
 def test_a_corrupt_tune_file_is_one_line(config_home, tiny_llama):
@@ -529,3 +547,11 @@ def test_no_slope_where_the_document_is_shorter_than_the_deepest_context():
     pair = ContextCostedFake.make(clock, 1e-5), ContextCostedFake.make(clock, 1e-5)
     assert tuning.time_context_costs(*pair, list(range(1, 500)), 4, (256, 1024), clock=clock) is None
     assert tuning.time_context_costs(*pair, list(range(1, 500)), 4, (256,), clock=clock) is None
+
+
+def test_show_on_a_machine_with_nothing_tuned_says_so_and_how(config_home):
+    """It printed a heading over nothing."""
+    result = CliRunner().invoke(app, ["tune", "--show"], env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    assert result.stdout.strip() == ("no tuned settings on this machine yet: `specrun tune --target MODEL --draft DRAFT` "
+                                     "measures a pair and saves its settings")
