@@ -32,6 +32,7 @@ import numpy as np
 from specrun.backends.mlx_common import release_thread_streams
 from specrun.errors import UsageError
 from specrun.training.run import held_out_report
+from specrun.wording import count_of
 
 BATCH_POSITIONS = 64  # positions per step (Medusa, Hydra), about what a step trains on for the others
 PUBLISH_SECONDS = 2.0  # a copy of the weights for the drafter, at most this often (Medusa's: ~38 MB)
@@ -128,8 +129,11 @@ class LearnReport:
                 f"{self.labels}), "
                 f"{self.busy_cpu:.2f} s CPU while generating ({share}), "
                 f"{self.idle_cpu:.2f} s idle and {self.closing_cpu:.2f} s after it, "
-                f"{self.swaps} swaps; "
-                f"acceptance by depth {depths(self.first)} over the first {self.first_positions} positions, "
+                f"new weights taken by the drafter {count_of(self.swaps, 'time')}; "
+                f"on the verified text, each position scored before it was learned from, the "
+                f"{'draft model' if self.kind == 'draft' else 'heads'} guessed right by depth (each depth "
+                f"given the ones before it right; not the run's acceptance, which counts only what was drafted) "
+                f"{depths(self.first)} over the first {self.first_positions} positions, "
                 f"{depths(self.latest)} over the latest {self.latest_positions}")
         if self.stopped:
             line += f"; stopped: {self.stopped}"
