@@ -27,6 +27,7 @@ from specrun.cli.common import (
     PipeConsole,
     check_draft_len_use,
     check_drafter_options_used,
+    gpu_layers_note,
     unused_draft_note,
     check_generation_options,
     checked_chat,
@@ -230,7 +231,9 @@ def generate(
             raise UsageError("a required tool call and --grammar/--json-schema both constrain the answer",
                              "give one of them")
         text = read_prompt(prompt)
-        draft_note = unused_draft_note(draft, (method,))  # said after the answer: an error stays one line
+        # said after the answer: an error stays one line
+        end_notes = [note for note in (unused_draft_note(draft, (method,)),
+                                       gpu_layers_note(gpu_layers, rpc_servers, backend)) if note is not None]
         target, draft = choose_pair(target, draft, registry)
         learning = checked_learning("generate", learn, no_learn, learn_budget, learn_buffer, keep_learned, target,
                                     heads, lambda note: typer.echo(f"note: {note}", err=True),
@@ -285,8 +288,8 @@ def generate(
                     if learning is not None:
                         answer["learning"] = [report.to_dict() for report in learned]
                     typer.echo(json.dumps(answer))
-                    if draft_note is not None:
-                        typer.echo(draft_note, err=True)
+                    for note in end_notes:
+                        typer.echo(note, err=True)
                 else:
                     try:
                         result = generate_text(request, on_text=answer_out.write)
@@ -296,8 +299,8 @@ def generate(
                         bar.close()  # an error or Ctrl-C while the prompt was read: the bar goes before the message
                     answer_out.end_line()
                     typer.echo(result.stats.summary(), err=True)
-                    if draft_note is not None:
-                        typer.echo(draft_note, err=True)
+                    for note in end_notes:
+                        typer.echo(note, err=True)
                     if result.finish_reason == "context":  # -n asked for more than the context holds
                         size = f" of {request.load.n_ctx} tokens" if request.load.n_ctx else ""
                         typer.echo(f"note: the context{size} is full, so the answer stops here; {result.context_fix}",

@@ -16,6 +16,7 @@ from specrun.cli.common import (
     checked_chat,
     check_draft_len_use,
     check_drafter_options_used,
+    gpu_layers_note,
     unused_draft_note,
     checked_flash_attn,
     check_kv_type,
@@ -200,7 +201,8 @@ def bench(
                              "give --report a file name, e.g. --report bench.html")
         check_writable(report_out, "--report")
         bench_prompts, suite_name = choose_prompts(suite, prompts_file, categories, per_category)
-        draft_note = unused_draft_note(given_draft, method_list, "--methods")  # after the tables
+        end_notes = [note for note in (unused_draft_note(given_draft, method_list, "--methods"),  # after the tables
+                                       gpu_layers_note(gpu_layers, rpc_servers, backend)) if note is not None]
         config = BenchConfig(
             target=target,
             draft=draft,
@@ -230,8 +232,8 @@ def bench(
                 tracing.header(target=target, draft=draft, methods=list(method_list), prompts=len(bench_prompts),
                                max_new_tokens=max_tokens, repeat=repeat, **sampling.fields())
             run_and_show(config, bench_prompts, json_out, report_out, tracing)
-        if draft_note is not None:
-            typer.echo(draft_note, err=True)
+        for note in end_notes:
+            typer.echo(note, err=True)
 
 
 def suggested_draft(target: str, registry: Path | None) -> str | None:

@@ -527,6 +527,21 @@ def unused_draft_note(draft: str | None, methods: Sequence[str], flag: str = "--
     return f"note: --draft {draft} is not loaded: {flag} {','.join(methods)} {verb} without a draft model"
 
 
+def gpu_layers_note(gpu_layers: int | None, rpc: Sequence[str], backend: str) -> str | None:
+    """A note where --gpu-layers asks for layers on a GPU that llama.cpp does not see here (and no
+    --rpc server lends one): every layer runs on the CPU, as without it."""
+    if not gpu_layers or rpc or backend == "mlx":
+        return None
+    from specrun.backends.llama import has_local_gpu
+
+    try:
+        if has_local_gpu():
+            return None
+    except Exception:  # noqa: BLE001 - no llama.cpp to ask: its loading says what is wrong
+        return None
+    return f"note: --gpu-layers {gpu_layers}: llama.cpp sees no GPU on this machine, so every layer runs on the CPU"
+
+
 def check_backend(backend: str) -> None:
     """--backend auto, llama or mlx: refused before anything is said or loaded (demo and bench
     printed their pair and prompts first)."""

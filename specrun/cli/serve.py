@@ -12,6 +12,7 @@ from specrun.cli.common import (
     check_outputs_apart,
     check_draft_len_use,
     check_drafter_options_used,
+    gpu_layers_note,
     unused_draft_note,
     check_generation_options,
     checked_learning,
@@ -206,8 +207,9 @@ def serve_command(
             raise UsageError("--api-key (or SPECRUN_API_KEY) holds characters other than printable ASCII: "
                              "HTTP headers carry ASCII, so no client could send it",
                              "choose a key of printable ASCII characters")
-        if (note := unused_draft_note(draft, (method,))) is not None:
-            _log(note)
+        for note in (unused_draft_note(draft, (method,)), gpu_layers_note(gpu_layers, rpc_servers, backend)):
+            if note is not None:
+                _log(note)
         target, draft = choose_pair(target, draft, registry)
         learning = checked_learning("serve", learn, no_learn, learn_budget, learn_buffer, keep_learned, target, heads,
                                     lambda note: _log(f"note: {note}"), labels=learn_labels)

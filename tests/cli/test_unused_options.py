@@ -83,3 +83,18 @@ def test_bench_notes_a_draft_none_of_its_methods_loads():
                     "--per-category", "1", "--threads", "1", "--categories", "chat")
     assert result.exit_code == 0, result.output
     assert "note: --draft demo-draft is not loaded: --methods none,lookup draft without a draft model" in result.stderr
+
+
+@pytest.mark.parametrize("layers", ["5", "-1"])
+def test_gpu_layers_without_a_gpu_is_a_note_after_the_run(layers):
+    """--gpu-layers was taken in silence where llama.cpp sees no GPU (every layer on the CPU)."""
+    from specrun.backends.llama import has_local_gpu
+
+    if has_local_gpu():
+        pytest.skip("this machine has a GPU: the layers go to it")
+    result = invoke("generate", "-t", "demo-target", "--gpu-layers", layers, "-n", "4", "--threads", "1", "hello")
+    assert result.exit_code == 0, result.output
+    assert result.stderr.splitlines()[-1] == (f"note: --gpu-layers {layers}: llama.cpp sees no GPU on this machine, "
+                                              "so every layer runs on the CPU")
+    none_asked = invoke("generate", "-t", "demo-target", "--gpu-layers", "0", "-n", "4", "--threads", "1", "hello")
+    assert none_asked.exit_code == 0 and "--gpu-layers" not in none_asked.stderr
