@@ -321,6 +321,14 @@ class LlamaCppBackend(HiddenTracking):
         self._set_variant()
         self._ctx_params = ctx_params  # what a context re-created for trees (open_for_trees) is made with
         self._ctx = None
+        # the default thread count yields cores other processes keep busy (cpu_load.py): never a
+        # count the user chose (--threads, $SPECRUN_THREADS), nor where the layers run on a GPU
+        self._follower = None
+        if n_threads is None and threads > 1 and not os.environ.get("SPECRUN_THREADS", "").strip() and (
+                not rpc and (gpu_layers == 0 or not has_local_gpu())):
+            from specrun.backends.cpu_load import LoadFollower
+
+            self._follower = LoadFollower(threads)
         try:
             self._open_context(tree_paths)
         except BaseException:
@@ -621,8 +629,20 @@ class LlamaCppBackend(HiddenTracking):
             view = self._hidden_views[key] = np.frombuffer(buffer, dtype=np.float32).reshape(n_rows, size)
         return view.copy()
 
+    def follow_load(self, ctx=None) -> None:
+        """Before a pass: the thread count cpu_load.LoadFollower gives (``ctx``: a context of this
+        model's other than the backend's own, such as its slots', which tracks its own count)."""
+        if self._follower is None:
+            return
+        threads = self._follower.threads()
+        owner = self if ctx is None else ctx
+        if threads != owner._threads_now:
+            self._lib.llama_set_n_threads(owner._ctx, threads, threads)
+            owner._threads_now = threads
+
     def _decode_chunk(self, chunk: Sequence[int], wanted) -> None:
         self._fill_batch(chunk, wanted)
+        self.follow_load()
         status = self._lib.llama_decode(self._ctx, self._batch)
         if status != 0:
             raise ContextFullError(
@@ -832,6 +852,7 @@ class LlamaCppBackend(HiddenTracking):
         if self._ctx:
             self._free_context()
         self._ctx, self._tree_paths = ctx, paths
+        self._threads_now = params.n_threads  # a new context starts at the count it was made with
         self._memory = lib.llama_get_memory(ctx)
         self._batch = lib.llama_batch_init(self.n_batch, 0, 1)
         # a node carries the sequence ids of every path through it
@@ -923,6 +944,7 @@ class LlamaCppBackend(HiddenTracking):
             for path in range(len(tree.paths)):  # every path sees the context: cells shared, not copied
                 lib.llama_memory_seq_cp(memory, _SEQ, 1 + path, 0, self._n_past)
             self._fill_tree_batch(tokens, tree, range(n_fed) if every_row else set(rows))
+            self.follow_load()
             status = lib.llama_decode(self._ctx, self._tree_batch)
             if status != 0:
                 self._drop_tree_cells()

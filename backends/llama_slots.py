@@ -122,6 +122,8 @@ class LlamaSlots:
         self._memory = lib.llama_get_memory(self._ctx)
         self._batch = lib.llama_batch_init(self.n_batch, 0, 1 + self.tree_paths)
         self._params = params
+        self._threads_now = params.n_threads  # the parent's follow_load sets it (backends/cpu_load.py)
+        self._parent = parent
         self._mtp, self._mtp_tried, self._mtp_lock = None, False, threading.Lock()
         self._logits_address = parent._logits_address
         if hidden:
@@ -180,6 +182,7 @@ class LlamaSlots:
                 batch.logits[i] = every_row or offset in wanted  # embeddings on: llama.cpp outputs every row
                 i += 1
         batch.n_tokens = i
+        self._parent.follow_load(self)
         status = self._lib.llama_decode(self._ctx, batch)
         if status != 0:
             raise ContextFullError(f"llama.cpp decode failed with status {status} in a batch of {i} tokens",

@@ -34,6 +34,7 @@ class LlamaWindowCache:
         params.n_batch = params.n_ubatch = self.n_batch
         params.swa_full = True
         self._ctx = lib.llama_init_from_model(parent._model, params)
+        self._parent, self._threads_now = parent, params.n_threads  # the parent's follow_load sets it
         if not self._ctx:
             raise ModelFileError(f"llama.cpp could not create a window cache of {cells} tokens for {parent.path.name}",
                                  "lower --window or free memory")
@@ -64,6 +65,7 @@ class LlamaWindowCache:
                 batch.n_seq_id[i] = 1
                 batch.seq_id[i][0] = _SEQ
                 batch.logits[i] = i in wanted
+            self._parent.follow_load(self)
             status = self._lib.llama_decode(self._ctx, batch)
             if status != 0:
                 raise ContextFullError(f"llama.cpp decode failed with status {status} in the window cache",

@@ -1,0 +1,117 @@
+"""llama.cpp's CPU threads, fewer while other processes keep cores busy.
+
+llama.cpp's threads meet at a barrier after every operation of a pass and spin there. Where
+another process holds a core, the thread it displaced reaches each barrier a scheduler slice
+late, and every pass waits for it: SmolLM2 widened (481M), 2 threads on this 2-core machine,
+plain decoding 17.6 tokens/s quiet and 1.5 with one core held by a busy loop, against 10.9 on
+one thread (session 84; docs/perf.md 4). llama-cpp-python, llama-cli and llama-server keep the
+count they started with.
+
+So a backend left at the default thread count asks ``LoadFollower.threads()`` before each pass:
+the CPU time other processes took over the last quarter second (/proc/stat's busy time less
+this process's own, /proc/self/stat) takes ``ceil(others - SPARE)`` cores, and the pass runs on
+the rest (at least one thread, at most the default). Fewer at once; more only after two readings
+agree, so a brief burst does not make the count flap. Where /proc cannot be read (macOS), or
+the user chose --threads or $SPECRUN_THREADS, the count stays as it is.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import threading
+import time
+from collections.abc import Callable
+
+WINDOW_S = 0.25  # the shortest interval a reading spans: /proc/stat counts in 10 ms jiffies
+# Other processes' load a core takes before it counts as taken (threads = cores - ceil(others -
+# SPARE)): a process on a third of a core already displaces a thread at many barriers. Chosen from
+# the mechanism, not tuned on prompts.
+SPARE = 0.3
+RAISE_AFTER = 2  # readings in a row that allow more threads before they are given
+
+
+def _jiffies() -> tuple[int, int] | None:
+    """(every core's busy jiffies, this process's), or None where /proc cannot be read."""
+    try:
+        with open("/proc/stat", "rb") as handle:
+            fields = handle.readline().split()
+        with open("/proc/self/stat", "rb") as handle:
+            own = handle.read().rsplit(b")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    if not fields or fields[0] != b"cpu" or len(fields) < 8:
+        return None
+    user, nice, system, _idle, _iowait, irq, softirq = (int(value) for value in fields[1:8])
+    steal = int(fields[8]) if len(fields) > 8 else 0
+    return user + nice + system + irq + softirq + steal, int(own[11]) + int(own[12])  # utime, stime
+
+
+class LoadReading:
+    """Cores other processes kept busy, read at most every WINDOW_S (one reading a process: the
+    target's and the draft's backends share it)."""
+
+    def __init__(self, read: Callable[[], tuple[int, int] | None] = _jiffies,
+                 clock: Callable[[], float] = time.monotonic, hz: int | None = None) -> None:
+        self._read, self._clock = read, clock
+        self._hz = hz or (os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100)
+        self._lock = threading.Lock()
+        self._last: tuple[float, int, int] | None = None
+        self.others: float | None = None  # the latest reading, None before the first window ends
+        self.serial = 0  # counts readings, so a follower takes each once
+
+    def update(self) -> float | None:
+        with self._lock:
+            now = self._clock()
+            if self._last is not None and now - self._last[0] < WINDOW_S:
+                return self.others
+            counts = self._read()
+            if counts is None:
+                self._read = lambda: None  # no /proc here: never again
+                return None
+            if self._last is not None:
+                seconds = now - self._last[0]
+                busy, own = counts[0] - self._last[1], counts[1] - self._last[2]
+                self.others = max(0.0, (busy - own) / (self._hz * seconds))
+                self.serial += 1
+            self._last = (now, *counts)
+            return self.others
+
+
+_READING = LoadReading()
+
+
+def cpu_count() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+class LoadFollower:
+    """The thread count for a backend's next pass: ``most`` where the machine is otherwise idle,
+    fewer while other processes keep cores busy (the module's docstring)."""
+
+    def __init__(self, most: int, cores: int | None = None, reading: LoadReading | None = None) -> None:
+        self.most = most
+        self.cores = cores or cpu_count()
+        self.current = most
+        self._reading = reading or _READING
+        self._seen = -1
+        self._higher = 0  # readings in a row that allowed more threads
+
+    def threads(self) -> int:
+        others = self._reading.update()
+        if others is None or self._reading.serial == self._seen:
+            return self.current
+        self._seen = self._reading.serial
+        wanted = max(1, min(self.most, self.cores - max(0, math.ceil(others - SPARE))))
+        if wanted < self.current:
+            self.current, self._higher = wanted, 0
+        elif wanted > self.current:
+            self._higher += 1
+            if self._higher >= RAISE_AFTER:
+                self.current, self._higher = wanted, 0
+        else:
+            self._higher = 0
+        return self.current

@@ -1,0 +1,104 @@
+"""llama.cpp's thread count follows the cores other processes leave free (backends/cpu_load.py):
+fewer at once, more after two readings agree, never for a count the user chose, and the text
+the same whatever the count."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from specrun.backends.cpu_load import RAISE_AFTER, WINDOW_S, LoadFollower, LoadReading
+
+
+class Machine:
+    """/proc's counters as a test sets them: busy jiffies of every core and of this process."""
+
+    def __init__(self) -> None:
+        self.now, self.busy, self.own = 0.0, 0, 0
+
+    def run(self, seconds: float, others: float, own: float = 0.0) -> None:
+        """``seconds`` pass with ``others`` cores busy in other processes and ``own`` in this one."""
+        self.now += seconds
+        self.busy += round(100 * seconds * (others + own))
+        self.own += round(100 * seconds * own)
+
+
+def follower(machine: Machine, most: int = 4, cores: int = 4) -> LoadFollower:
+    reading = LoadReading(read=lambda: (machine.busy, machine.own), clock=lambda: machine.now, hz=100)
+    return LoadFollower(most, cores=cores, reading=reading)
+
+
+def test_other_processes_take_threads_at_once_and_give_them_back_after_two_readings():
+    machine = Machine()
+    threads = follower(machine)
+    assert threads.threads() == 4  # no window read yet
+    machine.run(0.5, others=0.1, own=3.9)  # our own threads' spinning is no one else's load
+    assert threads.threads() == 4
+    machine.run(0.5, others=1.0, own=3.0)  # a build holds a core
+    assert threads.threads() == 3
+    machine.run(0.5, others=2.5, own=1.5)
+    assert threads.threads() == 1  # 4 - ceil(2.5 - 0.3)
+    machine.run(0.5, others=0.0, own=1.0)
+    assert threads.threads() == 1  # one quiet reading is not yet enough
+    machine.run(0.5, others=0.0, own=1.0)
+    assert threads.threads() == 4 and RAISE_AFTER == 2
+
+
+def test_a_third_of_a_core_is_noise_and_the_count_stays_between_one_and_the_most():
+    machine = Machine()
+    threads = follower(machine, most=2, cores=8)
+    machine.run(0.5, others=0.3)
+    threads.threads()
+    machine.run(0.5, others=0.25)
+    assert threads.threads() == 2  # at most what the backend was opened with
+    machine.run(0.5, others=7.9)
+    assert threads.threads() == 1
+
+
+def test_readings_within_a_window_are_one_reading():
+    machine = Machine()
+    threads = follower(machine)
+    threads.threads()
+    machine.run(WINDOW_S / 2, others=4.0)
+    assert threads.threads() == 4  # a quarter second has not passed: the same (first) window
+    machine.run(WINDOW_S, others=4.0)
+    assert threads.threads() == 1
+
+
+def test_without_proc_the_count_stays():
+    reading = LoadReading(read=lambda: None, clock=lambda: 1.0)
+    threads = LoadFollower(4, cores=4, reading=reading)
+    assert threads.threads() == 4 and threads.threads() == 4
+
+
+def test_a_busy_machine_runs_the_default_count_on_fewer_threads_with_the_same_logits(tiny_llama, monkeypatch):
+    pytest.importorskip("llama_cpp")
+    from specrun.backends import cpu_load
+    from specrun.backends.llama import LlamaCppBackend
+
+    monkeypatch.delenv("SPECRUN_THREADS", raising=False)
+    monkeypatch.setattr(cpu_load, "cpu_count", lambda: 2)
+    monkeypatch.setattr("specrun.backends.llama.default_threads", lambda: 2)
+    machine = Machine()
+    monkeypatch.setattr(cpu_load, "_READING", LoadReading(read=lambda: (machine.busy, machine.own),
+                                                          clock=lambda: machine.now, hz=100))
+    tokens = list(range(3, 40))
+
+    def logits(backend) -> np.ndarray:
+        backend.rewind(0)
+        backend.forward(tokens[:-4], [])
+        return np.array(backend.forward(tokens[-4:], range(4)), copy=True)
+
+    chosen = LlamaCppBackend(tiny_llama.gguf_path, n_threads=2)  # the user's count: never changed
+    busy = LlamaCppBackend(tiny_llama.gguf_path)
+    try:
+        assert chosen._follower is None and busy._follower is not None
+        quiet = logits(busy)
+        assert busy._threads_now == 2
+        machine.run(0.5, others=1.0)
+        loaded = logits(busy)
+        assert busy._threads_now == 1 and chosen._threads_now == 2
+        assert np.array_equal(quiet, loaded) and np.array_equal(quiet, logits(chosen))
+    finally:
+        chosen.close()
+        busy.close()
