@@ -29,22 +29,36 @@ WINDOW_S = 0.25  # the shortest interval a reading spans: /proc/stat counts in 1
 # the mechanism, not tuned on prompts.
 SPARE = 0.3
 RAISE_AFTER = 2  # readings in a row that allow more threads before they are given
+STALE_S = 4 * WINDOW_S  # a longer window (the machine idle between requests) is no reading
+
+
+def _allowed_cpus() -> set[int] | None:
+    try:
+        return set(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return None
 
 
 def _jiffies() -> tuple[int, int] | None:
-    """(every core's busy jiffies, this process's), or None where /proc cannot be read."""
+    """(the busy jiffies of the cores this process may run on, this process's own), or None where
+    /proc cannot be read. Only the allowed cores' lines count: under taskset or a container's
+    cpuset, a build on the host's other cores takes none of ours."""
+    allowed = _allowed_cpus()
     try:
         with open("/proc/stat", "rb") as handle:
-            fields = handle.readline().split()
+            lines = [line.split() for line in handle if line.startswith(b"cpu")]
         with open("/proc/self/stat", "rb") as handle:
             own = handle.read().rsplit(b")", 1)[1].split()
-    except (OSError, IndexError):
+        busy = 0
+        for fields in lines:
+            name = fields[0]
+            if (name == b"cpu") != (allowed is None) or (allowed is not None and int(name[3:]) not in allowed):
+                continue
+            user, nice, system, _idle, _iowait, irq, softirq = (int(value) for value in fields[1:8])
+            busy += user + nice + system + irq + softirq + (int(fields[8]) if len(fields) > 8 else 0)  # steal
+        return busy, int(own[11]) + int(own[12])  # utime, stime
+    except (OSError, IndexError, ValueError):
         return None
-    if not fields or fields[0] != b"cpu" or len(fields) < 8:
-        return None
-    user, nice, system, _idle, _iowait, irq, softirq = (int(value) for value in fields[1:8])
-    steal = int(fields[8]) if len(fields) > 8 else 0
-    return user + nice + system + irq + softirq + steal, int(own[11]) + int(own[12])  # utime, stime
 
 
 class LoadReading:
@@ -60,22 +74,30 @@ class LoadReading:
         self.others: float | None = None  # the latest reading, None before the first window ends
         self.serial = 0  # counts readings, so a follower takes each once
 
-    def update(self) -> float | None:
+    def latest(self) -> tuple[float | None, int]:
+        """(cores others kept busy, the reading's number), the window read anew where it has ended."""
         with self._lock:
-            now = self._clock()
-            if self._last is not None and now - self._last[0] < WINDOW_S:
-                return self.others
-            counts = self._read()
-            if counts is None:
-                self._read = lambda: None  # no /proc here: never again
-                return None
-            if self._last is not None:
-                seconds = now - self._last[0]
-                busy, own = counts[0] - self._last[1], counts[1] - self._last[2]
-                self.others = max(0.0, (busy - own) / (self._hz * seconds))
-                self.serial += 1
-            self._last = (now, *counts)
+            self._update()
+            return self.others, self.serial
+
+    def _update(self) -> float | None:
+        now = self._clock()
+        if self._last is not None and now - self._last[0] < WINDOW_S:
             return self.others
+        counts = self._read()
+        if counts is None:
+            if self._last is None:  # no /proc here: never again
+                self._read = lambda: None
+            return self.others  # a read that failed once (no file descriptor left): the next window tries
+        if self._last is not None and now - self._last[0] > STALE_S:
+            self._last = None  # a window across an idle spell averages what is long over: start afresh
+        if self._last is not None:
+            seconds = now - self._last[0]
+            busy, own = counts[0] - self._last[1], counts[1] - self._last[2]
+            self.others = max(0.0, (busy - own) / (self._hz * seconds))
+            self.serial += 1
+        self._last = (now, *counts)
+        return self.others
 
 
 _READING = LoadReading()
@@ -99,12 +121,17 @@ class LoadFollower:
         self._reading = reading or _READING
         self._seen = -1
         self._higher = 0  # readings in a row that allowed more threads
+        self._lock = threading.Lock()  # a backend's own passes, its slots' and its window cache's
 
     def threads(self) -> int:
-        others = self._reading.update()
-        if others is None or self._reading.serial == self._seen:
-            return self.current
-        self._seen = self._reading.serial
+        with self._lock:
+            others, serial = self._reading.latest()
+            if others is None or serial == self._seen:
+                return self.current
+            self._seen = serial
+            return self._choose(others)
+
+    def _choose(self, others: float) -> int:
         wanted = max(1, min(self.most, self.cores - max(0, math.ceil(others - SPARE))))
         if wanted < self.current:
             self.current, self._higher = wanted, 0

@@ -75,11 +75,16 @@ def has_local_gpu() -> bool:
 
     return bool(_Ggml(_import_llama_cpp(), rpc=False).local_accelerators())
 
+def _threads_from_environment() -> int | None:
+    """$SPECRUN_THREADS where it is a count (a fixed one: never follows the load), else None."""
+    configured = os.environ.get("SPECRUN_THREADS", "").strip()
+    return int(configured) if configured.isdigit() and int(configured) > 0 else None
+
+
 def default_threads() -> int:
-    """$SPECRUN_THREADS, else every core. llama.cpp's threads spin at barriers, so on a
-    busy machine fewer threads than cores can be many times faster."""
-    configured = os.environ.get("SPECRUN_THREADS", "")
-    return int(configured) if configured.isdigit() and int(configured) > 0 else max(1, os.cpu_count() or 1)
+    """$SPECRUN_THREADS, else every core (following the machine's load: cpu_load.py; llama.cpp's
+    threads spin at barriers, so on a busy machine fewer threads than cores can be many times faster)."""
+    return _threads_from_environment() or max(1, os.cpu_count() or 1)
 
 
 def check_gguf_file(path: Path) -> None:
@@ -324,7 +329,7 @@ class LlamaCppBackend(HiddenTracking):
         # the default thread count yields cores other processes keep busy (cpu_load.py): never a
         # count the user chose (--threads, $SPECRUN_THREADS), nor where the layers run on a GPU
         self._follower = None
-        if n_threads is None and threads > 1 and not os.environ.get("SPECRUN_THREADS", "").strip() and (
+        if n_threads is None and threads > 1 and _threads_from_environment() is None and (
                 not rpc and (gpu_layers == 0 or not has_local_gpu())):
             from specrun.backends.cpu_load import LoadFollower
 

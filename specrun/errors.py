@@ -77,8 +77,10 @@ def cannot_listen(host: str, port: int, exc: OSError, busy: type[SpecrunError] =
     where = f"cannot listen on {host}:{port}"
     if exc.errno == errno.EADDRINUSE:
         return busy(f"{where}: something else listens on port {port}", "pass another --port, or stop what uses it")
-    if exc.errno == errno.EACCES:
+    if exc.errno == errno.EACCES and port < 1024:
         return busy(f"{where}: ports below 1024 need administrator rights", "pass a --port of 1024 or more")
+    if exc.errno == errno.EACCES:  # a security policy (SELinux, a raised unprivileged port start)
+        return busy(f"{where}: permission denied", "pass another --port, or ask the machine's administrator")
     if exc.errno == errno.EADDRNOTAVAIL:
         return UsageError(f"{where}: {host} is not an address of this machine",
                           "pass 127.0.0.1 (this machine only), 0.0.0.0 (every network) or one of its addresses")

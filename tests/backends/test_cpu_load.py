@@ -65,6 +65,46 @@ def test_readings_within_a_window_are_one_reading():
     assert threads.threads() == 1
 
 
+def test_a_window_across_an_idle_spell_is_no_reading():
+    """A server idle for ten minutes, a build on a core for nine of them: its next request ran on
+    one thread on an idle machine (the window averaged the spell)."""
+    machine = Machine()
+    threads = follower(machine)
+    threads.threads()
+    machine.run(540, others=1.0)
+    machine.run(60, others=0.0)
+    assert threads.threads() == 4  # the spell starts a new window
+    machine.run(0.5, others=0.0)
+    assert threads.threads() == 4
+
+
+def test_a_read_that_fails_later_keeps_following():
+    """One failed read (no file descriptor left) turned following off at whatever count it had."""
+    machine, answers = Machine(), []
+    reading = LoadReading(read=lambda: answers.pop(0) if answers else (machine.busy, machine.own),
+                          clock=lambda: machine.now, hz=100)
+    threads = LoadFollower(4, cores=4, reading=reading)
+    threads.threads()
+    machine.run(0.5, others=2.0)
+    assert threads.threads() == 2
+    answers.append(None)
+    machine.run(0.5, others=0.0)
+    assert threads.threads() == 2  # the failed window: no reading
+    for _ in range(RAISE_AFTER):
+        machine.run(0.5, others=0.0)
+        threads.threads()
+    assert threads.current == 4
+
+
+def test_this_machine_s_counters_read():
+    from specrun.backends.cpu_load import _jiffies
+
+    counts = _jiffies()
+    if counts is None:
+        pytest.skip("no /proc here")
+    assert counts[0] > 0 and 0 <= counts[1]
+
+
 def test_without_proc_the_count_stays():
     reading = LoadReading(read=lambda: None, clock=lambda: 1.0)
     threads = LoadFollower(4, cores=4, reading=reading)
@@ -89,8 +129,8 @@ def test_a_busy_machine_runs_the_default_count_on_fewer_threads_with_the_same_lo
         backend.forward(tokens[:-4], [])
         return np.array(backend.forward(tokens[-4:], range(4)), copy=True)
 
-    chosen = LlamaCppBackend(tiny_llama.gguf_path, n_threads=2)  # the user's count: never changed
-    busy = LlamaCppBackend(tiny_llama.gguf_path)
+    chosen = LlamaCppBackend(tiny_llama.gguf_path, n_threads=2, gpu_layers=0)  # the user's count: never changed
+    busy = LlamaCppBackend(tiny_llama.gguf_path, gpu_layers=0)
     try:
         assert chosen._follower is None and busy._follower is not None
         quiet = logits(busy)
