@@ -104,10 +104,8 @@ _READING = LoadReading()
 
 
 def cpu_count() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
+    """The cores this process may run on (its affinity), else the machine's."""
+    return len(_allowed_cpus() or ()) or os.cpu_count() or 1
 
 
 class LoadFollower:

@@ -329,8 +329,7 @@ class LlamaCppBackend(HiddenTracking):
         # the default thread count yields cores other processes keep busy (cpu_load.py): never a
         # count the user chose (--threads, $SPECRUN_THREADS), nor where the layers run on a GPU
         self._follower = None
-        if n_threads is None and threads > 1 and _threads_from_environment() is None and (
-                not rpc and (gpu_layers == 0 or not has_local_gpu())):
+        if n_threads is None and threads > 1 and _threads_from_environment() is None and self.runs_on_cpu:
             from specrun.backends.cpu_load import LoadFollower
 
             self._follower = LoadFollower(threads)
