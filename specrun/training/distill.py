@@ -567,7 +567,12 @@ class _Run:
                 "registry": str(Path(request.registry).expanduser().resolve()) if request.registry else None}
 
     def _checkpoint(self, settings: dict, held, before: AcceptanceReport) -> None:
-        """The held-out data and the weights first, the record (which says the step) last."""
+        """The held-out data and the weights first, the record (which says the step) last; a Ctrl-C
+        waits for all of them (a step's weights beside an older step's record resumed wrong)."""
+        with interrupts_held():
+            self._write_checkpoint(settings, held, before)
+
+    def _write_checkpoint(self, settings: dict, held, before: AcceptanceReport) -> None:
         folder = self.checkpoints
         folder.mkdir(parents=True, exist_ok=True)
         if not self.held_written:  # a fresh start's own, not an older run's left in the folder

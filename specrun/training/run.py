@@ -439,8 +439,12 @@ class _Run:
             training["other_prompts"] = {**other.to_dict(), "prompts": min(len(evaluated), MAX_EVAL_PROMPTS)}
         from specrun.heads.files import save_heads
 
-        save_heads(trainer.heads(training), self.out, training)
-        remove_checkpoint(self.checkpoints)
+        try:
+            with interrupts_held():  # the heads and their .json written whole, the checkpoint then removed
+                save_heads(trainer.heads(training), self.out, training)
+                remove_checkpoint(self.checkpoints)
+        except KeyboardInterrupt:
+            pass  # Ctrl-C as the finished heads were written: they are whole and the run is done
         return HeadsTrainResult(
             path=self.out, steps=self.step, seconds=self.elapsed(), final_loss=self._final_loss(),
             report=report, source=source, resumed_at=resumed_at, other=other,

@@ -211,6 +211,30 @@ def test_an_interrupted_run_resumes_where_its_checkpoint_was_and_ends_as_an_unbr
     assert not checkpoint_folder(out).exists()  # a finished run removes it
 
 
+def test_ctrl_c_while_a_checkpoint_is_written_keeps_it_whole(tiny_llama, prompts_file, tmp_path, monkeypatch):
+    """Ctrl-C while the student's weights are checkpointed: the checkpoint is written whole (its
+    record too), the run stops naming it, and the same command resumes from it."""
+    import signal
+
+    from specrun.backends.mlx_distill import MlxDistiller
+
+    original = MlxDistiller.save_state
+
+    def interrupted(self, *args):
+        os.kill(os.getpid(), signal.SIGINT)  # arrives while the files are written
+        return original(self, *args)
+
+    out = tmp_path / "draft"
+    monkeypatch.setattr(MlxDistiller, "save_state", interrupted)
+    with pytest.raises(TrainingInterrupted) as stopped:
+        distill(request_for(tiny_llama, prompts_file, out), max_steps=2, checkpoint_seconds=0.0)
+    assert stopped.value.checkpoint == checkpoint_folder(out) and stopped.value.step == 0
+    assert (checkpoint_folder(out) / "state.json").is_file()
+    monkeypatch.undo()
+    resumed = distill(request_for(tiny_llama, prompts_file, out), max_steps=2)
+    assert resumed.resumed_at == 0 and resumed.steps == 2
+
+
 def test_ctrl_c_while_distilling_keeps_the_checkpoint_and_says_where(tiny_llama, prompts_file, tmp_path):
     import os
     import signal

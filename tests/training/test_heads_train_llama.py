@@ -135,6 +135,29 @@ def test_ctrl_c_while_the_first_checkpoint_is_written_keeps_it_whole(gguf, text_
     assert result.resumed_at == 0 and result.steps == 3 and any("resuming the checkpoint" in n for n in notes)
 
 
+def test_ctrl_c_while_the_finished_heads_are_written_writes_them_whole(gguf, text_folder, tmp_path, monkeypatch):
+    """Ctrl-C as the trained heads are written: the heads and their .json are written whole and the
+    run ends as a finished one (it stopped between the two files, or with heads but its checkpoint)."""
+    import os
+    import signal
+
+    from specrun.heads import files
+    from specrun.training.run import checkpoint_folder
+
+    original = files.save_heads
+
+    def interrupted(heads, path, *args):
+        if path == out:  # the finished heads, not a checkpoint's
+            os.kill(os.getpid(), signal.SIGINT)  # arrives while the files are written
+        return original(heads, path, *args)
+
+    out = tmp_path / "medusa.safetensors"
+    monkeypatch.setattr(files, "save_heads", interrupted)
+    result = train_heads(request_for(gguf, out, text_dir=text_folder), max_steps=3)
+    assert result.steps == 3 and load_heads(out).config.training["steps"] == 3
+    assert not checkpoint_folder(out).exists()
+
+
 def test_continuations_through_llama_cpp_label_only_generated_tokens(gguf, tmp_path):
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("def main():\nclass Point:\nimport os\n", encoding="utf-8")
