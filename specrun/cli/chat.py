@@ -24,6 +24,7 @@ from rich.text import Text
 
 from specrun.cli.common import (
     check_backend,
+    gpu_layers_note,
     check_outputs_apart,
     PipeConsole,
     PrefillBar,
@@ -207,6 +208,8 @@ def chat_command(
                               rpc=rpc_servers, registry=registry, kv_type=kv_type,
                               flash_attn=flash_attn, exact=exact, window=window, sinks=sinks, tree_paths=trees.paths)
         tool_list, choice = checked_tools(tools, tool_choice)
+        if (gpu_note := gpu_layers_note(gpu_layers, rpc_servers, backend)) is not None:
+            view.note(gpu_note.removeprefix("note: "))  # after the first answer
         target, draft = choose_pair(target, draft, registry)
         learning = checked_learning("chat", learn, no_learn, learn_budget, learn_buffer, keep_learned, target, heads,
                                     view.note, labels=learn_labels)

@@ -12,7 +12,7 @@ from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
-from specrun.cli.common import PipeConsole, check_outputs_apart, cli_errors
+from specrun.cli.common import PipeConsole, check_backend, check_outputs_apart, cli_errors
 from specrun.cli.heads import run_training
 from specrun.cli.options import RegistryOpt, ThreadsOpt
 
@@ -55,6 +55,7 @@ def distill_command(
     held-out acceptance before and after and writes an MLX folder and a GGUF, both loadable as
     --draft. The second run takes the same options."""
     with cli_errors():
+        check_backend(backend)
         check_outputs_apart(context, "out")
         from specrun.training.distill import DistillRequest, check_request, distill
 

@@ -105,6 +105,7 @@ def _check_local_model(entry: ModelEntry, kind: str | None = None) -> None:
 def pull_model(model: ModelArg, backend: BackendOpt = "auto", registry: RegistryOpt = None) -> None:
     """Download MODEL into the Hugging Face cache (what --backend would load); print its local path."""
     with cli_errors():
+        check_backend(backend)
         entries = load_registry(registry)
         entry = entry_for(model, entries)
         kind = _kind_for(backend, model, entry, entries)

@@ -12,7 +12,8 @@ from tests.cli.test_cli_accept import invoke
     ("generate", "-t", "demo-target", "hello"), ("chat", "-t", "demo-target"), ("serve", "-t", "demo-target"),
     ("bench", "-t", "demo-target"), ("demo", "-t", "demo-target"), ("tune", "-t", "demo-target"),
     ("heads", "train", "-t", "demo-target", "--heads-out", "heads.safetensors"), ("models", "rm", "demo-target"),
-    ("models", "pull", "demo-target"),
+    ("models", "pull", "demo-target"), ("models", "pull", "no-such-model"),
+    ("distill", "--target", "demo-target", "--student", "self:layers=1", "--out", "d", "--batch", "0"),
 ])
 def test_an_unknown_backend_is_one_usage_error_before_anything_else(args, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)

@@ -98,3 +98,16 @@ def test_gpu_layers_without_a_gpu_is_a_note_after_the_run(layers):
                                               "so every layer runs on the CPU")
     none_asked = invoke("generate", "-t", "demo-target", "--gpu-layers", "0", "-n", "4", "--threads", "1", "hello")
     assert none_asked.exit_code == 0 and "--gpu-layers" not in none_asked.stderr
+
+
+def test_chat_notes_gpu_layers_without_a_gpu_after_its_first_answer():
+    from specrun.backends.llama import has_local_gpu
+
+    if has_local_gpu():
+        pytest.skip("this machine has a GPU: the layers go to it")
+    result = invoke("chat", "-t", "demo-target", "--gpu-layers", "5", "-n", "4", "--threads", "1", input="hello\n")
+    assert result.exit_code == 0, result.output
+    assert ("note: --gpu-layers 5: llama.cpp sees no GPU on this machine, so every layer runs on the CPU"
+            in result.stderr.splitlines())
+    failed = invoke("chat", "-t", "no-such-model", "--gpu-layers", "5", input="hello\n")
+    assert failed.exit_code != 0 and len(failed.stderr.strip().splitlines()) == 1  # the error alone
