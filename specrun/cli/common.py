@@ -456,9 +456,10 @@ class PrefillBar:
 
 def check_window_use(window: int | None, methods: Sequence[str], draft: str | None, flag: str = "--method",
                      sinks: int | None = None) -> None:
-    """--window sizes a draft model's cache (or the target's own with --draft self:window): refused
-    where no method named drafts with a draft model; --sinks where no cache is windowed (--draft
-    self:window is, at its default window). Their ranges are LoadOptions'."""
+    """--window sizes a draft model's cache (or the target's own with --draft self:window): refused,
+    with --sinks, where no method named drafts with a draft model (--draft self:window alone is
+    noted, as any --draft is); --sinks where no cache is windowed (--draft self:window is, at its
+    default window). Their ranges are LoadOptions'."""
     from specrun.drafters.methods import is_adaptive, needs_draft_model
     from specrun.modelkit.selfdraft import is_window_draft
 
@@ -471,7 +472,9 @@ def check_window_use(window: int | None, methods: Sequence[str], draft: str | No
         raise UsageError(f"--draft {draft} drafts from a windowed cache, and --window 0 keeps none",
                          "pass --window N (512, say), or leave --window out")
     if not any(needs_draft_model(method) or is_adaptive(method) for method in methods):
-        given = "--window" if window is not None else f"--draft {draft}"
+        if window is None and sinks is None:
+            return  # --draft self:window alone: like any --draft, a note after the run (unused_draft_note)
+        given = "--window" if window is not None else "--sinks"
         raise UsageError(f"{given} sets up a draft model's cache, and {flag} {','.join(methods)} drafts without one",
                          f"drop {given}, or pass --method draft (or auto)")
 

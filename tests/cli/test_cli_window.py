@@ -20,7 +20,7 @@ from tests.cli.test_cli_accept import COMMANDS, invoke
     (("--sinks", "4"), "--sinks sizes a windowed draft cache, and there is none"),
     (("--window", "64", "--method", "lookup"), "--window sets up a draft model's cache, and --method lookup drafts "
                                                "without one"),
-    (("--draft", "self:window", "--method", "ngram"), "--draft self:window sets up a draft model's cache"),
+    (("--draft", "self:window", "--sinks", "2", "--method", "ngram"), "--sinks sets up a draft model's cache"),
     (("--draft", "self:windows",), "unknown self draft 'self:windows'"),
 ])
 def test_bad_window_settings_are_one_line_usage_errors(command, options, message):
@@ -41,6 +41,16 @@ def test_serve_refuses_a_window_beside_parallel_slots(given):
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1
     assert "drafts from a windowed cache, which --parallel slots sharing a pass cannot do" in lines[0]
+
+
+def test_draft_self_window_beside_a_method_without_a_draft_model_is_a_note_as_any_draft_is():
+    """It was a usage error where --draft demo-draft is a note: a script runs one pair through
+    several methods."""
+    result = invoke("generate", "-t", "demo-target", "--draft", "self:window", "--method", "ngram", "-n", "4",
+                    "--threads", "1", "hello")
+    assert result.exit_code == 0, result.output
+    assert result.stderr.splitlines()[-1] == ("note: --draft self:window is not loaded: --method ngram drafts "
+                                              "without a draft model")
 
 
 def generate_json(*args: str):
