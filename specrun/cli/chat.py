@@ -203,7 +203,7 @@ def chat_command(
         messages = None if interactive else _piped_messages(read_stdin_text(), each_line)
         if show_accept is None:
             show_accept = sys.stdout.isatty() and not json_output
-        view = AnswerView(show_accept, json_output)
+        view = AnswerView(show_accept, json_output, interactive=interactive)
         options = LoadOptions(backend=backend, n_ctx=ctx, threads=threads, gpu_layers=gpu_layers,
                               rpc=rpc_servers, registry=registry, kv_type=kv_type,
                               flash_attn=flash_attn, exact=exact, window=window, sinks=sinks, tree_paths=trees.paths)
@@ -250,9 +250,10 @@ def _piped_messages(text: str, each_line: bool) -> list[str]:
 class AnswerView:
     """Renders chat events: answer text to stdout (or one JSON object per answer), the rest to stderr."""
 
-    def __init__(self, show_accept: bool, json_output: bool) -> None:
+    def __init__(self, show_accept: bool, json_output: bool, interactive: bool = True) -> None:
         self.show_accept = show_accept
         self.json_output = json_output
+        self.interactive = interactive  # /tool answers a call; a pipe's messages cannot
         self.for_display = show_accept or sys.stdout.isatty()
         # Marked text goes through Rich (styled even on a pipe when asked for); plain text is written as is.
         self.out = _console(force_terminal=True) if show_accept else None
@@ -280,9 +281,10 @@ class AnswerView:
             if self.json_output:
                 self._write(json.dumps(event.to_dict()) + "\n", None)
             self.end_line()
+            hint = ("answer it with /tool RESULT" if self.interactive else
+                    "a piped chat cannot answer it: run specrun chat in a terminal, or send the result to specrun serve")
             for call in event.tool_calls:
-                self.err.print(f"tool call: {call.name} {call.arguments} (answer it with /tool RESULT)",
-                               style="cyan", highlight=False)
+                self.err.print(f"tool call: {call.name} {call.arguments} ({hint})", style="cyan", highlight=False)
             if event.tool_call_cut:
                 from specrun.sessions.tools import TOOL_CALL_CUT_NOTE
 

@@ -656,6 +656,10 @@ def test_piped_chat_with_tools_prints_the_calls_in_its_json(tmp_path):
     assert result.exit_code == 0, result.output
     answer = json.loads(result.stdout.strip().splitlines()[-1])
     assert answer["tool_calls"][0]["function"]["name"] == "get_weather"
+    # it said "answer it with /tool RESULT", which a pipe cannot
+    calls = [line for line in result.stderr.splitlines() if line.startswith("tool call: get_weather")]
+    assert len(calls) == 1 and calls[0].endswith("(a piped chat cannot answer it: run specrun chat in a terminal, "
+                                                 "or send the result to specrun serve)"), result.stderr
 
 
 def test_a_server_answers_a_required_call_python_cannot_write_with_a_400_naming_tools():
