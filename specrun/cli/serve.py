@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import Annotated, Optional
 
@@ -197,6 +198,9 @@ def serve_command(
         lookahead_sizes = checked_lookahead(lookahead, (method,))
         check_heads_used(heads, (method,))
         trees = checked_trees(chain_only, tree_nodes, branches, lookahead_sizes, window=uses_window((method,)))
+        if api_key is None and os.environ.get("SPECRUN_API_KEY") == "":  # Click reads an empty variable as unset
+            raise UsageError("SPECRUN_API_KEY is set but empty: every client would be let in",
+                             "set it to a key, or unset SPECRUN_API_KEY on a loopback host")
         if api_key is not None and not api_key.strip():
             raise UsageError("--api-key (or SPECRUN_API_KEY) is empty: every client would be let in",
                              "pass a key of some length, or leave it unset on a loopback host")

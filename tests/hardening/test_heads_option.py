@@ -437,6 +437,14 @@ def test_serve_refuses_an_empty_api_key(key):
     assert_one_line_error(result.exit_code, result.stderr, 2, "--api-key (or SPECRUN_API_KEY) is empty")
 
 
+def test_serve_refuses_an_empty_api_key_variable(monkeypatch):
+    """SPECRUN_API_KEY="" (a script's key variable that was never set) served every client in
+    silence, where --api-key "" is refused."""
+    monkeypatch.setenv("SPECRUN_API_KEY", "")
+    result = invoke("serve")
+    assert_one_line_error(result.exit_code, result.stderr, 2, "SPECRUN_API_KEY is set but empty", "unset")
+
+
 @pytest.mark.parametrize("key", [" secret ", "secret\t"])
 def test_serve_refuses_an_api_key_with_spaces_around_it(key):
     """The server compares the key with the header's value, which loses the spaces around it: every
