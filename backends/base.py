@@ -235,6 +235,10 @@ class Backend(Protocol):
     step's ``forward_argmax_ahead`` queues the next step's pass on its own argmax before the host
     reads it (``KVSequence.feed_argmax_ahead`` keeps the cache's account); while tracking,
     ``hidden_rows`` after it reads the state of the token it fed.
+
+    Thread following (optional: ``thread_tally``, llama.cpp's on the CPU): a ``cpu_load.ThreadTally``
+    of its passes and of those run on fewer threads while other processes kept cores busy; None
+    where the count is fixed.
     """
 
     name: str

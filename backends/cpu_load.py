@@ -17,6 +17,7 @@ the user chose --threads or $SPECRUN_THREADS, the count stays as it is.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import threading
@@ -108,6 +109,22 @@ def cpu_count() -> int:
     return len(_allowed_cpus() or ()) or os.cpu_count() or 1
 
 
+@dataclasses.dataclass(frozen=True)
+class ThreadTally:
+    """A follower's passes so far: how many ran on fewer threads than ``most``, the fewest any
+    ran on. ``since(earlier)`` gives a run's own (its least: over the whole follower's life only
+    where the run's passes went below ``most``)."""
+
+    passes: int = 0
+    fewer: int = 0
+    least: int = 0
+    most: int = 0
+
+    def since(self, earlier: ThreadTally) -> ThreadTally:
+        fewer = self.fewer - earlier.fewer
+        return ThreadTally(self.passes - earlier.passes, fewer, self.least if fewer else self.most, self.most)
+
+
 class LoadFollower:
     """The thread count for a backend's next pass: ``most`` where the machine is otherwise idle,
     fewer while other processes keep cores busy (the module's docstring)."""
@@ -120,14 +137,25 @@ class LoadFollower:
         self._seen = -1
         self._higher = 0  # readings in a row that allowed more threads
         self._lock = threading.Lock()  # a backend's own passes, its slots' and its window cache's
+        self._passes = self._fewer = 0
+        self._least = most
 
     def threads(self) -> int:
+        """The count for the pass about to run (counted in ``tally``)."""
         with self._lock:
             others, serial = self._reading.latest()
-            if others is None or serial == self._seen:
-                return self.current
-            self._seen = serial
-            return self._choose(others)
+            if others is not None and serial != self._seen:
+                self._seen = serial
+                self._choose(others)
+            self._passes += 1
+            if self.current < self.most:
+                self._fewer += 1
+                self._least = min(self._least, self.current)
+            return self.current
+
+    def tally(self) -> ThreadTally:
+        with self._lock:
+            return ThreadTally(self._passes, self._fewer, self._least, self.most)
 
     def _choose(self, others: float) -> int:
         wanted = max(1, min(self.most, self.cores - max(0, math.ceil(others - SPARE))))

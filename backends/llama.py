@@ -633,6 +633,11 @@ class LlamaCppBackend(HiddenTracking):
             view = self._hidden_views[key] = np.frombuffer(buffer, dtype=np.float32).reshape(n_rows, size)
         return view.copy()
 
+    def thread_tally(self):
+        """Its passes so far and how many ran on fewer threads (cpu_load.ThreadTally); None where
+        the count is not followed."""
+        return None if self._follower is None else self._follower.tally()
+
     def follow_load(self, ctx=None) -> None:
         """Before a pass: the thread count cpu_load.LoadFollower gives (``ctx``: a context of this
         model's other than the backend's own, such as its slots', which tracks its own count)."""

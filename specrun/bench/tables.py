@@ -10,6 +10,7 @@ from specrun.bench.runner import BenchResult
 from specrun.blas import REFERENCE_BLAS_NOTE
 from specrun.sessions.divergence import NEAR_TIE_NOTE, difference_line
 from specrun.drafters.methods import needs_draft_model
+from specrun.engine.stats import Stats
 from specrun.wording import count_of
 
 COLUMNS = ("method", "tok/s", "speed-up", "accepted", "tokens/step", "draft/verify", "same output")
@@ -68,6 +69,17 @@ def _style(figures: Figures) -> str | None:
     return "bold red" if figures.mismatches else None
 
 
+def _busy(result: BenchResult) -> str | None:
+    """Where other processes kept cores busy during the runs: how many of the target's passes ran
+    on fewer threads (Stats.busy_note); None on a quiet machine or a fixed thread count."""
+    total = Stats()
+    for figures in result.comparison.figures.values():
+        for runs in figures.by_prompt.values():
+            for run in runs:
+                total.add(run.stats)
+    return total.busy_note() if total.busy_passes else None
+
+
 def _tuned_settings(result: BenchResult) -> str:
     """What tune chose for this bench's lines, where the user did not: the draft model's
     confidence stop (every line with a draft model). Lengths adapt (tune's costs and
@@ -99,6 +111,9 @@ def footnotes(result: BenchResult) -> list[str]:
                      "difference (greedy)")
     if any(f.near_ties for f in overall):
         notes.append(f"{NEAR_TIE_NOTE} (on llama.cpp an F32 KV cache, --kv-type f32, narrows it)")
+    if (busy := _busy(result)) is not None:
+        notes.append(f"{busy}: these figures are of a busy machine (llama.cpp's threads gave way, and the lines "
+                     "shared it unevenly); on a quiet one they differ")
     if any(f.mismatches for f in overall):
         reason = "under --exact (identical output promised)" if result.exact else "where the target had a clear choice"
         notes.append(f"NO: an output differs from plain decoding {reason}: a DEFECT, located above")

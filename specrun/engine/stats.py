@@ -58,6 +58,12 @@ class Stats:
     # greedy tokens chosen where another's logit came within GenerationParams.tie_margin (0: not
     # counted), from the first pass of several tokens on (before it, passes are plain decoding's)
     near_ties: int = 0
+    # llama.cpp on the CPU at its default count (backends/cpu_load.py): the target's passes, those
+    # run on fewer threads while other processes kept cores busy, the fewest, and the count asked
+    followed_passes: int = 0
+    busy_passes: int = 0
+    least_threads: int = 0
+    most_threads: int = 0
 
     def record_step(
         self, drafted: int, accepted: int, emitted: int, draft_s: float, verify_s: float, source: str = PLAIN
@@ -90,6 +96,13 @@ class Stats:
         self.verify_seconds += other.verify_seconds
         self.generation_seconds += other.generation_seconds
         self.near_ties += other.near_ties
+        self.followed_passes += other.followed_passes
+        if other.busy_passes:
+            self.least_threads = min(self.least_threads, other.least_threads) if self.busy_passes else other.least_threads
+        elif not self.busy_passes:  # no pass below the count asked: least is it
+            self.least_threads = max(self.least_threads, other.least_threads)
+        self.busy_passes += other.busy_passes
+        self.most_threads = max(self.most_threads, other.most_threads)
         if other.lossy:  # a total that holds a lossy answer is lossy
             self.acceptance = other.acceptance
         self.accepted_hist = [a + b for a, b in itertools.zip_longest(self.accepted_hist, other.accepted_hist,
@@ -144,6 +157,8 @@ class Stats:
             "verify_seconds": round(self.verify_seconds, 6),
             "generation_seconds": round(self.generation_seconds, 6),
             "near_ties": self.near_ties,
+            "threads": ({"passes": self.followed_passes, "busy_passes": self.busy_passes,
+                         "least": self.least_threads, "most": self.most_threads} if self.most_threads else None),
         }
 
     def summary(self) -> str:
@@ -165,4 +180,11 @@ class Stats:
             )
         if self.lossy:
             line += f"; acceptance {self.acceptance}: not the target's own text"
+        if self.busy_passes:
+            line += f"; {self.busy_note()}"
         return line
+
+    def busy_note(self) -> str:
+        """Why a run was slower than the machine allows: other processes held cores."""
+        return (f"other processes kept cores busy: {self.busy_passes} of {count_of(self.followed_passes, 'pass')} "
+                f"ran on fewer threads (down to {self.least_threads} of {self.most_threads})")

@@ -111,6 +111,45 @@ def test_without_proc_the_count_stays():
     assert threads.threads() == 4 and threads.threads() == 4
 
 
+def test_the_tally_counts_passes_on_fewer_threads_and_a_run_takes_its_own():
+    machine = Machine()
+    threads = follower(machine, most=4, cores=4)
+    threads.threads()
+    start = threads.tally()
+    assert (start.passes, start.fewer, start.least, start.most) == (1, 0, 4, 4)
+    machine.run(0.5, others=2.0)
+    for _ in range(3):
+        threads.threads()  # one reading: 2 threads for all three
+    machine.run(0.5, others=0.0)
+    threads.threads()  # one quiet reading is not yet enough
+    run = threads.tally().since(start)
+    assert (run.passes, run.fewer, run.least, run.most) == (4, 4, 2, 4)
+    machine.run(0.5, others=0.0)
+    threads.threads()
+    later = threads.tally()
+    quiet = threads.tally().since(later)
+    assert (quiet.passes, quiet.fewer, quiet.least) == (0, 0, 4)  # nothing of an earlier run's load
+
+
+def test_stats_say_a_busy_machine_ran_passes_on_fewer_threads_and_add_up():
+    from specrun.engine.stats import Stats
+
+    quiet = Stats(new_tokens=4, followed_passes=5, least_threads=2, most_threads=2)
+    busy = Stats(new_tokens=4, followed_passes=6, busy_passes=3, least_threads=1, most_threads=2)
+    assert "busy" not in quiet.summary() and quiet.to_dict()["threads"] == {"passes": 5, "busy_passes": 0,
+                                                                           "least": 2, "most": 2}
+    assert busy.summary().endswith("; other processes kept cores busy: 3 of 6 passes ran on fewer threads "
+                                   "(down to 1 of 2)")
+    total = Stats()
+    total.add(quiet)
+    assert total.least_threads == 2 and not total.busy_passes
+    total.add(busy)
+    assert (total.followed_passes, total.busy_passes, total.least_threads, total.most_threads) == (11, 3, 1, 2)
+    total.add(quiet)
+    assert total.least_threads == 1
+    assert Stats().to_dict()["threads"] is None  # a count not followed (MLX, --threads)
+
+
 def test_a_busy_machine_runs_the_default_count_on_fewer_threads_with_the_same_logits(tiny_llama, monkeypatch):
     pytest.importorskip("llama_cpp")
     from specrun.backends import cpu_load
@@ -142,3 +181,33 @@ def test_a_busy_machine_runs_the_default_count_on_fewer_threads_with_the_same_lo
     finally:
         chosen.close()
         busy.close()
+
+
+def test_a_run_on_a_busy_machine_says_so_in_its_statistics(tiny_llama, monkeypatch):
+    """The text is the target's own at any count; the statistics say how many passes ran on
+    fewer threads (a run slower than the machine allows says why)."""
+    pytest.importorskip("llama_cpp")
+    from specrun.backends import cpu_load
+    from specrun.backends.llama import LlamaCppBackend
+    from specrun.engine.loop import GenerationParams, SpeculativeEngine
+
+    monkeypatch.delenv("SPECRUN_THREADS", raising=False)
+    monkeypatch.setattr(cpu_load, "cpu_count", lambda: 2)
+    monkeypatch.setattr("specrun.backends.llama.default_threads", lambda: 2)
+    machine = Machine()
+    monkeypatch.setattr(cpu_load, "_READING", LoadReading(read=lambda: (machine.busy, machine.own),
+                                                          clock=lambda: machine.now, hz=100))
+    backend = LlamaCppBackend(tiny_llama.gguf_path, gpu_layers=0)
+    try:
+        engine = SpeculativeEngine(backend, None, method="none")
+        params = GenerationParams(6, 0)
+        quiet = engine.run(list(range(3, 12)), params)
+        assert quiet.stats.busy_passes == 0 and quiet.stats.followed_passes >= 6
+        assert quiet.stats.most_threads == 2 and "busy" not in quiet.stats.summary()
+        machine.run(0.5, others=1.0)
+        busy = engine.run(list(range(3, 12)), params)
+        assert busy.token_ids == quiet.token_ids
+        assert busy.stats.busy_passes == busy.stats.followed_passes and busy.stats.least_threads == 1
+        assert "other processes kept cores busy" in busy.stats.summary()
+    finally:
+        backend.close()

@@ -192,7 +192,7 @@ STATS_KEYS = {
     "method": str, "drafters": str, "draft_len": int, "adaptive": bool, "draft_min_prob": float, "prompt_tokens": int, "new_tokens": int,
     "steps": int, "drafted": int, "accepted": int, "acceptance_rate": float, "mean_tokens_per_step": float, "accepted_hist": list,
     "by_source": dict, "tokens_per_second": float, "prefill_seconds": float, "draft_seconds": float, "verify_seconds": float,
-    "generation_seconds": float, "near_ties": int, "acceptance": str,
+    "generation_seconds": float, "near_ties": int, "acceptance": str, "threads": (dict, type(None)),
 }
 
 
@@ -446,3 +446,33 @@ def test_settings_earlier_runs_learned_are_credited_to_them_not_to_tune(tmp_path
     assert "specrun tune`'s measurements" not in said
     config = json.loads(out.read_text())["config"]
     assert config["tuned"] and config["tuned_by"] == "earlier runs"
+
+
+def test_a_bench_on_a_busy_machine_says_its_figures_are_of_one(tiny_llama, tmp_path, monkeypatch):
+    """Other processes kept cores busy: llama.cpp's threads gave way (backends/cpu_load.py) and
+    the footnotes say how many passes ran on fewer threads; the JSON's stats have the counts."""
+    pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed")
+    from specrun.backends import cpu_load
+    from tests.backends.test_cpu_load import Machine
+
+    monkeypatch.delenv("SPECRUN_THREADS", raising=False)
+    monkeypatch.setattr(cpu_load, "cpu_count", lambda: 2)
+    monkeypatch.setattr("specrun.backends.llama.default_threads", lambda: 2)
+    machine = Machine()
+
+    def busy_read():  # a core held by another process all along: each read a window later
+        machine.run(0.5, others=1.0)
+        return machine.busy, machine.own
+
+    monkeypatch.setattr(cpu_load, "_READING", cpu_load.LoadReading(read=busy_read, clock=lambda: machine.now,
+                                                                   hz=100))
+    out = tmp_path / "bench.json"
+    path = str(tiny_llama.gguf_path)
+    result = run_cli("-t", path, "--methods", "none,lookup", "--categories", "chat", "--per-category", "1",
+                     "-n", "6", "--json", str(out))
+    assert result.exit_code == 0, result.output
+    said = " ".join(result.stderr.split())
+    assert "other processes kept cores busy:" in said and "these figures are of a busy machine" in said
+    for run in json.loads(out.read_text())["runs"]:
+        threads = run["stats"]["threads"]
+        assert threads["busy_passes"] == threads["passes"] > 0 and (threads["least"], threads["most"]) == (1, 2)
