@@ -43,6 +43,11 @@ class ChatTemplateError(SpecrunError):
     """A model's chat template that is unsafe, invalid, or refuses the conversation."""
 
 
+class ConversationRefusedError(ChatTemplateError):
+    """The template raised on this conversation (roles out of order, a system message it takes
+    only first): the conversation is to change, not the model. ``problem`` says the template's words."""
+
+
 class BackendUnavailableError(SpecrunError):
     """The requested backend is not installed or cannot run here."""
 

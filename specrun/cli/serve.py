@@ -80,6 +80,9 @@ ApiKeyOpt = Annotated[
     typer.Option("--api-key", envvar="SPECRUN_API_KEY",
                  help="Require 'Authorization: Bearer KEY' on /v1 requests (or set SPECRUN_API_KEY)."),
 ]
+AliasOpt = Annotated[Optional[list[str]], typer.Option(
+    "--alias", help="A name clients may give as the model (repeatable; the first is the one /v1/models lists), "
+                    "beside --target's: for clients that remember one name, such as gpt-4o.")]
 MaxBodyOpt = Annotated[int, typer.Option("--max-body", help="Largest request body in bytes (larger: 413).")]
 MaxQueueOpt = Annotated[int, typer.Option("--max-queue", help="Requests that may wait (more: 429).")]
 ParallelOpt = Annotated[str, typer.Option(
@@ -101,6 +104,15 @@ def checked_parallel(value: str) -> int | None:
                          "pass --parallel N (1-64), or --parallel auto") from None
     check_range("--parallel", slots, 1, MAX_PARALLEL)
     return slots
+
+
+def checked_aliases(aliases: list[str]) -> tuple[str, ...]:
+    """--alias names as a request's ``model`` may give them: printable, without spaces around."""
+    for name in aliases:
+        if not name.strip() or name != name.strip() or not name.isprintable():
+            raise UsageError(f"--alias {name!r} is no name a client could send as its model",
+                             "give a name of printable characters without spaces around it")
+    return tuple(dict.fromkeys(aliases))
 
 
 def serve_command(
@@ -150,6 +162,7 @@ def serve_command(
     learn_labels: LearnLabelsOpt = None,
     keep_learned: KeepLearnedOpt = False,
     trace: ServeTraceOpt = None,
+    alias: AliasOpt = None,
 ) -> None:
     """Serve the pair over an OpenAI-compatible API until Ctrl-C.
 
@@ -158,6 +171,7 @@ def serve_command(
     with cli_errors():
         check_outputs_apart(context, "trace", "ngram_cache")
         check_backend(backend)
+        aliases = checked_aliases(alias or [])
         from specrun.drafters.methods import check_method, check_slots_method, needs_draft_model
         from specrun.registry.loading import LoadOptions, choose_pair
         from specrun.server.app import HttpOptions, serve
@@ -239,7 +253,7 @@ def serve_command(
             trace=tracing if trace is not None else None,
         )
         http = HttpOptions(host=host, port=port, api_key=api_key, max_body_bytes=max_body,
-                           max_queue=max_queue, model_names=(target,))
+                           max_queue=max_queue, model_names=(*aliases, target))
         with tracing:
             try:
                 serve(pair, http, ServeDefaults(max_tokens, sampling), log=_log)

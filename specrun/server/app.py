@@ -57,7 +57,7 @@ class HttpOptions:
     api_key: str | None = None
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     max_queue: int = DEFAULT_MAX_QUEUE
-    model_names: tuple[str, ...] = ()  # the names requests may give in ``model``; the first is listed
+    model_names: tuple[str, ...] = ()  # the names requests may give in ``model`` (--alias's, then --target's); the first is listed
 
 
 def speculation_object(stats: Stats) -> dict:
@@ -191,6 +191,7 @@ class OpenAIServer:
                 self._authorize(request)
                 return await handler(request)
             except RequestError as exc:
+                self._log_refusal(request, exc)
                 return _error_response(exc)
             except ClientGone as gone:
                 from starlette.responses import Response
@@ -210,10 +211,17 @@ class OpenAIServer:
             raise RequestError("missing or wrong API key: send the header Authorization: Bearer KEY", status=401,
                                code="invalid_api_key")
 
+    def _log_refusal(self, request, error: RequestError) -> None:
+        """One line a refused request: an editor's client may show no error body, so the one
+        running the server sees why here."""
+        where = f" ({error.param})" if error.param else ""
+        self.worker.log(f"refused {request.method} {request.url.path}: {error.status}{where} {error.message}")
+
     async def _http_error(self, request, exc):
         codes = {404: "not_found", 405: "method_not_allowed"}
-        response = _error_response(RequestError(str(exc.detail), status=exc.status_code,
-                                                code=codes.get(exc.status_code)))
+        error = RequestError(str(exc.detail), status=exc.status_code, code=codes.get(exc.status_code))
+        self._log_refusal(request, error)
+        response = _error_response(error)
         response.headers.update(exc.headers or {})  # a 405's Allow
         return response
 
@@ -520,7 +528,8 @@ def serve(pair: PairOptions, http: HttpOptions, defaults: ServeDefaults, log: Ca
         sock.listen(socket.SOMAXCONN)  # connections from now on wait in the backlog until uvicorn takes them
         host, port = sock.getsockname()[:2]
         shown = f"[{host}]" if ":" in host else host
-        log(f"specrun serve: {names[0]} (method {worker.method}) on http://{shown}:{port}/v1; Ctrl-C stops")
+        called = f" (model {', '.join(names[:-1])} too)" if len(names) > 1 else ""  # --alias
+        log(f"specrun serve: {names[-1]}{called} (method {worker.method}) on http://{shown}:{port}/v1; Ctrl-C stops")
         _server_class()(worker, config).run(sockets=[sock])
     except (KeyboardInterrupt, _Terminated):
         log("specrun serve: stopped")

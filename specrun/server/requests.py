@@ -32,7 +32,8 @@ _INERT_FIELDS = {
     "suffix": (None, ""),
 }
 # Fields with no effect on the answer: accepted as any value.
-_FREE_FIELDS = ("user", "store", "metadata", "service_tier")
+_FREE_FIELDS = ("user", "store", "metadata", "service_tier", "prompt_cache_key", "safety_identifier",
+                "cache_prompt")  # the last llama-server's: specrun keeps a prompt's cache always
 _COMMON_FIELDS = ("model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stream",
                   "stream_options", "n", "response_format", "grammar", "json_schema")
 
@@ -186,8 +187,12 @@ def _parse_common(body: dict, defaults: ServeDefaults, n_ctx: int, max_tokens_fi
     min_p = _number(body, "min_p", base.min_p)
     _check_range("min_p", min_p, 0.0, 1.0, high_open=True)
     seed = _number(body, "seed", base.seed, integer=True)
-    if seed is not None and not (0 <= seed <= MAX_SEED):
-        raise invalid_value("seed", f"must be a non-negative 64-bit integer, got {seed}")
+    if seed is not None and not (-MAX_SEED - 1 <= seed <= MAX_SEED):
+        raise invalid_value("seed", f"must be a 64-bit integer, got {seed}")
+    if seed == -1:  # "random", as llama-server and the UIs written for it send it
+        seed = None
+    elif seed is not None and seed < 0:  # OpenAI's seed is signed: each its own stream of draws
+        seed += MAX_SEED + 1
     stream = body.get("stream", False)
     if stream is None:
         stream = False
@@ -197,10 +202,14 @@ def _parse_common(body: dict, defaults: ServeDefaults, n_ctx: int, max_tokens_fi
     if not isinstance(options, dict) or not isinstance(options.get("include_usage", False), bool):
         raise RequestError("stream_options must be an object like {\"include_usage\": true}", "stream_options",
                            code="invalid_type")
-    if set(options) - {"include_usage"}:
-        unknown = ", ".join(sorted(set(options) - {"include_usage"}))
-        raise RequestError(f"stream_options takes include_usage only, not {unknown}", "stream_options",
-                           code="invalid_value")
+    if not isinstance(options.get("include_obfuscation", False), bool):
+        raise RequestError("stream_options.include_obfuscation must be a boolean", "stream_options",
+                           code="invalid_type")
+    # include_obfuscation pads chunks against a network observer's size counting: taken, none added
+    if set(options) - {"include_usage", "include_obfuscation"}:
+        unknown = ", ".join(sorted(set(options) - {"include_usage", "include_obfuscation"}))
+        raise RequestError(f"stream_options takes include_usage and include_obfuscation only, not {unknown}",
+                           "stream_options", code="invalid_value")
     if options and not stream:
         raise RequestError("stream_options is only allowed with stream: true", "stream_options",
                            code="invalid_value")

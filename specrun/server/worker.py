@@ -41,7 +41,7 @@ from specrun.engine.events import Finished, TextChunk, TokenLogprob
 from specrun.engine.loop import GenerationParams
 from specrun.engine.passes import Verification
 from specrun.engine.stats import Stats
-from specrun.errors import ContextFullError, SpecrunError
+from specrun.errors import ContextFullError, ConversationRefusedError, SpecrunError
 from specrun.grammar import Grammar, GrammarError
 from specrun.registry.loading import LoadOptions
 from specrun.server.dispatch import Jobs
@@ -580,7 +580,12 @@ class PairWorker:
         except RequestError as exc:
             self._refused(job, exc, slot)
             return
-        except SpecrunError as exc:  # a chat template that refuses the conversation
+        except ConversationRefusedError as exc:  # the chat's /system and /reset are no fix for a client
+            self._refused(job, RequestError(f"{exc.problem}; send messages the template takes (many take one system "
+                                            "message, first, then user and assistant turns in alternation)",
+                                            "messages", code="invalid_value"), slot)
+            return
+        except SpecrunError as exc:  # a chat template that fails on the conversation
             self._refused(job, RequestError(exc.one_line(), "messages" if job.request.is_chat else "prompt"), slot)
             return
         session.new_text()  # each request is a text of its own: its acceptance is measured afresh

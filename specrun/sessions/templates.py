@@ -40,7 +40,7 @@ from jinja2.exceptions import SecurityError
 from jinja2.sandbox import ImmutableSandboxedEnvironment, is_internal_attribute
 
 from specrun.backends.base import Backend
-from specrun.errors import ChatTemplateError
+from specrun.errors import ChatTemplateError, ConversationRefusedError
 
 FALLBACK_TEMPLATE = (
     "{% for message in messages %}"
@@ -243,7 +243,7 @@ class ChatTemplate:
         except SecurityError as exc:
             raise ChatTemplateError(f"the model's chat template did something unsafe: {exc}", _REFUSAL_FIX) from None
         except _TemplateRaised as exc:
-            raise ChatTemplateError(
+            raise ConversationRefusedError(
                 f"the model's chat template refused the conversation: {exc}",
                 "change the conversation (/system, /reset) to what the model's template accepts",
             ) from None

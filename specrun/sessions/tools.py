@@ -111,7 +111,7 @@ def _shown(value) -> str:
 
 def tool_definitions(tools) -> tuple[Tool, ...]:
     """OpenAI's ``tools``, checked: function definitions, each with a name and, where given, a JSON
-    schema of its arguments that compiles (a required call's arguments follow it)."""
+    schema object of its arguments (``tool_choice_of`` compiles those a forced call may name)."""
     if tools is None or tools == []:
         return ()
     if not isinstance(tools, list):
@@ -152,15 +152,35 @@ def tool_definitions(tools) -> tuple[Tool, ...]:
                                           f"\"object\"), got type {_shown(parameters.get('type'))}",
                                           f"{where}.function.parameters")
             try:
-                GrammarSpec("json_schema", json.dumps(parameters)).check()
+                json.dumps(parameters, ensure_ascii=False).encode("utf-8")
             except RecursionError:
                 raise ToolDefinitionError(f"{where}.function.parameters nests too deeply",
                                           f"{where}.function.parameters") from None
-            except GrammarError as exc:
-                raise ToolDefinitionError(f"{where}.function.parameters: {exc.problem}",
+            except UnicodeEncodeError as exc:  # rendered into the prompt: a lone surrogate was a 500
+                raise ToolDefinitionError(f"{where}.function.parameters is not valid Unicode text (a lone "
+                                          f"surrogate at character {exc.start} of it)",
                                           f"{where}.function.parameters") from None
         parsed.append(Tool(name, description, parameters))
     return tuple(parsed)
+
+
+def _check_schemas(tools: Sequence[Tool], choice: ToolChoice) -> None:
+    """The schemas of the functions a forced call may name compile (its arguments follow them).
+    Others are only shown to the model, as OpenAI takes any JSON schema in a function's
+    parameters: a keyword llguidance cannot enforce (uniqueItems, not) refused every request
+    that carried the tool."""
+    for index, tool in enumerate(tools):
+        if tool.parameters is None or (choice.mode == "function" and tool.name != choice.function):
+            continue
+        where = f"tools[{index}].function.parameters"
+        try:
+            GrammarSpec("json_schema", json.dumps(tool.parameters)).check()
+        except RecursionError:
+            raise ToolDefinitionError(f"{where} nests too deeply", where) from None
+        except GrammarError as exc:
+            forced = f'tool_choice "{choice.mode}"' if choice.mode == "required" else "tool_choice names it"
+            raise ToolDefinitionError(f"{where}: {exc.problem} ({forced}, so its arguments must follow the schema; "
+                                      "a call the model may choose takes any schema)", where) from None
 
 
 def tool_choice_of(choice, tools: Sequence[Tool]) -> ToolChoice:
@@ -170,6 +190,8 @@ def tool_choice_of(choice, tools: Sequence[Tool]) -> ToolChoice:
     if choice in ("auto", "none", "required"):
         if choice == "required" and not tools:
             raise ToolDefinitionError('tool_choice: "required" needs tools to call: send tools too', "tool_choice")
+        if choice == "required":
+            _check_schemas(tools, ToolChoice(choice))
         return ToolChoice(choice)
     if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("function"), dict):
         name = choice["function"].get("name")
@@ -177,6 +199,7 @@ def tool_choice_of(choice, tools: Sequence[Tool]) -> ToolChoice:
             known = ", ".join(tool.name for tool in tools) or "none"
             raise ToolDefinitionError(f"tool_choice names the function {_shown(name)}, which tools does not "
                                       f"define (defined: {known})", "tool_choice")
+        _check_schemas(tools, ToolChoice("function", name))
         return ToolChoice("function", name)
     raise ToolDefinitionError('tool_choice must be "auto", "none", "required" or {"type": "function", "function": '
                               '{"name": ...}}', "tool_choice", "invalid_type")
@@ -599,6 +622,20 @@ def _python_calls_before_cut(body: str) -> tuple[list[ToolCall], bool]:
     return [], inside
 
 
+def _leading_call_list(text: str) -> list[ToolCall]:
+    """The calls of a list that begins the answer and text after it (``[f(a=1)] Let me check``:
+    Gemma writes on after its call, as Hermes' models after ``</tool_call>``, whose text is
+    dropped too): the shortest prefix closed by a ``]`` that reads as calls; [] if none does."""
+    text = text.strip()
+    closes = [match.start() for match in re.finditer(r"\]", text)][:MAX_CUT_TRIES]
+    for close in closes[:-1] if closes and closes[-1] == len(text) - 1 else closes:  # the whole text: tried
+        try:
+            return _pythonic_calls(text[: close + 1])
+        except NotACall:
+            continue
+    return []
+
+
 @dataclass(frozen=True)
 class PythonicStyle(ToolStyle):
     """Calls written as a Python list, keyword arguments only (``[get_weather(city="Oslo")]``), as
@@ -618,7 +655,7 @@ class PythonicStyle(ToolStyle):
         try:
             calls = [call for body in ([b.group(1) for b in blocks] or [text]) for call in _pythonic_calls(body)]
         except NotACall:
-            return text, []
+            calls = [] if blocks else _leading_call_list(text)
         return (content.strip(), calls) if calls else (text, [])
 
     def _read_cut(self, text: str) -> tuple[str, list[ToolCall], bool]:

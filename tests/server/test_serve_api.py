@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import socket
 import subprocess
 
@@ -153,7 +154,7 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", _chat_body(temperature="hot"), 400, "temperature", "invalid_type"),
     ("/v1/chat/completions", _chat_body(temperature=7), 400, "temperature", "invalid_value"),
     ("/v1/chat/completions", _chat_body(top_p=0), 400, "top_p", "invalid_value"),
-    ("/v1/chat/completions", _chat_body(seed=-1), 400, "seed", "invalid_value"),
+    ("/v1/chat/completions", _chat_body(seed=2**63), 400, "seed", "invalid_value"),
     ("/v1/chat/completions", _chat_body(stop=["a", "b", "c", "d", "e"]), 400, "stop", "invalid_value"),
     ("/v1/chat/completions", _chat_body(stream="yes"), 400, "stream", "invalid_type"),
     ("/v1/chat/completions", _chat_body(stream_options={"include_usage": True}), 400, "stream_options",
@@ -215,6 +216,15 @@ def test_bad_requests_name_the_field(demo_server, path, body, status, param, cod
     assert set(got) == {"error"} and {"message", "type", "param", "code"} <= set(got["error"])
     assert (got["error"]["param"], got["error"]["code"]) == (param, code), got
     assert got["error"]["message"]
+
+
+def test_a_refused_request_is_one_line_in_the_server_s_log(demo_server):
+    """An editor's client may show no error body: refusals left no trace where the server runs."""
+    demo_server.request("POST", "/v1/chat/completions", json.dumps(_chat_body(colour="blue")).encode())
+    demo_server.wait_for_log(re.escape("refused POST /v1/chat/completions: 400 (colour) unrecognized request "
+                                       "argument supplied: colour"))
+    demo_server.request("POST", "/v1/responses", b"{}")
+    demo_server.wait_for_log("refused POST /v1/responses: 404")
 
 
 def test_the_server_keeps_serving_after_bad_requests(demo_server):
@@ -492,3 +502,45 @@ def test_a_range_refused_names_its_integer_ends_whole():
         _check_range("max_tokens", 2**31, 1, MAX_ANSWER_TOKENS)
     with pytest.raises(RequestError, match=r"must be in \(0, 1\], got 1.5"):
         _check_range("top_p", 1.5, 0.0, 1.0, low_open=True)
+
+
+def test_fields_clients_send_that_change_nothing_are_taken():
+    """Refused as unknown or out of range (agent frameworks' and llama-server UIs' requests): a
+    seed of -1 ("random" to llama-server; OpenAI's seed is signed), prompt_cache_key and
+    safety_identifier (OpenAI's, no effect on the answer), cache_prompt (llama-server's: specrun
+    keeps the cache always), stream_options.include_obfuscation."""
+    from specrun.sampling import MAX_SEED
+    from specrun.server.requests import RequestError, ServeDefaults, parse_chat_request
+
+    def parsed(**fields):
+        return parse_chat_request(_chat_body(**fields), ServeDefaults(), 256)
+
+    assert parsed(seed=-1).sampling.seed is None
+    assert parsed(seed=-5).sampling.seed == MAX_SEED - 4 and parsed(seed=7).sampling.seed == 7
+    assert parsed(prompt_cache_key="k", safety_identifier="u1", cache_prompt=True).max_tokens > 0
+    assert parsed(stream=True, stream_options={"include_usage": True, "include_obfuscation": False}).include_usage
+    with pytest.raises(RequestError) as refused:
+        parsed(stream=True, stream_options={"include_obfuscation": "no"})
+    assert refused.value.param == "stream_options"
+
+
+def test_an_alias_is_a_model_name_clients_may_send_and_the_one_listed():
+    """Clients that remember one model name (gpt-4o) were a 404 unless they sent --target's."""
+    server = start_server(*DEMO_ARGS, "--method", "none", "--alias", "gpt-4o", "--alias", "local")
+    try:
+        assert any("specrun serve: demo-target (model gpt-4o, local too)" in line for line in server.log), server.log
+        client = server.client()
+        assert [model.id for model in client.models.list().data] == ["gpt-4o"]
+        for name in ("gpt-4o", "local", "demo-target"):
+            answer = client.chat.completions.create(model=name, messages=[{"role": "user", "content": "hi"}],
+                                                    max_tokens=2)
+            assert answer.model == "gpt-4o" and answer.choices[0].finish_reason
+    finally:
+        assert stop_server(server) == 0, server.log
+
+
+@pytest.mark.parametrize("alias", ["", " gpt", "a\tb"])
+def test_an_alias_no_client_could_send_is_a_usage_error(alias):
+    done = subprocess.run([*SPECRUN, "serve", "--port", "0", "--alias", alias], capture_output=True, text=True,
+                          timeout=60, check=False)
+    assert done.returncode == 2 and done.stderr.startswith("error: --alias") and len(done.stderr.splitlines()) == 1

@@ -102,3 +102,35 @@ def test_a_template_that_cannot_render_the_tools_is_a_400_naming_them_and_the_wo
         assert isinstance(asyncio.run(ask(())), Done)
     finally:
         worker.stop()
+
+
+def test_a_template_that_refuses_the_conversation_is_a_400_with_a_fix_a_client_can_take():
+    """It said to use /system and /reset, the chat's commands, to an API client."""
+    from specrun.sessions.templates import ChatTemplate
+
+    worker = PairWorker(PairOptions("demo-target", None, method="none", load=LoadOptions(threads=1)))
+    worker.start()
+    try:
+        worker.session.template = ChatTemplate(
+            "{% for m in messages %}{% if loop.index0 > 0 and m.role == messages[loop.index0 - 1].role %}"
+            "{{ raise_exception('Conversation roles must alternate user/assistant') }}{% endif %}"
+            "{{ m.role }}: {{ m.content }}\n{% endfor %}assistant: ")
+
+        async def ask(messages):
+            request = CompletionRequest("demo", 8, SamplingSettings(), messages=messages)
+            job = Job(request, asyncio.get_running_loop())
+            worker.submit(job)
+            while not isinstance(event := await job.next_event(), (Done, Failed)):
+                pass
+            return event
+
+        twice = ({"role": "user", "content": "Hello"}, {"role": "user", "content": "Are you there?"})
+        refused = asyncio.run(ask(twice))
+        assert isinstance(refused, Failed) and refused.error.status == 400
+        error = refused.error.body()["error"]
+        assert error["param"] == "messages" and error["code"] == "invalid_value", error
+        assert "roles must alternate" in error["message"] and "/system" not in error["message"]
+        assert "user and assistant turns in alternation" in error["message"]
+        assert isinstance(asyncio.run(ask(twice[:1])), Done)
+    finally:
+        worker.stop()

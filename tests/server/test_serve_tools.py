@@ -171,9 +171,26 @@ BAD = [
 ]
 
 
+UNIQUE = {"type": "function", "function": {"name": "tag", "parameters": {"type": "object", "properties": {
+    "labels": {"type": "array", "items": {"type": "string"}, "uniqueItems": True}}}}}  # pydantic's set[str]
+BAD += [
+    (_body(tools=[WEATHER, UNIQUE], tool_choice="required"), "tools[1].function.parameters", "invalid_value"),
+    (_body(tools=[WEATHER, UNIQUE], tool_choice={"type": "function", "function": {"name": "tag"}}),
+     "tools[1].function.parameters", "invalid_value"),
+]
+
+
 @pytest.mark.parametrize(("body", "param", "code"), BAD, ids=[f"{i}-{row[1]}" for i, row in enumerate(BAD)])
 def test_bad_tool_requests_are_400s_naming_the_field(demo_server, body, param, code):
     assert_refused(demo_server, "/v1/chat/completions", body, param, code)
+
+
+@pytest.mark.parametrize("choice", ["auto", "none", {"type": "function", "function": {"name": "get_weather"}}])
+def test_a_schema_no_grammar_can_enforce_is_taken_where_no_call_to_it_is_forced(demo_server, choice):
+    """OpenAI takes any JSON schema in a function's parameters; llguidance enforces no uniqueItems.
+    Every request carrying such a tool was a 400, though only a forced call follows a schema."""
+    choice_answer = _call(demo_server, messages=QUESTION, tools=[WEATHER, UNIQUE], tool_choice=choice).choices[0]
+    assert choice_answer.finish_reason in ("stop", "length", "tool_calls")
 
 
 def test_tool_choice_none_leaves_the_tools_out_of_the_prompt(demo_server):

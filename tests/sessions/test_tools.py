@@ -91,6 +91,13 @@ CONVERSATION = [
     ("pythonic", '```tool_code\na(s="x\\/y")\nb(n=1)\n```', "", [("a", {"s": "x/y"}), ("b", {"n": 1})]),  # JSON's escapes
     ("pythonic", '  \n [a(s="x\\/y", t="\u00e9")]', "", [("a", {"s": "x/y", "t": "\u00e9"})]),  # read where parsed
     ("pythonic", '[get_time(zone="UTC")', '[get_time(zone="UTC")', []),  # cut short: not a call
+    # Gemma writes on after its call (the call was lost as text): the call, the rest dropped as Hermes' is
+    ("pythonic", '[get_weather(city="Oslo")]\nLet me check that for you.', "", [("get_weather", {"city": "Oslo"})]),
+    ("pythonic", '[get_weather(city="a]b", unit="c")] staan\n```tool_output', "",
+     [("get_weather", {"city": "a]b", "unit": "c"})]),
+    ("pythonic", "[link](https://example.com) says so.", "[link](https://example.com) says so.", []),
+    ("pythonic", "[f(x=g())] then", "[f(x=g())] then", []),
+    ("pythonic", 'Sure!\n[get_weather(city="Oslo")]', 'Sure!\n[get_weather(city="Oslo")]', []),  # streamed as text
     ("pythonic", "Call f(x=1) when ready.", "Call f(x=1) when ready.", []),  # prose naming a call stays prose
     ("pythonic", "[f(1)]", "[f(1)]", []),  # positional arguments: the names are unknown
     ("pythonic", "[f(x=g())]", "[f(x=g())]", []),  # only literals: nothing is run
@@ -491,8 +498,10 @@ def test_an_answer_cut_inside_its_calls_keeps_the_calls_written_whole_in_every_s
     ("llama3", '{"name": "f", "parameters": {}} and then I', [], False),
     ("mistral", '[TOOL_CALLS][{"name": "f", "arguments": {}}] and then {"na', [], False),
     ("pythonic", "Run it:\n```python\nprint(1)\n```", [], False),
-    ("pythonic", '[f(x=1)] is the call I would make, but first (as you asked', [], False),
-    ("pythonic", '[get_weather(city="Oslo")] done\n```tool_output\n{"temperature":', [], False),
+    # a list of calls that begins the answer is its calls, whatever follows (Gemma 3 270M went on to
+    # write the tool's output itself, and the call was lost as text): nothing of a call was cut
+    ("pythonic", '[f(x=1)] is the call I would make, but first (as you asked', ["f"], False),
+    ("pythonic", '[get_weather(city="Oslo")] done\n```tool_output\n{"temperature":', ["get_weather"], False),
 ])
 def test_a_cut_answer_says_a_call_was_left_out_only_where_one_was(style, text, calls, dropped):
     found, left_out = STYLES[style].read_answer(text, ["f", "get_weather"], cut=True)
