@@ -100,6 +100,12 @@ class KVSequence:
                 f"tracks {tracked}: two sequences are driving one backend"
             )
 
+    def thread_tally(self):
+        """The backend's passes and those run on fewer threads (cpu_load.ThreadTally), where it
+        follows the machine's load (llama.cpp on the CPU); None elsewhere."""
+        tally = getattr(self.backend, "thread_tally", None)
+        return tally() if tally is not None else None
+
     # ---- plain steps that read ahead ----------------------------------------------------
     @property
     def can_read_ahead(self) -> bool:

@@ -166,3 +166,28 @@ def open_exact_copies(model: TinyModel, kind: str, count: int, tree_paths: int =
     from specrun.backends.mlx import MlxBackend
 
     return [MlxBackend(model.hf_dir, n_ctx=256) for _ in range(count)]
+
+
+FIM_TOKENS = ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>")
+
+
+def build_fim_model(folder: Path, seed: int = 3) -> TinyModel:
+    """The tiny llama with Qwen2.5-Coder's fill-in-the-middle tokens added to its vocabulary
+    (ids 512-514), as F16 GGUF and a float32 HF folder (sessions/infill.py)."""
+    import dataclasses
+
+    from tokenizers import AddedToken, Tokenizer
+
+    tokenizer = Tokenizer.from_str(tiny_tokenizer_json())
+    tokenizer.add_special_tokens([AddedToken(text, special=True) for text in FIM_TOKENS])
+    config = dataclasses.replace(tiny_config("llama"), vocab_size=tokenizer.get_vocab_size())
+    weights = random_weights(config, seed)
+    tokenizer_json = tokenizer.to_str()
+    parts = (config, weights, tokenizer_json, DEMO_CHAT_TEMPLATE)
+    folder.mkdir(parents=True, exist_ok=True)
+    return TinyModel(
+        config=config, weights=weights, tokenizer_json=tokenizer_json,
+        gguf_path=write_gguf(folder / "fim-f16.gguf", *parts, dtype="F16"),
+        gguf_f32_path=write_gguf(folder / "fim-f32.gguf", *parts, dtype="F32"),
+        hf_dir=write_hf_folder(folder / "fim-hf", *parts, dtype="float32"),
+    )

@@ -579,8 +579,7 @@ class SpeculativeEngine:
         decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         output: list[int] = []
         pieces: list[str] = []
-        tally = getattr(backend, "thread_tally", None)  # llama.cpp's thread count following the load
-        before = tally() if tally is not None else None
+        before = self.target.thread_tally()  # llama.cpp's thread count following the load
         for step in self.steps(prompt, params, stats):
             stats.record_step(
                 step.n_drafted, step.n_accepted, len(step.tokens), step.draft_seconds, step.verify_seconds, step.source
@@ -596,7 +595,7 @@ class SpeculativeEngine:
         if complete_cache:
             self.complete_caches()
         if before is not None:
-            run = tally().since(before)
+            run = self.target.thread_tally().since(before)
             stats.followed_passes, stats.busy_passes = run.passes, run.fewer
             stats.least_threads, stats.most_threads = run.least, run.most
         yield Finished(GenerationResult("".join(pieces), output, stats, self._finish_reason(prompt, output, params),

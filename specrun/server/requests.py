@@ -14,7 +14,8 @@ from specrun.grammar import GrammarError, GrammarSpec
 from specrun.sampling import MAX_SEED, SamplingSettings
 from specrun.sessions.tools import Tool, ToolChoice, ToolDefinitionError, tool_choice_of, tool_definitions
 
-MAX_STOP_STRINGS = 4  # as OpenAI's API
+# OpenAI's API takes 4; editors' completion plugins send a dozen (llama-server takes any number)
+MAX_STOP_STRINGS = 16
 MAX_TOP_LOGPROBS = 20  # as OpenAI's chat API (its completions API: 5)
 MAX_TEMPERATURE = 2.0  # as OpenAI's API
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -29,7 +30,6 @@ _INERT_FIELDS = {
     "function_call": (None, "none", "auto"),
     "echo": (False, None),
     "best_of": (1, None),
-    "suffix": (None, ""),
 }
 # Fields with no effect on the answer: accepted as any value.
 _FREE_FIELDS = ("user", "store", "metadata", "service_tier", "prompt_cache_key", "safety_identifier",
@@ -88,6 +88,7 @@ class CompletionRequest:
     tool_choice: ToolChoice = field(default_factory=ToolChoice)
     parallel_tool_calls: bool = False  # may a required call be several? (llama-server's default: one)
     logprobs: int | None = None  # each token's log-probability with this many alternatives; None: not asked
+    suffix: str | None = None  # completions: the text after the cursor, filled in between (sessions/infill.py)
 
     @property
     def is_chat(self) -> bool:
@@ -455,19 +456,27 @@ def _message_text(content, where: str, optional: bool) -> str:
 
 def parse_completion_request(body: dict, defaults: ServeDefaults, n_ctx: int) -> CompletionRequest:
     """A /v1/completions body as a CompletionRequest, or a RequestError naming the bad field."""
-    _check_fields(body, (*_COMMON_FIELDS, "prompt", "logprobs"))
+    _check_fields(body, (*_COMMON_FIELDS, "prompt", "logprobs", "suffix"))
     common = _parse_common(body, defaults, n_ctx, "max_tokens")
     logprobs = _number(body, "logprobs", None, integer=True)  # the completions API's: how many alternatives
     if logprobs is not None:
         _check_range("logprobs", logprobs, 0, MAX_TOP_LOGPROBS)
-    return CompletionRequest(prompt=_parse_prompt(body.get("prompt")), logprobs=logprobs, **common)
+    suffix = body.get("suffix")
+    if suffix is not None and not isinstance(suffix, str):
+        raise RequestError("suffix must be a string", "suffix", code="invalid_type")
+    suffix = _text(suffix, "suffix") if suffix else None  # "": no suffix, as OpenAI reads it
+    if suffix is not None and common["grammar"] is not None:
+        raise invalid_value("suffix", f"a suffix and {common['grammar_field']} both shape the answer: send one")
+    return CompletionRequest(prompt=_parse_prompt(body.get("prompt"), empty=suffix is not None), logprobs=logprobs,
+                             suffix=suffix, **common)
 
 
-def _parse_prompt(prompt) -> str | tuple[int, ...]:
+def _parse_prompt(prompt, empty: bool = False) -> str | tuple[int, ...]:
+    """The prompt: text or token ids; ``empty``: "" is one (a suffix's fill at a file's start)."""
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch of one
     if isinstance(prompt, str):
-        if not prompt:
+        if not prompt and not empty:
             raise invalid_value("prompt", "must not be empty")
         return _text(prompt, "prompt")
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):

@@ -745,6 +745,7 @@ class PairWorker:
             raise invalid_value(field_name, exc.problem) from None
 
     def _prompt_ids(self, request: CompletionRequest) -> list[int]:
+        from specrun.sessions.infill import NoInfillError, infill_ids
         from specrun.sessions.setup import check_prompt_size, prompt_token_ids
         from specrun.sessions.templates import tokenize_rendered
 
@@ -756,7 +757,7 @@ class PairWorker:
             text = ("".join(str(m.get("content") or "") + json.dumps(m.get("tool_calls") or "")
                             for m in request.messages)
                     + "".join(json.dumps(tool.as_openai()) for tool in request.tools)) if request.is_chat \
-                else request.prompt
+                else request.prompt + (request.suffix or "")
             try:
                 check_prompt_size(target, text)  # before tokenizing megabytes that cannot fit
             except ContextFullError as exc:
@@ -770,13 +771,21 @@ class PairWorker:
             except ToolTemplateError as exc:
                 raise RequestError(exc.one_line(), "tools", code="invalid_value") from None
             prompt_ids = tokenize_rendered(target, session.template, text, spans)
-        elif isinstance(request.prompt, str):
-            prompt_ids = prompt_token_ids(target, request.prompt, chat=False)
         else:
-            bad = next((t for t in request.prompt if not 0 <= t < target.vocab.size), None)
-            if bad is not None:
-                raise invalid_value("prompt", f"token id {bad} is outside the vocabulary (0 to {target.vocab.size - 1})")
-            prompt_ids = list(request.prompt)
+            if not isinstance(request.prompt, str):
+                bad = next((t for t in request.prompt if not 0 <= t < target.vocab.size), None)
+                if bad is not None:
+                    raise invalid_value("prompt", f"token id {bad} is outside the vocabulary "
+                                                  f"(0 to {target.vocab.size - 1})")
+            if request.suffix is not None:  # an editor's fill at the cursor
+                try:
+                    prompt_ids = infill_ids(target, request.prompt, request.suffix)
+                except NoInfillError as exc:
+                    raise invalid_value("suffix", exc.one_line()) from None
+            elif isinstance(request.prompt, str):
+                prompt_ids = prompt_token_ids(target, request.prompt, chat=False)
+            else:
+                prompt_ids = list(request.prompt)
         if not prompt_ids:
             raise invalid_value(param, "the prompt is empty")
         if len(prompt_ids) >= target.n_ctx:

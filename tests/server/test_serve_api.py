@@ -155,7 +155,7 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", _chat_body(temperature=7), 400, "temperature", "invalid_value"),
     ("/v1/chat/completions", _chat_body(top_p=0), 400, "top_p", "invalid_value"),
     ("/v1/chat/completions", _chat_body(seed=2**63), 400, "seed", "invalid_value"),
-    ("/v1/chat/completions", _chat_body(stop=["a", "b", "c", "d", "e"]), 400, "stop", "invalid_value"),
+    ("/v1/chat/completions", _chat_body(stop=[chr(ord("a") + i) for i in range(17)]), 400, "stop", "invalid_value"),
     ("/v1/chat/completions", _chat_body(stream="yes"), 400, "stream", "invalid_type"),
     ("/v1/chat/completions", _chat_body(stream_options={"include_usage": True}), 400, "stream_options",
      "invalid_value"),  # OpenAI's rule: only with stream: true

@@ -1,0 +1,135 @@
+"""Fill-in-the-middle (sessions/infill.py): /v1/completions with ``suffix``, as editors complete
+at the cursor. A model with FIM tokens fills between prefix and suffix, speculating as any request
+does and answering what plain decoding of the same prompt answers; a model without them is a 400
+naming ``suffix``."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from model_factory import FIM_TOKENS, build_fim_model
+from specrun.engine.loop import GenerationParams, SpeculativeEngine
+from specrun.registry.loading import LoadOptions
+from specrun.sampling import SamplingSettings
+from specrun.server.requests import CompletionRequest, RequestError, ServeDefaults, parse_completion_request
+from specrun.server.worker import Delta, Done, Failed, Job, PairOptions, PairWorker
+from specrun.sessions.infill import fim_tokens, infill_ids
+
+PREFIX = "def read_config(path):\n    with open(path) as f:\n        "
+SUFFIX = "\n    return config\n\n\ndef read_config_again(path):\n    with open(path) as f:\n"
+
+
+@pytest.fixture(scope="module")
+def fim_model(tmp_path_factory):
+    return build_fim_model(tmp_path_factory.mktemp("fim"))
+
+
+def _backends(model, kinds=("llama", "mlx")):
+    for kind in kinds:
+        if kind == "llama":
+            pytest.importorskip("llama_cpp")
+            from specrun.backends.llama import LlamaCppBackend
+
+            yield LlamaCppBackend(model.gguf_f32_path, n_threads=1, gpu_layers=0, flash_attn=False)
+        else:
+            pytest.importorskip("mlx_lm")
+            from specrun.backends.mlx import MlxBackend
+
+            yield MlxBackend(model.hf_dir)
+
+
+@pytest.mark.parametrize("kind", ["llama", "mlx"])
+def test_the_prompt_is_prefix_suffix_middle_with_the_model_s_own_tokens(fim_model, tiny_llama, kind):
+    (backend,) = _backends(fim_model, (kind,))
+    try:
+        fim = fim_tokens(backend)
+        assert [fim.prefix, fim.suffix, fim.middle] == [backend.tokenize(t, add_bos=False, special=True)[0]
+                                                          for t in FIM_TOKENS] == [512, 513, 514]
+        ids = infill_ids(backend, PREFIX, SUFFIX)
+        prefix, suffix = backend.tokenize(PREFIX, add_bos=False), backend.tokenize(SUFFIX, add_bos=False)
+        assert ids == [backend.vocab.bos_id, 512, *prefix, 513, *suffix, 514]
+        quoting = infill_ids(backend, "x = '<|fim_middle|>'", "")
+        assert quoting.count(514) == 1 and quoting[-1] == 514  # the prefix's marker stays text
+        assert infill_ids(backend, [40, 41], "") == [backend.vocab.bos_id, 512, 40, 41, 513, 514]
+    finally:
+        backend.close()
+    (plain,) = _backends(tiny_llama, (kind,))
+    try:
+        assert fim_tokens(plain) is None
+    finally:
+        plain.close()
+
+
+def _fill(worker, prompt, suffix, max_tokens=24):
+    async def ask():
+        job = Job(CompletionRequest("fim", max_tokens, SamplingSettings(), prompt=prompt, suffix=suffix),
+                  asyncio.get_running_loop())
+        worker.submit(job)
+        texts = []
+        while not isinstance(event := await job.next_event(), (Done, Failed)):
+            if isinstance(event, Delta):
+                texts.append(event.text)
+        return event, "".join(texts)
+
+    return asyncio.run(ask())
+
+
+@pytest.mark.parametrize("parallel", [1, 2])
+def test_a_fill_speculates_and_answers_what_plain_decoding_of_its_prompt_answers(fim_model, parallel):
+    pytest.importorskip("llama_cpp")
+    from specrun.backends.llama import LlamaCppBackend
+
+    backend = LlamaCppBackend(fim_model.gguf_f32_path, n_threads=1, gpu_layers=0, flash_attn=False)
+    try:
+        plain = SpeculativeEngine(backend, None, method="none").run(infill_ids(backend, PREFIX, SUFFIX),
+                                                                    GenerationParams(24, 0))
+    finally:
+        backend.close()
+    worker = PairWorker(PairOptions(str(fim_model.gguf_f32_path), None, method="lookup", parallel=parallel,
+                                    load=LoadOptions(threads=1, exact=True)))
+    worker.start()
+    try:
+        done, text = _fill(worker, PREFIX, SUFFIX)
+        assert isinstance(done, Done) and text == plain.text
+        empty, _ = _fill(worker, "", SUFFIX, 4)  # at a file's start
+        assert isinstance(empty, Done)
+    finally:
+        worker.stop()
+
+
+def test_a_suffix_for_a_model_without_fill_tokens_is_a_400_naming_it():
+    worker = PairWorker(PairOptions("demo-target", None, method="none", load=LoadOptions(threads=1)))
+    worker.start()
+    try:
+        refused, _ = _fill(worker, PREFIX, SUFFIX)
+        assert isinstance(refused, Failed) and refused.error.status == 400
+        error = refused.error.body()["error"]
+        assert error["param"] == "suffix" and "no fill-in-the-middle tokens" in error["message"], error
+        assert isinstance(_fill(worker, PREFIX, None, 2)[0], Done)  # the next request is served
+    finally:
+        worker.stop()
+
+
+def _parsed(**fields):
+    return parse_completion_request({"model": "m", "prompt": "def f(", **fields}, ServeDefaults(), 256)
+
+
+@pytest.mark.parametrize(("fields", "param", "message"), [
+    ({"suffix": 5}, "suffix", "suffix must be a string"),
+    ({"suffix": "x", "response_format": {"type": "json_object"}}, "suffix", "both shape the answer"),
+    ({"suffix": "\ud800"}, "suffix", "lone surrogate"),
+    ({"prompt": ""}, "prompt", "must not be empty"),
+])
+def test_bad_suffixes_are_400s_naming_the_field(fields, param, message):
+    with pytest.raises(RequestError) as refused:
+        _parsed(**fields)
+    assert refused.value.param == param and message in refused.value.message
+
+
+def test_a_suffix_is_read_and_an_empty_one_is_none():
+    assert _parsed(suffix="):\n    pass").suffix == "):\n    pass"
+    assert _parsed(suffix="").suffix is None and _parsed(suffix=None).suffix is None
+    assert _parsed(prompt="", suffix="x").prompt == ""  # a fill at a file's start
+    assert _parsed().suffix is None
