@@ -83,6 +83,9 @@ ApiKeyOpt = Annotated[
 AliasOpt = Annotated[Optional[list[str]], typer.Option(
     "--alias", help="A name clients may give as the model (repeatable; the first is the one /v1/models lists), "
                     "beside --target's: for clients that remember one name, such as gpt-4o.")]
+CorsOpt = Annotated[Optional[list[str]], typer.Option(
+    "--cors", help="Let scripts of this web origin call the server from a browser (repeatable; e.g. "
+                   "http://localhost:3000; * for any page the browser opens, which --api-key then guards).")]
 MaxBodyOpt = Annotated[int, typer.Option("--max-body", help="Largest request body in bytes (larger: 413).")]
 MaxQueueOpt = Annotated[int, typer.Option("--max-queue", help="Requests that may wait (more: 429).")]
 ParallelOpt = Annotated[str, typer.Option(
@@ -113,6 +116,17 @@ def checked_aliases(aliases: list[str]) -> tuple[str, ...]:
             raise UsageError(f"--alias {name!r} is no name a client could send as its model",
                              "give a name of printable characters without spaces around it")
     return tuple(dict.fromkeys(aliases))
+
+
+def checked_origins(origins: list[str]) -> tuple[str, ...]:
+    """--cors origins as a browser sends them (scheme://host[:port], no path), or *."""
+    import re
+
+    for origin in origins:
+        if origin != "*" and not re.fullmatch(r"https?://[^/\s]+", origin):
+            raise UsageError(f"--cors {origin!r} is not a web origin",
+                             "give scheme://host[:port] without a path, e.g. --cors http://localhost:3000, or *")
+    return tuple(dict.fromkeys(origins))
 
 
 def serve_command(
@@ -163,6 +177,7 @@ def serve_command(
     keep_learned: KeepLearnedOpt = False,
     trace: ServeTraceOpt = None,
     alias: AliasOpt = None,
+    cors: CorsOpt = None,
 ) -> None:
     """Serve the pair over an OpenAI-compatible API until Ctrl-C.
 
@@ -172,6 +187,7 @@ def serve_command(
         check_outputs_apart(context, "trace", "ngram_cache")
         check_backend(backend)
         aliases = checked_aliases(alias or [])
+        cors_origins = checked_origins(cors or [])
         from specrun.drafters.methods import check_method, check_slots_method, needs_draft_model
         from specrun.registry.loading import LoadOptions, choose_pair
         from specrun.server.app import HttpOptions, serve
@@ -253,7 +269,7 @@ def serve_command(
             trace=tracing if trace is not None else None,
         )
         http = HttpOptions(host=host, port=port, api_key=api_key, max_body_bytes=max_body,
-                           max_queue=max_queue, model_names=(*aliases, target))
+                           max_queue=max_queue, model_names=(*aliases, target), cors_origins=cors_origins)
         with tracing:
             try:
                 serve(pair, http, ServeDefaults(max_tokens, sampling), log=_log)

@@ -58,6 +58,7 @@ class HttpOptions:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     max_queue: int = DEFAULT_MAX_QUEUE
     model_names: tuple[str, ...] = ()  # the names requests may give in ``model`` (--alias's, then --target's); the first is listed
+    cors_origins: tuple[str, ...] = ()  # --cors: web pages (origins) whose scripts may call the server; "*" any
 
 
 def speculation_object(stats: Stats) -> dict:
@@ -180,7 +181,14 @@ class OpenAIServer:
             Route("/v1/completions", self._endpoint(self.completions), methods=["POST"]),
         ]
         handlers = {HTTPException: self._http_error, Exception: self._internal_error}
-        return Starlette(routes=routes, exception_handlers=handlers)
+        middleware = []
+        if self.http.cors_origins:  # a browser's chat page: its preflight OPTIONS answered, its origin allowed
+            from starlette.middleware import Middleware
+            from starlette.middleware.cors import CORSMiddleware
+
+            middleware.append(Middleware(CORSMiddleware, allow_origins=list(self.http.cors_origins),
+                                         allow_methods=["GET", "POST"], allow_headers=["*"]))
+        return Starlette(routes=routes, exception_handlers=handlers, middleware=middleware)
 
     # ---- plumbing ----------------------------------------------------------------------
     def _endpoint(self, handler):

@@ -438,18 +438,21 @@ def _earlier_calls(calls, where: str) -> list[dict]:
 
 
 def _message_text(content, where: str, optional: bool) -> str:
-    """A message's content as text: a string, or a list of text parts (joined by newlines)."""
-    if content is None and optional:
+    """A message's content as text: a string, or a list of text parts (joined by newlines). An
+    assistant's (``optional``) may be empty ([] beside its tool_calls) or hold refusal parts, as
+    OpenAI's answers carry them back."""
+    if (content is None or content == []) and optional:
         return ""
     if isinstance(content, str):
         return _text(content, where)
     if isinstance(content, list) and content:
         texts = []
         for index, part in enumerate(content):
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+            kind = "refusal" if optional and isinstance(part, dict) and part.get("type") == "refusal" else "text"
+            if not isinstance(part, dict) or part.get("type") != kind or not isinstance(part.get(kind), str):
                 raise RequestError(f"{where}[{index}] must be a text part ({{\"type\": \"text\", \"text\": ...}}): "
                                    "specrun serve takes text only", f"{where}[{index}]", code="invalid_type")
-            texts.append(_text(part["text"], f"{where}[{index}].text"))
+            texts.append(_text(part[kind], f"{where}[{index}].{kind}"))
         return "\n".join(texts)
     raise RequestError(f"{where} must be a string or a list of text parts", where, code="invalid_type")
 

@@ -544,3 +544,63 @@ def test_an_alias_no_client_could_send_is_a_usage_error(alias):
     done = subprocess.run([*SPECRUN, "serve", "--port", "0", "--alias", alias], capture_output=True, text=True,
                           timeout=60, check=False)
     assert done.returncode == 2 and done.stderr.startswith("error: --alias") and len(done.stderr.splitlines()) == 1
+
+
+def test_an_assistant_turn_as_openai_answers_carry_it_back_is_taken():
+    """An assistant's content [] beside its tool_calls, or holding a refusal part: both were 400s."""
+    from specrun.server.requests import RequestError, ServeDefaults, parse_chat_request
+
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    turns = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": [], "tool_calls": [call]},
+             {"role": "tool", "content": "21", "tool_call_id": "c1"},
+             {"role": "assistant", "content": [{"type": "refusal", "refusal": "I cannot."}]},
+             {"role": "user", "content": "why?"}]
+    messages = parse_chat_request(_chat_body(messages=turns), ServeDefaults(), 256).messages
+    assert messages[1]["content"] == "" and messages[3]["content"] == "I cannot."
+    for content in ([], [{"type": "refusal", "refusal": "no"}]):  # a user's is text
+        with pytest.raises(RequestError) as refused:
+            parse_chat_request(_chat_body(messages=[{"role": "user", "content": content}]), ServeDefaults(), 256)
+        assert refused.value.param.startswith("messages[0].content")
+
+
+def _headers_of(server, method: str, path: str, headers: dict[str, str], body: bytes | None = None):
+    import http.client
+
+    connection = http.client.HTTPConnection(*server.host_port, timeout=60)
+    try:
+        connection.request(method, path, body=body, headers=headers)
+        response = connection.getresponse()
+        response.read()
+        return response.status, {key.lower(): value for key, value in response.getheaders()}
+    finally:
+        connection.close()
+
+
+def test_cors_lets_a_browser_page_of_the_origins_given_call_the_server(demo_server):
+    """A browser chat page's preflight was a 405 and no answer carried Access-Control-Allow-Origin."""
+    page = "http://localhost:3000"
+    preflight = {"Origin": page, "Access-Control-Request-Method": "POST",
+                 "Access-Control-Request-Headers": "authorization, content-type"}
+    status, _ = _headers_of(demo_server, "OPTIONS", "/v1/chat/completions", preflight)
+    assert status == 405  # none without --cors
+    server = start_server(*DEMO_ARGS, "--method", "none", "--cors", page, "--api-key", KEY)
+    try:
+        status, headers = _headers_of(server, "OPTIONS", "/v1/chat/completions", preflight)
+        assert status == 200 and headers["access-control-allow-origin"] == page
+        assert "authorization" in headers["access-control-allow-headers"].lower()
+        body = json.dumps(_chat_body(max_tokens=2)).encode()
+        status, headers = _headers_of(server, "POST", "/v1/chat/completions", {
+            "Origin": page, "Content-Type": "application/json", "Authorization": f"Bearer {KEY}"}, body)
+        assert status == 200 and headers["access-control-allow-origin"] == page
+        status, headers = _headers_of(server, "OPTIONS", "/v1/chat/completions", {**preflight,
+                                                                                  "Origin": "http://evil.example"})
+        assert status == 400 and "access-control-allow-origin" not in headers
+    finally:
+        assert stop_server(server) == 0, server.log
+
+
+@pytest.mark.parametrize("origin", ["localhost:3000", "http://localhost:3000/chat", ""])
+def test_a_cors_origin_a_browser_never_sends_is_a_usage_error(origin):
+    done = subprocess.run([*SPECRUN, "serve", "--port", "0", "--cors", origin], capture_output=True, text=True,
+                          timeout=60, check=False)
+    assert done.returncode == 2 and done.stderr.startswith("error: --cors") and len(done.stderr.splitlines()) == 1
