@@ -181,6 +181,12 @@ class ParentsModel:
     def tokenize(self, text: str, add_bos: bool = True, special: bool = False) -> list[int]:
         return self.parent.tokenize(text, add_bos, special)
 
+    def thread_tally(self):
+        """The parent's (its passes follow the load with the parent's count: llama.cpp's slots and
+        windowed caches); None where it has none."""
+        tally = getattr(self.parent, "thread_tally", None)
+        return tally() if tally is not None else None
+
     def token_bytes(self, token: int) -> bytes:
         return self.parent.token_bytes(token)
 

@@ -211,3 +211,45 @@ def test_a_run_on_a_busy_machine_says_so_in_its_statistics(tiny_llama, monkeypat
         assert "other processes kept cores busy" in busy.stats.summary()
     finally:
         backend.close()
+
+
+@pytest.mark.parametrize("parallel", [1, 2])
+def test_a_served_request_on_a_busy_machine_says_so_in_its_statistics(tiny_llama, monkeypatch, parallel):
+    """Slots' passes follow the load with the target's count (the parent's): a request's statistics
+    count them, as a single sequence's do."""
+    pytest.importorskip("llama_cpp")
+    import asyncio
+
+    from specrun.backends import cpu_load
+    from specrun.registry.loading import LoadOptions
+    from specrun.sampling import SamplingSettings
+    from specrun.server.requests import CompletionRequest
+    from specrun.server.worker import Done, Failed, Job, PairOptions, PairWorker
+
+    monkeypatch.delenv("SPECRUN_THREADS", raising=False)
+    monkeypatch.setattr(cpu_load, "cpu_count", lambda: 2)
+    monkeypatch.setattr("specrun.backends.llama.default_threads", lambda: 2)
+    machine = Machine()
+
+    def busy_read():  # a core held by another process all along: each read a window later
+        machine.run(0.5, others=1.0)
+        return machine.busy, machine.own
+
+    monkeypatch.setattr(cpu_load, "_READING", LoadReading(read=busy_read, clock=lambda: machine.now, hz=100))
+    worker = PairWorker(PairOptions(str(tiny_llama.gguf_path), None, method="lookup", parallel=parallel,
+                                    load=LoadOptions()))
+    worker.start()
+    try:
+        async def ask():
+            job = Job(CompletionRequest("m", 8, SamplingSettings(), prompt=(1, 40, 41, 42, 40, 41)),
+                      asyncio.get_running_loop())
+            worker.submit(job)
+            while not isinstance(event := await job.next_event(), (Done, Failed)):
+                pass
+            return event
+
+        done = asyncio.run(ask())
+        assert isinstance(done, Done), done
+        assert done.stats.busy_passes > 0 and done.stats.least_threads == 1 and done.stats.most_threads == 2
+    finally:
+        worker.stop()
