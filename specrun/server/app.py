@@ -10,6 +10,7 @@ the routes (``OpenAIServer``), the response objects and the running of it all (`
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import ipaddress
 import json
@@ -179,6 +180,7 @@ class OpenAIServer:
             Route("/v1/models/{model:path}", self._endpoint(self.model), methods=["GET"]),
             Route("/v1/chat/completions", self._endpoint(self.chat_completions), methods=["POST"]),
             Route("/v1/completions", self._endpoint(self.completions), methods=["POST"]),
+            Route("/v1/responses", self._endpoint(self.responses), methods=["POST"]),
         ]
         handlers = {HTTPException: self._http_error, Exception: self._internal_error}
         middleware = []
@@ -287,7 +289,142 @@ class OpenAIServer:
         parsed = await asyncio.to_thread(parse_completion_request, body, self.defaults, self.worker.n_ctx)
         return await self._complete(request, parsed)
 
-    async def _complete(self, request, parsed: CompletionRequest):
+    async def responses(self, request):
+        """OpenAI's Responses API (server/responses.py): the chat request it amounts to, answered
+        as a response object or its stream of events."""
+        from starlette.responses import JSONResponse
+
+        from specrun.server.responses import parse_responses_request
+
+        body = await read_json_body(request, self.http.max_body_bytes)
+        parsed = await asyncio.to_thread(parse_responses_request, body, self.defaults, self.worker.n_ctx)
+        job, first = await self._started(request, parsed)
+        echo = {key: body.get(key) for key in ("instructions", "metadata")} | {
+            "max_output_tokens": body.get("max_output_tokens"), "tools": body.get("tools") or [],
+            "tool_choice": body.get("tool_choice") or "auto", "text": body.get("text") or {"format": {"type": "text"}},
+            "parallel_tool_calls": parsed.parallel_tool_calls, "temperature": parsed.sampling.temperature,
+            "top_p": parsed.sampling.top_p}
+        if parsed.stream:
+            from starlette.responses import StreamingResponse
+
+            return StreamingResponse(self._response_events(job, first, echo), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        texts, calls = [], ()
+        try:
+            while True:
+                event = await job.next_event(request.is_disconnected)
+                if isinstance(event, Delta):
+                    texts.append(event.text)
+                elif isinstance(event, Calls):
+                    calls = event.calls
+                elif isinstance(event, Failed):
+                    raise event.error
+                elif isinstance(event, Done):
+                    break
+        finally:
+            job.cancel()
+        return JSONResponse(self._response_object(job, echo, "".join(texts), calls, first, event))
+
+    def _response_object(self, job: Job, echo: dict, text: str | None, calls, started: Started,
+                         done: Done | None, status: str | None = None, error: dict | None = None) -> dict:
+        """A response object: in progress (``done`` None), or finished with its output items."""
+        from specrun.server.responses import call_item, message_item, usage
+
+        output = []
+        if done is not None:
+            if text or not calls:
+                output.append(message_item(f"msg_{job.id}", text or "", done=True))
+            output += [call_item(f"fc_{job.id}_{index}", call, done=True) for index, call in enumerate(calls)]
+        cut = done is not None and done.finish_reason == "length"
+        state = status or ("in_progress" if done is None else "incomplete" if cut else "completed")
+        answer = {"id": f"resp_{job.id}", "object": "response", "created_at": job.created, "status": state,
+                  "model": self.model_id, "output": output, "error": error,
+                  "incomplete_details": {"reason": "max_output_tokens"} if cut else None,
+                  "store": False, "truncation": "disabled", **echo,
+                  "usage": None if done is None else usage(started.prompt_tokens, started.reused_tokens,
+                                                           done.stats.new_tokens)}
+        if done is not None:
+            answer["speculation"] = speculation_object(done.stats)
+        return answer
+
+    async def _response_events(self, job: Job, started: Started, echo: dict) -> AsyncIterator[str]:
+        """The Responses API's semantic events: created, in progress, the message's text as it
+        comes (its item and part opened at the first text), each call whole, then completed (or
+        incomplete at max_output_tokens; failed, with the error, where the answer could not end)."""
+        from specrun.server.responses import call_item, message_item
+
+        sequence = 0
+        message_id = f"msg_{job.id}"
+
+        def sent(kind: str, **fields) -> str:
+            nonlocal sequence
+            sequence += 1
+            payload = {"type": kind, "sequence_number": sequence - 1, **fields}
+            return f"event: {kind}\ndata: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+        texts, opened, calls = [], False, ()
+        try:
+            shell = self._response_object(job, echo, None, (), started, None)
+            yield sent("response.created", response=shell)
+            yield sent("response.in_progress", response=shell)
+            while True:
+                event = await job.next_event()
+                if isinstance(event, Delta) and event.text:
+                    if not opened:
+                        opened = True
+                        yield sent("response.output_item.added", output_index=0,
+                                   item=message_item(message_id, "", done=False))
+                        yield sent("response.content_part.added", item_id=message_id, output_index=0,
+                                   content_index=0, part={"type": "output_text", "text": "", "annotations": [],
+                                                          "logprobs": []})
+                    texts.append(event.text)
+                    yield sent("response.output_text.delta", item_id=message_id, output_index=0, content_index=0,
+                               delta=event.text, logprobs=[],
+                               speculation={"tokens": event.tokens, "from_draft": event.from_draft})
+                elif isinstance(event, Calls):
+                    calls = tuple(call if call.id else dataclasses.replace(call, id=f"call_{job.id}_{index}")
+                                  for index, call in enumerate(event.calls))
+                elif isinstance(event, Failed):
+                    failed = self._response_object(job, echo, None, (), started, None, status="failed",
+                                                   error={"code": event.error.code or "server_error",
+                                                          "message": event.error.message})
+                    yield sent("response.failed", response=failed)
+                    break
+                elif isinstance(event, Done):
+                    text = "".join(texts)
+                    if opened or not calls:
+                        if not opened:  # an empty answer: its message, opened and closed
+                            yield sent("response.output_item.added", output_index=0,
+                                       item=message_item(message_id, "", done=False))
+                            yield sent("response.content_part.added", item_id=message_id, output_index=0,
+                                       content_index=0, part={"type": "output_text", "text": "", "annotations": [],
+                                                              "logprobs": []})
+                        part = message_item(message_id, text, done=True)["content"][0]
+                        yield sent("response.output_text.done", item_id=message_id, output_index=0,
+                                   content_index=0, text=text, logprobs=[])
+                        yield sent("response.content_part.done", item_id=message_id, output_index=0,
+                                   content_index=0, part=part)
+                        yield sent("response.output_item.done", output_index=0,
+                                   item=message_item(message_id, text, done=True))
+                    first_call = 1 if (opened or not calls) else 0
+                    for index, call in enumerate(calls):
+                        item_id, at = f"fc_{job.id}_{index}", first_call + index
+                        yield sent("response.output_item.added", output_index=at,
+                                   item=call_item(item_id, call, done=False))
+                        yield sent("response.function_call_arguments.delta", item_id=item_id, output_index=at,
+                                   delta=call.arguments)
+                        yield sent("response.function_call_arguments.done", item_id=item_id, output_index=at,
+                                   arguments=call.arguments, name=call.name)
+                        yield sent("response.output_item.done", output_index=at, item=call_item(item_id, call, True))
+                    final = self._response_object(job, echo, text, calls, started, event)
+                    kind = "response.incomplete" if final["status"] == "incomplete" else "response.completed"
+                    yield sent(kind, response=final)
+                    break
+        finally:
+            job.cancel()  # a client gone mid-stream: the generation stops at its next pass
+
+    async def _started(self, request, parsed: CompletionRequest) -> tuple[Job, Started]:
+        """The request queued and begun (its prompt read): the job and its Started event."""
         if parsed.model not in self.http.model_names:
             raise RequestError(f"the model {parsed.model!r} is not served here; this server serves "
                                f"{self.model_id!r} (GET /v1/models)", "model", status=404, code="model_not_found")
@@ -300,6 +437,10 @@ class OpenAIServer:
             raise
         if isinstance(first, Failed):
             raise first.error
+        return job, first
+
+    async def _complete(self, request, parsed: CompletionRequest):
+        job, first = await self._started(request, parsed)
         if parsed.stream:
             from starlette.responses import StreamingResponse
 
@@ -504,7 +645,6 @@ def serve(pair: PairOptions, http: HttpOptions, defaults: ServeDefaults, log: Ca
     """Load the pair, then serve until Ctrl-C or SIGTERM; ``log`` gets a line when it is
     listening (with the base URL) and one per answer. Either signal ends it normally: the
     requests in flight get a few seconds, then the pair is closed (what the runs learned kept)."""
-    import dataclasses
     import signal
 
     import uvicorn

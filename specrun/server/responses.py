@@ -1,0 +1,212 @@
+"""OpenAI's Responses API (POST /v1/responses), which the Agents SDK and Codex use by default:
+a request read as the chat completions request it amounts to, and the answer written back as
+a response object (or its stream of semantic events).
+
+Only what a local, stateless server can honour is taken: ``input`` as text or as the items a
+conversation is made of (messages with text parts, ``function_call`` and
+``function_call_output``), ``instructions``, function tools, ``tool_choice``,
+``parallel_tool_calls``, ``text.format`` (text, JSON object, JSON schema), ``max_output_tokens``,
+``temperature`` and ``top_p``. Nothing is stored: ``previous_response_id`` and ``conversation``
+are refused by name (the client sends the whole conversation, as with ``store: false``), and so
+are built-in tools, images and files, reasoning settings and logprobs. Every refusal names the
+Responses field (``input[2].content[0]``), not the chat field it was read as.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+
+from specrun.server.requests import CompletionRequest, RequestError, ServeDefaults, invalid_value, parse_chat_request
+
+# Fields read here and passed on under chat's name, or checked and dropped
+_PASSED = {"model": "model", "temperature": "temperature", "top_p": "top_p", "stream": "stream",
+           "parallel_tool_calls": "parallel_tool_calls", "max_output_tokens": "max_completion_tokens",
+           "user": "user", "metadata": "metadata", "service_tier": "service_tier",
+           "prompt_cache_key": "prompt_cache_key", "safety_identifier": "safety_identifier"}
+_READ = {"input", "instructions", "tools", "tool_choice", "text", "store", "stream_options", "truncation"}
+# Fields specrun cannot honour, with the values that ask nothing of it
+_INERT = {"previous_response_id": (None,), "conversation": (None,), "reasoning": (None,), "include": (None,),
+          "background": (None, False), "max_tool_calls": (None,), "top_logprobs": (None, 0), "prompt": (None,)}
+_WHY = {"previous_response_id": "specrun serve stores no responses: send the whole conversation in input",
+        "conversation": "specrun serve stores no conversations: send the whole conversation in input",
+        "prompt": "specrun serve has no stored prompts: send the instructions and input themselves"}
+_TEXT_PARTS = ("input_text", "output_text", "text")
+
+
+def parse_responses_request(body, defaults: ServeDefaults, n_ctx: int) -> CompletionRequest:
+    """A /v1/responses body as the CompletionRequest of its chat completions equivalent, or a
+    RequestError naming the Responses field."""
+    if not isinstance(body, dict):
+        raise RequestError("the request body must be a JSON object", code="invalid_type")
+    for name, value in body.items():
+        if name in _PASSED or name in _READ:
+            continue
+        if name in _INERT:
+            if value not in _INERT[name] and value not in ([], {}):
+                raise RequestError(_WHY.get(name, f"{name} is not supported by specrun serve"), name,
+                                   code="unsupported_value")
+            continue
+        raise RequestError(f"unrecognized request argument supplied: {name}", name, code="unknown_parameter")
+    if body.get("truncation") not in (None, "disabled"):
+        raise RequestError('truncation: only "disabled" (a conversation longer than the context is a 400, '
+                           "never cut)", "truncation", code="unsupported_value")
+    messages, where = _messages(body.get("instructions"), body.get("input"))
+    chat = {chat_name: body[name] for name, chat_name in _PASSED.items() if body.get(name) is not None}
+    chat["messages"] = messages
+    if body.get("tools") is not None:
+        chat["tools"] = _tools(body["tools"])
+    if body.get("tool_choice") is not None:
+        chat["tool_choice"] = _tool_choice(body["tool_choice"])
+    response_format = _text_format(body.get("text"))
+    if response_format is not None:
+        chat["response_format"] = response_format
+    options = body.get("stream_options")
+    if options is not None and body.get("stream"):
+        if not isinstance(options, dict) or set(options) - {"include_obfuscation"}:
+            raise RequestError("stream_options takes include_obfuscation only", "stream_options", code="invalid_value")
+        chat["stream_options"] = options
+    try:
+        return parse_chat_request(chat, defaults, n_ctx)
+    except RequestError as exc:
+        raise _renamed(exc, where) from None
+
+
+def _renamed(error: RequestError, where: Sequence[str]) -> RequestError:
+    """A chat field's refusal under its Responses name: messages[k] as the item it came from."""
+    param = error.param or ""
+    names = {"max_completion_tokens": "max_output_tokens", "response_format": "text.format"}
+    match = re.match(r"messages\[(\d+)\]", param)
+    if match and int(match.group(1)) < len(where):
+        renamed = where[int(match.group(1))] + param[match.end():]
+    else:
+        head = re.match(r"[a-z_]+", param)
+        renamed = names[head.group(0)] + param[head.end():] if head and head.group(0) in names else param
+    if renamed == param:
+        return error
+    message = error.message.replace(param, renamed, 1)
+    return RequestError(message, renamed, status=error.status, code=error.code, kind=error.kind)
+
+
+def _messages(instructions, items) -> tuple[list[dict], list[str]]:
+    """Chat messages for ``instructions`` and ``input``, and the Responses field each came from."""
+    messages, where = [], []
+    if instructions is not None:
+        if not isinstance(instructions, str):
+            raise RequestError("instructions must be a string", "instructions", code="invalid_type")
+        messages.append({"role": "system", "content": instructions})
+        where.append("instructions")
+    if items is None:
+        raise RequestError("input is required", "input", code="missing_required_parameter")
+    if isinstance(items, str):
+        if not items:
+            raise invalid_value("input", "must not be empty")
+        return [*messages, {"role": "user", "content": items}], [*where, "input"]
+    if not isinstance(items, list) or not items:
+        raise RequestError("input must be text or a non-empty list of items", "input", code="invalid_type")
+    for index, item in enumerate(items):
+        at = f"input[{index}]"
+        if not isinstance(item, dict):
+            raise RequestError(f"{at} must be an object", at, code="invalid_type")
+        kind = item.get("type", "message" if "role" in item else None)
+        if kind == "message":
+            messages.append({"role": item.get("role"), "content": _content(item.get("content"), f"{at}.content")})
+            where.append(at)
+        elif kind == "function_call":
+            call = {"id": item.get("call_id"), "type": "function",
+                    "function": {"name": item.get("name"), "arguments": item.get("arguments", "{}")}}
+            for name in ("call_id", "name"):
+                if not isinstance(item.get(name), str) or not item[name]:
+                    raise RequestError(f"{at}.{name} must be a non-empty string", f"{at}.{name}",
+                                       code="invalid_type")
+            last = messages[-1] if messages else None
+            if last is not None and last["role"] == "assistant" and where[-1].startswith("input["):
+                last.setdefault("tool_calls", []).append(call)  # the calls of one turn: one assistant message
+            else:
+                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+                where.append(at)
+        elif kind == "function_call_output":
+            if not isinstance(item.get("call_id"), str) or not item["call_id"]:
+                raise RequestError(f"{at}.call_id must be a non-empty string", f"{at}.call_id", code="invalid_type")
+            messages.append({"role": "tool", "tool_call_id": item["call_id"],
+                             "content": _content(item.get("output"), f"{at}.output")})
+            where.append(at)
+        else:
+            raise RequestError(f"{at}: items of type {kind!r} are not supported by specrun serve (messages, "
+                               "function_call and function_call_output are)", f"{at}.type",
+                               code="unsupported_value")
+    return messages, where
+
+
+def _content(content, where: str):
+    """A message's content as chat takes it: text, or its text parts (input_text, output_text;
+    an assistant's refusal) as chat's text parts."""
+    if not isinstance(content, list):
+        return content  # text, or what chat refuses by the same field
+    parts = []
+    for index, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind in _TEXT_PARTS:
+            parts.append({"type": "text", "text": part.get("text")})
+        elif kind == "refusal":
+            parts.append(part)
+        else:
+            raise RequestError(f"{where}[{index}] must be a text part (input_text or output_text): specrun serve "
+                               "takes text only", f"{where}[{index}]", code="invalid_type")
+    return parts
+
+
+def _tools(tools):
+    """Responses' function tools ({type, name, description, parameters}) as chat's."""
+    if not isinstance(tools, list):
+        raise RequestError("tools must be a list of function tools", "tools", code="invalid_type")
+    chat = []
+    for index, tool in enumerate(tools):
+        if not isinstance(tool, dict) or tool.get("type") != "function":
+            kind = tool.get("type") if isinstance(tool, dict) else None
+            raise RequestError(f"tools[{index}]: only function tools are taken, not {kind!r} (specrun serve runs "
+                               "no tools of its own)", f"tools[{index}]", code="unsupported_value")
+        function = {key: tool[key] for key in ("name", "description", "parameters") if tool.get(key) is not None}
+        chat.append({"type": "function", "function": function})
+    return chat
+
+
+def _tool_choice(choice):
+    if isinstance(choice, dict) and choice.get("type") == "function" and "function" not in choice:
+        return {"type": "function", "function": {"name": choice.get("name")}}
+    return choice
+
+
+def _text_format(text):
+    """``text.format`` as chat's response_format (None: plain text)."""
+    if text is None:
+        return None
+    if not isinstance(text, dict):
+        raise RequestError('text must be an object like {"format": {"type": "text"}}', "text", code="invalid_type")
+    form = text.get("format")
+    if form is None or (isinstance(form, dict) and form.get("type") == "text"):
+        return None
+    if not isinstance(form, dict):
+        raise RequestError("text.format must be an object", "text.format", code="invalid_type")
+    if form.get("type") == "json_schema":
+        schema = {key: form[key] for key in ("name", "schema", "strict", "description") if key in form}
+        return {"type": "json_schema", "json_schema": schema}
+    return form  # json_object, or what chat refuses by its type
+
+
+# ---- answers --------------------------------------------------------------------------
+def usage(prompt_tokens: int, cached: int, output_tokens: int) -> dict:
+    return {"input_tokens": prompt_tokens, "input_tokens_details": {"cached_tokens": cached},
+            "output_tokens": output_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": prompt_tokens + output_tokens}
+
+
+def message_item(item_id: str, text: str, done: bool) -> dict:
+    content = [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}] if done else []
+    return {"type": "message", "id": item_id, "status": "completed" if done else "in_progress",
+            "role": "assistant", "content": content}
+
+
+def call_item(item_id: str, call, done: bool) -> dict:
+    return {"type": "function_call", "id": item_id, "call_id": call.id, "name": call.name,
+            "arguments": call.arguments if done else "", "status": "completed" if done else "in_progress"}
