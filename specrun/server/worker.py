@@ -25,6 +25,7 @@ caches exact for the next request.
 from __future__ import annotations
 
 import asyncio
+import codecs
 import json
 import math
 import threading
@@ -59,21 +60,24 @@ DISCONNECT_POLL_SECONDS = 0.25
 class _HeldLogprobs:
     """A request's token log-probabilities, each held until text it began goes out: a stop
     string's cut drops those of the tokens past it (the logprobs of " help" and " you" went out
-    after an answer cut at "help"). A token's place is where its bytes begin in the answer."""
+    after an answer cut at "help"). A token's place is where its text begins in the answer."""
 
     def __init__(self) -> None:
-        self._held: list[tuple[int, tuple]] = []  # (where its bytes begin, the entry)
-        self._seen = 0  # bytes of the tokens so far
-        self._out = 0  # bytes of the answer the stop strings let through so far
+        self._held: list[tuple[int, tuple]] = []  # (where its text begins, the entry)
+        # characters the tokens' bytes decode to so far, as the answer's text is decoded (an invalid
+        # byte is U+FFFD: counted in bytes, 1 against 3, every later token's place drifted)
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._seen = 0
+        self._out = 0  # characters of the answer the stop strings let through so far
 
     def add(self, entries) -> None:
         for entry in entries:
             self._held.append((self._seen, entry))
-            self._seen += len(entry[0].bytes)
+            self._seen += len(self._decoder.decode(entry[0].bytes))
 
     def passed(self, text: str) -> str:
         """``text`` as it passes the stop strings, counted."""
-        self._out += len(text.encode("utf-8"))
+        self._out += len(text)
         return text
 
     def release(self, everything: bool = False) -> tuple:
@@ -637,7 +641,7 @@ class PairWorker:
                         job.emit(Delta(text, tokens, from_draft, logprobs.release()))
                         tokens = from_draft = 0
                     if cut.stopped:
-                        self._finish(job, "stop", event.stats, tool_cut, trace, slot)
+                        self._finish(job, "stop", event.stats, tool_cut, trace, slot, logprobs.release())
                         return
                 elif isinstance(event, Finished):
                     tail = cut.flush()
@@ -692,12 +696,14 @@ class PairWorker:
         return message
 
     def _finish(self, job: Job, finish_reason: str, stats: Stats, tool_cut: ToolCallCut | None = None,
-                trace: RequestTrace | None = None, slot: int = 0) -> None:
+                trace: RequestTrace | None = None, slot: int = 0, logprobs: tuple = ()) -> None:
+        """The answer's end; ``logprobs``: the entries of tokens whose text the tool cut held (a stop
+        string fired while it held them), sent with the text it lets go."""
         if tool_cut is not None:
             cut = finish_reason == "length"
             tail, calls = tool_cut.finish(cut)
-            if tail:
-                job.emit(Delta(tail, 0, 0))
+            if tail or logprobs:
+                job.emit(Delta(tail, 0, 0, logprobs))
             if calls:
                 job.emit(Calls(calls))
                 finish_reason = finish_reason if cut else TOOL_CALLS  # cut: the calls whole before max_tokens

@@ -223,8 +223,8 @@ def test_a_refused_request_is_one_line_in_the_server_s_log(demo_server):
     demo_server.request("POST", "/v1/chat/completions", json.dumps(_chat_body(colour="blue")).encode())
     demo_server.wait_for_log(re.escape("refused POST /v1/chat/completions: 400 (colour) unrecognized request "
                                        "argument supplied: colour"))
-    demo_server.request("POST", "/v1/responses", b"{}")
-    demo_server.wait_for_log("refused POST /v1/responses: 404")
+    demo_server.request("POST", "/v1/assistants", b"{}")
+    demo_server.wait_for_log("refused POST /v1/assistants: 404")
 
 
 def test_the_server_keeps_serving_after_bad_requests(demo_server):

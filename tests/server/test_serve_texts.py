@@ -134,3 +134,46 @@ def test_a_template_that_refuses_the_conversation_is_a_400_with_a_fix_a_client_c
         assert isinstance(asyncio.run(ask(twice[:1])), Done)
     finally:
         worker.stop()
+
+
+def test_logprobs_are_placed_by_the_text_their_tokens_decode_to():
+    """An invalid byte is U+FFFD in the answer, 3 bytes of UTF-8 against the token's 1: counted in
+    bytes, every later token's place drifted and a token past a stop string's cut went out."""
+    from specrun.server.worker import TokenChoice, _HeldLogprobs
+
+    def entry(piece: bytes):
+        return TokenChoice(piece.decode("utf-8", "replace"), piece, -0.5), ()
+
+    held = _HeldLogprobs()
+    held.add([entry(b"\xff"), entry(b"ab"), entry(b"cd"), entry(b"\xe2\x82"), entry(b"\xac!")])
+    held.passed("\ufffdab")  # a stop string "cd" cut here
+    assert [e[0].bytes for e in held.release()] == [b"\xff", b"ab"]
+    held.passed("cd\u20ac")  # a token that only begins a character goes out with it
+    assert [e[0].bytes for e in held.release()] == [b"cd", b"\xe2\x82", b"\xac!"]
+
+
+def test_logprobs_held_with_a_tool_call_s_text_go_out_when_a_stop_string_ends_the_answer():
+    """A stop string fired while the tool cut held text: the text went out at the end without
+    the logprobs of its tokens."""
+    from specrun.engine.stats import Stats
+    from specrun.server.worker import Delta, ToolCallCut, TokenChoice
+    from specrun.sessions.tools import STYLES
+
+    worker = PairWorker(PairOptions("demo-target", None, method="none", load=LoadOptions(threads=1)))
+    events = []
+
+    class Recorded(Job):
+        def emit(self, event) -> None:
+            events.append(event)
+
+    loop = asyncio.new_event_loop()
+    job = Recorded(CompletionRequest("demo", 8, SamplingSettings(), prompt=(1, 2)), loop)
+    cut = ToolCallCut(STYLES["hermes"], ["f"])
+    assert cut.feed("See <tool_call>{not") == "See "  # from the opener on: held
+    entries = ((TokenChoice("<tool_call>", b"<tool_call>", -0.1), ()), (TokenChoice("{not", b"{not", -0.2), ()))
+    try:
+        worker._finish(job, "stop", Stats(), cut, None, 0, entries)
+    finally:
+        loop.close()
+    (delta,) = [event for event in events if isinstance(event, Delta)]
+    assert delta.text == "<tool_call>{not" and delta.logprobs == entries  # not a call: the answer's text
