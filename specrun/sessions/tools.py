@@ -328,6 +328,11 @@ class ToolStyle:
         """A cut answer's content, the calls whole before the cut, and whether the cut lies inside
         a call (an opener not closed, a JSON object or a list of them left open)."""
         if self.name == "hermes":
+            completed = _closing_completed(text)
+            if completed != text:  # every block reads whole with its tag completed: nothing was cut off
+                content, calls = _parse_hermes(completed)
+                if calls:
+                    return content, calls, False
             end = text.rfind("</tool_call>")
             inside = text.rfind("<tool_call>") > end
             content, calls = _parse_hermes(text[: end + len("</tool_call>")]) if end >= 0 else (text, [])
@@ -410,6 +415,20 @@ class ToolStyle:
 
 # the body is stripped after matching: \s* on both sides of a lazy body backtracks quadratically
 HERMES_CALL = re.compile(r"<tool_call>(.*?)(?:</tool_call>|\Z)", re.DOTALL)
+
+
+def _closing_completed(text: str) -> str:
+    """A cut answer whose last block lacks only the rest of its ``</tool_call>`` (max_tokens one
+    token short of a forced call's end: its call was whole, and dropped) with the tag completed;
+    the text as it is otherwise. The block's JSON must still read whole to count as a call."""
+    closing = "</tool_call>"
+    body = text.rstrip()
+    if text.rfind("<tool_call>") <= text.rfind(closing):
+        return text
+    for size in range(len(closing) - 1, 0, -1):
+        if body.endswith(closing[:size]):
+            return body[: len(body) - size] + closing
+    return text
 
 
 def _parse_hermes(text: str) -> tuple[str, list[ToolCall]]:
