@@ -882,7 +882,8 @@ class LlamaCppBackend(HiddenTracking):
             try:
                 self._native_mtp = NativeMtp(self._lib, self._model, self._ctx, self._ctx_params,
                                              self._lib.llama_model_n_embd(self._model), self.n_vocab,
-                                             tree_seqs=TREE_SEQS if self.tree_support.available else 0)
+                                             tree_seqs=TREE_SEQS if self.tree_support.available else 0,
+                                             follow_load=self.follow_load)
             except (AttributeError, RuntimeError):  # a library without the nextn extension or the context
                 self._mtp_arch = None
         return self._native_mtp

@@ -58,8 +58,12 @@ class NativeMtp:
     ``keep`` drops those after a position."""
 
     def __init__(self, llama_cpp, model, target_ctx, ctx_params, hidden_size: int, vocab_size: int,
-                 n_seq: int = 1, tree_seqs: int = 0) -> None:
+                 n_seq: int = 1, tree_seqs: int = 0, follow_load=None) -> None:
         self._lib = llama_cpp
+        # the target backend's follow_load (backends/cpu_load.py): before each pass, the thread count
+        # the machine's load leaves; None where the count is fixed
+        self._follow_load = follow_load
+        self._threads_now = ctx_params.n_threads
         self._set_nextn, self._get_nextn = nextn_functions(llama_cpp)
         library = llama_cpp.llama_cpp._lib
         try:  # without the per-row read, chains alone
@@ -143,6 +147,7 @@ class NativeMtp:
                 if not lib.llama_batch_ext_set_embd_token(batch, index, self._embd):
                     raise RuntimeError("llama.cpp refused an MTP row")
                 lib.llama_batch_ext_set_output_logits(batch, index, True)
+            self._follow()
             code = lib.llama_process(self._ctx, lib.LLAMA_PROCESS_TYPE_DECODE, batch)
             if code != 0:
                 raise RuntimeError(f"llama.cpp's MTP pass failed (code {code})")
@@ -181,11 +186,16 @@ class NativeMtp:
             if not lib.llama_batch_ext_set_embd_token(batch, index, self._embd):
                 raise RuntimeError("llama.cpp refused an MTP row")
             lib.llama_batch_ext_set_output_logits(batch, index, last_logits and i == len(tokens) - 1)
+        self._follow()
         code = lib.llama_process(self._ctx, lib.LLAMA_PROCESS_TYPE_DECODE, batch)
         if code != 0:
             lib.llama_memory_seq_rm(self._memory, seq, end + 1, -1)  # what it held before
             raise RuntimeError(f"llama.cpp's MTP pass failed (code {code})")
         self.ends[seq] = end + len(tokens)
+
+    def _follow(self) -> None:
+        if self._follow_load is not None:
+            self._follow_load(self)
 
     def close(self) -> None:
         with self.lock:  # not while a slot's drafter is in it

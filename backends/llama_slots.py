@@ -454,7 +454,7 @@ class LlamaSlots:
                     try:
                         self._mtp = NativeMtp(self._lib, self.parent._model, self._ctx, self._params,
                                               self._lib.llama_model_n_embd(self.parent._model), self.n_vocab,
-                                              n_seq=self.n_slots)
+                                              n_seq=self.n_slots, follow_load=self.parent.follow_load)
                     except (AttributeError, RuntimeError):  # no nextn extension, or no memory for it
                         self._mtp = None
             return self._mtp.sequence(seq) if self._mtp is not None else None
