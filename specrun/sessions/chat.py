@@ -763,7 +763,8 @@ class ChatSession:
     # ---- lifetime -------------------------------------------------------------------
     def close(self) -> None:
         if self.answers and self.draft is not None:
-            remember_run(self.engine, self.target, self.draft, self._threads, self._tuned)
+            remember_run(self.engine, self.target, self.draft, self._threads, self._tuned,
+                         busy=any(stats.busy_passes for stats in self.answers))
         if self.engine.drafter is not None:
             if self.engine.last_context:
                 self.engine.drafter.finish(self.engine.last_context)  # the n-gram pool learns the last answer

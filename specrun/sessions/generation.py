@@ -182,7 +182,8 @@ def generate_text(request: GenerateRequest, on_text: Callable[[str], None] | Non
             elif isinstance(event, Finished):
                 if request.trace is not None:
                     request.trace.finish(event.result.stats)
-                remember_run(engine, target, draft, request.load.threads, tuned)
+                remember_run(engine, target, draft, request.load.threads, tuned,
+                             busy=event.result.stats.busy_passes > 0)
                 if event.result.finish_reason == "context":  # said before a save below can fail
                     event.result.context_fix = ctx_fix(target, "a shorter prompt leaves room for more")
                 if drafter is not None:

@@ -175,10 +175,13 @@ def paying_heads(heads, explicit: str | None, target, stored, on_note: Callable[
     if not costs or 1 not in costs:
         from specrun.backends.kv import sequence_for
 
-        if sequence_for(target).tokens:  # a chat's /method mid-conversation: its cache is not the probe's to empty
+        sequence = sequence_for(target)
+        if sequence.tokens:  # a chat's /method mid-conversation: its cache is not the probe's to empty
             return None
+        before = sequence.thread_tally()
         costs = probed_costs(target)
-        if remember is not None:
+        busy = before is not None and sequence.thread_tally().since(before).fewer > 0
+        if remember is not None and not busy:  # costs timed on fewer threads than runs get: not kept
             remember(costs)
         if on_note is not None:
             on_note(f"auto timed the target's passes for its {heads.config.kind} heads (no run had stored them yet)")

@@ -197,11 +197,15 @@ def remember_probe(target, threads, costs: dict[int, float]) -> None:
         pass
 
 
-def remember_run(engine, target, draft, threads, tuned) -> None:
+def remember_run(engine, target, draft, threads, tuned, busy: bool = False) -> None:
     """Keep what this run measured for the next (unless `specrun tune` calibrated the pair);
     a run with no draft model keeps the target's pass costs and its gate, for lookahead. A run
-    with a lossy acceptance rule keeps nothing: its acceptance is not what exact runs would see."""
+    with a lossy acceptance rule keeps nothing: its acceptance is not what exact runs would see;
+    nor does one whose passes ran on fewer threads while other processes held cores (``busy``,
+    Stats.busy_passes): its costs are of a machine the next run may not find."""
     if engine.drafter is None or engine.passes.acceptance is not None or (tuned is not None and not tuned.learned):
+        return
+    if busy:
         return
     from specrun.sessions import tuning
 

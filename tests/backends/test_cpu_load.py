@@ -253,3 +253,31 @@ def test_a_served_request_on_a_busy_machine_says_so_in_its_statistics(tiny_llama
         assert done.stats.busy_passes > 0 and done.stats.least_threads == 1 and done.stats.most_threads == 2
     finally:
         worker.stop()
+
+
+@pytest.mark.parametrize("method", ["draft", "auto"])
+@pytest.mark.parametrize("busy", [False, True])
+def test_a_run_on_a_busy_machine_keeps_no_costs_for_the_next(tmp_path, monkeypatch, busy, method):
+    """What a run measured is kept for the next (learned.json): not where its passes ran on fewer
+    threads, costs the next run on a quiet machine would start from (auto: nor the target's passes
+    it timed for its heads before it ran)."""
+    pytest.importorskip("llama_cpp")
+    from specrun.backends import cpu_load
+    from tests.cli.test_cli_accept import invoke
+
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
+    monkeypatch.delenv("SPECRUN_THREADS", raising=False)
+    monkeypatch.setattr(cpu_load, "cpu_count", lambda: 2)
+    monkeypatch.setattr("specrun.backends.llama.default_threads", lambda: 2)
+    machine = Machine()
+
+    def read():  # each read a window later, another process on a core where busy
+        machine.run(0.5, others=1.0 if busy else 0.0)
+        return machine.busy, machine.own
+
+    monkeypatch.setattr(cpu_load, "_READING", LoadReading(read=read, clock=lambda: machine.now, hz=100))
+    result = invoke("generate", "-t", "demo-target", "-d", "demo-draft", "--method", method, "-n", "24",
+                    "def parse(line):")
+    assert result.exit_code == 0, result.output
+    assert ("other processes kept cores busy" in result.stderr) == busy
+    assert (tmp_path / "specrun" / "learned.json").is_file() != busy

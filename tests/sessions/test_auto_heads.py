@@ -271,7 +271,8 @@ def test_heads_without_stored_costs_are_kept_as_a_probe_of_the_target_s_passes_s
     eagle = load_heads(shipped_heads_path("demo-target", "eagle"))
     target = _Target(int(eagle.depth_bytes / 0.6))
     target.tokenize = lambda text: [1, 2, 3]
-    monkeypatch.setattr("specrun.backends.kv.sequence_for", lambda backend: type("Empty", (), {"tokens": []})())
+    empty = type("Empty", (), {"tokens": [], "thread_tally": lambda self: None})  # a sequence holding nothing
+    monkeypatch.setattr("specrun.backends.kv.sequence_for", lambda backend: empty())
     probes, notes = [], []
 
     def time_passes(backend, prompt, counts, repeats=7):
