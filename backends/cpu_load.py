@@ -143,15 +143,24 @@ class LoadFollower:
     def threads(self) -> int:
         """The count for the pass about to run (counted in ``tally``)."""
         with self._lock:
-            others, serial = self._reading.latest()
-            if others is not None and serial != self._seen:
-                self._seen = serial
-                self._choose(others)
+            self._follow()
             self._passes += 1
             if self.current < self.most:
                 self._fewer += 1
                 self._least = min(self._least, self.current)
             return self.current
+
+    def busy(self) -> bool:
+        """Do other processes hold cores now (the count below the most)? No pass is counted."""
+        with self._lock:
+            self._follow()
+            return self.current < self.most
+
+    def _follow(self) -> None:
+        others, serial = self._reading.latest()
+        if others is not None and serial != self._seen:
+            self._seen = serial
+            self._choose(others)
 
     def tally(self) -> ThreadTally:
         with self._lock:

@@ -633,6 +633,11 @@ class LlamaCppBackend(HiddenTracking):
             view = self._hidden_views[key] = np.frombuffer(buffer, dtype=np.float32).reshape(n_rows, size)
         return view.copy()
 
+    def busy_now(self) -> bool:
+        """Do other processes hold cores now, by the load this backend's count follows? False where
+        the count is fixed (nothing is read)."""
+        return self._follower is not None and self._follower.busy()
+
     def thread_tally(self):
         """Its passes so far and how many ran on fewer threads (cpu_load.ThreadTally); None where
         the count is not followed."""

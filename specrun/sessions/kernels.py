@@ -207,6 +207,7 @@ def flash_costs(backend, options: LoadOptions, context: int | None = None,
     if deep and on_start is not None:
         on_start(f"timing flash attention after {DEEP_DEPTH} tokens for {model.split(':')[0]}, once on this "
                  f"machine (up to {DEEP_BUDGET_S:.0f} s; stored for later runs): this answer waits for it")
+    busy = backend.busy_now()
     try:
         # The scratch contexts are sized for the timing alone: --ctx does not limit the depth.
         depth, measured = backend.time_flash_attn(probe_depth, PROBE_COUNTS, budget)
@@ -215,6 +216,8 @@ def flash_costs(backend, options: LoadOptions, context: int | None = None,
     if not measured:
         return None, None  # nothing can be timed on this model here: llama.cpp's choice stands
     costs = FlashCosts(model, machine, threads, depth, measured[True], measured[False])
+    if busy or backend.busy_now():  # timed while other processes held cores: this run's choice alone
+        return costs, costs.describe() + "; not stored: other processes kept cores busy while it was timed"
     try:
         save_costs(_key(backend, deep), costs)
     except SpecrunError:

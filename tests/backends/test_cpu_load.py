@@ -131,6 +131,15 @@ def test_the_tally_counts_passes_on_fewer_threads_and_a_run_takes_its_own():
     assert (quiet.passes, quiet.fewer, quiet.least) == (0, 0, 4)  # nothing of an earlier run's load
 
 
+def test_busy_reads_the_load_without_counting_a_pass():
+    machine = Machine()
+    threads = follower(machine, most=2, cores=2)
+    assert not threads.busy()
+    machine.run(0.5, others=1.0)
+    assert threads.busy() and threads.tally().passes == 0
+    assert threads.threads() == 1 and threads.tally().passes == 1
+
+
 def test_stats_say_a_busy_machine_ran_passes_on_fewer_threads_and_add_up():
     from specrun.engine.stats import Stats
 

@@ -44,6 +44,11 @@ class StubLlama:
     def set_flash_attn(self, on: bool) -> None:
         self.flash_attn = on
 
+    busy = False  # other processes holding cores (LlamaCppBackend.busy_now)
+
+    def busy_now(self) -> bool:
+        return self.busy
+
 
 class FailingLlama(StubLlama):
     """A timing pass or a re-created context that fails (memory)."""
@@ -91,6 +96,20 @@ def test_the_first_run_measures_and_says_so_later_runs_read_what_it_stored():
     other_threads.n_threads = 1
     settle_flash_attn(other_threads, LoadOptions())
     assert other_threads.timed == 1  # what a pass costs depends on the threads: measured apart
+
+
+def test_a_choice_timed_while_other_processes_held_cores_is_this_run_s_alone():
+    """Timed on a busy machine, the costs are of passes a displaced thread held up: the run takes
+    the choice, says it was not stored, and the next run measures again."""
+    busy = StubLlama(*SLOW_ON)
+    busy.busy = True
+    note = settle_flash_attn(busy, LoadOptions())
+    assert busy.timed == 1 and busy.flash_attn is False and note.endswith(
+        "not stored: other processes kept cores busy while it was timed")
+    assert not kernels_path().exists()
+    quiet = StubLlama(*SLOW_ON)
+    settle_flash_attn(quiet, LoadOptions())
+    assert quiet.timed == 1 and kernels_path().exists()
 
 
 def test_a_long_context_chooses_by_a_probe_after_thousands_of_tokens_kept_apart():
