@@ -300,11 +300,9 @@ def chosen_window(target: Backend, config: BenchConfig, prompt_ids: list[int]) -
 
 def tokenize_prompt(target: Backend, prompt: BenchPrompt, chat: bool) -> list[int]:
     """The prompt's token ids: its raw text, or one user message in the target's chat template."""
-    if chat:
-        from specrun.sessions.templates import render_user_prompt
+    from specrun.sessions.setup import prompt_token_ids
 
-        return render_user_prompt(target, prompt.text)[1]
-    return target.tokenize(prompt.text, add_bos=target.vocab.add_bos)
+    return prompt_token_ids(target, prompt.text, chat)
 
 
 def _fit_context(

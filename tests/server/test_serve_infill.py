@@ -133,3 +133,19 @@ def test_a_suffix_is_read_and_an_empty_one_is_none():
     assert _parsed(suffix="").suffix is None and _parsed(suffix=None).suffix is None
     assert _parsed(prompt="", suffix="x").prompt == ""  # a fill at a file's start
     assert _parsed().suffix is None
+
+
+def test_a_raw_prompt_s_control_token_text_becomes_its_tokens_as_llama_server_reads_it(fim_model):
+    """Editors that write the FIM prompt themselves (Continue's raw completions) sent its markers
+    as text: 42 tokens of garbage for the 9 of a prompt with a suffix. A raw prompt is read as
+    llama-cli, llama-server, mlx_lm and vLLM read one; in a chat template typed text stays text."""
+    from specrun.sessions.setup import prompt_token_ids
+
+    for backend in _backends(fim_model):
+        try:
+            written = prompt_token_ids(backend, "<|fim_prefix|>" + PREFIX + "<|fim_suffix|>" + SUFFIX + "<|fim_middle|>",
+                                       chat=False)
+            assert written == infill_ids(backend, PREFIX, SUFFIX)
+            assert 512 not in prompt_token_ids(backend, "say <|fim_prefix|>", chat=True)  # typed: text
+        finally:
+            backend.close()
