@@ -181,7 +181,7 @@ def serve_command(
 ) -> None:
     """Serve the pair over an OpenAI-compatible API until Ctrl-C.
 
-    /v1/chat/completions, /v1/completions, /v1/models, /health and /metrics. --temp, --top-k,
+    /v1/chat/completions, /v1/completions, /v1/responses, /v1/models, /health and /metrics. --temp, --top-k,
     --top-p, --min-p and -n are the defaults of requests that do not set them."""
     with cli_errors():
         check_outputs_apart(context, "trace", "ngram_cache")

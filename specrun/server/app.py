@@ -188,8 +188,10 @@ class OpenAIServer:
             from starlette.middleware import Middleware
             from starlette.middleware.cors import CORSMiddleware
 
+            # a hosted page calling 127.0.0.1 asks leave to reach a private network first (Chromium)
             middleware.append(Middleware(CORSMiddleware, allow_origins=list(self.http.cors_origins),
-                                         allow_methods=["GET", "POST"], allow_headers=["*"]))
+                                         allow_methods=["GET", "POST"], allow_headers=["*"],
+                                         allow_private_network=True))
         return Starlette(routes=routes, exception_handlers=handlers, middleware=middleware)
 
     # ---- plumbing ----------------------------------------------------------------------
@@ -309,12 +311,13 @@ class OpenAIServer:
 
             return StreamingResponse(self._response_events(job, first, echo), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        texts, calls = [], ()
+        texts, calls, logprobs = [], (), []
         try:
             while True:
                 event = await job.next_event(request.is_disconnected)
                 if isinstance(event, Delta):
                     texts.append(event.text)
+                    logprobs.extend(event.logprobs)
                 elif isinstance(event, Calls):
                     calls = event.calls
                 elif isinstance(event, Failed):
@@ -323,22 +326,24 @@ class OpenAIServer:
                     break
         finally:
             job.cancel()
-        return JSONResponse(self._response_object(job, echo, "".join(texts), calls, first, event))
+        return JSONResponse(self._response_object(job, echo, "".join(texts), calls, first, event, logprobs=logprobs))
 
     def _response_object(self, job: Job, echo: dict, text: str | None, calls, started: Started,
-                         done: Done | None, status: str | None = None, error: dict | None = None) -> dict:
+                         done: Done | None, status: str | None = None, error: dict | None = None,
+                         logprobs=()) -> dict:
         """A response object: in progress (``done`` None), or finished with its output items."""
-        from specrun.server.responses import call_item, message_item, usage
+        from specrun.server.responses import call_item, logprob_items, message_item, usage
 
         output = []
+        cut = done is not None and done.finish_reason == "length"
         if done is not None:
             if text or not calls:
-                output.append(message_item(f"msg_{job.id}", text or "", done=True))
+                output.append(message_item(f"msg_{job.id}", text or "", done=True, cut=cut,
+                                           logprobs=logprob_items(logprobs)))
             output += [call_item(f"fc_{job.id}_{index}", call, done=True) for index, call in enumerate(calls)]
-        cut = done is not None and done.finish_reason == "length"
         state = status or ("in_progress" if done is None else "incomplete" if cut else "completed")
         answer = {"id": f"resp_{job.id}", "object": "response", "created_at": job.created, "status": state,
-                  "model": self.model_id, "output": output, "error": error,
+                  "model": job.request.model, "output": output, "error": error,
                   "incomplete_details": {"reason": "max_output_tokens"} if cut else None,
                   "store": False, "truncation": "disabled", **echo,
                   "usage": None if done is None else usage(started.prompt_tokens, started.reused_tokens,
@@ -351,7 +356,7 @@ class OpenAIServer:
         """The Responses API's semantic events: created, in progress, the message's text as it
         comes (its item and part opened at the first text), each call whole, then completed (or
         incomplete at max_output_tokens; failed, with the error, where the answer could not end)."""
-        from specrun.server.responses import call_item, message_item
+        from specrun.server.responses import call_item, logprob_items, message_item
 
         sequence = 0
         message_id = f"msg_{job.id}"
@@ -362,7 +367,7 @@ class OpenAIServer:
             payload = {"type": kind, "sequence_number": sequence - 1, **fields}
             return f"event: {kind}\ndata: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
-        texts, opened, calls = [], False, ()
+        texts, opened, calls, logprobs = [], False, (), []
         try:
             shell = self._response_object(job, echo, None, (), started, None)
             yield sent("response.created", response=shell)
@@ -378,9 +383,12 @@ class OpenAIServer:
                                    content_index=0, part={"type": "output_text", "text": "", "annotations": [],
                                                           "logprobs": []})
                     texts.append(event.text)
+                    logprobs.extend(event.logprobs)
                     yield sent("response.output_text.delta", item_id=message_id, output_index=0, content_index=0,
-                               delta=event.text, logprobs=[],
+                               delta=event.text, logprobs=logprob_items(event.logprobs),
                                speculation={"tokens": event.tokens, "from_draft": event.from_draft})
+                elif isinstance(event, Delta):  # no text: its tokens' logprobs (a stop string's tail held)
+                    logprobs.extend(event.logprobs)
                 elif isinstance(event, Calls):
                     calls = tuple(call if call.id else dataclasses.replace(call, id=f"call_{job.id}_{index}")
                                   for index, call in enumerate(event.calls))
@@ -391,7 +399,7 @@ class OpenAIServer:
                     yield sent("response.failed", response=failed)
                     break
                 elif isinstance(event, Done):
-                    text = "".join(texts)
+                    text, cut = "".join(texts), event.finish_reason == "length"
                     if opened or not calls:
                         if not opened:  # an empty answer: its message, opened and closed
                             yield sent("response.output_item.added", output_index=0,
@@ -399,13 +407,12 @@ class OpenAIServer:
                             yield sent("response.content_part.added", item_id=message_id, output_index=0,
                                        content_index=0, part={"type": "output_text", "text": "", "annotations": [],
                                                               "logprobs": []})
-                        part = message_item(message_id, text, done=True)["content"][0]
+                        item = message_item(message_id, text, done=True, cut=cut, logprobs=logprob_items(logprobs))
                         yield sent("response.output_text.done", item_id=message_id, output_index=0,
-                                   content_index=0, text=text, logprobs=[])
+                                   content_index=0, text=text, logprobs=item["content"][0]["logprobs"])
                         yield sent("response.content_part.done", item_id=message_id, output_index=0,
-                                   content_index=0, part=part)
-                        yield sent("response.output_item.done", output_index=0,
-                                   item=message_item(message_id, text, done=True))
+                                   content_index=0, part=item["content"][0])
+                        yield sent("response.output_item.done", output_index=0, item=item)
                     first_call = 1 if (opened or not calls) else 0
                     for index, call in enumerate(calls):
                         item_id, at = f"fc_{job.id}_{index}", first_call + index
@@ -416,7 +423,7 @@ class OpenAIServer:
                         yield sent("response.function_call_arguments.done", item_id=item_id, output_index=at,
                                    arguments=call.arguments, name=call.name)
                         yield sent("response.output_item.done", output_index=at, item=call_item(item_id, call, True))
-                    final = self._response_object(job, echo, text, calls, started, event)
+                    final = self._response_object(job, echo, text, calls, started, event, logprobs=logprobs)
                     kind = "response.incomplete" if final["status"] == "incomplete" else "response.completed"
                     yield sent(kind, response=final)
                     break
@@ -508,7 +515,7 @@ class OpenAIServer:
         chat = job.request.is_chat
         kind = ("chat.completion.chunk" if chunk else "chat.completion") if chat else "text_completion"
         return {"id": f"{'chatcmpl' if chat else 'cmpl'}-{job.id}", "object": kind, "created": job.created,
-                "model": self.model_id, "system_fingerprint": None}
+                "model": job.request.model, "system_fingerprint": None}  # the name asked (--alias's or --target's)
 
     def _chunk(self, job: Job, text: str | None, finish_reason: str | None, role: bool = False) -> dict:
         if job.request.is_chat:
@@ -660,6 +667,9 @@ def serve(pair: PairOptions, http: HttpOptions, defaults: ServeDefaults, log: Ca
     if not is_loopback(http.host) and http.api_key is None:  # once bound: a host that cannot be is one error line
         log(f"warning: --host {http.host} lets anyone who can reach this machine use the server, which has "
             "no authentication; set --api-key (or SPECRUN_API_KEY) to require a key")
+    if "*" in http.cors_origins and http.api_key is None:
+        log("warning: --cors * lets every web page the browser opens use the server and read its answers; "
+            "set --api-key (or SPECRUN_API_KEY), or name the page's origin")
     worker = PairWorker(pair, max_queue=http.max_queue, log=log)
     quiet_accept = QuietAcceptErrors()
     previous_sigterm = None

@@ -32,8 +32,8 @@ _INERT_FIELDS = {
     "best_of": (1, None),
 }
 # Fields with no effect on the answer: accepted as any value.
-_FREE_FIELDS = ("user", "store", "metadata", "service_tier", "prompt_cache_key", "safety_identifier",
-                "cache_prompt")  # the last llama-server's: specrun keeps a prompt's cache always
+_FREE_FIELDS = ("user", "store", "metadata", "service_tier", "prompt_cache_key", "prompt_cache_retention",
+                "safety_identifier", "cache_prompt")  # the last llama-server's: specrun keeps a prompt's cache always
 _COMMON_FIELDS = ("model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stream",
                   "stream_options", "n", "response_format", "grammar", "json_schema")
 
@@ -467,8 +467,8 @@ def parse_completion_request(body: dict, defaults: ServeDefaults, n_ctx: int) ->
     suffix = body.get("suffix")
     if suffix is not None and not isinstance(suffix, str):
         raise RequestError("suffix must be a string", "suffix", code="invalid_type")
-    suffix = _text(suffix, "suffix") if suffix else None  # "": no suffix, as OpenAI reads it
-    if suffix is not None and common["grammar"] is not None:
+    suffix = _text(suffix, "suffix") if suffix is not None else None  # "": a fill at a file's end
+    if suffix and common["grammar"] is not None:
         raise invalid_value("suffix", f"a suffix and {common['grammar_field']} both shape the answer: send one")
     return CompletionRequest(prompt=_parse_prompt(body.get("prompt"), empty=suffix is not None), logprobs=logprobs,
                              suffix=suffix, **common)

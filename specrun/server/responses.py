@@ -6,9 +6,10 @@ Only what a local, stateless server can honour is taken: ``input`` as text or as
 conversation is made of (messages with text parts, ``function_call`` and
 ``function_call_output``), ``instructions``, function tools, ``tool_choice``,
 ``parallel_tool_calls``, ``text.format`` (text, JSON object, JSON schema), ``max_output_tokens``,
-``temperature`` and ``top_p``. Nothing is stored: ``previous_response_id`` and ``conversation``
+``temperature``, ``top_p`` (``top_k``, ``min_p`` and ``seed`` as chat takes them) and
+logprobs (``include: ["message.output_text.logprobs"]``, ``top_logprobs``). Nothing is stored: ``previous_response_id`` and ``conversation``
 are refused by name (the client sends the whole conversation, as with ``store: false``), and so
-are built-in tools, images and files, reasoning settings and logprobs. Every refusal names the
+are built-in tools, images and files, reasoning settings and ``text.verbosity``. Every refusal names the
 Responses field (``input[2].content[0]``), not the chat field it was read as.
 """
 
@@ -22,12 +23,16 @@ from specrun.server.requests import CompletionRequest, RequestError, ServeDefaul
 # Fields read here and passed on under chat's name, or checked and dropped
 _PASSED = {"model": "model", "temperature": "temperature", "top_p": "top_p", "stream": "stream",
            "parallel_tool_calls": "parallel_tool_calls", "max_output_tokens": "max_completion_tokens",
-           "user": "user", "metadata": "metadata", "service_tier": "service_tier",
-           "prompt_cache_key": "prompt_cache_key", "safety_identifier": "safety_identifier"}
-_READ = {"input", "instructions", "tools", "tool_choice", "text", "store", "stream_options", "truncation"}
+           "top_logprobs": "top_logprobs", "user": "user", "metadata": "metadata", "service_tier": "service_tier",
+           "prompt_cache_key": "prompt_cache_key", "prompt_cache_retention": "prompt_cache_retention",
+           "safety_identifier": "safety_identifier",
+           # specrun's extensions, as chat completions takes them
+           "top_k": "top_k", "min_p": "min_p", "seed": "seed"}
+_READ = {"input", "instructions", "tools", "tool_choice", "text", "store", "stream_options", "truncation", "include"}
+LOGPROBS_INCLUDED = "message.output_text.logprobs"  # include's: each output token's log-probability
 # Fields specrun cannot honour, with the values that ask nothing of it
-_INERT = {"previous_response_id": (None,), "conversation": (None,), "reasoning": (None,), "include": (None,),
-          "background": (None, False), "max_tool_calls": (None,), "top_logprobs": (None, 0), "prompt": (None,)}
+_INERT = {"previous_response_id": (None,), "conversation": (None,), "reasoning": (None,),
+          "background": (None, False), "max_tool_calls": (None,), "prompt": (None,)}
 _WHY = {"previous_response_id": "specrun serve stores no responses: send the whole conversation in input",
         "conversation": "specrun serve stores no conversations: send the whole conversation in input",
         "prompt": "specrun serve has no stored prompts: send the instructions and input themselves"}
@@ -58,6 +63,17 @@ def parse_responses_request(body, defaults: ServeDefaults, n_ctx: int) -> Comple
         chat["tools"] = _tools(body["tools"])
     if body.get("tool_choice") is not None:
         chat["tool_choice"] = _tool_choice(body["tool_choice"])
+    include = body.get("include") or []
+    if not isinstance(include, list) or not all(isinstance(item, str) for item in include):
+        raise RequestError("include must be a list of strings", "include", code="invalid_type")
+    if set(include) - {LOGPROBS_INCLUDED}:
+        others = ", ".join(sorted(set(include) - {LOGPROBS_INCLUDED}))
+        raise RequestError(f"include takes {LOGPROBS_INCLUDED} only, not {others}", "include",
+                           code="unsupported_value")
+    if include:
+        chat["logprobs"] = True
+    elif chat.get("top_logprobs"):
+        raise invalid_value("top_logprobs", f"needs include: [\"{LOGPROBS_INCLUDED}\"]")
     response_format = _text_format(body.get("text"))
     if response_format is not None:
         chat["response_format"] = response_format
@@ -104,6 +120,7 @@ def _messages(instructions, items) -> tuple[list[dict], list[str]]:
         return [*messages, {"role": "user", "content": items}], [*where, "input"]
     if not isinstance(items, list) or not items:
         raise RequestError("input must be text or a non-empty list of items", "input", code="invalid_type")
+    called: set[str] = set()  # the call_ids of the function_call items so far
     for index, item in enumerate(items):
         at = f"input[{index}]"
         if not isinstance(item, dict):
@@ -119,6 +136,7 @@ def _messages(instructions, items) -> tuple[list[dict], list[str]]:
                 if not isinstance(item.get(name), str) or not item[name]:
                     raise RequestError(f"{at}.{name} must be a non-empty string", f"{at}.{name}",
                                        code="invalid_type")
+            called.add(item["call_id"])
             last = messages[-1] if messages else None
             if last is not None and last["role"] == "assistant" and where[-1].startswith("input["):
                 last.setdefault("tool_calls", []).append(call)  # the calls of one turn: one assistant message
@@ -128,6 +146,9 @@ def _messages(instructions, items) -> tuple[list[dict], list[str]]:
         elif kind == "function_call_output":
             if not isinstance(item.get("call_id"), str) or not item["call_id"]:
                 raise RequestError(f"{at}.call_id must be a non-empty string", f"{at}.call_id", code="invalid_type")
+            if item["call_id"] not in called:
+                raise invalid_value(f"{at}.call_id", f"no function_call before it in input has call_id "
+                                                     f"{item['call_id']!r}")
             messages.append({"role": "tool", "tool_call_id": item["call_id"],
                              "content": _content(item.get("output"), f"{at}.output")})
             where.append(at)
@@ -172,9 +193,13 @@ def _tools(tools):
 
 
 def _tool_choice(choice):
-    if isinstance(choice, dict) and choice.get("type") == "function" and "function" not in choice:
-        return {"type": "function", "function": {"name": choice.get("name")}}
-    return choice
+    """Responses' tool_choice ("auto", "none", "required", {"type": "function", "name": ...}) as chat's."""
+    if choice in ("auto", "none", "required"):
+        return choice
+    if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("name"), str):
+        return {"type": "function", "function": {"name": choice["name"]}}
+    raise RequestError('tool_choice must be "auto", "none", "required" or {"type": "function", "name": ...}',
+                       "tool_choice", code="invalid_type")
 
 
 def _text_format(text):
@@ -183,6 +208,12 @@ def _text_format(text):
         return None
     if not isinstance(text, dict):
         raise RequestError('text must be an object like {"format": {"type": "text"}}', "text", code="invalid_type")
+    if set(text) - {"format", "verbosity"}:
+        raise RequestError(f"text takes format only, not {', '.join(sorted(set(text) - {'format', 'verbosity'}))}",
+                           "text", code="invalid_value")
+    if text.get("verbosity") is not None:  # it changes the answer: refused by name, never ignored
+        raise RequestError("text.verbosity is not supported by specrun serve", "text.verbosity",
+                           code="unsupported_value")
     form = text.get("format")
     if form is None or (isinstance(form, dict) and form.get("type") == "text"):
         return None
@@ -201,10 +232,19 @@ def usage(prompt_tokens: int, cached: int, output_tokens: int) -> dict:
             "total_tokens": prompt_tokens + output_tokens}
 
 
-def message_item(item_id: str, text: str, done: bool) -> dict:
-    content = [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}] if done else []
-    return {"type": "message", "id": item_id, "status": "completed" if done else "in_progress",
-            "role": "assistant", "content": content}
+def message_item(item_id: str, text: str, done: bool, cut: bool = False, logprobs: list | None = None) -> dict:
+    """The answer's message: in progress, or done (``cut``: at max_output_tokens, incomplete)."""
+    content = [{"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}] if done else []
+    status = ("incomplete" if cut else "completed") if done else "in_progress"
+    return {"type": "message", "id": item_id, "status": status, "role": "assistant", "content": content}
+
+
+def logprob_items(entries) -> list[dict]:
+    """The tokens' log-probabilities as output_text's ``logprobs`` (entries: (token, alternatives))."""
+    def shown(choice) -> dict:
+        return {"token": choice.text, "logprob": choice.logprob, "bytes": list(choice.bytes)}
+
+    return [{**shown(token), "top_logprobs": [shown(other) for other in top]} for token, top in entries]
 
 
 def call_item(item_id: str, call, done: bool) -> dict:

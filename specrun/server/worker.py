@@ -751,7 +751,7 @@ class PairWorker:
             raise invalid_value(field_name, exc.problem) from None
 
     def _prompt_ids(self, request: CompletionRequest) -> list[int]:
-        from specrun.sessions.infill import NoInfillError, infill_ids
+        from specrun.sessions.infill import NoInfillError, fim_tokens, infill_ids
         from specrun.sessions.setup import check_prompt_size, prompt_token_ids
         from specrun.sessions.templates import tokenize_rendered
 
@@ -783,7 +783,8 @@ class PairWorker:
                 if bad is not None:
                     raise invalid_value("prompt", f"token id {bad} is outside the vocabulary "
                                                   f"(0 to {target.vocab.size - 1})")
-            if request.suffix is not None:  # an editor's fill at the cursor
+            # an editor's fill at the cursor; an empty suffix (a file's end) only where the model fills
+            if request.suffix is not None and (request.suffix or fim_tokens(target) is not None):
                 try:
                     prompt_ids = infill_ids(target, request.prompt, request.suffix)
                 except NoInfillError as exc:

@@ -534,7 +534,7 @@ def test_an_alias_is_a_model_name_clients_may_send_and_the_one_listed():
         for name in ("gpt-4o", "local", "demo-target"):
             answer = client.chat.completions.create(model=name, messages=[{"role": "user", "content": "hi"}],
                                                     max_tokens=2)
-            assert answer.model == "gpt-4o" and answer.choices[0].finish_reason
+            assert answer.model == name and answer.choices[0].finish_reason  # the name asked, echoed
     finally:
         assert stop_server(server) == 0, server.log
 
@@ -595,6 +595,19 @@ def test_cors_lets_a_browser_page_of_the_origins_given_call_the_server(demo_serv
         status, headers = _headers_of(server, "OPTIONS", "/v1/chat/completions", {**preflight,
                                                                                   "Origin": "http://evil.example"})
         assert status == 400 and "access-control-allow-origin" not in headers
+        # a hosted page calling 127.0.0.1 asks leave to reach a private network (Chromium): a 400 was all it got
+        status, headers = _headers_of(server, "OPTIONS", "/v1/chat/completions", {
+            **preflight, "Access-Control-Request-Private-Network": "true"})
+        assert status == 200 and headers["access-control-allow-private-network"] == "true"
+        assert not any(line.startswith("warning: --cors") for line in server.log)
+    finally:
+        assert stop_server(server) == 0, server.log
+
+
+def test_cors_for_every_page_without_a_key_is_warned_of():
+    server = start_server(*DEMO_ARGS, "--method", "none", "--cors", "*")
+    try:
+        assert any(line.startswith("warning: --cors * lets every web page") for line in server.log), server.log
     finally:
         assert stop_server(server) == 0, server.log
 

@@ -95,8 +95,18 @@ def test_a_fill_speculates_and_answers_what_plain_decoding_of_its_prompt_answers
         assert isinstance(done, Done) and text == plain.text
         empty, _ = _fill(worker, "", SUFFIX, 4)  # at a file's start
         assert isinstance(empty, Done)
+        at_end, text = _fill(worker, PREFIX, "")  # at a file's end: still a fill (editors send "")
+        assert isinstance(at_end, Done) and at_end.stats.prompt_tokens == len(infill_ids_of(fim_model, PREFIX, ""))
     finally:
         worker.stop()
+
+
+def infill_ids_of(model, prefix, suffix):
+    (backend,) = _backends(model, ("llama",))
+    try:
+        return infill_ids(backend, prefix, suffix)
+    finally:
+        backend.close()
 
 
 def test_a_suffix_for_a_model_without_fill_tokens_is_a_400_naming_it():
@@ -108,6 +118,7 @@ def test_a_suffix_for_a_model_without_fill_tokens_is_a_400_naming_it():
         error = refused.error.body()["error"]
         assert error["param"] == "suffix" and "no fill-in-the-middle tokens" in error["message"], error
         assert isinstance(_fill(worker, PREFIX, None, 2)[0], Done)  # the next request is served
+        assert isinstance(_fill(worker, PREFIX, "", 2)[0], Done)  # "" (a client's default): no fill asked
     finally:
         worker.stop()
 
@@ -128,9 +139,9 @@ def test_bad_suffixes_are_400s_naming_the_field(fields, param, message):
     assert refused.value.param == param and message in refused.value.message
 
 
-def test_a_suffix_is_read_and_an_empty_one_is_none():
+def test_a_suffix_is_read_and_an_empty_one_kept():
     assert _parsed(suffix="):\n    pass").suffix == "):\n    pass"
-    assert _parsed(suffix="").suffix is None and _parsed(suffix=None).suffix is None
+    assert _parsed(suffix="").suffix == "" and _parsed(suffix=None).suffix is None  # "": a file's end
     assert _parsed(prompt="", suffix="x").prompt == ""  # a fill at a file's start
     assert _parsed().suffix is None
 

@@ -87,6 +87,28 @@ def test_a_tool_round_trip_with_call_items(demo_server, stream):
     assert second.output_text == (expected or "")
 
 
+def test_logprobs_and_specrun_s_sampling_extensions_as_chat_takes_them(demo_server):
+    """include's logprobs with top_logprobs, top_k and seed were 400s where chat completions
+    honours them: the same log-probabilities as chat's for the same conversation, whole and
+    streamed; a cut answer's message item is incomplete, as its response."""
+    client = demo_server.client()
+    asked = dict(model=MODEL, input="def parse(line):", max_output_tokens=6, temperature=0, top_logprobs=2,
+                 include=["message.output_text.logprobs"], extra_body={"top_k": 40, "seed": 7})
+    response = client.responses.create(**asked)
+    (part,) = response.output[0].content
+    chat = demo_server.client().chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "def parse(line):"}], max_tokens=6, temperature=0,
+        logprobs=True, top_logprobs=2, extra_body={"top_k": 40, "seed": 7})
+    assert [(e.token, e.logprob) for e in part.logprobs] == [(e.token, e.logprob) for e in chat.choices[0].logprobs.content]
+    assert all(len(e.top_logprobs) == 2 for e in part.logprobs)
+    if response.status == "incomplete":
+        assert response.output[0].status == "incomplete"
+    with client.responses.stream(**asked) as stream:
+        events = list(stream)
+    streamed = [e for event in events if event.type == "response.output_text.delta" for e in event.logprobs]
+    assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in part.logprobs]
+
+
 def test_json_output_follows_its_schema(demo_server):
     schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"],
               "additionalProperties": False}
@@ -116,6 +138,12 @@ BAD = [
     (_body(truncation="auto"), "truncation", "unsupported_value"),
     (_body(text={"format": {"type": "xml"}}), "text.format.type", "invalid_value"),
     (_body(colour="blue"), "colour", "unknown_parameter"),
+    (_body(text={"verbosity": "low"}), "text.verbosity", "unsupported_value"),
+    (_body(include=["file_search_call.results"]), "include", "unsupported_value"),
+    (_body(top_logprobs=2), "top_logprobs", "invalid_value"),  # without include's logprobs
+    (_body(input=[{"role": "user", "content": "hi"}, {"type": "function_call_output", "call_id": "c9",
+                                                        "output": "x"}]), "input[1].call_id", "invalid_value"),
+    (_body(tool_choice={"type": "function", "function": {"name": "f"}}), "tool_choice", "invalid_type"),
     (_body(instructions=5), "instructions", "invalid_type"),
 ]
 
