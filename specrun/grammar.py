@@ -353,19 +353,21 @@ class GrammarState:
             self._matcher.rollback(count)
 
     def allowed_along(self, tokens: Sequence[int]) -> np.ndarray:
-        """The allowed tokens at each position along ``tokens`` from here, every one allowed:
-        (len(tokens) + 1, size) bool, the first row this state's own. The state is left as it was."""
+        """The allowed tokens at each position along the longest prefix of ``tokens`` whose every
+        token its row allows: (k + 1, size) bool, the first row this state's own. The rows decide,
+        not ``validate_tokens`` (``allowed_prefix``), which can take a token the mask leaves out:
+        a draft cut there (it was a 500). The state is left as it was."""
         rows = [self.allowed()]
         consumed = 0
         try:
             for token in tokens:
                 if not rows[-1][token]:
-                    raise ValueError(f"token {token} is not allowed here")
+                    break
                 if self._matcher.is_stopped():  # an end-of-text token after the end: the end again
                     rows.append(rows[-1])
                     continue
-                if not self._matcher.consume_token(int(token)):
-                    raise ValueError(f"token {token} is not allowed here")
+                if not self._matcher.validate_tokens([int(token)]) or not self._matcher.consume_token(int(token)):
+                    break
                 consumed += 1
                 rows.append(self.allowed())
         finally:

@@ -62,6 +62,7 @@ class ConstrainedRun:
         if proposal.is_chain:
             kept = proposal.prefix(self.state.allowed_prefix(proposal.tokens))
             allowed = self.state.allowed_along(kept.tokens)
+            kept = kept.prefix(len(allowed) - 1)  # where a row leaves out a token validation took
             if not sampling.greedy and any(row is not None for row in kept.p_draft):
                 rows = tuple(None if row is None else mask_row(row, allowed[depth])
                              for depth, row in enumerate(kept.p_draft))
@@ -80,13 +81,18 @@ class ConstrainedRun:
             if parent >= 0 and not ok.get(parent, False):
                 continue  # below a forbidden node (or one dropped): never reached
             path = self._path(proposal, node)
-            allowed_here = (root if parent < 0 else allowed_after[parent])[token]
-            ok[node] = bool(allowed_here)
+            allowed_here = bool((root if parent < 0 else allowed_after[parent])[token])
+            after = root  # a forbidden node's row is never read (it is never accepted): any non-empty row serves
+            if allowed_here:
+                try:
+                    after = self.state.allowed_after(path)
+                except ValueError:  # the matcher refuses what the row allowed: forbidden after all
+                    allowed_here = False
+            ok[node] = allowed_here
             if not allowed_here and sampling.greedy:
                 continue
             kept.append(node)
-            # a forbidden node's row is never read (it is never accepted): any non-empty row serves
-            allowed_after[node] = self.state.allowed_after(path) if allowed_here else root
+            allowed_after[node] = after
         pruned = proposal.select(kept)
         return pruned, np.stack([root, *(allowed_after[node] for node in kept)])
 

@@ -30,7 +30,7 @@ def test_serve_s_help_wraps_its_paragraphs_where_the_terminal_ends_not_where_the
     assert result.exit_code == 0
     lines = [line.strip() for line in result.output.splitlines()]
     # the paragraph fills the 80 columns: its source's break after "--top-k," is gone
-    assert "--temp, --top-k, --top-p, --min-p and -n are the defaults of requests that do" in lines
+    assert "/metrics. --temp, --top-k, --top-p, --min-p and -n are the defaults of" in lines
 
 
 @pytest.mark.parametrize(("path", "command"), [(path, command) for path, command in commands()

@@ -266,7 +266,7 @@ def test_auto_reopens_a_chains_only_llama_context_for_a_window_that_pays(chain, 
     stored = TuneResult("k", "t", "none", "m", 0, 0.0, target_costs=seconds_of(gpu_like, [1, 2, 8, 24, 120]),
                         learned=True)
     monkeypatch.setattr(generation, "load_target_entry", lambda target, threads: stored)
-    monkeypatch.setattr(generation, "remember_run", lambda *args: None)  # the test's costs are not this machine's
+    monkeypatch.setattr(generation, "remember_run", lambda *args, **kwargs: None)  # the test's costs are not this machine's
     from specrun.backends.llama import LlamaCppBackend
 
     reopened = []

@@ -582,3 +582,39 @@ def test_escapes_match_their_characters_and_nothing_else(gbnf, accepted, refused
         matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
         ok = all(matcher.consume_token(byte) for byte in text.encode())
         assert (ok and matcher.is_accepting()) is expected, (gbnf, text)
+
+
+@pytest.mark.parametrize("shape", ["chain", "tree"])
+def test_a_draft_token_validation_takes_but_the_mask_leaves_out_is_cut_not_a_failure(shape, monkeypatch):
+    """llguidance's validate_tokens can take a token its mask leaves out, or the other way (a
+    served JSON answer ended in a 500, "token 80 is not allowed here"): the draft is cut there, as
+    at any forbidden token, and the rest of the answer goes on."""
+    from specrun.drafters.base import Proposal
+    from specrun.engine.constrained import ConstrainedRun
+
+    target = letters(1)
+    run = ConstrainedRun(Grammar.compile(GRAMMARS["braces"], target))
+    brace, a = PIECES.index(b"{"), PIECES.index(b"a")
+    real_allowed = type(run.state).allowed
+
+    def mask_without_a(state):  # validation still takes "a" after "{"
+        row = real_allowed(state).copy()
+        row[a] = False
+        return row
+
+    real_after = type(run.state).allowed_after
+
+    def refusing_a(state, tokens):  # the other way: the mask takes "a", the matcher refuses it
+        if a in tokens:
+            raise ValueError(f"token {a} is not allowed here")
+        return real_after(state, tokens)
+
+    if shape == "chain":
+        monkeypatch.setattr(type(run.state), "allowed", mask_without_a)
+        proposal = Proposal((brace, a, PIECES.index(b":")))
+    else:
+        monkeypatch.setattr(type(run.state), "allowed_after", refusing_a)
+        proposal = Proposal((brace, a, PIECES.index(b"b")), parents=(-1, 0, 0))
+    kept, rows = run.prune(proposal, SamplingSettings())
+    assert brace in kept.tokens and a not in kept.tokens and len(rows) == 1 + len(kept.tokens)
+    assert run.state.error == ""  # the matcher left as it was: the answer can go on

@@ -273,7 +273,10 @@ def test_a_tool_call_round_trip_in_python_calls_is_the_same_with_speculation(gem
                 assert done.stats.by_source["grammar"].accepted > 0  # the forced text drafted for free
                 answer = [e for e in session.ask('{"temperature": 21}', params, role="tool")
                           if isinstance(e, AnswerDone)][0]
-                assert answer.text and not answer.tool_calls
+                # the 270M base model calls again (its list, then its own made-up output): read as
+                # the call it begins with, the rest dropped; a model that answers gives text
+                assert answer.text and all(call.name == "get_weather" for call in answer.tool_calls)
+                assert answer.tool_calls or not answer.text.startswith("[get_weather(")
                 rendered = render_conversation(session.template, session.transcript.messages, tools)[0]
                 assert '<start_of_turn>user\n```tool_output\n{"temperature": 21}\n```<end_of_turn>' in rendered
     assert calls["draft"] == calls["none"]

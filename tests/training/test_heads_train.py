@@ -519,7 +519,7 @@ def test_gathering_stops_at_the_deadline_when_continuations_come_back_empty(monk
     calls = []
 
     class Target:
-        backend = SimpleNamespace(tokenize=lambda text, add_bos=False: [1, 2, 3], vocab=SimpleNamespace(add_bos=False))
+        backend = SimpleNamespace(tokenize=lambda text, add_bos=False, special=False: [1, 2, 3], vocab=SimpleNamespace(add_bos=False))
 
         def can_batch_prompts(self):
             return False
