@@ -111,18 +111,29 @@ def cpu_count() -> int:
 
 @dataclasses.dataclass(frozen=True)
 class ThreadTally:
-    """A follower's passes so far: how many ran on fewer threads than ``most``, the fewest any
-    ran on. ``since(earlier)`` gives a run's own (its least: over the whole follower's life only
-    where the run's passes went below ``most``)."""
+    """A follower's passes so far, by the thread count each ran on (``by_count``: (count, passes)
+    pairs): how many ran on fewer threads than ``most``, the fewest any ran on. ``since(earlier)``
+    gives a run's own."""
 
-    passes: int = 0
-    fewer: int = 0
-    least: int = 0
+    by_count: tuple[tuple[int, int], ...] = ()
     most: int = 0
 
+    @property
+    def passes(self) -> int:
+        return sum(passes for _, passes in self.by_count)
+
+    @property
+    def fewer(self) -> int:
+        return sum(passes for count, passes in self.by_count if count < self.most)
+
+    @property
+    def least(self) -> int:
+        return min((count for count, passes in self.by_count if passes), default=self.most)
+
     def since(self, earlier: ThreadTally) -> ThreadTally:
-        fewer = self.fewer - earlier.fewer
-        return ThreadTally(self.passes - earlier.passes, fewer, self.least if fewer else self.most, self.most)
+        before = dict(earlier.by_count)
+        return ThreadTally(tuple((count, passes - before.get(count, 0)) for count, passes in self.by_count
+                                 if passes > before.get(count, 0)), self.most)
 
 
 class LoadFollower:
@@ -137,17 +148,13 @@ class LoadFollower:
         self._seen = -1
         self._higher = 0  # readings in a row that allowed more threads
         self._lock = threading.Lock()  # a backend's own passes, its slots' and its window cache's
-        self._passes = self._fewer = 0
-        self._least = most
+        self._by_count: dict[int, int] = {}  # thread count -> passes run on it
 
     def threads(self) -> int:
         """The count for the pass about to run (counted in ``tally``)."""
         with self._lock:
             self._follow()
-            self._passes += 1
-            if self.current < self.most:
-                self._fewer += 1
-                self._least = min(self._least, self.current)
+            self._by_count[self.current] = self._by_count.get(self.current, 0) + 1
             return self.current
 
     def busy(self) -> bool:
@@ -164,7 +171,7 @@ class LoadFollower:
 
     def tally(self) -> ThreadTally:
         with self._lock:
-            return ThreadTally(self._passes, self._fewer, self._least, self.most)
+            return ThreadTally(tuple(sorted(self._by_count.items())), self.most)
 
     def _choose(self, others: float) -> int:
         wanted = max(1, min(self.most, self.cores - max(0, math.ceil(others - SPARE))))

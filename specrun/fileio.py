@@ -160,10 +160,12 @@ def interrupts_held():
     previous = signal.signal(signal.SIGINT, lambda *_: caught.append(True))
     try:
         yield
-    finally:
+    except BaseException:  # a write that failed says so: a Ctrl-C meanwhile hid it (a run "finished")
         signal.signal(signal.SIGINT, previous)
-        if caught:
-            raise KeyboardInterrupt
+        raise
+    signal.signal(signal.SIGINT, previous)
+    if caught:
+        raise KeyboardInterrupt
 
 
 def write_atomically(

@@ -584,6 +584,8 @@ class SpeculativeEngine:
             stats.record_step(
                 step.n_drafted, step.n_accepted, len(step.tokens), step.draft_seconds, step.verify_seconds, step.source
             )
+            if before is not None:  # each step: a stop string may end the answer at any chunk
+                stats.count_threads(self.target.thread_tally().since(before))
             output.extend(step.tokens)
             text = decoder.decode(b"".join(backend.token_bytes(t) for t in step.tokens))
             pieces.append(text)
@@ -595,9 +597,7 @@ class SpeculativeEngine:
         if complete_cache:
             self.complete_caches()
         if before is not None:
-            run = self.target.thread_tally().since(before)
-            stats.followed_passes, stats.busy_passes = run.passes, run.fewer
-            stats.least_threads, stats.most_threads = run.least, run.most
+            stats.count_threads(self.target.thread_tally().since(before))  # the caches' completing pass too
         yield Finished(GenerationResult("".join(pieces), output, stats, self._finish_reason(prompt, output, params),
                                         grammar_problem=self.grammar_problem))
 

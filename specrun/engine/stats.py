@@ -58,8 +58,9 @@ class Stats:
     # greedy tokens chosen where another's logit came within GenerationParams.tie_margin (0: not
     # counted), from the first pass of several tokens on (before it, passes are plain decoding's)
     near_ties: int = 0
-    # llama.cpp on the CPU at its default count (backends/cpu_load.py): the target's passes, those
-    # run on fewer threads while other processes kept cores busy, the fewest, and the count asked
+    # llama.cpp on the CPU at its default count (backends/cpu_load.py): the passes of the target's
+    # model (its own, and its MTP or windowed self-draft's, its slots'), those run on fewer threads
+    # while other processes kept cores busy, the fewest, and the count asked
     followed_passes: int = 0
     busy_passes: int = 0
     least_threads: int = 0
@@ -83,6 +84,11 @@ class Stats:
             self.reached_hist.extend([0] * (reached + 1 - len(self.reached_hist)))
         for position in range(1, reached + 1):
             self.reached_hist[position] += 1
+
+    def count_threads(self, tally) -> None:
+        """A run's ThreadTally (backends/cpu_load.py) so far."""
+        self.followed_passes, self.busy_passes = tally.passes, tally.fewer
+        self.least_threads, self.most_threads = tally.least, tally.most
 
     def add(self, other: Stats) -> None:
         """Add another generation's counts and timings (a chat's answers summed up)."""

@@ -200,6 +200,7 @@ class OpenAIServer:
 
         async def endpoint(request):
             try:
+                self._check_origin(request)
                 self._authorize(request)
                 return await handler(request)
             except RequestError as exc:
@@ -214,6 +215,23 @@ class OpenAIServer:
 
         return endpoint
 
+    def _check_origin(self, request) -> None:
+        """A browser's request from a web page (its Origin) that --cors does not name: 403. A page
+        may POST text/plain to any server without asking first, so without this every web page a
+        user opened could run generations here. Pages of this machine (localhost, 127.0.0.1,
+        [::1]) and apps' own schemes (vscode-webview://, app://) are let in."""
+        origin = request.headers.get("origin")
+        if origin is None or "*" in self.http.cors_origins or origin in self.http.cors_origins:
+            return
+        scheme, _, rest = origin.partition("://")
+        host = rest.rsplit(":", 1)[0] if not rest.startswith("[") else rest.split("]")[0] + "]"
+        if scheme not in ("http", "https") and rest:  # an app's own page, not a web site
+            return
+        if scheme in ("http", "https") and is_loopback(host):
+            return
+        raise RequestError(f"a web page of origin {origin!r} may not call this server; start it with --cors "
+                           f"{origin} to let that page", status=403, code="origin_not_allowed")
+
     def _authorize(self, request) -> None:
         key = self.http.api_key
         if key is None:
@@ -226,8 +244,11 @@ class OpenAIServer:
     def _log_refusal(self, request, error: RequestError) -> None:
         """One line a refused request: an editor's client may show no error body, so the one
         running the server sees why here."""
+        if error.status == 429:  # a full queue under load: /metrics counts them, a line each would flood
+            return
         where = f" ({error.param})" if error.param else ""
-        self.worker.log(f"refused {request.method} {request.url.path}: {error.status}{where} {error.message}")
+        line = f"refused {request.method} {request.url.path}: {error.status}{where} {error.message}"
+        self.worker.log(_shown_to_operator(line))
 
     async def _http_error(self, request, exc):
         codes = {404: "not_found", 405: "method_not_allowed"}
@@ -294,13 +315,16 @@ class OpenAIServer:
     async def responses(self, request):
         """OpenAI's Responses API (server/responses.py): the chat request it amounts to, answered
         as a response object or its stream of events."""
-        from starlette.responses import JSONResponse
+        from starlette.responses import Response
 
         from specrun.server.responses import parse_responses_request
 
         body = await read_json_body(request, self.http.max_body_bytes)
-        parsed = await asyncio.to_thread(parse_responses_request, body, self.defaults, self.worker.n_ctx)
-        job, first = await self._started(request, parsed)
+        parsed, names = await asyncio.to_thread(parse_responses_request, body, self.defaults, self.worker.n_ctx)
+        try:
+            job, first = await self._started(request, parsed)
+        except RequestError as exc:  # the worker's refusal (a prompt too long) names chat's field
+            raise names.renamed(exc) from None
         echo = {key: body.get(key) for key in ("instructions", "metadata")} | {
             "max_output_tokens": body.get("max_output_tokens"), "tools": body.get("tools") or [],
             "tool_choice": body.get("tool_choice") or "auto", "text": body.get("text") or {"format": {"type": "text"}},
@@ -309,7 +333,7 @@ class OpenAIServer:
         if parsed.stream:
             from starlette.responses import StreamingResponse
 
-            return StreamingResponse(self._response_events(job, first, echo), media_type="text/event-stream",
+            return StreamingResponse(self._response_events(job, first, echo, names), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         texts, calls, logprobs = [], (), []
         try:
@@ -321,12 +345,15 @@ class OpenAIServer:
                 elif isinstance(event, Calls):
                     calls = event.calls
                 elif isinstance(event, Failed):
-                    raise event.error
+                    raise names.renamed(event.error)
                 elif isinstance(event, Done):
                     break
         finally:
             job.cancel()
-        return JSONResponse(self._response_object(job, echo, "".join(texts), calls, first, event, logprobs=logprobs))
+        # ASCII JSON: the echoed fields are the client's (metadata, tools), unchecked, and a lone
+        # surrogate in them has no UTF-8 (a 500 after the whole answer); escaped, it is valid JSON
+        return Response(json.dumps(self._response_object(job, echo, "".join(texts), calls, first, event,
+                                                         logprobs=logprobs)), media_type="application/json")
 
     def _response_object(self, job: Job, echo: dict, text: str | None, calls, started: Started,
                          done: Done | None, status: str | None = None, error: dict | None = None,
@@ -352,7 +379,7 @@ class OpenAIServer:
             answer["speculation"] = speculation_object(done.stats)
         return answer
 
-    async def _response_events(self, job: Job, started: Started, echo: dict) -> AsyncIterator[str]:
+    async def _response_events(self, job: Job, started: Started, echo: dict, names) -> AsyncIterator[str]:
         """The Responses API's semantic events: created, in progress, the message's text as it
         comes (its item and part opened at the first text), each call whole, then completed (or
         incomplete at max_output_tokens; failed, with the error, where the answer could not end)."""
@@ -365,7 +392,7 @@ class OpenAIServer:
             nonlocal sequence
             sequence += 1
             payload = {"type": kind, "sequence_number": sequence - 1, **fields}
-            return f"event: {kind}\ndata: {json.dumps(payload, ensure_ascii=False)}\n\n"
+            return f"event: {kind}\ndata: {json.dumps(payload)}\n\n"  # ASCII: as the whole answer's
 
         texts, opened, calls, logprobs = [], False, (), []
         try:
@@ -390,12 +417,12 @@ class OpenAIServer:
                 elif isinstance(event, Delta):  # no text: its tokens' logprobs (a stop string's tail held)
                     logprobs.extend(event.logprobs)
                 elif isinstance(event, Calls):
-                    calls = tuple(call if call.id else dataclasses.replace(call, id=f"call_{job.id}_{index}")
-                                  for index, call in enumerate(event.calls))
-                elif isinstance(event, Failed):
-                    failed = self._response_object(job, echo, None, (), started, None, status="failed",
-                                                   error={"code": event.error.code or "server_error",
-                                                          "message": event.error.message})
+                    calls = event.calls  # each with its id (ToolStyle.parse gives them)
+                elif isinstance(event, Failed):  # OpenAI's codes: a request's fault, or the server's
+                    error = names.renamed(event.error)
+                    failed = self._response_object(job, echo, None, (), started, None, status="failed", error={
+                        "code": "server_error" if error.status >= 500 else "invalid_prompt",
+                        "message": error.message, "specrun_code": error.code, "param": error.param})
                     yield sent("response.failed", response=failed)
                     break
                 elif isinstance(event, Done):
@@ -563,6 +590,16 @@ class OpenAIServer:
             yield "data: [DONE]\n\n"
         finally:
             job.cancel()  # a client gone mid-stream: the generation stops at its next pass
+
+
+LOGGED_CHARACTERS = 300  # of a refusal's line: the client's text in it (a path, a field's name) is cut there
+
+
+def _shown_to_operator(line: str) -> str:
+    """A log line quoting a client's text: control characters escaped (an escape sequence for the
+    operator's terminal, a newline faking a line of its own), cut to LOGGED_CHARACTERS."""
+    shown = "".join(char if char.isprintable() else repr(char)[1:-1] for char in line)
+    return shown if len(shown) <= LOGGED_CHARACTERS else shown[: LOGGED_CHARACTERS - 1] + "…"
 
 
 def _sse_data(payload: dict) -> str:

@@ -192,7 +192,7 @@ def _parse_common(body: dict, defaults: ServeDefaults, n_ctx: int, max_tokens_fi
         raise invalid_value("seed", f"must be a 64-bit integer, got {seed}")
     if seed == -1:  # "random", as llama-server and the UIs written for it send it
         seed = None
-    elif seed is not None and seed < 0:  # OpenAI's seed is signed: each its own stream of draws
+    elif seed is not None and seed < 0:  # OpenAI's seed is signed: s < 0 draws as s + 2**63 does
         seed += MAX_SEED + 1
     stream = body.get("stream", False)
     if stream is None:

@@ -39,9 +39,40 @@ _WHY = {"previous_response_id": "specrun serve stores no responses: send the who
 _TEXT_PARTS = ("input_text", "output_text", "text")
 
 
-def parse_responses_request(body, defaults: ServeDefaults, n_ctx: int) -> CompletionRequest:
-    """A /v1/responses body as the CompletionRequest of its chat completions equivalent, or a
-    RequestError naming the Responses field."""
+class ResponsesNames:
+    """Where each chat field a request was read as came from in the Responses body: a refusal of
+    the chat request (parsing, or the worker's: a prompt too long, a template refusing it) named
+    as the client wrote it."""
+
+    def __init__(self, where: Sequence[str], calls: dict[int, list[str]]) -> None:
+        self.where = list(where)  # messages[k]'s item (or "instructions")
+        self.calls = calls  # messages[k].tool_calls[j]'s function_call item
+
+    def renamed(self, error: RequestError) -> RequestError:
+        param = error.param or ""
+        match = re.match(r"messages\[(\d+)\](?:\.tool_calls\[(\d+)\](?:\.function)?)?", param)
+        if match and match.group(2) is not None and int(match.group(2)) < len(self.calls.get(int(match.group(1)), ())):
+            renamed = self.calls[int(match.group(1))][int(match.group(2))] + param[match.end():]
+        elif match and int(match.group(1)) < len(self.where):
+            renamed = self.where[int(match.group(1))] + param[match.end():]
+        elif param == "messages":
+            renamed = "input"
+        elif param.startswith("max_completion_tokens"):
+            renamed = "max_output_tokens" + param[len("max_completion_tokens"):]
+        elif param.startswith("response_format"):
+            renamed = "text.format" + param[len("response_format"):].replace(".json_schema", "", 1)
+        else:
+            renamed = re.sub(r"^(tools\[\d+\])\.function", r"\1", param)
+        if renamed == param:
+            return error
+        message = error.message.replace(param, renamed, 1)
+        return RequestError(message, renamed, status=error.status, code=error.code, kind=error.kind,
+                            retry_after=error.retry_after)
+
+
+def parse_responses_request(body, defaults: ServeDefaults, n_ctx: int) -> tuple[CompletionRequest, ResponsesNames]:
+    """A /v1/responses body as the CompletionRequest of its chat completions equivalent, and the
+    names of its fields for the worker's refusals; or a RequestError naming the Responses field."""
     if not isinstance(body, dict):
         raise RequestError("the request body must be a JSON object", code="invalid_type")
     for name, value in body.items():
@@ -56,7 +87,8 @@ def parse_responses_request(body, defaults: ServeDefaults, n_ctx: int) -> Comple
     if body.get("truncation") not in (None, "disabled"):
         raise RequestError('truncation: only "disabled" (a conversation longer than the context is a 400, '
                            "never cut)", "truncation", code="unsupported_value")
-    messages, where = _messages(body.get("instructions"), body.get("input"))
+    messages, where, calls = _messages(body.get("instructions"), body.get("input"))
+    names = ResponsesNames(where, calls)
     chat = {chat_name: body[name] for name, chat_name in _PASSED.items() if body.get(name) is not None}
     chat["messages"] = messages
     if body.get("tools") is not None:
@@ -83,30 +115,15 @@ def parse_responses_request(body, defaults: ServeDefaults, n_ctx: int) -> Comple
             raise RequestError("stream_options takes include_obfuscation only", "stream_options", code="invalid_value")
         chat["stream_options"] = options
     try:
-        return parse_chat_request(chat, defaults, n_ctx)
+        return parse_chat_request(chat, defaults, n_ctx), names
     except RequestError as exc:
-        raise _renamed(exc, where) from None
+        raise names.renamed(exc) from None
 
 
-def _renamed(error: RequestError, where: Sequence[str]) -> RequestError:
-    """A chat field's refusal under its Responses name: messages[k] as the item it came from."""
-    param = error.param or ""
-    names = {"max_completion_tokens": "max_output_tokens", "response_format": "text.format"}
-    match = re.match(r"messages\[(\d+)\]", param)
-    if match and int(match.group(1)) < len(where):
-        renamed = where[int(match.group(1))] + param[match.end():]
-    else:
-        head = re.match(r"[a-z_]+", param)
-        renamed = names[head.group(0)] + param[head.end():] if head and head.group(0) in names else param
-    if renamed == param:
-        return error
-    message = error.message.replace(param, renamed, 1)
-    return RequestError(message, renamed, status=error.status, code=error.code, kind=error.kind)
-
-
-def _messages(instructions, items) -> tuple[list[dict], list[str]]:
-    """Chat messages for ``instructions`` and ``input``, and the Responses field each came from."""
-    messages, where = [], []
+def _messages(instructions, items) -> tuple[list[dict], list[str], dict[int, list[str]]]:
+    """Chat messages for ``instructions`` and ``input``, the Responses field each came from, and
+    each message's tool calls' function_call items."""
+    messages, where, calls = [], [], {}
     if instructions is not None:
         if not isinstance(instructions, str):
             raise RequestError("instructions must be a string", "instructions", code="invalid_type")
@@ -117,7 +134,7 @@ def _messages(instructions, items) -> tuple[list[dict], list[str]]:
     if isinstance(items, str):
         if not items:
             raise invalid_value("input", "must not be empty")
-        return [*messages, {"role": "user", "content": items}], [*where, "input"]
+        return [*messages, {"role": "user", "content": items}], [*where, "input"], calls
     if not isinstance(items, list) or not items:
         raise RequestError("input must be text or a non-empty list of items", "input", code="invalid_type")
     called: set[str] = set()  # the call_ids of the function_call items so far
@@ -138,11 +155,12 @@ def _messages(instructions, items) -> tuple[list[dict], list[str]]:
                                        code="invalid_type")
             called.add(item["call_id"])
             last = messages[-1] if messages else None
-            if last is not None and last["role"] == "assistant" and where[-1].startswith("input["):
+            if last is not None and last["role"] == "assistant":
                 last.setdefault("tool_calls", []).append(call)  # the calls of one turn: one assistant message
             else:
                 messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
                 where.append(at)
+            calls.setdefault(len(messages) - 1, []).append(at)
         elif kind == "function_call_output":
             if not isinstance(item.get("call_id"), str) or not item["call_id"]:
                 raise RequestError(f"{at}.call_id must be a non-empty string", f"{at}.call_id", code="invalid_type")
@@ -156,7 +174,7 @@ def _messages(instructions, items) -> tuple[list[dict], list[str]]:
             raise RequestError(f"{at}: items of type {kind!r} are not supported by specrun serve (messages, "
                                "function_call and function_call_output are)", f"{at}.type",
                                code="unsupported_value")
-    return messages, where
+    return messages, where, calls
 
 
 def _content(content, where: str):

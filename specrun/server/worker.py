@@ -758,12 +758,13 @@ class PairWorker:
         session = self.session
         target = session.target
         param = "messages" if request.is_chat else "prompt"
-        if request.is_chat or isinstance(request.prompt, str):
-            # what the prompt holds: the messages, and the tools and earlier calls rendered beside them
-            text = ("".join(str(m.get("content") or "") + json.dumps(m.get("tool_calls") or "")
-                            for m in request.messages)
-                    + "".join(json.dumps(tool.as_openai()) for tool in request.tools)) if request.is_chat \
-                else request.prompt + (request.suffix or "")
+        # what the prompt holds: the messages, and the tools and earlier calls rendered beside them;
+        # a prompt's text and its suffix (beside token ids, the suffix alone)
+        text = ("".join(str(m.get("content") or "") + json.dumps(m.get("tool_calls") or "")
+                        for m in request.messages)
+                + "".join(json.dumps(tool.as_openai()) for tool in request.tools)) if request.is_chat \
+            else (request.prompt if isinstance(request.prompt, str) else "") + (request.suffix or "")
+        if text:
             try:
                 check_prompt_size(target, text)  # before tokenizing megabytes that cannot fit
             except ContextFullError as exc:
@@ -789,6 +790,9 @@ class PairWorker:
                     prompt_ids = infill_ids(target, request.prompt, request.suffix)
                 except NoInfillError as exc:
                     raise invalid_value("suffix", exc.one_line()) from None
+            elif request.prompt == "":  # an empty suffix where the model fills nothing: no prompt at all
+                raise invalid_value("prompt", "must not be empty (a model without fill-in-the-middle tokens "
+                                              "takes no empty prompt beside an empty suffix)")
             elif isinstance(request.prompt, str):
                 prompt_ids = prompt_token_ids(target, request.prompt, chat=False)
             else:

@@ -418,15 +418,16 @@ HERMES_CALL = re.compile(r"<tool_call>(.*?)(?:</tool_call>|\Z)", re.DOTALL)
 
 
 def _closing_completed(text: str) -> str:
-    """A cut answer whose last block lacks only the rest of its ``</tool_call>`` (max_tokens one
-    token short of a forced call's end: its call was whole, and dropped) with the tag completed;
-    the text as it is otherwise. The block's JSON must still read whole to count as a call."""
+    """A cut answer whose last block lacks only (the rest of) its ``</tool_call>`` (max_tokens one
+    token short of a forced call's end: its call was whole, and dropped; Qwen writes the tag as
+    one token) with the tag completed; the text as it is otherwise. The block's JSON must still
+    read whole to count as a call."""
     closing = "</tool_call>"
     body = text.rstrip()
     if text.rfind("<tool_call>") <= text.rfind(closing):
         return text
-    for size in range(len(closing) - 1, 0, -1):
-        if body.endswith(closing[:size]):
+    for size in range(len(closing) - 1, -1, -1):
+        if body.endswith(closing[:size]):  # size 0: none of the tag written
             return body[: len(body) - size] + closing
     return text
 

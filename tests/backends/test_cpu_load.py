@@ -129,6 +129,10 @@ def test_the_tally_counts_passes_on_fewer_threads_and_a_run_takes_its_own():
     later = threads.tally()
     quiet = threads.tally().since(later)
     assert (quiet.passes, quiet.fewer, quiet.least) == (0, 0, 4)  # nothing of an earlier run's load
+    machine.run(0.5, others=1.0)
+    threads.threads()  # a later run down to 3 of 4, after one that went down to 2
+    milder = threads.tally().since(later)
+    assert (milder.passes, milder.fewer, milder.least) == (1, 1, 3)  # its own fewest, not the earlier run's
 
 
 def test_busy_reads_the_load_without_counting_a_pass():
@@ -249,17 +253,21 @@ def test_a_served_request_on_a_busy_machine_says_so_in_its_statistics(tiny_llama
                                     load=LoadOptions()))
     worker.start()
     try:
-        async def ask():
-            job = Job(CompletionRequest("m", 8, SamplingSettings(), prompt=(1, 40, 41, 42, 40, 41)),
+        async def ask(stop=()):
+            job = Job(CompletionRequest("m", 8, SamplingSettings(), stop=stop, prompt=(1, 40, 41, 42, 40, 41)),
                       asyncio.get_running_loop())
             worker.submit(job)
+            text = ""
             while not isinstance(event := await job.next_event(), (Done, Failed)):
-                pass
-            return event
+                text += getattr(event, "text", "")
+            return event, text
 
-        done = asyncio.run(ask())
+        done, text = asyncio.run(ask())
         assert isinstance(done, Done), done
         assert done.stats.busy_passes > 0 and done.stats.least_threads == 1 and done.stats.most_threads == 2
+        # an answer a stop string ends is counted too (the stream is closed before its end)
+        stopped, _ = asyncio.run(ask(stop=(text[len(text) // 2:],)))
+        assert stopped.finish_reason == "stop" and stopped.stats.busy_passes > 0
     finally:
         worker.stop()
 

@@ -604,6 +604,20 @@ def test_cors_lets_a_browser_page_of_the_origins_given_call_the_server(demo_serv
         assert stop_server(server) == 0, server.log
 
 
+@pytest.mark.parametrize(("origin", "status"), [
+    ("http://evil.example", 403), ("null", 403), ("https://localhost:5173", 200), ("http://127.0.0.1:3000", 200),
+    ("http://[::1]:8000", 200), ("vscode-webview://abc123", 200)])
+def test_a_web_page_of_an_origin_not_named_cannot_run_generations(demo_server, origin, status):
+    """A page may POST text/plain to any server without a preflight: every page a user opened could
+    run generations on a server with no key (its answers unread, the machine's time spent)."""
+    body = json.dumps(_chat_body(max_tokens=1)).encode()
+    got, answer = demo_server.request("POST", "/v1/chat/completions", body,
+                                      headers={"Origin": origin, "Content-Type": "text/plain"})
+    assert got == status, answer
+    if status == 403:
+        assert answer["error"]["code"] == "origin_not_allowed" and f"--cors {origin}" in answer["error"]["message"]
+
+
 def test_cors_for_every_page_without_a_key_is_warned_of():
     server = start_server(*DEMO_ARGS, "--method", "none", "--cors", "*")
     try:

@@ -119,6 +119,10 @@ def test_a_suffix_for_a_model_without_fill_tokens_is_a_400_naming_it():
         assert error["param"] == "suffix" and "no fill-in-the-middle tokens" in error["message"], error
         assert isinstance(_fill(worker, PREFIX, None, 2)[0], Done)  # the next request is served
         assert isinstance(_fill(worker, PREFIX, "", 2)[0], Done)  # "" (a client's default): no fill asked
+        nothing, _ = _fill(worker, "", "", 2)  # no fill and no prompt: the BOS alone was answered
+        assert isinstance(nothing, Failed) and nothing.error.param == "prompt"
+        huge, _ = _fill(worker, (1, 40), "x" * 4_000_000, 2)  # sized before it is tokenized
+        assert isinstance(huge, Failed) and huge.error.code == "context_length_exceeded"
     finally:
         worker.stop()
 

@@ -132,7 +132,13 @@ BAD = [
     (_body(input=[]), "input", "invalid_type"),
     (_body(input=[{"type": "function_call_output", "output": "x"}]), "input[0].call_id", "invalid_type"),
     (_body(tools=[{"type": "web_search"}]), "tools[0]", "unsupported_value"),
-    (_body(tools=[{"type": "function", "name": "has space"}]), "tools[0].function.name", "invalid_value"),
+    (_body(tools=[{"type": "function", "name": "has space"}]), "tools[0].name", "invalid_value"),
+    (_body(text={"format": {"type": "json_schema", "name": "n", "schema": {"type": "objectx"}}}),
+     "text.format.schema", "invalid_value"),
+    (_body(input=[{"role": "user", "content": "hi"}, {"type": "function_call", "call_id": "a", "name": "f",
+                                                        "arguments": "{}"},
+                  {"type": "function_call", "call_id": "b", "name": "g", "arguments": 5}]),
+     "input[2].arguments", "invalid_type"),
     (_body(max_output_tokens=0), "max_output_tokens", "invalid_value"),
     (_body(reasoning={"effort": "high"}), "reasoning", "unsupported_value"),
     (_body(truncation="auto"), "truncation", "unsupported_value"),
@@ -151,3 +157,10 @@ BAD = [
 @pytest.mark.parametrize(("body", "param", "code"), BAD, ids=[f"{i}-{row[1]}" for i, row in enumerate(BAD)])
 def test_bad_requests_are_400s_naming_the_responses_field(demo_server, body, param, code):
     assert_refused(demo_server, "/v1/responses", body, param, code)
+
+
+def test_a_prompt_past_the_context_is_named_as_the_responses_input(demo_server):
+    """The worker's refusal (context_length_exceeded) named messages, a field the client never sent."""
+    status, got = demo_server.post("/v1/responses", _body(input=[{"role": "user", "content": "word " * 5000}]))
+    assert status == 400 and got["error"]["code"] == "context_length_exceeded"
+    assert got["error"]["param"] == "input" and "messages" not in got["error"]["message"], got

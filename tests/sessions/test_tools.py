@@ -494,6 +494,7 @@ def test_an_answer_cut_inside_its_calls_keeps_the_calls_written_whole_in_every_s
     # one token short of a forced call's end: the call is whole (it was dropped)
     ("hermes", '<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call', ["f"], False),
     ("hermes", '<tool_call>\n{"name": "f", "arguments": {}}\n<', ["f"], False),
+    ("hermes", '<tool_call>\n{"name": "f", "arguments": {}}\n', ["f"], False),  # Qwen's tag: one token
     ("hermes", '<tool_call>\n{"name": "f", "arguments": {"s": "a<', [], True),  # inside the JSON: cut
     # cut outside any call: prose that merely looks like a call's beginning, or follows closed calls
     ("hermes", "It is sunny in", [], False),

@@ -622,3 +622,16 @@ def test_positions_verified_while_the_heads_drafted_nothing_are_learned_from():
     target.sync(tokens[:-1])  # the text as verified: every token but the last is cached
     drafter.close()
     assert learner.report().seen == len(tokens) - 2 - 9  # from the prompt's last position to the last cached
+
+
+def test_a_write_that_fails_while_ctrl_c_is_held_says_why_not_that_it_was_interrupted():
+    """A full disk as the finished heads were written, a Ctrl-C meanwhile: the Ctrl-C raised in
+    its place, and heads train, which takes a Ctrl-C there as the end of a finished run, reported
+    heads it never wrote."""
+    from specrun.errors import FileAccessError
+
+    with pytest.raises(FileAccessError):
+        with interrupts_held():
+            os.kill(os.getpid(), signal.SIGINT)
+            raise FileAccessError("cannot write the heads: no space left on device", "free some disk space")
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # Ctrl-C is Ctrl-C again
