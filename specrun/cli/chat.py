@@ -24,7 +24,6 @@ from rich.text import Text
 
 from specrun.cli.common import (
     check_backend,
-    gpu_layers_note,
     check_outputs_apart,
     PipeConsole,
     PrefillBar,
@@ -39,6 +38,7 @@ from specrun.cli.common import (
     checked_lookahead,
     uses_window,
     checked_trees,
+    gpu_layers_note,
     checked_text,
     checked_tools,
     cli_errors,
@@ -281,8 +281,8 @@ class AnswerView:
             if self.json_output:
                 self._write(json.dumps(event.to_dict()) + "\n", None)
             self.end_line()
-            hint = ("answer it with /tool RESULT" if self.interactive else
-                    "a piped chat cannot answer it: run specrun chat in a terminal, or send the result to specrun serve")
+            hint = "answer it with /tool RESULT" if self.interactive else (
+                "a piped chat cannot answer it: run specrun chat in a terminal, or send the result to specrun serve")
             for call in event.tool_calls:
                 self.err.print(f"tool call: {call.name} {call.arguments} ({hint})", style="cyan", highlight=False)
             if event.tool_call_cut:

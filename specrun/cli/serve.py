@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import sys
 from typing import Annotated, Optional
 
@@ -120,8 +121,6 @@ def checked_aliases(aliases: list[str]) -> tuple[str, ...]:
 
 def checked_origins(origins: list[str]) -> tuple[str, ...]:
     """--cors origins as a browser sends them (scheme://host[:port], no path), or *."""
-    import re
-
     for origin in origins:
         if origin != "*" and not re.fullmatch(r"https?://[^/\s]+", origin):
             raise UsageError(f"--cors {origin!r} is not a web origin",

@@ -104,7 +104,8 @@ class Stats:
         self.near_ties += other.near_ties
         self.followed_passes += other.followed_passes
         if other.busy_passes:
-            self.least_threads = min(self.least_threads, other.least_threads) if self.busy_passes else other.least_threads
+            self.least_threads = (min(self.least_threads, other.least_threads) if self.busy_passes
+                                  else other.least_threads)
         elif not self.busy_passes:  # no pass below the count asked: least is it
             self.least_threads = max(self.least_threads, other.least_threads)
         self.busy_passes += other.busy_passes

@@ -58,7 +58,8 @@ class HttpOptions:
     api_key: str | None = None
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     max_queue: int = DEFAULT_MAX_QUEUE
-    model_names: tuple[str, ...] = ()  # the names requests may give in ``model`` (--alias's, then --target's); the first is listed
+    # the names requests may give in ``model`` (--alias's, then --target's); the first is listed
+    model_names: tuple[str, ...] = ()
     cors_origins: tuple[str, ...] = ()  # --cors: web pages (origins) whose scripts may call the server; "*" any
 
 

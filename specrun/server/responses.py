@@ -7,10 +7,13 @@ conversation is made of (messages with text parts, ``function_call`` and
 ``function_call_output``), ``instructions``, function tools, ``tool_choice``,
 ``parallel_tool_calls``, ``text.format`` (text, JSON object, JSON schema), ``max_output_tokens``,
 ``temperature``, ``top_p`` (``top_k``, ``min_p`` and ``seed`` as chat takes them) and
-logprobs (``include: ["message.output_text.logprobs"]``, ``top_logprobs``). Nothing is stored: ``previous_response_id`` and ``conversation``
-are refused by name (the client sends the whole conversation, as with ``store: false``), and so
-are built-in tools, images and files, reasoning settings and ``text.verbosity``. Every refusal names the
-Responses field (``input[2].content[0]``), not the chat field it was read as.
+logprobs (``include: ["message.output_text.logprobs"]``, ``top_logprobs``). Nothing is stored:
+``previous_response_id`` and ``conversation`` are refused by name (the client sends the whole
+conversation, as with ``store: false``), and so are built-in tools, images and files, reasoning
+settings and ``text.verbosity``. Every refusal names the Responses field (``input[2].content[0]``),
+not the chat field it was read as. ``parallel_tool_calls`` defaults to one call, as chat's does
+(llama-server's choice: a small model told it may call again calls until max tokens), where
+OpenAI's default is several.
 """
 
 from __future__ import annotations
