@@ -336,25 +336,11 @@ class OpenAIServer:
 
             return StreamingResponse(self._response_events(job, first, echo, names), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        texts, calls, logprobs = [], (), []
-        try:
-            while True:
-                event = await job.next_event(request.is_disconnected)
-                if isinstance(event, Delta):
-                    texts.append(event.text)
-                    logprobs.extend(event.logprobs)
-                elif isinstance(event, Calls):
-                    calls = event.calls
-                elif isinstance(event, Failed):
-                    raise names.renamed(event.error)
-                elif isinstance(event, Done):
-                    break
-        finally:
-            job.cancel()
+        text, calls, logprobs, event = await self._collected(request, job, names.renamed)
         # ASCII JSON: the echoed fields are the client's (metadata, tools), unchecked, and a lone
         # surrogate in them has no UTF-8 (a 500 after the whole answer); escaped, it is valid JSON
-        return Response(json.dumps(self._response_object(job, echo, "".join(texts), calls, first, event,
-                                                         logprobs=logprobs)), media_type="application/json")
+        return Response(json.dumps(self._response_object(job, echo, text, calls, first, event, logprobs=logprobs)),
+                        media_type="application/json")
 
     def _response_object(self, job: Job, echo: dict, text: str | None, calls, started: Started,
                          done: Done | None, status: str | None = None, error: dict | None = None,
@@ -483,9 +469,10 @@ class OpenAIServer:
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         return await self._whole(request, job, first)
 
-    async def _whole(self, request, job: Job, started: Started):
-        from starlette.responses import JSONResponse
-
+    @staticmethod
+    async def _collected(request, job: Job, renamed=None) -> tuple[str, tuple, list, Done]:
+        """A whole answer's text, calls, logprobs and end; a failure raised (``renamed``: named as
+        the endpoint's client wrote the field)."""
         texts, calls, logprobs = [], (), []
         try:
             while True:
@@ -496,12 +483,16 @@ class OpenAIServer:
                 elif isinstance(event, Calls):
                     calls = event.calls
                 elif isinstance(event, Failed):
-                    raise event.error
+                    raise event.error if renamed is None else renamed(event.error)
                 elif isinstance(event, Done):
-                    break
+                    return "".join(texts), calls, logprobs, event
         finally:
             job.cancel()  # a no-op once Done; else the generation stops at its next pass
-        text = "".join(texts)
+
+    async def _whole(self, request, job: Job, started: Started):
+        from starlette.responses import JSONResponse
+
+        text, calls, logprobs, event = await self._collected(request, job)
         if job.request.is_chat:
             message = {"role": "assistant", "content": text or (None if calls else "")}
             if calls:

@@ -28,6 +28,26 @@ def follower(machine: Machine, most: int = 4, cores: int = 4) -> LoadFollower:
     return LoadFollower(most, cores=cores, reading=reading)
 
 
+def two_cores_read_from(monkeypatch, others: float | None = None) -> Machine:
+    """llama.cpp at specrun's default count on a two-core machine whose /proc counters are the
+    Machine returned; ``others``: each read a window later, that many cores held by other
+    processes all along (None: the clock moves only where a test runs the machine)."""
+    from specrun.backends import cpu_load
+
+    monkeypatch.delenv("SPECRUN_THREADS", raising=False)
+    monkeypatch.setattr(cpu_load, "cpu_count", lambda: 2)
+    monkeypatch.setattr("specrun.backends.llama.default_threads", lambda: 2)
+    machine = Machine()
+
+    def read():
+        if others is not None:
+            machine.run(0.5, others=others)
+        return machine.busy, machine.own
+
+    monkeypatch.setattr(cpu_load, "_READING", LoadReading(read=read, clock=lambda: machine.now, hz=100))
+    return machine
+
+
 def test_other_processes_take_threads_at_once_and_give_them_back_after_two_readings():
     machine = Machine()
     threads = follower(machine)
@@ -165,15 +185,9 @@ def test_stats_say_a_busy_machine_ran_passes_on_fewer_threads_and_add_up():
 
 def test_a_busy_machine_runs_the_default_count_on_fewer_threads_with_the_same_logits(tiny_llama, monkeypatch):
     pytest.importorskip("llama_cpp")
-    from specrun.backends import cpu_load
     from specrun.backends.llama import LlamaCppBackend
 
-    monkeypatch.delenv("SPECRUN_THREADS", raising=False)
-    monkeypatch.setattr(cpu_load, "cpu_count", lambda: 2)
-    monkeypatch.setattr("specrun.backends.llama.default_threads", lambda: 2)
-    machine = Machine()
-    monkeypatch.setattr(cpu_load, "_READING", LoadReading(read=lambda: (machine.busy, machine.own),
-                                                          clock=lambda: machine.now, hz=100))
+    machine = two_cores_read_from(monkeypatch)
     tokens = list(range(3, 40))
 
     def logits(backend) -> np.ndarray:
@@ -200,16 +214,10 @@ def test_a_run_on_a_busy_machine_says_so_in_its_statistics(tiny_llama, monkeypat
     """The text is the target's own at any count; the statistics say how many passes ran on
     fewer threads (a run slower than the machine allows says why)."""
     pytest.importorskip("llama_cpp")
-    from specrun.backends import cpu_load
     from specrun.backends.llama import LlamaCppBackend
     from specrun.engine.loop import GenerationParams, SpeculativeEngine
 
-    monkeypatch.delenv("SPECRUN_THREADS", raising=False)
-    monkeypatch.setattr(cpu_load, "cpu_count", lambda: 2)
-    monkeypatch.setattr("specrun.backends.llama.default_threads", lambda: 2)
-    machine = Machine()
-    monkeypatch.setattr(cpu_load, "_READING", LoadReading(read=lambda: (machine.busy, machine.own),
-                                                          clock=lambda: machine.now, hz=100))
+    machine = two_cores_read_from(monkeypatch)
     backend = LlamaCppBackend(tiny_llama.gguf_path, gpu_layers=0)
     try:
         engine = SpeculativeEngine(backend, None, method="none")
@@ -233,22 +241,12 @@ def test_a_served_request_on_a_busy_machine_says_so_in_its_statistics(tiny_llama
     pytest.importorskip("llama_cpp")
     import asyncio
 
-    from specrun.backends import cpu_load
     from specrun.registry.loading import LoadOptions
     from specrun.sampling import SamplingSettings
     from specrun.server.requests import CompletionRequest
     from specrun.server.worker import Done, Failed, Job, PairOptions, PairWorker
 
-    monkeypatch.delenv("SPECRUN_THREADS", raising=False)
-    monkeypatch.setattr(cpu_load, "cpu_count", lambda: 2)
-    monkeypatch.setattr("specrun.backends.llama.default_threads", lambda: 2)
-    machine = Machine()
-
-    def busy_read():  # a core held by another process all along: each read a window later
-        machine.run(0.5, others=1.0)
-        return machine.busy, machine.own
-
-    monkeypatch.setattr(cpu_load, "_READING", LoadReading(read=busy_read, clock=lambda: machine.now, hz=100))
+    two_cores_read_from(monkeypatch, others=1.0)  # a core held by another process all along
     worker = PairWorker(PairOptions(str(tiny_llama.gguf_path), None, method="lookup", parallel=parallel,
                                     load=LoadOptions()))
     worker.start()
@@ -279,20 +277,10 @@ def test_a_run_on_a_busy_machine_keeps_no_costs_for_the_next(tmp_path, monkeypat
     threads, costs the next run on a quiet machine would start from (auto: nor the target's passes
     it timed for its heads before it ran)."""
     pytest.importorskip("llama_cpp")
-    from specrun.backends import cpu_load
     from tests.cli.test_cli_accept import invoke
 
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
-    monkeypatch.delenv("SPECRUN_THREADS", raising=False)
-    monkeypatch.setattr(cpu_load, "cpu_count", lambda: 2)
-    monkeypatch.setattr("specrun.backends.llama.default_threads", lambda: 2)
-    machine = Machine()
-
-    def read():  # each read a window later, another process on a core where busy
-        machine.run(0.5, others=1.0 if busy else 0.0)
-        return machine.busy, machine.own
-
-    monkeypatch.setattr(cpu_load, "_READING", LoadReading(read=read, clock=lambda: machine.now, hz=100))
+    two_cores_read_from(monkeypatch, others=1.0 if busy else 0.0)
     result = invoke("generate", "-t", "demo-target", "-d", "demo-draft", "--method", method, "-n", "24",
                     "def parse(line):")
     assert result.exit_code == 0, result.output

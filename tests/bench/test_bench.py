@@ -452,20 +452,9 @@ def test_a_bench_on_a_busy_machine_says_its_figures_are_of_one(tiny_llama, tmp_p
     """Other processes kept cores busy: llama.cpp's threads gave way (backends/cpu_load.py) and
     the footnotes say how many passes ran on fewer threads; the JSON's stats have the counts."""
     pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed")
-    from specrun.backends import cpu_load
-    from tests.backends.test_cpu_load import Machine
+    from tests.backends.test_cpu_load import two_cores_read_from
 
-    monkeypatch.delenv("SPECRUN_THREADS", raising=False)
-    monkeypatch.setattr(cpu_load, "cpu_count", lambda: 2)
-    monkeypatch.setattr("specrun.backends.llama.default_threads", lambda: 2)
-    machine = Machine()
-
-    def busy_read():  # a core held by another process all along: each read a window later
-        machine.run(0.5, others=1.0)
-        return machine.busy, machine.own
-
-    monkeypatch.setattr(cpu_load, "_READING", cpu_load.LoadReading(read=busy_read, clock=lambda: machine.now,
-                                                                   hz=100))
+    two_cores_read_from(monkeypatch, others=1.0)  # a core held by another process all along
     out = tmp_path / "bench.json"
     path = str(tiny_llama.gguf_path)
     result = run_cli("-t", path, "--methods", "none,lookup", "--categories", "chat", "--per-category", "1",

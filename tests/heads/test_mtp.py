@@ -1607,16 +1607,10 @@ def test_slots_draft_with_the_model_s_own_mtp_layer_and_each_answer_is_the_one_a
 def test_the_native_mtp_context_follows_the_machine_s_load_with_the_same_drafts(glm_mtp, monkeypatch):
     """llama.cpp's MTP context ran at the count it opened with while the target's passes gave way
     to other processes (backends/cpu_load.py): its drafts are the same at either count."""
-    from specrun.backends import cpu_load
     from specrun.backends.llama import LlamaCppBackend
-    from tests.backends.test_cpu_load import Machine
+    from tests.backends.test_cpu_load import two_cores_read_from
 
-    monkeypatch.delenv("SPECRUN_THREADS", raising=False)
-    monkeypatch.setattr(cpu_load, "cpu_count", lambda: 2)
-    monkeypatch.setattr("specrun.backends.llama.default_threads", lambda: 2)
-    machine = Machine()
-    monkeypatch.setattr(cpu_load, "_READING", cpu_load.LoadReading(read=lambda: (machine.busy, machine.own),
-                                                                   clock=lambda: machine.now, hz=100))
+    machine = two_cores_read_from(monkeypatch)
     backend = LlamaCppBackend(glm_mtp["gguf"], n_ctx=256, gpu_layers=0)
     try:
         native = backend.native_mtp()
