@@ -627,4 +627,3 @@ def test_cors_for_every_page_without_a_key_is_warned_of():
         assert any(line.startswith("warning: --cors * lets every web page") for line in server.log), server.log
     finally:
         assert stop_server(server) == 0, server.log
-
