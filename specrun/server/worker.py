@@ -785,9 +785,10 @@ class PairWorker:
                     raise invalid_value("prompt", f"token id {bad} is outside the vocabulary "
                                                   f"(0 to {target.vocab.size - 1})")
             # an editor's fill at the cursor; an empty suffix (a file's end) only where the model fills
-            if request.suffix is not None and (request.suffix or fim_tokens(target) is not None):
+            fim = fim_tokens(target) if request.suffix == "" else None
+            if request.suffix is not None and (request.suffix or fim is not None):
                 try:
-                    prompt_ids = infill_ids(target, request.prompt, request.suffix)
+                    prompt_ids = infill_ids(target, request.prompt, request.suffix, fim)
                 except NoInfillError as exc:
                     raise invalid_value("suffix", exc.one_line()) from None
             elif request.prompt == "":  # an empty suffix where the model fills nothing: no prompt at all

@@ -51,10 +51,10 @@ def _special_id(backend, text: str) -> int | None:
     return ids[0] if len(ids) == 1 else None
 
 
-def infill_ids(backend, prefix: str | list[int], suffix: str) -> list[int]:
-    """[BOS] PRE prefix SUF suffix MID for ``backend``'s model (``prefix`` as text or token ids);
-    NoInfillError where it has no such tokens."""
-    fim = fim_tokens(backend)
+def infill_ids(backend, prefix: str | list[int], suffix: str, fim: FimTokens | None = None) -> list[int]:
+    """[BOS] PRE prefix SUF suffix MID for ``backend``'s model (``prefix`` as text or token ids;
+    ``fim``: its fim_tokens, where the caller has them); NoInfillError where it has no such tokens."""
+    fim = fim or fim_tokens(backend)
     if fim is None:
         raise NoInfillError("this model has no fill-in-the-middle tokens (such as <|fim_prefix|>), so it cannot "
                             "complete between a prefix and a suffix", NO_FIM_FIX)

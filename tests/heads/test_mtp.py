@@ -484,10 +484,7 @@ def chains_against_llama_cpp(path, native, backend, sampling=None, rows=None) ->
     pairs = []
     for prompt in PROMPTS:
         context = backend.tokenize(prompt)
-        sequence = KVSequence(backend)
-        sequence.reset()
-        drafter = MtpDrafter(read_mtp_gguf(path))
-        drafter.bind(sequence, perf_counter)
+        sequence, drafter = _bound_drafter(backend, path)
         try:
             for cut in (len(context) - 3, len(context)):  # a shorter context first: entries grow, then are reused
                 sequence.rewind(0)
@@ -519,15 +516,22 @@ def test_the_drafter_s_greedy_chains_are_llama_cpp_s_draft_mtp_chains(carrier, c
         assert len(ours) == 5 and ours == theirs
 
 
+def _bound_drafter(backend, path, **options) -> tuple[KVSequence, MtpDrafter]:
+    """An MTP drafter of ``path``'s layer bound to a fresh sequence of ``backend`` (``options``:
+    MtpDrafter's, as branches)."""
+    sequence = KVSequence(backend)
+    sequence.reset()
+    drafter = MtpDrafter(read_mtp_gguf(path), **options)
+    drafter.bind(sequence, perf_counter)
+    return sequence, drafter
+
+
 def _trees_of(backend, path, branches: int = 3):
     """The drafter's greedy trees (tokens, parents) from contexts of every prompt, as chains_against_llama_cpp feeds them."""
     trees = []
     for prompt in PROMPTS:
         context = backend.tokenize(prompt)
-        sequence = KVSequence(backend)
-        sequence.reset()
-        drafter = MtpDrafter(read_mtp_gguf(path), branches=branches)
-        drafter.bind(sequence, perf_counter)
+        sequence, drafter = _bound_drafter(backend, path, branches=branches)
         try:
             for cut in (len(context) - 3, len(context)):
                 sequence.rewind(0)
@@ -588,10 +592,7 @@ def test_a_native_tree_whose_pass_fails_leaves_no_sequence_behind(glm_mtp, monke
         proxy = SimpleNamespace(**{name: getattr(lib, name) for name in dir(lib) if not name.startswith("__")})
         proxy.llama_process = process
         context = backend.tokenize(PROMPTS[0])
-        sequence = KVSequence(backend)
-        sequence.reset()
-        drafter = MtpDrafter(read_mtp_gguf(glm_mtp["gguf"]), branches=3)
-        drafter.bind(sequence, perf_counter)
+        sequence, drafter = _bound_drafter(backend, glm_mtp["gguf"], branches=3)
         try:
             sequence.feed(context[:-1])
             monkeypatch.setattr(native, "_lib", proxy)
@@ -1266,10 +1267,7 @@ def test_a_pass_llama_cpp_refuses_drafts_nothing_and_the_next_proposal_catches_u
     from specrun.backends.llama_mtp import NativeMtp
 
     context = backend.tokenize(PROMPTS[0])
-    sequence = KVSequence(backend)
-    sequence.reset()
-    drafter = MtpDrafter(read_mtp_gguf(glm_mtp["gguf"]))
-    drafter.bind(sequence, perf_counter)
+    sequence, drafter = _bound_drafter(backend, glm_mtp["gguf"])
     try:
         sequence.feed(context[:-1])
         real_feed, calls = NativeMtp.feed, []
@@ -1618,10 +1616,7 @@ def test_the_native_mtp_context_follows_the_machine_s_load_with_the_same_drafts(
         context = backend.tokenize(PROMPTS[0])
 
         def drafted():
-            sequence = KVSequence(backend)
-            sequence.reset()
-            drafter = MtpDrafter(read_mtp_gguf(glm_mtp["gguf"]))
-            drafter.bind(sequence, perf_counter)
+            sequence, drafter = _bound_drafter(backend, glm_mtp["gguf"])
             try:
                 sequence.feed(context[:-1])
                 return drafter.propose(context, 5, SamplingSettings(), np.random.default_rng(0)).tokens

@@ -156,3 +156,22 @@ def parts_only_at_a_near_tie(entries, expected: str) -> bool:
         return True
     raise AssertionError(f"{got!r} stops inside {want!r}: no token parted from it (a near-tie with the end is not told)")
 
+
+
+def answered(worker, request) -> tuple[object, str]:
+    """``request`` through a started PairWorker as the HTTP layer hands it over: its last event
+    (Done or Failed) and the text its Deltas carried."""
+    import asyncio
+
+    from specrun.server.worker import Delta, Done, Failed, Job
+
+    async def ask():
+        job = Job(request, asyncio.get_running_loop())
+        worker.submit(job)
+        texts = []
+        while not isinstance(event := await job.next_event(), (Done, Failed)):
+            if isinstance(event, Delta):
+                texts.append(event.text)
+        return event, "".join(texts)
+
+    return asyncio.run(ask())

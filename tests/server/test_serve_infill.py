@@ -5,16 +5,15 @@ naming ``suffix``."""
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
 
 from model_factory import FIM_TOKENS, build_fim_model
+from server_harness import answered
 from specrun.engine.loop import GenerationParams, SpeculativeEngine
 from specrun.registry.loading import LoadOptions
 from specrun.sampling import SamplingSettings
 from specrun.server.requests import CompletionRequest, RequestError, ServeDefaults, parse_completion_request
-from specrun.server.worker import Delta, Done, Failed, Job, PairOptions, PairWorker
+from specrun.server.worker import Done, Failed, PairOptions, PairWorker
 from specrun.sessions.infill import fim_tokens, infill_ids
 
 PREFIX = "def read_config(path):\n    with open(path) as f:\n        "
@@ -63,17 +62,7 @@ def test_the_prompt_is_prefix_suffix_middle_with_the_model_s_own_tokens(fim_mode
 
 
 def _fill(worker, prompt, suffix, max_tokens=24):
-    async def ask():
-        job = Job(CompletionRequest("fim", max_tokens, SamplingSettings(), prompt=prompt, suffix=suffix),
-                  asyncio.get_running_loop())
-        worker.submit(job)
-        texts = []
-        while not isinstance(event := await job.next_event(), (Done, Failed)):
-            if isinstance(event, Delta):
-                texts.append(event.text)
-        return event, "".join(texts)
-
-    return asyncio.run(ask())
+    return answered(worker, CompletionRequest("fim", max_tokens, SamplingSettings(), prompt=prompt, suffix=suffix))
 
 
 @pytest.mark.parametrize("parallel", [1, 2])

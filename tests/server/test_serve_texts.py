@@ -8,6 +8,7 @@ import asyncio
 from specrun.registry.loading import LoadOptions
 from specrun.sampling import SamplingSettings
 from specrun.server.requests import CompletionRequest
+from server_harness import answered
 from specrun.server.worker import Done, Failed, Job, PairOptions, PairWorker
 
 
@@ -58,14 +59,10 @@ def test_a_request_that_fails_unexpectedly_fails_alone():
 
         worker._prompt_ids = first_one_fails
 
-        async def ask():
-            job = Job(CompletionRequest("demo", 8, SamplingSettings(), prompt=(1, 40, 41)), asyncio.get_running_loop())
-            worker.submit(job)
-            while not isinstance(event := await job.next_event(), (Done, Failed)):
-                pass
-            return event
+        def ask():
+            return answered(worker, CompletionRequest("demo", 8, SamplingSettings(), prompt=(1, 40, 41)))[0]
 
-        failed, served = asyncio.run(ask()), asyncio.run(ask())
+        failed, served = ask(), ask()
         assert isinstance(failed, Failed) and failed.error.status == 500
         assert "tokenizer broke" in failed.error.body()["error"]["message"]
         assert isinstance(served, Done)
@@ -87,19 +84,14 @@ def test_a_template_that_cannot_render_the_tools_is_a_400_naming_them_and_the_wo
             "{% endif %}{{ m.role }}: {{ m.content }}\n{% endfor %}assistant: ")
         question = ({"role": "user", "content": "Weather in Paris?"},)
 
-        async def ask(tools):
-            request = CompletionRequest("demo", 8, SamplingSettings(), messages=question, tools=tools)
-            job = Job(request, asyncio.get_running_loop())
-            worker.submit(job)
-            while not isinstance(event := await job.next_event(), (Done, Failed)):
-                pass
-            return event
+        def ask(tools):
+            return answered(worker, CompletionRequest("demo", 8, SamplingSettings(), messages=question, tools=tools))[0]
 
-        refused = asyncio.run(ask((Tool("get_weather", "The weather", {"type": "object", "properties": {}}),)))
+        refused = ask((Tool("get_weather", "The weather", {"type": "object", "properties": {}}),))
         assert isinstance(refused, Failed) and refused.error.status == 400
         error = refused.error.body()["error"]
         assert error["param"] == "tools" and "no functions here" in error["message"], error
-        assert isinstance(asyncio.run(ask(())), Done)
+        assert isinstance(ask(()), Done)
     finally:
         worker.stop()
 
@@ -116,22 +108,17 @@ def test_a_template_that_refuses_the_conversation_is_a_400_with_a_fix_a_client_c
             "{{ raise_exception('Conversation roles must alternate user/assistant') }}{% endif %}"
             "{{ m.role }}: {{ m.content }}\n{% endfor %}assistant: ")
 
-        async def ask(messages):
-            request = CompletionRequest("demo", 8, SamplingSettings(), messages=messages)
-            job = Job(request, asyncio.get_running_loop())
-            worker.submit(job)
-            while not isinstance(event := await job.next_event(), (Done, Failed)):
-                pass
-            return event
+        def ask(messages):
+            return answered(worker, CompletionRequest("demo", 8, SamplingSettings(), messages=messages))[0]
 
         twice = ({"role": "user", "content": "Hello"}, {"role": "user", "content": "Are you there?"})
-        refused = asyncio.run(ask(twice))
+        refused = ask(twice)
         assert isinstance(refused, Failed) and refused.error.status == 400
         error = refused.error.body()["error"]
         assert error["param"] == "messages" and error["code"] == "invalid_value", error
         assert "roles must alternate" in error["message"] and "/system" not in error["message"]
         assert "user and assistant turns in alternation" in error["message"]
-        assert isinstance(asyncio.run(ask(twice[:1])), Done)
+        assert isinstance(ask(twice[:1]), Done)
     finally:
         worker.stop()
 
