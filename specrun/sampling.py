@@ -2,11 +2,14 @@
 
 The same function is applied to the target's and the drafter's logits, so both
 distributions mean "the model under the user's settings" (docs/design.md).
-Order: temperature, then top-k, top-p, min-p, then renormalise.
+Order: temperature, then top-k, top-p, min-p, then renormalise. llama.cpp's infill sampler
+(``infill_rule``), where asked, follows on the target's rows only.
 """
 
 from __future__ import annotations
 
+import bisect
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -25,6 +28,9 @@ class SamplingSettings:
     top_p: float = 1.0  # 1.0: off
     min_p: float = 0.0  # 0.0: off
     seed: int | None = None
+    # llama.cpp's "infill" sampler after the others, on the target's rows (``infill_rule``): what
+    # editor plugins (llama.vim, llama.vscode) ask for; no effect on greedy runs
+    infill: bool = False
 
     @property
     def greedy(self) -> bool:
@@ -56,6 +62,8 @@ class SamplingSettings:
             said.append(f"top-p {self.top_p:.10g}")
         if self.min_p > 0.0:
             said.append(f"min-p {self.min_p:.10g}")
+        if self.infill:
+            said.append("infill rule")
         if self.seed is not None:
             said.append(f"seed {self.seed}")
         return ", ".join(said)
@@ -65,7 +73,8 @@ class SamplingSettings:
         fields = {"temperature": self.temperature}
         if not self.greedy:
             fields.update({name: value for name, value, off in (("top_k", self.top_k, 0), ("top_p", self.top_p, 1.0),
-                                                                ("min_p", self.min_p, 0.0), ("seed", self.seed, None))
+                                                                ("min_p", self.min_p, 0.0), ("seed", self.seed, None),
+                                                                ("infill", self.infill, False))
                            if value != off})
         return fields
 
@@ -198,3 +207,260 @@ def sample(probs: np.ndarray, rng: np.random.Generator) -> int:
     cdf = np.asarray(probs).cumsum()  # the array's own methods: np.cumsum's dispatch costs more on a small row
     index = int(cdf.searchsorted(rng.random() * cdf[-1], side="right"))
     return min(index, len(cdf) - 1)
+
+
+# ---- llama.cpp's infill sampler -----------------------------------------------------------------
+# What llama.cpp's vocabulary takes for an end-of-turn token by its text where the GGUF names none
+# (llama-vocab.cpp; its versions' lists together)
+END_OF_TURN_TEXTS = frozenset({
+    "<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|end_of_text|>", "<EOT>", "_<EOT>",
+    "<｜end▁of▁sentence｜>", "[EOT]", "<end_of_utterance>",
+})
+INFILL_KEEP = 0.2  # a text token stays a candidate with this much probability, merged (llama.cpp's thold)
+INFILL_EOG_RATIO = 3  # ... and the text ends where 3 · p_eog · n > p_text
+# candidates that weigh less than this together cannot make a text token INFILL_KEEP heavy (the
+# margin covers float sums of the same terms in another order)
+LIGHT = INFILL_KEEP * (1.0 - 1e-9)
+
+
+def end_of_turn_id(eog_ids: Collection[int], token_text: Callable[[int], str]) -> int | None:
+    """The token the infill rule ends a text with where no text token is left: llama.cpp's
+    ``token_eot()``, else its ``token_eos()``. VocabInfo names neither, so: the lowest
+    end-of-generation id whose text is one llama.cpp's vocabulary takes for an end of turn
+    (END_OF_TURN_TEXTS), else the lowest end-of-generation id; None where there is none.
+    llama.cpp takes a GGUF's ``tokenizer.ggml.eot_token_id`` first, then the first of those texts
+    it meets in a hash map's order: where a vocabulary has several it may take another (SmolLM2's
+    GGUF: <|endoftext|> 0 there and here; <|im_end|> 2 is one too). Either ends the text."""
+    ordered = sorted(eog_ids)
+    named = [token for token in ordered if token_text(token) in END_OF_TURN_TEXTS]
+    return (named or ordered or [None])[0]
+
+
+@dataclass(frozen=True, eq=False)
+class InfillVocab:
+    """A vocabulary as ``infill_rule`` reads it, built once from each token's piece (``of``: its
+    bytes as the detokenizer gives them, special tokens not rendered, so control tokens b""),
+    which tokens end generation, and the token that ends a text (``end_of_turn_id``).
+
+    ``order`` lists the token ids by their pieces' bytes (ties by id), ``rank`` is each one's place
+    there, and the tokens whose piece starts with token t's (t's included, and every token with
+    the same piece) are the run of ``order`` from ``start[t]`` up to ``stop[t]``. The tokens whose
+    pieces are proper prefixes of t's are ``prefixes[prefix_at[t]:prefix_at[t + 1]]``."""
+
+    lengths: np.ndarray  # (V,) each piece's length
+    first_byte: np.ndarray  # (V,) each piece's first byte, -1 for an empty piece
+    eog: np.ndarray  # (V,) bool: ends generation
+    eog_ids: np.ndarray  # the tokens that end generation
+    eot_id: int | None  # None: the vocabulary has no end-of-generation token
+    order: np.ndarray  # (V,) token ids by piece
+    rank: np.ndarray  # (V,)
+    start: np.ndarray  # (V,)
+    stop: np.ndarray  # (V,)
+    prefix_at: np.ndarray  # (V + 1,)
+    prefixes: np.ndarray  # token ids
+    empty_ids: np.ndarray  # the tokens with empty pieces, which merge with nothing
+
+    @classmethod
+    def of(cls, pieces: Sequence[bytes], eog_ids: Collection[int], eot_id: int | None) -> InfillVocab:
+        pieces = [bytes(piece) for piece in pieces]
+        size = len(pieces)
+        order = sorted(range(size), key=lambda token: (pieces[token], token))
+        start, stop = [0] * size, [0] * size
+        shorter: list[list[int]] = [[] for _ in range(size)]
+        # one walk in byte order: the tokens whose pieces start the current one's precede it, each
+        # run closing where a piece no longer starts with its token's
+        stack: list[int] = []  # those tokens, shortest piece first (empty pieces start none here)
+        for position, token in enumerate(order):
+            piece = pieces[token]
+            while stack and not piece.startswith(pieces[stack[-1]]):
+                stop[stack.pop()] = position
+            if not piece:
+                start[token], stop[token] = position, position + 1
+                continue
+            same = len(stack)
+            while same and len(pieces[stack[same - 1]]) == len(piece):
+                same -= 1  # tokens with this very piece
+            shorter[token] = stack[:same]
+            start[token] = start[stack[-1]] if same < len(stack) else position
+            stack.append(token)
+        for token in stack:
+            stop[token] = size
+        rank = np.empty(size, dtype=np.int64)
+        rank[order] = np.arange(size)
+        prefix_at = np.zeros(size + 1, dtype=np.int64)
+        prefix_at[1:] = np.cumsum([len(tokens) for tokens in shorter])
+        eog = np.zeros(size, dtype=bool)
+        eog[[token for token in eog_ids if 0 <= token < size]] = True
+        lengths = np.array([len(piece) for piece in pieces], dtype=np.int64)
+        return cls(
+            lengths=lengths,
+            first_byte=np.array([piece[0] if piece else -1 for piece in pieces], dtype=np.int64),
+            eog=eog,
+            eog_ids=np.flatnonzero(eog),
+            eot_id=eot_id,
+            order=np.array(order, dtype=np.int64),
+            rank=rank,
+            start=np.array(start, dtype=np.int64),
+            stop=np.array(stop, dtype=np.int64),
+            prefix_at=prefix_at,
+            prefixes=np.array([token for tokens in shorter for token in tokens], dtype=np.int64),
+            empty_ids=np.flatnonzero(lengths == 0),
+        )
+
+
+def infill_rule(probs: np.ndarray, vocab: InfillVocab) -> np.ndarray:
+    """llama.cpp's "infill" sampler (llama-sampler.cpp, ``llama_sampler_infill_apply``) on rows
+    ``probabilities()`` gave, (n, V) or (V,): the distribution llama.cpp then samples from. Its
+    candidates are each row's tokens of nonzero probability, likeliest first:
+
+    1. Where 3 · p_eog · n > p_text (p_eog the mass of end-of-generation tokens, n the candidates),
+       only the end-of-generation tokens are kept, renormalised.
+    2. Tokens whose piece starts another's merge: for each candidate in turn, while it lives, each
+       other living candidate whose piece starts with its (non-empty) piece merges with it, the
+       likelier of the two (the earlier on a tie) taking the other's probability.
+    3. Text tokens under INFILL_KEEP once merged are dropped; none left: the text ends (one-hot at
+       ``vocab.eot_id``). Else what is kept (end-of-generation tokens whatever their mass) is
+       renormalised and text tokens under 1 / (text tokens kept + 1) are dropped.
+    The merged masses only choose: llama.cpp's next sampler (``dist``) draws from the softmax of
+    the kept candidates' own logits, so each kept token weighs its own probability, renormalised.
+
+    The merge is not run pair by pair (a whole vocabulary of candidates, no top-k, holds hundreds
+    of thousands of prefix pairs). Taking the candidates likeliest first (ties: shorter pieces
+    first, then lower ids), a candidate still there at its turn is at least as likely as every
+    later one, so it takes every living candidate its piece starts and is then alone in its run
+    (a "chief"), unless an earlier chief's piece starts with its own: that one is strictly heavier
+    and takes it. So the chiefs are chosen greedily (``_chiefs``): a candidate is one where no
+    earlier chief's piece starts its piece or starts with it. Every other candidate ends in the
+    first chief related to it: the one chief whose piece starts its own, else the likeliest whose
+    piece starts with its own; a chief's mass is its run's and that of the candidates it took
+    whose pieces start its own (``_merged_mass``). Merges never cross a first byte, and a chief
+    only gathers candidates after it, so only the likeliest candidates of a first byte that
+    weighs INFILL_KEEP need the greedy pass, down to where the rest of that byte's weigh under it
+    (and down to its last end-of-generation token with a piece, ``_heavy``): no text token among
+    the others is kept, and end-of-generation tokens among them have empty pieces, unmerged.
+
+    Where it knowingly differs from llama.cpp: exactly equally likely candidates are taken in an
+    order llama.cpp's sort leaves unspecified (shorter pieces first is an order under which its
+    loop agrees with the chiefs); n counts the candidates of nonzero probability, where llama.cpp
+    counts every token the samplers before it left (a grammar's masked ones, without top-k); and
+    llama.cpp works in float32, so a mass within rounding of a threshold may fall otherwise.
+    """
+    probs = np.asarray(probs, dtype=np.float64)
+    squeeze = probs.ndim == 1
+    rows = probs[None, :] if squeeze else probs  # (n, V)
+    out = np.zeros_like(rows)
+    for row, kept in zip(rows, out):
+        _infill_row(row, vocab, kept)
+    return out[0] if squeeze else out
+
+
+def _infill_row(row: np.ndarray, vocab: InfillVocab, out: np.ndarray) -> None:
+    """``infill_rule`` on one row (V,), written into ``out`` (V,), zeros."""
+    support = np.flatnonzero(row > 0.0)  # the candidates (a comparison first: flatnonzero alone is 10x slower)
+    if support.size == 0:
+        return
+    p = row[support]
+    p_eog_each = row[vocab.eog_ids]
+    p_eog = float(p_eog_each.sum())
+    if INFILL_EOG_RATIO * p_eog * len(support) > float(p.sum()) - p_eog:
+        out[vocab.eog_ids] = p_eog_each / p_eog
+        return
+    merged = _chiefs(_heavy(row, support, p, vocab), vocab)  # likeliest first
+    alone = vocab.empty_ids[row[vocab.empty_ids] > 0.0]  # the candidates with empty pieces: unmerged
+    chiefs = np.concatenate([merged, alone])  # (c,)
+    mass = np.concatenate([_merged_mass(row, merged, vocab), row[alone]])  # (c,)
+    eog = vocab.eog[chiefs]
+    text = ~eog & (mass >= INFILL_KEEP)
+    if not text.any():
+        if vocab.eot_id is None:  # no token ends generation (llama.cpp stops on an assertion): as it was
+            out[:] = row
+        else:
+            out[vocab.eot_id] = 1.0
+        return
+    # what is kept is renormalised, then text under 1 / (text kept + 1) dropped
+    total = float(mass[text].sum() + mass[eog].sum())
+    kept = np.concatenate([chiefs[text][mass[text] / total >= 1.0 / (np.count_nonzero(text) + 1)], chiefs[eog]])
+    out[kept] = row[kept] / row[kept].sum()
+
+
+def _heavy(row: np.ndarray, support: np.ndarray, p: np.ndarray, vocab: InfillVocab) -> np.ndarray:
+    """The candidates the greedy pass needs (ids, likeliest first, ties by piece length then id):
+    of each first byte whose candidates weigh LIGHT or more, the likeliest down to where the rest
+    weigh under LIGHT, ties included; of each first byte, every end-of-generation token with a
+    piece and what is likelier."""
+    groups = vocab.first_byte[support]  # (n,) -1: an empty piece
+    weights = np.bincount(groups + 1, weights=p, minlength=257)[1:]  # (256,)
+    text_eog = vocab.eog[support] & (groups >= 0)
+    needed = set(np.flatnonzero(weights >= LIGHT).tolist()) | set(groups[text_eog].tolist())
+    parts = [np.empty(0, dtype=np.int64)]
+    for group in sorted(needed):
+        members = np.flatnonzero(groups == group)  # indices into support
+        values = p[members]
+        floor = _light_below(values)
+        ending = text_eog[members]
+        if ending.any():
+            floor = min(floor, float(values[ending].min()))
+        parts.append(members[values >= floor])
+    heavy = support[np.concatenate(parts)]
+    return heavy[np.lexsort((heavy, vocab.lengths[heavy], -row[heavy]))]
+
+
+def _light_below(values: np.ndarray) -> float:
+    """How far down the likeliest of ``values`` (n,) go until the rest weighs under LIGHT: the
+    least probability among them (the least of all where the rest never does)."""
+    total = float(values.sum())
+    wanted = 64
+    while True:
+        top = _likeliest(values, wanted)
+        light = np.flatnonzero(total - np.cumsum(values[top]) < LIGHT)
+        if light.size:
+            return float(values[top[light[0]]])
+        if len(top) == len(values):
+            return float(values[top[-1]])
+        wanted *= 8
+
+
+def _chiefs(heavy: np.ndarray, vocab: InfillVocab) -> np.ndarray:
+    """The candidates among ``heavy`` (likeliest first, pieces not empty) that no earlier chief's
+    piece starts or starts with: the greedy pass. Chiefs' runs never overlap, so they are kept
+    sorted by start."""
+    chiefs = []
+    starts: list[int] = []  # the chiefs' runs, sorted
+    stops: list[int] = []
+    for token, rank, start, stop in zip(heavy.tolist(), vocab.rank[heavy].tolist(), vocab.start[heavy].tolist(),
+                                        vocab.stop[heavy].tolist()):
+        at = bisect.bisect_right(starts, rank)
+        if at and rank < stops[at - 1]:
+            continue  # an earlier chief's piece starts this one's: it took this one
+        at = bisect.bisect_left(starts, start)
+        if at < len(starts) and starts[at] < stop:
+            continue  # an earlier chief's piece starts with this one's: it took this one
+        starts.insert(at, start)
+        stops.insert(at, stop)
+        chiefs.append(token)
+    return np.array(chiefs, dtype=np.int64)
+
+
+def _merged_mass(row: np.ndarray, chiefs: np.ndarray, vocab: InfillVocab) -> np.ndarray:
+    """Each chief's mass once merged (chiefs likeliest first, pieces not empty): its run (every
+    candidate its piece starts, zeros adding nothing) and the candidates whose pieces start its
+    own that no likelier chief took."""
+    if chiefs.size == 0:
+        return np.empty(0)
+    positions, offsets = _spans(vocab.start[chiefs], vocab.stop[chiefs])
+    mass = np.add.reduceat(row[vocab.order[positions]], offsets)  # (c,) each run's, chief and all
+    positions, offsets = _spans(vocab.prefix_at[chiefs], vocab.prefix_at[chiefs + 1])
+    owner = np.repeat(np.arange(len(chiefs)), np.diff(np.append(offsets, len(positions))))
+    shorter = vocab.prefixes[positions]
+    live = row[shorter] > 0.0
+    shorter, first = np.unique(shorter[live], return_index=True)  # the likeliest chief above each takes it
+    mass += np.bincount(owner[live][first], weights=row[shorter], minlength=len(chiefs))
+    return mass
+
+
+def _spans(starts: np.ndarray, stops: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The positions start..stop - 1 of each span in turn, and where each span begins among them."""
+    lengths = stops - starts
+    offsets = np.zeros(len(lengths), dtype=np.int64)
+    np.cumsum(lengths[:-1], out=offsets[1:])
+    return np.arange(int(lengths.sum())) + np.repeat(starts - offsets, lengths), offsets

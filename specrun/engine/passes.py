@@ -17,7 +17,7 @@ import numpy as np
 from specrun.backends.kv import KVSequence
 from specrun.drafters.base import Drafter, Proposal
 from specrun.engine.constrained import masked_rows
-from specrun.sampling import SamplingSettings, probabilities, sample
+from specrun.sampling import InfillVocab, SamplingSettings, end_of_turn_id, infill_rule, probabilities, sample
 from specrun.verify import (
     EXACT, LossyAcceptance, TreeVerdict, Verdict, verify_block, verify_greedy, verify_lossy, verify_sampled,
     verify_tree_greedy, verify_tree_lossy, verify_tree_sampled,
@@ -74,6 +74,7 @@ class TargetPasses:
         # the last pass's rows as verified (1 + n, V), where it read rows (sampling, a grammar,
         # keep_rows); None after a pass that read only the backend's argmax
         self.last_rows: np.ndarray | None = None
+        self._infill_vocab: InfillVocab | None = None  # the target's pieces, read at the first infill row
 
     @property
     def verification(self) -> Verification:
@@ -101,12 +102,32 @@ class TargetPasses:
         on_progress(total, total)
         return logits, keep > 0
 
-    @staticmethod
-    def pick(logits: np.ndarray, sampling: SamplingSettings, rng: np.random.Generator) -> int:
+    def pick(self, logits: np.ndarray, sampling: SamplingSettings, rng: np.random.Generator) -> int:
         """One token from a (V,) row of logits under the user's settings."""
         if sampling.greedy:
             return int(logits.argmax())
-        return sample(probabilities(logits, sampling), rng)
+        return sample(self.p_target(logits, sampling), rng)
+
+    def p_target(self, logits: np.ndarray, sampling: SamplingSettings) -> np.ndarray:
+        """The target's distributions (n, V) or (V,) under the user's settings: ``probabilities``,
+        then llama.cpp's infill rule where asked (not greedy). The rule changes the target's rows
+        only; a drafter keeps drawing from its own ``probabilities``, and rejection sampling needs
+        no more than the row each draft was drawn from and the target's, so verification stays
+        exact against plain decoding under the rule."""
+        p_target = probabilities(logits, sampling)
+        if sampling.infill and not sampling.greedy:
+            p_target = infill_rule(p_target, self._infill_vocab_of(p_target.shape[-1]))
+        return p_target
+
+    def _infill_vocab_of(self, width: int) -> InfillVocab:
+        """The target's vocabulary as the infill rule reads it, ``width`` tokens (a row's): each
+        token's bytes asked of the backend once (about 0.2 s for 49,152 tokens on llama.cpp)."""
+        if self._infill_vocab is None or len(self._infill_vocab.lengths) != width:
+            backend = self.target.backend
+            eog_ids = backend.vocab.eos_ids
+            self._infill_vocab = InfillVocab.of([backend.token_bytes(token) for token in range(width)], eog_ids,
+                                                end_of_turn_id(eog_ids, backend.token_text))
+        return self._infill_vocab
 
     def verify(
         self, last_token: int, drafts: Proposal | DeferredDrafts, sampling: SamplingSettings,
@@ -135,7 +156,7 @@ class TargetPasses:
             return drafts, verify_greedy(drafts.tokens, target_argmax)
         logits = self._rows(self.target.feed(fed, rows), allowed)  # (k+1, V)
         self._show_pass(drafts, logits)
-        p_target = probabilities(logits, sampling)
+        p_target = self.p_target(logits, sampling)
         rule = verify_block if self.chain_rule == "block" else verify_sampled
         return drafts, rule(drafts.tokens, p_target, drafts.p_draft, rng)
 
@@ -163,7 +184,7 @@ class TargetPasses:
         else:
             logits = self._rows(self.target.feed_tree([last_token], tree, rows), allowed)  # (1+n, V)
             self._show_pass(proposal, logits)
-            verdict = verify_tree_sampled(tree, probabilities(logits, sampling), proposal.p_draft, rng)
+            verdict = verify_tree_sampled(tree, self.p_target(logits, sampling), proposal.p_draft, rng)
         self.target.keep_path(tree, verdict.path)
         return verdict
 
@@ -182,7 +203,7 @@ class TargetPasses:
             tree = proposal.tree
             logits = self._rows(self.target.feed_tree([last_token], tree, tree.logit_rows(1)), allowed)  # (1+n, V)
         self._show_pass(proposal, logits)
-        p_target = probabilities(logits, TEMPERATURE_ONE if sampling.greedy else sampling)
+        p_target = self.p_target(logits, TEMPERATURE_ONE if sampling.greedy else sampling)
         pick_rng = None if sampling.greedy else rng  # None: the argmax
         if proposal.is_chain:
             return verify_lossy(proposal.tokens, p_target, self.acceptance, pick_rng)

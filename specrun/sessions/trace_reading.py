@@ -244,7 +244,7 @@ def _sampled(header: dict) -> str:
         sampling = SamplingSettings(float(0.0 if temperature is None else temperature),
                                     int(0 if top_k is None else top_k),
                                     float(1.0 if top_p is None else top_p),
-                                    float(0.0 if min_p is None else min_p), seed)
+                                    float(0.0 if min_p is None else min_p), seed, infill=header.get("infill") is True)
     except (OverflowError, ValueError):  # an infinite top-k, a float too large
         return ""
     if sampling.validate() or sampling.greedy:

@@ -182,6 +182,14 @@ def test_a_header_that_says_no_sampling_is_told_without_it(tmp_path, header):
     assert told.stdout.splitlines()[0] == "run: ?, method draft"
 
 
+def test_a_header_with_llama_cpp_s_infill_rule_says_so(tmp_path):
+    path = tmp_path / "t.jsonl"
+    header = {"trace": "specrun", "version": 1, "method": "draft", "temperature": 1.0, "top_k": 40, "infill": True}
+    write(path, [header, step(1, "prefill", 0, 0, policy(True))])
+    told = CliRunner().invoke(app, ["trace", str(path)])
+    assert told.stdout.splitlines()[0] == "run: ?, method draft, sampled at temperature 1, top-k 40, infill rule"
+
+
 def test_a_trace_still_being_written_is_told_as_far_as_it_goes(tmp_path):
     path = tmp_path / "t.jsonl"
     write(path, [{"trace": "specrun", "version": 1, "serve": True},
