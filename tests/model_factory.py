@@ -169,17 +169,20 @@ def open_exact_copies(model: TinyModel, kind: str, count: int, tree_paths: int =
 
 
 FIM_TOKENS = ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>")
+REPO_TOKENS = ("<|repo_name|>", "<|file_sep|>")
 
 
-def build_fim_model(folder: Path, seed: int = 3) -> TinyModel:
+def build_fim_model(folder: Path, seed: int = 3, repo: bool = False) -> TinyModel:
     """The tiny llama with Qwen2.5-Coder's fill-in-the-middle tokens added to its vocabulary
-    (ids 512-514), as F16 GGUF and a float32 HF folder (sessions/infill.py)."""
+    (ids 512-514; ``repo``: its repository-level tokens too, 515-516), as F16 GGUF and a float32
+    HF folder (sessions/infill.py)."""
     import dataclasses
 
     from tokenizers import AddedToken, Tokenizer
 
     tokenizer = Tokenizer.from_str(tiny_tokenizer_json())
-    tokenizer.add_special_tokens([AddedToken(text, special=True) for text in FIM_TOKENS])
+    added = FIM_TOKENS + (REPO_TOKENS if repo else ())
+    tokenizer.add_special_tokens([AddedToken(text, special=True) for text in added])
     config = dataclasses.replace(tiny_config("llama"), vocab_size=tokenizer.get_vocab_size())
     weights = random_weights(config, seed)
     tokenizer_json = tokenizer.to_str()

@@ -182,6 +182,11 @@ class OpenAIServer:
             Route("/v1/chat/completions", self._endpoint(self.chat_completions), methods=["POST"]),
             Route("/v1/completions", self._endpoint(self.completions), methods=["POST"]),
             Route("/v1/responses", self._endpoint(self.responses), methods=["POST"]),
+            # llama-server's own, which editors' plugins call (server/native.py)
+            Route("/completion", self._endpoint(self.native_completion), methods=["POST"]),
+            Route("/completions", self._endpoint(self.native_completion), methods=["POST"]),
+            Route("/infill", self._endpoint(self.infill), methods=["POST"]),
+            Route("/props", self._endpoint(self.props), methods=["GET"]),
         ]
         handlers = {HTTPException: self._http_error, Exception: self._internal_error}
         middleware = []
@@ -440,6 +445,59 @@ class OpenAIServer:
                     final = self._response_object(job, echo, text, calls, started, event, logprobs=logprobs)
                     kind = "response.incomplete" if final["status"] == "incomplete" else "response.completed"
                     yield sent(kind, response=final)
+                    break
+        finally:
+            job.cancel()  # a client gone mid-stream: the generation stops at its next pass
+
+    async def props(self, request):
+        """llama-server's GET /props, which its clients read the context and the slots from."""
+        from starlette.responses import JSONResponse
+
+        from specrun import __version__
+        from specrun.server.native import props_object
+
+        return JSONResponse(props_object(self.worker, self.model_id, self.defaults, f"specrun {__version__}"))
+
+    async def native_completion(self, request):
+        """llama-server's /completion: text after a prompt, in its answer's shape."""
+        return await self._native(request, infill=False)
+
+    async def infill(self, request):
+        """llama-server's /infill: a fill at an editor's cursor, with chunks of its other files."""
+        return await self._native(request, infill=True)
+
+    async def _native(self, request, infill: bool):
+        from starlette.responses import JSONResponse, StreamingResponse
+
+        from specrun.server.native import answer_object, parse_native_request, picked
+
+        body = await read_json_body(request, self.http.max_body_bytes)
+        parsed, fields = await asyncio.to_thread(parse_native_request, body, self.defaults, self.worker.n_ctx,
+                                                 self.model_id, infill)
+        job, first = await self._started(request, parsed)
+        if parsed.stream:
+            return StreamingResponse(self._native_events(job, first, fields), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        text, _, _, event = await self._collected(request, job)
+        return JSONResponse(picked(answer_object(self.model_id, parsed, text, first, event), fields))
+
+    async def _native_events(self, job: Job, started: Started, fields) -> AsyncIterator[str]:
+        """llama-server's stream: a chunk per stretch of text, then the answer's last object
+        (``stop``: true; only the fields asked for), and no [DONE]."""
+        from specrun.server.native import answer_object, chunk_object, picked
+
+        predicted = 0
+        try:
+            while True:
+                event = await job.next_event()
+                if isinstance(event, Delta):
+                    predicted += event.tokens
+                    yield _sse_data(chunk_object(event.text, predicted, started))
+                elif isinstance(event, Failed):
+                    yield _sse_data(event.error.body())
+                    break
+                elif isinstance(event, Done):
+                    yield _sse_data(picked(answer_object(self.model_id, job.request, "", started, event), fields))
                     break
         finally:
             job.cancel()  # a client gone mid-stream: the generation stops at its next pass

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from specrun.grammar import GrammarError, GrammarSpec
 from specrun.sampling import MAX_SEED, SamplingSettings
+from specrun.sessions.infill import Fill
 from specrun.sessions.tools import Tool, ToolChoice, ToolDefinitionError, tool_choice_of, tool_definitions
 
 # OpenAI's API takes 4; editors' completion plugins send a dozen (llama-server takes any number)
@@ -31,11 +32,40 @@ _INERT_FIELDS = {
     "echo": (False, None),
     "best_of": (1, None),
 }
+# llama-server's own sampling fields, which clients written for it send (llama.vscode's edits send
+# every one): taken at the values that change nothing, any other refused by name as above.
+_INERT_FIELDS |= {
+    "typical_p": (1, None), "repeat_penalty": (1, None), "dry_multiplier": (0, None), "xtc_probability": (0, None),
+    "dynatemp_range": (0, None), "mirostat": (0, None), "top_n_sigma": (-1, 0, None), "n_probs": (0, None),
+    "min_keep": (0, 1, None), "ignore_eos": (False, None), "return_tokens": (False, None),
+    "post_sampling_probs": (False, None), "lora": (None,),
+}
 # Fields with no effect on the answer: accepted as any value.
 _FREE_FIELDS = ("user", "store", "metadata", "service_tier", "prompt_cache_key", "prompt_cache_retention",
-                "safety_identifier", "cache_prompt")  # the last llama-server's: specrun keeps a prompt's cache always
-_COMMON_FIELDS = ("model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stream",
-                  "stream_options", "n", "response_format", "grammar", "json_schema")
+                "safety_identifier",
+                # llama-server's: its cache and slot controls (specrun keeps a prompt's cache always and
+                # chooses a slot by the prompt it holds), the settings of samplers left off above, and
+                # its timing extras (t_max_prompt_ms: llama-server does not act on it either)
+                "cache_prompt", "id_slot", "n_keep", "n_discard", "n_cache_reuse", "dynatemp_exponent",
+                "xtc_threshold", "repeat_last_n", "dry_base", "dry_allowed_length", "dry_penalty_last_n",
+                "dry_sequence_breakers", "mirostat_tau", "mirostat_eta", "t_max_prompt_ms", "timings_per_token",
+                "return_progress", "sse_ping_interval", "verbose", "backend_sampling")
+COMMON_FIELDS = ("model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stream",
+                  "stream_options", "n", "response_format", "grammar", "json_schema", "samplers", "n_indent",
+                  "t_max_predict_ms")
+
+# llama-server's ``samplers``: the names of the samplers on (a list, or a string of their letters).
+# Those specrun has take their request's settings; one left out is off (temperature: 1, as llama.cpp
+# samples without its temperature sampler); those that change nothing at their inert settings
+# (above) may be listed. Applied in specrun's order whatever the list's (sampling.py).
+_SAMPLERS = {"top_k": "top_k", "top_p": "top_p", "min_p": "min_p", "temperature": "temperature",
+             "infill": "infill", "dry": None, "typ_p": None, "xtc": None, "top_n_sigma": None, "penalties": None,
+             "adaptive_p": "adaptive_p"}
+_SAMPLER_ALIASES = {**{name.replace("_", "-"): name for name in _SAMPLERS if "_" in name},
+                    **{name.replace("_", ""): name for name in _SAMPLERS if "_" in name},
+                    "nucleus": "top_p", "temp": "temperature", "typ": "typ_p", "typical_p": "typ_p"}
+_SAMPLER_LETTERS = {"d": "dry", "k": "top_k", "y": "typ_p", "p": "top_p", "s": "top_n_sigma", "m": "min_p",
+                    "t": "temperature", "x": "xtc", "i": "infill", "e": "penalties", "a": "adaptive_p"}
 
 
 # ---- errors ---------------------------------------------------------------------------
@@ -89,6 +119,9 @@ class CompletionRequest:
     parallel_tool_calls: bool = False  # may a required call be several? (llama-server's default: one)
     logprobs: int | None = None  # each token's log-probability with this many alternatives; None: not asked
     suffix: str | None = None  # completions: the text after the cursor, filled in between (sessions/infill.py)
+    fill: Fill | None = None  # /infill: the text around an editor's cursor (sessions/infill.py)
+    indent: int = 0  # llama-server's n_indent: a later line indented less ends the answer before it (0: none)
+    line_seconds: float = 0.0  # llama-server's t_max_predict_ms: past it, the next line end ends the answer
 
     @property
     def is_chat(self) -> bool:
@@ -116,7 +149,7 @@ def _shown(value) -> str:
     return text if len(text) <= 40 else text[:37] + "..."
 
 
-def _text(value: str, where: str) -> str:
+def checked_text(value: str, where: str) -> str:
     """``value`` if it is text the tokenizer can take: JSON may escape half of a surrogate pair
     alone (\\ud800), which no UTF-8 encoder accepts."""
     try:
@@ -139,7 +172,7 @@ def _bound(value) -> str:
     return str(value) if isinstance(value, int) else f"{value:g}"
 
 
-def _check_fields(body: dict, known: Sequence[str]) -> None:
+def check_fields(body: dict, known: Sequence[str]) -> None:
     for name, value in body.items():
         if name in known or name in _FREE_FIELDS:
             continue
@@ -153,8 +186,11 @@ def _check_fields(body: dict, known: Sequence[str]) -> None:
 MAX_ANSWER_TOKENS = 2**31 - 1  # max_tokens above it is a 400 (above the context, the context ends the answer)
 
 
-def _parse_common(body: dict, defaults: ServeDefaults, n_ctx: int, max_tokens_field: str) -> dict:
-    """The fields both endpoints share, validated; each error names its field."""
+def parse_common(body: dict, defaults: ServeDefaults, n_ctx: int, max_tokens_field: str,
+                  prompt_only: bool = False) -> dict:
+    """The fields every endpoint shares, validated; each error names its field. A length of -1
+    is the context's (llama-server's "no limit"); ``prompt_only``: 0 reads the prompt into the
+    cache and answers nothing (llama-server's native endpoints, which editors warm it with)."""
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise RequestError("model must be a non-empty string naming the served model", "model",
@@ -173,9 +209,11 @@ def _parse_common(body: dict, defaults: ServeDefaults, n_ctx: int, max_tokens_fi
         max_tokens = _number(body, "max_tokens", None, integer=True)
     if max_tokens is None:
         max_tokens = min(defaults.max_tokens, n_ctx)
+    elif max_tokens == -1:  # llama-server's clients ask "until the context is full" so
+        max_tokens = n_ctx
     # Editors send 4,096 or 8,192 whatever the model's context: taken, the answer stops where the
     # context is full (finish_reason "length"), as llama-server and ollama do; past int32 is no length
-    _check_range(max_tokens_field, max_tokens, 1, MAX_ANSWER_TOKENS)
+    _check_range(max_tokens_field, max_tokens, 0 if prompt_only else 1, MAX_ANSWER_TOKENS)
     max_tokens = min(max_tokens, n_ctx)
     base = defaults.sampling
     temperature = _number(body, "temperature", base.temperature)
@@ -187,6 +225,15 @@ def _parse_common(body: dict, defaults: ServeDefaults, n_ctx: int, max_tokens_fi
         raise invalid_value("top_k", f"must be 0 (off) or positive, got {top_k}")
     min_p = _number(body, "min_p", base.min_p)
     _check_range("min_p", min_p, 0.0, 1.0, high_open=True)
+    samplers = _parse_samplers(body.get("samplers"))
+    if samplers is not None:  # what the list leaves out is off
+        temperature = temperature if "temperature" in samplers else 1.0
+        top_k = top_k if "top_k" in samplers else 0
+        top_p = top_p if "top_p" in samplers else 1.0
+        min_p = min_p if "min_p" in samplers else 0.0
+    indent = _number(body, "n_indent", 0, integer=True)
+    _check_range("n_indent", indent, 0, MAX_ANSWER_TOKENS)
+    line_ms = _number(body, "t_max_predict_ms", 0)
     seed = _number(body, "seed", base.seed, integer=True)
     if seed is not None and not (-MAX_SEED - 1 <= seed <= MAX_SEED):
         raise invalid_value("seed", f"must be a 64-bit integer, got {seed}")
@@ -218,13 +265,43 @@ def _parse_common(body: dict, defaults: ServeDefaults, n_ctx: int, max_tokens_fi
     return dict(
         model=model,
         max_tokens=max_tokens,
-        sampling=SamplingSettings(float(temperature), top_k, float(top_p), float(min_p), seed),
+        sampling=SamplingSettings(float(temperature), top_k, float(top_p), float(min_p), seed,
+                                  infill=samplers is not None and "infill" in samplers),
+        indent=indent,
+        line_seconds=max(line_ms, 0) / 1000,  # 0 or less: no limit, as llama-server reads it
         stop=_parse_stop(body.get("stop")),
         stream=stream,
         include_usage=bool(options.get("include_usage", False)),
         grammar=grammar,
         grammar_field=grammar_field,
     )
+
+
+def _parse_samplers(samplers) -> frozenset[str] | None:
+    """llama-server's ``samplers`` as the names listed (None where the request does not say)."""
+    if samplers is None:
+        return None
+    if isinstance(samplers, str):
+        unknown = sorted({letter for letter in samplers if letter not in _SAMPLER_LETTERS})
+        if unknown:
+            raise invalid_value("samplers", f"{', '.join(map(json.dumps, unknown))} names no sampler; the letters are "
+                                + "".join(_SAMPLER_LETTERS))
+        names = {_SAMPLER_LETTERS[letter] for letter in samplers}
+    elif isinstance(samplers, list) and all(isinstance(name, str) for name in samplers):
+        names = set()
+        for name in samplers:
+            canonical = _SAMPLER_ALIASES.get(name.lower(), name.lower())
+            if canonical not in _SAMPLERS:
+                raise invalid_value("samplers", f"{_shown(name)} names no sampler; the names are "
+                                    + ", ".join(_SAMPLERS))
+            names.add(canonical)
+    else:
+        raise RequestError("samplers must be a list of sampler names or a string of their letters", "samplers",
+                           code="invalid_type")
+    if "adaptive_p" in names:
+        raise RequestError("samplers: adaptive_p is not supported by specrun serve", "samplers",
+                           code="unsupported_value")
+    return frozenset(names)
 
 
 def _parse_grammar(body: dict) -> tuple[GrammarSpec | None, str | None]:
@@ -244,7 +321,7 @@ def _parse_grammar(body: dict) -> tuple[GrammarSpec | None, str | None]:
                                "grammar", code="invalid_type")
         # Lark after %llguidance {} (llguidance reads it either way; its errors then say Lark)
         kind = "lark" if grammar.lstrip().startswith("%llguidance") else "gbnf"
-        asked.append((GrammarSpec(kind, _text(grammar, "grammar")), "grammar"))
+        asked.append((GrammarSpec(kind, checked_text(grammar, "grammar")), "grammar"))
     schema = body.get("json_schema")
     if schema is not None:
         if not isinstance(schema, dict):
@@ -318,14 +395,14 @@ def _parse_stop(stop) -> tuple[str, ...]:
         raise invalid_value("stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(stops)}")
     if any(not s for s in stops):
         raise invalid_value("stop", "stop strings must not be empty")
-    return tuple(_text(s, "stop") for s in stops)
+    return tuple(checked_text(s, "stop") for s in stops)
 
 
 def parse_chat_request(body: dict, defaults: ServeDefaults, n_ctx: int) -> CompletionRequest:
     """A /v1/chat/completions body as a CompletionRequest, or a RequestError naming the bad field."""
-    _check_fields(body, (*_COMMON_FIELDS, "messages", "max_completion_tokens", "tools", "tool_choice",
+    check_fields(body, (*COMMON_FIELDS, "messages", "max_completion_tokens", "tools", "tool_choice",
                          "parallel_tool_calls", "logprobs", "top_logprobs"))
-    common = _parse_common(body, defaults, n_ctx, "max_completion_tokens")
+    common = parse_common(body, defaults, n_ctx, "max_completion_tokens")
     tools = _parse_tools(body.get("tools"))
     choice = _parse_tool_choice(body.get("tool_choice"), tools)
     if choice.forces_a_call and common["grammar"] is not None:
@@ -397,7 +474,7 @@ def _parse_messages(messages) -> tuple[dict[str, str], ...]:
                                    code="invalid_type")
             # a result sent without its call's id (some clients leave it out) answers the last assistant
             # turn's first call no result answered yet: a template that writes ids back (Mistral's) needs one
-            call_id = _text(call_id or (unanswered[0] if unanswered else ""), f"{where}.tool_call_id")
+            call_id = checked_text(call_id or (unanswered[0] if unanswered else ""), f"{where}.tool_call_id")
             if call_id in unanswered:
                 unanswered.remove(call_id)
             entry["tool_call_id"] = call_id
@@ -405,7 +482,7 @@ def _parse_messages(messages) -> tuple[dict[str, str], ...]:
             if name is not None:
                 if not isinstance(name, str):
                     raise RequestError(f"{where}.name must be a string", f"{where}.name", code="invalid_type")
-                entry["name"] = _text(name, f"{where}.name")
+                entry["name"] = checked_text(name, f"{where}.name")
         parsed.append(entry)
     return tuple(parsed)
 
@@ -426,14 +503,14 @@ def _earlier_calls(calls, where: str) -> list[dict]:
             raise RequestError(f"{at}.function.arguments must be JSON text", f"{at}.function.arguments",
                                code="invalid_type")
         if isinstance(arguments, dict):  # every text inside must be text a tokenizer takes
-            _text(json.dumps(arguments, ensure_ascii=False), f"{at}.function.arguments")
+            checked_text(json.dumps(arguments, ensure_ascii=False), f"{at}.function.arguments")
         call_id = call.get("id")
         if call_id is not None and not isinstance(call_id, str):
             raise RequestError(f"{at}.id must be a string", f"{at}.id", code="invalid_type")
-        checked.append({"id": _text(call_id or "", f"{at}.id"), "type": "function",
-                        "function": {"name": _text(function["name"], f"{at}.function.name"),
+        checked.append({"id": checked_text(call_id or "", f"{at}.id"), "type": "function",
+                        "function": {"name": checked_text(function["name"], f"{at}.function.name"),
                                      "arguments": arguments if isinstance(arguments, dict)
-                                     else _text(arguments, f"{at}.function.arguments")}})
+                                     else checked_text(arguments, f"{at}.function.arguments")}})
     return checked
 
 
@@ -444,7 +521,7 @@ def _message_text(content, where: str, optional: bool) -> str:
     if (content is None or content == []) and optional:
         return ""
     if isinstance(content, str):
-        return _text(content, where)
+        return checked_text(content, where)
     if isinstance(content, list) and content:
         texts = []
         for index, part in enumerate(content):
@@ -452,36 +529,36 @@ def _message_text(content, where: str, optional: bool) -> str:
             if not isinstance(part, dict) or part.get("type") != kind or not isinstance(part.get(kind), str):
                 raise RequestError(f"{where}[{index}] must be a text part ({{\"type\": \"text\", \"text\": ...}}): "
                                    "specrun serve takes text only", f"{where}[{index}]", code="invalid_type")
-            texts.append(_text(part[kind], f"{where}[{index}].{kind}"))
+            texts.append(checked_text(part[kind], f"{where}[{index}].{kind}"))
         return "\n".join(texts)
     raise RequestError(f"{where} must be a string or a list of text parts", where, code="invalid_type")
 
 
 def parse_completion_request(body: dict, defaults: ServeDefaults, n_ctx: int) -> CompletionRequest:
     """A /v1/completions body as a CompletionRequest, or a RequestError naming the bad field."""
-    _check_fields(body, (*_COMMON_FIELDS, "prompt", "logprobs", "suffix"))
-    common = _parse_common(body, defaults, n_ctx, "max_tokens")
+    check_fields(body, (*COMMON_FIELDS, "prompt", "logprobs", "suffix"))
+    common = parse_common(body, defaults, n_ctx, "max_tokens")
     logprobs = _number(body, "logprobs", None, integer=True)  # the completions API's: how many alternatives
     if logprobs is not None:
         _check_range("logprobs", logprobs, 0, MAX_TOP_LOGPROBS)
     suffix = body.get("suffix")
     if suffix is not None and not isinstance(suffix, str):
         raise RequestError("suffix must be a string", "suffix", code="invalid_type")
-    suffix = _text(suffix, "suffix") if suffix is not None else None  # "": a fill at a file's end
+    suffix = checked_text(suffix, "suffix") if suffix is not None else None  # "": a fill at a file's end
     if suffix and common["grammar"] is not None:
         raise invalid_value("suffix", f"a suffix and {common['grammar_field']} both shape the answer: send one")
-    return CompletionRequest(prompt=_parse_prompt(body.get("prompt"), empty=suffix is not None), logprobs=logprobs,
+    return CompletionRequest(prompt=parse_prompt(body.get("prompt"), empty=suffix is not None), logprobs=logprobs,
                              suffix=suffix, **common)
 
 
-def _parse_prompt(prompt, empty: bool = False) -> str | tuple[int, ...]:
+def parse_prompt(prompt, empty: bool = False) -> str | tuple[int, ...]:
     """The prompt: text or token ids; ``empty``: "" is one (a suffix's fill at a file's start)."""
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch of one
     if isinstance(prompt, str):
         if not prompt and not empty:
             raise invalid_value("prompt", "must not be empty")
-        return _text(prompt, "prompt")
+        return checked_text(prompt, "prompt")
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         return tuple(prompt)
     if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):

@@ -103,9 +103,10 @@ class StopCut:
         self._states = [0] * len(self.stops)  # per stop: the length of its prefix the text ends with
         self.held = ""
         self.stopped = False
+        self.word = ""  # the stop string that stopped it
 
     def feed(self, text: str) -> str:
-        """The text that can go out now; sets ``stopped`` when a stop string appeared."""
+        """The text that can go out now; sets ``stopped`` (and ``word``) when a stop string appeared."""
         start = len(self.held)
         self.held += text
         first = None  # where the earliest stop string found begins in ``held``
@@ -120,7 +121,8 @@ class StopCut:
                         _extend_prefix_function(fallback, stop)
                 if state == len(stop):
                     begins = offset + 1 - len(stop)
-                    first = begins if first is None else min(first, begins)
+                    if first is None or begins < first:
+                        first, self.word = begins, stop
                     break
             self._states[index] = state
         if first is not None:
@@ -135,6 +137,51 @@ class StopCut:
         """What was held back, at the end of the answer: it began a stop string that never came."""
         out, self.held = self.held, ""
         self._states = [0] * len(self.stops)
+        return out
+
+
+class LineLimits:
+    """llama-server's two limits on an editor's completion, applied to the text the stop strings
+    let out. ``indent`` (n_indent): a line after the first that begins less indented than that
+    (spaces and tabs counted; an empty line counts as none, as llama-server counts it) ends the
+    answer before that line, its newline kept; the line's indentation is held back until its first
+    other character decides. ``seconds`` (t_max_predict_ms): once generation has run that long,
+    the answer ends at its next newline. ``stopped``: "indent" or "time" once one of them did."""
+
+    def __init__(self, indent: int, seconds: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.indent = indent
+        self.seconds = seconds
+        self._clock = clock
+        self._began: float | None = None  # the first text's arrival: generation's start, as seen here
+        self._line_start = False  # a later line has begun and its indentation is being read
+        self.held = ""
+        self.stopped = ""
+
+    def feed(self, text: str) -> str:
+        if self._began is None:
+            self._began = self._clock()
+        out: list[str] = []
+        for char in "" if self.stopped else text:
+            if self._line_start:
+                if char in " \t":
+                    self.held += char
+                    continue
+                if len(self.held) < self.indent:
+                    self.held, self.stopped = "", "indent"
+                    break
+                out.append(self.held)
+                self.held, self._line_start = "", False
+            out.append(char)
+            if char == "\n":
+                if self.seconds and self._clock() - self._began > self.seconds:
+                    self.stopped = "time"
+                    break
+                self._line_start = self.indent > 0
+        return "".join(out)
+
+    def flush(self) -> str:
+        """The indentation held at the answer's end: a line that never began."""
+        out, self.held = self.held, ""
         return out
 
 
@@ -257,6 +304,7 @@ class Started:
 
     prompt_tokens: int
     reused_tokens: int
+    truncated: bool = False  # a fill's prompt was cut to fit the context (sessions/infill.fill_prompt)
 
 
 @dataclass(frozen=True)
@@ -281,10 +329,14 @@ class Delta:
 
 @dataclass(frozen=True)
 class Done:
-    """Event: the answer ended ("stop" or "length", as OpenAI says)."""
+    """Event: the answer ended ("stop" or "length", as OpenAI says); ``stopped_by`` says where the
+    server ended it: "word" (the stop string ``stopping_word``), "indent" or "time" (LineLimits);
+    "" where the engine did (the end of text, max_tokens, the context)."""
 
     finish_reason: str
     stats: Stats
+    stopped_by: str = ""
+    stopping_word: str = ""
 
 
 @dataclass(frozen=True)
@@ -316,6 +368,7 @@ class Job:
         self.cancelled = threading.Event()
         self.queued_at = time.monotonic()
         self.prompt_ids: list[int] | None = None  # tokenized once, where a slot is chosen for it
+        self.prompt_cut = False  # a fill's prompt was cut to fit the context
         self._loop = loop
         self._events: asyncio.Queue[JobEvent] = asyncio.Queue()
         self._check_at = 0.0  # when next_event next asks whether the client is still there
@@ -472,7 +525,7 @@ class PairWorker:
         """``job``'s prompt ids, where the request can be tokenized (answering it says why not)."""
         if job.prompt_ids is None:
             try:
-                job.prompt_ids = self._prompt_ids(job.request)
+                job.prompt_ids = self._prompt_ids(job)
             except (RequestError, SpecrunError):
                 pass
 
@@ -579,7 +632,7 @@ class PairWorker:
 
     def _answer(self, job: Job, session, slot: int = 0) -> None:
         try:
-            prompt_ids = job.prompt_ids if job.prompt_ids is not None else self._prompt_ids(job.request)
+            prompt_ids = job.prompt_ids if job.prompt_ids is not None else self._prompt_ids(job)
             grammar = self._grammar(job.request)
         except RequestError as exc:
             self._refused(job, exc, slot)
@@ -597,11 +650,13 @@ class PairWorker:
             session.settle_for(min(len(prompt_ids) + job.request.max_tokens, session.target.n_ctx))
         reused = min(common_prefix_len(session.engine.target.tokens, prompt_ids), len(prompt_ids) - 1)
         self.metrics.started(reused)
-        job.emit(Started(len(prompt_ids), reused))
+        job.emit(Started(len(prompt_ids), reused, job.prompt_cut))
         # a forced call (tool_choice "required" or a named function): its grammar ends the answer at
         # the call, and a stop string matching its markup ("<") left a 200 with neither call nor text
         forced = bool(job.request.tools) and job.request.tool_choice.forces_a_call
         cut = StopCut(() if forced else job.request.stop)
+        limits = LineLimits(job.request.indent, job.request.line_seconds) \
+            if job.request.indent or job.request.line_seconds else None
         tool_cut = self._tool_cut(job.request)
         tokens = from_draft = 0
         first_sent = False
@@ -631,7 +686,10 @@ class PairWorker:
                     tokens += len(event.token_ids)
                     from_draft += sum(event.from_draft)
                     logprobs.add(self._shown(entry) for entry in event.logprobs)
-                    text = logprobs.passed(cut.feed(event.text))
+                    text = cut.feed(event.text)
+                    if limits is not None:
+                        text = limits.feed(text)
+                    text = logprobs.passed(text)
                     if tool_cut is not None:
                         text = tool_cut.feed(text)
                     if text:
@@ -640,11 +698,16 @@ class PairWorker:
                             self.metrics.first_token(job)
                         job.emit(Delta(text, tokens, from_draft, logprobs.release()))
                         tokens = from_draft = 0
-                    if cut.stopped:
-                        self._finish(job, "stop", event.stats, tool_cut, trace, slot, logprobs.release())
+                    ended_by = "word" if cut.stopped else limits.stopped if limits is not None else ""
+                    if ended_by:
+                        self._finish(job, "length" if ended_by == "time" else "stop", event.stats, tool_cut, trace,
+                                     slot, logprobs.release(), stopped_by=ended_by, word=cut.word)
                         return
                 elif isinstance(event, Finished):
                     tail = cut.flush()
+                    if limits is not None:
+                        tail = limits.feed(tail)
+                        tail += limits.flush()
                     if tool_cut is not None:
                         tail = tool_cut.feed(tail)
                     if tail or tokens:
@@ -653,7 +716,7 @@ class PairWorker:
                         stopped = self._grammar_failed(job, event.result)
                         return
                     self._finish(job, _FINISH_REASONS[event.result.finish_reason], event.result.stats, tool_cut,
-                                 trace, slot)
+                                 trace, slot, stopped_by=limits.stopped if limits is not None else "")
         except Exception as exc:  # noqa: BLE001 - the server keeps serving; the request learns what failed
             self.metrics.finished(job, "error", None)
             message = exc.one_line() if isinstance(exc, SpecrunError) else f"{type(exc).__name__}: {exc}"
@@ -667,6 +730,22 @@ class PairWorker:
             if trace is not None:
                 session.trace = None
                 trace.end(stopped=stopped)  # nothing where _finish ended it
+
+    def _fill_ids(self, job: Job) -> list[int]:
+        """/infill's prompt, cut to leave the answer room (its max_tokens, at most a quarter of the
+        context) where the editor sent more than fits; ``job.prompt_cut`` says whether it was."""
+        from specrun.sessions.infill import NoInfillError, fill_prompt
+
+        target = self.session.target
+        room = min(job.request.max_tokens, target.n_ctx // 4)
+        try:
+            ids, job.prompt_cut = fill_prompt(target, job.request.fill, target.n_ctx - max(room, 1))
+        except NoInfillError as exc:
+            raise RequestError(exc.one_line(), "input_prefix", code="unsupported_value") from None
+        except ValueError as exc:
+            raise RequestError(f"prompt: {exc}; shorten the cursor line, or restart the server with a larger --ctx",
+                               "prompt", code="context_length_exceeded") from None
+        return ids
 
     @staticmethod
     def _trace_id(job: Job) -> str:
@@ -696,9 +775,11 @@ class PairWorker:
         return message
 
     def _finish(self, job: Job, finish_reason: str, stats: Stats, tool_cut: ToolCallCut | None = None,
-                trace: RequestTrace | None = None, slot: int = 0, logprobs: tuple = ()) -> None:
+                trace: RequestTrace | None = None, slot: int = 0, logprobs: tuple = (), stopped_by: str = "",
+                word: str = "") -> None:
         """The answer's end; ``logprobs``: the entries of tokens whose text the tool cut held (a stop
-        string fired while it held them), sent with the text it lets go."""
+        string fired while it held them), sent with the text it lets go; ``stopped_by`` and ``word``:
+        where the server ended it (Done)."""
         if tool_cut is not None:
             cut = finish_reason == "length"
             tail, calls = tool_cut.finish(cut)
@@ -712,7 +793,7 @@ class PairWorker:
         self.served += 1
         self.metrics.finished(job, finish_reason, stats)
         self.jobs.answered(slot)  # idle before its client hears: a next turn sent at once finds this slot
-        job.emit(Done(finish_reason, stats))
+        job.emit(Done(finish_reason, stats, stopped_by, word))
         self.log(f"{job.id}: {finish_reason}; {stats.summary()}")
 
     def _shown(self, entry: TokenLogprob) -> tuple[TokenChoice, tuple[TokenChoice, ...]]:
@@ -750,13 +831,16 @@ class PairWorker:
         except GrammarError as exc:
             raise invalid_value(field_name, exc.problem) from None
 
-    def _prompt_ids(self, request: CompletionRequest) -> list[int]:
+    def _prompt_ids(self, job: Job) -> list[int]:
         from specrun.sessions.infill import NoInfillError, fim_tokens, infill_ids
         from specrun.sessions.setup import check_prompt_size, prompt_token_ids
         from specrun.sessions.templates import tokenize_rendered
 
+        request = job.request
         session = self.session
         target = session.target
+        if request.fill is not None:
+            return self._fill_ids(job)
         param = "messages" if request.is_chat else "prompt"
         # what the prompt holds: the messages, and the tools and earlier calls rendered beside them;
         # a prompt's text and its suffix (beside token ids, the suffix alone)

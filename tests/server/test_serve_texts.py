@@ -52,10 +52,10 @@ def test_a_request_that_fails_unexpectedly_fails_alone():
         prompt_ids = worker._prompt_ids
         failures = iter([RuntimeError("tokenizer broke")])
 
-        def first_one_fails(request):
+        def first_one_fails(job):
             for failure in failures:
                 raise failure
-            return prompt_ids(request)
+            return prompt_ids(job)
 
         worker._prompt_ids = first_one_fails
 

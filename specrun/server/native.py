@@ -1,0 +1,205 @@
+"""llama-server's own endpoints, which editors' plugins written for it call: POST /completion
+(and /completions) for text after a prompt, POST /infill for a fill at an editor's cursor
+(llama.vim, llama.vscode), GET /props for the context and the slots. Requests are read into the same ``CompletionRequest`` the OpenAI
+endpoints make, so they speculate, queue and stop as those do; answers go back in llama-server's
+shape: ``content``, ``stop``, ``stop_type``, ``tokens_cached``, ``truncated`` and ``timings``
+(with ``draft_n`` and ``draft_n_accepted``, as llama-server counts its drafts), beside specrun's
+``speculation``; a stream is server-sent events of that shape, the last with ``stop: true``.
+
+As llama-server does, these endpoints answer whatever model is loaded (a plugin sends the model
+its user configured for llama-server, or a blank), take ``n_predict`` -1 as "until the context is
+full" and 0 as "read the prompt into the cache, answer nothing" (the plugins warm the cache with
+the chunks of context they will send next), and keep only the fields ``response_fields`` names,
+each under its path (``timings/prompt_n``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from specrun.engine.stats import Stats
+from specrun.server.requests import (
+    COMMON_FIELDS,
+    CompletionRequest,
+    RequestError,
+    ServeDefaults,
+    check_fields,
+    checked_text,
+    parse_common,
+    parse_prompt,
+)
+from specrun.sessions.infill import CHUNK_FILE, Fill
+
+MAX_EXTRA_CHUNKS = 1024  # llama.vim sends up to 64 (its ring buffer), llama.vscode a few dozen
+
+
+def parse_native_request(body: dict, defaults: ServeDefaults, n_ctx: int, model: str,
+                         infill: bool = False) -> tuple[CompletionRequest, tuple[str, ...]]:
+    """A /completion (``infill``: /infill) body as a CompletionRequest answering for ``model``,
+    and the response fields it asks for (empty: all); a RequestError naming the bad field."""
+    fill_fields = ("input_prefix", "input_suffix", "input_extra") if infill else ()
+    check_fields(body, (*COMMON_FIELDS, "prompt", "n_predict", "response_fields", *fill_fields))
+    asked = body.get("model")
+    if asked is not None and not isinstance(asked, str):
+        raise RequestError("model must be a string (this server answers with the model it has loaded)", "model",
+                           code="invalid_type")
+    common = parse_common({**body, "model": model}, defaults, n_ctx, "n_predict", prompt_only=True)
+    fields = _response_fields(body.get("response_fields"))
+    if not infill:
+        return CompletionRequest(prompt=parse_prompt(body.get("prompt")), **common), fields
+    middle = body.get("prompt", "")
+    if not isinstance(middle, str):
+        raise RequestError("prompt must be a string: the cursor line's text before the cursor", "prompt",
+                           code="invalid_type")
+    fill = Fill(prefix=_required_text(body, "input_prefix"), suffix=_required_text(body, "input_suffix"),
+                middle=checked_text(middle, "prompt"), extra=_extra_chunks(body.get("input_extra")))
+    return CompletionRequest(prompt=fill.middle, fill=fill, **common), fields
+
+
+def _required_text(body: dict, name: str) -> str:
+    value = body.get(name)
+    if value is None:
+        raise RequestError(f"{name} is required (\"\" where there is no text)", name,
+                           code="missing_required_parameter")
+    if not isinstance(value, str):
+        raise RequestError(f"{name} must be a string", name, code="invalid_type")
+    return checked_text(value, name)
+
+
+def _extra_chunks(chunks) -> tuple[tuple[str, str], ...]:
+    """``input_extra``: [{"filename": ..., "text": ...}], oldest first (other keys, such as
+    llama.vim's ``time``, are the plugin's own)."""
+    if chunks is None:
+        return ()
+    if not isinstance(chunks, list):
+        raise RequestError('input_extra must be a list of {"filename": ..., "text": ...} objects', "input_extra",
+                           code="invalid_type")
+    if len(chunks) > MAX_EXTRA_CHUNKS:
+        raise RequestError(f"input_extra: at most {MAX_EXTRA_CHUNKS} chunks, got {len(chunks)}", "input_extra",
+                           code="invalid_value")
+    read = []
+    for index, chunk in enumerate(chunks):
+        where = f"input_extra[{index}]"
+        if not isinstance(chunk, dict) or not isinstance(chunk.get("text"), str):
+            raise RequestError(f'{where} must be an object with a "text" string', where, code="invalid_type")
+        name = chunk.get("filename", CHUNK_FILE)
+        if not isinstance(name, str):
+            raise RequestError(f"{where}.filename must be a string", f"{where}.filename", code="invalid_type")
+        read.append((checked_text(name, f"{where}.filename"), checked_text(chunk["text"], f"{where}.text")))
+    return tuple(read)
+
+
+def _response_fields(fields) -> tuple[str, ...]:
+    if fields is None:
+        return ()
+    if not isinstance(fields, list) or not all(isinstance(path, str) for path in fields):
+        raise RequestError('response_fields must be a list of field paths, such as ["content", "timings/prompt_n"]',
+                           "response_fields", code="invalid_type")
+    return tuple(fields)
+
+
+# ---- answers ----------------------------------------------------------------------------
+def answer_object(model: str, request: CompletionRequest, content: str, started, done) -> dict:
+    """The last answer of a /completion or /infill request in llama-server's shape (a stream's has
+    ``content`` "": its text went out in the chunks), with specrun's ``speculation``. ``started``
+    and ``done``: the job's Started and Done events (server/worker.py)."""
+    stats = done.stats
+    sampling = request.sampling
+    return {
+        "index": 0,
+        "content": content,
+        "tokens": [],
+        "stop": True,
+        "model": model,
+        "tokens_predicted": stats.new_tokens,
+        "tokens_evaluated": started.prompt_tokens,
+        "generation_settings": {
+            "n_predict": request.max_tokens, "temperature": sampling.temperature, "top_k": sampling.top_k,
+            "top_p": sampling.top_p, "min_p": sampling.min_p, "seed": sampling.seed, "stop": list(request.stop),
+            "n_indent": request.indent, "t_max_predict_ms": round(request.line_seconds * 1000),
+            "infill_rule": sampling.infill},
+        "has_new_line": "\n" in content,
+        "truncated": started.truncated,
+        "stop_type": stop_type(done.finish_reason, done.stopped_by),
+        "stopping_word": done.stopping_word,
+        "tokens_cached": started.prompt_tokens + stats.new_tokens,
+        "timings": timings(stats, started.prompt_tokens, started.reused_tokens),
+        "speculation": stats.to_dict(),
+    }
+
+
+def props_object(worker, model: str, defaults: ServeDefaults, build: str) -> dict:
+    """llama-server's /props for the loaded pair: the context a request's prompt and answer share,
+    the slots, the sampling a request that says nothing gets, the chat template."""
+    sampling = defaults.sampling
+    template = worker.session.template if worker.session is not None else None
+    return {
+        "default_generation_settings": {
+            "n_ctx": worker.n_ctx,
+            "params": {"n_predict": defaults.max_tokens, "temperature": sampling.temperature,
+                       "top_k": sampling.top_k, "top_p": sampling.top_p, "min_p": sampling.min_p,
+                       "seed": sampling.seed, "speculative.method": worker.method}},
+        "total_slots": worker.parallel,
+        "model_alias": model,
+        "model_path": worker.pair.target,
+        "modalities": {"vision": False, "video": False, "audio": False},
+        "chat_template": template.source if template is not None and not template.is_fallback else "",
+        "bos_token": template.bos_token if template is not None else "",
+        "eos_token": template.eos_token if template is not None else "",
+        "build_info": build,
+        "is_sleeping": False,
+    }
+
+
+def chunk_object(text: str, predicted: int, started) -> dict:
+    """A stream's chunk of text in llama-server's shape: the tokens answered so far."""
+    return {"index": 0, "content": text, "tokens": [], "stop": False, "tokens_predicted": predicted,
+            "tokens_evaluated": started.prompt_tokens}
+
+
+def stop_type(finish_reason: str, stopped_by: str) -> str:
+    """llama-server's reason an answer ended: "eos" (the model ended it), "word" (a stop string),
+    "limit" (n_predict, the context, n_indent or t_max_predict_ms)."""
+    if stopped_by == "word":
+        return "word"
+    return "eos" if finish_reason in ("stop", "tool_calls") and not stopped_by else "limit"
+
+
+def timings(stats: Stats, prompt_tokens: int, reused_tokens: int) -> dict:
+    """llama-server's ``timings``: the prompt's tokens read and the answer's, each with its time."""
+    read = prompt_tokens - reused_tokens
+    prompt_ms = stats.prefill_seconds * 1000
+    predicted_ms = stats.generation_seconds * 1000
+    shown = {
+        "cache_n": reused_tokens,
+        "prompt_n": read,
+        "prompt_ms": prompt_ms,
+        "prompt_per_token_ms": prompt_ms / read if read else 0.0,
+        "prompt_per_second": read / stats.prefill_seconds if stats.prefill_seconds > 0 else 0.0,
+        "predicted_n": stats.new_tokens,
+        "predicted_ms": predicted_ms,
+        "predicted_per_token_ms": predicted_ms / stats.new_tokens if stats.new_tokens else 0.0,
+        "predicted_per_second": stats.new_tokens / stats.generation_seconds if stats.generation_seconds > 0 else 0.0,
+    }
+    if stats.drafted:  # as llama-server says what its drafts did
+        shown |= {"draft_n": stats.drafted, "draft_n_accepted": stats.accepted}
+    return shown
+
+
+def picked(answer: dict, paths: Sequence[str]) -> dict:
+    """The fields ``response_fields`` asked for, each under its path (``timings/prompt_n``), as
+    llama-server returns them; a path naming nothing is left out."""
+    if not paths:
+        return answer
+    kept = {}
+    for path in paths:
+        value, found = answer, True
+        for key in path.split("/"):
+            if isinstance(value, dict) and key in value:
+                value = value[key]
+            else:
+                found = False
+                break
+        if found:
+            kept[path] = value
+    return kept

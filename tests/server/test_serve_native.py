@@ -1,0 +1,363 @@
+"""llama-server's own endpoints (server/native.py), as editors' plugins call them: /infill with
+the chunks of other files llama.vim and llama.vscode send, /completion, n_predict 0 to warm the
+cache, n_indent and t_max_predict_ms, ``samplers`` and ``response_fields``; answers in
+llama-server's shape, speculating as every request does and equal to plain decoding of the same
+prompt; every bad field a 400 naming it."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from model_factory import REPO_TOKENS, build_fim_model
+from server_harness import start_server, stop_server
+from specrun.engine.loop import GenerationParams, SpeculativeEngine
+from specrun.registry.loading import LoadOptions
+from specrun.sampling import SamplingSettings
+from specrun.server.native import parse_native_request, picked, stop_type
+from specrun.server.requests import RequestError, ServeDefaults, parse_chat_request
+from specrun.server.worker import Delta, Done, Failed, Job, LineLimits, PairOptions, PairWorker, Started, StopCut
+from specrun.sessions.infill import Fill, fill_prompt, fim_tokens
+
+PREFIX = "def read_config(path):\n    with open(path) as f:\n"
+MIDDLE = "        con"
+SUFFIX = "\n    return config\n"
+EXTRA = (("util.py", "def load(path):\n    return open(path).read()\n"), ("main.py", "import util\n"))
+
+
+@pytest.fixture(scope="module")
+def repo_model(tmp_path_factory):
+    return build_fim_model(tmp_path_factory.mktemp("fim-repo"), repo=True)
+
+
+@pytest.fixture(scope="module")
+def fim_model(tmp_path_factory):
+    return build_fim_model(tmp_path_factory.mktemp("fim"))
+
+
+def _llama(model):
+    pytest.importorskip("llama_cpp")
+    from specrun.backends.llama import LlamaCppBackend
+
+    return LlamaCppBackend(model.gguf_f32_path, n_threads=1, gpu_layers=0, flash_attn=False)
+
+
+# ---- the prompt -------------------------------------------------------------------------
+def test_a_fill_with_chunks_is_laid_out_as_a_repository_with_the_model_s_own_tokens(repo_model):
+    backend = _llama(repo_model)
+    try:
+        fim = fim_tokens(backend)
+        repo, sep = (backend.tokenize(text, add_bos=False, special=True)[0] for text in REPO_TOKENS)
+        assert (repo, sep) == (515, 516)
+
+        def tok(text):
+            return backend.tokenize(text, add_bos=False)
+
+        ids, cut = fill_prompt(backend, Fill(PREFIX, SUFFIX, MIDDLE, EXTRA), 4096)
+        assert not cut
+        assert ids == [backend.vocab.bos_id, repo, *tok("myproject\n"),
+                       sep, *tok("util.py\n"), *tok(EXTRA[0][1]), sep, *tok("main.py\n"), *tok(EXTRA[1][1]),
+                       sep, *tok("filename\n"),
+                       fim.prefix, *tok(PREFIX), *tok(MIDDLE), fim.suffix, *tok(SUFFIX), fim.middle]
+    finally:
+        backend.close()
+
+
+def test_without_repository_tokens_each_chunk_follows_a_snippet_line(fim_model):
+    backend = _llama(fim_model)
+    try:
+        fim = fim_tokens(backend)
+        ids, _ = fill_prompt(backend, Fill(PREFIX, SUFFIX, "", EXTRA[:1]), 4096)
+        snippet = backend.tokenize("\n\n--- snippet ---\n\n", add_bos=False)
+        assert ids == [backend.vocab.bos_id, *snippet, *backend.tokenize(EXTRA[0][1], add_bos=False), fim.prefix,
+                       *backend.tokenize(PREFIX, add_bos=False), fim.suffix, *backend.tokenize(SUFFIX, add_bos=False),
+                       fim.middle]
+    finally:
+        backend.close()
+
+
+def test_what_does_not_fit_is_cut_oldest_chunks_first_then_the_prefix_start_and_the_suffix_end(repo_model):
+    backend = _llama(repo_model)
+    try:
+        fim = fim_tokens(backend)
+        fill = Fill("a = 1\n" * 200, "b = 2\n" * 200, "x", EXTRA)
+        whole, cut = fill_prompt(backend, fill, 100_000)
+        assert not cut
+        for budget in (600, 300, 120):
+            ids, cut = fill_prompt(backend, fill, budget)
+            assert cut and len(ids) <= budget
+            assert ids[-1] == fim.middle and ids.count(fim.prefix) == ids.count(fim.suffix) == 1
+            before = ids[ids.index(fim.prefix) + 1: ids.index(fim.suffix)]
+            after = ids[ids.index(fim.suffix) + 1: -1]
+            prefix_ids = backend.tokenize(fill.prefix, add_bos=False)
+            suffix_ids = backend.tokenize(fill.suffix, add_bos=False)
+            x = backend.tokenize("x", add_bos=False)
+            assert before[-len(x):] == x and prefix_ids[len(prefix_ids) - len(before) + len(x):] == before[:-len(x)]
+            assert suffix_ids[: len(after)] == after  # the suffix's start kept
+            assert len(before) - len(x) >= 3 * len(after) - 3  # the prefix keeps three quarters
+        # the newest chunk is kept before the oldest
+        small = Fill("p\n", "s\n", "", EXTRA)
+        ids, cut = fill_prompt(backend, small, len(fill_prompt(backend, small, 4096)[0]) - 8)
+        newest = backend.tokenize(EXTRA[-1][1], add_bos=False)
+        oldest = backend.tokenize(EXTRA[0][1], add_bos=False)
+        # the oldest chunk's start is cut (with its file separator), its end kept as llama-server keeps it
+        assert cut and _holds(ids, newest) and ids.count(516) == 2 and _holds(ids, oldest[-4:])
+        with pytest.raises(ValueError, match="cursor line"):
+            fill_prompt(backend, Fill("", "", "y" * 400), 50)
+    finally:
+        backend.close()
+
+
+def _holds(ids, part):
+    return any(ids[at: at + len(part)] == part for at in range(len(ids)))
+
+
+# ---- the limits -------------------------------------------------------------------------
+def _limited(pieces, indent=0, seconds=0.0, clock=None):
+    limits = LineLimits(indent, seconds, clock or (lambda: 0.0))
+    out = "".join(limits.feed(piece) for piece in pieces)
+    return out + ("" if limits.stopped else limits.flush()), limits.stopped
+
+
+def test_n_indent_ends_the_answer_before_a_line_indented_less_holding_each_line_s_indentation():
+    answer = ["fig = 1\n", "    ", "    a = 2\n  ", "  b = 3\n", "  c = 4\n", "d = 5\n"]
+    assert _limited(answer, indent=4) == ("fig = 1\n        a = 2\n    b = 3\n", "indent")
+    assert _limited(answer, indent=0) == ("".join(answer), "")
+    assert _limited(["x\n", "\n", "    y\n"], indent=4) == ("x\n", "indent")  # an empty line counts as none
+    assert _limited(["  first line is never judged\n", "    z"], indent=4) == (
+        "  first line is never judged\n    z", "")
+    assert _limited(["x\n  "], indent=4) == ("x\n  ", "")  # the answer ended inside the indentation: let out
+
+
+def test_t_max_predict_ms_ends_the_answer_at_the_first_newline_past_the_time():
+    now = [0.0]
+    clock = lambda: now[0]  # noqa: E731
+    limits = LineLimits(0, 0.5, clock)
+    assert limits.feed("a = 1\nb") == "a = 1\nb"
+    now[0] = 0.6
+    assert limits.feed(" = 2") == " = 2" and not limits.stopped  # no newline yet
+    assert limits.feed("\nc = 3\n") == "\n" and limits.stopped == "time"
+    assert limits.feed("more") == ""
+
+
+def test_the_stop_string_that_stopped_an_answer_is_named():
+    cut = StopCut(["</s>", "\n\n"])
+    assert cut.feed("a\n\nb</s>") == "a" and cut.word == "\n\n"
+    assert stop_type("stop", "word") == "word" and stop_type("stop", "") == "eos"
+    assert stop_type("length", "") == stop_type("stop", "indent") == stop_type("length", "time") == "limit"
+
+
+# ---- requests ---------------------------------------------------------------------------
+LLAMA_VIM = {  # what llama.vim sends for a fill (its response_fields, its samplers)
+    "id_slot": 0, "input_prefix": PREFIX, "input_suffix": SUFFIX,
+    "input_extra": [{"text": text, "time": [1, 2], "filename": name} for name, text in EXTRA],
+    "prompt": MIDDLE, "n_predict": 16, "stop": [], "n_indent": 8, "top_k": 40, "top_p": 0.90,
+    "samplers": ["top_k", "top_p", "infill"], "stream": False, "cache_prompt": True, "t_max_prompt_ms": 500,
+    "t_max_predict_ms": 1000, "model": " ",
+    "response_fields": ["content", "timings/prompt_n", "timings/prompt_ms", "timings/predicted_n",
+                        "timings/predicted_per_second", "truncated", "tokens_cached"],
+}
+
+
+def _native(body, infill=True):
+    return parse_native_request(body, ServeDefaults(), 4096, "served", infill)
+
+
+def test_llama_vim_s_fill_is_read_with_its_samplers_and_limits():
+    request, fields = _native(LLAMA_VIM)
+    assert request.fill == Fill(PREFIX, SUFFIX, MIDDLE, EXTRA)
+    assert request.model == "served" and request.max_tokens == 16 and request.indent == 8
+    assert request.line_seconds == 1.0 and fields == tuple(LLAMA_VIM["response_fields"])
+    # the samplers listed are on; temperature is not listed, so it is 1 (as llama.cpp samples)
+    assert request.sampling == SamplingSettings(1.0, 40, 0.9, 0.0, None, infill=True)
+    warm, _ = _native({**LLAMA_VIM, "n_predict": 0, "samplers": [], "t_max_predict_ms": 1})
+    assert warm.max_tokens == 0 and warm.sampling == SamplingSettings(1.0)
+    whole, _ = _native({**LLAMA_VIM, "n_predict": -1})
+    assert whole.max_tokens == 4096
+    letters, _ = _native({**LLAMA_VIM, "samplers": "edkypmxt", "temperature": 0.3, "min_p": 0.05})
+    assert letters.sampling == SamplingSettings(0.3, 40, 0.9, 0.05)
+    plain, _ = _native({"prompt": "Once upon", "n_predict": 4}, infill=False)
+    assert plain.prompt == "Once upon" and plain.fill is None and plain.sampling == SamplingSettings()
+
+
+def test_llama_vscode_s_chat_edit_fields_are_taken_at_the_values_that_change_nothing():
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": False, "cache_prompt": True,
+            "samplers": "edkypmxt", "temperature": 0.8, "dynatemp_range": 0, "dynatemp_exponent": 1, "top_k": 40,
+            "top_p": 0.95, "min_p": 0.05, "typical_p": 1, "xtc_probability": 0, "xtc_threshold": 0.1,
+            "repeat_last_n": 64, "repeat_penalty": 1, "presence_penalty": 0, "frequency_penalty": 0,
+            "dry_multiplier": 0, "dry_base": 1.75, "dry_allowed_length": 2, "dry_penalty_last_n": -1,
+            "max_tokens": -1, "timings_per_token": False}
+    request = parse_chat_request(body, ServeDefaults(), 2048)
+    assert request.max_tokens == 2048 and request.sampling == SamplingSettings(0.8, 40, 0.95, 0.05)
+    with pytest.raises(RequestError) as refused:
+        parse_chat_request({**body, "repeat_penalty": 1.1}, ServeDefaults(), 2048)
+    assert refused.value.param == "repeat_penalty" and "not supported" in refused.value.message
+
+
+@pytest.mark.parametrize(("fields", "param", "message"), [
+    ({"input_prefix": None}, "input_prefix", "input_prefix is required"),
+    ({"input_suffix": 3}, "input_suffix", "input_suffix must be a string"),
+    ({"input_extra": {"text": "x"}}, "input_extra", "must be a list"),
+    ({"input_extra": [{"filename": "a.py"}]}, "input_extra[0]", '"text" string'),
+    ({"input_extra": [{"text": "x", "filename": 4}]}, "input_extra[0].filename", "must be a string"),
+    ({"input_extra": [{"text": "\ud800"}]}, "input_extra[0].text", "lone surrogate"),
+    ({"prompt": ["a"]}, "prompt", "cursor line"),
+    ({"n_predict": -2}, "n_predict", "must be in [0,"),
+    ({"n_predict": 8, "max_tokens": 8}, "n_predict", "both set"),
+    ({"n_indent": -1}, "n_indent", "must be in [0,"),
+    ({"t_max_predict_ms": "soon"}, "t_max_predict_ms", "must be a number"),
+    ({"samplers": ["top_k", "mirror"]}, "samplers", '"mirror" names no sampler'),
+    ({"samplers": "kz"}, "samplers", '"z" names no sampler'),
+    ({"samplers": 7}, "samplers", "a list of sampler names"),
+    ({"samplers": ["adaptive_p"]}, "samplers", "adaptive_p is not supported"),
+    ({"response_fields": "content"}, "response_fields", "a list of field paths"),
+    ({"model": 5}, "model", "must be a string"),
+    ({"mirostat": 2}, "mirostat", "not supported"),
+    ({"lora": [{"id": 0, "scale": 0.5}]}, "lora", "not supported"),
+    ({"slot_id": 0}, "slot_id", "unrecognized"),
+])
+def test_bad_native_fields_are_400s_naming_the_field(fields, param, message):
+    with pytest.raises(RequestError) as refused:
+        _native({**LLAMA_VIM, **fields})
+    assert refused.value.status == 400 and refused.value.param == param, refused.value.message
+    assert message in refused.value.message
+
+
+def test_response_fields_keep_each_path_asked_for_under_its_path():
+    answer = {"content": "x", "timings": {"prompt_n": 3, "predicted_n": 2}, "truncated": False}
+    assert picked(answer, ["content", "timings/prompt_n", "timings/missing", "nothing"]) == {
+        "content": "x", "timings/prompt_n": 3}
+    assert picked(answer, []) == answer
+
+
+# ---- the worker -------------------------------------------------------------------------
+def _events(worker, request):
+    async def ask():
+        job = Job(request, asyncio.get_running_loop())
+        worker.submit(job)
+        events = []
+        while not isinstance(event := await job.next_event(), (Done, Failed)):
+            events.append(event)
+        return [*events, event]
+
+    return asyncio.run(ask())
+
+
+@pytest.mark.parametrize("parallel", [1, 2])
+def test_a_fill_speculates_and_answers_what_plain_decoding_of_its_prompt_answers(repo_model, parallel):
+    backend = _llama(repo_model)
+    fill = Fill(PREFIX, SUFFIX, MIDDLE, EXTRA)
+    try:
+        ids, _ = fill_prompt(backend, fill, 512 - 24)  # the worker's: the context less the answer's room
+        plain = SpeculativeEngine(backend, None, method="none").run(ids, GenerationParams(24, 0))
+    finally:
+        backend.close()
+    worker = PairWorker(PairOptions(str(repo_model.gguf_f32_path), None, method="lookup", parallel=parallel,
+                                    load=LoadOptions(threads=1, exact=True)))
+    worker.start()
+    try:
+        request, _ = _native({**LLAMA_VIM, "n_predict": 24, "samplers": ["temperature"], "temperature": 0,
+                              "n_indent": 0, "t_max_predict_ms": 0})
+        events = _events(worker, request)
+        started, done = events[0], events[-1]
+        assert isinstance(started, Started) and started.prompt_tokens == len(ids) and not started.truncated
+        assert isinstance(done, Done)
+        assert "".join(e.text for e in events if isinstance(e, Delta)) == plain.text
+        # n_predict 0 reads a prompt into the cache and answers nothing; the next request reuses it
+        warm, _ = _native({**LLAMA_VIM, "input_prefix": "", "input_suffix": "", "prompt": "", "n_predict": 0,
+                           "input_extra": [{"text": "def other():\n    pass\n" * 8, "filename": "other.py"}]})
+        events = _events(worker, warm)
+        assert isinstance(events[-1], Done) and events[-1].stats.new_tokens == 0
+        assert not any(isinstance(e, Delta) and e.text for e in events)
+        after, _ = _native({**LLAMA_VIM, "n_predict": 2, "input_extra": warm.fill and
+                            [{"text": text, "filename": name} for name, text in warm.fill.extra]})
+        started = _events(worker, after)[0]
+        assert started.reused_tokens > 40  # the chunk read by the warm request
+    finally:
+        worker.stop()
+
+
+def test_a_fill_for_a_model_without_fill_tokens_is_a_400_and_the_worker_goes_on():
+    worker = PairWorker(PairOptions("demo-target", None, method="none", load=LoadOptions(threads=1)))
+    worker.start()
+    try:
+        request, _ = _native(LLAMA_VIM)
+        refused = _events(worker, request)[-1]
+        assert isinstance(refused, Failed) and refused.error.status == 400
+        assert refused.error.param == "input_prefix" and "no fill-in-the-middle tokens" in refused.error.message
+        plain, _ = _native({"prompt": "Once upon a time", "n_predict": 3}, infill=False)
+        assert isinstance(_events(worker, plain)[-1], Done)
+    finally:
+        worker.stop()
+
+
+# ---- over HTTP --------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def fim_server(repo_model):
+    pytest.importorskip("llama_cpp")
+    server = start_server("--target", str(repo_model.gguf_f32_path), "--method", "lookup", "--exact",
+                          "--threads", "1")
+    yield server
+    assert stop_server(server) == 0, server.log
+
+
+def test_llama_vim_s_fill_gets_llama_server_s_answer_with_only_the_fields_it_asked_for(fim_server):
+    status, answer = fim_server.post("/infill", LLAMA_VIM)
+    assert status == 200, answer
+    assert set(answer) == set(LLAMA_VIM["response_fields"])
+    assert isinstance(answer["content"], str) and answer["truncated"] is False
+    assert answer["tokens_cached"] >= answer["timings/prompt_n"] > 0
+    status, whole = fim_server.post("/infill", {**LLAMA_VIM, "response_fields": None, "n_indent": 0,
+                                                "t_max_predict_ms": 0})
+    assert status == 200
+    assert whole["stop"] is True and whole["stop_type"] in ("eos", "limit") and whole["model"]
+    assert whole["timings"]["cache_n"] > 0  # the same chunks and prefix: read from the cache
+    assert whole["tokens_predicted"] == whole["timings"]["predicted_n"] == whole["speculation"]["new_tokens"]
+    if whole["speculation"]["drafted"]:
+        assert whole["timings"]["draft_n"] == whole["speculation"]["drafted"]
+
+
+def test_a_completion_streams_in_llama_server_s_shape_and_ends_without_done(fim_server):
+    import http.client
+
+    host, port = fim_server.host_port
+    connection = http.client.HTTPConnection(host, port, timeout=60)
+    try:
+        connection.request("POST", "/completion", body=json.dumps(
+            {"prompt": "def main():\n", "n_predict": 12, "stream": True, "stop": ["zzz"],
+             "response_fields": ["content", "stop", "stop_type", "timings/predicted_n"]}),
+            headers={"Content-Type": "application/json"})
+        response = connection.getresponse()
+        assert response.status == 200
+        lines = [line for line in response.read().decode().split("\n") if line]
+    finally:
+        connection.close()
+    events = [json.loads(line.removeprefix("data: ")) for line in lines]
+    assert all(line.startswith("data: {") for line in lines)  # no [DONE]
+    *chunks, last = events
+    assert all(chunk["stop"] is False and "content" in chunk for chunk in chunks)
+    assert last == {"content": "", "stop": True, "stop_type": last["stop_type"],
+                    "timings/predicted_n": last["timings/predicted_n"]}
+    assert last["stop_type"] in ("eos", "limit") and last["timings/predicted_n"] >= 1
+
+
+def test_bad_native_requests_are_400s_and_the_server_serves_on(fim_server):
+    for path, body, param in (("/infill", {"input_suffix": ""}, "input_prefix"),
+                              ("/completion", {"prompt": "x", "samplers": ["mirror"]}, "samplers"),
+                              ("/completion", {"n_predict": 3}, "prompt")):
+        status, answer = fim_server.post(path, body)
+        assert status == 400 and answer["error"]["param"] == param, answer
+        assert "\n" not in answer["error"]["message"]
+    assert fim_server.healthy()
+    assert fim_server.post("/completion", {"prompt": "x", "n_predict": 1})[0] == 200
+
+
+def test_props_says_the_context_the_slots_and_the_template_as_llama_server_does(fim_server, repo_model):
+    status, props = fim_server.request("GET", "/props")
+    assert status == 200, props
+    assert props["default_generation_settings"]["n_ctx"] == 512 and props["total_slots"] >= 1
+    assert props["model_path"] == str(repo_model.gguf_f32_path) and props["chat_template"].startswith("{% for")
+    assert props["modalities"] == {"vision": False, "video": False, "audio": False}
+    assert props["build_info"].startswith("specrun ")
