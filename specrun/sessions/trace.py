@@ -42,9 +42,11 @@ WHAT = "trace"
 INSTEAD = "give --trace a path in a writable folder"
 
 
-def _folder_exists(path: Path) -> None:
-    """--trace into a folder that does not exist is refused, as bench's --json and --report are
-    (a mistyped folder is not made)."""
+def _check_trace_path(path: Path) -> None:
+    """--trace onto a folder, or into a folder that does not exist, is a usage error, as bench's
+    --json and --report are (a mistyped folder is not made)."""
+    if path.is_dir():
+        raise UsageError(f"--trace: {path} is a folder", f"name a file, such as {path / 'trace.jsonl'}")
     if not path.parent.exists():
         raise UsageError(f"--trace: the folder {path.parent} does not exist", "create it or pick another path")
 
@@ -63,7 +65,7 @@ class TraceFile:
                 self._file = open(path, "w", encoding="utf-8")  # noqa: SIM115 - closed by close()
             else:
                 self.path = Path(os.path.realpath(path)) if path.is_symlink() else path  # the link's file
-                _folder_exists(self.path)
+                _check_trace_path(self.path)
                 check_writable_folder(self.path, WHAT, INSTEAD)
                 handle, self._temporary = create_beside(self.path)
                 self._file = os.fdopen(handle, "w", encoding="utf-8")
@@ -142,7 +144,7 @@ class ServerTrace:
     def __init__(self, path: Path | str) -> None:
         path = Path(path)
         self.path = Path(os.path.realpath(path)) if path.is_symlink() else path
-        _folder_exists(self.path)
+        _check_trace_path(self.path)
         check_writable_folder(self.path, WHAT, INSTEAD, through_special=True)
         self._existed = self.path.exists()
         try:  # emptied by the header, once the server starts: one that fails to leaves FILE as it was

@@ -44,9 +44,17 @@ def _llama(model):
     return LlamaCppBackend(model.gguf_f32_path, n_threads=1, gpu_layers=0, flash_attn=False)
 
 
+def _mlx(model):
+    pytest.importorskip("mlx_lm")
+    from specrun.backends.mlx import MlxBackend
+
+    return MlxBackend(model.hf_dir)
+
+
 # ---- the prompt -------------------------------------------------------------------------
-def test_a_fill_with_chunks_is_laid_out_as_a_repository_with_the_model_s_own_tokens(repo_model):
-    backend = _llama(repo_model)
+@pytest.mark.parametrize("kind", ["llama", "mlx"])
+def test_a_fill_with_chunks_is_laid_out_as_a_repository_with_the_model_s_own_tokens(repo_model, kind):
+    backend = _llama(repo_model) if kind == "llama" else _mlx(repo_model)
     try:
         fim = fim_tokens(backend)
         repo, sep = (backend.tokenize(text, add_bos=False, special=True)[0] for text in REPO_TOKENS)
