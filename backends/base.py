@@ -193,6 +193,11 @@ class ParentsModel:
     def token_text(self, token: int) -> str:
         return self.parent.token_text(token)
 
+    def fill_token_ids(self) -> dict[str, int] | None:
+        """The parent's fill-in-the-middle tokens where it says them (llama.cpp's); None elsewhere."""
+        found = getattr(self.parent, "fill_token_ids", None)
+        return found() if found is not None else None
+
     def control_texts(self) -> frozenset[str]:
         return self.parent.control_texts()
 

@@ -507,6 +507,16 @@ class LlamaCppBackend(HiddenTracking):
     def token_text(self, token: int) -> str:
         return self._lib.llama_vocab_get_text(self._vocab_p, token).decode("utf-8", errors="replace")
 
+    def fill_token_ids(self) -> dict[str, int]:
+        """The fill-in-the-middle tokens llama.cpp found (the GGUF's ids, else its spellings of
+        each family): "prefix", "suffix", "middle", "repo", "separator", those it found none of
+        left out (sessions/infill.py)."""
+        lib, vocab = self._lib, self._vocab_p
+        found = {"prefix": lib.llama_vocab_fim_pre(vocab), "suffix": lib.llama_vocab_fim_suf(vocab),
+                 "middle": lib.llama_vocab_fim_mid(vocab), "repo": lib.llama_vocab_fim_rep(vocab),
+                 "separator": lib.llama_vocab_fim_sep(vocab)}
+        return {role: int(token) for role, token in found.items() if 0 <= token < self.n_vocab}
+
     def control_texts(self) -> frozenset[str]:
         if self._control_texts is None:
             # llama.cpp's tokenizer reads these as tokens only with parse_special (user-defined

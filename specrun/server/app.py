@@ -486,24 +486,29 @@ class OpenAIServer:
         (``stop``: true; only the fields asked for), and no [DONE]."""
         from specrun.server.native import answer_object, chunk_object, picked
 
-        predicted = 0
+        predicted, new_line = 0, False
         try:
             while True:
                 event = await job.next_event()
                 if isinstance(event, Delta):
                     predicted += event.tokens
+                    new_line = new_line or "\n" in event.text
                     yield _sse_data(chunk_object(event.text, predicted, started))
                 elif isinstance(event, Failed):
                     yield _sse_data(event.error.body())
                     break
                 elif isinstance(event, Done):
-                    yield _sse_data(picked(answer_object(self.model_id, job.request, "", started, event), fields))
+                    last = answer_object(self.model_id, job.request, "", started, event, new_line=new_line)
+                    yield _sse_data(picked(last, fields))
                     break
         finally:
             job.cancel()  # a client gone mid-stream: the generation stops at its next pass
 
     async def _started(self, request, parsed: CompletionRequest) -> tuple[Job, Started]:
-        """The request queued and begun (its prompt read): the job and its Started event."""
+        """The request queued and begun (its prompt read): the job and its Started event. A request
+        that names no model is answered by the loaded one, as llama-server answers it."""
+        if parsed.model is None:
+            parsed = dataclasses.replace(parsed, model=self.model_id)
         if parsed.model not in self.http.model_names:
             raise RequestError(f"the model {parsed.model!r} is not served here; this server serves "
                                f"{self.model_id!r} (GET /v1/models)", "model", status=404, code="model_not_found")

@@ -30,7 +30,8 @@ from specrun.server.requests import (
 )
 from specrun.sessions.infill import CHUNK_FILE, Fill
 
-MAX_EXTRA_CHUNKS = 1024  # llama.vim sends up to 64 (its ring buffer), llama.vscode a few dozen
+# Fields of llama-server's native endpoints only, taken at the values that change nothing
+NATIVE_INERT = {"logprobs": (0, False, None)}  # its alias of n_probs
 
 
 def parse_native_request(body: dict, defaults: ServeDefaults, n_ctx: int, model: str,
@@ -38,12 +39,19 @@ def parse_native_request(body: dict, defaults: ServeDefaults, n_ctx: int, model:
     """A /completion (``infill``: /infill) body as a CompletionRequest answering for ``model``,
     and the response fields it asks for (empty: all); a RequestError naming the bad field."""
     fill_fields = ("input_prefix", "input_suffix", "input_extra") if infill else ()
-    check_fields(body, (*COMMON_FIELDS, "prompt", "n_predict", "response_fields", *fill_fields))
+    check_fields(body, (*COMMON_FIELDS, "prompt", "n_predict", "response_fields", *fill_fields),
+                 inert=NATIVE_INERT)
     asked = body.get("model")
     if asked is not None and not isinstance(asked, str):
         raise RequestError("model must be a string (this server answers with the model it has loaded)", "model",
                            code="invalid_type")
-    common = parse_common({**body, "model": model}, defaults, n_ctx, "n_predict", prompt_only=True)
+    # as llama-server reads them: n_predict over max_tokens, an empty stop string none
+    read = {**body, "model": model}
+    if body.get("n_predict") is not None:
+        read.pop("max_tokens", None)
+    if isinstance(body.get("stop"), list):
+        read["stop"] = [stop for stop in body["stop"] if stop != ""]
+    common = parse_common(read, defaults, n_ctx, "n_predict", prompt_only=True)
     fields = _response_fields(body.get("response_fields"))
     if not infill:
         return CompletionRequest(prompt=parse_prompt(body.get("prompt")), **common), fields
@@ -74,9 +82,6 @@ def _extra_chunks(chunks) -> tuple[tuple[str, str], ...]:
     if not isinstance(chunks, list):
         raise RequestError('input_extra must be a list of {"filename": ..., "text": ...} objects', "input_extra",
                            code="invalid_type")
-    if len(chunks) > MAX_EXTRA_CHUNKS:
-        raise RequestError(f"input_extra: at most {MAX_EXTRA_CHUNKS} chunks, got {len(chunks)}", "input_extra",
-                           code="invalid_value")
     read = []
     for index, chunk in enumerate(chunks):
         where = f"input_extra[{index}]"
@@ -99,10 +104,12 @@ def _response_fields(fields) -> tuple[str, ...]:
 
 
 # ---- answers ----------------------------------------------------------------------------
-def answer_object(model: str, request: CompletionRequest, content: str, started, done) -> dict:
+def answer_object(model: str, request: CompletionRequest, content: str, started, done,
+                  new_line: bool | None = None) -> dict:
     """The last answer of a /completion or /infill request in llama-server's shape (a stream's has
-    ``content`` "": its text went out in the chunks), with specrun's ``speculation``. ``started``
-    and ``done``: the job's Started and Done events (server/worker.py)."""
+    ``content`` "": its text went out in the chunks, ``new_line`` says whether it held a newline),
+    with specrun's ``speculation``. ``started`` and ``done``: the job's Started and Done events
+    (server/worker.py). ``truncated``: the prompt was cut to fit, or the context filled."""
     stats = done.stats
     sampling = request.sampling
     return {
@@ -118,8 +125,8 @@ def answer_object(model: str, request: CompletionRequest, content: str, started,
             "top_p": sampling.top_p, "min_p": sampling.min_p, "seed": sampling.seed, "stop": list(request.stop),
             "n_indent": request.indent, "t_max_predict_ms": round(request.line_seconds * 1000),
             "infill_rule": sampling.infill},
-        "has_new_line": "\n" in content,
-        "truncated": started.truncated,
+        "has_new_line": "\n" in content if new_line is None else new_line,
+        "truncated": started.truncated or done.stopped_by == "context",
         "stop_type": stop_type(done.finish_reason, done.stopped_by),
         "stopping_word": done.stopping_word,
         "tokens_cached": started.prompt_tokens + stats.new_tokens,

@@ -38,7 +38,8 @@ _INERT_FIELDS |= {
     "typical_p": (1, None), "repeat_penalty": (1, None), "dry_multiplier": (0, None), "xtc_probability": (0, None),
     "dynatemp_range": (0, None), "mirostat": (0, None), "top_n_sigma": (-1, 0, None), "n_probs": (0, None),
     "min_keep": (0, 1, None), "ignore_eos": (False, None), "return_tokens": (False, None),
-    "post_sampling_probs": (False, None), "lora": (None,),
+    "post_sampling_probs": (False, None), "lora": (None,), "n_cmpl": (1, None), "grammar_lazy": (False, None),
+    "adaptive_target": (-1, None),  # adaptive-p's target: below 0 it is off, listed or not
 }
 # Fields with no effect on the answer: accepted as any value.
 _FREE_FIELDS = ("user", "store", "metadata", "service_tier", "prompt_cache_key", "prompt_cache_retention",
@@ -49,7 +50,7 @@ _FREE_FIELDS = ("user", "store", "metadata", "service_tier", "prompt_cache_key",
                 "cache_prompt", "id_slot", "n_keep", "n_discard", "n_cache_reuse", "dynatemp_exponent",
                 "xtc_threshold", "repeat_last_n", "dry_base", "dry_allowed_length", "dry_penalty_last_n",
                 "dry_sequence_breakers", "mirostat_tau", "mirostat_eta", "t_max_prompt_ms", "timings_per_token",
-                "return_progress", "sse_ping_interval", "verbose", "backend_sampling")
+                "return_progress", "sse_ping_interval", "verbose", "backend_sampling", "adaptive_decay")
 COMMON_FIELDS = ("model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stream",
                   "stream_options", "n", "response_format", "grammar", "json_schema", "samplers", "n_indent",
                   "t_max_predict_ms")
@@ -60,7 +61,7 @@ COMMON_FIELDS = ("model", "max_tokens", "temperature", "top_p", "top_k", "min_p"
 # (above) may be listed. Applied in specrun's order whatever the list's (sampling.py).
 _SAMPLERS = {"top_k": "top_k", "top_p": "top_p", "min_p": "min_p", "temperature": "temperature",
              "infill": "infill", "dry": None, "typ_p": None, "xtc": None, "top_n_sigma": None, "penalties": None,
-             "adaptive_p": "adaptive_p"}
+             "adaptive_p": None}
 _SAMPLER_ALIASES = {**{name.replace("_", "-"): name for name in _SAMPLERS if "_" in name},
                     **{name.replace("_", ""): name for name in _SAMPLERS if "_" in name},
                     "nucleus": "top_p", "temp": "temperature", "typ": "typ_p", "typical_p": "typ_p"}
@@ -104,7 +105,7 @@ class ServeDefaults:
 class CompletionRequest:
     """A validated request to either endpoint: ``messages`` (chat) or ``prompt`` (text or token ids)."""
 
-    model: str
+    model: str | None  # None: the loaded model (a client that names none), filled in as it queues
     max_tokens: int
     sampling: SamplingSettings
     stop: tuple[str, ...] = ()
@@ -172,12 +173,15 @@ def _bound(value) -> str:
     return str(value) if isinstance(value, int) else f"{value:g}"
 
 
-def check_fields(body: dict, known: Sequence[str]) -> None:
+def check_fields(body: dict, known: Sequence[str], inert: dict | None = None) -> None:
+    """Every field of ``body`` is ``known``, changes nothing, or is inert at its value (``inert``:
+    an endpoint's own, beside the common ones); else a 400 naming it."""
+    inert = _INERT_FIELDS | (inert or {})
     for name, value in body.items():
         if name in known or name in _FREE_FIELDS:
             continue
-        if name in _INERT_FIELDS:
-            if value not in _INERT_FIELDS[name] and value not in ([], {}):
+        if name in inert:
+            if value not in inert[name] and value not in ([], {}):
                 raise RequestError(f"{name} is not supported by specrun serve", name, code="unsupported_value")
             continue
         raise RequestError(f"unrecognized request argument supplied: {name}", name, code="unknown_parameter")
@@ -192,9 +196,10 @@ def parse_common(body: dict, defaults: ServeDefaults, n_ctx: int, max_tokens_fie
     is the context's (llama-server's "no limit"); ``prompt_only``: 0 reads the prompt into the
     cache and answers nothing (llama-server's native endpoints, which editors warm it with)."""
     model = body.get("model")
-    if not isinstance(model, str) or not model:
-        raise RequestError("model must be a non-empty string naming the served model", "model",
-                           code="invalid_type" if model is not None else "missing_required_parameter")
+    if model is not None and not isinstance(model, str):
+        raise RequestError("model must be a string naming the served model", "model", code="invalid_type")
+    if model is not None and not model.strip():  # llama-server's clients send a blank, or none at all
+        model = None
     n = _number(body, "n", 1, integer=True)
     if n != 1:
         raise RequestError(f"n must be 1: specrun serve returns one choice per request, got {n}", "n",
@@ -298,10 +303,7 @@ def _parse_samplers(samplers) -> frozenset[str] | None:
     else:
         raise RequestError("samplers must be a list of sampler names or a string of their letters", "samplers",
                            code="invalid_type")
-    if "adaptive_p" in names:
-        raise RequestError("samplers: adaptive_p is not supported by specrun serve", "samplers",
-                           code="unsupported_value")
-    return frozenset(names)
+    return frozenset(names)  # adaptive_p changes nothing while its adaptive_target is off (below 0)
 
 
 def _parse_grammar(body: dict) -> tuple[GrammarSpec | None, str | None]:
@@ -315,7 +317,7 @@ def _parse_grammar(body: dict) -> tuple[GrammarSpec | None, str | None]:
     if response_format is not None:
         asked.append(_response_format(response_format))
     grammar = body.get("grammar")
-    if grammar is not None:
+    if grammar is not None and grammar != "":  # "": none, as llama-server reads it
         if not isinstance(grammar, str) or not grammar.strip():
             raise RequestError("grammar must be a non-empty string of GBNF rules (or Lark after %llguidance {})",
                                "grammar", code="invalid_type")

@@ -144,8 +144,8 @@ class LineLimits:
     """llama-server's two limits on an editor's completion, applied to the text the stop strings
     let out. ``indent`` (n_indent): a line after the first that begins less indented than that
     (spaces and tabs counted; an empty line counts as none, as llama-server counts it) ends the
-    answer before that line, its newline kept; the line's indentation is held back until its first
-    other character decides. ``seconds`` (t_max_predict_ms): once generation has run that long,
+    answer at that line's first other character, its indentation kept as llama-server keeps it;
+    the indentation is held back until that character decides. ``seconds`` (t_max_predict_ms): once generation has run that long,
     the answer ends at its next newline. ``stopped``: "indent" or "time" once one of them did."""
 
     def __init__(self, indent: int, seconds: float, clock: Callable[[], float] = time.monotonic) -> None:
@@ -167,6 +167,7 @@ class LineLimits:
                     self.held += char
                     continue
                 if len(self.held) < self.indent:
+                    out.append(self.held)
                     self.held, self.stopped = "", "indent"
                     break
                 out.append(self.held)
@@ -329,9 +330,9 @@ class Delta:
 
 @dataclass(frozen=True)
 class Done:
-    """Event: the answer ended ("stop" or "length", as OpenAI says); ``stopped_by`` says where the
-    server ended it: "word" (the stop string ``stopping_word``), "indent" or "time" (LineLimits);
-    "" where the engine did (the end of text, max_tokens, the context)."""
+    """Event: the answer ended ("stop" or "length", as OpenAI says); ``stopped_by`` says what
+    ended it beyond that: "word" (the stop string ``stopping_word``), "indent" or "time"
+    (LineLimits), "context" (the context was full); "" the end of text or max_tokens."""
 
     finish_reason: str
     stats: Stats
@@ -715,8 +716,10 @@ class PairWorker:
                     if event.result.finish_reason == "grammar":
                         stopped = self._grammar_failed(job, event.result)
                         return
+                    ended_by = limits.stopped if limits is not None else ""
                     self._finish(job, _FINISH_REASONS[event.result.finish_reason], event.result.stats, tool_cut,
-                                 trace, slot, stopped_by=limits.stopped if limits is not None else "")
+                                 trace, slot, stopped_by=ended_by or ("context" if event.result.finish_reason
+                                                                      == "context" else ""))
         except Exception as exc:  # noqa: BLE001 - the server keeps serving; the request learns what failed
             self.metrics.finished(job, "error", None)
             message = exc.one_line() if isinstance(exc, SpecrunError) else f"{type(exc).__name__}: {exc}"
@@ -732,14 +735,13 @@ class PairWorker:
                 trace.end(stopped=stopped)  # nothing where _finish ended it
 
     def _fill_ids(self, job: Job) -> list[int]:
-        """/infill's prompt, cut to leave the answer room (its max_tokens, at most a quarter of the
-        context) where the editor sent more than fits; ``job.prompt_cut`` says whether it was."""
+        """/infill's prompt, each part within its share of the context (sessions/infill.fill_prompt);
+        ``job.prompt_cut`` says whether any was cut."""
         from specrun.sessions.infill import NoInfillError, fill_prompt
 
         target = self.session.target
-        room = min(job.request.max_tokens, target.n_ctx // 4)
         try:
-            ids, job.prompt_cut = fill_prompt(target, job.request.fill, target.n_ctx - max(room, 1))
+            ids, job.prompt_cut = fill_prompt(target, job.request.fill, target.n_ctx)
         except NoInfillError as exc:
             raise RequestError(exc.one_line(), "input_prefix", code="unsupported_value") from None
         except ValueError as exc:

@@ -13,9 +13,9 @@ An editor's plugin written for llama-server's /infill (llama.vim, llama.vscode) 
 cursor line's start apart from the lines before it, and chunks of other files it has open
 (``Fill``). Those go before the prefix in the repository-level layout Qwen2.5-Coder was trained
 on (arXiv 2409.12186), as llama-server lays them out: [REPO] name, then [FILE_SEP] file name and
-text per chunk, then [FILE_SEP] and the file being edited; a model without those tokens gets each
-chunk after a plain snippet line. What does not fit the context is cut (``fill_prompt``): the
-oldest chunks first, then the prefix's start and the suffix's end.
+text per chunk, then [FILE_SEP] and the file being edited; a model without a file separator gets
+each chunk after a plain snippet line. Each part has a share of the context that depends on the
+context alone (``fill_prompt``), so the chunks kept stay the same from one keystroke to the next.
 """
 
 from __future__ import annotations
@@ -24,20 +24,28 @@ from dataclasses import dataclass
 
 from specrun.errors import SpecrunError
 
-# (prefix, suffix, middle), the families' spellings
+# (prefix, suffix, middle), the families' spellings as llama.cpp finds them (llama-vocab.cpp),
+# read where the backend does not say its own (MLX); llama.cpp's backend gives the ids llama.cpp
+# found, the GGUF's own first (Codestral's [PREFIX] among them)
 FIM_SPELLINGS = (
     ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"),  # Qwen2.5-Coder, CodeGemma
     ("<fim_prefix>", "<fim_suffix>", "<fim_middle>"),  # StarCoder, StarCoder2, Granite Code
     ("<｜fim▁begin｜>", "<｜fim▁hole｜>", "<｜fim▁end｜>"),  # DeepSeek-Coder
+    ("<fim-prefix>", "<fim-suffix>", "<fim-middle>"),
+    ("▁<PRE>", "▁<SUF>", "▁<MID>"),  # CodeLlama
+    ("<PRE>", "<SUF>", "<MID>"),
+    ("<|code_prefix|>", "<|code_suffix|>", "<|code_middle|>"),  # GLM-4.5
+    ("<|prefix|>", "<|suffix|>", "<|middle|>"),  # Falcon-H1-Tiny-Coder
 )
-# (repository name, file separator): Qwen2.5-Coder's and StarCoder2's repository-level tokens
-REPO_SPELLINGS = (("<|repo_name|>", "<|file_sep|>"), ("<repo_name>", "<file_sep>"))
+# the repository-level tokens: a repository's name and a file separator, each optional
+REPO_SPELLINGS = ("<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>", "<repo_name>")
+SEPARATOR_SPELLINGS = ("<|file_sep|>", "<file_sep>", "<|file_separator|>")
 # The names llama-server writes where its client gives none: plugins' prompts were tuned on them.
 REPO_NAME = "myproject"
 EDITED_FILE = "filename"
 CHUNK_FILE = "tmp"
 SNIPPET_LINE = "\n\n--- snippet ---\n\n"  # a chunk's header where the model has no file separator
-NO_FIM_FIX = ("use a code model trained for it (Qwen2.5-Coder, StarCoder2, DeepSeek-Coder, CodeGemma), "
+NO_FIM_FIX = ("use a code model trained for it (Qwen2.5-Coder, StarCoder2, DeepSeek-Coder, CodeGemma, CodeLlama), "
               "or send the prompt without a suffix")
 
 
@@ -50,15 +58,28 @@ class FimTokens:
     prefix: int
     suffix: int
     middle: int
+    repo: int | None = None  # a repository's name follows it (llama-server's repository layout)
+    separator: int | None = None  # a file's name and text follow it
 
 
 def fim_tokens(backend) -> FimTokens | None:
-    """The model's fill-in-the-middle tokens, or None where it has none."""
+    """The model's fill-in-the-middle tokens, or None where it has none: llama.cpp's finding
+    where the backend gives it (``fill_token_ids``), else the families' spellings."""
+    declared = getattr(backend, "fill_token_ids", None)
+    found = declared() if declared is not None else None
+    if found is not None:
+        if not {"prefix", "suffix", "middle"} <= found.keys():
+            return None
+        return FimTokens(found["prefix"], found["suffix"], found["middle"], found.get("repo"), found.get("separator"))
     for spelling in FIM_SPELLINGS:
         ids = [_special_id(backend, text) for text in spelling]
         if None not in ids and len(set(ids)) == 3:
-            return FimTokens(*ids)
+            return FimTokens(*ids, _first_special(backend, REPO_SPELLINGS), _first_special(backend, SEPARATOR_SPELLINGS))
     return None
+
+
+def _first_special(backend, spellings) -> int | None:
+    return next((found for text in spellings if (found := _special_id(backend, text)) is not None), None)
 
 
 def _special_id(backend, text: str) -> int | None:
@@ -91,65 +112,66 @@ class Fill:
     extra: tuple[tuple[str, str], ...] = ()
 
 
-# The text of a part kept for tokenizing: at most this many characters per token of the context
-# (a token spells a few characters; an editor may send megabytes of chunks no context holds).
+# The text around the cursor keeps at most LOCAL_SHARE of the context (at most LOCAL_TOKENS,
+# llama-server's default batch), three quarters of it for the prefix; the answer keeps an
+# ANSWER_SHARE (at most ANSWER_TOKENS); the other files' chunks get the rest. Each share depends on
+# the context alone, so from one keystroke to the next (and after a plugin's warm-up, n_predict 0)
+# the chunks kept are the same tokens and the cache holds them.
+LOCAL_SHARE, LOCAL_TOKENS = 2, 2048
+ANSWER_SHARE, ANSWER_TOKENS = 8, 512
+# The text of a part kept for tokenizing: at most this many characters per token of its share (a
+# token spells a few characters; an editor may send megabytes no context holds).
 CHARACTERS_PER_TOKEN = 32
 
 
-def fill_prompt(backend, fill: Fill, budget: int) -> tuple[list[int], bool]:
-    """``fill``'s prompt for ``backend``'s model in at most ``budget`` tokens, and whether
-    anything was cut to fit: the chunks first (the oldest, from the front), then the prefix's
-    start and the suffix's end, the prefix keeping three quarters of what is left where both
-    are long (llama-server's ratio). NoInfillError where the model has no FIM tokens;
-    ValueError where even the cursor line and the markers do not fit."""
+def fill_prompt(backend, fill: Fill, n_ctx: int) -> tuple[list[int], bool]:
+    """``fill``'s prompt for ``backend``'s model in a context of ``n_ctx`` tokens, and whether
+    anything was cut to fit: the prefix's start and the suffix's end beyond their shares, the
+    oldest chunks beyond theirs (whole; the newest alone too long, its start). NoInfillError where
+    the model has no FIM tokens; ValueError where the cursor line leaves the answer no room."""
     fim = fim_tokens(backend)
     if fim is None:
         raise NoInfillError("this model has no fill-in-the-middle tokens (such as <|fim_prefix|>), so it cannot "
                             "complete between a prefix and a suffix", NO_FIM_FIX)
     vocab = backend.vocab
-    repo = _repo_tokens(backend)
-    cap = max(budget, 1) * CHARACTERS_PER_TOKEN
-    cut = len(fill.prefix) > cap or len(fill.suffix) > cap
 
-    def tokens(text: str) -> list[int]:
-        return backend.tokenize(text, add_bos=False) if text else []
+    cut_early = False  # a text cut by its characters before tokenizing
 
+    def tokens(text: str, share: int, last: bool = False) -> list[int]:
+        nonlocal cut_early
+        cap = max(share, 1) * CHARACTERS_PER_TOKEN
+        cut_early |= len(text) > cap
+        return backend.tokenize(text[-cap:] if last else text[:cap], add_bos=False) if text else []
+
+    local = min(n_ctx // LOCAL_SHARE, LOCAL_TOKENS)
+    answer = min(n_ctx // ANSWER_SHARE, ANSWER_TOKENS)
     head = [vocab.bos_id] if vocab.add_bos and vocab.bos_id is not None else []
-    if repo is not None:
-        head += [repo[0], *tokens(REPO_NAME + "\n")]
-    current = [repo[1], *tokens(EDITED_FILE + "\n")] if repo is not None else []
-    middle = tokens(fill.middle)
-    fixed = len(head) + len(current) + 3 + len(middle)
-    if fixed > budget:
-        raise ValueError(f"the cursor line and the fill markers take {fixed} tokens, more than the "
-                         f"{budget} the context leaves")
-    prefix, suffix = tokens(fill.prefix[-cap:]), tokens(fill.suffix[:cap])
-    room = budget - fixed
-    if len(prefix) + len(suffix) > room:
-        cut = True
-        keep_suffix = min(len(suffix), max(room - len(prefix), room // 4))
-        keep_prefix = room - keep_suffix
-        prefix, suffix = prefix[len(prefix) - keep_prefix:] if keep_prefix else [], suffix[:keep_suffix]
-    room -= len(prefix) + len(suffix)
+    if fim.repo is not None:
+        head += [fim.repo, *tokens(REPO_NAME + "\n", local)]
+    current = [fim.separator, *tokens(EDITED_FILE + "\n", local)] if fim.separator is not None else []
+    middle = tokens(fill.middle, n_ctx)
+    prefix = tokens(fill.prefix, local, last=True)
+    suffix = tokens(fill.suffix, local)
+    keep_prefix = min(len(prefix), 3 * local // 4)
+    keep_suffix = min(len(suffix), max(0, local // 4 - 2 - len(middle)))  # llama-server's shares
+    cut = (keep_prefix, keep_suffix) != (len(prefix), len(suffix))
+    prefix, suffix = prefix[len(prefix) - keep_prefix:], suffix[:keep_suffix]
+    fixed = len(head) + len(current) + 3 + len(prefix) + len(middle) + len(suffix)
+    # the chunks' room: the context less the local share and the answer's, less what a long cursor
+    # line takes past its share
+    room = n_ctx - answer - len(head) - len(current) - 3 - max(local, len(prefix) + len(middle) + len(suffix))
+    if fixed >= n_ctx:
+        raise ValueError(f"the cursor line and the fill markers take {fixed} tokens of the {n_ctx} the context holds")
     extra: list[int] = []
-    for name, text in reversed(fill.extra):  # the newest first, while they fit
-        if len(extra) >= room:
-            cut = True
-            break
-        chunk = ([repo[1], *tokens(name + "\n")] if repo is not None else tokens(SNIPPET_LINE)) \
-            + tokens(text[-cap:])
+    for name, text in reversed(fill.extra):  # the newest first, while they fit whole
+        header = [fim.separator, *tokens(name + "\n", room)] if fim.separator is not None \
+            else tokens(SNIPPET_LINE, room)
+        chunk = header + tokens(text, room, last=True)
         if len(extra) + len(chunk) > room:
             cut = True
-            chunk = chunk[len(chunk) - (room - len(extra)):]  # the chunk's end, as llama-server keeps it
+            if not extra and room > 0:  # the newest alone is too long: its end, as llama-server keeps it
+                extra = chunk[len(chunk) - room:]
+            break
         extra[:0] = chunk
     ids = [*head, *extra, *current, fim.prefix, *prefix, *middle, fim.suffix, *suffix, fim.middle]
-    return ids, cut
-
-
-def _repo_tokens(backend) -> tuple[int, int] | None:
-    """The model's repository-name and file-separator tokens, or None where it has none."""
-    for spelling in REPO_SPELLINGS:
-        ids = [_special_id(backend, text) for text in spelling]
-        if None not in ids and ids[0] != ids[1]:
-            return ids[0], ids[1]
-    return None
+    return ids, cut or cut_early

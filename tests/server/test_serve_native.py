@@ -19,7 +19,7 @@ from specrun.sampling import SamplingSettings
 from specrun.server.native import parse_native_request, picked, stop_type
 from specrun.server.requests import RequestError, ServeDefaults, parse_chat_request
 from specrun.server.worker import Delta, Done, Failed, Job, LineLimits, PairOptions, PairWorker, Started, StopCut
-from specrun.sessions.infill import Fill, fill_prompt, fim_tokens
+from specrun.sessions.infill import Fill, FimTokens, fill_prompt, fim_tokens
 
 PREFIX = "def read_config(path):\n    with open(path) as f:\n"
 MIDDLE = "        con"
@@ -63,7 +63,7 @@ def test_a_fill_with_chunks_is_laid_out_as_a_repository_with_the_model_s_own_tok
         def tok(text):
             return backend.tokenize(text, add_bos=False)
 
-        ids, cut = fill_prompt(backend, Fill(PREFIX, SUFFIX, MIDDLE, EXTRA), 4096)
+        ids, cut = fill_prompt(backend, Fill(PREFIX, SUFFIX, MIDDLE, EXTRA), 512)
         assert not cut
         assert ids == [backend.vocab.bos_id, repo, *tok("myproject\n"),
                        sep, *tok("util.py\n"), *tok(EXTRA[0][1]), sep, *tok("main.py\n"), *tok(EXTRA[1][1]),
@@ -77,7 +77,7 @@ def test_without_repository_tokens_each_chunk_follows_a_snippet_line(fim_model):
     backend = _llama(fim_model)
     try:
         fim = fim_tokens(backend)
-        ids, _ = fill_prompt(backend, Fill(PREFIX, SUFFIX, "", EXTRA[:1]), 4096)
+        ids, _ = fill_prompt(backend, Fill(PREFIX, SUFFIX, "", EXTRA[:1]), 512)
         snippet = backend.tokenize("\n\n--- snippet ---\n\n", add_bos=False)
         assert ids == [backend.vocab.bos_id, *snippet, *backend.tokenize(EXTRA[0][1], add_bos=False), fim.prefix,
                        *backend.tokenize(PREFIX, add_bos=False), fim.suffix, *backend.tokenize(SUFFIX, add_bos=False),
@@ -86,36 +86,58 @@ def test_without_repository_tokens_each_chunk_follows_a_snippet_line(fim_model):
         backend.close()
 
 
-def test_what_does_not_fit_is_cut_oldest_chunks_first_then_the_prefix_start_and_the_suffix_end(repo_model):
+def test_each_part_keeps_its_share_of_the_context_so_the_chunks_kept_do_not_move_with_the_cursor(repo_model):
+    """llama-server's shares: the text around the cursor half the context (three quarters of it
+    the prefix's, a quarter less the cursor line the suffix's), an eighth the answer's, the rest
+    the chunks', newest first and whole. They depend on the context alone: a plugin's warm-up
+    (n_predict 0) and each keystroke after it keep the same chunks, which the cache then holds."""
     backend = _llama(repo_model)
     try:
         fim = fim_tokens(backend)
-        fill = Fill("a = 1\n" * 200, "b = 2\n" * 200, "x", EXTRA)
-        whole, cut = fill_prompt(backend, fill, 100_000)
-        assert not cut
-        for budget in (600, 300, 120):
-            ids, cut = fill_prompt(backend, fill, budget)
-            assert cut and len(ids) <= budget
-            assert ids[-1] == fim.middle and ids.count(fim.prefix) == ids.count(fim.suffix) == 1
-            before = ids[ids.index(fim.prefix) + 1: ids.index(fim.suffix)]
-            after = ids[ids.index(fim.suffix) + 1: -1]
-            prefix_ids = backend.tokenize(fill.prefix, add_bos=False)
-            suffix_ids = backend.tokenize(fill.suffix, add_bos=False)
-            x = backend.tokenize("x", add_bos=False)
-            assert before[-len(x):] == x and prefix_ids[len(prefix_ids) - len(before) + len(x):] == before[:-len(x)]
-            assert suffix_ids[: len(after)] == after  # the suffix's start kept
-            assert len(before) - len(x) >= 3 * len(after) - 3  # the prefix keeps three quarters
-        # the newest chunk is kept before the oldest
+        assert (fim.repo, fim.separator) == (515, 516)
+        chunks = tuple((f"f{i}.py", f"def f{i}(x):\n    return x * {i}\n" * 4) for i in range(12))
+        long = Fill("a = 1\n" * 200, "b = 2\n" * 200, "x", chunks)
+        ids, cut = fill_prompt(backend, long, 512)
+        assert cut and len(ids) <= 512 - 64  # the answer's eighth left
+        before = ids[ids.index(fim.prefix) + 1: ids.index(fim.suffix)]
+        after = ids[ids.index(fim.suffix) + 1: -1]
+        x = backend.tokenize("x", add_bos=False)
+        prefix_ids = backend.tokenize(long.prefix, add_bos=False)
+        assert before == prefix_ids[-(3 * 256 // 4):] + x  # the prefix's end, three quarters of 256
+        assert after == backend.tokenize(long.suffix, add_bos=False)[: 256 // 4 - 2 - len(x)]  # the suffix's start
+        kept = ids[: ids.index(fim.prefix)]
+        current = [516, *backend.tokenize("filename\n", add_bos=False)]
+        assert kept.count(516) >= 3 and kept[-len(current):] == current
+        # whole chunks, the newest: each kept chunk's text is there entire, the oldest dropped
+        texts = [backend.tokenize(text, add_bos=False) for _, text in chunks]
+        held = [_holds(kept, text) for text in texts]
+        assert held[-1] and not held[0] and held == sorted(held)
+        # the chunks kept are the same tokens whatever the cursor line and the text around it
+        for other in (Fill("", "", "", chunks), Fill("c = 3\n" * 90, "", "    ret", chunks),
+                      Fill("z\n", "w\n" * 500, "", chunks)):
+            moved, _ = fill_prompt(backend, other, 512)
+            assert moved[: len(kept)] == kept
         small = Fill("p\n", "s\n", "", EXTRA)
-        ids, cut = fill_prompt(backend, small, len(fill_prompt(backend, small, 4096)[0]) - 8)
-        newest = backend.tokenize(EXTRA[-1][1], add_bos=False)
-        oldest = backend.tokenize(EXTRA[0][1], add_bos=False)
-        # the oldest chunk's start is cut (with its file separator), its end kept as llama-server keeps it
-        assert cut and _holds(ids, newest) and ids.count(516) == 2 and _holds(ids, oldest[-4:])
+        assert fill_prompt(backend, small, 512) == (fill_prompt(backend, small, 4096)[0], False)
         with pytest.raises(ValueError, match="cursor line"):
-            fill_prompt(backend, Fill("", "", "y" * 400), 50)
+            fill_prompt(backend, Fill("", "", "y" * 700), 256)
     finally:
         backend.close()
+
+
+def test_llama_cpp_s_own_finding_of_the_fill_tokens_is_used():
+    """On llama.cpp the tokens are the ones llama.cpp found (the GGUF's ids, its spellings of
+    CodeLlama, GLM, Granite…), which llama-server uses; elsewhere the spellings."""
+    class Declared:
+        def fill_token_ids(self):
+            return {"prefix": 7, "suffix": 8, "middle": 9, "separator": 11}
+
+    class Partial:
+        def fill_token_ids(self):
+            return {"prefix": 7, "repo": 10}
+
+    assert fim_tokens(Declared()) == FimTokens(7, 8, 9, None, 11)
+    assert fim_tokens(Partial()) is None
 
 
 def _holds(ids, part):
@@ -131,7 +153,7 @@ def _limited(pieces, indent=0, seconds=0.0, clock=None):
 
 def test_n_indent_ends_the_answer_before_a_line_indented_less_holding_each_line_s_indentation():
     answer = ["fig = 1\n", "    ", "    a = 2\n  ", "  b = 3\n", "  c = 4\n", "d = 5\n"]
-    assert _limited(answer, indent=4) == ("fig = 1\n        a = 2\n    b = 3\n", "indent")
+    assert _limited(answer, indent=4) == ("fig = 1\n        a = 2\n    b = 3\n  ", "indent")  # as llama-server
     assert _limited(answer, indent=0) == ("".join(answer), "")
     assert _limited(["x\n", "\n", "    y\n"], indent=4) == ("x\n", "indent")  # an empty line counts as none
     assert _limited(["  first line is never judged\n", "    z"], indent=4) == (
@@ -213,13 +235,12 @@ def test_llama_vscode_s_chat_edit_fields_are_taken_at_the_values_that_change_not
     ({"input_extra": [{"text": "\ud800"}]}, "input_extra[0].text", "lone surrogate"),
     ({"prompt": ["a"]}, "prompt", "cursor line"),
     ({"n_predict": -2}, "n_predict", "must be in [0,"),
-    ({"n_predict": 8, "max_tokens": 8}, "n_predict", "both set"),
     ({"n_indent": -1}, "n_indent", "must be in [0,"),
     ({"t_max_predict_ms": "soon"}, "t_max_predict_ms", "must be a number"),
     ({"samplers": ["top_k", "mirror"]}, "samplers", '"mirror" names no sampler'),
     ({"samplers": "kz"}, "samplers", '"z" names no sampler'),
     ({"samplers": 7}, "samplers", "a list of sampler names"),
-    ({"samplers": ["adaptive_p"]}, "samplers", "adaptive_p is not supported"),
+    ({"adaptive_target": 0.5}, "adaptive_target", "not supported"),
     ({"response_fields": "content"}, "response_fields", "a list of field paths"),
     ({"model": 5}, "model", "must be a string"),
     ({"mirostat": 2}, "mirostat", "not supported"),
@@ -258,7 +279,7 @@ def test_a_fill_speculates_and_answers_what_plain_decoding_of_its_prompt_answers
     backend = _llama(repo_model)
     fill = Fill(PREFIX, SUFFIX, MIDDLE, EXTRA)
     try:
-        ids, _ = fill_prompt(backend, fill, 512 - 24)  # the worker's: the context less the answer's room
+        ids, _ = fill_prompt(backend, fill, 512)
         plain = SpeculativeEngine(backend, None, method="none").run(ids, GenerationParams(24, 0))
     finally:
         backend.close()
@@ -369,3 +390,51 @@ def test_props_says_the_context_the_slots_and_the_template_as_llama_server_does(
     assert props["model_path"] == str(repo_model.gguf_f32_path) and props["chat_template"].startswith("{% for")
     assert props["modalities"] == {"vision": False, "video": False, "audio": False}
     assert props["build_info"].startswith("specrun ")
+
+
+def test_a_warm_up_then_keystrokes_read_the_chunks_from_the_cache(fim_server):
+    """llama.vim's ring of chunks: more than the context holds. The warm-up reads them; each fill
+    after it, whatever its cursor line and length, reads only what changed (a fill's prompt_n)."""
+    chunks = [{"filename": f"f{i}.py", "text": f"def f{i}(x):\n    return x * {i}\n" * 4} for i in range(12)]
+    base = {**LLAMA_VIM, "input_extra": chunks, "response_fields": None, "n_indent": 0, "t_max_predict_ms": 0}
+    status, warm = fim_server.post("/infill", {**base, "input_prefix": "", "input_suffix": "", "prompt": "",
+                                               "n_predict": 0, "samplers": []})
+    assert status == 200 and warm["content"] == "" and warm["truncated"] is True
+    for middle, n_predict in (("    x = ", 8), ("    x = f", 3), ("    x = fo", 16)):
+        status, fill = fim_server.post("/infill", {**base, "prompt": middle, "n_predict": n_predict})
+        assert status == 200, fill
+        assert fill["timings"]["cache_n"] >= warm["tokens_evaluated"] - 12  # the chunks, from the cache
+        assert fill["truncated"] is True
+
+
+def test_llama_server_s_readings_of_a_request(fim_server):
+    """What llama-server's clients count on: a chat request naming no model is answered by the
+    loaded one; "grammar": "" is none; n_predict wins over max_tokens; an empty stop string is
+    none; a stream's last event says whether a newline came; an answer the context ended says
+    truncated."""
+    status, chat = fim_server.post("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                                            "max_tokens": 3})
+    assert status == 200 and chat["model"] and chat["choices"][0]["message"]["content"] is not None
+    status, plain = fim_server.post("/completion", {"prompt": "x", "n_predict": 4, "max_tokens": 9, "grammar": "",
+                                                    "stop": ["", "zzz"]})
+    assert status == 200 and plain["generation_settings"]["n_predict"] == 4 and plain["generation_settings"][
+        "stop"] == ["zzz"]
+    status, full = fim_server.post("/completion", {"prompt": list(range(1, 510)), "n_predict": 8})
+    assert status == 200 and full["truncated"] is True and full["stop_type"] == "limit"
+
+
+def test_a_stream_s_last_event_says_a_newline_came(fim_server):
+    import http.client
+
+    host, port = fim_server.host_port
+    connection = http.client.HTTPConnection(host, port, timeout=60)
+    try:
+        connection.request("POST", "/completion", body=json.dumps(
+            {"prompt": "x", "n_predict": 8, "stream": True, "grammar": 'root ::= "a\\nb\\n"'}),
+            headers={"Content-Type": "application/json"})
+        response = connection.getresponse()
+        events = [json.loads(line.removeprefix("data: ")) for line in response.read().decode().split("\n") if line]
+    finally:
+        connection.close()
+    assert "".join(event["content"] for event in events) == "a\nb\n"
+    assert events[-1]["stop"] is True and events[-1]["has_new_line"] is True and events[-1]["content"] == ""

@@ -167,7 +167,7 @@ BAD = [
     (_chat(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#"}}}),
      "response_format.json_schema.schema", "invalid_value"),  # compiles, then fails at its first token
     (_chat(grammar='root ::= "a" | ('), "grammar", "invalid_value"),
-    (_chat(grammar=""), "grammar", "invalid_type"),
+    (_chat(grammar="  "), "grammar", "invalid_type"),  # "" is none, as llama-server reads it
     (_chat(grammar="%llguidance {}\nstart: ANSWER"), "grammar", "invalid_value"),  # Lark naming no rule
     (_chat(json_schema=[1]), "json_schema", "invalid_type"),
     (_chat(grammar='root ::= "a"', response_format={"type": "json_object"}), "grammar", "invalid_value"),
