@@ -187,6 +187,8 @@ class OpenAIServer:
             Route("/completions", self._endpoint(self.native_completion), methods=["POST"]),
             Route("/infill", self._endpoint(self.infill), methods=["POST"]),
             Route("/props", self._endpoint(self.props), methods=["GET"]),
+            Route("/tokenize", self._endpoint(self.tokenize), methods=["POST"]),
+            Route("/detokenize", self._endpoint(self.detokenize), methods=["POST"]),
         ]
         handlers = {HTTPException: self._http_error, Exception: self._internal_error}
         middleware = []
@@ -457,6 +459,24 @@ class OpenAIServer:
         from specrun.server.native import props_object
 
         return JSONResponse(props_object(self.worker, self.model_id, self.defaults, f"specrun {__version__}"))
+
+    async def tokenize(self, request):
+        """llama-server's /tokenize, with the loaded model's tokenizer (read-only: beside the worker)."""
+        from starlette.responses import JSONResponse
+
+        from specrun.server.native import tokenize_answer
+
+        body = await read_json_body(request, self.http.max_body_bytes)
+        return JSONResponse(await asyncio.to_thread(tokenize_answer, self.worker.session.target, body))
+
+    async def detokenize(self, request):
+        """llama-server's /detokenize: token ids as the text they spell."""
+        from starlette.responses import JSONResponse
+
+        from specrun.server.native import detokenize_answer
+
+        body = await read_json_body(request, self.http.max_body_bytes)
+        return JSONResponse(await asyncio.to_thread(detokenize_answer, self.worker.session.target, body))
 
     async def native_completion(self, request):
         """llama-server's /completion: text after a prompt, in its answer's shape."""

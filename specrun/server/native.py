@@ -1,6 +1,7 @@
 """llama-server's own endpoints, which editors' plugins written for it call: POST /completion
 (and /completions) for text after a prompt, POST /infill for a fill at an editor's cursor
-(llama.vim, llama.vscode), GET /props for the context and the slots. Requests are read into the same ``CompletionRequest`` the OpenAI
+(llama.vim, llama.vscode), GET /props for the context and the slots, POST /tokenize and
+/detokenize with the loaded model's tokenizer. Requests are read into the same ``CompletionRequest`` the OpenAI
 endpoints make, so they speculate, queue and stop as those do; answers go back in llama-server's
 shape: ``content``, ``stop``, ``stop_type``, ``tokens_cached``, ``truncated`` and ``timings``
 (with ``draft_n`` and ``draft_n_accepted``, as llama-server counts its drafts), beside specrun's
@@ -210,3 +211,58 @@ def picked(answer: dict, paths: Sequence[str]) -> dict:
         if found:
             kept[path] = value
     return kept
+
+
+# ---- the tokenizer ----------------------------------------------------------------------------
+def tokenize_answer(backend, body: dict) -> dict:
+    """llama-server's /tokenize: ``content`` (text, or a list of texts and token ids) as the
+    model's token ids, control-token text parsed unless ``parse_special`` is false, a BOS first
+    with ``add_special``; ``with_pieces``: each id with its text (its bytes where they are no
+    whole UTF-8)."""
+    check_fields(body, ("content", "add_special", "parse_special", "with_pieces"))
+    flags = {}
+    for name, default in (("add_special", False), ("parse_special", True), ("with_pieces", False)):
+        value = body.get(name, default)
+        if not isinstance(value, bool):
+            raise RequestError(f"{name} must be a boolean", name, code="invalid_type")
+        flags[name] = value
+    content = body.get("content")
+    parts = [content] if isinstance(content, str) else content
+    if not isinstance(parts, list) or not all(isinstance(part, (str, int)) and not isinstance(part, bool)
+                                              for part in parts):
+        raise RequestError("content must be a string, or a list of strings and token ids", "content",
+                           code="invalid_type" if content is not None else "missing_required_parameter")
+    ids: list[int] = []
+    for index, part in enumerate(parts):
+        if isinstance(part, str):
+            add_bos = flags["add_special"] and index == 0
+            ids += backend.tokenize(checked_text(part, "content"), add_bos=add_bos, special=flags["parse_special"])
+        else:
+            ids.append(_known_id(backend, part, "content"))
+    if not flags["with_pieces"]:
+        return {"tokens": ids}
+    return {"tokens": [{"id": token, "piece": _piece(backend.token_bytes(token))} for token in ids]}
+
+
+def detokenize_answer(backend, body: dict) -> dict:
+    """llama-server's /detokenize: ``tokens`` (ids) as the text they spell."""
+    check_fields(body, ("tokens",))
+    tokens = body.get("tokens", [])
+    if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
+        raise RequestError("tokens must be a list of token ids", "tokens", code="invalid_type")
+    spelled = b"".join(backend.token_bytes(_known_id(backend, token, "tokens")) for token in tokens)
+    return {"content": spelled.decode("utf-8", errors="replace")}
+
+
+def _known_id(backend, token: int, where: str) -> int:
+    if not 0 <= token < backend.vocab.size:
+        raise RequestError(f"{where}: token id {token} is outside the vocabulary (0 to {backend.vocab.size - 1})",
+                           where, code="invalid_value")
+    return token
+
+
+def _piece(piece: bytes) -> str | list[int]:
+    try:
+        return piece.decode("utf-8")
+    except UnicodeDecodeError:
+        return list(piece)

@@ -438,3 +438,25 @@ def test_a_stream_s_last_event_says_a_newline_came(fim_server):
         connection.close()
     assert "".join(event["content"] for event in events) == "a\nb\n"
     assert events[-1]["stop"] is True and events[-1]["has_new_line"] is True and events[-1]["content"] == ""
+
+
+def test_tokenize_and_detokenize_use_the_loaded_model_s_tokenizer(fim_server):
+    status, plain = fim_server.post("/tokenize", {"content": "def f(x):"})
+    assert status == 200 and plain["tokens"] and all(isinstance(t, int) for t in plain["tokens"])
+    status, special = fim_server.post("/tokenize", {"content": "<|fim_prefix|>x", "add_special": True})
+    assert special["tokens"][:2] == [1, 512]  # the BOS, then the control token parsed (parse_special's default)
+    status, literal = fim_server.post("/tokenize", {"content": "<|fim_prefix|>", "parse_special": False})
+    assert 512 not in literal["tokens"]
+    status, pieces = fim_server.post("/tokenize", {"content": ["def", 512, " f"], "with_pieces": True})
+    assert status == 200 and 512 in [piece["id"] for piece in pieces["tokens"]]  # the id passed through
+    assert "".join(piece["piece"] for piece in pieces["tokens"] if piece["id"] != 512) == "def f"
+    status, text = fim_server.post("/detokenize", {"tokens": plain["tokens"]})
+    assert status == 200 and text == {"content": "def f(x):"}
+    for path, body, param in (("/tokenize", {}, "content"), ("/tokenize", {"content": [1.5]}, "content"),
+                              ("/tokenize", {"content": [10**6]}, "content"),
+                              ("/tokenize", {"content": "x", "with_pieces": "yes"}, "with_pieces"),
+                              ("/detokenize", {"tokens": [-1]}, "tokens"), ("/detokenize", {"tokens": "1"}, "tokens"),
+                              ("/detokenize", {"tokens": [1], "more": 1}, "more")):
+        status, refused = fim_server.post(path, body)
+        assert status == 400 and refused["error"]["param"] == param, (path, body, refused)
+    assert fim_server.healthy()
