@@ -9,6 +9,7 @@ Order: temperature, then top-k, top-p, min-p, then renormalise. llama.cpp's infi
 from __future__ import annotations
 
 import bisect
+import weakref
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
@@ -306,6 +307,22 @@ class InfillVocab:
             prefixes=np.array([token for tokens in shorter for token in tokens], dtype=np.int64),
             empty_ids=np.flatnonzero(lengths == 0),
         )
+
+
+_infill_vocabs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # backend -> its InfillVocab
+
+
+def infill_vocab_of(backend, width: int) -> InfillVocab:
+    """``backend``'s vocabulary as ``infill_rule`` reads it, over ``width`` ids (a row's): each
+    token's bytes asked of the backend once per backend (about 0.2 s for 49,152 tokens on
+    llama.cpp), shared by the target's passes and a draft model drafting in its ids."""
+    vocab = _infill_vocabs.get(backend)
+    if vocab is None or len(vocab.lengths) != width:
+        eog_ids = backend.vocab.eos_ids
+        vocab = InfillVocab.of([backend.token_bytes(token) for token in range(width)], eog_ids,
+                               end_of_turn_id(eog_ids, backend.token_text))
+        _infill_vocabs[backend] = vocab
+    return vocab
 
 
 def infill_rule(probs: np.ndarray, vocab: InfillVocab) -> np.ndarray:

@@ -12,7 +12,7 @@ from specrun.backends.base import Backend
 from specrun.drafters.base import EMPTY_PROPOSAL, Drafter, Proposal, second_guesses
 from specrun.drafters.dynamic_tree import TOP_K, DraftTree, grow_tree
 from specrun.backends.kv import KVSequence, common_prefix_len, sequence_for
-from specrun.sampling import SamplingSettings, probabilities, sample, top_probability
+from specrun.sampling import SamplingSettings, infill_rule, infill_vocab_of, probabilities, sample, top_probability
 from specrun.errors import SpecrunError
 from specrun.grammar import mask_logits
 from specrun.tree import TokenTree
@@ -193,7 +193,7 @@ class DraftModelDrafter(Drafter):
                     shifted = np.exp(logits - logits.max())
                     distributions.append(shifted / shifted.sum())
             else:
-                p_draft = probabilities(logits, sampling)
+                p_draft = self._p_draft(logits, sampling)
                 if p_draft.max() < self.min_prob:
                     break
                 token = sample(p_draft, rng)
@@ -310,6 +310,16 @@ class DraftModelDrafter(Drafter):
                 break
             pending = [token]
         return tuple(tokens)
+
+    def _p_draft(self, logits: np.ndarray, sampling: SamplingSettings) -> np.ndarray:
+        """The row a sampled draft token is drawn from (V_target,): the user's settings, and
+        llama.cpp's infill rule where the target's rows follow it (engine/passes.py), read in the
+        target's ids. Any row is exact as long as the draft is drawn from the one verification
+        is given; this one is the target's rule applied to the draft, so it accepts more."""
+        p_draft = probabilities(logits, sampling)
+        if sampling.infill and self.target is not None:
+            p_draft = infill_rule(p_draft, infill_vocab_of(self.target.backend, len(p_draft)))
+        return p_draft
 
     def _target_sized(self, logits: np.ndarray) -> np.ndarray:
         """Draft logits over the target's ids: padding ids beyond either vocabulary never win."""

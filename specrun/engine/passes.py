@@ -17,7 +17,7 @@ import numpy as np
 from specrun.backends.kv import KVSequence
 from specrun.drafters.base import Drafter, Proposal
 from specrun.engine.constrained import masked_rows
-from specrun.sampling import InfillVocab, SamplingSettings, end_of_turn_id, infill_rule, probabilities, sample
+from specrun.sampling import SamplingSettings, infill_rule, infill_vocab_of, probabilities, sample
 from specrun.verify import (
     EXACT, LossyAcceptance, TreeVerdict, Verdict, verify_block, verify_greedy, verify_lossy, verify_sampled,
     verify_tree_greedy, verify_tree_lossy, verify_tree_sampled,
@@ -74,7 +74,6 @@ class TargetPasses:
         # the last pass's rows as verified (1 + n, V), where it read rows (sampling, a grammar,
         # keep_rows); None after a pass that read only the backend's argmax
         self.last_rows: np.ndarray | None = None
-        self._infill_vocab: InfillVocab | None = None  # the target's pieces, read at the first infill row
 
     @property
     def verification(self) -> Verification:
@@ -110,24 +109,14 @@ class TargetPasses:
 
     def p_target(self, logits: np.ndarray, sampling: SamplingSettings) -> np.ndarray:
         """The target's distributions (n, V) or (V,) under the user's settings: ``probabilities``,
-        then llama.cpp's infill rule where asked (not greedy). The rule changes the target's rows
-        only; a drafter keeps drawing from its own ``probabilities``, and rejection sampling needs
-        no more than the row each draft was drawn from and the target's, so verification stays
-        exact against plain decoding under the rule."""
+        then llama.cpp's infill rule where asked (not greedy). Rejection sampling needs no more
+        than the row each draft was drawn from and the target's, so verification stays exact
+        against plain decoding under the rule whatever row a drafter draws from (a draft model's
+        follow the rule too, drafters/draft_model.py; heads' do not)."""
         p_target = probabilities(logits, sampling)
         if sampling.infill and not sampling.greedy:
-            p_target = infill_rule(p_target, self._infill_vocab_of(p_target.shape[-1]))
+            p_target = infill_rule(p_target, infill_vocab_of(self.target.backend, p_target.shape[-1]))
         return p_target
-
-    def _infill_vocab_of(self, width: int) -> InfillVocab:
-        """The target's vocabulary as the infill rule reads it, ``width`` tokens (a row's): each
-        token's bytes asked of the backend once (about 0.2 s for 49,152 tokens on llama.cpp)."""
-        if self._infill_vocab is None or len(self._infill_vocab.lengths) != width:
-            backend = self.target.backend
-            eog_ids = backend.vocab.eos_ids
-            self._infill_vocab = InfillVocab.of([backend.token_bytes(token) for token in range(width)], eog_ids,
-                                                end_of_turn_id(eog_ids, backend.token_text))
-        return self._infill_vocab
 
     def verify(
         self, last_token: int, drafts: Proposal | DeferredDrafts, sampling: SamplingSettings,
