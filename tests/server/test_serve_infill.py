@@ -12,6 +12,7 @@ from server_harness import answered
 from specrun.engine.loop import GenerationParams, SpeculativeEngine
 from specrun.registry.loading import LoadOptions
 from specrun.sampling import SamplingSettings
+from specrun.server.native import parse_native_request
 from specrun.server.requests import CompletionRequest, RequestError, ServeDefaults, parse_completion_request
 from specrun.server.worker import Done, Failed, PairOptions, PairWorker
 from specrun.sessions.infill import fim_tokens, infill_ids
@@ -112,6 +113,13 @@ def test_a_suffix_for_a_model_without_fill_tokens_is_a_400_naming_it():
         assert isinstance(nothing, Failed) and nothing.error.param == "prompt"
         huge, _ = _fill(worker, (1, 40), "x" * 4_000_000, 2)  # sized before it is tokenized
         assert isinstance(huge, Failed) and huge.error.code == "context_length_exceeded"
+        # llama-server's /infill (server/native.py) the same, naming its own field
+        fill, _ = parse_native_request({"input_prefix": PREFIX, "input_suffix": SUFFIX}, ServeDefaults(), 256, "m",
+                                       infill=True)
+        refused, _ = answered(worker, fill)
+        assert isinstance(refused, Failed) and refused.error.status == 400 and refused.error.param == "input_prefix"
+        assert "no fill-in-the-middle tokens" in refused.error.message
+        assert isinstance(_fill(worker, PREFIX, None, 2)[0], Done)  # served on
     finally:
         worker.stop()
 

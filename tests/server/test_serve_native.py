@@ -308,20 +308,6 @@ def test_a_fill_speculates_and_answers_what_plain_decoding_of_its_prompt_answers
         worker.stop()
 
 
-def test_a_fill_for_a_model_without_fill_tokens_is_a_400_and_the_worker_goes_on():
-    worker = PairWorker(PairOptions("demo-target", None, method="none", load=LoadOptions(threads=1)))
-    worker.start()
-    try:
-        request, _ = _native(LLAMA_VIM)
-        refused = _events(worker, request)[-1]
-        assert isinstance(refused, Failed) and refused.error.status == 400
-        assert refused.error.param == "input_prefix" and "no fill-in-the-middle tokens" in refused.error.message
-        plain, _ = _native({"prompt": "Once upon a time", "n_predict": 3}, infill=False)
-        assert isinstance(_events(worker, plain)[-1], Done)
-    finally:
-        worker.stop()
-
-
 # ---- over HTTP --------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def fim_server(repo_model):
