@@ -33,6 +33,7 @@ import os
 import re
 import shutil
 import stat
+import threading
 from collections.abc import Sequence
 from contextlib import redirect_stdout
 from dataclasses import dataclass
@@ -358,6 +359,9 @@ def decoder_kind(hf_tokenizer) -> str:
     return "other"
 
 
+_ENCODE_LOCK = threading.Lock()  # MlxBackend.tokenize's: one setting of the shared tokenizer at a time
+
+
 class TokenBytes:
     """Exact bytes per token id; control tokens give b""."""
 
@@ -592,8 +596,12 @@ class MlxBackend(HiddenTracking):
         return VocabInfo(size=len(hf), bos_id=bos, eos_ids=frozenset(eos_ids), add_bos=add_bos)
 
     def tokenize(self, text: str, add_bos: bool = True, special: bool = False) -> list[int]:
-        """Token ids of ``text``; special-token text becomes those tokens only with ``special``."""
-        return list(self._hf.encode(text, add_special_tokens=add_bos, split_special_tokens=not special))
+        """Token ids of ``text``; special-token text becomes those tokens only with ``special``.
+        Locked: transformers sets ``split_special_tokens`` on the tokenizer it shares, then
+        encodes, so two threads (a server's /tokenize beside its worker, slots) swapped each
+        other's setting (87 of 3,000 encodes read quoted control-token text as the token)."""
+        with _ENCODE_LOCK:
+            return list(self._hf.encode(text, add_special_tokens=add_bos, split_special_tokens=not special))
 
     def token_bytes(self, token: int) -> bytes:
         return self._token_bytes(token)

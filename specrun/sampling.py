@@ -316,6 +316,7 @@ def infill_vocab_of(backend, width: int) -> InfillVocab:
     """``backend``'s vocabulary as ``infill_rule`` reads it, over ``width`` ids (a row's): each
     token's bytes asked of the backend once per backend (about 0.2 s for 49,152 tokens on
     llama.cpp), shared by the target's passes and a draft model drafting in its ids."""
+    backend = getattr(backend, "parent", backend)  # a slot's, a window's: its model's, built once
     vocab = _infill_vocabs.get(backend)
     if vocab is None or len(vocab.lengths) != width:
         eog_ids = backend.vocab.eos_ids

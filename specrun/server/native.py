@@ -110,7 +110,8 @@ def answer_object(model: str, request: CompletionRequest, content: str, started,
     """The last answer of a /completion or /infill request in llama-server's shape (a stream's has
     ``content`` "": its text went out in the chunks, ``new_line`` says whether it held a newline),
     with specrun's ``speculation``. ``started`` and ``done``: the job's Started and Done events
-    (server/worker.py). ``truncated``: the prompt was cut to fit, or the context filled."""
+    (server/worker.py). ``truncated``: the context filled, as llama-server says it (llama.vim then
+    warns the context is full); ``prompt_cut``, specrun's: a fill's parts were cut to their shares."""
     stats = done.stats
     sampling = request.sampling
     return {
@@ -127,7 +128,8 @@ def answer_object(model: str, request: CompletionRequest, content: str, started,
             "n_indent": request.indent, "t_max_predict_ms": round(request.line_seconds * 1000),
             "infill_rule": sampling.infill},
         "has_new_line": "\n" in content if new_line is None else new_line,
-        "truncated": started.truncated or done.stopped_by == "context",
+        "truncated": done.stopped_by == "context",
+        "prompt_cut": started.prompt_cut,
         "stop_type": stop_type(done.finish_reason, done.stopped_by),
         "stopping_word": done.stopping_word,
         "tokens_cached": started.prompt_tokens + stats.new_tokens,
@@ -241,7 +243,7 @@ def tokenize_answer(backend, body: dict) -> dict:
             ids.append(_known_id(backend, part, "content"))
     if not flags["with_pieces"]:
         return {"tokens": ids}
-    return {"tokens": [{"id": token, "piece": _piece(backend.token_bytes(token))} for token in ids]}
+    return {"tokens": [{"id": token, "piece": _piece(_spelled(backend, token))} for token in ids]}
 
 
 def detokenize_answer(backend, body: dict) -> dict:
@@ -250,8 +252,16 @@ def detokenize_answer(backend, body: dict) -> dict:
     tokens = body.get("tokens", [])
     if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
         raise RequestError("tokens must be a list of token ids", "tokens", code="invalid_type")
-    spelled = b"".join(backend.token_bytes(_known_id(backend, token, "tokens")) for token in tokens)
+    spelled = b"".join(_spelled(backend, _known_id(backend, token, "tokens")) for token in tokens)
     return {"content": spelled.decode("utf-8", errors="replace")}
+
+
+def _spelled(backend, token: int) -> bytes:
+    """A token's bytes, a control token's text too (``<|fim_prefix|>``), as llama-server spells them."""
+    piece = backend.token_bytes(token)
+    if not piece and (text := backend.token_text(token)) in backend.control_texts():
+        return text.encode("utf-8")
+    return piece
 
 
 def _known_id(backend, token: int, where: str) -> int:

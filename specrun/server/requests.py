@@ -31,10 +31,7 @@ _INERT_FIELDS = {
     "function_call": (None, "none", "auto"),
     "echo": (False, None),
     "best_of": (1, None),
-}
-# llama-server's own sampling fields, which clients written for it send (llama.vscode's edits send
-# every one): taken at the values that change nothing, any other refused by name as above.
-_INERT_FIELDS |= {
+    # llama-server's own, which clients written for it send (llama.vscode's edits send every one)
     "typical_p": (1, None), "repeat_penalty": (1, None), "dry_multiplier": (0, None), "xtc_probability": (0, None),
     "dynatemp_range": (0, None), "mirostat": (0, None), "top_n_sigma": (-1, 0, None), "n_probs": (0, None),
     "min_keep": (0, 1, None), "ignore_eos": (False, None), "return_tokens": (False, None),
@@ -218,7 +215,10 @@ def parse_common(body: dict, defaults: ServeDefaults, n_ctx: int, max_tokens_fie
         max_tokens = n_ctx
     # Editors send 4,096 or 8,192 whatever the model's context: taken, the answer stops where the
     # context is full (finish_reason "length"), as llama-server and ollama do; past int32 is no length
-    _check_range(max_tokens_field, max_tokens, 0 if prompt_only else 1, MAX_ANSWER_TOKENS)
+    least = 0 if prompt_only else 1
+    if not least <= max_tokens <= MAX_ANSWER_TOKENS:
+        raise invalid_value(max_tokens_field, f"must be -1 (until the context is full) or in [{least}, "
+                                              f"{MAX_ANSWER_TOKENS}], got {max_tokens}")
     max_tokens = min(max_tokens, n_ctx)
     base = defaults.sampling
     temperature = _number(body, "temperature", base.temperature)

@@ -142,10 +142,10 @@ class StopCut:
 
 class LineLimits:
     """llama-server's two limits on an editor's completion, applied to the text the stop strings
-    let out. ``indent`` (n_indent): a line after the first that begins less indented than that
-    (spaces and tabs counted; an empty line counts as none, as llama-server counts it) ends the
-    answer at that line's first other character, its indentation kept as llama-server keeps it;
-    the indentation is held back until that character decides. ``seconds`` (t_max_predict_ms): once generation has run that long,
+    let out. ``indent`` (n_indent): a line after the first that begins less indented
+    than that (spaces and tabs counted; an empty line counts as none, as llama-server counts it)
+    ends the answer at that line's first other character, its indentation kept as llama-server
+    keeps it; the indentation is held back until that character decides. ``seconds`` (t_max_predict_ms): once generation has run that long,
     the answer ends at its next newline. ``stopped``: "indent" or "time" once one of them did."""
 
     def __init__(self, indent: int, seconds: float, clock: Callable[[], float] = time.monotonic) -> None:
@@ -305,7 +305,7 @@ class Started:
 
     prompt_tokens: int
     reused_tokens: int
-    truncated: bool = False  # a fill's prompt was cut to fit the context (sessions/infill.fill_prompt)
+    prompt_cut: bool = False  # a fill's parts were cut to their shares of the context (sessions/infill.fill_prompt)
 
 
 @dataclass(frozen=True)
@@ -675,7 +675,8 @@ class PairWorker:
             trace = session.trace = self.pair.trace.request(
                 self._trace_id(job), slot=slot, prompt_tokens=len(prompt_ids), cached_tokens=reused,
                 max_tokens=job.request.max_tokens, temperature=sampling.temperature, top_k=sampling.top_k,
-                top_p=sampling.top_p, grammar=grammar is not None)
+                top_p=sampling.top_p, grammar=grammar is not None,
+                **{name: value for name, value in sampling.fields().items() if name in ("min_p", "infill")})
         try:
             for event in stream:
                 if job.cancelled.is_set():
@@ -690,6 +691,8 @@ class PairWorker:
                     text = cut.feed(event.text)
                     if limits is not None:
                         text = limits.feed(text)
+                        if cut.stopped and not limits.stopped:  # the indentation before the stop string
+                            text += limits.flush()
                     text = logprobs.passed(text)
                     if tool_cut is not None:
                         text = tool_cut.feed(text)
@@ -737,16 +740,16 @@ class PairWorker:
     def _fill_ids(self, job: Job) -> list[int]:
         """/infill's prompt, each part within its share of the context (sessions/infill.fill_prompt);
         ``job.prompt_cut`` says whether any was cut."""
-        from specrun.sessions.infill import NoInfillError, fill_prompt
+        from specrun.sessions.infill import FillTooLongError, NoInfillError, fill_prompt
 
         target = self.session.target
         try:
             ids, job.prompt_cut = fill_prompt(target, job.request.fill, target.n_ctx)
         except NoInfillError as exc:
             raise RequestError(exc.one_line(), "input_prefix", code="unsupported_value") from None
-        except ValueError as exc:
-            raise RequestError(f"prompt: {exc}; shorten the cursor line, or restart the server with a larger --ctx",
-                               "prompt", code="context_length_exceeded") from None
+        except FillTooLongError as exc:
+            raise RequestError(f"prompt: {exc.problem}; shorten the cursor line, or restart the server with a "
+                               "larger --ctx", "prompt", code="context_length_exceeded") from None
         return ids
 
     @staticmethod

@@ -53,6 +53,10 @@ class NoInfillError(SpecrunError):
     """The model holds no fill-in-the-middle tokens."""
 
 
+class FillTooLongError(SpecrunError):
+    """A fill's cursor line and markers leave its answer no room in the context."""
+
+
 @dataclass(frozen=True)
 class FimTokens:
     prefix: int
@@ -74,7 +78,8 @@ def fim_tokens(backend) -> FimTokens | None:
     for spelling in FIM_SPELLINGS:
         ids = [_special_id(backend, text) for text in spelling]
         if None not in ids and len(set(ids)) == 3:
-            return FimTokens(*ids, _first_special(backend, REPO_SPELLINGS), _first_special(backend, SEPARATOR_SPELLINGS))
+            repo, separator = (_first_special(backend, each) for each in (REPO_SPELLINGS, SEPARATOR_SPELLINGS))
+            return FimTokens(*ids, repo, separator)
     return None
 
 
@@ -128,7 +133,7 @@ def fill_prompt(backend, fill: Fill, n_ctx: int) -> tuple[list[int], bool]:
     """``fill``'s prompt for ``backend``'s model in a context of ``n_ctx`` tokens, and whether
     anything was cut to fit: the prefix's start and the suffix's end beyond their shares, the
     oldest chunks beyond theirs (whole; the newest alone too long, its start). NoInfillError where
-    the model has no FIM tokens; ValueError where the cursor line leaves the answer no room."""
+    the model has no FIM tokens; FillTooLongError where the cursor line leaves the answer no room."""
     fim = fim_tokens(backend)
     if fim is None:
         raise NoInfillError("this model has no fill-in-the-middle tokens (such as <|fim_prefix|>), so it cannot "
@@ -149,7 +154,7 @@ def fill_prompt(backend, fill: Fill, n_ctx: int) -> tuple[list[int], bool]:
     if fim.repo is not None:
         head += [fim.repo, *tokens(REPO_NAME + "\n", local)]
     current = [fim.separator, *tokens(EDITED_FILE + "\n", local)] if fim.separator is not None else []
-    middle = tokens(fill.middle, n_ctx)
+    middle = tokens(fill.middle, n_ctx, last=True)  # nearest the cursor
     prefix = tokens(fill.prefix, local, last=True)
     suffix = tokens(fill.suffix, local)
     keep_prefix = min(len(prefix), 3 * local // 4)
@@ -161,7 +166,8 @@ def fill_prompt(backend, fill: Fill, n_ctx: int) -> tuple[list[int], bool]:
     # line takes past its share
     room = n_ctx - answer - len(head) - len(current) - 3 - max(local, len(prefix) + len(middle) + len(suffix))
     if fixed >= n_ctx:
-        raise ValueError(f"the cursor line and the fill markers take {fixed} tokens of the {n_ctx} the context holds")
+        raise FillTooLongError(f"the cursor line and the fill markers take {fixed} tokens of the {n_ctx} the "
+                               "context holds", "shorten the cursor line, or raise --ctx")
     extra: list[int] = []
     for name, text in reversed(fill.extra):  # the newest first, while they fit whole
         header = [fim.separator, *tokens(name + "\n", room)] if fim.separator is not None \

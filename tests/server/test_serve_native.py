@@ -19,7 +19,7 @@ from specrun.sampling import SamplingSettings
 from specrun.server.native import parse_native_request, picked, stop_type
 from specrun.server.requests import RequestError, ServeDefaults, parse_chat_request
 from specrun.server.worker import Delta, Done, Failed, Job, LineLimits, PairOptions, PairWorker, Started, StopCut
-from specrun.sessions.infill import Fill, FimTokens, fill_prompt, fim_tokens
+from specrun.sessions.infill import Fill, FillTooLongError, FimTokens, fill_prompt, fim_tokens
 
 PREFIX = "def read_config(path):\n    with open(path) as f:\n"
 MIDDLE = "        con"
@@ -119,7 +119,7 @@ def test_each_part_keeps_its_share_of_the_context_so_the_chunks_kept_do_not_move
             assert moved[: len(kept)] == kept
         small = Fill("p\n", "s\n", "", EXTRA)
         assert fill_prompt(backend, small, 512) == (fill_prompt(backend, small, 4096)[0], False)
-        with pytest.raises(ValueError, match="cursor line"):
+        with pytest.raises(FillTooLongError, match="cursor line"):
             fill_prompt(backend, Fill("", "", "y" * 700), 256)
     finally:
         backend.close()
@@ -234,7 +234,7 @@ def test_llama_vscode_s_chat_edit_fields_are_taken_at_the_values_that_change_not
     ({"input_extra": [{"text": "x", "filename": 4}]}, "input_extra[0].filename", "must be a string"),
     ({"input_extra": [{"text": "\ud800"}]}, "input_extra[0].text", "lone surrogate"),
     ({"prompt": ["a"]}, "prompt", "cursor line"),
-    ({"n_predict": -2}, "n_predict", "must be in [0,"),
+    ({"n_predict": -2}, "n_predict", "must be -1 (until the context is full) or in [0,"),
     ({"n_indent": -1}, "n_indent", "must be in [0,"),
     ({"t_max_predict_ms": "soon"}, "t_max_predict_ms", "must be a number"),
     ({"samplers": ["top_k", "mirror"]}, "samplers", '"mirror" names no sampler'),
@@ -291,7 +291,7 @@ def test_a_fill_speculates_and_answers_what_plain_decoding_of_its_prompt_answers
                               "n_indent": 0, "t_max_predict_ms": 0})
         events = _events(worker, request)
         started, done = events[0], events[-1]
-        assert isinstance(started, Started) and started.prompt_tokens == len(ids) and not started.truncated
+        assert isinstance(started, Started) and started.prompt_tokens == len(ids) and not started.prompt_cut
         assert isinstance(done, Done)
         assert "".join(e.text for e in events if isinstance(e, Delta)) == plain.text
         # n_predict 0 reads a prompt into the cache and answers nothing; the next request reuses it
@@ -385,12 +385,12 @@ def test_a_warm_up_then_keystrokes_read_the_chunks_from_the_cache(fim_server):
     base = {**LLAMA_VIM, "input_extra": chunks, "response_fields": None, "n_indent": 0, "t_max_predict_ms": 0}
     status, warm = fim_server.post("/infill", {**base, "input_prefix": "", "input_suffix": "", "prompt": "",
                                                "n_predict": 0, "samplers": []})
-    assert status == 200 and warm["content"] == "" and warm["truncated"] is True
+    assert status == 200 and warm["content"] == "" and warm["prompt_cut"] is True and warm["truncated"] is False
     for middle, n_predict in (("    x = ", 8), ("    x = f", 3), ("    x = fo", 16)):
         status, fill = fim_server.post("/infill", {**base, "prompt": middle, "n_predict": n_predict})
         assert status == 200, fill
         assert fill["timings"]["cache_n"] >= warm["tokens_evaluated"] - 12  # the chunks, from the cache
-        assert fill["truncated"] is True
+        assert fill["prompt_cut"] is True and fill["truncated"] is False  # no "context is full" in llama.vim
 
 
 def test_llama_server_s_readings_of_a_request(fim_server):
@@ -435,9 +435,11 @@ def test_tokenize_and_detokenize_use_the_loaded_model_s_tokenizer(fim_server):
     assert 512 not in literal["tokens"]
     status, pieces = fim_server.post("/tokenize", {"content": ["def", 512, " f"], "with_pieces": True})
     assert status == 200 and 512 in [piece["id"] for piece in pieces["tokens"]]  # the id passed through
-    assert "".join(piece["piece"] for piece in pieces["tokens"] if piece["id"] != 512) == "def f"
+    assert "".join(piece["piece"] for piece in pieces["tokens"]) == "def<|fim_prefix|> f"  # control tokens spelled
     status, text = fim_server.post("/detokenize", {"tokens": plain["tokens"]})
     assert status == 200 and text == {"content": "def f(x):"}
+    spelled = fim_server.post("/detokenize", {"tokens": special["tokens"]})[1]
+    assert spelled == {"content": "<|bos|><|fim_prefix|>x"}  # control tokens spelled, as llama-server spells them
     for path, body, param in (("/tokenize", {}, "content"), ("/tokenize", {"content": [1.5]}, "content"),
                               ("/tokenize", {"content": [10**6]}, "content"),
                               ("/tokenize", {"content": "x", "with_pieces": "yes"}, "with_pieces"),
@@ -446,3 +448,63 @@ def test_tokenize_and_detokenize_use_the_loaded_model_s_tokenizer(fim_server):
         status, refused = fim_server.post(path, body)
         assert status == 400 and refused["error"]["param"] == param, (path, body, refused)
     assert fim_server.healthy()
+
+
+def test_a_stop_string_after_a_line_s_indentation_keeps_it(fim_server):
+    """n_indent holds a line's indentation until its text decides; a stop string there lets it
+    out, as llama-server keeps the text before its stop word."""
+    status, answer = fim_server.post("/completion", {"prompt": "x", "n_predict": 8, "n_indent": 4,
+                                                     "grammar": 'root ::= "foo\\n    END"', "stop": ["END"]})
+    assert status == 200 and answer["content"] == "foo\n    " and answer["stop_type"] == "word"
+    assert answer["stopping_word"] == "END"
+
+
+def test_a_served_fill_samples_under_the_infill_rule_as_the_engine_does(repo_model):
+    """llama.vscode's samplers through the worker: seeded, the answer is plain decoding's under
+    the rule token for token, and differs from the same seed without it."""
+    backend = _llama(repo_model)
+    fill = Fill(PREFIX, SUFFIX, MIDDLE, EXTRA)
+    try:
+        ids, _ = fill_prompt(backend, fill, 512)
+        runs = {infill: [SpeculativeEngine(backend, None, method="none").run(ids, GenerationParams(
+            24, 0, sampling=SamplingSettings(1.0, 40, 0.99, seed=seed, infill=infill), stop_at_eos=True)).text
+            for seed in range(4)] for infill in (True, False)}
+    finally:
+        backend.close()
+    assert runs[True] != runs[False]
+    worker = PairWorker(PairOptions(str(repo_model.gguf_f32_path), None, method="none", parallel=1,
+                                    load=LoadOptions(threads=1)))
+    worker.start()
+    try:
+        for seed, expected in enumerate(runs[True]):
+            request, _ = _native({**LLAMA_VIM, "n_predict": 24, "top_p": 0.99, "seed": seed, "n_indent": 0,
+                                  "t_max_predict_ms": 0})
+            events = _events(worker, request)
+            assert isinstance(events[-1], Done)
+            assert "".join(e.text for e in events if isinstance(e, Delta)) == expected
+    finally:
+        worker.stop()
+
+
+def test_mlx_tokenizing_from_two_threads_keeps_each_call_s_reading_of_control_text(repo_model):
+    """transformers sets split_special_tokens on the tokenizer it shares, then encodes: a server's
+    /tokenize beside its worker swapped each other's setting (MlxBackend.tokenize is locked)."""
+    import threading
+
+    backend = _mlx(repo_model)
+    text = "x = '<|fim_prefix|>' and <|file_sep|>"
+    expected = {special: backend.tokenize(text, add_bos=False, special=special) for special in (False, True)}
+    assert expected[False] != expected[True]
+    wrong = []
+
+    def tokenize(special: bool) -> None:
+        for _ in range(1500):
+            if backend.tokenize(text, add_bos=False, special=special) != expected[special]:
+                wrong.append(special)
+
+    threads = [threading.Thread(target=tokenize, args=(special,)) for special in (False, True)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert wrong == []
