@@ -23,23 +23,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from specrun.errors import SpecrunError
+from specrun.fill_tokens import FIM_SPELLINGS, REPO_SPELLINGS, SEPARATOR_SPELLINGS
 
-# (prefix, suffix, middle), the families' spellings as llama.cpp finds them (llama-vocab.cpp),
-# read where the backend does not say its own (MLX); llama.cpp's backend gives the ids llama.cpp
-# found, the GGUF's own first (Codestral's [PREFIX] among them)
-FIM_SPELLINGS = (
-    ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"),  # Qwen2.5-Coder, CodeGemma
-    ("<fim_prefix>", "<fim_suffix>", "<fim_middle>"),  # StarCoder, StarCoder2, Granite Code
-    ("<｜fim▁begin｜>", "<｜fim▁hole｜>", "<｜fim▁end｜>"),  # DeepSeek-Coder
-    ("<fim-prefix>", "<fim-suffix>", "<fim-middle>"),
-    ("▁<PRE>", "▁<SUF>", "▁<MID>"),  # CodeLlama
-    ("<PRE>", "<SUF>", "<MID>"),
-    ("<|code_prefix|>", "<|code_suffix|>", "<|code_middle|>"),  # GLM-4.5
-    ("<|prefix|>", "<|suffix|>", "<|middle|>"),  # Falcon-H1-Tiny-Coder
-)
-# the repository-level tokens: a repository's name and a file separator, each optional
-REPO_SPELLINGS = ("<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>", "<repo_name>")
-SEPARATOR_SPELLINGS = ("<|file_sep|>", "<file_sep>", "<|file_separator|>")
 # The names llama-server writes where its client gives none: plugins' prompts were tuned on them.
 REPO_NAME = "myproject"
 EDITED_FILE = "filename"
@@ -68,7 +53,8 @@ class FimTokens:
 
 def fim_tokens(backend) -> FimTokens | None:
     """The model's fill-in-the-middle tokens, or None where it has none: llama.cpp's finding
-    where the backend gives it (``fill_token_ids``), else the families' spellings."""
+    where the backend gives it (``fill_token_ids``: the GGUF's ids first, Codestral's [PREFIX]
+    among them), else the families' spellings as llama.cpp finds them (specrun/fill_tokens.py)."""
     declared = getattr(backend, "fill_token_ids", None)
     found = declared() if declared is not None else None
     if found is not None:

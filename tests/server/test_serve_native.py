@@ -508,3 +508,15 @@ def test_mlx_tokenizing_from_two_threads_keeps_each_call_s_reading_of_control_te
     for thread in threads:
         thread.join()
     assert wrong == []
+
+
+def test_both_backends_end_a_fill_at_the_repository_and_separator_tokens(repo_model, fim_model):
+    """llama.cpp ends generation at a code model's repository, file-separator and padding tokens
+    (a fill that wrote one began an invented next file); MLX reads the same spellings."""
+    for model, endings in ((repo_model, {515, 516}), (fim_model, set())):
+        llama, mlx = _llama(model), _mlx(model)
+        try:
+            assert llama.vocab.eos_ids == mlx.vocab.eos_ids == {2} | endings  # the tiny vocabulary's end, 2
+        finally:
+            llama.close()
+            mlx.close()
