@@ -3,7 +3,7 @@
 The same function is applied to the target's and the drafter's logits, so both
 distributions mean "the model under the user's settings" (docs/design.md).
 Order: temperature, then top-k, top-p, min-p, then renormalise. llama.cpp's infill sampler
-(``infill_rule``), where asked, follows on the target's rows only.
+(``infill_rule``), where asked, follows on the target's rows and a draft model's.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ class SamplingSettings:
     top_p: float = 1.0  # 1.0: off
     min_p: float = 0.0  # 0.0: off
     seed: int | None = None
-    # llama.cpp's "infill" sampler after the others, on the target's rows (``infill_rule``): what
+    # llama.cpp's "infill" sampler after the others, on the target's rows and a draft model's (``infill_rule``): what
     # editor plugins (llama.vim, llama.vscode) ask for; no effect on greedy runs
     infill: bool = False
 

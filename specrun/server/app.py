@@ -461,22 +461,24 @@ class OpenAIServer:
         return JSONResponse(props_object(self.worker, self.model_id, self.defaults, f"specrun {__version__}"))
 
     async def tokenize(self, request):
-        """llama-server's /tokenize, with the loaded model's tokenizer (read-only: beside the worker)."""
-        from starlette.responses import JSONResponse
-
+        """llama-server's /tokenize: text as the loaded model's token ids."""
         from specrun.server.native import tokenize_answer
 
-        body = await read_json_body(request, self.http.max_body_bytes)
-        return JSONResponse(await asyncio.to_thread(tokenize_answer, self.worker.session.target, body))
+        return await self._with_tokenizer(request, tokenize_answer)
 
     async def detokenize(self, request):
         """llama-server's /detokenize: token ids as the text they spell."""
-        from starlette.responses import JSONResponse
-
         from specrun.server.native import detokenize_answer
 
+        return await self._with_tokenizer(request, detokenize_answer)
+
+    async def _with_tokenizer(self, request, answer):
+        """``answer(target, body)`` on a thread, beside the worker: tokenizing only reads the model
+        (MLX's tokenizer is locked, backends/mlx.py)."""
+        from starlette.responses import JSONResponse
+
         body = await read_json_body(request, self.http.max_body_bytes)
-        return JSONResponse(await asyncio.to_thread(detokenize_answer, self.worker.session.target, body))
+        return JSONResponse(await asyncio.to_thread(answer, self.worker.session.target, body))
 
     async def native_completion(self, request):
         """llama-server's /completion: text after a prompt, in its answer's shape."""

@@ -25,6 +25,7 @@ from specrun.server.requests import (
     RequestError,
     ServeDefaults,
     check_fields,
+    check_token_ids,
     checked_text,
     parse_common,
     parse_prompt,
@@ -240,7 +241,8 @@ def tokenize_answer(backend, body: dict) -> dict:
             add_bos = flags["add_special"] and index == 0
             ids += backend.tokenize(checked_text(part, "content"), add_bos=add_bos, special=flags["parse_special"])
         else:
-            ids.append(_known_id(backend, part, "content"))
+            check_token_ids([part], backend.vocab.size, "content")
+            ids.append(part)
     if not flags["with_pieces"]:
         return {"tokens": ids}
     return {"tokens": [{"id": token, "piece": _piece(_spelled(backend, token))} for token in ids]}
@@ -252,7 +254,8 @@ def detokenize_answer(backend, body: dict) -> dict:
     tokens = body.get("tokens", [])
     if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
         raise RequestError("tokens must be a list of token ids", "tokens", code="invalid_type")
-    spelled = b"".join(_spelled(backend, _known_id(backend, token, "tokens")) for token in tokens)
+    check_token_ids(tokens, backend.vocab.size, "tokens")
+    spelled = b"".join(_spelled(backend, token) for token in tokens)
     return {"content": spelled.decode("utf-8", errors="replace")}
 
 
@@ -262,13 +265,6 @@ def _spelled(backend, token: int) -> bytes:
     if not piece and (text := backend.token_text(token)) in backend.control_texts():
         return text.encode("utf-8")
     return piece
-
-
-def _known_id(backend, token: int, where: str) -> int:
-    if not 0 <= token < backend.vocab.size:
-        raise RequestError(f"{where}: token id {token} is outside the vocabulary (0 to {backend.vocab.size - 1})",
-                           where, code="invalid_value")
-    return token
 
 
 def _piece(piece: bytes) -> str | list[int]:

@@ -84,6 +84,13 @@ class RequestError(Exception):
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
 
 
+def check_token_ids(ids, vocab_size: int, param: str) -> None:
+    """A 400 naming ``param`` where a token id of ``ids`` is outside a vocabulary of ``vocab_size``."""
+    bad = next((token for token in ids if not 0 <= token < vocab_size), None)
+    if bad is not None:
+        raise invalid_value(param, f"token id {bad} is outside the vocabulary (0 to {vocab_size - 1})")
+
+
 def invalid_value(param: str, message: str) -> RequestError:
     """The error for a field whose value is refused, the field named first."""
     return RequestError(f"{param}: {message}", param, code="invalid_value")

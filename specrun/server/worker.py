@@ -46,7 +46,7 @@ from specrun.errors import ContextFullError, ConversationRefusedError, SpecrunEr
 from specrun.grammar import Grammar, GrammarError
 from specrun.registry.loading import LoadOptions
 from specrun.server.dispatch import Jobs
-from specrun.server.requests import CompletionRequest, RequestError, invalid_value
+from specrun.server.requests import CompletionRequest, RequestError, check_token_ids, invalid_value
 from specrun.sessions.setup import TreeSettings, ctx_fix
 from specrun.sessions.tools import ToolCall, ToolStyle, ToolTemplateError, render_conversation, style_for
 from specrun.sessions.trace import RequestTrace, ServerTrace
@@ -142,11 +142,12 @@ class StopCut:
 
 class LineLimits:
     """llama-server's two limits on an editor's completion, applied to the text the stop strings
-    let out. ``indent`` (n_indent): a line after the first that begins less indented
-    than that (spaces and tabs counted; an empty line counts as none, as llama-server counts it)
-    ends the answer at that line's first other character, its indentation kept as llama-server
-    keeps it; the indentation is held back until that character decides. ``seconds`` (t_max_predict_ms): once generation has run that long,
-    the answer ends at its next newline. ``stopped``: "indent" or "time" once one of them did."""
+    let out. ``indent`` (n_indent): a line after the first that begins less indented than that
+    (spaces and tabs counted; an empty line counts as none, as llama-server counts it) ends the
+    answer at that line's first other character, its indentation kept as llama-server keeps it;
+    the indentation is held back until that character decides. ``seconds`` (t_max_predict_ms):
+    once generation has run that long, the answer ends at its next newline. ``stopped``:
+    "indent" or "time" once one of them did."""
 
     def __init__(self, indent: int, seconds: float, clock: Callable[[], float] = time.monotonic) -> None:
         self.indent = indent
@@ -869,10 +870,7 @@ class PairWorker:
             prompt_ids = tokenize_rendered(target, session.template, text, spans)
         else:
             if not isinstance(request.prompt, str):
-                bad = next((t for t in request.prompt if not 0 <= t < target.vocab.size), None)
-                if bad is not None:
-                    raise invalid_value("prompt", f"token id {bad} is outside the vocabulary "
-                                                  f"(0 to {target.vocab.size - 1})")
+                check_token_ids(request.prompt, target.vocab.size, "prompt")
             # an editor's fill at the cursor; an empty suffix (a file's end) only where the model fills
             fim = fim_tokens(target) if request.suffix == "" else None
             if request.suffix is not None and (request.suffix or fim is not None):

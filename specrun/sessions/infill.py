@@ -69,6 +69,14 @@ def fim_tokens(backend) -> FimTokens | None:
     return None
 
 
+def _required(fim: FimTokens | None) -> FimTokens:
+    """``fim``, or NoInfillError where the model has no fill-in-the-middle tokens."""
+    if fim is None:
+        raise NoInfillError("this model has no fill-in-the-middle tokens (such as <|fim_prefix|>), so it cannot "
+                            "complete between a prefix and a suffix", NO_FIM_FIX)
+    return fim
+
+
 def _first_special(backend, spellings) -> int | None:
     return next((found for text in spellings if (found := _special_id(backend, text)) is not None), None)
 
@@ -81,10 +89,7 @@ def _special_id(backend, text: str) -> int | None:
 def infill_ids(backend, prefix: str | list[int], suffix: str, fim: FimTokens | None = None) -> list[int]:
     """[BOS] PRE prefix SUF suffix MID for ``backend``'s model (``prefix`` as text or token ids;
     ``fim``: its fim_tokens, where the caller has them); NoInfillError where it has no such tokens."""
-    fim = fim or fim_tokens(backend)
-    if fim is None:
-        raise NoInfillError("this model has no fill-in-the-middle tokens (such as <|fim_prefix|>), so it cannot "
-                            "complete between a prefix and a suffix", NO_FIM_FIX)
+    fim = _required(fim or fim_tokens(backend))
     prefix_ids = list(prefix) if not isinstance(prefix, str) else backend.tokenize(prefix, add_bos=False)
     vocab = backend.vocab
     bos = [vocab.bos_id] if vocab.add_bos and vocab.bos_id is not None else []
@@ -120,10 +125,7 @@ def fill_prompt(backend, fill: Fill, n_ctx: int) -> tuple[list[int], bool]:
     anything was cut to fit: the prefix's start and the suffix's end beyond their shares, the
     oldest chunks beyond theirs (whole; the newest alone too long, its start). NoInfillError where
     the model has no FIM tokens; FillTooLongError where the cursor line leaves the answer no room."""
-    fim = fim_tokens(backend)
-    if fim is None:
-        raise NoInfillError("this model has no fill-in-the-middle tokens (such as <|fim_prefix|>), so it cannot "
-                            "complete between a prefix and a suffix", NO_FIM_FIX)
+    fim = _required(fim_tokens(backend))
     vocab = backend.vocab
 
     cut_early = False  # a text cut by its characters before tokenizing
@@ -154,16 +156,19 @@ def fill_prompt(backend, fill: Fill, n_ctx: int) -> tuple[list[int], bool]:
     if fixed >= n_ctx:
         raise FillTooLongError(f"the cursor line and the fill markers take {fixed} tokens of the {n_ctx} the "
                                "context holds", "shorten the cursor line, or raise --ctx")
-    extra: list[int] = []
+    kept: list[list[int]] = []  # the chunks kept, newest first
+    taken = 0
     for name, text in reversed(fill.extra):  # the newest first, while they fit whole
         header = [fim.separator, *tokens(name + "\n", room)] if fim.separator is not None \
             else tokens(SNIPPET_LINE, room)
         chunk = header + tokens(text, room, last=True)
-        if len(extra) + len(chunk) > room:
+        if taken + len(chunk) > room:
             cut = True
-            if not extra and room > 0:  # the newest alone is too long: its end, as llama-server keeps it
-                extra = chunk[len(chunk) - room:]
+            if not kept and room > 0:  # the newest alone is too long: its end, as llama-server keeps it
+                kept.append(chunk[len(chunk) - room:])
             break
-        extra[:0] = chunk
+        kept.append(chunk)
+        taken += len(chunk)
+    extra = [token for chunk in reversed(kept) for token in chunk]
     ids = [*head, *extra, *current, fim.prefix, *prefix, *middle, fim.suffix, *suffix, fim.middle]
     return ids, cut or cut_early
