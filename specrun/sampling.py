@@ -3,17 +3,22 @@
 The same function is applied to the target's and the drafter's logits, so both
 distributions mean "the model under the user's settings" (docs/design.md).
 Order: temperature, then top-k, top-p, min-p, then renormalise. llama.cpp's infill sampler
-(``infill_rule``), where asked, follows on the target's rows and a draft model's.
+(``infill_rule``), where asked, follows on the target's rows and a draft model's. Repetition
+penalties and logit bias shape the target's logits before all of it, each row by the text it
+follows (specrun/penalties.py).
 """
 
 from __future__ import annotations
 
 import bisect
+import math
 import weakref
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
 import numpy as np
+
+from specrun.penalties import MAX_BIAS, Penalties
 
 # The largest --seed: a signed 64-bit integer, what the server's "seed" field and heads train take
 # (numpy's generator would take any size; a seed one command takes, the others should take too).
@@ -32,10 +37,20 @@ class SamplingSettings:
     # llama.cpp's "infill" sampler after the others, on the target's rows and a draft model's (``infill_rule``): what
     # editor plugins (llama.vim, llama.vscode) ask for; no effect on greedy runs
     infill: bool = False
+    # llama.cpp's repetition penalties and a bias by token ((token, amount) pairs; -inf forbids one):
+    # the target's logits shaped by the text each row follows, greedy runs too (penalties.py)
+    penalties: Penalties = Penalties()
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def shapes_rows(self) -> bool:
+        """Are the target's rows shaped by their text (penalties or a bias), so that a pass's rows must
+        come to the host (no argmax on the device)?"""
+        return bool(self.logit_bias) or self.penalties.on
 
     def validate(self) -> list[str]:
         """Problems with these settings, as option-named messages (empty if fine)."""
@@ -50,12 +65,21 @@ class SamplingSettings:
             problems.append(f"--min-p must be in [0, 1), got {self.min_p}")
         if self.seed is not None and not 0 <= self.seed <= MAX_SEED:
             problems.append(f"--seed must be between 0 and {MAX_SEED}, got {self.seed}")
+        problems += self.penalties.problems()
+        for token, amount in self.logit_bias:
+            if token < 0:
+                problems.append(f"--logit-bias names token {token}: token ids are 0 or more")
+            elif not (amount == -math.inf or -MAX_BIAS <= amount <= MAX_BIAS):
+                problems.append(f"--logit-bias for token {token} must be between -{MAX_BIAS:g} and {MAX_BIAS:g} "
+                                f"(or -inf to forbid it), got {amount}")
         return problems
 
     def describe(self) -> str:
         """In words, for a table's footnote: ``greedy``, or the temperature and each option that is on."""
+        shaping = [said for said in (self.penalties.describe(),
+                                     f"logit bias on {len(self.logit_bias)} tokens" if self.logit_bias else "") if said]
         if self.greedy:
-            return "greedy"
+            return ", ".join(["greedy", *shaping])
         said = [f"temperature {self.temperature:.10g}"]
         if self.top_k:
             said.append(f"top-k {self.top_k}")
@@ -67,7 +91,7 @@ class SamplingSettings:
             said.append("infill rule")
         if self.seed is not None:
             said.append(f"seed {self.seed}")
-        return ", ".join(said)
+        return ", ".join([*said, *shaping])
 
     def fields(self) -> dict:
         """For a trace's header: the temperature, and the options that are on."""
@@ -77,6 +101,11 @@ class SamplingSettings:
                                                                 ("min_p", self.min_p, 0.0), ("seed", self.seed, None),
                                                                 ("infill", self.infill, False))
                            if value != off})
+        if self.penalties.on:
+            fields["penalties"] = {"repeat": self.penalties.repeat, "frequency": self.penalties.frequency,
+                                   "presence": self.penalties.presence, "last_n": self.penalties.last_n}
+        if self.logit_bias:
+            fields["logit_bias"] = [[token, amount if math.isfinite(amount) else None] for token, amount in self.logit_bias]
         return fields
 
 

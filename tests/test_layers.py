@@ -49,6 +49,8 @@ FORBIDDEN = {
     "verify": {"engine", "control", "drafters", "sessions", "cli", "bench", "registry", "training", "server"},
     "sampling": {"engine", "control", "drafters", "sessions", "cli", "bench", "registry", "verify", "training",
                  "server"},
+    "penalties": {"engine", "control", "drafters", "sessions", "cli", "bench", "registry", "verify", "training",
+                  "server", "backends", "sampling", "grammar"},
     "grammar": {"engine", "control", "drafters", "sessions", "cli", "bench", "registry", "verify", "training",
                 "server", "backends"},
     "engine": {"sessions", "cli", "bench", "registry", "training", "server"},

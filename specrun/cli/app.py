@@ -90,6 +90,11 @@ from specrun.cli.options import (
     MaxTokensOpt,
     MethodOpt,
     MinPOpt,
+    FrequencyPenaltyOpt,
+    LogitBiasOpt,
+    PresencePenaltyOpt,
+    RepeatLastNOpt,
+    RepeatPenaltyOpt,
     NgramCacheOpt,
     RawOpt,
     TraceOpt,
@@ -158,6 +163,11 @@ def generate(
     top_p: TopPOpt = 1.0,
     min_p: MinPOpt = 0.0,
     seed: SeedOpt = None,
+    repeat_penalty: RepeatPenaltyOpt = 1.0,
+    repeat_last_n: RepeatLastNOpt = 64,
+    presence_penalty: PresencePenaltyOpt = 0.0,
+    frequency_penalty: FrequencyPenaltyOpt = 0.0,
+    logit_bias: LogitBiasOpt = None,
     draft_len: DraftLenOpt = None,
     draft_min_prob: DraftMinProbOpt = None,
     json_output: JsonOpt = False,
@@ -220,7 +230,9 @@ def generate(
         lookahead_sizes = checked_lookahead(lookahead, (method,))
         check_heads_used(heads, (method,))
         trees = checked_trees(chain_only, tree_nodes, branches, lookahead_sizes, window=uses_window((method,)))
-        sampling = checked_sampling("generate", temp, top_k, top_p, min_p, seed)
+        sampling = checked_sampling("generate", temp, top_k, top_p, min_p, seed, repeat_penalty=repeat_penalty,
+                                    repeat_last_n=repeat_last_n, presence_penalty=presence_penalty,
+                                    frequency_penalty=frequency_penalty, logit_bias=logit_bias)
         verification = checked_verification("generate", verify, accept, epsilon, delta, margin, exact)
         grammar_spec = checked_grammar(grammar, json_schema)
         tool_list, choice = checked_tools(tools, tool_choice)

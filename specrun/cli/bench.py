@@ -58,6 +58,11 @@ from specrun.cli.options import (
     MarginOpt,
     MaxTokensOpt,
     MinPOpt,
+    FrequencyPenaltyOpt,
+    LogitBiasOpt,
+    PresencePenaltyOpt,
+    RepeatLastNOpt,
+    RepeatPenaltyOpt,
     RawOpt,
     RegistryOpt,
     RpcOpt,
@@ -115,6 +120,11 @@ def bench(
     top_p: TopPOpt = 1.0,
     min_p: MinPOpt = 0.0,
     seed: SeedOpt = None,
+    repeat_penalty: RepeatPenaltyOpt = 1.0,
+    repeat_last_n: RepeatLastNOpt = 64,
+    presence_penalty: PresencePenaltyOpt = 0.0,
+    frequency_penalty: FrequencyPenaltyOpt = 0.0,
+    logit_bias: LogitBiasOpt = None,
     repeat: RepeatOpt = 1,
     chat: ChatOpt = False,
     raw: RawOpt = False,
@@ -173,7 +183,9 @@ def bench(
         if native and rpc_servers:
             raise UsageError("--native runs llama-cpp-python's own loop on a copy of the target here, and --rpc "
                              "sends the target to other machines", "drop --native or --rpc")
-        sampling = checked_sampling("bench", temp, top_k, top_p, min_p, seed)
+        sampling = checked_sampling("bench", temp, top_k, top_p, min_p, seed, repeat_penalty=repeat_penalty,
+                                    repeat_last_n=repeat_last_n, presence_penalty=presence_penalty,
+                                    frequency_penalty=frequency_penalty, logit_bias=logit_bias)
         verification = checked_verification("bench", verify, accept, epsilon, delta, margin, exact)
         target = target or DEFAULT_TARGET
         given_draft = draft

@@ -74,6 +74,11 @@ from specrun.cli.options import (
     MaxTokensOpt,
     MethodOpt,
     MinPOpt,
+    FrequencyPenaltyOpt,
+    LogitBiasOpt,
+    PresencePenaltyOpt,
+    RepeatLastNOpt,
+    RepeatPenaltyOpt,
     NgramCacheOpt,
     RegistryOpt,
     RpcOpt,
@@ -139,6 +144,11 @@ def chat_command(
     top_p: TopPOpt = 1.0,
     min_p: MinPOpt = 0.0,
     seed: SeedOpt = None,
+    repeat_penalty: RepeatPenaltyOpt = 1.0,
+    repeat_last_n: RepeatLastNOpt = 64,
+    presence_penalty: PresencePenaltyOpt = 0.0,
+    frequency_penalty: FrequencyPenaltyOpt = 0.0,
+    logit_bias: LogitBiasOpt = None,
     draft_len: DraftLenOpt = None,
     draft_min_prob: DraftMinProbOpt = None,
     system: SystemOpt = None,
@@ -194,7 +204,10 @@ def chat_command(
         # The session fills in the draft length: the user's, else the longest an adaptive run may choose.
         lookahead_sizes = checked_lookahead(lookahead, (method,))
         trees = checked_trees(chain_only, tree_nodes, branches, lookahead_sizes, window=uses_window((method,)))
-        params = GenerationParams(max_tokens, 0, checked_sampling("chat", temp, top_k, top_p, min_p, seed),
+        sampling = checked_sampling("chat", temp, top_k, top_p, min_p, seed, repeat_penalty=repeat_penalty,
+                                    repeat_last_n=repeat_last_n, presence_penalty=presence_penalty,
+                                    frequency_penalty=frequency_penalty, logit_bias=logit_bias)
+        params = GenerationParams(max_tokens, 0, sampling,
                                   tree_nodes=trees.nodes, tie_margin=0.0 if exact else TIE_MARGIN)
         verification = checked_verification("chat", verify, accept, epsilon, delta, margin, exact)
         interactive = sys.stdin.isatty()

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import math
 import os
+import re
 import sys
 import traceback
 from collections.abc import Sequence
@@ -401,15 +403,36 @@ def checked_verification(command: str, verify: str, accept: str, epsilon: float 
     return Verification(verify, acceptance)
 
 
-def checked_sampling(command: str, temp: float, top_k: int, top_p: float, min_p: float, seed: int | None):
+def checked_sampling(command: str, temp: float, top_k: int, top_p: float, min_p: float, seed: int | None, *,
+                     repeat_penalty: float = 1.0, repeat_last_n: int = 64, presence_penalty: float = 0.0,
+                     frequency_penalty: float = 0.0, logit_bias: list[str] | None = None):
     """The sampling options as SamplingSettings, or a usage error naming the first bad one."""
+    from specrun.penalties import Penalties
     from specrun.sampling import SamplingSettings
 
-    sampling = SamplingSettings(temp, top_k, top_p, min_p, seed)
+    penalties = Penalties(repeat_penalty, frequency_penalty, presence_penalty, repeat_last_n)
+    sampling = SamplingSettings(temp, top_k, top_p, min_p, seed, penalties=penalties,
+                                logit_bias=tuple(_logit_bias(value) for value in logit_bias or ()))
     problems = sampling.validate()
     if problems:
         raise UsageError(problems[0], f"see `specrun {command} --help`")
     return sampling
+
+
+def _logit_bias(value: str) -> tuple[int, float]:
+    """One --logit-bias as llama.cpp writes it: TOKEN_ID+BIAS or TOKEN_ID-BIAS (BIAS may be inf)."""
+    match = re.fullmatch(r"\s*(\d+)\s*([+-])\s*(\S+)\s*", value)
+    try:
+        amount = float(match.group(3)) if match else math.nan
+    except ValueError:
+        amount = math.nan
+    if match is None or math.isnan(amount) or amount < 0:
+        raise UsageError(f"--logit-bias {value!r} is not TOKEN_ID+BIAS or TOKEN_ID-BIAS",
+                         "write it as llama.cpp does, like 15043+1.5, or 2-inf to forbid token 2")
+    amount = -amount if match.group(2) == "-" else amount
+    if amount == math.inf:
+        raise UsageError(f"--logit-bias {value!r} would force its token at every step", "give a finite bias, or -inf to forbid it")
+    return int(match.group(1)), amount
 
 
 def checked_rpc(rpc: str | None) -> tuple[str, ...]:

@@ -47,6 +47,18 @@ TopKOpt = Annotated[int, typer.Option("--top-k", help="Top-k (0: off).")]
 TopPOpt = Annotated[float, typer.Option("--top-p", help="Top-p (1: off).")]
 MinPOpt = Annotated[float, typer.Option("--min-p", help="Min-p (0: off).")]
 SeedOpt = Annotated[Optional[int], typer.Option("--seed", help="Random seed for sampling, from 0 to 2^63 - 1.")]
+RepeatPenaltyOpt = Annotated[float, typer.Option(
+    "--repeat-penalty", help="Divide the logit of each token in the last --repeat-last-n tokens by this (1: off), "
+    "as llama.cpp does; greedy runs too.")]
+RepeatLastNOpt = Annotated[int, typer.Option(
+    "--repeat-last-n", help="Tokens the penalties look back over, the prompt's included (-1: the whole text, 0: off).")]
+PresencePenaltyOpt = Annotated[float, typer.Option(
+    "--presence-penalty", help="Subtract this from the logit of each token in the window (0: off).")]
+FrequencyPenaltyOpt = Annotated[float, typer.Option(
+    "--frequency-penalty", help="Subtract this times its count in the window from each token's logit (0: off).")]
+LogitBiasOpt = Annotated[Optional[list[str]], typer.Option(
+    "--logit-bias", "-l", help="TOKEN_ID+BIAS or TOKEN_ID-BIAS, added to that token's logit (-inf forbids it), "
+    "as llama.cpp writes it; repeat for more tokens.")]
 DraftLenOpt = Annotated[
     Optional[int],
     typer.Option(

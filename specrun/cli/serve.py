@@ -60,6 +60,11 @@ from specrun.cli.options import (
     KeepLearnedOpt,
     MethodOpt,
     MinPOpt,
+    FrequencyPenaltyOpt,
+    LogitBiasOpt,
+    PresencePenaltyOpt,
+    RepeatLastNOpt,
+    RepeatPenaltyOpt,
     NgramCacheOpt,
     RegistryOpt,
     RpcOpt,
@@ -142,6 +147,11 @@ def serve_command(
     top_k: TopKOpt = 0,
     top_p: TopPOpt = 1.0,
     min_p: MinPOpt = 0.0,
+    repeat_penalty: RepeatPenaltyOpt = 1.0,
+    repeat_last_n: RepeatLastNOpt = 64,
+    presence_penalty: PresencePenaltyOpt = 0.0,
+    frequency_penalty: FrequencyPenaltyOpt = 0.0,
+    logit_bias: LogitBiasOpt = None,
     draft_len: DraftLenOpt = None,
     draft_min_prob: DraftMinProbOpt = None,
     ctx: CtxOpt = None,
@@ -222,7 +232,9 @@ def serve_command(
                 given, why = refused
                 raise UsageError(f"{given} {why}, which --parallel slots sharing a pass cannot do",
                                  f"leave {given} out, or serve with --parallel 1")
-        sampling = checked_sampling("serve", temp, top_k, top_p, min_p, None)
+        sampling = checked_sampling("serve", temp, top_k, top_p, min_p, None, repeat_penalty=repeat_penalty,
+                                    repeat_last_n=repeat_last_n, presence_penalty=presence_penalty,
+                                    frequency_penalty=frequency_penalty, logit_bias=logit_bias)
         verification = checked_verification("serve", verify, accept, epsilon, delta, margin, exact)
         lookahead_sizes = checked_lookahead(lookahead, (method,))
         check_heads_used(heads, (method,))

@@ -83,6 +83,14 @@ def check_prompt(prompt: Sequence[int], n_ctx: int, fix: str = "shorten the prom
         raise ContextFullError(f"the prompt has {len(prompt)} tokens but the context holds {n_ctx}", fix)
 
 
+def check_bias(sampling: SamplingSettings, vocab_size: int) -> None:
+    """A logit bias on tokens the target has (the server checks its requests' before they queue)."""
+    bad = next((token for token, _ in sampling.logit_bias if token >= vocab_size), None)
+    if bad is not None:
+        raise UsageError(f"--logit-bias names token {bad}, outside the target's vocabulary (0 to {vocab_size - 1})",
+                         "give a token id the target has")
+
+
 def _deepest(draft_len: int, drafter: Drafter | None) -> int:
     """The draft length a run's statistics report: the length asked, or the drafter's own bound
     where it is lower (MTP heads asked for 16 draft at most their depth)."""
@@ -306,7 +314,8 @@ class SpeculativeEngine:
             return self.policy
         # a fused pass is read as greedy ids: a grammar must mask its rows first, a lossy rule read them
         fusable = (drafter.can_defer(params.sampling) and self.target.can_feed_after and params.grammar is None
-                   and params.logprobs is None and self.passes.acceptance is None)
+                   and params.logprobs is None and self.passes.acceptance is None
+                   and not params.sampling.shapes_rows)  # penalties shape the rows by their text
         return FixedPolicy(drafter, fusable)
 
     # ---- layer 1: verify passes -------------------------------------------------
@@ -315,6 +324,7 @@ class SpeculativeEngine:
         n_ctx = self.target.backend.n_ctx
         check_prompt(prompt, n_ctx)
         sampling = params.sampling
+        check_bias(sampling, self.target.backend.vocab.size)
         rng = np.random.default_rng(sampling.seed)
         eos_ids = self.target.backend.vocab.eos_ids if params.stop_at_eos else frozenset()
         context = list(prompt)
@@ -340,16 +350,18 @@ class SpeculativeEngine:
         row_readers = [member for member in self.drafter.members if member.reads_rows] if (
             self.drafter is not None) else []
         rows_come = (not sampling.greedy or params.logprobs is not None or constrained is not None
-                     or self.passes.acceptance is not None)
+                     or self.passes.acceptance is not None or sampling.shapes_rows)
         self.grammar_blocked = False
         self.grammar_problem = ""
         self.passes.keep_rows = params.logprobs is not None
         # plain greedy steps read one token ahead where the target can (KVSequence.feed_argmax_ahead)
         reads_ahead = (self.target.can_read_ahead and sampling.greedy and constrained is None
-                       and params.logprobs is None)
+                       and params.logprobs is None and not sampling.shapes_rows)
         clock = StepClock(self.clock)  # generation starts
         try:
             hit_eos = False
+            if params.max_new_tokens > 0:  # penalties and a bias shape the first token's row by the prompt
+                prompt_logits = self.passes.shaped(prompt_logits, sampling, context)
             if constrained is not None and params.max_new_tokens > 0:
                 prompt_logits = constrained.masked(prompt_logits)
                 self.grammar_blocked = prompt_logits is None
@@ -405,7 +417,7 @@ class SpeculativeEngine:
                     proposal = drafts
                     verdict, queued = self.passes.plain_ahead(context[-1], ahead)
                 else:
-                    proposal, verdict = self.passes.verify(context[-1], drafts, sampling, rng, allowed)
+                    proposal, verdict = self.passes.verify(context[-1], drafts, sampling, rng, allowed, context)
                 # Keep the fed last token and the accepted drafts; drop the rejected tail.
                 self.target.rewind(context_len + verdict.n_accepted)
                 clock.passed()  # what follows is bookkeeping, neither drafting nor verifying

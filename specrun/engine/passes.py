@@ -9,7 +9,7 @@ model's greedy ids while they are still being computed (``DeferredDrafts``).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -17,6 +17,7 @@ import numpy as np
 from specrun.backends.kv import KVSequence
 from specrun.drafters.base import Drafter, Proposal
 from specrun.engine.constrained import masked_rows
+from specrun.penalties import chain_paths, shaped_rows, tree_paths
 from specrun.sampling import SamplingSettings, infill_rule, infill_vocab_of, probabilities, sample
 from specrun.verify import (
     EXACT, LossyAcceptance, TreeVerdict, Verdict, verify_block, verify_greedy, verify_lossy, verify_sampled,
@@ -72,8 +73,10 @@ class TargetPasses:
         # greedy passes read whole rows, not the backend's argmax (for the tokens' log-probabilities)
         self.keep_rows = False
         # the last pass's rows as verified (1 + n, V), where it read rows (sampling, a grammar,
-        # keep_rows); None after a pass that read only the backend's argmax
+        # penalties, keep_rows); None after a pass that read only the backend's argmax
         self.last_rows: np.ndarray | None = None
+        # this pass's penalties and bias, and the text its root row follows (None: rows unshaped)
+        self._shaping: tuple[SamplingSettings, Sequence[int]] | None = None
 
     @property
     def verification(self) -> Verification:
@@ -118,16 +121,27 @@ class TargetPasses:
             p_target = infill_rule(p_target, infill_vocab_of(self.target.backend, p_target.shape[-1]))
         return p_target
 
+    def shaped(self, logits: np.ndarray, sampling: SamplingSettings, text: Sequence[int]) -> np.ndarray:
+        """A row (V,) after ``text`` under the settings' penalties and bias (penalties.py), or as it is."""
+        if not sampling.shapes_rows:
+            return logits
+        return shaped_rows(logits[None], sampling.penalties, sampling.logit_bias, text, [()])[0]
+
     def verify(
         self, last_token: int, drafts: Proposal | DeferredDrafts, sampling: SamplingSettings,
-        rng: np.random.Generator, allowed: np.ndarray | None = None,
+        rng: np.random.Generator, allowed: np.ndarray | None = None, text: Sequence[int] | None = None,
     ) -> tuple[Proposal, Verdict | TreeVerdict]:
         """One target pass over the last token and the drafts, then the acceptance rule: a chain
         yields k + 1 distributions; a tree one per node, and the accepted path is kept. Returns
         the proposal verified (deferred drafts are read in the pass) and the verdict.
         ``allowed``: under a grammar, the tokens each row allows ((1 + n, size) bool, the root's
-        first); the rows are masked before the rule sees them (engine/constrained.py)."""
+        first); the rows are masked before the rule sees them (engine/constrained.py).
+        ``text``: the context, ending in ``last_token``, that penalties and a bias read (each row
+        shaped by it and the drafts before the row, penalties.py); needed where the settings shape rows."""
         self.last_rows = None
+        if sampling.shapes_rows and text is None:
+            raise ValueError("rows shaped by penalties or a bias need the text they follow")
+        self._shaping = (sampling, text) if sampling.shapes_rows else None
         if isinstance(drafts, DeferredDrafts):
             return self._verify_deferred(last_token, drafts)
         if self.acceptance is not None and drafts.tokens:
@@ -137,13 +151,13 @@ class TargetPasses:
         fed = [last_token, *drafts.tokens]
         rows = range(len(fed))
         if sampling.greedy:
-            if allowed is None and not self.keep_rows:
+            if allowed is None and not self.keep_rows and self._shaping is None:
                 target_argmax = self.target.feed_argmax(fed, rows)  # (k+1,)
             else:
-                target_argmax = self._rows(self.target.feed(fed, rows), allowed).argmax(axis=-1)
+                target_argmax = self._rows(self.target.feed(fed, rows), allowed, drafts).argmax(axis=-1)
             self._show_pass(drafts, target_argmax)
             return drafts, verify_greedy(drafts.tokens, target_argmax)
-        logits = self._rows(self.target.feed(fed, rows), allowed)  # (k+1, V)
+        logits = self._rows(self.target.feed(fed, rows), allowed, drafts)  # (k+1, V)
         self._show_pass(drafts, logits)
         p_target = self.p_target(logits, sampling)
         rule = verify_block if self.chain_rule == "block" else verify_sampled
@@ -164,14 +178,15 @@ class TargetPasses:
         tree = proposal.tree
         rows = tree.logit_rows(1)  # the root's row, then one per node
         if sampling.greedy:
-            if allowed is None and not self.keep_rows:
+            if allowed is None and not self.keep_rows and self._shaping is None:
                 target_argmax = self.target.feed_tree_argmax([last_token], tree, rows)  # (1+n,)
             else:
-                target_argmax = self._rows(self.target.feed_tree([last_token], tree, rows), allowed).argmax(axis=-1)
+                target_argmax = self._rows(self.target.feed_tree([last_token], tree, rows), allowed,
+                                           proposal).argmax(axis=-1)
             self._show_pass(proposal, target_argmax)
             verdict = verify_tree_greedy(tree, target_argmax)
         else:
-            logits = self._rows(self.target.feed_tree([last_token], tree, rows), allowed)  # (1+n, V)
+            logits = self._rows(self.target.feed_tree([last_token], tree, rows), allowed, proposal)  # (1+n, V)
             self._show_pass(proposal, logits)
             verdict = verify_tree_sampled(tree, self.p_target(logits, sampling), proposal.p_draft, rng)
         self.target.keep_path(tree, verdict.path)
@@ -187,10 +202,11 @@ class TargetPasses:
         accepted, so it keeps at least what exact greedy verification keeps)."""
         if proposal.is_chain:
             fed = [last_token, *proposal.tokens]
-            logits = self._rows(self.target.feed(fed, range(len(fed))), allowed)  # (k+1, V)
+            logits = self._rows(self.target.feed(fed, range(len(fed))), allowed, proposal)  # (k+1, V)
         else:
             tree = proposal.tree
-            logits = self._rows(self.target.feed_tree([last_token], tree, tree.logit_rows(1)), allowed)  # (1+n, V)
+            logits = self._rows(self.target.feed_tree([last_token], tree, tree.logit_rows(1)), allowed,
+                                proposal)  # (1+n, V)
         self._show_pass(proposal, logits)
         p_target = self.p_target(logits, TEMPERATURE_ONE if sampling.greedy else sampling)
         pick_rng = None if sampling.greedy else rng  # None: the argmax
@@ -200,8 +216,14 @@ class TargetPasses:
         self.target.keep_path(tree, verdict.path)
         return verdict
 
-    def _rows(self, logits: np.ndarray, allowed: np.ndarray | None) -> np.ndarray:
-        """A pass's logits as verified (masked by a grammar's rows, where there is one), kept as ``last_rows``."""
+    def _rows(self, logits: np.ndarray, allowed: np.ndarray | None, proposal: Proposal) -> np.ndarray:
+        """A pass's logits as verified (each row shaped by its text where the settings say, then
+        masked by a grammar's rows where there is one), kept as ``last_rows``."""
+        if self._shaping is not None:
+            sampling, text = self._shaping
+            paths = (chain_paths(proposal.tokens) if proposal.is_chain
+                     else tree_paths(proposal.tokens, proposal.parents))
+            logits = shaped_rows(logits, sampling.penalties, sampling.logit_bias, text, paths)
         self.last_rows = masked_rows(logits, allowed)
         return self.last_rows
 

@@ -127,7 +127,7 @@ def answer_object(model: str, request: CompletionRequest, content: str, started,
             "n_predict": request.max_tokens, "temperature": sampling.temperature, "top_k": sampling.top_k,
             "top_p": sampling.top_p, "min_p": sampling.min_p, "seed": sampling.seed, "stop": list(request.stop),
             "n_indent": request.indent, "t_max_predict_ms": round(request.line_seconds * 1000),
-            "infill_rule": sampling.infill},
+            "infill_rule": sampling.infill, **penalty_settings(sampling)},
         "has_new_line": "\n" in content if new_line is None else new_line,
         "truncated": done.stopped_by == "context",
         "prompt_cut": started.prompt_cut,
@@ -137,6 +137,13 @@ def answer_object(model: str, request: CompletionRequest, content: str, started,
         "timings": timings(stats, started.prompt_tokens, started.reused_tokens),
         "speculation": stats.to_dict(),
     }
+
+
+def penalty_settings(sampling) -> dict:
+    """The penalties as llama-server's generation settings name them."""
+    penalties = sampling.penalties
+    return {"repeat_penalty": penalties.repeat, "repeat_last_n": penalties.last_n,
+            "presence_penalty": penalties.presence, "frequency_penalty": penalties.frequency}
 
 
 def props_object(worker, model: str, defaults: ServeDefaults, build: str) -> dict:
@@ -149,7 +156,8 @@ def props_object(worker, model: str, defaults: ServeDefaults, build: str) -> dic
             "n_ctx": worker.n_ctx,
             "params": {"n_predict": defaults.max_tokens, "temperature": sampling.temperature,
                        "top_k": sampling.top_k, "top_p": sampling.top_p, "min_p": sampling.min_p,
-                       "seed": sampling.seed, "speculative.method": worker.method}},
+                       "seed": sampling.seed, **penalty_settings(sampling),
+                       "speculative.method": worker.method}},
         "total_slots": worker.parallel,
         "model_alias": model,
         "model_path": worker.pair.target,

@@ -5,12 +5,15 @@ names the bad field."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from specrun.grammar import GrammarError, GrammarSpec
+from specrun.penalties import MAX_BIAS, MAX_PENALTY, Penalties
 from specrun.sampling import MAX_SEED, SamplingSettings
 from specrun.sessions.infill import Fill
 from specrun.sessions.tools import Tool, ToolChoice, ToolDefinitionError, tool_choice_of, tool_definitions
@@ -24,15 +27,12 @@ ROLES = ("system", "developer", "user", "assistant", "tool")
 # OpenAI fields specrun accepts but does not act on, with the values that mean "nothing asked":
 # any other value is refused by name rather than silently ignored.
 _INERT_FIELDS = {
-    "frequency_penalty": (0, 0.0, None),
-    "presence_penalty": (0, 0.0, None),
-    "logit_bias": (None,),
     "functions": (None,),
     "function_call": (None, "none", "auto"),
     "echo": (False, None),
     "best_of": (1, None),
     # llama-server's own, which clients written for it send (llama.vscode's edits send every one)
-    "typical_p": (1, None), "repeat_penalty": (1, None), "dry_multiplier": (0, None), "xtc_probability": (0, None),
+    "typical_p": (1, None), "dry_multiplier": (0, None), "xtc_probability": (0, None),
     "dynatemp_range": (0, None), "mirostat": (0, None), "top_n_sigma": (-1, 0, None), "n_probs": (0, None),
     "min_keep": (0, 1, None), "ignore_eos": (False, None), "return_tokens": (False, None),
     "post_sampling_probs": (False, None), "lora": (None,), "n_cmpl": (1, None), "grammar_lazy": (False, None),
@@ -45,20 +45,21 @@ _FREE_FIELDS = ("user", "store", "metadata", "service_tier", "prompt_cache_key",
                 # chooses a slot by the prompt it holds), the settings of samplers left off above, and
                 # its timing extras (t_max_prompt_ms: llama-server does not act on it either)
                 "cache_prompt", "id_slot", "n_keep", "n_discard", "n_cache_reuse", "dynatemp_exponent",
-                "xtc_threshold", "repeat_last_n", "dry_base", "dry_allowed_length", "dry_penalty_last_n",
+                "xtc_threshold", "dry_base", "dry_allowed_length", "dry_penalty_last_n",
                 "dry_sequence_breakers", "mirostat_tau", "mirostat_eta", "t_max_prompt_ms", "timings_per_token",
                 "return_progress", "sse_ping_interval", "verbose", "backend_sampling", "adaptive_decay")
 COMMON_FIELDS = ("model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stream",
                   "stream_options", "n", "response_format", "grammar", "json_schema", "samplers", "n_indent",
-                  "t_max_predict_ms")
+                  "t_max_predict_ms", "repeat_penalty", "repeat_last_n", "frequency_penalty", "presence_penalty",
+                  "logit_bias")
 
 # llama-server's ``samplers``: the names of the samplers on (a list, or a string of their letters).
 # Those specrun has take their request's settings; one left out is off (temperature: 1, as llama.cpp
 # samples without its temperature sampler); those that change nothing at their inert settings
 # (above) may be listed. Applied in specrun's order whatever the list's (sampling.py).
 _SAMPLERS = {"top_k": "top_k", "top_p": "top_p", "min_p": "min_p", "temperature": "temperature",
-             "infill": "infill", "dry": None, "typ_p": None, "xtc": None, "top_n_sigma": None, "penalties": None,
-             "adaptive_p": None}
+             "infill": "infill", "penalties": "penalties", "dry": None, "typ_p": None, "xtc": None,
+             "top_n_sigma": None, "adaptive_p": None}
 _SAMPLER_ALIASES = {**{name.replace("_", "-"): name for name in _SAMPLERS if "_" in name},
                     **{name.replace("_", ""): name for name in _SAMPLERS if "_" in name},
                     "nucleus": "top_p", "temp": "temperature", "typ": "typ_p", "typical_p": "typ_p"}
@@ -127,6 +128,9 @@ class CompletionRequest:
     fill: Fill | None = None  # /infill: the text around an editor's cursor (sessions/infill.py)
     indent: int = 0  # llama-server's n_indent: a later line indented less ends the answer before it (0: none)
     line_seconds: float = 0.0  # llama-server's t_max_predict_ms: past it, the next line end ends the answer
+    # logit_bias entries naming text, not a token id (llama-server's): each of its tokens gets the bias,
+    # tokenized by the worker (``with_bias_texts``), which knows the model
+    bias_texts: tuple[tuple[str, float], ...] = ()
 
     @property
     def is_chat(self) -> bool:
@@ -243,6 +247,10 @@ def parse_common(body: dict, defaults: ServeDefaults, n_ctx: int, max_tokens_fie
         top_k = top_k if "top_k" in samplers else 0
         top_p = top_p if "top_p" in samplers else 1.0
         min_p = min_p if "min_p" in samplers else 0.0
+    penalties = _parse_penalties(body, base.penalties)
+    if samplers is not None and "penalties" not in samplers:
+        penalties = Penalties()
+    logit_bias, bias_texts = _parse_logit_bias(body.get("logit_bias"), base.logit_bias)
     indent = _number(body, "n_indent", 0, integer=True)
     _check_range("n_indent", indent, 0, MAX_ANSWER_TOKENS)
     line_ms = _number(body, "t_max_predict_ms", 0)
@@ -278,7 +286,9 @@ def parse_common(body: dict, defaults: ServeDefaults, n_ctx: int, max_tokens_fie
         model=model,
         max_tokens=max_tokens,
         sampling=SamplingSettings(float(temperature), top_k, float(top_p), float(min_p), seed,
-                                  infill=samplers is not None and "infill" in samplers),
+                                  infill=samplers is not None and "infill" in samplers, penalties=penalties,
+                                  logit_bias=logit_bias),
+        bias_texts=bias_texts,
         indent=indent,
         line_seconds=max(line_ms, 0) / 1000,  # 0 or less: no limit, as llama-server reads it
         stop=_parse_stop(body.get("stop")),
@@ -287,6 +297,72 @@ def parse_common(body: dict, defaults: ServeDefaults, n_ctx: int, max_tokens_fie
         grammar=grammar,
         grammar_field=grammar_field,
     )
+
+
+def _parse_penalties(body: dict, base: Penalties) -> Penalties:
+    """llama-server's repeat_penalty and repeat_last_n, and OpenAI's frequency_penalty and
+    presence_penalty (llama.cpp's penalties, specrun/penalties.py); what a request leaves out, the
+    server's command line gives."""
+    repeat = _number(body, "repeat_penalty", base.repeat)
+    _check_range("repeat_penalty", repeat, 0.0, 10.0, low_open=True)
+    frequency = _number(body, "frequency_penalty", base.frequency)
+    _check_range("frequency_penalty", frequency, -MAX_PENALTY, MAX_PENALTY)
+    presence = _number(body, "presence_penalty", base.presence)
+    _check_range("presence_penalty", presence, -MAX_PENALTY, MAX_PENALTY)
+    last_n = _number(body, "repeat_last_n", base.last_n, integer=True)
+    if not -1 <= last_n <= MAX_ANSWER_TOKENS:
+        raise invalid_value("repeat_last_n", f"must be -1 (the whole text), 0 (off) or a count of tokens, got {last_n}")
+    penalties = Penalties(float(repeat), float(frequency), float(presence), last_n)
+    return penalties if penalties.on else Penalties()
+
+
+def _parse_logit_bias(value, base: tuple[tuple[int, float], ...]
+                      ) -> tuple[tuple[tuple[int, float], ...], tuple[tuple[str, float], ...]]:
+    """``logit_bias`` as OpenAI writes it ({"token id": bias}) or llama-server does ([[token, bias],
+    ...], a token an id or text, the bias a number or false: never): the biases by token id, and by
+    text (each of its tokens, tokenized by the worker). Ids are checked against the vocabulary there too."""
+    if value is None:
+        return base, ()
+    if isinstance(value, dict):  # OpenAI's keys are token ids written as strings; llama-server's may be text
+        pairs = [(int(key) if re.fullmatch(r"\s*-?[0-9]+\s*", key) else key, bias, f"logit_bias[{json.dumps(key)}]")
+                 for key, bias in value.items()]
+    elif isinstance(value, list):
+        pairs = []
+        for index, pair in enumerate(value):
+            if not (isinstance(pair, list) and len(pair) == 2):
+                raise invalid_value(f"logit_bias[{index}]", "must be a [token, bias] pair")
+            pairs.append((pair[0], pair[1], f"logit_bias[{index}]"))
+    else:
+        raise RequestError('logit_bias must be an object like {"15043": -100} or a list of [token, bias] pairs',
+                           "logit_bias", code="invalid_type")
+    by_id, by_text = [], []
+    for token, bias, where in pairs:
+        if bias is False:
+            amount = -math.inf  # llama-server's "never"
+        elif isinstance(bias, (int, float)) and not isinstance(bias, bool) and -MAX_BIAS <= bias <= MAX_BIAS:
+            amount = float(bias)
+        else:
+            raise invalid_value(where, f"the bias must be a number in [-{MAX_BIAS:g}, {MAX_BIAS:g}] or false "
+                                       f"(never that token), got {json.dumps(bias)}")
+        if isinstance(token, int) and not isinstance(token, bool):
+            by_id.append((token, amount))
+        elif isinstance(token, str) and token:
+            by_text.append((checked_text(token, "logit_bias"), amount))
+        else:
+            raise invalid_value(where, f"the token must be a token id or text, got {json.dumps(token)}")
+    return tuple(by_id), tuple(by_text)
+
+
+def with_bias_texts(request: CompletionRequest, tokenize, vocab_size: int) -> CompletionRequest:
+    """``request`` with its logit_bias complete: each text's tokens biased (``tokenize(text)``: its
+    ids, no special tokens added or read) beside the ids, every id within ``vocab_size``."""
+    sampling = request.sampling
+    resolved = [(token, amount) for text, amount in request.bias_texts for token in tokenize(text)]
+    check_token_ids([token for token, _ in sampling.logit_bias], vocab_size, "logit_bias")
+    if not resolved:
+        return request
+    return dataclasses.replace(request, bias_texts=(),
+                               sampling=dataclasses.replace(sampling, logit_bias=sampling.logit_bias + tuple(resolved)))
 
 
 def _parse_samplers(samplers) -> frozenset[str] | None:

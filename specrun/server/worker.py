@@ -46,7 +46,9 @@ from specrun.errors import ContextFullError, ConversationRefusedError, SpecrunEr
 from specrun.grammar import Grammar, GrammarError
 from specrun.registry.loading import LoadOptions
 from specrun.server.dispatch import Jobs
-from specrun.server.requests import CompletionRequest, RequestError, check_token_ids, invalid_value
+from specrun.server.requests import (
+    CompletionRequest, RequestError, check_token_ids, invalid_value, with_bias_texts,
+)
 from specrun.sessions.setup import TreeSettings, ctx_fix
 from specrun.sessions.tools import ToolCall, ToolStyle, ToolTemplateError, render_conversation, style_for
 from specrun.sessions.trace import RequestTrace, ServerTrace
@@ -677,7 +679,8 @@ class PairWorker:
                 self._trace_id(job), slot=slot, prompt_tokens=len(prompt_ids), cached_tokens=reused,
                 max_tokens=job.request.max_tokens, temperature=sampling.temperature, top_k=sampling.top_k,
                 top_p=sampling.top_p, grammar=grammar is not None,
-                **{name: value for name, value in sampling.fields().items() if name in ("min_p", "infill")})
+                **{name: value for name, value in sampling.fields().items()
+                   if name in ("min_p", "infill", "penalties", "logit_bias")})
         try:
             for event in stream:
                 if job.cancelled.is_set():
@@ -842,9 +845,11 @@ class PairWorker:
         from specrun.sessions.setup import check_prompt_size, prompt_token_ids
         from specrun.sessions.templates import tokenize_rendered
 
-        request = job.request
         session = self.session
         target = session.target
+        # logit_bias: texts' tokens biased, ids checked against the vocabulary (a 400 before any answer)
+        job.request = request = with_bias_texts(
+            job.request, lambda text: target.tokenize(text, add_bos=False, special=False), target.vocab.size)
         if request.fill is not None:
             return self._fill_ids(job)
         param = "messages" if request.is_chat else "prompt"

@@ -10,6 +10,7 @@ realised speed turning speculation off or on; the length a batch of slots chose)
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 import json
 import math
@@ -247,9 +248,25 @@ def _sampled(header: dict) -> str:
                                     float(0.0 if min_p is None else min_p), seed, infill=header.get("infill") is True)
     except (OverflowError, ValueError):  # an infinite top-k, a float too large
         return ""
-    if sampling.validate() or sampling.greedy:
+    penalties = _penalties(header.get("penalties"))
+    if penalties is not None:
+        sampling = dataclasses.replace(sampling, penalties=penalties)
+    if sampling.validate() or (sampling.greedy and not sampling.penalties.on):
         return ""
-    return f", sampled at {sampling.describe()}"
+    return f", {'decoded' if sampling.greedy else 'sampled at'} {sampling.describe()}"
+
+
+def _penalties(fields):
+    """A header's ``penalties`` (SamplingSettings.fields) as Penalties, or None where it names none a run could use."""
+    from specrun.penalties import Penalties
+
+    if not isinstance(fields, dict):
+        return None
+    values = [fields.get(name) for name in ("repeat", "frequency", "presence", "last_n")]
+    if any(isinstance(value, bool) or not isinstance(value, (int, float)) for value in values) or values[3] != int(values[3]):
+        return None
+    penalties = Penalties(float(values[0]), float(values[1]), float(values[2]), int(values[3]))
+    return None if penalties.problems() else penalties
 
 
 def explain(run: RunTrace, most_events: int = 12, live: bool = False) -> list[str]:

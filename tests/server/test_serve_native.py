@@ -15,6 +15,7 @@ from model_factory import REPO_TOKENS, build_fim_model
 from server_harness import start_server, stop_server
 from specrun.engine.loop import GenerationParams, SpeculativeEngine
 from specrun.registry.loading import LoadOptions
+from specrun.penalties import Penalties
 from specrun.sampling import SamplingSettings
 from specrun.server.native import parse_native_request, picked, stop_type
 from specrun.server.requests import RequestError, ServeDefaults, parse_chat_request
@@ -212,7 +213,7 @@ def test_llama_vim_s_fill_is_read_with_its_samplers_and_limits():
     assert plain.prompt == "Once upon" and plain.fill is None and plain.sampling == SamplingSettings()
 
 
-def test_llama_vscode_s_chat_edit_fields_are_taken_at_the_values_that_change_nothing():
+def test_llama_vscode_s_chat_edit_fields_are_taken():
     body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": False, "cache_prompt": True,
             "samplers": "edkypmxt", "temperature": 0.8, "dynatemp_range": 0, "dynatemp_exponent": 1, "top_k": 40,
             "top_p": 0.95, "min_p": 0.05, "typical_p": 1, "xtc_probability": 0, "xtc_threshold": 0.1,
@@ -221,9 +222,9 @@ def test_llama_vscode_s_chat_edit_fields_are_taken_at_the_values_that_change_not
             "max_tokens": -1, "timings_per_token": False}
     request = parse_chat_request(body, ServeDefaults(), 2048)
     assert request.max_tokens == 2048 and request.sampling == SamplingSettings(0.8, 40, 0.95, 0.05)
-    with pytest.raises(RequestError) as refused:
-        parse_chat_request({**body, "repeat_penalty": 1.1}, ServeDefaults(), 2048)
-    assert refused.value.param == "repeat_penalty" and "not supported" in refused.value.message
+    # penalties ("e" listed) are taken at any value now (tests/server/test_serve_penalties.py)
+    penalised = parse_chat_request({**body, "repeat_penalty": 1.1}, ServeDefaults(), 2048)
+    assert penalised.sampling.penalties == Penalties(repeat=1.1, last_n=64)
 
 
 @pytest.mark.parametrize(("fields", "param", "message"), [

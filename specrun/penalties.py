@@ -1,0 +1,104 @@
+"""Repetition penalties and logit bias: rows shaped by the text they follow, before sampling.
+
+llama.cpp's ``penalties`` sampler and OpenAI's/llama-server's ``logit_bias``, as llama.cpp applies
+them (src/llama-sampler.cpp): the bias added to its tokens' logits first; then each token that
+occurs in the last ``last_n`` tokens of the text (the prompt's included, as llama-cli and
+llama-server count it) has its logit divided by ``repeat`` (multiplied where it is not positive),
+then ``frequency`` times its count and ``presence`` once subtracted. The arithmetic is llama.cpp's,
+in the logits' own float32, so a greedy pick equals llama.cpp's to the bit.
+
+A penalty depends on the text each row follows, so a verify pass's rows are each shaped by their
+own: a chain's row i follows the context and the first i drafts, a tree's row the path to its
+node. Verification then sees the rows plain decoding under the penalties would sample from, and
+stays exact against it (docs/design.md, "Rows shaped by their text"); drafters draft from their
+own rows unshaped, which costs acceptance, never exactness.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+# OpenAI's ranges for its penalties and its bias; llama.cpp takes any float, but a penalty past
+# these flattens every row it touches, and clients that send them keep to OpenAI's.
+MAX_PENALTY = 2.0  # |frequency|, |presence|
+MAX_BIAS = 100.0  # |bias|; a bias of -inf (llama-server's ``false``) forbids its token
+
+
+@dataclass(frozen=True)
+class Penalties:
+    """llama.cpp's repetition penalties (module docstring); the defaults change nothing."""
+
+    repeat: float = 1.0  # a repeated token's logit divided by it (multiplied where <= 0); 1: off
+    frequency: float = 0.0  # subtracted once for each time the token occurs in the window
+    presence: float = 0.0  # subtracted once where it occurs at all
+    last_n: int = 64  # the window, in tokens: llama.cpp's default; -1: the whole text; 0: off
+
+    @property
+    def on(self) -> bool:
+        """Do these penalties change any row? (As llama.cpp's ``is_disabled`` reads them.)"""
+        return self.last_n != 0 and (self.repeat != 1.0 or self.frequency != 0.0 or self.presence != 0.0)
+
+    def problems(self) -> list[str]:
+        """What is out of range, as option-named messages (empty if fine)."""
+        problems = []
+        if not 0.0 < self.repeat <= 10.0:
+            problems.append(f"--repeat-penalty must be in (0, 10] (1: off), got {self.repeat}")
+        for option, value in (("--frequency-penalty", self.frequency), ("--presence-penalty", self.presence)):
+            if not -MAX_PENALTY <= value <= MAX_PENALTY:
+                problems.append(f"{option} must be between -{MAX_PENALTY:g} and {MAX_PENALTY:g} (0: off), got {value}")
+        if self.last_n < -1:
+            problems.append(f"--repeat-last-n must be -1 (the whole text), 0 (off) or a count of tokens, got {self.last_n}")
+        return problems
+
+    def describe(self) -> str:
+        """In words, for a footnote (empty when off)."""
+        if not self.on:
+            return ""
+        said = [f"repeat {self.repeat:.10g}"] if self.repeat != 1.0 else []
+        said += [f"{name} {value:.10g}" for name, value in (("frequency", self.frequency), ("presence", self.presence))
+                 if value != 0.0]
+        window = "the whole text" if self.last_n < 0 else f"the last {self.last_n} tokens"
+        return f"penalties ({', '.join(said)}) over {window}"
+
+
+def shaped_rows(logits: np.ndarray, penalties: Penalties, bias: Sequence[tuple[int, float]],
+                context: Sequence[int], paths: Sequence[Sequence[int]]) -> np.ndarray:
+    """A pass's logits (n, V) with ``bias`` added and ``penalties`` applied, row i as the text
+    ``context`` then ``paths[i]`` shapes it (module docstring). A new array; the pass's own is
+    left as it was."""
+    rows = np.array(logits, dtype=np.float32)  # a copy, in llama.cpp's precision
+    if bias:
+        tokens = np.fromiter((token for token, _ in bias), dtype=np.int64, count=len(bias))
+        amounts = np.fromiter((amount for _, amount in bias), dtype=np.float32, count=len(bias))
+        np.add.at(rows, (slice(None), tokens), amounts)  # a token named twice gets both, as llama.cpp adds them
+    if not penalties.on:
+        return rows
+    repeat = np.float32(penalties.repeat)
+    frequency, presence = np.float32(penalties.frequency), np.float32(penalties.presence)
+    window = penalties.last_n
+    before = list(context if window < 0 else context[max(0, len(context) - window):])
+    for row, path in zip(rows, paths):
+        text = before + list(path)
+        tokens, counts = np.unique(text if window < 0 else text[max(0, len(text) - window):], return_counts=True)
+        if not len(tokens):
+            continue
+        values = row[tokens]
+        values = np.where(values <= 0, values * repeat, values / repeat)
+        row[tokens] = values - (counts.astype(np.float32) * frequency + presence)
+    return rows
+
+
+def chain_paths(drafts: Sequence[int]) -> list[tuple[int, ...]]:
+    """The text after the context each row of a chain's pass follows: none, then each draft's prefix."""
+    return [tuple(drafts[:i]) for i in range(len(drafts) + 1)]
+
+
+def tree_paths(tokens: Sequence[int], parents: Sequence[int]) -> list[tuple[int, ...]]:
+    """The same for a tree's pass (the root's row, then one per node): the path to each node."""
+    paths: list[tuple[int, ...]] = [()]
+    for token, parent in zip(tokens, parents):
+        paths.append((*paths[parent + 1], token))  # a parent precedes its children
+    return paths

@@ -1,0 +1,116 @@
+"""Repetition penalties and logit bias on the real backends (specrun/penalties.py).
+
+llama.cpp's own sampler chain (its logit_bias and penalties samplers, then greedy, the prompt's
+tokens accepted first as llama-cli and llama-server accept them) makes the text specrun's plain
+decoding makes under the same settings; and speculation under them (prompt lookup, a draft model
+that drafts from its own unpenalised rows) makes plain decoding's text on both backends, where
+the penalties change it. The target is the looping tiny model (tests/conftest.py): its greedy text
+falls into cycles, what the penalties are for, and float32 throughout, so one-token and batched
+passes agree to ~1e-5.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+
+from specrun.drafters.methods import DrafterOptions, build_drafter
+from specrun.engine.loop import GenerationParams, SpeculativeEngine
+from specrun.engine.stats import Stats
+from specrun.penalties import Penalties
+from specrun.sampling import SamplingSettings
+
+PENALTIES = Penalties(repeat=1.4, frequency=0.3, presence=0.5, last_n=24)
+PROMPT = "for i in range(10):\n    print(i)\n"
+N_TOKENS = 48
+
+
+def _bias(vocab_size: int) -> tuple[tuple[int, float], ...]:
+    return ((vocab_size - 1, -math.inf), (vocab_size // 2, 1.5))
+
+
+def _open(kind: str, source: Path):
+    if kind == "llama":
+        pytest.importorskip("llama_cpp", reason="the llama backend is not installed")
+        from specrun.backends.llama import LlamaCppBackend
+
+        return LlamaCppBackend(source, n_ctx=512, kv_type="f32", flash_attn=False)
+    pytest.importorskip("mlx_lm", reason="the mlx backend is not installed")
+    from specrun.backends.mlx import MlxBackend
+
+    return MlxBackend(source, n_ctx=512)
+
+
+def _run(target, draft, method: str, prompt: list[int], sampling: SamplingSettings) -> tuple[list[int], int]:
+    drafter = build_drafter(method, draft, DrafterOptions())
+    engine = SpeculativeEngine(target, drafter, method=method)
+    accepted = 0
+    try:
+        params = GenerationParams(N_TOKENS, draft_len=0 if method == "none" else 4, sampling=sampling,
+                                  stop_at_eos=False)
+        for step in engine.steps(prompt, params, Stats()):
+            accepted += step.n_accepted
+    finally:
+        if drafter is not None:
+            drafter.close()
+    return engine.last_context[len(prompt):], accepted
+
+
+def _llama_cpp_s_own(path: Path, prompt: list[int], bias) -> list[int]:
+    """llama.cpp's sampler chain over llama-cpp-python's context: logit bias, penalties, greedy."""
+    from llama_cpp import Llama
+    from llama_cpp._internals import LlamaSampler
+
+    llm = Llama(str(path), n_ctx=512, n_threads=1, type_k=0, type_v=0, flash_attn=False, verbose=False)  # 0: F32
+    chain = LlamaSampler()
+    try:
+        chain.add_logit_bias(llm.n_vocab(), dict(bias))
+        chain.add_penalties(llm.n_vocab(), PENALTIES.last_n, PENALTIES.repeat, PENALTIES.frequency,
+                            PENALTIES.presence)
+        chain.add_greedy()
+        for token in prompt:
+            chain.accept(token)
+        llm.eval(prompt)
+        out = []
+        for _ in range(N_TOKENS):
+            token = chain.sample(llm._ctx, -1)  # accepts the token too
+            out.append(token)
+            llm.eval([token])
+        return out
+    finally:
+        chain.close() if hasattr(chain, "close") else None
+        llm.close()
+
+
+def test_plain_decoding_under_penalties_is_llama_cpp_s_own(looping_llama):
+    target = _open("llama", looping_llama["llama"])
+    try:
+        prompt = target.tokenize(PROMPT)
+        bias = _bias(target.vocab.size)
+        ours, _ = _run(target, None, "none", prompt, SamplingSettings(penalties=PENALTIES, logit_bias=bias))
+        unshaped, _ = _run(target, None, "none", prompt, SamplingSettings())
+    finally:
+        target.close()
+    assert ours == _llama_cpp_s_own(looping_llama["llama"], prompt, bias)
+    assert ours != unshaped
+
+
+@pytest.mark.parametrize("kind", ["llama", "mlx"])
+@pytest.mark.parametrize("method", ["lookup", "draft"])
+def test_speculation_under_penalties_makes_plain_decoding_s_text(looping_llama, kind, method):
+    target = _open(kind, looping_llama[kind])
+    draft = _open(kind, looping_llama[kind]) if method == "draft" else None  # drafts from unpenalised rows
+    try:
+        prompt = target.tokenize(PROMPT)
+        sampling = SamplingSettings(penalties=PENALTIES, logit_bias=_bias(target.vocab.size))
+        plain, _ = _run(target, None, "none", prompt, sampling)
+        spoken, accepted = _run(target, draft, method, prompt, sampling)
+        unshaped, _ = _run(target, None, "none", prompt, SamplingSettings())
+    finally:
+        target.close()
+        if draft is not None:
+            draft.close()
+    assert spoken == plain
+    assert accepted > 0 and plain != unshaped

@@ -1,0 +1,244 @@
+"""Repetition penalties and logit bias (specrun/penalties.py) on the target's rows, each row shaped
+by the text it follows.
+
+The oracle is a literal transcription of llama.cpp's two samplers (llama-sampler.cpp): the
+logit_bias sampler adds each bias, the penalties sampler keeps a ring buffer of the last
+``penalty_last_n`` tokens accepted (the prompt's too, as llama-cli and llama-server accept them)
+with a count per token, and shapes the logits it finds in it, in float32. ``shaped_rows`` must
+agree with it to the bit on random rows, texts and settings.
+
+Through the engine on fake pairs: greedy output under penalties equals a plain greedy loop over
+the oracle's rows for every kind of drafter (lookup, a draft model's chains and trees, the n-gram
+pool), where the penalties change the text; sampled output under them is distributed as plain
+sampling under them (chi-square against the exact joint of a window), chains (block and token
+verification) and trees; a verifier that shapes every row by the pass's root text alone (the
+drafts before a row left out) fails the same check.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections import Counter, deque
+from collections.abc import Sequence
+
+import numpy as np
+import pytest
+
+import specrun.engine.passes
+from fake_models import COPYING_VOCAB, REPEATING_PROMPT, copying_logits, hashed_logits, noisy_copy
+from lossless_harness import ALPHA, chi_square_p, impossible
+from oracle import distribution
+from specrun.backends.fake import FakeBackend
+from specrun.drafters.methods import DrafterOptions, build_drafter
+from specrun.engine.loop import GenerationParams, SpeculativeEngine
+from specrun.engine.stats import Stats
+from specrun.penalties import Penalties, chain_paths, shaped_rows, tree_paths
+from specrun.sampling import SamplingSettings
+
+
+def llama_shaped(row: Sequence[float], text: Sequence[int], penalties: Penalties,
+                 bias: Sequence[tuple[int, float]]) -> list[np.float32]:
+    """llama.cpp's logit_bias sampler then its penalties sampler, the text accepted token by token."""
+    logits = [np.float32(value) for value in row]
+    for token, amount in bias:
+        logits[token] = np.float32(logits[token] + np.float32(amount))
+    last_n = len(text) + 1 if penalties.last_n < 0 else penalties.last_n  # -1: llama.cpp's n_ctx
+    if last_n == 0 or (penalties.repeat == 1.0 and penalties.frequency == 0.0 and penalties.presence == 0.0):
+        return logits
+    prev: deque[int] = deque()
+    count: dict[int, int] = {}
+    for token in text:  # llama_sampler_penalties_accept
+        count[token] = count.get(token, 0) + 1
+        if len(prev) >= last_n:
+            old = prev.popleft()
+            count[old] -= 1
+            if count[old] == 0:
+                del count[old]
+        prev.append(token)
+    repeat = np.float32(penalties.repeat)
+    for token, n in count.items():  # llama_sampler_penalties_apply
+        logit = logits[token]
+        logit = np.float32(logit * repeat) if logit <= 0 else np.float32(logit / repeat)
+        logits[token] = np.float32(logit - np.float32(np.float32(n) * np.float32(penalties.frequency)
+                                                      + np.float32(penalties.presence)))
+    return logits
+
+
+def _random_settings(rng: np.random.Generator, vocab: int) -> tuple[Penalties, tuple[tuple[int, float], ...]]:
+    penalties = Penalties(repeat=float(rng.choice([1.0, 0.7, 1.1, 1.8])),
+                          frequency=float(rng.choice([0.0, 0.3, -0.4])),
+                          presence=float(rng.choice([0.0, 0.6, -1.2])),
+                          last_n=int(rng.choice([-1, 0, 1, 3, 8, 64])))
+    bias = tuple((int(rng.integers(vocab)), float(rng.choice([-math.inf, -3.5, 0.25, 7.0])))
+                 for _ in range(int(rng.integers(0, 4))))
+    return penalties, bias
+
+
+def test_rows_agree_with_llama_cpp_s_samplers_to_the_bit():
+    rng = np.random.default_rng(7)
+    shaped_any = 0
+    for _ in range(400):
+        vocab = int(rng.integers(2, 12))
+        penalties, bias = _random_settings(rng, vocab)
+        context = [int(t) for t in rng.integers(0, vocab, int(rng.integers(0, 20)))]
+        drafts = [int(t) for t in rng.integers(0, vocab, int(rng.integers(0, 5)))]
+        rows = (rng.normal(0.0, 2.0, (len(drafts) + 1, vocab)) * rng.integers(0, 2, (len(drafts) + 1, vocab))
+                ).astype(np.float32)  # zeros among them: llama.cpp multiplies a logit <= 0
+        got = shaped_rows(rows, penalties, bias, context, chain_paths(drafts))
+        for i, row in enumerate(rows):
+            want = llama_shaped(row, [*context, *drafts[:i]], penalties, bias)
+            assert np.array_equal(got[i], np.array(want, dtype=np.float32)), (penalties, bias, context, drafts, i)
+        shaped_any += not np.array_equal(got, rows)
+        assert got.dtype == np.float32 and rows is not got
+    assert shaped_any > 200
+
+
+def test_a_tree_s_rows_follow_the_paths_to_their_nodes():
+    assert chain_paths([5, 6]) == [(), (5,), (5, 6)]
+    #      root -> 4 -> 2
+    #           -> 7 -> 9
+    #                -> 3
+    assert tree_paths([4, 7, 2, 9, 3], [-1, -1, 0, 1, 1]) == [(), (4,), (7,), (4, 2), (7, 9), (7, 3)]
+
+
+def test_settings_say_what_shapes_the_rows_and_refuse_what_is_out_of_range():
+    plain = SamplingSettings()
+    assert not plain.shapes_rows and plain.describe() == "greedy"
+    assert not SamplingSettings(penalties=Penalties(repeat=1.3, last_n=0)).shapes_rows  # a window of 0: off
+    settings = SamplingSettings(penalties=Penalties(repeat=1.3, presence=0.5), logit_bias=((3, -math.inf),))
+    assert settings.shapes_rows
+    assert settings.describe() == ("greedy, penalties (repeat 1.3, presence 0.5) over the last 64 tokens, "
+                                   "logit bias on 1 tokens")
+    assert settings.fields()["penalties"]["repeat"] == 1.3 and settings.fields()["logit_bias"] == [[3, None]]
+    problems = SamplingSettings(penalties=Penalties(repeat=0.0, frequency=2.5, last_n=-2),
+                                logit_bias=((-1, 1.0), (2, 101.0))).validate()
+    assert [problem.split(" ")[0] for problem in problems] == [
+        "--repeat-penalty", "--frequency-penalty", "--repeat-last-n", "--logit-bias", "--logit-bias"]
+
+
+# ---- greedy: every drafter, the text plain decoding under the penalties makes -----------------
+GREEDY_PENALTIES = Penalties(repeat=1.5, frequency=0.2, presence=0.3, last_n=12)
+GREEDY_BIAS = ((7, -math.inf), (11, 1.5))
+
+
+def _plain_greedy(table, prompt: Sequence[int], n: int, penalties: Penalties, bias) -> list[int]:
+    text = list(prompt)
+    for _ in range(n):
+        row = llama_shaped(table(tuple(text)), text, penalties, bias)
+        text.append(max(range(len(row)), key=lambda t: (row[t], -t)))
+    return text[len(prompt):]
+
+
+def _greedy(method: str, target: FakeBackend, draft: FakeBackend | None, settings: SamplingSettings,
+            options: DrafterOptions = DrafterOptions()) -> tuple[list[int], int]:
+    drafter = build_drafter(method, draft, options)
+    engine = SpeculativeEngine(target, drafter, method=method)
+    accepted = 0
+    for step in engine.steps(list(REPEATING_PROMPT), GenerationParams(60, draft_len=4, sampling=settings,
+                                                                       stop_at_eos=False), Stats()):
+        accepted += step.n_accepted
+    return engine.last_context[len(REPEATING_PROMPT):], accepted
+
+
+@pytest.mark.parametrize(("method", "options"), [("lookup", DrafterOptions()), ("draft", DrafterOptions()),
+                                                 ("draft", DrafterOptions(branches=3)), ("ngram", DrafterOptions())],
+                         ids=["lookup", "draft chain", "draft tree", "ngram"])
+def test_greedy_speculation_under_penalties_makes_plain_decoding_s_text(method, options):
+    table = copying_logits(salt=3)
+    target = FakeBackend(table, COPYING_VOCAB)
+    draft = FakeBackend(noisy_copy(salt=3), COPYING_VOCAB) if method == "draft" else None
+    settings = SamplingSettings(penalties=GREEDY_PENALTIES, logit_bias=GREEDY_BIAS)
+    want = _plain_greedy(table, REPEATING_PROMPT, 60, GREEDY_PENALTIES, GREEDY_BIAS)
+    got, accepted = _greedy(method, target, draft, settings, options)
+    assert got == want
+    assert accepted > 0  # drafts were verified under the penalties, not only plain steps
+    unshaped, _ = _greedy("none", FakeBackend(table, COPYING_VOCAB), None, SamplingSettings())
+    assert unshaped != want and 7 not in got  # the penalties and the bias change the text
+
+
+# ---- sampled: the exact joint of a window under the penalties --------------------------------
+VOCAB = 6
+PROMPT = (1, 4, 2, 1)
+WINDOW = 4
+RUNS = 2000
+PENALTIES = Penalties(repeat=1.8, frequency=0.4, presence=0.7, last_n=3)
+SETTINGS = SamplingSettings(temperature=1.0, top_k=5, penalties=PENALTIES, logit_bias=((5, -1.0),))
+
+
+@functools.cache
+def _target_table():
+    return hashed_logits(VOCAB, salt=11, spread=1.0)
+
+
+def _draft() -> FakeBackend:
+    table, noise = _target_table(), hashed_logits(VOCAB, salt=12, spread=0.5)
+    return FakeBackend(lambda context: 1.3 * table(context) + noise(context), VOCAB)
+
+
+def _p_plain(text: tuple[int, ...]) -> list[float]:
+    """Plain decoding's row after ``text``: the oracle's shaping, then its sampling."""
+    return distribution(llama_shaped(_target_table()(text), text, PENALTIES, SETTINGS.logit_bias), SETTINGS)
+
+
+@functools.cache
+def _joint() -> dict[tuple[int, ...], float]:
+    joint: dict[tuple[int, ...], float] = {}
+
+    def extend(prefix: tuple[int, ...], prob: float) -> None:
+        if len(prefix) == WINDOW:
+            joint[prefix] = prob
+            return
+        for token, p_token in enumerate(_p_plain(PROMPT + prefix)):
+            if p_token > 0.0:
+                extend(prefix + (token,), prob * p_token)
+
+    extend((), 1.0)
+    return joint
+
+
+def _problems(branches: int = 0, chain_rule: str = "block") -> tuple[list[str], int, int]:
+    drafter = build_drafter("draft", _draft(), DrafterOptions(branches=branches))
+    engine = SpeculativeEngine(FakeBackend(_target_table(), VOCAB), drafter, method="draft")
+    engine.passes.chain_rule = chain_rule
+    counts: Counter = Counter()
+    drafted = accepted = 0
+    for seed in range(RUNS):
+        params = GenerationParams(WINDOW, draft_len=3, sampling=dataclasses.replace(SETTINGS, seed=seed),
+                                  stop_at_eos=False)
+        for step in engine.steps(list(PROMPT), params, Stats()):
+            drafted += step.n_drafted
+            accepted += step.n_accepted
+        counts[tuple(engine.last_context[len(PROMPT):])] += 1
+    joint = _joint()
+    problems = []
+    if never := impossible(counts, joint):
+        problems.append(f"{sum(counts[seq] for seq in never)} outputs plain decoding never makes, e.g. {never[0]}")
+    if (p_value := chi_square_p(counts, joint, RUNS)) < ALPHA:
+        problems.append(f"chi-square against the exact joint: p = {p_value:.3g}")
+    return problems, drafted, accepted
+
+
+def test_the_penalties_shape_the_joint():
+    joint = _joint()
+    assert math.isclose(sum(joint.values()), 1.0)
+    text = PROMPT + (4,)
+    plain = distribution(_target_table()(text), SETTINGS)
+    assert max(abs(a - b) for a, b in zip(_p_plain(text), plain)) > 0.1
+
+
+@pytest.mark.parametrize(("branches", "chain_rule"), [(0, "block"), (0, "token"), (3, "block")],
+                         ids=["chain block", "chain token", "tree"])
+def test_sampled_speculation_under_penalties_samples_as_plain_decoding(branches, chain_rule):
+    problems, drafted, accepted = _problems(branches, chain_rule)
+    assert problems == []
+    assert 0 < accepted < drafted
+
+
+@pytest.mark.parametrize("branches", [0, 3], ids=["chain", "tree"])
+def test_rows_shaped_by_the_root_s_text_alone_fail_the_same_check(branches, monkeypatch):
+    monkeypatch.setattr(specrun.engine.passes, "chain_paths", lambda drafts: [()] * (len(drafts) + 1))
+    monkeypatch.setattr(specrun.engine.passes, "tree_paths", lambda tokens, parents: [()] * (len(tokens) + 1))
+    problems, _, _ = _problems(branches)
+    assert problems
