@@ -46,7 +46,7 @@ import numpy as np
 from specrun.backends.base import HeldTree, HiddenSupport, HiddenTracking, TreeSupport, VocabInfo, held_tree_for
 from specrun.errors import BackendUnavailableError, ContextFullError, ModelFileError, SpecrunError
 from specrun.fileio import json_problem
-from specrun.fill_tokens import fill_endings
+from specrun.fill_tokens import fill_endings, turn_endings
 from specrun.modelkit.mtp import tensor_files, text_config_of
 from specrun.tree import TokenTree
 from specrun.backends.mlx_common import MODEL_CALLS, PREFILL_CHUNK, packed_pass, packed_problem, recording_body
@@ -598,6 +598,9 @@ class MlxBackend(HiddenTracking):
         # ends it there (a fill that wrote one began an invented next file)
         added = hf.get_added_vocab()  # {text: id}: the tokens added to the vocabulary, specials among them
         eos_ids |= fill_endings(added.get)
+        # and its end-of-turn tokens found by their text, as llama.cpp finds them (a config naming
+        # only the end of text left an MLX answer running past the end of its turn)
+        eos_ids |= {token for token in turn_endings(hf.get_vocab()) if token < len(hf)}
         return VocabInfo(size=len(hf), bos_id=bos, eos_ids=frozenset(eos_ids), add_bos=add_bos)
 
     def tokenize(self, text: str, add_bos: bool = True, special: bool = False) -> list[int]:

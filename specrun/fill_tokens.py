@@ -1,6 +1,7 @@
-"""The spellings of code models' fill-in-the-middle tokens, as llama.cpp's vocabulary finds them
-(src/llama-vocab.cpp), for backends that do not find their own (MLX): the prompt's tokens
-(sessions/infill.py) and the ones that end generation, so both backends fill alike."""
+"""The spellings of code models' fill-in-the-middle tokens, and of the tokens that end a turn, as
+llama.cpp's vocabulary finds them (src/llama-vocab.cpp), for backends that do not find their own
+(MLX): a fill's prompt tokens (sessions/infill.py) and the tokens that end generation, so both
+backends fill, and end, alike."""
 
 from __future__ import annotations
 
@@ -35,3 +36,24 @@ def fill_endings(token_id) -> set[int]:
         if first is not None:
             found.add(first)
     return found
+
+
+# Tokens llama.cpp ends generation at by their text, whatever the model's configuration names
+# (llama-vocab.cpp's list): a model whose config names only its end of text went on past its
+# end of turn on MLX (``<|eot_id|>``, ``<end_of_turn>``) where llama.cpp stopped.
+TURN_END_SPELLINGS = (
+    "<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<|flush|>", "<|calls|>", "<end_of_turn>",
+    "<|endoftext|>", "</s>", "<|eom_id|>", "<EOT>", "_<EOT>", "[EOT]", "[EOS]", "<|end_of_text|>",
+    "<end_of_utterance>", "<eos>", "<turn|>", "<|tool_response>", "<｜end▁of▁sentence｜>", "[e~[",
+)
+
+
+def turn_endings(vocab: dict[str, int]) -> set[int]:
+    """The ids of the tokens of ``vocab`` ({text: id}) spelled as TURN_END_SPELLINGS. As llama.cpp,
+    ``<|end|>`` is left out beside ``<|return|>`` and ``<|call|>`` (gpt-oss's harmony format) or
+    ``<|calls|>`` and ``<|flush|>`` (Solar Open), where it ends a message, not the turn."""
+    found = {text: vocab[text] for text in TURN_END_SPELLINGS if text in vocab}
+    if "<|end|>" in found and (("<|return|>" in found and "<|call|>" in found)
+                               or ("<|calls|>" in found and "<|flush|>" in found)):
+        del found["<|end|>"]
+    return set(found.values())

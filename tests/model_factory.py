@@ -176,12 +176,17 @@ def build_fim_model(folder: Path, seed: int = 3, repo: bool = False) -> TinyMode
     """The tiny llama with Qwen2.5-Coder's fill-in-the-middle tokens added to its vocabulary
     (ids 512-514; ``repo``: its repository-level tokens too, 515-516), as F16 GGUF and a float32
     HF folder (sessions/infill.py)."""
+    return build_model_with_specials(folder, FIM_TOKENS + (REPO_TOKENS if repo else ()), seed, "fim")
+
+
+def build_model_with_specials(folder: Path, added: tuple[str, ...], seed: int = 3, name: str = "specials") -> TinyModel:
+    """The tiny llama with the special tokens ``added`` to its vocabulary (ids 512 on), as F16 and
+    F32 GGUF and a float32 HF folder; its config still names only the tiny vocabulary's end (2)."""
     import dataclasses
 
     from tokenizers import AddedToken, Tokenizer
 
     tokenizer = Tokenizer.from_str(tiny_tokenizer_json())
-    added = FIM_TOKENS + (REPO_TOKENS if repo else ())
     tokenizer.add_special_tokens([AddedToken(text, special=True) for text in added])
     config = dataclasses.replace(tiny_config("llama"), vocab_size=tokenizer.get_vocab_size())
     weights = random_weights(config, seed)
@@ -190,7 +195,7 @@ def build_fim_model(folder: Path, seed: int = 3, repo: bool = False) -> TinyMode
     folder.mkdir(parents=True, exist_ok=True)
     return TinyModel(
         config=config, weights=weights, tokenizer_json=tokenizer_json,
-        gguf_path=write_gguf(folder / "fim-f16.gguf", *parts, dtype="F16"),
-        gguf_f32_path=write_gguf(folder / "fim-f32.gguf", *parts, dtype="F32"),
-        hf_dir=write_hf_folder(folder / "fim-hf", *parts, dtype="float32"),
+        gguf_path=write_gguf(folder / f"{name}-f16.gguf", *parts, dtype="F16"),
+        gguf_f32_path=write_gguf(folder / f"{name}-f32.gguf", *parts, dtype="F32"),
+        hf_dir=write_hf_folder(folder / f"{name}-hf", *parts, dtype="float32"),
     )

@@ -12,6 +12,7 @@ from specrun.backends.base import Backend
 from specrun.drafters.base import EMPTY_PROPOSAL, Drafter, Proposal, second_guesses
 from specrun.drafters.dynamic_tree import TOP_K, DraftTree, grow_tree
 from specrun.backends.kv import KVSequence, common_prefix_len, sequence_for
+from specrun.penalties import shaped_rows
 from specrun.sampling import SamplingSettings, infill_rule, infill_vocab_of, probabilities, sample, top_probability
 from specrun.errors import SpecrunError
 from specrun.grammar import mask_logits
@@ -164,17 +165,23 @@ class DraftModelDrafter(Drafter):
         pending = self._catch_up(context)
         exact_vocab = self.target_vocab_size == self.backend.vocab.size
         grammar = self.grammar  # each token then drafted from its row masked by the grammar
-        if grammar is None and sampling.greedy and exact_vocab and self.min_prob <= 0.0 and not self.branches:
+        # penalties and a bias shape its rows as they shape the target's (penalties.py): each by the
+        # text it follows, the drafts before it included, so it drafts what the target will choose
+        shaping = sampling.shapes_rows
+        if grammar is None and not shaping and sampling.greedy and exact_vocab and self.min_prob <= 0.0 \
+                and not self.branches:
             # Greedy verification needs no draft distribution: argmax stays in the backend.
             return Proposal(self._greedy_ids(pending, draft_len), source=self.name)
         room = len(context) + (self.top_k + 1) * (draft_len - 1) <= self.backend.n_ctx  # its widest tree pass
-        if grammar is None and sampling.greedy and self.min_prob <= 0.0 and room and self.grows_trees:
+        if grammar is None and not shaping and sampling.greedy and self.min_prob <= 0.0 and room and self.grows_trees:
             return self._dynamic_tree(pending, draft_len)
         tokens: list[int] = []
         rows: list[np.ndarray | None] = []
         distributions: list[np.ndarray] = []  # the draft's own, for second guesses
         for _ in range(draft_len):
             logits = self._target_sized(self.sequence.feed(pending, [len(pending) - 1])[0])  # (V_target,)
+            if shaping:
+                logits = shaped_rows(logits[None], sampling.penalties, sampling.logit_bias, context, [tokens])[0]
             if grammar is not None:
                 # Drafted as the grammar allows (the target's rows are masked the same way): a
                 # draft that wrote a line break where the schema takes none was cut there whole.

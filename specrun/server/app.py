@@ -500,8 +500,9 @@ class OpenAIServer:
         if parsed.stream:
             return StreamingResponse(self._native_events(job, first, fields), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        text, _, _, event = await self._collected(request, job)
-        return JSONResponse(picked(answer_object(self.model_id, parsed, text, first, event), fields))
+        text, _, probabilities, event = await self._collected(request, job)
+        return JSONResponse(picked(answer_object(self.model_id, parsed, text, first, event,
+                                                 probabilities=probabilities), fields))
 
     async def _native_events(self, job: Job, started: Started, fields) -> AsyncIterator[str]:
         """llama-server's stream: a chunk per stretch of text, then the answer's last object
@@ -515,7 +516,7 @@ class OpenAIServer:
                 if isinstance(event, Delta):
                     predicted += event.tokens
                     new_line = new_line or "\n" in event.text
-                    yield _sse_data(chunk_object(event.text, predicted, started))
+                    yield _sse_data(chunk_object(event.text, predicted, started, event.logprobs))
                 elif isinstance(event, Failed):
                     yield _sse_data(event.error.body())
                     break

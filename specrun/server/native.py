@@ -27,6 +27,7 @@ from specrun.server.requests import (
     check_fields,
     check_token_ids,
     checked_text,
+    invalid_value,
     parse_common,
     parse_prompt,
 )
@@ -34,6 +35,7 @@ from specrun.sessions.infill import CHUNK_FILE, Fill
 
 # Fields of llama-server's native endpoints only, taken at the values that change nothing
 NATIVE_INERT = {"logprobs": (0, False, None)}  # its alias of n_probs
+MAX_N_PROBS = 100  # alternatives a token's entry lists at most (llama-server sets none; mikupad asks 10)
 
 
 def parse_native_request(body: dict, defaults: ServeDefaults, n_ctx: int, model: str,
@@ -41,7 +43,7 @@ def parse_native_request(body: dict, defaults: ServeDefaults, n_ctx: int, model:
     """A /completion (``infill``: /infill) body as a CompletionRequest answering for ``model``,
     and the response fields it asks for (empty: all); a RequestError naming the bad field."""
     fill_fields = ("input_prefix", "input_suffix", "input_extra") if infill else ()
-    check_fields(body, (*COMMON_FIELDS, "prompt", "n_predict", "response_fields", *fill_fields),
+    check_fields(body, (*COMMON_FIELDS, "prompt", "n_predict", "response_fields", "n_probs", *fill_fields),
                  inert=NATIVE_INERT)
     asked = body.get("model")
     if asked is not None and not isinstance(asked, str):
@@ -54,6 +56,7 @@ def parse_native_request(body: dict, defaults: ServeDefaults, n_ctx: int, model:
     if isinstance(body.get("stop"), list):
         read["stop"] = [stop for stop in body["stop"] if stop != ""]
     common = parse_common(read, defaults, n_ctx, "n_predict", prompt_only=True)
+    common["logprobs"] = _n_probs(body.get("n_probs"))
     fields = _response_fields(body.get("response_fields"))
     if not infill:
         return CompletionRequest(prompt=parse_prompt(body.get("prompt")), **common), fields
@@ -64,6 +67,18 @@ def parse_native_request(body: dict, defaults: ServeDefaults, n_ctx: int, model:
     fill = Fill(prefix=_required_text(body, "input_prefix"), suffix=_required_text(body, "input_suffix"),
                 middle=checked_text(middle, "prompt"), extra=_extra_chunks(body.get("input_extra")))
     return CompletionRequest(prompt=fill.middle, fill=fill, **common), fields
+
+
+def _n_probs(value) -> int | None:
+    """``n_probs``: each token's log-probability and this many likeliest alternatives'
+    (``completion_probabilities``); 0 or none: not asked."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise RequestError("n_probs must be an integer", "n_probs", code="invalid_type")
+    if not 0 <= value <= MAX_N_PROBS:
+        raise invalid_value("n_probs", f"must be in [0, {MAX_N_PROBS}], got {value}")
+    return value or None
 
 
 def _required_text(body: dict, name: str) -> str:
@@ -107,7 +122,7 @@ def _response_fields(fields) -> tuple[str, ...]:
 
 # ---- answers ----------------------------------------------------------------------------
 def answer_object(model: str, request: CompletionRequest, content: str, started, done,
-                  new_line: bool | None = None) -> dict:
+                  new_line: bool | None = None, probabilities: Sequence = ()) -> dict:
     """The last answer of a /completion or /infill request in llama-server's shape (a stream's has
     ``content`` "": its text went out in the chunks, ``new_line`` says whether it held a newline),
     with specrun's ``speculation``. ``started`` and ``done``: the job's Started and Done events
@@ -115,7 +130,7 @@ def answer_object(model: str, request: CompletionRequest, content: str, started,
     warns the context is full); ``prompt_cut``, specrun's: a fill's parts were cut to their shares."""
     stats = done.stats
     sampling = request.sampling
-    return {
+    answer = {
         "index": 0,
         "content": content,
         "tokens": [],
@@ -137,6 +152,17 @@ def answer_object(model: str, request: CompletionRequest, content: str, started,
         "timings": timings(stats, started.prompt_tokens, started.reused_tokens),
         "speculation": stats.to_dict(),
     }
+    if request.logprobs is not None and probabilities:  # a stream's went out with its chunks
+        answer["completion_probabilities"] = completion_probabilities(probabilities)
+    return answer
+
+
+def completion_probabilities(entries: Sequence) -> list[dict]:
+    """Tokens' log-probabilities (the worker's Delta.logprobs entries) in llama-server's shape."""
+    def shown(choice) -> dict:
+        return {"id": choice.id, "token": choice.text, "bytes": list(choice.bytes), "logprob": choice.logprob}
+
+    return [{**shown(token), "top_logprobs": [shown(other) for other in top]} for token, top in entries]
 
 
 def penalty_settings(sampling) -> dict:
@@ -170,10 +196,14 @@ def props_object(worker, model: str, defaults: ServeDefaults, build: str) -> dic
     }
 
 
-def chunk_object(text: str, predicted: int, started) -> dict:
-    """A stream's chunk of text in llama-server's shape: the tokens answered so far."""
-    return {"index": 0, "content": text, "tokens": [], "stop": False, "tokens_predicted": predicted,
-            "tokens_evaluated": started.prompt_tokens}
+def chunk_object(text: str, predicted: int, started, probabilities: Sequence = ()) -> dict:
+    """A stream's chunk of text in llama-server's shape: the tokens answered so far, and where
+    asked (n_probs) the log-probabilities of the chunk's tokens."""
+    chunk = {"index": 0, "content": text, "tokens": [], "stop": False, "tokens_predicted": predicted,
+             "tokens_evaluated": started.prompt_tokens}
+    if probabilities:
+        chunk["completion_probabilities"] = completion_probabilities(probabilities)
+    return chunk
 
 
 def stop_type(finish_reason: str, stopped_by: str) -> str:

@@ -34,7 +34,7 @@ _INERT_FIELDS = {
     # llama-server's own, which clients written for it send (llama.vscode's edits send every one)
     "typical_p": (1, None), "dry_multiplier": (0, None), "xtc_probability": (0, None),
     "dynatemp_range": (0, None), "mirostat": (0, None), "top_n_sigma": (-1, 0, None), "n_probs": (0, None),
-    "min_keep": (0, 1, None), "ignore_eos": (False, None), "return_tokens": (False, None),
+    "min_keep": (0, 1, None), "return_tokens": (False, None),
     "post_sampling_probs": (False, None), "lora": (None,), "n_cmpl": (1, None), "grammar_lazy": (False, None),
     "adaptive_target": (-1, None),  # adaptive-p's target: below 0 it is off, listed or not
 }
@@ -51,7 +51,7 @@ _FREE_FIELDS = ("user", "store", "metadata", "service_tier", "prompt_cache_key",
 COMMON_FIELDS = ("model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stream",
                   "stream_options", "n", "response_format", "grammar", "json_schema", "samplers", "n_indent",
                   "t_max_predict_ms", "repeat_penalty", "repeat_last_n", "frequency_penalty", "presence_penalty",
-                  "logit_bias")
+                  "logit_bias", "ignore_eos")
 
 # llama-server's ``samplers``: the names of the samplers on (a list, or a string of their letters).
 # Those specrun has take their request's settings; one left out is off (temperature: 1, as llama.cpp
@@ -131,6 +131,7 @@ class CompletionRequest:
     # logit_bias entries naming text, not a token id (llama-server's): each of its tokens gets the bias,
     # tokenized by the worker (``with_bias_texts``), which knows the model
     bias_texts: tuple[tuple[str, float], ...] = ()
+    ignore_eos: bool = False  # llama-server's: no end-of-generation token, the answer runs to its length
 
     @property
     def is_chat(self) -> bool:
@@ -282,6 +283,12 @@ def parse_common(body: dict, defaults: ServeDefaults, n_ctx: int, max_tokens_fie
         raise RequestError("stream_options is only allowed with stream: true", "stream_options",
                            code="invalid_value")
     grammar, grammar_field = _parse_grammar(body)
+    ignore_eos = body.get("ignore_eos")
+    if ignore_eos is not None and not isinstance(ignore_eos, bool):
+        raise RequestError("ignore_eos must be a boolean", "ignore_eos", code="invalid_type")
+    if ignore_eos and grammar is not None:
+        raise invalid_value("ignore_eos", f"a grammar ({grammar_field}) ends its answer with an end-of-text token, "
+                                          "which ignore_eos forbids: send one of them")
     return dict(
         model=model,
         max_tokens=max_tokens,
@@ -289,6 +296,7 @@ def parse_common(body: dict, defaults: ServeDefaults, n_ctx: int, max_tokens_fie
                                   infill=samplers is not None and "infill" in samplers, penalties=penalties,
                                   logit_bias=logit_bias),
         bias_texts=bias_texts,
+        ignore_eos=bool(ignore_eos),
         indent=indent,
         line_seconds=max(line_ms, 0) / 1000,  # 0 or less: no limit, as llama-server reads it
         stop=_parse_stop(body.get("stop")),

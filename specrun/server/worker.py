@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import codecs
+import dataclasses
 import json
 import math
 import threading
@@ -318,6 +319,7 @@ class TokenChoice:
     text: str
     bytes: bytes
     logprob: float
+    id: int = -1  # the token's id (llama-server's completion_probabilities show it)
 
 
 @dataclass(frozen=True)
@@ -665,8 +667,13 @@ class PairWorker:
         tokens = from_draft = 0
         first_sent = False
         logprobs = _HeldLogprobs()  # the tokens' since the last Delta, each sent with the text it began
-        params = GenerationParams(job.request.max_tokens, 0, job.request.sampling, tree_nodes=self.pair.trees.nodes,
-                                  grammar=grammar, logprobs=job.request.logprobs)
+        sampling = job.request.sampling
+        if job.request.ignore_eos:  # llama-server's: every end-of-generation token biased to never
+            eog = tuple((token, -math.inf) for token in sorted(session.target.vocab.eos_ids))
+            sampling = dataclasses.replace(sampling, logit_bias=sampling.logit_bias + eog)
+        params = GenerationParams(job.request.max_tokens, 0, sampling, tree_nodes=self.pair.trees.nodes,
+                                  grammar=grammar, logprobs=job.request.logprobs,
+                                  stop_at_eos=not job.request.ignore_eos)
         stopped = "ended before it finished"
         stream = session.stream(prompt_ids, params)
         rendezvous = self.slots.rendezvous if self.slots is not None else None
@@ -811,7 +818,7 @@ class PairWorker:
 
         def choice(token: int, logprob: float) -> TokenChoice:
             piece = target.token_bytes(token)
-            return TokenChoice(piece.decode("utf-8", "replace"), piece, logprob)
+            return TokenChoice(piece.decode("utf-8", "replace"), piece, logprob, token)
 
         # a token a grammar forbids has no probability at all, and JSON no -infinity: it is not listed
         return choice(entry.token, entry.logprob), tuple(choice(t, value) for t, value in entry.top
@@ -833,6 +840,9 @@ class PairWorker:
         try:
             if request.tools and request.tool_choice.forces_a_call:
                 field_name = "tools"  # a name the model's call format cannot write, too
+                if request.ignore_eos:  # its grammar ends the call with an end-of-text token
+                    raise invalid_value("ignore_eos", "a required tool call ends with an end-of-text token, which "
+                                                      "ignore_eos forbids: send one of them")
                 spec = self._style().grammar(request.tools, request.tool_choice, request.parallel_tool_calls)
             if spec is None:
                 return None

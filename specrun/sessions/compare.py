@@ -21,7 +21,7 @@ from specrun.backends.kv import common_prefix_len, sequence_for
 from specrun.engine.events import GenerationResult
 from specrun.engine.loop import GenerationParams, SpeculativeEngine
 from specrun.engine.passes import Verification
-from specrun.sampling import token_logprobs
+from specrun.sampling import SamplingSettings, token_logprobs
 from specrun.verify import EXACT
 from specrun.drafters.methods import DrafterOptions, build_drafter, is_adaptive
 from specrun.sessions.divergence import Mismatch, find_mismatch
@@ -282,7 +282,7 @@ def compare_variants(
         baseline = variants[0].name
         lossy = {name for name, engine in engines.items() if engine.passes.acceptance is not None}
         mismatches = {
-            name: _mismatches(target, prompts, figures[baseline], figures[name])
+            name: _mismatches(target, prompts, figures[baseline], figures[name], params.sampling)
             if params.sampling.greedy and name not in lossy else []
             for name in engines
         }
@@ -394,7 +394,8 @@ def text_log_likelihood(target: Backend, prompt: Sequence[int], output: Sequence
 
 
 def _mismatches(
-    target: Backend, prompts: Sequence[list[int]], baseline: MethodFigures, other: MethodFigures
+    target: Backend, prompts: Sequence[list[int]], baseline: MethodFigures, other: MethodFigures,
+    sampling: SamplingSettings = SamplingSettings(),
 ) -> list[Mismatch]:
     """One Mismatch per prompt where any of ``other``'s outputs differs from the baseline's first."""
     found = []
@@ -402,5 +403,5 @@ def _mismatches(
         baseline_ids = baseline.by_prompt[index][0].token_ids
         differing = next((r.token_ids for r in runs if r.token_ids != baseline_ids), None)
         if differing is not None:
-            found.append(find_mismatch(target, index, prompts[index], baseline_ids, differing))
+            found.append(find_mismatch(target, index, prompts[index], baseline_ids, differing, sampling))
     return found

@@ -16,6 +16,8 @@ import numpy as np
 
 from specrun.backends.base import Backend
 from specrun.backends.kv import common_prefix_len, sequence_for
+from specrun.penalties import shaped_rows
+from specrun.sampling import SamplingSettings
 
 NEAR_TIE = 1e-3  # a logit gap below this is a numerical near-tie (docs/design.md)
 NEAR_TIE_NOTE = (
@@ -79,9 +81,11 @@ class Mismatch:
 
 
 def find_mismatch(
-    target: Backend, prompt_index: int, prompt: list[int], baseline_ids: Sequence[int], other_ids: Sequence[int]
+    target: Backend, prompt_index: int, prompt: list[int], baseline_ids: Sequence[int], other_ids: Sequence[int],
+    sampling: SamplingSettings = SamplingSettings(),
 ) -> Mismatch:
-    """Locate the first differing token and measure the target's logit gaps there.
+    """Locate the first differing token and measure the target's logit gaps there (its logits as
+    ``sampling``'s penalties and bias shape them, which the greedy choice was made on).
 
     The gaps are measured along plain decoding's own path (the prompt in one pass, then
     one token at a time): with an F16 KV cache a single batched pass over the same
@@ -95,12 +99,14 @@ def find_mismatch(
     logits = sequence.feed(prompt, [len(prompt) - 1])[0]  # (V,)
     for token in baseline_ids[:position]:
         logits = sequence.feed([token], [0])[0]
+    text = [*prompt, *baseline_ids[:position]]
+    logits = _shaped(logits, sampling, text)
     top2 = np.sort(logits)[-2:]
     # The same context with the output (and at least the prompt's last token) read in one batch.
     start = len(prompt) - 1 if position else max(len(prompt) - 2, 0)
     sequence.rewind(start)
     fed = [*prompt[start:], *baseline_ids[:position]]
-    batched = sequence.feed(fed, [len(fed) - 1])[0]
+    batched = _shaped(sequence.feed(fed, [len(fed) - 1])[0], sampling, text)
     plain_token, other_token = _token_at(baseline_ids, position), _token_at(other_ids, position)
     both = plain_token is not None and other_token is not None
     return Mismatch(
@@ -114,6 +120,13 @@ def find_mismatch(
         _shown(target, other_token),
         float(logits[plain_token] - logits[other_token]) if both else None,
     )
+
+
+def _shaped(logits: np.ndarray, sampling: SamplingSettings, text: Sequence[int]) -> np.ndarray:
+    """A row after ``text`` under the settings' penalties and bias (penalties.py), or as it is."""
+    if not sampling.shapes_rows:
+        return logits
+    return shaped_rows(logits[None], sampling.penalties, sampling.logit_bias, text, [()])[0]
 
 
 def difference_line(method: str, prompt: str, mismatch: Mismatch, exact: bool = False) -> str:

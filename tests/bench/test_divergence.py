@@ -109,3 +109,19 @@ def test_the_line_names_method_prompt_position_tokens_gap_and_verdict(target, pl
     assert difference_line("draft", "code-2", defect).endswith(": DEFECT (the target had a clear choice)")
     ended = find_mismatch(target, 0, PROMPT, plain, plain[:TIE_AT])
     assert f"vs {END_OF_OUTPUT} (top-2 gap 0.0005): near-tie" in difference_line("draft", "code-2", ended)
+
+
+def test_the_gap_is_measured_on_the_rows_the_penalties_shaped(target):
+    """Under penalties the greedy choice is made on shaped rows: there the gap is measured. A bias
+    of -CLEAR + 2 * TIE_GAP on the token counting goes on to at TIE_AT leaves it TIE_GAP behind
+    the runner-up, which plain decoding under the bias then takes."""
+    from specrun.penalties import Penalties
+    from specrun.sampling import SamplingSettings
+
+    sampling = SamplingSettings(penalties=Penalties(repeat=1.0, presence=0.0), logit_bias=((5, -TIE_GAP * 2),))
+    shaped = SpeculativeEngine(target).run(PROMPT, GenerationParams(4, 0, sampling)).token_ids
+    assert shaped[TIE_AT] == 6  # the bias turned the near-tie
+    mismatch = find_mismatch(target, 0, PROMPT, shaped, shaped[:TIE_AT] + [5], sampling)
+    assert mismatch.token_gap == pytest.approx(TIE_GAP, rel=1e-2) and mismatch.near_tie
+    unshaped = find_mismatch(target, 0, PROMPT, shaped, shaped[:TIE_AT] + [5])
+    assert unshaped.token_gap == pytest.approx(-TIE_GAP, rel=1e-2)  # raw logits say the other way round

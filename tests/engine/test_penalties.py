@@ -26,6 +26,7 @@ from collections.abc import Sequence
 import numpy as np
 import pytest
 
+import specrun.drafters.draft_model
 import specrun.engine.passes
 from fake_models import COPYING_VOCAB, REPEATING_PROMPT, copying_logits, hashed_logits, noisy_copy
 from lossless_harness import ALPHA, chi_square_p, impossible
@@ -156,6 +157,21 @@ def test_greedy_speculation_under_penalties_makes_plain_decoding_s_text(method, 
     assert accepted > 0  # drafts were verified under the penalties, not only plain steps
     unshaped, _ = _greedy("none", FakeBackend(table, COPYING_VOCAB), None, SamplingSettings())
     assert unshaped != want and 7 not in got  # the penalties and the bias change the text
+
+
+def test_a_draft_model_drafts_under_the_penalties_so_it_accepts_more(monkeypatch):
+    table = copying_logits(salt=3)
+    settings = SamplingSettings(penalties=GREEDY_PENALTIES, logit_bias=GREEDY_BIAS)
+
+    def run() -> tuple[list[int], int]:
+        return _greedy("draft", FakeBackend(table, COPYING_VOCAB), FakeBackend(noisy_copy(salt=3), COPYING_VOCAB),
+                       settings)
+
+    shaped, accepted = run()
+    monkeypatch.setattr(specrun.drafters.draft_model, "shaped_rows", lambda logits, *args: logits)
+    unshaped, accepted_unshaped = run()
+    assert shaped == unshaped  # exact either way
+    assert accepted > 1.3 * accepted_unshaped
 
 
 # ---- sampled: the exact joint of a window under the penalties --------------------------------

@@ -70,6 +70,16 @@ def test_bad_penalties_and_biases_are_400s_naming_the_field(fields, param, messa
     assert message in refused.value.message, refused.value.message
 
 
+def test_ignore_eos_is_taken_and_refused_beside_a_grammar():
+    assert parse_completion_request({"prompt": "x", "ignore_eos": True}, ServeDefaults(), 2048).ignore_eos
+    assert not parse_completion_request({"prompt": "x"}, ServeDefaults(), 2048).ignore_eos
+    for fields, code in (({"ignore_eos": "yes"}, "invalid_type"),
+                         ({"ignore_eos": True, "response_format": {"type": "json_object"}}, "invalid_value")):
+        with pytest.raises(RequestError) as refused:
+            parse_chat_request({**CHAT, **fields}, ServeDefaults(), 2048)
+        assert (refused.value.param, refused.value.code) == ("ignore_eos", code), refused.value.message
+
+
 # ---- served -----------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def plain_server():
@@ -128,3 +138,16 @@ def test_a_bias_outside_the_vocabulary_is_a_400_and_the_server_serves_on(demo_se
                    "logit_bias", "invalid_value")
     assert_refused(demo_server, "/v1/completions", {"model": MODEL, "prompt": "hi", "presence_penalty": 9},
                    "presence_penalty", "invalid_value")
+
+
+def test_ignore_eos_runs_the_answer_to_its_length(demo_server):
+    body = {"prompt": "user: Say yes.\nassistant: ", "n_predict": 40}
+    status, ended = demo_server.post("/completion", body)
+    assert status == 200 and ended["stop_type"] == "eos" and ended["tokens_predicted"] < 40, ended
+    status, ran = demo_server.post("/completion", {**body, "ignore_eos": True})
+    assert status == 200 and ran["stop_type"] == "limit" and ran["tokens_predicted"] == 40, ran
+    assert ran["content"].startswith(ended["content"])
+    assert_refused(demo_server, "/v1/chat/completions",
+                   {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "ignore_eos": True,
+                    "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
+                    "tool_choice": "required"}, "ignore_eos", "invalid_value")
