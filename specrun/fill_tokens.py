@@ -50,10 +50,13 @@ TURN_END_SPELLINGS = (
 
 def turn_endings(vocab: dict[str, int]) -> set[int]:
     """The ids of the tokens of ``vocab`` ({text: id}) spelled as TURN_END_SPELLINGS. As llama.cpp,
-    ``<|end|>`` is left out beside ``<|return|>`` and ``<|call|>`` (gpt-oss's harmony format) or
-    ``<|calls|>`` and ``<|flush|>`` (Solar Open), where it ends a message, not the turn."""
+    ``<|end|>`` is left out beside ``<|return|>`` or ``<|flush|>`` with ``<|call|>`` or ``<|calls|>``
+    (gpt-oss's harmony format, Solar Open), where it ends a message, not the turn; and ``</s>``
+    beside ``<|tool_response>`` or ``<|plamo:eos|>`` (Gemma 4, PLaMo), where it is text."""
     found = {text: vocab[text] for text in TURN_END_SPELLINGS if text in vocab}
-    if "<|end|>" in found and (("<|return|>" in found and "<|call|>" in found)
-                               or ("<|calls|>" in found and "<|flush|>" in found)):
+    calls = "<|call|>" in found or "<|calls|>" in found
+    if "<|end|>" in found and calls and ("<|return|>" in found or "<|flush|>" in found):
         del found["<|end|>"]
+    if "</s>" in found and ("<|tool_response>" in found or "<|plamo:eos|>" in vocab):
+        del found["</s>"]
     return set(found.values())

@@ -21,6 +21,7 @@ from specrun.cli.distill import distill_command
 from specrun.cli.heads import heads_app
 from specrun.cli.common import (
     check_backend,
+    check_bias_beside_grammar,
     MODEL_OPTIONS,
     check_outputs_apart,
     MAX_DRAFT_LEN,
@@ -239,6 +240,7 @@ def generate(
         if tool_list and chat_template is False:
             raise UsageError("--tools renders the tools through the chat template, which --raw leaves out",
                              "drop --raw")
+        check_bias_beside_grammar(sampling, grammar_spec is not None or choice.forces_a_call)
         if choice.forces_a_call and grammar_spec is not None:
             raise UsageError("a required tool call and --grammar/--json-schema both constrain the answer",
                              "give one of them")

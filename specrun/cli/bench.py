@@ -186,6 +186,10 @@ def bench(
         sampling = checked_sampling("bench", temp, top_k, top_p, min_p, seed, repeat_penalty=repeat_penalty,
                                     repeat_last_n=repeat_last_n, presence_penalty=presence_penalty,
                                     frequency_penalty=frequency_penalty, logit_bias=logit_bias)
+        if native and sampling.shapes_rows:
+            raise UsageError("--native times llama-cpp-python's own plain loop, which applies no logit bias and counts "
+                             "penalties over the answer alone (specrun and llama.cpp's tools count the prompt too)",
+                             "drop --native, or the penalties and --logit-bias")
         verification = checked_verification("bench", verify, accept, epsilon, delta, margin, exact)
         target = target or DEFAULT_TARGET
         given_draft = draft

@@ -419,9 +419,17 @@ def checked_sampling(command: str, temp: float, top_k: int, top_p: float, min_p:
     return sampling
 
 
+def check_bias_beside_grammar(sampling, constrained: bool) -> None:
+    """A bias that forbids a token (-inf) beside a grammar or a required tool call could forbid every
+    token the grammar allows at some step: refused, as the server refuses it."""
+    if constrained and any(amount == -math.inf for _, amount in sampling.logit_bias):
+        raise UsageError("--logit-bias forbids a token (-inf) beside a grammar, which could forbid every token the "
+                         "grammar allows", "give a finite bias (such as 15043-100), or drop the grammar")
+
+
 def _logit_bias(value: str) -> tuple[int, float]:
     """One --logit-bias as llama.cpp writes it: TOKEN_ID+BIAS or TOKEN_ID-BIAS (BIAS may be inf)."""
-    match = re.fullmatch(r"\s*(\d+)\s*([+-])\s*(\S+)\s*", value)
+    match = re.fullmatch(r"\s*(\d{1,10})\s*([+-])\s*(\S+)\s*", value)  # ten digits: past any vocabulary
     try:
         amount = float(match.group(3)) if match else math.nan
     except ValueError:

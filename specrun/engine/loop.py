@@ -360,10 +360,15 @@ class SpeculativeEngine:
         clock = StepClock(self.clock)  # generation starts
         try:
             hit_eos = False
+            # drafters learning the target's rows read them unshaped: a draft model applies the
+            # penalties and bias itself as it drafts (drafters/draft_model.py)
+            own_row = prompt_logits
             if params.max_new_tokens > 0:  # penalties and a bias shape the first token's row by the prompt
                 prompt_logits = self.passes.shaped(prompt_logits, sampling, context)
             if constrained is not None and params.max_new_tokens > 0:
+                shaped = own_row is not prompt_logits
                 prompt_logits = constrained.masked(prompt_logits)
+                own_row = constrained.masked(own_row) if shaped and prompt_logits is not None else prompt_logits
                 self.grammar_blocked = prompt_logits is None
             if params.max_new_tokens > 0 and not self.grammar_blocked:  # the first token (check_prompt left room)
                 step, hit_eos = self._prefill_token_step(prompt_logits, context, eos_ids, params, rng, clock)
@@ -374,7 +379,7 @@ class SpeculativeEngine:
                     self.grammar_blocked = not constrained.advance(step.tokens)
                 if row_readers and rows_come:  # the first token's row: the prompt's last
                     for member in row_readers:
-                        member.observe_rows(len(context) - 1, prompt_logits[None])
+                        member.observe_rows(len(context) - 1, own_row[None])
                 if ties is not None:
                     stats.near_ties += ties.in_prefill(prompt_logits)
                 stats.generation_seconds = clock.yielding()
@@ -427,7 +432,7 @@ class SpeculativeEngine:
                 if row_readers and self.passes.last_rows is not None:
                     kept_rows = [0, *(1 + node for node in verdict.path)][: len(context) - context_len]
                     for member in row_readers:
-                        member.observe_rows(context_len, self.passes.last_rows[kept_rows])
+                        member.observe_rows(context_len, self.passes.own_rows()[kept_rows])
                 if ties is not None:
                     stats.near_ties += ties.in_pass(proposal, verdict, len(context) - context_len,
                                                     self.passes.last_rows)

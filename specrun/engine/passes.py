@@ -77,6 +77,8 @@ class TargetPasses:
         self.last_rows: np.ndarray | None = None
         # this pass's penalties and bias, and the text its root row follows (None: rows unshaped)
         self._shaping: tuple[SamplingSettings, Sequence[int]] | None = None
+        # the last pass's rows before the penalties shaped them, and the grammar's rows (own_rows)
+        self._unshaped: tuple[np.ndarray, np.ndarray | None] | None = None
 
     @property
     def verification(self) -> Verification:
@@ -138,7 +140,7 @@ class TargetPasses:
         first); the rows are masked before the rule sees them (engine/constrained.py).
         ``text``: the context, ending in ``last_token``, that penalties and a bias read (each row
         shaped by it and the drafts before the row, penalties.py); needed where the settings shape rows."""
-        self.last_rows = None
+        self.last_rows = self._unshaped = None
         if sampling.shapes_rows and text is None:
             raise ValueError("rows shaped by penalties or a bias need the text they follow")
         self._shaping = (sampling, text) if sampling.shapes_rows else None
@@ -219,13 +221,24 @@ class TargetPasses:
     def _rows(self, logits: np.ndarray, allowed: np.ndarray | None, proposal: Proposal) -> np.ndarray:
         """A pass's logits as verified (each row shaped by its text where the settings say, then
         masked by a grammar's rows where there is one), kept as ``last_rows``."""
+        self._unshaped = None
         if self._shaping is not None:
             sampling, text = self._shaping
             paths = (chain_paths(proposal.tokens) if proposal.is_chain
                      else tree_paths(proposal.tokens, proposal.parents))
+            self._unshaped = (logits, allowed)
             logits = shaped_rows(logits, sampling.penalties, sampling.logit_bias, text, paths)
         self.last_rows = masked_rows(logits, allowed)
         return self.last_rows
+
+    def own_rows(self) -> np.ndarray:
+        """The last pass's rows as the target gave them, a grammar's mask applied but not the
+        penalties and bias: what a drafter learning the target's distributions learns (one that
+        drafts under the penalties applies them itself)."""
+        if self._unshaped is None:
+            return self.last_rows
+        logits, allowed = self._unshaped
+        return masked_rows(logits, allowed)
 
     def _verify_deferred(self, last_token: int, drafts: DeferredDrafts) -> tuple[Proposal, Verdict]:
         """The target's pass queued on the draft's ids: one host sync reads both (greedy only)."""

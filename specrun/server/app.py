@@ -21,6 +21,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
+from specrun.engine.loop import check_bias
 from specrun.engine.stats import Stats
 from specrun.errors import SpecrunError, UsageError, cannot_listen
 from specrun.fileio import json_problem
@@ -792,6 +793,7 @@ def serve(pair: PairOptions, http: HttpOptions, defaults: ServeDefaults, log: Ca
         previous_sigterm = signal.signal(signal.SIGTERM, _raise_terminated)
     try:
         worker.start()
+        check_bias(defaults.sampling, worker.session.target.vocab.size)  # --logit-bias, once the vocabulary is known
         names = http.model_names or (pair.target,)
         server = OpenAIServer(worker, dataclasses.replace(http, model_names=names), defaults)
         protocol = guarded_protocol(connection_cap(), log)  # past it: a JSON 503 and closed

@@ -34,8 +34,7 @@ from specrun.server.requests import (
 from specrun.sessions.infill import CHUNK_FILE, Fill
 
 # Fields of llama-server's native endpoints only, taken at the values that change nothing
-NATIVE_INERT = {"logprobs": (0, False, None)}  # its alias of n_probs
-MAX_N_PROBS = 100  # alternatives a token's entry lists at most (llama-server sets none; mikupad asks 10)
+MAX_N_PROBS = 1000  # alternatives a token's entry lists at most (llama-server sets none; mikupad asks 10)
 
 
 def parse_native_request(body: dict, defaults: ServeDefaults, n_ctx: int, model: str,
@@ -43,8 +42,8 @@ def parse_native_request(body: dict, defaults: ServeDefaults, n_ctx: int, model:
     """A /completion (``infill``: /infill) body as a CompletionRequest answering for ``model``,
     and the response fields it asks for (empty: all); a RequestError naming the bad field."""
     fill_fields = ("input_prefix", "input_suffix", "input_extra") if infill else ()
-    check_fields(body, (*COMMON_FIELDS, "prompt", "n_predict", "response_fields", "n_probs", *fill_fields),
-                 inert=NATIVE_INERT)
+    check_fields(body, (*COMMON_FIELDS, "prompt", "n_predict", "response_fields", "n_probs", "logprobs",
+                        *fill_fields))
     asked = body.get("model")
     if asked is not None and not isinstance(asked, str):
         raise RequestError("model must be a string (this server answers with the model it has loaded)", "model",
@@ -56,7 +55,9 @@ def parse_native_request(body: dict, defaults: ServeDefaults, n_ctx: int, model:
     if isinstance(body.get("stop"), list):
         read["stop"] = [stop for stop in body["stop"] if stop != ""]
     common = parse_common(read, defaults, n_ctx, "n_predict", prompt_only=True)
-    common["logprobs"] = _n_probs(body.get("n_probs"))
+    # llama-server reads logprobs where n_probs is not given
+    common["logprobs"] = _n_probs(body["n_probs"] if body.get("n_probs") is not None else body.get("logprobs"),
+                                  "n_probs" if body.get("n_probs") is not None else "logprobs")
     fields = _response_fields(body.get("response_fields"))
     if not infill:
         return CompletionRequest(prompt=parse_prompt(body.get("prompt")), **common), fields
@@ -69,15 +70,18 @@ def parse_native_request(body: dict, defaults: ServeDefaults, n_ctx: int, model:
     return CompletionRequest(prompt=fill.middle, fill=fill, **common), fields
 
 
-def _n_probs(value) -> int | None:
+def _n_probs(value, name: str) -> int | None:
     """``n_probs``: each token's log-probability and this many likeliest alternatives'
-    (``completion_probabilities``); 0 or none: not asked."""
-    if value is None:
+    (``completion_probabilities``); 0, false or none: not asked (a whole float is its integer, as
+    llama-server reads it)."""
+    if value is None or value is False:
         return None
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
     if isinstance(value, bool) or not isinstance(value, int):
-        raise RequestError("n_probs must be an integer", "n_probs", code="invalid_type")
+        raise RequestError(f"{name} must be an integer", name, code="invalid_type")
     if not 0 <= value <= MAX_N_PROBS:
-        raise invalid_value("n_probs", f"must be in [0, {MAX_N_PROBS}], got {value}")
+        raise invalid_value(name, f"must be in [0, {MAX_N_PROBS}], got {value}")
     return value or None
 
 

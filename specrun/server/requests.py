@@ -252,6 +252,7 @@ def parse_common(body: dict, defaults: ServeDefaults, n_ctx: int, max_tokens_fie
     if samplers is not None and "penalties" not in samplers:
         penalties = Penalties()
     logit_bias, bias_texts = _parse_logit_bias(body.get("logit_bias"), base.logit_bias)
+    penalties = _penalties_in_order(penalties, samplers_order(body.get("samplers")))
     indent = _number(body, "n_indent", 0, integer=True)
     _check_range("n_indent", indent, 0, MAX_ANSWER_TOKENS)
     line_ms = _number(body, "t_max_predict_ms", 0)
@@ -289,6 +290,9 @@ def parse_common(body: dict, defaults: ServeDefaults, n_ctx: int, max_tokens_fie
     if ignore_eos and grammar is not None:
         raise invalid_value("ignore_eos", f"a grammar ({grammar_field}) ends its answer with an end-of-text token, "
                                           "which ignore_eos forbids: send one of them")
+    if grammar is not None and forbids(logit_bias, bias_texts):
+        raise invalid_value("logit_bias", f"a bias of false (never) beside a grammar ({grammar_field}) could forbid "
+                                          "every token the grammar allows: give finite biases, or drop one of them")
     return dict(
         model=model,
         max_tokens=max_tokens,
@@ -332,7 +336,7 @@ def _parse_logit_bias(value, base: tuple[tuple[int, float], ...]
     if value is None:
         return base, ()
     if isinstance(value, dict):  # OpenAI's keys are token ids written as strings; llama-server's may be text
-        pairs = [(int(key) if re.fullmatch(r"\s*-?[0-9]+\s*", key) else key, bias, f"logit_bias[{json.dumps(key)}]")
+        pairs = [(_token_id(key, f"logit_bias[{_shown(key)}]"), bias, f"logit_bias[{_shown(key)}]")
                  for key, bias in value.items()]
     elif isinstance(value, list):
         pairs = []
@@ -361,6 +365,20 @@ def _parse_logit_bias(value, base: tuple[tuple[int, float], ...]
     return tuple(by_id), tuple(by_text)
 
 
+def forbids(logit_bias, bias_texts=()) -> bool:
+    """Does a bias forbid a token outright (false, -inf)?"""
+    return any(amount == -math.inf for _, amount in (*logit_bias, *bias_texts))
+
+
+def _token_id(key: str, where: str) -> int | str:
+    """An object form's key as llama-server reads it (``strtol`` to the end): a token id, or text."""
+    if re.fullmatch(r"\s*[+-]?[0-9]+", key) is None:
+        return key
+    if len(key.strip().lstrip("+-")) > 10:  # past any vocabulary (and Python's int of 4,300 digits)
+        raise invalid_value(where, "the token id is outside the vocabulary")
+    return int(key)
+
+
 def with_bias_texts(request: CompletionRequest, tokenize, vocab_size: int) -> CompletionRequest:
     """``request`` with its logit_bias complete: each text's tokens biased (``tokenize(text)``: its
     ids, no special tokens added or read) beside the ids, every id within ``vocab_size``."""
@@ -375,6 +393,13 @@ def with_bias_texts(request: CompletionRequest, tokenize, vocab_size: int) -> Co
 
 def _parse_samplers(samplers) -> frozenset[str] | None:
     """llama-server's ``samplers`` as the names listed (None where the request does not say)."""
+    order = samplers_order(samplers)
+    return None if order is None else frozenset(order)  # adaptive_p changes nothing while its target is off
+
+
+def samplers_order(samplers) -> tuple[str, ...] | None:
+    """llama-server's ``samplers``, each named as specrun names it, in the list's order (None where
+    the request does not say); a name or letter that is no sampler is a 400."""
     if samplers is None:
         return None
     if isinstance(samplers, str):
@@ -382,19 +407,31 @@ def _parse_samplers(samplers) -> frozenset[str] | None:
         if unknown:
             raise invalid_value("samplers", f"{', '.join(map(json.dumps, unknown))} names no sampler; the letters are "
                                 + "".join(_SAMPLER_LETTERS))
-        names = {_SAMPLER_LETTERS[letter] for letter in samplers}
-    elif isinstance(samplers, list) and all(isinstance(name, str) for name in samplers):
-        names = set()
+        return tuple(_SAMPLER_LETTERS[letter] for letter in samplers)
+    if isinstance(samplers, list) and all(isinstance(name, str) for name in samplers):
+        names = []
         for name in samplers:
             canonical = _SAMPLER_ALIASES.get(name.lower(), name.lower())
             if canonical not in _SAMPLERS:
                 raise invalid_value("samplers", f"{_shown(name)} names no sampler; the names are "
                                     + ", ".join(_SAMPLERS))
-            names.add(canonical)
-    else:
-        raise RequestError("samplers must be a list of sampler names or a string of their letters", "samplers",
-                           code="invalid_type")
-    return frozenset(names)  # adaptive_p changes nothing while its adaptive_target is off (below 0)
+            names.append(canonical)
+        return tuple(names)
+    raise RequestError("samplers must be a list of sampler names or a string of their letters", "samplers",
+                       code="invalid_type")
+
+
+def _penalties_in_order(penalties: Penalties, order: tuple[str, ...] | None) -> Penalties:
+    """The penalties, where ``samplers`` lists them before the samplers specrun applies after them:
+    llama.cpp applies its chain in the list's order, and penalties after temperature or truncation
+    sample from another distribution than specrun's order gives (a 400, never a silent difference)."""
+    if order is None or not penalties.on or "penalties" not in order:
+        return penalties
+    earlier = [name for name in order[: order.index("penalties")] if name in ("top_k", "top_p", "min_p", "temperature")]
+    if earlier:
+        raise invalid_value("samplers", f"specrun applies the penalties first, as llama-server's default order does; "
+                                        f"list penalties before {', '.join(earlier)}")
+    return penalties
 
 
 def _parse_grammar(body: dict) -> tuple[GrammarSpec | None, str | None]:

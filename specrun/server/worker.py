@@ -48,7 +48,7 @@ from specrun.grammar import Grammar, GrammarError
 from specrun.registry.loading import LoadOptions
 from specrun.server.dispatch import Jobs
 from specrun.server.requests import (
-    CompletionRequest, RequestError, check_token_ids, invalid_value, with_bias_texts,
+    CompletionRequest, RequestError, check_token_ids, forbids, invalid_value, with_bias_texts,
 )
 from specrun.sessions.setup import TreeSettings, ctx_fix
 from specrun.sessions.tools import ToolCall, ToolStyle, ToolTemplateError, render_conversation, style_for
@@ -319,7 +319,7 @@ class TokenChoice:
     text: str
     bytes: bytes
     logprob: float
-    id: int = -1  # the token's id (llama-server's completion_probabilities show it)
+    id: int  # the token's id (llama-server's completion_probabilities show it)
 
 
 @dataclass(frozen=True)
@@ -843,6 +843,9 @@ class PairWorker:
                 if request.ignore_eos:  # its grammar ends the call with an end-of-text token
                     raise invalid_value("ignore_eos", "a required tool call ends with an end-of-text token, which "
                                                       "ignore_eos forbids: send one of them")
+                if forbids(request.sampling.logit_bias, request.bias_texts):
+                    raise invalid_value("logit_bias", "a bias of false (never) beside a required tool call could forbid "
+                                                      "every token its grammar allows: give finite biases")
                 spec = self._style().grammar(request.tools, request.tool_choice, request.parallel_tool_calls)
             if spec is None:
                 return None

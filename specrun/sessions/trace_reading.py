@@ -251,7 +251,14 @@ def _sampled(header: dict) -> str:
     penalties = _penalties(header.get("penalties"))
     if penalties is not None:
         sampling = dataclasses.replace(sampling, penalties=penalties)
-    if sampling.validate() or (sampling.greedy and not sampling.penalties.on):
+    bias = header.get("logit_bias")  # [[token, amount]], None for -inf (JSON has no infinity)
+    if isinstance(bias, list) and all(
+            isinstance(pair, list) and len(pair) == 2 and isinstance(pair[0], int) and not isinstance(pair[0], bool)
+            and (pair[1] is None or (isinstance(pair[1], (int, float)) and not isinstance(pair[1], bool)))
+            for pair in bias):
+        sampling = dataclasses.replace(sampling, logit_bias=tuple(
+            (pair[0], -math.inf if pair[1] is None else float(pair[1])) for pair in bias))
+    if sampling.validate() or (sampling.greedy and not sampling.shapes_rows):
         return ""
     return f", {'decoded' if sampling.greedy else 'sampled at'} {sampling.describe()}"
 
@@ -263,7 +270,8 @@ def _penalties(fields):
     if not isinstance(fields, dict):
         return None
     values = [fields.get(name) for name in ("repeat", "frequency", "presence", "last_n")]
-    if any(isinstance(value, bool) or not isinstance(value, (int, float)) for value in values) or values[3] != int(values[3]):
+    if any(isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
+           for value in values) or values[3] != int(values[3]):
         return None
     penalties = Penalties(float(values[0]), float(values[1]), float(values[2]), int(values[3]))
     return None if penalties.problems() else penalties

@@ -12,10 +12,14 @@ from model_factory import build_model_with_specials
 # <|call|> stand beside it (there it ends a message), which the second model shows
 TURN_ENDS = ("<|eot_id|>", "<end_of_turn>", "<|end|>", "<|im_start|>")
 HARMONY = ("<|return|>", "<|call|>", "<|end|>", "<|message|>")
+SOLAR = ("<|calls|>", "<|flush|>", "<|end|>")
+# Gemma 4: </s> is text beside <|tool_response>
+GEMMA4 = ("<|tool_response>", "</s>", "<turn|>")
 
 
-@pytest.mark.parametrize(("added", "endings"), [(TURN_ENDS, {512, 513, 514}), (HARMONY, {512, 513})],
-                         ids=["end-of-turn tokens", "harmony"])
+@pytest.mark.parametrize(("added", "endings"), [(TURN_ENDS, {512, 513, 514}), (HARMONY, {512, 513}),
+                                                (SOLAR, {512, 513}), (GEMMA4, {512, 514})],
+                         ids=["end-of-turn tokens", "harmony", "solar open", "gemma 4"])
 def test_both_backends_end_at_the_end_of_turn_tokens_llama_cpp_finds_by_their_text(tmp_path, added, endings):
     pytest.importorskip("llama_cpp", reason="the llama backend is not installed")
     pytest.importorskip("mlx_lm", reason="the mlx backend is not installed")

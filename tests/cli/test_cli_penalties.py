@@ -29,6 +29,7 @@ def invoke(*args: str, input: str | None = None):
     (("--logit-bias", "a+1"), "--logit-bias 'a+1' is not TOKEN_ID+BIAS"),
     (("-l", "5+inf"), "--logit-bias '5+inf' would force its token at every step"),
     (("-l", "5+150"), "--logit-bias for token 5 must be between -100 and 100 (or -inf to forbid it), got 150.0"),
+    (("-l", "9" * 5000 + "+1"), "--logit-bias '999"),
 ])
 def test_bad_penalties_and_biases_are_one_line_usage_errors(command, options, message):
     args = [command, *options] + (["hello"] if command == "generate" else [])
@@ -69,3 +70,12 @@ def test_a_bias_on_a_token_the_target_lacks_is_one_line(pair):
     assert result.exit_code == 2, result.output
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "--logit-bias names token 9999999, outside the target's vocabulary" in lines[0]
+
+
+def test_a_forbidding_bias_beside_a_grammar_and_penalties_beside_native_are_refused(tmp_path):
+    schema = tmp_path / "schema.json"
+    schema.write_text('{"type": "object"}')
+    result = invoke("generate", "hi", "--json-schema", str(schema), "-l", "5-inf")
+    assert result.exit_code == 2 and result.stderr.startswith("error: --logit-bias forbids a token (-inf) beside a grammar")
+    result = invoke("bench", "--native", "--repeat-penalty", "1.1")
+    assert result.exit_code == 2 and result.stderr.startswith("error: --native times llama-cpp-python's own plain loop")

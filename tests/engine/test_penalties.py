@@ -183,6 +183,26 @@ def test_a_draft_model_drafts_under_the_penalties_so_it_accepts_more(monkeypatch
     assert rate == 1.0 > rate_unshaped
 
 
+def test_drafters_learning_the_target_read_its_rows_unshaped():
+    """A draft model learning online applies the penalties itself when it drafts: it learns the
+    target's own rows, not the shaped ones (they would be applied twice)."""
+    table = copying_logits(salt=3)
+    engine = SpeculativeEngine(FakeBackend(table, COPYING_VOCAB),
+                               build_drafter("lookup", None, DrafterOptions()), method="lookup")
+    settings = SamplingSettings(penalties=GREEDY_PENALTIES, logit_bias=GREEDY_BIAS)
+    passes = engine.passes
+    checked = 0
+    params = GenerationParams(24, draft_len=4, sampling=settings, stop_at_eos=False)
+    for step in engine.steps(list(REPEATING_PROMPT), params, Stats()):
+        if passes.last_rows is not None and step.n_drafted:
+            context = engine.target.tokens  # the pass's context and its kept drafts
+            own = passes.own_rows()
+            assert not np.array_equal(own, passes.last_rows)
+            assert np.array_equal(own[0], table(tuple(context[: len(context) - step.n_accepted])))
+            checked += 1
+    assert checked > 0
+
+
 # ---- sampled: the exact joint of a window under the penalties --------------------------------
 VOCAB = 6
 PROMPT = (1, 4, 2, 1)

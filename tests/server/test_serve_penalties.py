@@ -47,6 +47,14 @@ def test_logit_bias_is_read_in_openai_s_form_and_llama_server_s():
     assert llama.bias_texts == (("hello", -1.0),)
     assert parse_completion_request({"prompt": "x", "logit_bias": {"the": False}}, ServeDefaults(),
                                     2048).bias_texts == (("the", -math.inf),)
+    # an object's key is an id as llama-server's strtol reads one to its end: " +12" is, "12 " is text
+    keys = parse_completion_request({"prompt": "x", "logit_bias": {" +12": 1, "12 ": 2}}, ServeDefaults(), 2048)
+    assert keys.sampling.logit_bias == ((12, 1.0),) and keys.bias_texts == (("12 ", 2.0),)
+    # finite biases beside a grammar are taken; penalties after the samplers are taken where they are off
+    assert parse_chat_request({**CHAT, "logit_bias": {"17": -100}, "response_format": {"type": "json_object"}},
+                              ServeDefaults(), 2048).sampling.logit_bias == ((17, -100.0),)
+    assert not parse_chat_request({**CHAT, "samplers": ["top_k", "penalties"]}, ServeDefaults(),
+                                  2048).sampling.penalties.on
 
 
 @pytest.mark.parametrize(("fields", "param", "message"), [
@@ -62,6 +70,11 @@ def test_logit_bias_is_read_in_openai_s_form_and_llama_server_s():
     ({"logit_bias": [[17]]}, "logit_bias[0]", "must be a [token, bias] pair"),
     ({"logit_bias": [[None, 1]]}, "logit_bias[0]", "the token must be a token id or text, got null"),
     ({"logit_bias": [["", 1]]}, "logit_bias[0]", "the token must be a token id or text"),
+    ({"logit_bias": {"9" * 5000: 1}}, 'logit_bias["' + "9" * 36 + '...]', "the token id is outside the vocabulary"),
+    ({"logit_bias": {"17": False}, "response_format": {"type": "json_object"}}, "logit_bias",
+     "a bias of false (never) beside a grammar (response_format) could forbid every token"),
+    ({"repeat_penalty": 1.2, "samplers": ["top_k", "penalties", "temperature"]}, "samplers",
+     "list penalties before top_k"),
 ])
 def test_bad_penalties_and_biases_are_400s_naming_the_field(fields, param, message):
     with pytest.raises(RequestError) as refused:
@@ -155,3 +168,16 @@ def test_ignore_eos_runs_the_answer_to_its_length(demo_server):
                    {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "ignore_eos": True,
                     "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
                     "tool_choice": "required"}, "ignore_eos", "invalid_value")
+
+
+def test_a_bias_on_a_token_the_target_lacks_stops_the_server_starting():
+    """`specrun serve -l` is checked once the vocabulary is known, not blamed on every client."""
+    import subprocess
+
+    from server_harness import SPECRUN
+
+    done = subprocess.run([*SPECRUN, "serve", "--port", "0", "-l", "99999999+1"], capture_output=True, text=True,
+                          timeout=120, check=False)
+    assert done.returncode == 2, done.stderr
+    lines = [line for line in done.stderr.strip().splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and "--logit-bias names token 99999999" in lines[0], done.stderr

@@ -18,14 +18,16 @@ PROMPT = "user: Tell me about the sea.\nassistant: "
 
 
 def test_n_probs_asks_for_log_probabilities():
-    request, _ = parse_native_request({"prompt": "x", "n_probs": 5}, ServeDefaults(), 2048, "m")
-    assert request.logprobs == 5
-    for body in ({"prompt": "x"}, {"prompt": "x", "n_probs": 0}):
-        assert parse_native_request(body, ServeDefaults(), 2048, "m")[0].logprobs is None
+    for body, asked in (({"n_probs": 5}, 5), ({"n_probs": 5.0}, 5), ({"logprobs": 4}, 4),
+                        ({"n_probs": 3, "logprobs": 9}, 3), ({"n_probs": 1000}, 1000), ({}, None), ({"n_probs": 0}, None),
+                        ({"logprobs": False}, None)):
+        request, _ = parse_native_request({"prompt": "x", **body}, ServeDefaults(), 2048, "m")
+        assert request.logprobs == asked, body
 
 
-@pytest.mark.parametrize(("value", "message"), [(-1, "must be in [0, 100]"), (101, "must be in [0, 100]"),
-                                                ("3", "must be an integer"), (True, "must be an integer")])
+@pytest.mark.parametrize(("value", "message"), [(-1, "must be in [0, 1000]"), (1001, "must be in [0, 1000]"),
+                                                ("3", "must be an integer"), (True, "must be an integer"),
+                                                (2.5, "must be an integer")])
 def test_bad_n_probs_are_400s(value, message):
     with pytest.raises(RequestError) as refused:
         parse_native_request({"prompt": "x", "n_probs": value}, ServeDefaults(), 2048, "m")
@@ -71,4 +73,4 @@ def test_completion_probabilities_come_with_the_answer_and_its_chunks(demo_serve
 
 
 def test_n_probs_past_its_range_is_a_400_and_the_server_serves_on(demo_server):
-    assert_refused(demo_server, "/completion", {"prompt": "hi", "n_probs": 1000}, "n_probs", "invalid_value")
+    assert_refused(demo_server, "/completion", {"prompt": "hi", "n_probs": 5000}, "n_probs", "invalid_value")

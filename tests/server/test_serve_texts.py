@@ -129,7 +129,7 @@ def test_logprobs_are_placed_by_the_text_their_tokens_decode_to():
     from specrun.server.worker import TokenChoice, _HeldLogprobs
 
     def entry(piece: bytes):
-        return TokenChoice(piece.decode("utf-8", "replace"), piece, -0.5), ()
+        return TokenChoice(piece.decode("utf-8", "replace"), piece, -0.5, 0), ()
 
     held = _HeldLogprobs()
     held.add([entry(b"\xff"), entry(b"ab"), entry(b"cd"), entry(b"\xe2\x82"), entry(b"\xac!")])
@@ -157,7 +157,7 @@ def test_logprobs_held_with_a_tool_call_s_text_go_out_when_a_stop_string_ends_th
     job = Recorded(CompletionRequest("demo", 8, SamplingSettings(), prompt=(1, 2)), loop)
     cut = ToolCallCut(STYLES["hermes"], ["f"])
     assert cut.feed("See <tool_call>{not") == "See "  # from the opener on: held
-    entries = ((TokenChoice("<tool_call>", b"<tool_call>", -0.1), ()), (TokenChoice("{not", b"{not", -0.2), ()))
+    entries = ((TokenChoice("<tool_call>", b"<tool_call>", -0.1, 7), ()), (TokenChoice("{not", b"{not", -0.2, 8), ()))
     try:
         worker._finish(job, "stop", Stats(), cut, None, 0, entries)
     finally:
