@@ -190,6 +190,7 @@ class OpenAIServer:
             Route("/props", self._endpoint(self.props), methods=["GET"]),
             Route("/tokenize", self._endpoint(self.tokenize), methods=["POST"]),
             Route("/detokenize", self._endpoint(self.detokenize), methods=["POST"]),
+            Route("/apply-template", self._endpoint(self.apply_template), methods=["POST"]),
         ]
         handlers = {HTTPException: self._http_error, Exception: self._internal_error}
         middleware = []
@@ -472,6 +473,16 @@ class OpenAIServer:
         from specrun.server.native import detokenize_answer
 
         return await self._with_tokenizer(request, detokenize_answer)
+
+    async def apply_template(self, request):
+        """llama-server's /apply-template: a conversation as the prompt the model's template makes of it."""
+        from starlette.responses import JSONResponse
+
+        from specrun.server.native import template_answer
+
+        body = await read_json_body(request, self.http.max_body_bytes)
+        return JSONResponse(await asyncio.to_thread(template_answer, self.worker.session, body, self.defaults,
+                                                    self.worker.n_ctx))
 
     async def _with_tokenizer(self, request, answer):
         """``answer(target, body)`` on a thread, beside the worker: tokenizing only reads the model

@@ -176,6 +176,27 @@ def penalty_settings(sampling) -> dict:
             "presence_penalty": penalties.presence, "frequency_penalty": penalties.frequency}
 
 
+def template_answer(session, body: dict, defaults: ServeDefaults, n_ctx: int) -> dict:
+    """llama-server's POST /apply-template: a chat request's messages (and its tools, as the model
+    is shown them) rendered through the model's chat template: the prompt it would read, not
+    answered. The body is read as /v1/chat/completions reads it, so a bad field is the same 400."""
+    from specrun.errors import ConversationRefusedError, SpecrunError
+    from specrun.server.requests import conversation_refused, parse_chat_request
+    from specrun.sessions.tools import ToolTemplateError, render_conversation
+
+    request = parse_chat_request(body, defaults, n_ctx)
+    offered = () if request.tool_choice.mode == "none" else request.tools
+    try:
+        text, _ = render_conversation(session.template, list(request.messages), offered)
+    except ToolTemplateError as exc:
+        raise RequestError(exc.one_line(), "tools", code="invalid_value") from None
+    except ConversationRefusedError as exc:
+        raise conversation_refused(exc.problem) from None
+    except SpecrunError as exc:  # a template that fails on the conversation (roles out of turn)
+        raise RequestError(exc.one_line(), "messages", code="invalid_value") from None
+    return {"prompt": text}
+
+
 def props_object(worker, model: str, defaults: ServeDefaults, build: str) -> dict:
     """llama-server's /props for the loaded pair: the context a request's prompt and answer share,
     the slots, the sampling a request that says nothing gets, the chat template."""

@@ -92,6 +92,13 @@ def check_token_ids(ids, vocab_size: int, param: str) -> None:
         raise invalid_value(param, f"token id {bad} is outside the vocabulary (0 to {vocab_size - 1})")
 
 
+def conversation_refused(problem: str) -> RequestError:
+    """A conversation the chat template refuses, told what a client can change (the chat's /system
+    and /reset are no fix for one)."""
+    return RequestError(f"{problem}; send messages the template takes (many take one system message, first, "
+                        "then user and assistant turns in alternation)", "messages", code="invalid_value")
+
+
 def invalid_value(param: str, message: str) -> RequestError:
     """The error for a field whose value is refused, the field named first."""
     return RequestError(f"{param}: {message}", param, code="invalid_value")

@@ -48,7 +48,7 @@ from specrun.grammar import Grammar, GrammarError
 from specrun.registry.loading import LoadOptions
 from specrun.server.dispatch import Jobs
 from specrun.server.requests import (
-    CompletionRequest, RequestError, check_token_ids, forbids, invalid_value, with_bias_texts,
+    CompletionRequest, RequestError, check_token_ids, conversation_refused, forbids, invalid_value, with_bias_texts,
 )
 from specrun.sessions.setup import TreeSettings, ctx_fix
 from specrun.sessions.tools import ToolCall, ToolStyle, ToolTemplateError, render_conversation, style_for
@@ -643,10 +643,8 @@ class PairWorker:
         except RequestError as exc:
             self._refused(job, exc, slot)
             return
-        except ConversationRefusedError as exc:  # the chat's /system and /reset are no fix for a client
-            self._refused(job, RequestError(f"{exc.problem}; send messages the template takes (many take one system "
-                                            "message, first, then user and assistant turns in alternation)",
-                                            "messages", code="invalid_value"), slot)
+        except ConversationRefusedError as exc:
+            self._refused(job, conversation_refused(exc.problem), slot)
             return
         except SpecrunError as exc:  # a chat template that fails on the conversation
             self._refused(job, RequestError(exc.one_line(), "messages" if job.request.is_chat else "prompt"), slot)
