@@ -72,6 +72,9 @@ class GenerationParams:
     # each token's log-probability with this many likeliest alternatives (0: the token's alone;
     # None: not computed, and greedy passes read only the backend's argmax)
     logprobs: int | None = None
+    # those log-probabilities after the sampling settings (temperature, top-k, top-p, min-p: the
+    # distribution each token was drawn from, llama-server's post_sampling_probs), not at temperature 1
+    logprobs_sampled: bool = False
 
 
 def check_prompt(prompt: Sequence[int], n_ctx: int, fix: str = "shorten the prompt, or raise --ctx") -> None:
@@ -373,8 +376,8 @@ class SpeculativeEngine:
             if params.max_new_tokens > 0 and not self.grammar_blocked:  # the first token (check_prompt left room)
                 step, hit_eos = self._prefill_token_step(prompt_logits, context, eos_ids, params, rng, clock)
                 if params.logprobs is not None:
-                    step = dataclasses.replace(step, logprobs=_logprobs(prompt_logits[None], [0], step.tokens,
-                                                                         params.logprobs))
+                    step = dataclasses.replace(step, logprobs=_logprobs(
+                        self._logprob_rows(prompt_logits[None], params), [0], step.tokens, params.logprobs))
                 if constrained is not None:
                     self.grammar_blocked = not constrained.advance(step.tokens)
                 if row_readers and rows_come:  # the first token's row: the prompt's last
@@ -452,7 +455,8 @@ class SpeculativeEngine:
                         policy.observe(report)
                 emitted = tuple(context[context_len:])
                 logprobs = () if params.logprobs is None else _logprobs(
-                    self.passes.last_rows, [0, *(1 + node for node in verdict.path)], emitted, params.logprobs)
+                    self._logprob_rows(self.passes.last_rows, params), [0, *(1 + node for node in verdict.path)],
+                    emitted, params.logprobs)
                 step = Step(emitted, len(proposal), verdict.n_accepted, clock.draft_seconds, clock.verify_seconds,
                             proposal.source, logprobs)
                 stats.generation_seconds = clock.yielding()
@@ -472,6 +476,15 @@ class SpeculativeEngine:
             if self.grammar_blocked:
                 self.grammar_problem = constrained.problem
         self.last_context = context
+
+    def _logprob_rows(self, rows: np.ndarray, params: GenerationParams) -> np.ndarray:
+        """A pass's rows as its tokens' log-probabilities read them: as verified (log-softmax at
+        temperature 1), or the log of the distribution the settings sample from (``logprobs_sampled``:
+        a token they leave out at -inf, one-hot where greedy)."""
+        if not params.logprobs_sampled:
+            return rows
+        with np.errstate(divide="ignore"):
+            return np.log(self.passes.p_target(rows, params.sampling))
 
     def _prefill(
         self, context: list[int], policy: SpeculationPolicy | None, params: GenerationParams, stats: Stats

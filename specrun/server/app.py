@@ -528,7 +528,8 @@ class OpenAIServer:
                 if isinstance(event, Delta):
                     predicted += event.tokens
                     new_line = new_line or "\n" in event.text
-                    yield _sse_data(chunk_object(event.text, predicted, started, event.logprobs))
+                    yield _sse_data(chunk_object(event.text, predicted, started, event.logprobs,
+                                                 job.request.post_sampling))
                 elif isinstance(event, Failed):
                     yield _sse_data(event.error.body())
                     break

@@ -16,6 +16,7 @@ each under its path (``timings/prompt_n``).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 from specrun.engine.stats import Stats
@@ -43,7 +44,7 @@ def parse_native_request(body: dict, defaults: ServeDefaults, n_ctx: int, model:
     and the response fields it asks for (empty: all); a RequestError naming the bad field."""
     fill_fields = ("input_prefix", "input_suffix", "input_extra") if infill else ()
     check_fields(body, (*COMMON_FIELDS, "prompt", "n_predict", "response_fields", "n_probs", "logprobs",
-                        *fill_fields))
+                        "post_sampling_probs", *fill_fields))
     asked = body.get("model")
     if asked is not None and not isinstance(asked, str):
         raise RequestError("model must be a string (this server answers with the model it has loaded)", "model",
@@ -58,6 +59,10 @@ def parse_native_request(body: dict, defaults: ServeDefaults, n_ctx: int, model:
     # llama-server reads logprobs where n_probs is not given
     common["logprobs"] = _n_probs(body["n_probs"] if body.get("n_probs") is not None else body.get("logprobs"),
                                   "n_probs" if body.get("n_probs") is not None else "logprobs")
+    post_sampling = body.get("post_sampling_probs")
+    if post_sampling is not None and not isinstance(post_sampling, bool):
+        raise RequestError("post_sampling_probs must be a boolean", "post_sampling_probs", code="invalid_type")
+    common["post_sampling"] = bool(post_sampling)
     fields = _response_fields(body.get("response_fields"))
     if not infill:
         return CompletionRequest(prompt=parse_prompt(body.get("prompt")), **common), fields
@@ -157,16 +162,20 @@ def answer_object(model: str, request: CompletionRequest, content: str, started,
         "speculation": stats.to_dict(),
     }
     if request.logprobs is not None and probabilities:  # a stream's went out with its chunks
-        answer["completion_probabilities"] = completion_probabilities(probabilities)
+        answer["completion_probabilities"] = completion_probabilities(probabilities, request.post_sampling)
     return answer
 
 
-def completion_probabilities(entries: Sequence) -> list[dict]:
-    """Tokens' log-probabilities (the worker's Delta.logprobs entries) in llama-server's shape."""
+def completion_probabilities(entries: Sequence, post_sampling: bool = False) -> list[dict]:
+    """Tokens' log-probabilities (the worker's Delta.logprobs entries) in llama-server's shape: each
+    ``logprob`` with its ``top_logprobs``, or where the request asked post_sampling_probs each
+    ``prob`` (after the sampling settings) with its ``top_probs``."""
     def shown(choice) -> dict:
-        return {"id": choice.id, "token": choice.text, "bytes": list(choice.bytes), "logprob": choice.logprob}
+        value = {"prob": math.exp(choice.logprob)} if post_sampling else {"logprob": choice.logprob}
+        return {"id": choice.id, "token": choice.text, "bytes": list(choice.bytes), **value}
 
-    return [{**shown(token), "top_logprobs": [shown(other) for other in top]} for token, top in entries]
+    top = "top_probs" if post_sampling else "top_logprobs"
+    return [{**shown(token), top: [shown(other) for other in others]} for token, others in entries]
 
 
 def penalty_settings(sampling) -> dict:
@@ -221,13 +230,13 @@ def props_object(worker, model: str, defaults: ServeDefaults, build: str) -> dic
     }
 
 
-def chunk_object(text: str, predicted: int, started, probabilities: Sequence = ()) -> dict:
+def chunk_object(text: str, predicted: int, started, probabilities: Sequence = (), post_sampling: bool = False) -> dict:
     """A stream's chunk of text in llama-server's shape: the tokens answered so far, and where
     asked (n_probs) the log-probabilities of the chunk's tokens."""
     chunk = {"index": 0, "content": text, "tokens": [], "stop": False, "tokens_predicted": predicted,
              "tokens_evaluated": started.prompt_tokens}
     if probabilities:
-        chunk["completion_probabilities"] = completion_probabilities(probabilities)
+        chunk["completion_probabilities"] = completion_probabilities(probabilities, post_sampling)
     return chunk
 
 

@@ -139,6 +139,8 @@ class CompletionRequest:
     # tokenized by the worker (``with_bias_texts``), which knows the model
     bias_texts: tuple[tuple[str, float], ...] = ()
     ignore_eos: bool = False  # llama-server's: no end-of-generation token, the answer runs to its length
+    # llama-server's post_sampling_probs (/completion): logprobs as probabilities after the sampling settings
+    post_sampling: bool = False
 
     @property
     def is_chat(self) -> bool:

@@ -671,7 +671,7 @@ class PairWorker:
             sampling = dataclasses.replace(sampling, logit_bias=sampling.logit_bias + eog)
         params = GenerationParams(job.request.max_tokens, 0, sampling, tree_nodes=self.pair.trees.nodes,
                                   grammar=grammar, logprobs=job.request.logprobs,
-                                  stop_at_eos=not job.request.ignore_eos)
+                                  logprobs_sampled=job.request.post_sampling, stop_at_eos=not job.request.ignore_eos)
         stopped = "ended before it finished"
         stream = session.stream(prompt_ids, params)
         rendezvous = self.slots.rendezvous if self.slots is not None else None

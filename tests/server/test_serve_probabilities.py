@@ -74,3 +74,28 @@ def test_completion_probabilities_come_with_the_answer_and_its_chunks(demo_serve
 
 def test_n_probs_past_its_range_is_a_400_and_the_server_serves_on(demo_server):
     assert_refused(demo_server, "/completion", {"prompt": "hi", "n_probs": 5000}, "n_probs", "invalid_value")
+
+
+def test_post_sampling_probs_are_the_distribution_each_token_was_drawn_from(demo_server):
+    """llama-server's post_sampling_probs: probabilities after the sampling settings, under
+    ``prob`` and ``top_probs``; a token top-k leaves out has none and is not listed."""
+    body = {"prompt": PROMPT, "n_predict": 16, "n_probs": 10, "post_sampling_probs": True, "temperature": 0.8,
+            "top_k": 5, "seed": 3}
+    status, answer = demo_server.post("/completion", body)
+    assert status == 200, answer
+    entries = answer["completion_probabilities"]
+    assert len(entries) == answer["tokens_predicted"] > 0
+    for entry in entries:
+        assert set(entry) == {"id", "token", "bytes", "prob", "top_probs"}
+        assert 0 < entry["prob"] <= 1 and 1 <= len(entry["top_probs"]) <= 5
+        assert math.isclose(sum(other["prob"] for other in entry["top_probs"]), 1.0, rel_tol=1e-6)
+        assert entry["id"] in [other["id"] for other in entry["top_probs"]]
+    status, greedy = demo_server.post("/completion", {**body, "temperature": 0})
+    assert status == 200 and all(entry["prob"] == 1.0 and len(entry["top_probs"]) == 1
+                                 for entry in greedy["completion_probabilities"])
+    # streamed greedily (a seed repeats a sampled answer only at a fixed draft length): the same entries
+    chunks = _events(demo_server, {**body, "temperature": 0})
+    streamed = [entry for chunk in chunks for entry in chunk.get("completion_probabilities", [])]
+    assert streamed == greedy["completion_probabilities"]
+    assert_refused(demo_server, "/completion", {"prompt": "hi", "post_sampling_probs": "yes"}, "post_sampling_probs",
+                   "invalid_type")
