@@ -11,9 +11,9 @@ an exact tie only).
 A penalty depends on the text each row follows, so a verify pass's rows are each shaped by their
 own: a chain's row i follows the context and the first i drafts, a tree's row the path to its
 node. Verification then sees the rows plain decoding under the penalties would sample from, and
-stays exact against it (docs/design.md, "Rows shaped by their text"). A draft model shapes its own
-rows the same way, so it drafts what the target will choose; the other drafters (lookup, n-grams,
-heads, lookahead) draft unshaped, which costs acceptance, never exactness.
+stays exact against it (docs/design.md, "Rows shaped by their text"). A draft model's rows and
+heads' chains are shaped the same way, so they draft what the target will choose; lookup, n-grams,
+lookahead and heads' trees draft unshaped, which costs acceptance, never exactness.
 """
 
 from __future__ import annotations

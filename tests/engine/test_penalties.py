@@ -243,9 +243,23 @@ def _joint() -> dict[tuple[int, ...], float]:
     return joint
 
 
-def _problems(branches: int = 0, chain_rule: str = "block") -> tuple[list[str], int, int]:
-    drafter = build_drafter("draft", _draft(), DrafterOptions(branches=branches))
-    engine = SpeculativeEngine(FakeBackend(_target_table(), VOCAB), drafter, method="draft")
+def _heads_engine(method: str) -> SpeculativeEngine:
+    """The target's hidden states knowing its (unpenalised) greedy future, drafted for by
+    ``method``'s oracle heads (tests/heads_factory.py)."""
+    from heads_factory import FAKE_LAYERS, oracle_heads_for, oracle_hidden
+
+    heads = oracle_heads_for(method, VOCAB)
+    target = FakeBackend(_target_table(), VOCAB, hidden_table=oracle_hidden(_target_table(), VOCAB),
+                         hidden_size=heads.config.hidden_size, n_layers=FAKE_LAYERS)
+    return SpeculativeEngine(target, build_drafter(method, None, DrafterOptions(heads=heads)), method=method)
+
+
+def _problems(branches: int = 0, chain_rule: str = "block", method: str = "draft") -> tuple[list[str], int, int]:
+    if method == "draft":
+        drafter = build_drafter("draft", _draft(), DrafterOptions(branches=branches))
+        engine = SpeculativeEngine(FakeBackend(_target_table(), VOCAB), drafter, method="draft")
+    else:
+        engine = _heads_engine(method)
     engine.passes.chain_rule = chain_rule
     counts: Counter = Counter()
     drafted = accepted = 0
@@ -279,6 +293,25 @@ def test_sampled_speculation_under_penalties_samples_as_plain_decoding(branches,
     problems, drafted, accepted = _problems(branches, chain_rule)
     assert problems == []
     assert 0 < accepted < drafted
+
+
+@pytest.mark.parametrize("method", ["eagle", "mtp", "medusa", "hydra"])
+def test_heads_drafting_under_the_penalties_sample_as_plain_decoding(method):
+    """Heads chains drawn from their logits shaped by the penalties (HeadsDrafter.shaped): each
+    token's shaped row is its q, all rejection sampling needs."""
+    problems, drafted, accepted = _problems(method=method)
+    assert problems == []
+    assert 0 < accepted < drafted
+
+
+@pytest.mark.parametrize("method", ["eagle", "mtp", "medusa", "hydra"])
+def test_greedy_heads_under_the_penalties_make_plain_decoding_s_text(method):
+    engine = _heads_engine(method)
+    settings = SamplingSettings(penalties=PENALTIES, logit_bias=SETTINGS.logit_bias)
+    want = _plain_greedy(_target_table(), PROMPT, 16, PENALTIES, SETTINGS.logit_bias)
+    accepted = sum(step.n_accepted for step in engine.steps(
+        list(PROMPT), GenerationParams(16, draft_len=3, sampling=settings, stop_at_eos=False), Stats()))
+    assert engine.last_context[len(PROMPT):] == want and accepted > 0
 
 
 @pytest.mark.parametrize("branches", [0, 3], ids=["chain", "tree"])

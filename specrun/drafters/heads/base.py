@@ -15,6 +15,7 @@ from specrun.backends.kv import KVSequence
 from specrun.drafters.base import Drafter
 from specrun.errors import UsageError
 from specrun.heads.config import HeadsConfig
+from specrun.penalties import shaped_rows
 from specrun.sampling import SamplingSettings, probabilities
 
 
@@ -178,6 +179,17 @@ class HeadsDrafter(Drafter):
         if hidden is None:  # fed while tracking was off (a cache from before the heads were in use)
             return None
         return depth, hidden[0]
+
+    def shaped(self, logits: np.ndarray, sampling: SamplingSettings, context: Sequence[int],
+               drafted: Sequence[int]) -> np.ndarray:
+        """A head's logits (Vd,) under the run's penalties and bias as the target's rows are shaped
+        (penalties.py: by ``context`` and the chain ``drafted`` so far), so its chain drafts what the
+        target will choose; as they are where the settings shape nothing. Its trees stay unshaped."""
+        if not sampling.shapes_rows:
+            return logits
+        row = np.full((1, self._vocab_size), -np.inf, dtype=np.float32)
+        row[0, self._d2t] = logits
+        return shaped_rows(row, sampling.penalties, sampling.logit_bias, context, [drafted])[0, self._d2t]
 
     def grammar_allows(self, context: Sequence[int], drafted: Sequence[int]) -> np.ndarray | None:
         """Under a run's grammar (``follows_grammar``: their chains; greedy trees are pruned as

@@ -289,6 +289,7 @@ class EagleDrafter(HeadsDrafter):
         draw with the row it was drawn from (sampled), appended to ``tokens`` (and ``rows``). Under a
         run's grammar (``follows_grammar``) the logits are masked by what it allows after the chain so
         far, and False (nothing drawn) where it allows none of the heads' tokens: the chain ends."""
+        logits = self.shaped(logits, sampling, self._drafting_after, tokens)
         allowed = self.grammar_allows(self._drafting_after, tokens)
         if allowed is not None:
             if not allowed.any():

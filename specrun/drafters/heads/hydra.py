@@ -62,7 +62,7 @@ class HydraDrafter(HeadsDrafter):
         grammar where it has one (grammar_allows, after ``context``)."""
         path, tokens, rows = [last], [], []
         for head in range(depth):
-            logits = self._logits(head, state, np.array([path]))[0]  # (Vd,)
+            logits = self.shaped(self._logits(head, state, np.array([path]))[0], sampling, context, tokens)  # (Vd,)
             allowed = self.grammar_allows(context, tokens)
             if allowed is not None:
                 if not allowed.any():

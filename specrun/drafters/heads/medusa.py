@@ -70,6 +70,7 @@ class MedusaDrafter(HeadsDrafter):
         none of the heads' tokens."""
         tokens, rows = [], []
         for head_logits in logits:
+            head_logits = self.shaped(head_logits, sampling, context, tokens)
             allowed = self.grammar_allows(context, tokens)
             if allowed is not None:
                 if not allowed.any():
