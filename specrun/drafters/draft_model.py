@@ -173,8 +173,8 @@ class DraftModelDrafter(Drafter):
             # Greedy verification needs no draft distribution: argmax stays in the backend.
             return Proposal(self._greedy_ids(pending, draft_len), source=self.name)
         room = len(context) + (self.top_k + 1) * (draft_len - 1) <= self.backend.n_ctx  # its widest tree pass
-        if grammar is None and not shaping and sampling.greedy and self.min_prob <= 0.0 and room and self.grows_trees:
-            return self._dynamic_tree(pending, draft_len)
+        if grammar is None and sampling.greedy and self.min_prob <= 0.0 and room and self.grows_trees:
+            return self._dynamic_tree(pending, draft_len, sampling if shaping else None, context)
         tokens: list[int] = []
         rows: list[np.ndarray | None] = []
         distributions: list[np.ndarray] = []  # the draft's own, for second guesses
@@ -213,16 +213,21 @@ class DraftModelDrafter(Drafter):
         proposal = Proposal(tuple(tokens), tuple(rows), source=self.name)
         return second_guesses(proposal, distributions, self.branches, sampling, rng) if self.branches else proposal
 
-    def _dynamic_tree(self, pending: list[int], depth: int) -> Proposal:
+    def _dynamic_tree(self, pending: list[int], depth: int, shaping: SamplingSettings | None = None,
+                      context: Sequence[int] = ()) -> Proposal:
         """EAGLE-2's tree, greedy (drafters/dynamic_tree.py): the draft's first pass reads
         ``pending`` and gives the first position's logits; each later level feeds the paths to
         the nodes chosen for expansion as one tree pass of the draft, reading each chosen
         node's next position along its own path. The cache keeps the context and, after the
         last level, the main chain but for its last node (as a chain's drafting leaves it), so
-        the next call catches up only on the target's correction or bonus token."""
+        the next call catches up only on the target's correction or bonus token. ``shaping``:
+        settings whose penalties and bias shape each node's row by ``context`` and its path, as
+        the target's rows are shaped."""
         started = self.clock()
         root = self._target_sized(self.sequence.feed(pending, [len(pending) - 1])[0])
         self.token_pass.add(self.clock() - started)
+        if shaping is not None:
+            root = shaped_rows(root[None], shaping.penalties, shaping.logit_bias, context, [()])[0]
 
         def expand(tree: DraftTree, chosen: list[int], level: int) -> np.ndarray:
             nodes = sorted({ancestor for node in chosen for ancestor in tree.lineage(node)},
@@ -235,7 +240,10 @@ class DraftModelDrafter(Drafter):
             self.tree_pass.add(self.clock() - started)
             chain = tree.main_chain()[:level] if level == depth - 1 else []
             self.sequence.keep_path(fed, [index[node] for node in chain])
-            return np.stack([self._target_sized(row) for row in logits])
+            rows = np.stack([self._target_sized(row) for row in logits])
+            if shaping is None:
+                return rows
+            return shaped_rows(rows, shaping.penalties, shaping.logit_bias, context, [tree.path(node) for node in chosen])
 
         return grow_tree(root, depth, self.top_k, self.branches, expand, np.arange(self.target_vocab_size),
                          self.name)
