@@ -681,13 +681,15 @@ def test_a_server_answers_a_required_call_python_cannot_write_with_a_400_naming_
     function Gemma's format cannot name is a 400 on `tools`, not a failed request."""
     from types import SimpleNamespace
 
+    from specrun.sampling import SamplingSettings
     from specrun.server.requests import CompletionRequest, RequestError
     from specrun.server.worker import PairWorker
 
     worker = SimpleNamespace(_style=lambda: STYLES["pythonic"], session=SimpleNamespace(target=None))
     request = CompletionRequest.__new__(CompletionRequest)
     for name, value in {"grammar": None, "grammar_field": None, "tools": (Tool("get-weather"),),
-                        "tool_choice": ToolChoice("required"), "parallel_tool_calls": False}.items():
+                        "tool_choice": ToolChoice("required"), "parallel_tool_calls": False,
+                        "sampling": SamplingSettings()}.items():
         object.__setattr__(request, name, value)
     with pytest.raises(RequestError) as refused:
         PairWorker._grammar(worker, request)

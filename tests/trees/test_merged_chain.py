@@ -218,10 +218,10 @@ def test_the_merged_chain_scenario_merges_shares_nodes_and_tries_siblings(monkey
     merged = []
     verify = TargetPasses.verify
 
-    def recording(self, last_token, drafts, sampling, rng, allowed=None):
+    def recording(self, last_token, drafts, sampling, rng, allowed=None, text=None):
         if isinstance(drafts, MergedProposal):
             merged.append(drafts)
-        return verify(self, last_token, drafts, sampling, rng, allowed)
+        return verify(self, last_token, drafts, sampling, rng, allowed, text)
 
     monkeypatch.setattr(TargetPasses, "verify", recording)
     sampled, problems = run_scenario("merged chain", runs=300)
@@ -367,8 +367,8 @@ class _Passes:
         self.verified = 0
         verify = TargetPasses.verify
 
-        def recording(passes, last_token, drafts, sampling, rng, allowed=None):
-            proposal, verdict = verify(passes, last_token, drafts, sampling, rng, allowed)
+        def recording(passes, last_token, drafts, sampling, rng, allowed=None, text=None):
+            proposal, verdict = verify(passes, last_token, drafts, sampling, rng, allowed, text)
             self.verified += bool(proposal.tokens)
             if isinstance(proposal, MergedProposal):
                 self.merged.append((proposal, tuple(verdict.path)))
