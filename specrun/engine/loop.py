@@ -454,9 +454,10 @@ class SpeculativeEngine:
                     else:
                         policy.observe(report)
                 emitted = tuple(context[context_len:])
+                read = [0, *(1 + node for node in verdict.path)][: len(emitted)]  # the root's row, the kept nodes'
                 logprobs = () if params.logprobs is None else _logprobs(
-                    self._logprob_rows(self.passes.last_rows, params), [0, *(1 + node for node in verdict.path)],
-                    emitted, params.logprobs)
+                    self._logprob_rows(self.passes.last_rows[read], params), range(len(read)), emitted,
+                    params.logprobs)
                 step = Step(emitted, len(proposal), verdict.n_accepted, clock.draft_seconds, clock.verify_seconds,
                             proposal.source, logprobs)
                 stats.generation_seconds = clock.yielding()

@@ -193,16 +193,25 @@ def template_answer(session, body: dict, defaults: ServeDefaults, n_ctx: int) ->
     from specrun.server.requests import conversation_refused, parse_chat_request
     from specrun.sessions.tools import ToolTemplateError, render_conversation
 
+    body = dict(body)
+    opening = body.pop("add_generation_prompt", True)  # llama-server's: the assistant's turn opened after
+    if not isinstance(opening, bool):
+        raise RequestError("add_generation_prompt must be a boolean", "add_generation_prompt", code="invalid_type")
     request = parse_chat_request(body, defaults, n_ctx)
     offered = () if request.tool_choice.mode == "none" else request.tools
+    template = session.template
     try:
-        text, _ = render_conversation(session.template, list(request.messages), offered)
+        text, _ = render_conversation(template, list(request.messages), offered, opening)
     except ToolTemplateError as exc:
         raise RequestError(exc.one_line(), "tools", code="invalid_value") from None
     except ConversationRefusedError as exc:
         raise conversation_refused(exc.problem) from None
     except SpecrunError as exc:  # a template that fails on the conversation (roles out of turn)
         raise RequestError(exc.one_line(), "messages", code="invalid_value") from None
+    # as llama-server gives it: without the template's BOS where the model adds its own (a prompt sent
+    # back to /completion would read two)
+    if session.target.vocab.add_bos and template.bos_token and text.startswith(template.bos_token):
+        text = text[len(template.bos_token):]
     return {"prompt": text}
 
 

@@ -314,6 +314,73 @@ def test_greedy_heads_under_the_penalties_make_plain_decoding_s_text(method):
     assert engine.last_context[len(PROMPT):] == want and accepted > 0
 
 
+def _drafted(engine: SpeculativeEngine, settings: SamplingSettings, monkeypatch) -> list[int]:
+    """Every token ``engine``'s drafters proposed over a greedy window under ``settings``."""
+    seen: list[int] = []
+    verify = specrun.engine.passes.TargetPasses.verify
+
+    def recording(self, last_token, drafts, *args, **kwargs):
+        seen.extend(getattr(drafts, "tokens", ()))
+        return verify(self, last_token, drafts, *args, **kwargs)
+
+    monkeypatch.setattr(specrun.engine.passes.TargetPasses, "verify", recording)
+    list(engine.steps(list(PROMPT), GenerationParams(24, draft_len=3, sampling=settings, stop_at_eos=False), Stats()))
+    return seen
+
+
+def _banned() -> tuple[int, SamplingSettings]:
+    """The token plain greedy decoding says most after PROMPT, and settings that forbid it."""
+    banned = Counter(_plain_greedy(_target_table(), PROMPT, 24, Penalties(), ())).most_common(1)[0][0]
+    return banned, SamplingSettings(logit_bias=((banned, -math.inf),))
+
+
+@pytest.mark.parametrize("method", ["eagle", "mtp", "medusa", "hydra", "draft tree"])
+def test_heads_and_draft_trees_draft_no_token_a_bias_forbids(method, monkeypatch):
+    """Their chains (and the draft model's dynamic trees) draft from rows shaped as the target's:
+    a token the bias forbids is never drafted, where unshaped they draft it."""
+    from specrun.drafters.draft_model import DraftModelDrafter
+    from specrun.drafters.heads.base import HeadsDrafter
+
+    def engine() -> SpeculativeEngine:
+        if method != "draft tree":
+            return _heads_engine(method)
+        drafter = build_drafter("draft", FakeBackend(_target_table(), VOCAB), DrafterOptions(branches=3))
+        return SpeculativeEngine(FakeBackend(_target_table(), VOCAB), drafter, method="draft")
+
+    if method == "draft tree":  # trees every step, whatever their timing says
+        monkeypatch.setattr(DraftModelDrafter, "grows_trees", property(lambda self: True))
+    banned, settings = _banned()
+    shaped = _drafted(engine(), settings, monkeypatch)
+    assert shaped and banned not in shaped
+    if method == "draft tree":
+        monkeypatch.setattr(specrun.drafters.draft_model, "shaped_rows", lambda logits, *args: logits)
+    else:
+        monkeypatch.setattr(HeadsDrafter, "shaped", lambda self, logits, *args: logits)
+    assert banned in _drafted(engine(), settings, monkeypatch)
+
+
+def test_log_probabilities_after_sampling_are_the_distribution_each_token_was_drawn_from():
+    """GenerationParams.logprobs_sampled (llama-server's post_sampling_probs): each token's and its
+    alternatives' log-probabilities under the settings (temperature, top-k, penalties), not at temperature 1."""
+    from specrun.sampling import probabilities
+
+    settings = SamplingSettings(temperature=0.5, top_k=3, penalties=PENALTIES, seed=4)
+    drafter = build_drafter("draft", _draft(), DrafterOptions())
+    engine = SpeculativeEngine(FakeBackend(_target_table(), VOCAB), drafter, method="draft")
+    params = GenerationParams(12, draft_len=3, sampling=settings, stop_at_eos=False, logprobs=VOCAB,
+                              logprobs_sampled=True)
+    entries = [entry for step in engine.steps(list(PROMPT), params, Stats()) for entry in step.logprobs]
+    text = engine.last_context
+    assert len(entries) == 12
+    for at, entry in enumerate(entries):
+        before = tuple(text[: len(PROMPT) + at])
+        shaped = np.array(llama_shaped(_target_table()(before), before, PENALTIES, ()), dtype=np.float32)
+        want = probabilities(shaped, settings)
+        assert math.isclose(math.exp(entry.logprob), want[entry.token], rel_tol=1e-9)
+        listed = {token: math.exp(value) for token, value in entry.top if value > -math.inf}
+        assert len(listed) == 3 and all(math.isclose(p, want[t], rel_tol=1e-9) for t, p in listed.items())
+
+
 @pytest.mark.parametrize("branches", [0, 3], ids=["chain", "tree"])
 def test_rows_shaped_by_the_root_s_text_alone_fail_the_same_check(branches, monkeypatch):
     monkeypatch.setattr(specrun.engine.passes, "chain_paths", lambda drafts: [()] * (len(drafts) + 1))

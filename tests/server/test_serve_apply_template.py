@@ -28,3 +28,24 @@ def test_a_bad_conversation_is_a_400_naming_its_field(demo_server):
     assert_refused(demo_server, "/apply-template", {"messages": []}, "messages", "invalid_value")
     assert_refused(demo_server, "/apply-template", {"messages": [{"role": "user", "content": "x"}], "temperature": 9},
                    "temperature", "invalid_value")
+
+
+def test_the_template_s_bos_is_left_to_the_model_that_adds_its_own():
+    """As llama-server gives the prompt: a template writing its BOS (Llama 3's) has it cut where the
+    model adds one itself, so the prompt sent back to /completion reads one BOS, not two; and
+    ``add_generation_prompt`` false leaves the assistant's turn unopened."""
+    from types import SimpleNamespace
+
+    from specrun.server.native import template_answer
+    from specrun.server.requests import ServeDefaults
+    from specrun.sessions.templates import ChatTemplate
+
+    template = ChatTemplate("{{ bos_token }}{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+                            "{% if add_generation_prompt %}<assistant>{% endif %}", bos_token="<s>")
+    body = {"messages": [{"role": "user", "content": "hi"}]}
+    for add_bos, prompt in ((True, "<user>hi<assistant>"), (False, "<s><user>hi<assistant>")):
+        session = SimpleNamespace(template=template, target=SimpleNamespace(vocab=SimpleNamespace(add_bos=add_bos)))
+        assert template_answer(session, body, ServeDefaults(), 2048) == {"prompt": prompt}
+    session = SimpleNamespace(template=template, target=SimpleNamespace(vocab=SimpleNamespace(add_bos=True)))
+    assert template_answer(session, {**body, "add_generation_prompt": False}, ServeDefaults(), 2048) == {
+        "prompt": "<user>hi"}
