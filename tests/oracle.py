@@ -77,3 +77,22 @@ def exact_joint(
 
     extend(tuple(prompt), (), 1.0)
     return joint
+
+
+def joint_of(row: Callable[[tuple[int, ...]], Sequence[float]], prompt: Sequence[int],
+             n_tokens: int) -> dict[tuple[int, ...], float]:
+    """Probability of every ``n_tokens`` continuation of ``prompt`` that plain decoding can make,
+    ``row(context)`` giving its distribution after a context (one a rule of its own shapes: the
+    infill rule, penalties, which read the text)."""
+    joint: dict[tuple[int, ...], float] = {}
+
+    def extend(prefix: tuple[int, ...], prob: float) -> None:
+        if len(prefix) == n_tokens:
+            joint[prefix] = prob
+            return
+        for token, p_token in enumerate(row(tuple(prompt) + prefix)):
+            if p_token > 0.0:
+                extend(prefix + (token,), prob * p_token)
+
+    extend((), 1.0)
+    return joint

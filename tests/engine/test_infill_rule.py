@@ -29,7 +29,7 @@ import specrun.engine.passes
 import specrun.sampling
 from fake_models import hashed_logits
 from lossless_harness import ALPHA, chi_square_p, impossible
-from oracle import distribution
+from oracle import distribution, joint_of
 from specrun.backends.fake import FakeBackend
 from specrun.drafters.methods import DrafterOptions, build_drafter
 from specrun.engine.loop import GenerationParams, SpeculativeEngine
@@ -247,18 +247,7 @@ def _p_target_under_the_rule(context: tuple[int, ...]) -> list[float]:
 @functools.cache
 def _joint() -> dict[tuple[int, ...], float]:
     """The exact distribution of the WINDOW tokens after PROMPT, plain decoding under the rule."""
-    joint: dict[tuple[int, ...], float] = {}
-
-    def extend(prefix: tuple[int, ...], prob: float) -> None:
-        if len(prefix) == WINDOW:
-            joint[prefix] = prob
-            return
-        for token, p_token in enumerate(_p_target_under_the_rule(PROMPT + prefix)):
-            if p_token > 0.0:
-                extend(prefix + (token,), prob * p_token)
-
-    extend((), 1.0)
-    return joint
+    return joint_of(_p_target_under_the_rule, PROMPT, WINDOW)
 
 
 def _sampled(branches: int = 0, chain_rule: str = "block") -> tuple[Counter, int, int]:

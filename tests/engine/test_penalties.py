@@ -30,7 +30,7 @@ import specrun.drafters.draft_model
 import specrun.engine.passes
 from fake_models import COPYING_VOCAB, REPEATING_PROMPT, copying_logits, hashed_logits, noisy_copy
 from lossless_harness import ALPHA, chi_square_p, impossible
-from oracle import distribution
+from oracle import distribution, joint_of
 from specrun.backends.fake import FakeBackend
 from specrun.drafters.methods import DrafterOptions, build_drafter
 from specrun.engine.loop import GenerationParams, SpeculativeEngine
@@ -229,18 +229,7 @@ def _p_plain(text: tuple[int, ...]) -> list[float]:
 
 @functools.cache
 def _joint() -> dict[tuple[int, ...], float]:
-    joint: dict[tuple[int, ...], float] = {}
-
-    def extend(prefix: tuple[int, ...], prob: float) -> None:
-        if len(prefix) == WINDOW:
-            joint[prefix] = prob
-            return
-        for token, p_token in enumerate(_p_plain(PROMPT + prefix)):
-            if p_token > 0.0:
-                extend(prefix + (token,), prob * p_token)
-
-    extend((), 1.0)
-    return joint
+    return joint_of(_p_plain, PROMPT, WINDOW)
 
 
 def _heads_engine(method: str) -> SpeculativeEngine:
