@@ -53,6 +53,7 @@ def test_completion_probabilities_come_with_the_answer_and_its_chunks(demo_serve
     status, answer = demo_server.post("/completion", body)
     assert status == 200, answer
     entries = answer["completion_probabilities"]
+    assert (answer["generation_settings"]["n_probs"], answer["generation_settings"]["post_sampling_probs"]) == (3, False)
     assert len(entries) == answer["tokens_predicted"] > 0
     assert bytes(b for entry in entries for b in entry["bytes"]).decode() == answer["content"]
     for entry in entries:
