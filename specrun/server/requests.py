@@ -89,7 +89,7 @@ def check_token_ids(ids, vocab_size: int, param: str) -> None:
     """A 400 naming ``param`` where a token id of ``ids`` is outside a vocabulary of ``vocab_size``."""
     bad = next((token for token in ids if not 0 <= token < vocab_size), None)
     if bad is not None:
-        raise invalid_value(param, f"token id {bad} is outside the vocabulary (0 to {vocab_size - 1})")
+        raise invalid_value(param, f"token id {_shown(bad)} is outside the vocabulary (0 to {vocab_size - 1})")
 
 
 def conversation_refused(problem: str) -> RequestError:
@@ -364,13 +364,13 @@ def _parse_logit_bias(value, base: tuple[tuple[int, float], ...]
             amount = float(bias)
         else:
             raise invalid_value(where, f"the bias must be a number in [-{MAX_BIAS:g}, {MAX_BIAS:g}] or false "
-                                       f"(never that token), got {json.dumps(bias)}")
+                                       f"(never that token), got {_shown(bias)}")
         if isinstance(token, int) and not isinstance(token, bool):
             by_id.append((token, amount))
         elif isinstance(token, str) and token:
             by_text.append((checked_text(token, "logit_bias"), amount))
         else:
-            raise invalid_value(where, f"the token must be a token id or text, got {json.dumps(token)}")
+            raise invalid_value(where, f"the token must be a token id or text, got {_shown(token)}")
     return tuple(by_id), tuple(by_text)
 
 
