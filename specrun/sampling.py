@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from specrun.penalties import MAX_BIAS, Penalties
+from specrun.penalties import MAX_BIAS, Penalties, shaped_rows
 
 # The largest --seed: a signed 64-bit integer, what the server's "seed" field and heads train take
 # (numpy's generator would take any size; a seed one command takes, the others should take too).
@@ -107,6 +107,15 @@ class SamplingSettings:
         if self.logit_bias:
             fields["logit_bias"] = [[token, amount if math.isfinite(amount) else None] for token, amount in self.logit_bias]
         return fields
+
+
+def shaped_row(logits: np.ndarray, settings: SamplingSettings, text: Sequence[int],
+               path: Sequence[int] = ()) -> np.ndarray:
+    """A row (V,) after ``text`` then ``path`` under the settings' penalties and bias
+    (penalties.py), or the row itself where they shape nothing."""
+    if not settings.shapes_rows:
+        return logits
+    return shaped_rows(logits[None], settings.penalties, settings.logit_bias, text, [path])[0]
 
 
 def top_probability(logits: np.ndarray) -> float:

@@ -13,7 +13,9 @@ from specrun.drafters.base import EMPTY_PROPOSAL, Drafter, Proposal, second_gues
 from specrun.drafters.dynamic_tree import TOP_K, DraftTree, grow_tree
 from specrun.backends.kv import KVSequence, common_prefix_len, sequence_for
 from specrun.penalties import shaped_rows
-from specrun.sampling import SamplingSettings, infill_rule, infill_vocab_of, probabilities, sample, top_probability
+from specrun.sampling import (
+    SamplingSettings, infill_rule, infill_vocab_of, probabilities, sample, shaped_row, top_probability,
+)
 from specrun.errors import SpecrunError
 from specrun.grammar import mask_logits
 from specrun.tree import TokenTree
@@ -180,8 +182,7 @@ class DraftModelDrafter(Drafter):
         distributions: list[np.ndarray] = []  # the draft's own, for second guesses
         for _ in range(draft_len):
             logits = self._target_sized(self.sequence.feed(pending, [len(pending) - 1])[0])  # (V_target,)
-            if shaping:
-                logits = shaped_rows(logits[None], sampling.penalties, sampling.logit_bias, context, [tokens])[0]
+            logits = shaped_row(logits, sampling, context, tokens)
             if grammar is not None:
                 # Drafted as the grammar allows (the target's rows are masked the same way): a
                 # draft that wrote a line break where the schema takes none was cut there whole.
@@ -227,7 +228,7 @@ class DraftModelDrafter(Drafter):
         root = self._target_sized(self.sequence.feed(pending, [len(pending) - 1])[0])
         self.token_pass.add(self.clock() - started)
         if shaping is not None:
-            root = shaped_rows(root[None], shaping.penalties, shaping.logit_bias, context, [()])[0]
+            root = shaped_row(root, shaping, context)
 
         def expand(tree: DraftTree, chosen: list[int], level: int) -> np.ndarray:
             nodes = sorted({ancestor for node in chosen for ancestor in tree.lineage(node)},

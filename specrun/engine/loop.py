@@ -28,7 +28,7 @@ from specrun.engine.passes import DeferredDrafts, TargetPasses, Verification
 from specrun.engine.stats import PLAIN as PLAIN_SOURCE, Stats
 from specrun.errors import ContextFullError, UsageError
 from specrun.grammar import Grammar
-from specrun.sampling import SamplingSettings, token_logprobs
+from specrun.sampling import SamplingSettings, shaped_row, token_logprobs
 from specrun.verify import TreeVerdict, Verdict
 
 
@@ -367,7 +367,7 @@ class SpeculativeEngine:
             # penalties and bias itself as it drafts (drafters/draft_model.py)
             own_row = prompt_logits
             if params.max_new_tokens > 0:  # penalties and a bias shape the first token's row by the prompt
-                prompt_logits = self.passes.shaped(prompt_logits, sampling, context)
+                prompt_logits = shaped_row(prompt_logits, sampling, context)
             if constrained is not None and params.max_new_tokens > 0:
                 shaped = own_row is not prompt_logits
                 prompt_logits = constrained.masked(prompt_logits)

@@ -123,12 +123,6 @@ class TargetPasses:
             p_target = infill_rule(p_target, infill_vocab_of(self.target.backend, p_target.shape[-1]))
         return p_target
 
-    def shaped(self, logits: np.ndarray, sampling: SamplingSettings, text: Sequence[int]) -> np.ndarray:
-        """A row (V,) after ``text`` under the settings' penalties and bias (penalties.py), or as it is."""
-        if not sampling.shapes_rows:
-            return logits
-        return shaped_rows(logits[None], sampling.penalties, sampling.logit_bias, text, [()])[0]
-
     def verify(
         self, last_token: int, drafts: Proposal | DeferredDrafts, sampling: SamplingSettings,
         rng: np.random.Generator, allowed: np.ndarray | None = None, text: Sequence[int] | None = None,

@@ -16,8 +16,7 @@ import numpy as np
 
 from specrun.backends.base import Backend
 from specrun.backends.kv import common_prefix_len, sequence_for
-from specrun.penalties import shaped_rows
-from specrun.sampling import SamplingSettings
+from specrun.sampling import SamplingSettings, shaped_row
 
 NEAR_TIE = 1e-3  # a logit gap below this is a numerical near-tie (docs/design.md)
 NEAR_TIE_NOTE = (
@@ -100,13 +99,13 @@ def find_mismatch(
     for token in baseline_ids[:position]:
         logits = sequence.feed([token], [0])[0]
     text = [*prompt, *baseline_ids[:position]]
-    logits = _shaped(logits, sampling, text)
+    logits = shaped_row(logits, sampling, text)
     top2 = np.sort(logits)[-2:]
     # The same context with the output (and at least the prompt's last token) read in one batch.
     start = len(prompt) - 1 if position else max(len(prompt) - 2, 0)
     sequence.rewind(start)
     fed = [*prompt[start:], *baseline_ids[:position]]
-    batched = _shaped(sequence.feed(fed, [len(fed) - 1])[0], sampling, text)
+    batched = shaped_row(sequence.feed(fed, [len(fed) - 1])[0], sampling, text)
     plain_token, other_token = _token_at(baseline_ids, position), _token_at(other_ids, position)
     both = plain_token is not None and other_token is not None
     return Mismatch(
@@ -120,13 +119,6 @@ def find_mismatch(
         _shown(target, other_token),
         float(logits[plain_token] - logits[other_token]) if both else None,
     )
-
-
-def _shaped(logits: np.ndarray, sampling: SamplingSettings, text: Sequence[int]) -> np.ndarray:
-    """A row after ``text`` under the settings' penalties and bias (penalties.py), or as it is."""
-    if not sampling.shapes_rows:
-        return logits
-    return shaped_rows(logits[None], sampling.penalties, sampling.logit_bias, text, [()])[0]
 
 
 def difference_line(method: str, prompt: str, mismatch: Mismatch, exact: bool = False) -> str:

@@ -177,7 +177,7 @@ def test_a_draft_model_drafts_under_the_penalties_so_it_accepts_more(monkeypatch
         return engine.last_context[len(REPEATING_PROMPT):], accepted / drafted
 
     shaped, rate = run()
-    monkeypatch.setattr(specrun.drafters.draft_model, "shaped_rows", lambda logits, *args: logits)
+    monkeypatch.setattr(specrun.drafters.draft_model, "shaped_row", lambda logits, *args: logits)
     unshaped, rate_unshaped = run()
     assert shaped == unshaped  # exact either way
     assert rate == 1.0 > rate_unshaped
@@ -342,6 +342,7 @@ def test_heads_and_draft_trees_draft_no_token_a_bias_forbids(method, monkeypatch
     shaped = _drafted(engine(), settings, monkeypatch)
     assert shaped and banned not in shaped
     if method == "draft tree":
+        monkeypatch.setattr(specrun.drafters.draft_model, "shaped_row", lambda logits, *args: logits)
         monkeypatch.setattr(specrun.drafters.draft_model, "shaped_rows", lambda logits, *args: logits)
     else:
         monkeypatch.setattr(HeadsDrafter, "shaped", lambda self, logits, *args: logits)

@@ -15,8 +15,7 @@ from specrun.backends.kv import KVSequence
 from specrun.drafters.base import Drafter
 from specrun.errors import UsageError
 from specrun.heads.config import HeadsConfig
-from specrun.penalties import shaped_rows
-from specrun.sampling import SamplingSettings, probabilities
+from specrun.sampling import SamplingSettings, probabilities, shaped_row
 
 
 # The learner is handed states in batches of at least this many positions (and what is left at a
@@ -187,9 +186,9 @@ class HeadsDrafter(Drafter):
         target will choose; as they are where the settings shape nothing. Its trees stay unshaped."""
         if not sampling.shapes_rows:
             return logits
-        row = np.full((1, self._vocab_size), -np.inf, dtype=np.float32)
-        row[0, self._d2t] = logits
-        return shaped_rows(row, sampling.penalties, sampling.logit_bias, context, [drafted])[0, self._d2t]
+        row = np.full(self._vocab_size, -np.inf, dtype=np.float32)
+        row[self._d2t] = logits
+        return shaped_row(row, sampling, context, drafted)[self._d2t]
 
     def grammar_allows(self, context: Sequence[int], drafted: Sequence[int]) -> np.ndarray | None:
         """Under a run's grammar (``follows_grammar``: their chains; greedy trees are pruned as
