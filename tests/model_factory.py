@@ -179,7 +179,27 @@ def build_fim_model(folder: Path, seed: int = 3, repo: bool = False) -> TinyMode
     return build_model_with_specials(folder, FIM_TOKENS + (REPO_TOKENS if repo else ()), seed, "fim")
 
 
-def build_model_with_specials(folder: Path, added: tuple[str, ...], seed: int = 3, name: str = "specials") -> TinyModel:
+# A reasoning model's chat template, as Qwen3's writes its turns: an earlier answer's thinking
+# written back, and the generation prompt opening the block (DeepSeek-R1's way) unless
+# enable_thinking is false (Qwen3's way: an empty block, closed)
+THINKING_TEMPLATE = (
+    "{%- for message in messages %}<|im_start|>{{ message.role }}\n"
+    "{%- if message.role == 'assistant' and message.reasoning_content %}<think>\n{{ message.reasoning_content }}"
+    "\n</think>\n\n{%- endif %}{{ message.content }}<|im_end|>\n{%- endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n"
+    "{%- if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n"
+    "{%- else %}<think>\n{%- endif %}{%- endif %}"
+)
+THINK_TOKENS = ("<think>", "</think>")
+
+
+def build_thinking_model(folder: Path, seed: int = 3) -> TinyModel:
+    """The tiny llama with ``<think>`` and ``</think>`` as tokens 512 and 513 and THINKING_TEMPLATE."""
+    return build_model_with_specials(folder, THINK_TOKENS, seed, "thinking", THINKING_TEMPLATE)
+
+
+def build_model_with_specials(folder: Path, added: tuple[str, ...], seed: int = 3, name: str = "specials",
+                              template: str = DEMO_CHAT_TEMPLATE) -> TinyModel:
     """The tiny llama with the special tokens ``added`` to its vocabulary (ids 512 on), as F16 and
     F32 GGUF and a float32 HF folder; its config still names only the tiny vocabulary's end (2)."""
     import dataclasses
@@ -191,10 +211,10 @@ def build_model_with_specials(folder: Path, added: tuple[str, ...], seed: int = 
     config = dataclasses.replace(tiny_config("llama"), vocab_size=tokenizer.get_vocab_size())
     weights = random_weights(config, seed)
     tokenizer_json = tokenizer.to_str()
-    parts = (config, weights, tokenizer_json, DEMO_CHAT_TEMPLATE)
+    parts = (config, weights, tokenizer_json, template)
     folder.mkdir(parents=True, exist_ok=True)
     return TinyModel(
-        config=config, weights=weights, tokenizer_json=tokenizer_json,
+        config=config, weights=weights, tokenizer_json=tokenizer_json, chat_template=template,
         gguf_path=write_gguf(folder / f"{name}-f16.gguf", *parts, dtype="F16"),
         gguf_f32_path=write_gguf(folder / f"{name}-f32.gguf", *parts, dtype="F32"),
         hf_dir=write_hf_folder(folder / f"{name}-hf", *parts, dtype="float32"),

@@ -403,6 +403,45 @@ def checked_verification(command: str, verify: str, accept: str, epsilon: float 
     return Verification(verify, acceptance)
 
 
+def checked_template_variables(chat_template_kwargs: str | None, reasoning: str | None) -> dict:
+    """--chat-template-kwargs (a JSON object of template variables) and --reasoning (on/off: the
+    template's enable_thinking; auto: the template's own default) as the variables every rendering
+    gives the chat template; a usage error naming the option where either is wrong."""
+    import json
+
+    from specrun.sessions.templates import template_variables_problem
+
+    variables = {}
+    if chat_template_kwargs is not None:
+        try:
+            variables = json.loads(chat_template_kwargs)
+        except ValueError as exc:
+            raise UsageError(f"--chat-template-kwargs is not JSON: {exc}",
+                             "pass a JSON object, e.g. '{\"enable_thinking\": false}'") from None
+        problem = template_variables_problem(variables)
+        if problem:
+            raise UsageError(f"--chat-template-kwargs: {problem}", "pass a JSON object of the template's variables")
+    if reasoning is not None:
+        if reasoning not in ("on", "off", "auto"):
+            raise UsageError(f"--reasoning must be on, off or auto, got {reasoning!r}",
+                             "pass --reasoning off to turn a model's thinking off")
+        if reasoning != "auto":
+            if "enable_thinking" in variables and variables["enable_thinking"] != (reasoning == "on"):
+                raise UsageError(f"--reasoning {reasoning} and --chat-template-kwargs' enable_thinking disagree",
+                                 "give one of them")
+            variables["enable_thinking"] = reasoning == "on"
+    return variables
+
+
+def checked_reasoning_format(reasoning_format: str) -> str:
+    from specrun.sessions.reasoning import REASONING_FORMATS
+
+    if reasoning_format not in REASONING_FORMATS:
+        raise UsageError(f"--reasoning-format must be one of {', '.join(REASONING_FORMATS)}, got {reasoning_format!r}",
+                         "pass --reasoning-format none to keep the thinking in the answer's text")
+    return reasoning_format
+
+
 def checked_sampling(command: str, temp: float, top_k: int, top_p: float, min_p: float, seed: int | None, *,
                      repeat_penalty: float = 1.0, repeat_last_n: int = 64, presence_penalty: float = 0.0,
                      frequency_penalty: float = 0.0, logit_bias: list[str] | None = None):

@@ -267,6 +267,18 @@ ChatOpt = Annotated[
     ),
 ]
 RawOpt = Annotated[bool, typer.Option("--raw", help="Send the prompt as typed, without the chat template.")]
+ChatTemplateKwargsOpt = Annotated[Optional[str], typer.Option(
+    "--chat-template-kwargs", metavar="JSON",
+    help='Variables the chat template reads, as a JSON object, e.g. \'{"enable_thinking": false}\' '
+         "(llama-server's option; serve: a request's chat_template_kwargs override them).")]
+ReasoningOpt = Annotated[Optional[str], typer.Option(
+    "--reasoning", metavar="on|off|auto",
+    help="Whether a reasoning model thinks before it answers: on or off sets the template's enable_thinking; "
+         "auto (the default) leaves the template's own choice.")]
+ReasoningFormatOpt = Annotated[str, typer.Option(
+    "--reasoning-format", metavar="FORMAT",
+    help="Where a chat answer's thinking goes: auto or deepseek (message.reasoning_content), none (left in "
+         "the content), deepseek-legacy (both). A request's reasoning_format overrides it.")]
 RegistryOpt = Annotated[Optional[Path], typer.Option("--registry", help="Extra models.toml.")]
 TraceOpt = Annotated[
     Optional[Path],

@@ -23,6 +23,8 @@ from specrun.cli.common import (
     check_window_use,
     check_range,
     checked_sampling,
+    checked_reasoning_format,
+    checked_template_variables,
     checked_verification,
     checked_rpc,
     checked_lookahead,
@@ -34,6 +36,9 @@ from specrun.cli.common import (
 from specrun.cli.options import (
     AcceptOpt,
     BackendOpt,
+    ChatTemplateKwargsOpt,
+    ReasoningFormatOpt,
+    ReasoningOpt,
     BranchesOpt,
     ChainOpt,
     CtxOpt,
@@ -187,6 +192,9 @@ def serve_command(
     trace: ServeTraceOpt = None,
     alias: AliasOpt = None,
     cors: CorsOpt = None,
+    chat_template_kwargs: ChatTemplateKwargsOpt = None,
+    reasoning: ReasoningOpt = None,
+    reasoning_format: ReasoningFormatOpt = "auto",
 ) -> None:
     """Serve the pair over an OpenAI-compatible API until Ctrl-C.
 
@@ -236,6 +244,8 @@ def serve_command(
                                     repeat_last_n=repeat_last_n, presence_penalty=presence_penalty,
                                     frequency_penalty=frequency_penalty, logit_bias=logit_bias)
         verification = checked_verification("serve", verify, accept, epsilon, delta, margin, exact)
+        template_variables = checked_template_variables(chat_template_kwargs, reasoning)
+        reasoning_format = checked_reasoning_format(reasoning_format)
         lookahead_sizes = checked_lookahead(lookahead, (method,))
         check_heads_used(heads, (method,))
         trees = checked_trees(chain_only, tree_nodes, branches, lookahead_sizes, window=uses_window((method,)))
@@ -283,7 +293,7 @@ def serve_command(
                            max_queue=max_queue, model_names=(*aliases, target), cors_origins=cors_origins)
         with tracing:
             try:
-                serve(pair, http, ServeDefaults(max_tokens, sampling), log=_log)
+                serve(pair, http, ServeDefaults(max_tokens, sampling, template_variables, reasoning_format), log=_log)
             finally:  # the learners stop, and write the heads where asked, however the server ended
                 for report in learning.finish() if learning is not None else []:
                     _log(report.summary())

@@ -569,9 +569,9 @@ class OpenAIServer:
         return await self._whole(request, job, first)
 
     @staticmethod
-    async def _collected(request, job: Job, renamed=None) -> tuple[str, tuple, list, Done]:
+    async def _collected(request, job: Job, renamed=None, thinking: list | None = None) -> tuple[str, tuple, list, Done]:
         """A whole answer's text, calls, logprobs and end; a failure raised (``renamed``: named as
-        the endpoint's client wrote the field)."""
+        the endpoint's client wrote the field). ``thinking``: gets the answer's thinking, where read apart."""
         texts, calls, logprobs = [], (), []
         try:
             while True:
@@ -579,6 +579,8 @@ class OpenAIServer:
                 if isinstance(event, Delta):
                     texts.append(event.text)
                     logprobs.extend(event.logprobs)
+                    if thinking is not None and event.reasoning:
+                        thinking.append(event.reasoning)
                 elif isinstance(event, Calls):
                     calls = event.calls
                 elif isinstance(event, Failed):
@@ -591,9 +593,12 @@ class OpenAIServer:
     async def _whole(self, request, job: Job, started: Started):
         from starlette.responses import JSONResponse
 
-        text, calls, logprobs, event = await self._collected(request, job)
+        thinking = []
+        text, calls, logprobs, event = await self._collected(request, job, thinking=thinking)
         if job.request.is_chat:
             message = {"role": "assistant", "content": text or (None if calls else "")}
+            if thinking:  # as llama-server: present where the model thought
+                message["reasoning_content"] = "".join(thinking)
             if calls:
                 message["tool_calls"] = [call.as_openai() for call in calls]
             choice = {"index": 0, "message": message, "logprobs": self._logprobs(job, logprobs),
@@ -635,9 +640,12 @@ class OpenAIServer:
         return {"id": f"{'chatcmpl' if chat else 'cmpl'}-{job.id}", "object": kind, "created": job.created,
                 "model": job.request.model, "system_fingerprint": None}  # the name asked (--alias's or --target's)
 
-    def _chunk(self, job: Job, text: str | None, finish_reason: str | None, role: bool = False) -> dict:
+    def _chunk(self, job: Job, text: str | None, finish_reason: str | None, role: bool = False,
+               thinking: str = "") -> dict:
         if job.request.is_chat:
             delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text is not None else {})
+            if thinking:
+                delta = {"reasoning_content": thinking, **({"content": text} if text else {})}
             choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
         else:
             choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
@@ -657,7 +665,7 @@ class OpenAIServer:
             while True:
                 event = await job.next_event()
                 if isinstance(event, Delta):
-                    chunk = self._chunk(job, event.text, None)
+                    chunk = self._chunk(job, event.text, None, thinking=event.reasoning)
                     chunk["choices"][0]["logprobs"] = self._logprobs(job, event.logprobs, offset)
                     offset += sum(len(token.text) for token, _ in event.logprobs)
                     chunk["speculation"] = {"tokens": event.tokens, "from_draft": event.from_draft}

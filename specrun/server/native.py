@@ -200,7 +200,7 @@ def template_answer(session, body: dict, defaults: ServeDefaults, n_ctx: int) ->
         raise RequestError("add_generation_prompt must be a boolean", "add_generation_prompt", code="invalid_type")
     request = parse_chat_request(body, defaults, n_ctx)
     offered = () if request.tool_choice.mode == "none" else request.tools
-    template = session.template
+    template = session.template.with_variables(request.template_variables)
     try:
         text, _ = render_conversation(template, list(request.messages), offered, opening)
     except ToolTemplateError as exc:

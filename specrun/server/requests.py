@@ -16,6 +16,8 @@ from specrun.grammar import GrammarError, GrammarSpec
 from specrun.penalties import MAX_BIAS, MAX_PENALTY, Penalties
 from specrun.sampling import MAX_SEED, SamplingSettings
 from specrun.sessions.infill import Fill
+from specrun.sessions.reasoning import REASONING_FORMATS
+from specrun.sessions.templates import template_variables_problem
 from specrun.sessions.tools import Tool, ToolChoice, ToolDefinitionError, tool_choice_of, tool_definitions
 
 # OpenAI's API takes 4; editors' completion plugins send a dozen (llama-server takes any number)
@@ -111,6 +113,9 @@ class ServeDefaults:
 
     max_tokens: int = 512
     sampling: SamplingSettings = field(default_factory=SamplingSettings)
+    # --chat-template-kwargs and --reasoning: the template's variables a request's own override
+    template_variables: dict = field(default_factory=dict)
+    reasoning_format: str = "auto"  # --reasoning-format: where an answer's thinking goes (sessions/reasoning.py)
 
 
 @dataclass(frozen=True)
@@ -141,6 +146,10 @@ class CompletionRequest:
     ignore_eos: bool = False  # llama-server's: no end-of-generation token, the answer runs to its length
     # llama-server's post_sampling_probs (/completion): logprobs as probabilities after the sampling settings
     post_sampling: bool = False
+    # chat: variables the chat template reads beside the conversation (chat_template_kwargs,
+    # reasoning_effort), and where the answer's thinking goes (reasoning_format; "none": the content)
+    template_variables: dict = field(default_factory=dict)
+    reasoning_format: str = "none"
 
     @property
     def is_chat(self) -> bool:
@@ -540,7 +549,7 @@ def _parse_stop(stop) -> tuple[str, ...]:
 def parse_chat_request(body: dict, defaults: ServeDefaults, n_ctx: int) -> CompletionRequest:
     """A /v1/chat/completions body as a CompletionRequest, or a RequestError naming the bad field."""
     check_fields(body, (*COMMON_FIELDS, "messages", "max_completion_tokens", "tools", "tool_choice",
-                         "parallel_tool_calls", "logprobs", "top_logprobs"))
+                         "parallel_tool_calls", "logprobs", "top_logprobs", *CHAT_TEMPLATE_FIELDS))
     common = parse_common(body, defaults, n_ctx, "max_completion_tokens")
     tools = _parse_tools(body.get("tools"))
     choice = _parse_tool_choice(body.get("tool_choice"), tools)
@@ -551,7 +560,39 @@ def parse_chat_request(body: dict, defaults: ServeDefaults, n_ctx: int) -> Compl
     if parallel is not None and not isinstance(parallel, bool):
         raise RequestError("parallel_tool_calls must be a boolean", "parallel_tool_calls", code="invalid_type")
     return CompletionRequest(messages=_parse_messages(body.get("messages")), tools=tools, tool_choice=choice,
-                             parallel_tool_calls=bool(parallel), logprobs=_chat_logprobs(body), **common)
+                             parallel_tool_calls=bool(parallel), logprobs=_chat_logprobs(body),
+                             **chat_template_settings(body, defaults), **common)
+
+
+# A chat request's fields for its template and its thinking (llama-server's and vLLM's)
+CHAT_TEMPLATE_FIELDS = ("chat_template_kwargs", "reasoning_effort", "reasoning_format")
+
+
+def chat_template_settings(body: dict, defaults: ServeDefaults) -> dict:
+    """``template_variables`` and ``reasoning_format`` of a chat request: ``chat_template_kwargs``
+    over the server's (--chat-template-kwargs, --reasoning), then OpenAI's ``reasoning_effort``
+    (a template's variable of that name; "none" sets enable_thinking false, as llama-server reads it)."""
+    variables = body.get("chat_template_kwargs")
+    if variables is not None:
+        problem = template_variables_problem(variables)
+        if problem:
+            raise invalid_value("chat_template_kwargs", problem)
+    variables = {**defaults.template_variables, **(variables or {})}
+    effort = body.get("reasoning_effort")
+    if effort is not None:
+        if not isinstance(effort, str) or not effort.strip():
+            raise RequestError("reasoning_effort must be a string such as \"low\", \"medium\", \"high\" or \"none\"",
+                               "reasoning_effort", code="invalid_type")
+        if effort == "none":
+            variables.pop("reasoning_effort", None)
+            variables["enable_thinking"] = False
+        else:
+            variables["reasoning_effort"] = checked_text(effort, "reasoning_effort")
+    reasoning_format = body.get("reasoning_format", defaults.reasoning_format)
+    if reasoning_format not in REASONING_FORMATS:
+        raise invalid_value("reasoning_format", f"must be one of {', '.join(REASONING_FORMATS)}, "
+                                                f"got {_shown(reasoning_format)}")
+    return {"template_variables": variables, "reasoning_format": reasoning_format}
 
 
 def _chat_logprobs(body: dict) -> int | None:
@@ -604,6 +645,14 @@ def _parse_messages(messages) -> tuple[dict[str, str], ...]:
         entry = {"role": "system" if role == "developer" else role, "content": content}
         if role == "assistant" and message.get("tool_calls"):
             entry["tool_calls"] = _earlier_calls(message["tool_calls"], f"{where}.tool_calls")
+        if role == "assistant":  # an earlier answer's thinking, which a template may write back (Qwen3's last)
+            for key in ("reasoning_content", "reasoning"):  # llama-server's name, and vLLM's newer one
+                if message.get(key) is not None:
+                    thought = message[key]
+                    if not isinstance(thought, str):
+                        raise RequestError(f"{where}.{key} must be a string", f"{where}.{key}", code="invalid_type")
+                    entry["reasoning_content"] = checked_text(thought, f"{where}.{key}")
+                    break
         if role in ("user", "assistant"):  # by position: a call sent without an id keeps its place
             unanswered = [call["id"] for call in entry.get("tool_calls", ())]
         if role == "tool":

@@ -50,6 +50,7 @@ from specrun.server.dispatch import Jobs
 from specrun.server.requests import (
     CompletionRequest, RequestError, check_token_ids, conversation_refused, forbids, invalid_value, with_bias_texts,
 )
+from specrun.sessions.reasoning import ReasoningSplit, opens_thinking, thinking_tags
 from specrun.sessions.setup import TreeSettings, ctx_fix
 from specrun.sessions.tools import ToolCall, ToolStyle, ToolTemplateError, render_conversation, style_for
 from specrun.sessions.trace import RequestTrace, ServerTrace
@@ -253,6 +254,19 @@ class ToolCallCut:
         return answer[self._sent:], ()
 
 
+def _read_apart(split: ReasoningSplit | None, reasoning_format: str, text: str,
+                end: bool = False) -> tuple[str, str]:
+    """(thinking, content) of a stretch of a chat answer's text (``end``: the last, letting go of
+    what the split held). "deepseek-legacy" keeps the thinking in the content too, as generated."""
+    if split is None:
+        return "", text
+    thought, content = split.feed(text)
+    if end:
+        held_thought, held_content = split.finish()
+        thought, content = thought + held_thought, content + held_content
+    return thought, text if reasoning_format == "deepseek-legacy" else content
+
+
 # ---- what the server has done, for /metrics ------------------------------------------------
 class Metrics:
     """Counters of the answers served (written by the slots' threads, read by /metrics)."""
@@ -331,6 +345,7 @@ class Delta:
     tokens: int
     from_draft: int
     logprobs: tuple[tuple[TokenChoice, tuple[TokenChoice, ...]], ...] = ()
+    reasoning: str = ""  # the model's thinking in this stretch (chat's reasoning_content), where read apart
 
 
 @dataclass(frozen=True)
@@ -375,6 +390,7 @@ class Job:
         self.queued_at = time.monotonic()
         self.prompt_ids: list[int] | None = None  # tokenized once, where a slot is chosen for it
         self.prompt_cut = False  # a fill's prompt was cut to fit the context
+        self.opens_thinking = False  # a chat prompt whose generation prompt opened the thinking block
         self._loop = loop
         self._events: asyncio.Queue[JobEvent] = asyncio.Queue()
         self._check_at = 0.0  # when next_event next asks whether the client is still there
@@ -662,6 +678,7 @@ class PairWorker:
         limits = LineLimits(job.request.indent, job.request.line_seconds) \
             if job.request.indent or job.request.line_seconds else None
         tool_cut = self._tool_cut(job.request)
+        split = self._reasoning_split(job, grammar)
         tokens = from_draft = 0
         first_sent = False
         logprobs = _HeldLogprobs()  # the tokens' since the last Delta, each sent with the text it began
@@ -703,16 +720,18 @@ class PairWorker:
                         if cut.stopped and not limits.stopped:  # the indentation before the stop string
                             text += limits.flush()
                     text = logprobs.passed(text)
+                    thought, text = _read_apart(split, job.request.reasoning_format, text)
                     if tool_cut is not None:
                         text = tool_cut.feed(text)
-                    if text:
+                    if text or thought:
                         if not first_sent:
                             first_sent = True
                             self.metrics.first_token(job)
-                        job.emit(Delta(text, tokens, from_draft, logprobs.release()))
+                        job.emit(Delta(text, tokens, from_draft, logprobs.release(), thought))
                         tokens = from_draft = 0
                     ended_by = "word" if cut.stopped else limits.stopped if limits is not None else ""
                     if ended_by:
+                        self._let_go(job, split, tool_cut)
                         self._finish(job, "length" if ended_by == "time" else "stop", event.stats, tool_cut, trace,
                                      slot, logprobs.release(), stopped_by=ended_by, word=cut.word)
                         return
@@ -721,10 +740,11 @@ class PairWorker:
                     if limits is not None:
                         tail = limits.feed(tail)
                         tail += limits.flush()
+                    thought, tail = _read_apart(split, job.request.reasoning_format, tail, end=True)
                     if tool_cut is not None:
                         tail = tool_cut.feed(tail)
-                    if tail or tokens:
-                        job.emit(Delta(tail, tokens, from_draft, logprobs.release(everything=True)))
+                    if tail or thought or tokens:
+                        job.emit(Delta(tail, tokens, from_draft, logprobs.release(everything=True), thought))
                     if event.result.finish_reason == "grammar":
                         stopped = self._grammar_failed(job, event.result)
                         return
@@ -745,6 +765,25 @@ class PairWorker:
             if trace is not None:
                 session.trace = None
                 trace.end(stopped=stopped)  # nothing where _finish ended it
+
+    def _reasoning_split(self, job: Job, grammar: Grammar | None) -> ReasoningSplit | None:
+        """What reads a chat answer's thinking apart from it (sessions/reasoning.py): None where the
+        request keeps it in the content (reasoning_format "none"), the model writes none, or a grammar
+        (a schema, a required call) holds the answer from its first token, leaving no room to think."""
+        if not job.request.is_chat or job.request.reasoning_format == "none" or grammar is not None:
+            return None
+        tags = thinking_tags(self.session.template)
+        return None if tags is None else ReasoningSplit(tags, job.opens_thinking)
+
+    @staticmethod
+    def _let_go(job: Job, split: ReasoningSplit | None, tool_cut: ToolCallCut | None) -> None:
+        """What the split held when a stop string or a line limit ends the answer: a tag's first
+        characters that never closed (a call's text goes to the tool cut, which reads it at the end)."""
+        thought, text = _read_apart(split, job.request.reasoning_format, "", end=True)
+        if tool_cut is not None:
+            text = tool_cut.feed(text)
+        if text or thought:
+            job.emit(Delta(text, 0, 0, (), thought))
 
     def _fill_ids(self, job: Job) -> list[int]:
         """/infill's prompt, each part within its share of the context (sessions/infill.fill_prompt);
@@ -866,8 +905,8 @@ class PairWorker:
         param = "messages" if request.is_chat else "prompt"
         # what the prompt holds: the messages, and the tools and earlier calls rendered beside them;
         # a prompt's text and its suffix (beside token ids, the suffix alone)
-        text = ("".join(str(m.get("content") or "") + json.dumps(m.get("tool_calls") or "")
-                        for m in request.messages)
+        text = ("".join(str(m.get("content") or "") + str(m.get("reasoning_content") or "")
+                        + json.dumps(m.get("tool_calls") or "") for m in request.messages)
                 + "".join(json.dumps(tool.as_openai()) for tool in request.tools)) if request.is_chat \
             else (request.prompt if isinstance(request.prompt, str) else "") + (request.suffix or "")
         if text:
@@ -880,10 +919,13 @@ class PairWorker:
             try:
                 # tool_choice "none": the model is not told of tools it may not call
                 offered = () if request.tool_choice.mode == "none" else request.tools
-                text, spans = render_conversation(session.template, list(request.messages), offered)
+                template = session.template.with_variables(request.template_variables)
+                text, spans = render_conversation(template, list(request.messages), offered)
             except ToolTemplateError as exc:
                 raise RequestError(exc.one_line(), "tools", code="invalid_value") from None
-            prompt_ids = tokenize_rendered(target, session.template, text, spans)
+            prompt_ids = tokenize_rendered(target, template, text, spans)
+            # the generation prompt: the text after the last message's (DeepSeek-R1's ends in <think>)
+            job.opens_thinking = opens_thinking(thinking_tags(template), text[spans[-1][1]:] if spans else text)
         else:
             if not isinstance(request.prompt, str):
                 check_token_ids(request.prompt, target.vocab.size, "prompt")

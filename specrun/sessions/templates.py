@@ -184,14 +184,38 @@ def _refusal(what: str) -> ChatTemplateError:
     )
 
 
+# The names a rendering gives the template itself: a template variable of the user's
+# (``--chat-template-kwargs``, a request's ``chat_template_kwargs``) may not take one.
+RENDERING_NAMES = ("messages", "add_generation_prompt", "bos_token", "eos_token", "tools", "raise_exception",
+                   "strftime_now")
+
+
+def template_variables_problem(variables: Any) -> str:
+    """What is wrong with variables given a template (empty if nothing): an object of names to
+    JSON values, none of them a name the rendering gives (``RENDERING_NAMES``), and
+    ``enable_thinking`` a boolean (as llama-server checks it: a string "false" would read true)."""
+    if not isinstance(variables, dict):
+        return "must be an object of template variables, e.g. {\"enable_thinking\": false}"
+    for name, value in variables.items():
+        if not name.isidentifier():
+            return f"{json.dumps(name)[:40]} is not a name a template can read"
+        if name in RENDERING_NAMES:
+            return f"{name} is given to the template by the rendering itself; send it where the API takes it"
+        if name == "enable_thinking" and not isinstance(value, bool):
+            return f"enable_thinking must be true or false, got {json.dumps(value)[:40]}"
+    return ""
+
+
 class ChatTemplate:
-    """A compiled, sandboxed chat template (the model's, or ``FALLBACK_TEMPLATE``)."""
+    """A compiled, sandboxed chat template (the model's, or ``FALLBACK_TEMPLATE``), with the
+    variables every rendering gives it beside the conversation (``with_variables``)."""
 
     def __init__(self, source: str | None, bos_token: str = "", eos_token: str = "") -> None:
         self.is_fallback = not source
         self.source = source or FALLBACK_TEMPLATE
         self.bos_token = bos_token
         self.eos_token = eos_token
+        self.variables: dict[str, Any] = {}  # e.g. enable_thinking, reasoning_effort
         env = _environment()
         try:
             parsed = env.parse(self.source)
@@ -208,6 +232,16 @@ class ChatTemplate:
             raise ChatTemplateError(
                 f"the model's chat template does not compile: {exc}", "use a model with a working chat template"
             ) from None
+
+    def with_variables(self, variables: dict[str, Any] | None) -> ChatTemplate:
+        """This template rendering with ``variables`` too (over its own of the same names): a copy
+        sharing the compiled template. Checked by ``template_variables_problem`` first."""
+        if not variables:
+            return self
+        copy = object.__new__(ChatTemplate)
+        copy.__dict__.update(self.__dict__)
+        copy.variables = {**self.variables, **variables}
+        return copy
 
     @classmethod
     def for_backend(cls, backend: Backend) -> ChatTemplate:
@@ -258,6 +292,7 @@ class ChatTemplate:
         """The rendering, streamed so that its length is checked as it grows."""
         pieces, length = [], 0
         for piece in self._template.generate(
+            **self.variables,
             **extra,
             messages=list(messages),
             add_generation_prompt=add_generation_prompt,

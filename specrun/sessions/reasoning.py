@@ -1,0 +1,165 @@
+"""Reasoning models: the thinking an answer opens with, told apart from the answer.
+
+Models such as Qwen3, DeepSeek-R1, GLM, Magistral or Seed-OSS think before they answer,
+between tags their chat template knows (``<think>`` … ``</think>``); some templates open the
+block in the prompt itself (DeepSeek-R1's generation prompt ends in ``<think>\\n``), others
+close it there to turn thinking off (Qwen3's ``enable_thinking=false`` writes an empty block).
+Clients written for llama-server and vLLM read the thinking apart from the answer: OpenAI's
+message gains ``reasoning_content`` (streamed as ``delta.reasoning_content``), as llama-server's
+``--reasoning-format deepseek`` (its default, ``auto``) gives it.
+
+Only the text is read apart here: the tokens, and so speculation and its exactness, are the
+target's own whatever the format (the engine never sees it).
+
+- ``thinking_tags(template)``: the pair of tags a template writes (``THINK_TAGS``: the
+  spellings llama.cpp's chat parsers know), or None.
+- ``opens_thinking(tags, tail)``: does the prompt's generation prompt (the text after the last
+  message) leave the block open, so that the answer begins inside it?
+- ``ReasoningSplit``: fed the answer's text as it streams, gives back (reasoning, content)
+  pieces: the thinking without its tags and the whitespace around it, and the answer after it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from specrun.sessions.templates import ChatTemplate
+
+# llama-server's reasoning formats: "none" leaves the thinking in the content as generated;
+# "deepseek" (and "auto") moves it to reasoning_content; "deepseek-legacy" does both.
+REASONING_FORMATS = ("auto", "none", "deepseek", "deepseek-legacy")
+
+
+@dataclass(frozen=True)
+class ThinkTags:
+    """The text that opens a model's thinking and the text that closes it."""
+
+    start: str
+    end: str
+
+
+# The spellings llama.cpp's chat parsers read (common/chat.cpp, common/parsers/): Qwen3, QwQ,
+# DeepSeek-R1/V3.1, GLM-4.5+, Kimi, MiniMax, LFM2, SmolLM3 and most others write the first;
+# Seed-OSS, Magistral/Ministral 3, Command A Reasoning, MiniMax M3 and Gemma 4 their own.
+# gpt-oss's harmony channels are not tags around a block and are not read apart.
+THINK_TAGS = (
+    ThinkTags("<seed:think>", "</seed:think>"),
+    ThinkTags("<mm:think>", "</mm:think>"),
+    ThinkTags("<|START_THINKING|>", "<|END_THINKING|>"),
+    ThinkTags("[THINK]", "[/THINK]"),
+    ThinkTags("<|channel>thought", "<channel|>"),
+    ThinkTags("<think>", "</think>"),
+)
+
+
+def thinking_tags(template: ChatTemplate) -> ThinkTags | None:
+    """The tags the template's model thinks between: the first spelling whose closing tag the
+    template's source writes (a template may only strip ``</think>`` from earlier answers, as
+    DeepSeek-R1's first ones did, while the model opens the block itself). None: no thinking."""
+    if template.is_fallback:
+        return None
+    for tags in THINK_TAGS:
+        if tags.end in template.source:
+            return tags
+    return None
+
+
+def opens_thinking(tags: ThinkTags | None, tail: str) -> bool:
+    """Does ``tail``, the prompt after its last message, leave a thinking block open (the answer
+    begins inside it)? Qwen3's ``<think>\\n\\n</think>`` (thinking off) closes it."""
+    if tags is None:
+        return False
+    opened = tail.rfind(tags.start)
+    return opened >= 0 and tail.find(tags.end, opened) < 0
+
+
+def _held_prefix(text: str, tag: str) -> int:
+    """How many characters at ``text``'s end could begin ``tag`` (held back until the next piece)."""
+    for size in range(min(len(text), len(tag) - 1), 0, -1):
+        if tag.startswith(text[-size:]):
+            return size
+    return 0
+
+
+class ReasoningSplit:
+    """The answer's text as it streams, read into thinking and answer.
+
+    ``open``: the prompt opened the block (``opens_thinking``); else the answer's thinking is a
+    block it opens first (whitespace before the tag allowed), and an answer that begins with
+    anything else has none. The thinking ends at the first closing tag; the whitespace around it
+    is dropped, as is the whitespace between the closing tag and the answer. A tag written later
+    in the answer is the answer's text. Text that may begin a tag is held until the next piece
+    says (``finish`` lets it go).
+    """
+
+    def __init__(self, tags: ThinkTags, open: bool = False) -> None:
+        self.tags = tags
+        self._state = "thinking" if open else "before"  # before | thinking | after | answer
+        self._held = ""  # text not given out yet: a tag's possible beginning, or trailing whitespace
+        self._thought = False  # any thinking given out yet (leading whitespace is dropped until then)
+
+    @property
+    def thinking(self) -> bool:
+        """Is the text read so far inside the block?"""
+        return self._state == "thinking"
+
+    def feed(self, text: str) -> tuple[str, str]:
+        """(thinking, answer) text that can go out now."""
+        self._held += text
+        reasoning, content = [], []
+        while self._held:
+            if self._state == "before":
+                begun = self._held.lstrip()
+                if begun.startswith(self.tags.start):
+                    self._state, self._held = "thinking", begun[len(self.tags.start):]
+                    continue
+                if self.tags.start.startswith(begun):  # whitespace, or the tag's first characters
+                    break
+                self._state = "answer"
+            elif self._state == "thinking":
+                closed = self._held.find(self.tags.end)
+                if closed >= 0:
+                    reasoning.append(self._thinking_out(self._held[:closed].rstrip()))
+                    self._state, self._held = "after", self._held[closed + len(self.tags.end):]
+                    continue
+                # a closing tag's first characters wait, and the whitespace before them (dropped
+                # if the tag closes there)
+                tag_part = _held_prefix(self._held, self.tags.end)
+                before = self._held[: len(self._held) - tag_part]
+                keep = tag_part + len(before) - len(before.rstrip())
+                reasoning.append(self._thinking_out(self._held[: len(self._held) - keep]))
+                self._held = self._held[len(self._held) - keep:]
+                break
+            elif self._state == "after":
+                self._held = self._held.lstrip()
+                if self._held:
+                    self._state = "answer"
+            else:
+                content.append(self._held)
+                self._held = ""
+        return "".join(reasoning), "".join(content)
+
+    def _thinking_out(self, text: str) -> str:
+        if not self._thought:
+            text = text.lstrip()
+            self._thought = bool(text)
+        return text
+
+    def finish(self) -> tuple[str, str]:
+        """What was held at the answer's end: an unfinished tag's text is the block's (inside it)
+        or the answer's (before it); trailing whitespace of the thinking is dropped."""
+        held, self._held = self._held, ""
+        if self._state == "thinking":
+            return self._thinking_out(held.rstrip()), ""
+        if self._state == "before":
+            return "", held
+        return "", held.lstrip() if self._state == "after" else held
+
+
+def split_reasoning(text: str, tags: ThinkTags | None, open: bool = False) -> tuple[str, str]:
+    """A whole answer as (thinking, answer) (``ReasoningSplit``); no tags: ("", text)."""
+    if tags is None:
+        return "", text
+    split = ReasoningSplit(tags, open)
+    fed, held = split.feed(text), split.finish()
+    return fed[0] + held[0], fed[1] + held[1]

@@ -1,0 +1,140 @@
+"""Reasoning models through the server: the template's variables (chat_template_kwargs,
+reasoning_effort, --chat-template-kwargs, --reasoning) and the thinking read apart into
+``reasoning_content`` (reasoning_format, --reasoning-format), whole and streamed, as llama-server
+answers. The tiny model's template opens a thinking block in its generation prompt unless
+enable_thinking is false (tests/model_factory.THINKING_TEMPLATE); its random answers never close
+it, so an answer is thinking to its end (the reasoning budget's tests close it)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from model_factory import build_thinking_model
+from server_harness import assert_refused, start_server, stop_server
+from specrun.server.requests import RequestError, ServeDefaults, parse_chat_request
+
+HI = [{"role": "user", "content": "Hi there"}]
+
+
+@pytest.fixture(scope="module")
+def thinking_model(tmp_path_factory):
+    return build_thinking_model(tmp_path_factory.mktemp("thinking"))
+
+
+@pytest.fixture(scope="module")
+def thinking_server(thinking_model):
+    server = start_server("-t", str(thinking_model.gguf_f32_path), "--method", "lookup", "--threads", "1", "-n", "24")
+    yield server
+    assert stop_server(server) == 0, server.log
+
+
+def _message(server, **fields) -> dict:
+    status, body = server.post("/v1/chat/completions", {"messages": HI, **fields})
+    assert status == 200, body
+    return body["choices"][0]["message"]
+
+
+def _streamed(server, **fields) -> tuple[str, str]:
+    """A streamed answer's (thinking, content), each its deltas joined."""
+    import openai
+
+    model = server.request("GET", "/v1/models")[1]["data"][0]["id"]
+    stream = server.client().chat.completions.create(model=model, messages=HI, stream=True, extra_body=fields)
+    thought, content = [], []
+    for chunk in stream:
+        delta = chunk.choices[0].delta if chunk.choices else None
+        if delta is not None:
+            thought.append((delta.model_extra or {}).get("reasoning_content") or "")
+            content.append(delta.content or "")
+    assert isinstance(stream, openai.Stream)
+    return "".join(thought), "".join(content)
+
+
+def test_thinking_is_read_apart_whole_and_streamed(thinking_server):
+    thought = _message(thinking_server)
+    assert thought["content"] == "" and thought["reasoning_content"].strip()  # the prompt opened the block
+    raw = _message(thinking_server, reasoning_format="none")
+    assert "reasoning_content" not in raw and raw["content"].strip() == thought["reasoning_content"]
+    legacy = _message(thinking_server, reasoning_format="deepseek-legacy")
+    assert (legacy["content"], legacy["reasoning_content"]) == (raw["content"], thought["reasoning_content"])
+    assert _streamed(thinking_server) == (thought["reasoning_content"], "")
+
+
+def test_enable_thinking_false_closes_the_block_and_the_answer_is_content(thinking_server):
+    for fields in ({"chat_template_kwargs": {"enable_thinking": False}}, {"reasoning_effort": "none"}):
+        answer = _message(thinking_server, **fields)
+        assert "reasoning_content" not in answer and answer["content"], answer
+    status, body = thinking_server.post("/apply-template", {"messages": HI, "chat_template_kwargs":
+                                                            {"enable_thinking": False}})
+    assert status == 200 and body["prompt"].endswith("<think>\n\n</think>"), body
+
+
+def test_an_earlier_answer_s_thinking_is_written_back_by_the_template(thinking_server):
+    turns = [*HI, {"role": "assistant", "content": "Hello.", "reasoning_content": "Greet back."},
+             {"role": "user", "content": "And?"}]
+    status, body = thinking_server.post("/apply-template", {"messages": turns})
+    assert status == 200 and "<think>\nGreet back.\n</think>" in body["prompt"], body
+    vllm = [*turns[:1], {**turns[1], "reasoning_content": None, "reasoning": "Greet back."}, turns[2]]
+    assert thinking_server.post("/apply-template", {"messages": vllm})[1] == body  # vLLM's newer name
+    assert _message(thinking_server, messages=turns)["reasoning_content"]
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"chat_template_kwargs": ["enable_thinking"]}, "chat_template_kwargs"),
+    ({"chat_template_kwargs": {"enable_thinking": "false"}}, "chat_template_kwargs"),
+    ({"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs"),
+    ({"reasoning_format": "r1"}, "reasoning_format"),
+    ({"reasoning_effort": 3}, "reasoning_effort"),
+    ({"messages": [*HI, {"role": "assistant", "content": "x", "reasoning_content": 5}]},
+     "messages[1].reasoning_content"),
+])
+def test_bad_reasoning_fields_are_400s_naming_the_field(thinking_server, fields, param):
+    code = "invalid_type" if param in ("reasoning_effort", "messages[1].reasoning_content") else "invalid_value"
+    assert_refused(thinking_server, "/v1/chat/completions", {"messages": HI, **fields}, param, code)
+
+
+def test_a_request_s_template_variables_override_the_server_s():
+    defaults = ServeDefaults(template_variables={"enable_thinking": False, "tone": "dry"}, reasoning_format="none")
+    parsed = parse_chat_request({"messages": HI}, defaults, 2048)
+    assert (parsed.template_variables, parsed.reasoning_format) == ({"enable_thinking": False, "tone": "dry"}, "none")
+    parsed = parse_chat_request({"messages": HI, "chat_template_kwargs": {"enable_thinking": True},
+                                 "reasoning_effort": "high", "reasoning_format": "auto"}, defaults, 2048)
+    assert parsed.template_variables == {"enable_thinking": True, "tone": "dry", "reasoning_effort": "high"}
+    assert parsed.reasoning_format == "auto"
+    assert parse_chat_request({"messages": HI}, ServeDefaults(), 2048).reasoning_format == "auto"
+    with pytest.raises(RequestError):
+        parse_chat_request({"messages": HI, "reasoning_effort": ""}, defaults, 2048)
+
+
+def test_the_server_s_options_set_what_a_request_does_not(thinking_model):
+    server = start_server("-t", str(thinking_model.gguf_f32_path), "--method", "none", "--threads", "1", "-n", "8",
+                          "--reasoning", "off", "--reasoning-format", "none")
+    try:
+        status, body = server.post("/apply-template", {"messages": HI})
+        assert status == 200 and body["prompt"].endswith("</think>"), body  # --reasoning off
+        opened = _message(server, chat_template_kwargs={"enable_thinking": True})
+        assert "reasoning_content" not in opened and opened["content"]  # --reasoning-format none
+        assert _message(server, chat_template_kwargs={"enable_thinking": True}, reasoning_format="auto")[
+            "reasoning_content"] == opened["content"].strip()
+    finally:
+        assert stop_server(server) == 0, server.log
+
+
+@pytest.mark.parametrize("args, named", [
+    (("--chat-template-kwargs", "{not json"), "--chat-template-kwargs is not JSON"),
+    (("--chat-template-kwargs", '{"bos_token": "x"}'), "--chat-template-kwargs: bos_token"),
+    (("--reasoning", "maybe"), "--reasoning must be on, off or auto"),
+    (("--reasoning", "on", "--chat-template-kwargs", '{"enable_thinking": false}'), "disagree"),
+    (("--reasoning-format", "r1"), "--reasoning-format must be one of"),
+])
+def test_bad_reasoning_options_are_one_line_usage_errors(args, named):
+    done = subprocess.run([sys.executable, "-m", "specrun", "serve", "-t", "demo-target", *args],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and named in lines[0] and "Traceback" not in done.stderr, done.stderr
+    assert json.dumps(lines)  # one line, nothing else written

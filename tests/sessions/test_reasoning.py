@@ -1,0 +1,140 @@
+"""Reasoning models' thinking read apart from the answer (sessions/reasoning.py): the tags a
+template writes, whether its generation prompt opens the block, and the split of a streamed
+answer, which must not depend on how the text was cut into pieces."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from model_factory import THINKING_TEMPLATE
+from specrun.sessions.reasoning import (
+    THINK_TAGS, ReasoningSplit, ThinkTags, opens_thinking, split_reasoning, thinking_tags,
+)
+from specrun.sessions.templates import FALLBACK_TEMPLATE, ChatTemplate, template_variables_problem
+from specrun.sessions.tools import STYLES, render_conversation
+from specrun.server.worker import ToolCallCut, _read_apart
+
+THINK = ThinkTags("<think>", "</think>")
+
+# DeepSeek-R1's first template: it only strips the thinking from earlier answers; the model
+# opens the block itself
+R1_TEMPLATE = ("{% for m in messages %}{% if m['role'] == 'user' %}<｜User｜>{{ m['content'] }}"
+               "{% else %}<｜Assistant｜>{{ m['content'].split('</think>')[-1] }}<｜end▁of▁sentence｜>{% endif %}"
+               "{% endfor %}{% if add_generation_prompt %}<｜Assistant｜>{% endif %}")
+SEED_TEMPLATE = ("{% for m in messages %}<seed:bos>{{ m['role'] }}\n{% if m.reasoning_content %}<seed:think>"
+                 "{{ m.reasoning_content }}</seed:think>{% endif %}{{ m['content'] }}<seed:eos>{% endfor %}")
+
+
+@pytest.mark.parametrize("text, opened, expected", [
+    ("<think>\nabc def\n</think>\n\nHello", False, ("abc def", "Hello")),
+    ("  \n<think>x</think>y", False, ("x", "y")),  # whitespace before the tag
+    ("Hello <think>x</think>", False, ("", "Hello <think>x</think>")),  # a tag later is the answer's text
+    ("abc\n</think>\n\nok", True, ("abc", "ok")),  # the prompt opened it
+    ("abc </th", True, ("abc </th", "")),  # cut inside a closing tag: the block's text
+    ("<thi", False, ("", "<thi")),  # cut inside an opening tag: the answer's
+    ("\n\n", False, ("", "\n\n")),
+    ("<think>never closed  \n", False, ("never closed", "")),
+    ("<think></think>", False, ("", "")),
+    ("a</think>b</think>c", True, ("a", "b</think>c")),  # the first closing tag ends it
+    ("No thinking at all", False, ("", "No thinking at all")),
+])
+def test_an_answer_s_thinking_is_read_apart(text, opened, expected):
+    assert split_reasoning(text, THINK, opened) == expected
+
+
+def _reference(text: str, tags: ThinkTags, opened: bool) -> tuple[str, str]:
+    """The split of a whole text, written plainly: the block (opened by the prompt, or by the
+    answer's first visible text) up to its first closing tag, stripped, and the rest."""
+    if not opened:
+        begun = text.lstrip()
+        if not begun.startswith(tags.start):
+            return "", text
+        text = begun[len(tags.start):]
+    thought, closed, rest = text.partition(tags.end)
+    return thought.strip(), rest.lstrip() if closed else ""
+
+
+@pytest.mark.parametrize("tags", [THINK, ThinkTags("[THINK]", "[/THINK]"), ThinkTags("<|channel>thought", "<channel|>")])
+def test_the_split_is_the_same_however_the_stream_is_cut(tags):
+    rng = random.Random(7)
+    pieces = [tags.start, tags.end, tags.end[:3], tags.start[:2], " ", "\n", "  ", "a", "bc", "<", "/", "]"]
+    for _ in range(3000):
+        text = "".join(rng.choice(pieces) for _ in range(rng.randint(0, 12)))
+        opened = rng.random() < 0.5
+        expected = _reference(text, tags, opened)
+        split, thought, answer, at = ReasoningSplit(tags, opened), [], [], 0
+        while at < len(text):
+            step = rng.randint(1, 5)
+            got = split.feed(text[at:at + step])
+            thought.append(got[0])
+            answer.append(got[1])
+            at += step
+        held = split.finish()
+        assert ("".join(thought) + held[0], "".join(answer) + held[1]) == expected, (text, opened)
+
+
+def test_thinking_goes_out_as_it_comes_and_only_a_tag_s_beginning_waits():
+    split = ReasoningSplit(THINK, open=True)
+    assert split.feed("\nLet me see") == ("Let me see", "")
+    assert split.feed(" more.\n</thi") == (" more.", "")  # the whitespace before a possible tag waits
+    assert split.thinking
+    assert split.feed("nk>\n\nThe answer") == ("", "The answer")
+    assert not split.thinking
+    assert split.finish() == ("", "")
+
+
+def test_templates_name_their_tags():
+    assert thinking_tags(ChatTemplate(THINKING_TEMPLATE)) == THINK
+    assert thinking_tags(ChatTemplate(R1_TEMPLATE)) == THINK  # only the closing tag is written
+    assert thinking_tags(ChatTemplate(SEED_TEMPLATE)) == ThinkTags("<seed:think>", "</seed:think>")
+    assert thinking_tags(ChatTemplate(None)) is None  # the fallback transcript
+    assert thinking_tags(ChatTemplate(FALLBACK_TEMPLATE.replace("Assistant", "Bot"))) is None
+    assert len({tags.end for tags in THINK_TAGS}) == len(THINK_TAGS)
+
+
+def test_the_generation_prompt_opens_the_block_or_closes_it():
+    template = ChatTemplate(THINKING_TEMPLATE)
+    messages = [{"role": "user", "content": "Why <think>?"}]
+    for variables, opened in (({}, True), ({"enable_thinking": True}, True), ({"enable_thinking": False}, False)):
+        text, spans = render_conversation(template.with_variables(variables), messages)
+        assert opens_thinking(THINK, text[spans[-1][1]:]) is opened, text
+    assert not opens_thinking(None, "<think>")
+    assert not opens_thinking(THINK, "<|im_start|>assistant\n")
+
+
+def test_template_variables_reach_the_template_and_bad_ones_are_named():
+    template = ChatTemplate("{{ greeting }} {% for m in messages %}{{ m['content'] }}{% endfor %}")
+    assert template.with_variables({"greeting": "Hello"}).render([{"role": "user", "content": "x"}]) == "Hello x"
+    assert template.with_variables({}) is template and template.variables == {}  # the original untouched
+    assert template_variables_problem({"enable_thinking": False, "reasoning_effort": "low"}) == ""
+    assert "object" in template_variables_problem(["enable_thinking"])
+    assert "rendering itself" in template_variables_problem({"messages": []})
+    assert "rendering itself" in template_variables_problem({"add_generation_prompt": False})
+    assert "true or false" in template_variables_problem({"enable_thinking": "false"})
+    assert "not a name" in template_variables_problem({"two words": 1})
+
+
+def test_a_call_after_the_thinking_is_a_call_and_the_thinking_is_not_content():
+    """The tool cut reads the answer after the thinking: a call the model weighed while thinking
+    (its markup in the block) is not made, the one after it is."""
+    text = ('<think>\nMaybe <tool_call>{"name": "f", "arguments": {}}</tool_call>? No: the weather.\n</think>\n\n'
+            '<tool_call>\n{"name": "f", "arguments": {"city": "Oslo"}}\n</tool_call>')
+    split, cut, thought = ReasoningSplit(THINK), ToolCallCut(STYLES["hermes"], ["f"]), []
+    for at in range(0, len(text), 7):
+        piece_thought, content = _read_apart(split, "auto", text[at:at + 7])
+        thought.append(piece_thought)
+        assert cut.feed(content) == ""  # nothing of a call goes out as content
+    piece_thought, content = _read_apart(split, "auto", "", end=True)
+    thought.append(piece_thought)
+    cut.feed(content)
+    content, calls = cut.finish()
+    assert "".join(thought).startswith("Maybe <tool_call>") and "".join(thought).endswith("the weather.")
+    assert content == "" and [(call.name, call.arguments) for call in calls] == [("f", '{"city": "Oslo"}')]
+
+
+def test_deepseek_legacy_keeps_the_text_as_generated_beside_the_thinking():
+    split = ReasoningSplit(THINK, open=True)
+    assert _read_apart(split, "deepseek-legacy", "R\n</think>\nA", end=True) == ("R", "R\n</think>\nA")
+    assert _read_apart(None, "auto", "text") == ("", "text")
