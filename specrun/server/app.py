@@ -345,21 +345,26 @@ class OpenAIServer:
 
             return StreamingResponse(self._response_events(job, first, echo, names), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        text, calls, logprobs, event = await self._collected(request, job, names.renamed)
+        thinking = []
+        text, calls, logprobs, event = await self._collected(request, job, names.renamed, thinking)
         # ASCII JSON: the echoed fields are the client's (metadata, tools), unchecked, and a lone
         # surrogate in them has no UTF-8 (a 500 after the whole answer); escaped, it is valid JSON
-        return Response(json.dumps(self._response_object(job, echo, text, calls, first, event, logprobs=logprobs)),
+        return Response(json.dumps(self._response_object(job, echo, text, calls, first, event, logprobs=logprobs,
+                                                         thinking="".join(thinking))),
                         media_type="application/json")
 
     def _response_object(self, job: Job, echo: dict, text: str | None, calls, started: Started,
                          done: Done | None, status: str | None = None, error: dict | None = None,
-                         logprobs=()) -> dict:
-        """A response object: in progress (``done`` None), or finished with its output items."""
-        from specrun.server.responses import call_item, logprob_items, message_item, usage
+                         logprobs=(), thinking: str = "") -> dict:
+        """A response object: in progress (``done`` None), or finished with its output items (the
+        thinking first, where the model thought)."""
+        from specrun.server.responses import call_item, logprob_items, message_item, reasoning_item, usage
 
         output = []
         cut = done is not None and done.finish_reason == "length"
         if done is not None:
+            if thinking:
+                output.append(reasoning_item(f"rs_{job.id}", thinking, done=True))
             if text or not calls:
                 output.append(message_item(f"msg_{job.id}", text or "", done=True, cut=cut,
                                            logprobs=logprob_items(logprobs)))
@@ -379,10 +384,10 @@ class OpenAIServer:
         """The Responses API's semantic events: created, in progress, the message's text as it
         comes (its item and part opened at the first text), each call whole, then completed (or
         incomplete at max_output_tokens; failed, with the error, where the answer could not end)."""
-        from specrun.server.responses import call_item, logprob_items, message_item
+        from specrun.server.responses import call_item, logprob_items, message_item, reasoning_item
 
         sequence = 0
-        message_id = f"msg_{job.id}"
+        message_id, reasoning_id = f"msg_{job.id}", f"rs_{job.id}"
 
         def sent(kind: str, **fields) -> str:
             nonlocal sequence
@@ -391,24 +396,45 @@ class OpenAIServer:
             return f"event: {kind}\ndata: {json.dumps(payload)}\n\n"  # ASCII: as the whole answer's
 
         texts, opened, calls, logprobs = [], False, (), []
+        thinking, thought_open = [], False  # the reasoning item's text, and whether it is still open
+        message_at = 0  # the message's output_index: 1 after a reasoning item
+
+        def thought_closed():
+            text = "".join(thinking)
+            yield sent("response.reasoning_text.done", item_id=reasoning_id, output_index=0, content_index=0,
+                       text=text)
+            yield sent("response.output_item.done", output_index=0, item=reasoning_item(reasoning_id, text, True))
+
         try:
             shell = self._response_object(job, echo, None, (), started, None)
             yield sent("response.created", response=shell)
             yield sent("response.in_progress", response=shell)
             while True:
                 event = await job.next_event()
+                if isinstance(event, Delta) and event.reasoning:
+                    if not thinking:
+                        thought_open, message_at = True, 1
+                        yield sent("response.output_item.added", output_index=0,
+                                   item=reasoning_item(reasoning_id, "", done=False))
+                    thinking.append(event.reasoning)
+                    yield sent("response.reasoning_text.delta", item_id=reasoning_id, output_index=0,
+                               content_index=0, delta=event.reasoning)
                 if isinstance(event, Delta) and event.text:
+                    if thought_open:
+                        thought_open = False
+                        for line in thought_closed():
+                            yield line
                     if not opened:
                         opened = True
-                        yield sent("response.output_item.added", output_index=0,
+                        yield sent("response.output_item.added", output_index=message_at,
                                    item=message_item(message_id, "", done=False))
-                        yield sent("response.content_part.added", item_id=message_id, output_index=0,
+                        yield sent("response.content_part.added", item_id=message_id, output_index=message_at,
                                    content_index=0, part={"type": "output_text", "text": "", "annotations": [],
                                                           "logprobs": []})
                     texts.append(event.text)
                     logprobs.extend(event.logprobs)
-                    yield sent("response.output_text.delta", item_id=message_id, output_index=0, content_index=0,
-                               delta=event.text, logprobs=logprob_items(event.logprobs),
+                    yield sent("response.output_text.delta", item_id=message_id, output_index=message_at,
+                               content_index=0, delta=event.text, logprobs=logprob_items(event.logprobs),
                                speculation={"tokens": event.tokens, "from_draft": event.from_draft})
                 elif isinstance(event, Delta):  # no text: its tokens' logprobs (a stop string's tail held)
                     logprobs.extend(event.logprobs)
@@ -423,20 +449,23 @@ class OpenAIServer:
                     break
                 elif isinstance(event, Done):
                     text, cut = "".join(texts), event.finish_reason == "length"
+                    if thought_open:
+                        for line in thought_closed():
+                            yield line
                     if opened or not calls:
                         if not opened:  # an empty answer: its message, opened and closed
-                            yield sent("response.output_item.added", output_index=0,
+                            yield sent("response.output_item.added", output_index=message_at,
                                        item=message_item(message_id, "", done=False))
-                            yield sent("response.content_part.added", item_id=message_id, output_index=0,
+                            yield sent("response.content_part.added", item_id=message_id, output_index=message_at,
                                        content_index=0, part={"type": "output_text", "text": "", "annotations": [],
                                                               "logprobs": []})
                         item = message_item(message_id, text, done=True, cut=cut, logprobs=logprob_items(logprobs))
-                        yield sent("response.output_text.done", item_id=message_id, output_index=0,
+                        yield sent("response.output_text.done", item_id=message_id, output_index=message_at,
                                    content_index=0, text=text, logprobs=item["content"][0]["logprobs"])
-                        yield sent("response.content_part.done", item_id=message_id, output_index=0,
+                        yield sent("response.content_part.done", item_id=message_id, output_index=message_at,
                                    content_index=0, part=item["content"][0])
-                        yield sent("response.output_item.done", output_index=0, item=item)
-                    first_call = 1 if (opened or not calls) else 0
+                        yield sent("response.output_item.done", output_index=message_at, item=item)
+                    first_call = message_at + (1 if (opened or not calls) else 0)
                     for index, call in enumerate(calls):
                         item_id, at = f"fc_{job.id}_{index}", first_call + index
                         yield sent("response.output_item.added", output_index=at,
@@ -446,7 +475,8 @@ class OpenAIServer:
                         yield sent("response.function_call_arguments.done", item_id=item_id, output_index=at,
                                    arguments=call.arguments, name=call.name)
                         yield sent("response.output_item.done", output_index=at, item=call_item(item_id, call, True))
-                    final = self._response_object(job, echo, text, calls, started, event, logprobs=logprobs)
+                    final = self._response_object(job, echo, text, calls, started, event, logprobs=logprobs,
+                                                  thinking="".join(thinking))
                     kind = "response.incomplete" if final["status"] == "incomplete" else "response.completed"
                     yield sent(kind, response=final)
                     break

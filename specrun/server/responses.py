@@ -9,8 +9,11 @@ conversation is made of (messages with text parts, ``function_call`` and
 ``temperature``, ``top_p`` (``top_k``, ``min_p`` and ``seed`` as chat takes them) and
 logprobs (``include: ["message.output_text.logprobs"]``, ``top_logprobs``). Nothing is stored:
 ``previous_response_id`` and ``conversation`` are refused by name (the client sends the whole
-conversation, as with ``store: false``), and so are built-in tools, images and files, reasoning
-settings and ``text.verbosity``. Every refusal names the Responses field (``input[2].content[0]``),
+conversation, as with ``store: false``), and so are built-in tools, images and files and
+``text.verbosity``. A reasoning model's thinking comes back as a ``reasoning`` item before the
+message (its text in ``content``, streamed as ``response.reasoning_text.delta``); ``reasoning.effort``
+reaches the template as chat's ``reasoning_effort`` does, and reasoning items passed back in
+``input`` are their turn's ``reasoning_content``. Every refusal names the Responses field (``input[2].content[0]``),
 not the chat field it was read as. ``parallel_tool_calls`` defaults to one call, as chat's does
 (llama-server's choice: a small model told it may call again calls until max tokens), where
 OpenAI's default is several.
@@ -31,10 +34,14 @@ _PASSED = {"model": "model", "temperature": "temperature", "top_p": "top_p", "st
            "safety_identifier": "safety_identifier",
            # specrun's extensions, as chat completions takes them
            "top_k": "top_k", "min_p": "min_p", "seed": "seed"}
-_READ = {"input", "instructions", "tools", "tool_choice", "text", "store", "stream_options", "truncation", "include"}
+_READ = {"input", "instructions", "tools", "tool_choice", "text", "store", "stream_options", "truncation", "include",
+         "reasoning"}
 LOGPROBS_INCLUDED = "message.output_text.logprobs"  # include's: each output token's log-probability
+# include's: a reasoning item's encrypted text, which a stateless client passes back; the thinking's
+# text is in the item's content already (a local server keeps nothing from its client)
+ENCRYPTED_REASONING = "reasoning.encrypted_content"
 # Fields specrun cannot honour, with the values that ask nothing of it
-_INERT = {"previous_response_id": (None,), "conversation": (None,), "reasoning": (None,),
+_INERT = {"previous_response_id": (None,), "conversation": (None,),
           "background": (None, False), "max_tool_calls": (None,), "prompt": (None,)}
 _WHY = {"previous_response_id": "specrun serve stores no responses: send the whole conversation in input",
         "conversation": "specrun serve stores no conversations: send the whole conversation in input",
@@ -60,6 +67,8 @@ class ResponsesNames:
             renamed = self.where[int(match.group(1))] + param[match.end():]
         elif param == "messages":
             renamed = "input"
+        elif param == "reasoning_effort":
+            renamed = "reasoning.effort"
         elif param.startswith("max_completion_tokens"):
             renamed = "max_output_tokens" + param[len("max_completion_tokens"):]
         elif param.startswith("response_format"):
@@ -101,14 +110,17 @@ def parse_responses_request(body, defaults: ServeDefaults, n_ctx: int) -> tuple[
     include = body.get("include") or []
     if not isinstance(include, list) or not all(isinstance(item, str) for item in include):
         raise RequestError("include must be a list of strings", "include", code="invalid_type")
-    if set(include) - {LOGPROBS_INCLUDED}:
-        others = ", ".join(sorted(set(include) - {LOGPROBS_INCLUDED}))
-        raise RequestError(f"include takes {LOGPROBS_INCLUDED} only, not {others}", "include",
-                           code="unsupported_value")
-    if include:
+    if set(include) - {LOGPROBS_INCLUDED, ENCRYPTED_REASONING}:
+        others = ", ".join(sorted(set(include) - {LOGPROBS_INCLUDED, ENCRYPTED_REASONING}))
+        raise RequestError(f"include takes {LOGPROBS_INCLUDED} and {ENCRYPTED_REASONING} only, not {others}",
+                           "include", code="unsupported_value")
+    if LOGPROBS_INCLUDED in include:
         chat["logprobs"] = True
     elif chat.get("top_logprobs"):
         raise invalid_value("top_logprobs", f"needs include: [\"{LOGPROBS_INCLUDED}\"]")
+    effort = _reasoning_effort(body.get("reasoning"))
+    if effort is not None:
+        chat["reasoning_effort"] = effort
     response_format = _text_format(body.get("text"))
     if response_format is not None:
         chat["response_format"] = response_format
@@ -121,6 +133,20 @@ def parse_responses_request(body, defaults: ServeDefaults, n_ctx: int) -> tuple[
         return parse_chat_request(chat, defaults, n_ctx), names
     except RequestError as exc:
         raise names.renamed(exc) from None
+
+
+def _reasoning_effort(reasoning) -> str | None:
+    """``reasoning``'s effort, as chat's reasoning_effort (the template's variable; "none" turns
+    thinking off). Its summary is taken at any value: the thinking comes back whole, not summed up."""
+    if reasoning is None:
+        return None
+    if not isinstance(reasoning, dict):
+        raise RequestError('reasoning must be an object like {"effort": "low"}', "reasoning", code="invalid_type")
+    unknown = set(reasoning) - {"effort", "summary", "generate_summary"}
+    if unknown:
+        raise RequestError(f"reasoning takes effort and summary only, not {', '.join(sorted(unknown))}",
+                           "reasoning", code="invalid_value")
+    return reasoning.get("effort")
 
 
 def _messages(instructions, items) -> tuple[list[dict], list[str], dict[int, list[str]]]:
@@ -141,14 +167,21 @@ def _messages(instructions, items) -> tuple[list[dict], list[str], dict[int, lis
     if not isinstance(items, list) or not items:
         raise RequestError("input must be text or a non-empty list of items", "input", code="invalid_type")
     called: set[str] = set()  # the call_ids of the function_call items so far
+    thought = None  # a reasoning item's text, for the assistant turn after it
     for index, item in enumerate(items):
         at = f"input[{index}]"
         if not isinstance(item, dict):
             raise RequestError(f"{at} must be an object", at, code="invalid_type")
         kind = item.get("type", "message" if "role" in item else None)
+        if kind == "reasoning":  # an earlier answer's thinking, passed back: its turn's reasoning_content
+            thought = _reasoning_text(item, at)
+            continue
         if kind == "message":
             messages.append({"role": item.get("role"), "content": _content(item.get("content"), f"{at}.content")})
             where.append(at)
+            if thought is not None and item.get("role") == "assistant":
+                messages[-1]["reasoning_content"] = thought
+            thought = None
         elif kind == "function_call":
             call = {"id": item.get("call_id"), "type": "function",
                     "function": {"name": item.get("name"), "arguments": item.get("arguments", "{}")}}
@@ -163,6 +196,9 @@ def _messages(instructions, items) -> tuple[list[dict], list[str], dict[int, lis
             else:
                 messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
                 where.append(at)
+                if thought is not None:
+                    messages[-1]["reasoning_content"] = thought
+                thought = None
             calls.setdefault(len(messages) - 1, []).append(at)
         elif kind == "function_call_output":
             if not isinstance(item.get("call_id"), str) or not item["call_id"]:
@@ -178,6 +214,21 @@ def _messages(instructions, items) -> tuple[list[dict], list[str], dict[int, lis
                                "function_call and function_call_output are)", f"{at}.type",
                                code="unsupported_value")
     return messages, where, calls
+
+
+def _reasoning_text(item: dict, where: str) -> str:
+    """A reasoning item's text: its content's reasoning_text parts, else its summary's text."""
+    for key, kinds in (("content", ("reasoning_text", "text")), ("summary", ("summary_text", "text"))):
+        parts = item.get(key) or []
+        if not isinstance(parts, list):
+            raise RequestError(f"{where}.{key} must be a list of text parts", f"{where}.{key}", code="invalid_type")
+        texts = [part.get("text") for part in parts if isinstance(part, dict) and part.get("type") in kinds]
+        if any(not isinstance(text, str) for text in texts):
+            raise RequestError(f"{where}.{key}: each part's text must be a string", f"{where}.{key}",
+                               code="invalid_type")
+        if texts:
+            return "\n".join(texts)
+    return ""
 
 
 def _content(content, where: str):
@@ -266,6 +317,14 @@ def logprob_items(entries) -> list[dict]:
         return {"token": choice.text, "logprob": choice.logprob, "bytes": list(choice.bytes)}
 
     return [{**shown(token), "top_logprobs": [shown(other) for other in top]} for token, top in entries]
+
+
+def reasoning_item(item_id: str, text: str, done: bool) -> dict:
+    """The model's thinking, as OpenAI's open-weight models' reasoning item carries it (its text
+    in ``content``, no summary; no ``encrypted_content``: nothing is kept from the client)."""
+    return {"type": "reasoning", "id": item_id, "summary": [],
+            "content": [{"type": "reasoning_text", "text": text}] if done else [],
+            "status": "completed" if done else "in_progress"}
 
 
 def call_item(item_id: str, call, done: bool) -> dict:

@@ -138,3 +138,50 @@ def test_bad_reasoning_options_are_one_line_usage_errors(args, named):
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and named in lines[0] and "Traceback" not in done.stderr, done.stderr
     assert json.dumps(lines)  # one line, nothing else written
+
+
+def _model(server) -> str:
+    return server.request("GET", "/v1/models")[1]["data"][0]["id"]
+
+
+def test_the_responses_api_gives_the_thinking_as_a_reasoning_item_first(thinking_server):
+    thought = _message(thinking_server)["reasoning_content"]
+    client, model = thinking_server.client(), _model(thinking_server)
+    whole = client.responses.create(model=model, input="Hi there")
+    assert [item.type for item in whole.output] == ["reasoning", "message"]
+    assert whole.output[0].content[0].text == thought and whole.output_text == ""
+    events = list(client.responses.create(model=model, input="Hi there", stream=True))
+    deltas = [e.delta for e in events if e.type == "response.reasoning_text.delta"]
+    assert "".join(deltas) == thought
+    added = [(e.output_index, e.item.type) for e in events if e.type == "response.output_item.added"]
+    assert added == [(0, "reasoning"), (1, "message")]
+    done = [e for e in events if e.type == "response.output_item.done"]
+    assert [(e.output_index, e.item.type) for e in done] == [(0, "reasoning"), (1, "message")]
+    assert done[0].item.content[0].text == thought
+    assert [item.type for item in events[-1].response.output] == ["reasoning", "message"]
+    off = client.responses.create(model=model, input="Hi there", reasoning={"effort": "none"})
+    assert [item.type for item in off.output] == ["message"] and off.output_text
+
+
+def test_a_reasoning_item_passed_back_is_its_turn_s_thinking(thinking_server):
+    """A stateless client (include reasoning.encrypted_content, as Codex asks) sends the last turn's
+    reasoning item back before its message: the template writes it back as the chat's would."""
+    status, body = thinking_server.post("/v1/responses", {
+        "model": _model(thinking_server), "include": ["reasoning.encrypted_content"], "max_output_tokens": 4,
+        "reasoning": {"effort": "low", "summary": "auto"},
+        "input": [{"role": "user", "content": "Hi"},
+                  {"type": "reasoning", "id": "rs_1", "summary": [],
+                   "content": [{"type": "reasoning_text", "text": "Greet back."}]},
+                  {"role": "assistant", "content": [{"type": "output_text", "text": "Hello."}]},
+                  {"role": "user", "content": "And?"}]})
+    assert status == 200 and body["output"][0]["type"] == "reasoning", body
+    from specrun.server.requests import ServeDefaults
+    from specrun.server.responses import parse_responses_request
+
+    parsed, _ = parse_responses_request({"input": [{"role": "user", "content": "Hi"},
+                                                   {"type": "reasoning", "summary": [{"type": "summary_text",
+                                                                                      "text": "Sum."}]},
+                                                   {"type": "function_call", "call_id": "c", "name": "f",
+                                                    "arguments": "{}"}],
+                                         "reasoning": {"effort": "high"}}, ServeDefaults(), 2048)
+    assert parsed.messages[1]["reasoning_content"] == "Sum." and parsed.template_variables["reasoning_effort"] == "high"
