@@ -73,6 +73,7 @@ class BenchConfig:
     sampling: SamplingSettings = field(default_factory=SamplingSettings)
     repeat: int = 1
     chat: bool | None = None
+    template_variables: dict = field(default_factory=dict)  # --chat-template-kwargs, --reasoning
     suite: str = "builtin"
     load: LoadOptions = field(default_factory=LoadOptions)
     use_tuned: bool = True
@@ -167,7 +168,7 @@ def run_bench(config: BenchConfig, prompts: Sequence[BenchPrompt], progress: Pro
     try:
         chat = prompts_as_chat(config.target, config.load.registry, target, config.chat)
         config = dataclasses.replace(config, chat=chat)  # the result records what was done
-        tokenized = [tokenize_prompt(target, p, config.chat) for p in prompts]
+        tokenized = [tokenize_prompt(target, p, config.chat, config.template_variables) for p in prompts]
         kept, skipped = _fit_context(prompts, tokenized, target.n_ctx, config.max_new_tokens)
         if not kept:
             raise UsageError(
@@ -298,11 +299,12 @@ def chosen_window(target: Backend, config: BenchConfig, prompt_ids: list[int]) -
     return choose_window(target, costs, fits, prompt_ids).sizes
 
 
-def tokenize_prompt(target: Backend, prompt: BenchPrompt, chat: bool) -> list[int]:
-    """The prompt's token ids: its raw text, or one user message in the target's chat template."""
+def tokenize_prompt(target: Backend, prompt: BenchPrompt, chat: bool, variables: dict | None = None) -> list[int]:
+    """The prompt's token ids: its raw text, or one user message in the target's chat template
+    (``variables``: the template's own)."""
     from specrun.sessions.setup import prompt_token_ids
 
-    return prompt_token_ids(target, prompt.text, chat)
+    return prompt_token_ids(target, prompt.text, chat, variables)
 
 
 def _fit_context(

@@ -20,6 +20,7 @@ from specrun.cli.chat import chat_command
 from specrun.cli.distill import distill_command
 from specrun.cli.heads import heads_app
 from specrun.cli.common import (
+    checked_template_variables,
     check_backend,
     check_bias_beside_grammar,
     MODEL_OPTIONS,
@@ -53,6 +54,8 @@ from specrun.cli.common import (
 )
 from specrun.cli.options import (
     AcceptOpt,
+    ChatTemplateKwargsOpt,
+    ReasoningOpt,
     DeltaOpt,
     EpsilonOpt,
     MarginOpt,
@@ -206,6 +209,8 @@ def generate(
     learn_labels: LearnLabelsOpt = None,
     keep_learned: KeepLearnedOpt = False,
     trace: TraceOpt = None,
+    chat_template_kwargs: ChatTemplateKwargsOpt = None,
+    reasoning: ReasoningOpt = None,
 ) -> None:
     """Answer PROMPT: text to stdout, statistics to stderr.
 
@@ -241,6 +246,10 @@ def generate(
             raise UsageError("--tools renders the tools through the chat template, which --raw leaves out",
                              "drop --raw")
         check_bias_beside_grammar(sampling, grammar_spec is not None or choice.forces_a_call)
+        template_variables = checked_template_variables(chat_template_kwargs, reasoning)
+        if template_variables and chat_template is False:
+            raise UsageError("--chat-template-kwargs and --reasoning set the chat template's variables, which --raw "
+                             "leaves out", "drop --raw")
         if choice.forces_a_call and grammar_spec is not None:
             raise UsageError("a required tool call and --grammar/--json-schema both constrain the answer",
                              "give one of them")
@@ -276,6 +285,7 @@ def generate(
                 grammar=grammar_spec,
                 tools=tool_list,
                 tool_choice=choice,
+                template_variables=template_variables,
                 verification=verification,
                 on_note=answer_out.note,
                 on_prefill=bar,

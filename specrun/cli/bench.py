@@ -8,6 +8,7 @@ from typing import Annotated, Optional
 import typer
 
 from specrun.cli.common import (
+    checked_template_variables,
     check_backend,
     check_outputs_apart,
     MAX_DRAFT_LEN,
@@ -33,6 +34,8 @@ from specrun.cli.common import (
     cli_errors,
 )
 from specrun.cli.options import (
+    ChatTemplateKwargsOpt,
+    ReasoningOpt,
     AcceptOpt,
     BackendOpt,
     BenchDraftLenOpt,
@@ -154,6 +157,8 @@ def bench(
     delta: DeltaOpt = None,
     margin: MarginOpt = None,
     trace: TraceOpt = None,
+    chat_template_kwargs: ChatTemplateKwargsOpt = None,
+    reasoning: ReasoningOpt = None,
 ) -> None:
     """Which speculation method is fastest on this machine? Tables to stdout, progress to stderr.
 
@@ -178,6 +183,10 @@ def bench(
         check_range("--draft-min-prob", draft_min_prob, 0.0, 1.0)
         check_kv_type(kv_type, exact)
         chat_template = checked_chat(chat, raw)
+        template_variables = checked_template_variables(chat_template_kwargs, reasoning)
+        if template_variables and chat_template is False:
+            raise UsageError("--chat-template-kwargs and --reasoning set the chat template's variables, which --raw "
+                             "leaves out", "drop --raw")
         flash_attn = checked_flash_attn(flash_attn, exact)
         rpc_servers = checked_rpc(rpc)
         if native and rpc_servers:
@@ -230,6 +239,7 @@ def bench(
             sampling=sampling,
             repeat=repeat,
             chat=chat_template,
+            template_variables=template_variables,
             suite=suite_name,
             use_tuned=not untuned,
             native=native,

@@ -40,6 +40,7 @@ from specrun.cli.common import (
     checked_trees,
     gpu_layers_note,
     checked_text,
+    checked_template_variables,
     checked_tools,
     cli_errors,
     read_stdin_text,
@@ -50,6 +51,7 @@ from specrun.cli.options import (
     BranchesOpt,
     ChainOpt,
     ChatJsonOpt,
+    ChatTemplateKwargsOpt,
     CtxOpt,
     DeltaOpt,
     DraftLenOpt,
@@ -57,6 +59,7 @@ from specrun.cli.options import (
     DraftOpt,
     EpsilonOpt,
     ExactOpt,
+    ReasoningOpt,
     SinksOpt,
     WindowOpt,
     FlashAttnOpt,
@@ -111,6 +114,7 @@ Ctrl-C during an answer stops it; the answer and its question are dropped from t
 Start a message with // to send a line that begins with /."""
 
 DRAFTED_STYLE = "green"
+THINKING_STYLE = "dim italic"  # a reasoning model's thinking, before its answer
 # Model output shown on a terminal must not drive it: control characters become visible symbols.
 _CONTROL_SYMBOLS = {
     **{code: 0x2400 + code for code in range(32) if chr(code) not in "\t\n"},
@@ -185,8 +189,13 @@ def chat_command(
     learn_labels: LearnLabelsOpt = None,
     keep_learned: KeepLearnedOpt = False,
     trace: TraceOpt = None,
+    chat_template_kwargs: ChatTemplateKwargsOpt = None,
+    reasoning: ReasoningOpt = None,
 ) -> None:
-    """Chat with the target model: a REPL on a terminal; on a pipe, stdin is the message and stdout the answer."""
+    """Chat with the target model: a REPL on a terminal; on a pipe, stdin is the message and stdout the answer.
+
+    A reasoning model's thinking shows dimmed before its answer on a terminal; a pipe gets the answer
+    alone (--json: both, the thinking as reasoning_content)."""
     with cli_errors():
         check_outputs_apart(context, "trace", "ngram_cache")
         check_backend(backend)
@@ -210,6 +219,7 @@ def chat_command(
         params = GenerationParams(max_tokens, 0, sampling,
                                   tree_nodes=trees.nodes, tie_margin=0.0 if exact else TIE_MARGIN)
         verification = checked_verification("chat", verify, accept, epsilon, delta, margin, exact)
+        template_variables = checked_template_variables(chat_template_kwargs, reasoning)
         interactive = sys.stdin.isatty()
         if each_line and interactive:
             raise UsageError("--each-line reads messages from a pipe", "pipe the messages in, one per line")
@@ -235,7 +245,8 @@ def chat_command(
                                draft_len=draft_len, draft_min_prob=draft_min_prob, ngram_cache=ngram_cache,
                                branches=trees.branches, heads=heads, lookahead=lookahead_sizes,
                                chain=trees.chain, tree_nodes=trees.nodes, on_note=view.note, tools=tool_list,
-                               tool_choice=choice, verification=verification, learn=learning) as session:
+                               tool_choice=choice, verification=verification, learn=learning,
+                               template_variables=template_variables) as session:
                     if tracing is not None:
                         tracing.header(target=target, draft=draft, method=method,
                                        max_new_tokens=max_tokens, **params.sampling.fields())
@@ -270,6 +281,9 @@ class AnswerView:
         self.for_display = show_accept or sys.stdout.isatty()
         # Marked text goes through Rich (styled even on a pipe when asked for); plain text is written as is.
         self.out = _console(force_terminal=True) if show_accept else None
+        # a reasoning model's thinking, dimmed where it is shown (a terminal, or --show-accept)
+        self._styled = self.out or (_console(force_terminal=True) if self.for_display else None)
+        self._thought = False  # the answer's thinking was shown, and its answer has not begun
         self.err = _console(stderr=True)
         # a long message's reading (a pasted document), on a terminal
         self.prefill = None if json_output else PrefillBar(self.err)
@@ -285,12 +299,22 @@ class AnswerView:
         from specrun.sessions.chat import AnswerDone, AnswerText, ContextFullNotice
 
         if isinstance(event, AnswerText) and not self.json_output:
+            if event.thinking and not self.for_display:
+                return  # a pipe gets the answer alone
             text = event.text.translate(_CONTROL_SYMBOLS) if self.for_display else event.text
+            if event.thinking:
+                self._thought = True
+                self._write(text, THINKING_STYLE, styled=True)
+                return
+            if self._thought:  # the answer starts a paragraph of its own after the thinking
+                self._thought = False
+                self._write("\n" if self._ends_with_newline else "\n\n", None)
             self._write(text, DRAFTED_STYLE if event.from_draft and self.show_accept else None)
         elif isinstance(event, ContextFullNotice):
             self.end_line()
             self.err.print(f"notice: {event.message}", style="yellow")
         elif isinstance(event, AnswerDone):
+            self._thought = False
             if self.json_output:
                 self._write(json.dumps(event.to_dict()) + "\n", None)
             self.end_line()
@@ -311,15 +335,17 @@ class AnswerView:
                 self.err.print(f"note: {note}", style="dim", highlight=False)
             self._notes.clear()
 
-    def _write(self, text: str, style: str | None) -> None:
+    def _write(self, text: str, style: str | None, styled: bool = False) -> None:
+        """``styled``: through Rich where the text is marked (--show-accept), or on a terminal."""
         if not text:
             return
         rendered = text
-        if self.out is not None:
+        out = self._styled if styled else self.out
+        if out is not None:
             # Rendered into a capture, not Rich's own buffer: a Ctrl-C landing mid-print must not
             # leave text there that the next answer's first print would flush.
-            with self.out.capture() as captured:
-                self.out.print(Text(text, style=style or ""), end="")
+            with out.capture() as captured:
+                out.print(Text(text, style=style or ""), end="")
             rendered = captured.get()
         self._ends_with_newline = text.endswith("\n")  # set first: a Ctrl-C may land in the write
         sys.stdout.write(rendered)

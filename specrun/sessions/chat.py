@@ -80,6 +80,7 @@ from specrun.drafters.methods import (
 )
 from specrun.engine.stats import Stats
 from specrun.grammar import Grammar
+from specrun.sessions.reasoning import ReasoningSplit, opens_thinking, split_reasoning, thinking_tags
 from specrun.sessions.templates import ChatTemplate, tokenize_rendered
 from specrun.sessions.trace import TraceFile
 from specrun.sessions.tools import CUT_REASONS, Tool, ToolCall, ToolChoice, render_conversation, style_for
@@ -90,10 +91,12 @@ PROBE_TEXT = "You are a helpful assistant. Answer the question below clearly and
 
 @dataclass(frozen=True)
 class AnswerText:
-    """Event: a run of answer text, all from accepted drafts or all from the target itself."""
+    """Event: a run of answer text, all from accepted drafts or all from the target itself;
+    ``thinking``: a reasoning model's thinking before its answer (sessions/reasoning.py)."""
 
     text: str
     from_draft: bool
+    thinking: bool = False
 
 
 @dataclass(frozen=True)
@@ -114,6 +117,7 @@ class AnswerDone:
     reused_tokens: int
     tool_calls: tuple[ToolCall, ...] = ()  # the calls the answer made (a session with tools)
     tool_call_cut: bool = False  # max tokens or the context stopped the answer inside a call (left out)
+    reasoning: str = ""  # a reasoning model's thinking, read apart from ``text`` (its answer)
 
     def to_dict(self) -> dict:
         answer = {
@@ -123,6 +127,8 @@ class AnswerDone:
             "reused_tokens": self.reused_tokens,
             "stats": self.stats.to_dict(),
         }
+        if self.reasoning:  # as the server's message names it
+            answer["reasoning_content"] = self.reasoning
         if self.tool_calls:
             answer["tool_calls"] = [call.as_openai() for call in self.tool_calls]
         if self.tool_call_cut:
@@ -163,6 +169,25 @@ class _SpanDecoder:
         tail = self.decoder.decode(b"", final=True)
         if tail:
             yield AnswerText(tail, False)
+
+
+def _read_apart(split: ReasoningSplit | None, spans: Iterator[AnswerText], end: bool = False) -> Iterator[AnswerText]:
+    """Answer text as thinking and answer (``split``; None: as it is); ``end``: the answer's last."""
+    for span in spans:
+        if split is None:
+            yield span
+            continue
+        thought, answer = split.feed(span.text)
+        if thought:
+            yield AnswerText(thought, span.from_draft, thinking=True)
+        if answer:
+            yield AnswerText(answer, span.from_draft)
+    if split is not None and end:
+        thought, answer = split.finish()
+        if thought:
+            yield AnswerText(thought, False, thinking=True)
+        if answer:
+            yield AnswerText(answer, False)
 
 
 class ChatSession:
@@ -208,6 +233,7 @@ class ChatSession:
         window_alternative: bool = False,
         settle_context: Callable[[int, tuple, Callable[[], None]], list[str]] | None = None,
         find_settled_tuned: Callable[[Backend | None], object] | None = None,
+        template_variables: dict | None = None,
     ) -> None:
         self.target = target
         # open_chat's: flash attention chosen again once the conversation's context reaches
@@ -220,7 +246,10 @@ class ChatSession:
         self.tool_choice = tool_choice  # a required call is forced on each user turn, not after a result
         self._call_grammar: Grammar | None = None
         self.draft = draft
-        self.template = ChatTemplate.for_backend(target)
+        # --chat-template-kwargs, --reasoning: variables every rendering gives the template
+        self.template = ChatTemplate.for_backend(target).with_variables(template_variables)
+        self.thinking = thinking_tags(self.template)  # the tags a reasoning model thinks between (None: none)
+        self._opened_thinking = False  # the last prompt's generation prompt opened the block
         self.system_prompt = None
         self.set_system_prompt(system_prompt)  # --system: refused at the start where it alone fills the context
         self.transcript = Transcript()
@@ -342,32 +371,39 @@ class ChatSession:
         self.settle_for(min(len(prompt_ids) + params.max_new_tokens, self.target.n_ctx))
         reused = min(common_prefix_len(self.engine.target.tokens, prompt_ids), len(prompt_ids) - 1)
         decoder = _SpanDecoder(self.target)
+        # a reasoning model's thinking read apart (none under a grammar: it holds the answer from its first token)
+        split = ReasoningSplit(self.thinking, self._opened_thinking) \
+            if self.thinking is not None and params.grammar is None else None
         result: GenerationResult | None = None
         stream = self.stream(prompt_ids, params)
         try:
             for event in stream:
                 if isinstance(event, TextChunk):
-                    yield from decoder.spans(event)
+                    yield from _read_apart(split, decoder.spans(event))
                 elif isinstance(event, Finished):
                     result = event.result
         finally:
             stream.close()  # an interrupted answer: the stream repairs the caches as it closes
-        yield from decoder.flush()
+        yield from _read_apart(split, decoder.flush(), end=True)
+        thought, answer = split_reasoning(result.text, self.thinking, self._opened_thinking) \
+            if split is not None else ("", result.text)
         if result.finish_reason == "context":
             yield ContextFullNotice(
                 f"the context of {self.target.n_ctx} tokens is full, so the answer stops here; "
                 + ctx_fix(self.target, "/reset starts a new conversation")
             )
         names = [tool.name for tool in self.tools]
-        calls, call_cut = (style_for(self.template).read_answer(result.text, names, result.finish_reason in CUT_REASONS)
+        calls, call_cut = (style_for(self.template).read_answer(answer, names, result.finish_reason in CUT_REASONS)
                            if self.tools else ((), False))
-        cut, rendered = self._cut_answer(messages, result.text, names, calls) if call_cut else (None, None)
+        cut, rendered = self._cut_answer(messages, answer, names, calls) if call_cut else (None, None)
+        if thought:  # kept as a client sends it back: the template writes it (or drops it) as it does
+            cut = {**(cut or {"role": "assistant", "content": answer}), "reasoning_content": thought}
         self._record(messages, prompt_text, prompt_ids, result, cut, rendered)
         # a user's turn leaves earlier calls behind; a result answers the first still open
         self.unanswered = [*(self.unanswered[1:] if role == "tool" else ()), *calls]
         self.answers.append(result.stats)
-        yield AnswerDone(result.text, result.finish_reason, result.stats, len(prompt_ids), reused, tuple(calls),
-                         call_cut)
+        yield AnswerDone(answer, result.finish_reason, result.stats, len(prompt_ids), reused, tuple(calls),
+                         call_cut, thought)
 
     def settle_for(self, context: int) -> None:
         """Once an answer's context may reach DEEP_FROM tokens (within the context): flash attention
@@ -492,6 +528,7 @@ class ChatSession:
         conversation = self._with_system(messages)
         # The template's markers (<|im_start|>) become their tokens; what was typed stays text.
         text, spans = render_conversation(self.template, conversation, self.tools)
+        self._opened_thinking = opens_thinking(self.thinking, text[spans[-1][1]:] if spans else text)
         seen = self.transcript
         if seen.token_ids and text.startswith(seen.text):
             added = tokenize_rendered(self.target, self.template, text, spans, start=len(seen.text))
@@ -750,7 +787,7 @@ class ChatSession:
                            draft_len=self._draft_len, draft_min_prob=self._draft_min_prob, tuned=self._tuned,
                            threads=self._threads, chain=self._chain if trees else True,
                            tree_nodes=self._tree_nodes if trees else 0, tools=self.tools, tool_choice=self.tool_choice,
-                           verification=self.engine.passes.verification)
+                           verification=self.engine.passes.verification, template_variables=self.template.variables)
 
     def total_stats(self) -> Stats:
         """Every answer's statistics added up."""
@@ -801,6 +838,7 @@ def open_chat(
     verification: Verification = Verification(),
     learn: Callable | None = None,
     window_alternative: bool = True,
+    template_variables: dict | None = None,
 ) -> ChatSession:
     """Load the pair for ``method`` (the draft model only if it needs one) and start a session.
 
@@ -859,6 +897,7 @@ def open_chat(
                            threads=options.threads, chain=chain, tree_nodes=tree_nodes, on_note=on_note,
                            tools=tools, tool_choice=tool_choice, verification=verification, learn=learn,
                            window_alternative=window_alternative and options.window is None,
+                           template_variables=template_variables,
                            settle_context=lambda context, backends, empty: settle_for_context(
                                backends, options, context, empty, on_note),
                            find_settled_tuned=lambda loaded: load_tuned(

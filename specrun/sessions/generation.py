@@ -67,6 +67,7 @@ class GenerateRequest:
     verification: Verification = field(default_factory=Verification)  # --verify, --accept: exact by default
     tools: tuple[Tool, ...] = ()  # --tools: functions the model may call (rendered through its template)
     tool_choice: ToolChoice = field(default_factory=ToolChoice)
+    template_variables: dict = field(default_factory=dict)  # --chat-template-kwargs, --reasoning
     on_note: Callable[[str], None] | None = None  # one-line notes for the user (stderr in the CLI)
     on_prefill: Callable[[int, int], None] | None = None  # (tokens read, prompt tokens) of a long prompt
     # --learn: the learner of the heads drafted with (heads, target) -> HeadsLearner (training/online.py)
@@ -78,7 +79,7 @@ class GenerateRequest:
 def tool_prompt(target, request: GenerateRequest) -> tuple[list[int], GrammarSpec | None]:
     """The prompt as a user message beside the tools, in the target's template (the tools in its
     system message where the template takes none), and the grammar of a required call."""
-    template = ChatTemplate.for_backend(target)
+    template = ChatTemplate.for_backend(target).with_variables(request.template_variables)
     offered = () if request.tool_choice.mode == "none" else request.tools  # "none": the model is not told of them
     text, spans = render_conversation(template, [{"role": "user", "content": request.prompt}], offered)
     grammar = request.grammar
@@ -112,7 +113,7 @@ def generate_text(request: GenerateRequest, on_text: Callable[[str], None] | Non
         if request.tools:
             prompt_ids, grammar = tool_prompt(target, request)
         else:
-            prompt_ids = prompt_token_ids(target, request.prompt, chat)
+            prompt_ids = prompt_token_ids(target, request.prompt, chat, request.template_variables)
             grammar = request.grammar
         check_prompt(prompt_ids, target.n_ctx, ctx_fix(target, "shorten the prompt"))
         # The input is good: flash attention by what it costs here (a first run measures it and

@@ -364,17 +364,18 @@ def resolve_min_prob(requested: float | None, tuned) -> float:
     return tuned.best_min_prob if tuned is not None else DEFAULT_DRAFT_MIN_PROB
 
 
-def prompt_token_ids(target, prompt: str, chat: bool) -> list[int]:
+def prompt_token_ids(target, prompt: str, chat: bool, variables: dict | None = None) -> list[int]:
     """The prompt as one user message in the target's chat template, as ``mlx_lm.generate``
     and ``llama-cli`` send it, or (``chat`` false) as is: a raw prompt is the user's whole text,
     markers included, and its control-token text becomes control tokens (``<|im_start|>``,
     ``<|fim_prefix|>``), as llama-cli, llama-server, mlx_lm and vLLM read a raw prompt. (In a
-    template, what the user typed stays text: templates.tokenize_chat.)"""
+    template, what the user typed stays text: templates.tokenize_chat.) ``variables``: the
+    template's own (--chat-template-kwargs, --reasoning)."""
     if not chat:
         return target.tokenize(prompt, add_bos=target.vocab.add_bos, special=True)
     from specrun.sessions.templates import render_user_prompt
 
-    return render_user_prompt(target, prompt)[1]
+    return render_user_prompt(target, prompt, variables)[1]
 
 
 # A prompt of up to this many bytes a context token is tokenized without a second look: no real

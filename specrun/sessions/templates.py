@@ -378,10 +378,11 @@ def message_spans(text: str, messages: Sequence[dict[str, str]]) -> list[tuple[i
     return spans
 
 
-def render_user_prompt(backend: Backend, user_text: str) -> tuple[str, list[int]]:
+def render_user_prompt(backend: Backend, user_text: str, variables: dict | None = None) -> tuple[str, list[int]]:
     """One user message in ``backend``'s chat template (its default system prompt, if the
-    template has one, included), as text and token ids: what ``generate`` and ``bench`` send."""
-    template = ChatTemplate.for_backend(backend)
+    template has one, included), as text and token ids: what ``generate`` and ``bench`` send.
+    ``variables``: the template's own (--chat-template-kwargs, --reasoning)."""
+    template = ChatTemplate.for_backend(backend).with_variables(variables)
     text, spans = render_with_spans(template, [{"role": "user", "content": user_text}])
     return text, tokenize_rendered(backend, template, text, spans)
 

@@ -138,3 +138,38 @@ def test_deepseek_legacy_keeps_the_text_as_generated_beside_the_thinking():
     split = ReasoningSplit(THINK, open=True)
     assert _read_apart(split, "deepseek-legacy", "R\n</think>\nA", end=True) == ("R", "R\n</think>\nA")
     assert _read_apart(None, "auto", "text") == ("", "text")
+
+
+@pytest.fixture(scope="module")
+def thinking_model(tmp_path_factory):
+    pytest.importorskip("llama_cpp")
+    from model_factory import build_thinking_model
+
+    return build_thinking_model(tmp_path_factory.mktemp("thinking"))
+
+
+def test_a_chat_keeps_the_thinking_apart_and_gives_it_back_to_the_template(thinking_model):
+    """ChatSession's answers: thinking events then answer events, AnswerDone's text the answer and
+    ``reasoning`` the thinking, and the transcript's message as a client sends one back (content
+    and reasoning_content), so the next turn's prompt is the template's rendering of it."""
+    from specrun.engine.loop import GenerationParams
+    from specrun.registry.loading import LoadOptions
+    from specrun.sessions.chat import AnswerDone, AnswerText, open_chat
+
+    with open_chat(str(thinking_model.gguf_f32_path), None, "lookup", LoadOptions(threads=1)) as session:
+        assert session.thinking == THINK
+        events = list(session.ask("Hi there", GenerationParams(10, 0)))
+        done = events[-1]
+        assert isinstance(done, AnswerDone) and done.reasoning and done.text == ""
+        assert "".join(e.text for e in events if isinstance(e, AnswerText) and e.thinking) == done.reasoning
+        assert session.transcript.messages[-1] == {"role": "assistant", "content": "", "reasoning_content": done.reasoning}
+        events = list(session.ask("And?", GenerationParams(4, 0)))
+        assert isinstance(events[-1], AnswerDone)
+        text, _ = render_conversation(session.template, session.transcript.messages[:2])
+        assert f"<think>\n{done.reasoning}\n</think>" in text
+    off = {"enable_thinking": False}
+    with open_chat(str(thinking_model.gguf_f32_path), None, "lookup", LoadOptions(threads=1),
+                   template_variables=off) as session:
+        done = list(session.ask("Hi there", GenerationParams(10, 0)))[-1]
+        assert done.text and not done.reasoning
+        assert session.transcript.messages[-1] == {"role": "assistant", "content": done.text}

@@ -1,0 +1,73 @@
+"""``--chat-template-kwargs`` and ``--reasoning`` on generate, chat, bench and serve, and a
+reasoning model's thinking in ``specrun chat``: dimmed before the answer where it is shown, left
+out of a pipe's answer, ``reasoning_content`` in --json. The tiny thinking model's template opens
+the block unless enable_thinking is false (tests/model_factory.THINKING_TEMPLATE)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from model_factory import build_thinking_model
+from specrun.cli.app import app
+
+runner = CliRunner()
+
+
+@pytest.fixture(scope="module")
+def thinking(tmp_path_factory):
+    pytest.importorskip("llama_cpp")
+    model = build_thinking_model(tmp_path_factory.mktemp("thinking"))
+    return ["-t", str(model.gguf_f32_path), "--method", "lookup", "--threads", "1", "-n", "10"]
+
+
+def invoke(*args: str, input: str | None = None):
+    return runner.invoke(app, list(args), input=input)
+
+
+@pytest.mark.parametrize("command", ("generate", "chat", "bench", "serve"))
+@pytest.mark.parametrize(("options", "message"), [
+    (("--chat-template-kwargs", "[1]"), "--chat-template-kwargs: must be an object of template variables"),
+    (("--chat-template-kwargs", "{"), "--chat-template-kwargs is not JSON"),
+    (("--chat-template-kwargs", '{"tools": []}'), "--chat-template-kwargs: tools is given to the template"),
+    (("--reasoning", "yes"), "--reasoning must be on, off or auto, got 'yes'"),
+])
+def test_bad_template_options_are_one_line_usage_errors(command, options, message):
+    args = [command, *options] + (["hello"] if command == "generate" else [])
+    result = invoke(*args, input="hi\n")
+    assert result.exit_code == 2, result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: {message}"), result.stderr
+
+
+@pytest.mark.parametrize("command", ("generate", "bench"))
+def test_template_variables_beside_raw_are_refused(command):
+    result = invoke(command, "--raw", "--reasoning", "off", *(["hello"] if command == "generate" else []))
+    assert result.exit_code == 2 and "which --raw leaves out" in result.stderr, result.stderr
+
+
+def test_a_piped_chat_gives_the_answer_and_json_the_thinking_beside_it(thinking):
+    whole = invoke("chat", *thinking, "--json", input="Hi there\n")
+    assert whole.exit_code == 0, whole.output
+    answer = json.loads(whole.stdout)
+    assert answer["text"] == "" and answer["reasoning_content"]  # the template opened the block; never closed
+    piped = invoke("chat", *thinking, input="Hi there\n")
+    assert piped.exit_code == 0 and piped.stdout.strip() == "", piped.stdout  # the thinking is not the answer
+    shown = invoke("chat", *thinking, "--show-accept", input="Hi there\n")
+    assert "\x1b[2;3m" in shown.stdout  # dimmed where it is shown
+    off = invoke("chat", *thinking, "--json", "--reasoning", "off", input="Hi there\n")
+    answer_off = json.loads(off.stdout)
+    assert answer_off["text"] and "reasoning_content" not in answer_off
+    assert answer_off["prompt_tokens"] > answer["prompt_tokens"]  # the empty block the template writes
+
+
+def test_generate_renders_the_prompt_with_the_template_s_variables(thinking):
+    counts = {}
+    for options in ((), ("--reasoning", "off"), ("--chat-template-kwargs", '{"enable_thinking": false}')):
+        result = invoke("generate", *thinking, "--json", *options, "Hi there")
+        assert result.exit_code == 0, result.output
+        counts[options] = json.loads(result.stdout)["stats"]["prompt_tokens"]
+    first, *closed = counts.values()
+    assert closed[0] == closed[1] > first
