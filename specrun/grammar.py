@@ -147,9 +147,17 @@ class GrammarSpec:
 
     kind: str
     text: str = ""
+    # A reasoning model's thinking before what the grammar holds: (opening tag, closing tag,
+    # opened) as llguidance items (a tag's text quoted, a control token as <[id]>); ``opened``:
+    # the prompt opened the block (else the answer may open one first). None: no thinking.
+    thought: tuple[str, str, bool] | None = None
 
     def llguidance_grammar(self) -> str:
         """The spec as llguidance's grammar, or GrammarError naming the problem."""
+        grammar = self._own_grammar()
+        return grammar if self.thought is None else _after_thought(grammar, *self.thought)
+
+    def _own_grammar(self) -> str:
         import llguidance
 
         if self.kind not in KINDS:
@@ -186,6 +194,25 @@ class GrammarSpec:
         problem = _on_large_stack(llguidance.LLMatcher.validate_grammar, self.llguidance_grammar())
         if problem:
             raise _refused(self, problem)
+
+
+def _after_thought(grammar: str, opening: str, closing: str, opened: bool) -> str:
+    """``grammar`` (llguidance's text: Lark, or its JSON of grammars) after a thinking block of
+    any text: one the prompt opened, ended by the first closing tag, or (``opened`` false) one
+    the answer may open first; whitespace may follow it. The closing tag ends the block's text
+    lazily (a stop string), or, a control token without text, is the item after it."""
+    top = json.loads(grammar) if grammar.lstrip().startswith("{") else {"grammars": [{"lark_grammar": grammar}]}
+    grammars = [dict(entry) for entry in top["grammars"]]
+    answer = grammars[0].get("name") or "answer"
+    grammars[0]["name"] = answer
+    if closing.startswith("<["):
+        thought = f"thought: THOUGHT {closing}\nTHOUGHT: /(?s:.*)/\n"
+    else:
+        thought = f"thought[stop={closing}]: /(?s:.*)/\n"
+    block = "thought" if opened else f"({opening} thought)?"
+    # at most a blank line between (a small model left free wrote whitespace to max_tokens)
+    start = f"start: {block} GAP? @{answer}\nGAP: /[ \\t]{{0,4}}(\\r?\\n){{1,2}}/\n{thought}"
+    return json.dumps({**top, "grammars": [{"lark_grammar": start}, *grammars]})
 
 
 def matcher_problem(error: str) -> str:

@@ -75,6 +75,9 @@ class GenerationParams:
     # those log-probabilities after the sampling settings (temperature, top-k, top-p, min-p: the
     # distribution each token was drawn from, llama-server's post_sampling_probs), not at temperature 1
     logprobs_sampled: bool = False
+    # control tokens whose text the answer's text shows (a reasoning model's <think> tags where they
+    # are control tokens, as llama.cpp's preserved tokens): id -> its text's bytes
+    shown_tokens: dict[int, bytes] = field(default_factory=dict)
 
 
 def check_prompt(prompt: Sequence[int], n_ctx: int, fix: str = "shorten the prompt, or raise --ctx") -> None:
@@ -618,7 +621,8 @@ class SpeculativeEngine:
             if before is not None:  # each step: a stop string may end the answer at any chunk
                 stats.count_threads(self.target.thread_tally().since(before))
             output.extend(step.tokens)
-            text = decoder.decode(b"".join(backend.token_bytes(t) for t in step.tokens))
+            shown = params.shown_tokens
+            text = decoder.decode(b"".join(shown.get(t) or backend.token_bytes(t) for t in step.tokens))
             pieces.append(text)
             yield TextChunk(text, step.tokens, step.from_draft, stats, step.logprobs)
         tail = decoder.decode(b"", final=True)

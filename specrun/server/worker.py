@@ -50,7 +50,9 @@ from specrun.server.dispatch import Jobs
 from specrun.server.requests import (
     CompletionRequest, RequestError, check_token_ids, conversation_refused, forbids, invalid_value, with_bias_texts,
 )
-from specrun.sessions.reasoning import ReasoningSplit, opens_thinking, thinking_tags
+from specrun.sessions.reasoning import (
+    ReasoningSplit, grammar_after_thinking, opens_thinking, shown_tags, thinking_tags,
+)
 from specrun.sessions.setup import TreeSettings, ctx_fix
 from specrun.sessions.tools import ToolCall, ToolStyle, ToolTemplateError, render_conversation, style_for
 from specrun.sessions.trace import RequestTrace, ServerTrace
@@ -655,7 +657,7 @@ class PairWorker:
     def _answer(self, job: Job, session, slot: int = 0) -> None:
         try:
             prompt_ids = job.prompt_ids if job.prompt_ids is not None else self._prompt_ids(job)
-            grammar = self._grammar(job.request)
+            grammar = self._grammar(job)
         except RequestError as exc:
             self._refused(job, exc, slot)
             return
@@ -688,7 +690,8 @@ class PairWorker:
             sampling = dataclasses.replace(sampling, logit_bias=sampling.logit_bias + eog)
         params = GenerationParams(job.request.max_tokens, 0, sampling, tree_nodes=self.pair.trees.nodes,
                                   grammar=grammar, logprobs=job.request.logprobs,
-                                  logprobs_sampled=job.request.post_sampling, stop_at_eos=not job.request.ignore_eos)
+                                  logprobs_sampled=job.request.post_sampling, stop_at_eos=not job.request.ignore_eos,
+                                  shown_tokens=self._shown_tags(job))
         stopped = "ended before it finished"
         stream = session.stream(prompt_ids, params)
         rendezvous = self.slots.rendezvous if self.slots is not None else None
@@ -768,12 +771,19 @@ class PairWorker:
 
     def _reasoning_split(self, job: Job, grammar: Grammar | None) -> ReasoningSplit | None:
         """What reads a chat answer's thinking apart from it (sessions/reasoning.py): None where the
-        request keeps it in the content (reasoning_format "none"), the model writes none, or a grammar
-        (a schema, a required call) holds the answer from its first token, leaving no room to think."""
-        if not job.request.is_chat or job.request.reasoning_format == "none" or grammar is not None:
+        request keeps it in the content (reasoning_format "none"), or the model writes none."""
+        if not job.request.is_chat or job.request.reasoning_format == "none":
+            return None
+        if grammar is not None and grammar.spec.thought is None:
             return None
         tags = thinking_tags(self.session.template)
         return None if tags is None else ReasoningSplit(tags, job.opens_thinking)
+
+    def _shown_tags(self, job: Job) -> dict[int, bytes]:
+        """A chat answer's thinking tags that are control tokens, shown in its text to be read apart."""
+        if not job.request.is_chat:
+            return {}
+        return shown_tags(self.session.target, thinking_tags(self.session.template))
 
     @staticmethod
     def _let_go(job: Job, split: ReasoningSplit | None, tool_cut: ToolCallCut | None) -> None:
@@ -870,9 +880,11 @@ class PairWorker:
             return None
         return ToolCallCut(self._style(), [tool.name for tool in request.tools])
 
-    def _grammar(self, request: CompletionRequest) -> Grammar | None:
+    def _grammar(self, job: Job) -> Grammar | None:
         """The request's grammar compiled for the target's vocabulary (checked without one already);
-        where a call is required, the grammar of calls in the format the model writes them."""
+        where a call is required, the grammar of calls in the format the model writes them. A chat
+        answer of a reasoning model is held by it after its thinking (sessions/reasoning.py)."""
+        request = job.request
         spec, field_name = request.grammar, request.grammar_field
         try:
             if request.tools and request.tool_choice.forces_a_call:
@@ -886,6 +898,9 @@ class PairWorker:
                 spec = self._style().grammar(request.tools, request.tool_choice, request.parallel_tool_calls)
             if spec is None:
                 return None
+            tags = thinking_tags(self.session.template) if request.is_chat else None
+            if tags is not None:
+                spec = grammar_after_thinking(spec, self.session.target, tags, job.opens_thinking)
             return Grammar.compile(spec, self.session.target)
         except GrammarError as exc:
             raise invalid_value(field_name, exc.problem) from None

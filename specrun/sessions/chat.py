@@ -80,7 +80,9 @@ from specrun.drafters.methods import (
 )
 from specrun.engine.stats import Stats
 from specrun.grammar import Grammar
-from specrun.sessions.reasoning import ReasoningSplit, opens_thinking, split_reasoning, thinking_tags
+from specrun.sessions.reasoning import (
+    ReasoningSplit, grammar_after_thinking, opens_thinking, shown_tags, split_reasoning, thinking_tags,
+)
 from specrun.sessions.templates import ChatTemplate, tokenize_rendered
 from specrun.sessions.trace import TraceFile
 from specrun.sessions.tools import CUT_REASONS, Tool, ToolCall, ToolChoice, render_conversation, style_for
@@ -153,15 +155,18 @@ class Transcript:
 
 
 class _SpanDecoder:
-    """Answer tokens to text, split where runs of accepted drafts begin and end."""
+    """Answer tokens to text, split where runs of accepted drafts begin and end; ``shown``: control
+    tokens whose text the answer shows (GenerationParams.shown_tokens)."""
 
-    def __init__(self, backend: Backend) -> None:
+    def __init__(self, backend: Backend, shown: dict[int, bytes] | None = None) -> None:
         self.backend = backend
+        self.shown = shown or {}
         self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
     def spans(self, chunk: TextChunk) -> Iterator[AnswerText]:
         for from_draft, run in itertools.groupby(zip(chunk.token_ids, chunk.from_draft), key=lambda pair: pair[1]):
-            text = self.decoder.decode(b"".join(self.backend.token_bytes(token) for token, _ in run))
+            text = self.decoder.decode(b"".join(self.shown.get(token) or self.backend.token_bytes(token)
+                                                for token, _ in run))
             if text:
                 yield AnswerText(text, from_draft)
 
@@ -244,11 +249,12 @@ class ChatSession:
         self._learn = learn  # --learn: the learner of the heads drafted with (sessions/heads.with_learner)
         self.tools = tuple(tools)  # functions the model may call, rendered into every prompt
         self.tool_choice = tool_choice  # a required call is forced on each user turn, not after a result
-        self._call_grammar: Grammar | None = None
+        self._call_grammar: dict[bool, Grammar] = {}  # by whether the prompt opened a thinking block
         self.draft = draft
         # --chat-template-kwargs, --reasoning: variables every rendering gives the template
         self.template = ChatTemplate.for_backend(target).with_variables(template_variables)
         self.thinking = thinking_tags(self.template)  # the tags a reasoning model thinks between (None: none)
+        self._shown_tags = shown_tags(target, self.thinking)  # those that are control tokens, shown as text
         self._opened_thinking = False  # the last prompt's generation prompt opened the block
         self.system_prompt = None
         self.set_system_prompt(system_prompt)  # --system: refused at the start where it alone fills the context
@@ -360,20 +366,21 @@ class ChatSession:
         if role == "tool" and not self.unanswered:  # a result of no call: sent without an id, or taken as text
             raise UsageError("there is no tool call to answer: the last answer called none (or its calls are answered)",
                              "type your message as it is")
-        if role == "user" and self.tool_choice.forces_a_call:
-            params = dataclasses.replace(params, grammar=self._required_call())
         message = {"role": role, "content": text}
         if role == "tool" and self.unanswered:
             message["tool_call_id"] = self.unanswered[0].id
         messages = [*self.transcript.messages, message]
         prompt_text, prompt_ids = self._prompt(messages)
+        if role == "user" and self.tool_choice.forces_a_call:  # after the thinking the prompt opened
+            params = dataclasses.replace(params, grammar=self._required_call(self._opened_thinking))
+        params = dataclasses.replace(params, shown_tokens=self._shown_tags)
         self._check_fits(prompt_ids)
         self.settle_for(min(len(prompt_ids) + params.max_new_tokens, self.target.n_ctx))
         reused = min(common_prefix_len(self.engine.target.tokens, prompt_ids), len(prompt_ids) - 1)
-        decoder = _SpanDecoder(self.target)
-        # a reasoning model's thinking read apart (none under a grammar: it holds the answer from its first token)
-        split = ReasoningSplit(self.thinking, self._opened_thinking) \
-            if self.thinking is not None and params.grammar is None else None
+        decoder = _SpanDecoder(self.target, self._shown_tags)
+        # a reasoning model's thinking read apart (not under a grammar that holds the answer from its first token)
+        split = ReasoningSplit(self.thinking, self._opened_thinking) if self.thinking is not None and (
+            params.grammar is None or params.grammar.spec.thought is not None) else None
         result: GenerationResult | None = None
         stream = self.stream(prompt_ids, params)
         try:
@@ -430,12 +437,15 @@ class ChatSession:
         if self.draft is not None:
             sequence_for(self.draft).reset()
 
-    def _required_call(self) -> Grammar:
-        """The grammar of a call in the model's format to the tools ``tool_choice`` allows (compiled once)."""
-        if self._call_grammar is None:
+    def _required_call(self, opened_thinking: bool = False) -> Grammar:
+        """The grammar of a call in the model's format to the tools ``tool_choice`` allows, after the
+        thinking of a reasoning model (``opened_thinking``: its prompt opened the block); compiled once."""
+        if self._call_grammar.get(opened_thinking) is None:
             spec = style_for(self.template).grammar(self.tools, self.tool_choice)
-            self._call_grammar = Grammar.compile(spec, self.target)
-        return self._call_grammar
+            if self.thinking is not None:
+                spec = grammar_after_thinking(spec, self.target, self.thinking, opened_thinking)
+            self._call_grammar[opened_thinking] = Grammar.compile(spec, self.target)
+        return self._call_grammar[opened_thinking]
 
     def stream(self, prompt_ids: list[int], params: GenerationParams) -> Iterator[TextChunk | Finished]:
         """The engine's events for ``prompt_ids`` at the session's draft settings, the

@@ -17,12 +17,17 @@ target's own whatever the format (the engine never sees it).
   message) leave the block open, so that the answer begins inside it?
 - ``ReasoningSplit``: fed the answer's text as it streams, gives back (reasoning, content)
   pieces: the thinking without its tags and the whitespace around it, and the answer after it.
+- ``grammar_after_thinking``: a grammar (a schema, a required call) held after the thinking, so
+  that a model whose prompt opened the block thinks before the answer the grammar holds.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from dataclasses import dataclass
 
+from specrun.grammar import GrammarSpec
 from specrun.sessions.templates import ChatTemplate
 
 # llama-server's reasoning formats: "none" leaves the thinking in the content as generated;
@@ -163,3 +168,30 @@ def split_reasoning(text: str, tags: ThinkTags | None, open: bool = False) -> tu
     split = ReasoningSplit(tags, open)
     fed, held = split.feed(text), split.finish()
     return fed[0] + held[0], fed[1] + held[1]
+
+
+def grammar_after_thinking(spec: GrammarSpec, backend, tags: ThinkTags, opened: bool) -> GrammarSpec:
+    """``spec`` held after a thinking block (``GrammarSpec.thought``): where the prompt opened
+    one, the grammar lets the model think before the answer it holds, as llama.cpp's lazy grammars
+    do; else the answer may open one first. Each tag is its text, or its control token by id
+    where it is one token without text."""
+    return dataclasses.replace(spec, thought=(_grammar_item(backend, tags.start), _grammar_item(backend, tags.end),
+                                              opened))
+
+
+def _grammar_item(backend, tag: str) -> str:
+    ids = backend.tokenize(tag, add_bos=False, special=True)
+    if len(ids) == 1 and not backend.token_bytes(ids[0]):
+        return f"<[{ids[0]}]>"
+    return json.dumps(tag)
+
+
+def shown_tags(backend, tags: ThinkTags | None) -> dict[int, bytes]:
+    """The tags that are control tokens (no text of their own), with the text the answer shows
+    for them, so that the thinking can be read apart in the text (llama.cpp's preserved tokens)."""
+    shown = {}
+    for tag in (tags.start, tags.end) if tags is not None else ():
+        ids = backend.tokenize(tag, add_bos=False, special=True)
+        if len(ids) == 1 and not backend.token_bytes(ids[0]):
+            shown[ids[0]] = tag.encode("utf-8")
+    return shown

@@ -185,3 +185,34 @@ def test_a_reasoning_item_passed_back_is_its_turn_s_thinking(thinking_server):
                                                     "arguments": "{}"}],
                                          "reasoning": {"effort": "high"}}, ServeDefaults(), 2048)
     assert parsed.messages[1]["reasoning_content"] == "Sum." and parsed.template_variables["reasoning_effort"] == "high"
+
+
+NUMBER = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+# a boolean: the random model's integers and strings may run on to max_tokens inside the call
+CONFIRM = {"type": "function", "function": {"name": "confirm", "parameters": {
+    "type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}}}
+CLOSE_AT_ONCE = {"logit_bias": {"513": 100}}  # the tiny model's </think>, at its first chance
+
+
+def test_a_schema_and_a_required_call_hold_the_answer_after_the_thinking(thinking_server):
+    """The prompt opened the block: the grammar lets the model think and holds what follows the
+    closing tag (which the bias makes come at once), read apart as any thinking is."""
+    answer = _message(thinking_server, response_format={"type": "json_schema", "json_schema": {
+        "name": "n", "schema": NUMBER}}, max_tokens=40, **CLOSE_AT_ONCE)
+    assert isinstance(json.loads(answer["content"])["n"], int) and "reasoning_content" not in answer
+    status, body = thinking_server.post("/v1/chat/completions", {
+        "messages": HI, "tools": [CONFIRM], "tool_choice": "required", "max_tokens": 160, **CLOSE_AT_ONCE})
+    assert status == 200, body
+    choice = body["choices"][0]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None, choice
+    assert isinstance(json.loads(choice["message"]["tool_calls"][0]["function"]["arguments"])["ok"], bool)
+
+
+def test_a_closing_tag_that_is_a_control_token_is_shown_in_the_text(thinking_server):
+    """The tiny model's tags are control tokens, with no text of their own: the answer's text
+    shows them (llama.cpp's preserved tokens), so reasoning_format none gives it as generated."""
+    raw = _message(thinking_server, reasoning_format="none", max_tokens=3, **CLOSE_AT_ONCE)
+    assert raw["content"].startswith("</think>"), raw
+    read = _message(thinking_server, max_tokens=3, **CLOSE_AT_ONCE)
+    assert "reasoning_content" not in read  # an empty block; after it, the tags it writes are its text
+    assert read["content"] == raw["content"].removeprefix("</think>").lstrip()

@@ -4,6 +4,7 @@ answer, which must not depend on how the text was cut into pieces."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -173,3 +174,46 @@ def test_a_chat_keeps_the_thinking_apart_and_gives_it_back_to_the_template(think
         done = list(session.ask("Hi there", GenerationParams(10, 0)))[-1]
         assert done.text and not done.reasoning
         assert session.transcript.messages[-1] == {"role": "assistant", "content": done.text}
+
+
+def _walk(grammar, backend, text_or_ids) -> bool:
+    """Does the grammar allow these tokens (text tokenized plainly), one after another?"""
+    state = grammar.start()
+    ids = text_or_ids if isinstance(text_or_ids, list) else backend.tokenize(text_or_ids, add_bos=False)
+    for token in ids:
+        if not state.allowed()[token]:
+            return False
+        state.advance([token])
+    return True
+
+
+def test_a_grammar_holds_the_answer_after_the_thinking(thinking_model):
+    """A schema (or a required call) on a reasoning model whose prompt opened the block: any
+    thinking, the closing tag (a control token here, by id), at most a blank line, then what the
+    schema holds, and nothing else after the tag; not opened, the answer may open one or begin
+    with the schema's text. A tag with text of its own ends the thinking as a stop string."""
+    from specrun.backends.llama import LlamaCppBackend
+    from specrun.grammar import Grammar, GrammarSpec
+    from specrun.sessions.reasoning import grammar_after_thinking
+
+    backend = LlamaCppBackend(thinking_model.gguf_f32_path, n_threads=1, gpu_layers=0, flash_attn=False)
+    try:
+        spec = GrammarSpec("json_schema", '{"type": "object", "properties": {"n": {"type": "integer"}}, '
+                                          '"required": ["n"]}')
+        text = backend.tokenize
+        opened = Grammar.compile(grammar_after_thinking(spec, backend, THINK, True), backend)
+        answer = text('{"n": 5}', add_bos=False)
+        assert _walk(opened, backend, text("Let < me > think", add_bos=False) + [513] + text("\n\n", add_bos=False) + answer)
+        assert _walk(opened, backend, [513] + answer)
+        assert not _walk(opened, backend, [513] + text("Sure: ", add_bos=False))  # only the schema after it
+        assert not _walk(opened, backend, answer[:1] + [513, 513])
+        closed = Grammar.compile(grammar_after_thinking(spec, backend, THINK, False), backend)
+        assert _walk(closed, backend, answer) and _walk(closed, backend, [512] + text("hm", add_bos=False) + [513] + answer)
+        assert not _walk(closed, backend, text("hm", add_bos=False))
+        plain = Grammar.compile(spec, backend)
+        assert not _walk(plain, backend, [513] + answer)
+        worded = Grammar.compile(dataclasses.replace(spec, thought=('"<t>"', '"</t>"', True)), backend)
+        assert _walk(worded, backend, 'a < b </t>\n{"n": 5}')
+        assert not _walk(worded, backend, "a </t>x")  # the first closing tag ends it
+    finally:
+        backend.close()
