@@ -8,8 +8,10 @@ Clients written for llama-server and vLLM read the thinking apart from the answe
 message gains ``reasoning_content`` (streamed as ``delta.reasoning_content``), as llama-server's
 ``--reasoning-format deepseek`` (its default, ``auto``) gives it.
 
-Only the text is read apart here: the tokens, and so speculation and its exactness, are the
-target's own whatever the format (the engine never sees it).
+The split reads text: the tokens, and so speculation and its exactness, are the target's own
+whatever the format. What reaches generation is a grammar's start (``grammar_after_thinking``:
+the model thinks before the answer a schema holds) and the tags' text where they are control
+tokens (``shown_tags``).
 
 - ``thinking_tags(template)``: the pair of tags a template writes (``THINK_TAGS``: the
   spellings llama.cpp's chat parsers know), or None.
