@@ -40,6 +40,7 @@ from specrun.cli.common import (
     checked_trees,
     gpu_layers_note,
     checked_text,
+    checked_reasoning_budget,
     checked_template_variables,
     checked_tools,
     cli_errors,
@@ -59,6 +60,8 @@ from specrun.cli.options import (
     DraftOpt,
     EpsilonOpt,
     ExactOpt,
+    ReasoningBudgetMessageOpt,
+    ReasoningBudgetOpt,
     ReasoningOpt,
     SinksOpt,
     WindowOpt,
@@ -191,6 +194,8 @@ def chat_command(
     trace: TraceOpt = None,
     chat_template_kwargs: ChatTemplateKwargsOpt = None,
     reasoning: ReasoningOpt = None,
+    reasoning_budget: ReasoningBudgetOpt = -1,
+    reasoning_budget_message: ReasoningBudgetMessageOpt = None,
 ) -> None:
     """Chat with the target model: a REPL on a terminal; on a pipe, stdin is the message and stdout the answer.
 
@@ -220,6 +225,7 @@ def chat_command(
                                   tree_nodes=trees.nodes, tie_margin=0.0 if exact else TIE_MARGIN)
         verification = checked_verification("chat", verify, accept, epsilon, delta, margin, exact)
         template_variables = checked_template_variables(chat_template_kwargs, reasoning)
+        budget = checked_reasoning_budget(reasoning_budget, reasoning_budget_message)
         interactive = sys.stdin.isatty()
         if each_line and interactive:
             raise UsageError("--each-line reads messages from a pipe", "pipe the messages in, one per line")
@@ -246,7 +252,7 @@ def chat_command(
                                branches=trees.branches, heads=heads, lookahead=lookahead_sizes,
                                chain=trees.chain, tree_nodes=trees.nodes, on_note=view.note, tools=tool_list,
                                tool_choice=choice, verification=verification, learn=learning,
-                               template_variables=template_variables) as session:
+                               template_variables=template_variables, reasoning_budget=budget) as session:
                     if tracing is not None:
                         tracing.header(target=target, draft=draft, method=method,
                                        max_new_tokens=max_tokens, **params.sampling.fields())

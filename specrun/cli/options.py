@@ -275,6 +275,13 @@ ReasoningOpt = Annotated[Optional[str], typer.Option(
     "--reasoning", metavar="on|off|auto",
     help="Whether a reasoning model thinks before it answers: on or off sets the template's enable_thinking; "
          "auto (the default) leaves the template's own choice.")]
+ReasoningBudgetOpt = Annotated[int, typer.Option(
+    "--reasoning-budget", metavar="N",
+    help="A reasoning model's thinking: at most N tokens, then its end forced (llama.cpp's; -1: no limit, 0: "
+         "none). Exact under speculation: a rule on the target's rows.")]
+ReasoningBudgetMessageOpt = Annotated[Optional[str], typer.Option(
+    "--reasoning-budget-message", metavar="TEXT",
+    help="Text forced before the thinking's end when --reasoning-budget runs out (e.g. ' Time to answer.').")]
 ReasoningFormatOpt = Annotated[str, typer.Option(
     "--reasoning-format", metavar="FORMAT",
     help="Where a chat answer's thinking goes: auto or deepseek (message.reasoning_content), none (left in "

@@ -23,6 +23,7 @@ from specrun.cli.common import (
     check_window_use,
     check_range,
     checked_sampling,
+    checked_reasoning_budget,
     checked_reasoning_format,
     checked_template_variables,
     checked_verification,
@@ -37,6 +38,8 @@ from specrun.cli.options import (
     AcceptOpt,
     BackendOpt,
     ChatTemplateKwargsOpt,
+    ReasoningBudgetMessageOpt,
+    ReasoningBudgetOpt,
     ReasoningFormatOpt,
     ReasoningOpt,
     BranchesOpt,
@@ -195,6 +198,8 @@ def serve_command(
     chat_template_kwargs: ChatTemplateKwargsOpt = None,
     reasoning: ReasoningOpt = None,
     reasoning_format: ReasoningFormatOpt = "auto",
+    reasoning_budget: ReasoningBudgetOpt = -1,
+    reasoning_budget_message: ReasoningBudgetMessageOpt = None,
 ) -> None:
     """Serve the pair over an OpenAI-compatible API until Ctrl-C.
 
@@ -246,6 +251,7 @@ def serve_command(
         verification = checked_verification("serve", verify, accept, epsilon, delta, margin, exact)
         template_variables = checked_template_variables(chat_template_kwargs, reasoning)
         reasoning_format = checked_reasoning_format(reasoning_format)
+        budget, budget_message = checked_reasoning_budget(reasoning_budget, reasoning_budget_message)
         lookahead_sizes = checked_lookahead(lookahead, (method,))
         check_heads_used(heads, (method,))
         trees = checked_trees(chain_only, tree_nodes, branches, lookahead_sizes, window=uses_window((method,)))
@@ -293,7 +299,8 @@ def serve_command(
                            max_queue=max_queue, model_names=(*aliases, target), cors_origins=cors_origins)
         with tracing:
             try:
-                serve(pair, http, ServeDefaults(max_tokens, sampling, template_variables, reasoning_format), log=_log)
+                serve(pair, http, ServeDefaults(max_tokens, sampling, template_variables, reasoning_format, budget,
+                                                budget_message), log=_log)
             finally:  # the learners stop, and write the heads where asked, however the server ended
                 for report in learning.finish() if learning is not None else []:
                     _log(report.summary())

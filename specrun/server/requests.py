@@ -116,6 +116,8 @@ class ServeDefaults:
     # --chat-template-kwargs and --reasoning: the template's variables a request's own override
     template_variables: dict = field(default_factory=dict)
     reasoning_format: str = "auto"  # --reasoning-format: where an answer's thinking goes (sessions/reasoning.py)
+    reasoning_budget: int = -1  # --reasoning-budget: the thinking's tokens before its end is forced (-1: no limit)
+    reasoning_budget_message: str = ""  # --reasoning-budget-message: forced before the closing tag
 
 
 @dataclass(frozen=True)
@@ -150,6 +152,10 @@ class CompletionRequest:
     # reasoning_effort), and where the answer's thinking goes (reasoning_format; "none": the content)
     template_variables: dict = field(default_factory=dict)
     reasoning_format: str = "none"
+    # llama-server's reasoning_budget_tokens (-1: no limit) and reasoning_budget_message: the thinking
+    # cut at that many tokens, the message and the closing tag forced (specrun/reasoning_budget.py)
+    reasoning_budget: int = -1
+    reasoning_budget_message: str = ""
 
     @property
     def is_chat(self) -> bool:
@@ -565,7 +571,9 @@ def parse_chat_request(body: dict, defaults: ServeDefaults, n_ctx: int) -> Compl
 
 
 # A chat request's fields for its template and its thinking (llama-server's and vLLM's)
-CHAT_TEMPLATE_FIELDS = ("chat_template_kwargs", "reasoning_effort", "reasoning_format")
+CHAT_TEMPLATE_FIELDS = ("chat_template_kwargs", "reasoning_effort", "reasoning_format", "reasoning_budget_tokens",
+                        "thinking_budget_tokens", "reasoning_budget_message")
+MAX_BUDGET_MESSAGE_CHARS = 4096
 
 
 def chat_template_settings(body: dict, defaults: ServeDefaults) -> dict:
@@ -592,7 +600,23 @@ def chat_template_settings(body: dict, defaults: ServeDefaults) -> dict:
     if reasoning_format not in REASONING_FORMATS:
         raise invalid_value("reasoning_format", f"must be one of {', '.join(REASONING_FORMATS)}, "
                                                 f"got {_shown(reasoning_format)}")
-    return {"template_variables": variables, "reasoning_format": reasoning_format}
+    budget = _number(body, "reasoning_budget_tokens", None, integer=True)
+    budget_field = "reasoning_budget_tokens"
+    if budget is None:  # llama-server's other name for it
+        budget, budget_field = _number(body, "thinking_budget_tokens", -1, integer=True), "thinking_budget_tokens"
+    if budget < -1 or budget > MAX_ANSWER_TOKENS:
+        raise invalid_value(budget_field, f"must be -1 (the server's: --reasoning-budget) or a count of tokens, "
+                                          f"got {budget}")
+    message = body.get("reasoning_budget_message")
+    if message is not None and not isinstance(message, str):
+        raise RequestError("reasoning_budget_message must be a string", "reasoning_budget_message", code="invalid_type")
+    if message is not None and len(message) > MAX_BUDGET_MESSAGE_CHARS:
+        raise invalid_value("reasoning_budget_message", f"at most {MAX_BUDGET_MESSAGE_CHARS} characters, got "
+                                                        f"{len(message)}")
+    return {"template_variables": variables, "reasoning_format": reasoning_format,
+            "reasoning_budget": budget if budget >= 0 else defaults.reasoning_budget,
+            "reasoning_budget_message": checked_text(message, "reasoning_budget_message") if message is not None
+            else defaults.reasoning_budget_message}
 
 
 def _chat_logprobs(body: dict) -> int | None:

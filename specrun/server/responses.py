@@ -321,10 +321,11 @@ def logprob_items(entries) -> list[dict]:
 
 def reasoning_item(item_id: str, text: str, done: bool) -> dict:
     """The model's thinking, as OpenAI's open-weight models' reasoning item carries it (its text
-    in ``content``, no summary; no ``encrypted_content``: nothing is kept from the client)."""
+    in ``content``, no summary), and as llama-server gives it: ``encrypted_content`` empty, since
+    nothing is kept from the client (the text itself comes back in a stateless client's input)."""
     return {"type": "reasoning", "id": item_id, "summary": [],
             "content": [{"type": "reasoning_text", "text": text}] if done else [],
-            "status": "completed" if done else "in_progress"}
+            "encrypted_content": "", "status": "completed" if done else "in_progress"}
 
 
 def call_item(item_id: str, call, done: bool) -> dict:

@@ -51,7 +51,7 @@ from specrun.server.requests import (
     CompletionRequest, RequestError, check_token_ids, conversation_refused, forbids, invalid_value, with_bias_texts,
 )
 from specrun.sessions.reasoning import (
-    ReasoningSplit, grammar_after_thinking, opens_thinking, shown_tags, thinking_tags,
+    ReasoningSplit, budget_rule, grammar_after_thinking, opens_thinking, shown_tags, thinking_tags,
 )
 from specrun.sessions.setup import TreeSettings, ctx_fix
 from specrun.sessions.tools import ToolCall, ToolStyle, ToolTemplateError, render_conversation, style_for
@@ -688,6 +688,9 @@ class PairWorker:
         if job.request.ignore_eos:  # llama-server's: every end-of-generation token biased to never
             eog = tuple((token, -math.inf) for token in sorted(session.target.vocab.eos_ids))
             sampling = dataclasses.replace(sampling, logit_bias=sampling.logit_bias + eog)
+        budget = self._reasoning_budget(job, session, prompt_ids)
+        if budget is not None:  # the thinking's end forced past its budget: a rule on the rows, as penalties are
+            sampling = dataclasses.replace(sampling, reasoning_budget=budget)
         params = GenerationParams(job.request.max_tokens, 0, sampling, tree_nodes=self.pair.trees.nodes,
                                   grammar=grammar, logprobs=job.request.logprobs,
                                   logprobs_sampled=job.request.post_sampling, stop_at_eos=not job.request.ignore_eos,
@@ -699,13 +702,14 @@ class PairWorker:
             rendezvous.join()  # the other slots' passes wait for this one's from now on
         trace = None
         if self.pair.trace is not None:  # begun here, ended in the finally below
-            sampling = job.request.sampling
+            budget = sampling.reasoning_budget
+            sampling = dataclasses.replace(job.request.sampling, reasoning_budget=budget)
             trace = session.trace = self.pair.trace.request(
                 self._trace_id(job), slot=slot, prompt_tokens=len(prompt_ids), cached_tokens=reused,
                 max_tokens=job.request.max_tokens, temperature=sampling.temperature, top_k=sampling.top_k,
                 top_p=sampling.top_p, grammar=grammar is not None,
                 **{name: value for name, value in sampling.fields().items()
-                   if name in ("min_p", "infill", "penalties", "logit_bias")})
+                   if name in ("min_p", "infill", "penalties", "logit_bias", "reasoning_budget")})
         try:
             for event in stream:
                 if job.cancelled.is_set():
@@ -778,6 +782,16 @@ class PairWorker:
             return None
         tags = thinking_tags(self.session.template)
         return None if tags is None else ReasoningSplit(tags, job.opens_thinking)
+
+    def _reasoning_budget(self, job: Job, session, prompt_ids: list[int]):
+        """The request's reasoning budget as a rule on the rows (sessions/reasoning.budget_rule); None
+        where it asks none, or the model thinks between no tags (as llama-server, which ignores it then)."""
+        request = job.request
+        tags = thinking_tags(self.session.template) if request.is_chat and request.reasoning_budget >= 0 else None
+        if tags is None:
+            return None
+        return budget_rule(session.target, tags, prompt_ids, job.opens_thinking, request.reasoning_budget,
+                           request.reasoning_budget_message)
 
     def _shown_tags(self, job: Job) -> dict[int, bytes]:
         """A chat answer's thinking tags that are control tokens, shown in its text to be read apart."""

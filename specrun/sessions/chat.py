@@ -81,7 +81,7 @@ from specrun.drafters.methods import (
 from specrun.engine.stats import Stats
 from specrun.grammar import Grammar
 from specrun.sessions.reasoning import (
-    ReasoningSplit, grammar_after_thinking, opens_thinking, shown_tags, split_reasoning, thinking_tags,
+    ReasoningSplit, budget_rule, grammar_after_thinking, opens_thinking, shown_tags, split_reasoning, thinking_tags,
 )
 from specrun.sessions.templates import ChatTemplate, tokenize_rendered
 from specrun.sessions.trace import TraceFile
@@ -239,6 +239,7 @@ class ChatSession:
         settle_context: Callable[[int, tuple, Callable[[], None]], list[str]] | None = None,
         find_settled_tuned: Callable[[Backend | None], object] | None = None,
         template_variables: dict | None = None,
+        reasoning_budget: tuple[int, str] = (-1, ""),
     ) -> None:
         self.target = target
         # open_chat's: flash attention chosen again once the conversation's context reaches
@@ -255,6 +256,7 @@ class ChatSession:
         self.template = ChatTemplate.for_backend(target).with_variables(template_variables)
         self.thinking = thinking_tags(self.template)  # the tags a reasoning model thinks between (None: none)
         self._shown_tags = shown_tags(target, self.thinking)  # those that are control tokens, shown as text
+        self._reasoning_budget = reasoning_budget  # --reasoning-budget (-1: no limit) and its message
         self._opened_thinking = False  # the last prompt's generation prompt opened the block
         self.system_prompt = None
         self.set_system_prompt(system_prompt)  # --system: refused at the start where it alone fills the context
@@ -374,6 +376,10 @@ class ChatSession:
         if role == "user" and self.tool_choice.forces_a_call:  # after the thinking the prompt opened
             params = dataclasses.replace(params, grammar=self._required_call(self._opened_thinking))
         params = dataclasses.replace(params, shown_tokens=self._shown_tags)
+        budget, message = self._reasoning_budget
+        if budget >= 0 and self.thinking is not None:  # the thinking's end forced past it: a rule on the rows
+            rule = budget_rule(self.target, self.thinking, prompt_ids, self._opened_thinking, budget, message)
+            params = dataclasses.replace(params, sampling=dataclasses.replace(params.sampling, reasoning_budget=rule))
         self._check_fits(prompt_ids)
         self.settle_for(min(len(prompt_ids) + params.max_new_tokens, self.target.n_ctx))
         reused = min(common_prefix_len(self.engine.target.tokens, prompt_ids), len(prompt_ids) - 1)
@@ -849,6 +855,7 @@ def open_chat(
     learn: Callable | None = None,
     window_alternative: bool = True,
     template_variables: dict | None = None,
+    reasoning_budget: tuple[int, str] = (-1, ""),
 ) -> ChatSession:
     """Load the pair for ``method`` (the draft model only if it needs one) and start a session.
 
@@ -907,7 +914,7 @@ def open_chat(
                            threads=options.threads, chain=chain, tree_nodes=tree_nodes, on_note=on_note,
                            tools=tools, tool_choice=tool_choice, verification=verification, learn=learn,
                            window_alternative=window_alternative and options.window is None,
-                           template_variables=template_variables,
+                           template_variables=template_variables, reasoning_budget=reasoning_budget,
                            settle_context=lambda context, backends, empty: settle_for_context(
                                backends, options, context, empty, on_note),
                            find_settled_tuned=lambda loaded: load_tuned(

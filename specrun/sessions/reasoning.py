@@ -21,12 +21,14 @@ tokens (``shown_tags``).
   pieces: the thinking without its tags and the whitespace around it, and the answer after it.
 - ``grammar_after_thinking``: a grammar (a schema, a required call) held after the thinking, so
   that a model whose prompt opened the block thinks before the answer the grammar holds.
+- ``budget_rule``: llama.cpp's reasoning budget (specrun/reasoning_budget.py) for one answer.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from specrun.grammar import GrammarSpec
@@ -197,3 +199,32 @@ def shown_tags(backend, tags: ThinkTags | None) -> dict[int, bytes]:
         if len(ids) == 1 and not backend.token_bytes(ids[0]):
             shown[ids[0]] = tag.encode("utf-8")
     return shown
+
+
+def budget_rule(backend, tags: ThinkTags, prompt_ids: Sequence[int], opened: bool, budget: int,
+                message: str = ""):
+    """llama.cpp's reasoning budget for an answer to ``prompt_ids`` (specrun/reasoning_budget.py):
+    ``budget`` tokens of thinking, then ``message`` and the closing tag forced. The rule reads
+    from the generation prompt on, as llama.cpp feeds it: from the opening tag the prompt ends
+    with where it opened the block (the count starts at the answer's first token), else from the
+    answer, which may open one. Tags and message are tokenized as llama-server tokenizes them
+    (special tokens parsed)."""
+    from specrun.reasoning_budget import ReasoningBudget, incomplete_tokens_of
+
+    start = tuple(backend.tokenize(tags.start, add_bos=False, special=True))
+    end = tuple(backend.tokenize(tags.end, add_bos=False, special=True))
+    forced = tuple(backend.tokenize(message, add_bos=False, special=True)) + end if message else end
+    start_at = len(prompt_ids)
+    if opened:
+        at = _last_run(prompt_ids, start)
+        start_at = at if at >= 0 else start_at
+    return ReasoningBudget((start,), (end,), forced, budget, start_at, incomplete_tokens_of(backend))
+
+
+def _last_run(tokens: Sequence[int], run: Sequence[int]) -> int:
+    """Where ``run`` last begins in ``tokens`` (-1: nowhere)."""
+    size = len(run)
+    for at in range(len(tokens) - size, -1, -1):
+        if list(tokens[at:at + size]) == list(run):
+            return at
+    return -1

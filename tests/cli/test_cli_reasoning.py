@@ -71,3 +71,33 @@ def test_generate_renders_the_prompt_with_the_template_s_variables(thinking):
         counts[options] = json.loads(result.stdout)["stats"]["prompt_tokens"]
     first, *closed = counts.values()
     assert closed[0] == closed[1] > first
+
+
+@pytest.mark.parametrize("command", ("chat", "serve"))
+@pytest.mark.parametrize(("options", "message"), [
+    (("--reasoning-budget", "-2"), "--reasoning-budget must be -1 (no limit), 0 or a count of tokens, got -2"),
+    (("--reasoning-budget-message", "Done."), "--reasoning-budget-message is forced when --reasoning-budget runs out"),
+])
+def test_bad_budgets_are_one_line_usage_errors(command, options, message):
+    result = invoke(command, *options, input="hi\n")
+    assert result.exit_code == 2, result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: {message}"), result.stderr
+
+
+def test_a_chat_under_a_reasoning_budget_answers_alike_whatever_drafts_it(thinking):
+    """The budget forces the thinking's end after 4 tokens: the answer follows, and plain
+    decoding, lookup and a draft model (the model itself, so its drafts are taken) give the same
+    thinking and the same answer."""
+    model = thinking[1]
+    answers = []
+    for method in (("--method", "none"), ("--method", "lookup"), ("--method", "draft", "-d", model)):
+        result = invoke("chat", "-t", model, *method, "--threads", "1", "-n", "16", "--json",
+                        "--reasoning-budget", "4", "--reasoning-budget-message", " So.", input="Hi there\n")
+        assert result.exit_code == 0, result.output
+        answer = json.loads(result.stdout)
+        answers.append((answer["reasoning_content"], answer["text"]))
+        if method[1] == "draft":
+            assert answer["stats"]["accepted"] > 0  # the forced tokens drafted and taken
+    assert answers[0][0].endswith("So.") and answers[0][1], answers[0]
+    assert answers[1] == answers[0] and answers[2] == answers[0]

@@ -112,14 +112,17 @@ def test_a_request_s_template_variables_override_the_server_s():
 
 def test_the_server_s_options_set_what_a_request_does_not(thinking_model):
     server = start_server("-t", str(thinking_model.gguf_f32_path), "--method", "none", "--threads", "1", "-n", "8",
-                          "--reasoning", "off", "--reasoning-format", "none")
+                          "--reasoning", "off", "--reasoning-format", "none", "--reasoning-budget", "0")
     try:
         status, body = server.post("/apply-template", {"messages": HI})
         assert status == 200 and body["prompt"].endswith("</think>"), body  # --reasoning off
-        opened = _message(server, chat_template_kwargs={"enable_thinking": True})
+        opened = _message(server, chat_template_kwargs={"enable_thinking": True}, reasoning_budget_tokens=5)
         assert "reasoning_content" not in opened and opened["content"]  # --reasoning-format none
-        assert _message(server, chat_template_kwargs={"enable_thinking": True}, reasoning_format="auto")[
-            "reasoning_content"] == opened["content"].strip()
+        assert "</think>" in opened["content"]  # the request's budget over the server's
+        assert _message(server, chat_template_kwargs={"enable_thinking": True})["content"].startswith(
+            "</think>")  # --reasoning-budget 0
+        assert _message(server, chat_template_kwargs={"enable_thinking": True}, reasoning_format="auto",
+                        reasoning_budget_tokens=5)["reasoning_content"] == opened["content"].partition("</think>")[0].strip()
     finally:
         assert stop_server(server) == 0, server.log
 
@@ -216,3 +219,27 @@ def test_a_closing_tag_that_is_a_control_token_is_shown_in_the_text(thinking_ser
     read = _message(thinking_server, max_tokens=3, **CLOSE_AT_ONCE)
     assert "reasoning_content" not in read  # an empty block; after it, the tags it writes are its text
     assert read["content"] == raw["content"].removeprefix("</think>").lstrip()
+
+
+def test_a_reasoning_budget_forces_the_thinking_s_end(thinking_server):
+    """llama-server's reasoning_budget_tokens: after that many tokens of thinking, the message and
+    the closing tag are forced; what follows is the answer."""
+    free = _message(thinking_server, reasoning_format="none")["content"]
+    raw = _message(thinking_server, reasoning_format="none", reasoning_budget_tokens=3,
+                   reasoning_budget_message=" Enough.")["content"]
+    thought, closed, after = raw.partition(" Enough.</think>")
+    assert closed and free.startswith(thought) and after, raw  # the first 3 tokens, then the forced end
+    assert thinking_server.post("/v1/chat/completions", {"messages": HI, "thinking_budget_tokens": 0,
+                                                         "reasoning_format": "none"})[1][
+        "choices"][0]["message"]["content"].startswith("</think>")  # none at all
+    split = _message(thinking_server, reasoning_budget_tokens=3, reasoning_budget_message=" Enough.")
+    assert split["reasoning_content"] == (thought + " Enough.").strip() and split["content"] == after.lstrip()
+
+
+@pytest.mark.parametrize("fields, param, code", [
+    ({"reasoning_budget_tokens": -2}, "reasoning_budget_tokens", "invalid_value"),
+    ({"thinking_budget_tokens": "5"}, "thinking_budget_tokens", "invalid_type"),
+    ({"reasoning_budget_message": 5}, "reasoning_budget_message", "invalid_type"),
+])
+def test_a_bad_budget_is_a_400_naming_its_field(thinking_server, fields, param, code):
+    assert_refused(thinking_server, "/v1/chat/completions", {"messages": HI, **fields}, param, code)
