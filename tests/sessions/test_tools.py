@@ -692,5 +692,5 @@ def test_a_server_answers_a_required_call_python_cannot_write_with_a_400_naming_
                         "sampling": SamplingSettings()}.items():
         object.__setattr__(request, name, value)
     with pytest.raises(RequestError) as refused:
-        PairWorker._grammar(worker, request)
+        PairWorker._grammar(worker, SimpleNamespace(request=request, opens_thinking=False))
     assert refused.value.param == "tools" and "get-weather" in str(refused.value)
