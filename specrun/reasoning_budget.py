@@ -92,7 +92,7 @@ class ReasoningBudget:
     forced: tuple[int, ...]
     budget: int
     start_at: int = 0
-    incomplete: frozenset[int] = frozenset()
+    incomplete: frozenset[int] = field(default=frozenset(), repr=False)  # a vocabulary's worth: not shown
     # the tags' automata, and the text last read (after start_at) with the state it left: a context
     # only grows within a generation, so each pass reads only what it added (one entry, replaced
     # whole: threads may share a rule)

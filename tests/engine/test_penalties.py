@@ -343,7 +343,7 @@ def test_heads_and_draft_trees_draft_no_token_a_bias_forbids(method, monkeypatch
     assert shaped and banned not in shaped
     if method == "draft tree":
         monkeypatch.setattr(specrun.drafters.draft_model, "shaped_row", lambda logits, *args: logits)
-        monkeypatch.setattr(specrun.drafters.draft_model, "shaped_rows", lambda logits, *args: logits)
+        monkeypatch.setattr(specrun.drafters.draft_model, "text_shaped_rows", lambda logits, *args: logits)
     else:
         monkeypatch.setattr(HeadsDrafter, "shaped", lambda self, logits, *args: logits)
     assert banned in _drafted(engine(), settings, monkeypatch)
