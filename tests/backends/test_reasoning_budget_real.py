@@ -14,12 +14,9 @@ from __future__ import annotations
 
 import pytest
 
-from specrun.drafters.methods import DrafterOptions, build_drafter
-from specrun.engine.loop import GenerationParams, SpeculativeEngine
-from specrun.engine.stats import Stats
 from specrun.reasoning_budget import ReasoningBudget, incomplete_tokens_of
 from specrun.sampling import SamplingSettings
-from test_penalties_real import PROMPT, _open
+from test_penalties_real import PROMPT, _open, _run
 
 BUDGET = 5
 N_TOKENS = 128  # the looping model falls into a cycle lookup catches after ~90 tokens
@@ -32,19 +29,6 @@ def _rule(target, prompt: list[int]) -> ReasoningBudget:
                            budget=BUDGET, start_at=len(prompt) - 1, incomplete=incomplete_tokens_of(target))
 
 
-def _run(target, draft, method: str, prompt: list[int], sampling: SamplingSettings) -> tuple[list[int], int]:
-    drafter = build_drafter(method, draft, DrafterOptions())
-    engine = SpeculativeEngine(target, drafter, method=method)
-    try:
-        params = GenerationParams(N_TOKENS, draft_len=0 if method == "none" else 4, sampling=sampling,
-                                  stop_at_eos=False)
-        accepted = sum(step.n_accepted for step in engine.steps(prompt, params, Stats()))
-    finally:
-        if drafter is not None:
-            drafter.close()
-    return engine.last_context[len(prompt):], accepted
-
-
 @pytest.mark.parametrize("kind", ["llama", "mlx"])
 @pytest.mark.parametrize("method", ["lookup", "draft"])
 def test_speculation_under_a_reasoning_budget_makes_plain_decoding_s_text(looping_llama, kind, method):
@@ -54,9 +38,9 @@ def test_speculation_under_a_reasoning_budget_makes_plain_decoding_s_text(loopin
         prompt = target.tokenize(PROMPT)
         rule = _rule(target, prompt)
         sampling = SamplingSettings(reasoning_budget=rule)
-        plain, _ = _run(target, None, "none", prompt, sampling)
-        spoken, accepted = _run(target, draft, method, prompt, sampling)
-        free, _ = _run(target, None, "none", prompt, SamplingSettings())
+        plain, _ = _run(target, None, "none", prompt, sampling, N_TOKENS)
+        spoken, accepted = _run(target, draft, method, prompt, sampling, N_TOKENS)
+        free, _ = _run(target, None, "none", prompt, SamplingSettings(), N_TOKENS)
     finally:
         target.close()
         if draft is not None:

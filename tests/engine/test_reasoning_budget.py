@@ -30,7 +30,6 @@ import pytest
 import specrun.drafters.draft_model
 import specrun.engine.passes
 from fake_models import COPYING_VOCAB, REPEATING_PROMPT, copying_logits, hashed_logits, noisy_copy
-from lossless_harness import ALPHA, chi_square_p, impossible
 from oracle import distribution, joint_of
 from specrun.backends.fake import FakeBackend
 from specrun.drafters.methods import DrafterOptions, build_drafter
@@ -39,6 +38,8 @@ from specrun.engine.stats import Stats
 from specrun.penalties import Penalties, chain_paths, tree_paths
 from specrun.reasoning_budget import ReasoningBudget, forced_rows, incomplete_tokens
 from specrun.sampling import SamplingSettings
+from test_penalties import PROMPT, VOCAB, WINDOW, _heads_engine, _target_table
+from test_penalties import _problems as penalties_problems
 
 IDLE, COUNTING, FORCING, WAITING_UTF8, DONE = "IDLE", "COUNTING", "FORCING", "WAITING_UTF8", "DONE"
 
@@ -448,24 +449,12 @@ def test_a_natural_end_within_the_budget_forces_nothing():
 
 
 # ---- sampled: the exact joint of a window under the rule --------------------------------------
-VOCAB = 6
-PROMPT = (1, 4, 2, 1)  # the generation prompt (2, 1): 2 opens the block, 1 is counted
-WINDOW = 4
-RUNS = 2000
+# the penalties' tests' fake pair and window (test_penalties.py): VOCAB 6, PROMPT (1, 4, 2, 1), whose
+# last two tokens are the generation prompt here: 2 opens the block and 1 is counted
 # token 4's piece leaves a character unfinished: where it spends the budget, the rule waits for a
 # whole one before it forces (5, 3)
 RULE, RULE_PIECES = _rule(2, start_at=2, vocab=VOCAB, starts=((2,),), ends=((3,),), forced=(5, 3), incomplete=(4,))
 SETTINGS = SamplingSettings(temperature=1.0, top_k=5, reasoning_budget=RULE)
-
-
-@functools.cache
-def _target_table():
-    return hashed_logits(VOCAB, salt=11, spread=1.0)
-
-
-def _draft() -> FakeBackend:
-    table, noise = _target_table(), hashed_logits(VOCAB, salt=12, spread=0.5)
-    return FakeBackend(lambda context: 1.3 * table(context) + noise(context), VOCAB)
 
 
 def _p_plain(text: tuple[int, ...]) -> list[float]:
@@ -479,40 +468,8 @@ def _joint() -> dict[tuple[int, ...], float]:
     return joint_of(_p_plain, PROMPT, WINDOW)
 
 
-def _heads_engine(method: str) -> SpeculativeEngine:
-    """The target's hidden states knowing its greedy future (without the rule), drafted for by
-    ``method``'s oracle heads (tests/heads_factory.py)."""
-    from heads_factory import FAKE_LAYERS, oracle_heads_for, oracle_hidden
-
-    heads = oracle_heads_for(method, VOCAB)
-    target = FakeBackend(_target_table(), VOCAB, hidden_table=oracle_hidden(_target_table(), VOCAB),
-                         hidden_size=heads.config.hidden_size, n_layers=FAKE_LAYERS)
-    return SpeculativeEngine(target, build_drafter(method, None, DrafterOptions(heads=heads)), method=method)
-
-
 def _problems(branches: int = 0, chain_rule: str = "block", method: str = "draft") -> tuple[list[str], int, int]:
-    if method == "draft":
-        drafter = build_drafter("draft", _draft(), DrafterOptions(branches=branches))
-        engine = SpeculativeEngine(FakeBackend(_target_table(), VOCAB), drafter, method="draft")
-    else:
-        engine = _heads_engine(method)
-    engine.passes.chain_rule = chain_rule
-    counts: Counter = Counter()
-    drafted = accepted = 0
-    for seed in range(RUNS):
-        params = GenerationParams(WINDOW, draft_len=3, sampling=dataclasses.replace(SETTINGS, seed=seed),
-                                  stop_at_eos=False)
-        for step in engine.steps(list(PROMPT), params, Stats()):
-            drafted += step.n_drafted
-            accepted += step.n_accepted
-        counts[tuple(engine.last_context[len(PROMPT):])] += 1
-    joint = _joint()
-    problems = []
-    if never := impossible(counts, joint):
-        problems.append(f"{sum(counts[seq] for seq in never)} outputs plain decoding never makes, e.g. {never[0]}")
-    if (p_value := chi_square_p(counts, joint, RUNS)) < ALPHA:
-        problems.append(f"chi-square against the exact joint: p = {p_value:.3g}")
-    return problems, drafted, accepted
+    return penalties_problems(branches, chain_rule, method, settings=SETTINGS, joint=_joint())
 
 
 def test_the_rule_shapes_the_joint():
