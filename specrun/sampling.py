@@ -4,8 +4,9 @@ The same function is applied to the target's and the drafter's logits, so both
 distributions mean "the model under the user's settings" (docs/design.md).
 Order: temperature, then top-k, top-p, min-p, then renormalise. llama.cpp's infill sampler
 (``infill_rule``), where asked, follows on the target's rows and a draft model's. Repetition
-penalties and logit bias shape the target's logits before all of it, each row by the text it
-follows (specrun/penalties.py).
+penalties and logit bias, then llama.cpp's reasoning budget, shape the target's logits before all
+of it, each row by the text it follows (``text_shaped_rows``; specrun/penalties.py,
+specrun/reasoning_budget.py).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from specrun.penalties import MAX_BIAS, Penalties, shaped_rows
+from specrun.reasoning_budget import ReasoningBudget, forced_rows
 
 # The largest --seed: a signed 64-bit integer, what the server's "seed" field and heads train take
 # (numpy's generator would take any size; a seed one command takes, the others should take too).
@@ -41,6 +43,9 @@ class SamplingSettings:
     # the target's logits shaped by the text each row follows, greedy runs too (penalties.py)
     penalties: Penalties = Penalties()
     logit_bias: tuple[tuple[int, float], ...] = ()
+    # llama.cpp's reasoning budget: the thinking capped, then a sequence forced, each row by its text
+    # (reasoning_budget.py); None: off
+    reasoning_budget: ReasoningBudget | None = None
 
     @property
     def greedy(self) -> bool:
@@ -48,9 +53,9 @@ class SamplingSettings:
 
     @property
     def shapes_rows(self) -> bool:
-        """Are the target's rows shaped by their text (penalties or a bias), so that a pass's rows must
-        come to the host (no argmax on the device)?"""
-        return bool(self.logit_bias) or self.penalties.on
+        """Are the target's rows shaped by their text (penalties, a bias or a reasoning budget), so
+        that a pass's rows must come to the host (no argmax on the device)?"""
+        return bool(self.logit_bias) or self.penalties.on or self.reasoning_budget is not None
 
     def validate(self) -> list[str]:
         """Problems with these settings, as option-named messages (empty if fine)."""
@@ -72,12 +77,20 @@ class SamplingSettings:
             elif not (amount == -math.inf or -MAX_BIAS <= amount <= MAX_BIAS):
                 problems.append(f"--logit-bias for token {token} must be between -{MAX_BIAS:g} and {MAX_BIAS:g} "
                                 f"(or -inf to forbid it), got {amount}")
+        if self.reasoning_budget is not None:
+            problems += self.reasoning_budget.problems()
+            forbidden = {token for token, amount in self.logit_bias if amount == -math.inf}
+            # a forced row keeps its one token's logit: -inf there leaves nothing to sample
+            problems += [f"--logit-bias forbids token {token}, which the reasoning budget forces"
+                         for token in sorted(forbidden.intersection(self.reasoning_budget.forced))]
         return problems
 
     def describe(self) -> str:
         """In words, for a table's footnote: ``greedy``, or the temperature and each option that is on."""
         shaping = [said for said in (self.penalties.describe(),
-                                     f"logit bias on {len(self.logit_bias)} tokens" if self.logit_bias else "") if said]
+                                     f"logit bias on {len(self.logit_bias)} tokens" if self.logit_bias else "",
+                                     self.reasoning_budget.describe() if self.reasoning_budget is not None else "")
+                   if said]
         if self.greedy:
             return ", ".join(["greedy", *shaping])
         said = [f"temperature {self.temperature:.10g}"]
@@ -106,16 +119,33 @@ class SamplingSettings:
                                    "presence": self.penalties.presence, "last_n": self.penalties.last_n}
         if self.logit_bias:
             fields["logit_bias"] = [[token, amount if math.isfinite(amount) else None] for token, amount in self.logit_bias]
+        if self.reasoning_budget is not None:
+            fields["reasoning_budget"] = self.reasoning_budget.fields()
         return fields
+
+
+def text_shaped_rows(logits: np.ndarray, settings: SamplingSettings, context: Sequence[int],
+                     paths: Sequence[Sequence[int]]) -> np.ndarray:
+    """A pass's logits (n, V), row i as the text ``context`` then ``paths[i]`` shapes it under the
+    settings: a bias and penalties (penalties.py), then a reasoning budget's forcing
+    (reasoning_budget.py; llama.cpp applies it first, which comes to the same rows: a forced row
+    keeps one finite logit, shaped alike either way). A new array where anything changed; the
+    pass's own is left as it was, and returned where nothing shapes it."""
+    rows = logits
+    if settings.logit_bias or settings.penalties.on:
+        rows = shaped_rows(logits, settings.penalties, settings.logit_bias, context, paths)
+    if settings.reasoning_budget is not None:
+        rows = forced_rows(rows, settings.reasoning_budget, context, paths, in_place=rows is not logits)
+    return rows
 
 
 def shaped_row(logits: np.ndarray, settings: SamplingSettings, text: Sequence[int],
                path: Sequence[int] = ()) -> np.ndarray:
-    """A row (V,) after ``text`` then ``path`` under the settings' penalties and bias
-    (penalties.py), or the row itself where they shape nothing."""
+    """A row (V,) after ``text`` then ``path`` shaped under the settings (``text_shaped_rows``),
+    or the row itself where they shape nothing."""
     if not settings.shapes_rows:
         return logits
-    return shaped_rows(logits[None], settings.penalties, settings.logit_bias, text, [path])[0]
+    return text_shaped_rows(logits[None], settings, text, [path])[0]
 
 
 def top_probability(logits: np.ndarray) -> float:

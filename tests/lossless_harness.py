@@ -25,6 +25,7 @@ how likely a fresh choice of seeds is to fail correct code): chi-square p < ALPH
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import itertools
@@ -77,6 +78,28 @@ def chi_square_p(counts: Counter, joint: dict, runs: int) -> float:
 def impossible(counts: Counter, joint: dict) -> list[tuple[int, ...]]:
     """Produced sequences the target could never produce."""
     return [seq for seq, n in counts.items() if n and joint.get(seq, 0.0) == 0.0]
+
+
+def window_problems(engine: SpeculativeEngine, settings: SamplingSettings, prompt: Sequence[int], window: int,
+                    joint: dict, runs: int, draft_len: int = 3) -> tuple[list[str], int, int]:
+    """``runs`` seeded outputs of ``window`` tokens under ``settings`` (seeds 0..runs - 1) against
+    ``joint``, plain decoding's exact joint under them: what is wrong (sequences it never makes, a
+    chi-square p under ALPHA), and the drafts drafted and accepted along the way."""
+    counts: Counter = Counter()
+    drafted = accepted = 0
+    for seed in range(runs):
+        params = GenerationParams(window, draft_len=draft_len, sampling=dataclasses.replace(settings, seed=seed),
+                                  stop_at_eos=False)
+        for step in engine.steps(list(prompt), params, Stats()):
+            drafted += step.n_drafted
+            accepted += step.n_accepted
+        counts[tuple(engine.last_context[len(prompt):])] += 1
+    problems = []
+    if never := impossible(counts, joint):
+        problems.append(f"{sum(counts[seq] for seq in never)} outputs plain decoding never makes, e.g. {never[0]}")
+    if (p_value := chi_square_p(counts, joint, runs)) < ALPHA:
+        problems.append(f"chi-square against the exact joint: p = {p_value:.3g}")
+    return problems, drafted, accepted
 
 
 @dataclass

@@ -12,9 +12,9 @@ from specrun.backends.base import Backend
 from specrun.drafters.base import EMPTY_PROPOSAL, Drafter, Proposal, second_guesses
 from specrun.drafters.dynamic_tree import TOP_K, DraftTree, grow_tree
 from specrun.backends.kv import KVSequence, common_prefix_len, sequence_for
-from specrun.penalties import shaped_rows
 from specrun.sampling import (
-    SamplingSettings, infill_rule, infill_vocab_of, probabilities, sample, shaped_row, top_probability,
+    SamplingSettings, infill_rule, infill_vocab_of, probabilities, sample, shaped_row, text_shaped_rows,
+    top_probability,
 )
 from specrun.errors import SpecrunError
 from specrun.grammar import mask_logits
@@ -167,8 +167,9 @@ class DraftModelDrafter(Drafter):
         pending = self._catch_up(context)
         exact_vocab = self.target_vocab_size == self.backend.vocab.size
         grammar = self.grammar  # each token then drafted from its row masked by the grammar
-        # penalties and a bias shape its rows as they shape the target's (penalties.py): each by the
-        # text it follows, the drafts before it included, so it drafts what the target will choose
+        # penalties, a bias and a reasoning budget shape its rows as they shape the target's
+        # (sampling.text_shaped_rows): each by the text it follows, the drafts before it included, so
+        # it drafts what the target will choose (the tokens a budget forces, for one)
         shaping = sampling.shapes_rows
         if grammar is None and not shaping and sampling.greedy and exact_vocab and self.min_prob <= 0.0 \
                 and not self.branches:
@@ -183,6 +184,8 @@ class DraftModelDrafter(Drafter):
         for _ in range(draft_len):
             logits = self._target_sized(self.sequence.feed(pending, [len(pending) - 1])[0])  # (V_target,)
             logits = shaped_row(logits, sampling, context, tokens)
+            if sampling.reasoning_budget is not None and not np.isfinite(logits).any():
+                break  # the budget forces a token past the draft's vocabulary
             if grammar is not None:
                 # Drafted as the grammar allows (the target's rows are masked the same way): a
                 # draft that wrote a line break where the schema takes none was cut there whole.
@@ -222,8 +225,8 @@ class DraftModelDrafter(Drafter):
         node's next position along its own path. The cache keeps the context and, after the
         last level, the main chain but for its last node (as a chain's drafting leaves it), so
         the next call catches up only on the target's correction or bonus token. ``shaping``:
-        settings whose penalties and bias shape each node's row by ``context`` and its path, as
-        the target's rows are shaped."""
+        settings that shape each node's row by ``context`` and its path (penalties, a bias, a
+        reasoning budget), as the target's rows are shaped."""
         started = self.clock()
         root = self._target_sized(self.sequence.feed(pending, [len(pending) - 1])[0])
         self.token_pass.add(self.clock() - started)
@@ -244,7 +247,7 @@ class DraftModelDrafter(Drafter):
             rows = np.stack([self._target_sized(row) for row in logits])
             if shaping is None:
                 return rows
-            return shaped_rows(rows, shaping.penalties, shaping.logit_bias, context, [tree.path(node) for node in chosen])
+            return text_shaped_rows(rows, shaping, context, [tree.path(node) for node in chosen])
 
         return grow_tree(root, depth, self.top_k, self.branches, expand, np.arange(self.target_vocab_size),
                          self.name)

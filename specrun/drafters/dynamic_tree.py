@@ -36,6 +36,8 @@ class DraftTree:
         shifted = logits - logits.max()
         log_probs = shifted - np.log(np.exp(shifted).sum())
         best = np.argsort(-log_probs, kind="stable")[:count]
+        # a token the row rules out (a bias's -inf, a reasoning budget forcing another) is no draft
+        best = best[log_probs[best] > -np.inf]
         base = 0.0 if parent < 0 else self.scores[parent]
         depth = 1 if parent < 0 else self.depths[parent] + 1
         for rank, draft in enumerate(best):
@@ -116,6 +118,8 @@ def grow_tree(
     tree.add_children(-1, root_logits, top_k)
     for level in range(1, depth):
         chosen = tree.to_expand(level, top_k)
+        if not chosen:  # every row so far ruled out every token
+            break
         for node, row_logits in zip(chosen, expand(tree, chosen, level)):
             tree.add_children(node, row_logits, top_k)
     nodes = tree.proposal_order(depth, branches)

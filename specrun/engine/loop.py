@@ -90,11 +90,17 @@ def check_prompt(prompt: Sequence[int], n_ctx: int, fix: str = "shorten the prom
 
 
 def check_bias(sampling: SamplingSettings, vocab_size: int) -> None:
-    """A logit bias on tokens the target has (the server checks its requests' before they queue)."""
+    """A logit bias on tokens the target has, and a reasoning budget forcing only such tokens (the
+    server checks its requests' biases before they queue)."""
     bad = next((token for token, _ in sampling.logit_bias if token >= vocab_size), None)
     if bad is not None:
         raise UsageError(f"--logit-bias names token {bad}, outside the target's vocabulary (0 to {vocab_size - 1})",
                          "give a token id the target has")
+    budget = sampling.reasoning_budget
+    bad = next((token for token in budget.forced if token >= vocab_size), None) if budget is not None else None
+    if bad is not None:  # a forced row keeps that token's logit: it must have one
+        raise UsageError(f"--reasoning-budget forces token {bad}, outside the target's vocabulary "
+                         f"(0 to {vocab_size - 1})", "tokenize the tags with the target's own vocabulary")
 
 
 def _deepest(draft_len: int, drafter: Drafter | None) -> int:

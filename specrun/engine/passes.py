@@ -17,8 +17,8 @@ import numpy as np
 from specrun.backends.kv import KVSequence
 from specrun.drafters.base import Drafter, Proposal
 from specrun.engine.constrained import masked_rows
-from specrun.penalties import chain_paths, shaped_rows, tree_paths
-from specrun.sampling import SamplingSettings, infill_rule, infill_vocab_of, probabilities, sample
+from specrun.penalties import chain_paths, tree_paths
+from specrun.sampling import SamplingSettings, infill_rule, infill_vocab_of, probabilities, sample, text_shaped_rows
 from specrun.verify import (
     EXACT, LossyAcceptance, TreeVerdict, Verdict, verify_block, verify_greedy, verify_lossy, verify_sampled,
     verify_tree_greedy, verify_tree_lossy, verify_tree_sampled,
@@ -75,9 +75,10 @@ class TargetPasses:
         # the last pass's rows as verified (1 + n, V), where it read rows (sampling, a grammar,
         # penalties, keep_rows); None after a pass that read only the backend's argmax
         self.last_rows: np.ndarray | None = None
-        # this pass's penalties and bias, and the text its root row follows (None: rows unshaped)
+        # this pass's settings that shape rows by their text (penalties, a bias, a reasoning budget),
+        # and the text its root row follows (None: rows unshaped)
         self._shaping: tuple[SamplingSettings, Sequence[int]] | None = None
-        # the last pass's rows before the penalties shaped them, and the grammar's rows (own_rows)
+        # the last pass's rows before their text shaped them, and the grammar's rows (own_rows)
         self._unshaped: tuple[np.ndarray, np.ndarray | None] | None = None
 
     @property
@@ -132,11 +133,12 @@ class TargetPasses:
         the proposal verified (deferred drafts are read in the pass) and the verdict.
         ``allowed``: under a grammar, the tokens each row allows ((1 + n, size) bool, the root's
         first); the rows are masked before the rule sees them (engine/constrained.py).
-        ``text``: the context, ending in ``last_token``, that penalties and a bias read (each row
-        shaped by it and the drafts before the row, penalties.py); needed where the settings shape rows."""
+        ``text``: the context, ending in ``last_token``, that penalties, a bias and a reasoning budget
+        read (each row shaped by it and the drafts before the row, sampling.text_shaped_rows); needed
+        where the settings shape rows."""
         self.last_rows = self._unshaped = None
         if sampling.shapes_rows and text is None:
-            raise ValueError("rows shaped by penalties or a bias need the text they follow")
+            raise ValueError("rows shaped by penalties, a bias or a reasoning budget need the text they follow")
         self._shaping = (sampling, text) if sampling.shapes_rows else None
         if isinstance(drafts, DeferredDrafts):
             return self._verify_deferred(last_token, drafts)
@@ -221,14 +223,14 @@ class TargetPasses:
             paths = (chain_paths(proposal.tokens) if proposal.is_chain
                      else tree_paths(proposal.tokens, proposal.parents))
             self._unshaped = (logits, allowed)
-            logits = shaped_rows(logits, sampling.penalties, sampling.logit_bias, text, paths)
+            logits = text_shaped_rows(logits, sampling, text, paths)
         self.last_rows = masked_rows(logits, allowed)
         return self.last_rows
 
     def own_rows(self) -> np.ndarray:
         """The last pass's rows as the target gave them, a grammar's mask applied but not the
-        penalties and bias: what a drafter learning the target's distributions learns (one that
-        drafts under the penalties applies them itself)."""
+        penalties, bias or reasoning budget: what a drafter learning the target's distributions
+        learns (one that drafts under them applies them itself)."""
         if self._unshaped is None:
             return self.last_rows
         logits, allowed = self._unshaped

@@ -258,6 +258,9 @@ def _sampled(header: dict) -> str:
             for pair in bias):
         sampling = dataclasses.replace(sampling, logit_bias=tuple(
             (pair[0], -math.inf if pair[1] is None else float(pair[1])) for pair in bias))
+    budget = _reasoning_budget(header.get("reasoning_budget"))
+    if budget is not None:
+        sampling = dataclasses.replace(sampling, reasoning_budget=budget)
     if sampling.validate() or (sampling.greedy and not sampling.shapes_rows):
         return ""
     return f", {'decoded' if sampling.greedy else 'sampled at'} {sampling.describe()}"
@@ -275,6 +278,26 @@ def _penalties(fields):
         return None
     penalties = Penalties(float(values[0]), float(values[1]), float(values[2]), int(values[3]))
     return None if penalties.problems() else penalties
+
+
+def _reasoning_budget(fields):
+    """A header's ``reasoning_budget`` (SamplingSettings.fields) as a ReasoningBudget, or None where
+    it names none a run could use."""
+    from specrun.reasoning_budget import ReasoningBudget
+
+    def ids(value) -> bool:
+        return isinstance(value, list) and all(isinstance(token, int) and not isinstance(token, bool) for token in value)
+
+    if not isinstance(fields, dict):
+        return None
+    starts, ends, forced = fields.get("starts"), fields.get("ends"), fields.get("forced")
+    budget, start_at = fields.get("budget"), fields.get("start_at")
+    if not (isinstance(starts, list) and all(ids(tag) for tag in starts) and isinstance(ends, list)
+            and all(ids(tag) for tag in ends) and ids(forced) and ids([budget, start_at])):
+        return None
+    rule = ReasoningBudget(tuple(tuple(tag) for tag in starts), tuple(tuple(tag) for tag in ends), tuple(forced),
+                           budget, start_at)
+    return None if rule.problems() else rule
 
 
 def explain(run: RunTrace, most_events: int = 12, live: bool = False) -> list[str]:

@@ -43,12 +43,13 @@ def _open(kind: str, source: Path):
     return MlxBackend(source, n_ctx=512)
 
 
-def _run(target, draft, method: str, prompt: list[int], sampling: SamplingSettings) -> tuple[list[int], int]:
+def _run(target, draft, method: str, prompt: list[int], sampling: SamplingSettings,
+         tokens: int = N_TOKENS) -> tuple[list[int], int]:
     drafter = build_drafter(method, draft, DrafterOptions())
     engine = SpeculativeEngine(target, drafter, method=method)
     accepted = 0
     try:
-        params = GenerationParams(N_TOKENS, draft_len=0 if method == "none" else 4, sampling=sampling,
+        params = GenerationParams(tokens, draft_len=0 if method == "none" else 4, sampling=sampling,
                                   stop_at_eos=False)
         for step in engine.steps(prompt, params, Stats()):
             accepted += step.n_accepted

@@ -17,7 +17,6 @@ drafts before a row left out) fails the same check.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 from collections import Counter, deque
@@ -29,7 +28,7 @@ import pytest
 import specrun.drafters.draft_model
 import specrun.engine.passes
 from fake_models import COPYING_VOCAB, REPEATING_PROMPT, copying_logits, hashed_logits, noisy_copy
-from lossless_harness import ALPHA, chi_square_p, impossible
+from lossless_harness import window_problems
 from oracle import distribution, joint_of
 from specrun.backends.fake import FakeBackend
 from specrun.drafters.methods import DrafterOptions, build_drafter
@@ -243,29 +242,17 @@ def _heads_engine(method: str) -> SpeculativeEngine:
     return SpeculativeEngine(target, build_drafter(method, None, DrafterOptions(heads=heads)), method=method)
 
 
-def _problems(branches: int = 0, chain_rule: str = "block", method: str = "draft") -> tuple[list[str], int, int]:
+def _problems(branches: int = 0, chain_rule: str = "block", method: str = "draft",
+              settings: SamplingSettings = SETTINGS, joint=None) -> tuple[list[str], int, int]:
+    """``window_problems`` on the fake pair (a draft model's chains or trees, or ``method``'s heads)
+    under ``settings``, against ``joint`` (None: plain decoding's under SETTINGS)."""
     if method == "draft":
         drafter = build_drafter("draft", _draft(), DrafterOptions(branches=branches))
         engine = SpeculativeEngine(FakeBackend(_target_table(), VOCAB), drafter, method="draft")
     else:
         engine = _heads_engine(method)
     engine.passes.chain_rule = chain_rule
-    counts: Counter = Counter()
-    drafted = accepted = 0
-    for seed in range(RUNS):
-        params = GenerationParams(WINDOW, draft_len=3, sampling=dataclasses.replace(SETTINGS, seed=seed),
-                                  stop_at_eos=False)
-        for step in engine.steps(list(PROMPT), params, Stats()):
-            drafted += step.n_drafted
-            accepted += step.n_accepted
-        counts[tuple(engine.last_context[len(PROMPT):])] += 1
-    joint = _joint()
-    problems = []
-    if never := impossible(counts, joint):
-        problems.append(f"{sum(counts[seq] for seq in never)} outputs plain decoding never makes, e.g. {never[0]}")
-    if (p_value := chi_square_p(counts, joint, RUNS)) < ALPHA:
-        problems.append(f"chi-square against the exact joint: p = {p_value:.3g}")
-    return problems, drafted, accepted
+    return window_problems(engine, settings, PROMPT, WINDOW, _joint() if joint is None else joint, RUNS)
 
 
 def test_the_penalties_shape_the_joint():
@@ -343,7 +330,7 @@ def test_heads_and_draft_trees_draft_no_token_a_bias_forbids(method, monkeypatch
     assert shaped and banned not in shaped
     if method == "draft tree":
         monkeypatch.setattr(specrun.drafters.draft_model, "shaped_row", lambda logits, *args: logits)
-        monkeypatch.setattr(specrun.drafters.draft_model, "shaped_rows", lambda logits, *args: logits)
+        monkeypatch.setattr(specrun.drafters.draft_model, "text_shaped_rows", lambda logits, *args: logits)
     else:
         monkeypatch.setattr(HeadsDrafter, "shaped", lambda self, logits, *args: logits)
     assert banned in _drafted(engine(), settings, monkeypatch)

@@ -348,3 +348,16 @@ def test_two_traces_joined_into_one_file_are_refused_naming_the_line(tmp_path):
     with pytest.raises(FileAccessError) as refused:
         read_trace(path)
     assert "line 3 begins another trace" in refused.value.one_line() and "each trace on its own" in refused.value.fix
+
+
+@pytest.mark.parametrize(("budget", "told"), [
+    ({"budget": 64, "starts": [[5]], "ends": [[6], [7, 8]], "forced": [9, 6], "start_at": 12},
+     "run: ?, method draft, decoded greedy, reasoning budget 64 tokens"),
+    ({"budget": -1, "starts": [[5]], "ends": [[6]], "forced": [6], "start_at": 0}, "run: ?, method draft"),
+    ({"budget": 64, "starts": [[5]], "ends": [[6]], "forced": [True], "start_at": 0}, "run: ?, method draft"),
+    ({"budget": 64, "starts": "<think>", "ends": [[6]], "forced": [6], "start_at": 0}, "run: ?, method draft")])
+def test_a_header_with_a_reasoning_budget_says_so_where_it_is_one_a_run_could_use(tmp_path, budget, told):
+    path = tmp_path / "t.jsonl"
+    header = {"trace": "specrun", "version": 1, "method": "draft", "temperature": 0.0, "reasoning_budget": budget}
+    write(path, [header, step(1, "prefill", 0, 0, policy(True))])
+    assert CliRunner().invoke(app, ["trace", str(path)]).stdout.splitlines()[0] == told

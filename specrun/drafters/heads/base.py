@@ -180,15 +180,20 @@ class HeadsDrafter(Drafter):
         return depth, hidden[0]
 
     def shaped(self, logits: np.ndarray, sampling: SamplingSettings, context: Sequence[int],
-               drafted: Sequence[int]) -> np.ndarray:
-        """A head's logits (Vd,) under the run's penalties and bias as the target's rows are shaped
-        (penalties.py: by ``context`` and the chain ``drafted`` so far), so its chain drafts what the
-        target will choose; as they are where the settings shape nothing. Its trees stay unshaped."""
+               drafted: Sequence[int]) -> np.ndarray | None:
+        """A head's logits (Vd,) under the run's penalties, bias and reasoning budget as the target's
+        rows are shaped (sampling.text_shaped_rows: by ``context`` and the chain ``drafted`` so far),
+        so its chain drafts what the target will choose; as they are where the settings shape
+        nothing. None where the budget forces a token the heads cannot draft (past their ids): the
+        chain ends. Its trees stay unshaped."""
         if not sampling.shapes_rows:
             return logits
         row = np.full(self._vocab_size, -np.inf, dtype=np.float32)
         row[self._d2t] = logits
-        return shaped_row(row, sampling, context, drafted)[self._d2t]
+        shaped = shaped_row(row, sampling, context, drafted)[self._d2t]
+        if sampling.reasoning_budget is not None and not np.isfinite(shaped).any():
+            return None
+        return shaped
 
     def grammar_allows(self, context: Sequence[int], drafted: Sequence[int]) -> np.ndarray | None:
         """Under a run's grammar (``follows_grammar``: their chains; greedy trees are pruned as

@@ -288,8 +288,11 @@ class EagleDrafter(HeadsDrafter):
         """The next token of a chain from the layer's ``logits`` (Vd,): its first guess (greedy), or a
         draw with the row it was drawn from (sampled), appended to ``tokens`` (and ``rows``). Under a
         run's grammar (``follows_grammar``) the logits are masked by what it allows after the chain so
-        far, and False (nothing drawn) where it allows none of the heads' tokens: the chain ends."""
+        far, and False (nothing drawn) where it allows none of the heads' tokens, or a reasoning
+        budget forces a token past them (``shaped``): the chain ends."""
         logits = self.shaped(logits, sampling, self._drafting_after, tokens)
+        if logits is None:
+            return False
         allowed = self.grammar_allows(self._drafting_after, tokens)
         if allowed is not None:
             if not allowed.any():

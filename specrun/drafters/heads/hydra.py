@@ -63,6 +63,8 @@ class HydraDrafter(HeadsDrafter):
         path, tokens, rows = [last], [], []
         for head in range(depth):
             logits = self.shaped(self._logits(head, state, np.array([path]))[0], sampling, context, tokens)  # (Vd,)
+            if logits is None:
+                break
             allowed = self.grammar_allows(context, tokens)
             if allowed is not None:
                 if not allowed.any():

@@ -71,6 +71,8 @@ class MedusaDrafter(HeadsDrafter):
         tokens, rows = [], []
         for head_logits in logits:
             head_logits = self.shaped(head_logits, sampling, context, tokens)
+            if head_logits is None:
+                break
             allowed = self.grammar_allows(context, tokens)
             if allowed is not None:
                 if not allowed.any():
