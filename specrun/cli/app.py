@@ -20,6 +20,7 @@ from specrun.cli.chat import chat_command
 from specrun.cli.distill import distill_command
 from specrun.cli.heads import heads_app
 from specrun.cli.common import (
+    checked_reasoning_budget,
     checked_template_variables,
     check_backend,
     check_bias_beside_grammar,
@@ -55,6 +56,8 @@ from specrun.cli.common import (
 from specrun.cli.options import (
     AcceptOpt,
     ChatTemplateKwargsOpt,
+    ReasoningBudgetMessageOpt,
+    ReasoningBudgetOpt,
     ReasoningOpt,
     DeltaOpt,
     EpsilonOpt,
@@ -211,6 +214,8 @@ def generate(
     trace: TraceOpt = None,
     chat_template_kwargs: ChatTemplateKwargsOpt = None,
     reasoning: ReasoningOpt = None,
+    reasoning_budget: ReasoningBudgetOpt = -1,
+    reasoning_budget_message: ReasoningBudgetMessageOpt = None,
 ) -> None:
     """Answer PROMPT: text to stdout, statistics to stderr.
 
@@ -247,9 +252,10 @@ def generate(
                              "drop --raw")
         check_bias_beside_grammar(sampling, grammar_spec is not None or choice.forces_a_call)
         template_variables = checked_template_variables(chat_template_kwargs, reasoning)
-        if template_variables and chat_template is False:
-            raise UsageError("--chat-template-kwargs and --reasoning set the chat template's variables, which --raw "
-                             "leaves out", "drop --raw")
+        budget = checked_reasoning_budget(reasoning_budget, reasoning_budget_message)
+        if (template_variables or budget[0] >= 0) and chat_template is False:
+            raise UsageError("--chat-template-kwargs, --reasoning and --reasoning-budget are the chat template's, "
+                             "which --raw leaves out", "drop --raw")
         if choice.forces_a_call and grammar_spec is not None:
             raise UsageError("a required tool call and --grammar/--json-schema both constrain the answer",
                              "give one of them")
@@ -286,6 +292,7 @@ def generate(
                 tools=tool_list,
                 tool_choice=choice,
                 template_variables=template_variables,
+                reasoning_budget=budget,
                 verification=verification,
                 on_note=answer_out.note,
                 on_prefill=bar,

@@ -22,7 +22,10 @@ from specrun.drafters.methods import (
 from specrun.control.gate import SpeculationGate
 from specrun.errors import AnswerKeptError, SpecrunError
 from specrun.grammar import Grammar, GrammarSpec
-from specrun.sessions.templates import ChatTemplate, tokenize_rendered
+from specrun.sessions.reasoning import (
+    budget_rule, grammar_after_thinking, opens_thinking, shown_tags, thinking_tags,
+)
+from specrun.sessions.templates import ChatTemplate, render_with_spans, tokenize_rendered
 from specrun.sessions.trace import TraceFile
 from specrun.sessions.tools import CUT_REASONS, Tool, ToolChoice, render_conversation, style_for
 from specrun.sampling import SamplingSettings
@@ -68,6 +71,7 @@ class GenerateRequest:
     tools: tuple[Tool, ...] = ()  # --tools: functions the model may call (rendered through its template)
     tool_choice: ToolChoice = field(default_factory=ToolChoice)
     template_variables: dict = field(default_factory=dict)  # --chat-template-kwargs, --reasoning
+    reasoning_budget: tuple[int, str] = (-1, "")  # --reasoning-budget (-1: no limit) and its message
     on_note: Callable[[str], None] | None = None  # one-line notes for the user (stderr in the CLI)
     on_prefill: Callable[[int, int], None] | None = None  # (tokens read, prompt tokens) of a long prompt
     # --learn: the learner of the heads drafted with (heads, target) -> HeadsLearner (training/online.py)
@@ -86,6 +90,27 @@ def tool_prompt(target, request: GenerateRequest) -> tuple[list[int], GrammarSpe
     if request.tool_choice.forces_a_call:
         grammar = style_for(template).grammar(request.tools, request.tool_choice)
     return tokenize_rendered(target, template, text, spans), grammar
+
+
+def _thinking_rules(target, request: GenerateRequest, prompt_ids: list[int],
+                    grammar: GrammarSpec | None) -> tuple[SamplingSettings, dict, GrammarSpec | None]:
+    """For a reasoning model's chat prompt (sessions/reasoning.py): the sampling settings with
+    --reasoning-budget's rule, its thinking tags that are control tokens (shown in the text, as
+    llama-cli shows them), and the grammar held after the thinking."""
+    template = ChatTemplate.for_backend(target).with_variables(request.template_variables)
+    tags = thinking_tags(template)
+    if tags is None:
+        return request.sampling, {}, grammar
+    text, spans = render_with_spans(template, [{"role": "user", "content": request.prompt}])
+    opened = opens_thinking(tags, text[spans[-1][1]:] if spans else text)
+    sampling = request.sampling
+    budget, message = request.reasoning_budget
+    if budget >= 0:
+        sampling = dataclasses.replace(sampling, reasoning_budget=budget_rule(target, tags, prompt_ids, opened,
+                                                                              budget, message))
+    if grammar is not None:
+        grammar = grammar_after_thinking(grammar, target, tags, opened)
+    return sampling, shown_tags(target, tags), grammar
 
 
 def generate_text(request: GenerateRequest, on_text: Callable[[str], None] | None = None) -> GenerationResult:
@@ -116,6 +141,8 @@ def generate_text(request: GenerateRequest, on_text: Callable[[str], None] | Non
             prompt_ids = prompt_token_ids(target, request.prompt, chat, request.template_variables)
             grammar = request.grammar
         check_prompt(prompt_ids, target.n_ctx, ctx_fix(target, "shorten the prompt"))
+        sampling, shown, grammar = _thinking_rules(target, request, prompt_ids, grammar) if chat or request.tools \
+            else (request.sampling, {}, grammar)
         # The input is good: flash attention by what it costs here (a first run measures it and
         # notes so after the answer), which also picks the tuning key of the run's stored costs.
         kernel_notes: list[str] = []
@@ -127,12 +154,13 @@ def generate_text(request: GenerateRequest, on_text: Callable[[str], None] | Non
         params = GenerationParams(
             request.max_new_tokens,
             resolve_draft_len(request.method, request.draft_len),
-            request.sampling,
+            sampling,
             adaptive=adapts_length(request.method, request.draft_len),
             tree_nodes=request.trees.nodes,
             # where kernels round batched passes otherwise (not --exact), count the choices that could flip
             tie_margin=0.0 if request.load.exact or request.method == "none" else TIE_MARGIN,
             grammar=Grammar.compile(grammar, target) if grammar is not None else None,
+            shown_tokens=shown,
         )
         choice = None
         stored = tuned

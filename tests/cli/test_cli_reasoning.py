@@ -101,3 +101,24 @@ def test_a_chat_under_a_reasoning_budget_answers_alike_whatever_drafts_it(thinki
             assert answer["stats"]["accepted"] > 0  # the forced tokens drafted and taken
     assert answers[0][0].endswith("So.") and answers[0][1], answers[0]
     assert answers[1] == answers[0] and answers[2] == answers[0]
+
+
+def test_generate_under_a_reasoning_budget_shows_the_forced_end_and_answers_alike(thinking, tmp_path):
+    """generate prints the text as written, the forced message and closing tag in it (the tiny
+    model's tags are control tokens, shown as llama-cli shows them), whatever drafts it; a schema
+    holds what follows the thinking."""
+    model = thinking[1]
+    texts = []
+    for method in ("none", "lookup"):
+        result = invoke("generate", "-t", model, "--method", method, "--threads", "1", "-n", "12", "--json",
+                        "--reasoning-budget", "3", "--reasoning-budget-message", " So.", "Hi there")
+        assert result.exit_code == 0, result.output
+        texts.append(json.loads(result.stdout)["text"])
+    assert " So.</think>" in texts[0] and texts[1] == texts[0]
+    schema = tmp_path / "ok.json"
+    schema.write_text('{"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}')
+    result = invoke("generate", *thinking, "-n", "40", "--json", "--json-schema", str(schema),
+                    "--reasoning-budget", "2", "Hi there")
+    assert result.exit_code == 0, result.output
+    thought, _, answer = json.loads(result.stdout)["text"].partition("</think>")
+    assert isinstance(json.loads(answer)["ok"], bool)
