@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 IDLE, COUNTING, WAITING_UTF8, FORCING, DONE = range(5)
+BUDGET_SOURCE = "budget"  # the source of a proposal of the tokens the rule forces (drafted for free)
 
 # (mode, the start tags' automaton state, the end tags', tokens left to count, tokens forced so far)
 State = tuple[int, int, int, int, int]
@@ -164,6 +165,12 @@ class ReasoningBudget:
                     mode = FORCING
                 end_state, done = 0, 0
         return mode, start_state, end_state, left, done
+
+    def forced_run(self, context: Sequence[int]) -> tuple[int, ...]:
+        """Every token the rule forces from ``context`` on: once it forces, the rest of ``forced``
+        follows token by token whatever the rows, so the engine drafts it for free (empty: none)."""
+        mode, _, _, _, done = self.context_state(context)
+        return self.forced[done:] if mode == FORCING else ()
 
     def forced_after(self, state: State) -> int | None:
         """The token the rule forces next in ``state``, or None where it leaves the row alone."""

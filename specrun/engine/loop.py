@@ -28,6 +28,7 @@ from specrun.engine.passes import DeferredDrafts, TargetPasses, Verification
 from specrun.engine.stats import PLAIN as PLAIN_SOURCE, Stats
 from specrun.errors import ContextFullError, UsageError
 from specrun.grammar import Grammar
+from specrun.reasoning_budget import BUDGET_SOURCE
 from specrun.sampling import SamplingSettings, shaped_row, token_logprobs
 from specrun.verify import TreeVerdict, Verdict
 
@@ -409,6 +410,9 @@ class SpeculativeEngine:
                     draft_grammar.base = context_len
                 # tokens the grammar forces are drafted for free, in place of asking the drafters
                 forced = constrained.forced(draft_len) if constrained is not None and policy is not None else None
+                if forced is None and policy is not None and sampling.reasoning_budget is not None:
+                    run = sampling.reasoning_budget.forced_run(context)[: max(draft_len, 0)]  # the budget's end
+                    forced = Proposal(run, source=BUDGET_SOURCE) if run else None
                 if measured:
                     policy.share(self.target.sharing, self.target.shared_tokens)  # as the last pass found it
                     policy.at_context(context_len, context, remaining)

@@ -596,14 +596,16 @@ def test_the_target_as_its_own_draft_accepts_every_draft_under_the_rule(monkeypa
 
 
 def _no_draft_where_5_is_forced(monkeypatch) -> Counter:
-    """Watch every verify pass: no draft may stand where RULE forces 5 (by the oracle, after the
-    pass's text and the drafts before); counts["cut"]: chains that ended there, short of 3."""
+    """Watch every verify pass: no drafter's draft may stand where RULE forces 5 (by the oracle,
+    after the pass's text and the drafts before); counts["cut"]: chains that ended there, short of
+    3. The engine's own draft of what the rule forces (source "budget", first) is not a drafter's."""
     oracle = llama_rule(RULE, RULE_PIECES)
     verify = specrun.engine.passes.TargetPasses.verify
     counts: Counter = Counter()
 
     def recording(self, last_token, drafts, sampling, rng, allowed=None, text=None):
-        for i in range(len(drafts.tokens) + 1):
+        engine_drafted = len(RULE.forced_run(text)) if drafts.source.startswith("budget") else 0
+        for i in range(engine_drafted, len(drafts.tokens) + 1):
             row, _ = oracle([0.0] * VOCAB, [*text, *drafts.tokens[:i]])
             if row[5] == 0.0 and math.isinf(min(row)):
                 assert i == len(drafts.tokens), (text, drafts.tokens)
@@ -667,3 +669,25 @@ def test_a_draft_model_whose_vocabulary_lacks_a_forced_token_ends_its_chain_ther
         else:
             assert all(p > 0.0 for p in _path_probabilities(got))
     assert counts["cut"] > 0
+
+
+def test_the_forced_end_is_drafted_for_free_and_always_taken():
+    """Once the rule forces, the rest of its sequence is known: the engine drafts it (source
+    "budget", the drafters continuing after it) in place of asking them, and the target, its rows
+    forced, takes all of it; the text stays plain decoding's."""
+    table = copying_logits(salt=3)
+    rule, pieces = _rule(3, start_at=len(REPEATING_PROMPT) - 3)
+    want = _plain_greedy(table, REPEATING_PROMPT, 60, rule, pieces)
+    engine = SpeculativeEngine(FakeBackend(table, COPYING_VOCAB), build_drafter("lookup", None, DrafterOptions()),
+                               method="lookup")
+    params = GenerationParams(60, draft_len=4, sampling=SamplingSettings(reasoning_budget=rule), stop_at_eos=False)
+    text, taken = list(REPEATING_PROMPT), []
+    for step in engine.steps(list(REPEATING_PROMPT), params, Stats()):
+        if step.source.startswith("budget"):
+            run = rule.forced_run(text)
+            assert run and step.tokens[: len(run)] == run[: len(step.tokens)]
+            taken.append(min(step.n_accepted, len(run)) == min(len(run), params.draft_len))
+        text += step.tokens
+    assert text[len(REPEATING_PROMPT):] == want
+    assert taken and all(taken)
+    assert rule.forced_run(list(REPEATING_PROMPT)) == ()  # nothing forced before the count runs out
