@@ -94,6 +94,11 @@ class ReasoningBudget:
     budget: int
     start_at: int = 0
     incomplete: frozenset[int] = field(default=frozenset(), repr=False)  # a vocabulary's worth: not shown
+    # the text before start_at opened the block: the count starts at start_at (the answer's first
+    # token), not at a start tag read there. llama.cpp reads the generation prompt's tokens after its
+    # tag (DeepSeek-R1's and Qwen3's "<think>\n") as thinking, the "\n" then taken as the first forced
+    # token: budget 0 forced nothing and a message lost its first token.
+    opened: bool = False
     # the tags' automata, and the text last read (after start_at) with the state it left: a context
     # only grows within a generation, so each pass reads only what it added (one entry, replaced
     # whole: threads may share a rule)
@@ -104,7 +109,14 @@ class ReasoningBudget:
     def __post_init__(self) -> None:
         object.__setattr__(self, "_starts", TagMatcher(self.starts))
         object.__setattr__(self, "_ends", TagMatcher(self.ends))
-        object.__setattr__(self, "_last_read", [((), INITIAL)])
+        object.__setattr__(self, "_last_read", [((), self.initial)])
+
+    @property
+    def initial(self) -> State:
+        """The state at start_at: counting (forcing, at budget 0) where the block opened before it."""
+        if not self.opened:
+            return INITIAL
+        return (FORCING, 0, 0, 0, 0) if self.budget <= 0 else (COUNTING, 0, 0, self.budget, 0)
 
     def problems(self) -> list[str]:
         """What is out of range, as option-named messages (empty if fine)."""
@@ -131,7 +143,8 @@ class ReasoningBudget:
     def fields(self) -> dict:
         """For a trace's header (``incomplete`` left out: the vocabulary's, not the run's)."""
         return {"budget": self.budget, "starts": [list(tag) for tag in self.starts],
-                "ends": [list(tag) for tag in self.ends], "forced": list(self.forced), "start_at": self.start_at}
+                "ends": [list(tag) for tag in self.ends], "forced": list(self.forced), "start_at": self.start_at,
+                **({"opened": True} if self.opened else {})}
 
     def read(self, state: State, tokens: Iterable[int]) -> State:
         """The state after reading ``tokens`` from ``state`` (llama.cpp's ``accept``, token by token)."""
@@ -186,7 +199,7 @@ class ReasoningBudget:
         if len(read) <= len(seen) and type(read) is type(seen) and seen[: len(read)] == read:
             seen_from = len(read)
         else:
-            state, seen_from = INITIAL, 0
+            state, seen_from = self.initial, 0
         if seen_from < len(seen):
             state = self.read(state, seen[seen_from:])
             self._last_read[0] = (seen, state)

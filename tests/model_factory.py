@@ -180,15 +180,15 @@ def build_fim_model(folder: Path, seed: int = 3, repo: bool = False) -> TinyMode
 
 
 # A reasoning model's chat template, as Qwen3's writes its turns: an earlier answer's thinking
-# written back, and the generation prompt opening the block (DeepSeek-R1's way) unless
-# enable_thinking is false (Qwen3's way: an empty block, closed)
+# written back, and the generation prompt opening the block ("<think>\n", DeepSeek-R1's way)
+# unless enable_thinking is false (Qwen3's way: an empty block, closed)
 THINKING_TEMPLATE = (
     "{%- for message in messages %}<|im_start|>{{ message.role }}\n"
     "{%- if message.role == 'assistant' and message.reasoning_content %}<think>\n{{ message.reasoning_content }}"
     "\n</think>\n\n{%- endif %}{{ message.content }}<|im_end|>\n{%- endfor %}"
     "{%- if add_generation_prompt %}<|im_start|>assistant\n"
     "{%- if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n"
-    "{%- else %}<think>\n{%- endif %}{%- endif %}"
+    "{%- else %}<think>\n{% endif %}{%- endif %}"
 )
 THINK_TOKENS = ("<think>", "</think>")
 

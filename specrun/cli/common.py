@@ -433,12 +433,13 @@ def checked_template_variables(chat_template_kwargs: str | None, reasoning: str 
     return variables
 
 
-def checked_reasoning_budget(budget: int, message: str | None) -> tuple[int, str]:
-    """--reasoning-budget (-1: no limit) and --reasoning-budget-message, checked."""
+def checked_reasoning_budget(budget: int, message: str | None, serve: bool = False) -> tuple[int, str]:
+    """--reasoning-budget (-1: no limit) and --reasoning-budget-message, checked; ``serve``: a
+    message alone is the one forced where a request sets a budget (as llama-server takes it)."""
     if budget < -1:
         raise UsageError(f"--reasoning-budget must be -1 (no limit), 0 or a count of tokens, got {budget}",
                          "pass --reasoning-budget 0 to end the thinking at once")
-    if message is not None and budget < 0:
+    if message is not None and budget < 0 and not serve:
         raise UsageError("--reasoning-budget-message is forced when --reasoning-budget runs out, and there is none",
                          "give --reasoning-budget N beside it")
     return budget, checked_text(message, "--reasoning-budget-message") if message is not None else ""

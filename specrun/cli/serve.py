@@ -251,7 +251,7 @@ def serve_command(
         verification = checked_verification("serve", verify, accept, epsilon, delta, margin, exact)
         template_variables = checked_template_variables(chat_template_kwargs, reasoning)
         reasoning_format = checked_reasoning_format(reasoning_format)
-        budget, budget_message = checked_reasoning_budget(reasoning_budget, reasoning_budget_message)
+        budget, budget_message = checked_reasoning_budget(reasoning_budget, reasoning_budget_message, serve=True)
         lookahead_sizes = checked_lookahead(lookahead, (method,))
         check_heads_used(heads, (method,))
         trees = checked_trees(chain_only, tree_nodes, branches, lookahead_sizes, window=uses_window((method,)))

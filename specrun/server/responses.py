@@ -21,6 +21,7 @@ OpenAI's default is several.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Sequence
 
@@ -130,9 +131,12 @@ def parse_responses_request(body, defaults: ServeDefaults, n_ctx: int) -> tuple[
             raise RequestError("stream_options takes include_obfuscation only", "stream_options", code="invalid_value")
         chat["stream_options"] = options
     try:
-        return parse_chat_request(chat, defaults, n_ctx), names
+        parsed = parse_chat_request(chat, defaults, n_ctx)
     except RequestError as exc:
         raise names.renamed(exc) from None
+    if parsed.reasoning_format == "deepseek-legacy":  # its content as generated is chat's: a reasoning item here
+        parsed = dataclasses.replace(parsed, reasoning_format="deepseek")
+    return parsed, names
 
 
 def _reasoning_effort(reasoning) -> str | None:
@@ -176,12 +180,12 @@ def _messages(instructions, items) -> tuple[list[dict], list[str], dict[int, lis
         if kind == "reasoning":  # an earlier answer's thinking, passed back: its turn's reasoning_content
             thought = _reasoning_text(item, at)
             continue
+        thought, before = None, thought  # given to this item's turn at most (an assistant's), never later
         if kind == "message":
             messages.append({"role": item.get("role"), "content": _content(item.get("content"), f"{at}.content")})
             where.append(at)
-            if thought is not None and item.get("role") == "assistant":
-                messages[-1]["reasoning_content"] = thought
-            thought = None
+            if before is not None and item.get("role") == "assistant":
+                messages[-1]["reasoning_content"] = before
         elif kind == "function_call":
             call = {"id": item.get("call_id"), "type": "function",
                     "function": {"name": item.get("name"), "arguments": item.get("arguments", "{}")}}
@@ -196,9 +200,8 @@ def _messages(instructions, items) -> tuple[list[dict], list[str], dict[int, lis
             else:
                 messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
                 where.append(at)
-                if thought is not None:
-                    messages[-1]["reasoning_content"] = thought
-                thought = None
+            if before is not None:  # the thinking before a call is its turn's
+                messages[-1].setdefault("reasoning_content", before)
             calls.setdefault(len(messages) - 1, []).append(at)
         elif kind == "function_call_output":
             if not isinstance(item.get("call_id"), str) or not item["call_id"]:

@@ -51,7 +51,7 @@ from specrun.server.requests import (
     CompletionRequest, RequestError, check_token_ids, conversation_refused, forbids, invalid_value, with_bias_texts,
 )
 from specrun.sessions.reasoning import (
-    ReasoningSplit, budget_rule, grammar_after_thinking, opens_thinking, shown_tags, thinking_tags,
+    ReasoningSplit, budget_rule, closes_thinking, forbidden_forced, grammar_after_thinking, opens_thinking, shown_tags, thinking_tags,
 )
 from specrun.sessions.setup import TreeSettings, ctx_fix
 from specrun.sessions.tools import ToolCall, ToolStyle, ToolTemplateError, render_conversation, style_for
@@ -393,6 +393,7 @@ class Job:
         self.prompt_ids: list[int] | None = None  # tokenized once, where a slot is chosen for it
         self.prompt_cut = False  # a fill's prompt was cut to fit the context
         self.opens_thinking = False  # a chat prompt whose generation prompt opened the thinking block
+        self.closes_thinking = False  # ... or wrote a whole one (thinking off): no budget to count
         self._loop = loop
         self._events: asyncio.Queue[JobEvent] = asyncio.Queue()
         self._check_at = 0.0  # when next_event next asks whether the client is still there
@@ -658,6 +659,7 @@ class PairWorker:
         try:
             prompt_ids = job.prompt_ids if job.prompt_ids is not None else self._prompt_ids(job)
             grammar = self._grammar(job)
+            budget = self._reasoning_budget(job, session, prompt_ids)
         except RequestError as exc:
             self._refused(job, exc, slot)
             return
@@ -688,7 +690,6 @@ class PairWorker:
         if job.request.ignore_eos:  # llama-server's: every end-of-generation token biased to never
             eog = tuple((token, -math.inf) for token in sorted(session.target.vocab.eos_ids))
             sampling = dataclasses.replace(sampling, logit_bias=sampling.logit_bias + eog)
-        budget = self._reasoning_budget(job, session, prompt_ids)
         if budget is not None:  # the thinking's end forced past its budget: a rule on the rows, as penalties are
             sampling = dataclasses.replace(sampling, reasoning_budget=budget)
         params = GenerationParams(job.request.max_tokens, 0, sampling, tree_nodes=self.pair.trees.nodes,
@@ -720,7 +721,7 @@ class PairWorker:
                 if isinstance(event, TextChunk):
                     tokens += len(event.token_ids)
                     from_draft += sum(event.from_draft)
-                    logprobs.add(self._shown(entry) for entry in event.logprobs)
+                    logprobs.add(self._shown(entry, params.shown_tokens) for entry in event.logprobs)
                     text = cut.feed(event.text)
                     if limits is not None:
                         text = limits.feed(text)
@@ -788,10 +789,15 @@ class PairWorker:
         where it asks none, or the model thinks between no tags (as llama-server, which ignores it then)."""
         request = job.request
         tags = thinking_tags(self.session.template) if request.is_chat and request.reasoning_budget >= 0 else None
-        if tags is None:
+        if tags is None or job.closes_thinking:  # thinking off: no row waits on a count (nor comes to the host)
             return None
-        return budget_rule(session.target, tags, prompt_ids, job.opens_thinking, request.reasoning_budget,
+        rule = budget_rule(session.target, tags, prompt_ids, job.opens_thinking, request.reasoning_budget,
                            request.reasoning_budget_message)
+        token = forbidden_forced(dataclasses.replace(request.sampling, reasoning_budget=rule))
+        if token is not None:
+            raise invalid_value("logit_bias", f"a bias of false (never) on token {token}, which the reasoning budget "
+                                              "forces (its closing tag or message): give a finite bias")
+        return rule
 
     def _shown_tags(self, job: Job) -> dict[int, bytes]:
         """A chat answer's thinking tags that are control tokens, shown in its text to be read apart."""
@@ -873,12 +879,13 @@ class PairWorker:
         job.emit(Done(finish_reason, stats, stopped_by, word))
         self.log(f"{job.id}: {finish_reason}; {stats.summary()}")
 
-    def _shown(self, entry: TokenLogprob) -> tuple[TokenChoice, tuple[TokenChoice, ...]]:
-        """An engine's token log-probability with the texts a response shows."""
+    def _shown(self, entry: TokenLogprob, shown: dict[int, bytes]) -> tuple[TokenChoice, tuple[TokenChoice, ...]]:
+        """An engine's token log-probability with the texts a response shows (``shown``: control
+        tokens the answer's text shows, GenerationParams.shown_tokens)."""
         target = self.session.target
 
         def choice(token: int, logprob: float) -> TokenChoice:
-            piece = target.token_bytes(token)
+            piece = shown.get(token) or target.token_bytes(token)
             return TokenChoice(piece.decode("utf-8", "replace"), piece, logprob, token)
 
         # a token a grammar forbids has no probability at all, and JSON no -infinity: it is not listed
@@ -954,7 +961,8 @@ class PairWorker:
                 raise RequestError(exc.one_line(), "tools", code="invalid_value") from None
             prompt_ids = tokenize_rendered(target, template, text, spans)
             # the generation prompt: the text after the last message's (DeepSeek-R1's ends in <think>)
-            job.opens_thinking = opens_thinking(thinking_tags(template), text[spans[-1][1]:] if spans else text)
+            tags, tail = thinking_tags(template), text[spans[-1][1]:] if spans else text
+            job.opens_thinking, job.closes_thinking = opens_thinking(tags, tail), closes_thinking(tags, tail)
         else:
             if not isinstance(request.prompt, str):
                 check_token_ids(request.prompt, target.vocab.size, "prompt")

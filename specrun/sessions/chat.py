@@ -81,7 +81,8 @@ from specrun.drafters.methods import (
 from specrun.engine.stats import Stats
 from specrun.grammar import Grammar
 from specrun.sessions.reasoning import (
-    ReasoningSplit, budget_rule, grammar_after_thinking, opens_thinking, shown_tags, split_reasoning, thinking_tags,
+    ReasoningSplit, budget_rule, check_forced_allowed, grammar_after_thinking, opens_thinking, shown_tags,
+    split_reasoning, thinking_tags,
 )
 from specrun.sessions.templates import ChatTemplate, tokenize_rendered
 from specrun.sessions.trace import TraceFile
@@ -380,6 +381,7 @@ class ChatSession:
         if budget >= 0 and self.thinking is not None:  # the thinking's end forced past it: a rule on the rows
             rule = budget_rule(self.target, self.thinking, prompt_ids, self._opened_thinking, budget, message)
             params = dataclasses.replace(params, sampling=dataclasses.replace(params.sampling, reasoning_budget=rule))
+            check_forced_allowed(params.sampling)
         self._check_fits(prompt_ids)
         self.settle_for(min(len(prompt_ids) + params.max_new_tokens, self.target.n_ctx))
         reused = min(common_prefix_len(self.engine.target.tokens, prompt_ids), len(prompt_ids) - 1)
@@ -409,8 +411,11 @@ class ChatSession:
         calls, call_cut = (style_for(self.template).read_answer(answer, names, result.finish_reason in CUT_REASONS)
                            if self.tools else ((), False))
         cut, rendered = self._cut_answer(messages, answer, names, calls) if call_cut else (None, None)
-        if thought:  # kept as a client sends it back: the template writes it (or drops it) as it does
-            cut = {**(cut or {"role": "assistant", "content": answer}), "reasoning_content": thought}
+        if split is not None and answer != result.text:  # kept as a client sends it back: the template
+            # writes the thinking (or drops it) as it does
+            cut = {**(cut or {"role": "assistant", "content": answer}), **({"reasoning_content": thought} if thought
+                                                                          else {})}
+            rendered = None  # rendered by _record, with the thinking
         self._record(messages, prompt_text, prompt_ids, result, cut, rendered)
         # a user's turn leaves earlier calls behind; a result answers the first still open
         self.unanswered = [*(self.unanswered[1:] if role == "tool" else ()), *calls]

@@ -23,7 +23,7 @@ from specrun.control.gate import SpeculationGate
 from specrun.errors import AnswerKeptError, SpecrunError
 from specrun.grammar import Grammar, GrammarSpec
 from specrun.sessions.reasoning import (
-    budget_rule, grammar_after_thinking, opens_thinking, shown_tags, thinking_tags,
+    budget_rule, check_forced_allowed, grammar_after_thinking, opens_thinking, shown_tags, thinking_tags,
 )
 from specrun.sessions.templates import ChatTemplate, render_with_spans, tokenize_rendered
 from specrun.sessions.trace import TraceFile
@@ -108,6 +108,7 @@ def _thinking_rules(target, request: GenerateRequest, prompt_ids: list[int],
     if budget >= 0:
         sampling = dataclasses.replace(sampling, reasoning_budget=budget_rule(target, tags, prompt_ids, opened,
                                                                               budget, message))
+        check_forced_allowed(sampling)
     if grammar is not None:
         grammar = grammar_after_thinking(grammar, target, tags, opened)
     return sampling, shown_tags(target, tags), grammar

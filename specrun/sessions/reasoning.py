@@ -82,6 +82,15 @@ def opens_thinking(tags: ThinkTags | None, tail: str) -> bool:
     return opened >= 0 and tail.find(tags.end, opened) < 0
 
 
+def closes_thinking(tags: ThinkTags | None, tail: str) -> bool:
+    """Does ``tail``, the prompt after its last message, write a whole block (Qwen3's empty one
+    where thinking is off), so that the answer is not expected to think?"""
+    if tags is None:
+        return False
+    opened = tail.rfind(tags.start)
+    return opened >= 0 and tail.find(tags.end, opened) >= 0
+
+
 def _held_prefix(text: str, tag: str) -> int:
     """How many characters at ``text``'s end could begin ``tag`` (held back until the next piece)."""
     for size in range(min(len(text), len(tag) - 1), 0, -1):
@@ -201,30 +210,38 @@ def shown_tags(backend, tags: ThinkTags | None) -> dict[int, bytes]:
     return shown
 
 
+def forbidden_forced(sampling) -> int | None:
+    """A token the reasoning budget forces that a bias of -inf forbids (nothing left to sample
+    once it forces), or None."""
+    rule = sampling.reasoning_budget
+    if rule is None:
+        return None
+    return next((token for token, amount in sampling.logit_bias if amount == float("-inf") and token in rule.forced),
+                None)
+
+
+def check_forced_allowed(sampling) -> None:
+    """A UsageError where --logit-bias forbids a token the reasoning budget forces."""
+    from specrun.errors import UsageError
+
+    token = forbidden_forced(sampling)
+    if token is not None:
+        raise UsageError(f"--logit-bias forbids token {token}, which --reasoning-budget forces (its closing tag or "
+                         "message)", "give that token a finite bias, or drop --reasoning-budget")
+
+
 def budget_rule(backend, tags: ThinkTags, prompt_ids: Sequence[int], opened: bool, budget: int,
                 message: str = ""):
     """llama.cpp's reasoning budget for an answer to ``prompt_ids`` (specrun/reasoning_budget.py):
-    ``budget`` tokens of thinking, then ``message`` and the closing tag forced. The rule reads
-    from the generation prompt on, as llama.cpp feeds it: from the opening tag the prompt ends
-    with where it opened the block (the count starts at the answer's first token), else from the
-    answer, which may open one. Tags and message are tokenized as llama-server tokenizes them
+    ``budget`` tokens of thinking, then ``message`` and the closing tag forced. The rule reads the
+    answer: where the prompt opened the block, the count starts at its first token (llama.cpp also
+    counts the prompt's own "\n" after the tag, which left budget 0 forcing nothing: not copied);
+    else the answer may open one. Tags and message are tokenized as llama-server tokenizes them
     (special tokens parsed)."""
     from specrun.reasoning_budget import ReasoningBudget, incomplete_tokens_of
 
     start = tuple(backend.tokenize(tags.start, add_bos=False, special=True))
     end = tuple(backend.tokenize(tags.end, add_bos=False, special=True))
     forced = tuple(backend.tokenize(message, add_bos=False, special=True)) + end if message else end
-    start_at = len(prompt_ids)
-    if opened:
-        at = _last_run(prompt_ids, start)
-        start_at = at if at >= 0 else start_at
-    return ReasoningBudget((start,), (end,), forced, budget, start_at, incomplete_tokens_of(backend))
-
-
-def _last_run(tokens: Sequence[int], run: Sequence[int]) -> int:
-    """Where ``run`` last begins in ``tokens`` (-1: nowhere)."""
-    size = len(run)
-    for at in range(len(tokens) - size, -1, -1):
-        if list(tokens[at:at + size]) == list(run):
-            return at
-    return -1
+    return ReasoningBudget((start,), (end,), forced, budget, len(prompt_ids), incomplete_tokens_of(backend),
+                           opened=opened)

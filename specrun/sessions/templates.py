@@ -188,6 +188,7 @@ def _refusal(what: str) -> ChatTemplateError:
 # (``--chat-template-kwargs``, a request's ``chat_template_kwargs``) may not take one.
 RENDERING_NAMES = ("messages", "add_generation_prompt", "bos_token", "eos_token", "tools", "raise_exception",
                    "strftime_now")
+JINJA_NAMES = ("range", "dict", "lipsum", "cycler", "joiner", "namespace")  # Jinja's globals (Qwen3's calls namespace())
 
 
 def template_variables_problem(variables: Any) -> str:
@@ -201,8 +202,14 @@ def template_variables_problem(variables: Any) -> str:
             return f"{json.dumps(name)[:40]} is not a name a template can read"
         if name in RENDERING_NAMES:
             return f"{name} is given to the template by the rendering itself; send it where the API takes it"
+        if name in JINJA_NAMES:
+            return f"{name} is one of Jinja's own functions, which templates call; name the variable otherwise"
         if name == "enable_thinking" and not isinstance(value, bool):
             return f"enable_thinking must be true or false, got {json.dumps(value)[:40]}"
+        try:  # a lone surrogate (JSON's \\ud800) is no text a tokenizer takes
+            json.dumps(value, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            return f"{name}'s value holds text that is not UTF-8 (a lone surrogate)"
     return ""
 
 
@@ -215,7 +222,9 @@ class ChatTemplate:
         self.source = source or FALLBACK_TEMPLATE
         self.bos_token = bos_token
         self.eos_token = eos_token
-        self.variables: dict[str, Any] = {}  # e.g. enable_thinking, reasoning_effort
+        # e.g. enable_thinking, reasoning_effort; a template that reads enable_thinking is given it true,
+        # as llama-server gives it (--reasoning off, or a request's, says false)
+        self.variables: dict[str, Any] = {"enable_thinking": True} if "enable_thinking" in self.source else {}
         env = _environment()
         try:
             parsed = env.parse(self.source)

@@ -73,13 +73,15 @@ def test_generate_renders_the_prompt_with_the_template_s_variables(thinking):
     assert closed[0] == closed[1] > first
 
 
-@pytest.mark.parametrize("command", ("chat", "serve"))
-@pytest.mark.parametrize(("options", "message"), [
-    (("--reasoning-budget", "-2"), "--reasoning-budget must be -1 (no limit), 0 or a count of tokens, got -2"),
-    (("--reasoning-budget-message", "Done."), "--reasoning-budget-message is forced when --reasoning-budget runs out"),
+@pytest.mark.parametrize(("command", "options", "message"), [
+    *((command, ("--reasoning-budget", "-2"), "--reasoning-budget must be -1 (no limit), 0 or a count of tokens, got -2")
+      for command in ("generate", "chat", "serve")),
+    # serve takes a message alone: the one forced where a request sets a budget, as llama-server does
+    *((command, ("--reasoning-budget-message", "Done."),
+       "--reasoning-budget-message is forced when --reasoning-budget runs out") for command in ("generate", "chat")),
 ])
 def test_bad_budgets_are_one_line_usage_errors(command, options, message):
-    result = invoke(command, *options, input="hi\n")
+    result = invoke(command, *options, *(["hello"] if command == "generate" else []), input="hi\n")
     assert result.exit_code == 2, result.output
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"error: {message}"), result.stderr

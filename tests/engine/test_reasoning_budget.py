@@ -691,3 +691,20 @@ def test_the_forced_end_is_drafted_for_free_and_always_taken():
     assert text[len(REPEATING_PROMPT):] == want
     assert taken and all(taken)
     assert rule.forced_run(list(REPEATING_PROMPT)) == ()  # nothing forced before the count runs out
+
+
+@pytest.mark.parametrize("budget", [0, 1, 3])
+def test_a_block_opened_before_the_answer_counts_from_its_first_token(budget):
+    """``opened``: the count starts at start_at, as if a start tag stood just before it, whatever
+    the prompt holds between its tag and the answer (llama.cpp counted the "\\n" of a template's
+    "<think>\\n": budget 0 forced nothing)."""
+    rng = np.random.default_rng(budget)
+    for _ in range(200):
+        answer = [int(t) for t in rng.integers(9, 14, rng.integers(0, 12))]
+        prompt = [1, 2, 5, 3]  # the start tag (5), then a "\n" (3) the generation prompt writes after it
+        opened = ReasoningBudget(((5,),), ((7,),), (9, 7), budget, start_at=len(prompt), opened=True)
+        tagged = ReasoningBudget(((5,),), ((7,),), (9, 7), budget, start_at=0)
+        for cut in range(len(answer) + 1):
+            assert opened.forced_next([*prompt, *answer[:cut]]) == tagged.forced_next([5, *answer[:cut]])
+    first = ReasoningBudget(((5,),), ((7,),), (9, 7), 0, start_at=4, opened=True)
+    assert first.forced_next([1, 2, 5, 3]) == 9 and first.forced_run([1, 2, 5, 3]) == (9, 7)

@@ -89,6 +89,8 @@ def test_an_earlier_answer_s_thinking_is_written_back_by_the_template(thinking_s
     ({"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs"),
     ({"reasoning_format": "r1"}, "reasoning_format"),
     ({"reasoning_effort": 3}, "reasoning_effort"),
+    ({"chat_template_kwargs": {"tone": "\ud800"}}, "chat_template_kwargs"),  # a lone surrogate: no text
+    ({"chat_template_kwargs": {"namespace": 1}}, "chat_template_kwargs"),  # Jinja's own, which templates call
     ({"messages": [*HI, {"role": "assistant", "content": "x", "reasoning_content": 5}]},
      "messages[1].reasoning_content"),
 ])
@@ -240,6 +242,35 @@ def test_a_reasoning_budget_forces_the_thinking_s_end(thinking_server):
     ({"reasoning_budget_tokens": -2}, "reasoning_budget_tokens", "invalid_value"),
     ({"thinking_budget_tokens": "5"}, "thinking_budget_tokens", "invalid_type"),
     ({"reasoning_budget_message": 5}, "reasoning_budget_message", "invalid_type"),
+    # a bias of false on the closing tag it forces: nothing left to sample
+    ({"reasoning_budget_tokens": 2, "logit_bias": [[513, False]]}, "logit_bias", "invalid_value"),
 ])
 def test_a_bad_budget_is_a_400_naming_its_field(thinking_server, fields, param, code):
     assert_refused(thinking_server, "/v1/chat/completions", {"messages": HI, **fields}, param, code)
+
+
+def test_a_tag_s_log_probability_is_shown_with_its_text(thinking_server):
+    status, body = thinking_server.post("/v1/chat/completions", {
+        "messages": HI, "reasoning_format": "none", "max_tokens": 3, "logprobs": True, **CLOSE_AT_ONCE})
+    assert status == 200, body
+    choice = body["choices"][0]
+    tokens = [entry["token"] for entry in choice["logprobs"]["content"]]
+    assert tokens[0] == "</think>" and "".join(tokens) == choice["message"]["content"], tokens
+
+
+def test_responses_items_give_their_thinking_to_their_own_turn():
+    """A reasoning item before a call that joins the assistant's turn before it is that turn's; it
+    never reaches a later one; the legacy format (chat's content as generated) is a reasoning item."""
+    from specrun.server.responses import parse_responses_request
+
+    thought = {"type": "reasoning", "content": [{"type": "reasoning_text", "text": "Call it."}]}
+    parsed, _ = parse_responses_request({"input": [
+        {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Let me look."}, thought,
+        {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c", "output": "5"},
+        {"role": "assistant", "content": "It is 5."}]}, ServeDefaults(reasoning_format="deepseek-legacy"), 2048)
+    assert parsed.messages[1]["reasoning_content"] == "Call it." and "reasoning_content" not in parsed.messages[3]
+    assert parsed.reasoning_format == "deepseek"
+    parsed, _ = parse_responses_request({"input": [{"role": "user", "content": "Hi"}, thought,
+                                                   {"role": "assistant", "content": "Hello."}]}, ServeDefaults(), 2048)
+    assert parsed.messages[1] == {"role": "assistant", "content": "Hello.", "reasoning_content": "Call it."}

@@ -105,6 +105,12 @@ def test_the_generation_prompt_opens_the_block_or_closes_it():
     assert not opens_thinking(THINK, "<|im_start|>assistant\n")
 
 
+def test_a_template_that_reads_enable_thinking_is_given_it_true_as_llama_server_gives_it():
+    template = ChatTemplate("{% if enable_thinking is defined and enable_thinking %}T{% else %}F{% endif %}")
+    assert template.render([]) == "T" and template.with_variables({"enable_thinking": False}).render([]) == "F"
+    assert ChatTemplate("{{ messages | length }}").variables == {}
+
+
 def test_template_variables_reach_the_template_and_bad_ones_are_named():
     template = ChatTemplate("{{ greeting }} {% for m in messages %}{{ m['content'] }}{% endfor %}")
     assert template.with_variables({"greeting": "Hello"}).render([{"role": "user", "content": "x"}]) == "Hello x"
