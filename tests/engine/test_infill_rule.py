@@ -15,10 +15,8 @@ the same check. Greedy runs are unchanged by the rule.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
-from collections import Counter
 from collections.abc import Sequence
 
 import numpy as np
@@ -28,12 +26,11 @@ import specrun.drafters.draft_model
 import specrun.engine.passes
 import specrun.sampling
 from fake_models import hashed_logits
-from lossless_harness import ALPHA, chi_square_p, impossible
+from lossless_harness import window_problems
 from oracle import distribution, joint_of
 from specrun.backends.fake import FakeBackend
 from specrun.drafters.methods import DrafterOptions, build_drafter
 from specrun.engine.loop import GenerationParams, SpeculativeEngine
-from specrun.engine.stats import Stats
 from specrun.sampling import InfillVocab, SamplingSettings, end_of_turn_id, infill_rule, probabilities, sample
 
 
@@ -250,34 +247,13 @@ def _joint() -> dict[tuple[int, ...], float]:
     return joint_of(_p_target_under_the_rule, PROMPT, WINDOW)
 
 
-def _sampled(branches: int = 0, chain_rule: str = "block") -> tuple[Counter, int, int]:
-    """RUNS windows of a draft model's drafts, sampled under SETTINGS: the outputs' counts, and
-    the drafts made and accepted."""
+def _sampled(branches: int = 0, chain_rule: str = "block") -> tuple[list[str], int, int]:
+    """RUNS windows of a draft model's drafts, sampled under SETTINGS, against the exact joint
+    under the rule: what is wrong (lossless_harness.window_problems), the drafts made and accepted."""
     drafter = build_drafter("draft", _draft(), DrafterOptions(branches=branches))
     engine = SpeculativeEngine(PiecedFake(_target_table(), VOCAB, eos_ids=[EOS]), drafter, method="draft")
     engine.passes.chain_rule = chain_rule
-    counts: Counter = Counter()
-    drafted = accepted = 0
-    for seed in range(RUNS):
-        params = GenerationParams(WINDOW, draft_len=DRAFT_LEN, sampling=dataclasses.replace(SETTINGS, seed=seed),
-                                  stop_at_eos=False)
-        for step in engine.steps(list(PROMPT), params, Stats()):
-            drafted += step.n_drafted
-            accepted += step.n_accepted
-        counts[tuple(engine.last_context[len(PROMPT):])] += 1
-    return counts, drafted, accepted
-
-
-def _problems(counts: Counter) -> list[str]:
-    joint = _joint()
-    problems = []
-    never = impossible(counts, joint)
-    if never:
-        problems.append(f"{sum(counts[seq] for seq in never)} outputs the rule never makes, e.g. {never[0]}")
-    p_value = chi_square_p(counts, joint, RUNS)
-    if p_value < ALPHA:
-        problems.append(f"chi-square against the exact joint: p = {p_value:.3g}")
-    return problems
+    return window_problems(engine, SETTINGS, PROMPT, WINDOW, _joint(), RUNS, draft_len=DRAFT_LEN)
 
 
 def test_the_exact_joint_is_a_distribution_the_rule_shapes():
@@ -300,8 +276,8 @@ def test_speculation_under_the_rule_samples_as_plain_decoding_under_it(branches,
         return verify_tree(self, last_token, proposal, *args)
 
     monkeypatch.setattr(specrun.engine.passes.TargetPasses, "_verify_tree", recording)
-    counts, drafted, accepted = _sampled(branches, chain_rule)
-    assert _problems(counts) == []
+    problems, drafted, accepted = _sampled(branches, chain_rule)
+    assert problems == []
     assert 0 < accepted < drafted
     assert bool(trees) == bool(branches)
 
@@ -339,7 +315,7 @@ def _drafter_draws_from_the_rule_reports_its_row(monkeypatch):
                                     _drafter_draws_from_the_rule_reports_its_row])
 def test_wrong_variants_fail_the_same_check(mutant, monkeypatch):
     mutant(monkeypatch)
-    assert _problems(_sampled()[0]) != []
+    assert _sampled()[0] != []
 
 
 def test_the_draft_model_s_rows_follow_the_rule_so_it_accepts_more_and_stays_exact(monkeypatch):
@@ -349,8 +325,8 @@ def test_the_draft_model_s_rows_follow_the_rule_so_it_accepts_more_and_stays_exa
     accepted on code against 0.46, docs/perf.md 3(q))."""
     _, drafted, accepted = _sampled()
     _plain_draft_rows(monkeypatch)
-    counts, plain_drafted, plain_accepted = _sampled()
-    assert _problems(counts) == []  # exact with either row
+    problems, plain_drafted, plain_accepted = _sampled()
+    assert problems == []  # exact with either row
     assert accepted / drafted > plain_accepted / plain_drafted
 
 
