@@ -599,7 +599,8 @@ class OpenAIServer:
         return await self._whole(request, job, first)
 
     @staticmethod
-    async def _collected(request, job: Job, renamed=None, thinking: list | None = None) -> tuple[str, tuple, list, Done]:
+    async def _collected(request, job: Job, renamed=None,
+                         thinking: list | None = None) -> tuple[str, tuple, list, Done]:
         """A whole answer's text, calls, logprobs and end; a failure raised (``renamed``: named as
         the endpoint's client wrote the field). ``thinking``: gets the answer's thinking, where read apart."""
         texts, calls, logprobs = [], (), []

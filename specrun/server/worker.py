@@ -51,7 +51,8 @@ from specrun.server.requests import (
     CompletionRequest, RequestError, check_token_ids, conversation_refused, forbids, invalid_value, with_bias_texts,
 )
 from specrun.sessions.reasoning import (
-    ReasoningSplit, budget_rule, closes_thinking, forbidden_forced, grammar_after_thinking, opens_thinking, shown_tags, thinking_tags,
+    ReasoningSplit, budget_rule, closes_thinking, forbidden_forced, grammar_after_thinking, opens_thinking,
+    shown_tags, thinking_tags,
 )
 from specrun.sessions.setup import TreeSettings, ctx_fix
 from specrun.sessions.tools import ToolCall, ToolStyle, ToolTemplateError, render_conversation, style_for

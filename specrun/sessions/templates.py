@@ -188,7 +188,8 @@ def _refusal(what: str) -> ChatTemplateError:
 # (``--chat-template-kwargs``, a request's ``chat_template_kwargs``) may not take one.
 RENDERING_NAMES = ("messages", "add_generation_prompt", "bos_token", "eos_token", "tools", "raise_exception",
                    "strftime_now")
-JINJA_NAMES = ("range", "dict", "lipsum", "cycler", "joiner", "namespace")  # Jinja's globals (Qwen3's calls namespace())
+# Jinja's own globals, which templates call (Qwen3's calls namespace())
+JINJA_NAMES = ("range", "dict", "lipsum", "cycler", "joiner", "namespace")
 
 
 def template_variables_problem(variables: Any) -> str:
