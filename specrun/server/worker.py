@@ -51,8 +51,8 @@ from specrun.server.requests import (
     CompletionRequest, RequestError, check_token_ids, conversation_refused, forbids, invalid_value, with_bias_texts,
 )
 from specrun.sessions.reasoning import (
-    ReasoningSplit, budget_rule, closes_thinking, forbidden_forced, grammar_after_thinking, opens_thinking,
-    shown_tags, thinking_tags,
+    ReasoningSplit, budget_rule, closes_thinking, forbidden_forced, generation_prompt, grammar_after_thinking,
+    opens_thinking, shown_tags, thinking_tags,
 )
 from specrun.sessions.setup import TreeSettings, ctx_fix
 from specrun.sessions.tools import ToolCall, ToolStyle, ToolTemplateError, render_conversation, style_for
@@ -962,7 +962,7 @@ class PairWorker:
                 raise RequestError(exc.one_line(), "tools", code="invalid_value") from None
             prompt_ids = tokenize_rendered(target, template, text, spans)
             # the generation prompt: the text after the last message's (DeepSeek-R1's ends in <think>)
-            tags, tail = thinking_tags(template), text[spans[-1][1]:] if spans else text
+            tags, tail = thinking_tags(template), generation_prompt(text, spans)
             job.opens_thinking, job.closes_thinking = opens_thinking(tags, tail), closes_thinking(tags, tail)
         else:
             if not isinstance(request.prompt, str):

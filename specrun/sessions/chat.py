@@ -81,8 +81,8 @@ from specrun.drafters.methods import (
 from specrun.engine.stats import Stats
 from specrun.grammar import Grammar
 from specrun.sessions.reasoning import (
-    ReasoningSplit, budget_rule, check_forced_allowed, grammar_after_thinking, opens_thinking, shown_tags,
-    split_reasoning, thinking_tags,
+    ReasoningSplit, budget_rule, check_forced_allowed, generation_prompt, grammar_after_thinking, opens_thinking,
+    shown_tags, thinking_tags,
 )
 from specrun.sessions.templates import ChatTemplate, tokenize_rendered
 from specrun.sessions.trace import TraceFile
@@ -390,18 +390,22 @@ class ChatSession:
         split = ReasoningSplit(self.thinking, self._opened_thinking) if self.thinking is not None and (
             params.grammar is None or params.grammar.spec.thought is not None) else None
         result: GenerationResult | None = None
+        read: dict[bool, list[str]] = {True: [], False: []}  # the thinking's pieces, and the answer's
         stream = self.stream(prompt_ids, params)
         try:
             for event in stream:
                 if isinstance(event, TextChunk):
-                    yield from _read_apart(split, decoder.spans(event))
+                    for piece in _read_apart(split, decoder.spans(event)):
+                        read[piece.thinking].append(piece.text)
+                        yield piece
                 elif isinstance(event, Finished):
                     result = event.result
         finally:
             stream.close()  # an interrupted answer: the stream repairs the caches as it closes
-        yield from _read_apart(split, decoder.flush(), end=True)
-        thought, answer = split_reasoning(result.text, self.thinking, self._opened_thinking) \
-            if split is not None else ("", result.text)
+        for piece in _read_apart(split, decoder.flush(), end=True):
+            read[piece.thinking].append(piece.text)
+            yield piece
+        thought, answer = ("".join(read[True]), "".join(read[False])) if split is not None else ("", result.text)
         if result.finish_reason == "context":
             yield ContextFullNotice(
                 f"the context of {self.target.n_ctx} tokens is full, so the answer stops here; "
@@ -549,7 +553,7 @@ class ChatSession:
         conversation = self._with_system(messages)
         # The template's markers (<|im_start|>) become their tokens; what was typed stays text.
         text, spans = render_conversation(self.template, conversation, self.tools)
-        self._opened_thinking = opens_thinking(self.thinking, text[spans[-1][1]:] if spans else text)
+        self._opened_thinking = opens_thinking(self.thinking, generation_prompt(text, spans))
         seen = self.transcript
         if seen.token_ids and text.startswith(seen.text):
             added = tokenize_rendered(self.target, self.template, text, spans, start=len(seen.text))

@@ -23,7 +23,7 @@ from specrun.control.gate import SpeculationGate
 from specrun.errors import AnswerKeptError, SpecrunError
 from specrun.grammar import Grammar, GrammarSpec
 from specrun.sessions.reasoning import (
-    budget_rule, check_forced_allowed, grammar_after_thinking, opens_thinking, shown_tags, thinking_tags,
+    budget_rule, check_forced_allowed, generation_prompt, grammar_after_thinking, opens_thinking, shown_tags, thinking_tags,
 )
 from specrun.sessions.templates import ChatTemplate, render_with_spans, tokenize_rendered
 from specrun.sessions.trace import TraceFile
@@ -102,7 +102,7 @@ def _thinking_rules(target, request: GenerateRequest, prompt_ids: list[int],
     if tags is None:
         return request.sampling, {}, grammar
     text, spans = render_with_spans(template, [{"role": "user", "content": request.prompt}])
-    opened = opens_thinking(tags, text[spans[-1][1]:] if spans else text)
+    opened = opens_thinking(tags, generation_prompt(text, spans))
     sampling = request.sampling
     budget, message = request.reasoning_budget
     if budget >= 0:

@@ -73,6 +73,12 @@ def thinking_tags(template: ChatTemplate) -> ThinkTags | None:
     return None
 
 
+def generation_prompt(text: str, spans) -> str:
+    """A rendered conversation's text after its last message's content (``spans``: render_with_spans'):
+    the generation prompt, where a template opens or closes the thinking block."""
+    return text[spans[-1][1]:] if spans else text
+
+
 def opens_thinking(tags: ThinkTags | None, tail: str) -> bool:
     """Does ``tail``, the prompt after its last message, leave a thinking block open (the answer
     begins inside it)? Qwen3's ``<think>\\n\\n</think>`` (thinking off) closes it."""
