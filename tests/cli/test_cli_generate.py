@@ -83,7 +83,8 @@ def test_json_output_has_text_and_stats(backend_pair):
                 "tokens_per_second", "method", "draft_len"):
         assert key in stats
     assert stats["new_tokens"] == 20 and stats["method"] == "auto" and stats["draft_len"] == 3  # auto: the default
-    assert stats["drafted"] > 0 and stats["acceptance_rate"] == pytest.approx(stats["accepted"] / stats["drafted"])
+    assert stats["drafted"] > 0  # the rate as written: to six places
+    assert stats["acceptance_rate"] == round(stats["accepted"] / stats["drafted"], 6)
     assert isinstance(payload["text"], str)
 
 

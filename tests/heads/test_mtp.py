@@ -526,9 +526,49 @@ def _bound_drafter(backend, path, **options) -> tuple[KVSequence, MtpDrafter]:
     return sequence, drafter
 
 
-def _trees_of(backend, path, branches: int = 3):
-    """The drafter's greedy trees (tokens, parents) from contexts of every prompt, as chains_against_llama_cpp feeds them."""
+def _trees_of(backend, path, branches: int = 3, grown: list | None = None):
+    """The drafter's greedy trees (tokens, parents) from contexts of every prompt, as
+    chains_against_llama_cpp feeds them; ``grown`` (if given) gets each tree's scores, as
+    ``_path_scores`` reads them."""
+    from specrun.drafters.dynamic_tree import DraftTree
+
     trees = []
+    order = DraftTree.proposal_order
+
+    def recorded(tree, *args):
+        if grown is not None:
+            grown.append(_path_scores(tree))
+        return order(tree, *args)
+
+    DraftTree.proposal_order = recorded
+    try:
+        _grow_trees(backend, path, branches, trees)
+    finally:
+        DraftTree.proposal_order = order
+    return trees
+
+
+def _path_scores(tree) -> dict[tuple[int, ...], float]:
+    """A dynamic tree's nodes by their path of draft ids: each the log of its path's probability."""
+    return {tuple(tree.path(node)): score for node, score in enumerate(tree.scores)}
+
+
+def _paths(tokens: list[int], parents: list[int]) -> list[tuple[int, ...]]:
+    """Each proposed node's path of tokens from the root."""
+    paths: list[tuple[int, ...]] = []
+    for token, parent in zip(tokens, parents):
+        paths.append((*(paths[parent] if parent >= 0 else ()), token))
+    return paths
+
+
+# The log of a path's probability as llama.cpp and NumPy compute it: llama.cpp multiplies float16
+# matrices by activations rounded to float16, and these random layers' logits are wide (seen: at
+# most 0.1 apart down five levels, 0.02 for nine nodes in ten)
+SCORE_ROUNDING = 0.15
+
+
+def _grow_trees(backend, path, branches: int, trees: list) -> None:
+    """``_trees_of``'s trees, each added to ``trees``."""
     for prompt in PROMPTS:
         context = backend.tokenize(prompt)
         sequence, drafter = _bound_drafter(backend, path, branches=branches)
@@ -540,15 +580,31 @@ def _trees_of(backend, path, branches: int = 3):
                 trees.append((list(proposal.tokens), list(proposal.parents or ())))
         finally:
             drafter.close()
-    return trees
 
 
-def test_native_trees_are_the_numpy_layer_s_trees(carrier, monkeypatch):
+@pytest.fixture(scope="module")
+def steady_deepseek(tmp_path_factory) -> Path:
+    """DeepSeek's random layout (``deepseek2``) whose MTP block routes every node of
+    ``_trees_of``'s trees by a margin (8e-3) float16's rounding does not cross: the random
+    model's (seed 0) routes one node between two experts 2e-4 apart, which either kernel decides
+    its own way (and everything grown below it)."""
+    from mtp_models import DeepseekShape, deepseek_weights, write_deepseek_gguf
+
+    shape = DeepseekShape()
+    return write_deepseek_gguf(tmp_path_factory.mktemp("steady") / "deepseek-mtp.gguf", shape,
+                               deepseek_weights(shape, seed=36))
+
+
+def test_native_trees_are_the_numpy_layer_s_trees(carrier, carriers, steady_deepseek, monkeypatch):
     """Greedy trees grown in llama.cpp's MTP context (each node in a sequence of its own, made from
-    its parent's) are the NumPy layer's, node for node; its tree sequences are emptied after each."""
+    its parent's) are the NumPy layer's, node for node, but where two nodes' paths are as likely up
+    to rounding (kernels that batch otherwise, AVX2's, round otherwise); its tree sequences are
+    emptied after each."""
     from specrun.backends.llama import LlamaCppBackend
     from specrun.backends.llama_mtp import NativeMtp
 
+    if carrier == carriers["deepseek2"]:
+        carrier = steady_deepseek
     backend = LlamaCppBackend(carrier, n_ctx=256, n_threads=1, tree_paths=8)
     rows = []
     tree_rows = NativeMtp.tree_rows
@@ -557,7 +613,8 @@ def test_native_trees_are_the_numpy_layer_s_trees(carrier, monkeypatch):
         native = backend.native_mtp()
         # sequences for trees only where the target holds trees (a hybrid's does not: none reserved)
         assert native is not None and (native.tree_seqs > 0) == backend.tree_support.available
-        natively = _trees_of(backend, carrier)
+        native_scores, numpy_scores = [], []
+        natively = _trees_of(backend, carrier, grown=native_scores)
         if not backend.tree_support.available:  # a hybrid's state holds no tree: chains, natively
             assert not rows and all(len(tokens) <= 5 for tokens, _ in natively)
             return
@@ -565,11 +622,24 @@ def test_native_trees_are_the_numpy_layer_s_trees(carrier, monkeypatch):
         lib = native._lib
         assert all(lib.llama_memory_seq_pos_max(native._memory, seq) == -1 for seq in range(1, 40))
         monkeypatch.setattr(backend, "native_mtp", lambda: None)
-        in_numpy = _trees_of(backend, carrier)
+        in_numpy = _trees_of(backend, carrier, grown=numpy_scores)
     finally:
         backend.close()
     assert all(len(tokens) > 5 for tokens, _ in natively)  # trees, not chains
-    assert natively == in_numpy
+    assert len(native_scores) == len(numpy_scores) == len(natively) == len(in_numpy)
+    for ours, theirs, our_scores, their_scores in zip(natively, in_numpy, native_scores, numpy_scores):
+        for node_path in our_scores.keys() & their_scores.keys():  # every node both grew, as likely
+            assert our_scores[node_path] == pytest.approx(their_scores[node_path], abs=SCORE_ROUNDING)
+        if ours == theirs:
+            continue
+        # the first node told apart: two paths as likely (up to rounding) as each other
+        ours_paths, theirs_paths = _paths(*ours), _paths(*theirs)
+        first = next((i for i, (a, b) in enumerate(zip(ours_paths, theirs_paths)) if a != b), None)
+        assert first is not None, (ours, theirs)  # not one tree a part of the other
+        a, b = ours_paths[first], theirs_paths[first]
+        score_a = their_scores.get(a, our_scores[a])
+        score_b = their_scores.get(b, our_scores[b])
+        assert abs(score_a - score_b) < SCORE_ROUNDING, (ours, theirs)
 
 
 def test_a_native_tree_whose_pass_fails_leaves_no_sequence_behind(glm_mtp, monkeypatch):
