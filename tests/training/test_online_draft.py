@@ -567,8 +567,11 @@ def test_adapters_train_in_a_thread_while_the_draft_model_drafts(mlx_pair):
     assert losses and all(np.isfinite(losses))
 
 
-def greedy_with_and_without(mlx_pair, make_learner, tokens: int) -> tuple[str, str, DraftLearner]:
-    """The tiny llama's greedy text with its looping copy drafting and learning (``make_learner``
+LEARNING_PROMPT = "def f(x):\n    return x\n" * 3
+
+
+def greedy_with_and_without(mlx_pair, make_learner, tokens: int) -> tuple[list[int], list[int], DraftLearner]:
+    """The tiny llama's greedy tokens with its looping copy drafting and learning (``make_learner``
     of the draft backend), and plain decoding's; the learner."""
     from specrun.registry.loading import LoadOptions
     from specrun.sessions.generation import GenerateRequest, generate_text
@@ -585,13 +588,32 @@ def greedy_with_and_without(mlx_pair, make_learner, tokens: int) -> tuple[str, s
 
     learn.draft = learn_draft
 
-    def run(method: str, learn_=None) -> str:
-        request = GenerateRequest("def f(x):\n    return x\n" * 3, target, draft, method=method,
+    def run(method: str, learn_=None) -> list[int]:
+        request = GenerateRequest(LEARNING_PROMPT, target, draft, method=method,
                                   max_new_tokens=tokens, draft_len=4, load=LoadOptions(backend="mlx"), chat=False,
                                   learn=learn_)
-        return generate_text(request).text
+        return generate_text(request).token_ids
 
     return run("draft", learn), run("none"), made[0]
+
+
+def assert_plain_but_at_near_ties(mlx_pair, learned: list[int], plain: list[int]) -> None:
+    """The learning run's tokens are plain decoding's, or part from them only where plain decoding
+    in the output's own context has a near-tie (MLX's kernels round a pass of several tokens
+    apart from one of one: where the drafts fall, which the worker's timing moves, decides)."""
+    if learned == plain:
+        return
+    from specrun.backends.mlx import MlxBackend
+
+    from lossless_harness import greedy_divergences
+
+    fresh = MlxBackend(mlx_pair[0])
+    try:
+        prompt = fresh.tokenize(LEARNING_PROMPT)
+        greedy_divergences(fresh, prompt, plain)  # the prompt as the runs read it: plain's tokens its argmax
+        assert greedy_divergences(fresh, prompt, learned), "the output differs yet is the argmax everywhere"
+    finally:
+        fresh.close()
 
 
 def test_greedy_with_a_learning_mlx_draft_is_plain_decoding(mlx_pair):
@@ -599,7 +621,7 @@ def test_greedy_with_a_learning_mlx_draft_is_plain_decoding(mlx_pair):
     adapters swapped in between passes: the text is plain decoding's."""
     learned, plain, learner = greedy_with_and_without(
         mlx_pair, lambda draft: DraftLearner(draft, learning_rate=1e-2, window=8, inline=True), 96)
-    assert learned == plain
+    assert_plain_but_at_near_ties(mlx_pair, learned, plain)
     report = learner.report()
     assert report.steps > 3 and report.swaps >= 2 and not report.stopped, report.summary()
 
@@ -665,7 +687,7 @@ def test_weights_made_on_the_worker_thread_are_swapped_in_mid_generation(mlx_pai
     monkeypatch.setattr(learner_module, "PUBLISH_SECONDS", 0.0)
     learned, plain, learner = greedy_with_and_without(
         mlx_pair, lambda draft: DraftLearner(draft, LearnSettings(share=1.0), learning_rate=1e-2, window=8), 160)
-    assert learned == plain
+    assert_plain_but_at_near_ties(mlx_pair, learned, plain)
     learner.close()
     report = learner.report()
     assert report.steps > 0 and report.swaps > 0 and not report.stopped, report.summary()
