@@ -54,7 +54,7 @@ demo: $(STAMP)
 # On Linux with OpenBLAS preloaded: MLX's Linux wheel multiplies with the reference BLAS
 # (tools/with_openblas.sh says why, and why that is safe).
 test: $(STAMP) $(SYSTEM)
-	tools/with_openblas.sh $(PY) -m pytest -q --durations=15 -n $(TEST_JOBS) --dist loadfile
+	tools/with_openblas.sh $(PY) -m pytest -q --durations=15 -n $(TEST_JOBS) --dist loadfile --no-loadscope-reorder
 
 clean:
 	rm -rf $(VENV) build *.egg-info

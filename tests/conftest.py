@@ -226,3 +226,36 @@ def pytest_make_collect_report(collector: pytest.Collector):
     report = (yield).get_result()
     if os.environ.get("CI") == "true" and report.skipped:  # a module-level importorskip
         _skip_as_failure(report)
+
+
+# ---- two workers that end together ------------------------------------------------------------
+# make test runs each file on one worker (--dist loadfile) in the order given here
+# (--no-loadscope-reorder): the heaviest files first, each the seconds it took on CI's 2-core
+# machine (2026-12-07), then the rest by their number of tests, as xdist orders them. xdist's own
+# order (by number of tests alone) left the one-test 50,000-window sweep for last: one worker ran
+# it alone while the other sat idle (70 s of a 30-minute run). Stale figures only cost balance.
+HEAVY_FILES = {
+    "tests/engine/test_acceptance.py": 530,
+    "tests/backends/test_backend_engine.py": 270,
+    "tests/sessions/test_real_model.py": 250,
+    "tests/heads/test_mtp_sampling.py": 140,
+    "tests/server/test_serve_parallel_mlx.py": 110,
+    "tests/engine/test_mutations.py": 100,
+    "tests/backends/test_mlx_distributed.py": 100,
+    "tests/trees/test_tree_real_model.py": 90,
+    "tests/engine/test_grammar.py": 90,
+    "tests/engine/test_block_verification.py": 80,
+    "tests/sessions/test_gemma3.py": 80,
+    "tests/backends/test_rpc.py": 80,
+    "tests/trees/test_tree_verify.py": 70,
+    "tests/registry/test_self_draft.py": 60,
+    "tests/server/test_serve_heads.py": 60,
+}
+
+
+def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list) -> None:
+    by_file: dict[str, list] = {}
+    for item in items:
+        by_file.setdefault(item.nodeid.split("::")[0], []).append(item)
+    order = sorted(by_file, key=lambda path: (-HEAVY_FILES.get(path, 0), -len(by_file[path])))
+    items[:] = [item for path in order for item in by_file[path]]

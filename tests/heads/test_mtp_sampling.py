@@ -1,7 +1,7 @@
 """MTP chains and trees at T > 0 keep the target's distribution: the lossless harness's chi-square
 against the oracle's exact joint (tests/lossless_harness.py) on 25,000 windows of 8 sampled tokens
 each for the chain and for the tree, 50,000 windows in all, beside acceptance against its
-expectation. The sweep over every method (test_acceptance.py) runs 2,000 windows of each other
+expectation. The sweep over every method (test_acceptance.py) runs 1,500 windows of each other
 scenario; these two it leaves to this test, whose windows begin with the same seeds
 (lossless_harness.SWEPT_LONGER). The two run side by side in two processes (CI's two cores)."""
 
