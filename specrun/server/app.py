@@ -69,12 +69,14 @@ def speculation_object(stats: Stats) -> dict:
     return stats.to_dict()
 
 
-def usage_object(started: Started, stats: Stats) -> dict:
+def usage_object(started: Started, done: Done) -> dict:
+    stats = done.stats
     return {
         "prompt_tokens": started.prompt_tokens,
         "completion_tokens": stats.new_tokens,
         "total_tokens": started.prompt_tokens + stats.new_tokens,
         "prompt_tokens_details": {"cached_tokens": started.reused_tokens},
+        "completion_tokens_details": {"reasoning_tokens": done.reasoning_tokens},
     }
 
 
@@ -375,7 +377,7 @@ class OpenAIServer:
                   "incomplete_details": {"reason": "max_output_tokens"} if cut else None,
                   "store": False, "truncation": "disabled", **echo,
                   "usage": None if done is None else usage(started.prompt_tokens, started.reused_tokens,
-                                                           done.stats.new_tokens)}
+                                                           done.stats.new_tokens, done.reasoning_tokens)}
         if done is not None:
             answer["speculation"] = speculation_object(done.stats)
         return answer
@@ -640,7 +642,7 @@ class OpenAIServer:
         return JSONResponse({
             **self._header(job, chunk=False),
             "choices": [choice],
-            "usage": usage_object(started, event.stats),
+            "usage": usage_object(started, event),
             "speculation": speculation_object(event.stats),
         })
 
@@ -715,7 +717,7 @@ class OpenAIServer:
                     yield _sse_data(last)
                     if job.request.include_usage:
                         yield _sse_data({**self._header(job, chunk=True), "choices": [],
-                                         "usage": usage_object(started, event.stats)})
+                                         "usage": usage_object(started, event)})
                     break
             yield "data: [DONE]\n\n"
         finally:

@@ -301,9 +301,9 @@ def _text_format(text):
 
 
 # ---- answers --------------------------------------------------------------------------
-def usage(prompt_tokens: int, cached: int, output_tokens: int) -> dict:
+def usage(prompt_tokens: int, cached: int, output_tokens: int, reasoning_tokens: int = 0) -> dict:
     return {"input_tokens": prompt_tokens, "input_tokens_details": {"cached_tokens": cached},
-            "output_tokens": output_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+            "output_tokens": output_tokens, "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
             "total_tokens": prompt_tokens + output_tokens}
 
 

@@ -51,8 +51,8 @@ from specrun.server.requests import (
     CompletionRequest, RequestError, check_token_ids, conversation_refused, forbids, invalid_value, with_bias_texts,
 )
 from specrun.sessions.reasoning import (
-    ReasoningSplit, budget_rule, closes_thinking, forbidden_forced, generation_prompt, grammar_after_thinking,
-    opens_thinking, shown_tags, thinking_tags,
+    ReasoningSplit, ThinkingTokens, budget_rule, closes_thinking, forbidden_forced, generation_prompt,
+    grammar_after_thinking, opens_thinking, shown_tags, thinking_tags,
 )
 from specrun.sessions.setup import TreeSettings, ctx_fix
 from specrun.sessions.tools import ToolCall, ToolStyle, ToolTemplateError, render_conversation, style_for
@@ -361,6 +361,7 @@ class Done:
     stats: Stats
     stopped_by: str = ""
     stopping_word: str = ""
+    reasoning_tokens: int = 0  # of stats.new_tokens, the thinking's (ThinkingTokens)
 
 
 @dataclass(frozen=True)
@@ -684,6 +685,7 @@ class PairWorker:
             if job.request.indent or job.request.line_seconds else None
         tool_cut = self._tool_cut(job.request)
         split = self._reasoning_split(job, grammar)
+        thinking = self._thinking_tokens(job)
         tokens = from_draft = 0
         first_sent = False
         logprobs = _HeldLogprobs()  # the tokens' since the last Delta, each sent with the text it began
@@ -721,6 +723,9 @@ class PairWorker:
                     return
                 if isinstance(event, TextChunk):
                     tokens += len(event.token_ids)
+                    if thinking is not None:
+                        thinking.feed(params.shown_tokens.get(token) or session.target.token_bytes(token)
+                                      for token in event.token_ids)
                     from_draft += sum(event.from_draft)
                     logprobs.add(self._shown(entry, params.shown_tokens) for entry in event.logprobs)
                     text = cut.feed(event.text)
@@ -742,7 +747,8 @@ class PairWorker:
                     if ended_by:
                         self._let_go(job, split, tool_cut)
                         self._finish(job, "length" if ended_by == "time" else "stop", event.stats, tool_cut, trace,
-                                     slot, logprobs.release(), stopped_by=ended_by, word=cut.word)
+                                     slot, logprobs.release(), stopped_by=ended_by, word=cut.word,
+                                     reasoning_tokens=thinking.count if thinking is not None else 0)
                         return
                 elif isinstance(event, Finished):
                     tail = cut.flush()
@@ -760,7 +766,8 @@ class PairWorker:
                     ended_by = limits.stopped if limits is not None else ""
                     self._finish(job, _FINISH_REASONS[event.result.finish_reason], event.result.stats, tool_cut,
                                  trace, slot, stopped_by=ended_by or ("context" if event.result.finish_reason
-                                                                      == "context" else ""))
+                                                                      == "context" else ""),
+                                 reasoning_tokens=thinking.count if thinking is not None else 0)
         except Exception as exc:  # noqa: BLE001 - the server keeps serving; the request learns what failed
             self.metrics.finished(job, "error", None)
             message = exc.one_line() if isinstance(exc, SpecrunError) else f"{type(exc).__name__}: {exc}"
@@ -784,6 +791,12 @@ class PairWorker:
             return None
         tags = thinking_tags(self.session.template)
         return None if tags is None else ReasoningSplit(tags, job.opens_thinking)
+
+    def _thinking_tokens(self, job: Job) -> ThinkingTokens | None:
+        """What counts a chat answer's thinking tokens (usage's reasoning_tokens), whatever the
+        request's reasoning_format shows; None where the model thinks between no tags."""
+        tags = thinking_tags(self.session.template) if job.request.is_chat else None
+        return None if tags is None else ThinkingTokens(tags, job.opens_thinking)
 
     def _reasoning_budget(self, job: Job, session, prompt_ids: list[int]):
         """The request's reasoning budget as a rule on the rows (sessions/reasoning.budget_rule); None
@@ -860,10 +873,10 @@ class PairWorker:
 
     def _finish(self, job: Job, finish_reason: str, stats: Stats, tool_cut: ToolCallCut | None = None,
                 trace: RequestTrace | None = None, slot: int = 0, logprobs: tuple = (), stopped_by: str = "",
-                word: str = "") -> None:
+                word: str = "", reasoning_tokens: int = 0) -> None:
         """The answer's end; ``logprobs``: the entries of tokens whose text the tool cut held (a stop
         string fired while it held them), sent with the text it lets go; ``stopped_by`` and ``word``:
-        where the server ended it (Done)."""
+        where the server ended it, and ``reasoning_tokens`` how many of its tokens were thinking (Done)."""
         if tool_cut is not None:
             cut = finish_reason == "length"
             tail, calls = tool_cut.finish(cut)
@@ -877,7 +890,7 @@ class PairWorker:
         self.served += 1
         self.metrics.finished(job, finish_reason, stats)
         self.jobs.answered(slot)  # idle before its client hears: a next turn sent at once finds this slot
-        job.emit(Done(finish_reason, stats, stopped_by, word))
+        job.emit(Done(finish_reason, stats, stopped_by, word, reasoning_tokens))
         self.log(f"{job.id}: {finish_reason}; {stats.summary()}")
 
     def _shown(self, entry: TokenLogprob, shown: dict[int, bytes]) -> tuple[TokenChoice, tuple[TokenChoice, ...]]:

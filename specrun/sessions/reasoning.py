@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from specrun.grammar import GrammarSpec
@@ -178,6 +178,42 @@ class ReasoningSplit:
         if self._state == "before":
             return "", held
         return "", held.lstrip() if self._state == "after" else held
+
+
+class ThinkingTokens:
+    """How many of an answer's tokens are its thinking (OpenAI's ``reasoning_tokens``), counted as
+    they come from their texts: the block's tokens up to and including the one that completes its
+    closing tag (the opening tag and any whitespace before it too); all of them while the block is
+    open (an answer cut inside it); none where the answer writes no block. ``open``: the prompt
+    opened the block (``opens_thinking``). The block read as ReasoningSplit reads it: the first
+    closing tag ends it, and an answer that begins with anything but the opening tag has none."""
+
+    def __init__(self, tags: ThinkTags, open: bool = False) -> None:
+        self._start, self._end = tags.start.encode(), tags.end.encode()
+        self._state = "thinking" if open else "before"  # before | thinking | done
+        self._text = b""  # what may still hold a tag: the answer's start, or a closing tag's first bytes
+        self.count = 0
+
+    def feed(self, pieces: Iterable[bytes]) -> None:
+        """The next tokens' texts, in order."""
+        for piece in pieces:
+            if self._state == "done":
+                return
+            self.count += 1
+            self._text += piece
+            if self._state == "before":
+                begun = self._text.lstrip()
+                if begun.startswith(self._start):
+                    self._state, self._text = "thinking", begun[len(self._start):]
+                elif self._start.startswith(begun):  # whitespace, or the tag's first bytes
+                    continue
+                else:  # no block: nothing of the answer is thinking
+                    self._state, self.count = "done", 0
+                    return
+            if self._end in self._text:
+                self._state = "done"
+                return
+            self._text = self._text[-(len(self._end) - 1):] if len(self._end) > 1 else b""
 
 
 def split_reasoning(text: str, tags: ThinkTags | None, open: bool = False) -> tuple[str, str]:

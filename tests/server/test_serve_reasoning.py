@@ -274,3 +274,36 @@ def test_responses_items_give_their_thinking_to_their_own_turn():
     parsed, _ = parse_responses_request({"input": [{"role": "user", "content": "Hi"}, thought,
                                                    {"role": "assistant", "content": "Hello."}]}, ServeDefaults(), 2048)
     assert parsed.messages[1] == {"role": "assistant", "content": "Hello.", "reasoning_content": "Call it."}
+
+
+def test_usage_counts_the_thinking_s_tokens(thinking_server):
+    """OpenAI's completion_tokens_details.reasoning_tokens (the Responses API's
+    output_tokens_details): the answer's tokens up to and including its closing tag, whatever the
+    reasoning_format shows, whole or streamed; all of them while the block is open; none where
+    the answer does not think."""
+    closed = {"messages": HI, "temperature": 0, "reasoning_budget_tokens": 3, "reasoning_budget_message": " Enough."}
+    status, body = thinking_server.post("/v1/chat/completions", {**closed, "reasoning_format": "none",
+                                                                 "logprobs": True})
+    assert status == 200, body
+    tokens = [entry["token"] for entry in body["choices"][0]["logprobs"]["content"]]
+    thinking = tokens.index("</think>") + 1  # the 3 budgeted, the message's, the tag
+    assert 3 + 1 < thinking < body["usage"]["completion_tokens"], tokens
+    assert body["usage"]["completion_tokens_details"] == {"reasoning_tokens": thinking}
+    for fields in ({}, {"reasoning_format": "deepseek-legacy"}):
+        status, answer = thinking_server.post("/v1/chat/completions", {**closed, **fields})
+        assert status == 200 and answer["usage"]["completion_tokens_details"]["reasoning_tokens"] == thinking, answer
+    client, model = thinking_server.client(), _model(thinking_server)
+    stream = client.chat.completions.create(model=model, messages=HI, stream=True, temperature=0,
+                                            stream_options={"include_usage": True},
+                                            extra_body={key: closed[key] for key in closed if key.startswith("reasoning")})
+    assert [chunk.usage for chunk in stream][-1].completion_tokens_details.reasoning_tokens == thinking
+    open_to_the_end = thinking_server.post("/v1/chat/completions", {"messages": HI})[1]["usage"]
+    assert open_to_the_end["completion_tokens_details"]["reasoning_tokens"] == open_to_the_end["completion_tokens"]
+    assert open_to_the_end["completion_tokens"] > 0
+    off = thinking_server.post("/v1/chat/completions", {"messages": HI, "reasoning_effort": "none"})[1]["usage"]
+    assert off["completion_tokens_details"] == {"reasoning_tokens": 0} and off["completion_tokens"] > 0
+    thought = client.responses.create(model=model, input="Hi there").usage
+    assert thought.output_tokens_details.reasoning_tokens == thought.output_tokens > 0
+    plain = client.responses.create(model=model, input="Hi there", reasoning={"effort": "none"}).usage
+    assert plain.output_tokens_details.reasoning_tokens == 0 and plain.output_tokens > 0
+

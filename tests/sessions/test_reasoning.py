@@ -11,7 +11,7 @@ import pytest
 
 from model_factory import THINKING_TEMPLATE
 from specrun.sessions.reasoning import (
-    THINK_TAGS, ReasoningSplit, ThinkTags, opens_thinking, split_reasoning, thinking_tags,
+    THINK_TAGS, ReasoningSplit, ThinkingTokens, ThinkTags, opens_thinking, split_reasoning, thinking_tags,
 )
 from specrun.sessions.templates import FALLBACK_TEMPLATE, ChatTemplate, template_variables_problem
 from specrun.sessions.tools import STYLES, render_conversation
@@ -223,3 +223,22 @@ def test_a_grammar_holds_the_answer_after_the_thinking(thinking_model):
         assert not _walk(worded, backend, "a </t>x")  # the first closing tag ends it
     finally:
         backend.close()
+
+
+@pytest.mark.parametrize("pieces, opened, thinking", [
+    (["<think>", "a", "b", "</th", "ink>", "\n\n", "Hi"], False, 5),  # the tag across two tokens
+    (["\n", "<th", "ink>", "a", "</think>", "Hi"], False, 5),  # whitespace, then the tag across two
+    (["a", "b", "</think>", "c"], True, 3),  # the prompt opened it
+    (["<think>", "a", "b"], False, 3),  # cut inside: every token
+    (["a", "b"], True, 2),
+    (["<think>a</think>b"], False, 1),  # one token holds the block
+    (["Hi", "<think>", "a", "</think>"], False, 0),  # an answer that begins elsewhere has none
+    ([" ", "<", "x"], False, 0),  # a tag's beginning, then not the tag
+    (["<think>", "a", "</think>", "<think>", "b", "</think>"], False, 3),  # a tag later is the answer's
+    ([], False, 0),
+])
+def test_the_thinking_s_tokens_are_counted_to_its_closing_tag(pieces, opened, thinking):
+    counter = ThinkingTokens(ThinkTags("<think>", "</think>"), opened)
+    counter.feed(piece.encode() for piece in pieces[:2])  # in several calls, as a stream feeds it
+    counter.feed(piece.encode() for piece in pieces[2:])
+    assert counter.count == thinking
