@@ -308,8 +308,11 @@ def generate(
                     except AnswerKeptError as exc:
                         result, kept = exc.result, exc
                     learned = learning.finish() if learning is not None else []
-                    answer = {"text": result.text, "finish_reason": result.finish_reason,
-                              "stats": result.stats.to_dict()}
+                    # a reasoning model's answer and thinking read apart, as chat --json gives them
+                    answer = {"text": result.content if result.content is not None else result.text,
+                              "finish_reason": result.finish_reason, "stats": result.stats.to_dict()}
+                    if result.reasoning:
+                        answer["reasoning_content"] = result.reasoning
                     if result.grammar_problem:
                         answer["grammar_problem"] = result.grammar_problem
                     if tool_list:

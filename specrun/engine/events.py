@@ -64,6 +64,10 @@ class GenerationResult:
     tool_call_cut: bool = False  # the answer stopped (max tokens, context) inside a call, which was left out
     grammar_problem: str = ""  # finish_reason "grammar": why the grammar stopped the answer
     context_fix: str = ""  # finish_reason "context": how a longer answer gets room (sessions/setup.ctx_fix)
+    # a reasoning model's chat answer read apart (sessions/reasoning.py): its thinking, and the
+    # answer after it (None: the whole text is the answer, a model that thinks between no tags)
+    reasoning: str = ""
+    content: str | None = None
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,8 @@ from specrun.control.gate import SpeculationGate
 from specrun.errors import AnswerKeptError, SpecrunError
 from specrun.grammar import Grammar, GrammarSpec
 from specrun.sessions.reasoning import (
-    budget_rule, check_forced_allowed, generation_prompt, grammar_after_thinking, opens_thinking, shown_tags, thinking_tags,
+    ThinkTags, budget_rule, check_forced_allowed, generation_prompt, grammar_after_thinking, opens_thinking, shown_tags,
+    split_reasoning, thinking_tags,
 )
 from specrun.sessions.templates import ChatTemplate, render_with_spans, tokenize_rendered
 from specrun.sessions.trace import TraceFile
@@ -92,15 +93,16 @@ def tool_prompt(target, request: GenerateRequest) -> tuple[list[int], GrammarSpe
     return tokenize_rendered(target, template, text, spans), grammar
 
 
-def _thinking_rules(target, request: GenerateRequest, prompt_ids: list[int],
-                    grammar: GrammarSpec | None) -> tuple[SamplingSettings, dict, GrammarSpec | None]:
+def _thinking_rules(target, request: GenerateRequest, prompt_ids: list[int], grammar: GrammarSpec | None
+                    ) -> tuple[SamplingSettings, dict, GrammarSpec | None, tuple[ThinkTags, bool] | None]:
     """For a reasoning model's chat prompt (sessions/reasoning.py): the sampling settings with
     --reasoning-budget's rule, its thinking tags that are control tokens (shown in the text, as
-    llama-cli shows them), and the grammar held after the thinking."""
+    llama-cli shows them), the grammar held after the thinking, and its tags with whether the
+    prompt opened the block (None: the model thinks between no tags)."""
     template = ChatTemplate.for_backend(target).with_variables(request.template_variables)
     tags = thinking_tags(template)
     if tags is None:
-        return request.sampling, {}, grammar
+        return request.sampling, {}, grammar, None
     text, spans = render_with_spans(template, [{"role": "user", "content": request.prompt}])
     opened = opens_thinking(tags, generation_prompt(text, spans))
     sampling = request.sampling
@@ -111,7 +113,7 @@ def _thinking_rules(target, request: GenerateRequest, prompt_ids: list[int],
         check_forced_allowed(sampling)
     if grammar is not None:
         grammar = grammar_after_thinking(grammar, target, tags, opened)
-    return sampling, shown_tags(target, tags), grammar
+    return sampling, shown_tags(target, tags), grammar, (tags, opened)
 
 
 def generate_text(request: GenerateRequest, on_text: Callable[[str], None] | None = None) -> GenerationResult:
@@ -142,8 +144,8 @@ def generate_text(request: GenerateRequest, on_text: Callable[[str], None] | Non
             prompt_ids = prompt_token_ids(target, request.prompt, chat, request.template_variables)
             grammar = request.grammar
         check_prompt(prompt_ids, target.n_ctx, ctx_fix(target, "shorten the prompt"))
-        sampling, shown, grammar = _thinking_rules(target, request, prompt_ids, grammar) if chat or request.tools \
-            else (request.sampling, {}, grammar)
+        sampling, shown, grammar, thinking = _thinking_rules(target, request, prompt_ids, grammar) \
+            if chat or request.tools else (request.sampling, {}, grammar, None)
         # The input is good: flash attention by what it costs here (a first run measures it and
         # notes so after the answer), which also picks the tuning key of the run's stored costs.
         kernel_notes: list[str] = []
@@ -228,11 +230,14 @@ def generate_text(request: GenerateRequest, on_text: Callable[[str], None] | Non
                 if request.on_note is not None:
                     for note in kernel_notes:
                         request.on_note(note)
-                if request.tools and request.tool_choice.mode != "none":
+                if thinking is not None:
+                    event.result.reasoning, event.result.content = split_reasoning(event.result.text, *thinking)
+                if request.tools and request.tool_choice.mode != "none":  # the calls the answer made, after its thinking
                     template = ChatTemplate.for_backend(target)
                     names = [tool.name for tool in request.tools]
+                    answer = event.result.content if event.result.content is not None else event.result.text
                     event.result.tool_calls, event.result.tool_call_cut = style_for(template).read_answer(
-                        event.result.text, names, cut=event.result.finish_reason in CUT_REASONS)
+                        answer, names, cut=event.result.finish_reason in CUT_REASONS)
                 return event.result
         raise AssertionError("stream ended without Finished")
     finally:

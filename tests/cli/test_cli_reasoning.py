@@ -107,20 +107,42 @@ def test_a_chat_under_a_reasoning_budget_answers_alike_whatever_drafts_it(thinki
 
 def test_generate_under_a_reasoning_budget_shows_the_forced_end_and_answers_alike(thinking, tmp_path):
     """generate prints the text as written, the forced message and closing tag in it (the tiny
-    model's tags are control tokens, shown as llama-cli shows them), whatever drafts it; a schema
-    holds what follows the thinking."""
+    model's tags are control tokens, shown as llama-cli shows them), and --json the answer with
+    the thinking beside it (as chat --json), whatever drafts it; a schema holds what follows the
+    thinking."""
     model = thinking[1]
-    texts = []
+    options = ("-t", model, "--threads", "1", "-n", "12", "--reasoning-budget", "3", "--reasoning-budget-message",
+               " So.", "Hi there")
+    answers = []
     for method in ("none", "lookup"):
-        result = invoke("generate", "-t", model, "--method", method, "--threads", "1", "-n", "12", "--json",
-                        "--reasoning-budget", "3", "--reasoning-budget-message", " So.", "Hi there")
+        result = invoke("generate", "--method", method, "--json", *options)
         assert result.exit_code == 0, result.output
-        texts.append(json.loads(result.stdout)["text"])
-    assert " So.</think>" in texts[0] and texts[1] == texts[0]
+        payload = json.loads(result.stdout)
+        answers.append((payload["reasoning_content"], payload["text"]))
+    assert answers[0][0].endswith(" So.") and answers[1] == answers[0]
+    written = invoke("generate", "--method", "none", *options)
+    assert written.exit_code == 0, written.output
+    before, tag, after = written.stdout.partition(" So.</think>")  # as written: the thinking, the tag, the answer
+    assert tag and before.strip() + " So." == answers[0][0] and after.strip() == answers[0][1], written.stdout
     schema = tmp_path / "ok.json"
     schema.write_text('{"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}')
     result = invoke("generate", *thinking, "-n", "40", "--json", "--json-schema", str(schema),
                     "--reasoning-budget", "2", "Hi there")
     assert result.exit_code == 0, result.output
-    thought, _, answer = json.loads(result.stdout)["text"].partition("</think>")
-    assert isinstance(json.loads(answer)["ok"], bool)
+    payload = json.loads(result.stdout)
+    assert payload["reasoning_content"] and isinstance(json.loads(payload["text"])["ok"], bool)
+
+
+def test_generate_reads_the_calls_from_the_answer_after_the_thinking(thinking, tmp_path):
+    """A call written while thinking is no call: generate reads calls from the answer after the
+    thinking, as chat and the server do (here the budget's message writes one into the thinking)."""
+    tools = tmp_path / "tools.json"
+    tools.write_text(json.dumps({"tools": [{"type": "function", "function": {
+        "name": "ping", "parameters": {"type": "object", "properties": {}}}}]}))
+    call = '<tool_call>{"name": "ping", "arguments": {}}</tool_call>'
+    result = invoke("generate", *thinking, "-n", "100", "--json", "--tools", str(tools), "--reasoning-budget", "1",
+                    "--reasoning-budget-message", call, "Hi there")
+    assert result.exit_code == 0, result.output
+    payload = json.loads(result.stdout)
+    assert payload["reasoning_content"].endswith(call) and call not in payload["text"], payload
+    assert payload["tool_calls"] == [], payload
