@@ -218,6 +218,16 @@ def generate_text(request: GenerateRequest, on_text: Callable[[str], None] | Non
                              busy=event.result.stats.busy_passes > 0)
                 if event.result.finish_reason == "context":  # said before a save below can fail
                     event.result.context_fix = ctx_fix(target, "a shorter prompt leaves room for more")
+                # the answer read apart from its thinking, and the calls it made after it (before a save
+                # below can fail: the answer kept then is read the same)
+                if thinking is not None:
+                    event.result.reasoning, event.result.content = split_reasoning(event.result.text, *thinking)
+                if request.tools and request.tool_choice.mode != "none":
+                    template = ChatTemplate.for_backend(target)
+                    names = [tool.name for tool in request.tools]
+                    answer = event.result.content if event.result.content is not None else event.result.text
+                    event.result.tool_calls, event.result.tool_call_cut = style_for(template).read_answer(
+                        answer, names, cut=event.result.finish_reason in CUT_REASONS)
                 if drafter is not None:
                     drafter.finish(engine.last_context)  # the n-gram pool learns the last tokens too
                     closing, drafter = drafter, None
@@ -230,14 +240,6 @@ def generate_text(request: GenerateRequest, on_text: Callable[[str], None] | Non
                 if request.on_note is not None:
                     for note in kernel_notes:
                         request.on_note(note)
-                if thinking is not None:
-                    event.result.reasoning, event.result.content = split_reasoning(event.result.text, *thinking)
-                if request.tools and request.tool_choice.mode != "none":  # the calls the answer made, after its thinking
-                    template = ChatTemplate.for_backend(target)
-                    names = [tool.name for tool in request.tools]
-                    answer = event.result.content if event.result.content is not None else event.result.text
-                    event.result.tool_calls, event.result.tool_call_cut = style_for(template).read_answer(
-                        answer, names, cut=event.result.finish_reason in CUT_REASONS)
                 return event.result
         raise AssertionError("stream ended without Finished")
     finally:

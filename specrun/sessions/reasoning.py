@@ -192,14 +192,19 @@ class ThinkingTokens:
         self._start, self._end = tags.start.encode(), tags.end.encode()
         self._state = "thinking" if open else "before"  # before | thinking | done
         self._text = b""  # what may still hold a tag: the answer's start, or a closing tag's first bytes
-        self.count = 0
+        self._count = 0
+
+    @property
+    def count(self) -> int:
+        """The thinking's tokens so far (none while the answer may yet open the block)."""
+        return 0 if self._state == "before" else self._count
 
     def feed(self, pieces: Iterable[bytes]) -> None:
         """The next tokens' texts, in order."""
         for piece in pieces:
             if self._state == "done":
                 return
-            self.count += 1
+            self._count += 1
             self._text += piece
             if self._state == "before":
                 begun = self._text.lstrip()
@@ -208,7 +213,7 @@ class ThinkingTokens:
                 elif self._start.startswith(begun):  # whitespace, or the tag's first bytes
                     continue
                 else:  # no block: nothing of the answer is thinking
-                    self._state, self.count = "done", 0
+                    self._state, self._count = "done", 0
                     return
             if self._end in self._text:
                 self._state = "done"

@@ -293,9 +293,9 @@ def test_usage_counts_the_thinking_s_tokens(thinking_server):
         status, answer = thinking_server.post("/v1/chat/completions", {**closed, **fields})
         assert status == 200 and answer["usage"]["completion_tokens_details"]["reasoning_tokens"] == thinking, answer
     client, model = thinking_server.client(), _model(thinking_server)
+    budget = {key: closed[key] for key in closed if key.startswith("reasoning")}
     stream = client.chat.completions.create(model=model, messages=HI, stream=True, temperature=0,
-                                            stream_options={"include_usage": True},
-                                            extra_body={key: closed[key] for key in closed if key.startswith("reasoning")})
+                                            stream_options={"include_usage": True}, extra_body=budget)
     assert [chunk.usage for chunk in stream][-1].completion_tokens_details.reasoning_tokens == thinking
     open_to_the_end = thinking_server.post("/v1/chat/completions", {"messages": HI})[1]["usage"]
     assert open_to_the_end["completion_tokens_details"]["reasoning_tokens"] == open_to_the_end["completion_tokens"]
@@ -306,4 +306,3 @@ def test_usage_counts_the_thinking_s_tokens(thinking_server):
     assert thought.output_tokens_details.reasoning_tokens == thought.output_tokens > 0
     plain = client.responses.create(model=model, input="Hi there", reasoning={"effort": "none"}).usage
     assert plain.output_tokens_details.reasoning_tokens == 0 and plain.output_tokens > 0
-

@@ -236,6 +236,8 @@ def test_a_grammar_holds_the_answer_after_the_thinking(thinking_model):
     ([" ", "<", "x"], False, 0),  # a tag's beginning, then not the tag
     (["<think>", "a", "</think>", "<think>", "b", "</think>"], False, 3),  # a tag later is the answer's
     ([], False, 0),
+    ([" ", "<"], False, 0),  # ended before the block opened: none
+    ([""], False, 0),  # an end-of-generation token, no text
 ])
 def test_the_thinking_s_tokens_are_counted_to_its_closing_tag(pieces, opened, thinking):
     counter = ThinkingTokens(ThinkTags("<think>", "</think>"), opened)
