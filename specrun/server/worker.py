@@ -43,7 +43,7 @@ from specrun.engine.events import Finished, TextChunk, TokenLogprob
 from specrun.engine.loop import GenerationParams
 from specrun.engine.passes import Verification
 from specrun.engine.stats import Stats
-from specrun.errors import ContextFullError, ConversationRefusedError, SpecrunError
+from specrun.errors import ChatTemplateError, ContextFullError, ConversationRefusedError, SpecrunError
 from specrun.grammar import Grammar, GrammarError
 from specrun.registry.loading import LoadOptions
 from specrun.server.dispatch import Jobs
@@ -940,6 +940,21 @@ class PairWorker:
         except GrammarError as exc:
             raise invalid_value(field_name, exc.problem) from None
 
+    def _blame_variables(self, request: CompletionRequest, offered, exc: SpecrunError) -> None:
+        """A chat template that fails with the template's variables (a request's
+        chat_template_kwargs or reasoning_effort, the server's --chat-template-kwargs or --reasoning)
+        and renders without them: a 400 naming them, not the messages."""
+        if not request.template_variables:
+            return
+        try:
+            render_conversation(self.session.template, list(request.messages), offered)
+        except SpecrunError:
+            return  # it fails on the conversation itself
+        names = ", ".join(sorted(request.template_variables))
+        raise RequestError(f"the chat template fails with its variables ({names}): {exc.problem}; change "
+                           f"chat_template_kwargs or reasoning_effort (or the server's --chat-template-kwargs, "
+                           f"--reasoning)", "chat_template_kwargs", code="invalid_value") from None
+
     def _prompt_ids(self, job: Job) -> list[int]:
         from specrun.sessions.infill import NoInfillError, fim_tokens, infill_ids
         from specrun.sessions.setup import check_prompt_size, prompt_token_ids
@@ -973,6 +988,9 @@ class PairWorker:
                 text, spans = render_conversation(template, list(request.messages), offered)
             except ToolTemplateError as exc:
                 raise RequestError(exc.one_line(), "tools", code="invalid_value") from None
+            except (ChatTemplateError, ConversationRefusedError) as exc:
+                self._blame_variables(request, offered, exc)
+                raise
             prompt_ids = tokenize_rendered(target, template, text, spans)
             # the generation prompt: the text after the last message's (DeepSeek-R1's ends in <think>)
             tags, tail = thinking_tags(template), generation_prompt(text, spans)

@@ -123,6 +123,36 @@ def test_a_template_that_refuses_the_conversation_is_a_400_with_a_fix_a_client_c
         worker.stop()
 
 
+def test_a_template_that_fails_on_its_variables_is_a_400_naming_them():
+    """A template that refuses a reasoning_effort it does not know (as gpt-oss's does): the 400
+    names chat_template_kwargs, not the messages, with the template's own words; the same
+    messages without the variable are served."""
+    from specrun.sessions.templates import ChatTemplate
+
+    worker = PairWorker(PairOptions("demo-target", None, method="none", load=LoadOptions(threads=1)))
+    worker.start()
+    try:
+        worker.session.template = ChatTemplate(
+            "{% if reasoning_effort is defined and reasoning_effort not in ['low', 'high'] %}"
+            "{{ raise_exception('reasoning_effort must be low or high') }}{% endif %}"
+            "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}assistant: ")
+        question = ({"role": "user", "content": "Hello"},)
+
+        def ask(variables):
+            return answered(worker, CompletionRequest("demo", 8, SamplingSettings(), messages=question,
+                                                      template_variables=variables))[0]
+
+        refused = ask({"reasoning_effort": "max"})
+        assert isinstance(refused, Failed) and refused.error.status == 400
+        error = refused.error.body()["error"]
+        assert error["param"] == "chat_template_kwargs" and error["code"] == "invalid_value", error
+        assert "(reasoning_effort)" in error["message"] and "must be low or high" in error["message"], error
+        assert isinstance(ask({"reasoning_effort": "low"}), Done)
+        assert isinstance(ask({}), Done)
+    finally:
+        worker.stop()
+
+
 def test_logprobs_are_placed_by_the_text_their_tokens_decode_to():
     """An invalid byte is U+FFFD in the answer, 3 bytes of UTF-8 against the token's 1: counted in
     bytes, every later token's place drifted and a token past a stop string's cut went out."""
