@@ -4,6 +4,8 @@ afresh and keeps the machine's costs (ChatSession.new_text), as generate does be
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from specrun.registry.loading import LoadOptions
 from specrun.sampling import SamplingSettings
@@ -70,18 +72,28 @@ def test_a_request_that_fails_unexpectedly_fails_alone():
         worker.stop()
 
 
-def test_a_template_that_cannot_render_the_tools_is_a_400_naming_them_and_the_worker_goes_on():
-    """A model's chat template that fails on a request's tools (raise_exception in the template):
-    that request is a 400 naming ``tools`` and the template's own words; the next request is served."""
+@contextmanager
+def worker_with_template(source: str) -> Iterator[PairWorker]:
+    """A worker of demo-target whose chat template is ``source``, stopped after."""
     from specrun.sessions.templates import ChatTemplate
-    from specrun.sessions.tools import Tool
 
     worker = PairWorker(PairOptions("demo-target", None, method="none", load=LoadOptions(threads=1)))
     worker.start()
     try:
-        worker.session.template = ChatTemplate(
-            "{% for m in messages %}{% if 'get_weather' in m.content %}{{ raise_exception('no functions here') }}"
-            "{% endif %}{{ m.role }}: {{ m.content }}\n{% endfor %}assistant: ")
+        worker.session.template = ChatTemplate(source)
+        yield worker
+    finally:
+        worker.stop()
+
+
+def test_a_template_that_cannot_render_the_tools_is_a_400_naming_them_and_the_worker_goes_on():
+    """A model's chat template that fails on a request's tools (raise_exception in the template):
+    that request is a 400 naming ``tools`` and the template's own words; the next request is served."""
+    from specrun.sessions.tools import Tool
+
+    with worker_with_template(
+        "{% for m in messages %}{% if 'get_weather' in m.content %}{{ raise_exception('no functions here') }}"
+        "{% endif %}{{ m.role }}: {{ m.content }}\n{% endfor %}assistant: ") as worker:
         question = ({"role": "user", "content": "Weather in Paris?"},)
 
         def ask(tools):
@@ -92,21 +104,14 @@ def test_a_template_that_cannot_render_the_tools_is_a_400_naming_them_and_the_wo
         error = refused.error.body()["error"]
         assert error["param"] == "tools" and "no functions here" in error["message"], error
         assert isinstance(ask(()), Done)
-    finally:
-        worker.stop()
 
 
 def test_a_template_that_refuses_the_conversation_is_a_400_with_a_fix_a_client_can_take():
     """It said to use /system and /reset, the chat's commands, to an API client."""
-    from specrun.sessions.templates import ChatTemplate
-
-    worker = PairWorker(PairOptions("demo-target", None, method="none", load=LoadOptions(threads=1)))
-    worker.start()
-    try:
-        worker.session.template = ChatTemplate(
-            "{% for m in messages %}{% if loop.index0 > 0 and m.role == messages[loop.index0 - 1].role %}"
-            "{{ raise_exception('Conversation roles must alternate user/assistant') }}{% endif %}"
-            "{{ m.role }}: {{ m.content }}\n{% endfor %}assistant: ")
+    with worker_with_template(
+        "{% for m in messages %}{% if loop.index0 > 0 and m.role == messages[loop.index0 - 1].role %}"
+        "{{ raise_exception('Conversation roles must alternate user/assistant') }}{% endif %}"
+        "{{ m.role }}: {{ m.content }}\n{% endfor %}assistant: ") as worker:
 
         def ask(messages):
             return answered(worker, CompletionRequest("demo", 8, SamplingSettings(), messages=messages))[0]
@@ -119,23 +124,16 @@ def test_a_template_that_refuses_the_conversation_is_a_400_with_a_fix_a_client_c
         assert "roles must alternate" in error["message"] and "/system" not in error["message"]
         assert "user and assistant turns in alternation" in error["message"]
         assert isinstance(ask(twice[:1]), Done)
-    finally:
-        worker.stop()
 
 
 def test_a_template_that_fails_on_its_variables_is_a_400_naming_them():
     """A template that refuses a reasoning_effort it does not know (as gpt-oss's does): the 400
     names chat_template_kwargs, not the messages, with the template's own words; the same
     messages without the variable are served."""
-    from specrun.sessions.templates import ChatTemplate
-
-    worker = PairWorker(PairOptions("demo-target", None, method="none", load=LoadOptions(threads=1)))
-    worker.start()
-    try:
-        worker.session.template = ChatTemplate(
-            "{% if reasoning_effort is defined and reasoning_effort not in ['low', 'high'] %}"
-            "{{ raise_exception('reasoning_effort must be low or high') }}{% endif %}"
-            "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}assistant: ")
+    with worker_with_template(
+        "{% if reasoning_effort is defined and reasoning_effort not in ['low', 'high'] %}"
+        "{{ raise_exception('reasoning_effort must be low or high') }}{% endif %}"
+        "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}assistant: ") as worker:
         question = ({"role": "user", "content": "Hello"},)
 
         def ask(variables):
@@ -149,8 +147,6 @@ def test_a_template_that_fails_on_its_variables_is_a_400_naming_them():
         assert "(reasoning_effort)" in error["message"] and "must be low or high" in error["message"], error
         assert isinstance(ask({"reasoning_effort": "low"}), Done)
         assert isinstance(ask({}), Done)
-    finally:
-        worker.stop()
 
 
 def test_logprobs_are_placed_by_the_text_their_tokens_decode_to():
