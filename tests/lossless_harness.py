@@ -861,7 +861,12 @@ def greedy_divergences(backend, prompt: Sequence[int], output: Sequence[int]) ->
         if token == best:
             continue
         gap = float(logits[best] - logits[runner_up])
-        assert token == runner_up, f"token {position}: {token} emitted, neither the argmax {best} nor the runner-up"
+        # the likeliest few and the emitted token's rank and logit: a near-tie of three (rounding)
+        # reads apart from a token no rounding explains (a corrupted pass)
+        assert token == runner_up, (
+            f"token {position}: {token} emitted, neither the argmax {best} nor the runner-up: its rank "
+            f"{int((logits > logits[token]).sum()) + 1}, logit {float(logits[token]):.6g}; the likeliest "
+            + ", ".join(f"{int(i)} {float(logits[i]):.6g}" for i in order[::-1][:5]))
         assert gap < NEAR_TIE, f"token {position}: the runner-up emitted at a top-2 gap of {gap:.4g}"
         divergences.append((position, gap))
     return divergences
