@@ -26,6 +26,7 @@ tokens (``shown_tags``).
 
 from __future__ import annotations
 
+import codecs
 import dataclasses
 import json
 from collections.abc import Iterable, Sequence
@@ -189,9 +190,13 @@ class ThinkingTokens:
     closing tag ends it, and an answer that begins with anything but the opening tag has none."""
 
     def __init__(self, tags: ThinkTags, open: bool = False) -> None:
-        self._start, self._end = tags.start.encode(), tags.end.encode()
+        self._start, self._end = tags.start, tags.end.encode()
         self._state = "thinking" if open else "before"  # before | thinking | done
-        self._text = b""  # what may still hold a tag: the answer's start, or a closing tag's first bytes
+        # the answer's start as text (whitespace is Unicode's, as ReasoningSplit strips it; a
+        # character split across tokens waits in the decoder), then a closing tag's first bytes
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._begun = ""
+        self._text = b""
         self._count = 0
 
     @property
@@ -205,16 +210,16 @@ class ThinkingTokens:
             if self._state == "done":
                 return
             self._count += 1
-            self._text += piece
             if self._state == "before":
-                begun = self._text.lstrip()
-                if begun.startswith(self._start):
-                    self._state, self._text = "thinking", begun[len(self._start):]
-                elif self._start.startswith(begun):  # whitespace, or the tag's first bytes
-                    continue
-                else:  # no block: nothing of the answer is thinking
-                    self._state, self._count = "done", 0
+                self._begun = (self._begun + self._decoder.decode(piece)).lstrip()
+                if not self._begun.startswith(self._start):
+                    if self._start.startswith(self._begun):  # whitespace, or the tag's first characters
+                        continue
+                    self._state, self._count = "done", 0  # no block: nothing of the answer is thinking
                     return
+                self._state = "thinking"
+                piece = self._begun[len(self._start):].encode() + self._decoder.getstate()[0]
+            self._text += piece
             if self._end in self._text:
                 self._state = "done"
                 return

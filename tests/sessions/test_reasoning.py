@@ -244,3 +244,18 @@ def test_the_thinking_s_tokens_are_counted_to_its_closing_tag(pieces, opened, th
     counter.feed(piece.encode() for piece in pieces[:2])  # in several calls, as a stream feeds it
     counter.feed(piece.encode() for piece in pieces[2:])
     assert counter.count == thinking
+
+
+@pytest.mark.parametrize("pieces, thinking", [
+    ([b"\xe3\x80", b"\x80", b"<think>", b"a", b"</think>"], 5),  # an ideographic space split across two tokens
+    ([b"\xc2\xa0<thi", b"nk>a", b"</think>ok"], 3),  # a no-break space in the tag's token
+    ([b"\xc3", b"\xa9", b"<think>", b"a", b"</think>"], 0),  # an é split across two: the answer begins there
+    ([b"<think>\xe3\x81", b"\x82</think>", b"ok"], 2),  # a character split across the tag's token and the next
+])
+def test_the_thinking_is_found_after_unicode_whitespace_as_the_split_finds_it(pieces, thinking):
+    """Whitespace before the opening tag is Unicode's (ReasoningSplit's, on text), whichever
+    tokens a character's bytes fall in."""
+    counter = ThinkingTokens(THINK)
+    counter.feed(pieces)
+    assert counter.count == thinking
+    assert bool(split_reasoning(b"".join(pieces).decode(), THINK)[0]) == (thinking > 0)
