@@ -13,6 +13,7 @@ import numpy as np
 from specrun.backends.base import (
     ArgmaxFromLogits, HeldTree, HiddenSupport, HiddenTracking, TreeSupport, VocabInfo, held_tree_for,
 )
+from specrun.penalties import AheadShaping
 from specrun.tree import TokenTree
 
 LogitTable = Callable[[tuple[int, ...]], np.ndarray]
@@ -92,20 +93,31 @@ class FakeBackend(ArgmaxFromLogits, HiddenTracking):
     def reads_ahead(self) -> bool:
         return self._reads_ahead
 
-    def forward_argmax_ahead(self, token: int | None, ahead: bool = True) -> tuple[int, bool]:
+    @property
+    def shapes_ahead(self) -> bool:
+        return self._reads_ahead
+
+    def forward_argmax_ahead(self, token: int | None, ahead: bool = True,
+                             shaping: AheadShaping | None = None) -> tuple[int, bool]:
         """MlxBackend.forward_argmax_ahead's contract, each pass run at once (``hidden_rows``: the
-        state of the token fed, while tracking)."""
+        state of the token fed, while tracking; ``shaping``: rows shaped on the host, by
+        AheadShaping.row, the queued one after the id picked)."""
+        def argmax_after(fed: int, picked: int | None = None) -> int:
+            if shaping is None:
+                return int(self.forward_argmax([fed], [0])[0])
+            return int(np.argmax(shaping.row(self.forward([fed], [0])[0], picked)))
+
         if token is None:
             if self._ahead is None:
                 raise ValueError("no id was read ahead to continue from")
             value, hidden = self._ahead, self._ahead_hidden
         else:
-            value = int(self.forward_argmax([token], [0])[0])
+            value = argmax_after(token)
             hidden = self._hidden
         self._ahead = self._ahead_hidden = None
         fed = ahead and self.n_past + 1 < self.n_ctx
         if fed:
-            after = int(self.forward_argmax([value], [0])[0])
+            after = argmax_after(value, value)
             self._ahead, self._ahead_hidden = after, self._hidden
             self.ahead_passes += 1
         self._hidden = hidden

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from specrun.backends.base import Backend
+from specrun.penalties import AheadShaping
 from specrun.tree import TokenTree
 
 
@@ -113,26 +114,36 @@ class KVSequence:
         return getattr(self.backend, "reads_ahead", False)
 
     @property
+    def can_shape_ahead(self) -> bool:
+        """Can those steps' rows be shaped by their text on the backend's device (``shapes_ahead``:
+        penalties and a bias, penalties.AheadShaping)?"""
+        return self.can_read_ahead and getattr(self.backend, "shapes_ahead", False)
+
+    @property
     def reading_ahead(self) -> bool:
         """Is an id read ahead, with the pass after it queued (the next ``feed_argmax_ahead``'s)?"""
         return self._ahead is not None
 
-    def feed_argmax_ahead(self, token: int, ahead: bool = True) -> tuple[int, bool]:
+    def feed_argmax_ahead(self, token: int, ahead: bool = True,
+                          shaping: AheadShaping | None = None) -> tuple[int, bool]:
         """Append ``token`` and return the argmax after it, as ``feed_argmax([token], [0])`` does,
         and whether its pass had been queued by the call before. With ``ahead`` the id is fed
         too, beyond ``tokens``, and the pass after it queued (the backend's
         ``forward_argmax_ahead``), for a next call with that id. Needs ``can_read_ahead``. While
-        tracking, the token's hidden state is kept as ``feed_argmax``'s would be."""
+        tracking, the token's hidden state is kept as ``feed_argmax``'s would be. ``shaping``
+        (needs ``can_shape_ahead``): each row's argmax is taken after the penalties and bias it
+        names, the text so far its ``context``."""
         token = int(token)
         queued = self._ahead is not None and self._ahead == token
+        extra = {} if shaping is None else {"shaping": shaping}
         try:
             if queued:
                 self._ahead = None
-                value, fed = self.backend.forward_argmax_ahead(None, ahead)
+                value, fed = self.backend.forward_argmax_ahead(None, ahead, **extra)
             else:
                 self._drop_ahead()
                 self._check_in_step()
-                value, fed = self.backend.forward_argmax_ahead(token, ahead)
+                value, fed = self.backend.forward_argmax_ahead(token, ahead, **extra)
             self.tokens.append(token)
             if self._tracking:  # the queued pass kept the state of the token it fed
                 self._hidden.put(len(self.tokens) - 1, self.backend.hidden_rows(range(1)))

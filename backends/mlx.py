@@ -48,6 +48,7 @@ from specrun.errors import BackendUnavailableError, ContextFullError, ModelFileE
 from specrun.fileio import json_problem
 from specrun.fill_tokens import fill_endings, turn_endings
 from specrun.modelkit.mtp import tensor_files, text_config_of
+from specrun.penalties import AheadShaping
 from specrun.tree import TokenTree
 from specrun.backends.mlx_common import MODEL_CALLS, PREFILL_CHUNK, packed_pass, packed_problem, recording_body
 from specrun.backends.mlx_snapshots import SNAPSHOT_TOKENS, PassStates, Snapshotter
@@ -475,6 +476,27 @@ def _state_bytes(state) -> int:
 
 
 # ---- token trees: one pass with a tree mask and a position per node ------------------
+def shaped_on_device(mx, row, shaping: AheadShaping, counts=None):
+    """``row`` (1, V) shaped as penalties.shaped_rows shapes it, on the device: float32, the bias
+    added to its tokens (each named once: AheadShaping.of), then each token ``counts`` (V,)
+    counts in the window divided by the repeat penalty (multiplied where not positive), less its
+    count times the frequency penalty and the presence penalty. Each step rounds to float32 as
+    NumPy's does (no fused multiply-add: nothing here is compiled), so the argmax is the host's."""
+    row = row.astype(mx.float32)
+    if shaping.bias:
+        tokens = mx.array([token for token, _ in shaping.bias])
+        amounts = mx.array([amount for _, amount in shaping.bias], dtype=mx.float32)
+        row = row.at[:, tokens].add(amounts[None])
+    if counts is not None:
+        penalties = shaping.penalties
+        repeat = mx.array(penalties.repeat, dtype=mx.float32)
+        frequency = mx.array(penalties.frequency, dtype=mx.float32)
+        presence = mx.array(penalties.presence, dtype=mx.float32)
+        penalised = mx.where(row <= 0, row * repeat, row / repeat) - (counts * frequency + presence)
+        row = mx.where(counts > 0, penalised, row)
+    return row
+
+
 def _tree_layout(mx, start: int, n_chain: int, tree: TokenTree):
     """The mask (L, start + L) and positions (L,) of a pass feeding ``n_chain`` chain tokens
     and then the tree's nodes after ``start`` cached tokens (L = n_chain + len(tree))."""
@@ -766,7 +788,13 @@ class MlxBackend(HiddenTracking):
         """Whether ``forward_argmax_ahead`` works here (tracked or not; not inside another pass)."""
         return self._pass_hidden is None
 
-    def forward_argmax_ahead(self, token: int | None, ahead: bool = True) -> tuple[int, bool]:
+    @property
+    def shapes_ahead(self) -> bool:
+        """Whether ``forward_argmax_ahead`` shapes its rows by penalties and a bias on the device."""
+        return True
+
+    def forward_argmax_ahead(self, token: int | None, ahead: bool = True,
+                             shaping: AheadShaping | None = None) -> tuple[int, bool]:
         """A plain greedy step that reads one token ahead, as mlx-lm's own loop does: feed ``token``
         (None: the id the last call returned, which it fed already) and return the argmax after
         it, computed as ``forward_argmax``'s one-token pass computes it, and whether that id was
@@ -774,21 +802,28 @@ class MlxBackend(HiddenTracking):
         device: the next call's pass then runs while the host handles this id (plain decoding ran
         0.94x mlx-lm's without it). ``n_past`` counts a fed id; any other pass or rewind drops the
         queued argmax. While tracking, the hidden state of the token fed (``hidden_rows``) is
-        queued with each pass and read with its id, so a head drafter's plain steps read ahead too."""
+        queued with each pass and read with its id, so a head drafter's plain steps read ahead too.
+        ``shaping``: each argmax is taken after penalties and a bias (``shaped_on_device``), the
+        queued row's window counting the id this step picks, still on the device."""
         mx = self._mx
         self._hidden = None
+        counts = self._window_counts(shaping)
         if token is None:
             if self._ahead is None:
                 raise ValueError("no id was read ahead to continue from")
             row, current, hidden = self._ahead
         else:
             self._check_room(1)
-            row, current, hidden = self._ahead_pass(mx.array([int(token)]), int(token))
+            row, current, hidden = self._ahead_pass(mx.array([int(token)]), int(token), shaping, counts)
         self._ahead = None
         fed = ahead and self.n_past + 1 < self.n_ctx  # room for the id and the token after it
+        if fed and counts is not None:  # the queued row's window: this one's, the id picked in, one pushed out
+            counts = counts.at[current].add(1.0)
+            if shaping.leaving is not None:
+                counts = counts.at[shaping.leaving].add(-1.0)
         # The queued pass's cache slot is counted (its id unknown: -1) before the host waits, so a
         # Ctrl-C in that wait leaves n_past equal to what every layer holds, for the rewind after.
-        queued = self._ahead_pass(current, -1) if fed else None
+        queued = self._ahead_pass(current, -1, shaping, counts) if fed else None
         self._last_picked = row
         value = int(current.item())  # the host waits for this pass only; the queued one runs on
         if hidden is not None:
@@ -798,9 +833,21 @@ class MlxBackend(HiddenTracking):
             self._ahead = queued
         return value, fed
 
-    def _ahead_pass(self, token, host_id: int):
+    def _window_counts(self, shaping: AheadShaping | None):
+        """(V,) float32 on the device: how often each token occurs in the penalties' window of the
+        text a shaped row follows (None where no penalty applies)."""
+        if shaping is None or not shaping.penalties.on:
+            return None
+        mx = self._mx
+        size = self.vocab.size
+        window = [int(token) for token in shaping.window if 0 <= token < size]
+        counts = mx.zeros((size,), mx.float32)
+        return counts.at[mx.array(window)].add(1.0) if window else counts
+
+    def _ahead_pass(self, token, host_id: int, shaping: AheadShaping | None = None, counts=None):
         """One token (a (1,) array, perhaps still lazy; ``host_id`` as the token list records it)
-        fed: its row (1, V), argmax (1,) and, while tracking, hidden state (1, H) (else None), queued."""
+        fed: its row (1, V) (shaped, where ``shaping`` says: by ``counts``, the window's), argmax
+        (1,) and, while tracking, hidden state (1, H) (else None), queued."""
         if self.needs_checkpoints:
             self._checkpoint()
         self._pass_hidden = [] if self._tracking else None
@@ -814,6 +861,8 @@ class MlxBackend(HiddenTracking):
             self._pass_hidden = None
         self._tokens.append(host_id)  # every layer's cache moved on as the pass was built
         row = self._fit_vocab(logits[0, -1:])
+        if shaping is not None:
+            row = shaped_on_device(self._mx, row, shaping, counts)
         current = self._mx.argmax(row, axis=-1)
         self._mx.async_eval(current, self._cache_state(), *([] if hidden is None else [hidden]))
         return row, current, hidden

@@ -105,6 +105,51 @@ def shaped_rows(logits: np.ndarray, penalties: Penalties, bias: Sequence[tuple[i
     return rows
 
 
+@dataclass(frozen=True)
+class AheadShaping:
+    """What shapes a plain greedy step's row by its text where the target reads ahead and shapes
+    rows on its own device (MLX's ``forward_argmax_ahead``): the step's row follows ``context``
+    (read during the call, never kept), the row it queues follows ``context`` and the id the step
+    picks, which the host does not know yet. ``shaped_rows``'s arithmetic either way; ``of``
+    gives None where a device cannot repeat it exactly."""
+
+    penalties: Penalties
+    bias: tuple[tuple[int, float], ...]
+    context: Sequence[int]
+
+    @classmethod
+    def of(cls, penalties: Penalties, bias: Sequence[tuple[int, float]],
+           context: Sequence[int]) -> AheadShaping | None:
+        """None where a token is biased twice: ``shaped_rows`` adds its amounts one after the other,
+        which a device's one add of their sum would round otherwise."""
+        bias = tuple(bias)
+        if len({token for token, _ in bias}) < len(bias):
+            return None
+        return cls(penalties, bias, context)
+
+    @property
+    def window(self) -> Sequence[int]:
+        """The tokens the penalties count for the row after ``context`` (none where they are off)."""
+        if not self.penalties.on:
+            return ()
+        last_n = self.penalties.last_n
+        return self.context if last_n < 0 else self.context[max(0, len(self.context) - last_n):]
+
+    @property
+    def leaving(self) -> int | None:
+        """The token the window loses when one more follows ``context`` (None: it loses none)."""
+        last_n = self.penalties.last_n
+        if not self.penalties.on or last_n < 0 or len(self.context) < last_n:
+            return None
+        return int(self.context[len(self.context) - last_n])
+
+    def row(self, logits: np.ndarray, picked: int | None = None) -> np.ndarray:
+        """``logits`` (V,) shaped as the row after ``context`` (and ``picked``, where given), on
+        the host: the reference a device's shaping must equal."""
+        text = self.context if picked is None else [*self.context, picked]
+        return shaped_rows(np.asarray(logits)[None], self.penalties, self.bias, text, [()])[0]
+
+
 def chain_paths(drafts: Sequence[int]) -> list[tuple[int, ...]]:
     """The text after the context each row of a chain's pass follows: none, then each draft's prefix."""
     return [tuple(drafts[:i]) for i in range(len(drafts) + 1)]

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from specrun.penalties import MAX_BIAS, Penalties, shaped_rows
+from specrun.penalties import MAX_BIAS, AheadShaping, Penalties, shaped_rows
 from specrun.reasoning_budget import ReasoningBudget, forced_rows
 
 # The largest --seed: a signed 64-bit integer, what the server's "seed" field and heads train take
@@ -56,6 +56,14 @@ class SamplingSettings:
         """Are the target's rows shaped by their text (penalties, a bias or a reasoning budget), so
         that a pass's rows must come to the host (no argmax on the device)?"""
         return bool(self.logit_bias) or self.penalties.on or self.reasoning_budget is not None
+
+    def ahead_shaping(self, context: Sequence[int]) -> AheadShaping | None:
+        """How a target that reads ahead shapes a plain greedy step's row after ``context`` on its
+        own device (penalties and a bias: penalties.AheadShaping); None where nothing shapes the
+        rows or a device cannot (a reasoning budget, a token biased twice)."""
+        if not self.shapes_rows or self.reasoning_budget is not None:
+            return None
+        return AheadShaping.of(self.penalties, self.logit_bias, context)
 
     def validate(self) -> list[str]:
         """Problems with these settings, as option-named messages (empty if fine)."""

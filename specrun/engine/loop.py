@@ -367,9 +367,11 @@ class SpeculativeEngine:
         self.grammar_blocked = False
         self.grammar_problem = ""
         self.passes.keep_rows = params.logprobs is not None
-        # plain greedy steps read one token ahead where the target can (KVSequence.feed_argmax_ahead)
+        # plain greedy steps read one token ahead where the target can (KVSequence.feed_argmax_ahead),
+        # rows shaped by their text (penalties, a bias) where it shapes them on its device too
+        shaped_ahead = sampling.shapes_rows and self.target.can_shape_ahead and sampling.ahead_shaping(()) is not None
         reads_ahead = (self.target.can_read_ahead and sampling.greedy and constrained is None
-                       and params.logprobs is None and not sampling.shapes_rows)
+                       and params.logprobs is None and (not sampling.shapes_rows or shaped_ahead))
         clock = StepClock(self.clock)  # generation starts
         try:
             hit_eos = False
@@ -436,7 +438,8 @@ class SpeculativeEngine:
                 ahead = plain_step and remaining > 1 and (policy is None or policy.plain_next())
                 if plain_step and (ahead or self.target.reading_ahead):
                     proposal = drafts
-                    verdict, queued = self.passes.plain_ahead(context[-1], ahead)
+                    shaping = sampling.ahead_shaping(context) if shaped_ahead else None
+                    verdict, queued = self.passes.plain_ahead(context[-1], ahead, shaping)
                 else:
                     proposal, verdict = self.passes.verify(context[-1], drafts, sampling, rng, allowed, context)
                 # Keep the fed last token and the accepted drafts; drop the rejected tail.

@@ -790,8 +790,8 @@ def test_mlx_an_interrupt_while_reading_ahead_leaves_the_cache_as_its_tokens_say
     passes = []
     real = type(ahead)._ahead_pass
 
-    def interrupted(self, token, host_id):
-        result = real(self, token, host_id)
+    def interrupted(self, token, host_id, *shaping):
+        result = real(self, token, host_id, *shaping)
         passes.append(host_id)
         if (at == "fed") == (host_id != -1):
             raise KeyboardInterrupt  # after the pass was built, before the host has its id

@@ -115,3 +115,75 @@ def test_speculation_under_penalties_makes_plain_decoding_s_text(looping_llama, 
             draft.close()
     assert spoken == plain
     assert accepted > 0 and plain != unshaped
+
+
+# ---- MLX: plain steps read ahead, their rows shaped on the device --------------------------------
+def test_rows_shaped_on_the_mlx_device_are_the_host_s_to_the_bit():
+    """backends/mlx.shaped_on_device against penalties.shaped_rows on random rows (zeros, ties,
+    large and small logits), windows, settings and biases (each token once: AheadShaping.of)."""
+    pytest.importorskip("mlx_lm", reason="the mlx backend is not installed")
+    import mlx.core as mx
+    import numpy as np
+
+    from specrun.backends.mlx import shaped_on_device
+    from specrun.penalties import AheadShaping, shaped_rows
+
+    rng = np.random.default_rng(11)
+    shaped_any = 0
+    for _ in range(300):
+        vocab = int(rng.integers(2, 300))
+        penalties = Penalties(repeat=float(rng.choice([1.0, 0.7, 1.1, 1.8, 1.37])),
+                              frequency=float(rng.choice([0.0, 0.3, -0.4, 0.123])),
+                              presence=float(rng.choice([0.0, 0.6, -1.2, 0.77])),
+                              last_n=int(rng.choice([-1, 0, 1, 3, 8, 64])))
+        tokens = rng.choice(vocab, size=min(vocab, int(rng.integers(0, 4))), replace=False)
+        bias = tuple((int(token), float(rng.choice([-math.inf, -3.5, 0.25, 7.3, 1e-3]))) for token in tokens)
+        context = [int(t) for t in rng.integers(0, vocab, int(rng.integers(1, 80)))]
+        row = (rng.normal(0.0, float(rng.choice([0.01, 3.0, 40.0])), vocab) * rng.integers(0, 2, vocab)
+               ).astype(np.float32)  # zeros among them: a logit <= 0 is multiplied
+        row[rng.integers(vocab)] = row.max()  # a tie for the largest: the argmax takes the first
+        shaping = AheadShaping.of(penalties, bias, context)
+        counts = None
+        if penalties.on:
+            counts = mx.array(np.bincount(np.asarray(shaping.window, np.int64), minlength=vocab).astype(np.float32))
+        got = np.array(shaped_on_device(mx, mx.array(row[None]), shaping, counts))[0]
+        want = shaped_rows(row[None], penalties, bias, context, [()])[0]
+        assert np.array_equal(got, want), (penalties, bias, context)
+        assert int(np.array(mx.argmax(mx.array(got)))) == int(np.argmax(want))
+        shaped_any += not np.array_equal(want, row)
+    assert shaped_any > 200
+
+
+@pytest.mark.parametrize("penalties", [Penalties(repeat=3.0, frequency=2.0, presence=2.0, last_n=3),
+                                       Penalties(repeat=10.0, last_n=4), Penalties(frequency=2.0, presence=2.0, last_n=-1)],
+                         ids=["all three over 3", "repeat over 4", "frequency and presence over the whole text"])
+def test_mlx_plain_decoding_under_penalties_reads_ahead_and_makes_the_host_s_text(looping_llama, penalties,
+                                                                                  monkeypatch):
+    """MLX's plain steps under penalties and a bias read one token ahead, each row shaped on the
+    device (the queued one by a window holding an id the host has not read), and make the text
+    steps shaped on the host make. Two tokens biased up come back as soon as their penalty lets
+    them, so the id picked and the one the window loses each decide later tokens (a queued row
+    counting either wrongly made another text)."""
+    pytest.importorskip("mlx_lm", reason="the mlx backend is not installed")
+    from specrun.backends.mlx import MlxBackend
+
+    target = _open("mlx", looping_llama["mlx"])
+    shaped = []
+    real = target.forward_argmax_ahead
+    monkeypatch.setattr(target, "forward_argmax_ahead",
+                        lambda token, ahead=True, shaping=None: shaped.append(shaping is not None) or real(
+                            token, ahead, shaping))
+    try:
+        prompt = target.tokenize(PROMPT)
+        sampling = SamplingSettings(penalties=penalties,
+                                    logit_bias=(*_bias(target.vocab.size), (100, 15.0), (200, 15.0)))
+        ahead, _ = _run(target, None, "none", prompt, sampling, tokens=80)
+        assert len(shaped) >= 78 and all(shaped)
+        monkeypatch.setattr(MlxBackend, "shapes_ahead", property(lambda self: False))
+        steps_ahead = len(shaped)
+        host, _ = _run(target, None, "none", prompt, sampling, tokens=80)
+        assert len(shaped) == steps_ahead  # none of these steps read ahead
+        unshaped, _ = _run(target, None, "none", prompt, SamplingSettings(), tokens=80)
+    finally:
+        target.close()
+    assert ahead == host and ahead != unshaped

@@ -6,6 +6,8 @@ that ends where it was asked to."""
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 
@@ -15,6 +17,8 @@ from specrun.backends.kv import sequence_for
 from specrun.drafters.methods import DrafterOptions, build_drafter
 from specrun.engine.events import Finished
 from specrun.engine.loop import GenerationParams, SpeculativeEngine
+from specrun.penalties import AheadShaping, Penalties
+from specrun.reasoning_budget import ReasoningBudget
 from specrun.sampling import SamplingSettings
 
 VOCAB = 12
@@ -293,3 +297,57 @@ def test_where_plain_steps_read_ahead_every_step_is_timed_as_a_whole_cycle(monke
         now[0] += 1.0  # the caller's time with each step's tokens
     assert target.ahead_passes > 0 and {engaged for engaged, _ in recorded} == {True, False}
     assert all(1.0 < seconds < 1.1 for _, seconds in recorded)  # every step: the caller's second and its own
+
+
+# ---- rows shaped by their text: penalties and a bias, on the device that reads ahead ----------------
+SHAPINGS = {
+    "repeat, a window of 3": SamplingSettings(penalties=Penalties(repeat=1.6, last_n=3)),
+    "frequency and presence, the whole text": SamplingSettings(penalties=Penalties(frequency=0.7, presence=0.4,
+                                                                                   last_n=-1)),
+    "a repeat below 1": SamplingSettings(penalties=Penalties(repeat=0.6, frequency=-0.2, last_n=64)),
+    "a bias": SamplingSettings(logit_bias=((2, 2.5), (4, -math.inf))),
+    "all of them": SamplingSettings(penalties=Penalties(repeat=1.3, frequency=0.2, presence=0.3, last_n=5),
+                                    logit_bias=((6, 1.0), (0, -math.inf))),
+}
+
+
+@pytest.mark.parametrize("settings", SHAPINGS.values(), ids=SHAPINGS.keys())
+def test_plain_steps_under_penalties_and_a_bias_read_ahead_with_plain_decoding_s_output(settings):
+    """Each step's row and the row it queues (after an id the host has not read) are shaped by
+    their own text: the output is that of steps that do not read ahead."""
+    for prompt in prompts():
+        plain, ahead = fake(False), fake(True)
+        expected = SpeculativeEngine(plain).run(prompt, GenerationParams(40, 0, sampling=settings))
+        result = SpeculativeEngine(ahead).run(prompt, GenerationParams(40, 0, sampling=settings))
+        assert list(result.token_ids) == list(expected.token_ids)
+        assert ahead.cache == plain.cache and ahead.ahead_passes == len(result.token_ids) - 2
+        unshaped = SpeculativeEngine(fake(False)).run(prompt, GenerationParams(40, 0))
+        assert list(unshaped.token_ids) != list(expected.token_ids)  # the settings change the text
+
+
+def test_a_token_biased_twice_or_a_reasoning_budget_steps_without_reading_ahead():
+    """A device adds a token's two amounts as one sum, which rounds otherwise than adding them in
+    turn (penalties.AheadShaping.of); a budget forces rows by their text on the host."""
+    twice = SamplingSettings(logit_bias=((2, 0.1), (2, 0.2)))
+    budget = SamplingSettings(reasoning_budget=ReasoningBudget(starts=((3,),), ends=((4,),), forced=(4,), budget=2))
+    for settings in (twice, budget):
+        plain, ahead = fake(False), fake(True)
+        expected = SpeculativeEngine(plain).run([1, 2, 3], GenerationParams(20, 0, sampling=settings))
+        result = SpeculativeEngine(ahead).run([1, 2, 3], GenerationParams(20, 0, sampling=settings))
+        assert list(result.token_ids) == list(expected.token_ids) and ahead.ahead_passes == 0
+
+
+def test_the_window_a_queued_row_counts_is_the_step_s_with_the_id_picked_in_and_one_pushed_out():
+    rng = np.random.default_rng(3)
+    for _ in range(300):
+        last_n = int(rng.choice([-1, 1, 2, 5, 64]))
+        penalties = Penalties(repeat=1.2, last_n=last_n)
+        context = [int(t) for t in rng.integers(0, 6, int(rng.integers(1, 12)))]
+        picked = int(rng.integers(0, 6))
+        shaping = AheadShaping.of(penalties, (), context)
+        counts = np.bincount(np.asarray(shaping.window, np.int64), minlength=6)
+        counts[picked] += 1
+        if shaping.leaving is not None:
+            counts[shaping.leaving] -= 1
+        after = AheadShaping.of(penalties, (), [*context, picked])
+        assert np.array_equal(counts, np.bincount(np.asarray(after.window, np.int64), minlength=6)), (context, last_n)
