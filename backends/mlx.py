@@ -671,7 +671,8 @@ class MlxBackend(HiddenTracking):
 
     def _new_cache(self) -> None:
         self._deferred = None
-        # forward_argmax_ahead's queued pass after the last id fed: row (1, V), argmax (1,), hidden (1, H) or None
+        # forward_argmax_ahead's queued pass after the last id fed: row (1, V), argmax (1,), hidden (1, H) or
+        # None, and the penalties' window counts (V,) its row was shaped by or None
         self._ahead = None
         self._cache = self._lm_cache.make_prompt_cache(self.model)
         self._needs_checkpoints = any(type(layer).__name__ not in ALWAYS_TRIMMABLE for layer in self._cache)
@@ -804,23 +805,25 @@ class MlxBackend(HiddenTracking):
         queued argmax. While tracking, the hidden state of the token fed (``hidden_rows``) is
         queued with each pass and read with its id, so a head drafter's plain steps read ahead too.
         ``shaping``: each argmax is taken after penalties and a bias (``shaped_on_device``), the
-        queued row's window counting the id this step picks, still on the device."""
+        queued row's window counting the id this step picks, still on the device, and kept with
+        it (a step that continues it counts nothing again: a whole text's window costs once)."""
         mx = self._mx
         self._hidden = None
-        counts = self._window_counts(shaping)
         if token is None:
             if self._ahead is None:
                 raise ValueError("no id was read ahead to continue from")
-            row, current, hidden = self._ahead
+            row, current, hidden, counts = self._ahead  # counts: the window its row was shaped by
         else:
             self._check_room(1)
-            row, current, hidden = self._ahead_pass(mx.array([int(token)]), int(token), shaping, counts)
+            counts = self._window_counts(shaping)
+            row, current, hidden, _ = self._ahead_pass(mx.array([int(token)]), int(token), shaping, counts)
         self._ahead = None
         fed = ahead and self.n_past + 1 < self.n_ctx  # room for the id and the token after it
         if fed and counts is not None:  # the queued row's window: this one's, the id picked in, one pushed out
             counts = counts.at[current].add(1.0)
-            if shaping.leaving is not None:
-                counts = counts.at[shaping.leaving].add(-1.0)
+            leaving = shaping.leaving
+            if leaving is not None and 0 <= leaving < self.vocab.size:  # as _window_counts counts
+                counts = counts.at[leaving].add(-1.0)
         # The queued pass's cache slot is counted (its id unknown: -1) before the host waits, so a
         # Ctrl-C in that wait leaves n_past equal to what every layer holds, for the rewind after.
         queued = self._ahead_pass(current, -1, shaping, counts) if fed else None
@@ -847,7 +850,7 @@ class MlxBackend(HiddenTracking):
     def _ahead_pass(self, token, host_id: int, shaping: AheadShaping | None = None, counts=None):
         """One token (a (1,) array, perhaps still lazy; ``host_id`` as the token list records it)
         fed: its row (1, V) (shaped, where ``shaping`` says: by ``counts``, the window's), argmax
-        (1,) and, while tracking, hidden state (1, H) (else None), queued."""
+        (1,), while tracking hidden state (1, H) (else None), and ``counts``; queued."""
         if self.needs_checkpoints:
             self._checkpoint()
         self._pass_hidden = [] if self._tracking else None
@@ -865,7 +868,7 @@ class MlxBackend(HiddenTracking):
             row = shaped_on_device(self._mx, row, shaping, counts)
         current = self._mx.argmax(row, axis=-1)
         self._mx.async_eval(current, self._cache_state(), *([] if hidden is None else [hidden]))
-        return row, current, hidden
+        return row, current, hidden, counts
 
     def _greedy_one_by_one(self, tokens: list[int], n_new: int) -> np.ndarray:
         ids = [int(self.forward_argmax(tokens, [len(tokens) - 1])[0])]

@@ -8,7 +8,7 @@ loaded model, per prompt interleaved (the order rotating):
 
 1. ``ahead``     — specrun plain, the penalty on the device, reading ahead (the default)
 2. ``host``      — specrun plain, the penalty on the host, no reading ahead (the old way)
-3. ``mlx_lm``    — ``mlx_lm.stream_generate`` with its repetition-penalty logits processor
+3. ``mlx_lm``    — mlx-lm's loop (``generate_step``) with its repetition-penalty logits processor
 4. ``unshaped``  — specrun plain without the penalty (what the penalty costs at all)
 
 Greedy; ``--repeat-penalty`` over the last ``--last-n`` tokens (mlx-lm's repetition penalty is
@@ -110,6 +110,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeat", type=int, default=1, help="runs per prompt and runner (pooled)")
     parser.add_argument("--json", type=Path, help="write the report here")
     args = parser.parse_args(argv)
+    if args.last_n <= 0:
+        parser.error("--last-n must be a count of tokens: mlx-lm's processor reads the last N (no -1 or 0)")
 
     pair = load_pair(args.target, args.target)
     target = pair.target

@@ -155,8 +155,11 @@ def test_rows_shaped_on_the_mlx_device_are_the_host_s_to_the_bit():
 
 
 @pytest.mark.parametrize("penalties", [Penalties(repeat=3.0, frequency=2.0, presence=2.0, last_n=3),
-                                       Penalties(repeat=10.0, last_n=4), Penalties(frequency=2.0, presence=2.0, last_n=-1)],
-                         ids=["all three over 3", "repeat over 4", "frequency and presence over the whole text"])
+                                       Penalties(repeat=10.0, last_n=4), Penalties(frequency=2.0, presence=2.0, last_n=-1),
+                                       Penalties(repeat=10.0, presence=2.0, last_n=1),
+                                       Penalties(repeat=3.0, frequency=1.0, last_n=60)],
+                         ids=["all three over 3", "repeat over 4", "frequency and presence over the whole text",
+                              "over the last token", "a window longer than the text at first"])
 def test_mlx_plain_decoding_under_penalties_reads_ahead_and_makes_the_host_s_text(looping_llama, penalties,
                                                                                   monkeypatch):
     """MLX's plain steps under penalties and a bias read one token ahead, each row shaped on the
@@ -187,3 +190,38 @@ def test_mlx_plain_decoding_under_penalties_reads_ahead_and_makes_the_host_s_tex
     finally:
         target.close()
     assert ahead == host and ahead != unshaped
+
+
+def test_mlx_chat_turns_under_changing_settings_read_ahead_as_the_host_shapes_them(looping_llama, monkeypatch):
+    """A chat's turns continue the cache (a finished answer's id read ahead kept), each turn with
+    other settings (penalties, none, a bias alone, another window): the device's turns are the
+    host's, turn by turn."""
+    from specrun.backends.mlx import MlxBackend
+
+    turns = [SamplingSettings(penalties=Penalties(repeat=3.0, frequency=1.0, last_n=5), logit_bias=((100, 15.0),)),
+             SamplingSettings(),
+             SamplingSettings(logit_bias=((200, 15.0), (7, -math.inf))),
+             SamplingSettings(penalties=Penalties(repeat=0.7, frequency=2.0, presence=-1.0, last_n=-1),
+                              logit_bias=((100, 12.0),)),
+             SamplingSettings(penalties=Penalties(repeat=10.0, last_n=1), logit_bias=((100, 15.0), (200, 15.0)))]
+
+    def chat(host: bool) -> list[list[int]]:
+        if host:
+            monkeypatch.setattr(MlxBackend, "shapes_ahead", property(lambda self: False))
+        target = _open("mlx", looping_llama["mlx"])
+        engine = SpeculativeEngine(target)
+        try:
+            history, answers = target.tokenize(PROMPT), []
+            for turn, sampling in enumerate(turns):
+                result = engine.run(history, GenerationParams(24, 0, sampling=sampling, stop_at_eos=False),
+                                    complete_cache=turn % 2 == 0)
+                answers.append(list(result.token_ids))
+                history = [*history, *result.token_ids, *target.tokenize("\n# next\n", add_bos=False)]
+        finally:
+            target.close()
+            monkeypatch.undo()
+        return answers
+
+    ahead = chat(host=False)
+    assert ahead == chat(host=True)
+    assert len({tuple(answer) for answer in ahead}) == len(turns)
