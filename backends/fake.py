@@ -14,6 +14,7 @@ from specrun.backends.base import (
     ArgmaxFromLogits, HeldTree, HiddenSupport, HiddenTracking, TreeSupport, VocabInfo, held_tree_for,
 )
 from specrun.penalties import AheadShaping
+from specrun.sampling import AheadSampling
 from specrun.tree import TokenTree
 
 LogitTable = Callable[[tuple[int, ...]], np.ndarray]
@@ -97,15 +98,23 @@ class FakeBackend(ArgmaxFromLogits, HiddenTracking):
     def shapes_ahead(self) -> bool:
         return self._reads_ahead
 
-    def forward_argmax_ahead(self, token: int | None, ahead: bool = True,
-                             shaping: AheadShaping | None = None) -> tuple[int, bool]:
+    @property
+    def samples_ahead(self) -> bool:
+        return self._reads_ahead
+
+    def forward_argmax_ahead(self, token: int | None, ahead: bool = True, shaping: AheadShaping | None = None,
+                             drawn: AheadSampling | None = None) -> tuple[int, bool]:
         """MlxBackend.forward_argmax_ahead's contract, each pass run at once (``hidden_rows``: the
         state of the token fed, while tracking; ``shaping``: rows shaped on the host, by
-        AheadShaping.row, the queued one after the id picked)."""
+        AheadShaping.row, the queued one after the id picked; ``drawn``: each token drawn on the
+        host by AheadSampling.pick, a uniform a row)."""
         def argmax_after(fed: int, picked: int | None = None) -> int:
-            if shaping is None:
+            if shaping is None and drawn is None:
                 return int(self.forward_argmax([fed], [0])[0])
-            return int(np.argmax(shaping.row(self.forward([fed], [0])[0], picked)))
+            logits = self.forward([fed], [0])[0]
+            if shaping is not None:
+                logits = shaping.row(logits, picked)
+            return int(np.argmax(logits)) if drawn is None else drawn.pick(logits, drawn.draw())
 
         if token is None:
             if self._ahead is None:

@@ -9,6 +9,7 @@ import numpy as np
 
 from specrun.backends.base import Backend
 from specrun.penalties import AheadShaping
+from specrun.sampling import AheadSampling
 from specrun.tree import TokenTree
 
 
@@ -120,22 +121,29 @@ class KVSequence:
         return self.can_read_ahead and getattr(self.backend, "shapes_ahead", False)
 
     @property
+    def can_sample_ahead(self) -> bool:
+        """Can those steps draw their tokens on the backend's device (``samples_ahead``: temperature,
+        top-k and min-p, sampling.AheadSampling)?"""
+        return self.can_read_ahead and getattr(self.backend, "samples_ahead", False)
+
+    @property
     def reading_ahead(self) -> bool:
         """Is an id read ahead, with the pass after it queued (the next ``feed_argmax_ahead``'s)?"""
         return self._ahead is not None
 
-    def feed_argmax_ahead(self, token: int, ahead: bool = True,
-                          shaping: AheadShaping | None = None) -> tuple[int, bool]:
+    def feed_argmax_ahead(self, token: int, ahead: bool = True, shaping: AheadShaping | None = None,
+                          drawn: AheadSampling | None = None) -> tuple[int, bool]:
         """Append ``token`` and return the argmax after it, as ``feed_argmax([token], [0])`` does,
         and whether its pass had been queued by the call before. With ``ahead`` the id is fed
         too, beyond ``tokens``, and the pass after it queued (the backend's
         ``forward_argmax_ahead``), for a next call with that id. Needs ``can_read_ahead``. While
         tracking, the token's hidden state is kept as ``feed_argmax``'s would be. ``shaping``
         (needs ``can_shape_ahead``): each row's argmax is taken after the penalties and bias it
-        names, the text so far its ``context``."""
+        names, the text so far its ``context``; ``drawn`` (needs ``can_sample_ahead``): each row's
+        token drawn under its settings instead of its argmax."""
         token = int(token)
         queued = self._ahead is not None and self._ahead == token
-        extra = {} if shaping is None else {"shaping": shaping}
+        extra = {key: value for key, value in (("shaping", shaping), ("drawn", drawn)) if value is not None}
         try:
             if queued:
                 self._ahead = None

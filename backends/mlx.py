@@ -49,6 +49,7 @@ from specrun.fileio import json_problem
 from specrun.fill_tokens import fill_endings, turn_endings
 from specrun.modelkit.mtp import tensor_files, text_config_of
 from specrun.penalties import AheadShaping
+from specrun.sampling import AheadSampling, SamplingSettings, gumbel_seed
 from specrun.tree import TokenTree
 from specrun.backends.mlx_common import MODEL_CALLS, PREFILL_CHUNK, packed_pass, packed_problem, recording_body
 from specrun.backends.mlx_snapshots import SNAPSHOT_TOKENS, PassStates, Snapshotter
@@ -497,6 +498,22 @@ def shaped_on_device(mx, row, shaping: AheadShaping, counts=None):
     return row
 
 
+def drawn_on_device(mx, row, settings: SamplingSettings, uniform: float):
+    """The token (1,) drawn from ``row`` (1, V) under ``settings``' temperature, top-k and min-p, on
+    the device, by the Gumbel-max trick (sampling.AheadSampling): top-k's ties at its cut all kept,
+    on the scaled logits, and min-p's tokens those within log(min-p) of the top, as
+    sampling.probabilities keeps them; the noise MLX's, keyed by ``uniform``."""
+    scaled = row[0].astype(mx.float32) / settings.temperature
+    size = scaled.shape[-1]
+    if 0 < settings.top_k < size:
+        kth = mx.partition(scaled, size - settings.top_k)[size - settings.top_k]
+        scaled = mx.where(scaled >= kth, scaled, -mx.inf)
+    if settings.min_p > 0.0:
+        scaled = mx.where(scaled - mx.max(scaled) >= math.log(settings.min_p), scaled, -mx.inf)
+    noise = mx.random.gumbel(shape=(size,), key=mx.random.key(gumbel_seed(uniform)))
+    return mx.argmax(scaled + noise, axis=-1).reshape(1)
+
+
 def _tree_layout(mx, start: int, n_chain: int, tree: TokenTree):
     """The mask (L, start + L) and positions (L,) of a pass feeding ``n_chain`` chain tokens
     and then the tree's nodes after ``start`` cached tokens (L = n_chain + len(tree))."""
@@ -794,8 +811,13 @@ class MlxBackend(HiddenTracking):
         """Whether ``forward_argmax_ahead`` shapes its rows by penalties and a bias on the device."""
         return True
 
-    def forward_argmax_ahead(self, token: int | None, ahead: bool = True,
-                             shaping: AheadShaping | None = None) -> tuple[int, bool]:
+    @property
+    def samples_ahead(self) -> bool:
+        """Whether ``forward_argmax_ahead`` draws its tokens on the device (``drawn_on_device``)."""
+        return True
+
+    def forward_argmax_ahead(self, token: int | None, ahead: bool = True, shaping: AheadShaping | None = None,
+                             drawn: AheadSampling | None = None) -> tuple[int, bool]:
         """A plain greedy step that reads one token ahead, as mlx-lm's own loop does: feed ``token``
         (None: the id the last call returned, which it fed already) and return the argmax after
         it, computed as ``forward_argmax``'s one-token pass computes it, and whether that id was
@@ -806,7 +828,9 @@ class MlxBackend(HiddenTracking):
         queued with each pass and read with its id, so a head drafter's plain steps read ahead too.
         ``shaping``: each argmax is taken after penalties and a bias (``shaped_on_device``), the
         queued row's window counting the id this step picks, still on the device, and kept with
-        it (a step that continues it counts nothing again: a whole text's window costs once)."""
+        it (a step that continues it counts nothing again: a whole text's window costs once).
+        ``drawn``: each token drawn under its settings from a uniform ``drawn.draw`` gives, this
+        step's (where not queued) before the queued one's, instead of the argmax."""
         mx = self._mx
         self._hidden = None
         if token is None:
@@ -816,7 +840,7 @@ class MlxBackend(HiddenTracking):
         else:
             self._check_room(1)
             counts = self._window_counts(shaping)
-            row, current, hidden, _ = self._ahead_pass(mx.array([int(token)]), int(token), shaping, counts)
+            row, current, hidden, _ = self._ahead_pass(mx.array([int(token)]), int(token), shaping, counts, drawn)
         self._ahead = None
         fed = ahead and self.n_past + 1 < self.n_ctx  # room for the id and the token after it
         if fed and counts is not None:  # the queued row's window: this one's, the id picked in, one pushed out
@@ -826,7 +850,7 @@ class MlxBackend(HiddenTracking):
                 counts = counts.at[leaving].add(-1.0)
         # The queued pass's cache slot is counted (its id unknown: -1) before the host waits, so a
         # Ctrl-C in that wait leaves n_past equal to what every layer holds, for the rewind after.
-        queued = self._ahead_pass(current, -1, shaping, counts) if fed else None
+        queued = self._ahead_pass(current, -1, shaping, counts, drawn) if fed else None
         self._last_picked = row
         value = int(current.item())  # the host waits for this pass only; the queued one runs on
         if hidden is not None:
@@ -847,10 +871,12 @@ class MlxBackend(HiddenTracking):
         counts = mx.zeros((size,), mx.float32)
         return counts.at[mx.array(window)].add(1.0) if window else counts
 
-    def _ahead_pass(self, token, host_id: int, shaping: AheadShaping | None = None, counts=None):
+    def _ahead_pass(self, token, host_id: int, shaping: AheadShaping | None = None, counts=None,
+                    drawn: AheadSampling | None = None):
         """One token (a (1,) array, perhaps still lazy; ``host_id`` as the token list records it)
         fed: its row (1, V) (shaped, where ``shaping`` says: by ``counts``, the window's), argmax
-        (1,), while tracking hidden state (1, H) (else None), and ``counts``; queued."""
+        (1,) (or the token ``drawn`` draws from it), while tracking hidden state (1, H) (else
+        None), and ``counts``; queued."""
         if self.needs_checkpoints:
             self._checkpoint()
         self._pass_hidden = [] if self._tracking else None
@@ -866,7 +892,10 @@ class MlxBackend(HiddenTracking):
         row = self._fit_vocab(logits[0, -1:])
         if shaping is not None:
             row = shaped_on_device(self._mx, row, shaping, counts)
-        current = self._mx.argmax(row, axis=-1)
+        if drawn is None:
+            current = self._mx.argmax(row, axis=-1)
+        else:
+            current = drawn_on_device(self._mx, row, drawn.settings, drawn.draw())
         self._mx.async_eval(current, self._cache_state(), *([] if hidden is None else [hidden]))
         return row, current, hidden, counts
 

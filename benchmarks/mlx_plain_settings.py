@@ -2,13 +2,14 @@
 
 A penalty shapes each row by the text before it, and a sampled token is drawn from its row:
 either way the next pass cannot be queued on an argmax the device already holds. specrun's MLX
-plain steps shape the row there (backends/mlx.py, ``shaped_on_device``) and so still read one
-token ahead under a penalty, as mlx-lm's loop does with its logits processors; a sampled token
-is still drawn on the host (``sampling.sample``), with nothing read ahead, where mlx-lm's
-sampler draws on the device. One loaded model, per prompt interleaved (the order rotating):
+plain steps shape the row there (backends/mlx.py, ``shaped_on_device``) and draw the token there
+(``drawn_on_device``: Gumbel noise keyed by the step's uniform of the run's generator), and so
+still read one token ahead, as mlx-lm's loop does with its logits processors and sampler; before,
+each row came to the host and nothing was read ahead. One loaded model, per prompt interleaved
+(the order rotating):
 
-1. ``ahead``   — specrun plain as it runs (the default: a penalty on the device, reading ahead)
-2. ``host``    — specrun plain, rows shaped on the host, no reading ahead (the old way)
+1. ``ahead``   — specrun plain on the device, reading ahead (the default)
+2. ``host``    — specrun plain, rows shaped and drawn on the host, no reading ahead (the old way)
 3. ``mlx_lm``  — mlx-lm's loop (``generate_step``) with its repetition-penalty processor and sampler
 4. ``greedy``  — specrun plain greedy without a penalty (what the settings cost at all)
 
@@ -16,9 +17,9 @@ sampler draws on the device. One loaded model, per prompt interleaved (the order
 llama.cpp's repeat penalty: a logit divided by it, multiplied where negative; 1: none),
 ``--temp`` (0: greedy; with ``--top-k``, ``--min-p``). Timing is generation only, the cache
 holding the prompt but its last token first. Reports tokens/s, each runner against mlx-lm and
-``ahead`` against ``host``, and whether the texts agree: ``ahead`` and ``host`` must, greedy or
-seeded; mlx-lm's greedy text may part at a near-tie (it shapes in the logits' dtype), its
-samples are its own.
+``ahead`` against ``host``, and whether the texts agree: greedy, ``ahead`` and ``host`` must
+(mlx-lm's may part at a near-tie: it shapes in the logits' dtype); sampled, each path's seeded
+draws are its own.
 
     .venv/bin/python benchmarks/mlx_plain_settings.py --target demo-target --prompts 12 -n 128 --repeat 2
     .venv/bin/python benchmarks/mlx_plain_settings.py --target demo-target --prompt-set spec-bench --prompts 13 -n 128
@@ -47,18 +48,18 @@ RUNNERS = ("ahead", "host", "mlx_lm", "greedy")
 
 
 class _OnTheHost:
-    """The backend's device shaping turned off for a run: rows to the host, no reading ahead."""
+    """The backend's device shaping and drawing turned off for a run: rows to the host, no reading ahead."""
 
     def __enter__(self):
-        self._was = MlxBackend.__dict__["shapes_ahead"]
-        MlxBackend.shapes_ahead = property(lambda self: False)
+        self._was = MlxBackend.__dict__["shapes_ahead"], MlxBackend.__dict__["samples_ahead"]
+        MlxBackend.shapes_ahead = MlxBackend.samples_ahead = property(lambda self: False)
 
     def __exit__(self, *exc):
-        MlxBackend.shapes_ahead = self._was
+        MlxBackend.shapes_ahead, MlxBackend.samples_ahead = self._was
 
 
 def run_specrun(target: MlxBackend, prompt: list[int], params: GenerationParams, host: bool = False) -> Run:
-    """specrun's plain decoding from a cache holding prompt[:-1]; ``host``: rows shaped there."""
+    """specrun's plain decoding from a cache holding prompt[:-1]; ``host``: rows shaped and drawn there."""
     sequence_for(target).sync(prompt[:-1])
     engine = SpeculativeEngine(target)
     started = time.perf_counter()

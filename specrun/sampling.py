@@ -57,6 +57,14 @@ class SamplingSettings:
         that a pass's rows must come to the host (no argmax on the device)?"""
         return bool(self.logit_bias) or self.penalties.on or self.reasoning_budget is not None
 
+    def ahead_sampling(self, draw: Callable[[], float]) -> AheadSampling | None:
+        """How a target that reads ahead draws a plain step's token on its own device, each from
+        a uniform ``draw`` gives (AheadSampling); None where greedy or where a device does not: top-p
+        (ties at its cut are taken in the host's order), llama.cpp's infill rule, a reasoning budget."""
+        if self.greedy or self.top_p < 1.0 or self.infill or self.reasoning_budget is not None:
+            return None
+        return AheadSampling(self, draw)
+
     def ahead_shaping(self, context: Sequence[int]) -> AheadShaping | None:
         """How a target that reads ahead shapes a plain greedy step's row after ``context`` on its
         own device (penalties and a bias: penalties.AheadShaping); None where nothing shapes the
@@ -280,10 +288,46 @@ def token_logprobs(logits: np.ndarray, token: int, top: int) -> tuple[float, tup
 
 
 def sample(probs: np.ndarray, rng: np.random.Generator) -> int:
-    """Draw one token id from a (vocab,) distribution."""
+    """Draw one token id from a (vocab,) distribution: one uniform from ``rng``."""
+    return sample_at(probs, rng.random())
+
+
+def sample_at(probs: np.ndarray, uniform: float) -> int:
+    """The token a (vocab,) distribution gives the uniform ``uniform`` in [0, 1): its inverse CDF."""
     cdf = np.asarray(probs).cumsum()  # the array's own methods: np.cumsum's dispatch costs more on a small row
-    index = int(cdf.searchsorted(rng.random() * cdf[-1], side="right"))
+    index = int(cdf.searchsorted(uniform * cdf[-1], side="right"))
     return min(index, len(cdf) - 1)
+
+
+GUMBEL_SEED_BITS = 53  # a uniform's bits that seed a draw's Gumbel noise (a float64's mantissa)
+
+
+def gumbel_seed(uniform: float) -> int:
+    """The seed of a draw's Gumbel noise, from the one uniform the run's generator gives a step."""
+    return int(uniform * 2**GUMBEL_SEED_BITS)
+
+
+@dataclass(frozen=True)
+class AheadSampling:
+    """A plain step's token drawn on the device that reads ahead (MLX's ``forward_argmax_ahead``),
+    by the Gumbel-max trick: the argmax of the scaled logits (``settings``' temperature, top-k and
+    min-p keeping the tokens ``probabilities`` keeps) plus Gumbel noise, which is a draw from the
+    same distribution without a cumulative sum (a float32 one over a 49k vocabulary moves the
+    tail's boundaries: total variation ~1e-4). Its noise is seeded by one uniform ``draw`` gives a
+    row, in the order the rows are drawn: the engine's generator, one a step as on the host, so a
+    seed gives one text on a path (not the host's draws' text). ``SamplingSettings.ahead_sampling``
+    says which settings a device draws."""
+
+    settings: SamplingSettings
+    draw: Callable[[], float]
+
+    def pick(self, logits: np.ndarray, uniform: float) -> int:
+        """The token a (V,) row of logits draws with ``uniform``'s noise on the host: the method's
+        reference, its noise NumPy's, over ``probabilities``' own distribution."""
+        probs = probabilities(logits, self.settings)
+        noise = np.random.default_rng(gumbel_seed(uniform)).gumbel(size=len(probs))
+        with np.errstate(divide="ignore"):
+            return int(np.argmax(np.log(probs) + noise))
 
 
 # ---- llama.cpp's infill sampler -----------------------------------------------------------------

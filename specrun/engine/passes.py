@@ -18,7 +18,7 @@ from specrun.backends.kv import KVSequence
 from specrun.drafters.base import Drafter, Proposal
 from specrun.engine.constrained import masked_rows
 from specrun.penalties import AheadShaping, chain_paths, tree_paths
-from specrun.sampling import SamplingSettings, infill_rule, infill_vocab_of, probabilities, sample, text_shaped_rows
+from specrun.sampling import AheadSampling, SamplingSettings, infill_rule, infill_vocab_of, probabilities, sample, text_shaped_rows
 from specrun.verify import (
     EXACT, LossyAcceptance, TreeVerdict, Verdict, verify_block, verify_greedy, verify_lossy, verify_sampled,
     verify_tree_greedy, verify_tree_lossy, verify_tree_sampled,
@@ -161,13 +161,15 @@ class TargetPasses:
         rule = verify_block if self.chain_rule == "block" else verify_sampled
         return drafts, rule(drafts.tokens, p_target, drafts.p_draft, rng)
 
-    def plain_ahead(self, last_token: int, ahead: bool, shaping: AheadShaping | None = None) -> tuple[Verdict, bool]:
-        """A plain greedy step through ``KVSequence.feed_argmax_ahead`` (where the target can read
+    def plain_ahead(self, last_token: int, ahead: bool, shaping: AheadShaping | None = None,
+                    drawn: AheadSampling | None = None) -> tuple[Verdict, bool]:
+        """A plain step through ``KVSequence.feed_argmax_ahead`` (where the target can read
         ahead): its verdict, and whether its pass had been queued by the step before. ``ahead``:
         queue the next step's pass on this one's token (the next step will be plain too);
-        ``shaping``: the penalties and bias its rows take, on the target's device."""
+        ``shaping``: the penalties and bias its rows take, on the target's device; ``drawn``: its
+        token drawn there under the settings (else the argmax)."""
         self.last_rows = None
-        token, queued = self.target.feed_argmax_ahead(last_token, ahead, shaping)
+        token, queued = self.target.feed_argmax_ahead(last_token, ahead, shaping, drawn)
         return Verdict(0, token), queued
 
     def _verify_tree(

@@ -6,12 +6,15 @@ that ends where it was asked to."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
 import pytest
 
 from fake_models import hashed_logits, hidden_table
+from lossless_harness import window_problems
+from oracle import distribution, joint_of
 from specrun.backends.fake import FakeBackend
 from specrun.backends.kv import sequence_for
 from specrun.drafters.methods import DrafterOptions, build_drafter
@@ -19,7 +22,7 @@ from specrun.engine.events import Finished
 from specrun.engine.loop import GenerationParams, SpeculativeEngine
 from specrun.penalties import AheadShaping, Penalties
 from specrun.reasoning_budget import ReasoningBudget
-from specrun.sampling import SamplingSettings
+from specrun.sampling import SamplingSettings, text_shaped_rows
 
 VOCAB = 12
 EOS = 11
@@ -92,14 +95,51 @@ def test_a_context_filling_up_reads_no_further_than_it_holds(n_ctx):
     assert len(ahead.cache) <= n_ctx
 
 
-def test_sampling_and_logprobs_step_plainly_without_reading_ahead():
+def test_logprobs_top_p_and_the_infill_rule_step_plainly_without_reading_ahead():
     ahead = fake(True)
     engine = SpeculativeEngine(ahead)
-    engine.run([1, 2, 3], GenerationParams(20, 0, sampling=SamplingSettings(temperature=0.8, seed=3)))
+    engine.run([1, 2, 3], GenerationParams(20, 0, sampling=SamplingSettings(temperature=0.8, top_p=0.9, seed=3)))
+    engine.run([1, 2, 3], GenerationParams(20, 0, sampling=SamplingSettings(temperature=0.8, infill=True, seed=3)))
     engine.run([1, 2, 3], GenerationParams(20, 0, logprobs=2))
     assert ahead.ahead_passes == 0
     engine.run([1, 2, 3], GenerationParams(20, 0))
     assert ahead.ahead_passes > 0
+
+
+SAMPLED = {
+    "temperature": SamplingSettings(temperature=0.8),
+    "top-k": SamplingSettings(temperature=1.3, top_k=3),
+    "min-p": SamplingSettings(temperature=0.7, min_p=0.1),
+    "under penalties": SamplingSettings(temperature=1.0, top_k=5, penalties=Penalties(repeat=1.5, last_n=4),
+                                        logit_bias=((2, 1.0),)),
+}
+
+
+SAMPLED_VOCAB = 6
+SAMPLED_PROMPT = (1, 4, 2, 1)
+SAMPLED_WINDOW = 4
+SAMPLED_RUNS = 2000
+
+
+@pytest.mark.parametrize("settings", SAMPLED.values(), ids=SAMPLED.keys())
+def test_sampled_plain_steps_read_ahead_drawing_from_plain_decoding_s_distribution(settings):
+    """A sampled plain step's token is drawn where its row is (the queued one's too, after a token
+    the host has not read), by Gumbel noise keyed by one uniform of the run's generator: 2,000
+    seeded windows of four tokens are distributed as plain decoding's exact joint (chi-square),
+    every step after the first two read ahead, and a seed gives one text."""
+    table = hashed_logits(SAMPLED_VOCAB, salt=7, spread=1.5)
+
+    def row(text: tuple[int, ...]) -> list[float]:
+        return distribution(text_shaped_rows(table(text)[None], settings, text, [()])[0], settings)
+
+    ahead = FakeBackend(table, SAMPLED_VOCAB, reads_ahead=True)
+    engine = SpeculativeEngine(ahead)
+    problems, _, _ = window_problems(engine, settings, SAMPLED_PROMPT, SAMPLED_WINDOW,
+                                     joint_of(row, SAMPLED_PROMPT, SAMPLED_WINDOW), SAMPLED_RUNS, draft_len=0)
+    assert problems == []
+    assert ahead.ahead_passes == SAMPLED_RUNS * (SAMPLED_WINDOW - 2)
+    seeded = GenerationParams(30, 0, sampling=dataclasses.replace(settings, seed=9))
+    assert engine.run(list(SAMPLED_PROMPT), seeded).token_ids == engine.run(list(SAMPLED_PROMPT), seeded).token_ids
 
 
 def test_a_sequence_keeping_hidden_states_reads_ahead_with_every_state_a_plain_feed_keeps():
