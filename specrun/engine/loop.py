@@ -371,8 +371,8 @@ class SpeculativeEngine:
         # rows shaped by their text (penalties, a bias) where it shapes them on its device too
         # and sampled ones where it draws their tokens on its device too (one uniform a step, as the host)
         shaped_ahead = sampling.shapes_rows and self.target.can_shape_ahead and sampling.ahead_shaping(()) is not None
-        sampled_ahead = (not sampling.greedy and self.target.can_sample_ahead
-                         and sampling.ahead_sampling(rng.random) is not None and self.passes.acceptance is None)
+        drawn = sampling.ahead_sampling(rng.random) if not sampling.greedy else None  # one for the run
+        sampled_ahead = drawn is not None and self.target.can_sample_ahead and self.passes.acceptance is None
         reads_ahead = (self.target.can_read_ahead and (sampling.greedy or sampled_ahead) and constrained is None
                        and params.logprobs is None and (not sampling.shapes_rows or shaped_ahead))
         clock = StepClock(self.clock)  # generation starts
@@ -442,8 +442,8 @@ class SpeculativeEngine:
                 if plain_step and (ahead or self.target.reading_ahead):
                     proposal = drafts
                     shaping = sampling.ahead_shaping(context) if shaped_ahead else None
-                    drawn = sampling.ahead_sampling(rng.random) if sampled_ahead else None
-                    verdict, queued = self.passes.plain_ahead(context[-1], ahead, shaping, drawn)
+                    verdict, queued = self.passes.plain_ahead(context[-1], ahead, shaping,
+                                                              drawn if sampled_ahead else None)
                 else:
                     proposal, verdict = self.passes.verify(context[-1], drafts, sampling, rng, allowed, context)
                 # Keep the fed last token and the accepted drafts; drop the rejected tail.
