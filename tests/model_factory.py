@@ -8,7 +8,6 @@ between backends comes from arithmetic, not from storage.
 from __future__ import annotations
 
 import functools
-import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,8 +24,11 @@ ARCHS = ("llama", "qwen2")
 _LOGIT_SPREAD = 4.0  # std of the logits for a unit-RMS final hidden state
 _SUBLAYER_GAIN = 1.5  # attention and MLP outputs comparable to the residual stream
 
-_STDLIB_SOURCES = ("textwrap.py", "shlex.py", "fnmatch.py", "bisect.py", "colorsys.py")
-_SOURCE_CHARS_PER_FILE = 6000
+# The first 6,000 characters of five standard-library modules (CPython 3.11.7, Python Software
+# Foundation License), kept in the tests: read from the running interpreter they moved with its
+# version (colorsys.py differs between 3.11.2 and 3.11.7), and every tiny model with them.
+_SOURCES = Path(__file__).parent / "data" / "stdlib_excerpts"
+_SOURCE_NAMES = ("textwrap.py", "shlex.py", "fnmatch.py", "bisect.py", "colorsys.py")
 _UNICODE_LINES = (
     "Grüße aus München! Ça va très bien, merci. ¿Dónde está la biblioteca?",
     "日本語のテキストも少し入れておきます。東京は大きな都市です。",
@@ -52,9 +54,8 @@ class TinyModel:
 
 
 def training_texts() -> list[str]:
-    """A fixed few-KB corpus: stdlib Python source plus unicode/emoji lines."""
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
-    texts = [(stdlib / name).read_text(encoding="utf-8")[:_SOURCE_CHARS_PER_FILE] for name in _STDLIB_SOURCES]
+    """A fixed few-KB corpus, the same on every Python: stdlib source plus unicode/emoji lines."""
+    texts = [(_SOURCES / f"{name}.txt").read_text(encoding="utf-8") for name in _SOURCE_NAMES]
     return texts + ["\n".join(_UNICODE_LINES)] * 3
 
 

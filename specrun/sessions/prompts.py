@@ -35,24 +35,22 @@ INSTRUCT_PROMPTS = (
     "for line in open(\"log.txt\"):\n    if \"error\" in line:\n        x += 1\nprint(x)\n```",
 )
 
+HELDOUT_CODE_LINES = 16  # lines kept of each held-out file (specrun/demo/heldout_code.json)
+
+
 def heldout_code_prompts(count: int, lines: int = 12) -> list[str]:
     """``count`` Python prompts from the standard library's idlelib/, which the demo pair never saw.
 
-    Each prompt is ``lines`` lines from a file's first top-level def or class:
-    real code the models must continue. Deterministic: files sorted by name.
+    Each prompt is ``lines`` lines from a file's first top-level def or class: real code the models
+    must continue. The files' openings are frozen in specrun/demo/heldout_code.json (CPython 3.11.7's,
+    55 files, each 16 lines or more) so every Python gives the same prompts (Debian ships idlelib/
+    apart, and the files move with the version). Deterministic: files sorted by name.
     """
-    import sysconfig
-    from pathlib import Path
+    import json
+    from importlib import resources
 
-    folder = Path(sysconfig.get_paths()["stdlib"]) / "idlelib"
-    prompts = []
-    for path in sorted(folder.glob("*.py")):
-        text = path.read_text(encoding="utf-8", errors="replace")
-        body = text.splitlines()
-        start = next((i for i, line in enumerate(body) if line.startswith(("def ", "class "))), None)
-        if start is None or len(body) < start + lines:
-            continue
-        prompts.append("\n".join(body[start : start + lines]) + "\n")
-        if len(prompts) == count:
-            break
-    return prompts
+    if not 1 <= lines <= HELDOUT_CODE_LINES:
+        raise ValueError(f"held-out prompts are 1 to {HELDOUT_CODE_LINES} lines, not {lines}")
+    files = json.loads(resources.files("specrun.demo").joinpath("heldout_code.json").read_text(encoding="utf-8"))
+    bodies = [entry["lines"] for entry in files["files"] if len(entry["lines"]) >= lines]
+    return ["\n".join(body[:lines]) + "\n" for body in bodies[:count]]
