@@ -15,7 +15,7 @@ each row came to the host and nothing was read ahead. One loaded model, per prom
 
 ``--repeat-penalty`` over the last ``--last-n`` tokens (mlx-lm's repetition penalty is
 llama.cpp's repeat penalty: a logit divided by it, multiplied where negative; 1: none),
-``--temp`` (0: greedy; with ``--top-k``, ``--min-p``). Timing is generation only, the cache
+``--temp`` (0: greedy; with ``--top-k``, ``--top-p``, ``--min-p``). Timing is generation only, the cache
 holding the prompt but its last token first. Reports tokens/s, each runner against mlx-lm and
 ``ahead`` against ``host``, and whether the texts agree: greedy, ``ahead`` and ``host`` must
 (mlx-lm's may part at a near-tie: it shapes in the logits' dtype); sampled, each path's seeded
@@ -85,7 +85,7 @@ def run_mlx_lm(pair, prompt: list[int], max_tokens: int, args) -> Run:
         (inner,) = make_logits_processors(repetition_penalty=args.repeat_penalty, repetition_context_size=args.last_n)
         before = mx.array(prompt[:-1])
         processors = [lambda tokens, logits: inner(mx.concatenate([before, tokens]), logits)]
-    sampler = make_sampler(temp=args.temp, top_k=args.top_k, min_p=args.min_p)
+    sampler = make_sampler(temp=args.temp, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p)
     started = time.perf_counter()
     tokens = [int(token) for token, _ in generate_step(mx.array(prompt[-1:]), pair.target_model, max_tokens=max_tokens,
                                                        sampler=sampler, logits_processors=processors,
@@ -116,6 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--temp", type=float, default=0.0)
     parser.add_argument("--top-k", type=int, default=0)
     parser.add_argument("--min-p", type=float, default=0.0)
+    parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=0, help="specrun's runs' seed (mlx-lm draws its own)")
     parser.add_argument("--repeat", type=int, default=1, help="runs per prompt and runner (pooled)")
     parser.add_argument("--json", type=Path, help="write the report here")
@@ -128,7 +129,8 @@ def main(argv: list[str] | None = None) -> int:
     prompts = load_prompts(pair, args.prompt_set, args.prompts)
     penalties = Penalties(repeat=args.repeat_penalty, last_n=args.last_n)
     asked = GenerationParams(args.n, 0, stop_at_eos=False, sampling=SamplingSettings(
-        temperature=args.temp, top_k=args.top_k, min_p=args.min_p, seed=args.seed, penalties=penalties))
+        temperature=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, seed=args.seed,
+        penalties=penalties))
     greedy = GenerationParams(args.n, 0, stop_at_eos=False)
     runners = {
         "ahead": lambda prompt: run_specrun(target, prompt, asked),
