@@ -120,12 +120,15 @@ class AheadShaping:
     @classmethod
     def of(cls, penalties: Penalties, bias: Sequence[tuple[int, float]],
            context: Sequence[int]) -> AheadShaping | None:
-        """None where a token is biased twice: ``shaped_rows`` adds its amounts one after the other,
-        which a device's one add of their sum would round otherwise."""
-        bias = tuple(bias)
-        if len({token for token, _ in bias}) < len(bias):
-            return None
-        return cls(penalties, bias, context)
+        """None where a token is biased twice (``takes``)."""
+        return cls(penalties, tuple(bias), context) if cls.takes(bias) else None
+
+    @staticmethod
+    def takes(bias: Sequence[tuple[int, float]]) -> bool:
+        """Can a device shape rows under ``bias``? Not where a token is biased twice: ``shaped_rows``
+        adds its amounts one after the other, which a device's one add of their sum would round
+        otherwise."""
+        return len({token for token, _ in bias}) == len(bias)
 
     @property
     def window(self) -> Sequence[int]:

@@ -68,10 +68,14 @@ class SamplingSettings:
     def ahead_shaping(self, context: Sequence[int]) -> AheadShaping | None:
         """How a target that reads ahead shapes a plain greedy step's row after ``context`` on its
         own device (penalties and a bias: penalties.AheadShaping); None where nothing shapes the
-        rows or a device cannot (a reasoning budget, a token biased twice)."""
-        if not self.shapes_rows or self.reasoning_budget is not None:
-            return None
-        return AheadShaping.of(self.penalties, self.logit_bias, context)
+        rows or a device cannot (``shapes_ahead``)."""
+        return AheadShaping(self.penalties, tuple(self.logit_bias), context) if self.shapes_ahead else None
+
+    @property
+    def shapes_ahead(self) -> bool:
+        """Do these settings shape the rows (penalties, a bias) as a device can shape them: not under a
+        reasoning budget, nor with a token biased twice (penalties.AheadShaping.takes)?"""
+        return self.shapes_rows and self.reasoning_budget is None and AheadShaping.takes(self.logit_bias)
 
     def validate(self) -> list[str]:
         """Problems with these settings, as option-named messages (empty if fine)."""

@@ -370,7 +370,7 @@ class SpeculativeEngine:
         # plain greedy steps read one token ahead where the target can (KVSequence.feed_argmax_ahead),
         # rows shaped by their text (penalties, a bias) where it shapes them on its device too
         # and sampled ones where it draws their tokens on its device too (one uniform a step, as the host)
-        shaped_ahead = sampling.shapes_rows and self.target.can_shape_ahead and sampling.ahead_shaping(()) is not None
+        shaped_ahead = sampling.shapes_ahead and self.target.can_shape_ahead
         drawn = sampling.ahead_sampling(rng.random) if not sampling.greedy else None  # one for the run
         sampled_ahead = drawn is not None and self.target.can_sample_ahead and self.passes.acceptance is None
         reads_ahead = (self.target.can_read_ahead and (sampling.greedy or sampled_ahead) and constrained is None
