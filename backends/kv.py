@@ -123,7 +123,7 @@ class KVSequence:
     @property
     def can_sample_ahead(self) -> bool:
         """Can those steps draw their tokens on the backend's device (``samples_ahead``: temperature,
-        top-k, top-p and min-p, sampling.AheadSampling)?"""
+        top-k and min-p, sampling.AheadSampling)?"""
         return self.can_read_ahead and getattr(self.backend, "samples_ahead", False)
 
     @property

@@ -499,48 +499,19 @@ def shaped_on_device(mx, row, shaping: AheadShaping, counts=None):
 
 
 def drawn_on_device(mx, row, settings: SamplingSettings, uniform: float):
-    """The token (1,) drawn from ``row`` (1, V) under ``settings``' temperature, top-k, top-p and
-    min-p, on the device, by the Gumbel-max trick (sampling.AheadSampling): top-k's ties at its cut
-    all kept, on the scaled logits; top-p's cut as sampling.probabilities makes it (``top_p_kept``);
-    min-p's tokens those within log(min-p) of the top; the noise MLX's, keyed by ``uniform``."""
+    """The token (1,) drawn from ``row`` (1, V) under ``settings``' temperature, top-k and min-p, on
+    the device, by the Gumbel-max trick (sampling.AheadSampling): top-k's ties at its cut all kept,
+    on the scaled logits, and min-p's tokens those within log(min-p) of the top, as
+    sampling.probabilities keeps them; the noise MLX's, keyed by ``uniform``."""
     scaled = row[0].astype(mx.float32) / settings.temperature
     size = scaled.shape[-1]
     if 0 < settings.top_k < size:
         kth = mx.partition(scaled, size - settings.top_k)[size - settings.top_k]
         scaled = mx.where(scaled >= kth, scaled, -mx.inf)
-    if settings.top_p < 1.0:
-        scaled = mx.where(top_p_kept(mx, scaled, settings.top_p), scaled, -mx.inf)
     if settings.min_p > 0.0:
         scaled = mx.where(scaled - mx.max(scaled) >= math.log(settings.min_p), scaled, -mx.inf)
     noise = mx.random.gumbel(shape=(size,), key=mx.random.key(gumbel_seed(uniform)))
     return mx.argmax(scaled + noise, axis=-1).reshape(1)
-
-
-def top_p_kept(mx, scaled, top_p: float):
-    """(V,) bool: the tokens top-p keeps of the scaled logits ``scaled`` (V,), as the host keeps
-    them (sampling._top_p): the likeliest first, ties in index order (a stable sort's), each kept
-    while the mass before it is below ``top_p``. The sorted weights give how many are kept and the
-    least kept one's value; every token likelier than it is kept, and of those equal to it the
-    first ones by index, as many as the count leaves (so no sort need be stable).
-
-    The running sums are float32's, each step's rounding taken back out: a float32 cumulative sum
-    over thousands of small terms drifts ~3e-5 from the host's float64 one, which moved the cut by
-    a token in 1 row of 300 (a flat row's). Where the sorted weights descend, each running sum is at
-    most twice the one before, so their difference, and its difference from the term added, are
-    exact (Sterbenz): the sum of those roundings is the drift, and what is left is one float32
-    rounding, a relative 6e-8."""
-    weights = mx.exp(scaled - mx.max(scaled))  # tokens top-k left out: 0, sorted last
-    ranked = mx.sort(weights)[::-1]
-    sums = mx.cumsum(ranked)
-    zero = mx.zeros((1,), mx.float32)
-    before = mx.concatenate([zero, sums[:-1]])
-    drift = mx.cumsum((sums - before) - ranked)  # each step's rounding, summed
-    mass_before = before - mx.concatenate([zero, drift[:-1]])
-    count = mx.sum(mass_before < top_p * (sums[-1] - drift[-1]))  # the first always: nothing before it
-    least = ranked[count - 1]
-    above = weights > least
-    tied = weights == least
-    return above | (tied & (mx.cumsum(tied.astype(mx.int32)) <= count - mx.sum(above)))
 
 
 def _tree_layout(mx, start: int, n_chain: int, tree: TokenTree):

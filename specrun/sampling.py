@@ -59,9 +59,10 @@ class SamplingSettings:
 
     def ahead_sampling(self, draw: Callable[[], float]) -> AheadSampling | None:
         """How a target that reads ahead draws a plain step's token on its own device, each from
-        a uniform ``draw`` gives (AheadSampling); None where greedy or where a device does not:
-        llama.cpp's infill rule, a reasoning budget."""
-        if self.greedy or self.infill or self.reasoning_budget is not None:
+        a uniform ``draw`` gives (AheadSampling); None where greedy or where a device does not: top-p
+        (a whole-row sort on the device cost what reading ahead saves: docs/perf.md 3(w)), llama.cpp's
+        infill rule, a reasoning budget."""
+        if self.greedy or self.top_p < 1.0 or self.infill or self.reasoning_budget is not None:
             return None
         return AheadSampling(self, draw)
 
@@ -314,8 +315,8 @@ def gumbel_seed(uniform: float) -> int:
 @dataclass(frozen=True)
 class AheadSampling:
     """A plain step's token drawn on the device that reads ahead (MLX's ``forward_argmax_ahead``),
-    by the Gumbel-max trick: the argmax of the scaled logits (``settings``' temperature, top-k, top-p
-    and min-p keeping the tokens ``probabilities`` keeps) plus Gumbel noise, which is a draw from the
+    by the Gumbel-max trick: the argmax of the scaled logits (``settings``' temperature, top-k and
+    min-p keeping the tokens ``probabilities`` keeps) plus Gumbel noise, which is a draw from the
     same distribution without a cumulative sum (a float32 one over a 49k vocabulary moves the
     tail's boundaries: total variation ~1e-4). Its noise is seeded by one uniform ``draw`` gives a
     row, in the order the rows are drawn: the engine's generator, one a step as on the host, so a

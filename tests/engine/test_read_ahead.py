@@ -95,9 +95,10 @@ def test_a_context_filling_up_reads_no_further_than_it_holds(n_ctx):
     assert len(ahead.cache) <= n_ctx
 
 
-def test_logprobs_and_the_infill_rule_step_plainly_without_reading_ahead():
+def test_logprobs_top_p_and_the_infill_rule_step_plainly_without_reading_ahead():
     ahead = fake(True)
     engine = SpeculativeEngine(ahead)
+    engine.run([1, 2, 3], GenerationParams(20, 0, sampling=SamplingSettings(temperature=0.8, top_p=0.9, seed=3)))
     engine.run([1, 2, 3], GenerationParams(20, 0, sampling=SamplingSettings(temperature=0.8, infill=True, seed=3)))
     engine.run([1, 2, 3], GenerationParams(20, 0, logprobs=2))
     assert ahead.ahead_passes == 0
@@ -109,7 +110,6 @@ SAMPLED = {
     "temperature": SamplingSettings(temperature=0.8),
     "top-k": SamplingSettings(temperature=1.3, top_k=3),
     "min-p": SamplingSettings(temperature=0.7, min_p=0.1),
-    "top-p": SamplingSettings(temperature=0.9, top_p=0.7),
     "under penalties": SamplingSettings(temperature=1.0, top_k=5, penalties=Penalties(repeat=1.5, last_n=4),
                                         logit_bias=((2, 1.0),)),
 }
