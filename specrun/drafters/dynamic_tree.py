@@ -110,26 +110,18 @@ def grow_tree(
     expand: Callable[[DraftTree, list[int], int], np.ndarray],
     d2t: np.ndarray,
     source: str,
-    shape: Callable[[np.ndarray, list[int]], np.ndarray] | None = None,
 ) -> Proposal:
     """A greedy dynamic tree ``depth`` deep from the first position's logits ``root_logits`` (Vd,):
     ``expand(tree, nodes, level)`` gives the logits (len(nodes), Vd) of the position after each
-    of ``nodes`` (all at depth ``level``). Proposed as target ids (``d2t``: each draft id's).
-    ``shape(row, path)``: each row (Vd,) as the target's row will be shaped after the drafts
-    ``path`` (target ids; penalties, a bias, a reasoning budget), so the tree grows what the target
-    will choose; None where the run's settings shape nothing."""
+    of ``nodes`` (all at depth ``level``). Proposed as target ids (``d2t``: each draft id's)."""
     tree = DraftTree()
-
-    def shaped(row: np.ndarray, node: int) -> np.ndarray:
-        return row if shape is None else shape(row, [int(d2t[draft]) for draft in tree.path(node)])
-
-    tree.add_children(-1, shaped(root_logits, -1), top_k)
+    tree.add_children(-1, root_logits, top_k)
     for level in range(1, depth):
         chosen = tree.to_expand(level, top_k)
         if not chosen:  # every row so far ruled out every token
             break
         for node, row_logits in zip(chosen, expand(tree, chosen, level)):
-            tree.add_children(node, shaped(row_logits, node), top_k)
+            tree.add_children(node, row_logits, top_k)
     nodes = tree.proposal_order(depth, branches)
     index = {node: i for i, node in enumerate(nodes)}
     return Proposal(

@@ -231,16 +231,15 @@ def _joint() -> dict[tuple[int, ...], float]:
     return joint_of(_p_plain, PROMPT, WINDOW)
 
 
-def _heads_engine(method: str, branches: int = 0) -> SpeculativeEngine:
+def _heads_engine(method: str) -> SpeculativeEngine:
     """The target's hidden states knowing its (unpenalised) greedy future, drafted for by
-    ``method``'s oracle heads (tests/heads_factory.py); ``branches``: greedy, their dynamic trees."""
+    ``method``'s oracle heads (tests/heads_factory.py)."""
     from heads_factory import FAKE_LAYERS, oracle_heads_for, oracle_hidden
 
     heads = oracle_heads_for(method, VOCAB)
     target = FakeBackend(_target_table(), VOCAB, hidden_table=oracle_hidden(_target_table(), VOCAB),
                          hidden_size=heads.config.hidden_size, n_layers=FAKE_LAYERS)
-    return SpeculativeEngine(target, build_drafter(method, None, DrafterOptions(heads=heads, branches=branches)),
-                             method=method)
+    return SpeculativeEngine(target, build_drafter(method, None, DrafterOptions(heads=heads)), method=method)
 
 
 def _problems(branches: int = 0, chain_rule: str = "block", method: str = "draft",
@@ -281,10 +280,9 @@ def test_heads_drafting_under_the_penalties_sample_as_plain_decoding(method):
     assert 0 < accepted < drafted
 
 
-@pytest.mark.parametrize("branches", [0, 3], ids=["chain", "tree"])
 @pytest.mark.parametrize("method", ["eagle", "mtp", "medusa", "hydra"])
-def test_greedy_heads_under_the_penalties_make_plain_decoding_s_text(method, branches):
-    engine = _heads_engine(method, branches)
+def test_greedy_heads_under_the_penalties_make_plain_decoding_s_text(method):
+    engine = _heads_engine(method)
     settings = SamplingSettings(penalties=PENALTIES, logit_bias=SETTINGS.logit_bias)
     want = _plain_greedy(_target_table(), PROMPT, 16, PENALTIES, SETTINGS.logit_bias)
     accepted = sum(step.n_accepted for step in engine.steps(
@@ -312,32 +310,27 @@ def _banned() -> tuple[int, SamplingSettings]:
     return banned, SamplingSettings(logit_bias=((banned, -math.inf),))
 
 
-@pytest.mark.parametrize("method", ["eagle", "mtp", "medusa", "hydra", "eagle tree", "mtp tree", "medusa tree",
-                                    "hydra tree", "draft tree"])
+@pytest.mark.parametrize("method", ["eagle", "mtp", "medusa", "hydra", "draft tree"])
 def test_heads_and_draft_trees_draft_no_token_a_bias_forbids(method, monkeypatch):
-    """Their chains and dynamic trees draft from rows shaped as the target's: a token the bias
-    forbids is never drafted, where unshaped they draft it."""
+    """Their chains (and the draft model's dynamic trees) draft from rows shaped as the target's:
+    a token the bias forbids is never drafted, where unshaped they draft it."""
     from specrun.drafters.draft_model import DraftModelDrafter
     from specrun.drafters.heads.base import HeadsDrafter
 
-    kind, _, tree = method.partition(" ")
-
     def engine() -> SpeculativeEngine:
-        if kind != "draft":
-            return _heads_engine(kind, branches=3 if tree else 0)
+        if method != "draft tree":
+            return _heads_engine(method)
         drafter = build_drafter("draft", FakeBackend(_target_table(), VOCAB), DrafterOptions(branches=3))
         return SpeculativeEngine(FakeBackend(_target_table(), VOCAB), drafter, method="draft")
 
-    if kind == "draft":  # trees every step, whatever their timing says
+    if method == "draft tree":  # trees every step, whatever their timing says
         monkeypatch.setattr(DraftModelDrafter, "grows_trees", property(lambda self: True))
     banned, settings = _banned()
     shaped = _drafted(engine(), settings, monkeypatch)
     assert shaped and banned not in shaped
-    if kind == "draft":
+    if method == "draft tree":
         monkeypatch.setattr(specrun.drafters.draft_model, "shaped_row", lambda logits, *args: logits)
         monkeypatch.setattr(specrun.drafters.draft_model, "text_shaped_rows", lambda logits, *args: logits)
-    elif tree:
-        monkeypatch.setattr(HeadsDrafter, "tree_shaping", lambda self, *args: None)
     else:
         monkeypatch.setattr(HeadsDrafter, "shaped", lambda self, logits, *args: logits)
     assert banned in _drafted(engine(), settings, monkeypatch)

@@ -185,7 +185,7 @@ class HeadsDrafter(Drafter):
         rows are shaped (sampling.text_shaped_rows: by ``context`` and the chain ``drafted`` so far),
         so its chain drafts what the target will choose; as they are where the settings shape
         nothing. None where the budget forces a token the heads cannot draft (past their ids): the
-        chain ends."""
+        chain ends. Its trees stay unshaped."""
         if not sampling.shapes_rows:
             return logits
         row = np.full(self._vocab_size, -np.inf, dtype=np.float32)
@@ -194,19 +194,6 @@ class HeadsDrafter(Drafter):
         if sampling.reasoning_budget is not None and not np.isfinite(shaped).any():
             return None
         return shaped
-
-    def tree_shaping(self, sampling: SamplingSettings, context: Sequence[int]):
-        """How a greedy tree's rows are shaped (dynamic_tree.grow_tree's ``shape``): each as ``shaped``
-        shapes a chain's, by ``context`` and the node's path; a row whose budget forces a token past
-        the heads' ids rules every token out (the node has no children). None where nothing shapes."""
-        if not sampling.shapes_rows:
-            return None
-
-        def shape(logits: np.ndarray, path: list[int]) -> np.ndarray:
-            shaped = self.shaped(logits, sampling, context, path)
-            return np.full_like(logits, -np.inf) if shaped is None else shaped
-
-        return shape
 
     def grammar_allows(self, context: Sequence[int], drafted: Sequence[int]) -> np.ndarray | None:
         """Under a run's grammar (``follows_grammar``: their chains; greedy trees are pruned as

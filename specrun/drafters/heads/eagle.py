@@ -248,7 +248,7 @@ class EagleDrafter(HeadsDrafter):
         if root is None:  # fed while tracking was off (a cache from before the heads were in use)
             return EMPTY_PROPOSAL
         if sampling.greedy and self.branches:
-            return self._tree(root, len(context) - 2, depth, self.tree_shaping(sampling, context))
+            return self._tree(root, len(context) - 2, depth)
         return self._chain(root, len(context) - 2, depth, sampling, rng)
 
     def _step(self, features: np.ndarray, drafts: np.ndarray, position: int,
@@ -314,9 +314,8 @@ class EagleDrafter(HeadsDrafter):
         chain = Proposal(tuple(tokens), tuple(rows), source=self.name)
         return second_guesses(chain, rows, self.branches, sampling, rng) if self.branches else chain
 
-    def _tree(self, feature: np.ndarray, root: int, depth: int, shape=None) -> Proposal:
-        """EAGLE-2's dynamic tree (greedy): the main chain, then the ``branches`` likeliest other nodes
-        (``shape``: each row shaped as the target's, ``tree_shaping``)."""
+    def _tree(self, feature: np.ndarray, root: int, depth: int) -> Proposal:
+        """EAGLE-2's dynamic tree (greedy): the main chain, then the ``branches`` likeliest other nodes."""
         keys, values = self.heads.no_entries(self._dtype), self.heads.no_entries(self._dtype)
         expanded: list[int] = []  # the nodes with entries, in the order of keys
         features = {-1: feature[0]}
@@ -335,7 +334,7 @@ class EagleDrafter(HeadsDrafter):
             return self.heads.logits(out)  # (N, Vd)
 
         return grow_tree(self.heads.logits(feature)[0], depth, self.top_k, self.branches, expand,
-                         self._d2t, self.name, shape)
+                         self._d2t, self.name)
 
     def close(self) -> None:
         super().close()

@@ -49,7 +49,7 @@ class HydraDrafter(HeadsDrafter):
         state = hidden.astype(self.heads.embed.dtype)  # (H,)
         last = int(self.heads.draft_ids(np.array([context[-1]]))[0])
         if sampling.greedy and self.branches:
-            return self._tree(state, last, depth, self.tree_shaping(sampling, context))
+            return self._tree(state, last, depth)
         return self._chain(state, last, depth, sampling, rng, context)
 
     def _logits(self, head: int, state: np.ndarray, paths: np.ndarray) -> np.ndarray:
@@ -83,13 +83,12 @@ class HydraDrafter(HeadsDrafter):
         chain = Proposal(tuple(tokens), tuple(rows), source=self.name)
         return second_guesses(chain, rows, self.branches, sampling, rng) if self.branches else chain
 
-    def _tree(self, state: np.ndarray, last: int, depth: int, shape=None) -> Proposal:
-        """The dynamic tree (greedy): the main chain, then the ``branches`` likeliest other nodes
-        (``shape``: each row shaped as the target's, ``tree_shaping``)."""
+    def _tree(self, state: np.ndarray, last: int, depth: int) -> Proposal:
+        """The dynamic tree (greedy): the main chain, then the ``branches`` likeliest other nodes."""
 
         def expand(tree: DraftTree, chosen: list[int], level: int) -> np.ndarray:
             paths = np.array([[last, *tree.path(node)] for node in chosen])  # (N, level + 1)
             return self._logits(level, state, paths)
 
         root_logits = self._logits(0, state, np.array([[last]]))[0]
-        return grow_tree(root_logits, depth, self.top_k, self.branches, expand, self._d2t, self.name, shape)
+        return grow_tree(root_logits, depth, self.top_k, self.branches, expand, self._d2t, self.name)

@@ -60,7 +60,7 @@ class MedusaDrafter(HeadsDrafter):
         if sampling.greedy and self.branches:  # every node at depth `level` reads head `level`'s row
             return grow_tree(logits[0], n_heads, TOP_K, self.branches,
                              lambda tree, chosen, level: np.repeat(logits[level][None], len(chosen), axis=0),
-                             self._d2t, self.name, self.tree_shaping(sampling, context))
+                             self._d2t, self.name)
         return self._chain(context, logits, sampling, rng)
 
     def _chain(self, context: Sequence[int], logits: np.ndarray, sampling: SamplingSettings,

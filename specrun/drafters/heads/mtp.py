@@ -88,9 +88,7 @@ class MtpDrafter(EagleDrafter):
         if depth <= 0 or len(context) < 2:
             return EMPTY_PROPOSAL
         if native_trees:
-            shape = self.tree_shaping(sampling, context)
-            tree = self._natively(native, context,
-                                  lambda logits: self._native_tree(native, context, depth, logits, shape))
+            tree = self._natively(native, context, lambda logits: self._native_tree(native, context, depth, logits))
             return tree if tree is not None else super().propose(context, draft_len, sampling, rng)
 
         def chain(logits: np.ndarray) -> Proposal:
@@ -122,8 +120,7 @@ class MtpDrafter(EagleDrafter):
             finally:
                 native.keep(root + 1)
 
-    def _native_tree(self, native, context: Sequence[int], depth: int, logits: np.ndarray,
-                     shape=None) -> Proposal | None:
+    def _native_tree(self, native, context: Sequence[int], depth: int, logits: np.ndarray) -> Proposal | None:
         """EAGLE-2's dynamic tree (greedy) from the root's ``logits`` in llama.cpp's MTP context (held
         by ``_natively``): each level's chosen nodes in one batch, every node in a sequence of its own
         made from its parent's (the context's for the root's children), so it reads the context and
@@ -148,7 +145,7 @@ class MtpDrafter(EagleDrafter):
             return rows
 
         try:
-            return grow_tree(logits, depth, self.top_k, self.branches, expand, self._d2t, self.name, shape)
+            return grow_tree(logits, depth, self.top_k, self.branches, expand, self._d2t, self.name)
         except _NoSequences:
             return None
         finally:
@@ -193,10 +190,10 @@ class MtpDrafter(EagleDrafter):
             return self._chained_chain(feature, root, depth, sampling, rng)
         return super()._chain(feature, root, depth, sampling, rng)
 
-    def _tree(self, feature: np.ndarray, root: int, depth: int, shape=None) -> Proposal:
+    def _tree(self, feature: np.ndarray, root: int, depth: int) -> Proposal:
         if self.heads.chained:
-            return self._chained_tree(feature, root, depth, shape)
-        return super()._tree(feature, root, depth, shape)
+            return self._chained_tree(feature, root, depth)
+        return super()._tree(feature, root, depth)
 
     def _chained_rows(self, index: int, features: np.ndarray, drafts: np.ndarray, positions: np.ndarray,
                       reads: np.ndarray) -> np.ndarray:
@@ -227,9 +224,8 @@ class MtpDrafter(EagleDrafter):
             states.append(out[-1])
         return self._chain_proposal(tokens, rows, sampling, rng)
 
-    def _chained_tree(self, feature: np.ndarray, root: int, depth: int, shape=None) -> Proposal:
-        """EAGLE-2's dynamic tree (greedy), the nodes at depth i expanded by layer i along their paths
-        (``shape``: each row shaped as the target's, ``tree_shaping``)."""
+    def _chained_tree(self, feature: np.ndarray, root: int, depth: int) -> Proposal:
+        """EAGLE-2's dynamic tree (greedy), the nodes at depth i expanded by layer i along their paths."""
         layers = self.heads.layers
         states = {-1: feature[0]}
 
@@ -244,8 +240,7 @@ class MtpDrafter(EagleDrafter):
             states.update((node, out[at[node]]) for node in chosen)
             return layers[level].logits(np.stack([states[node] for node in chosen]))
 
-        return grow_tree(layers[0].logits(feature)[0], depth, self.top_k, self.branches, expand, self._d2t, self.name,
-                         shape)
+        return grow_tree(layers[0].logits(feature)[0], depth, self.top_k, self.branches, expand, self._d2t, self.name)
 
     def swap_heads(self, heads) -> None:
         super().swap_heads(heads)
