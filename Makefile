@@ -4,8 +4,11 @@
 # optimisation: the suite's Python-bound tests (the lossless sweeps) ran 12-18% faster on it than on
 # a pyenv build without it (2026-12-07), which keeps CI's run within its 30 minutes. Nothing the
 # suite reads comes from the interpreter's own files (tests/data, specrun/demo/heldout_code.json).
-PYTHON ?= $(shell /usr/bin/python3 -c 'import sys, ensurepip, venv; sys.exit(sys.version_info < (3, 11))' \
-	2>/dev/null && echo /usr/bin/python3 || echo python3)
+# Linux only: a Mac's /usr/bin/python3 without the command-line tools opens an installer instead.
+ifeq ($(origin PYTHON),undefined)
+PYTHON := $(shell [ "$$(uname -s)" = Linux ] && /usr/bin/python3 -c \
+	'import sys, ensurepip, venv; sys.exit(sys.version_info < (3, 11))' 2>/dev/null && echo /usr/bin/python3 || echo python3)
+endif
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.specrun-installed
