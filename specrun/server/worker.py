@@ -686,6 +686,10 @@ class PairWorker:
         tool_cut = self._tool_cut(job.request)
         split = self._reasoning_split(job, grammar)
         thinking = self._thinking_tokens(job)
+
+        def thought_tokens() -> int:  # usage's reasoning_tokens so far
+            return thinking.count if thinking is not None else 0
+
         tokens = from_draft = 0
         first_sent = False
         logprobs = _HeldLogprobs()  # the tokens' since the last Delta, each sent with the text it began
@@ -748,7 +752,7 @@ class PairWorker:
                         self._let_go(job, split, tool_cut)
                         self._finish(job, "length" if ended_by == "time" else "stop", event.stats, tool_cut, trace,
                                      slot, logprobs.release(), stopped_by=ended_by, word=cut.word,
-                                     reasoning_tokens=thinking.count if thinking is not None else 0)
+                                     reasoning_tokens=thought_tokens())
                         return
                 elif isinstance(event, Finished):
                     tail = cut.flush()
@@ -767,7 +771,7 @@ class PairWorker:
                     self._finish(job, _FINISH_REASONS[event.result.finish_reason], event.result.stats, tool_cut,
                                  trace, slot, stopped_by=ended_by or ("context" if event.result.finish_reason
                                                                       == "context" else ""),
-                                 reasoning_tokens=thinking.count if thinking is not None else 0)
+                                 reasoning_tokens=thought_tokens())
         except Exception as exc:  # noqa: BLE001 - the server keeps serving; the request learns what failed
             self.metrics.finished(job, "error", None)
             message = exc.one_line() if isinstance(exc, SpecrunError) else f"{type(exc).__name__}: {exc}"
