@@ -479,7 +479,7 @@ def _state_bytes(state) -> int:
 # ---- token trees: one pass with a tree mask and a position per node ------------------
 def shaped_on_device(mx, row, shaping: AheadShaping, counts=None):
     """``row`` (1, V) shaped as penalties.shaped_rows shapes it, on the device: float32, the bias
-    added to its tokens (each named once: AheadShaping.of), then each token ``counts`` (V,)
+    added to its tokens (each named once: AheadShaping.takes), then each token ``counts`` (V,)
     counts in the window divided by the repeat penalty (multiplied where not positive), less its
     count times the frequency penalty and the presence penalty. Each step rounds to float32 as
     NumPy's does (no fused multiply-add: nothing here is compiled), so the argmax is the host's."""

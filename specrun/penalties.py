@@ -110,18 +110,12 @@ class AheadShaping:
     """What shapes a plain greedy step's row by its text where the target reads ahead and shapes
     rows on its own device (MLX's ``forward_argmax_ahead``): the step's row follows ``context``
     (read during the call, never kept), the row it queues follows ``context`` and the id the step
-    picks, which the host does not know yet. ``shaped_rows``'s arithmetic either way; ``of``
-    gives None where a device cannot repeat it exactly."""
+    picks, which the host does not know yet. ``shaped_rows``'s arithmetic either way; ``takes``
+    says where a device cannot repeat it exactly."""
 
     penalties: Penalties
     bias: tuple[tuple[int, float], ...]
     context: Sequence[int]
-
-    @classmethod
-    def of(cls, penalties: Penalties, bias: Sequence[tuple[int, float]],
-           context: Sequence[int]) -> AheadShaping | None:
-        """None where a token is biased twice (``takes``)."""
-        return cls(penalties, tuple(bias), context) if cls.takes(bias) else None
 
     @staticmethod
     def takes(bias: Sequence[tuple[int, float]]) -> bool:

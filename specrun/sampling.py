@@ -294,13 +294,8 @@ def token_logprobs(logits: np.ndarray, token: int, top: int) -> tuple[float, tup
 
 def sample(probs: np.ndarray, rng: np.random.Generator) -> int:
     """Draw one token id from a (vocab,) distribution: one uniform from ``rng``."""
-    return sample_at(probs, rng.random())
-
-
-def sample_at(probs: np.ndarray, uniform: float) -> int:
-    """The token a (vocab,) distribution gives the uniform ``uniform`` in [0, 1): its inverse CDF."""
     cdf = np.asarray(probs).cumsum()  # the array's own methods: np.cumsum's dispatch costs more on a small row
-    index = int(cdf.searchsorted(uniform * cdf[-1], side="right"))
+    index = int(cdf.searchsorted(rng.random() * cdf[-1], side="right"))
     return min(index, len(cdf) - 1)
 
 

@@ -120,7 +120,7 @@ def test_speculation_under_penalties_makes_plain_decoding_s_text(looping_llama, 
 # ---- MLX: plain steps read ahead, their rows shaped on the device --------------------------------
 def test_rows_shaped_on_the_mlx_device_are_the_host_s_to_the_bit():
     """backends/mlx.shaped_on_device against penalties.shaped_rows on random rows (zeros, ties,
-    large and small logits), windows, settings and biases (each token once: AheadShaping.of)."""
+    large and small logits), windows, settings and biases (each token once: AheadShaping.takes)."""
     pytest.importorskip("mlx_lm", reason="the mlx backend is not installed")
     import mlx.core as mx
     import numpy as np
@@ -142,7 +142,7 @@ def test_rows_shaped_on_the_mlx_device_are_the_host_s_to_the_bit():
         row = (rng.normal(0.0, float(rng.choice([0.01, 3.0, 40.0])), vocab) * rng.integers(0, 2, vocab)
                ).astype(np.float32)  # zeros among them: a logit <= 0 is multiplied
         row[rng.integers(vocab)] = row.max()  # a tie for the largest: the argmax takes the first
-        shaping = AheadShaping.of(penalties, bias, context)
+        shaping = AheadShaping(penalties, tuple(bias), context)
         counts = None
         if penalties.on:
             counts = mx.array(np.bincount(np.asarray(shaping.window, np.int64), minlength=vocab).astype(np.float32))

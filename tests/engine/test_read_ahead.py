@@ -367,7 +367,7 @@ def test_plain_steps_under_penalties_and_a_bias_read_ahead_with_plain_decoding_s
 
 def test_a_token_biased_twice_or_a_reasoning_budget_steps_without_reading_ahead():
     """A device adds a token's two amounts as one sum, which rounds otherwise than adding them in
-    turn (penalties.AheadShaping.of); a budget forces rows by their text on the host."""
+    turn (penalties.AheadShaping.takes); a budget forces rows by their text on the host."""
     twice = SamplingSettings(logit_bias=((2, 0.1), (2, 0.2)))
     budget = SamplingSettings(reasoning_budget=ReasoningBudget(starts=((3,),), ends=((4,),), forced=(4,), budget=2))
     for settings in (twice, budget):
@@ -384,10 +384,10 @@ def test_the_window_a_queued_row_counts_is_the_step_s_with_the_id_picked_in_and_
         penalties = Penalties(repeat=1.2, last_n=last_n)
         context = [int(t) for t in rng.integers(0, 6, int(rng.integers(1, 12)))]
         picked = int(rng.integers(0, 6))
-        shaping = AheadShaping.of(penalties, (), context)
+        shaping = AheadShaping(penalties, (), context)
         counts = np.bincount(np.asarray(shaping.window, np.int64), minlength=6)
         counts[picked] += 1
         if shaping.leaving is not None:
             counts[shaping.leaving] -= 1
-        after = AheadShaping.of(penalties, (), [*context, picked])
+        after = AheadShaping(penalties, (), [*context, picked])
         assert np.array_equal(counts, np.bincount(np.asarray(after.window, np.int64), minlength=6)), (context, last_n)
