@@ -501,14 +501,20 @@ def shaped_on_device(mx, row, shaping: AheadShaping, counts=None):
 def drawn_on_device(mx, row, settings: SamplingSettings, uniform: float):
     """The token (1,) drawn from ``row`` (1, V) under ``settings``' temperature, top-k and min-p, on
     the device, by the Gumbel-max trick (sampling.AheadSampling): top-k's ties at its cut all kept,
-    on the scaled logits, and min-p's tokens those within log(min-p) of the top, as
-    sampling.probabilities keeps them; the noise MLX's, keyed by ``uniform``."""
-    scaled = row[0].astype(mx.float32) / settings.temperature
-    size = scaled.shape[-1]
+    and min-p's tokens those within log(min-p) of the top, before or after the temperature as
+    the settings' order has it, as sampling.probabilities keeps them (the two commute: each keeps
+    the likeliest tokens, min-p by their distance from the top, which top-k keeps); the noise
+    MLX's, keyed by ``uniform``."""
+    logits = row[0].astype(mx.float32)
+    size = logits.shape[-1]
     if 0 < settings.top_k < size:
-        kth = mx.partition(scaled, size - settings.top_k)[size - settings.top_k]
-        scaled = mx.where(scaled >= kth, scaled, -mx.inf)
-    if settings.min_p > 0.0:
+        kth = mx.partition(logits, size - settings.top_k)[size - settings.top_k]
+        logits = mx.where(logits >= kth, logits, -mx.inf)
+    min_p_first = settings.order.index("min_p") < settings.order.index("temperature")
+    if settings.min_p > 0.0 and min_p_first:
+        logits = mx.where(logits - mx.max(logits) >= math.log(settings.min_p), logits, -mx.inf)
+    scaled = logits / settings.temperature
+    if settings.min_p > 0.0 and not min_p_first:
         scaled = mx.where(scaled - mx.max(scaled) >= math.log(settings.min_p), scaled, -mx.inf)
     noise = mx.random.gumbel(shape=(size,), key=mx.random.key(gumbel_seed(uniform)))
     return mx.argmax(scaled + noise, axis=-1).reshape(1)

@@ -2,11 +2,12 @@
 
 The same function is applied to the target's and the drafter's logits, so both
 distributions mean "the model under the user's settings" (docs/design.md).
-Order: temperature, then top-k, top-p, min-p, then renormalise. llama.cpp's infill sampler
-(``infill_rule``), where asked, follows on the target's rows and a draft model's. Repetition
-penalties and logit bias, then llama.cpp's reasoning budget, shape the target's logits before all
-of it, each row by the text it follows (``text_shaped_rows``; specrun/penalties.py,
-specrun/reasoning_budget.py).
+Order: llama.cpp's (``SAMPLER_ORDER``): top-k, top-p and min-p cut the model's own distribution,
+then the temperature rescales what they kept, renormalising after each; llama.cpp's infill sampler
+(``infill_rule``), where asked, last. A run may name another order (``SamplingSettings.order``:
+llama-server's ``samplers``). Repetition penalties and logit bias, then llama.cpp's reasoning
+budget, shape the target's logits before all of it, each row by the text it follows
+(``text_shaped_rows``; specrun/penalties.py, specrun/reasoning_budget.py).
 """
 
 from __future__ import annotations
@@ -25,6 +26,43 @@ from specrun.reasoning_budget import ReasoningBudget, forced_rows
 # The largest --seed: a signed 64-bit integer, what the server's "seed" field and heads train take
 # (numpy's generator would take any size; a seed one command takes, the others should take too).
 MAX_SEED = 2**63 - 1
+
+# llama.cpp's default chain (common/common.h: penalties, dry, top-n-sigma, top-k, typical-p, top-p,
+# min-p, xtc, temperature) less the samplers specrun has not: truncation on the model's own
+# distribution, the temperature last; llama-cpp-python's Llama and llama-server sample so too
+SAMPLER_ORDER = ("top_k", "top_p", "min_p", "temperature")
+SAMPLERS = (*SAMPLER_ORDER, "infill")  # what an order may name
+# llama.cpp's sampler names (common/sampling.cpp; llama-server's ``samplers``, llama-cli's --samplers),
+# each as specrun names it: the penalties (always first here), and None for those specrun has not,
+# which change nothing at their inert settings and may be listed
+LLAMA_SAMPLERS = {**{name: name for name in SAMPLERS}, "penalties": "penalties", "dry": None, "typ_p": None,
+                  "xtc": None, "top_n_sigma": None, "adaptive_p": None}
+SAMPLER_ALIASES = {**{name.replace("_", "-"): name for name in LLAMA_SAMPLERS if "_" in name},
+                   **{name.replace("_", ""): name for name in LLAMA_SAMPLERS if "_" in name},
+                   "nucleus": "top_p", "temp": "temperature", "typ": "typ_p", "typical_p": "typ_p"}
+SAMPLER_LETTERS = {"d": "dry", "k": "top_k", "y": "typ_p", "p": "top_p", "s": "top_n_sigma", "m": "min_p",
+                   "t": "temperature", "x": "xtc", "i": "infill", "e": "penalties", "a": "adaptive_p"}
+
+
+def sampler_named(name: str) -> str | None:
+    """llama.cpp's name for the sampler ``name`` (an alias, any case) means, or None for none."""
+    canonical = SAMPLER_ALIASES.get(name.lower(), name.lower())
+    return canonical if canonical in LLAMA_SAMPLERS else None
+
+
+def listed_order(listed: Sequence[str]) -> tuple[str, ...]:
+    """SamplingSettings.order for samplers listed in order (llama.cpp's names): specrun's samplers
+    in the list's order, those left out after them (off where a list leaves them out, so their
+    places change nothing). A list in llama.cpp's default order is that order, as a run that
+    lists none holds it. A ValueError names a sampler listed twice (llama.cpp would apply it twice:
+    a temperature squared, a nucleus of a nucleus)."""
+    ours = [name for name in listed if name in SAMPLERS]
+    twice = sorted({name for name in ours if ours.count(name) > 1})
+    if twice:
+        raise ValueError(f"{', '.join(twice)} listed more than once; specrun applies each sampler once")
+    if ours == [name for name in SAMPLERS if name in ours]:
+        return SAMPLER_ORDER
+    return (*ours, *(name for name in SAMPLER_ORDER if name not in ours))
 
 
 @dataclass(frozen=True)
@@ -46,10 +84,26 @@ class SamplingSettings:
     # llama.cpp's reasoning budget: the thinking capped, then a sequence forced, each row by its text
     # (reasoning_budget.py); None: off
     reasoning_budget: ReasoningBudget | None = None
+    # the order the samplers apply in (``chain``): top-k, top-p, min-p and the temperature once each,
+    # and infill where it comes (else last)
+    order: tuple[str, ...] = SAMPLER_ORDER
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def chain(self) -> tuple[str, ...]:
+        """The samplers that change a sampled row, in ``order``: top-k, top-p and min-p where on,
+        the temperature where not 1, infill where asked (last where ``order`` does not place it)."""
+        on = {"top_k": self.top_k > 0, "top_p": self.top_p < 1.0, "min_p": self.min_p > 0.0,
+              "temperature": self.temperature != 1.0, "infill": self.infill}
+        return tuple(name for name in self.samplers if on[name])
+
+    @property
+    def samplers(self) -> tuple[str, ...]:
+        """``order``, with infill last where asked and not placed (llama-server's ``samplers``)."""
+        return (*self.order, "infill") if self.infill and "infill" not in self.order else self.order
 
     @property
     def shapes_rows(self) -> bool:
@@ -62,7 +116,7 @@ class SamplingSettings:
         a uniform ``draw`` gives (AheadSampling); None where greedy or where a device does not: top-p
         (a whole-row sort on the device cost what reading ahead saves: docs/perf.md 3(w)), llama.cpp's
         infill rule, a reasoning budget."""
-        if self.greedy or self.top_p < 1.0 or self.infill or self.reasoning_budget is not None:
+        if self.greedy or "top_p" in self.chain or self.infill or self.reasoning_budget is not None:
             return None
         return AheadSampling(self, draw)
 
@@ -89,6 +143,10 @@ class SamplingSettings:
             problems.append(f"--top-p must be in (0, 1], got {self.top_p}")
         if not (0.0 <= self.min_p < 1.0):
             problems.append(f"--min-p must be in [0, 1), got {self.min_p}")
+        if sorted(name for name in self.order if name != "infill") != sorted(SAMPLER_ORDER) \
+                or self.order.count("infill") > 1 or set(self.order) - set(SAMPLERS):
+            problems.append(f"--samplers must name {', '.join(SAMPLER_ORDER)} once each (and infill at most once), "
+                            f"got {';'.join(self.order)}")
         if self.seed is not None and not 0 <= self.seed <= MAX_SEED:
             problems.append(f"--seed must be between 0 and {MAX_SEED}, got {self.seed}")
         problems += self.penalties.problems()
@@ -123,6 +181,8 @@ class SamplingSettings:
             said.append(f"min-p {self.min_p:.10g}")
         if self.infill:
             said.append("infill rule")
+        if self.chain != tuple(name for name in SAMPLERS if name in self.chain):  # an order of its own
+            said.append(f"samplers {';'.join(self.chain)}")
         if self.seed is not None:
             said.append(f"seed {self.seed}")
         return ", ".join([*said, *shaping])
@@ -133,7 +193,8 @@ class SamplingSettings:
         if not self.greedy:
             fields.update({name: value for name, value, off in (("top_k", self.top_k, 0), ("top_p", self.top_p, 1.0),
                                                                 ("min_p", self.min_p, 0.0), ("seed", self.seed, None),
-                                                                ("infill", self.infill, False))
+                                                                ("infill", self.infill, False),
+                                                                ("samplers", list(self.order), list(SAMPLER_ORDER)))
                            if value != off})
         if self.penalties.on:
             fields["penalties"] = {"repeat": self.penalties.repeat, "frequency": self.penalties.frequency,
@@ -178,8 +239,11 @@ def top_probability(logits: np.ndarray) -> float:
     return float(1.0 / np.exp(finite - finite.max()).sum())
 
 
-def probabilities(logits: np.ndarray, settings: SamplingSettings) -> np.ndarray:
-    """Row-wise next-token distributions under ``settings``.
+def probabilities(logits: np.ndarray, settings: SamplingSettings, infill: InfillVocab | None = None) -> np.ndarray:
+    """Row-wise next-token distributions under ``settings``: their samplers applied in their
+    order (``SamplingSettings.chain``), each renormalising what it keeps. llama.cpp's infill rule,
+    where the settings ask for it, reads ``infill``'s vocabulary (``infill_vocab_of``); without
+    one it is left out (a head's drafts: any row a draft is drawn from is exact).
 
     logits: (n, vocab) or (vocab,). Returns float64 of the same shape, rows sum to 1.
     Greedy settings give a one-hot row at the argmax.
@@ -192,29 +256,93 @@ def probabilities(logits: np.ndarray, settings: SamplingSettings) -> np.ndarray:
         out[np.arange(len(rows)), rows.argmax(axis=-1)] = 1.0
         return out[0] if squeeze else out
 
-    # One buffer carried through in place: a new array of a vocabulary's rows costs its page faults
-    # (9 rows of 49k: ~1.5 ms each), more than the arithmetic on it.
-    probs = rows / settings.temperature  # (n, V): the scaled logits, then their probabilities
-    vocab = probs.shape[-1]
-    if 0 < settings.top_k < vocab:  # chosen on the scaled logits (a shift by the top could tie two)
-        kth = np.partition(probs, vocab - settings.top_k, axis=-1)[:, vocab - settings.top_k]
-        kept = probs >= kth[:, None]
-    # the reductions called directly (what .max and .sum call): a step samples from small rows too
-    probs -= np.maximum.reduce(probs, axis=-1, keepdims=True)
-    if 0 < settings.top_k < vocab:
-        # exp only where top-k keeps a token (exp(-inf) takes a slow path: 9 ms for 9 rows of 49k)
-        weights = np.exp(probs[kept])
-        probs.fill(0.0)
-        probs[kept] = weights
-    else:
-        np.exp(probs, out=probs)
-    probs /= np.add.reduce(probs, axis=-1, keepdims=True)
-    if settings.top_p < 1.0:
-        _top_p(probs, settings.top_p)
-    if settings.min_p > 0.0:
-        probs[probs < settings.min_p * probs.max(axis=-1, keepdims=True)] = 0.0
-        probs /= probs.sum(axis=-1, keepdims=True)
+    # The distribution so far (``probs``), made only where a sampler needs it: top-k and min-p read
+    # the logits alone (top-k the same tokens at any temperature; min-p a token's distance from the
+    # likeliest, as llama.cpp reads it), so until then only which tokens are kept is carried
+    # (``kept``; None: all), and the temperature, where it comes first, is taken when the
+    # distribution is made: under llama.cpp's order without top-p, exp is taken once, over the
+    # tokens kept. One (n, V) array is made and worked in place: a new array of a
+    # vocabulary's rows costs its page faults (9 rows of 49k: ~1.5 ms each), more than the
+    # arithmetic on it.
+    temperature, kept, probs = 1.0, None, None
+    for name in settings.chain:
+        if name == "temperature":
+            if probs is None:
+                temperature = settings.temperature
+            else:
+                _tempered(probs, settings.temperature)
+        elif name == "top_k":
+            if settings.top_k >= rows.shape[-1]:
+                continue  # every token
+            if probs is None:
+                kept = _top_k_kept(rows, settings.top_k, kept)
+            else:
+                probs[~_top_k_kept(rows, settings.top_k, probs > 0.0)] = 0.0
+                probs /= np.add.reduce(probs, axis=-1, keepdims=True)
+        elif name == "min_p" and probs is None:
+            kept = _min_p_kept(rows, settings.min_p, temperature, kept)
+        else:
+            if probs is None:
+                probs = _softmax(rows, temperature, kept)
+            if name == "top_p":
+                _top_p(probs, settings.top_p)
+            elif name == "min_p":
+                probs[probs < settings.min_p * np.maximum.reduce(probs, axis=-1, keepdims=True)] = 0.0
+                probs /= np.add.reduce(probs, axis=-1, keepdims=True)
+            elif infill is not None:
+                probs = infill_rule(probs, infill)
+    if probs is None:
+        probs = _softmax(rows, temperature, kept)
     return probs[0] if squeeze else probs
+
+
+def _tempered(probs: np.ndarray, temperature: float) -> None:
+    """Rows (n, V) of a distribution at temperature 1 over the tokens kept, brought in place to
+    ``temperature``, as llama.cpp's temperature after its truncation gives them: over the kept
+    tokens p ∝ exp(logit), so (p / p_max)^(1/T) ∝ exp(logit / T), renormalised. The power is
+    taken where a token is kept (over zeros it takes a slow path: 5 ms for 9 rows of 49k), the
+    rest in passes over whole rows (np.nonzero alone cost 1.2 ms there)."""
+    probs /= np.maximum.reduce(probs, axis=-1, keepdims=True)
+    np.power(probs, 1.0 / temperature, out=probs, where=probs > 0.0)
+    probs /= np.add.reduce(probs, axis=-1, keepdims=True)
+
+
+def _top_k_kept(rows: np.ndarray, top_k: int, kept: np.ndarray | None) -> np.ndarray:
+    """Which tokens of ``rows`` (n, V) top-k (under V) keeps of those ``kept`` (n, V; None: all):
+    the k likeliest, every token tied with the k-th too."""
+    vocab = rows.shape[-1]
+    candidates = rows if kept is None else np.where(kept, rows, -np.inf)
+    kth = np.partition(candidates, vocab - top_k, axis=-1)[:, vocab - top_k]
+    # a row with fewer than k candidates keeps them all (its k-th is -inf, and -inf is not kept)
+    return (candidates >= kth[:, None]) & (candidates > -np.inf) if kept is not None else rows >= kth[:, None]
+
+
+def _min_p_kept(rows: np.ndarray, min_p: float, temperature: float, kept: np.ndarray | None) -> np.ndarray:
+    """Which tokens of ``rows`` (n, V) min-p keeps of those ``kept`` (n, V; None: all) at
+    ``temperature``: p >= min_p · p_max, read on the logits as llama.cpp reads it, the tokens whose
+    scaled logit is within log(min_p) of the likeliest kept one's."""
+    scaled = rows if temperature == 1.0 else rows / temperature
+    top = np.maximum.reduce(scaled, axis=-1, keepdims=True, where=True if kept is None else kept, initial=-np.inf)
+    chosen = scaled - top >= math.log(min_p)
+    return chosen if kept is None else kept & chosen
+
+
+def _softmax(rows: np.ndarray, temperature: float, kept: np.ndarray | None) -> np.ndarray:
+    """softmax(rows / temperature) over the tokens ``kept`` (n, V; None: all), 0 elsewhere: a new
+    array."""
+    out = rows / temperature  # (n, V): the scaled logits, then their probabilities
+    # the reductions called directly (what .max and .sum call): a step samples from small rows too
+    if kept is None:
+        out -= np.maximum.reduce(out, axis=-1, keepdims=True)
+        np.exp(out, out=out)
+    else:
+        out -= np.maximum.reduce(out, axis=-1, keepdims=True, where=kept, initial=-np.inf)
+        # exp only where a token is kept (exp(-inf) takes a slow path: 9 ms for 9 rows of 49k)
+        weights = np.exp(out[kept])
+        out.fill(0.0)
+        out[kept] = weights
+    out /= np.add.reduce(out, axis=-1, keepdims=True)
+    return out
 
 
 def _top_p(probs: np.ndarray, top_p: float) -> None:

@@ -422,7 +422,10 @@ LONG_TAIL_SPREAD = 2.5  # logits this spread over 8 tokens: a few likely, severa
 SETTINGS = {
     "temp 1": SamplingSettings(temperature=1.0),
     "top-k": SamplingSettings(temperature=0.8, top_k=2),
-    "top-p": SamplingSettings(temperature=0.8, top_p=0.8),
+    # the nucleus of the model's own distribution (llama.cpp's order): 0.7 cuts the heads' flat
+    # rows of three tokens at temperature 1, where 0.8 kept all three (a head reporting its row
+    # before top-p then passed)
+    "top-p": SamplingSettings(temperature=0.8, top_p=0.7),
     "min-p": SamplingSettings(temperature=1.0, min_p=0.3),
     "every option": SamplingSettings(temperature=0.9, top_k=2, top_p=0.9, min_p=0.15),
     "cold": SamplingSettings(temperature=0.5, top_p=0.95),  # where a row drawn at another temperature shows

@@ -2,7 +2,8 @@
 
 specrun's ``probabilities()`` is what the engine samples with; an oracle built on it would
 share its bugs (a top-p off by one, a min-p step skipped). This is a second, deliberately
-simple implementation of the documented order: temperature, then top-k, top-p, min-p, each
+simple implementation of the documented samplers, in the order the settings name (llama.cpp's
+by default: top-k, top-p, min-p on the model's own distribution, then the temperature), each
 followed by renormalising; temperature 0 is a one-hot row at the first largest logit.
 The exact joint distribution of a continuation, which the statistical tests compare
 against, is built from it.
@@ -25,31 +26,39 @@ def distribution(logits: Sequence[float], settings: SamplingSettings) -> list[fl
     if settings.temperature == 0.0:
         best = max(range(vocab), key=lambda token: (logits[token], -token))
         return [1.0 if token == best else 0.0 for token in range(vocab)]
-    temperature = settings.temperature
-    scaled = [value / temperature for value in logits]
-    if 0 < settings.top_k < vocab:
-        kth_largest = sorted(scaled, reverse=True)[settings.top_k - 1]
-        top = max(scaled)  # the largest is always allowed
-        weights = [math.exp(value - top) if value >= kth_largest else 0.0 for value in scaled]
-    else:
-        top = max(scaled)
-        exp = math.exp
-        weights = [exp(value - top) for value in scaled]
-    probs = _normalise(weights)
-    if settings.top_p < 1.0:
-        # Most likely first (ties: the lower id first); keep a token while the mass of the
-        # tokens before it is still short of top_p, so the one that crosses it is kept.
-        kept, mass_before = [0.0] * vocab, 0.0
-        for token in sorted(range(vocab), key=lambda t: (-probs[t], t)):
-            if mass_before >= settings.top_p:
-                break
-            kept[token] = probs[token]
-            mass_before += probs[token]
-        probs = _normalise(kept)
-    if settings.min_p > 0.0:
-        floor = settings.min_p * max(probs)
-        probs = _normalise([p if p >= floor else 0.0 for p in probs])
-    return probs
+    kept = [True] * vocab  # the tokens every sampler so far kept
+    temperature = 1.0  # the temperature the logits are read at: 1 until the temperature's turn
+    for name in settings.order:
+        if name == "temperature":
+            temperature = settings.temperature
+        elif name == "top_k" and 0 < settings.top_k:
+            # the k likeliest of the tokens kept, every token tied with the k-th too
+            candidates = sorted((logits[token] for token in range(vocab) if kept[token]), reverse=True)
+            if settings.top_k < len(candidates):
+                kth_largest = candidates[settings.top_k - 1]
+                kept = [kept[token] and logits[token] >= kth_largest for token in range(vocab)]
+        elif name == "top_p" and settings.top_p < 1.0:
+            # Most likely first (ties: the lower id first); keep a token while the mass of the
+            # tokens before it is still short of top_p, so the one that crosses it is kept.
+            probs = _softmax(logits, temperature, kept)
+            kept, mass_before = [False] * vocab, 0.0
+            for token in sorted(range(vocab), key=lambda t: (-probs[t], t)):
+                if mass_before >= settings.top_p or probs[token] == 0.0:
+                    break
+                kept[token] = True
+                mass_before += probs[token]
+        elif name == "min_p" and settings.min_p > 0.0:
+            probs = _softmax(logits, temperature, kept)
+            floor = settings.min_p * max(probs)
+            kept = [p > 0.0 and p >= floor for p in probs]
+    return _softmax(logits, temperature, kept)
+
+
+def _softmax(logits: list[float], temperature: float, kept: list[bool]) -> list[float]:
+    """softmax(logits / temperature) over the tokens kept, 0 elsewhere."""
+    top = max(value for value, keep in zip(logits, kept) if keep) / temperature
+    exp = math.exp
+    return _normalise([exp(value / temperature - top) if keep else 0.0 for value, keep in zip(logits, kept)])
 
 
 def _normalise(weights: list[float]) -> list[float]:

@@ -118,6 +118,7 @@ def _config(result: BenchResult) -> dict:
         "top_k": sampling.top_k,
         "top_p": sampling.top_p,
         "min_p": sampling.min_p,
+        "samplers": list(sampling.order),
         "seed": sampling.seed,
         "repeat": config.repeat,
         "chat": config.chat,

@@ -75,12 +75,14 @@ from specrun.cli.options import (
     ThreadsOpt,
     TopKOpt,
     TopPOpt,
+    SamplersOpt,
     TreeNodesOpt,
     VerifyOpt,
     TraceOpt,
 )
 from specrun.errors import UsageError
 from specrun.fileio import check_writable_folder, write_atomically
+from specrun.sampling import SAMPLER_ORDER
 
 MAX_REPEAT = 100
 PIPE_WIDTH = 120
@@ -122,6 +124,7 @@ def bench(
     top_k: TopKOpt = 0,
     top_p: TopPOpt = 1.0,
     min_p: MinPOpt = 0.0,
+    samplers: SamplersOpt = None,
     seed: SeedOpt = None,
     repeat_penalty: RepeatPenaltyOpt = 1.0,
     repeat_last_n: RepeatLastNOpt = 64,
@@ -194,11 +197,14 @@ def bench(
                              "sends the target to other machines", "drop --native or --rpc")
         sampling = checked_sampling("bench", temp, top_k, top_p, min_p, seed, repeat_penalty=repeat_penalty,
                                     repeat_last_n=repeat_last_n, presence_penalty=presence_penalty,
-                                    frequency_penalty=frequency_penalty, logit_bias=logit_bias)
+                                    frequency_penalty=frequency_penalty, logit_bias=logit_bias, samplers=samplers)
         if native and sampling.shapes_rows:
             raise UsageError("--native times llama-cpp-python's own plain loop, which applies no logit bias and counts "
                              "penalties over the answer alone (specrun and llama.cpp's tools count the prompt too)",
                              "drop --native, or the penalties and --logit-bias")
+        if native and sampling.order != SAMPLER_ORDER:
+            raise UsageError("--native times llama-cpp-python's own plain loop, which samples in llama.cpp's default "
+                             "order (top_k;top_p;min_p;temperature)", "drop --native, or --samplers")
         verification = checked_verification("bench", verify, accept, epsilon, delta, margin, exact)
         target = target or DEFAULT_TARGET
         given_draft = draft

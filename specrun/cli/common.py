@@ -456,18 +456,52 @@ def checked_reasoning_format(reasoning_format: str) -> str:
 
 def checked_sampling(command: str, temp: float, top_k: int, top_p: float, min_p: float, seed: int | None, *,
                      repeat_penalty: float = 1.0, repeat_last_n: int = 64, presence_penalty: float = 0.0,
-                     frequency_penalty: float = 0.0, logit_bias: list[str] | None = None):
+                     frequency_penalty: float = 0.0, logit_bias: list[str] | None = None,
+                     samplers: str | None = None):
     """The sampling options as SamplingSettings, or a usage error naming the first bad one."""
     from specrun.penalties import Penalties
-    from specrun.sampling import SamplingSettings
+    from specrun.sampling import SAMPLER_ORDER, SamplingSettings
 
     penalties = Penalties(repeat_penalty, frequency_penalty, presence_penalty, repeat_last_n)
     sampling = SamplingSettings(temp, top_k, top_p, min_p, seed, penalties=penalties,
-                                logit_bias=tuple(_logit_bias(value) for value in logit_bias or ()))
+                                logit_bias=tuple(_logit_bias(value) for value in logit_bias or ()),
+                                order=SAMPLER_ORDER if samplers is None else _samplers_order(samplers))
     problems = sampling.validate()
     if problems:
         raise UsageError(problems[0], f"see `specrun {command} --help`")
     return sampling
+
+
+def _samplers_order(text: str) -> tuple[str, ...]:
+    """--samplers as SamplingSettings.order: llama.cpp's names separated by ; (or commas), or a
+    string of their letters, naming top_k, top_p, min_p and temperature once each (the penalties
+    first where named; llama.cpp's other samplers may be named and change nothing)."""
+    from specrun.sampling import LLAMA_SAMPLERS, SAMPLER_LETTERS, SAMPLER_ORDER, listed_order, sampler_named
+
+    parts = [part.strip() for part in re.split(r"[;,]", text) if part.strip()]
+    names = [sampler_named(part) for part in parts]
+    if len(parts) == 1 and names == [None] and set(parts[0]) <= set(SAMPLER_LETTERS):
+        names = [SAMPLER_LETTERS[letter] for letter in parts[0]]
+    bad = next((part for part, name in zip(parts, names) if name is None), None)
+    if bad is not None:
+        raise UsageError(f"--samplers: {bad!r} names no sampler",
+                         f"name them as llama.cpp does ({', '.join(LLAMA_SAMPLERS)}), or by their letters "
+                         f"({''.join(SAMPLER_LETTERS)})")
+    hint = "like --samplers 'top_k;top_p;min_p;temperature' (--top-k 0, --top-p 1, --min-p 0 turn one off)"
+    missing = [name for name in SAMPLER_ORDER if name not in names]
+    if missing:
+        raise UsageError(f"--samplers leaves out {', '.join(missing)}: it sets the order the samplers apply in",
+                         f"name each of {', '.join(SAMPLER_ORDER)} once, {hint}")
+    if "infill" in names:
+        raise UsageError("--samplers names infill, llama.cpp's rule for code fills, which a fill request to "
+                         "`specrun serve` asks for itself", "leave infill out")
+    if "penalties" in names and names.index("penalties") > min(names.index(name) for name in SAMPLER_ORDER):
+        raise UsageError("--samplers names penalties after other samplers; specrun applies the penalties first, "
+                         "as llama.cpp's default order does", "name penalties first, or leave it out")
+    try:
+        return listed_order(names)
+    except ValueError as error:
+        raise UsageError(f"--samplers: {error}", hint) from None
 
 
 def check_bias_beside_grammar(sampling, constrained: bool) -> None:

@@ -84,6 +84,7 @@ from specrun.cli.options import (
     ThreadsOpt,
     TopKOpt,
     TopPOpt,
+    SamplersOpt,
     TreeNodesOpt,
     VerifyOpt,
 )
@@ -155,6 +156,7 @@ def serve_command(
     top_k: TopKOpt = 0,
     top_p: TopPOpt = 1.0,
     min_p: MinPOpt = 0.0,
+    samplers: SamplersOpt = None,
     repeat_penalty: RepeatPenaltyOpt = 1.0,
     repeat_last_n: RepeatLastNOpt = 64,
     presence_penalty: PresencePenaltyOpt = 0.0,
@@ -247,7 +249,7 @@ def serve_command(
                                  f"leave {given} out, or serve with --parallel 1")
         sampling = checked_sampling("serve", temp, top_k, top_p, min_p, None, repeat_penalty=repeat_penalty,
                                     repeat_last_n=repeat_last_n, presence_penalty=presence_penalty,
-                                    frequency_penalty=frequency_penalty, logit_bias=logit_bias)
+                                    frequency_penalty=frequency_penalty, logit_bias=logit_bias, samplers=samplers)
         verification = checked_verification("serve", verify, accept, epsilon, delta, margin, exact)
         template_variables = checked_template_variables(chat_template_kwargs, reasoning)
         reasoning_format = checked_reasoning_format(reasoning_format)

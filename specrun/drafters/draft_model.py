@@ -13,7 +13,7 @@ from specrun.drafters.base import EMPTY_PROPOSAL, Drafter, Proposal, second_gues
 from specrun.drafters.dynamic_tree import TOP_K, DraftTree, grow_tree
 from specrun.backends.kv import KVSequence, common_prefix_len, sequence_for
 from specrun.sampling import (
-    SamplingSettings, infill_rule, infill_vocab_of, probabilities, sample, shaped_row, text_shaped_rows,
+    SamplingSettings, infill_vocab_of, probabilities, sample, shaped_row, text_shaped_rows,
     top_probability,
 )
 from specrun.errors import SpecrunError
@@ -335,10 +335,8 @@ class DraftModelDrafter(Drafter):
         llama.cpp's infill rule where the target's rows follow it (engine/passes.py), read in the
         target's ids. Any row is exact as long as the draft is drawn from the one verification
         is given; this one is the target's rule applied to the draft, so it accepts more."""
-        p_draft = probabilities(logits, sampling)
-        if sampling.infill and self.target is not None:
-            p_draft = infill_rule(p_draft, infill_vocab_of(self.target.backend, len(p_draft)))
-        return p_draft
+        vocab = infill_vocab_of(self.target.backend, len(logits)) if sampling.infill and self.target is not None else None
+        return probabilities(logits, sampling, vocab)
 
     def _target_sized(self, logits: np.ndarray) -> np.ndarray:
         """Draft logits over the target's ids: padding ids beyond either vocabulary never win."""

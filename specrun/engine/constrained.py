@@ -2,7 +2,7 @@
 grammar forbids them, and the tokens the grammar forces drafted for free.
 
 Lossless as every rule of verify.py, against constrained plain decoding (each row's forbidden
-tokens at -inf, then the user's temperature and truncation): the verifier sees only masked
+tokens at -inf, then the user's samplers): the verifier sees only masked
 target rows, so greedy picks what constrained plain decoding picks and rejection sampling
 returns its distribution. Two details keep it exact (docs/design.md, "Constrained decoding"):
 

@@ -18,7 +18,7 @@ from specrun.backends.kv import KVSequence
 from specrun.drafters.base import Drafter, Proposal
 from specrun.engine.constrained import masked_rows
 from specrun.penalties import AheadShaping, chain_paths, tree_paths
-from specrun.sampling import AheadSampling, SamplingSettings, infill_rule, infill_vocab_of, probabilities, sample, text_shaped_rows
+from specrun.sampling import AheadSampling, SamplingSettings, infill_vocab_of, probabilities, sample, text_shaped_rows
 from specrun.verify import (
     EXACT, LossyAcceptance, TreeVerdict, Verdict, verify_block, verify_greedy, verify_lossy, verify_sampled,
     verify_tree_greedy, verify_tree_lossy, verify_tree_sampled,
@@ -115,14 +115,12 @@ class TargetPasses:
 
     def p_target(self, logits: np.ndarray, sampling: SamplingSettings) -> np.ndarray:
         """The target's distributions (n, V) or (V,) under the user's settings: ``probabilities``,
-        then llama.cpp's infill rule where asked (not greedy). Rejection sampling needs no more
+        llama.cpp's infill rule among them where asked (not greedy). Rejection sampling needs no more
         than the row each draft was drawn from and the target's, so verification stays exact
         against plain decoding under the rule whatever row a drafter draws from (a draft model's
         follow the rule too, drafters/draft_model.py; heads' do not)."""
-        p_target = probabilities(logits, sampling)
-        if sampling.infill and not sampling.greedy:
-            p_target = infill_rule(p_target, infill_vocab_of(self.target.backend, p_target.shape[-1]))
-        return p_target
+        vocab = infill_vocab_of(self.target.backend, np.shape(logits)[-1]) if sampling.infill and not sampling.greedy else None
+        return probabilities(logits, sampling, vocab)
 
     def verify(
         self, last_token: int, drafts: Proposal | DeferredDrafts, sampling: SamplingSettings,

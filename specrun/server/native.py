@@ -151,7 +151,8 @@ def answer_object(model: str, request: CompletionRequest, content: str, started,
             "n_predict": request.max_tokens, "temperature": sampling.temperature, "top_k": sampling.top_k,
             "top_p": sampling.top_p, "min_p": sampling.min_p, "seed": sampling.seed, "stop": list(request.stop),
             "n_indent": request.indent, "t_max_predict_ms": round(request.line_seconds * 1000),
-            "infill_rule": sampling.infill, **penalty_settings(sampling), "n_probs": request.logprobs or 0,
+            "infill_rule": sampling.infill, "samplers": sampler_names(sampling), **penalty_settings(sampling),
+            "n_probs": request.logprobs or 0,
             "post_sampling_probs": request.post_sampling},
         "has_new_line": "\n" in content if new_line is None else new_line,
         "truncated": done.stopped_by == "context",
@@ -177,6 +178,12 @@ def completion_probabilities(entries: Sequence, post_sampling: bool = False) -> 
 
     top = "top_probs" if post_sampling else "top_logprobs"
     return [{**shown(token), top: [shown(other) for other in others]} for token, others in entries]
+
+
+def sampler_names(sampling) -> list[str]:
+    """The samplers in the order they apply, as llama-server's generation settings list them: the
+    penalties first (specrun's place for them), then SamplingSettings.samplers."""
+    return ["penalties", *sampling.samplers]
 
 
 def penalty_settings(sampling) -> dict:
@@ -226,7 +233,7 @@ def props_object(worker, model: str, defaults: ServeDefaults, build: str) -> dic
             "n_ctx": worker.n_ctx,
             "params": {"n_predict": defaults.max_tokens, "temperature": sampling.temperature,
                        "top_k": sampling.top_k, "top_p": sampling.top_p, "min_p": sampling.min_p,
-                       "seed": sampling.seed, **penalty_settings(sampling),
+                       "seed": sampling.seed, "samplers": sampler_names(sampling), **penalty_settings(sampling),
                        "speculative.method": worker.method}},
         "total_slots": worker.parallel,
         "model_alias": model,

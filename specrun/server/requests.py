@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from specrun.grammar import GrammarError, GrammarSpec
 from specrun.penalties import MAX_BIAS, MAX_PENALTY, Penalties
-from specrun.sampling import MAX_SEED, SamplingSettings
+from specrun.sampling import LLAMA_SAMPLERS, MAX_SEED, SAMPLER_LETTERS, SamplingSettings, listed_order, sampler_named
 from specrun.sessions.infill import Fill
 from specrun.sessions.reasoning import REASONING_FORMATS
 from specrun.sessions.templates import template_variables_problem
@@ -54,20 +54,6 @@ COMMON_FIELDS = ("model", "max_tokens", "temperature", "top_p", "top_k", "min_p"
                   "stream_options", "n", "response_format", "grammar", "json_schema", "samplers", "n_indent",
                   "t_max_predict_ms", "repeat_penalty", "repeat_last_n", "frequency_penalty", "presence_penalty",
                   "logit_bias", "ignore_eos")
-
-# llama-server's ``samplers``: the names of the samplers on (a list, or a string of their letters).
-# Those specrun has take their request's settings; one left out is off (temperature: 1, as llama.cpp
-# samples without its temperature sampler); those that change nothing at their inert settings
-# (above) may be listed. Applied in specrun's order whatever the list's (sampling.py).
-_SAMPLERS = {"top_k": "top_k", "top_p": "top_p", "min_p": "min_p", "temperature": "temperature",
-             "infill": "infill", "penalties": "penalties", "dry": None, "typ_p": None, "xtc": None,
-             "top_n_sigma": None, "adaptive_p": None}
-_SAMPLER_ALIASES = {**{name.replace("_", "-"): name for name in _SAMPLERS if "_" in name},
-                    **{name.replace("_", ""): name for name in _SAMPLERS if "_" in name},
-                    "nucleus": "top_p", "temp": "temperature", "typ": "typ_p", "typical_p": "typ_p"}
-_SAMPLER_LETTERS = {"d": "dry", "k": "top_k", "y": "typ_p", "p": "top_p", "s": "top_n_sigma", "m": "min_p",
-                    "t": "temperature", "x": "xtc", "i": "infill", "e": "penalties", "a": "adaptive_p"}
-
 
 # ---- errors ---------------------------------------------------------------------------
 class RequestError(Exception):
@@ -266,7 +252,8 @@ def parse_common(body: dict, defaults: ServeDefaults, n_ctx: int, max_tokens_fie
         raise invalid_value("top_k", f"must be 0 (off) or positive, got {top_k}")
     min_p = _number(body, "min_p", base.min_p)
     _check_range("min_p", min_p, 0.0, 1.0, high_open=True)
-    samplers = _parse_samplers(body.get("samplers"))
+    listed = samplers_order(body.get("samplers"))  # in the list's order
+    samplers = None if listed is None else frozenset(listed)  # adaptive_p changes nothing while its target is off
     if samplers is not None:  # what the list leaves out is off
         temperature = temperature if "temperature" in samplers else 1.0
         top_k = top_k if "top_k" in samplers else 0
@@ -276,7 +263,8 @@ def parse_common(body: dict, defaults: ServeDefaults, n_ctx: int, max_tokens_fie
     if samplers is not None and "penalties" not in samplers:
         penalties = Penalties()
     logit_bias, bias_texts = _parse_logit_bias(body.get("logit_bias"), base.logit_bias)
-    penalties = _penalties_in_order(penalties, samplers_order(body.get("samplers")))
+    penalties = _penalties_in_order(penalties, listed)
+    order = _sampling_order(listed, base.order)
     indent = _number(body, "n_indent", 0, integer=True)
     _check_range("n_indent", indent, 0, MAX_ANSWER_TOKENS)
     line_ms = _number(body, "t_max_predict_ms", 0)
@@ -322,7 +310,7 @@ def parse_common(body: dict, defaults: ServeDefaults, n_ctx: int, max_tokens_fie
         max_tokens=max_tokens,
         sampling=SamplingSettings(float(temperature), top_k, float(top_p), float(min_p), seed,
                                   infill=samplers is not None and "infill" in samplers, penalties=penalties,
-                                  logit_bias=logit_bias),
+                                  logit_bias=logit_bias, order=order),
         bias_texts=bias_texts,
         ignore_eos=bool(ignore_eos),
         indent=indent,
@@ -415,34 +403,41 @@ def with_bias_texts(request: CompletionRequest, tokenize, vocab_size: int) -> Co
                                sampling=dataclasses.replace(sampling, logit_bias=sampling.logit_bias + tuple(resolved)))
 
 
-def _parse_samplers(samplers) -> frozenset[str] | None:
-    """llama-server's ``samplers`` as the names listed (None where the request does not say)."""
-    order = samplers_order(samplers)
-    return None if order is None else frozenset(order)  # adaptive_p changes nothing while its target is off
-
-
 def samplers_order(samplers) -> tuple[str, ...] | None:
-    """llama-server's ``samplers``, each named as specrun names it, in the list's order (None where
-    the request does not say); a name or letter that is no sampler is a 400."""
+    """llama-server's ``samplers`` (a list of names, or a string of their letters; those specrun
+    has take their request's settings, one left out is off), each as llama.cpp names it, in the
+    list's order (None where the request does not say); a name or letter that is no sampler is a 400."""
     if samplers is None:
         return None
     if isinstance(samplers, str):
-        unknown = sorted({letter for letter in samplers if letter not in _SAMPLER_LETTERS})
+        unknown = sorted({letter for letter in samplers if letter not in SAMPLER_LETTERS})
         if unknown:
             raise invalid_value("samplers", f"{', '.join(map(json.dumps, unknown))} names no sampler; the letters are "
-                                + "".join(_SAMPLER_LETTERS))
-        return tuple(_SAMPLER_LETTERS[letter] for letter in samplers)
+                                + "".join(SAMPLER_LETTERS))
+        return tuple(SAMPLER_LETTERS[letter] for letter in samplers)
     if isinstance(samplers, list) and all(isinstance(name, str) for name in samplers):
         names = []
         for name in samplers:
-            canonical = _SAMPLER_ALIASES.get(name.lower(), name.lower())
-            if canonical not in _SAMPLERS:
+            canonical = sampler_named(name)
+            if canonical is None:
                 raise invalid_value("samplers", f"{_shown(name)} names no sampler; the names are "
-                                    + ", ".join(_SAMPLERS))
+                                    + ", ".join(LLAMA_SAMPLERS))
             names.append(canonical)
         return tuple(names)
     raise RequestError("samplers must be a list of sampler names or a string of their letters", "samplers",
                        code="invalid_type")
+
+
+def _sampling_order(listed: tuple[str, ...] | None, default: tuple[str, ...]) -> tuple[str, ...]:
+    """The order specrun's samplers apply in (SamplingSettings.order): llama-server applies its
+    chain in ``samplers``' order (sampling.listed_order); where the request does not say, the
+    server's (llama.cpp's, unless ``serve --samplers`` named another)."""
+    if listed is None:
+        return default
+    try:
+        return listed_order(listed)
+    except ValueError as error:
+        raise invalid_value("samplers", str(error)) from None
 
 
 def _penalties_in_order(penalties: Penalties, order: tuple[str, ...] | None) -> Penalties:

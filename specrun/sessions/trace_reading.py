@@ -261,6 +261,9 @@ def _sampled(header: dict) -> str:
     budget = _reasoning_budget(header.get("reasoning_budget"))
     if budget is not None:
         sampling = dataclasses.replace(sampling, reasoning_budget=budget)
+    order = header.get("samplers")  # an order of the run's own (SamplingSettings.fields)
+    if isinstance(order, list) and all(isinstance(name, str) for name in order):
+        sampling = dataclasses.replace(sampling, order=tuple(order))
     if sampling.validate() or (sampling.greedy and not sampling.shapes_rows):
         return ""
     return f", {'decoded' if sampling.greedy else 'sampled at'} {sampling.describe()}"

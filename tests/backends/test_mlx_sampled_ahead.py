@@ -15,7 +15,7 @@ from scipy import stats as scipy_stats
 
 from specrun.engine.loop import GenerationParams, SpeculativeEngine
 from specrun.penalties import Penalties
-from specrun.sampling import SamplingSettings, probabilities
+from specrun.sampling import SAMPLER_ORDER, SamplingSettings, probabilities
 
 pytest.importorskip("mlx_lm", reason="the mlx backend is not installed")
 
@@ -31,8 +31,11 @@ def test_tokens_drawn_on_the_device_follow_the_host_s_distribution():
     rng = np.random.default_rng(5)
     for case in range(6):
         vocab = int(rng.integers(4, 24))
-        settings = SamplingSettings(temperature=float(rng.choice([0.5, 1.0, 1.6])),
-                                    top_k=[0, 3, 5, 0, 2, 40][case], min_p=[0.0, 0.0, 0.05, 0.2, 0.0, 0.1][case])
+        temperature = float(rng.choice([0.5, 1.0, 1.6]))
+        # min-p on the model's own distribution (llama.cpp's order), or on the tempered one
+        order = ("temperature", "top_k", "top_p", "min_p") if case == 3 else SAMPLER_ORDER
+        settings = SamplingSettings(temperature=0.5 if case == 3 else temperature, top_k=[0, 3, 5, 0, 2, 40][case],
+                                    min_p=[0.0, 0.0, 0.05, 0.2, 0.0, 0.1][case], order=order)
         row = rng.normal(0.0, 1.5, vocab).astype(np.float32)
         row[rng.integers(vocab, size=2)] = row.max()  # a tie at the top (and at a top-k cut)
         row[rng.integers(vocab)] = -math.inf  # forbidden by a bias

@@ -168,6 +168,9 @@ def test_unknown_alias(llama_installed):
         (["--top-p", "0"], "--top-p must be in"),
         (["--min-p", "1.5"], "--min-p must be in"),
         (["--top-k", "-3"], "--top-k must be"),
+        (["--samplers", "top_k;temperature"], "--samplers leaves out top_p, min_p"),
+        (["--samplers", "kpmtt"], "--samplers: temperature listed more than once"),
+        (["--samplers", "top_k;nucleus;min_p;temp;mirror"], "--samplers: 'mirror' names no sampler"),
         (["--ctx", "0"], "--ctx must be between 16 and 1048576, got 0"),  # not 1.04858e+06
         (["--method", "magic"], "unknown method 'magic'"),
         (["--backend", "tpu"], "unknown backend 'tpu'"),
@@ -428,6 +431,10 @@ def test_sampling_options_reach_the_sampler(pair):
     assert text("--temp", "1.5", "--seed", "7", "--top-p", "0.001") == greedy
     assert text("--temp", "1.5", "--seed", "7", "--min-p", "0.999") == greedy
     assert text("--temp", "1.5", "--seed", "7", "--top-k", "40", "--top-p", "0.95", "--min-p", "0.02") != sampled
+    # the order: top-p's nucleus of the model's own distribution (llama.cpp's), or of the tempered one
+    nucleus = text("--temp", "1.5", "--seed", "7", "--top-p", "0.5")
+    assert nucleus == text("--temp", "1.5", "--seed", "7", "--top-p", "0.5", "--samplers", "penalties;kpmt")
+    assert nucleus != text("--temp", "1.5", "--seed", "7", "--top-p", "0.5", "--samplers", "temperature;top_k;top_p;min_p")
 
 
 def test_ngram_cache_is_saved_and_reused(pair, tmp_path):

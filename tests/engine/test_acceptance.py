@@ -22,7 +22,7 @@ from lossless_harness import (
 )
 from oracle import distribution
 from specrun.drafters.methods import METHODS, is_adaptive, resolve_method
-from specrun.sampling import SamplingSettings, probabilities, sample
+from specrun.sampling import SAMPLER_ORDER, SamplingSettings, probabilities, sample
 from specrun.verify import Verdict, verify_greedy, verify_sampled
 
 # ---- probabilities(): each option against values computed by hand -----------------------------
@@ -42,11 +42,30 @@ HAND_COMPUTED = [
     (SamplingSettings(temperature=1.0, min_p=0.1), [0.665241, 0.244728, 0.090031, 0.0]),
     # min-p 0.2: floor 0.128783 cuts the last two
     (SamplingSettings(temperature=1.0, min_p=0.2), [0.731059, 0.268941, 0.0, 0.0]),
-    # temperature 2, top-k 3 -> (e, e^0.5, 1) / 5.367003 = (0.506480, 0.307196, 0.186324);
-    # top-p 0.8 cuts the third (mass before it 0.813676); min-p 0.5 (floor 0.311230) keeps both
-    (SamplingSettings(temperature=2.0, top_k=3, top_p=0.8, min_p=0.5), [0.622459, 0.377541, 0.0, 0.0]),
+    # llama.cpp's order: top-k, top-p, min-p on the model's own distribution, then the temperature.
+    # Temperature 2, top-p 0.8: at temperature 1 the mass before the third token is 0.880797, cut;
+    # then temperature 2 over the two kept: softmax(1, 0.5) (temperature first would keep three)
+    (SamplingSettings(temperature=2.0, top_p=0.8), [0.622459, 0.377541, 0.0, 0.0]),
+    # temperature 0.5, min-p 0.2: floor 0.128783 at temperature 1 keeps two; softmax(4, 2) over them
+    # (temperature first: softmax(4, 2, 0, -2) = (0.864962, 0.117061, ...), floor 0.172992 keeps one)
+    (SamplingSettings(temperature=0.5, min_p=0.2), [0.880797, 0.119203, 0.0, 0.0]),
+    # temperature 2, top-k 3 -> (e^2, e, 1) / 11.107 = (0.665241, 0.244728, 0.090031); top-p 0.95
+    # keeps all three (mass before the third 0.909969); min-p 0.3 (floor 0.199572) cuts the third;
+    # temperature 2 over the two: softmax(1, 0.5) (temperature first keeps all three)
+    (SamplingSettings(temperature=2.0, top_k=3, top_p=0.95, min_p=0.3), [0.622459, 0.377541, 0.0, 0.0]),
+    # an order of the run's own, temperature first: top-k 3 -> (e, e^0.5, 1) / 5.367003 =
+    # (0.506480, 0.307196, 0.186324); top-p 0.8 cuts the third (mass before it 0.813676); min-p 0.5
+    # (floor 0.311230) keeps both
+    (SamplingSettings(temperature=2.0, top_k=3, top_p=0.8, min_p=0.5, order=("temperature", "top_k", "top_p", "min_p")),
+     [0.622459, 0.377541, 0.0, 0.0]),
     # min-p 0.65 on that: floor 0.404598 cuts the second
-    (SamplingSettings(temperature=2.0, top_k=3, top_p=0.8, min_p=0.65), [1.0, 0.0, 0.0, 0.0]),
+    (SamplingSettings(temperature=2.0, top_k=3, top_p=0.8, min_p=0.65, order=("temperature", "top_k", "top_p", "min_p")),
+     [1.0, 0.0, 0.0, 0.0]),
+    # top-k 2, top-p 0.7: top-k first leaves (0.731059, 0.268941), whose first crosses 0.7 alone;
+    # top-p first keeps two of the whole row (mass before the second 0.643914), top-k 2 both
+    (SamplingSettings(temperature=1.0, top_k=2, top_p=0.7), [1.0, 0.0, 0.0, 0.0]),
+    (SamplingSettings(temperature=1.0, top_k=2, top_p=0.7, order=("top_p", "top_k", "min_p", "temperature")),
+     [0.731059, 0.268941, 0.0, 0.0]),
     # greedy: one-hot at the argmax
     (SamplingSettings(), [1.0, 0.0, 0.0, 0.0]),
 ]
@@ -63,8 +82,9 @@ def test_probabilities_match_hand_computed_values(settings, expected):
 def test_oracle_and_probabilities_agree_on_random_rows():
     rng = np.random.default_rng(0)
     settings = [
-        SamplingSettings(temperature=t, top_k=k, top_p=p, min_p=m)
+        SamplingSettings(temperature=t, top_k=k, top_p=p, min_p=m, order=order)
         for t in (0.5, 1.0, 1.7) for k in (0, 1, 5) for p in (1.0, 0.9, 0.3) for m in (0.0, 0.05, 0.4)
+        for order in (SAMPLER_ORDER, ("temperature", "top_k", "top_p", "min_p"), ("min_p", "temperature", "top_p", "top_k"))
     ]
     for row in rng.normal(0.0, 2.0, (20, 12)).astype(np.float32):
         for each in settings:

@@ -201,6 +201,28 @@ def test_settings_say_the_rule_is_on():
     assert SamplingSettings(infill=True).describe() == "greedy"  # no effect on greedy runs
 
 
+def test_the_rule_applies_where_the_order_places_it():
+    """Last by default (after the temperature, as llama.vim's ["top_k", "top_p", "infill"] leaves
+    it); where an order puts it before the temperature, the rule chooses on the model's own
+    distribution and the temperature then rescales the tokens it kept."""
+    rng = np.random.default_rng(4)
+    pieces = [b"", b"a", b"ab", b"b", b"ba", b"abc", b"c", b"cd"]
+    vocab = InfillVocab.of(pieces, {0}, 0)
+    for _ in range(50):
+        row = rng.normal(0.0, 1.5, len(pieces))
+        last = SamplingSettings(temperature=0.6, top_k=6, infill=True)
+        np.testing.assert_allclose(probabilities(row, last, vocab),
+                                   infill_rule(probabilities(row, SamplingSettings(temperature=0.6, top_k=6)), vocab),
+                                   rtol=0, atol=1e-12)
+        first = SamplingSettings(temperature=0.6, top_k=6, infill=True,
+                                 order=("top_k", "top_p", "infill", "min_p", "temperature"))
+        kept = infill_rule(probabilities(row, SamplingSettings(temperature=1.0, top_k=6)), vocab) > 0.0
+        expected = np.where(kept, np.exp(row / 0.6 - (row / 0.6)[kept].max()), 0.0)
+        np.testing.assert_allclose(probabilities(row, first, vocab), expected / expected.sum(), rtol=0, atol=1e-12)
+        # a head's drafts (no vocabulary): the other samplers alone
+        np.testing.assert_array_equal(probabilities(row, last), probabilities(row, SamplingSettings(0.6, 6)))
+
+
 # ---- through the engine: a fake pair whose target has pieces ----------------------------------
 PIECES = (b"", b"a", b"ab", b"b", b"ba", b"c", b"cd", b"d", b"")  # 0: the end of generation; 8: a control token
 EOS = 0
@@ -289,14 +311,15 @@ def _draft_rule():
 
 
 def _without_the_rule(monkeypatch):
-    monkeypatch.setattr(specrun.engine.passes, "infill_rule", lambda rows, vocab: rows)
+    monkeypatch.setattr(specrun.engine.passes, "probabilities",
+                        lambda logits, sampling, vocab=None: probabilities(logits, sampling))
 
 
 def _rule_on_the_drafter_instead(monkeypatch):
     _without_the_rule(monkeypatch)
     rule = _draft_rule()
     monkeypatch.setattr(specrun.drafters.draft_model, "probabilities",
-                        lambda logits, sampling: rule(probabilities(logits, sampling)))
+                        lambda logits, sampling, vocab=None: rule(probabilities(logits, sampling)))
 
 
 def _plain_draft_rows(monkeypatch):

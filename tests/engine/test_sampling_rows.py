@@ -8,31 +8,62 @@ import pytest
 
 import specrun.sampling
 from oracle import distribution
-from specrun.sampling import SamplingSettings, probabilities, token_logprobs
+from specrun.sampling import SAMPLER_ORDER, SamplingSettings, probabilities, token_logprobs
 
 
 def whole_row_probabilities(logits: np.ndarray, settings: SamplingSettings) -> np.ndarray:
-    """The reference: every row sorted whole (stable, likeliest first), exp over the masked row."""
+    """The reference: the samplers in the settings' order, every row sorted whole (stable,
+    likeliest first) for top-p, exp over the whole masked row; a temperature after truncation
+    brings the rows to it as probabilities does (sampling._tempered)."""
     logits = np.asarray(logits, dtype=np.float64)
     rows = np.atleast_2d(logits)
-    scaled = rows / settings.temperature
-    vocab = scaled.shape[-1]
-    if 0 < settings.top_k < vocab:
-        kth = np.partition(scaled, vocab - settings.top_k, axis=-1)[:, vocab - settings.top_k]
-        scaled = np.where(scaled >= kth[:, None], scaled, -np.inf)
-    probs = np.exp(scaled - np.maximum.reduce(scaled, axis=-1, keepdims=True))
-    probs /= np.add.reduce(probs, axis=-1, keepdims=True)
-    if settings.top_p < 1.0:
-        order = np.argsort(-probs, axis=-1, kind="stable")
-        ranked = np.take_along_axis(probs, order, axis=-1)
-        keep = np.zeros(probs.shape, dtype=bool)
-        np.put_along_axis(keep, order, np.cumsum(ranked, axis=-1) - ranked < settings.top_p, axis=-1)
-        kept = np.where(keep, probs, 0.0)
-        probs = kept / kept.sum(axis=-1, keepdims=True)
-    if settings.min_p > 0.0:
-        probs = np.where(probs >= settings.min_p * probs.max(axis=-1, keepdims=True), probs, 0.0)
-        probs /= probs.sum(axis=-1, keepdims=True)
+    kept = np.ones(rows.shape, dtype=bool)
+    temperature, probs = 1.0, None  # probs: the distribution so far, where a sampler made one
+
+    def softmax() -> np.ndarray:
+        scaled = np.where(kept, rows / temperature, -np.inf)
+        weights = np.exp(scaled - np.maximum.reduce(scaled, axis=-1, keepdims=True))
+        return weights / np.add.reduce(weights, axis=-1, keepdims=True)
+
+    def renormalised(kept_now: np.ndarray) -> np.ndarray:
+        cut = np.where(kept_now, probs, 0.0)
+        return cut / np.add.reduce(cut, axis=-1, keepdims=True)
+
+    for name in settings.chain:
+        if name == "temperature":
+            if probs is None:
+                temperature = settings.temperature
+            else:  # its own arithmetic (the oracle's tests hold it to softmax(logits / T) over the kept)
+                specrun.sampling._tempered(probs, settings.temperature)
+        elif name == "top_k":
+            vocab = rows.shape[-1]
+            if settings.top_k < vocab:
+                candidates = np.where(kept if probs is None else probs > 0.0, rows, -np.inf)
+                kth = np.partition(candidates, vocab - settings.top_k, axis=-1)[:, vocab - settings.top_k]
+                chosen = (candidates >= kth[:, None]) & (candidates > -np.inf)
+                if probs is None:
+                    kept = kept & chosen
+                else:
+                    probs = renormalised(chosen)
+        elif name == "min_p" and probs is None:  # on the logits, as llama.cpp reads it
+            scaled = np.where(kept, rows / temperature, -np.inf)
+            kept = kept & (scaled - scaled.max(axis=-1, keepdims=True) >= np.log(settings.min_p))
+        else:
+            probs = softmax() if probs is None else probs
+            if name == "top_p":
+                order = np.argsort(-probs, axis=-1, kind="stable")
+                ranked = np.take_along_axis(probs, order, axis=-1)
+                keep = np.zeros(probs.shape, dtype=bool)
+                np.put_along_axis(keep, order, np.cumsum(ranked, axis=-1) - ranked < settings.top_p, axis=-1)
+                probs = renormalised(keep)
+            else:
+                probs = renormalised(probs >= settings.min_p * np.maximum.reduce(probs, axis=-1, keepdims=True))
+    probs = softmax() if probs is None else probs
     return probs[0] if logits.ndim == 1 else probs
+
+
+ORDERS = (SAMPLER_ORDER, ("temperature", "top_k", "top_p", "min_p"), ("top_p", "min_p", "temperature", "top_k"),
+          ("min_p", "top_k", "temperature", "top_p"))
 
 
 def random_rows(rng: np.random.Generator, vocab: int, rows: int) -> np.ndarray:
@@ -55,6 +86,7 @@ def test_rows_equal_whole_row_sorting_bit_for_bit(vocab):
             top_k=int(rng.choice([0, 0, 2, 40, vocab])),
             top_p=float(rng.choice([0.1, 0.5, 0.9, 0.95, 0.999, 1.0])),
             min_p=float(rng.choice([0.0, 0.0, 0.05])),
+            order=ORDERS[int(rng.integers(len(ORDERS)))],
         )
         given = logits.copy()
         assert np.array_equal(probabilities(logits, settings), whole_row_probabilities(logits, settings)), settings

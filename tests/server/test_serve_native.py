@@ -16,7 +16,7 @@ from server_harness import start_server, stop_server
 from specrun.engine.loop import GenerationParams, SpeculativeEngine
 from specrun.registry.loading import LoadOptions
 from specrun.penalties import Penalties
-from specrun.sampling import SamplingSettings
+from specrun.sampling import SAMPLER_ORDER, SamplingSettings
 from specrun.server.native import parse_native_request, picked, stop_type
 from specrun.server.requests import RequestError, ServeDefaults, parse_chat_request
 from specrun.server.worker import Delta, Done, Failed, Job, LineLimits, PairOptions, PairWorker, Started, StopCut
@@ -213,6 +213,28 @@ def test_llama_vim_s_fill_is_read_with_its_samplers_and_limits():
     assert plain.prompt == "Once upon" and plain.fill is None and plain.sampling == SamplingSettings()
 
 
+def test_the_samplers_apply_in_the_order_listed():
+    """llama-server applies its chain in the list's order: specrun's samplers follow it (a list in
+    llama.cpp's default order, or none, is that order: truncation first, the temperature last)."""
+    first, _ = _native({**LLAMA_VIM, "samplers": ["temperature", "top_k", "top_p"], "temperature": 0.5})
+    assert first.sampling.order == ("temperature", "top_k", "top_p", "min_p")
+    assert first.sampling.chain == ("temperature", "top_k", "top_p")  # no infill listed: off
+    letters, _ = _native({**LLAMA_VIM, "samplers": "pkti", "temperature": 0.5})
+    assert letters.sampling.order == ("top_p", "top_k", "temperature", "infill", "min_p")
+    assert letters.sampling.chain == ("top_p", "top_k", "temperature", "infill")
+    default, _ = _native({**LLAMA_VIM, "samplers": "edkypmxti", "temperature": 0.5})
+    assert default.sampling.order == SAMPLER_ORDER and default.sampling.chain == ("top_k", "top_p", "temperature",
+                                                                                   "infill")
+    for twice in (["temperature", "top_k", "temperature"], "kppt"):
+        with pytest.raises(RequestError, match="listed more than once; specrun applies each sampler once"):
+            _native({**LLAMA_VIM, "samplers": twice})
+    # `serve --samplers`: the order of a request that lists none
+    served = ServeDefaults(sampling=SamplingSettings(0.7, order=("temperature", "top_k", "top_p", "min_p")))
+    chat = {"messages": [{"role": "user", "content": "hi"}]}
+    assert parse_chat_request(chat, served, 2048).sampling.order == ("temperature", "top_k", "top_p", "min_p")
+    assert parse_chat_request({**chat, "samplers": "kpmt"}, served, 2048).sampling.order == SAMPLER_ORDER
+
+
 def test_llama_vscode_s_chat_edit_fields_are_taken():
     body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": False, "cache_prompt": True,
             "samplers": "edkypmxt", "temperature": 0.8, "dynatemp_range": 0, "dynatemp_exponent": 1, "top_k": 40,
@@ -406,6 +428,11 @@ def test_llama_server_s_readings_of_a_request(fim_server):
                                                     "stop": ["", "zzz"]})
     assert status == 200 and plain["generation_settings"]["n_predict"] == 4 and plain["generation_settings"][
         "stop"] == ["zzz"]
+    # the samplers in the order they apply, as llama-server lists them
+    assert plain["generation_settings"]["samplers"] == ["penalties", "top_k", "top_p", "min_p", "temperature"]
+    status, ordered = fim_server.post("/completion", {"prompt": "x", "n_predict": 2, "samplers": "tkp"})
+    assert status == 200 and ordered["generation_settings"]["samplers"] == ["penalties", "temperature", "top_k",
+                                                                            "top_p", "min_p"]
     status, full = fim_server.post("/completion", {"prompt": list(range(1, 510)), "n_predict": 8})
     assert status == 200 and full["truncated"] is True and full["stop_type"] == "limit"
 

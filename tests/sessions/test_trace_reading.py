@@ -10,6 +10,7 @@ from typer.testing import CliRunner
 
 from specrun.cli.app import app
 from specrun.errors import FileAccessError
+from specrun.sampling import SamplingSettings
 from specrun.sessions.trace_reading import explain, read_trace
 
 
@@ -188,6 +189,21 @@ def test_a_header_with_llama_cpp_s_infill_rule_says_so(tmp_path):
     write(path, [header, step(1, "prefill", 0, 0, policy(True))])
     told = CliRunner().invoke(app, ["trace", str(path)])
     assert told.stdout.splitlines()[0] == "run: ?, method draft, sampled at temperature 1, top-k 40, infill rule"
+
+
+def test_a_header_with_an_order_of_its_own_says_it(tmp_path):
+    path = tmp_path / "t.jsonl"
+    sampling = SamplingSettings(0.7, 40, 0.9, order=("temperature", "top_k", "top_p", "min_p"))
+    header = {"trace": "specrun", "version": 1, "method": "draft", **sampling.fields()}
+    assert header["samplers"] == ["temperature", "top_k", "top_p", "min_p"]
+    assert "samplers" not in SamplingSettings(0.7, 40, 0.9).fields()  # llama.cpp's order: not said
+    write(path, [header, step(1, "prefill", 0, 0, policy(True))])
+    told = CliRunner().invoke(app, ["trace", str(path)])
+    assert told.stdout.splitlines()[0] == ("run: ?, method draft, sampled at temperature 0.7, top-k 40, top-p 0.9, "
+                                           "samplers temperature;top_k;top_p")
+    write(path, [{**header, "samplers": ["temperature", "temperature"]}, step(1, "prefill", 0, 0, policy(True))])
+    told = CliRunner().invoke(app, ["trace", str(path)])  # an order no run could use: not told
+    assert told.stdout.splitlines()[0] == "run: ?, method draft"
 
 
 def test_a_trace_still_being_written_is_told_as_far_as_it_goes(tmp_path):

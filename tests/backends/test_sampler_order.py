@@ -1,0 +1,99 @@
+"""The samplers' order against the tools users compare with: specrun's rows under each order are
+the distributions llama.cpp's own sampler chain (llama-cpp-python's bindings of it) and mlx-lm's
+``make_sampler`` chain draw from, row for row.
+
+llama.cpp's default chain (top-k, top-p, min-p on the model's own distribution, then the
+temperature) is specrun's default: `--temp 0.7 --top-p 0.9` samples what llama-cli, llama-server
+and llama-cpp-python's Llama sample. mlx-lm applies top-p, min-p, then top-k, the temperature last:
+``--samplers 'top_p;min_p;top_k;temperature'`` is its order. Rows are compared to float32's
+rounding (both tools work in it); a fixed seed keeps every row away from a cut that rounding moves.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+import pytest
+
+from specrun.sampling import SAMPLER_ORDER, SamplingSettings, probabilities
+
+ROWS = 200
+TEMPERATURE_FIRST = ("temperature", "top_k", "top_p", "min_p")  # specrun's order until 2026-12
+
+
+def _random_settings(rng: np.random.Generator, order: tuple[str, ...]) -> tuple[np.ndarray, SamplingSettings]:
+    row = (rng.normal(size=300) * rng.choice([0.5, 2.0, 5.0])).astype(np.float32)
+    return row, SamplingSettings(temperature=float(rng.choice([0.3, 0.7, 1.5])), top_k=int(rng.choice([0, 5, 40])),
+                                 top_p=float(rng.choice([1.0, 0.9, 0.5])), min_p=float(rng.choice([0.0, 0.05, 0.2])),
+                                 order=order)
+
+
+def _llama_chain_row(llama_cpp, row: np.ndarray, settings: SamplingSettings) -> np.ndarray:
+    """The distribution llama.cpp's chain of ``settings``' samplers, in their order, leaves for its
+    ``dist`` sampler: the softmax of the candidates' logits after the chain."""
+    chain = llama_cpp.llama_sampler_chain_init(llama_cpp.llama_sampler_chain_default_params())
+    made = {"top_k": lambda: llama_cpp.llama_sampler_init_top_k(settings.top_k),
+            "top_p": lambda: llama_cpp.llama_sampler_init_top_p(settings.top_p, 1),
+            "min_p": lambda: llama_cpp.llama_sampler_init_min_p(settings.min_p, 1),
+            "temperature": lambda: llama_cpp.llama_sampler_init_temp(settings.temperature)}
+    try:
+        for name in settings.order:
+            llama_cpp.llama_sampler_chain_add(chain, made[name]())
+        data = (llama_cpp.llama_token_data * len(row))(
+            *[llama_cpp.llama_token_data(token, float(logit), 0.0) for token, logit in enumerate(row)])
+        candidates = llama_cpp.llama_token_data_array(data, len(row), -1, False)
+        llama_cpp.llama_sampler_apply(chain, ctypes.byref(candidates))
+        ids = [candidates.data[i].id for i in range(candidates.size)]
+        logits = np.array([candidates.data[i].logit for i in range(candidates.size)], dtype=np.float64)
+    finally:
+        llama_cpp.llama_sampler_free(chain)
+    out = np.zeros(len(row))
+    weights = np.exp(logits - logits.max())
+    out[ids] = weights / weights.sum()
+    return out
+
+
+@pytest.mark.parametrize("order", [SAMPLER_ORDER, TEMPERATURE_FIRST, ("min_p", "temperature", "top_p", "top_k")])
+def test_each_order_samples_what_llama_cpp_s_chain_in_that_order_samples(order):
+    llama_cpp = pytest.importorskip("llama_cpp")
+    rng = np.random.default_rng(0)
+    for _ in range(ROWS):
+        row, settings = _random_settings(rng, order)
+        np.testing.assert_allclose(probabilities(row, settings), _llama_chain_row(llama_cpp, row, settings),
+                                   rtol=0, atol=1e-5, err_msg=str(settings))
+
+
+def test_the_default_is_llama_cpp_s_and_temperature_first_is_not():
+    llama_cpp = pytest.importorskip("llama_cpp")
+    rng = np.random.default_rng(1)
+    differ = 0
+    for _ in range(ROWS):
+        row, settings = _random_settings(rng, SAMPLER_ORDER)
+        upstream = _llama_chain_row(llama_cpp, row, settings)
+        np.testing.assert_allclose(probabilities(row, SamplingSettings(
+            settings.temperature, settings.top_k, settings.top_p, settings.min_p)), upstream, rtol=0, atol=1e-5)
+        first = SamplingSettings(settings.temperature, settings.top_k, settings.top_p, settings.min_p,
+                                 order=TEMPERATURE_FIRST)
+        differ += not np.allclose(probabilities(row, first), upstream, rtol=0, atol=1e-5)
+    assert differ > ROWS // 3  # the old order sampled otherwise on most rows with a cut on
+
+
+def test_mlx_lm_s_order_samples_what_its_make_sampler_chain_samples():
+    mx = pytest.importorskip("mlx.core")
+    sample_utils = pytest.importorskip("mlx_lm.sample_utils")
+    rng = np.random.default_rng(2)
+    for _ in range(ROWS):
+        row, settings = _random_settings(rng, ("top_p", "min_p", "top_k", "temperature"))
+        logprobs = mx.array(row) - mx.logsumexp(mx.array(row))  # what mlx-lm hands its sampler
+        # make_sampler's chain as it builds it (sample_utils.make_sampler), less the final draw
+        if settings.top_p < 1.0:
+            logprobs = sample_utils.apply_top_p(logprobs, settings.top_p)
+        if settings.min_p > 0.0:
+            logprobs = sample_utils.apply_min_p(logprobs, settings.min_p, 1)
+        if settings.top_k > 0:
+            logprobs = sample_utils.apply_top_k(logprobs, settings.top_k)
+        scaled = np.array(logprobs * (1.0 / settings.temperature), dtype=np.float64)  # categorical_sampling's
+        weights = np.exp(scaled - scaled.max())
+        np.testing.assert_allclose(probabilities(row, settings), weights / weights.sum(), rtol=0, atol=1e-5,
+                                   err_msg=str(settings))
