@@ -432,6 +432,10 @@ SETTINGS = {
 }
 
 
+# The fakes' tables are made once a process: every scenario (and mutant) of a vocabulary runs the same
+# target and draft, and a context's logits and hidden state, worked out from a seeded generator each
+# (most of a sweep's first runs), are the same numbers whichever scenario asks.
+@functools.cache
 def _target_table(vocab: int = VOCAB):
     from fake_models import hashed_logits
 
@@ -591,7 +595,7 @@ def fake_engine(scenario: Scenario) -> SpeculativeEngine:
     and find speculating worth it. Head methods read hidden states that know the target's
     greedy future, partly (heads_factory.oracle_hidden)."""
     from fake_models import CostedFake, SimClock
-    from heads_factory import FAKE_LAYERS, oracle_heads_for, oracle_hidden, oracle_mtp_chained
+    from heads_factory import FAKE_LAYERS, oracle_heads_for, oracle_mtp_chained
 
     clock = SimClock()
     vocab = scenario.vocab
@@ -602,7 +606,7 @@ def fake_engine(scenario: Scenario) -> SpeculativeEngine:
              if needs_heads(heads_method) else None)
     if scenario.mtp_layers > 1:
         heads = oracle_mtp_chained(vocab, scenario.mtp_layers)
-    hidden = dict(hidden_table=oracle_hidden(table, vocab), hidden_size=heads.config.hidden_size,
+    hidden = dict(hidden_table=_oracle_hidden(vocab), hidden_size=heads.config.hidden_size,
                   n_layers=FAKE_LAYERS) if heads else {}
     target = CostedFake(table, clock, 1.0, 0.02, vocab_size=vocab, **hidden)
     draft = CostedFake(draft_table, clock, 0.02, 0.0, vocab_size=vocab)
@@ -663,10 +667,19 @@ def windowed_fake(draft, sinks: int, window: int, block: int):
     return WindowedBackend(draft, lambda cells: FakeWindowCache(draft, cells), sinks, window, block=block)
 
 
+@functools.cache
 def _draft_table(vocab: int = VOCAB):
     from fake_models import hashed_logits
 
     return hashed_logits(vocab, salt=2, spread=1.2 if vocab == VOCAB else LONG_TAIL_SPREAD)
+
+
+@functools.cache
+def _oracle_hidden(vocab: int):
+    """The target's hidden states (heads_factory.oracle_hidden), one table a process as its logits."""
+    from heads_factory import oracle_hidden
+
+    return oracle_hidden(_target_table(vocab), vocab)
 
 
 @functools.cache
