@@ -62,8 +62,12 @@ demo: $(STAMP)
 
 # On Linux with OpenBLAS preloaded: MLX's Linux wheel multiplies with the reference BLAS
 # (tools/with_openblas.sh says why, and why that is safe).
+# Bytecode is written, under the venv (the tree stays clean), even where the environment says not to
+# (PYTHONDONTWRITEBYTECODE=1, as the development image sets): the tests start many Pythons (servers,
+# the CLI, ranks; tests/server/test_serve_api.py 25), and each compiled every module it imported
+# again, ~1 s apiece (that file ran in 28-32 s, not 52-59, with them compiled once; 2026-12-07).
 test: $(STAMP) $(SYSTEM)
-	tools/with_openblas.sh $(PY) -m pytest -q --durations=15 -n $(TEST_JOBS) --dist loadfile --no-loadscope-reorder
+	PYTHONPYCACHEPREFIX=$(abspath $(VENV))/pycache PYTHONDONTWRITEBYTECODE= tools/with_openblas.sh $(PY) -m pytest -q --durations=15 -n $(TEST_JOBS) --dist loadfile --no-loadscope-reorder
 
 clean:
 	rm -rf $(VENV) build *.egg-info
