@@ -44,6 +44,10 @@ from specrun.engine.loop import GenerationParams, SpeculativeEngine
 from specrun.penalties import Penalties
 from specrun.sampling import SamplingSettings
 
+# mlx-lm's make_sampler applies top-p, min-p, then top-k, the temperature last: the same
+# distribution on both sides (llama.cpp's order, specrun's default, differs where top-k and top-p are on)
+MLX_LM_ORDER = ("top_p", "min_p", "top_k", "temperature")
+
 RUNNERS = ("ahead", "host", "mlx_lm", "greedy")
 
 
@@ -130,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     penalties = Penalties(repeat=args.repeat_penalty, last_n=args.last_n)
     asked = GenerationParams(args.n, 0, stop_at_eos=False, sampling=SamplingSettings(
         temperature=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, seed=args.seed,
-        penalties=penalties))
+        penalties=penalties, order=MLX_LM_ORDER))
     greedy = GenerationParams(args.n, 0, stop_at_eos=False)
     runners = {
         "ahead": lambda prompt: run_specrun(target, prompt, asked),

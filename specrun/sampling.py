@@ -32,6 +32,8 @@ MAX_SEED = 2**63 - 1
 # distribution, the temperature last; llama-cpp-python's Llama and llama-server sample so too
 SAMPLER_ORDER = ("top_k", "top_p", "min_p", "temperature")
 SAMPLERS = (*SAMPLER_ORDER, "infill")  # what an order may name
+# specrun's order until 2026-12-07: a sampled trace or bench file that names no order sampled so
+TEMPERATURE_FIRST = ("temperature", "top_k", "top_p", "min_p")
 # llama.cpp's sampler names (common/sampling.cpp; llama-server's ``samplers``, llama-cli's --samplers),
 # each as specrun names it: the penalties (always first here), and None for those specrun has not,
 # which change nothing at their inert settings and may be listed
@@ -50,16 +52,22 @@ def sampler_named(name: str) -> str | None:
     return canonical if canonical in LLAMA_SAMPLERS else None
 
 
-def listed_order(listed: Sequence[str]) -> tuple[str, ...]:
+def listed_order(listed: Sequence[str], penalties_on: bool = False) -> tuple[str, ...]:
     """SamplingSettings.order for samplers listed in order (llama.cpp's names): specrun's samplers
     in the list's order, those left out after them (off where a list leaves them out, so their
     places change nothing). A list in llama.cpp's default order is that order, as a run that
     lists none holds it. A ValueError names a sampler listed twice (llama.cpp would apply it twice:
-    a temperature squared, a nucleus of a nucleus)."""
-    ours = [name for name in listed if name in SAMPLERS]
+    a temperature squared, a nucleus of a nucleus) and, where the penalties are on, one listed
+    before them (specrun applies the penalties first: after a sampler, llama.cpp would sample
+    from another distribution)."""
+    ours = [name for name in listed if name in (*SAMPLERS, "penalties")]
     twice = sorted({name for name in ours if ours.count(name) > 1})
     if twice:
         raise ValueError(f"{', '.join(twice)} listed more than once; specrun applies each sampler once")
+    if penalties_on and "penalties" in ours and ours.index("penalties") > 0:
+        raise ValueError("specrun applies the penalties first, as llama.cpp's default order does; list penalties "
+                         f"before {', '.join(ours[:ours.index('penalties')])}")
+    ours = [name for name in ours if name != "penalties"]
     if ours == [name for name in SAMPLERS if name in ours]:
         return SAMPLER_ORDER
     return (*ours, *(name for name in SAMPLER_ORDER if name not in ours))
@@ -188,13 +196,14 @@ class SamplingSettings:
         return ", ".join([*said, *shaping])
 
     def fields(self) -> dict:
-        """For a trace's header: the temperature, and the options that are on."""
+        """For a trace's header: the temperature, and the options that are on; a sampled run's
+        order always (a header without one is from before llama.cpp's order: temperature first)."""
         fields = {"temperature": self.temperature}
         if not self.greedy:
             fields.update({name: value for name, value, off in (("top_k", self.top_k, 0), ("top_p", self.top_p, 1.0),
                                                                 ("min_p", self.min_p, 0.0), ("seed", self.seed, None),
                                                                 ("infill", self.infill, False),
-                                                                ("samplers", list(self.order), list(SAMPLER_ORDER)))
+                                                                ("samplers", list(self.order), None))
                            if value != off})
         if self.penalties.on:
             fields["penalties"] = {"repeat": self.penalties.repeat, "frequency": self.penalties.frequency,
@@ -313,8 +322,9 @@ def _top_k_kept(rows: np.ndarray, top_k: int, kept: np.ndarray | None) -> np.nda
     vocab = rows.shape[-1]
     candidates = rows if kept is None else np.where(kept, rows, -np.inf)
     kth = np.partition(candidates, vocab - top_k, axis=-1)[:, vocab - top_k]
-    # a row with fewer than k candidates keeps them all (its k-th is -inf, and -inf is not kept)
-    return (candidates >= kth[:, None]) & (candidates > -np.inf) if kept is not None else rows >= kth[:, None]
+    # a row with fewer than k candidates keeps them all (its k-th is -inf), even one whose logit
+    # is -inf (the infill rule's end of text, forced where every text token fell)
+    return rows >= kth[:, None] if kept is None else (candidates >= kth[:, None]) & kept
 
 
 def _min_p_kept(rows: np.ndarray, min_p: float, temperature: float, kept: np.ndarray | None) -> np.ndarray:

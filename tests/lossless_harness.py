@@ -363,7 +363,7 @@ def sample_runs(
         params = GenerationParams(
             max_new_tokens=n_tokens,
             draft_len=draft_len,
-            sampling=SamplingSettings(sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p, seed),
+            sampling=dataclasses.replace(sampling, seed=seed),
             stop_at_eos=False,
             adaptive=adaptive,
         )
@@ -422,14 +422,16 @@ LONG_TAIL_SPREAD = 2.5  # logits this spread over 8 tokens: a few likely, severa
 SETTINGS = {
     "temp 1": SamplingSettings(temperature=1.0),
     "top-k": SamplingSettings(temperature=0.8, top_k=2),
-    # the nucleus of the model's own distribution (llama.cpp's order): 0.7 cuts the heads' flat
-    # rows of three tokens at temperature 1, where 0.8 kept all three (a head reporting its row
-    # before top-p then passed)
-    "top-p": SamplingSettings(temperature=0.8, top_p=0.7),
+    "top-p": SamplingSettings(temperature=0.8, top_p=0.8),
     "min-p": SamplingSettings(temperature=1.0, min_p=0.3),
     "every option": SamplingSettings(temperature=0.9, top_k=2, top_p=0.9, min_p=0.15),
     "cold": SamplingSettings(temperature=0.5, top_p=0.95),  # where a row drawn at another temperature shows
+    # for heads less sure of themselves: the nucleus of the model's own distribution (llama.cpp's
+    # order) at 0.7 cuts their flat rows of three tokens, where 0.8 kept all three (a head that
+    # reported its row before top-p then passed)
+    "top-p unsure": SamplingSettings(temperature=0.8, top_p=0.7),
 }
+UNSURE = {"top-p": "top-p unsure"}  # the setting a scenario of heads less sure of themselves runs for each
 
 
 # The fakes' tables are made once a process: every scenario (and mutant) of a vocabulary runs the same
@@ -525,7 +527,7 @@ CHAINS = ("lookup+medusa", "ngram+hydra", "eagle+draft", "lookup+lookahead")
 # specrun.drafters.methods.METHODS joins this table, and the tests over it, by itself.
 SCENARIOS = {
     **_method_scenarios(),
-    **{f"draft {name}": Scenario("draft", name) for name in SETTINGS if name != "temp 1"},
+    **{f"draft {name}": Scenario("draft", name) for name in SETTINGS if name not in ("temp 1", "top-p unsure")},
     "none every option": Scenario("none", "every option"),
     "sharper draft": Scenario("draft", sharper_draft=True),
     # Token-by-token verification of chains (the engine's default is block verification)
@@ -547,10 +549,11 @@ SCENARIOS = {
     # Heads less sure of themselves, under the filters at temperatures other than 1: each head must
     # report exactly the row it drew its token from (an EAGLE drafter that reported its row before
     # top-p and drew after passed every scenario above: p ~ 1e-113 at top-p 0.8 in the mutation study).
-    **{f"{kind} {setting} unsure": Scenario(kind, setting, head_sharpness=1.0)
+    **{f"{kind} {setting} unsure": Scenario(kind, UNSURE.get(setting, setting), head_sharpness=1.0)
        for kind in ("medusa", "hydra", "eagle") for setting in ("top-k", "top-p", "every option", "cold")},
     "eagle3 top-k unsure": Scenario("eagle", "top-k", eagle3=True, head_sharpness=1.0),
-    **{f"eagle3 {setting} unsure": Scenario("eagle", setting, eagle3=True, head_sharpness=1.0, reaches_deep=False)
+    **{f"eagle3 {setting} unsure": Scenario("eagle", UNSURE.get(setting, setting), eagle3=True, head_sharpness=1.0,
+                                            reaches_deep=False)
        for setting in ("top-p", "min-p")},
     # A long-tailed vocabulary: sampled second guesses that are unlikely must be kept as drawn
     # (pruning them was caught only by a node count in one unit test)

@@ -6,7 +6,7 @@ Schema ``specrun.bench/1`` (keys in order):
 - config: target, draft, methods, variants [{name, method, draft_len, adaptive}] (adaptive:
   the length chosen as it went, draft_len its longest), draft_lens (as asked: empty when
   each method ran as generate runs it), draft_min_prob (as run), sweep,
-  max_new_tokens, temperature, top_k, top_p, min_p, seed, repeat, chat, suite,
+  max_new_tokens, temperature, top_k, top_p, min_p, samplers (their order), seed, repeat, chat, suite,
   n_ctx, baseline, timing, tuned (the key of the stored settings the controllers started from, or null),
   tuned_by ("specrun tune", "earlier runs" (learned.json), or null),
   verify (how exact sampled chains were verified: block or token), acceptance ("exact", or a lossy

@@ -71,6 +71,7 @@ from specrun.cli.options import (
     VerifyOpt,
     GrammarOpt,
     JsonSchemaOpt,
+    SamplersOpt,
     ToolChoiceOpt,
     ToolsOpt,
     BackendOpt,
@@ -113,9 +114,7 @@ from specrun.cli.options import (
     ThreadsOpt,
     TopKOpt,
     TopPOpt,
-    SamplersOpt,
-    TreeNodesOpt,
-)
+    TreeNodesOpt,)
 from specrun.cli.models import models_app
 from specrun.cli.rpc import rpc_server_command
 from specrun.cli.serve import serve_command

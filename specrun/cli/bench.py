@@ -51,6 +51,7 @@ from specrun.cli.options import (
     DraftOpt,
     EpsilonOpt,
     ExactOpt,
+    SamplersOpt,
     SinksOpt,
     WindowOpt,
     FlashAttnOpt,
@@ -75,11 +76,9 @@ from specrun.cli.options import (
     ThreadsOpt,
     TopKOpt,
     TopPOpt,
-    SamplersOpt,
     TreeNodesOpt,
     VerifyOpt,
-    TraceOpt,
-)
+    TraceOpt,)
 from specrun.errors import UsageError
 from specrun.fileio import check_writable_folder, write_atomically
 from specrun.sampling import SAMPLER_ORDER

@@ -63,6 +63,7 @@ from specrun.cli.options import (
     ReasoningBudgetMessageOpt,
     ReasoningBudgetOpt,
     ReasoningOpt,
+    SamplersOpt,
     SinksOpt,
     WindowOpt,
     FlashAttnOpt,
@@ -94,13 +95,11 @@ from specrun.cli.options import (
     ThreadsOpt,
     TopKOpt,
     TopPOpt,
-    SamplersOpt,
     TreeNodesOpt,
     ToolChoiceOpt,
     ToolsOpt,
     VerifyOpt,
-    TraceOpt,
-)
+    TraceOpt,)
 from specrun.errors import SpecrunError, UsageError
 from specrun.wording import count_of
 

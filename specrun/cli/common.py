@@ -465,17 +465,17 @@ def checked_sampling(command: str, temp: float, top_k: int, top_p: float, min_p:
     penalties = Penalties(repeat_penalty, frequency_penalty, presence_penalty, repeat_last_n)
     sampling = SamplingSettings(temp, top_k, top_p, min_p, seed, penalties=penalties,
                                 logit_bias=tuple(_logit_bias(value) for value in logit_bias or ()),
-                                order=SAMPLER_ORDER if samplers is None else _samplers_order(samplers))
+                                order=SAMPLER_ORDER if samplers is None else _samplers_order(samplers, penalties.on))
     problems = sampling.validate()
     if problems:
         raise UsageError(problems[0], f"see `specrun {command} --help`")
     return sampling
 
 
-def _samplers_order(text: str) -> tuple[str, ...]:
+def _samplers_order(text: str, penalties_on: bool) -> tuple[str, ...]:
     """--samplers as SamplingSettings.order: llama.cpp's names separated by ; (or commas), or a
     string of their letters, naming top_k, top_p, min_p and temperature once each (the penalties
-    first where named; llama.cpp's other samplers may be named and change nothing)."""
+    first where named and on; llama.cpp's other samplers may be named and change nothing)."""
     from specrun.sampling import LLAMA_SAMPLERS, SAMPLER_LETTERS, SAMPLER_ORDER, listed_order, sampler_named
 
     parts = [part.strip() for part in re.split(r"[;,]", text) if part.strip()]
@@ -495,11 +495,8 @@ def _samplers_order(text: str) -> tuple[str, ...]:
     if "infill" in names:
         raise UsageError("--samplers names infill, llama.cpp's rule for code fills, which a fill request to "
                          "`specrun serve` asks for itself", "leave infill out")
-    if "penalties" in names and names.index("penalties") > min(names.index(name) for name in SAMPLER_ORDER):
-        raise UsageError("--samplers names penalties after other samplers; specrun applies the penalties first, "
-                         "as llama.cpp's default order does", "name penalties first, or leave it out")
     try:
-        return listed_order(names)
+        return listed_order(names, penalties_on)
     except ValueError as error:
         raise UsageError(f"--samplers: {error}", hint) from None
 

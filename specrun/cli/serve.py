@@ -51,6 +51,7 @@ from specrun.cli.options import (
     DraftOpt,
     EpsilonOpt,
     ExactOpt,
+    SamplersOpt,
     ServeTraceOpt,
     SinksOpt,
     WindowOpt,
@@ -84,10 +85,8 @@ from specrun.cli.options import (
     ThreadsOpt,
     TopKOpt,
     TopPOpt,
-    SamplersOpt,
     TreeNodesOpt,
-    VerifyOpt,
-)
+    VerifyOpt,)
 from specrun.errors import UsageError
 
 ApiKeyOpt = Annotated[

@@ -73,7 +73,7 @@ class GenerationParams:
     # each token's log-probability with this many likeliest alternatives (0: the token's alone;
     # None: not computed, and greedy passes read only the backend's argmax)
     logprobs: int | None = None
-    # those log-probabilities after the sampling settings (temperature, top-k, top-p, min-p: the
+    # those log-probabilities after the sampling settings (top-k, top-p, min-p, temperature: the
     # distribution each token was drawn from, llama-server's post_sampling_probs), not at temperature 1
     logprobs_sampled: bool = False
     # control tokens whose text the answer's text shows (a reasoning model's <think> tags where they

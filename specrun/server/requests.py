@@ -263,8 +263,7 @@ def parse_common(body: dict, defaults: ServeDefaults, n_ctx: int, max_tokens_fie
     if samplers is not None and "penalties" not in samplers:
         penalties = Penalties()
     logit_bias, bias_texts = _parse_logit_bias(body.get("logit_bias"), base.logit_bias)
-    penalties = _penalties_in_order(penalties, listed)
-    order = _sampling_order(listed, base.order)
+    order = _sampling_order(listed, base.order, penalties.on)
     indent = _number(body, "n_indent", 0, integer=True)
     _check_range("n_indent", indent, 0, MAX_ANSWER_TOKENS)
     line_ms = _number(body, "t_max_predict_ms", 0)
@@ -428,29 +427,17 @@ def samplers_order(samplers) -> tuple[str, ...] | None:
                        code="invalid_type")
 
 
-def _sampling_order(listed: tuple[str, ...] | None, default: tuple[str, ...]) -> tuple[str, ...]:
+def _sampling_order(listed: tuple[str, ...] | None, default: tuple[str, ...], penalties_on: bool) -> tuple[str, ...]:
     """The order specrun's samplers apply in (SamplingSettings.order): llama-server applies its
-    chain in ``samplers``' order (sampling.listed_order); where the request does not say, the
-    server's (llama.cpp's, unless ``serve --samplers`` named another)."""
+    chain in ``samplers``' order (sampling.listed_order: a sampler listed twice, or one before the
+    penalties where they are on, is a 400, never a silent difference); where the request does not
+    say, the server's (llama.cpp's, unless ``serve --samplers`` named another)."""
     if listed is None:
         return default
     try:
-        return listed_order(listed)
+        return listed_order(listed, penalties_on)
     except ValueError as error:
         raise invalid_value("samplers", str(error)) from None
-
-
-def _penalties_in_order(penalties: Penalties, order: tuple[str, ...] | None) -> Penalties:
-    """The penalties, where ``samplers`` lists them before the samplers specrun applies after them:
-    llama.cpp applies its chain in the list's order, and penalties after temperature or truncation
-    sample from another distribution than specrun's order gives (a 400, never a silent difference)."""
-    if order is None or not penalties.on or "penalties" not in order:
-        return penalties
-    earlier = [name for name in order[: order.index("penalties")] if name in ("top_k", "top_p", "min_p", "temperature")]
-    if earlier:
-        raise invalid_value("samplers", f"specrun applies the penalties first, as llama-server's default order does; "
-                                        f"list penalties before {', '.join(earlier)}")
-    return penalties
 
 
 def _parse_grammar(body: dict) -> tuple[GrammarSpec | None, str | None]:

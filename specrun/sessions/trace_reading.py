@@ -228,7 +228,7 @@ def _sampled(header: dict) -> str:
     names = ("temperature", "top_k", "top_p", "min_p", "seed")
     if not any(name in header for name in names):
         return ""
-    from specrun.sampling import SamplingSettings
+    from specrun.sampling import TEMPERATURE_FIRST, SamplingSettings
 
     values = [header.get(name) for name in names]
     numbers = values[:4]
@@ -261,9 +261,11 @@ def _sampled(header: dict) -> str:
     budget = _reasoning_budget(header.get("reasoning_budget"))
     if budget is not None:
         sampling = dataclasses.replace(sampling, reasoning_budget=budget)
-    order = header.get("samplers")  # an order of the run's own (SamplingSettings.fields)
+    order = header.get("samplers")  # the run's order (SamplingSettings.fields); none: temperature first
     if isinstance(order, list) and all(isinstance(name, str) for name in order):
         sampling = dataclasses.replace(sampling, order=tuple(order))
+    elif order is None:
+        sampling = dataclasses.replace(sampling, order=TEMPERATURE_FIRST)
     if sampling.validate() or (sampling.greedy and not sampling.shapes_rows):
         return ""
     return f", {'decoded' if sampling.greedy else 'sampled at'} {sampling.describe()}"

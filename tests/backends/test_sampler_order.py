@@ -12,6 +12,7 @@ rounding (both tools work in it); a fixed seed keeps every row away from a cut t
 from __future__ import annotations
 
 import ctypes
+import itertools
 
 import numpy as np
 import pytest
@@ -54,11 +55,11 @@ def _llama_chain_row(llama_cpp, row: np.ndarray, settings: SamplingSettings) -> 
     return out
 
 
-@pytest.mark.parametrize("order", [SAMPLER_ORDER, TEMPERATURE_FIRST, ("min_p", "temperature", "top_p", "top_k")])
+@pytest.mark.parametrize("order", list(itertools.permutations(SAMPLER_ORDER)), ids=";".join)
 def test_each_order_samples_what_llama_cpp_s_chain_in_that_order_samples(order):
     llama_cpp = pytest.importorskip("llama_cpp")
     rng = np.random.default_rng(0)
-    for _ in range(ROWS):
+    for _ in range(ROWS // 8):
         row, settings = _random_settings(rng, order)
         np.testing.assert_allclose(probabilities(row, settings), _llama_chain_row(llama_cpp, row, settings),
                                    rtol=0, atol=1e-5, err_msg=str(settings))
@@ -79,21 +80,19 @@ def test_the_default_is_llama_cpp_s_and_temperature_first_is_not():
     assert differ > ROWS // 3  # the old order sampled otherwise on most rows with a cut on
 
 
-def test_mlx_lm_s_order_samples_what_its_make_sampler_chain_samples():
+def test_mlx_lm_s_order_samples_what_its_make_sampler_chain_samples(monkeypatch):
     mx = pytest.importorskip("mlx.core")
     sample_utils = pytest.importorskip("mlx_lm.sample_utils")
+    seen = []  # what make_sampler's chain hands its final draw: the logits left, and the temperature
+    monkeypatch.setattr(sample_utils, "categorical_sampling", lambda logits, temp: seen.append((logits, temp)))
     rng = np.random.default_rng(2)
     for _ in range(ROWS):
         row, settings = _random_settings(rng, ("top_p", "min_p", "top_k", "temperature"))
-        logprobs = mx.array(row) - mx.logsumexp(mx.array(row))  # what mlx-lm hands its sampler
-        # make_sampler's chain as it builds it (sample_utils.make_sampler), less the final draw
-        if settings.top_p < 1.0:
-            logprobs = sample_utils.apply_top_p(logprobs, settings.top_p)
-        if settings.min_p > 0.0:
-            logprobs = sample_utils.apply_min_p(logprobs, settings.min_p, 1)
-        if settings.top_k > 0:
-            logprobs = sample_utils.apply_top_k(logprobs, settings.top_k)
-        scaled = np.array(logprobs * (1.0 / settings.temperature), dtype=np.float64)  # categorical_sampling's
+        sampler = sample_utils.make_sampler(temp=settings.temperature, top_p=settings.top_p, min_p=settings.min_p,
+                                            top_k=settings.top_k)
+        sampler(mx.array(row) - mx.logsumexp(mx.array(row)))  # mlx-lm hands its sampler log-probabilities
+        logits, temperature = seen.pop()
+        scaled = np.array(logits * (1.0 / temperature), dtype=np.float64)  # categorical_sampling's
         weights = np.exp(scaled - scaled.max())
         np.testing.assert_allclose(probabilities(row, settings), weights / weights.sum(), rtol=0, atol=1e-5,
                                    err_msg=str(settings))

@@ -433,7 +433,7 @@ def test_sampling_options_reach_the_sampler(pair):
     assert text("--temp", "1.5", "--seed", "7", "--top-k", "40", "--top-p", "0.95", "--min-p", "0.02") != sampled
     # the order: top-p's nucleus of the model's own distribution (llama.cpp's), or of the tempered one
     nucleus = text("--temp", "1.5", "--seed", "7", "--top-p", "0.5")
-    assert nucleus == text("--temp", "1.5", "--seed", "7", "--top-p", "0.5", "--samplers", "penalties;kpmt")
+    assert nucleus == text("--temp", "1.5", "--seed", "7", "--top-p", "0.5", "--samplers", "ekpmt")
     assert nucleus != text("--temp", "1.5", "--seed", "7", "--top-p", "0.5", "--samplers", "temperature;top_k;top_p;min_p")
 
 

@@ -196,7 +196,8 @@ def test_the_end_of_turn_token_is_named_like_llama_cpp_s():
 def test_settings_say_the_rule_is_on():
     settings = SamplingSettings(temperature=0.7, top_k=40, infill=True)
     assert settings.describe() == "temperature 0.7, top-k 40, infill rule"
-    assert settings.fields() == {"temperature": 0.7, "top_k": 40, "infill": True}
+    assert settings.fields() == {"temperature": 0.7, "top_k": 40, "infill": True,
+                                 "samplers": ["top_k", "top_p", "min_p", "temperature"]}
     assert "infill" not in SamplingSettings(temperature=0.7).fields()
     assert SamplingSettings(infill=True).describe() == "greedy"  # no effect on greedy runs
 
@@ -221,6 +222,12 @@ def test_the_rule_applies_where_the_order_places_it():
         np.testing.assert_allclose(probabilities(row, first, vocab), expected / expected.sum(), rtol=0, atol=1e-12)
         # a head's drafts (no vocabulary): the other samplers alone
         np.testing.assert_array_equal(probabilities(row, last), probabilities(row, SamplingSettings(0.6, 6)))
+    # the rule's end of text where every text token fell, then top-k: kept though its logit is -inf
+    # (ignore_eos biases it so)
+    flat = [b""] + [bytes([letter]) for letter in b"abcdefghij"]
+    row = np.array([-np.inf] + [0.0] * 10)
+    ended = SamplingSettings(0.7, 3, infill=True, order=("infill", "top_k", "top_p", "min_p", "temperature"))
+    np.testing.assert_array_equal(probabilities(row, ended, InfillVocab.of(flat, {0}, 0)), np.eye(11)[0])
 
 
 # ---- through the engine: a fake pair whose target has pieces ----------------------------------

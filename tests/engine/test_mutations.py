@@ -155,9 +155,10 @@ TREE_VERIFIERS = {
 # ---- wrong samplers (the signature of specrun.sampling.probabilities) -------------------------
 
 
-def top_p_off_by_one(logits, settings):
-    """Drops the token that crosses top_p instead of keeping it."""
-    full = probabilities(logits, SamplingSettings(settings.temperature, settings.top_k, 1.0, 0.0))
+def top_p_off_by_one(logits, settings, infill=None):
+    """Drops the token that crosses top_p instead of keeping it (llama.cpp's order otherwise: the
+    nucleus of the distribution after top-k, then the temperature over it)."""
+    full = probabilities(logits, SamplingSettings(1.0, settings.top_k))
     rows = full[None, :] if full.ndim == 1 else full
     order = np.argsort(-rows, axis=-1, kind="stable")
     sorted_probs = np.take_along_axis(rows, order, axis=-1)
@@ -165,13 +166,14 @@ def top_p_off_by_one(logits, settings):
     keep_sorted[:, 0] = True
     keep = np.zeros_like(keep_sorted)
     np.put_along_axis(keep, order, keep_sorted, axis=-1)
-    kept = np.where(keep, rows, 0.0)
+    scaled = np.where(keep, np.atleast_2d(np.asarray(logits, dtype=np.float64)) / settings.temperature, -np.inf)
+    kept = np.exp(scaled - scaled.max(axis=-1, keepdims=True))
     kept /= kept.sum(axis=-1, keepdims=True)
     return kept[0] if full.ndim == 1 else kept
 
 
-def min_p_ignored(logits, settings):
-    return probabilities(logits, SamplingSettings(settings.temperature, settings.top_k, settings.top_p, 0.0))
+def min_p_ignored(logits, settings, infill=None):
+    return probabilities(logits, dataclasses.replace(settings, min_p=0.0), infill)
 
 
 # ---- wrong greedy rules (the signature of specrun.verify.verify_greedy) -----------------------

@@ -38,9 +38,10 @@ def whole_row_probabilities(logits: np.ndarray, settings: SamplingSettings) -> n
         elif name == "top_k":
             vocab = rows.shape[-1]
             if settings.top_k < vocab:
-                candidates = np.where(kept if probs is None else probs > 0.0, rows, -np.inf)
+                alive = kept if probs is None else probs > 0.0
+                candidates = np.where(alive, rows, -np.inf)
                 kth = np.partition(candidates, vocab - settings.top_k, axis=-1)[:, vocab - settings.top_k]
-                chosen = (candidates >= kth[:, None]) & (candidates > -np.inf)
+                chosen = (candidates >= kth[:, None]) & alive
                 if probs is None:
                     kept = kept & chosen
                 else:
@@ -138,6 +139,20 @@ def test_a_small_row_s_tie_at_exactly_top_p_stops_where_sorting_stops():
     for got in (probabilities(rows[0], settings), *probabilities(rows, settings)):
         assert np.array_equal(got, expected)
     assert np.array_equal(probabilities(rows, settings), whole_row_probabilities(rows, settings))
+
+
+def test_a_temperature_after_truncation_is_the_softmax_of_the_scaled_logits_over_the_tokens_kept():
+    """sampling._tempered, at temperatures far from 1 (where a power of a probability could
+    underflow or lose precision): what softmax(logits / T) over the kept tokens gives."""
+    rng = np.random.default_rng(6)
+    logits = rng.normal(0.0, 3.0, (4, 500))
+    kept = logits >= np.sort(logits, axis=-1)[:, -40:-39]  # the 40 likeliest of each row
+    for temperature in (0.01, 0.3, 1.7, 100.0):
+        probs = probabilities(np.where(kept, logits, -np.inf), SamplingSettings(temperature=1.0))
+        specrun.sampling._tempered(probs, temperature)
+        scaled = np.where(kept, logits / temperature, -np.inf)
+        expected = np.exp(scaled - scaled.max(axis=-1, keepdims=True))
+        np.testing.assert_allclose(probs, expected / expected.sum(axis=-1, keepdims=True), rtol=1e-10, atol=1e-300)
 
 
 def test_rows_follow_the_oracle_s_definition():
