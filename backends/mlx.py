@@ -510,7 +510,7 @@ def drawn_on_device(mx, row, settings: SamplingSettings, uniform: float):
     if 0 < settings.top_k < size:
         kth = mx.partition(logits, size - settings.top_k)[size - settings.top_k]
         logits = mx.where(logits >= kth, logits, -mx.inf)
-    min_p_first = settings.order.index("min_p") < settings.order.index("temperature")
+    min_p_first = settings.samplers.index("min_p") < settings.samplers.index("temperature")
     if settings.min_p > 0.0 and min_p_first:
         logits = mx.where(logits - mx.max(logits) >= math.log(settings.min_p), logits, -mx.inf)
     scaled = logits / settings.temperature

@@ -2,8 +2,8 @@
 
 The same function is applied to the target's and the drafter's logits, so both
 distributions mean "the model under the user's settings" (docs/design.md).
-Order: llama.cpp's (``SAMPLER_ORDER``): top-k, top-p and min-p cut the model's own distribution,
-then the temperature rescales what they kept, renormalising after each; llama.cpp's infill sampler
+Order: llama.cpp's (``SAMPLER_ORDER``): top-n-sigma, top-k, typical-p, top-p and min-p cut the
+model's own distribution, then the temperature rescales what they kept, renormalising after each; llama.cpp's infill sampler
 (``infill_rule``), where asked, last. A run may name another order (``SamplingSettings.order``:
 llama-server's ``samplers``). Repetition penalties and logit bias, then llama.cpp's reasoning
 budget, shape the target's logits before all of it, each row by the text it follows
@@ -30,15 +30,15 @@ MAX_SEED = 2**63 - 1
 # llama.cpp's default chain (common/common.h: penalties, dry, top-n-sigma, top-k, typical-p, top-p,
 # min-p, xtc, temperature) less the samplers specrun has not: truncation on the model's own
 # distribution, the temperature last; llama-cpp-python's Llama and llama-server sample so too
-SAMPLER_ORDER = ("top_k", "top_p", "min_p", "temperature")
+SAMPLER_ORDER = ("top_n_sigma", "top_k", "typ_p", "top_p", "min_p", "temperature")
 SAMPLERS = (*SAMPLER_ORDER, "infill")  # what an order may name
 # specrun's order until 2026-12-07: a sampled trace or bench file that names no order sampled so
 TEMPERATURE_FIRST = ("temperature", "top_k", "top_p", "min_p")
 # llama.cpp's sampler names (common/sampling.cpp; llama-server's ``samplers``, llama-cli's --samplers),
 # each as specrun names it: the penalties (always first here), and None for those specrun has not,
 # which change nothing at their inert settings and may be listed
-LLAMA_SAMPLERS = {**{name: name for name in SAMPLERS}, "penalties": "penalties", "dry": None, "typ_p": None,
-                  "xtc": None, "top_n_sigma": None, "adaptive_p": None}
+LLAMA_SAMPLERS = {**{name: name for name in SAMPLERS}, "penalties": "penalties", "dry": None, "xtc": None,
+                  "adaptive_p": None}
 SAMPLER_ALIASES = {**{name.replace("_", "-"): name for name in LLAMA_SAMPLERS if "_" in name},
                    **{name.replace("_", ""): name for name in LLAMA_SAMPLERS if "_" in name},
                    "nucleus": "top_p", "temp": "temperature", "typ": "typ_p", "typical_p": "typ_p"}
@@ -54,8 +54,8 @@ def sampler_named(name: str) -> str | None:
 
 def listed_order(listed: Sequence[str], penalties_on: bool = False) -> tuple[str, ...]:
     """SamplingSettings.order for samplers listed in order (llama.cpp's names): specrun's samplers
-    in the list's order, those left out after them (off where a list leaves them out, so their
-    places change nothing). A list in llama.cpp's default order is that order, as a run that
+    in the list's order (those left out apply after them, off where a list leaves them out, so
+    their places change nothing). A list in llama.cpp's default order is that order, as a run that
     lists none holds it. A ValueError names a sampler listed twice (llama.cpp would apply it twice:
     a temperature squared, a nucleus of a nucleus) and, where the penalties are on, one listed
     before them (specrun applies the penalties first: after a sampler, llama.cpp would sample
@@ -70,7 +70,7 @@ def listed_order(listed: Sequence[str], penalties_on: bool = False) -> tuple[str
     ours = [name for name in ours if name != "penalties"]
     if ours == [name for name in SAMPLERS if name in ours]:
         return SAMPLER_ORDER
-    return (*ours, *(name for name in SAMPLER_ORDER if name not in ours))
+    return tuple(ours)
 
 
 @dataclass(frozen=True)
@@ -92,9 +92,14 @@ class SamplingSettings:
     # llama.cpp's reasoning budget: the thinking capped, then a sequence forced, each row by its text
     # (reasoning_budget.py); None: off
     reasoning_budget: ReasoningBudget | None = None
-    # the order the samplers apply in (``chain``): top-k, top-p, min-p and the temperature once each,
-    # and infill where it comes (else last)
+    # the order the samplers apply in (``chain``): each named at most once; those not named after
+    # those named, in SAMPLER_ORDER's order (infill last)
     order: tuple[str, ...] = SAMPLER_ORDER
+    # llama.cpp's locally typical sampling (1.0: off) and top-n-sigma (0.0: off): the tokens whose
+    # surprise is nearest the row's entropy, to this mass; the tokens within n standard deviations
+    # of the top logit
+    typical_p: float = 1.0
+    top_n_sigma: float = 0.0
 
     @property
     def greedy(self) -> bool:
@@ -102,16 +107,20 @@ class SamplingSettings:
 
     @property
     def chain(self) -> tuple[str, ...]:
-        """The samplers that change a sampled row, in ``order``: top-k, top-p and min-p where on,
-        the temperature where not 1, infill where asked (last where ``order`` does not place it)."""
+        """The samplers that change a sampled row, in their order (``samplers``): the truncations
+        where on, the temperature where not 1, infill where asked."""
         on = {"top_k": self.top_k > 0, "top_p": self.top_p < 1.0, "min_p": self.min_p > 0.0,
+              "typ_p": self.typical_p < 1.0, "top_n_sigma": self.top_n_sigma > 0.0,
               "temperature": self.temperature != 1.0, "infill": self.infill}
         return tuple(name for name in self.samplers if on[name])
 
     @property
     def samplers(self) -> tuple[str, ...]:
-        """``order``, with infill last where asked and not placed (llama-server's ``samplers``)."""
-        return (*self.order, "infill") if self.infill and "infill" not in self.order else self.order
+        """Every sampler in the order it applies: ``order``, then those it does not name in
+        SAMPLER_ORDER's order, infill last where asked and not placed (llama-server's ``samplers``)."""
+        rest = [name for name in SAMPLER_ORDER if name not in self.order]
+        infill = ["infill"] if self.infill and "infill" not in self.order else []
+        return (*self.order, *rest, *infill)
 
     @property
     def shapes_rows(self) -> bool:
@@ -122,9 +131,10 @@ class SamplingSettings:
     def ahead_sampling(self, draw: Callable[[], float]) -> AheadSampling | None:
         """How a target that reads ahead draws a plain step's token on its own device, each from
         a uniform ``draw`` gives (AheadSampling); None where greedy or where a device does not: top-p
-        (a whole-row sort on the device cost what reading ahead saves: docs/perf.md 3(w)), llama.cpp's
-        infill rule, a reasoning budget."""
-        if self.greedy or "top_p" in self.chain or self.infill or self.reasoning_budget is not None:
+        (a whole-row sort on the device cost what reading ahead saves: docs/perf.md 3(w)), typical-p,
+        top-n-sigma, llama.cpp's infill rule, a reasoning budget."""
+        if self.greedy or {"top_p", "typ_p", "top_n_sigma"} & set(self.chain) or self.infill \
+                or self.reasoning_budget is not None:
             return None
         return AheadSampling(self, draw)
 
@@ -151,10 +161,13 @@ class SamplingSettings:
             problems.append(f"--top-p must be in (0, 1], got {self.top_p}")
         if not (0.0 <= self.min_p < 1.0):
             problems.append(f"--min-p must be in [0, 1), got {self.min_p}")
-        if sorted(name for name in self.order if name != "infill") != sorted(SAMPLER_ORDER) \
-                or self.order.count("infill") > 1 or set(self.order) - set(SAMPLERS):
-            problems.append(f"--samplers must name {', '.join(SAMPLER_ORDER)} once each (and infill at most once), "
+        if len(set(self.order)) < len(self.order) or set(self.order) - set(SAMPLERS):
+            problems.append(f"--samplers must name each of {', '.join(SAMPLERS)} at most once, "
                             f"got {';'.join(self.order)}")
+        if not (0.0 <= self.typical_p <= 1.0):
+            problems.append(f"--typical must be in [0, 1] (1: off), got {self.typical_p}")
+        if not (0.0 <= self.top_n_sigma < math.inf):
+            problems.append(f"--top-nsigma must be a finite number (0 or less: off), got {self.top_n_sigma}")
         if self.seed is not None and not 0 <= self.seed <= MAX_SEED:
             problems.append(f"--seed must be between 0 and {MAX_SEED}, got {self.seed}")
         problems += self.penalties.problems()
@@ -187,6 +200,10 @@ class SamplingSettings:
             said.append(f"top-p {self.top_p:.10g}")
         if self.min_p > 0.0:
             said.append(f"min-p {self.min_p:.10g}")
+        if self.typical_p < 1.0:
+            said.append(f"typical-p {self.typical_p:.10g}")
+        if self.top_n_sigma > 0.0:
+            said.append(f"top-n-sigma {self.top_n_sigma:.10g}")
         if self.infill:
             said.append("infill rule")
         if self.chain != tuple(name for name in SAMPLERS if name in self.chain):  # an order of its own
@@ -202,6 +219,8 @@ class SamplingSettings:
         if not self.greedy:
             fields.update({name: value for name, value, off in (("top_k", self.top_k, 0), ("top_p", self.top_p, 1.0),
                                                                 ("min_p", self.min_p, 0.0), ("seed", self.seed, None),
+                                                                ("typical_p", self.typical_p, 1.0),
+                                                                ("top_n_sigma", self.top_n_sigma, 0.0),
                                                                 ("infill", self.infill, False),
                                                                 ("samplers", list(self.order), None))
                            if value != off})
@@ -288,6 +307,12 @@ def probabilities(logits: np.ndarray, settings: SamplingSettings, infill: Infill
             else:
                 probs[~_top_k_kept(rows, settings.top_k, probs > 0.0)] = 0.0
                 probs /= np.add.reduce(probs, axis=-1, keepdims=True)
+        elif name == "top_n_sigma":
+            if probs is None:
+                kept = _n_sigma_kept(rows, settings.top_n_sigma, kept)
+            else:
+                probs[~_n_sigma_kept(rows, settings.top_n_sigma, probs > 0.0)] = 0.0
+                probs /= np.add.reduce(probs, axis=-1, keepdims=True)
         elif name == "min_p" and probs is None:
             kept = _min_p_kept(rows, settings.min_p, temperature, kept)
         else:
@@ -298,6 +323,8 @@ def probabilities(logits: np.ndarray, settings: SamplingSettings, infill: Infill
             elif name == "min_p":
                 probs[probs < settings.min_p * np.maximum.reduce(probs, axis=-1, keepdims=True)] = 0.0
                 probs /= np.add.reduce(probs, axis=-1, keepdims=True)
+            elif name == "typ_p":
+                _typical(probs, settings.typical_p)
             elif infill is not None:
                 probs = infill_rule(probs, infill)
     if probs is None:
@@ -335,6 +362,50 @@ def _min_p_kept(rows: np.ndarray, min_p: float, temperature: float, kept: np.nda
     top = np.maximum.reduce(scaled, axis=-1, keepdims=True, where=True if kept is None else kept, initial=-np.inf)
     chosen = scaled - top >= math.log(min_p)
     return chosen if kept is None else kept & chosen
+
+
+def _n_sigma_kept(rows: np.ndarray, n_sigma: float, kept: np.ndarray | None) -> np.ndarray:
+    """Which tokens of ``rows`` (n, V) top-n-sigma keeps of those ``kept`` (n, V; None: all):
+    llama.cpp's, the tokens whose logit is within ``n_sigma`` standard deviations (of the kept
+    finite logits, over their count) of the top one. Scaled logits keep the same tokens, so the
+    temperature's place does not matter. A row with one such token or none is left as it was."""
+    alive = np.isfinite(rows) if kept is None else kept & np.isfinite(rows)
+    count = np.add.reduce(alive, axis=-1, keepdims=True)
+    values = np.where(alive, rows, 0.0)
+    mean = np.add.reduce(values, axis=-1, keepdims=True) / np.maximum(count, 1)
+    spread = np.sqrt(np.add.reduce(np.where(alive, values - mean, 0.0) ** 2, axis=-1, keepdims=True)
+                     / np.maximum(count, 1))
+    top = np.maximum.reduce(rows, axis=-1, keepdims=True, where=alive, initial=-np.inf)
+    chosen = alive & (rows >= top - n_sigma * spread)
+    before = np.ones(rows.shape, dtype=bool) if kept is None else kept
+    return np.where(count <= 1, before, chosen)
+
+
+def _typical(probs: np.ndarray, typical_p: float) -> None:
+    """llama.cpp's locally typical sampling on ``probs`` (n, V), in place, renormalised: each
+    row's tokens by how far their surprise (-log p) lies from the row's entropy, nearest first
+    (ties: the lower id first, where llama.cpp's sort leaves them in no set order), kept until the
+    mass taken passes ``typical_p`` (the token that passes it kept). The entropy is the kept tokens':
+    llama.cpp's reads every candidate, -inf logits too (a grammar's, a bias's, top-n-sigma's), whose
+    0 · log 0 makes it NaN; where it is defined the two agree. As top-p does (``_kept_prefix``),
+    only the nearest candidates are sorted, widened until the mass taken passes typical_p: the
+    first of the whole order, with the same running sums."""
+    for row in probs:
+        tokens = np.flatnonzero(row > 0.0)
+        p = row[tokens]
+        surprise = -np.log(p)
+        nearness = -np.abs(surprise - np.dot(p, surprise))  # the nearest first in _likeliest's order
+        wanted = TOP_P_CANDIDATES
+        while True:
+            order = _likeliest(nearness, wanted)
+            passed = int(np.searchsorted(np.cumsum(p[order]), typical_p, side="right"))
+            if passed < len(order) or len(order) == len(p):
+                break
+            wanted *= 8
+        row[tokens] = 0.0
+        kept = order[:passed + 1]
+        row[tokens[kept]] = p[kept]
+    probs /= np.add.reduce(probs, axis=-1, keepdims=True)
 
 
 def _softmax(rows: np.ndarray, temperature: float, kept: np.ndarray | None) -> np.ndarray:

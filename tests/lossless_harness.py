@@ -430,6 +430,9 @@ SETTINGS = {
     # order) at 0.7 cuts their flat rows of three tokens, where 0.8 kept all three (a head that
     # reported its row before top-p then passed)
     "top-p unsure": SamplingSettings(temperature=0.8, top_p=0.7),
+    # llama.cpp's typical-p and top-n-sigma (a draft model's scenarios, "draft typical", "draft top-n-sigma")
+    "typical": SamplingSettings(temperature=0.8, typical_p=0.8),
+    "top-n-sigma": SamplingSettings(temperature=0.8, top_n_sigma=1.0),
 }
 UNSURE = {"top-p": "top-p unsure"}  # the setting a scenario of heads less sure of themselves runs for each
 
@@ -527,7 +530,11 @@ CHAINS = ("lookup+medusa", "ngram+hydra", "eagle+draft", "lookup+lookahead")
 # specrun.drafters.methods.METHODS joins this table, and the tests over it, by itself.
 SCENARIOS = {
     **_method_scenarios(),
-    **{f"draft {name}": Scenario("draft", name) for name in SETTINGS if name not in ("temp 1", "top-p unsure")},
+    **{f"draft {name}": Scenario("draft", name) for name in SETTINGS
+       if name not in ("temp 1", "top-p unsure", "top-n-sigma")},
+    # top-n-sigma leaves one or two of three tokens, often not the draft's: a pass of four drafts all
+    # accepted is too rare for a window to see the pass after it (acceptance 15%, at n 1 to 2)
+    "draft top-n-sigma": Scenario("draft", "top-n-sigma", reaches_deep=False),
     "none every option": Scenario("none", "every option"),
     "sharper draft": Scenario("draft", sharper_draft=True),
     # Token-by-token verification of chains (the engine's default is block verification)

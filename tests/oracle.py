@@ -3,8 +3,9 @@
 specrun's ``probabilities()`` is what the engine samples with; an oracle built on it would
 share its bugs (a top-p off by one, a min-p step skipped). This is a second, deliberately
 simple implementation of the documented samplers, in the order the settings name (llama.cpp's
-by default: top-k, top-p, min-p on the model's own distribution, then the temperature), each
-followed by renormalising; temperature 0 is a one-hot row at the first largest logit.
+by default: top-n-sigma, top-k, typical-p, top-p, min-p on the model's own distribution, then the
+temperature), each followed by renormalising; temperature 0 is a one-hot row at the first largest
+logit.
 The exact joint distribution of a continuation, which the statistical tests compare
 against, is built from it.
 """
@@ -28,7 +29,7 @@ def distribution(logits: Sequence[float], settings: SamplingSettings) -> list[fl
         return [1.0 if token == best else 0.0 for token in range(vocab)]
     kept = [True] * vocab  # the tokens every sampler so far kept
     temperature = 1.0  # the temperature the logits are read at: 1 until the temperature's turn
-    for name in settings.order:
+    for name in settings.samplers:
         if name == "temperature":
             temperature = settings.temperature
         elif name == "top_k" and 0 < settings.top_k:
@@ -51,6 +52,28 @@ def distribution(logits: Sequence[float], settings: SamplingSettings) -> list[fl
             probs = _softmax(logits, temperature, kept)
             floor = settings.min_p * max(probs)
             kept = [p > 0.0 and p >= floor for p in probs]
+        elif name == "top_n_sigma" and settings.top_n_sigma > 0.0:
+            # the finite logits kept: their mean and standard deviation (over their count)
+            values = [logits[token] for token in range(vocab) if kept[token] and math.isfinite(logits[token])]
+            if len(values) > 1:
+                mean = sum(values) / len(values)
+                sigma = math.sqrt(sum((value - mean) ** 2 for value in values) / len(values))
+                floor = max(values) - settings.top_n_sigma * sigma
+                kept = [kept[token] and math.isfinite(logits[token]) and logits[token] >= floor
+                        for token in range(vocab)]
+        elif name == "typ_p" and settings.typical_p < 1.0:
+            # nearest the entropy first (ties: the lower id first); keep until the mass taken
+            # passes typical_p, the token that passes it kept
+            probs = _softmax(logits, temperature, kept)
+            entropy = -sum(p * math.log(p) for p in probs if p > 0.0)
+            ranked = sorted((t for t in range(vocab) if probs[t] > 0.0),
+                            key=lambda t: (abs(-math.log(probs[t]) - entropy), t))
+            kept, taken = [False] * vocab, 0.0
+            for token in ranked:
+                kept[token] = True
+                taken += probs[token]
+                if taken > settings.typical_p:
+                    break
     return _softmax(logits, temperature, kept)
 
 

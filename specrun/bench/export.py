@@ -5,8 +5,8 @@ Schema ``specrun.bench/1`` (keys in order):
 - schema, started_at (ISO 8601 UTC), wall_seconds
 - config: target, draft, methods, variants [{name, method, draft_len, adaptive}] (adaptive:
   the length chosen as it went, draft_len its longest), draft_lens (as asked: empty when
-  each method ran as generate runs it), draft_min_prob (as run), sweep,
-  max_new_tokens, temperature, top_k, top_p, min_p, samplers (their order), seed, repeat, chat, suite,
+  each method ran as generate runs it), draft_min_prob (as run), sweep, max_new_tokens,
+  temperature, top_k, top_p, min_p, typical_p, top_n_sigma, samplers (their order), seed, repeat, chat, suite,
   n_ctx, baseline, timing, tuned (the key of the stored settings the controllers started from, or null),
   tuned_by ("specrun tune", "earlier runs" (learned.json), or null),
   verify (how exact sampled chains were verified: block or token), acceptance ("exact", or a lossy
@@ -118,6 +118,8 @@ def _config(result: BenchResult) -> dict:
         "top_k": sampling.top_k,
         "top_p": sampling.top_p,
         "min_p": sampling.min_p,
+        "typical_p": sampling.typical_p,
+        "top_n_sigma": sampling.top_n_sigma,
         "samplers": list(sampling.order),
         "seed": sampling.seed,
         "repeat": config.repeat,

@@ -72,6 +72,8 @@ from specrun.cli.options import (
     GrammarOpt,
     JsonSchemaOpt,
     SamplersOpt,
+    TopNSigmaOpt,
+    TypicalOpt,
     ToolChoiceOpt,
     ToolsOpt,
     BackendOpt,
@@ -169,6 +171,8 @@ def generate(
     top_k: TopKOpt = 0,
     top_p: TopPOpt = 1.0,
     min_p: MinPOpt = 0.0,
+    typical: TypicalOpt = 1.0,
+    top_nsigma: TopNSigmaOpt = 0.0,
     samplers: SamplersOpt = None,
     seed: SeedOpt = None,
     repeat_penalty: RepeatPenaltyOpt = 1.0,
@@ -244,7 +248,8 @@ def generate(
         trees = checked_trees(chain_only, tree_nodes, branches, lookahead_sizes, window=uses_window((method,)))
         sampling = checked_sampling("generate", temp, top_k, top_p, min_p, seed, repeat_penalty=repeat_penalty,
                                     repeat_last_n=repeat_last_n, presence_penalty=presence_penalty,
-                                    frequency_penalty=frequency_penalty, logit_bias=logit_bias, samplers=samplers)
+                                    frequency_penalty=frequency_penalty, logit_bias=logit_bias, samplers=samplers,
+                                    typical_p=typical, top_n_sigma=top_nsigma)
         verification = checked_verification("generate", verify, accept, epsilon, delta, margin, exact)
         grammar_spec = checked_grammar(grammar, json_schema)
         tool_list, choice = checked_tools(tools, tool_choice)

@@ -52,6 +52,8 @@ from specrun.cli.options import (
     EpsilonOpt,
     ExactOpt,
     SamplersOpt,
+    TopNSigmaOpt,
+    TypicalOpt,
     SinksOpt,
     WindowOpt,
     FlashAttnOpt,
@@ -123,6 +125,8 @@ def bench(
     top_k: TopKOpt = 0,
     top_p: TopPOpt = 1.0,
     min_p: MinPOpt = 0.0,
+    typical: TypicalOpt = 1.0,
+    top_nsigma: TopNSigmaOpt = 0.0,
     samplers: SamplersOpt = None,
     seed: SeedOpt = None,
     repeat_penalty: RepeatPenaltyOpt = 1.0,
@@ -196,14 +200,18 @@ def bench(
                              "sends the target to other machines", "drop --native or --rpc")
         sampling = checked_sampling("bench", temp, top_k, top_p, min_p, seed, repeat_penalty=repeat_penalty,
                                     repeat_last_n=repeat_last_n, presence_penalty=presence_penalty,
-                                    frequency_penalty=frequency_penalty, logit_bias=logit_bias, samplers=samplers)
+                                    frequency_penalty=frequency_penalty, logit_bias=logit_bias, samplers=samplers,
+                                    typical_p=typical, top_n_sigma=top_nsigma)
         if native and sampling.shapes_rows:
             raise UsageError("--native times llama-cpp-python's own plain loop, which applies no logit bias and counts "
                              "penalties over the answer alone (specrun and llama.cpp's tools count the prompt too)",
                              "drop --native, or the penalties and --logit-bias")
         if native and sampling.order != SAMPLER_ORDER:
             raise UsageError("--native times llama-cpp-python's own plain loop, which samples in llama.cpp's default "
-                             "order (top_k;top_p;min_p;temperature)", "drop --native, or --samplers")
+                             "order", "drop --native, or --samplers")
+        if native and (sampling.typical_p < 1.0 or sampling.top_n_sigma > 0.0):
+            raise UsageError("--native times llama-cpp-python's own plain loop, which is given temperature, top-k, "
+                             "top-p and min-p only", "drop --native, or --typical and --top-nsigma")
         verification = checked_verification("bench", verify, accept, epsilon, delta, margin, exact)
         target = target or DEFAULT_TARGET
         given_draft = draft

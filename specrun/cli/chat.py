@@ -64,6 +64,8 @@ from specrun.cli.options import (
     ReasoningBudgetOpt,
     ReasoningOpt,
     SamplersOpt,
+    TopNSigmaOpt,
+    TypicalOpt,
     SinksOpt,
     WindowOpt,
     FlashAttnOpt,
@@ -150,6 +152,8 @@ def chat_command(
     top_k: TopKOpt = 0,
     top_p: TopPOpt = 1.0,
     min_p: MinPOpt = 0.0,
+    typical: TypicalOpt = 1.0,
+    top_nsigma: TopNSigmaOpt = 0.0,
     samplers: SamplersOpt = None,
     seed: SeedOpt = None,
     repeat_penalty: RepeatPenaltyOpt = 1.0,
@@ -221,7 +225,8 @@ def chat_command(
         trees = checked_trees(chain_only, tree_nodes, branches, lookahead_sizes, window=uses_window((method,)))
         sampling = checked_sampling("chat", temp, top_k, top_p, min_p, seed, repeat_penalty=repeat_penalty,
                                     repeat_last_n=repeat_last_n, presence_penalty=presence_penalty,
-                                    frequency_penalty=frequency_penalty, logit_bias=logit_bias, samplers=samplers)
+                                    frequency_penalty=frequency_penalty, logit_bias=logit_bias, samplers=samplers,
+                                    typical_p=typical, top_n_sigma=top_nsigma)
         params = GenerationParams(max_tokens, 0, sampling,
                                   tree_nodes=trees.nodes, tie_margin=0.0 if exact else TIE_MARGIN)
         verification = checked_verification("chat", verify, accept, epsilon, delta, margin, exact)

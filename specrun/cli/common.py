@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import math
 import os
@@ -12,7 +13,7 @@ import sys
 import traceback
 from collections.abc import Sequence
 from pathlib import Path
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 import typer
 from rich.console import Console
@@ -20,6 +21,9 @@ from rich.console import Console
 from specrun.cli.interrupts import INTERRUPTED_EXIT, say_interrupted
 from specrun.errors import SpecrunError, UsageError
 from specrun.fileio import config_dir, same_file
+
+if TYPE_CHECKING:
+    from specrun.sampling import SamplingSettings
 
 MAX_NEW_TOKENS = 1_000_000
 MAX_DRAFT_LEN = 64
@@ -457,26 +461,29 @@ def checked_reasoning_format(reasoning_format: str) -> str:
 def checked_sampling(command: str, temp: float, top_k: int, top_p: float, min_p: float, seed: int | None, *,
                      repeat_penalty: float = 1.0, repeat_last_n: int = 64, presence_penalty: float = 0.0,
                      frequency_penalty: float = 0.0, logit_bias: list[str] | None = None,
-                     samplers: str | None = None):
+                     samplers: str | None = None, typical_p: float = 1.0, top_n_sigma: float = 0.0):
     """The sampling options as SamplingSettings, or a usage error naming the first bad one."""
     from specrun.penalties import Penalties
-    from specrun.sampling import SAMPLER_ORDER, SamplingSettings
+    from specrun.sampling import SamplingSettings
 
     penalties = Penalties(repeat_penalty, frequency_penalty, presence_penalty, repeat_last_n)
     sampling = SamplingSettings(temp, top_k, top_p, min_p, seed, penalties=penalties,
                                 logit_bias=tuple(_logit_bias(value) for value in logit_bias or ()),
-                                order=SAMPLER_ORDER if samplers is None else _samplers_order(samplers, penalties.on))
+                                typical_p=typical_p, top_n_sigma=max(top_n_sigma, 0.0))  # -1: off, as llama.cpp's
     problems = sampling.validate()
     if problems:
         raise UsageError(problems[0], f"see `specrun {command} --help`")
+    if samplers is not None:
+        sampling = dataclasses.replace(sampling, order=_samplers_order(samplers, sampling))
     return sampling
 
 
-def _samplers_order(text: str, penalties_on: bool) -> tuple[str, ...]:
-    """--samplers as SamplingSettings.order: llama.cpp's names separated by ; (or commas), or a
-    string of their letters, naming top_k, top_p, min_p and temperature once each (the penalties
-    first where named and on; llama.cpp's other samplers may be named and change nothing)."""
-    from specrun.sampling import LLAMA_SAMPLERS, SAMPLER_LETTERS, SAMPLER_ORDER, listed_order, sampler_named
+def listed_samplers(text: str, sampling: SamplingSettings) -> tuple[str, ...]:
+    """--samplers as the samplers it names, in its order, as llama.cpp names them: its names
+    separated by ; (or commas), or a string of their letters, naming each sampler that is on in
+    ``sampling`` (greedy runs: none), the penalties where on; llama.cpp's other samplers may be
+    named and change nothing."""
+    from specrun.sampling import LLAMA_SAMPLERS, SAMPLER_LETTERS, sampler_named
 
     parts = [part.strip() for part in re.split(r"[;,]", text) if part.strip()]
     names = [sampler_named(part) for part in parts]
@@ -487,18 +494,29 @@ def _samplers_order(text: str, penalties_on: bool) -> tuple[str, ...]:
         raise UsageError(f"--samplers: {bad!r} names no sampler",
                          f"name them as llama.cpp does ({', '.join(LLAMA_SAMPLERS)}), or by their letters "
                          f"({''.join(SAMPLER_LETTERS)})")
-    hint = "like --samplers 'top_k;top_p;min_p;temperature' (--top-k 0, --top-p 1, --min-p 0 turn one off)"
-    missing = [name for name in SAMPLER_ORDER if name not in names]
-    if missing:
-        raise UsageError(f"--samplers leaves out {', '.join(missing)}: it sets the order the samplers apply in",
-                         f"name each of {', '.join(SAMPLER_ORDER)} once, {hint}")
     if "infill" in names:
         raise UsageError("--samplers names infill, llama.cpp's rule for code fills, which a fill request to "
                          "`specrun serve` asks for itself", "leave infill out")
+    on = [] if sampling.greedy else list(sampling.chain)
+    missing = [name for name in (*(["penalties"] if sampling.penalties.on else []), *on) if name not in names]
+    if missing:
+        raise UsageError(f"--samplers leaves out {', '.join(missing)}, which the options turn on: it sets the order "
+                         "the samplers apply in", f"name each sampler that is on, {SAMPLERS_HINT}")
+    return tuple(names)
+
+
+SAMPLERS_HINT = "like --samplers 'top_k;top_p;min_p;temperature' (--top-k 0, --top-p 1 and the like turn one off)"
+
+
+def _samplers_order(text: str, sampling: SamplingSettings) -> tuple[str, ...]:
+    """--samplers as SamplingSettings.order (``listed_samplers``, a sampler named twice or one
+    before the penalties where on refused)."""
+    from specrun.sampling import listed_order
+
     try:
-        return listed_order(names, penalties_on)
+        return listed_order(listed_samplers(text, sampling), sampling.penalties.on)
     except ValueError as error:
-        raise UsageError(f"--samplers: {error}", hint) from None
+        raise UsageError(f"--samplers: {error}", SAMPLERS_HINT) from None
 
 
 def check_bias_beside_grammar(sampling, constrained: bool) -> None:

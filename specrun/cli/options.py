@@ -46,11 +46,15 @@ TempOpt = Annotated[float, typer.Option("--temp", help="Temperature; 0 is greedy
 TopKOpt = Annotated[int, typer.Option("--top-k", help="Top-k (0: off).")]
 TopPOpt = Annotated[float, typer.Option("--top-p", help="Top-p (1: off).")]
 MinPOpt = Annotated[float, typer.Option("--min-p", help="Min-p (0: off).")]
+TypicalOpt = Annotated[float, typer.Option("--typical", help="Locally typical sampling, as llama.cpp's: the tokens "
+                                           "whose surprise is nearest the entropy, to this mass (1: off).")]
+TopNSigmaOpt = Annotated[float, typer.Option("--top-nsigma", help="Top-n-sigma, as llama.cpp's: the tokens within "
+                                             "N standard deviations of the top logit (0 or less: off).")]
 SamplersOpt = Annotated[Optional[str], typer.Option(
     "--samplers", help="The order the samplers apply in, as llama.cpp's --samplers: names separated by ; "
-    "(default top_k;top_p;min_p;temperature: truncation on the model's own distribution, the temperature last, "
-    "as llama.cpp and llama-server sample), or their letters (kpmt). Each of the four is named once; "
-    "--top-k 0, --top-p 1, --min-p 0 turn one off.")]
+    "(default top_n_sigma;top_k;typ_p;top_p;min_p;temperature: truncation on the model's own distribution, the "
+    "temperature last, as llama.cpp and llama-server sample), or their letters (skypmt). Each sampler that is on "
+    "is named once; --top-k 0, --top-p 1 and the like turn one off.")]
 SeedOpt = Annotated[Optional[int], typer.Option("--seed", help="Random seed for sampling, from 0 to 2^63 - 1.")]
 RepeatPenaltyOpt = Annotated[float, typer.Option(
     "--repeat-penalty", help="Divide the logit of each token in the last --repeat-last-n tokens by this (1: off), "

@@ -23,6 +23,7 @@ from specrun.cli.common import (
     check_window_use,
     check_range,
     checked_sampling,
+    listed_samplers,
     checked_reasoning_budget,
     checked_reasoning_format,
     checked_template_variables,
@@ -52,6 +53,8 @@ from specrun.cli.options import (
     EpsilonOpt,
     ExactOpt,
     SamplersOpt,
+    TopNSigmaOpt,
+    TypicalOpt,
     ServeTraceOpt,
     SinksOpt,
     WindowOpt,
@@ -155,6 +158,8 @@ def serve_command(
     top_k: TopKOpt = 0,
     top_p: TopPOpt = 1.0,
     min_p: MinPOpt = 0.0,
+    typical: TypicalOpt = 1.0,
+    top_nsigma: TopNSigmaOpt = 0.0,
     samplers: SamplersOpt = None,
     repeat_penalty: RepeatPenaltyOpt = 1.0,
     repeat_last_n: RepeatLastNOpt = 64,
@@ -248,7 +253,14 @@ def serve_command(
                                  f"leave {given} out, or serve with --parallel 1")
         sampling = checked_sampling("serve", temp, top_k, top_p, min_p, None, repeat_penalty=repeat_penalty,
                                     repeat_last_n=repeat_last_n, presence_penalty=presence_penalty,
-                                    frequency_penalty=frequency_penalty, logit_bias=logit_bias, samplers=samplers)
+                                    frequency_penalty=frequency_penalty, logit_bias=logit_bias, samplers=samplers,
+                                    typical_p=typical, top_n_sigma=top_nsigma)
+        # the list a request without its own is read with, as llama-server reads its --samplers: what
+        # it leaves out is off, the temperature too (a request's would then be 1)
+        listed = listed_samplers(samplers, sampling) if samplers is not None else None
+        if listed is not None and "temperature" not in listed:
+            raise UsageError("--samplers leaves out temperature: a request's temperature applies only where the "
+                             "list names it, as llama-server reads it", "name temperature in --samplers")
         verification = checked_verification("serve", verify, accept, epsilon, delta, margin, exact)
         template_variables = checked_template_variables(chat_template_kwargs, reasoning)
         reasoning_format = checked_reasoning_format(reasoning_format)
@@ -301,7 +313,7 @@ def serve_command(
         with tracing:
             try:
                 serve(pair, http, ServeDefaults(max_tokens, sampling, template_variables, reasoning_format, budget,
-                                                budget_message), log=_log)
+                                                budget_message, samplers=listed), log=_log)
             finally:  # the learners stop, and write the heads where asked, however the server ended
                 for report in learning.finish() if learning is not None else []:
                     _log(report.summary())

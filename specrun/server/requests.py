@@ -14,7 +14,9 @@ from dataclasses import dataclass, field
 
 from specrun.grammar import GrammarError, GrammarSpec
 from specrun.penalties import MAX_BIAS, MAX_PENALTY, Penalties
-from specrun.sampling import LLAMA_SAMPLERS, MAX_SEED, SAMPLER_LETTERS, SamplingSettings, listed_order, sampler_named
+from specrun.sampling import (
+    LLAMA_SAMPLERS, MAX_SEED, SAMPLER_LETTERS, SamplingSettings, listed_order, sampler_named,
+)
 from specrun.sessions.infill import Fill
 from specrun.sessions.reasoning import REASONING_FORMATS
 from specrun.sessions.templates import template_variables_problem
@@ -34,8 +36,8 @@ _INERT_FIELDS = {
     "echo": (False, None),
     "best_of": (1, None),
     # llama-server's own, which clients written for it send (llama.vscode's edits send every one)
-    "typical_p": (1, None), "dry_multiplier": (0, None), "xtc_probability": (0, None),
-    "dynatemp_range": (0, None), "mirostat": (0, None), "top_n_sigma": (-1, 0, None), "n_probs": (0, None),
+    "dry_multiplier": (0, None), "xtc_probability": (0, None),
+    "dynatemp_range": (0, None), "mirostat": (0, None), "n_probs": (0, None),
     "min_keep": (0, 1, None), "return_tokens": (False, None),
     "post_sampling_probs": (False, None), "lora": (None,), "n_cmpl": (1, None), "grammar_lazy": (False, None),
     "adaptive_target": (-1, None),  # adaptive-p's target: below 0 it is off, listed or not
@@ -50,8 +52,9 @@ _FREE_FIELDS = ("user", "store", "metadata", "service_tier", "prompt_cache_key",
                 "xtc_threshold", "dry_base", "dry_allowed_length", "dry_penalty_last_n",
                 "dry_sequence_breakers", "mirostat_tau", "mirostat_eta", "t_max_prompt_ms", "timings_per_token",
                 "return_progress", "sse_ping_interval", "verbose", "backend_sampling", "adaptive_decay")
-COMMON_FIELDS = ("model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stream",
-                  "stream_options", "n", "response_format", "grammar", "json_schema", "samplers", "n_indent",
+COMMON_FIELDS = ("model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "typical_p", "top_n_sigma",
+                  "seed", "stop", "stream", "stream_options", "n", "response_format", "grammar", "json_schema",
+                  "samplers", "n_indent",
                   "t_max_predict_ms", "repeat_penalty", "repeat_last_n", "frequency_penalty", "presence_penalty",
                   "logit_bias", "ignore_eos")
 
@@ -104,6 +107,9 @@ class ServeDefaults:
     reasoning_format: str = "auto"  # --reasoning-format: where an answer's thinking goes (sessions/reasoning.py)
     reasoning_budget: int = -1  # --reasoning-budget: the thinking's tokens before its end is forced (-1: no limit)
     reasoning_budget_message: str = ""  # --reasoning-budget-message: forced before the closing tag
+    # --samplers as it names them (llama.cpp's names): a request that sends no list of its own is
+    # read with this one, those it leaves out off, as llama-server reads its own --samplers
+    samplers: tuple[str, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -252,13 +258,19 @@ def parse_common(body: dict, defaults: ServeDefaults, n_ctx: int, max_tokens_fie
         raise invalid_value("top_k", f"must be 0 (off) or positive, got {top_k}")
     min_p = _number(body, "min_p", base.min_p)
     _check_range("min_p", min_p, 0.0, 1.0, high_open=True)
-    listed = samplers_order(body.get("samplers"))  # in the list's order
+    typical_p = _number(body, "typical_p", base.typical_p)
+    _check_range("typical_p", typical_p, 0.0, 1.0)
+    top_n_sigma = max(_number(body, "top_n_sigma", base.top_n_sigma), 0.0)  # 0 or less: off, as llama.cpp reads it
+    listed = samplers_order(body.get("samplers"))  # in the list's order; none: the server's own
+    listed = defaults.samplers if listed is None else listed
     samplers = None if listed is None else frozenset(listed)  # adaptive_p changes nothing while its target is off
     if samplers is not None:  # what the list leaves out is off
         temperature = temperature if "temperature" in samplers else 1.0
         top_k = top_k if "top_k" in samplers else 0
         top_p = top_p if "top_p" in samplers else 1.0
         min_p = min_p if "min_p" in samplers else 0.0
+        typical_p = typical_p if "typ_p" in samplers else 1.0
+        top_n_sigma = top_n_sigma if "top_n_sigma" in samplers else 0.0
     penalties = _parse_penalties(body, base.penalties)
     if samplers is not None and "penalties" not in samplers:
         penalties = Penalties()
@@ -309,7 +321,8 @@ def parse_common(body: dict, defaults: ServeDefaults, n_ctx: int, max_tokens_fie
         max_tokens=max_tokens,
         sampling=SamplingSettings(float(temperature), top_k, float(top_p), float(min_p), seed,
                                   infill=samplers is not None and "infill" in samplers, penalties=penalties,
-                                  logit_bias=logit_bias, order=order),
+                                  logit_bias=logit_bias, order=order, typical_p=float(typical_p),
+                                  top_n_sigma=float(top_n_sigma)),
         bias_texts=bias_texts,
         ignore_eos=bool(ignore_eos),
         indent=indent,

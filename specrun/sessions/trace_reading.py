@@ -261,6 +261,13 @@ def _sampled(header: dict) -> str:
     budget = _reasoning_budget(header.get("reasoning_budget"))
     if budget is not None:
         sampling = dataclasses.replace(sampling, reasoning_budget=budget)
+    for name in ("typical_p", "top_n_sigma"):  # where on (SamplingSettings.fields)
+        value = header.get(name)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            try:
+                sampling = dataclasses.replace(sampling, **{name: float(value)})
+            except OverflowError:  # past a float: no run's
+                return ""
     order = header.get("samplers")  # the run's order (SamplingSettings.fields); none: temperature first
     if isinstance(order, list) and all(isinstance(name, str) for name in order):
         sampling = dataclasses.replace(sampling, order=tuple(order))

@@ -33,7 +33,7 @@ def test_tokens_drawn_on_the_device_follow_the_host_s_distribution():
         vocab = int(rng.integers(4, 24))
         temperature = float(rng.choice([0.5, 1.0, 1.6]))
         # min-p on the model's own distribution (llama.cpp's order), or on the tempered one
-        order = ("temperature", "top_k", "top_p", "min_p") if case == 3 else SAMPLER_ORDER
+        order = ("temperature", "top_k") if case == 3 else SAMPLER_ORDER  # min-p after the samplers named
         settings = SamplingSettings(temperature=0.5 if case == 3 else temperature, top_k=[0, 3, 5, 0, 2, 40][case],
                                     min_p=[0.0, 0.0, 0.05, 0.2, 0.0, 0.1][case], order=order)
         row = rng.normal(0.0, 1.5, vocab).astype(np.float32)

@@ -2,8 +2,8 @@
 the distributions llama.cpp's own sampler chain (llama-cpp-python's bindings of it) and mlx-lm's
 ``make_sampler`` chain draw from, row for row.
 
-llama.cpp's default chain (top-k, top-p, min-p on the model's own distribution, then the
-temperature) is specrun's default: `--temp 0.7 --top-p 0.9` samples what llama-cli, llama-server
+llama.cpp's default chain (top-n-sigma, top-k, typical-p, top-p, min-p on the model's own
+distribution, then the temperature) is specrun's default: `--temp 0.7 --top-p 0.9` samples what llama-cli, llama-server
 and llama-cpp-python's Llama sample. mlx-lm applies top-p, min-p, then top-k, the temperature last:
 ``--samplers 'top_p;min_p;top_k;temperature'`` is its order. Rows are compared to float32's
 rounding (both tools work in it); a fixed seed keeps every row away from a cut that rounding moves.
@@ -12,6 +12,7 @@ rounding (both tools work in it); a fixed seed keeps every row away from a cut t
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import itertools
 
 import numpy as np
@@ -20,14 +21,22 @@ import pytest
 from specrun.sampling import SAMPLER_ORDER, SamplingSettings, probabilities
 
 ROWS = 200
+CORE = ("top_k", "top_p", "min_p", "temperature")
 TEMPERATURE_FIRST = ("temperature", "top_k", "top_p", "min_p")  # specrun's order until 2026-12
 
 
-def _random_settings(rng: np.random.Generator, order: tuple[str, ...]) -> tuple[np.ndarray, SamplingSettings]:
+def _random_settings(rng: np.random.Generator, order: tuple[str, ...], typical: bool = False
+                     ) -> tuple[np.ndarray, SamplingSettings]:
     row = (rng.normal(size=300) * rng.choice([0.5, 2.0, 5.0])).astype(np.float32)
-    return row, SamplingSettings(temperature=float(rng.choice([0.3, 0.7, 1.5])), top_k=int(rng.choice([0, 5, 40])),
-                                 top_p=float(rng.choice([1.0, 0.9, 0.5])), min_p=float(rng.choice([0.0, 0.05, 0.2])),
-                                 order=order)
+    settings = SamplingSettings(temperature=float(rng.choice([0.3, 0.7, 1.5])), top_k=int(rng.choice([0, 5, 40])),
+                                top_p=float(rng.choice([1.0, 0.9, 0.5])), min_p=float(rng.choice([0.0, 0.05, 0.2])),
+                                order=order)
+    if typical:  # llama.cpp's typical-p and top-n-sigma too
+        settings = dataclasses.replace(settings, typical_p=float(rng.choice([1.0, 0.9, 0.5])),
+                                       top_n_sigma=float(rng.choice([0.0, 1.0, 2.5])))
+    elif rng.random() < 0.3:  # tokens a grammar or a bias forbids (llama.cpp's typical-p reads them as NaN)
+        row[rng.integers(len(row), size=30)] = -np.inf
+    return row, settings
 
 
 def _llama_chain_row(llama_cpp, row: np.ndarray, settings: SamplingSettings) -> np.ndarray:
@@ -37,9 +46,11 @@ def _llama_chain_row(llama_cpp, row: np.ndarray, settings: SamplingSettings) -> 
     made = {"top_k": lambda: llama_cpp.llama_sampler_init_top_k(settings.top_k),
             "top_p": lambda: llama_cpp.llama_sampler_init_top_p(settings.top_p, 1),
             "min_p": lambda: llama_cpp.llama_sampler_init_min_p(settings.min_p, 1),
+            "typ_p": lambda: llama_cpp.llama_sampler_init_typical(settings.typical_p, 1),
+            "top_n_sigma": lambda: llama_cpp.llama_sampler_init_top_n_sigma(settings.top_n_sigma),
             "temperature": lambda: llama_cpp.llama_sampler_init_temp(settings.temperature)}
     try:
-        for name in settings.order:
+        for name in settings.samplers:  # each off sampler as llama.cpp's is at that setting: no change
             llama_cpp.llama_sampler_chain_add(chain, made[name]())
         data = (llama_cpp.llama_token_data * len(row))(
             *[llama_cpp.llama_token_data(token, float(logit), 0.0) for token, logit in enumerate(row)])
@@ -55,12 +66,27 @@ def _llama_chain_row(llama_cpp, row: np.ndarray, settings: SamplingSettings) -> 
     return out
 
 
-@pytest.mark.parametrize("order", list(itertools.permutations(SAMPLER_ORDER)), ids=";".join)
+def _typical_first(order: list[str]) -> tuple[str, ...]:
+    """``order`` with typical-p before top-n-sigma: llama.cpp's typical-p after it reads the tokens
+    top-n-sigma set to -inf (0 · log 0 makes its entropy NaN, and its sort's order undefined), as
+    after a grammar's or a bias's -inf; specrun's reads the tokens kept, as wherever llama.cpp's is
+    defined."""
+    typical, sigma = order.index("typ_p"), order.index("top_n_sigma")
+    if typical > sigma:
+        order[typical], order[sigma] = order[sigma], order[typical]
+    return tuple(order)
+
+
+ORDERS = [*itertools.permutations(CORE),  # every order of the four, and orders of all six
+          *(_typical_first(np.random.default_rng(seed).permutation(SAMPLER_ORDER).tolist()) for seed in range(12))]
+
+
+@pytest.mark.parametrize("order", ORDERS, ids=";".join)
 def test_each_order_samples_what_llama_cpp_s_chain_in_that_order_samples(order):
     llama_cpp = pytest.importorskip("llama_cpp")
     rng = np.random.default_rng(0)
     for _ in range(ROWS // 8):
-        row, settings = _random_settings(rng, order)
+        row, settings = _random_settings(rng, order, typical=len(order) > len(CORE))
         np.testing.assert_allclose(probabilities(row, settings), _llama_chain_row(llama_cpp, row, settings),
                                    rtol=0, atol=1e-5, err_msg=str(settings))
 

@@ -168,7 +168,9 @@ def test_unknown_alias(llama_installed):
         (["--top-p", "0"], "--top-p must be in"),
         (["--min-p", "1.5"], "--min-p must be in"),
         (["--top-k", "-3"], "--top-k must be"),
-        (["--samplers", "top_k;temperature"], "--samplers leaves out top_p, min_p"),
+        (["--temp", "0.7", "--top-p", "0.9", "--samplers", "top_k;temperature"], "--samplers leaves out top_p,"),
+        (["--typical", "1.5"], "--typical must be in [0, 1]"),
+        (["--top-nsigma", "inf"], "--top-nsigma must be a finite number"),
         (["--samplers", "kpmtt"], "--samplers: temperature listed more than once"),
         (["--samplers", "top_k;nucleus;min_p;temp;mirror"], "--samplers: 'mirror' names no sampler"),
         (["--ctx", "0"], "--ctx must be between 16 and 1048576, got 0"),  # not 1.04858e+06
@@ -432,6 +434,11 @@ def test_sampling_options_reach_the_sampler(pair):
     assert text("--temp", "1.5", "--seed", "7", "--min-p", "0.999") == greedy
     assert text("--temp", "1.5", "--seed", "7", "--top-k", "40", "--top-p", "0.95", "--min-p", "0.02") != sampled
     # the order: top-p's nucleus of the model's own distribution (llama.cpp's), or of the tempered one
+    assert text("--temp", "1.5", "--seed", "7", "--top-nsigma", "0.001") == greedy
+    # typical-p at 0.001 keeps one token a step (the one whose surprise is nearest the entropy): no
+    # draw is left to a seed
+    typical = text("--temp", "1.5", "--seed", "7", "--typical", "0.001")
+    assert typical == text("--temp", "1.5", "--seed", "8", "--typical", "0.001") != sampled
     nucleus = text("--temp", "1.5", "--seed", "7", "--top-p", "0.5")
     assert nucleus == text("--temp", "1.5", "--seed", "7", "--top-p", "0.5", "--samplers", "ekpmt")
     assert nucleus != text("--temp", "1.5", "--seed", "7", "--top-p", "0.5", "--samplers", "temperature;top_k;top_p;min_p")
@@ -495,3 +502,19 @@ def test_a_chain_with_heads_gives_plain_decoding_s_text(llama_installed, method)
 def test_a_chain_out_of_order_is_a_usage_error_naming_the_order():
     result = invoke("generate", "x", "-m", "eagle+lookup")
     assert result.exit_code == 2 and "use --method lookup+eagle" in result.stderr
+
+
+@pytest.mark.parametrize(("command", "args", "words", "fix"), [
+    (("serve",), ("--samplers", "top_k;top_p"), "--samplers leaves out temperature: a request's temperature applies",
+     "name temperature in --samplers"),
+    (("bench", "--methods", "none"), ("--repeat-penalty", "1.1", "--samplers", "kpmt"),
+     "--samplers leaves out penalties, which the options turn on", "name each sampler that is on"),
+    (("bench", "--methods", "none", "--native"), ("--temp", "0.7", "--samplers", "tkpm"),
+     "--native times llama-cpp-python's own plain loop, which samples in llama.cpp's default order",
+     "drop --native, or --samplers"),
+    (("bench", "--methods", "none", "--native"), ("--temp", "0.7", "--typical", "0.9"),
+     "--native times llama-cpp-python's own plain loop, which is given temperature, top-k, top-p and min-p only",
+     "drop --native, or --typical and --top-nsigma"),
+])
+def test_samplers_the_command_cannot_apply_as_asked_are_usage_errors(command, args, words, fix):
+    assert_one_line_error(invoke(*command, *args), 2, words, fix)

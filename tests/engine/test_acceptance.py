@@ -66,6 +66,15 @@ HAND_COMPUTED = [
     (SamplingSettings(temperature=1.0, top_k=2, top_p=0.7), [1.0, 0.0, 0.0, 0.0]),
     (SamplingSettings(temperature=1.0, top_k=2, top_p=0.7, order=("top_p", "top_k", "min_p", "temperature")),
      [0.731059, 0.268941, 0.0, 0.0]),
+    # top-n-sigma 1: the logits' mean 0.5, standard deviation sqrt(1.25) = 1.118034 (over their
+    # count); floor 2 - 1.118034 = 0.881966 keeps two; at temperature 0.5: softmax(4, 2)
+    (SamplingSettings(temperature=1.0, top_n_sigma=1.0), [0.731059, 0.268941, 0.0, 0.0]),
+    (SamplingSettings(temperature=0.5, top_n_sigma=1.0), [0.880797, 0.119203, 0.0, 0.0]),
+    # typical-p: entropy 0.947551; surprises -log p = 0.440202, 1.440202, 2.440202, 3.440202 lie
+    # 0.507349, 0.492651, 1.492651, 2.492651 from it, so the second token comes first: at 0.2 its
+    # mass (0.236883) passes it alone; at 0.5 the first joins it (0.880797), then temperature 0.5
+    (SamplingSettings(temperature=1.0, typical_p=0.2), [0.0, 1.0, 0.0, 0.0]),
+    (SamplingSettings(temperature=0.5, typical_p=0.5), [0.880797, 0.119203, 0.0, 0.0]),
     # greedy: one-hot at the argmax
     (SamplingSettings(), [1.0, 0.0, 0.0, 0.0]),
 ]
@@ -85,6 +94,10 @@ def test_oracle_and_probabilities_agree_on_random_rows():
         SamplingSettings(temperature=t, top_k=k, top_p=p, min_p=m, order=order)
         for t in (0.5, 1.0, 1.7) for k in (0, 1, 5) for p in (1.0, 0.9, 0.3) for m in (0.0, 0.05, 0.4)
         for order in (SAMPLER_ORDER, ("temperature", "top_k", "top_p", "min_p"), ("min_p", "temperature", "top_p", "top_k"))
+    ] + [
+        SamplingSettings(temperature=t, top_k=k, top_p=p, typical_p=y, top_n_sigma=n, order=order)
+        for t in (0.5, 1.7) for k in (0, 5) for p in (1.0, 0.9) for y in (1.0, 0.9, 0.3) for n in (0.0, 0.5, 1.5)
+        for order in (SAMPLER_ORDER, ("temperature", "typ_p", "top_n_sigma"), ("top_p", "typ_p", "top_k", "temperature"))
     ]
     for row in rng.normal(0.0, 2.0, (20, 12)).astype(np.float32):
         for each in settings:

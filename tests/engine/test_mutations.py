@@ -176,6 +176,14 @@ def min_p_ignored(logits, settings, infill=None):
     return probabilities(logits, dataclasses.replace(settings, min_p=0.0), infill)
 
 
+def typical_p_ignored(logits, settings, infill=None):
+    return probabilities(logits, dataclasses.replace(settings, typical_p=1.0), infill)
+
+
+def top_n_sigma_ignored(logits, settings, infill=None):
+    return probabilities(logits, dataclasses.replace(settings, top_n_sigma=0.0), infill)
+
+
 # ---- wrong greedy rules (the signature of specrun.verify.verify_greedy) -----------------------
 
 
@@ -329,6 +337,8 @@ MUTANTS = [
            ("long tail siblings",)),
     Mutant("top-p off by one", _install_sampler(top_p_off_by_one), ("draft top-p",)),
     Mutant("min-p ignored", _install_sampler(min_p_ignored), ("draft min-p",)),
+    Mutant("typical-p ignored", _install_sampler(typical_p_ignored), ("draft typical",)),
+    Mutant("top-n-sigma ignored", _install_sampler(top_n_sigma_ignored), ("draft top-n-sigma",)),
     Mutant("greedy: accepts every draft", _install_greedy(greedy_accepts_every_draft), ("greedy draft",)),
     Mutant("greedy: bonus token from the wrong row", _install_greedy(greedy_bonus_from_the_wrong_row),
            ("greedy draft",)),

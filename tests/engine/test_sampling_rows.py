@@ -46,6 +46,16 @@ def whole_row_probabilities(logits: np.ndarray, settings: SamplingSettings) -> n
                     kept = kept & chosen
                 else:
                     probs = renormalised(chosen)
+        elif name == "top_n_sigma":  # on the logits: the finite ones kept, their standard deviation
+            before = kept if probs is None else probs > 0.0
+            chosen = before.copy()
+            for row, alive, chosen_row in zip(rows, before & np.isfinite(rows), chosen):
+                if alive.sum() > 1:
+                    chosen_row[:] = alive & (row >= row[alive].max() - settings.top_n_sigma * np.std(row[alive]))
+            if probs is None:
+                kept = chosen
+            else:
+                probs = renormalised(chosen)
         elif name == "min_p" and probs is None:  # on the logits, as llama.cpp reads it
             scaled = np.where(kept, rows / temperature, -np.inf)
             kept = kept & (scaled - scaled.max(axis=-1, keepdims=True) >= np.log(settings.min_p))
@@ -57,6 +67,17 @@ def whole_row_probabilities(logits: np.ndarray, settings: SamplingSettings) -> n
                 keep = np.zeros(probs.shape, dtype=bool)
                 np.put_along_axis(keep, order, np.cumsum(ranked, axis=-1) - ranked < settings.top_p, axis=-1)
                 probs = renormalised(keep)
+            elif name == "typ_p":  # every row sorted whole by its distance from the entropy, zeros last
+                keep = np.zeros(probs.shape, dtype=bool)
+                for row, kept_row in zip(probs, keep):
+                    positive = row > 0.0
+                    surprise = -np.log(row[positive])
+                    score = np.full(row.shape, np.inf)
+                    score[positive] = np.abs(surprise - np.dot(row[positive], surprise))
+                    order = np.argsort(score, kind="stable")
+                    taken = np.cumsum(row[order])
+                    kept_row[order[:int(np.searchsorted(taken, settings.typical_p, side="right")) + 1]] = True
+                probs = renormalised(keep)
             else:
                 probs = renormalised(probs >= settings.min_p * np.maximum.reduce(probs, axis=-1, keepdims=True))
     probs = softmax() if probs is None else probs
@@ -64,7 +85,8 @@ def whole_row_probabilities(logits: np.ndarray, settings: SamplingSettings) -> n
 
 
 ORDERS = (SAMPLER_ORDER, ("temperature", "top_k", "top_p", "min_p"), ("top_p", "min_p", "temperature", "top_k"),
-          ("min_p", "top_k", "temperature", "top_p"))
+          ("min_p", "top_k", "temperature", "top_p"), ("temperature", "typ_p", "top_p", "top_n_sigma"),
+          ("top_p", "typ_p", "min_p", "top_n_sigma", "top_k"))
 
 
 def random_rows(rng: np.random.Generator, vocab: int, rows: int) -> np.ndarray:
@@ -87,6 +109,8 @@ def test_rows_equal_whole_row_sorting_bit_for_bit(vocab):
             top_k=int(rng.choice([0, 0, 2, 40, vocab])),
             top_p=float(rng.choice([0.1, 0.5, 0.9, 0.95, 0.999, 1.0])),
             min_p=float(rng.choice([0.0, 0.0, 0.05])),
+            typical_p=float(rng.choice([1.0, 1.0, 0.95, 0.5])),
+            top_n_sigma=float(rng.choice([0.0, 0.0, 1.0, 3.0])),
             order=ORDERS[int(rng.integers(len(ORDERS)))],
         )
         given = logits.copy()

@@ -217,11 +217,19 @@ def test_the_samplers_apply_in_the_order_listed():
     """llama-server applies its chain in the list's order: specrun's samplers follow it (a list in
     llama.cpp's default order, or none, is that order: truncation first, the temperature last)."""
     first, _ = _native({**LLAMA_VIM, "samplers": ["temperature", "top_k", "top_p"], "temperature": 0.5})
-    assert first.sampling.order == ("temperature", "top_k", "top_p", "min_p")
+    assert first.sampling.order == ("temperature", "top_k", "top_p")
     assert first.sampling.chain == ("temperature", "top_k", "top_p")  # no infill listed: off
     letters, _ = _native({**LLAMA_VIM, "samplers": "pkti", "temperature": 0.5})
-    assert letters.sampling.order == ("top_p", "top_k", "temperature", "infill", "min_p")
+    assert letters.sampling.order == ("top_p", "top_k", "temperature", "infill")
     assert letters.sampling.chain == ("top_p", "top_k", "temperature", "infill")
+    # typical-p and top-n-sigma: on where set (and listed, where a list is sent)
+    typical, _ = _native({**LLAMA_VIM, "samplers": "ysk", "typical_p": 0.8, "top_n_sigma": 2})
+    assert (typical.sampling.typical_p, typical.sampling.top_n_sigma) == (0.8, 2.0)
+    assert typical.sampling.chain == ("typ_p", "top_n_sigma", "top_k")
+    unlisted, _ = _native({**LLAMA_VIM, "typical_p": 0.8, "top_n_sigma": 2})  # llama.vim's list names neither
+    assert (unlisted.sampling.typical_p, unlisted.sampling.top_n_sigma) == (1.0, 0.0)
+    off, _ = _native({**LLAMA_VIM, "samplers": "s", "top_n_sigma": -1})  # llama-server's default: off
+    assert off.sampling.top_n_sigma == 0.0
     default, _ = _native({**LLAMA_VIM, "samplers": "edkypmxti", "temperature": 0.5})
     assert default.sampling.order == SAMPLER_ORDER and default.sampling.chain == ("top_k", "top_p", "temperature",
                                                                                    "infill")
@@ -232,6 +240,16 @@ def test_the_samplers_apply_in_the_order_listed():
     served = ServeDefaults(sampling=SamplingSettings(0.7, order=("temperature", "top_k", "top_p", "min_p")))
     chat = {"messages": [{"role": "user", "content": "hi"}]}
     assert parse_chat_request(chat, served, 2048).sampling.order == ("temperature", "top_k", "top_p", "min_p")
+    # `serve --samplers` as llama-server reads its own: a request without a list of its own leaves out
+    # what the server's leaves out
+    listing = ServeDefaults(sampling=SamplingSettings(0.7, order=("temperature", "top_k")),
+                            samplers=("temperature", "top_k"))
+    read = parse_chat_request({**chat, "typical_p": 0.5, "top_p": 0.9, "top_k": 5}, listing, 2048).sampling
+    assert (read.typical_p, read.top_p, read.top_k, read.chain) == (1.0, 1.0, 5, ("temperature", "top_k"))
+    for field, value, message in (("typical_p", 1.5, r"typical_p: must be in \[0, 1\], got 1.5"),
+                                  ("top_n_sigma", "wide", "top_n_sigma must be a number")):
+        with pytest.raises(RequestError, match=message):
+            parse_chat_request({**chat, field: value}, served, 2048)
     assert parse_chat_request({**chat, "samplers": "kpmt"}, served, 2048).sampling.order == SAMPLER_ORDER
 
 
@@ -429,10 +447,11 @@ def test_llama_server_s_readings_of_a_request(fim_server):
     assert status == 200 and plain["generation_settings"]["n_predict"] == 4 and plain["generation_settings"][
         "stop"] == ["zzz"]
     # the samplers in the order they apply, as llama-server lists them
-    assert plain["generation_settings"]["samplers"] == ["penalties", "top_k", "top_p", "min_p", "temperature"]
+    assert plain["generation_settings"]["samplers"] == ["penalties", "top_n_sigma", "top_k", "typ_p", "top_p", "min_p",
+                                                        "temperature"]
     status, ordered = fim_server.post("/completion", {"prompt": "x", "n_predict": 2, "samplers": "tkp"})
     assert status == 200 and ordered["generation_settings"]["samplers"] == ["penalties", "temperature", "top_k",
-                                                                            "top_p", "min_p"]
+                                                                            "top_p", "top_n_sigma", "typ_p", "min_p"]
     status, full = fim_server.post("/completion", {"prompt": list(range(1, 510)), "n_predict": 8})
     assert status == 200 and full["truncated"] is True and full["stop_type"] == "limit"
 

@@ -196,7 +196,8 @@ def test_a_header_with_an_order_of_its_own_says_it(tmp_path):
     sampling = SamplingSettings(0.7, 40, 0.9, order=("temperature", "top_k", "top_p", "min_p"))
     header = {"trace": "specrun", "version": 1, "method": "draft", **sampling.fields()}
     assert header["samplers"] == ["temperature", "top_k", "top_p", "min_p"]
-    assert SamplingSettings(0.7, 40, 0.9).fields()["samplers"] == ["top_k", "top_p", "min_p", "temperature"]
+    assert SamplingSettings(0.7, 40, 0.9).fields()["samplers"] == ["top_n_sigma", "top_k", "typ_p", "top_p", "min_p",
+                                                                    "temperature"]
     write(path, [header, step(1, "prefill", 0, 0, policy(True))])
     told = CliRunner().invoke(app, ["trace", str(path)])
     assert told.stdout.splitlines()[0] == ("run: ?, method draft, sampled at temperature 0.7, top-k 40, top-p 0.9, "
@@ -204,6 +205,12 @@ def test_a_header_with_an_order_of_its_own_says_it(tmp_path):
     write(path, [{**header, "samplers": ["temperature", "temperature"]}, step(1, "prefill", 0, 0, policy(True))])
     told = CliRunner().invoke(app, ["trace", str(path)])  # an order no run could use: not told
     assert told.stdout.splitlines()[0] == "run: ?, method draft"
+    typical = SamplingSettings(0.7, typical_p=0.8, top_n_sigma=1.5)
+    write(path, [{"trace": "specrun", "version": 1, "method": "draft", **typical.fields()},
+                 step(1, "prefill", 0, 0, policy(True))])
+    told = CliRunner().invoke(app, ["trace", str(path)])
+    assert told.stdout.splitlines()[0] == ("run: ?, method draft, sampled at temperature 0.7, typical-p 0.8, "
+                                           "top-n-sigma 1.5")
     # a header from before llama.cpp's order (none named) sampled with the temperature first
     write(path, [{"trace": "specrun", "version": 1, "method": "draft", "temperature": 0.7, "top_p": 0.9},
                  step(1, "prefill", 0, 0, policy(True))])
