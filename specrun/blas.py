@@ -48,8 +48,11 @@ def use_one_thread() -> None:
 # Debian's OpenBLAS preloaded, a 5-token pass 4.1 one-token passes against 1.3 (float16 models
 # never reach a BLAS). A speculative pass verifies several tokens at once, so there speculation
 # reads far slower than it would with a tuned BLAS.
-OPENBLAS_HINT = ("preload OpenBLAS (Debian/Ubuntu: apt-get install libopenblas0-serial, then run specrun with "
-                 "LD_PRELOAD=/usr/lib/$(uname -m)-linux-gnu/openblas-serial/libblas.so.3)")
+# The pthread build on one thread: the serial build (libopenblas0-serial) has no locks, and two threads
+# multiplying at once (a draft's passes beside its adapters' training) corrupted a pass's logits in
+# about one pass of 60 here (2026-12-07); the pthread build's locks keep them apart.
+OPENBLAS_HINT = ("preload OpenBLAS (Debian/Ubuntu: apt-get install libopenblas0-pthread, then run specrun with "
+                 "OPENBLAS_NUM_THREADS=1 LD_PRELOAD=/usr/lib/$(uname -m)-linux-gnu/openblas-pthread/libblas.so.3)")
 
 
 def mlx_blas() -> str | None:

@@ -33,7 +33,7 @@ def test_a_users_own_thread_count_wins():
 
 # ---- which BLAS MLX's Linux wheel multiplies with (specrun/blas.py) ---------------------------
 on_linux_mlx = pytest.mark.skipif(sys.platform != "linux", reason="MLX's Linux CPU wheel only")
-DEBIAN_OPENBLAS = f"/usr/lib/{os.uname().machine}-linux-gnu/openblas-serial/libblas.so.3"
+DEBIAN_OPENBLAS = f"/usr/lib/{os.uname().machine}-linux-gnu/openblas-pthread/libblas.so.3"
 
 
 def _without_preload() -> dict:
@@ -58,7 +58,7 @@ def test_a_bench_on_mlx_with_the_wheel_s_own_blas_says_so_and_how_to_mend_it(tin
 @pytest.mark.ci_may_skip("Debian's OpenBLAS comes with `make test` only where it may install packages (root)")
 def test_a_preloaded_openblas_is_the_one_named():
     if not os.path.exists(DEBIAN_OPENBLAS):
-        pytest.skip(f"{DEBIAN_OPENBLAS} is not installed (apt-get install libopenblas0-serial)")
+        pytest.skip(f"{DEBIAN_OPENBLAS} is not installed (apt-get install libopenblas0-pthread)")
     code = "from specrun.blas import mlx_blas; print(mlx_blas())"
     env = {**_without_preload(), "LD_PRELOAD": DEBIAN_OPENBLAS}
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)

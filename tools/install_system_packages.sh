@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # Debian packages the tests use, installed where this runs as root with apt-get (else a note):
-# chromium (the server page's browser test) and, on Linux, libopenblas0-serial
+# chromium (the server page's browser test) and, on Linux, libopenblas0-pthread
 # (tools/with_openblas.sh). One that cannot be installed leaves the others.
 set -uo pipefail
 wanted=()
 command -v chromium >/dev/null || wanted+=(chromium)
-if [ "$(uname -s)" = Linux ] && [ ! -e "/usr/lib/$(uname -m)-linux-gnu/openblas-serial/libblas.so.3" ]; then
-    wanted+=(libopenblas0-serial)
+if [ "$(uname -s)" = Linux ] && [ ! -e "/usr/lib/$(uname -m)-linux-gnu/openblas-pthread/libblas.so.3" ]; then
+    wanted+=(libopenblas0-pthread)
 fi
 [ ${#wanted[@]} -eq 0 ] && exit 0
 if [ "$(id -u)" != 0 ] || ! command -v apt-get >/dev/null; then
