@@ -13,13 +13,15 @@ budget, shape the target's logits before all of it, each row by the text it foll
 from __future__ import annotations
 
 import bisect
+import json
 import math
 import weakref
 from collections.abc import Callable, Collection, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
+from specrun.dry import Dry, dry_penalties, resolved
 from specrun.penalties import MAX_BIAS, AheadShaping, Penalties, shaped_rows
 from specrun.reasoning_budget import ReasoningBudget, forced_rows
 
@@ -30,15 +32,16 @@ MAX_SEED = 2**63 - 1
 # llama.cpp's default chain (common/common.h: penalties, dry, top-n-sigma, top-k, typical-p, top-p,
 # min-p, xtc, temperature) less the samplers specrun has not: truncation on the model's own
 # distribution, the temperature last; llama-cpp-python's Llama and llama-server sample so too
-SAMPLER_ORDER = ("top_n_sigma", "top_k", "typ_p", "top_p", "min_p", "temperature")
+SAMPLER_ORDER = ("top_n_sigma", "top_k", "typ_p", "top_p", "min_p", "xtc", "temperature")
 SAMPLERS = (*SAMPLER_ORDER, "infill")  # what an order may name
+XTC_MAX_THRESHOLD = 0.5  # XTC above it is off (llama.cpp's: two tokens could not both reach it)
 # specrun's order until 2026-12-07: a sampled trace or bench file that names no order sampled so
 TEMPERATURE_FIRST = ("temperature", "top_k", "top_p", "min_p")
 # llama.cpp's sampler names (common/sampling.cpp; llama-server's ``samplers``, llama-cli's --samplers),
 # each as specrun names it: the penalties (always first here), and None for those specrun has not,
 # which change nothing at their inert settings and may be listed
-LLAMA_SAMPLERS = {**{name: name for name in SAMPLERS}, "penalties": "penalties", "dry": None, "xtc": None,
-                  "adaptive_p": None}
+LLAMA_SAMPLERS = {**{name: name for name in SAMPLERS}, "penalties": "penalties", "dry": "dry", "adaptive_p": None}
+SHAPING = ("penalties", "dry")  # the samplers that shape the logits by their text, first, in this order
 SAMPLER_ALIASES = {**{name.replace("_", "-"): name for name in LLAMA_SAMPLERS if "_" in name},
                    **{name.replace("_", ""): name for name in LLAMA_SAMPLERS if "_" in name},
                    "nucleus": "top_p", "temp": "temperature", "typ": "typ_p", "typical_p": "typ_p"}
@@ -52,22 +55,42 @@ def sampler_named(name: str) -> str | None:
     return canonical if canonical in LLAMA_SAMPLERS else None
 
 
-def listed_order(listed: Sequence[str], penalties_on: bool = False) -> tuple[str, ...]:
+def named_samplers(listed: str | Sequence[str]) -> tuple[str, ...]:
+    """llama.cpp's names for the samplers ``listed`` names, in its order: a list of names (any case,
+    llama.cpp's aliases too) or a string of their letters (SAMPLER_LETTERS), as llama-server's
+    ``samplers`` takes them. A ValueError quotes the first that names no sampler and lists the
+    names or the letters."""
+    if isinstance(listed, str):
+        unknown = next((letter for letter in listed if letter not in SAMPLER_LETTERS), None)
+        if unknown is not None:
+            raise ValueError(f"{json.dumps(unknown)} names no sampler; the letters are {''.join(SAMPLER_LETTERS)}")
+        return tuple(SAMPLER_LETTERS[letter] for letter in listed)
+    names = [sampler_named(name) for name in listed]
+    unknown = next((name for name, canonical in zip(listed, names) if canonical is None), None)
+    if unknown is not None:
+        shown = json.dumps(unknown)
+        shown = shown if len(shown) <= 40 else shown[:37] + "..."
+        raise ValueError(f"{shown} names no sampler; the names are {', '.join(LLAMA_SAMPLERS)}")
+    return tuple(names)
+
+
+def listed_order(listed: Sequence[str], penalties_on: bool = False, dry_on: bool = False) -> tuple[str, ...]:
     """SamplingSettings.order for samplers listed in order (llama.cpp's names): specrun's samplers
     in the list's order (those left out apply after them, off where a list leaves them out, so
     their places change nothing). A list in llama.cpp's default order is that order, as a run that
     lists none holds it. A ValueError names a sampler listed twice (llama.cpp would apply it twice:
-    a temperature squared, a nucleus of a nucleus) and, where the penalties are on, one listed
-    before them (specrun applies the penalties first: after a sampler, llama.cpp would sample
-    from another distribution)."""
-    ours = [name for name in listed if name in (*SAMPLERS, "penalties")]
+    a temperature squared, a nucleus of a nucleus) and, where the penalties or DRY are on, a list
+    that does not begin with them, in that order (specrun shapes the logits by their text first:
+    after another sampler, llama.cpp would sample from another distribution)."""
+    ours = [name for name in listed if name in (*SAMPLERS, *SHAPING)]
     twice = sorted({name for name in ours if ours.count(name) > 1})
     if twice:
         raise ValueError(f"{', '.join(twice)} listed more than once; specrun applies each sampler once")
-    if penalties_on and "penalties" in ours and ours.index("penalties") > 0:
-        raise ValueError("specrun applies the penalties first, as llama.cpp's default order does; list penalties "
-                         f"before {', '.join(ours[:ours.index('penalties')])}")
-    ours = [name for name in ours if name != "penalties"]
+    leading = [name for name, on in zip(SHAPING, (penalties_on, dry_on)) if on and name in ours]
+    if ours[:len(leading)] != leading:
+        raise ValueError(f"specrun applies {' then '.join(leading)} first, as llama.cpp's default order does; "
+                         f"list {' then '.join(leading)} before the other samplers")
+    ours = [name for name in ours if name not in SHAPING]
     if ours == [name for name in SAMPLERS if name in ours]:
         return SAMPLER_ORDER
     return tuple(ours)
@@ -99,7 +122,20 @@ class SamplingSettings:
     # surprise is nearest the row's entropy, to this mass; the tokens within n standard deviations
     # of the top logit
     typical_p: float = 1.0
-    top_n_sigma: float = 0.0
+    top_n_sigma: float = 0.0  # 0 or less: off, as llama.cpp reads it (held as 0)
+    # llama.cpp's XTC ("exclude top choices"): with this probability a step drops every token at
+    # or above the threshold but the least likely of them, where two or more are (0: off; over
+    # 0.5: off, as llama.cpp reads it). Each step's coin is independent, so a row's distribution is
+    # the mixture of the two (``probabilities``), which verification accepts from like any other
+    xtc_probability: float = 0.0
+    xtc_threshold: float = 0.1  # llama.cpp's default
+    # llama.cpp's DRY: tokens that would extend a repeat of the text penalised, each row by its text
+    # (dry.py), greedy runs too; after the repetition penalties
+    dry: Dry = Dry()
+
+    def __post_init__(self) -> None:
+        if self.top_n_sigma < 0.0:
+            object.__setattr__(self, "top_n_sigma", 0.0)
 
     @property
     def greedy(self) -> bool:
@@ -110,9 +146,14 @@ class SamplingSettings:
         """The samplers that change a sampled row, in their order (``samplers``): the truncations
         where on, the temperature where not 1, infill where asked."""
         on = {"top_k": self.top_k > 0, "top_p": self.top_p < 1.0, "min_p": self.min_p > 0.0,
-              "typ_p": self.typical_p < 1.0, "top_n_sigma": self.top_n_sigma > 0.0,
+              "typ_p": self.typical_p < 1.0, "top_n_sigma": self.top_n_sigma > 0.0, "xtc": self.xtc_on,
               "temperature": self.temperature != 1.0, "infill": self.infill}
         return tuple(name for name in self.samplers if on[name])
+
+    @property
+    def xtc_on(self) -> bool:
+        """Does XTC ever drop a token: a probability above 0, a threshold of 0.5 or less?"""
+        return self.xtc_probability > 0.0 and self.xtc_threshold <= XTC_MAX_THRESHOLD
 
     @property
     def samplers(self) -> tuple[str, ...]:
@@ -126,14 +167,14 @@ class SamplingSettings:
     def shapes_rows(self) -> bool:
         """Are the target's rows shaped by their text (penalties, a bias or a reasoning budget), so
         that a pass's rows must come to the host (no argmax on the device)?"""
-        return bool(self.logit_bias) or self.penalties.on or self.reasoning_budget is not None
+        return bool(self.logit_bias) or self.penalties.on or self.dry.on or self.reasoning_budget is not None
 
     def ahead_sampling(self, draw: Callable[[], float]) -> AheadSampling | None:
         """How a target that reads ahead draws a plain step's token on its own device, each from
         a uniform ``draw`` gives (AheadSampling); None where greedy or where a device does not: top-p
         (a whole-row sort on the device cost what reading ahead saves: docs/perf.md 3(w)), typical-p,
-        top-n-sigma, llama.cpp's infill rule, a reasoning budget."""
-        if self.greedy or {"top_p", "typ_p", "top_n_sigma"} & set(self.chain) or self.infill \
+        top-n-sigma, XTC, llama.cpp's infill rule, a reasoning budget."""
+        if self.greedy or {"top_p", "typ_p", "top_n_sigma", "xtc"} & set(self.chain) or self.infill \
                 or self.reasoning_budget is not None:
             return None
         return AheadSampling(self, draw)
@@ -147,8 +188,9 @@ class SamplingSettings:
     @property
     def shapes_ahead(self) -> bool:
         """Do these settings shape the rows (penalties, a bias) as a device can shape them: not under a
-        reasoning budget, nor with a token biased twice (penalties.AheadShaping.takes)?"""
-        return self.shapes_rows and self.reasoning_budget is None and AheadShaping.takes(self.logit_bias)
+        reasoning budget or DRY, nor with a token biased twice (penalties.AheadShaping.takes)?"""
+        return (self.shapes_rows and self.reasoning_budget is None and not self.dry.on
+                and AheadShaping.takes(self.logit_bias))
 
     def validate(self) -> list[str]:
         """Problems with these settings, as option-named messages (empty if fine)."""
@@ -166,11 +208,17 @@ class SamplingSettings:
                             f"got {';'.join(self.order)}")
         if not (0.0 <= self.typical_p <= 1.0):
             problems.append(f"--typical must be in [0, 1] (1: off), got {self.typical_p}")
-        if not (0.0 <= self.top_n_sigma < math.inf):
+        if not math.isfinite(self.top_n_sigma):
             problems.append(f"--top-nsigma must be a finite number (0 or less: off), got {self.top_n_sigma}")
+        if not (0.0 <= self.xtc_probability <= 1.0):
+            problems.append(f"--xtc-probability must be in [0, 1] (0: off), got {self.xtc_probability}")
+        if self.xtc_probability > 0.0 and not (0.0 < self.xtc_threshold <= 1.0):
+            # at 0 or below every token passes it: XTC would leave the least likely token of the row
+            problems.append(f"--xtc-threshold must be in (0, 1] (over 0.5: off), got {self.xtc_threshold}")
         if self.seed is not None and not 0 <= self.seed <= MAX_SEED:
             problems.append(f"--seed must be between 0 and {MAX_SEED}, got {self.seed}")
         problems += self.penalties.problems()
+        problems += self.dry.problems()
         for token, amount in self.logit_bias:
             if token < 0:
                 problems.append(f"--logit-bias names token {token}: token ids are 0 or more")
@@ -187,7 +235,7 @@ class SamplingSettings:
 
     def describe(self) -> str:
         """In words, for a table's footnote: ``greedy``, or the temperature and each option that is on."""
-        shaping = [said for said in (self.penalties.describe(),
+        shaping = [said for said in (self.penalties.describe(), self.dry.describe(),
                                      f"logit bias on {len(self.logit_bias)} tokens" if self.logit_bias else "",
                                      self.reasoning_budget.describe() if self.reasoning_budget is not None else "")
                    if said]
@@ -204,6 +252,8 @@ class SamplingSettings:
             said.append(f"typical-p {self.typical_p:.10g}")
         if self.top_n_sigma > 0.0:
             said.append(f"top-n-sigma {self.top_n_sigma:.10g}")
+        if self.xtc_on:
+            said.append(f"XTC {self.xtc_probability:.10g} at {self.xtc_threshold:.10g}")
         if self.infill:
             said.append("infill rule")
         if self.chain != tuple(name for name in SAMPLERS if name in self.chain):  # an order of its own
@@ -224,9 +274,13 @@ class SamplingSettings:
                                                                 ("infill", self.infill, False),
                                                                 ("samplers", list(self.order), None))
                            if value != off})
+            if self.xtc_on:
+                fields.update(xtc_probability=self.xtc_probability, xtc_threshold=self.xtc_threshold)
         if self.penalties.on:
             fields["penalties"] = {"repeat": self.penalties.repeat, "frequency": self.penalties.frequency,
                                    "presence": self.penalties.presence, "last_n": self.penalties.last_n}
+        if self.dry.on:
+            fields["dry"] = self.dry.fields()
         if self.logit_bias:
             fields["logit_bias"] = [[token, amount if math.isfinite(amount) else None] for token, amount in self.logit_bias]
         if self.reasoning_budget is not None:
@@ -234,16 +288,30 @@ class SamplingSettings:
         return fields
 
 
+def for_vocabulary(settings: SamplingSettings, backend) -> SamplingSettings:
+    """``settings`` with what reads the model's vocabulary looked up in ``backend``'s: DRY's
+    sequence breakers (dry.resolved); the settings themselves where nothing needs it."""
+    if not settings.dry.on or settings.dry.restarts is not None:
+        return settings
+    return replace(settings, dry=resolved(settings.dry, backend))
+
+
 def text_shaped_rows(logits: np.ndarray, settings: SamplingSettings, context: Sequence[int],
                      paths: Sequence[Sequence[int]]) -> np.ndarray:
     """A pass's logits (n, V), row i as the text ``context`` then ``paths[i]`` shapes it under the
-    settings: a bias and penalties (penalties.py), then a reasoning budget's forcing
+    settings: a bias and penalties (penalties.py), DRY (dry.py), then a reasoning budget's forcing
     (reasoning_budget.py; llama.cpp applies it first, which comes to the same rows: a forced row
     keeps one finite logit, shaped alike either way). A new array where anything changed; the
     pass's own is left as it was, and returned where nothing shapes it."""
     rows = logits
-    if settings.logit_bias or settings.penalties.on:
+    if settings.logit_bias or settings.penalties.on or settings.dry.on:
         rows = shaped_rows(logits, settings.penalties, settings.logit_bias, context, paths)
+    if settings.dry.on:
+        last_n = settings.dry.last_n
+        start = 0 if last_n < 0 else max(0, len(context) - last_n)  # the context's part of any row's window
+        for row, path in zip(rows, paths):
+            tokens, amounts = dry_penalties([*context[start:], *path], settings.dry)
+            row[tokens] -= amounts
     if settings.reasoning_budget is not None:
         rows = forced_rows(rows, settings.reasoning_budget, context, paths, in_place=rows is not logits)
     return rows
@@ -284,16 +352,26 @@ def probabilities(logits: np.ndarray, settings: SamplingSettings, infill: Infill
         out[np.arange(len(rows)), rows.argmax(axis=-1)] = 1.0
         return out[0] if squeeze else out
 
-    # The distribution so far (``probs``), made only where a sampler needs it: top-k and min-p read
-    # the logits alone (top-k the same tokens at any temperature; min-p a token's distance from the
-    # likeliest, as llama.cpp reads it), so until then only which tokens are kept is carried
-    # (``kept``; None: all), and the temperature, where it comes first, is taken when the
-    # distribution is made: under llama.cpp's order without top-p, exp is taken once, over the
-    # tokens kept. One (n, V) array is made and worked in place: a new array of a
-    # vocabulary's rows costs its page faults (9 rows of 49k: ~1.5 ms each), more than the
-    # arithmetic on it.
-    temperature, kept, probs = 1.0, None, None
-    for name in settings.chain:
+    probs = _chained(rows, settings, settings.chain, infill)
+    return probs[0] if squeeze else probs
+
+
+def _chained(rows: np.ndarray, settings: SamplingSettings, chain: Sequence[str], infill: InfillVocab | None,
+             probs: np.ndarray | None = None) -> np.ndarray:
+    """The samplers ``chain`` names applied in turn to ``rows`` (n, V) of logits, or to ``probs``
+    (n, V), the distribution earlier samplers left (worked in place): the rows' distributions.
+
+    The distribution so far (``probs``) is made only where a sampler needs it: top-k and min-p
+    read the logits alone (top-k the same tokens at any temperature; min-p a token's distance from
+    the likeliest, as llama.cpp reads it), so until then only which tokens are kept is carried
+    (``kept``; None: all), and the temperature, where it comes first, is taken when the
+    distribution is made: under llama.cpp's order without top-p, exp is taken once, over the
+    tokens kept. One (n, V) array is made and worked in place: a new array of a vocabulary's rows
+    costs its page faults (9 rows of 49k: ~1.5 ms each), more than the arithmetic on it. XTC
+    splits the chain: the rest of it runs on the rows as they are and on the rows XTC cut, mixed
+    by its probability (``_xtc_cut``)."""
+    temperature, kept = 1.0, None
+    for at, name in enumerate(chain):
         if name == "temperature":
             if probs is None:
                 temperature = settings.temperature
@@ -325,11 +403,42 @@ def probabilities(logits: np.ndarray, settings: SamplingSettings, infill: Infill
                 probs /= np.add.reduce(probs, axis=-1, keepdims=True)
             elif name == "typ_p":
                 _typical(probs, settings.typical_p)
+            elif name == "xtc":
+                cut = _xtc_cut(probs, settings.xtc_threshold)
+                if cut is None:
+                    continue  # no row has two tokens at the threshold: XTC leaves every row as it is
+                rest, chance = chain[at + 1:], settings.xtc_probability
+                cut = _chained(rows, settings, rest, infill, cut)
+                if chance == 1.0:
+                    return cut
+                probs = _chained(rows, settings, rest, infill, probs)
+                probs *= 1.0 - chance
+                probs += chance * cut
+                return probs
             elif infill is not None:
                 probs = infill_rule(probs, infill)
     if probs is None:
         probs = _softmax(rows, temperature, kept)
-    return probs[0] if squeeze else probs
+    return probs
+
+
+def _xtc_cut(probs: np.ndarray, threshold: float) -> np.ndarray | None:
+    """llama.cpp's XTC on rows (n, V) of a distribution where its coin falls (a new array; None
+    where no row changes): where two or more tokens reach ``threshold``, every one of them but the
+    least likely dropped, renormalised; other rows as they were. Of tokens tied there llama.cpp
+    keeps whichever its sort puts last; here the one with the highest id."""
+    above = probs >= threshold  # (n, V)
+    cut = np.add.reduce(above, axis=-1) >= 2  # (n,)
+    if not cut.any():
+        return None
+    least = np.minimum.reduce(probs, axis=-1, where=above, initial=np.inf)  # (n,)
+    last = probs.shape[-1] - 1 - np.argmax((above & (probs == least[:, None]))[:, ::-1], axis=-1)  # (n,)
+    dropped = above & cut[:, None]
+    dropped[np.arange(len(probs)), last] = False
+    out = probs.copy()
+    out[dropped] = 0.0
+    out /= np.add.reduce(out, axis=-1, keepdims=True)
+    return out
 
 
 def _tempered(probs: np.ndarray, temperature: float) -> None:

@@ -433,6 +433,8 @@ SETTINGS = {
     # llama.cpp's typical-p and top-n-sigma (a draft model's scenarios, "draft typical", "draft top-n-sigma")
     "typical": SamplingSettings(temperature=0.8, typical_p=0.8),
     "top-n-sigma": SamplingSettings(temperature=0.8, top_n_sigma=1.0),
+    # llama.cpp's XTC: a mixture of the row as it was and the row it cut ("draft xtc")
+    "xtc": SamplingSettings(temperature=0.8, xtc_probability=0.5, xtc_threshold=0.2),
 }
 UNSURE = {"top-p": "top-p unsure"}  # the setting a scenario of heads less sure of themselves runs for each
 

@@ -4,7 +4,8 @@ specrun's ``probabilities()`` is what the engine samples with; an oracle built o
 share its bugs (a top-p off by one, a min-p step skipped). This is a second, deliberately
 simple implementation of the documented samplers, in the order the settings name (llama.cpp's
 by default: top-n-sigma, top-k, typical-p, top-p, min-p on the model's own distribution, then the
-temperature), each followed by renormalising; temperature 0 is a one-hot row at the first largest
+temperature), each followed by renormalising; XTC (before the temperature) the mixture of the rest of the
+chain run on the tokens kept and on those XTC leaves; temperature 0 is a one-hot row at the first largest
 logit.
 The exact joint distribution of a continuation, which the statistical tests compare
 against, is built from it.
@@ -27,9 +28,15 @@ def distribution(logits: Sequence[float], settings: SamplingSettings) -> list[fl
     if settings.temperature == 0.0:
         best = max(range(vocab), key=lambda token: (logits[token], -token))
         return [1.0 if token == best else 0.0 for token in range(vocab)]
-    kept = [True] * vocab  # the tokens every sampler so far kept
-    temperature = 1.0  # the temperature the logits are read at: 1 until the temperature's turn
-    for name in settings.samplers:
+    return _sampled(logits, settings, settings.samplers, [True] * vocab, 1.0)
+
+
+def _sampled(logits: list[float], settings: SamplingSettings, names: Sequence[str], kept: list[bool],
+             temperature: float) -> list[float]:
+    """The samplers ``names`` applied in turn, ``kept`` the tokens every sampler before them kept
+    and ``temperature`` the one the logits are read at (1 until the temperature's turn)."""
+    vocab = len(logits)
+    for at, name in enumerate(names):
         if name == "temperature":
             temperature = settings.temperature
         elif name == "top_k" and 0 < settings.top_k:
@@ -74,6 +81,19 @@ def distribution(logits: Sequence[float], settings: SamplingSettings) -> list[fl
                 taken += probs[token]
                 if taken > settings.typical_p:
                     break
+        elif name == "xtc" and settings.xtc_on:
+            # with its probability: the tokens at the threshold dropped but the least likely of
+            # them (ties: the highest id), where two or more reach it
+            probs = _softmax(logits, temperature, kept)
+            above = [token for token in range(vocab) if probs[token] >= settings.xtc_threshold]
+            if len(above) >= 2:
+                spared = min(above, key=lambda token: (probs[token], -token))
+                cut = [kept[token] and (token == spared or token not in above) for token in range(vocab)]
+                rest = names[at + 1:]
+                chance = settings.xtc_probability
+                return [(1.0 - chance) * as_is + chance * after_cut for as_is, after_cut in
+                        zip(_sampled(logits, settings, rest, kept, temperature),
+                            _sampled(logits, settings, rest, cut, temperature))]
     return _softmax(logits, temperature, kept)
 
 

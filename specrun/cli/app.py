@@ -73,6 +73,13 @@ from specrun.cli.options import (
     JsonSchemaOpt,
     SamplersOpt,
     TopNSigmaOpt,
+    XtcProbabilityOpt,
+    XtcThresholdOpt,
+    DryMultiplierOpt,
+    DryBaseOpt,
+    DryAllowedLengthOpt,
+    DryLastNOpt,
+    DryBreakerOpt,
     TypicalOpt,
     ToolChoiceOpt,
     ToolsOpt,
@@ -173,6 +180,13 @@ def generate(
     min_p: MinPOpt = 0.0,
     typical: TypicalOpt = 1.0,
     top_nsigma: TopNSigmaOpt = 0.0,
+    xtc_probability: XtcProbabilityOpt = 0.0,
+    xtc_threshold: XtcThresholdOpt = 0.1,
+    dry_multiplier: DryMultiplierOpt = 0.0,
+    dry_base: DryBaseOpt = 1.75,
+    dry_allowed_length: DryAllowedLengthOpt = 2,
+    dry_penalty_last_n: DryLastNOpt = 64,
+    dry_sequence_breaker: DryBreakerOpt = None,
     samplers: SamplersOpt = None,
     seed: SeedOpt = None,
     repeat_penalty: RepeatPenaltyOpt = 1.0,
@@ -249,7 +263,10 @@ def generate(
         sampling = checked_sampling("generate", temp, top_k, top_p, min_p, seed, repeat_penalty=repeat_penalty,
                                     repeat_last_n=repeat_last_n, presence_penalty=presence_penalty,
                                     frequency_penalty=frequency_penalty, logit_bias=logit_bias, samplers=samplers,
-                                    typical_p=typical, top_n_sigma=top_nsigma)
+                                    typical_p=typical, top_n_sigma=top_nsigma,
+                                    xtc_probability=xtc_probability, xtc_threshold=xtc_threshold,
+                                    dry=(dry_multiplier, dry_base, dry_allowed_length, dry_penalty_last_n,
+                                         dry_sequence_breaker))
         verification = checked_verification("generate", verify, accept, epsilon, delta, margin, exact)
         grammar_spec = checked_grammar(grammar, json_schema)
         tool_list, choice = checked_tools(tools, tool_choice)

@@ -53,6 +53,13 @@ from specrun.cli.options import (
     ExactOpt,
     SamplersOpt,
     TopNSigmaOpt,
+    XtcProbabilityOpt,
+    XtcThresholdOpt,
+    DryMultiplierOpt,
+    DryBaseOpt,
+    DryAllowedLengthOpt,
+    DryLastNOpt,
+    DryBreakerOpt,
     TypicalOpt,
     SinksOpt,
     WindowOpt,
@@ -127,6 +134,13 @@ def bench(
     min_p: MinPOpt = 0.0,
     typical: TypicalOpt = 1.0,
     top_nsigma: TopNSigmaOpt = 0.0,
+    xtc_probability: XtcProbabilityOpt = 0.0,
+    xtc_threshold: XtcThresholdOpt = 0.1,
+    dry_multiplier: DryMultiplierOpt = 0.0,
+    dry_base: DryBaseOpt = 1.75,
+    dry_allowed_length: DryAllowedLengthOpt = 2,
+    dry_penalty_last_n: DryLastNOpt = 64,
+    dry_sequence_breaker: DryBreakerOpt = None,
     samplers: SamplersOpt = None,
     seed: SeedOpt = None,
     repeat_penalty: RepeatPenaltyOpt = 1.0,
@@ -201,17 +215,20 @@ def bench(
         sampling = checked_sampling("bench", temp, top_k, top_p, min_p, seed, repeat_penalty=repeat_penalty,
                                     repeat_last_n=repeat_last_n, presence_penalty=presence_penalty,
                                     frequency_penalty=frequency_penalty, logit_bias=logit_bias, samplers=samplers,
-                                    typical_p=typical, top_n_sigma=top_nsigma)
+                                    typical_p=typical, top_n_sigma=top_nsigma,
+                                    xtc_probability=xtc_probability, xtc_threshold=xtc_threshold,
+                                    dry=(dry_multiplier, dry_base, dry_allowed_length, dry_penalty_last_n,
+                                         dry_sequence_breaker))
         if native and sampling.shapes_rows:
-            raise UsageError("--native times llama-cpp-python's own plain loop, which applies no logit bias and counts "
-                             "penalties over the answer alone (specrun and llama.cpp's tools count the prompt too)",
-                             "drop --native, or the penalties and --logit-bias")
+            raise UsageError("--native times llama-cpp-python's own plain loop, which applies no logit bias or DRY and "
+                             "counts penalties over the answer alone (specrun and llama.cpp's tools count the prompt too)",
+                             "drop --native, or the penalties, DRY and --logit-bias")
         if native and sampling.order != SAMPLER_ORDER:
             raise UsageError("--native times llama-cpp-python's own plain loop, which samples in llama.cpp's default "
                              "order", "drop --native, or --samplers")
-        if native and (sampling.typical_p < 1.0 or sampling.top_n_sigma > 0.0):
+        if native and (sampling.typical_p < 1.0 or sampling.top_n_sigma > 0.0 or sampling.xtc_on):
             raise UsageError("--native times llama-cpp-python's own plain loop, which is given temperature, top-k, "
-                             "top-p and min-p only", "drop --native, or --typical and --top-nsigma")
+                             "top-p and min-p only", "drop --native, or --typical, --top-nsigma and --xtc-probability")
         verification = checked_verification("bench", verify, accept, epsilon, delta, margin, exact)
         target = target or DEFAULT_TARGET
         given_draft = draft

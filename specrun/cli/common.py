@@ -461,15 +461,18 @@ def checked_reasoning_format(reasoning_format: str) -> str:
 def checked_sampling(command: str, temp: float, top_k: int, top_p: float, min_p: float, seed: int | None, *,
                      repeat_penalty: float = 1.0, repeat_last_n: int = 64, presence_penalty: float = 0.0,
                      frequency_penalty: float = 0.0, logit_bias: list[str] | None = None,
-                     samplers: str | None = None, typical_p: float = 1.0, top_n_sigma: float = 0.0):
+                     samplers: str | None = None, typical_p: float = 1.0, top_n_sigma: float = 0.0,
+                     xtc_probability: float = 0.0, xtc_threshold: float = 0.1, dry: tuple | None = None):
     """The sampling options as SamplingSettings, or a usage error naming the first bad one."""
+    from specrun.dry import Dry
     from specrun.penalties import Penalties
     from specrun.sampling import SamplingSettings
 
     penalties = Penalties(repeat_penalty, frequency_penalty, presence_penalty, repeat_last_n)
     sampling = SamplingSettings(temp, top_k, top_p, min_p, seed, penalties=penalties,
                                 logit_bias=tuple(_logit_bias(value) for value in logit_bias or ()),
-                                typical_p=typical_p, top_n_sigma=max(top_n_sigma, 0.0))  # -1: off, as llama.cpp's
+                                typical_p=typical_p, top_n_sigma=top_n_sigma, xtc_probability=xtc_probability,
+                                xtc_threshold=xtc_threshold, dry=_dry(*dry) if dry is not None else Dry())
     problems = sampling.validate()
     if problems:
         raise UsageError(problems[0], f"see `specrun {command} --help`")
@@ -478,27 +481,40 @@ def checked_sampling(command: str, temp: float, top_k: int, top_p: float, min_p:
     return sampling
 
 
+def _dry(multiplier: float, base: float, allowed_length: int, last_n: int, breakers: list[str] | None):
+    """The --dry-* options as dry.Dry: the breakers llama.cpp's unless given ('none': none)."""
+    from specrun.dry import DRY_BREAKERS, Dry
+
+    if breakers is None:
+        listed = DRY_BREAKERS
+    elif breakers == ["none"]:
+        listed = ()
+    else:
+        if not all(breakers):
+            raise UsageError("--dry-sequence-breaker takes a non-empty string", "give the string, or 'none' for none")
+        listed = tuple(breakers)
+    return Dry(multiplier, base, allowed_length, last_n, listed)
+
+
 def listed_samplers(text: str, sampling: SamplingSettings) -> tuple[str, ...]:
     """--samplers as the samplers it names, in its order, as llama.cpp names them: its names
     separated by ; (or commas), or a string of their letters, naming each sampler that is on in
     ``sampling`` (greedy runs: none), the penalties where on; llama.cpp's other samplers may be
     named and change nothing."""
-    from specrun.sampling import LLAMA_SAMPLERS, SAMPLER_LETTERS, sampler_named
+    from specrun.sampling import SAMPLER_LETTERS, named_samplers, sampler_named
 
     parts = [part.strip() for part in re.split(r"[;,]", text) if part.strip()]
-    names = [sampler_named(part) for part in parts]
-    if len(parts) == 1 and names == [None] and set(parts[0]) <= set(SAMPLER_LETTERS):
-        names = [SAMPLER_LETTERS[letter] for letter in parts[0]]
-    bad = next((part for part, name in zip(parts, names) if name is None), None)
-    if bad is not None:
-        raise UsageError(f"--samplers: {bad!r} names no sampler",
-                         f"name them as llama.cpp does ({', '.join(LLAMA_SAMPLERS)}), or by their letters "
-                         f"({''.join(SAMPLER_LETTERS)})")
+    letters = len(parts) == 1 and sampler_named(parts[0]) is None and set(parts[0]) <= set(SAMPLER_LETTERS)
+    try:
+        names = named_samplers(parts[0] if letters else parts)
+    except ValueError as error:
+        raise UsageError(f"--samplers: {error}", f"or name them by their letters ({''.join(SAMPLER_LETTERS)})") from None
     if "infill" in names:
         raise UsageError("--samplers names infill, llama.cpp's rule for code fills, which a fill request to "
                          "`specrun serve` asks for itself", "leave infill out")
     on = [] if sampling.greedy else list(sampling.chain)
-    missing = [name for name in (*(["penalties"] if sampling.penalties.on else []), *on) if name not in names]
+    shaping = [*(["penalties"] if sampling.penalties.on else []), *(["dry"] if sampling.dry.on else [])]
+    missing = [name for name in (*shaping, *on) if name not in names]
     if missing:
         raise UsageError(f"--samplers leaves out {', '.join(missing)}, which the options turn on: it sets the order "
                          "the samplers apply in", f"name each sampler that is on, {SAMPLERS_HINT}")
@@ -514,7 +530,7 @@ def _samplers_order(text: str, sampling: SamplingSettings) -> tuple[str, ...]:
     from specrun.sampling import listed_order
 
     try:
-        return listed_order(listed_samplers(text, sampling), sampling.penalties.on)
+        return listed_order(listed_samplers(text, sampling), sampling.penalties.on, sampling.dry.on)
     except ValueError as error:
         raise UsageError(f"--samplers: {error}", SAMPLERS_HINT) from None
 

@@ -50,10 +50,25 @@ TypicalOpt = Annotated[float, typer.Option("--typical", help="Locally typical sa
                                            "whose surprise is nearest the entropy, to this mass (1: off).")]
 TopNSigmaOpt = Annotated[float, typer.Option("--top-nsigma", help="Top-n-sigma, as llama.cpp's: the tokens within "
                                              "N standard deviations of the top logit (0 or less: off).")]
+XtcProbabilityOpt = Annotated[float, typer.Option(
+    "--xtc-probability", help="XTC, as llama.cpp's: the chance a step drops the likeliest tokens at or above "
+    "--xtc-threshold but the least likely of them (0: off).")]
+XtcThresholdOpt = Annotated[float, typer.Option("--xtc-threshold", help="XTC's threshold (over 0.5: off).")]
+DryMultiplierOpt = Annotated[float, typer.Option(
+    "--dry-multiplier", help="DRY, as llama.cpp's: tokens that would extend a repeat of the text longer than "
+    "--dry-allowed-length lose this times --dry-base to the power of the excess from their logit (0: off).")]
+DryBaseOpt = Annotated[float, typer.Option("--dry-base", help="DRY's base (1 or more).")]
+DryAllowedLengthOpt = Annotated[int, typer.Option("--dry-allowed-length", help="DRY: repeats this long go free.")]
+DryLastNOpt = Annotated[int, typer.Option(
+    "--dry-penalty-last-n", help="DRY reads the last N tokens (-1: the whole text; 0: off).")]
+DryBreakerOpt = Annotated[Optional[list[str]], typer.Option(
+    "--dry-sequence-breaker", help="A string that ends what DRY counts as a repeat; repeat the option for more "
+    "(default: newline, colon, double quote and asterisk, as llama.cpp's; 'none' for none).")]
 SamplersOpt = Annotated[Optional[str], typer.Option(
     "--samplers", help="The order the samplers apply in, as llama.cpp's --samplers: names separated by ; "
-    "(default top_n_sigma;top_k;typ_p;top_p;min_p;temperature: truncation on the model's own distribution, the "
-    "temperature last, as llama.cpp and llama-server sample), or their letters (skypmt). Each sampler that is on "
+    "(default top_n_sigma;top_k;typ_p;top_p;min_p;xtc;temperature: truncation on the model's own distribution, "
+    "the temperature last, as llama.cpp and llama-server sample), or their letters (skypmxt). The penalties and DRY, "
+    "where on, come first. Each sampler that is on "
     "is named once; --top-k 0, --top-p 1 and the like turn one off.")]
 SeedOpt = Annotated[Optional[int], typer.Option("--seed", help="Random seed for sampling, from 0 to 2^63 - 1.")]
 RepeatPenaltyOpt = Annotated[float, typer.Option(

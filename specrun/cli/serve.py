@@ -54,6 +54,13 @@ from specrun.cli.options import (
     ExactOpt,
     SamplersOpt,
     TopNSigmaOpt,
+    XtcProbabilityOpt,
+    XtcThresholdOpt,
+    DryMultiplierOpt,
+    DryBaseOpt,
+    DryAllowedLengthOpt,
+    DryLastNOpt,
+    DryBreakerOpt,
     TypicalOpt,
     ServeTraceOpt,
     SinksOpt,
@@ -160,6 +167,13 @@ def serve_command(
     min_p: MinPOpt = 0.0,
     typical: TypicalOpt = 1.0,
     top_nsigma: TopNSigmaOpt = 0.0,
+    xtc_probability: XtcProbabilityOpt = 0.0,
+    xtc_threshold: XtcThresholdOpt = 0.1,
+    dry_multiplier: DryMultiplierOpt = 0.0,
+    dry_base: DryBaseOpt = 1.75,
+    dry_allowed_length: DryAllowedLengthOpt = 2,
+    dry_penalty_last_n: DryLastNOpt = 64,
+    dry_sequence_breaker: DryBreakerOpt = None,
     samplers: SamplersOpt = None,
     repeat_penalty: RepeatPenaltyOpt = 1.0,
     repeat_last_n: RepeatLastNOpt = 64,
@@ -254,7 +268,10 @@ def serve_command(
         sampling = checked_sampling("serve", temp, top_k, top_p, min_p, None, repeat_penalty=repeat_penalty,
                                     repeat_last_n=repeat_last_n, presence_penalty=presence_penalty,
                                     frequency_penalty=frequency_penalty, logit_bias=logit_bias, samplers=samplers,
-                                    typical_p=typical, top_n_sigma=top_nsigma)
+                                    typical_p=typical, top_n_sigma=top_nsigma,
+                                    xtc_probability=xtc_probability, xtc_threshold=xtc_threshold,
+                                    dry=(dry_multiplier, dry_base, dry_allowed_length, dry_penalty_last_n,
+                                         dry_sequence_breaker))
         # the list a request without its own is read with, as llama-server reads its --samplers: what
         # it leaves out is off, the temperature too (a request's would then be 1)
         listed = listed_samplers(samplers, sampling) if samplers is not None else None

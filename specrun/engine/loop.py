@@ -29,7 +29,7 @@ from specrun.engine.stats import PLAIN as PLAIN_SOURCE, Stats
 from specrun.errors import ContextFullError, UsageError
 from specrun.grammar import Grammar
 from specrun.reasoning_budget import BUDGET_SOURCE
-from specrun.sampling import SamplingSettings, shaped_row, token_logprobs
+from specrun.sampling import SamplingSettings, for_vocabulary, shaped_row, token_logprobs
 from specrun.verify import TreeVerdict, Verdict
 
 
@@ -336,6 +336,8 @@ class SpeculativeEngine:
         """Yield one Step per target pass until max_new_tokens, EOS or a full context."""
         n_ctx = self.target.backend.n_ctx
         check_prompt(prompt, n_ctx)
+        # DRY's sequence breakers looked up in the target's vocabulary, for every row shaped below
+        params = dataclasses.replace(params, sampling=for_vocabulary(params.sampling, self.target.backend))
         sampling = params.sampling
         check_bias(sampling, self.target.backend.vocab.size)
         rng = np.random.default_rng(sampling.seed)

@@ -150,7 +150,8 @@ def answer_object(model: str, request: CompletionRequest, content: str, started,
         "generation_settings": {
             "n_predict": request.max_tokens, "temperature": sampling.temperature, "top_k": sampling.top_k,
             "top_p": sampling.top_p, "min_p": sampling.min_p, "typical_p": sampling.typical_p,
-            "top_n_sigma": sampling.top_n_sigma, "seed": sampling.seed, "stop": list(request.stop),
+            "top_n_sigma": sampling.top_n_sigma, "xtc_probability": sampling.xtc_probability,
+            "xtc_threshold": sampling.xtc_threshold, "seed": sampling.seed, "stop": list(request.stop),
             "n_indent": request.indent, "t_max_predict_ms": round(request.line_seconds * 1000),
             "infill_rule": sampling.infill, "samplers": sampler_names(sampling), **penalty_settings(sampling),
             "n_probs": request.logprobs or 0,
@@ -183,15 +184,17 @@ def completion_probabilities(entries: Sequence, post_sampling: bool = False) -> 
 
 def sampler_names(sampling) -> list[str]:
     """The samplers in the order they apply, as llama-server's generation settings list them: the
-    penalties first (specrun's place for them), then SamplingSettings.samplers."""
-    return ["penalties", *sampling.samplers]
+    penalties and DRY first (specrun's place for them), then SamplingSettings.samplers."""
+    return ["penalties", "dry", *sampling.samplers]
 
 
 def penalty_settings(sampling) -> dict:
-    """The penalties as llama-server's generation settings name them."""
-    penalties = sampling.penalties
+    """The penalties and DRY as llama-server's generation settings name them."""
+    penalties, dry = sampling.penalties, sampling.dry
     return {"repeat_penalty": penalties.repeat, "repeat_last_n": penalties.last_n,
-            "presence_penalty": penalties.presence, "frequency_penalty": penalties.frequency}
+            "presence_penalty": penalties.presence, "frequency_penalty": penalties.frequency,
+            "dry_multiplier": dry.multiplier, "dry_base": dry.base, "dry_allowed_length": dry.allowed_length,
+            "dry_penalty_last_n": dry.last_n, "dry_sequence_breakers": list(dry.breakers)}
 
 
 def template_answer(session, body: dict, defaults: ServeDefaults, n_ctx: int) -> dict:
@@ -235,6 +238,7 @@ def props_object(worker, model: str, defaults: ServeDefaults, build: str) -> dic
             "params": {"n_predict": defaults.max_tokens, "temperature": sampling.temperature,
                        "top_k": sampling.top_k, "top_p": sampling.top_p, "min_p": sampling.min_p,
                        "typical_p": sampling.typical_p, "top_n_sigma": sampling.top_n_sigma,
+                       "xtc_probability": sampling.xtc_probability, "xtc_threshold": sampling.xtc_threshold,
                        "seed": sampling.seed, "samplers": sampler_names(sampling), **penalty_settings(sampling),
                        "speculative.method": worker.method}},
         "total_slots": worker.parallel,

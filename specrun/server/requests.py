@@ -13,9 +13,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from specrun.grammar import GrammarError, GrammarSpec
+from specrun.dry import MAX_DRY_MULTIPLIER, Dry
 from specrun.penalties import MAX_BIAS, MAX_PENALTY, Penalties
 from specrun.sampling import (
-    LLAMA_SAMPLERS, MAX_SEED, SAMPLER_LETTERS, SamplingSettings, listed_order, sampler_named,
+    MAX_SEED, SamplingSettings, listed_order, named_samplers,
 )
 from specrun.sessions.infill import Fill
 from specrun.sessions.reasoning import REASONING_FORMATS
@@ -36,7 +37,7 @@ _INERT_FIELDS = {
     "echo": (False, None),
     "best_of": (1, None),
     # llama-server's own, which clients written for it send (llama.vscode's edits send every one)
-    "dry_multiplier": (0, None), "xtc_probability": (0, None),
+
     "dynatemp_range": (0, None), "mirostat": (0, None), "n_probs": (0, None),
     "min_keep": (0, 1, None), "return_tokens": (False, None),
     "post_sampling_probs": (False, None), "lora": (None,), "n_cmpl": (1, None), "grammar_lazy": (False, None),
@@ -49,12 +50,12 @@ _FREE_FIELDS = ("user", "store", "metadata", "service_tier", "prompt_cache_key",
                 # chooses a slot by the prompt it holds), the settings of samplers left off above, and
                 # its timing extras (t_max_prompt_ms: llama-server does not act on it either)
                 "cache_prompt", "id_slot", "n_keep", "n_discard", "n_cache_reuse", "dynatemp_exponent",
-                "xtc_threshold", "dry_base", "dry_allowed_length", "dry_penalty_last_n",
-                "dry_sequence_breakers", "mirostat_tau", "mirostat_eta", "t_max_prompt_ms", "timings_per_token",
+                "mirostat_tau", "mirostat_eta", "t_max_prompt_ms", "timings_per_token",
                 "return_progress", "sse_ping_interval", "verbose", "backend_sampling", "adaptive_decay")
 COMMON_FIELDS = ("model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "typical_p", "top_n_sigma",
-                  "seed", "stop", "stream", "stream_options", "n", "response_format", "grammar", "json_schema",
-                  "samplers", "n_indent",
+                  "xtc_probability", "xtc_threshold", "dry_multiplier", "dry_base", "dry_allowed_length",
+                  "dry_penalty_last_n", "dry_sequence_breakers", "seed", "stop", "stream", "stream_options", "n",
+                  "response_format", "grammar", "json_schema", "samplers", "n_indent",
                   "t_max_predict_ms", "repeat_penalty", "repeat_last_n", "frequency_penalty", "presence_penalty",
                   "logit_bias", "ignore_eos")
 
@@ -260,7 +261,12 @@ def parse_common(body: dict, defaults: ServeDefaults, n_ctx: int, max_tokens_fie
     _check_range("min_p", min_p, 0.0, 1.0, high_open=True)
     typical_p = _number(body, "typical_p", base.typical_p)
     _check_range("typical_p", typical_p, 0.0, 1.0)
-    top_n_sigma = max(_number(body, "top_n_sigma", base.top_n_sigma), 0.0)  # 0 or less: off, as llama.cpp reads it
+    top_n_sigma = _number(body, "top_n_sigma", base.top_n_sigma)  # 0 or less: off, as llama.cpp reads it
+    xtc_probability = _number(body, "xtc_probability", base.xtc_probability)
+    _check_range("xtc_probability", xtc_probability, 0.0, 1.0)
+    xtc_threshold = _number(body, "xtc_threshold", base.xtc_threshold)
+    if xtc_probability > 0.0:  # at 0 or below every token reaches it (over 0.5: off, as llama.cpp reads it)
+        _check_range("xtc_threshold", xtc_threshold, 0.0, 1.0, low_open=True)
     listed = samplers_order(body.get("samplers"))  # in the list's order; none: the server's own
     listed = defaults.samplers if listed is None else listed
     samplers = None if listed is None else frozenset(listed)  # adaptive_p changes nothing while its target is off
@@ -271,11 +277,15 @@ def parse_common(body: dict, defaults: ServeDefaults, n_ctx: int, max_tokens_fie
         min_p = min_p if "min_p" in samplers else 0.0
         typical_p = typical_p if "typ_p" in samplers else 1.0
         top_n_sigma = top_n_sigma if "top_n_sigma" in samplers else 0.0
+        xtc_probability = xtc_probability if "xtc" in samplers else 0.0
     penalties = _parse_penalties(body, base.penalties)
     if samplers is not None and "penalties" not in samplers:
         penalties = Penalties()
+    dry = _parse_dry(body, base.dry)
+    if samplers is not None and "dry" not in samplers:
+        dry = Dry()
     logit_bias, bias_texts = _parse_logit_bias(body.get("logit_bias"), base.logit_bias)
-    order = _sampling_order(listed, base.order, penalties.on)
+    order = _sampling_order(listed, base.order, penalties.on, dry.on)
     indent = _number(body, "n_indent", 0, integer=True)
     _check_range("n_indent", indent, 0, MAX_ANSWER_TOKENS)
     line_ms = _number(body, "t_max_predict_ms", 0)
@@ -322,7 +332,8 @@ def parse_common(body: dict, defaults: ServeDefaults, n_ctx: int, max_tokens_fie
         sampling=SamplingSettings(float(temperature), top_k, float(top_p), float(min_p), seed,
                                   infill=samplers is not None and "infill" in samplers, penalties=penalties,
                                   logit_bias=logit_bias, order=order, typical_p=float(typical_p),
-                                  top_n_sigma=float(top_n_sigma)),
+                                  top_n_sigma=float(top_n_sigma), xtc_probability=float(xtc_probability),
+                                  xtc_threshold=float(xtc_threshold), dry=dry),
         bias_texts=bias_texts,
         ignore_eos=bool(ignore_eos),
         indent=indent,
@@ -350,6 +361,38 @@ def _parse_penalties(body: dict, base: Penalties) -> Penalties:
         raise invalid_value("repeat_last_n", f"must be -1 (the whole text), 0 (off) or a count of tokens, got {last_n}")
     penalties = Penalties(float(repeat), float(frequency), float(presence), last_n)
     return penalties if penalties.on else Penalties()
+
+
+MAX_DRY_BREAKERS = 64  # llama-server takes any number; each is looked up in the whole vocabulary
+
+
+def _parse_dry(body: dict, base: Dry) -> Dry:
+    """llama-server's DRY fields (dry_multiplier, dry_base, dry_allowed_length, dry_penalty_last_n,
+    dry_sequence_breakers; specrun/dry.py); what a request leaves out, the server's command line
+    gives. A base under 1 is the server's, as llama-server reads it."""
+    multiplier = _number(body, "dry_multiplier", base.multiplier)
+    _check_range("dry_multiplier", multiplier, 0.0, MAX_DRY_MULTIPLIER)
+    dry_base = _number(body, "dry_base", base.base)
+    dry_base = base.base if dry_base < 1.0 else dry_base
+    _check_range("dry_base", dry_base, 1.0, 100.0)
+    allowed = _number(body, "dry_allowed_length", base.allowed_length, integer=True)
+    _check_range("dry_allowed_length", allowed, 0, MAX_ANSWER_TOKENS)
+    last_n = _number(body, "dry_penalty_last_n", base.last_n, integer=True)
+    if not -1 <= last_n <= MAX_ANSWER_TOKENS:
+        raise invalid_value("dry_penalty_last_n", f"must be -1 (the whole text), 0 (off) or a count of tokens, "
+                                                  f"got {last_n}")
+    breakers = body.get("dry_sequence_breakers")
+    if breakers is None:
+        breakers = base.breakers
+    elif not (isinstance(breakers, list) and breakers and all(isinstance(b, str) and b for b in breakers)):
+        raise RequestError("dry_sequence_breakers must be a non-empty array of non-empty strings",
+                           "dry_sequence_breakers", code="invalid_type")
+    elif len(breakers) > MAX_DRY_BREAKERS:
+        raise invalid_value("dry_sequence_breakers", f"takes at most {MAX_DRY_BREAKERS} breakers, got {len(breakers)}")
+    for at, breaker in enumerate(breakers):
+        checked_text(breaker, f"dry_sequence_breakers[{at}]")
+    dry = Dry(float(multiplier), float(dry_base), allowed, last_n, tuple(breakers))
+    return dry if dry.on else Dry()
 
 
 def _parse_logit_bias(value, base: tuple[tuple[int, float], ...]
@@ -421,34 +464,25 @@ def samplers_order(samplers) -> tuple[str, ...] | None:
     list's order (None where the request does not say); a name or letter that is no sampler is a 400."""
     if samplers is None:
         return None
-    if isinstance(samplers, str):
-        unknown = sorted({letter for letter in samplers if letter not in SAMPLER_LETTERS})
-        if unknown:
-            raise invalid_value("samplers", f"{', '.join(map(json.dumps, unknown))} names no sampler; the letters are "
-                                + "".join(SAMPLER_LETTERS))
-        return tuple(SAMPLER_LETTERS[letter] for letter in samplers)
-    if isinstance(samplers, list) and all(isinstance(name, str) for name in samplers):
-        names = []
-        for name in samplers:
-            canonical = sampler_named(name)
-            if canonical is None:
-                raise invalid_value("samplers", f"{_shown(name)} names no sampler; the names are "
-                                    + ", ".join(LLAMA_SAMPLERS))
-            names.append(canonical)
-        return tuple(names)
+    if isinstance(samplers, str) or (isinstance(samplers, list) and all(isinstance(name, str) for name in samplers)):
+        try:
+            return named_samplers(samplers)
+        except ValueError as error:
+            raise invalid_value("samplers", str(error)) from None
     raise RequestError("samplers must be a list of sampler names or a string of their letters", "samplers",
                        code="invalid_type")
 
 
-def _sampling_order(listed: tuple[str, ...] | None, default: tuple[str, ...], penalties_on: bool) -> tuple[str, ...]:
+def _sampling_order(listed: tuple[str, ...] | None, default: tuple[str, ...], penalties_on: bool,
+                    dry_on: bool) -> tuple[str, ...]:
     """The order specrun's samplers apply in (SamplingSettings.order): llama-server applies its
     chain in ``samplers``' order (sampling.listed_order: a sampler listed twice, or one before the
-    penalties where they are on, is a 400, never a silent difference); where the request does not
-    say, the server's (llama.cpp's, unless ``serve --samplers`` named another)."""
+    penalties or DRY where they are on, is a 400, never a silent difference); where the request
+    does not say, the server's (llama.cpp's, unless ``serve --samplers`` named another)."""
     if listed is None:
         return default
     try:
-        return listed_order(listed, penalties_on)
+        return listed_order(listed, penalties_on, dry_on)
     except ValueError as error:
         raise invalid_value("samplers", str(error)) from None
 

@@ -16,7 +16,7 @@ import numpy as np
 
 from specrun.backends.base import Backend
 from specrun.backends.kv import common_prefix_len, sequence_for
-from specrun.sampling import SamplingSettings, shaped_row
+from specrun.sampling import SamplingSettings, for_vocabulary, shaped_row
 
 NEAR_TIE = 1e-3  # a logit gap below this is a numerical near-tie (docs/design.md)
 NEAR_TIE_NOTE = (
@@ -84,7 +84,7 @@ def find_mismatch(
     sampling: SamplingSettings = SamplingSettings(),
 ) -> Mismatch:
     """Locate the first differing token and measure the target's logit gaps there (its logits as
-    ``sampling``'s penalties and bias shape them, which the greedy choice was made on).
+    ``sampling``'s penalties, DRY and bias shape them, which the greedy choice was made on).
 
     The gaps are measured along plain decoding's own path (the prompt in one pass, then
     one token at a time): with an F16 KV cache a single batched pass over the same
@@ -93,6 +93,7 @@ def find_mismatch(
     too, and how far it moves the logits there is the mismatch's ``batch_rounding``.
     """
     position = common_prefix_len(baseline_ids, other_ids)
+    sampling = for_vocabulary(sampling, target)
     sequence = sequence_for(target)
     sequence.rewind(0)
     logits = sequence.feed(prompt, [len(prompt) - 1])[0]  # (V,)

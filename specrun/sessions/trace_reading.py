@@ -261,7 +261,10 @@ def _sampled(header: dict) -> str:
     budget = _reasoning_budget(header.get("reasoning_budget"))
     if budget is not None:
         sampling = dataclasses.replace(sampling, reasoning_budget=budget)
-    for name in ("typical_p", "top_n_sigma"):  # where on (SamplingSettings.fields)
+    dry = _dry(header.get("dry"))
+    if dry is not None:
+        sampling = dataclasses.replace(sampling, dry=dry)
+    for name in ("typical_p", "top_n_sigma", "xtc_probability", "xtc_threshold"):  # where on (SamplingSettings.fields)
         value = header.get(name)
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             try:
@@ -290,6 +293,22 @@ def _penalties(fields):
         return None
     penalties = Penalties(float(values[0]), float(values[1]), float(values[2]), int(values[3]))
     return None if penalties.problems() else penalties
+
+
+def _dry(fields):
+    """A header's ``dry`` (SamplingSettings.fields) as dry.Dry, or None where it names none a run could use."""
+    from specrun.dry import Dry
+
+    if not isinstance(fields, dict):
+        return None
+    values = [fields.get(name) for name in ("multiplier", "base", "allowed_length", "last_n")]
+    breakers = fields.get("breakers")
+    if any(isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
+           for value in values) or values[2] != int(values[2]) or values[3] != int(values[3]) or not (
+            isinstance(breakers, list) and all(isinstance(breaker, str) for breaker in breakers)):
+        return None
+    dry = Dry(float(values[0]), float(values[1]), int(values[2]), int(values[3]), tuple(breakers))
+    return None if dry.problems() else dry
 
 
 def _reasoning_budget(fields):

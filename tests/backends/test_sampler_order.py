@@ -31,35 +31,47 @@ def _random_settings(rng: np.random.Generator, order: tuple[str, ...], typical: 
     settings = SamplingSettings(temperature=float(rng.choice([0.3, 0.7, 1.5])), top_k=int(rng.choice([0, 5, 40])),
                                 top_p=float(rng.choice([1.0, 0.9, 0.5])), min_p=float(rng.choice([0.0, 0.05, 0.2])),
                                 order=order)
-    if typical:  # llama.cpp's typical-p and top-n-sigma too
+    if typical:  # llama.cpp's typical-p, top-n-sigma and XTC too (XTC where it always drops: its coin's
+        # other side leaves the row as it was; test_xtc_drops_with_its_probability_as_llama_cpp_s)
         settings = dataclasses.replace(settings, typical_p=float(rng.choice([1.0, 0.9, 0.5])),
-                                       top_n_sigma=float(rng.choice([0.0, 1.0, 2.5])))
+                                       top_n_sigma=float(rng.choice([0.0, 1.0, 2.5])),
+                                       xtc_probability=float(rng.choice([0.0, 1.0, 1.0])),
+                                       xtc_threshold=float(rng.choice([0.02, 0.1, 0.3])))
     elif rng.random() < 0.3:  # tokens a grammar or a bias forbids (llama.cpp's typical-p reads them as NaN)
         row[rng.integers(len(row), size=30)] = -np.inf
     return row, settings
 
 
-def _llama_chain_row(llama_cpp, row: np.ndarray, settings: SamplingSettings) -> np.ndarray:
+def _llama_chain_row(llama_cpp, row: np.ndarray, settings: SamplingSettings, chain=None) -> np.ndarray:
     """The distribution llama.cpp's chain of ``settings``' samplers, in their order, leaves for its
-    ``dist`` sampler: the softmax of the candidates' logits after the chain."""
+    ``dist`` sampler: the softmax of the candidates' logits after the chain (``chain``: one made
+    before, applied again; its samplers' random state goes on)."""
+    if chain is not None:
+        return _applied(llama_cpp, chain, row)
     chain = llama_cpp.llama_sampler_chain_init(llama_cpp.llama_sampler_chain_default_params())
     made = {"top_k": lambda: llama_cpp.llama_sampler_init_top_k(settings.top_k),
             "top_p": lambda: llama_cpp.llama_sampler_init_top_p(settings.top_p, 1),
             "min_p": lambda: llama_cpp.llama_sampler_init_min_p(settings.min_p, 1),
             "typ_p": lambda: llama_cpp.llama_sampler_init_typical(settings.typical_p, 1),
             "top_n_sigma": lambda: llama_cpp.llama_sampler_init_top_n_sigma(settings.top_n_sigma),
+            "xtc": lambda: llama_cpp.llama_sampler_init_xtc(settings.xtc_probability, settings.xtc_threshold, 1, 0),
             "temperature": lambda: llama_cpp.llama_sampler_init_temp(settings.temperature)}
     try:
         for name in settings.samplers:  # each off sampler as llama.cpp's is at that setting: no change
             llama_cpp.llama_sampler_chain_add(chain, made[name]())
-        data = (llama_cpp.llama_token_data * len(row))(
-            *[llama_cpp.llama_token_data(token, float(logit), 0.0) for token, logit in enumerate(row)])
-        candidates = llama_cpp.llama_token_data_array(data, len(row), -1, False)
-        llama_cpp.llama_sampler_apply(chain, ctypes.byref(candidates))
-        ids = [candidates.data[i].id for i in range(candidates.size)]
-        logits = np.array([candidates.data[i].logit for i in range(candidates.size)], dtype=np.float64)
+        return _applied(llama_cpp, chain, row)
     finally:
         llama_cpp.llama_sampler_free(chain)
+
+
+def _applied(llama_cpp, chain, row: np.ndarray) -> np.ndarray:
+    """llama.cpp's ``chain`` applied once to ``row``: the softmax of the candidates left."""
+    data = (llama_cpp.llama_token_data * len(row))(
+        *[llama_cpp.llama_token_data(token, float(logit), 0.0) for token, logit in enumerate(row)])
+    candidates = llama_cpp.llama_token_data_array(data, len(row), -1, False)
+    llama_cpp.llama_sampler_apply(chain, ctypes.byref(candidates))
+    ids = [candidates.data[i].id for i in range(candidates.size)]
+    logits = np.array([candidates.data[i].logit for i in range(candidates.size)], dtype=np.float64)
     out = np.zeros(len(row))
     weights = np.exp(logits - logits.max())
     out[ids] = weights / weights.sum()
@@ -77,7 +89,7 @@ def _typical_first(order: list[str]) -> tuple[str, ...]:
     return tuple(order)
 
 
-ORDERS = [*itertools.permutations(CORE),  # every order of the four, and orders of all six
+ORDERS = [*itertools.permutations(CORE),  # every order of the four, and orders of all seven
           *(_typical_first(np.random.default_rng(seed).permutation(SAMPLER_ORDER).tolist()) for seed in range(12))]
 
 
@@ -89,6 +101,30 @@ def test_each_order_samples_what_llama_cpp_s_chain_in_that_order_samples(order):
         row, settings = _random_settings(rng, order, typical=len(order) > len(CORE))
         np.testing.assert_allclose(probabilities(row, settings), _llama_chain_row(llama_cpp, row, settings),
                                    rtol=0, atol=1e-5, err_msg=str(settings))
+
+
+def test_xtc_drops_with_its_probability_as_llama_cpp_s():
+    """llama.cpp's XTC tosses a coin a step and drops where it falls under its probability: its row
+    is the row as it was or the row XTC cut, and specrun's distribution is their mixture."""
+    llama_cpp = pytest.importorskip("llama_cpp")
+    row = np.array([2.0, 1.5, 1.0, 0.0, -1.0, -3.0], dtype=np.float32)
+    settings = SamplingSettings(temperature=0.7, xtc_probability=0.3, xtc_threshold=0.15)
+    as_is, cut = (probabilities(row, dataclasses.replace(settings, xtc_probability=chance)) for chance in (0.0, 1.0))
+    assert not np.allclose(as_is, cut)
+    chain = llama_cpp.llama_sampler_chain_init(llama_cpp.llama_sampler_chain_default_params())
+    try:
+        llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_xtc(0.3, 0.15, 1, 7))
+        llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_temp(0.7))
+        rows = [_llama_chain_row(llama_cpp, row, settings, chain) for _ in range(4000)]
+    finally:
+        llama_cpp.llama_sampler_free(chain)
+    dropped = 0
+    for each in rows:
+        same_as_cut = np.allclose(each, cut, rtol=0, atol=1e-5)
+        assert same_as_cut or np.allclose(each, as_is, rtol=0, atol=1e-5)
+        dropped += same_as_cut
+    assert abs(dropped - 1200) < 4 * np.sqrt(4000 * 0.3 * 0.7)  # 4 standard deviations: 116
+    np.testing.assert_allclose(probabilities(row, settings), 0.7 * as_is + 0.3 * cut, rtol=0, atol=1e-12)
 
 
 def test_the_default_is_llama_cpp_s_and_temperature_first_is_not():

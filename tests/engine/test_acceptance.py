@@ -75,6 +75,17 @@ HAND_COMPUTED = [
     # mass (0.236883) passes it alone; at 0.5 the first joins it (0.880797), then temperature 0.5
     (SamplingSettings(temperature=1.0, typical_p=0.2), [0.0, 1.0, 0.0, 0.0]),
     (SamplingSettings(temperature=0.5, typical_p=0.5), [0.880797, 0.119203, 0.0, 0.0]),
+    # XTC at threshold 0.2: two tokens reach it (0.643914, 0.236883): the likelier is dropped, the
+    # rest renormalised, softmax(1, 0, -1); at probability 0.5 half that, half the row as it was;
+    # temperature 0.5 after it: softmax(2, 0, -2); temperature first, softmax(4, 2, 0, -2) leaves one
+    # token at 0.2 (0.117059 the second): nothing dropped; over threshold 0.5 XTC is off
+    (SamplingSettings(temperature=1.0, xtc_probability=1.0, xtc_threshold=0.2), [0.0, 0.665241, 0.244728, 0.090031]),
+    (SamplingSettings(temperature=1.0, xtc_probability=0.5, xtc_threshold=0.2),
+     [0.321957, 0.451062, 0.165936, 0.061045]),
+    (SamplingSettings(temperature=0.5, xtc_probability=1.0, xtc_threshold=0.2), [0.0, 0.866813, 0.117310, 0.015876]),
+    (SamplingSettings(temperature=0.5, xtc_probability=1.0, xtc_threshold=0.2, order=("temperature", "xtc")),
+     [0.864955, 0.117059, 0.015842, 0.002144]),
+    (SamplingSettings(temperature=1.0, xtc_probability=1.0, xtc_threshold=0.6), [0.643914, 0.236883, 0.087144, 0.032059]),
     # greedy: one-hot at the argmax
     (SamplingSettings(), [1.0, 0.0, 0.0, 0.0]),
 ]
@@ -98,6 +109,10 @@ def test_oracle_and_probabilities_agree_on_random_rows():
         SamplingSettings(temperature=t, top_k=k, top_p=p, typical_p=y, top_n_sigma=n, order=order)
         for t in (0.5, 1.7) for k in (0, 5) for p in (1.0, 0.9) for y in (1.0, 0.9, 0.3) for n in (0.0, 0.5, 1.5)
         for order in (SAMPLER_ORDER, ("temperature", "typ_p", "top_n_sigma"), ("top_p", "typ_p", "top_k", "temperature"))
+    ] + [
+        SamplingSettings(temperature=t, top_k=k, min_p=m, xtc_probability=x, xtc_threshold=h, order=order)
+        for t in (0.5, 1.7) for k in (0, 5) for m in (0.0, 0.1) for x in (0.3, 1.0) for h in (0.05, 0.15, 0.3)
+        for order in (SAMPLER_ORDER, ("xtc", "top_k", "temperature"), ("temperature", "xtc", "min_p"))
     ]
     for row in rng.normal(0.0, 2.0, (20, 12)).astype(np.float32):
         for each in settings:

@@ -184,6 +184,16 @@ def top_n_sigma_ignored(logits, settings, infill=None):
     return probabilities(logits, dataclasses.replace(settings, top_n_sigma=0.0), infill)
 
 
+def xtc_ignored(logits, settings, infill=None):
+    return probabilities(logits, dataclasses.replace(settings, xtc_probability=0.0), infill)
+
+
+def xtc_always(logits, settings, infill=None):
+    """XTC's coin read as always falling: the cut row, not the mixture."""
+    chance = 1.0 if settings.xtc_probability > 0.0 else 0.0
+    return probabilities(logits, dataclasses.replace(settings, xtc_probability=chance), infill)
+
+
 # ---- wrong greedy rules (the signature of specrun.verify.verify_greedy) -----------------------
 
 
@@ -339,6 +349,8 @@ MUTANTS = [
     Mutant("min-p ignored", _install_sampler(min_p_ignored), ("draft min-p",)),
     Mutant("typical-p ignored", _install_sampler(typical_p_ignored), ("draft typical",)),
     Mutant("top-n-sigma ignored", _install_sampler(top_n_sigma_ignored), ("draft top-n-sigma",)),
+    Mutant("XTC ignored", _install_sampler(xtc_ignored), ("draft xtc",)),
+    Mutant("XTC always", _install_sampler(xtc_always), ("draft xtc",)),
     Mutant("greedy: accepts every draft", _install_greedy(greedy_accepts_every_draft), ("greedy draft",)),
     Mutant("greedy: bonus token from the wrong row", _install_greedy(greedy_bonus_from_the_wrong_row),
            ("greedy draft",)),

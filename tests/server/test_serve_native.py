@@ -16,6 +16,7 @@ from server_harness import start_server, stop_server
 from specrun.engine.loop import GenerationParams, SpeculativeEngine
 from specrun.registry.loading import LoadOptions
 from specrun.penalties import Penalties
+from specrun.dry import Dry
 from specrun.sampling import SAMPLER_ORDER, SamplingSettings
 from specrun.server.native import parse_native_request, picked, stop_type
 from specrun.server.requests import RequestError, ServeDefaults, parse_chat_request
@@ -230,6 +231,30 @@ def test_the_samplers_apply_in_the_order_listed():
     assert (unlisted.sampling.typical_p, unlisted.sampling.top_n_sigma) == (1.0, 0.0)
     off, _ = _native({**LLAMA_VIM, "samplers": "s", "top_n_sigma": -1})  # llama-server's default: off
     assert off.sampling.top_n_sigma == 0.0
+    # XTC: on where its probability is above 0 (and listed, where a list is sent); its threshold
+    # read only then (0 or less would leave each row's least likely token)
+    xtc, _ = _native({**LLAMA_VIM, "samplers": "kxi", "xtc_probability": 0.5, "xtc_threshold": 0.2})
+    assert (xtc.sampling.xtc_probability, xtc.sampling.xtc_threshold, xtc.sampling.chain) == (0.5, 0.2, (
+        "top_k", "xtc", "infill"))
+    unlisted, _ = _native({**LLAMA_VIM, "xtc_probability": 0.5})
+    assert not unlisted.sampling.xtc_on
+    inert, _ = _native({**LLAMA_VIM, "samplers": "kxi", "xtc_probability": 0, "xtc_threshold": 0})
+    assert not inert.sampling.xtc_on
+    # DRY: on where its multiplier is above 0 (and listed, where a list is sent), after the penalties
+    dry, _ = _native({**LLAMA_VIM, "samplers": ["dry", "top_k", "infill"], "dry_multiplier": 0.8, "dry_base": 0.5,
+                      "dry_allowed_length": 3, "dry_penalty_last_n": -1, "dry_sequence_breakers": ["\n", "###"]})
+    assert dry.sampling.dry == Dry(0.8, 1.75, 3, -1, ("\n", "###"))  # a base under 1: the server's
+    assert not _native({**LLAMA_VIM, "dry_multiplier": 0.8})[0].sampling.dry.on  # llama.vim's list leaves it out
+    for fields, message in (({"dry_multiplier": -1}, r"dry_multiplier: must be in \[0, 100\]"),
+                            ({"dry_sequence_breakers": []}, "must be a non-empty array of non-empty strings"),
+                            ({"dry_penalty_last_n": -2}, "dry_penalty_last_n: must be -1"),
+                            ({"samplers": ["top_k", "dry"]}, "list dry before the other samplers")):
+        with pytest.raises(RequestError, match=message):
+            _native({**LLAMA_VIM, "samplers": ["dry", "top_k"], "dry_multiplier": 0.8, **fields})
+    for fields, message in (({"xtc_probability": 1.5}, r"xtc_probability: must be in \[0, 1\], got 1.5"),
+                            ({"xtc_probability": 0.5, "xtc_threshold": 0}, r"xtc_threshold: must be in \(0, 1\]")):
+        with pytest.raises(RequestError, match=message):
+            _native({**LLAMA_VIM, "samplers": "kxi", **fields})
     default, _ = _native({**LLAMA_VIM, "samplers": "edkypmxti", "temperature": 0.5})
     assert default.sampling.order == SAMPLER_ORDER and default.sampling.chain == ("top_k", "top_p", "temperature",
                                                                                    "infill")
@@ -447,11 +472,12 @@ def test_llama_server_s_readings_of_a_request(fim_server):
     assert status == 200 and plain["generation_settings"]["n_predict"] == 4 and plain["generation_settings"][
         "stop"] == ["zzz"]
     # the samplers in the order they apply, as llama-server lists them
-    assert plain["generation_settings"]["samplers"] == ["penalties", "top_n_sigma", "top_k", "typ_p", "top_p", "min_p",
-                                                        "temperature"]
+    assert plain["generation_settings"]["samplers"] == ["penalties", "dry", "top_n_sigma", "top_k", "typ_p", "top_p",
+                                                        "min_p", "xtc", "temperature"]
     status, ordered = fim_server.post("/completion", {"prompt": "x", "n_predict": 2, "samplers": "tkp"})
-    assert status == 200 and ordered["generation_settings"]["samplers"] == ["penalties", "temperature", "top_k",
-                                                                            "top_p", "top_n_sigma", "typ_p", "min_p"]
+    assert status == 200 and ordered["generation_settings"]["samplers"] == ["penalties", "dry", "temperature", "top_k",
+                                                                            "top_p", "top_n_sigma", "typ_p", "min_p",
+                                                                            "xtc"]
     status, full = fim_server.post("/completion", {"prompt": list(range(1, 510)), "n_predict": 8})
     assert status == 200 and full["truncated"] is True and full["stop_type"] == "limit"
 

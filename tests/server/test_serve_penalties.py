@@ -74,7 +74,7 @@ def test_logit_bias_is_read_in_openai_s_form_and_llama_server_s():
     ({"logit_bias": {"17": False}, "response_format": {"type": "json_object"}}, "logit_bias",
      "a bias of false (never) beside a grammar (response_format) could forbid every token"),
     ({"repeat_penalty": 1.2, "samplers": ["top_k", "penalties", "temperature"]}, "samplers",
-     "list penalties before top_k"),
+     "list penalties before the other samplers"),
 ])
 def test_bad_penalties_and_biases_are_400s_naming_the_field(fields, param, message):
     with pytest.raises(RequestError) as refused:

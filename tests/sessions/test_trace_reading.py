@@ -9,6 +9,7 @@ import pytest
 from typer.testing import CliRunner
 
 from specrun.cli.app import app
+from specrun.dry import Dry
 from specrun.errors import FileAccessError
 from specrun.sampling import SamplingSettings
 from specrun.sessions.trace_reading import explain, read_trace
@@ -197,7 +198,7 @@ def test_a_header_with_an_order_of_its_own_says_it(tmp_path):
     header = {"trace": "specrun", "version": 1, "method": "draft", **sampling.fields()}
     assert header["samplers"] == ["temperature", "top_k", "top_p", "min_p"]
     assert SamplingSettings(0.7, 40, 0.9).fields()["samplers"] == ["top_n_sigma", "top_k", "typ_p", "top_p", "min_p",
-                                                                    "temperature"]
+                                                                    "xtc", "temperature"]
     write(path, [header, step(1, "prefill", 0, 0, policy(True))])
     told = CliRunner().invoke(app, ["trace", str(path)])
     assert told.stdout.splitlines()[0] == ("run: ?, method draft, sampled at temperature 0.7, top-k 40, top-p 0.9, "
@@ -205,12 +206,14 @@ def test_a_header_with_an_order_of_its_own_says_it(tmp_path):
     write(path, [{**header, "samplers": ["temperature", "temperature"]}, step(1, "prefill", 0, 0, policy(True))])
     told = CliRunner().invoke(app, ["trace", str(path)])  # an order no run could use: not told
     assert told.stdout.splitlines()[0] == "run: ?, method draft"
-    typical = SamplingSettings(0.7, typical_p=0.8, top_n_sigma=1.5)
+    typical = SamplingSettings(0.7, typical_p=0.8, top_n_sigma=1.5, xtc_probability=0.5, xtc_threshold=0.2,
+                               dry=Dry(0.8, last_n=-1, breakers=("\n",)))
     write(path, [{"trace": "specrun", "version": 1, "method": "draft", **typical.fields()},
                  step(1, "prefill", 0, 0, policy(True))])
     told = CliRunner().invoke(app, ["trace", str(path)])
     assert told.stdout.splitlines()[0] == ("run: ?, method draft, sampled at temperature 0.7, typical-p 0.8, "
-                                           "top-n-sigma 1.5")
+                                           "top-n-sigma 1.5, XTC 0.5 at 0.2, DRY 0.8 (base 1.75, allowed 2) over the "
+                                           "whole text, 1 sequence breaker")
     # a header from before llama.cpp's order (none named) sampled with the temperature first
     write(path, [{"trace": "specrun", "version": 1, "method": "draft", "temperature": 0.7, "top_p": 0.9},
                  step(1, "prefill", 0, 0, policy(True))])
