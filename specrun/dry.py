@@ -21,8 +21,8 @@ decoding under DRY.
 
 from __future__ import annotations
 
-import math
 import weakref
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -33,6 +33,9 @@ MAX_BREAKER_BYTES = 40  # a breaker is cut to this many bytes (llama.cpp's MAX_C
 MAX_TAIL_TOKENS = 20  # a breaker's rest after its head token, tokenized, is cut to this (MAX_SEQ_LEN)
 FLOAT_MAX_LOG = 88.7228391  # log of float32's largest: base^exponent is kept under it
 MAX_DRY_MULTIPLIER = 100.0  # a penalty past this flattens every row it touches
+MAX_DRY_BASE = 100.0
+MAX_DRY_LENGTH = 2**31 - 1  # allowed_length and last_n: llama.cpp's int32
+KEPT_BREAKER_LISTS = 8  # the lists of breakers looked up per vocabulary, the latest kept (~1 s and ~4 MB each at 49k)
 
 
 @dataclass(frozen=True)
@@ -58,13 +61,13 @@ class Dry:
         problems = []
         if not 0.0 <= self.multiplier <= MAX_DRY_MULTIPLIER:
             problems.append(f"--dry-multiplier must be between 0 (off) and {MAX_DRY_MULTIPLIER:g}, got {self.multiplier}")
-        if self.multiplier and not 1.0 <= self.base <= 100.0:
-            problems.append(f"--dry-base must be between 1 and 100, got {self.base}")
-        if self.allowed_length < 0:
-            problems.append(f"--dry-allowed-length must be 0 or more, got {self.allowed_length}")
-        if self.last_n < -1:
-            problems.append(f"--dry-penalty-last-n must be -1 (the whole text), 0 (off) or a count of tokens, "
-                            f"got {self.last_n}")
+        if not 1.0 <= self.base <= MAX_DRY_BASE:
+            problems.append(f"--dry-base must be between 1 and {MAX_DRY_BASE:g}, got {self.base}")
+        if not 0 <= self.allowed_length <= MAX_DRY_LENGTH:
+            problems.append(f"--dry-allowed-length must be between 0 and {MAX_DRY_LENGTH}, got {self.allowed_length}")
+        if not -1 <= self.last_n <= MAX_DRY_LENGTH:
+            problems.append(f"--dry-penalty-last-n must be -1 (the whole text), 0 (off) or a count of tokens up to "
+                            f"{MAX_DRY_LENGTH}, got {self.last_n}")
         return problems
 
     def describe(self) -> str:
@@ -124,10 +127,14 @@ def resolved(dry: Dry, backend) -> Dry:
     if not dry.on or dry.restarts is not None:
         return dry
     backend = getattr(backend, "parent", backend)  # a slot's, a window's: its model's
-    known = _restarts.setdefault(backend, {})
-    if dry.breakers not in known:
+    known = _restarts.setdefault(backend, OrderedDict())  # the latest lists (a server's clients may send many)
+    if dry.breakers in known:
+        known.move_to_end(dry.breakers)
+    else:
         known[dry.breakers] = restarts_of(backend.token_bytes, backend.vocab.size,
                                           lambda text: backend.tokenize(text, add_bos=False), dry.breakers)
+        while len(known) > KEPT_BREAKER_LISTS:
+            known.popitem(last=False)
     return Dry(dry.multiplier, dry.base, dry.allowed_length, dry.last_n, dry.breakers, known[dry.breakers])
 
 
@@ -183,10 +190,14 @@ def dry_penalties(text: Sequence[int], dry: Dry) -> tuple[np.ndarray, np.ndarray
     chosen = [(token, length) for token, length in longest_before.items() if () not in restarts.get(token, ())]
     if not chosen:
         return none
-    base = float(np.float32(dry.base))
-    cap = int(FLOAT_MAX_LOG / math.log(base)) if base > 1.000001 else 0
+    base = np.float32(dry.base)
+    # the cap in float32, as llama.cpp computes it (in double it can come out one higher)
+    cap = int(np.float32(FLOAT_MAX_LOG) / np.log(base)) if base > np.float32(1.000001) else 0
     multiplier = float(np.float32(dry.multiplier))
     tokens = np.array([token for token, _ in chosen], dtype=np.int64)
-    exponents = [length - dry.allowed_length for _, length in chosen]
-    amounts = np.array([multiplier * base ** (min(e, cap) if cap > 0 else e) for e in exponents], dtype=np.float32)
+    exponents = np.array([length - dry.allowed_length for _, length in chosen], dtype=np.float64)
+    if cap > 0:
+        exponents = np.minimum(exponents, cap)
+    with np.errstate(over="ignore"):  # past float32's largest: -inf logits, as llama.cpp's
+        amounts = (multiplier * np.power(float(base), exponents)).astype(np.float32)  # pow in double, as C++'s
     return tokens, amounts

@@ -87,6 +87,7 @@ def listed_order(listed: Sequence[str], penalties_on: bool = False, dry_on: bool
     if twice:
         raise ValueError(f"{', '.join(twice)} listed more than once; specrun applies each sampler once")
     leading = [name for name, on in zip(SHAPING, (penalties_on, dry_on)) if on and name in ours]
+    ours = [name for name in ours if name not in SHAPING or name in leading]  # one that is off has no place
     if ours[:len(leading)] != leading:
         raise ValueError(f"specrun applies {' then '.join(leading)} first, as llama.cpp's default order does; "
                          f"list {' then '.join(leading)} before the other samplers")
@@ -212,9 +213,9 @@ class SamplingSettings:
             problems.append(f"--top-nsigma must be a finite number (0 or less: off), got {self.top_n_sigma}")
         if not (0.0 <= self.xtc_probability <= 1.0):
             problems.append(f"--xtc-probability must be in [0, 1] (0: off), got {self.xtc_probability}")
-        if self.xtc_probability > 0.0 and not (0.0 < self.xtc_threshold <= 1.0):
+        if self.xtc_probability > 0.0 and not (0.0 < self.xtc_threshold < math.inf):
             # at 0 or below every token passes it: XTC would leave the least likely token of the row
-            problems.append(f"--xtc-threshold must be in (0, 1] (over 0.5: off), got {self.xtc_threshold}")
+            problems.append(f"--xtc-threshold must be above 0 (over 0.5: off), got {self.xtc_threshold}")
         if self.seed is not None and not 0 <= self.seed <= MAX_SEED:
             problems.append(f"--seed must be between 0 and {MAX_SEED}, got {self.seed}")
         problems += self.penalties.problems()
@@ -369,7 +370,7 @@ def _chained(rows: np.ndarray, settings: SamplingSettings, chain: Sequence[str],
     tokens kept. One (n, V) array is made and worked in place: a new array of a vocabulary's rows
     costs its page faults (9 rows of 49k: ~1.5 ms each), more than the arithmetic on it. XTC
     splits the chain: the rest of it runs on the rows as they are and on the rows XTC cut, mixed
-    by its probability (``_xtc_cut``)."""
+    by its probability (``_xtc_dropped``)."""
     temperature, kept = 1.0, None
     for at, name in enumerate(chain):
         if name == "temperature":
@@ -393,6 +394,29 @@ def _chained(rows: np.ndarray, settings: SamplingSettings, chain: Sequence[str],
                 probs /= np.add.reduce(probs, axis=-1, keepdims=True)
         elif name == "min_p" and probs is None:
             kept = _min_p_kept(rows, settings.min_p, temperature, kept)
+        elif name == "xtc":
+            now = probs if probs is not None else _softmax(rows, temperature, kept)
+            dropped = _xtc_dropped(now, settings.xtc_threshold)
+            if dropped is None:
+                continue  # no row has two tokens at the threshold: XTC leaves every row as it is
+            rest, chance = chain[at + 1:], settings.xtc_probability
+            if set(rest) <= {"temperature"}:
+                # the temperature keeps the ratios among the tokens left: the cut rows are the
+                # tempered rows without the dropped tokens, renormalised; made from the logits where
+                # they can be (an exp costs a third of the power that tempers a whole row)
+                probs = (_softmax(rows, settings.temperature, kept) if probs is None and rest
+                         else _chained(rows, settings, rest, infill, now))
+                cut = _without(probs, dropped)
+            else:
+                cut = _chained(rows, settings, rest, infill, _without(now, dropped))
+                if chance == 1.0:
+                    return cut
+                probs = _chained(rows, settings, rest, infill, now)
+            if chance == 1.0:
+                return cut
+            probs *= 1.0 - chance
+            probs += chance * cut
+            return probs
         else:
             if probs is None:
                 probs = _softmax(rows, temperature, kept)
@@ -403,18 +427,6 @@ def _chained(rows: np.ndarray, settings: SamplingSettings, chain: Sequence[str],
                 probs /= np.add.reduce(probs, axis=-1, keepdims=True)
             elif name == "typ_p":
                 _typical(probs, settings.typical_p)
-            elif name == "xtc":
-                cut = _xtc_cut(probs, settings.xtc_threshold)
-                if cut is None:
-                    continue  # no row has two tokens at the threshold: XTC leaves every row as it is
-                rest, chance = chain[at + 1:], settings.xtc_probability
-                cut = _chained(rows, settings, rest, infill, cut)
-                if chance == 1.0:
-                    return cut
-                probs = _chained(rows, settings, rest, infill, probs)
-                probs *= 1.0 - chance
-                probs += chance * cut
-                return probs
             elif infill is not None:
                 probs = infill_rule(probs, infill)
     if probs is None:
@@ -422,19 +434,24 @@ def _chained(rows: np.ndarray, settings: SamplingSettings, chain: Sequence[str],
     return probs
 
 
-def _xtc_cut(probs: np.ndarray, threshold: float) -> np.ndarray | None:
-    """llama.cpp's XTC on rows (n, V) of a distribution where its coin falls (a new array; None
-    where no row changes): where two or more tokens reach ``threshold``, every one of them but the
-    least likely dropped, renormalised; other rows as they were. Of tokens tied there llama.cpp
-    keeps whichever its sort puts last; here the one with the highest id."""
+def _xtc_dropped(probs: np.ndarray, threshold: float) -> np.ndarray | None:
+    """The tokens llama.cpp's XTC drops from rows (n, V) of a distribution where its coin falls
+    (n, V), None where it drops none: where two or more tokens reach ``threshold``, every one of
+    them but the least likely. Of tokens tied there llama.cpp keeps whichever its sort puts last;
+    here the one with the highest id."""
     above = probs >= threshold  # (n, V)
     cut = np.add.reduce(above, axis=-1) >= 2  # (n,)
     if not cut.any():
         return None
     least = np.minimum.reduce(probs, axis=-1, where=above, initial=np.inf)  # (n,)
     last = probs.shape[-1] - 1 - np.argmax((above & (probs == least[:, None]))[:, ::-1], axis=-1)  # (n,)
-    dropped = above & cut[:, None]
-    dropped[np.arange(len(probs)), last] = False
+    above &= cut[:, None]
+    above[np.arange(len(probs)), last] = False
+    return above
+
+
+def _without(probs: np.ndarray, dropped: np.ndarray) -> np.ndarray:
+    """Rows (n, V) of a distribution without the ``dropped`` tokens (n, V), renormalised: a new array."""
     out = probs.copy()
     out[dropped] = 0.0
     out /= np.add.reduce(out, axis=-1, keepdims=True)

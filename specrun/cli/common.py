@@ -485,15 +485,20 @@ def _dry(multiplier: float, base: float, allowed_length: int, last_n: int, break
     """The --dry-* options as dry.Dry: the breakers llama.cpp's unless given ('none': none)."""
     from specrun.dry import DRY_BREAKERS, Dry
 
-    if breakers is None:
-        listed = DRY_BREAKERS
-    elif breakers == ["none"]:
-        listed = ()
-    else:
-        if not all(breakers):
+    listed = list(DRY_BREAKERS) if breakers is None else []  # given, they replace the defaults
+    for breaker in breakers or ():
+        if not breaker:
             raise UsageError("--dry-sequence-breaker takes a non-empty string", "give the string, or 'none' for none")
-        listed = tuple(breakers)
-    return Dry(multiplier, base, allowed_length, last_n, listed)
+        try:
+            breaker.encode()
+        except UnicodeEncodeError:
+            raise UsageError(f"--dry-sequence-breaker {breaker!r} is not text (bytes that are not UTF-8)",
+                             "give it as UTF-8 text") from None
+        if breaker == "none":  # as llama.cpp's: none so far
+            listed.clear()
+        else:
+            listed.append(breaker)
+    return Dry(multiplier, base, allowed_length, last_n, tuple(listed))
 
 
 def listed_samplers(text: str, sampling: SamplingSettings) -> tuple[str, ...]:

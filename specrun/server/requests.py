@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from specrun.grammar import GrammarError, GrammarSpec
-from specrun.dry import MAX_DRY_MULTIPLIER, Dry
+from specrun.dry import MAX_DRY_BASE, MAX_DRY_LENGTH, MAX_DRY_MULTIPLIER, Dry
 from specrun.penalties import MAX_BIAS, MAX_PENALTY, Penalties
 from specrun.sampling import (
     MAX_SEED, SamplingSettings, listed_order, named_samplers,
@@ -265,8 +265,6 @@ def parse_common(body: dict, defaults: ServeDefaults, n_ctx: int, max_tokens_fie
     xtc_probability = _number(body, "xtc_probability", base.xtc_probability)
     _check_range("xtc_probability", xtc_probability, 0.0, 1.0)
     xtc_threshold = _number(body, "xtc_threshold", base.xtc_threshold)
-    if xtc_probability > 0.0:  # at 0 or below every token reaches it (over 0.5: off, as llama.cpp reads it)
-        _check_range("xtc_threshold", xtc_threshold, 0.0, 1.0, low_open=True)
     listed = samplers_order(body.get("samplers"))  # in the list's order; none: the server's own
     listed = defaults.samplers if listed is None else listed
     samplers = None if listed is None else frozenset(listed)  # adaptive_p changes nothing while its target is off
@@ -278,6 +276,8 @@ def parse_common(body: dict, defaults: ServeDefaults, n_ctx: int, max_tokens_fie
         typical_p = typical_p if "typ_p" in samplers else 1.0
         top_n_sigma = top_n_sigma if "top_n_sigma" in samplers else 0.0
         xtc_probability = xtc_probability if "xtc" in samplers else 0.0
+    if xtc_probability > 0.0 and xtc_threshold <= 0.0:  # every token would reach it (over 0.5: off, as llama.cpp's)
+        raise invalid_value("xtc_threshold", f"must be above 0 (over 0.5: off), got {xtc_threshold}")
     penalties = _parse_penalties(body, base.penalties)
     if samplers is not None and "penalties" not in samplers:
         penalties = Penalties()
@@ -374,11 +374,11 @@ def _parse_dry(body: dict, base: Dry) -> Dry:
     _check_range("dry_multiplier", multiplier, 0.0, MAX_DRY_MULTIPLIER)
     dry_base = _number(body, "dry_base", base.base)
     dry_base = base.base if dry_base < 1.0 else dry_base
-    _check_range("dry_base", dry_base, 1.0, 100.0)
+    _check_range("dry_base", dry_base, 1.0, MAX_DRY_BASE)
     allowed = _number(body, "dry_allowed_length", base.allowed_length, integer=True)
-    _check_range("dry_allowed_length", allowed, 0, MAX_ANSWER_TOKENS)
+    _check_range("dry_allowed_length", allowed, 0, MAX_DRY_LENGTH)
     last_n = _number(body, "dry_penalty_last_n", base.last_n, integer=True)
-    if not -1 <= last_n <= MAX_ANSWER_TOKENS:
+    if not -1 <= last_n <= MAX_DRY_LENGTH:
         raise invalid_value("dry_penalty_last_n", f"must be -1 (the whole text), 0 (off) or a count of tokens, "
                                                   f"got {last_n}")
     breakers = body.get("dry_sequence_breakers")

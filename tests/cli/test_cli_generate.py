@@ -175,7 +175,7 @@ def test_unknown_alias(llama_installed):
         (["--dry-multiplier", "-1"], "--dry-multiplier must be between 0 (off) and 100"),
         (["--dry-multiplier", "0.8", "--samplers", "top_k;dry;temperature"], "list dry before the other samplers"),
         (["--dry-multiplier", "0.8", "--dry-sequence-breaker", ""], "--dry-sequence-breaker takes a non-empty string"),
-        (["--xtc-probability", "0.5", "--xtc-threshold", "0"], "--xtc-threshold must be in (0, 1]"),
+        (["--xtc-probability", "0.5", "--xtc-threshold", "0"], "--xtc-threshold must be above 0"),
         (["--samplers", "kpmtt"], "--samplers: temperature listed more than once"),
         (["--samplers", "top_k;nucleus;min_p;temp;mirror"], '--samplers: "mirror" names no sampler'),
         (["--ctx", "0"], "--ctx must be between 16 and 1048576, got 0"),  # not 1.04858e+06

@@ -25,10 +25,12 @@ from lossless_harness import window_problems
 from oracle import distribution, joint_of
 from specrun.backends.fake import FakeBackend
 from specrun.drafters.methods import DrafterOptions, build_drafter
-from specrun.dry import DRY_BREAKERS, Dry, dry_penalties, resolved, restarts_of
+from specrun.cli.common import _dry
+from specrun.dry import DRY_BREAKERS, KEPT_BREAKER_LISTS, Dry, dry_penalties, resolved, restarts_of
 from specrun.engine.loop import GenerationParams, SpeculativeEngine
 from specrun.engine.stats import Stats
-from specrun.sampling import SamplingSettings, listed_order, text_shaped_rows
+from specrun.errors import UsageError
+from specrun.sampling import SAMPLER_ORDER, SamplingSettings, listed_order, named_samplers, text_shaped_rows
 
 
 def _amounts(text, dry: Dry) -> dict[int, float]:
@@ -105,6 +107,8 @@ TEXTS = [
     "def f(x):\n    return x + 1\n\ndef g(x):\n    return x + 1\n\ndef h(x):\n    return x",
     "one two three four one two three four five one two three four one two three",
     "*bold* the end ### the end ### the end ### the end",
+    # past the 64-token window: the first copies fall out of it
+    " ".join(["alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu"] * 8),
 ]
 
 
@@ -142,8 +146,9 @@ def test_dry_settings_say_what_they_do_and_refuse_what_is_out_of_range():
     assert settings.fields()["dry"] == {"multiplier": 0.8, "base": 1.75, "allowed_length": 2, "last_n": 64,
                                         "breakers": list(DRY_BREAKERS)}
     for bad, message in ((Dry(multiplier=-1.0), "--dry-multiplier must be between 0 (off) and 100"),
-                         (Dry(multiplier=1.0, base=0.5), "--dry-base must be between 1 and 100"),
-                         (Dry(allowed_length=-1), "--dry-allowed-length must be 0 or more"),
+                         (Dry(base=0.5), "--dry-base must be between 1 and 100"),
+                         (Dry(allowed_length=-1), "--dry-allowed-length must be between 0 and 2147483647"),
+                         (Dry(last_n=2**40), "--dry-penalty-last-n must be -1"),
                          (Dry(last_n=-2), "--dry-penalty-last-n must be -1")):
         assert any(message in problem for problem in SamplingSettings(dry=bad).validate()), bad
     # an order names the penalties, then DRY, first where they are on
@@ -152,6 +157,46 @@ def test_dry_settings_say_what_they_do_and_refuse_what_is_out_of_range():
         listed_order(["dry", "penalties", "top_k"], penalties_on=True, dry_on=True)
     with pytest.raises(ValueError, match="list dry before the other samplers"):
         listed_order(["top_k", "dry", "temperature"], dry_on=True)
+
+
+def test_llama_cpp_s_default_list_is_taken_with_dry_on_and_the_penalties_off():
+    assert listed_order(named_samplers("edskypmxt"), penalties_on=False, dry_on=True) == SAMPLER_ORDER
+    assert listed_order(["penalties", "dry", "temperature", "top_k"], dry_on=True) == ("temperature", "top_k")
+
+
+def test_the_command_line_s_breakers_replace_the_defaults_and_none_clears_them():
+    assert _dry(0.8, 1.75, 2, 64, None).breakers == DRY_BREAKERS
+    assert _dry(0.8, 1.75, 2, 64, ["x", "none", "y", "z"]).breakers == ("y", "z")
+    assert _dry(0.8, 1.75, 2, 64, ["none"]).breakers == ()
+    with pytest.raises(UsageError, match="is not text"):
+        _dry(0.8, 1.75, 2, 64, ["\udcff"])
+
+
+class _Vocabulary:
+    """A backend as ``resolved`` reads one: its tokens' bytes and a tokenizer, counting lookups."""
+
+    def __init__(self):
+        self.vocab = type("Vocab", (), {"size": 3})()
+        self.looked = 0
+
+    def token_bytes(self, token: int) -> bytes:
+        self.looked += token == 0
+        return [b"a:", b"b", b"c"][token]
+
+    def tokenize(self, text: str, add_bos: bool = True) -> list[int]:
+        return [1] * len(text)
+
+
+def test_breaker_lists_are_looked_up_once_and_the_latest_few_kept():
+    backend = _Vocabulary()
+    first = resolved(Dry(0.8, breakers=(":",)), backend)
+    assert first.restarts == {0: ((),)} and resolved(Dry(0.8, breakers=(":",)), backend).restarts is first.restarts
+    for count in range(KEPT_BREAKER_LISTS):
+        resolved(Dry(0.8, breakers=(":", "x" * (count + 1))), backend)
+    assert backend.looked == 1 + KEPT_BREAKER_LISTS
+    resolved(Dry(0.8, breakers=(":",)), backend)  # pushed out by the others: looked up again
+    assert backend.looked == 2 + KEPT_BREAKER_LISTS
+    assert resolved(Dry(), backend).restarts is None  # off: nothing to look up
 
 
 def test_rows_are_shaped_only_with_breakers_looked_up():

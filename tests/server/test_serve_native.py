@@ -245,6 +245,9 @@ def test_the_samplers_apply_in_the_order_listed():
                       "dry_allowed_length": 3, "dry_penalty_last_n": -1, "dry_sequence_breakers": ["\n", "###"]})
     assert dry.sampling.dry == Dry(0.8, 1.75, 3, -1, ("\n", "###"))  # a base under 1: the server's
     assert not _native({**LLAMA_VIM, "dry_multiplier": 0.8})[0].sampling.dry.on  # llama.vim's list leaves it out
+    # llama.cpp's default list, the penalties off: taken
+    listed, _ = _native({**LLAMA_VIM, "samplers": "edskypmxt", "dry_multiplier": 0.8})
+    assert listed.sampling.dry.on and listed.sampling.order == SAMPLER_ORDER
     for fields, message in (({"dry_multiplier": -1}, r"dry_multiplier: must be in \[0, 100\]"),
                             ({"dry_sequence_breakers": []}, "must be a non-empty array of non-empty strings"),
                             ({"dry_penalty_last_n": -2}, "dry_penalty_last_n: must be -1"),
@@ -252,7 +255,7 @@ def test_the_samplers_apply_in_the_order_listed():
         with pytest.raises(RequestError, match=message):
             _native({**LLAMA_VIM, "samplers": ["dry", "top_k"], "dry_multiplier": 0.8, **fields})
     for fields, message in (({"xtc_probability": 1.5}, r"xtc_probability: must be in \[0, 1\], got 1.5"),
-                            ({"xtc_probability": 0.5, "xtc_threshold": 0}, r"xtc_threshold: must be in \(0, 1\]")):
+                            ({"xtc_probability": 0.5, "xtc_threshold": 0}, r"xtc_threshold: must be above 0")):
         with pytest.raises(RequestError, match=message):
             _native({**LLAMA_VIM, "samplers": "kxi", **fields})
     default, _ = _native({**LLAMA_VIM, "samplers": "edkypmxti", "temperature": 0.5})
