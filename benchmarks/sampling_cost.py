@@ -7,7 +7,8 @@ settings that shape rows by their text (penalties, DRY, a bias) shape each row f
 built-in suite's prompts and Spec-Bench's side by side, so top-p's and typical-p's candidates
 widen as they do on real text. Settings interleave on each prompt's rows, repeated; the report
 gives each setting's median milliseconds a pass per prompt set and its ratio to the temperature
-alone.
+alone. The engine keeps freed arrays' memory mapped (specrun/allocator.py), and so does this;
+SPECRUN_KEEP_FREED=0 measures without.
 
     .venv/bin/python benchmarks/sampling_cost.py --per-category 1 --repeats 15 --out /tmp/sampling_cost.json
 """
@@ -23,6 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from _report import SPEC_BENCH, write_report
+from specrun.allocator import keep_freed_arrays
 from specrun.backends.kv import sequence_for
 from specrun.backends.llama import LlamaCppBackend
 from specrun.bench.runner import tokenize_prompt
@@ -70,6 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
 
+    keep_freed_arrays()  # as the engine does (SPECRUN_KEEP_FREED=0: not)
     model = LlamaCppBackend(resolve_gguf(args.model, load_registry()), n_ctx=2048, n_threads=args.threads)
     sets = {"built-in suite": select(BUILTIN_SUITE, per_category=args.per_category),
             "Spec-Bench": select(load_jsonl(args.prompts), per_category=args.per_category)}

@@ -17,6 +17,7 @@ from time import perf_counter
 
 import numpy as np
 
+from specrun.allocator import keep_freed_arrays
 from specrun.backends.base import Backend, near_tie_rows
 from specrun.backends.kv import KVSequence, sequence_for
 from specrun.control.policy import PLAIN, AdaptivePolicy, FixedPolicy, Plan, SpeculationPolicy, StepReport
@@ -290,6 +291,7 @@ class SpeculativeEngine:
         clock: Callable[[], float] = perf_counter,
         verification: Verification = Verification(),
     ) -> None:
+        keep_freed_arrays()  # each pass's rows in memory already mapped (specrun/allocator.py)
         self.target = sequence_for(target)
         self.passes = TargetPasses(self.target, verification)
         self.clock = clock  # injectable so tests can give fake models exact costs
