@@ -21,7 +21,7 @@ import sys
 M_TRIM_THRESHOLD = -1  # glibc's malloc.h
 M_MMAP_THRESHOLD = -3
 MMAP_THRESHOLD = 32 << 20  # blocks up to this come from the heap: glibc's most on 64 bits (16 rows of 256k float64)
-TRIM_THRESHOLD = 256 << 20  # freed memory the heap keeps before giving any back
+TRIM_THRESHOLD = 64 << 20  # freed memory the heap keeps before giving any back (a few passes' arrays)
 
 _done: bool | None = None
 

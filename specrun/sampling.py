@@ -400,20 +400,16 @@ def _chained(rows: np.ndarray, settings: SamplingSettings, chain: Sequence[str],
             if dropped is None:
                 continue  # no row has two tokens at the threshold: XTC leaves every row as it is
             rest, chance = chain[at + 1:], settings.xtc_probability
-            if set(rest) <= {"temperature"}:
-                # the temperature keeps the ratios among the tokens left: the cut rows are the
-                # tempered rows without the dropped tokens, renormalised; made from the logits where
-                # they can be (an exp costs a third of the power that tempers a whole row)
-                probs = (_softmax(rows, settings.temperature, kept) if probs is None and rest
-                         else _chained(rows, settings, rest, infill, now))
-                cut = _without(probs, dropped)
-            else:
-                cut = _chained(rows, settings, rest, infill, _without(now, dropped))
-                if chance == 1.0:
-                    return cut
-                probs = _chained(rows, settings, rest, infill, now)
+            # the cut rows from the rows as they are, the dropped tokens removed, then the rest of the
+            # chain (tempered after the removal: each row scaled by its own top token, which the
+            # removal may have taken; tempered before, a low temperature left nothing but 0 / 0)
+            cut = _chained(rows, settings, rest, infill, _without(now, dropped))
             if chance == 1.0:
                 return cut
+            if probs is None and rest == ("temperature",):  # from the logits: an exp, not a power
+                probs = _softmax(rows, settings.temperature, kept)
+            else:
+                probs = _chained(rows, settings, rest, infill, now)
             probs *= 1.0 - chance
             probs += chance * cut
             return probs

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import platform
 import subprocess
 import sys
 
@@ -15,7 +16,7 @@ def _asked(environment: dict[str, str]) -> str:
                           env=environment).stdout.strip()
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt: Linux only")
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's mallopt")
 def test_glibc_takes_the_thresholds_once_and_the_variable_turns_it_off():
     import os
 

@@ -498,7 +498,8 @@ def _dry(multiplier: float, base: float, allowed_length: int, last_n: int, break
             listed.clear()
         else:
             listed.append(breaker)
-    return Dry(multiplier, base, allowed_length, last_n, tuple(listed))
+    # a base under 1 is llama.cpp's default, as llama-cli and llama-server read it
+    return Dry(multiplier, Dry.base if base < 1.0 else base, allowed_length, last_n, tuple(listed))
 
 
 def listed_samplers(text: str, sampling: SamplingSettings) -> tuple[str, ...]:

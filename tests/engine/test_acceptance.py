@@ -86,6 +86,10 @@ HAND_COMPUTED = [
     (SamplingSettings(temperature=0.5, xtc_probability=1.0, xtc_threshold=0.2, order=("temperature", "xtc")),
      [0.864955, 0.117059, 0.015842, 0.002144]),
     (SamplingSettings(temperature=1.0, xtc_probability=1.0, xtc_threshold=0.6), [0.643914, 0.236883, 0.087144, 0.032059]),
+    # a low temperature: each half tempered by its own top token (scaled by the dropped one, the
+    # cut half underflowed to 0 / 0: NaN rows, found in review)
+    (SamplingSettings(temperature=0.002, xtc_probability=0.5, xtc_threshold=0.2), [0.5, 0.5, 0.0, 0.0]),
+    (SamplingSettings(temperature=0.002, top_p=0.99, xtc_probability=0.5, xtc_threshold=0.2), [0.5, 0.5, 0.0, 0.0]),
     # greedy: one-hot at the argmax
     (SamplingSettings(), [1.0, 0.0, 0.0, 0.0]),
 ]

@@ -168,6 +168,7 @@ def test_the_command_line_s_breakers_replace_the_defaults_and_none_clears_them()
     assert _dry(0.8, 1.75, 2, 64, None).breakers == DRY_BREAKERS
     assert _dry(0.8, 1.75, 2, 64, ["x", "none", "y", "z"]).breakers == ("y", "z")
     assert _dry(0.8, 1.75, 2, 64, ["none"]).breakers == ()
+    assert _dry(0.8, 0.5, 2, 64, None).base == 1.75  # under 1: the default, as llama.cpp's
     with pytest.raises(UsageError, match="is not text"):
         _dry(0.8, 1.75, 2, 64, ["\udcff"])
 
