@@ -10,7 +10,7 @@ gives each setting's median milliseconds a pass per prompt set and its ratio to 
 alone. The engine keeps freed arrays' memory mapped (specrun/allocator.py), and so does this;
 SPECRUN_KEEP_FREED=0 measures without.
 
-    .venv/bin/python benchmarks/sampling_cost.py --per-category 1 --repeats 15 --out /tmp/sampling_cost.json
+    .venv/bin/python benchmarks/sampling_cost.py --per-category 1 --repeats 15 --out runs/sampling_cost.json
 """
 
 from __future__ import annotations

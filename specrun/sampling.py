@@ -400,16 +400,14 @@ def _chained(rows: np.ndarray, settings: SamplingSettings, chain: Sequence[str],
             if dropped is None:
                 continue  # no row has two tokens at the threshold: XTC leaves every row as it is
             rest, chance = chain[at + 1:], settings.xtc_probability
-            # the cut rows from the rows as they are, the dropped tokens removed, then the rest of the
-            # chain (tempered after the removal: each row scaled by its own top token, which the
-            # removal may have taken; tempered before, a low temperature left nothing but 0 / 0)
-            cut = _chained(rows, settings, rest, infill, _without(now, dropped))
+            fresh = probs is None and rest == ("temperature",)  # both halves from the logits: exps, not powers
+            # the cut rows: the dropped tokens removed, then the rest of the chain, each row scaled by
+            # its own top token left (scaled by the dropped one, a low temperature left 0 / 0)
+            cut = (_softmax_without(rows, settings.temperature, kept, dropped) if fresh
+                   else _chained(rows, settings, rest, infill, _without(now, dropped)))
             if chance == 1.0:
                 return cut
-            if probs is None and rest == ("temperature",):  # from the logits: an exp, not a power
-                probs = _softmax(rows, settings.temperature, kept)
-            else:
-                probs = _chained(rows, settings, rest, infill, now)
+            probs = _softmax(rows, settings.temperature, kept) if fresh else _chained(rows, settings, rest, infill, now)
             probs *= 1.0 - chance
             probs += chance * cut
             return probs
@@ -444,6 +442,21 @@ def _xtc_dropped(probs: np.ndarray, threshold: float) -> np.ndarray | None:
     above &= cut[:, None]
     above[np.arange(len(probs)), last] = False
     return above
+
+
+def _softmax_without(rows: np.ndarray, temperature: float, kept: np.ndarray | None, dropped: np.ndarray) -> np.ndarray:
+    """softmax(rows / temperature) over the tokens ``kept`` (n, V; None: all) but the ``dropped``
+    (n, V): a new array, each row scaled by its own top token left. exp is taken over whole rows
+    (a dropped token's may overflow: set to 0 after) and what is not left set to 0: a gather of the
+    tokens left would cost more where they are most of the row."""
+    left = ~dropped if kept is None else kept & ~dropped
+    out = rows / temperature
+    out -= np.maximum.reduce(out, axis=-1, keepdims=True, where=left, initial=-np.inf)
+    with np.errstate(over="ignore"):
+        np.exp(out, out=out)
+    out[~left] = 0.0
+    out /= np.add.reduce(out, axis=-1, keepdims=True)
+    return out
 
 
 def _without(probs: np.ndarray, dropped: np.ndarray) -> np.ndarray:

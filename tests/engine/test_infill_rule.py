@@ -197,7 +197,8 @@ def test_settings_say_the_rule_is_on():
     settings = SamplingSettings(temperature=0.7, top_k=40, infill=True)
     assert settings.describe() == "temperature 0.7, top-k 40, infill rule"
     assert settings.fields() == {"temperature": 0.7, "top_k": 40, "infill": True,
-                                 "samplers": ["top_n_sigma", "top_k", "typ_p", "top_p", "min_p", "temperature"]}
+                                 "samplers": ["top_n_sigma", "top_k", "typ_p", "top_p", "min_p", "xtc",
+                                              "temperature"]}
     assert "infill" not in SamplingSettings(temperature=0.7).fields()
     assert SamplingSettings(infill=True).describe() == "greedy"  # no effect on greedy runs
 
