@@ -24,7 +24,7 @@ from __future__ import annotations
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -135,7 +135,7 @@ def resolved(dry: Dry, backend) -> Dry:
                                           lambda text: backend.tokenize(text, add_bos=False), dry.breakers)
         while len(known) > KEPT_BREAKER_LISTS:
             known.popitem(last=False)
-    return Dry(dry.multiplier, dry.base, dry.allowed_length, dry.last_n, dry.breakers, known[dry.breakers])
+    return replace(dry, restarts=known[dry.breakers])
 
 
 def dry_penalties(text: Sequence[int], dry: Dry) -> tuple[np.ndarray, np.ndarray]:
@@ -144,7 +144,7 @@ def dry_penalties(text: Sequence[int], dry: Dry) -> tuple[np.ndarray, np.ndarray
     none = (np.empty(0, dtype=np.int64), np.empty(0, dtype=np.float32))
     if dry.restarts is None:
         raise ValueError("DRY's sequence breakers were not looked up in the model's vocabulary (dry.resolved)")
-    window = list(text) if dry.last_n < 0 else list(text[max(0, len(text) - dry.last_n):])
+    window = text if dry.last_n < 0 else text[max(0, len(text) - dry.last_n):]  # read, never changed
     size = len(window)
     if size <= dry.allowed_length:
         return none

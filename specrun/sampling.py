@@ -368,7 +368,8 @@ def _chained(rows: np.ndarray, settings: SamplingSettings, chain: Sequence[str],
     (``kept``; None: all), and the temperature, where it comes first, is taken when the
     distribution is made: under llama.cpp's order without top-p, exp is taken once, over the
     tokens kept. One (n, V) array is made and worked in place: a new array of a vocabulary's rows
-    costs its page faults (9 rows of 49k: ~1.5 ms each), more than the arithmetic on it. XTC
+    costs its page faults where glibc hands it fresh pages (9 rows of 49k: ~1.5 ms each; the engine
+    has it keep freed ones, specrun/allocator.py), more than the arithmetic on it. XTC
     splits the chain: the rest of it runs on the rows as they are and on the rows XTC cut, mixed
     by its probability (``_xtc_dropped``)."""
     temperature, kept = 1.0, None
