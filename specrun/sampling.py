@@ -35,6 +35,13 @@ MAX_SEED = 2**63 - 1
 SAMPLER_ORDER = ("top_n_sigma", "top_k", "typ_p", "top_p", "min_p", "xtc", "temperature")
 SAMPLERS = (*SAMPLER_ORDER, "infill")  # what an order may name
 XTC_MAX_THRESHOLD = 0.5  # XTC above it is off (llama.cpp's: two tokens could not both reach it)
+# dynamic temperature's bounds: its range (a temperature's own most, --temp's) and exponent (below 0 a
+# row with one likely token would be drawn at an infinite temperature)
+MAX_DYNATEMP_RANGE = 100.0
+MAX_DYNATEMP_EXPONENT = 100.0
+# the least temperature a row is drawn at: llama.cpp's dynamic temperature may reach 0 (the row's
+# argmax) only where a row's entropy is 0, one token holding all of it, which any temperature keeps
+LEAST_TEMPERATURE = 1e-30
 # specrun's order until 2026-12-07: a sampled trace or bench file that names no order sampled so
 TEMPERATURE_FIRST = ("temperature", "top_k", "top_p", "min_p")
 # llama.cpp's sampler names (common/sampling.cpp; llama-server's ``samplers``, llama-cli's --samplers),
@@ -133,6 +140,11 @@ class SamplingSettings:
     # llama.cpp's DRY: tokens that would extend a repeat of the text penalised, each row by its text
     # (dry.py), greedy runs too; after the repetition penalties
     dry: Dry = Dry()
+    # llama.cpp's dynamic temperature ("dynatemp"): each row's temperature between temperature ±
+    # range (not below 0) by its entropy over the tokens still candidates where the temperature
+    # applies, normalised by their count's most, to this power (``_dynamic_temperatures``; range 0: off)
+    dynatemp_range: float = 0.0
+    dynatemp_exponent: float = 1.0
 
     def __post_init__(self) -> None:
         if self.top_n_sigma < 0.0:
@@ -148,8 +160,13 @@ class SamplingSettings:
         where on, the temperature where not 1, infill where asked."""
         on = {"top_k": self.top_k > 0, "top_p": self.top_p < 1.0, "min_p": self.min_p > 0.0,
               "typ_p": self.typical_p < 1.0, "top_n_sigma": self.top_n_sigma > 0.0, "xtc": self.xtc_on,
-              "temperature": self.temperature != 1.0, "infill": self.infill}
+              "temperature": self.temperature != 1.0 or self.dynatemp_on, "infill": self.infill}
         return tuple(name for name in self.samplers if on[name])
+
+    @property
+    def dynatemp_on(self) -> bool:
+        """Does the temperature follow each row's entropy (a range above 0, as llama.cpp reads it)?"""
+        return self.dynatemp_range > 0.0
 
     @property
     def xtc_on(self) -> bool:
@@ -176,7 +193,7 @@ class SamplingSettings:
         (a whole-row sort on the device cost what reading ahead saves: docs/perf.md 3(w)), typical-p,
         top-n-sigma, XTC, llama.cpp's infill rule, a reasoning budget."""
         if self.greedy or {"top_p", "typ_p", "top_n_sigma", "xtc"} & set(self.chain) or self.infill \
-                or self.reasoning_budget is not None:
+                or self.reasoning_budget is not None or self.dynatemp_on:
             return None
         return AheadSampling(self, draw)
 
@@ -216,6 +233,12 @@ class SamplingSettings:
         if self.xtc_probability > 0.0 and not (0.0 < self.xtc_threshold < math.inf):
             # at 0 or below every token passes it: XTC would leave the least likely token of the row
             problems.append(f"--xtc-threshold must be above 0 (over 0.5: off), got {self.xtc_threshold}")
+        if not self.dynatemp_range <= MAX_DYNATEMP_RANGE:  # NaN too
+            problems.append(f"--dynatemp-range must be at most {MAX_DYNATEMP_RANGE:g} (0 or less: off), "
+                            f"got {self.dynatemp_range}")
+        if not (0.0 <= self.dynatemp_exponent <= MAX_DYNATEMP_EXPONENT):
+            problems.append(f"--dynatemp-exp must be between 0 and {MAX_DYNATEMP_EXPONENT:g}, "
+                            f"got {self.dynatemp_exponent}")
         if self.seed is not None and not 0 <= self.seed <= MAX_SEED:
             problems.append(f"--seed must be between 0 and {MAX_SEED}, got {self.seed}")
         problems += self.penalties.problems()
@@ -255,6 +278,8 @@ class SamplingSettings:
             said.append(f"top-n-sigma {self.top_n_sigma:.10g}")
         if self.xtc_on:
             said.append(f"XTC {self.xtc_probability:.10g} at {self.xtc_threshold:.10g}")
+        if self.dynatemp_on:
+            said.append(f"dynamic temperature ±{self.dynatemp_range:.10g} (exponent {self.dynatemp_exponent:.10g})")
         if self.infill:
             said.append("infill rule")
         if self.chain != tuple(name for name in SAMPLERS if name in self.chain):  # an order of its own
@@ -277,6 +302,8 @@ class SamplingSettings:
                            if value != off})
             if self.xtc_on:
                 fields.update(xtc_probability=self.xtc_probability, xtc_threshold=self.xtc_threshold)
+            if self.dynatemp_on:
+                fields.update(dynatemp_range=self.dynatemp_range, dynatemp_exponent=self.dynatemp_exponent)
         if self.penalties.on:
             fields["penalties"] = {"repeat": self.penalties.repeat, "frequency": self.penalties.frequency,
                                    "presence": self.penalties.presence, "last_n": self.penalties.last_n}
@@ -358,7 +385,7 @@ def probabilities(logits: np.ndarray, settings: SamplingSettings, infill: Infill
 
 
 def _chained(rows: np.ndarray, settings: SamplingSettings, chain: Sequence[str], infill: InfillVocab | None,
-             probs: np.ndarray | None = None) -> np.ndarray:
+             probs: np.ndarray | None = None, count: np.ndarray | None = None) -> np.ndarray:
     """The samplers ``chain`` names applied in turn to ``rows`` (n, V) of logits, or to ``probs``
     (n, V), the distribution earlier samplers left (worked in place): the rows' distributions.
 
@@ -371,17 +398,25 @@ def _chained(rows: np.ndarray, settings: SamplingSettings, chain: Sequence[str],
     costs its page faults where glibc hands it fresh pages (9 rows of 49k: ~1.5 ms each; the engine
     has it keep freed ones, specrun/allocator.py), more than the arithmetic on it. XTC
     splits the chain: the rest of it runs on the rows as they are and on the rows XTC cut, mixed
-    by its probability (``_xtc_dropped``)."""
+    by its probability (``_xtc_dropped``). ``count`` (n,) follows how many candidates each row
+    has left as llama.cpp counts them (None: the whole row), which dynamic temperature reads."""
     temperature, kept = 1.0, None
     for at, name in enumerate(chain):
         if name == "temperature":
-            if probs is None:
+            if settings.dynatemp_on:  # from the distribution at temperature 1 over the candidates
+                if probs is None:
+                    probs = _dynamically_tempered(rows, kept, count, settings)
+                else:
+                    _tempered(probs, _dynamic_temperatures(_entropy(probs), count, settings, probs.shape[-1]))
+            elif probs is None:
                 temperature = settings.temperature
             else:
                 _tempered(probs, settings.temperature)
         elif name == "top_k":
             if settings.top_k >= rows.shape[-1]:
                 continue  # every token
+            if settings.dynatemp_on:  # llama.cpp keeps k candidates
+                count = np.minimum(rows.shape[-1] if count is None else count, settings.top_k)
             if probs is None:
                 kept = _top_k_kept(rows, settings.top_k, kept)
             else:
@@ -395,20 +430,25 @@ def _chained(rows: np.ndarray, settings: SamplingSettings, chain: Sequence[str],
                 probs /= np.add.reduce(probs, axis=-1, keepdims=True)
         elif name == "min_p" and probs is None:
             kept = _min_p_kept(rows, settings.min_p, temperature, kept)
+            count = np.add.reduce(kept, axis=-1) if settings.dynatemp_on else None
         elif name == "xtc":
             now = probs if probs is not None else _softmax(rows, temperature, kept)
             dropped = _xtc_dropped(now, settings.xtc_threshold)
             if dropped is None:
                 continue  # no row has two tokens at the threshold: XTC leaves every row as it is
             rest, chance = chain[at + 1:], settings.xtc_probability
-            fresh = probs is None and rest == ("temperature",)  # both halves from the logits: exps, not powers
+            # both halves from the logits (exps, not powers) where only a fixed temperature follows
+            fresh = probs is None and rest == ("temperature",) and not settings.dynatemp_on
             # the cut rows: the dropped tokens removed, then the rest of the chain, each row scaled by
             # its own top token left (scaled by the dropped one, a low temperature left 0 / 0)
+            cut_count = ((rows.shape[-1] if count is None else count) - np.add.reduce(dropped, axis=-1)
+                         if settings.dynatemp_on else None)
             cut = (_softmax_without(rows, settings.temperature, kept, dropped) if fresh
-                   else _chained(rows, settings, rest, infill, _without(now, dropped)))
+                   else _chained(rows, settings, rest, infill, _without(now, dropped), cut_count))
             if chance == 1.0:
                 return cut
-            probs = _softmax(rows, settings.temperature, kept) if fresh else _chained(rows, settings, rest, infill, now)
+            probs = (_softmax(rows, settings.temperature, kept) if fresh
+                     else _chained(rows, settings, rest, infill, now, count))
             probs *= 1.0 - chance
             probs += chance * cut
             return probs
@@ -424,8 +464,61 @@ def _chained(rows: np.ndarray, settings: SamplingSettings, chain: Sequence[str],
                 _typical(probs, settings.typical_p)
             elif infill is not None:
                 probs = infill_rule(probs, infill)
+            if settings.dynatemp_on:  # what top-p, min-p, typical-p and infill keep
+                count = np.add.reduce(probs > 0.0, axis=-1)
     if probs is None:
         probs = _softmax(rows, temperature, kept)
+    return probs
+
+
+def _dynamic_temperatures(entropy: np.ndarray, count: np.ndarray | None, settings: SamplingSettings,
+                          width: int) -> np.ndarray:
+    """Each row's temperature (n, 1) under llama.cpp's dynamic temperature, from the ``entropy`` (n,)
+    of its distribution at temperature 1 over the candidates left and their ``count`` (n,; None: the
+    whole row of ``width``, as llama.cpp counts them: truncations shrink its candidates, a -inf logit
+    does not): low + (high - low) · (H / log count)^exponent between low = max(0, T - range) and
+    high = T + range. A row with one candidate or none keeps the temperature (llama.cpp leaves it
+    as it is); one at 0 (where one token holds all the entropy) is drawn at LEAST_TEMPERATURE,
+    which keeps that token alone as llama.cpp's argmax does."""
+    base, spread = settings.temperature, settings.dynatemp_range
+    low, high = max(0.0, base - spread), base + spread
+    count = np.full(len(entropy), width) if count is None else np.asarray(count)
+    normalised = entropy / np.log(np.maximum(count, 2))
+    temperatures = np.where(count <= 1, base, low + (high - low) * normalised ** settings.dynatemp_exponent)
+    return np.maximum(temperatures, LEAST_TEMPERATURE)[:, None]
+
+
+def _entropy(probs: np.ndarray) -> np.ndarray:
+    """Each row's entropy (n,) of ``probs`` (n, V)."""
+    logs = np.zeros_like(probs)
+    np.log(probs, out=logs, where=probs > 0.0)
+    return -np.add.reduce(probs * logs, axis=-1)
+
+
+def _dynamically_tempered(rows: np.ndarray, kept: np.ndarray | None, count: np.ndarray | None,
+                          settings: SamplingSettings) -> np.ndarray:
+    """softmax(rows / t) over the tokens ``kept`` (n, V; None: all), each row's t its dynamic
+    temperature (``_dynamic_temperatures``): a new array. The entropy at temperature 1 comes from
+    the shifted logits z and their sum S of exps, log S − Σ p·z, and the tempered rows from z / t,
+    so each row takes two exps and no log or power over it (4.3x the temperature alone with them,
+    on 9 rows of 49k)."""
+    shifted = rows - np.maximum.reduce(rows, axis=-1, keepdims=True, where=True if kept is None else kept,
+                                       initial=-np.inf)
+    if kept is None:
+        probs = np.exp(shifted)
+    else:  # exp only where a token is kept (exp(-inf) takes a slow path)
+        probs = np.zeros_like(shifted)
+        probs[kept] = np.exp(shifted[kept])
+    total = np.add.reduce(probs, axis=-1, keepdims=True)
+    probs /= total
+    with np.errstate(invalid="ignore"):  # 0 · -inf where a token is forbidden: left out
+        entropy = np.log(total[:, 0]) - np.add.reduce(probs * shifted, axis=-1, where=probs > 0.0)
+    shifted /= _dynamic_temperatures(entropy, count, settings, rows.shape[-1])
+    if kept is None:
+        np.exp(shifted, out=probs)
+    else:
+        probs[kept] = np.exp(shifted[kept])
+    probs /= np.add.reduce(probs, axis=-1, keepdims=True)
     return probs
 
 

@@ -435,6 +435,9 @@ SETTINGS = {
     "top-n-sigma": SamplingSettings(temperature=0.8, top_n_sigma=1.0),
     # llama.cpp's XTC: a mixture of the row as it was and the row it cut ("draft xtc")
     "xtc": SamplingSettings(temperature=0.8, xtc_probability=0.5, xtc_threshold=0.2),
+    # llama.cpp's dynamic temperature after top-k: each row's temperature from its entropy over the
+    # log of its two candidates (of three tokens) ("draft dynatemp")
+    "dynatemp": SamplingSettings(temperature=0.8, top_k=2, dynatemp_range=0.7),
 }
 UNSURE = {"top-p": "top-p unsure"}  # the setting a scenario of heads less sure of themselves runs for each
 

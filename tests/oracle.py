@@ -5,8 +5,9 @@ share its bugs (a top-p off by one, a min-p step skipped). This is a second, del
 simple implementation of the documented samplers, in the order the settings name (llama.cpp's
 by default: top-n-sigma, top-k, typical-p, top-p, min-p on the model's own distribution, then the
 temperature), each followed by renormalising; XTC (before the temperature) the mixture of the rest of the
-chain run on the tokens kept and on those XTC leaves; temperature 0 is a one-hot row at the first largest
-logit.
+chain run on the tokens kept and on those XTC leaves; a dynamic temperature from the entropy of the
+candidates left at its turn over the log of their count as llama.cpp counts them; temperature 0 is a
+one-hot row at the first largest logit.
 The exact joint distribution of a continuation, which the statistical tests compare
 against, is built from it.
 """
@@ -28,23 +29,32 @@ def distribution(logits: Sequence[float], settings: SamplingSettings) -> list[fl
     if settings.temperature == 0.0:
         best = max(range(vocab), key=lambda token: (logits[token], -token))
         return [1.0 if token == best else 0.0 for token in range(vocab)]
-    return _sampled(logits, settings, settings.samplers, [True] * vocab, 1.0)
+    return _sampled(logits, settings, settings.samplers, [True] * vocab, 1.0, vocab)
 
 
 def _sampled(logits: list[float], settings: SamplingSettings, names: Sequence[str], kept: list[bool],
-             temperature: float) -> list[float]:
+             temperature: float, count: int) -> list[float]:
     """The samplers ``names`` applied in turn, ``kept`` the tokens every sampler before them kept
-    and ``temperature`` the one the logits are read at (1 until the temperature's turn)."""
+    and ``temperature`` the one the logits are read at (1 until the temperature's turn); ``count``
+    the candidates llama.cpp has left: the row, shrunk by each truncation, not by a -inf logit."""
     vocab = len(logits)
     for at, name in enumerate(names):
         if name == "temperature":
             temperature = settings.temperature
+            if settings.dynatemp_range > 0.0 and count > 1:
+                probs = _softmax(logits, 1.0, kept)
+                entropy = -sum(p * math.log(p) for p in probs if p > 0.0)
+                low = max(0.0, settings.temperature - settings.dynatemp_range)
+                high = settings.temperature + settings.dynatemp_range
+                temperature = low + (high - low) * (entropy / math.log(count)) ** settings.dynatemp_exponent
+                temperature = max(temperature, 1e-30)  # at 0 the row's argmax alone (its entropy is 0)
         elif name == "top_k" and 0 < settings.top_k:
             # the k likeliest of the tokens kept, every token tied with the k-th too
             candidates = sorted((logits[token] for token in range(vocab) if kept[token]), reverse=True)
             if settings.top_k < len(candidates):
                 kth_largest = candidates[settings.top_k - 1]
                 kept = [kept[token] and logits[token] >= kth_largest for token in range(vocab)]
+            count = min(count, settings.top_k)
         elif name == "top_p" and settings.top_p < 1.0:
             # Most likely first (ties: the lower id first); keep a token while the mass of the
             # tokens before it is still short of top_p, so the one that crosses it is kept.
@@ -55,10 +65,12 @@ def _sampled(logits: list[float], settings: SamplingSettings, names: Sequence[st
                     break
                 kept[token] = True
                 mass_before += probs[token]
+            count = sum(kept)
         elif name == "min_p" and settings.min_p > 0.0:
             probs = _softmax(logits, temperature, kept)
             floor = settings.min_p * max(probs)
             kept = [p > 0.0 and p >= floor for p in probs]
+            count = sum(kept)
         elif name == "top_n_sigma" and settings.top_n_sigma > 0.0:
             # the finite logits kept: their mean and standard deviation (over their count)
             values = [logits[token] for token in range(vocab) if kept[token] and math.isfinite(logits[token])]
@@ -81,6 +93,7 @@ def _sampled(logits: list[float], settings: SamplingSettings, names: Sequence[st
                 taken += probs[token]
                 if taken > settings.typical_p:
                     break
+            count = sum(kept)
         elif name == "xtc" and settings.xtc_on:
             # with its probability: the tokens at the threshold dropped but the least likely of
             # them (ties: the highest id), where two or more reach it
@@ -92,8 +105,8 @@ def _sampled(logits: list[float], settings: SamplingSettings, names: Sequence[st
                 rest = names[at + 1:]
                 chance = settings.xtc_probability
                 return [(1.0 - chance) * as_is + chance * after_cut for as_is, after_cut in
-                        zip(_sampled(logits, settings, rest, kept, temperature),
-                            _sampled(logits, settings, rest, cut, temperature))]
+                        zip(_sampled(logits, settings, rest, kept, temperature, count),
+                            _sampled(logits, settings, rest, cut, temperature, count - len(above) + 1))]
     return _softmax(logits, temperature, kept)
 
 

@@ -75,6 +75,8 @@ from specrun.cli.options import (
     TopNSigmaOpt,
     XtcProbabilityOpt,
     XtcThresholdOpt,
+    DynatempRangeOpt,
+    DynatempExpOpt,
     DryMultiplierOpt,
     DryBaseOpt,
     DryAllowedLengthOpt,
@@ -182,6 +184,8 @@ def generate(
     top_nsigma: TopNSigmaOpt = 0.0,
     xtc_probability: XtcProbabilityOpt = 0.0,
     xtc_threshold: XtcThresholdOpt = 0.1,
+    dynatemp_range: DynatempRangeOpt = 0.0,
+    dynatemp_exp: DynatempExpOpt = 1.0,
     dry_multiplier: DryMultiplierOpt = 0.0,
     dry_base: DryBaseOpt = 1.75,
     dry_allowed_length: DryAllowedLengthOpt = 2,
@@ -265,6 +269,7 @@ def generate(
                                     frequency_penalty=frequency_penalty, logit_bias=logit_bias, samplers=samplers,
                                     typical_p=typical, top_n_sigma=top_nsigma,
                                     xtc_probability=xtc_probability, xtc_threshold=xtc_threshold,
+                                    dynatemp=(dynatemp_range, dynatemp_exp),
                                     dry=(dry_multiplier, dry_base, dry_allowed_length, dry_penalty_last_n,
                                          dry_sequence_breaker))
         verification = checked_verification("generate", verify, accept, epsilon, delta, margin, exact)

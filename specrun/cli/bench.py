@@ -55,6 +55,8 @@ from specrun.cli.options import (
     TopNSigmaOpt,
     XtcProbabilityOpt,
     XtcThresholdOpt,
+    DynatempRangeOpt,
+    DynatempExpOpt,
     DryMultiplierOpt,
     DryBaseOpt,
     DryAllowedLengthOpt,
@@ -136,6 +138,8 @@ def bench(
     top_nsigma: TopNSigmaOpt = 0.0,
     xtc_probability: XtcProbabilityOpt = 0.0,
     xtc_threshold: XtcThresholdOpt = 0.1,
+    dynatemp_range: DynatempRangeOpt = 0.0,
+    dynatemp_exp: DynatempExpOpt = 1.0,
     dry_multiplier: DryMultiplierOpt = 0.0,
     dry_base: DryBaseOpt = 1.75,
     dry_allowed_length: DryAllowedLengthOpt = 2,
@@ -217,6 +221,7 @@ def bench(
                                     frequency_penalty=frequency_penalty, logit_bias=logit_bias, samplers=samplers,
                                     typical_p=typical, top_n_sigma=top_nsigma,
                                     xtc_probability=xtc_probability, xtc_threshold=xtc_threshold,
+                                    dynatemp=(dynatemp_range, dynatemp_exp),
                                     dry=(dry_multiplier, dry_base, dry_allowed_length, dry_penalty_last_n,
                                          dry_sequence_breaker))
         if native and sampling.shapes_rows:
@@ -226,9 +231,11 @@ def bench(
         if native and sampling.order != SAMPLER_ORDER:
             raise UsageError("--native times llama-cpp-python's own plain loop, which samples in llama.cpp's default "
                              "order", "drop --native, or --samplers")
-        if native and (sampling.typical_p < 1.0 or sampling.top_n_sigma > 0.0 or sampling.xtc_on):
+        if native and (sampling.typical_p < 1.0 or sampling.top_n_sigma > 0.0 or sampling.xtc_on
+                       or sampling.dynatemp_on):
             raise UsageError("--native times llama-cpp-python's own plain loop, which is given temperature, top-k, "
-                             "top-p and min-p only", "drop --native, or --typical, --top-nsigma and --xtc-probability")
+                             "top-p and min-p only",
+                             "drop --native, or --typical, --top-nsigma, --xtc-probability and --dynatemp-range")
         verification = checked_verification("bench", verify, accept, epsilon, delta, margin, exact)
         target = target or DEFAULT_TARGET
         given_draft = draft

@@ -462,7 +462,8 @@ def checked_sampling(command: str, temp: float, top_k: int, top_p: float, min_p:
                      repeat_penalty: float = 1.0, repeat_last_n: int = 64, presence_penalty: float = 0.0,
                      frequency_penalty: float = 0.0, logit_bias: list[str] | None = None,
                      samplers: str | None = None, typical_p: float = 1.0, top_n_sigma: float = 0.0,
-                     xtc_probability: float = 0.0, xtc_threshold: float = 0.1, dry: tuple | None = None):
+                     xtc_probability: float = 0.0, xtc_threshold: float = 0.1, dry: tuple | None = None,
+                     dynatemp: tuple[float, float] = (0.0, 1.0)):
     """The sampling options as SamplingSettings, or a usage error naming the first bad one."""
     from specrun.dry import Dry
     from specrun.penalties import Penalties
@@ -472,7 +473,8 @@ def checked_sampling(command: str, temp: float, top_k: int, top_p: float, min_p:
     sampling = SamplingSettings(temp, top_k, top_p, min_p, seed, penalties=penalties,
                                 logit_bias=tuple(_logit_bias(value) for value in logit_bias or ()),
                                 typical_p=typical_p, top_n_sigma=top_n_sigma, xtc_probability=xtc_probability,
-                                xtc_threshold=xtc_threshold, dry=_dry(*dry) if dry is not None else Dry())
+                                xtc_threshold=xtc_threshold, dry=_dry(*dry) if dry is not None else Dry(),
+                                dynatemp_range=dynatemp[0], dynatemp_exponent=dynatemp[1])
     problems = sampling.validate()
     if problems:
         raise UsageError(problems[0], f"see `specrun {command} --help`")

@@ -54,6 +54,12 @@ XtcProbabilityOpt = Annotated[float, typer.Option(
     "--xtc-probability", help="XTC, as llama.cpp's: the chance a step drops the likeliest tokens at or above "
     "--xtc-threshold but the least likely of them (0: off).")]
 XtcThresholdOpt = Annotated[float, typer.Option("--xtc-threshold", help="XTC's threshold (over 0.5: off).")]
+DynatempRangeOpt = Annotated[float, typer.Option(
+    "--dynatemp-range", help="Dynamic temperature, as llama.cpp's: each step's temperature within --temp ± this "
+    "(not below 0), higher where the candidates left are nearer even (0: off).")]
+DynatempExpOpt = Annotated[float, typer.Option(
+    "--dynatemp-exp", help="Dynamic temperature's exponent: the candidates' normalised entropy to this power sets "
+    "the step's place in the range (default 1).")]
 DryMultiplierOpt = Annotated[float, typer.Option(
     "--dry-multiplier", help="DRY, as llama.cpp's: tokens that would extend a repeat of the text longer than "
     "--dry-allowed-length lose this times --dry-base to the power of the excess from their logit (0: off).")]

@@ -16,7 +16,7 @@ from specrun.grammar import GrammarError, GrammarSpec
 from specrun.dry import MAX_DRY_BASE, MAX_DRY_LENGTH, MAX_DRY_MULTIPLIER, Dry
 from specrun.penalties import MAX_BIAS, MAX_PENALTY, Penalties
 from specrun.sampling import (
-    MAX_SEED, SamplingSettings, listed_order, named_samplers,
+    MAX_DYNATEMP_EXPONENT, MAX_DYNATEMP_RANGE, MAX_SEED, SamplingSettings, listed_order, named_samplers,
 )
 from specrun.sessions.infill import Fill
 from specrun.sessions.reasoning import REASONING_FORMATS
@@ -38,7 +38,7 @@ _INERT_FIELDS = {
     "best_of": (1, None),
     # llama-server's own, which clients written for it send (llama.vscode's edits send every one)
 
-    "dynatemp_range": (0, None), "mirostat": (0, None), "n_probs": (0, None),
+    "mirostat": (0, None), "n_probs": (0, None),
     "min_keep": (0, 1, None), "return_tokens": (False, None),
     "post_sampling_probs": (False, None), "lora": (None,), "n_cmpl": (1, None), "grammar_lazy": (False, None),
     "adaptive_target": (-1, None),  # adaptive-p's target: below 0 it is off, listed or not
@@ -49,11 +49,12 @@ _FREE_FIELDS = ("user", "store", "metadata", "service_tier", "prompt_cache_key",
                 # llama-server's: its cache and slot controls (specrun keeps a prompt's cache always and
                 # chooses a slot by the prompt it holds), the settings of samplers left off above, and
                 # its timing extras (t_max_prompt_ms: llama-server does not act on it either)
-                "cache_prompt", "id_slot", "n_keep", "n_discard", "n_cache_reuse", "dynatemp_exponent",
+                "cache_prompt", "id_slot", "n_keep", "n_discard", "n_cache_reuse",
                 "mirostat_tau", "mirostat_eta", "t_max_prompt_ms", "timings_per_token",
                 "return_progress", "sse_ping_interval", "verbose", "backend_sampling", "adaptive_decay")
 COMMON_FIELDS = ("model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "typical_p", "top_n_sigma",
-                  "xtc_probability", "xtc_threshold", "dry_multiplier", "dry_base", "dry_allowed_length",
+                  "xtc_probability", "xtc_threshold", "dynatemp_range", "dynatemp_exponent", "dry_multiplier",
+                  "dry_base", "dry_allowed_length",
                   "dry_penalty_last_n", "dry_sequence_breakers", "seed", "stop", "stream", "stream_options", "n",
                   "response_format", "grammar", "json_schema", "samplers", "n_indent",
                   "t_max_predict_ms", "repeat_penalty", "repeat_last_n", "frequency_penalty", "presence_penalty",
@@ -265,6 +266,13 @@ def parse_common(body: dict, defaults: ServeDefaults, n_ctx: int, max_tokens_fie
     xtc_probability = _number(body, "xtc_probability", base.xtc_probability)
     _check_range("xtc_probability", xtc_probability, 0.0, 1.0)
     xtc_threshold = _number(body, "xtc_threshold", base.xtc_threshold)
+    # dynamic temperature: a range of 0 or less is off, as llama-server reads it
+    dynatemp_range = _number(body, "dynatemp_range", base.dynatemp_range)
+    if dynatemp_range > MAX_DYNATEMP_RANGE:
+        raise invalid_value("dynatemp_range", f"must be at most {MAX_DYNATEMP_RANGE:g} (0 or less: off), "
+                                              f"got {dynatemp_range}")
+    dynatemp_exponent = _number(body, "dynatemp_exponent", base.dynatemp_exponent)
+    _check_range("dynatemp_exponent", dynatemp_exponent, 0.0, MAX_DYNATEMP_EXPONENT)
     listed = samplers_order(body.get("samplers"))  # in the list's order; none: the server's own
     listed = defaults.samplers if listed is None else listed
     samplers = None if listed is None else frozenset(listed)  # adaptive_p changes nothing while its target is off
@@ -333,7 +341,9 @@ def parse_common(body: dict, defaults: ServeDefaults, n_ctx: int, max_tokens_fie
                                   infill=samplers is not None and "infill" in samplers, penalties=penalties,
                                   logit_bias=logit_bias, order=order, typical_p=float(typical_p),
                                   top_n_sigma=float(top_n_sigma), xtc_probability=float(xtc_probability),
-                                  xtc_threshold=float(xtc_threshold), dry=dry),
+                                  xtc_threshold=float(xtc_threshold), dry=dry,
+                                  dynatemp_range=max(float(dynatemp_range), 0.0),
+                                  dynatemp_exponent=float(dynatemp_exponent)),
         bias_texts=bias_texts,
         ignore_eos=bool(ignore_eos),
         indent=indent,

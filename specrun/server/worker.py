@@ -717,8 +717,9 @@ class PairWorker:
                 max_tokens=job.request.max_tokens, temperature=sampling.temperature, top_k=sampling.top_k,
                 top_p=sampling.top_p, grammar=grammar is not None,
                 **{name: value for name, value in sampling.fields().items()
-                   if name in ("min_p", "typical_p", "top_n_sigma", "xtc_probability", "xtc_threshold", "infill", "samplers", "penalties", "dry", "logit_bias",
-                               "reasoning_budget")})
+                   if name in ("min_p", "typical_p", "top_n_sigma", "xtc_probability", "xtc_threshold",
+                               "dynatemp_range", "dynatemp_exponent", "infill", "samplers", "penalties", "dry",
+                               "logit_bias", "reasoning_budget")})
         try:
             for event in stream:
                 if job.cancelled.is_set():

@@ -264,7 +264,8 @@ def _sampled(header: dict) -> str:
     dry = _dry(header.get("dry"))
     if dry is not None:
         sampling = dataclasses.replace(sampling, dry=dry)
-    for name in ("typical_p", "top_n_sigma", "xtc_probability", "xtc_threshold"):  # where on (SamplingSettings.fields)
+    for name in ("typical_p", "top_n_sigma", "xtc_probability", "xtc_threshold", "dynatemp_range",
+                 "dynatemp_exponent"):  # where on (SamplingSettings.fields)
         value = header.get(name)
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             try:

@@ -25,8 +25,8 @@ CORE = ("top_k", "top_p", "min_p", "temperature")
 TEMPERATURE_FIRST = ("temperature", "top_k", "top_p", "min_p")  # specrun's order until 2026-12
 
 
-def _random_settings(rng: np.random.Generator, order: tuple[str, ...], typical: bool = False
-                     ) -> tuple[np.ndarray, SamplingSettings]:
+def _random_settings(rng: np.random.Generator, order: tuple[str, ...], typical: bool = False,
+                     dynatemp: bool = False) -> tuple[np.ndarray, SamplingSettings]:
     row = (rng.normal(size=300) * rng.choice([0.5, 2.0, 5.0])).astype(np.float32)
     settings = SamplingSettings(temperature=float(rng.choice([0.3, 0.7, 1.5])), top_k=int(rng.choice([0, 5, 40])),
                                 top_p=float(rng.choice([1.0, 0.9, 0.5])), min_p=float(rng.choice([0.0, 0.05, 0.2])),
@@ -39,6 +39,9 @@ def _random_settings(rng: np.random.Generator, order: tuple[str, ...], typical: 
                                        xtc_threshold=float(rng.choice([0.02, 0.1, 0.3])))
     elif rng.random() < 0.3:  # tokens a grammar or a bias forbids (llama.cpp's typical-p reads them as NaN)
         row[rng.integers(len(row), size=30)] = -np.inf
+    if dynatemp:  # ranges under and over the temperature (then down to 0), flatter and sharper maps
+        settings = dataclasses.replace(settings, dynatemp_range=float(rng.choice([0.25, 0.6, 2.0])),
+                                       dynatemp_exponent=float(rng.choice([0.5, 1.0, 2.5])))
     return row, settings
 
 
@@ -55,7 +58,8 @@ def _llama_chain_row(llama_cpp, row: np.ndarray, settings: SamplingSettings, cha
             "typ_p": lambda: llama_cpp.llama_sampler_init_typical(settings.typical_p, 1),
             "top_n_sigma": lambda: llama_cpp.llama_sampler_init_top_n_sigma(settings.top_n_sigma),
             "xtc": lambda: llama_cpp.llama_sampler_init_xtc(settings.xtc_probability, settings.xtc_threshold, 1, 0),
-            "temperature": lambda: llama_cpp.llama_sampler_init_temp(settings.temperature)}
+            "temperature": lambda: llama_cpp.llama_sampler_init_temp_ext(
+                settings.temperature, settings.dynatemp_range, settings.dynatemp_exponent)}
     try:
         for name in settings.samplers:  # each off sampler as llama.cpp's is at that setting: no change
             llama_cpp.llama_sampler_chain_add(chain, made[name]())
@@ -101,6 +105,23 @@ def test_each_order_samples_what_llama_cpp_s_chain_in_that_order_samples(order):
         row, settings = _random_settings(rng, order, typical=len(order) > len(CORE))
         np.testing.assert_allclose(probabilities(row, settings), _llama_chain_row(llama_cpp, row, settings),
                                    rtol=0, atol=1e-5, err_msg=str(settings))
+
+
+@pytest.mark.parametrize("order", ORDERS, ids=";".join)
+def test_dynamic_temperature_in_each_order_is_llama_cpp_s(order):
+    """llama.cpp's dynamic temperature reads the entropy of the candidates left where it applies and
+    their count: the truncations before it shrink that count (top-k to k), a -inf logit does not
+    (a grammar's, a bias's, top-n-sigma's), nor does a truncation after it."""
+    llama_cpp = pytest.importorskip("llama_cpp")
+    rng = np.random.default_rng(3)
+    spreads = []
+    for _ in range(ROWS // 8):
+        row, settings = _random_settings(rng, order, typical=len(order) > len(CORE), dynatemp=True)
+        ours = probabilities(row, settings)
+        np.testing.assert_allclose(ours, _llama_chain_row(llama_cpp, row, settings), rtol=0, atol=1e-5,
+                                   err_msg=str(settings))
+        spreads.append(np.abs(ours - probabilities(row, dataclasses.replace(settings, dynatemp_range=0.0))).max())
+    assert max(spreads) > 0.05  # the temperature moved enough to matter somewhere
 
 
 def test_xtc_drops_with_its_probability_as_llama_cpp_s():

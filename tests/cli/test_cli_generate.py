@@ -176,6 +176,8 @@ def test_unknown_alias(llama_installed):
         (["--dry-multiplier", "0.8", "--samplers", "top_k;dry;temperature"], "list dry before the other samplers"),
         (["--dry-multiplier", "0.8", "--dry-sequence-breaker", ""], "--dry-sequence-breaker takes a non-empty string"),
         (["--xtc-probability", "0.5", "--xtc-threshold", "0"], "--xtc-threshold must be above 0"),
+        (["--dynatemp-range", "101"], "--dynatemp-range must be at most 100 (0 or less: off)"),
+        (["--dynatemp-range", "0.5", "--dynatemp-exp", "-1"], "--dynatemp-exp must be between 0 and 100"),
         (["--samplers", "kpmtt"], "--samplers: temperature listed more than once"),
         (["--samplers", "top_k;nucleus;min_p;temp;mirror"], '--samplers: "mirror" names no sampler'),
         (["--ctx", "0"], "--ctx must be between 16 and 1048576, got 0"),  # not 1.04858e+06
@@ -519,10 +521,13 @@ def test_a_chain_out_of_order_is_a_usage_error_naming_the_order():
      "drop --native, or --samplers"),
     (("bench", "--methods", "none", "--native"), ("--temp", "0.7", "--typical", "0.9"),
      "--native times llama-cpp-python's own plain loop, which is given temperature, top-k, top-p and min-p only",
-     "drop --native, or --typical, --top-nsigma and --xtc-probability"),
+     "drop --native, or --typical, --top-nsigma, --xtc-probability and --dynatemp-range"),
     (("bench", "--methods", "none", "--native"), ("--temp", "0.7", "--xtc-probability", "0.5"),
      "--native times llama-cpp-python's own plain loop, which is given temperature, top-k, top-p and min-p only",
-     "drop --native, or --typical, --top-nsigma and --xtc-probability"),
+     "drop --native, or --typical, --top-nsigma, --xtc-probability and --dynatemp-range"),
+    (("bench", "--methods", "none", "--native"), ("--temp", "0.7", "--dynatemp-range", "0.5"),
+     "--native times llama-cpp-python's own plain loop, which is given temperature, top-k, top-p and min-p only",
+     "drop --native, or --typical, --top-nsigma, --xtc-probability and --dynatemp-range"),
 ])
 def test_samplers_the_command_cannot_apply_as_asked_are_usage_errors(command, args, words, fix):
     assert_one_line_error(invoke(*command, *args), 2, words, fix)

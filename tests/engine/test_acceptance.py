@@ -90,6 +90,17 @@ HAND_COMPUTED = [
     # cut half underflowed to 0 / 0: NaN rows, found in review)
     (SamplingSettings(temperature=0.002, xtc_probability=0.5, xtc_threshold=0.2), [0.5, 0.5, 0.0, 0.0]),
     (SamplingSettings(temperature=0.002, top_p=0.99, xtc_probability=0.5, xtc_threshold=0.2), [0.5, 0.5, 0.0, 0.0]),
+    # dynamic temperature: the row's entropy at temperature 1, 0.947537, over log 4 (its four
+    # candidates) is 0.683503; range 0.5 about 1: 0.5 + 1.0 · 0.683503 = 1.183503, softmax(L / that)
+    (SamplingSettings(temperature=1.0, dynatemp_range=0.5), [0.590531, 0.253680, 0.108976, 0.046814]),
+    # exponent 2, range 1 about 0.5 (from 0, not -0.5): 1.5 · 0.683503^2 = 0.700765
+    (SamplingSettings(temperature=0.5, dynatemp_range=1.0, dynatemp_exponent=2.0),
+     [0.762506, 0.183021, 0.043930, 0.010544]),
+    # top-k 2 first: two candidates (0.731059, 0.268941), entropy 0.582203 over log 2: 0.839941, so
+    # 1.339941 over the two; temperature first: 1.183503 over the four, then top-k keeps two
+    (SamplingSettings(temperature=1.0, top_k=2, dynatemp_range=0.5), [0.678372, 0.321628, 0.0, 0.0]),
+    (SamplingSettings(temperature=1.0, top_k=2, dynatemp_range=0.5, order=("temperature", "top_k")),
+     [0.699507, 0.300494, 0.0, 0.0]),
     # greedy: one-hot at the argmax
     (SamplingSettings(), [1.0, 0.0, 0.0, 0.0]),
 ]
@@ -117,6 +128,11 @@ def test_oracle_and_probabilities_agree_on_random_rows():
         SamplingSettings(temperature=t, top_k=k, min_p=m, xtc_probability=x, xtc_threshold=h, order=order)
         for t in (0.5, 1.7) for k in (0, 5) for m in (0.0, 0.1) for x in (0.3, 1.0) for h in (0.05, 0.15, 0.3)
         for order in (SAMPLER_ORDER, ("xtc", "top_k", "temperature"), ("temperature", "xtc", "min_p"))
+    ] + [
+        SamplingSettings(temperature=t, top_k=k, top_p=p, xtc_probability=x, xtc_threshold=0.15, dynatemp_range=r,
+                         dynatemp_exponent=e, order=order)
+        for t in (0.5, 1.7) for k in (0, 5) for p in (1.0, 0.8) for x in (0.0, 0.5) for r in (0.3, 1.0) for e in (0.5, 2.0)
+        for order in (SAMPLER_ORDER, ("temperature", "top_k", "top_p", "xtc"), ("top_k", "xtc", "temperature", "top_p"))
     ]
     for row in rng.normal(0.0, 2.0, (20, 12)).astype(np.float32):
         for each in settings:

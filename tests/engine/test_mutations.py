@@ -23,6 +23,7 @@ import specrun.drafters.heads.eagle
 import specrun.drafters.heads.hydra
 import specrun.drafters.heads.medusa
 import specrun.engine.passes
+import specrun.sampling
 from lossless_harness import (
     greedy_scenario, long_tail_sibling_problems, merged_row_problems, real_scenario, run_scenario,
     selected_row_problems,
@@ -194,6 +195,18 @@ def xtc_always(logits, settings, infill=None):
     return probabilities(logits, dataclasses.replace(settings, xtc_probability=chance), infill)
 
 
+def dynatemp_ignored(logits, settings, infill=None):
+    return probabilities(logits, dataclasses.replace(settings, dynatemp_range=0.0), infill)
+
+
+def _dynatemp_counting_every_token(patch: pytest.MonkeyPatch) -> None:
+    """Dynamic temperature's entropy normalised by the log of the whole row, not of the candidates
+    the truncations before it left (llama.cpp's count)."""
+    temperatures = specrun.sampling._dynamic_temperatures
+    patch.setattr(specrun.sampling, "_dynamic_temperatures", lambda entropy, count, settings, width:
+                  temperatures(entropy, None, settings, width))
+
+
 # ---- wrong greedy rules (the signature of specrun.verify.verify_greedy) -----------------------
 
 
@@ -351,6 +364,8 @@ MUTANTS = [
     Mutant("top-n-sigma ignored", _install_sampler(top_n_sigma_ignored), ("draft top-n-sigma",)),
     Mutant("XTC ignored", _install_sampler(xtc_ignored), ("draft xtc",)),
     Mutant("XTC always", _install_sampler(xtc_always), ("draft xtc",)),
+    Mutant("dynamic temperature ignored", _install_sampler(dynatemp_ignored), ("draft dynatemp",)),
+    Mutant("dynamic temperature counting every token", _dynatemp_counting_every_token, ("draft dynatemp",)),
     Mutant("greedy: accepts every draft", _install_greedy(greedy_accepts_every_draft), ("greedy draft",)),
     Mutant("greedy: bonus token from the wrong row", _install_greedy(greedy_bonus_from_the_wrong_row),
            ("greedy draft",)),

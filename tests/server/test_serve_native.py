@@ -240,6 +240,17 @@ def test_the_samplers_apply_in_the_order_listed():
     assert not unlisted.sampling.xtc_on
     inert, _ = _native({**LLAMA_VIM, "samplers": "kxi", "xtc_probability": 0, "xtc_threshold": 0})
     assert not inert.sampling.xtc_on
+    # dynamic temperature: on where its range is above 0 (the temperature's place in the list); a
+    # range of 0 or less is off, as llama-server reads it
+    dynamic, _ = _native({**LLAMA_VIM, "samplers": "kti", "temperature": 0.8, "dynatemp_range": 0.5,
+                          "dynatemp_exponent": 2})
+    assert (dynamic.sampling.dynatemp_range, dynamic.sampling.dynatemp_exponent) == (0.5, 2.0)
+    assert dynamic.sampling.dynatemp_on and dynamic.sampling.chain == ("top_k", "temperature", "infill")
+    assert not _native({**LLAMA_VIM, "dynatemp_range": -1})[0].sampling.dynatemp_on
+    for fields, message in (({"dynatemp_range": 150}, r"dynatemp_range: must be at most 100 \(0 or less: off\)"),
+                            ({"dynatemp_exponent": -0.5}, r"dynatemp_exponent: must be in \[0, 100\], got -0.5")):
+        with pytest.raises(RequestError, match=message):
+            _native({**LLAMA_VIM, **fields})
     # DRY: on where its multiplier is above 0 (and listed, where a list is sent), after the penalties
     dry, _ = _native({**LLAMA_VIM, "samplers": ["dry", "top_k", "infill"], "dry_multiplier": 0.8, "dry_base": 0.5,
                       "dry_allowed_length": 3, "dry_penalty_last_n": -1, "dry_sequence_breakers": ["\n", "###"]})

@@ -207,12 +207,13 @@ def test_a_header_with_an_order_of_its_own_says_it(tmp_path):
     told = CliRunner().invoke(app, ["trace", str(path)])  # an order no run could use: not told
     assert told.stdout.splitlines()[0] == "run: ?, method draft"
     typical = SamplingSettings(0.7, typical_p=0.8, top_n_sigma=1.5, xtc_probability=0.5, xtc_threshold=0.2,
-                               dry=Dry(0.8, last_n=-1, breakers=("\n",)))
+                               dry=Dry(0.8, last_n=-1, breakers=("\n",)), dynatemp_range=0.3, dynatemp_exponent=2.0)
     write(path, [{"trace": "specrun", "version": 1, "method": "draft", **typical.fields()},
                  step(1, "prefill", 0, 0, policy(True))])
     told = CliRunner().invoke(app, ["trace", str(path)])
     assert told.stdout.splitlines()[0] == ("run: ?, method draft, sampled at temperature 0.7, typical-p 0.8, "
-                                           "top-n-sigma 1.5, XTC 0.5 at 0.2, DRY 0.8 (base 1.75, allowed 2) over the "
+                                           "top-n-sigma 1.5, XTC 0.5 at 0.2, dynamic temperature ±0.3 (exponent 2), "
+                                           "DRY 0.8 (base 1.75, allowed 2) over the "
                                            "whole text, 1 sequence breaker")
     # a header from before llama.cpp's order (none named) sampled with the temperature first
     write(path, [{"trace": "specrun", "version": 1, "method": "draft", "temperature": 0.7, "top_p": 0.9},
