@@ -165,8 +165,10 @@ class SamplingSettings:
 
     @property
     def dynatemp_on(self) -> bool:
-        """Does the temperature follow each row's entropy (a range above 0, as llama.cpp reads it)?"""
-        return self.dynatemp_range > 0.0
+        """Does the temperature follow each row's entropy: a range above 0 (as llama.cpp reads it)
+        and a run that samples (greedy runs take the argmax, where llama.cpp's chain would sample
+        between 0 and the range)?"""
+        return self.dynatemp_range > 0.0 and not self.greedy
 
     @property
     def xtc_on(self) -> bool:
@@ -236,7 +238,7 @@ class SamplingSettings:
         if not self.dynatemp_range <= MAX_DYNATEMP_RANGE:  # NaN too
             problems.append(f"--dynatemp-range must be at most {MAX_DYNATEMP_RANGE:g} (0 or less: off), "
                             f"got {self.dynatemp_range}")
-        if not (0.0 <= self.dynatemp_exponent <= MAX_DYNATEMP_EXPONENT):
+        if self.dynatemp_on and not (0.0 <= self.dynatemp_exponent <= MAX_DYNATEMP_EXPONENT):
             problems.append(f"--dynatemp-exp must be between 0 and {MAX_DYNATEMP_EXPONENT:g}, "
                             f"got {self.dynatemp_exponent}")
         if self.seed is not None and not 0 <= self.seed <= MAX_SEED:

@@ -272,7 +272,6 @@ def parse_common(body: dict, defaults: ServeDefaults, n_ctx: int, max_tokens_fie
         raise invalid_value("dynatemp_range", f"must be at most {MAX_DYNATEMP_RANGE:g} (0 or less: off), "
                                               f"got {dynatemp_range}")
     dynatemp_exponent = _number(body, "dynatemp_exponent", base.dynatemp_exponent)
-    _check_range("dynatemp_exponent", dynatemp_exponent, 0.0, MAX_DYNATEMP_EXPONENT)
     listed = samplers_order(body.get("samplers"))  # in the list's order; none: the server's own
     listed = defaults.samplers if listed is None else listed
     samplers = None if listed is None else frozenset(listed)  # adaptive_p changes nothing while its target is off
@@ -284,6 +283,11 @@ def parse_common(body: dict, defaults: ServeDefaults, n_ctx: int, max_tokens_fie
         typical_p = typical_p if "typ_p" in samplers else 1.0
         top_n_sigma = top_n_sigma if "top_n_sigma" in samplers else 0.0
         xtc_probability = xtc_probability if "xtc" in samplers else 0.0
+        dynatemp_range = dynatemp_range if "temperature" in samplers else 0.0
+    if temperature == 0.0:  # greedy: the argmax (llama-server would sample between 0 and the range)
+        dynatemp_range = 0.0
+    if dynatemp_range > 0.0:  # read only where on, as llama-server reads it
+        _check_range("dynatemp_exponent", dynatemp_exponent, 0.0, MAX_DYNATEMP_EXPONENT)
     if xtc_probability > 0.0 and xtc_threshold <= 0.0:  # every token would reach it (over 0.5: off, as llama.cpp's)
         raise invalid_value("xtc_threshold", f"must be above 0 (over 0.5: off), got {xtc_threshold}")
     penalties = _parse_penalties(body, base.penalties)

@@ -42,6 +42,8 @@ def _random_settings(rng: np.random.Generator, order: tuple[str, ...], typical: 
     if dynatemp:  # ranges under and over the temperature (then down to 0), flatter and sharper maps
         settings = dataclasses.replace(settings, dynatemp_range=float(rng.choice([0.25, 0.6, 2.0])),
                                        dynatemp_exponent=float(rng.choice([0.5, 1.0, 2.5])))
+        if not typical and rng.random() < 0.3:  # fewer tokens left than top-k's k: still k candidates
+            row[rng.permutation(len(row))[12:]] = -np.inf
     return row, settings
 
 

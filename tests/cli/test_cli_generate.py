@@ -177,7 +177,8 @@ def test_unknown_alias(llama_installed):
         (["--dry-multiplier", "0.8", "--dry-sequence-breaker", ""], "--dry-sequence-breaker takes a non-empty string"),
         (["--xtc-probability", "0.5", "--xtc-threshold", "0"], "--xtc-threshold must be above 0"),
         (["--dynatemp-range", "101"], "--dynatemp-range must be at most 100 (0 or less: off)"),
-        (["--dynatemp-range", "0.5", "--dynatemp-exp", "-1"], "--dynatemp-exp must be between 0 and 100"),
+        (["--temp", "0.7", "--dynatemp-range", "0.5", "--dynatemp-exp", "-1"],
+         "--dynatemp-exp must be between 0 and 100"),
         (["--samplers", "kpmtt"], "--samplers: temperature listed more than once"),
         (["--samplers", "top_k;nucleus;min_p;temp;mirror"], '--samplers: "mirror" names no sampler'),
         (["--ctx", "0"], "--ctx must be between 16 and 1048576, got 0"),  # not 1.04858e+06

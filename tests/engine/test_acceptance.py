@@ -114,6 +114,20 @@ def test_probabilities_match_hand_computed_values(settings, expected):
     np.testing.assert_allclose(distribution(LOGITS, settings), expected, atol=2e-6)  # the oracle too
 
 
+@pytest.mark.parametrize("settings", [SamplingSettings(temperature=0.5, dynatemp_range=1.0),
+                                      SamplingSettings(temperature=0.5, top_p=0.9, dynatemp_range=1.0),
+                                      SamplingSettings(temperature=0.5, dynatemp_range=1.0, order=("temperature",))],
+                         ids=str)
+def test_a_dynamic_temperature_of_0_keeps_the_one_token_left(settings):
+    """One finite logit (a grammar's or a reasoning budget's forced token): the entropy is 0, the
+    range reaches 0, and the row is that token alone, drawn at LEAST_TEMPERATURE (at 0: 0 / 0)."""
+    row = np.array([-np.inf, 1.5, -np.inf, -np.inf])
+    expected = [0.0, 1.0, 0.0, 0.0]
+    np.testing.assert_array_equal(probabilities(row, settings), expected)
+    np.testing.assert_array_equal(probabilities(np.stack([row, row[::-1]]), settings), [expected, expected[::-1]])
+    assert distribution(row, settings) == expected  # the oracle too
+
+
 def test_oracle_and_probabilities_agree_on_random_rows():
     rng = np.random.default_rng(0)
     settings = [

@@ -247,8 +247,14 @@ def test_the_samplers_apply_in_the_order_listed():
     assert (dynamic.sampling.dynatemp_range, dynamic.sampling.dynatemp_exponent) == (0.5, 2.0)
     assert dynamic.sampling.dynatemp_on and dynamic.sampling.chain == ("top_k", "temperature", "infill")
     assert not _native({**LLAMA_VIM, "dynatemp_range": -1})[0].sampling.dynatemp_on
+    # off at temperature 0 (the argmax) and where a list leaves the temperature out; its exponent
+    # read only where it is on, as llama-server reads it
+    for fields in ({"temperature": 0, "dynatemp_range": 0.5}, {"samplers": "k", "dynatemp_range": 0.5},
+                   {"dynatemp_exponent": -1}, {"dynatemp_exponent": 500}):
+        assert _native({**LLAMA_VIM, **fields})[0].sampling.dynatemp_range == 0.0
     for fields, message in (({"dynatemp_range": 150}, r"dynatemp_range: must be at most 100 \(0 or less: off\)"),
-                            ({"dynatemp_exponent": -0.5}, r"dynatemp_exponent: must be in \[0, 100\], got -0.5")):
+                            ({"samplers": "kti", "temperature": 0.8, "dynatemp_range": 0.5, "dynatemp_exponent": -0.5},
+                             r"dynatemp_exponent: must be in \[0, 100\], got -0.5")):
         with pytest.raises(RequestError, match=message):
             _native({**LLAMA_VIM, **fields})
     # DRY: on where its multiplier is above 0 (and listed, where a list is sent), after the penalties
