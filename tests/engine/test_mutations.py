@@ -25,7 +25,7 @@ import specrun.drafters.heads.medusa
 import specrun.engine.passes
 import specrun.sampling
 from lossless_harness import (
-    greedy_scenario, long_tail_sibling_problems, merged_row_problems, real_scenario, run_scenario,
+    RUNS, greedy_scenario, long_tail_sibling_problems, merged_row_problems, real_scenario, run_scenario,
     selected_row_problems,
 )
 from model_factory import perturbed_copy
@@ -376,6 +376,11 @@ EXACT_CHECKS = {"long tail siblings": long_tail_sibling_problems, "merged rows":
                 "selected rows": selected_row_problems}
 
 
+# A mutant's sampled scenario runs the sweep's first third of windows, then all of them where those
+# pass: most mutants are caught in the first third, far below ALPHA.
+FIRST_RUNS = RUNS // 3
+
+
 @pytest.mark.parametrize("mutant", MUTANTS, ids=[mutant.name for mutant in MUTANTS])
 def test_every_mutant_is_caught(mutant, monkeypatch):
     mutant.install(monkeypatch)
@@ -385,7 +390,9 @@ def test_every_mutant_is_caught(mutant, monkeypatch):
         elif scenario in EXACT_CHECKS:
             problems = EXACT_CHECKS[scenario]()
         else:
-            _, problems = run_scenario(scenario)
+            _, problems = run_scenario(scenario, runs=FIRST_RUNS)
+            if not problems:
+                _, problems = run_scenario(scenario)
         assert problems, f"the mutant {mutant.name!r} passed the {scenario!r} losslessness scenario"
 
 
