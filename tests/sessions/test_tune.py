@@ -42,10 +42,10 @@ def test_tune_saves_and_generate_uses_the_best_settings(config_home, tiny_llama)
         assert entry["best_min_prob"] == 0.0 and entry["speedup"] == 1.0
     assert sorted(int(n) for n in entry["target_costs"]) == list(range(1, 10))
     # The draft model's costs, which later runs' controllers start from: a cost per drafted
-    # length, growing with it.
+    # length (what each is, from the steps' own seconds, is test_calibration_picks_…'s to say:
+    # their order on the tiny model is the clock's, and a busy machine reorders it).
     costs = {int(k): seconds for k, seconds in entry["draft_costs"].items()}
     assert set(costs) == {1, 2, 3, 4, 6, 8} and all(seconds > 0 for seconds in costs.values())
-    assert costs[8] > costs[1]
     # …and what a token of context adds to a pass and to a draft step, timed after several contexts
     # (the tiny model's passes barely grow: a slope of 0 is a measurement too), from the context the
     # costs above were timed at
