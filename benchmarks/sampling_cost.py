@@ -1,6 +1,7 @@
 """What turning a verify pass's rows into distributions costs, per sampling setting.
 
-Every sampled step builds k + 1 rows over the whole vocabulary (``sampling.probabilities``), and
+Every sampled step builds k + 1 rows over the whole vocabulary (``sampling.probabilities``; under
+mirostat each at the μ its drafts reach, ``TargetPasses.path_p_target``), and
 settings that shape rows by their text (penalties, DRY, a bias) shape each row first
 (``sampling.text_shaped_rows``). This times both on a real model's own rows: one pass of
 ``--rows`` rows after each prompt (SmolLM2-135M F16 by default: 49,152 tokens a row), for the
@@ -29,7 +30,10 @@ from specrun.backends.kv import sequence_for
 from specrun.backends.llama import LlamaCppBackend
 from specrun.bench.runner import tokenize_prompt
 from specrun.bench.suite import BUILTIN_SUITE, load_jsonl, select
+from specrun.drafters.base import Proposal
 from specrun.dry import Dry
+from specrun.engine.passes import TargetPasses
+from specrun.mirostat import Mirostat
 from specrun.penalties import Penalties
 from specrun.registry.loading import load_registry, resolve_gguf
 from specrun.sampling import TEMPERATURE_FIRST, SamplingSettings, for_vocabulary, probabilities, text_shaped_rows
@@ -51,6 +55,8 @@ SETTINGS = {
     "repeat penalty 1.1": SamplingSettings(T, penalties=Penalties(repeat=1.1)),
     "DRY 0.8, last 64": SamplingSettings(T, dry=Dry(0.8)),
     "DRY 0.8, the whole text": SamplingSettings(T, dry=Dry(0.8, last_n=-1)),
+    "mirostat 2 (τ 5)": SamplingSettings(T, mirostat=Mirostat(2)),
+    "mirostat 1 (τ 5)": SamplingSettings(T, mirostat=Mirostat(1)),
 }
 
 
@@ -58,9 +64,15 @@ def time_pass(rows: np.ndarray, settings: SamplingSettings, text: list[int]) -> 
     """Seconds to shape (where the settings do) and sample-prepare one pass's rows, as the engine does."""
     paths = [text[len(text) - i:] if i else [] for i in range(len(rows))]  # row i after i drafts (the text's own)
     context = text[: len(text) - len(rows) + 1]
+    drafts = Proposal(tuple(text[len(text) - len(rows) + 1:]))  # the text's own, as drafts of the pass
+    passes = TargetPasses(None)
+    passes.start_text(settings)  # μ at its start, 2τ
     start = time.perf_counter()
     shaped = text_shaped_rows(rows, settings, context, paths) if settings.shapes_rows else rows
-    probabilities(shaped, settings)
+    if settings.mirostat_on:  # each row cut at the μ its drafts reach, as the engine's passes cut them
+        passes.path_p_target(shaped, settings, drafts)
+    else:
+        probabilities(shaped, settings)
     return time.perf_counter() - start
 
 

@@ -22,6 +22,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from specrun.dry import Dry, dry_penalties, resolved
+from specrun.mirostat import Mirostat, cut
 from specrun.penalties import MAX_BIAS, AheadShaping, Penalties, shaped_rows
 from specrun.reasoning_budget import ReasoningBudget, forced_rows
 
@@ -145,6 +146,9 @@ class SamplingSettings:
     # applies, normalised by their count's most, to this power (``_dynamic_temperatures``; range 0: off)
     dynatemp_range: float = 0.0
     dynatemp_exponent: float = 1.0
+    # llama.cpp's mirostat (1 or 2; 0: off): each row, after the temperature, cut by a surprise μ
+    # its text carries (mirostat.py); the other samplers off under it, as in llama.cpp's chain
+    mirostat: Mirostat = Mirostat()
 
     def __post_init__(self) -> None:
         if self.top_n_sigma < 0.0:
@@ -158,22 +162,29 @@ class SamplingSettings:
     def chain(self) -> tuple[str, ...]:
         """The samplers that change a sampled row, in their order (``samplers``): the truncations
         where on, the temperature where not 1, infill where asked."""
+        if self.mirostat_on:  # llama.cpp's chain: the temperature, then mirostat (``probabilities``)
+            return ("temperature",) if self.temperature != 1.0 else ()
         on = {"top_k": self.top_k > 0, "top_p": self.top_p < 1.0, "min_p": self.min_p > 0.0,
               "typ_p": self.typical_p < 1.0, "top_n_sigma": self.top_n_sigma > 0.0, "xtc": self.xtc_on,
               "temperature": self.temperature != 1.0 or self.dynatemp_on, "infill": self.infill}
         return tuple(name for name in self.samplers if on[name])
 
     @property
+    def mirostat_on(self) -> bool:
+        """Is each row cut by the μ its text reached (mirostat 1 or 2 in a run that samples)?"""
+        return self.mirostat.on and not self.greedy
+
+    @property
     def dynatemp_on(self) -> bool:
         """Does the temperature follow each row's entropy: a range above 0 (as llama.cpp reads it)
         and a run that samples (greedy runs take the argmax, where llama.cpp's chain would sample
         between 0 and the range)?"""
-        return self.dynatemp_range > 0.0 and not self.greedy
+        return self.dynatemp_range > 0.0 and not self.greedy and not self.mirostat.on
 
     @property
     def xtc_on(self) -> bool:
         """Does XTC ever drop a token: a probability above 0, a threshold of 0.5 or less?"""
-        return self.xtc_probability > 0.0 and self.xtc_threshold <= XTC_MAX_THRESHOLD
+        return self.xtc_probability > 0.0 and self.xtc_threshold <= XTC_MAX_THRESHOLD and not self.mirostat.on
 
     @property
     def samplers(self) -> tuple[str, ...]:
@@ -195,7 +206,7 @@ class SamplingSettings:
         (a whole-row sort on the device cost what reading ahead saves: docs/perf.md 3(w)), typical-p,
         top-n-sigma, XTC, llama.cpp's infill rule, a reasoning budget."""
         if self.greedy or {"top_p", "typ_p", "top_n_sigma", "xtc"} & set(self.chain) or self.infill \
-                or self.reasoning_budget is not None or self.dynatemp_on:
+                or self.reasoning_budget is not None or self.dynatemp_on or self.mirostat_on:
             return None
         return AheadSampling(self, draw)
 
@@ -245,6 +256,7 @@ class SamplingSettings:
             problems.append(f"--seed must be between 0 and {MAX_SEED}, got {self.seed}")
         problems += self.penalties.problems()
         problems += self.dry.problems()
+        problems += self.mirostat.problems()
         for token, amount in self.logit_bias:
             if token < 0:
                 problems.append(f"--logit-bias names token {token}: token ids are 0 or more")
@@ -268,6 +280,9 @@ class SamplingSettings:
         if self.greedy:
             return ", ".join(["greedy", *shaping])
         said = [f"temperature {self.temperature:.10g}"]
+        if self.mirostat_on:  # the truncations and the other samplers are off under it
+            seed = [f"seed {self.seed}"] if self.seed is not None else []
+            return ", ".join([*said, self.mirostat.describe(), *seed, *shaping])
         if self.top_k:
             said.append(f"top-k {self.top_k}")
         if self.top_p < 1.0:
@@ -306,6 +321,8 @@ class SamplingSettings:
                 fields.update(xtc_probability=self.xtc_probability, xtc_threshold=self.xtc_threshold)
             if self.dynatemp_on:
                 fields.update(dynatemp_range=self.dynatemp_range, dynatemp_exponent=self.dynatemp_exponent)
+            if self.mirostat_on:
+                fields["mirostat"] = self.mirostat.fields()
         if self.penalties.on:
             fields["penalties"] = {"repeat": self.penalties.repeat, "frequency": self.penalties.frequency,
                                    "presence": self.penalties.presence, "last_n": self.penalties.last_n}
@@ -365,11 +382,15 @@ def top_probability(logits: np.ndarray) -> float:
     return float(1.0 / np.exp(finite - finite.max()).sum())
 
 
-def probabilities(logits: np.ndarray, settings: SamplingSettings, infill: InfillVocab | None = None) -> np.ndarray:
+def probabilities(logits: np.ndarray, settings: SamplingSettings, infill: InfillVocab | None = None,
+                  mu: float | np.ndarray | None = None) -> np.ndarray:
     """Row-wise next-token distributions under ``settings``: their samplers applied in their
     order (``SamplingSettings.chain``), each renormalising what it keeps. llama.cpp's infill rule,
     where the settings ask for it, reads ``infill``'s vocabulary (``infill_vocab_of``); without
-    one it is left out (a head's drafts: any row a draft is drawn from is exact).
+    one it is left out (a head's drafts: any row a draft is drawn from is exact). Under mirostat
+    each row is cut at its ``mu`` ((n,) or one for all; None: the settings' own, ``Mirostat.drafting_mu``,
+    as drafters draw, any row a draft is drawn from being exact): the target's rows at the μ their
+    paths reached (engine/passes.py).
 
     logits: (n, vocab) or (vocab,). Returns float64 of the same shape, rows sum to 1.
     Greedy settings give a one-hot row at the argmax.
@@ -383,6 +404,9 @@ def probabilities(logits: np.ndarray, settings: SamplingSettings, infill: Infill
         return out[0] if squeeze else out
 
     probs = _chained(rows, settings, settings.chain, infill)
+    if settings.mirostat_on:  # the rows at temperature, cut at each one's μ (n,; one for all)
+        probs = cut(probs, settings.mirostat, np.broadcast_to(settings.mirostat.drafting_mu if mu is None else mu,
+                                                              (len(probs),)))
     return probs[0] if squeeze else probs
 
 

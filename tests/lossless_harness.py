@@ -39,11 +39,12 @@ from scipy import stats as scipy_stats
 
 import specrun.engine.passes
 from specrun.engine.passes import DEFAULT_CHAIN_RULE
-from oracle import distribution, exact_joint
+from oracle import distribution, exact_joint, mirostat_distribution, mirostat_moved, mirostat_rows
 from specrun.engine.loop import GenerationParams, SpeculativeEngine
 from specrun.drafters.methods import (
     METHODS, DrafterOptions, build_drafter, is_adaptive, needs_draft_model, needs_heads, resolve_method
 )
+from specrun.mirostat import Mirostat
 from specrun.sampling import SamplingSettings
 from specrun.engine.stats import Stats
 
@@ -324,8 +325,12 @@ def oracle_reference(table, sampling: SamplingSettings) -> Reference:
     def row(context: tuple[int, ...]) -> tuple[float, ...]:
         return tuple(distribution(table(context), sampling))
 
+    along = functools.cache(lambda prompt: mirostat_rows(table, prompt, sampling))  # μ follows the output
+
     def rows(prompt: Sequence[int], output: Sequence[int]) -> list[tuple[float, ...]]:
         context = tuple(prompt)
+        if sampling.mirostat_on:
+            return [tuple(along(context)(tuple(output[:m]))) for m in range(len(output))]
         return [row(context + tuple(output[:m])) for m in range(len(output))]
 
     return rows
@@ -438,6 +443,11 @@ SETTINGS = {
     # llama.cpp's dynamic temperature after top-k: each row's temperature from its entropy over the
     # log of its two candidates (of three tokens) ("draft dynatemp")
     "dynatemp": SamplingSettings(temperature=0.8, top_k=2, dynatemp_range=0.7),
+    # llama.cpp's mirostat: each row cut at the μ its path reached from the text's, which each token
+    # taken moves ("draft mirostat", "draft mirostat 1", "draft tree mirostat"); τ near the rows'
+    # surprises and a fast rate, so μ keeps one, two or three of the three tokens
+    "mirostat": SamplingSettings(temperature=0.9, mirostat=Mirostat(2, tau=1.2, eta=0.6)),
+    "mirostat 1": SamplingSettings(temperature=0.9, mirostat=Mirostat(1, tau=1.2, eta=0.6)),
 }
 UNSURE = {"top-p": "top-p unsure"}  # the setting a scenario of heads less sure of themselves runs for each
 
@@ -598,6 +608,7 @@ SCENARIOS = {
     # A model's MTP layers, one a draft depth, chained as llama.cpp chains them (drafters.heads.mtp)
     "mtp chained": Scenario("mtp", mtp_layers=DRAFT_LEN),
     "mtp chained tree": Scenario("mtp", branches=TREE_BRANCHES, mtp_layers=DRAFT_LEN),
+    "draft tree mirostat": Scenario("draft", "mirostat", branches=TREE_BRANCHES),  # each node's μ its parent's
 }
 # Scenarios tests/heads/test_mtp_sampling.py runs over 25,000 windows each (issue: at least 50,000
 # samples for MTP chains and trees), seeds 0 on: the sweep's RUNS are among them, so it skips these.
@@ -876,7 +887,13 @@ def replay_reference(backend, sampling: SamplingSettings) -> Reference:
         sequence.rewind(0)
         fed = [*prompt, *(int(token) for token in output[:-1])]
         logits = sequence.feed(fed, list(range(len(prompt) - 1, len(fed))))
-        return [distribution(row, sampling) for row in logits]
+        if not sampling.mirostat_on:
+            return [distribution(row, sampling) for row in logits]
+        rows, mu = [], 2.0 * sampling.mirostat.tau  # mirostat's: each row at the μ the output before reached
+        for row, token in zip(logits, output):
+            rows.append(mirostat_distribution(row, sampling, mu))
+            mu = mirostat_moved(mu, sampling, rows[-1], int(token))
+        return rows
 
     return rows
 

@@ -7,7 +7,8 @@ by default: top-n-sigma, top-k, typical-p, top-p, min-p on the model's own distr
 temperature), each followed by renormalising; XTC (before the temperature) the mixture of the rest of the
 chain run on the tokens kept and on those XTC leaves; a dynamic temperature from the entropy of the
 candidates left at its turn over the log of their count as llama.cpp counts them; temperature 0 is a
-one-hot row at the first largest logit.
+one-hot row at the first largest logit. Mirostat (``mirostat_distribution``) cuts the row at the
+temperature by a μ its text carries: ``mirostat_rows`` follows it along outputs.
 The exact joint distribution of a continuation, which the statistical tests compare
 against, is built from it.
 """
@@ -110,6 +111,62 @@ def _sampled(logits: list[float], settings: SamplingSettings, names: Sequence[st
     return _softmax(logits, temperature, kept)
 
 
+def mirostat_distribution(logits: Sequence[float], settings: SamplingSettings, mu: float) -> list[float]:
+    """The next-token distribution of one row under mirostat at ``mu``: softmax at the temperature,
+    then version 2 keeps the tokens whose surprise -log2 p is at most μ (the likeliest alone where
+    none is), version 1 the k likeliest (every token tied with the k-th too), k from μ and the
+    Zipf exponent of the likeliest 100 (mirostat's paper, as llama.cpp computes it)."""
+    logits = [float(value) for value in (logits.tolist() if hasattr(logits, "tolist") else logits)]
+    vocab = len(logits)
+    probs = _softmax(logits, settings.temperature, [True] * vocab)
+    ranked = sorted(range(vocab), key=lambda t: (-probs[t], t))
+    if settings.mirostat.version == 2:
+        kept = [p > 0.0 and -math.log2(p) <= mu for p in probs]
+        if not any(kept):
+            kept[ranked[0]] = True
+        return _normalise([p if keep else 0.0 for p, keep in zip(probs, kept)])
+    top = [probs[t] for t in ranked[:100] if probs[t] > 0.0]
+    k = 1
+    if len(top) >= 2 and mu > -math.inf:
+        steps = [math.log((i + 2) / (i + 1)) for i in range(len(top) - 1)]
+        s_hat = (sum(t * math.log(top[i] / top[i + 1]) for i, t in enumerate(steps))
+                 / sum(t * t for t in steps))
+        try:
+            k_real = ((s_hat - 1.0) * 2.0 ** mu / (1.0 - vocab ** -(s_hat - 1.0))) ** (1.0 / s_hat)
+            k = max(1, min(vocab, int(k_real))) if not math.isnan(k_real) else 1
+        except ZeroDivisionError:  # an even row: undefined, the likeliest alone
+            k = 1
+        except OverflowError:  # past any row: every token
+            k = vocab
+    kth = probs[ranked[k - 1]]
+    return _normalise([p if p >= kth else 0.0 for p in probs])
+
+
+def mirostat_moved(mu: float, settings: SamplingSettings, row: Sequence[float], token: int) -> float:
+    """μ after ``token`` drawn from ``row``: less η times (its surprise in bits less τ)."""
+    if row[token] <= 0.0:
+        return -math.inf
+    return mu - settings.mirostat.eta * (-math.log2(row[token]) - settings.mirostat.tau)
+
+
+def mirostat_rows(table: Callable[[tuple[int, ...]], Sequence[float]], prompt: Sequence[int],
+                  settings: SamplingSettings) -> Callable[[tuple[int, ...]], list[float]]:
+    """``row(output)``: mirostat's distribution after ``prompt`` then ``output``, μ from its start
+    (2τ) moved by each token of the output under the row it was drawn from."""
+    import functools
+
+    @functools.cache
+    def state(output: tuple[int, ...]) -> tuple[list[float], float]:
+        if not output:
+            mu = 2.0 * settings.mirostat.tau
+        else:
+            parent_row, parent_mu = state(output[:-1])
+            mu = mirostat_moved(parent_mu, settings, parent_row, output[-1])
+        return mirostat_distribution(table(tuple(prompt) + output), settings, mu), mu
+
+    return lambda output: state(tuple(output))[0]
+
+
 def _softmax(logits: list[float], temperature: float, kept: list[bool]) -> list[float]:
     """softmax(logits / temperature) over the tokens kept, 0 elsewhere."""
     top = max(value for value, keep in zip(logits, kept) if keep) / temperature
@@ -131,6 +188,9 @@ def exact_joint(
     """Probability of every ``n_tokens`` continuation of ``prompt`` under the target's own
     sampling, ``table(context)`` giving the target's logits. Sequences of probability 0
     are listed too (a test must never see them)."""
+    if settings.mirostat.on and settings.temperature > 0.0:  # each row by the μ its text reached
+        row = mirostat_rows(table, prompt, settings)
+        return joint_of(lambda context: row(context[len(prompt):]), prompt, n_tokens)
     joint: dict[tuple[int, ...], float] = {}
 
     def extend(context: tuple[int, ...], prefix: tuple[int, ...], prob: float) -> None:

@@ -34,8 +34,6 @@ from specrun.cli.common import (
     cli_errors,
 )
 from specrun.cli.options import (
-    ChatTemplateKwargsOpt,
-    ReasoningOpt,
     AcceptOpt,
     BackendOpt,
     BenchDraftLenOpt,
@@ -46,25 +44,12 @@ from specrun.cli.options import (
     BranchesOpt,
     ChainOpt,
     ChatOpt,
+    ChatTemplateKwargsOpt,
     CtxOpt,
     DeltaOpt,
     DraftOpt,
     EpsilonOpt,
     ExactOpt,
-    SamplersOpt,
-    TopNSigmaOpt,
-    XtcProbabilityOpt,
-    XtcThresholdOpt,
-    DynatempRangeOpt,
-    DynatempExpOpt,
-    DryMultiplierOpt,
-    DryBaseOpt,
-    DryAllowedLengthOpt,
-    DryLastNOpt,
-    DryBreakerOpt,
-    TypicalOpt,
-    SinksOpt,
-    WindowOpt,
     FlashAttnOpt,
     GpuLayersOpt,
     HeadsOpt,
@@ -72,24 +57,20 @@ from specrun.cli.options import (
     LookaheadOpt,
     MarginOpt,
     MaxTokensOpt,
-    MinPOpt,
-    FrequencyPenaltyOpt,
-    LogitBiasOpt,
-    PresencePenaltyOpt,
-    RepeatLastNOpt,
-    RepeatPenaltyOpt,
     RawOpt,
+    ReasoningOpt,
     RegistryOpt,
     RpcOpt,
-    SeedOpt,
+    SamplingOptions,
+    SinksOpt,
     TargetOpt,
-    TempOpt,
     ThreadsOpt,
-    TopKOpt,
-    TopPOpt,
+    TraceOpt,
     TreeNodesOpt,
     VerifyOpt,
-    TraceOpt,)
+    WindowOpt,
+    takes_sampling_options,
+)
 from specrun.errors import UsageError
 from specrun.fileio import check_writable_folder, write_atomically
 from specrun.sampling import SAMPLER_ORDER
@@ -117,6 +98,7 @@ UntunedOpt = Annotated[
 ]
 
 
+@takes_sampling_options()
 def bench(
     context: typer.Context,
     target: TargetOpt = None,
@@ -130,28 +112,7 @@ def bench(
     draft_len: BenchDraftLenOpt = None,
     sweep_draft_len: SweepOpt = None,
     draft_min_prob: BenchMinProbOpt = None,
-    temp: TempOpt = 0.0,
-    top_k: TopKOpt = 0,
-    top_p: TopPOpt = 1.0,
-    min_p: MinPOpt = 0.0,
-    typical: TypicalOpt = 1.0,
-    top_nsigma: TopNSigmaOpt = 0.0,
-    xtc_probability: XtcProbabilityOpt = 0.0,
-    xtc_threshold: XtcThresholdOpt = 0.1,
-    dynatemp_range: DynatempRangeOpt = 0.0,
-    dynatemp_exp: DynatempExpOpt = 1.0,
-    dry_multiplier: DryMultiplierOpt = 0.0,
-    dry_base: DryBaseOpt = 1.75,
-    dry_allowed_length: DryAllowedLengthOpt = 2,
-    dry_penalty_last_n: DryLastNOpt = 64,
-    dry_sequence_breaker: DryBreakerOpt = None,
-    samplers: SamplersOpt = None,
-    seed: SeedOpt = None,
-    repeat_penalty: RepeatPenaltyOpt = 1.0,
-    repeat_last_n: RepeatLastNOpt = 64,
-    presence_penalty: PresencePenaltyOpt = 0.0,
-    frequency_penalty: FrequencyPenaltyOpt = 0.0,
-    logit_bias: LogitBiasOpt = None,
+    sampling_options: SamplingOptions = SamplingOptions(),
     repeat: RepeatOpt = 1,
     chat: ChatOpt = False,
     raw: RawOpt = False,
@@ -216,14 +177,7 @@ def bench(
         if native and rpc_servers:
             raise UsageError("--native runs llama-cpp-python's own loop on a copy of the target here, and --rpc "
                              "sends the target to other machines", "drop --native or --rpc")
-        sampling = checked_sampling("bench", temp, top_k, top_p, min_p, seed, repeat_penalty=repeat_penalty,
-                                    repeat_last_n=repeat_last_n, presence_penalty=presence_penalty,
-                                    frequency_penalty=frequency_penalty, logit_bias=logit_bias, samplers=samplers,
-                                    typical_p=typical, top_n_sigma=top_nsigma,
-                                    xtc_probability=xtc_probability, xtc_threshold=xtc_threshold,
-                                    dynatemp=(dynatemp_range, dynatemp_exp),
-                                    dry=(dry_multiplier, dry_base, dry_allowed_length, dry_penalty_last_n,
-                                         dry_sequence_breaker))
+        sampling = checked_sampling("bench", sampling_options)
         if native and sampling.shapes_rows:
             raise UsageError("--native times llama-cpp-python's own plain loop, which applies no logit bias or DRY and "
                              "counts penalties over the answer alone (specrun and llama.cpp's tools count the prompt too)",
@@ -232,10 +186,11 @@ def bench(
             raise UsageError("--native times llama-cpp-python's own plain loop, which samples in llama.cpp's default "
                              "order", "drop --native, or --samplers")
         if native and (sampling.typical_p < 1.0 or sampling.top_n_sigma > 0.0 or sampling.xtc_on
-                       or sampling.dynatemp_on):
+                       or sampling.dynatemp_on or sampling.mirostat.on):
             raise UsageError("--native times llama-cpp-python's own plain loop, which is given temperature, top-k, "
                              "top-p and min-p only",
-                             "drop --native, or --typical, --top-nsigma, --xtc-probability and --dynatemp-range")
+                             "drop --native, or --typical, --top-nsigma, --xtc-probability, --dynatemp-range "
+                             "and --mirostat")
         verification = checked_verification("bench", verify, accept, epsilon, delta, margin, exact)
         target = target or DEFAULT_TARGET
         given_draft = draft

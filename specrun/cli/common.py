@@ -458,28 +458,62 @@ def checked_reasoning_format(reasoning_format: str) -> str:
     return reasoning_format
 
 
-def checked_sampling(command: str, temp: float, top_k: int, top_p: float, min_p: float, seed: int | None, *,
-                     repeat_penalty: float = 1.0, repeat_last_n: int = 64, presence_penalty: float = 0.0,
-                     frequency_penalty: float = 0.0, logit_bias: list[str] | None = None,
-                     samplers: str | None = None, typical_p: float = 1.0, top_n_sigma: float = 0.0,
-                     xtc_probability: float = 0.0, xtc_threshold: float = 0.1, dry: tuple | None = None,
-                     dynatemp: tuple[float, float] = (0.0, 1.0)):
-    """The sampling options as SamplingSettings, or a usage error naming the first bad one."""
-    from specrun.dry import Dry
+@dataclasses.dataclass(frozen=True)
+class SamplingOptions:
+    """The sampling options as given, not yet checked (``checked_sampling`` makes them
+    SamplingSettings): what ``options.takes_sampling_options`` gathers for a command. Each field is the
+    option of its name (options.SAMPLING_OPTIONS), in the order --help lists them, with its default."""
+
+    temp: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    typical: float = 1.0
+    top_nsigma: float = 0.0
+    xtc_probability: float = 0.0
+    xtc_threshold: float = 0.1
+    dynatemp_range: float = 0.0
+    dynatemp_exp: float = 1.0
+    mirostat: int = 0
+    mirostat_lr: float = 0.1
+    mirostat_ent: float = 5.0
+    dry_multiplier: float = 0.0
+    dry_base: float = 1.75
+    dry_allowed_length: int = 2
+    dry_penalty_last_n: int = 64
+    dry_sequence_breaker: list[str] | None = None
+    samplers: str | None = None
+    seed: int | None = None
+    repeat_penalty: float = 1.0
+    repeat_last_n: int = 64
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: list[str] | None = None
+
+
+def checked_sampling(command: str, options: SamplingOptions) -> SamplingSettings:
+    """The sampling options (options.takes_sampling_options) as SamplingSettings, or a usage error
+    naming the first bad one."""
+    from specrun.mirostat import Mirostat
     from specrun.penalties import Penalties
     from specrun.sampling import SamplingSettings
 
-    penalties = Penalties(repeat_penalty, frequency_penalty, presence_penalty, repeat_last_n)
-    sampling = SamplingSettings(temp, top_k, top_p, min_p, seed, penalties=penalties,
-                                logit_bias=tuple(_logit_bias(value) for value in logit_bias or ()),
-                                typical_p=typical_p, top_n_sigma=top_n_sigma, xtc_probability=xtc_probability,
-                                xtc_threshold=xtc_threshold, dry=_dry(*dry) if dry is not None else Dry(),
-                                dynatemp_range=dynatemp[0], dynatemp_exponent=dynatemp[1])
+    penalties = Penalties(options.repeat_penalty, options.frequency_penalty, options.presence_penalty,
+                          options.repeat_last_n)
+    sampling = SamplingSettings(options.temp, options.top_k, options.top_p, options.min_p, options.seed,
+                                penalties=penalties,
+                                logit_bias=tuple(_logit_bias(value) for value in options.logit_bias or ()),
+                                typical_p=options.typical, top_n_sigma=options.top_nsigma,
+                                xtc_probability=options.xtc_probability, xtc_threshold=options.xtc_threshold,
+                                dry=_dry(options.dry_multiplier, options.dry_base, options.dry_allowed_length,
+                                         options.dry_penalty_last_n, options.dry_sequence_breaker),
+                                dynatemp_range=options.dynatemp_range, dynatemp_exponent=options.dynatemp_exp,
+                                mirostat=Mirostat(options.mirostat, options.mirostat_ent, options.mirostat_lr))
     problems = sampling.validate()
     if problems:
         raise UsageError(problems[0], f"see `specrun {command} --help`")
-    if samplers is not None:
-        sampling = dataclasses.replace(sampling, order=_samplers_order(samplers, sampling))
+    if options.samplers is not None:
+        sampling = dataclasses.replace(sampling, order=_samplers_order(options.samplers, sampling))
     return sampling
 
 

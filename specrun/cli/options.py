@@ -9,12 +9,15 @@ only one command takes stay in that command's module.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import inspect
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
 
-from specrun.cli.common import MAX_BRANCHES, MAX_TREE_NODES
+from specrun.cli.common import MAX_BRANCHES, MAX_TREE_NODES, SamplingOptions
 
 # ---- shared: one declaration for every command that takes the option -------------------
 TargetOpt = Annotated[Optional[str], typer.Option(
@@ -60,6 +63,11 @@ DynatempRangeOpt = Annotated[float, typer.Option(
 DynatempExpOpt = Annotated[float, typer.Option(
     "--dynatemp-exp", help="Dynamic temperature's exponent: the candidates' normalised entropy to this power sets "
     "the step's place in the range (default 1).")]
+MirostatOpt = Annotated[int, typer.Option(
+    "--mirostat", help="Mirostat, as llama.cpp's: 1 or 2 (0: off). Each step keeps the tokens that hold the text's "
+    "surprise near --mirostat-ent; top-k, top-p, min-p and the other samplers are off under it, as in llama.cpp.")]
+MirostatLrOpt = Annotated[float, typer.Option("--mirostat-lr", help="Mirostat's learning rate, eta.")]
+MirostatEntOpt = Annotated[float, typer.Option("--mirostat-ent", help="Mirostat's target surprise, tau, in bits.")]
 DryMultiplierOpt = Annotated[float, typer.Option(
     "--dry-multiplier", help="DRY, as llama.cpp's: tokens that would extend a repeat of the text longer than "
     "--dry-allowed-length lose this times --dry-base to the power of the excess from their logit (0: off).")]
@@ -385,3 +393,49 @@ RpcServerHostOpt = Annotated[
                       "use this machine's devices: llama.cpp's RPC protocol has no authentication.")
 ]
 RpcServerPortOpt = Annotated[int, typer.Option("--port", help="TCP port (llama.cpp's default: 50052).")]
+
+
+# ---- the sampling options, as one bundle (generate, chat, bench, serve) -------------------
+SAMPLING_OPTIONS = {
+    "temp": TempOpt, "top_k": TopKOpt, "top_p": TopPOpt, "min_p": MinPOpt, "typical": TypicalOpt,
+    "top_nsigma": TopNSigmaOpt, "xtc_probability": XtcProbabilityOpt, "xtc_threshold": XtcThresholdOpt,
+    "dynatemp_range": DynatempRangeOpt, "dynatemp_exp": DynatempExpOpt, "mirostat": MirostatOpt,
+    "mirostat_lr": MirostatLrOpt, "mirostat_ent": MirostatEntOpt, "dry_multiplier": DryMultiplierOpt,
+    "dry_base": DryBaseOpt, "dry_allowed_length": DryAllowedLengthOpt, "dry_penalty_last_n": DryLastNOpt,
+    "dry_sequence_breaker": DryBreakerOpt, "samplers": SamplersOpt, "seed": SeedOpt,
+    "repeat_penalty": RepeatPenaltyOpt, "repeat_last_n": RepeatLastNOpt, "presence_penalty": PresencePenaltyOpt,
+    "frequency_penalty": FrequencyPenaltyOpt, "logit_bias": LogitBiasOpt,
+}
+
+
+def takes_sampling_options(*, seed: bool = True):
+    """The sampling options, declared once for every command that samples: the command names a
+    parameter ``sampling_options: SamplingOptions`` where its --help lists them, and is called
+    with them gathered there. Typer reads a command's options from its signature, so the one it
+    is given has each option in that parameter's place. ``seed``: whether --seed is among them
+    (a server's requests bring their own)."""
+    names = [field.name for field in dataclasses.fields(SamplingOptions) if seed or field.name != "seed"]
+    defaults = SamplingOptions()
+
+    def decorate(command):
+        signature = inspect.signature(command, eval_str=True)
+        parameters = []
+        for parameter in signature.parameters.values():
+            if parameter.name != "sampling_options":
+                parameters.append(parameter)
+                continue
+            parameters += [inspect.Parameter(name, parameter.kind, default=getattr(defaults, name),
+                                             annotation=SAMPLING_OPTIONS[name]) for name in names]
+        if len(parameters) == len(signature.parameters):
+            raise TypeError(f"{command.__name__} has no sampling_options parameter to put the options in")
+
+        @functools.wraps(command)
+        def with_sampling_options(*args, **kwargs):
+            given = {name: kwargs.pop(name) for name in names if name in kwargs}
+            return command(*args, sampling_options=SamplingOptions(**given), **kwargs)
+
+        with_sampling_options.__signature__ = signature.replace(parameters=parameters)
+        with_sampling_options.__annotations__ = {parameter.name: parameter.annotation for parameter in parameters}
+        return with_sampling_options
+
+    return decorate

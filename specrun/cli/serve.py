@@ -38,13 +38,9 @@ from specrun.cli.common import (
 from specrun.cli.options import (
     AcceptOpt,
     BackendOpt,
-    ChatTemplateKwargsOpt,
-    ReasoningBudgetMessageOpt,
-    ReasoningBudgetOpt,
-    ReasoningFormatOpt,
-    ReasoningOpt,
     BranchesOpt,
     ChainOpt,
+    ChatTemplateKwargsOpt,
     CtxOpt,
     DeltaOpt,
     DraftLenOpt,
@@ -52,53 +48,39 @@ from specrun.cli.options import (
     DraftOpt,
     EpsilonOpt,
     ExactOpt,
-    SamplersOpt,
-    TopNSigmaOpt,
-    XtcProbabilityOpt,
-    XtcThresholdOpt,
-    DynatempRangeOpt,
-    DynatempExpOpt,
-    DryMultiplierOpt,
-    DryBaseOpt,
-    DryAllowedLengthOpt,
-    DryLastNOpt,
-    DryBreakerOpt,
-    TypicalOpt,
-    ServeTraceOpt,
-    SinksOpt,
-    WindowOpt,
     FlashAttnOpt,
     GpuLayersOpt,
     HeadsOpt,
+    KeepLearnedOpt,
     KvTypeOpt,
+    LearnBudgetOpt,
+    LearnBufferOpt,
+    LearnLabelsOpt,
+    LearnOpt,
     LookaheadOpt,
     MarginOpt,
-    LearnOpt,
-    NoLearnOpt,
-    LearnBudgetOpt,
-    LearnLabelsOpt,
-    LearnBufferOpt,
-    KeepLearnedOpt,
     MethodOpt,
-    MinPOpt,
-    FrequencyPenaltyOpt,
-    LogitBiasOpt,
-    PresencePenaltyOpt,
-    RepeatLastNOpt,
-    RepeatPenaltyOpt,
     NgramCacheOpt,
+    NoLearnOpt,
+    ReasoningBudgetMessageOpt,
+    ReasoningBudgetOpt,
+    ReasoningFormatOpt,
+    ReasoningOpt,
     RegistryOpt,
     RpcOpt,
+    SamplingOptions,
     ServeHostOpt,
     ServeMaxTokensOpt,
     ServePortOpt,
+    ServeTraceOpt,
+    SinksOpt,
     TargetOpt,
-    TempOpt,
     ThreadsOpt,
-    TopKOpt,
-    TopPOpt,
     TreeNodesOpt,
-    VerifyOpt,)
+    VerifyOpt,
+    WindowOpt,
+    takes_sampling_options,
+)
 from specrun.errors import UsageError
 
 ApiKeyOpt = Annotated[
@@ -153,6 +135,7 @@ def checked_origins(origins: list[str]) -> tuple[str, ...]:
     return tuple(dict.fromkeys(origins))
 
 
+@takes_sampling_options(seed=False)
 def serve_command(
     context: typer.Context,
     target: TargetOpt = None,
@@ -163,27 +146,7 @@ def serve_command(
     port: ServePortOpt = 8080,
     api_key: ApiKeyOpt = None,
     max_tokens: ServeMaxTokensOpt = 512,
-    temp: TempOpt = 0.0,
-    top_k: TopKOpt = 0,
-    top_p: TopPOpt = 1.0,
-    min_p: MinPOpt = 0.0,
-    typical: TypicalOpt = 1.0,
-    top_nsigma: TopNSigmaOpt = 0.0,
-    xtc_probability: XtcProbabilityOpt = 0.0,
-    xtc_threshold: XtcThresholdOpt = 0.1,
-    dynatemp_range: DynatempRangeOpt = 0.0,
-    dynatemp_exp: DynatempExpOpt = 1.0,
-    dry_multiplier: DryMultiplierOpt = 0.0,
-    dry_base: DryBaseOpt = 1.75,
-    dry_allowed_length: DryAllowedLengthOpt = 2,
-    dry_penalty_last_n: DryLastNOpt = 64,
-    dry_sequence_breaker: DryBreakerOpt = None,
-    samplers: SamplersOpt = None,
-    repeat_penalty: RepeatPenaltyOpt = 1.0,
-    repeat_last_n: RepeatLastNOpt = 64,
-    presence_penalty: PresencePenaltyOpt = 0.0,
-    frequency_penalty: FrequencyPenaltyOpt = 0.0,
-    logit_bias: LogitBiasOpt = None,
+    sampling_options: SamplingOptions = SamplingOptions(),
     draft_len: DraftLenOpt = None,
     draft_min_prob: DraftMinProbOpt = None,
     ctx: CtxOpt = None,
@@ -269,17 +232,11 @@ def serve_command(
                 given, why = refused
                 raise UsageError(f"{given} {why}, which --parallel slots sharing a pass cannot do",
                                  f"leave {given} out, or serve with --parallel 1")
-        sampling = checked_sampling("serve", temp, top_k, top_p, min_p, None, repeat_penalty=repeat_penalty,
-                                    repeat_last_n=repeat_last_n, presence_penalty=presence_penalty,
-                                    frequency_penalty=frequency_penalty, logit_bias=logit_bias, samplers=samplers,
-                                    typical_p=typical, top_n_sigma=top_nsigma,
-                                    xtc_probability=xtc_probability, xtc_threshold=xtc_threshold,
-                                    dynatemp=(dynatemp_range, dynatemp_exp),
-                                    dry=(dry_multiplier, dry_base, dry_allowed_length, dry_penalty_last_n,
-                                         dry_sequence_breaker))
+        sampling = checked_sampling("serve", sampling_options)
         # the list a request without its own is read with, as llama-server reads its --samplers: what
         # it leaves out is off, the temperature too (a request's would then be 1)
-        listed = listed_samplers(samplers, sampling) if samplers is not None else None
+        listed = (listed_samplers(sampling_options.samplers, sampling)
+                  if sampling_options.samplers is not None else None)
         if listed is not None and "temperature" not in listed:
             raise UsageError("--samplers leaves out temperature: a request's temperature applies only where the "
                              "list names it, as llama-server reads it", "name temperature in --samplers")

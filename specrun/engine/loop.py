@@ -379,6 +379,7 @@ class SpeculativeEngine:
         sampled_ahead = drawn is not None and self.target.can_sample_ahead and self.passes.acceptance is None
         reads_ahead = (self.target.can_read_ahead and (sampling.greedy or sampled_ahead) and constrained is None
                        and params.logprobs is None and (not sampling.shapes_rows or shaped_ahead))
+        self.passes.start_text(sampling)
         clock = StepClock(self.clock)  # generation starts
         try:
             hit_eos = False
@@ -396,7 +397,7 @@ class SpeculativeEngine:
                 step, hit_eos = self._prefill_token_step(prompt_logits, context, eos_ids, params, rng, clock)
                 if params.logprobs is not None:
                     step = dataclasses.replace(step, logprobs=_logprobs(
-                        self._logprob_rows(prompt_logits[None], params), [0], step.tokens, params.logprobs))
+                        self._logprob_rows(prompt_logits[None], params, [0]), [0], step.tokens, params.logprobs))
                 if constrained is not None:
                     self.grammar_blocked = not constrained.advance(step.tokens)
                 if row_readers and rows_come:  # the first token's row: the prompt's last
@@ -480,7 +481,7 @@ class SpeculativeEngine:
                 emitted = tuple(context[context_len:])
                 read = [0, *(1 + node for node in verdict.path)][: len(emitted)]  # the root's row, the kept nodes'
                 logprobs = () if params.logprobs is None else _logprobs(
-                    self._logprob_rows(self.passes.last_rows[read], params), range(len(read)), emitted,
+                    self._logprob_rows(self.passes.last_rows[read], params, read), range(len(read)), emitted,
                     params.logprobs)
                 step = Step(emitted, len(proposal), verdict.n_accepted, clock.draft_seconds, clock.verify_seconds,
                             proposal.source, logprobs)
@@ -502,14 +503,17 @@ class SpeculativeEngine:
                 self.grammar_problem = constrained.problem
         self.last_context = context
 
-    def _logprob_rows(self, rows: np.ndarray, params: GenerationParams) -> np.ndarray:
+    def _logprob_rows(self, rows: np.ndarray, params: GenerationParams, read: Sequence[int]) -> np.ndarray:
         """A pass's rows as its tokens' log-probabilities read them: as verified (log-softmax at
         temperature 1), or the log of the distribution the settings sample from (``logprobs_sampled``:
-        a token they leave out at -inf, one-hot where greedy)."""
+        a token they leave out at -inf, one-hot where greedy; under mirostat the pass's own, rows
+        ``read`` of it, each cut at the μ of its text)."""
         if not params.logprobs_sampled:
             return rows
+        sampled = (self.passes.last_p_target[list(read)] if params.sampling.mirostat_on
+                   else self.passes.p_target(rows, params.sampling))
         with np.errstate(divide="ignore"):
-            return np.log(self.passes.p_target(rows, params.sampling))
+            return np.log(sampled)
 
     def _prefill(
         self, context: list[int], policy: SpeculationPolicy | None, params: GenerationParams, stats: Stats
@@ -554,7 +558,7 @@ class SpeculativeEngine:
         if plan.fused:
             deferred = self.drafter.propose_deferred(context, draft_len)
             return EMPTY_PROPOSAL if deferred is None else DeferredDrafts(deferred, self.drafter.name)
-        proposal = self._ask_drafters(policy, plan, context, draft_len, params.sampling, rng)
+        proposal = self._ask_drafters(policy, plan, context, draft_len, self._drafting(params.sampling), rng)
         return proposal if proposal.is_chain else self._verifiable(proposal, params)
 
     def _after_forced(
@@ -567,11 +571,20 @@ class SpeculativeEngine:
         room = draft_len - len(forced)
         if room <= 0 or not plan.draft or self.drafter.reads_pass:
             return forced, None
-        more = self._ask_drafters(policy, plan, [*context, *forced.tokens], room, params.sampling, rng)
+        more = self._ask_drafters(policy, plan, [*context, *forced.tokens], room, self._drafting(params.sampling), rng)
         if not more.is_chain:
             nodes = self._tree_nodes(params) - len(forced)
             more = more.main_chain if nodes <= 0 else self._verifiable(more, dataclasses.replace(params, tree_nodes=nodes))
         return (forced.followed_by(more), more) if more.tokens else (forced, None)
+
+    def _drafting(self, sampling: SamplingSettings) -> SamplingSettings:
+        """The settings drafters draw under: the user's, and under mirostat its μ where the text has
+        taken it (a draft drawn from any row is exact; the text's μ brings the draft's rows nearer
+        the target's, each cut at the μ its own path reaches)."""
+        if not sampling.mirostat_on:
+            return sampling
+        return dataclasses.replace(sampling, mirostat=dataclasses.replace(sampling.mirostat,
+                                                                          mu=self.passes.mirostat_mu))
 
     def _ask_drafters(self, policy, plan: Plan, context, draft_len: int, sampling, rng) -> Proposal:
         """Ask the planned drafters in turn, each for the length the policy gives it; the first

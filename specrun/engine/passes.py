@@ -17,6 +17,7 @@ import numpy as np
 from specrun.backends.kv import KVSequence
 from specrun.drafters.base import Drafter, Proposal
 from specrun.engine.constrained import masked_rows
+from specrun.mirostat import moved
 from specrun.penalties import AheadShaping, chain_paths, tree_paths
 from specrun.sampling import AheadSampling, SamplingSettings, infill_vocab_of, probabilities, sample, text_shaped_rows
 from specrun.verify import (
@@ -80,6 +81,11 @@ class TargetPasses:
         self._shaping: tuple[SamplingSettings, Sequence[int]] | None = None
         # the last pass's rows before their text shaped them, and the grammar's rows (own_rows)
         self._unshaped: tuple[np.ndarray, np.ndarray | None] | None = None
+        # under mirostat, the μ the text reached (start_text sets it; each token taken moves it) and
+        # the last sampled pass's distributions with each row's μ (None: not mirostat's)
+        self.mirostat_mu = 0.0
+        self.last_p_target: np.ndarray | None = None
+        self._mus: np.ndarray | None = None
 
     @property
     def verification(self) -> Verification:
@@ -107,20 +113,59 @@ class TargetPasses:
         on_progress(total, total)
         return logits, keep > 0
 
+    def start_text(self, sampling: SamplingSettings) -> None:
+        """A new text begins: mirostat's μ at its start (2τ, as llama.cpp resets it)."""
+        self.mirostat_mu = sampling.mirostat.start
+        self.last_p_target = self._mus = None
+
     def pick(self, logits: np.ndarray, sampling: SamplingSettings, rng: np.random.Generator) -> int:
         """One token from a (V,) row of logits under the user's settings."""
         if sampling.greedy:
             return int(logits.argmax())
+        if sampling.mirostat_on:
+            token = sample(self.path_p_target(logits[None], sampling)[0], rng)
+            self.took(Verdict(0, token), sampling)
+            return token
         return sample(self.p_target(logits, sampling), rng)
 
-    def p_target(self, logits: np.ndarray, sampling: SamplingSettings) -> np.ndarray:
+    def p_target(self, logits: np.ndarray, sampling: SamplingSettings, mu: float | None = None) -> np.ndarray:
         """The target's distributions (n, V) or (V,) under the user's settings: ``probabilities``,
         llama.cpp's infill rule among them where asked (not greedy). Rejection sampling needs no more
         than the row each draft was drawn from and the target's, so verification stays exact
         against plain decoding under the rule whatever row a drafter draws from (a draft model's
-        follow the rule too, drafters/draft_model.py; heads' do not)."""
-        vocab = infill_vocab_of(self.target.backend, np.shape(logits)[-1]) if sampling.infill and not sampling.greedy else None
-        return probabilities(logits, sampling, vocab)
+        follow the rule too, drafters/draft_model.py; heads' do not). ``mu``: under mirostat, the
+        μ these rows are cut at (``path_p_target`` gives each row its own)."""
+        vocab = (infill_vocab_of(self.target.backend, np.shape(logits)[-1])
+                 if sampling.infill and not sampling.greedy and not sampling.mirostat_on else None)
+        return probabilities(logits, sampling, vocab, mu)
+
+    def path_p_target(self, logits: np.ndarray, sampling: SamplingSettings, proposal: Proposal | None = None
+                      ) -> np.ndarray:
+        """A pass's distributions (1 + n, V) under the settings, the root's row first then one a
+        draft: ``p_target``, and under mirostat each row cut at the μ its path reaches, from the
+        text's (``mirostat_mu``) at the root and from its parent's row and draft below it (kept, for
+        ``took``)."""
+        if not sampling.mirostat_on:
+            return self.p_target(logits, sampling)
+        parents = () if proposal is None or proposal.is_chain else proposal.parents
+        probs = np.empty(np.shape(logits), dtype=np.float64)  # (1 + n, V)
+        mus = np.empty(len(probs))
+        for row in range(len(probs)):
+            if row == 0:
+                mus[0] = self.mirostat_mu
+            else:  # a chain's row follows the row before; a tree's node, its parent's (-1: the root)
+                parent = row - 1 if not parents else parents[row - 1] + 1
+                mus[row] = moved(mus[parent], sampling.mirostat, probs[parent], proposal.tokens[row - 1])
+            probs[row] = self.p_target(logits[row], sampling, mus[row])
+        self.last_p_target, self._mus = probs, mus
+        return probs
+
+    def took(self, verdict: Verdict | TreeVerdict, sampling: SamplingSettings) -> None:
+        """Mirostat's μ after the tokens a verdict kept: the drafts on its path (their rows' μ), then
+        the token after them, drawn from the last kept row."""
+        if sampling.mirostat_on:
+            last = 1 + verdict.path[-1] if verdict.path else 0  # the last kept row
+            self.mirostat_mu = moved(self._mus[last], sampling.mirostat, self.last_p_target[last], verdict.next_token)
 
     def verify(
         self, last_token: int, drafts: Proposal | DeferredDrafts, sampling: SamplingSettings,
@@ -155,9 +200,11 @@ class TargetPasses:
             return drafts, verify_greedy(drafts.tokens, target_argmax)
         logits = self._rows(self.target.feed(fed, rows), allowed, drafts)  # (k+1, V)
         self._show_pass(drafts, logits)
-        p_target = self.p_target(logits, sampling)
+        p_target = self.path_p_target(logits, sampling, drafts)
         rule = verify_block if self.chain_rule == "block" else verify_sampled
-        return drafts, rule(drafts.tokens, p_target, drafts.p_draft, rng)
+        verdict = rule(drafts.tokens, p_target, drafts.p_draft, rng)
+        self.took(verdict, sampling)
+        return drafts, verdict
 
     def plain_ahead(self, last_token: int, ahead: bool, shaping: AheadShaping | None = None,
                     drawn: AheadSampling | None = None) -> tuple[Verdict, bool]:
@@ -187,7 +234,8 @@ class TargetPasses:
         else:
             logits = self._rows(self.target.feed_tree([last_token], tree, rows), allowed, proposal)  # (1+n, V)
             self._show_pass(proposal, logits)
-            verdict = verify_tree_sampled(tree, self.p_target(logits, sampling), proposal.p_draft, rng)
+            verdict = verify_tree_sampled(tree, self.path_p_target(logits, sampling, proposal), proposal.p_draft, rng)
+            self.took(verdict, sampling)
         self.target.keep_path(tree, verdict.path)
         return verdict
 
@@ -207,12 +255,14 @@ class TargetPasses:
             logits = self._rows(self.target.feed_tree([last_token], tree, tree.logit_rows(1)), allowed,
                                 proposal)  # (1+n, V)
         self._show_pass(proposal, logits)
-        p_target = self.p_target(logits, TEMPERATURE_ONE if sampling.greedy else sampling)
+        p_target = self.path_p_target(logits, TEMPERATURE_ONE if sampling.greedy else sampling, proposal)
         pick_rng = None if sampling.greedy else rng  # None: the argmax
         if proposal.is_chain:
-            return verify_lossy(proposal.tokens, p_target, self.acceptance, pick_rng)
-        verdict = verify_tree_lossy(tree, p_target, self.acceptance, pick_rng)
-        self.target.keep_path(tree, verdict.path)
+            verdict = verify_lossy(proposal.tokens, p_target, self.acceptance, pick_rng)
+        else:
+            verdict = verify_tree_lossy(tree, p_target, self.acceptance, pick_rng)
+            self.target.keep_path(tree, verdict.path)
+        self.took(verdict, sampling)
         return verdict
 
     def _rows(self, logits: np.ndarray, allowed: np.ndarray | None, proposal: Proposal) -> np.ndarray:

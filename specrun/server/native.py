@@ -152,7 +152,8 @@ def answer_object(model: str, request: CompletionRequest, content: str, started,
             "top_p": sampling.top_p, "min_p": sampling.min_p, "typical_p": sampling.typical_p,
             "top_n_sigma": sampling.top_n_sigma, "xtc_probability": sampling.xtc_probability,
             "xtc_threshold": sampling.xtc_threshold, "dynatemp_range": sampling.dynatemp_range,
-            "dynatemp_exponent": sampling.dynatemp_exponent, "seed": sampling.seed, "stop": list(request.stop),
+            "dynatemp_exponent": sampling.dynatemp_exponent, **mirostat_settings(sampling), "seed": sampling.seed,
+            "stop": list(request.stop),
             "n_indent": request.indent, "t_max_predict_ms": round(request.line_seconds * 1000),
             "infill_rule": sampling.infill, "samplers": sampler_names(sampling), **penalty_settings(sampling),
             "n_probs": request.logprobs or 0,
@@ -198,6 +199,12 @@ def penalty_settings(sampling) -> dict:
             "dry_penalty_last_n": dry.last_n, "dry_sequence_breakers": list(dry.breakers)}
 
 
+def mirostat_settings(sampling) -> dict:
+    """Mirostat as llama-server's generation settings name it (its version 0 where off)."""
+    mirostat = sampling.mirostat
+    return {"mirostat": mirostat.version, "mirostat_tau": mirostat.tau, "mirostat_eta": mirostat.eta}
+
+
 def template_answer(session, body: dict, defaults: ServeDefaults, n_ctx: int) -> dict:
     """llama-server's POST /apply-template: a chat request's messages (and its tools, as the model
     is shown them) rendered through the model's chat template: the prompt it would read, not
@@ -241,7 +248,7 @@ def props_object(worker, model: str, defaults: ServeDefaults, build: str) -> dic
                        "typical_p": sampling.typical_p, "top_n_sigma": sampling.top_n_sigma,
                        "xtc_probability": sampling.xtc_probability, "xtc_threshold": sampling.xtc_threshold,
                        "dynatemp_range": sampling.dynatemp_range, "dynatemp_exponent": sampling.dynatemp_exponent,
-                       "seed": sampling.seed, "samplers": sampler_names(sampling), **penalty_settings(sampling),
+                       **mirostat_settings(sampling), "seed": sampling.seed, "samplers": sampler_names(sampling), **penalty_settings(sampling),
                        "speculative.method": worker.method}},
         "total_slots": worker.parallel,
         "model_alias": model,

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from specrun.grammar import GrammarError, GrammarSpec
 from specrun.dry import MAX_DRY_BASE, MAX_DRY_LENGTH, MAX_DRY_MULTIPLIER, Dry
+from specrun.mirostat import MAX_ETA, MAX_TAU, Mirostat
 from specrun.penalties import MAX_BIAS, MAX_PENALTY, Penalties
 from specrun.sampling import (
     MAX_DYNATEMP_EXPONENT, MAX_DYNATEMP_RANGE, MAX_SEED, SamplingSettings, listed_order, named_samplers,
@@ -38,7 +39,7 @@ _INERT_FIELDS = {
     "best_of": (1, None),
     # llama-server's own, which clients written for it send (llama.vscode's edits send every one)
 
-    "mirostat": (0, None), "n_probs": (0, None),
+    "n_probs": (0, None),
     "min_keep": (0, 1, None), "return_tokens": (False, None),
     "post_sampling_probs": (False, None), "lora": (None,), "n_cmpl": (1, None), "grammar_lazy": (False, None),
     "adaptive_target": (-1, None),  # adaptive-p's target: below 0 it is off, listed or not
@@ -50,10 +51,11 @@ _FREE_FIELDS = ("user", "store", "metadata", "service_tier", "prompt_cache_key",
                 # chooses a slot by the prompt it holds), the settings of samplers left off above, and
                 # its timing extras (t_max_prompt_ms: llama-server does not act on it either)
                 "cache_prompt", "id_slot", "n_keep", "n_discard", "n_cache_reuse",
-                "mirostat_tau", "mirostat_eta", "t_max_prompt_ms", "timings_per_token",
+                "t_max_prompt_ms", "timings_per_token",
                 "return_progress", "sse_ping_interval", "verbose", "backend_sampling", "adaptive_decay")
 COMMON_FIELDS = ("model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "typical_p", "top_n_sigma",
-                  "xtc_probability", "xtc_threshold", "dynatemp_range", "dynatemp_exponent", "dry_multiplier",
+                  "xtc_probability", "xtc_threshold", "dynatemp_range", "dynatemp_exponent", "mirostat",
+                  "mirostat_tau", "mirostat_eta", "dry_multiplier",
                   "dry_base", "dry_allowed_length",
                   "dry_penalty_last_n", "dry_sequence_breakers", "seed", "stop", "stream", "stream_options", "n",
                   "response_format", "grammar", "json_schema", "samplers", "n_indent",
@@ -272,6 +274,8 @@ def parse_common(body: dict, defaults: ServeDefaults, n_ctx: int, max_tokens_fie
         raise invalid_value("dynatemp_range", f"must be at most {MAX_DYNATEMP_RANGE:g} (0 or less: off), "
                                               f"got {dynatemp_range}")
     dynatemp_exponent = _number(body, "dynatemp_exponent", base.dynatemp_exponent)
+    mirostat = _parse_mirostat(body, base.mirostat)
+    given_temperature = temperature  # mirostat's, whatever the list (llama.cpp's chain under it)
     listed = samplers_order(body.get("samplers"))  # in the list's order; none: the server's own
     listed = defaults.samplers if listed is None else listed
     samplers = None if listed is None else frozenset(listed)  # adaptive_p changes nothing while its target is off
@@ -284,6 +288,8 @@ def parse_common(body: dict, defaults: ServeDefaults, n_ctx: int, max_tokens_fie
         top_n_sigma = top_n_sigma if "top_n_sigma" in samplers else 0.0
         xtc_probability = xtc_probability if "xtc" in samplers else 0.0
         dynatemp_range = dynatemp_range if "temperature" in samplers else 0.0
+    if mirostat.on:  # llama.cpp's chain: the temperature, then mirostat, whatever the list says
+        temperature = given_temperature
     if temperature == 0.0:  # greedy: the argmax (llama-server would sample between 0 and the range)
         dynatemp_range = 0.0
     if dynatemp_range > 0.0:  # read only where on, as llama-server reads it
@@ -347,7 +353,7 @@ def parse_common(body: dict, defaults: ServeDefaults, n_ctx: int, max_tokens_fie
                                   top_n_sigma=float(top_n_sigma), xtc_probability=float(xtc_probability),
                                   xtc_threshold=float(xtc_threshold), dry=dry,
                                   dynatemp_range=max(float(dynatemp_range), 0.0),
-                                  dynatemp_exponent=float(dynatemp_exponent)),
+                                  dynatemp_exponent=float(dynatemp_exponent), mirostat=mirostat),
         bias_texts=bias_texts,
         ignore_eos=bool(ignore_eos),
         indent=indent,
@@ -358,6 +364,21 @@ def parse_common(body: dict, defaults: ServeDefaults, n_ctx: int, max_tokens_fie
         grammar=grammar,
         grammar_field=grammar_field,
     )
+
+
+def _parse_mirostat(body: dict, base: Mirostat) -> Mirostat:
+    """llama-server's mirostat fields: ``mirostat`` 0 (off), 1 or 2, its target surprise
+    ``mirostat_tau`` and rate ``mirostat_eta``, read only where it is on (as llama-server reads them)."""
+    version = _number(body, "mirostat", base.version, integer=True)
+    if version not in (0, 1, 2):
+        raise invalid_value("mirostat", f"must be 0 (off), 1 or 2, got {version}")
+    if version == 0:
+        return Mirostat()
+    tau = _number(body, "mirostat_tau", base.tau)
+    _check_range("mirostat_tau", tau, 0.0, MAX_TAU)
+    eta = _number(body, "mirostat_eta", base.eta)
+    _check_range("mirostat_eta", eta, 0.0, MAX_ETA)
+    return Mirostat(version, float(tau), float(eta))
 
 
 def _parse_penalties(body: dict, base: Penalties) -> Penalties:

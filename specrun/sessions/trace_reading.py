@@ -264,6 +264,9 @@ def _sampled(header: dict) -> str:
     dry = _dry(header.get("dry"))
     if dry is not None:
         sampling = dataclasses.replace(sampling, dry=dry)
+    mirostat = _mirostat(header.get("mirostat"))
+    if mirostat is not None:
+        sampling = dataclasses.replace(sampling, mirostat=mirostat)
     for name in ("typical_p", "top_n_sigma", "xtc_probability", "xtc_threshold", "dynatemp_range",
                  "dynatemp_exponent"):  # where on (SamplingSettings.fields)
         value = header.get(name)
@@ -310,6 +313,21 @@ def _dry(fields):
         return None
     dry = Dry(float(values[0]), float(values[1]), int(values[2]), int(values[3]), tuple(breakers))
     return None if dry.problems() else dry
+
+
+def _mirostat(fields):
+    """A header's ``mirostat`` (SamplingSettings.fields) as mirostat.Mirostat, or None where it names
+    none a run could use."""
+    from specrun.mirostat import Mirostat
+
+    if not isinstance(fields, dict):
+        return None
+    values = [fields.get(name) for name in ("version", "tau", "eta")]
+    if any(isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
+           for value in values) or values[0] != int(values[0]):
+        return None
+    mirostat = Mirostat(int(values[0]), float(values[1]), float(values[2]))
+    return None if mirostat.problems() or not mirostat.on else mirostat
 
 
 def _reasoning_budget(fields):

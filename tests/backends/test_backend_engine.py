@@ -45,6 +45,7 @@ from specrun.errors import BackendUnavailableError, IncompatibleModelsError, Mod
 from specrun.modelkit.gguf_io import write_gguf
 from specrun.modelkit.hf_io import write_hf_folder
 from specrun.modelkit.tokenizer import DEMO_CHAT_TEMPLATE
+from specrun.mirostat import Mirostat
 from specrun.sampling import SamplingSettings
 from specrun.sessions.setup import method_trees, resolve_trees
 
@@ -217,6 +218,7 @@ REAL_SAMPLINGS = {
     "temp 0.3": SamplingSettings(temperature=0.3),
     "temp 0.1": SamplingSettings(temperature=0.1),
     "every option": SamplingSettings(temperature=0.8, top_k=40, top_p=0.9, min_p=0.05),
+    "mirostat": SamplingSettings(temperature=1.0, mirostat=Mirostat(2, tau=3.0, eta=0.3)),  # each row at its path's μ
 }
 
 
@@ -252,7 +254,8 @@ def _real_cases() -> list[RealCase]:
     # backend (lossless_harness) and on the real model (tests/trees/test_tree_real_model.py).
     cases += [RealCase(method, sampling(method), branches=TREE_BRANCHES)
               for method in METHODS if branches_taken(method) and not needs_draft_model(method) and method != "lookup"]
-    return cases + [RealCase("draft", "every option"), RealCase("draft", "temp 1", adaptive=True, llama_only=True),
+    return cases + [RealCase("draft", "every option"), RealCase("draft", "mirostat"),
+                    RealCase("draft", "temp 1", adaptive=True, llama_only=True),
                     RealCase("lookup+draft", "temp 1", adaptive=True, llama_only=True)]
 
 
@@ -295,7 +298,7 @@ def sampled_on_mlx(case: RealCase) -> bool:
     (lossless_harness) and greedy on MLX below: drafters that read the text alone (lookup, ngram:
     one-hot drafts), medusa and hydra (eagle's rows), a chain of drafters (merging proposals, then
     sampling), the sampling options. MLX's passes cost ~5x llama.cpp's on these tiny models."""
-    return not case.llama_only and case.method in MLX_SAMPLED and case.sampling != "every option"
+    return not case.llama_only and case.method in MLX_SAMPLED and case.sampling not in ("every option", "mirostat")
 
 
 @pytest.mark.parametrize(**on_backends(REAL_CASES, lambda case: case.id, sampled_on_mlx))

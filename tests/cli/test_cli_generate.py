@@ -179,6 +179,9 @@ def test_unknown_alias(llama_installed):
         (["--dynatemp-range", "101"], "--dynatemp-range must be at most 100 (0 or less: off)"),
         (["--temp", "0.7", "--dynatemp-range", "0.5", "--dynatemp-exp", "-1"],
          "--dynatemp-exp must be between 0 and 100"),
+        (["--temp", "0.7", "--mirostat", "3"], "--mirostat must be 0 (off), 1 or 2, got 3"),
+        (["--temp", "0.7", "--mirostat", "2", "--mirostat-ent", "-1"], "--mirostat-ent must be between 0 and 100"),
+        (["--temp", "0.7", "--mirostat", "1", "--mirostat-lr", "nan"], "--mirostat-lr must be between 0 and 1"),
         (["--samplers", "kpmtt"], "--samplers: temperature listed more than once"),
         (["--samplers", "top_k;nucleus;min_p;temp;mirror"], '--samplers: "mirror" names no sampler'),
         (["--ctx", "0"], "--ctx must be between 16 and 1048576, got 0"),  # not 1.04858e+06
@@ -522,13 +525,16 @@ def test_a_chain_out_of_order_is_a_usage_error_naming_the_order():
      "drop --native, or --samplers"),
     (("bench", "--methods", "none", "--native"), ("--temp", "0.7", "--typical", "0.9"),
      "--native times llama-cpp-python's own plain loop, which is given temperature, top-k, top-p and min-p only",
-     "drop --native, or --typical, --top-nsigma, --xtc-probability and --dynatemp-range"),
+     "drop --native, or --typical, --top-nsigma, --xtc-probability, --dynatemp-range and --mirostat"),
     (("bench", "--methods", "none", "--native"), ("--temp", "0.7", "--xtc-probability", "0.5"),
      "--native times llama-cpp-python's own plain loop, which is given temperature, top-k, top-p and min-p only",
-     "drop --native, or --typical, --top-nsigma, --xtc-probability and --dynatemp-range"),
+     "drop --native, or --typical, --top-nsigma, --xtc-probability, --dynatemp-range and --mirostat"),
     (("bench", "--methods", "none", "--native"), ("--temp", "0.7", "--dynatemp-range", "0.5"),
      "--native times llama-cpp-python's own plain loop, which is given temperature, top-k, top-p and min-p only",
-     "drop --native, or --typical, --top-nsigma, --xtc-probability and --dynatemp-range"),
+     "drop --native, or --typical, --top-nsigma, --xtc-probability, --dynatemp-range and --mirostat"),
+    (("bench", "--methods", "none", "--native"), ("--temp", "0.7", "--mirostat", "2"),
+     "--native times llama-cpp-python's own plain loop, which is given temperature, top-k, top-p and min-p only",
+     "drop --native, or --typical, --top-nsigma, --xtc-probability, --dynatemp-range and --mirostat"),
 ])
 def test_samplers_the_command_cannot_apply_as_asked_are_usage_errors(command, args, words, fix):
     assert_one_line_error(invoke(*command, *args), 2, words, fix)

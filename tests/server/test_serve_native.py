@@ -17,6 +17,7 @@ from specrun.engine.loop import GenerationParams, SpeculativeEngine
 from specrun.registry.loading import LoadOptions
 from specrun.penalties import Penalties
 from specrun.dry import Dry
+from specrun.mirostat import Mirostat
 from specrun.sampling import SAMPLER_ORDER, SamplingSettings
 from specrun.server.native import parse_native_request, picked, stop_type
 from specrun.server.requests import RequestError, ServeDefaults, parse_chat_request
@@ -257,6 +258,14 @@ def test_the_samplers_apply_in_the_order_listed():
                              r"dynatemp_exponent: must be in \[0, 100\], got -0.5")):
         with pytest.raises(RequestError, match=message):
             _native({**LLAMA_VIM, **fields})
+    # mirostat: 1 or 2 on, whatever a list names (llama.cpp's chain under it: the temperature, then
+    # mirostat); its target and rate read only where it is on, as llama-server reads them
+    miro, _ = _native({**LLAMA_VIM, "samplers": "k", "temperature": 0.8, "mirostat": 2, "mirostat_tau": 3,
+                       "mirostat_eta": 0.2})
+    assert miro.sampling.mirostat == Mirostat(2, 3.0, 0.2) and miro.sampling.mirostat_on
+    assert miro.sampling.temperature == 0.8 and miro.sampling.chain == ("temperature",)
+    assert _native({**LLAMA_VIM, "mirostat": 0, "mirostat_tau": -5})[0].sampling.mirostat == Mirostat()
+    assert not _native({**LLAMA_VIM, "mirostat": 1, "temperature": 0})[0].sampling.mirostat_on  # the argmax
     # DRY: on where its multiplier is above 0 (and listed, where a list is sent), after the penalties
     dry, _ = _native({**LLAMA_VIM, "samplers": ["dry", "top_k", "infill"], "dry_multiplier": 0.8, "dry_base": 0.5,
                       "dry_allowed_length": 3, "dry_penalty_last_n": -1, "dry_sequence_breakers": ["\n", "###"]})
@@ -329,7 +338,9 @@ def test_llama_vscode_s_chat_edit_fields_are_taken():
     ({"adaptive_target": 0.5}, "adaptive_target", "not supported"),
     ({"response_fields": "content"}, "response_fields", "a list of field paths"),
     ({"model": 5}, "model", "must be a string"),
-    ({"mirostat": 2}, "mirostat", "not supported"),
+    ({"mirostat": 3}, "mirostat", "must be 0 (off), 1 or 2, got 3"),
+    ({"mirostat": 2, "mirostat_tau": -1}, "mirostat_tau", "must be in [0, 100], got -1"),
+    ({"mirostat": 1, "mirostat_eta": 2}, "mirostat_eta", "must be in [0, 1], got 2"),
     ({"lora": [{"id": 0, "scale": 0.5}]}, "lora", "not supported"),
     ({"slot_id": 0}, "slot_id", "unrecognized"),
 ])

@@ -10,6 +10,7 @@ from typer.testing import CliRunner
 
 from specrun.cli.app import app
 from specrun.dry import Dry
+from specrun.mirostat import Mirostat
 from specrun.errors import FileAccessError
 from specrun.sampling import SamplingSettings
 from specrun.sessions.trace_reading import explain, read_trace
@@ -215,6 +216,12 @@ def test_a_header_with_an_order_of_its_own_says_it(tmp_path):
                                            "top-n-sigma 1.5, XTC 0.5 at 0.2, dynamic temperature ±0.3 (exponent 2), "
                                            "DRY 0.8 (base 1.75, allowed 2) over the "
                                            "whole text, 1 sequence breaker")
+    # mirostat: the temperature and it alone (top-k off under it), its μ's target and rate
+    miro = SamplingSettings(0.8, 40, seed=3, mirostat=Mirostat(2, 4.0, 0.2))
+    write(path, [{"trace": "specrun", "version": 1, "method": "draft", **miro.fields()},
+                 step(1, "prefill", 0, 0, policy(True))])
+    told = CliRunner().invoke(app, ["trace", str(path)])
+    assert told.stdout.splitlines()[0] == "run: ?, method draft, sampled at temperature 0.8, mirostat 2 (τ 4, η 0.2), seed 3"
     # a header from before llama.cpp's order (none named) sampled with the temperature first
     write(path, [{"trace": "specrun", "version": 1, "method": "draft", "temperature": 0.7, "top_p": 0.9},
                  step(1, "prefill", 0, 0, policy(True))])
