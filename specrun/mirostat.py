@@ -24,6 +24,8 @@ import numpy as np
 MIROSTAT_M = 100  # the tokens mirostat 1 estimates the row's Zipf exponent over (llama.cpp's)
 MAX_TAU = 100.0  # bits: a surprise a row of 2^100 even tokens would have; no vocabulary comes near
 MAX_ETA = 1.0
+# the least probability llama.cpp's float32 rows hold: below it a token's is 0 there
+LEAST_FLOAT32 = float(np.finfo(np.float32).smallest_subnormal)
 
 
 @dataclass(frozen=True)
@@ -100,12 +102,13 @@ def _mirostat_k(row: np.ndarray, mu: float) -> int:
     """Mirostat 1's k for a row (V,): from its Zipf exponent s estimated over the likeliest
     MIROSTAT_M tokens (a least-squares fit of log(p_i / p_i+1) on log((i + 2) / (i + 1))), then
     k = (ε 2^μ / (1 - V^-ε))^(1/s), ε = s - 1. At least 1; every token where k is past the row
-    (or infinite); 1 where it is undefined (a row of even tokens, llama.cpp's floats taking NaN to 1)."""
+    (or infinite); 1 where it is undefined: a row of even tokens, and one whose likeliest MIROSTAT_M
+    hold a probability of 0 as llama.cpp's float32 holds it (a forbidden token's, one a low
+    temperature sends below float32's least), where llama.cpp's fit is infinite or NaN."""
     vocab = len(row)
     top = min(MIROSTAT_M, vocab)
     likeliest = np.sort(np.partition(row, vocab - top)[vocab - top:])[::-1]
-    likeliest = likeliest[likeliest > 0.0]
-    if len(likeliest) < 2 or mu == -math.inf:
+    if top < 2 or likeliest[-1] < LEAST_FLOAT32 or mu == -math.inf:
         return 1
     ranks = np.arange(1, len(likeliest))
     t = np.log((ranks + 1) / ranks)

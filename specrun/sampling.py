@@ -147,12 +147,16 @@ class SamplingSettings:
     dynatemp_range: float = 0.0
     dynatemp_exponent: float = 1.0
     # llama.cpp's mirostat (1 or 2; 0: off): each row, after the temperature, cut by a surprise μ
-    # its text carries (mirostat.py); the other samplers off under it, as in llama.cpp's chain
+    # its text carries (mirostat.py); the other samplers, the penalties and DRY off under it (held
+    # off), as in llama.cpp's chain
     mirostat: Mirostat = Mirostat()
 
     def __post_init__(self) -> None:
         if self.top_n_sigma < 0.0:
             object.__setattr__(self, "top_n_sigma", 0.0)
+        if self.mirostat.on:  # llama.cpp's chain under mirostat: a bias, the temperature, mirostat
+            object.__setattr__(self, "penalties", Penalties())
+            object.__setattr__(self, "dry", Dry())
 
     @property
     def greedy(self) -> bool:

@@ -125,9 +125,9 @@ def mirostat_distribution(logits: Sequence[float], settings: SamplingSettings, m
         if not any(kept):
             kept[ranked[0]] = True
         return _normalise([p if keep else 0.0 for p, keep in zip(probs, kept)])
-    top = [probs[t] for t in ranked[:100] if probs[t] > 0.0]
-    k = 1
-    if len(top) >= 2 and mu > -math.inf:
+    top = [probs[t] for t in ranked[:100]]
+    k = 1  # where the fit is undefined: a probability llama.cpp's float32 holds as 0 among the likeliest 100
+    if len(top) >= 2 and min(top) >= 1.4e-45 and mu > -math.inf:
         steps = [math.log((i + 2) / (i + 1)) for i in range(len(top) - 1)]
         s_hat = (sum(t * math.log(top[i] / top[i + 1]) for i, t in enumerate(steps))
                  / sum(t * t for t in steps))

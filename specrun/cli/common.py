@@ -498,6 +498,8 @@ def checked_sampling(command: str, options: SamplingOptions) -> SamplingSettings
     from specrun.penalties import Penalties
     from specrun.sampling import SamplingSettings
 
+    if options.mirostat in (1, 2):
+        _check_off_under_mirostat(options)
     penalties = Penalties(options.repeat_penalty, options.frequency_penalty, options.presence_penalty,
                           options.repeat_last_n)
     sampling = SamplingSettings(options.temp, options.top_k, options.top_p, options.min_p, options.seed,
@@ -515,6 +517,22 @@ def checked_sampling(command: str, options: SamplingOptions) -> SamplingSettings
     if options.samplers is not None:
         sampling = dataclasses.replace(sampling, order=_samplers_order(options.samplers, sampling))
     return sampling
+
+
+def _check_off_under_mirostat(options: SamplingOptions) -> None:
+    """The samplers llama.cpp's chain leaves out under mirostat (the truncations, XTC, a dynamic
+    temperature, the penalties and DRY; it keeps a bias), refused where given beside it."""
+    given = [flag for flag, on in (
+        ("--top-k", options.top_k > 0), ("--top-p", options.top_p < 1.0), ("--min-p", options.min_p > 0.0),
+        ("--typical", options.typical < 1.0), ("--top-nsigma", options.top_nsigma > 0.0),
+        ("--xtc-probability", options.xtc_probability > 0.0), ("--dynatemp-range", options.dynatemp_range > 0.0),
+        ("--repeat-penalty", options.repeat_penalty != 1.0), ("--presence-penalty", options.presence_penalty != 0.0),
+        ("--frequency-penalty", options.frequency_penalty != 0.0), ("--dry-multiplier", options.dry_multiplier > 0.0),
+        ("--samplers", options.samplers is not None)) if on]
+    if given:
+        raise UsageError(f"{', '.join(given)} {'is' if len(given) == 1 else 'are'} off under --mirostat, which "
+                         "samples as llama.cpp's chain does: the temperature, then mirostat alone",
+                         f"drop {' and '.join(given)}, or --mirostat")
 
 
 def _dry(multiplier: float, base: float, allowed_length: int, last_n: int, breakers: list[str] | None):

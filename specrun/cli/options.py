@@ -65,7 +65,8 @@ DynatempExpOpt = Annotated[float, typer.Option(
     "the step's place in the range (default 1).")]
 MirostatOpt = Annotated[int, typer.Option(
     "--mirostat", help="Mirostat, as llama.cpp's: 1 or 2 (0: off). Each step keeps the tokens that hold the text's "
-    "surprise near --mirostat-ent; top-k, top-p, min-p and the other samplers are off under it, as in llama.cpp.")]
+    "surprise near --mirostat-ent; as in llama.cpp, only the temperature and a logit bias apply beside it (top-k, "
+    "top-p, min-p, the other samplers, the penalties and DRY are off).")]
 MirostatLrOpt = Annotated[float, typer.Option("--mirostat-lr", help="Mirostat's learning rate, eta.")]
 MirostatEntOpt = Annotated[float, typer.Option("--mirostat-ent", help="Mirostat's target surprise, tau, in bits.")]
 DryMultiplierOpt = Annotated[float, typer.Option(

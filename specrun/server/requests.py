@@ -368,16 +368,15 @@ def parse_common(body: dict, defaults: ServeDefaults, n_ctx: int, max_tokens_fie
 
 def _parse_mirostat(body: dict, base: Mirostat) -> Mirostat:
     """llama-server's mirostat fields: ``mirostat`` 0 (off), 1 or 2, its target surprise
-    ``mirostat_tau`` and rate ``mirostat_eta``, read only where it is on (as llama-server reads them)."""
+    ``mirostat_tau`` and rate ``mirostat_eta`` (numbers, their ranges checked only where it is on:
+    llama-server takes any then)."""
     version = _number(body, "mirostat", base.version, integer=True)
     if version not in (0, 1, 2):
         raise invalid_value("mirostat", f"must be 0 (off), 1 or 2, got {version}")
-    if version == 0:
-        return Mirostat()
-    tau = _number(body, "mirostat_tau", base.tau)
-    _check_range("mirostat_tau", tau, 0.0, MAX_TAU)
-    eta = _number(body, "mirostat_eta", base.eta)
-    _check_range("mirostat_eta", eta, 0.0, MAX_ETA)
+    tau, eta = _number(body, "mirostat_tau", base.tau), _number(body, "mirostat_eta", base.eta)
+    if version != 0:
+        _check_range("mirostat_tau", tau, 0.0, MAX_TAU)
+        _check_range("mirostat_eta", eta, 0.0, MAX_ETA)
     return Mirostat(version, float(tau), float(eta))
 
 

@@ -182,6 +182,8 @@ def test_unknown_alias(llama_installed):
         (["--temp", "0.7", "--mirostat", "3"], "--mirostat must be 0 (off), 1 or 2, got 3"),
         (["--temp", "0.7", "--mirostat", "2", "--mirostat-ent", "-1"], "--mirostat-ent must be between 0 and 100"),
         (["--temp", "0.7", "--mirostat", "1", "--mirostat-lr", "nan"], "--mirostat-lr must be between 0 and 1"),
+        (["--temp", "0.7", "--mirostat", "2", "--top-k", "40", "--repeat-penalty", "1.1"],
+         "--top-k, --repeat-penalty are off under --mirostat, which samples as llama.cpp's chain does"),
         (["--samplers", "kpmtt"], "--samplers: temperature listed more than once"),
         (["--samplers", "top_k;nucleus;min_p;temp;mirror"], '--samplers: "mirror" names no sampler'),
         (["--ctx", "0"], "--ctx must be between 16 and 1048576, got 0"),  # not 1.04858e+06

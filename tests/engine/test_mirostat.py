@@ -5,6 +5,7 @@ and along each path of drafts (the lossless sweep's "draft mirostat" scenarios c
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import math
 
 import numpy as np
@@ -12,12 +13,14 @@ import pytest
 
 from fake_models import hashed_logits
 from oracle import mirostat_distribution, mirostat_moved
+from specrun.backends.fake import FakeBackend
 from specrun.drafters.base import Proposal
 from specrun.engine.loop import GenerationParams, SpeculativeEngine
 from specrun.engine.passes import TargetPasses
-from specrun.backends.fake import FakeBackend
+from specrun.engine.stats import Stats
 from specrun.mirostat import Mirostat, moved
 from specrun.sampling import SamplingSettings, probabilities
+from specrun.verify import TreeVerdict
 
 VOCAB = 300
 
@@ -33,23 +36,32 @@ def _llama_mirostat(llama_cpp, settings: SamplingSettings, vocab: int):
     return chain
 
 
+@pytest.mark.parametrize("temperature", [0.8, 0.15])
 @pytest.mark.parametrize("version", [1, 2])
-def test_each_row_keeps_the_tokens_llama_cpp_s_mirostat_keeps_along_the_same_text(version):
+def test_each_row_keeps_the_tokens_llama_cpp_s_mirostat_keeps_along_the_same_text(version, temperature):
     """llama.cpp's sampler draws each token and moves its own μ; specrun, given the same tokens,
-    cuts every row to the same tokens with the same probabilities (float32's rounding apart)."""
+    cuts every row to the same tokens with the same probabilities (float32's rounding apart): rows
+    with forbidden tokens among them, and at 0.15 rows whose tail float32 holds as 0 (mirostat 1's
+    fit is undefined there: its k is 1). Mirostat 1 aims at 1.5 bits: at 3 its μ climbs on these
+    random rows until k passes 2^31, where llama.cpp's cast to int is undefined (1 on x86; every
+    token, specrun's, where it saturates)."""
     llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed")
-    settings = SamplingSettings(temperature=0.8, mirostat=Mirostat(version, tau=4.0, eta=0.3))
+    settings = SamplingSettings(temperature=temperature, mirostat=Mirostat(version, tau=1.5 if version == 1 else 4.0,
+                                                                            eta=0.3))
     rng = np.random.default_rng(version)
     chain = _llama_mirostat(llama_cpp, settings, VOCAB)
     mu, sizes = settings.mirostat.start, set()
     try:
         for _ in range(80):
             row = (rng.normal(size=VOCAB) * rng.choice([0.5, 2.0, 4.0])).astype(np.float32)
+            if rng.random() < 0.25:  # a grammar's or a bias's -inf: fewer tokens than mirostat 1 fits over, at times
+                row[rng.permutation(VOCAB)[rng.integers(3, 250):]] = -np.inf
             data = (llama_cpp.llama_token_data * VOCAB)(
                 *[llama_cpp.llama_token_data(token, float(logit), 0.0) for token, logit in enumerate(row)])
             candidates = llama_cpp.llama_token_data_array(data, VOCAB, -1, False)
             llama_cpp.llama_sampler_apply(chain, ctypes.byref(candidates))
-            kept = {candidates.data[i].id: candidates.data[i].p for i in range(candidates.size)}
+            kept = {candidates.data[i].id: candidates.data[i].p for i in range(candidates.size)
+                    if candidates.data[i].p > 0.0}  # a forbidden token stays in llama.cpp's array at 0
             token = candidates.data[candidates.selected].id
             ours = probabilities(row, settings, mu=mu)
             assert set(np.flatnonzero(ours)) == set(kept)
@@ -154,8 +166,6 @@ def test_a_pass_s_rows_are_cut_at_the_mu_each_path_reaches_and_the_text_takes_th
     expected = [mirostat_distribution(logits[i], settings, mu) for i, mu in
                 enumerate((2.0, mu_node0, mu_node1, mu_node2))]
     assert np.allclose(rows, expected)
-    from specrun.verify import TreeVerdict
-
     passes.took(TreeVerdict((0,), 0), settings)  # node 0 kept, then token 0 from its row
     assert passes.mirostat_mu == pytest.approx(moved(mu_node0, settings.mirostat, rows[1], 0))
     chain = Proposal((1, 0, 2), source="draft")
@@ -198,3 +208,27 @@ def test_drafters_draw_at_the_mu_the_text_reached():
     assert probabilities(logits, drafting) == pytest.approx([1.0, 0.0, 0.0])  # at 0.5 bits: the likeliest alone
     assert probabilities(logits, settings) == pytest.approx([0.625, 0.375, 0.0])  # at its start, 2 bits
     assert engine._drafting(SamplingSettings(temperature=1.0)) == SamplingSettings(temperature=1.0)
+
+
+@pytest.mark.parametrize("scenario", ["draft mirostat", "draft tree mirostat"])
+def test_sampled_log_probabilities_are_each_token_s_row_at_its_mu(scenario):
+    """A request's log-probabilities after the settings (llama-server's post_sampling_probs): each
+    emitted token's under its row cut at the μ its text reached, the prefill's token's too, drafts
+    kept or not."""
+    from lossless_harness import PROMPT, SCENARIOS, SETTINGS, _target_table, fake_engine
+
+    engine, table = fake_engine(SCENARIOS[scenario]), _target_table(SCENARIOS[scenario].vocab)
+    settings = SETTINGS[SCENARIOS[scenario].setting]
+    checked = 0
+    for seed in range(12):
+        params = GenerationParams(max_new_tokens=8, draft_len=4, sampling=dataclasses.replace(settings, seed=seed),
+                                  stop_at_eos=False, logprobs=2, logprobs_sampled=True)
+        logprobs = [entry for step in engine.steps(PROMPT, params, Stats()) for entry in step.logprobs]
+        output = tuple(engine.last_context[len(PROMPT):])
+        mu = settings.mirostat.start
+        for at, token in enumerate(output):
+            row = mirostat_distribution(table(PROMPT + output[:at]), settings, mu)
+            assert logprobs[at].token == token and math.exp(logprobs[at].logprob) == pytest.approx(row[token])
+            mu = mirostat_moved(mu, settings, row, token)
+            checked += 1
+    assert checked == 12 * 8

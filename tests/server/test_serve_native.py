@@ -264,7 +264,12 @@ def test_the_samplers_apply_in_the_order_listed():
                        "mirostat_eta": 0.2})
     assert miro.sampling.mirostat == Mirostat(2, 3.0, 0.2) and miro.sampling.mirostat_on
     assert miro.sampling.temperature == 0.8 and miro.sampling.chain == ("temperature",)
-    assert _native({**LLAMA_VIM, "mirostat": 0, "mirostat_tau": -5})[0].sampling.mirostat == Mirostat()
+    off, _ = _native({**LLAMA_VIM, "mirostat": 0, "mirostat_tau": -5})  # echoed, as llama-server echoes it
+    assert off.sampling.mirostat == Mirostat(0, -5.0, 0.1) and not off.sampling.mirostat_on
+    # the penalties and DRY off under it, as in llama.cpp's chain; a bias kept
+    shaped, _ = _native({**LLAMA_VIM, "mirostat": 2, "repeat_penalty": 1.3, "samplers": ["penalties", "dry", "top_k"],
+                         "dry_multiplier": 0.8, "logit_bias": [[5, -1.0]]})
+    assert not shaped.sampling.penalties.on and not shaped.sampling.dry.on and shaped.sampling.logit_bias == ((5, -1.0),)
     assert not _native({**LLAMA_VIM, "mirostat": 1, "temperature": 0})[0].sampling.mirostat_on  # the argmax
     # DRY: on where its multiplier is above 0 (and listed, where a list is sent), after the penalties
     dry, _ = _native({**LLAMA_VIM, "samplers": ["dry", "top_k", "infill"], "dry_multiplier": 0.8, "dry_base": 0.5,
@@ -341,6 +346,7 @@ def test_llama_vscode_s_chat_edit_fields_are_taken():
     ({"mirostat": 3}, "mirostat", "must be 0 (off), 1 or 2, got 3"),
     ({"mirostat": 2, "mirostat_tau": -1}, "mirostat_tau", "must be in [0, 100], got -1"),
     ({"mirostat": 1, "mirostat_eta": 2}, "mirostat_eta", "must be in [0, 1], got 2"),
+    ({"mirostat_eta": "fast"}, "mirostat_eta", "must be a number"),
     ({"lora": [{"id": 0, "scale": 0.5}]}, "lora", "not supported"),
     ({"slot_id": 0}, "slot_id", "unrecognized"),
 ])
